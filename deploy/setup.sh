@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Installs what Forkfleet needs on a Debian 12 host, idempotently: Debian packages through
+# the machine's own apt sources, then the npm dependencies from package-lock.json.
+# Safe to run again and again; it does nothing when everything is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+APT_PACKAGES=(
+  qemu-system-x86 qemu-utils qemu-guest-agent linux-image-amd64 busybox-static
+  etcd-server etcd-client nats-server iproute2 zstd lz4 cpio kmod mmdebstrap
+)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$p")
+  fi
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "setup: missing Debian packages: ${missing[*]}; run as root or install them" >&2
+    exit 1
+  fi
+  echo "setup: installing Debian packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  # Installing must not start services (there may be no init system here).
+  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
+    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  fi
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# npm dependencies: reinstall only when package-lock.json changed since the last install.
+stamp=node_modules/.forkfleet-lock.sha256
+want=$(sha256sum package-lock.json | cut -d' ' -f1)
+if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
+  echo "setup: npm ci"
+  npm ci --no-audit --no-fund --loglevel=error
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,199 @@
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { credentials, status as Status } from '@grpc/grpc-js';
+import { HealthImplementation } from 'grpc-health-check';
+import { EchoService } from '../../../proto/gen/forkfleet/testing/v1/echo_pb.ts';
+import type { EchoRequest } from '../../../proto/gen/forkfleet/testing/v1/echo_pb.ts';
+import { ForkfleetError, InvalidArgumentError } from '../../../proto/errors.ts';
+import type { ErrorKind } from '../../../proto/errors.ts';
+import { createClient, register } from './rpc.ts';
+import type { Client, CallContext } from './rpc.ts';
+import { AsyncQueue } from './queue.ts';
+import { RpcError } from './status.ts';
+import { startGrpcServer } from './server.ts';
+import type { RunningGrpcServer } from './server.ts';
+
+function maybeFail(req: EchoRequest): void {
+  if (req.failWith === 'invalid_argument') throw new InvalidArgumentError('message', 'must not be empty');
+  if (req.failWith === 'plain') throw new Error('secret internal detail');
+  if (req.failWith) throw new ForkfleetError(req.failWith as ErrorKind, `failed with ${req.failWith}`);
+}
+
+function delay(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise((resolve, reject) => {
+    const t = setTimeout(resolve, ms);
+    signal.addEventListener('abort', () => {
+      clearTimeout(t);
+      reject(signal.reason);
+    });
+  });
+}
+
+describe('gRPC adapter: protobuf-es services on grpc-js', () => {
+  let server: RunningGrpcServer;
+  let client: Client<(typeof EchoService)['method']>;
+  const cancelledOnServer: string[] = [];
+  const errorsSeen: unknown[] = [];
+
+  beforeAll(async () => {
+    server = await startGrpcServer({
+      address: '127.0.0.1:0',
+      onError: (e) => errorsSeen.push(e),
+      services: [
+        register(EchoService, {
+          async echo(req: EchoRequest, ctx: CallContext) {
+            maybeFail(req);
+            if (req.delayMs) {
+              try {
+                await delay(req.delayMs, ctx.signal);
+              } catch (e) {
+                cancelledOnServer.push(req.message);
+                throw e;
+              }
+            }
+            return { message: req.message };
+          },
+          async *echoServerStream(req: EchoRequest) {
+            maybeFail(req);
+            for (let i = 0; i < req.repeat; i++) yield { message: req.message, index: i };
+          },
+          async echoClientStream(reqs: AsyncIterable<EchoRequest>) {
+            const parts: string[] = [];
+            for await (const r of reqs) {
+              maybeFail(r);
+              parts.push(r.message);
+            }
+            return { message: parts.join('+'), index: parts.length };
+          },
+          async *echoBidi(reqs: AsyncIterable<EchoRequest>) {
+            let i = 0;
+            for await (const r of reqs) {
+              maybeFail(r);
+              yield { message: r.message.toUpperCase(), index: i++ };
+            }
+          },
+        }),
+      ],
+    });
+    client = createClient(EchoService, server.address);
+  });
+
+  afterAll(async () => {
+    client?.close();
+    await server?.close();
+  });
+
+  it('unary_roundTrip_returnsTypedMessage', async () => {
+    const res = await client.echo({ message: 'hi' });
+    expect(res.$typeName).toBe('forkfleet.testing.v1.EchoResponse');
+    expect(res.message).toBe('hi');
+  });
+
+  it('serverStream_roundTrip_yieldsEveryMessageInOrder', async () => {
+    const got: number[] = [];
+    for await (const r of client.echoServerStream({ message: 'x', repeat: 5 })) got.push(r.index);
+    expect(got).toEqual([0, 1, 2, 3, 4]);
+  });
+
+  it('clientStream_roundTrip_receivesAllRequests', async () => {
+    const res = await client.echoClientStream([{ message: 'a' }, { message: 'b' }, { message: 'c' }]);
+    expect(res.message).toBe('a+b+c');
+    expect(res.index).toBe(3);
+  });
+
+  it('bidi_roundTrip_answersEachRequestAsItArrives', async () => {
+    const q = new AsyncQueue<{ message: string }>();
+    const replies: string[] = [];
+    q.push({ message: 'first' });
+    for await (const r of client.echoBidi(q)) {
+      replies.push(r.message);
+      if (replies.length === 1) q.push({ message: 'second' }); // sent only after the first reply
+      else q.end();
+    }
+    expect(replies).toEqual(['FIRST', 'SECOND']);
+  });
+
+  it('namedError_invalidArgument_arrivesAsInvalidArgumentWithField', async () => {
+    const err = await client.echo({ message: '', failWith: 'invalid_argument' }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(RpcError);
+    const e = err as RpcError;
+    expect(e.code).toBe(Status.INVALID_ARGUMENT);
+    expect(e.kind).toBe('invalid_argument');
+    expect(e.field).toBe('message');
+    expect(e.message).toContain('message: must not be empty');
+  });
+
+  it.each([
+    ['not_found', Status.NOT_FOUND],
+    ['resource_exhausted', Status.RESOURCE_EXHAUSTED],
+    ['failed_precondition', Status.FAILED_PRECONDITION],
+    ['unavailable', Status.UNAVAILABLE],
+    ['aborted', Status.ABORTED],
+    ['unauthenticated', Status.UNAUTHENTICATED],
+  ] as const)('namedError_%s_mapsToStatus', async (kind, code) => {
+    const e = (await client.echo({ message: 'x', failWith: kind }).catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(code);
+    expect(e.kind).toBe(kind);
+  });
+
+  it('namedError_inServerStream_arrivesAsStatus', async () => {
+    const it = client.echoServerStream({ message: 'x', repeat: 2, failWith: 'not_found' });
+    const err = await (async () => {
+      for await (const _ of it) {
+        /* none */
+      }
+    })().catch((e: unknown) => e);
+    expect((err as RpcError).code).toBe(Status.NOT_FOUND);
+  });
+
+  it('unnamedError_becomesInternalWithoutLeakingDetail', async () => {
+    const e = (await client.echo({ message: 'x', failWith: 'plain' }).catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.INTERNAL);
+    expect(e.message).not.toContain('secret');
+    expect(errorsSeen.some((x) => x instanceof Error && x.message === 'secret internal detail')).toBe(true);
+  });
+
+  it('deadline_whenServerIsSlow_failsWithDeadlineExceededAndCancelsHandler', async () => {
+    const e = (await client.echo({ message: 'slow', delayMs: 2000 }, { timeoutMs: 100 }).catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.DEADLINE_EXCEEDED);
+    expect(e.kind).toBe('deadline_exceeded');
+    await new Promise((r) => setTimeout(r, 200));
+    expect(cancelledOnServer).toContain('slow');
+  });
+
+  it('abortSignal_cancelsCallOnBothSides', async () => {
+    const ac = new AbortController();
+    const p = client.echo({ message: 'aborted', delayMs: 2000 }, { signal: ac.signal }).catch((x: unknown) => x);
+    setTimeout(() => ac.abort(), 50);
+    const e = (await p) as RpcError;
+    expect(e.code).toBe(Status.CANCELLED);
+    await new Promise((r) => setTimeout(r, 200));
+    expect(cancelledOnServer).toContain('aborted');
+  });
+
+  it('health_reportsServingForTheService', async () => {
+    const { service: healthService } = await import('grpc-health-check');
+    const { makeGenericClientConstructor } = await import('@grpc/grpc-js');
+    const Ctor = makeGenericClientConstructor(healthService, 'Health');
+    const hc = new Ctor(server.address, credentials.createInsecure()) as unknown as {
+      check(req: { service: string }, cb: (err: Error | null, res: { status: string }) => void): void;
+      close(): void;
+    };
+    const res = await new Promise<{ status: string }>((resolve, reject) =>
+      hc.check({ service: 'forkfleet.testing.v1.EchoService' }, (err, r) => (err ? reject(err) : resolve(r))),
+    );
+    hc.close();
+    expect(res.status).toBe('SERVING');
+    expect(server.health).toBeInstanceOf(HealthImplementation);
+  });
+
+  it('reflection_letsBufCurlListAndCallMethods', async () => {
+    const { execFile } = await import('node:child_process');
+    const { promisify } = await import('node:util');
+    const run = promisify(execFile);
+    const base = ['curl', '--protocol', 'grpc', '--http2-prior-knowledge'];
+    const list = await run('npx', ['buf', ...base, '--list-methods', `http://${server.address}`]);
+    expect(list.stdout).toContain('forkfleet.testing.v1.EchoService/Echo');
+    const call = await run('npx', ['buf', ...base, '-d', '{"message":"via buf"}', `http://${server.address}/forkfleet.testing.v1.EchoService/Echo`]);
+    expect(JSON.parse(call.stdout)).toEqual({ message: 'via buf' });
+  });
+});

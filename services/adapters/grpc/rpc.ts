@@ -1,0 +1,324 @@
+// A small typed bridge between protobuf-es v2 service descriptors and @grpc/grpc-js:
+// serialise with toBinary/fromBinary, route by `/${service.typeName}/${method.name}`, and
+// present the four call kinds as promises and async iterables, with deadlines and
+// cancellation. Generated types stop here and in the per-service convert.ts files.
+import { Client as GrpcClient, Metadata, credentials as grpcCredentials } from '@grpc/grpc-js';
+import type {
+  CallOptions as GrpcCallOptions,
+  ChannelCredentials,
+  ClientDuplexStream,
+  ClientOptions,
+  ClientReadableStream,
+  ClientWritableStream,
+  MethodDefinition,
+  ServerDuplexStream,
+  ServerReadableStream,
+  ServerUnaryCall,
+  ServerWritableStream,
+  ServiceDefinition,
+  ServiceError,
+  sendUnaryData,
+} from '@grpc/grpc-js';
+import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
+import type { DescMethod, DescService, MessageInitShape, MessageShape } from '@bufbuild/protobuf';
+import type { GenService, GenServiceMethods } from '@bufbuild/protobuf/codegenv2';
+import { fromServiceError, toGrpcStatus } from './status.ts';
+import { readableItems } from './queue.ts';
+
+type MethodShape = GenServiceMethods[string];
+type In<M extends MethodShape> = MessageShape<M['input']>;
+type InInit<M extends MethodShape> = MessageInitShape<M['input']>;
+type Out<M extends MethodShape> = MessageShape<M['output']>;
+type OutInit<M extends MethodShape> = MessageInitShape<M['output']>;
+
+/** What a handler knows about its call. */
+export interface CallContext {
+  /** Aborted when the client cancels, disconnects or its deadline passes. */
+  readonly signal: AbortSignal;
+  readonly deadline: Date | undefined;
+  readonly metadata: Metadata;
+  readonly peer: string;
+  readonly method: string;
+}
+
+export type Handler<M extends MethodShape> = M['methodKind'] extends 'unary'
+  ? (req: In<M>, ctx: CallContext) => Promise<OutInit<M>>
+  : M['methodKind'] extends 'server_streaming'
+    ? (req: In<M>, ctx: CallContext) => AsyncIterable<OutInit<M>>
+    : M['methodKind'] extends 'client_streaming'
+      ? (reqs: AsyncIterable<In<M>>, ctx: CallContext) => Promise<OutInit<M>>
+      : (reqs: AsyncIterable<In<M>>, ctx: CallContext) => AsyncIterable<OutInit<M>>;
+
+export type ServiceImpl<S extends GenServiceMethods> = { [K in keyof S]: Handler<S[K]> };
+
+export interface CallOptions {
+  /** Relative deadline. */
+  timeoutMs?: number;
+  deadline?: Date;
+  /** Aborting cancels the call; the caller sees a `cancelled` error. */
+  signal?: AbortSignal;
+  metadata?: Record<string, string>;
+}
+
+export type ClientMethod<M extends MethodShape> = M['methodKind'] extends 'unary'
+  ? (req: InInit<M>, opts?: CallOptions) => Promise<Out<M>>
+  : M['methodKind'] extends 'server_streaming'
+    ? (req: InInit<M>, opts?: CallOptions) => AsyncIterable<Out<M>>
+    : M['methodKind'] extends 'client_streaming'
+      ? (reqs: AsyncIterable<InInit<M>> | Iterable<InInit<M>>, opts?: CallOptions) => Promise<Out<M>>
+      : (reqs: AsyncIterable<InInit<M>> | Iterable<InInit<M>>, opts?: CallOptions) => AsyncIterable<Out<M>>;
+
+export type Client<S extends GenServiceMethods> = { [K in keyof S]: ClientMethod<S[K]> } & {
+  /** Closes the channel. Calls in flight are cancelled. */
+  close(): void;
+};
+
+/** A service and its implementation, type-checked together, then erased for the server. */
+export interface ServiceRegistration {
+  readonly service: DescService;
+  readonly definition: ServiceDefinition;
+  readonly handlers: Record<string, (...args: never[]) => unknown>;
+}
+
+export type ErrorHook = (err: unknown, method: string) => void;
+
+function methodPath(m: DescMethod): string {
+  return `/${m.parent.typeName}/${m.name}`;
+}
+
+function methodDefinition(m: DescMethod): MethodDefinition<unknown, unknown> {
+  return {
+    path: methodPath(m),
+    requestStream: m.methodKind === 'client_streaming' || m.methodKind === 'bidi_streaming',
+    responseStream: m.methodKind === 'server_streaming' || m.methodKind === 'bidi_streaming',
+    requestSerialize: (v: unknown) => Buffer.from(toBinary(m.input, create(m.input, v as MessageInitShape<typeof m.input>))),
+    requestDeserialize: (b: Buffer) => fromBinary(m.input, b),
+    responseSerialize: (v: unknown) => Buffer.from(toBinary(m.output, create(m.output, v as MessageInitShape<typeof m.output>))),
+    responseDeserialize: (b: Buffer) => fromBinary(m.output, b),
+    originalName: m.localName,
+  };
+}
+
+/** The grpc-js service definition for a protobuf-es service descriptor. */
+export function serviceDefinition(svc: DescService): ServiceDefinition {
+  const def: Record<string, MethodDefinition<unknown, unknown>> = {};
+  for (const m of svc.methods) def[m.localName] = methodDefinition(m);
+  return def as ServiceDefinition;
+}
+
+export function register<S extends GenServiceMethods>(service: GenService<S>, impl: ServiceImpl<S>): ServiceRegistration {
+  return {
+    service,
+    definition: serviceDefinition(service),
+    handlers: impl as unknown as Record<string, (...args: never[]) => unknown>,
+  };
+}
+
+type AnyServerCall =
+  | ServerUnaryCall<unknown, unknown>
+  | ServerReadableStream<unknown, unknown>
+  | ServerWritableStream<unknown, unknown>
+  | ServerDuplexStream<unknown, unknown>;
+
+function contextOf(call: AnyServerCall, method: string): CallContext {
+  const ac = new AbortController();
+  const abort = (): void => {
+    if (!ac.signal.aborted) ac.abort(new Error(`${method}: cancelled by client`));
+  };
+  const emitter = call as unknown as NodeJS.EventEmitter;
+  emitter.once('cancelled', abort);
+  const d = call.getDeadline();
+  let deadline: Date | undefined;
+  if (d instanceof Date) deadline = d;
+  else if (typeof d === 'number' && Number.isFinite(d)) deadline = new Date(d);
+  if (deadline) {
+    const ms = deadline.getTime() - Date.now();
+    const t = setTimeout(abort, Math.max(0, ms));
+    t.unref();
+    emitter.once('finish', () => clearTimeout(t));
+  }
+  return { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method };
+}
+
+async function writeAll(call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>, out: AsyncIterable<unknown>, signal: AbortSignal): Promise<void> {
+  for await (const msg of out) {
+    if (signal.aborted) return;
+    if (!call.write(msg)) {
+      await new Promise<void>((resolve) => {
+        const done = (): void => {
+          call.off('drain', done);
+          signal.removeEventListener('abort', done);
+          resolve();
+        };
+        call.on('drain', done);
+        signal.addEventListener('abort', done);
+      });
+    }
+  }
+}
+
+/** Builds grpc-js handlers that run `impl`, map thrown errors once, and honour cancellation. */
+export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () => {}): Record<string, unknown> {
+  const out: Record<string, unknown> = {};
+  for (const m of reg.service.methods) {
+    const fn = reg.handlers[m.localName] as unknown as (a: unknown, ctx: CallContext) => unknown;
+    const name = methodPath(m);
+    if (typeof fn !== 'function') throw new Error(`service ${reg.service.typeName}: no handler for ${m.name}`);
+    const fail = (err: unknown): ReturnType<typeof toGrpcStatus> => {
+      onError(err, name);
+      return toGrpcStatus(err);
+    };
+    switch (m.methodKind) {
+      case 'unary':
+        out[m.localName] = (call: ServerUnaryCall<unknown, unknown>, cb: sendUnaryData<unknown>) => {
+          const ctx = contextOf(call, name);
+          (fn(call.request, ctx) as Promise<unknown>).then(
+            (res) => cb(null, res),
+            (err: unknown) => cb(fail(err)),
+          );
+        };
+        break;
+      case 'client_streaming':
+        out[m.localName] = (call: ServerReadableStream<unknown, unknown>, cb: sendUnaryData<unknown>) => {
+          const ctx = contextOf(call, name);
+          (fn(readableItems(call), ctx) as Promise<unknown>).then(
+            (res) => cb(null, res),
+            (err: unknown) => cb(fail(err)),
+          );
+        };
+        break;
+      case 'server_streaming':
+      case 'bidi_streaming':
+        out[m.localName] = (call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>) => {
+          const ctx = contextOf(call, name);
+          const input = m.methodKind === 'server_streaming' ? (call as ServerWritableStream<unknown, unknown>).request
+              : readableItems(call as ServerDuplexStream<unknown, unknown>);
+          let iterable: AsyncIterable<unknown>;
+          try {
+            iterable = fn(input, ctx) as AsyncIterable<unknown>;
+          } catch (err) {
+            call.emit('error', fail(err));
+            return;
+          }
+          writeAll(call, iterable, ctx.signal).then(
+            () => {
+              if (!ctx.signal.aborted) call.end();
+            },
+            (err: unknown) => {
+              if (!ctx.signal.aborted) call.emit('error', fail(err));
+            },
+          );
+        };
+        break;
+    }
+  }
+  return out;
+}
+
+function grpcCallOptions(opts: CallOptions | undefined): { options: GrpcCallOptions; metadata: Metadata } {
+  const metadata = new Metadata();
+  for (const [k, v] of Object.entries(opts?.metadata ?? {})) metadata.set(k, v);
+  const options: GrpcCallOptions = {};
+  if (opts?.deadline) options.deadline = opts.deadline;
+  else if (opts?.timeoutMs !== undefined) options.deadline = new Date(Date.now() + opts.timeoutMs);
+  return { options, metadata };
+}
+
+function bindSignal(call: { cancel(): void }, signal: AbortSignal | undefined): () => void {
+  if (!signal) return () => {};
+  if (signal.aborted) {
+    call.cancel();
+    return () => {};
+  }
+  const onAbort = (): void => call.cancel();
+  signal.addEventListener('abort', onAbort, { once: true });
+  return () => signal.removeEventListener('abort', onAbort);
+}
+
+async function pump(call: ClientWritableStream<unknown> | ClientDuplexStream<unknown, unknown>, reqs: AsyncIterable<unknown> | Iterable<unknown>): Promise<void> {
+  try {
+    for await (const r of reqs) {
+      if (!call.write(r)) await new Promise<void>((resolve) => call.once('drain', resolve));
+    }
+    call.end();
+  } catch (err) {
+    call.cancel();
+    throw err;
+  }
+}
+
+async function* readAll<T>(stream: ClientReadableStream<T> | ClientDuplexStream<unknown, T>, unbind: () => void): AsyncGenerator<T> {
+  try {
+    for await (const msg of stream) yield msg as T;
+  } catch (err) {
+    throw fromServiceError(err as ServiceError);
+  } finally {
+    unbind();
+    // Ending early (break / return) cancels the call so the server stops sending.
+    stream.cancel();
+  }
+}
+
+/**
+ * A typed client for `service` at `address` (host:port). Insecure credentials by default;
+ * pass TLS credentials for real deployments.
+ */
+export function createClient<S extends GenServiceMethods>(
+  service: GenService<S>,
+  address: string,
+  credentials: ChannelCredentials = grpcCredentials.createInsecure(),
+  options: ClientOptions = {},
+): Client<S> {
+  const raw = new GrpcClient(address, credentials, options);
+  const client: Record<string, unknown> = { close: () => raw.close() };
+  for (const m of (service as DescService).methods) {
+    const def = methodDefinition(m);
+    const path = def.path;
+    switch (m.methodKind) {
+      case 'unary':
+        client[m.localName] = (req: unknown, opts?: CallOptions) =>
+          new Promise((resolve, reject) => {
+            const { options: o, metadata } = grpcCallOptions(opts);
+            let unbind = (): void => {};
+            const call = raw.makeUnaryRequest(path, def.requestSerialize, def.responseDeserialize, req, metadata, o, (err, res) => {
+              unbind();
+              if (err) reject(fromServiceError(err));
+              else resolve(res);
+            });
+            unbind = bindSignal(call, opts?.signal);
+          });
+        break;
+      case 'server_streaming':
+        client[m.localName] = (req: unknown, opts?: CallOptions) => {
+          const { options: o, metadata } = grpcCallOptions(opts);
+          const call = raw.makeServerStreamRequest(path, def.requestSerialize, def.responseDeserialize, req, metadata, o);
+          return readAll(call, bindSignal(call, opts?.signal));
+        };
+        break;
+      case 'client_streaming':
+        client[m.localName] = (reqs: AsyncIterable<unknown> | Iterable<unknown>, opts?: CallOptions) =>
+          new Promise((resolve, reject) => {
+            const { options: o, metadata } = grpcCallOptions(opts);
+            let unbind = (): void => {};
+            const call = raw.makeClientStreamRequest(path, def.requestSerialize, def.responseDeserialize, metadata, o, (err, res) => {
+              unbind();
+              if (err) reject(fromServiceError(err));
+              else resolve(res);
+            });
+            unbind = bindSignal(call, opts?.signal);
+            pump(call, reqs).catch(reject);
+          });
+        break;
+      case 'bidi_streaming':
+        client[m.localName] = (reqs: AsyncIterable<unknown> | Iterable<unknown>, opts?: CallOptions) => {
+          const { options: o, metadata } = grpcCallOptions(opts);
+          const call = raw.makeBidiStreamRequest(path, def.requestSerialize, def.responseDeserialize, metadata, o);
+          // A failure producing requests cancels the call; the reader then sees CANCELLED.
+          pump(call, reqs).catch(() => {});
+          return readAll(call, bindSignal(call, opts?.signal));
+        };
+        break;
+    }
+  }
+  return client as Client<S>;
+}

@@ -1,0 +1,77 @@
+// The one place where project errors become gRPC statuses and back (CONVENTIONS.md §5).
+import { Metadata, status as Status } from '@grpc/grpc-js';
+import type { ServiceError } from '@grpc/grpc-js';
+import { ForkfleetError, isForkfleetError } from '../../../proto/errors.ts';
+import type { ErrorKind } from '../../../proto/errors.ts';
+
+const KIND_TO_STATUS: Readonly<Record<ErrorKind, Status>> = {
+  invalid_argument: Status.INVALID_ARGUMENT,
+  not_found: Status.NOT_FOUND,
+  already_exists: Status.ALREADY_EXISTS,
+  failed_precondition: Status.FAILED_PRECONDITION,
+  resource_exhausted: Status.RESOURCE_EXHAUSTED,
+  aborted: Status.ABORTED,
+  unavailable: Status.UNAVAILABLE,
+  deadline_exceeded: Status.DEADLINE_EXCEEDED,
+  unauthenticated: Status.UNAUTHENTICATED,
+  permission_denied: Status.PERMISSION_DENIED,
+  cancelled: Status.CANCELLED,
+  internal: Status.INTERNAL,
+};
+
+const STATUS_TO_KIND = new Map<Status, ErrorKind>(
+  (Object.entries(KIND_TO_STATUS) as [ErrorKind, Status][]).map(([k, s]) => [s, k]),
+);
+
+/** Trailing metadata keys that carry what a status code alone cannot. */
+export const META_KIND = 'ff-error-kind';
+export const META_FIELD = 'ff-error-field';
+export const META_RETRYABLE = 'ff-error-retryable';
+
+export interface GrpcStatusObject {
+  code: Status;
+  details: string;
+  metadata: Metadata;
+}
+
+/**
+ * Converts anything a handler threw into a status. Named errors keep their message;
+ * anything else becomes INTERNAL with a generic message (the cause is logged by the caller,
+ * never sent to clients).
+ */
+export function toGrpcStatus(err: unknown): GrpcStatusObject {
+  const metadata = new Metadata();
+  if (isForkfleetError(err)) {
+    metadata.set(META_KIND, err.kind);
+    metadata.set(META_RETRYABLE, String(err.retryable));
+    if (err.field !== undefined) metadata.set(META_FIELD, err.field);
+    return { code: KIND_TO_STATUS[err.kind], details: err.message, metadata };
+  }
+  metadata.set(META_KIND, 'internal');
+  metadata.set(META_RETRYABLE, 'false');
+  return { code: Status.INTERNAL, details: 'internal error', metadata };
+}
+
+/** Error a client sees for a failed call: a ForkfleetError with the server's kind and field. */
+export class RpcError extends ForkfleetError {
+  readonly code: Status;
+  constructor(code: Status, kind: ErrorKind, message: string, retryable: boolean, field: string | undefined, cause: unknown) {
+    super(kind, message, { retryable, ...(field === undefined ? {} : { field }), cause });
+    this.code = code;
+  }
+}
+
+function firstString(md: Metadata | undefined, key: string): string | undefined {
+  const v = md?.get(key)[0];
+  return typeof v === 'string' ? v : undefined;
+}
+
+export function fromServiceError(err: ServiceError): RpcError {
+  const md = err.metadata;
+  const kindFromMeta = firstString(md, META_KIND) as ErrorKind | undefined;
+  const kind: ErrorKind =
+    kindFromMeta !== undefined && kindFromMeta in KIND_TO_STATUS ? kindFromMeta : (STATUS_TO_KIND.get(err.code) ?? 'internal');
+  const retryableMeta = firstString(md, META_RETRYABLE);
+  const retryable = retryableMeta === undefined ? kind === 'unavailable' || kind === 'aborted' : retryableMeta === 'true';
+  return new RpcError(err.code, kind, err.details || err.message, retryable, firstString(md, META_FIELD), err);
+}

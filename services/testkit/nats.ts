@@ -1,0 +1,62 @@
+// Starts a real nats-server with JetStream for integration tests: free loopback ports,
+// a temporary store directory, stopped by PID.
+import { rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { freePort, spawnManaged, tempDir, waitFor } from './proc.ts';
+import type { ManagedProcess } from './proc.ts';
+
+export interface NatsServer {
+  readonly url: string;
+  readonly port: number;
+  readonly monitorPort: number;
+  readonly storeDir: string;
+  proc: ManagedProcess;
+  /** Stops the server (SIGTERM) and starts it again on the same port and store. */
+  restart(): Promise<void>;
+  stop(): Promise<void>;
+}
+
+async function ready(monitorPort: number): Promise<boolean> {
+  const res = await fetch(`http://127.0.0.1:${monitorPort}/healthz?js-enabled-only=true`, { signal: AbortSignal.timeout(500) });
+  return res.ok;
+}
+
+export async function startNats(opts: { binary?: string; logDir?: string } = {}): Promise<NatsServer> {
+  const port = await freePort();
+  const monitorPort = await freePort();
+  const dir = tempDir('ff-nats-');
+  const storeDir = join(dir, 'js');
+  const launch = (): ManagedProcess =>
+    spawnManaged({
+      name: 'nats-server',
+      command: opts.binary ?? 'nats-server',
+      args: ['-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitorPort), '-sd', storeDir],
+      // The directory survives a restart; server.stop() removes it (and the watchdog, if we die).
+      dir,
+      removeDirOnStop: false,
+      logPath: opts.logDir ? join(opts.logDir, 'nats.log') : join(dir, 'nats.log'),
+    });
+  const server: NatsServer = {
+    url: `nats://127.0.0.1:${port}`,
+    port,
+    monitorPort,
+    storeDir,
+    proc: launch(),
+    async restart() {
+      await server.proc.stop();
+      server.proc = launch();
+      await waitFor('nats-server ready after restart', () => ready(monitorPort), 10_000);
+    },
+    async stop() {
+      await server.proc.stop();
+      rmSync(dir, { recursive: true, force: true });
+    },
+  };
+  try {
+    await waitFor('nats-server ready', () => ready(monitorPort), 10_000);
+  } catch (e) {
+    await server.stop();
+    throw e;
+  }
+  return server;
+}

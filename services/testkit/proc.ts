@@ -1,0 +1,187 @@
+// Child-process plumbing for test harnesses and the local fleet: free ports, temporary
+// directories, readiness polling, and a watchdog so that a server we started is stopped
+// by PID even when the process that started it is killed.
+import { spawn } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
+import { createServer } from 'node:net';
+import { mkdtempSync, rmSync, openSync, closeSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+
+/** A free TCP port on `host`, found by binding port 0. */
+export function freePort(host = '127.0.0.1'): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const srv = createServer();
+    srv.unref();
+    srv.on('error', reject);
+    srv.listen(0, host, () => {
+      const addr = srv.address();
+      const port = typeof addr === 'object' && addr ? addr.port : 0;
+      srv.close(() => resolve(port));
+    });
+  });
+}
+
+export function tempDir(prefix: string): string {
+  return mkdtempSync(join(tmpdir(), prefix));
+}
+
+export function sleep(ms: number): Promise<void> {
+  return new Promise((r) => setTimeout(r, ms));
+}
+
+/** Polls `probe` until it returns true or `timeoutMs` passes. */
+export async function waitFor(what: string, probe: () => Promise<boolean>, timeoutMs: number, intervalMs = 20): Promise<void> {
+  const until = Date.now() + timeoutMs;
+  let lastErr: unknown;
+  while (Date.now() < until) {
+    try {
+      if (await probe()) return;
+    } catch (e) {
+      lastErr = e;
+    }
+    await sleep(intervalMs);
+  }
+  throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`, { cause: lastErr });
+}
+
+export function pidAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+export interface ManagedProcess {
+  readonly name: string;
+  readonly pid: number;
+  readonly child: ChildProcess;
+  /** Directory removed when the process stops (if any). */
+  readonly dir: string | undefined;
+  readonly logPath: string | undefined;
+  /** Resolves when the process has exited. */
+  readonly exited: Promise<number | null>;
+  /** SIGTERM, then SIGKILL after `graceMs`; waits for exit; removes `dir`. Idempotent. */
+  stop(graceMs?: number): Promise<void>;
+  /** SIGKILL now (fault injection); does not remove `dir`. */
+  kill(): void;
+}
+
+const live = new Set<ManagedProcess>();
+let exitHookInstalled = false;
+
+function installExitHook(): void {
+  if (exitHookInstalled) return;
+  exitHookInstalled = true;
+  // Synchronous last resort on normal exit: kill by PID, remove directories.
+  process.once('exit', () => {
+    for (const p of live) {
+      try {
+        process.kill(p.pid, 'SIGKILL');
+      } catch {
+        /* already gone */
+      }
+      if (p.dir) rmSync(p.dir, { recursive: true, force: true });
+    }
+  });
+}
+
+export interface SpawnManagedOptions {
+  name: string;
+  command: string;
+  args: readonly string[];
+  /** Removed after the process stops. */
+  dir?: string;
+  /** stdout and stderr go here (append); otherwise they are discarded. */
+  logPath?: string;
+  env?: NodeJS.ProcessEnv;
+  /** When false, stop() leaves `dir` in place (e.g. for a restart); default true. */
+  removeDirOnStop?: boolean;
+  /** When true (default), a watchdog kills the process and removes `dir` if we die first. */
+  watchdog?: boolean;
+}
+
+/**
+ * Starts a long-running server process. It is tracked by PID; a detached watchdog shell
+ * (itself tracked by PID) kills it with SIGKILL and removes its directory if this Node
+ * process disappears without stopping it, e.g. when a test run is interrupted.
+ */
+export function spawnManaged(opts: SpawnManagedOptions): ManagedProcess {
+  installExitHook();
+  const fd = opts.logPath ? openSync(opts.logPath, 'a') : undefined;
+  const child = spawn(opts.command, [...opts.args], {
+    stdio: ['ignore', fd ?? 'ignore', fd ?? 'ignore'],
+    env: opts.env ?? process.env,
+  });
+  if (fd !== undefined) closeSync(fd);
+  if (child.pid === undefined) throw new Error(`${opts.name}: failed to start ${opts.command}`);
+  const pid = child.pid;
+  const exited = new Promise<number | null>((resolve) => {
+    if (child.exitCode !== null) resolve(child.exitCode);
+    else child.once('exit', (code) => resolve(code));
+  });
+  child.once('error', () => {});
+
+  let watchdogPid: number | undefined;
+  if (opts.watchdog ?? true) {
+    // $1 = our pid, $2 = server pid, $3 = dir to remove (may be empty).
+    const script = 'while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done; if kill -0 "$2" 2>/dev/null; then kill -9 "$2"; sleep 0.2; [ -n "$3" ] && rm -rf "$3"; fi';
+    const wd = spawn('sh', ['-c', script, 'ff-watchdog', String(process.pid), String(pid), opts.dir ?? ''], {
+      detached: true,
+      stdio: 'ignore',
+    });
+    wd.unref();
+    watchdogPid = wd.pid;
+  }
+
+  let stopping: Promise<void> | undefined;
+  const proc: ManagedProcess = {
+    name: opts.name,
+    pid,
+    child,
+    dir: opts.dir,
+    logPath: opts.logPath,
+    exited,
+    kill() {
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        /* gone */
+      }
+    },
+    stop(graceMs = 5000) {
+      stopping ??= (async () => {
+        if (child.exitCode === null && child.signalCode === null) {
+          try {
+            process.kill(pid, 'SIGTERM');
+          } catch {
+            /* gone */
+          }
+          const t = setTimeout(() => {
+            try {
+              process.kill(pid, 'SIGKILL');
+            } catch {
+              /* gone */
+            }
+          }, graceMs);
+          await exited;
+          clearTimeout(t);
+        }
+        if (watchdogPid !== undefined) {
+          try {
+            process.kill(watchdogPid, 'SIGKILL');
+          } catch {
+            /* gone */
+          }
+        }
+        if (opts.dir && (opts.removeDirOnStop ?? true)) rmSync(opts.dir, { recursive: true, force: true });
+        live.delete(proc);
+      })();
+      return stopping;
+    },
+  };
+  live.add(proc);
+  return proc;
+}

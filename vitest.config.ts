@@ -1,0 +1,31 @@
+import { defineConfig } from 'vitest/config';
+
+// Two tiers (DESIGN.md "Test tiers"):
+//   unit: *.test.ts, pure logic, fast, run in parallel.
+//   int:  *.int.test.ts, real etcd / nats-server / QEMU started by the tests; files run
+//         one at a time because this machine has 2 cores and QEMU runs under TCG.
+const exclude = ['node_modules/**', '**/.cache/**'];
+export default defineConfig({
+  test: {
+    projects: [
+      {
+        test: {
+          name: 'unit',
+          include: ['**/*.test.ts'],
+          exclude: [...exclude, '**/*.int.test.ts', '**/*.e2e.test.ts'],
+          testTimeout: 20_000,
+        },
+      },
+      {
+        test: {
+          name: 'int',
+          include: ['**/*.int.test.ts'],
+          exclude,
+          fileParallelism: false,
+          testTimeout: 120_000,
+          hookTimeout: 180_000,
+        },
+      },
+    ],
+  },
+});
