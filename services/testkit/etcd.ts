@@ -49,6 +49,7 @@ export async function startEtcd(opts: { size?: number; binary?: string; logDir?:
         '--initial-cluster-state', 'new',
         '--heartbeat-interval', '10',
         '--election-timeout', '100',
+        '--max-txn-ops', '1024',
         '--logger', 'zap',
         '--log-level', 'error',
       ],

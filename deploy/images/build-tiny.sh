@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# Build the `tiny` guest image into OUT (a fresh directory):
+#   vmlinux        the Debian kernel as an uncompressed ELF (booted through its PVH entry)
+#   initramfs.cpio uncompressed newc cpio: busybox, virtio/ext4 modules, qemu-ga + ldd closure, /init
+#   disk.qcow2     a small ext4 data disk (qcow2) the guest mounts at /data
+#   image.json     what was built from what
+# Usage: build-tiny.sh OUT KERNEL_VERSION DISK_MIB
+# Only Debian packages already on the machine are used (linux-image-amd64, busybox-static,
+# qemu-guest-agent, e2fsprogs, cpio, xz-utils, qemu-utils). Nothing is downloaded.
+set -euo pipefail
+out=$1
+kver=$2
+disk_mib=${3:-64}
+[ -d "$out" ] || { echo "OUT must exist" >&2; exit 2; }
+
+# --- kernel: find the XZ stream inside the bzImage and decompress it (scripts/extract-vmlinux).
+vmlinuz=/boot/vmlinuz-$kver
+off=$(LC_ALL=C grep -abo $'\xfd7zXZ\x00' "$vmlinuz" | head -n1 | cut -d: -f1)
+[ -n "$off" ] || { echo "no XZ stream in $vmlinuz" >&2; exit 1; }
+tail -c +"$((off + 1))" "$vmlinuz" | xz -dc 2>/dev/null > "$out/vmlinux" || true
+head -c 4 "$out/vmlinux" | grep -q $'\x7fELF' || { echo "vmlinux extraction failed" >&2; exit 1; }
+
+# --- initramfs tree
+root=$(mktemp -d)
+trap 'rm -rf "$root"' EXIT
+mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,proc,sys,dev,run,tmp,data,etc,root,lib/modules,var/run}
+cp /bin/busybox "$root/bin/busybox"
+# Busybox applet links, created at build time so /init needs no --install.
+for applet in $(/bin/busybox --list-full); do
+  [ -e "$root/$applet" ] || ln -s /bin/busybox "$root/$applet"
+done
+
+# Modules in dependency order (modprobe --show-depends), de-duplicated.
+mods=()
+for m in virtio_mmio virtio_console virtio_blk virtio-rng ext4; do
+  while read -r _ path _; do
+    mods+=("$path")
+  done < <(modprobe -S "$kver" --show-depends "$m" | grep '^insmod')
+done
+: > "$root/lib/modules/load-order"
+declare -A seen=()
+for p in "${mods[@]}"; do
+  [ -n "${seen[$p]:-}" ] && continue
+  seen[$p]=1
+  base=$(basename "$p")
+  case "$p" in
+    *.xz) xz -dc "$p" > "$root/lib/modules/${base%.xz}"; base=${base%.xz} ;;
+    *.zst) zstd -qdc "$p" > "$root/lib/modules/${base%.zst}"; base=${base%.zst} ;;
+    *) cp "$p" "$root/lib/modules/$base" ;;
+  esac
+  echo "$base" >> "$root/lib/modules/load-order"
+done
+
+# qemu-ga and its shared-library closure.
+cp /usr/sbin/qemu-ga "$root/usr/sbin/qemu-ga"
+for lib in $(ldd /usr/sbin/qemu-ga | grep -o '/[^ ]*'); do
+  mkdir -p "$root/$(dirname "$lib")"
+  cp -L "$lib" "$root/$lib"
+done
+# The dynamic loader must also be reachable through /lib64.
+[ -e "$root/lib64/ld-linux-x86-64.so.2" ] || { mkdir -p "$root/lib64"; cp -L /lib64/ld-linux-x86-64.so.2 "$root/lib64/"; }
+
+# ff-reseed: a 176-byte static x86-64 ELF that does open("/dev/urandom") + ioctl(RNDRESEEDCRNG)
+# and exits with the ioctl's result. The host first writes fresh entropy into /dev/urandom
+# (mixed into the input pool), then this forces the CRNG to reseed from that pool.
+# Hand-assembled so the image needs no compiler:
+#   mov eax,2; lea rdi,[rip+31]; xor esi,esi; xor edx,edx; syscall       ; open
+#   mov edi,eax; mov eax,16; mov esi,0x5207; xor edx,edx; syscall         ; ioctl
+#   mov edi,eax; mov eax,60; syscall                                      ; exit
+printf '%b' \
+'\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00' \
+'\x02\x00\x3e\x00\x01\x00\x00\x00\x78\x00\x40\x00\x00\x00\x00\x00' \
+'\x40\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00' \
+'\x00\x00\x00\x00\x40\x00\x38\x00\x01\x00\x00\x00\x00\x00\x00\x00' \
+'\x01\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00' \
+'\x00\x00\x40\x00\x00\x00\x00\x00\x00\x00\x40\x00\x00\x00\x00\x00' \
+'\xb0\x00\x00\x00\x00\x00\x00\x00\xb0\x00\x00\x00\x00\x00\x00\x00' \
+'\x00\x10\x00\x00\x00\x00\x00\x00' \
+'\xb8\x02\x00\x00\x00\x48\x8d\x3d\x1f\x00\x00\x00\x31\xf6\x31\xd2\x0f\x05' \
+'\x89\xc7\xb8\x10\x00\x00\x00\xbe\x07\x52\x00\x00\x31\xd2\x0f\x05' \
+'\x89\xc7\xb8\x3c\x00\x00\x00\x0f\x05' \
+'/dev/urandom\x00' > "$root/sbin/ff-reseed"
+chmod 0755 "$root/sbin/ff-reseed"
+
+cat > "$root/etc/passwd" <<'P'
+root:x:0:0:root:/root:/bin/sh
+P
+echo 'root:x:0:' > "$root/etc/group"
+
+cat > "$root/init" <<'INIT'
+#!/bin/sh
+# Forkfleet tiny guest init. PID 1; never exits.
+export PATH=/sbin:/bin:/usr/sbin:/usr/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev 2>/dev/null
+mkdir -p /dev/pts /dev/shm
+mount -t tmpfs -o mode=0755 tmpfs /run
+mount -t tmpfs tmpfs /tmp
+mount -t tmpfs tmpfs /dev/shm
+while read -r m; do insmod "/lib/modules/$m" 2>/dev/null; done < /lib/modules/load-order
+hn=forkfleet
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in
+    ff.hostname=*) hn=${arg#ff.hostname=} ;;
+    ff.sandbox=*) mkdir -p /run/forkfleet; echo "${arg#ff.sandbox=}" > /run/forkfleet/sandbox-id ;;
+  esac
+done
+hostname "$hn"
+ip link set lo up 2>/dev/null
+[ -b /dev/vda ] && mount -t ext4 -o noatime /dev/vda /data
+port=
+for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do
+  for p in /sys/class/virtio-ports/*; do
+    [ -f "$p/name" ] && [ "$(cat "$p/name")" = org.qemu.guest_agent.0 ] && port=/dev/${p##*/}
+  done
+  [ -n "$port" ] && [ -e "$port" ] && break
+  sleep 0.1
+done
+if [ -n "$port" ]; then
+  qemu-ga -m virtio-serial -p "$port" -t /run -d -f /run/qemu-ga.pid
+fi
+echo "FORKFLEET_READY hostname=$hn agent=${port:-none}" > /dev/ttyS0
+while true; do sleep 3600; done
+INIT
+chmod 0755 "$root/init"
+
+(cd "$root" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet -R 0:0) > "$out/initramfs.cpio"
+
+# --- data disk: ext4 with a marker file, stored as qcow2 (the base every VM overlays).
+mkdir -p "$root/.disk"
+echo "forkfleet tiny data disk" > "$root/.disk/README"
+truncate -s "${disk_mib}M" "$out/disk.raw"
+mkfs.ext4 -q -F -L ffdata -d "$root/.disk" "$out/disk.raw"
+qemu-img convert -f raw -O qcow2 "$out/disk.raw" "$out/disk.qcow2"
+rm -f "$out/disk.raw"
+
+cat > "$out/image.json" <<J
+{"name":"tiny","kernelVersion":"$kver","kernel":"vmlinux","initrd":"initramfs.cpio","disk":"disk.qcow2","diskFormat":"qcow2","rootOnDisk":false,"readyMarker":"FORKFLEET_READY","agentPort":"org.qemu.guest_agent.0"}
+J

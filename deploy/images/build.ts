@@ -1,0 +1,169 @@
+// Guest images, built from Debian packages already installed on the machine and cached by
+// the hash of their recipe (build script + package versions + options), outside git.
+//   cache: $FORKFLEET_CACHE_DIR/images/<name>-<hash>/ (default /var/cache/forkfleet)
+//   CLI:   node --import tsx deploy/images/build.ts tiny|debian
+// A build runs in a temp dir next to the cache entry and is renamed into place, so a reader
+// never sees a half-built image and concurrent builders do not clash.
+import { execFile } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import { mkdir, mkdtemp, readFile, rename, rm, stat } from 'node:fs/promises';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { promisify } from 'node:util';
+import { ImageBuildError } from '../../host-agent/errors.ts';
+import type { GuestImage } from '../../host-agent/domain/vmm.ts';
+
+const run = promisify(execFile);
+const here = dirname(fileURLToPath(import.meta.url));
+
+export type ImageName = 'tiny' | 'debian';
+
+export interface ImageOptions {
+  /** Guest kernel version; default: the newest /boot/vmlinuz-* on this machine. */
+  kernelVersion?: string;
+  /** Size of the data disk (tiny) or root disk (debian), MiB. */
+  diskMib?: number;
+  cacheDir?: string;
+}
+
+interface Recipe {
+  script: string;
+  packages: string[];
+  defaultDiskMib: number;
+  kernelArgs: string;
+}
+
+// Kernel arguments for -M microvm under TCG (VMM-NOTES): the early TSC frequency avoids a
+// hang in calibration, pci=off skips probing a bus microvm doesn't have.
+const MICROVM_ARGS = 'console=ttyS0 tsc_early_khz=2000000 pci=off quiet';
+
+const RECIPES: Record<ImageName, Recipe> = {
+  tiny: {
+    script: 'build-tiny.sh',
+    packages: ['linux-image-amd64', 'busybox-static', 'qemu-guest-agent', 'e2fsprogs', 'qemu-utils'],
+    defaultDiskMib: 64,
+    kernelArgs: MICROVM_ARGS,
+  },
+  debian: {
+    script: 'build-debian.sh',
+    packages: ['linux-image-amd64', 'busybox-static', 'mmdebstrap', 'e2fsprogs', 'qemu-utils'],
+    defaultDiskMib: 1024,
+    kernelArgs: MICROVM_ARGS,
+  },
+};
+
+export function defaultCacheDir(): string {
+  return process.env.FORKFLEET_CACHE_DIR ?? '/var/cache/forkfleet';
+}
+
+async function newestKernel(): Promise<string> {
+  const { stdout } = await run('sh', ['-c', 'ls /boot/vmlinuz-* | sed "s|/boot/vmlinuz-||" | sort -V | tail -n1']);
+  const v = stdout.trim();
+  if (!v) throw new ImageBuildError('?', 'no /boot/vmlinuz-* (install linux-image-amd64)');
+  return v;
+}
+
+async function packageVersions(pkgs: string[]): Promise<string> {
+  try {
+    const { stdout } = await run('dpkg-query', ['-W', '-f', '${Package}=${Version}\\n', ...pkgs]);
+    return stdout;
+  } catch (e) {
+    throw new ImageBuildError(pkgs.join(','), `missing Debian packages (apt-get install ${pkgs.join(' ')})`, { cause: e });
+  }
+}
+
+export async function recipeHash(name: ImageName, opts: ImageOptions = {}): Promise<{ hash: string; kernelVersion: string; diskMib: number }> {
+  const r = RECIPES[name];
+  const kernelVersion = opts.kernelVersion ?? (await newestKernel());
+  const diskMib = opts.diskMib ?? r.defaultDiskMib;
+  const h = createHash('sha256');
+  h.update(await readFile(join(here, r.script)));
+  h.update(await packageVersions(r.packages));
+  if (name === 'debian') h.update(await readFile(await aptSourcesFile()));
+  h.update(JSON.stringify({ name, kernelVersion, diskMib, kernelArgs: r.kernelArgs }));
+  return { hash: h.digest('hex').slice(0, 16), kernelVersion, diskMib };
+}
+
+/** The machine's own apt sources: the debian image's mirror argument (no host names in code). */
+export async function aptSourcesFile(): Promise<string> {
+  for (const f of ['/etc/apt/sources.list.d/debian.sources', '/etc/apt/sources.list']) {
+    try {
+      if ((await stat(f)).size > 0) return f;
+    } catch {
+      // try the next one
+    }
+  }
+  throw new ImageBuildError('debian', 'no apt sources file on this machine');
+}
+
+async function exists(p: string): Promise<boolean> {
+  try {
+    await stat(p);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+/** Return the cached image for `name`, building it first if its recipe changed. */
+export async function ensureImage(name: ImageName, opts: ImageOptions = {}): Promise<GuestImage> {
+  const r = RECIPES[name];
+  const { hash, kernelVersion, diskMib } = await recipeHash(name, opts);
+  const root = join(opts.cacheDir ?? defaultCacheDir(), 'images');
+  const dir = join(root, `${name}-${hash}`);
+  if (!(await exists(join(dir, 'image.json')))) {
+    await mkdir(root, { recursive: true });
+    const tmp = await mkdtemp(join(root, `.${name}-${hash}.build-`));
+    try {
+      const args = [join(here, r.script), tmp, kernelVersion, String(diskMib)];
+      if (name === 'debian') args.push(await aptSourcesFile());
+      await run('bash', args, { maxBuffer: 64 << 20 });
+      try {
+        await rename(tmp, dir);
+      } catch (e) {
+        // Another builder won the race; its result is equivalent.
+        if (!(await exists(join(dir, 'image.json')))) throw e;
+      }
+    } catch (e) {
+      const stderr = (e as { stderr?: string }).stderr ?? '';
+      throw new ImageBuildError(name, stderr.trim().split('\n').slice(-5).join(' | ') || String(e), { cause: e });
+    } finally {
+      await rm(tmp, { recursive: true, force: true });
+    }
+  }
+  const meta = JSON.parse(await readFile(join(dir, 'image.json'), 'utf8')) as {
+    kernel: string;
+    initrd: string;
+    disk: string;
+    readyMarker: string;
+    kernelArgs?: string;
+  };
+  const { stdout } = await run('qemu-img', ['info', '--output=json', join(dir, meta.disk)]);
+  const info = JSON.parse(stdout) as { 'virtual-size': number };
+  return {
+    name,
+    recipeHash: hash,
+    kernel: join(dir, meta.kernel),
+    initrd: join(dir, meta.initrd),
+    disk: join(dir, meta.disk),
+    diskVirtualSize: info['virtual-size'],
+    kernelArgs: meta.kernelArgs ? `${r.kernelArgs} ${meta.kernelArgs}` : r.kernelArgs,
+    readyMarker: meta.readyMarker,
+  };
+}
+
+if (process.argv[1] && fileURLToPath(import.meta.url) === process.argv[1]) {
+  const name = process.argv[2] as ImageName | undefined;
+  if (name !== 'tiny' && name !== 'debian') {
+    console.error('usage: node --import tsx deploy/images/build.ts tiny|debian');
+    process.exit(2);
+  }
+  const t0 = Date.now();
+  ensureImage(name).then(
+    (img) => console.log(JSON.stringify({ ...img, ms: Date.now() - t0 }, null, 2)),
+    (e: unknown) => {
+      console.error(e);
+      process.exit(1);
+    },
+  );
+}

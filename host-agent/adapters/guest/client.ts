@@ -1,0 +1,253 @@
+// qemu-guest-agent client over the host end of a virtio-serial port (a unix socket served by
+// QEMU). The channel carries no request ids, and bytes in flight when a snapshot was taken are
+// replayed to every clone, so: one request at a time, and `sync()` (guest-sync-delimited with a
+// fresh id) before first use, after every restore, and after any timeout.
+import { randomInt } from 'node:crypto';
+import net from 'node:net';
+import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
+import type { ExecRequest, ExecResult } from '../../domain/vmm.ts';
+
+type Reader = { delimited: boolean; resolve: (line: string) => void };
+
+export class GuestAgentClient {
+  private readonly sock: net.Socket;
+  private buf: Buffer = Buffer.alloc(0);
+  private reader: Reader | undefined;
+  private closedError: Error | undefined;
+  private tail: Promise<unknown> = Promise.resolve();
+  private synced = false;
+
+  private constructor(sock: net.Socket) {
+    this.sock = sock;
+    sock.on('data', (d: Buffer) => {
+      this.buf = this.buf.length ? Buffer.concat([this.buf, d]) : d;
+      this.pump();
+    });
+    sock.on('error', () => undefined);
+    sock.on('close', () => {
+      this.closedError = new ChannelClosedError('guest agent');
+    });
+  }
+
+  static connect(path: string, timeoutMs = 5000): Promise<GuestAgentClient> {
+    return new Promise((resolve, reject) => {
+      const s = net.createConnection(path);
+      const t = setTimeout(() => {
+        s.destroy();
+        reject(new GuestAgentTimeoutError(`connect ${path}`, timeoutMs));
+      }, timeoutMs);
+      s.once('connect', () => {
+        clearTimeout(t);
+        resolve(new GuestAgentClient(s));
+      });
+      s.once('error', (e) => {
+        clearTimeout(t);
+        reject(e);
+      });
+    });
+  }
+
+  close(): void {
+    this.sock.destroy();
+  }
+
+  /**
+   * Resynchronise: send guest-sync-delimited with a fresh id until the agent answers with that
+   * id, discarding anything before it (stale replies, replayed bytes). Retries until deadline,
+   * so it doubles as "wait until the agent is up".
+   */
+  sync(deadlineMs: number, attemptMs = 1000): Promise<void> {
+    return this.serial(async () => {
+      const end = Date.now() + deadlineMs;
+      while (true) {
+        this.throwIfClosed();
+        const id = randomInt(1, 2 ** 47);
+        this.buf = Buffer.alloc(0);
+        this.sock.write(JSON.stringify({ execute: 'guest-sync-delimited', arguments: { id } }) + '\n');
+        const attemptEnd = Math.min(end, Date.now() + attemptMs);
+        try {
+          while (true) {
+            const line = await this.readLine(true, Math.max(1, attemptEnd - Date.now()));
+            const msg = tryParse(line);
+            if (msg && msg.return === id) {
+              this.synced = true;
+              return;
+            }
+          }
+        } catch (e) {
+          if (!(e instanceof GuestAgentTimeoutError)) throw e;
+          if (Date.now() >= end) throw new GuestAgentTimeoutError('guest-sync-delimited', deadlineMs);
+        }
+      }
+    });
+  }
+
+  /** One command, answered in order. A timeout leaves the channel unsynced; the next call resyncs. */
+  command<T = unknown>(execute: string, args?: Record<string, unknown>, timeoutMs = 10_000): Promise<T> {
+    return this.commandRaw<T>(execute, JSON.stringify(args === undefined ? { execute } : { execute, arguments: args }), timeoutMs);
+  }
+
+  private async commandRaw<T>(execute: string, json: string, timeoutMs: number): Promise<T> {
+    if (!this.synced) await this.sync(timeoutMs);
+    return this.serial(async () => {
+      this.throwIfClosed();
+      this.sock.write(json + '\n');
+      try {
+        while (true) {
+          const msg = tryParse(await this.readLine(false, timeoutMs));
+          if (!msg) continue;
+          if ('error' in msg) {
+            const err = msg.error as { desc?: string; class?: string };
+            throw new GuestAgentCommandError(execute, `${err.class ?? ''}: ${err.desc ?? JSON.stringify(err)}`);
+          }
+          if ('return' in msg) return msg.return as T;
+        }
+      } catch (e) {
+        if (e instanceof GuestAgentTimeoutError) {
+          this.synced = false;
+          throw new GuestAgentTimeoutError(execute, timeoutMs);
+        }
+        throw e;
+      }
+    });
+  }
+
+  async ping(timeoutMs = 5000): Promise<void> {
+    await this.command('guest-ping', undefined, timeoutMs);
+  }
+
+  /** Run a program; resolves with exit code, stdout and stderr once it has exited. */
+  async exec(req: ExecRequest): Promise<ExecResult> {
+    const timeoutMs = req.timeoutMs ?? 30_000;
+    const end = Date.now() + timeoutMs;
+    const args: Record<string, unknown> = { path: req.path, arg: req.args ?? [], 'capture-output': true };
+    if (req.env) args.env = req.env;
+    if (req.stdin) args['input-data'] = req.stdin.toString('base64');
+    const { pid } = await this.command<{ pid: number }>('guest-exec', args, timeoutMs);
+    let delay = 2;
+    while (true) {
+      const st = await this.command<{
+        exited: boolean;
+        exitcode?: number;
+        signal?: number;
+        'out-data'?: string;
+        'err-data'?: string;
+      }>('guest-exec-status', { pid }, Math.max(1, end - Date.now()));
+      if (st.exited) {
+        return {
+          exitCode: st.exitcode ?? -1,
+          signal: st.signal ?? null,
+          stdout: Buffer.from(st['out-data'] ?? '', 'base64'),
+          stderr: Buffer.from(st['err-data'] ?? '', 'base64'),
+        };
+      }
+      if (Date.now() >= end) throw new GuestAgentTimeoutError(`guest-exec ${req.path}`, timeoutMs);
+      await new Promise((r) => setTimeout(r, delay));
+      delay = Math.min(delay * 2, 50);
+    }
+  }
+
+  async readFile(path: string, timeoutMs = 10_000): Promise<Buffer> {
+    const handle = await this.command<number>('guest-file-open', { path, mode: 'r' }, timeoutMs);
+    try {
+      const parts: Buffer[] = [];
+      while (true) {
+        const r = await this.command<{ count: number; 'buf-b64': string; eof: boolean }>(
+          'guest-file-read',
+          { handle, count: 1 << 20 },
+          timeoutMs,
+        );
+        parts.push(Buffer.from(r['buf-b64'], 'base64'));
+        if (r.eof || r.count === 0) return Buffer.concat(parts);
+      }
+    } finally {
+      await this.command('guest-file-close', { handle }, timeoutMs);
+    }
+  }
+
+  async writeFile(path: string, data: Buffer, timeoutMs = 10_000): Promise<void> {
+    const handle = await this.command<number>('guest-file-open', { path, mode: 'w' }, timeoutMs);
+    try {
+      for (let off = 0; off < data.length || off === 0; off += 1 << 20) {
+        const part = data.subarray(off, off + (1 << 20));
+        await this.command('guest-file-write', { handle, 'buf-b64': part.toString('base64') }, timeoutMs);
+        if (data.length === 0) break;
+      }
+    } finally {
+      await this.command('guest-file-close', { handle }, timeoutMs);
+    }
+  }
+
+  /** Set the guest clock to `epochNs` (default: the host's now). qemu-ga also writes the RTC. */
+  async setTime(epochNs?: bigint, timeoutMs = 10_000): Promise<void> {
+    const ns = epochNs ?? BigInt(Date.now()) * 1_000_000n;
+    // Nanoseconds since the epoch exceed 2^53, so the JSON is written by hand.
+    await this.commandRaw('guest-set-time', `{"execute":"guest-set-time","arguments":{"time":${ns.toString()}}}`, timeoutMs);
+  }
+
+  private serial<T>(fn: () => Promise<T>): Promise<T> {
+    const run = this.tail.then(fn, fn);
+    this.tail = run.catch(() => undefined);
+    return run;
+  }
+
+  private throwIfClosed(): void {
+    if (this.closedError) throw this.closedError;
+  }
+
+  private readLine(delimited: boolean, timeoutMs: number): Promise<string> {
+    return new Promise((resolve, reject) => {
+      const t = setTimeout(() => {
+        this.reader = undefined;
+        clearInterval(closedPoll);
+        reject(new GuestAgentTimeoutError('read', timeoutMs));
+      }, timeoutMs);
+      const closedPoll = setInterval(() => {
+        if (this.closedError) {
+          clearTimeout(t);
+          clearInterval(closedPoll);
+          this.reader = undefined;
+          reject(this.closedError);
+        }
+      }, 20);
+      this.reader = {
+        delimited,
+        resolve: (line) => {
+          clearTimeout(t);
+          clearInterval(closedPoll);
+          resolve(line);
+        },
+      };
+      this.pump();
+    });
+  }
+
+  private pump(): void {
+    const r = this.reader;
+    if (!r) return;
+    if (r.delimited) {
+      const ff = this.buf.indexOf(0xff);
+      if (ff < 0) {
+        this.buf = Buffer.alloc(0);
+        return;
+      }
+      this.buf = this.buf.subarray(ff + 1);
+      r.delimited = false;
+    }
+    const nl = this.buf.indexOf(0x0a);
+    if (nl < 0) return;
+    const line = this.buf.subarray(0, nl).toString('utf8');
+    this.buf = this.buf.subarray(nl + 1);
+    this.reader = undefined;
+    r.resolve(line);
+  }
+}
+
+function tryParse(line: string): Record<string, unknown> | undefined {
+  try {
+    const v: unknown = JSON.parse(line.trim());
+    return v && typeof v === 'object' ? (v as Record<string, unknown>) : undefined;
+  } catch {
+    return undefined;
+  }
+}

@@ -1,0 +1,23 @@
+import { describe, expect, it } from 'vitest';
+import { qemuArgs, type QemuLaunch } from './cmdline.ts';
+
+const launch: QemuLaunch = {
+  name: 'ff-a', accel: 'tcg', memoryMib: 256, vcpus: 1, kernel: '/k', initrd: '/i', kernelArgs: 'console=ttyS0',
+  memPath: '/s/mem.img', memShared: false, disk: '/v/disk.qcow2', qmpSocket: '/v/q', agentSocket: '/v/g',
+  serialLog: '/v/serial.log', pidFile: '/v/pid', incoming: true,
+};
+
+describe('qemuArgs', () => {
+  it('args_whenClone_mapsImagePrivately', () => {
+    const a = qemuArgs(launch);
+    expect(a[a.indexOf('-object') + 1]).toBe('memory-backend-file,id=mem,size=256M,mem-path=/s/mem.img,share=off');
+    expect(a.slice(-2)).toEqual(['-incoming', 'defer']);
+  });
+  it('args_whenTemplateOnKvm_sharesFileAndUsesHostCpu', () => {
+    const a = qemuArgs({ ...launch, memShared: true, accel: 'kvm', incoming: false });
+    expect(a).toContain('memory-backend-file,id=mem,size=256M,mem-path=/s/mem.img,share=on');
+    expect(a[a.indexOf('-cpu') + 1]).toBe('host');
+    expect(a[a.indexOf('-accel') + 1]).toBe('kvm');
+    expect(a).not.toContain('-incoming');
+  });
+});

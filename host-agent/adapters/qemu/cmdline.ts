@@ -1,0 +1,90 @@
+// QEMU command lines for Forkfleet VMs (pure). One device set for every VM of a machine type,
+// because a snapshot restores only into the same machine, memory size and devices
+// (VMM-NOTES gotcha 5); fingerprint() is what the snapshot manifest records of it.
+import type { Accel, VmConfigFingerprint } from '../../domain/vmm.ts';
+
+export const MACHINE_TYPE = 'microvm';
+export const AGENT_PORT = 'org.qemu.guest_agent.0';
+export const DEVICES: readonly string[] = [
+  'isa-serial',
+  'memory-backend-file:mem',
+  'virtio-blk-device:qcow2',
+  'virtio-rng-device',
+  'virtio-serial-device',
+  `virtserialport:${AGENT_PORT}`,
+];
+
+export function cpuModel(accel: Accel): string {
+  return accel === 'kvm' ? 'host' : 'max';
+}
+
+export interface QemuLaunch {
+  name: string;
+  accel: Accel;
+  memoryMib: number;
+  vcpus: number;
+  kernel: string;
+  initrd: string;
+  kernelArgs: string;
+  /**
+   * Guest RAM file: share=on for a VM booted from an image, share=off (a private copy-on-write
+   * mapping that never writes back) for a clone. Not readonly=on: QEMU 7.2 would then map guest
+   * RAM PROT_READ.
+   */
+  memPath: string;
+  memShared: boolean;
+  /** Anonymous RAM instead of the file (classic save/restore baseline in the benchmark). */
+  anonymousRam?: boolean;
+  disk: string;
+  qmpSocket: string;
+  agentSocket: string;
+  serialLog: string;
+  pidFile: string;
+  /** Wait for `migrate-incoming` instead of booting. */
+  incoming: boolean;
+  /** Do not start vCPUs when ready (receivers that must never run the guest). */
+  startPaused?: boolean;
+  /** TCG translation-cache size in MiB (bounds per-VM memory under TCG). */
+  tcgTbMib?: number;
+}
+
+export function qemuArgs(l: QemuLaunch): string[] {
+  const accelArg = l.accel === 'kvm' ? 'kvm' : `tcg,tb-size=${l.tcgTbMib ?? 64}`;
+  const mem = [
+    'memory-backend-file',
+    'id=mem',
+    `size=${l.memoryMib}M`,
+    `mem-path=${l.memPath}`,
+    l.memShared ? 'share=on' : 'share=off',
+  ].join(',');
+  const ramObject = l.anonymousRam ? `memory-backend-ram,id=mem,size=${l.memoryMib}M` : mem;
+  const args = [
+    '-name', l.name,
+    '-machine', `${MACHINE_TYPE},pit=on,pic=on,rtc=on,memory-backend=mem`,
+    '-accel', accelArg,
+    '-cpu', cpuModel(l.accel),
+    '-m', `${l.memoryMib}M`,
+    '-smp', String(l.vcpus),
+    '-object', ramObject,
+    '-nodefaults', '-no-user-config', '-nographic',
+    '-serial', `file:${l.serialLog}`,
+    '-kernel', l.kernel,
+    '-initrd', l.initrd,
+    '-append', l.kernelArgs,
+    '-device', 'virtio-serial-device',
+    '-chardev', `socket,id=qga0,path=${l.agentSocket},server=on,wait=off`,
+    '-device', `virtserialport,chardev=qga0,name=${AGENT_PORT}`,
+    '-drive', `if=none,id=disk0,file=${l.disk},format=qcow2,cache=writeback,discard=unmap`,
+    '-device', 'virtio-blk-device,drive=disk0',
+    '-device', 'virtio-rng-device',
+    '-qmp', `unix:${l.qmpSocket},server=on,wait=off`,
+    '-pidfile', l.pidFile,
+  ];
+  if (l.incoming) args.push('-incoming', 'defer');
+  if (l.startPaused) args.push('-S');
+  return args;
+}
+
+export function fingerprint(accel: Accel, memoryMib: number, vcpus: number, qemuVersion: string): VmConfigFingerprint {
+  return { machineType: MACHINE_TYPE, memoryMib, vcpus, devices: [...DEVICES], qemuVersion, accel, cpuModel: cpuModel(accel) };
+}

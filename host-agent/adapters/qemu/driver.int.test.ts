@@ -1,0 +1,216 @@
+// Integration tests of the QEMU VmmDriver against real QEMU (TCG on the dev machine).
+// One template VM is booted for the file and everything forks from its snapshot.
+import { createHash } from 'node:crypto';
+import { createReadStream } from 'node:fs';
+import { mkdtemp, readdir, rm, stat } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { pino } from 'pino';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { ensureImage } from '../../../deploy/images/build.ts';
+import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
+import type { GuestImage, LocalSnapshot, VmEvent } from '../../domain/vmm.ts';
+import { QemuVmmDriver } from './driver.ts';
+import { cmdlineOf, killHard } from './process.ts';
+
+const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
+let root: string;
+let image: GuestImage;
+let driver: QemuVmmDriver;
+let snap: LocalSnapshot;
+const MEM = 128;
+
+async function sh(vmId: string, script: string, d = driver): Promise<string> {
+  const r = await d.exec(vmId, { path: '/bin/sh', args: ['-c', script], timeoutMs: 30_000 });
+  if (r.exitCode !== 0) throw new Error(`${vmId}: ${script}: exit ${r.exitCode} ${r.stderr.toString()}`);
+  return r.stdout.toString().trim();
+}
+
+async function digest(path: string): Promise<string> {
+  const h = createHash('sha256');
+  for await (const chunk of createReadStream(path)) h.update(chunk as Buffer);
+  return h.digest('hex');
+}
+
+/** Every live process whose command line mentions the test root (QEMU of ours). */
+async function ourProcesses(): Promise<number[]> {
+  const pids: number[] = [];
+  for (const d of await readdir('/proc')) {
+    if (!/^\d+$/.test(d)) continue;
+    const cmd = await cmdlineOf(Number(d));
+    if (cmd && cmd[0]?.includes('qemu') && cmd.some((a) => a.includes(root))) pids.push(Number(d));
+  }
+  return pids;
+}
+
+const COUNTER = "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' </dev/null >/dev/null 2>&1 &";
+
+beforeAll(async () => {
+  image = await ensureImage('tiny');
+  root = await mkdtemp(join(tmpdir(), 'ffv-'));
+  driver = new QemuVmmDriver({ root, accel: 'tcg', logger });
+  await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1, hostname: 'tpl' });
+  await sh('tpl', COUNTER);
+  await driver.writeFile('tpl', '/dev/shm/marker', Buffer.from('tmpfs-before-snapshot'));
+  await sh('tpl', 'echo disk-before-snapshot > /data/marker && sync');
+  await new Promise((r) => setTimeout(r, 500));
+  snap = await driver.snapshot('tpl', 'snap-tpl');
+});
+
+afterAll(async () => {
+  await driver?.close().catch(() => undefined);
+  // Safety net by PID, even if a test failed half-way.
+  if (root) {
+    for (const pid of await ourProcesses()) killHard(pid);
+    await rm(root, { recursive: true, force: true });
+  }
+});
+
+describe('QemuVmmDriver (real QEMU)', () => {
+  it('snapshot_whenTemplateSnapshotted_sourceKeepsRunningAndImageIsImmutable', async () => {
+    expect(snap.manifest.method).toBe('shared-file');
+    expect(snap.manifest.config).toMatchObject({ machineType: 'microvm', memoryMib: MEM, accel: 'tcg', cpuModel: 'max' });
+    expect(snap.manifest.sourcePauseMs).toBeGreaterThan(0);
+    const a = Number(await sh('tpl', 'cat /tmp/counter'));
+    await new Promise((r) => setTimeout(r, 700));
+    const b = Number(await sh('tpl', 'cat /tmp/counter'));
+    expect(b).toBeGreaterThan(a);
+    for (const f of ['mem.img', 'state.bin', 'disk.qcow2']) {
+      expect((await stat(join(snap.dir, f))).mode & 0o777).toBe(0o444);
+    }
+    expect(driver.get('tpl')?.baseSnapshotId).toBe('snap-tpl');
+  });
+
+  it('restore_whenSnapshotRestored_counterProcessAndTmpfsFileSurvive', async () => {
+    const vm = await driver.restore(snap, { vmId: 'r1', hostname: 'r1', sandboxId: 'sb-r1' });
+    expect(vm.state).toBe('running');
+    expect((await driver.readFile('r1', '/dev/shm/marker')).toString()).toBe('tmpfs-before-snapshot');
+    expect(await sh('r1', 'cat /data/marker')).toBe('disk-before-snapshot');
+    const a = Number(await sh('r1', 'cat /tmp/counter'));
+    await new Promise((r) => setTimeout(r, 700));
+    const b = Number(await sh('r1', 'cat /tmp/counter'));
+    expect(a).toBeGreaterThan(0);
+    expect(b).toBeGreaterThan(a);
+    expect(await sh('r1', 'hostname')).toBe('r1');
+    expect(await sh('r1', 'cat /run/forkfleet/sandbox-id')).toBe('sb-r1');
+    await driver.destroy('r1');
+  });
+
+  it('fork_whenFourChildren_eachDivergesIndependentlyWithFreshRngClockAndIdentity', async () => {
+    const memBefore = await digest(join(snap.dir, 'mem.img'));
+    const diskBefore = await digest(join(snap.dir, 'disk.qcow2'));
+    const ids = ['c0', 'c1', 'c2', 'c3'];
+    const vms = await driver.fork(snap, ids.map((vmId) => ({ vmId, hostname: `h-${vmId}`, sandboxId: `sb-${vmId}` })));
+    expect(vms.map((v) => v.state)).toEqual(['running', 'running', 'running', 'running']);
+    // Each child writes its own data to tmpfs and disk.
+    await Promise.all(ids.map((id) => sh(id, `echo ${id} > /dev/shm/me && echo ${id} > /data/me && sync`)));
+    for (const id of ids) {
+      expect(await sh(id, 'cat /dev/shm/me /data/me')).toBe(`${id}\n${id}`);
+      expect(await sh(id, 'hostname')).toBe(`h-${id}`);
+      expect(await sh(id, 'cat /run/forkfleet/sandbox-id')).toBe(`sb-${id}`);
+    }
+    // RNG: every child produces different bytes.
+    const rng = await Promise.all(ids.map((id) => sh(id, 'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \\n"')));
+    expect(new Set(rng).size).toBe(ids.length);
+    // Clock: within 1 s of the host (bounded by the exec round trip).
+    for (const id of ids) {
+      const before = Date.now() / 1000;
+      const guest = Number(await sh(id, 'date +%s'));
+      const after = Date.now() / 1000;
+      expect(guest).toBeGreaterThanOrEqual(Math.floor(before) - 1);
+      expect(guest).toBeLessThanOrEqual(Math.ceil(after) + 1);
+    }
+    // The parent's memory image and disk layer are untouched by the children.
+    expect(await digest(join(snap.dir, 'mem.img'))).toBe(memBefore);
+    expect(await digest(join(snap.dir, 'disk.qcow2'))).toBe(diskBefore);
+    for (const id of ids.slice(1)) await driver.destroy(id);
+  });
+
+  it('snapshot_whenForkedChildSnapshotted_branchOfBranchRestoresAndChildContinues', async () => {
+    // c0 is a clone (share=off); its snapshot goes through a receiver.
+    await sh('c0', 'echo branch-data > /dev/shm/branch && echo branch-disk > /data/branch && sync');
+    const s2 = await driver.snapshot('c0', 'snap-c0');
+    expect(s2.manifest.method).toBe('receiver');
+    expect(s2.manifest.parentSnapshotId).toBe('snap-tpl');
+    // The source continues and can write after its snapshot.
+    await sh('c0', 'echo after > /dev/shm/after');
+    const [g] = await driver.fork(s2, [{ vmId: 'g0', hostname: 'g0' }]);
+    expect(g?.state).toBe('running');
+    expect(await sh('g0', 'cat /dev/shm/branch /data/branch /dev/shm/me /dev/shm/marker')).toBe(
+      'branch-data\nbranch-disk\nc0\ntmpfs-before-snapshot',
+    );
+    expect(await sh('g0', 'test -e /dev/shm/after || echo absent')).toBe('absent');
+    const a = Number(await sh('g0', 'cat /tmp/counter'));
+    await new Promise((r) => setTimeout(r, 700));
+    expect(Number(await sh('g0', 'cat /tmp/counter'))).toBeGreaterThan(a);
+    // A snapshot of a snapshot's child: the grand-child snapshots too (branches of branches).
+    const s3 = await driver.snapshot('g0', 'snap-g0');
+    const [gg] = await driver.fork(s3, [{ vmId: 'gg0' }]);
+    expect(await sh(gg?.vmId ?? '', 'cat /data/branch')).toBe('branch-disk');
+    await driver.destroy('gg0');
+    await driver.destroy('g0');
+    await driver.destroy('c0');
+    await expect(driver.deleteSnapshot(s2)).rejects.toThrow(/in use by snapshot snap-g0/);
+    await driver.deleteSnapshot(s3);
+    await driver.deleteSnapshot(s2);
+  });
+
+  it('pause_thenResume_guestContinues', async () => {
+    await driver.pause('tpl');
+    expect(driver.get('tpl')?.state).toBe('paused');
+    await expect(driver.exec('tpl', { path: '/bin/true' })).rejects.toThrow(/paused/);
+    await driver.resume('tpl');
+    expect(await sh('tpl', 'echo ok')).toBe('ok');
+  });
+
+  it('restore_whenHostIncompatible_refusesNamingEveryDifference', async () => {
+    const bad: LocalSnapshot = {
+      dir: snap.dir,
+      manifest: { ...snap.manifest, config: { ...snap.manifest.config, accel: 'kvm', cpuModel: 'host', qemuVersion: '8.2.2', devices: ['virtio-blk-device:qcow2'] } },
+    };
+    const err = await driver.restore(bad, { vmId: 'never' }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(IncompatibleSnapshotError);
+    expect((err as IncompatibleSnapshotError).differences.map((d) => d.field)).toEqual(['qemuVersion', 'accel', 'cpuModel', 'devices']);
+    expect((err as Error).message).toMatch(/accel \(snapshot kvm, host tcg\)/);
+    expect(driver.get('never')).toBeUndefined();
+  });
+
+  it('crash_whenQemuKilledWith9_isDetectedAndReported', async () => {
+    const [vm] = await driver.fork(snap, [{ vmId: 'victim' }]);
+    const events: VmEvent[] = [];
+    const off = driver.onEvent((e) => events.push(e));
+    killHard(vm?.pid ?? 0);
+    const t0 = Date.now();
+    while (!events.some((e) => e.type === 'crashed') && Date.now() - t0 < 5000) await new Promise((r) => setTimeout(r, 20));
+    off();
+    expect(events).toContainEqual(expect.objectContaining({ type: 'crashed', vmId: 'victim', pid: vm?.pid }));
+    expect(driver.get('victim')?.state).toBe('crashed');
+    await expect(driver.exec('victim', { path: '/bin/true' })).rejects.toBeInstanceOf(VmCrashedError);
+    await driver.destroy('victim');
+    expect(driver.get('victim')).toBeUndefined();
+  });
+
+  it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
+    // Simulate an agent crash: forget everything without killing QEMU.
+    driver.detach();
+    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger });
+    const report = await restarted.recover('adopt');
+    expect(report.adopted).toEqual(['tpl']);
+    expect(await sh('tpl', 'cat /dev/shm/marker', restarted)).toBe('tmpfs-before-snapshot');
+    driver = restarted;
+    await driver.close();
+    await driver.deleteSnapshot(snap);
+    expect(await ourProcesses()).toEqual([]);
+    expect(await readdir(join(root, 'vms'))).toEqual([]);
+    expect(await readdir(join(root, 'snapshots'))).toEqual([]);
+  });
+
+  it('resolveAccel_whenAutoAndKvmCannotBootGuest_fallsBackToTcg', async () => {
+    const auto = new QemuVmmDriver({ root, accel: 'auto', logger, probeImage: image, autoProbeDeadlineMs: 4000 });
+    const accel = await auto.resolveAccel();
+    // On a bare-metal KVM host this would be 'kvm'; here /dev/kvm is PVM and stock guests hang.
+    expect(['kvm', 'tcg']).toContain(accel);
+    expect(await ourProcesses()).toEqual([]);
+    expect(await readdir(join(root, 'vms'))).toEqual([]);
+  });
+});

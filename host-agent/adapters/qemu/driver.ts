@@ -1,0 +1,1055 @@
+// QEMU implementation of the VmmDriver port (DESIGN.md decision 2, VMM-NOTES.md).
+//
+// Layout under `root` (one filesystem, so snapshot files can be renamed into place):
+//   vms/<vmId>/        vm.json, qemu.<gen>.pid, qmp.<gen>.sock, qga.<gen>.sock, serial.log,
+//                      qemu.<gen>.log, disk.<gen>.qcow2 and, for a VM booted from an image,
+//                      mem.<gen>.img (share=on). <gen> grows when a snapshot replaces the process.
+//   snapshots/<id>/    manifest.json (written last: its presence means complete), mem.img,
+//                      state.bin, disk.qcow2, all 0444 and never written again.
+// Invariant: a VM record exists exactly while its workdir exists; the pid files in a workdir
+// name every QEMU that may still run for it, so recover() can adopt or reap after a restart.
+import { randomBytes } from 'node:crypto';
+import { access, chmod, link, mkdir, readdir, readFile, rename, rm, stat, unlink, writeFile } from 'node:fs/promises';
+import { constants, createReadStream, createWriteStream } from 'node:fs';
+import net from 'node:net';
+import { join } from 'node:path';
+import type { Logger } from 'pino';
+import {
+  IncompatibleSnapshotError,
+  InvalidArgumentError,
+  InvalidVmStateError,
+  KvmUnavailableError,
+  SnapshotInUseError,
+  SnapshotNotFoundError,
+  VmAlreadyExistsError,
+  VmBootTimeoutError,
+  VmCrashedError,
+  VmmError,
+  VmNotFoundError,
+  CloneHygieneError,
+} from '../../errors.ts';
+import { diffFingerprint } from '../../domain/compat.ts';
+import { canTransition } from '../../domain/lifecycle.ts';
+import {
+  systemClock,
+  type Accel,
+  type AccelSetting,
+  type Clock,
+  type CloneSpec,
+  type CreateVmSpec,
+  type ExecRequest,
+  type ExecResult,
+  type GuestImage,
+  type LocalSnapshot,
+  type RecoveryReport,
+  type SnapshotManifest,
+  type VmEvent,
+  type VmInfo,
+  type VmmDriver,
+  type VmState,
+} from '../../domain/vmm.ts';
+import { GuestAgentClient } from '../guest/client.ts';
+import { QmpClient, type QmpEvent } from '../qmp/client.ts';
+import { fingerprint, qemuArgs, type QemuLaunch } from './cmdline.ts';
+import {
+  adoptProcess,
+  cmdlineOf,
+  isAlive,
+  killAndWait,
+  killHard,
+  qemuImgCreateOverlay,
+  qemuVersion,
+  spawnQemu,
+  type QemuProcess,
+} from './process.ts';
+
+export interface QemuDriverOptions {
+  /** Root of VM workdirs and snapshots. Keep it short: unix socket paths are limited to 107 bytes. */
+  root: string;
+  accel: AccelSetting;
+  logger: Logger;
+  clock?: Clock;
+  qemuBinary?: string;
+  /** Cold boot to "agent answers" deadline. Default 90 s (TCG on 2 cores is slow). */
+  bootTimeoutMs?: number;
+  /** Restore to "agent answers" deadline. Default 60 s. */
+  restoreTimeoutMs?: number;
+  /** accel=auto: how long a KVM guest gets to prove it boots. Default 15 s. */
+  autoProbeDeadlineMs?: number;
+  /** accel=auto: the image the probe boots. Required when accel is auto and /dev/kvm exists. */
+  probeImage?: GuestImage;
+  /** TCG translation cache per VM, MiB. Default 64. */
+  tcgTbMib?: number;
+}
+
+/** What vm.json holds: enough to rebuild the record after an agent restart. */
+interface VmPersisted {
+  info: VmInfo;
+  image: GuestImage;
+  kernelArgs: string;
+  memPath: string;
+  memShared: boolean;
+  diskPath: string;
+  gen: number;
+  /** Snapshots this VM's memory or disk chain depends on (nearest first). */
+  dependsOn: string[];
+}
+
+interface VmRecord extends VmPersisted {
+  proc: QemuProcess;
+  qmp: QmpClient;
+  agent: GuestAgentClient | undefined;
+  /** Set while we stop or replace the process on purpose, so its exit is not a crash. */
+  expectExit: boolean;
+  log: Logger;
+  lock: Promise<unknown>;
+}
+
+const VM_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$/;
+const MIGRATION_TIMEOUT_MS = 120_000;
+
+export class QemuVmmDriver implements VmmDriver {
+  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage'>> & { probeImage?: GuestImage };
+  private readonly vms = new Map<string, VmRecord>();
+  private readonly listeners = new Set<(e: VmEvent) => void>();
+  private accelPromise: Promise<Accel> | undefined;
+  private versionPromise: Promise<string> | undefined;
+
+  constructor(opts: QemuDriverOptions) {
+    this.opts = {
+      clock: systemClock,
+      qemuBinary: 'qemu-system-x86_64',
+      bootTimeoutMs: 90_000,
+      restoreTimeoutMs: 60_000,
+      autoProbeDeadlineMs: 15_000,
+      tcgTbMib: 64,
+      ...opts,
+    };
+  }
+
+  private get vmsDir(): string {
+    return join(this.opts.root, 'vms');
+  }
+  private get snapshotsDir(): string {
+    return join(this.opts.root, 'snapshots');
+  }
+
+  qemuVersion(): Promise<string> {
+    this.versionPromise ??= qemuVersion(this.opts.qemuBinary);
+    return this.versionPromise;
+  }
+
+  // ---------------------------------------------------------------- accel
+
+  resolveAccel(): Promise<Accel> {
+    this.accelPromise ??= this.decideAccel();
+    return this.accelPromise;
+  }
+
+  private async decideAccel(): Promise<Accel> {
+    const log = this.opts.logger;
+    if (this.opts.accel === 'tcg') return 'tcg';
+    let kvmOk = true;
+    try {
+      await access('/dev/kvm', constants.R_OK | constants.W_OK);
+    } catch {
+      kvmOk = false;
+    }
+    if (this.opts.accel === 'kvm') {
+      if (!kvmOk) throw new KvmUnavailableError('/dev/kvm missing or not accessible');
+      return 'kvm';
+    }
+    if (!kvmOk) {
+      log.info({ accel: 'tcg', reason: 'no /dev/kvm' }, 'accel auto: chose tcg');
+      return 'tcg';
+    }
+    if (!this.opts.probeImage) throw new InvalidArgumentError('probeImage', 'required for accel=auto');
+    // Prove KVM can run a stock guest: boot one to "agent answers" within the deadline.
+    const vmId = `kvmprobe-${process.pid}-${randomBytes(3).toString('hex')}`;
+    const t0 = Date.now();
+    try {
+      await this.boot({ vmId, image: this.opts.probeImage, memoryMib: 128, vcpus: 1 }, 'kvm', this.opts.autoProbeDeadlineMs);
+      log.info({ accel: 'kvm', probeMs: Date.now() - t0 }, 'accel auto: chose kvm (probe guest booted)');
+      return 'kvm';
+    } catch (e) {
+      log.warn({ accel: 'tcg', probeMs: Date.now() - t0, err: String(e) }, 'accel auto: kvm guest did not boot in time; chose tcg');
+      return 'tcg';
+    } finally {
+      await this.destroy(vmId);
+    }
+  }
+
+  // ---------------------------------------------------------------- create
+
+  async create(spec: CreateVmSpec): Promise<VmInfo> {
+    validateId('vmId', spec.vmId);
+    if (spec.memoryMib < 64 || spec.memoryMib > 65536) throw new InvalidArgumentError('memoryMib', 'must be 64..65536');
+    if (spec.vcpus < 1 || spec.vcpus > 64) throw new InvalidArgumentError('vcpus', 'must be 1..64');
+    const accel = await this.resolveAccel();
+    return this.boot(spec, accel, this.opts.bootTimeoutMs);
+  }
+
+  private async boot(spec: CreateVmSpec, accel: Accel, deadlineMs: number): Promise<VmInfo> {
+    const t0 = this.opts.clock.now();
+    const workdir = await this.makeWorkdir(spec.vmId);
+    const hostname = spec.hostname ?? spec.vmId;
+    const sandboxId = spec.sandboxId ?? spec.vmId;
+    const kernelArgs = `${spec.image.kernelArgs} ff.hostname=${hostname} ff.sandbox=${sandboxId}`;
+    const gen = 0;
+    const diskPath = join(workdir, `disk.${gen}.qcow2`);
+    const memPath = join(workdir, `mem.${gen}.img`);
+    const log = this.opts.logger.child({ vmId: spec.vmId });
+    try {
+      await qemuImgCreateOverlay(spec.image.disk, diskPath, spec.image.diskVirtualSize);
+      const persisted: VmPersisted = {
+        info: {
+          vmId: spec.vmId, state: 'starting', accel, pid: 0, workdir, memoryMib: spec.memoryMib, vcpus: spec.vcpus,
+          hostname, sandboxId, baseSnapshotId: null, readyMs: 0,
+        },
+        image: spec.image, kernelArgs, memPath, memShared: true, diskPath, gen, dependsOn: [],
+      };
+      const rec = await this.launch(persisted, log, { incoming: false });
+      rec.agent = await this.connectAgent(rec, deadlineMs - (this.opts.clock.now() - t0));
+      await this.healthCheck(rec, 10_000);
+      rec.info.readyMs = this.opts.clock.now() - t0;
+      this.setState(rec, 'running');
+      await this.persist(rec);
+      log.info({ accel, readyMs: rec.info.readyMs, pid: rec.proc.pid }, 'vm booted');
+      return { ...rec.info };
+    } catch (e) {
+      await this.destroy(spec.vmId).catch(() => undefined);
+      await rm(workdir, { recursive: true, force: true });
+      if (e instanceof VmCrashedError || e instanceof VmmError) throw e;
+      throw new VmBootTimeoutError(spec.vmId, deadlineMs, { cause: e });
+    }
+  }
+
+  private async makeWorkdir(vmId: string): Promise<string> {
+    const workdir = join(this.vmsDir, vmId);
+    if (this.vms.has(vmId)) throw new VmAlreadyExistsError(vmId);
+    await mkdir(this.vmsDir, { recursive: true });
+    try {
+      await mkdir(workdir);
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code === 'EEXIST') throw new VmAlreadyExistsError(vmId);
+      throw e;
+    }
+    return workdir;
+  }
+
+  /** The launch description of a VM's current process (for tools below the port, e.g. the benchmark). */
+  launchOf(vmId: string): QemuLaunch {
+    const rec = this.mustGet(vmId);
+    return this.launchSpec(rec, rec.gen, rec.memPath, rec.memShared, rec.diskPath, false);
+  }
+
+  private launchSpec(p: VmPersisted, gen: number, memPath: string, memShared: boolean, disk: string, incoming: boolean, dir = p.info.workdir): QemuLaunch {
+    return {
+      name: `ff-${p.info.vmId}`,
+      accel: p.info.accel,
+      memoryMib: p.info.memoryMib,
+      vcpus: p.info.vcpus,
+      kernel: p.image.kernel,
+      initrd: p.image.initrd,
+      kernelArgs: p.kernelArgs,
+      memPath,
+      memShared,
+      disk,
+      qmpSocket: join(dir, `qmp.${gen}.sock`),
+      agentSocket: join(dir, `qga.${gen}.sock`),
+      serialLog: join(dir, 'serial.log'),
+      pidFile: join(dir, `qemu.${gen}.pid`),
+      incoming,
+      tcgTbMib: this.opts.tcgTbMib,
+    };
+  }
+
+  /** Spawn QEMU for `p` (generation p.gen) and connect QMP; registers the record. */
+  private async launch(p: VmPersisted, log: Logger, o: { incoming: boolean }): Promise<VmRecord> {
+    const l = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, o.incoming);
+    const { proc, qmp } = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`));
+    const rec: VmRecord = { ...p, proc, qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
+    rec.info.pid = proc.pid;
+    this.vms.set(p.info.vmId, rec);
+    this.watch(rec);
+    return rec;
+  }
+
+  private async spawnAndConnect(l: QemuLaunch, logPath: string): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+    const proc = spawnQemu(this.opts.qemuBinary, qemuArgs(l), logPath);
+    let dead = false;
+    void proc.exited.then(() => (dead = true));
+    try {
+      const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => !dead);
+      return { proc, qmp };
+    } catch (e) {
+      await killAndWait(proc);
+      const err = await readFile(logPath, 'utf8').catch(() => '');
+      throw new VmmError(`QEMU did not start: ${err.trim().split('\n').slice(-3).join(' | ')}`, { cause: e });
+    }
+  }
+
+  /** Crash detection: QMP closing when we did not ask QEMU to go is a crash. */
+  private watch(rec: VmRecord): void {
+    const { qmp, proc } = rec;
+    qmp.onClosed(() => {
+      if (rec.expectExit || rec.proc !== proc || this.vms.get(rec.info.vmId) !== rec) return;
+      const detail = `QEMU pid ${proc.pid} exited unexpectedly`;
+      rec.log.error({ pid: proc.pid }, 'vm crashed');
+      rec.agent?.close();
+      if (canTransition(rec.info.state, 'crashed')) this.setState(rec, 'crashed');
+      this.emit({ type: 'crashed', vmId: rec.info.vmId, pid: proc.pid, detail });
+    });
+  }
+
+  private async connectAgent(rec: VmRecord, deadlineMs: number): Promise<GuestAgentClient> {
+    const agent = await GuestAgentClient.connect(join(rec.info.workdir, `qga.${rec.gen}.sock`));
+    try {
+      await agent.sync(Math.max(1000, deadlineMs), 1000);
+    } catch (e) {
+      agent.close();
+      if (rec.qmp.closed) throw new VmCrashedError(rec.info.vmId, 'QEMU exited before its guest agent answered', { cause: e });
+      throw e;
+    }
+    return agent;
+  }
+
+  private async healthCheck(rec: VmRecord, timeoutMs: number): Promise<void> {
+    const r = await this.agentOf(rec).exec({ path: '/bin/true', timeoutMs });
+    if (r.exitCode !== 0) throw new CloneHygieneError(rec.info.vmId, 'health (exec /bin/true)');
+  }
+
+  // ---------------------------------------------------------------- guest operations
+
+  private agentOf(rec: VmRecord): GuestAgentClient {
+    if (rec.info.state === 'crashed') throw new VmCrashedError(rec.info.vmId, 'QEMU is gone');
+    if (!rec.agent) throw new InvalidVmStateError(rec.info.vmId, rec.info.state, 'talk to the guest agent');
+    return rec.agent;
+  }
+
+  private running(vmId: string, op: string): VmRecord {
+    const rec = this.mustGet(vmId);
+    if (rec.info.state === 'crashed') throw new VmCrashedError(vmId, 'QEMU is gone');
+    if (rec.info.state !== 'running') throw new InvalidVmStateError(vmId, rec.info.state, op);
+    return rec;
+  }
+
+  async exec(vmId: string, req: ExecRequest): Promise<ExecResult> {
+    return this.agentOf(this.running(vmId, 'exec')).exec(req);
+  }
+
+  async readFile(vmId: string, path: string): Promise<Buffer> {
+    return this.agentOf(this.running(vmId, 'read a file')).readFile(path);
+  }
+
+  async writeFile(vmId: string, path: string, data: Buffer): Promise<void> {
+    return this.agentOf(this.running(vmId, 'write a file')).writeFile(path, data);
+  }
+
+  // ---------------------------------------------------------------- pause / resume
+
+  pause(vmId: string): Promise<void> {
+    return this.locked(vmId, async (rec) => {
+      if (rec.info.state === 'paused') return;
+      this.assertState(rec, 'running', 'pause');
+      await rec.qmp.execute('stop');
+      this.setState(rec, 'paused');
+      await this.persist(rec);
+    });
+  }
+
+  resume(vmId: string): Promise<void> {
+    return this.locked(vmId, async (rec) => {
+      if (rec.info.state === 'running') return;
+      this.assertState(rec, 'paused', 'resume');
+      await rec.qmp.execute('cont');
+      this.setState(rec, 'running');
+      await this.persist(rec);
+      // The guest clock stood still while paused (VMM-NOTES gotcha 2); fix it in the background
+      // so resume stays a single QMP round trip.
+      void rec.agent?.setTime().catch((e: unknown) => rec.log.warn({ err: String(e) }, 'clock resync after resume failed'));
+    });
+  }
+
+  // ---------------------------------------------------------------- snapshot
+
+  snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot> {
+    validateId('snapshotId', snapshotId);
+    return this.locked(vmId, async (rec) => {
+      const before = rec.info.state;
+      if (before !== 'running' && before !== 'paused') throw new InvalidVmStateError(vmId, before, 'snapshot');
+      const dir = join(this.snapshotsDir, snapshotId);
+      await mkdir(this.snapshotsDir, { recursive: true });
+      try {
+        await mkdir(dir);
+      } catch (e) {
+        if ((e as NodeJS.ErrnoException).code === 'EEXIST') {
+          // Idempotent: the same snapshot taken before is returned as it is.
+          return this.openSnapshot(dir);
+        }
+        throw e;
+      }
+      this.setState(rec, 'snapshotting');
+      try {
+        const result = rec.memShared
+          ? await this.snapshotSharedFile(rec, dir, snapshotId, before === 'paused')
+          : await this.snapshotViaReceiver(rec, dir, snapshotId, before === 'paused');
+        const manifest: SnapshotManifest = {
+          schema: 1,
+          snapshotId,
+          parentSnapshotId: result.parent,
+          sourceVmId: vmId,
+          createdAt: new Date(this.opts.clock.now()).toISOString(),
+          config: fingerprint(rec.info.accel, rec.info.memoryMib, rec.info.vcpus, await this.qemuVersion()),
+          image: { name: rec.image.name, recipeHash: rec.image.recipeHash, kernelArgs: rec.kernelArgs },
+          files: { memory: 'mem.img', deviceState: 'state.bin', disk: 'disk.qcow2' },
+          diskVirtualSize: rec.image.diskVirtualSize,
+          method: rec.memShared ? 'shared-file' : 'receiver',
+          sourcePauseMs: result.pauseMs,
+        };
+        // After the template path the VM itself now maps this snapshot.
+        if (result.vmNowMapsSnapshot) {
+          rec.memShared = false;
+          rec.memPath = join(dir, 'mem.img');
+          rec.info.baseSnapshotId = snapshotId;
+        }
+        rec.dependsOn = [snapshotId, ...rec.dependsOn];
+        await writeJsonAtomic(join(dir, 'image.json'), rec.image);
+        for (const f of ['mem.img', 'state.bin', 'disk.qcow2', 'image.json']) await chmod(join(dir, f), 0o444);
+        await writeJsonAtomic(join(dir, 'manifest.json'), manifest);
+        await chmod(join(dir, 'manifest.json'), 0o444);
+        this.setState(rec, before);
+        await this.persist(rec);
+        rec.log.info({ snapshotId, method: manifest.method, pauseMs: result.pauseMs }, 'snapshot taken');
+        return { dir, manifest };
+      } catch (e) {
+        rec.log.error({ snapshotId, err: String(e) }, 'snapshot failed');
+        if (rec.info.state === 'snapshotting') this.setState(rec, rec.qmp.closed ? 'crashed' : before);
+        await rm(dir, { recursive: true, force: true });
+        throw e;
+      }
+    });
+  }
+
+  /**
+   * The VM booted with a share=on memory file, so that file already is the memory image.
+   * A replacement QEMU (share=off clone of the snapshot, -incoming defer) is launched first;
+   * the pause is then stop + device state save + kill source + state load + cont.
+   */
+  private async snapshotSharedFile(rec: VmRecord, dir: string, snapshotId: string, keepPaused: boolean): Promise<{ pauseMs: number; parent: string | null; vmNowMapsSnapshot: boolean }> {
+    const memImg = join(dir, 'mem.img');
+    const diskImg = join(dir, 'disk.qcow2');
+    const stateBin = join(dir, 'state.bin');
+    const newGen = rec.gen + 1;
+    const newDisk = join(rec.info.workdir, `disk.${snapshotId}.qcow2`);
+    // A rename leaves the running QEMU's memory mapping untouched. The disk is hard-linked,
+    // not renamed: QEMU's file driver reopens images by name when migration inactivates them.
+    await rename(rec.memPath, memImg);
+    await link(rec.diskPath, diskImg);
+    const undo = async (): Promise<void> => {
+      await rename(memImg, rec.memPath).catch(() => undefined);
+      await unlink(diskImg).catch(() => undefined);
+    };
+    let repl: { proc: QemuProcess; qmp: QmpClient } | undefined;
+    let feedReplacement: ((file: string) => Promise<void>) | undefined;
+    try {
+      await qemuImgCreateOverlay(diskImg, newDisk, rec.image.diskVirtualSize);
+      repl = await this.spawnAndConnect(
+        this.launchSpec(rec, newGen, memImg, false, newDisk, true),
+        join(rec.info.workdir, `qemu.${newGen}.log`),
+      );
+      await setCaps(repl.qmp, { events: true, 'x-ignore-shared': true });
+      await setCaps(rec.qmp, { events: true, 'x-ignore-shared': true });
+      feedReplacement = await armIncoming(repl.qmp, join(rec.info.workdir, `mig-in.${newGen}.sock`));
+    } catch (e) {
+      if (repl) {
+        await killAndWait(repl.proc);
+      }
+      await undo();
+      await rm(newDisk, { force: true });
+      await this.removeGenFiles(rec.info.workdir, newGen);
+      throw e;
+    }
+    // ---- pause window
+    const src = rec.qmp;
+    const mark = src.history.length;
+    const rmark = repl.qmp.history.length;
+    let sourceKilled = false;
+    try {
+      // `stop` and `migrate` are pipelined: QMP runs them in order, one round trip.
+      await migrateToFile(src, stateBin, join(rec.info.workdir, `mig-out.${rec.gen}.sock`), !keepPaused);
+      // The source must never write the image again (VMM-NOTES gotcha 3): it dies before the
+      // replacement runs: SIGKILL before the state load. Its vCPUs and devices are stopped
+      // already, so waiting for the exit (unmapping its RAM) is left out of the pause.
+      rec.expectExit = true;
+      sourceKilled = true;
+      killHard(rec.proc.pid);
+      await feedReplacement(stateBin);
+      if (!keepPaused) await repl.qmp.execute('cont');
+      await rec.proc.exited;
+    } catch (e) {
+      await killAndWait(repl.proc);
+      await rm(newDisk, { force: true });
+      await this.removeGenFiles(rec.info.workdir, newGen);
+      if (!sourceKilled) {
+        await src.execute('migrate_cancel').catch(() => undefined);
+        await undo();
+        if (!keepPaused) await src.execute('cont').catch(() => undefined);
+      }
+      throw e;
+    }
+    // ---- end of pause window
+    const stopEv = src.history.slice(mark).find((e) => e.event === 'STOP');
+    const resumeEv = keepPaused ? undefined : await repl.qmp.waitEvent('RESUME', 5000, () => true, rmark);
+    const pauseMs = stopEv && resumeEv ? resumeEv.timestampMs - stopEv.timestampMs : 0;
+    if (stopEv) {
+      const rel = (evs: QmpEvent[]): string[] => evs.map((e) => `${e.event}${e.data.status ? `:${String(e.data.status)}` : ''}+${(e.timestampMs - stopEv.timestampMs).toFixed(1)}`);
+      rec.log.debug({ source: rel(src.history.slice(mark)), replacement: rel(repl.qmp.history.slice(rmark)) }, 'snapshot pause breakdown');
+    }
+
+    const oldGen = rec.gen;
+    await unlink(rec.diskPath);
+    src.close();
+    rec.agent?.close();
+    rec.proc = repl.proc;
+    rec.qmp = repl.qmp;
+    rec.info.pid = repl.proc.pid;
+    rec.gen = newGen;
+    rec.diskPath = newDisk;
+    rec.expectExit = false;
+    this.watch(rec);
+    await this.removeGenFiles(rec.info.workdir, oldGen);
+    if (!keepPaused) {
+      rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs);
+    } else {
+      rec.agent = await GuestAgentClient.connect(join(rec.info.workdir, `qga.${newGen}.sock`));
+    }
+    return { pauseMs, parent: rec.dependsOn[0] ?? null, vmNowMapsSnapshot: true };
+  }
+
+  /**
+   * The VM is itself a clone (share=off): its private pages exist only in its process. Precopy
+   * its whole RAM into a receiver QEMU whose memory is a new share=on file (the image), with
+   * pause-before-switchover so the disk layer is frozen at the same instant; the source then
+   * continues. The receiver saves the device state with x-ignore-shared and exits.
+   * See docs/adr/0003-snapshot-of-a-clone.md.
+   */
+  private async snapshotViaReceiver(rec: VmRecord, dir: string, snapshotId: string, keepPaused: boolean): Promise<{ pauseMs: number; parent: string | null; vmNowMapsSnapshot: boolean }> {
+    const memImg = join(dir, 'mem.img');
+    const diskImg = join(dir, 'disk.qcow2');
+    const stateBin = join(dir, 'state.bin');
+    const recvDir = join(dir, '.recv');
+    await mkdir(recvDir);
+    const recvDisk = join(recvDir, 'disk.qcow2');
+    const migSock = join(recvDir, 'mig.sock');
+    const newDisk = join(rec.info.workdir, `disk.${snapshotId}.qcow2`);
+    const overlayNode = `ovl-${snapshotId}`;
+    let recv: { proc: QemuProcess; qmp: QmpClient } | undefined;
+    let linked = false;
+    try {
+      await qemuImgCreateOverlay(rec.image.disk, recvDisk, rec.image.diskVirtualSize);
+      await qemuImgCreateOverlay(diskImg, newDisk, rec.image.diskVirtualSize);
+      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), startPaused: true, name: `ff-recv-${snapshotId}` };
+      recv = await this.spawnAndConnect(l, join(recvDir, 'qemu.log'));
+      await setCaps(recv.qmp, { events: true, 'x-ignore-shared': false });
+      await recv.qmp.execute('migrate-incoming', { uri: `unix:${migSock}` });
+      await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false, 'pause-before-switchover': true });
+      await rec.qmp.execute('migrate-set-parameters', { 'max-bandwidth': 64 * 1024 ** 3, 'downtime-limit': 30 });
+      // Hard link, not rename: QEMU reopens the (now backing) image by its old name.
+      await link(rec.diskPath, diskImg);
+      linked = true;
+      await rec.qmp.execute('blockdev-add', {
+        'node-name': overlayNode,
+        driver: 'qcow2',
+        file: { driver: 'file', filename: newDisk },
+        backing: null,
+      });
+
+      const src = rec.qmp;
+      const mark = src.history.length;
+      if (keepPaused) {
+        // Already stopped: no switchover pause needed, freeze the disk now.
+        await src.execute('blockdev-snapshot', { node: 'disk0', overlay: overlayNode });
+        await migrateAndWait(src, `unix:${migSock}`);
+      } else {
+        await src.execute('migrate', { uri: `unix:${migSock}` });
+        await waitMigration(src, 'pre-switchover', mark);
+        // ---- pause window (vCPUs stopped by the migration thread)
+        await src.execute('blockdev-snapshot', { node: 'disk0', overlay: overlayNode });
+        await src.execute('migrate-continue', { state: 'pre-switchover' });
+        await waitMigration(src, 'completed', mark);
+        await src.execute('cont');
+        // ---- end of pause window
+      }
+      const stopEv = src.history.slice(mark).find((e) => e.event === 'STOP');
+      const resumeEv = keepPaused ? undefined : await src.waitEvent('RESUME', 5000, () => true, mark);
+      const pauseMs = stopEv && resumeEv ? resumeEv.timestampMs - stopEv.timestampMs : 0;
+      await setCaps(src, { 'pause-before-switchover': false });
+
+      await waitMigration(recv.qmp, 'completed', 0);
+      await setCaps(recv.qmp, { 'x-ignore-shared': true });
+      await migrateToFile(recv.qmp, stateBin, join(recvDir, 'mig-out.sock'));
+      recv.qmp.close();
+      await killAndWait(recv.proc);
+      await rm(recvDir, { recursive: true, force: true });
+
+      // The VM keeps its QEMU; only its disk moved to the new overlay.
+      rec.diskPath = newDisk;
+      if (!keepPaused) await rec.agent?.sync(10_000).catch(() => undefined);
+      return { pauseMs, parent: rec.dependsOn[0] ?? null, vmNowMapsSnapshot: false };
+    } catch (e) {
+      if (recv) {
+        await killAndWait(recv.proc);
+      }
+      await rec.qmp.execute('migrate_cancel').catch(() => undefined);
+      if (linked && rec.qmp.closed === false) {
+        const top = await rec.qmp.execute<{ inserted?: { file: string } }[]>('query-block').catch(() => []);
+        if (!top.some((b) => b.inserted?.file === newDisk)) await unlink(diskImg).catch(() => undefined);
+      }
+      await rec.qmp.execute('blockdev-del', { 'node-name': overlayNode }).catch(() => undefined);
+      await rm(newDisk, { force: true });
+      if (!rec.qmp.closed && (await queryStatus(rec.qmp).catch(() => '')) !== 'running' && !keepPaused) {
+        await rec.qmp.execute('cont').catch(() => undefined);
+      }
+      await rm(recvDir, { recursive: true, force: true });
+      throw e;
+    }
+  }
+
+  private async removeGenFiles(workdir: string, gen: number): Promise<void> {
+    for (const f of [`qmp.${gen}.sock`, `qga.${gen}.sock`, `qemu.${gen}.pid`, `qemu.${gen}.log`, `mem.${gen}.img`]) {
+      await unlink(join(workdir, f)).catch(() => undefined);
+    }
+  }
+
+  async openSnapshot(dir: string): Promise<LocalSnapshot> {
+    let manifest: SnapshotManifest;
+    try {
+      manifest = JSON.parse(await readFile(join(dir, 'manifest.json'), 'utf8')) as SnapshotManifest;
+    } catch (e) {
+      throw new SnapshotNotFoundError(dir);
+      void e;
+    }
+    return { dir, manifest };
+  }
+
+  // ---------------------------------------------------------------- restore / fork
+
+  restore(snapshot: LocalSnapshot, child: CloneSpec): Promise<VmInfo> {
+    return this.fork(snapshot, [child]).then((r) => r[0] as VmInfo);
+  }
+
+  async fork(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]> {
+    if (children.length === 0) throw new InvalidArgumentError('children', 'at least one child');
+    for (const [i, c] of children.entries()) validateId(`children[${i}].vmId`, c.vmId);
+    if (new Set(children.map((c) => c.vmId)).size !== children.length) throw new InvalidArgumentError('children', 'duplicate vmId');
+    await this.assertCompatible(snapshot);
+    const results = await Promise.allSettled(children.map((c) => this.restoreOne(snapshot, c)));
+    const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
+    if (failed) {
+      // fork(N) is all or nothing.
+      await Promise.all(children.map((c) => this.destroy(c.vmId).catch(() => undefined)));
+      throw failed.reason;
+    }
+    return results.map((r) => (r as PromiseFulfilledResult<VmInfo>).value);
+  }
+
+  /** Refuse a snapshot this host cannot restore, naming every difference. */
+  async assertCompatible(snapshot: LocalSnapshot): Promise<void> {
+    const m = snapshot.manifest;
+    const host = fingerprint(await this.resolveAccel(), m.config.memoryMib, m.config.vcpus, await this.qemuVersion());
+    const diff = diffFingerprint(m.config, host);
+    if (diff.length > 0) throw new IncompatibleSnapshotError(m.snapshotId, diff);
+  }
+
+  private async restoreOne(snapshot: LocalSnapshot, c: CloneSpec): Promise<VmInfo> {
+    const t0 = this.opts.clock.now();
+    const m = snapshot.manifest;
+    const workdir = await this.makeWorkdir(c.vmId);
+    const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId });
+    const gen = 0;
+    const diskPath = join(workdir, `disk.${gen}.qcow2`);
+    const image = await this.imageOf(snapshot);
+    const p: VmPersisted = {
+      info: {
+        vmId: c.vmId, state: 'starting', accel: m.config.accel, pid: 0, workdir, memoryMib: m.config.memoryMib,
+        vcpus: m.config.vcpus, hostname: c.hostname ?? c.vmId, sandboxId: c.sandboxId ?? c.vmId,
+        baseSnapshotId: m.snapshotId, readyMs: 0,
+      },
+      image,
+      kernelArgs: m.image.kernelArgs,
+      memPath: join(snapshot.dir, m.files.memory),
+      memShared: false,
+      diskPath,
+      gen,
+      dependsOn: await this.snapshotChain(snapshot),
+    };
+    try {
+      await qemuImgCreateOverlay(join(snapshot.dir, m.files.disk), diskPath, m.diskVirtualSize);
+      const rec = await this.launch(p, log, { incoming: true });
+      await setCaps(rec.qmp, { events: true, 'x-ignore-shared': true });
+      // exec:cat here: a child's load is in no one's pause window, and it keeps N concurrent
+      // streams out of the agent's event loop (an agent-fed socket measured the same within noise).
+      await incomingAndWait(rec.qmp, `exec:cat ${shellQuote(join(snapshot.dir, m.files.deviceState))}`);
+      await rec.qmp.execute('cont');
+      rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs);
+      await this.cloneHygiene(rec);
+      rec.info.readyMs = this.opts.clock.now() - t0;
+      this.setState(rec, 'running');
+      await this.persist(rec);
+      log.info({ readyMs: rec.info.readyMs, pid: rec.proc.pid }, 'vm restored');
+      return { ...rec.info };
+    } catch (e) {
+      await this.destroy(c.vmId).catch(() => undefined);
+      await rm(workdir, { recursive: true, force: true });
+      throw e;
+    }
+  }
+
+  /**
+   * Make a clone distinct and current before it is handed out (DESIGN.md decision 7):
+   * fresh RNG (host entropy written into the pool, then RNDRESEEDCRNG), its own hostname and
+   * sandbox id, the host's clock, and exec working (the health check). One guest exec does the
+   * first three so a clone costs two agent round trips beyond the resync.
+   */
+  private async cloneHygiene(rec: VmRecord): Promise<void> {
+    const agent = this.agentOf(rec);
+    const script =
+      'cat > /dev/urandom && /sbin/ff-reseed && hostname "$1" && mkdir -p /run/forkfleet && echo "$2" > /run/forkfleet/sandbox-id';
+    let r: ExecResult;
+    try {
+      r = await agent.exec({
+        path: '/bin/sh',
+        args: ['-c', script, 'sh', rec.info.hostname, rec.info.sandboxId],
+        stdin: randomBytes(64),
+        timeoutMs: 30_000,
+      });
+    } catch (e) {
+      throw new CloneHygieneError(rec.info.vmId, 'reseed+identity', { cause: e });
+    }
+    if (r.exitCode !== 0) {
+      throw new CloneHygieneError(rec.info.vmId, `reseed+identity (exit ${r.exitCode}: ${r.stderr.toString().trim()})`);
+    }
+    try {
+      await agent.setTime();
+    } catch (e) {
+      throw new CloneHygieneError(rec.info.vmId, 'clock', { cause: e });
+    }
+  }
+
+  private async imageOf(snapshot: LocalSnapshot): Promise<GuestImage> {
+    // The kernel and initrd must be the ones the source booted (the same command line).
+    const img = await readFile(join(snapshot.dir, 'image.json'), 'utf8').catch(() => undefined);
+    if (img) return JSON.parse(img) as GuestImage;
+    throw new SnapshotNotFoundError(`${snapshot.dir} (image ${snapshot.manifest.image.name}-${snapshot.manifest.image.recipeHash} unknown here)`);
+  }
+
+  private async snapshotChain(snapshot: LocalSnapshot): Promise<string[]> {
+    const chain = [snapshot.manifest.snapshotId];
+    let parent = snapshot.manifest.parentSnapshotId;
+    while (parent) {
+      chain.push(parent);
+      const m = await this.openSnapshot(join(this.snapshotsDir, parent)).catch(() => undefined);
+      parent = m?.manifest.parentSnapshotId ?? null;
+    }
+    return chain;
+  }
+
+  // ---------------------------------------------------------------- destroy / delete
+
+  /** Idempotent: destroying an unknown VM removes any leftover workdir and succeeds. */
+  async destroy(vmId: string): Promise<void> {
+    const rec = this.vms.get(vmId);
+    if (!rec) {
+      if (VM_ID.test(vmId)) await this.reapWorkdir(join(this.vmsDir, vmId));
+      return;
+    }
+    await this.lockedRec(rec, async () => {
+      if (rec.info.state === 'destroyed') return;
+      if (rec.info.state !== 'destroying') this.setState(rec, 'destroying');
+      rec.expectExit = true;
+      rec.agent?.close();
+      await killAndWait(rec.proc);
+      rec.qmp.close();
+      await this.reapWorkdir(rec.info.workdir);
+      this.vms.delete(vmId);
+      this.setState(rec, 'destroyed');
+      rec.log.info('vm destroyed');
+    });
+  }
+
+  /** Kill every QEMU named by a pid file in the workdir (checking it is ours), then remove it. */
+  private async reapWorkdir(workdir: string): Promise<string[]> {
+    const killed: string[] = [];
+    const files = await readdir(workdir).catch(() => [] as string[]);
+    for (const f of files.filter((x) => x.endsWith('.pid'))) {
+      const pid = Number((await readFile(join(workdir, f), 'utf8').catch(() => '')).trim());
+      if (pid > 0 && (await this.isOurQemu(pid, workdir))) {
+        await killAndWait(adoptProcess(pid));
+        killed.push(String(pid));
+      }
+    }
+    await rm(workdir, { recursive: true, force: true });
+    return killed;
+  }
+
+  private async isOurQemu(pid: number, workdir: string): Promise<boolean> {
+    const cmd = await cmdlineOf(pid);
+    return !!cmd && cmd.some((a) => a.includes(`${workdir}/`));
+  }
+
+  async deleteSnapshot(snapshot: LocalSnapshot): Promise<void> {
+    const id = snapshot.manifest.snapshotId;
+    const users = [...this.vms.values()].filter((v) => v.dependsOn.includes(id)).map((v) => `vm ${v.info.vmId}`);
+    for (const other of await readdir(this.snapshotsDir).catch(() => [] as string[])) {
+      const m = await this.openSnapshot(join(this.snapshotsDir, other)).catch(() => undefined);
+      if (m?.manifest.parentSnapshotId === id) users.push(`snapshot ${other}`);
+    }
+    if (users.length > 0) throw new SnapshotInUseError(id, users);
+    await rm(snapshot.dir, { recursive: true, force: true });
+  }
+
+  /**
+   * Forget every VM without stopping it: an agent shutting down for an upgrade, after which a
+   * new agent adopts them with recover('adopt'). Tests use it to simulate an agent crash.
+   */
+  detach(): void {
+    for (const rec of this.vms.values()) {
+      rec.expectExit = true;
+      rec.agent?.close();
+      rec.qmp.close();
+    }
+    this.vms.clear();
+  }
+
+  async close(): Promise<void> {
+    await Promise.all([...this.vms.keys()].map((id) => this.destroy(id)));
+  }
+
+  // ---------------------------------------------------------------- recovery
+
+  async recover(mode: 'adopt' | 'reap'): Promise<RecoveryReport> {
+    const report: RecoveryReport = { adopted: [], reaped: [] };
+    for (const vmId of await readdir(this.vmsDir).catch(() => [] as string[])) {
+      if (this.vms.has(vmId)) continue;
+      const workdir = join(this.vmsDir, vmId);
+      const persisted = await readFile(join(workdir, 'vm.json'), 'utf8')
+        .then((s) => JSON.parse(s) as VmPersisted)
+        .catch(() => undefined);
+      const pid = persisted ? Number((await readFile(join(workdir, `qemu.${persisted.gen}.pid`), 'utf8').catch(() => '')).trim()) : 0;
+      const alive = pid > 0 && isAlive(pid) && (await this.isOurQemu(pid, workdir));
+      if (mode === 'adopt' && persisted && alive) {
+        try {
+          await this.adopt(persisted, pid);
+          report.adopted.push(vmId);
+          continue;
+        } catch (e) {
+          this.opts.logger.warn({ vmId, err: String(e) }, 'adopt failed; reaping');
+        }
+      }
+      await this.reapWorkdir(workdir);
+      report.reaped.push(vmId);
+    }
+    // Receivers of interrupted snapshots, and snapshots that never got their manifest.
+    for (const snap of await readdir(this.snapshotsDir).catch(() => [] as string[])) {
+      const dir = join(this.snapshotsDir, snap);
+      await this.reapWorkdir(join(dir, '.recv'));
+      const complete = await stat(join(dir, 'manifest.json')).then(() => true, () => false);
+      if (!complete && ![...this.vms.values()].some((v) => v.memPath.startsWith(`${dir}/`))) {
+        await rm(dir, { recursive: true, force: true });
+        report.reaped.push(`snapshot:${snap}`);
+      }
+    }
+    return report;
+  }
+
+  private async adopt(p: VmPersisted, pid: number): Promise<void> {
+    const log = this.opts.logger.child({ vmId: p.info.vmId });
+    const qmp = await QmpClient.connect(join(p.info.workdir, `qmp.${p.gen}.sock`));
+    const status = await queryStatus(qmp);
+    const rec: VmRecord = { ...p, proc: adoptProcess(pid), qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
+    rec.info.pid = pid;
+    rec.info.state = status === 'running' ? 'running' : 'paused';
+    this.vms.set(p.info.vmId, rec);
+    this.watch(rec);
+    rec.agent = await GuestAgentClient.connect(join(p.info.workdir, `qga.${p.gen}.sock`));
+    if (status === 'running') await rec.agent.sync(10_000);
+    await this.persist(rec);
+    log.info({ pid, status }, 'vm adopted');
+  }
+
+  // ---------------------------------------------------------------- bookkeeping
+
+  get(vmId: string): VmInfo | undefined {
+    const r = this.vms.get(vmId);
+    return r ? { ...r.info } : undefined;
+  }
+
+  list(): VmInfo[] {
+    return [...this.vms.values()].map((r) => ({ ...r.info }));
+  }
+
+  onEvent(listener: (e: VmEvent) => void): () => void {
+    this.listeners.add(listener);
+    return () => this.listeners.delete(listener);
+  }
+
+  /** QMP of a VM, for tools (the benchmark) that drive QEMU below the port. */
+  qmpOf(vmId: string): QmpClient {
+    return this.mustGet(vmId).qmp;
+  }
+
+  private emit(e: VmEvent): void {
+    for (const l of this.listeners) l(e);
+  }
+
+  private setState(rec: VmRecord, to: VmState): void {
+    const from = rec.info.state;
+    if (from === to) return;
+    if (!canTransition(from, to)) throw new InvalidVmStateError(rec.info.vmId, from, `become ${to}`);
+    rec.info.state = to;
+    this.emit({ type: 'state', vmId: rec.info.vmId, from, to });
+  }
+
+  private assertState(rec: VmRecord, want: VmState, op: string): void {
+    if (rec.info.state === 'crashed') throw new VmCrashedError(rec.info.vmId, 'QEMU is gone');
+    if (rec.info.state !== want) throw new InvalidVmStateError(rec.info.vmId, rec.info.state, op);
+  }
+
+  private mustGet(vmId: string): VmRecord {
+    const r = this.vms.get(vmId);
+    if (!r) throw new VmNotFoundError(vmId);
+    return r;
+  }
+
+  private locked<T>(vmId: string, fn: (rec: VmRecord) => Promise<T>): Promise<T> {
+    const rec = this.mustGet(vmId);
+    return this.lockedRec(rec, () => fn(rec));
+  }
+
+  private lockedRec<T>(rec: VmRecord, fn: () => Promise<T>): Promise<T> {
+    const run = rec.lock.then(fn, fn);
+    rec.lock = run.catch(() => undefined);
+    return run;
+  }
+
+  private async persist(rec: VmRecord): Promise<void> {
+    const p: VmPersisted = {
+      info: rec.info, image: rec.image, kernelArgs: rec.kernelArgs, memPath: rec.memPath, memShared: rec.memShared,
+      diskPath: rec.diskPath, gen: rec.gen, dependsOn: rec.dependsOn,
+    };
+    await writeJsonAtomic(join(rec.info.workdir, 'vm.json'), p);
+  }
+}
+
+// -------------------------------------------------------------------- QMP helpers
+
+export async function setCaps(qmp: QmpClient, caps: Record<string, boolean>): Promise<void> {
+  await qmp.execute('migrate-set-capabilities', {
+    capabilities: Object.entries(caps).map(([capability, state]) => ({ capability, state })),
+  });
+}
+
+async function queryStatus(qmp: QmpClient): Promise<string> {
+  const r = await qmp.execute<{ status: string }>('query-status');
+  return r.status;
+}
+
+/** Wait for a MIGRATION event with `status` (events seen since `sinceIndex` count). */
+async function waitMigration(qmp: QmpClient, status: string, sinceIndex: number): Promise<QmpEvent> {
+  const ev = await qmp.waitEvent(
+    'MIGRATION',
+    MIGRATION_TIMEOUT_MS,
+    (e) => e.data.status === status || e.data.status === 'failed' || e.data.status === 'cancelled',
+    sinceIndex,
+  );
+  if (ev.data.status !== status) {
+    const info = await qmp.execute<{ 'error-desc'?: string }>('query-migrate').catch(() => ({ 'error-desc': undefined }));
+    throw new VmmError(`migration ${String(ev.data.status)}: ${info['error-desc'] ?? 'no detail'}`);
+  }
+  return ev;
+}
+
+export async function migrateAndWait(qmp: QmpClient, uri: string): Promise<void> {
+  const mark = qmp.history.length;
+  await qmp.execute('migrate', { uri });
+  await waitMigration(qmp, 'completed', mark);
+}
+
+export async function incomingAndWait(qmp: QmpClient, uri: string): Promise<void> {
+  const mark = qmp.history.length;
+  await qmp.execute('migrate-incoming', { uri });
+  await waitMigration(qmp, 'completed', mark);
+}
+
+/**
+ * Save a migration stream to `file` through a unix socket the agent serves. Cheaper than
+ * `exec:cat > file`, which makes QEMU fork itself (tens of ms under a large mapping) inside
+ * the pause window.
+ */
+export async function migrateToFile(qmp: QmpClient, file: string, sockPath: string, stopFirst = false): Promise<void> {
+  await unlink(sockPath).catch(() => undefined);
+  const server = net.createServer();
+  const written = new Promise<void>((resolve, reject) => {
+    server.once('connection', (conn) => {
+      const out = createWriteStream(file);
+      conn.pipe(out);
+      out.once('finish', () => resolve());
+      out.once('error', reject);
+      conn.once('error', reject);
+    });
+  });
+  await new Promise<void>((resolve, reject) => server.listen(sockPath, resolve).once('error', reject));
+  try {
+    const mark = qmp.history.length;
+    const stopped = stopFirst ? qmp.execute('stop') : Promise.resolve();
+    const started = qmp.execute('migrate', { uri: `unix:${sockPath}` });
+    await Promise.all([stopped, started]);
+    await waitMigration(qmp, 'completed', mark);
+    await written;
+  } finally {
+    server.close();
+    await unlink(sockPath).catch(() => undefined);
+  }
+}
+
+/**
+ * Arm an incoming migration: QEMU listens on a unix socket. The returned function streams
+ * `file` into it and resolves when QEMU has loaded it. Arming ahead keeps the QMP round trip
+ * out of a pause window.
+ */
+export async function armIncoming(qmp: QmpClient, sockPath: string): Promise<(file: string) => Promise<void>> {
+  await unlink(sockPath).catch(() => undefined);
+  const mark = qmp.history.length;
+  await qmp.execute('migrate-incoming', { uri: `unix:${sockPath}` });
+  return async (file: string) => {
+    const conn = net.createConnection(sockPath);
+    conn.on('error', () => undefined);
+    createReadStream(file).pipe(conn);
+    try {
+      await waitMigration(qmp, 'completed', mark);
+    } finally {
+      conn.destroy();
+      await unlink(sockPath).catch(() => undefined);
+    }
+  };
+}
+
+/** Load a migration stream from `file` (see armIncoming). */
+export async function incomingFromFile(qmp: QmpClient, file: string, sockPath: string): Promise<void> {
+  await (await armIncoming(qmp, sockPath))(file);
+}
+
+function shellQuote(s: string): string {
+  return `'${s.replace(/'/g, `'\\''`)}'`;
+}
+
+function validateId(field: string, id: string): void {
+  if (!VM_ID.test(id)) throw new InvalidArgumentError(field, 'must match [A-Za-z0-9][A-Za-z0-9_.-]{0,47}');
+}
+
+async function writeJsonAtomic(path: string, value: unknown): Promise<void> {
+  const tmp = `${path}.tmp`;
+  await writeFile(tmp, JSON.stringify(value, null, 2));
+  await rename(tmp, path);
+}

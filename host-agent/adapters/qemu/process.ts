@@ -1,0 +1,111 @@
+// QEMU processes: spawn detached (so a restarting agent can adopt them), wait for exit whether
+// or not they are our children, and find live QEMUs belonging to a workdir.
+import { spawn, execFile, type ChildProcess } from 'node:child_process';
+import { openSync, closeSync, readFileSync } from 'node:fs';
+import { readFile } from 'node:fs/promises';
+import { promisify } from 'node:util';
+
+const run = promisify(execFile);
+
+export interface QemuProcess {
+  pid: number;
+  /** Set when this agent spawned it; undefined for an adopted process. */
+  child: ChildProcess | undefined;
+  /** Resolves once the process is gone. */
+  exited: Promise<void>;
+}
+
+export function spawnQemu(binary: string, args: string[], logPath: string): QemuProcess {
+  const fd = openSync(logPath, 'a');
+  let child: ChildProcess;
+  try {
+    child = spawn(binary, args, { detached: true, stdio: ['ignore', fd, fd] });
+  } finally {
+    closeSync(fd);
+  }
+  if (child.pid === undefined) throw new Error(`spawn ${binary} failed`);
+  child.unref();
+  const exited = new Promise<void>((resolve) => {
+    if (child.exitCode !== null || child.signalCode !== null) resolve();
+    else child.once('exit', () => resolve());
+  });
+  child.on('error', () => undefined);
+  return { pid: child.pid, child, exited };
+}
+
+export function isAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+/** For a process that is not our child: poll until it is gone. */
+export function adoptProcess(pid: number): QemuProcess {
+  const exited = new Promise<void>((resolve) => {
+    const t = setInterval(() => {
+      if (!isAlive(pid) || isZombie(pid)) {
+        clearInterval(t);
+        resolve();
+      }
+    }, 20);
+    t.unref();
+  });
+  return { pid, child: undefined, exited };
+}
+
+function isZombie(pid: number): boolean {
+  try {
+    // Synchronous read is fine: a tiny procfs file, polled only for adopted processes.
+    return /\) Z /.test(readFileSync(`/proc/${pid}/stat`, 'utf8'));
+  } catch {
+    return true;
+  }
+}
+
+export function killHard(pid: number): void {
+  try {
+    process.kill(pid, 'SIGKILL');
+  } catch {
+    // already gone
+  }
+}
+
+/** The process's command line, or undefined if it is gone. */
+export async function cmdlineOf(pid: number): Promise<string[] | undefined> {
+  try {
+    const raw = await readFile(`/proc/${pid}/cmdline`, 'utf8');
+    return raw.split('\0').filter((s) => s.length > 0);
+  } catch {
+    return undefined;
+  }
+}
+
+export async function qemuImgCreateOverlay(backing: string, overlay: string, virtualSize: number): Promise<void> {
+  // -u: don't open the backing chain (it may be held open by a running QEMU); the size is known.
+  await run('qemu-img', ['create', '-q', '-f', 'qcow2', '-u', '-b', backing, '-F', 'qcow2', overlay, String(virtualSize)]);
+}
+
+export async function qemuVersion(binary: string): Promise<string> {
+  const { stdout } = await run(binary, ['--version']);
+  const m = /version (\d+\.\d+\.\d+)/.exec(stdout);
+  if (!m?.[1]) throw new Error(`cannot parse ${binary} --version: ${stdout}`);
+  return m[1];
+}
+
+/**
+ * SIGKILL and wait until the process is gone. Holds the event loop open while waiting: our
+ * QEMU children are unref'd (they outlive the agent), so a bare `await exited` could let a CLI
+ * exit before its cleanup ran.
+ */
+export async function killAndWait(p: QemuProcess): Promise<void> {
+  const keep = setInterval(() => undefined, 50);
+  try {
+    killHard(p.pid);
+    await p.exited;
+  } finally {
+    clearInterval(keep);
+  }
+}

@@ -1,0 +1,183 @@
+// VMM benchmark: `npm run bench:vmm -- --json FILE [--accel auto|kvm|tcg] [--mem 256]`.
+// A 256 MiB guest dirties 64 MiB and starts a long-running process, is snapshotted, then
+// forked N = 1, 4, 8 times; the baseline restores QEMU's ordinary full-RAM save N times
+// concurrently from one file (like virsh save/restore). "Ready" = the VM answers an exec.
+import { mkdtemp, readFile, rm, writeFile, mkdir } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { parseArgs } from 'node:util';
+import { pino } from 'pino';
+import { ensureImage } from '../../deploy/images/build.ts';
+import type { AccelSetting, LocalSnapshot } from '../domain/vmm.ts';
+import { GuestAgentClient } from '../adapters/guest/client.ts';
+import { QmpClient } from '../adapters/qmp/client.ts';
+import { qemuArgs } from '../adapters/qemu/cmdline.ts';
+import { QemuVmmDriver, incomingAndWait, migrateAndWait, setCaps } from '../adapters/qemu/driver.ts';
+import { killAndWait, killHard, qemuImgCreateOverlay, spawnQemu, type QemuProcess } from '../adapters/qemu/process.ts';
+
+const { values } = parseArgs({
+  options: {
+    json: { type: 'string' },
+    accel: { type: 'string', default: 'auto' },
+    mem: { type: 'string', default: '256' },
+  },
+});
+const MEM = Number(values.mem);
+const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
+
+const median = (xs: number[]): number => {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.floor((s.length - 1) / 2)] ?? 0;
+};
+const r1 = (x: number): number => Math.round(x * 10) / 10;
+
+async function smaps(pid: number): Promise<{ rss: number; pss: number }> {
+  const t = await readFile(`/proc/${pid}/smaps_rollup`, 'utf8');
+  const kb = (k: string): number => Number(new RegExp(`^${k}:\\s+(\\d+) kB`, 'm').exec(t)?.[1] ?? 0);
+  return { rss: kb('Rss') / 1024, pss: kb('Pss') / 1024 };
+}
+
+async function main(): Promise<void> {
+  const image = await ensureImage('tiny');
+  const root = await mkdtemp(join(tmpdir(), 'ffb-'));
+  const driver = new QemuVmmDriver({ root, accel: values.accel as AccelSetting, logger, probeImage: image, autoProbeDeadlineMs: 10_000 });
+  const stray: QemuProcess[] = [];
+  try {
+    const accel = await driver.resolveAccel();
+    const tpl = await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1 });
+    const cold_boot_ms = tpl.readyMs;
+    const sh = async (vmId: string, s: string): Promise<string> => {
+      const r = await driver.exec(vmId, { path: '/bin/sh', args: ['-c', s], timeoutMs: 300_000 });
+      if (r.exitCode !== 0) throw new Error(`${s}: ${r.stderr.toString()}`);
+      return r.stdout.toString();
+    };
+    // Workload: 64 MiB of incompressible data in guest RAM (tmpfs) and a long-running process.
+    await sh('tpl', 'dd if=/dev/urandom of=/dev/shm/dirty bs=1M count=64 2>/dev/null');
+    await sh('tpl', "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' </dev/null >/dev/null 2>&1 &");
+
+    const pauses: number[] = [];
+    const resumes: number[] = [];
+    for (let i = 0; i < 5; i++) {
+      let t = performance.now();
+      await driver.pause('tpl');
+      pauses.push(performance.now() - t);
+      t = performance.now();
+      await driver.resume('tpl');
+      resumes.push(performance.now() - t);
+    }
+
+    const snap: LocalSnapshot = await driver.snapshot('tpl', 'bench-snap');
+    const snapshot_pause_ms = snap.manifest.sourcePauseMs;
+
+    const fork: Record<string, { all_ready_ms: number; p50_child_ms: number }> = {};
+    let rss8 = 0;
+    let pss8 = 0;
+    for (const n of [1, 4, 8]) {
+      const ids = Array.from({ length: n }, (_, i) => `f${n}-${i}`);
+      const t = performance.now();
+      const vms = await driver.fork(snap, ids.map((vmId) => ({ vmId })));
+      fork[String(n)] = { all_ready_ms: r1(performance.now() - t), p50_child_ms: r1(median(vms.map((v) => v.readyMs))) };
+      if (n === 8) {
+        for (const v of vms) {
+          const m = await smaps(v.pid);
+          rss8 += m.rss;
+          pss8 += m.pss;
+        }
+      }
+      for (const id of ids) await driver.destroy(id);
+    }
+
+    // Snapshot of a clone (receiver method, ADR 0003).
+    await driver.fork(snap, [{ vmId: 'clone' }]);
+    const cloneSnap = await driver.snapshot('clone', 'bench-clone-snap');
+    const clone_snapshot_pause_ms = cloneSnap.manifest.sourcePauseMs;
+    await driver.destroy('clone');
+    await driver.deleteSnapshot(cloneSnap);
+
+    // Classic baseline: ordinary save with all RAM in the stream, from a clone of the same guest.
+    await driver.fork(snap, [{ vmId: 'classic-src' }]);
+    const classicDir = join(root, 'classic');
+    await mkdir(classicDir);
+    const classicFile = join(classicDir, 'full.bin');
+    const q = driver.qmpOf('classic-src');
+    await setCaps(q, { events: true, 'x-ignore-shared': false });
+    await q.execute('stop');
+    await migrateAndWait(q, `exec:cat > ${classicFile}`);
+    const launch = driver.launchOf('classic-src');
+    await driver.destroy('classic-src');
+    const classic_restore: Record<string, { all_ready_ms: number }> = {};
+    for (const n of [1, 8]) {
+      const t = performance.now();
+      await Promise.all(
+        Array.from({ length: n }, async (_, i) => {
+          const dir = join(classicDir, `${n}-${i}`);
+          await mkdir(dir);
+          const disk = join(dir, 'disk.qcow2');
+          await qemuImgCreateOverlay(join(snap.dir, 'disk.qcow2'), disk, snap.manifest.diskVirtualSize);
+          const l = {
+            ...launch, anonymousRam: true, disk, incoming: true, name: `classic-${n}-${i}`,
+            qmpSocket: join(dir, 'qmp.sock'), agentSocket: join(dir, 'qga.sock'), serialLog: join(dir, 'serial.log'), pidFile: join(dir, 'pid'),
+          };
+          const proc = spawnQemu('qemu-system-x86_64', qemuArgs(l), join(dir, 'qemu.log'));
+          stray.push(proc);
+          const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => true);
+          await setCaps(qmp, { events: true, 'x-ignore-shared': false });
+          await incomingAndWait(qmp, `exec:cat ${classicFile}`);
+          await qmp.execute('cont');
+          const ga = await GuestAgentClient.connect(l.agentSocket);
+          await ga.sync(60_000);
+          await ga.exec({ path: '/bin/true' });
+          ga.close();
+          qmp.close();
+        }),
+      );
+      classic_restore[String(n)] = { all_ready_ms: r1(performance.now() - t) };
+      for (const p of stray.splice(0)) {
+        await killAndWait(p);
+      }
+    }
+
+    const result = {
+      accel,
+      guest_mib: MEM,
+      cold_boot_ms: r1(cold_boot_ms),
+      snapshot_pause_ms: r1(snapshot_pause_ms),
+      pause_ms: r1(median(pauses)),
+      resume_ms: r1(median(resumes)),
+      fork,
+      classic_restore,
+      rss_total_mib: { '8': r1(rss8) },
+      pss_total_mib: { '8': r1(pss8) },
+      clone_snapshot_pause_ms: r1(clone_snapshot_pause_ms),
+    };
+    const f1 = fork['1']?.all_ready_ms ?? 0;
+    const f8 = fork['8']?.all_ready_ms ?? 0;
+    const c1 = classic_restore['1']?.all_ready_ms ?? 0;
+    const c8 = classic_restore['8']?.all_ready_ms ?? 0;
+    const rows: [string, string, string][] = [
+      ['accel', accel, ''],
+      ['cold_boot_ms', String(result.cold_boot_ms), ''],
+      ['snapshot_pause_ms', String(result.snapshot_pause_ms), `target <= 50: ${result.snapshot_pause_ms <= 50 ? 'ok' : 'MISS'}`],
+      ['clone_snapshot_pause_ms', String(result.clone_snapshot_pause_ms), ''],
+      ['pause_ms', String(result.pause_ms), ''],
+      ['resume_ms', String(result.resume_ms), `target <= 20: ${result.resume_ms <= 20 ? 'ok' : 'MISS'}`],
+      ...[1, 4, 8].map((n): [string, string, string] => [`fork ${n} all_ready / p50`, `${fork[String(n)]?.all_ready_ms} / ${fork[String(n)]?.p50_child_ms}`, '']),
+      ['classic 1 / 8 all_ready', `${c1} / ${c8}`, ''],
+      ['fork1 / classic1', (f1 / c1).toFixed(2), `target <= 0.33: ${f1 <= c1 / 3 ? 'ok' : 'MISS'}`],
+      ['fork8 / classic8', (f8 / c8).toFixed(2), `target <= 0.5: ${f8 <= c8 / 2 ? 'ok' : 'MISS'}`],
+      ['rss / pss (8), MiB', `${result.rss_total_mib['8']} / ${result.pss_total_mib['8']}`, `target pss <= 0.6 rss: ${pss8 <= 0.6 * rss8 ? 'ok' : 'MISS'}`],
+    ];
+    for (const [k, v, n] of rows) console.log(`${k.padEnd(28)} ${v.padEnd(18)} ${n}`);
+    if (values.json) await writeFile(values.json, JSON.stringify(result, null, 2) + '\n');
+    console.log(JSON.stringify(result));
+  } finally {
+    for (const p of stray) killHard(p.pid);
+    await driver.close();
+    await rm(root, { recursive: true, force: true });
+  }
+}
+
+main().catch((e: unknown) => {
+  console.error(e);
+  process.exit(1);
+});

@@ -1,0 +1,157 @@
+// The VmmDriver port: what the host agent's domain needs from a virtual machine monitor.
+// The QEMU adapter (adapters/qemu) implements it; a fake can implement it for scale runs.
+// Everything here is plain data so it can cross process and wire boundaries unchanged.
+
+export type Accel = 'kvm' | 'tcg';
+export type AccelSetting = Accel | 'auto';
+
+/** Where a guest image's boot artefacts are on this host (see deploy/images/build.ts). */
+export interface GuestImage {
+  name: string;
+  /** Hash of the recipe the image was built from. */
+  recipeHash: string;
+  kernel: string;
+  initrd: string;
+  /** Base disk (qcow2) every VM of this image overlays; never written. */
+  disk: string;
+  diskVirtualSize: number;
+  kernelArgs: string;
+  readyMarker: string;
+}
+
+export interface CreateVmSpec {
+  vmId: string;
+  image: GuestImage;
+  memoryMib: number;
+  vcpus: number;
+  hostname?: string;
+  sandboxId?: string;
+}
+
+export interface CloneSpec {
+  vmId: string;
+  hostname?: string;
+  sandboxId?: string;
+}
+
+/**
+ * Lifecycle of one VM as the driver sees it. Invariant: exactly the states in LIVE_VM_STATES
+ * own a QEMU process; `crashed` and `destroyed` own none (a crashed VM's workdir is kept for
+ * inspection until destroy).
+ */
+export type VmState = 'starting' | 'running' | 'paused' | 'snapshotting' | 'crashed' | 'destroying' | 'destroyed';
+
+export interface VmInfo {
+  vmId: string;
+  state: VmState;
+  accel: Accel;
+  pid: number;
+  workdir: string;
+  memoryMib: number;
+  vcpus: number;
+  hostname: string;
+  sandboxId: string;
+  /** Snapshot whose memory image this VM maps privately; null for a VM booted from an image. */
+  baseSnapshotId: string | null;
+  /** Milliseconds from the first action to "answers an exec". */
+  readyMs: number;
+}
+
+export interface ExecRequest {
+  path: string;
+  args?: string[];
+  env?: string[];
+  stdin?: Buffer;
+  timeoutMs?: number;
+}
+
+export interface ExecResult {
+  exitCode: number;
+  signal: number | null;
+  stdout: Buffer;
+  stderr: Buffer;
+}
+
+/**
+ * Everything a host must match to restore a snapshot (VMM-NOTES gotcha 5). Plain JSON.
+ * Device strings are normalised QEMU device descriptions, sorted.
+ */
+export interface VmConfigFingerprint {
+  machineType: string;
+  memoryMib: number;
+  vcpus: number;
+  devices: string[];
+  qemuVersion: string;
+  accel: Accel;
+  cpuModel: string;
+}
+
+export interface SnapshotManifest {
+  schema: 1;
+  snapshotId: string;
+  parentSnapshotId: string | null;
+  sourceVmId: string;
+  createdAt: string;
+  config: VmConfigFingerprint;
+  image: { name: string; recipeHash: string; kernelArgs: string };
+  files: {
+    /** Full guest RAM image; clones map it with share=off. Relative to the snapshot dir. */
+    memory: string;
+    /** Device state stream (migration with x-ignore-shared). */
+    deviceState: string;
+    /** Frozen qcow2 layer; its backing chain ends at the image's base disk. */
+    disk: string;
+  };
+  diskVirtualSize: number;
+  /** How the memory image was produced: the source's own share=on file, or a full-RAM receiver. */
+  method: 'shared-file' | 'receiver';
+  /** How long the source VM's vCPUs were stopped, from QEMU's STOP to RESUME events. */
+  sourcePauseMs: number;
+}
+
+export interface LocalSnapshot {
+  dir: string;
+  manifest: SnapshotManifest;
+}
+
+export type VmEvent =
+  | { type: 'state'; vmId: string; from: VmState; to: VmState }
+  | { type: 'crashed'; vmId: string; pid: number; detail: string };
+
+export interface RecoveryReport {
+  adopted: string[];
+  reaped: string[];
+}
+
+export interface VmmDriver {
+  /** The accelerator VMs are started with; for `auto`, decided once by a probe boot. */
+  resolveAccel(): Promise<Accel>;
+  create(spec: CreateVmSpec): Promise<VmInfo>;
+  exec(vmId: string, req: ExecRequest): Promise<ExecResult>;
+  readFile(vmId: string, path: string): Promise<Buffer>;
+  writeFile(vmId: string, path: string, data: Buffer): Promise<void>;
+  pause(vmId: string): Promise<void>;
+  resume(vmId: string): Promise<void>;
+  /** Immutable snapshot; the source keeps running afterwards. */
+  snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot>;
+  openSnapshot(dir: string): Promise<LocalSnapshot>;
+  /** One restored VM, clean (reseeded, clock set, own identity) and answering exec. */
+  restore(snapshot: LocalSnapshot, child: CloneSpec): Promise<VmInfo>;
+  /** N copy-on-write children of one snapshot on this host. */
+  fork(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]>;
+  destroy(vmId: string): Promise<void>;
+  deleteSnapshot(snapshot: LocalSnapshot): Promise<void>;
+  get(vmId: string): VmInfo | undefined;
+  list(): VmInfo[];
+  onEvent(listener: (e: VmEvent) => void): () => void;
+  /** After an agent restart: adopt VMs whose QEMU still runs, reap leftovers of the rest. */
+  recover(mode: 'adopt' | 'reap'): Promise<RecoveryReport>;
+  /** Destroy every VM this driver knows (shutdown). */
+  close(): Promise<void>;
+}
+
+export interface Clock {
+  now(): number;
+}
+
+export const systemClock: Clock = { now: () => Date.now() };

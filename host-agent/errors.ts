@@ -1,0 +1,128 @@
+// Named errors of the host agent (CONVENTIONS.md §5). Each extends ForkfleetError with a kind
+// and whether a retry may help. Map to gRPC status only at the gRPC edge.
+import { ForkfleetError, type ForkfleetErrorOptions } from '../proto/errors.ts';
+
+export { InvalidArgumentError } from '../proto/errors.ts';
+
+/** The QEMU process of a VM exited without being asked to (crash, OOM kill, kill -9). */
+export class VmCrashedError extends ForkfleetError {
+  readonly vmId: string;
+  constructor(vmId: string, detail: string, options: ForkfleetErrorOptions = {}) {
+    super('unavailable', `vm ${vmId} crashed: ${detail}`, { retryable: false, ...options });
+    this.vmId = vmId;
+  }
+}
+
+export class VmNotFoundError extends ForkfleetError {
+  constructor(vmId: string) {
+    super('not_found', `vm ${vmId} not found`);
+  }
+}
+
+export class VmAlreadyExistsError extends ForkfleetError {
+  constructor(vmId: string) {
+    super('already_exists', `vm ${vmId} already exists`);
+  }
+}
+
+/** The VM's lifecycle state does not allow the operation (e.g. exec on a paused VM). */
+export class InvalidVmStateError extends ForkfleetError {
+  constructor(vmId: string, state: string, operation: string) {
+    super('failed_precondition', `vm ${vmId} is ${state}; cannot ${operation}`);
+  }
+}
+
+/** QEMU did not start, did not reach its ready marker, or refused a command. */
+export class VmmError extends ForkfleetError {
+  constructor(message: string, options: ForkfleetErrorOptions = {}) {
+    super('internal', message, options);
+  }
+}
+
+export class VmBootTimeoutError extends ForkfleetError {
+  constructor(vmId: string, ms: number, options: ForkfleetErrorOptions = {}) {
+    super('deadline_exceeded', `vm ${vmId} did not become ready within ${ms} ms`, options);
+  }
+}
+
+/** A QMP command returned an error object. */
+export class QmpCommandError extends ForkfleetError {
+  readonly qmpClass: string;
+  constructor(command: string, qmpClass: string, desc: string) {
+    super('internal', `QMP ${command} failed: ${qmpClass}: ${desc}`, { retryable: false });
+    this.qmpClass = qmpClass;
+  }
+}
+
+export class QmpTimeoutError extends ForkfleetError {
+  constructor(what: string, ms: number) {
+    super('deadline_exceeded', `QMP ${what} timed out after ${ms} ms`);
+  }
+}
+
+/** The QMP or guest-agent socket closed (QEMU exited, or the connection was dropped). */
+export class ChannelClosedError extends ForkfleetError {
+  constructor(channel: string, options: ForkfleetErrorOptions = {}) {
+    super('unavailable', `${channel} connection closed`, options);
+  }
+}
+
+export class GuestAgentTimeoutError extends ForkfleetError {
+  constructor(command: string, ms: number) {
+    super('deadline_exceeded', `guest agent ${command} timed out after ${ms} ms`);
+  }
+}
+
+export class GuestAgentCommandError extends ForkfleetError {
+  constructor(command: string, desc: string) {
+    super('internal', `guest agent ${command} failed: ${desc}`, { retryable: false });
+  }
+}
+
+/** A clone failed its hygiene step (reseed, clock, identity, health check) and is not handed out. */
+export class CloneHygieneError extends ForkfleetError {
+  constructor(vmId: string, step: string, options: ForkfleetErrorOptions = {}) {
+    super('internal', `vm ${vmId}: clone hygiene step ${step} failed`, options);
+  }
+}
+
+export interface CompatDifference {
+  field: string;
+  snapshot: string | number;
+  host: string | number;
+}
+
+/** A snapshot cannot be restored here: machine, memory, vcpus, devices, QEMU, accel or CPU differ. */
+export class IncompatibleSnapshotError extends ForkfleetError {
+  readonly differences: readonly CompatDifference[];
+  constructor(snapshotId: string, differences: readonly CompatDifference[]) {
+    const what = differences.map((d) => `${d.field} (snapshot ${d.snapshot}, host ${d.host})`).join('; ');
+    super('failed_precondition', `snapshot ${snapshotId} is incompatible with this host: ${what}`, { retryable: false });
+    this.differences = differences;
+  }
+}
+
+export class SnapshotNotFoundError extends ForkfleetError {
+  constructor(where: string) {
+    super('not_found', `no complete snapshot at ${where}`);
+  }
+}
+
+/** A snapshot cannot be deleted while VMs still map its files. */
+export class SnapshotInUseError extends ForkfleetError {
+  constructor(snapshotId: string, users: readonly string[]) {
+    super('failed_precondition', `snapshot ${snapshotId} is in use by ${users.join(', ')}`);
+  }
+}
+
+export class KvmUnavailableError extends ForkfleetError {
+  constructor(reason: string) {
+    super('failed_precondition', `accel kvm unavailable: ${reason}`, { retryable: false });
+  }
+}
+
+export class ImageBuildError extends ForkfleetError {
+  constructor(name: string, detail: string, options: ForkfleetErrorOptions = {}) {
+    super('internal', `image ${name} build failed: ${detail}`, options);
+  }
+}

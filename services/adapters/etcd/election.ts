@@ -1,0 +1,49 @@
+// Scheduler leader election on etcd (etcd3 Election). The lease TTL bounds failover: a
+// killed leader's lease lapses after `ttlSeconds`, then a standby's campaign wins.
+import type { Etcd3 } from 'etcd3';
+import type { Campaign } from 'etcd3';
+import type { LeaderElection } from '../../domain/ports.ts';
+import { keys } from './keys.ts';
+
+export class EtcdLeaderElection implements LeaderElection {
+  private campaignObj: Campaign | undefined;
+  private leader = false;
+  private readonly lostCbs: Array<() => void> = [];
+
+  constructor(
+    private readonly client: Etcd3,
+    private readonly candidateId: string,
+    private readonly ttlSeconds = 2,
+  ) {}
+
+  campaign(): Promise<void> {
+    return new Promise((resolve, reject) => {
+      const election = this.client.election(keys.election(), this.ttlSeconds);
+      const c = election.campaign(this.candidateId);
+      this.campaignObj = c;
+      c.on('elected', () => {
+        this.leader = true;
+        resolve();
+      });
+      c.on('error', (err: Error) => {
+        const was = this.leader;
+        this.leader = false;
+        if (was) for (const cb of this.lostCbs) cb();
+        else reject(err);
+      });
+    });
+  }
+
+  onLost(cb: () => void): void {
+    this.lostCbs.push(cb);
+  }
+
+  isLeader(): boolean {
+    return this.leader;
+  }
+
+  async resign(): Promise<void> {
+    this.leader = false;
+    await this.campaignObj?.resign().catch(() => undefined);
+  }
+}

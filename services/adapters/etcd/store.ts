@@ -1,0 +1,150 @@
+// FleetStore over etcd (etcd3 client). Every guarded write compares the key's mod
+// revision it read; a batch is one transaction.
+import { Etcd3 } from 'etcd3';
+import type { IKeyValue } from 'etcd3';
+import type { FleetStore, RecordChange, StoreWrite, Versioned } from '../../domain/ports.ts';
+import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
+import { isTerminal } from '../../domain/records.ts';
+import { keys, PREFIX } from './keys.ts';
+
+function decode<T>(kv: IKeyValue): Versioned<T> {
+  return { value: JSON.parse(kv.value.toString('utf8')) as T, modRevision: Number(kv.mod_revision) };
+}
+
+function keyOf(w: StoreWrite): string {
+  switch (w.kind) {
+    case 'sandbox':
+      return keys.sandbox(w.value.tenantId, w.value.id);
+    case 'snapshot':
+      return keys.snapshot(w.value.tenantId, w.value.id);
+    case 'op':
+      return keys.op(w.value.tenantId, w.value.id);
+    case 'host':
+      return keys.host(w.value.id);
+    case 'alloc':
+      return keys.alloc(w.value.hostId);
+    case 'idem':
+      return keys.idem(w.tenantId, w.key);
+    case 'delete-sandbox':
+      return keys.sandbox(w.tenantId, w.id);
+  }
+}
+
+function valueOf(w: StoreWrite): string | undefined {
+  switch (w.kind) {
+    case 'idem':
+      return w.opId;
+    case 'delete-sandbox':
+      return undefined;
+    default:
+      return JSON.stringify(w.value);
+  }
+}
+
+export class EtcdFleetStore implements FleetStore {
+  constructor(private readonly client: Etcd3) {}
+
+  static connect(endpoints: string[]): EtcdFleetStore {
+    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000 }));
+  }
+
+  get etcd(): Etcd3 {
+    return this.client;
+  }
+
+  close(): void {
+    this.client.close();
+  }
+
+  private async getOne<T>(key: string): Promise<Versioned<T> | undefined> {
+    const res = await this.client.get(key).exec();
+    const kv = res.kvs[0];
+    return kv ? decode<T>(kv) : undefined;
+  }
+
+  private async getPrefix<T>(prefix: string): Promise<Versioned<T>[]> {
+    const res = await this.client.getAll().prefix(prefix).exec();
+    return res.kvs.map((kv) => decode<T>(kv));
+  }
+
+  getSandbox(tenantId: string, id: string): Promise<Versioned<SandboxRec> | undefined> {
+    return this.getOne(keys.sandbox(tenantId, id));
+  }
+  listSandboxes(tenantId: string | undefined): Promise<Versioned<SandboxRec>[]> {
+    return this.getPrefix(keys.sandboxes(tenantId));
+  }
+  getSnapshot(tenantId: string, id: string): Promise<Versioned<SnapshotRec> | undefined> {
+    return this.getOne(keys.snapshot(tenantId, id));
+  }
+  listSnapshots(tenantId: string | undefined): Promise<Versioned<SnapshotRec>[]> {
+    return this.getPrefix(keys.snapshots(tenantId));
+  }
+  getOp(tenantId: string, id: string): Promise<Versioned<OperationRec> | undefined> {
+    return this.getOne(keys.op(tenantId, id));
+  }
+  async listOps(filter: { activeOnly: boolean }): Promise<Versioned<OperationRec>[]> {
+    const all = await this.getPrefix<OperationRec>(keys.ops());
+    return filter.activeOnly ? all.filter((o) => !isTerminal(o.value.state)) : all;
+  }
+  getHost(id: string): Promise<Versioned<HostRec> | undefined> {
+    return this.getOne(keys.host(id));
+  }
+  listHosts(): Promise<Versioned<HostRec>[]> {
+    return this.getPrefix(keys.hosts());
+  }
+  async getAlloc(hostId: string): Promise<Versioned<HostAllocRec>> {
+    return (
+      (await this.getOne<HostAllocRec>(keys.alloc(hostId))) ?? {
+        value: { hostId, allocated: { vcpus: 0, memoryMib: 0, diskMib: 0 }, sandboxes: 0 },
+        modRevision: 0,
+      }
+    );
+  }
+  listAllocs(): Promise<Versioned<HostAllocRec>[]> {
+    return this.getPrefix(keys.allocs());
+  }
+  async getIdempotent(tenantId: string, key: string): Promise<string | undefined> {
+    const v = await this.client.get(keys.idem(tenantId, key)).string();
+    return v ?? undefined;
+  }
+
+  async commit(writes: readonly StoreWrite[]): Promise<boolean> {
+    if (writes.length === 0) return true;
+    const ns = this.client;
+    let txn = ns.if(PREFIX + '__never__', 'Version', '==', 0); // always-true seed compare
+    for (const w of writes) {
+      if (w.expectRevision !== undefined) txn = txn.and(keyOf(w), 'Mod', '==', w.expectRevision);
+    }
+    const ops = writes.map((w) => {
+      const v = valueOf(w);
+      return v === undefined ? ns.delete().key(keyOf(w)) : ns.put(keyOf(w)).value(v);
+    });
+    const res = await txn.then(...ops).commit();
+    return res.succeeded;
+  }
+
+  async watchOps(onOp: (op: OperationRec) => void): Promise<() => void> {
+    const w = await this.client.watch().prefix(keys.ops()).create();
+    w.on('put', (kv) => onOp(decode<OperationRec>(kv).value));
+    return () => void w.cancel();
+  }
+
+  async watchRecords(onChange: (c: RecordChange) => void): Promise<() => void> {
+    const watchers = await Promise.all([
+      this.client.watch().prefix(keys.sandboxes()).create(),
+      this.client.watch().prefix(keys.snapshots()).create(),
+      this.client.watch().prefix(keys.ops()).create(),
+    ]);
+    const kinds = ['sandbox', 'snapshot', 'op'] as const;
+    watchers.forEach((w, i) => {
+      const kind = kinds[i] as (typeof kinds)[number];
+      w.on('put', (kv) => {
+        const d = decode<never>(kv);
+        onChange({ kind, value: d.value, revision: d.modRevision } as RecordChange);
+      });
+    });
+    return () => {
+      for (const w of watchers) void w.cancel();
+    };
+  }
+}

@@ -1,0 +1,369 @@
+// Validation and conversion between the generated API types and the domain's inputs and
+// records. Every field is checked here; a bad one is INVALID_ARGUMENT naming the field.
+import { create } from '@bufbuild/protobuf';
+import type { MessageInitShape } from '@bufbuild/protobuf';
+import type { Duration, DurationSchema, Timestamp } from '@bufbuild/protobuf/wkt';
+import { timestampFromMs } from '@bufbuild/protobuf/wkt';
+import { InvalidArgumentError } from '../../../proto/errors.ts';
+import { Locality, Spread, Accel } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
+import type { Lifecycle, PlacementPreference, Resources, ResourcesSchema } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
+import {
+  HostSchema,
+  HostState as PbHostState,
+  OperationKind as PbOpKind,
+  OperationSchema,
+  OperationState as PbOpState,
+  SandboxSchema,
+  SandboxState as PbSandboxState,
+  SnapshotSchema,
+  SnapshotState as PbSnapshotState,
+} from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Host, Operation, Sandbox, Snapshot } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { HostAllocRec, HostRec, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from '../../domain/records.ts';
+import type { PlacementPrefs } from '../../domain/fleet.ts';
+import { runningMs } from '../../domain/fleet.ts';
+
+export const LIMITS = {
+  maxForkCount: 256,
+  maxVcpus: 64,
+  minMemoryMib: 64,
+  maxMemoryMib: 262_144,
+  maxDiskMib: 1_048_576,
+  defaultDiskMib: 1024,
+  maxLabels: 64,
+  maxArgv: 256,
+  maxArgBytes: 4096,
+  maxStdinBytes: 1 << 20,
+  maxExecTimeoutMs: 3_600_000,
+  defaultExecTimeoutMs: 60_000,
+  maxWaitMs: 600_000,
+  defaultWaitMs: 60_000,
+  maxDurationMs: 10 * 365 * 24 * 3_600_000,
+  maxPathBytes: 4096,
+  maxFileBytes: 64 << 20,
+  maxReplicas: 8,
+  maxKeepLast: 10_000,
+};
+
+const TENANT_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
+const KEY_RE = /^[\x21-\x7e]{1,128}$/;
+const ID_RE = { sb: /^sb-[a-z2-7]{20}$/, sn: /^sn-[a-z2-7]{20}$/, op: /^op-[a-z2-7]{20}$/ };
+const IMAGE_RE = /^[a-z0-9][a-z0-9._-]{0,63}$/;
+const HOSTNAME_RE = /^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$/;
+const HOST_ID_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
+const LABEL_KEY_RE = /^[a-zA-Z0-9][a-zA-Z0-9._/-]{0,62}$/;
+
+export function tenant(v: string, field = 'tenant_id'): string {
+  if (!TENANT_RE.test(v)) throw new InvalidArgumentError(field, 'must be 1-63 characters of a-z, 0-9 and -, starting with a letter or digit');
+  return v;
+}
+
+export function idemKey(v: string, field = 'idempotency_key'): string {
+  if (!KEY_RE.test(v)) throw new InvalidArgumentError(field, 'must be 1-128 printable ASCII characters without spaces');
+  return v;
+}
+
+export function id(kind: keyof typeof ID_RE, v: string, field: string): string {
+  if (!ID_RE[kind].test(v)) throw new InvalidArgumentError(field, `must be an id of the form ${kind}-<20 base32 characters>`);
+  return v;
+}
+
+export function hostId(v: string, field = 'host_id'): string {
+  if (!HOST_ID_RE.test(v)) throw new InvalidArgumentError(field, 'must be a host id (a-z, 0-9, -)');
+  return v;
+}
+
+function intIn(v: number | bigint, field: string, min: number, max: number): number {
+  const n = Number(v);
+  if (!Number.isSafeInteger(n) || n < min || n > max) throw new InvalidArgumentError(field, `must be an integer in [${min}, ${max}], got ${String(v)}`);
+  return n;
+}
+
+export function durationMs(d: Duration | undefined, field: string, opts: { min?: number; max?: number } = {}): number | null {
+  if (!d) return null;
+  if (d.nanos < -999_999_999 || d.nanos > 999_999_999 || (d.seconds > 0n && d.nanos < 0) || (d.seconds < 0n && d.nanos > 0)) throw new InvalidArgumentError(field, 'is not a valid duration');
+  const ms = Number(d.seconds) * 1000 + Math.trunc(d.nanos / 1e6);
+  const min = opts.min ?? 0;
+  const max = opts.max ?? LIMITS.maxDurationMs;
+  if (!Number.isFinite(ms) || ms < min || ms > max) throw new InvalidArgumentError(field, `must be between ${min} ms and ${max} ms`);
+  return ms;
+}
+
+export function resources(r: Resources | undefined, field = 'resources'): ResourcesRec {
+  const vcpus = r?.vcpus ? intIn(r.vcpus, `${field}.vcpus`, 1, LIMITS.maxVcpus) : 1;
+  const memoryMib = r?.memoryMib ? intIn(r.memoryMib, `${field}.memory_mib`, LIMITS.minMemoryMib, LIMITS.maxMemoryMib) : 256;
+  if (memoryMib % 2 !== 0) throw new InvalidArgumentError(`${field}.memory_mib`, 'must be a multiple of 2');
+  const diskMib = r?.diskMib ? intIn(r.diskMib, `${field}.disk_mib`, 1, LIMITS.maxDiskMib) : LIMITS.defaultDiskMib;
+  return { vcpus, memoryMib, diskMib };
+}
+
+export function labels(m: Record<string, string>, field = 'labels'): Record<string, string> {
+  const entries = Object.entries(m);
+  if (entries.length > LIMITS.maxLabels) throw new InvalidArgumentError(field, `at most ${LIMITS.maxLabels} labels`);
+  for (const [k, v] of entries) {
+    if (!LABEL_KEY_RE.test(k)) throw new InvalidArgumentError(`${field}[${JSON.stringify(k.slice(0, 64))}]`, 'label keys are 1-63 characters of a-z, A-Z, 0-9, . _ / -');
+    if (Buffer.byteLength(v) > 256) throw new InvalidArgumentError(`${field}[${k}]`, 'label values are at most 256 bytes');
+  }
+  return { ...m };
+}
+
+export function placement(p: PlacementPreference | undefined, field = 'placement'): PlacementPrefs {
+  const locality = p?.locality ?? Locality.UNSPECIFIED;
+  const spread = p?.spread ?? Spread.UNSPECIFIED;
+  if (!(locality in Locality)) throw new InvalidArgumentError(`${field}.locality`, 'unknown value');
+  if (!(spread in Spread)) throw new InvalidArgumentError(`${field}.spread`, 'unknown value');
+  return {
+    locality: locality === Locality.SAME_HOST ? 'SAME_HOST' : locality === Locality.CROSS_HOST ? 'CROSS_HOST' : 'ANY',
+    spread: spread === Spread.SPREAD ? 'SPREAD' : 'PACK',
+    maxPerHost: intIn(p?.maxPerHost ?? 0, `${field}.max_per_host`, 0, LIMITS.maxForkCount),
+    hostId: p?.hostId ? hostId(p.hostId, `${field}.host_id`) : '',
+  };
+}
+
+export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlMs: number | null; idleTimeoutMs: number | null } {
+  return {
+    ttlMs: durationMs(l?.ttl, `${field}.ttl`, { min: 1000 }),
+    idleTimeoutMs: durationMs(l?.idleTimeout, `${field}.idle_timeout`),
+  };
+}
+
+export function hostname(v: string, field = 'hostname'): string {
+  if (v && !HOSTNAME_RE.test(v)) throw new InvalidArgumentError(field, 'must be an RFC 1123 label: 1-63 characters of a-z, 0-9 and -');
+  return v;
+}
+
+export function image(v: string, field = 'image'): string {
+  if (!IMAGE_RE.test(v)) throw new InvalidArgumentError(field, 'must be an image name such as "tiny" or "debian"');
+  return v;
+}
+
+/** An absolute guest path without NUL, `..` segments or empty segments. */
+export function guestPath(v: string, field = 'path'): string {
+  if (!v.startsWith('/')) throw new InvalidArgumentError(field, 'must be an absolute path');
+  if (Buffer.byteLength(v) > LIMITS.maxPathBytes) throw new InvalidArgumentError(field, `must be at most ${LIMITS.maxPathBytes} bytes`);
+  if (v.includes('\0')) throw new InvalidArgumentError(field, 'must not contain NUL');
+  const segs = v.split('/').slice(1);
+  if (segs.some((s) => s === '..' || s === '.')) throw new InvalidArgumentError(field, 'must not contain . or .. segments');
+  if (v.length > 1 && segs.some((s) => s === '')) throw new InvalidArgumentError(field, 'must not contain empty segments');
+  return v;
+}
+
+export function argv(v: string[], field = 'argv'): string[] {
+  if (v.length === 0) throw new InvalidArgumentError(field, 'must name a command');
+  if (v.length > LIMITS.maxArgv) throw new InvalidArgumentError(field, `at most ${LIMITS.maxArgv} arguments`);
+  v.forEach((a, i) => {
+    if (Buffer.byteLength(a) > LIMITS.maxArgBytes) throw new InvalidArgumentError(`${field}[${i}]`, `at most ${LIMITS.maxArgBytes} bytes`);
+    if (a.includes('\0')) throw new InvalidArgumentError(`${field}[${i}]`, 'must not contain NUL');
+  });
+  if (!v[0]) throw new InvalidArgumentError(`${field}[0]`, 'must not be empty');
+  return v;
+}
+
+export function env(m: Record<string, string>, field = 'env'): Record<string, string> {
+  for (const [k, val] of Object.entries(m)) {
+    if (!/^[A-Za-z_][A-Za-z0-9_]{0,127}$/.test(k)) throw new InvalidArgumentError(`${field}[${JSON.stringify(k.slice(0, 64))}]`, 'must be a valid variable name');
+    if (val.includes('\0') || Buffer.byteLength(val) > LIMITS.maxArgBytes) throw new InvalidArgumentError(`${field}[${k}]`, 'value must be at most 4096 bytes without NUL');
+  }
+  return { ...m };
+}
+
+// ------------------------------------------------------------------ to proto
+
+const SB_STATE: Record<SandboxState, PbSandboxState> = {
+  pending: PbSandboxState.PENDING,
+  starting: PbSandboxState.STARTING,
+  running: PbSandboxState.RUNNING,
+  paused: PbSandboxState.PAUSED,
+  hibernating: PbSandboxState.HIBERNATING,
+  hibernated: PbSandboxState.HIBERNATED,
+  waking: PbSandboxState.WAKING,
+  destroying: PbSandboxState.DESTROYING,
+  destroyed: PbSandboxState.DESTROYED,
+  failed: PbSandboxState.FAILED,
+  lost: PbSandboxState.LOST,
+};
+
+export function sandboxState(s: PbSandboxState, field: string): SandboxState {
+  const found = (Object.entries(SB_STATE) as [SandboxState, PbSandboxState][]).find(([, v]) => v === s);
+  if (!found) throw new InvalidArgumentError(field, `unknown sandbox state ${s}`);
+  return found[0];
+}
+
+function ts(ms: number): Timestamp {
+  return timestampFromMs(ms);
+}
+
+function dur(ms: number): MessageInitShape<typeof DurationSchema> {
+  return { seconds: BigInt(Math.floor(ms / 1000)), nanos: Math.round((ms % 1000) * 1e6) };
+}
+
+function pbResources(r: ResourcesRec): MessageInitShape<typeof ResourcesSchema> {
+  return { vcpus: r.vcpus, memoryMib: BigInt(r.memoryMib), diskMib: BigInt(r.diskMib) };
+}
+
+export function toSandbox(sb: SandboxRec, now: number): Sandbox {
+  return create(SandboxSchema, {
+    id: sb.id,
+    tenantId: sb.tenantId,
+    state: SB_STATE[sb.state],
+    stateReason: sb.stateReason,
+    hostId: sb.hostId,
+    resources: pbResources(sb.resources),
+    image: sb.image,
+    sourceSnapshotId: sb.sourceSnapshotId,
+    lineageId: sb.lineageId,
+    hostname: sb.hostname,
+    labels: sb.labels,
+    lifecycle: {
+      ...(sb.ttlMs !== null ? { ttl: dur(sb.ttlMs) } : {}),
+      ...(sb.idleTimeoutMs !== null ? { idleTimeout: dur(sb.idleTimeoutMs) } : {}),
+    },
+    network: { allowEgress: sb.allowEgress },
+    createdAt: ts(sb.createdAt),
+    updatedAt: ts(sb.updatedAt),
+    runningTime: dur(runningMs(sb, now)),
+    hibernationSnapshotId: sb.hibernationSnapshotId,
+  });
+}
+
+const SN_STATE: Record<SnapshotRec['state'], PbSnapshotState> = {
+  creating: PbSnapshotState.CREATING,
+  ready: PbSnapshotState.READY,
+  deleting: PbSnapshotState.DELETING,
+  deleted: PbSnapshotState.DELETED,
+  failed: PbSnapshotState.FAILED,
+};
+
+export function toSnapshot(sn: SnapshotRec): Snapshot {
+  return create(SnapshotSchema, {
+    id: sn.id,
+    tenantId: sn.tenantId,
+    state: SN_STATE[sn.state],
+    sourceSandboxId: sn.sourceSandboxId,
+    parentSnapshotId: sn.parentSnapshotId,
+    lineageId: sn.lineageId,
+    createdAt: ts(sn.createdAt),
+    pinned: sn.pinned,
+    retention: { ...(sn.retentionTtlMs !== null ? { ttl: dur(sn.retentionTtlMs) } : {}), keepLast: sn.keepLast },
+    ...(sn.retentionTtlMs !== null ? { expiresAt: ts(sn.createdAt + sn.retentionTtlMs) } : {}),
+    logicalBytes: BigInt(sn.logicalBytes),
+    storedBytes: BigInt(sn.storedBytes),
+    hostIds: sn.hostIds,
+    ...(sn.vmConfig
+      ? {
+          vmConfig: {
+            machine: sn.vmConfig.machine,
+            memoryMib: BigInt(sn.vmConfig.memoryMib),
+            vcpus: sn.vmConfig.vcpus,
+            devices: sn.vmConfig.devices,
+            qemuVersion: sn.vmConfig.qemuVersion,
+            accel: sn.vmConfig.accel === 'kvm' ? Accel.KVM : Accel.TCG,
+            cpuModel: sn.vmConfig.cpuModel,
+            image: sn.vmConfig.image,
+          },
+        }
+      : {}),
+    labels: sn.labels,
+  });
+}
+
+const OP_KIND: Record<OperationRec['kind'], PbOpKind> = {
+  create: PbOpKind.CREATE,
+  pause: PbOpKind.PAUSE,
+  resume: PbOpKind.RESUME,
+  hibernate: PbOpKind.HIBERNATE,
+  wake: PbOpKind.WAKE,
+  snapshot: PbOpKind.SNAPSHOT,
+  fork: PbOpKind.FORK,
+  destroy: PbOpKind.DESTROY,
+  delete_snapshot: PbOpKind.DELETE_SNAPSHOT,
+  drain: PbOpKind.DRAIN,
+};
+
+const OP_STATE: Record<OperationRec['state'], PbOpState> = {
+  pending: PbOpState.PENDING,
+  running: PbOpState.RUNNING,
+  succeeded: PbOpState.SUCCEEDED,
+  failed: PbOpState.FAILED,
+  cancelled: PbOpState.CANCELLED,
+};
+
+export interface OpResultObjects {
+  sandboxes: SandboxRec[];
+  snapshot: SnapshotRec | undefined;
+}
+
+export function toOperation(op: OperationRec, objs: OpResultObjects, now: number): Operation {
+  let result: MessageInitShape<typeof OperationSchema>['result'] = { case: undefined };
+  if (op.kind === 'fork' && op.result) {
+    const ex = op.result.explanation as { examined?: number; filtered?: Record<string, number>; summary?: string; chosen?: Array<{ hostId: string; children: number; lastChild?: { etaMs: number; restoreMs: number; transferMs: number; queueMs: number } }> } | undefined;
+    result = {
+      case: 'fork',
+      value: {
+        snapshotId: op.result.snapshotId ?? '',
+        children: objs.sandboxes.map((s) => toSandbox(s, now)),
+        ...(ex
+          ? {
+              explanation: {
+                hostsConsidered: ex.examined ?? 0,
+                filtered: ex.filtered ?? {},
+                summary: ex.summary ?? '',
+                choices: (ex.chosen ?? []).map((c) => ({
+                  hostId: c.hostId,
+                  count: c.children,
+                  etaMs: c.lastChild?.etaMs ?? 0,
+                  restoreMs: c.lastChild?.restoreMs ?? 0,
+                  transferMs: c.lastChild?.transferMs ?? 0,
+                  queueMs: c.lastChild?.queueMs ?? 0,
+                })),
+              },
+            }
+          : {}),
+      },
+    };
+  } else if (objs.snapshot && (op.kind === 'snapshot' || op.kind === 'delete_snapshot' || op.kind === 'hibernate')) {
+    result = { case: 'snapshot', value: toSnapshot(objs.snapshot) };
+  } else if (objs.sandboxes[0]) {
+    result = { case: 'sandbox', value: toSandbox(objs.sandboxes[0], now) };
+  }
+  return create(OperationSchema, {
+    id: op.id,
+    tenantId: op.tenantId,
+    kind: OP_KIND[op.kind],
+    state: OP_STATE[op.state],
+    createdAt: ts(op.createdAt),
+    updatedAt: ts(op.updatedAt),
+    progress: { done: op.progress.done, total: op.progress.total, message: op.progress.message, bytesTransferred: BigInt(op.progress.bytesTransferred) },
+    targetId: op.targetId,
+    result,
+    ...(op.error ? { error: { kind: op.error.kind, message: op.error.message, retryable: op.error.retryable, field: op.error.field ?? '' } } : {}),
+  });
+}
+
+const HOST_STATE: Record<HostRec['state'], PbHostState> = { ready: PbHostState.READY, suspect: PbHostState.SUSPECT, lost: PbHostState.LOST };
+
+export function hostState(s: PbHostState, field: string): HostRec['state'] {
+  const found = (Object.entries(HOST_STATE) as [HostRec['state'], PbHostState][]).find(([, v]) => v === s);
+  if (!found) throw new InvalidArgumentError(field, `unknown host state ${s}`);
+  return found[0];
+}
+
+export function toHost(h: HostRec, alloc: HostAllocRec | undefined, live: { state: HostRec['state']; snapshotCount: number; lastHeartbeatAt: number } | undefined): Host {
+  return create(HostSchema, {
+    id: h.id,
+    state: HOST_STATE[live?.state ?? h.state],
+    cordoned: h.cordoned,
+    draining: h.draining,
+    capacity: pbResources(h.capacity),
+    allocated: pbResources(alloc?.allocated ?? { vcpus: 0, memoryMib: 0, diskMib: 0 }),
+    sandboxCount: alloc?.sandboxes ?? 0,
+    snapshotCount: live?.snapshotCount ?? 0,
+    accel: h.accel === 'kvm' ? Accel.KVM : Accel.TCG,
+    qemuVersion: h.qemuVersion,
+    cpuModel: h.cpuModel,
+    peerAddress: h.peerAddress,
+    lastHeartbeat: ts(live?.lastHeartbeatAt ?? h.lastHeartbeatAt),
+    labels: h.labels,
+    linkBytesPerSecond: BigInt(h.linkBytesPerSecond),
+  });
+}

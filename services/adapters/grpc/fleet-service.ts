@@ -1,0 +1,282 @@
+// FleetService handlers: validate, convert, call the use case (CONVENTIONS.md §10).
+import { FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type {
+  CordonHostRequest,
+  CreateSandboxRequest,
+  DeleteSnapshotRequest,
+  DestroySandboxRequest,
+  DrainHostRequest,
+  ExecRequest,
+  ForkSandboxRequest,
+  GetOperationRequest,
+  GetSandboxRequest,
+  GetSnapshotRequest,
+  HibernateSandboxRequest,
+  ListHostsRequest,
+  ListSandboxesRequest,
+  ListSnapshotsRequest,
+  PauseSandboxRequest,
+  PinSnapshotRequest,
+  ReadFileRequest,
+  ResumeSandboxRequest,
+  SetSnapshotRetentionRequest,
+  SnapshotSandboxRequest,
+  UnpinSnapshotRequest,
+  WaitOperationRequest,
+  WatchEventsRequest,
+  WriteFileRequest,
+} from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { EventType, SandboxState as PbSandboxState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { timestampFromMs } from '@bufbuild/protobuf/wkt';
+import { InvalidArgumentError, ForkfleetError } from '../../../proto/errors.ts';
+import type { Fleet } from '../../domain/fleet.ts';
+import type { Clock, FleetStore, RecordChange } from '../../domain/ports.ts';
+import type { OperationRec } from '../../domain/records.ts';
+import { register } from './rpc.ts';
+import type { CallContext, ServiceRegistration } from './rpc.ts';
+import { AsyncQueue } from './queue.ts';
+import * as c from './convert.ts';
+
+export interface FleetServiceDeps {
+  fleet: Fleet;
+  store: FleetStore;
+  clock: Clock;
+}
+
+/** Reads the records an operation's result refers to, for the response. */
+async function opResponse(deps: FleetServiceDeps, op: OperationRec): ReturnType<typeof c.toOperation> extends infer T ? Promise<T> : never {
+  const ids = op.result?.sandboxIds ?? (op.kind !== 'fork' && op.targetId.startsWith('sb-') ? [op.targetId] : []);
+  const sandboxes = (await Promise.all(ids.map((id) => deps.store.getSandbox(op.tenantId, id)))).flatMap((v) => (v ? [v.value] : []));
+  const snapId = op.result?.snapshotId ?? (op.targetId.startsWith('sn-') ? op.targetId : undefined);
+  const snapshot = snapId ? (await deps.store.getSnapshot(op.tenantId, snapId))?.value : undefined;
+  return c.toOperation(op, { sandboxes, snapshot }, deps.clock.now());
+}
+
+function sandboxOpInput(req: { tenantId: string; idempotencyKey: string; sandboxId: string }): { tenantId: string; idempotencyKey: string; sandboxId: string } {
+  return { tenantId: c.tenant(req.tenantId), idempotencyKey: c.idemKey(req.idempotencyKey), sandboxId: c.id('sb', req.sandboxId, 'sandbox_id') };
+}
+
+const EVENT_OF_STATE: Partial<Record<string, EventType>> = {
+  hibernated: EventType.SANDBOX_HIBERNATED,
+  destroyed: EventType.SANDBOX_DESTROYED,
+};
+
+export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
+  const { fleet } = deps;
+  const op = (o: OperationRec) => opResponse(deps, o);
+  return register(FleetService, {
+    async createSandbox(req: CreateSandboxRequest) {
+      const tenantId = c.tenant(req.tenantId);
+      const key = c.idemKey(req.idempotencyKey);
+      if (req.source.case === undefined) throw new InvalidArgumentError('source', 'set image or snapshot_id');
+      const lc = c.lifecycle(req.lifecycle);
+      return op(
+        await fleet.createSandbox({
+          tenantId,
+          idempotencyKey: key,
+          image: req.source.case === 'image' ? c.image(req.source.value) : '',
+          snapshotId: req.source.case === 'snapshotId' ? c.id('sn', req.source.value, 'snapshot_id') : '',
+          resources: c.resources(req.resources),
+          labels: c.labels(req.labels),
+          ttlMs: lc.ttlMs,
+          idleTimeoutMs: lc.idleTimeoutMs,
+          allowEgress: req.network?.allowEgress ?? false,
+          placement: c.placement(req.placement),
+          hostname: c.hostname(req.hostname),
+        }),
+      );
+    },
+    async getSandbox(req: GetSandboxRequest) {
+      return c.toSandbox(await fleet.getSandbox(c.tenant(req.tenantId), c.id('sb', req.sandboxId, 'sandbox_id')), deps.clock.now());
+    },
+    async listSandboxes(req: ListSandboxesRequest) {
+      if (req.pageToken) throw new InvalidArgumentError('page_token', 'paging is not supported yet; omit it');
+      const states = req.states.map((s, i) => c.sandboxState(s, `states[${i}]`));
+      const all = await fleet.listSandboxes(c.tenant(req.tenantId), states, c.labels(req.labels));
+      const size = req.pageSize === 0 ? all.length : Math.min(req.pageSize, 1000);
+      return { sandboxes: all.slice(0, size).map((s) => c.toSandbox(s, deps.clock.now())) };
+    },
+    async *exec(req: ExecRequest, ctx: CallContext) {
+      const tenantId = c.tenant(req.tenantId);
+      if (req.idempotencyKey) c.idemKey(req.idempotencyKey);
+      if (req.stdin.length > c.LIMITS.maxStdinBytes) throw new InvalidArgumentError('stdin', `at most ${c.LIMITS.maxStdinBytes} bytes`);
+      if (req.cwd) c.guestPath(req.cwd, 'cwd');
+      const timeoutMs = c.durationMs(req.timeout, 'timeout', { min: 1, max: c.LIMITS.maxExecTimeoutMs }) ?? c.LIMITS.defaultExecTimeoutMs;
+      const input = { tenantId, sandboxId: c.id('sb', req.sandboxId, 'sandbox_id'), argv: c.argv(req.argv), env: c.env(req.env), cwd: req.cwd, stdin: req.stdin, timeoutMs };
+      for await (const out of fleet.exec(input, ctx.signal)) {
+        switch (out.payload.case) {
+          case 'stdout':
+            yield { payload: { case: 'stdout' as const, value: out.payload.value } };
+            break;
+          case 'stderr':
+            yield { payload: { case: 'stderr' as const, value: out.payload.value } };
+            break;
+          case 'exit':
+            yield { payload: { case: 'exit' as const, value: { exitCode: out.payload.value.exitCode, signal: out.payload.value.signal, timedOut: out.payload.value.timedOut } } };
+            return;
+          case 'error':
+            throw new ForkfleetError(out.payload.value.kind as ForkfleetError['kind'], out.payload.value.message, { retryable: out.payload.value.retryable });
+        }
+      }
+    },
+    async writeFile(reqs: AsyncIterable<WriteFileRequest>) {
+      let header: { tenantId: string; sandboxId: string; path: string; mode: number } | undefined;
+      const parts: Uint8Array[] = [];
+      let size = 0;
+      for await (const r of reqs) {
+        if (r.payload.case === 'header') {
+          if (header) throw new InvalidArgumentError('header', 'sent twice');
+          const h = r.payload.value;
+          header = { tenantId: c.tenant(h.tenantId), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestPath(h.path, 'header.path'), mode: h.mode & 0o7777 || 0o644 };
+          if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
+        } else if (r.payload.case === 'data') {
+          if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');
+          size += r.payload.value.length;
+          if (size > c.LIMITS.maxFileBytes) throw new InvalidArgumentError('data', `files are at most ${c.LIMITS.maxFileBytes} bytes`);
+          parts.push(r.payload.value);
+        } else {
+          throw new InvalidArgumentError('payload', 'set header or data');
+        }
+      }
+      if (!header) throw new InvalidArgumentError('header', 'missing');
+      const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, Buffer.concat(parts));
+      return { bytesWritten: BigInt(written) };
+    },
+    async *readFile(req: ReadFileRequest) {
+      const max = req.maxBytes === 0n ? c.LIMITS.maxFileBytes : Number(req.maxBytes);
+      if (!(max > 0 && max <= c.LIMITS.maxFileBytes)) throw new InvalidArgumentError('max_bytes', `must be at most ${c.LIMITS.maxFileBytes}`);
+      const data = await fleet.readFile(c.tenant(req.tenantId), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestPath(req.path), max);
+      const piece = 256 * 1024;
+      for (let off = 0; off < data.length; off += piece) yield { data: data.subarray(off, off + piece) };
+      if (data.length === 0) yield { data: new Uint8Array() };
+    },
+    async pauseSandbox(req: PauseSandboxRequest) {
+      return op(await fleet.pauseSandbox(sandboxOpInput(req)));
+    },
+    async resumeSandbox(req: ResumeSandboxRequest) {
+      return op(await fleet.resumeSandbox(sandboxOpInput(req)));
+    },
+    async hibernateSandbox(req: HibernateSandboxRequest) {
+      if (req.replicas > c.LIMITS.maxReplicas) throw new InvalidArgumentError('replicas', `at most ${c.LIMITS.maxReplicas}`);
+      return op(await fleet.hibernateSandbox({ ...sandboxOpInput(req), replicas: req.replicas }));
+    },
+    async snapshotSandbox(req: SnapshotSandboxRequest) {
+      if ((req.retention?.keepLast ?? 0) > c.LIMITS.maxKeepLast) throw new InvalidArgumentError('retention.keep_last', `at most ${c.LIMITS.maxKeepLast}`);
+      return op(
+        await fleet.snapshotSandbox({
+          ...sandboxOpInput(req),
+          pin: req.pin,
+          keepLast: req.retention?.keepLast ?? 0,
+          retentionTtlMs: c.durationMs(req.retention?.ttl, 'retention.ttl', { min: 1000 }),
+          labels: c.labels(req.labels),
+        }),
+      );
+    },
+    async forkSandbox(req: ForkSandboxRequest) {
+      const tenantId = c.tenant(req.tenantId);
+      const key = c.idemKey(req.idempotencyKey);
+      if (req.source.case === undefined) throw new InvalidArgumentError('source', 'set snapshot_id or sandbox_id');
+      if (req.count < 1 || req.count > c.LIMITS.maxForkCount) throw new InvalidArgumentError('count', `must be between 1 and ${c.LIMITS.maxForkCount}`);
+      return op(
+        await fleet.forkSandbox({
+          tenantId,
+          idempotencyKey: key,
+          snapshotId: req.source.case === 'snapshotId' ? c.id('sn', req.source.value, 'snapshot_id') : '',
+          sandboxId: req.source.case === 'sandboxId' ? c.id('sb', req.source.value, 'sandbox_id') : '',
+          count: req.count,
+          placement: c.placement(req.placement),
+          labels: c.labels(req.labels),
+          ttlMs: c.lifecycle(req.lifecycle).ttlMs,
+        }),
+      );
+    },
+    async destroySandbox(req: DestroySandboxRequest) {
+      return op(await fleet.destroySandbox(sandboxOpInput(req)));
+    },
+    watchEvents(req: WatchEventsRequest, ctx: CallContext) {
+      const tenantId = c.tenant(req.tenantId);
+      const sandboxId = req.sandboxId ? c.id('sb', req.sandboxId, 'sandbox_id') : '';
+      const types = new Set(req.types);
+      for (const t of types) if (!(t in EventType) || t === EventType.UNSPECIFIED) throw new InvalidArgumentError('types', `unknown event type ${t}`);
+      const q = new AsyncQueue<ReturnType<typeof toEvent>>();
+      const toEvent = (ch: RecordChange) => {
+        const base = { revision: BigInt(ch.revision), tenantId: ch.value.tenantId, time: timestampFromMs(deps.clock.now()) };
+        if (ch.kind === 'sandbox') {
+          const sb = ch.value;
+          const type = sb.state === 'pending' ? EventType.SANDBOX_CREATED : (EVENT_OF_STATE[sb.state] ?? EventType.SANDBOX_STATE_CHANGED);
+          return { ...base, type, sandboxId: sb.id, hostId: sb.hostId, sandboxState: c.toSandbox(sb, deps.clock.now()).state, message: sb.stateReason };
+        }
+        if (ch.kind === 'snapshot') {
+          const sn = ch.value;
+          return { ...base, type: sn.state === 'ready' ? EventType.SNAPSHOT_CREATED : EventType.UNSPECIFIED, snapshotId: sn.id, sandboxId: sn.sourceSandboxId, sandboxState: PbSandboxState.UNSPECIFIED, message: sn.state };
+        }
+        const o = ch.value;
+        return { ...base, type: o.state === 'succeeded' || o.state === 'failed' ? EventType.OPERATION_DONE : EventType.UNSPECIFIED, operationId: o.id, sandboxId: o.targetId.startsWith('sb-') ? o.targetId : '', message: o.error?.message ?? o.state };
+      };
+      let stop: (() => void) | undefined;
+      void deps.store
+        .watchRecords((ch) => {
+          if (ch.value.tenantId !== tenantId || ch.revision <= Number(req.afterRevision)) return;
+          const ev = toEvent(ch);
+          if (ev.type === EventType.UNSPECIFIED) return;
+          if (sandboxId && ev.sandboxId !== sandboxId) return;
+          if (types.size && !types.has(ev.type)) return;
+          q.push(ev);
+        })
+        .then((s) => {
+          stop = s;
+          if (ctx.signal.aborted) s();
+        }, (e: unknown) => q.fail(e));
+      ctx.signal.addEventListener('abort', () => {
+        stop?.();
+        q.end();
+      });
+      return q;
+    },
+    async getSnapshot(req: GetSnapshotRequest) {
+      return c.toSnapshot(await fleet.getSnapshot(c.tenant(req.tenantId), c.id('sn', req.snapshotId, 'snapshot_id')));
+    },
+    async listSnapshots(req: ListSnapshotsRequest) {
+      if (req.pageToken) throw new InvalidArgumentError('page_token', 'paging is not supported yet; omit it');
+      const lineage = req.lineageId ? c.id('sb', req.lineageId, 'lineage_id') : '';
+      const all = await fleet.listSnapshots(c.tenant(req.tenantId), lineage);
+      return { snapshots: all.slice(0, req.pageSize || all.length).map(c.toSnapshot) };
+    },
+    async pinSnapshot(req: PinSnapshotRequest) {
+      c.idemKey(req.idempotencyKey);
+      return c.toSnapshot(await fleet.pinSnapshot(c.tenant(req.tenantId), c.id('sn', req.snapshotId, 'snapshot_id'), true));
+    },
+    async unpinSnapshot(req: UnpinSnapshotRequest) {
+      c.idemKey(req.idempotencyKey);
+      return c.toSnapshot(await fleet.pinSnapshot(c.tenant(req.tenantId), c.id('sn', req.snapshotId, 'snapshot_id'), false));
+    },
+    async setSnapshotRetention(req: SetSnapshotRetentionRequest) {
+      c.idemKey(req.idempotencyKey);
+      const keepLast = req.retention?.keepLast ?? 0;
+      if (keepLast > c.LIMITS.maxKeepLast) throw new InvalidArgumentError('retention.keep_last', `at most ${c.LIMITS.maxKeepLast}`);
+      return c.toSnapshot(await fleet.setRetention(c.tenant(req.tenantId), c.id('sn', req.snapshotId, 'snapshot_id'), c.durationMs(req.retention?.ttl, 'retention.ttl', { min: 1000 }), keepLast));
+    },
+    async deleteSnapshot(req: DeleteSnapshotRequest) {
+      return op(await fleet.deleteSnapshot(c.tenant(req.tenantId), c.idemKey(req.idempotencyKey), c.id('sn', req.snapshotId, 'snapshot_id')));
+    },
+    async listHosts(req: ListHostsRequest) {
+      const states = req.states.map((s, i) => c.hostState(s, `states[${i}]`));
+      return { hosts: (await fleet.listHosts(states)).map((h) => c.toHost(h.host, h.alloc, h.live)) };
+    },
+    async cordonHost(req: CordonHostRequest) {
+      c.idemKey(req.idempotencyKey);
+      const h = await fleet.cordonHost(c.hostId(req.hostId), req.cordon);
+      return c.toHost(h.host, h.alloc, h.live);
+    },
+    async drainHost(req: DrainHostRequest) {
+      return op(await fleet.drainHost(c.idemKey(req.idempotencyKey), c.hostId(req.hostId), req.migrate));
+    },
+    async getOperation(req: GetOperationRequest) {
+      return op(await fleet.getOperation(c.tenant(req.tenantId), c.id('op', req.operationId, 'operation_id')));
+    },
+    async waitOperation(req: WaitOperationRequest, ctx: CallContext) {
+      const timeoutMs = c.durationMs(req.timeout, 'timeout', { max: c.LIMITS.maxWaitMs }) ?? c.LIMITS.defaultWaitMs;
+      return op(await fleet.waitOperation(c.tenant(req.tenantId), c.id('op', req.operationId, 'operation_id'), timeoutMs, ctx.signal));
+    },
+  });
+}

@@ -1,0 +1,164 @@
+// WorkBus over NATS (scheduler side): work to hosts through JetStream, results back
+// through a durable consumer, heartbeats and events on core subjects, exec and file
+// access as request/reply relays.
+import { createInbox, headers as natsHeaders } from 'nats';
+import type { ConsumerMessages, JetStreamClient, NatsConnection, Subscription } from 'nats';
+import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
+import type { WorkBus } from '../../domain/ports.ts';
+import {
+  HeartbeatSchema,
+  HostEventSchema,
+  HostExecOutputSchema,
+  HostExecRequestSchema,
+  HostFileRequestSchema,
+  HostFileResponseSchema,
+  HostResultSchema,
+  HostWorkSchema,
+} from '../../domain/messages.ts';
+import type {
+  HeartbeatMsg,
+  HostEventMsg,
+  HostExecOutputMsg,
+  HostExecRequestMsg,
+  HostFileRequestMsg,
+  HostFileResponseMsg,
+  HostResultMsg,
+  HostWorkMsg,
+} from '../../domain/messages.ts';
+import { AsyncQueue } from '../grpc/queue.ts';
+import { ForkfleetError } from '../../../proto/errors.ts';
+import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS, subjects } from './subjects.ts';
+
+export class NatsWorkBus implements WorkBus {
+  private readonly js: JetStreamClient;
+  private readonly subs: Subscription[] = [];
+
+  private constructor(private readonly nc: NatsConnection) {
+    this.js = nc.jetstream();
+  }
+
+  static async create(nc: NatsConnection): Promise<NatsWorkBus> {
+    const jsm = await nc.jetstreamManager();
+    await ensureStreams(jsm);
+    await ensureResultsConsumer(jsm);
+    return new NatsWorkBus(nc);
+  }
+
+  async sendWork(hostId: string, work: HostWorkMsg): Promise<void> {
+    const h = natsHeaders();
+    // JetStream dedup window: a re-publish of the same step attempt is dropped.
+    h.set('Nats-Msg-Id', `${work.opId}/${work.stepId}/${work.attempt}`);
+    await this.js.publish(subjects.work(hostId), toBinary(HostWorkSchema, work), { headers: h });
+  }
+
+  async consumeResults(onResult: (r: HostResultMsg, ack: () => void) => void | Promise<void>): Promise<() => Promise<void>> {
+    const consumer = await this.js.consumers.get(STREAM_RESULTS, RESULTS_CONSUMER);
+    const messages: ConsumerMessages = await consumer.consume({ max_messages: 256 });
+    const done = (async () => {
+      for await (const m of messages) {
+        let r: HostResultMsg;
+        try {
+          r = fromBinary(HostResultSchema, m.data);
+        } catch {
+          m.term(); // undecodable: never redeliver
+          continue;
+        }
+        try {
+          await onResult(r, () => m.ack());
+        } catch {
+          m.nak(1000);
+        }
+      }
+    })();
+    return async () => {
+      await messages.close();
+      await done.catch(() => undefined);
+    };
+  }
+
+  onHeartbeat(cb: (hb: HeartbeatMsg) => void): () => void {
+    const sub = this.nc.subscribe(subjects.allHeartbeats, {
+      callback: (err, m) => {
+        if (err) return;
+        try {
+          cb(fromBinary(HeartbeatSchema, m.data));
+        } catch {
+          /* malformed heartbeat: ignored */
+        }
+      },
+    });
+    this.subs.push(sub);
+    return () => sub.unsubscribe();
+  }
+
+  onHostEvent(cb: (e: HostEventMsg) => void): () => void {
+    const sub = this.nc.subscribe(subjects.allEvents, {
+      callback: (err, m) => {
+        if (err) return;
+        try {
+          cb(fromBinary(HostEventSchema, m.data));
+        } catch {
+          /* ignored */
+        }
+      },
+    });
+    this.subs.push(sub);
+    return () => sub.unsubscribe();
+  }
+
+  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal }): AsyncIterable<HostExecOutputMsg> {
+    const inbox = createInbox();
+    const q = new AsyncQueue<HostExecOutputMsg>();
+    const timer = setTimeout(() => {
+      q.fail(new ForkfleetError('deadline_exceeded', `exec on host ${hostId} timed out after ${opts.timeoutMs} ms`));
+      sub.unsubscribe();
+    }, opts.timeoutMs);
+    const finish = (): void => {
+      clearTimeout(timer);
+      sub.unsubscribe();
+    };
+    const sub = this.nc.subscribe(inbox, {
+      callback: (err, m) => {
+        if (q.isEnded) return;
+        if (err) {
+          finish();
+          q.fail(new ForkfleetError('unavailable', `exec relay failed: ${err.message}`, { cause: err }));
+          return;
+        }
+        // An empty message means "no responders" for the initial request.
+        if (m.data.length === 0) {
+          finish();
+          q.fail(new ForkfleetError('unavailable', `host ${hostId} is not answering`));
+          return;
+        }
+        const out = fromBinary(HostExecOutputSchema, m.data);
+        q.push(out);
+        if (out.payload.case === 'exit' || out.payload.case === 'error') {
+          finish();
+          q.end();
+        }
+      },
+    });
+    opts.signal?.addEventListener('abort', () => {
+      if (!q.isEnded) {
+        finish();
+        q.fail(new ForkfleetError('cancelled', 'exec cancelled'));
+      }
+    });
+    this.nc.publish(subjects.exec(hostId), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, req)), { reply: inbox });
+    return q;
+  }
+
+  async file(hostId: string, req: HostFileRequestMsg, opts: { timeoutMs: number }): Promise<HostFileResponseMsg> {
+    try {
+      const m = await this.nc.request(subjects.file(hostId), toBinary(HostFileRequestSchema, req), { timeout: opts.timeoutMs });
+      return fromBinary(HostFileResponseSchema, m.data);
+    } catch (e) {
+      throw new ForkfleetError('unavailable', `file relay to host ${hostId} failed: ${(e as Error).message}`, { cause: e });
+    }
+  }
+
+  close(): void {
+    for (const s of this.subs) s.unsubscribe();
+  }
+}

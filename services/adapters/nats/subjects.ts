@@ -1,0 +1,73 @@
+// NATS subjects and JetStream streams shared by the scheduler and host agents.
+// Control traffic only: commands, results, events, heartbeats. Bulk bytes go peer to peer.
+import type { JetStreamManager } from 'nats';
+import { AckPolicy, DeliverPolicy, RetentionPolicy } from 'nats';
+
+export const subjects = {
+  work: (hostId: string) => `ff.work.${hostId}`,
+  result: (hostId: string) => `ff.result.${hostId}`,
+  heartbeat: (hostId: string) => `ff.heartbeat.${hostId}`,
+  event: (hostId: string) => `ff.event.${hostId}`,
+  exec: (hostId: string) => `ff.exec.${hostId}`,
+  file: (hostId: string) => `ff.file.${hostId}`,
+  allHeartbeats: 'ff.heartbeat.*',
+  allEvents: 'ff.event.*',
+  allResults: 'ff.result.*',
+};
+
+export const STREAM_WORK = 'FF_WORK';
+export const STREAM_RESULTS = 'FF_RESULTS';
+export const STREAM_EVENTS = 'FF_EVENTS';
+/** Durable consumer of results; shared by scheduler replicas, used by the leader. */
+export const RESULTS_CONSUMER = 'scheduler-results';
+export const workConsumer = (hostId: string) => `agent-${hostId.replace(/[^A-Za-z0-9_-]/g, '_')}`;
+
+/** Host ids appear in subjects: keep them to a safe alphabet. */
+export const HOST_ID_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
+
+/** How long a host may hold a work message before it is redelivered (it sends in-progress acks). */
+export const WORK_ACK_WAIT_MS = 30_000;
+
+async function ensureStream(jsm: JetStreamManager, name: string, subjectsList: string[], retention: RetentionPolicy): Promise<void> {
+  try {
+    await jsm.streams.info(name);
+  } catch {
+    try {
+      await jsm.streams.add({ name, subjects: subjectsList, retention, max_age: 24 * 3600 * 1e9 });
+    } catch (e) {
+      // Another replica created it concurrently.
+      await jsm.streams.info(name).catch(() => {
+        throw e;
+      });
+    }
+  }
+}
+
+/** Creates the streams if missing. Idempotent; every replica and agent may call it. */
+export async function ensureStreams(jsm: JetStreamManager): Promise<void> {
+  await ensureStream(jsm, STREAM_WORK, ['ff.work.*'], RetentionPolicy.Workqueue);
+  await ensureStream(jsm, STREAM_RESULTS, [subjects.allResults], RetentionPolicy.Workqueue);
+  await ensureStream(jsm, STREAM_EVENTS, [subjects.allEvents], RetentionPolicy.Limits);
+}
+
+export async function ensureWorkConsumer(jsm: JetStreamManager, hostId: string): Promise<string> {
+  const name = workConsumer(hostId);
+  await jsm.consumers.add(STREAM_WORK, {
+    durable_name: name,
+    ack_policy: AckPolicy.Explicit,
+    deliver_policy: DeliverPolicy.All,
+    filter_subject: subjects.work(hostId),
+    ack_wait: WORK_ACK_WAIT_MS * 1e6,
+    max_deliver: 20,
+  });
+  return name;
+}
+
+export async function ensureResultsConsumer(jsm: JetStreamManager): Promise<void> {
+  await jsm.consumers.add(STREAM_RESULTS, {
+    durable_name: RESULTS_CONSUMER,
+    ack_policy: AckPolicy.Explicit,
+    deliver_policy: DeliverPolicy.All,
+    ack_wait: 30_000 * 1e6,
+  });
+}

@@ -1,0 +1,44 @@
+// Named errors of the scheduler service (CONVENTIONS.md §5). Kinds map to gRPC codes at the edge.
+import { ForkfleetError } from '../../proto/errors.ts';
+
+export class NotFoundError extends ForkfleetError {
+  constructor(what: 'sandbox' | 'snapshot' | 'operation' | 'host', id: string) {
+    super('not_found', `${what} ${id} not found`);
+  }
+}
+
+export class WrongStateError extends ForkfleetError {
+  constructor(what: string, id: string, state: string, wanted: string) {
+    super('failed_precondition', `${what} ${id} is ${state}; ${wanted}`);
+  }
+}
+
+export class NoCapacityError extends ForkfleetError {
+  constructor(summary: string) {
+    super('resource_exhausted', `no host can take this: ${summary}`, { retryable: true });
+  }
+}
+
+export class ConflictError extends ForkfleetError {
+  constructor(what: string) {
+    super('aborted', `concurrent change to ${what}; retry`, { retryable: true });
+  }
+}
+
+export class HostStepError extends ForkfleetError {
+  constructor(hostId: string, step: string, kind: string, message: string, retryable: boolean) {
+    super(
+      (['invalid_argument', 'not_found', 'failed_precondition', 'resource_exhausted', 'unavailable', 'deadline_exceeded', 'internal'].includes(kind)
+        ? kind
+        : 'internal') as ForkfleetError['kind'],
+      `host ${hostId}: ${step}: ${message}`,
+      { retryable },
+    );
+  }
+}
+
+export class StepTimeoutError extends ForkfleetError {
+  constructor(hostId: string, step: string, ms: number) {
+    super('deadline_exceeded', `host ${hostId} did not finish ${step} within ${ms} ms`, { retryable: true });
+  }
+}

@@ -1,0 +1,368 @@
+// API use cases of the Fleet service. Any scheduler replica serves them: reads go to
+// etcd, mutations are recorded as pending operations (with their idempotency key) that the
+// leader's Executor carries out. Inputs arrive validated (adapters/grpc/convert.ts).
+import { randomBytes } from 'node:crypto';
+import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
+import type { HostAllocRec, HostRec, OperationKind, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
+import { livenessOf } from './fleet-view.ts';
+import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
+import { isTerminal } from './records.ts';
+import { NotFoundError, WrongStateError } from './errors.ts';
+import type { HostExecOutputMsg } from './messages.ts';
+import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
+import { create } from '@bufbuild/protobuf';
+import { ForkfleetError } from '../../proto/errors.ts';
+
+export type IdPrefix = 'sb' | 'sn' | 'op';
+
+/** Ids: a prefix and 20 base32 characters (100 random bits). */
+export function newId(prefix: IdPrefix): string {
+  const alphabet = 'abcdefghijklmnopqrstuvwxyz234567';
+  const bytes = randomBytes(20);
+  let s = '';
+  for (const b of bytes) s += alphabet[b & 31];
+  return `${prefix}-${s}`;
+}
+
+export interface PlacementPrefs {
+  locality: 'ANY' | 'SAME_HOST' | 'CROSS_HOST';
+  spread: 'PACK' | 'SPREAD';
+  maxPerHost: number;
+  hostId: string;
+}
+
+export interface CreateInput {
+  tenantId: string;
+  idempotencyKey: string;
+  image: string;
+  snapshotId: string;
+  resources: ResourcesRec;
+  labels: Record<string, string>;
+  ttlMs: number | null;
+  idleTimeoutMs: number | null;
+  allowEgress: boolean;
+  placement: PlacementPrefs;
+  hostname: string;
+}
+
+export interface ForkInput {
+  tenantId: string;
+  idempotencyKey: string;
+  snapshotId: string;
+  sandboxId: string;
+  count: number;
+  placement: PlacementPrefs;
+  labels: Record<string, string>;
+  ttlMs: number | null;
+}
+
+export interface SandboxOpInput {
+  tenantId: string;
+  idempotencyKey: string;
+  sandboxId: string;
+}
+
+export interface ExecInput {
+  tenantId: string;
+  sandboxId: string;
+  argv: string[];
+  env: Record<string, string>;
+  cwd: string;
+  stdin: Uint8Array;
+  timeoutMs: number;
+}
+
+export interface FleetDeps {
+  store: FleetStore;
+  bus: WorkBus;
+  clock: Clock;
+  heard: HeartbeatRegistry;
+  liveness: LivenessConfig;
+}
+
+export interface HostListing {
+  host: HostRec;
+  alloc: HostAllocRec | undefined;
+  live: { state: HostRec['state']; snapshotCount: number; lastHeartbeatAt: number } | undefined;
+}
+
+/** Running time so far: what a TTL counts. Paused and hibernated time is never included. */
+export function runningMs(sb: SandboxRec, now: number): number {
+  return sb.runningMsBefore + (sb.runningSince === null ? 0 : Math.max(0, now - sb.runningSince));
+}
+
+export class Fleet {
+  constructor(private readonly deps: FleetDeps) {}
+
+  private async existingOp(tenantId: string, key: string): Promise<OperationRec | undefined> {
+    const opId = await this.deps.store.getIdempotent(tenantId, key);
+    if (opId === undefined) return undefined;
+    return (await this.deps.store.getOp(tenantId, opId))?.value;
+  }
+
+  /**
+   * Records a pending operation under its idempotency key, with any records it creates,
+   * in one transaction. A repeat of the key returns the first operation unchanged.
+   */
+  private async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = []): Promise<OperationRec> {
+    const prior = await this.existingOp(tenantId, key);
+    if (prior) return prior;
+    const now = this.deps.clock.now();
+    const op: OperationRec = {
+      id: newId('op'),
+      tenantId,
+      kind,
+      state: 'pending',
+      createdAt: now,
+      updatedAt: now,
+      targetId,
+      input,
+      progress: { done: 0, total: 0, message: 'queued', bytesTransferred: 0 },
+      result: null,
+      error: null,
+      steps: {},
+    };
+    const ok = await this.deps.store.commit([
+      { kind: 'idem', tenantId, key, opId: op.id, expectRevision: 0 },
+      { kind: 'op', value: op, expectRevision: 0 },
+      ...extra,
+    ]);
+    if (ok) return op;
+    const raced = await this.existingOp(tenantId, key);
+    if (raced) return raced;
+    throw new ForkfleetError('aborted', 'concurrent change; retry', { retryable: true });
+  }
+
+  async createSandbox(input: CreateInput): Promise<OperationRec> {
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
+    if (prior) return prior;
+    if (input.snapshotId) await this.getSnapshot(input.tenantId, input.snapshotId);
+    const id = newId('sb');
+    const now = this.deps.clock.now();
+    const sb: SandboxRec = {
+      id,
+      tenantId: input.tenantId,
+      state: 'pending',
+      stateReason: '',
+      hostId: '',
+      resources: input.resources,
+      image: input.image,
+      sourceSnapshotId: input.snapshotId,
+      lineageId: id,
+      hostname: input.hostname || id,
+      labels: input.labels,
+      ttlMs: input.ttlMs,
+      idleTimeoutMs: input.idleTimeoutMs,
+      allowEgress: input.allowEgress,
+      createdAt: now,
+      updatedAt: now,
+      runningMsBefore: 0,
+      runningSince: null,
+      hibernationSnapshotId: '',
+      opId: '',
+    };
+    return this.submit(input.tenantId, input.idempotencyKey, 'create', id, { placement: input.placement }, [{ kind: 'sandbox', value: sb, expectRevision: 0 }]);
+  }
+
+  async forkSandbox(input: ForkInput): Promise<OperationRec> {
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
+    if (prior) return prior;
+    let lineageId: string;
+    if (input.snapshotId) {
+      const sn = await this.getSnapshot(input.tenantId, input.snapshotId);
+      if (sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be forked');
+      lineageId = sn.lineageId;
+    } else {
+      const sb = await this.getSandbox(input.tenantId, input.sandboxId);
+      if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked');
+      lineageId = sb.lineageId;
+    }
+    const childIds = Array.from({ length: input.count }, () => newId('sb'));
+    return this.submit(input.tenantId, input.idempotencyKey, 'fork', input.snapshotId || input.sandboxId, {
+      snapshotId: input.snapshotId,
+      sandboxId: input.sandboxId,
+      count: input.count,
+      childIds,
+      lineageId,
+      placement: input.placement,
+      labels: input.labels,
+      ttlMs: input.ttlMs,
+    });
+  }
+
+  private async sandboxOp(kind: OperationKind, input: SandboxOpInput, allowed: readonly SandboxState[], extra: Record<string, unknown> = {}): Promise<OperationRec> {
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
+    if (prior) return prior;
+    const sb = await this.getSandbox(input.tenantId, input.sandboxId);
+    if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`);
+    return this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra);
+  }
+
+  pauseSandbox(input: SandboxOpInput): Promise<OperationRec> {
+    return this.sandboxOp('pause', input, ['running', 'paused']);
+  }
+  resumeSandbox(input: SandboxOpInput): Promise<OperationRec> {
+    return this.sandboxOp('resume', input, ['running', 'paused', 'hibernated']);
+  }
+  snapshotSandbox(input: SandboxOpInput & { pin: boolean; keepLast: number; retentionTtlMs: number | null; labels: Record<string, string> }): Promise<OperationRec> {
+    return this.sandboxOp('snapshot', input, ['running', 'paused'], {
+      snapshotId: newId('sn'),
+      pin: input.pin,
+      keepLast: input.keepLast,
+      retentionTtlMs: input.retentionTtlMs,
+      labels: input.labels,
+    });
+  }
+  hibernateSandbox(input: SandboxOpInput & { replicas: number }): Promise<OperationRec> {
+    return this.sandboxOp('hibernate', input, ['running', 'paused', 'hibernated'], { snapshotId: newId('sn'), replicas: input.replicas });
+  }
+  destroySandbox(input: SandboxOpInput): Promise<OperationRec> {
+    return this.sandboxOp('destroy', input, ['pending', 'starting', 'running', 'paused', 'hibernated', 'failed', 'lost', 'destroyed', 'destroying']);
+  }
+
+  async getSandbox(tenantId: string, id: string): Promise<SandboxRec> {
+    const v = await this.deps.store.getSandbox(tenantId, id);
+    if (!v) throw new NotFoundError('sandbox', id);
+    return v.value;
+  }
+
+  async listSandboxes(tenantId: string, states: SandboxState[], labels: Record<string, string>): Promise<SandboxRec[]> {
+    const all = (await this.deps.store.listSandboxes(tenantId)).map((v) => v.value);
+    return all
+      .filter((s) => (states.length ? states.includes(s.state) : s.state !== 'destroyed'))
+      .filter((s) => Object.entries(labels).every(([k, v]) => s.labels[k] === v))
+      .sort((a, b) => a.createdAt - b.createdAt || a.id.localeCompare(b.id));
+  }
+
+  async getSnapshot(tenantId: string, id: string): Promise<SnapshotRec> {
+    const v = await this.deps.store.getSnapshot(tenantId, id);
+    if (!v || v.value.state === 'deleted') throw new NotFoundError('snapshot', id);
+    return v.value;
+  }
+
+  async listSnapshots(tenantId: string, lineageId: string): Promise<SnapshotRec[]> {
+    return (await this.deps.store.listSnapshots(tenantId))
+      .map((v) => v.value)
+      .filter((s) => s.state !== 'deleted' && (!lineageId || s.lineageId === lineageId))
+      .sort((a, b) => a.createdAt - b.createdAt);
+  }
+
+  /** Read-modify-write of a snapshot record, guarded by its revision. */
+  private async updateSnapshot(tenantId: string, id: string, mutate: (s: SnapshotRec) => void): Promise<SnapshotRec> {
+    for (let i = 0; i < 10; i++) {
+      const v: Versioned<SnapshotRec> | undefined = await this.deps.store.getSnapshot(tenantId, id);
+      if (!v || v.value.state === 'deleted') throw new NotFoundError('snapshot', id);
+      const next = structuredClone(v.value);
+      mutate(next);
+      if (await this.deps.store.commit([{ kind: 'snapshot', value: next, expectRevision: v.modRevision }])) return next;
+    }
+    throw new ForkfleetError('aborted', `snapshot ${id} is changing too often; retry`, { retryable: true });
+  }
+
+  pinSnapshot(tenantId: string, id: string, pinned: boolean): Promise<SnapshotRec> {
+    return this.updateSnapshot(tenantId, id, (s) => {
+      s.pinned = pinned;
+    });
+  }
+
+  setRetention(tenantId: string, id: string, ttlMs: number | null, keepLast: number): Promise<SnapshotRec> {
+    return this.updateSnapshot(tenantId, id, (s) => {
+      s.retentionTtlMs = ttlMs;
+      s.keepLast = keepLast;
+    });
+  }
+
+  async deleteSnapshot(tenantId: string, key: string, id: string): Promise<OperationRec> {
+    const prior = await this.existingOp(tenantId, key);
+    if (prior) return prior;
+    await this.getSnapshot(tenantId, id);
+    return this.submit(tenantId, key, 'delete_snapshot', id, {});
+  }
+
+  async getOperation(tenantId: string, id: string): Promise<OperationRec> {
+    const v = await this.deps.store.getOp(tenantId, id);
+    if (!v) throw new NotFoundError('operation', id);
+    return v.value;
+  }
+
+  /** Returns when the operation is terminal or `timeoutMs` passes (then in its current state). */
+  async waitOperation(tenantId: string, id: string, timeoutMs: number, signal?: AbortSignal): Promise<OperationRec> {
+    const until = this.deps.clock.now() + timeoutMs;
+    let delay = 5;
+    for (;;) {
+      const op = await this.getOperation(tenantId, id);
+      if (isTerminal(op.state) || this.deps.clock.now() >= until || signal?.aborted) return op;
+      await new Promise((r) => setTimeout(r, Math.min(delay, Math.max(1, until - this.deps.clock.now()))));
+      delay = Math.min(delay * 2, 100);
+    }
+  }
+
+  private async runningSandbox(tenantId: string, id: string): Promise<SandboxRec> {
+    const sb = await this.getSandbox(tenantId, id);
+    if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, 'it must be running');
+    return sb;
+  }
+
+  async *exec(input: ExecInput, signal?: AbortSignal): AsyncIterable<HostExecOutputMsg> {
+    const sb = await this.runningSandbox(input.tenantId, input.sandboxId);
+    const req = create(HostExecRequestSchema, {
+      sandboxId: sb.id,
+      argv: input.argv,
+      env: input.env,
+      cwd: input.cwd,
+      stdin: input.stdin,
+      timeout: { seconds: BigInt(Math.floor(input.timeoutMs / 1000)), nanos: (input.timeoutMs % 1000) * 1e6 },
+    });
+    yield* this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, ...(signal ? { signal } : {}) });
+  }
+
+  async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array): Promise<number> {
+    const sb = await this.runningSandbox(tenantId, sandboxId);
+    const res = await this.deps.bus.file(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data, mode } } }), { timeoutMs: 30_000 });
+    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message);
+    return Number(res.bytesWritten);
+  }
+
+  async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number): Promise<Uint8Array> {
+    const sb = await this.runningSandbox(tenantId, sandboxId);
+    const res = await this.deps.bus.file(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(maxBytes) } } }), { timeoutMs: 30_000 });
+    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message);
+    return res.data;
+  }
+
+  async listHosts(states: HostRec['state'][]): Promise<HostListing[]> {
+    const [hosts, allocs] = await Promise.all([this.deps.store.listHosts(), this.deps.store.listAllocs()]);
+    const allocMap = new Map(allocs.map((a) => [a.value.hostId, a.value]));
+    const now = this.deps.clock.now();
+    return hosts
+      .map((h) => {
+        const heard = this.deps.heard.get(h.value.id);
+        const live = heard
+          ? { state: livenessOf(heard.heardAt, now, this.deps.liveness), snapshotCount: heard.hb.snapshots.filter((s) => s.complete).length, lastHeartbeatAt: heard.heardAt }
+          : undefined;
+        return { host: h.value, alloc: allocMap.get(h.value.id), live };
+      })
+      .filter((h) => states.length === 0 || states.includes(h.live?.state ?? h.host.state))
+      .sort((a, b) => a.host.id.localeCompare(b.host.id));
+  }
+
+  async cordonHost(hostId: string, cordon: boolean): Promise<HostListing> {
+    for (let i = 0; i < 10; i++) {
+      const v = await this.deps.store.getHost(hostId);
+      if (!v) throw new NotFoundError('host', hostId);
+      const next = { ...v.value, cordoned: cordon, draining: cordon ? v.value.draining : false };
+      if (await this.deps.store.commit([{ kind: 'host', value: next, expectRevision: v.modRevision }])) {
+        const [listing] = (await this.listHosts([])).filter((h) => h.host.id === hostId);
+        return listing ?? { host: next, alloc: undefined, live: undefined };
+      }
+    }
+    throw new ForkfleetError('aborted', `host ${hostId} is changing too often; retry`, { retryable: true });
+  }
+
+  async drainHost(key: string, hostId: string, migrate: boolean): Promise<OperationRec> {
+    const prior = await this.existingOp('admin', key);
+    if (prior) return prior;
+    await this.cordonHost(hostId, true);
+    return this.submit('admin', key, 'drain', hostId, { migrate });
+  }
+}

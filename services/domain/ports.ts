@@ -1,0 +1,88 @@
+// Ports the scheduler's domain code depends on. Adapters: adapters/etcd (FleetStore),
+// adapters/nats (WorkBus). Wiring: services/main.ts.
+import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
+import type {
+  HeartbeatMsg,
+  HostEventMsg,
+  HostExecOutputMsg,
+  HostExecRequestMsg,
+  HostFileRequestMsg,
+  HostFileResponseMsg,
+  HostResultMsg,
+  HostWorkMsg,
+} from './messages.ts';
+
+export interface Clock {
+  now(): number;
+}
+
+export const systemClock: Clock = { now: () => Date.now() };
+
+/** A record with the store revision it was read at (the guard for a later write). */
+export interface Versioned<T> {
+  value: T;
+  /** etcd mod revision of the key; 0 means "did not exist". */
+  modRevision: number;
+}
+
+/** One write in an atomic batch. `expectRevision` guards it (0 = must not exist). */
+export type StoreWrite =
+  | { kind: 'sandbox'; value: SandboxRec; expectRevision?: number }
+  | { kind: 'snapshot'; value: SnapshotRec; expectRevision?: number }
+  | { kind: 'op'; value: OperationRec; expectRevision?: number }
+  | { kind: 'host'; value: HostRec; expectRevision?: number }
+  | { kind: 'alloc'; value: HostAllocRec; expectRevision?: number }
+  | { kind: 'idem'; tenantId: string; key: string; opId: string; expectRevision?: number }
+  | { kind: 'delete-sandbox'; tenantId: string; id: string; expectRevision?: number };
+
+export interface FleetStore {
+  getSandbox(tenantId: string, id: string): Promise<Versioned<SandboxRec> | undefined>;
+  listSandboxes(tenantId: string | undefined): Promise<Versioned<SandboxRec>[]>;
+  getSnapshot(tenantId: string, id: string): Promise<Versioned<SnapshotRec> | undefined>;
+  listSnapshots(tenantId: string | undefined): Promise<Versioned<SnapshotRec>[]>;
+  getOp(tenantId: string, id: string): Promise<Versioned<OperationRec> | undefined>;
+  listOps(filter: { activeOnly: boolean }): Promise<Versioned<OperationRec>[]>;
+  getHost(id: string): Promise<Versioned<HostRec> | undefined>;
+  listHosts(): Promise<Versioned<HostRec>[]>;
+  getAlloc(hostId: string): Promise<Versioned<HostAllocRec>>;
+  listAllocs(): Promise<Versioned<HostAllocRec>[]>;
+  /** Operation id recorded for an idempotency key, if any. */
+  getIdempotent(tenantId: string, key: string): Promise<string | undefined>;
+  /**
+   * Applies all writes atomically when every guard holds. Returns false on a guard
+   * conflict (nothing written): re-read and re-plan.
+   */
+  commit(writes: readonly StoreWrite[]): Promise<boolean>;
+  /** Calls `onOp` for every operation record written after now. Returns a stop function. */
+  watchOps(onOp: (op: OperationRec) => void): Promise<() => void>;
+  /** Calls `onChange` for sandbox / snapshot record changes (for WatchEvents). */
+  watchRecords(onChange: (change: RecordChange) => void): Promise<() => void>;
+}
+
+export type RecordChange =
+  | { kind: 'sandbox'; value: SandboxRec; revision: number }
+  | { kind: 'snapshot'; value: SnapshotRec; revision: number }
+  | { kind: 'op'; value: OperationRec; revision: number };
+
+/** Leader election among scheduler replicas. */
+export interface LeaderElection {
+  /** Resolves when this replica becomes leader. */
+  campaign(): Promise<void>;
+  /** Called when leadership is lost after it was won. */
+  onLost(cb: () => void): void;
+  isLeader(): boolean;
+  resign(): Promise<void>;
+}
+
+/** Control traffic between the scheduler and host agents. */
+export interface WorkBus {
+  /** Durable, at-least-once delivery to one host's work queue. */
+  sendWork(hostId: string, work: HostWorkMsg): Promise<void>;
+  /** Results from all hosts; `ack` after the result is recorded. Leader only. */
+  consumeResults(onResult: (r: HostResultMsg, ack: () => void) => void | Promise<void>): Promise<() => Promise<void>>;
+  onHeartbeat(cb: (hb: HeartbeatMsg) => void): () => void;
+  onHostEvent(cb: (e: HostEventMsg) => void): () => void;
+  /** Relays an exec to a host; yields output pieces, the last being the exit or an error. */
+  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal }): AsyncIterable<HostExecOutputMsg>;
+  file(hostId: string, req: HostFileRequestMsg, opts: { timeoutMs: number }): Promise<HostFileResponseMsg>;
+}

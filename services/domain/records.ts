@@ -1,0 +1,182 @@
+// Fleet state as stored in etcd (services/adapters/etcd/keys.ts has the key layout).
+// Records are small JSON documents; bulk data (manifests, chunks) lives on hosts.
+// Times are epoch milliseconds. Every record carries its tenant.
+
+export interface ResourcesRec {
+  vcpus: number;
+  memoryMib: number;
+  diskMib: number;
+}
+
+/**
+ * Sandbox lifecycle. Transitions (anything else is a bug and is refused):
+ *   pending     -> starting | failed | destroying
+ *   starting    -> running | failed | destroying
+ *   running     -> paused | hibernating | destroying | failed | lost
+ *   paused      -> running | hibernating | destroying | lost
+ *   hibernating -> hibernated | running | failed | lost
+ *   hibernated  -> waking | destroying
+ *   waking      -> running | failed | hibernated
+ *   destroying  -> destroyed | failed
+ *   failed      -> destroying | destroyed
+ *   lost        -> waking | destroying | destroyed
+ *   destroyed   -> (terminal)
+ * Invariant: hostId is set in every state that owns a VM (starting, running, paused,
+ * hibernating, destroying) and capacity is booked on that host exactly then.
+ */
+export type SandboxState =
+  | 'pending'
+  | 'starting'
+  | 'running'
+  | 'paused'
+  | 'hibernating'
+  | 'hibernated'
+  | 'waking'
+  | 'destroying'
+  | 'destroyed'
+  | 'failed'
+  | 'lost';
+
+export const SANDBOX_TRANSITIONS: Readonly<Record<SandboxState, readonly SandboxState[]>> = {
+  pending: ['starting', 'failed', 'destroying'],
+  starting: ['running', 'failed', 'destroying'],
+  running: ['paused', 'hibernating', 'destroying', 'failed', 'lost'],
+  paused: ['running', 'hibernating', 'destroying', 'lost'],
+  hibernating: ['hibernated', 'running', 'failed', 'lost'],
+  hibernated: ['waking', 'destroying'],
+  waking: ['running', 'failed', 'hibernated'],
+  destroying: ['destroyed', 'failed'],
+  failed: ['destroying', 'destroyed'],
+  lost: ['waking', 'destroying', 'destroyed'],
+  destroyed: [],
+};
+
+/** States in which the sandbox holds a VM and booked capacity on `hostId`. */
+export const HOLDS_CAPACITY: ReadonlySet<SandboxState> = new Set(['starting', 'running', 'paused', 'hibernating', 'destroying']);
+
+export function canTransition(from: SandboxState, to: SandboxState): boolean {
+  return from === to || SANDBOX_TRANSITIONS[from].includes(to);
+}
+
+export interface SandboxRec {
+  id: string;
+  tenantId: string;
+  state: SandboxState;
+  stateReason: string;
+  hostId: string;
+  resources: ResourcesRec;
+  image: string;
+  sourceSnapshotId: string;
+  lineageId: string;
+  hostname: string;
+  labels: Record<string, string>;
+  ttlMs: number | null;
+  idleTimeoutMs: number | null;
+  allowEgress: boolean;
+  createdAt: number;
+  updatedAt: number;
+  /** Running time accumulated before `runningSince`. */
+  runningMsBefore: number;
+  /** When the sandbox last entered `running`; null when not running. TTL counts only running time. */
+  runningSince: number | null;
+  hibernationSnapshotId: string;
+  /** Operation that currently owns the sandbox (one at a time); empty when idle. */
+  opId: string;
+}
+
+export type SnapshotState = 'creating' | 'ready' | 'deleting' | 'deleted' | 'failed';
+
+export interface SnapshotRec {
+  id: string;
+  tenantId: string;
+  state: SnapshotState;
+  sourceSandboxId: string;
+  parentSnapshotId: string;
+  lineageId: string;
+  createdAt: number;
+  pinned: boolean;
+  retentionTtlMs: number | null;
+  keepLast: number;
+  logicalBytes: number;
+  storedBytes: number;
+  /** Hosts that hold every chunk. */
+  hostIds: string[];
+  vmConfig: {
+    machine: string;
+    memoryMib: number;
+    vcpus: number;
+    devices: string[];
+    qemuVersion: string;
+    accel: 'kvm' | 'tcg';
+    cpuModel: string;
+    image: string;
+  } | null;
+  labels: Record<string, string>;
+}
+
+export type HostState = 'ready' | 'suspect' | 'lost';
+
+export interface HostRec {
+  id: string;
+  state: HostState;
+  cordoned: boolean;
+  draining: boolean;
+  capacity: ResourcesRec;
+  accel: 'kvm' | 'tcg';
+  qemuVersion: string;
+  cpuModel: string;
+  machine: string;
+  peerAddress: string;
+  linkBytesPerSecond: number;
+  labels: Record<string, string>;
+  registeredAt: number;
+  lastHeartbeatAt: number;
+  bootId: string;
+}
+
+/**
+ * Capacity booked on a host by the scheduler (not what the agent reports). Guarded by
+ * its mod revision in every placement commit, so two commits can never both book the
+ * last slot.
+ */
+export interface HostAllocRec {
+  hostId: string;
+  allocated: ResourcesRec;
+  sandboxes: number;
+}
+
+export type OperationKind = 'create' | 'pause' | 'resume' | 'hibernate' | 'wake' | 'snapshot' | 'fork' | 'destroy' | 'delete_snapshot' | 'drain';
+
+/**
+ * pending -> running -> succeeded | failed | cancelled. An operation is done exactly when
+ * its state is terminal; `result` is set only on success, `error` only on failure.
+ */
+export type OperationState = 'pending' | 'running' | 'succeeded' | 'failed' | 'cancelled';
+
+export interface OperationError {
+  kind: string;
+  message: string;
+  retryable: boolean;
+  field?: string;
+}
+
+export interface OperationRec {
+  id: string;
+  tenantId: string;
+  kind: OperationKind;
+  state: OperationState;
+  createdAt: number;
+  updatedAt: number;
+  targetId: string;
+  /** Kind-specific input, validated before the record is written. */
+  input: Record<string, unknown>;
+  progress: { done: number; total: number; message: string; bytesTransferred: number };
+  result: { sandboxIds?: string[]; snapshotId?: string; explanation?: unknown } | null;
+  error: OperationError | null;
+  /** Host steps dispatched: stepId -> host and status. */
+  steps: Record<string, { hostId: string; status: 'sent' | 'done' | 'failed'; attempt: number }>;
+}
+
+export function isTerminal(s: OperationState): boolean {
+  return s === 'succeeded' || s === 'failed' || s === 'cancelled';
+}

@@ -1,0 +1,151 @@
+// Wiring of one scheduler replica: etcd store, NATS bus, heartbeat registry, the Fleet
+// API over gRPC, leader election and the leader's executor. main.ts runs it as a process;
+// tests may run it in-process.
+import { createPrivateKey, createPublicKey, generateKeyPairSync } from 'node:crypto';
+import { existsSync, readFileSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:http';
+import type { Server as HttpServer } from 'node:http';
+import { connect } from 'nats';
+import type { NatsConnection } from 'nats';
+import type { Logger } from 'pino';
+import { Registry, Counter, Histogram, Gauge, collectDefaultMetrics } from 'prom-client';
+import type { SchedulerConfig } from './config.ts';
+import { EtcdFleetStore } from './adapters/etcd/store.ts';
+import { EtcdLeaderElection } from './adapters/etcd/election.ts';
+import { NatsWorkBus } from './adapters/nats/bus.ts';
+import { startGrpcServer } from './adapters/grpc/server.ts';
+import type { RunningGrpcServer } from './adapters/grpc/server.ts';
+import { fleetService } from './adapters/grpc/fleet-service.ts';
+import { Fleet } from './domain/fleet.ts';
+import { Executor } from './domain/executor.ts';
+import { HeartbeatRegistry } from './domain/fleet-view.ts';
+import { systemClock } from './domain/ports.ts';
+import { signTicket } from '../host-agent/domain/tickets.ts';
+import type { SigningKey } from '../host-agent/domain/tickets.ts';
+
+export interface SchedulerHandle {
+  readonly address: string;
+  readonly metricsAddress: string;
+  readonly config: SchedulerConfig;
+  readonly registry: Registry;
+  isLeader(): boolean;
+  /** Resolves when this replica has become leader. */
+  readonly leader: Promise<void>;
+  close(): Promise<void>;
+}
+
+/** Loads the Ed25519 signing key, or creates one (mode 0600) when the file is missing. */
+export function loadSigningKey(path: string, keyId: string): SigningKey {
+  if (path && existsSync(path)) return { keyId, privateKey: createPrivateKey(readFileSync(path)) };
+  const { privateKey } = generateKeyPairSync('ed25519');
+  if (path) {
+    writeFileSync(path, privateKey.export({ type: 'pkcs8', format: 'pem' }), { mode: 0o600 });
+    writeFileSync(`${path}.pub`, createPublicKey(privateKey).export({ type: 'spki', format: 'pem' }), { mode: 0o644 });
+  }
+  return { keyId, privateKey };
+}
+
+export function schedulerMetrics(registry: Registry): { ops: Counter<'kind' | 'result'>; opSeconds: Histogram<'kind'>; leader: Gauge } {
+  return {
+    ops: new Counter({ name: 'forkfleet_operations_total', help: 'Operations finished by the leader, by kind and result.', labelNames: ['kind', 'result'], registers: [registry] }),
+    opSeconds: new Histogram({
+      name: 'forkfleet_operation_duration_seconds',
+      help: 'Time from an operation being recorded to it finishing, by kind.',
+      labelNames: ['kind'],
+      buckets: [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 180],
+      registers: [registry],
+    }),
+    leader: new Gauge({ name: 'forkfleet_scheduler_is_leader', help: '1 when this replica is the leader.', registers: [registry] }),
+  };
+}
+
+export async function startScheduler(config: SchedulerConfig, log: Logger): Promise<SchedulerHandle> {
+  const clock = systemClock;
+  const registry = new Registry();
+  collectDefaultMetrics({ register: registry });
+  const metrics = schedulerMetrics(registry);
+  const signing = loadSigningKey(config.signingKeyPath, 'scheduler-1');
+
+  const store = EtcdFleetStore.connect([...config.etcdEndpoints]);
+  const nc: NatsConnection = await connect({ servers: config.natsUrl, name: `scheduler-${config.id}`, maxReconnectAttempts: -1, reconnectTimeWait: 250 });
+  const bus = await NatsWorkBus.create(nc);
+  const heard = new HeartbeatRegistry();
+  bus.onHeartbeat((hb) => heard.record(hb, clock.now()));
+  const liveness = { suspectAfterMs: config.suspectAfterMs, lostAfterMs: config.lostAfterMs };
+
+  const fleet = new Fleet({ store, bus, clock, heard, liveness });
+  const grpc: RunningGrpcServer = await startGrpcServer({
+    address: config.grpcAddr,
+    services: [fleetService({ fleet, store, clock })],
+    onError: (err, method) => log.warn({ err, method }, 'request failed'),
+  });
+  log.info({ address: grpc.address }, 'Fleet API listening');
+
+  let metricsServer: HttpServer | undefined;
+  let metricsAddress = '';
+  if (config.metricsAddr) {
+    const [h, p] = [config.metricsAddr.slice(0, config.metricsAddr.lastIndexOf(':')), Number(config.metricsAddr.slice(config.metricsAddr.lastIndexOf(':') + 1))];
+    metricsServer = createServer((req, res) => {
+      if (req.url !== '/metrics') {
+        res.writeHead(404).end();
+        return;
+      }
+      registry.metrics().then(
+        (body) => res.writeHead(200, { 'content-type': registry.contentType }).end(body),
+        () => res.writeHead(500).end(),
+      );
+    });
+    await new Promise<void>((resolve) => metricsServer!.listen(p, h, resolve));
+    const a = metricsServer.address();
+    metricsAddress = typeof a === 'object' && a ? `${h}:${a.port}` : config.metricsAddr;
+  }
+
+  const executor = new Executor({
+    store,
+    bus,
+    clock,
+    log: log.child({ component: 'executor' }),
+    heard,
+    tickets: { issue: (snapshotId, destinationHostId) => signTicket({ snapshotId, destinationHostId, expiresAt: new Date(clock.now() + 10 * 60_000) }, signing) },
+    config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes },
+    onFinished: (kind, ok, seconds) => {
+      metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });
+      metrics.opSeconds.observe({ kind }, seconds);
+    },
+  });
+
+  const election = new EtcdLeaderElection(store.etcd, config.id);
+  let closing = false;
+  election.onLost(() => {
+    metrics.leader.set(0);
+    log.error('lost leadership; exiting so a fresh replica can campaign');
+    void executor.stop();
+    if (!closing) process.exitCode = 3;
+  });
+  const leader = election.campaign().then(async () => {
+    if (closing) return;
+    metrics.leader.set(1);
+    log.info({ id: config.id }, 'elected leader');
+    await executor.start();
+  });
+  leader.catch((err: unknown) => log.error({ err }, 'leader campaign failed'));
+
+  return {
+    address: grpc.address,
+    metricsAddress,
+    config,
+    registry,
+    isLeader: () => election.isLeader(),
+    leader,
+    async close() {
+      closing = true;
+      await executor.stop();
+      await election.resign();
+      await grpc.close(1000);
+      bus.close();
+      await nc.close().catch(() => undefined);
+      store.close();
+      await new Promise<void>((r) => (metricsServer ? metricsServer.close(() => r()) : r()));
+    },
+  };
+}
