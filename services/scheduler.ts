@@ -1,7 +1,7 @@
 // Wiring of one scheduler replica: etcd store, NATS bus, heartbeat registry, the Fleet
 // API over gRPC, leader election and the leader's executor. main.ts runs it as a process;
 // tests may run it in-process.
-import { createPrivateKey, createPublicKey, generateKeyPairSync } from 'node:crypto';
+import { createPrivateKey, createPublicKey, generateKeyPairSync, sign } from 'node:crypto';
 import { existsSync, readFileSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';
 import type { Server as HttpServer } from 'node:http';
@@ -21,6 +21,7 @@ import { Executor } from './domain/executor.ts';
 import { HeartbeatRegistry } from './domain/fleet-view.ts';
 import { systemClock } from './domain/ports.ts';
 import { signTicket } from '../host-agent/domain/tickets.ts';
+import { isForkfleetError } from '../proto/errors.ts';
 import type { SigningKey } from '../host-agent/domain/tickets.ts';
 
 export interface SchedulerHandle {
@@ -77,7 +78,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
   const grpc: RunningGrpcServer = await startGrpcServer({
     address: config.grpcAddr,
     services: [fleetService({ fleet, store, clock })],
-    onError: (err, method) => log.warn({ err, method }, 'request failed'),
+    // Client mistakes are the client's news, not ours: only unexpected errors are loud.
+    onError: (err, method) => (isForkfleetError(err) && err.kind !== 'internal' ? log.debug({ err: err.message, kind: err.kind, method }, 'request refused') : log.error({ err, method }, 'request failed')),
   });
   log.info({ address: grpc.address }, 'Fleet API listening');
 
@@ -106,7 +108,10 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     clock,
     log: log.child({ component: 'executor' }),
     heard,
-    tickets: { issue: (snapshotId, destinationHostId) => signTicket({ snapshotId, destinationHostId, expiresAt: new Date(clock.now() + 10 * 60_000) }, signing) },
+    signer: {
+      ticket: (snapshotId, destinationHostId) => signTicket({ snapshotId, destinationHostId, expiresAt: new Date(clock.now() + 10 * 60_000) }, signing),
+      manifest: (bytes) => ({ signature: sign(null, bytes, signing.privateKey), keyId: signing.keyId }),
+    },
     config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes },
     onFinished: (kind, ok, seconds) => {
       metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });

@@ -34,9 +34,12 @@ export interface ExecutorConfig {
   placement?: PlacementConfig;
 }
 
-/** Issues scheduler-signed transfer tickets (host-agent/domain/tickets.ts). */
-export interface TicketIssuer {
-  issue(snapshotId: string, destinationHostId: string): SignedTicket;
+/** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
+export interface Signer {
+  /** A ticket for one destination to fetch one snapshot. */
+  ticket(snapshotId: string, destinationHostId: string): SignedTicket;
+  /** A signature over a manifest's exact bytes. */
+  manifest(bytes: Uint8Array): { signature: Uint8Array; keyId: string };
 }
 
 export interface ExecutorDeps {
@@ -45,13 +48,13 @@ export interface ExecutorDeps {
   clock: Clock;
   log: Logger;
   heard: HeartbeatRegistry;
-  tickets: TicketIssuer;
+  signer: Signer;
   config: ExecutorConfig;
   /** Observability hook: every finished operation (adapters turn it into metrics). */
   onFinished?: (kind: OperationRec['kind'], ok: boolean, seconds: number) => void;
 }
 
-type Waiter = { resolve: (r: HostResultMsg) => void };
+type Waiter = { resolve: (r: HostResultMsg | undefined) => void };
 
 const ZERO: ResourcesRec = { vcpus: 0, memoryMib: 0, diskMib: 0 };
 
@@ -103,7 +106,13 @@ export class Executor {
   async stop(): Promise<void> {
     this.active = false;
     for (const s of this.stops.splice(0)) await s();
-    await Promise.allSettled([...this.running.values()]);
+    // Waiting runners would only time out: wake them so they end now; the next leader
+    // re-runs their operations from etcd.
+    for (const [k, w] of this.waiters) {
+      this.waiters.delete(k);
+      w.resolve(undefined);
+    }
+    await Promise.race([Promise.allSettled([...this.running.values()]), new Promise((r) => setTimeout(r, 2000))]);
   }
 
   onResult(r: HostResultMsg): void {
@@ -222,6 +231,7 @@ export class Executor {
         this.log.warn({ err: e, opId: op.id, stepId, hostId }, 'sending work failed; will retry');
       }
       const r = await result;
+      if (!this.active) throw new StepTimeoutError(hostId, stepId, 0);
       if (r) {
         await this.updateOp(op.tenantId, op.id, (o) => {
           const s = o.steps[stepId];
@@ -319,6 +329,8 @@ export class Executor {
           return await this.finish(op, null, { kind: 'failed_precondition', message: `operation kind ${op.kind} is not supported by this scheduler version`, retryable: false });
       }
     } catch (e) {
+      // Stepping down is not a failure: the next leader re-runs the operation.
+      if (!this.active) return;
       this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
       await this.finish(op, null, errorOf(e));
     }
@@ -425,6 +437,8 @@ export class Executor {
       hostIds: [],
       vmConfig: null,
       labels: opts.labels ?? {},
+      manifestSignature: '',
+      manifestKeyId: '',
     };
     if (!existing) await this.deps.store.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
     let r: HostResultMsg;
@@ -436,6 +450,9 @@ export class Executor {
     }
     const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
     if (r.manifest && r.manifest.manifest.length > 0) {
+      const sig = this.deps.signer.manifest(r.manifest.manifest);
+      ready.manifestSignature = Buffer.from(sig.signature).toString('base64');
+      ready.manifestKeyId = sig.keyId;
       const m = fromBinary(SnapshotManifestSchema, r.manifest.manifest);
       const vc = m.vmConfig;
       if (vc) {
@@ -601,7 +618,8 @@ export class Executor {
           ? {
               snapshotId,
               sources: [src, ...sn.hostIds.filter((h) => h !== src && h !== hostId)].map((h) => ({ hostId: h, address: hostRecs.get(h)?.peerAddress ?? '' })),
-              ticket: this.deps.tickets.issue(snapshotId, hostId),
+              ticket: this.deps.signer.ticket(snapshotId, hostId),
+              manifest: { signature: Buffer.from(sn.manifestSignature, 'base64'), keyId: sn.manifestKeyId },
             }
           : undefined;
         try {

@@ -112,6 +112,9 @@ export interface SnapshotRec {
     image: string;
   } | null;
   labels: Record<string, string>;
+  /** Scheduler signature (base64) over the manifest bytes the source host produced; restores verify it. */
+  manifestSignature: string;
+  manifestKeyId: string;
 }
 
 export type HostState = 'ready' | 'suspect' | 'lost';

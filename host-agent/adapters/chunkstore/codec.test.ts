@@ -1,0 +1,43 @@
+import { describe, expect, it } from 'vitest';
+import fc from 'fast-check';
+import { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { decodeChunk, encodeChunk, isZero, sha256Hex } from './codec.ts';
+import { DigestMismatchError } from '../../domain/transfer-errors.ts';
+import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
+
+describe('chunk codec', () => {
+  it('encodeChunk_roundTripsAnyContent (property)', async () => {
+    await fc.assert(
+      fc.asyncProperty(fc.uint8Array({ maxLength: 70_000 }), async (bytes) => {
+        const plain = Buffer.from(bytes);
+        const enc = await encodeChunk(plain);
+        expect(enc.digest).toBe(sha256Hex(plain));
+        expect((await decodeChunk(enc)).equals(plain)).toBe(true);
+      }),
+      { numRuns: 60 },
+    );
+  });
+
+  it('encodeChunk_whenIncompressible_storesUncompressed', async () => {
+    expect((await encodeChunk(randomBytesSeeded(262144, 1))).codec).toBe(Codec.NONE);
+    const text = await encodeChunk(textBytes(262144, 1));
+    expect(text.codec).toBe(Codec.LZ4);
+    expect(text.data.length).toBeLessThan(262144 / 2);
+  });
+
+  it('decodeChunk_whenBytesFlipped_throwsDigestMismatch', async () => {
+    for (const plain of [randomBytesSeeded(4096, 2), textBytes(65536, 3)]) {
+      const enc = await encodeChunk(plain);
+      const data = Buffer.from(enc.data);
+      data[data.length >> 1] = (data[data.length >> 1] ?? 0) ^ 0x55;
+      await expect(decodeChunk({ ...enc, data })).rejects.toBeInstanceOf(DigestMismatchError);
+    }
+  });
+
+  it('isZero_detectsZeroBuffers', () => {
+    expect(isZero(Buffer.alloc(262144))).toBe(true);
+    const b = Buffer.alloc(262144);
+    b[262143] = 1;
+    expect(isZero(b)).toBe(false);
+  });
+});

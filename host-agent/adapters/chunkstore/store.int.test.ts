@@ -1,0 +1,179 @@
+// The chunk store on a real file system: ingest, diff sharing, sparse materialise, verify
+// on read, GC reachability, and crash safety of chunk writes (kill -9 of a writer).
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { openSync, readFileSync, readdirSync, rmSync, statSync, writeFileSync, closeSync, ftruncateSync, writeSync, utimesSync } from 'node:fs';
+import { join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { spawn } from 'node:child_process';
+import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './fs-store.ts';
+import { ingestSnapshot, type ArtifactInput } from './ingest.ts';
+import { Materialiser } from './materialise.ts';
+import { LiveRoots, manifestDigests, systemClock } from '../../domain/snapshot-store.ts';
+import { collectGarbage, deleteSnapshot } from '../../domain/snapshot-store-gc.ts';
+import { generateSigningKey, signManifest } from '../../domain/tickets.ts';
+import { ChunkCorruptError, SnapshotLeasedError, ManifestInvalidError } from '../../domain/transfer-errors.ts';
+import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { tempDir, sleep } from '../../../services/testkit/proc.ts';
+import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
+
+const CS = 256 * 1024;
+let dir: string;
+const { signing, trusted } = generateSigningKey('k1');
+
+/** A sparse image: `blocks` maps chunk index -> content. */
+function image(path: string, size: number, blocks: Record<number, Buffer>): void {
+  const fd = openSync(path, 'w');
+  ftruncateSync(fd, size);
+  for (const [i, b] of Object.entries(blocks)) writeSync(fd, b, 0, b.length, Number(i) * CS);
+  closeSync(fd);
+}
+
+function setup(name: string) {
+  const root = join(dir, name);
+  const chunks = new FsChunkStore(root);
+  const manifests = new FsManifestStore(root);
+  const roots = new LiveRoots();
+  const mat = new Materialiser({ root, chunks, manifests, roots, trust: trusted });
+  const ingest = async (snapshotId: string, artifacts: ArtifactInput[], parent?: string) => {
+    const r = await ingestSnapshot({ snapshotId, tenantId: 't', sourceSandboxId: 'sb', parentSnapshotId: parent, artifacts }, { chunks, roots, clock: systemClock, chunkSize: CS });
+    await manifests.put(snapshotId, signManifest(r.manifest, signing));
+    return r;
+  };
+  return { root, chunks, manifests, roots, mat, ingest };
+}
+
+beforeAll(() => {
+  dir = tempDir('ff-chunkstore-int-');
+});
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+describe('content-addressed snapshot store', () => {
+  it('ingest_thenMaterialise_isByteIdenticalSparseAndCached', async () => {
+    const s = setup('rt');
+    const mem = join(dir, 'rt.img');
+    image(mem, 16 * CS + 1000, { 1: randomBytesSeeded(CS, 1), 5: textBytes(CS, 2), 16: textBytes(1000, 3) });
+    const disk = join(dir, 'rt-disk.img');
+    writeFileSync(disk, textBytes(3 * CS, 4));
+    const { manifest, stats } = await s.ingest('s1', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: disk }]);
+    expect(stats.zeroChunks).toBe(14);
+    expect(manifest.artifacts[0]!.chunks.map((c) => Number(c.index))).toEqual([1, 5, 16]);
+    const m1 = await s.mat.materialise('s1');
+    expect(m1.built).toBe(true);
+    expect(readFileSync(m1.files.memory!).equals(readFileSync(mem))).toBe(true);
+    expect(readFileSync(m1.files['disk/0']!).equals(readFileSync(disk))).toBe(true);
+    // Sparse: only the three non-zero chunks are allocated.
+    expect(statSync(m1.files.memory!).blocks * 512).toBeLessThanOrEqual(4 * CS);
+    const m2 = await s.mat.materialise('s1');
+    expect(m2.built).toBe(false);
+    expect(m2.files.memory).toBe(m1.files.memory);
+  });
+
+  it('ingest_ofChild_storesOnlyChangedChunks', async () => {
+    const s = setup('diff');
+    const blocks: Record<number, Buffer> = {};
+    for (let i = 0; i < 12; i++) blocks[i] = randomBytesSeeded(CS, 10 + i);
+    const parent = join(dir, 'p.img');
+    image(parent, 32 * CS, blocks);
+    const child = join(dir, 'c.img');
+    image(child, 32 * CS, { ...blocks, 3: randomBytesSeeded(CS, 99), 20: textBytes(CS, 5) });
+    const p = await s.ingest('p', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: parent }]);
+    const c = await s.ingest('c', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: child }], 'p');
+    expect(p.stats.newChunks).toBe(12);
+    expect(c.stats.newChunks).toBe(2);
+    expect(c.stats.dedupChunks).toBe(11);
+    expect(c.manifest.parentSnapshotId).toBe('p');
+    expect((await s.chunks.list()).length).toBe(14);
+    // Re-ingesting is idempotent.
+    expect((await s.ingest('c', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: child }], 'p')).stats.newChunks).toBe(0);
+  });
+
+  it('materialise_whenStoredChunkCorrupt_refusesAndRemovesIt', async () => {
+    const s = setup('corrupt');
+    const mem = join(dir, 'corrupt.img');
+    image(mem, 4 * CS, { 0: textBytes(CS, 8), 2: randomBytesSeeded(CS, 9) });
+    const { manifest } = await s.ingest('s1', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }]);
+    const victim = Buffer.from(manifest.artifacts[0]!.chunks[1]!.digest).toString('hex');
+    const raw = readFileSync(s.chunks.pathOf(victim));
+    raw[100] = (raw[100] ?? 0) ^ 1;
+    await overwriteChunkFile(s.chunks, victim, raw);
+    await expect(s.mat.materialise('s1')).rejects.toBeInstanceOf(ChunkCorruptError);
+    expect(await s.chunks.has(victim)).toBe(false);
+    expect(readdirSync(join(s.root, 'images'))).toEqual([]);
+  });
+
+  it('materialise_whenManifestTampered_refuses', async () => {
+    const s = setup('tamper');
+    const mem = join(dir, 'tamper.img');
+    image(mem, 2 * CS, { 0: textBytes(CS, 1) });
+    await s.ingest('s1', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }]);
+    const signed = (await s.manifests.get('s1'))!;
+    const bytes = Uint8Array.from(signed.manifest);
+    bytes[bytes.length - 2] = (bytes[bytes.length - 2] ?? 0) ^ 1;
+    await s.manifests.put('s1', { ...signed, manifest: bytes });
+    await expect(s.mat.materialise('s1')).rejects.toBeInstanceOf(ManifestInvalidError);
+  });
+
+  it('gc_afterDeletingSnapshot_freesExactlyTheChunksNothingElseReaches', async () => {
+    const s = setup('gc');
+    const base: Record<number, Buffer> = {};
+    for (let i = 0; i < 6; i++) base[i] = randomBytesSeeded(CS, 200 + i);
+    const paths = ['g1', 'g2', 'g3', 'g4'].map((n) => join(dir, `${n}.img`)) as [string, string, string, string];
+    image(paths[0], 8 * CS, base); // s1
+    image(paths[1], 8 * CS, { ...base, 0: randomBytesSeeded(CS, 300), 6: randomBytesSeeded(CS, 301) }); // s2 child of s1
+    image(paths[2], 8 * CS, { 1: base[1]!, 7: randomBytesSeeded(CS, 302) }); // s3, leased by a VM
+    image(paths[3], 8 * CS, { 2: base[2]!, 5: randomBytesSeeded(CS, 303) }); // s4, pinned in flight (no manifest yet)
+    const r1 = await s.ingest('s1', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: paths[0] }]);
+    const r2 = await s.ingest('s2', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: paths[1] }], 's1');
+    const r3 = await s.ingest('s3', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: paths[2] }]);
+    const r4 = await ingestSnapshot({ snapshotId: 's4', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: paths[3] }] }, { chunks: s.chunks, roots: s.roots, clock: systemClock, chunkSize: CS });
+    const unpin = s.roots.pin(manifestDigests(r4.manifest));
+    const vm = await s.mat.acquire('s3', 'vm-1');
+    // Age every chunk past the grace period.
+    const old = new Date(Date.now() - 3_600_000);
+    for (const d of await s.chunks.list()) utimesSync(s.chunks.pathOf(d), old, old);
+
+    await expect(deleteSnapshot('s3', s)).rejects.toBeInstanceOf(SnapshotLeasedError);
+    await deleteSnapshot('s1', s);
+    const before = new Set(await s.chunks.list());
+    const gc = await collectGarbage({ ...s, clock: systemClock, graceMs: 60_000 });
+    const after = new Set(await s.chunks.list());
+    const reachable = new Set([...manifestDigests(r2.manifest), ...manifestDigests(r3.manifest), ...manifestDigests(r4.manifest)]);
+    const expectedFreed = [...manifestDigests(r1.manifest)].filter((d) => !reachable.has(d)).sort();
+    const freed = [...before].filter((d) => !after.has(d)).sort();
+    expect(freed).toEqual(expectedFreed);
+    expect(freed.length).toBe(1); // s1's chunk 0; chunks 1..5 are shared with s2/s3/s4
+    expect(gc.deleted).toBe(1);
+    expect(readFileSync(vm.files.memory!).equals(readFileSync(paths[2]))).toBe(true);
+
+    // Once nothing reaches them, the rest go too; new chunks within the grace period stay.
+    vm.lease.release();
+    unpin();
+    await deleteSnapshot('s2', s);
+    await deleteSnapshot('s3', s);
+    expect((await s.mat.prune()).sort()).toEqual(['s3']);
+    await collectGarbage({ ...s, clock: systemClock, graceMs: 60_000 });
+    expect(await s.chunks.list()).toEqual([]);
+  });
+
+  it('put_whenWriterKilledMidWrite_leavesNoChunkThatPassesAsValid', async () => {
+    const root = join(dir, 'crash');
+    const writer = resolve(fileURLToPath(new URL('.', import.meta.url)), 'crash-writer.fixture.ts');
+    const child = spawn(process.execPath, ['--import', 'tsx', writer, root], { stdio: ['ignore', 'pipe', 'inherit'] });
+    let started = false;
+    child.stdout.on('data', () => (started = true));
+    try {
+      const until = Date.now() + 30_000;
+      while (!started && Date.now() < until) await sleep(20);
+      expect(started).toBe(true);
+      await sleep(300);
+    } finally {
+      if (child.pid !== undefined) process.kill(child.pid, 'SIGKILL');
+    }
+    await new Promise((r) => child.once('exit', r));
+    const store = new FsChunkStore(root); // reopening clears leftover temp files
+    const digests = await store.list();
+    expect(digests.length).toBeGreaterThan(0);
+    for (const d of digests) await expect(store.readVerified(d)).resolves.toBeInstanceOf(Buffer);
+    expect(readdirSync(join(root, 'tmp'))).toEqual([]);
+  });
+});

@@ -1,0 +1,112 @@
+// AgentBus over NATS: a durable JetStream consumer of this host's work subject, results
+// and events published to JetStream, heartbeats on core NATS, exec and file request/reply.
+import type { ConsumerMessages, JetStreamClient, NatsConnection, Subscription } from 'nats';
+import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
+import type { Logger } from 'pino';
+import type { AgentBus, WorkControl } from '../../domain/agent.ts';
+import {
+  HeartbeatSchema,
+  HostEventSchema,
+  HostExecOutputSchema,
+  HostExecRequestSchema,
+  HostFileRequestSchema,
+  HostFileResponseSchema,
+  HostResultSchema,
+  HostWorkSchema,
+} from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import type { Heartbeat, HostEvent, HostExecOutput, HostExecRequest, HostFileRequest, HostFileResponse, HostResult, HostWork } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { ensureStreams, ensureWorkConsumer, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
+
+export class NatsAgentBus implements AgentBus {
+  private readonly js: JetStreamClient;
+  private readonly subs: Subscription[] = [];
+
+  private constructor(
+    private readonly nc: NatsConnection,
+    private readonly hostId: string,
+    private readonly log: Logger,
+  ) {
+    this.js = nc.jetstream();
+  }
+
+  static async create(nc: NatsConnection, hostId: string, log: Logger): Promise<NatsAgentBus> {
+    const jsm = await nc.jetstreamManager();
+    await ensureStreams(jsm);
+    await ensureWorkConsumer(jsm, hostId);
+    return new NatsAgentBus(nc, hostId, log);
+  }
+
+  async consumeWork(onWork: (w: HostWork, ctl: WorkControl) => Promise<void>): Promise<() => Promise<void>> {
+    const consumer = await this.js.consumers.get(STREAM_WORK, workConsumer(this.hostId));
+    const messages: ConsumerMessages = await consumer.consume({ max_messages: 16 });
+    const pending = new Set<Promise<void>>();
+    const loop = (async () => {
+      for await (const m of messages) {
+        let w: HostWork;
+        try {
+          w = fromBinary(HostWorkSchema, m.data);
+        } catch (e) {
+          this.log.warn({ err: e }, 'undecodable work message dropped');
+          m.term();
+          continue;
+        }
+        const p = onWork(w, { ack: () => m.ack(), working: () => m.working() }).catch((e: unknown) => this.log.error({ err: e }, 'work handler failed'));
+        pending.add(p);
+        void p.finally(() => pending.delete(p));
+      }
+    })();
+    return async () => {
+      await messages.close();
+      await loop.catch(() => undefined);
+    };
+  }
+
+  async publishResult(r: HostResult): Promise<void> {
+    await this.js.publish(subjects.result(this.hostId), toBinary(HostResultSchema, r));
+  }
+
+  publishHeartbeat(hb: Heartbeat): void {
+    this.nc.publish(subjects.heartbeat(this.hostId), toBinary(HeartbeatSchema, hb));
+  }
+
+  publishEvent(e: HostEvent): void {
+    this.js.publish(subjects.event(this.hostId), toBinary(HostEventSchema, e)).catch((err: unknown) => this.log.debug({ err }, 'event publish failed'));
+  }
+
+  serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void) => Promise<void>): () => void {
+    const sub = this.nc.subscribe(subjects.exec(this.hostId), {
+      callback: (err, m) => {
+        if (err || !m.reply) return;
+        const reply = m.reply;
+        let req: HostExecRequest;
+        try {
+          req = fromBinary(HostExecRequestSchema, m.data);
+        } catch {
+          this.nc.publish(reply, toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: 1n, payload: { case: 'error', value: { kind: 'invalid_argument', message: 'undecodable exec request' } } })));
+          return;
+        }
+        void handler(req, (out) => this.nc.publish(reply, toBinary(HostExecOutputSchema, out)));
+      },
+    });
+    this.subs.push(sub);
+    return () => sub.unsubscribe();
+  }
+
+  serveFile(handler: (req: HostFileRequest) => Promise<HostFileResponse>): () => void {
+    const sub = this.nc.subscribe(subjects.file(this.hostId), {
+      callback: (err, m) => {
+        if (err || !m.reply) return;
+        let req: HostFileRequest;
+        try {
+          req = fromBinary(HostFileRequestSchema, m.data);
+        } catch {
+          m.respond(toBinary(HostFileResponseSchema, create(HostFileResponseSchema, { error: { kind: 'invalid_argument', message: 'undecodable file request' } })));
+          return;
+        }
+        void handler(req).then((res) => m.respond(toBinary(HostFileResponseSchema, res)));
+      },
+    });
+    this.subs.push(sub);
+    return () => sub.unsubscribe();
+  }
+}

@@ -1,0 +1,140 @@
+// A standalone transfer endpoint (chunk store + peer server + fetcher) for tests and the
+// transfer benchmark, run inside a network namespace:
+//   serve       --root DIR --listen IP:PORT --trust PEM --key-id ID
+//   fetch       --root DIR --host-id H --snapshot S --ticket B64 --sources ADDR[,ADDR] --trust PEM --key-id ID [--materialise]
+//   naive-serve --listen IP:PORT --files F[,F]      (baseline: plain TCP stream of whole files)
+//   naive-recv  --connect IP:PORT --out FILE
+// `serve` prints {"listening":ADDR} once ready; `fetch` and `naive-recv` print one JSON report.
+import { parseArgs } from 'node:util';
+import { createPublicKey } from 'node:crypto';
+import { createReadStream, createWriteStream, readFileSync } from 'node:fs';
+import { createServer, connect } from 'node:net';
+import { pipeline } from 'node:stream/promises';
+import { pino } from 'pino';
+import { FsChunkStore, FsManifestStore } from '../chunkstore/fs-store.ts';
+import { Materialiser } from '../chunkstore/materialise.ts';
+import { LiveRoots, systemClock } from '../../domain/snapshot-store.ts';
+import { decodeSignedTicket, type TrustedKeys } from '../../domain/tickets.ts';
+import { fetchSnapshot } from '../../domain/transfer.ts';
+import { startGrpcServer } from '../../../services/adapters/grpc/server.ts';
+import { chunkTransferService } from './server.ts';
+import { PeerChunkSource } from './client.ts';
+
+const log = pino({ level: process.env.LOG_LEVEL ?? 'info' }, pino.destination(2));
+
+const { positionals, values } = parseArgs({
+  allowPositionals: true,
+  options: {
+    root: { type: 'string' },
+    listen: { type: 'string' },
+    connect: { type: 'string' },
+    trust: { type: 'string' },
+    'key-id': { type: 'string', default: 'k1' },
+    'host-id': { type: 'string' },
+    snapshot: { type: 'string' },
+    ticket: { type: 'string' },
+    sources: { type: 'string' },
+    materialise: { type: 'boolean', default: false },
+    files: { type: 'string' },
+    out: { type: 'string' },
+    'no-fsync': { type: 'boolean', default: false },
+  },
+});
+
+function need(name: keyof typeof values): string {
+  const v = values[name];
+  if (typeof v !== 'string' || v === '') throw new Error(`--${name} is required`);
+  return v;
+}
+
+function trust(): TrustedKeys {
+  return new Map([[values['key-id'] ?? 'k1', createPublicKey(readFileSync(need('trust')))]]);
+}
+
+async function serve(): Promise<void> {
+  const root = need('root');
+  const chunks = new FsChunkStore(root);
+  const manifests = new FsManifestStore(root);
+  const { registration, stats } = chunkTransferService({ chunks, manifests, trust: trust(), clock: systemClock, log });
+  const srv = await startGrpcServer({
+    address: need('listen'),
+    services: [registration],
+    channelOptions: { 'grpc-node.flow_control_window': 16 * 1024 * 1024 },
+  });
+  process.stdout.write(`${JSON.stringify({ listening: srv.address, pid: process.pid })}\n`);
+  const stop = (): void => {
+    log.info({ stats }, 'stopping');
+    void srv.close(500).then(() => process.exit(0));
+  };
+  process.once('SIGTERM', stop);
+  process.once('SIGINT', stop);
+}
+
+async function fetch(): Promise<void> {
+  const root = need('root');
+  const hostId = need('host-id');
+  const snapshotId = need('snapshot');
+  const chunks = new FsChunkStore(root, { fsync: !values['no-fsync'] });
+  const manifests = new FsManifestStore(root);
+  const roots = new LiveRoots();
+  const ticket = decodeSignedTicket(Buffer.from(need('ticket'), 'base64'));
+  const sources = need('sources')
+    .split(',')
+    .map((address, i) => new PeerChunkSource({ id: `src${i}:${address}`, address, ticket, hostId, credit: Number(process.env.FF_CREDIT ?? 32) }));
+  const t0 = performance.now();
+  const out: Record<string, unknown> = {};
+  try {
+    const { report } = await fetchSnapshot(snapshotId, sources, { chunks, manifests, roots, trust: trust(), log }, { backoffMs: 100, streamsPerSource: Number(process.env.FF_STREAMS ?? 2), window: Number(process.env.FF_WINDOW ?? 64) });
+    out.ok = true;
+    out.report = report;
+    out.seconds = (performance.now() - t0) / 1000;
+    if (values.materialise) {
+      const m = await new Materialiser({ root, chunks, manifests, roots, trust: trust(), log }).materialise(snapshotId);
+      out.materialised = m;
+    }
+  } catch (e) {
+    const err = e as Error & { kind?: string; digests?: readonly string[] };
+    out.ok = false;
+    out.error = { name: err.name, kind: err.kind, message: err.message, missing: err.digests?.length };
+    out.seconds = (performance.now() - t0) / 1000;
+  } finally {
+    for (const s of sources) s.close();
+  }
+  out.stored = (await chunks.list()).length;
+  process.stdout.write(`${JSON.stringify(out)}\n`);
+}
+
+async function naiveServe(): Promise<void> {
+  const files = need('files').split(',');
+  const [host, port] = need('listen').split(':');
+  const srv = createServer((sock) => {
+    void (async () => {
+      for (const f of files) await pipeline(createReadStream(f, { highWaterMark: 1 << 20 }), sock, { end: false });
+      sock.end();
+    })().catch((e: unknown) => log.error({ err: e }, 'naive send failed'));
+  });
+  srv.listen(Number(port), host, () => process.stdout.write(`${JSON.stringify({ listening: need('listen'), pid: process.pid })}\n`));
+  process.once('SIGTERM', () => srv.close(() => process.exit(0)));
+}
+
+async function naiveRecv(): Promise<void> {
+  const [host, port] = need('connect').split(':');
+  const t0 = performance.now();
+  const sock = connect(Number(port), host);
+  const out = createWriteStream(need('out'));
+  let bytes = 0;
+  sock.on('data', (b: Buffer) => (bytes += b.length));
+  await pipeline(sock, out);
+  process.stdout.write(`${JSON.stringify({ bytes, seconds: (performance.now() - t0) / 1000 })}\n`);
+}
+
+const cmd = positionals[0];
+const run = cmd === 'serve' ? serve : cmd === 'fetch' ? fetch : cmd === 'naive-serve' ? naiveServe : cmd === 'naive-recv' ? naiveRecv : undefined;
+if (!run) {
+  process.stderr.write('usage: endpoint-main.ts serve|fetch|naive-serve|naive-recv ...\n');
+  process.exit(2);
+}
+run().catch((e: unknown) => {
+  log.error({ err: e }, 'endpoint failed');
+  process.exit(1);
+});

@@ -1,0 +1,149 @@
+// ChunkTransferService: how a host agent serves snapshot chunks to its peers. Thin gRPC
+// handlers: check the ticket, convert, read the store. Every call needs a ticket the
+// scheduler signed for this snapshot and for the calling host; otherwise nothing is served.
+//
+// The caller's host id comes from `callerHostId(ctx)`. The default reads the `ff-host-id`
+// metadata; deployments with mTLS should derive it from the peer certificate instead.
+import type { Logger } from 'pino';
+import type { MessageInitShape } from '@bufbuild/protobuf';
+import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
+import type { FetchChunksRequest, FetchChunksResponseSchema } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
+import { register } from '../../../services/adapters/grpc/rpc.ts';
+import type { CallContext, ServiceRegistration } from '../../../services/adapters/grpc/rpc.ts';
+import { InvalidArgumentError } from '../../../proto/errors.ts';
+import type { ChunkStore, Clock, DigestHex, EncodedChunk, ManifestStore } from '../../domain/snapshot-store.ts';
+import { manifestDigests } from '../../domain/snapshot-store.ts';
+import { ManifestNotFoundError, TicketInvalidError } from '../../domain/transfer-errors.ts';
+import { decodeManifestUnverified, verifyTicket, type TrustedKeys } from '../../domain/tickets.ts';
+
+export const HOST_ID_METADATA = 'ff-host-id';
+
+export interface ChunkServerDeps {
+  readonly chunks: ChunkStore;
+  readonly manifests: ManifestStore;
+  readonly trust: TrustedKeys;
+  readonly clock: Clock;
+  readonly log?: Logger;
+  readonly callerHostId?: (ctx: CallContext) => string;
+  /** Chunk reads started ahead of sending (bounded by the caller's credit). */
+  readonly prefetch?: number;
+  /** Observes every chunk served (metrics, tests). */
+  readonly onServed?: (digest: DigestHex, bytes: number) => void;
+}
+
+export interface ChunkServerStats {
+  chunksServed: number;
+  bytesServed: number;
+  refused: number;
+}
+
+type Response = MessageInitShape<typeof FetchChunksResponseSchema>;
+
+function defaultCallerHostId(ctx: CallContext): string {
+  const v = ctx.metadata.get(HOST_ID_METADATA)[0];
+  return typeof v === 'string' ? v : '';
+}
+
+class Notifier {
+  private waiters: Array<() => void> = [];
+  notify(): void {
+    for (const w of this.waiters.splice(0)) w();
+  }
+  wait(): Promise<void> {
+    return new Promise((r) => this.waiters.push(r));
+  }
+}
+
+export function chunkTransferService(deps: ChunkServerDeps): { registration: ServiceRegistration; stats: ChunkServerStats } {
+  const stats: ChunkServerStats = { chunksServed: 0, bytesServed: 0, refused: 0 };
+  const caller = deps.callerHostId ?? defaultCallerHostId;
+  const prefetch = deps.prefetch ?? 8;
+
+  const authorise = async (ticket: Parameters<typeof verifyTicket>[0], ctx: CallContext) => {
+    try {
+      const claims = verifyTicket(ticket, deps.trust, { now: deps.clock.now(), destinationHostId: caller(ctx) });
+      const signed = await deps.manifests.get(claims.snapshotId);
+      if (!signed) throw new ManifestNotFoundError(claims.snapshotId);
+      return { claims, signed };
+    } catch (e) {
+      stats.refused++;
+      deps.log?.warn({ peer: ctx.peer, err: (e as Error).message }, 'chunk transfer refused');
+      throw e;
+    }
+  };
+
+  const registration = register(ChunkTransferService, {
+    async getManifest(req, ctx) {
+      const { signed } = await authorise(req.ticket, ctx);
+      return { manifest: signed };
+    },
+
+    async *fetchChunks(reqs: AsyncIterable<FetchChunksRequest>, ctx: CallContext): AsyncIterable<Response> {
+      const it = reqs[Symbol.asyncIterator]();
+      const first = await it.next();
+      if (first.done || first.value.payload.case !== 'open') throw new InvalidArgumentError('payload', 'the first message must be open');
+      const open = first.value.payload.value;
+      const { claims, signed } = await authorise(open.ticket, ctx);
+      const allowed = manifestDigests(decodeManifestUnverified(signed));
+      let credit = open.credit;
+      const wants: DigestHex[] = [];
+      let ended = false;
+      let failure: unknown;
+      const changed = new Notifier();
+
+      void (async () => {
+        try {
+          for (let r = await it.next(); !r.done; r = await it.next()) {
+            const p = r.value.payload;
+            if (p.case === 'credit') credit += p.value;
+            else if (p.case === 'want') {
+              for (const b of p.value.digests) {
+                const d = Buffer.from(b).toString('hex');
+                if (!allowed.has(d)) {
+                  stats.refused++;
+                  throw new TicketInvalidError(`chunk ${d.slice(0, 16)} is not part of snapshot ${claims.snapshotId}`);
+                }
+                wants.push(d);
+              }
+            } else if (p.case === 'open') throw new InvalidArgumentError('payload', 'open sent twice');
+            changed.notify();
+          }
+          ended = true;
+        } catch (e) {
+          failure = e;
+        }
+        changed.notify();
+      })();
+
+      const ahead: Array<{ digest: DigestHex; read: Promise<EncodedChunk | undefined> }> = [];
+      while (true) {
+        if (failure !== undefined && !ended) throw failure;
+        if (ctx.signal.aborted) return;
+        while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
+          const digest = wants.shift() as DigestHex;
+          ahead.push({ digest, read: deps.chunks.getEncoded(digest) });
+        }
+        const next = ahead.shift();
+        if (next) {
+          const c = await next.read;
+          if (!c) {
+            yield { payload: { case: 'missing', value: Buffer.from(next.digest, 'hex') } };
+            continue;
+          }
+          credit--;
+          stats.chunksServed++;
+          stats.bytesServed += c.data.length;
+          deps.onServed?.(c.digest, c.data.length);
+          yield { payload: { case: 'chunk', value: { digest: Buffer.from(c.digest, 'hex'), codec: c.codec, size: c.size, data: c.data } } };
+          continue;
+        }
+        if ((ended || failure !== undefined) && wants.length === 0) {
+          if (failure !== undefined) throw failure;
+          return;
+        }
+        await changed.wait();
+      }
+    },
+  });
+  return { registration, stats };
+}

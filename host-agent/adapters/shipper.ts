@@ -1,0 +1,183 @@
+// SnapshotShipper: joins the VMM's snapshot directories to the content-addressed chunk
+// store. A snapshot taken here is cut into chunks (ingest); a snapshot that lives only on
+// other hosts is fetched from peers, verified against the scheduler's signature and
+// materialised into a directory the VMM driver opens like one of its own.
+import { execFile } from 'node:child_process';
+import { promisify } from 'node:util';
+import { access, mkdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { join } from 'node:path';
+import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
+import type { Logger } from 'pino';
+import type { SnapshotShipper } from '../domain/agent.ts';
+import type { LocalSnapshot, VmmDriver } from '../domain/vmm.ts';
+import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
+import { LiveRoots } from '../domain/snapshot-store.ts';
+import type { TrustedKeys } from '../domain/tickets.ts';
+import { fetchSnapshot } from '../domain/transfer.ts';
+import { ingestSnapshot } from './chunkstore/ingest.ts';
+import type { Materialiser } from './chunkstore/materialise.ts';
+import { PeerChunkSource } from './peer/client.ts';
+import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { HeldSnapshotSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import type { FetchSnapshotWork, HeldSnapshot } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
+import { ForkfleetError } from '../../proto/errors.ts';
+
+const run = promisify(execFile);
+
+/** The VMM's small files that travel in the manifest's metadata map. */
+const META_FILES = ['manifest.json', 'image.json'] as const;
+
+export interface ShipperDeps {
+  hostId: string;
+  driver: VmmDriver;
+  /** The driver's snapshot directory root (<driver root>/snapshots). */
+  driverSnapshotsDir: string;
+  chunks: ChunkStore;
+  manifests: ManifestStore;
+  materialiser: Materialiser;
+  roots: LiveRoots;
+  trust: TrustedKeys;
+  scratchDir: string;
+  log: Logger;
+  chunkSize: number;
+}
+
+async function exists(p: string): Promise<boolean> {
+  return access(p).then(
+    () => true,
+    () => false,
+  );
+}
+
+export class ChunkStoreShipper implements SnapshotShipper {
+  /** Snapshots whose every chunk is here (the heartbeat reports them). */
+  private readonly complete = new Set<string>();
+
+  constructor(private readonly deps: ShipperDeps) {}
+
+  /** Fills the held set from what is on disk (after an agent restart). */
+  async load(): Promise<void> {
+    for (const id of await this.deps.manifests.list()) this.complete.add(id);
+  }
+
+  held(): HeldSnapshot[] {
+    return [...this.complete].map((snapshotId) => create(HeldSnapshotSchema, { snapshotId, complete: true }));
+  }
+
+  /**
+   * Disk layers of a clone's snapshot are backed by its parent snapshot's layer, whose path
+   * is host-local. A portable snapshot carries one layer backed only by the image's base
+   * disk (same path on every host: the image cache is keyed by recipe hash).
+   */
+  private async portableDisk(local: LocalSnapshot, imageDisk: string): Promise<string> {
+    const disk = join(local.dir, local.manifest.files.disk);
+    const { stdout } = await run('qemu-img', ['info', '--output=json', '-U', disk]);
+    const info = JSON.parse(stdout) as { 'full-backing-filename'?: string; 'backing-filename'?: string };
+    const backing = info['full-backing-filename'] ?? info['backing-filename'];
+    if (!backing || backing === imageDisk) return disk;
+    await mkdir(this.deps.scratchDir, { recursive: true });
+    const flat = join(this.deps.scratchDir, `${local.manifest.snapshotId}.disk.qcow2`);
+    await run('qemu-img', ['convert', '-U', '-O', 'qcow2', '-B', imageDisk, '-F', 'qcow2', disk, flat]);
+    return flat;
+  }
+
+  async ingest(local: LocalSnapshot): Promise<SignedManifest> {
+    const m = local.manifest;
+    const existing = await this.deps.manifests.get(m.snapshotId);
+    if (existing) return existing;
+    const image = JSON.parse(await readFile(join(local.dir, 'image.json'), 'utf8')) as { disk: string };
+    const disk = await this.portableDisk(local, image.disk);
+    const metadata: Record<string, Uint8Array> = {};
+    for (const f of META_FILES) metadata[f] = await readFile(join(local.dir, f));
+    const { manifest, stats } = await ingestSnapshot(
+      {
+        snapshotId: m.snapshotId,
+        tenantId: '',
+        ...(m.parentSnapshotId ? { parentSnapshotId: m.parentSnapshotId } : {}),
+        sourceSandboxId: m.sourceVmId,
+        vmConfig: {
+          $typeName: 'forkfleet.v1.VmConfig',
+          machine: m.config.machineType,
+          memoryMib: BigInt(m.config.memoryMib),
+          vcpus: m.config.vcpus,
+          devices: m.config.devices,
+          qemuVersion: m.config.qemuVersion,
+          accel: m.config.accel === 'kvm' ? Accel.KVM : Accel.TCG,
+          cpuModel: m.config.cpuModel,
+          image: m.image.name,
+          imageDigest: m.image.recipeHash,
+        },
+        artifacts: [
+          { kind: ArtifactKind.MEMORY, name: m.files.memory, path: join(local.dir, m.files.memory) },
+          { kind: ArtifactKind.DEVICE_STATE, name: m.files.deviceState, path: join(local.dir, m.files.deviceState) },
+          { kind: ArtifactKind.DISK_LAYER, name: m.files.disk, path: disk, backing: image.disk },
+        ],
+      },
+      { chunks: this.deps.chunks, roots: this.deps.roots, clock: { now: () => new Date() }, chunkSize: this.deps.chunkSize, log: this.deps.log },
+    );
+    if (disk !== join(local.dir, m.files.disk)) await rm(disk, { force: true });
+    manifest.metadata = metadata;
+    // Unsigned here: the scheduler signs the exact bytes; restores verify its signature.
+    const signed = create(SignedManifestSchema, { manifest: toBinary(SnapshotManifestSchema, manifest) });
+    await this.deps.manifests.put(m.snapshotId, signed);
+    this.complete.add(m.snapshotId);
+    this.deps.log.info({ snapshotId: m.snapshotId, ...stats }, 'snapshot ingested');
+    return signed;
+  }
+
+  async obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }> {
+    const own = join(this.deps.driverSnapshotsDir, snapshotId);
+    if (await exists(join(own, 'manifest.json'))) return { local: await this.deps.driver.openSnapshot(own), bytesFetched: 0 };
+
+    let bytesFetched = 0;
+    const stored = await this.deps.manifests.get(snapshotId);
+    if (!stored || stored.signature.length === 0) {
+      if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.deps.hostId} and no source was named`);
+      const ticket = fetch.ticket;
+      if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
+      const sources = fetch.sources.filter((s) => s.address).map((s) => new PeerChunkSource({ id: s.hostId, address: s.address, ticket, hostId: this.deps.hostId }));
+      try {
+        // The manifest bytes come from a peer; the signature comes from the scheduler.
+        const sig = fetch.manifest;
+        if (sig && sig.signature.length > 0) {
+          let bytes: Uint8Array | undefined = stored?.manifest;
+          for (const s of sources) {
+            if (bytes && bytes.length) break;
+            bytes = (await s.getManifest().catch(() => undefined))?.manifest;
+          }
+          if (!bytes || bytes.length === 0) throw new ForkfleetError('unavailable', `no source returned the manifest of ${snapshotId}`);
+          await this.deps.manifests.put(snapshotId, create(SignedManifestSchema, { manifest: bytes, signature: sig.signature, keyId: sig.keyId }));
+        }
+        const { report } = await fetchSnapshot(snapshotId, sources, { chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, trust: this.deps.trust, log: this.deps.log });
+        bytesFetched = report.bytes ?? 0;
+        onProgress(bytesFetched, bytesFetched);
+      } finally {
+        for (const s of sources) s.close();
+      }
+    }
+    const mat = await this.deps.materialiser.materialise(snapshotId);
+    const signed = await this.deps.manifests.get(snapshotId);
+    if (!signed) throw new ForkfleetError('internal', `manifest of ${snapshotId} vanished`);
+    const manifest = fromBinary(SnapshotManifestSchema, signed.manifest);
+    for (const f of META_FILES) {
+      const target = join(mat.dir, f);
+      if (await exists(target)) continue;
+      const data = manifest.metadata[f];
+      if (!data) throw new ForkfleetError('internal', `manifest of ${snapshotId} lacks ${f}`);
+      const tmp = `${target}.tmp`;
+      await writeFile(tmp, data, { mode: 0o444 });
+      await rename(tmp, target);
+    }
+    this.complete.add(snapshotId);
+    return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
+  }
+
+  async remove(snapshotId: string): Promise<void> {
+    this.complete.delete(snapshotId);
+    const own = join(this.deps.driverSnapshotsDir, snapshotId);
+    if (await exists(own)) await this.deps.driver.deleteSnapshot(await this.deps.driver.openSnapshot(own));
+    await this.deps.manifests.delete(snapshotId);
+  }
+}

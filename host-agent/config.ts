@@ -1,0 +1,75 @@
+// Host-agent configuration, compiled once from options and FF_* environment variables
+// into a frozen object; a bad value fails start-up naming the variable.
+import { cpus, hostname, totalmem } from 'node:os';
+import { randomUUID } from 'node:crypto';
+import { InvalidArgumentError } from '../proto/errors.ts';
+import { parseDuration } from '../services/config.ts';
+import type { AccelSetting } from './domain/vmm.ts';
+
+export interface AgentProcessConfig {
+  /** FF_HOST_ID: this host's id (a-z, 0-9, -). */
+  readonly hostId: string;
+  /** FF_DATA_DIR: VMs, snapshots, chunks, journal. Keep it short (unix socket paths). */
+  readonly dataDir: string;
+  /** FF_NATS_URL */
+  readonly natsUrl: string;
+  /** FF_PEER_ADDR: where the ChunkTransfer service listens (host:port; port 0 picks one). */
+  readonly peerAddr: string;
+  /** FF_PEER_ADVERTISE: the host:port peers dial; defaults to the bound peer address. */
+  readonly peerAdvertise: string;
+  /** FF_TRUSTED_KEY: PEM public key of the scheduler (verifies tickets and manifests). */
+  readonly trustedKeyPath: string;
+  /** FF_ACCEL: kvm | tcg | auto */
+  readonly accel: AccelSetting;
+  /** FF_CAPACITY_VCPUS / FF_CAPACITY_MEMORY_MIB / FF_CAPACITY_DISK_MIB: what the scheduler may book here. */
+  readonly capacity: { vcpus: number; memoryMib: number; diskMib: number };
+  /** FF_LINK_BYTES_PER_SECOND: the NIC rate peers can get from this host. */
+  readonly linkBytesPerSecond: number;
+  /** FF_HEARTBEAT_INTERVAL */
+  readonly heartbeatMs: number;
+  /** FF_STEP_CONCURRENCY */
+  readonly concurrency: number;
+  /** FF_CHUNK_BYTES */
+  readonly chunkBytes: number;
+  /** FF_LOG_LEVEL */
+  readonly logLevel: string;
+  readonly bootId: string;
+}
+
+function int(field: string, v: string, min: number, max: number): number {
+  const n = Number(v);
+  if (!Number.isSafeInteger(n) || n < min || n > max) throw new InvalidArgumentError(field, `must be an integer in [${min}, ${max}], got ${JSON.stringify(v)}`);
+  return n;
+}
+
+export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentProcessConfig {
+  const e = (name: string, dflt: string): string => env[name] ?? dflt;
+  const hostId = e('FF_HOST_ID', hostname().toLowerCase().replace(/[^a-z0-9-]/g, '-'));
+  if (!/^[a-z0-9][a-z0-9-]{0,62}$/.test(hostId)) throw new InvalidArgumentError('FF_HOST_ID', 'must be 1-63 characters of a-z, 0-9 and -');
+  const accel = e('FF_ACCEL', 'auto');
+  if (accel !== 'kvm' && accel !== 'tcg' && accel !== 'auto') throw new InvalidArgumentError('FF_ACCEL', 'must be kvm, tcg or auto');
+  const peerAddr = e('FF_PEER_ADDR', '127.0.0.1:0');
+  if (!/^[^\s:]+:\d{1,5}$/.test(peerAddr)) throw new InvalidArgumentError('FF_PEER_ADDR', 'must be host:port');
+  const cfg: AgentProcessConfig = {
+    hostId,
+    dataDir: e('FF_DATA_DIR', '/var/lib/forkfleet'),
+    natsUrl: e('FF_NATS_URL', 'nats://127.0.0.1:4222'),
+    peerAddr,
+    peerAdvertise: e('FF_PEER_ADVERTISE', ''),
+    trustedKeyPath: e('FF_TRUSTED_KEY', ''),
+    accel,
+    capacity: {
+      vcpus: int('FF_CAPACITY_VCPUS', e('FF_CAPACITY_VCPUS', String(cpus().length * 16)), 1, 100_000),
+      memoryMib: int('FF_CAPACITY_MEMORY_MIB', e('FF_CAPACITY_MEMORY_MIB', String(Math.floor((totalmem() / 1048576) * 0.8))), 64, 1 << 30),
+      diskMib: int('FF_CAPACITY_DISK_MIB', e('FF_CAPACITY_DISK_MIB', String(100 * 1024)), 1, 1 << 30),
+    },
+    linkBytesPerSecond: int('FF_LINK_BYTES_PER_SECOND', e('FF_LINK_BYTES_PER_SECOND', String(1.25e9)), 1, 1e12),
+    heartbeatMs: parseDuration('FF_HEARTBEAT_INTERVAL', e('FF_HEARTBEAT_INTERVAL', '1s')),
+    concurrency: int('FF_STEP_CONCURRENCY', e('FF_STEP_CONCURRENCY', '4'), 1, 64),
+    chunkBytes: int('FF_CHUNK_BYTES', e('FF_CHUNK_BYTES', String(256 * 1024)), 4096, 64 << 20),
+    logLevel: e('FF_LOG_LEVEL', 'info'),
+    bootId: randomUUID(),
+  };
+  if (!cfg.trustedKeyPath) throw new InvalidArgumentError('FF_TRUSTED_KEY', "must name the scheduler's public key (PEM)");
+  return Object.freeze(cfg);
+}

@@ -1,0 +1,367 @@
+// The host agent: carries out the scheduler's work on this host, reports results and
+// heartbeats, and relays exec and file calls into guests.
+//
+// Every step is idempotent (CONVENTIONS.md §4, DESIGN.md decision 6): it is journalled by
+// (op id, step id) once done, and a redelivered step answers from the journal. A step
+// interrupted by a crash is measured again (does the VM or snapshot already exist?) before
+// anything is done, so a retry neither duplicates nor loses a VM.
+import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
+import { durationFromMs } from '@bufbuild/protobuf/wkt';
+import type { Logger } from 'pino';
+import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock } from './vmm.ts';
+import {
+  HeartbeatSchema,
+  HostEventSchema,
+  HostResultSchema,
+  VmStatusSchema,
+} from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import type {
+  FetchSnapshotWork,
+  Heartbeat,
+  HostEvent,
+  HostExecOutput,
+  HostExecRequest,
+  HostFileRequest,
+  HostFileResponse,
+  HostResult,
+  HostWork,
+  VmSpec,
+  VmStatus,
+  HeldSnapshot,
+} from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { VmState as PbVmState, HostEventType } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
+import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
+
+/** Control-plane transport of the agent (adapters/nats). */
+export interface AgentBus {
+  consumeWork(onWork: (w: HostWork, ctl: WorkControl) => Promise<void>): Promise<() => Promise<void>>;
+  publishResult(r: HostResult): Promise<void>;
+  publishHeartbeat(hb: Heartbeat): void;
+  publishEvent(e: HostEvent): void;
+  serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void) => Promise<void>): () => void;
+  serveFile(handler: (req: HostFileRequest) => Promise<HostFileResponse>): () => void;
+}
+
+export interface WorkControl {
+  ack(): void;
+  /** Tells the bus the step is still being worked on (extends the redelivery timer). */
+  working(): void;
+}
+
+/** Step results kept across agent restarts, keyed by op id and step id. */
+export interface Journal {
+  get(opId: string, stepId: string): Promise<Uint8Array | undefined>;
+  put(opId: string, stepId: string, result: Uint8Array): Promise<void>;
+}
+
+/** How snapshots become portable (chunk store) and arrive from peers (adapters/chunkstore, adapters/peer). */
+export interface SnapshotShipper {
+  /** Cuts a local snapshot into the content-addressed store; returns its manifest (unsigned envelope). */
+  ingest(local: LocalSnapshot): Promise<SignedManifest>;
+  /** The local snapshot directory, fetching missing chunks from peers and materialising first when needed. */
+  obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }>;
+  held(): HeldSnapshot[];
+  remove(snapshotId: string): Promise<void>;
+}
+
+export interface AgentConfig {
+  hostId: string;
+  bootId: string;
+  capacity: { vcpus: number; memoryMib: number; diskMib: number };
+  peerAddress: string;
+  linkBytesPerSecond: number;
+  heartbeatMs: number;
+  /** Steps run at once. */
+  concurrency: number;
+}
+
+export interface AgentDeps {
+  driver: VmmDriver;
+  shipper: SnapshotShipper;
+  bus: AgentBus;
+  journal: Journal;
+  images: (name: string) => Promise<GuestImage>;
+  clock: Clock;
+  log: Logger;
+  config: AgentConfig;
+  qemuVersion: string;
+}
+
+const VM_STATE: Record<VmInfo['state'], PbVmState> = {
+  starting: PbVmState.STARTING,
+  running: PbVmState.RUNNING,
+  paused: PbVmState.PAUSED,
+  snapshotting: PbVmState.RUNNING,
+  crashed: PbVmState.CRASHED,
+  destroying: PbVmState.STOPPED,
+  destroyed: PbVmState.STOPPED,
+};
+
+function errorInfo(e: unknown): { kind: string; message: string; retryable: boolean; field: string } {
+  if (isForkfleetError(e)) return { kind: e.kind, message: e.message, retryable: e.retryable, field: e.field ?? '' };
+  return { kind: 'internal', message: e instanceof Error ? e.message : String(e), retryable: false, field: '' };
+}
+
+export class Agent {
+  private readonly stops: Array<() => void | Promise<void>> = [];
+  private inflight = 0;
+  private seq = 0n;
+  private readonly queue: Array<() => Promise<void>> = [];
+  private readonly inProgress = new Map<string, Promise<HostResult>>();
+
+  constructor(private readonly deps: AgentDeps) {}
+
+  private get log(): Logger {
+    return this.deps.log;
+  }
+
+  async start(): Promise<void> {
+    const { driver, bus } = this.deps;
+    this.stops.push(
+      driver.onEvent((e) => {
+        if (e.type === 'crashed') {
+          this.log.warn({ sandboxId: e.vmId, pid: e.pid, detail: e.detail }, 'VM crashed');
+          bus.publishEvent(this.event(HostEventType.VM_CRASHED, { sandboxId: e.vmId, message: e.detail }));
+        }
+      }),
+    );
+    this.stops.push(bus.serveExec((req, emit) => this.exec(req, emit)));
+    this.stops.push(bus.serveFile((req) => this.file(req)));
+    this.stops.push(await bus.consumeWork((w, ctl) => this.onWork(w, ctl)));
+    this.heartbeat();
+    const t = setInterval(() => this.heartbeat(), this.deps.config.heartbeatMs);
+    this.stops.push(() => clearInterval(t));
+  }
+
+  async stop(): Promise<void> {
+    for (const s of this.stops.splice(0).reverse()) await s();
+  }
+
+  private event(type: HostEventType, fields: Partial<Pick<HostEvent, 'sandboxId' | 'snapshotId' | 'opId' | 'message'>> & { bytesDone?: bigint; bytesTotal?: bigint }): HostEvent {
+    return create(HostEventSchema, { hostId: this.deps.config.hostId, type, time: { seconds: BigInt(Math.floor(this.deps.clock.now() / 1000)) }, ...fields });
+  }
+
+  vmStatus(v: VmInfo): VmStatus {
+    return create(VmStatusSchema, { sandboxId: v.sandboxId || v.vmId, state: VM_STATE[v.state], pid: v.pid });
+  }
+
+  heartbeat(): void {
+    const cfg = this.deps.config;
+    const vms = this.deps.driver.list().filter((v) => v.state !== 'destroyed');
+    const allocated = vms.reduce((a, v) => ({ vcpus: a.vcpus + v.vcpus, memoryMib: a.memoryMib + v.memoryMib }), { vcpus: 0, memoryMib: 0 });
+    this.seq += 1n;
+    const accel = vms[0]?.accel ?? 'tcg';
+    this.deps.bus.publishHeartbeat(
+      create(HeartbeatSchema, {
+        hostId: cfg.hostId,
+        seq: this.seq,
+        bootId: cfg.bootId,
+        time: { seconds: BigInt(Math.floor(this.deps.clock.now() / 1000)) },
+        capacity: { vcpus: cfg.capacity.vcpus, memoryMib: BigInt(cfg.capacity.memoryMib), diskMib: BigInt(cfg.capacity.diskMib) },
+        allocated: { vcpus: allocated.vcpus, memoryMib: BigInt(allocated.memoryMib) },
+        vms: vms.map((v) => this.vmStatus(v)),
+        snapshots: this.deps.shipper.held(),
+        accel: accel === 'kvm' ? Accel.KVM : Accel.TCG,
+        qemuVersion: this.deps.qemuVersion,
+        cpuModel: accel === 'kvm' ? 'host' : 'max',
+        machine: 'microvm',
+        peerAddress: cfg.peerAddress,
+        linkBytesPerSecond: BigInt(cfg.linkBytesPerSecond),
+        inflightOps: this.inflight,
+        interval: { nanos: (cfg.heartbeatMs % 1000) * 1e6, seconds: BigInt(Math.floor(cfg.heartbeatMs / 1000)) },
+      }),
+    );
+  }
+
+  // ---------------------------------------------------------------- work
+
+  private onWork(w: HostWork, ctl: WorkControl): Promise<void> {
+    return new Promise<void>((resolve) => {
+      const run = async (): Promise<void> => {
+        this.inflight++;
+        const keepAlive = setInterval(() => ctl.working(), 5000);
+        try {
+          const result = await this.runStep(w);
+          await this.deps.bus.publishResult(result);
+          ctl.ack();
+        } catch (e) {
+          // Publishing the result failed (bus down): leave the message unacked for redelivery.
+          this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not report step result; it will be redelivered');
+        } finally {
+          clearInterval(keepAlive);
+          this.inflight--;
+          resolve();
+          this.queue.shift()?.().catch(() => undefined);
+        }
+      };
+      if (this.inflight < this.deps.config.concurrency) void run();
+      else this.queue.push(run);
+    });
+  }
+
+  /** Runs a step once per (op, step): concurrent deliveries share one run, later ones read the journal. */
+  runStep(w: HostWork): Promise<HostResult> {
+    const key = `${w.opId}/${w.stepId}`;
+    const running = this.inProgress.get(key);
+    if (running) return running;
+    const p = this.runStepOnce(w).finally(() => this.inProgress.delete(key));
+    this.inProgress.set(key, p);
+    return p;
+  }
+
+  private async runStepOnce(w: HostWork): Promise<HostResult> {
+    const { journal, clock } = this.deps;
+    const prior = await journal.get(w.opId, w.stepId);
+    if (prior) return fromBinary(HostResultSchema, prior);
+    const log = this.log.child({ opId: w.opId, stepId: w.stepId });
+    const started = clock.now();
+    const result = create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: this.deps.config.hostId, attempt: w.attempt });
+    try {
+      log.info({ work: w.work.case }, 'step started');
+      await this.act(w, result, log);
+    } catch (e) {
+      log.warn({ err: e }, 'step failed');
+      result.error = errorInfo(e) as never;
+    }
+    result.duration = durationFromMs(Math.round(clock.now() - started));
+    // Failures that may succeed on a retry are not journalled, so a redelivery tries again.
+    if (!result.error || !result.error.retryable) await journal.put(w.opId, w.stepId, toBinary(HostResultSchema, result));
+    log.info({ ok: !result.error, ms: clock.now() - started }, 'step finished');
+    return result;
+  }
+
+  private spec(v: VmSpec | undefined, field: string): Required<Pick<VmSpec, 'sandboxId' | 'hostname'>> & { vcpus: number; memoryMib: number } {
+    if (!v || !v.sandboxId) throw new ForkfleetError('invalid_argument', `${field}: missing VM spec`, { field });
+    return { sandboxId: v.sandboxId, hostname: v.hostname || v.sandboxId, vcpus: v.resources?.vcpus || 1, memoryMib: Number(v.resources?.memoryMib ?? 256n) || 256 };
+  }
+
+  private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
+    const { driver, shipper } = this.deps;
+    const work = w.work;
+    switch (work.case) {
+      case 'createVm': {
+        const s = this.spec(work.value.vm, 'create_vm.vm');
+        const existing = driver.get(s.sandboxId);
+        if (existing && existing.state !== 'crashed' && existing.state !== 'destroyed') {
+          result.vms = [this.vmStatus(existing)];
+          return;
+        }
+        if (existing) await driver.destroy(s.sandboxId);
+        const image = await this.deps.images(work.value.image || 'tiny');
+        const vm = await driver.create({ vmId: s.sandboxId, image, memoryMib: s.memoryMib, vcpus: s.vcpus, hostname: s.hostname, sandboxId: s.sandboxId });
+        result.vms = [this.vmStatus(vm)];
+        return;
+      }
+      case 'snapshotVm': {
+        const { sandboxId, snapshotId } = work.value;
+        const local = await driver.snapshot(sandboxId, snapshotId); // idempotent per snapshot id
+        result.pause = durationFromMs(Math.round(local.manifest.sourcePauseMs));
+        result.manifest = await shipper.ingest(local);
+        return;
+      }
+      case 'restoreVms': {
+        const { snapshotId, vms } = work.value;
+        const { local, bytesFetched } = await shipper.obtain(snapshotId, work.value.fetch, (done, total) =>
+          this.deps.bus.publishEvent(this.event(HostEventType.TRANSFER_PROGRESS, { snapshotId, opId: w.opId, bytesDone: BigInt(done), bytesTotal: BigInt(total) })),
+        );
+        result.bytesFetched = BigInt(bytesFetched);
+        const specs = vms.map((v, i) => this.spec(v, `restore_vms.vms[${i}]`));
+        const have: VmInfo[] = [];
+        const missing: typeof specs = [];
+        for (const s of specs) {
+          const ex = driver.get(s.sandboxId);
+          if (ex && ex.state !== 'crashed' && ex.state !== 'destroyed') have.push(ex);
+          else {
+            if (ex) await driver.destroy(s.sandboxId);
+            missing.push(s);
+          }
+        }
+        const made = missing.length ? await driver.fork(local, missing.map((s) => ({ vmId: s.sandboxId, hostname: s.hostname, sandboxId: s.sandboxId }))) : [];
+        result.vms = [...have, ...made].map((v) => this.vmStatus(v));
+        log.info({ children: made.length, reused: have.length, bytesFetched }, 'restored');
+        return;
+      }
+      case 'pauseVm': {
+        const vm = this.vmOf(work.value.sandboxId);
+        if (vm.state !== 'paused') await driver.pause(vm.vmId);
+        result.vms = [this.vmStatus(this.vmOf(vm.vmId))];
+        return;
+      }
+      case 'resumeVm': {
+        const vm = this.vmOf(work.value.sandboxId);
+        if (vm.state !== 'running') await driver.resume(vm.vmId);
+        result.vms = [this.vmStatus(this.vmOf(vm.vmId))];
+        return;
+      }
+      case 'destroyVm': {
+        if (driver.get(work.value.sandboxId)) await driver.destroy(work.value.sandboxId);
+        return;
+      }
+      case 'deleteSnapshot': {
+        await shipper.remove(work.value.snapshotId);
+        return;
+      }
+      case 'fetchSnapshot': {
+        const { bytesFetched } = await shipper.obtain(work.value.snapshotId, work.value, () => undefined);
+        result.bytesFetched = BigInt(bytesFetched);
+        return;
+      }
+      default:
+        throw new ForkfleetError('failed_precondition', `this agent does not support ${String(work.case)} work`);
+    }
+  }
+
+  private vmOf(sandboxId: string): VmInfo {
+    const vm = this.deps.driver.get(sandboxId);
+    if (!vm || vm.state === 'destroyed') throw new ForkfleetError('not_found', `no VM for sandbox ${sandboxId} on host ${this.deps.config.hostId}`);
+    return vm;
+  }
+
+  // ---------------------------------------------------------------- exec and files
+
+  private async exec(req: HostExecRequest, emit: (out: HostExecOutput) => void): Promise<void> {
+    let seq = 0n;
+    const out = (payload: HostExecOutput['payload']): void => emit({ $typeName: 'forkfleet.v1.HostExecOutput', seq: ++seq, payload });
+    try {
+      const vm = this.vmOf(req.sandboxId);
+      const timeoutMs = req.timeout ? Number(req.timeout.seconds) * 1000 + Math.floor(req.timeout.nanos / 1e6) : 60_000;
+      const [path, ...args] = req.cwd ? ['/bin/sh', '-c', 'cd "$0" && exec "$@"', req.cwd, ...req.argv] : req.argv;
+      const r = await this.deps.driver.exec(vm.vmId, {
+        path: path!,
+        args,
+        env: Object.entries(req.env).map(([k, v]) => `${k}=${v}`),
+        ...(req.stdin.length ? { stdin: Buffer.from(req.stdin) } : {}),
+        timeoutMs,
+      });
+      const piece = 512 * 1024;
+      for (let o = 0; o < r.stdout.length; o += piece) out({ case: 'stdout', value: r.stdout.subarray(o, o + piece) });
+      for (let o = 0; o < r.stderr.length; o += piece) out({ case: 'stderr', value: r.stderr.subarray(o, o + piece) });
+      out({ case: 'exit', value: { $typeName: 'forkfleet.v1.HostExecExit', exitCode: r.exitCode, signal: r.signal ?? 0, timedOut: false } });
+    } catch (e) {
+      const info = errorInfo(e);
+      out({ case: 'error', value: { $typeName: 'forkfleet.v1.ErrorInfo', ...info } });
+    }
+  }
+
+  private async file(req: HostFileRequest): Promise<HostFileResponse> {
+    const res: HostFileResponse = { $typeName: 'forkfleet.v1.HostFileResponse', data: new Uint8Array(), bytesWritten: 0n };
+    try {
+      const vm = this.vmOf(req.sandboxId);
+      if (req.op.case === 'write') {
+        await this.deps.driver.writeFile(vm.vmId, req.path, Buffer.from(req.op.value.data));
+        res.bytesWritten = BigInt(req.op.value.data.length);
+      } else if (req.op.case === 'read') {
+        const data = await this.deps.driver.readFile(vm.vmId, req.path);
+        const max = Number(req.op.value.maxBytes);
+        res.data = max > 0 && data.length > max ? data.subarray(0, max) : data;
+      } else {
+        throw new ForkfleetError('invalid_argument', 'op: set read or write', { field: 'op' });
+      }
+    } catch (e) {
+      res.error = { $typeName: 'forkfleet.v1.ErrorInfo', ...errorInfo(e) };
+    }
+    return res;
+  }
+}

@@ -1,0 +1,41 @@
+import { describe, expect, it } from 'vitest';
+import fc from 'fast-check';
+import { selectExpired, type SnapshotRecord } from './snapshot-store-gc.ts';
+
+const t = (min: number): Date => new Date(Date.UTC(2026, 0, 1) + min * 60_000);
+
+describe('selectExpired', () => {
+  it('selectExpired_keepsLastNPerLineage_andExpiresOlderThanTtl', () => {
+    const snaps: SnapshotRecord[] = [
+      { snapshotId: 'a1', lineage: 'a', createdAt: t(0), pinned: false },
+      { snapshotId: 'a2', lineage: 'a', createdAt: t(10), pinned: false },
+      { snapshotId: 'a3', lineage: 'a', createdAt: t(20), pinned: false },
+      { snapshotId: 'a0', lineage: 'a', createdAt: t(-100), pinned: true },
+      { snapshotId: 'b1', lineage: 'b', createdAt: t(0), pinned: false },
+    ];
+    expect(selectExpired(snaps, { keepLast: 2 }, t(30))).toEqual(['a1']);
+    expect(selectExpired(snaps, { keepLast: 1, ttlMs: 15 * 60_000 }, t(30))).toEqual(['a1', 'a2']);
+    expect(selectExpired(snaps, { keepLast: 1, ttlMs: 25 * 60_000 }, t(30))).toEqual(['a1']);
+    expect(selectExpired(snaps, { keepLast: 0, ttlMs: 15 * 60_000 }, t(30))).toEqual(['a1', 'a2', 'b1']);
+  });
+
+  it('selectExpired_neverExpiresPinnedOrNewestN (property)', () => {
+    const rec = fc.record({
+      snapshotId: fc.uuid(),
+      lineage: fc.constantFrom('a', 'b', 'c'),
+      createdAt: fc.integer({ min: 0, max: 1000 }).map(t),
+      pinned: fc.boolean(),
+    });
+    fc.assert(
+      fc.property(fc.uniqueArray(rec, { selector: (r) => r.snapshotId, maxLength: 30 }), fc.integer({ min: 0, max: 5 }), fc.option(fc.integer({ min: 0, max: 600 }), { nil: undefined }), (snaps, keepLast, ttlMin) => {
+        const expired = new Set(selectExpired(snaps, { keepLast, ttlMs: ttlMin === undefined ? undefined : ttlMin * 60_000 }, t(1000)));
+        for (const s of snaps) if (s.pinned) expect(expired.has(s.snapshotId)).toBe(false);
+        for (const l of ['a', 'b', 'c']) {
+          const kept = snaps.filter((s) => s.lineage === l && !s.pinned && !expired.has(s.snapshotId)).length;
+          const total = snaps.filter((s) => s.lineage === l && !s.pinned).length;
+          expect(kept).toBeGreaterThanOrEqual(Math.min(keepLast, total));
+        }
+      }),
+    );
+  });
+});

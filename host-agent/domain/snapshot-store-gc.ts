@@ -1,0 +1,85 @@
+// Retention (which snapshots expire) and chunk garbage collection (mark and sweep).
+import type { Logger } from 'pino';
+import type { ChunkStore, Clock, DigestHex, LiveRoots, ManifestStore, SweepStats } from './snapshot-store.ts';
+import { manifestDigests } from './snapshot-store.ts';
+import { decodeManifestUnverified } from './tickets.ts';
+
+export interface SnapshotRecord {
+  readonly snapshotId: string;
+  /** Lineage key: the sandbox the snapshot was taken from. */
+  readonly lineage: string;
+  readonly createdAt: Date;
+  readonly pinned: boolean;
+}
+
+export interface RetentionPolicy {
+  /** Keep at least the newest N snapshots of each lineage (pinned ones don't count). */
+  readonly keepLast: number;
+  /** Snapshots older than this expire, unless among the newest `keepLast`. Undefined: no TTL. */
+  readonly ttlMs?: number;
+}
+
+/**
+ * Which snapshots expire under `policy` at `now`. Pure. Per lineage, unpinned snapshots are
+ * ordered newest first; the first `keepLast` are kept; of the rest, those older than the TTL
+ * expire (all of them when there is no TTL). Pinned snapshots never expire. Deleting a parent
+ * never breaks a child: a child's manifest lists every chunk it needs.
+ */
+export function selectExpired(snapshots: readonly SnapshotRecord[], policy: RetentionPolicy, now: Date): string[] {
+  const byLineage = new Map<string, SnapshotRecord[]>();
+  for (const s of snapshots) {
+    if (s.pinned) continue;
+    const l = byLineage.get(s.lineage) ?? [];
+    l.push(s);
+    byLineage.set(s.lineage, l);
+  }
+  const out: string[] = [];
+  for (const list of byLineage.values()) {
+    list.sort((a, b) => b.createdAt.getTime() - a.createdAt.getTime() || (a.snapshotId < b.snapshotId ? -1 : 1));
+    for (const s of list.slice(Math.max(0, policy.keepLast))) {
+      if (policy.ttlMs === undefined || now.getTime() - s.createdAt.getTime() > policy.ttlMs) out.push(s.snapshotId);
+    }
+  }
+  return out.sort();
+}
+
+export interface GcDeps {
+  readonly chunks: ChunkStore;
+  readonly manifests: ManifestStore;
+  readonly roots: LiveRoots;
+  readonly clock: Clock;
+  /** Chunks written less than this long ago are kept even when nothing reaches them. */
+  readonly graceMs: number;
+  readonly log?: Logger;
+}
+
+export interface GcResult extends SweepStats {
+  readonly liveChunks: number;
+  readonly manifests: number;
+}
+
+/**
+ * Mark from every stored manifest (leased snapshots keep their manifests: deleteSnapshot
+ * refuses them), then sweep every chunk that is not marked, not pinned by an in-flight
+ * ingest or transfer, and older than the grace period.
+ */
+export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
+  const live = new Set<DigestHex>();
+  const ids = await deps.manifests.list();
+  for (const id of ids) {
+    const signed = await deps.manifests.get(id);
+    if (!signed) continue;
+    for (const d of manifestDigests(decodeManifestUnverified(signed))) live.add(d);
+  }
+  const cutoff = deps.clock.now().getTime() - deps.graceMs;
+  const stats = await deps.chunks.sweep((d, mtimeMs) => live.has(d) || deps.roots.isPinned(d) || mtimeMs > cutoff);
+  const result = { ...stats, liveChunks: live.size, manifests: ids.length };
+  deps.log?.info({ gc: result }, 'chunk gc done');
+  return result;
+}
+
+/** Deletes a snapshot's manifest unless a VM holds a lease on it. Its chunks go at the next GC. */
+export async function deleteSnapshot(snapshotId: string, deps: Pick<GcDeps, 'manifests' | 'roots'>): Promise<void> {
+  deps.roots.assertNotLeased(snapshotId);
+  await deps.manifests.delete(snapshotId);
+}

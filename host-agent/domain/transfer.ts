@@ -1,0 +1,287 @@
+// Cross-host transfer: fetch the chunks a snapshot needs that this host lacks, from one or
+// more peers in parallel. Each received chunk is verified and durably stored on arrival, so
+// an interrupted transfer resumes by asking only for what is still missing. A chunk that
+// fails verification (or that a peer lacks) is rejected and fetched from another source.
+import type { Logger } from 'pino';
+import type { SignedManifest, SnapshotManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import type { ChunkStore, DigestHex, EncodedChunk, LiveRoots, ManifestStore } from './snapshot-store.ts';
+import { manifestDigests } from './snapshot-store.ts';
+import { ChunksUnavailableError, DigestMismatchError, ManifestInvalidError } from './transfer-errors.ts';
+import { isForkfleetError } from '../../proto/errors.ts';
+import { verifyManifest, type TrustedKeys } from './tickets.ts';
+
+export type ChunkEvent = { readonly kind: 'chunk'; readonly chunk: EncodedChunk } | { readonly kind: 'missing'; readonly digest: DigestHex };
+
+/** One open stream to a peer. Flow control (credits) is the adapter's business. */
+export interface ChunkSession {
+  want(digests: readonly DigestHex[]): void;
+  /** Ends when the session is closed; throws when the peer fails. */
+  readonly events: AsyncIterable<ChunkEvent>;
+  close(): void;
+}
+
+/** A peer that can serve one snapshot (the ticket is bound when the source is made). */
+export interface ChunkSource {
+  readonly id: string;
+  getManifest(signal?: AbortSignal): Promise<SignedManifest>;
+  open(signal?: AbortSignal): ChunkSession;
+}
+
+export interface FetchOptions {
+  /** Digests requested per session and not yet received (per source). */
+  readonly window?: number;
+  /** Chunk writes in flight per session. */
+  readonly putConcurrency?: number;
+  /** Parallel streams per source (default 2): keeps a link busy while one stream stalls. */
+  readonly streamsPerSource?: number;
+  /** Reconnect attempts per source after a retryable failure. */
+  readonly maxAttempts?: number;
+  readonly backoffMs?: number;
+  readonly signal?: AbortSignal;
+  readonly log?: Logger;
+}
+
+export interface SourceReport {
+  readonly id: string;
+  chunks: number;
+  bytes: number;
+  rejected: number;
+  missing: number;
+  failures: number;
+  lastError?: string;
+}
+
+export interface FetchReport {
+  /** Distinct chunks that were missing when the fetch started. */
+  requested: number;
+  fetched: number;
+  /** Stored (compressed) bytes received. */
+  bytes: number;
+  rejected: number;
+  sources: SourceReport[];
+  ms: number;
+}
+
+class Notifier {
+  private waiters: Array<() => void> = [];
+  notify(): void {
+    for (const w of this.waiters.splice(0)) w();
+  }
+  wait(): Promise<void> {
+    return new Promise((r) => this.waiters.push(r));
+  }
+}
+
+function sleep(ms: number, signal?: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    const t = setTimeout(resolve, ms);
+    signal?.addEventListener('abort', () => {
+      clearTimeout(t);
+      resolve();
+    }, { once: true });
+  });
+}
+
+/**
+ * Fetches `digests` (those not already stored) into `store` from `sources`. Sources work in
+ * parallel off one shared queue, so a faster peer takes more. Resolves with a report when all
+ * are stored; throws ChunksUnavailableError (retryable) when no live source can supply the rest
+ * (the chunks that did arrive stay stored).
+ */
+export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonly ChunkSource[], store: ChunkStore, opts: FetchOptions = {}): Promise<FetchReport> {
+  const t0 = performance.now();
+  const window = opts.window ?? 64;
+  const putConcurrency = opts.putConcurrency ?? 16;
+  const maxAttempts = opts.maxAttempts ?? 3;
+  const backoffMs = opts.backoffMs ?? 200;
+  const pending = new Set(await store.missing(digests));
+  const queue: DigestHex[] = [...pending];
+  const excluded = new Map<DigestHex, Set<string>>();
+  const report: FetchReport = { requested: pending.size, fetched: 0, bytes: 0, rejected: 0, sources: [], ms: 0 };
+  const changed = new Notifier();
+  let alive = sources.length;
+  let idle = 0;
+
+  const exclude = (d: DigestHex, id: string): void => {
+    let s = excluded.get(d);
+    if (!s) excluded.set(d, (s = new Set()));
+    s.add(id);
+  };
+
+  const take = (id: string, max: number): DigestHex[] => {
+    const out: DigestHex[] = [];
+    for (let i = 0; i < queue.length && out.length < max; ) {
+      const d = queue[i] as DigestHex;
+      if (!pending.has(d)) {
+        queue.splice(i, 1);
+        continue;
+      }
+      if (excluded.get(d)?.has(id)) {
+        i++;
+        continue;
+      }
+      queue.splice(i, 1);
+      out.push(d);
+    }
+    return out;
+  };
+
+  const runSource = async (src: ChunkSource): Promise<void> => {
+    const rep: SourceReport = { id: src.id, chunks: 0, bytes: 0, rejected: 0, missing: 0, failures: 0 };
+    report.sources.push(rep);
+    let attempt = 0;
+    try {
+      while (pending.size > 0 && !opts.signal?.aborted) {
+        // Asked of the peer, no event yet / received and being stored.
+        const requested = new Set<DigestHex>();
+        const storing = new Set<DigestHex>();
+        const session = src.open(opts.signal);
+        const puts = new Set<Promise<void>>();
+        const refill = (): void => {
+          const more = take(src.id, window - requested.size);
+          if (more.length === 0) return;
+          for (const d of more) requested.add(d);
+          session.want(more);
+        };
+        const giveBack = (): void => {
+          for (const d of [...requested, ...storing]) if (pending.has(d)) queue.push(d);
+          requested.clear();
+          storing.clear();
+          changed.notify();
+        };
+        try {
+          refill();
+          const it = session.events[Symbol.asyncIterator]();
+          while (pending.size > 0) {
+            if (requested.size === 0) {
+              refill();
+              if (requested.size === 0) {
+                if (puts.size > 0) {
+                  await Promise.race([changed.wait(), ...puts]);
+                  continue;
+                }
+                // Nothing we may take: wait for another source to give work back, or finish.
+                idle++;
+                if (idle >= alive) {
+                  idle--;
+                  changed.notify();
+                  break;
+                }
+                await changed.wait();
+                idle--;
+                continue;
+              }
+            }
+            const r = await it.next();
+            if (r.done) throw new Error('peer ended the stream early');
+            const ev = r.value;
+            if (ev.kind === 'missing') {
+              if (!requested.delete(ev.digest)) continue;
+              rep.missing++;
+              exclude(ev.digest, src.id);
+              queue.push(ev.digest);
+              changed.notify();
+            } else {
+              const d = ev.chunk.digest;
+              if (!requested.delete(d)) continue;
+              storing.add(d);
+              const p = store.put(ev.chunk).then(
+                () => {
+                  storing.delete(d);
+                  if (pending.delete(d)) {
+                    report.fetched++;
+                    report.bytes += ev.chunk.data.length;
+                    rep.chunks++;
+                    rep.bytes += ev.chunk.data.length;
+                  }
+                  attempt = 0;
+                  changed.notify();
+                },
+                (e: unknown) => {
+                  storing.delete(d);
+                  if (!(e instanceof DigestMismatchError)) throw e;
+                  rep.rejected++;
+                  report.rejected++;
+                  exclude(d, src.id);
+                  queue.push(d);
+                  opts.log?.warn({ source: src.id, digest: d, err: e.message }, 'rejected chunk: digest mismatch; fetching elsewhere');
+                  changed.notify();
+                },
+              );
+              puts.add(p);
+              void p.finally(() => puts.delete(p)).catch(() => {});
+              if (puts.size >= putConcurrency) await Promise.race(puts);
+              refill();
+            }
+          }
+          await Promise.all(puts);
+          session.close();
+          return;
+        } catch (e) {
+          session.close();
+          await Promise.allSettled(puts);
+          giveBack();
+          rep.failures++;
+          rep.lastError = e instanceof Error ? e.message : String(e);
+          const retryable = isForkfleetError(e) ? e.retryable : true;
+          opts.log?.warn({ source: src.id, err: rep.lastError, attempt }, 'chunk source failed');
+          if (!retryable || ++attempt >= maxAttempts) return;
+          await sleep(backoffMs * attempt, opts.signal);
+        }
+      }
+    } finally {
+      alive--;
+      changed.notify();
+    }
+  };
+
+  const streams = Math.max(1, opts.streamsPerSource ?? 2);
+  alive = sources.length * streams;
+  await Promise.all(sources.flatMap((s) => Array.from({ length: streams }, () => runSource(s))));
+  report.ms = Math.round(performance.now() - t0);
+  if (pending.size > 0) {
+    const why = report.sources.map((s) => `${s.id}: ${s.lastError ?? `${s.missing} missing, ${s.rejected} rejected`}`).join('; ');
+    throw new ChunksUnavailableError([...pending], why || 'no sources');
+  }
+  return report;
+}
+
+export interface FetchSnapshotDeps {
+  readonly chunks: ChunkStore;
+  readonly manifests: ManifestStore;
+  readonly roots: LiveRoots;
+  readonly trust: TrustedKeys;
+  readonly log?: Logger;
+}
+
+/**
+ * Idempotent step: get and verify the signed manifest from the first source that answers,
+ * fetch the missing chunks (pinned against GC while in flight), then store the manifest,
+ * which marks the snapshot complete on this host.
+ */
+export async function fetchSnapshot(snapshotId: string, sources: readonly ChunkSource[], deps: FetchSnapshotDeps, opts: FetchOptions = {}): Promise<{ manifest: SnapshotManifest; report: FetchReport }> {
+  let signed = await deps.manifests.get(snapshotId);
+  let lastErr: unknown;
+  if (!signed) {
+    for (const s of sources) {
+      try {
+        signed = await s.getManifest(opts.signal);
+        break;
+      } catch (e) {
+        lastErr = e;
+        deps.log?.warn({ source: s.id, err: (e as Error).message }, 'GetManifest failed');
+      }
+    }
+  }
+  if (!signed) throw lastErr instanceof Error ? lastErr : new ManifestInvalidError('no source returned a manifest');
+  const manifest = verifyManifest(signed, deps.trust, snapshotId);
+  const digests = manifestDigests(manifest);
+  const unpin = deps.roots.pin(digests);
+  try {
+    const report = await fetchChunks(digests, sources, deps.chunks, opts);
+    await deps.manifests.put(snapshotId, signed);
+    return { manifest, report };
+  } finally {
+    unpin();
+  }
+}

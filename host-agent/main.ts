@@ -1,0 +1,93 @@
+// Host-agent process: wires the QEMU driver, the chunk store, the peer transfer server and
+// the NATS bus into an Agent. Configuration: FF_* environment variables (config.ts).
+import { createPublicKey } from 'node:crypto';
+import { readFileSync } from 'node:fs';
+import { mkdir } from 'node:fs/promises';
+import { join } from 'node:path';
+import { connect } from 'nats';
+import { pino } from 'pino';
+import { compileAgentConfig } from './config.ts';
+import { Agent } from './domain/agent.ts';
+import { QemuVmmDriver } from './adapters/qemu/driver.ts';
+import { NatsAgentBus } from './adapters/nats/agent-bus.ts';
+import { FsJournal } from './adapters/journal/fs-journal.ts';
+import { FsChunkStore, FsManifestStore } from './adapters/chunkstore/fs-store.ts';
+import { Materialiser } from './adapters/chunkstore/materialise.ts';
+import { chunkTransferService } from './adapters/peer/server.ts';
+import { ChunkStoreShipper } from './adapters/shipper.ts';
+import { LiveRoots } from './domain/snapshot-store.ts';
+import { startGrpcServer } from '../services/adapters/grpc/server.ts';
+import { ensureImage } from '../deploy/images/build.ts';
+import type { ImageName } from '../deploy/images/build.ts';
+
+async function main(): Promise<void> {
+  const cfg = compileAgentConfig();
+  const log = pino({ level: cfg.logLevel, base: { component: 'host-agent', hostId: cfg.hostId } });
+  const trust = new Map([['scheduler-1', createPublicKey(readFileSync(cfg.trustedKeyPath))]]);
+  await mkdir(cfg.dataDir, { recursive: true });
+
+  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }) });
+  const recovered = await driver.recover('adopt');
+  log.info(recovered, 'recovered VMs from a previous run');
+  const accel = await driver.resolveAccel();
+  log.info({ accel }, 'accelerator chosen');
+
+  const roots = new LiveRoots();
+  const chunks = new FsChunkStore(join(cfg.dataDir, 'chunks'));
+  const manifests = new FsManifestStore(join(cfg.dataDir, 'manifests'));
+  const materialiser = new Materialiser({ root: join(cfg.dataDir, 'images'), chunks, manifests, trust, roots, log });
+  const shipper = new ChunkStoreShipper({
+    hostId: cfg.hostId,
+    driver,
+    driverSnapshotsDir: join(cfg.dataDir, 'vmm', 'snapshots'),
+    chunks,
+    manifests,
+    materialiser,
+    roots,
+    trust,
+    scratchDir: join(cfg.dataDir, 'scratch'),
+    log,
+    chunkSize: cfg.chunkBytes,
+  });
+  await shipper.load();
+
+  const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log });
+  const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], onError: (err) => log.debug({ err }, 'peer request failed') });
+  const peerAddress = cfg.peerAdvertise || peerServer.address;
+
+  const nc = await connect({ servers: cfg.natsUrl, name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250 });
+  const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
+  const agent = new Agent({
+    driver,
+    shipper,
+    bus,
+    journal: new FsJournal(join(cfg.dataDir, 'journal')),
+    images: (name) => ensureImage(name as ImageName),
+    clock: { now: () => Date.now() },
+    log,
+    config: { hostId: cfg.hostId, bootId: cfg.bootId, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency },
+    qemuVersion: await driver.qemuVersion(),
+  });
+  await agent.start();
+  process.stdout.write(`${JSON.stringify({ ready: true, hostId: cfg.hostId, peer: peerAddress, accel })}\n`);
+
+  let stopping = false;
+  const stop = (sig: string): void => {
+    if (stopping) return;
+    stopping = true;
+    log.info({ sig }, 'stopping: VMs are left running for the next agent to adopt');
+    void (async () => {
+      await agent.stop();
+      await peerServer.close(500);
+      await nc.close().catch(() => undefined);
+      process.exit(0);
+    })();
+  };
+  process.on('SIGTERM', () => stop('SIGTERM'));
+  process.on('SIGINT', () => stop('SIGINT'));
+}
+
+main().catch((err: unknown) => {
+  process.stderr.write(`host-agent: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}\n`);
+  process.exit(1);
+});

@@ -1,0 +1,141 @@
+// The cost model: what one child needs from a host (memory counts shared pages once per
+// host per snapshot) and its estimated time to ready on that host.
+//
+// Memory of c children of snapshot S on host h:
+//   c * ceil(S.memoryMib * privateMemoryFraction)  +  (S's image resident on h ? 0 : S.memoryMib)
+// Disk: c * overlayDiskMib + MiB of chunks h lacks (fetched into its chunk cache).
+// A create has no sharing: c * memoryMib, c * diskMib.
+import type { PlacementConfig } from './config.ts';
+import type { FleetView, HostColumns, PlacementRequest, ScoreBreakdown, SnapshotView, Spread } from './types.ts';
+
+const MIB = 1024 * 1024;
+
+/** Per-request demand, derived once per decision. Invariant: all fields >= 0, vcpus >= 1 or memory > 0. */
+export interface Demand {
+  readonly kind: PlacementRequest['kind'];
+  readonly count: number;
+  readonly vcpus: number;
+  /** Memory each child uses privately (whole guest for create). */
+  readonly privateMemoryMib: number;
+  /** Shared memory image paid once per host per snapshot (0 for create). */
+  readonly imageMib: number;
+  readonly overlayDiskMib: number;
+  readonly snapshot: SnapshotView | null;
+  /** Hosts where the snapshot's image is already resident (pay no image). */
+  readonly resident: ReadonlySet<number>;
+}
+
+const NONE: ReadonlySet<number> = new Set();
+
+export function demandOf(view: FleetView, request: PlacementRequest, snapshot: SnapshotView | null, config: PlacementConfig): Demand {
+  if (request.kind === 'create') {
+    return {
+      kind: 'create',
+      count: 1,
+      vcpus: request.resources.vcpus,
+      privateMemoryMib: request.resources.memoryMib,
+      imageMib: 0,
+      overlayDiskMib: request.resources.diskMib,
+      snapshot: null,
+      resident: NONE,
+    };
+  }
+  if (snapshot === null) throw new Error('demandOf: fork/restore needs its snapshot');
+  return {
+    kind: request.kind,
+    count: request.kind === 'fork' ? request.count : 1,
+    vcpus: snapshot.vmConfig.vcpus,
+    privateMemoryMib: Math.ceil(snapshot.vmConfig.memoryMib * config.privateMemoryFraction),
+    imageMib: snapshot.vmConfig.memoryMib,
+    overlayDiskMib: request.overlayDiskMib,
+    snapshot,
+    resident: view.residentHosts.get(snapshot.id) ?? NONE,
+  };
+}
+
+/** Bytes of the snapshot that host lacks, rounded up to whole chunks. 0 for holders and for create. */
+export function missingBytes(snapshot: SnapshotView | null, present: number, holds: boolean): number {
+  if (snapshot === null || holds) return 0;
+  const missing = Math.max(0, snapshot.totalBytes - present);
+  return Math.min(snapshot.totalBytes, Math.ceil(missing / snapshot.chunkBytes) * snapshot.chunkBytes);
+}
+
+/** Memory c children need on host i (c >= 1). */
+export function memoryFor(d: Demand, i: number, c: number): number {
+  const image = d.imageMib > 0 && !d.resident.has(i) ? d.imageMib : 0;
+  return c * d.privateMemoryMib + image;
+}
+
+export function diskFor(d: Demand, missing: number, c: number): number {
+  return c * d.overlayDiskMib + Math.ceil(missing / MIB);
+}
+
+export type ResourceShortfall = 'insufficient_vcpu' | 'insufficient_memory' | 'insufficient_disk';
+
+/**
+ * Largest c such that c children fit on the host, or the resource that rules out even one.
+ * Invariant used by the planner: c children fit iff c <= room (each resource is monotone in c).
+ */
+export function roomFor(d: Demand, cols: HostColumns, i: number, missing: number): number | ResourceShortfall {
+  const cpu = countThatFits((cols.capVcpus[i] as number) - (cols.allocVcpus[i] as number), 0, d.vcpus);
+  if (cpu < 1) return 'insufficient_vcpu';
+  const mem = countThatFits((cols.capMemoryMib[i] as number) - (cols.allocMemoryMib[i] as number), memoryFor(d, i, 1) - d.privateMemoryMib, d.privateMemoryMib);
+  if (mem < 1) return 'insufficient_memory';
+  const disk = countThatFits((cols.capDiskMib[i] as number) - (cols.allocDiskMib[i] as number), Math.ceil(missing / MIB), d.overlayDiskMib);
+  if (disk < 1) return 'insufficient_disk';
+  return Math.min(cpu, mem, disk);
+}
+
+/** Largest c with fixed + c * per <= free (-1 if even fixed does not fit). */
+function countThatFits(free: number, fixed: number, per: number): number {
+  const x = free - fixed;
+  if (x < 0) return -1;
+  if (per <= 0) return Number.POSITIVE_INFINITY;
+  let c = Math.floor(x / per);
+  // Guard float rounding in both directions: c * per <= x < (c + 1) * per.
+  if ((c + 1) * per <= x) c++;
+  if (c * per > x) c--;
+  return c;
+}
+
+/** Utilisation (max of vCPU and memory fraction) with c children of this request added. */
+function utilisation(d: Demand, cols: HostColumns, i: number, c: number): number {
+  const capV = cols.capVcpus[i] as number;
+  const capM = cols.capMemoryMib[i] as number;
+  const cpu = capV > 0 ? ((cols.allocVcpus[i] as number) + c * d.vcpus) / capV : 1;
+  const memAdd = c > 0 ? memoryFor(d, i, c) : 0;
+  const mem = capM > 0 ? ((cols.allocMemoryMib[i] as number) + memAdd) / capM : 1;
+  return Math.min(1, Math.max(cpu, mem));
+}
+
+/**
+ * Score of the (j+1)-th child of this request on the host (j siblings already placed there
+ * in this plan), given when the host will hold the bytes. Every term is constant or
+ * non-decreasing in j, which is what makes greedy selection exact for independent hosts.
+ */
+export function childScore(d: Demand, cols: HostColumns, i: number, j: number, transferMs: number, spread: Spread, config: PlacementConfig): ScoreBreakdown {
+  const restoreMs = restoreCost(d, cols, i, config);
+  const queueMs = ((cols.inflightOps[i] as number) + j) * config.perOpQueueMs;
+  const loadMs = config.loadWeightMs * utilisation(d, cols, i, j + 1);
+  const spreadMs = spread === 'SPREAD' ? config.spreadPenaltyMs * j : 0;
+  const packMs = spread === 'PACK' ? config.packWeightMs * (1 - utilisation(d, cols, i, 0)) : 0;
+  return { transferMs, restoreMs, queueMs, loadMs, spreadMs, packMs, etaMs: transferMs + restoreMs + queueMs + loadMs + spreadMs + packMs };
+}
+
+/** childScore(...).etaMs without allocating; same terms, same order of addition, so equal bit for bit. */
+export function childEta(d: Demand, cols: HostColumns, i: number, j: number, transferMs: number, spread: Spread, config: PlacementConfig): number {
+  return (
+    transferMs +
+    restoreCost(d, cols, i, config) +
+    ((cols.inflightOps[i] as number) + j) * config.perOpQueueMs +
+    config.loadWeightMs * utilisation(d, cols, i, j + 1) +
+    (spread === 'SPREAD' ? config.spreadPenaltyMs * j : 0) +
+    (spread === 'PACK' ? config.packWeightMs * (1 - utilisation(d, cols, i, 0)) : 0)
+  );
+}
+
+function restoreCost(d: Demand, cols: HostColumns, i: number, config: PlacementConfig): number {
+  if (d.kind === 'create') return config.bootCostMs;
+  const measured = cols.restoreCostMs[i] as number;
+  return Number.isNaN(measured) ? config.restoreCostMs : measured;
+}

@@ -1,0 +1,126 @@
+// Feasibility: small checks run in order on each candidate host; the first that fails names
+// the reason the host is filtered (Nomad's feasibility iterators). Checks only read the
+// host and the per-decision context; none depends on other hosts or on the plan so far,
+// except resource room, which the planner tracks per child (see place.ts).
+import { roomFor, missingBytes, type Demand } from './cost.ts';
+import type { FilterReason, FleetView, HostView, HostVmm, Locality, SnapshotView, VmmRequirement } from './types.ts';
+
+/** Per-decision facts shared by every check. Built once per place() call. */
+export interface DecisionContext {
+  readonly view: FleetView;
+  readonly demand: Demand;
+  readonly locality: Locality;
+  /** Index of the pinned host, or -1. */
+  readonly pinnedIndex: number;
+  /** Hosts holding the snapshot fully (empty for create). */
+  readonly holderSet: ReadonlySet<number>;
+  /** Bytes present on partial holders. */
+  readonly partial: ReadonlyMap<number, number> | undefined;
+  /** Whether some ready holder has outbound bandwidth, i.e. a cold host can get the bytes at all. */
+  readonly hasSource: boolean;
+  /** Compatibility per VMM profile, computed lazily: 0 unknown, 1 yes, 2 no. */
+  readonly compat: Uint8Array;
+  readonly vmmRequirement: VmmRequirement | undefined;
+}
+
+/** What a host that passed every check brings to the planner. */
+export interface Candidate {
+  /** Host index (hot loops use this; `host` is touched only for chosen hosts). */
+  readonly index: number;
+  readonly host: HostView;
+  readonly holds: boolean;
+  readonly missingBytes: number;
+  /** Max children of this request that fit (before maxPerHost). >= 1. */
+  readonly room: number;
+}
+
+/** A feasibility check on host index i: null if it passes, else why not. */
+export type Check = (i: number, ctx: DecisionContext) => FilterReason | null;
+
+export const hostStateCheck: Check = (i, ctx) => {
+  const st = ctx.view.cols.state[i];
+  return st === 0 ? null : st === 2 ? 'host_lost' : 'host_suspect';
+};
+export const cordonCheck: Check = (i, ctx) => (ctx.view.cols.cordoned[i] === 1 ? 'cordoned' : null);
+export const drainCheck: Check = (i, ctx) => (ctx.view.cols.draining[i] === 1 ? 'draining' : null);
+export const pinCheck: Check = (i, ctx) => (ctx.pinnedIndex >= 0 && i !== ctx.pinnedIndex ? 'not_pinned' : null);
+export const localityCheck: Check = (i, ctx) => {
+  if (ctx.demand.snapshot === null || ctx.locality === 'ANY') return null;
+  return (ctx.locality === 'SAME_HOST') === ctx.holderSet.has(i) ? null : 'locality';
+};
+export const vmmCheck: Check = (i, ctx) => {
+  const p = ctx.view.cols.vmmProfile[i] as number;
+  let c = ctx.compat[p];
+  if (c === undefined || c === 0) {
+    const profile = ctx.view.vmmProfiles[p];
+    const ok = profile !== undefined && vmmCompatible(profile, ctx.demand.snapshot, ctx.vmmRequirement);
+    c = ok ? 1 : 2;
+    ctx.compat[p] = c;
+  }
+  return c === 1 ? null : 'vmm_incompatible';
+};
+export const transferCheck: Check = (i, ctx) => {
+  if (ctx.demand.snapshot === null || ctx.holderSet.has(i)) return null;
+  if ((ctx.view.cols.downlink[i] as number) <= 0) return 'no_inbound_bandwidth';
+  return ctx.hasSource ? null : 'no_transfer_source';
+};
+
+/** Static checks, cheapest and most selective first. Resource room is checked after these. */
+export const STATIC_CHECKS: readonly Check[] = [pinCheck, hostStateCheck, cordonCheck, drainCheck, localityCheck, vmmCheck, transferCheck];
+
+/** Runs every check, then resource room for one child. Returns the candidate or the first failing reason. */
+export function evaluateHost(i: number, ctx: DecisionContext): Candidate | FilterReason {
+  for (const check of STATIC_CHECKS) {
+    const r = check(i, ctx);
+    if (r !== null) return r;
+  }
+  const snap = ctx.demand.snapshot;
+  const holds = ctx.holderSet.has(i);
+  const missing = missingBytes(snap, ctx.partial?.get(i) ?? 0, holds);
+  const room = roomFor(ctx.demand, ctx.view.cols, i, missing);
+  if (typeof room === 'string') return room;
+  return { index: i, host: ctx.view.hosts[i] as HostView, holds, missingBytes: missing, room };
+}
+
+/** "8.2.2" -> [8, 2, 2]; missing or non-numeric parts count as 0. */
+export function parseVersion(v: string): number[] {
+  return v.split('.').map((p) => {
+    const n = Number.parseInt(p, 10);
+    return Number.isFinite(n) ? n : 0;
+  });
+}
+
+export function compareVersions(a: string, b: string): number {
+  const x = parseVersion(a);
+  const y = parseVersion(b);
+  for (let i = 0; i < Math.max(x.length, y.length); i++) {
+    const d = (x[i] ?? 0) - (y[i] ?? 0);
+    if (d !== 0) return d;
+  }
+  return 0;
+}
+
+/**
+ * A snapshot restores on a host when: same accel (a KVM snapshot's CPU state does not load
+ * under TCG and vice versa), the host supports its machine type and CPU model, and the
+ * host's QEMU is the same major version and not older (migration streams load forward
+ * within a versioned machine type, not backward). A create checks only what it asks for.
+ */
+export function vmmCompatible(host: HostVmm, snapshot: SnapshotView | null, req: VmmRequirement | undefined): boolean {
+  if (snapshot !== null) {
+    const vm = snapshot.vmConfig;
+    return (
+      host.accel === vm.accel &&
+      host.machines.includes(vm.machine) &&
+      host.cpuModels.includes(vm.cpuModel) &&
+      parseVersion(host.qemuVersion)[0] === parseVersion(vm.qemuVersion)[0] &&
+      compareVersions(host.qemuVersion, vm.qemuVersion) >= 0
+    );
+  }
+  if (req === undefined) return true;
+  if (req.accel !== undefined && host.accel !== req.accel) return false;
+  if (req.machine !== undefined && !host.machines.includes(req.machine)) return false;
+  if (req.cpuModel !== undefined && !host.cpuModels.includes(req.cpuModel)) return false;
+  if (req.minQemuVersion !== undefined && compareVersions(host.qemuVersion, req.minQemuVersion) < 0) return false;
+  return true;
+}

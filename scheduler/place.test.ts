@@ -1,0 +1,336 @@
+import { describe, expect, it } from 'vitest';
+import { InvalidArgumentError } from '../proto/errors.ts';
+import { compilePlacementConfig, DEFAULT_PLACEMENT_CONFIG } from './config.ts';
+import { NoCapacityError, placementError } from './errors.ts';
+import { forkRequest, GIB, hostInput, MIB, snapshotInput } from './fixtures.ts';
+import { estimateAssignment, place } from './place.ts';
+import { rngForRequest } from './rng.ts';
+import { buildFleetView } from './view.ts';
+import type { CreateRequest, FleetView, HostInput, PlacementRequest, PlacementResult, RestoreRequest, SnapshotInput } from './types.ts';
+
+function fleet(hosts: HostInput[], snapshots: SnapshotInput[] = [snapshotInput()]): FleetView {
+  return buildFleetView({ revision: 7, observedAtMs: 1_700_000_000_000, hosts, snapshots });
+}
+
+function decide(view: FleetView, req: PlacementRequest, config = DEFAULT_PLACEMENT_CONFIG): PlacementResult {
+  return place(view, req, rngForRequest(req.id), config);
+}
+
+function ok(r: PlacementResult): Extract<PlacementResult, { ok: true }> {
+  if (!r.ok) throw new Error(`expected a placement, got ${r.reason}: ${r.explanation.summary}`);
+  return r;
+}
+
+function perHost(r: PlacementResult): Record<string, number> {
+  const out: Record<string, number> = {};
+  for (const p of ok(r).placements) out[p.hostId] = (out[p.hostId] ?? 0) + 1;
+  return out;
+}
+
+/** Memory for exactly `n` children of the default snapshot plus its image: 256 + n * 48. */
+function memoryForChildren(n: number): number {
+  return 256 + n * 48;
+}
+
+describe('fork', () => {
+  it('fork_whenHolderHasRoom_placesOnHolderWithoutTransfer', () => {
+    const view = fleet([hostInput('cold-1'), hostInput('holder', { heldSnapshots: ['snap-a'] }), hostInput('cold-2')]);
+    const r = ok(decide(view, forkRequest(8)));
+    expect(perHost(r)).toEqual({ holder: 8 });
+    expect(r.transferPlan).toBeNull();
+    expect(r.placements.every((p) => p.holdsSnapshot && p.score.transferMs === 0)).toBe(true);
+  });
+
+  it('fork_whenHolderIsFull_spillsToColdHostWithTransferFromHolder', () => {
+    const holder = hostInput('holder', { heldSnapshots: ['snap-a'], capacity: { vcpus: 4, memoryMib: 65536, diskMib: 500_000 } });
+    const view = fleet([holder, hostInput('cold')]);
+    const r = ok(decide(view, forkRequest(5)));
+    expect(perHost(r)).toEqual({ holder: 2, cold: 3 });
+    expect(r.transferPlan?.transfers).toHaveLength(1);
+    const t = r.transferPlan?.transfers[0];
+    expect(t).toMatchObject({ sourceHostId: 'holder', destinationHostId: 'cold', bytes: 1 * GIB, wave: 1, startMs: 0 });
+    // 1 GiB over 1.25 GB/s
+    expect(t?.readyAtMs).toBeCloseTo((GIB / 1.25e9) * 1000, 6);
+    const cold = r.placements.filter((p) => p.hostId === 'cold');
+    expect(cold.every((p) => p.score.transferMs === t?.readyAtMs)).toBe(true);
+  });
+
+  it('fork_whenHolderQueueIsLongerThanTransfer_spillsEvenThoughHolderHasRoom', () => {
+    // 2000 ops * 40 ms on the holder dwarfs a 0.86 s copy.
+    const view = fleet([hostInput('holder', { heldSnapshots: ['snap-a'], inflightOps: 2000 }), hostInput('cold')]);
+    const r = ok(decide(view, forkRequest(2)));
+    expect(perHost(r)).toEqual({ cold: 2 });
+  });
+
+  it('fork_whenTransfersAreSlow_keepsEveryChildOnHoldersWhileTheyHaveRoom', () => {
+    const slow = { bandwidthBytesPerS: 1e6, rxLoadBytesPerS: 0, txLoadBytesPerS: 0 };
+    const view = fleet([
+      hostInput('h1', { heldSnapshots: ['snap-a'], link: slow }),
+      hostInput('c1', { link: slow }),
+      hostInput('h2', { heldSnapshots: ['snap-a'], link: slow }),
+      hostInput('c2', { link: slow }),
+    ]);
+    const r = ok(decide(view, forkRequest(30)));
+    expect(r.placements.every((p) => p.holdsSnapshot)).toBe(true);
+    expect(r.transferPlan).toBeNull();
+  });
+
+  it('fork_whenManyColdHostsNeeded_buildsTransferTreeWithinFanOutCap', () => {
+    const small = { vcpus: 2, memoryMib: 65536, diskMib: 500_000 }; // one child per host
+    const hosts = [hostInput('holder', { heldSnapshots: ['snap-a'], capacity: small })];
+    for (let i = 0; i < 20; i++) hosts.push(hostInput(`cold-${i}`, { capacity: small }));
+    const config = compilePlacementConfig({ maxFanOut: 2 });
+    const r = ok(decide(fleet(hosts), forkRequest(21), config));
+    const transfers = r.transferPlan?.transfers ?? [];
+    expect(transfers).toHaveLength(20);
+    const fanOut = new Map<string, number>();
+    for (const t of transfers) fanOut.set(t.sourceHostId, (fanOut.get(t.sourceHostId) ?? 0) + 1);
+    expect(Math.max(...fanOut.values())).toBeLessThanOrEqual(2);
+    expect(Math.max(...transfers.map((t) => t.wave))).toBeGreaterThanOrEqual(3);
+    const readyAt = new Map(transfers.map((t) => [t.destinationHostId, t.readyAtMs]));
+    for (const t of transfers) {
+      if (t.sourceHostId === 'holder') continue;
+      expect(readyAt.get(t.sourceHostId)).toBeLessThanOrEqual(t.startMs);
+    }
+  });
+
+  it('fork_childrenOfOneSnapshotOnOneHost_shareOneMemoryImage', () => {
+    // Room for the image once plus 10 private working sets, not 10 full guests.
+    const host = hostInput('holder', { heldSnapshots: ['snap-a'], capacity: { vcpus: 64, memoryMib: memoryForChildren(10), diskMib: 500_000 } });
+    const r = ok(decide(fleet([host]), forkRequest(10)));
+    expect(perHost(r)).toEqual({ holder: 10 });
+    expect(decide(fleet([host]), forkRequest(11)).ok).toBe(false);
+  });
+
+  it('fork_whenImageAlreadyResident_chargesOnlyPrivateWorkingSets', () => {
+    const host = hostInput('holder', {
+      heldSnapshots: ['snap-a'],
+      residentImages: ['snap-a'],
+      allocated: { vcpus: 0, memoryMib: 256, diskMib: 0 },
+      capacity: { vcpus: 64, memoryMib: memoryForChildren(10), diskMib: 500_000 },
+    });
+    expect(perHost(decide(fleet([host]), forkRequest(10)))).toEqual({ holder: 10 });
+  });
+
+  it('fork_onPartialHolder_fetchesOnlyMissingChunks', () => {
+    const view = fleet([
+      hostInput('holder', { heldSnapshots: ['snap-a'], capacity: { vcpus: 0, memoryMib: 0, diskMib: 0 } }),
+      hostInput('partial', { partialSnapshots: { 'snap-a': 1 * GIB - 10 * MIB - 5 } }),
+      hostInput('cold'),
+    ]);
+    const r = ok(decide(view, forkRequest(1)));
+    expect(perHost(r)).toEqual({ partial: 1 });
+    expect(r.transferPlan?.transfers[0]?.bytes).toBe(12 * MIB); // 10 MiB + 5 B rounded up to 4 MiB chunks
+  });
+
+  it('fork_withSameHostLocality_placesOnlyOnHolders', () => {
+    const view = fleet([hostInput('holder', { heldSnapshots: ['snap-a'], capacity: { vcpus: 4, memoryMib: 65536, diskMib: 500_000 } }), hostInput('cold')]);
+    expect(perHost(decide(view, forkRequest(2, { preferences: { locality: 'SAME_HOST' } })))).toEqual({ holder: 2 });
+    const r = decide(view, forkRequest(3, { preferences: { locality: 'SAME_HOST' } }));
+    expect(r.ok).toBe(false);
+    expect(r.explanation.filtered.locality).toBe(1);
+  });
+
+  it('fork_withCrossHostLocality_placesOffHoldersAndStreamsFromThem', () => {
+    const view = fleet([hostInput('holder', { heldSnapshots: ['snap-a'] }), hostInput('cold')]);
+    const r = ok(decide(view, forkRequest(3, { preferences: { locality: 'CROSS_HOST' } })));
+    expect(perHost(r)).toEqual({ cold: 3 });
+    expect(r.transferPlan?.transfers.map((t) => t.sourceHostId)).toEqual(['holder']);
+  });
+
+  it('fork_withSpreadAndMaxPerHost_putsAtMostThatManyOnEachHost', () => {
+    const view = fleet([0, 1, 2, 3].map((i) => hostInput(`h${i}`, { heldSnapshots: ['snap-a'] })));
+    const r = decide(view, forkRequest(8, { preferences: { spread: 'SPREAD', maxPerHost: 2 } }));
+    expect(perHost(r)).toEqual({ h0: 2, h1: 2, h2: 2, h3: 2 });
+    expect(decide(view, forkRequest(9, { preferences: { maxPerHost: 2 } })).ok).toBe(false);
+  });
+
+  it('fork_withPack_prefersTheFullerHost', () => {
+    const view = fleet([
+      hostInput('empty', { heldSnapshots: ['snap-a'] }),
+      hostInput('busy', { heldSnapshots: ['snap-a'], allocated: { vcpus: 16, memoryMib: 32768, diskMib: 0 } }),
+    ]);
+    expect(Object.keys(perHost(decide(view, forkRequest(2, { preferences: { spread: 'PACK' } }))))).toEqual(['busy']);
+    expect(Object.keys(perHost(decide(view, forkRequest(1, { preferences: { spread: 'SPREAD' } }))))).toEqual(['empty']);
+  });
+
+  it('fork_withPinnedHost_placesOnlyThereAndCountsOthersAsNotPinned', () => {
+    const view = fleet([hostInput('a', { heldSnapshots: ['snap-a'] }), hostInput('b'), hostInput('c')]);
+    const r = ok(decide(view, forkRequest(2, { preferences: { pinnedHostId: 'c' } })));
+    expect(perHost(r)).toEqual({ c: 2 });
+    expect(r.explanation.filtered.not_pinned).toBe(2);
+    const unknown = decide(view, forkRequest(1, { preferences: { pinnedHostId: 'nope' } }));
+    expect(unknown.ok).toBe(false);
+    expect(unknown.explanation.filtered.not_pinned).toBe(3);
+  });
+
+  it('fork_neverUsesSuspectHolderAsSource_butCordonedHolderStillServes', () => {
+    const suspect = fleet([hostInput('holder', { heldSnapshots: ['snap-a'], state: 'suspect' }), hostInput('cold')]);
+    const r1 = decide(suspect, forkRequest(1));
+    expect(r1.ok).toBe(false);
+    expect(r1.explanation.filtered).toEqual({ host_suspect: 1, no_transfer_source: 1 });
+    const cordoned = fleet([hostInput('holder', { heldSnapshots: ['snap-a'], cordoned: true }), hostInput('cold')]);
+    const r2 = ok(decide(cordoned, forkRequest(1)));
+    expect(perHost(r2)).toEqual({ cold: 1 });
+    expect(r2.transferPlan?.transfers[0]?.sourceHostId).toBe('holder');
+  });
+});
+
+describe('no capacity', () => {
+  it('place_whenNoHostFits_returnsExplanationCountingEachReason', () => {
+    const view = fleet([
+      hostInput('lost', { state: 'lost', heldSnapshots: ['snap-a'] }),
+      hostInput('cordoned', { cordoned: true }),
+      hostInput('draining', { draining: true }),
+      hostInput('tcg', { vmm: { qemuVersion: '8.2.2', machines: ['pc-q35-8.2'], cpuModels: ['host'], accel: 'tcg' } }),
+      hostInput('cpu-full', { allocated: { vcpus: 32, memoryMib: 0, diskMib: 0 } }),
+      hostInput('mem-full', { allocated: { vcpus: 0, memoryMib: 65536 - 300, diskMib: 0 } }),
+      hostInput('disk-full', { capacity: { vcpus: 32, memoryMib: 65536, diskMib: 1000 } }),
+      hostInput('no-link', { link: { bandwidthBytesPerS: 1e9, rxLoadBytesPerS: 1e9, txLoadBytesPerS: 0 } }),
+    ]);
+    const r = decide(view, forkRequest(4));
+    expect(r.ok).toBe(false);
+    if (r.ok) return;
+    expect(r.reason).toBe('no_capacity');
+    // The only holder is lost, so no cold host can get the bytes: transfer reasons come after state/VMM checks.
+    expect(r.explanation.filtered).toEqual({
+      host_lost: 1,
+      cordoned: 1,
+      draining: 1,
+      vmm_incompatible: 1,
+      no_inbound_bandwidth: 1,
+      no_transfer_source: 3,
+    });
+    expect(r.explanation.examined).toBe(8);
+    expect(r.explanation.summary).toContain('could place 0 of 4');
+    expect(placementError(r)).toBeInstanceOf(NoCapacityError);
+    expect(placementError(r)?.retryable).toBe(true);
+  });
+
+  it('place_whenHostsFitSomeChildren_reportsHowManyCouldBePlaced', () => {
+    const view = fleet([hostInput('holder', { heldSnapshots: ['snap-a'], capacity: { vcpus: 6, memoryMib: 65536, diskMib: 500_000 } })]);
+    const r = decide(view, forkRequest(5));
+    expect(r.ok).toBe(false);
+    expect(r.explanation).toMatchObject({ requested: 5, placed: 3 });
+  });
+
+  it('place_whenResourcesShort_namesTheResource', () => {
+    const view = fleet([
+      hostInput('cpu', { heldSnapshots: ['snap-a'], allocated: { vcpus: 31, memoryMib: 0, diskMib: 0 } }),
+      hostInput('mem', { heldSnapshots: ['snap-a'], capacity: { vcpus: 32, memoryMib: 300, diskMib: 500_000 } }),
+      hostInput('disk', { heldSnapshots: ['snap-a'], capacity: { vcpus: 32, memoryMib: 65536, diskMib: 100 } }),
+    ]);
+    expect(decide(view, forkRequest(1)).explanation.filtered).toEqual({ insufficient_vcpu: 1, insufficient_memory: 1, insufficient_disk: 1 });
+  });
+
+  it('place_whenSnapshotNotInView_returnsUnknownSnapshot', () => {
+    const r = decide(fleet([hostInput('a')]), forkRequest(1, { snapshotId: 'ghost' }));
+    expect(r).toMatchObject({ ok: false, reason: 'unknown_snapshot' });
+    expect(placementError(r, 'ghost')?.kind).toBe('not_found');
+  });
+});
+
+describe('restore and create', () => {
+  const restore: RestoreRequest = { kind: 'restore', id: 'op-wake-1', nowMs: 1, snapshotId: 'snap-a', overlayDiskMib: 512 };
+
+  it('restore_onIncompatibleVmm_filtersOlderNewerMajorAndOtherAccel', () => {
+    const view = fleet([
+      hostInput('older', { vmm: { qemuVersion: '8.1.5', machines: ['pc-q35-8.2'], cpuModels: ['host'], accel: 'kvm' } }),
+      hostInput('next-major', { vmm: { qemuVersion: '9.0.0', machines: ['pc-q35-8.2'], cpuModels: ['host'], accel: 'kvm' } }),
+      hostInput('no-machine', { vmm: { qemuVersion: '8.2.2', machines: ['microvm'], cpuModels: ['host'], accel: 'kvm' } }),
+      hostInput('holder', { heldSnapshots: ['snap-a'] }),
+      hostInput('ok', { vmm: { qemuVersion: '8.2.1', machines: ['pc-q35-8.2'], cpuModels: ['host'], accel: 'kvm' } }),
+    ]);
+    const r = ok(decide(view, restore));
+    expect(r.placements).toHaveLength(1);
+    expect(r.explanation.filtered).toEqual({ vmm_incompatible: 3 });
+    expect(r.explanation.feasible).toBe(2);
+  });
+
+  it('create_bootsOnLeastCostFeasibleHostWithoutTransfer', () => {
+    const req: CreateRequest = { kind: 'create', id: 'op-create-1', nowMs: 1, resources: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, vmm: { accel: 'kvm', minQemuVersion: '8.2.0' } };
+    const view = fleet([
+      hostInput('busy', { inflightOps: 10 }),
+      hostInput('idle'),
+      hostInput('old', { vmm: { qemuVersion: '8.0.0', machines: ['pc-q35-8.0'], cpuModels: ['host'], accel: 'kvm' } }),
+    ]);
+    const r = ok(decide(view, req));
+    expect(r.placements).toEqual([expect.objectContaining({ hostId: 'idle', holdsSnapshot: false })]);
+    expect(r.placements[0]?.score.restoreMs).toBe(DEFAULT_PLACEMENT_CONFIG.bootCostMs);
+    expect(r.transferPlan).toBeNull();
+    expect(r.explanation.filtered).toEqual({ vmm_incompatible: 1 });
+  });
+});
+
+describe('determinism, sampling and validation', () => {
+  function bigFleet(n: number, holdEvery: number): FleetView {
+    const hosts: HostInput[] = [];
+    for (let i = 0; i < n; i++) hosts.push(hostInput(`h${i}`, { heldSnapshots: i % holdEvery === 0 ? ['snap-a'] : [], inflightOps: i % 7 }));
+    return fleet(hosts);
+  }
+
+  it('place_withSameRequestId_returnsIdenticalResult', () => {
+    const view = bigFleet(1000, 20);
+    const a = decide(view, forkRequest(64, { id: 'op-x' }));
+    const b = decide(view, forkRequest(64, { id: 'op-x' }));
+    expect(a).toEqual(b);
+  });
+
+  it('fork_onLargeFleet_samplesButAlwaysExaminesHolders', () => {
+    const view = bigFleet(2000, 20);
+    const r = ok(decide(view, forkRequest(8)));
+    expect(r.explanation.sampled).toBe(true);
+    expect(r.explanation.fallbackFullScan).toBe(false);
+    expect(r.explanation.examined).toBeGreaterThanOrEqual(100);
+    expect(r.explanation.examined).toBeLessThan(400);
+    expect(r.placements.every((p) => p.holdsSnapshot)).toBe(true);
+  });
+
+  it('fork_onLargeFleet_whenSampleFindsNoRoom_fallsBackToFullScan', () => {
+    const hosts: HostInput[] = [];
+    for (let i = 0; i < 1000; i++) hosts.push(hostInput(`h${i}`, { heldSnapshots: i === 0 ? ['snap-a'] : [], cordoned: i !== 0 && i !== 777 }));
+    hosts[0] = hostInput('h0', { heldSnapshots: ['snap-a'], capacity: { vcpus: 0, memoryMib: 0, diskMib: 0 } });
+    // One draw: the sample almost surely misses the single free host (deterministic for this id).
+    const config = compilePlacementConfig({ sampleK: 1, sampleAttemptsPerHost: 1 });
+    const r = ok(decide(fleet(hosts), forkRequest(1, { id: 'op-needle' }), config));
+    expect(perHost(r)).toEqual({ h777: 1 });
+    expect(r.explanation.fallbackFullScan).toBe(true);
+    expect(r.explanation.examined).toBe(1000);
+  });
+
+  it('estimateAssignment_ofPlacesOwnChoice_reproducesItsScores', () => {
+    const small = { vcpus: 8, memoryMib: 65536, diskMib: 500_000 };
+    const hosts = [hostInput('holder', { heldSnapshots: ['snap-a'], capacity: small })];
+    for (let i = 0; i < 6; i++) hosts.push(hostInput(`c${i}`, { capacity: small, inflightOps: i }));
+    const view = fleet(hosts);
+    const req = forkRequest(20);
+    const r = ok(decide(view, req));
+    const est = estimateAssignment(view, req, r.placements.map((p) => p.hostId));
+    if (!est.ok) throw new Error(est.reason);
+    expect(est.placements).toEqual(r.placements);
+    expect(est.transferPlan).toEqual(r.transferPlan);
+    expect(est.makespanMs).toBe(r.explanation.makespanMs);
+  });
+
+  it('place_withInvalidCount_throwsInvalidArgumentNamingTheField', () => {
+    const view = fleet([hostInput('a')]);
+    for (const count of [0, -1, 1.5, 100_000]) {
+      expect(() => decide(view, forkRequest(count))).toThrow(InvalidArgumentError);
+    }
+    try {
+      decide(view, forkRequest(0));
+    } catch (e) {
+      expect(e).toMatchObject({ kind: 'invalid_argument', field: 'count' });
+    }
+  });
+
+  it('compilePlacementConfig_rejectsOutOfRangeValues', () => {
+    expect(() => compilePlacementConfig({ maxFanOut: 0 })).toThrow(/maxFanOut/);
+    expect(() => compilePlacementConfig({ privateMemoryFraction: 0 })).toThrow(/privateMemoryFraction/);
+    expect(Object.isFrozen(compilePlacementConfig({}))).toBe(true);
+  });
+
+  it('buildFleetView_rejectsDuplicateHostIds', () => {
+    expect(() => fleet([hostInput('a'), hostInput('a')])).toThrow(InvalidArgumentError);
+  });
+});

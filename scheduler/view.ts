@@ -1,0 +1,116 @@
+// Builds the indexed, immutable FleetView that place() reads. This is the only O(hosts)
+// step, done once per etcd read; decisions on large fleets then touch only the snapshot's
+// holders plus a sample (see place.ts).
+import { InvalidArgumentError } from '../proto/errors.ts';
+import type { FleetView, FleetViewInput, HostColumns, HostInput, HostView, HostVmm, SnapshotView } from './types.ts';
+
+function vmmKey(v: HostVmm): string {
+  return `${v.accel}|${v.qemuVersion}|${[...v.machines].sort().join(',')}|${[...v.cpuModels].sort().join(',')}`;
+}
+
+function checkResources(field: string, r: HostInput['capacity']): void {
+  for (const k of ['vcpus', 'memoryMib', 'diskMib'] as const) {
+    if (!Number.isFinite(r[k]) || r[k] < 0) throw new InvalidArgumentError(`${field}.${k}`, `must be a finite number >= 0, got ${r[k]}`);
+  }
+}
+
+/**
+ * Validates the plain input and builds the indexes. Throws InvalidArgumentError (field
+ * named) on duplicate ids or impossible numbers; unknown snapshot ids in a host's holdings
+ * are kept (the manifest may simply not be in this read).
+ */
+export function buildFleetView(input: FleetViewInput): FleetView {
+  const hostIndexById = new Map<string, number>();
+  const profiles: HostVmm[] = [];
+  const profileByKey = new Map<string, number>();
+  const holders = new Map<string, number[]>();
+  const partialHolders = new Map<string, Map<number, number>>();
+  const snapshots = new Map<string, SnapshotView>();
+  const residentHosts = new Map<string, Set<number>>();
+  const n = input.hosts.length;
+  const f64 = (): Float64Array => new Float64Array(n);
+  const cols: HostColumns = {
+    state: new Uint8Array(n),
+    cordoned: new Uint8Array(n),
+    draining: new Uint8Array(n),
+    vmmProfile: new Int32Array(n),
+    capVcpus: f64(),
+    capMemoryMib: f64(),
+    capDiskMib: f64(),
+    allocVcpus: f64(),
+    allocMemoryMib: f64(),
+    allocDiskMib: f64(),
+    inflightOps: f64(),
+    restoreCostMs: f64(),
+    downlink: f64(),
+    uplink: f64(),
+  };
+
+  for (const s of input.snapshots) {
+    if (snapshots.has(s.id)) throw new InvalidArgumentError('snapshots.id', `duplicate snapshot ${s.id}`);
+    if (!(s.totalBytes >= 0) || !(s.chunkBytes > 0)) throw new InvalidArgumentError(`snapshots[${s.id}]`, 'totalBytes must be >= 0 and chunkBytes > 0');
+    snapshots.set(s.id, s);
+  }
+
+  const hosts: HostView[] = input.hosts.map((h, index) => {
+    if (hostIndexById.has(h.id)) throw new InvalidArgumentError('hosts.id', `duplicate host ${h.id}`);
+    hostIndexById.set(h.id, index);
+    checkResources(`hosts[${h.id}].capacity`, h.capacity);
+    checkResources(`hosts[${h.id}].allocated`, h.allocated);
+    const key = vmmKey(h.vmm);
+    let vmmProfile = profileByKey.get(key);
+    if (vmmProfile === undefined) {
+      vmmProfile = profiles.length;
+      profiles.push(h.vmm);
+      profileByKey.set(key, vmmProfile);
+    }
+    const full = new Set(h.heldSnapshots);
+    for (const sid of full) {
+      let list = holders.get(sid);
+      if (list === undefined) holders.set(sid, (list = []));
+      list.push(index);
+    }
+    for (const [sid, bytes] of Object.entries(h.partialSnapshots ?? {})) {
+      if (full.has(sid) || !(bytes > 0)) continue;
+      let m = partialHolders.get(sid);
+      if (m === undefined) partialHolders.set(sid, (m = new Map()));
+      m.set(index, bytes);
+    }
+    for (const sid of h.residentImages ?? []) {
+      let set = residentHosts.get(sid);
+      if (set === undefined) residentHosts.set(sid, (set = new Set()));
+      set.add(index);
+    }
+    cols.state[index] = h.state === 'ready' ? 0 : h.state === 'suspect' ? 1 : 2;
+    cols.cordoned[index] = h.cordoned ? 1 : 0;
+    cols.draining[index] = h.draining ? 1 : 0;
+    cols.vmmProfile[index] = vmmProfile;
+    cols.capVcpus[index] = h.capacity.vcpus;
+    cols.capMemoryMib[index] = h.capacity.memoryMib;
+    cols.capDiskMib[index] = h.capacity.diskMib;
+    cols.allocVcpus[index] = h.allocated.vcpus;
+    cols.allocMemoryMib[index] = h.allocated.memoryMib;
+    cols.allocDiskMib[index] = h.allocated.diskMib;
+    cols.inflightOps[index] = h.inflightOps;
+    cols.restoreCostMs[index] = h.restoreCostMs ?? Number.NaN;
+    cols.downlink[index] = h.link.bandwidthBytesPerS - h.link.rxLoadBytesPerS;
+    cols.uplink[index] = h.link.bandwidthBytesPerS - h.link.txLoadBytesPerS;
+    return { ...h, index, vmmProfile };
+  });
+
+  const holderSets = new Map<string, ReadonlySet<number>>();
+  for (const [sid, list] of holders) holderSets.set(sid, new Set(list));
+  return Object.freeze({
+    revision: input.revision,
+    observedAtMs: input.observedAtMs,
+    hosts,
+    hostIndexById,
+    snapshots,
+    holders,
+    holderSets,
+    partialHolders,
+    cols,
+    residentHosts,
+    vmmProfiles: profiles,
+  });
+}

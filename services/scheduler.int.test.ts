@@ -1,0 +1,155 @@
+// End to end through the public API on one machine: real etcd, real nats-server, a
+// scheduler replica, and two real host agents running QEMU (TCG here).
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { pino } from 'pino';
+import { status as Status } from '@grpc/grpc-js';
+import { startEtcd } from './testkit/etcd.ts';
+import type { EtcdCluster } from './testkit/etcd.ts';
+import { startNats } from './testkit/nats.ts';
+import type { NatsServer } from './testkit/nats.ts';
+import { startAgent } from './testkit/agent.ts';
+import type { AgentProcess } from './testkit/agent.ts';
+import { pidAlive, waitFor } from './testkit/proc.ts';
+import { compileSchedulerConfig } from './config.ts';
+import { startScheduler } from './scheduler.ts';
+import type { SchedulerHandle } from './scheduler.ts';
+import { createClient } from './adapters/grpc/rpc.ts';
+import type { Client } from './adapters/grpc/rpc.ts';
+import type { RpcError } from './adapters/grpc/status.ts';
+import { FleetService, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Locality } from '../proto/gen/forkfleet/v1/common_pb.ts';
+
+type Fleet = Client<(typeof FleetService)['method']>;
+const tenantId = 't1';
+let keyN = 0;
+const key = (): string => `k-${Date.now()}-${keyN++}`;
+
+async function done(api: Fleet, op: Operation): Promise<Operation> {
+  const final = await api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 300n } }, { timeoutMs: 310_000 });
+  if (final.state !== OperationState.SUCCEEDED) throw new Error(`operation ${op.id} ${OperationState[final.state]}: ${final.error?.message}`);
+  return final;
+}
+
+async function sh(api: Fleet, sandboxId: string, script: string): Promise<{ out: string; code: number }> {
+  let out = '';
+  let code = -1;
+  for await (const r of api.exec({ tenantId, sandboxId, argv: ['/bin/sh', '-c', script], timeout: { seconds: 60n } })) {
+    if (r.payload.case === 'stdout') out += Buffer.from(r.payload.value).toString();
+    if (r.payload.case === 'exit') code = r.payload.value.exitCode;
+  }
+  return { out, code };
+}
+
+describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
+  let etcd: EtcdCluster;
+  let nats: NatsServer;
+  let sched: SchedulerHandle;
+  const agents: AgentProcess[] = [];
+  let api: Fleet;
+  let dir: string;
+
+  beforeAll(async () => {
+    dir = mkdtempSync('/tmp/ff-sched-');
+    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
+    const keyPath = join(dir, 'signing.pem');
+    sched = await startScheduler(
+      compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: keyPath, suspectAfterMs: '3s', lostAfterMs: '20s' }),
+      pino({ level: 'warn' }),
+    );
+    await sched.leader;
+    for (const hostId of ['host-a', 'host-b']) agents.push(await startAgent({ hostId, natsUrl: nats.url, trustedKeyPath: `${keyPath}.pub` }));
+    api = createClient(FleetService, sched.address);
+    await waitFor('both hosts registered', async () => (await api.listHosts({})).hosts.length === 2, 20_000, 100);
+  }, 240_000);
+
+  afterAll(async () => {
+    api?.close();
+    await sched?.close();
+    await Promise.all(agents.map((a) => a.teardown()));
+    await nats?.stop();
+    await etcd?.stop();
+    if (dir) rmSync(dir, { recursive: true, force: true });
+  }, 120_000);
+
+  it('createSandbox_withMissingTenant_isInvalidArgumentNamingTheField', async () => {
+    const e = (await api.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' } }).catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.INVALID_ARGUMENT);
+    expect(e.field).toBe('tenant_id');
+  });
+
+  it('forkSandbox_withCountOverCap_isInvalidArgumentAndCreatesNothing', async () => {
+    const before = (await api.listSandboxes({ tenantId })).sandboxes.length;
+    const e = (await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: 'sn-aaaaaaaaaaaaaaaaaaaa' }, count: 100_000 }).catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.INVALID_ARGUMENT);
+    expect(e.field).toBe('count');
+    expect((await api.listSandboxes({ tenantId })).sandboxes.length).toBe(before);
+  });
+
+  it('lifecycle_createExecSnapshotForkPauseResumeDestroy_overThePublicApi', async () => {
+    // create, idempotently
+    const k = key();
+    const op1 = await api.createSandbox({ tenantId, idempotencyKey: k, source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } });
+    const again = await api.createSandbox({ tenantId, idempotencyKey: k, source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } });
+    expect(again.id).toBe(op1.id);
+    const created = await done(api, op1);
+    expect(created.result.case).toBe('sandbox');
+    const parent = created.result.case === 'sandbox' ? created.result.value : undefined;
+    expect(parent?.state).toBe(SandboxState.RUNNING);
+    const parentId = parent!.id;
+
+    // exec and state in the guest
+    expect(await sh(api, parentId, 'echo hello; exit 3')).toEqual({ out: 'hello\n', code: 3 });
+    await sh(api, parentId, 'echo parent-state > /tmp/state; (i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done) >/dev/null 2>&1 &');
+
+    // snapshot
+    const snapOp = await done(api, await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: parentId }));
+    const snap = snapOp.result.case === 'snapshot' ? snapOp.result.value : undefined;
+    expect(snap?.hostIds.length).toBe(1);
+    expect(snap?.vmConfig?.memoryMib).toBe(256n);
+    const snapshotId = snap!.id;
+    const holder = snap!.hostIds[0]!;
+
+    // fork 2 on the holder and 1 across hosts
+    const same = await done(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2, placement: { locality: Locality.SAME_HOST } }));
+    const cross = await done(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 1, placement: { locality: Locality.CROSS_HOST } }));
+    const sameKids = same.result.case === 'fork' ? same.result.value.children : [];
+    const crossKids = cross.result.case === 'fork' ? cross.result.value.children : [];
+    expect(sameKids.map((c) => c.hostId)).toEqual([holder, holder]);
+    expect(crossKids.length).toBe(1);
+    expect(crossKids[0]!.hostId).not.toBe(holder);
+    const kids = [...sameKids, ...crossKids];
+
+    // children carry the parent's state and keep its process running, then diverge
+    for (const [i, c] of kids.entries()) {
+      const r = await sh(api, c.id, `cat /tmp/state; a=$(cat /tmp/counter); sleep 1; b=$(cat /tmp/counter); [ "$b" -gt "$a" ] && echo counting; echo child-${i} > /tmp/state; hostname`);
+      expect(r.out).toContain('parent-state');
+      expect(r.out).toContain('counting');
+      expect(r.out.trim().split('\n').pop()).toBe(c.id);
+    }
+    for (const [i, c] of kids.entries()) expect((await sh(api, c.id, 'cat /tmp/state')).out).toBe(`child-${i}\n`);
+    expect((await sh(api, parentId, 'cat /tmp/state')).out).toBe('parent-state\n');
+
+    // the snapshot is now held by both hosts
+    const after = await api.getSnapshot({ tenantId, snapshotId });
+    expect(new Set(after.hostIds).size).toBe(2);
+
+    // pause and resume
+    const paused = await done(api, await api.pauseSandbox({ tenantId, idempotencyKey: key(), sandboxId: parentId }));
+    expect(paused.result.case === 'sandbox' && paused.result.value.state).toBe(SandboxState.PAUSED);
+    const execPaused = (await sh(api, parentId, 'true').catch((e: unknown) => e)) as RpcError;
+    expect(execPaused.code).toBe(Status.FAILED_PRECONDITION);
+    await done(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: parentId }));
+    expect((await sh(api, parentId, 'echo back')).out).toBe('back\n');
+
+    // destroy everything: no QEMU left on any host, capacity released
+    for (const id of [parentId, ...kids.map((c) => c.id)]) await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    await waitFor('no QEMU left', async () => agents.every((a) => a.qemuPids().filter(pidAlive).length === 0), 20_000, 200);
+    const hosts = (await api.listHosts({})).hosts;
+    for (const h of hosts) expect(h.allocated?.memoryMib ?? 0n).toBe(0n);
+    const live = (await api.listSandboxes({ tenantId })).sandboxes;
+    expect(live.filter((s) => s.state !== SandboxState.DESTROYED && s.state !== SandboxState.FAILED)).toEqual([]);
+  });
+});

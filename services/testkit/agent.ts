@@ -1,0 +1,101 @@
+// Starts a real host-agent process (node --import tsx host-agent/main.ts) for integration
+// tests, optionally inside a network namespace, with its own data directory.
+import { join, resolve } from 'node:path';
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { pidAlive, spawnManaged, waitFor } from './proc.ts';
+import type { ManagedProcess } from './proc.ts';
+
+const ROOT = resolve(import.meta.dirname, '..', '..');
+
+export interface AgentProcess {
+  readonly hostId: string;
+  readonly dataDir: string;
+  proc: ManagedProcess;
+  readonly logPath: string;
+  /** Starts it again with the same id and data directory (after a kill). */
+  restart(): Promise<void>;
+  stop(): Promise<void>;
+  /** PIDs of QEMU processes the agent's VMs run in (from their pid files). */
+  qemuPids(): number[];
+  /** Stops the agent, kills every QEMU it left by PID and removes its data directory. */
+  teardown(): Promise<void>;
+}
+
+export interface StartAgentOptions {
+  hostId: string;
+  natsUrl: string;
+  trustedKeyPath: string;
+  /** Short: unix socket paths must stay under 107 bytes. */
+  dataDir?: string;
+  peerAddr?: string;
+  netns?: string;
+  env?: Record<string, string>;
+  logDir?: string;
+}
+
+export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
+  const dataDir = o.dataDir ?? mkdtempSync(`/tmp/ffa-${o.hostId}-`);
+  const logPath = join(o.logDir ?? dataDir, `agent-${o.hostId}.log`);
+  const env: NodeJS.ProcessEnv = {
+    ...process.env,
+    FF_HOST_ID: o.hostId,
+    FF_DATA_DIR: dataDir,
+    FF_NATS_URL: o.natsUrl,
+    FF_TRUSTED_KEY: o.trustedKeyPath,
+    FF_ACCEL: 'auto',
+    FF_PEER_ADDR: o.peerAddr ?? '127.0.0.1:0',
+    FF_HEARTBEAT_INTERVAL: '500ms',
+    FF_LOG_LEVEL: 'info',
+    ...o.env,
+  };
+  const launch = (): ManagedProcess => {
+    const node = [process.execPath, '--import', 'tsx', join(ROOT, 'host-agent', 'main.ts')];
+    const [command, ...args] = o.netns ? ['ip', 'netns', 'exec', o.netns, ...node] : node;
+    return spawnManaged({ name: `agent-${o.hostId}`, command: command!, args, env, logPath, watchdog: true });
+  };
+  const ready = async (p: ManagedProcess): Promise<void> =>
+    waitFor(`agent ${o.hostId} ready`, async () => {
+      if (p.child.exitCode !== null) throw new Error(`agent ${o.hostId} exited: ${readFileSync(logPath, 'utf8').slice(-2000)}`);
+      return readFileSync(logPath, 'utf8').includes('"ready":true');
+    }, 60_000, 100);
+  const agent: AgentProcess = {
+    hostId: o.hostId,
+    dataDir,
+    logPath,
+    proc: launch(),
+    async restart() {
+      await agent.proc.stop();
+      agent.proc = launch();
+      await ready(agent.proc);
+    },
+    async stop() {
+      await agent.proc.stop(10_000);
+    },
+    qemuPids() {
+      const vms = join(dataDir, 'vmm', 'vms');
+      if (!existsSync(vms)) return [];
+      const pids: number[] = [];
+      for (const vm of readdirSync(vms)) {
+        for (const f of readdirSync(join(vms, vm))) {
+          if (!/^qemu\..*pid$/.test(f)) continue;
+          const pid = Number(readFileSync(join(vms, vm, f), 'utf8').trim());
+          if (Number.isInteger(pid) && pid > 1 && pidAlive(pid)) pids.push(pid);
+        }
+      }
+      return pids;
+    },
+    async teardown() {
+      await agent.stop();
+      for (const pid of agent.qemuPids()) {
+        try {
+          process.kill(pid, 'SIGKILL');
+        } catch {
+          /* gone */
+        }
+      }
+      rmSync(dataDir, { recursive: true, force: true });
+    },
+  };
+  await ready(agent.proc);
+  return agent;
+}
