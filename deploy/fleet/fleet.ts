@@ -1,0 +1,539 @@
+// The local multi-host fleet: real etcd, NATS with JetStream, two scheduler replicas and N
+// host agents, each agent in its own network namespace with its own address, data
+// directory (other agents' directories are hidden by a private mount namespace) and a
+// tbf-shaped link to a shared bridge.
+//
+//   node --import tsx deploy/fleet/fleet.ts up [--hosts 3] [--etcd 1|3] [--link 10gbit]
+//   node --import tsx deploy/fleet/fleet.ts status [--json]
+//   node --import tsx deploy/fleet/fleet.ts down
+//
+// Layout (FF_FLEET_DIR, default /var/lib/ffleet):
+//   state.json            every process (by PID), namespace and address this fleet made
+//   logs/<process>.log
+//   keys/signing.pem(.pub) the schedulers' Ed25519 key; agents trust the .pub
+//   etcd/<member>/, nats/  control-plane data
+//   hosts/<hostId>/       one agent's data (VMs, snapshots, chunks, journal)
+//   nats.sock             the NATS relay socket agents reach from their namespaces
+//
+// Network: namespace <prefix>-net holds bridge br0 (no address); namespace <prefix>-<host>
+// holds eth0 = 10.213.77.<10+i>/24. The control plane listens on the root namespace's
+// loopback; agents reach NATS through a unix-socket relay, so no address exists outside
+// the fleet's own namespaces. Peer chunk transfers cross the shaped veth links.
+import { spawn, execFileSync } from 'node:child_process';
+import { closeSync, existsSync, mkdirSync, openSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { createConnection } from 'node:net';
+import { join, resolve } from 'node:path';
+import { totalmem } from 'node:os';
+import { createPublicKey, generateKeyPairSync } from 'node:crypto';
+
+const ROOT = resolve(import.meta.dirname, '..', '..');
+const NODE = process.execPath;
+
+export interface FleetOptions {
+  hosts: number;
+  etcd: 1 | 3;
+  /** tbf rate, e.g. "10gbit", "1gbit", "500mbit". */
+  link: string;
+  dir: string;
+  /** Namespace and interface name prefix (<= 6 characters). */
+  prefix: string;
+  basePort: number;
+  /** Per-agent memory capacity the scheduler may book, MiB. */
+  hostMemoryMib: number;
+}
+
+export interface ProcRecord {
+  name: string;
+  kind: 'etcd' | 'nats' | 'relay' | 'scheduler' | 'agent';
+  pid: number;
+  log: string;
+  host?: string;
+  netns?: string;
+}
+
+export interface HostRecord {
+  id: string;
+  netns: string;
+  address: string;
+  dataDir: string;
+  /** veth end inside the host namespace, and its peer on the bridge. */
+  ifHost: string;
+  ifBridge: string;
+}
+
+export interface FleetState {
+  version: 1;
+  startedAt: string;
+  options: FleetOptions;
+  apiAddresses: string[];
+  metricsAddresses: string[];
+  etcdEndpoints: string[];
+  natsUrl: string;
+  natsMonitor: string;
+  netnsBridge: string;
+  namespaces: string[];
+  hosts: HostRecord[];
+  procs: ProcRecord[];
+  signingKey: string;
+  trustedKey: string;
+}
+
+export function defaultOptions(over: Partial<FleetOptions> = {}): FleetOptions {
+  const hosts = over.hosts ?? 3;
+  return {
+    hosts,
+    etcd: over.etcd ?? 1,
+    link: over.link ?? '10gbit',
+    dir: over.dir ?? process.env.FF_FLEET_DIR ?? '/var/lib/ffleet',
+    prefix: over.prefix ?? 'ffl',
+    basePort: over.basePort ?? 17700,
+    hostMemoryMib: over.hostMemoryMib ?? Math.floor((totalmem() / 1048576) * 0.7 / hosts),
+  };
+}
+
+function sh(cmd: string, args: string[], opts: { allowFail?: boolean } = {}): string {
+  try {
+    return execFileSync(cmd, args, { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+  } catch (e) {
+    if (opts.allowFail) return '';
+    const err = e as { stderr?: string; message: string };
+    throw new Error(`${cmd} ${args.join(' ')}: ${err.stderr?.trim() || err.message}`, { cause: e });
+  }
+}
+
+function pidAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+function statePath(dir: string): string {
+  return join(dir, 'state.json');
+}
+
+export function readState(dir: string): FleetState | undefined {
+  const p = statePath(dir);
+  if (!existsSync(p)) return undefined;
+  return JSON.parse(readFileSync(p, 'utf8')) as FleetState;
+}
+
+function saveState(s: FleetState): void {
+  const p = statePath(s.options.dir);
+  writeFileSync(`${p}.tmp`, JSON.stringify(s, null, 2));
+  execFileSync('mv', ['-f', `${p}.tmp`, p]);
+}
+
+/** Bytes per second of a tc rate such as "10gbit" or "500mbit". */
+export function linkBytesPerSecond(rate: string): number {
+  const m = /^(\d+(?:\.\d+)?)(k|m|g)?bit$/i.exec(rate);
+  if (!m) throw new Error(`--link: want a rate like 10gbit, 1gbit or 500mbit, got ${JSON.stringify(rate)}`);
+  const mult = { k: 1e3, m: 1e6, g: 1e9 }[(m[2] ?? '').toLowerCase() as 'k' | 'm' | 'g'] ?? 1;
+  return (Number(m[1]) * mult) / 8;
+}
+
+function tbfArgs(rate: string): string[] {
+  const bps = linkBytesPerSecond(rate);
+  // The bucket must hold at least one timer tick of traffic at this rate.
+  const burst = Math.max(256 * 1024, Math.ceil(bps / 100));
+  return ['root', 'tbf', 'rate', rate, 'burst', String(burst), 'latency', '5ms'];
+}
+
+function waitPort(host: string, port: number, timeoutMs: number): Promise<void> {
+  const until = Date.now() + timeoutMs;
+  return new Promise((resolvePromise, reject) => {
+    const attempt = (): void => {
+      const s = createConnection(port, host);
+      s.once('connect', () => {
+        s.destroy();
+        resolvePromise();
+      });
+      s.once('error', () => {
+        s.destroy();
+        if (Date.now() > until) reject(new Error(`nothing listens on ${host}:${port} after ${timeoutMs} ms`));
+        else setTimeout(attempt, 50);
+      });
+    };
+    attempt();
+  });
+}
+
+async function waitLog(path: string, needle: string, timeoutMs: number, pid: number): Promise<void> {
+  const until = Date.now() + timeoutMs;
+  while (Date.now() < until) {
+    if (existsSync(path) && readFileSync(path, 'utf8').includes(needle)) return;
+    if (!pidAlive(pid)) throw new Error(`process ${pid} exited; see ${path}:\n${existsSync(path) ? readFileSync(path, 'utf8').slice(-1500) : ''}`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  throw new Error(`timed out waiting for "${needle}" in ${path}`);
+}
+
+function launch(state: FleetState, rec: Omit<ProcRecord, 'pid' | 'log'>, command: string, args: string[], env: NodeJS.ProcessEnv = {}): ProcRecord {
+  const log = join(state.options.dir, 'logs', `${rec.name}.log`);
+  const fd = openSync(log, 'a');
+  const child = spawn(command, args, { detached: true, stdio: ['ignore', fd, fd], env: { ...process.env, ...env }, cwd: ROOT });
+  closeSync(fd);
+  child.unref();
+  if (child.pid === undefined) throw new Error(`could not start ${rec.name}`);
+  const full: ProcRecord = { ...rec, pid: child.pid, log };
+  state.procs.push(full);
+  saveState(state);
+  return full;
+}
+
+function tsx(script: string, ...args: string[]): string[] {
+  return ['--import', 'tsx', join(ROOT, script), ...args];
+}
+
+function inNetns(ns: string, command: string, args: string[]): [string, string[]] {
+  return ['ip', ['netns', 'exec', ns, command, ...args]];
+}
+
+function makeNetwork(state: FleetState): void {
+  const { prefix, hosts, link } = state.options;
+  const net = `${prefix}-net`;
+  state.netnsBridge = net;
+  sh('ip', ['netns', 'add', net]);
+  state.namespaces.push(net);
+  saveState(state);
+  sh('ip', ['-n', net, 'link', 'add', 'br0', 'type', 'bridge']);
+  sh('ip', ['-n', net, 'link', 'set', 'br0', 'up']);
+  sh('ip', ['-n', net, 'link', 'set', 'lo', 'up']);
+  for (let i = 1; i <= hosts; i++) {
+    const id = `h${i}`;
+    const ns = `${prefix}-${id}`;
+    const ifHost = `${prefix}${id}a`;
+    const ifBridge = `${prefix}${id}b`;
+    sh('ip', ['netns', 'add', ns]);
+    state.namespaces.push(ns);
+    saveState(state);
+    sh('ip', ['link', 'add', ifHost, 'type', 'veth', 'peer', 'name', ifBridge]);
+    sh('ip', ['link', 'set', ifHost, 'netns', ns]);
+    sh('ip', ['link', 'set', ifBridge, 'netns', net]);
+    const address = `10.213.77.${10 + i}`;
+    sh('ip', ['-n', ns, 'addr', 'add', `${address}/24`, 'dev', ifHost]);
+    sh('ip', ['-n', ns, 'link', 'set', ifHost, 'up']);
+    sh('ip', ['-n', ns, 'link', 'set', 'lo', 'up']);
+    sh('ip', ['-n', net, 'link', 'set', ifBridge, 'master', 'br0']);
+    sh('ip', ['-n', net, 'link', 'set', ifBridge, 'up']);
+    // Shape both directions: host egress on its own end, host ingress on the bridge end.
+    sh('tc', ['-n', ns, 'qdisc', 'add', 'dev', ifHost, ...tbfArgs(link)]);
+    sh('tc', ['-n', net, 'qdisc', 'add', 'dev', ifBridge, ...tbfArgs(link)]);
+    const dataDir = join(state.options.dir, 'hosts', id);
+    mkdirSync(dataDir, { recursive: true });
+    state.hosts.push({ id, netns: ns, address, dataDir, ifHost, ifBridge });
+    saveState(state);
+  }
+}
+
+function makeKeys(state: FleetState): void {
+  const dir = join(state.options.dir, 'keys');
+  mkdirSync(dir, { recursive: true, mode: 0o700 });
+  const { privateKey } = generateKeyPairSync('ed25519');
+  writeFileSync(state.signingKey, privateKey.export({ type: 'pkcs8', format: 'pem' }), { mode: 0o600 });
+  writeFileSync(state.trustedKey, createPublicKey(privateKey).export({ type: 'spki', format: 'pem' }), { mode: 0o644 });
+}
+
+async function startEtcd(state: FleetState): Promise<void> {
+  const { etcd, basePort } = state.options;
+  const members = Array.from({ length: etcd }, (_, i) => ({ name: `etcd-${i + 1}`, client: basePort + 20 + i, peer: basePort + 30 + i }));
+  const initial = members.map((m) => `${m.name}=http://127.0.0.1:${m.peer}`).join(',');
+  for (const m of members) {
+    const data = join(state.options.dir, 'etcd', m.name);
+    mkdirSync(data, { recursive: true });
+    launch(state, { name: m.name, kind: 'etcd' }, 'etcd', [
+      '--name', m.name, '--data-dir', data,
+      '--listen-client-urls', `http://127.0.0.1:${m.client}`, '--advertise-client-urls', `http://127.0.0.1:${m.client}`,
+      '--listen-peer-urls', `http://127.0.0.1:${m.peer}`, '--initial-advertise-peer-urls', `http://127.0.0.1:${m.peer}`,
+      '--initial-cluster', initial, '--initial-cluster-state', 'new',
+      '--heartbeat-interval', '10', '--election-timeout', '100', '--max-txn-ops', '1024', '--log-level', 'warn',
+    ]);
+  }
+  state.etcdEndpoints = members.map((m) => `http://127.0.0.1:${m.client}`);
+  for (const m of members) await waitPort('127.0.0.1', m.client, 15_000);
+}
+
+async function startNats(state: FleetState): Promise<void> {
+  const port = state.options.basePort + 40;
+  const monitor = port + 1;
+  const store = join(state.options.dir, 'nats');
+  mkdirSync(store, { recursive: true });
+  launch(state, { name: 'nats', kind: 'nats' }, 'nats-server', ['-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
+  state.natsUrl = `nats://127.0.0.1:${port}`;
+  state.natsMonitor = `http://127.0.0.1:${monitor}`;
+  await waitPort('127.0.0.1', port, 10_000);
+  const sock = join(state.options.dir, 'nats.sock');
+  const r = launch(state, { name: 'relay-nats', kind: 'relay' }, NODE, tsx('deploy/fleet/relay.ts', `unix:${sock}=tcp:127.0.0.1:${port}`));
+  await waitLog(r.log, 'relay ready', 15_000, r.pid);
+}
+
+async function startSchedulers(state: FleetState): Promise<void> {
+  for (let i = 0; i < 2; i++) {
+    const api = `127.0.0.1:${state.options.basePort + i}`;
+    const metrics = `127.0.0.1:${state.options.basePort + 10 + i}`;
+    const p = launch(state, { name: `scheduler-${i + 1}`, kind: 'scheduler' }, NODE, tsx('services/main.ts'), {
+      FF_SCHEDULER_ID: `scheduler-${i + 1}`,
+      FF_GRPC_ADDR: api,
+      FF_METRICS_ADDR: metrics,
+      FF_ETCD_ENDPOINTS: state.etcdEndpoints.join(','),
+      FF_NATS_URL: state.natsUrl,
+      FF_SIGNING_KEY: state.signingKey,
+    });
+    await waitLog(p.log, '"ready":true', 60_000, p.pid);
+    state.apiAddresses.push(api);
+    state.metricsAddresses.push(metrics);
+    saveState(state);
+  }
+}
+
+/**
+ * The agent runs in its host's network namespace. `ip netns exec` also gives it a mount
+ * namespace of its own; there the fleet's hosts/ directory is covered by an empty tmpfs
+ * and only the agent's own directory is bound back, so an agent cannot read or write
+ * another agent's files.
+ */
+async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
+  const hostsDir = join(state.options.dir, 'hosts');
+  const stash = join(state.options.dir, `.own-${h.id}`);
+  mkdirSync(stash, { recursive: true });
+  const sock = join(state.options.dir, 'nats.sock');
+  const relay = launch(state, { name: `relay-${h.id}`, kind: 'relay', host: h.id, netns: h.netns }, ...inNetns(h.netns, NODE, tsx('deploy/fleet/relay.ts', `tcp:127.0.0.1:4222=unix:${sock}`)));
+  await waitLog(relay.log, 'relay ready', 15_000, relay.pid);
+  const script = [
+    'set -e',
+    `mount --bind "${h.dataDir}" "${stash}"`,
+    `mount -t tmpfs -o size=1m,mode=0755 ff-hosts "${hostsDir}"`,
+    `mkdir -p "${h.dataDir}"`,
+    `mount --move "${stash}" "${h.dataDir}"`,
+    `exec "${NODE}" --import tsx "${join(ROOT, 'host-agent', 'main.ts')}"`,
+  ].join('; ');
+  const p = launch(state, { name: `agent-${h.id}`, kind: 'agent', host: h.id, netns: h.netns }, ...inNetns(h.netns, 'sh', ['-c', script]), {
+    FF_HOST_ID: h.id,
+    FF_DATA_DIR: h.dataDir,
+    FF_NATS_URL: 'nats://127.0.0.1:4222',
+    FF_PEER_ADDR: `${h.address}:7800`,
+    FF_TRUSTED_KEY: state.trustedKey,
+    FF_ACCEL: process.env.FF_ACCEL ?? 'auto',
+    FF_LINK_BYTES_PER_SECOND: String(Math.round(linkBytesPerSecond(state.options.link))),
+    FF_CAPACITY_MEMORY_MIB: String(state.options.hostMemoryMib),
+    FF_HEARTBEAT_INTERVAL: '500ms',
+  });
+  await waitLog(p.log, '"ready":true', 120_000, p.pid);
+}
+
+export async function up(opts: FleetOptions): Promise<FleetState> {
+  if (!/^[a-z]{1,6}$/.test(opts.prefix)) throw new Error('--prefix: 1-6 lowercase letters');
+  if (!(opts.hosts >= 1 && opts.hosts <= 32)) throw new Error('--hosts: 1..32');
+  linkBytesPerSecond(opts.link);
+  const existing = readState(opts.dir);
+  if (existing) {
+    const alive = existing.procs.filter((p) => pidAlive(p.pid));
+    if (alive.length > 0) throw new Error(`a fleet is already up in ${opts.dir} (since ${existing.startedAt}, ${alive.length} processes alive): run fleet:down first`);
+    await down(opts.dir);
+  }
+  for (const ns of sh('ip', ['netns', 'list']).split('\n').map((l) => l.split(' ')[0])) {
+    if (ns && ns.startsWith(`${opts.prefix}-`)) throw new Error(`network namespace ${ns} already exists; run fleet:down or delete it`);
+  }
+  mkdirSync(join(opts.dir, 'logs'), { recursive: true });
+  const state: FleetState = {
+    version: 1,
+    startedAt: new Date().toISOString(),
+    options: opts,
+    apiAddresses: [],
+    metricsAddresses: [],
+    etcdEndpoints: [],
+    natsUrl: '',
+    natsMonitor: '',
+    netnsBridge: '',
+    namespaces: [],
+    hosts: [],
+    procs: [],
+    signingKey: join(opts.dir, 'keys', 'signing.pem'),
+    trustedKey: join(opts.dir, 'keys', 'signing.pem.pub'),
+  };
+  saveState(state);
+  try {
+    const { ensureImage } = await import('../images/build.ts');
+    const step = (s: string): void => void process.stderr.write(`fleet: ${s}\n`);
+    step('guest image');
+    await ensureImage('tiny');
+    step(`network: ${opts.hosts} host namespaces on a bridge, links shaped to ${opts.link}`);
+    makeNetwork(state);
+    makeKeys(state);
+    step(`etcd (${opts.etcd} member${opts.etcd > 1 ? 's' : ''}) and NATS`);
+    await Promise.all([startEtcd(state), startNats(state)]);
+    step('2 scheduler replicas');
+    await startSchedulers(state);
+    step(`${opts.hosts} host agents`);
+    await Promise.all(state.hosts.map((h) => startAgent(state, h)));
+    saveState(state);
+    return state;
+  } catch (e) {
+    process.stderr.write(`fleet: start failed, cleaning up: ${(e as Error).message}\n`);
+    await down(opts.dir);
+    throw e;
+  }
+}
+
+async function stopPid(pid: number, graceMs: number): Promise<void> {
+  if (!pidAlive(pid)) return;
+  try {
+    process.kill(pid, 'SIGTERM');
+  } catch {
+    return;
+  }
+  const until = Date.now() + graceMs;
+  while (Date.now() < until && pidAlive(pid)) await new Promise((r) => setTimeout(r, 50));
+  if (pidAlive(pid)) {
+    try {
+      process.kill(pid, 'SIGKILL');
+    } catch {
+      /* gone */
+    }
+    while (pidAlive(pid)) await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+/** QEMU PIDs recorded in an agent's data directory (one pid file per QEMU generation). */
+export function qemuPids(dataDir: string): number[] {
+  const vms = join(dataDir, 'vmm', 'vms');
+  if (!existsSync(vms)) return [];
+  const pids: number[] = [];
+  for (const vm of readdirSync(vms)) {
+    let files: string[] = [];
+    try {
+      files = readdirSync(join(vms, vm));
+    } catch {
+      continue;
+    }
+    for (const f of files) {
+      if (!/^qemu\..*pid$/.test(f)) continue;
+      const pid = Number(readFileSync(join(vms, vm, f), 'utf8').trim());
+      if (Number.isInteger(pid) && pid > 1) pids.push(pid);
+    }
+  }
+  return pids;
+}
+
+export async function down(dir: string): Promise<void> {
+  const state = readState(dir);
+  if (!state) {
+    process.stderr.write(`fleet: nothing to stop in ${dir}\n`);
+    return;
+  }
+  const order: ProcRecord['kind'][] = ['agent', 'scheduler', 'relay', 'nats', 'etcd'];
+  for (const kind of order) {
+    const procs = state.procs.filter((p) => p.kind === kind);
+    // etcd members one at a time (all at once makes the last one hang).
+    if (kind === 'etcd') for (const p of procs) await stopPid(p.pid, 5000);
+    else await Promise.all(procs.map((p) => stopPid(p.pid, 8000)));
+    if (kind === 'agent') {
+      // Agents leave VMs running for a restarted agent to adopt; down ends them too.
+      for (const h of state.hosts) for (const pid of qemuPids(h.dataDir)) await stopPid(pid, 2000);
+    }
+  }
+  for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });
+  rmSync(dir, { recursive: true, force: true });
+}
+
+export async function status(dir: string): Promise<{ state: FleetState; procs: Array<ProcRecord & { alive: boolean }>; hosts: unknown[] }> {
+  const state = readState(dir);
+  if (!state) throw new Error(`no fleet in ${dir}: start one with npm run fleet:up`);
+  const procs = state.procs.map((p) => ({ ...p, alive: pidAlive(p.pid) }));
+  let hosts: unknown[] = [];
+  try {
+    const { createClient } = await import('../../services/adapters/grpc/rpc.ts');
+    const { FleetService, HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
+    for (const addr of state.apiAddresses) {
+      const api = createClient(FleetService, addr);
+      try {
+        const res = await api.listHosts({}, { timeoutMs: 3000 });
+        hosts = res.hosts.map((h) => ({
+          id: h.id,
+          state: HostState[h.state],
+          cordoned: h.cordoned,
+          sandboxes: h.sandboxCount,
+          snapshots: h.snapshotCount,
+          memoryMib: `${h.allocated?.memoryMib ?? 0n}/${h.capacity?.memoryMib ?? 0n}`,
+          peer: h.peerAddress,
+          accel: h.accel === 1 ? 'kvm' : 'tcg',
+        }));
+        break;
+      } catch {
+        /* try the other replica */
+      } finally {
+        api.close();
+      }
+    }
+  } catch {
+    /* API unreachable: report processes only */
+  }
+  return { state, procs, hosts };
+}
+
+function arg(argv: string[], name: string): string | undefined {
+  const i = argv.indexOf(`--${name}`);
+  return i >= 0 ? argv[i + 1] : undefined;
+}
+
+async function cli(argv: string[]): Promise<void> {
+  const [cmd] = argv;
+  const dir = arg(argv, 'dir') ?? process.env.FF_FLEET_DIR ?? '/var/lib/ffleet';
+  if (cmd === 'up') {
+    const etcd = Number(arg(argv, 'etcd') ?? 1);
+    if (etcd !== 1 && etcd !== 3) throw new Error('--etcd: 1 or 3');
+    const opts = defaultOptions({
+      hosts: Number(arg(argv, 'hosts') ?? 3),
+      etcd,
+      link: arg(argv, 'link') ?? '10gbit',
+      dir,
+      ...(arg(argv, 'prefix') ? { prefix: arg(argv, 'prefix')! } : {}),
+      ...(arg(argv, 'base-port') ? { basePort: Number(arg(argv, 'base-port')) } : {}),
+    });
+    const s = await up(opts);
+    const api = s.apiAddresses[0]!;
+    process.stdout.write(
+      [
+        `Forkfleet is up: ${s.hosts.length} hosts (${s.hosts.map((h) => `${h.id}=${h.address}`).join(', ')}), links ${opts.link}, etcd x${opts.etcd}, 2 schedulers.`,
+        `  API (gRPC, plaintext): ${s.apiAddresses.join(' and ')}`,
+        `  metrics:               ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}`,
+        `  logs:                  ${join(dir, 'logs')}`,
+        '',
+        'Try it:',
+        `  npx buf curl --protocol grpc --http2-prior-knowledge http://${api}/forkfleet.v1.FleetService/ListHosts`,
+        `  npx buf curl --protocol grpc --http2-prior-knowledge -d '{"tenantId":"demo","idempotencyKey":"first","image":"tiny"}' http://${api}/forkfleet.v1.FleetService/CreateSandbox`,
+        '  npm run fleet:status      npm run test:e2e      npm run fleet:down',
+        '',
+      ].join('\n'),
+    );
+  } else if (cmd === 'down') {
+    await down(dir);
+    process.stdout.write('fleet is down: processes stopped by PID, namespaces and links removed\n');
+  } else if (cmd === 'status') {
+    const st = await status(dir);
+    if (argv.includes('--json')) {
+      process.stdout.write(`${JSON.stringify({ procs: st.procs, hosts: st.hosts, api: st.state.apiAddresses }, null, 2)}\n`);
+      return;
+    }
+    process.stdout.write(`fleet in ${dir}, up since ${st.state.startedAt}; API ${st.state.apiAddresses.join(', ')}\n\nprocesses:\n`);
+    for (const p of st.procs) process.stdout.write(`  ${p.alive ? 'up  ' : 'DOWN'} ${p.name.padEnd(14)} pid ${String(p.pid).padEnd(8)} ${p.netns ? `netns ${p.netns}` : ''}\n`);
+    process.stdout.write('\nhosts (from the scheduler):\n');
+    if (st.hosts.length === 0) process.stdout.write('  (API not answering)\n');
+    for (const h of st.hosts) process.stdout.write(`  ${JSON.stringify(h)}\n`);
+  } else {
+    process.stderr.write('usage: fleet.ts up [--hosts N] [--etcd 1|3] [--link RATE] | status [--json] | down   (--dir DIR)\n');
+    process.exit(2);
+  }
+}
+
+if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename)) {
+  cli(process.argv.slice(2)).then(
+    () => process.exit(0),
+    (e: unknown) => {
+      process.stderr.write(`fleet: ${e instanceof Error ? e.message : String(e)}\n`);
+      process.exit(1);
+    },
+  );
+}
