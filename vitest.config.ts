@@ -4,6 +4,7 @@ import { defineConfig } from 'vitest/config';
 //   unit: *.test.ts, pure logic, fast, run in parallel.
 //   int:  *.int.test.ts, real etcd / nats-server / QEMU started by the tests; files run
 //         one at a time because this machine has 2 cores and QEMU runs under TCG.
+//   e2e:  *.e2e.test.ts, a whole local fleet (deploy/fleet) with faults injected.
 const exclude = ['node_modules/**', '**/.cache/**'];
 export default defineConfig({
   test: {
@@ -14,6 +15,17 @@ export default defineConfig({
           include: ['**/*.test.ts'],
           exclude: [...exclude, '**/*.int.test.ts', '**/*.e2e.test.ts'],
           testTimeout: 20_000,
+        },
+      },
+      {
+        test: {
+          // The local multi-host fleet in network namespaces, with faults injected.
+          name: 'e2e',
+          include: ['**/*.e2e.test.ts'],
+          exclude,
+          fileParallelism: false,
+          testTimeout: 300_000,
+          hookTimeout: 300_000,
         },
       },
       {

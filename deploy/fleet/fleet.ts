@@ -49,6 +49,10 @@ export interface ProcRecord {
   log: string;
   host?: string;
   netns?: string;
+  /** How it was started, so that a fault test can start it again. */
+  command: string;
+  args: string[];
+  env: Record<string, string>;
 }
 
 export interface HostRecord {
@@ -170,17 +174,50 @@ async function waitLog(path: string, needle: string, timeoutMs: number, pid: num
   throw new Error(`timed out waiting for "${needle}" in ${path}`);
 }
 
-function launch(state: FleetState, rec: Omit<ProcRecord, 'pid' | 'log'>, command: string, args: string[], env: NodeJS.ProcessEnv = {}): ProcRecord {
-  const log = join(state.options.dir, 'logs', `${rec.name}.log`);
+function spawnDetached(log: string, command: string, args: string[], env: Record<string, string>): number {
   const fd = openSync(log, 'a');
   const child = spawn(command, args, { detached: true, stdio: ['ignore', fd, fd], env: { ...process.env, ...env }, cwd: ROOT });
   closeSync(fd);
   child.unref();
-  if (child.pid === undefined) throw new Error(`could not start ${rec.name}`);
-  const full: ProcRecord = { ...rec, pid: child.pid, log };
+  if (child.pid === undefined) throw new Error(`could not start ${command}`);
+  return child.pid;
+}
+
+function launch(state: FleetState, rec: Omit<ProcRecord, 'pid' | 'log' | 'command' | 'args' | 'env'>, command: string, args: string[], env: Record<string, string> = {}): ProcRecord {
+  const log = join(state.options.dir, 'logs', `${rec.name}.log`);
+  const full: ProcRecord = { ...rec, pid: spawnDetached(log, command, args, env), log, command, args, env };
   state.procs.push(full);
   saveState(state);
   return full;
+}
+
+/**
+ * Stops one of the fleet's processes (if it runs) and starts it again the way it was
+ * started, waiting until it is ready. For fault tests and operators.
+ */
+export async function restartProcess(dir: string, name: string): Promise<ProcRecord> {
+  const state = readState(dir);
+  const rec = state?.procs.find((p) => p.name === name);
+  if (!state || !rec) throw new Error(`no process ${name} in the fleet at ${dir}`);
+  await stopPid(rec.pid, 8000);
+  rec.pid = spawnDetached(rec.log, rec.command, rec.args, rec.env);
+  saveState(state);
+  if (rec.kind === 'agent' || rec.kind === 'scheduler') {
+    const lines = readFileSync(rec.log, 'utf8').split('\n').length;
+    const until = Date.now() + 120_000;
+    for (;;) {
+      const fresh = readFileSync(rec.log, 'utf8').split('\n').slice(lines - 1);
+      if (fresh.some((l) => l.includes('"ready":true'))) break;
+      if (!pidAlive(rec.pid)) throw new Error(`${name} exited on restart; see ${rec.log}`);
+      if (Date.now() > until) throw new Error(`${name} not ready after restart`);
+      await new Promise((r) => setTimeout(r, 100));
+    }
+  } else if (rec.kind === 'etcd' || rec.kind === 'nats') {
+    const url = rec.args[rec.args.indexOf(rec.kind === 'etcd' ? '--listen-client-urls' : '-p') + 1] ?? '';
+    const port = Number(rec.kind === 'etcd' ? url.slice(url.lastIndexOf(':') + 1) : url);
+    await waitPort('127.0.0.1', port, 15_000);
+  }
+  return rec;
 }
 
 function tsx(script: string, ...args: string[]): string[] {
