@@ -24,6 +24,7 @@ import type { DescMethod, DescService, MessageInitShape, MessageShape } from '@b
 import type { GenService, GenServiceMethods } from '@bufbuild/protobuf/codegenv2';
 import { fromServiceError, toGrpcStatus } from './status.ts';
 import { readableItems } from './queue.ts';
+import { InvalidArgumentError } from '../../../proto/errors.ts';
 
 type MethodShape = GenServiceMethods[string];
 type In<M extends MethodShape> = MessageShape<M['input']>;
@@ -86,13 +87,42 @@ function methodPath(m: DescMethod): string {
   return `/${m.parent.typeName}/${m.name}`;
 }
 
+/**
+ * A request whose bytes did not parse. grpc-js would answer INTERNAL for a throwing
+ * deserializer; instead the handler wrapper answers INVALID_ARGUMENT (the client sent bad
+ * bytes, the server is fine).
+ */
+class Undecodable {
+  constructor(readonly error: unknown) {}
+}
+
+function decodeRequest(m: DescMethod, b: Buffer): unknown {
+  try {
+    return fromBinary(m.input, b);
+  } catch (e) {
+    return new Undecodable(e);
+  }
+}
+
+function undecodableError(u: Undecodable): InvalidArgumentError {
+  return new InvalidArgumentError('request', `not a valid encoding: ${u.error instanceof Error ? u.error.message : String(u.error)}`);
+}
+
+/** Request stream items, failing the iteration on an undecodable message. */
+async function* decodedItems(items: AsyncIterable<unknown>): AsyncGenerator<unknown> {
+  for await (const item of items) {
+    if (item instanceof Undecodable) throw undecodableError(item);
+    yield item;
+  }
+}
+
 function methodDefinition(m: DescMethod): MethodDefinition<unknown, unknown> {
   return {
     path: methodPath(m),
     requestStream: m.methodKind === 'client_streaming' || m.methodKind === 'bidi_streaming',
     responseStream: m.methodKind === 'server_streaming' || m.methodKind === 'bidi_streaming',
     requestSerialize: (v: unknown) => Buffer.from(toBinary(m.input, create(m.input, v as MessageInitShape<typeof m.input>))),
-    requestDeserialize: (b: Buffer) => fromBinary(m.input, b),
+    requestDeserialize: (b: Buffer) => decodeRequest(m, b),
     responseSerialize: (v: unknown) => Buffer.from(toBinary(m.output, create(m.output, v as MessageInitShape<typeof m.output>))),
     responseDeserialize: (b: Buffer) => fromBinary(m.output, b),
     originalName: m.localName,
@@ -172,6 +202,10 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
       case 'unary':
         out[m.localName] = (call: ServerUnaryCall<unknown, unknown>, cb: sendUnaryData<unknown>) => {
           const ctx = contextOf(call, name);
+          if (call.request instanceof Undecodable) {
+            cb(fail(undecodableError(call.request)));
+            return;
+          }
           (fn(call.request, ctx) as Promise<unknown>).then(
             (res) => cb(null, res),
             (err: unknown) => cb(fail(err)),
@@ -181,7 +215,7 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
       case 'client_streaming':
         out[m.localName] = (call: ServerReadableStream<unknown, unknown>, cb: sendUnaryData<unknown>) => {
           const ctx = contextOf(call, name);
-          (fn(readableItems(call), ctx) as Promise<unknown>).then(
+          (fn(decodedItems(readableItems(call)), ctx) as Promise<unknown>).then(
             (res) => cb(null, res),
             (err: unknown) => cb(fail(err)),
           );
@@ -192,7 +226,11 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         out[m.localName] = (call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>) => {
           const ctx = contextOf(call, name);
           const input = m.methodKind === 'server_streaming' ? (call as ServerWritableStream<unknown, unknown>).request
-              : readableItems(call as ServerDuplexStream<unknown, unknown>);
+              : decodedItems(readableItems(call as ServerDuplexStream<unknown, unknown>));
+          if (input instanceof Undecodable) {
+            call.emit('error', fail(undecodableError(input)));
+            return;
+          }
           let iterable: AsyncIterable<unknown>;
           try {
             iterable = fn(input, ctx) as AsyncIterable<unknown>;

@@ -1,0 +1,249 @@
+// Fuzzes the public Fleet API over real gRPC against real etcd and NATS: thousands of
+// malformed and boundary-value requests, raw undecodable bytes and truncated streams.
+// The server must never crash or hang, must answer bad input with a client error (never
+// INTERNAL), and a request that fails must not change any state in etcd.
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import fc from 'fast-check';
+import { Client as GrpcClient, credentials, Metadata, status as Status } from '@grpc/grpc-js';
+import type { ServiceError } from '@grpc/grpc-js';
+import { connect } from 'nats';
+import type { NatsConnection } from 'nats';
+import { startEtcd } from '../../testkit/etcd.ts';
+import type { EtcdCluster } from '../../testkit/etcd.ts';
+import { startNats } from '../../testkit/nats.ts';
+import type { NatsServer } from '../../testkit/nats.ts';
+import { EtcdFleetStore } from '../etcd/store.ts';
+import { NatsWorkBus } from '../nats/bus.ts';
+import { Fleet } from '../../domain/fleet.ts';
+import { HeartbeatRegistry } from '../../domain/fleet-view.ts';
+import { systemClock } from '../../domain/ports.ts';
+import { fleetService } from './fleet-service.ts';
+import { startGrpcServer } from './server.ts';
+import type { RunningGrpcServer } from './server.ts';
+import { createClient } from './rpc.ts';
+import type { Client } from './rpc.ts';
+import type { RpcError } from './status.ts';
+import { FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+
+type Api = Client<(typeof FleetService)['method']>;
+
+// Codes a correct server may give a bad or unlucky request. INTERNAL and UNKNOWN mean a bug.
+const CLIENT_ERRORS = new Set([Status.INVALID_ARGUMENT, Status.NOT_FOUND, Status.FAILED_PRECONDITION, Status.RESOURCE_EXHAUSTED, Status.ALREADY_EXISTS, Status.ABORTED]);
+const RUNS = Number(process.env.FF_FUZZ_RUNS ?? 720);
+
+const nasty = fc.oneof(
+  fc.constantFrom('', ' ', 'a', 'T1', 'tenant!', '../../etc/passwd', '/ff/v1/', 'sb-', 'sb-aaaaaaaaaaaaaaaaaaaa', 'sb-AAAAAAAAAAAAAAAAAAAA', 'sn-bbbbbbbbbbbbbbbbbbbb', 'op-cccccccccccccccccccc', '\u0000', 'x'.repeat(200), '☃', 'tiny', '/tmp/x', '/', '/a/../b', '//x'),
+  fc.string({ maxLength: 80 }),
+  fc.string({ unit: 'binary', maxLength: 40 }),
+);
+const smallInt = fc.oneof(fc.constantFrom(0, 1, 2, 63, 64, 65, 255, 256, 257, 4095, 2 ** 31 - 1, 2 ** 32 - 1), fc.nat({ max: 2 ** 32 - 1 }));
+const enumInt = fc.oneof(fc.constantFrom(0, 1, 2, 3, 4, 99, -1), fc.integer({ min: -(2 ** 31), max: 2 ** 31 - 1 }));
+const bigU64 = fc.oneof(fc.constantFrom(0n, 1n, 63n, 64n, 65n, 256n, 257n, 262_144n, 262_145n, 2n ** 53n, 2n ** 64n - 1n), fc.bigInt({ min: 0n, max: 2n ** 64n - 1n }));
+const duration = fc.option(fc.record({ seconds: fc.bigInt({ min: -(2n ** 40n), max: 2n ** 40n }), nanos: fc.integer({ min: -2_000_000_000, max: 2_000_000_000 }) }), { nil: undefined });
+
+describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
+  let etcd: EtcdCluster;
+  let nats: NatsServer;
+  let nc: NatsConnection;
+  let store: EtcdFleetStore;
+  let server: RunningGrpcServer;
+  let api: Api;
+  let cases = 0;
+
+  beforeAll(async () => {
+    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
+    store = EtcdFleetStore.connect(etcd.endpoints);
+    nc = await connect({ servers: nats.url });
+    const bus = await NatsWorkBus.create(nc);
+    // No leader executor runs here: the only writes to etcd are the API's own.
+    const fleet = new Fleet({ store, bus, clock: systemClock, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } });
+    server = await startGrpcServer({ address: '127.0.0.1:0', services: [fleetService({ fleet, store, clock: systemClock })] });
+    api = createClient(FleetService, server.address);
+  }, 60_000);
+
+  afterAll(async () => {
+    api?.close();
+    await server?.close();
+    await nc?.close();
+    store?.close();
+    await nats?.stop();
+    await etcd?.stop();
+    // CI runs at least 5,000 fuzz cases (7 properties x RUNS + the truncated streams).
+    if (RUNS >= 720) expect(cases).toBeGreaterThanOrEqual(5000);
+  });
+
+  async function revision(): Promise<string> {
+    const r = await store.etcd.get('/ff/v1/__revision_probe__').exec();
+    return r.header.revision;
+  }
+
+  /** Calls once; asserts a clean answer within the deadline and no state change on error. */
+  async function probe(call: () => Promise<unknown>): Promise<void> {
+    cases++;
+    const before = await revision();
+    const t0 = Date.now();
+    try {
+      await call();
+    } catch (e) {
+      const err = e as RpcError;
+      expect(CLIENT_ERRORS.has(err.code), `unexpected ${Status[err.code]}: ${err.message}`).toBe(true);
+      expect(await revision(), `a failed call changed state: ${err.message}`).toBe(before);
+    }
+    expect(Date.now() - t0).toBeLessThan(5000);
+  }
+
+  const opts = { timeoutMs: 5000 };
+
+  it('createSandbox_withArbitraryFields_answersCleanlyAndFailsWithoutSideEffects', async () => {
+    await fc.assert(
+      fc.asyncProperty(nasty, nasty, nasty, fc.record({ vcpus: smallInt, memoryMib: bigU64, diskMib: bigU64 }), fc.dictionary(nasty, nasty, { maxKeys: 3 }), duration, nasty, async (tenantId, key, image, resources, labels, ttl, hostname) => {
+        await probe(() => api.createSandbox({ tenantId, idempotencyKey: key, source: { case: 'image', value: image }, resources, labels, lifecycle: ttl ? { ttl } : {}, hostname }, opts));
+      }),
+      { numRuns: RUNS },
+    );
+  });
+
+  it('forkSandbox_withArbitraryFields_answersCleanlyAndFailsWithoutSideEffects', async () => {
+    await fc.assert(
+      fc.asyncProperty(nasty, nasty, nasty, smallInt, fc.record({ locality: enumInt, spread: enumInt, maxPerHost: smallInt, hostId: nasty }), async (tenantId, key, src, count, placement) => {
+        await probe(() => api.forkSandbox({ tenantId, idempotencyKey: key, source: { case: 'snapshotId', value: src }, count, placement }, opts));
+      }),
+      { numRuns: RUNS },
+    );
+  });
+
+  it('sandboxOperations_withArbitraryIds_answerCleanly', async () => {
+    await fc.assert(
+      fc.asyncProperty(fc.constantFrom('pause', 'resume', 'destroy', 'hibernate', 'snapshot', 'get'), nasty, nasty, nasty, async (which, tenantId, key, sandboxId) => {
+        const req = { tenantId, idempotencyKey: key, sandboxId };
+        await probe(() => {
+          switch (which) {
+            case 'pause':
+              return api.pauseSandbox(req, opts);
+            case 'resume':
+              return api.resumeSandbox(req, opts);
+            case 'destroy':
+              return api.destroySandbox(req, opts);
+            case 'hibernate':
+              return api.hibernateSandbox(req, opts);
+            case 'snapshot':
+              return api.snapshotSandbox(req, opts);
+            default:
+              return api.getSandbox(req, opts);
+          }
+        });
+      }),
+      { numRuns: RUNS },
+    );
+  });
+
+  it('exec_withArbitraryArgvPathsAndTimeouts_answersCleanly', async () => {
+    await fc.assert(
+      fc.asyncProperty(nasty, nasty, fc.array(nasty, { maxLength: 4 }), fc.dictionary(nasty, nasty, { maxKeys: 2 }), nasty, fc.uint8Array({ maxLength: 64 }), duration, async (tenantId, sandboxId, argv, env, cwd, stdin, timeout) => {
+        await probe(async () => {
+          for await (const _ of api.exec({ tenantId, sandboxId, argv, env, cwd, stdin, ...(timeout ? { timeout } : {}) }, opts)) {
+            /* drain */
+          }
+        });
+      }),
+      { numRuns: RUNS },
+    );
+  });
+
+  it('files_withArbitraryPaths_answerCleanly', async () => {
+    await fc.assert(
+      fc.asyncProperty(nasty, nasty, nasty, bigU64, fc.boolean(), async (tenantId, sandboxId, path, maxBytes, write) => {
+        await probe(async () => {
+          if (write) {
+            await api.writeFile([{ payload: { case: 'header', value: { tenantId, sandboxId, path, mode: 0o644 } } }, { payload: { case: 'data', value: new Uint8Array([1, 2, 3]) } }], opts);
+          } else {
+            for await (const _ of api.readFile({ tenantId, sandboxId, path, maxBytes }, opts)) {
+              /* drain */
+            }
+          }
+        });
+      }),
+      { numRuns: RUNS },
+    );
+  });
+
+  it('snapshotsHostsAndOperations_withArbitraryFields_answerCleanly', async () => {
+    await fc.assert(
+      fc.asyncProperty(fc.constantFrom('getSnapshot', 'pin', 'unpin', 'retention', 'deleteSnapshot', 'cordon', 'drain', 'getOp', 'waitOp', 'listSandboxes', 'listSnapshots'), nasty, nasty, nasty, smallInt, duration, async (which, tenantId, key, id, n, d) => {
+        await probe(() => {
+          switch (which) {
+            case 'getSnapshot':
+              return api.getSnapshot({ tenantId, snapshotId: id }, opts);
+            case 'pin':
+              return api.pinSnapshot({ tenantId, idempotencyKey: key, snapshotId: id }, opts);
+            case 'unpin':
+              return api.unpinSnapshot({ tenantId, idempotencyKey: key, snapshotId: id }, opts);
+            case 'retention':
+              return api.setSnapshotRetention({ tenantId, idempotencyKey: key, snapshotId: id, retention: { keepLast: n, ...(d ? { ttl: d } : {}) } }, opts);
+            case 'deleteSnapshot':
+              return api.deleteSnapshot({ tenantId, idempotencyKey: key, snapshotId: id }, opts);
+            case 'cordon':
+              return api.cordonHost({ idempotencyKey: key, hostId: id, cordon: n % 2 === 0 }, opts);
+            case 'drain':
+              return api.drainHost({ idempotencyKey: key, hostId: id }, opts);
+            case 'getOp':
+              return api.getOperation({ tenantId, operationId: id }, opts);
+            case 'waitOp':
+              return api.waitOperation({ tenantId, operationId: id, timeout: { seconds: 0n, nanos: 1_000_000 } }, opts);
+            case 'listSandboxes':
+              return api.listSandboxes({ tenantId, pageSize: n, states: [n % 20, -(n % 3)] }, opts);
+            default:
+              return api.listSnapshots({ tenantId, lineageId: id, pageSize: n }, opts);
+          }
+        });
+      }),
+      { numRuns: RUNS },
+    );
+  });
+
+  it('rawBytes_thatAreNotAValidMessage_getInvalidArgumentAndServerStaysUp', async () => {
+    const raw = new GrpcClient(server.address, credentials.createInsecure());
+    const methods = ['CreateSandbox', 'ForkSandbox', 'GetSandbox', 'WaitOperation', 'CordonHost', 'Exec'];
+    await fc.assert(
+      fc.asyncProperty(fc.constantFrom(...methods), fc.uint8Array({ minLength: 1, maxLength: 256 }), async (method, bytes) => {
+        cases++;
+        const before = await revision();
+        const code = await new Promise<Status>((resolve) => {
+          const path = `/forkfleet.v1.FleetService/${method}`;
+          const ser = (b: Buffer): Buffer => b;
+          const de = (b: Buffer): Buffer => b;
+          if (method === 'Exec') {
+            const call = raw.makeServerStreamRequest(path, ser, de, Buffer.from(bytes), new Metadata(), { deadline: Date.now() + 5000 });
+            call.on('data', () => undefined);
+            call.on('error', (e: ServiceError) => resolve(e.code));
+            call.on('end', () => resolve(Status.OK));
+          } else {
+            raw.makeUnaryRequest(path, ser, de, Buffer.from(bytes), new Metadata(), { deadline: Date.now() + 5000 }, (e: ServiceError | null) => resolve(e ? e.code : Status.OK));
+          }
+        });
+        expect(code === Status.OK || CLIENT_ERRORS.has(code), `raw ${method}: ${Status[code]}`).toBe(true);
+        expect(await revision()).toBe(before);
+      }),
+      { numRuns: RUNS },
+    );
+    raw.close();
+  });
+
+  it('truncatedWriteFileStream_isRefusedAndTheServerKeepsServing', async () => {
+    for (let i = 0; i < 20; i++) {
+      cases++;
+      const ac = new AbortController();
+      async function* parts(): AsyncGenerator<never> {
+        yield { payload: { case: 'header', value: { tenantId: 't', sandboxId: 'sb-aaaaaaaaaaaaaaaaaaaa', path: '/tmp/x', mode: 0o644 } } } as never;
+        yield { payload: { case: 'data', value: new Uint8Array(1024) } } as never;
+        ac.abort(); // the client goes away mid-stream
+        await new Promise((r) => setTimeout(r, 5));
+      }
+      const err = (await api.writeFile(parts(), { signal: ac.signal }).catch((e: unknown) => e)) as RpcError;
+      expect(err.code).toBe(Status.CANCELLED);
+    }
+    // Still serving.
+    const e = (await api.getSandbox({ tenantId: 't', sandboxId: 'sb-aaaaaaaaaaaaaaaaaaaa' }).catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.NOT_FOUND);
+  });
+});
