@@ -11,7 +11,7 @@ import type { Logger } from 'pino';
 import type { SnapshotShipper } from '../domain/agent.ts';
 import type { LocalSnapshot, VmmDriver } from '../domain/vmm.ts';
 import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
-import { LiveRoots } from '../domain/snapshot-store.ts';
+import type { LiveRoots } from '../domain/snapshot-store.ts';
 import type { TrustedKeys } from '../domain/tickets.ts';
 import { fetchSnapshot } from '../domain/transfer.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
