@@ -61,26 +61,17 @@ done
 [ -e "$root/lib64/ld-linux-x86-64.so.2" ] || { mkdir -p "$root/lib64"; cp -L /lib64/ld-linux-x86-64.so.2 "$root/lib64/"; }
 
 # ff-reseed: a 176-byte static x86-64 ELF that does open("/dev/urandom") + ioctl(RNDRESEEDCRNG)
-# and exits with the ioctl's result. The host first writes fresh entropy into /dev/urandom
-# (mixed into the input pool), then this forces the CRNG to reseed from that pool.
+# and exits with the ioctl's result (the shell hygiene of ADR 0005 for names ff-clone can't carry).
 # Hand-assembled so the image needs no compiler:
 #   mov eax,2; lea rdi,[rip+31]; xor esi,esi; xor edx,edx; syscall       ; open
 #   mov edi,eax; mov eax,16; mov esi,0x5207; xor edx,edx; syscall         ; ioctl
 #   mov edi,eax; mov eax,60; syscall                                      ; exit
-printf '%b' \
-'\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00' \
-'\x02\x00\x3e\x00\x01\x00\x00\x00\x78\x00\x40\x00\x00\x00\x00\x00' \
-'\x40\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00' \
-'\x00\x00\x00\x00\x40\x00\x38\x00\x01\x00\x00\x00\x00\x00\x00\x00' \
-'\x01\x00\x00\x00\x05\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00' \
-'\x00\x00\x40\x00\x00\x00\x00\x00\x00\x00\x40\x00\x00\x00\x00\x00' \
-'\xb0\x00\x00\x00\x00\x00\x00\x00\xb0\x00\x00\x00\x00\x00\x00\x00' \
-'\x00\x10\x00\x00\x00\x00\x00\x00' \
-'\xb8\x02\x00\x00\x00\x48\x8d\x3d\x1f\x00\x00\x00\x31\xf6\x31\xd2\x0f\x05' \
-'\x89\xc7\xb8\x10\x00\x00\x00\xbe\x07\x52\x00\x00\x31\xd2\x0f\x05' \
-'\x89\xc7\xb8\x3c\x00\x00\x00\x0f\x05' \
-'/dev/urandom\x00' > "$root/sbin/ff-reseed"
+base64 -d "$(dirname "$0")/ff-reseed.b64" > "$root/sbin/ff-reseed"
 chmod 0755 "$root/sbin/ff-reseed"
+# ff-clone: all clone hygiene in one process (ADR 0009); assembled from ff-clone.S, stored as base64
+# so the build needs no assembler.
+base64 -d "$(dirname "$0")/ff-clone.b64" > "$root/sbin/ff-clone"
+chmod 0755 "$root/sbin/ff-clone"
 
 cat > "$root/etc/passwd" <<'P'
 root:x:0:0:root:/root:/bin/sh

@@ -28,6 +28,8 @@ export interface ImageOptions {
 
 interface Recipe {
   script: string;
+  /** Further files in this directory the script reads (part of the recipe hash). */
+  inputs: string[];
   packages: string[];
   defaultDiskMib: number;
   kernelArgs: string;
@@ -40,12 +42,14 @@ const MICROVM_ARGS = 'console=ttyS0 tsc_early_khz=2000000 pci=off quiet';
 const RECIPES: Record<ImageName, Recipe> = {
   tiny: {
     script: 'build-tiny.sh',
+    inputs: ['ff-clone.b64', 'ff-reseed.b64'],
     packages: ['linux-image-amd64', 'busybox-static', 'qemu-guest-agent', 'e2fsprogs', 'qemu-utils'],
     defaultDiskMib: 64,
     kernelArgs: MICROVM_ARGS,
   },
   debian: {
     script: 'build-debian.sh',
+    inputs: ['ff-clone.b64', 'ff-reseed.b64'],
     packages: ['linux-image-amd64', 'busybox-static', 'mmdebstrap', 'e2fsprogs', 'qemu-utils'],
     defaultDiskMib: 1024,
     kernelArgs: MICROVM_ARGS,
@@ -78,6 +82,7 @@ export async function recipeHash(name: ImageName, opts: ImageOptions = {}): Prom
   const diskMib = opts.diskMib ?? r.defaultDiskMib;
   const h = createHash('sha256');
   h.update(await readFile(join(here, r.script)));
+  for (const f of r.inputs) h.update(await readFile(join(here, f)));
   h.update(await packageVersions(r.packages));
   if (name === 'debian') h.update(await readFile(await aptSourcesFile()));
   h.update(JSON.stringify({ name, kernelVersion, diskMib, kernelArgs: r.kernelArgs }));

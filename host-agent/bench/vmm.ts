@@ -2,7 +2,7 @@
 // A 256 MiB guest dirties 64 MiB and starts a long-running process, is snapshotted, then
 // forked N = 1, 4, 8 times; the baseline restores QEMU's ordinary full-RAM save N times
 // concurrently from one file (like virsh save/restore). "Ready" = the VM answers an exec.
-import { mkdtemp, readFile, rm, writeFile, mkdir } from 'node:fs/promises';
+import { mkdtemp, open, readFile, rm, writeFile, mkdir } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -13,7 +13,7 @@ import { GuestAgentClient } from '../adapters/guest/client.ts';
 import { QmpClient } from '../adapters/qmp/client.ts';
 import { qemuArgs } from '../adapters/qemu/cmdline.ts';
 import { QemuVmmDriver, incomingAndWait, migrateAndWait, setCaps } from '../adapters/qemu/driver.ts';
-import { killAndWait, killHard, qemuImgCreateOverlay, spawnQemu, type QemuProcess } from '../adapters/qemu/process.ts';
+import { OverlayFactory, killAndWait, killHard, spawnQemu, type QemuProcess } from '../adapters/qemu/process.ts';
 
 const { values } = parseArgs({
   options: {
@@ -105,6 +105,11 @@ async function main(): Promise<void> {
     await migrateAndWait(q, `exec:cat > ${classicFile}`);
     const launch = driver.launchOf('classic-src');
     await driver.destroy('classic-src');
+    // Same host mechanics as a fork child (overlay copy, stream as an inherited fd as libvirt
+    // passes one, pipelined QMP, same agent waits), so the two differ only in what the stream
+    // holds (all RAM) and where RAM lives (anonymous, no sharing). See ADR 0009.
+    const overlays = new OverlayFactory();
+    await overlays.create(join(snap.dir, 'disk.qcow2'), join(classicDir, 'warm.qcow2'), snap.manifest.diskVirtualSize);
     const classic_restore: Record<string, { all_ready_ms: number }> = {};
     for (const n of [1, 8]) {
       const t = performance.now();
@@ -113,19 +118,24 @@ async function main(): Promise<void> {
           const dir = join(classicDir, `${n}-${i}`);
           await mkdir(dir);
           const disk = join(dir, 'disk.qcow2');
-          await qemuImgCreateOverlay(join(snap.dir, 'disk.qcow2'), disk, snap.manifest.diskVirtualSize);
+          await overlays.create(join(snap.dir, 'disk.qcow2'), disk, snap.manifest.diskVirtualSize);
           const l = {
             ...launch, anonymousRam: true, disk, incoming: true, name: `classic-${n}-${i}`,
             qmpSocket: join(dir, 'qmp.sock'), agentSocket: join(dir, 'qga.sock'), serialLog: join(dir, 'serial.log'), pidFile: join(dir, 'pid'),
           };
-          const proc = spawnQemu('qemu-system-x86_64', qemuArgs(l), join(dir, 'qemu.log'));
+          const stream = await open(classicFile, 'r');
+          let proc: QemuProcess;
+          try {
+            proc = spawnQemu('qemu-system-x86_64', qemuArgs(l), join(dir, 'qemu.log'), [stream.fd]);
+          } finally {
+            await stream.close();
+          }
           stray.push(proc);
           const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => true);
-          await setCaps(qmp, { events: true, 'x-ignore-shared': false });
-          await incomingAndWait(qmp, `exec:cat ${classicFile}`);
+          await Promise.all([setCaps(qmp, { events: true, 'x-ignore-shared': false }), incomingAndWait(qmp, 'fd:3')]);
           await qmp.execute('cont');
           const ga = await GuestAgentClient.connect(l.agentSocket);
-          await ga.sync(60_000);
+          await ga.sync(60_000, 250);
           await ga.exec({ path: '/bin/true' });
           ga.close();
           qmp.close();

@@ -63,6 +63,8 @@ export interface ExecRequest {
   env?: string[];
   stdin?: Buffer;
   timeoutMs?: number;
+  /** Collect stdout/stderr (default true). Off saves the guest two pipes when only the exit status matters. */
+  captureOutput?: boolean;
 }
 
 export interface ExecResult {

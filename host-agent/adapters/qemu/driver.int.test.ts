@@ -2,7 +2,7 @@
 // One template VM is booted for the file and everything forks from its snapshot.
 import { createHash } from 'node:crypto';
 import { createReadStream } from 'node:fs';
-import { mkdtemp, readdir, rm, stat } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, rm, stat } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { pino } from 'pino';
@@ -11,7 +11,7 @@ import { ensureImage } from '../../../deploy/images/build.ts';
 import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
 import type { GuestImage, LocalSnapshot, VmEvent } from '../../domain/vmm.ts';
 import { QemuVmmDriver } from './driver.ts';
-import { cmdlineOf, killHard } from './process.ts';
+import { cmdlineOf, isAlive, killHard } from './process.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
 let root: string;
@@ -41,6 +41,27 @@ async function ourProcesses(): Promise<number[]> {
     if (cmd && cmd[0]?.includes('qemu') && cmd.some((a) => a.includes(root))) pids.push(Number(d));
   }
   return pids;
+}
+
+/** True once `pid` no longer runs (a zombie awaiting its reaper counts as gone). */
+async function goneWithin(pid: number, ms: number): Promise<boolean> {
+  const end = Date.now() + ms;
+  while (Date.now() < end) {
+    const stat = await readFile(`/proc/${pid}/stat`, 'utf8').catch(() => '');
+    if (!stat || /\) Z /.test(stat)) return true;
+    await new Promise((r) => setTimeout(r, 20));
+  }
+  return !isAlive(pid);
+}
+
+/** Every file (not directory) under `dir`, recursively; sockets included. */
+async function allFiles(dir: string): Promise<string[]> {
+  const out: string[] = [];
+  for (const e of await readdir(dir, { withFileTypes: true })) {
+    if (e.isDirectory()) out.push(...(await allFiles(join(dir, e.name))));
+    else out.push(join(dir, e.name));
+  }
+  return out;
 }
 
 const COUNTER = "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' </dev/null >/dev/null 2>&1 &";
@@ -102,6 +123,15 @@ describe('QemuVmmDriver (real QEMU)', () => {
     const ids = ['c0', 'c1', 'c2', 'c3'];
     const vms = await driver.fork(snap, ids.map((vmId) => ({ vmId, hostname: `h-${vmId}`, sandboxId: `sb-${vmId}` })));
     expect(vms.map((v) => v.state)).toEqual(['running', 'running', 'running', 'running']);
+    // Clock: set at hand-out, so checked first (a TCG guest's clock can drift under heavy host
+    // load afterwards); within 1 s of the host, bounded by the exec round trip.
+    const before = Date.now() / 1000;
+    const clocks = await Promise.all(ids.map((id) => sh(id, 'date +%s')));
+    const after = Date.now() / 1000;
+    for (const c of clocks) {
+      expect(Number(c)).toBeGreaterThanOrEqual(Math.floor(before) - 1);
+      expect(Number(c)).toBeLessThanOrEqual(Math.ceil(after) + 1);
+    }
     // Each child writes its own data to tmpfs and disk.
     await Promise.all(ids.map((id) => sh(id, `echo ${id} > /dev/shm/me && echo ${id} > /data/me && sync`)));
     for (const id of ids) {
@@ -112,14 +142,6 @@ describe('QemuVmmDriver (real QEMU)', () => {
     // RNG: every child produces different bytes.
     const rng = await Promise.all(ids.map((id) => sh(id, 'head -c 32 /dev/urandom | od -An -tx1 | tr -d " \\n"')));
     expect(new Set(rng).size).toBe(ids.length);
-    // Clock: within 1 s of the host (bounded by the exec round trip).
-    for (const id of ids) {
-      const before = Date.now() / 1000;
-      const guest = Number(await sh(id, 'date +%s'));
-      const after = Date.now() / 1000;
-      expect(guest).toBeGreaterThanOrEqual(Math.floor(before) - 1);
-      expect(guest).toBeLessThanOrEqual(Math.ceil(after) + 1);
-    }
     // The parent's memory image and disk layer are untouched by the children.
     expect(await digest(join(snap.dir, 'mem.img'))).toBe(memBefore);
     expect(await digest(join(snap.dir, 'disk.qcow2'))).toBe(diskBefore);
@@ -188,6 +210,33 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await expect(driver.exec('victim', { path: '/bin/true' })).rejects.toBeInstanceOf(VmCrashedError);
     await driver.destroy('victim');
     expect(driver.get('victim')).toBeUndefined();
+  });
+
+  it('recover_whenReapingVmLeftByPreviousDriver_killsQemuAndRemovesSocketsAndFiles', async () => {
+    // Its own root, so the reaping driver sees only the leftover (the snapshot stays in `root`).
+    const other = await mkdtemp(join(tmpdir(), 'ffr-'));
+    try {
+      const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger });
+      const [vm] = await previous.fork(snap, [{ vmId: 'orphan' }]);
+      const pid = vm?.pid ?? 0;
+      expect(pid).toBeGreaterThan(0);
+      // The previous agent dies without stopping its VM.
+      previous.detach();
+      expect(isAlive(pid)).toBe(true);
+      expect((await readdir(join(other, 'vms', 'orphan'))).some((f) => f.endsWith('.sock'))).toBe(true);
+
+      const next = new QemuVmmDriver({ root: other, accel: 'tcg', logger });
+      const report = await next.recover('reap');
+      expect(report).toEqual({ adopted: [], reaped: ['orphan'] });
+      expect(await goneWithin(pid, 2000)).toBe(true);
+      expect(next.list()).toEqual([]);
+      expect(await readdir(join(other, 'vms'))).toEqual([]);
+      expect(await allFiles(other)).toEqual([]);
+      // Idempotent: a second reap finds nothing.
+      expect(await next.recover('reap')).toEqual({ adopted: [], reaped: [] });
+    } finally {
+      await rm(other, { recursive: true, force: true });
+    }
   });
 
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {

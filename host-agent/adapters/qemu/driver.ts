@@ -9,7 +9,7 @@
 // Invariant: a VM record exists exactly while its workdir exists; the pid files in a workdir
 // name every QEMU that may still run for it, so recover() can adopt or reap after a restart.
 import { randomBytes } from 'node:crypto';
-import { access, chmod, link, mkdir, readdir, readFile, rename, rm, stat, unlink, writeFile } from 'node:fs/promises';
+import { access, chmod, link, mkdir, open, readdir, readFile, rename, rm, stat, unlink, writeFile } from 'node:fs/promises';
 import { constants, createReadStream, createWriteStream } from 'node:fs';
 import net from 'node:net';
 import { join } from 'node:path';
@@ -27,6 +27,8 @@ import {
   VmmError,
   VmNotFoundError,
   CloneHygieneError,
+  GuestAgentCommandError,
+  QmpCommandError,
 } from '../../errors.ts';
 import { diffFingerprint } from '../../domain/compat.ts';
 import { canTransition } from '../../domain/lifecycle.ts';
@@ -57,6 +59,7 @@ import {
   isAlive,
   killAndWait,
   killHard,
+  OverlayFactory,
   qemuImgCreateOverlay,
   qemuVersion,
   spawnQemu,
@@ -105,6 +108,13 @@ interface VmRecord extends VmPersisted {
   lock: Promise<unknown>;
 }
 
+/** linux/timex.h: step the clock by timex.time (relative). */
+const ADJ_SETOFFSET = 0x0100;
+/** ff-clone's exit codes (deploy/images/ff-clone.S). */
+const FF_CLONE_STEPS: Record<number, string> = {
+  10: 'read record', 11: 'clock_adjtime', 12: 'open /dev/urandom', 13: 'write entropy',
+  14: 'RNDRESEEDCRNG', 15: 'sethostname', 16: 'open sandbox-id', 17: 'write sandbox-id',
+};
 const VM_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$/;
 const MIGRATION_TIMEOUT_MS = 120_000;
 
@@ -113,6 +123,7 @@ export class QemuVmmDriver implements VmmDriver {
   private readonly vms = new Map<string, VmRecord>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
   private accelPromise: Promise<Accel> | undefined;
+  private readonly overlays = new OverlayFactory();
   private versionPromise: Promise<string> | undefined;
 
   constructor(opts: QemuDriverOptions) {
@@ -200,7 +211,7 @@ export class QemuVmmDriver implements VmmDriver {
     const memPath = join(workdir, `mem.${gen}.img`);
     const log = this.opts.logger.child({ vmId: spec.vmId });
     try {
-      await qemuImgCreateOverlay(spec.image.disk, diskPath, spec.image.diskVirtualSize);
+      await this.overlays.create(spec.image.disk, diskPath, spec.image.diskVirtualSize);
       const persisted: VmPersisted = {
         info: {
           vmId: spec.vmId, state: 'starting', accel, pid: 0, workdir, memoryMib: spec.memoryMib, vcpus: spec.vcpus,
@@ -265,9 +276,9 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /** Spawn QEMU for `p` (generation p.gen) and connect QMP; registers the record. */
-  private async launch(p: VmPersisted, log: Logger, o: { incoming: boolean }): Promise<VmRecord> {
+  private async launch(p: VmPersisted, log: Logger, o: { incoming: boolean; extraFds?: number[] }): Promise<VmRecord> {
     const l = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, o.incoming);
-    const { proc, qmp } = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`));
+    const { proc, qmp } = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), o.extraFds);
     const rec: VmRecord = { ...p, proc, qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
     rec.info.pid = proc.pid;
     this.vms.set(p.info.vmId, rec);
@@ -275,8 +286,8 @@ export class QemuVmmDriver implements VmmDriver {
     return rec;
   }
 
-  private async spawnAndConnect(l: QemuLaunch, logPath: string): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
-    const proc = spawnQemu(this.opts.qemuBinary, qemuArgs(l), logPath);
+  private async spawnAndConnect(l: QemuLaunch, logPath: string, extraFds: number[] = []): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+    const proc = spawnQemu(this.opts.qemuBinary, qemuArgs(l), logPath, extraFds);
     let dead = false;
     void proc.exited.then(() => (dead = true));
     try {
@@ -302,10 +313,10 @@ export class QemuVmmDriver implements VmmDriver {
     });
   }
 
-  private async connectAgent(rec: VmRecord, deadlineMs: number): Promise<GuestAgentClient> {
+  private async connectAgent(rec: VmRecord, deadlineMs: number, attemptMs = 1000): Promise<GuestAgentClient> {
     const agent = await GuestAgentClient.connect(join(rec.info.workdir, `qga.${rec.gen}.sock`));
     try {
-      await agent.sync(Math.max(1000, deadlineMs), 1000);
+      await agent.sync(Math.max(1000, deadlineMs), attemptMs);
     } catch (e) {
       agent.close();
       if (rec.qmp.closed) throw new VmCrashedError(rec.info.vmId, 'QEMU exited before its guest agent answered', { cause: e });
@@ -421,6 +432,11 @@ export class QemuVmmDriver implements VmmDriver {
         this.setState(rec, before);
         await this.persist(rec);
         rec.log.info({ snapshotId, method: manifest.method, pauseMs: result.pauseMs }, 'snapshot taken');
+        // Outside the pause: make the clone-overlay template now, so no fork pays qemu-img.
+        await this.overlays
+          .create(join(dir, 'disk.qcow2'), join(rec.info.workdir, `overlay-warm.${snapshotId}.qcow2`), rec.image.diskVirtualSize)
+          .then(() => unlink(join(rec.info.workdir, `overlay-warm.${snapshotId}.qcow2`)))
+          .catch((e: unknown) => rec.log.warn({ err: String(e) }, 'overlay template warm-up failed'));
         return { dir, manifest };
       } catch (e) {
         rec.log.error({ snapshotId, err: String(e) }, 'snapshot failed');
@@ -494,7 +510,7 @@ export class QemuVmmDriver implements VmmDriver {
       if (!sourceKilled) {
         await src.execute('migrate_cancel').catch(() => undefined);
         await undo();
-        if (!keepPaused) await src.execute('cont').catch(() => undefined);
+        if (!keepPaused) await contAfterMigration(src).catch(() => undefined);
       }
       throw e;
     }
@@ -578,7 +594,7 @@ export class QemuVmmDriver implements VmmDriver {
         await src.execute('blockdev-snapshot', { node: 'disk0', overlay: overlayNode });
         await src.execute('migrate-continue', { state: 'pre-switchover' });
         await waitMigration(src, 'completed', mark);
-        await src.execute('cont');
+        await contAfterMigration(src);
         // ---- end of pause window
       }
       const stopEv = src.history.slice(mark).find((e) => e.event === 'STOP');
@@ -609,7 +625,7 @@ export class QemuVmmDriver implements VmmDriver {
       await rec.qmp.execute('blockdev-del', { 'node-name': overlayNode }).catch(() => undefined);
       await rm(newDisk, { force: true });
       if (!rec.qmp.closed && (await queryStatus(rec.qmp).catch(() => '')) !== 'running' && !keepPaused) {
-        await rec.qmp.execute('cont').catch(() => undefined);
+        await contAfterMigration(rec.qmp).catch(() => undefined);
       }
       await rm(recvDir, { recursive: true, force: true });
       throw e;
@@ -685,16 +701,37 @@ export class QemuVmmDriver implements VmmDriver {
       dependsOn: await this.snapshotChain(snapshot),
     };
     try {
-      await qemuImgCreateOverlay(join(snapshot.dir, m.files.disk), diskPath, m.diskVirtualSize);
-      const rec = await this.launch(p, log, { incoming: true });
-      await setCaps(rec.qmp, { events: true, 'x-ignore-shared': true });
-      // exec:cat here: a child's load is in no one's pause window, and it keeps N concurrent
-      // streams out of the agent's event loop (an agent-fed socket measured the same within noise).
-      await incomingAndWait(rec.qmp, `exec:cat ${shellQuote(join(snapshot.dir, m.files.deviceState))}`);
+      const ph: Record<string, number> = {};
+      let tp = performance.now();
+      const mark = (k: string): void => {
+        const n = performance.now();
+        ph[k] = Math.round((n - tp) * 10) / 10;
+        tp = n;
+      };
+      await this.overlays.create(join(snapshot.dir, m.files.disk), diskPath, m.diskVirtualSize);
+      mark('overlay');
+      // The device state goes in as an inherited fd (`migrate-incoming fd:3`): QEMU reads the
+      // file itself, with no `exec:` fork of the QEMU process and no stream through this
+      // event loop (ADR 0009).
+      const state = await open(join(snapshot.dir, m.files.deviceState), 'r');
+      let rec: VmRecord;
+      try {
+        rec = await this.launch(p, log, { incoming: true, extraFds: [state.fd] });
+      } finally {
+        await state.close();
+      }
+      mark('launch');
+      // Pipelined: QMP runs them in order, so the capability is set before the load starts.
+      const caps = setCaps(rec.qmp, { events: true, 'x-ignore-shared': true });
+      await Promise.all([caps, incomingAndWait(rec.qmp, 'fd:3')]);
+      mark('incoming');
       await rec.qmp.execute('cont');
-      rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs);
-      await this.cloneHygiene(rec);
+      mark('cont');
+      rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
+      mark('sync');
+      await this.cloneHygiene(rec, mark);
       rec.info.readyMs = this.opts.clock.now() - t0;
+      log.debug({ phases: ph }, 'restore phases');
       this.setState(rec, 'running');
       await this.persist(rec);
       log.info({ readyMs: rec.info.readyMs, pid: rec.proc.pid }, 'vm restored');
@@ -707,13 +744,74 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /**
-   * Make a clone distinct and current before it is handed out (DESIGN.md decision 7):
-   * fresh RNG (host entropy written into the pool, then RNDRESEEDCRNG), its own hostname and
-   * sandbox id, the host's clock, and exec working (the health check). One guest exec does the
-   * first three so a clone costs two agent round trips beyond the resync.
+   * Make a clone distinct and current before it is handed out (DESIGN.md decision 7, ADR 0009):
+   * the host's clock, fresh RNG (host entropy written into the pool, then RNDRESEEDCRNG), its own
+   * hostname and sandbox id. One `guest-get-time` (no guest process) measures the guest clock's
+   * offset; then ONE guest exec of /sbin/ff-clone applies all of it, and its exit status 0 is
+   * the "answers an exec" proof. Images without ff-clone get the older shell script +
+   * guest-set-time (ADR 0005).
    */
-  private async cloneHygiene(rec: VmRecord): Promise<void> {
+  private async cloneHygiene(rec: VmRecord, mark: (k: string) => void = () => undefined): Promise<void> {
     const agent = this.agentOf(rec);
+    const record = await this.cloneRecord(rec, agent).catch((e: unknown) => {
+      throw new CloneHygieneError(rec.info.vmId, 'clock offset (guest-get-time)', { cause: e });
+    });
+    mark('getTime');
+    if (record) {
+      let r: ExecResult | undefined;
+      try {
+        r = await agent.exec({ path: '/sbin/ff-clone', stdin: record, timeoutMs: 30_000, captureOutput: false });
+      } catch (e) {
+        // qemu-ga reports a missing program as a command error: an image older than ff-clone.
+        if (!(e instanceof GuestAgentCommandError)) throw new CloneHygieneError(rec.info.vmId, 'ff-clone', { cause: e });
+        rec.log.debug({ err: String(e) }, 'no /sbin/ff-clone in the guest; using the shell hygiene');
+      }
+      if (r) {
+        if (r.exitCode !== 0) throw new CloneHygieneError(rec.info.vmId, `ff-clone (exit ${r.exitCode}: step ${FF_CLONE_STEPS[r.exitCode] ?? '?'})`);
+        mark('exec');
+        return;
+      }
+    }
+    await this.legacyCloneHygiene(rec, agent, mark);
+  }
+
+  /**
+   * The 416-byte stdin record of ff-clone (deploy/images/ff-clone.S), or undefined when the
+   * hostname or sandbox id does not fit it. The clock offset is host minus guest, measured at
+   * the midpoint of one guest-get-time round trip: a relative step, so the exec's own latency
+   * does not make the clock late.
+   */
+  private async cloneRecord(rec: VmRecord, agent: GuestAgentClient): Promise<Buffer | undefined> {
+    const host = Buffer.from(rec.info.hostname);
+    const sandbox = Buffer.from(`${rec.info.sandboxId}\n`);
+    if (host.length > 64 || sandbox.length > 64) return undefined;
+    // Date.now(), not performance.timeOrigin + now(): the guest must follow the host's wall
+    // clock, which a long-lived agent's monotonic clock drifts away from.
+    const before = Date.now();
+    const guestNs = await agent.getTime();
+    const after = Date.now();
+    const hostNs = BigInt(Math.round((before + after) / 2)) * 1_000_000n;
+    const offsetUs = (hostNs - guestNs) / 1000n;
+    const b = Buffer.alloc(416);
+    b.writeUInt32LE(ADJ_SETOFFSET, 0);
+    // struct timex.time: tv_sec may be negative, tv_usec must be in [0, 1e6).
+    let sec = offsetUs / 1_000_000n;
+    let usec = offsetUs % 1_000_000n;
+    if (usec < 0n) {
+      usec += 1_000_000n;
+      sec -= 1n;
+    }
+    b.writeBigInt64LE(sec, 72);
+    b.writeBigInt64LE(usec, 80);
+    randomBytes(64).copy(b, 208);
+    b.writeBigUInt64LE(BigInt(host.length), 272);
+    host.copy(b, 280);
+    b.writeBigUInt64LE(BigInt(sandbox.length), 344);
+    sandbox.copy(b, 352);
+    return b;
+  }
+
+  private async legacyCloneHygiene(rec: VmRecord, agent: GuestAgentClient, mark: (k: string) => void): Promise<void> {
     const script =
       'cat > /dev/urandom && /sbin/ff-reseed && hostname "$1" && mkdir -p /run/forkfleet && echo "$2" > /run/forkfleet/sandbox-id';
     let r: ExecResult;
@@ -730,8 +828,10 @@ export class QemuVmmDriver implements VmmDriver {
     if (r.exitCode !== 0) {
       throw new CloneHygieneError(rec.info.vmId, `reseed+identity (exit ${r.exitCode}: ${r.stderr.toString().trim()})`);
     }
+    mark('exec');
     try {
       await agent.setTime();
+      mark('setTime');
     } catch (e) {
       throw new CloneHygieneError(rec.info.vmId, 'clock', { cause: e });
     }
@@ -970,6 +1070,24 @@ async function waitMigration(qmp: QmpClient, status: string, sinceIndex: number)
   return ev;
 }
 
+/**
+ * `cont` on a migration source. QEMU emits MIGRATION `completed` from the migration thread a
+ * moment before the main loop leaves `finish-migrate`, and `cont` in that window fails with
+ * "Migration is not finalized yet" (seen under heavy host load): retry it briefly.
+ */
+export async function contAfterMigration(qmp: QmpClient, deadlineMs = 5000): Promise<void> {
+  const end = Date.now() + deadlineMs;
+  for (;;) {
+    try {
+      await qmp.execute('cont');
+      return;
+    } catch (e) {
+      if (!(e instanceof QmpCommandError) || !/not finalized/i.test(e.message) || Date.now() > end) throw e;
+      await new Promise((r) => setTimeout(r, 2));
+    }
+  }
+}
+
 export async function migrateAndWait(qmp: QmpClient, uri: string): Promise<void> {
   const mark = qmp.history.length;
   await qmp.execute('migrate', { uri });
@@ -1038,10 +1156,6 @@ export async function armIncoming(qmp: QmpClient, sockPath: string): Promise<(fi
 /** Load a migration stream from `file` (see armIncoming). */
 export async function incomingFromFile(qmp: QmpClient, file: string, sockPath: string): Promise<void> {
   await (await armIncoming(qmp, sockPath))(file);
-}
-
-function shellQuote(s: string): string {
-  return `'${s.replace(/'/g, `'\\''`)}'`;
 }
 
 function validateId(field: string, id: string): void {
