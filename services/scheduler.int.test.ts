@@ -60,7 +60,7 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
       pino({ level: 'warn' }),
     );
     await sched.leader;
-    for (const hostId of ['host-a', 'host-b']) agents.push(await startAgent({ hostId, natsUrl: nats.url, trustedKeyPath: `${keyPath}.pub` }));
+    for (const hostId of ['host-a', 'host-b']) agents.push(await startAgent({ hostId, natsUrl: nats.url, trustedKeyPath: `${keyPath}.pub`, ...(process.env.FF_TEST_LOG_DIR ? { logDir: process.env.FF_TEST_LOG_DIR } : {}) }));
     api = createClient(FleetService, sched.address);
     await waitFor('both hosts registered', async () => (await api.listHosts({})).hosts.length === 2, 20_000, 100);
   }, 240_000);
@@ -151,5 +151,5 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     for (const h of hosts) expect(h.allocated?.memoryMib ?? 0n).toBe(0n);
     const live = (await api.listSandboxes({ tenantId })).sandboxes;
     expect(live.filter((s) => s.state !== SandboxState.DESTROYED && s.state !== SandboxState.FAILED)).toEqual([]);
-  });
+  }, 300_000);
 });

@@ -119,20 +119,25 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     },
   });
 
-  const election = new EtcdLeaderElection(store.etcd, config.id);
+  const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
   let closing = false;
+  // Leadership lost (lease lapsed, e.g. a stalled event loop): stop executing at once, then
+  // campaign again as a standby. Whoever leads next re-runs every open operation from etcd.
+  const campaign = (): Promise<void> =>
+    election.campaign().then(async () => {
+      if (closing) return;
+      metrics.leader.set(1);
+      log.info({ id: config.id }, 'elected leader');
+      await executor.start();
+    });
   election.onLost(() => {
     metrics.leader.set(0);
-    log.error('lost leadership; exiting so a fresh replica can campaign');
-    void executor.stop();
-    if (!closing) process.exitCode = 3;
+    log.error('lost leadership; stepping down and campaigning again');
+    void executor.stop().then(() => {
+      if (!closing) campaign().catch((err: unknown) => log.error({ err }, 'leader campaign failed'));
+    });
   });
-  const leader = election.campaign().then(async () => {
-    if (closing) return;
-    metrics.leader.set(1);
-    log.info({ id: config.id }, 'elected leader');
-    await executor.start();
-  });
+  const leader = campaign();
   leader.catch((err: unknown) => log.error({ err }, 'leader campaign failed'));
 
   return {

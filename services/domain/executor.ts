@@ -8,12 +8,12 @@
 // (the agent answers a repeat from its journal), and nothing is lost or duplicated.
 import { create, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
-import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
+import type { Clock, FleetChange, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { canTransition, isTerminal } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostWorkSchema, VmSpecSchema } from './messages.ts';
-import { fleetViewInput } from './fleet-view.ts';
+import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
 import { ConflictError, HostStepError, NoCapacityError, NotFoundError, StepTimeoutError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
@@ -71,11 +71,80 @@ function errorOf(e: unknown): OperationError {
   return { kind: 'internal', message: e instanceof Error ? e.message : String(e), retryable: false };
 }
 
+/** The explanation kept in the op record: its summary numbers, not per-host details (records stay small). */
+function compactExplanation(e: unknown): unknown {
+  if (!e || typeof e !== 'object') return e;
+  const { summary, examined, feasible, filtered, makespanMs, meanEtaMs, sampled, chosen } = e as Record<string, unknown>;
+  const choices = Array.isArray(chosen)
+    ? (chosen as Array<{ hostId: string; children: number; lastChild?: { etaMs: number; restoreMs: number; transferMs: number; queueMs: number } }>).map((c) => ({
+        hostId: c.hostId,
+        children: c.children,
+        ...(c.lastChild ? { lastChild: { etaMs: Math.round(c.lastChild.etaMs), restoreMs: Math.round(c.lastChild.restoreMs), transferMs: Math.round(c.lastChild.transferMs), queueMs: Math.round(c.lastChild.queueMs) } } : {}),
+      }))
+    : [];
+  return { summary, examined, feasible, filtered, makespanMs, meanEtaMs, sampled, chosen: choices };
+}
+
 function stepKey(opId: string, stepId: string): string {
   return `${opId}/${stepId}`;
 }
 
+/**
+ * The leader's copy of hosts, booked capacity and snapshots: listed once when it becomes
+ * leader, then kept current by a watch and by the leader's own commits (a record is only
+ * replaced by a newer revision). Placement reads it instead of listing the fleet per
+ * decision; the commit is still guarded by the revisions read, so a stale entry costs a
+ * conflict and a refresh, never a double booking.
+ */
+export class FleetCache {
+  readonly hosts = new Map<string, Versioned<HostRec>>();
+  readonly allocs = new Map<string, Versioned<HostAllocRec>>();
+  readonly snapshots = new Map<string, Versioned<SnapshotRec>>();
+
+  apply(c: FleetChange): void {
+    switch (c.kind) {
+      case 'host':
+        return put(this.hosts, c.value.value.id, c.value);
+      case 'alloc':
+        return put(this.allocs, c.value.value.hostId, c.value);
+      case 'snapshot':
+        return put(this.snapshots, `${c.value.value.tenantId}/${c.value.value.id}`, c.value);
+    }
+  }
+
+  async load(store: FleetStore): Promise<void> {
+    const [hosts, allocs, snaps] = await Promise.all([store.listHosts(), store.listAllocs(), store.listSnapshots(undefined)]);
+    for (const value of hosts) this.apply({ kind: 'host', value });
+    for (const value of allocs) this.apply({ kind: 'alloc', value });
+    for (const value of snaps) this.apply({ kind: 'snapshot', value });
+  }
+
+  snapshot(tenantId: string, id: string): Versioned<SnapshotRec> | undefined {
+    return this.snapshots.get(`${tenantId}/${id}`);
+  }
+}
+
+function put<T>(m: Map<string, Versioned<T>>, k: string, v: Versioned<T>): void {
+  const cur = m.get(k);
+  if (!cur || cur.modRevision < v.modRevision) m.set(k, v);
+}
+
+interface DrainInput {
+  migrate: boolean;
+  /** sandboxId -> where its migration stands (recorded before each step so a re-run resumes). */
+  migrations?: Record<string, { snapshotId: string; toHostId?: string; wasPaused: boolean }>;
+}
+
 export class Executor {
+  readonly cache = new FleetCache();
+  /** Operations this leader runs, at the revision it last wrote or saw (saves a read per update). */
+  private readonly ops = new Map<string, Versioned<OperationRec>>();
+  /** Op record updates run one after another per op, so they never conflict with each other. */
+  private readonly opChains = new Map<string, Promise<unknown>>();
+  /** Host steps per op, kept in memory and written once with the op's final state. */
+  private readonly stepLog = new Map<string, OperationRec['steps']>();
+  /** Placements are decided and committed one at a time (no self-inflicted conflicts). */
+  private placing: Promise<unknown> = Promise.resolve();
   private readonly running = new Map<string, Promise<void>>();
   private readonly waiters = new Map<string, Waiter>();
   /** Results that arrived before anyone waited for them (e.g. right after a failover). */
@@ -97,8 +166,10 @@ export class Executor {
       ack();
     });
     this.stops.push(stopResults);
-    this.stops.push(await this.deps.store.watchOps((op) => this.maybeRun(op)));
-    for (const v of await this.deps.store.listOps({ activeOnly: true })) this.maybeRun(v.value);
+    this.stops.push(await this.deps.store.watchFleet((c) => this.cache.apply(c)));
+    await this.cache.load(this.deps.store);
+    this.stops.push(await this.deps.store.watchOps((op, rev) => this.maybeRun(op, rev)));
+    for (const v of await this.deps.store.listOps({ activeOnly: true })) this.maybeRun(v.value, v.modRevision);
     const t = setInterval(() => void this.reconcileHosts().catch((e: unknown) => this.log.warn({ err: e }, 'host reconcile failed')), 1000);
     this.stops.push(() => clearInterval(t));
   }
@@ -106,6 +177,7 @@ export class Executor {
   async stop(): Promise<void> {
     this.active = false;
     for (const s of this.stops.splice(0)) await s();
+    this.ops.clear();
     // Waiting runners would only time out: wake them so they end now; the next leader
     // re-runs their operations from etcd.
     for (const [k, w] of this.waiters) {
@@ -127,24 +199,56 @@ export class Executor {
     }
   }
 
-  private maybeRun(op: OperationRec): void {
-    if (!this.active || isTerminal(op.state) || this.running.has(op.id)) return;
+  private maybeRun(op: OperationRec, modRevision: number): void {
+    if (!this.active || isTerminal(op.state)) return;
+    const cur = this.ops.get(op.id);
+    if (!cur || cur.modRevision < modRevision) this.ops.set(op.id, { value: op, modRevision });
+    if (this.running.has(op.id)) return;
     const p = this.run(op.tenantId, op.id)
       .catch((e: unknown) => this.log.error({ err: e, opId: op.id }, 'operation runner crashed'))
-      .finally(() => this.running.delete(op.id));
+      .finally(() => {
+        this.running.delete(op.id);
+        this.ops.delete(op.id);
+        this.opChains.delete(op.id);
+        this.stepLog.delete(op.id);
+      });
     this.running.set(op.id, p);
+  }
+
+  /** Commits a batch; on success the leader's caches take the written records at the new revision. */
+  private async commit(writes: StoreWrite[]): Promise<number> {
+    const rev = await this.deps.store.commitAt(writes);
+    if (rev > 0) {
+      for (const w of writes) {
+        if (w.kind === 'host' || w.kind === 'alloc' || w.kind === 'snapshot') this.cache.apply({ kind: w.kind, value: { value: w.value, modRevision: rev } } as FleetChange);
+        else if (w.kind === 'op' && this.running.has(w.value.id)) this.ops.set(w.value.id, { value: w.value, modRevision: rev });
+      }
+    }
+    return rev;
+  }
+
+  private async readSnapshot(tenantId: string, id: string): Promise<Versioned<SnapshotRec> | undefined> {
+    return this.cache.snapshot(tenantId, id) ?? (await this.deps.store.getSnapshot(tenantId, id));
   }
 
   // ---------------------------------------------------------------- records
 
-  private async updateOp(tenantId: string, id: string, mutate: (op: OperationRec) => void): Promise<OperationRec> {
+  private updateOp(tenantId: string, id: string, mutate: (op: OperationRec) => void): Promise<OperationRec> {
+    const prev = this.opChains.get(id) ?? Promise.resolve();
+    const next = prev.catch(() => undefined).then(() => this.updateOpNow(tenantId, id, mutate));
+    this.opChains.set(id, next);
+    return next;
+  }
+
+  private async updateOpNow(tenantId: string, id: string, mutate: (op: OperationRec) => void): Promise<OperationRec> {
     for (let i = 0; i < 20; i++) {
-      const v = await this.deps.store.getOp(tenantId, id);
+      // First try the revision this leader last wrote or saw; after a conflict, re-read.
+      const v = (i === 0 ? this.ops.get(id) : undefined) ?? (await this.deps.store.getOp(tenantId, id));
       if (!v) throw new NotFoundError('operation', id);
       const next = structuredClone(v.value);
       mutate(next);
       next.updatedAt = this.deps.clock.now();
-      if (await this.deps.store.commit([{ kind: 'op', value: next, expectRevision: v.modRevision }])) return next;
+      if (await this.commit([{ kind: 'op', value: next, expectRevision: v.modRevision }])) return next;
     }
     throw new ConflictError(`operation ${id}`);
   }
@@ -157,7 +261,7 @@ export class Executor {
       mutate(next);
       if (!canTransition(v.value.state, next.state)) throw new WrongStateError('sandbox', id, v.value.state, `cannot become ${next.state}`);
       next.updatedAt = this.deps.clock.now();
-      if (await this.deps.store.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...extra(next, v.value)])) return next;
+      if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...extra(next, v.value)])) return next;
     }
     throw new ConflictError(`sandbox ${id}`);
   }
@@ -179,17 +283,22 @@ export class Executor {
     for (let i = 0; i < 20; i++) {
       const a = await this.deps.store.getAlloc(hostId);
       const next: HostAllocRec = { hostId, allocated: addRes(a.value.allocated, res, -1), sandboxes: Math.max(0, a.value.sandboxes - 1) };
-      if (await this.deps.store.commit([{ kind: 'alloc', value: next, expectRevision: a.modRevision }])) return;
+      if (await this.commit([{ kind: 'alloc', value: next, expectRevision: a.modRevision }])) return;
     }
     throw new ConflictError(`capacity of host ${hostId}`);
   }
 
-  private async finish(op: OperationRec, result: OperationRec['result'], error: OperationError | null): Promise<void> {
+  private async finish(op: OperationRec, result: OperationRec['result'], error: OperationError | null, progressDone?: number): Promise<void> {
+    // Only the leader finishes operations: one that stepped down leaves them to the next.
+    if (!this.active) return;
     await this.updateOp(op.tenantId, op.id, (o) => {
       o.state = error ? 'failed' : 'succeeded';
-      o.result = result;
+      // Keep what placement recorded (the explanation) next to the final result.
+      o.result = result ? { ...(o.result ?? {}), ...result } : null;
+      if (progressDone !== undefined) o.progress.done = progressDone;
       o.error = error;
       o.progress.message = error ? error.message : 'done';
+      Object.assign(o.steps, this.stepLog.get(op.id) ?? {});
     });
     this.log.info({ opId: op.id, kind: op.kind, ok: !error, error: error?.message }, 'operation finished');
     this.deps.onFinished?.(op.kind, !error, (this.deps.clock.now() - op.createdAt) / 1000);
@@ -209,9 +318,11 @@ export class Executor {
         this.early.delete(key);
         return this.checkResult(early, hostId, stepId);
       }
-      await this.updateOp(op.tenantId, op.id, (o) => {
-        o.steps[stepId] = { hostId, status: 'sent', attempt };
-      });
+      // The step's decision (which host does what) is already in etcd (the placement or the
+      // sandbox record); the step log is written with the op's final state, not per step.
+      const log = this.stepLog.get(op.id) ?? {};
+      this.stepLog.set(op.id, log);
+      log[stepId] = { hostId, status: 'sent', attempt };
       const result = new Promise<HostResultMsg | undefined>((resolve) => {
         const t = setTimeout(() => {
           this.waiters.delete(key);
@@ -233,10 +344,7 @@ export class Executor {
       const r = await result;
       if (!this.active) throw new StepTimeoutError(hostId, stepId, 0);
       if (r) {
-        await this.updateOp(op.tenantId, op.id, (o) => {
-          const s = o.steps[stepId];
-          if (s) s.status = r.error ? 'failed' : 'done';
-        });
+        log[stepId] = { hostId, status: r.error ? 'failed' : 'done', attempt };
         return this.checkResult(r, hostId, stepId);
       }
       this.log.warn({ opId: op.id, stepId, hostId, attempt }, 'host step timed out; re-sending');
@@ -251,22 +359,39 @@ export class Executor {
 
   // ---------------------------------------------------------------- placement
 
-  private async placeAndBook(
+  /**
+   * Decides a placement over the leader's cache and commits it, with the capacity it books
+   * and the records it creates (and the op's own update, when given), in one transaction
+   * guarded by the revisions the decision read. Placements run one at a time.
+   */
+  private placeAndBook(
     op: OperationRec,
     request: (view: ReturnType<typeof buildFleetView>) => PlacementRequest,
-    records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[] },
-  ): Promise<Extract<PlacementResult, { ok: true }>> {
+    records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void },
+  ): Promise<{ result: Extract<PlacementResult, { ok: true }>; revision: number }> {
+    const p = this.placing.then(() => this.placeAndBookNow(op, request, records));
+    this.placing = p.catch(() => undefined);
+    return p;
+  }
+
+  private async placeAndBookNow(
+    op: OperationRec,
+    request: (view: ReturnType<typeof buildFleetView>) => PlacementRequest,
+    records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void },
+  ): Promise<{ result: Extract<PlacementResult, { ok: true }>; revision: number }> {
     for (let attempt = 0; attempt < 10; attempt++) {
+      // After a conflict the cache may lag the store: refresh it before re-planning.
+      if (attempt > 0) await this.cache.load(this.deps.store);
       const now = this.deps.clock.now();
-      const [hosts, allocs, snaps] = await Promise.all([this.deps.store.listHosts(), this.deps.store.listAllocs(), this.deps.store.listSnapshots(undefined)]);
-      const allocMap = new Map<string, Versioned<HostAllocRec>>(allocs.map((a) => [a.value.hostId, a]));
-      const revision = Math.max(0, ...hosts.map((h) => h.modRevision), ...allocs.map((a) => a.modRevision));
+      const hosts = [...this.cache.hosts.values()];
+      const allocMap = this.cache.allocs;
+      const revision = Math.max(0, ...hosts.map((h) => h.modRevision), ...[...allocMap.values()].map((a) => a.modRevision));
       const view = buildFleetView(
         fleetViewInput({
           hosts: hosts.map((h) => h.value),
           allocs: new Map([...allocMap].map(([k, v]) => [k, v.value])),
           heard: this.deps.heard,
-          snapshots: snaps.map((s) => s.value),
+          snapshots: [...this.cache.snapshots.values()].map((s) => s.value),
           revision,
           now,
           liveness: this.deps.config.liveness,
@@ -276,7 +401,7 @@ export class Executor {
       const req = request(view);
       const result = place(view, req, rngForRequest(`${op.id}/${attempt}`), this.deps.config.placement);
       if (!result.ok) throw new NoCapacityError(result.explanation.summary);
-      const { perChild, writes } = records(result);
+      const { perChild, writes, opUpdate } = records(result);
       // Book capacity on every chosen host, guarded by the alloc revisions this plan read.
       const perHost = new Map<string, number>();
       for (const p of result.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);
@@ -287,10 +412,63 @@ export class Executor {
         for (let i = 0; i < n; i++) allocated = addRes(allocated, perChild, 1);
         return { kind: 'alloc', value: { hostId, allocated, sandboxes: base.sandboxes + n }, expectRevision: cur?.modRevision ?? 0 };
       });
-      if (await this.deps.store.commit([...allocWrites, ...writes])) return result;
+      const opWrites: StoreWrite[] = [];
+      if (opUpdate) {
+        const cur = (attempt === 0 ? this.ops.get(op.id) : undefined) ?? (await this.deps.store.getOp(op.tenantId, op.id));
+        if (!cur) throw new NotFoundError('operation', op.id);
+        const next = structuredClone(cur.value);
+        opUpdate(next);
+        next.updatedAt = now;
+        opWrites.push({ kind: 'op', value: next, expectRevision: cur.modRevision });
+      }
+      const rev = await this.commit([...allocWrites, ...writes, ...opWrites]);
+      if (rev) return { result, revision: rev };
       this.log.debug({ opId: op.id, attempt }, 'placement commit conflicted; re-planning');
     }
     throw new ConflictError('host capacity (too many concurrent placements)');
+  }
+
+  /**
+   * What a host that lacks a snapshot needs to fetch it: its sources (the planned source
+   * first, then every other holder that is not lost), a ticket for this destination and the
+   * scheduler's manifest signature. Undefined when the host already holds the snapshot.
+   */
+  private fetchPlan(sn: SnapshotRec, hostId: string, plannedSource?: string): object | undefined {
+    const heardHolds = this.deps.heard.get(hostId)?.hb.snapshots.some((s) => s.snapshotId === sn.id && s.complete) ?? false;
+    if (sn.hostIds.includes(hostId) || heardHolds) return undefined;
+    const now = this.deps.clock.now();
+    const alive = (h: string): boolean => livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) !== 'lost';
+    const holders = [...new Set([...(plannedSource ? [plannedSource] : []), ...sn.hostIds, ...this.deps.heard.holders(sn.id)])].filter((h) => h !== hostId);
+    const sources = [...holders.filter(alive), ...holders.filter((h) => !alive(h))];
+    if (sources.length === 0) throw new WrongStateError('snapshot', sn.id, 'held by no host', `host ${hostId} cannot fetch it`);
+    return {
+      snapshotId: sn.id,
+      sources: sources.map((h) => ({ hostId: h, address: this.cache.hosts.get(h)?.value.peerAddress ?? '' })),
+      ticket: this.deps.signer.ticket(sn.id, hostId),
+      manifest: { signature: Buffer.from(sn.manifestSignature, 'base64'), keyId: sn.manifestKeyId },
+    };
+  }
+
+  /**
+   * Marks sandboxes that a host step started as running, in one transaction guarded by the
+   * revisions the caller knows; falls back to one guarded update each after a conflict.
+   */
+  private async markRunning(sbs: ReadonlyArray<{ rec: SandboxRec; rev: number }>): Promise<void> {
+    const now = this.deps.clock.now();
+    const writes: StoreWrite[] = sbs.map(({ rec, rev }) => {
+      const next = structuredClone(rec);
+      this.setState(next, 'running', now);
+      next.opId = '';
+      next.updatedAt = now;
+      return { kind: 'sandbox', value: next, expectRevision: rev };
+    });
+    if (writes.length && (await this.commit(writes))) return;
+    for (const { rec } of sbs) {
+      await this.updateSandbox(rec.tenantId, rec.id, (s) => {
+        this.setState(s, 'running', now);
+        s.opId = '';
+      });
+    }
   }
 
   private prefs(p: PlacementPrefs | undefined): PlacementRequest['preferences'] {
@@ -306,8 +484,10 @@ export class Executor {
   // ---------------------------------------------------------------- operations
 
   private async run(tenantId: string, opId: string): Promise<void> {
+    // Read from etcd, not the cache: a replica that led before may hold a stale copy.
     const v = await this.deps.store.getOp(tenantId, opId);
     if (!v || isTerminal(v.value.state)) return;
+    this.ops.set(opId, v);
     let op = v.value;
     if (op.state === 'pending') op = await this.updateOp(tenantId, opId, (o) => (o.state = 'running'));
     try {
@@ -325,6 +505,8 @@ export class Executor {
           return await this.runDestroy(op);
         case 'delete_snapshot':
           return await this.runDeleteSnapshot(op);
+        case 'drain':
+          return await this.runDrain(op);
         default:
           return await this.finish(op, null, { kind: 'failed_precondition', message: `operation kind ${op.kind} is not supported by this scheduler version`, retryable: false });
       }
@@ -352,7 +534,7 @@ export class Executor {
     if (sb.state === 'pending') {
       const prefs = (op.input as { placement?: PlacementPrefs }).placement;
       const sandboxRev = v.modRevision;
-      const result = await this.placeAndBook(
+      const { result } = await this.placeAndBook(
         op,
         () =>
           sb.sourceSnapshotId
@@ -365,27 +547,44 @@ export class Executor {
           next.opId = op.id;
           next.updatedAt = this.deps.clock.now();
           sb = next;
-          return { perChild: sb.resources, writes: [{ kind: 'sandbox', value: next, expectRevision: sandboxRev }] };
+          const source = res.transferPlan?.transfers.find((t) => t.destinationHostId === next.hostId)?.sourceHostId;
+          return {
+            perChild: sb.resources,
+            writes: [{ kind: 'sandbox', value: next, expectRevision: sandboxRev }],
+            opUpdate: (o) => {
+              o.result = { explanation: compactExplanation(res.explanation) };
+              if (source) (o.input as { transferSource?: string }).transferSource = source;
+              o.progress = { done: 0, total: 1, message: `booting on ${next.hostId}`, bytesTransferred: 0 };
+            },
+          };
         },
       );
-      await this.updateOp(op.tenantId, op.id, (o) => {
-        o.result = { explanation: result.explanation };
-        o.progress = { done: 0, total: 1, message: `booting on ${sb.hostId}`, bytesTransferred: 0 };
-      });
+      void result;
     }
     if (sb.state !== 'starting') {
       // Already past this point (re-run after a failover).
       return this.finish(op, { sandboxIds: [sb.id] }, sb.state === 'running' ? null : { kind: 'failed_precondition', message: `sandbox is ${sb.state}`, retryable: false });
     }
+    let fetched = false;
     try {
-      const work: HostWorkMsg['work'] = sb.sourceSnapshotId
-        ? { case: 'restoreVms', value: { snapshotId: sb.sourceSnapshotId, vms: [this.vmSpec(sb)] } as never }
-        : { case: 'createVm', value: { vm: this.vmSpec(sb), image: sb.image } as never };
+      let work: HostWorkMsg['work'];
+      if (sb.sourceSnapshotId) {
+        // A restore on a host that lacks the snapshot needs sources, a ticket and the
+        // manifest signature, exactly like a fork's cold hosts.
+        const snv = await this.readSnapshot(sb.tenantId, sb.sourceSnapshotId);
+        if (!snv || snv.value.state !== 'ready') throw new NotFoundError('snapshot', sb.sourceSnapshotId);
+        const fetch = this.fetchPlan(snv.value, sb.hostId, (op.input as { transferSource?: string }).transferSource);
+        fetched = fetch !== undefined;
+        work = { case: 'restoreVms', value: { snapshotId: sb.sourceSnapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never };
+      } else {
+        work = { case: 'createVm', value: { vm: this.vmSpec(sb), image: sb.image } as never };
+      }
       await this.step(op, 'create', sb.hostId, work);
     } catch (e) {
-      await this.failSandbox(sb, e);
+      if (this.active) await this.failSandbox(sb, e);
       throw e;
     }
+    if (fetched) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
     const now = this.deps.clock.now();
     await this.updateSandbox(sb.tenantId, sb.id, (s) => {
       this.setState(s, 'running', now);
@@ -413,17 +612,17 @@ export class Executor {
   }
 
   /** Takes a snapshot of a live sandbox on its host and records it. Idempotent per snapshot id. */
-  private async snapshotOf(op: OperationRec, sandboxId: string, snapshotId: string, opts: { pin?: boolean; keepLast?: number; retentionTtlMs?: number | null; labels?: Record<string, string> }): Promise<SnapshotRec> {
-    const existing = await this.deps.store.getSnapshot(op.tenantId, snapshotId);
+  private async snapshotOf(op: OperationRec, sandboxId: string, snapshotId: string, opts: { pin?: boolean; keepLast?: number; retentionTtlMs?: number | null; labels?: Record<string, string> }, tenantId = op.tenantId): Promise<SnapshotRec> {
+    const existing = await this.deps.store.getSnapshot(tenantId, snapshotId);
     if (existing?.value.state === 'ready') return existing.value;
-    const sbv = await this.deps.store.getSandbox(op.tenantId, sandboxId);
+    const sbv = await this.deps.store.getSandbox(tenantId, sandboxId);
     if (!sbv) throw new NotFoundError('sandbox', sandboxId);
     const sb = sbv.value;
     if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be snapshotted');
     const now = this.deps.clock.now();
     const rec: SnapshotRec = existing?.value ?? {
       id: snapshotId,
-      tenantId: op.tenantId,
+      tenantId,
       state: 'creating',
       sourceSandboxId: sb.id,
       parentSnapshotId: sb.sourceSnapshotId,
@@ -440,12 +639,12 @@ export class Executor {
       manifestSignature: '',
       manifestKeyId: '',
     };
-    if (!existing) await this.deps.store.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
+    if (!existing) await this.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
     let r: HostResultMsg;
     try {
       r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
     } catch (e) {
-      await this.deps.store.commit([{ kind: 'snapshot', value: { ...rec, state: 'failed' } }]);
+      await this.commit([{ kind: 'snapshot', value: { ...rec, state: 'failed' } }]);
       throw e;
     }
     const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
@@ -476,7 +675,7 @@ export class Executor {
       ready.logicalBytes = logical;
       ready.storedBytes = stored;
     }
-    await this.deps.store.commit([{ kind: 'snapshot', value: ready }]);
+    await this.commit([{ kind: 'snapshot', value: ready }]);
     return ready;
   }
 
@@ -515,9 +714,9 @@ export class Executor {
     if (!v) throw new NotFoundError('snapshot', op.targetId);
     const sn = v.value;
     if (sn.pinned) throw new WrongStateError('snapshot', sn.id, 'pinned', 'unpin it first');
-    await this.deps.store.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleting' } }]);
+    await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleting' } }]);
     await Promise.all(sn.hostIds.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
-    await this.deps.store.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleted', hostIds: [] } }]);
+    await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleted', hostIds: [] } }]);
     await this.finish(op, { snapshotId: sn.id }, null);
   }
 
@@ -543,20 +742,21 @@ export class Executor {
       });
       snapshotId = (await this.snapshotOf(op, input.sandboxId, id, {})).id;
     }
-    const snv = await this.deps.store.getSnapshot(op.tenantId, snapshotId);
+    const snv = await this.readSnapshot(op.tenantId, snapshotId);
     if (!snv || snv.value.state !== 'ready') throw new NotFoundError('snapshot', snapshotId);
     const sn = snv.value;
     const source = sn.sourceSandboxId ? (await this.deps.store.getSandbox(op.tenantId, sn.sourceSandboxId))?.value : undefined;
     const resources: ResourcesRec = source?.resources ?? { vcpus: sn.vmConfig?.vcpus ?? 1, memoryMib: sn.vmConfig?.memoryMib ?? 256, diskMib: 1024 };
 
-    // 2. Placement, committed with the children's records in one transaction.
-    const existing = await Promise.all(input.childIds.map((id) => this.deps.store.getSandbox(op.tenantId, id)));
-    let children: SandboxRec[];
+    // 2. Placement, committed with the children's records and the op's plan in one
+    //    transaction: either all of it exists (op.result is set) or none of it does.
+    const opNow = this.ops.get(op.id)?.value ?? op;
+    let children: Array<{ rec: SandboxRec; rev: number }>;
     let transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> = [];
-    if (existing.every((e) => e === undefined)) {
+    if (!opNow.result?.sandboxIds) {
       const now = this.deps.clock.now();
       let made: SandboxRec[] = [];
-      const result = await this.placeAndBook(
+      const { revision } = await this.placeAndBook(
         op,
         () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: input.count, overlayDiskMib: resources.diskMib, preferences: this.prefs(input.placement) }),
         (res) => {
@@ -585,83 +785,196 @@ export class Executor {
               opId: op.id,
             } satisfies SandboxRec;
           });
-          return { perChild: resources, writes: made.map((sb) => ({ kind: 'sandbox', value: sb, expectRevision: 0 }) as StoreWrite) };
+          const plan = (res.transferPlan?.transfers ?? []).map((t) => ({ sourceHostId: t.sourceHostId, destinationHostId: t.destinationHostId, wave: t.wave }));
+          return {
+            perChild: resources,
+            writes: made.map((sb) => ({ kind: 'sandbox', value: sb, expectRevision: 0 }) as StoreWrite),
+            opUpdate: (o) => {
+              (o.input as { transfers?: unknown }).transfers = plan;
+              o.result = { sandboxIds: made.map((c) => c.id), snapshotId, explanation: compactExplanation(res.explanation) };
+              o.progress = { done: 0, total: made.length, message: 'restoring children', bytesTransferred: 0 };
+            },
+          };
         },
       );
-      children = made;
-      transfers = (result.transferPlan?.transfers ?? []).map((t) => ({ sourceHostId: t.sourceHostId, destinationHostId: t.destinationHostId, wave: t.wave }));
-      await this.updateOp(op.tenantId, op.id, (o) => {
-        (o.input as { transfers?: unknown }).transfers = transfers;
-        o.result = { sandboxIds: children.map((c) => c.id), snapshotId, explanation: result.explanation };
-        o.progress = { done: 0, total: children.length, message: 'restoring children', bytesTransferred: 0 };
-      });
+      children = made.map((rec) => ({ rec, rev: revision }));
+      transfers = ((this.ops.get(op.id)?.value.input as { transfers?: typeof transfers } | undefined)?.transfers ?? []);
     } else {
-      children = existing.filter((e): e is Versioned<SandboxRec> => e !== undefined).map((e) => e.value);
-      transfers = ((op.input as { transfers?: typeof transfers }).transfers ?? []);
+      // A re-run (e.g. after a failover): the placement stands; finish what is left.
+      const existing = await Promise.all(opNow.result.sandboxIds.map((id) => this.deps.store.getSandbox(op.tenantId, id)));
+      children = existing.filter((e): e is Versioned<SandboxRec> => e !== undefined).map((e) => ({ rec: e.value, rev: e.modRevision }));
+      transfers = ((opNow.input as { transfers?: typeof transfers }).transfers ?? []);
     }
 
     // 3. One restore step per host, in transfer waves: a host that fetches from another
     //    destination starts after that destination holds the snapshot.
-    const byHost = new Map<string, SandboxRec[]>();
-    for (const c of children) if (c.state === 'starting') byHost.set(c.hostId, [...(byHost.get(c.hostId) ?? []), c]);
+    const byHost = new Map<string, Array<{ rec: SandboxRec; rev: number }>>();
+    for (const c of children) if (c.rec.state === 'starting') byHost.set(c.rec.hostId, [...(byHost.get(c.rec.hostId) ?? []), c]);
+    let runningCount = children.filter((c) => c.rec.state === 'running').length;
     const sourceOf = new Map(transfers.map((t) => [t.destinationHostId, t.sourceHostId]));
-    const hostRecs = new Map((await this.deps.store.listHosts()).map((h) => [h.value.id, h.value] as [string, HostRec]));
     const done = new Map<string, Promise<boolean>>();
+    let lastProgressAt = this.deps.clock.now();
     const runHost = (hostId: string): Promise<boolean> => {
       const existingRun = done.get(hostId);
       if (existingRun) return existingRun;
       const p = (async () => {
         const src = sourceOf.get(hostId);
         if (src && byHost.has(src)) await runHost(src).catch(() => false);
-        const vms = (byHost.get(hostId) ?? []).map((c) => this.vmSpec(c));
-        const fetch = src
-          ? {
-              snapshotId,
-              sources: [src, ...sn.hostIds.filter((h) => h !== src && h !== hostId)].map((h) => ({ hostId: h, address: hostRecs.get(h)?.peerAddress ?? '' })),
-              ticket: this.deps.signer.ticket(snapshotId, hostId),
-              manifest: { signature: Buffer.from(sn.manifestSignature, 'base64'), keyId: sn.manifestKeyId },
-            }
-          : undefined;
+        const mine = byHost.get(hostId) ?? [];
+        const vms = mine.map((c) => this.vmSpec(c.rec));
+        const current = (await this.readSnapshot(op.tenantId, snapshotId))?.value ?? sn;
+        const fetch = this.fetchPlan(current, hostId, src);
         try {
           await this.step(op, `restore/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
         } catch (e) {
-          for (const c of byHost.get(hostId) ?? []) await this.failSandbox(c, e);
+          // A leader that stepped down leaves the children to the next one.
+          if (this.active) for (const c of mine) await this.failSandbox(c.rec, e);
           throw e;
         }
-        const now = this.deps.clock.now();
-        for (const c of byHost.get(hostId) ?? []) {
-          await this.updateSandbox(c.tenantId, c.id, (s) => {
-            this.setState(s, 'running', now);
-            s.opId = '';
-          });
-        }
+        await this.markRunning(mine);
+        runningCount += mine.length;
         if (fetch) await this.addHolder(op.tenantId, snapshotId, hostId);
-        await this.updateOp(op.tenantId, op.id, (o) => {
-          o.progress.done += vms.length;
-        });
+        // Progress is written at most once a second (and with the final state), not per host.
+        if (this.deps.clock.now() - lastProgressAt >= 1000) {
+          lastProgressAt = this.deps.clock.now();
+          const d = runningCount;
+          void this.updateOp(op.tenantId, op.id, (o) => {
+            o.progress.done = Math.max(o.progress.done, d);
+          }).catch(() => undefined);
+        }
         return true;
       })();
       done.set(hostId, p);
       return p;
     };
     const outcomes = await Promise.allSettled([...byHost.keys()].map((h) => runHost(h)));
+    if (!this.active) return;
     const failed = outcomes.filter((o): o is PromiseRejectedResult => o.status === 'rejected');
-    const final = await Promise.all(children.map((c) => this.deps.store.getSandbox(op.tenantId, c.id)));
-    const runningIds = final.filter((f) => f?.value.state === 'running').map((f) => f!.value.id);
-    const result = { sandboxIds: children.map((c) => c.id), snapshotId };
+    const result = { sandboxIds: children.map((c) => c.rec.id), snapshotId };
+    const total = children.length;
     if (failed.length > 0) {
       const first = errorOf(failed[0]!.reason);
-      return this.finish(op, result, { ...first, message: `${runningIds.length} of ${children.length} children started; ${first.message}` });
+      return this.finish(op, result, { ...first, message: `${runningCount} of ${total} children started; ${first.message}` }, runningCount);
     }
-    await this.finish(op, result, null);
+    await this.finish(op, result, null, runningCount);
   }
 
   private async addHolder(tenantId: string, snapshotId: string, hostId: string): Promise<void> {
     for (let i = 0; i < 20; i++) {
       const v = await this.deps.store.getSnapshot(tenantId, snapshotId);
       if (!v || v.value.hostIds.includes(hostId)) return;
-      if (await this.deps.store.commit([{ kind: 'snapshot', value: { ...v.value, hostIds: [...v.value.hostIds, hostId] }, expectRevision: v.modRevision }])) return;
+      if (await this.commit([{ kind: 'snapshot', value: { ...v.value, hostIds: [...v.value.hostIds, hostId] }, expectRevision: v.modRevision }])) return;
     }
+  }
+
+  // ---------------------------------------------------------------- drain
+
+  /**
+   * Drain: the host is cordoned (no new placements) and marked draining. With
+   * `migrate`, every running or paused sandbox on it moves to another host: pause it,
+   * snapshot it, book capacity elsewhere, restore it there under the same sandbox id,
+   * switch the record (host and capacity) in one transaction, then destroy the source VM.
+   * Without `migrate`, nothing is moved: the op fails with a message naming how many
+   * sandboxes still run on the host (hibernating them is a separate feature).
+   * Progress per sandbox is recorded in the op's input before each step, so a new leader
+   * resumes a half-done migration instead of repeating it.
+   */
+  private async runDrain(op: OperationRec): Promise<void> {
+    const hostId = op.targetId;
+    const input = op.input as unknown as DrainInput;
+    for (let i = 0; i < 10; i++) {
+      const h = await this.deps.store.getHost(hostId);
+      if (!h) throw new NotFoundError('host', hostId);
+      if (h.value.cordoned && h.value.draining) break;
+      if (await this.commit([{ kind: 'host', value: { ...h.value, cordoned: true, draining: true }, expectRevision: h.modRevision }])) break;
+    }
+    const onHost = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value).filter((sb) => sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused'));
+    if (!input.migrate) {
+      if (onHost.length === 0) return this.finish(op, { sandboxIds: [] }, null);
+      return this.finish(op, { sandboxIds: onHost.map((s) => s.id) }, {
+        kind: 'failed_precondition',
+        message: `host ${hostId} is cordoned and draining, but ${onHost.length} sandbox(es) still run on it; drain with migrate=true to move them, or destroy them`,
+        retryable: false,
+      });
+    }
+    const moved: string[] = [];
+    const failures: string[] = [];
+    for (const sb of onHost) {
+      try {
+        await this.migrate(op, sb);
+        moved.push(sb.id);
+      } catch (e) {
+        this.log.warn({ err: e, opId: op.id, sandboxId: sb.id }, 'migration failed; the sandbox stays on the draining host');
+        failures.push(`${sb.id}: ${e instanceof Error ? e.message : String(e)}`);
+      }
+    }
+    if (failures.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length} sandboxes off ${hostId}; ${failures.join('; ')}`, retryable: true });
+    await this.finish(op, { sandboxIds: moved }, null, moved.length);
+  }
+
+  private async migrate(op: OperationRec, sb: SandboxRec): Promise<void> {
+    const from = sb.hostId;
+    const record = (m: NonNullable<DrainInput['migrations']>[string]): Promise<OperationRec> =>
+      this.updateOp(op.tenantId, op.id, (o) => {
+        const inp = o.input as unknown as DrainInput;
+        inp.migrations = { ...(inp.migrations ?? {}), [sb.id]: m };
+      });
+    let m = (this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.migrations?.[sb.id];
+    if (!m) {
+      m = { snapshotId: newId('sn'), wasPaused: sb.state === 'paused' };
+      await record(m);
+    }
+    // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
+    if (sb.state === 'running') await this.step(op, `migrate/${sb.id}/pause`, from, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
+    const sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' } }, sb.tenantId);
+    // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
+    if (!m.toHostId) {
+      let chosen = '';
+      await this.placeAndBook(
+        op,
+        () => ({ kind: 'restore', id: `${op.id}/${sb.id}`, nowMs: this.deps.clock.now(), snapshotId: sn.id, overlayDiskMib: sb.resources.diskMib, preferences: {} }),
+        (res) => {
+          chosen = res.placements[0]!.hostId;
+          const mm = { ...m!, toHostId: chosen };
+          return {
+            perChild: sb.resources,
+            writes: [],
+            opUpdate: (o) => {
+              const inp = o.input as unknown as DrainInput;
+              inp.migrations = { ...(inp.migrations ?? {}), [sb.id]: mm };
+            },
+          };
+        },
+      );
+      m = { ...m, toHostId: chosen };
+    }
+    const to = m.toHostId!;
+    // 3. Restore under the same sandbox id on the new host (fetching the snapshot there).
+    try {
+      const fetch = this.fetchPlan((await this.readSnapshot(sb.tenantId, sn.id))?.value ?? sn, to, from);
+      await this.step(op, `migrate/${sb.id}/restore`, to, { case: 'restoreVms', value: { snapshotId: sn.id, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
+      if (fetch) await this.addHolder(sb.tenantId, sn.id, to);
+      if (m.wasPaused) await this.step(op, `migrate/${sb.id}/pause-dest`, to, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
+    } catch (e) {
+      // Undo: release the booking, let the source run again.
+      await this.releaseCapacity(to, sb.resources);
+      if (!m.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
+      throw e;
+    }
+    // 4. Switch the record and release the source's capacity in one transaction.
+    for (let i = 0; i < 20; i++) {
+      const [v, a] = await Promise.all([this.deps.store.getSandbox(sb.tenantId, sb.id), this.deps.store.getAlloc(from)]);
+      if (!v) throw new NotFoundError('sandbox', sb.id);
+      if (v.value.hostId === to) break;
+      const next = structuredClone(v.value);
+      next.hostId = to;
+      this.setState(next, m.wasPaused ? 'paused' : 'running', this.deps.clock.now(), `migrated from ${from}`);
+      next.updatedAt = this.deps.clock.now();
+      const alloc: HostAllocRec = { hostId: from, allocated: addRes(a.value.allocated, sb.resources, -1), sandboxes: Math.max(0, a.value.sandboxes - 1) };
+      if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, { kind: 'alloc', value: alloc, expectRevision: a.modRevision }])) break;
+    }
+    // 5. The source VM is no longer the sandbox.
+    await this.step(op, `migrate/${sb.id}/destroy-source`, from, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
   }
 
   // ---------------------------------------------------------------- hosts
@@ -669,7 +982,7 @@ export class Executor {
   /** Registers new hosts and moves silent ones to suspect, then lost (their sandboxes become lost). */
   async reconcileHosts(): Promise<void> {
     const now = this.deps.clock.now();
-    const recs = new Map((await this.deps.store.listHosts()).map((h) => [h.value.id, h]));
+    const recs = this.cache.hosts;
     for (const heard of this.deps.heard.all()) {
       const hb = heard.hb;
       const cur = recs.get(hb.hostId);
@@ -695,7 +1008,7 @@ export class Executor {
       // Heartbeat times are written only with a state change (or every 10 s), not per beat.
       if (changed || now - next.lastHeartbeatAt > 10_000) {
         next.lastHeartbeatAt = heard.heardAt;
-        await this.deps.store.commit([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }]);
+        await this.commit([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }]);
         if (cur && cur.value.state !== state) this.log.warn({ hostId: hb.hostId, from: cur.value.state, to: state }, 'host state changed');
         if (state === 'lost' && cur?.value.state !== 'lost') await this.markHostLost(hb.hostId);
       }

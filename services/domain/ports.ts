@@ -53,11 +53,23 @@ export interface FleetStore {
    * conflict (nothing written): re-read and re-plan.
    */
   commit(writes: readonly StoreWrite[]): Promise<boolean>;
+  /**
+   * Like `commit`, but returns the store revision the batch was written at (every written
+   * key then has that mod revision), or 0 on a guard conflict (nothing written).
+   */
+  commitAt(writes: readonly StoreWrite[]): Promise<number>;
   /** Calls `onOp` for every operation record written after now. Returns a stop function. */
-  watchOps(onOp: (op: OperationRec) => void): Promise<() => void>;
+  watchOps(onOp: (op: OperationRec, modRevision: number) => void): Promise<() => void>;
+  /** Calls `onChange` for every host, alloc and snapshot record written after now (the leader's cache). */
+  watchFleet(onChange: (change: FleetChange) => void): Promise<() => void>;
   /** Calls `onChange` for sandbox / snapshot record changes (for WatchEvents). */
   watchRecords(onChange: (change: RecordChange) => void): Promise<() => void>;
 }
+
+export type FleetChange =
+  | { kind: 'host'; value: Versioned<HostRec> }
+  | { kind: 'alloc'; value: Versioned<HostAllocRec> }
+  | { kind: 'snapshot'; value: Versioned<SnapshotRec> };
 
 export type RecordChange =
   | { kind: 'sandbox'; value: SandboxRec; revision: number }

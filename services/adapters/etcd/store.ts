@@ -2,7 +2,7 @@
 // revision it read; a batch is one transaction.
 import { Etcd3 } from 'etcd3';
 import type { IKeyValue } from 'etcd3';
-import type { FleetStore, RecordChange, StoreWrite, Versioned } from '../../domain/ports.ts';
+import type { FleetChange, FleetStore, RecordChange, StoreWrite, Versioned } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
@@ -109,7 +109,11 @@ export class EtcdFleetStore implements FleetStore {
   }
 
   async commit(writes: readonly StoreWrite[]): Promise<boolean> {
-    if (writes.length === 0) return true;
+    return (await this.commitAt(writes)) > 0;
+  }
+
+  async commitAt(writes: readonly StoreWrite[]): Promise<number> {
+    if (writes.length === 0) return 1;
     const ns = this.client;
     let txn = ns.if(PREFIX + '__never__', 'Version', '==', 0); // always-true seed compare
     for (const w of writes) {
@@ -120,13 +124,32 @@ export class EtcdFleetStore implements FleetStore {
       return v === undefined ? ns.delete().key(keyOf(w)) : ns.put(keyOf(w)).value(v);
     });
     const res = await txn.then(...ops).commit();
-    return res.succeeded;
+    return res.succeeded ? Number(res.header.revision) : 0;
   }
 
-  async watchOps(onOp: (op: OperationRec) => void): Promise<() => void> {
+  async watchOps(onOp: (op: OperationRec, modRevision: number) => void): Promise<() => void> {
     const w = await this.client.watch().prefix(keys.ops()).create();
-    w.on('put', (kv) => onOp(decode<OperationRec>(kv).value));
+    w.on('put', (kv) => {
+      const d = decode<OperationRec>(kv);
+      onOp(d.value, d.modRevision);
+    });
     return () => void w.cancel();
+  }
+
+  async watchFleet(onChange: (c: FleetChange) => void): Promise<() => void> {
+    const watchers = await Promise.all([
+      this.client.watch().prefix(keys.hosts()).create(),
+      this.client.watch().prefix(keys.allocs()).create(),
+      this.client.watch().prefix(keys.snapshots()).create(),
+    ]);
+    const kinds = ['host', 'alloc', 'snapshot'] as const;
+    watchers.forEach((w, i) => {
+      const kind = kinds[i] as (typeof kinds)[number];
+      w.on('put', (kv) => onChange({ kind, value: decode<never>(kv) } as FleetChange));
+    });
+    return () => {
+      for (const w of watchers) void w.cancel();
+    };
   }
 
   async watchRecords(onChange: (c: RecordChange) => void): Promise<() => void> {

@@ -1,6 +1,7 @@
 // WorkBus over NATS (scheduler side): work to hosts through JetStream, results back
 // through a durable consumer, heartbeats and events on core subjects, exec and file
 // access as request/reply relays.
+import { randomBytes } from 'node:crypto';
 import { createInbox, headers as natsHeaders } from 'nats';
 import type { ConsumerMessages, JetStreamClient, NatsConnection, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
@@ -32,6 +33,7 @@ import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS,
 export class NatsWorkBus implements WorkBus {
   private readonly js: JetStreamClient;
   private readonly subs: Subscription[] = [];
+  private readonly nonce = randomBytes(6).toString('hex');
 
   private constructor(private readonly nc: NatsConnection) {
     this.js = nc.jetstream();
@@ -47,7 +49,9 @@ export class NatsWorkBus implements WorkBus {
   async sendWork(hostId: string, work: HostWorkMsg): Promise<void> {
     const h = natsHeaders();
     // JetStream dedup window: a re-publish of the same step attempt is dropped.
-    h.set('Nats-Msg-Id', `${work.opId}/${work.stepId}/${work.attempt}`);
+    // The sender's nonce keeps a new leader's re-send of the same attempt from being dropped
+    // as a duplicate of the old leader's message (the agent dedups by op + step anyway).
+    h.set('Nats-Msg-Id', `${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}`);
     await this.js.publish(subjects.work(hostId), toBinary(HostWorkSchema, work), { headers: h });
   }
 

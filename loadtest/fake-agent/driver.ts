@@ -1,0 +1,216 @@
+// A fake VmmDriver for scheduler tests and scale runs (DESIGN.md: "a fake host agent exists
+// only for scheduler scale runs"). It implements the host agent's own port, so the real
+// Agent (journal, idempotent steps, NATS protocol) runs unchanged on top of it.
+//
+// VMs are simulated: each one is a small JSON file under <dir>/vms/, written when the VM is
+// "made", so a killed and restarted fake agent finds the VMs it had made (like the real
+// driver adopting QEMU processes that outlived the agent). Latencies are configurable.
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import type { CloneSpec, CreateVmSpec, ExecRequest, ExecResult, LocalSnapshot, RecoveryReport, SnapshotManifest, VmEvent, VmInfo, VmmDriver, Accel } from '../../host-agent/domain/vmm.ts';
+import { ForkfleetError } from '../../proto/errors.ts';
+
+export interface FakeLatencies {
+  /** Boot of one VM from an image. */
+  createMs: number;
+  /** Per restored child (children of one step are made one after another). */
+  restoreMsPerVm: number;
+  snapshotMs: number;
+  /** Fetching a snapshot this host does not hold. */
+  fetchMs: number;
+  destroyMs: number;
+}
+
+export const NO_LATENCY: FakeLatencies = { createMs: 0, restoreMsPerVm: 0, snapshotMs: 0, fetchMs: 0, destroyMs: 0 };
+
+export const FAKE_QEMU_VERSION = '7.2.0-fake';
+
+const sleep = (ms: number): Promise<void> => (ms > 0 ? new Promise((r) => setTimeout(r, ms)) : Promise.resolve());
+
+export class FakeVmmDriver implements VmmDriver {
+  private readonly vms = new Map<string, VmInfo>();
+  private readonly vmDir: string;
+  private readonly snapDir: string;
+
+  constructor(
+    private readonly dir: string,
+    private readonly latency: FakeLatencies,
+  ) {
+    this.vmDir = join(dir, 'vms');
+    this.snapDir = join(dir, 'snapshots');
+    mkdirSync(this.vmDir, { recursive: true });
+    mkdirSync(this.snapDir, { recursive: true });
+    // Adopt what a previous run of this agent made.
+    for (const f of readdirSync(this.vmDir)) {
+      if (!f.endsWith('.json')) continue;
+      const vm = JSON.parse(readFileSync(join(this.vmDir, f), 'utf8')) as VmInfo;
+      this.vms.set(vm.vmId, vm);
+    }
+  }
+
+  get snapshotsDir(): string {
+    return this.snapDir;
+  }
+
+  private save(vm: VmInfo): VmInfo {
+    this.vms.set(vm.vmId, vm);
+    writeFileSync(join(this.vmDir, `${vm.vmId}.json`), JSON.stringify(vm));
+    return vm;
+  }
+
+  private vm(vmId: string): VmInfo {
+    const vm = this.vms.get(vmId);
+    if (!vm || vm.state === 'destroyed') throw new ForkfleetError('not_found', `no VM ${vmId}`);
+    return vm;
+  }
+
+  resolveAccel(): Promise<Accel> {
+    return Promise.resolve('tcg');
+  }
+
+  async create(spec: CreateVmSpec): Promise<VmInfo> {
+    await sleep(this.latency.createMs);
+    return this.save({
+      vmId: spec.vmId,
+      state: 'running',
+      accel: 'tcg',
+      pid: process.pid,
+      workdir: join(this.vmDir, spec.vmId),
+      memoryMib: spec.memoryMib,
+      vcpus: spec.vcpus,
+      hostname: spec.hostname ?? spec.vmId,
+      sandboxId: spec.sandboxId ?? spec.vmId,
+      baseSnapshotId: null,
+      readyMs: this.latency.createMs,
+    });
+  }
+
+  exec(vmId: string, req: ExecRequest): Promise<ExecResult> {
+    this.vm(vmId);
+    const out = req.path === 'hostname' || req.args?.join(' ').includes('hostname') ? `${this.vm(vmId).hostname}\n` : '';
+    return Promise.resolve({ exitCode: 0, signal: null, stdout: Buffer.from(out), stderr: Buffer.alloc(0) });
+  }
+
+  readFile(vmId: string): Promise<Buffer> {
+    this.vm(vmId);
+    return Promise.resolve(Buffer.alloc(0));
+  }
+
+  writeFile(vmId: string): Promise<void> {
+    this.vm(vmId);
+    return Promise.resolve();
+  }
+
+  pause(vmId: string): Promise<void> {
+    this.save({ ...this.vm(vmId), state: 'paused' });
+    return Promise.resolve();
+  }
+
+  resume(vmId: string): Promise<void> {
+    this.save({ ...this.vm(vmId), state: 'running' });
+    return Promise.resolve();
+  }
+
+  async snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot> {
+    const vm = this.vm(vmId);
+    const dir = join(this.snapDir, snapshotId);
+    if (existsSync(join(dir, 'manifest.json'))) return this.openSnapshot(dir);
+    await sleep(this.latency.snapshotMs);
+    const manifest: SnapshotManifest = {
+      schema: 1,
+      snapshotId,
+      parentSnapshotId: vm.baseSnapshotId,
+      sourceVmId: vmId,
+      createdAt: new Date().toISOString(),
+      config: { machineType: 'microvm', memoryMib: vm.memoryMib, vcpus: vm.vcpus, devices: [], qemuVersion: FAKE_QEMU_VERSION, accel: 'tcg', cpuModel: 'max' },
+      image: { name: 'fake', recipeHash: 'fake', kernelArgs: '' },
+      files: { memory: 'mem.img', deviceState: 'state.bin', disk: 'disk.qcow2' },
+      diskVirtualSize: 1024 * 1024 * 1024,
+      method: 'shared-file',
+      sourcePauseMs: 1,
+    };
+    mkdirSync(dir, { recursive: true });
+    writeFileSync(join(dir, 'manifest.json'), JSON.stringify(manifest));
+    return { dir, manifest };
+  }
+
+  openSnapshot(dir: string): Promise<LocalSnapshot> {
+    return Promise.resolve({ dir, manifest: JSON.parse(readFileSync(join(dir, 'manifest.json'), 'utf8')) as SnapshotManifest });
+  }
+
+  /** Writes a snapshot this host received from a peer. */
+  receiveSnapshot(manifest: SnapshotManifest): LocalSnapshot {
+    const dir = join(this.snapDir, manifest.snapshotId);
+    mkdirSync(dir, { recursive: true });
+    writeFileSync(join(dir, 'manifest.json'), JSON.stringify(manifest));
+    return { dir, manifest };
+  }
+
+  async restore(snapshot: LocalSnapshot, child: CloneSpec): Promise<VmInfo> {
+    const [vm] = await this.fork(snapshot, [child]);
+    return vm!;
+  }
+
+  async fork(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]> {
+    const out: VmInfo[] = [];
+    for (const c of children) {
+      await sleep(this.latency.restoreMsPerVm);
+      out.push(
+        this.save({
+          vmId: c.vmId,
+          state: 'running',
+          accel: 'tcg',
+          pid: process.pid,
+          workdir: join(this.vmDir, c.vmId),
+          memoryMib: snapshot.manifest.config.memoryMib,
+          vcpus: snapshot.manifest.config.vcpus,
+          hostname: c.hostname ?? c.vmId,
+          sandboxId: c.sandboxId ?? c.vmId,
+          baseSnapshotId: snapshot.manifest.snapshotId,
+          readyMs: this.latency.restoreMsPerVm,
+        }),
+      );
+    }
+    return out;
+  }
+
+  async destroy(vmId: string): Promise<void> {
+    await sleep(this.latency.destroyMs);
+    this.vms.delete(vmId);
+    rmSync(join(this.vmDir, `${vmId}.json`), { force: true });
+  }
+
+  deleteSnapshot(snapshot: LocalSnapshot): Promise<void> {
+    rmSync(snapshot.dir, { recursive: true, force: true });
+    return Promise.resolve();
+  }
+
+  get(vmId: string): VmInfo | undefined {
+    return this.vms.get(vmId);
+  }
+
+  list(): VmInfo[] {
+    return [...this.vms.values()];
+  }
+
+  onEvent(_listener: (e: VmEvent) => void): () => void {
+    return () => undefined;
+  }
+
+  recover(): Promise<RecoveryReport> {
+    return Promise.resolve({ adopted: [...this.vms.keys()], reaped: [] });
+  }
+
+  close(): Promise<void> {
+    return Promise.resolve();
+  }
+}
+
+/** The VMs a fake agent's data directory holds (read by tests from outside the process). */
+export function fakeVmsIn(dir: string): VmInfo[] {
+  const vmDir = join(dir, 'vms');
+  if (!existsSync(vmDir)) return [];
+  return readdirSync(vmDir)
+    .filter((f) => f.endsWith('.json'))
+    .map((f) => JSON.parse(readFileSync(join(vmDir, f), 'utf8')) as VmInfo);
+}

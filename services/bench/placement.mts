@@ -1,0 +1,107 @@
+// Benchmark: placement decisions and committed placements.
+//
+//   npm run bench:placement -- --json FILE [--hosts 100] [--forks 300] [--count 64] [--inflight 16]
+//
+// Prints (and writes to FILE) { decide, committed_per_s, ... }:
+//   decide           the pure placement bench (scheduler/bench/decide.ts, run as is) on
+//                    100 / 1000 / 10000 simulated hosts: { per_s, p50_us, p99_us, ... }
+//   committed_per_s  child sandbox records committed per second through the real scheduler
+//                    (two replicas as processes: the leader executes, the other serves the
+//                    API) on a real etcd, with fake host agents on real NATS that answer at
+//                    once, under fork(count) requests kept `inflight` at a time. Measured
+//                    from the first request to the last fork reaching `succeeded`, so every
+//                    counted child was placed, booked, restored by its agent and marked running.
+import { execFileSync } from 'node:child_process';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { join, resolve } from 'node:path';
+import { loadavg } from 'node:os';
+import { startEtcd } from '../testkit/etcd.ts';
+import { startNats } from '../testkit/nats.ts';
+import { waitFor } from '../testkit/proc.ts';
+import { startFakeAgents, startSchedulerProcess } from '../testkit/fleet-procs.ts';
+import type { SchedulerProcess } from '../testkit/fleet-procs.ts';
+import { loadSigningKey } from '../scheduler.ts';
+import { createClient } from '../adapters/grpc/rpc.ts';
+import { FleetService, OperationState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Spread } from '../../proto/gen/forkfleet/v1/common_pb.ts';
+
+const ROOT = resolve(import.meta.dirname, '..', '..');
+
+function arg(name: string, dflt: string): string {
+  const i = process.argv.indexOf(`--${name}`);
+  return i >= 0 && process.argv[i + 1] !== undefined ? process.argv[i + 1]! : dflt;
+}
+
+const jsonPath = arg('json', '');
+const HOSTS = Number(arg('hosts', '100'));
+const FORKS = Number(arg('forks', '300'));
+const COUNT = Number(arg('count', '64'));
+const INFLIGHT = Number(arg('inflight', '16'));
+
+// 1. The pure decision bench, reused as it is (it prints JSON).
+const decideOut = execFileSync(process.execPath, ['--import', 'tsx', join(ROOT, 'scheduler', 'bench', 'decide.ts')], { env: { ...process.env, DECISIONS: process.env.DECISIONS ?? '2000' }, encoding: 'utf8', maxBuffer: 16 << 20 });
+const decide = (JSON.parse(decideOut) as { decide: Record<string, unknown> }).decide;
+
+// 2. Committed placements through the real scheduler.
+const dir = mkdtempSync('/tmp/ff-bench-');
+const [etcd, nats] = await Promise.all([startEtcd({ logDir: dir }), startNats({ logDir: dir })]);
+const scheds: SchedulerProcess[] = [];
+let fakes: Awaited<ReturnType<typeof startFakeAgents>> | undefined;
+try {
+  const signingKeyPath = join(dir, 'signing.pem');
+  loadSigningKey(signingKeyPath, 'scheduler-1');
+  const env = { FF_LOG_LEVEL: 'warn', FF_STEP_TIMEOUT: '30s' };
+  for (const id of ['b1', 'b2']) scheds.push(await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env }));
+  const hosts = Array.from({ length: HOSTS }, (_, i) => `bench-${i + 1}`);
+  fakes = await startFakeAgents({ hosts, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '1000000', FF_FAKE_MEMORY_MIB: '1000000000', FF_HEARTBEAT_INTERVAL_MS: '1000', FF_STEP_CONCURRENCY: '64' } });
+  await waitFor('leader elected', async () => (await Promise.all(scheds.map((s) => s.isLeader()))).some(Boolean), 20_000, 50);
+  const leaders = await Promise.all(scheds.map((s) => s.isLeader()));
+  const apiSched = scheds[leaders.indexOf(false)] ?? scheds[0]!;
+  const api = createClient(FleetService, apiSched.api);
+  await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === HOSTS, 60_000, 200);
+  const tenantId = 'bench';
+  let k = 0;
+  const ok = async (op: Operation): Promise<Operation> => {
+    const f = await api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 120n } }, { timeoutMs: 130_000 });
+    if (f.state !== OperationState.SUCCEEDED) throw new Error(`${op.id}: ${OperationState[f.state]} ${f.error?.message}`);
+    return f;
+  };
+  const created = await ok(await api.createSandbox({ tenantId, idempotencyKey: `c-${k++}`, source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+  const parentId = created.result.case === 'sandbox' ? created.result.value.id : '';
+  const snap = await ok(await api.snapshotSandbox({ tenantId, idempotencyKey: `s-${k++}`, sandboxId: parentId }));
+  const snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+  const fork = (): Promise<Operation> => api.forkSandbox({ tenantId, idempotencyKey: `f-${k++}`, source: { case: 'snapshotId', value: snapshotId }, count: COUNT, placement: { spread: Spread.SPREAD } });
+  // Warm-up: spreads the snapshot over the fleet and warms the JIT.
+  for (let i = 0; i < 4; i++) await ok(await fork());
+
+  let next = 0;
+  let children = 0;
+  const t0 = performance.now();
+  const worker = async (): Promise<void> => {
+    while (next < FORKS) {
+      next++;
+      const f = await ok(await fork());
+      children += f.result.case === 'fork' ? f.result.value.children.length : 0;
+    }
+  };
+  await Promise.all(Array.from({ length: INFLIGHT }, () => worker()));
+  const seconds = (performance.now() - t0) / 1000;
+  api.close();
+  const out = {
+    decide,
+    committed_per_s: Math.round(children / seconds),
+    committed: { children, forks: FORKS, count: COUNT, inflight: INFLIGHT, hosts: HOSTS, seconds: Number(seconds.toFixed(2)), forks_per_s: Number((FORKS / seconds).toFixed(1)) },
+    node: process.version,
+    loadavg_1m: Number((loadavg()[0] ?? 0).toFixed(2)),
+  };
+  const text = `${JSON.stringify(out, null, 2)}\n`;
+  process.stdout.write(text);
+  if (jsonPath) writeFileSync(jsonPath, text);
+} finally {
+  await fakes?.stop();
+  for (const s of scheds) await s.proc.stop();
+  await nats.stop();
+  await etcd.stop();
+  rmSync(dir, { recursive: true, force: true });
+}

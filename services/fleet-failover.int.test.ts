@@ -1,0 +1,235 @@
+// Scheduler failover, host liveness, cordon and drain with real etcd, real nats-server,
+// two scheduler replicas as separate processes and fake host agents (the real Agent over
+// the real NATS protocol, with simulated VMs: loadtest/fake-agent/).
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { startEtcd } from './testkit/etcd.ts';
+import type { EtcdCluster } from './testkit/etcd.ts';
+import { startNats } from './testkit/nats.ts';
+import type { NatsServer } from './testkit/nats.ts';
+import { sleep, waitFor } from './testkit/proc.ts';
+import { startFakeAgents, startSchedulerProcess } from './testkit/fleet-procs.ts';
+import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.ts';
+import { loadSigningKey } from './scheduler.ts';
+import { EtcdFleetStore } from './adapters/etcd/store.ts';
+import { createClient } from './adapters/grpc/rpc.ts';
+import type { Client } from './adapters/grpc/rpc.ts';
+import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Spread, Locality } from '../proto/gen/forkfleet/v1/common_pb.ts';
+import { HOLDS_CAPACITY } from './domain/records.ts';
+import type { SandboxRec } from './domain/records.ts';
+
+type Fleet = Client<(typeof FleetService)['method']>;
+const tenantId = 't1';
+let keyN = 0;
+const key = (): string => `k-${Date.now()}-${keyN++}`;
+const HOSTS = Array.from({ length: 10 }, (_, i) => `fake-${i + 1}`);
+
+async function wait(api: Fleet, op: Operation, tenant = tenantId, seconds = 60): Promise<Operation> {
+  return api.waitOperation({ tenantId: tenant, operationId: op.id, timeout: { seconds: BigInt(seconds) } }, { timeoutMs: seconds * 1000 + 10_000 });
+}
+
+async function ok(api: Fleet, op: Operation, tenant = tenantId): Promise<Operation> {
+  const final = await wait(api, op, tenant);
+  if (final.state !== OperationState.SUCCEEDED) throw new Error(`operation ${op.id} ${OperationState[final.state]}: ${final.error?.message}`);
+  return final;
+}
+
+describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
+  let etcd: EtcdCluster;
+  let nats: NatsServer;
+  let dir: string;
+  let store: EtcdFleetStore;
+  const scheds: SchedulerProcess[] = [];
+  const fakes: FakeAgentsProcess[] = [];
+  let main: FakeAgentsProcess;
+  let api: Fleet;
+  let parentId = '';
+  let snapshotId = '';
+
+  /** Every fake VM, etcd sandbox and alloc record agree: no VM twice, none missing, capacity = sum of sandboxes. */
+  async function assertConsistent(): Promise<void> {
+    const sandboxes = (await store.listSandboxes(undefined)).map((v) => v.value);
+    const live = sandboxes.filter((s) => HOLDS_CAPACITY.has(s.state));
+    const where = new Map<string, string[]>();
+    for (const f of fakes) for (const [host, vms] of f.vms()) for (const vm of vms) where.set(vm.sandboxId, [...(where.get(vm.sandboxId) ?? []), host]);
+    for (const [id, hosts] of where) expect(hosts, `VM ${id} runs on ${hosts.join(', ')}`).toHaveLength(1);
+    const byId = new Map(sandboxes.map((s) => [s.id, s]));
+    for (const s of live.filter((x) => x.state === 'running' || x.state === 'paused')) expect(where.get(s.id), `sandbox ${s.id} (${s.state} on ${s.hostId})`).toEqual([s.hostId]);
+    for (const [id, hosts] of where) {
+      const s = byId.get(id);
+      if (s?.state === 'lost') continue; // its host is gone; the VM files stay in the dead host's directory
+      expect(s && HOLDS_CAPACITY.has(s.state) ? s.hostId : 'none', `VM ${id} on ${hosts[0]}`).toBe(hosts[0]);
+    }
+    for (const a of await store.listAllocs()) {
+      const mine = live.filter((s) => s.hostId === a.value.hostId);
+      expect(a.value.sandboxes, `alloc count of ${a.value.hostId}`).toBe(mine.length);
+      expect(a.value.allocated.vcpus, `vcpus booked on ${a.value.hostId}`).toBe(mine.reduce((n, s) => n + s.resources.vcpus, 0));
+      expect(a.value.allocated.memoryMib, `memory booked on ${a.value.hostId}`).toBe(mine.reduce((n, s) => n + s.resources.memoryMib, 0));
+    }
+    expect((await store.listOps({ activeOnly: true })).map((o) => `${o.value.kind} ${o.value.id} ${o.value.state}`)).toEqual([]);
+  }
+
+  beforeAll(async () => {
+    dir = mkdtempSync('/tmp/ff-failover-');
+    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
+    store = EtcdFleetStore.connect(etcd.endpoints);
+    const signingKeyPath = join(dir, 'signing.pem');
+    loadSigningKey(signingKeyPath, 'scheduler-1');
+    const env = { FF_HOST_SUSPECT_AFTER: '1500ms', FF_HOST_LOST_AFTER: '5s', FF_STEP_TIMEOUT: '5s', FF_STEP_ATTEMPTS: '5', FF_ELECTION_TTL: '1s' };
+    for (const id of ['s1', 's2']) scheds.push(await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env }));
+    main = await startFakeAgents({
+      hosts: HOSTS,
+      dataDir: join(dir, 'fleet'),
+      natsUrl: nats.url,
+      logDir: dir,
+      env: { FF_FAKE_VCPUS: '24', FF_FAKE_RESTORE_MS_PER_VM: '100', FF_FAKE_FETCH_MS: '300' },
+    });
+    fakes.push(main);
+    api = createClient(FleetService, scheds[0]!.api);
+    await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === HOSTS.length, 20_000, 100);
+    const created = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    parentId = created.result.case === 'sandbox' ? created.result.value.id : '';
+    const snap = await ok(api, await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: parentId }));
+    snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+    expect(snapshotId).not.toBe('');
+  }, 180_000);
+
+  afterAll(async () => {
+    api?.close();
+    for (const s of scheds) await s.proc.stop();
+    for (const f of fakes) await f.stop();
+    store?.close();
+    await nats?.stop();
+    await etcd?.stop();
+    if (dir) rmSync(dir, { recursive: true, force: true });
+  }, 60_000);
+
+  it('fanout_whenLeaderKilledMidway_completesViaStandbyWithoutDoublePlacementOrLostOp', async () => {
+    const leaders = await Promise.all(scheds.map((s) => s.isLeader()));
+    expect(leaders.filter(Boolean)).toHaveLength(1);
+    const leader = scheds[leaders.indexOf(true)]!;
+    const standby = scheds[leaders.indexOf(false)]!;
+    api.close();
+    api = createClient(FleetService, standby.api);
+
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 64, placement: { spread: Spread.SPREAD, maxPerHost: 8 } });
+    // Kill the leader once the placement is committed and some, not all, children run.
+    let children: string[] = [];
+    await waitFor('fan-out half-way', async () => {
+      const rec = (await store.getOp(tenantId, op.id))?.value;
+      children = rec?.result?.sandboxIds ?? [];
+      if (children.length !== 64) return false;
+      const states = await Promise.all(children.map((id) => store.getSandbox(tenantId, id)));
+      const running = states.filter((s) => s?.value.state === 'running').length;
+      return running > 0 && running < 64;
+    }, 30_000, 10);
+    const beforeKill = (await Promise.all(children.map((id) => store.getSandbox(tenantId, id)))).filter((s) => s?.value.state === 'running').length;
+    const killedAt = Date.now();
+    leader.proc.kill();
+    await leader.proc.exited;
+    await waitFor('standby takes over', () => standby.isLeader(), 10_000, 20);
+    const takeoverMs = Date.now() - killedAt;
+    process.stdout.write(`${JSON.stringify({ takeover_ms: takeoverMs, children_running_at_kill: beforeKill })}\n`);
+    expect(takeoverMs).toBeLessThan(3000);
+
+    const final = await wait(api, op);
+    expect(final.state, final.error?.message).toBe(OperationState.SUCCEEDED);
+    const recs = (await store.listSandboxes(tenantId)).map((v) => v.value);
+    const kids = recs.filter((s) => children.includes(s.id));
+    expect(kids).toHaveLength(64);
+    expect(new Set(kids.map((k) => k.id)).size).toBe(64);
+    expect(kids.every((k) => k.state === 'running')).toBe(true);
+    expect(new Set(kids.map((k) => k.hostId)).size).toBeGreaterThanOrEqual(8);
+    await assertConsistent();
+  });
+
+  it('fork_whenHostAgentRestartedMidStep_neitherLosesNorDuplicatesSandboxes', async () => {
+    const slow = await startFakeAgents({ hosts: ['fake-r'], dataDir: join(dir, 'restart'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '32', FF_FAKE_RESTORE_MS_PER_VM: '150', FF_FAKE_FETCH_MS: '100' } });
+    fakes.push(slow);
+    await waitFor('fake-r registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-r'), 10_000, 50);
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 16, placement: { hostId: 'fake-r' } });
+    await waitFor('some VMs made', async () => {
+      const n = slow.vms().get('fake-r')!.length;
+      return n > 2 && n < 16;
+    }, 20_000, 10);
+    await slow.restart();
+    const final = await ok(api, op);
+    const ids = final.result.case === 'fork' ? final.result.value.children.map((c) => c.id) : [];
+    expect(ids).toHaveLength(16);
+    const vms = slow.vms().get('fake-r')!.map((v) => v.sandboxId);
+    expect(vms.sort()).toEqual([...ids].sort());
+    await assertConsistent();
+  });
+
+  it('fork_whenHostCordoned_placesNothingOnIt', async () => {
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-1', cordon: true });
+    const op = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 20, placement: { spread: Spread.SPREAD } }));
+    const kids = op.result.case === 'fork' ? op.result.value.children : [];
+    expect(kids).toHaveLength(20);
+    expect(kids.filter((k) => k.hostId === 'fake-1')).toEqual([]);
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-1', cordon: false });
+    await assertConsistent();
+  });
+
+  it('drain_withoutMigrate_cordonsAndFailsNamingTheSandboxesLeft', async () => {
+    const onHost = (await store.listSandboxes(tenantId)).filter((v) => v.value.hostId === 'fake-3' && v.value.state === 'running').length;
+    expect(onHost).toBeGreaterThan(0);
+    const final = await wait(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-3', migrate: false }), 'admin');
+    expect(final.state).toBe(OperationState.FAILED);
+    expect(final.error?.message).toContain(`${onHost} sandbox(es) still run on it`);
+    const host = (await api.listHosts({})).hosts.find((h) => h.id === 'fake-3')!;
+    expect(host.cordoned && host.draining).toBe(true);
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-3', cordon: false });
+  });
+
+  it('drain_withMigrate_movesEveryRunningSandboxToAnotherHost', async () => {
+    const before = (await store.listSandboxes(tenantId)).map((v) => v.value).filter((s) => s.hostId === 'fake-4' && s.state === 'running');
+    expect(before.length).toBeGreaterThan(0);
+    const final = await ok(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-4', migrate: true }), 'admin');
+    expect(final.state).toBe(OperationState.SUCCEEDED);
+    const after = new Map((await store.listSandboxes(tenantId)).map((v) => [v.value.id, v.value] as [string, SandboxRec]));
+    for (const s of before) {
+      expect(after.get(s.id)?.state).toBe('running');
+      expect(after.get(s.id)?.hostId).not.toBe('fake-4');
+    }
+    expect(main.vms().get('fake-4')).toEqual([]);
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-4', cordon: false });
+    await assertConsistent();
+  });
+
+  it('host_whenSilent_becomesSuspectThenLost_itsSandboxesLost_andRestoreElsewhereFetchesFromSurvivingHolder', async () => {
+    const doomed = await startFakeAgents({ hosts: ['fake-l'], dataDir: join(dir, 'lost'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } });
+    fakes.push(doomed);
+    await waitFor('fake-l registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-l'), 10_000, 50);
+    // A sandbox and its snapshot on the doomed host; the snapshot also reaches fake-5.
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-l' } }));
+    const sbId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const sn = await ok(api, await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sbId }));
+    const snId = sn.result.case === 'snapshot' ? sn.result.value.id : '';
+    await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 1, placement: { hostId: 'fake-5', locality: Locality.CROSS_HOST } }));
+
+    doomed.proc.kill();
+    const killed = Date.now();
+    const seen = new Set<string>();
+    await waitFor('host lost', async () => {
+      const h = (await store.getHost('fake-l'))?.value;
+      if (h) seen.add(h.state);
+      return h?.state === 'lost';
+    }, 15_000, 50);
+    const lostAfter = Date.now() - killed;
+    expect(seen.has('suspect')).toBe(true);
+    expect(lostAfter).toBeGreaterThanOrEqual(4000);
+    await waitFor('sandbox lost', async () => (await store.getSandbox(tenantId, sbId))?.value.state === 'lost', 5_000, 50);
+    expect((await store.getAlloc('fake-l')).value.sandboxes).toBe(0);
+
+    // Restore from the surviving copy on a host that has never held it: it must fetch (sources + ticket + signature).
+    const r = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-6' } }));
+    expect(r.result.case === 'sandbox' && r.result.value.hostId).toBe('fake-6');
+    expect((await store.getSnapshot(tenantId, snId))?.value.hostIds).toContain('fake-6');
+    await sleep(10);
+    await assertConsistent();
+  });
+});
