@@ -30,7 +30,7 @@ import type {
   HeldSnapshot,
 } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { VmState as PbVmState, HostEventType } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
-import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
+import { Accel, ErrorInfoSchema } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
 
@@ -223,7 +223,7 @@ export class Agent {
       await this.act(w, result, log);
     } catch (e) {
       log.warn({ err: e }, 'step failed');
-      result.error = errorInfo(e) as never;
+      result.error = create(ErrorInfoSchema, errorInfo(e));
     }
     result.duration = durationFromMs(Math.round(clock.now() - started));
     // Failures that may succeed on a retry are not journalled, so a redelivery tries again.
