@@ -1,0 +1,176 @@
+// Baselines measured at the QEMU level in the load-test process, on the same machine:
+//   classic_restore: QEMU's ordinary save/restore with all of RAM in the stream (what
+//     `virsh save` / `virsh restore` do), reusing the VMM benchmark's building blocks
+//     (host-agent/bench/vmm.ts): driver, migrateAndWait, incomingAndWait, OverlayFactory.
+//   naive_full_copy: a cross-host restore that first copies the whole saved memory stream
+//     and the disk over a TCP stream between two of the fleet's host namespaces (so at the
+//     fleet's shaped link rate), then does the classic restore from the copy.
+import { mkdir, open, rm, stat } from 'node:fs/promises';
+import { spawn } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
+import { createInterface } from 'node:readline';
+import { join, resolve } from 'node:path';
+import type { Logger } from 'pino';
+import type { AccelSetting, LocalSnapshot } from '../host-agent/domain/vmm.ts';
+import type { QemuLaunch } from '../host-agent/adapters/qemu/cmdline.ts';
+import { qemuArgs } from '../host-agent/adapters/qemu/cmdline.ts';
+import { GuestAgentClient } from '../host-agent/adapters/guest/client.ts';
+import { QmpClient } from '../host-agent/adapters/qmp/client.ts';
+import { QemuVmmDriver, incomingAndWait, migrateAndWait, setCaps } from '../host-agent/adapters/qemu/driver.ts';
+import { OverlayFactory, killAndWait, killHard, spawnQemu } from '../host-agent/adapters/qemu/process.ts';
+import type { QemuProcess } from '../host-agent/adapters/qemu/process.ts';
+import { ensureImage } from '../deploy/images/build.ts';
+import { setupScript } from './workload.ts';
+
+const ROOT = resolve(import.meta.dirname, '..');
+
+export interface LocalBaseline {
+  driver: QemuVmmDriver;
+  accel: string;
+  snap: LocalSnapshot;
+  /** The full-RAM migration stream (virsh save's file). */
+  classicFile: string;
+  launch: QemuLaunch;
+  dir: string;
+  overlays: OverlayFactory;
+  /** Boot to agent-answers plus the setup, ms (a cold_boot sample measured below the API). */
+  coldBootMs: number;
+}
+
+/** Boots a guest with the template's setup, snapshots it, and saves a clone the classic way. */
+export async function prepareLocalBaseline(o: { root: string; accel: AccelSetting; guestMib: number; dirtyMib: number; logger: Logger }): Promise<LocalBaseline> {
+  const image = await ensureImage('tiny');
+  const driver = new QemuVmmDriver({ root: o.root, accel: o.accel, logger: o.logger, probeImage: image, autoProbeDeadlineMs: 10_000 });
+  try {
+    return await prepare(driver, image, o);
+  } catch (e) {
+    await driver.close().catch(() => undefined);
+    throw e;
+  }
+}
+
+async function prepare(driver: QemuVmmDriver, image: Awaited<ReturnType<typeof ensureImage>>, o: { root: string; guestMib: number; dirtyMib: number }): Promise<LocalBaseline> {
+  const accel = await driver.resolveAccel();
+  const t0 = performance.now();
+  await driver.create({ vmId: 'tpl', image, memoryMib: o.guestMib, vcpus: 1 });
+  const r = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', setupScript(o.dirtyMib)], timeoutMs: 300_000 });
+  if (r.exitCode !== 0) throw new Error(`template setup failed: ${r.stderr.toString()}`);
+  const coldBootMs = performance.now() - t0;
+  const snap = await driver.snapshot('tpl', 'lt-snap');
+  await driver.destroy('tpl');
+  await driver.fork(snap, [{ vmId: 'classic-src' }]);
+  const dir = join(o.root, 'classic');
+  await mkdir(dir, { recursive: true });
+  const classicFile = join(dir, 'full.bin');
+  const q = driver.qmpOf('classic-src');
+  await setCaps(q, { events: true, 'x-ignore-shared': false });
+  await q.execute('stop');
+  await migrateAndWait(q, `exec:cat > ${classicFile}`);
+  const launch = driver.launchOf('classic-src');
+  await driver.destroy('classic-src');
+  return { driver, accel, snap, classicFile, launch, dir, overlays: new OverlayFactory(), coldBootMs };
+}
+
+let seq = 0;
+
+/**
+ * One classic restore: new QEMU with anonymous RAM reads the whole stream from `file` (passed
+ * as an fd, as libvirt does), continues, and is ready when the guest agent answers an exec.
+ * Returns ms from spawn to that answer; the VM is killed afterwards.
+ */
+export async function classicRestoreOnce(b: LocalBaseline, file = b.classicFile, diskBacking = join(b.snap.dir, 'disk.qcow2')): Promise<number> {
+  const dir = join(b.dir, `r${seq++}`);
+  await mkdir(dir);
+  const disk = join(dir, 'disk.qcow2');
+  const l: QemuLaunch = {
+    ...b.launch, anonymousRam: true, disk, incoming: true, name: `lt-classic-${seq}`,
+    qmpSocket: join(dir, 'qmp.sock'), agentSocket: join(dir, 'qga.sock'), serialLog: join(dir, 'serial.log'), pidFile: join(dir, 'pid'),
+  };
+  let proc: QemuProcess | undefined;
+  const t0 = performance.now();
+  try {
+    await b.overlays.create(diskBacking, disk, b.snap.manifest.diskVirtualSize);
+    const stream = await open(file, 'r');
+    try {
+      proc = spawnQemu('qemu-system-x86_64', qemuArgs(l), join(dir, 'qemu.log'), [stream.fd]);
+    } finally {
+      await stream.close();
+    }
+    const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => true);
+    await Promise.all([setCaps(qmp, { events: true, 'x-ignore-shared': false }), incomingAndWait(qmp, 'fd:3')]);
+    await qmp.execute('cont');
+    const ga = await GuestAgentClient.connect(l.agentSocket);
+    await ga.sync(60_000, 250);
+    await ga.exec({ path: '/bin/true' });
+    const ms = performance.now() - t0;
+    ga.close();
+    qmp.close();
+    return ms;
+  } finally {
+    if (proc) await killAndWait(proc).catch(() => killHard(proc!.pid));
+    await rm(dir, { recursive: true, force: true });
+  }
+}
+
+function lines(child: ChildProcess): AsyncIterator<string> {
+  return createInterface({ input: child.stdout! })[Symbol.asyncIterator]();
+}
+
+async function nextJson(it: AsyncIterator<string>, what: string): Promise<Record<string, unknown>> {
+  const r = await it.next();
+  if (r.done) throw new Error(`${what}: exited without output`);
+  return JSON.parse(r.value) as Record<string, unknown>;
+}
+
+function stop(child: ChildProcess): Promise<void> {
+  if (child.exitCode !== null || child.pid === undefined) return Promise.resolve();
+  const gone = new Promise<void>((r) => child.once('exit', () => r()));
+  child.kill('SIGTERM');
+  return gone;
+}
+
+export interface CopyPath {
+  /** Network namespaces of the sending and receiving host; undefined = root namespace loopback. */
+  fromNetns?: string;
+  toNetns?: string;
+  fromAddress: string;
+  port: number;
+}
+
+function nodeIn(netns: string | undefined, args: string[]): ChildProcess {
+  const cmd = [process.execPath, '--import', 'tsx', join(ROOT, 'loadtest', 'copy-main.ts'), ...args];
+  const [bin, ...rest] = netns ? ['ip', 'netns', 'exec', netns, ...cmd] : cmd;
+  return spawn(bin!, rest, { stdio: ['pipe', 'pipe', 'inherit'], cwd: ROOT });
+}
+
+/** Starts the sender (not timed). Returns a function that runs one timed copy + classic restore. */
+export async function startNaive(b: LocalBaseline, path: CopyPath): Promise<{ once: () => Promise<{ ms: number; copyMs: number; bytes: number }>; close: () => Promise<void> }> {
+  const disk = join(b.snap.dir, 'disk.qcow2');
+  const server = nodeIn(path.fromNetns, ['serve', '--listen', `${path.fromAddress}:${path.port}`, '--files', `${b.classicFile},${disk}`]);
+  await nextJson(lines(server), 'naive copy server');
+  let k = 0;
+  return {
+    once: async () => {
+      const out = join(b.dir, `naive-${k++}`);
+      await mkdir(out);
+      const recv = nodeIn(path.toNetns, ['recv', '--connect', `${path.fromAddress}:${path.port}`, '--out', out]);
+      try {
+        const it = lines(recv);
+        await nextJson(it, 'naive copy receiver');
+        // Timed from here: the copy, then the restore from the copied files.
+        const t0 = performance.now();
+        recv.stdin!.write('go\n');
+        const res = await nextJson(it, 'naive copy receiver');
+        const copyMs = performance.now() - t0;
+        const copiedDisk = join(out, 'disk.qcow2');
+        await stat(copiedDisk);
+        const restoreMs = await classicRestoreOnce(b, join(out, 'full.bin'), copiedDisk);
+        return { ms: copyMs + restoreMs, copyMs, bytes: Number(res.bytes) };
+      } finally {
+        await stop(recv);
+        await rm(out, { recursive: true, force: true });
+      }
+    },
+    close: () => stop(server),
+  };
+}

@@ -1,0 +1,96 @@
+// Naive full-copy baseline helper, run inside a fleet host's network namespace:
+//   copy-main.ts serve --listen IP:PORT --files F[,F]   streams every file whole on each connection
+//   copy-main.ts recv  --connect IP:PORT --out DIR       waits for "go" on stdin, receives, prints JSON
+// Wire format per file: u16 name length, name, u64 size, bytes.
+import { parseArgs } from 'node:util';
+import { createReadStream, createWriteStream, statSync } from 'node:fs';
+import { basename, join } from 'node:path';
+import { connect, createServer } from 'node:net';
+import type { Socket } from 'node:net';
+import { once } from 'node:events';
+
+const { positionals, values } = parseArgs({ allowPositionals: true, options: { listen: { type: 'string' }, connect: { type: 'string' }, files: { type: 'string' }, out: { type: 'string' } } });
+
+function need(k: 'listen' | 'connect' | 'files' | 'out'): string {
+  const v = values[k];
+  if (!v) throw new Error(`--${k} is required`);
+  return v;
+}
+
+async function send(sock: Socket, files: string[]): Promise<void> {
+  for (const f of files) {
+    const name = Buffer.from(basename(f));
+    const head = Buffer.alloc(2 + name.length + 8);
+    head.writeUInt16BE(name.length, 0);
+    name.copy(head, 2);
+    head.writeBigUInt64BE(BigInt(statSync(f).size), 2 + name.length);
+    if (!sock.write(head)) await once(sock, 'drain');
+    for await (const chunk of createReadStream(f, { highWaterMark: 1 << 20 })) if (!sock.write(chunk as Buffer)) await once(sock, 'drain');
+  }
+  sock.end();
+}
+
+async function serve(): Promise<void> {
+  const files = need('files').split(',');
+  const [host, port] = need('listen').split(':');
+  const srv = createServer((sock) => void send(sock, files).catch((e: unknown) => process.stderr.write(`send failed: ${String(e)}\n`)));
+  srv.listen(Number(port), host, () => process.stdout.write(`${JSON.stringify({ listening: need('listen') })}\n`));
+  process.once('SIGTERM', () => srv.close(() => process.exit(0)));
+}
+
+async function recv(): Promise<void> {
+  const [host, port] = need('connect').split(':');
+  const dir = need('out');
+  process.stdout.write('{"ready":true}\n');
+  await once(process.stdin, 'data');
+  const t0 = performance.now();
+  const sock = connect(Number(port), host);
+  let buf = Buffer.alloc(0);
+  let out: ReturnType<typeof createWriteStream> | undefined;
+  let left = 0n;
+  let bytes = 0;
+  const files: string[] = [];
+  for await (const chunk of sock) {
+    buf = Buffer.concat([buf, chunk as Buffer]);
+    bytes += (chunk as Buffer).length;
+    while (buf.length > 0) {
+      if (!out) {
+        if (buf.length < 2) break;
+        const n = buf.readUInt16BE(0);
+        if (buf.length < 2 + n + 8) break;
+        const name = buf.subarray(2, 2 + n).toString();
+        left = buf.readBigUInt64BE(2 + n);
+        buf = buf.subarray(2 + n + 8);
+        files.push(name);
+        out = createWriteStream(join(dir, name));
+        if (left === 0n) {
+          out.end();
+          await once(out, 'finish');
+          out = undefined;
+        }
+        continue;
+      }
+      const take = Number(left < BigInt(buf.length) ? left : BigInt(buf.length));
+      if (!out.write(buf.subarray(0, take))) await once(out, 'drain');
+      buf = buf.subarray(take);
+      left -= BigInt(take);
+      if (left === 0n) {
+        out.end();
+        await once(out, 'finish');
+        out = undefined;
+      }
+    }
+  }
+  process.stdout.write(`${JSON.stringify({ done: true, files, bytes, ms: performance.now() - t0 })}\n`);
+  process.exit(0);
+}
+
+const run = positionals[0] === 'serve' ? serve : positionals[0] === 'recv' ? recv : undefined;
+if (!run) {
+  process.stderr.write('usage: copy-main.ts serve|recv ...\n');
+  process.exit(2);
+}
+run().catch((e: unknown) => {
+  process.stderr.write(`${e instanceof Error ? e.message : String(e)}\n`);
+  process.exit(1);
+});

@@ -1,0 +1,373 @@
+// Load test: same-host against cross-host fork and resume latency through the public API.
+//   npm run loadtest -- [--quick] [--json FILE] [--report DIR] [--api HOST:PORT]
+//        [--hosts 3] [--link 10gbit] [--guest-mib 256] [--dirty-mib 64] [--samples 5]
+//        [--concurrency 4] [--fanout N] [--duration 60s] [--metrics-port 19790]
+//   npm run loadtest -- --plan --forks-per-s X --p95-ms Y --from FILE   (capacity planning)
+// Without --api it starts its own fleet (deploy/fleet/fleet.ts) in --fleet-dir with prefix
+// fflt and base port 19700, and always brings it down.
+import { parseArgs } from 'node:util';
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { createServer } from 'node:http';
+import type { Server } from 'node:http';
+import { execFileSync } from 'node:child_process';
+import { join, resolve } from 'node:path';
+import { tmpdir } from 'node:os';
+import { pino } from 'pino';
+import { Histogram, Registry } from 'prom-client';
+import { LatencyHistogram } from './hist.ts';
+import { Driver, Locality, Spread, connect, OpFailed } from './scenarios.ts';
+import { classicRestoreOnce, prepareLocalBaseline, startNaive } from './baselines.ts';
+import type { LocalBaseline } from './baselines.ts';
+import { checks, renderReport } from './report.ts';
+import type { RunResult, ScenarioResult } from './report.ts';
+import { formatPlan, planCapacity } from './plan.ts';
+import type { Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type * as FleetModule from '../deploy/fleet/fleet.ts';
+
+type FleetMod = typeof FleetModule;
+
+const ROOT = resolve(import.meta.dirname, '..');
+const log = (s: string): void => void process.stderr.write(`loadtest: ${s}\n`);
+
+function parseDuration(s: string, field: string): number {
+  const m = /^(\d+(?:\.\d+)?)(ms|s|m)$/.exec(s);
+  if (!m) throw new Error(`--${field}: want a duration like '60s' or '500ms', got ${JSON.stringify(s)}`);
+  return Number(m[1]) * { ms: 1, s: 1000, m: 60_000 }[m[2] as 'ms' | 's' | 'm'];
+}
+
+function posInt(v: string | undefined, field: string, dflt: number): number {
+  if (v === undefined) return dflt;
+  const n = Number(v);
+  if (!Number.isInteger(n) || n < 1) throw new Error(`--${field}: want an integer >= 1, got ${JSON.stringify(v)}`);
+  return n;
+}
+
+export interface LoadtestConfig {
+  quick: boolean;
+  api: string | undefined;
+  hosts: number;
+  link: string;
+  linkGbps: number;
+  guestMib: number;
+  dirtyMib: number;
+  samples: number;
+  concurrency: number;
+  fanout: number;
+  /** Per-scenario sampling budget. */
+  durationMs: number;
+  /** Whole-run budget; scenarios stop taking samples past it (each keeps at least one). */
+  budgetMs: number;
+  opTimeoutMs: number;
+  metricsPort: number;
+  json: string | undefined;
+  report: string;
+  fleetDir: string;
+  prefix: string;
+  basePort: number;
+}
+
+function compileConfig(v: Record<string, string | boolean | undefined>): Readonly<LoadtestConfig> {
+  const s = (k: string): string | undefined => (typeof v[k] === 'string' ? (v[k] as string) : undefined);
+  const quick = v.quick === true;
+  const link = s('link') ?? '10gbit';
+  const m = /^(\d+(?:\.\d+)?)(g|m)bit$/i.exec(link);
+  if (!m) throw new Error(`--link: want a rate like 10gbit or 500mbit, got ${JSON.stringify(link)}`);
+  const hosts = posInt(s('hosts'), 'hosts', 3);
+  const samples = posInt(s('samples'), 'samples', quick ? 3 : 10);
+  return Object.freeze({
+    quick,
+    api: s('api'),
+    hosts,
+    link,
+    linkGbps: Number(m[1]) / (m[2]!.toLowerCase() === 'm' ? 1000 : 1),
+    guestMib: posInt(s('guest-mib'), 'guest-mib', 256),
+    dirtyMib: posInt(s('dirty-mib'), 'dirty-mib', 64),
+    samples,
+    concurrency: posInt(s('concurrency'), 'concurrency', 4),
+    fanout: posInt(s('fanout'), 'fanout', hosts * 2),
+    durationMs: parseDuration(s('duration') ?? (quick ? '40s' : '300s'), 'duration'),
+    budgetMs: parseDuration(s('budget') ?? (quick ? '200s' : '3600s'), 'budget'),
+    opTimeoutMs: parseDuration(s('op-timeout') ?? (quick ? '45s' : '300s'), 'op-timeout'),
+    metricsPort: Number(s('metrics-port') ?? 19790),
+    json: s('json'),
+    report: s('report') ?? join(ROOT, 'loadtest', 'out'),
+    fleetDir: s('fleet-dir') ?? '/var/lib/ffleet-lt',
+    prefix: s('prefix') ?? 'fflt',
+    basePort: Number(s('base-port') ?? 19700),
+  });
+}
+
+class Recorder {
+  readonly hists = new Map<string, LatencyHistogram>();
+  readonly results: Record<string, ScenarioResult> = {};
+  private readonly prom = new Map<string, Histogram>();
+  constructor(private readonly registry: Registry) {}
+
+  record(name: string, ms: number): void {
+    let h = this.hists.get(name);
+    if (!h) this.hists.set(name, (h = new LatencyHistogram()));
+    h.record(ms);
+    let p = this.prom.get(name);
+    if (!p) {
+      p = new Histogram({ name: `forkfleet_loadtest_${name}_seconds`, help: `${name}: API call until the sandbox answers an exec`, buckets: [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128], registers: [this.registry] });
+      this.prom.set(name, p);
+    }
+    p.observe(ms / 1000);
+  }
+
+  finish(name: string, failed?: string): void {
+    const s = this.hists.get(name)?.summary() ?? { n: 0, p50_ms: 0, p95_ms: 0, p99_ms: 0, max_ms: 0 };
+    this.results[name] = failed ? { ...s, failed } : s;
+    log(`${name}: ${JSON.stringify(this.results[name])}`);
+  }
+
+  skip(name: string, reason: string): void {
+    this.results[name] = { skipped: reason };
+    log(`${name}: skipped: ${reason}`);
+  }
+}
+
+function gitCommit(): string {
+  try {
+    const c = execFileSync('git', ['-C', ROOT, 'rev-parse', '--short', 'HEAD'], { encoding: 'utf8' }).trim();
+    const dirty = execFileSync('git', ['-C', ROOT, 'status', '--porcelain'], { encoding: 'utf8' }).trim() ? '+dirty' : '';
+    return c + dirty;
+  } catch {
+    return 'unknown';
+  }
+}
+
+async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
+  const started = Date.now();
+  const registry = new Registry();
+  const rec = new Recorder(registry);
+  const notes: string[] = [];
+  let metrics: Server | undefined;
+  if (cfg.metricsPort > 0) {
+    metrics = createServer((_req, res) => void registry.metrics().then((t) => res.writeHead(200, { 'content-type': registry.contentType }).end(t)));
+    await new Promise<void>((r, j) => metrics!.once('error', j).listen(cfg.metricsPort, '127.0.0.1', () => r()));
+    log(`Prometheus metrics on http://127.0.0.1:${cfg.metricsPort}/metrics`);
+  }
+  let fleetMod: FleetMod | undefined;
+  let fleetHosts: Array<{ netns: string; address: string }> = [];
+  let apiAddr = cfg.api;
+  const work = mkdtempSync(join(tmpdir(), 'fflt-'));
+  let local: LocalBaseline | undefined;
+  let localP: Promise<LocalBaseline> | undefined;
+  const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
+  const cleanup: Array<() => Promise<void>> = [];
+  try {
+    // Fleet (or a given API) and the QEMU-level baseline guest are prepared in parallel: setup only, nothing is timed.
+    localP = prepareLocalBaseline({ root: join(work, 'q'), accel: (process.env.FF_ACCEL as 'auto' | 'kvm' | 'tcg' | undefined) ?? 'auto', guestMib: cfg.guestMib, dirtyMib: cfg.dirtyMib, logger });
+    localP.catch(() => undefined);
+    if (!apiAddr) {
+      fleetMod = await import('../deploy/fleet/fleet.ts');
+      log(`starting a ${cfg.hosts}-host fleet in ${cfg.fleetDir} (links ${cfg.link})`);
+      const st = await fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort }));
+      apiAddr = st.apiAddresses[0]!;
+      fleetHosts = st.hosts;
+    }
+    const api = connect(apiAddr);
+    cleanup.push(async () => api.close());
+    const d = new Driver(api, cfg.opTimeoutMs);
+    // Setup steps (template boot, snapshots taken between samples) are not timed; give them longer.
+    const setup = new Driver(api, Math.max(cfg.opTimeoutMs, 240_000));
+    let hosts = await d.hosts();
+    for (let i = 0; i < 100 && hosts.length < cfg.hosts && cfg.api === undefined; i++) {
+      await new Promise((r) => setTimeout(r, 200));
+      hosts = await d.hosts();
+    }
+    const accel = hosts[0]?.accel ?? 'unknown';
+    const overBudget = (): boolean => Date.now() - started > cfg.budgetMs;
+    const live = new Set<string>();
+
+    async function scenario(name: string, samples: number, one: () => Promise<number[]>): Promise<void> {
+      const t0 = Date.now();
+      try {
+        for (let i = 0; i < samples; i++) {
+          if (i > 0 && (Date.now() - t0 > cfg.durationMs || overBudget())) {
+            notes.push(`${name}: stopped after ${i} of ${samples} samples (time budget)`);
+            break;
+          }
+          for (const ms of await one()) rec.record(name, ms);
+        }
+        rec.finish(name);
+      } catch (e) {
+        rec.finish(name, e instanceof Error ? e.message : String(e));
+      }
+    }
+
+    log('template: boot + setup through the API');
+    const tpl = await setup.coldBoot(cfg.guestMib, cfg.dirtyMib);
+    rec.record('cold_boot', tpl.ms);
+    notes.push('cold_boot sample 1 is the template, booted while the QEMU-level baseline guest booted too (both setups share the CPUs).');
+    const s0 = await setup.snapshot(tpl.sb.id);
+    log(`template ${tpl.sb.id} on ${tpl.sb.hostId}, snapshot ${s0.id} (${s0.storedBytes} stored bytes of ${s0.logicalBytes})`);
+    const kids = async (r: { children: Array<{ id: string }>; ms: number[] }): Promise<number[]> => {
+      await d.destroyAll(r.children.map((c) => c.id));
+      return r.ms;
+    };
+
+    for (const n of [1, 4, 8]) await scenario(`fork_same_host_${n}`, n === 1 ? cfg.samples : Math.max(1, Math.ceil(cfg.samples / (n / 2))), async () => kids(await d.fork(s0.id, n, { locality: Locality.SAME_HOST })));
+
+    await scenario('resume_paused', Math.max(cfg.samples, 5), async () => {
+      await d.pause(tpl.sb.id);
+      return [await d.resume(tpl.sb.id)];
+    });
+
+    // Cross host: the target hosts must lack the snapshot, so take a fresh one when every host holds it (not timed).
+    let cur: Snapshot = s0;
+    const fresh = async (needFree: number): Promise<Snapshot> => {
+      cur = await d.getSnapshot(cur.id);
+      if (hosts.length - new Set(cur.hostIds).size < needFree) cur = await setup.snapshot(tpl.sb.id);
+      return cur;
+    };
+    if (hosts.length < 2) {
+      for (const n of ['fork_cross_host_1', 'fork_cross_host_4']) rec.skip(n, 'needs at least 2 hosts');
+    } else {
+      await scenario('fork_cross_host_1', cfg.samples, async () => kids(await d.fork((await fresh(1)).id, 1, { locality: Locality.CROSS_HOST })));
+      await scenario('fork_cross_host_4', Math.max(1, Math.ceil(cfg.samples / 2)), async () => kids(await d.fork((await fresh(hosts.length - 1)).id, 4, { locality: Locality.CROSS_HOST })));
+    }
+    await scenario('fork_fanout', Math.max(1, Math.ceil(cfg.samples / 2)), async () => kids(await d.fork((await fresh(hosts.length - 1)).id, cfg.fanout, { spread: Spread.SPREAD })));
+
+    await scenario('restore_concurrent', Math.max(1, Math.ceil(cfg.samples / 2)), async () => {
+      const r = await d.restoreConcurrent(s0.id, cfg.concurrency, cfg.guestMib);
+      await d.destroyAll(r.sandboxes.map((s) => s.id));
+      return r.ms;
+    });
+
+    // Hibernate + wake. Warm: the hibernation snapshot is on the host. Cold: its host is
+    // cordoned, so the wake must land on a host that fetches the snapshot from a peer.
+    let hibernateUnsupported: string | undefined;
+    const hibernated = async (): Promise<{ id: string; host: string }> => {
+      const { children } = await d.fork(s0.id, 1, { locality: Locality.SAME_HOST });
+      const c = children[0]!;
+      live.add(c.id);
+      try {
+        await d.hibernate(c.id);
+      } catch (e) {
+        if (e instanceof OpFailed && e.notSupported) hibernateUnsupported = `HibernateSandbox not supported by this fleet: ${e.message}`;
+        throw e;
+      }
+      return { id: c.id, host: c.hostId };
+    };
+    const wake = async (cold: boolean): Promise<number[]> => {
+      const h = await hibernated();
+      try {
+        if (cold) await d.cordon(h.host, true);
+        const ms = await d.resume(h.id);
+        if (cold && (await d.hostOf(h.id)) === h.host) throw new Error(`woke on its own (cordoned) host ${h.host}: not a cold wake`);
+        return [ms];
+      } finally {
+        if (cold) await d.cordon(h.host, false).catch(() => undefined);
+        await d.destroyAll([h.id]);
+        live.delete(h.id);
+      }
+    };
+    for (const [name, cold] of [['resume_hibernated_warm', false], ['resume_hibernated_cold', true]] as const) {
+      if (hibernateUnsupported) rec.skip(name, hibernateUnsupported);
+      else if (cold && hosts.length < 2) rec.skip(name, 'needs at least 2 hosts');
+      else {
+        await scenario(name, cfg.samples, () => wake(cold));
+        if (hibernateUnsupported) rec.skip(name, hibernateUnsupported);
+      }
+    }
+
+    // QEMU-level baselines.
+    try {
+      local = await localP!;
+      rec.record('cold_boot', local.coldBootMs);
+      notes.push(`QEMU-level baseline guest: accel ${local.accel}; its boot+setup (${Math.round(local.coldBootMs)} ms, below the API) is cold_boot sample 2.`);
+      await scenario('classic_restore', cfg.samples, async () => [await classicRestoreOnce(local!)]);
+      const [a, b] = fleetHosts;
+      const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990 } : { fromAddress: '127.0.0.1', port: 19795 });
+      cleanup.push(naive.close);
+      if (!(a && b)) notes.push('naive_full_copy: no fleet namespaces known (--api), so the copy ran over unshaped loopback.');
+      let copy = '';
+      await scenario('naive_full_copy', cfg.samples, async () => {
+        const r = await naive.once();
+        copy = `naive_full_copy: copied ${(r.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) in ${Math.round(r.copyMs)} ms, then a classic restore.`;
+        return [r.ms];
+      });
+      if (copy) notes.push(copy);
+    } catch (e) {
+      const why = `QEMU-level baseline failed: ${e instanceof Error ? e.message : String(e)}`;
+      for (const n of ['classic_restore', 'naive_full_copy']) if (!rec.results[n]) rec.skip(n, why);
+    }
+    // More cold boots if there is time left.
+    await scenario('cold_boot', overBudget() ? 0 : 1, async () => {
+      const r = await d.coldBoot(cfg.guestMib, cfg.dirtyMib);
+      await d.destroyAll([r.sb.id]);
+      return [r.ms];
+    });
+    await d.destroyAll([tpl.sb.id, ...live]);
+
+    const order = ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout', 'resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold', 'restore_concurrent', 'cold_boot', 'classic_restore', 'naive_full_copy'];
+    const scenarios: Record<string, ScenarioResult> = {};
+    const samples: Record<string, number[]> = {};
+    for (const n of order) {
+      scenarios[n] = rec.results[n] ?? { skipped: 'not run' };
+      samples[n] = (rec.hists.get(n)?.samples ?? []).map((x) => Math.round(x * 10) / 10);
+    }
+    notes.push(`fork_fanout: ${cfg.fanout} children, placement.spread SPREAD; restore_concurrent: ${cfg.concurrency} CreateSandbox(snapshot_id) at once; run took ${Math.round((Date.now() - started) / 1000)} s.`);
+    return {
+      env: { accel, hosts: hosts.length, link_gbps: cfg.linkGbps, guest_mib: cfg.guestMib, dirty_mib: cfg.dirtyMib, date: new Date().toISOString(), git_commit: gitCommit(), api: apiAddr, mode: cfg.quick ? 'quick' : 'full', notes },
+      scenarios,
+      samples,
+    };
+  } finally {
+    for (const c of cleanup.reverse()) await c().catch(() => undefined);
+    const prepared = local ?? (await localP?.catch(() => undefined));
+    if (prepared) await prepared.driver.close().catch(() => undefined);
+    if (fleetMod) {
+      log('bringing the fleet down');
+      await fleetMod.down(cfg.fleetDir);
+    }
+    rmSync(work, { recursive: true, force: true });
+    if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
+  }
+}
+
+async function main(): Promise<void> {
+  const { values } = parseArgs({
+    options: {
+      quick: { type: 'boolean' }, plan: { type: 'boolean' }, json: { type: 'string' }, report: { type: 'string' }, api: { type: 'string' },
+      hosts: { type: 'string' }, link: { type: 'string' }, 'guest-mib': { type: 'string' }, 'dirty-mib': { type: 'string' }, samples: { type: 'string' },
+      concurrency: { type: 'string' }, fanout: { type: 'string' }, duration: { type: 'string' }, budget: { type: 'string' }, 'op-timeout': { type: 'string' },
+      'metrics-port': { type: 'string' }, 'fleet-dir': { type: 'string' }, prefix: { type: 'string' }, 'base-port': { type: 'string' },
+      'forks-per-s': { type: 'string' }, 'p95-ms': { type: 'string' }, from: { type: 'string' }, 'fork-n': { type: 'string' }, 'host-slots': { type: 'string' }, seconds: { type: 'string' },
+    },
+  });
+  if (values.plan) {
+    if (!values.from || !values['forks-per-s'] || !values['p95-ms']) throw new Error('--plan needs --forks-per-s X --p95-ms Y --from FILE');
+    const run = JSON.parse(readFileSync(values.from, 'utf8')) as RunResult;
+    const plan = planCapacity(run, {
+      forksPerSecond: Number(values['forks-per-s']), p95TargetMs: Number(values['p95-ms']),
+      ...(values['fork-n'] ? { childrenPerFork: Number(values['fork-n']) } : {}),
+      ...(values['host-slots'] ? { slotsPerHost: Number(values['host-slots']) } : {}),
+      ...(values.seconds ? { simulatedSeconds: Number(values.seconds) } : {}),
+    });
+    process.stdout.write(formatPlan(plan));
+    if (values.json) writeFileSync(values.json, `${JSON.stringify(plan, null, 2)}\n`);
+    return;
+  }
+  const cfg = compileConfig(values);
+  const result = await runLoad(cfg);
+  mkdirSync(cfg.report, { recursive: true });
+  const { markdown, files } = renderReport(result);
+  writeFileSync(join(cfg.report, 'report.md'), markdown);
+  for (const [f, svg] of Object.entries(files)) writeFileSync(join(cfg.report, f), svg);
+  writeFileSync(join(cfg.report, 'result.json'), `${JSON.stringify(result, null, 2)}\n`);
+  if (cfg.json) writeFileSync(cfg.json, `${JSON.stringify(result, null, 2)}\n`);
+  for (const c of checks(result.scenarios)) log(`${c.what.padEnd(50)} ${c.target.padEnd(9)} ${c.value.padEnd(10)} ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'}`);
+  log(`report: ${join(cfg.report, 'report.md')}`);
+  process.stdout.write(`${JSON.stringify({ env: result.env, scenarios: result.scenarios })}\n`);
+}
+
+main().then(
+  () => process.exit(0),
+  (e: unknown) => {
+    process.stderr.write(`loadtest: ${e instanceof Error ? (e.stack ?? e.message) : String(e)}\n`);
+    process.exit(1);
+  },
+);

@@ -1,0 +1,198 @@
+// Capacity planning: the load-test scenarios against a simulated fleet of thousands of hosts.
+// A discrete-event simulation: forks arrive (Poisson, seeded), the real placement library
+// (scheduler/ place()) picks hosts from a fleet view refreshed every `viewRefreshMs` of
+// simulated time, and each child's time to ready is drawn from a measured run:
+//   - on a host holding the snapshot: a fork_same_host_1 sample;
+//   - on a host that lacks it: a fork_same_host_1 sample + the measured transfer part
+//     (fork_cross_host_1 p50 - fork_same_host_1 p50) scaled by run link rate / simulated link
+//     rate, and the host then holds the snapshot;
+//   - plus queueing: a host restores at most `slotsPerHost` children at once.
+// Answers "how many hosts at what link rate for X forks/s at p95 <= Y ms". Pure, seeded.
+import { buildFleetView, place, xoshiro128ss } from '../scheduler/index.ts';
+import type { HostInput, SnapshotInput } from '../scheduler/index.ts';
+import type { RunResult } from './report.ts';
+import { isSummary } from './report.ts';
+
+export interface PlanOptions {
+  forksPerSecond: number;
+  p95TargetMs: number;
+  /** Children per fork request. */
+  childrenPerFork?: number;
+  /** Concurrent restores a host runs; more wait in its queue. */
+  slotsPerHost?: number;
+  simulatedSeconds?: number;
+  /** Distinct templates (snapshots) forks are drawn from, Zipf-ish popularity. */
+  templates?: number;
+  /** How long a child lives (holds memory) before it is destroyed. */
+  childLifetimeS?: number;
+  hostMemoryMib?: number;
+  linkRatesGbps?: readonly number[];
+  maxHosts?: number;
+  viewRefreshMs?: number;
+  seed?: number;
+}
+
+export interface LatencyModel {
+  sameHostMs: readonly number[];
+  /** Transfer part of a cross-host fork at the run's link rate, ms. */
+  transferMsAtRun: number;
+  runLinkGbps: number;
+  guestMib: number;
+  source: string;
+}
+
+export interface SimOutcome {
+  hosts: number;
+  linkGbps: number;
+  children: number;
+  p50Ms: number;
+  p95Ms: number;
+  crossHostFraction: number;
+  unplaced: number;
+}
+
+export interface Plan {
+  request: Required<Pick<PlanOptions, 'forksPerSecond' | 'p95TargetMs'>> & PlanOptions;
+  model: LatencyModel;
+  /** Per link rate: the fewest hosts meeting the target, or null if none up to maxHosts. */
+  answers: Array<{ linkGbps: number; hosts: number | null; outcome: SimOutcome | null }>;
+}
+
+export function modelFrom(run: RunResult): LatencyModel {
+  const same = run.scenarios.fork_same_host_1;
+  const cross = run.scenarios.fork_cross_host_1;
+  if (!isSummary(same)) throw new Error('--from: the run has no fork_same_host_1 samples');
+  const samples = run.samples?.fork_same_host_1?.length ? run.samples.fork_same_host_1 : [same.p50_ms];
+  const transfer = isSummary(cross) ? Math.max(0, cross.p50_ms - same.p50_ms) : 0;
+  return { sameHostMs: samples, transferMsAtRun: transfer, runLinkGbps: run.env.link_gbps, guestMib: run.env.guest_mib, source: isSummary(cross) ? 'fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50 as transfer' : 'fork_same_host_1 samples; no cross-host data, transfer assumed free' };
+}
+
+function percentile(sorted: readonly number[], p: number): number {
+  if (sorted.length === 0) return 0;
+  return sorted[Math.min(sorted.length - 1, Math.ceil((p / 100) * sorted.length) - 1)] ?? 0;
+}
+
+/** One simulated run: `hosts` hosts at `linkGbps`. */
+export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o: PlanOptions): SimOutcome {
+  const seed = o.seed ?? 7;
+  const rng = xoshiro128ss(seed, 0x9e3779b9, hosts, Math.round(linkGbps * 1000));
+  const n = o.childrenPerFork ?? 1;
+  const slots = o.slotsPerHost ?? 8;
+  const T = (o.simulatedSeconds ?? 20) * 1000;
+  const templates = o.templates ?? 50;
+  const life = (o.childLifetimeS ?? 30) * 1000;
+  const memCap = o.hostMemoryMib ?? 65536;
+  const refresh = o.viewRefreshMs ?? 20;
+  const bw = (linkGbps * 1e9) / 8;
+  const transferMs = model.transferMsAtRun * (model.runLinkGbps / linkGbps);
+  const ids = Array.from({ length: hosts }, (_, i) => `h${i}`);
+  const held: Array<Set<string>> = ids.map(() => new Set());
+  const slotFree: number[][] = ids.map(() => Array.from({ length: slots }, () => 0));
+  const releases: Array<Array<{ at: number; mib: number }>> = ids.map(() => []);
+  const allocMib = new Float64Array(hosts);
+  /** Finish times of every child queued or restoring on each host (place()'s inflightOps). */
+  const finishes: number[][] = ids.map(() => []);
+  // Each template starts on one host (where its parent ran).
+  const snaps: SnapshotInput[] = Array.from({ length: templates }, (_, i) => ({
+    id: `tpl-${i}`, totalBytes: Math.max(1, model.guestMib) * 1048576 * 0.4, chunkBytes: 4 * 1048576,
+    vmConfig: { qemuVersion: '8.2.0', machine: 'microvm', cpuModel: 'host', accel: 'kvm', vcpus: 1, memoryMib: model.guestMib },
+  }));
+  for (const s of snaps) held[rng.nextInt(hosts)]!.add(s.id);
+  const vmm = { qemuVersion: '8.2.2', machines: ['microvm'], cpuModels: ['host'], accel: 'kvm' as const };
+  const lat: number[] = [];
+  let cross = 0;
+  let unplaced = 0;
+  let t = 0;
+  let nextView = 0;
+  let view = buildFleetView({ revision: 0, observedAtMs: 0, hosts: [], snapshots: snaps });
+  let req = 0;
+  while (t < T) {
+    t += -Math.log(1 - rng.nextFloat()) * (1000 / o.forksPerSecond);
+    if (t >= nextView) {
+      const hs: HostInput[] = ids.map((id, i) => {
+        const rel = releases[i]!;
+        while (rel.length && rel[0]!.at <= t) allocMib[i] = allocMib[i]! - rel.shift()!.mib;
+        const busy = (finishes[i] = finishes[i]!.filter((f) => f > t)).length;
+        return { id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 64, memoryMib: memCap, diskMib: 1e7 }, allocated: { vcpus: 0, memoryMib: Math.max(0, allocMib[i]!), diskMib: 0 }, inflightOps: busy, link: { bandwidthBytesPerS: bw, rxLoadBytesPerS: 0, txLoadBytesPerS: 0 }, vmm, heldSnapshots: [...held[i]!], restoreCostMs: percentile([...model.sameHostMs].sort((a, b) => a - b), 50) };
+      });
+      view = buildFleetView({ revision: req, observedAtMs: t, hosts: hs, snapshots: snaps });
+      nextView = t + refresh;
+    }
+    // Zipf-ish popularity: template k with weight 1/(k+1).
+    const k = Math.min(templates - 1, Math.floor(templates ** rng.nextFloat()) - 1);
+    const snapshotId = `tpl-${Math.max(0, k)}`;
+    const r = place(view, { kind: 'fork', id: `sim-${req++}`, nowMs: t, snapshotId, count: n, overlayDiskMib: 64 }, xoshiro128ss(seed, req, 1, 2));
+    if (!r.ok) {
+      unplaced += n;
+      continue;
+    }
+    for (const p of r.placements) {
+      const i = view.hostIndexById.get(p.hostId)!;
+      const base = model.sameHostMs[Math.floor(rng.nextFloat() * model.sameHostMs.length)] ?? 0;
+      const holds = held[i]!.has(snapshotId);
+      const service = base + (holds ? 0 : transferMs);
+      if (!holds) cross++;
+      held[i]!.add(snapshotId);
+      const sl = slotFree[i]!;
+      let j = 0;
+      for (let q = 1; q < sl.length; q++) if (sl[q]! < sl[j]!) j = q;
+      const start = Math.max(t, sl[j]!);
+      sl[j] = start + service;
+      finishes[i]!.push(start + service);
+      lat.push(start + service - t);
+      allocMib[i] = allocMib[i]! + model.guestMib * 0.3;
+      releases[i]!.push({ at: start + service + life, mib: model.guestMib * 0.3 });
+    }
+  }
+  lat.sort((a, b) => a - b);
+  return { hosts, linkGbps, children: lat.length, p50Ms: Math.round(percentile(lat, 50)), p95Ms: Math.round(percentile(lat, 95)), crossHostFraction: lat.length ? Math.round((cross / lat.length) * 1000) / 1000 : 0, unplaced };
+}
+
+/** Fewest hosts (doubling, then bisection) whose simulated p95 meets the target, per link rate. */
+export function planCapacity(run: RunResult, o: PlanOptions): Plan {
+  if (!(o.forksPerSecond > 0)) throw new Error('--forks-per-s: want a number > 0');
+  if (!(o.p95TargetMs > 0)) throw new Error('--p95-ms: want a number > 0');
+  const model = modelFrom(run);
+  const maxHosts = o.maxHosts ?? 8192;
+  const answers: Plan['answers'] = [];
+  for (const g of o.linkRatesGbps ?? [1, 10, 25, 100]) {
+    const ok = (h: number): SimOutcome | null => {
+      const s = simulate(model, h, g, o);
+      return s.unplaced === 0 && s.p95Ms <= o.p95TargetMs ? s : null;
+    };
+    let hi = 1;
+    let best: SimOutcome | null = ok(hi);
+    while (!best && hi < maxHosts) {
+      hi = Math.min(maxHosts, hi * 2);
+      best = ok(hi);
+    }
+    if (!best) {
+      answers.push({ linkGbps: g, hosts: null, outcome: null });
+      continue;
+    }
+    let lo = Math.floor(hi / 2) + 1;
+    while (lo < hi) {
+      const mid = Math.floor((lo + hi) / 2);
+      const s = ok(mid);
+      if (s) {
+        hi = mid;
+        best = s;
+      } else lo = mid + 1;
+    }
+    answers.push({ linkGbps: g, hosts: hi, outcome: best });
+  }
+  return { request: { ...o }, model, answers };
+}
+
+export function formatPlan(p: Plan): string {
+  const r = p.request;
+  const lines = [
+    `Capacity plan: ${r.forksPerSecond} forks/s x ${r.childrenPerFork ?? 1} children, p95 <= ${r.p95TargetMs} ms (slots/host ${r.slotsPerHost ?? 8}, ${r.templates ?? 50} templates, ${r.simulatedSeconds ?? 20} s simulated)`,
+    `model: ${p.model.source}; same-host median ${percentile([...p.model.sameHostMs].sort((a, b) => a - b), 50)} ms, transfer ${Math.round(p.model.transferMsAtRun)} ms at ${p.model.runLinkGbps} Gbit/s`,
+    '',
+    'link Gbit/s   hosts     p50 ms   p95 ms   cross-host fraction',
+    ...p.answers.map((a) => `${String(a.linkGbps).padEnd(12)} ${String(a.hosts ?? `> ${r.maxHosts ?? 8192}`).padEnd(9)} ${String(a.outcome?.p50Ms ?? '-').padEnd(8)} ${String(a.outcome?.p95Ms ?? '-').padEnd(8)} ${a.outcome?.crossHostFraction ?? '-'}`),
+    '',
+  ];
+  return lines.join('\n');
+}

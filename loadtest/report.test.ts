@@ -1,0 +1,34 @@
+import { describe, expect, it } from 'vitest';
+import { checks, renderReport } from './report.ts';
+import type { RunResult } from './report.ts';
+
+const base: RunResult = {
+  env: { accel: 'tcg', hosts: 3, link_gbps: 10, guest_mib: 256, dirty_mib: 64, date: '2025-01-01T00:00:00Z', git_commit: 'abc1234', api: '127.0.0.1:19700', mode: 'quick', notes: ['a note'] },
+  scenarios: {
+    fork_same_host_1: { n: 3, p50_ms: 100, p95_ms: 120, p99_ms: 120, max_ms: 120 },
+    fork_cross_host_1: { n: 3, p50_ms: 150, p95_ms: 170, p99_ms: 170, max_ms: 170 },
+    classic_restore: { n: 3, p50_ms: 600, p95_ms: 700, p99_ms: 700, max_ms: 700 },
+    naive_full_copy: { n: 3, p50_ms: 900, p95_ms: 950, p99_ms: 950, max_ms: 950 },
+    resume_paused: { n: 5, p50_ms: 20, p95_ms: 30, p99_ms: 30, max_ms: 30 },
+    resume_hibernated_warm: { skipped: 'HibernateSandbox not supported' },
+  },
+  samples: { fork_same_host_1: [90, 100, 120], fork_cross_host_1: [140, 150, 170], classic_restore: [500, 600, 700], naive_full_copy: [850, 900, 950], resume_paused: [10, 15, 20, 25, 30] },
+};
+
+describe('report', () => {
+  it('checks_computeRatiosAndLeaveMissingSidesUndecided', () => {
+    const c = Object.fromEntries(checks(base.scenarios).map((x) => [x.what, x]));
+    expect(c['fork_cross_host_1 / fork_same_host_1 (p50)']).toMatchObject({ value: '1.50', ok: true });
+    expect(c['fork_same_host_1 / classic_restore (p50)']).toMatchObject({ value: '0.17', ok: true });
+    expect(c['resume_hibernated_warm / classic_restore (p50)']?.ok).toBeUndefined();
+    expect(c['resume_paused p50']?.ok).toBe(true);
+  });
+
+  it('renderReport_writesEnvironmentTableAndEveryChart', () => {
+    const { markdown, files } = renderReport(base);
+    for (const s of ['| accel | tcg |', '| hosts | 3 |', '10 Gbit/s', '256 MiB, 64 MiB dirtied', 'abc1234', 'skipped: HibernateSandbox not supported', 'a note']) expect(markdown).toContain(s);
+    for (const f of Object.keys(files)) expect(markdown).toContain(`(${f})`);
+    expect(files['same-vs-cross.svg']).toContain('cross host p50');
+    expect(files['cdf-fork.svg']).toContain('fork_cross_host_1 (n=3)');
+  });
+});

@@ -1,0 +1,141 @@
+// Markdown report with SVG charts, from a run's result. Pure: returns strings.
+import { renderBars, renderCdf } from './svg.ts';
+import type { BarGroup } from './svg.ts';
+import type { LatencySummary } from './hist.ts';
+
+export interface RunEnv {
+  accel: string;
+  hosts: number;
+  link_gbps: number;
+  guest_mib: number;
+  dirty_mib: number;
+  date: string;
+  git_commit: string;
+  api: string;
+  mode: string;
+  notes: string[];
+}
+
+export type ScenarioResult = LatencySummary | { skipped: string } | (LatencySummary & { failed: string });
+
+export interface RunResult {
+  env: RunEnv;
+  scenarios: Record<string, ScenarioResult>;
+  samples: Record<string, number[]>;
+}
+
+export function isSummary(r: ScenarioResult | undefined): r is LatencySummary {
+  return r !== undefined && 'n' in r && r.n > 0;
+}
+
+export const CHART_GROUPS: ReadonlyArray<{ file: string; title: string; names: readonly string[] }> = [
+  { file: 'cdf-fork.svg', title: 'Fork latency CDF: same host, cross host, fan-out', names: ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout'] },
+  { file: 'cdf-resume.svg', title: 'Resume latency CDF', names: ['resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold'] },
+  { file: 'cdf-restore.svg', title: 'Restore latency CDF against baselines', names: ['fork_same_host_1', 'fork_cross_host_1', 'restore_concurrent', 'classic_restore', 'naive_full_copy', 'cold_boot'] },
+];
+
+function cell(r: ScenarioResult | undefined): string {
+  if (r === undefined) return '| not run | | | | |';
+  if ('skipped' in r) return `| skipped: ${r.skipped.replace(/\|/g, '/')} | | | | |`;
+  const fail = 'failed' in r ? ` (failed after ${r.n}: ${r.failed.replace(/\|/g, '/').slice(0, 160)})` : '';
+  return `| ${r.n}${fail} | ${r.p50_ms} | ${r.p95_ms} | ${r.p99_ms} | ${r.max_ms} |`;
+}
+
+export interface Check {
+  what: string;
+  target: string;
+  value: string;
+  ok: boolean | undefined;
+}
+
+/** The acceptance ratios of issue 7, from one run. `ok` is undefined when a side is missing. */
+export function checks(s: Record<string, ScenarioResult>): Check[] {
+  const p50 = (n: string): number | undefined => {
+    const r = s[n];
+    return isSummary(r) ? r.p50_ms : undefined;
+  };
+  const ratio = (what: string, a: string, b: string, max: number, target: string): Check => {
+    const x = p50(a);
+    const y = p50(b);
+    const v = x !== undefined && y !== undefined && y > 0 ? x / y : undefined;
+    return { what, target, value: v === undefined ? 'n/a' : v.toFixed(2), ok: v === undefined ? undefined : v <= max };
+  };
+  const rp = p50('resume_paused');
+  return [
+    ratio('fork_cross_host_1 / fork_same_host_1 (p50)', 'fork_cross_host_1', 'fork_same_host_1', 2.0, '<= 2.0'),
+    ratio('fork_same_host_1 / classic_restore (p50)', 'fork_same_host_1', 'classic_restore', 1 / 3, '<= 0.33'),
+    { what: 'resume_paused p50', target: '<= 50 ms', value: rp === undefined ? 'n/a' : `${rp} ms`, ok: rp === undefined ? undefined : rp <= 50 },
+    ratio('resume_hibernated_warm / classic_restore (p50)', 'resume_hibernated_warm', 'classic_restore', 0.5, '<= 0.5'),
+    ratio('fork_cross_host_1 / naive_full_copy (p50)', 'fork_cross_host_1', 'naive_full_copy', 0.999999, '< 1'),
+    ratio('resume_hibernated_cold / naive_full_copy (p50)', 'resume_hibernated_cold', 'naive_full_copy', 0.999999, '< 1'),
+  ];
+}
+
+export function sameVsCrossBars(s: Record<string, ScenarioResult>): BarGroup[] {
+  const groups: BarGroup[] = [];
+  for (const n of [1, 4, 8]) {
+    const bars: Array<{ name: string; value: number }> = [];
+    for (const [name, label] of [[`fork_same_host_${n}`, 'same host p50'], [`fork_cross_host_${n}`, 'cross host p50'], [`fork_same_host_${n}`, 'same host p95'], [`fork_cross_host_${n}`, 'cross host p95']] as const) {
+      const r = s[name];
+      if (isSummary(r)) bars.push({ name: label, value: label.endsWith('p50') ? r.p50_ms : r.p95_ms });
+    }
+    if (bars.length) groups.push({ label: `N=${n}`, bars });
+  }
+  const extra: Array<[string, string]> = [['resume_hibernated_warm', 'same host p50'], ['resume_hibernated_cold', 'cross host p50']];
+  const bars = extra.flatMap(([name, label]) => {
+    const r = s[name];
+    return isSummary(r) ? [{ name: label, value: r.p50_ms }] : [];
+  });
+  if (bars.length) groups.push({ label: 'wake (hibernated)', bars });
+  return groups;
+}
+
+export function renderReport(r: RunResult): { markdown: string; files: Record<string, string> } {
+  const files: Record<string, string> = {};
+  for (const g of CHART_GROUPS) files[g.file] = renderCdf(g.title, g.names.map((name) => ({ name, samples: r.samples[name] ?? [] })));
+  files['cdf-all.svg'] = renderCdf('Latency CDF, every scenario', Object.keys(r.scenarios).map((name) => ({ name, samples: r.samples[name] ?? [] })));
+  files['same-vs-cross.svg'] = renderBars(`Same host vs cross host at ${r.env.link_gbps} Gbit/s (ms)`, 'latency, ms', sameVsCrossBars(r.scenarios));
+  const e = r.env;
+  const md: string[] = [
+    '# Forkfleet load test report',
+    '',
+    `| environment | |`,
+    '| --- | --- |',
+    `| accel | ${e.accel} |`,
+    `| hosts | ${e.hosts} |`,
+    `| link | ${e.link_gbps} Gbit/s per host (tbf on veth) |`,
+    `| guest | ${e.guest_mib} MiB, ${e.dirty_mib} MiB dirtied + a long-running process |`,
+    `| date | ${e.date} |`,
+    `| git commit | ${e.git_commit} |`,
+    `| API | ${e.api} |`,
+    `| mode | ${e.mode} |`,
+    '',
+    'Latency is measured from the API call until the child (or resumed sandbox) answers an exec',
+    'through the API. Baselines `classic_restore` and `naive_full_copy` run at the QEMU level in the',
+    'load-test process on the same machine (see docs/adr/0010-loadtest-method.md).',
+    '',
+    '## Latency per scenario (ms, HDR histogram)',
+    '',
+    '| scenario | n | p50 | p95 | p99 | max |',
+    '| --- | --- | --- | --- | --- | --- |',
+    ...Object.keys(r.scenarios).map((name) => `| ${name} ${cell(r.scenarios[name])}`),
+    '',
+    '## Targets (issue 7)',
+    '',
+    '| check | target | measured | |',
+    '| --- | --- | --- | --- |',
+    ...checks(r.scenarios).map((c) => `| ${c.what} | ${c.target} | ${c.value} | ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'} |`),
+    '',
+    '## Same host against cross host',
+    '',
+    '![same vs cross](same-vs-cross.svg)',
+    '',
+    '## Latency CDFs',
+    '',
+    ...CHART_GROUPS.flatMap((g) => [`![${g.title}](${g.file})`, '']),
+    '![every scenario](cdf-all.svg)',
+    '',
+  ];
+  if (e.notes.length) md.push('## Notes', '', ...e.notes.map((n) => `- ${n}`), '');
+  return { markdown: md.join('\n'), files };
+}

@@ -1,0 +1,141 @@
+// Scenarios against the public gRPC API. Latency = from the API call until the child (or the
+// resumed sandbox) answers an exec. Children are destroyed between samples.
+import { createClient } from '../services/adapters/grpc/rpc.ts';
+import type { Client } from '../services/adapters/grpc/rpc.ts';
+import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Operation, Sandbox, Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Locality, Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
+import { setupScript } from './workload.ts';
+
+export type Api = Client<(typeof FleetService)['method']>;
+export const TENANT = 'loadtest';
+let keyN = 0;
+const key = (): string => `lt-${process.pid}-${Date.now()}-${keyN++}`;
+
+export class OpFailed extends Error {
+  constructor(message: string, readonly notSupported: boolean) {
+    super(message);
+    this.name = 'OpFailed';
+  }
+}
+
+export function connect(addr: string): Api {
+  return createClient(FleetService, addr);
+}
+
+export class Driver {
+  constructor(readonly api: Api, readonly opTimeoutMs: number) {}
+
+  async done(op: Operation): Promise<Operation> {
+    const f = await this.api.waitOperation({ tenantId: TENANT, operationId: op.id, timeout: { seconds: BigInt(Math.ceil(this.opTimeoutMs / 1000)) } }, { timeoutMs: this.opTimeoutMs + 10_000 });
+    if (f.state === OperationState.SUCCEEDED) return f;
+    const msg = f.error?.message ?? '';
+    const state = OperationState[f.state] ?? String(f.state);
+    throw new OpFailed(`operation ${op.id} (${op.kind}) ${state}${msg ? `: ${msg}` : f.state === OperationState.RUNNING ? ` after ${this.opTimeoutMs} ms` : ''}`, /not supported|unimplemented/i.test(msg));
+  }
+
+  async exec(sandboxId: string, script: string): Promise<string> {
+    let out = '';
+    let code = -1;
+    for await (const r of this.api.exec({ tenantId: TENANT, idempotencyKey: key(), sandboxId, argv: ['/bin/sh', '-c', script], timeout: { seconds: 300n } }, { timeoutMs: 310_000 })) {
+      if (r.payload.case === 'stdout') out += Buffer.from(r.payload.value).toString();
+      if (r.payload.case === 'exit') code = r.payload.value.exitCode;
+    }
+    if (code !== 0) throw new Error(`exec in ${sandboxId} exited ${code}`);
+    return out;
+  }
+
+  async create(image: string, guestMib: number): Promise<Sandbox> {
+    const op = await this.done(await this.api.createSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'image', value: image }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
+    if (op.result.case !== 'sandbox') throw new Error('create returned no sandbox');
+    return op.result.value;
+  }
+
+  /** Boot + setup; returns the sandbox and ms from the call until the setup's exec answered. */
+  async coldBoot(guestMib: number, dirtyMib: number): Promise<{ sb: Sandbox; ms: number }> {
+    const t0 = performance.now();
+    const sb = await this.create('tiny', guestMib);
+    await this.exec(sb.id, setupScript(dirtyMib));
+    return { sb, ms: performance.now() - t0 };
+  }
+
+  async snapshot(sandboxId: string): Promise<Snapshot> {
+    const op = await this.done(await this.api.snapshotSandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+    if (op.result.case !== 'snapshot') throw new Error('snapshot returned no snapshot');
+    return op.result.value;
+  }
+
+  async getSnapshot(snapshotId: string): Promise<Snapshot> {
+    return this.api.getSnapshot({ tenantId: TENANT, snapshotId });
+  }
+
+  /** fork(N); each child's latency is from the call until it answers an exec. */
+  async fork(snapshotId: string, count: number, placement: { locality?: Locality; spread?: Spread }): Promise<{ children: Sandbox[]; ms: number[] }> {
+    const t0 = performance.now();
+    const op = await this.done(await this.api.forkSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count, placement }));
+    const children = op.result.case === 'fork' ? op.result.value.children : [];
+    if (children.length !== count) throw new Error(`fork returned ${children.length} children, asked for ${count}`);
+    const ms = await Promise.all(children.map(async (c) => (await this.exec(c.id, 'true'), performance.now() - t0)));
+    return { children, ms };
+  }
+
+  /** CreateSandbox from a snapshot, k at once; each latency is call until exec answered. */
+  async restoreConcurrent(snapshotId: string, k: number, guestMib: number): Promise<{ sandboxes: Sandbox[]; ms: number[] }> {
+    const res = await Promise.allSettled(
+      Array.from({ length: k }, async () => {
+        const t0 = performance.now();
+        const op = await this.done(await this.api.createSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
+        if (op.result.case !== 'sandbox') throw new Error('restore returned no sandbox');
+        await this.exec(op.result.value.id, 'true');
+        return { sb: op.result.value, ms: performance.now() - t0 };
+      }),
+    );
+    const ok = res.flatMap((r) => (r.status === 'fulfilled' ? [r.value] : []));
+    const bad = res.find((r): r is PromiseRejectedResult => r.status === 'rejected');
+    if (bad) {
+      await this.destroyAll(ok.map((o) => o.sb.id));
+      throw bad.reason;
+    }
+    return { sandboxes: ok.map((o) => o.sb), ms: ok.map((o) => o.ms) };
+  }
+
+  async pause(sandboxId: string): Promise<void> {
+    await this.done(await this.api.pauseSandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+  }
+
+  async hibernate(sandboxId: string): Promise<void> {
+    await this.done(await this.api.hibernateSandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+  }
+
+  /** ResumeSandbox; ms from the call until the sandbox answers an exec. */
+  async resume(sandboxId: string): Promise<number> {
+    const t0 = performance.now();
+    await this.done(await this.api.resumeSandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+    await this.exec(sandboxId, 'true');
+    return performance.now() - t0;
+  }
+
+  async hostOf(sandboxId: string): Promise<string> {
+    return (await this.api.getSandbox({ tenantId: TENANT, sandboxId })).hostId;
+  }
+
+  async cordon(hostId: string, cordon: boolean): Promise<void> {
+    await this.api.cordonHost({ idempotencyKey: key(), hostId, cordon });
+  }
+
+  async destroyAll(ids: readonly string[]): Promise<void> {
+    await Promise.all(ids.map(async (sandboxId) => {
+      try {
+        await this.done(await this.api.destroySandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+      } catch {
+        /* best effort: the fleet is torn down at the end anyway */
+      }
+    }));
+  }
+
+  async hosts(): Promise<Array<{ id: string; accel: string; linkBytesPerSecond: number }>> {
+    return (await this.api.listHosts({})).hosts.map((h) => ({ id: h.id, accel: h.accel === 1 ? 'kvm' : 'tcg', linkBytesPerSecond: Number(h.linkBytesPerSecond) }));
+  }
+}
+
+export { Locality, Spread };
