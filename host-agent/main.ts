@@ -57,8 +57,19 @@ async function main(): Promise<void> {
 
   const nc = await connect({ servers: cfg.natsUrl, name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250 });
   const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
+  // CPU seconds of a process from /proc/<pid>/stat (utime + stime, in clock ticks of 1/100 s).
+  const cpu = (pid: number): number | undefined => {
+    try {
+      const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+      const f = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+      return (Number(f[11]) + Number(f[12])) / 100;
+    } catch {
+      return undefined;
+    }
+  };
   const agent = new Agent({
     driver,
+    cpu,
     shipper,
     bus,
     journal: new FsJournal(join(cfg.dataDir, 'journal')),

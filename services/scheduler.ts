@@ -22,6 +22,8 @@ import { HeartbeatRegistry } from './domain/fleet-view.ts';
 import { systemClock } from './domain/ports.ts';
 import { signTicket } from '../host-agent/domain/tickets.ts';
 import { isForkfleetError } from '../proto/errors.ts';
+import { dashboardHandler, metricsFromUrls } from './dashboard/handler.ts';
+import type { DashboardHandler } from './dashboard/handler.ts';
 import type { SigningKey } from '../host-agent/domain/tickets.ts';
 
 export interface SchedulerHandle {
@@ -64,6 +66,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
   const clock = systemClock;
   const registry = new Registry();
   collectDefaultMetrics({ register: registry });
+  // prom-client names these gauges *_total, which Prometheus reserves for counters (promtool
+  // rejects them); the process is still described by the other default metrics.
+  for (const m of ['nodejs_active_handles_total', 'nodejs_active_requests_total', 'nodejs_active_resources_total']) registry.removeSingleMetric(m);
   const metrics = schedulerMetrics(registry);
   const signing = loadSigningKey(config.signingKeyPath, 'scheduler-1');
 
@@ -84,10 +89,16 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
   log.info({ address: grpc.address }, 'Fleet API listening');
 
   let metricsServer: HttpServer | undefined;
+  let dashboard: DashboardHandler | undefined;
   let metricsAddress = '';
   if (config.metricsAddr) {
     const [h, p] = [config.metricsAddr.slice(0, config.metricsAddr.lastIndexOf(':')), Number(config.metricsAddr.slice(config.metricsAddr.lastIndexOf(':') + 1))];
+    // The live dashboard (/dashboard/) is served beside /metrics; only the leader records
+    // operation latencies, so FF_DASHBOARD_METRICS may list every replica's metrics URL.
+    const peers = (process.env.FF_DASHBOARD_METRICS ?? '').split(',').filter(Boolean);
+    dashboard = dashboardHandler({ api: grpc.address, metrics: peers.length ? metricsFromUrls(peers) : async () => [await registry.metrics()] });
     metricsServer = createServer((req, res) => {
+      if (dashboard?.(req, res)) return;
       if (req.url !== '/metrics') {
         res.writeHead(404).end();
         return;
@@ -113,6 +124,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       manifest: (bytes) => ({ signature: sign(null, bytes, signing.privateKey), keyId: signing.keyId }),
     },
     config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes },
+    submit: (tenantId, key, kind, targetId, input) => fleet.submit(tenantId, key, kind, targetId, input),
     onFinished: (kind, ok, seconds) => {
       metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });
       metrics.opSeconds.observe({ kind }, seconds);
@@ -155,6 +167,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       bus.close();
       await nc.close().catch(() => undefined);
       store.close();
+      dashboard?.close();
       await new Promise<void>((r) => (metricsServer ? metricsServer.close(() => r()) : r()));
     },
   };

@@ -317,6 +317,8 @@ async function startSchedulers(state: FleetState): Promise<void> {
       FF_ETCD_ENDPOINTS: state.etcdEndpoints.join(','),
       FF_NATS_URL: state.natsUrl,
       FF_SIGNING_KEY: state.signingKey,
+      FF_DASHBOARD_METRICS: [0, 1].map((j) => `http://127.0.0.1:${state.options.basePort + 10 + j}/metrics`).join(','),
+      FF_DASHBOARD_TENANTS: process.env.FF_DASHBOARD_TENANTS ?? 'default,demo',
     });
     await waitLog(p.log, '"ready":true', 60_000, p.pid);
     state.apiAddresses.push(api);
@@ -536,6 +538,8 @@ async function cli(argv: string[]): Promise<void> {
         `Forkfleet is up: ${s.hosts.length} hosts (${s.hosts.map((h) => `${h.id}=${h.address}`).join(', ')}), links ${opts.link}, etcd x${opts.etcd}, 2 schedulers.`,
         `  API (gRPC, plaintext): ${s.apiAddresses.join(' and ')}`,
         `  metrics:               ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}`,
+        `  dashboard:             http://${s.metricsAddresses[0]}/dashboard/`,
+        `  CLI:                   npm run forkfleet -- sandbox create --image tiny   (see services/cli/README.md)`,
         `  logs:                  ${join(dir, 'logs')}`,
         '',
         'Try it:',

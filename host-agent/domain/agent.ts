@@ -77,8 +77,15 @@ export interface AgentConfig {
   concurrency: number;
 }
 
+/** CPU seconds a process has used so far (user + system), or undefined when it is gone. */
+export type CpuProbe = (pid: number) => number | undefined;
+
 export interface AgentDeps {
   driver: VmmDriver;
+  /** For idle detection (adapters read /proc). Absent: idleness is judged by calls only. */
+  cpu?: CpuProbe;
+  /** Guest CPU (fraction of one core) under which a VM counts as idle. Default 0.15. */
+  idleCpuThreshold?: number;
   shipper: SnapshotShipper;
   bus: AgentBus;
   journal: Journal;
@@ -110,6 +117,8 @@ export class Agent {
   private seq = 0n;
   private readonly queue: Array<() => Promise<void>> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
+  /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
+  private readonly activity = new Map<string, { busyAt: number; cpu: number | undefined; at: number }>();
 
   constructor(private readonly deps: AgentDeps) {}
 
@@ -147,6 +156,31 @@ export class Agent {
     return create(VmStatusSchema, { sandboxId: v.sandboxId || v.vmId, state: VM_STATE[v.state], pid: v.pid });
   }
 
+  private touch(vmId: string): void {
+    const a = this.activity.get(vmId);
+    const now = this.deps.clock.now();
+    if (a) a.busyAt = now;
+    else this.activity.set(vmId, { busyAt: now, cpu: undefined, at: now });
+  }
+
+  /** Milliseconds the VM has been idle (no calls, guest CPU under the threshold). */
+  idleMs(v: VmInfo): number {
+    const now = this.deps.clock.now();
+    let a = this.activity.get(v.vmId);
+    if (!a) {
+      a = { busyAt: now, cpu: undefined, at: now };
+      this.activity.set(v.vmId, a);
+    }
+    const cpu = this.deps.cpu?.(v.pid);
+    if (cpu !== undefined && a.cpu !== undefined && now > a.at) {
+      const fraction = (cpu - a.cpu) / ((now - a.at) / 1000);
+      if (fraction > (this.deps.idleCpuThreshold ?? 0.15)) a.busyAt = now;
+    }
+    a.cpu = cpu;
+    a.at = now;
+    return v.state === 'running' ? now - a.busyAt : 0;
+  }
+
   heartbeat(): void {
     const cfg = this.deps.config;
     const vms = this.deps.driver.list().filter((v) => v.state !== 'destroyed');
@@ -161,7 +195,7 @@ export class Agent {
         time: { seconds: BigInt(Math.floor(this.deps.clock.now() / 1000)) },
         capacity: { vcpus: cfg.capacity.vcpus, memoryMib: BigInt(cfg.capacity.memoryMib), diskMib: BigInt(cfg.capacity.diskMib) },
         allocated: { vcpus: allocated.vcpus, memoryMib: BigInt(allocated.memoryMib) },
-        vms: vms.map((v) => this.vmStatus(v)),
+        vms: vms.map((v) => ({ ...this.vmStatus(v), idle: durationFromMs(Math.round(this.idleMs(v))) })),
         snapshots: this.deps.shipper.held(),
         accel: accel === 'kvm' ? Accel.KVM : Accel.TCG,
         qemuVersion: this.deps.qemuVersion,
@@ -326,6 +360,7 @@ export class Agent {
     const out = (payload: HostExecOutput['payload']): void => emit({ $typeName: 'forkfleet.v1.HostExecOutput', seq: ++seq, payload });
     try {
       const vm = this.vmOf(req.sandboxId);
+      this.touch(vm.vmId);
       const timeoutMs = req.timeout ? Number(req.timeout.seconds) * 1000 + Math.floor(req.timeout.nanos / 1e6) : 60_000;
       const [path, ...args] = req.cwd ? ['/bin/sh', '-c', 'cd "$0" && exec "$@"', req.cwd, ...req.argv] : req.argv;
       const r = await this.deps.driver.exec(vm.vmId, {
@@ -349,6 +384,7 @@ export class Agent {
     const res: HostFileResponse = { $typeName: 'forkfleet.v1.HostFileResponse', data: new Uint8Array(), bytesWritten: 0n };
     try {
       const vm = this.vmOf(req.sandboxId);
+      this.touch(vm.vmId);
       if (req.op.case === 'write') {
         await this.deps.driver.writeFile(vm.vmId, req.path, Buffer.from(req.op.value.data));
         res.bytesWritten = BigInt(req.op.value.data.length);

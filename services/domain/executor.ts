@@ -50,6 +50,8 @@ export interface ExecutorDeps {
   heard: HeartbeatRegistry;
   signer: Signer;
   config: ExecutorConfig;
+  /** Records a new operation (Fleet.submit): the leader's own reconcilers start work through it. */
+  submit?: (tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>) => Promise<OperationRec>;
   /** Observability hook: every finished operation (adapters turn it into metrics). */
   onFinished?: (kind: OperationRec['kind'], ok: boolean, seconds: number) => void;
 }
@@ -171,6 +173,15 @@ export class Executor {
     this.stops.push(await this.deps.store.watchOps((op, rev) => this.maybeRun(op, rev)));
     for (const v of await this.deps.store.listOps({ activeOnly: true })) this.maybeRun(v.value, v.modRevision);
     const t = setInterval(() => void this.reconcileHosts().catch((e: unknown) => this.log.warn({ err: e }, 'host reconcile failed')), 1000);
+    let lifecycleBusy = false;
+    const lt = setInterval(() => {
+      if (lifecycleBusy) return;
+      lifecycleBusy = true;
+      this.reconcileLifecycles()
+        .catch((e: unknown) => this.log.warn({ err: e }, 'lifecycle reconcile failed'))
+        .finally(() => (lifecycleBusy = false));
+    }, 2000);
+    this.stops.push(() => clearInterval(lt));
     this.stops.push(() => clearInterval(t));
   }
 
@@ -501,6 +512,10 @@ export class Executor {
         case 'pause':
         case 'resume':
           return await this.runPauseResume(op);
+        case 'hibernate':
+          return await this.runHibernate(op);
+        case 'wake':
+          return await this.runWake(op);
         case 'destroy':
           return await this.runDestroy(op);
         case 'delete_snapshot':
@@ -618,7 +633,7 @@ export class Executor {
     const sbv = await this.deps.store.getSandbox(tenantId, sandboxId);
     if (!sbv) throw new NotFoundError('sandbox', sandboxId);
     const sb = sbv.value;
-    if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be snapshotted');
+    if (sb.state !== 'running' && sb.state !== 'paused' && sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be snapshotted');
     const now = this.deps.clock.now();
     const rec: SnapshotRec = existing?.value ?? {
       id: snapshotId,
@@ -690,6 +705,121 @@ export class Executor {
       const now = this.deps.clock.now();
       await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, target, now));
     }
+    await this.finish(op, { sandboxIds: [sb.id] }, null);
+  }
+
+  /**
+   * Hibernate: snapshot the sandbox, stop its QEMU and give its CPU and RAM back. The
+   * snapshot stays on the host (and on `replicas` more hosts), so the next call wakes it.
+   * Re-runnable at every point: the snapshot and the VM stop are idempotent steps.
+   */
+  private async runHibernate(op: OperationRec): Promise<void> {
+    const input = op.input as { snapshotId: string; replicas?: number };
+    let sb = (await this.deps.store.getSandbox(op.tenantId, op.targetId))?.value;
+    if (!sb) throw new NotFoundError('sandbox', op.targetId);
+    if (sb.state === 'hibernated') return this.finish(op, { sandboxIds: [sb.id], snapshotId: sb.hibernationSnapshotId }, null);
+    if (sb.state === 'running' || sb.state === 'paused') {
+      sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        this.setState(s, 'hibernating', this.deps.clock.now());
+        s.opId = op.id;
+      });
+    }
+    if (sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
+    const sn = await this.snapshotOf(op, sb.id, input.snapshotId, { labels: { 'forkfleet.io/hibernation': sb.id } });
+    await this.step(op, 'stop', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+    // Durability: copy the snapshot to more hosts, best effort (it is already safe on one).
+    const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
+    for (const h of others.slice(0, Math.min(input.replicas ?? 0, others.length))) {
+      try {
+        const fetch = this.fetchPlan(sn, h.id, sb.hostId);
+        if (fetch) {
+          await this.step(op, `replicate/${h.id}`, h.id, { case: 'fetchSnapshot', value: fetch as never });
+          await this.addHolder(sn.tenantId, sn.id, h.id);
+        }
+      } catch (e) {
+        this.log.warn({ err: e, snapshotId: sn.id, hostId: h.id }, 'hibernation replica failed');
+      }
+    }
+    const hostId = sb.hostId;
+    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+      this.setState(s, 'hibernated', this.deps.clock.now());
+      s.hibernationSnapshotId = sn.id;
+      s.opId = '';
+    });
+    await this.releaseCapacity(hostId, sb.resources);
+    await this.finish(op, { sandboxIds: [sb.id], snapshotId: sn.id }, null);
+  }
+
+  /**
+   * Wake: restore a hibernated sandbox from its hibernation snapshot under the same id,
+   * on its own host when there is room (placement prefers holders), otherwise on another
+   * host that fetches the snapshot. Capacity is booked with the placement; a failed wake
+   * returns the sandbox to hibernated and releases it.
+   */
+  private async runWake(op: OperationRec): Promise<void> {
+    let v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+    if (!v) throw new NotFoundError('sandbox', op.targetId);
+    let sb = v.value;
+    if (sb.state === 'running') return this.finish(op, { sandboxIds: [sb.id] }, null);
+    if (sb.state === 'hibernated' || sb.state === 'lost') {
+      sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        s.state = 'waking';
+        s.opId = op.id;
+      });
+      v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+    }
+    if (sb.state !== 'waking' || !v) throw new WrongStateError('sandbox', sb.id, sb.state, 'only a hibernated sandbox can be woken');
+    const snapshotId = sb.hibernationSnapshotId || sb.sourceSnapshotId;
+    const snv = await this.readSnapshot(sb.tenantId, snapshotId);
+    if (!snv || snv.value.state !== 'ready') throw new NotFoundError('snapshot', snapshotId);
+    const input = op.input as { bookedHost?: string; transferSource?: string };
+    let hostId = input.bookedHost ?? '';
+    if (!hostId) {
+      const rev = v.modRevision;
+      const before = sb;
+      await this.placeAndBook(
+        op,
+        () => ({ kind: 'restore', id: op.id, nowMs: this.deps.clock.now(), snapshotId, overlayDiskMib: before.resources.diskMib, preferences: {} }),
+        (res) => {
+          const next = structuredClone(before);
+          hostId = res.placements[0]!.hostId;
+          next.hostId = hostId;
+          next.updatedAt = this.deps.clock.now();
+          sb = next;
+          const source = res.transferPlan?.transfers.find((t) => t.destinationHostId === hostId)?.sourceHostId;
+          return {
+            perChild: before.resources,
+            writes: [{ kind: 'sandbox', value: next, expectRevision: rev }],
+            opUpdate: (o) => {
+              (o.input as { bookedHost?: string }).bookedHost = hostId;
+              if (source) (o.input as { transferSource?: string }).transferSource = source;
+              o.progress = { done: 0, total: 1, message: `waking on ${hostId}`, bytesTransferred: 0 };
+            },
+          };
+        },
+      );
+    }
+    const fetch = this.fetchPlan(snv.value, hostId, input.transferSource);
+    try {
+      await this.step(op, `wake/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
+    } catch (e) {
+      if (this.active) {
+        await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+          s.state = 'hibernated';
+          s.stateReason = `wake failed: ${e instanceof Error ? e.message : String(e)}`;
+          s.opId = '';
+        }).catch(() => undefined);
+        await this.releaseCapacity(hostId, sb.resources).catch(() => undefined);
+      }
+      throw e;
+    }
+    if (fetch) await this.addHolder(sb.tenantId, snapshotId, hostId);
+    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+      this.setState(s, 'running', this.deps.clock.now());
+      s.hostId = hostId;
+      s.stateReason = '';
+      s.opId = '';
+    });
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
 
@@ -1011,6 +1141,32 @@ export class Executor {
         await this.commit([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }]);
         if (cur && cur.value.state !== state) this.log.warn({ hostId: hb.hostId, from: cur.value.state, to: state }, 'host state changed');
         if (state === 'lost' && cur?.value.state !== 'lost') await this.markHostLost(hb.hostId);
+      }
+    }
+  }
+
+  /**
+   * Lifecycle rules, on the leader: a sandbox whose running time reached its TTL is
+   * destroyed (paused and hibernated time never counts), and one idle for its
+   * idle_timeout (no calls, guest CPU under the agent's threshold) is hibernated.
+   * Each rule submits an operation under a key derived from the sandbox's state, so
+   * repeating the check never starts the same work twice.
+   */
+  async reconcileLifecycles(): Promise<void> {
+    const submit = this.deps.submit;
+    if (!submit) return;
+    const now = this.deps.clock.now();
+    for (const { value: sb } of await this.deps.store.listSandboxes(undefined)) {
+      if (sb.state !== 'running' || sb.opId) continue;
+      const ran = sb.runningMsBefore + (sb.runningSince === null ? 0 : now - sb.runningSince);
+      if (sb.ttlMs !== null && ran >= sb.ttlMs) {
+        await submit(sb.tenantId, `__ttl/${sb.id}`, 'destroy', sb.id, { reason: 'ttl' });
+        continue;
+      }
+      if (sb.idleTimeoutMs) {
+        const vm = this.deps.heard.get(sb.hostId)?.hb.vms.find((v) => v.sandboxId === sb.id);
+        const idleMs = vm?.idle ? Number(vm.idle.seconds) * 1000 + Math.floor(vm.idle.nanos / 1e6) : 0;
+        if (idleMs >= sb.idleTimeoutMs) await submit(sb.tenantId, `__idle/${sb.id}/${sb.runningSince ?? 0}`, 'hibernate', sb.id, { snapshotId: newId('sn'), replicas: 0, reason: 'idle' });
       }
     }
   }

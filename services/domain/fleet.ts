@@ -104,7 +104,7 @@ export class Fleet {
    * Records a pending operation under its idempotency key, with any records it creates,
    * in one transaction. A repeat of the key returns the first operation unchanged.
    */
-  private async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = []): Promise<OperationRec> {
+  async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = []): Promise<OperationRec> {
     const prior = await this.existingOp(tenantId, key);
     if (prior) return prior;
     const now = this.deps.clock.now();
@@ -174,6 +174,8 @@ export class Fleet {
       lineageId = sn.lineageId;
     } else {
       const sb = await this.getSandbox(input.tenantId, input.sandboxId);
+      // A hibernated sandbox is forked from its hibernation snapshot, without waking it.
+      if (sb.state === 'hibernated' && sb.hibernationSnapshotId) return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '' });
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked');
       lineageId = sb.lineageId;
     }
@@ -201,8 +203,11 @@ export class Fleet {
   pauseSandbox(input: SandboxOpInput): Promise<OperationRec> {
     return this.sandboxOp('pause', input, ['running', 'paused']);
   }
-  resumeSandbox(input: SandboxOpInput): Promise<OperationRec> {
-    return this.sandboxOp('resume', input, ['running', 'paused', 'hibernated']);
+  async resumeSandbox(input: SandboxOpInput): Promise<OperationRec> {
+    const sb = await this.getSandbox(input.tenantId, input.sandboxId);
+    // Resuming a hibernated sandbox is a wake: restore from its hibernation snapshot.
+    if (sb.state === 'hibernated' || sb.state === 'waking') return this.sandboxOp('wake', input, ['hibernated', 'waking']);
+    return this.sandboxOp('resume', input, ['running', 'paused']);
   }
   snapshotSandbox(input: SandboxOpInput & { pin: boolean; keepLast: number; retentionTtlMs: number | null; labels: Record<string, string> }): Promise<OperationRec> {
     return this.sandboxOp('snapshot', input, ['running', 'paused'], {
@@ -297,8 +302,21 @@ export class Fleet {
     }
   }
 
+  /**
+   * The sandbox, running. A hibernated one is woken first, transparently: concurrent calls
+   * share one wake operation (its idempotency key names the hibernation snapshot), so the
+   * caller only sees a slower first call.
+   */
   private async runningSandbox(tenantId: string, id: string): Promise<SandboxRec> {
-    const sb = await this.getSandbox(tenantId, id);
+    let sb = await this.getSandbox(tenantId, id);
+    if (sb.state === 'hibernated' || sb.state === 'waking') {
+      // While waking, the record names the wake in progress; while hibernated, the key is
+      // stable (updatedAt does not change until a wake starts), so racing callers share it.
+      const opId = sb.state === 'waking' && sb.opId ? sb.opId : (await this.submit(tenantId, `__wake/${sb.id}/${sb.updatedAt}`, 'wake', sb.id, {})).id;
+      const done = await this.waitOperation(tenantId, opId, 300_000);
+      if (done.state !== 'succeeded') throw new ForkfleetError('unavailable', `waking sandbox ${id} failed: ${done.error?.message ?? done.state}`, { retryable: true });
+      sb = await this.getSandbox(tenantId, id);
+    }
     if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, 'it must be running');
     return sb;
   }

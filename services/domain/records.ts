@@ -16,13 +16,15 @@ export interface ResourcesRec {
  *   paused      -> running | hibernating | destroying | lost
  *   hibernating -> hibernated | running | failed | lost
  *   hibernated  -> waking | destroying
- *   waking      -> running | failed | hibernated
+ *   waking      -> running | failed | hibernated | destroying
  *   destroying  -> destroyed | failed
  *   failed      -> destroying | destroyed
  *   lost        -> waking | destroying | destroyed
  *   destroyed   -> (terminal)
  * Invariant: hostId is set in every state that owns a VM (starting, running, paused,
- * hibernating, destroying) and capacity is booked on that host exactly then.
+ * hibernating, destroying) and capacity is booked on that host exactly then, and while
+ * waking once the wake has been placed. A hibernated sandbox keeps its last hostId as
+ * the warm location of its hibernation snapshot, and books nothing.
  */
 export type SandboxState =
   | 'pending'
@@ -44,7 +46,7 @@ export const SANDBOX_TRANSITIONS: Readonly<Record<SandboxState, readonly Sandbox
   paused: ['running', 'hibernating', 'destroying', 'lost'],
   hibernating: ['hibernated', 'running', 'failed', 'lost'],
   hibernated: ['waking', 'destroying'],
-  waking: ['running', 'failed', 'hibernated'],
+  waking: ['running', 'failed', 'hibernated', 'destroying'],
   destroying: ['destroyed', 'failed'],
   failed: ['destroying', 'destroyed'],
   lost: ['waking', 'destroying', 'destroyed'],

@@ -1,0 +1,113 @@
+// The CLI and the SDK example end to end against a real 2-host local fleet (one per file):
+// create, exec, fork 4, ls, pin, destroy, with --json parsed at each step.
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { spawn } from 'node:child_process';
+import { resolve } from 'node:path';
+import { defaultOptions, down, up } from '../../deploy/fleet/fleet.ts';
+
+const DIR = '/var/lib/ffleet-ui';
+const ROOT = resolve(import.meta.dirname, '..', '..');
+
+interface Run {
+  code: number;
+  stdout: string;
+  stderr: string;
+}
+
+/** Runs the CLI like a user would; FF_FLEET_DIR makes --api default to this fleet. */
+function cli(args: string[], env: Record<string, string> = {}): Promise<Run> {
+  return new Promise((res, rej) => {
+    const p = spawn(process.execPath, ['--import', 'tsx', 'services/cli/main.ts', ...args], { cwd: ROOT, env: { ...process.env, FF_FLEET_DIR: DIR, FF_TENANT: 'cli', ...env }, stdio: ['ignore', 'pipe', 'pipe'] });
+    let stdout = '';
+    let stderr = '';
+    p.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
+    p.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+    p.on('error', rej);
+    p.on('exit', (code) => res({ code: code ?? -1, stdout, stderr }));
+  });
+}
+
+async function json<T>(args: string[]): Promise<T> {
+  const r = await cli(['--json', ...args]);
+  expect(r.code, `${args.join(' ')}: ${r.stderr}`).toBe(0);
+  return JSON.parse(r.stdout) as T;
+}
+
+describe('forkfleet CLI and SDK against a local fleet', () => {
+  beforeAll(async () => {
+    await up(defaultOptions({ hosts: 2, dir: DIR, prefix: 'ffui', basePort: 20700 }));
+  }, 180_000);
+
+  afterAll(async () => {
+    await down(DIR);
+  }, 120_000);
+
+  it('walkthrough_createExecFork4LsPinDestroy_jsonParsesAndExitCodesPassThrough', async () => {
+    const status = await json<{ api: string[]; hosts: unknown[] }>(['fleet', 'status', '--dir', DIR]);
+    expect(status.api).toHaveLength(2);
+
+    const hosts = await json<Array<{ id: string; state: string }>>(['hosts', 'ls']);
+    expect(hosts.map((h) => h.state)).toEqual(['ready', 'ready']);
+
+    const sb = await json<{ id: string; state: string; hostId: string }>(['sandbox', 'create', '--image', 'tiny', '--memory', '256']);
+    expect(sb.state).toBe('running');
+
+    // exec streams output and passes the exit code through
+    const ex = await cli(['sandbox', 'exec', sb.id, '--', 'sh', '-c', 'echo out; echo err >&2; exit 3']);
+    expect(ex).toMatchObject({ code: 3, stdout: 'out\n', stderr: 'err\n' });
+    const exj = await cli(['--json', 'sandbox', 'exec', sb.id, '--', 'sh', '-c', 'echo hi; echo state > /tmp/s']);
+    expect(exj.code).toBe(0);
+    expect(JSON.parse(exj.stdout)).toMatchObject({ stdout: 'hi\n', exitCode: 0 });
+
+    // fork 4: progress goes to stderr, the children as JSON to stdout
+    const fk = await cli(['--json', 'sandbox', 'fork', sb.id, '4']);
+    expect(fk.code, fk.stderr).toBe(0);
+    const fork = JSON.parse(fk.stdout) as { snapshotId: string; children: Array<{ id: string; state: string }> };
+    expect(fork.children).toHaveLength(4);
+    expect(fork.children.every((c) => c.state === 'running')).toBe(true);
+    const child = fork.children[0]!;
+    expect((await cli(['sandbox', 'exec', child.id, '--', 'cat', '/tmp/s'])).stdout).toBe('state\n');
+
+    const ls = await json<Array<{ id: string; state: string }>>(['sandbox', 'ls']);
+    expect(new Set(ls.filter((s) => s.state === 'running').map((s) => s.id))).toEqual(new Set([sb.id, ...fork.children.map((c) => c.id)]));
+    const human = await cli(['sandbox', 'ls']);
+    expect(human.stdout).toMatch(/^ID\s+STATE\s+HOST/);
+
+    const snaps = await json<Array<{ id: string; hostIds: string[] }>>(['snapshot', 'ls']);
+    expect(snaps.map((s) => s.id)).toContain(fork.snapshotId);
+    const pinned = await json<{ id: string; pinned: boolean }>(['snapshot', 'pin', fork.snapshotId]);
+    expect(pinned).toMatchObject({ id: fork.snapshotId, pinned: true });
+
+    // errors say what to do next
+    const missing = await cli(['sandbox', 'exec', 'sb-aaaaaaaaaaaaaaaaaaaa', '--', 'true']);
+    expect(missing.code).toBe(1);
+    expect(missing.stderr).toContain('forkfleet sandbox ls');
+    const bad = await cli(['--json', 'sandbox', 'fork', sb.id, '100000']);
+    expect(bad.code).toBe(2);
+    expect(JSON.parse(bad.stdout).error.kind).toBe('invalid_argument');
+    const down = await cli(['--api', '127.0.0.1:1', 'hosts', 'ls']);
+    expect(down.code).toBe(69);
+    expect(down.stderr).toContain('npm run fleet:up');
+
+    const destroyed = await json<Array<{ id: string; state: string }>>(['sandbox', 'destroy', sb.id, ...fork.children.map((c) => c.id)]);
+    expect(destroyed.map((d) => d.state)).toEqual(Array(5).fill('destroyed'));
+    expect((await json<unknown[]>(['sandbox', 'ls'])).length).toBe(0);
+  }, 360_000);
+
+  it('sdkExample_bestOfN_keepsTheBestChildAndDestroysTheRest', async () => {
+    const r = await new Promise<Run>((res) => {
+      const p = spawn(process.execPath, ['--import', 'tsx', 'services/sdk/examples/best-of-n.ts', '--n', '3', '--tenant', 'sdk-example'], { cwd: ROOT, env: { ...process.env, FF_FLEET_DIR: DIR }, stdio: ['ignore', 'pipe', 'pipe'] });
+      let stdout = '';
+      let stderr = '';
+      p.stdout.on('data', (d: Buffer) => (stdout += d.toString()));
+      p.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+      p.on('exit', (code) => res({ code: code ?? -1, stdout, stderr }));
+    });
+    expect(r.code, r.stderr).toBe(0);
+    const out = JSON.parse(r.stdout.trim().split('\n').pop()!) as { best: { score: number }; scores: Array<{ score: number }>; kept: string };
+    expect(out.scores).toHaveLength(3);
+    expect(out.best.score).toBe(Math.max(...out.scores.map((s) => s.score)));
+    const left = JSON.parse((await cli(['--json', '--tenant', 'sdk-example', 'sandbox', 'ls'])).stdout) as Array<{ id: string }>;
+    expect(left.map((s) => s.id)).toEqual([out.kept]);
+  }, 300_000);
+});

@@ -1,0 +1,18 @@
+import { describe, expect, it } from 'vitest';
+import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
+
+describe('CLI hints', () => {
+  it('hintFor_invalidArgument_namesTheFlag', () => {
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'resources.memory_mib' }, 'a:1')).toContain('--memory');
+    expect(exitCodeFor({ kind: 'invalid_argument', message: 'x' })).toBe(2);
+  });
+  it('hintFor_notFoundAndUnavailable_sayWhatToDoNext', () => {
+    expect(hintFor({ kind: 'not_found', message: 'x' }, 'a:1')).toContain('forkfleet sandbox ls');
+    expect(hintFor({ kind: 'unavailable', message: 'x' }, 'a:1')).toContain('npm run fleet:up');
+    expect(exitCodeFor({ kind: 'unavailable', message: 'x' })).toBe(69);
+  });
+  it('defaultApi_prefersFF_API_thenTheLocalFleet_thenTheDefaultPort', () => {
+    expect(defaultApi({ FF_API: 'h:1' })).toBe('h:1');
+    expect(defaultApi({ FF_FLEET_DIR: '/nonexistent-ffui' })).toBe('127.0.0.1:17700');
+  });
+});

@@ -1,0 +1,81 @@
+// What to do next, for each error kind the API returns. Pure so that it can be unit-tested.
+import { existsSync, readFileSync } from 'node:fs';
+import { join } from 'node:path';
+
+export interface ErrorLike {
+  kind?: string;
+  message: string;
+  field?: string | undefined;
+  retryable?: boolean;
+}
+
+/** Proto field path -> the CLI flag or argument that sets it. */
+const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
+  tenant_id: '--tenant',
+  sandbox_id: 'the SANDBOX argument',
+  snapshot_id: 'the SNAPSHOT argument',
+  host_id: 'the HOST argument',
+  count: 'the COUNT argument (1..256)',
+  image: '--image',
+  argv: 'the command after --',
+  'resources.memory_mib': '--memory',
+  'resources.vcpus': '--vcpus',
+  'lifecycle.ttl': '--ttl',
+  timeout: '--timeout',
+  path: 'the guest path',
+  'header.path': 'the guest path',
+  idempotency_key: '--idempotency-key',
+};
+
+export function hintFor(e: ErrorLike, api: string): string {
+  switch (e.kind) {
+    case 'invalid_argument': {
+      const flag = e.field ? (FLAG_OF_FIELD[e.field] ?? `field ${e.field}`) : undefined;
+      return flag ? `check ${flag}` : 'check the arguments (forkfleet <command> --help)';
+    }
+    case 'not_found':
+      return 'list what exists with `forkfleet sandbox ls` (or `forkfleet snapshot ls`, `forkfleet hosts ls`); ids are per tenant, so check --tenant too';
+    case 'unavailable':
+      return `is the fleet up at ${api}? start one with \`npm run fleet:up\` (or \`forkfleet fleet up\`), or point --api / FF_API at a scheduler`;
+    case 'deadline_exceeded':
+      return 'the call took too long; the operation may still finish: check with `forkfleet sandbox ls`, or retry with a larger --timeout';
+    case 'failed_precondition':
+      return 'the sandbox or snapshot is in the wrong state for this; see its state with `forkfleet sandbox ls`';
+    case 'resource_exhausted':
+      return 'no capacity: free some with `forkfleet sandbox destroy`, ask for less (--memory), or add hosts; see `forkfleet hosts ls`';
+    case 'already_exists':
+      return 'it exists already; reuse it, or pass a new --idempotency-key';
+    case 'aborted':
+      return 'a concurrent change conflicted; run the command again';
+    case 'unauthenticated':
+    case 'permission_denied':
+      return 'check --tenant and your credentials';
+    case 'cancelled':
+      return 'the call was cancelled';
+    default:
+      return `see the scheduler logs (npm run fleet:status shows where they are)`;
+  }
+}
+
+/** Exit codes: 0 ok, 1 API error, 2 usage / invalid argument, 69 unavailable (EX_UNAVAILABLE). */
+export function exitCodeFor(e: ErrorLike): number {
+  if (e.kind === 'invalid_argument') return 2;
+  if (e.kind === 'unavailable') return 69;
+  return 1;
+}
+
+/** --api default: FF_API, else the local fleet's state.json, else 127.0.0.1:17700. */
+export function defaultApi(env: NodeJS.ProcessEnv = process.env): string {
+  if (env.FF_API) return env.FF_API;
+  const dir = env.FF_FLEET_DIR ?? '/var/lib/ffleet';
+  const p = join(dir, 'state.json');
+  if (existsSync(p)) {
+    try {
+      const s = JSON.parse(readFileSync(p, 'utf8')) as { apiAddresses?: string[] };
+      if (s.apiAddresses && s.apiAddresses.length > 0) return s.apiAddresses.join(',');
+    } catch {
+      /* fall through */
+    }
+  }
+  return '127.0.0.1:17700';
+}

@@ -1,0 +1,392 @@
+// The `forkfleet` command line: npm run forkfleet -- <command> [...]
+// Every command takes --json (one JSON document on stdout), --api host:port and --tenant.
+// Talks to the fleet through the SDK (services/sdk); `fleet` commands drive deploy/fleet.
+import { spawn } from 'node:child_process';
+import { readFileSync, writeFileSync } from 'node:fs';
+import { resolve } from 'node:path';
+import { Command, CommanderError, Option } from 'commander';
+import { Forkfleet, ForkfleetError, parseDuration } from '../sdk/index.ts';
+import type { CallOpts, HostInfo, OperationInfo, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
+import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
+
+const ROOT = resolve(import.meta.dirname, '..', '..');
+
+interface Globals {
+  api: string;
+  tenant: string;
+  json: boolean;
+  timeout?: string;
+  idempotencyKey?: string;
+}
+
+let clientCache: Forkfleet | undefined;
+function globals(cmd: Command): Globals {
+  return cmd.optsWithGlobals() as Globals;
+}
+function client(cmd: Command): Forkfleet {
+  const g = globals(cmd);
+  clientCache ??= new Forkfleet({ address: g.api, tenant: g.tenant });
+  return clientCache;
+}
+
+const isTty = (): boolean => Boolean(process.stderr.isTTY);
+
+function out(cmd: Command, data: unknown, human: () => string): void {
+  if (globals(cmd).json) process.stdout.write(`${JSON.stringify(data, null, 2)}\n`);
+  else process.stdout.write(human());
+}
+
+function fmtBytes(n: number): string {
+  if (n < 1024) return `${n} B`;
+  const u = ['KiB', 'MiB', 'GiB', 'TiB'];
+  let v = n / 1024;
+  let i = 0;
+  while (v >= 1024 && i < u.length - 1) {
+    v /= 1024;
+    i++;
+  }
+  return `${v.toFixed(1)} ${u[i]}`;
+}
+
+function table(rows: string[][]): string {
+  if (rows.length === 0) return '';
+  const widths = rows[0]!.map((_, c) => Math.max(...rows.map((r) => (r[c] ?? '').length)));
+  return `${rows.map((r) => r.map((cell, c) => (c === r.length - 1 ? cell : cell.padEnd(widths[c]!))).join('  ')).join('\n')}\n`;
+}
+
+/** Progress for long work on stderr (never on stdout, so --json stays parseable). */
+function progress(cmd: Command, label: string): CallOpts {
+  const g = globals(cmd);
+  const started = Date.now();
+  let last = '';
+  const opts: CallOpts = {
+    ...(g.timeout ? { timeoutMs: parseDuration(g.timeout) } : {}),
+    ...(g.idempotencyKey ? { idempotencyKey: g.idempotencyKey } : {}),
+    onProgress: (op: OperationInfo) => {
+      if (g.json) return;
+      const p = op.progress;
+      const parts = [`${label}: ${op.state}`];
+      if (p.total > 0) parts.push(`${p.done}/${p.total} ${op.kind === 'fork' ? 'children ready' : 'done'}`);
+      if (p.bytesTransferred > 0) parts.push(`${fmtBytes(p.bytesTransferred)} transferred`);
+      if (p.message) parts.push(p.message);
+      const key = parts.join(' · ');
+      const line = `${key} · ${((Date.now() - started) / 1000).toFixed(1)}s`;
+      // On a terminal, redraw one line every poll; otherwise print a line only when something changed.
+      if (isTty()) process.stderr.write(`\r\x1b[2K${line}`);
+      else if (key !== last) process.stderr.write(`${line}\n`);
+      last = key;
+    },
+  };
+  return opts;
+}
+function endProgress(cmd: Command): void {
+  if (!globals(cmd).json && isTty()) process.stderr.write('\n');
+}
+
+function sandboxRows(list: SandboxInfo[]): string[][] {
+  return [['ID', 'STATE', 'HOST', 'MEMORY', 'SOURCE', 'CREATED'], ...list.map((s) => [s.id, s.state, s.hostId || '-', `${s.resources.memoryMib} MiB`, s.sourceSnapshotId || s.image || '-', s.createdAt ?? '-'])];
+}
+function snapshotRows(list: SnapshotInfo[]): string[][] {
+  return [['ID', 'STATE', 'PINNED', 'SOURCE', 'STORED', 'HOSTS', 'EXPIRES'], ...list.map((s) => [s.id, s.state, s.pinned ? 'yes' : 'no', s.sourceSandboxId || '-', fmtBytes(s.storedBytes), s.hostIds.join(',') || '-', s.expiresAt ?? 'never'])];
+}
+function hostRows(list: HostInfo[]): string[][] {
+  return [
+    ['ID', 'STATE', 'FLAGS', 'MEMORY', 'VCPUS', 'SANDBOXES', 'SNAPSHOTS', 'ACCEL'],
+    ...list.map((h) => [h.id, h.state, [h.cordoned ? 'cordoned' : '', h.draining ? 'draining' : ''].filter(Boolean).join(',') || '-', `${h.allocated.memoryMib}/${h.capacity.memoryMib} MiB`, `${h.allocated.vcpus}/${h.capacity.vcpus}`, String(h.sandboxCount), String(h.snapshotCount), h.accel]),
+  ];
+}
+
+function intArg(name: string, min: number, max: number): (v: string) => number {
+  return (v: string) => {
+    const n = Number(v);
+    if (!Number.isInteger(n) || n < min || n > max) throw new ForkfleetError('invalid_argument', `${name}: want an integer ${min}..${max}, got ${JSON.stringify(v)}`, { field: name });
+    return n;
+  };
+}
+
+function labelsArg(v: string, prev: Record<string, string> = {}): Record<string, string> {
+  const i = v.indexOf('=');
+  if (i <= 0) throw new ForkfleetError('invalid_argument', `--label: want key=value, got ${JSON.stringify(v)}`, { field: '--label' });
+  return { ...prev, [v.slice(0, i)]: v.slice(i + 1) };
+}
+
+export function buildProgram(): Command {
+  const program = new Command('forkfleet')
+    .description('Forkfleet: fork, snapshot and run AI-agent sandboxes on a fleet of QEMU microVMs')
+    .addOption(new Option('--api <host:port>', 'scheduler API address (comma-separate several)').default(defaultApi(), 'FF_API, the local fleet, or 127.0.0.1:17700'))
+    .addOption(new Option('--tenant <id>', 'tenant').default(process.env.FF_TENANT ?? 'default', 'FF_TENANT or default'))
+    .option('--json', 'print one JSON document on stdout', false)
+    .option('--timeout <duration>', 'how long to wait for operations, e.g. 5m')
+    .option('--idempotency-key <key>', 'reuse a key so that repeating this command does nothing twice')
+    .showHelpAfterError()
+    .exitOverride();
+
+  // ----- fleet
+  const fleet = program.command('fleet').description('the local multi-host fleet (deploy/fleet)');
+  const fleetDir = (o: { dir?: string }): string => o.dir ?? process.env.FF_FLEET_DIR ?? '/var/lib/ffleet';
+  fleet
+    .command('up')
+    .description('start a local fleet: etcd, NATS, 2 schedulers and N host agents in network namespaces')
+    .option('--hosts <n>', 'host agents', intArg('--hosts', 1, 32), 3)
+    .option('--etcd <n>', 'etcd members (1 or 3)', intArg('--etcd', 1, 3), 1)
+    .option('--link <rate>', 'shaped link rate', '10gbit')
+    .option('--dir <dir>', 'fleet directory (FF_FLEET_DIR)')
+    .option('--prefix <p>', 'network namespace prefix')
+    .option('--base-port <port>', 'first port', intArg('--base-port', 1024, 65000))
+    .action(async (o: { hosts: number; etcd: number; link: string; dir?: string; prefix?: string; basePort?: number }, cmd: Command) => {
+      const { up, defaultOptions } = await import('../../deploy/fleet/fleet.ts');
+      if (o.etcd !== 1 && o.etcd !== 3) throw new ForkfleetError('invalid_argument', '--etcd: 1 or 3', { field: '--etcd' });
+      const s = await up(defaultOptions({ hosts: o.hosts, etcd: o.etcd, link: o.link, dir: fleetDir(o), ...(o.prefix ? { prefix: o.prefix } : {}), ...(o.basePort ? { basePort: o.basePort } : {}) }));
+      out(cmd, { dir: s.options.dir, api: s.apiAddresses, metrics: s.metricsAddresses, hosts: s.hosts.map((h) => ({ id: h.id, address: h.address })) }, () =>
+        `fleet is up in ${s.options.dir}: ${s.hosts.length} hosts; API ${s.apiAddresses.join(', ')}; metrics ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}\n` +
+        `next: forkfleet --api ${s.apiAddresses.join(',')} sandbox create --image tiny\n`);
+    });
+  fleet
+    .command('down')
+    .description('stop the local fleet (processes by PID, namespaces, data)')
+    .option('--dir <dir>', 'fleet directory (FF_FLEET_DIR)')
+    .action(async (o: { dir?: string }, cmd: Command) => {
+      const { down } = await import('../../deploy/fleet/fleet.ts');
+      await down(fleetDir(o));
+      out(cmd, { dir: fleetDir(o), down: true }, () => `fleet in ${fleetDir(o)} is down\n`);
+    });
+  fleet
+    .command('status')
+    .description('processes and hosts of the local fleet')
+    .option('--dir <dir>', 'fleet directory (FF_FLEET_DIR)')
+    .action(async (o: { dir?: string }, cmd: Command) => {
+      const { status } = await import('../../deploy/fleet/fleet.ts');
+      const st = await status(fleetDir(o));
+      const procs = st.procs.map((p) => ({ name: p.name, kind: p.kind, pid: p.pid, alive: p.alive, netns: p.netns ?? null }));
+      out(cmd, { dir: fleetDir(o), startedAt: st.state.startedAt, api: st.state.apiAddresses, metrics: st.state.metricsAddresses, procs, hosts: st.hosts }, () =>
+        `fleet in ${fleetDir(o)}, up since ${st.state.startedAt}; API ${st.state.apiAddresses.join(', ')}\n` +
+        table([['PROCESS', 'PID', 'ALIVE', 'NETNS'], ...procs.map((p) => [p.name, String(p.pid), p.alive ? 'up' : 'DOWN', p.netns ?? '-'])]));
+    });
+
+  // ----- sandbox
+  const sb = program.command('sandbox').alias('sb').description('create, run and fork sandboxes');
+  sb.command('create')
+    .description('boot a sandbox from an image or restore one from a snapshot')
+    .option('--image <name>', 'guest image', 'tiny')
+    .option('--from-snapshot <id>', 'restore from this snapshot instead of an image')
+    .option('--memory <mib>', 'memory, MiB', intArg('--memory', 16, 1 << 20))
+    .option('--vcpus <n>', 'vCPUs', intArg('--vcpus', 1, 64))
+    .option('--ttl <duration>', 'destroy after this much running time, e.g. 1h')
+    .option('--host <id>', 'place on this host')
+    .option('--label <key=value>', 'label (repeatable)', labelsArg)
+    .action(async (o: { image: string; fromSnapshot?: string; memory?: number; vcpus?: number; ttl?: string; host?: string; label?: Record<string, string> }, cmd: Command) => {
+      const s = await client(cmd).create(
+        { ...(o.fromSnapshot ? { snapshotId: o.fromSnapshot } : { image: o.image }), ...(o.memory ? { memoryMib: o.memory } : {}), ...(o.vcpus ? { vcpus: o.vcpus } : {}), ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.host ? { hostId: o.host } : {}), labels: o.label ?? {} },
+        progress(cmd, 'create'),
+      );
+      endProgress(cmd);
+      out(cmd, s.info, () => `${s.id}  ${s.info?.state} on ${s.info?.hostId}\nnext: forkfleet sandbox exec ${s.id} -- uname -a\n`);
+    });
+  sb.command('ls')
+    .description('list sandboxes (all but destroyed)')
+    .option('--state <state...>', 'only these states')
+    .option('--label <key=value>', 'label selector (repeatable)', labelsArg)
+    .action(async (o: { state?: string[]; label?: Record<string, string> }, cmd: Command) => {
+      const list = await client(cmd).list({ ...(o.state ? { states: o.state as SandboxInfo['state'][] } : {}), ...(o.label ? { labels: o.label } : {}) });
+      out(cmd, list, () => (list.length ? table(sandboxRows(list)) : 'no sandboxes; create one with `forkfleet sandbox create`\n'));
+    });
+  sb.command('exec')
+    .description('run a command in the guest, streaming its output; exits with its exit code')
+    .argument('<sandbox>')
+    .argument('<argv...>', 'command and arguments (put them after --)')
+    .option('--env <key=value>', 'environment variable (repeatable)', labelsArg)
+    .option('--cwd <dir>', 'working directory')
+    .option('--exec-timeout <duration>', 'kill the command after this long', '60s')
+    .option('--stdin', 'send this process\'s stdin to the command', false)
+    .action(async (id: string, argv: string[], o: { env?: Record<string, string>; cwd?: string; execTimeout: string; stdin: boolean }, cmd: Command) => {
+      const g = globals(cmd);
+      const stdin = o.stdin ? readFileSync(0) : undefined;
+      const stream = client(cmd).sandbox(id).exec(argv, { env: o.env ?? {}, ...(o.cwd ? { cwd: o.cwd } : {}), timeout: o.execTimeout, ...(stdin ? { stdin } : {}) });
+      const res = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0 };
+      for await (const c of stream) {
+        if (c.stream === 'exit') Object.assign(res, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs });
+        else if (g.json) res[c.stream] += Buffer.from(c.data).toString();
+        else (c.stream === 'stdout' ? process.stdout : process.stderr).write(c.data);
+      }
+      if (g.json) process.stdout.write(`${JSON.stringify(res, null, 2)}\n`);
+      else if (res.timedOut) process.stderr.write(`forkfleet: command timed out after ${o.execTimeout} (--exec-timeout)\n`);
+      process.exitCode = res.signal ? 128 + res.signal : res.exitCode < 0 ? 1 : res.exitCode;
+    });
+  sb.command('cp')
+    .description('copy a file into or out of a sandbox: cp ./local SANDBOX:/path or cp SANDBOX:/path ./local (- for stdin/stdout)')
+    .argument('<src>')
+    .argument('<dst>')
+    .option('--mode <octal>', 'permission bits of an uploaded file', '644')
+    .action(async (src: string, dst: string, o: { mode: string }, cmd: Command) => {
+      const remote = (p: string): { id: string; path: string } | undefined => {
+        const m = /^(sb-[A-Za-z0-9_-]+):(\/.*)$/.exec(p);
+        return m ? { id: m[1]!, path: m[2]! } : undefined;
+      };
+      const rs = remote(src);
+      const rd = remote(dst);
+      if ((rs && rd) || (!rs && !rd)) throw new ForkfleetError('invalid_argument', 'cp: exactly one of SRC and DST must be SANDBOX:/absolute/path', { field: 'path' });
+      if (rd) {
+        const data = src === '-' ? readFileSync(0) : readFileSync(src);
+        const n = await client(cmd).sandbox(rd.id).writeFile(rd.path, data, parseInt(o.mode, 8));
+        out(cmd, { sandboxId: rd.id, path: rd.path, bytes: n }, () => `${n} bytes -> ${rd.id}:${rd.path}\n`);
+      } else {
+        const data = await client(cmd).sandbox(rs!.id).readFile(rs!.path);
+        if (dst === '-') process.stdout.write(data);
+        else {
+          writeFileSync(dst, data);
+          out(cmd, { sandboxId: rs!.id, path: rs!.path, bytes: data.length, to: dst }, () => `${rs!.id}:${rs!.path} -> ${dst} (${data.length} bytes)\n`);
+        }
+      }
+    });
+  for (const [name, desc] of [
+    ['pause', 'pause the vCPUs (memory stays)'],
+    ['resume', 'resume a paused or hibernated sandbox'],
+    ['hibernate', 'snapshot the sandbox, then free its CPU and RAM'],
+    ['destroy', 'destroy sandboxes'],
+  ] as const) {
+    sb.command(name)
+      .description(desc)
+      .argument('<sandbox...>')
+      .action(async (ids: string[], _o: unknown, cmd: Command) => {
+        const ff = client(cmd);
+        const done = await Promise.all(ids.map(async (id) => {
+          const s = ff.sandbox(id);
+          await (name === 'pause' ? s.pause(progress(cmd, `${name} ${id}`)) : name === 'resume' ? s.resume(progress(cmd, `${name} ${id}`)) : name === 'hibernate' ? s.hibernate(progress(cmd, `${name} ${id}`)) : s.destroy(progress(cmd, `${name} ${id}`)));
+          return s.info ?? { id, state: name === 'destroy' ? 'destroyed' : 'unknown' };
+        }));
+        endProgress(cmd);
+        out(cmd, ids.length === 1 ? done[0] : done, () => done.map((s) => `${s.id}  ${s.state}\n`).join(''));
+      });
+  }
+  sb.command('snapshot')
+    .description('snapshot a sandbox (it keeps running)')
+    .argument('<sandbox>')
+    .option('--pin', 'keep it regardless of retention', false)
+    .option('--ttl <duration>', 'retention TTL')
+    .option('--label <key=value>', 'label (repeatable)', labelsArg)
+    .action(async (id: string, o: { pin: boolean; ttl?: string; label?: Record<string, string> }, cmd: Command) => {
+      const sn = await client(cmd).sandbox(id).snapshot({ pin: o.pin, ...(o.ttl ? { ttl: o.ttl } : {}), labels: o.label ?? {} }, progress(cmd, 'snapshot'));
+      endProgress(cmd);
+      out(cmd, sn, () => `${sn.id}  ${sn.state} on ${sn.hostIds.join(',')}  ${fmtBytes(sn.storedBytes)} stored\nnext: forkfleet sandbox fork ${sn.id} 4\n`);
+    });
+  sb.command('fork')
+    .description('fork a live sandbox (sb-...) or a snapshot (sn-...) into COUNT children')
+    .argument('<source>', 'sandbox or snapshot id')
+    .argument('[count]', 'children, 1..256', intArg('count', 1, 256), 1)
+    .addOption(new Option('--locality <l>', 'where children go').choices(['any', 'same_host', 'cross_host']).default('any'))
+    .addOption(new Option('--spread <s>', 'pack or spread children across hosts').choices(['pack', 'spread']))
+    .option('--max-per-host <n>', 'at most this many children per host', intArg('--max-per-host', 1, 256))
+    .option('--label <key=value>', 'label (repeatable)', labelsArg)
+    .action(async (source: string, count: number, o: { locality: 'any' | 'same_host' | 'cross_host'; spread?: 'pack' | 'spread'; maxPerHost?: number; label?: Record<string, string> }, cmd: Command) => {
+      const src = source.startsWith('sn-') ? { snapshotId: source } : { sandboxId: source };
+      const r = await client(cmd).fork(src, count, { locality: o.locality, ...(o.spread ? { spread: o.spread } : {}), ...(o.maxPerHost ? { maxPerHost: o.maxPerHost } : {}), labels: o.label ?? {} }, progress(cmd, `fork x${count}`));
+      endProgress(cmd);
+      const children = r.children.map((c) => c.info!);
+      out(cmd, { snapshotId: r.snapshotId, children, placement: r.operation.fork?.summary ?? '' }, () =>
+        `forked ${children.length} from ${r.snapshotId}${r.operation.fork?.summary ? ` (${r.operation.fork.summary})` : ''}\n${table(sandboxRows(children))}`);
+    });
+
+  // ----- snapshots
+  const sn = program.command('snapshot').alias('sn').description('list, pin and delete snapshots');
+  sn.command('ls')
+    .description('list snapshots and where they live')
+    .option('--lineage <id>', 'only this lineage')
+    .action(async (o: { lineage?: string }, cmd: Command) => {
+      const list = await client(cmd).snapshots.list(o.lineage ?? '');
+      out(cmd, list, () => (list.length ? table(snapshotRows(list)) : 'no snapshots; take one with `forkfleet sandbox snapshot SANDBOX`\n'));
+    });
+  for (const name of ['pin', 'unpin'] as const) {
+    sn.command(name)
+      .description(name === 'pin' ? 'keep a snapshot regardless of retention' : 'let retention delete it again')
+      .argument('<snapshot>')
+      .action(async (id: string, _o: unknown, cmd: Command) => {
+        const g = globals(cmd);
+        const ff = client(cmd);
+        const opts = g.idempotencyKey ? { idempotencyKey: g.idempotencyKey } : {};
+        const s = name === 'pin' ? await ff.snapshots.pin(id, opts) : await ff.snapshots.unpin(id, opts);
+        out(cmd, s, () => `${s.id}  pinned=${s.pinned}\n`);
+      });
+  }
+  sn.command('rm')
+    .description('delete snapshots')
+    .argument('<snapshot...>')
+    .action(async (ids: string[], _o: unknown, cmd: Command) => {
+      const ops = await Promise.all(ids.map((id) => client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`))));
+      endProgress(cmd);
+      out(cmd, ops.map((op) => ({ snapshotId: op.targetId, operation: op.id, state: op.state })), () => ids.map((id) => `${id}  deleted\n`).join(''));
+    });
+
+  // ----- hosts
+  const hosts = program.command('hosts').description('fleet hosts (admin)');
+  hosts.command('ls').description('hosts, their capacity and load').action(async (_o: unknown, cmd: Command) => {
+    const list = await client(cmd).hosts.list();
+    out(cmd, list, () => table(hostRows(list)));
+  });
+  hosts
+    .command('cordon')
+    .description('take no new sandboxes on a host (--undo to uncordon)')
+    .argument('<host>')
+    .option('--undo', 'uncordon', false)
+    .action(async (id: string, o: { undo: boolean }, cmd: Command) => {
+      const h = await client(cmd).hosts.cordon(id, !o.undo);
+      out(cmd, h, () => `${h.id}  cordoned=${h.cordoned}\n`);
+    });
+  hosts
+    .command('drain')
+    .description('cordon a host, then hibernate (or --migrate) its sandboxes')
+    .argument('<host>')
+    .option('--migrate', 'move running sandboxes to other hosts instead of hibernating them', false)
+    .action(async (id: string, o: { migrate: boolean }, cmd: Command) => {
+      const op = await client(cmd).hosts.drain(id, o.migrate, progress(cmd, `drain ${id}`));
+      endProgress(cmd);
+      out(cmd, op, () => `${id} drained (${op.progress.done}/${op.progress.total})\n`);
+    });
+
+  // ----- loadtest
+  program
+    .command('loadtest')
+    .description('run the load test (npm run loadtest -- ARGS)')
+    .argument('[args...]')
+    .allowUnknownOption()
+    .action(async (args: string[]) => {
+      const code = await new Promise<number>((res) => {
+        const child = spawn('npm', ['run', 'loadtest', '--', ...args], { cwd: ROOT, stdio: 'inherit' });
+        child.on('exit', (c, sig) => res(sig ? 1 : (c ?? 1)));
+        child.on('error', () => res(1));
+      });
+      process.exitCode = code;
+    });
+
+  return program;
+}
+
+function describeError(e: unknown, api: string): { kind: string; message: string; field: string | undefined; retryable: boolean; hint: string; exitCode: number } {
+  if (e instanceof ForkfleetError) {
+    const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
+    return { ...base, hint: hintFor(base, api), exitCode: exitCodeFor(base) };
+  }
+  const message = e instanceof Error ? e.message : String(e);
+  return { kind: 'internal', message, field: undefined, retryable: false, hint: 'this is a bug in the CLI or a local problem; the message above says what', exitCode: 1 };
+}
+
+export async function main(argv: string[]): Promise<number> {
+  const program = buildProgram();
+  try {
+    await program.parseAsync(argv, { from: 'user' });
+    return typeof process.exitCode === 'number' ? process.exitCode : 0;
+  } catch (e) {
+    if (e instanceof CommanderError) return e.exitCode === 0 ? 0 : 2;
+    const json = argv.includes('--json');
+    const api = (program.opts() as Globals).api;
+    const d = describeError(e, api);
+    if (json) process.stdout.write(`${JSON.stringify({ error: d }, null, 2)}\n`);
+    process.stderr.write(`${isTty() ? '\n' : ''}forkfleet: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
+    return d.exitCode;
+  } finally {
+    clientCache?.close();
+  }
+}
+
+if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename)) {
+  main(process.argv.slice(2)).then((code) => process.exit(code));
+}

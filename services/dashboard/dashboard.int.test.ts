@@ -1,0 +1,112 @@
+// The dashboard in real headless Chromium against a real 2-host local fleet, and the
+// scheduler's /metrics through promtool. One fleet for the file.
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { execFileSync, spawnSync } from 'node:child_process';
+import { createServer } from 'node:http';
+import type { Server } from 'node:http';
+import { mkdtempSync, rmSync, statSync } from 'node:fs';
+import { join } from 'node:path';
+import { chromium } from 'playwright-core';
+import type { BrowserContext } from 'playwright-core';
+import { defaultOptions, down, up } from '../../deploy/fleet/fleet.ts';
+import type { FleetState } from '../../deploy/fleet/fleet.ts';
+import { Forkfleet } from '../sdk/index.ts';
+import type { Sandbox } from '../sdk/index.ts';
+import { dashboardHandler, metricsFromUrls } from './handler.ts';
+import type { DashboardHandler } from './handler.ts';
+
+const DIR = '/var/lib/ffleet-ui';
+// prom-client's default metrics name three gauges *_total; promtool's linter flags them.
+// They are not ours; scheduler.ts can drop them with registry.removeSingleMetric(name).
+const PROM_CLIENT_GAUGES = ['nodejs_active_handles_total', 'nodejs_active_requests_total', 'nodejs_active_resources_total'];
+
+describe('dashboard and metrics against a local fleet', () => {
+  let fleet: FleetState;
+  let ff: Forkfleet;
+  let sb: Sandbox;
+  let handler: DashboardHandler;
+  let server: Server;
+  let base: string;
+  let browser: BrowserContext | undefined;
+  let tmp: string;
+
+  beforeAll(async () => {
+    tmp = mkdtempSync('/tmp/ff-dash-');
+    fleet = await up(defaultOptions({ hosts: 2, dir: DIR, prefix: 'ffui', basePort: 20700 }));
+    ff = new Forkfleet({ address: fleet.apiAddresses, tenant: 'dash' });
+    sb = await ff.create({ image: 'tiny', memoryMib: 256 });
+    handler = dashboardHandler({ api: fleet.apiAddresses, tenants: ['dash'], metrics: metricsFromUrls(fleet.metricsAddresses) });
+    server = createServer((req, res) => {
+      if (!handler(req, res)) res.writeHead(404).end();
+    });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const a = server.address();
+    base = `http://127.0.0.1:${typeof a === 'object' && a ? a.port : 0}/dashboard/`;
+  }, 240_000);
+
+  afterAll(async () => {
+    await browser?.close().catch(() => undefined);
+    handler?.close();
+    server?.closeAllConnections();
+    await new Promise<void>((r) => (server ? server.close(() => r()) : r()));
+    if (sb) await sb.destroy().catch(() => undefined);
+    ff?.close();
+    await down(DIR);
+    if (tmp) rmSync(tmp, { recursive: true, force: true });
+  }, 120_000);
+
+  it('page_inChromium_showsBothHostsAndTheRunningSandboxLive', { timeout: 180_000 }, async () => {
+    // A fresh profile directory: playwright passes it to Chromium as --user-data-dir.
+    browser = await chromium.launchPersistentContext(join(tmp, 'profile'), {
+      executablePath: '/usr/bin/chromium',
+      headless: true,
+      viewport: { width: 1400, height: 900 },
+      args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run', '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+    });
+    const page = await browser.newPage();
+    const external: string[] = [];
+    page.on('request', (r) => {
+      if (!r.url().startsWith(base.slice(0, base.indexOf('/dashboard')))) external.push(r.url());
+    });
+    await page.goto(base);
+    await page.waitForSelector('[data-host-id="h1"]', { timeout: 20_000 });
+    await page.waitForSelector('[data-host-id="h2"]', { timeout: 20_000 });
+    await page.waitForSelector(`[data-sandbox-id="${sb.id}"][data-state="running"]`, { timeout: 20_000 });
+    await page.waitForSelector('.hist[data-kind="create"]', { timeout: 20_000 });
+    // It updates live: the stamp changes without a reload.
+    const t1 = await page.getAttribute('body', 'data-updated');
+    await page.waitForFunction(`document.body.getAttribute('data-updated') !== ${JSON.stringify(t1)}`, undefined, { timeout: 10_000 });
+
+    expect(await page.locator('[data-host-id]').count()).toBe(2);
+    expect(await page.locator('#hosts .bar').count()).toBeGreaterThanOrEqual(2);
+    expect(await page.locator('[data-state="running"] b').first().textContent()).toBe('1');
+    const shot = join(tmp, 'dashboard.png');
+    await page.screenshot({ path: shot, fullPage: true });
+    expect(statSync(shot).size).toBeGreaterThan(10 * 1024);
+    expect(external).toEqual([]);
+  });
+
+  it('stateEndpoint_reportsHostsSandboxesAndLatencyFromTheRegistry', async () => {
+    const s = await handler.state();
+    expect(s.error).toBeUndefined();
+    expect(s.hosts.map((h) => h.id)).toEqual(['h1', 'h2']);
+    expect(s.byState.running).toBe(1);
+    expect(s.latency.create?.histogram.count).toBeGreaterThanOrEqual(1);
+    expect(s.leaders).toBe(1);
+  });
+
+  it('schedulerMetrics_passPromtoolCheckMetrics', async () => {
+    const texts = await Promise.all(fleet.metricsAddresses.map(async (addr) => (await fetch(`http://${addr}/metrics`)).text()));
+    // Only the leader has observed operations.
+    expect(texts.join('\n')).toContain('forkfleet_operation_duration_seconds_bucket{le="0.05",kind="create"}');
+    for (const text of texts) {
+      const full = spawnSync('promtool', ['check', 'metrics'], { input: text, encoding: 'utf8' });
+      const problems = `${full.stdout}${full.stderr}`.split('\n').filter(Boolean);
+      // Parse errors would be exit 1; lint findings are exit 3 and must only be prom-client's.
+      expect(full.status === 0 || full.status === 3, problems.join('\n')).toBe(true);
+      expect(problems.filter((p) => !PROM_CLIENT_GAUGES.some((g) => p.startsWith(g)))).toEqual([]);
+      const ours = text.split('\n').filter((l) => !PROM_CLIENT_GAUGES.some((g) => l.includes(` ${g} `) || l.startsWith(g))).join('\n');
+      expect(execFileSync('promtool', ['check', 'metrics'], { input: ours, encoding: 'utf8' })).toBe('');
+    }
+  });
+});

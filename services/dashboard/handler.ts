@@ -1,0 +1,246 @@
+// The live fleet dashboard as a plain node:http request handler: mount it on any HTTP
+// server (the scheduler's metrics server, or a standalone one).
+//
+//   GET {base}/                 the page (plain HTML/CSS/JS, no external assets)
+//   GET {base}/api/state        one JSON snapshot of the fleet
+//   GET {base}/api/events       the same, pushed as server-sent events every second
+//
+// It reads the fleet through the public API (SDK) and latency from the scheduler's
+// prom-client registry text (forkfleet_operation_duration_seconds by kind).
+import { readFileSync } from 'node:fs';
+import type { IncomingMessage, ServerResponse } from 'node:http';
+import { Forkfleet } from '../sdk/index.ts';
+import type { EventInfo, HostInfo, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
+import { parseMetrics, quantile } from './metrics.ts';
+import type { HistogramData } from './metrics.ts';
+
+export interface DashboardDeps {
+  /** Scheduler API address(es), host:port. */
+  api: string | string[];
+  /** Tenants whose sandboxes and snapshots are shown. Default FF_DASHBOARD_TENANTS (comma list) or 'default'. */
+  tenants?: string[];
+  /** Prometheus text of the scheduler registry (or of each replica): `() => registry.metrics()`. */
+  metrics?: () => Promise<string | string[]>;
+  /** URL prefix. Default '/dashboard'. */
+  basePath?: string;
+  /** Push interval of the SSE stream. Default 1000 ms. */
+  intervalMs?: number;
+}
+
+export interface Transfer {
+  kind: 'inflight' | 'done';
+  snapshotId: string;
+  toHostId: string;
+  fromHostIds: string[];
+  sandboxId: string;
+  operationId: string;
+  bytes: number;
+  at: string | undefined;
+}
+
+export interface DashboardState {
+  time: string;
+  api: string;
+  error: string | undefined;
+  hosts: HostInfo[];
+  tenants: string[];
+  sandboxes: SandboxInfo[];
+  byState: Record<string, number>;
+  snapshots: SnapshotInfo[];
+  transfers: Transfer[];
+  events: EventInfo[];
+  latency: Record<string, { histogram: HistogramData; p50: number | undefined; p95: number | undefined; p99: number | undefined }>;
+  operations: Array<{ kind: string; result: string; value: number }>;
+  leaders: number;
+  metricsError: string | undefined;
+}
+
+export type DashboardHandler = ((req: IncomingMessage, res: ServerResponse) => boolean) & {
+  /** Collects one state (what the page receives). */
+  state(): Promise<DashboardState>;
+  /** Stops the event watches and the SSE streams. */
+  close(): void;
+};
+
+/** Fetches /metrics from each URL (e.g. the fleet's state.json metricsAddresses) for `metrics`. */
+export function metricsFromUrls(urls: string[]): () => Promise<string[]> {
+  return async () =>
+    (
+      await Promise.all(
+        urls.map(async (u) => {
+          try {
+            const r = await fetch(u.startsWith('http') ? u : `http://${u}/metrics`, { signal: AbortSignal.timeout(2000) });
+            return r.ok ? await r.text() : '';
+          } catch {
+            return '';
+          }
+        }),
+      )
+    ).filter(Boolean);
+}
+
+const PAGE = readFileSync(new URL('./page.html', import.meta.url), 'utf8');
+const TRANSITIONAL = new Set(['pending', 'starting', 'waking']);
+
+export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
+  const base = (deps.basePath ?? '/dashboard').replace(/\/$/, '');
+  const tenants = deps.tenants ?? (process.env.FF_DASHBOARD_TENANTS ?? 'default').split(',').map((t) => t.trim()).filter(Boolean);
+  const clients = new Map(tenants.map((t) => [t, new Forkfleet({ address: deps.api, tenant: t, timeoutMs: 3000, retry: { attempts: 1 } })]));
+  const first = clients.values().next().value as Forkfleet;
+  const interval = deps.intervalMs ?? 1000;
+  const events: EventInfo[] = [];
+  const doneTransfers: Transfer[] = [];
+  const watchers = new AbortController();
+  const streams = new Set<ServerResponse>();
+  let watching = false;
+  let cache: { at: number; p: Promise<DashboardState> } | undefined;
+
+  function startWatches(): void {
+    if (watching) return;
+    watching = true;
+    for (const [tenant, ff] of clients) {
+      void (async () => {
+        while (!watchers.signal.aborted) {
+          try {
+            for await (const ev of ff.watch({ signal: watchers.signal })) {
+              events.unshift(ev);
+              events.length = Math.min(events.length, 50);
+              if (ev.type === 'operation_done' && ev.operationId) void noteOperation(ff, ev.operationId, tenant);
+            }
+          } catch {
+            /* the API went away: try again shortly */
+          }
+          await new Promise((r) => setTimeout(r, 1000).unref());
+        }
+      })();
+    }
+  }
+
+  async function noteOperation(ff: Forkfleet, id: string, _tenant: string): Promise<void> {
+    try {
+      const op = await ff.operation(id);
+      if (op.progress.bytesTransferred <= 0) return;
+      const kids = op.fork?.children ?? (op.sandbox ? [op.sandbox] : []);
+      doneTransfers.unshift({ kind: 'done', snapshotId: op.fork?.snapshotId ?? op.snapshot?.id ?? op.sandbox?.sourceSnapshotId ?? '', toHostId: [...new Set(kids.map((k) => k.hostId))].join(','), fromHostIds: [], sandboxId: op.targetId, operationId: op.id, bytes: op.progress.bytesTransferred, at: op.updatedAt });
+      doneTransfers.length = Math.min(doneTransfers.length, 20);
+    } catch {
+      /* gone or unreachable: skip */
+    }
+  }
+
+  async function collect(): Promise<DashboardState> {
+    const st: DashboardState = {
+      time: new Date().toISOString(),
+      api: first.address,
+      error: undefined,
+      hosts: [],
+      tenants,
+      sandboxes: [],
+      byState: {},
+      snapshots: [],
+      transfers: [],
+      events: [...events],
+      latency: {},
+      operations: [],
+      leaders: 0,
+      metricsError: undefined,
+    };
+    try {
+      const [hosts, per] = await Promise.all([
+        first.hosts.list(),
+        Promise.all([...clients.values()].map(async (ff) => ({ sandboxes: await ff.list(), snapshots: await ff.snapshots.list() }))),
+      ]);
+      st.hosts = hosts.sort((a, b) => a.id.localeCompare(b.id));
+      st.sandboxes = per.flatMap((p) => p.sandboxes);
+      st.snapshots = per.flatMap((p) => p.snapshots);
+    } catch (e) {
+      st.error = e instanceof Error ? e.message : String(e);
+    }
+    for (const s of st.sandboxes) st.byState[s.state] = (st.byState[s.state] ?? 0) + 1;
+    // In flight: a sandbox coming up from a snapshot its host does not hold yet is fetching it.
+    const snaps = new Map(st.snapshots.map((s) => [s.id, s]));
+    for (const s of st.sandboxes) {
+      if (!TRANSITIONAL.has(s.state) || !s.sourceSnapshotId) continue;
+      const sn = snaps.get(s.sourceSnapshotId);
+      if (sn && !sn.hostIds.includes(s.hostId)) st.transfers.push({ kind: 'inflight', snapshotId: sn.id, toHostId: s.hostId, fromHostIds: sn.hostIds, sandboxId: s.id, operationId: '', bytes: 0, at: undefined });
+    }
+    st.transfers.push(...doneTransfers);
+    if (deps.metrics) {
+      try {
+        const raw = await deps.metrics();
+        const view = parseMetrics(Array.isArray(raw) ? raw : [raw]);
+        for (const [kind, h] of Object.entries(view.durations)) st.latency[kind] = { histogram: { ...h, le: h.le.map((x) => (x === Infinity ? 1e308 : x)) }, p50: quantile(h, 0.5), p95: quantile(h, 0.95), p99: quantile(h, 0.99) };
+        st.operations = view.operations;
+        st.leaders = view.leaders;
+      } catch (e) {
+        st.metricsError = e instanceof Error ? e.message : String(e);
+      }
+    }
+    return st;
+  }
+
+  function state(): Promise<DashboardState> {
+    startWatches();
+    const now = Date.now();
+    if (!cache || now - cache.at > Math.min(500, interval / 2)) cache = { at: now, p: collect() };
+    return cache.p;
+  }
+
+  const handler = ((req: IncomingMessage, res: ServerResponse): boolean => {
+    const url = new URL(req.url ?? '/', 'http://x');
+    const path = url.pathname;
+    if (path !== base && !path.startsWith(`${base}/`)) return false;
+    if (req.method !== 'GET' && req.method !== 'HEAD') {
+      res.writeHead(405, { allow: 'GET' }).end();
+      return true;
+    }
+    const rest = path.slice(base.length) || '/';
+    if (rest === '/' || rest === '/index.html') {
+      if (path === base) {
+        res.writeHead(302, { location: `${base}/` }).end();
+        return true;
+      }
+      res.writeHead(200, { 'content-type': 'text/html; charset=utf-8', 'cache-control': 'no-store' }).end(PAGE.replace('__BASE__', base));
+      return true;
+    }
+    if (rest === '/api/state') {
+      state().then(
+        (s) => res.writeHead(200, { 'content-type': 'application/json', 'cache-control': 'no-store' }).end(JSON.stringify(s)),
+        (e: unknown) => res.writeHead(500, { 'content-type': 'application/json' }).end(JSON.stringify({ error: String(e) })),
+      );
+      return true;
+    }
+    if (rest === '/api/events') {
+      res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-store', connection: 'keep-alive' });
+      streams.add(res);
+      let busy = false;
+      const push = (): void => {
+        if (busy) return;
+        busy = true;
+        state()
+          .then((s) => void res.write(`data: ${JSON.stringify(s)}\n\n`))
+          .catch(() => undefined)
+          .finally(() => (busy = false));
+      };
+      push();
+      const t = setInterval(push, interval);
+      const stop = (): void => {
+        clearInterval(t);
+        streams.delete(res);
+      };
+      req.on('close', stop);
+      res.on('close', stop);
+      return true;
+    }
+    res.writeHead(404).end();
+    return true;
+  }) as DashboardHandler;
+  handler.state = state;
+  handler.close = () => {
+    watchers.abort();
+    for (const s of streams) s.destroy();
+    streams.clear();
+    for (const ff of clients.values()) ff.close();
+  };
+  return handler;
+}

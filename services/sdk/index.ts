@@ -1,0 +1,720 @@
+// The Forkfleet TypeScript SDK: a typed, promise-based wrapper over the public gRPC API
+// (proto/forkfleet/v1/fleet.proto). Generated protobuf types stop here: callers see plain
+// objects with string states, numbers instead of bigints, and async iterators for streams.
+//
+//   const ff = new Forkfleet({ address: '127.0.0.1:17700', tenant: 'demo' });
+//   const sb = await ff.create({ image: 'tiny' });
+//   for await (const chunk of sb.exec(['sh', '-c', 'echo hi'])) process.stdout.write(chunk.data);
+//   const kids = await sb.fork(8);
+//   await Promise.all(kids.map((k) => k.destroy()));
+//
+// Retries: only errors the server marks retryable (RpcError.retryable) are retried, with
+// exponential backoff and full jitter. A mutating call generates its idempotency key once
+// and reuses it on every attempt, so a retry never does the work twice.
+import { randomUUID } from 'node:crypto';
+import { createClient } from '../adapters/grpc/rpc.ts';
+import type { CallOptions as RpcCallOptions, Client } from '../adapters/grpc/rpc.ts';
+import { RpcError } from '../adapters/grpc/status.ts';
+import { ForkfleetError } from '../../proto/errors.ts';
+import type { ErrorKind } from '../../proto/errors.ts';
+import { EventType, FleetService, HostState, OperationKind, OperationState, SandboxState, SnapshotState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type {
+  Event as PbEvent,
+  Host as PbHost,
+  Operation as PbOperation,
+  Sandbox as PbSandbox,
+  Snapshot as PbSnapshot,
+} from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Locality, Spread } from '../../proto/gen/forkfleet/v1/common_pb.ts';
+
+export { RpcError, ForkfleetError };
+export type { ErrorKind };
+
+type FleetClient = Client<(typeof FleetService)['method']>;
+
+// ---------------------------------------------------------------- plain data types
+
+export type SandboxStateName = 'pending' | 'starting' | 'running' | 'paused' | 'hibernating' | 'hibernated' | 'waking' | 'destroying' | 'destroyed' | 'failed' | 'lost' | 'unspecified';
+export type SnapshotStateName = 'creating' | 'ready' | 'deleting' | 'deleted' | 'failed' | 'unspecified';
+export type OperationStateName = 'pending' | 'running' | 'succeeded' | 'failed' | 'cancelled' | 'unspecified';
+export type HostStateName = 'ready' | 'suspect' | 'lost' | 'unspecified';
+
+export interface ResourcesInfo {
+  vcpus: number;
+  memoryMib: number;
+  diskMib: number;
+}
+
+export interface SandboxInfo {
+  id: string;
+  tenantId: string;
+  state: SandboxStateName;
+  stateReason: string;
+  hostId: string;
+  image: string;
+  sourceSnapshotId: string;
+  lineageId: string;
+  hostname: string;
+  labels: Record<string, string>;
+  resources: ResourcesInfo;
+  createdAt: string | undefined;
+  hibernationSnapshotId: string;
+}
+
+export interface SnapshotInfo {
+  id: string;
+  tenantId: string;
+  state: SnapshotStateName;
+  sourceSandboxId: string;
+  parentSnapshotId: string;
+  lineageId: string;
+  createdAt: string | undefined;
+  expiresAt: string | undefined;
+  pinned: boolean;
+  logicalBytes: number;
+  storedBytes: number;
+  hostIds: string[];
+  labels: Record<string, string>;
+}
+
+export interface HostInfo {
+  id: string;
+  state: HostStateName;
+  cordoned: boolean;
+  draining: boolean;
+  capacity: ResourcesInfo;
+  allocated: ResourcesInfo;
+  sandboxCount: number;
+  snapshotCount: number;
+  accel: 'kvm' | 'tcg' | 'unspecified';
+  peerAddress: string;
+  lastHeartbeat: string | undefined;
+  linkBytesPerSecond: number;
+}
+
+export interface ProgressInfo {
+  done: number;
+  total: number;
+  message: string;
+  bytesTransferred: number;
+}
+
+export interface OperationInfo {
+  id: string;
+  tenantId: string;
+  kind: string;
+  state: OperationStateName;
+  targetId: string;
+  progress: ProgressInfo;
+  createdAt: string | undefined;
+  updatedAt: string | undefined;
+  error: { kind: string; message: string; field: string; retryable: boolean } | undefined;
+  sandbox?: SandboxInfo;
+  snapshot?: SnapshotInfo;
+  fork?: { snapshotId: string; children: SandboxInfo[]; summary: string };
+}
+
+export interface EventInfo {
+  revision: number;
+  type: string;
+  tenantId: string;
+  time: string | undefined;
+  sandboxId: string;
+  snapshotId: string;
+  hostId: string;
+  operationId: string;
+  sandboxState: SandboxStateName;
+  message: string;
+}
+
+export type ExecChunk = { stream: 'stdout' | 'stderr'; data: Uint8Array } | { stream: 'exit'; exitCode: number; signal: number; timedOut: boolean; durationMs: number };
+
+// ---------------------------------------------------------------- errors
+
+/** A long-running operation ended FAILED or CANCELLED. Carries the server's error info. */
+export class OperationFailedError extends ForkfleetError {
+  readonly operation: OperationInfo;
+  constructor(op: OperationInfo) {
+    const kind = (op.error?.kind || 'internal') as ErrorKind;
+    const field = op.error?.field || undefined;
+    super(kind, `operation ${op.id} (${op.kind}) ${op.state}: ${op.error?.message ?? 'no reason given'}`, { retryable: op.error?.retryable ?? false, ...(field ? { field } : {}) });
+    this.operation = op;
+  }
+}
+
+// ---------------------------------------------------------------- conversion
+
+const lower = (s: string | undefined): string => (s ?? 'UNSPECIFIED').toLowerCase();
+const num = (v: bigint | number | undefined): number => Number(v ?? 0);
+const ts = (t: { seconds: bigint; nanos: number } | undefined): string | undefined => (t ? new Date(Number(t.seconds) * 1000 + Math.floor(t.nanos / 1e6)).toISOString() : undefined);
+const res = (r: { vcpus: number; memoryMib: bigint; diskMib: bigint } | undefined): ResourcesInfo => ({ vcpus: r?.vcpus ?? 0, memoryMib: num(r?.memoryMib), diskMib: num(r?.diskMib) });
+
+function toSandbox(s: PbSandbox): SandboxInfo {
+  return {
+    id: s.id,
+    tenantId: s.tenantId,
+    state: lower(SandboxState[s.state]) as SandboxStateName,
+    stateReason: s.stateReason,
+    hostId: s.hostId,
+    image: s.image,
+    sourceSnapshotId: s.sourceSnapshotId,
+    lineageId: s.lineageId,
+    hostname: s.hostname,
+    labels: { ...s.labels },
+    resources: res(s.resources),
+    createdAt: ts(s.createdAt),
+    hibernationSnapshotId: s.hibernationSnapshotId,
+  };
+}
+
+function toSnapshot(s: PbSnapshot): SnapshotInfo {
+  return {
+    id: s.id,
+    tenantId: s.tenantId,
+    state: lower(SnapshotState[s.state]) as SnapshotStateName,
+    sourceSandboxId: s.sourceSandboxId,
+    parentSnapshotId: s.parentSnapshotId,
+    lineageId: s.lineageId,
+    createdAt: ts(s.createdAt),
+    expiresAt: ts(s.expiresAt),
+    pinned: s.pinned,
+    logicalBytes: num(s.logicalBytes),
+    storedBytes: num(s.storedBytes),
+    hostIds: [...s.hostIds],
+    labels: { ...s.labels },
+  };
+}
+
+function toHost(h: PbHost): HostInfo {
+  return {
+    id: h.id,
+    state: lower(HostState[h.state]) as HostStateName,
+    cordoned: h.cordoned,
+    draining: h.draining,
+    capacity: res(h.capacity),
+    allocated: res(h.allocated),
+    sandboxCount: h.sandboxCount,
+    snapshotCount: h.snapshotCount,
+    accel: h.accel === 1 ? 'kvm' : h.accel === 2 ? 'tcg' : 'unspecified',
+    peerAddress: h.peerAddress,
+    lastHeartbeat: ts(h.lastHeartbeat),
+    linkBytesPerSecond: num(h.linkBytesPerSecond),
+  };
+}
+
+function toOperation(o: PbOperation): OperationInfo {
+  const out: OperationInfo = {
+    id: o.id,
+    tenantId: o.tenantId,
+    kind: lower(OperationKind[o.kind]),
+    state: lower(OperationState[o.state]) as OperationStateName,
+    targetId: o.targetId,
+    progress: { done: o.progress?.done ?? 0, total: o.progress?.total ?? 0, message: o.progress?.message ?? '', bytesTransferred: num(o.progress?.bytesTransferred) },
+    createdAt: ts(o.createdAt),
+    updatedAt: ts(o.updatedAt),
+    error: o.error ? { kind: o.error.kind, message: o.error.message, field: o.error.field, retryable: o.error.retryable } : undefined,
+  };
+  if (o.result.case === 'sandbox') out.sandbox = toSandbox(o.result.value);
+  else if (o.result.case === 'snapshot') out.snapshot = toSnapshot(o.result.value);
+  else if (o.result.case === 'fork') out.fork = { snapshotId: o.result.value.snapshotId, children: o.result.value.children.map(toSandbox), summary: o.result.value.explanation?.summary ?? '' };
+  return out;
+}
+
+function toEvent(e: PbEvent): EventInfo {
+  return {
+    revision: num(e.revision),
+    type: lower(EventType[e.type]),
+    tenantId: e.tenantId,
+    time: ts(e.time),
+    sandboxId: e.sandboxId,
+    snapshotId: e.snapshotId,
+    hostId: e.hostId,
+    operationId: e.operationId,
+    sandboxState: lower(SandboxState[e.sandboxState]) as SandboxStateName,
+    message: e.message,
+  };
+}
+
+const durationOf = (ms: number): { seconds: bigint; nanos: number } => ({ seconds: BigInt(Math.floor(ms / 1000)), nanos: (ms % 1000) * 1e6 });
+
+/** Parses '10s', '500ms', '2m', '1h' or a number of milliseconds. */
+export function parseDuration(v: string | number): number {
+  if (typeof v === 'number') return v;
+  const m = /^(\d+(?:\.\d+)?)(ms|s|m|h)$/.exec(v.trim());
+  if (!m) throw new ForkfleetError('invalid_argument', `want a duration like 500ms, 10s, 2m or 1h, got ${JSON.stringify(v)}`, { field: 'duration' });
+  return Number(m[1]) * { ms: 1, s: 1000, m: 60_000, h: 3_600_000 }[m[2] as 'ms' | 's' | 'm' | 'h'];
+}
+
+// ---------------------------------------------------------------- options
+
+export interface RetryOptions {
+  /** Total attempts, first included. Default 5. */
+  attempts: number;
+  /** First backoff, doubled each attempt, with full jitter. Default 200 ms. */
+  baseMs: number;
+  maxMs: number;
+}
+
+export interface ForkfleetOptions {
+  /** host:port of a scheduler replica, or several (the client fails over between them). */
+  address: string | string[];
+  /** Default FF_TENANT or 'default'. */
+  tenant?: string;
+  /** Per-attempt deadline of unary calls. Default 30 s. */
+  timeoutMs?: number;
+  retry?: Partial<RetryOptions>;
+}
+
+export interface CallOpts {
+  signal?: AbortSignal;
+  /** Per-attempt deadline; for operations, how long to wait for them to finish (default 10 min). */
+  timeoutMs?: number;
+  /** Reuse a key of your own, e.g. to make a whole script restartable. */
+  idempotencyKey?: string;
+  /** Called whenever the operation's progress is polled (about once a second). */
+  onProgress?: (op: OperationInfo) => void;
+}
+
+export interface CreateOptions {
+  image?: string;
+  snapshotId?: string;
+  vcpus?: number;
+  memoryMib?: number;
+  diskMib?: number;
+  labels?: Record<string, string>;
+  hostname?: string;
+  /** Sandbox TTL, e.g. '1h'. */
+  ttl?: string | number;
+  idleTimeout?: string | number;
+  allowEgress?: boolean;
+  hostId?: string;
+}
+
+export interface ForkOptions {
+  locality?: 'any' | 'same_host' | 'cross_host';
+  spread?: 'pack' | 'spread';
+  maxPerHost?: number;
+  labels?: Record<string, string>;
+  ttl?: string | number;
+}
+
+export interface ExecOptions {
+  env?: Record<string, string>;
+  cwd?: string;
+  stdin?: string | Uint8Array;
+  /** Kill the command after this long ('60s' by default on the server). */
+  timeout?: string | number;
+  signal?: AbortSignal;
+}
+
+export interface ExecResult {
+  stdout: string;
+  stderr: string;
+  exitCode: number;
+  signal: number;
+  timedOut: boolean;
+  durationMs: number;
+}
+
+/** An exec in progress: iterate it for output; the last chunk is the exit. */
+export interface ExecStream extends AsyncIterable<ExecChunk> {
+  /** Collects everything and resolves with the result. Do not also iterate. */
+  result(): Promise<ExecResult>;
+}
+
+const sleep = (ms: number, signal?: AbortSignal): Promise<void> =>
+  new Promise((resolve, reject) => {
+    if (signal?.aborted) return reject(signal.reason);
+    const t = setTimeout(resolve, ms);
+    signal?.addEventListener('abort', () => {
+      clearTimeout(t);
+      reject(signal.reason);
+    }, { once: true });
+  });
+
+/** A new idempotency key: unique per logical call, reused across its retries. */
+export function newIdempotencyKey(prefix = 'sdk'): string {
+  return `${prefix}-${randomUUID()}`;
+}
+
+function target(address: string | string[]): string {
+  const list = Array.isArray(address) ? address : address.split(',').map((a) => a.trim()).filter(Boolean);
+  if (list.length === 0) throw new ForkfleetError('invalid_argument', 'address: want host:port', { field: 'address' });
+  if (list.length === 1) return list[0]!;
+  // grpc-js resolves a comma list under the ipv4 scheme and picks the first that answers.
+  return `ipv4:${list.join(',')}`;
+}
+
+// ---------------------------------------------------------------- client
+
+export class Forkfleet {
+  readonly tenant: string;
+  readonly address: string;
+  /** The raw typed gRPC client, for calls this SDK does not wrap. */
+  readonly rpc: FleetClient;
+  private readonly timeoutMs: number;
+  private readonly retryOpts: RetryOptions;
+
+  constructor(opts: ForkfleetOptions) {
+    this.tenant = opts.tenant ?? process.env.FF_TENANT ?? 'default';
+    this.address = target(opts.address);
+    this.rpc = createClient(FleetService, this.address);
+    this.timeoutMs = opts.timeoutMs ?? 30_000;
+    this.retryOpts = { attempts: 5, baseMs: 200, maxMs: 5000, ...opts.retry };
+  }
+
+  close(): void {
+    this.rpc.close();
+  }
+
+  /** Runs `fn` until it succeeds, retrying only errors marked retryable. */
+  async retry<T>(fn: (o: RpcCallOptions) => Promise<T>, opts: CallOpts = {}): Promise<T> {
+    const { attempts, baseMs, maxMs } = this.retryOpts;
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await fn({ timeoutMs: opts.timeoutMs ?? this.timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) });
+      } catch (e) {
+        const retryable = e instanceof ForkfleetError && e.retryable && e.kind !== 'cancelled';
+        if (!retryable || attempt >= attempts || opts.signal?.aborted) throw e;
+        await sleep(Math.random() * Math.min(maxMs, baseMs * 2 ** (attempt - 1)), opts.signal);
+      }
+    }
+  }
+
+  private key(opts: CallOpts): string {
+    return opts.idempotencyKey ?? newIdempotencyKey();
+  }
+
+  /** Follows an operation until it is done, reporting progress; throws OperationFailedError on failure. */
+  async wait(operationId: string, opts: CallOpts = {}): Promise<OperationInfo> {
+    const until = Date.now() + (opts.timeoutMs ?? 600_000);
+    // With a progress callback poll once a second; without, long-poll in 30 s windows.
+    const windowMs = opts.onProgress ? 1000 : 30_000;
+    for (;;) {
+      const left = until - Date.now();
+      if (left <= 0) throw new ForkfleetError('deadline_exceeded', `operation ${operationId} not done after ${opts.timeoutMs ?? 600_000} ms; follow it with GetOperation`, { retryable: false });
+      const w = Math.max(1, Math.min(windowMs, left));
+      const pb = await this.retry((o) => this.rpc.waitOperation({ tenantId: this.tenant, operationId, timeout: durationOf(w) }, { ...o, timeoutMs: w + 10_000 }), { ...opts, timeoutMs: w + 10_000 });
+      const op = toOperation(pb);
+      opts.onProgress?.(op);
+      if (op.state === 'succeeded') return op;
+      if (op.state === 'failed' || op.state === 'cancelled') throw new OperationFailedError(op);
+    }
+  }
+
+  async operation(operationId: string, opts: CallOpts = {}): Promise<OperationInfo> {
+    return toOperation(await this.retry((o) => this.rpc.getOperation({ tenantId: this.tenant, operationId }, o), opts));
+  }
+
+  /** Submits a mutating call (one key for all attempts) and waits for its operation. */
+  private async submit(call: (key: string, o: RpcCallOptions) => Promise<PbOperation>, opts: CallOpts): Promise<OperationInfo> {
+    const key = this.key(opts);
+    const op = await this.retry((o) => call(key, o), { ...opts, timeoutMs: this.timeoutMs });
+    return this.wait(op.id, opts);
+  }
+
+  // --- sandboxes
+
+  async create(spec: CreateOptions, opts: CallOpts = {}): Promise<Sandbox> {
+    if (!spec.image && !spec.snapshotId) spec = { ...spec, image: 'tiny' };
+    const source = spec.snapshotId ? { case: 'snapshotId' as const, value: spec.snapshotId } : { case: 'image' as const, value: spec.image! };
+    const op = await this.submit(
+      (idempotencyKey, o) =>
+        this.rpc.createSandbox(
+          {
+            tenantId: this.tenant,
+            idempotencyKey,
+            source,
+            resources: { vcpus: spec.vcpus ?? 0, memoryMib: BigInt(spec.memoryMib ?? 0), diskMib: BigInt(spec.diskMib ?? 0) },
+            labels: spec.labels ?? {},
+            hostname: spec.hostname ?? '',
+            ...(spec.ttl !== undefined || spec.idleTimeout !== undefined
+              ? { lifecycle: { ...(spec.ttl !== undefined ? { ttl: durationOf(parseDuration(spec.ttl)) } : {}), ...(spec.idleTimeout !== undefined ? { idleTimeout: durationOf(parseDuration(spec.idleTimeout)) } : {}) } }
+              : {}),
+            ...(spec.allowEgress !== undefined ? { network: { allowEgress: spec.allowEgress } } : {}),
+            ...(spec.hostId ? { placement: { hostId: spec.hostId } } : {}),
+          },
+          o,
+        ),
+      opts,
+    );
+    if (!op.sandbox) throw new ForkfleetError('internal', `operation ${op.id} succeeded without a sandbox`);
+    return new Sandbox(this, op.sandbox);
+  }
+
+  /** A handle on an existing sandbox (no call is made). */
+  sandbox(id: string): Sandbox {
+    return new Sandbox(this, id);
+  }
+
+  async get(sandboxId: string, opts: CallOpts = {}): Promise<SandboxInfo> {
+    return toSandbox(await this.retry((o) => this.rpc.getSandbox({ tenantId: this.tenant, sandboxId }, o), opts));
+  }
+
+  async list(filter: { states?: SandboxStateName[]; labels?: Record<string, string> } = {}, opts: CallOpts = {}): Promise<SandboxInfo[]> {
+    const states = (filter.states ?? []).map((s) => SandboxState[s.toUpperCase() as keyof typeof SandboxState]);
+    const out: SandboxInfo[] = [];
+    let pageToken = '';
+    do {
+      const r = await this.retry((o) => this.rpc.listSandboxes({ tenantId: this.tenant, states, labels: filter.labels ?? {}, pageSize: 500, pageToken }, o), opts);
+      out.push(...r.sandboxes.map(toSandbox));
+      pageToken = r.nextPageToken;
+    } while (pageToken);
+    return out;
+  }
+
+  /** N copy-on-write children of a snapshot or of a live sandbox (snapshotted first). */
+  async fork(source: { snapshotId: string } | { sandboxId: string }, count: number, fo: ForkOptions = {}, opts: CallOpts = {}): Promise<{ snapshotId: string; children: Sandbox[]; operation: OperationInfo }> {
+    const src = 'snapshotId' in source ? { case: 'snapshotId' as const, value: source.snapshotId } : { case: 'sandboxId' as const, value: source.sandboxId };
+    const locality = { any: Locality.ANY, same_host: Locality.SAME_HOST, cross_host: Locality.CROSS_HOST }[fo.locality ?? 'any'];
+    const spread = fo.spread ? { pack: Spread.PACK, spread: Spread.SPREAD }[fo.spread] : Spread.UNSPECIFIED;
+    const op = await this.submit(
+      (idempotencyKey, o) =>
+        this.rpc.forkSandbox(
+          {
+            tenantId: this.tenant,
+            idempotencyKey,
+            source: src,
+            count,
+            placement: { locality, spread, maxPerHost: fo.maxPerHost ?? 0 },
+            labels: fo.labels ?? {},
+            ...(fo.ttl !== undefined ? { lifecycle: { ttl: durationOf(parseDuration(fo.ttl)) } } : {}),
+          },
+          o,
+        ),
+      opts,
+    );
+    const children = (op.fork?.children ?? []).map((c) => new Sandbox(this, c));
+    return { snapshotId: op.fork?.snapshotId ?? '', children, operation: op };
+  }
+
+  /** Lifecycle events of the tenant (or one sandbox), as they happen. Break out of the loop to stop. */
+  async *watch(filter: { sandboxId?: string; types?: string[]; afterRevision?: number; signal?: AbortSignal } = {}): AsyncGenerator<EventInfo> {
+    const types = (filter.types ?? []).map((t) => EventType[t.toUpperCase() as keyof typeof EventType]);
+    let after = filter.afterRevision ?? 0;
+    for (let attempt = 1; ; attempt++) {
+      try {
+        for await (const e of this.rpc.watchEvents({ tenantId: this.tenant, sandboxId: filter.sandboxId ?? '', types, afterRevision: BigInt(after) }, filter.signal ? { signal: filter.signal } : {})) {
+          attempt = 1;
+          const ev = toEvent(e);
+          after = Math.max(after, ev.revision);
+          yield ev;
+        }
+        return;
+      } catch (e) {
+        // Resume after the last revision seen: the watch is restartable without gaps.
+        if (!(e instanceof ForkfleetError && e.retryable) || attempt >= this.retryOpts.attempts || filter.signal?.aborted) throw e;
+        await sleep(Math.min(this.retryOpts.maxMs, this.retryOpts.baseMs * 2 ** attempt), filter.signal);
+      }
+    }
+  }
+
+  // --- snapshots
+
+  readonly snapshots = {
+    list: async (lineageId = '', opts: CallOpts = {}): Promise<SnapshotInfo[]> => {
+      const out: SnapshotInfo[] = [];
+      let pageToken = '';
+      do {
+        const r = await this.retry((o) => this.rpc.listSnapshots({ tenantId: this.tenant, lineageId, pageSize: 500, pageToken }, o), opts);
+        out.push(...r.snapshots.map(toSnapshot));
+        pageToken = r.nextPageToken;
+      } while (pageToken);
+      return out;
+    },
+    get: async (snapshotId: string, opts: CallOpts = {}): Promise<SnapshotInfo> => toSnapshot(await this.retry((o) => this.rpc.getSnapshot({ tenantId: this.tenant, snapshotId }, o), opts)),
+    pin: async (snapshotId: string, opts: CallOpts = {}): Promise<SnapshotInfo> => {
+      const idempotencyKey = this.key(opts);
+      return toSnapshot(await this.retry((o) => this.rpc.pinSnapshot({ tenantId: this.tenant, idempotencyKey, snapshotId }, o), opts));
+    },
+    unpin: async (snapshotId: string, opts: CallOpts = {}): Promise<SnapshotInfo> => {
+      const idempotencyKey = this.key(opts);
+      return toSnapshot(await this.retry((o) => this.rpc.unpinSnapshot({ tenantId: this.tenant, idempotencyKey, snapshotId }, o), opts));
+    },
+    delete: async (snapshotId: string, opts: CallOpts = {}): Promise<OperationInfo> =>
+      this.submit((idempotencyKey, o) => this.rpc.deleteSnapshot({ tenantId: this.tenant, idempotencyKey, snapshotId }, o), opts),
+  };
+
+  // --- hosts (admin)
+
+  readonly hosts = {
+    list: async (opts: CallOpts = {}): Promise<HostInfo[]> => (await this.retry((o) => this.rpc.listHosts({}, o), opts)).hosts.map(toHost),
+    cordon: async (hostId: string, cordon = true, opts: CallOpts = {}): Promise<HostInfo> => {
+      const idempotencyKey = this.key(opts);
+      return toHost(await this.retry((o) => this.rpc.cordonHost({ idempotencyKey, hostId, cordon }, o), opts));
+    },
+    drain: async (hostId: string, migrate = false, opts: CallOpts = {}): Promise<OperationInfo> =>
+      this.submit((idempotencyKey, o) => this.rpc.drainHost({ idempotencyKey, hostId, migrate }, o), opts),
+  };
+
+  // --- used by Sandbox
+
+  /** @internal */
+  sandboxOp(kind: 'pause' | 'resume' | 'hibernate' | 'destroy', sandboxId: string, opts: CallOpts, replicas = 0): Promise<OperationInfo> {
+    return this.submit((idempotencyKey, o) => {
+      const req = { tenantId: this.tenant, idempotencyKey, sandboxId };
+      if (kind === 'pause') return this.rpc.pauseSandbox(req, o);
+      if (kind === 'resume') return this.rpc.resumeSandbox(req, o);
+      if (kind === 'hibernate') return this.rpc.hibernateSandbox({ ...req, replicas }, o);
+      return this.rpc.destroySandbox(req, o);
+    }, opts);
+  }
+
+  /** @internal */
+  async snapshotOf(sandboxId: string, spec: { pin?: boolean; labels?: Record<string, string>; ttl?: string | number; keepLast?: number }, opts: CallOpts): Promise<SnapshotInfo> {
+    const op = await this.submit(
+      (idempotencyKey, o) =>
+        this.rpc.snapshotSandbox(
+          {
+            tenantId: this.tenant,
+            idempotencyKey,
+            sandboxId,
+            pin: spec.pin ?? false,
+            labels: spec.labels ?? {},
+            ...(spec.ttl !== undefined || spec.keepLast !== undefined
+              ? { retention: { ...(spec.ttl !== undefined ? { ttl: durationOf(parseDuration(spec.ttl)) } : {}), keepLast: spec.keepLast ?? 0 } }
+              : {}),
+          },
+          o,
+        ),
+      opts,
+    );
+    if (!op.snapshot) throw new ForkfleetError('internal', `operation ${op.id} succeeded without a snapshot`);
+    return op.snapshot;
+  }
+
+  /** @internal */
+  execStream(sandboxId: string, argv: string[], eo: ExecOptions): ExecStream {
+    const idempotencyKey = newIdempotencyKey('exec');
+    const ff = { rpc: this.rpc, tenant: this.tenant, retryOpts: this.retryOpts };
+    async function* run(): AsyncGenerator<ExecChunk> {
+      for (let attempt = 1; ; attempt++) {
+        let got = false;
+        try {
+          const stream = ff.rpc.exec(
+            {
+              tenantId: ff.tenant,
+              idempotencyKey,
+              sandboxId,
+              argv,
+              env: eo.env ?? {},
+              cwd: eo.cwd ?? '',
+              stdin: typeof eo.stdin === 'string' ? Buffer.from(eo.stdin) : (eo.stdin ?? new Uint8Array()),
+              ...(eo.timeout !== undefined ? { timeout: durationOf(parseDuration(eo.timeout)) } : {}),
+            },
+            eo.signal ? { signal: eo.signal } : {},
+          );
+          for await (const r of stream) {
+            got = true;
+            if (r.payload.case === 'stdout' || r.payload.case === 'stderr') yield { stream: r.payload.case, data: r.payload.value };
+            else if (r.payload.case === 'exit') {
+              const x = r.payload.value;
+              yield { stream: 'exit', exitCode: x.exitCode, signal: x.signal, timedOut: x.timedOut, durationMs: x.duration ? Number(x.duration.seconds) * 1000 + x.duration.nanos / 1e6 : 0 };
+            }
+          }
+          return;
+        } catch (e) {
+          // Only retry before any output arrived: the same key makes the retry safe.
+          if (got || !(e instanceof ForkfleetError && e.retryable) || attempt >= ff.retryOpts.attempts || eo.signal?.aborted) throw e;
+          await sleep(Math.random() * Math.min(ff.retryOpts.maxMs, ff.retryOpts.baseMs * 2 ** (attempt - 1)), eo.signal);
+        }
+      }
+    }
+    const it = run();
+    return {
+      [Symbol.asyncIterator]: () => it,
+      async result(): Promise<ExecResult> {
+        const out: Buffer[] = [];
+        const err: Buffer[] = [];
+        const r: ExecResult = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0 };
+        for await (const c of it) {
+          if (c.stream === 'stdout') out.push(Buffer.from(c.data));
+          else if (c.stream === 'stderr') err.push(Buffer.from(c.data));
+          else if (c.stream === 'exit') Object.assign(r, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs });
+        }
+        r.stdout = Buffer.concat(out).toString();
+        r.stderr = Buffer.concat(err).toString();
+        return r;
+      },
+    };
+  }
+}
+
+/** A sandbox handle. `info` is the last state the SDK saw (refresh() re-reads it). */
+export class Sandbox {
+  readonly id: string;
+  info: SandboxInfo | undefined;
+  private readonly ff: Forkfleet;
+
+  constructor(ff: Forkfleet, src: string | SandboxInfo) {
+    this.ff = ff;
+    this.id = typeof src === 'string' ? src : src.id;
+    this.info = typeof src === 'string' ? undefined : src;
+  }
+
+  async refresh(opts: CallOpts = {}): Promise<SandboxInfo> {
+    this.info = await this.ff.get(this.id, opts);
+    return this.info;
+  }
+
+  /** Runs argv in the guest; iterate for live output, or call .result(). */
+  exec(argv: string[], opts: ExecOptions = {}): ExecStream {
+    return this.ff.execStream(this.id, argv, opts);
+  }
+
+  /** Runs a shell script and collects its output. */
+  sh(script: string, opts: ExecOptions = {}): Promise<ExecResult> {
+    return this.exec(['/bin/sh', '-c', script], opts).result();
+  }
+
+  async writeFile(path: string, data: string | Uint8Array, mode = 0o644, opts: CallOpts = {}): Promise<number> {
+    const idempotencyKey = newIdempotencyKey('write');
+    const bytes = typeof data === 'string' ? Buffer.from(data) : Buffer.from(data);
+    const chunks: Array<{ payload: { case: 'header'; value: { tenantId: string; idempotencyKey: string; sandboxId: string; path: string; mode: number } } | { case: 'data'; value: Uint8Array } }> = [
+      { payload: { case: 'header', value: { tenantId: this.ff.tenant, idempotencyKey, sandboxId: this.id, path, mode } } },
+    ];
+    for (let i = 0; i < bytes.length; i += 256 * 1024) chunks.push({ payload: { case: 'data', value: bytes.subarray(i, i + 256 * 1024) } });
+    const r = await this.ff.retry((o) => this.ff.rpc.writeFile(chunks, o), opts);
+    return Number(r.bytesWritten);
+  }
+
+  async readFile(path: string, opts: CallOpts & { maxBytes?: number } = {}): Promise<Buffer> {
+    return this.ff.retry(async (o) => {
+      const parts: Buffer[] = [];
+      for await (const r of this.ff.rpc.readFile({ tenantId: this.ff.tenant, sandboxId: this.id, path, maxBytes: BigInt(opts.maxBytes ?? 0) }, o)) parts.push(Buffer.from(r.data));
+      return Buffer.concat(parts);
+    }, opts);
+  }
+
+  private async op(kind: 'pause' | 'resume' | 'hibernate' | 'destroy', opts: CallOpts, replicas = 0): Promise<Sandbox> {
+    const op = await this.ff.sandboxOp(kind, this.id, opts, replicas);
+    if (op.sandbox) this.info = op.sandbox;
+    return this;
+  }
+
+  pause(opts: CallOpts = {}): Promise<Sandbox> {
+    return this.op('pause', opts);
+  }
+  resume(opts: CallOpts = {}): Promise<Sandbox> {
+    return this.op('resume', opts);
+  }
+  hibernate(opts: CallOpts & { replicas?: number } = {}): Promise<Sandbox> {
+    return this.op('hibernate', opts, opts.replicas ?? 0);
+  }
+  destroy(opts: CallOpts = {}): Promise<Sandbox> {
+    return this.op('destroy', opts);
+  }
+
+  snapshot(spec: { pin?: boolean; labels?: Record<string, string>; ttl?: string | number; keepLast?: number } = {}, opts: CallOpts = {}): Promise<SnapshotInfo> {
+    return this.ff.snapshotOf(this.id, spec, opts);
+  }
+
+  /** N children of this live sandbox (it is snapshotted first and keeps running). */
+  async fork(count: number, fo: ForkOptions = {}, opts: CallOpts = {}): Promise<Sandbox[]> {
+    return (await this.ff.fork({ sandboxId: this.id }, count, fo, opts)).children;
+  }
+
+  toJSON(): SandboxInfo | { id: string } {
+    return this.info ?? { id: this.id };
+  }
+}
