@@ -15,7 +15,7 @@ import type { LiveRoots } from '../domain/snapshot-store.ts';
 import type { TrustedKeys } from '../domain/tickets.ts';
 import { fetchSnapshot } from '../domain/transfer.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
-import type { Materialiser } from './chunkstore/materialise.ts';
+import type { MaterialisedSnapshot, Materialiser } from './chunkstore/materialise.ts';
 import { PeerChunkSource } from './peer/client.ts';
 import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
@@ -132,6 +132,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
     if (await exists(join(own, 'manifest.json'))) return { local: await this.deps.driver.openSnapshot(own), bytesFetched: 0 };
 
     let bytesFetched = 0;
+    let mat: MaterialisedSnapshot | undefined;
+    let fetchedManifest: SignedManifest | undefined;
     const stored = await this.deps.manifests.get(snapshotId);
     if (!stored || stored.signature.length === 0) {
       if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.deps.hostId} and no source was named`);
@@ -139,7 +141,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
       if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
       const sources = fetch.sources.filter((s) => s.address).map((s) => new PeerChunkSource({ id: s.hostId, address: s.address, ticket, hostId: this.deps.hostId }));
       try {
-        // The manifest bytes come from a peer; the signature comes from the scheduler.
+        // The manifest bytes come from a peer; the signature comes from the scheduler. It is
+        // stored only after every chunk is (fetchSnapshot), so "manifest present" = complete.
+        const t0 = performance.now();
+        let signed: SignedManifest | undefined;
         const sig = fetch.manifest;
         if (sig && sig.signature.length > 0) {
           let bytes: Uint8Array | undefined = stored?.manifest;
@@ -148,17 +153,39 @@ export class ChunkStoreShipper implements SnapshotShipper {
             bytes = (await s.getManifest().catch(() => undefined))?.manifest;
           }
           if (!bytes || bytes.length === 0) throw new ForkfleetError('unavailable', `no source returned the manifest of ${snapshotId}`);
-          await this.deps.manifests.put(snapshotId, create(SignedManifestSchema, { manifest: bytes, signature: sig.signature, keyId: sig.keyId }));
+          signed = create(SignedManifestSchema, { manifest: bytes, signature: sig.signature, keyId: sig.keyId });
         }
-        const { report } = await fetchSnapshot(snapshotId, sources, { chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, trust: this.deps.trust, log: this.deps.log });
+        // The image is written while chunks arrive; chunks already here are copied after.
+        // The fork needs the image, not the durable "complete" marker: the chunk fsyncs and
+        // the manifest put finish in the background (the snapshot is reported held after).
+        const { report, durable, signed: got } = await fetchSnapshot(
+          snapshotId,
+          sources,
+          { chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, trust: this.deps.trust, log: this.deps.log },
+          {
+            deferDurable: true,
+            ...(signed ? { signed } : {}),
+            around: async (manifest, run) => {
+              mat = await this.deps.materialiser.materialiseWhile(snapshotId, manifest, async (sink) => {
+                await run(sink);
+              });
+            },
+          },
+        );
+        this.deps.log.info({ snapshotId, fetch: { ...report, sources: report.sources.length }, totalMs: Math.round(performance.now() - t0) }, 'snapshot fetched and materialised');
         bytesFetched = report.bytes ?? 0;
         onProgress(bytesFetched, bytesFetched);
+        fetchedManifest = got;
+        void durable.then(
+          () => this.complete.add(snapshotId),
+          () => {}, // logged by fetchSnapshot; the next obtain fetches what is missing
+        );
       } finally {
         for (const s of sources) s.close();
       }
     }
-    const mat = await this.deps.materialiser.materialise(snapshotId);
-    const signed = await this.deps.manifests.get(snapshotId);
+    mat ??= await this.deps.materialiser.materialise(snapshotId);
+    const signed = fetchedManifest ?? (await this.deps.manifests.get(snapshotId));
     if (!signed) throw new ForkfleetError('internal', `manifest of ${snapshotId} vanished`);
     const manifest = fromBinary(SnapshotManifestSchema, signed.manifest);
     for (const f of META_FILES) {
@@ -170,7 +197,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       await writeFile(tmp, data, { mode: 0o444 });
       await rename(tmp, target);
     }
-    this.complete.add(snapshotId);
+    if (!fetchedManifest) this.complete.add(snapshotId);
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
   }
 

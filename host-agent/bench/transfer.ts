@@ -33,6 +33,8 @@ interface Run {
   ready_seconds: number;
   /** ready_seconds - seconds: the materialise work left after the last chunk. */
   materialise_ms: number;
+  /** Until the chunks are fsynced and the manifest stored (off the fork's critical path). */
+  durable_seconds: number;
   naive_copy_seconds: number;
   naive_bytes_on_wire: number;
   speedup_vs_naive: number;
@@ -124,6 +126,7 @@ async function main(): Promise<void> {
         goodput_gbps: +((w * 8) / seconds / 1e9).toFixed(3),
         ready_seconds: +Number(out.ready_seconds).toFixed(3),
         materialise_ms: Math.round((Number(out.ready_seconds) - seconds) * 1000),
+        durable_seconds: +Number(out.durable_seconds).toFixed(3),
         naive_copy_seconds: +naiveOut.seconds.toFixed(3),
         naive_bytes_on_wire: nw,
         speedup_vs_naive: +(naiveOut.seconds / seconds).toFixed(2),

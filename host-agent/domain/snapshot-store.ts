@@ -41,10 +41,21 @@ export interface ChunkStore {
   /** The subset of `digests` not stored (order kept, duplicates removed). */
   missing(digests: Iterable<DigestHex>): Promise<DigestHex[]>;
   /**
-   * Stores durably (temp file, fsync, rename). Unless `trusted`, first decodes and hashes
-   * the data and throws DigestMismatchError when it doesn't match. Idempotent.
+   * Stores (temp file, rename; durable at the next `sync()`). Unless `trusted`, first
+   * decodes and hashes the data and throws DigestMismatchError when it doesn't match.
+   * Idempotent.
    */
   put(chunk: EncodedChunk, opts?: { trusted?: boolean }): Promise<void>;
+  /**
+   * Decodes and verifies (DigestMismatchError), stores like `put`, and returns the decoded
+   * content, so a receiver verifies each chunk exactly once and can use the plain bytes.
+   */
+  accept(chunk: EncodedChunk): Promise<Buffer>;
+  /**
+   * Makes every chunk stored so far durable (one batch of fsyncs). Run it before storing a
+   * manifest: "manifest present" must survive an OS crash only together with its chunks.
+   */
+  sync(): Promise<void>;
   /** The stored bytes, unverified (for serving peers; the receiver verifies). */
   getEncoded(digest: DigestHex): Promise<EncodedChunk | undefined>;
   /** Decoded and verified content; a corrupt file is removed and ChunkCorruptError thrown. */

@@ -1,7 +1,9 @@
 // Cross-host transfer: fetch the chunks a snapshot needs that this host lacks, from one or
-// more peers in parallel. Each received chunk is verified and durably stored on arrival, so
-// an interrupted transfer resumes by asking only for what is still missing. A chunk that
-// fails verification (or that a peer lacks) is rejected and fetched from another source.
+// more peers in parallel. Each received chunk is verified once and stored on arrival (and
+// its plain bytes handed to `onChunk`, which writes them into the image being
+// materialised), so an interrupted transfer resumes by asking only for what is still
+// missing. A chunk that fails verification (or that a peer lacks) is rejected and fetched
+// from another source. Chunks are made durable in one batch before the manifest is stored.
 import type { Logger } from 'pino';
 import type { SignedManifest, SnapshotManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, LiveRoots, ManifestStore } from './snapshot-store.ts';
@@ -27,7 +29,12 @@ export interface ChunkSource {
   open(signal?: AbortSignal): ChunkSession;
 }
 
+/** Receives each verified chunk's plain content (e.g. writes it into a sparse image). */
+export type ChunkSink = (digest: DigestHex, plain: Buffer) => Promise<void>;
+
 export interface FetchOptions {
+  /** Called once per fetched chunk, after it verified and was stored. */
+  readonly onChunk?: ChunkSink;
   /** Digests requested per session and not yet received (per source). */
   readonly window?: number;
   /** Chunk writes in flight per session. */
@@ -185,14 +192,17 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
               const d = ev.chunk.digest;
               if (!requested.delete(d)) continue;
               storing.add(d);
-              const p = store.put(ev.chunk).then(
+              const chunk = ev.chunk;
+              const p = store.accept(chunk).then(async (plain) => {
+                if (opts.onChunk && pending.has(d)) await opts.onChunk(d, plain);
+              }).then(
                 () => {
                   storing.delete(d);
                   if (pending.delete(d)) {
                     report.fetched++;
-                    report.bytes += ev.chunk.data.length;
+                    report.bytes += chunk.data.length;
                     rep.chunks++;
-                    rep.bytes += ev.chunk.data.length;
+                    rep.bytes += chunk.data.length;
                   }
                   attempt = 0;
                   changed.notify();
@@ -246,6 +256,22 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   return report;
 }
 
+export interface FetchSnapshotOptions extends FetchOptions {
+  /** The signed manifest when the caller already has it (else asked of the sources). */
+  readonly signed?: SignedManifest;
+  /**
+   * Runs the chunk fetch. Lets the caller wrap it, e.g. to materialise the image while
+   * chunks arrive. It must call `fetch` exactly once.
+   */
+  readonly around?: (manifest: SnapshotManifest, fetch: (onChunk?: ChunkSink) => Promise<FetchReport>) => Promise<void>;
+  /**
+   * Resolve as soon as every chunk is stored (and `around` finished), and make the chunks
+   * durable + store the manifest in the background: `durable` settles when that is done.
+   * For the fork path, where the image is usable before it is on disk (ADR 0007).
+   */
+  readonly deferDurable?: boolean;
+}
+
 export interface FetchSnapshotDeps {
   readonly chunks: ChunkStore;
   readonly manifests: ManifestStore;
@@ -259,8 +285,13 @@ export interface FetchSnapshotDeps {
  * fetch the missing chunks (pinned against GC while in flight), then store the manifest,
  * which marks the snapshot complete on this host.
  */
-export async function fetchSnapshot(snapshotId: string, sources: readonly ChunkSource[], deps: FetchSnapshotDeps, opts: FetchOptions = {}): Promise<{ manifest: SnapshotManifest; report: FetchReport }> {
-  let signed = await deps.manifests.get(snapshotId);
+export async function fetchSnapshot(
+  snapshotId: string,
+  sources: readonly ChunkSource[],
+  deps: FetchSnapshotDeps,
+  opts: FetchSnapshotOptions = {},
+): Promise<{ manifest: SnapshotManifest; signed: SignedManifest; report: FetchReport; durable: Promise<void> }> {
+  let signed = opts.signed ?? (await deps.manifests.get(snapshotId));
   let lastErr: unknown;
   if (!signed) {
     for (const s of sources) {
@@ -274,14 +305,34 @@ export async function fetchSnapshot(snapshotId: string, sources: readonly ChunkS
     }
   }
   if (!signed) throw lastErr instanceof Error ? lastErr : new ManifestInvalidError('no source returned a manifest');
-  const manifest = verifyManifest(signed, deps.trust, snapshotId);
+  const complete: SignedManifest = signed;
+  const manifest = verifyManifest(complete, deps.trust, snapshotId);
   const digests = manifestDigests(manifest);
   const unpin = deps.roots.pin(digests);
+  let durable: Promise<void> | undefined;
   try {
-    const report = await fetchChunks(digests, sources, deps.chunks, opts);
-    await deps.manifests.put(snapshotId, signed);
-    return { manifest, report };
+    let report: FetchReport | undefined;
+    const fetch = async (onChunk?: ChunkSink): Promise<FetchReport> => {
+      report = await fetchChunks(digests, sources, deps.chunks, { ...opts, ...(onChunk ? { onChunk } : {}) });
+      return report;
+    };
+    if (opts.around) await opts.around(manifest, fetch);
+    else await fetch();
+    if (!report) throw new Error('fetchSnapshot: around() did not run the fetch');
+    // One batch of fsyncs for every chunk written, then the "complete" marker. Pinned until
+    // the manifest (a root for GC) is stored.
+    durable = (async () => {
+      try {
+        await deps.chunks.sync();
+        await deps.manifests.put(snapshotId, complete);
+      } finally {
+        unpin();
+      }
+    })();
+    if (!opts.deferDurable) await durable;
+    else durable.catch((e: unknown) => deps.log?.warn({ snapshotId, err: (e as Error).message }, 'storing fetched snapshot durably failed'));
+    return { manifest, signed: complete, report, durable };
   } finally {
-    unpin();
+    if (!durable) unpin();
   }
 }

@@ -105,6 +105,9 @@ export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Prom
         await fh.close();
       }
     }
+    // Chunks were written without per-file fsync: make them durable before the caller
+    // stores the manifest (the "complete" marker).
+    await deps.chunks.sync();
     const manifest = create(SnapshotManifestSchema, {
       snapshotId: input.snapshotId,
       tenantId: input.tenantId,

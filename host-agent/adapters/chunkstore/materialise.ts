@@ -3,14 +3,28 @@
 // listed chunks), built in a temp directory and renamed into place, then kept read-only:
 // every same-host fork maps the same memory image (page cache shared). Idempotent: a
 // second call returns the cached directory; concurrent calls share one build.
-import { mkdirSync, readdirSync, rmSync } from 'node:fs';
-import { chmod, open, rename, rm, stat, mkdir } from 'node:fs/promises';
+//
+// `materialiseWhile` builds the image while its chunks arrive from peers: each verified
+// chunk's plain bytes go straight to index*chunkSize, and only the chunks that were already
+// stored here are read back from the store at the end.
+//
+// Durability: an image is renamed into place *before* it is fsynced (the VMM reads it from
+// the page cache, which a process crash keeps). A marker `images-unsynced/<id>` holding the
+// kernel boot id is made durable first and removed once a background fsync of the image
+// finished. After an OS crash (different boot id) an image with a marker is discarded and
+// rebuilt from verified chunks, so a torn image is never restored.
+import { mkdirSync, readFileSync, readdirSync, rmSync } from 'node:fs';
+import { open, rename, rm, stat, mkdir, unlink, writeFile } from 'node:fs/promises';
+import type { FileHandle } from 'node:fs/promises';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
-import type { ChunkStore, LiveRoots, Lease, ManifestStore } from '../../domain/snapshot-store.ts';
+import type { SnapshotManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import type { ChunkStore, DigestHex, LiveRoots, Lease, ManifestStore } from '../../domain/snapshot-store.ts';
+import type { ChunkSink } from '../../domain/transfer.ts';
 import { ChunkCorruptError, ManifestNotFoundError } from '../../domain/transfer-errors.ts';
 import { verifyManifest, type TrustedKeys } from '../../domain/tickets.ts';
+import { fsyncAll } from './fs-store.ts';
 
 export interface MaterialisedSnapshot {
   readonly snapshotId: string;
@@ -30,6 +44,16 @@ export interface MaterialiserDeps {
   readonly roots: LiveRoots;
   readonly concurrency?: number;
   readonly log?: Logger;
+  /** fsync images before renaming them into place, instead of in the background (default false). */
+  readonly syncInline?: boolean;
+}
+
+function bootId(): string {
+  try {
+    return readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim();
+  } catch {
+    return 'unknown';
+  }
 }
 
 function fileName(artifactName: string): string {
@@ -39,14 +63,53 @@ function fileName(artifactName: string): string {
 export class Materialiser {
   private readonly imagesDir: string;
   private readonly tmpDir: string;
+  private readonly unsyncedDir: string;
+  private readonly boot = bootId();
   private readonly building = new Map<string, Promise<MaterialisedSnapshot>>();
+  private readonly syncing = new Set<Promise<void>>();
 
   constructor(private readonly deps: MaterialiserDeps) {
     this.imagesDir = join(deps.root, 'images');
     this.tmpDir = join(deps.root, 'images-tmp');
+    this.unsyncedDir = join(deps.root, 'images-unsynced');
     mkdirSync(this.imagesDir, { recursive: true });
     rmSync(this.tmpDir, { recursive: true, force: true });
     mkdirSync(this.tmpDir, { recursive: true });
+    mkdirSync(this.unsyncedDir, { recursive: true });
+    for (const id of readdirSync(this.unsyncedDir)) {
+      let boot = '';
+      try {
+        boot = readFileSync(join(this.unsyncedDir, id), 'utf8');
+      } catch {
+        /* unreadable marker: treat as another boot's */
+      }
+      if (boot === this.boot) {
+        // Same boot: the page cache holds the whole image; finish making it durable.
+        this.syncLater(id, join(this.imagesDir, id));
+      } else {
+        // Written before an OS crash and never fsynced: may be torn. Rebuild on demand.
+        rmSync(join(this.imagesDir, id), { recursive: true, force: true });
+        rmSync(join(this.unsyncedDir, id), { force: true });
+      }
+    }
+  }
+
+  /** Resolves when every background image fsync started so far has finished. */
+  async flush(): Promise<void> {
+    while (this.syncing.size > 0) await Promise.allSettled([...this.syncing]);
+  }
+
+  private syncLater(snapshotId: string, dir: string): void {
+    const p = (async () => {
+      const files = readdirSync(dir).map((f) => join(dir, f));
+      await fsyncAll([...files, join(dir, '.')]);
+      await unlink(join(this.unsyncedDir, snapshotId));
+    })().catch((e: unknown) => {
+      // Marker stays: after an OS crash the image is rebuilt. Nothing else to do.
+      this.deps.log?.warn({ snapshotId, err: (e as Error).message }, 'background fsync of image failed');
+    });
+    this.syncing.add(p);
+    void p.finally(() => this.syncing.delete(p));
   }
 
   /** Materialises and leases: the image stays until `lease.release()` and a GC. */
@@ -63,60 +126,109 @@ export class Materialiser {
   materialise(snapshotId: string): Promise<MaterialisedSnapshot> {
     let p = this.building.get(snapshotId);
     if (!p) {
-      p = this.build(snapshotId).finally(() => this.building.delete(snapshotId));
+      p = (async () => {
+        const signed = await this.deps.manifests.get(snapshotId);
+        if (!signed) throw new ManifestNotFoundError(snapshotId);
+        return this.build(snapshotId, verifyManifest(signed, this.deps.trust, snapshotId));
+      })().finally(() => this.building.delete(snapshotId));
       this.building.set(snapshotId, p);
     }
     return p;
   }
 
-  private async build(snapshotId: string): Promise<MaterialisedSnapshot> {
+  /**
+   * Builds the image of `manifest` (already verified by the caller) while `fill` delivers
+   * chunks: `fill(sink)` must hand every chunk it fetches to `sink`. When `fill` resolves,
+   * chunks it did not deliver are read (verified) from the store. With a cached image,
+   * `fill` still runs (with a sink that ignores its input) and the cached directory is
+   * returned. Concurrent `materialise(snapshotId)` calls share this build.
+   */
+  materialiseWhile(snapshotId: string, manifest: SnapshotManifest, fill: (sink: ChunkSink) => Promise<void>): Promise<MaterialisedSnapshot> {
+    const prev = this.building.get(snapshotId);
+    const p = (async () => {
+      if (prev) await prev.catch(() => undefined);
+      return this.build(snapshotId, manifest, fill);
+    })().finally(() => {
+      if (this.building.get(snapshotId) === p) this.building.delete(snapshotId);
+    });
+    this.building.set(snapshotId, p);
+    return p;
+  }
+
+  private async build(snapshotId: string, manifest: SnapshotManifest, fill?: (sink: ChunkSink) => Promise<void>): Promise<MaterialisedSnapshot> {
     const t0 = performance.now();
-    const signed = await this.deps.manifests.get(snapshotId);
-    if (!signed) throw new ManifestNotFoundError(snapshotId);
-    const manifest = verifyManifest(signed, this.deps.trust, snapshotId);
     const final = join(this.imagesDir, snapshotId);
     const files: Record<string, string> = {};
     for (const a of manifest.artifacts) files[a.name] = join(final, fileName(a.name));
+    let cached = false;
     try {
       await stat(final);
-      return { snapshotId, dir: final, files, built: false, ms: Math.round(performance.now() - t0) };
+      cached = true;
     } catch {
       /* not cached: build it */
+    }
+    if (cached) {
+      if (fill) await fill(async () => {});
+      return { snapshotId, dir: final, files, built: false, ms: Math.round(performance.now() - t0) };
     }
     const tmp = join(this.tmpDir, `${snapshotId}.${randomBytes(4).toString('hex')}`);
     await mkdir(tmp, { recursive: true });
     const corrupt: string[] = [];
+    const handles: FileHandle[] = [];
+    let received = 0;
     try {
-      const concurrency = this.deps.concurrency ?? 8;
+      // Where each digest goes (a digest may repeat within and across artifacts).
+      const places = new Map<DigestHex, Array<{ fh: FileHandle; pos: number }>>();
       for (const a of manifest.artifacts) {
         const fh = await open(join(tmp, fileName(a.name)), 'w');
-        try {
-          await fh.truncate(Number(a.size));
-          const refs = a.chunks;
-          let next = 0;
-          const worker = async (): Promise<void> => {
-            while (next < refs.length) {
-              const ref = refs[next++];
-              if (!ref) break;
-              const digest = Buffer.from(ref.digest).toString('hex');
-              try {
-                const plain = await this.deps.chunks.readVerified(digest);
-                await fh.write(plain, 0, plain.length, Number(ref.index) * manifest.chunkSize);
-              } catch (e) {
-                if (e instanceof ChunkCorruptError) corrupt.push(...e.digests);
-                else throw e;
-              }
-            }
-          };
-          await Promise.all(Array.from({ length: concurrency }, worker));
-          await fh.sync();
-        } finally {
-          await fh.close();
+        handles.push(fh);
+        await fh.truncate(Number(a.size));
+        for (const ref of a.chunks) {
+          const digest = Buffer.from(ref.digest).toString('hex');
+          let l = places.get(digest);
+          if (!l) places.set(digest, (l = []));
+          l.push({ fh, pos: Number(ref.index) * manifest.chunkSize });
         }
-        // The memory image must never be written again (VMM-NOTES gotcha 3).
-        await chmod(join(tmp, fileName(a.name)), 0o444);
       }
+      // Small metadata files (the VMM's manifest.json, ...) travel in the manifest.
+      for (const [name, data] of Object.entries(manifest.metadata)) {
+        if (name in files) continue;
+        await writeFile(join(tmp, fileName(name)), data, { mode: 0o444 });
+      }
+      const written = new Set<DigestHex>();
+      const put = async (digest: DigestHex, plain: Buffer): Promise<void> => {
+        const l = places.get(digest);
+        if (!l || written.has(digest)) return;
+        written.add(digest);
+        await Promise.all(l.map((p) => p.fh.write(plain, 0, plain.length, p.pos)));
+      };
+      if (fill) {
+        await fill(async (digest, plain) => {
+          received++;
+          await put(digest, plain);
+        });
+      }
+      // Whatever was not delivered comes from the local store.
+      const rest = [...places.keys()].filter((d) => !written.has(d));
+      let next = 0;
+      const worker = async (): Promise<void> => {
+        while (next < rest.length) {
+          const digest = rest[next++] as DigestHex;
+          try {
+            await put(digest, await this.deps.chunks.readVerified(digest));
+          } catch (e) {
+            if (e instanceof ChunkCorruptError) corrupt.push(...e.digests);
+            else throw e;
+          }
+        }
+      };
+      await Promise.all(Array.from({ length: this.deps.concurrency ?? 8 }, worker));
       if (corrupt.length > 0) throw new ChunkCorruptError(corrupt);
+      if (this.deps.syncInline) await Promise.all(handles.map((fh) => fh.sync()));
+      // The memory image must never be written again (VMM-NOTES gotcha 3).
+      await Promise.all(handles.map((fh) => fh.chmod(0o444)));
+      await Promise.all(handles.splice(0).map((fh) => fh.close()));
+      if (!this.deps.syncInline) await this.markUnsynced(snapshotId);
       try {
         await rename(tmp, final);
       } catch (e) {
@@ -125,13 +237,28 @@ export class Materialiser {
         await rm(tmp, { recursive: true, force: true });
         return { snapshotId, dir: final, files, built: false, ms: Math.round(performance.now() - t0) };
       }
+      if (!this.deps.syncInline) this.syncLater(snapshotId, final);
     } catch (e) {
+      await Promise.allSettled(handles.map((fh) => fh.close()));
       await rm(tmp, { recursive: true, force: true });
       throw e;
     }
     const ms = Math.round(performance.now() - t0);
-    this.deps.log?.info({ snapshotId, ms }, 'snapshot materialised');
+    this.deps.log?.info({ snapshotId, ms, chunksReceivedWhileBuilding: received }, 'snapshot materialised');
     return { snapshotId, dir: final, files, built: true, ms };
+  }
+
+  /** Durable marker: "images/<id> may not be on disk yet" (see the header comment). */
+  private async markUnsynced(snapshotId: string): Promise<void> {
+    const marker = join(this.unsyncedDir, snapshotId);
+    const fh = await open(marker, 'w');
+    try {
+      await fh.writeFile(this.boot);
+      await fh.sync();
+    } finally {
+      await fh.close();
+    }
+    await fsyncDir(this.unsyncedDir);
   }
 
   /** Removes images of snapshots that have no manifest and no lease. Returns removed ids. */
@@ -144,5 +271,14 @@ export class Materialiser {
       removed.push(id);
     }
     return removed;
+  }
+}
+
+async function fsyncDir(dir: string): Promise<void> {
+  const fh = await open(dir, 'r');
+  try {
+    await fh.sync();
+  } finally {
+    await fh.close();
   }
 }

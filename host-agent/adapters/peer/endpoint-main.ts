@@ -5,6 +5,11 @@
 //   naive-serve --listen IP:PORT --files F[,F]      (baseline: plain TCP stream of whole files)
 //   naive-recv  --connect IP:PORT --out FILE
 // `serve` prints {"listening":ADDR} once ready; `fetch` and `naive-recv` print one JSON report.
+// Tuning knobs for experiments (fetch): FF_STREAMS (streams per source), FF_CREDIT,
+// FF_WINDOW (digests requested per stream); defaults are those of the agent.
+// With --materialise (as the agent's fork path does it), `seconds` is when the last chunk
+// was stored, `ready_seconds` when the image was complete (it is written while chunks
+// arrive) and `durable_seconds` when the chunks were fsynced and the manifest stored.
 import { parseArgs } from 'node:util';
 import { createPublicKey } from 'node:crypto';
 import { createReadStream, createWriteStream, readFileSync } from 'node:fs';
@@ -37,7 +42,7 @@ const { positionals, values } = parseArgs({
     materialise: { type: 'boolean', default: false },
     files: { type: 'string' },
     out: { type: 'string' },
-    'no-fsync': { type: 'boolean', default: false },
+    'fsync-each': { type: 'boolean', default: false },
   },
 });
 
@@ -74,23 +79,45 @@ async function fetch(): Promise<void> {
   const root = need('root');
   const hostId = need('host-id');
   const snapshotId = need('snapshot');
-  const chunks = new FsChunkStore(root, { fsync: !values['no-fsync'] });
+  // --fsync-each: the old behaviour (fsync every chunk), for comparison.
+  const chunks = new FsChunkStore(root, { fsyncEach: values['fsync-each'] });
   const manifests = new FsManifestStore(root);
   const roots = new LiveRoots();
   const ticket = decodeSignedTicket(Buffer.from(need('ticket'), 'base64'));
   const sources = need('sources')
     .split(',')
-    .map((address, i) => new PeerChunkSource({ id: `src${i}:${address}`, address, ticket, hostId, credit: Number(process.env.FF_CREDIT ?? 32) }));
+    .map((address, i) => new PeerChunkSource({ id: `src${i}:${address}`, address, ticket, hostId, ...(process.env.FF_CREDIT ? { credit: Number(process.env.FF_CREDIT) } : {}) }));
   const t0 = performance.now();
   const out: Record<string, unknown> = {};
   try {
-    const { report } = await fetchSnapshot(snapshotId, sources, { chunks, manifests, roots, trust: trust(), log }, { backoffMs: 100, streamsPerSource: Number(process.env.FF_STREAMS ?? 2), window: Number(process.env.FF_WINDOW ?? 64) });
-    out.ok = true;
-    out.report = report;
-    out.seconds = (performance.now() - t0) / 1000;
+    const fetchOpts = { backoffMs: 100, ...(process.env.FF_STREAMS ? { streamsPerSource: Number(process.env.FF_STREAMS) } : {}), ...(process.env.FF_WINDOW ? { window: Number(process.env.FF_WINDOW) } : {}) };
+    const deps = { chunks, manifests, roots, trust: trust(), log };
     if (values.materialise) {
-      const m = await new Materialiser({ root, chunks, manifests, roots, trust: trust(), log }).materialise(snapshotId);
-      out.materialised = m;
+      // As the agent does it: the image is written while chunks arrive.
+      const mat = new Materialiser({ root, chunks, manifests, roots, trust: trust(), log });
+      let fetchedAt = 0;
+      const { report, durable } = await fetchSnapshot(snapshotId, sources, deps, {
+        ...fetchOpts,
+        deferDurable: true,
+        around: async (manifest, run) => {
+          out.materialised = await mat.materialiseWhile(snapshotId, manifest, async (sink) => {
+            await run(sink);
+            fetchedAt = performance.now();
+          });
+        },
+      });
+      out.ok = true;
+      out.report = report;
+      out.seconds = (fetchedAt - t0) / 1000;
+      out.ready_seconds = (performance.now() - t0) / 1000;
+      await durable;
+      out.durable_seconds = (performance.now() - t0) / 1000;
+      await mat.flush();
+    } else {
+      const { report } = await fetchSnapshot(snapshotId, sources, deps, fetchOpts);
+      out.ok = true;
+      out.report = report;
+      out.seconds = (performance.now() - t0) / 1000;
     }
   } catch (e) {
     const err = e as Error & { kind?: string; digests?: readonly string[] };
