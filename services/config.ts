@@ -58,8 +58,10 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [ga, grpcAddr] = get('grpcAddr', 'FF_GRPC_ADDR', '127.0.0.1:7700');
   const [, etcd] = get('etcdEndpoints', 'FF_ETCD_ENDPOINTS', 'http://127.0.0.1:2379');
   const [nu, natsUrl] = get('natsUrl', 'FF_NATS_URL', 'nats://127.0.0.1:4222');
-  const [sa, suspect] = get('suspectAfterMs', 'FF_HOST_SUSPECT_AFTER', '3s');
-  const [la, lost] = get('lostAfterMs', 'FF_HOST_LOST_AFTER', '10s');
+  const [sa, suspect] = get('suspectAfterMs', 'FF_HOST_SUSPECT_AFTER', '5s');
+  // Marking a host lost marks its sandboxes lost: the grace period must outlast a busy
+  // host's stall (seen: 10 s agent stalls on a 2-core TCG host running 10+ guests).
+  const [la, lost] = get('lostAfterMs', 'FF_HOST_LOST_AFTER', '30s');
   const [st, step] = get('stepTimeoutMs', 'FF_STEP_TIMEOUT', '180s');
   const [sat, attempts] = get('stepAttempts', 'FF_STEP_ATTEMPTS', '3');
   const [, keyPath] = get('signingKeyPath', 'FF_SIGNING_KEY', '');

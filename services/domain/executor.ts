@@ -13,6 +13,7 @@ import type { HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec,
 import { canTransition, isTerminal } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostWorkSchema, VmSpecSchema } from './messages.ts';
+import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
 import { ConflictError, HostStepError, NoCapacityError, NotFoundError, StepTimeoutError, WrongStateError } from './errors.ts';
@@ -1141,6 +1142,7 @@ export class Executor {
         await this.commit([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }]);
         if (cur && cur.value.state !== state) this.log.warn({ hostId: hb.hostId, from: cur.value.state, to: state }, 'host state changed');
         if (state === 'lost' && cur?.value.state !== 'lost') await this.markHostLost(hb.hostId);
+        if (state === 'ready' && cur?.value.state === 'lost') await this.reclaimReturnedHost(hb.hostId);
       }
     }
   }
@@ -1169,6 +1171,45 @@ export class Executor {
         if (idleMs >= sb.idleTimeoutMs) await submit(sb.tenantId, `__idle/${sb.id}/${sb.runningSince ?? 0}`, 'hibernate', sb.id, { snapshotId: newId('sn'), replicas: 0, reason: 'idle' });
       }
     }
+  }
+
+  /**
+   * A lost host came back (it was only unreachable, or its agent restarted and adopted its
+   * VMs). Sandboxes still marked lost whose VM it reports running are theirs again, with
+   * their capacity re-booked; a VM whose sandbox has meanwhile been restored elsewhere or
+   * destroyed is stopped, so no sandbox ends up running twice.
+   */
+  private async reclaimReturnedHost(hostId: string): Promise<void> {
+    const hb = this.deps.heard.get(hostId)?.hb;
+    if (!hb) return;
+    const now = this.deps.clock.now();
+    const byId = new Map((await this.deps.store.listSandboxes(undefined)).map((v) => [v.value.id, v.value]));
+    for (const vm of hb.vms) {
+      const sb = byId.get(vm.sandboxId);
+      const alive = vm.state === PbVmState.RUNNING || vm.state === PbVmState.PAUSED;
+      if (sb && sb.state === 'lost' && sb.hostId === hostId && alive) {
+        await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+          this.setState(s, vm.state === PbVmState.PAUSED ? 'paused' : 'running', now, '');
+        });
+        await this.bookCapacity(hostId, sb.resources);
+        this.log.warn({ hostId, sandboxId: sb.id }, 'host returned: sandbox reclaimed');
+      } else if (!sb || sb.hostId !== hostId || sb.state === 'destroyed' || sb.state === 'hibernated') {
+        const opId = `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`;
+        await this.deps.bus
+          .sendWork(hostId, create(HostWorkSchema, { opId, stepId: `stop/${vm.sandboxId}`, attempt: 1, tenantId: sb?.tenantId ?? 'system', work: { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never } }))
+          .catch((e: unknown) => this.log.warn({ err: e, hostId, sandboxId: vm.sandboxId }, 'could not stop a stale VM'));
+        this.log.warn({ hostId, sandboxId: vm.sandboxId }, 'host returned with a VM whose sandbox lives elsewhere or is gone: stopping it');
+      }
+    }
+  }
+
+  private async bookCapacity(hostId: string, res: ResourcesRec): Promise<void> {
+    for (let i = 0; i < 20; i++) {
+      const a = await this.deps.store.getAlloc(hostId);
+      const next: HostAllocRec = { hostId, allocated: addRes(a.value.allocated, res, 1), sandboxes: a.value.sandboxes + 1 };
+      if (await this.commit([{ kind: 'alloc', value: next, expectRevision: a.modRevision }])) return;
+    }
+    throw new ConflictError(`capacity of host ${hostId}`);
   }
 
   private async markHostLost(hostId: string): Promise<void> {

@@ -19,7 +19,7 @@ export interface ResourcesRec {
  *   waking      -> running | failed | hibernated | destroying
  *   destroying  -> destroyed | failed
  *   failed      -> destroying | destroyed
- *   lost        -> waking | destroying | destroyed
+ *   lost        -> running | paused (its host came back) | waking | destroying | destroyed
  *   destroyed   -> (terminal)
  * Invariant: hostId is set in every state that owns a VM (starting, running, paused,
  * hibernating, destroying) and capacity is booked on that host exactly then, and while
@@ -49,7 +49,7 @@ export const SANDBOX_TRANSITIONS: Readonly<Record<SandboxState, readonly Sandbox
   waking: ['running', 'failed', 'hibernated', 'destroying'],
   destroying: ['destroyed', 'failed'],
   failed: ['destroying', 'destroyed'],
-  lost: ['waking', 'destroying', 'destroyed'],
+  lost: ['running', 'paused', 'waking', 'destroying', 'destroyed'],
   destroyed: [],
 };
 
