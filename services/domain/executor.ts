@@ -348,10 +348,19 @@ export class Executor {
         });
       });
       const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt, tenantId: op.tenantId, work });
-      try {
-        await this.deps.bus.sendWork(hostId, msg);
-      } catch (e) {
-        this.log.warn({ err: e, opId: op.id, stepId, hostId }, 'sending work failed; will retry');
+      // A publish can fail while NATS is restarting or the connection is re-established:
+      // retry it with backoff (the same message id, so JetStream drops a duplicate if the
+      // failed publish was in fact stored) rather than waiting out the whole step timeout.
+      let settled = false;
+      void result.then(() => (settled = true));
+      for (let i = 0, delay = 250; !settled && this.active; i++, delay = Math.min(delay * 2, 2000)) {
+        try {
+          await this.deps.bus.sendWork(hostId, msg);
+          break;
+        } catch (e) {
+          this.log.warn({ err: e, opId: op.id, stepId, hostId, try: i + 1 }, 'sending work failed; retrying');
+          await new Promise((r) => setTimeout(r, delay));
+        }
       }
       const r = await result;
       if (!this.active) throw new StepTimeoutError(hostId, stepId, 0);
