@@ -362,6 +362,24 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
   await waitLog(p.log, '"ready":true', 120_000, p.pid);
 }
 
+/** The fleet is up when the scheduler reports every host ready (registered from its heartbeats). */
+async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<void> {
+  const { createClient } = await import('../../services/adapters/grpc/rpc.ts');
+  const { FleetService, HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
+  const api = createClient(FleetService, state.apiAddresses[0]!);
+  const until = Date.now() + timeoutMs;
+  try {
+    for (;;) {
+      const hosts = await api.listHosts({}, { timeoutMs: 3000 }).then((r) => r.hosts, () => []);
+      if (hosts.length === state.hosts.length && hosts.every((h) => h.state === HostState.READY)) return;
+      if (Date.now() > until) throw new Error(`only ${hosts.length} of ${state.hosts.length} hosts registered ready after ${timeoutMs} ms`);
+      await new Promise((r) => setTimeout(r, 200));
+    }
+  } finally {
+    api.close();
+  }
+}
+
 export async function up(opts: FleetOptions): Promise<FleetState> {
   if (!/^[a-z]{1,6}$/.test(opts.prefix)) throw new Error('--prefix: 1-6 lowercase letters');
   if (!(opts.hosts >= 1 && opts.hosts <= 32)) throw new Error('--hosts: 1..32');
@@ -408,6 +426,7 @@ export async function up(opts: FleetOptions): Promise<FleetState> {
     step(`${opts.hosts} host agents`);
     await Promise.all(state.hosts.map((h) => startAgent(state, h)));
     saveState(state);
+    await waitHostsReady(state, 60_000);
     return state;
   } catch (e) {
     process.stderr.write(`fleet: start failed, cleaning up: ${(e as Error).message}\n`);
