@@ -69,6 +69,9 @@ export class PeerChunkSource implements ChunkSource {
     const md = new Metadata();
     md.set(HOST_ID_METADATA, this.opts.hostId);
     const call: ClientDuplexStream<Req, WireResponse> = this.raw.makeBidiStreamRequest(FETCH_PATH, serializeRequest, deserializeResponse, md, {});
+    // Errors reach the consumer through the events iterator. A session closed (cancelled)
+    // while nobody iterates would otherwise emit an unhandled 'error' and kill the agent.
+    call.on('error', () => undefined);
     let ended = false;
     const send = (r: Req): void => {
       // Requests are small and bounded (wants <= window, credits <= chunks received), so

@@ -330,6 +330,9 @@ export function createClient<S extends GenServiceMethods>(
         client[m.localName] = (req: unknown, opts?: CallOptions) => {
           const { options: o, metadata } = grpcCallOptions(opts);
           const call = raw.makeServerStreamRequest(path, def.requestSerialize, def.responseDeserialize, req, metadata, o);
+          // readAll's iterator reports errors; this keeps an error on a call that is never
+          // iterated from becoming an unhandled 'error' event that kills the process.
+          call.on('error', () => undefined);
           return readAll(call, bindSignal(call, opts?.signal));
         };
         break;
@@ -351,6 +354,7 @@ export function createClient<S extends GenServiceMethods>(
         client[m.localName] = (reqs: AsyncIterable<unknown> | Iterable<unknown>, opts?: CallOptions) => {
           const { options: o, metadata } = grpcCallOptions(opts);
           const call = raw.makeBidiStreamRequest(path, def.requestSerialize, def.responseDeserialize, metadata, o);
+          call.on('error', () => undefined); // see server_streaming above
           // A failure producing requests cancels the call; the reader then sees CANCELLED.
           pump(call, reqs).catch(() => {});
           return readAll(call, bindSignal(call, opts?.signal));
