@@ -16,7 +16,7 @@ import type { QemuLaunch } from '../host-agent/adapters/qemu/cmdline.ts';
 import { qemuArgs } from '../host-agent/adapters/qemu/cmdline.ts';
 import { GuestAgentClient } from '../host-agent/adapters/guest/client.ts';
 import { QmpClient } from '../host-agent/adapters/qmp/client.ts';
-import { QemuVmmDriver, incomingAndWait, migrateAndWait, setCaps } from '../host-agent/adapters/qemu/driver.ts';
+import { QemuVmmDriver, incomingAndWait, saveFullRamStream, setCaps } from '../host-agent/adapters/qemu/driver.ts';
 import { OverlayFactory, killAndWait, killHard, spawnQemu } from '../host-agent/adapters/qemu/process.ts';
 import type { QemuProcess } from '../host-agent/adapters/qemu/process.ts';
 import { ensureImage } from '../deploy/images/build.ts';
@@ -58,16 +58,10 @@ async function prepare(driver: QemuVmmDriver, image: Awaited<ReturnType<typeof e
   const coldBootMs = performance.now() - t0;
   const snap = await driver.snapshot('tpl', 'lt-snap');
   await driver.destroy('tpl');
-  await driver.fork(snap, [{ vmId: 'classic-src' }]);
   const dir = join(o.root, 'classic');
   await mkdir(dir, { recursive: true });
   const classicFile = join(dir, 'full.bin');
-  const q = driver.qmpOf('classic-src');
-  await setCaps(q, { events: true, 'x-ignore-shared': false });
-  await q.execute('stop');
-  await migrateAndWait(q, `exec:cat > ${classicFile}`);
-  const launch = driver.launchOf('classic-src');
-  await driver.destroy('classic-src');
+  const launch = await saveFullRamStream(driver, snap, classicFile);
   return { driver, accel, snap, classicFile, launch, dir, overlays: new OverlayFactory(), coldBootMs };
 }
 

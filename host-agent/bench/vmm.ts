@@ -12,7 +12,7 @@ import type { AccelSetting, LocalSnapshot } from '../domain/vmm.ts';
 import { GuestAgentClient } from '../adapters/guest/client.ts';
 import { QmpClient } from '../adapters/qmp/client.ts';
 import { qemuArgs } from '../adapters/qemu/cmdline.ts';
-import { QemuVmmDriver, incomingAndWait, migrateAndWait, setCaps } from '../adapters/qemu/driver.ts';
+import { QemuVmmDriver, incomingAndWait, saveFullRamStream, setCaps } from '../adapters/qemu/driver.ts';
 import { OverlayFactory, killAndWait, killHard, spawnQemu, type QemuProcess } from '../adapters/qemu/process.ts';
 
 const { values } = parseArgs({
@@ -95,16 +95,10 @@ async function main(): Promise<void> {
     await driver.deleteSnapshot(cloneSnap);
 
     // Classic baseline: ordinary save with all RAM in the stream, from a clone of the same guest.
-    await driver.fork(snap, [{ vmId: 'classic-src' }]);
     const classicDir = join(root, 'classic');
     await mkdir(classicDir);
     const classicFile = join(classicDir, 'full.bin');
-    const q = driver.qmpOf('classic-src');
-    await setCaps(q, { events: true, 'x-ignore-shared': false });
-    await q.execute('stop');
-    await migrateAndWait(q, `exec:cat > ${classicFile}`);
-    const launch = driver.launchOf('classic-src');
-    await driver.destroy('classic-src');
+    const launch = await saveFullRamStream(driver, snap, classicFile);
     // Same host mechanics as a fork child (overlay copy, stream as an inherited fd as libvirt
     // passes one, pipelined QMP, same agent waits), so the two differ only in what the stream
     // holds (all RAM) and where RAM lives (anonymous, no sharing). See ADR 0009.

@@ -51,8 +51,6 @@ export class HeartbeatRegistry {
   }
 }
 
-const MIB = 1024 * 1024;
-
 /** Builds the placement library's input from etcd records plus heartbeats. */
 export function fleetViewInput(args: {
   hosts: readonly HostRec[];
@@ -99,4 +97,3 @@ export function fleetViewInput(args: {
   return { revision: args.revision, observedAtMs: args.now, hosts, snapshots };
 }
 
-export { MIB };

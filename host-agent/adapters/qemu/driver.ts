@@ -1094,6 +1094,22 @@ export async function migrateAndWait(qmp: QmpClient, uri: string): Promise<void>
   await waitMigration(qmp, 'completed', mark);
 }
 
+/**
+ * The classic baseline's saved file: a clone of `snap` saved the ordinary way, with all of
+ * RAM in the migration stream (what `virsh save` does). Returns the clone's launch
+ * description, from which benchmarks restore copies of the file.
+ */
+export async function saveFullRamStream(driver: QemuVmmDriver, snap: LocalSnapshot, file: string): Promise<QemuLaunch> {
+  await driver.fork(snap, [{ vmId: 'classic-src' }]);
+  const q = driver.qmpOf('classic-src');
+  await setCaps(q, { events: true, 'x-ignore-shared': false });
+  await q.execute('stop');
+  await migrateAndWait(q, `exec:cat > ${file}`);
+  const launch = driver.launchOf('classic-src');
+  await driver.destroy('classic-src');
+  return launch;
+}
+
 export async function incomingAndWait(qmp: QmpClient, uri: string): Promise<void> {
   const mark = qmp.history.length;
   await qmp.execute('migrate-incoming', { uri });
