@@ -4,10 +4,9 @@
 // that owns a VM matches a live QEMU on its host, and each live QEMU matches a record.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { execFileSync } from 'node:child_process';
-import { existsSync, readdirSync } from 'node:fs';
-import { join } from 'node:path';
+import { existsSync } from 'node:fs';
 import { Etcd3 } from 'etcd3';
-import { defaultOptions, down, qemuPids, readState, restartProcess, up } from './fleet.ts';
+import { defaultOptions, down, pidAlive, qemuPids, qemuPidsByVm, readState, restartProcess, up } from './fleet.ts';
 import type { FleetState } from './fleet.ts';
 import { createClient } from '../../services/adapters/grpc/rpc.ts';
 import type { Client } from '../../services/adapters/grpc/rpc.ts';
@@ -21,15 +20,6 @@ const DIR = '/var/lib/ffleet-e2e';
 const tenantId = 'e2e';
 let n = 0;
 const key = (): string => `e2e-${Date.now()}-${n++}`;
-
-function pidAlive(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch {
-    return false;
-  }
-}
 
 function txBytes(ns: string, ifname: string): number {
   const out = JSON.parse(execFileSync('ip', ['-n', ns, '-j', '-s', 'link', 'show', 'dev', ifname], { encoding: 'utf8' })) as Array<{ stats64: { tx: { bytes: number } } }>;
@@ -78,8 +68,7 @@ describe('local fleet end to end (3 hosts in network namespaces, real etcd x3, N
     const byId = new Map(recs.map((r) => [r.id, r]));
     const vmOwning = new Set(['running', 'paused']);
     for (const h of state.hosts) {
-      const vmsDir = join(h.dataDir, 'vmm', 'vms');
-      const live = existsSync(vmsDir) ? readdirSync(vmsDir).filter((vm) => qemuPidsOf(h.dataDir, vm).some(pidAlive)) : [];
+      const live = [...qemuPidsByVm(h.dataDir)].filter(([, pids]) => pids.some(pidAlive)).map(([vm]) => vm);
       for (const vm of live) {
         const r = byId.get(vm);
         expect(r, `QEMU for ${vm} on ${h.id} has no sandbox record`).toBeDefined();
@@ -90,15 +79,6 @@ describe('local fleet end to end (3 hosts in network namespaces, real etcd x3, N
         expect(live, `sandbox ${r.id} is ${r.state} on ${h.id} but has no live QEMU`).toContain(r.id);
       }
     }
-  }
-
-  function qemuPidsOf(dataDir: string, vm: string): number[] {
-    const d = join(dataDir, 'vmm', 'vms', vm);
-    if (!existsSync(d)) return [];
-    return readdirSync(d)
-      .filter((f) => /^qemu\..*pid$/.test(f))
-      .map((f) => Number(execFileSync('cat', [join(d, f)], { encoding: 'utf8' }).trim()))
-      .filter((p) => Number.isInteger(p) && p > 1);
   }
 
   async function leaderName(): Promise<string> {

@@ -105,7 +105,7 @@ function sh(cmd: string, args: string[], opts: { allowFail?: boolean } = {}): st
   }
 }
 
-function pidAlive(pid: number): boolean {
+export function pidAlive(pid: number): boolean {
   try {
     process.kill(pid, 0);
     return true;
@@ -454,11 +454,11 @@ async function stopPid(pid: number, graceMs: number): Promise<void> {
   }
 }
 
-/** QEMU PIDs recorded in an agent's data directory (one pid file per QEMU generation). */
-export function qemuPids(dataDir: string): number[] {
+/** QEMU PIDs recorded in an agent's data directory, by VM (one pid file per QEMU generation). */
+export function qemuPidsByVm(dataDir: string): Map<string, number[]> {
   const vms = join(dataDir, 'vmm', 'vms');
-  if (!existsSync(vms)) return [];
-  const pids: number[] = [];
+  const out = new Map<string, number[]>();
+  if (!existsSync(vms)) return out;
   for (const vm of readdirSync(vms)) {
     let files: string[] = [];
     try {
@@ -466,13 +466,20 @@ export function qemuPids(dataDir: string): number[] {
     } catch {
       continue;
     }
+    const pids: number[] = [];
     for (const f of files) {
       if (!/^qemu\..*pid$/.test(f)) continue;
       const pid = Number(readFileSync(join(vms, vm, f), 'utf8').trim());
       if (Number.isInteger(pid) && pid > 1) pids.push(pid);
     }
+    out.set(vm, pids);
   }
-  return pids;
+  return out;
+}
+
+/** Every QEMU PID recorded in an agent's data directory. */
+export function qemuPids(dataDir: string): number[] {
+  return [...qemuPidsByVm(dataDir).values()].flat();
 }
 
 export async function down(dir: string): Promise<void> {

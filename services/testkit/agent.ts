@@ -1,8 +1,9 @@
 // Starts a real host-agent process (node --import tsx host-agent/main.ts) for integration
 // tests, optionally inside a network namespace, with its own data directory.
 import { join, resolve } from 'node:path';
-import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { pidAlive, spawnManaged, waitFor } from './proc.ts';
+import { qemuPids } from '../../deploy/fleet/fleet.ts';
 import type { ManagedProcess } from './proc.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -72,17 +73,7 @@ export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
       await agent.proc.stop(10_000);
     },
     qemuPids() {
-      const vms = join(dataDir, 'vmm', 'vms');
-      if (!existsSync(vms)) return [];
-      const pids: number[] = [];
-      for (const vm of readdirSync(vms)) {
-        for (const f of readdirSync(join(vms, vm))) {
-          if (!/^qemu\..*pid$/.test(f)) continue;
-          const pid = Number(readFileSync(join(vms, vm, f), 'utf8').trim());
-          if (Number.isInteger(pid) && pid > 1 && pidAlive(pid)) pids.push(pid);
-        }
-      }
-      return pids;
+      return qemuPids(dataDir).filter(pidAlive);
     },
     async teardown() {
       await agent.stop();
