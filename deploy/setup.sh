@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 APT_PACKAGES=(
   qemu-system-x86 qemu-utils qemu-guest-agent linux-image-amd64 busybox-static
-  etcd-server etcd-client nats-server iproute2 zstd lz4 cpio kmod e2fsprogs xz-utils mmdebstrap chromium prometheus
+  etcd-server etcd-client nats-server iproute2 zstd lz4 cpio kmod e2fsprogs xz-utils mmdebstrap chromium prometheus openssl
+  util-linux nftables
 )
 
 missing=()

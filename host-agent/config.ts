@@ -5,6 +5,7 @@ import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
 import { parseDuration } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
+import { parseCidr } from './adapters/netns/egress.ts';
 
 export interface AgentProcessConfig {
   /** FF_HOST_ID: this host's id (a-z, 0-9, -). */
@@ -13,6 +14,11 @@ export interface AgentProcessConfig {
   readonly dataDir: string;
   /** FF_NATS_URL */
   readonly natsUrl: string;
+  /**
+   * FF_NATS_NKEY_FILE: this host's NATS user NKey seed (a file, mode 0600). Its NATS user may
+   * use only this host's subjects (services/adapters/nats/auth.ts). Empty: no authentication.
+   */
+  readonly natsNkeyFile: string;
   /** FF_PEER_ADDR: where the ChunkTransfer service listens (host:port; port 0 picks one). */
   readonly peerAddr: string;
   /** FF_PEER_ADVERTISE: the host:port peers dial; defaults to the bound peer address. */
@@ -33,6 +39,18 @@ export interface AgentProcessConfig {
   readonly chunkBytes: number;
   /** FF_LOG_LEVEL */
   readonly logLevel: string;
+  /**
+   * Sandboxes whose policy allows egress (host-agent/adapters/netns/egress.ts):
+   * FF_EGRESS_POOL, link addresses (one /30 per sandbox, default 100.96.0.0/16);
+   * FF_EGRESS_DENY_CIDRS, comma-separated CIDRs no sandbox may reach whatever its policy:
+   * set it to the fleet's control-plane networks (etcd, NATS, schedulers, agents' peer ports
+   * on other machines). The agent's own namespace is always refused.
+   */
+  readonly egress: { pool: string; denyCidrs: string[] };
+  /** FF_GC_INTERVAL: how often the chunk store is garbage-collected (also after every snapshot delete). */
+  readonly gcIntervalMs: number;
+  /** FF_GC_GRACE: unreferenced chunks younger than this survive a GC. */
+  readonly gcGraceMs: number;
   readonly bootId: string;
 }
 
@@ -54,6 +72,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
     hostId,
     dataDir: e('FF_DATA_DIR', '/var/lib/forkfleet'),
     natsUrl: e('FF_NATS_URL', 'nats://127.0.0.1:4222'),
+    natsNkeyFile: e('FF_NATS_NKEY_FILE', ''),
     peerAddr,
     peerAdvertise: e('FF_PEER_ADVERTISE', ''),
     trustedKeyPath: e('FF_TRUSTED_KEY', ''),
@@ -68,8 +87,16 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
     concurrency: int('FF_STEP_CONCURRENCY', e('FF_STEP_CONCURRENCY', '4'), 1, 64),
     chunkBytes: int('FF_CHUNK_BYTES', e('FF_CHUNK_BYTES', String(256 * 1024)), 4096, 64 << 20),
     logLevel: e('FF_LOG_LEVEL', 'info'),
+    egress: {
+      pool: e('FF_EGRESS_POOL', '100.96.0.0/16'),
+      denyCidrs: e('FF_EGRESS_DENY_CIDRS', '').split(',').map((x) => x.trim()).filter(Boolean),
+    },
+    gcIntervalMs: parseDuration('FF_GC_INTERVAL', e('FF_GC_INTERVAL', '5m')),
+    gcGraceMs: parseDuration('FF_GC_GRACE', e('FF_GC_GRACE', '60s')),
     bootId: randomUUID(),
   };
+  parseCidr('FF_EGRESS_POOL', cfg.egress.pool);
+  for (const c of cfg.egress.denyCidrs) parseCidr('FF_EGRESS_DENY_CIDRS', c);
   if (!cfg.trustedKeyPath) throw new InvalidArgumentError('FF_TRUSTED_KEY', "must name the scheduler's public key (PEM)");
   return Object.freeze(cfg);
 }

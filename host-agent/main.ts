@@ -10,6 +10,7 @@ import { compileAgentConfig } from './config.ts';
 import { Agent } from './domain/agent.ts';
 import { QemuVmmDriver } from './adapters/qemu/driver.ts';
 import { NatsAgentBus } from './adapters/nats/agent-bus.ts';
+import { agentConnectOptions } from '../services/adapters/nats/auth.ts';
 import { FsJournal } from './adapters/journal/fs-journal.ts';
 import { FsChunkStore, FsManifestStore } from './adapters/chunkstore/fs-store.ts';
 import { Materialiser } from './adapters/chunkstore/materialise.ts';
@@ -20,13 +21,17 @@ import { startGrpcServer } from '../services/adapters/grpc/server.ts';
 import { ensureImage } from '../deploy/images/build.ts';
 import type { ImageName } from '../deploy/images/build.ts';
 
+/** Page size of x86-64 Linux, the only platform the agent runs on. */
+const PAGE_BYTES = 4096;
+
 async function main(): Promise<void> {
   const cfg = compileAgentConfig();
   const log = pino({ level: cfg.logLevel, base: { component: 'host-agent', hostId: cfg.hostId } });
   const trust = new Map([['scheduler-1', createPublicKey(readFileSync(cfg.trustedKeyPath))]]);
   await mkdir(cfg.dataDir, { recursive: true });
 
-  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }) });
+  // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
+  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] } });
   const recovered = await driver.recover('adopt');
   log.info(recovered, 'recovered VMs from a previous run');
   const accel = await driver.resolveAccel();
@@ -48,6 +53,7 @@ async function main(): Promise<void> {
     scratchDir: join(cfg.dataDir, 'scratch'),
     log,
     chunkSize: cfg.chunkBytes,
+    gcGraceMs: cfg.gcGraceMs,
   });
   await shipper.load();
 
@@ -55,7 +61,7 @@ async function main(): Promise<void> {
   const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], onError: (err) => log.debug({ err }, 'peer request failed') });
   const peerAddress = cfg.peerAdvertise || peerServer.address;
 
-  const nc = await connect({ servers: cfg.natsUrl, name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250 });
+  const nc = await connect({ servers: cfg.natsUrl, name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250, ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined) });
   const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
   // CPU seconds of a process from /proc/<pid>/stat (utime + stime, in clock ticks of 1/100 s).
   const cpu = (pid: number): number | undefined => {
@@ -67,16 +73,25 @@ async function main(): Promise<void> {
       return undefined;
     }
   };
+  // Resident memory of a process from /proc/<pid>/statm (resident pages, second field).
+  const rss = (pid: number): number | undefined => {
+    try {
+      return Number(readFileSync(`/proc/${pid}/statm`, 'utf8').split(' ')[1]) * PAGE_BYTES;
+    } catch {
+      return undefined;
+    }
+  };
   const agent = new Agent({
     driver,
     cpu,
+    rss,
     shipper,
     bus,
     journal: new FsJournal(join(cfg.dataDir, 'journal')),
     images: (name) => ensureImage(name as ImageName),
     clock: { now: () => Date.now() },
     log,
-    config: { hostId: cfg.hostId, bootId: cfg.bootId, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency },
+    config: { hostId: cfg.hostId, bootId: cfg.bootId, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs },
     qemuVersion: await driver.qemuVersion(),
   });
   await agent.start();

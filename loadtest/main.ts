@@ -167,7 +167,8 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       apiAddr = st.apiAddresses[0]!;
       fleetHosts = st.hosts;
     }
-    const api = connect(apiAddr);
+    // A fleet started here: its admin credential; a given --api: FF_TOKEN / FF_CA / FF_CREDENTIALS.
+    const api = connect(apiAddr, fleetMod ? join(cfg.fleetDir, 'credentials.json') : undefined);
     cleanup.push(async () => api.close());
     const d = new Driver(api, cfg.opTimeoutMs);
     // Setup steps (template boot, snapshots taken between samples) are not timed; give them longer.

@@ -1,6 +1,8 @@
 // Scenarios against the public gRPC API. Latency = from the API call until the child (or the
 // resumed sandbox) answers an exec. Children are destroyed between samples.
 import { createClient } from '../services/adapters/grpc/rpc.ts';
+import { fleetChannelCredentials, fleetChannelOptions } from '../services/adapters/grpc/tls.ts';
+import { resolveClientCredentials } from '../services/auth/client-credentials.ts';
 import type { Client } from '../services/adapters/grpc/rpc.ts';
 import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation, Sandbox, Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
@@ -19,8 +21,14 @@ export class OpFailed extends Error {
   }
 }
 
-export function connect(addr: string): Api {
-  return createClient(FleetService, addr);
+/**
+ * A TLS client of the API at `addr`. Credential and CA: `credentialsFile` (a fleet's
+ * credentials.json, admin: it acts for tenant TENANT), else FF_TOKEN / FF_CA / FF_CREDENTIALS
+ * (services/auth/client-credentials.ts).
+ */
+export function connect(addr: string, credentialsFile?: string): Api {
+  const creds = resolveClientCredentials(credentialsFile ? { credentialsFile } : {});
+  return createClient(FleetService, addr, fleetChannelCredentials(creds), fleetChannelOptions(addr));
 }
 
 export class Driver {

@@ -2,7 +2,10 @@
 // variables into a frozen object (CONVENTIONS.md §6). A bad value fails start-up with the
 // variable's name and the reason.
 import { hostname } from 'node:os';
+import { readFileSync } from 'node:fs';
 import { InvalidArgumentError } from '../proto/errors.ts';
+import { parseWebhookTargets } from './domain/webhooks.ts';
+import type { WebhookTarget } from './domain/webhooks.ts';
 
 const UNITS: Record<string, number> = { ms: 1, s: 1000, m: 60_000, h: 3_600_000 };
 
@@ -11,6 +14,16 @@ export function parseDuration(field: string, v: string): number {
   const m = /^(\d+(?:\.\d+)?)(ms|s|m|h)?$/.exec(v.trim());
   if (!m) throw new InvalidArgumentError(field, `must be a duration such as '500ms', '10s' or '5m', got ${JSON.stringify(v)}`);
   return Math.round(Number(m[1]) * (UNITS[m[2] ?? 'ms'] ?? 1));
+}
+
+const SIZE_UNITS: Record<string, number> = { '': 1, b: 1, kib: 1024, mib: 1024 ** 2, gib: 1024 ** 3 };
+
+/** Parses '4MiB', '512KiB' or a bare number of bytes. */
+export function parseBytes(field: string, v: string): number {
+  const m = /^(\d+)\s*(b|kib|mib|gib)?$/i.exec(v.trim());
+  const n = m ? Number(m[1]) * (SIZE_UNITS[(m[2] ?? '').toLowerCase()] ?? 1) : NaN;
+  if (!Number.isSafeInteger(n)) throw new InvalidArgumentError(field, `must be a size such as '4MiB' or a number of bytes, got ${JSON.stringify(v)}`);
+  return n;
 }
 
 function addr(field: string, v: string): string {
@@ -27,6 +40,8 @@ export interface SchedulerConfig {
   readonly etcdEndpoints: readonly string[];
   /** FF_NATS_URL */
   readonly natsUrl: string;
+  /** FF_NATS_NKEY_FILE: the scheduler's NATS NKey seed (a NATS server with authorization needs it); empty: none. */
+  readonly natsNkeyFile: string;
   /** FF_HOST_SUSPECT_AFTER: heartbeat age that makes a host suspect. */
   readonly suspectAfterMs: number;
   /** FF_HOST_LOST_AFTER: heartbeat age that makes a host lost. */
@@ -50,6 +65,30 @@ export interface SchedulerConfig {
    * loop stalled longer than this makes it step down.
    */
   readonly electionTtlSeconds: number;
+  /** FF_TLS_CERT: PEM certificate (chain) the Fleet API serves. Required: the API speaks TLS only. */
+  readonly tlsCertPath: string;
+  /** FF_TLS_KEY: PEM private key of FF_TLS_CERT. Required. */
+  readonly tlsKeyPath: string;
+  /** FF_TLS_CA: PEM of the CA that signed FF_TLS_CERT; the scheduler's own clients (the dashboard) trust it. Empty: system roots. */
+  readonly tlsCaPath: string;
+  /** FF_TOKENS_FILE: per-tenant bearer tokens, hashed (services/auth/tokens.ts). Required. */
+  readonly tokensFile: string;
+  /** FF_GRPC_MAX_RECV: largest request message the API accepts ('4MiB'). */
+  readonly maxRecvBytes: number;
+  /** FF_GRPC_MAX_SEND: largest response message the API sends ('16MiB'). */
+  readonly maxSendBytes: number;
+  /** FF_MAX_STREAMS_PER_CREDENTIAL: concurrent streaming calls (exec, files, watch) per credential. */
+  readonly maxStreamsPerCredential: number;
+  /** FF_RATE_PER_S: default per-tenant request rate (a tenant's `rate` in the tokens file overrides it); 0 disables. */
+  readonly ratePerSecond: number;
+  /** FF_RATE_BURST: default per-tenant burst. */
+  readonly rateBurst: number;
+  /** FF_SNAPSHOT_EXPIRY_NOTICE: how long before a retention deletion SNAPSHOT_EXPIRING is announced. */
+  readonly expiryNoticeMs: number;
+  /** FF_WEBHOOKS: JSON `[{url, secret, tenant?, types?}]`, or `@FILE` to read it from a file; empty: none. */
+  readonly webhooks: readonly WebhookTarget[];
+  /** FF_WEBHOOK_RETRY_BASE: first retry delay of a failed webhook delivery (doubling, up to 5m, 8 attempts). */
+  readonly webhookRetryBaseMs: number;
 }
 
 export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig, string>> = {}, env: NodeJS.ProcessEnv = process.env): SchedulerConfig {
@@ -58,6 +97,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [ga, grpcAddr] = get('grpcAddr', 'FF_GRPC_ADDR', '127.0.0.1:7700');
   const [, etcd] = get('etcdEndpoints', 'FF_ETCD_ENDPOINTS', 'http://127.0.0.1:2379');
   const [nu, natsUrl] = get('natsUrl', 'FF_NATS_URL', 'nats://127.0.0.1:4222');
+  const [, natsNkeyFile] = get('natsNkeyFile', 'FF_NATS_NKEY_FILE', '');
   const [sa, suspect] = get('suspectAfterMs', 'FF_HOST_SUSPECT_AFTER', '5s');
   // Marking a host lost marks its sandboxes lost: the grace period must outlast a busy
   // host's stall (seen: 10 s agent stalls on a 2-core TCG host running 10+ guests).
@@ -69,6 +109,23 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [, logLevel] = get('logLevel', 'FF_LOG_LEVEL', 'info');
   const [cb, chunk] = get('chunkBytes', 'FF_CHUNK_BYTES', String(256 * 1024));
   const [et, electionTtl] = get('electionTtlSeconds', 'FF_ELECTION_TTL', '2s');
+  const [tc, tlsCert] = get('tlsCertPath', 'FF_TLS_CERT', '');
+  const [tk, tlsKey] = get('tlsKeyPath', 'FF_TLS_KEY', '');
+  const [, tlsCa] = get('tlsCaPath', 'FF_TLS_CA', '');
+  const [tf, tokens] = get('tokensFile', 'FF_TOKENS_FILE', '');
+  const [mr, maxRecv] = get('maxRecvBytes', 'FF_GRPC_MAX_RECV', '4MiB');
+  const [ms, maxSend] = get('maxSendBytes', 'FF_GRPC_MAX_SEND', '16MiB');
+  // Defaults sized so that an RL step passes unthrottled: fork(256) (the API cap), then one
+  // exec stream per child, all at once.
+  const [mst, maxStreams] = get('maxStreamsPerCredential', 'FF_MAX_STREAMS_PER_CREDENTIAL', '512');
+  const [rp, ratePerS] = get('ratePerSecond', 'FF_RATE_PER_S', '200');
+  const [rb, rateBurst] = get('rateBurst', 'FF_RATE_BURST', '600');
+  const [en, expiryNotice] = get('expiryNoticeMs', 'FF_SNAPSHOT_EXPIRY_NOTICE', '10m');
+  const [wh, webhooks] = get('webhooks', 'FF_WEBHOOKS', '');
+  const [wr, webhookRetry] = get('webhookRetryBaseMs', 'FF_WEBHOOK_RETRY_BASE', '1s');
+  if (!tlsCert) throw new InvalidArgumentError(tc, 'is required: the Fleet API serves TLS only (a dev CA and certificate: node --import tsx deploy/pki/pki.ts DIR)');
+  if (!tlsKey) throw new InvalidArgumentError(tk, 'is required with FF_TLS_CERT');
+  if (!tokens) throw new InvalidArgumentError(tf, 'is required: per-tenant bearer tokens (mint one: npm run forkfleet -- token mint --tenant NAME --tokens-file FILE)');
   const etcdEndpoints = etcd.split(',').map((s) => s.trim()).filter(Boolean);
   if (etcdEndpoints.length === 0) throw new InvalidArgumentError('FF_ETCD_ENDPOINTS', 'must list at least one endpoint');
   if (!/^nats:\/\//.test(natsUrl)) throw new InvalidArgumentError(nu, 'must be a nats:// URL');
@@ -77,6 +134,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     grpcAddr: addr(ga, grpcAddr),
     etcdEndpoints,
     natsUrl,
+    natsNkeyFile,
     suspectAfterMs: parseDuration(sa, suspect),
     lostAfterMs: parseDuration(la, lost),
     stepTimeoutMs: parseDuration(st, step),
@@ -86,7 +144,24 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     logLevel,
     chunkBytes: Number(chunk),
     electionTtlSeconds: parseDuration(et, electionTtl) / 1000,
+    tlsCertPath: tlsCert,
+    tlsKeyPath: tlsKey,
+    tlsCaPath: tlsCa,
+    tokensFile: tokens,
+    maxRecvBytes: parseBytes(mr, maxRecv),
+    maxSendBytes: parseBytes(ms, maxSend),
+    maxStreamsPerCredential: Number(maxStreams),
+    ratePerSecond: Number(ratePerS),
+    rateBurst: Number(rateBurst),
+    expiryNoticeMs: parseDuration(en, expiryNotice),
+    webhooks: webhooks ? parseWebhookTargets(wh, webhooks.startsWith('@') ? readFileSync(webhooks.slice(1), 'utf8') : webhooks) : [],
+    webhookRetryBaseMs: parseDuration(wr, webhookRetry),
   };
+  if (cfg.maxRecvBytes < 64 * 1024) throw new InvalidArgumentError(mr, 'must be at least 64KiB');
+  if (cfg.maxSendBytes < 64 * 1024) throw new InvalidArgumentError(ms, 'must be at least 64KiB');
+  if (!Number.isInteger(cfg.maxStreamsPerCredential) || cfg.maxStreamsPerCredential < 1) throw new InvalidArgumentError(mst, 'must be an integer >= 1');
+  if (!(cfg.ratePerSecond >= 0)) throw new InvalidArgumentError(rp, 'must be a number >= 0 (0: no default limit)');
+  if (!Number.isInteger(cfg.rateBurst) || cfg.rateBurst < 1) throw new InvalidArgumentError(rb, 'must be an integer >= 1');
   if (!Number.isInteger(cfg.electionTtlSeconds) || cfg.electionTtlSeconds < 1) throw new InvalidArgumentError(et, 'must be a whole number of seconds, at least 1s');
   if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, 'must be longer than FF_HOST_SUSPECT_AFTER');
   if (!Number.isInteger(cfg.stepAttempts) || cfg.stepAttempts < 1 || cfg.stepAttempts > 20) throw new InvalidArgumentError(sat, 'must be an integer in [1, 20]');

@@ -13,7 +13,6 @@ import { startFakeAgents, startSchedulerProcess } from './testkit/fleet-procs.ts
 import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.ts';
 import { loadSigningKey } from './scheduler.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
-import { createClient } from './adapters/grpc/rpc.ts';
 import type { Client } from './adapters/grpc/rpc.ts';
 import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
@@ -88,7 +87,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       env: { FF_FAKE_VCPUS: '24', FF_FAKE_RESTORE_MS_PER_VM: '100', FF_FAKE_FETCH_MS: '300' },
     });
     fakes.push(main);
-    api = createClient(FleetService, scheds[0]!.api);
+    api = scheds[0]!.credentials.client(FleetService, scheds[0]!.api);
     await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === HOSTS.length, 20_000, 100);
     const created = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
     parentId = created.result.case === 'sandbox' ? created.result.value.id : '';
@@ -113,7 +112,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const leader = scheds[leaders.indexOf(true)]!;
     const standby = scheds[leaders.indexOf(false)]!;
     api.close();
-    api = createClient(FleetService, standby.api);
+    api = standby.credentials.client(FleetService, standby.api);
 
     const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 64, placement: { spread: Spread.SPREAD, maxPerHost: 8 } });
     // Kill the leader once the placement is committed and some, not all, children run.

@@ -15,7 +15,7 @@ import { pidAlive, waitFor } from './testkit/proc.ts';
 import { compileSchedulerConfig } from './config.ts';
 import { startScheduler } from './scheduler.ts';
 import type { SchedulerHandle } from './scheduler.ts';
-import { createClient } from './adapters/grpc/rpc.ts';
+import { testCredentials } from './testkit/credentials.ts';
 import type { Client } from './adapters/grpc/rpc.ts';
 import type { RpcError } from './adapters/grpc/status.ts';
 import { FleetService, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
@@ -55,13 +55,14 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     dir = mkdtempSync('/tmp/ff-sched-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
     const keyPath = join(dir, 'signing.pem');
+    const creds = testCredentials(dir);
     sched = await startScheduler(
-      compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: keyPath, suspectAfterMs: '3s', lostAfterMs: '20s' }),
+      compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: keyPath, suspectAfterMs: '3s', lostAfterMs: '20s', ...creds.config }),
       pino({ level: 'warn' }),
     );
     await sched.leader;
     for (const hostId of ['host-a', 'host-b']) agents.push(await startAgent({ hostId, natsUrl: nats.url, trustedKeyPath: `${keyPath}.pub`, ...(process.env.FF_TEST_LOG_DIR ? { logDir: process.env.FF_TEST_LOG_DIR } : {}) }));
-    api = createClient(FleetService, sched.address);
+    api = creds.client(FleetService, sched.address);
     await waitFor('both hosts registered', async () => (await api.listHosts({})).hosts.length === 2, 20_000, 100);
   }, 240_000);
 
@@ -74,8 +75,8 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     if (dir) rmSync(dir, { recursive: true, force: true });
   }, 120_000);
 
-  it('createSandbox_withMissingTenant_isInvalidArgumentNamingTheField', async () => {
-    const e = (await api.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' } }).catch((x: unknown) => x)) as RpcError;
+  it('createSandbox_withMalformedTenant_isInvalidArgumentNamingTheField', async () => {
+    const e = (await api.createSandbox({ tenantId: 'Not a tenant!', idempotencyKey: key(), source: { case: 'image', value: 'tiny' } }).catch((x: unknown) => x)) as RpcError;
     expect(e.code).toBe(Status.INVALID_ARGUMENT);
     expect(e.field).toBe('tenant_id');
   });

@@ -13,11 +13,18 @@ import type { SchedulerConfig } from './config.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
+import { nkeyConnectOptions } from './adapters/nats/auth.ts';
 import { startGrpcServer } from './adapters/grpc/server.ts';
+import { fleetServerCredentials } from './adapters/grpc/tls.ts';
+import { Authenticator } from './auth/tokens.ts';
+import { ApiGuard } from './auth/guard.ts';
 import type { RunningGrpcServer } from './adapters/grpc/server.ts';
 import { fleetService } from './adapters/grpc/fleet-service.ts';
 import { Fleet } from './domain/fleet.ts';
 import { Executor } from './domain/executor.ts';
+import { DEFAULT_RETRY, WebhookDispatcher } from './domain/webhooks.ts';
+import { EtcdDeliveryLog } from './adapters/etcd/webhook-log.ts';
+import { fetchPoster } from './adapters/http/webhook-poster.ts';
 import { HeartbeatRegistry } from './domain/fleet-view.ts';
 import { systemClock } from './domain/ports.ts';
 import { signTicket } from '../host-agent/domain/tickets.ts';
@@ -73,16 +80,28 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
   const signing = loadSigningKey(config.signingKeyPath, 'scheduler-1');
 
   const store = EtcdFleetStore.connect([...config.etcdEndpoints]);
-  const nc: NatsConnection = await connect({ servers: config.natsUrl, name: `scheduler-${config.id}`, maxReconnectAttempts: -1, reconnectTimeWait: 250 });
+  const nc: NatsConnection = await connect({
+    servers: config.natsUrl,
+    name: `scheduler-${config.id}`,
+    maxReconnectAttempts: -1,
+    reconnectTimeWait: 250,
+    ...(config.natsNkeyFile ? nkeyConnectOptions(config.natsNkeyFile) : {}),
+  });
   const bus = await NatsWorkBus.create(nc);
   const heard = new HeartbeatRegistry();
   bus.onHeartbeat((hb) => heard.record(hb, clock.now()));
   const liveness = { suspectAfterMs: config.suspectAfterMs, lostAfterMs: config.lostAfterMs };
 
-  const fleet = new Fleet({ store, bus, clock, heard, liveness });
+  // The API edge: TLS only, every call authenticated (services/auth), rate- and stream-limited.
+  const auth = new Authenticator(config.tokensFile, config.ratePerSecond > 0 ? { perSecond: config.ratePerSecond, burst: config.rateBurst } : undefined);
+  const guard = new ApiGuard(auth, { maxStreamsPerCredential: config.maxStreamsPerCredential });
+  const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId) });
   const grpc: RunningGrpcServer = await startGrpcServer({
     address: config.grpcAddr,
     services: [fleetService({ fleet, store, clock })],
+    credentials: fleetServerCredentials({ certPem: readFileSync(config.tlsCertPath), keyPem: readFileSync(config.tlsKeyPath) }),
+    guard,
+    channelOptions: { 'grpc.max_receive_message_length': config.maxRecvBytes, 'grpc.max_send_message_length': config.maxSendBytes },
     // Client mistakes are the client's news, not ours: only unexpected errors are loud.
     onError: (err, method) => (isForkfleetError(err) && err.kind !== 'internal' ? log.debug({ err: err.message, kind: err.kind, method }, 'request refused') : log.error({ err, method }, 'request failed')),
   });
@@ -96,7 +115,16 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     // The live dashboard (/dashboard/) is served beside /metrics; only the leader records
     // operation latencies, so FF_DASHBOARD_METRICS may list every replica's metrics URL.
     const peers = (process.env.FF_DASHBOARD_METRICS ?? '').split(',').filter(Boolean);
-    dashboard = dashboardHandler({ api: grpc.address, metrics: peers.length ? metricsFromUrls(peers) : async () => [await registry.metrics()] });
+    // The dashboard reads through the API with an admin token that exists only in this process,
+    // trusting FF_TLS_CA (without it, the system roots: a dev certificate then fails).
+    const token = auth.addEphemeral('admin', true, `dashboard-${config.id}`);
+    if (!config.tlsCaPath) log.warn('FF_TLS_CA is not set: the dashboard trusts only the system CAs when it calls the API');
+    dashboard = dashboardHandler({
+      api: grpc.address,
+      metrics: peers.length ? metricsFromUrls(peers) : async () => [await registry.metrics()],
+      token,
+      ...(config.tlsCaPath ? { ca: config.tlsCaPath } : {}),
+    });
     metricsServer = createServer((req, res) => {
       if (dashboard?.(req, res)) return;
       if (req.url !== '/metrics') {
@@ -123,12 +151,25 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       ticket: (snapshotId, destinationHostId) => signTicket({ snapshotId, destinationHostId, expiresAt: new Date(clock.now() + 10 * 60_000) }, signing),
       manifest: (bytes) => ({ signature: sign(null, bytes, signing.privateKey), keyId: signing.keyId }),
     },
-    config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes },
+    config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs },
     submit: (tenantId, key, kind, targetId, input) => fleet.submit(tenantId, key, kind, targetId, input),
     onFinished: (kind, ok, seconds) => {
       metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });
       metrics.opSeconds.observe({ kind }, seconds);
     },
+  });
+
+  // Webhooks go out from the leader only (services/domain/webhooks.ts).
+  const webhookAttempts = new Counter({ name: 'forkfleet_webhook_attempts_total', help: 'Webhook delivery attempts, by outcome (delivered, retry, failed).', labelNames: ['result'], registers: [registry] });
+  const webhooks = new WebhookDispatcher({
+    store,
+    deliveries: new EtcdDeliveryLog(store.etcd),
+    poster: fetchPoster,
+    clock,
+    log: log.child({ component: 'webhooks' }),
+    targets: config.webhooks,
+    retry: { ...DEFAULT_RETRY, baseDelayMs: config.webhookRetryBaseMs },
+    onAttempt: (result) => webhookAttempts.inc({ result }),
   });
 
   const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
@@ -141,11 +182,12 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       metrics.leader.set(1);
       log.info({ id: config.id }, 'elected leader');
       await executor.start();
+      await webhooks.start();
     });
   election.onLost(() => {
     metrics.leader.set(0);
     log.error('lost leadership; stepping down and campaigning again');
-    void executor.stop().then(() => {
+    void Promise.all([executor.stop(), webhooks.stop()]).then(() => {
       if (!closing) campaign().catch((err: unknown) => log.error({ err }, 'leader campaign failed'));
     });
   });
@@ -161,7 +203,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     leader,
     async close() {
       closing = true;
-      await executor.stop();
+      await Promise.all([executor.stop(), webhooks.stop()]);
       await election.resign();
       await grpc.close(1000);
       bus.close();

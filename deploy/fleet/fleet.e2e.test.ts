@@ -8,10 +8,10 @@ import { existsSync } from 'node:fs';
 import { Etcd3 } from 'etcd3';
 import { defaultOptions, down, pidAlive, qemuPids, qemuPidsByVm, readState, restartProcess, up } from './fleet.ts';
 import type { FleetState } from './fleet.ts';
-import { createClient } from '../../services/adapters/grpc/rpc.ts';
+import { fleetApiClient } from './api-credentials.ts';
 import type { Client } from '../../services/adapters/grpc/rpc.ts';
-import { FleetService, OperationState, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import type { Operation, Sandbox } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { OperationState, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { FleetService, Operation, Sandbox } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Locality } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SandboxRec } from '../../services/domain/records.ts';
 
@@ -96,7 +96,7 @@ describe('local fleet end to end (3 hosts in network namespaces, real etcd x3, N
   beforeAll(async () => {
     if (readState(DIR)) await down(DIR);
     state = await up(defaultOptions({ hosts: 3, etcd: 3, link: '10gbit', dir: DIR, prefix: 'ffe', basePort: 16700, hostMemoryMib: 4096 }));
-    apis = state.apiAddresses.map((a) => createClient(FleetService, a));
+    apis = await Promise.all(state.apiAddresses.map((a) => fleetApiClient(DIR, a)));
     api = apis[0]!;
     etcd = new Etcd3({ hosts: state.etcdEndpoints });
     const until = Date.now() + 30_000;

@@ -11,7 +11,11 @@
 //   state.json            every process (by PID), namespace and address this fleet made
 //   logs/<process>.log
 //   keys/signing.pem(.pub) the schedulers' Ed25519 key; agents trust the .pub
+//   pki/, keys/tokens.json, credentials.json (admin), dev-credentials.json (tenant dev):
+//                         the API's TLS and tokens (deploy/fleet/api-credentials.ts)
 //   etcd/<member>/, nats/  control-plane data
+//   nats-keys/            NATS config and the schedulers' NKey seed (hidden from agents)
+//   hosts/<id>/nats.nk    that host's NATS NKey seed: it may use only its own subjects
 //   hosts/<hostId>/       one agent's data (VMs, snapshots, chunks, journal)
 //   nats.sock             the NATS relay socket agents reach from their namespaces
 //
@@ -25,6 +29,9 @@ import { createConnection } from 'node:net';
 import { join, resolve } from 'node:path';
 import { totalmem } from 'node:os';
 import { createPublicKey, generateKeyPairSync } from 'node:crypto';
+import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
+import type { NatsUser } from '../../services/adapters/nats/auth.ts';
+import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 const NODE = process.execPath;
@@ -40,6 +47,9 @@ export interface FleetOptions {
   basePort: number;
   /** Per-agent memory capacity the scheduler may book, MiB. */
   hostMemoryMib: number;
+  /** Extra FF_* environment for the schedulers and the agents (tests tune timings with it). */
+  schedulerEnv?: Record<string, string>;
+  agentEnv?: Record<string, string>;
 }
 
 export interface ProcRecord {
@@ -92,6 +102,8 @@ export function defaultOptions(over: Partial<FleetOptions> = {}): FleetOptions {
     prefix: over.prefix ?? 'ffl',
     basePort: over.basePort ?? 17700,
     hostMemoryMib: over.hostMemoryMib ?? Math.floor((totalmem() / 1048576) * 0.7 / hosts),
+    ...(over.schedulerEnv ? { schedulerEnv: over.schedulerEnv } : {}),
+    ...(over.agentEnv ? { agentEnv: over.agentEnv } : {}),
   };
 }
 
@@ -292,12 +304,33 @@ async function startEtcd(state: FleetState): Promise<void> {
   for (const m of members) await waitPort('127.0.0.1', m.client, 15_000);
 }
 
+/** NATS secrets: hidden from the agents by a tmpfs in their mount namespace (startAgent). */
+const natsKeysDir = (state: FleetState): string => join(state.options.dir, 'nats-keys');
+/** A host's NKey seed sits in its own data directory, the only fleet directory its agent sees. */
+const hostNatsSeed = (h: HostRecord): string => join(h.dataDir, 'nats.nk');
+
+/** NKeys for the schedulers (full rights) and for each host (only its own subjects). */
+function makeNatsAuth(state: FleetState): string {
+  const dir = natsKeysDir(state);
+  mkdirSync(dir, { recursive: true, mode: 0o700 });
+  const users: NatsUser[] = [{ nkey: createNkeyFile(join(dir, 'scheduler.nk')).publicKey }];
+  for (const h of state.hosts) {
+    mkdirSync(h.dataDir, { recursive: true });
+    users.push({ nkey: createNkeyFile(hostNatsSeed(h)).publicKey, permissions: hostPermissions(h.id) });
+  }
+  const conf = natsServerAuthConfig(users);
+  const path = join(dir, 'nats.conf');
+  writeFileSync(path, conf, { mode: 0o600 });
+  return path;
+}
+
 async function startNats(state: FleetState): Promise<void> {
   const port = state.options.basePort + 40;
   const monitor = port + 1;
   const store = join(state.options.dir, 'nats');
   mkdirSync(store, { recursive: true });
-  launch(state, { name: 'nats', kind: 'nats' }, 'nats-server', ['-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
+  const conf = makeNatsAuth(state);
+  launch(state, { name: 'nats', kind: 'nats' }, 'nats-server', ['-c', conf, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
   state.natsUrl = `nats://127.0.0.1:${port}`;
   state.natsMonitor = `http://127.0.0.1:${monitor}`;
   await waitPort('127.0.0.1', port, 10_000);
@@ -316,9 +349,12 @@ async function startSchedulers(state: FleetState): Promise<void> {
       FF_METRICS_ADDR: metrics,
       FF_ETCD_ENDPOINTS: state.etcdEndpoints.join(','),
       FF_NATS_URL: state.natsUrl,
+      FF_NATS_NKEY_FILE: join(natsKeysDir(state), 'scheduler.nk'),
       FF_SIGNING_KEY: state.signingKey,
       FF_DASHBOARD_METRICS: [0, 1].map((j) => `http://127.0.0.1:${state.options.basePort + 10 + j}/metrics`).join(','),
-      FF_DASHBOARD_TENANTS: process.env.FF_DASHBOARD_TENANTS ?? 'default,demo',
+      FF_DASHBOARD_TENANTS: process.env.FF_DASHBOARD_TENANTS ?? 'default,demo,dev',
+      ...schedulerApiEnv(state.options.dir),
+      ...state.options.schedulerEnv,
     });
     await waitLog(p.log, '"ready":true', 60_000, p.pid);
     state.apiAddresses.push(api);
@@ -344,6 +380,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     'set -e',
     `mount --bind "${h.dataDir}" "${stash}"`,
     `mount -t tmpfs -o size=1m,mode=0755 ff-hosts "${hostsDir}"`,
+    `mount -t tmpfs -o size=1m,mode=0700 ff-nats-keys "${natsKeysDir(state)}"`,
     `mkdir -p "${h.dataDir}"`,
     `mount --move "${stash}" "${h.dataDir}"`,
     `exec "${NODE}" --import tsx "${join(ROOT, 'host-agent', 'main.ts')}"`,
@@ -352,21 +389,24 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     FF_HOST_ID: h.id,
     FF_DATA_DIR: h.dataDir,
     FF_NATS_URL: 'nats://127.0.0.1:4222',
+    FF_NATS_NKEY_FILE: hostNatsSeed(h),
+    // Sandboxes allowed egress never reach the fleet network (other agents' peer ports).
+    FF_EGRESS_DENY_CIDRS: '10.213.77.0/24',
     FF_PEER_ADDR: `${h.address}:7800`,
     FF_TRUSTED_KEY: state.trustedKey,
     FF_ACCEL: process.env.FF_ACCEL ?? 'auto',
     FF_LINK_BYTES_PER_SECOND: String(Math.round(linkBytesPerSecond(state.options.link))),
     FF_CAPACITY_MEMORY_MIB: String(state.options.hostMemoryMib),
     FF_HEARTBEAT_INTERVAL: '500ms',
+    ...state.options.agentEnv,
   });
   await waitLog(p.log, '"ready":true', 120_000, p.pid);
 }
 
 /** The fleet is up when the scheduler reports every host ready (registered from its heartbeats). */
 async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<void> {
-  const { createClient } = await import('../../services/adapters/grpc/rpc.ts');
-  const { FleetService, HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
-  const api = createClient(FleetService, state.apiAddresses[0]!);
+  const { HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
+  const api = await fleetApiClient(state.options.dir, state.apiAddresses[0]!);
   const until = Date.now() + timeoutMs;
   try {
     for (;;) {
@@ -419,6 +459,7 @@ export async function up(opts: FleetOptions): Promise<FleetState> {
     step(`network: ${opts.hosts} host namespaces on a bridge, links shaped to ${opts.link}`);
     makeNetwork(state);
     makeKeys(state);
+    makeApiCredentials(opts.dir);
     step(`etcd (${opts.etcd} member${opts.etcd > 1 ? 's' : ''}) and NATS`);
     await Promise.all([startEtcd(state), startNats(state)]);
     step('2 scheduler replicas');
@@ -509,10 +550,9 @@ export async function status(dir: string): Promise<{ state: FleetState; procs: A
   const procs = state.procs.map((p) => ({ ...p, alive: pidAlive(p.pid) }));
   let hosts: unknown[] = [];
   try {
-    const { createClient } = await import('../../services/adapters/grpc/rpc.ts');
-    const { FleetService, HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
+    const { HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
     for (const addr of state.apiAddresses) {
-      const api = createClient(FleetService, addr);
+      const api = await fleetApiClient(dir, addr);
       try {
         const res = await api.listHosts({}, { timeoutMs: 3000 });
         hosts = res.hosts.map((h) => ({
@@ -562,15 +602,17 @@ async function cli(argv: string[]): Promise<void> {
     process.stdout.write(
       [
         `Forkfleet is up: ${s.hosts.length} hosts (${s.hosts.map((h) => `${h.id}=${h.address}`).join(', ')}), links ${opts.link}, etcd x${opts.etcd}, 2 schedulers.`,
-        `  API (gRPC, plaintext): ${s.apiAddresses.join(' and ')}`,
+        `  API (gRPC over TLS):   ${s.apiAddresses.join(' and ')}   CA ${apiCredentialPaths(dir).caCert}`,
+        `  credentials:           ${apiCredentialPaths(dir).credentials} (admin; the CLI and SDK find it), ${apiCredentialPaths(dir).devCredentials} (tenant dev: FF_CREDENTIALS=...)`,
         `  metrics:               ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}`,
         `  dashboard:             http://${s.metricsAddresses[0]}/dashboard/`,
         `  CLI:                   npm run forkfleet -- sandbox create --image tiny   (see services/cli/README.md)`,
         `  logs:                  ${join(dir, 'logs')}`,
         '',
         'Try it:',
-        `  npx buf curl --protocol grpc --http2-prior-knowledge http://${api}/forkfleet.v1.FleetService/ListHosts`,
-        `  npx buf curl --protocol grpc --http2-prior-knowledge -d '{"tenantId":"demo","idempotencyKey":"first","image":"tiny"}' http://${api}/forkfleet.v1.FleetService/CreateSandbox`,
+        `  TOKEN=$(node -p 'require("${apiCredentialPaths(dir).credentials}").token')`,
+        `  npx buf curl --protocol grpc --cacert ${apiCredentialPaths(dir).caCert} -H "authorization: Bearer $TOKEN" https://${api}/forkfleet.v1.FleetService/ListHosts`,
+        `  npx buf curl --protocol grpc --cacert ${apiCredentialPaths(dir).caCert} -H "authorization: Bearer $TOKEN" -d '{"tenantId":"demo","idempotencyKey":"first","image":"tiny"}' https://${api}/forkfleet.v1.FleetService/CreateSandbox`,
         '  npm run fleet:status      npm run test:e2e      npm run fleet:down',
         '',
       ].join('\n'),

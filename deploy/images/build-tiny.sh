@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the `tiny` guest image into OUT (a fresh directory):
 #   vmlinux        the Debian kernel as an uncompressed ELF (booted through its PVH entry)
-#   initramfs.cpio uncompressed newc cpio: busybox, virtio/ext4 modules, qemu-ga + ldd closure, /init
+#   initramfs.cpio uncompressed newc cpio: busybox, virtio (incl. virtio_net)/ext4 modules, qemu-ga + ldd closure, /init
 #   disk.qcow2     a small ext4 data disk (qcow2) the guest mounts at /data
 #   image.json     what was built from what
 # Usage: build-tiny.sh OUT KERNEL_VERSION DISK_MIB
@@ -32,7 +32,7 @@ done
 
 # Modules in dependency order (modprobe --show-depends), de-duplicated.
 mods=()
-for m in virtio_mmio virtio_console virtio_blk virtio-rng ext4; do
+for m in virtio_mmio virtio_console virtio_blk virtio-rng virtio_net ext4; do
   while read -r _ path _; do
     mods+=("$path")
   done < <(modprobe -S "$kver" --show-depends "$m" | grep '^insmod')
@@ -99,6 +99,14 @@ for arg in $(cat /proc/cmdline); do
 done
 hostname "$hn"
 ip link set lo up 2>/dev/null
+# The NIC: QEMU user networking (slirp, restrict=on) inside the sandbox's own network
+# namespace on the host, so nothing outside the VM answers (issue #9). Static address: slirp's
+# defaults (guest 10.0.2.15, gateway 10.0.2.2), no DHCP round trip under TCG.
+if [ -e /sys/class/net/eth0 ]; then
+  ip link set eth0 up
+  ip addr add 10.0.2.15/24 dev eth0
+  ip route add default via 10.0.2.2
+fi
 [ -b /dev/vda ] && mount -t ext4 -o noatime /dev/vda /data
 port=
 for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do

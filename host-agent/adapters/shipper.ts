@@ -4,7 +4,7 @@
 // materialised into a directory the VMM driver opens like one of its own.
 import { execFile } from 'node:child_process';
 import { promisify } from 'node:util';
-import { access, mkdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { access, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
@@ -14,6 +14,8 @@ import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
 import type { TrustedKeys } from '../domain/tickets.ts';
 import { fetchSnapshot } from '../domain/transfer.ts';
+import { collectGarbage } from '../domain/snapshot-store-gc.ts';
+import type { GcResult } from '../domain/snapshot-store-gc.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
 import type { MaterialisedSnapshot, Materialiser } from './chunkstore/materialise.ts';
 import { PeerChunkSource } from './peer/client.ts';
@@ -42,7 +44,12 @@ export interface ShipperDeps {
   scratchDir: string;
   log: Logger;
   chunkSize: number;
+  /** Unreferenced chunks younger than this survive a GC (default 60 s). */
+  gcGraceMs?: number;
 }
+
+/** Marks a VMM snapshot directory whose snapshot was deleted while something still used it. */
+const DELETED_MARKER = '.deleted';
 
 async function exists(p: string): Promise<boolean> {
   return access(p).then(
@@ -54,6 +61,8 @@ async function exists(p: string): Promise<boolean> {
 export class ChunkStoreShipper implements SnapshotShipper {
   /** Snapshots whose every chunk is here (the heartbeat reports them). */
   private readonly complete = new Set<string>();
+  private gcRun: Promise<unknown> = Promise.resolve();
+  private lastGc: GcResult | undefined;
 
   constructor(private readonly deps: ShipperDeps) {}
 
@@ -201,10 +210,51 @@ export class ChunkStoreShipper implements SnapshotShipper {
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
   }
 
+  /**
+   * Deletes a snapshot from this host: its manifest at once (its chunks go at the GC that
+   * follows), its VMM directory as soon as nothing uses it. A VM restored from it, or a
+   * later snapshot's disk layer backed by it, keeps the directory; a `.deleted` marker
+   * makes a later GC remove it once free (also after an agent restart).
+   */
   async remove(snapshotId: string): Promise<void> {
     this.complete.delete(snapshotId);
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
-    if (await exists(own)) await this.deps.driver.deleteSnapshot(await this.deps.driver.openSnapshot(own));
+    if (await exists(own)) await writeFile(join(own, DELETED_MARKER), '');
     await this.deps.manifests.delete(snapshotId);
+    await this.collectGarbage();
+  }
+
+  /** Bytes the chunk store held after the last GC. */
+  storedBytes(): number {
+    return this.lastGc?.keptBytes ?? 0;
+  }
+
+  /**
+   * One GC pass (one at a time): VMM directories of deleted snapshots that nothing uses
+   * any more, materialised images without manifest or lease, then chunks that no
+   * manifest, running VM or in-flight transfer reaches (snapshot-store-gc.ts).
+   */
+  collectGarbage(): Promise<GcResult> {
+    const run = async (): Promise<GcResult> => {
+      const dirs: string[] = [];
+      for (const id of await readdir(this.deps.driverSnapshotsDir).catch(() => [] as string[])) {
+        const dir = join(this.deps.driverSnapshotsDir, id);
+        if (!(await exists(join(dir, DELETED_MARKER)))) continue;
+        try {
+          await this.deps.driver.deleteSnapshot(await this.deps.driver.openSnapshot(dir));
+          dirs.push(id);
+        } catch (e) {
+          this.deps.log.debug({ snapshotId: id, err: String(e) }, 'deleted snapshot still in use on this host; kept for now');
+        }
+      }
+      const images = await this.deps.materialiser.prune(await this.deps.driver.snapshotsInUse());
+      const gc = await collectGarbage({ chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, clock: { now: () => new Date() }, graceMs: this.deps.gcGraceMs ?? 60_000, log: this.deps.log });
+      this.lastGc = gc;
+      if (dirs.length || images.length) this.deps.log.info({ snapshotDirs: dirs, images }, 'deleted snapshots removed from disk');
+      return gc;
+    };
+    const next = this.gcRun.catch(() => undefined).then(run);
+    this.gcRun = next;
+    return next;
   }
 }

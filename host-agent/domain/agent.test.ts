@@ -21,7 +21,7 @@ function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper>
   const journal = new MemJournal();
   const agent = new Agent({
     driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
-    shipper: { held: () => [], ...shipper } as SnapshotShipper,
+    shipper: { held: () => [], storedBytes: () => 0, ...shipper } as SnapshotShipper,
     bus: {} as AgentBus,
     journal,
     images: () => Promise.reject(new Error('no images in this test')),

@@ -8,7 +8,7 @@
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { durationFromMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
-import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock } from './vmm.ts';
+import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock, NetworkPolicySpec } from './vmm.ts';
 import {
   HeartbeatSchema,
   HostEventSchema,
@@ -32,6 +32,7 @@ import type {
 import { VmState as PbVmState, HostEventType } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { Accel, ErrorInfoSchema } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import type { GuestHook } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
 
 /** Control-plane transport of the agent (adapters/nats). */
@@ -63,7 +64,12 @@ export interface SnapshotShipper {
   /** The local snapshot directory, fetching missing chunks from peers and materialising first when needed. */
   obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }>;
   held(): HeldSnapshot[];
+  /** Deletes the snapshot here; what still uses it keeps its files until the next GC after. */
   remove(snapshotId: string): Promise<void>;
+  /** Frees what nothing reaches any more (chunks, images, deleted snapshots' directories). */
+  collectGarbage(): Promise<unknown>;
+  /** Bytes the chunk store held after the last GC. */
+  storedBytes(): number;
 }
 
 export interface AgentConfig {
@@ -75,7 +81,12 @@ export interface AgentConfig {
   heartbeatMs: number;
   /** Steps run at once. */
   concurrency: number;
+  /** How often the chunk store is garbage-collected (it also runs after every snapshot delete). 0: never. */
+  gcIntervalMs?: number;
 }
+
+/** Resident memory of a process in bytes, or undefined when it is gone. */
+export type RssProbe = (pid: number) => number | undefined;
 
 /** CPU seconds a process has used so far (user + system), or undefined when it is gone. */
 export type CpuProbe = (pid: number) => number | undefined;
@@ -84,6 +95,8 @@ export interface AgentDeps {
   driver: VmmDriver;
   /** For idle detection (adapters read /proc). Absent: idleness is judged by calls only. */
   cpu?: CpuProbe;
+  /** For the memory the host's VMs use (heartbeat; adapters read /proc). */
+  rss?: RssProbe;
   /** Guest CPU (fraction of one core) under which a VM counts as idle. Default 0.15. */
   idleCpuThreshold?: number;
   shipper: SnapshotShipper;
@@ -142,6 +155,13 @@ export class Agent {
     this.heartbeat();
     const t = setInterval(() => this.heartbeat(), this.deps.config.heartbeatMs);
     this.stops.push(() => clearInterval(t));
+    const gcEvery = this.deps.config.gcIntervalMs ?? 0;
+    if (gcEvery > 0) {
+      const gc = () => void this.deps.shipper.collectGarbage().catch((e: unknown) => this.log.warn({ err: e }, 'chunk gc failed'));
+      gc();
+      const g = setInterval(gc, gcEvery);
+      this.stops.push(() => clearInterval(g));
+    }
   }
 
   async stop(): Promise<void> {
@@ -153,7 +173,8 @@ export class Agent {
   }
 
   vmStatus(v: VmInfo): VmStatus {
-    return create(VmStatusSchema, { sandboxId: v.sandboxId || v.vmId, state: VM_STATE[v.state], pid: v.pid });
+    const rss = v.pid && this.deps.rss ? (this.deps.rss(v.pid) ?? 0) : 0;
+    return create(VmStatusSchema, { sandboxId: v.sandboxId || v.vmId, state: VM_STATE[v.state], pid: v.pid, rssBytes: BigInt(rss) });
   }
 
   private touch(vmId: string): void {
@@ -187,6 +208,7 @@ export class Agent {
     const allocated = vms.reduce((a, v) => ({ vcpus: a.vcpus + v.vcpus, memoryMib: a.memoryMib + v.memoryMib }), { vcpus: 0, memoryMib: 0 });
     this.seq += 1n;
     const accel = vms[0]?.accel ?? 'tcg';
+    const statuses = vms.map((v) => ({ ...this.vmStatus(v), idle: durationFromMs(Math.round(this.idleMs(v))) }));
     this.deps.bus.publishHeartbeat(
       create(HeartbeatSchema, {
         hostId: cfg.hostId,
@@ -195,7 +217,10 @@ export class Agent {
         time: { seconds: BigInt(Math.floor(this.deps.clock.now() / 1000)) },
         capacity: { vcpus: cfg.capacity.vcpus, memoryMib: BigInt(cfg.capacity.memoryMib), diskMib: BigInt(cfg.capacity.diskMib) },
         allocated: { vcpus: allocated.vcpus, memoryMib: BigInt(allocated.memoryMib) },
-        vms: vms.map((v) => ({ ...this.vmStatus(v), idle: durationFromMs(Math.round(this.idleMs(v))) })),
+        vms: statuses,
+        // What this host's VMs really use (resident memory), beside what is booked.
+        memoryUsedBytes: statuses.reduce((a, v) => a + v.rssBytes, 0n),
+        chunkStoreBytes: BigInt(this.deps.shipper.storedBytes()),
         snapshots: this.deps.shipper.held(),
         accel: accel === 'kvm' ? Accel.KVM : Accel.TCG,
         qemuVersion: this.deps.qemuVersion,
@@ -266,9 +291,10 @@ export class Agent {
     return result;
   }
 
-  private spec(v: VmSpec | undefined, field: string): Required<Pick<VmSpec, 'sandboxId' | 'hostname'>> & { vcpus: number; memoryMib: number } {
+  private spec(v: VmSpec | undefined, field: string): Required<Pick<VmSpec, 'sandboxId' | 'hostname'>> & { vcpus: number; memoryMib: number; network?: NetworkPolicySpec } {
     if (!v || !v.sandboxId) throw new ForkfleetError('invalid_argument', `${field}: missing VM spec`, { field });
-    return { sandboxId: v.sandboxId, hostname: v.hostname || v.sandboxId, vcpus: v.resources?.vcpus || 1, memoryMib: Number(v.resources?.memoryMib ?? 256n) || 256 };
+    const network = v.network?.allowEgress ? { network: { allowEgress: true, allowCidrs: [...v.network.allowCidrs] } } : {};
+    return { sandboxId: v.sandboxId, hostname: v.hostname || v.sandboxId, vcpus: v.resources?.vcpus || 1, memoryMib: Number(v.resources?.memoryMib ?? 256n) || 256, ...network };
   }
 
   private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
@@ -284,7 +310,7 @@ export class Agent {
         }
         if (existing) await driver.destroy(s.sandboxId);
         const image = await this.deps.images(work.value.image || 'tiny');
-        const vm = await driver.create({ vmId: s.sandboxId, image, memoryMib: s.memoryMib, vcpus: s.vcpus, hostname: s.hostname, sandboxId: s.sandboxId });
+        const vm = await driver.create({ vmId: s.sandboxId, image, memoryMib: s.memoryMib, vcpus: s.vcpus, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) });
         result.vms = [this.vmStatus(vm)];
         return;
       }
@@ -312,8 +338,10 @@ export class Agent {
             missing.push(s);
           }
         }
-        const made = missing.length ? await driver.fork(local, missing.map((s) => ({ vmId: s.sandboxId, hostname: s.hostname, sandboxId: s.sandboxId }))) : [];
-        result.vms = [...have, ...made].map((v) => this.vmStatus(v));
+        const made = missing.length ? await driver.fork(local, missing.map((s) => ({ vmId: s.sandboxId, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) }))) : [];
+        const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
+        const reports = new Map(await Promise.all(made.map(async (v) => [v.vmId, await this.runHooks(v.vmId, hooks.get(v.vmId) ?? [], log)] as const)));
+        result.vms = [...have, ...made].map((v) => ({ ...this.vmStatus(v), reason: reports.get(v.vmId) ?? '' }));
         log.info({ children: made.length, reused: have.length, bytesFetched }, 'restored');
         return;
       }
@@ -326,7 +354,8 @@ export class Agent {
       case 'resumeVm': {
         const vm = this.vmOf(work.value.sandboxId);
         if (vm.state !== 'running') await driver.resume(vm.vmId);
-        result.vms = [this.vmStatus(this.vmOf(vm.vmId))];
+        const reason = await this.runHooks(vm.vmId, work.value.afterResume, log);
+        result.vms = [{ ...this.vmStatus(this.vmOf(vm.vmId)), reason }];
         return;
       }
       case 'destroyVm': {
@@ -345,6 +374,28 @@ export class Agent {
       default:
         throw new ForkfleetError('failed_precondition', `this agent does not support ${String(work.case)} work`);
     }
+  }
+
+  /**
+   * The user's after_resume hooks, in order, in the guest. A failing hook doesn't fail the
+   * restore or resume (the sandbox is healthy; the user's step is not): the first failure
+   * is returned as a report for the sandbox's state_reason, and the rest still run.
+   */
+  private async runHooks(vmId: string, hooks: readonly GuestHook[], log: Logger): Promise<string> {
+    const failures: string[] = [];
+    for (const [i, h] of hooks.entries()) {
+      const [path, ...args] = h.argv;
+      if (!path) continue;
+      const timeoutMs = h.timeout ? Number(h.timeout.seconds) * 1000 + Math.floor(h.timeout.nanos / 1e6) : 30_000;
+      try {
+        const r = await this.deps.driver.exec(vmId, { path, args, timeoutMs });
+        if (r.exitCode !== 0) failures.push(`after_resume[${i}] ${path} exited ${r.exitCode}: ${r.stderr.toString('utf8').trim().slice(0, 200)}`);
+      } catch (e) {
+        failures.push(`after_resume[${i}] ${path} failed: ${e instanceof Error ? e.message : String(e)}`);
+      }
+    }
+    if (failures.length) log.warn({ sandboxId: vmId, failures }, 'after_resume hook failed');
+    return failures.join('; ');
   }
 
   private vmOf(sandboxId: string): VmInfo {

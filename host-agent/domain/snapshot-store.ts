@@ -34,6 +34,8 @@ export interface SweepStats {
   readonly scanned: number;
   readonly deleted: number;
   readonly freedBytes: number;
+  /** Bytes of the chunks still stored after the sweep. */
+  readonly keptBytes: number;
 }
 
 export interface ChunkStore {

@@ -19,6 +19,16 @@ export interface GuestImage {
   readyMarker: string;
 }
 
+/**
+ * A sandbox's network policy (proto NetworkPolicy). Every VM has a NIC in a network namespace
+ * of its own; without allowEgress nothing outside the VM is reachable. With it, only
+ * allowCidrs (empty: any address) and never the host's own namespace or the driver's deny list.
+ */
+export interface NetworkPolicySpec {
+  allowEgress: boolean;
+  allowCidrs: string[];
+}
+
 export interface CreateVmSpec {
   vmId: string;
   image: GuestImage;
@@ -26,12 +36,16 @@ export interface CreateVmSpec {
   vcpus: number;
   hostname?: string;
   sandboxId?: string;
+  /** Default: no egress. */
+  network?: NetworkPolicySpec;
 }
 
 export interface CloneSpec {
   vmId: string;
   hostname?: string;
   sandboxId?: string;
+  /** Default: no egress (a clone does not inherit its parent's policy). */
+  network?: NetworkPolicySpec;
 }
 
 /**
@@ -143,6 +157,12 @@ export interface VmmDriver {
   fork(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]>;
   destroy(vmId: string): Promise<void>;
   deleteSnapshot(snapshot: LocalSnapshot): Promise<void>;
+  /**
+   * Snapshots whose files something on this host still needs: a VM maps its memory image or
+   * stands on its disk layer, or a local snapshot's disk layer is backed by it. Their
+   * files must stay even after the snapshot is deleted.
+   */
+  snapshotsInUse(): Promise<Set<string>>;
   get(vmId: string): VmInfo | undefined;
   list(): VmInfo[];
   onEvent(listener: (e: VmEvent) => void): () => void;

@@ -185,6 +185,11 @@ export class FakeVmmDriver implements VmmDriver {
     return Promise.resolve();
   }
 
+  /** Fake snapshots have no files that depend on each other. */
+  snapshotsInUse(): Promise<Set<string>> {
+    return Promise.resolve(new Set());
+  }
+
   get(vmId: string): VmInfo | undefined {
     return this.vms.get(vmId);
   }

@@ -6,12 +6,14 @@
 // Environment: FF_FAKE_HOSTS (comma-separated host ids, or FF_FAKE_HOST_COUNT + FF_FAKE_HOST_PREFIX),
 // FF_DATA_DIR (one sub-directory per host), FF_HEARTBEAT_INTERVAL_MS (500),
 // FF_FAKE_VCPUS (64), FF_FAKE_MEMORY_MIB (262144), FF_FAKE_CREATE_MS, FF_FAKE_RESTORE_MS_PER_VM,
-// FF_FAKE_SNAPSHOT_MS, FF_FAKE_FETCH_MS, FF_FAKE_DESTROY_MS (all 0), FF_STEP_CONCURRENCY (16).
+// FF_FAKE_SNAPSHOT_MS, FF_FAKE_FETCH_MS, FF_FAKE_DESTROY_MS (all 0), FF_STEP_CONCURRENCY (16),
+// FF_NATS_NKEY_FILE + FF_NATS_INBOX_PREFIX (NATS authorization; see hostGroupPermissions).
 // Prints {"ready":true,...} on stdout once every agent consumes work; SIGTERM stops them.
 import { join } from 'node:path';
 import { connect } from 'nats';
 import { pino } from 'pino';
 import { startFakeAgent } from './fake-agent.ts';
+import { nkeyConnectOptions } from '../../services/adapters/nats/auth.ts';
 import type { FakeAgent } from './fake-agent.ts';
 
 const env = process.env;
@@ -28,7 +30,15 @@ async function main(): Promise<void> {
   const dataDir = env.FF_DATA_DIR;
   if (!dataDir) throw new Error('FF_DATA_DIR: required');
   const log = pino({ level: env.FF_LOG_LEVEL ?? 'warn', base: { component: 'fake-agent' } });
-  const nc = await connect({ servers: env.FF_NATS_URL ?? 'nats://127.0.0.1:4222', name: `fake-agents-${process.pid}`, maxReconnectAttempts: -1, reconnectTimeWait: 250 });
+  const nc = await connect({
+    servers: env.FF_NATS_URL ?? 'nats://127.0.0.1:4222',
+    name: `fake-agents-${process.pid}`,
+    maxReconnectAttempts: -1,
+    reconnectTimeWait: 250,
+    // With NATS authorization: a user made with hostGroupPermissions(hosts, FF_NATS_INBOX_PREFIX).
+    ...(env.FF_NATS_NKEY_FILE ? nkeyConnectOptions(env.FF_NATS_NKEY_FILE) : {}),
+    ...(env.FF_NATS_INBOX_PREFIX ? { inboxPrefix: env.FF_NATS_INBOX_PREFIX } : {}),
+  });
   const latency = {
     createMs: num('FF_FAKE_CREATE_MS', 0),
     restoreMsPerVm: num('FF_FAKE_RESTORE_MS_PER_VM', 0),

@@ -71,4 +71,11 @@ export class FakeShipper implements SnapshotShipper {
     const dir = join(this.driver.snapshotsDir, snapshotId);
     if (existsSync(dir)) await this.driver.deleteSnapshot({ dir, manifest: (await this.driver.openSnapshot(dir)).manifest });
   }
+
+  /** A fake host stores no chunks: nothing to collect. */
+  async collectGarbage(): Promise<void> {}
+
+  storedBytes(): number {
+    return 0;
+  }
 }

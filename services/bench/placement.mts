@@ -21,7 +21,6 @@ import { waitFor } from '../testkit/proc.ts';
 import { startFakeAgents, startSchedulerProcess } from '../testkit/fleet-procs.ts';
 import type { SchedulerProcess } from '../testkit/fleet-procs.ts';
 import { loadSigningKey } from '../scheduler.ts';
-import { createClient } from '../adapters/grpc/rpc.ts';
 import { FleetService, OperationState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../../proto/gen/forkfleet/v1/common_pb.ts';
@@ -58,7 +57,7 @@ try {
   await waitFor('leader elected', async () => (await Promise.all(scheds.map((s) => s.isLeader()))).some(Boolean), 20_000, 50);
   const leaders = await Promise.all(scheds.map((s) => s.isLeader()));
   const apiSched = scheds[leaders.indexOf(false)] ?? scheds[0]!;
-  const api = createClient(FleetService, apiSched.api);
+  const api = apiSched.credentials.client(FleetService, apiSched.api);
   await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === HOSTS, 60_000, 200);
   const tenantId = 'bench';
   let k = 0;

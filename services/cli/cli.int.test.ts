@@ -94,6 +94,31 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect((await json<unknown[]>(['sandbox', 'ls'])).length).toBe(0);
   }, 360_000);
 
+  it('credentials_tenantTokenActsOnlyForItsTenant_noTokenIsUnauthenticated_withHints', async () => {
+    // fleet:up wrote credentials.json (admin, found by default) and dev-credentials.json (tenant dev).
+    const dev = ['--credentials', `${DIR}/dev-credentials.json`];
+    const mine = await cli(['--json', ...dev, 'sandbox', 'ls'], { FF_TENANT: '' });
+    expect(mine.code, mine.stderr).toBe(0);
+    expect(JSON.parse(mine.stdout)).toEqual([]);
+    const hosts = await cli([...dev, 'hosts', 'ls'], { FF_TENANT: '' });
+    expect(hosts.code).toBe(1);
+    expect(hosts.stderr).toContain('permission_denied');
+    expect(hosts.stderr).toContain('admin credential');
+    const other = await cli([...dev, '--tenant', 'cli', 'sandbox', 'ls']);
+    expect(other.code).toBe(1);
+    expect(other.stderr).toContain('permission_denied');
+    expect(other.stderr).toContain('drop --tenant');
+    const api = (await json<{ api: string[] }>(['fleet', 'status', '--dir', DIR])).api.join(',');
+    const anon = await cli(['--api', api, 'sandbox', 'ls'], { FF_FLEET_DIR: '/nonexistent', FF_CA: `${DIR}/pki/ca.crt` });
+    expect(anon.code).toBe(1);
+    expect(anon.stderr).toContain('unauthenticated');
+    expect(anon.stderr).toContain('FF_TOKEN');
+    // Without the CA the server's certificate is not trusted: no call is made at all.
+    const untrusted = await cli(['--api', api, 'sandbox', 'ls'], { FF_FLEET_DIR: '/nonexistent' });
+    expect(untrusted.code).toBe(69);
+    expect(untrusted.stderr).toContain('FF_CA');
+  }, 120_000);
+
   it('sdkExample_bestOfN_keepsTheBestChildAndDestroysTheRest', async () => {
     const r = await new Promise<Run>((res) => {
       const p = spawn(process.execPath, ['--import', 'tsx', 'services/sdk/examples/best-of-n.ts', '--n', '3', '--tenant', 'sdk-example'], { cwd: ROOT, env: { ...process.env, FF_FLEET_DIR: DIR }, stdio: ['ignore', 'pipe', 'pipe'] });

@@ -9,6 +9,12 @@ describe('CLI hints', () => {
   it('hintFor_notFoundAndUnavailable_sayWhatToDoNext', () => {
     expect(hintFor({ kind: 'not_found', message: 'x' }, 'a:1')).toContain('forkfleet sandbox ls');
     expect(hintFor({ kind: 'unavailable', message: 'x' }, 'a:1')).toContain('npm run fleet:up');
+    expect(hintFor({ kind: 'unavailable', message: 'No connection established. Last error: Error: unable to verify the first certificate' }, 'a:1')).toContain('FF_CA');
+    expect(hintFor({ kind: 'unauthenticated', message: 'no credentials' }, 'a:1')).toContain('FF_TOKEN');
+    expect(hintFor({ kind: 'permission_denied', message: 'x', field: 'tenant_id' }, 'a:1')).toContain('drop --tenant');
+    expect(hintFor({ kind: 'permission_denied', message: 'x' }, 'a:1')).toContain('admin credential');
+    expect(hintFor({ kind: 'resource_exhausted', message: 'x', field: 'quotas.sandboxes' }, 'a:1')).toContain('quota');
+    expect(hintFor({ kind: 'resource_exhausted', message: 'x', field: 'rate' }, 'a:1')).toContain('too many requests');
     expect(exitCodeFor({ kind: 'unavailable', message: 'x' })).toBe(69);
   });
   it('defaultApi_prefersFF_API_thenTheLocalFleet_thenTheDefaultPort', () => {

@@ -36,20 +36,25 @@ export function hintFor(e: ErrorLike, api: string): string {
     case 'not_found':
       return 'list what exists with `forkfleet sandbox ls` (or `forkfleet snapshot ls`, `forkfleet hosts ls`); ids are per tenant, so check --tenant too';
     case 'unavailable':
+      if (/certificate|ssl|tls|handshake/i.test(e.message)) return "the scheduler's TLS certificate is not trusted: set FF_CA to its CA (the local fleet's is <fleet dir>/pki/ca.crt) or use --credentials";
       return `is the fleet up at ${api}? start one with \`npm run fleet:up\` (or \`forkfleet fleet up\`), or point --api / FF_API at a scheduler`;
     case 'deadline_exceeded':
       return 'the call took too long; the operation may still finish: check with `forkfleet sandbox ls`, or retry with a larger --timeout';
     case 'failed_precondition':
       return 'the sandbox or snapshot is in the wrong state for this; see its state with `forkfleet sandbox ls`';
     case 'resource_exhausted':
+      if (e.field?.startsWith('quotas.')) return "your tenant's quota is used up: destroy sandboxes (`forkfleet sandbox destroy`) or delete snapshots, or ask an admin for a larger quota";
+      if (e.field === 'rate') return 'too many requests for your tenant; wait a moment and run the command again';
+      if (e.field === 'streams') return 'too many exec/file/watch streams open with this credential; let some finish';
       return 'no capacity: free some with `forkfleet sandbox destroy`, ask for less (--memory), or add hosts; see `forkfleet hosts ls`';
     case 'already_exists':
       return 'it exists already; reuse it, or pass a new --idempotency-key';
     case 'aborted':
       return 'a concurrent change conflicted; run the command again';
     case 'unauthenticated':
+      return 'no valid credential: set FF_TOKEN and FF_CA, or --credentials FILE (the local fleet writes credentials.json in its directory)';
     case 'permission_denied':
-      return 'check --tenant and your credentials';
+      return e.field === 'tenant_id' ? "your credential acts for its own tenant only: drop --tenant (or FF_TENANT)" : 'this needs an admin credential';
     case 'cancelled':
       return 'the call was cancelled';
     default:

@@ -14,6 +14,7 @@ const ROOT = resolve(import.meta.dirname, '..', '..');
 interface Globals {
   api: string;
   tenant: string;
+  credentials?: string;
   json: boolean;
   timeout?: string;
   idempotencyKey?: string;
@@ -25,7 +26,8 @@ function globals(cmd: Command): Globals {
 }
 function client(cmd: Command): Forkfleet {
   const g = globals(cmd);
-  clientCache ??= new Forkfleet({ address: g.api, tenant: g.tenant });
+  // TLS; token and CA from --credentials, FF_TOKEN / FF_CA, FF_CREDENTIALS or the local fleet's credentials.json.
+  clientCache ??= new Forkfleet({ address: g.api, ...(g.tenant ? { tenant: g.tenant } : {}), ...(g.credentials ? { credentialsFile: g.credentials } : {}) });
   return clientCache;
 }
 
@@ -114,7 +116,8 @@ export function buildProgram(): Command {
   const program = new Command('forkfleet')
     .description('Forkfleet: fork, snapshot and run AI-agent sandboxes on a fleet of QEMU microVMs')
     .addOption(new Option('--api <host:port>', 'scheduler API address (comma-separate several)').default(defaultApi(), 'FF_API, the local fleet, or 127.0.0.1:17700'))
-    .addOption(new Option('--tenant <id>', 'tenant').default(process.env.FF_TENANT ?? 'default', 'FF_TENANT or default'))
+    .addOption(new Option('--tenant <id>', 'tenant (only admin credentials may name another than their own)').default(process.env.FF_TENANT ?? '', "FF_TENANT, else the credential's tenant"))
+    .option('--credentials <file>', 'JSON credentials file {token, ca, tenant} (FF_CREDENTIALS; default: the local fleet\'s credentials.json)')
     .option('--json', 'print one JSON document on stdout', false)
     .option('--timeout <duration>', 'how long to wait for operations, e.g. 5m')
     .option('--idempotency-key <key>', 'reuse a key so that repeating this command does nothing twice')
@@ -161,6 +164,38 @@ export function buildProgram(): Command {
       out(cmd, { dir: fleetDir(o), startedAt: st.state.startedAt, api: st.state.apiAddresses, metrics: st.state.metricsAddresses, procs, hosts: st.hosts }, () =>
         `fleet in ${fleetDir(o)}, up since ${st.state.startedAt}; API ${st.state.apiAddresses.join(', ')}\n` +
         table([['PROCESS', 'PID', 'ALIVE', 'NETNS'], ...procs.map((p) => [p.name, String(p.pid), p.alive ? 'up' : 'DOWN', p.netns ?? '-'])]));
+    });
+
+  // ----- token
+  const token = program.command('token').description('API credentials (bearer tokens, stored hashed)');
+  token
+    .command('mint')
+    .description('add a token for --tenant to a tokens file (FF_TOKENS_FILE of the schedulers) and print it: the only time it is shown')
+    .option('--tokens-file <file>', 'tokens file (FF_TOKENS_FILE, else <fleet dir>/keys/tokens.json)')
+    .option('--admin', 'may list, cordon and drain hosts, and act for any tenant', false)
+    .option('--name <name>', 'a note stored with the hash')
+    .option('--sandboxes <n>', 'quota: sandboxes', intArg('--sandboxes', 0, 1 << 30))
+    .option('--memory-mib <n>', 'quota: memory of live sandboxes, MiB', intArg('--memory-mib', 0, 2 ** 40))
+    .option('--snapshot-bytes <n>', 'quota: stored snapshot bytes', intArg('--snapshot-bytes', 0, Number.MAX_SAFE_INTEGER))
+    .option('--rate <per_s>', 'rate limit, requests per second', intArg('--rate', 1, 1_000_000))
+    .option('--burst <n>', 'rate limit burst', intArg('--burst', 1, 1_000_000))
+    .action(async (o: { tokensFile?: string; admin: boolean; name?: string; sandboxes?: number; memoryMib?: number; snapshotBytes?: number; rate?: number; burst?: number }, cmd: Command) => {
+      const { mintToken } = await import('../auth/tokens.ts');
+      const g = globals(cmd);
+      if (!g.tenant) throw new ForkfleetError('invalid_argument', '--tenant: name the tenant the token acts for', { field: '--tenant' });
+      const file = o.tokensFile ?? process.env.FF_TOKENS_FILE ?? resolve(fleetDir({}), 'keys', 'tokens.json');
+      const quotas = { ...(o.sandboxes !== undefined ? { sandboxes: o.sandboxes } : {}), ...(o.memoryMib !== undefined ? { memory_mib: o.memoryMib } : {}), ...(o.snapshotBytes !== undefined ? { snapshot_bytes: o.snapshotBytes } : {}) };
+      const t = mintToken(file, {
+        tenant: g.tenant,
+        admin: o.admin,
+        ...(o.name ? { name: o.name } : {}),
+        ...(Object.keys(quotas).length ? { quotas } : {}),
+        ...(o.rate !== undefined ? { rate: { per_s: o.rate, ...(o.burst !== undefined ? { burst: o.burst } : {}) } } : {}),
+      });
+      out(cmd, { tenant: g.tenant, admin: o.admin, token: t, tokensFile: file }, () => `${t}
+`);
+      if (!g.json) process.stderr.write(`token for tenant ${g.tenant}${o.admin ? ' (admin)' : ''} added to ${file}; it is not stored in clear anywhere: keep it now (FF_TOKEN=...)
+`);
     });
 
   // ----- sandbox

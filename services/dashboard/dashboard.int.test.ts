@@ -13,6 +13,7 @@ import type { FleetState } from '../../deploy/fleet/fleet.ts';
 import { Forkfleet } from '../sdk/index.ts';
 import type { Sandbox } from '../sdk/index.ts';
 import { dashboardHandler, metricsFromUrls } from './handler.ts';
+import { resolveClientCredentials } from '../auth/client-credentials.ts';
 import type { DashboardHandler } from './handler.ts';
 
 const DIR = '/var/lib/ffleet-ui';
@@ -33,9 +34,12 @@ describe('dashboard and metrics against a local fleet', () => {
   beforeAll(async () => {
     tmp = mkdtempSync('/tmp/ff-dash-');
     fleet = await up(defaultOptions({ hosts: 2, dir: DIR, prefix: 'ffui', basePort: 20700 }));
-    ff = new Forkfleet({ address: fleet.apiAddresses, tenant: 'dash' });
+    // The fleet's admin credential (credentials.json), acting for tenant 'dash'.
+    const credentialsFile = join(DIR, 'credentials.json');
+    ff = new Forkfleet({ address: fleet.apiAddresses, tenant: 'dash', credentialsFile });
     sb = await ff.create({ image: 'tiny', memoryMib: 256 });
-    handler = dashboardHandler({ api: fleet.apiAddresses, tenants: ['dash'], metrics: metricsFromUrls(fleet.metricsAddresses) });
+    const creds = resolveClientCredentials({ credentialsFile });
+    handler = dashboardHandler({ api: fleet.apiAddresses, tenants: ['dash'], metrics: metricsFromUrls(fleet.metricsAddresses), ...(creds.token ? { token: creds.token } : {}), ...(creds.caPem ? { ca: creds.caPem } : {}) });
     server = createServer((req, res) => {
       if (!handler(req, res)) res.writeHead(404).end();
     });

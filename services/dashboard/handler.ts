@@ -25,6 +25,12 @@ export interface DashboardDeps {
   basePath?: string;
   /** Push interval of the SSE stream. Default 1000 ms. */
   intervalMs?: number;
+  /**
+   * Credential and CA for the API (TLS). Default: the SDK's discovery (FF_TOKEN, FF_CA, the
+   * credentials file). It needs an admin credential to list hosts and other tenants.
+   */
+  token?: string;
+  ca?: string | Buffer;
 }
 
 export interface Transfer {
@@ -85,7 +91,7 @@ const TRANSITIONAL = new Set(['pending', 'starting', 'waking']);
 export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   const base = (deps.basePath ?? '/dashboard').replace(/\/$/, '');
   const tenants = deps.tenants ?? (process.env.FF_DASHBOARD_TENANTS ?? 'default').split(',').map((t) => t.trim()).filter(Boolean);
-  const clients = new Map(tenants.map((t) => [t, new Forkfleet({ address: deps.api, tenant: t, timeoutMs: 3000, retry: { attempts: 1 } })]));
+  const clients = new Map(tenants.map((t) => [t, new Forkfleet({ address: deps.api, tenant: t, timeoutMs: 3000, retry: { attempts: 1 }, ...(deps.token !== undefined ? { token: deps.token } : {}), ...(deps.ca !== undefined ? { ca: deps.ca } : {}) })]));
   const first = clients.values().next().value as Forkfleet;
   const interval = deps.intervalMs ?? 1000;
   const events: EventInfo[] = [];

@@ -9,7 +9,7 @@
 import { create, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
-import type { HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
+import type { HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { canTransition, isTerminal } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostWorkSchema, VmSpecSchema } from './messages.ts';
@@ -21,6 +21,7 @@ import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
+import { planRetention } from './retention.ts';
 import { isForkfleetError } from '../../proto/errors.ts';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
@@ -33,6 +34,8 @@ export interface ExecutorConfig {
   stepAttempts: number;
   chunkBytes: number;
   placement?: PlacementConfig;
+  /** How long before a retention deletion its SNAPSHOT_EXPIRING event is sent (default 10 min). */
+  expiryNoticeMs?: number;
 }
 
 /** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
@@ -58,6 +61,10 @@ export interface ExecutorDeps {
 }
 
 type Waiter = { resolve: (r: HostResultMsg | undefined) => void };
+
+function hooksOf(sb: SandboxRec): Array<{ argv: string[]; timeout: { seconds: bigint; nanos: number } }> {
+  return (sb.afterResume ?? []).map((h) => ({ argv: h.argv, timeout: { seconds: BigInt(Math.floor(h.timeoutMs / 1000)), nanos: (h.timeoutMs % 1000) * 1e6 } }));
+}
 
 const ZERO: ResourcesRec = { vcpus: 0, memoryMib: 0, diskMib: 0 };
 
@@ -179,6 +186,7 @@ export class Executor {
       if (lifecycleBusy) return;
       lifecycleBusy = true;
       this.reconcileLifecycles()
+        .then(() => this.reconcileRetention())
         .catch((e: unknown) => this.log.warn({ err: e }, 'lifecycle reconcile failed'))
         .finally(() => (lifecycleBusy = false));
     }, 2000);
@@ -478,7 +486,7 @@ export class Executor {
     const now = this.deps.clock.now();
     const writes: StoreWrite[] = sbs.map(({ rec, rev }) => {
       const next = structuredClone(rec);
-      this.setState(next, 'running', now);
+      this.setState(next, 'running', now, rec.stateReason);
       next.opId = '';
       next.updatedAt = now;
       return { kind: 'sandbox', value: next, expectRevision: rev };
@@ -486,7 +494,7 @@ export class Executor {
     if (writes.length && (await this.commit(writes))) return;
     for (const { rec } of sbs) {
       await this.updateSandbox(rec.tenantId, rec.id, (s) => {
-        this.setState(s, 'running', now);
+        this.setState(s, 'running', now, rec.stateReason);
         s.opId = '';
       });
     }
@@ -548,8 +556,17 @@ export class Executor {
       sandboxId: sb.id,
       hostname: sb.hostname,
       resources: { vcpus: sb.resources.vcpus, memoryMib: BigInt(sb.resources.memoryMib), diskMib: BigInt(sb.resources.diskMib) },
-      network: { allowEgress: sb.allowEgress },
+      network: { allowEgress: sb.allowEgress, allowCidrs: sb.allowCidrs ?? [] },
+      afterResume: hooksOf(sb),
     });
+  }
+
+  /**
+   * The stateReason a restore or resume leaves: the agent's report of a failed
+   * after_resume hook (the sandbox runs regardless), else empty.
+   */
+  private static hookReport(r: HostResultMsg | undefined, sandboxId: string): string {
+    return r?.vms.find((v) => v.sandboxId === sandboxId)?.reason ?? '';
   }
 
   private async runCreate(op: OperationRec): Promise<void> {
@@ -711,9 +728,9 @@ export class Executor {
     const target: SandboxState = op.kind === 'pause' ? 'paused' : 'running';
     if (sb.state !== target) {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
-      await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? { case: 'pauseVm', value: { sandboxId: sb.id } as never } : { case: 'resumeVm', value: { sandboxId: sb.id } as never });
+      const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? { case: 'pauseVm', value: { sandboxId: sb.id } as never } : { case: 'resumeVm', value: { sandboxId: sb.id, afterResume: hooksOf(sb) } as never });
       const now = this.deps.clock.now();
-      await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, target, now));
+      await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, target, now, op.kind === 'resume' ? Executor.hookReport(r, sb.id) : ''));
     }
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
@@ -735,7 +752,9 @@ export class Executor {
       });
     }
     if (sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
-    const sn = await this.snapshotOf(op, sb.id, input.snapshotId, { labels: { 'forkfleet.io/hibernation': sb.id } });
+    // keep_last 1: an older hibernation snapshot of the lineage is pruned once no live
+    // sandbox uses it (the current one is in use while the sandbox lives).
+    const sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { 'forkfleet.io/hibernation': sb.id } });
     await this.step(op, 'stop', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
     // Durability: copy the snapshot to more hosts, best effort (it is already safe on one).
     const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
@@ -810,8 +829,9 @@ export class Executor {
       );
     }
     const fetch = this.fetchPlan(snv.value, hostId, input.transferSource);
+    let woke: HostResultMsg;
     try {
-      await this.step(op, `wake/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
+      woke = await this.step(op, `wake/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
     } catch (e) {
       if (this.active) {
         await this.updateSandbox(sb.tenantId, sb.id, (s) => {
@@ -825,18 +845,25 @@ export class Executor {
     }
     if (fetch) await this.addHolder(sb.tenantId, snapshotId, hostId);
     await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-      this.setState(s, 'running', this.deps.clock.now());
+      this.setState(s, 'running', this.deps.clock.now(), Executor.hookReport(woke, sb.id));
       s.hostId = hostId;
-      s.stateReason = '';
       s.opId = '';
     });
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
 
   private async runDestroy(op: OperationRec): Promise<void> {
-    const sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+    let sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+    // A hibernate or wake in flight owns the VM: let it finish (it is bounded by its steps'
+    // timeouts), then destroy what it left.
+    const until = this.deps.clock.now() + this.deps.config.stepTimeoutMs * this.deps.config.stepAttempts;
+    while (sbv && (sbv.value.state === 'hibernating' || sbv.value.state === 'waking') && this.active && this.deps.clock.now() < until) {
+      await new Promise((r) => setTimeout(r, 250));
+      sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+    }
     if (!sbv) throw new NotFoundError('sandbox', op.targetId);
     const sb = sbv.value;
+    if (sb.state === 'hibernating' || sb.state === 'waking') throw new WrongStateError('sandbox', sb.id, sb.state, 'still busy after the step timeout; retry the destroy');
     if (sb.state === 'destroyed') return this.finish(op, { sandboxIds: [sb.id] }, null);
     const heldCapacity = ['starting', 'running', 'paused', 'hibernating', 'destroying'].includes(sb.state);
     if (sb.state !== 'destroying') await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'destroying', this.deps.clock.now()));
@@ -853,10 +880,16 @@ export class Executor {
     const v = await this.deps.store.getSnapshot(op.tenantId, op.targetId);
     if (!v) throw new NotFoundError('snapshot', op.targetId);
     const sn = v.value;
+    if (sn.state === 'deleted') return this.finish(op, { snapshotId: sn.id }, null);
     if (sn.pinned) throw new WrongStateError('snapshot', sn.id, 'pinned', 'unpin it first');
+    const reason = (op.input as { reason?: string }).reason === 'expired' ? 'expired' : 'deleted';
+    // Nothing live loses its snapshot: a sandbox restored from it maps its memory image, a
+    // hibernated one lives in it.
+    const users = (await this.deps.store.listSandboxes(op.tenantId)).map((v) => v.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === sn.id || b.hibernationSnapshotId === sn.id));
+    if (users.length > 0) throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
     await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleting' } }]);
     await Promise.all(sn.hostIds.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
-    await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleted', hostIds: [] } }]);
+    await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleted', hostIds: [], deletedReason: reason } }]);
     await this.finish(op, { snapshotId: sn.id }, null);
   }
 
@@ -870,6 +903,8 @@ export class Executor {
       placement?: PlacementPrefs;
       labels?: Record<string, string>;
       ttlMs?: number | null;
+      afterResume?: HookRec[] | null;
+      idleTimeoutMs?: number | null;
       forkSnapshotId?: string;
     };
     // 1. The snapshot: given, or taken now from the live sandbox (recorded so a re-run reuses it).
@@ -915,8 +950,10 @@ export class Executor {
               hostname: id,
               labels: input.labels ?? {},
               ttlMs: input.ttlMs ?? null,
-              idleTimeoutMs: source?.idleTimeoutMs ?? null,
+              idleTimeoutMs: input.idleTimeoutMs ?? source?.idleTimeoutMs ?? null,
+              afterResume: input.afterResume ?? source?.afterResume ?? [],
               allowEgress: source?.allowEgress ?? false,
+              allowCidrs: source?.allowCidrs ?? [],
               createdAt: now,
               updatedAt: now,
               runningMsBefore: 0,
@@ -964,14 +1001,15 @@ export class Executor {
         const vms = mine.map((c) => this.vmSpec(c.rec));
         const current = (await this.readSnapshot(op.tenantId, snapshotId))?.value ?? sn;
         const fetch = this.fetchPlan(current, hostId, src);
+        let restored: HostResultMsg;
         try {
-          await this.step(op, `restore/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
+          restored = await this.step(op, `restore/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
         } catch (e) {
           // A leader that stepped down leaves the children to the next one.
           if (this.active) for (const c of mine) await this.failSandbox(c.rec, e);
           throw e;
         }
-        await this.markRunning(mine);
+        await this.markRunning(mine.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
         runningCount += mine.length;
         if (fetch) await this.addHolder(op.tenantId, snapshotId, hostId);
         // Progress is written at most once a second (and with the final state), not per host.
@@ -1180,6 +1218,33 @@ export class Executor {
         if (idleMs >= sb.idleTimeoutMs) await submit(sb.tenantId, `__idle/${sb.id}/${sb.runningSince ?? 0}`, 'hibernate', sb.id, { snapshotId: newId('sn'), replicas: 0, reason: 'idle' });
       }
     }
+  }
+
+  /**
+   * Snapshot retention (services/domain/retention.ts), on the leader: announce expiries
+   * (the record's expiryDueAt is the SNAPSHOT_EXPIRING event), withdraw ones no longer
+   * due, and delete due snapshots that no live sandbox uses, through a delete_snapshot
+   * operation keyed per snapshot (repeating the check never deletes twice).
+   */
+  async reconcileRetention(): Promise<void> {
+    const submit = this.deps.submit;
+    if (!submit) return;
+    const now = this.deps.clock.now();
+    const [snaps, sbs] = await Promise.all([this.deps.store.listSnapshots(undefined), this.deps.store.listSandboxes(undefined)]);
+    const rev = new Map(snaps.map((v) => [v.value.id, v.modRevision]));
+    const plan = planRetention(
+      snaps.map((v) => v.value),
+      sbs.map((v) => v.value),
+      now,
+      this.deps.config.expiryNoticeMs ?? 10 * 60_000,
+    );
+    for (const { snapshot, dueAt } of plan.announce) {
+      if (await this.commit([{ kind: 'snapshot', value: { ...snapshot, expiryDueAt: dueAt }, expectRevision: rev.get(snapshot.id) ?? 0 }]))
+        this.log.info({ snapshotId: snapshot.id, tenantId: snapshot.tenantId, dueAt: new Date(dueAt).toISOString() }, 'snapshot expiry announced');
+    }
+    for (const sn of plan.withdraw) await this.commit([{ kind: 'snapshot', value: { ...sn, expiryDueAt: null }, expectRevision: rev.get(sn.id) ?? 0 }]);
+    for (const sn of plan.expire) await submit(sn.tenantId, `__expire/${sn.id}`, 'delete_snapshot', sn.id, { reason: 'expired' });
+    for (const [id, by] of plan.held) this.log.debug({ snapshotId: id, usedBy: by }, 'expired snapshot kept while sandboxes use it');
   }
 
   /**

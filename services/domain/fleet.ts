@@ -3,7 +3,7 @@
 // leader's Executor carries out. Inputs arrive validated (adapters/grpc/convert.ts).
 import { randomBytes } from 'node:crypto';
 import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
-import type { HostAllocRec, HostRec, OperationKind, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
+import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
 import { isTerminal } from './records.ts';
@@ -12,6 +12,8 @@ import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
 import { create } from '@bufbuild/protobuf';
 import { ForkfleetError } from '../../proto/errors.ts';
+import { admit, forkNeed } from './quota.ts';
+import type { QuotaOf } from './quota.ts';
 
 export type IdPrefix = 'sb' | 'sn' | 'op';
 
@@ -40,7 +42,9 @@ export interface CreateInput {
   labels: Record<string, string>;
   ttlMs: number | null;
   idleTimeoutMs: number | null;
+  afterResume: HookRec[];
   allowEgress: boolean;
+  allowCidrs: string[];
   placement: PlacementPrefs;
   hostname: string;
 }
@@ -54,6 +58,10 @@ export interface ForkInput {
   placement: PlacementPrefs;
   labels: Record<string, string>;
   ttlMs: number | null;
+  /** The children's idle timeout (0 disables); null: the source sandbox's. */
+  idleTimeoutMs: number | null;
+  /** The children's after_resume hooks; null: the source sandbox's. */
+  afterResume: HookRec[] | null;
 }
 
 export interface SandboxOpInput {
@@ -78,12 +86,16 @@ export interface FleetDeps {
   clock: Clock;
   heard: HeartbeatRegistry;
   liveness: LivenessConfig;
+  /** Per-tenant quotas checked at admission (quota.ts); none when absent. */
+  quotas?: QuotaOf;
+  /** A tenant's idle timeout for sandboxes that set none (lifecycle.idle_timeout unset). */
+  defaultIdleTimeoutMs?: (tenantId: string) => number | undefined;
 }
 
 export interface HostListing {
   host: HostRec;
   alloc: HostAllocRec | undefined;
-  live: { state: HostRec['state']; snapshotCount: number; lastHeartbeatAt: number } | undefined;
+  live: { state: HostRec['state']; snapshotCount: number; lastHeartbeatAt: number; memoryUsedBytes: number; chunkStoreBytes: number } | undefined;
 }
 
 /** Running time so far: what a TTL counts. Paused and hibernated time is never included. */
@@ -137,6 +149,7 @@ export class Fleet {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
     if (prior) return prior;
     if (input.snapshotId) await this.getSnapshot(input.tenantId, input.snapshotId);
+    await admit(this.deps, input.tenantId, { sandboxes: 1, memoryMib: input.resources.memoryMib });
     const id = newId('sb');
     const now = this.deps.clock.now();
     const sb: SandboxRec = {
@@ -152,8 +165,10 @@ export class Fleet {
       hostname: input.hostname || id,
       labels: input.labels,
       ttlMs: input.ttlMs,
-      idleTimeoutMs: input.idleTimeoutMs,
+      idleTimeoutMs: input.idleTimeoutMs ?? this.deps.defaultIdleTimeoutMs?.(input.tenantId) ?? null,
+      afterResume: input.afterResume,
       allowEgress: input.allowEgress,
+      allowCidrs: input.allowCidrs,
       createdAt: now,
       updatedAt: now,
       runningMsBefore: 0,
@@ -179,6 +194,7 @@ export class Fleet {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked');
       lineageId = sb.lineageId;
     }
+    await admit(this.deps, input.tenantId, forkNeed(this.deps.store, input.tenantId, input, input.count));
     const childIds = Array.from({ length: input.count }, () => newId('sb'));
     return this.submit(input.tenantId, input.idempotencyKey, 'fork', input.snapshotId || input.sandboxId, {
       snapshotId: input.snapshotId,
@@ -189,6 +205,8 @@ export class Fleet {
       placement: input.placement,
       labels: input.labels,
       ttlMs: input.ttlMs,
+      idleTimeoutMs: input.idleTimeoutMs,
+      afterResume: input.afterResume,
     });
   }
 
@@ -197,6 +215,7 @@ export class Fleet {
     if (prior) return prior;
     const sb = await this.getSandbox(input.tenantId, input.sandboxId);
     if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`);
+    if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
     return this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra);
   }
 
@@ -222,7 +241,8 @@ export class Fleet {
     return this.sandboxOp('hibernate', input, ['running', 'paused', 'hibernated'], { snapshotId: newId('sn'), replicas: input.replicas });
   }
   destroySandbox(input: SandboxOpInput): Promise<OperationRec> {
-    return this.sandboxOp('destroy', input, ['pending', 'starting', 'running', 'paused', 'hibernated', 'failed', 'lost', 'destroyed', 'destroying']);
+    // Any state: a destroy that arrives mid-hibernate or mid-wake runs when that ends.
+    return this.sandboxOp('destroy', input, ['pending', 'starting', 'running', 'paused', 'hibernating', 'hibernated', 'waking', 'failed', 'lost', 'destroyed', 'destroying']);
   }
 
   async getSandbox(tenantId: string, id: string): Promise<SandboxRec> {
@@ -356,7 +376,13 @@ export class Fleet {
       .map((h) => {
         const heard = this.deps.heard.get(h.value.id);
         const live = heard
-          ? { state: livenessOf(heard.heardAt, now, this.deps.liveness), snapshotCount: heard.hb.snapshots.filter((s) => s.complete).length, lastHeartbeatAt: heard.heardAt }
+          ? {
+              state: livenessOf(heard.heardAt, now, this.deps.liveness),
+              snapshotCount: heard.hb.snapshots.filter((s) => s.complete).length,
+              lastHeartbeatAt: heard.heardAt,
+              memoryUsedBytes: Number(heard.hb.memoryUsedBytes),
+              chunkStoreBytes: Number(heard.hb.chunkStoreBytes),
+            }
           : undefined;
         return { host: h.value, alloc: allocMap.get(h.value.id), live };
       })

@@ -62,8 +62,12 @@ export interface FleetStore {
   watchOps(onOp: (op: OperationRec, modRevision: number) => void): Promise<() => void>;
   /** Calls `onChange` for every host, alloc and snapshot record written after now (the leader's cache). */
   watchFleet(onChange: (change: FleetChange) => void): Promise<() => void>;
-  /** Calls `onChange` for sandbox / snapshot record changes (for WatchEvents). */
-  watchRecords(onChange: (change: RecordChange) => void): Promise<() => void>;
+  /**
+   * Calls `onChange` for sandbox / snapshot / operation record changes (WatchEvents,
+   * webhooks), each with the record's previous value. `fromRevision` replays changes from
+   * that store revision on (when the store still has them); default: after now.
+   */
+  watchRecords(onChange: (change: RecordChange) => void, opts?: { fromRevision?: number }): Promise<() => void>;
 }
 
 export type FleetChange =
@@ -72,9 +76,9 @@ export type FleetChange =
   | { kind: 'snapshot'; value: Versioned<SnapshotRec> };
 
 export type RecordChange =
-  | { kind: 'sandbox'; value: SandboxRec; revision: number }
-  | { kind: 'snapshot'; value: SnapshotRec; revision: number }
-  | { kind: 'op'; value: OperationRec; revision: number };
+  | { kind: 'sandbox'; value: SandboxRec; prev?: SandboxRec; revision: number }
+  | { kind: 'snapshot'; value: SnapshotRec; prev?: SnapshotRec; revision: number }
+  | { kind: 'op'; value: OperationRec; prev?: OperationRec; revision: number };
 
 /** Leader election among scheduler replicas. */
 export interface LeaderElection {

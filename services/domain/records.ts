@@ -75,6 +75,8 @@ export interface SandboxRec {
   ttlMs: number | null;
   idleTimeoutMs: number | null;
   allowEgress: boolean;
+  /** With allowEgress: the only CIDRs the guest may reach (empty: any, except the control plane). */
+  allowCidrs?: string[];
   createdAt: number;
   updatedAt: number;
   /** Running time accumulated before `runningSince`. */
@@ -82,8 +84,16 @@ export interface SandboxRec {
   /** When the sandbox last entered `running`; null when not running. TTL counts only running time. */
   runningSince: number | null;
   hibernationSnapshotId: string;
+  /** User steps run in the guest after every resume, wake and restore (before it is reported ready). */
+  afterResume?: HookRec[];
   /** Operation that currently owns the sandbox (one at a time); empty when idle. */
   opId: string;
+}
+
+/** A user step run in the guest, e.g. refreshing credentials after a wake. */
+export interface HookRec {
+  argv: string[];
+  timeoutMs: number;
 }
 
 export type SnapshotState = 'creating' | 'ready' | 'deleting' | 'deleted' | 'failed';
@@ -117,6 +127,14 @@ export interface SnapshotRec {
   /** Scheduler signature (base64) over the manifest bytes the source host produced; restores verify it. */
   manifestSignature: string;
   manifestKeyId: string;
+  /**
+   * Set when retention has selected the snapshot for deletion and the expiry has been
+   * announced (the SNAPSHOT_EXPIRING event): when it will be deleted. Absent or null: not
+   * expiring. Deletion waits while a live sandbox still restores from or hibernates in it.
+   */
+  expiryDueAt?: number | null;
+  /** Why a deleted snapshot was deleted: by a user call, or by retention. */
+  deletedReason?: 'deleted' | 'expired';
 }
 
 export type HostState = 'ready' | 'suspect' | 'lost';

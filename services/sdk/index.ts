@@ -2,7 +2,7 @@
 // (proto/forkfleet/v1/fleet.proto). Generated protobuf types stop here: callers see plain
 // objects with string states, numbers instead of bigints, and async iterators for streams.
 //
-//   const ff = new Forkfleet({ address: '127.0.0.1:17700', tenant: 'demo' });
+//   const ff = new Forkfleet({ address: '127.0.0.1:17700' });   // TLS; token and CA from FF_TOKEN / FF_CA or the fleet's credentials.json
 //   const sb = await ff.create({ image: 'tiny' });
 //   for await (const chunk of sb.exec(['sh', '-c', 'echo hi'])) process.stdout.write(chunk.data);
 //   const kids = await sb.fork(8);
@@ -13,6 +13,8 @@
 // and reuses it on every attempt, so a retry never does the work twice.
 import { randomUUID } from 'node:crypto';
 import { createClient } from '../adapters/grpc/rpc.ts';
+import { fleetChannelCredentials, fleetChannelOptions } from '../adapters/grpc/tls.ts';
+import { resolveClientCredentials } from '../auth/client-credentials.ts';
 import type { CallOptions as RpcCallOptions, Client } from '../adapters/grpc/rpc.ts';
 import { RpcError } from '../adapters/grpc/status.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
@@ -258,8 +260,17 @@ export interface RetryOptions {
 export interface ForkfleetOptions {
   /** host:port of a scheduler replica, or several (the client fails over between them). */
   address: string | string[];
-  /** Default FF_TENANT or 'default'. */
+  /**
+   * Default FF_TENANT, else the credentials file's tenant, else '' (the credential's own
+   * tenant: the server resolves it). Only admin credentials may name another tenant.
+   */
   tenant?: string;
+  /** Bearer token. Default FF_TOKEN, else the credentials file (services/auth/client-credentials.ts). */
+  token?: string;
+  /** CA certificate to trust: a PEM file path or PEM text. Default FF_CA, else the credentials file, else the system roots. */
+  ca?: string | Buffer;
+  /** JSON credentials file ({token, ca, tenant}). Default FF_CREDENTIALS, else <FF_FLEET_DIR or /var/lib/ffleet>/credentials.json. */
+  credentialsFile?: string;
   /** Per-attempt deadline of unary calls. Default 30 s. */
   timeoutMs?: number;
   retry?: Partial<RetryOptions>;
@@ -356,9 +367,15 @@ export class Forkfleet {
   private readonly retryOpts: RetryOptions;
 
   constructor(opts: ForkfleetOptions) {
-    this.tenant = opts.tenant ?? process.env.FF_TENANT ?? 'default';
+    const creds = resolveClientCredentials({
+      ...(opts.token !== undefined ? { token: opts.token } : {}),
+      ...(opts.ca !== undefined ? { ca: opts.ca } : {}),
+      ...(opts.credentialsFile !== undefined ? { credentialsFile: opts.credentialsFile } : {}),
+    });
+    this.tenant = opts.tenant ?? process.env.FF_TENANT ?? creds.tenant ?? '';
     this.address = target(opts.address);
-    this.rpc = createClient(FleetService, this.address);
+    // TLS always; the token rides on every call as "authorization: Bearer ...".
+    this.rpc = createClient(FleetService, this.address, fleetChannelCredentials(creds), fleetChannelOptions(this.address));
     this.timeoutMs = opts.timeoutMs ?? 30_000;
     this.retryOpts = { attempts: 5, baseMs: 200, maxMs: 5000, ...opts.retry };
   }
@@ -718,3 +735,6 @@ export class Sandbox {
     return this.info ?? { id: this.id };
   }
 }
+
+/** Checks a Forkfleet webhook's `forkfleet-signature` header against the raw body (services/README.md). */
+export { verifyWebhookSignature } from '../domain/webhooks.ts';

@@ -7,6 +7,8 @@ import { freePort, spawnManaged, waitFor } from './proc.ts';
 import type { ManagedProcess } from './proc.ts';
 import { fakeVmsIn } from '../../loadtest/fake-agent/driver.ts';
 import type { VmInfo } from '../../host-agent/domain/vmm.ts';
+import { testCredentials } from './credentials.ts';
+import type { TestCredentials } from './credentials.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 
@@ -15,6 +17,8 @@ export interface SchedulerProcess {
   readonly api: string;
   readonly metrics: string;
   readonly proc: ManagedProcess;
+  /** TLS and the admin token of this scheduler's API (shared by every scheduler in `dir`). */
+  readonly credentials: TestCredentials;
   isLeader(): Promise<boolean>;
 }
 
@@ -22,6 +26,7 @@ export async function startSchedulerProcess(o: { id: string; dir: string; etcdEn
   const api = `127.0.0.1:${await freePort()}`;
   const metrics = `127.0.0.1:${await freePort()}`;
   const logPath = join(o.dir, `scheduler-${o.id}.log`);
+  const credentials = testCredentials(o.dir);
   const proc = spawnManaged({
     name: `scheduler-${o.id}`,
     command: process.execPath,
@@ -35,6 +40,7 @@ export async function startSchedulerProcess(o: { id: string; dir: string; etcdEn
       FF_NATS_URL: o.natsUrl,
       FF_SIGNING_KEY: o.signingKeyPath,
       FF_LOG_LEVEL: 'info',
+      ...credentials.env,
       ...o.env,
     },
     logPath,
@@ -48,6 +54,7 @@ export async function startSchedulerProcess(o: { id: string; dir: string; etcdEn
     api,
     metrics,
     proc,
+    credentials,
     async isLeader() {
       try {
         const res = await fetch(`http://${metrics}/metrics`, { signal: AbortSignal.timeout(2000) });

@@ -1,7 +1,8 @@
 // Starts a real nats-server with JetStream for integration tests: free loopback ports,
 // a temporary store directory, stopped by PID.
-import { rmSync } from 'node:fs';
+import { rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../adapters/nats/auth.ts';
 import { freePort, spawnManaged, tempDir, waitFor } from './proc.ts';
 import type { ManagedProcess } from './proc.ts';
 
@@ -11,6 +12,8 @@ export interface NatsServer {
   readonly monitorPort: number;
   readonly storeDir: string;
   proc: ManagedProcess;
+  /** Set when started with `auth`: NKey seed files (mode 0600) for the scheduler and each host. */
+  readonly auth?: { schedulerSeedFile: string; hostSeedFile: (hostId: string) => string };
   /** Stops the server (SIGTERM) and starts it again on the same port and store. */
   restart(): Promise<void>;
   stop(): Promise<void>;
@@ -21,16 +24,38 @@ async function ready(monitorPort: number): Promise<boolean> {
   return res.ok;
 }
 
-export async function startNats(opts: { binary?: string; logDir?: string } = {}): Promise<NatsServer> {
+/**
+ * `auth.hosts`: turn on NKey authentication with the production permissions
+ * (services/adapters/nats/auth.ts): a scheduler user with full rights and one user per host.
+ * Without it the server is open, as before.
+ */
+export async function startNats(opts: { binary?: string; logDir?: string; auth?: { hosts: string[] } } = {}): Promise<NatsServer> {
   const port = await freePort();
   const monitorPort = await freePort();
   const dir = tempDir('ff-nats-');
   const storeDir = join(dir, 'js');
+  const confArgs: string[] = [];
+  let auth: NatsServer['auth'];
+  if (opts.auth) {
+    const sched = createNkeyFile(join(dir, 'scheduler.nk'));
+    const hosts = new Map(opts.auth.hosts.map((h) => [h, createNkeyFile(join(dir, `host-${h}.nk`))]));
+    const conf = join(dir, 'auth.conf');
+    writeFileSync(conf, natsServerAuthConfig([{ nkey: sched.publicKey }, ...[...hosts].map(([h, c]) => ({ nkey: c.publicKey, permissions: hostPermissions(h) }))]), { mode: 0o600 });
+    confArgs.push('-c', conf);
+    auth = {
+      schedulerSeedFile: sched.seedFile,
+      hostSeedFile: (h) => {
+        const c = hosts.get(h);
+        if (!c) throw new Error(`startNats: no credential for host ${h} (pass it in auth.hosts)`);
+        return c.seedFile;
+      },
+    };
+  }
   const launch = (): ManagedProcess =>
     spawnManaged({
       name: 'nats-server',
       command: opts.binary ?? 'nats-server',
-      args: ['-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitorPort), '-sd', storeDir],
+      args: [...confArgs, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitorPort), '-sd', storeDir],
       // The directory survives a restart; server.stop() removes it (and the watchdog, if we die).
       dir,
       removeDirOnStop: false,
@@ -41,6 +66,7 @@ export async function startNats(opts: { binary?: string; logDir?: string } = {})
     port,
     monitorPort,
     storeDir,
+    ...(auth ? { auth } : {}),
     proc: launch(),
     async restart() {
       await server.proc.stop();

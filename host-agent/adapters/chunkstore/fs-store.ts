@@ -240,6 +240,7 @@ export class FsChunkStore implements ChunkStore {
     let scanned = 0;
     let deleted = 0;
     let freedBytes = 0;
+    let keptBytes = 0;
     for (const sub of await readdir(this.chunksDir)) {
       const dir = join(this.chunksDir, sub);
       for (const name of await readdir(dir)) {
@@ -250,7 +251,10 @@ export class FsChunkStore implements ChunkStore {
         // concurrent code pinned (or a manifest that was marked) is never removed.
         try {
           const st = statSync(p);
-          if (isLive(name, st.mtimeMs)) continue;
+          if (isLive(name, st.mtimeMs)) {
+            keptBytes += st.size;
+            continue;
+          }
           unlinkSync(p);
           deleted++;
           freedBytes += st.size;
@@ -260,7 +264,7 @@ export class FsChunkStore implements ChunkStore {
         if (scanned % 512 === 0) await new Promise<void>((r) => setImmediate(r));
       }
     }
-    return { scanned, deleted, freedBytes };
+    return { scanned, deleted, freedBytes, keptBytes };
   }
 
   /** Digests of every stored chunk (tests and diagnostics). */

@@ -261,9 +261,12 @@ export class Materialiser {
     await fsyncDir(this.unsyncedDir);
   }
 
-  /** Removes images of snapshots that have no manifest and no lease. Returns removed ids. */
-  async prune(): Promise<string[]> {
-    const keep = new Set([...(await this.deps.manifests.list()), ...this.deps.roots.leasedSnapshots()]);
+  /**
+   * Removes images of snapshots that have no manifest, no lease and are not in `inUse` (e.g.
+   * a disk layer a later local snapshot is backed by). Returns removed ids.
+   */
+  async prune(inUse: ReadonlySet<string> = new Set()): Promise<string[]> {
+    const keep = new Set([...(await this.deps.manifests.list()), ...this.deps.roots.leasedSnapshots(), ...inUse]);
     const removed: string[] = [];
     for (const id of readdirSync(this.imagesDir)) {
       if (keep.has(id) || this.building.has(id)) continue;

@@ -1,6 +1,7 @@
 // AgentBus over NATS: a durable JetStream consumer of this host's work subject, results
 // and events published to JetStream, heartbeats on core NATS, exec and file request/reply.
-import type { ConsumerMessages, JetStreamClient, NatsConnection, Subscription } from 'nats';
+import { ErrorCode } from 'nats';
+import type { ConsumerMessages, JetStreamClient, JetStreamManager, NatsConnection, NatsError, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
 import type { AgentBus, WorkControl } from '../../domain/agent.ts';
@@ -15,7 +16,24 @@ import {
   HostWorkSchema,
 } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { Heartbeat, HostEvent, HostExecOutput, HostExecRequest, HostFileRequest, HostFileResponse, HostResult, HostWork } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
-import { ensureStreams, ensureWorkConsumer, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
+import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
+
+async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
+  const until = Date.now() + timeoutMs;
+  for (let delay = 100; ; delay = Math.min(delay * 2, 2000)) {
+    const ok = await Promise.all([STREAM_WORK, STREAM_RESULTS, STREAM_EVENTS].map((s) => jsm.streams.info(s))).then(
+      () => true,
+      (e: unknown) => {
+        // Not "the scheduler has not created them yet" but wrong credentials: fail now.
+        if ((e as NatsError).code === ErrorCode.PermissionsViolation) throw new Error(`NATS refused reading the JetStream streams (permissions violation): is FF_NATS_NKEY_FILE this host's key?`, { cause: e });
+        return false;
+      },
+    );
+    if (ok) return;
+    if (Date.now() + delay > until) throw new Error(`JetStream streams ${STREAM_WORK}, ${STREAM_RESULTS}, ${STREAM_EVENTS} do not exist after ${timeoutMs} ms`);
+    await new Promise((r) => setTimeout(r, delay));
+  }
+}
 
 export class NatsAgentBus implements AgentBus {
   private readonly js: JetStreamClient;
@@ -29,9 +47,19 @@ export class NatsAgentBus implements AgentBus {
     this.js = nc.jetstream();
   }
 
-  static async create(nc: NatsConnection, hostId: string, log: Logger): Promise<NatsAgentBus> {
+  /**
+   * Creates the streams if this connection may (no NATS authorization), else waits until the
+   * scheduler has created them (an agent's NATS user may only read stream info), then creates
+   * or re-attaches this host's durable work consumer.
+   */
+  static async create(nc: NatsConnection, hostId: string, log: Logger, opts: { streamWaitMs?: number } = {}): Promise<NatsAgentBus> {
     const jsm = await nc.jetstreamManager();
-    await ensureStreams(jsm);
+    try {
+      await ensureStreams(jsm);
+    } catch (e) {
+      log.info({ err: e }, 'cannot create the JetStream streams here; waiting for the scheduler to create them');
+      await waitForStreams(jsm, opts.streamWaitMs ?? Number.POSITIVE_INFINITY);
+    }
     await ensureWorkConsumer(jsm, hostId);
     return new NatsAgentBus(nc, hostId, log);
   }

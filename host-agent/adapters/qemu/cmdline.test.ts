@@ -21,3 +21,16 @@ describe('qemuArgs', () => {
     expect(a).not.toContain('-incoming');
   });
 });
+
+describe('qemuArgs: the guest NIC', () => {
+  it('args_whenNoEgress_userNetworkingIsRestricted', () => {
+    const a = qemuArgs(launch);
+    expect(a[a.indexOf('-netdev') + 1]).toBe('user,id=net0,restrict=on,ipv6=off');
+    expect(a).toContain('virtio-net-device,netdev=net0,mac=52:54:00:12:34:56');
+  });
+  it('args_whenEgressAllowed_userNetworkingIsUnrestrictedWithTheSameDevice', () => {
+    const a = qemuArgs({ ...launch, egress: true });
+    expect(a[a.indexOf('-netdev') + 1]).toBe('user,id=net0,restrict=off,ipv6=off');
+    expect(a).toContain('virtio-net-device,netdev=net0,mac=52:54:00:12:34:56');
+  });
+});

@@ -12,7 +12,18 @@ export const DEVICES: readonly string[] = [
   'virtio-rng-device',
   'virtio-serial-device',
   `virtserialport:${AGENT_PORT}`,
+  'virtio-net-device:user',
 ];
+
+/**
+ * The guest NIC (issue #9, sandbox isolation): QEMU user networking (slirp), and the QEMU
+ * process itself runs in a fresh, empty network namespace (QemuLaunch.netns, see
+ * host-agent/adapters/netns). restrict=on unless the sandbox may have egress (then the agent
+ * links its namespace out, with a firewall: adapters/netns/egress.ts). Slirp's state is part of
+ * the migration stream, so every VM has the same NIC and a snapshot restores only where it had
+ * one; restrict is not part of that state, so a clone's policy may differ from its parent's.
+ */
+export const GUEST_MAC = '52:54:00:12:34:56';
 
 export function cpuModel(accel: Accel): string {
   return accel === 'kvm' ? 'host' : 'max';
@@ -46,6 +57,10 @@ export interface QemuLaunch {
   startPaused?: boolean;
   /** TCG translation-cache size in MiB (bounds per-VM memory under TCG). */
   tcgTbMib?: number;
+  /** Run the process in a new, empty network namespace of its own (the driver always does). */
+  netns?: 'new';
+  /** slirp restrict=off: the agent links the namespace out (egress allowed by policy). */
+  egress?: boolean;
 }
 
 export function qemuArgs(l: QemuLaunch): string[] {
@@ -77,6 +92,8 @@ export function qemuArgs(l: QemuLaunch): string[] {
     '-drive', `if=none,id=disk0,file=${l.disk},format=qcow2,cache=writeback,discard=unmap`,
     '-device', 'virtio-blk-device,drive=disk0',
     '-device', 'virtio-rng-device',
+    '-netdev', `user,id=net0,restrict=${l.egress ? 'off' : 'on'},ipv6=off`,
+    '-device', `virtio-net-device,netdev=net0,mac=${GUEST_MAC}`,
     '-qmp', `unix:${l.qmpSocket},server=on,wait=off`,
     '-pidfile', l.pidFile,
   ];

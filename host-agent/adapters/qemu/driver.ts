@@ -43,6 +43,7 @@ import {
   type ExecResult,
   type GuestImage,
   type LocalSnapshot,
+  type NetworkPolicySpec,
   type RecoveryReport,
   type SnapshotManifest,
   type VmEvent,
@@ -53,6 +54,8 @@ import {
 import { GuestAgentClient } from '../guest/client.ts';
 import { QmpClient, type QmpEvent } from '../qmp/client.ts';
 import { fingerprint, qemuArgs, type QemuLaunch } from './cmdline.ts';
+import { inNewNetns } from '../netns/netns.ts';
+import { EgressManager, type EgressOptions } from '../netns/egress.ts';
 import {
   adoptProcess,
   cmdlineOf,
@@ -83,6 +86,8 @@ export interface QemuDriverOptions {
   probeImage?: GuestImage;
   /** TCG translation cache per VM, MiB. Default 64. */
   tcgTbMib?: number;
+  /** Egress for VMs whose network policy allows it (adapters/netns/egress.ts). */
+  egress?: EgressOptions;
 }
 
 /** What vm.json holds: enough to rebuild the record after an agent restart. */
@@ -96,6 +101,8 @@ interface VmPersisted {
   gen: number;
   /** Snapshots this VM's memory or disk chain depends on (nearest first). */
   dependsOn: string[];
+  /** Set when the VM may have egress; absent: none (its namespace has nothing but loopback). */
+  network?: NetworkPolicySpec;
 }
 
 interface VmRecord extends VmPersisted {
@@ -119,7 +126,8 @@ const VM_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$/;
 const MIGRATION_TIMEOUT_MS = 120_000;
 
 export class QemuVmmDriver implements VmmDriver {
-  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage'>> & { probeImage?: GuestImage };
+  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress'>> & { probeImage?: GuestImage; egress?: EgressOptions };
+  private egressManager: EgressManager | undefined;
   private readonly vms = new Map<string, VmRecord>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
   private accelPromise: Promise<Accel> | undefined;
@@ -196,6 +204,7 @@ export class QemuVmmDriver implements VmmDriver {
     validateId('vmId', spec.vmId);
     if (spec.memoryMib < 64 || spec.memoryMib > 65536) throw new InvalidArgumentError('memoryMib', 'must be 64..65536');
     if (spec.vcpus < 1 || spec.vcpus > 64) throw new InvalidArgumentError('vcpus', 'must be 1..64');
+    if (spec.network) EgressManager.validate(spec.network);
     const accel = await this.resolveAccel();
     return this.boot(spec, accel, this.opts.bootTimeoutMs);
   }
@@ -218,6 +227,7 @@ export class QemuVmmDriver implements VmmDriver {
           hostname, sandboxId, baseSnapshotId: null, readyMs: 0,
         },
         image: spec.image, kernelArgs, memPath, memShared: true, diskPath, gen, dependsOn: [],
+        ...(spec.network?.allowEgress ? { network: spec.network } : {}),
       };
       const rec = await this.launch(persisted, log, { incoming: false });
       rec.agent = await this.connectAgent(rec, deadlineMs - (this.opts.clock.now() - t0));
@@ -272,13 +282,15 @@ export class QemuVmmDriver implements VmmDriver {
       pidFile: join(dir, `qemu.${gen}.pid`),
       incoming,
       tcgTbMib: this.opts.tcgTbMib,
+      netns: 'new',
+      egress: !!p.network?.allowEgress,
     };
   }
 
   /** Spawn QEMU for `p` (generation p.gen) and connect QMP; registers the record. */
   private async launch(p: VmPersisted, log: Logger, o: { incoming: boolean; extraFds?: number[] }): Promise<VmRecord> {
     const l = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, o.incoming);
-    const { proc, qmp } = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), o.extraFds);
+    const { proc, qmp } = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), o.extraFds, p.network);
     const rec: VmRecord = { ...p, proc, qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
     rec.info.pid = proc.pid;
     this.vms.set(p.info.vmId, rec);
@@ -286,11 +298,20 @@ export class QemuVmmDriver implements VmmDriver {
     return rec;
   }
 
-  private async spawnAndConnect(l: QemuLaunch, logPath: string, extraFds: number[] = []): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
-    const proc = spawnQemu(this.opts.qemuBinary, qemuArgs(l), logPath, extraFds);
+  private async spawnAndConnect(l: QemuLaunch, logPath: string, extraFds: number[] = [], network?: NetworkPolicySpec): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+    // Every QEMU the driver starts (boot, restore, snapshot replacement, receiver) runs in a new,
+    // empty network namespace of its own (adapters/netns): the guest NIC reaches nothing.
+    const cmd = l.netns === 'new' ? inNewNetns(this.opts.qemuBinary, qemuArgs(l)) : { command: this.opts.qemuBinary, args: qemuArgs(l) };
+    const proc = spawnQemu(cmd.command, cmd.args, logPath, extraFds);
     let dead = false;
     void proc.exited.then(() => (dead = true));
     try {
+      // Egress: link the new namespace out before the guest can run (a boot starts at once, but
+      // its NIC is up only seconds later; a restore runs only after `cont`).
+      if (l.egress && network?.allowEgress && !l.startPaused) {
+        this.egressManager ??= new EgressManager(this.opts.egress);
+        await this.egressManager.attach(proc.pid, network);
+      }
       const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => !dead);
       return { proc, qmp };
     } catch (e) {
@@ -376,9 +397,10 @@ export class QemuVmmDriver implements VmmDriver {
       await rec.qmp.execute('cont');
       this.setState(rec, 'running');
       await this.persist(rec);
-      // The guest clock stood still while paused (VMM-NOTES gotcha 2); fix it in the background
-      // so resume stays a single QMP round trip.
-      void rec.agent?.setTime().catch((e: unknown) => rec.log.warn({ err: String(e) }, 'clock resync after resume failed'));
+      // The guest clock stood still while paused (VMM-NOTES gotcha 2): after every resume the
+      // clock is set, the RNG reseeded and the identity re-asserted (one ff-clone exec, the
+      // same as after a restore), in the background so resume stays a single QMP round trip.
+      void this.cloneHygiene(rec).catch((e: unknown) => rec.log.warn({ err: String(e) }, 'clock/RNG/identity refresh after resume failed'));
     });
   }
 
@@ -473,6 +495,8 @@ export class QemuVmmDriver implements VmmDriver {
       repl = await this.spawnAndConnect(
         this.launchSpec(rec, newGen, memImg, false, newDisk, true),
         join(rec.info.workdir, `qemu.${newGen}.log`),
+        [],
+        rec.network,
       );
       await setCaps(repl.qmp, { events: true, 'x-ignore-shared': true });
       await setCaps(rec.qmp, { events: true, 'x-ignore-shared': true });
@@ -565,7 +589,7 @@ export class QemuVmmDriver implements VmmDriver {
     try {
       await qemuImgCreateOverlay(rec.image.disk, recvDisk, rec.image.diskVirtualSize);
       await qemuImgCreateOverlay(diskImg, newDisk, rec.image.diskVirtualSize);
-      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), startPaused: true, name: `ff-recv-${snapshotId}` };
+      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), startPaused: true, egress: false, name: `ff-recv-${snapshotId}` };
       recv = await this.spawnAndConnect(l, join(recvDir, 'qemu.log'));
       await setCaps(recv.qmp, { events: true, 'x-ignore-shared': false });
       await recv.qmp.execute('migrate-incoming', { uri: `unix:${migSock}` });
@@ -657,7 +681,10 @@ export class QemuVmmDriver implements VmmDriver {
 
   async fork(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]> {
     if (children.length === 0) throw new InvalidArgumentError('children', 'at least one child');
-    for (const [i, c] of children.entries()) validateId(`children[${i}].vmId`, c.vmId);
+    for (const [i, c] of children.entries()) {
+      validateId(`children[${i}].vmId`, c.vmId);
+      if (c.network) EgressManager.validate(c.network);
+    }
     if (new Set(children.map((c) => c.vmId)).size !== children.length) throw new InvalidArgumentError('children', 'duplicate vmId');
     await this.assertCompatible(snapshot);
     const results = await Promise.allSettled(children.map((c) => this.restoreOne(snapshot, c)));
@@ -699,6 +726,7 @@ export class QemuVmmDriver implements VmmDriver {
       diskPath,
       gen,
       dependsOn: await this.snapshotChain(snapshot),
+      ...(c.network?.allowEgress ? { network: c.network } : {}),
     };
     try {
       const ph: Record<string, number> = {};
@@ -898,6 +926,16 @@ export class QemuVmmDriver implements VmmDriver {
     return !!cmd && cmd.some((a) => a.includes(`${workdir}/`));
   }
 
+  async snapshotsInUse(): Promise<Set<string>> {
+    const used = new Set<string>();
+    for (const v of this.vms.values()) if (v.info.state !== 'destroyed') for (const id of v.dependsOn) used.add(id);
+    for (const other of await readdir(this.snapshotsDir).catch(() => [] as string[])) {
+      const m = await this.openSnapshot(join(this.snapshotsDir, other)).catch(() => undefined);
+      if (m?.manifest.parentSnapshotId) used.add(m.manifest.parentSnapshotId);
+    }
+    return used;
+  }
+
   async deleteSnapshot(snapshot: LocalSnapshot): Promise<void> {
     const id = snapshot.manifest.snapshotId;
     const users = [...this.vms.values()].filter((v) => v.dependsOn.includes(id)).map((v) => `vm ${v.info.vmId}`);
@@ -1037,6 +1075,7 @@ export class QemuVmmDriver implements VmmDriver {
     const p: VmPersisted = {
       info: rec.info, image: rec.image, kernelArgs: rec.kernelArgs, memPath: rec.memPath, memShared: rec.memShared,
       diskPath: rec.diskPath, gen: rec.gen, dependsOn: rec.dependsOn,
+      ...(rec.network ? { network: rec.network } : {}),
     };
     await writeJsonAtomic(join(rec.info.workdir, 'vm.json'), p);
   }

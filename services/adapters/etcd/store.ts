@@ -152,22 +152,24 @@ export class EtcdFleetStore implements FleetStore {
     };
   }
 
-  async watchRecords(onChange: (c: RecordChange) => void): Promise<() => void> {
-    const watchers = await Promise.all([
-      this.client.watch().prefix(keys.sandboxes()).create(),
-      this.client.watch().prefix(keys.snapshots()).create(),
-      this.client.watch().prefix(keys.ops()).create(),
-    ]);
-    const kinds = ['sandbox', 'snapshot', 'op'] as const;
-    watchers.forEach((w, i) => {
-      const kind = kinds[i] as (typeof kinds)[number];
-      w.on('put', (kv) => {
-        const d = decode<never>(kv);
-        onChange({ kind, value: d.value, revision: d.modRevision } as RecordChange);
-      });
+  async watchRecords(onChange: (c: RecordChange) => void, opts: { fromRevision?: number } = {}): Promise<() => void> {
+    // One watcher over the whole prefix, so changes arrive in revision order across kinds
+    // (the webhook cursor relies on it).
+    const b = this.client.watch().prefix(PREFIX).withPreviousKV();
+    const w = await (opts.fromRevision ? b.startRevision(String(opts.fromRevision)) : b).create();
+    const kinds = [
+      [keys.sandboxes(), 'sandbox'],
+      [keys.snapshots(), 'snapshot'],
+      [keys.ops(), 'op'],
+    ] as const;
+    w.on('put', (kv, previous) => {
+      const key = kv.key.toString('utf8');
+      const kind = kinds.find(([p]) => key.startsWith(p))?.[1];
+      if (!kind) return;
+      const d = decode<never>(kv);
+      const prev = previous && previous.value.length > 0 ? (decode<never>(previous).value as unknown) : undefined;
+      onChange({ kind, value: d.value, revision: d.modRevision, ...(prev ? { prev } : {}) } as RecordChange);
     });
-    return () => {
-      for (const w of watchers) void w.cancel();
-    };
+    return () => void w.cancel();
   }
 }

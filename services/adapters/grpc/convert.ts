@@ -6,20 +6,23 @@ import type { Duration, DurationSchema, Timestamp } from '@bufbuild/protobuf/wkt
 import { timestampFromMs } from '@bufbuild/protobuf/wkt';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { Locality, Spread, Accel } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
-import type { Lifecycle, PlacementPreference, Resources, ResourcesSchema } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
+import type { Lifecycle, NetworkPolicy, PlacementPreference, Resources, ResourcesSchema } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
 import {
   HostSchema,
   HostState as PbHostState,
   OperationKind as PbOpKind,
   OperationSchema,
   OperationState as PbOpState,
+  EventSchema,
+  EventType as PbEventType,
   SandboxSchema,
   SandboxState as PbSandboxState,
   SnapshotSchema,
   SnapshotState as PbSnapshotState,
 } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import type { Host, Operation, Sandbox, Snapshot } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import type { HostAllocRec, HostRec, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from '../../domain/records.ts';
+import type { Event, Host, Operation, Sandbox, Snapshot } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { FleetEvent, FleetEventType } from '../../domain/events.ts';
+import type { HookRec, HostAllocRec, HostRec, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from '../../domain/records.ts';
 import type { PlacementPrefs } from '../../domain/fleet.ts';
 import { runningMs } from '../../domain/fleet.ts';
 
@@ -43,6 +46,8 @@ export const LIMITS = {
   maxFileBytes: 64 << 20,
   maxReplicas: 8,
   maxKeepLast: 10_000,
+  maxHooks: 8,
+  maxCidrs: 64,
 };
 
 const TENANT_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
@@ -120,11 +125,32 @@ export function placement(p: PlacementPreference | undefined, field = 'placement
   };
 }
 
-export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlMs: number | null; idleTimeoutMs: number | null } {
+export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlMs: number | null; idleTimeoutMs: number | null; afterResume: HookRec[] } {
+  const hooks = l?.afterResume ?? [];
+  if (hooks.length > LIMITS.maxHooks) throw new InvalidArgumentError(`${field}.after_resume`, `at most ${LIMITS.maxHooks} hooks`);
   return {
     ttlMs: durationMs(l?.ttl, `${field}.ttl`, { min: 1000 }),
     idleTimeoutMs: durationMs(l?.idleTimeout, `${field}.idle_timeout`),
+    afterResume: hooks.map((h, i) => {
+      const f = `${field}.after_resume[${i}]`;
+      if (h.argv.length === 0 || !h.argv[0]) throw new InvalidArgumentError(`${f}.argv`, 'must name a command');
+      if (h.argv.length > LIMITS.maxArgv || h.argv.some((a) => Buffer.byteLength(a) > LIMITS.maxArgBytes)) throw new InvalidArgumentError(`${f}.argv`, `at most ${LIMITS.maxArgv} arguments of ${LIMITS.maxArgBytes} bytes each`);
+      return { argv: [...h.argv], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: 10 * 60_000 }) ?? 30_000 };
+    }),
   };
+}
+
+const IPV4_CIDR = /^(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(\.(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}\/(3[0-2]|[12]?\d)$/;
+
+/** The sandbox's egress policy: off unless allowed; allowed CIDRs are IPv4 (the guest NIC has no IPv6). */
+export function network(n: NetworkPolicy | undefined, field = 'network'): { allowEgress: boolean; allowCidrs: string[] } {
+  const cidrs = n?.allowCidrs ?? [];
+  if (cidrs.length > LIMITS.maxCidrs) throw new InvalidArgumentError(`${field}.allow_cidrs`, `at most ${LIMITS.maxCidrs} entries`);
+  cidrs.forEach((c, i) => {
+    if (!IPV4_CIDR.test(c)) throw new InvalidArgumentError(`${field}.allow_cidrs[${i}]`, `must be an IPv4 CIDR such as 203.0.113.0/24, got ${JSON.stringify(c.slice(0, 64))}`);
+  });
+  if (cidrs.length && !n?.allowEgress) throw new InvalidArgumentError(`${field}.allow_cidrs`, 'needs allow_egress: egress is off unless allowed');
+  return { allowEgress: n?.allowEgress ?? false, allowCidrs: [...cidrs] };
 }
 
 export function hostname(v: string, field = 'hostname'): string {
@@ -218,7 +244,7 @@ export function toSandbox(sb: SandboxRec, now: number): Sandbox {
       ...(sb.ttlMs !== null ? { ttl: dur(sb.ttlMs) } : {}),
       ...(sb.idleTimeoutMs !== null ? { idleTimeout: dur(sb.idleTimeoutMs) } : {}),
     },
-    network: { allowEgress: sb.allowEgress },
+    network: { allowEgress: sb.allowEgress, allowCidrs: sb.allowCidrs ?? [] },
     createdAt: ts(sb.createdAt),
     updatedAt: ts(sb.updatedAt),
     runningTime: dur(runningMs(sb, now)),
@@ -348,7 +374,7 @@ export function hostState(s: PbHostState, field: string): HostRec['state'] {
   return found[0];
 }
 
-export function toHost(h: HostRec, alloc: HostAllocRec | undefined, live: { state: HostRec['state']; snapshotCount: number; lastHeartbeatAt: number } | undefined): Host {
+export function toHost(h: HostRec, alloc: HostAllocRec | undefined, live: { state: HostRec['state']; snapshotCount: number; lastHeartbeatAt: number; memoryUsedBytes: number; chunkStoreBytes: number } | undefined): Host {
   return create(HostSchema, {
     id: h.id,
     state: HOST_STATE[live?.state ?? h.state],
@@ -365,5 +391,35 @@ export function toHost(h: HostRec, alloc: HostAllocRec | undefined, live: { stat
     lastHeartbeat: ts(live?.lastHeartbeatAt ?? h.lastHeartbeatAt),
     labels: h.labels,
     linkBytesPerSecond: BigInt(h.linkBytesPerSecond),
+    memoryUsedBytes: BigInt(live?.memoryUsedBytes ?? 0),
+    chunkStoreBytes: BigInt(live?.chunkStoreBytes ?? 0),
+  });
+}
+
+const EVENT_TYPE: Record<FleetEventType, PbEventType> = {
+  sandbox_created: PbEventType.SANDBOX_CREATED,
+  sandbox_state_changed: PbEventType.SANDBOX_STATE_CHANGED,
+  sandbox_destroyed: PbEventType.SANDBOX_DESTROYED,
+  snapshot_created: PbEventType.SNAPSHOT_CREATED,
+  sandbox_restored: PbEventType.SANDBOX_RESTORED,
+  sandbox_hibernated: PbEventType.SANDBOX_HIBERNATED,
+  sandbox_woken: PbEventType.SANDBOX_WOKEN,
+  snapshot_expiring: PbEventType.SNAPSHOT_EXPIRING,
+  snapshot_expired: PbEventType.SNAPSHOT_EXPIRED,
+  operation_done: PbEventType.OPERATION_DONE,
+};
+
+export function toEvent(e: FleetEvent): Event {
+  return create(EventSchema, {
+    revision: BigInt(e.revision),
+    type: EVENT_TYPE[e.type],
+    tenantId: e.tenantId,
+    time: timestampFromMs(e.time),
+    sandboxId: e.sandboxId,
+    snapshotId: e.snapshotId,
+    hostId: e.hostId,
+    operationId: e.operationId,
+    sandboxState: e.sandboxState ? SB_STATE[e.sandboxState] : PbSandboxState.UNSPECIFIED,
+    message: e.message,
   });
 }

@@ -4,7 +4,7 @@
 // INTERNAL), and a request that fails must not change any state in etcd.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import fc from 'fast-check';
-import { Client as GrpcClient, credentials, Metadata, status as Status } from '@grpc/grpc-js';
+import { Client as GrpcClient, Metadata, status as Status } from '@grpc/grpc-js';
 import type { ServiceError } from '@grpc/grpc-js';
 import { connect } from 'nats';
 import type { NatsConnection } from 'nats';
@@ -20,7 +20,14 @@ import { systemClock } from '../../domain/ports.ts';
 import { fleetService } from './fleet-service.ts';
 import { startGrpcServer } from './server.ts';
 import type { RunningGrpcServer } from './server.ts';
-import { createClient } from './rpc.ts';
+import { fleetChannelCredentials, fleetChannelOptions, fleetServerCredentials } from './tls.ts';
+import { testCredentials } from '../../testkit/credentials.ts';
+import type { TestCredentials } from '../../testkit/credentials.ts';
+import { ApiGuard } from '../../auth/guard.ts';
+import { Authenticator } from '../../auth/tokens.ts';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import type { Client } from './rpc.ts';
 import type { RpcError } from './status.ts';
 import { FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
@@ -49,6 +56,8 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
   let server: RunningGrpcServer;
   let api: Api;
   let cases = 0;
+  let dir = '';
+  let creds: TestCredentials;
 
   beforeAll(async () => {
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
@@ -57,8 +66,18 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     const bus = await NatsWorkBus.create(nc);
     // No leader executor runs here: the only writes to etcd are the API's own.
     const fleet = new Fleet({ store, bus, clock: systemClock, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } });
-    server = await startGrpcServer({ address: '127.0.0.1:0', services: [fleetService({ fleet, store, clock: systemClock })] });
-    api = createClient(FleetService, server.address);
+    // The production edge: TLS, the bearer-token guard and its limits, an admin credential
+    // (which may name any tenant, so tenant_id fuzzing still reaches validation).
+    dir = mkdtempSync(join(tmpdir(), 'ff-fuzz-'));
+    creds = testCredentials(dir);
+    const guard = new ApiGuard(new Authenticator(creds.tokensFile, { perSecond: 100, burst: 200 }), { maxStreamsPerCredential: 64 });
+    server = await startGrpcServer({
+      address: '127.0.0.1:0',
+      services: [fleetService({ fleet, store, clock: systemClock })],
+      credentials: fleetServerCredentials({ certPem: readFileSync(creds.config.tlsCertPath), keyPem: readFileSync(creds.config.tlsKeyPath) }),
+      guard,
+    });
+    api = creds.client(FleetService, server.address);
   }, 60_000);
 
   afterAll(async () => {
@@ -68,6 +87,7 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     store?.close();
     await nats?.stop();
     await etcd?.stop();
+    if (dir) rmSync(dir, { recursive: true, force: true });
     // CI runs at least 5,000 fuzz cases (7 properties x RUNS + the truncated streams).
     if (RUNS >= 720) expect(cases).toBeGreaterThanOrEqual(5000);
   });
@@ -202,7 +222,7 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
   });
 
   it('rawBytes_thatAreNotAValidMessage_getInvalidArgumentAndServerStaysUp', async () => {
-    const raw = new GrpcClient(server.address, credentials.createInsecure());
+    const raw = new GrpcClient(server.address, fleetChannelCredentials({ caPem: creds.caPem, token: creds.adminToken }), fleetChannelOptions(server.address));
     const methods = ['CreateSandbox', 'ForkSandbox', 'GetSandbox', 'WaitOperation', 'CordonHost', 'Exec'];
     await fc.assert(
       fc.asyncProperty(fc.constantFrom(...methods), fc.uint8Array({ minLength: 1, maxLength: 256 }), async (method, bytes) => {

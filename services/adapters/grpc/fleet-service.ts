@@ -26,16 +26,18 @@ import type {
   WatchEventsRequest,
   WriteFileRequest,
 } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import { EventType, SandboxState as PbSandboxState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import { timestampFromMs } from '@bufbuild/protobuf/wkt';
+import { EventType } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { InvalidArgumentError, ForkfleetError } from '../../../proto/errors.ts';
 import type { Fleet } from '../../domain/fleet.ts';
-import type { Clock, FleetStore, RecordChange } from '../../domain/ports.ts';
+import type { Clock, FleetStore } from '../../domain/ports.ts';
+import { eventsOf } from '../../domain/events.ts';
 import type { OperationRec } from '../../domain/records.ts';
 import { register } from './rpc.ts';
 import type { CallContext, ServiceRegistration } from './rpc.ts';
 import { AsyncQueue } from './queue.ts';
 import * as c from './convert.ts';
+import { requireAdmin, tenantFor } from '../../auth/guard.ts';
+import { UnauthenticatedError } from '../../auth/errors.ts';
 
 export interface FleetServiceDeps {
   fleet: Fleet;
@@ -52,21 +54,25 @@ async function opResponse(deps: FleetServiceDeps, op: OperationRec): ReturnType<
   return c.toOperation(op, { sandboxes, snapshot }, deps.clock.now());
 }
 
-function sandboxOpInput(req: { tenantId: string; idempotencyKey: string; sandboxId: string }): { tenantId: string; idempotencyKey: string; sandboxId: string } {
-  return { tenantId: c.tenant(req.tenantId), idempotencyKey: c.idemKey(req.idempotencyKey), sandboxId: c.id('sb', req.sandboxId, 'sandbox_id') };
+function sandboxOpInput(req: { tenantId: string; idempotencyKey: string; sandboxId: string }, tenantId: string): { tenantId: string; idempotencyKey: string; sandboxId: string } {
+  return { tenantId, idempotencyKey: c.idemKey(req.idempotencyKey), sandboxId: c.id('sb', req.sandboxId, 'sandbox_id') };
 }
-
-const EVENT_OF_STATE: Partial<Record<string, EventType>> = {
-  hibernated: EventType.SANDBOX_HIBERNATED,
-  destroyed: EventType.SANDBOX_DESTROYED,
-};
 
 export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
   const { fleet } = deps;
   const op = (o: OperationRec) => opResponse(deps, o);
+  // Served only behind a CallGuard (services/auth/guard.ts) that sets ctx.principal; a call
+  // without one is refused (fail closed). A request's tenant is its tenant_id checked
+  // against the caller's credential: empty means the credential's own tenant.
+  const principal = (ctx: CallContext): NonNullable<CallContext['principal']> => {
+    if (!ctx.principal) throw new UnauthenticatedError('no credentials');
+    return ctx.principal;
+  };
+  const tenant = (v: string, ctx: CallContext, field = 'tenant_id'): string => tenantFor(principal(ctx), v === '' ? '' : c.tenant(v, field), field);
+  const admin = (ctx: CallContext, what: string): void => requireAdmin(principal(ctx), what);
   return register(FleetService, {
-    async createSandbox(req: CreateSandboxRequest) {
-      const tenantId = c.tenant(req.tenantId);
+    async createSandbox(req: CreateSandboxRequest, ctx: CallContext) {
+      const tenantId = tenant(req.tenantId, ctx);
       const key = c.idemKey(req.idempotencyKey);
       if (req.source.case === undefined) throw new InvalidArgumentError('source', 'set image or snapshot_id');
       const lc = c.lifecycle(req.lifecycle);
@@ -80,24 +86,25 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           labels: c.labels(req.labels),
           ttlMs: lc.ttlMs,
           idleTimeoutMs: lc.idleTimeoutMs,
-          allowEgress: req.network?.allowEgress ?? false,
+          afterResume: lc.afterResume,
+          ...c.network(req.network),
           placement: c.placement(req.placement),
           hostname: c.hostname(req.hostname),
         }),
       );
     },
-    async getSandbox(req: GetSandboxRequest) {
-      return c.toSandbox(await fleet.getSandbox(c.tenant(req.tenantId), c.id('sb', req.sandboxId, 'sandbox_id')), deps.clock.now());
+    async getSandbox(req: GetSandboxRequest, ctx: CallContext) {
+      return c.toSandbox(await fleet.getSandbox(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id')), deps.clock.now());
     },
-    async listSandboxes(req: ListSandboxesRequest) {
+    async listSandboxes(req: ListSandboxesRequest, ctx: CallContext) {
       if (req.pageToken) throw new InvalidArgumentError('page_token', 'paging is not supported yet; omit it');
       const states = req.states.map((s, i) => c.sandboxState(s, `states[${i}]`));
-      const all = await fleet.listSandboxes(c.tenant(req.tenantId), states, c.labels(req.labels));
+      const all = await fleet.listSandboxes(tenant(req.tenantId, ctx), states, c.labels(req.labels));
       const size = req.pageSize === 0 ? all.length : Math.min(req.pageSize, 1000);
       return { sandboxes: all.slice(0, size).map((s) => c.toSandbox(s, deps.clock.now())) };
     },
     async *exec(req: ExecRequest, ctx: CallContext) {
-      const tenantId = c.tenant(req.tenantId);
+      const tenantId = tenant(req.tenantId, ctx);
       if (req.idempotencyKey) c.idemKey(req.idempotencyKey);
       if (req.stdin.length > c.LIMITS.maxStdinBytes) throw new InvalidArgumentError('stdin', `at most ${c.LIMITS.maxStdinBytes} bytes`);
       if (req.cwd) c.guestPath(req.cwd, 'cwd');
@@ -119,7 +126,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         }
       }
     },
-    async writeFile(reqs: AsyncIterable<WriteFileRequest>) {
+    async writeFile(reqs: AsyncIterable<WriteFileRequest>, ctx: CallContext) {
       let header: { tenantId: string; sandboxId: string; path: string; mode: number } | undefined;
       const parts: Uint8Array[] = [];
       let size = 0;
@@ -127,7 +134,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         if (r.payload.case === 'header') {
           if (header) throw new InvalidArgumentError('header', 'sent twice');
           const h = r.payload.value;
-          header = { tenantId: c.tenant(h.tenantId), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestPath(h.path, 'header.path'), mode: h.mode & 0o7777 || 0o644 };
+          header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestPath(h.path, 'header.path'), mode: h.mode & 0o7777 || 0o644 };
           if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
         } else if (r.payload.case === 'data') {
           if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');
@@ -142,29 +149,29 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, Buffer.concat(parts));
       return { bytesWritten: BigInt(written) };
     },
-    async *readFile(req: ReadFileRequest) {
+    async *readFile(req: ReadFileRequest, ctx: CallContext) {
       const max = req.maxBytes === 0n ? c.LIMITS.maxFileBytes : Number(req.maxBytes);
       if (!(max > 0 && max <= c.LIMITS.maxFileBytes)) throw new InvalidArgumentError('max_bytes', `must be at most ${c.LIMITS.maxFileBytes}`);
-      const data = await fleet.readFile(c.tenant(req.tenantId), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestPath(req.path), max);
+      const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestPath(req.path), max);
       const piece = 256 * 1024;
       for (let off = 0; off < data.length; off += piece) yield { data: data.subarray(off, off + piece) };
       if (data.length === 0) yield { data: new Uint8Array() };
     },
-    async pauseSandbox(req: PauseSandboxRequest) {
-      return op(await fleet.pauseSandbox(sandboxOpInput(req)));
+    async pauseSandbox(req: PauseSandboxRequest, ctx: CallContext) {
+      return op(await fleet.pauseSandbox(sandboxOpInput(req, tenant(req.tenantId, ctx))));
     },
-    async resumeSandbox(req: ResumeSandboxRequest) {
-      return op(await fleet.resumeSandbox(sandboxOpInput(req)));
+    async resumeSandbox(req: ResumeSandboxRequest, ctx: CallContext) {
+      return op(await fleet.resumeSandbox(sandboxOpInput(req, tenant(req.tenantId, ctx))));
     },
-    async hibernateSandbox(req: HibernateSandboxRequest) {
+    async hibernateSandbox(req: HibernateSandboxRequest, ctx: CallContext) {
       if (req.replicas > c.LIMITS.maxReplicas) throw new InvalidArgumentError('replicas', `at most ${c.LIMITS.maxReplicas}`);
-      return op(await fleet.hibernateSandbox({ ...sandboxOpInput(req), replicas: req.replicas }));
+      return op(await fleet.hibernateSandbox({ ...sandboxOpInput(req, tenant(req.tenantId, ctx)), replicas: req.replicas }));
     },
-    async snapshotSandbox(req: SnapshotSandboxRequest) {
+    async snapshotSandbox(req: SnapshotSandboxRequest, ctx: CallContext) {
       if ((req.retention?.keepLast ?? 0) > c.LIMITS.maxKeepLast) throw new InvalidArgumentError('retention.keep_last', `at most ${c.LIMITS.maxKeepLast}`);
       return op(
         await fleet.snapshotSandbox({
-          ...sandboxOpInput(req),
+          ...sandboxOpInput(req, tenant(req.tenantId, ctx)),
           pin: req.pin,
           keepLast: req.retention?.keepLast ?? 0,
           retentionTtlMs: c.durationMs(req.retention?.ttl, 'retention.ttl', { min: 1000 }),
@@ -172,8 +179,8 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         }),
       );
     },
-    async forkSandbox(req: ForkSandboxRequest) {
-      const tenantId = c.tenant(req.tenantId);
+    async forkSandbox(req: ForkSandboxRequest, ctx: CallContext) {
+      const tenantId = tenant(req.tenantId, ctx);
       const key = c.idemKey(req.idempotencyKey);
       if (req.source.case === undefined) throw new InvalidArgumentError('source', 'set snapshot_id or sandbox_id');
       if (req.count < 1 || req.count > c.LIMITS.maxForkCount) throw new InvalidArgumentError('count', `must be between 1 and ${c.LIMITS.maxForkCount}`);
@@ -186,42 +193,29 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           count: req.count,
           placement: c.placement(req.placement),
           labels: c.labels(req.labels),
-          ttlMs: c.lifecycle(req.lifecycle).ttlMs,
+          ...(({ ttlMs, idleTimeoutMs, afterResume }) => ({ ttlMs, idleTimeoutMs, afterResume: afterResume.length ? afterResume : null }))(c.lifecycle(req.lifecycle)),
         }),
       );
     },
-    async destroySandbox(req: DestroySandboxRequest) {
-      return op(await fleet.destroySandbox(sandboxOpInput(req)));
+    async destroySandbox(req: DestroySandboxRequest, ctx: CallContext) {
+      return op(await fleet.destroySandbox(sandboxOpInput(req, tenant(req.tenantId, ctx))));
     },
     watchEvents(req: WatchEventsRequest, ctx: CallContext) {
-      const tenantId = c.tenant(req.tenantId);
+      const tenantId = tenant(req.tenantId, ctx);
       const sandboxId = req.sandboxId ? c.id('sb', req.sandboxId, 'sandbox_id') : '';
       const types = new Set(req.types);
       for (const t of types) if (!(t in EventType) || t === EventType.UNSPECIFIED) throw new InvalidArgumentError('types', `unknown event type ${t}`);
-      const q = new AsyncQueue<ReturnType<typeof toEvent>>();
-      const toEvent = (ch: RecordChange) => {
-        const base = { revision: BigInt(ch.revision), tenantId: ch.value.tenantId, time: timestampFromMs(deps.clock.now()) };
-        if (ch.kind === 'sandbox') {
-          const sb = ch.value;
-          const type = sb.state === 'pending' ? EventType.SANDBOX_CREATED : (EVENT_OF_STATE[sb.state] ?? EventType.SANDBOX_STATE_CHANGED);
-          return { ...base, type, sandboxId: sb.id, hostId: sb.hostId, sandboxState: c.toSandbox(sb, deps.clock.now()).state, message: sb.stateReason };
-        }
-        if (ch.kind === 'snapshot') {
-          const sn = ch.value;
-          return { ...base, type: sn.state === 'ready' ? EventType.SNAPSHOT_CREATED : EventType.UNSPECIFIED, snapshotId: sn.id, sandboxId: sn.sourceSandboxId, sandboxState: PbSandboxState.UNSPECIFIED, message: sn.state };
-        }
-        const o = ch.value;
-        return { ...base, type: o.state === 'succeeded' || o.state === 'failed' ? EventType.OPERATION_DONE : EventType.UNSPECIFIED, operationId: o.id, sandboxId: o.targetId.startsWith('sb-') ? o.targetId : '', message: o.error?.message ?? o.state };
-      };
+      const q = new AsyncQueue<ReturnType<typeof c.toEvent>>();
       let stop: (() => void) | undefined;
       void deps.store
         .watchRecords((ch) => {
           if (ch.value.tenantId !== tenantId || ch.revision <= Number(req.afterRevision)) return;
-          const ev = toEvent(ch);
-          if (ev.type === EventType.UNSPECIFIED) return;
-          if (sandboxId && ev.sandboxId !== sandboxId) return;
-          if (types.size && !types.has(ev.type)) return;
-          q.push(ev);
+          for (const e of eventsOf(ch, deps.clock.now())) {
+            const ev = c.toEvent(e);
+            if (sandboxId && ev.sandboxId !== sandboxId) continue;
+            if (types.size && !types.has(ev.type)) continue;
+            q.push(ev);
+          }
         })
         .then((s) => {
           stop = s;
@@ -233,50 +227,53 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       });
       return q;
     },
-    async getSnapshot(req: GetSnapshotRequest) {
-      return c.toSnapshot(await fleet.getSnapshot(c.tenant(req.tenantId), c.id('sn', req.snapshotId, 'snapshot_id')));
+    async getSnapshot(req: GetSnapshotRequest, ctx: CallContext) {
+      return c.toSnapshot(await fleet.getSnapshot(tenant(req.tenantId, ctx), c.id('sn', req.snapshotId, 'snapshot_id')));
     },
-    async listSnapshots(req: ListSnapshotsRequest) {
+    async listSnapshots(req: ListSnapshotsRequest, ctx: CallContext) {
       if (req.pageToken) throw new InvalidArgumentError('page_token', 'paging is not supported yet; omit it');
       const lineage = req.lineageId ? c.id('sb', req.lineageId, 'lineage_id') : '';
-      const all = await fleet.listSnapshots(c.tenant(req.tenantId), lineage);
+      const all = await fleet.listSnapshots(tenant(req.tenantId, ctx), lineage);
       return { snapshots: all.slice(0, req.pageSize || all.length).map(c.toSnapshot) };
     },
-    async pinSnapshot(req: PinSnapshotRequest) {
+    async pinSnapshot(req: PinSnapshotRequest, ctx: CallContext) {
       c.idemKey(req.idempotencyKey);
-      return c.toSnapshot(await fleet.pinSnapshot(c.tenant(req.tenantId), c.id('sn', req.snapshotId, 'snapshot_id'), true));
+      return c.toSnapshot(await fleet.pinSnapshot(tenant(req.tenantId, ctx), c.id('sn', req.snapshotId, 'snapshot_id'), true));
     },
-    async unpinSnapshot(req: UnpinSnapshotRequest) {
+    async unpinSnapshot(req: UnpinSnapshotRequest, ctx: CallContext) {
       c.idemKey(req.idempotencyKey);
-      return c.toSnapshot(await fleet.pinSnapshot(c.tenant(req.tenantId), c.id('sn', req.snapshotId, 'snapshot_id'), false));
+      return c.toSnapshot(await fleet.pinSnapshot(tenant(req.tenantId, ctx), c.id('sn', req.snapshotId, 'snapshot_id'), false));
     },
-    async setSnapshotRetention(req: SetSnapshotRetentionRequest) {
+    async setSnapshotRetention(req: SetSnapshotRetentionRequest, ctx: CallContext) {
       c.idemKey(req.idempotencyKey);
       const keepLast = req.retention?.keepLast ?? 0;
       if (keepLast > c.LIMITS.maxKeepLast) throw new InvalidArgumentError('retention.keep_last', `at most ${c.LIMITS.maxKeepLast}`);
-      return c.toSnapshot(await fleet.setRetention(c.tenant(req.tenantId), c.id('sn', req.snapshotId, 'snapshot_id'), c.durationMs(req.retention?.ttl, 'retention.ttl', { min: 1000 }), keepLast));
+      return c.toSnapshot(await fleet.setRetention(tenant(req.tenantId, ctx), c.id('sn', req.snapshotId, 'snapshot_id'), c.durationMs(req.retention?.ttl, 'retention.ttl', { min: 1000 }), keepLast));
     },
-    async deleteSnapshot(req: DeleteSnapshotRequest) {
-      return op(await fleet.deleteSnapshot(c.tenant(req.tenantId), c.idemKey(req.idempotencyKey), c.id('sn', req.snapshotId, 'snapshot_id')));
+    async deleteSnapshot(req: DeleteSnapshotRequest, ctx: CallContext) {
+      return op(await fleet.deleteSnapshot(tenant(req.tenantId, ctx), c.idemKey(req.idempotencyKey), c.id('sn', req.snapshotId, 'snapshot_id')));
     },
-    async listHosts(req: ListHostsRequest) {
+    async listHosts(req: ListHostsRequest, ctx: CallContext) {
+      admin(ctx, 'ListHosts');
       const states = req.states.map((s, i) => c.hostState(s, `states[${i}]`));
       return { hosts: (await fleet.listHosts(states)).map((h) => c.toHost(h.host, h.alloc, h.live)) };
     },
-    async cordonHost(req: CordonHostRequest) {
+    async cordonHost(req: CordonHostRequest, ctx: CallContext) {
+      admin(ctx, 'CordonHost');
       c.idemKey(req.idempotencyKey);
       const h = await fleet.cordonHost(c.hostId(req.hostId), req.cordon);
       return c.toHost(h.host, h.alloc, h.live);
     },
-    async drainHost(req: DrainHostRequest) {
+    async drainHost(req: DrainHostRequest, ctx: CallContext) {
+      admin(ctx, 'DrainHost');
       return op(await fleet.drainHost(c.idemKey(req.idempotencyKey), c.hostId(req.hostId), req.migrate));
     },
-    async getOperation(req: GetOperationRequest) {
-      return op(await fleet.getOperation(c.tenant(req.tenantId), c.id('op', req.operationId, 'operation_id')));
+    async getOperation(req: GetOperationRequest, ctx: CallContext) {
+      return op(await fleet.getOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id')));
     },
     async waitOperation(req: WaitOperationRequest, ctx: CallContext) {
       const timeoutMs = c.durationMs(req.timeout, 'timeout', { max: c.LIMITS.maxWaitMs }) ?? c.LIMITS.defaultWaitMs;
-      return op(await fleet.waitOperation(c.tenant(req.tenantId), c.id('op', req.operationId, 'operation_id'), timeoutMs, ctx.signal));
+      return op(await fleet.waitOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id'), timeoutMs, ctx.signal));
     },
   });
 }

@@ -25,6 +25,7 @@ import type { GenService, GenServiceMethods } from '@bufbuild/protobuf/codegenv2
 import { fromServiceError, toGrpcStatus } from './status.ts';
 import { readableItems } from './queue.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
+import type { Principal } from '../../auth/tokens.ts';
 
 type MethodShape = GenServiceMethods[string];
 type In<M extends MethodShape> = MessageShape<M['input']>;
@@ -40,6 +41,16 @@ export interface CallContext {
   readonly metadata: Metadata;
   readonly peer: string;
   readonly method: string;
+  /** Who is calling, when the server has a CallGuard; undefined on an unguarded server. */
+  readonly principal: Principal | undefined;
+}
+
+/**
+ * Runs before every handler of a guarded server (authentication, rate and stream limits).
+ * Throws to refuse the call; `release` (for streaming calls) runs once when the call ends.
+ */
+export interface CallGuard {
+  admit(call: { metadata: Metadata; method: string; streaming: boolean; peer: string }): { principal: Principal; release?: () => void };
 }
 
 export type Handler<M extends MethodShape> = M['methodKind'] extends 'unary'
@@ -150,7 +161,7 @@ type AnyServerCall =
   | ServerWritableStream<unknown, unknown>
   | ServerDuplexStream<unknown, unknown>;
 
-function contextOf(call: AnyServerCall, method: string): CallContext {
+function contextOf(call: AnyServerCall, method: string, principal?: Principal): CallContext {
   const ac = new AbortController();
   const abort = (): void => {
     if (!ac.signal.aborted) ac.abort(new Error(`${method}: cancelled by client`));
@@ -167,7 +178,7 @@ function contextOf(call: AnyServerCall, method: string): CallContext {
     t.unref();
     emitter.once('finish', () => clearTimeout(t));
   }
-  return { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method };
+  return { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method, principal };
 }
 
 async function writeAll(call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>, out: AsyncIterable<unknown>, signal: AbortSignal): Promise<void> {
@@ -187,8 +198,27 @@ async function writeAll(call: ServerWritableStream<unknown, unknown> | ServerDup
   }
 }
 
+/**
+ * Admits a call through `guard`: the principal and a release that runs once, when the call
+ * ends however it ends (finished, failed, cancelled, connection closed).
+ */
+function admitCall(guard: CallGuard | undefined, call: AnyServerCall, method: string, streaming: boolean): { principal: Principal | undefined; release: () => void } {
+  if (!guard) return { principal: undefined, release: () => {} };
+  const a = guard.admit({ metadata: call.metadata, method, streaming, peer: call.getPeer() });
+  let done = false;
+  const release = (): void => {
+    if (done) return;
+    done = true;
+    a.release?.();
+  };
+  const emitter = call as unknown as NodeJS.EventEmitter;
+  emitter.once('cancelled', release);
+  emitter.once('close', release);
+  return { principal: a.principal, release };
+}
+
 /** Builds grpc-js handlers that run `impl`, map thrown errors once, and honour cancellation. */
-export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () => {}): Record<string, unknown> {
+export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () => {}, guard?: CallGuard): Record<string, unknown> {
   const out: Record<string, unknown> = {};
   for (const m of reg.service.methods) {
     const fn = reg.handlers[m.localName] as unknown as (a: unknown, ctx: CallContext) => unknown;
@@ -201,7 +231,14 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
     switch (m.methodKind) {
       case 'unary':
         out[m.localName] = (call: ServerUnaryCall<unknown, unknown>, cb: sendUnaryData<unknown>) => {
-          const ctx = contextOf(call, name);
+          let admitted: ReturnType<typeof admitCall>;
+          try {
+            admitted = admitCall(guard, call, name, false);
+          } catch (err) {
+            cb(fail(err));
+            return;
+          }
+          const ctx = contextOf(call, name, admitted.principal);
           if (call.request instanceof Undecodable) {
             cb(fail(undecodableError(call.request)));
             return;
@@ -214,20 +251,41 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         break;
       case 'client_streaming':
         out[m.localName] = (call: ServerReadableStream<unknown, unknown>, cb: sendUnaryData<unknown>) => {
-          const ctx = contextOf(call, name);
+          let admitted: ReturnType<typeof admitCall>;
+          try {
+            admitted = admitCall(guard, call, name, true);
+          } catch (err) {
+            cb(fail(err));
+            return;
+          }
+          const ctx = contextOf(call, name, admitted.principal);
           (fn(decodedItems(readableItems(call)), ctx) as Promise<unknown>).then(
-            (res) => cb(null, res),
-            (err: unknown) => cb(fail(err)),
+            (res) => {
+              admitted.release();
+              cb(null, res);
+            },
+            (err: unknown) => {
+              admitted.release();
+              cb(fail(err));
+            },
           );
         };
         break;
       case 'server_streaming':
       case 'bidi_streaming':
         out[m.localName] = (call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>) => {
-          const ctx = contextOf(call, name);
+          let admitted: ReturnType<typeof admitCall>;
+          try {
+            admitted = admitCall(guard, call, name, true);
+          } catch (err) {
+            call.emit('error', fail(err));
+            return;
+          }
+          const ctx = contextOf(call, name, admitted.principal);
           const input = m.methodKind === 'server_streaming' ? (call as ServerWritableStream<unknown, unknown>).request
               : decodedItems(readableItems(call as ServerDuplexStream<unknown, unknown>));
           if (input instanceof Undecodable) {
+            admitted.release();
             call.emit('error', fail(undecodableError(input)));
             return;
           }
@@ -235,14 +293,17 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
           try {
             iterable = fn(input, ctx) as AsyncIterable<unknown>;
           } catch (err) {
+            admitted.release();
             call.emit('error', fail(err));
             return;
           }
           writeAll(call, iterable, ctx.signal).then(
             () => {
+              admitted.release();
               if (!ctx.signal.aborted) call.end();
             },
             (err: unknown) => {
+              admitted.release();
               if (!ctx.signal.aborted) call.emit('error', fail(err));
             },
           );
@@ -298,8 +359,9 @@ async function* readAll<T>(stream: ClientReadableStream<T> | ClientDuplexStream<
 }
 
 /**
- * A typed client for `service` at `address` (host:port). Insecure credentials by default;
- * pass TLS credentials for real deployments.
+ * A typed client for `service` at `address` (host:port). Insecure credentials by default
+ * (peer transfers, tests); the Fleet API serves TLS only: pass fleetChannelCredentials and
+ * fleetChannelOptions (tls.ts).
  */
 export function createClient<S extends GenServiceMethods>(
   service: GenService<S>,

@@ -9,13 +9,16 @@ import { toBinary } from '@bufbuild/protobuf';
 import type { DescFile } from '@bufbuild/protobuf';
 import { FileDescriptorProtoSchema } from '@bufbuild/protobuf/wkt';
 import { grpcHandlers } from './rpc.ts';
-import type { ErrorHook, ServiceRegistration } from './rpc.ts';
+import type { CallGuard, ErrorHook, ServiceRegistration } from './rpc.ts';
 
 export interface GrpcServerOptions {
   /** host:port; port 0 picks a free one. */
   address: string;
   services: readonly ServiceRegistration[];
+  /** Insecure when omitted (peer transfer, in-process tests); the Fleet API always passes TLS. */
   credentials?: ServerCredentials;
+  /** Admits every call of `services` (not health or reflection, which stay open). */
+  guard?: CallGuard;
   /** Called with every error a handler threw, before it is mapped to a status. */
   onError?: ErrorHook;
   channelOptions?: ChannelOptions;
@@ -51,7 +54,7 @@ function reflectionPackage(services: readonly ServiceRegistration[]): Constructo
 export async function startGrpcServer(opts: GrpcServerOptions): Promise<RunningGrpcServer> {
   const server = new Server({ 'grpc.max_receive_message_length': 16 * 1024 * 1024, ...opts.channelOptions });
   for (const reg of opts.services) {
-    server.addService(reg.definition, grpcHandlers(reg, opts.onError) as never);
+    server.addService(reg.definition, grpcHandlers(reg, opts.onError, opts.guard) as never);
   }
   const statusMap: Record<string, ServingStatus> = { '': 'SERVING' };
   for (const reg of opts.services) statusMap[reg.service.typeName] = 'SERVING';

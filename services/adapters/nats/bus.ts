@@ -111,7 +111,9 @@ export class NatsWorkBus implements WorkBus {
   }
 
   exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal }): AsyncIterable<HostExecOutputMsg> {
-    const inbox = createInbox();
+    // Under the host's own exec-output subject: its NATS user may publish there and nowhere
+    // else, so a long exec's output stream needs no response-permission window.
+    const inbox = createInbox(subjects.execOut(hostId));
     const q = new AsyncQueue<HostExecOutputMsg>();
     const timer = setTimeout(() => {
       q.fail(new ForkfleetError('deadline_exceeded', `exec on host ${hostId} timed out after ${opts.timeoutMs} ms`));

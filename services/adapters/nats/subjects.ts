@@ -10,6 +10,8 @@ export const subjects = {
   event: (hostId: string) => `ff.event.${hostId}`,
   exec: (hostId: string) => `ff.exec.${hostId}`,
   file: (hostId: string) => `ff.file.${hostId}`,
+  /** Exec output from a host streams to `<this>.<unique id>` (the scheduler's per-call reply subject). */
+  execOut: (hostId: string) => `ff.execout.${hostId}`,
   allHeartbeats: 'ff.heartbeat.*',
   allEvents: 'ff.event.*',
   allResults: 'ff.result.*',
@@ -21,6 +23,8 @@ export const STREAM_EVENTS = 'FF_EVENTS';
 /** Durable consumer of results; shared by scheduler replicas, used by the leader. */
 export const RESULTS_CONSUMER = 'scheduler-results';
 export const workConsumer = (hostId: string) => `agent-${hostId.replace(/[^A-Za-z0-9_-]/g, '_')}`;
+/** A host agent's inbox prefix: its NATS permissions let it subscribe only under this. */
+export const agentInboxPrefix = (hostId: string) => `_INBOX_${hostId.replace(/[^A-Za-z0-9_-]/g, '_')}`;
 
 /** Host ids appear in subjects: keep them to a safe alphabet. */
 export const HOST_ID_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;

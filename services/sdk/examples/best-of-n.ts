@@ -13,12 +13,13 @@ const { values } = parseArgs({
   options: {
     n: { type: 'string', default: '8' },
     api: { type: 'string', default: defaultApi() },
-    tenant: { type: 'string', default: process.env.FF_TENANT ?? 'default' },
+    tenant: { type: 'string', default: process.env.FF_TENANT ?? '' },
     'keep-parent': { type: 'boolean', default: false },
   },
 });
 const n = Number(values.n);
-const ff = new Forkfleet({ address: values.api, tenant: values.tenant });
+// TLS; the token and CA come from FF_TOKEN / FF_CA, FF_CREDENTIALS or the local fleet's credentials.json.
+const ff = new Forkfleet({ address: values.api, ...(values.tenant ? { tenant: values.tenant } : {}) });
 const log = (s: string): void => void process.stderr.write(`best-of-n: ${s}\n`);
 
 let parent: Sandbox | undefined;

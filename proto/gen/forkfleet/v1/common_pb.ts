@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file forkfleet/v1/common.proto.
  */
 export const file_forkfleet_v1_common: GenFile = /*@__PURE__*/
-  fileDesc("Chlmb3JrZmxlZXQvdjEvY29tbW9uLnByb3RvEgxmb3JrZmxlZXQudjEiQAoJUmVzb3VyY2VzEg0KBXZjcHVzGAEgASgNEhIKCm1lbW9yeV9taWIYAiABKAQSEAoIZGlza19taWIYAyABKAQijAEKE1BsYWNlbWVudFByZWZlcmVuY2USKAoIbG9jYWxpdHkYASABKA4yFi5mb3JrZmxlZXQudjEuTG9jYWxpdHkSJAoGc3ByZWFkGAIgASgOMhQuZm9ya2ZsZWV0LnYxLlNwcmVhZBIUCgxtYXhfcGVyX2hvc3QYAyABKA0SDwoHaG9zdF9pZBgEIAEoCSI6Cg1OZXR3b3JrUG9saWN5EhQKDGFsbG93X2VncmVzcxgBIAEoCBITCgthbGxvd19jaWRycxgCIAMoCSJkCglMaWZlY3ljbGUSJgoDdHRsGAEgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEi8KDGlkbGVfdGltZW91dBgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJGCglSZXRlbnRpb24SJgoDdHRsGAEgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhEKCWtlZXBfbGFzdBgCIAEoDSLBAQoIVm1Db25maWcSDwoHbWFjaGluZRgBIAEoCRISCgptZW1vcnlfbWliGAIgASgEEg0KBXZjcHVzGAMgASgNEg8KB2RldmljZXMYBCADKAkSFAoMcWVtdV92ZXJzaW9uGAUgASgJEiIKBWFjY2VsGAYgASgOMhMuZm9ya2ZsZWV0LnYxLkFjY2VsEhEKCWNwdV9tb2RlbBgHIAEoCRINCgVpbWFnZRgIIAEoCRIUCgxpbWFnZV9kaWdlc3QYCSABKAkiTAoJRXJyb3JJbmZvEgwKBGtpbmQYASABKAkSDwoHbWVzc2FnZRgCIAEoCRIRCglyZXRyeWFibGUYAyABKAgSDQoFZmllbGQYBCABKAkqZwoITG9jYWxpdHkSGAoUTE9DQUxJVFlfVU5TUEVDSUZJRUQQABIQCgxMT0NBTElUWV9BTlkQARIWChJMT0NBTElUWV9TQU1FX0hPU1QQAhIXChNMT0NBTElUWV9DUk9TU19IT1NUEAMqRAoGU3ByZWFkEhYKElNQUkVBRF9VTlNQRUNJRklFRBAAEg8KC1NQUkVBRF9QQUNLEAESEQoNU1BSRUFEX1NQUkVBRBACKjwKBUFjY2VsEhUKEUFDQ0VMX1VOU1BFQ0lGSUVEEAASDQoJQUNDRUxfS1ZNEAESDQoJQUNDRUxfVENHEAJiBnByb3RvMw", [file_google_protobuf_duration]);
+  fileDesc("Chlmb3JrZmxlZXQvdjEvY29tbW9uLnByb3RvEgxmb3JrZmxlZXQudjEiQAoJUmVzb3VyY2VzEg0KBXZjcHVzGAEgASgNEhIKCm1lbW9yeV9taWIYAiABKAQSEAoIZGlza19taWIYAyABKAQijAEKE1BsYWNlbWVudFByZWZlcmVuY2USKAoIbG9jYWxpdHkYASABKA4yFi5mb3JrZmxlZXQudjEuTG9jYWxpdHkSJAoGc3ByZWFkGAIgASgOMhQuZm9ya2ZsZWV0LnYxLlNwcmVhZBIUCgxtYXhfcGVyX2hvc3QYAyABKA0SDwoHaG9zdF9pZBgEIAEoCSI6Cg1OZXR3b3JrUG9saWN5EhQKDGFsbG93X2VncmVzcxgBIAEoCBITCgthbGxvd19jaWRycxgCIAMoCSKTAQoJTGlmZWN5Y2xlEiYKA3R0bBgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIvCgxpZGxlX3RpbWVvdXQYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SLQoMYWZ0ZXJfcmVzdW1lGAMgAygLMhcuZm9ya2ZsZWV0LnYxLkd1ZXN0SG9vayJFCglHdWVzdEhvb2sSDAoEYXJndhgBIAMoCRIqCgd0aW1lb3V0GAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIkYKCVJldGVudGlvbhImCgN0dGwYASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SEQoJa2VlcF9sYXN0GAIgASgNIsEBCghWbUNvbmZpZxIPCgdtYWNoaW5lGAEgASgJEhIKCm1lbW9yeV9taWIYAiABKAQSDQoFdmNwdXMYAyABKA0SDwoHZGV2aWNlcxgEIAMoCRIUCgxxZW11X3ZlcnNpb24YBSABKAkSIgoFYWNjZWwYBiABKA4yEy5mb3JrZmxlZXQudjEuQWNjZWwSEQoJY3B1X21vZGVsGAcgASgJEg0KBWltYWdlGAggASgJEhQKDGltYWdlX2RpZ2VzdBgJIAEoCSJMCglFcnJvckluZm8SDAoEa2luZBgBIAEoCRIPCgdtZXNzYWdlGAIgASgJEhEKCXJldHJ5YWJsZRgDIAEoCBINCgVmaWVsZBgEIAEoCSpnCghMb2NhbGl0eRIYChRMT0NBTElUWV9VTlNQRUNJRklFRBAAEhAKDExPQ0FMSVRZX0FOWRABEhYKEkxPQ0FMSVRZX1NBTUVfSE9TVBACEhcKE0xPQ0FMSVRZX0NST1NTX0hPU1QQAypECgZTcHJlYWQSFgoSU1BSRUFEX1VOU1BFQ0lGSUVEEAASDwoLU1BSRUFEX1BBQ0sQARIRCg1TUFJFQURfU1BSRUFEEAIqPAoFQWNjZWwSFQoRQUNDRUxfVU5TUEVDSUZJRUQQABINCglBQ0NFTF9LVk0QARINCglBQ0NFTF9UQ0cQAmIGcHJvdG8z", [file_google_protobuf_duration]);
 
 /**
  * Resources a sandbox asks for, or a host offers.
@@ -134,6 +134,16 @@ export type Lifecycle = Message<"forkfleet.v1.Lifecycle"> & {
    * @generated from field: google.protobuf.Duration idle_timeout = 2;
    */
   idleTimeout?: Duration | undefined;
+
+  /**
+   * Steps run in the guest, in order, after every resume, wake and restore (after the
+   * clock, RNG and identity are fixed, before the sandbox is reported running), such as
+   * refreshing credentials. A failing step does not stop the sandbox: its exit is recorded
+   * in the sandbox's state_reason.
+   *
+   * @generated from field: repeated forkfleet.v1.GuestHook after_resume = 3;
+   */
+  afterResume: GuestHook[];
 };
 
 /**
@@ -142,6 +152,32 @@ export type Lifecycle = Message<"forkfleet.v1.Lifecycle"> & {
  */
 export const LifecycleSchema: GenMessage<Lifecycle> = /*@__PURE__*/
   messageDesc(file_forkfleet_v1_common, 3);
+
+/**
+ * A command run in the guest by a lifecycle hook.
+ *
+ * @generated from message forkfleet.v1.GuestHook
+ */
+export type GuestHook = Message<"forkfleet.v1.GuestHook"> & {
+  /**
+   * @generated from field: repeated string argv = 1;
+   */
+  argv: string[];
+
+  /**
+   * Default 30 s.
+   *
+   * @generated from field: google.protobuf.Duration timeout = 2;
+   */
+  timeout?: Duration | undefined;
+};
+
+/**
+ * Describes the message forkfleet.v1.GuestHook.
+ * Use `create(GuestHookSchema)` to create a new message.
+ */
+export const GuestHookSchema: GenMessage<GuestHook> = /*@__PURE__*/
+  messageDesc(file_forkfleet_v1_common, 4);
 
 /**
  * Snapshot retention. A pinned snapshot is kept regardless.
@@ -169,7 +205,7 @@ export type Retention = Message<"forkfleet.v1.Retention"> & {
  * Use `create(RetentionSchema)` to create a new message.
  */
 export const RetentionSchema: GenMessage<Retention> = /*@__PURE__*/
-  messageDesc(file_forkfleet_v1_common, 4);
+  messageDesc(file_forkfleet_v1_common, 5);
 
 /**
  * The VM configuration a memory snapshot depends on. A restore on a host whose
@@ -231,7 +267,7 @@ export type VmConfig = Message<"forkfleet.v1.VmConfig"> & {
  * Use `create(VmConfigSchema)` to create a new message.
  */
 export const VmConfigSchema: GenMessage<VmConfig> = /*@__PURE__*/
-  messageDesc(file_forkfleet_v1_common, 5);
+  messageDesc(file_forkfleet_v1_common, 6);
 
 /**
  * An error carried inside a message (operation results, host results).
@@ -269,7 +305,7 @@ export type ErrorInfo = Message<"forkfleet.v1.ErrorInfo"> & {
  * Use `create(ErrorInfoSchema)` to create a new message.
  */
 export const ErrorInfoSchema: GenMessage<ErrorInfo> = /*@__PURE__*/
-  messageDesc(file_forkfleet_v1_common, 6);
+  messageDesc(file_forkfleet_v1_common, 7);
 
 /**
  * Where fork children may land relative to the snapshot's bytes.

@@ -1,0 +1,92 @@
+// Dev PKI: a private CA and a server certificate for the scheduler's TLS endpoint, made with
+// the `openssl` CLI (Debian package `openssl`, installed by deploy/setup.sh). Idempotent:
+// an existing CA is reused; the server certificate is re-issued only when it is missing,
+// was not signed by this CA, or lacks a wanted SAN. Keys are written mode 0600.
+//
+//   node --import tsx deploy/pki/pki.ts DIR [--san DNS:name|IP:addr ...]
+//
+// DIR/ca.crt (give it to clients: FF_CA / FF_TLS_CA), DIR/ca.key, DIR/server.crt, DIR/server.key.
+import { execFileSync } from 'node:child_process';
+import { chmodSync, existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { X509Certificate } from 'node:crypto';
+import { join, resolve } from 'node:path';
+
+export const DEFAULT_SANS: readonly string[] = ['DNS:localhost', 'IP:127.0.0.1', 'IP:::1'];
+
+export interface DevPki {
+  readonly dir: string;
+  readonly caCert: string;
+  readonly caKey: string;
+  readonly serverCert: string;
+  readonly serverKey: string;
+}
+
+function openssl(args: string[]): void {
+  try {
+    execFileSync('openssl', args, { stdio: ['ignore', 'ignore', 'pipe'] });
+  } catch (e) {
+    const err = e as { stderr?: Buffer; message: string };
+    throw new Error(`openssl ${args[0]} failed: ${err.stderr?.toString().trim() || err.message}`, { cause: e });
+  }
+}
+
+/** SANs of a certificate in openssl's form ("DNS:localhost", "IP:127.0.0.1", "IP:::1"). */
+function sansOf(cert: X509Certificate): Set<string> {
+  const out = new Set<string>();
+  for (const part of (cert.subjectAltName ?? '').split(',')) {
+    const [kind, value] = part.trim().split(/:(.*)/s);
+    if (!kind || value === undefined) continue;
+    // Node prints IPv6 expanded (0:0:0:0:0:0:0:1); normalise the loopback we ask for.
+    out.add(`${kind === 'IP Address' ? 'IP' : kind}:${value === '0:0:0:0:0:0:0:1' ? '::1' : value}`);
+  }
+  return out;
+}
+
+function serverCertOk(p: DevPki, sans: readonly string[]): boolean {
+  if (!existsSync(p.serverCert) || !existsSync(p.serverKey)) return false;
+  try {
+    const ca = new X509Certificate(readFileSync(p.caCert));
+    const cert = new X509Certificate(readFileSync(p.serverCert));
+    if (!cert.verify(ca.publicKey) || Date.parse(cert.validTo) < Date.now() + 86_400_000) return false;
+    const have = sansOf(cert);
+    return sans.every((s) => have.has(s));
+  } catch {
+    return false;
+  }
+}
+
+/** Makes (or reuses) the dev CA and server certificate in `dir`. */
+export function ensureDevPki(dir: string, extraSans: readonly string[] = []): DevPki {
+  mkdirSync(dir, { recursive: true, mode: 0o700 });
+  const p: DevPki = { dir, caCert: join(dir, 'ca.crt'), caKey: join(dir, 'ca.key'), serverCert: join(dir, 'server.crt'), serverKey: join(dir, 'server.key') };
+  const sans = [...new Set([...DEFAULT_SANS, ...extraSans])];
+  for (const s of sans) if (!/^(DNS:[A-Za-z0-9.*-]+|IP:[0-9a-fA-F.:]+)$/.test(s)) throw new Error(`SAN ${JSON.stringify(s)}: want DNS:name or IP:address`);
+  if (!existsSync(p.caCert) || !existsSync(p.caKey)) {
+    rmSync(p.serverCert, { force: true });
+    openssl(['req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes', '-keyout', p.caKey, '-out', p.caCert, '-days', '3650',
+      '-subj', '/CN=Forkfleet dev CA', '-addext', 'basicConstraints=critical,CA:TRUE', '-addext', 'keyUsage=critical,keyCertSign,cRLSign']);
+    chmodSync(p.caKey, 0o600);
+  }
+  if (!serverCertOk(p, sans)) {
+    const csr = join(dir, 'server.csr');
+    const ext = join(dir, 'server.ext');
+    writeFileSync(ext, `basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=${sans.join(',')}\n`);
+    openssl(['req', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes', '-keyout', p.serverKey, '-out', csr, '-subj', '/CN=forkfleet-scheduler']);
+    chmodSync(p.serverKey, 0o600);
+    openssl(['x509', '-req', '-in', csr, '-CA', p.caCert, '-CAkey', p.caKey, '-set_serial', `0x${Date.now().toString(16)}`, '-days', '825', '-extfile', ext, '-out', p.serverCert]);
+    rmSync(csr, { force: true });
+    rmSync(ext, { force: true });
+  }
+  return p;
+}
+
+if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename)) {
+  const [dir, ...rest] = process.argv.slice(2);
+  if (!dir) {
+    process.stderr.write('usage: pki.ts DIR [--san DNS:name|IP:addr ...]\n');
+    process.exit(2);
+  }
+  const sans = rest.flatMap((a, i) => (rest[i - 1] === '--san' ? [a] : []));
+  const p = ensureDevPki(dir, sans);
+  process.stdout.write(`${JSON.stringify(p)}\n`);
+}

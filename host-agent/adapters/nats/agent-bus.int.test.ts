@@ -1,0 +1,272 @@
+// Control-plane isolation (issue #9): host agents authenticate to a real nats-server with their
+// own NKey and may use only their own subjects; the scheduler user has full rights.
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { AckPolicy, connect, ErrorCode } from 'nats';
+import type { NatsConnection, NatsError } from 'nats';
+import { create, toBinary } from '@bufbuild/protobuf';
+import { pino } from 'pino';
+import { startNats } from '../../../services/testkit/nats.ts';
+import type { NatsServer } from '../../../services/testkit/nats.ts';
+import { NatsWorkBus } from '../../../services/adapters/nats/bus.ts';
+import { agentConnectOptions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
+import { STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
+import { NatsAgentBus } from './agent-bus.ts';
+import { HeartbeatSchema, HostEventSchema, HostExecOutputSchema, HostFileRequestSchema, HostFileResponseSchema, HostExecRequestSchema, HostResultSchema, HostWorkSchema } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import type { HostResultMsg, HeartbeatMsg, HostWorkMsg } from '../../../services/domain/messages.ts';
+
+import { startAgent, type AgentProcess } from '../../../services/testkit/agent.ts';
+import { spawn } from 'node:child_process';
+import { generateKeyPairSync } from 'node:crypto';
+import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+
+const log = pino({ level: 'silent' });
+
+function waitUntil<T>(what: string, get: () => T | undefined, ms = 10_000): Promise<T> {
+  return new Promise((resolve, reject) => {
+    const until = Date.now() + ms;
+    const t = setInterval(() => {
+      const v = get();
+      if (v !== undefined) {
+        clearInterval(t);
+        resolve(v);
+      } else if (Date.now() > until) {
+        clearInterval(t);
+        reject(new Error(`timed out waiting for ${what}`));
+      }
+    }, 20);
+  });
+}
+
+/** Permission violations the server reported on this connection (operation + subject). */
+function violations(nc: NatsConnection): string[] {
+  const out: string[] = [];
+  void (async () => {
+    for await (const s of nc.status()) {
+      if (s.permissionContext) out.push(`${s.permissionContext.operation} ${s.permissionContext.subject}`);
+    }
+  })();
+  return out;
+}
+
+const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
+
+describe('NATS authorization: each host agent may use only its own subjects', () => {
+  let nats: NatsServer;
+  let sched: NatsConnection;
+  let bus: NatsWorkBus;
+  let agentA: NatsConnection;
+  let busA: NatsAgentBus;
+  const results: HostResultMsg[] = [];
+  const heartbeats: HeartbeatMsg[] = [];
+  let stopResults: (() => Promise<void>) | undefined;
+
+  const agentConn = (hostId: string, credOf = hostId): Promise<NatsConnection> =>
+    connect({ servers: nats.url, name: `agent-${hostId}`, ...agentConnectOptions(hostId, nats.auth!.hostSeedFile(credOf)) });
+
+  beforeAll(async () => {
+    nats = await startNats({ auth: { hosts: ['host-a', 'host-b'] } });
+    sched = await connect({ servers: nats.url, name: 'scheduler', ...nkeyConnectOptions(nats.auth!.schedulerSeedFile) });
+    bus = await NatsWorkBus.create(sched);
+    stopResults = await bus.consumeResults((r, ack) => {
+      results.push(r);
+      ack();
+    });
+    bus.onHeartbeat((hb) => heartbeats.push(hb));
+    agentA = await agentConn('host-a');
+    busA = await NatsAgentBus.create(agentA, 'host-a', log, { streamWaitMs: 5000 });
+  });
+
+  afterAll(async () => {
+    await stopResults?.();
+    bus?.close();
+    await agentA?.close().catch(() => undefined);
+    await sched?.close().catch(() => undefined);
+    await nats?.stop();
+  });
+
+  it('ownSubjects_whenAgentUsesItsCredential_workResultsHeartbeatsAndRelaysFlow', async () => {
+    const got: HostWorkMsg[] = [];
+    const stop = await busA.consumeWork(async (w, ctl) => {
+      got.push(w);
+      ctl.working();
+      ctl.ack();
+      await busA.publishResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: 'host-a', attempt: w.attempt }));
+    });
+    await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-own', stepId: 'create', attempt: 1 }));
+    await waitUntil('work on host-a', () => got.find((w) => w.opId === 'op-own'));
+    const r = await waitUntil('result from host-a', () => results.find((x) => x.opId === 'op-own'));
+    expect(r.hostId).toBe('host-a');
+
+    busA.publishHeartbeat(create(HeartbeatSchema, { hostId: 'host-a', seq: 7n }));
+    await waitUntil('heartbeat from host-a', () => heartbeats.find((h) => h.hostId === 'host-a' && h.seq === 7n));
+    const events: string[] = [];
+    const unEvents = bus.onHostEvent((e) => events.push(`${e.hostId}/${e.message}`));
+    await new Promise((r) => setTimeout(r, 100));
+    busA.publishEvent(create(HostEventSchema, { hostId: 'host-a', message: 'own-event' }));
+    await waitUntil('event from host-a', () => events.find((e) => e === 'host-a/own-event'));
+    unEvents();
+
+    // Exec relay: several replies to one request (allow_responses), then the exit.
+    const unserve = busA.serveExec(async (_req, emit) => {
+      emit(create(HostExecOutputSchema, { seq: 1n, payload: { case: 'stdout', value: new TextEncoder().encode('hi\n') } }));
+      emit(create(HostExecOutputSchema, { seq: 2n, payload: { case: 'stdout', value: new TextEncoder().encode('there\n') } }));
+      emit(create(HostExecOutputSchema, { seq: 3n, payload: { case: 'exit', value: { exitCode: 0 } } }));
+    });
+    await agentA.flush();
+    const outs: string[] = [];
+    for await (const o of bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['true'] }), { timeoutMs: 5000 })) outs.push(o.payload.case ?? '');
+    expect(outs).toEqual(['stdout', 'stdout', 'exit']);
+    unserve();
+    // File relay: one reply.
+    const unserveFile = busA.serveFile(async (req) => create(HostFileResponseSchema, { data: new TextEncoder().encode(`read ${req.path}`) }));
+    await agentA.flush(); // the subscription is registered on the server
+    const res = await bus.file('host-a', create(HostFileRequestSchema, { sandboxId: 's', path: '/etc/hostname' }), { timeoutMs: 5000 });
+    expect(new TextDecoder().decode(res.data)).toBe('read /etc/hostname');
+    unserveFile();
+    await stop();
+  });
+
+  it('exec_whenNoAgentServesTheHost_failsFastAsUnavailable', async () => {
+    const t0 = Date.now();
+    const err = await (async () => {
+      for await (const _ of bus.exec('host-b', create(HostExecRequestSchema, { sandboxId: 's', argv: ['true'] }), { timeoutMs: 10_000 })) void _;
+    })().then(
+      () => undefined,
+      (e: unknown) => e as { kind?: string; message: string },
+    );
+    expect(err?.message).toMatch(/not answering/);
+    expect(Date.now() - t0).toBeLessThan(5000);
+  });
+
+  it('publishAsOtherHost_whenAgentAPublishesHostBSubjects_isRefused', async () => {
+    const seen = violations(agentA);
+    agentA.publish(subjects.heartbeat('host-b'), toBinary(HeartbeatSchema, create(HeartbeatSchema, { hostId: 'host-b', seq: 99n })));
+    const err = await agentA
+      .jetstream()
+      .publish(subjects.result('host-b'), toBinary(HostResultSchema, create(HostResultSchema, { opId: 'op-forged', hostId: 'host-b' })))
+      .then(() => undefined, (e: unknown) => e as NatsError);
+    expect(err?.code).toBe(ErrorCode.PermissionsViolation);
+    // Neither an exec answer for another host nor work for it may be injected either.
+    agentA.publish(subjects.work('host-b'), new Uint8Array([1]));
+    agentA.publish(`${subjects.execOut('host-b')}.X`, new Uint8Array([1]));
+    await waitUntil('four publish violations', () => (seen.length >= 4 ? seen : undefined));
+    expect(seen).toEqual(
+      expect.arrayContaining([`publish ${subjects.heartbeat('host-b')}`, `publish ${subjects.result('host-b')}`, `publish ${subjects.work('host-b')}`, `publish ${subjects.execOut('host-b')}.X`]),
+    );
+    await sleep(300);
+    expect(heartbeats.some((h) => h.hostId === 'host-b')).toBe(false);
+    expect(results.some((r) => r.opId === 'op-forged')).toBe(false);
+    expect((await agentA.flush().then(() => 'open'))).toBe('open'); // refused, not disconnected
+  });
+
+  it('subscribeToOtherHost_whenAgentASubscribesOrPullsHostBWork_isRefused', async () => {
+    const subErr = (subject: string): Promise<NatsError | undefined> =>
+      new Promise((resolve) => {
+        agentA.subscribe(subject, { callback: (err) => resolve(err ?? undefined) });
+        setTimeout(() => resolve(undefined), 3000);
+      });
+    for (const s of [subjects.exec('host-b'), subjects.file('host-b'), subjects.work('host-b'), subjects.allResults, '_INBOX.>', '>']) {
+      expect((await subErr(s))?.code, s).toBe(ErrorCode.PermissionsViolation);
+    }
+    // Host B's durable consumer: not readable, not pullable; no consumer of B's work can be made.
+    const jsm = await agentA.jetstreamManager({ checkAPI: false });
+    const refused = async (p: Promise<unknown>): Promise<string | undefined> => p.then(() => undefined, (e: unknown) => (e as NatsError).code);
+    await bus.sendWork('host-b', create(HostWorkSchema, { opId: 'op-for-b', stepId: 'create', attempt: 1 }));
+    expect(await refused(jsm.consumers.info(STREAM_WORK, workConsumer('host-b')))).toBe(ErrorCode.PermissionsViolation);
+    expect(await refused(agentA.jetstream().consumers.get(STREAM_WORK, workConsumer('host-b')))).toBe(ErrorCode.PermissionsViolation);
+    expect(await refused(jsm.consumers.add(STREAM_WORK, { durable_name: workConsumer('host-a'), ack_policy: AckPolicy.Explicit, filter_subject: subjects.work('host-b') }))).toBe(ErrorCode.PermissionsViolation);
+    expect(await refused(jsm.consumers.add(STREAM_WORK, { durable_name: 'sneaky', ack_policy: AckPolicy.Explicit, filter_subject: subjects.work('host-b') }))).toBe(ErrorCode.PermissionsViolation);
+    expect(await refused(NatsAgentBus.create(agentA, 'host-b', log, { streamWaitMs: 1000 }))).toBeDefined();
+    // The work for B is still there for B.
+    const agentB = await agentConn('host-b');
+    try {
+      const busB = await NatsAgentBus.create(agentB, 'host-b', log, { streamWaitMs: 5000 });
+      const got: HostWorkMsg[] = [];
+      const stop = await busB.consumeWork(async (w, ctl) => {
+        got.push(w);
+        ctl.ack();
+      });
+      await waitUntil('work on host-b', () => got.find((w) => w.opId === 'op-for-b'));
+      await stop();
+    } finally {
+      await agentB.close();
+    }
+  });
+
+  it('durableWork_whenAgentReconnectsWithItsCredential_resumesUnackedWork', async () => {
+    await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-while-away', stepId: 'create', attempt: 1 }));
+    const again = await agentConn('host-a');
+    try {
+      const b = await NatsAgentBus.create(again, 'host-a', log, { streamWaitMs: 5000 });
+      const got: HostWorkMsg[] = [];
+      const stop = await b.consumeWork(async (w, ctl) => {
+        got.push(w);
+        ctl.ack();
+      });
+      await waitUntil('queued work after reconnect', () => got.find((w) => w.opId === 'op-while-away'));
+      await stop();
+    } finally {
+      await again.close();
+    }
+  });
+
+  it('agentProcess_withFF_NATS_NKEY_FILE_heartbeatsAsItselfAndAnotherHostsKeyCannotStartIt', async () => {
+    const dir = mkdtempSync('/tmp/ffnk-');
+    const keyPath = join(dir, 'trusted.pem');
+    const { publicKey } = generateKeyPairSync('ed25519');
+    writeFileSync(keyPath, publicKey.export({ type: 'spki', format: 'pem' }));
+    const env = { FF_ACCEL: 'tcg', FF_LOG_LEVEL: 'warn' };
+    for (const d of ['a', 'b']) mkdirSync(join(dir, d));
+    let agent: AgentProcess | undefined;
+    try {
+      agent = await startAgent({ hostId: 'host-b', natsUrl: nats.url, trustedKeyPath: keyPath, dataDir: join(dir, 'b'), env: { ...env, FF_NATS_NKEY_FILE: nats.auth!.hostSeedFile('host-b') } });
+      await waitUntil('heartbeat from the host-b agent process', () => heartbeats.find((h) => h.hostId === 'host-b'), 20_000);
+      await agent.teardown();
+      agent = undefined;
+      // host-a's identity with host-b's key: its consumer and inbox are not host-b's, so it stops.
+      const p = spawn(process.execPath, ['--import', 'tsx', 'host-agent/main.ts'], {
+        cwd: new URL('../../../', import.meta.url).pathname,
+        env: { ...process.env, ...env, FF_HOST_ID: 'host-a', FF_DATA_DIR: join(dir, 'a'), FF_NATS_URL: nats.url, FF_TRUSTED_KEY: keyPath, FF_NATS_NKEY_FILE: nats.auth!.hostSeedFile('host-b') },
+        stdio: ['ignore', 'ignore', 'pipe'],
+      });
+      let stderr = '';
+      p.stderr.on('data', (d: Buffer) => (stderr += d.toString()));
+      const code = await new Promise<number | string>((resolve) => {
+        const t = setTimeout(() => {
+          p.kill('SIGKILL');
+          resolve('still running after 30 s');
+        }, 30_000);
+        p.on('exit', (c) => {
+          clearTimeout(t);
+          resolve(c ?? 'signal');
+        });
+      });
+      const wrong = `exit ${code}: ${stderr.split('\n')[0]}`;
+      expect(wrong).toMatch(/^exit 1/);
+      expect(wrong).toMatch(/[Pp]ermissions [Vv]iolation|PERMISSIONS_VIOLATION/);
+    } finally {
+      await agent?.teardown();
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it('credentials_whenMissingOrAnotherHosts_connectionIsRefusedOrConfined', async () => {
+    const noCreds = await connect({ servers: nats.url, maxReconnectAttempts: 0 }).then(
+      async (nc) => {
+        await nc.close();
+        return undefined;
+      },
+      (e: unknown) => (e as NatsError).code,
+    );
+    expect(noCreds).toBe(ErrorCode.AuthorizationViolation);
+    // host-b's key with host-a's inbox prefix: B's permissions do not include A's inbox.
+    const mixed = await connect({ servers: nats.url, ...agentConnectOptions('host-a', nats.auth!.hostSeedFile('host-b')) });
+    try {
+      const err = await mixed.request(subjects.heartbeat('host-b'), new Uint8Array(), { timeout: 2000 }).then(() => undefined, (e: unknown) => (e as NatsError).code);
+      expect(err).toBe(ErrorCode.PermissionsViolation);
+    } finally {
+      await mixed.close();
+    }
+  });
+});

@@ -1,0 +1,23 @@
+import { describe, expect, it } from 'vitest';
+import { parseCidr, sandboxRuleset } from './egress.ts';
+import { inNewNetns } from './netns.ts';
+
+describe('egress helpers', () => {
+  it('parseCidr_whenHostBitsSet_masksToTheNetwork', () => {
+    expect(parseCidr('f', '10.1.2.3/8')).toEqual({ base: 0x0a000000, len: 8 });
+    expect(parseCidr('f', '192.168.1.7')).toEqual({ base: 0xc0a80107, len: 32 });
+    expect(parseCidr('f', '0.0.0.0/0')).toEqual({ base: 0, len: 0 });
+  });
+  it('parseCidr_whenNotIpv4Cidr_namesTheField', () => {
+    for (const bad of ['fe80::/10', '10.0.0.0/33', '256.1.1.1/8', 'x', '1.2.3/8']) expect(() => parseCidr('network.allowCidrs', bad)).toThrow(/network.allowCidrs/);
+  });
+  it('sandboxRuleset_denyComesBeforeAllowAndDefaultIsDrop', () => {
+    const r = sandboxRuleset(['198.18.0.0/24'], ['127.0.0.0/8', '198.18.0.1/32']);
+    expect(r).toContain('policy drop;');
+    expect(r.indexOf('ip daddr 198.18.0.1/32 drop')).toBeLessThan(r.indexOf('ip daddr 198.18.0.0/24 accept'));
+    expect(sandboxRuleset([], ['127.0.0.0/8'])).toContain('meta nfproto ipv4 accept');
+  });
+  it('inNewNetns_execsTheBinaryThroughUnshare', () => {
+    expect(inNewNetns('qemu', ['-m', '1'])).toEqual({ command: 'unshare', args: ['--net', '--', 'qemu', '-m', '1'] });
+  });
+});

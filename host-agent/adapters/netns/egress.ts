@@ -1,0 +1,208 @@
+// Egress for sandboxes whose policy allows it (NetworkPolicy {allow_egress, allow_cidrs}).
+//
+// A sandbox's QEMU runs in a network namespace of its own (netns.ts). With egress allowed its
+// slirp runs with restrict=off, and the agent links that namespace to the agent's namespace
+// (the host's, or `agentNetns`) with a veth pair and a /30 from `pool`:
+//
+//   guest eth0 10.0.2.15 -> slirp (QEMU's sockets, sandbox netns)
+//     sandbox netns: eth0 <pool+4n+2>/30, default via <pool+4n+1>; nftables output chain:
+//       drop 127/8, 169.254/16, the pool, every address of the agent namespace, denyCidrs;
+//       accept allow_cidrs (empty: any); drop everything else (IPv6 included)
+//     agent netns:   ffe<n> <pool+4n+1>/30; nftables table ip ff_egress:
+//       input   iifname "ffe*" drop              (nothing in the agent's namespace: etcd, NATS,
+//                                                  scheduler, peer ports, the agent itself)
+//       forward iifname "ffe*" oifname "ffe*" drop (sandbox to sandbox)
+//               iifname "ffe*" ip daddr <denyCidrs> drop (the control plane on other machines)
+//       postrouting ip saddr <pool> oifname != "ffe*" masquerade
+//
+// The sandbox-side filter is authoritative and sits where the guest cannot touch it (outside
+// the VM); the agent-side rules are a second layer. The veth dies with the sandbox namespace,
+// i.e. with the QEMU process, so destroy, crash and agent restart leave no link behind; the
+// link index is the lowest ffe<n> not present, found by listing links (no state to recover).
+import { execFile, spawn } from 'node:child_process';
+import { promisify } from 'node:util';
+import { InvalidArgumentError } from '../../../proto/errors.ts';
+import type { NetworkPolicySpec } from '../../domain/vmm.ts';
+
+const run = promisify(execFile);
+
+export interface EgressOptions {
+  /** The namespace holding the host ends and the NAT (a path such as /run/netns/x); default: the agent's own. */
+  agentNetns?: string;
+  /** Link addresses, one /30 per sandbox process. Default 100.96.0.0/16 (16384 links). */
+  pool?: string;
+  /** Never reachable from a sandbox, whatever its allow_cidrs (e.g. etcd, NATS, schedulers elsewhere). */
+  denyCidrs?: string[];
+}
+
+interface Cidr {
+  base: number;
+  len: number;
+}
+
+export function parseCidr(field: string, s: string): Cidr {
+  const m = /^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})(?:\/(\d{1,2}))?$/.exec(s.trim());
+  if (!m) throw new InvalidArgumentError(field, `not an IPv4 CIDR: ${JSON.stringify(s)}`);
+  const oct = m.slice(1, 5).map(Number);
+  if (oct.some((o) => o > 255)) throw new InvalidArgumentError(field, `not an IPv4 CIDR: ${JSON.stringify(s)}`);
+  const len = m[5] === undefined ? 32 : Number(m[5]);
+  if (len > 32) throw new InvalidArgumentError(field, `prefix length > 32: ${JSON.stringify(s)}`);
+  const addr = ((oct[0]! << 24) | (oct[1]! << 16) | (oct[2]! << 8) | oct[3]!) >>> 0;
+  const mask = len === 0 ? 0 : (0xffffffff << (32 - len)) >>> 0;
+  return { base: (addr & mask) >>> 0, len };
+}
+
+const ip4 = (n: number): string => [n >>> 24, (n >>> 16) & 255, (n >>> 8) & 255, n & 255].join('.');
+const cidrText = (c: Cidr): string => `${ip4(c.base)}/${c.len}`;
+
+/** Always refused from a sandbox, besides the agent namespace's own addresses and denyCidrs. */
+const ALWAYS_DENIED = ['127.0.0.0/8', '169.254.0.0/16', '0.0.0.0/8', '224.0.0.0/4'];
+export const HOST_LINK_PREFIX = 'ffe';
+
+/** The nftables ruleset of a sandbox namespace (pure; exported for unit tests). */
+export function sandboxRuleset(allow: string[], deny: string[]): string {
+  const lines = [
+    'table inet ff_egress {',
+    '  chain out {',
+    '    type filter hook output priority 0; policy drop;',
+    ...deny.map((c) => `    ip daddr ${c} drop`),
+    ...(allow.length === 0 ? ['    meta nfproto ipv4 accept'] : allow.map((c) => `    ip daddr ${c} accept`)),
+    '  }',
+    '}',
+  ];
+  return `${lines.join('\n')}\n`;
+}
+
+export class EgressManager {
+  private readonly pool: Cidr;
+  private readonly deny: Cidr[];
+  private lock: Promise<unknown> = Promise.resolve();
+  private agentSetup: Promise<void> | undefined;
+
+  constructor(private readonly opts: EgressOptions = {}) {
+    this.pool = parseCidr('egress.pool', opts.pool ?? '100.96.0.0/16');
+    if (this.pool.len > 28) throw new InvalidArgumentError('egress.pool', 'must be /28 or larger');
+    this.deny = (opts.denyCidrs ?? []).map((c) => parseCidr('egress.denyCidrs', c));
+  }
+
+  /** Validates a policy's CIDRs (the step fails before any QEMU starts). */
+  static validate(policy: NetworkPolicySpec): void {
+    for (const c of policy.allowCidrs) parseCidr('network.allowCidrs', c);
+  }
+
+  private inAgentNs(cmd: string, args: string[]): [string, string[]] {
+    return this.opts.agentNetns ? ['nsenter', [`--net=${this.opts.agentNetns}`, '--', cmd, ...args]] : [cmd, args];
+  }
+
+  private async agent(cmd: string, args: string[], input?: string): Promise<string> {
+    const [c, a] = this.inAgentNs(cmd, args);
+    return exec(c, a, input);
+  }
+
+  /** Forwarding and the agent-side table, once per manager (idempotent, atomic replace). */
+  private ensureAgentSide(): Promise<void> {
+    this.agentSetup ??= (async () => {
+      await this.agent('sysctl', ['-q', '-w', 'net.ipv4.ip_forward=1']);
+      const deny = this.deny.map((c) => `    iifname "${HOST_LINK_PREFIX}*" ip daddr ${cidrText(c)} drop`);
+      await this.agent('nft', ['-f', '-'], [
+        'table ip ff_egress {}',
+        'delete table ip ff_egress',
+        'table ip ff_egress {',
+        '  chain input {',
+        '    type filter hook input priority 0; policy accept;',
+        `    iifname "${HOST_LINK_PREFIX}*" drop`,
+        '  }',
+        '  chain forward {',
+        '    type filter hook forward priority 0; policy accept;',
+        `    iifname "${HOST_LINK_PREFIX}*" oifname "${HOST_LINK_PREFIX}*" drop`,
+        ...deny,
+        '  }',
+        '  chain post {',
+        '    type nat hook postrouting priority 100; policy accept;',
+        `    ip saddr ${cidrText(this.pool)} oifname != "${HOST_LINK_PREFIX}*" masquerade`,
+        '  }',
+        '}',
+        '',
+      ].join('\n'));
+    })();
+    this.agentSetup.catch(() => (this.agentSetup = undefined));
+    return this.agentSetup;
+  }
+
+  /**
+   * Links the network namespace of `pid` (a QEMU started in a new namespace) to the agent's
+   * and installs `policy`. Call before the guest runs. The link goes away with the process.
+   */
+  async attach(pid: number, policy: NetworkPolicySpec): Promise<{ link: string; sandboxAddress: string }> {
+    EgressManager.validate(policy);
+    await this.ensureAgentSide();
+    const n = await this.createLink(pid);
+    const link = `${HOST_LINK_PREFIX}${n}`;
+    const hostIp = ip4(this.pool.base + 4 * n + 1);
+    const sbIp = ip4(this.pool.base + 4 * n + 2);
+    await this.agent('ip', ['addr', 'add', `${hostIp}/30`, 'dev', link]);
+    await this.agent('ip', ['link', 'set', link, 'up']);
+    const agentAddrs = (await this.agent('ip', ['-o', '-4', 'addr', 'show']))
+      .split('\n')
+      .map((l) => /inet (\d+\.\d+\.\d+\.\d+)\//.exec(l)?.[1])
+      .filter((a): a is string => !!a)
+      .map((a) => `${a}/32`);
+    const deny = [...ALWAYS_DENIED, cidrText(this.pool), ...agentAddrs, ...this.deny.map(cidrText)];
+    const allow = policy.allowCidrs.map((c) => cidrText(parseCidr('network.allowCidrs', c)));
+    const sb = (cmd: string, args: string[], input?: string): Promise<string> => exec('nsenter', [`--net=/proc/${pid}/ns/net`, '--', cmd, ...args], input);
+    // The filter first, so the link is never up without it.
+    await sb('nft', ['-f', '-'], sandboxRuleset(allow, deny));
+    await sb('ip', ['addr', 'add', `${sbIp}/30`, 'dev', 'eth0']);
+    await sb('ip', ['link', 'set', 'eth0', 'up']);
+    await sb('ip', ['route', 'add', 'default', 'via', hostIp]);
+    return { link, sandboxAddress: sbIp };
+  }
+
+  /** The lowest free ffe<n>, created as a veth whose peer (eth0) is in `pid`'s namespace. */
+  private createLink(pid: number): Promise<number> {
+    const next = this.lock.then(async () => {
+      const max = 2 ** (32 - this.pool.len) / 4;
+      const used = new Set(
+        (await this.agent('ip', ['-o', 'link', 'show']))
+          .split('\n')
+          .map((l) => new RegExp(`^\\d+: ${HOST_LINK_PREFIX}(\\d+)[@:]`).exec(l)?.[1])
+          .filter((x): x is string => !!x)
+          .map(Number),
+      );
+      for (let n = 0; n < max; n++) {
+        if (used.has(n)) continue;
+        try {
+          await this.agent('ip', ['link', 'add', `${HOST_LINK_PREFIX}${n}`, 'type', 'veth', 'peer', 'name', 'eth0', 'netns', String(pid)]);
+          return n;
+        } catch (e) {
+          if (/exists/i.test(String((e as Error).message))) continue; // another agent took it
+          throw e;
+        }
+      }
+      throw new Error(`egress pool ${cidrText(this.pool)} exhausted (${max} links)`);
+    });
+    this.lock = next.catch(() => undefined);
+    return next;
+  }
+}
+
+function exec(cmd: string, args: string[], input?: string): Promise<string> {
+  if (input === undefined) {
+    return run(cmd, args, { encoding: 'utf8' }).then(
+      (r) => r.stdout,
+      (e: unknown) => {
+        throw new Error(`${cmd} ${args.join(' ')}: ${((e as { stderr?: string }).stderr ?? String(e)).trim()}`, { cause: e });
+      },
+    );
+  }
+  return new Promise((resolve, reject) => {
+    const p = spawn(cmd, args, { stdio: ['pipe', 'pipe', 'pipe'] });
+    let out = '';
+    let err = '';
+    p.stdout.on('data', (d: Buffer) => (out += d.toString()));
+    p.stderr.on('data', (d: Buffer) => (err += d.toString()));
+    p.on('error', reject);
+    p.on('close', (code) => (code === 0 ? resolve(out) : reject(new Error(`${cmd} ${args.join(' ')}: exit ${code}: ${err.trim()}`))));
+    p.stdin.end(input);
+  });
+}

@@ -1,0 +1,40 @@
+// Webhook delivery records and the event cursor in etcd (services/domain/webhooks.ts).
+//   /ff/v1/webhooks/cursor            last store revision whose events are all recorded
+//   /ff/v1/webhooks/deliveries/<id>   DeliveryRec (id = revision-type-target)
+import type { Etcd3 } from 'etcd3';
+import type { DeliveryLog, DeliveryRec, DeliveryState } from '../../domain/webhooks.ts';
+import { PREFIX } from './keys.ts';
+
+const CURSOR = `${PREFIX}webhooks/cursor`;
+const DELIVERIES = `${PREFIX}webhooks/deliveries/`;
+
+export class EtcdDeliveryLog implements DeliveryLog {
+  constructor(private readonly client: Etcd3) {}
+
+  async cursor(): Promise<number> {
+    const v = await this.client.get(CURSOR).string();
+    return v ? Number(v) : 0;
+  }
+
+  async setCursor(revision: number): Promise<void> {
+    await this.client.put(CURSOR).value(String(revision)).exec();
+  }
+
+  async create(rec: DeliveryRec): Promise<boolean> {
+    const key = DELIVERIES + rec.id;
+    const res = await this.client.if(key, 'Create', '==', 0).then(this.client.put(key).value(JSON.stringify(rec))).commit();
+    return res.succeeded;
+  }
+
+  async update(rec: DeliveryRec): Promise<void> {
+    await this.client.put(DELIVERIES + rec.id).value(JSON.stringify(rec)).exec();
+  }
+
+  async list(filter: { state?: DeliveryState }): Promise<DeliveryRec[]> {
+    const all = await this.client.getAll().prefix(DELIVERIES).strings();
+    return Object.values(all)
+      .map((v) => JSON.parse(v) as DeliveryRec)
+      .filter((d) => !filter.state || d.state === filter.state)
+      .sort((a, b) => a.revision - b.revision || (a.id < b.id ? -1 : 1));
+  }
+}

@@ -1,0 +1,111 @@
+// NATS authentication and authorization (issue #9, control-plane isolation).
+//
+// Every connection authenticates with an NKey (challenge-response: the server config holds
+// only public keys, each client keeps its seed in a 0600 file). The scheduler user has full
+// rights. Each host agent's user may use only its own subjects:
+//   publish    ff.result.<h>  ff.heartbeat.<h>  ff.event.<h>       (its results, heartbeats, events)
+//              ff.execout.<h>.>                                      (exec output streams, to the
+//                  scheduler's per-call subject under this host's prefix)
+//              $JS.API.INFO, $JS.API.STREAM.INFO.<FF streams>        (read-only checks at start-up)
+//              $JS.API.CONSUMER.CREATE.FF_WORK.agent-<h>.ff.work.<h> (its durable consumer; the
+//                  filter is part of the subject, so it cannot create a consumer on another
+//                  host's work; the server rejects a body whose filter differs from the subject)
+//              $JS.API.CONSUMER.INFO|MSG.NEXT.FF_WORK.agent-<h>     (pull its work)
+//              $JS.ACK.FF_WORK.agent-<h>.>                          (ack / in-progress its work)
+//              one reply to each request it received, within 2 min (allow_responses: file relay)
+//   subscribe  ff.exec.<h>  ff.file.<h>  _INBOX_<h>.>                (its relays and its own inbox)
+// Agents never create streams (the scheduler does; an agent waits for them) and cannot
+// create, read or pull another host's consumer. Anything else is a permissions violation.
+import { chmodSync, readFileSync, writeFileSync } from 'node:fs';
+import { nkeyAuthenticator, nkeys } from 'nats';
+import type { ConnectionOptions } from 'nats';
+import { agentInboxPrefix, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
+
+export interface NatsPermissions {
+  publish: { allow: string[] };
+  subscribe: { allow: string[] };
+  allow_responses?: { max: number; expires: string };
+}
+
+/** One answer per request received, within 2 minutes (file requests time out after 30 s). */
+export const RESPONSE_WINDOW = { max: 1, expires: '2m' } as const;
+
+export function hostPermissions(hostId: string): NatsPermissions {
+  const c = workConsumer(hostId);
+  return {
+    publish: {
+      allow: [
+        subjects.result(hostId),
+        subjects.heartbeat(hostId),
+        subjects.event(hostId),
+        `${subjects.execOut(hostId)}.>`,
+        '$JS.API.INFO',
+        ...[STREAM_WORK, STREAM_RESULTS, STREAM_EVENTS].map((s) => `$JS.API.STREAM.INFO.${s}`),
+        `$JS.API.CONSUMER.CREATE.${STREAM_WORK}.${c}.${subjects.work(hostId)}`,
+        `$JS.API.CONSUMER.INFO.${STREAM_WORK}.${c}`,
+        `$JS.API.CONSUMER.MSG.NEXT.${STREAM_WORK}.${c}`,
+        `$JS.ACK.${STREAM_WORK}.${c}.>`,
+      ],
+    },
+    subscribe: { allow: [subjects.exec(hostId), subjects.file(hostId), `${agentInboxPrefix(hostId)}.>`] },
+    allow_responses: { ...RESPONSE_WINDOW },
+  };
+}
+
+/**
+ * One NATS user standing in for several hosts (the loadtest's fake agents share one
+ * connection): the union of their permissions, with one inbox prefix for the connection.
+ */
+export function hostGroupPermissions(hostIds: string[], inboxPrefix: string): NatsPermissions {
+  const per = hostIds.map(hostPermissions);
+  return {
+    publish: { allow: per.flatMap((p) => p.publish.allow).filter((x, i, a) => a.indexOf(x) === i) },
+    subscribe: { allow: [...hostIds.flatMap((h) => [subjects.exec(h), subjects.file(h)]), `${inboxPrefix}.>`] },
+    allow_responses: { ...RESPONSE_WINDOW },
+  };
+}
+
+export interface NatsUser {
+  /** Public NKey (starts with U). */
+  nkey: string;
+  /** Omitted: full rights (the scheduler). */
+  permissions?: NatsPermissions;
+}
+
+/**
+ * nats-server configuration text for these users (NATS conf accepts JSON). Pass it with
+ * `-c FILE`; listen address, JetStream and store dir still come from the command line.
+ */
+export function natsServerAuthConfig(users: NatsUser[]): string {
+  return `${JSON.stringify({ authorization: { users: users.map((u) => (u.permissions ? { nkey: u.nkey, permissions: u.permissions } : { nkey: u.nkey })) } }, null, 2)}\n`;
+}
+
+export interface NatsCredential {
+  /** Public key, for the server config. */
+  publicKey: string;
+  /** Where the seed is (0600). */
+  seedFile: string;
+}
+
+/** Creates a user NKey and writes its seed to `seedFile` (mode 0600). */
+export function createNkeyFile(seedFile: string): NatsCredential {
+  const kp = nkeys.createUser();
+  writeFileSync(seedFile, `${new TextDecoder().decode(kp.getSeed())}\n`, { mode: 0o600 });
+  chmodSync(seedFile, 0o600);
+  return { publicKey: kp.getPublicKey(), seedFile };
+}
+
+/** Connection options that authenticate with the NKey seed in `seedFile` (read once). */
+export function nkeyConnectOptions(seedFile: string): Pick<ConnectionOptions, 'authenticator'> {
+  const seed = readFileSync(seedFile, 'utf8').trim();
+  if (!/^SU[A-Z2-7]{56}$/.test(seed)) throw new Error(`${seedFile}: not a NATS user NKey seed`);
+  return { authenticator: nkeyAuthenticator(new TextEncoder().encode(seed)) };
+}
+
+/**
+ * What a host agent passes to `connect()`: its own inbox prefix (its permissions allow only
+ * that) and, when a seed file is configured, NKey authentication.
+ */
+export function agentConnectOptions(hostId: string, seedFile: string | undefined): Pick<ConnectionOptions, 'authenticator' | 'inboxPrefix'> {
+  return { inboxPrefix: agentInboxPrefix(hostId), ...(seedFile ? nkeyConnectOptions(seedFile) : {}) };
+}

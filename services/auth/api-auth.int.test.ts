@@ -1,0 +1,287 @@
+// Authentication, tenancy and limits of the Fleet API (issue #9) with a real scheduler:
+// real etcd, real nats-server, the scheduler in-process serving TLS with a tokens file, and
+// fake host agents (the real Agent over real NATS, simulated VMs: loadtest/fake-agent/),
+// which is the cheapest way to a running sandbox and a snapshot that exec and fork work on.
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { pino } from 'pino';
+import { execFile } from 'node:child_process';
+import { promisify } from 'node:util';
+import { status as Status } from '@grpc/grpc-js';
+import { startEtcd } from '../testkit/etcd.ts';
+import type { EtcdCluster } from '../testkit/etcd.ts';
+import { startNats } from '../testkit/nats.ts';
+import type { NatsServer } from '../testkit/nats.ts';
+import { waitFor } from '../testkit/proc.ts';
+import { startFakeAgents } from '../testkit/fleet-procs.ts';
+import type { FakeAgentsProcess } from '../testkit/fleet-procs.ts';
+import { testCredentials } from '../testkit/credentials.ts';
+import type { TestCredentials } from '../testkit/credentials.ts';
+import { compileSchedulerConfig } from '../config.ts';
+import { startScheduler } from '../scheduler.ts';
+import type { SchedulerHandle } from '../scheduler.ts';
+import { EtcdFleetStore } from '../adapters/etcd/store.ts';
+import { createClient } from '../adapters/grpc/rpc.ts';
+import type { Client } from '../adapters/grpc/rpc.ts';
+import type { RpcError } from '../adapters/grpc/status.ts';
+import { Forkfleet } from '../sdk/index.ts';
+import { FleetService, OperationState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+
+type Api = Client<(typeof FleetService)['method']>;
+let keyN = 0;
+const key = (): string => `auth-${Date.now()}-${keyN++}`;
+const HOSTS = ['fa-1', 'fa-2'];
+
+/** The error a call (or the first read of a stream) fails with; undefined when it succeeds. */
+async function failure(p: Promise<unknown> | AsyncIterable<unknown>): Promise<RpcError | undefined> {
+  try {
+    if (Symbol.asyncIterator in p) for await (const _ of p);
+    else await p;
+    return undefined;
+  } catch (e) {
+    return e as RpcError;
+  }
+}
+const codeOf = async (p: Promise<unknown> | AsyncIterable<unknown>): Promise<string> => {
+  const e = await failure(p);
+  return e === undefined ? 'OK' : (Status[e.code] ?? String(e.code));
+};
+
+async function ok(api: Api, op: Operation): Promise<Operation> {
+  const final = await api.waitOperation({ operationId: op.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
+  if (final.state !== OperationState.SUCCEEDED) throw new Error(`operation ${op.id} ${OperationState[final.state]}: ${final.error?.message}`);
+  return final;
+}
+
+describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NATS)', () => {
+  let etcd: EtcdCluster;
+  let nats: NatsServer;
+  let dir: string;
+  let store: EtcdFleetStore;
+  let sched: SchedulerHandle;
+  let fakes: FakeAgentsProcess;
+  let creds: TestCredentials;
+  let admin: Api;
+  let a: Api;
+  let b: Api;
+  const tokens: Record<string, string> = {};
+  const clients: Api[] = [];
+  // tenant-a's sandbox, snapshot and operation
+  let sbA = '';
+  let snA = '';
+  let opA = '';
+
+  const client = (token: string): Api => {
+    const c = creds.client(FleetService, sched.address, token);
+    clients.push(c);
+    return c;
+  };
+
+  /** Every record in etcd but host liveness (heartbeat-driven), the election and the leader's webhook cursor. */
+  async function records(): Promise<Record<string, string>> {
+    const all = await store.etcd.getAll().prefix('/ff/v1/').strings();
+    return Object.fromEntries(Object.entries(all).filter(([k]) => !/^\/ff\/v1\/(hosts|alloc|election|webhooks)\//.test(k)));
+  }
+
+  beforeAll(async () => {
+    dir = mkdtempSync('/tmp/ff-auth-');
+    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
+    store = EtcdFleetStore.connect(etcd.endpoints);
+    creds = testCredentials(dir);
+    tokens.a = creds.mint({ tenant: 'tenant-a' });
+    tokens.b = creds.mint({ tenant: 'tenant-b' });
+    tokens.tight = creds.mint({ tenant: 'tight', quotas: { sandboxes: 1, memory_mib: 512 } });
+    tokens.slow = creds.mint({ tenant: 'slow', rate: { per_s: 1, burst: 3 } });
+    const signingKeyPath = join(dir, 'signing.pem');
+    sched = await startScheduler(
+      compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath, maxStreamsPerCredential: '2', maxRecvBytes: '64KiB', metricsAddr: '127.0.0.1:0', ...creds.config }),
+      pino({ level: 'warn' }),
+    );
+    await sched.leader;
+    fakes = await startFakeAgents({ hosts: HOSTS, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '16' } });
+    admin = client(creds.adminToken);
+    a = client(tokens.a);
+    b = client(tokens.b);
+    await waitFor('hosts registered', async () => (await admin.listHosts({})).hosts.length === HOSTS.length, 30_000, 100);
+    // tenant-a: a running sandbox (tenant_id omitted: the credential's tenant) and a snapshot of it.
+    const created = await ok(a, await a.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    sbA = created.result.case === 'sandbox' ? created.result.value.id : '';
+    expect(created.tenantId).toBe('tenant-a');
+    const snap = await ok(a, await a.snapshotSandbox({ idempotencyKey: key(), sandboxId: sbA }));
+    snA = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+    opA = snap.id;
+    expect(sbA).toMatch(/^sb-/);
+    expect(snA).toMatch(/^sn-/);
+  }, 180_000);
+
+  afterAll(async () => {
+    for (const c of clients) c.close();
+    await sched?.close();
+    await fakes?.stop();
+    store?.close();
+    await nats?.stop();
+    await etcd?.stop();
+    if (dir) rmSync(dir, { recursive: true, force: true });
+  }, 60_000);
+
+  it('call_withoutCredentials_isUnauthenticated_forUnaryAndStreamingCalls', async () => {
+    const anon = client('');
+    expect(await codeOf(anon.listSandboxes({}))).toBe('UNAUTHENTICATED');
+    expect(await codeOf(anon.getSandbox({ tenantId: 'tenant-a', sandboxId: sbA }))).toBe('UNAUTHENTICATED');
+    expect(await codeOf(anon.exec({ tenantId: 'tenant-a', sandboxId: sbA, argv: ['true'] }))).toBe('UNAUTHENTICATED');
+    expect(await codeOf(anon.writeFile([{ payload: { case: 'header', value: { tenantId: 'tenant-a', sandboxId: sbA, path: '/tmp/x' } } }]))).toBe('UNAUTHENTICATED');
+  });
+
+  it('call_withUnknownOrMalformedToken_isUnauthenticated', async () => {
+    expect(await codeOf(client(`ff_${'x'.repeat(43)}`).listSandboxes({}))).toBe('UNAUTHENTICATED');
+    expect(await codeOf(client(tokens.a!.slice(0, -1)).listSandboxes({}))).toBe('UNAUTHENTICATED');
+    const wrongScheme = creds.client(FleetService, sched.address, '');
+    clients.push(wrongScheme);
+    expect(await codeOf(wrongScheme.listSandboxes({}, { metadata: { authorization: `Token ${tokens.a}` } }))).toBe('UNAUTHENTICATED');
+  });
+
+  it('plaintextConnection_isRefused_andChangesNothing', async () => {
+    const before = await records();
+    const plain = createClient(FleetService, sched.address);
+    clients.push(plain);
+    const e = await failure(plain.createSandbox({ tenantId: 'tenant-a', idempotencyKey: key(), source: { case: 'image', value: 'tiny' } }, { timeoutMs: 5000 }));
+    expect(e).toBeDefined();
+    expect([Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED]).toContain(e!.code);
+    expect(await records()).toEqual(before);
+  });
+
+  it('crossTenant_readExecFilesForkRestoreDestroyDelete_areNotFound_andChangeNothing', async () => {
+    const vmsBefore = fakes.vms();
+    const before = await records();
+    const results: Record<string, string> = {
+      getSandbox: await codeOf(b.getSandbox({ sandboxId: sbA })),
+      exec: await codeOf(b.exec({ sandboxId: sbA, argv: ['/bin/sh', '-c', 'echo pwned > /tmp/x'] })),
+      writeFile: await codeOf(b.writeFile([{ payload: { case: 'header', value: { sandboxId: sbA, path: '/tmp/x' } } }, { payload: { case: 'data', value: Buffer.from('pwned') } }])),
+      readFile: await codeOf(b.readFile({ sandboxId: sbA, path: '/etc/hostname' })),
+      forkSandbox: await codeOf(b.forkSandbox({ idempotencyKey: key(), source: { case: 'sandboxId', value: sbA }, count: 1 })),
+      forkSnapshot: await codeOf(b.forkSandbox({ idempotencyKey: key(), source: { case: 'snapshotId', value: snA }, count: 1 })),
+      restore: await codeOf(b.createSandbox({ idempotencyKey: key(), source: { case: 'snapshotId', value: snA }, resources: { memoryMib: 256n, vcpus: 1 } })),
+      pause: await codeOf(b.pauseSandbox({ idempotencyKey: key(), sandboxId: sbA })),
+      snapshot: await codeOf(b.snapshotSandbox({ idempotencyKey: key(), sandboxId: sbA })),
+      hibernate: await codeOf(b.hibernateSandbox({ idempotencyKey: key(), sandboxId: sbA })),
+      destroy: await codeOf(b.destroySandbox({ idempotencyKey: key(), sandboxId: sbA })),
+      getSnapshot: await codeOf(b.getSnapshot({ snapshotId: snA })),
+      pinSnapshot: await codeOf(b.pinSnapshot({ idempotencyKey: key(), snapshotId: snA })),
+      deleteSnapshot: await codeOf(b.deleteSnapshot({ idempotencyKey: key(), snapshotId: snA })),
+      getOperation: await codeOf(b.getOperation({ operationId: opA })),
+      waitOperation: await codeOf(b.waitOperation({ operationId: opA, timeout: { seconds: 1n } })),
+    };
+    expect(results).toEqual(Object.fromEntries(Object.keys(results).map((k) => [k, 'NOT_FOUND'])));
+    expect((await b.listSandboxes({})).sandboxes).toEqual([]);
+    expect((await b.listSnapshots({})).snapshots).toEqual([]);
+    // Nothing changed: every record (tenant-a's and any tenant-b op or idempotency key), and every VM.
+    await new Promise((r) => setTimeout(r, 300));
+    expect(await records()).toEqual(before);
+    expect(fakes.vms()).toEqual(vmsBefore);
+    // tenant-a still sees its own, unchanged.
+    expect((await a.getSandbox({ sandboxId: sbA })).id).toBe(sbA);
+    expect((await a.getSnapshot({ snapshotId: snA })).id).toBe(snA);
+  });
+
+  it('requestNamingAnotherTenant_isPermissionDeniedNamingTenantId_andAdminMayActForIt', async () => {
+    const e = await failure(b.getSandbox({ tenantId: 'tenant-a', sandboxId: sbA }));
+    expect(e?.code).toBe(Status.PERMISSION_DENIED);
+    expect(e?.field).toBe('tenant_id');
+    const w = await failure(b.writeFile([{ payload: { case: 'header', value: { tenantId: 'tenant-a', sandboxId: sbA, path: '/tmp/x' } } }]));
+    expect(w?.code).toBe(Status.PERMISSION_DENIED);
+    expect(w?.field).toBe('header.tenant_id');
+    expect((await admin.getSandbox({ tenantId: 'tenant-a', sandboxId: sbA })).id).toBe(sbA);
+  });
+
+  it('hostOperations_withTenantCredentials_arePermissionDenied_andChangeNothing', async () => {
+    const before = await store.listHosts();
+    expect(await codeOf(a.listHosts({}))).toBe('PERMISSION_DENIED');
+    expect(await codeOf(a.cordonHost({ idempotencyKey: key(), hostId: HOSTS[0]!, cordon: true }))).toBe('PERMISSION_DENIED');
+    expect(await codeOf(a.drainHost({ idempotencyKey: key(), hostId: HOSTS[0]!, migrate: true }))).toBe('PERMISSION_DENIED');
+    expect((await store.listHosts()).map((h) => [h.value.id, h.value.cordoned, h.value.draining])).toEqual(before.map((h) => [h.value.id, h.value.cordoned, h.value.draining]));
+    expect((await admin.listHosts({})).hosts.length).toBe(HOSTS.length);
+  });
+
+  it('quotaExceeded_isResourceExhaustedNamingTheQuota_andCreatesNothing', async () => {
+    const tight = client(tokens.tight!);
+    const big = await failure(tight.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 1024n, vcpus: 1 } }));
+    expect(big?.code).toBe(Status.RESOURCE_EXHAUSTED);
+    expect(big?.field).toBe('quotas.memory_mib');
+    expect(big?.retryable).toBe(false);
+    expect(big?.message).toMatch(/0 MiB in use \+ 1024 MiB asked > 512 MiB/);
+    const first = await ok(tight, await tight.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    const id = first.result.case === 'sandbox' ? first.result.value.id : '';
+    const before = await records();
+    const second = await failure(tight.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    expect(second?.code).toBe(Status.RESOURCE_EXHAUSTED);
+    expect(second?.field).toBe('quotas.sandboxes');
+    const fork = await failure(tight.forkSandbox({ idempotencyKey: key(), source: { case: 'sandboxId', value: id }, count: 2 }));
+    expect(fork?.code).toBe(Status.RESOURCE_EXHAUSTED);
+    expect(fork?.field).toBe('quotas.sandboxes');
+    expect(await records()).toEqual(before);
+    // Destroying frees the quota.
+    await ok(tight, await tight.destroySandbox({ idempotencyKey: key(), sandboxId: id }));
+    await ok(tight, await tight.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+  });
+
+  it('tenantOverItsRate_isRetryableResourceExhausted_andTheSdkRetriesThrough', async () => {
+    const slow = client(tokens.slow!);
+    const codes = await Promise.all(Array.from({ length: 6 }, () => codeOf(slow.listSandboxes({}))));
+    expect(codes.filter((c) => c === 'OK').length).toBeGreaterThanOrEqual(1);
+    expect(codes.filter((c) => c === 'OK').length).toBeLessThanOrEqual(4);
+    const e = await failure(slow.listSandboxes({}));
+    expect(e?.code).toBe(Status.RESOURCE_EXHAUSTED);
+    expect(e?.retryable).toBe(true);
+    expect(e?.field).toBe('rate');
+    // Other tenants are not slowed by it.
+    expect(await codeOf(a.listSandboxes({}))).toBe('OK');
+    // The SDK retries retryable errors with backoff: over the limit, its calls still succeed.
+    const sdk = new Forkfleet({ address: sched.address, token: tokens.slow!, ca: creds.caPem, retry: { attempts: 8, baseMs: 500, maxMs: 2000 } });
+    try {
+      for (let i = 0; i < 3; i++) expect(await sdk.list()).toEqual([]);
+    } finally {
+      sdk.close();
+    }
+  });
+
+  it('bufCurl_overTlsWithTheCa_listsMethodsOpenly_andCallsWithABearerToken', async () => {
+    const run = promisify(execFile);
+    const base = ['buf', 'curl', '--protocol', 'grpc', '--cacert', creds.caPath];
+    const list = await run('npx', [...base, '--list-methods', `https://${sched.address}`]);
+    expect(list.stdout).toContain('forkfleet.v1.FleetService/CreateSandbox');
+    const call = await run('npx', [...base, '-H', `authorization: Bearer ${tokens.a}`, '-d', JSON.stringify({ sandboxId: sbA }), `https://${sched.address}/forkfleet.v1.FleetService/GetSandbox`]);
+    expect((JSON.parse(call.stdout) as { id: string }).id).toBe(sbA);
+    const anon = await run('npx', [...base, '-d', JSON.stringify({ sandboxId: sbA }), `https://${sched.address}/forkfleet.v1.FleetService/GetSandbox`]).catch((e: unknown) => e as { stderr: string });
+    expect(anon.stderr).toMatch(/unauthenticated/i);
+  });
+
+  it('schedulerDashboard_readsTheApiWithItsInMemoryAdminToken', async () => {
+    const state = (await (await fetch(`http://${sched.metricsAddress}/dashboard/api/state`)).json()) as { error?: string; hosts: unknown[] };
+    expect(state.error).toBeUndefined();
+    expect(state.hosts).toHaveLength(HOSTS.length);
+  });
+
+  it('requestOverTheMessageSizeLimit_isResourceExhausted_andTheServerStaysUp', async () => {
+    const e = await failure(a.exec({ sandboxId: sbA, argv: ['cat'], stdin: new Uint8Array(100 * 1024) }));
+    expect(e?.code).toBe(Status.RESOURCE_EXHAUSTED);
+    expect(await codeOf(a.exec({ sandboxId: sbA, argv: ['true'], stdin: new Uint8Array(1024) }))).toBe('OK');
+  });
+
+  it('streamsOverThePerCredentialCap_areResourceExhausted_untilOneCloses', async () => {
+    const ac = [new AbortController(), new AbortController()];
+    const open = ac.map((c) => failure(a.watchEvents({}, { signal: c.signal })));
+    await new Promise((r) => setTimeout(r, 500));
+    const third = await failure(a.watchEvents({}, { timeoutMs: 3000 }));
+    expect(third?.code).toBe(Status.RESOURCE_EXHAUSTED);
+    expect(third?.field).toBe('streams');
+    // Another credential is not affected.
+    expect(await codeOf(b.watchEvents({}, { timeoutMs: 500 }))).toBe('DEADLINE_EXCEEDED');
+    ac[0]!.abort();
+    await open[0];
+    await waitFor('a stream slot is free again', async () => (await failure(a.watchEvents({}, { timeoutMs: 300 })))?.code === Status.DEADLINE_EXCEEDED, 10_000, 100);
+    ac[1]!.abort();
+    await open[1];
+  });
+});

@@ -1,0 +1,75 @@
+// Where a client (SDK, CLI, dashboard, tools) finds its credential and the CA that signed the
+// scheduler's certificate, in this order:
+//   1. explicit options (token, ca);
+//   2. FF_TOKEN and FF_CA (a PEM file path);
+//   3. a credentials file: FF_CREDENTIALS, else <FF_FLEET_DIR or /var/lib/ffleet>/credentials.json
+//      when it exists (fleet:up writes one): {"token": "...", "ca": "pki/ca.crt", "tenant": "...", "api": ["host:port"]}
+//      with `ca` relative to the file's directory.
+import { existsSync, readFileSync } from 'node:fs';
+import { dirname, isAbsolute, join } from 'node:path';
+import { InvalidArgumentError } from '../../proto/errors.ts';
+
+export interface ClientCredentials {
+  /** Bearer token; undefined sends none (the server answers UNAUTHENTICATED). */
+  readonly token: string | undefined;
+  /** PEM of the CA to trust; undefined trusts the system's roots. */
+  readonly caPem: Buffer | undefined;
+  /** Tenant and API addresses named by the credentials file, if any. */
+  readonly tenant: string | undefined;
+  readonly api: string[] | undefined;
+  /** Where they came from, for error messages. */
+  readonly source: string;
+}
+
+export interface CredentialOptions {
+  token?: string;
+  /** A PEM file path or the PEM text itself. */
+  ca?: string | Buffer;
+  credentialsFile?: string;
+}
+
+function pem(v: string | Buffer, field: string): Buffer {
+  if (Buffer.isBuffer(v)) return v;
+  if (v.includes('-----BEGIN')) return Buffer.from(v);
+  try {
+    return readFileSync(v);
+  } catch (e) {
+    throw new InvalidArgumentError(field, `cannot read CA certificate ${v}: ${(e as Error).message}`);
+  }
+}
+
+export function defaultCredentialsFile(env: NodeJS.ProcessEnv = process.env): string {
+  return env.FF_CREDENTIALS ?? join(env.FF_FLEET_DIR ?? '/var/lib/ffleet', 'credentials.json');
+}
+
+interface CredentialsFile {
+  token?: string;
+  ca?: string;
+  tenant?: string;
+  api?: string[];
+}
+
+export function readCredentialsFile(path: string): CredentialsFile | undefined {
+  let text: string;
+  try {
+    if (!existsSync(path)) return undefined;
+    text = readFileSync(path, 'utf8');
+  } catch {
+    return undefined; // unreadable (e.g. not root): as if absent
+  }
+  try {
+    const doc = JSON.parse(text) as CredentialsFile;
+    return { ...doc, ...(doc.ca ? { ca: isAbsolute(doc.ca) ? doc.ca : join(dirname(path), doc.ca) } : {}) };
+  } catch (e) {
+    throw new InvalidArgumentError('FF_CREDENTIALS', `${path}: not JSON: ${(e as Error).message}`);
+  }
+}
+
+export function resolveClientCredentials(o: CredentialOptions = {}, env: NodeJS.ProcessEnv = process.env): ClientCredentials {
+  const filePath = o.credentialsFile ?? defaultCredentialsFile(env);
+  const file = o.token !== undefined && o.ca !== undefined ? undefined : readCredentialsFile(filePath);
+  const token = o.token ?? env.FF_TOKEN ?? file?.token;
+  const ca = o.ca ?? env.FF_CA ?? file?.ca;
+  const source = o.token !== undefined ? 'options' : env.FF_TOKEN !== undefined ? 'FF_TOKEN' : file?.token !== undefined ? filePath : 'none';
+  return { token: token || undefined, caPem: ca ? pem(ca, o.ca !== undefined ? 'ca' : env.FF_CA !== undefined ? 'FF_CA' : filePath) : undefined, tenant: file?.tenant, api: file?.api, source };
+}

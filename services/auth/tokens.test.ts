@@ -1,0 +1,181 @@
+import { afterEach, beforeEach, describe, expect, it } from 'vitest';
+import { mkdtempSync, readFileSync, rmSync, statSync, utimesSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { tmpdir } from 'node:os';
+import { Authenticator, bearerOf, mintToken, parseTokensFile, sha256 } from './tokens.ts';
+import { ApiGuard, tenantFor, requireAdmin } from './guard.ts';
+import { resolveClientCredentials } from './client-credentials.ts';
+import { ForkfleetError } from '../../proto/errors.ts';
+
+const kindOf = (f: () => unknown): string | undefined => {
+  try {
+    f();
+    return undefined;
+  } catch (e) {
+    return e instanceof ForkfleetError ? `${e.kind}${e.field ? `:${e.field}` : ''}` : String(e);
+  }
+};
+const md = (...auth: string[]): { get(k: string): string[] } => ({ get: (k: string) => (k === 'authorization' ? auth : []) });
+
+describe('tokens file', () => {
+  let dir: string;
+  beforeEach(() => {
+    dir = mkdtempSync(join(tmpdir(), 'ff-tokens-'));
+  });
+  afterEach(() => rmSync(dir, { recursive: true, force: true }));
+
+  it('mintToken_storesOnlyTheDigest_inAFileOnlyTheOwnerReads', () => {
+    const file = join(dir, 'tokens.json');
+    const token = mintToken(file, { tenant: 'acme', quotas: { sandboxes: 3 } });
+    const text = readFileSync(file, 'utf8');
+    expect(token).toMatch(/^ff_[A-Za-z0-9_-]{43}$/);
+    expect(text).not.toContain(token);
+    expect(text).toContain(sha256(token).toString('hex'));
+    expect(statSync(file).mode & 0o777).toBe(0o600);
+    const [e] = parseTokensFile(text);
+    expect(e).toMatchObject({ tenant: 'acme', admin: false, quotas: { sandboxes: 3 } });
+  });
+
+  it('parseTokensFile_withBadEntries_failsNamingTheField', () => {
+    expect(kindOf(() => parseTokensFile('nope'))).toBe('invalid_argument:FF_TOKENS_FILE');
+    expect(kindOf(() => parseTokensFile('{"tokens":[{"tenant":"A!","token_sha256":"' + '0'.repeat(64) + '"}]}'))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].tenant');
+    expect(kindOf(() => parseTokensFile('{"tokens":[{"tenant":"a","token_sha256":"xyz"}]}'))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].token_sha256');
+    expect(kindOf(() => parseTokensFile('{"tokens":[{"tenant":"a","token_sha256":"' + '0'.repeat(64) + '","rate":{"per_s":0}}]}'))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].rate.per_s');
+    expect(kindOf(() => parseTokensFile('{"tokens":[{"tenant":"admin","token_sha256":"' + '0'.repeat(64) + '"}]}'))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].tenant');
+    const h = (c: string): string => c.repeat(64);
+    expect(kindOf(() => parseTokensFile(JSON.stringify({ tokens: [{ tenant: 'a', token_sha256: h('1'), quotas: { sandboxes: 1 } }, { tenant: 'a', token_sha256: h('2'), quotas: { sandboxes: 2 } }] })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[1]');
+  });
+
+  it('tenantIdleTimeout_isParsedAsADuration_andABadOneNamesTheField', () => {
+    const h = '3'.repeat(64);
+    expect(parseTokensFile(JSON.stringify({ tokens: [{ tenant: 'a', token_sha256: h, idle_timeout: '10m' }] }))[0]!.idleTimeoutMs).toBe(600_000);
+    expect(kindOf(() => parseTokensFile(JSON.stringify({ tokens: [{ tenant: 'a', token_sha256: h, idle_timeout: 'soon' }] })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].idle_timeout');
+  });
+
+  it('authenticate_resolvesKnownTokens_andRefusesMissingMalformedOrUnknownOnes', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme' });
+    const root = mintToken(file, { tenant: 'ops', admin: true });
+    const auth = new Authenticator(file, undefined);
+    expect(auth.authenticate(`Bearer ${a}`)).toMatchObject({ tenantId: 'acme', admin: false });
+    expect(auth.authenticate(`Bearer ${root}`)).toMatchObject({ tenantId: 'ops', admin: true });
+    expect(auth.authenticate(`Bearer ${a}`).credentialId).not.toBe(auth.authenticate(`Bearer ${root}`).credentialId);
+    expect(kindOf(() => auth.authenticate(undefined))).toBe('unauthenticated');
+    expect(kindOf(() => auth.authenticate(a))).toBe('unauthenticated');
+    expect(kindOf(() => auth.authenticate(`Bearer ${a}x`))).toBe('unauthenticated');
+    expect(kindOf(() => auth.authenticate('Basic Zm9vOmJhcg=='))).toBe('unauthenticated');
+  });
+
+  it('authenticate_afterAMint_seesTheNewTokenWithoutARestart', () => {
+    const file = join(dir, 'tokens.json');
+    mintToken(file, { tenant: 'acme' });
+    let now = 0;
+    const auth = new Authenticator(file, undefined, () => now);
+    const b = mintToken(file, { tenant: 'beta' });
+    utimesSync(file, new Date(), new Date(Date.now() + 5000)); // a distinct mtime whatever the fs resolution
+    now = 2000;
+    expect(auth.authenticate(`Bearer ${b}`).tenantId).toBe('beta');
+  });
+
+  it('authenticator_withACorruptedFileOnReload_keepsTheTokensItHad', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme' });
+    let now = 0;
+    const auth = new Authenticator(file, undefined, () => now);
+    writeFileSync(file, '{ broken');
+    utimesSync(file, new Date(), new Date(Date.now() + 5000));
+    now = 2000;
+    expect(auth.authenticate(`Bearer ${a}`).tenantId).toBe('acme');
+  });
+
+  it('bearerOf_acceptsOnlyTheBearerScheme', () => {
+    expect(bearerOf('Bearer abc')).toBe('abc');
+    expect(bearerOf('bearer abc')).toBeUndefined();
+    expect(bearerOf('Bearer ')).toBeUndefined();
+    expect(bearerOf(undefined)).toBeUndefined();
+  });
+});
+
+describe('ApiGuard and tenancy', () => {
+  let dir: string;
+  beforeEach(() => {
+    dir = mkdtempSync(join(tmpdir(), 'ff-guard-'));
+  });
+  afterEach(() => rmSync(dir, { recursive: true, force: true }));
+
+  it('admit_overTheTenantRate_isRetryableResourceExhausted_andRefillsWithTime', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme', rate: { per_s: 2, burst: 2 } });
+    let now = 0;
+    const guard = new ApiGuard(new Authenticator(file, undefined, () => now), { maxStreamsPerCredential: 8, now: () => now });
+    guard.admit({ metadata: md(`Bearer ${a}`), streaming: false });
+    guard.admit({ metadata: md(`Bearer ${a}`), streaming: false });
+    let err: unknown;
+    try {
+      guard.admit({ metadata: md(`Bearer ${a}`), streaming: false });
+    } catch (e) {
+      err = e;
+    }
+    expect(err).toMatchObject({ kind: 'resource_exhausted', retryable: true, field: 'rate' });
+    now = 500;
+    expect(guard.admit({ metadata: md(`Bearer ${a}`), streaming: false }).principal.tenantId).toBe('acme');
+  });
+
+  it('admit_withDefaultRate_limitsTenantsWithoutTheirOwn', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme' });
+    const guard = new ApiGuard(new Authenticator(file, { perSecond: 1, burst: 1 }, () => 0), { maxStreamsPerCredential: 8, now: () => 0 });
+    guard.admit({ metadata: md(`Bearer ${a}`), streaming: false });
+    expect(kindOf(() => guard.admit({ metadata: md(`Bearer ${a}`), streaming: false }))).toBe('resource_exhausted:rate');
+  });
+
+  it('admit_streamsOverThePerCredentialCap_areRefusedUntilOneEnds', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme' });
+    const guard = new ApiGuard(new Authenticator(file, undefined), { maxStreamsPerCredential: 2 });
+    const s1 = guard.admit({ metadata: md(`Bearer ${a}`), streaming: true });
+    guard.admit({ metadata: md(`Bearer ${a}`), streaming: true });
+    expect(kindOf(() => guard.admit({ metadata: md(`Bearer ${a}`), streaming: true }))).toBe('resource_exhausted:streams');
+    guard.admit({ metadata: md(`Bearer ${a}`), streaming: false }); // unary calls are not capped
+    s1.release!();
+    expect(guard.admit({ metadata: md(`Bearer ${a}`), streaming: true }).principal.tenantId).toBe('acme');
+  });
+
+  it('admit_withTwoAuthorizationHeaders_isUnauthenticated', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme' });
+    const guard = new ApiGuard(new Authenticator(file, undefined), { maxStreamsPerCredential: 2 });
+    expect(kindOf(() => guard.admit({ metadata: md(`Bearer ${a}`, `Bearer ${a}`), streaming: false }))).toBe('unauthenticated');
+  });
+
+  it('tenantFor_emptyMeansOwn_otherIsPermissionDeniedNamingTheField_exceptForAdmins', () => {
+    const user = { tenantId: 'acme', admin: false, credentialId: 'x' };
+    const admin = { tenantId: 'ops', admin: true, credentialId: 'y' };
+    expect(tenantFor(user, '')).toBe('acme');
+    expect(tenantFor(user, 'acme')).toBe('acme');
+    expect(kindOf(() => tenantFor(user, 'beta'))).toBe('permission_denied:tenant_id');
+    expect(kindOf(() => tenantFor(user, 'beta', 'header.tenant_id'))).toBe('permission_denied:header.tenant_id');
+    expect(tenantFor(admin, 'beta')).toBe('beta');
+    expect(tenantFor(admin, '')).toBe('ops');
+    expect(kindOf(() => requireAdmin(user, 'ListHosts'))).toBe('permission_denied');
+    expect(kindOf(() => requireAdmin(admin, 'ListHosts'))).toBeUndefined();
+  });
+});
+
+describe('client credentials', () => {
+  it('resolveClientCredentials_prefersOptionsThenEnvThenTheCredentialsFile', () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-creds-'));
+    try {
+      writeFileSync(join(dir, 'ca.crt'), '-----BEGIN CERTIFICATE-----\nfile\n');
+      writeFileSync(join(dir, 'credentials.json'), JSON.stringify({ token: 'ff_file', ca: 'ca.crt', tenant: 'dev' }));
+      const fromFile = resolveClientCredentials({}, { FF_FLEET_DIR: dir });
+      expect(fromFile).toMatchObject({ token: 'ff_file', tenant: 'dev', source: join(dir, 'credentials.json') });
+      expect(fromFile.caPem?.toString()).toContain('file');
+      expect(resolveClientCredentials({}, { FF_FLEET_DIR: dir, FF_TOKEN: 'ff_env' }).token).toBe('ff_env');
+      expect(resolveClientCredentials({ token: 'ff_opt' }, { FF_FLEET_DIR: dir, FF_TOKEN: 'ff_env' }).token).toBe('ff_opt');
+      expect(resolveClientCredentials({}, { FF_FLEET_DIR: join(dir, 'none') })).toMatchObject({ token: undefined, caPem: undefined });
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+});

@@ -1,0 +1,233 @@
+// Per-tenant bearer tokens. The tokens file (FF_TOKENS_FILE) holds only SHA-256 digests:
+//
+//   { "tokens": [ { "tenant": "acme", "token_sha256": "<64 hex>", "admin": false, "name": "ci",
+//                   "quotas": { "sandboxes": 50, "memory_mib": 65536, "snapshot_bytes": 107374182400 },
+//                   "rate": { "per_s": 50, "burst": 100 }, "idle_timeout": "10m" } ] }
+//
+// `admin` tokens may call the fleet operations (ListHosts, CordonHost, DrainHost) and act for
+// any tenant by naming it in `tenant_id`. Quotas and rate are per tenant: every entry of a
+// tenant that sets them must agree. A token is `ff_` + 43 base64url characters (256 random
+// bits); `mintToken` prints it once and stores only its digest. The file is re-read when it
+// changes, so a minted token works without a restart.
+import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
+import { existsSync, readFileSync, renameSync, statSync, writeFileSync } from 'node:fs';
+import { InvalidArgumentError } from '../../proto/errors.ts';
+import { UnauthenticatedError } from './errors.ts';
+import type { RateSpec } from './limits.ts';
+
+export interface TenantQuota {
+  /** Sandboxes that are not destroyed, failed or lost. */
+  readonly sandboxes?: number;
+  /** Memory of the tenant's sandboxes that hold or are about to hold capacity, MiB. */
+  readonly memoryMib?: number;
+  /** Stored bytes of the tenant's snapshots (hibernation snapshots included). */
+  readonly snapshotBytes?: number;
+}
+
+export interface TokenEntry {
+  readonly tenant: string;
+  readonly digest: Buffer;
+  readonly admin: boolean;
+  readonly name: string;
+  readonly quotas: TenantQuota | undefined;
+  readonly rate: RateSpec | undefined;
+  /** The tenant's idle timeout for sandboxes that set none (`"idle_timeout": "10m"`). */
+  readonly idleTimeoutMs?: number | undefined;
+}
+
+/** Who is calling, as the edge resolved it from the credential. */
+export interface Principal {
+  readonly tenantId: string;
+  readonly admin: boolean;
+  /** Stable, non-secret id of the credential (a digest prefix), for per-credential limits and logs. */
+  readonly credentialId: string;
+}
+
+const TENANT_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
+const TOKEN_RE = /^ff_[A-Za-z0-9_-]{43}$/;
+
+export function sha256(token: string): Buffer {
+  return createHash('sha256').update(token, 'utf8').digest();
+}
+
+export function newToken(): string {
+  return `ff_${randomBytes(32).toString('base64url')}`;
+}
+
+function positiveInt(field: string, v: unknown): number | undefined {
+  if (v === undefined) return undefined;
+  if (typeof v !== 'number' || !Number.isSafeInteger(v) || v < 0) throw new InvalidArgumentError(field, `must be a non-negative integer, got ${JSON.stringify(v)}`);
+  return v;
+}
+
+/** Validates one raw entry; `where` names it in errors (e.g. "FF_TOKENS_FILE tokens[2]"). */
+export function parseEntry(raw: unknown, where: string): TokenEntry {
+  if (typeof raw !== 'object' || raw === null) throw new InvalidArgumentError(where, 'must be an object');
+  const r = raw as Record<string, unknown>;
+  if (typeof r.tenant !== 'string' || !TENANT_RE.test(r.tenant)) throw new InvalidArgumentError(`${where}.tenant`, 'must be 1-63 characters of a-z, 0-9 and -');
+  if (typeof r.token_sha256 !== 'string' || !/^[0-9a-f]{64}$/.test(r.token_sha256)) throw new InvalidArgumentError(`${where}.token_sha256`, 'must be 64 lowercase hex digits');
+  if (r.admin !== undefined && typeof r.admin !== 'boolean') throw new InvalidArgumentError(`${where}.admin`, 'must be true or false');
+  // Fleet operations (drain) are recorded under tenant 'admin': only admin tokens may act as it.
+  if (r.tenant === 'admin' && r.admin !== true) throw new InvalidArgumentError(`${where}.tenant`, "'admin' is reserved for admin tokens (set \"admin\": true)");
+  let quotas: TenantQuota | undefined;
+  if (r.quotas !== undefined) {
+    const q = (typeof r.quotas === 'object' && r.quotas !== null ? r.quotas : {}) as Record<string, unknown>;
+    const sandboxes = positiveInt(`${where}.quotas.sandboxes`, q.sandboxes);
+    const memoryMib = positiveInt(`${where}.quotas.memory_mib`, q.memory_mib);
+    const snapshotBytes = positiveInt(`${where}.quotas.snapshot_bytes`, q.snapshot_bytes);
+    quotas = { ...(sandboxes === undefined ? {} : { sandboxes }), ...(memoryMib === undefined ? {} : { memoryMib }), ...(snapshotBytes === undefined ? {} : { snapshotBytes }) };
+  }
+  let rate: RateSpec | undefined;
+  if (r.rate !== undefined) {
+    const q = (typeof r.rate === 'object' && r.rate !== null ? r.rate : {}) as Record<string, unknown>;
+    const perSecond = q.per_s;
+    if (typeof perSecond !== 'number' || !(perSecond > 0)) throw new InvalidArgumentError(`${where}.rate.per_s`, 'must be a number > 0');
+    const burst = positiveInt(`${where}.rate.burst`, q.burst) ?? Math.max(1, Math.ceil(perSecond));
+    if (burst < 1) throw new InvalidArgumentError(`${where}.rate.burst`, 'must be at least 1');
+    rate = { perSecond, burst };
+  }
+  let idleTimeoutMs: number | undefined;
+  if (r.idle_timeout !== undefined) {
+    const m = typeof r.idle_timeout === 'string' ? /^(\d+)(s|m|h)$/.exec(r.idle_timeout) : null;
+    if (!m) throw new InvalidArgumentError(`${where}.idle_timeout`, "must be a duration such as '90s', '10m' or '1h' ('0s' disables)");
+    idleTimeoutMs = Number(m[1]) * { s: 1000, m: 60_000, h: 3_600_000 }[m[2] as 's' | 'm' | 'h'];
+  }
+  return { tenant: r.tenant, digest: Buffer.from(r.token_sha256, 'hex'), admin: r.admin === true, name: typeof r.name === 'string' ? r.name : '', quotas, rate, ...(idleTimeoutMs === undefined ? {} : { idleTimeoutMs }) };
+}
+
+export function parseTokensFile(text: string, where = 'FF_TOKENS_FILE'): TokenEntry[] {
+  let doc: unknown;
+  try {
+    doc = JSON.parse(text);
+  } catch (e) {
+    throw new InvalidArgumentError(where, `not JSON: ${(e as Error).message}`);
+  }
+  const list = (doc as { tokens?: unknown } | null)?.tokens;
+  if (!Array.isArray(list)) throw new InvalidArgumentError(where, 'must be {"tokens": [...]}');
+  const entries = list.map((e, i) => parseEntry(e, `${where} tokens[${i}]`));
+  const byTenant = new Map<string, TokenEntry>();
+  for (const [i, e] of entries.entries()) {
+    const seen = byTenant.get(e.tenant);
+    if (seen && ((e.quotas && seen.quotas && JSON.stringify(e.quotas) !== JSON.stringify(seen.quotas)) || (e.rate && seen.rate && JSON.stringify(e.rate) !== JSON.stringify(seen.rate)))) {
+      throw new InvalidArgumentError(`${where} tokens[${i}]`, `quotas/rate of tenant ${e.tenant} differ from an earlier entry; set them once per tenant`);
+    }
+    byTenant.set(e.tenant, { ...e, quotas: e.quotas ?? seen?.quotas, rate: e.rate ?? seen?.rate });
+  }
+  return entries;
+}
+
+/** The bearer token in an `authorization` header value, or undefined. */
+export function bearerOf(header: string | undefined): string | undefined {
+  const m = /^Bearer ([\x21-\x7e]{1,512})$/.exec(header?.trim() ?? '');
+  return m?.[1];
+}
+
+/** Resolves credentials to principals, and knows each tenant's quotas and rate. */
+export class Authenticator {
+  private entries: TokenEntry[] = [];
+  private byTenant = new Map<string, { quotas: TenantQuota | undefined; rate: RateSpec | undefined; idleTimeoutMs: number | undefined }>();
+  private readonly ephemeral: TokenEntry[] = [];
+  private mtimeMs = -1;
+  private checkedAt = 0;
+
+  /** `path` '' means no file (only ephemeral tokens). */
+  constructor(
+    private readonly path: string,
+    private readonly defaultRate: RateSpec | undefined,
+    private readonly now: () => number = Date.now,
+  ) {
+    this.reload(true);
+  }
+
+  /** Re-reads the file when its mtime changed (checked at most once a second). A bad new file keeps the old tokens. */
+  private reload(force = false): void {
+    if (!this.path) return this.index();
+    const t = this.now();
+    if (!force && t - this.checkedAt < 1000) return;
+    this.checkedAt = t;
+    let mtime: number;
+    try {
+      mtime = statSync(this.path).mtimeMs;
+    } catch (e) {
+      if (force) throw new InvalidArgumentError('FF_TOKENS_FILE', `cannot read ${this.path}: ${(e as Error).message}`);
+      return;
+    }
+    if (mtime === this.mtimeMs) return;
+    try {
+      this.entries = parseTokensFile(readFileSync(this.path, 'utf8'));
+      this.mtimeMs = mtime;
+      this.index();
+    } catch (e) {
+      if (force) throw e;
+    }
+  }
+
+  private index(): void {
+    this.byTenant = new Map();
+    for (const e of [...this.entries, ...this.ephemeral]) {
+      const seen = this.byTenant.get(e.tenant);
+      this.byTenant.set(e.tenant, { quotas: seen?.quotas ?? e.quotas, rate: seen?.rate ?? e.rate, idleTimeoutMs: seen?.idleTimeoutMs ?? e.idleTimeoutMs });
+    }
+  }
+
+  /** Adds an in-memory token (never written anywhere), e.g. for the scheduler's own dashboard. */
+  addEphemeral(tenant: string, admin: boolean, name: string): string {
+    const token = newToken();
+    this.ephemeral.push({ tenant, digest: sha256(token), admin, name, quotas: undefined, rate: undefined });
+    this.index();
+    return token;
+  }
+
+  /** The principal of an `authorization` header value; UnauthenticatedError otherwise. */
+  authenticate(authorization: string | undefined): Principal {
+    const token = bearerOf(authorization);
+    if (token === undefined) throw new UnauthenticatedError(authorization === undefined ? 'no credentials' : 'malformed authorization header');
+    this.reload();
+    const digest = sha256(token);
+    let found: TokenEntry | undefined;
+    // Compare against every entry in constant time per entry; no early exit on a match.
+    for (const e of [...this.entries, ...this.ephemeral]) if (timingSafeEqual(e.digest, digest) && !found) found = e;
+    if (!found) throw new UnauthenticatedError('unknown token');
+    return { tenantId: found.tenant, admin: found.admin, credentialId: found.digest.subarray(0, 6).toString('hex') };
+  }
+
+  quotaOf(tenantId: string): TenantQuota | undefined {
+    this.reload();
+    return this.byTenant.get(tenantId)?.quotas;
+  }
+
+  idleTimeoutOf(tenantId: string): number | undefined {
+    this.reload();
+    return this.byTenant.get(tenantId)?.idleTimeoutMs;
+  }
+
+  rateOf(tenantId: string): RateSpec | undefined {
+    return this.byTenant.get(tenantId)?.rate ?? this.defaultRate;
+  }
+}
+
+export interface MintOptions {
+  tenant: string;
+  admin?: boolean;
+  name?: string;
+  quotas?: { sandboxes?: number; memory_mib?: number; snapshot_bytes?: number };
+  rate?: { per_s: number; burst?: number };
+}
+
+/**
+ * Appends a new token's digest to the tokens file (created mode 0600 when missing; replaced
+ * atomically) and returns the token: the only time it exists in clear.
+ */
+export function mintToken(path: string, o: MintOptions): string {
+  const token = newToken();
+  const raw = { tenant: o.tenant, token_sha256: sha256(token).toString('hex'), ...(o.admin ? { admin: true } : {}), ...(o.name ? { name: o.name } : {}), ...(o.quotas ? { quotas: o.quotas } : {}), ...(o.rate ? { rate: o.rate } : {}) };
+  const doc = existsSync(path) ? (JSON.parse(readFileSync(path, 'utf8')) as { tokens: unknown[] }) : { tokens: [] };
+  doc.tokens.push(raw);
+  const text = `${JSON.stringify(doc, null, 2)}\n`;
+  parseTokensFile(text, path); // never write a file the scheduler would refuse
+  const tmp = `${path}.${process.pid}.tmp`;
+  writeFileSync(tmp, text, { mode: 0o600 });
+  renameSync(tmp, path);
+  if (!TOKEN_RE.test(token)) throw new Error('minted a malformed token');
+  return token;
+}

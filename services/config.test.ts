@@ -1,0 +1,36 @@
+import { describe, expect, it } from 'vitest';
+import { compileSchedulerConfig, parseBytes } from './config.ts';
+
+const tls = { FF_TLS_CERT: '/c.crt', FF_TLS_KEY: '/c.key', FF_TOKENS_FILE: '/t.json' };
+const fieldOf = (f: () => unknown): string | undefined => {
+  try {
+    f();
+    return undefined;
+  } catch (e) {
+    return (e as { field?: string }).field;
+  }
+};
+
+describe('compileSchedulerConfig: API edge', () => {
+  it('withoutTlsOrTokens_failsAtStartupNamingTheVariable', () => {
+    expect(fieldOf(() => compileSchedulerConfig({}, {}))).toBe('FF_TLS_CERT');
+    expect(fieldOf(() => compileSchedulerConfig({}, { FF_TLS_CERT: '/c.crt' }))).toBe('FF_TLS_KEY');
+    expect(fieldOf(() => compileSchedulerConfig({}, { FF_TLS_CERT: '/c.crt', FF_TLS_KEY: '/c.key' }))).toBe('FF_TOKENS_FILE');
+  });
+
+  it('limits_haveDefaultsSizedForAFork256Step_andParseFromTheEnvironment', () => {
+    const d = compileSchedulerConfig({}, tls);
+    expect(d).toMatchObject({ maxRecvBytes: 4 * 1024 * 1024, maxSendBytes: 16 * 1024 * 1024, maxStreamsPerCredential: 512, ratePerSecond: 200, rateBurst: 600, tlsCaPath: '' });
+    const c = compileSchedulerConfig({}, { ...tls, FF_GRPC_MAX_RECV: '512KiB', FF_MAX_STREAMS_PER_CREDENTIAL: '3', FF_RATE_PER_S: '0' });
+    expect(c).toMatchObject({ maxRecvBytes: 512 * 1024, maxStreamsPerCredential: 3, ratePerSecond: 0 });
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_GRPC_MAX_RECV: '1KiB' }))).toBe('FF_GRPC_MAX_RECV');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_MAX_STREAMS_PER_CREDENTIAL: '0' }))).toBe('FF_MAX_STREAMS_PER_CREDENTIAL');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_RATE_BURST: 'x' }))).toBe('FF_RATE_BURST');
+  });
+
+  it('parseBytes_acceptsUnitsAndRejectsJunk', () => {
+    expect(parseBytes('f', '4MiB')).toBe(4 * 1024 * 1024);
+    expect(parseBytes('f', '100')).toBe(100);
+    expect(fieldOf(() => parseBytes('f', '4 MB'))).toBe('f');
+  });
+});

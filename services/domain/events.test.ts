@@ -1,0 +1,26 @@
+import { describe, expect, it } from 'vitest';
+import { eventsOf } from './events.ts';
+import type { RecordChange } from './ports.ts';
+import type { OperationRec, SandboxRec } from './records.ts';
+
+const sb = (over: Partial<SandboxRec>): SandboxRec => ({ id: 'sb-1', tenantId: 't', state: 'running', stateReason: '', hostId: 'h1', sourceSnapshotId: '', ...over }) as SandboxRec;
+const types = (ch: RecordChange) => eventsOf(ch, 0).map((e) => e.type);
+
+describe('eventsOf', () => {
+  it('sandboxTransitions_giveOneEventEach_andRewritesWithoutStateChangeGiveNone', () => {
+    expect(types({ kind: 'sandbox', value: sb({ state: 'pending' }), revision: 1 })).toEqual(['sandbox_created']);
+    expect(types({ kind: 'sandbox', prev: sb({ state: 'hibernating' }), value: sb({ state: 'hibernated' }), revision: 2 })).toEqual(['sandbox_hibernated']);
+    expect(types({ kind: 'sandbox', prev: sb({ state: 'waking' }), value: sb({ state: 'running' }), revision: 3 })).toEqual(['sandbox_woken']);
+    expect(types({ kind: 'sandbox', prev: sb({ state: 'starting', sourceSnapshotId: 'sn-1' }), value: sb({ state: 'running', sourceSnapshotId: 'sn-1' }), revision: 4 })).toEqual(['sandbox_restored']);
+    expect(types({ kind: 'sandbox', prev: sb({ state: 'starting' }), value: sb({ state: 'running' }), revision: 5 })).toEqual(['sandbox_state_changed']);
+    expect(types({ kind: 'sandbox', prev: sb({ state: 'destroying' }), value: sb({ state: 'destroyed' }), revision: 6 })).toEqual(['sandbox_destroyed']);
+    expect(types({ kind: 'sandbox', prev: sb({}), value: sb({ hostId: 'h2' }), revision: 7 })).toEqual([]);
+  });
+
+  it('operationDone_isEmittedOnceAtTheTerminalTransition', () => {
+    const op = (state: OperationRec['state']) => ({ id: 'op-1', tenantId: 't', state, targetId: 'sb-1', error: null }) as OperationRec;
+    expect(types({ kind: 'op', prev: op('running'), value: op('succeeded'), revision: 1 })).toEqual(['operation_done']);
+    expect(types({ kind: 'op', prev: op('succeeded'), value: op('succeeded'), revision: 2 })).toEqual([]);
+    expect(types({ kind: 'op', prev: op('pending'), value: op('running'), revision: 3 })).toEqual([]);
+  });
+});

@@ -1,0 +1,66 @@
+// Fleet events, derived from record changes (each change carries the record's previous
+// value, so an event is emitted exactly at the transition, not on every rewrite of the
+// record). One derivation serves WatchEvents and the webhooks.
+import type { RecordChange } from './ports.ts';
+import type { SandboxState } from './records.ts';
+import { isTerminal } from './records.ts';
+
+export const EVENT_TYPES = [
+  'sandbox_created',
+  'sandbox_state_changed',
+  'sandbox_destroyed',
+  'snapshot_created',
+  'sandbox_restored',
+  'sandbox_hibernated',
+  'sandbox_woken',
+  'snapshot_expiring',
+  'snapshot_expired',
+  'operation_done',
+] as const;
+
+export type FleetEventType = (typeof EVENT_TYPES)[number];
+
+export interface FleetEvent {
+  /** Store revision of the change; with `type` it identifies the event. */
+  revision: number;
+  type: FleetEventType;
+  tenantId: string;
+  /** Epoch ms. */
+  time: number;
+  sandboxId: string;
+  snapshotId: string;
+  hostId: string;
+  operationId: string;
+  sandboxState: SandboxState | '';
+  message: string;
+}
+
+export function eventsOf(ch: RecordChange, now: number): FleetEvent[] {
+  const base = { revision: ch.revision, tenantId: ch.value.tenantId, time: now, sandboxId: '', snapshotId: '', hostId: '', operationId: '', sandboxState: '' as const, message: '' };
+  if (ch.kind === 'sandbox') {
+    const sb = ch.value;
+    const prev = ch.prev;
+    const ev = (type: FleetEventType): FleetEvent => ({ ...base, type, sandboxId: sb.id, hostId: sb.hostId, sandboxState: sb.state, message: sb.stateReason });
+    if (!prev) return [ev('sandbox_created')];
+    if (prev.state === sb.state) return [];
+    if (sb.state === 'destroyed') return [ev('sandbox_destroyed')];
+    if (sb.state === 'hibernated' && prev.state === 'hibernating') return [ev('sandbox_hibernated')];
+    if (sb.state === 'running' && prev.state === 'waking') return [ev('sandbox_woken')];
+    if (sb.state === 'running' && prev.state === 'starting' && sb.sourceSnapshotId) return [ev('sandbox_restored')];
+    return [ev('sandbox_state_changed')];
+  }
+  if (ch.kind === 'snapshot') {
+    const sn = ch.value;
+    const prev = ch.prev;
+    const ev = (type: FleetEventType, message: string): FleetEvent => ({ ...base, type, snapshotId: sn.id, sandboxId: sn.sourceSandboxId, message });
+    const out: FleetEvent[] = [];
+    if (sn.state === 'ready' && prev?.state !== 'ready') out.push(ev('snapshot_created', ''));
+    const due = sn.expiryDueAt ?? null;
+    if (sn.state === 'ready' && due !== null && (prev?.expiryDueAt ?? null) === null) out.push(ev('snapshot_expiring', `expires at ${new Date(due).toISOString()}`));
+    if (sn.state === 'deleted' && prev?.state !== 'deleted' && sn.deletedReason === 'expired') out.push(ev('snapshot_expired', 'deleted by retention'));
+    return out;
+  }
+  const o = ch.value;
+  if (!isTerminal(o.state) || (ch.prev && isTerminal(ch.prev.state))) return [];
+  return [{ ...base, type: 'operation_done', operationId: o.id, sandboxId: o.targetId.startsWith('sb-') ? o.targetId : '', snapshotId: o.targetId.startsWith('sn-') ? o.targetId : '', message: o.error?.message ?? o.state }];
+}

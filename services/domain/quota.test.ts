@@ -1,0 +1,45 @@
+import { describe, expect, it } from 'vitest';
+import { checkQuota, usageOf } from './quota.ts';
+import type { SandboxRec, SnapshotRec } from './records.ts';
+
+const sb = (state: SandboxRec['state'], memoryMib: number): SandboxRec => ({ state, resources: { vcpus: 1, memoryMib, diskMib: 0 } }) as unknown as SandboxRec;
+const sn = (state: SnapshotRec['state'], storedBytes: number): SnapshotRec => ({ state, storedBytes }) as unknown as SnapshotRec;
+const err = (f: () => void): { kind: string; field: string | undefined; message: string; retryable: boolean } | undefined => {
+  try {
+    f();
+    return undefined;
+  } catch (e) {
+    return e as { kind: string; field: string | undefined; message: string; retryable: boolean };
+  }
+};
+
+describe('quotas', () => {
+  it('usageOf_countsLiveSandboxes_memoryOnlyOfThoseHoldingCapacity_andStoredSnapshotBytes', () => {
+    const u = usageOf(
+      [sb('running', 256), sb('pending', 128), sb('hibernated', 512), sb('destroyed', 1024), sb('failed', 64), sb('lost', 64), sb('paused', 100)],
+      [sn('ready', 1000), sn('creating', 10), sn('deleted', 5000), sn('failed', 7)],
+    );
+    expect(u).toEqual({ sandboxes: 4, memoryMib: 484, snapshotBytes: 1010 });
+  });
+
+  it('checkQuota_overSandboxCount_isResourceExhaustedNamingQuotaAndNumbers', () => {
+    const e = err(() => checkQuota('acme', { sandboxes: 5 }, { sandboxes: 4, memoryMib: 0, snapshotBytes: 0 }, { sandboxes: 2 }));
+    expect(e).toMatchObject({ kind: 'resource_exhausted', field: 'quotas.sandboxes', retryable: false });
+    expect(e?.message).toContain('4');
+    expect(e?.message).toContain('+ 2');
+    expect(e?.message).toContain('> 5');
+    expect(err(() => checkQuota('acme', { sandboxes: 5 }, { sandboxes: 4, memoryMib: 0, snapshotBytes: 0 }, { sandboxes: 1 }))).toBeUndefined();
+  });
+
+  it('checkQuota_forkTimesMemoryOverQuota_isRefused', () => {
+    const e = err(() => checkQuota('acme', { memoryMib: 1024 }, { sandboxes: 1, memoryMib: 256, snapshotBytes: 0 }, { sandboxes: 4, memoryMib: 4 * 256 }));
+    expect(e).toMatchObject({ kind: 'resource_exhausted', field: 'quotas.memory_mib' });
+    expect(e?.message).toMatch(/256 MiB in use \+ 1024 MiB asked > 1024 MiB/);
+  });
+
+  it('checkQuota_snapshotWhileStoredBytesAtQuota_isRefused_andUnderQuotaIsAdmitted', () => {
+    expect(err(() => checkQuota('acme', { snapshotBytes: 1000 }, { sandboxes: 0, memoryMib: 0, snapshotBytes: 1000 }, { snapshot: true }))).toMatchObject({ field: 'quotas.snapshot_bytes' });
+    expect(err(() => checkQuota('acme', { snapshotBytes: 1000 }, { sandboxes: 0, memoryMib: 0, snapshotBytes: 999 }, { snapshot: true }))).toBeUndefined();
+    expect(err(() => checkQuota('acme', { snapshotBytes: 0 }, { sandboxes: 9, memoryMib: 9, snapshotBytes: 0 }, { sandboxes: 1, memoryMib: 1 }))).toBeUndefined();
+  });
+});

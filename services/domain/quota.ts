@@ -1,0 +1,83 @@
+// Per-tenant quotas, checked at admission (CreateSandbox, ForkSandbox, SnapshotSandbox,
+// HibernateSandbox) against what the tenant's records in the store add up to. A check is
+// a read, not a reservation: two admissions racing on the same tenant can both pass and
+// overshoot the quota by one request's worth. Quotas come from the tokens file (services/auth).
+import type { FleetStore } from './ports.ts';
+import type { SandboxRec, SandboxState, SnapshotRec } from './records.ts';
+import { HOLDS_CAPACITY } from './records.ts';
+import { ForkfleetError } from '../../proto/errors.ts';
+
+export interface TenantQuota {
+  /** Sandboxes that are not destroyed, failed or lost. */
+  readonly sandboxes?: number;
+  /** MiB of the tenant's sandboxes that hold capacity or are about to (pending, waking). */
+  readonly memoryMib?: number;
+  /** Stored bytes of the tenant's snapshots that are not deleted or failed. */
+  readonly snapshotBytes?: number;
+}
+
+export type QuotaOf = (tenantId: string) => TenantQuota | undefined;
+
+export interface TenantUsage {
+  sandboxes: number;
+  memoryMib: number;
+  snapshotBytes: number;
+}
+
+/** What an admission adds: sandboxes and their memory, or one more snapshot. */
+export interface QuotaNeed {
+  sandboxes?: number;
+  memoryMib?: number;
+  /** A new snapshot: admitted while stored bytes are under the quota (its size is not known yet). */
+  snapshot?: boolean;
+}
+
+const NOT_COUNTED: ReadonlySet<SandboxState> = new Set(['destroyed', 'failed', 'lost']);
+const MEMORY_STATES: ReadonlySet<SandboxState> = new Set([...HOLDS_CAPACITY, 'pending', 'waking']);
+
+export class QuotaExceededError extends ForkfleetError {
+  constructor(tenantId: string, quota: string, used: number, asked: number, limit: number, unit: string) {
+    super('resource_exhausted', `quota ${quota} of tenant ${tenantId} exceeded: ${used}${unit} in use + ${asked}${unit} asked > ${limit}${unit}; free some first`, { retryable: false, field: `quotas.${quota}` });
+  }
+}
+
+export function usageOf(sandboxes: readonly SandboxRec[], snapshots: readonly SnapshotRec[]): TenantUsage {
+  const u: TenantUsage = { sandboxes: 0, memoryMib: 0, snapshotBytes: 0 };
+  for (const s of sandboxes) {
+    if (!NOT_COUNTED.has(s.state)) u.sandboxes++;
+    if (MEMORY_STATES.has(s.state)) u.memoryMib += s.resources.memoryMib;
+  }
+  for (const s of snapshots) if (s.state !== 'deleted' && s.state !== 'failed') u.snapshotBytes += s.storedBytes;
+  return u;
+}
+
+/** Throws QuotaExceededError (naming the quota and the numbers) when `need` does not fit. Pure. */
+export function checkQuota(tenantId: string, quota: TenantQuota, usage: TenantUsage, need: QuotaNeed): void {
+  const n = need.sandboxes ?? 0;
+  if (quota.sandboxes !== undefined && n > 0 && usage.sandboxes + n > quota.sandboxes) throw new QuotaExceededError(tenantId, 'sandboxes', usage.sandboxes, n, quota.sandboxes, '');
+  const m = need.memoryMib ?? 0;
+  if (quota.memoryMib !== undefined && m > 0 && usage.memoryMib + m > quota.memoryMib) throw new QuotaExceededError(tenantId, 'memory_mib', usage.memoryMib, m, quota.memoryMib, ' MiB');
+  if (quota.snapshotBytes !== undefined && need.snapshot && usage.snapshotBytes >= quota.snapshotBytes) throw new QuotaExceededError(tenantId, 'snapshot_bytes', usage.snapshotBytes, 0, quota.snapshotBytes, ' B');
+}
+
+/** Reads the tenant's usage and checks `need` against its quota; nothing to do without one. */
+export async function admit(deps: { store: FleetStore; quotas?: QuotaOf | undefined }, tenantId: string, need: QuotaNeed | (() => Promise<QuotaNeed>)): Promise<void> {
+  const quota = deps.quotas?.(tenantId);
+  if (!quota || (quota.sandboxes === undefined && quota.memoryMib === undefined && quota.snapshotBytes === undefined)) return;
+  const [sbs, sns, n] = await Promise.all([
+    deps.store.listSandboxes(tenantId),
+    quota.snapshotBytes === undefined ? Promise.resolve([]) : deps.store.listSnapshots(tenantId),
+    typeof need === 'function' ? need() : Promise.resolve(need),
+  ]);
+  checkQuota(tenantId, quota, usageOf(sbs.map((v) => v.value), sns.map((v) => v.value)), n);
+}
+
+/** A fork's need: `count` sandboxes of the source's memory (the snapshot's VM, or the sandbox's resources). */
+export function forkNeed(store: FleetStore, tenantId: string, source: { snapshotId: string; sandboxId: string }, count: number): () => Promise<QuotaNeed> {
+  return async () => {
+    let mib = 0;
+    if (source.snapshotId) mib = (await store.getSnapshot(tenantId, source.snapshotId))?.value.vmConfig?.memoryMib ?? 0;
+    else if (source.sandboxId) mib = (await store.getSandbox(tenantId, source.sandboxId))?.value.resources.memoryMib ?? 0;
+    return { sandboxes: count, memoryMib: count * mib };
+  };
+}

@@ -1,0 +1,129 @@
+import { describe, expect, it } from 'vitest';
+import fc from 'fast-check';
+import { planRetention } from './retention.ts';
+import type { SandboxRec, SnapshotRec } from './records.ts';
+
+const MIN = 60_000;
+const NOTICE = 5 * MIN;
+
+function snap(id: string, createdMin: number, over: Partial<SnapshotRec> = {}): SnapshotRec {
+  return {
+    id,
+    tenantId: 't1',
+    state: 'ready',
+    sourceSandboxId: 'sb-a',
+    parentSnapshotId: '',
+    lineageId: 'sb-a',
+    createdAt: createdMin * MIN,
+    pinned: false,
+    retentionTtlMs: null,
+    keepLast: 0,
+    logicalBytes: 0,
+    storedBytes: 0,
+    hostIds: ['h1'],
+    vmConfig: null,
+    labels: {},
+    manifestSignature: '',
+    manifestKeyId: '',
+    ...over,
+  };
+}
+
+function sandbox(id: string, over: Partial<SandboxRec>): SandboxRec {
+  const base = { id, tenantId: 't1', state: 'running', sourceSnapshotId: '', hibernationSnapshotId: '' } as unknown as SandboxRec;
+  return { ...base, ...over };
+}
+
+const ids = (l: readonly SnapshotRec[]) => l.map((s) => s.id).sort();
+
+describe('planRetention', () => {
+  it('keepLast_whenLineageHasMore_announcesTheOldestWithFullNotice', () => {
+    const snaps = [snap('s1', 1, { keepLast: 2 }), snap('s2', 2, { keepLast: 2 }), snap('s3', 3, { keepLast: 2 })];
+    const p = planRetention(snaps, [], 10 * MIN, NOTICE);
+    expect(p.announce.map((a) => [a.snapshot.id, a.dueAt])).toEqual([['s1', 10 * MIN + NOTICE]]);
+    expect(p.expire).toEqual([]);
+  });
+
+  it('announcedSnapshot_isDeletedOnlyWhenItsDueTimeHasPassed', () => {
+    const snaps = [snap('s1', 1, { keepLast: 1, expiryDueAt: 20 * MIN }), snap('s2', 2, { keepLast: 1 })];
+    expect(planRetention(snaps, [], 19 * MIN, NOTICE).expire).toEqual([]);
+    expect(ids(planRetention(snaps, [], 20 * MIN, NOTICE).expire)).toEqual(['s1']);
+  });
+
+  it('ttl_isAnnouncedNoticeBeforeAndDeletedAtTheTtl', () => {
+    const s = snap('s1', 0, { retentionTtlMs: 60 * MIN });
+    expect(planRetention([s], [], 54 * MIN, NOTICE).announce).toEqual([]);
+    expect(planRetention([s], [], 55 * MIN, NOTICE).announce.map((a) => a.dueAt)).toEqual([60 * MIN]);
+    const announced = { ...s, expiryDueAt: 60 * MIN };
+    expect(planRetention([announced], [], 59 * MIN, NOTICE).expire).toEqual([]);
+    expect(ids(planRetention([announced], [], 60 * MIN, NOTICE).expire)).toEqual(['s1']);
+  });
+
+  it('pinnedSnapshot_neverExpiresAndItsAnnouncementIsWithdrawn', () => {
+    const snaps = [snap('s1', 1, { keepLast: 1, pinned: true, expiryDueAt: 5 * MIN }), snap('s2', 2, { keepLast: 1 })];
+    const p = planRetention(snaps, [], 100 * MIN, NOTICE);
+    expect(p.expire).toEqual([]);
+    expect(p.announce).toEqual([]);
+    expect(ids(p.withdraw)).toEqual(['s1']);
+  });
+
+  it('snapshotALiveSandboxUses_isHeldUntilTheSandboxIsGone', () => {
+    const snaps = [snap('s1', 1, { keepLast: 1, expiryDueAt: 5 * MIN }), snap('s2', 2, { keepLast: 1 })];
+    const child = sandbox('sb-child', { sourceSnapshotId: 's1' });
+    const p = planRetention(snaps, [child], 100 * MIN, NOTICE);
+    expect(p.expire).toEqual([]);
+    expect(p.held.get('s1')).toEqual(['sb-child']);
+    expect(ids(planRetention(snaps, [{ ...child, state: 'destroyed' }], 100 * MIN, NOTICE).expire)).toEqual(['s1']);
+    const hib = sandbox('sb-h', { state: 'hibernated', hibernationSnapshotId: 's1' });
+    expect(planRetention(snaps, [hib], 100 * MIN, NOTICE).expire).toEqual([]);
+  });
+
+  it('snapshotInUse_isNotAnnouncedUntilItIsFree', () => {
+    const snaps = [snap('s1', 1, { keepLast: 1 }), snap('s2', 2, { keepLast: 1 })];
+    const child = sandbox('sb-child', { sourceSnapshotId: 's1' });
+    expect(planRetention(snaps, [child], 100 * MIN, NOTICE).announce).toEqual([]);
+    expect(planRetention(snaps, [{ ...child, state: 'destroyed' }], 100 * MIN, NOTICE).announce.map((x) => x.snapshot.id)).toEqual(['s1']);
+  });
+
+  it('lineagesAndTenants_areCountedSeparately', () => {
+    const snaps = [snap('a1', 1, { keepLast: 1 }), snap('b1', 2, { keepLast: 1, lineageId: 'sb-b' }), snap('c1', 3, { keepLast: 1, tenantId: 't2' })];
+    expect(planRetention(snaps, [], 10 * MIN, NOTICE).announce).toEqual([]);
+  });
+
+  it('anyFleet_neverDeletesPinnedUsedOrNewestKeepLast', () => {
+    const rec = fc.record({
+      lineage: fc.constantFrom('l1', 'l2'),
+      created: fc.integer({ min: 0, max: 1000 }),
+      pinned: fc.boolean(),
+      keepLast: fc.integer({ min: 0, max: 4 }),
+      ttlMin: fc.option(fc.integer({ min: 1, max: 600 }), { nil: null }),
+      announcedAtMin: fc.option(fc.integer({ min: 0, max: 1200 }), { nil: null }),
+      used: fc.boolean(),
+    });
+    fc.assert(
+      fc.property(fc.array(rec, { maxLength: 25 }), fc.integer({ min: 0, max: 1200 }), (rs, nowMin) => {
+        const snaps = rs.map((r, i) =>
+          snap(`s${i}`, r.created, { lineageId: r.lineage, pinned: r.pinned, keepLast: r.keepLast, retentionTtlMs: r.ttlMin === null ? null : r.ttlMin * MIN, expiryDueAt: r.announcedAtMin === null ? null : r.announcedAtMin * MIN }),
+        );
+        const sbs = rs.flatMap((r, i) => (r.used ? [sandbox(`sb${i}`, { sourceSnapshotId: `s${i}` })] : []));
+        const p = planRetention(snaps, sbs, nowMin * MIN, NOTICE);
+        for (const sn of p.expire) {
+          const r = rs[Number(sn.id.slice(1))]!;
+          expect(r.pinned).toBe(false);
+          expect(r.used).toBe(false);
+          // Only an announcement whose time has come leads to a deletion.
+          expect(sn.expiryDueAt).not.toBeNull();
+          expect(sn.expiryDueAt!).toBeLessThanOrEqual(nowMin * MIN);
+          // Nothing without a TTL is deleted from inside its keep-last window.
+          if (r.ttlMin === null) {
+            const newer = snaps.filter((o) => o.lineageId === sn.lineageId && !o.pinned && (o.createdAt > sn.createdAt || (o.createdAt === sn.createdAt && o.id < sn.id)));
+            expect(r.keepLast).toBeGreaterThan(0);
+            expect(newer.length).toBeGreaterThanOrEqual(r.keepLast);
+          }
+        }
+        for (const a of p.announce) expect(a.dueAt).toBeGreaterThanOrEqual(nowMin * MIN);
+      }),
+      { numRuns: 500 },
+    );
+  });
+});

@@ -1,0 +1,80 @@
+// Snapshot retention, as a pure plan over the leader's records (DESIGN.md decision 8).
+//
+// Rules, per snapshot (a snapshot carries its own Retention):
+//   - pinned: never expires;
+//   - keep_last = N > 0: expires once it is not among the newest N ready, unpinned
+//     snapshots of its lineage;
+//   - ttl: expires `ttl` after it was created.
+// Expiry is announced first: the record gets `expiryDueAt` (the SNAPSHOT_EXPIRING event)
+// at least `noticeMs` before the deletion, or at the TTL when that is later. A snapshot that
+// a live sandbox still restores from (its source) or hibernates in is never deleted, nor
+// announced: its notice starts when that sandbox is gone. An announced snapshot that is no longer due
+// (pinned meanwhile, retention changed, back inside the window) has its announcement
+// withdrawn.
+import type { SandboxRec, SnapshotRec } from './records.ts';
+
+export interface RetentionPlan {
+  /** Announce (set expiryDueAt). */
+  readonly announce: ReadonlyArray<{ snapshot: SnapshotRec; dueAt: number }>;
+  /** Withdraw an announcement (clear expiryDueAt). */
+  readonly withdraw: readonly SnapshotRec[];
+  /** Delete now (reason: expired). */
+  readonly expire: readonly SnapshotRec[];
+  /** Due, but still in use by a live sandbox (id -> sandbox ids), for explanations and logs. */
+  readonly held: ReadonlyMap<string, readonly string[]>;
+}
+
+/** When retention wants `sn` gone, or null when it is kept. `rank` is its place in its lineage, newest first. */
+function wantedGoneAt(sn: SnapshotRec, rank: number, now: number, noticeMs: number): number | null {
+  if (sn.pinned) return null;
+  const byTtl = sn.retentionTtlMs !== null ? sn.createdAt + sn.retentionTtlMs : null;
+  const outOfWindow = sn.keepLast > 0 && rank >= sn.keepLast;
+  // An announcement already made keeps its time; a new one gives the full notice.
+  const byWindow = outOfWindow ? (sn.expiryDueAt ?? now + noticeMs) : null;
+  if (byTtl === null) return byWindow;
+  if (byWindow === null) return byTtl;
+  return Math.min(byTtl, byWindow);
+}
+
+export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: readonly SandboxRec[], now: number, noticeMs: number): RetentionPlan {
+  const users = new Map<string, string[]>();
+  for (const sb of sandboxes) {
+    if (sb.state === 'destroyed') continue;
+    for (const id of new Set([sb.sourceSnapshotId, sb.hibernationSnapshotId])) {
+      if (id) users.set(id, [...(users.get(id) ?? []), sb.id]);
+    }
+  }
+  const lineages = new Map<string, SnapshotRec[]>();
+  for (const sn of snapshots) {
+    if (sn.state !== 'ready' || sn.pinned) continue;
+    const key = `${sn.tenantId}/${sn.lineageId || sn.id}`;
+    lineages.set(key, [...(lineages.get(key) ?? []), sn]);
+  }
+  const announce: Array<{ snapshot: SnapshotRec; dueAt: number }> = [];
+  const expire: SnapshotRec[] = [];
+  const held = new Map<string, readonly string[]>();
+  const due = new Set<string>();
+  for (const list of lineages.values()) {
+    list.sort((a, b) => b.createdAt - a.createdAt || (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+    list.forEach((sn, rank) => {
+      const goneAt = wantedGoneAt(sn, rank, now, noticeMs);
+      if (goneAt === null || goneAt - noticeMs > now) return;
+      due.add(sn.id);
+      const by = users.get(sn.id);
+      const announced = sn.expiryDueAt !== undefined && sn.expiryDueAt !== null;
+      if (by) {
+        // Not announced while a live sandbox uses it: the notice starts once it is free.
+        held.set(sn.id, by);
+        if (!announced) return;
+      }
+      if (!announced) {
+        announce.push({ snapshot: sn, dueAt: Math.max(goneAt, now) });
+        return;
+      }
+      if (sn.expiryDueAt! > now || by) return;
+      expire.push(sn);
+    });
+  }
+  const withdraw = snapshots.filter((sn) => sn.state === 'ready' && sn.expiryDueAt !== undefined && sn.expiryDueAt !== null && !due.has(sn.id));
+  return { announce, withdraw, expire, held };
+}

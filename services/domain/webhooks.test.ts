@@ -1,0 +1,159 @@
+import { createServer } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { afterEach, describe, expect, it } from 'vitest';
+import pino from 'pino';
+import { backoffMs, DEFAULT_RETRY, parseWebhookTargets, signWebhook, verifyWebhookSignature, WebhookDispatcher } from './webhooks.ts';
+import type { DeliveryLog, DeliveryRec, DeliveryState } from './webhooks.ts';
+import type { RecordChange } from './ports.ts';
+import type { SnapshotRec } from './records.ts';
+import { fetchPoster } from '../adapters/http/webhook-poster.ts';
+
+const SECRET = 'a-secret-of-enough-length';
+
+class MemoryLog implements DeliveryLog {
+  readonly recs = new Map<string, DeliveryRec>();
+  cur = 0;
+  async cursor() {
+    return this.cur;
+  }
+  async setCursor(r: number) {
+    this.cur = r;
+  }
+  async create(rec: DeliveryRec) {
+    if (this.recs.has(rec.id)) return false;
+    this.recs.set(rec.id, rec);
+    return true;
+  }
+  async update(rec: DeliveryRec) {
+    this.recs.set(rec.id, rec);
+  }
+  async list(f: { state?: DeliveryState }) {
+    return [...this.recs.values()].filter((r) => !f.state || r.state === f.state);
+  }
+}
+
+function snapshotChange(revision: number, prev: Partial<SnapshotRec> | undefined, next: Partial<SnapshotRec>): RecordChange {
+  const base = { id: 'sn-1', tenantId: 't1', state: 'ready', sourceSandboxId: 'sb-1', lineageId: 'sb-1' } as SnapshotRec;
+  return { kind: 'snapshot', value: { ...base, ...next }, ...(prev ? { prev: { ...base, ...prev } } : {}), revision };
+}
+
+interface Received {
+  body: string;
+  signature: string;
+  delivery: string;
+}
+
+async function receiver(failFirst: number): Promise<{ url: string; got: Received[]; close: () => Promise<void> }> {
+  const got: Received[] = [];
+  let calls = 0;
+  const srv = createServer((req, res) => {
+    let body = '';
+    req.on('data', (c: Buffer) => (body += c.toString('utf8')));
+    req.on('end', () => {
+      calls += 1;
+      got.push({ body, signature: String(req.headers['forkfleet-signature']), delivery: String(req.headers['forkfleet-delivery']) });
+      res.writeHead(calls <= failFirst ? 503 : 204).end();
+    });
+  });
+  await new Promise<void>((r) => srv.listen(0, '127.0.0.1', () => r()));
+  const port = (srv.address() as AddressInfo).port;
+  return { url: `http://127.0.0.1:${port}/hook`, got, close: () => new Promise((r) => srv.close(() => r())) };
+}
+
+async function until(cond: () => boolean, ms = 5000): Promise<void> {
+  const end = Date.now() + ms;
+  while (!cond()) {
+    if (Date.now() > end) throw new Error('condition not met in time');
+    await new Promise((r) => setTimeout(r, 10));
+  }
+}
+
+describe('webhook signatures', () => {
+  it('signature_verifiesForTheSignedBodyOnly', () => {
+    const now = 1_800_000_000;
+    const h = signWebhook(SECRET, '{"a":1}', now);
+    expect(verifyWebhookSignature(SECRET, '{"a":1}', h, now)).toBe(true);
+    expect(verifyWebhookSignature(SECRET, '{"a":2}', h, now)).toBe(false);
+    expect(verifyWebhookSignature('another-secret-entirely', '{"a":1}', h, now)).toBe(false);
+    expect(verifyWebhookSignature(SECRET, '{"a":1}', h, now + 301)).toBe(false);
+    expect(verifyWebhookSignature(SECRET, '{"a":1}', 't=x,v1=zz', now)).toBe(false);
+  });
+
+  it('backoff_doublesUpToTheCap', () => {
+    expect([1, 2, 3, 4].map((n) => backoffMs(n, DEFAULT_RETRY))).toEqual([1000, 2000, 4000, 8000]);
+    expect(backoffMs(30, DEFAULT_RETRY)).toBe(DEFAULT_RETRY.maxDelayMs);
+  });
+
+  it('targets_badEntriesNameTheField', () => {
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"ftp://x","secret":"0123456789abcdef"}]')).toThrow(/FF_WEBHOOKS\[0\]\.url/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"short"}]')).toThrow(/FF_WEBHOOKS\[0\]\.secret/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"0123456789abcdef","types":["nope"]}]')).toThrow(/types/);
+    expect(parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef","tenant":"t1","types":["snapshot_expired"]}]')).toEqual([
+      { url: 'http://x/h', secret: '0123456789abcdef', tenantId: 't1', types: ['snapshot_expired'] },
+    ]);
+  });
+});
+
+describe('WebhookDispatcher', () => {
+  const cleanups: Array<() => Promise<void>> = [];
+  afterEach(async () => {
+    for (const c of cleanups.splice(0)) await c();
+  });
+
+  async function dispatcherWith(failFirst: number, types: string[] = []) {
+    const rx = await receiver(failFirst);
+    const log = new MemoryLog();
+    let emit: (ch: RecordChange) => void = () => undefined;
+    const d = new WebhookDispatcher({
+      store: {
+        watchRecords: async (cb) => {
+          emit = cb;
+          return () => undefined;
+        },
+      },
+      deliveries: log,
+      poster: fetchPoster,
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      targets: parseWebhookTargets('t', JSON.stringify([{ url: rx.url, secret: SECRET, types }])),
+      retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
+    });
+    await d.start();
+    cleanups.push(async () => {
+      await d.stop();
+      await rx.close();
+    });
+    return { rx, log, emit: (ch: RecordChange) => emit(ch) };
+  }
+
+  it('failingReceiver_getsRetriesUntilItAccepts_andTheDeliveryIsRecorded', async () => {
+    const { rx, log, emit } = await dispatcherWith(2);
+    emit(snapshotChange(7, undefined, {}));
+    await until(() => [...log.recs.values()].some((r) => r.state === 'delivered'));
+    const rec = [...log.recs.values()][0]!;
+    expect(rec).toMatchObject({ state: 'delivered', attempts: 3, lastStatus: 204, eventType: 'snapshot_created', revision: 7 });
+    expect(rx.got).toHaveLength(3);
+    // Every attempt is the same delivery, signed over the exact body.
+    expect(new Set(rx.got.map((g) => g.delivery))).toEqual(new Set([rec.id]));
+    for (const g of rx.got) expect(verifyWebhookSignature(SECRET, g.body, g.signature, Math.floor(Date.now() / 1000))).toBe(true);
+    expect(JSON.parse(rx.got[0]!.body)).toMatchObject({ type: 'snapshot_created', snapshotId: 'sn-1', tenantId: 't1' });
+    expect(log.cur).toBe(6);
+  });
+
+  it('receiverThatNeverAccepts_isMarkedFailedAfterTheLastAttempt', async () => {
+    const { rx, log, emit } = await dispatcherWith(100);
+    emit(snapshotChange(9, undefined, {}));
+    await until(() => [...log.recs.values()].some((r) => r.state === 'failed'));
+    expect([...log.recs.values()][0]).toMatchObject({ attempts: 4, lastStatus: 503, lastError: 'HTTP 503' });
+    expect(rx.got).toHaveLength(4);
+  });
+
+  it('expiringAndExpired_areSentOnceAtTheirTransition', async () => {
+    const { rx, log, emit } = await dispatcherWith(0, ['snapshot_expiring', 'snapshot_expired']);
+    emit(snapshotChange(10, {}, { expiryDueAt: 1000 }));
+    emit(snapshotChange(11, { expiryDueAt: 1000 }, { expiryDueAt: 1000, hostIds: ['h2'] }));
+    emit(snapshotChange(12, { expiryDueAt: 1000 }, { state: 'deleted', deletedReason: 'expired' }));
+    await until(() => [...log.recs.values()].filter((r) => r.state === 'delivered').length === 2);
+    expect(rx.got.map((g) => (JSON.parse(g.body) as { type: string }).type).sort()).toEqual(['snapshot_expired', 'snapshot_expiring']);
+  });
+});

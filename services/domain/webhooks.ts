@@ -1,0 +1,229 @@
+// Webhooks: fleet events (services/domain/events.ts) POSTed to user endpoints, signed with
+// HMAC-SHA256, retried with exponential backoff, and every delivery recorded in the store.
+//
+// Only the leader dispatches. Before an event is attempted, its delivery record is written
+// (id = revision + type + target, so a re-run never creates a second one) and the watch
+// cursor advanced; a new leader resumes from the cursor and retries every delivery still
+// pending. Delivery is therefore at least once: receivers dedupe on `forkfleet-delivery`.
+//
+// Signature (header `forkfleet-signature`): `t=<unix seconds>,v1=<hex HMAC-SHA256(secret,
+// "<t>.<body>")>`. verifyWebhookSignature checks it in constant time, with a freshness window.
+import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
+import type { Logger } from 'pino';
+import type { Clock, FleetStore } from './ports.ts';
+import { EVENT_TYPES, eventsOf } from './events.ts';
+import type { FleetEvent, FleetEventType } from './events.ts';
+import { InvalidArgumentError } from '../../proto/errors.ts';
+
+export interface WebhookTarget {
+  readonly url: string;
+  readonly secret: string;
+  /** Only this tenant's events; empty: every tenant's (an operator's hook). */
+  readonly tenantId: string;
+  /** Only these event types; empty: all. */
+  readonly types: readonly FleetEventType[];
+}
+
+export type DeliveryState = 'pending' | 'delivered' | 'failed';
+
+export interface DeliveryRec {
+  id: string;
+  url: string;
+  tenantId: string;
+  eventType: FleetEventType;
+  revision: number;
+  /** The exact JSON body sent (and signed). */
+  body: string;
+  state: DeliveryState;
+  attempts: number;
+  /** HTTP status of the last attempt; 0 when it got no response. */
+  lastStatus: number;
+  lastError: string;
+  createdAt: number;
+  updatedAt: number;
+  nextAttemptAt: number;
+  deliveredAt: number | null;
+}
+
+/** Where delivery records and the event cursor live (adapters/etcd/webhook-log.ts). */
+export interface DeliveryLog {
+  cursor(): Promise<number>;
+  setCursor(revision: number): Promise<void>;
+  /** Writes the record unless one with its id exists; false when it did. */
+  create(rec: DeliveryRec): Promise<boolean>;
+  update(rec: DeliveryRec): Promise<void>;
+  list(filter: { state?: DeliveryState }): Promise<DeliveryRec[]>;
+}
+
+/** Sends one request; resolves with the HTTP status, rejects when there was no response. */
+export interface WebhookPoster {
+  post(url: string, body: string, headers: Record<string, string>, timeoutMs: number): Promise<number>;
+}
+
+export interface RetryPolicy {
+  readonly maxAttempts: number;
+  readonly baseDelayMs: number;
+  readonly maxDelayMs: number;
+  readonly timeoutMs: number;
+}
+
+export const DEFAULT_RETRY: RetryPolicy = { maxAttempts: 8, baseDelayMs: 1000, maxDelayMs: 5 * 60_000, timeoutMs: 5000 };
+
+/** Delay before attempt `n + 1` after `n` failed attempts. */
+export function backoffMs(n: number, p: RetryPolicy): number {
+  return Math.min(p.maxDelayMs, p.baseDelayMs * 2 ** Math.max(0, n - 1));
+}
+
+export function signWebhook(secret: string, body: string, unixSeconds: number): string {
+  const mac = createHmac('sha256', secret).update(`${unixSeconds}.${body}`).digest('hex');
+  return `t=${unixSeconds},v1=${mac}`;
+}
+
+/** True when `header` is a valid signature of `body` made within `toleranceSeconds` of now. */
+export function verifyWebhookSignature(secret: string, body: string, header: string, nowSeconds: number, toleranceSeconds = 300): boolean {
+  const parts = new Map(header.split(',').map((kv) => kv.split('=', 2) as [string, string]));
+  const t = Number(parts.get('t'));
+  const v1 = parts.get('v1') ?? '';
+  if (!Number.isInteger(t) || Math.abs(nowSeconds - t) > toleranceSeconds || !/^[0-9a-f]{64}$/.test(v1)) return false;
+  const want = Buffer.from(createHmac('sha256', secret).update(`${t}.${body}`).digest('hex'));
+  return timingSafeEqual(want, Buffer.from(v1));
+}
+
+/** Parses the FF_WEBHOOKS JSON: `[{url, secret, tenant?, types?}]`. */
+export function parseWebhookTargets(field: string, json: string): WebhookTarget[] {
+  let raw: unknown;
+  try {
+    raw = JSON.parse(json);
+  } catch (e) {
+    throw new InvalidArgumentError(field, `must be JSON: ${(e as Error).message}`);
+  }
+  if (!Array.isArray(raw)) throw new InvalidArgumentError(field, 'must be a JSON array of {url, secret, tenant?, types?}');
+  return raw.map((r: unknown, i) => {
+    const o = (r ?? {}) as Record<string, unknown>;
+    const url = typeof o.url === 'string' ? o.url : '';
+    if (!/^https?:\/\/[^\s]+$/.test(url)) throw new InvalidArgumentError(`${field}[${i}].url`, 'must be an http(s) URL');
+    const secret = typeof o.secret === 'string' ? o.secret : '';
+    if (secret.length < 16) throw new InvalidArgumentError(`${field}[${i}].secret`, 'must be at least 16 characters');
+    const types = Array.isArray(o.types) ? o.types : [];
+    for (const t of types) if (!(EVENT_TYPES as readonly unknown[]).includes(t)) throw new InvalidArgumentError(`${field}[${i}].types`, `unknown event type ${JSON.stringify(t)}; one of ${EVENT_TYPES.join(', ')}`);
+    return { url, secret, tenantId: typeof o.tenant === 'string' ? o.tenant : '', types: types as FleetEventType[] };
+  });
+}
+
+export interface WebhookDispatcherDeps {
+  store: Pick<FleetStore, 'watchRecords'>;
+  deliveries: DeliveryLog;
+  poster: WebhookPoster;
+  clock: Clock;
+  log: Logger;
+  targets: readonly WebhookTarget[];
+  retry?: RetryPolicy;
+  /** Observability: every finished attempt. */
+  onAttempt?: (result: 'delivered' | 'retry' | 'failed') => void;
+}
+
+function targetKey(t: WebhookTarget): string {
+  return createHash('sha256').update(t.url).update('\0').update(t.tenantId).digest('hex').slice(0, 12);
+}
+
+export class WebhookDispatcher {
+  private stopWatch: (() => void) | undefined;
+  private readonly timers = new Set<NodeJS.Timeout>();
+  private chain: Promise<void> = Promise.resolve();
+  private active = false;
+  private readonly retry: RetryPolicy;
+
+  constructor(private readonly deps: WebhookDispatcherDeps) {
+    this.retry = deps.retry ?? DEFAULT_RETRY;
+  }
+
+  /** On becoming leader: resume pending deliveries, then follow events from the cursor. */
+  async start(): Promise<void> {
+    if (this.deps.targets.length === 0) return;
+    this.active = true;
+    for (const d of await this.deps.deliveries.list({ state: 'pending' })) this.schedule(d, Math.max(0, d.nextAttemptAt - this.deps.clock.now()));
+    const cursor = await this.deps.deliveries.cursor();
+    this.stopWatch = await this.deps.store.watchRecords(
+      (ch) => {
+        const events = eventsOf(ch, this.deps.clock.now());
+        this.chain = this.chain.then(() => this.record(events, ch.revision)).catch((e: unknown) => this.deps.log.warn({ err: e }, 'recording webhook deliveries failed'));
+      },
+      cursor > 0 ? { fromRevision: cursor + 1 } : {},
+    );
+  }
+
+  async stop(): Promise<void> {
+    this.active = false;
+    this.stopWatch?.();
+    for (const t of this.timers) clearTimeout(t);
+    this.timers.clear();
+    await this.chain;
+  }
+
+  private async record(events: FleetEvent[], revision: number): Promise<void> {
+    const now = this.deps.clock.now();
+    for (const ev of events) {
+      for (const t of this.deps.targets) {
+        if (t.tenantId && t.tenantId !== ev.tenantId) continue;
+        if (t.types.length && !t.types.includes(ev.type)) continue;
+        const id = `${ev.revision}-${ev.type}-${targetKey(t)}`;
+        const body = JSON.stringify({ id, ...ev, time: new Date(ev.time).toISOString() });
+        const rec: DeliveryRec = { id, url: t.url, tenantId: ev.tenantId, eventType: ev.type, revision: ev.revision, body, state: 'pending', attempts: 0, lastStatus: 0, lastError: '', createdAt: now, updatedAt: now, nextAttemptAt: now, deliveredAt: null };
+        if (await this.deps.deliveries.create(rec)) this.schedule(rec, 0);
+      }
+    }
+    // Every revision below this one is complete (changes arrive in revision order); this
+    // one may have more changes to come, so a restart replays it (creates are idempotent).
+    await this.deps.deliveries.setCursor(revision - 1);
+  }
+
+  private schedule(rec: DeliveryRec, delayMs: number): void {
+    if (!this.active) return;
+    const t = setTimeout(() => {
+      this.timers.delete(t);
+      void this.attempt(rec).catch((e: unknown) => this.deps.log.warn({ err: e, deliveryId: rec.id }, 'webhook attempt bookkeeping failed'));
+    }, delayMs);
+    t.unref();
+    this.timers.add(t);
+  }
+
+  private async attempt(rec: DeliveryRec): Promise<void> {
+    const target = this.deps.targets.find((t) => t.url === rec.url && (!t.tenantId || t.tenantId === rec.tenantId));
+    const now = this.deps.clock.now();
+    const next: DeliveryRec = { ...rec, attempts: rec.attempts + 1, updatedAt: now };
+    if (!target) {
+      Object.assign(next, { state: 'failed', lastError: 'webhook no longer configured' });
+      await this.deps.deliveries.update(next);
+      return;
+    }
+    const headers = {
+      'content-type': 'application/json',
+      'forkfleet-delivery': rec.id,
+      'forkfleet-event': rec.eventType,
+      'forkfleet-attempt': String(next.attempts),
+      'forkfleet-signature': signWebhook(target.secret, rec.body, Math.floor(now / 1000)),
+    };
+    try {
+      next.lastStatus = await this.deps.poster.post(rec.url, rec.body, headers, this.retry.timeoutMs);
+      next.lastError = next.lastStatus >= 200 && next.lastStatus < 300 ? '' : `HTTP ${next.lastStatus}`;
+    } catch (e) {
+      next.lastStatus = 0;
+      next.lastError = e instanceof Error ? e.message : String(e);
+    }
+    if (!this.active) return; // a new leader retries it
+    if (!next.lastError) {
+      next.state = 'delivered';
+      next.deliveredAt = this.deps.clock.now();
+      this.deps.onAttempt?.('delivered');
+    } else if (next.attempts >= this.retry.maxAttempts) {
+      next.state = 'failed';
+      this.deps.onAttempt?.('failed');
+      this.deps.log.warn({ deliveryId: rec.id, url: rec.url, attempts: next.attempts, lastError: next.lastError }, 'webhook delivery failed for good');
+    } else {
+      next.nextAttemptAt = this.deps.clock.now() + backoffMs(next.attempts, this.retry);
+      this.deps.onAttempt?.('retry');
+    }
+    await this.deps.deliveries.update(next);
+    if (next.state === 'pending') this.schedule(next, next.nextAttemptAt - this.deps.clock.now());
+  }
+}
