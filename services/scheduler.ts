@@ -124,6 +124,14 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       metrics: peers.length ? metricsFromUrls(peers) : async () => [await registry.metrics()],
       token,
       ...(config.tlsCaPath ? { ca: config.tlsCaPath } : {}),
+      // The page shows every tenant's sandboxes: only admin tokens may read it.
+      authorize: (t) => {
+        try {
+          return auth.authenticate(`Bearer ${t}`).admin;
+        } catch {
+          return false;
+        }
+      },
     });
     metricsServer = createServer((req, res) => {
       if (dashboard?.(req, res)) return;

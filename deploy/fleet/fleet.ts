@@ -605,7 +605,7 @@ async function cli(argv: string[]): Promise<void> {
         `  API (gRPC over TLS):   ${s.apiAddresses.join(' and ')}   CA ${apiCredentialPaths(dir).caCert}`,
         `  credentials:           ${apiCredentialPaths(dir).credentials} (admin; the CLI and SDK find it), ${apiCredentialPaths(dir).devCredentials} (tenant dev: FF_CREDENTIALS=...)`,
         `  metrics:               ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}`,
-        `  dashboard:             http://${s.metricsAddresses[0]}/dashboard/`,
+        `  dashboard:             http://${s.metricsAddresses[0]}/dashboard/#token=<the admin token in credentials.json> (admin only)`,
         `  CLI:                   npm run forkfleet -- sandbox create --image tiny   (see services/cli/README.md)`,
         `  logs:                  ${join(dir, 'logs')}`,
         '',

@@ -4,7 +4,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { execFileSync, spawnSync } from 'node:child_process';
 import { createServer } from 'node:http';
 import type { Server } from 'node:http';
-import { mkdtempSync, rmSync, statSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { join } from 'node:path';
 import { chromium } from 'playwright-core';
 import type { BrowserContext } from 'playwright-core';
@@ -97,6 +97,20 @@ describe('dashboard and metrics against a local fleet', () => {
     expect(s.byState.running).toBe(1);
     expect(s.latency.create?.histogram.count).toBeGreaterThanOrEqual(1);
     expect(s.leaders).toBe(1);
+  });
+
+  it('schedulersOwnDashboard_servesFleetStateOnlyToAdminTokens', async () => {
+    const url = `http://${fleet.metricsAddresses[0]}/dashboard/api/state`;
+    const admin = (JSON.parse(readFileSync(join(DIR, 'credentials.json'), 'utf8')) as { token: string }).token;
+    const tenant = (JSON.parse(readFileSync(join(DIR, 'dev-credentials.json'), 'utf8')) as { token: string }).token;
+    expect((await fetch(url)).status).toBe(401);
+    expect((await fetch(`${url}?token=${tenant}`)).status).toBe(401);
+    expect((await fetch(url, { headers: { authorization: 'Bearer ff_not-a-real-token' } })).status).toBe(401);
+    const ok = await fetch(`${url}?token=${admin}`);
+    expect(ok.status).toBe(200);
+    expect(((await ok.json()) as { hosts: Array<{ id: string }> }).hosts.map((h) => h.id)).toEqual(['h1', 'h2']);
+    // The page itself carries no data and loads without a token.
+    expect((await fetch(`http://${fleet.metricsAddresses[0]}/dashboard/`)).status).toBe(200);
   });
 
   it('schedulerMetrics_passPromtoolCheckMetrics', async () => {

@@ -4,6 +4,7 @@
 //   GET {base}/                 the page (plain HTML/CSS/JS, no external assets)
 //   GET {base}/api/state        one JSON snapshot of the fleet
 //   GET {base}/api/events       the same, pushed as server-sent events every second
+// With `authorize`, the /api endpoints need an admin bearer token (header or ?token=).
 //
 // It reads the fleet through the public API (SDK) and latency from the scheduler's
 // prom-client registry text (forkfleet_operation_duration_seconds by kind).
@@ -31,6 +32,12 @@ export interface DashboardDeps {
    */
   token?: string;
   ca?: string | Buffer;
+  /**
+   * Who may read the fleet through this page: called with the bearer token of each /api
+   * request (`Authorization: Bearer` or `?token=`; the page takes it from `#token=` in its
+   * URL). Absent: no check (a handler mounted where only trusted users reach it).
+   */
+  authorize?: (token: string) => boolean;
 }
 
 export interface Transfer {
@@ -208,6 +215,13 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
       }
       res.writeHead(200, { 'content-type': 'text/html; charset=utf-8', 'cache-control': 'no-store' }).end(PAGE.replace('__BASE__', base));
       return true;
+    }
+    if (rest.startsWith('/api/') && deps.authorize) {
+      const token = /^Bearer (\S+)$/.exec(req.headers.authorization ?? '')?.[1] ?? url.searchParams.get('token') ?? '';
+      if (!token || !deps.authorize(token)) {
+        res.writeHead(401, { 'content-type': 'application/json', 'www-authenticate': 'Bearer' }).end(JSON.stringify({ error: 'an admin token is needed: open the dashboard as .../dashboard/#token=<admin token>' }));
+        return true;
+      }
     }
     if (rest === '/api/state') {
       state().then(
