@@ -1,6 +1,7 @@
 import { describe, expect, it } from 'vitest';
-import { checkQuota, usageOf } from './quota.ts';
-import type { SandboxRec, SnapshotRec } from './records.ts';
+import { admit, checkQuota, usageOf } from './quota.ts';
+import type { OperationRec, SandboxRec, SnapshotRec } from './records.ts';
+import type { FleetStore } from './ports.ts';
 
 const sb = (state: SandboxRec['state'], memoryMib: number): SandboxRec => ({ state, resources: { vcpus: 1, memoryMib, diskMib: 0 } }) as unknown as SandboxRec;
 const sn = (state: SnapshotRec['state'], storedBytes: number): SnapshotRec => ({ state, storedBytes }) as unknown as SnapshotRec;
@@ -14,6 +15,24 @@ const err = (f: () => void): { kind: string; field: string | undefined; message:
 };
 
 describe('quotas', () => {
+  it('admit_countsChildrenOfForksNotYetPlaced', async () => {
+    const running = { id: 'sb-a', tenantId: 't', state: 'running', resources: { vcpus: 1, memoryMib: 256, diskMib: 0 } } as unknown as SandboxRec;
+    const fork = (id: string, placed: boolean) => ({ id, tenantId: 't', kind: 'fork', state: 'running', input: { sandboxId: 'sb-a', snapshotId: '', count: 3 }, result: placed ? { sandboxIds: ['x'] } : null }) as unknown as OperationRec;
+    const store = (ops: OperationRec[]) =>
+      ({
+        listSandboxes: async () => [{ value: running, modRevision: 1 }],
+        listSnapshots: async () => [],
+        listOps: async () => ops.map((value) => ({ value, modRevision: 1 })),
+        getSandbox: async () => ({ value: running, modRevision: 1 }),
+      }) as unknown as FleetStore;
+    const quotas = () => ({ sandboxes: 5 });
+    // 1 running + 3 coming from an unplaced fork + 1 asked = 5: fits; one more does not.
+    await expect(admit({ store: store([fork('op-1', false)]), quotas }, 't', { sandboxes: 1 })).resolves.toBeUndefined();
+    await expect(admit({ store: store([fork('op-1', false)]), quotas }, 't', { sandboxes: 2 })).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.sandboxes' });
+    // A placed fork's children are counted from their records instead.
+    await expect(admit({ store: store([fork('op-1', true)]), quotas }, 't', { sandboxes: 4 })).resolves.toBeUndefined();
+  });
+
   it('usageOf_countsLiveSandboxes_memoryOnlyOfThoseHoldingCapacity_andStoredSnapshotBytes', () => {
     const u = usageOf(
       [sb('running', 256), sb('pending', 128), sb('hibernated', 512), sb('destroyed', 1024), sb('failed', 64), sb('lost', 64), sb('paused', 100)],

@@ -1,7 +1,9 @@
 // Per-tenant quotas, checked at admission (CreateSandbox, ForkSandbox, SnapshotSandbox,
 // HibernateSandbox) against what the tenant's records in the store add up to. A check is
 // a read, not a reservation: two admissions racing on the same tenant can both pass and
-// overshoot the quota by one request's worth. Quotas come from the tokens file (services/auth).
+// overshoot the quota by one request's worth. Forks recorded but not yet placed count with
+// their children, so a burst of fork calls cannot slip past the quota before placement.
+// Quotas come from the tokens file (services/auth).
 import type { FleetStore } from './ports.ts';
 import type { SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { HOLDS_CAPACITY } from './records.ts';
@@ -64,12 +66,27 @@ export function checkQuota(tenantId: string, quota: TenantQuota, usage: TenantUs
 export async function admit(deps: { store: FleetStore; quotas?: QuotaOf | undefined }, tenantId: string, need: QuotaNeed | (() => Promise<QuotaNeed>)): Promise<void> {
   const quota = deps.quotas?.(tenantId);
   if (!quota || (quota.sandboxes === undefined && quota.memoryMib === undefined && quota.snapshotBytes === undefined)) return;
-  const [sbs, sns, n] = await Promise.all([
+  const [sbs, sns, n, pending] = await Promise.all([
     deps.store.listSandboxes(tenantId),
     quota.snapshotBytes === undefined ? Promise.resolve([]) : deps.store.listSnapshots(tenantId),
     typeof need === 'function' ? need() : Promise.resolve(need),
+    pendingForks(deps.store, tenantId),
   ]);
-  checkQuota(tenantId, quota, usageOf(sbs.map((v) => v.value), sns.map((v) => v.value)), n);
+  const usage = usageOf(sbs.map((v) => v.value), sns.map((v) => v.value));
+  // Children of forks not yet placed have no records yet, but they are coming.
+  usage.sandboxes += pending.sandboxes ?? 0;
+  usage.memoryMib += pending.memoryMib ?? 0;
+  checkQuota(tenantId, quota, usage, n);
+}
+
+/** What the tenant's forks that are recorded but not yet placed will add. */
+async function pendingForks(store: FleetStore, tenantId: string): Promise<QuotaNeed> {
+  const open = (await store.listOps({ activeOnly: true })).map((v) => v.value).filter((o) => o.tenantId === tenantId && o.kind === 'fork' && !o.result?.sandboxIds);
+  const needs = await Promise.all(open.map((o) => {
+    const i = o.input as { snapshotId?: string; sandboxId?: string; count?: number };
+    return forkNeed(store, tenantId, { snapshotId: i.snapshotId ?? '', sandboxId: i.sandboxId ?? '' }, i.count ?? 0)();
+  }));
+  return needs.reduce<{ sandboxes: number; memoryMib: number }>((a, x) => ({ sandboxes: a.sandboxes + (x.sandboxes ?? 0), memoryMib: a.memoryMib + (x.memoryMib ?? 0) }), { sandboxes: 0, memoryMib: 0 });
 }
 
 /** A fork's need: `count` sandboxes of the source's memory (the snapshot's VM, or the sandbox's resources). */
