@@ -193,6 +193,8 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
               if (!requested.delete(d)) continue;
               storing.add(d);
               const chunk = ev.chunk;
+              // The store may take `chunk.data` (hand it to a worker, detaching it).
+              const bytes = chunk.data.length;
               const p = store.accept(chunk).then(async (plain) => {
                 if (opts.onChunk && pending.has(d)) await opts.onChunk(d, plain);
               }).then(
@@ -200,9 +202,9 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
                   storing.delete(d);
                   if (pending.delete(d)) {
                     report.fetched++;
-                    report.bytes += chunk.data.length;
+                    report.bytes += bytes;
                     rep.chunks++;
-                    rep.bytes += chunk.data.length;
+                    rep.bytes += bytes;
                   }
                   attempt = 0;
                   changed.notify();

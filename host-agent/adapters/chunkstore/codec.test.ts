@@ -34,6 +34,13 @@ describe('chunk codec', () => {
     }
   });
 
+  it('decodeChunk_whenLz4LengthPrefixWrong_throwsDigestMismatchWithoutDecoding', async () => {
+    const enc = await encodeChunk(textBytes(262144, 4));
+    const t0 = performance.now();
+    await expect(decodeChunk({ ...enc, data: Buffer.alloc(enc.data.length, 0xff) })).rejects.toBeInstanceOf(DigestMismatchError);
+    expect(performance.now() - t0).toBeLessThan(1000); // no 4 GiB allocation attempt
+  });
+
   it('isZero_detectsZeroBuffers', () => {
     expect(isZero(Buffer.alloc(262144))).toBe(true);
     const b = Buffer.alloc(262144);

@@ -39,6 +39,11 @@ export async function decodeChunk(chunk: EncodedChunk): Promise<Buffer> {
       plain = Buffer.from(chunk.data.buffer, chunk.data.byteOffset, chunk.data.byteLength);
       break;
     case Codec.LZ4:
+      // The block starts with the plain length (u32 LE, lz4-napi's format): check it first,
+      // or a garbage prefix from a peer makes lz4 allocate up to 4 GiB before failing.
+      if (chunk.data.length < 4 || Buffer.from(chunk.data.buffer, chunk.data.byteOffset, 4).readUInt32LE(0) !== chunk.size) {
+        throw new DigestMismatchError(chunk.digest, 'lz4 data does not decode (length prefix)');
+      }
       try {
         plain = await lz4Uncompress(chunk.data);
       } catch (e) {

@@ -22,9 +22,13 @@ import { ChunkCorruptError, ChunkMissingError } from '../../domain/transfer-erro
 import { decodeSignedManifest, encodeSignedManifest } from '../../domain/tickets.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
+import { acceptOffloaded } from './verify-pool.ts';
+import { isOwned, markHeadroom } from './buffers.ts';
 
 const MAGIC = 0x31434646; // "FFC1" little-endian
 const HEADER = 16;
+/** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
+const READ_HEADROOM = 48;
 const HEX64 = /^[0-9a-f]{64}$/;
 
 function checkDigest(d: string): void {
@@ -47,8 +51,12 @@ function isNotFound(e: unknown): boolean {
 let tmpSeq = 0;
 const tmpPrefix = `${process.pid}.${randomBytes(4).toString('hex')}`;
 
+function tmpPathIn(tmpDir: string): string {
+  return join(tmpDir, `${tmpPrefix}.${tmpSeq++}.tmp`);
+}
+
 async function writeFileVia(tmpDir: string, final: string, parts: readonly Uint8Array[], fsync: boolean): Promise<void> {
-  const tmp = join(tmpDir, `${tmpPrefix}.${tmpSeq++}.tmp`);
+  const tmp = tmpPathIn(tmpDir);
   const fh = await open(tmp, 'w');
   try {
     // One writev syscall for header + data.
@@ -97,6 +105,11 @@ export interface FsChunkStoreOptions {
   fsyncEach?: boolean;
   /** @deprecated old name of `fsyncEach`. */
   fsync?: boolean;
+  /**
+   * `accept` of a chunk whose buffer is owned (buffers.ts `markOwned`, as the peer client
+   * marks received chunks) decodes, hashes and writes on a worker thread (default true).
+   */
+  offload?: boolean;
 }
 
 export class FsChunkStore implements ChunkStore {
@@ -104,6 +117,7 @@ export class FsChunkStore implements ChunkStore {
   private readonly chunksDir: string;
   private readonly tmpDir: string;
   private readonly fsyncEach: boolean;
+  private readonly offload: boolean;
   /** Chunk files renamed into place since the last `sync()`. */
   private unsynced = new Set<string>();
 
@@ -112,6 +126,7 @@ export class FsChunkStore implements ChunkStore {
     this.chunksDir = join(root, 'chunks');
     this.tmpDir = join(root, 'tmp');
     this.fsyncEach = opts.fsyncEach ?? opts.fsync ?? false;
+    this.offload = opts.offload ?? true;
     mkdirSync(this.tmpDir, { recursive: true });
     for (let i = 0; i < 256; i++) mkdirSync(join(this.chunksDir, i.toString(16).padStart(2, '0')), { recursive: true });
     // Leftover temp files from a killed writer are never valid chunks.
@@ -147,6 +162,14 @@ export class FsChunkStore implements ChunkStore {
 
   async accept(chunk: EncodedChunk): Promise<Buffer> {
     checkDigest(chunk.digest);
+    if (this.offload && isOwned(chunk.data)) {
+      // Verified (decode + SHA-256) before the temp file is written, on a worker; `chunk.data`
+      // is detached by this call. See verify-pool.ts.
+      const final = this.pathOf(chunk.digest);
+      const plain = await acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach });
+      this.unsynced.add(final);
+      return plain;
+    }
     const plain = await decodeChunk(chunk);
     await this.write(chunk);
     return plain;
@@ -184,20 +207,28 @@ export class FsChunkStore implements ChunkStore {
       return undefined;
     }
     const codec = buf.readUInt8(4) as Codec;
+    // `data` may have headroom (see readChunkFile): peer/wire.ts puts its header there.
     return { digest, codec, size: buf.readUInt32LE(8), data: buf.subarray(HEADER) };
   }
 
   /**
    * open + one pread + close (three pool round trips; readFile adds an fstat and a second
-   * read). The buffer is sized for the largest chunk seen; a bigger file falls back.
+   * read). The buffer is sized for the largest chunk seen; a bigger file falls back. The
+   * file is read READ_HEADROOM bytes into a fresh buffer (see getEncoded).
    */
   private readHint = HEADER + 256 * 1024 + 4096;
   private async readChunkFile(path: string): Promise<Buffer> {
     const fh = await open(path, 'r');
     try {
-      const buf = Buffer.allocUnsafe(this.readHint);
-      const { bytesRead } = await fh.read(buf, 0, buf.length, 0);
-      if (bytesRead < buf.length) return buf.subarray(0, bytesRead);
+      const buf = Buffer.allocUnsafeSlow(READ_HEADROOM + this.readHint);
+      const { bytesRead } = await fh.read(buf, READ_HEADROOM, this.readHint, 0);
+      if (bytesRead < this.readHint) {
+        // A fresh buffer of this read alone: a serializer may write its message header into
+        // the bytes before the chunk's data (READ_HEADROOM + the chunk header) instead of
+        // copying the data (buffers.ts).
+        markHeadroom(buf);
+        return buf.subarray(READ_HEADROOM, READ_HEADROOM + bytesRead);
+      }
     } finally {
       await fh.close();
     }

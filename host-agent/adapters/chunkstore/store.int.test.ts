@@ -11,7 +11,9 @@ import { Materialiser } from './materialise.ts';
 import { LiveRoots, manifestDigests, systemClock } from '../../domain/snapshot-store.ts';
 import { collectGarbage, deleteSnapshot } from '../../domain/snapshot-store-gc.ts';
 import { generateSigningKey, signManifest } from '../../domain/tickets.ts';
-import { ChunkCorruptError, SnapshotLeasedError, ManifestInvalidError } from '../../domain/transfer-errors.ts';
+import { ChunkCorruptError, DigestMismatchError, SnapshotLeasedError, ManifestInvalidError } from '../../domain/transfer-errors.ts';
+import { encodeChunk, sha256Hex } from './codec.ts';
+import { markOwned } from './buffers.ts';
 import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { tempDir, sleep } from '../../../services/testkit/proc.ts';
 import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
@@ -153,6 +155,26 @@ describe('content-addressed snapshot store', () => {
     expect((await s.mat.prune()).sort()).toEqual(['s3']);
     await collectGarbage({ ...s, clock: systemClock, graceMs: 60_000 });
     expect(await s.chunks.list()).toEqual([]);
+  });
+
+  it('accept_ofOwnedChunk_verifiesOnWorkerStoresAndRejectsMismatch', async () => {
+    const store = new FsChunkStore(join(dir, 'offload'));
+    const plain = Buffer.concat([textBytes(CS / 2, 3), randomBytesSeeded(CS / 2, 4)]);
+    const good = await encodeChunk(plain);
+    const data = Buffer.from(good.data);
+    markOwned(data);
+    const got = await store.accept({ ...good, data });
+    expect(data.length).toBe(0); // handed to the worker
+    expect(got.equals(plain)).toBe(true);
+    expect((await store.readVerified(good.digest)).equals(plain)).toBe(true);
+    // Wrong content for the digest, and undecodable lz4: rejected, nothing stored.
+    for (const bad of [{ ...good, digest: sha256Hex(Buffer.from('other')) }, { ...good, digest: sha256Hex(Buffer.from('x')), data: Buffer.alloc(good.data.length, 0xff) }]) {
+      const owned = Buffer.from(bad.data);
+      markOwned(owned);
+      await expect(store.accept({ ...bad, data: owned })).rejects.toBeInstanceOf(DigestMismatchError);
+      expect(await store.has(bad.digest)).toBe(false);
+    }
+    expect(readdirSync(join(dir, 'offload', 'tmp'))).toEqual([]);
   });
 
   it('put_whenWriterKilledMidWrite_leavesNoChunkThatPassesAsValid', async () => {

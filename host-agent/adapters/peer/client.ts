@@ -15,6 +15,7 @@ import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb
 import { createClient, type Client } from '../../../services/adapters/grpc/rpc.ts';
 import { fromServiceError } from '../../../services/adapters/grpc/status.ts';
 import { deserializeResponse, type WireResponse } from './wire.ts';
+import { markOwned } from '../chunkstore/buffers.ts';
 import type { ChunkEvent, ChunkSession, ChunkSource } from '../../domain/transfer.ts';
 import type { DigestHex } from '../../domain/snapshot-store.ts';
 import { ManifestNotFoundError } from '../../domain/transfer-errors.ts';
@@ -34,6 +35,9 @@ export interface PeerChunkSourceOptions {
   readonly credit?: number;
   readonly manifestTimeoutMs?: number;
 }
+
+/** gRPC (5) + protobuf headers of one chunk message: digest, codec, size, lengths (< 64). */
+const OWNED_SLACK = 128;
 
 const FETCH_PATH = `/${ChunkTransferService.typeName}/${ChunkTransferService.method.fetchChunks.name}`;
 const serializeRequest = (r: Req): Buffer => Buffer.from(toBinary(FetchChunksRequestSchema, create(FetchChunksRequestSchema, r)));
@@ -99,6 +103,9 @@ export class PeerChunkSource implements ChunkSource {
             yield { kind: 'missing', digest: Buffer.from(p.value).toString('hex') };
           } else if (p.case === 'chunk') {
             const c = p.value;
+            // `data` is a view of the message buffer grpc-js allocated for this message alone
+            // (a few header bytes besides): the store may hand it to a worker (detaching it).
+            if (c.data.buffer.byteLength - c.data.byteLength <= OWNED_SLACK) markOwned(c.data);
             yield { kind: 'chunk', chunk: { digest: Buffer.from(c.digest).toString('hex'), codec: c.codec, size: c.size, data: c.data } };
             // The consumer took it: the peer may send one more (returned in quarters).
             if (++consumed >= Math.max(1, credit >> 2)) {

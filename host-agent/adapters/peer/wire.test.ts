@@ -4,6 +4,7 @@ import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { FetchChunksResponseSchema } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { deserializeResponse, serializeResponse } from './wire.ts';
+import { markHeadroom } from '../chunkstore/buffers.ts';
 
 const digest = Buffer.alloc(32, 7);
 
@@ -15,6 +16,20 @@ describe('FetchChunksResponse wire codec', () => {
       const ours = serializeResponse(v);
       const theirs = toBinary(FetchChunksResponseSchema, create(FetchChunksResponseSchema, v));
       expect(Buffer.compare(ours, Buffer.from(theirs))).toBe(0);
+    }
+  });
+
+  it('serialize_chunkWithHeadroom_writesHeaderInPlaceAndMatchesGeneratedEncoding', () => {
+    for (const [room, len] of [[64, 70_001], [64, 262_144], [10, 1000]] as const) {
+      const backing = Buffer.alloc(room + len, 5);
+      const data = backing.subarray(room);
+      markHeadroom(data);
+      const v = { payload: { case: 'chunk' as const, value: { digest, codec: Codec.LZ4, size: 256 * 1024, data } } };
+      const theirs = Buffer.from(toBinary(FetchChunksResponseSchema, create(FetchChunksResponseSchema, v)));
+      const ours = serializeResponse(v);
+      expect(Buffer.compare(ours, theirs)).toBe(0);
+      // Enough room: a view of the same memory (no copy of the data); too little: a copy.
+      expect(ours.buffer === backing.buffer).toBe(room >= theirs.length - len);
     }
   });
 

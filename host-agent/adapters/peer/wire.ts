@@ -2,10 +2,13 @@
 // transfer (one per 256 KiB chunk). Byte-compatible with the generated code (proto3
 // encoding of forkfleet.v1.FetchChunksResponse), but:
 // - serialize copies the chunk data once (header + data into one buffer); the generic path
-//   (create + toBinary + Buffer.from) copied it three times;
+//   (create + toBinary + Buffer.from) copied it three times. When the chunk was read into a
+//   buffer with scratch bytes before it (FsChunkStore.getEncoded), the header goes there
+//   and the data is not copied at all (grpc-js still copies once into its frame);
 // - deserialize returns views into the received buffer (no copy of digest or data).
 // Requests (open, want, credit) are small and keep the generated code.
 import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { headroomOf } from '../chunkstore/buffers.ts';
 
 /** What the server yields and the client receives. `data`/`digest` may be views. */
 export type WireResponse =
@@ -54,7 +57,12 @@ export function serializeResponse(v: WireResponse): Buffer {
   if (c.codec) inner += 1 + varintLen(c.codec);
   if (c.size) inner += 1 + varintLen(c.size);
   if (c.data.length) inner += 1 + varintLen(c.data.length) + c.data.length;
-  const out = Buffer.allocUnsafe(1 + varintLen(inner) + inner);
+  const total = 1 + varintLen(inner) + inner;
+  // The chunk file reader leaves scratch bytes before `data` (chunkstore/buffers.ts): write
+  // the header there and send header + data as one view, with no copy of the data.
+  const head = total - c.data.length;
+  const inPlace = c.data.length > 0 && headroomOf(c.data) >= head;
+  const out = inPlace ? Buffer.from(c.data.buffer, c.data.byteOffset - head, total) : Buffer.allocUnsafe(total);
   let o = 0;
   out[o++] = 0x0a;
   o = putVarint(out, o, inner);
@@ -67,7 +75,13 @@ export function serializeResponse(v: WireResponse): Buffer {
     out[o++] = 0x18;
     o = putVarint(out, o, c.size);
   }
-  if (c.data.length) o = putBytesField(out, o, 0x22, c.data);
+  if (c.data.length) {
+    if (inPlace) {
+      out[o++] = 0x22;
+      o = putVarint(out, o, c.data.length);
+      if (o !== head) throw new Error(`wire: header is ${o} bytes, expected ${head}`);
+    } else o = putBytesField(out, o, 0x22, c.data);
+  }
   return out;
 }
 

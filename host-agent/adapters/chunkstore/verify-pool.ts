@@ -1,0 +1,146 @@
+// Receiving a chunk off the main thread: decode (lz4), SHA-256, compare, then write the chunk
+// file (temp + rename) on a small pool of worker threads. The agent's event loop then only
+// parses gRPC frames and schedules; the per-chunk CPU (hash, lz4, four fs syscalls) runs on
+// the second core. See docs/adr/0008-peer-chunk-transfer.md (issue 4 targets).
+//
+// Zero-copy hand-off: the chunk's ArrayBuffer is *transferred* to the worker (and the plain
+// bytes transferred back), so only buffers that belong to this chunk alone may go this way.
+// A producer says so with `markOwned(data)` (buffers.ts; the peer client does it for each received
+// message: grpc-js allocates one buffer per message). Anything else is verified inline by
+// the caller, as before. After a transfer the caller's `data` view is detached (length 0).
+//
+// The guarantees do not change: the digest is checked before the temp file is written, a
+// mismatch is a DigestMismatchError (the caller rejects the chunk and fetches it elsewhere),
+// and a kill -9 leaves at most a temp file (the store removes those when it opens).
+import { Worker } from 'node:worker_threads';
+import { createRequire } from 'node:module';
+import { availableParallelism } from 'node:os';
+import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { DigestMismatchError } from '../../domain/transfer-errors.ts';
+
+export interface OffloadedAccept {
+  readonly digest: string;
+  readonly codec: Codec;
+  readonly size: number;
+  /** Detached by the call. */
+  readonly data: Uint8Array;
+  readonly tmp: string;
+  readonly final: string;
+  readonly fsync: boolean;
+}
+
+// Plain JS, run with `eval` and no execArgv (no tsx loader in the worker: it would cost
+// ~1 s of CPU to start). Codec values: NONE = 1, LZ4 = 2 (proto/forkfleet/v1/snapshot.proto).
+const WORKER_SOURCE = `
+'use strict';
+const { parentPort, workerData } = require('node:worker_threads');
+const { createHash } = require('node:crypto');
+const fs = require('node:fs');
+const lz4 = require(workerData.lz4);
+const MAGIC = 0x31434646;
+parentPort.on('message', (m) => {
+  let plain;
+  try {
+    if (m.codec === 1) plain = m.data;
+    else if (m.codec === 2) {
+      // lz4-napi's block format starts with the plain length (u32 LE): check it before
+      // decoding, or a garbage prefix makes lz4 allocate up to 4 GiB.
+      if (m.data.length < 4 || (m.data[0] | (m.data[1] << 8) | (m.data[2] << 16)) + m.data[3] * 16777216 !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'lz4 data does not decode (length prefix)' });
+      try { plain = lz4.uncompressSync(m.data); } catch (e) { return parentPort.postMessage({ id: m.id, mismatch: 'lz4 data does not decode' }); }
+    } else return parentPort.postMessage({ id: m.id, mismatch: 'unsupported codec ' + m.codec });
+    if (plain.length !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'decoded ' + plain.length + ' bytes, expected ' + m.size });
+    const got = createHash('sha256').update(plain).digest('hex');
+    if (got !== m.digest) return parentPort.postMessage({ id: m.id, mismatch: 'content hashes to ' + got.slice(0, 16) });
+    const h = Buffer.alloc(16);
+    h.writeUInt32LE(MAGIC, 0);
+    h.writeUInt8(m.codec, 4);
+    h.writeUInt32LE(m.size, 8);
+    h.writeUInt32LE(m.data.length, 12);
+    const fd = fs.openSync(m.tmp, 'w');
+    try {
+      fs.writevSync(fd, [h, m.data]);
+      if (m.fsync) fs.fsyncSync(fd);
+    } finally {
+      fs.closeSync(fd);
+    }
+    fs.renameSync(m.tmp, m.final);
+  } catch (e) {
+    try { fs.unlinkSync(m.tmp); } catch {}
+    return parentPort.postMessage({ id: m.id, error: String(e && e.message || e), code: e && e.code });
+  }
+  const transfer = plain.buffer === m.data.buffer ? [m.data.buffer] : [plain.buffer, m.data.buffer];
+  parentPort.postMessage({ id: m.id, plain }, transfer);
+});
+`;
+
+interface Reply {
+  id: number;
+  plain?: Uint8Array;
+  mismatch?: string;
+  error?: string;
+  code?: string;
+}
+
+interface Slot {
+  worker: Worker;
+  pending: Map<number, { digest: string; resolve: (b: Buffer) => void; reject: (e: unknown) => void }>;
+}
+
+let slots: Slot[] | undefined;
+let seq = 0;
+const lz4Path = createRequire(import.meta.url).resolve('lz4-napi');
+
+function spawn(): Slot {
+  const worker = new Worker(WORKER_SOURCE, { eval: true, execArgv: [], workerData: { lz4: lz4Path }, env: {} });
+  const slot: Slot = { worker, pending: new Map() };
+  worker.unref();
+  const fail = (e: unknown): void => {
+    if (slots) slots = slots.filter((s) => s !== slot);
+    for (const p of slot.pending.values()) p.reject(e instanceof Error ? e : new Error(`chunk verify worker exited: ${String(e)}`));
+    slot.pending.clear();
+  };
+  worker.on('error', fail);
+  worker.on('exit', (code) => fail(new Error(`chunk verify worker exited with code ${code}`)));
+  worker.on('message', (r: Reply) => {
+    const p = slot.pending.get(r.id);
+    if (!p) return;
+    slot.pending.delete(r.id);
+    if (slot.pending.size === 0) worker.unref();
+    if (r.plain) p.resolve(Buffer.from(r.plain.buffer, r.plain.byteOffset, r.plain.byteLength));
+    else if (r.mismatch !== undefined) p.reject(new DigestMismatchError(p.digest, r.mismatch));
+    else p.reject(Object.assign(new Error(`storing chunk ${p.digest.slice(0, 16)}: ${r.error ?? 'unknown error'}`), { code: r.code }));
+  });
+  return slot;
+}
+
+function pick(): Slot {
+  const size = Math.max(1, Math.min(4, availableParallelism()));
+  if (!slots) slots = [];
+  let best: Slot | undefined;
+  for (const s of slots) if (!best || s.pending.size < best.pending.size) best = s;
+  if (!best || (best.pending.size > 0 && slots.length < size)) {
+    best = spawn();
+    slots.push(best);
+  }
+  return best;
+}
+
+/**
+ * Verifies `c` and writes its chunk file on a worker thread; resolves with the plain bytes.
+ * `c.data` must be owned (`isOwned`): it is detached.
+ */
+export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer> {
+  const slot = pick();
+  const id = seq++;
+  return new Promise<Buffer>((resolve, reject) => {
+    slot.pending.set(id, { digest: c.digest, resolve, reject });
+    if (slot.pending.size === 1) slot.worker.ref();
+    try {
+      slot.worker.postMessage({ id, digest: c.digest, codec: c.codec, size: c.size, data: c.data, tmp: c.tmp, final: c.final, fsync: c.fsync }, [c.data.buffer as ArrayBuffer]);
+    } catch (e) {
+      slot.pending.delete(id);
+      if (slot.pending.size === 0) slot.worker.unref();
+      reject(e);
+    }
+  });
+}
