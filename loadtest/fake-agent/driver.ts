@@ -6,6 +6,7 @@
 // "made", so a killed and restarted fake agent finds the VMs it had made (like the real
 // driver adopting QEMU processes that outlived the agent). Latencies are configurable.
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { rename, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { CloneSpec, CreateVmSpec, ExecRequest, ExecResult, LocalSnapshot, RecoveryReport, SnapshotManifest, VmEvent, VmInfo, VmmDriver, Accel } from '../../host-agent/domain/vmm.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
@@ -31,6 +32,12 @@ export class FakeVmmDriver implements VmmDriver {
   private readonly vms = new Map<string, VmInfo>();
   private readonly vmDir: string;
   private readonly snapDir: string;
+  /**
+   * The snapshots in snapDir with their manifests: read from disk once, then kept in step
+   * with this driver's own writes and deletes (only this process changes its directory), so
+   * a restore or a heartbeat does not read the directory again.
+   */
+  private readonly snaps = new Map<string, LocalSnapshot>();
 
   constructor(
     private readonly dir: string,
@@ -46,6 +53,20 @@ export class FakeVmmDriver implements VmmDriver {
       const vm = JSON.parse(readFileSync(join(this.vmDir, f), 'utf8')) as VmInfo;
       this.vms.set(vm.vmId, vm);
     }
+    for (const id of readdirSync(this.snapDir)) {
+      const dir = join(this.snapDir, id);
+      if (existsSync(join(dir, 'manifest.json'))) this.snaps.set(id, { dir, manifest: JSON.parse(readFileSync(join(dir, 'manifest.json'), 'utf8')) as SnapshotManifest });
+    }
+  }
+
+  /** The snapshot this host holds, or undefined. */
+  heldSnapshot(snapshotId: string): LocalSnapshot | undefined {
+    return this.snaps.get(snapshotId);
+  }
+
+  /** Ids of the snapshots this host holds. */
+  heldSnapshotIds(): string[] {
+    return [...this.snaps.keys()];
   }
 
   get snapshotsDir(): string {
@@ -55,6 +76,18 @@ export class FakeVmmDriver implements VmmDriver {
   private save(vm: VmInfo): VmInfo {
     this.vms.set(vm.vmId, vm);
     writeFileSync(join(this.vmDir, `${vm.vmId}.json`), JSON.stringify(vm));
+    return vm;
+  }
+
+  /**
+   * Like save, off the event loop: written through a temporary file and a rename, so a
+   * reader (or a restart after a kill) never sees a half-written file.
+   */
+  private async saveAsync(vm: VmInfo): Promise<VmInfo> {
+    this.vms.set(vm.vmId, vm);
+    const p = join(this.vmDir, `${vm.vmId}.json`);
+    await writeFile(`${p}.tmp`, JSON.stringify(vm));
+    await rename(`${p}.tmp`, p);
     return vm;
   }
 
@@ -114,7 +147,8 @@ export class FakeVmmDriver implements VmmDriver {
   async snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot> {
     const vm = this.vm(vmId);
     const dir = join(this.snapDir, snapshotId);
-    if (existsSync(join(dir, 'manifest.json'))) return this.openSnapshot(dir);
+    const held = this.snaps.get(snapshotId);
+    if (held) return held;
     await sleep(this.latency.snapshotMs);
     const manifest: SnapshotManifest = {
       schema: 1,
@@ -131,11 +165,14 @@ export class FakeVmmDriver implements VmmDriver {
     };
     mkdirSync(dir, { recursive: true });
     writeFileSync(join(dir, 'manifest.json'), JSON.stringify(manifest));
-    return { dir, manifest };
+    const local = { dir, manifest };
+    this.snaps.set(snapshotId, local);
+    return local;
   }
 
   openSnapshot(dir: string): Promise<LocalSnapshot> {
-    return Promise.resolve({ dir, manifest: JSON.parse(readFileSync(join(dir, 'manifest.json'), 'utf8')) as SnapshotManifest });
+    const held = [...this.snaps.values()].find((s) => s.dir === dir);
+    return Promise.resolve(held ?? { dir, manifest: JSON.parse(readFileSync(join(dir, 'manifest.json'), 'utf8')) as SnapshotManifest });
   }
 
   /** Writes a snapshot this host received from a peer. */
@@ -143,7 +180,9 @@ export class FakeVmmDriver implements VmmDriver {
     const dir = join(this.snapDir, manifest.snapshotId);
     mkdirSync(dir, { recursive: true });
     writeFileSync(join(dir, 'manifest.json'), JSON.stringify(manifest));
-    return { dir, manifest };
+    const local = { dir, manifest };
+    this.snaps.set(manifest.snapshotId, local);
+    return local;
   }
 
   async restore(snapshot: LocalSnapshot, child: CloneSpec): Promise<VmInfo> {
@@ -153,10 +192,11 @@ export class FakeVmmDriver implements VmmDriver {
 
   async fork(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]> {
     const out: VmInfo[] = [];
+    // One after another, each saved as it is made: an agent killed mid-step keeps those made.
     for (const c of children) {
       await sleep(this.latency.restoreMsPerVm);
       out.push(
-        this.save({
+        await this.saveAsync({
           vmId: c.vmId,
           state: 'running',
           accel: 'tcg',
@@ -181,6 +221,7 @@ export class FakeVmmDriver implements VmmDriver {
   }
 
   deleteSnapshot(snapshot: LocalSnapshot): Promise<void> {
+    for (const [id, s] of this.snaps) if (s.dir === snapshot.dir) this.snaps.delete(id);
     rmSync(snapshot.dir, { recursive: true, force: true });
     return Promise.resolve();
   }

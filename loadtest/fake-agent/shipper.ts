@@ -1,10 +1,8 @@
-// A fake SnapshotShipper for the fake host agent: snapshots are "held" when their manifest
-// file exists in the fake driver's directory. A host that lacks a snapshot refuses to
+// A fake SnapshotShipper for the fake host agent: snapshots are "held" when the fake driver
+// holds their manifest (a file in its directory, also kept in memory). A host that lacks a snapshot refuses to
 // restore it unless the step names sources, a ticket and a manifest signature, exactly as
 // the real shipper does (host-agent/adapters/shipper.ts), then "fetches" it after a delay.
 import { create, toBinary } from '@bufbuild/protobuf';
-import { existsSync, readdirSync } from 'node:fs';
-import { join } from 'node:path';
 import type { SnapshotShipper } from '../../host-agent/domain/agent.ts';
 import type { LocalSnapshot } from '../../host-agent/domain/vmm.ts';
 import type { FetchSnapshotWork, HeldSnapshot } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
@@ -40,8 +38,8 @@ export class FakeShipper implements SnapshotShipper {
   }
 
   async obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }> {
-    const dir = join(this.driver.snapshotsDir, snapshotId);
-    if (existsSync(join(dir, 'manifest.json'))) return { local: await this.driver.openSnapshot(dir), bytesFetched: 0 };
+    const held = this.driver.heldSnapshot(snapshotId);
+    if (held) return { local: held, bytesFetched: 0 };
     if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.hostId} and no source was named`);
     if (!fetch.ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
     if (!fetch.manifest || fetch.manifest.signature.length === 0) throw new ForkfleetError('invalid_argument', 'fetch.manifest: missing signature', { field: 'fetch.manifest' });
@@ -64,12 +62,12 @@ export class FakeShipper implements SnapshotShipper {
   }
 
   held(): HeldSnapshot[] {
-    return readdirSync(this.driver.snapshotsDir).map((id) => create(HeldSnapshotSchema, { snapshotId: id, complete: true, bytesPresent: BigInt(FAKE_SNAPSHOT_BYTES) }));
+    return this.driver.heldSnapshotIds().map((id) => create(HeldSnapshotSchema, { snapshotId: id, complete: true, bytesPresent: BigInt(FAKE_SNAPSHOT_BYTES) }));
   }
 
   async remove(snapshotId: string): Promise<void> {
-    const dir = join(this.driver.snapshotsDir, snapshotId);
-    if (existsSync(dir)) await this.driver.deleteSnapshot({ dir, manifest: (await this.driver.openSnapshot(dir)).manifest });
+    const held = this.driver.heldSnapshot(snapshotId);
+    if (held) await this.driver.deleteSnapshot(held);
   }
 
   /** A fake host stores no chunks: nothing to collect. */

@@ -1,6 +1,8 @@
 // Benchmark: placement decisions and committed placements.
 //
 //   npm run bench:placement -- --json FILE [--hosts 100] [--forks 300] [--count 64] [--inflight 16]
+//                                       [--log-level info] (schedulers' and agents' logs, with --keep-dir)
+//                                       [--no-decide] [--keep-dir] [--cpu-prof]
 //
 // Prints (and writes to FILE) { decide, committed_per_s, ... }:
 //   decide           the pure placement bench (scheduler/bench/decide.ts, run as is) on
@@ -37,10 +39,17 @@ const HOSTS = Number(arg('hosts', '100'));
 const FORKS = Number(arg('forks', '300'));
 const COUNT = Number(arg('count', '64'));
 const INFLIGHT = Number(arg('inflight', '16'));
+/** Skips the pure decide bench (quick committed_per_s iterations). */
+const NO_DECIDE = process.argv.includes('--no-decide');
+/** The scheduler replicas (prof/) and the fake agents (prof-agents/) write V8 CPU profiles into the run's directory (kept). */
+const CPU_PROF = process.argv.includes('--cpu-prof');
+/** Keeps the run's directory (scheduler and agent logs, CPU profiles) and prints its path. */
+const KEEP_DIR = CPU_PROF || process.argv.includes('--keep-dir');
 
 // 1. The pure decision bench, reused as it is (it prints JSON).
-const decideOut = execFileSync(process.execPath, ['--import', 'tsx', join(ROOT, 'scheduler', 'bench', 'decide.ts')], { env: { ...process.env, DECISIONS: process.env.DECISIONS ?? '2000' }, encoding: 'utf8', maxBuffer: 16 << 20 });
-const decide = (JSON.parse(decideOut) as { decide: Record<string, unknown> }).decide;
+const decide = NO_DECIDE
+  ? undefined
+  : (JSON.parse(execFileSync(process.execPath, ['--import', 'tsx', join(ROOT, 'scheduler', 'bench', 'decide.ts')], { env: { ...process.env, DECISIONS: process.env.DECISIONS ?? '2000' }, encoding: 'utf8', maxBuffer: 16 << 20 })) as { decide: Record<string, unknown> }).decide;
 
 // 2. Committed placements through the real scheduler.
 const dir = mkdtempSync('/tmp/ff-bench-');
@@ -50,10 +59,10 @@ let fakes: Awaited<ReturnType<typeof startFakeAgents>> | undefined;
 try {
   const signingKeyPath = join(dir, 'signing.pem');
   loadSigningKey(signingKeyPath, 'scheduler-1');
-  const env = { FF_LOG_LEVEL: 'warn', FF_STEP_TIMEOUT: '30s' };
-  for (const id of ['b1', 'b2']) scheds.push(await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env }));
+  const env = { FF_LOG_LEVEL: arg('log-level', 'warn'), FF_STEP_TIMEOUT: '30s' };
+  for (const id of ['b1', 'b2']) scheds.push(await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env, ...(CPU_PROF ? { nodeArgs: ['--cpu-prof', `--cpu-prof-dir=${join(dir, 'prof')}`] } : {}) }));
   const hosts = Array.from({ length: HOSTS }, (_, i) => `bench-${i + 1}`);
-  fakes = await startFakeAgents({ hosts, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '1000000', FF_FAKE_MEMORY_MIB: '1000000000', FF_HEARTBEAT_INTERVAL_MS: '1000', FF_STEP_CONCURRENCY: '64' } });
+  fakes = await startFakeAgents({ hosts, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '1000000', FF_FAKE_MEMORY_MIB: '1000000000', FF_HEARTBEAT_INTERVAL_MS: '1000', FF_STEP_CONCURRENCY: '64', FF_LOG_LEVEL: arg('log-level', 'warn') }, ...(CPU_PROF ? { nodeArgs: ['--cpu-prof', `--cpu-prof-dir=${join(dir, 'prof-agents')}`] } : {}) });
   await waitFor('leader elected', async () => (await Promise.all(scheds.map((s) => s.isLeader()))).some(Boolean), 20_000, 50);
   const leaders = await Promise.all(scheds.map((s) => s.isLeader()));
   const apiSched = scheds[leaders.indexOf(false)] ?? scheds[0]!;
@@ -76,6 +85,7 @@ try {
 
   let next = 0;
   let children = 0;
+  const loadAtStart = loadavg()[0] ?? 0;
   const t0 = performance.now();
   const worker = async (): Promise<void> => {
     while (next < FORKS) {
@@ -92,6 +102,9 @@ try {
     committed_per_s: Math.round(children / seconds),
     committed: { children, forks: FORKS, count: COUNT, inflight: INFLIGHT, hosts: HOSTS, seconds: Number(seconds.toFixed(2)), forks_per_s: Number((FORKS / seconds).toFixed(1)) },
     node: process.version,
+    // The machine's 1-minute load when the measured part started and when it ended (our own
+    // processes included): compare runs only at similar loads.
+    loadavg_1m_at_start: Number(loadAtStart.toFixed(2)),
     loadavg_1m: Number((loadavg()[0] ?? 0).toFixed(2)),
   };
   const text = `${JSON.stringify(out, null, 2)}\n`;
@@ -102,5 +115,6 @@ try {
   for (const s of scheds) await s.proc.stop();
   await nats.stop();
   await etcd.stop();
-  rmSync(dir, { recursive: true, force: true });
+  if (KEEP_DIR) process.stderr.write(`bench: kept ${dir}\n`);
+  else rmSync(dir, { recursive: true, force: true });
 }

@@ -95,6 +95,9 @@ function compactExplanation(e: unknown): unknown {
   return { summary, examined, feasible, filtered, makespanMs, meanEtaMs, sampled, chosen: choices };
 }
 
+/** Writes per group-committed transaction: etcd's default --max-txn-ops is 128 (compares count too, plus the seed compare). */
+const GROUP_COMMIT_MAX_WRITES = 100;
+
 function stepKey(opId: string, stepId: string): string {
   return `${opId}/${stepId}`;
 }
@@ -161,6 +164,9 @@ export class Executor {
   private readonly early = new Map<string, HostResultMsg>();
   private stops: Array<() => void | Promise<void>> = [];
   private active = false;
+  /** Batches waiting for the next group commit (commitGrouped). */
+  private readonly groupQueue: Array<{ writes: StoreWrite[]; resolve: (rev: number) => void; reject: (e: unknown) => void }> = [];
+  private groupFlushing = false;
 
   constructor(private readonly deps: ExecutorDeps) {}
 
@@ -183,10 +189,15 @@ export class Executor {
     const t = setInterval(() => void this.reconcileHosts().catch((e: unknown) => this.log.warn({ err: e }, 'host reconcile failed')), 1000);
     let lifecycleBusy = false;
     const lt = setInterval(() => {
-      if (lifecycleBusy) return;
+      if (lifecycleBusy || !this.deps.submit) return;
       lifecycleBusy = true;
-      this.reconcileLifecycles()
-        .then(() => this.reconcileRetention())
+      // One list of the sandboxes serves both rules (it is the largest prefix in etcd).
+      this.deps.store
+        .listSandboxes(undefined)
+        .then(async (sbs) => {
+          await this.reconcileLifecycles(sbs);
+          await this.reconcileRetention(sbs);
+        })
         .catch((e: unknown) => this.log.warn({ err: e }, 'lifecycle reconcile failed'))
         .finally(() => (lifecycleBusy = false));
     }, 2000);
@@ -479,8 +490,54 @@ export class Executor {
   }
 
   /**
+   * Group commit: batches that arrive while a transaction is in flight are merged into the
+   * next one (each write keeps its own revision guard; at most GROUP_COMMIT_MAX_WRITES writes
+   * per transaction, under etcd's default --max-txn-ops of 128 with the seed compare). When
+   * the merged transaction conflicts, every batch is committed again on its own, so one
+   * batch's stale guard never fails another's. Resolves each batch's own outcome (its
+   * revision, or 0 on a conflict). Used for the sandbox records a fork's host steps mark
+   * running: tens of hosts answer within milliseconds, and one transaction each was the
+   * leader's largest etcd cost.
+   */
+  private commitGrouped(writes: StoreWrite[]): Promise<number> {
+    return new Promise<number>((resolve, reject) => {
+      this.groupQueue.push({ writes, resolve, reject });
+      if (!this.groupFlushing) void this.flushGroups();
+    });
+  }
+
+  private async flushGroups(): Promise<void> {
+    this.groupFlushing = true;
+    try {
+      while (this.groupQueue.length > 0) {
+        const batch: typeof this.groupQueue = [];
+        let n = 0;
+        while (this.groupQueue.length > 0 && (batch.length === 0 || n + this.groupQueue[0]!.writes.length <= GROUP_COMMIT_MAX_WRITES)) {
+          const b = this.groupQueue.shift()!;
+          batch.push(b);
+          n += b.writes.length;
+        }
+        try {
+          const rev = batch.length === 1 ? 0 : await this.commit(batch.flatMap((b) => b.writes));
+          if (rev) {
+            for (const b of batch) b.resolve(rev);
+            continue;
+          }
+          // One batch alone, or the merged commit conflicted: each batch on its own.
+          await Promise.all(batch.map((b) => this.commit(b.writes).then(b.resolve, b.reject)));
+        } catch (e) {
+          for (const b of batch) b.reject(e);
+        }
+      }
+    } finally {
+      this.groupFlushing = false;
+    }
+  }
+
+  /**
    * Marks sandboxes that a host step started as running, in one transaction guarded by the
-   * revisions the caller knows; falls back to one guarded update each after a conflict.
+   * revisions the caller knows (group-committed with other hosts' batches); falls back to one
+   * guarded update each after a conflict.
    */
   private async markRunning(sbs: ReadonlyArray<{ rec: SandboxRec; rev: number }>): Promise<void> {
     const now = this.deps.clock.now();
@@ -491,7 +548,7 @@ export class Executor {
       next.updatedAt = now;
       return { kind: 'sandbox', value: next, expectRevision: rev };
     });
-    if (writes.length && (await this.commit(writes))) return;
+    if (writes.length && (await this.commitGrouped(writes))) return;
     for (const { rec } of sbs) {
       await this.updateSandbox(rec.tenantId, rec.id, (s) => {
         this.setState(s, 'running', now, rec.stateReason);
@@ -1201,11 +1258,11 @@ export class Executor {
    * Each rule submits an operation under a key derived from the sandbox's state, so
    * repeating the check never starts the same work twice.
    */
-  async reconcileLifecycles(): Promise<void> {
+  async reconcileLifecycles(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void> {
     const submit = this.deps.submit;
     if (!submit) return;
     const now = this.deps.clock.now();
-    for (const { value: sb } of await this.deps.store.listSandboxes(undefined)) {
+    for (const { value: sb } of sandboxes ?? (await this.deps.store.listSandboxes(undefined))) {
       if (sb.state !== 'running' || sb.opId) continue;
       const ran = sb.runningMsBefore + (sb.runningSince === null ? 0 : now - sb.runningSince);
       if (sb.ttlMs !== null && ran >= sb.ttlMs) {
@@ -1226,11 +1283,11 @@ export class Executor {
    * due, and delete due snapshots that no live sandbox uses, through a delete_snapshot
    * operation keyed per snapshot (repeating the check never deletes twice).
    */
-  async reconcileRetention(): Promise<void> {
+  async reconcileRetention(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void> {
     const submit = this.deps.submit;
     if (!submit) return;
     const now = this.deps.clock.now();
-    const [snaps, sbs] = await Promise.all([this.deps.store.listSnapshots(undefined), this.deps.store.listSandboxes(undefined)]);
+    const [snaps, sbs] = await Promise.all([this.deps.store.listSnapshots(undefined), sandboxes ?? this.deps.store.listSandboxes(undefined)]);
     const rev = new Map(snaps.map((v) => [v.value.id, v.modRevision]));
     const plan = planRetention(
       snaps.map((v) => v.value),

@@ -310,15 +310,73 @@ export class Fleet {
     return v.value;
   }
 
-  /** Returns when the operation is terminal or `timeoutMs` passes (then in its current state). */
+  /** Waiters per `<tenant>/<op id>`: woken by the op watch when that op is written terminal. */
+  private readonly opWaiters = new Map<string, Set<() => void>>();
+  /** One watch over the op records, started by the first waitOperation (shared by all waiters). */
+  private opWatch: Promise<unknown> | undefined;
+
+  private watchTerminalOps(): Promise<unknown> {
+    this.opWatch ??= this.deps.store
+      .watchOps(
+        (op) => {
+          if (!isTerminal(op.state)) return;
+          for (const wake of this.opWaiters.get(`${op.tenantId}/${op.id}`) ?? []) wake();
+        },
+        { only: (tenantId, id) => this.opWaiters.has(`${tenantId}/${id}`) },
+      )
+      .catch((e: unknown) => {
+        this.opWatch = undefined; // the next wait tries again; this one polls
+        throw e;
+      });
+    return this.opWatch;
+  }
+
+  /**
+   * Returns when the operation is terminal or `timeoutMs` passes (then in its current state).
+   * A watch on the op records wakes the wait the moment the op is written terminal; the
+   * record is then read again (the answer always comes from a read). Without the watch (it
+   * failed to start) the wait polls with backoff, as a fallback it also keeps at 1 s.
+   */
   async waitOperation(tenantId: string, id: string, timeoutMs: number, signal?: AbortSignal): Promise<OperationRec> {
     const until = this.deps.clock.now() + timeoutMs;
-    let delay = 5;
-    for (;;) {
-      const op = await this.getOperation(tenantId, id);
-      if (isTerminal(op.state) || this.deps.clock.now() >= until || signal?.aborted) return op;
-      await new Promise((r) => setTimeout(r, Math.min(delay, Math.max(1, until - this.deps.clock.now()))));
-      delay = Math.min(delay * 2, 100);
+    const key = `${tenantId}/${id}`;
+    let wake: () => void = () => undefined;
+    let disarm: () => void = () => undefined;
+    // Registered before each read, so a terminal write between the read and the wait is not missed.
+    const arm = (): Promise<void> =>
+      new Promise<void>((r) => {
+        const wakers = this.opWaiters.get(key) ?? new Set<() => void>();
+        this.opWaiters.set(key, wakers);
+        wakers.add(r);
+        wake = r;
+        disarm = () => {
+          wakers.delete(r);
+          if (wakers.size === 0 && this.opWaiters.get(key) === wakers) this.opWaiters.delete(key);
+        };
+      });
+    try {
+      // The watch exists before the first read: every later write reaches it.
+      const watching = await this.watchTerminalOps().then(
+        () => true,
+        () => false,
+      );
+      let delay = 5;
+      for (;;) {
+        const woken = arm();
+        const op = await this.getOperation(tenantId, id);
+        if (isTerminal(op.state) || this.deps.clock.now() >= until || signal?.aborted) return op;
+        const wait = Math.min(watching ? 1000 : delay, Math.max(1, until - this.deps.clock.now()));
+        let timer: ReturnType<typeof setTimeout> | undefined;
+        const onAbort = (): void => wake();
+        signal?.addEventListener('abort', onAbort, { once: true });
+        await Promise.race([woken, new Promise<void>((r) => (timer = setTimeout(r, wait)))]);
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', onAbort);
+        disarm();
+        delay = Math.min(delay * 2, 100);
+      }
+    } finally {
+      disarm();
     }
   }
 

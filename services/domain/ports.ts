@@ -58,8 +58,11 @@ export interface FleetStore {
    * key then has that mod revision), or 0 on a guard conflict (nothing written).
    */
   commitAt(writes: readonly StoreWrite[]): Promise<number>;
-  /** Calls `onOp` for every operation record written after now. Returns a stop function. */
-  watchOps(onOp: (op: OperationRec, modRevision: number) => void): Promise<() => void>;
+  /**
+   * Calls `onOp` for every operation record written after now (with `only`: just those it
+   * accepts, judged by key before the record is decoded). Returns a stop function.
+   */
+  watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts?: { only?: (tenantId: string, id: string) => boolean }): Promise<() => void>;
   /** Calls `onChange` for every host, alloc and snapshot record written after now (the leader's cache). */
   watchFleet(onChange: (change: FleetChange) => void): Promise<() => void>;
   /**

@@ -41,14 +41,20 @@ export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: read
   for (const sb of sandboxes) {
     if (sb.state === 'destroyed') continue;
     for (const id of new Set([sb.sourceSnapshotId, sb.hibernationSnapshotId])) {
-      if (id) users.set(id, [...(users.get(id) ?? []), sb.id]);
+      if (!id) continue;
+      // Appended in place: thousands of children share one snapshot (a copy per user is quadratic).
+      const list = users.get(id);
+      if (list) list.push(sb.id);
+      else users.set(id, [sb.id]);
     }
   }
   const lineages = new Map<string, SnapshotRec[]>();
   for (const sn of snapshots) {
     if (sn.state !== 'ready' || sn.pinned) continue;
     const key = `${sn.tenantId}/${sn.lineageId || sn.id}`;
-    lineages.set(key, [...(lineages.get(key) ?? []), sn]);
+    const list = lineages.get(key);
+    if (list) list.push(sn);
+    else lineages.set(key, [sn]);
   }
   const announce: Array<{ snapshot: SnapshotRec; dueAt: number }> = [];
   const expire: SnapshotRec[] = [];

@@ -22,7 +22,7 @@ export interface SchedulerProcess {
   isLeader(): Promise<boolean>;
 }
 
-export async function startSchedulerProcess(o: { id: string; dir: string; etcdEndpoints: string[]; natsUrl: string; signingKeyPath: string; env?: Record<string, string> }): Promise<SchedulerProcess> {
+export async function startSchedulerProcess(o: { id: string; dir: string; etcdEndpoints: string[]; natsUrl: string; signingKeyPath: string; env?: Record<string, string>; nodeArgs?: string[] }): Promise<SchedulerProcess> {
   const api = `127.0.0.1:${await freePort()}`;
   const metrics = `127.0.0.1:${await freePort()}`;
   const logPath = join(o.dir, `scheduler-${o.id}.log`);
@@ -30,7 +30,8 @@ export async function startSchedulerProcess(o: { id: string; dir: string; etcdEn
   const proc = spawnManaged({
     name: `scheduler-${o.id}`,
     command: process.execPath,
-    args: ['--import', 'tsx', join(ROOT, 'services', 'main.ts')],
+    // nodeArgs: e.g. ['--cpu-prof', '--cpu-prof-dir=DIR'] to profile a replica.
+    args: [...(o.nodeArgs ?? []), '--import', 'tsx', join(ROOT, 'services', 'main.ts')],
     env: {
       ...process.env,
       FF_SCHEDULER_ID: o.id,
@@ -77,14 +78,14 @@ export interface FakeAgentsProcess {
   stop(): Promise<void>;
 }
 
-export async function startFakeAgents(o: { hosts: string[]; dataDir: string; natsUrl: string; logDir: string; env?: Record<string, string> }): Promise<FakeAgentsProcess> {
+export async function startFakeAgents(o: { hosts: string[]; dataDir: string; natsUrl: string; logDir: string; env?: Record<string, string>; nodeArgs?: string[] }): Promise<FakeAgentsProcess> {
   mkdirSync(o.dataDir, { recursive: true });
   const logPath = join(o.logDir, `fake-agents-${o.hosts[0]}.log`);
   const launch = (): ManagedProcess =>
     spawnManaged({
       name: `fake-agents-${o.hosts[0]}`,
       command: process.execPath,
-      args: ['--import', 'tsx', join(ROOT, 'loadtest', 'fake-agent', 'main.ts')],
+      args: [...(o.nodeArgs ?? []), '--import', 'tsx', join(ROOT, 'loadtest', 'fake-agent', 'main.ts')],
       env: { ...process.env, FF_FAKE_HOSTS: o.hosts.join(','), FF_DATA_DIR: o.dataDir, FF_NATS_URL: o.natsUrl, FF_HEARTBEAT_INTERVAL_MS: '250', ...o.env },
       logPath,
     });

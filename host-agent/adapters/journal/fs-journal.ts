@@ -7,6 +7,9 @@ import type { Journal } from '../../domain/agent.ts';
 const SAFE = /^[A-Za-z0-9_-]{1,64}$/;
 
 export class FsJournal implements Journal {
+  /** Op directories this process made (nothing removes them), so a put skips the mkdir. */
+  private readonly made = new Set<string>();
+
   constructor(private readonly dir: string) {}
 
   private path(opId: string, stepId: string): string {
@@ -25,7 +28,11 @@ export class FsJournal implements Journal {
 
   async put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
     const p = this.path(opId, stepId);
-    await mkdir(join(this.dir, opId), { recursive: true });
+    if (!this.made.has(opId)) {
+      await mkdir(join(this.dir, opId), { recursive: true });
+      if (this.made.size >= 10_000) this.made.clear();
+      this.made.add(opId);
+    }
     const tmp = `${p}.tmp-${process.pid}`;
     await writeFile(tmp, result);
     await rename(tmp, p);

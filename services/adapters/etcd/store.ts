@@ -1,11 +1,20 @@
 // FleetStore over etcd (etcd3 client). Every guarded write compares the key's mod
 // revision it read; a batch is one transaction.
-import { Etcd3 } from 'etcd3';
+import { Etcd3, Range } from 'etcd3';
 import type { IKeyValue } from 'etcd3';
 import type { FleetChange, FleetStore, RecordChange, StoreWrite, Versioned } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
+
+/**
+ * Keys per page when listing a prefix. One range response must stay under the client's
+ * 4 MiB gRPC receive limit (a whole fleet's sandboxes do not: 6,000 records already exceed
+ * it, and the failing calls then open the client's circuit breaker for every other call).
+ * Records stay under 2 KiB, except a fork's op (up to ~40 KiB with its step log).
+ */
+const LIST_PAGE = 500;
+const LIST_PAGE_OPS = 50;
 
 function decode<T>(kv: IKeyValue): Versioned<T> {
   return { value: JSON.parse(kv.value.toString('utf8')) as T, modRevision: Number(kv.mod_revision) };
@@ -62,9 +71,32 @@ export class EtcdFleetStore implements FleetStore {
     return kv ? decode<T>(kv) : undefined;
   }
 
-  private async getPrefix<T>(prefix: string): Promise<Versioned<T>[]> {
-    const res = await this.client.getAll().prefix(prefix).exec();
-    return res.kvs.map((kv) => decode<T>(kv));
+  /**
+   * Every record under `prefix`, read in pages of `page` keys (in key order), all at the
+   * revision of the first page, so the list is one consistent snapshot as before. If that
+   * revision is compacted away meanwhile, the list starts again.
+   */
+  private async getPrefix<T>(prefix: string, page = LIST_PAGE): Promise<Versioned<T>[]> {
+    const end = Range.prefix(prefix).end;
+    for (let attempt = 0; ; attempt++) {
+      const out: Versioned<T>[] = [];
+      let start = Buffer.from(prefix);
+      let rev: string | undefined;
+      try {
+        for (;;) {
+          const b = this.client.getAll().inRange(new Range(start, end)).limit(page);
+          const res = await (rev ? b.revision(rev) : b).exec();
+          for (const kv of res.kvs) out.push(decode<T>(kv));
+          const last = res.kvs[res.kvs.length - 1];
+          if (!res.more || !last) return out;
+          rev ??= res.header.revision;
+          start = Buffer.concat([last.key, Buffer.from([0])]);
+        }
+      } catch (e) {
+        if (attempt < 3 && rev && /compacted/i.test(e instanceof Error ? e.message : String(e))) continue;
+        throw e;
+      }
+    }
   }
 
   getSandbox(tenantId: string, id: string): Promise<Versioned<SandboxRec> | undefined> {
@@ -83,7 +115,7 @@ export class EtcdFleetStore implements FleetStore {
     return this.getOne(keys.op(tenantId, id));
   }
   async listOps(filter: { activeOnly: boolean }): Promise<Versioned<OperationRec>[]> {
-    const all = await this.getPrefix<OperationRec>(keys.ops());
+    const all = await this.getPrefix<OperationRec>(keys.ops(), LIST_PAGE_OPS);
     return filter.activeOnly ? all.filter((o) => !isTerminal(o.value.state)) : all;
   }
   getHost(id: string): Promise<Versioned<HostRec> | undefined> {
@@ -127,9 +159,17 @@ export class EtcdFleetStore implements FleetStore {
     return res.succeeded ? Number(res.header.revision) : 0;
   }
 
-  async watchOps(onOp: (op: OperationRec, modRevision: number) => void): Promise<() => void> {
-    const w = await this.client.watch().prefix(keys.ops()).create();
+  async watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts: { only?: (tenantId: string, id: string) => boolean } = {}): Promise<() => void> {
+    const prefix = keys.ops();
+    const w = await this.client.watch().prefix(prefix).create();
+    const only = opts.only;
     w.on('put', (kv) => {
+      if (only) {
+        // <prefix><tenant>/<id>: filter by key, so unwanted records are never decoded.
+        const rest = kv.key.toString('utf8').slice(prefix.length);
+        const slash = rest.lastIndexOf('/');
+        if (!only(rest.slice(0, slash), rest.slice(slash + 1))) return;
+      }
       const d = decode<OperationRec>(kv);
       onOp(d.value, d.modRevision);
     });
