@@ -257,8 +257,10 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     expect(anon.stderr).toMatch(/unauthenticated/i);
   });
 
-  it('schedulerDashboard_readsTheApiWithItsInMemoryAdminToken', async () => {
-    const state = (await (await fetch(`http://${sched.metricsAddress}/dashboard/api/state`)).json()) as { error?: string; hosts: unknown[] };
+  it('schedulerDashboard_readsTheApiWithItsInMemoryAdminToken_andServesItOnlyToAdmins', async () => {
+    const url = `http://${sched.metricsAddress}/dashboard/api/state`;
+    expect((await fetch(url)).status).toBe(401);
+    const state = (await (await fetch(`${url}?token=${creds.adminToken}`)).json()) as { error?: string; hosts: unknown[] };
     expect(state.error).toBeUndefined();
     expect(state.hosts).toHaveLength(HOSTS.length);
   });
