@@ -12,6 +12,7 @@
 import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
 import { existsSync, readFileSync, renameSync, statSync, writeFileSync } from 'node:fs';
 import { InvalidArgumentError } from '../../proto/errors.ts';
+import { parseDuration } from '../config.ts';
 import { UnauthenticatedError } from './errors.ts';
 import type { RateSpec } from './limits.ts';
 
@@ -88,9 +89,8 @@ export function parseEntry(raw: unknown, where: string): TokenEntry {
   }
   let idleTimeoutMs: number | undefined;
   if (r.idle_timeout !== undefined) {
-    const m = typeof r.idle_timeout === 'string' ? /^(\d+)(s|m|h)$/.exec(r.idle_timeout) : null;
-    if (!m) throw new InvalidArgumentError(`${where}.idle_timeout`, "must be a duration such as '90s', '10m' or '1h' ('0s' disables)");
-    idleTimeoutMs = Number(m[1]) * { s: 1000, m: 60_000, h: 3_600_000 }[m[2] as 's' | 'm' | 'h'];
+    if (typeof r.idle_timeout !== 'string') throw new InvalidArgumentError(`${where}.idle_timeout`, "must be a duration such as '90s' or '10m' ('0s' disables)");
+    idleTimeoutMs = parseDuration(`${where}.idle_timeout`, r.idle_timeout);
   }
   return { tenant: r.tenant, digest: Buffer.from(r.token_sha256, 'hex'), admin: r.admin === true, name: typeof r.name === 'string' ? r.name : '', quotas, rate, ...(idleTimeoutMs === undefined ? {} : { idleTimeoutMs }) };
 }

@@ -228,16 +228,20 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
       onError(err, name);
       return toGrpcStatus(err);
     };
+    // The guard's verdict, or undefined after `refuse` has answered the call with its error.
+    const admitOr = (call: AnyServerCall, streaming: boolean, refuse: (status: ReturnType<typeof toGrpcStatus>) => void): ReturnType<typeof admitCall> | undefined => {
+      try {
+        return admitCall(guard, call, name, streaming);
+      } catch (err) {
+        refuse(fail(err));
+        return undefined;
+      }
+    };
     switch (m.methodKind) {
       case 'unary':
         out[m.localName] = (call: ServerUnaryCall<unknown, unknown>, cb: sendUnaryData<unknown>) => {
-          let admitted: ReturnType<typeof admitCall>;
-          try {
-            admitted = admitCall(guard, call, name, false);
-          } catch (err) {
-            cb(fail(err));
-            return;
-          }
+          const admitted = admitOr(call, false, (st) => cb(st));
+          if (!admitted) return;
           const ctx = contextOf(call, name, admitted.principal);
           if (call.request instanceof Undecodable) {
             cb(fail(undecodableError(call.request)));
@@ -251,13 +255,8 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         break;
       case 'client_streaming':
         out[m.localName] = (call: ServerReadableStream<unknown, unknown>, cb: sendUnaryData<unknown>) => {
-          let admitted: ReturnType<typeof admitCall>;
-          try {
-            admitted = admitCall(guard, call, name, true);
-          } catch (err) {
-            cb(fail(err));
-            return;
-          }
+          const admitted = admitOr(call, true, (st) => cb(st));
+          if (!admitted) return;
           const ctx = contextOf(call, name, admitted.principal);
           (fn(decodedItems(readableItems(call)), ctx) as Promise<unknown>).then(
             (res) => {
@@ -274,13 +273,8 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
       case 'server_streaming':
       case 'bidi_streaming':
         out[m.localName] = (call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>) => {
-          let admitted: ReturnType<typeof admitCall>;
-          try {
-            admitted = admitCall(guard, call, name, true);
-          } catch (err) {
-            call.emit('error', fail(err));
-            return;
-          }
+          const admitted = admitOr(call, true, (st) => call.emit('error', st));
+          if (!admitted) return;
           const ctx = contextOf(call, name, admitted.principal);
           const input = m.methodKind === 'server_streaming' ? (call as ServerWritableStream<unknown, unknown>).request
               : decodedItems(readableItems(call as ServerDuplexStream<unknown, unknown>));
