@@ -49,6 +49,12 @@ export interface AgentProcessConfig {
   readonly egress: { pool: string; denyCidrs: string[] };
   /** FF_GC_INTERVAL: how often the chunk store is garbage-collected (also after every snapshot delete). */
   readonly gcIntervalMs: number;
+  /**
+   * Standby QEMUs (ADR 0014): FF_STANDBY_MAX on this host in all (0 turns them off),
+   * FF_STANDBY_PER_SNAPSHOT kept for a snapshot after a fork of it (at most the fork's size),
+   * FF_STANDBY_IDLE: a snapshot's standbys go when it was not forked for this long.
+   */
+  readonly standby: Readonly<{ max: number; perSnapshot: number; idleMs: number }>;
   /** FF_GC_GRACE: unreferenced chunks younger than this survive a GC. */
   readonly gcGraceMs: number;
   readonly bootId: string;
@@ -93,6 +99,11 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
     },
     gcIntervalMs: parseDuration('FF_GC_INTERVAL', e('FF_GC_INTERVAL', '5m')),
     gcGraceMs: parseDuration('FF_GC_GRACE', e('FF_GC_GRACE', '60s')),
+    standby: {
+      max: int('FF_STANDBY_MAX', e('FF_STANDBY_MAX', '8'), 0, 1024),
+      perSnapshot: int('FF_STANDBY_PER_SNAPSHOT', e('FF_STANDBY_PER_SNAPSHOT', '2'), 0, 1024),
+      idleMs: parseDuration('FF_STANDBY_IDLE', e('FF_STANDBY_IDLE', '10m')),
+    },
     bootId: randomUUID(),
   };
   parseCidr('FF_EGRESS_POOL', cfg.egress.pool);

@@ -31,7 +31,7 @@ async function main(): Promise<void> {
   await mkdir(cfg.dataDir, { recursive: true });
 
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
-  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] } });
+  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby });
   const recovered = await driver.recover('adopt');
   log.info(recovered, 'recovered VMs from a previous run');
   const accel = await driver.resolveAccel();
@@ -104,6 +104,7 @@ async function main(): Promise<void> {
     log.info({ sig }, 'stopping: VMs are left running for the next agent to adopt');
     void (async () => {
       await agent.stop();
+      await driver.closeStandbys();
       await peerServer.close(500);
       await nc.close().catch(() => undefined);
       process.exit(0);

@@ -518,9 +518,28 @@ export function qemuPidsByVm(dataDir: string): Map<string, number[]> {
   return out;
 }
 
-/** Every QEMU PID recorded in an agent's data directory. */
+/** Every QEMU PID recorded in an agent's data directory: its VMs'. */
 export function qemuPids(dataDir: string): number[] {
   return [...qemuPidsByVm(dataDir).values()].flat();
+}
+
+/**
+ * PIDs of the agent's standby QEMUs (paused processes no sandbox owns yet, ADR 0014). A
+ * stopping agent ends them itself; this is for tearing down after an agent was killed.
+ */
+export function standbyPids(dataDir: string): number[] {
+  const dir = join(dataDir, 'vmm', 'standby');
+  if (!existsSync(dir)) return [];
+  const pids: number[] = [];
+  for (const s of readdirSync(dir)) {
+    try {
+      const pid = Number(readFileSync(join(dir, s, 'qemu.0.pid'), 'utf8').trim());
+      if (Number.isInteger(pid) && pid > 1) pids.push(pid);
+    } catch {
+      // a claimed standby's symlink to a destroyed VM, or one still starting
+    }
+  }
+  return pids;
 }
 
 export async function down(dir: string): Promise<void> {
@@ -537,7 +556,7 @@ export async function down(dir: string): Promise<void> {
     else await Promise.all(procs.map((p) => stopPid(p.pid, 8000)));
     if (kind === 'agent') {
       // Agents leave VMs running for a restarted agent to adopt; down ends them too.
-      for (const h of state.hosts) for (const pid of qemuPids(h.dataDir)) await stopPid(pid, 2000);
+      for (const h of state.hosts) for (const pid of [...qemuPids(h.dataDir), ...standbyPids(h.dataDir)]) await stopPid(pid, 2000);
     }
   }
   for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });

@@ -363,6 +363,7 @@ export class Agent {
         return;
       }
       case 'deleteSnapshot': {
+        await driver.dropStandbys?.(work.value.snapshotId);
         await shipper.remove(work.value.snapshotId);
         return;
       }

@@ -158,6 +158,11 @@ export interface VmmDriver {
   destroy(vmId: string): Promise<void>;
   deleteSnapshot(snapshot: LocalSnapshot): Promise<void>;
   /**
+   * Optional (drivers with standby processes, ADR 0014): stop the snapshot's standbys and make
+   * no more, e.g. before a snapshot fetched from a peer is deleted.
+   */
+  dropStandbys?(snapshotId: string): Promise<void>;
+  /**
    * Snapshots whose files something on this host still needs: a VM maps its memory image or
    * stands on its disk layer, or a local snapshot's disk layer is backed by it. Their
    * files must stay even after the snapshot is deleted.

@@ -3,7 +3,7 @@
 import { join, resolve } from 'node:path';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { pidAlive, spawnManaged, waitFor } from './proc.ts';
-import { qemuPids } from '../../deploy/fleet/fleet.ts';
+import { qemuPids, standbyPids } from '../../deploy/fleet/fleet.ts';
 import type { ManagedProcess } from './proc.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -77,7 +77,7 @@ export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
     },
     async teardown() {
       await agent.stop();
-      for (const pid of agent.qemuPids()) {
+      for (const pid of [...agent.qemuPids(), ...standbyPids(dataDir).filter(pidAlive)]) {
         try {
           process.kill(pid, 'SIGKILL');
         } catch {

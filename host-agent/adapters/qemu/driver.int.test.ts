@@ -19,6 +19,8 @@ let image: GuestImage;
 let driver: QemuVmmDriver;
 let snap: LocalSnapshot;
 const MEM = 128;
+/** Standbys only where a test asks for them (warm), so none start in the background of other tests. */
+const NO_REFILL = { perSnapshot: 0 };
 
 async function sh(vmId: string, script: string, d = driver): Promise<string> {
   const r = await d.exec(vmId, { path: '/bin/sh', args: ['-c', script], timeoutMs: 30_000 });
@@ -69,7 +71,7 @@ const COUNTER = "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/co
 beforeAll(async () => {
   image = await ensureImage('tiny');
   root = await mkdtemp(join(tmpdir(), 'ffv-'));
-  driver = new QemuVmmDriver({ root, accel: 'tcg', logger });
+  driver = new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL });
   await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1, hostname: 'tpl' });
   await sh('tpl', COUNTER);
   await driver.writeFile('tpl', '/dev/shm/marker', Buffer.from('tmpfs-before-snapshot'));
@@ -177,6 +179,33 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.deleteSnapshot(s2);
   });
 
+  it('fork_whenStandbyWarm_childIsTheStandbyQemuWithSnapshotStateAndSnapshotsLikeAnyChild', async () => {
+    expect(await driver.warm(snap, 2)).toBe(2);
+    const standbyDir = join(root, 'standby');
+    const standbyPids = await Promise.all((await readdir(standbyDir)).map(async (d) => Number((await readFile(join(standbyDir, d, 'qemu.0.pid'), 'utf8')).trim())));
+    const [vm] = await driver.fork(snap, [{ vmId: 'w0', hostname: 'w0', sandboxId: 'sb-w0' }]);
+    expect(standbyPids).toContain(vm?.pid);
+    expect((await driver.readFile('w0', '/dev/shm/marker')).toString()).toBe('tmpfs-before-snapshot');
+    expect(await sh('w0', 'cat /data/marker; hostname; cat /run/forkfleet/sandbox-id')).toBe('disk-before-snapshot\nw0\nsb-w0');
+    const a = Number(await sh('w0', 'cat /tmp/counter'));
+    await new Promise((r) => setTimeout(r, 700));
+    expect(Number(await sh('w0', 'cat /tmp/counter'))).toBeGreaterThan(a);
+    // Its snapshot makes its disk a read-only backing file, which QEMU reopens by the name it
+    // was started with: the standby's old directory name must still lead to it.
+    await sh('w0', 'echo from-standby > /data/w && sync');
+    const s = await driver.snapshot('w0', 'snap-w0');
+    const [g] = await driver.fork(s, [{ vmId: 'wg0' }]);
+    expect(await sh(g?.vmId ?? '', 'cat /data/w')).toBe('from-standby');
+    await driver.destroy('wg0');
+    await driver.destroy('w0');
+    await driver.deleteSnapshot(s);
+    // The claimed standby's name went with its VM; the other standby is still there (the
+    // agent-restart test below shows recover() reaps it).
+    const left = await readdir(standbyDir);
+    expect(left).toHaveLength(1);
+    expect(standbyPids.filter((p) => p !== vm?.pid).every(isAlive)).toBe(true);
+  });
+
   it('pause_thenResume_guestContinues', async () => {
     await driver.pause('tpl');
     expect(driver.get('tpl')?.state).toBe('paused');
@@ -216,7 +245,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     // Its own root, so the reaping driver sees only the leftover (the snapshot stays in `root`).
     const other = await mkdtemp(join(tmpdir(), 'ffr-'));
     try {
-      const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger });
+      const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger, standby: NO_REFILL });
       const [vm] = await previous.fork(snap, [{ vmId: 'orphan' }]);
       const pid = vm?.pid ?? 0;
       expect(pid).toBeGreaterThan(0);
@@ -225,7 +254,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
       expect(isAlive(pid)).toBe(true);
       expect((await readdir(join(other, 'vms', 'orphan'))).some((f) => f.endsWith('.sock'))).toBe(true);
 
-      const next = new QemuVmmDriver({ root: other, accel: 'tcg', logger });
+      const next = new QemuVmmDriver({ root: other, accel: 'tcg', logger, standby: NO_REFILL });
       const report = await next.recover('reap');
       expect(report).toEqual({ adopted: [], reaped: ['orphan'] });
       expect(await goneWithin(pid, 2000)).toBe(true);
@@ -242,7 +271,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.
     driver.detach();
-    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger });
+    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL });
     const report = await restarted.recover('adopt');
     expect(report.adopted).toEqual(['tpl']);
     expect(await sh('tpl', 'cat /dev/shm/marker', restarted)).toBe('tmpfs-before-snapshot');
@@ -251,6 +280,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.deleteSnapshot(snap);
     expect(await ourProcesses()).toEqual([]);
     expect(await readdir(join(root, 'vms'))).toEqual([]);
+    expect(await readdir(join(root, 'standby'))).toEqual([]);
     expect(await readdir(join(root, 'snapshots'))).toEqual([]);
   });
 

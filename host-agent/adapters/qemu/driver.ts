@@ -9,7 +9,7 @@
 // Invariant: a VM record exists exactly while its workdir exists; the pid files in a workdir
 // name every QEMU that may still run for it, so recover() can adopt or reap after a restart.
 import { randomBytes } from 'node:crypto';
-import { access, chmod, link, mkdir, open, readdir, readFile, rename, rm, stat, unlink, writeFile } from 'node:fs/promises';
+import { access, chmod, link, lstat, mkdir, open, readdir, readFile, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
 import { constants, createReadStream, createWriteStream } from 'node:fs';
 import net from 'node:net';
 import { join } from 'node:path';
@@ -56,6 +56,7 @@ import { QmpClient, type QmpEvent } from '../qmp/client.ts';
 import { fingerprint, qemuArgs, type QemuLaunch } from './cmdline.ts';
 import { inNewNetns } from '../netns/netns.ts';
 import { EgressManager, type EgressOptions } from '../netns/egress.ts';
+import { DEFAULT_STANDBY_POLICY, StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
 import {
   adoptProcess,
   cmdlineOf,
@@ -88,6 +89,8 @@ export interface QemuDriverOptions {
   tcgTbMib?: number;
   /** Egress for VMs whose network policy allows it (adapters/netns/egress.ts). */
   egress?: EgressOptions;
+  /** Paused, pre-loaded QEMUs that forks claim (standby.ts, ADR 0014). Default DEFAULT_STANDBY_POLICY. */
+  standby?: Partial<StandbyPolicy>;
 }
 
 /** What vm.json holds: enough to rebuild the record after an agent restart. */
@@ -103,6 +106,8 @@ interface VmPersisted {
   dependsOn: string[];
   /** Set when the VM may have egress; absent: none (its namespace has nothing but loopback). */
   network?: NetworkPolicySpec;
+  /** The directory its QEMU was started in, when that is not the workdir (a claimed standby). */
+  launchDir?: string;
 }
 
 interface VmRecord extends VmPersisted {
@@ -126,13 +131,14 @@ const VM_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$/;
 const MIGRATION_TIMEOUT_MS = 120_000;
 
 export class QemuVmmDriver implements VmmDriver {
-  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress'>> & { probeImage?: GuestImage; egress?: EgressOptions };
+  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby'>> & { probeImage?: GuestImage; egress?: EgressOptions };
   private egressManager: EgressManager | undefined;
   private readonly vms = new Map<string, VmRecord>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
   private accelPromise: Promise<Accel> | undefined;
   private readonly overlays = new OverlayFactory();
   private versionPromise: Promise<string> | undefined;
+  private readonly standbys: StandbyPool;
 
   constructor(opts: QemuDriverOptions) {
     this.opts = {
@@ -144,6 +150,13 @@ export class QemuVmmDriver implements VmmDriver {
       tcgTbMib: 64,
       ...opts,
     };
+    this.standbys = new StandbyPool(
+      { ...DEFAULT_STANDBY_POLICY, ...opts.standby },
+      (s) => this.launchStandby(s),
+      (s) => this.discardStandby(s),
+      this.opts.logger,
+      this.opts.clock,
+    );
   }
 
   private get vmsDir(): string {
@@ -151,6 +164,10 @@ export class QemuVmmDriver implements VmmDriver {
   }
   private get snapshotsDir(): string {
     return join(this.opts.root, 'snapshots');
+  }
+  /** Standby QEMUs' directories (standby.ts); a claimed one's name stays as a symlink to its VM's workdir. */
+  private get standbyDir(): string {
+    return join(this.opts.root, 'standby');
   }
 
   qemuVersion(): Promise<string> {
@@ -454,6 +471,8 @@ export class QemuVmmDriver implements VmmDriver {
         this.setState(rec, before);
         await this.persist(rec);
         rec.log.info({ snapshotId, method: manifest.method, pauseMs: result.pauseMs }, 'snapshot taken');
+        // A snapshot is usually restored or forked soon (a fork, a wake from hibernation).
+        this.standbys.demand({ dir, manifest }, 1);
         // Outside the pause: make the clone-overlay template now, so no fork pays qemu-img.
         await this.overlays
           .create(join(dir, 'disk.qcow2'), join(rec.info.workdir, `overlay-warm.${snapshotId}.qcow2`), rec.image.diskVirtualSize)
@@ -694,6 +713,7 @@ export class QemuVmmDriver implements VmmDriver {
       await Promise.all(children.map((c) => this.destroy(c.vmId).catch(() => undefined)));
       throw failed.reason;
     }
+    this.standbys.demand(snapshot, children.length);
     return results.map((r) => (r as PromiseFulfilledResult<VmInfo>).value);
   }
 
@@ -705,30 +725,125 @@ export class QemuVmmDriver implements VmmDriver {
     if (diff.length > 0) throw new IncompatibleSnapshotError(m.snapshotId, diff);
   }
 
-  private async restoreOne(snapshot: LocalSnapshot, c: CloneSpec): Promise<VmInfo> {
-    const t0 = this.opts.clock.now();
+  /** What a clone of `snapshot` persists (generation 0 in `workdir`). */
+  private async clonePersisted(snapshot: LocalSnapshot, c: CloneSpec, workdir: string): Promise<VmPersisted> {
     const m = snapshot.manifest;
-    const workdir = await this.makeWorkdir(c.vmId);
-    const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId });
-    const gen = 0;
-    const diskPath = join(workdir, `disk.${gen}.qcow2`);
-    const image = await this.imageOf(snapshot);
-    const p: VmPersisted = {
+    return {
       info: {
         vmId: c.vmId, state: 'starting', accel: m.config.accel, pid: 0, workdir, memoryMib: m.config.memoryMib,
         vcpus: m.config.vcpus, hostname: c.hostname ?? c.vmId, sandboxId: c.sandboxId ?? c.vmId,
         baseSnapshotId: m.snapshotId, readyMs: 0,
       },
-      image,
+      image: await this.imageOf(snapshot),
       kernelArgs: m.image.kernelArgs,
       memPath: join(snapshot.dir, m.files.memory),
       memShared: false,
-      diskPath,
-      gen,
+      diskPath: join(workdir, 'disk.0.qcow2'),
+      gen: 0,
       dependsOn: await this.snapshotChain(snapshot),
       ...(c.network?.allowEgress ? { network: c.network } : {}),
     };
+  }
+
+  /**
+   * Spawn QEMU for clone `p` of `snapshot` and load the snapshot's device state into it; the
+   * guest stays paused. The device state goes in as an inherited fd (`migrate-incoming fd:3`):
+   * QEMU reads the file itself, with no `exec:` fork and no stream through this event loop (ADR 0009).
+   */
+  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+    const m = snapshot.manifest;
+    await this.overlays.create(join(snapshot.dir, m.files.disk), p.diskPath, m.diskVirtualSize);
+    mark('overlay');
+    const state = await open(join(snapshot.dir, m.files.deviceState), 'r');
+    let started: { proc: QemuProcess; qmp: QmpClient };
     try {
+      const l = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, true);
+      started = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), [state.fd], p.network);
+    } finally {
+      await state.close();
+    }
+    mark('launch');
+    try {
+      // Pipelined: QMP runs them in order, so the capability is set before the load starts.
+      const caps = setCaps(started.qmp, { events: true, 'x-ignore-shared': true });
+      await Promise.all([caps, incomingAndWait(started.qmp, 'fd:3')]);
+    } catch (e) {
+      started.qmp.close();
+      await killAndWait(started.proc);
+      throw e;
+    }
+    mark('incoming');
+    return started;
+  }
+
+  /** A standby (standby.ts): a clone's QEMU with the snapshot's device state loaded, paused, owned by no VM yet. */
+  private async launchStandby(snapshot: LocalSnapshot): Promise<Standby> {
+    const id = `standby-${randomBytes(6).toString('hex')}`;
+    const workdir = join(this.standbyDir, id);
+    await mkdir(workdir, { recursive: true });
+    try {
+      const p = await this.clonePersisted(snapshot, { vmId: id }, workdir);
+      const { proc, qmp } = await this.spawnIncoming(snapshot, p, () => undefined);
+      return { id, snapshotId: snapshot.manifest.snapshotId, workdir, proc, qmp, readyAt: this.opts.clock.now() };
+    } catch (e) {
+      await rm(workdir, { recursive: true, force: true });
+      throw e;
+    }
+  }
+
+  private async discardStandby(s: Standby): Promise<void> {
+    s.qmp.close();
+    await killAndWait(s.proc);
+    await rm(s.workdir, { recursive: true, force: true });
+  }
+
+  /**
+   * Makes a claimed standby the VM of `p`: its directory becomes the VM's workdir (a rename
+   * over the empty one; QEMU's open files and listening sockets move with it), and it is
+   * registered like a freshly launched process. The old name stays as a symlink to the new
+   * one, because QEMU reopens its disk by the name it was started with (when a snapshot makes
+   * it a read-only backing file); recover() skips such links, destroy removes it.
+   */
+  private async adoptStandby(p: VmPersisted, s: Standby, log: Logger): Promise<VmRecord> {
+    try {
+      await rename(s.workdir, p.info.workdir);
+      await symlink(join('..', 'vms', p.info.vmId), s.workdir);
+    } catch (e) {
+      await this.discardStandby(s);
+      throw e;
+    }
+    const rec: VmRecord = { ...p, launchDir: s.workdir, proc: s.proc, qmp: s.qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
+    rec.info.pid = s.proc.pid;
+    this.vms.set(p.info.vmId, rec);
+    this.watch(rec);
+    if (s.qmp.closed) throw new VmCrashedError(p.info.vmId, 'standby QEMU exited before it was claimed');
+    return rec;
+  }
+
+  /**
+   * Keep `count` standbys of the snapshot on this host (capped by the standby policy's max);
+   * resolves with how many are ready. Forks refill them on their own (policy perSnapshot).
+   */
+  warm(snapshot: LocalSnapshot, count: number): Promise<number> {
+    return this.standbys.warm(snapshot, count);
+  }
+
+  dropStandbys(snapshotId: string): Promise<void> {
+    return this.standbys.drop(snapshotId);
+  }
+
+  /** Stops every standby and makes no more (an agent stopping: VMs stay for the next one, standbys are never adopted). */
+  closeStandbys(): Promise<void> {
+    return this.standbys.close();
+  }
+
+  private async restoreOne(snapshot: LocalSnapshot, c: CloneSpec): Promise<VmInfo> {
+    const t0 = this.opts.clock.now();
+    const m = snapshot.manifest;
+    const workdir = await this.makeWorkdir(c.vmId);
+    const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId });
+    try {
+      const p = await this.clonePersisted(snapshot, c, workdir);
       const ph: Record<string, number> = {};
       let tp = performance.now();
       const mark = (k: string): void => {
@@ -736,33 +851,29 @@ export class QemuVmmDriver implements VmmDriver {
         ph[k] = Math.round((n - tp) * 10) / 10;
         tp = n;
       };
-      await this.overlays.create(join(snapshot.dir, m.files.disk), diskPath, m.diskVirtualSize);
-      mark('overlay');
-      // The device state goes in as an inherited fd (`migrate-incoming fd:3`): QEMU reads the
-      // file itself, with no `exec:` fork of the QEMU process and no stream through this
-      // event loop (ADR 0009).
-      const state = await open(join(snapshot.dir, m.files.deviceState), 'r');
+      // A standby's namespace has no egress link; a clone that may have egress starts its own.
+      const standby = p.network ? undefined : await this.standbys.claim(m.snapshotId);
       let rec: VmRecord;
-      try {
-        rec = await this.launch(p, log, { incoming: true, extraFds: [state.fd] });
-      } finally {
-        await state.close();
+      if (standby) {
+        rec = await this.adoptStandby(p, standby, log);
+        mark('standby');
+      } else {
+        const { proc, qmp } = await this.spawnIncoming(snapshot, p, mark);
+        rec = { ...p, proc, qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
+        rec.info.pid = proc.pid;
+        this.vms.set(p.info.vmId, rec);
+        this.watch(rec);
       }
-      mark('launch');
-      // Pipelined: QMP runs them in order, so the capability is set before the load starts.
-      const caps = setCaps(rec.qmp, { events: true, 'x-ignore-shared': true });
-      await Promise.all([caps, incomingAndWait(rec.qmp, 'fd:3')]);
-      mark('incoming');
       await rec.qmp.execute('cont');
       mark('cont');
       rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
       mark('sync');
       await this.cloneHygiene(rec, mark);
       rec.info.readyMs = this.opts.clock.now() - t0;
-      log.debug({ phases: ph }, 'restore phases');
+      log.debug({ phases: ph, standby: !!standby }, 'restore phases');
       this.setState(rec, 'running');
       await this.persist(rec);
-      log.info({ readyMs: rec.info.readyMs, pid: rec.proc.pid }, 'vm restored');
+      log.info({ readyMs: rec.info.readyMs, pid: rec.proc.pid, standby: standby?.id }, 'vm restored');
       return { ...rec.info };
     } catch (e) {
       await this.destroy(c.vmId).catch(() => undefined);
@@ -899,20 +1010,24 @@ export class QemuVmmDriver implements VmmDriver {
       rec.agent?.close();
       await killAndWait(rec.proc);
       rec.qmp.close();
-      await this.reapWorkdir(rec.info.workdir);
+      await this.reapWorkdir(rec.info.workdir, rec.launchDir);
+      if (rec.launchDir) await rm(rec.launchDir, { force: true });
       this.vms.delete(vmId);
       this.setState(rec, 'destroyed');
       rec.log.info('vm destroyed');
     });
   }
 
-  /** Kill every QEMU named by a pid file in the workdir (checking it is ours), then remove it. */
-  private async reapWorkdir(workdir: string): Promise<string[]> {
+  /**
+   * Kill every QEMU named by a pid file in the workdir (checking it is ours: its command line
+   * names the workdir, or launchDir for a claimed standby), then remove it.
+   */
+  private async reapWorkdir(workdir: string, launchDir?: string): Promise<string[]> {
     const killed: string[] = [];
     const files = await readdir(workdir).catch(() => [] as string[]);
     for (const f of files.filter((x) => x.endsWith('.pid'))) {
       const pid = Number((await readFile(join(workdir, f), 'utf8').catch(() => '')).trim());
-      if (pid > 0 && (await this.isOurQemu(pid, workdir))) {
+      if (pid > 0 && (await this.isOurQemu(pid, workdir, launchDir))) {
         await killAndWait(adoptProcess(pid));
         killed.push(String(pid));
       }
@@ -921,9 +1036,9 @@ export class QemuVmmDriver implements VmmDriver {
     return killed;
   }
 
-  private async isOurQemu(pid: number, workdir: string): Promise<boolean> {
+  private async isOurQemu(pid: number, workdir: string, launchDir?: string): Promise<boolean> {
     const cmd = await cmdlineOf(pid);
-    return !!cmd && cmd.some((a) => a.includes(`${workdir}/`));
+    return !!cmd && cmd.some((a) => a.includes(`${workdir}/`) || (launchDir !== undefined && a.includes(`${launchDir}/`)));
   }
 
   async snapshotsInUse(): Promise<Set<string>> {
@@ -938,6 +1053,8 @@ export class QemuVmmDriver implements VmmDriver {
 
   async deleteSnapshot(snapshot: LocalSnapshot): Promise<void> {
     const id = snapshot.manifest.snapshotId;
+    // Standbys are not users: they go with the snapshot.
+    await this.standbys.drop(id);
     const users = [...this.vms.values()].filter((v) => v.dependsOn.includes(id)).map((v) => `vm ${v.info.vmId}`);
     for (const other of await readdir(this.snapshotsDir).catch(() => [] as string[])) {
       const m = await this.openSnapshot(join(this.snapshotsDir, other)).catch(() => undefined);
@@ -952,6 +1069,8 @@ export class QemuVmmDriver implements VmmDriver {
    * new agent adopts them with recover('adopt'). Tests use it to simulate an agent crash.
    */
   detach(): void {
+    // Standbys are left running too; they are never adopted, a new agent's recover reaps them.
+    this.standbys.abandon();
     for (const rec of this.vms.values()) {
       rec.expectExit = true;
       rec.agent?.close();
@@ -961,6 +1080,7 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   async close(): Promise<void> {
+    await this.standbys.close();
     await Promise.all([...this.vms.keys()].map((id) => this.destroy(id)));
   }
 
@@ -975,7 +1095,7 @@ export class QemuVmmDriver implements VmmDriver {
         .then((s) => JSON.parse(s) as VmPersisted)
         .catch(() => undefined);
       const pid = persisted ? Number((await readFile(join(workdir, `qemu.${persisted.gen}.pid`), 'utf8').catch(() => '')).trim()) : 0;
-      const alive = pid > 0 && isAlive(pid) && (await this.isOurQemu(pid, workdir));
+      const alive = pid > 0 && isAlive(pid) && (await this.isOurQemu(pid, workdir, persisted?.launchDir));
       if (mode === 'adopt' && persisted && alive) {
         try {
           await this.adopt(persisted, pid);
@@ -985,8 +1105,20 @@ export class QemuVmmDriver implements VmmDriver {
           this.opts.logger.warn({ vmId, err: String(e) }, 'adopt failed; reaping');
         }
       }
-      await this.reapWorkdir(workdir);
+      await this.reapWorkdir(workdir, persisted?.launchDir);
+      if (persisted?.launchDir) await rm(persisted.launchDir, { force: true });
       report.reaped.push(vmId);
+    }
+    // Standbys are never adopted (a new agent makes its own). A claimed one's old name is a
+    // symlink to its VM's workdir: kept while that exists (QEMU reopens its disk by it).
+    for (const id of await readdir(this.standbyDir).catch(() => [] as string[])) {
+      const dir = join(this.standbyDir, id);
+      if ((await lstat(dir).catch(() => undefined))?.isSymbolicLink()) {
+        if (!(await stat(dir).then(() => true, () => false))) await rm(dir, { force: true });
+        continue;
+      }
+      const killed = await this.reapWorkdir(dir);
+      this.opts.logger.info({ standby: id, killed }, 'left-over standby reaped');
     }
     // Receivers of interrupted snapshots, and snapshots that never got their manifest.
     for (const snap of await readdir(this.snapshotsDir).catch(() => [] as string[])) {
@@ -1076,6 +1208,7 @@ export class QemuVmmDriver implements VmmDriver {
       info: rec.info, image: rec.image, kernelArgs: rec.kernelArgs, memPath: rec.memPath, memShared: rec.memShared,
       diskPath: rec.diskPath, gen: rec.gen, dependsOn: rec.dependsOn,
       ...(rec.network ? { network: rec.network } : {}),
+      ...(rec.launchDir ? { launchDir: rec.launchDir } : {}),
     };
     await writeJsonAtomic(join(rec.info.workdir, 'vm.json'), p);
   }

@@ -1,0 +1,115 @@
+import { pino } from 'pino';
+import { afterEach, describe, expect, it, vi } from 'vitest';
+import type { LocalSnapshot } from '../../domain/vmm.ts';
+import type { QmpClient } from '../qmp/client.ts';
+import type { QemuProcess } from './process.ts';
+import { StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
+
+const log = pino({ level: 'silent' });
+const snap = (id: string): LocalSnapshot => ({ dir: `/s/${id}`, manifest: { snapshotId: id } as LocalSnapshot['manifest'] });
+
+/** A pool over fake launches (our own port): each launch waits for `release()` unless `instant`. */
+function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fail?: boolean } = {}) {
+  let n = 0;
+  let now = 0;
+  const launched: Standby[] = [];
+  const discarded: string[] = [];
+  const pending: Array<() => void> = [];
+  const closers = new Map<string, () => void>();
+  const launch = async (s: LocalSnapshot): Promise<Standby> => {
+    if (!o.instant) await new Promise<void>((r) => pending.push(r));
+    if (o.fail) throw new Error('qemu did not start');
+    const id = `standby-${++n}`;
+    const qmp = { onClosed: (f: () => void) => closers.set(id, f), close: () => undefined } as unknown as QmpClient;
+    const sb: Standby = { id, snapshotId: s.manifest.snapshotId, workdir: `/w/${id}`, proc: { pid: 1000 + n } as QemuProcess, qmp, readyAt: now };
+    launched.push(sb);
+    return sb;
+  };
+  const pool = new StandbyPool({ max: 8, perSnapshot: 2, idleMs: 60_000, ...policy }, launch, async (s) => void discarded.push(s.id), log, { now: () => now });
+  const release = async (): Promise<void> => {
+    pending.shift()?.();
+    await new Promise((r) => setImmediate(r));
+  };
+  return { pool, launched, discarded, release, closers, advance: (ms: number) => (now += ms) };
+}
+
+describe('StandbyPool', () => {
+  afterEach(() => vi.useRealTimers());
+
+  it('demand_whenForkOfFour_keepsPerSnapshotCapAndHostMax', async () => {
+    const h = harness({ perSnapshot: 2, max: 3 }, { instant: true });
+    h.pool.demand(snap('a'), 4);
+    expect(await h.pool.warm(snap('a'), 1)).toBe(2); // resolves when the fill is done; the demand's 2 stand
+    expect(await h.pool.warm(snap('b'), 5)).toBe(1); // host-wide max 3
+    expect(h.pool.size).toBe(3);
+    await h.pool.close();
+    expect(h.discarded.sort()).toEqual(h.launched.map((s) => s.id).sort());
+  });
+
+  it('claim_whenNoneReadyButOneStarting_waitsForItInsteadOfReturningNothing', async () => {
+    const h = harness();
+    const warming = h.pool.warm(snap('a'), 1);
+    await new Promise((r) => setImmediate(r));
+    const claimed = h.pool.claim('a');
+    await h.release();
+    const s = await claimed;
+    expect(s?.id).toBe('standby-1');
+    await warming;
+    expect(h.pool.size).toBe(0);
+    expect(await h.pool.claim('b')).toBeUndefined();
+    await h.pool.close();
+  });
+
+  it('claim_whenSeveralChildrenAndOneStarting_onlyOneWaitsTheOthersSpawnAtOnce', async () => {
+    const h = harness();
+    const warming = h.pool.warm(snap('a'), 1);
+    await new Promise((r) => setImmediate(r));
+    const first = h.pool.claim('a');
+    expect(await h.pool.claim('a')).toBeUndefined();
+    await h.release();
+    expect((await first)?.id).toBe('standby-1');
+    await warming;
+    await h.pool.close();
+  });
+
+  it('drop_whenLaunchFinishesAfterwards_discardsItAndStopsRefilling', async () => {
+    const h = harness();
+    const warming = h.pool.warm(snap('a'), 2);
+    await new Promise((r) => setImmediate(r));
+    await h.pool.drop('a');
+    await h.release();
+    await warming;
+    expect(h.discarded).toEqual(['standby-1']);
+    expect(h.launched).toHaveLength(1);
+    expect(h.pool.size).toBe(0);
+    await h.pool.close();
+  });
+
+  it('standby_whenItsQemuExitsOnItsOwn_isForgottenAndDiscarded', async () => {
+    const h = harness({}, { instant: true });
+    await h.pool.warm(snap('a'), 2);
+    h.closers.get('standby-1')?.();
+    expect(h.pool.size).toBe(1);
+    expect(h.discarded).toEqual(['standby-1']);
+    expect((await h.pool.claim('a'))?.id).toBe('standby-2');
+    await h.pool.close();
+  });
+
+  it('warm_whenLaunchFails_givesUpWithoutRetryLoop', async () => {
+    const h = harness({}, { instant: true, fail: true });
+    expect(await h.pool.warm(snap('a'), 3)).toBe(0);
+    expect(h.pool.size).toBe(0);
+    await h.pool.close();
+  });
+
+  it('expiry_whenSnapshotNotForkedForIdleTime_discardsItsStandbys', async () => {
+    vi.useFakeTimers();
+    const h = harness({ idleMs: 4000 }, { instant: true });
+    await h.pool.warm(snap('a'), 2);
+    h.advance(5000);
+    await vi.advanceTimersByTimeAsync(1000);
+    expect(h.pool.size).toBe(0);
+    expect(h.discarded.sort()).toEqual(['standby-1', 'standby-2']);
+    await h.pool.close();
+  });
+});

@@ -1,0 +1,194 @@
+// Standby QEMUs (ADR 0014): per snapshot, a few QEMU processes already started with the
+// snapshot's memory image mapped and its device state loaded, paused before their first guest
+// instruction. A fork or restore of that snapshot claims one and only has to `cont` it, resync
+// the guest agent and run clone hygiene: the QEMU start (~130-200 ms of relocation and page
+// faults here) and the device-state load are out of its path.
+//
+// A standby never ran a guest instruction, so a child made from one is exactly the snapshot's
+// state, like a freshly spawned one. Invariants: a standby is in `ready` of at most one snapshot
+// or being handed out, never both; `ready.size + filling <= max` host-wide.
+import type { Logger } from 'pino';
+import type { Clock, LocalSnapshot } from '../../domain/vmm.ts';
+import type { QmpClient } from '../qmp/client.ts';
+import type { QemuProcess } from './process.ts';
+
+export interface Standby {
+  /** Its directory's name under standby/ (the directory becomes the claiming VM's workdir). */
+  id: string;
+  snapshotId: string;
+  workdir: string;
+  proc: QemuProcess;
+  qmp: QmpClient;
+  readyAt: number;
+}
+
+export interface StandbyPolicy {
+  /** Standbys on this host, all snapshots together (FF_STANDBY_MAX). 0 turns standbys off. */
+  max: number;
+  /**
+   * After a fork of N children from a snapshot, keep min(N, perSnapshot) standbys of it
+   * (FF_STANDBY_PER_SNAPSHOT). 0: only explicit warm() requests make standbys.
+   */
+  perSnapshot: number;
+  /** A snapshot's standbys go when it was not forked for this long (FF_STANDBY_IDLE). */
+  idleMs: number;
+}
+
+export const DEFAULT_STANDBY_POLICY: Readonly<StandbyPolicy> = Object.freeze({ max: 8, perSnapshot: 2, idleMs: 10 * 60_000 });
+
+interface Want {
+  snapshot: LocalSnapshot;
+  count: number;
+  lastUse: number;
+}
+
+export class StandbyPool {
+  private readonly ready = new Map<string, Standby[]>();
+  private readonly wants = new Map<string, Want>();
+  private filling = 0;
+  /** The launch in progress (one at a time), its snapshot, and whether a claim already waits for it. */
+  private launching: { snapshotId: string; done: Promise<unknown>; awaited: boolean } | undefined;
+  private loop: Promise<void> | undefined;
+  private closed = false;
+  private readonly timer: NodeJS.Timeout;
+
+  constructor(
+    private readonly policy: StandbyPolicy,
+    private readonly launch: (snapshot: LocalSnapshot) => Promise<Standby>,
+    private readonly discard: (s: Standby) => Promise<void>,
+    private readonly log: Logger,
+    private readonly clock: Clock,
+  ) {
+    this.timer = setInterval(() => void this.expire(), Math.max(1000, Math.min(60_000, policy.idleMs / 4)));
+    this.timer.unref();
+  }
+
+  get size(): number {
+    let n = 0;
+    for (const l of this.ready.values()) n += l.length;
+    return n;
+  }
+
+  /**
+   * A standby of the snapshot for a fork (the caller owns it from now on): a ready one, else
+   * the one being started for it, which is further along than a new spawn (only one claim
+   * waits for it; the other children of a fork spawn at once); undefined if neither.
+   */
+  async claim(snapshotId: string): Promise<Standby | undefined> {
+    const s = this.take(snapshotId);
+    const l = this.launching;
+    if (s || l?.snapshotId !== snapshotId || l.awaited) return s;
+    l.awaited = true;
+    await l.done.catch(() => undefined);
+    return this.take(snapshotId);
+  }
+
+  /** Takes a ready standby of the snapshot, or undefined. */
+  private take(snapshotId: string): Standby | undefined {
+    const w = this.wants.get(snapshotId);
+    if (w) w.lastUse = this.clock.now();
+    const list = this.ready.get(snapshotId);
+    const s = list?.shift();
+    if (list && list.length === 0) this.ready.delete(snapshotId);
+    return s;
+  }
+
+  /**
+   * Demand for n children of the snapshot (a fork of n, or 1 for a snapshot just taken): keep
+   * min(n, perSnapshot) standbys of it, started in the background.
+   */
+  demand(snapshot: LocalSnapshot, n: number): void {
+    if (this.policy.perSnapshot <= 0) return;
+    void this.warm(snapshot, Math.min(n, this.policy.perSnapshot));
+  }
+
+  /**
+   * Asks for `count` standbys of the snapshot (capped by the host-wide max) and resolves when
+   * the pool has done what it can: the number of ready standbys of the snapshot.
+   */
+  async warm(snapshot: LocalSnapshot, count: number): Promise<number> {
+    const id = snapshot.manifest.snapshotId;
+    if (this.closed || this.policy.max <= 0 || count <= 0) return this.ready.get(id)?.length ?? 0;
+    const w = this.wants.get(id);
+    if (w) {
+      w.count = Math.max(w.count, count);
+      w.lastUse = this.clock.now();
+    } else this.wants.set(id, { snapshot, count, lastUse: this.clock.now() });
+    this.loop ??= this.fill().finally(() => (this.loop = undefined));
+    await this.loop;
+    return this.ready.get(id)?.length ?? 0;
+  }
+
+  /** One standby at a time: starting QEMUs in parallel would only compete with live forks for CPU. */
+  private async fill(): Promise<void> {
+    for (;;) {
+      if (this.closed) return;
+      const next = [...this.wants.values()].find((w) => (this.ready.get(w.snapshot.manifest.snapshotId)?.length ?? 0) < w.count);
+      if (!next || this.size + this.filling >= this.policy.max) return;
+      const id = next.snapshot.manifest.snapshotId;
+      this.filling++;
+      try {
+        const launched = this.launch(next.snapshot);
+        this.launching = { snapshotId: id, done: launched, awaited: false };
+        const s = await launched;
+        if (this.closed || this.wants.get(id) !== next) {
+          await this.discard(s);
+          continue;
+        }
+        s.qmp.onClosed(() => this.forget(s));
+        const list = this.ready.get(id) ?? [];
+        list.push(s);
+        this.ready.set(id, list);
+        this.log.debug({ snapshotId: id, standby: s.id, ready: list.length }, 'standby ready');
+      } catch (e) {
+        // A snapshot that cannot be restored here is not retried in a loop.
+        this.log.warn({ snapshotId: id, err: String(e) }, 'standby failed to start');
+        this.wants.delete(id);
+      } finally {
+        this.filling--;
+        this.launching = undefined;
+      }
+    }
+  }
+
+  /** A standby whose QEMU went away on its own. */
+  private forget(s: Standby): void {
+    const list = this.ready.get(s.snapshotId);
+    const i = list?.indexOf(s) ?? -1;
+    if (list && i >= 0) {
+      list.splice(i, 1);
+      this.log.warn({ snapshotId: s.snapshotId, standby: s.id, pid: s.proc.pid }, 'standby QEMU exited');
+      void this.discard(s);
+    }
+  }
+
+  /** Stops and removes the snapshot's standbys (before its files go) and stops refilling them. */
+  async drop(snapshotId: string): Promise<void> {
+    this.wants.delete(snapshotId);
+    const list = this.ready.get(snapshotId) ?? [];
+    this.ready.delete(snapshotId);
+    await Promise.all(list.map((s) => this.discard(s)));
+  }
+
+  private async expire(): Promise<void> {
+    const now = this.clock.now();
+    for (const [id, w] of this.wants) if (now - w.lastUse >= this.policy.idleMs) await this.drop(id);
+  }
+
+  /** Stops managing standbys without stopping their processes (an agent handing over to the next; its recover reaps them). */
+  abandon(): void {
+    this.closed = true;
+    clearInterval(this.timer);
+    const all = [...this.ready.values()].flat();
+    this.ready.clear();
+    this.wants.clear();
+    for (const s of all) s.qmp.close();
+  }
+
+  async close(): Promise<void> {
+    this.closed = true;
+    clearInterval(this.timer);
+    await this.loop?.catch(() => undefined);
+    await Promise.all([...this.ready.keys()].map((id) => this.drop(id)));
+  }
+}
