@@ -214,6 +214,20 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await sh('tpl', 'echo ok')).toBe('ok');
   });
 
+  it('resume_afterPauseOfSeconds_guestClockIsSetBackToTheHostsWithinOneSecond', async () => {
+    await driver.pause('tpl');
+    await new Promise((r) => setTimeout(r, 2500)); // the guest clock stands still meanwhile
+    await driver.resume('tpl');
+    // The refresh runs in the background after resume; the guest agent serves it before this exec.
+    let skew = Infinity;
+    for (const end = Date.now() + 15_000; Date.now() < end && Math.abs(skew) > 1; ) {
+      const before = Date.now() / 1000;
+      const guest = Number(await sh('tpl', 'date +%s'));
+      skew = guest - (before + Date.now() / 1000) / 2;
+    }
+    expect(Math.abs(skew)).toBeLessThanOrEqual(1);
+  });
+
   it('restore_whenHostIncompatible_refusesNamingEveryDifference', async () => {
     const bad: LocalSnapshot = {
       dir: snap.dir,
