@@ -107,6 +107,12 @@ async function main(): Promise<void> {
           }
         }
         for (const id of ids) await driver.destroy(id);
+        if (standby) {
+          // The pool refills what the fork claimed; let that finish, then remove the standbys so
+          // the next measurement neither claims one nor shares the CPU with a refill.
+          await driver.warm(snap, n);
+          await driver.dropStandbys(snap.manifest.snapshotId);
+        }
       }
     }
 
