@@ -231,4 +231,23 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await sleep(10);
     await assertConsistent();
   });
+
+  // Last: it fills the fleet. Forks that arrive together are placed together (one plan and one
+  // transaction for the group, each seeing what the earlier ones booked); more children than
+  // there is room for must fail whole forks, never over-book a host.
+  it('forks_whenManyArriveTogetherBeyondCapacity_neverOverBookAHost', async () => {
+    const ops = await Promise.all(Array.from({ length: 12 }, () => api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 30, placement: { spread: Spread.SPREAD } })));
+    const finals = await Promise.all(ops.map((op) => wait(api, op)));
+    const succeeded = finals.filter((f) => f.state === OperationState.SUCCEEDED);
+    const failed = finals.filter((f) => f.state !== OperationState.SUCCEEDED);
+    // 10 hosts of 24 vCPUs hold well under 360 more children: some forks fit, the rest find no room.
+    expect(succeeded.length).toBeGreaterThan(0);
+    expect(failed.length).toBeGreaterThan(0);
+    for (const f of failed) expect(f.error?.message ?? '').toMatch(/capacity|no host|room|feasible/i);
+    for (const a of await store.listAllocs()) {
+      const cap = (await store.getHost(a.value.hostId))?.value.capacity.vcpus ?? 0;
+      expect(a.value.allocated.vcpus, `vcpus booked on ${a.value.hostId}`).toBeLessThanOrEqual(cap);
+    }
+    await assertConsistent();
+  }, 120_000);
 });

@@ -95,6 +95,44 @@ function compactExplanation(e: unknown): unknown {
   return { summary, examined, feasible, filtered, makespanMs, meanEtaMs, sampled, chosen: choices };
 }
 
+/** A placement waiting to be decided (Executor.placeAndBook). */
+interface PlaceJob {
+  op: OperationRec;
+  request: (view: ReturnType<typeof buildFleetView>) => PlacementRequest;
+  records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void };
+  resolve: (p: Placed) => void;
+  reject: (e: unknown) => void;
+}
+
+type Placed = { result: Extract<PlacementResult, { ok: true }>; revision: number };
+
+/**
+ * Placements decided together and committed in one transaction: at most this many jobs and
+ * writes (a fork of 64 is ~130 writes). etcd must allow that many operations per transaction
+ * (--max-txn-ops, raised to 1024 by the harness and the fleet, see adapters/etcd/keys.ts); a
+ * single job larger than the cap still goes alone, as before.
+ */
+const PLACE_GROUP_MAX_JOBS = 16;
+const PLACE_GROUP_MAX_WRITES = 500;
+
+/** The store key a write touches (its kind and id), to keep one transaction from writing a key twice. */
+function writeKey(w: StoreWrite): string {
+  switch (w.kind) {
+    case 'sandbox':
+    case 'snapshot':
+    case 'op':
+      return `${w.kind}/${w.value.tenantId}/${w.value.id}`;
+    case 'host':
+      return `host/${w.value.id}`;
+    case 'alloc':
+      return `alloc/${w.value.hostId}`;
+    case 'idem':
+      return `idem/${w.tenantId}/${w.key}`;
+    case 'delete-sandbox':
+      return `sandbox/${w.tenantId}/${w.id}`;
+  }
+}
+
 /** Writes per group-committed transaction: etcd's default --max-txn-ops is 128 (compares count too, plus the seed compare). */
 const GROUP_COMMIT_MAX_WRITES = 100;
 
@@ -156,8 +194,9 @@ export class Executor {
   private readonly opChains = new Map<string, Promise<unknown>>();
   /** Host steps per op, kept in memory and written once with the op's final state. */
   private readonly stepLog = new Map<string, OperationRec['steps']>();
-  /** Placements are decided and committed one at a time (no self-inflicted conflicts). */
-  private placing: Promise<unknown> = Promise.resolve();
+  /** Placements waiting: decided one group at a time, never two groups at once (no self-inflicted conflicts). */
+  private readonly placeQueue: PlaceJob[] = [];
+  private placeRunning = false;
   private readonly running = new Map<string, Promise<void>>();
   private readonly waiters = new Map<string, Waiter>();
   /** Results that arrived before anyone waited for them (e.g. right after a failover). */
@@ -167,6 +206,14 @@ export class Executor {
   /** Batches waiting for the next group commit (commitGrouped). */
   private readonly groupQueue: Array<{ writes: StoreWrite[]; resolve: (rev: number) => void; reject: (e: unknown) => void }> = [];
   private groupFlushing = false;
+  /** Hosts waiting to be recorded as holders, per `<tenant>/<snapshot>` (addHolder). */
+  private readonly holderQueue = new Map<string, { hosts: Set<string>; done: Array<{ settle: (error: unknown) => void }> }>();
+  private readonly holderFlushing = new Set<string>();
+  /** Every sandbox record, by `<tenant>/<id>`, kept by a watch while leading (the lifecycle rules read it). */
+  private readonly sandboxIndex = new Map<string, Versioned<SandboxRec>>();
+  private sandboxIndexReady = false;
+  /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
+  private term = 0;
 
   constructor(private readonly deps: ExecutorDeps) {}
 
@@ -184,16 +231,55 @@ export class Executor {
     this.stops.push(stopResults);
     this.stops.push(await this.deps.store.watchFleet((c) => this.cache.apply(c)));
     await this.cache.load(this.deps.store);
-    this.stops.push(await this.deps.store.watchOps((op, rev) => this.maybeRun(op, rev)));
+    // Ops this leader already runs are skipped undecoded: it wrote them itself (commit keeps
+    // its copy), and a stale copy only costs a guarded write a re-read.
+    this.stops.push(await this.deps.store.watchOps((op, rev) => this.maybeRun(op, rev), { only: (_tenantId, id) => !this.running.has(id) }));
     for (const v of await this.deps.store.listOps({ activeOnly: true })) this.maybeRun(v.value, v.modRevision);
-    const t = setInterval(() => void this.reconcileHosts().catch((e: unknown) => this.log.warn({ err: e }, 'host reconcile failed')), 1000);
+    // The sandboxes, listed once and then followed by a watch: the lifecycle rules read this
+    // index instead of listing the largest prefix in etcd every 2 s (a list that grows with
+    // the fleet, where the watch costs only what changes).
+    // It loads in the background (a new leader's first job is running operations); until
+    // it is ready, the rules list the sandboxes as before.
+    this.sandboxIndex.clear();
+    this.sandboxIndexReady = false;
+    const term = ++this.term;
+    this.deps.store
+      .followSandboxes(
+        (c) => {
+          if (term !== this.term) return;
+          if (c.kind === 'put') this.sandboxIndex.set(`${c.value.value.tenantId}/${c.value.value.id}`, c.value);
+          else this.sandboxIndex.delete(`${c.tenantId}/${c.id}`);
+        },
+        (e) => {
+          if (term !== this.term) return;
+          this.sandboxIndexReady = false;
+          this.term++; // ignore whatever the broken watch still delivers
+          this.log.warn({ err: e }, 'the sandbox watch broke off; the lifecycle rules list the sandboxes instead');
+        },
+      )
+      .then(
+        (stop) => {
+          if (term !== this.term || !this.active) return stop();
+          this.stops.push(stop);
+          this.sandboxIndexReady = true;
+        },
+        (e: unknown) => this.log.warn({ err: e }, 'could not follow the sandbox records; the lifecycle rules list them instead'),
+      );
+    // One pass at a time: an overlapping pass would write host records with guards the
+    // running pass is about to make stale (every such write conflicts).
+    let hostsBusy = false;
+    const t = setInterval(() => {
+      if (hostsBusy) return;
+      hostsBusy = true;
+      this.reconcileHosts()
+        .catch((e: unknown) => this.log.warn({ err: e }, 'host reconcile failed'))
+        .finally(() => (hostsBusy = false));
+    }, 1000);
     let lifecycleBusy = false;
     const lt = setInterval(() => {
       if (lifecycleBusy || !this.deps.submit) return;
       lifecycleBusy = true;
-      // One list of the sandboxes serves both rules (it is the largest prefix in etcd).
-      this.deps.store
-        .listSandboxes(undefined)
+      (this.sandboxIndexReady ? Promise.resolve([...this.sandboxIndex.values()]) : this.deps.store.listSandboxes(undefined))
         .then(async (sbs) => {
           await this.reconcileLifecycles(sbs);
           await this.reconcileRetention(sbs);
@@ -209,6 +295,9 @@ export class Executor {
     this.active = false;
     for (const s of this.stops.splice(0)) await s();
     this.ops.clear();
+    this.term++;
+    this.sandboxIndexReady = false;
+    this.sandboxIndex.clear();
     // Waiting runners would only time out: wake them so they end now; the next leader
     // re-runs their operations from etcd.
     for (const [k, w] of this.waiters) {
@@ -402,70 +491,114 @@ export class Executor {
   /**
    * Decides a placement over the leader's cache and commits it, with the capacity it books
    * and the records it creates (and the op's own update, when given), in one transaction
-   * guarded by the revisions the decision read. Placements run one at a time.
+   * guarded by the revisions the decision read. Placements are decided one at a time; the
+   * ones that queue up while a commit is in flight are decided together (each seeing what
+   * the earlier ones booked, exactly as one after another) and committed in one transaction.
    */
-  private placeAndBook(
-    op: OperationRec,
-    request: (view: ReturnType<typeof buildFleetView>) => PlacementRequest,
-    records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void },
-  ): Promise<{ result: Extract<PlacementResult, { ok: true }>; revision: number }> {
-    const p = this.placing.then(() => this.placeAndBookNow(op, request, records));
-    this.placing = p.catch(() => undefined);
-    return p;
+  private placeAndBook(op: OperationRec, request: PlaceJob['request'], records: PlaceJob['records']): Promise<Placed> {
+    return new Promise<Placed>((resolve, reject) => {
+      this.placeQueue.push({ op, request, records, resolve, reject });
+      if (!this.placeRunning) void this.runPlacements();
+    });
   }
 
-  private async placeAndBookNow(
-    op: OperationRec,
-    request: (view: ReturnType<typeof buildFleetView>) => PlacementRequest,
-    records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void },
-  ): Promise<{ result: Extract<PlacementResult, { ok: true }>; revision: number }> {
-    for (let attempt = 0; attempt < 10; attempt++) {
-      // After a conflict the cache may lag the store: refresh it before re-planning.
-      if (attempt > 0) await this.cache.load(this.deps.store);
-      const now = this.deps.clock.now();
-      const hosts = [...this.cache.hosts.values()];
-      const allocMap = this.cache.allocs;
-      const revision = Math.max(0, ...hosts.map((h) => h.modRevision), ...[...allocMap.values()].map((a) => a.modRevision));
-      const view = buildFleetView(
-        fleetViewInput({
-          hosts: hosts.map((h) => h.value),
-          allocs: new Map([...allocMap].map(([k, v]) => [k, v.value])),
-          heard: this.deps.heard,
-          snapshots: [...this.cache.snapshots.values()].map((s) => s.value),
-          revision,
-          now,
-          liveness: this.deps.config.liveness,
-          chunkBytes: this.deps.config.chunkBytes,
-        }),
-      );
-      const req = request(view);
-      const result = place(view, req, rngForRequest(`${op.id}/${attempt}`), this.deps.config.placement);
-      if (!result.ok) throw new NoCapacityError(result.explanation.summary);
-      const { perChild, writes, opUpdate } = records(result);
-      // Book capacity on every chosen host, guarded by the alloc revisions this plan read.
-      const perHost = new Map<string, number>();
-      for (const p of result.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);
-      const allocWrites: StoreWrite[] = [...perHost].map(([hostId, n]) => {
-        const cur = allocMap.get(hostId);
-        const base = cur?.value ?? { hostId, allocated: ZERO, sandboxes: 0 };
-        let allocated = base.allocated;
-        for (let i = 0; i < n; i++) allocated = addRes(allocated, perChild, 1);
-        return { kind: 'alloc', value: { hostId, allocated, sandboxes: base.sandboxes + n }, expectRevision: cur?.modRevision ?? 0 };
-      });
-      const opWrites: StoreWrite[] = [];
-      if (opUpdate) {
-        const cur = (attempt === 0 ? this.ops.get(op.id) : undefined) ?? (await this.deps.store.getOp(op.tenantId, op.id));
-        if (!cur) throw new NotFoundError('operation', op.id);
-        const next = structuredClone(cur.value);
-        opUpdate(next);
-        next.updatedAt = now;
-        opWrites.push({ kind: 'op', value: next, expectRevision: cur.modRevision });
-      }
-      const rev = await this.commit([...allocWrites, ...writes, ...opWrites]);
-      if (rev) return { result, revision: rev };
-      this.log.debug({ opId: op.id, attempt }, 'placement commit conflicted; re-planning');
+  private async runPlacements(): Promise<void> {
+    this.placeRunning = true;
+    try {
+      while (this.placeQueue.length > 0) await this.placeGroup(this.placeQueue.splice(0, PLACE_GROUP_MAX_JOBS));
+    } finally {
+      this.placeRunning = false;
     }
-    throw new ConflictError('host capacity (too many concurrent placements)');
+  }
+
+  /** Places and commits a group of jobs; settles every job it takes (jobs over the size cap go back to the queue). */
+  private async placeGroup(jobs: PlaceJob[]): Promise<void> {
+    let pending = jobs;
+    /** Jobs handed back to the queue: settled by a later group, never by this one. */
+    const requeued = new Set<PlaceJob>();
+    try {
+      for (let attempt = 0; attempt < 10 && pending.length > 0; attempt++) {
+        // After a conflict the cache may lag the store: refresh it before re-planning.
+        if (attempt > 0) await this.cache.load(this.deps.store);
+        const now = this.deps.clock.now();
+        const hosts = [...this.cache.hosts.values()];
+        const revision = Math.max(0, ...hosts.map((h) => h.modRevision), ...[...this.cache.allocs.values()].map((a) => a.modRevision));
+        // Booked capacity as this group plans it: each job sees what the earlier ones booked.
+        const allocs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.value]));
+        // The revisions the plan reads, taken with it: the cache may move on during the awaits below.
+        const allocRevs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.modRevision]));
+        const snapshots = [...this.cache.snapshots.values()].map((sn) => sn.value);
+        const touched = new Set<string>();
+        const planned: Array<{ job: PlaceJob; result: Extract<PlacementResult, { ok: true }>; writes: StoreWrite[] }> = [];
+        let writeCount = 0;
+        const groupKeys = new Set<string>();
+        const overflow: PlaceJob[] = [];
+        for (const job of pending) {
+          if (overflow.length > 0) {
+            overflow.push(job);
+            continue;
+          }
+          try {
+            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes }));
+            const req = job.request(view);
+            const result = place(view, req, rngForRequest(`${job.op.id}/${attempt}`), this.deps.config.placement);
+            if (!result.ok) throw new NoCapacityError(result.explanation.summary);
+            const { perChild, writes, opUpdate } = job.records(result);
+            const perHost = new Map<string, number>();
+            for (const p of result.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);
+            const newHosts = [...perHost.keys()].filter((h) => !touched.has(h)).length;
+            const size = writes.length + newHosts + (opUpdate ? 1 : 0);
+            // A transaction writes a key once: a job that writes a record an earlier job of the
+            // group writes (two operations on one sandbox) waits for the next group, where its
+            // guard decides, as when placements ran one at a time.
+            const jobKeys = [...writes.map(writeKey), ...(opUpdate ? [`op/${job.op.tenantId}/${job.op.id}`] : [])];
+            if (planned.length > 0 && (writeCount + size > PLACE_GROUP_MAX_WRITES || jobKeys.some((k) => groupKeys.has(k)))) {
+              overflow.push(job); // decided again in the next group
+              continue;
+            }
+            for (const k of jobKeys) groupKeys.add(k);
+            const opWrites: StoreWrite[] = [];
+            if (opUpdate) {
+              const cur = (attempt === 0 ? this.ops.get(job.op.id) : undefined) ?? (await this.deps.store.getOp(job.op.tenantId, job.op.id));
+              if (!cur) throw new NotFoundError('operation', job.op.id);
+              const next = structuredClone(cur.value);
+              opUpdate(next);
+              next.updatedAt = now;
+              opWrites.push({ kind: 'op', value: next, expectRevision: cur.modRevision });
+            }
+            // Book capacity on every chosen host.
+            for (const [hostId, n] of perHost) {
+              const base = allocs.get(hostId) ?? { hostId, allocated: ZERO, sandboxes: 0 };
+              let allocated = base.allocated;
+              for (let i = 0; i < n; i++) allocated = addRes(allocated, perChild, 1);
+              allocs.set(hostId, { hostId, allocated, sandboxes: base.sandboxes + n });
+              touched.add(hostId);
+            }
+            planned.push({ job, result, writes: [...writes, ...opWrites] });
+            writeCount += size;
+          } catch (e) {
+            // This job alone fails (no capacity, its op is gone, ...); it booked nothing yet.
+            job.reject(e);
+          }
+        }
+        for (const job of overflow) requeued.add(job);
+        if (overflow.length > 0) this.placeQueue.unshift(...overflow);
+        if (planned.length === 0) return;
+        // One write per touched host's capacity, guarded by the alloc revision this plan read.
+        const allocWrites: StoreWrite[] = [...touched].map((hostId) => ({ kind: 'alloc', value: allocs.get(hostId)!, expectRevision: allocRevs.get(hostId) ?? 0 }));
+        const rev = await this.commit([...allocWrites, ...planned.flatMap((p) => p.writes)]);
+        if (rev) {
+          for (const p of planned) p.job.resolve({ result: p.result, revision: rev });
+          return;
+        }
+        this.log.debug({ opIds: planned.map((p) => p.job.op.id), attempt }, 'placement commit conflicted; re-planning');
+        pending = planned.map((p) => p.job);
+      }
+      for (const job of pending) job.reject(new ConflictError('host capacity (too many concurrent placements)'));
+    } catch (e) {
+      // The store failed (a cache reload or the commit): the jobs of this group fail with it.
+      for (const job of pending) if (!requeued.has(job)) job.reject(e);
+    }
   }
 
   /**
@@ -542,7 +675,8 @@ export class Executor {
   private async markRunning(sbs: ReadonlyArray<{ rec: SandboxRec; rev: number }>): Promise<void> {
     const now = this.deps.clock.now();
     const writes: StoreWrite[] = sbs.map(({ rec, rev }) => {
-      const next = structuredClone(rec);
+      // A shallow copy: only top-level fields change (setState, opId, updatedAt).
+      const next = { ...rec };
       this.setState(next, 'running', now, rec.stateReason);
       next.opId = '';
       next.updatedAt = now;
@@ -1094,11 +1228,44 @@ export class Executor {
     await this.finish(op, result, null, runningCount);
   }
 
-  private async addHolder(tenantId: string, snapshotId: string, hostId: string): Promise<void> {
-    for (let i = 0; i < 20; i++) {
-      const v = await this.deps.store.getSnapshot(tenantId, snapshotId);
-      if (!v || v.value.hostIds.includes(hostId)) return;
-      if (await this.commit([{ kind: 'snapshot', value: { ...v.value, hostIds: [...v.value.hostIds, hostId] }, expectRevision: v.modRevision }])) return;
+  /**
+   * Records that a host now holds a snapshot. Hosts added while an update of the same
+   * snapshot record is in flight go into the next one together: a fork that spreads a
+   * snapshot to 64 hosts makes a few guarded writes of the record, not 64 racing ones that
+   * conflict with each other.
+   */
+  private addHolder(tenantId: string, snapshotId: string, hostId: string): Promise<void> {
+    const k = `${tenantId}/${snapshotId}`;
+    return new Promise<void>((resolve, reject) => {
+      const q = this.holderQueue.get(k) ?? { hosts: new Set<string>(), done: [] };
+      this.holderQueue.set(k, q);
+      q.hosts.add(hostId);
+      q.done.push({ settle: (e) => (e === undefined ? resolve() : reject(e)) });
+      if (!this.holderFlushing.has(k)) void this.flushHolders(tenantId, snapshotId);
+    });
+  }
+
+  private async flushHolders(tenantId: string, snapshotId: string): Promise<void> {
+    const k = `${tenantId}/${snapshotId}`;
+    this.holderFlushing.add(k);
+    try {
+      for (let q = this.holderQueue.get(k); q; q = this.holderQueue.get(k)) {
+        this.holderQueue.delete(k);
+        let error: unknown;
+        try {
+          for (let i = 0; i < 20; i++) {
+            const v = await this.deps.store.getSnapshot(tenantId, snapshotId);
+            const add = v ? [...q.hosts].filter((h) => !v.value.hostIds.includes(h)) : [];
+            if (!v || add.length === 0) break;
+            if (await this.commit([{ kind: 'snapshot', value: { ...v.value, hostIds: [...v.value.hostIds, ...add] }, expectRevision: v.modRevision }])) break;
+          }
+        } catch (e) {
+          error = e;
+        }
+        for (const d of q.done) d.settle(error);
+      }
+    } finally {
+      this.holderFlushing.delete(k);
     }
   }
 
@@ -1218,6 +1385,7 @@ export class Executor {
   async reconcileHosts(): Promise<void> {
     const now = this.deps.clock.now();
     const recs = this.cache.hosts;
+    const writes: Array<{ next: HostRec; cur: Versioned<HostRec> | undefined }> = [];
     for (const heard of this.deps.heard.all()) {
       const hb = heard.hb;
       const cur = recs.get(hb.hostId);
@@ -1243,11 +1411,17 @@ export class Executor {
       // Heartbeat times are written only with a state change (or every 10 s), not per beat.
       if (changed || now - next.lastHeartbeatAt > 10_000) {
         next.lastHeartbeatAt = heard.heardAt;
-        await this.commit([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }]);
-        if (cur && cur.value.state !== state) this.log.warn({ hostId: hb.hostId, from: cur.value.state, to: state }, 'host state changed');
-        if (state === 'lost' && cur?.value.state !== 'lost') await this.markHostLost(hb.hostId);
-        if (state === 'ready' && cur?.value.state === 'lost') await this.reclaimReturnedHost(hb.hostId);
+        writes.push({ next, cur });
       }
+    }
+    // The pass's host records go out group-committed (each keeps its own guard), not one
+    // transaction per host; then each state change is acted on, one host at a time.
+    await Promise.all(writes.map(({ next, cur }) => this.commitGrouped([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }])));
+    for (const { next, cur } of writes) {
+      const state = next.state;
+      if (cur && cur.value.state !== state) this.log.warn({ hostId: next.id, from: cur.value.state, to: state }, 'host state changed');
+      if (state === 'lost' && cur?.value.state !== 'lost') await this.markHostLost(next.id);
+      if (state === 'ready' && cur?.value.state === 'lost') await this.reclaimReturnedHost(next.id);
     }
   }
 

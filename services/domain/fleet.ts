@@ -115,9 +115,11 @@ export class Fleet {
   /**
    * Records a pending operation under its idempotency key, with any records it creates,
    * in one transaction. A repeat of the key returns the first operation unchanged.
+   * `checked`: the caller has just looked the key up (the transaction's guard on the key
+   * still catches a repeat that raced it).
    */
-  async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = []): Promise<OperationRec> {
-    const prior = await this.existingOp(tenantId, key);
+  async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = [], checked = false): Promise<OperationRec> {
+    const prior = checked ? undefined : await this.existingOp(tenantId, key);
     if (prior) return prior;
     const now = this.deps.clock.now();
     const op: OperationRec = {
@@ -176,7 +178,7 @@ export class Fleet {
       hibernationSnapshotId: '',
       opId: '',
     };
-    return this.submit(input.tenantId, input.idempotencyKey, 'create', id, { placement: input.placement }, [{ kind: 'sandbox', value: sb, expectRevision: 0 }]);
+    return this.submit(input.tenantId, input.idempotencyKey, 'create', id, { placement: input.placement }, [{ kind: 'sandbox', value: sb, expectRevision: 0 }], true);
   }
 
   async forkSandbox(input: ForkInput): Promise<OperationRec> {
@@ -207,7 +209,7 @@ export class Fleet {
       ttlMs: input.ttlMs,
       idleTimeoutMs: input.idleTimeoutMs,
       afterResume: input.afterResume,
-    });
+    }, [], true);
   }
 
   private async sandboxOp(kind: OperationKind, input: SandboxOpInput, allowed: readonly SandboxState[], extra: Record<string, unknown> = {}): Promise<OperationRec> {
@@ -216,7 +218,7 @@ export class Fleet {
     const sb = await this.getSandbox(input.tenantId, input.sandboxId);
     if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`);
     if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
-    return this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra);
+    return this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], true);
   }
 
   pauseSandbox(input: SandboxOpInput): Promise<OperationRec> {

@@ -63,6 +63,13 @@ export interface FleetStore {
    * accepts, judged by key before the record is decoded). Returns a stop function.
    */
   watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts?: { only?: (tenantId: string, id: string) => boolean }): Promise<() => void>;
+  /**
+   * Calls `onChange` with every sandbox record now (one consistent list), then with every
+   * sandbox record written or deleted after that list, in revision order (the leader's
+   * sandbox index). `onError`: the watch broke off, later changes may be missed. Returns a
+   * stop function.
+   */
+  followSandboxes(onChange: (change: SandboxChange) => void, onError?: (e: unknown) => void): Promise<() => void>;
   /** Calls `onChange` for every host, alloc and snapshot record written after now (the leader's cache). */
   watchFleet(onChange: (change: FleetChange) => void): Promise<() => void>;
   /**
@@ -77,6 +84,10 @@ export type FleetChange =
   | { kind: 'host'; value: Versioned<HostRec> }
   | { kind: 'alloc'; value: Versioned<HostAllocRec> }
   | { kind: 'snapshot'; value: Versioned<SnapshotRec> };
+
+export type SandboxChange =
+  | { kind: 'put'; value: Versioned<SandboxRec> }
+  | { kind: 'delete'; tenantId: string; id: string; revision: number };
 
 export type RecordChange =
   | { kind: 'sandbox'; value: SandboxRec; prev?: SandboxRec; revision: number }

@@ -62,6 +62,31 @@ describe('EtcdFleetStore', () => {
     expect((await store.listSandboxes(undefined)).length).toBe(ids.length + 1);
   }, 60_000);
 
+  it('getSandbox_whenManyReadInOneTick_returnsEachRecordOrUndefined', async () => {
+    // 250 reads in one tick: three read-only transactions (100 each), missing keys included.
+    const ids = Array.from({ length: 200 }, (_, i) => `sb-get-${i}`);
+    for (let i = 0; i < ids.length; i += 100) await store.commit(ids.slice(i, i + 100).map((id): StoreWrite => ({ kind: 'sandbox', value: sandbox('gets', id) })));
+    const asked = [...ids, ...Array.from({ length: 50 }, (_, i) => `sb-missing-${i}`)];
+    const got = await Promise.all(asked.map((id) => store.getSandbox('gets', id)));
+    expect(got.map((v) => v?.value.id)).toEqual([...ids, ...Array.from({ length: 50 }, () => undefined)]);
+    expect(got.slice(0, 200).every((v) => (v?.modRevision ?? 0) > 0)).toBe(true);
+    const [one] = await Promise.all([store.getSandbox('gets', ids[7]!)]);
+    expect(one?.value.id).toBe(ids[7]);
+  }, 30_000);
+
+  it('followSandboxes_listsEveryRecordThenFollowsPutsAndDeletes', async () => {
+    await store.commit([{ kind: 'sandbox', value: sandbox('follow', 'sb-f1') }, { kind: 'sandbox', value: sandbox('follow', 'sb-f2') }]);
+    const index = new Map<string, string>();
+    const stop = await store.followSandboxes((c) => {
+      if (c.kind === 'put') index.set(`${c.value.value.tenantId}/${c.value.value.id}`, c.value.value.state);
+      else index.delete(`${c.tenantId}/${c.id}`);
+    });
+    expect(index.get('follow/sb-f1')).toBe('running');
+    await store.commit([{ kind: 'sandbox', value: { ...sandbox('follow', 'sb-f1'), state: 'paused' } }, { kind: 'sandbox', value: sandbox('follow', 'sb-f3') }, { kind: 'delete-sandbox', tenantId: 'follow', id: 'sb-f2' }]);
+    await waitFor('the changes', () => Promise.resolve(index.get('follow/sb-f1') === 'paused' && index.has('follow/sb-f3') && !index.has('follow/sb-f2')), 5_000, 10);
+    stop();
+  }, 30_000);
+
   it('watchOps_withOnly_deliversJustTheAcceptedOps', async () => {
     const seen: string[] = [];
     const stop = await store.watchOps((op) => seen.push(op.id), { only: (tenantId, id) => tenantId === 't1' && id.endsWith('-a') });

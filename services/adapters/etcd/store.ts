@@ -2,7 +2,7 @@
 // revision it read; a batch is one transaction.
 import { Etcd3, Range } from 'etcd3';
 import type { IKeyValue } from 'etcd3';
-import type { FleetChange, FleetStore, RecordChange, StoreWrite, Versioned } from '../../domain/ports.ts';
+import type { FleetChange, FleetStore, RecordChange, SandboxChange, StoreWrite, Versioned } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
@@ -15,6 +15,8 @@ import { keys, PREFIX } from './keys.ts';
  */
 const LIST_PAGE = 500;
 const LIST_PAGE_OPS = 50;
+/** Point reads per read-only transaction: under etcd's default --max-txn-ops of 128 (with the seed compare). */
+const GET_BATCH = 100;
 
 function decode<T>(kv: IKeyValue): Versioned<T> {
   return { value: JSON.parse(kv.value.toString('utf8')) as T, modRevision: Number(kv.mod_revision) };
@@ -65,10 +67,44 @@ export class EtcdFleetStore implements FleetStore {
     this.client.close();
   }
 
+  /** Point reads asked for in the same turn of the event loop, read together (see getOne). */
+  private pendingGets: Array<{ key: string; resolve: (kv: IKeyValue | undefined) => void; reject: (e: unknown) => void }> = [];
+
+  /**
+   * One key's record. Reads asked for in the same turn of the event loop (a fork's 64
+   * children read with Promise.all, or the reads of several API calls handled together) go
+   * to etcd as one read-only transaction of up to GET_BATCH range requests instead of one
+   * call each: the same linearizable reads, all at one revision.
+   */
   private async getOne<T>(key: string): Promise<Versioned<T> | undefined> {
-    const res = await this.client.get(key).exec();
-    const kv = res.kvs[0];
+    const kv = await this.getKv(key);
     return kv ? decode<T>(kv) : undefined;
+  }
+
+  private getKv(key: string): Promise<IKeyValue | undefined> {
+    return new Promise<IKeyValue | undefined>((resolve, reject) => {
+      if (this.pendingGets.push({ key, resolve, reject }) === 1) setImmediate(() => this.flushGets());
+    });
+  }
+
+  private flushGets(): void {
+    const all = this.pendingGets;
+    this.pendingGets = [];
+    for (let i = 0; i < all.length; i += GET_BATCH) {
+      const batch = all.slice(i, i + GET_BATCH);
+      const read: Promise<Array<IKeyValue | undefined>> =
+        batch.length === 1
+          ? this.client.get(batch[0]!.key).exec().then((res) => [res.kvs[0]])
+          : this.client
+              .if(PREFIX + '__never__', 'Version', '==', 0) // always-true seed compare
+              .then(...batch.map((g) => this.client.get(g.key)))
+              .commit()
+              .then((res) => batch.map((_, j) => res.responses[j]?.response_range.kvs[0]));
+      read.then(
+        (kvs) => batch.forEach((g, j) => g.resolve(kvs[j])),
+        (e: unknown) => batch.forEach((g) => g.reject(e)),
+      );
+    }
   }
 
   /**
@@ -77,6 +113,11 @@ export class EtcdFleetStore implements FleetStore {
    * revision is compacted away meanwhile, the list starts again.
    */
   private async getPrefix<T>(prefix: string, page = LIST_PAGE): Promise<Versioned<T>[]> {
+    return (await this.getPrefixAt<T>(prefix, page)).records;
+  }
+
+  /** getPrefix, with the store revision the list was read at. */
+  private async getPrefixAt<T>(prefix: string, page = LIST_PAGE): Promise<{ records: Versioned<T>[]; revision: string }> {
     const end = Range.prefix(prefix).end;
     for (let attempt = 0; ; attempt++) {
       const out: Versioned<T>[] = [];
@@ -88,8 +129,8 @@ export class EtcdFleetStore implements FleetStore {
           const res = await (rev ? b.revision(rev) : b).exec();
           for (const kv of res.kvs) out.push(decode<T>(kv));
           const last = res.kvs[res.kvs.length - 1];
-          if (!res.more || !last) return out;
           rev ??= res.header.revision;
+          if (!res.more || !last) return { records: out, revision: rev };
           start = Buffer.concat([last.key, Buffer.from([0])]);
         }
       } catch (e) {
@@ -136,8 +177,7 @@ export class EtcdFleetStore implements FleetStore {
     return this.getPrefix(keys.allocs());
   }
   async getIdempotent(tenantId: string, key: string): Promise<string | undefined> {
-    const v = await this.client.get(keys.idem(tenantId, key)).string();
-    return v ?? undefined;
+    return (await this.getKv(keys.idem(tenantId, key)))?.value.toString('utf8');
   }
 
   async commit(writes: readonly StoreWrite[]): Promise<boolean> {
@@ -172,6 +212,24 @@ export class EtcdFleetStore implements FleetStore {
       }
       const d = decode<OperationRec>(kv);
       onOp(d.value, d.modRevision);
+    });
+    return () => void w.cancel();
+  }
+
+  async followSandboxes(onChange: (c: SandboxChange) => void, onError: (e: unknown) => void = () => undefined): Promise<() => void> {
+    const prefix = keys.sandboxes();
+    const { records, revision } = await this.getPrefixAt<SandboxRec>(prefix);
+    for (const value of records) onChange({ kind: 'put', value });
+    // From the revision after the list's: no change is missed or seen twice.
+    const w = await this.client.watch().prefix(prefix).startRevision(String(Number(revision) + 1)).create();
+    // etcd cancelled the watch (e.g. its start revision was compacted): changes may be missed from here on.
+    w.on('error', onError);
+    w.on('put', (kv) => onChange({ kind: 'put', value: decode<SandboxRec>(kv) }));
+    w.on('delete', (kv) => {
+      // <prefix><tenant>/<id>
+      const rest = kv.key.toString('utf8').slice(prefix.length);
+      const slash = rest.lastIndexOf('/');
+      onChange({ kind: 'delete', tenantId: rest.slice(0, slash), id: rest.slice(slash + 1), revision: Number(kv.mod_revision) });
     });
     return () => void w.cancel();
   }

@@ -5,6 +5,7 @@ import { randomBytes } from 'node:crypto';
 import { createInbox, headers as natsHeaders } from 'nats';
 import type { ConsumerMessages, JetStreamClient, NatsConnection, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
+import { BinaryReader } from '@bufbuild/protobuf/wire';
 import type { WorkBus } from '../../domain/ports.ts';
 import {
   HeartbeatSchema,
@@ -29,6 +30,37 @@ import type {
 import { AsyncQueue } from '../grpc/queue.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS, subjects } from './subjects.ts';
+
+/** Heartbeat field `repeated VmStatus vms` (proto/forkfleet/v1/hostwork.proto). */
+const HEARTBEAT_VMS_FIELD = 8;
+
+/**
+ * Decodes a heartbeat, leaving its VM list (by far its largest part: one status per VM, and
+ * every replica hears every host's heartbeat each interval) as bytes until something reads
+ * `vms`: only the leader's lifecycle and reclaim checks do, and only for the latest beat.
+ */
+export function decodeHeartbeat(data: Uint8Array): HeartbeatMsg {
+  const r = new BinaryReader(data);
+  const rest: Uint8Array[] = [];
+  const vms: Uint8Array[] = [];
+  while (r.pos < r.len) {
+    const start = r.pos;
+    const [fieldNo, wireType] = r.tag();
+    r.skip(wireType, fieldNo);
+    (fieldNo === HEARTBEAT_VMS_FIELD ? vms : rest).push(data.subarray(start, r.pos));
+  }
+  if (vms.length === 0) return fromBinary(HeartbeatSchema, data);
+  const hb = fromBinary(HeartbeatSchema, Buffer.concat(rest));
+  const vmBytes = Buffer.concat(vms);
+  let decoded: HeartbeatMsg['vms'] | undefined;
+  Object.defineProperty(hb, 'vms', {
+    enumerable: true,
+    configurable: true,
+    get: () => (decoded ??= fromBinary(HeartbeatSchema, vmBytes).vms),
+    set: (v: HeartbeatMsg['vms']) => (decoded = v),
+  });
+  return hb;
+}
 
 export class NatsWorkBus implements WorkBus {
   private readonly js: JetStreamClient;
@@ -85,7 +117,7 @@ export class NatsWorkBus implements WorkBus {
       callback: (err, m) => {
         if (err) return;
         try {
-          cb(fromBinary(HeartbeatSchema, m.data));
+          cb(decodeHeartbeat(m.data));
         } catch {
           /* malformed heartbeat: ignored */
         }
