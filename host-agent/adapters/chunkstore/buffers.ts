@@ -8,8 +8,13 @@
 // - headroom: the bytes of the ArrayBuffer before the view are scratch; a serializer may
 //   write a message header there and send header + data without copying the data.
 //   FsChunkStore.getEncoded marks the buffer it read the chunk file into.
+// - recyclable: the buffer comes from a pool and goes back once its bytes were copied out.
+//   FsChunkStore.getEncodedForSend reads chunk files into pooled buffers; the wire
+//   serializer calls `recycleAfterCopy` (grpc-js copies the message right after serializing
+//   it, synchronously). A buffer never recycled is simply garbage-collected.
 
 const owned = new WeakSet<ArrayBufferLike>();
+const recyclers = new WeakMap<ArrayBufferLike, () => void>();
 const headroom = new WeakSet<ArrayBufferLike>();
 
 /** Declares that `data`'s whole ArrayBuffer belongs to one chunk and may be handed off (detached). */
@@ -29,4 +34,20 @@ export function markHeadroom(data: Uint8Array): void {
 /** How many scratch bytes precede `data` (0 unless marked). */
 export function headroomOf(data: Uint8Array): number {
   return headroom.has(data.buffer) ? data.byteOffset : 0;
+}
+
+/** Declares that `data`'s buffer goes back to a pool through `release` (see recycleAfterCopy). */
+export function markRecyclable(data: Uint8Array, release: () => void): void {
+  recyclers.set(data.buffer, release);
+}
+
+/**
+ * Returns `data`'s buffer to its pool once the current synchronous work is done: the caller
+ * promises that nothing reads `data` after that (the bytes are copied before then).
+ */
+export function recycleAfterCopy(data: Uint8Array): void {
+  const release = recyclers.get(data.buffer);
+  if (!release) return;
+  recyclers.delete(data.buffer);
+  queueMicrotask(release);
 }

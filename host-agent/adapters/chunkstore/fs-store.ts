@@ -23,7 +23,7 @@ import { decodeSignedManifest, encodeSignedManifest } from '../../domain/tickets
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
 import { acceptOffloaded } from './verify-pool.ts';
-import { isOwned, markHeadroom } from './buffers.ts';
+import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 
 const MAGIC = 0x31434646; // "FFC1" little-endian
 const HEADER = 16;
@@ -148,10 +148,21 @@ export class FsChunkStore implements ChunkStore {
     }
   }
 
+  /**
+   * stat(2) of each chunk file, synchronously in batches of 128 (a few ms each) with the
+   * event loop free in between: one libuv pool round trip per digest cost 30-500 ms for a
+   * 600-chunk snapshot here, on the transfer's critical path.
+   */
   async missing(digests: Iterable<DigestHex>): Promise<DigestHex[]> {
     const uniq = [...new Set(digests)];
-    const present = await Promise.all(uniq.map((d) => this.has(d)));
-    return uniq.filter((_, i) => !present[i]);
+    const out: DigestHex[] = [];
+    for (let i = 0; i < uniq.length; i++) {
+      if (i > 0 && i % 128 === 0) await new Promise<void>((r) => setImmediate(r));
+      const d = uniq[i] as DigestHex;
+      checkDigest(d);
+      if (!statSync(this.pathOf(d), { throwIfNoEntry: false })) out.push(d);
+    }
+    return out;
   }
 
   async put(chunk: EncodedChunk, opts: { trusted?: boolean } = {}): Promise<void> {
@@ -212,22 +223,55 @@ export class FsChunkStore implements ChunkStore {
   }
 
   /**
+   * Like getEncoded, for a serializer that copies the bytes out at once (peer/wire.ts): the
+   * chunk is read into a pooled buffer that goes back to the pool when the serializer calls
+   * `recycleAfterCopy` (buffers.ts). A fresh 256 KiB buffer costs ~1 ms of page faults here
+   * (nested virtualisation), more than reading the chunk; see ADR 0008.
+   */
+  async getEncodedForSend(digest: DigestHex): Promise<EncodedChunk | undefined> {
+    checkDigest(digest);
+    let buf: Buffer;
+    try {
+      buf = await this.readChunkFile(this.pathOf(digest), true);
+    } catch (e) {
+      if (isNotFound(e)) return undefined;
+      throw e;
+    }
+    if (buf.length < HEADER || buf.readUInt32LE(0) !== MAGIC || buf.readUInt32LE(12) !== buf.length - HEADER) return undefined;
+    return { digest, codec: buf.readUInt8(4) as Codec, size: buf.readUInt32LE(8), data: buf.subarray(HEADER) };
+  }
+
+  /** Free read buffers for getEncodedForSend (each READ_HEADROOM + readHint bytes). */
+  private readPool: Buffer[] = [];
+  private static readonly READ_POOL_MAX = 64;
+
+  /**
    * open + one pread + close (three pool round trips; readFile adds an fstat and a second
    * read). The buffer is sized for the largest chunk seen; a bigger file falls back. The
-   * file is read READ_HEADROOM bytes into a fresh buffer (see getEncoded).
+   * file is read READ_HEADROOM bytes into a fresh (or, with `pooled`, a recycled) buffer
+   * (see getEncoded).
    */
   private readHint = HEADER + 256 * 1024 + 4096;
-  private async readChunkFile(path: string): Promise<Buffer> {
+  private async readChunkFile(path: string, pooled = false): Promise<Buffer> {
     const fh = await open(path, 'r');
     try {
-      const buf = Buffer.allocUnsafeSlow(READ_HEADROOM + this.readHint);
+      const size = READ_HEADROOM + this.readHint;
+      let buf = pooled ? this.readPool.pop() : undefined;
+      if (!buf || buf.length !== size) buf = Buffer.allocUnsafeSlow(size);
       const { bytesRead } = await fh.read(buf, READ_HEADROOM, this.readHint, 0);
       if (bytesRead < this.readHint) {
-        // A fresh buffer of this read alone: a serializer may write its message header into
-        // the bytes before the chunk's data (READ_HEADROOM + the chunk header) instead of
+        // A buffer of this read alone: a serializer may write its message header into the
+        // bytes before the chunk's data (READ_HEADROOM + the chunk header) instead of
         // copying the data (buffers.ts).
         markHeadroom(buf);
-        return buf.subarray(READ_HEADROOM, READ_HEADROOM + bytesRead);
+        const view = buf.subarray(READ_HEADROOM, READ_HEADROOM + bytesRead);
+        if (pooled) {
+          const b = buf;
+          markRecyclable(view, () => {
+            if (this.readPool.length < FsChunkStore.READ_POOL_MAX && b.length === READ_HEADROOM + this.readHint) this.readPool.push(b);
+          });
+        }
+        return view;
       }
     } finally {
       await fh.close();

@@ -87,11 +87,35 @@ async function fetch(): Promise<void> {
   const sources = need('sources')
     .split(',')
     .map((address, i) => new PeerChunkSource({ id: `src${i}:${address}`, address, ticket, hostId, ...(process.env.FF_CREDIT ? { credit: Number(process.env.FF_CREDIT) } : {}) }));
+  // Where the time goes, for the bench report (ms since t0): manifest fetched and verified,
+  // missing chunks listed, first chunk received / stored / in the image. Also the fetch's
+  // CPU time and page faults (all threads).
+  const phases: Record<string, number> = {};
+  const since = (): number => Math.round(performance.now() - t0);
+  const traced = (store: FsChunkStore): FsChunkStore => {
+    const missing = store.missing.bind(store);
+    const accept = store.accept.bind(store);
+    store.missing = async (d) => {
+      phases.missing_start ??= since();
+      const r = await missing(d);
+      phases.missing_done ??= since();
+      return r;
+    };
+    store.accept = async (c) => {
+      phases.first_received ??= since();
+      const r = await accept(c);
+      phases.first_stored ??= since();
+      return r;
+    };
+    return store;
+  };
   const t0 = performance.now();
+  const cpu0 = process.cpuUsage();
+  const faults0 = process.resourceUsage().minorPageFault;
   const out: Record<string, unknown> = {};
   try {
     const fetchOpts = { backoffMs: 100, ...(process.env.FF_STREAMS ? { streamsPerSource: Number(process.env.FF_STREAMS) } : {}), ...(process.env.FF_WINDOW ? { window: Number(process.env.FF_WINDOW) } : {}) };
-    const deps = { chunks, manifests, roots, trust: trust(), log };
+    const deps = { chunks: traced(chunks), manifests, roots, trust: trust(), log };
     if (values.materialise) {
       // As the agent does it: the image is written while chunks arrive.
       const mat = new Materialiser({ root, chunks, manifests, roots, trust: trust(), log });
@@ -100,8 +124,12 @@ async function fetch(): Promise<void> {
         ...fetchOpts,
         deferDurable: true,
         around: async (manifest, run) => {
+          phases.manifest = since();
           out.materialised = await mat.materialiseWhile(snapshotId, manifest, async (sink) => {
-            await run(sink);
+            await run(async (d, plain) => {
+              phases.first_chunk ??= since();
+              await sink(d, plain);
+            });
             fetchedAt = performance.now();
           });
         },
@@ -127,6 +155,11 @@ async function fetch(): Promise<void> {
   } finally {
     for (const s of sources) s.close();
   }
+  out.phases = phases;
+  const cpu = process.cpuUsage(cpu0);
+  out.cpu_ms = Math.round((cpu.user + cpu.system) / 1000);
+  out.cpu_sys_ms = Math.round(cpu.system / 1000);
+  out.page_faults = process.resourceUsage().minorPageFault - faults0;
   out.stored = (await chunks.list()).length;
   process.stdout.write(`${JSON.stringify(out)}\n`);
 }

@@ -59,6 +59,9 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
   const stats: ChunkServerStats = { chunksServed: 0, bytesServed: 0, refused: 0 };
   const caller = deps.callerHostId ?? defaultCallerHostId;
   const prefetch = deps.prefetch ?? 16;
+  // FsChunkStore reads into pooled buffers that serializeResponse recycles (buffers.ts).
+  const forSend = (deps.chunks as Partial<{ getEncodedForSend(d: DigestHex): Promise<EncodedChunk | undefined> }>).getEncodedForSend;
+  const readForSend = forSend ? forSend.bind(deps.chunks) : (d: DigestHex) => deps.chunks.getEncoded(d);
 
   const authorise = async (ticket: Parameters<typeof verifyTicket>[0], ctx: CallContext) => {
     try {
@@ -122,7 +125,7 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
         if (ctx.signal.aborted) return;
         while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
           const digest = wants.shift() as DigestHex;
-          ahead.push({ digest, read: deps.chunks.getEncoded(digest) });
+          ahead.push({ digest, read: readForSend(digest) });
         }
         const next = ahead.shift();
         if (next) {
@@ -135,7 +138,8 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
           stats.chunksServed++;
           stats.bytesServed += c.data.length;
           deps.onServed?.(c.digest, c.data.length);
-          // `data` is a view of the chunk file's buffer; serializeResponse copies it once.
+          // `data` is a view of a (pooled) read buffer; serializeResponse writes the message
+          // header in front of it, grpc-js copies it once and the buffer goes back to the pool.
           yield { payload: { case: 'chunk', value: { digest: Buffer.from(c.digest, 'hex'), codec: c.codec, size: c.size, data: c.data } } };
           continue;
         }

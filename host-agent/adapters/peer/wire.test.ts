@@ -4,7 +4,7 @@ import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { FetchChunksResponseSchema } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { deserializeResponse, serializeResponse } from './wire.ts';
-import { markHeadroom } from '../chunkstore/buffers.ts';
+import { markHeadroom, markRecyclable } from '../chunkstore/buffers.ts';
 
 const digest = Buffer.alloc(32, 7);
 
@@ -31,6 +31,25 @@ describe('FetchChunksResponse wire codec', () => {
       // Enough room: a view of the same memory (no copy of the data); too little: a copy.
       expect(ours.buffer === backing.buffer).toBe(room >= theirs.length - len);
     }
+  });
+
+  it('serialize_pooledChunk_releasesBufferOnlyAfterTheSynchronousCopy', async () => {
+    const backing = Buffer.alloc(64 + 1000, 9);
+    const data = backing.subarray(64);
+    markHeadroom(data);
+    let released = 0;
+    markRecyclable(data, () => released++);
+    const ours = serializeResponse({ payload: { case: 'chunk', value: { digest, codec: Codec.NONE, size: 1000, data } } });
+    // grpc-js copies the returned view right after this returns: still ours until then.
+    expect(released).toBe(0);
+    const copy = Buffer.from(ours);
+    await Promise.resolve();
+    expect(released).toBe(1);
+    expect(fromBinary(FetchChunksResponseSchema, copy).payload.case).toBe('chunk');
+    // Once only.
+    serializeResponse({ payload: { case: 'chunk', value: { digest, codec: Codec.NONE, size: 1000, data } } });
+    await Promise.resolve();
+    expect(released).toBe(1);
   });
 
   it('serialize_missing_matchesGeneratedEncoding', () => {

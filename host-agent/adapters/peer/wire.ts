@@ -8,7 +8,7 @@
 // - deserialize returns views into the received buffer (no copy of digest or data).
 // Requests (open, want, credit) are small and keep the generated code.
 import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
-import { headroomOf } from '../chunkstore/buffers.ts';
+import { headroomOf, recycleAfterCopy } from '../chunkstore/buffers.ts';
 
 /** What the server yields and the client receives. `data`/`digest` may be views. */
 export type WireResponse =
@@ -41,6 +41,11 @@ function putBytesField(buf: Buffer, off: number, tag: number, b: Uint8Array): nu
   return off + b.length;
 }
 
+/**
+ * Encodes one response. With a recyclable chunk buffer (buffers.ts) the result may be a view
+ * of that buffer, valid only until the current synchronous work ends (grpc-js copies it at
+ * once); the buffer then goes back to its pool.
+ */
 export function serializeResponse(v: WireResponse): Buffer {
   const p = v.payload;
   if (p.case === 'missing') {
@@ -81,6 +86,9 @@ export function serializeResponse(v: WireResponse): Buffer {
       o = putVarint(out, o, c.data.length);
       if (o !== head) throw new Error(`wire: header is ${o} bytes, expected ${head}`);
     } else o = putBytesField(out, o, 0x22, c.data);
+    // A pooled read buffer (FsChunkStore.getEncodedForSend) is free once grpc-js copied the
+    // returned view into its frame buffer, which it does right after this returns.
+    recycleAfterCopy(c.data);
   }
   return out;
 }

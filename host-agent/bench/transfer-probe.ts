@@ -1,0 +1,140 @@
+// Experiment harness for the transfer benchmark (not part of `npm run bench:transfer`): sets
+// up the two namespaces and the source store once, then runs the fetch `--reps` times per
+// configuration, so settings can be compared at the same machine load. Same endpoint,
+// same link shaping and the same wire-byte counting as transfer.ts.
+//   node --import tsx host-agent/bench/transfer-probe.ts --rate 1 --reps 3 \
+//     --config 'base=' --config 'one=FF_STREAMS=1' [--prof DIR] [--naive]
+// A config is NAME=ENV[;ENV...] (environment of the fetch process). --prof writes CPU
+// profiles of the fetch and server processes into DIR.
+import { parseArgs } from 'node:util';
+import { writeFileSync, rmSync, mkdirSync, readFileSync } from 'node:fs';
+import { join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { FsChunkStore, FsManifestStore } from '../adapters/chunkstore/fs-store.ts';
+import { ingestSnapshot } from '../adapters/chunkstore/ingest.ts';
+import { LiveRoots, systemClock } from '../domain/snapshot-store.ts';
+import { encodeSignedTicket, generateSigningKey, signManifest, signTicket } from '../domain/tickets.ts';
+import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { createFabric, readLog, type NsHost } from '../adapters/peer/netns-testkit.ts';
+import { tempDir, waitFor } from '../../services/testkit/proc.ts';
+import { DEFAULT_IMAGE, writeDiskLayer, writeMemoryImage } from './transfer-image.ts';
+import { loadavg } from 'node:os';
+import { execFileSync, spawn } from 'node:child_process';
+
+/** utime + stime in ms and minor page faults of a process (all threads). */
+function procCpu(pid: number): { ms: number; faults: number } {
+  const f = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  const rest = f.slice(f.lastIndexOf(')') + 2).split(' ');
+  return { ms: (Number(rest[11]) + Number(rest[12])) * 10, faults: Number(rest[7]) };
+}
+
+/** tbf drops and TCP retransmissions in a namespace (cumulative). */
+function linkStats(ns: string): { drops: number; retrans: number } {
+  const tc = execFileSync('ip', ['netns', 'exec', ns, 'tc', '-s', 'qdisc', 'show', 'dev', 'eth0']).toString();
+  const snmp = execFileSync('ip', ['netns', 'exec', ns, 'cat', '/proc/net/snmp']).toString().split('\n').filter((l) => l.startsWith('Tcp:'));
+  const [hdr, val] = snmp.map((l) => l.trim().split(/\s+/));
+  const retrans = Number(val?.[hdr?.indexOf('RetransSegs') ?? -1] ?? 0);
+  return { drops: Number(/dropped (\d+)/.exec(tc)?.[1] ?? 0), retrans };
+}
+
+const here = fileURLToPath(new URL('.', import.meta.url));
+const ENDPOINT = resolve(here, '../adapters/peer/endpoint-main.ts');
+
+async function main(): Promise<void> {
+  const { values } = parseArgs({
+    options: { rate: { type: 'string', default: '1' }, reps: { type: 'string', default: '3' }, config: { type: 'string', multiple: true }, prof: { type: 'string' }, naive: { type: 'boolean', default: false }, 'server-env': { type: 'string', default: '' }, 'server-endpoint': { type: 'string' } },
+  });
+  const configs = (values.config ?? ['base=']).map((c) => {
+    const i = c.indexOf('=');
+    const env = Object.fromEntries(c.slice(i + 1).split(';').filter(Boolean).map((kv) => kv.split('=') as [string, string]));
+    return { name: c.slice(0, i), env };
+  });
+  const dir = tempDir('ff-probe-');
+  const fabric = createFabric(2, 'ff-p');
+  try {
+    const [h0, h1] = fabric.hosts as [NsHost, NsHost];
+    const mem = join(dir, 'mem.img');
+    const disk = join(dir, 'disk0.img');
+    writeMemoryImage(mem, DEFAULT_IMAGE);
+    writeDiskLayer(disk, 64 * 1024 * 1024, 16 * 1024 * 1024);
+    const { signing, trusted } = generateSigningKey('k1');
+    const pem = join(dir, 'trust.pem');
+    writeFileSync(pem, (trusted.get('k1') as NonNullable<ReturnType<typeof trusted.get>>).export({ type: 'spki', format: 'pem' }));
+    const srcRoot = join(dir, 'src');
+    const A = { chunks: new FsChunkStore(srcRoot), manifests: new FsManifestStore(srcRoot), roots: new LiveRoots(), clock: systemClock };
+    const s1 = await ingestSnapshot(
+      { snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: disk }] },
+      A,
+    );
+    await A.manifests.put('s1', signManifest(s1.manifest, signing));
+    const prof = values.prof ? resolve(values.prof) : undefined;
+    if (prof) mkdirSync(prof, { recursive: true });
+    // One directory per process kind: a tsx process also profiles its loader thread.
+  const profArgs = (who: string): string[] => (prof ? ['--cpu-prof', '--cpu-prof-dir', join(prof, who)] : []);
+    const port = 7443;
+    const srvLog = join(dir, 'server.log');
+    const server = fabric.spawn(h0, 'chunk-server', ['env', ...(values['server-env'] ?? '').split(';').filter(Boolean), process.execPath, ...profArgs('server'), '--import', 'tsx', values['server-endpoint'] ?? ENDPOINT, 'serve', '--root', srcRoot, '--listen', `${h0.address}:${port}`, '--trust', pem], srvLog);
+    await waitFor('chunk server', async () => readLog(srvLog).includes('"listening"'), 20_000, 50);
+    const naive = values.naive ? fabric.spawn(h0, 'naive', [process.execPath, '--import', 'tsx', ENDPOINT, 'naive-serve', '--listen', `${h0.address}:${port + 1}`, '--files', `${mem},${disk}`], join(dir, 'naive.log')) : undefined;
+    const g = Number(values.rate);
+    if (g > 0) {
+      fabric.shape(h0, `${g}gbit`, g >= 10 ? '4mb' : '256kb');
+      fabric.shape(h1, `${g}gbit`, g >= 10 ? '4mb' : '256kb');
+    }
+    const ticket = Buffer.from(encodeSignedTicket(signTicket({ snapshotId: 's1', destinationHostId: 'h1', expiresAt: new Date(Date.now() + 3_600_000) }, signing))).toString('base64');
+    const wire = (): number => fabric.counters(h0).tx + fabric.counters(h1).tx;
+    for (let rep = 0; rep < Number(values.reps); rep++) {
+      for (const c of configs) {
+        const dst = join(dir, `dst-${c.name}-${rep}`);
+        // ENDPOINT=PATH in a config runs the fetch from another tree (A/B against a baseline).
+        const { ENDPOINT: endpoint = ENDPOINT, ...env } = c.env;
+        const envArgs = Object.entries(env).map(([k, v]) => `${k}=${v}`);
+        const before = wire();
+        const ls0 = [linkStats(h0.ns), linkStats(h1.ns)];
+        const srvCpu0 = procCpu(server.pid);
+        // PROBE_PERF=DIR: record the fetch process (and the server meanwhile) with perf.
+        const perfDir = process.env.PROBE_PERF;
+        const perfEvent = process.env.PROBE_PERF_EVENT ? ['-e', process.env.PROBE_PERF_EVENT, '-c', '1'] : ['-F', '1999'];
+        const perfArgs = perfDir ? ['perf', 'record', ...perfEvent, '-g', '-o', join(perfDir, `fetch-${c.name}-${rep}.data`), '--'] : [];
+        const srvPerf = perfDir ? spawn('perf', ['record', ...perfEvent, '-g', '-p', String(server.pid), '-o', join(perfDir, `server-${c.name}-${rep}.data`)], { stdio: 'ignore' }) : undefined;
+        const r = await fabric.run(h1, [...perfArgs, 'env', ...envArgs, process.execPath, ...profArgs(`fetch-${c.name}`), '--import', 'tsx', endpoint, 'fetch', '--root', dst, '--host-id', 'h1', '--snapshot', 's1', '--ticket', ticket, '--sources', `${h0.address}:${port}`, '--trust', pem, '--materialise'], 300_000);
+        const w = wire() - before;
+        if (srvPerf) {
+          srvPerf.kill('SIGINT');
+          await new Promise((r) => srvPerf.once('exit', r));
+        }
+        const ls1 = [linkStats(h0.ns), linkStats(h1.ns)];
+        const srvCpu1 = procCpu(server.pid);
+        const srvCpu = srvCpu1.ms - srvCpu0.ms;
+        const srvFaults = srvCpu1.faults - srvCpu0.faults;
+        const link = { drops: ls1[0]!.drops - ls0[0]!.drops + ls1[1]!.drops - ls0[1]!.drops, retrans: ls1[0]!.retrans - ls0[0]!.retrans + ls1[1]!.retrans - ls0[1]!.retrans };
+        const line = r.stdout.trim().split('\n').pop() ?? '';
+        if (r.code !== 0 || !line.startsWith('{')) throw new Error(`fetch failed (${r.code}): ${r.stderr.slice(-2000)}`);
+        const out = JSON.parse(line) as Record<string, unknown>;
+        const s = Number(out.seconds);
+        const rep2 = out.report as { ms: number };
+        process.stdout.write(
+          `${JSON.stringify({ config: c.name, rep, load: +loadavg()[0]!.toFixed(2), seconds: +s.toFixed(3), fetch_ms: rep2.ms, ready: +Number(out.ready_seconds).toFixed(3), durable: +Number(out.durable_seconds).toFixed(3), wire: w, goodput: +((w * 8) / s / 1e9).toFixed(3), cpu_ms: out.cpu_ms, sys_ms: out.cpu_sys_ms, faults: out.page_faults, srv_cpu_ms: srvCpu, srv_faults: srvFaults, phases: out.phases, link })}\n`,
+        );
+        rmSync(dst, { recursive: true, force: true });
+      }
+      if (naive) {
+        const nb = wire();
+        const nr = await fabric.run(h1, [process.execPath, '--import', 'tsx', ENDPOINT, 'naive-recv', '--connect', `${h0.address}:${port + 1}`, '--out', join(dir, 'naive.bin')], 300_000);
+        const n = JSON.parse(nr.stdout.trim().split('\n').pop() ?? '{}') as { seconds: number };
+        rmSync(join(dir, 'naive.bin'), { force: true });
+        process.stdout.write(`${JSON.stringify({ config: 'naive', rep, load: +loadavg()[0]!.toFixed(2), seconds: +n.seconds.toFixed(3), wire: wire() - nb })}\n`);
+      }
+    }
+    await server.stop(5000);
+    await naive?.stop(2000);
+  } finally {
+    await fabric.destroy();
+    rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+main().catch((e: unknown) => {
+  process.stderr.write(`${e instanceof Error ? (e.stack ?? e.message) : String(e)}\n`);
+  process.exitCode = 1;
+});
