@@ -5,7 +5,7 @@
 //   naive_full_copy: a cross-host restore that first copies the whole saved memory stream
 //     and the disk over a TCP stream between two of the fleet's host namespaces (so at the
 //     fleet's shaped link rate), then does the classic restore from the copy.
-import { mkdir, open, rm, stat } from 'node:fs/promises';
+import { mkdir, rm, stat } from 'node:fs/promises';
 import { spawn } from 'node:child_process';
 import type { ChildProcess } from 'node:child_process';
 import { createInterface } from 'node:readline';
@@ -13,12 +13,9 @@ import { join, resolve } from 'node:path';
 import type { Logger } from 'pino';
 import type { AccelSetting, LocalSnapshot } from '../host-agent/domain/vmm.ts';
 import type { QemuLaunch } from '../host-agent/adapters/qemu/cmdline.ts';
-import { qemuArgs } from '../host-agent/adapters/qemu/cmdline.ts';
-import { GuestAgentClient } from '../host-agent/adapters/guest/client.ts';
-import { QmpClient } from '../host-agent/adapters/qmp/client.ts';
-import { QemuVmmDriver, incomingAndWait, saveFullRamStream, setCaps } from '../host-agent/adapters/qemu/driver.ts';
-import { OverlayFactory, killAndWait, killHard, spawnQemu } from '../host-agent/adapters/qemu/process.ts';
-import type { QemuProcess } from '../host-agent/adapters/qemu/process.ts';
+import { QemuVmmDriver, saveFullRamStream } from '../host-agent/adapters/qemu/driver.ts';
+import { OverlayFactory } from '../host-agent/adapters/qemu/process.ts';
+import { classicRestore } from '../host-agent/bench/classic.ts';
 import { ensureImage } from '../deploy/images/build.ts';
 import { setupScript } from './workload.ts';
 
@@ -73,37 +70,10 @@ let seq = 0;
  * Returns ms from spawn to that answer; the VM is killed afterwards.
  */
 export async function classicRestoreOnce(b: LocalBaseline, file = b.classicFile, diskBacking = join(b.snap.dir, 'disk.qcow2')): Promise<number> {
-  const dir = join(b.dir, `r${seq++}`);
-  await mkdir(dir);
-  const disk = join(dir, 'disk.qcow2');
-  const l: QemuLaunch = {
-    ...b.launch, anonymousRam: true, disk, incoming: true, name: `lt-classic-${seq}`,
-    qmpSocket: join(dir, 'qmp.sock'), agentSocket: join(dir, 'qga.sock'), serialLog: join(dir, 'serial.log'), pidFile: join(dir, 'pid'),
-  };
-  let proc: QemuProcess | undefined;
-  const t0 = performance.now();
-  try {
-    await b.overlays.create(diskBacking, disk, b.snap.manifest.diskVirtualSize);
-    const stream = await open(file, 'r');
-    try {
-      proc = spawnQemu('qemu-system-x86_64', qemuArgs(l), join(dir, 'qemu.log'), [stream.fd]);
-    } finally {
-      await stream.close();
-    }
-    const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => true);
-    await Promise.all([setCaps(qmp, { events: true, 'x-ignore-shared': false }), incomingAndWait(qmp, 'fd:3')]);
-    await qmp.execute('cont');
-    const ga = await GuestAgentClient.connect(l.agentSocket);
-    await ga.sync(60_000, 250);
-    await ga.exec({ path: '/bin/true' });
-    const ms = performance.now() - t0;
-    ga.close();
-    qmp.close();
-    return ms;
-  } finally {
-    if (proc) await killAndWait(proc).catch(() => killHard(proc!.pid));
-    await rm(dir, { recursive: true, force: true });
-  }
+  const n = seq++;
+  const r = await classicRestore({ launch: b.launch, file, dir: join(b.dir, `r${n}`), name: `lt-classic-${n}`, overlays: b.overlays, diskBacking, diskVirtualSize: b.snap.manifest.diskVirtualSize });
+  await r.stop();
+  return r.ms;
 }
 
 function lines(child: ChildProcess): AsyncIterator<string> {

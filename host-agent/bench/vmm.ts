@@ -7,18 +7,16 @@
 // child's QEMU inside the window. Both are reported; the targets are checked on `fork`.
 // N=1 figures (fork, fork_spawn, classic) are medians of 5 samples: a single ~0.3-1 s
 // measurement on a shared 2-core machine varied by 2x from run to run.
-import { mkdtemp, open, readdir, readFile, rm, writeFile, mkdir } from 'node:fs/promises';
+import { mkdtemp, readdir, readFile, rm, writeFile, mkdir } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
 import { pino } from 'pino';
 import { ensureImage } from '../../deploy/images/build.ts';
 import type { AccelSetting, LocalSnapshot } from '../domain/vmm.ts';
-import { GuestAgentClient } from '../adapters/guest/client.ts';
-import { QmpClient } from '../adapters/qmp/client.ts';
-import { qemuArgs } from '../adapters/qemu/cmdline.ts';
-import { QemuVmmDriver, incomingAndWait, saveFullRamStream, setCaps } from '../adapters/qemu/driver.ts';
-import { OverlayFactory, killAndWait, killHard, spawnQemu, type QemuProcess } from '../adapters/qemu/process.ts';
+import { QemuVmmDriver, saveFullRamStream } from '../adapters/qemu/driver.ts';
+import { OverlayFactory } from '../adapters/qemu/process.ts';
+import { classicRestore } from './classic.ts';
 
 const { values } = parseArgs({
   options: {
@@ -59,7 +57,6 @@ async function main(): Promise<void> {
   const root = await mkdtemp(join(tmpdir(), 'ffb-'));
   // perSnapshot 0: standbys only when the benchmark asks (warm), so none start inside a measured window.
   const driver = new QemuVmmDriver({ root, accel: values.accel as AccelSetting, logger, probeImage: image, autoProbeDeadlineMs: 10_000, standby: { max: 8, perSnapshot: 0 } });
-  const stray: QemuProcess[] = [];
   try {
     const accel = await driver.resolveAccel();
     const tpl = await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1 });
@@ -138,9 +135,7 @@ async function main(): Promise<void> {
     await mkdir(classicDir);
     const classicFile = join(classicDir, 'full.bin');
     const launch = await saveFullRamStream(driver, snap, classicFile);
-    // Same host mechanics as a fork child (overlay copy, stream as an inherited fd as libvirt
-    // passes one, pipelined QMP, same agent waits), so the two differ only in what the stream
-    // holds (all RAM) and where RAM lives (anonymous, no sharing). See ADR 0009.
+    // See classic.ts for what it does and why it is comparable to a fork child.
     const overlays = new OverlayFactory();
     await overlays.create(join(snap.dir, 'disk.qcow2'), join(classicDir, 'warm.qcow2'), snap.manifest.diskVirtualSize);
     const classic_restore: Record<string, { all_ready_ms: number }> = {};
@@ -148,38 +143,19 @@ async function main(): Promise<void> {
       const times: number[] = [];
       for (let k = 0; k < (n === 1 ? SAMPLES_1 : 1); k++) {
         const t = performance.now();
-        await Promise.all(
-          Array.from({ length: n }, async (_, i) => {
-            const dir = join(classicDir, `${n}-${k}-${i}`);
-            await mkdir(dir);
-            const disk = join(dir, 'disk.qcow2');
-            await overlays.create(join(snap.dir, 'disk.qcow2'), disk, snap.manifest.diskVirtualSize);
-            const l = {
-              ...launch, anonymousRam: true, disk, incoming: true, name: `classic-${n}-${i}`,
-              qmpSocket: join(dir, 'qmp.sock'), agentSocket: join(dir, 'qga.sock'), serialLog: join(dir, 'serial.log'), pidFile: join(dir, 'pid'),
-            };
-            const stream = await open(classicFile, 'r');
-            let proc: QemuProcess;
-            try {
-              proc = spawnQemu('qemu-system-x86_64', qemuArgs(l), join(dir, 'qemu.log'), [stream.fd]);
-            } finally {
-              await stream.close();
-            }
-            stray.push(proc);
-            const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => true);
-            await Promise.all([setCaps(qmp, { events: true, 'x-ignore-shared': false }), incomingAndWait(qmp, 'fd:3')]);
-            await qmp.execute('cont');
-            const ga = await GuestAgentClient.connect(l.agentSocket);
-            await ga.sync(60_000, 250);
-            await ga.exec({ path: '/bin/true' });
-            ga.close();
-            qmp.close();
-          }),
+        // All N stay up until the last is ready, as N concurrent restores would.
+        const vms = await Promise.allSettled(
+          Array.from({ length: n }, (_, i) =>
+            classicRestore({
+              launch, file: classicFile, dir: join(classicDir, `${n}-${k}-${i}`), name: `classic-${n}-${i}`, overlays,
+              diskBacking: join(snap.dir, 'disk.qcow2'), diskVirtualSize: snap.manifest.diskVirtualSize,
+            }),
+          ),
         );
         times.push(performance.now() - t);
-        for (const p of stray.splice(0)) {
-          await killAndWait(p);
-        }
+        for (const v of vms) if (v.status === 'fulfilled') await v.value.stop();
+        const failed = vms.find((v): v is PromiseRejectedResult => v.status === 'rejected');
+        if (failed) throw failed.reason;
       }
       classic_restore[String(n)] = { all_ready_ms: r1(median(times)) };
     }
@@ -223,7 +199,6 @@ async function main(): Promise<void> {
     if (values.json) await writeFile(values.json, JSON.stringify(result, null, 2) + '\n');
     console.log(JSON.stringify(result));
   } finally {
-    for (const p of stray) killHard(p.pid);
     await driver.close();
     await rm(root, { recursive: true, force: true });
   }

@@ -61,6 +61,8 @@ export interface QemuLaunch {
   netns?: 'new';
   /** slirp restrict=off: the agent links the namespace out (egress allowed by policy). */
   egress?: boolean;
+  /** Start at this nice value (standbys: background work until claimed, then reniced to 0). */
+  niceness?: number;
 }
 
 export function qemuArgs(l: QemuLaunch): string[] {

@@ -56,6 +56,16 @@ async function goneWithin(pid: number, ms: number): Promise<boolean> {
   return !isAlive(pid);
 }
 
+/** The nice value of each thread of a process (/proc/<pid>/task/<tid>/stat field 19). */
+async function niceOfThreads(pid: number): Promise<number[]> {
+  const out: number[] = [];
+  for (const tid of await readdir(`/proc/${pid}/task`)) {
+    const st = await readFile(`/proc/${pid}/task/${tid}/stat`, 'utf8').catch(() => '');
+    if (st) out.push(Number(st.slice(st.lastIndexOf(')') + 2).split(' ')[16]));
+  }
+  return out;
+}
+
 /** Every file (not directory) under `dir`, recursively; sockets included. */
 async function allFiles(dir: string): Promise<string[]> {
   const out: string[] = [];
@@ -183,8 +193,11 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await driver.warm(snap, 2)).toBe(2);
     const standbyDir = join(root, 'standby');
     const standbyPids = await Promise.all((await readdir(standbyDir)).map(async (d) => Number((await readFile(join(standbyDir, d, 'qemu.0.pid'), 'utf8')).trim())));
+    // Standbys start as background work (nice 19); a claimed one runs at normal priority.
+    for (const pid of standbyPids) expect(await niceOfThreads(pid)).toEqual(expect.arrayContaining([19]));
     const [vm] = await driver.fork(snap, [{ vmId: 'w0', hostname: 'w0', sandboxId: 'sb-w0' }]);
     expect(standbyPids).toContain(vm?.pid);
+    expect(new Set(await niceOfThreads(vm?.pid ?? 0))).toEqual(new Set([0]));
     expect((await driver.readFile('w0', '/dev/shm/marker')).toString()).toBe('tmpfs-before-snapshot');
     expect(await sh('w0', 'cat /data/marker; hostname; cat /run/forkfleet/sandbox-id')).toBe('disk-before-snapshot\nw0\nsb-w0');
     const a = Number(await sh('w0', 'cat /tmp/counter'));

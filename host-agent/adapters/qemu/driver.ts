@@ -12,6 +12,7 @@ import { randomBytes } from 'node:crypto';
 import { access, chmod, link, lstat, mkdir, open, readdir, readFile, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
 import { constants, createReadStream, createWriteStream } from 'node:fs';
 import net from 'node:net';
+import { setPriority } from 'node:os';
 import { join } from 'node:path';
 import type { Logger } from 'pino';
 import {
@@ -329,7 +330,8 @@ export class QemuVmmDriver implements VmmDriver {
   private async spawnAndConnect(l: QemuLaunch, logPath: string, extraFds: number[] = [], network?: NetworkPolicySpec): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
     // Every QEMU the driver starts (boot, restore, snapshot replacement, receiver) runs in a new,
     // empty network namespace of its own (adapters/netns): the guest NIC reaches nothing.
-    const cmd = l.netns === 'new' ? inNewNetns(this.opts.qemuBinary, qemuArgs(l)) : { command: this.opts.qemuBinary, args: qemuArgs(l) };
+    const qemu = l.niceness ? { command: 'nice', args: ['-n', String(l.niceness), this.opts.qemuBinary, ...qemuArgs(l)] } : { command: this.opts.qemuBinary, args: qemuArgs(l) };
+    const cmd = l.netns === 'new' ? inNewNetns(qemu.command, qemu.args) : qemu;
     const proc = spawnQemu(cmd.command, cmd.args, logPath, extraFds);
     let dead = false;
     void proc.exited.then(() => (dead = true));
@@ -769,14 +771,14 @@ export class QemuVmmDriver implements VmmDriver {
    * guest stays paused. The device state goes in as an inherited fd (`migrate-incoming fd:3`):
    * QEMU reads the file itself, with no `exec:` fork and no stream through this event loop (ADR 0009).
    */
-  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void, niceness = 0): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
     const m = snapshot.manifest;
     await this.overlays.create(join(snapshot.dir, m.files.disk), p.diskPath, m.diskVirtualSize);
     mark('overlay');
     const state = await open(join(snapshot.dir, m.files.deviceState), 'r');
     let started: { proc: QemuProcess; qmp: QmpClient };
     try {
-      const l = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, true);
+      const l = { ...this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, true), niceness };
       started = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), [state.fd], p.network);
     } finally {
       await state.close();
@@ -802,7 +804,9 @@ export class QemuVmmDriver implements VmmDriver {
     await mkdir(workdir, { recursive: true });
     try {
       const p = await this.clonePersisted(snapshot, { vmId: id }, workdir);
-      const { proc, qmp } = await this.spawnIncoming(snapshot, p, () => undefined);
+      // Nice 19: starting standbys is background work that must not slow the VMs and forks
+      // running now; the claim renices the process to 0.
+      const { proc, qmp } = await this.spawnIncoming(snapshot, p, () => undefined, 19);
       return { id, snapshotId: snapshot.manifest.snapshotId, workdir, proc, qmp, readyAt: this.opts.clock.now() };
     } catch (e) {
       await rm(workdir, { recursive: true, force: true });
@@ -830,6 +834,17 @@ export class QemuVmmDriver implements VmmDriver {
     } catch (e) {
       await this.discardStandby(s);
       throw e;
+    }
+    // Back to normal priority: every thread (nice is per thread on Linux), twice in case one
+    // was being created meanwhile.
+    for (let pass = 0; pass < 2; pass++) {
+      for (const tid of await readdir(`/proc/${s.proc.pid}/task`).catch(() => [] as string[])) {
+        try {
+          setPriority(Number(tid), 0);
+        } catch {
+          // a thread that just ended
+        }
+      }
     }
     const rec: VmRecord = { ...p, launchDir: s.workdir, proc: s.proc, qmp: s.qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
     rec.info.pid = s.proc.pid;
