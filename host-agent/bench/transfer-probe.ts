@@ -7,17 +7,13 @@
 // A config is NAME=ENV[;ENV...] (environment of the fetch process). --prof writes CPU
 // profiles of the fetch and server processes into DIR.
 import { parseArgs } from 'node:util';
-import { writeFileSync, rmSync, mkdirSync, readFileSync } from 'node:fs';
+import { rmSync, mkdirSync, readFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { FsChunkStore, FsManifestStore } from '../adapters/chunkstore/fs-store.ts';
-import { ingestSnapshot } from '../adapters/chunkstore/ingest.ts';
-import { LiveRoots, systemClock } from '../domain/snapshot-store.ts';
-import { encodeSignedTicket, generateSigningKey, signManifest, signTicket } from '../domain/tickets.ts';
-import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { encodeSignedTicket, signTicket } from '../domain/tickets.ts';
 import { createFabric, readLog, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { tempDir, waitFor } from '../../services/testkit/proc.ts';
-import { DEFAULT_IMAGE, writeDiskLayer, writeMemoryImage } from './transfer-image.ts';
+import { prepareSource } from './transfer-source.ts';
 import { loadavg } from 'node:os';
 import { execFileSync, spawn } from 'node:child_process';
 
@@ -53,20 +49,7 @@ async function main(): Promise<void> {
   const fabric = createFabric(2, 'ff-p');
   try {
     const [h0, h1] = fabric.hosts as [NsHost, NsHost];
-    const mem = join(dir, 'mem.img');
-    const disk = join(dir, 'disk0.img');
-    writeMemoryImage(mem, DEFAULT_IMAGE);
-    writeDiskLayer(disk, 64 * 1024 * 1024, 16 * 1024 * 1024);
-    const { signing, trusted } = generateSigningKey('k1');
-    const pem = join(dir, 'trust.pem');
-    writeFileSync(pem, (trusted.get('k1') as NonNullable<ReturnType<typeof trusted.get>>).export({ type: 'spki', format: 'pem' }));
-    const srcRoot = join(dir, 'src');
-    const A = { chunks: new FsChunkStore(srcRoot), manifests: new FsManifestStore(srcRoot), roots: new LiveRoots(), clock: systemClock };
-    const s1 = await ingestSnapshot(
-      { snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: disk }] },
-      A,
-    );
-    await A.manifests.put('s1', signManifest(s1.manifest, signing));
+    const { mem, disk, pem, srcRoot, signing } = await prepareSource(dir);
     const prof = values.prof ? resolve(values.prof) : undefined;
     if (prof) mkdirSync(prof, { recursive: true });
     // One directory per process kind: a tsx process also profiles its loader thread.

@@ -8,14 +8,13 @@ import { parseArgs } from 'node:util';
 import { writeFileSync, rmSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { FsChunkStore, FsManifestStore } from '../adapters/chunkstore/fs-store.ts';
 import { ingestSnapshot } from '../adapters/chunkstore/ingest.ts';
-import { LiveRoots, systemClock } from '../domain/snapshot-store.ts';
-import { encodeSignedTicket, generateSigningKey, signManifest, signTicket } from '../domain/tickets.ts';
+import { encodeSignedTicket, signManifest, signTicket } from '../domain/tickets.ts';
 import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { createFabric, readLog, type Fabric, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { tempDir, waitFor } from '../../services/testkit/proc.ts';
-import { DEFAULT_IMAGE, writeChildImage, writeDiskLayer, writeMemoryImage } from './transfer-image.ts';
+import { writeChildImage } from './transfer-image.ts';
+import { prepareSource } from './transfer-source.ts';
 
 const here = fileURLToPath(new URL('.', import.meta.url));
 const ENDPOINT = resolve(here, '../adapters/peer/endpoint-main.ts');
@@ -51,23 +50,9 @@ async function main(): Promise<void> {
   const fabric = createFabric(2, 'ff-b');
   try {
     const [h0, h1] = fabric.hosts as [NsHost, NsHost];
-    const mem = join(dir, 'mem.img');
-    const disk = join(dir, 'disk0.img');
+    const { mem, disk, pem, srcRoot, store: A, signing, s1 } = await prepareSource(dir);
     const child = join(dir, 'child.img');
-    writeMemoryImage(mem, DEFAULT_IMAGE);
-    writeDiskLayer(disk, 64 * 1024 * 1024, 16 * 1024 * 1024);
     const changed = writeChildImage(mem, child, 16 * 1024 * 1024, 7);
-
-    const { signing, trusted } = generateSigningKey('k1');
-    const pem = join(dir, 'trust.pem');
-    writeFileSync(pem, (trusted.get('k1') as NonNullable<ReturnType<typeof trusted.get>>).export({ type: 'spki', format: 'pem' }));
-    const srcRoot = join(dir, 'src');
-    const A = { chunks: new FsChunkStore(srcRoot), manifests: new FsManifestStore(srcRoot), roots: new LiveRoots(), clock: systemClock };
-    const s1 = await ingestSnapshot(
-      { snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: disk }] },
-      A,
-    );
-    await A.manifests.put('s1', signManifest(s1.manifest, signing));
     const s2 = await ingestSnapshot(
       { snapshotId: 's2', tenantId: 't', parentSnapshotId: 's1', sourceSandboxId: 'sb1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: child }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: disk }] },
       A,
