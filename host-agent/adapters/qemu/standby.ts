@@ -114,8 +114,14 @@ export class StandbyPool {
       w.count = Math.max(w.count, count);
       w.lastUse = this.clock.now();
     } else this.wants.set(id, { snapshot, count, lastUse: this.clock.now() });
-    this.loop ??= this.fill().finally(() => (this.loop = undefined));
-    await this.loop;
+    // A loop that had just decided to stop (its `finally` not run yet) would not see this
+    // want: after it ends, start another while the want is unmet and there is room.
+    for (let i = 0; i < 3 && !this.closed; i++) {
+      this.loop ??= this.fill().finally(() => (this.loop = undefined));
+      await this.loop;
+      const want = this.wants.get(id);
+      if (!want || (this.ready.get(id)?.length ?? 0) >= want.count || this.size + this.filling >= this.policy.max) break;
+    }
     return this.ready.get(id)?.length ?? 0;
   }
 
