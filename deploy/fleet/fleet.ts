@@ -507,13 +507,7 @@ export function qemuPidsByVm(dataDir: string): Map<string, number[]> {
     } catch {
       continue;
     }
-    const pids: number[] = [];
-    for (const f of files) {
-      if (!/^qemu\..*pid$/.test(f)) continue;
-      const pid = Number(readFileSync(join(vms, vm, f), 'utf8').trim());
-      if (Number.isInteger(pid) && pid > 1) pids.push(pid);
-    }
-    out.set(vm, pids);
+    out.set(vm, files.filter((f) => /^qemu\..*pid$/.test(f)).flatMap((f) => readPidFile(join(vms, vm, f))));
   }
   return out;
 }
@@ -530,16 +524,19 @@ export function qemuPids(dataDir: string): number[] {
 export function standbyPids(dataDir: string): number[] {
   const dir = join(dataDir, 'vmm', 'standby');
   if (!existsSync(dir)) return [];
-  const pids: number[] = [];
-  for (const s of readdirSync(dir)) {
-    try {
-      const pid = Number(readFileSync(join(dir, s, 'qemu.0.pid'), 'utf8').trim());
-      if (Number.isInteger(pid) && pid > 1) pids.push(pid);
-    } catch {
-      // a claimed standby's symlink to a destroyed VM, or one still starting
-    }
+  // A claimed standby's symlink to a destroyed VM, or one still starting, has no pid file.
+  return readdirSync(dir).flatMap((s) => readPidFile(join(dir, s, 'qemu.0.pid')));
+}
+
+/** The PID a QEMU pid file names: none if the file is missing or holds no plausible PID. */
+function readPidFile(path: string): number[] {
+  let pid: number;
+  try {
+    pid = Number(readFileSync(path, 'utf8').trim());
+  } catch {
+    return [];
   }
-  return pids;
+  return Number.isInteger(pid) && pid > 1 ? [pid] : [];
 }
 
 export async function down(dir: string): Promise<void> {

@@ -320,6 +320,11 @@ export class QemuVmmDriver implements VmmDriver {
   private async launch(p: VmPersisted, log: Logger, o: { incoming: boolean; extraFds?: number[] }): Promise<VmRecord> {
     const l = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, o.incoming);
     const { proc, qmp } = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), o.extraFds, p.network);
+    return this.register(p, proc, qmp, log);
+  }
+
+  /** The record of VM `p` whose QEMU is `proc`: registered, and watched for crashes. */
+  private register(p: VmPersisted, proc: QemuProcess, qmp: QmpClient, log: Logger): VmRecord {
     const rec: VmRecord = { ...p, proc, qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
     rec.info.pid = proc.pid;
     this.vms.set(p.info.vmId, rec);
@@ -846,10 +851,7 @@ export class QemuVmmDriver implements VmmDriver {
         }
       }
     }
-    const rec: VmRecord = { ...p, launchDir: s.workdir, proc: s.proc, qmp: s.qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
-    rec.info.pid = s.proc.pid;
-    this.vms.set(p.info.vmId, rec);
-    this.watch(rec);
+    const rec = this.register({ ...p, launchDir: s.workdir }, s.proc, s.qmp, log);
     if (s.qmp.closed) throw new VmCrashedError(p.info.vmId, 'standby QEMU exited before it was claimed');
     return rec;
   }
@@ -893,10 +895,7 @@ export class QemuVmmDriver implements VmmDriver {
         mark('standby');
       } else {
         const { proc, qmp } = await this.spawnIncoming(snapshot, p, mark);
-        rec = { ...p, proc, qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
-        rec.info.pid = proc.pid;
-        this.vms.set(p.info.vmId, rec);
-        this.watch(rec);
+        rec = this.register(p, proc, qmp, log);
       }
       await rec.qmp.execute('cont');
       mark('cont');
@@ -1173,11 +1172,8 @@ export class QemuVmmDriver implements VmmDriver {
     const log = this.opts.logger.child({ vmId: p.info.vmId });
     const qmp = await QmpClient.connect(join(p.info.workdir, `qmp.${p.gen}.sock`));
     const status = await queryStatus(qmp);
-    const rec: VmRecord = { ...p, proc: adoptProcess(pid), qmp, agent: undefined, expectExit: false, log, lock: Promise.resolve() };
-    rec.info.pid = pid;
+    const rec = this.register(p, adoptProcess(pid), qmp, log);
     rec.info.state = status === 'running' ? 'running' : 'paused';
-    this.vms.set(p.info.vmId, rec);
-    this.watch(rec);
     rec.agent = await GuestAgentClient.connect(join(p.info.workdir, `qga.${p.gen}.sock`));
     if (status === 'running') await rec.agent.sync(10_000);
     await this.persist(rec);

@@ -6,7 +6,7 @@
 //
 // A standby never ran a guest instruction, so a child made from one is exactly the snapshot's
 // state, like a freshly spawned one. Invariants: a standby is in `ready` of at most one snapshot
-// or being handed out, never both; `ready.size + filling <= max` host-wide.
+// or being handed out, never both; ready standbys plus the one starting <= max host-wide.
 import type { Logger } from 'pino';
 import type { Clock, LocalSnapshot } from '../../domain/vmm.ts';
 import type { QmpClient } from '../qmp/client.ts';
@@ -45,7 +45,6 @@ interface Want {
 export class StandbyPool {
   private readonly ready = new Map<string, Standby[]>();
   private readonly wants = new Map<string, Want>();
-  private filling = 0;
   /** The launch in progress (one at a time), its snapshot, and whether a claim already waits for it. */
   private launching: { snapshotId: string; done: Promise<unknown>; awaited: boolean } | undefined;
   private loop: Promise<void> | undefined;
@@ -120,7 +119,7 @@ export class StandbyPool {
       this.loop ??= this.fill().finally(() => (this.loop = undefined));
       await this.loop;
       const want = this.wants.get(id);
-      if (!want || (this.ready.get(id)?.length ?? 0) >= want.count || this.size + this.filling >= this.policy.max) break;
+      if (!want || (this.ready.get(id)?.length ?? 0) >= want.count || this.size + (this.launching ? 1 : 0) >= this.policy.max) break;
     }
     return this.ready.get(id)?.length ?? 0;
   }
@@ -130,9 +129,9 @@ export class StandbyPool {
     for (;;) {
       if (this.closed) return;
       const next = [...this.wants.values()].find((w) => (this.ready.get(w.snapshot.manifest.snapshotId)?.length ?? 0) < w.count);
-      if (!next || this.size + this.filling >= this.policy.max) return;
+      // size counts the ready standbys; the one about to start keeps size + 1 <= max.
+      if (!next || this.size >= this.policy.max) return;
       const id = next.snapshot.manifest.snapshotId;
-      this.filling++;
       try {
         const launched = this.launch(next.snapshot);
         this.launching = { snapshotId: id, done: launched, awaited: false };
@@ -151,7 +150,6 @@ export class StandbyPool {
         this.log.warn({ snapshotId: id, err: String(e) }, 'standby failed to start');
         this.wants.delete(id);
       } finally {
-        this.filling--;
         this.launching = undefined;
       }
     }
