@@ -57,6 +57,11 @@ export interface AgentProcessConfig {
   readonly standby: Readonly<{ max: number; perSnapshot: number; idleMs: number }>;
   /** FF_GC_GRACE: unreferenced chunks younger than this survive a GC. */
   readonly gcGraceMs: number;
+  /**
+   * FF_MIGRATE_MAX_CHILDREN: a restore of at most this many VMs of a snapshot held elsewhere
+   * migrates them from a source instead of fetching the snapshot (ADR 0015); 0 turns it off.
+   */
+  readonly migrateMaxChildren: number;
   readonly bootId: string;
 }
 
@@ -104,6 +109,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       perSnapshot: int('FF_STANDBY_PER_SNAPSHOT', e('FF_STANDBY_PER_SNAPSHOT', '2'), 0, 1024),
       idleMs: parseDuration('FF_STANDBY_IDLE', e('FF_STANDBY_IDLE', '10m')),
     },
+    migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', e('FF_MIGRATE_MAX_CHILDREN', '2'), 0, 64),
     bootId: randomUUID(),
   };
   parseCidr('FF_EGRESS_POOL', cfg.egress.pool);

@@ -57,7 +57,12 @@ async function main(): Promise<void> {
   });
   await shipper.load();
 
-  const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log });
+  // Restore by migration, source side (ADR 0015): a paused clone of a snapshot held here migrates to the caller.
+  const migrate = async (snapshotId: string, target: { host: string; port: number }): Promise<{ bytes: number; ms: number }> => {
+    const { local } = await shipper.obtain(snapshotId, undefined, () => undefined);
+    return driver.migrateOut(local, target);
+  };
+  const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate });
   const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], onError: (err) => log.debug({ err }, 'peer request failed') });
   const peerAddress = cfg.peerAdvertise || peerServer.address;
 
@@ -91,7 +96,7 @@ async function main(): Promise<void> {
     images: (name) => ensureImage(name as ImageName),
     clock: { now: () => Date.now() },
     log,
-    config: { hostId: cfg.hostId, bootId: cfg.bootId, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs },
+    config: { hostId: cfg.hostId, bootId: cfg.bootId, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, migrateMaxChildren: cfg.migrateMaxChildren },
     qemuVersion: await driver.qemuVersion(),
   });
   await agent.start();

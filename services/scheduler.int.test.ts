@@ -133,9 +133,16 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     for (const [i, c] of kids.entries()) expect((await sh(api, c.id, 'cat /tmp/state')).out).toBe(`child-${i}\n`);
     expect((await sh(api, parentId, 'cat /tmp/state')).out).toBe('parent-state\n');
 
-    // the snapshot is now held by both hosts
-    const after = await api.getSnapshot({ tenantId, snapshotId });
-    expect(new Set(after.hostIds).size).toBe(2);
+    // The cross-host child came by migration from the holder (ADR 0015), so the other host does
+    // not hold the snapshot; three children there are forked from a fetched copy, so then it does.
+    expect((await api.getSnapshot({ tenantId, snapshotId })).hostIds).toEqual([holder]);
+    const other = crossKids[0]!.hostId;
+    const three = await done(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 3, placement: { locality: Locality.CROSS_HOST, hostId: other } }));
+    const threeKids = three.result.case === 'fork' ? three.result.value.children : [];
+    expect(threeKids.map((c) => c.hostId)).toEqual([other, other, other]);
+    expect((await sh(api, threeKids[0]!.id, 'cat /tmp/state')).out).toBe('parent-state\n');
+    expect(new Set((await api.getSnapshot({ tenantId, snapshotId })).hostIds)).toEqual(new Set([holder, other]));
+    kids.push(...threeKids);
 
     // pause and resume
     const paused = await done(api, await api.pauseSandbox({ tenantId, idempotencyKey: key(), sandboxId: parentId }));

@@ -4,23 +4,25 @@
 // materialised into a directory the VMM driver opens like one of its own.
 import { execFile } from 'node:child_process';
 import { promisify } from 'node:util';
-import { access, mkdir, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import { access, mkdir, open, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
+import type { Socket } from 'node:net';
 import { join } from 'node:path';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
 import type { SnapshotShipper } from '../domain/agent.ts';
-import type { LocalSnapshot, VmmDriver } from '../domain/vmm.ts';
+import type { GuestImage, IncomingSource, LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
 import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
-import type { TrustedKeys } from '../domain/tickets.ts';
-import { fetchSnapshot } from '../domain/transfer.ts';
+import { verifyManifest, type TrustedKeys } from '../domain/tickets.ts';
+import { fetchChunks, fetchSnapshot } from '../domain/transfer.ts';
 import { collectGarbage } from '../domain/snapshot-store-gc.ts';
 import type { GcResult } from '../domain/snapshot-store-gc.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
 import type { MaterialisedSnapshot, Materialiser } from './chunkstore/materialise.ts';
 import { PeerChunkSource } from './peer/client.ts';
+import { migrateFrom } from './peer/migrate.ts';
 import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
-import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import type { Artifact, SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { HeldSnapshotSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { FetchSnapshotWork, HeldSnapshot } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
@@ -146,24 +148,12 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const stored = await this.deps.manifests.get(snapshotId);
     if (!stored || stored.signature.length === 0) {
       if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.deps.hostId} and no source was named`);
-      const ticket = fetch.ticket;
-      if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
-      const sources = fetch.sources.filter((s) => s.address).map((s) => new PeerChunkSource({ id: s.hostId, address: s.address, ticket, hostId: this.deps.hostId }));
+      const sources = this.sourcesOf(fetch);
       try {
         // The manifest bytes come from a peer; the signature comes from the scheduler. It is
         // stored only after every chunk is (fetchSnapshot), so "manifest present" = complete.
         const t0 = performance.now();
-        let signed: SignedManifest | undefined;
-        const sig = fetch.manifest;
-        if (sig && sig.signature.length > 0) {
-          let bytes: Uint8Array | undefined = stored?.manifest;
-          for (const s of sources) {
-            if (bytes && bytes.length) break;
-            bytes = (await s.getManifest().catch(() => undefined))?.manifest;
-          }
-          if (!bytes || bytes.length === 0) throw new ForkfleetError('unavailable', `no source returned the manifest of ${snapshotId}`);
-          signed = create(SignedManifestSchema, { manifest: bytes, signature: sig.signature, keyId: sig.keyId });
-        }
+        const signed = fetch.manifest && fetch.manifest.signature.length > 0 ? await this.signedBySchedulerFrom(snapshotId, fetch, sources, stored) : undefined;
         // The image is written while chunks arrive; chunks already here are copied after.
         // The fork needs the image, not the durable "complete" marker: the chunk fsyncs and
         // the manifest put finish in the background (the snapshot is reported held after).
@@ -208,6 +198,112 @@ export class ChunkStoreShipper implements SnapshotShipper {
     }
     if (!fetchedManifest) this.complete.add(snapshotId);
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
+  }
+
+  /**
+   * The manifest bytes (stored here, else from the first source that answers) under the
+   * signature the scheduler put in `fetch` (verified by whoever uses it).
+   */
+  private async signedBySchedulerFrom(snapshotId: string, fetch: FetchSnapshotWork, sources: readonly PeerChunkSource[], stored?: SignedManifest): Promise<SignedManifest> {
+    const sig = fetch.manifest;
+    if (!sig || sig.signature.length === 0) throw new ForkfleetError('invalid_argument', 'fetch.manifest: missing signature', { field: 'fetch.manifest' });
+    let bytes: Uint8Array | undefined = stored?.manifest;
+    for (const s of sources) {
+      if (bytes && bytes.length) break;
+      bytes = (await s.getManifest().catch(() => undefined))?.manifest;
+    }
+    if (!bytes || bytes.length === 0) throw new ForkfleetError('unavailable', `no source returned the manifest of ${snapshotId}`);
+    return create(SignedManifestSchema, { manifest: bytes, signature: sig.signature, keyId: sig.keyId });
+  }
+
+  /** True when the snapshot is on this host: taken here, or every chunk and its manifest stored. */
+  async holds(snapshotId: string): Promise<boolean> {
+    if (this.complete.has(snapshotId)) return true;
+    return exists(join(this.deps.driverSnapshotsDir, snapshotId, 'manifest.json'));
+  }
+
+  /**
+   * What a restore by migration (ADR 0015) needs of a snapshot this host does not hold: the
+   * VMM's manifest and image description (from the scheduler-signed manifest, verified) and
+   * the disk layer, whose chunks are fetched from the sources here (the memory comes in the
+   * migration stream). `release` unpins the fetched chunks once the layer is written.
+   */
+  async incomingSource(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSource & { bytesFetched: number; release(): void }> {
+    const sources = this.sourcesOf(fetch);
+    try {
+      const manifest = verifyManifest(await this.signedBySchedulerFrom(snapshotId, fetch, sources, await this.deps.manifests.get(snapshotId)), this.deps.trust, snapshotId);
+      const disk = manifest.artifacts.find((a) => a.kind === ArtifactKind.DISK_LAYER);
+      if (!disk) throw new ForkfleetError('failed_precondition', `snapshot ${snapshotId} has no disk layer`);
+      const meta = <T>(name: (typeof META_FILES)[number]): T => {
+        const data = manifest.metadata[name];
+        if (!data) throw new ForkfleetError('failed_precondition', `manifest of ${snapshotId} lacks ${name}`);
+        return JSON.parse(Buffer.from(data).toString('utf8')) as T;
+      };
+      const digests = new Set(disk.chunks.map((c) => Buffer.from(c.digest).toString('hex')));
+      const unpin = this.deps.roots.pin(digests);
+      try {
+        const report = await fetchChunks(digests, sources, this.deps.chunks, { log: this.deps.log });
+        return {
+          manifest: meta<VmmSnapshotManifest>('manifest.json'),
+          image: meta<GuestImage>('image.json'),
+          diskLayerBacking: disk.backing,
+          writeDiskLayer: (path) => this.writeArtifact(disk, manifest.chunkSize, path),
+          bytesFetched: report.bytes ?? 0,
+          release: unpin,
+        };
+      } catch (e) {
+        unpin();
+        throw e;
+      }
+    } finally {
+      for (const s of sources) s.close();
+    }
+  }
+
+  /**
+   * Restore by migration (ADR 0015): asks the sources in turn to migrate the snapshot to a
+   * one-shot listener on `listenHost`, and hands the first connection to `load`. A source
+   * that fails before it connects is skipped; a failure after that is final.
+   */
+  async migrateFrom<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>): Promise<{ result: T; bytes: number }> {
+    const ticket = fetch.ticket;
+    if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
+    let lastErr: unknown = new ForkfleetError('unavailable', `no source with an address for ${fetch.snapshotId}`);
+    for (const s of fetch.sources.filter((x) => x.address)) {
+      let started = false;
+      try {
+        const r = await migrateFrom({ sourceAddress: s.address, ticket, hostId: this.deps.hostId, listenHost }, (conn) => {
+          started = true;
+          return load(conn);
+        });
+        return { result: r.result, bytes: r.bytes };
+      } catch (e) {
+        if (started) throw e;
+        lastErr = e;
+        this.deps.log.warn({ source: s.hostId, snapshotId: fetch.snapshotId, err: (e as Error).message }, 'migration source failed before connecting');
+      }
+    }
+    throw lastErr;
+  }
+
+  /** Writes an artifact from verified stored chunks into a new sparse file at `path`. */
+  private async writeArtifact(a: Artifact, chunkSize: number, path: string): Promise<void> {
+    const fh = await open(path, 'wx');
+    try {
+      await fh.truncate(Number(a.size));
+      for (const c of a.chunks) {
+        const plain = await this.deps.chunks.readVerified(Buffer.from(c.digest).toString('hex'));
+        await fh.write(plain, 0, plain.length, Number(c.index) * chunkSize);
+      }
+    } finally {
+      await fh.close();
+    }
+  }
+
+  private sourcesOf(fetch: FetchSnapshotWork): PeerChunkSource[] {
+    const ticket = fetch.ticket;
+    if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
+    return fetch.sources.filter((s) => s.address).map((s) => new PeerChunkSource({ id: s.hostId, address: s.address, ticket, hostId: this.deps.hostId }));
   }
 
   /**

@@ -8,7 +8,8 @@
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { durationFromMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
-import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock, NetworkPolicySpec } from './vmm.ts';
+import type { Socket } from 'node:net';
+import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock, NetworkPolicySpec, IncomingSource, CloneSpec } from './vmm.ts';
 import {
   HeartbeatSchema,
   HostEventSchema,
@@ -34,6 +35,12 @@ import { Accel, ErrorInfoSchema } from '../../proto/gen/forkfleet/v1/common_pb.t
 import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { GuestHook } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
+
+/** `host` of a "host:port" or "[v6]:port" address. */
+export function hostOfAddress(address: string): string {
+  const m = /^\[([^\]]+)\]:\d+$/.exec(address) ?? /^(.+):\d+$/.exec(address);
+  return m?.[1] ?? address;
+}
 
 /** Control-plane transport of the agent (adapters/nats). */
 export interface AgentBus {
@@ -70,6 +77,12 @@ export interface SnapshotShipper {
   collectGarbage(): Promise<unknown>;
   /** Bytes the chunk store held after the last GC. */
   storedBytes(): number;
+  /** Restore by migration (ADR 0015), optional: is the snapshot on this host? */
+  holds?(snapshotId: string): Promise<boolean>;
+  /** Restore by migration: the verified manifest and the disk layer of a snapshot held elsewhere. */
+  incomingSource?(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSource & { bytesFetched: number; release(): void }>;
+  /** Restore by migration: a source's stream, arriving on a connection to `listenHost`, handed to `load`. */
+  migrateFrom?<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>): Promise<{ result: T; bytes: number }>;
 }
 
 export interface AgentConfig {
@@ -83,6 +96,12 @@ export interface AgentConfig {
   concurrency: number;
   /** How often the chunk store is garbage-collected (it also runs after every snapshot delete). 0: never. */
   gcIntervalMs?: number;
+  /**
+   * Restore by migration (ADR 0015): a restore step of at most this many VMs of a snapshot
+   * held elsewhere migrates each from a source instead of fetching the snapshot (default 2;
+   * 0: never). Larger steps fetch once and fork locally.
+   */
+  migrateMaxChildren?: number;
 }
 
 /** Resident memory of a process in bytes, or undefined when it is gone. */
@@ -323,10 +342,6 @@ export class Agent {
       }
       case 'restoreVms': {
         const { snapshotId, vms } = work.value;
-        const { local, bytesFetched } = await shipper.obtain(snapshotId, work.value.fetch, (done, total) =>
-          this.deps.bus.publishEvent(this.event(HostEventType.TRANSFER_PROGRESS, { snapshotId, opId: w.opId, bytesDone: BigInt(done), bytesTotal: BigInt(total) })),
-        );
-        result.bytesFetched = BigInt(bytesFetched);
         const specs = vms.map((v, i) => this.spec(v, `restore_vms.vms[${i}]`));
         const have: VmInfo[] = [];
         const missing: typeof specs = [];
@@ -338,11 +353,24 @@ export class Agent {
             missing.push(s);
           }
         }
-        const made = missing.length ? await driver.fork(local, missing.map((s) => ({ vmId: s.sandboxId, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) }))) : [];
+        const clones: CloneSpec[] = missing.map((s) => ({ vmId: s.sandboxId, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) }));
+        let made: VmInfo[] = [];
+        const migrated = clones.length ? await this.restoreByMigration(snapshotId, work.value.fetch, clones, log) : undefined;
+        if (migrated) {
+          made = migrated.vms;
+          result.bytesFetched = BigInt(migrated.bytes);
+          result.restoredByMigration = true;
+        } else {
+          const { local, bytesFetched } = await shipper.obtain(snapshotId, work.value.fetch, (done, total) =>
+            this.deps.bus.publishEvent(this.event(HostEventType.TRANSFER_PROGRESS, { snapshotId, opId: w.opId, bytesDone: BigInt(done), bytesTotal: BigInt(total) })),
+          );
+          result.bytesFetched = BigInt(bytesFetched);
+          if (clones.length) made = await driver.fork(local, clones);
+        }
         const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
         const reports = new Map(await Promise.all(made.map(async (v) => [v.vmId, await this.runHooks(v.vmId, hooks.get(v.vmId) ?? [], log)] as const)));
         result.vms = [...have, ...made].map((v) => ({ ...this.vmStatus(v), reason: reports.get(v.vmId) ?? '' }));
-        log.info({ children: made.length, reused: have.length, bytesFetched }, 'restored');
+        log.info({ children: made.length, reused: have.length, bytesFetched: Number(result.bytesFetched), migrated: !!migrated }, 'restored');
         return;
       }
       case 'pauseVm': {
@@ -374,6 +402,55 @@ export class Agent {
       }
       default:
         throw new ForkfleetError('failed_precondition', `this agent does not support ${String(work.case)} work`);
+    }
+  }
+
+  /**
+   * Restore by migration (ADR 0015): when the snapshot is held elsewhere, the scheduler
+   * allows it and the step is small, each VM is migrated from a source's paused clone
+   * straight into its QEMU here, instead of fetching the whole snapshot first. All or
+   * nothing: on any failure the VMs made so far are destroyed and undefined is returned, so
+   * the step falls back to fetching the snapshot.
+   */
+  private async restoreByMigration(snapshotId: string, fetch: FetchSnapshotWork | undefined, clones: CloneSpec[], log: Logger): Promise<{ vms: VmInfo[]; bytes: number } | undefined> {
+    const { driver, shipper } = this.deps;
+    const max = this.deps.config.migrateMaxChildren ?? 2;
+    if (!fetch?.allowMigration || !fetch.ticket || clones.length > max || !fetch.sources.some((s) => s.address)) return undefined;
+    if (!driver.prepareIncoming || !shipper.incomingSource || !shipper.migrateFrom || !shipper.holds) return undefined;
+    if (await shipper.holds(snapshotId)) return undefined;
+    const prepare = driver.prepareIncoming.bind(driver);
+    const migrateFrom = shipper.migrateFrom.bind(shipper);
+    const listenHost = hostOfAddress(this.deps.config.peerAddress);
+    const t0 = this.deps.clock.now();
+    let src: Awaited<ReturnType<NonNullable<SnapshotShipper['incomingSource']>>> | undefined;
+    try {
+      src = await shipper.incomingSource(snapshotId, fetch);
+      const from = src;
+      const results = await Promise.allSettled(
+        clones.map(async (c) => {
+          const incoming = await prepare(from, c);
+          try {
+            return await migrateFrom(fetch, listenHost, (conn) => incoming.load(conn));
+          } catch (e) {
+            await incoming.abort();
+            throw e;
+          }
+        }),
+      );
+      const vms = results.flatMap((r) => (r.status === 'fulfilled' ? [r.value.result] : []));
+      const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
+      if (failed) {
+        await Promise.all(vms.map((v) => driver.destroy(v.vmId).catch(() => undefined)));
+        throw failed.reason;
+      }
+      const bytes = src.bytesFetched + results.reduce((n, r) => n + (r.status === 'fulfilled' ? r.value.bytes : 0), 0);
+      log.info({ snapshotId, vms: vms.length, bytes, ms: this.deps.clock.now() - t0 }, 'restored by migration');
+      return { vms, bytes };
+    } catch (e) {
+      log.warn({ snapshotId, err: e instanceof Error ? e.message : String(e) }, 'restore by migration failed; fetching the snapshot instead');
+      return undefined;
+    } finally {
+      src?.release();
     }
   }
 

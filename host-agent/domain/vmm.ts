@@ -2,6 +2,8 @@
 // The QEMU adapter (adapters/qemu) implements it; a fake can implement it for scale runs.
 // Everything here is plain data so it can cross process and wire boundaries unchanged.
 
+import type { Socket } from 'node:net';
+
 export type Accel = 'kvm' | 'tcg';
 export type AccelSetting = Accel | 'auto';
 
@@ -130,6 +132,37 @@ export interface LocalSnapshot {
   manifest: SnapshotManifest;
 }
 
+/** What the source of a restore by migration reports (ADR 0015). */
+export interface MigrateOutReport {
+  /** Migration stream bytes sent. */
+  bytes: number;
+  ms: number;
+}
+
+/** A snapshot this host does not hold, as a restore by migration needs it (ADR 0015). */
+export interface IncomingSource {
+  /** The VMM adapter's manifest of the snapshot (from the signed manifest's metadata). */
+  manifest: SnapshotManifest;
+  /** This host's copy of the image the snapshot was taken from. */
+  image: GuestImage;
+  /** Writes the snapshot's disk layer (qcow2) at `path`, verified. */
+  writeDiskLayer(path: string): Promise<void>;
+  /** The backing file name the layer's header holds (rebased onto `image.disk` when it differs). */
+  diskLayerBacking: string;
+}
+
+/** A VM waiting for its migration stream (ADR 0015). */
+export interface IncomingVm {
+  readonly vmId: string;
+  /**
+   * Loads the stream arriving on `conn` (an accepted connection this process must not have
+   * read from; it is handed to the VMM and closed here). Resolves when the VM is restored,
+   * clean and answering exec. On failure the VM is destroyed.
+   */
+  load(conn: Socket): Promise<VmInfo>;
+  abort(): Promise<void>;
+}
+
 export type VmEvent =
   | { type: 'state'; vmId: string; from: VmState; to: VmState }
   | { type: 'crashed'; vmId: string; pid: number; detail: string };
@@ -162,6 +195,13 @@ export interface VmmDriver {
    * no more, e.g. before a snapshot fetched from a peer is deleted.
    */
   dropStandbys?(snapshotId: string): Promise<void>;
+  /**
+   * Optional (ADR 0015): restore on another host by migration. The source migrates a paused
+   * clone's whole RAM and device state to `target` (the destination's listener); the
+   * destination prepares a VM that loads that stream.
+   */
+  migrateOut?(snapshot: LocalSnapshot, target: { host: string; port: number }): Promise<MigrateOutReport>;
+  prepareIncoming?(src: IncomingSource, child: CloneSpec): Promise<IncomingVm>;
   /**
    * Snapshots whose files something on this host still needs: a VM maps its memory image or
    * stands on its disk layer, or a local snapshot's disk layer is backed by it. Their

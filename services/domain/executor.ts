@@ -27,6 +27,9 @@ import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
 
+/** A fork that spreads to more hosts lacking the snapshot than this follows the transfer plan only (no migration). */
+const MIGRATE_MAX_HOSTS = 4;
+
 export interface ExecutorConfig {
   liveness: LivenessConfig;
   /** How long one host step may take before it is re-sent. */
@@ -36,6 +39,12 @@ export interface ExecutorConfig {
   placement?: PlacementConfig;
   /** How long before a retention deletion its SNAPSHOT_EXPIRING event is sent (default 10 min). */
   expiryNoticeMs?: number;
+  /**
+   * A fork's host with at most this many children restores them by migration from a holder
+   * (ADR 0015; the agents' FF_MIGRATE_MAX_CHILDREN, default 2), so it neither waits for nor
+   * serves a transfer wave.
+   */
+  migrateMaxChildren?: number;
 }
 
 /** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
@@ -606,7 +615,12 @@ export class Executor {
    * first, then every other holder that is not lost), a ticket for this destination and the
    * scheduler's manifest signature. Undefined when the host already holds the snapshot.
    */
-  private fetchPlan(sn: SnapshotRec, hostId: string, plannedSource?: string): object | undefined {
+  /**
+   * How `hostId` gets snapshot `sn` for a restore, or undefined when it holds it. `migrate`:
+   * the host may restore by migration from a source instead (ADR 0015) and then does not hold
+   * the snapshot afterwards; off where it must hold it (a drain, a fan-out relay).
+   */
+  private fetchPlan(sn: SnapshotRec, hostId: string, plannedSource?: string, migrate = true): object | undefined {
     const heardHolds = this.deps.heard.get(hostId)?.hb.snapshots.some((s) => s.snapshotId === sn.id && s.complete) ?? false;
     if (sn.hostIds.includes(hostId) || heardHolds) return undefined;
     const now = this.deps.clock.now();
@@ -619,6 +633,7 @@ export class Executor {
       sources: sources.map((h) => ({ hostId: h, address: this.cache.hosts.get(h)?.value.peerAddress ?? '' })),
       ticket: this.deps.signer.ticket(sn.id, hostId),
       manifest: { signature: Buffer.from(sn.manifestSignature, 'base64'), keyId: sn.manifestKeyId },
+      allowMigration: migrate,
     };
   }
 
@@ -799,6 +814,7 @@ export class Executor {
       return this.finish(op, { sandboxIds: [sb.id] }, sb.state === 'running' ? null : { kind: 'failed_precondition', message: `sandbox is ${sb.state}`, retryable: false });
     }
     let fetched = false;
+    let migrated = false;
     try {
       let work: HostWorkMsg['work'];
       if (sb.sourceSnapshotId) {
@@ -812,12 +828,12 @@ export class Executor {
       } else {
         work = { case: 'createVm', value: { vm: this.vmSpec(sb), image: sb.image } as never };
       }
-      await this.step(op, 'create', sb.hostId, work);
+      migrated = (await this.step(op, 'create', sb.hostId, work)).restoredByMigration;
     } catch (e) {
       if (this.active) await this.failSandbox(sb, e);
       throw e;
     }
-    if (fetched) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
+    if (fetched && !migrated) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
     const now = this.deps.clock.now();
     await this.updateSandbox(sb.tenantId, sb.id, (s) => {
       this.setState(s, 'running', now);
@@ -951,7 +967,7 @@ export class Executor {
     const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
     for (const h of others.slice(0, Math.min(input.replicas ?? 0, others.length))) {
       try {
-        const fetch = this.fetchPlan(sn, h.id, sb.hostId);
+        const fetch = this.fetchPlan(sn, h.id, sb.hostId, false);
         if (fetch) {
           await this.step(op, `replicate/${h.id}`, h.id, { case: 'fetchSnapshot', value: fetch as never });
           await this.addHolder(sn.tenantId, sn.id, h.id);
@@ -1034,7 +1050,7 @@ export class Executor {
       }
       throw e;
     }
-    if (fetch) await this.addHolder(sb.tenantId, snapshotId, hostId);
+    if (fetch && !woke.restoredByMigration) await this.addHolder(sb.tenantId, snapshotId, hostId);
     await this.updateSandbox(sb.tenantId, sb.id, (s) => {
       this.setState(s, 'running', this.deps.clock.now(), Executor.hookReport(woke, sb.id));
       s.hostId = hostId;
@@ -1179,7 +1195,15 @@ export class Executor {
     const byHost = new Map<string, Array<{ rec: SandboxRec; rev: number }>>();
     for (const c of children) if (c.rec.state === 'starting') byHost.set(c.rec.hostId, [...(byHost.get(c.rec.hostId) ?? []), c]);
     let runningCount = children.filter((c) => c.rec.state === 'running').length;
-    const sourceOf = new Map(transfers.map((t) => [t.destinationHostId, t.sourceHostId]));
+    // In a small spread, a host with few children migrates them from a holder (ADR 0015): it
+    // starts at once and never serves onward, so the transfer plan's waves apply only among
+    // the other hosts. A host that does serve onward must hold the snapshot afterwards: no
+    // migration there. A wide fan-out keeps the plan's tree: one migration stream per child
+    // from the holders would overload their uplinks.
+    const migrateMax = this.deps.config.migrateMaxChildren ?? 2;
+    const lacking = new Set(transfers.map((t) => t.destinationHostId));
+    const migrates = (h: string): boolean => lacking.size <= MIGRATE_MAX_HOSTS && lacking.has(h) && (byHost.get(h)?.length ?? 0) <= migrateMax;
+    const sourceOf = new Map(transfers.filter((t) => !migrates(t.destinationHostId) && !migrates(t.sourceHostId)).map((t) => [t.destinationHostId, t.sourceHostId]));
     const done = new Map<string, Promise<boolean>>();
     let lastProgressAt = this.deps.clock.now();
     const runHost = (hostId: string): Promise<boolean> => {
@@ -1191,7 +1215,7 @@ export class Executor {
         const mine = byHost.get(hostId) ?? [];
         const vms = mine.map((c) => this.vmSpec(c.rec));
         const current = (await this.readSnapshot(op.tenantId, snapshotId))?.value ?? sn;
-        const fetch = this.fetchPlan(current, hostId, src);
+        const fetch = this.fetchPlan(current, hostId, src, migrates(hostId));
         let restored: HostResultMsg;
         try {
           restored = await this.step(op, `restore/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
@@ -1202,7 +1226,7 @@ export class Executor {
         }
         await this.markRunning(mine.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
         runningCount += mine.length;
-        if (fetch) await this.addHolder(op.tenantId, snapshotId, hostId);
+        if (fetch && !restored.restoredByMigration) await this.addHolder(op.tenantId, snapshotId, hostId);
         // Progress is written at most once a second (and with the final state), not per host.
         if (this.deps.clock.now() - lastProgressAt >= 1000) {
           lastProgressAt = this.deps.clock.now();
@@ -1353,7 +1377,8 @@ export class Executor {
     const to = m.toHostId!;
     // 3. Restore under the same sandbox id on the new host (fetching the snapshot there).
     try {
-      const fetch = this.fetchPlan((await this.readSnapshot(sb.tenantId, sn.id))?.value ?? sn, to, from);
+      // The snapshot must end up on the new host (the old one is going away): fetch, never migrate.
+      const fetch = this.fetchPlan((await this.readSnapshot(sb.tenantId, sn.id))?.value ?? sn, to, from, false);
       await this.step(op, `migrate/${sb.id}/restore`, to, { case: 'restoreVms', value: { snapshotId: sn.id, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
       if (fetch) await this.addHolder(sb.tenantId, sn.id, to);
       if (m.wasPaused) await this.step(op, `migrate/${sb.id}/pause-dest`, to, { case: 'pauseVm', value: { sandboxId: sb.id } as never });

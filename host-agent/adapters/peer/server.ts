@@ -10,7 +10,8 @@ import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_p
 import type { FetchChunksRequest, FetchChunksResponseSchema } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { register } from '../../../services/adapters/grpc/rpc.ts';
 import type { CallContext, ServiceRegistration } from '../../../services/adapters/grpc/rpc.ts';
-import { InvalidArgumentError } from '../../../proto/errors.ts';
+import { isIP } from 'node:net';
+import { ForkfleetError, InvalidArgumentError } from '../../../proto/errors.ts';
 import type { ChunkStore, Clock, DigestHex, EncodedChunk, ManifestStore } from '../../domain/snapshot-store.ts';
 import { manifestDigests } from '../../domain/snapshot-store.ts';
 import { ManifestNotFoundError, TicketInvalidError } from '../../domain/transfer-errors.ts';
@@ -30,6 +31,11 @@ export interface ChunkServerDeps {
   readonly prefetch?: number;
   /** Observes every chunk served (metrics, tests). */
   readonly onServed?: (digest: DigestHex, bytes: number) => void;
+  /**
+   * Restore by migration (ADR 0015): migrate a paused clone of the snapshot to `target`.
+   * Absent: MigrateSnapshot is refused and callers fetch chunks instead.
+   */
+  readonly migrate?: (snapshotId: string, target: { host: string; port: number }) => Promise<{ bytes: number; ms: number }>;
 }
 
 export interface ChunkServerStats {
@@ -39,6 +45,15 @@ export interface ChunkServerStats {
 }
 
 type Response = MessageInitShape<typeof FetchChunksResponseSchema>;
+
+/** The IP address in a grpc-js peer string ("10.0.0.2:5123", "[fd00::2]:5123", "ipv4:..."). */
+export function peerHost(peer: string): string | undefined {
+  const p = peer.replace(/^ipv[46]:/, '');
+  const m = /^\[([^\]]+)\]:\d+$/.exec(p) ?? /^([^:]+):\d+$/.exec(p);
+  const host = m?.[1];
+  if (!host || !isIP(host)) return undefined;
+  return host.startsWith('::ffff:') && isIP(host.slice(7)) === 4 ? host.slice(7) : host;
+}
 
 function defaultCallerHostId(ctx: CallContext): string {
   const v = ctx.metadata.get(HOST_ID_METADATA)[0];
@@ -80,6 +95,18 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
     async getManifest(req, ctx) {
       const { signed } = await authorise(req.ticket, ctx);
       return { manifest: signed };
+    },
+
+    async migrateSnapshot(req, ctx) {
+      const { claims } = await authorise(req.ticket, ctx);
+      if (!deps.migrate) throw new ForkfleetError('failed_precondition', 'this host does not migrate snapshots out; fetch the chunks');
+      if (!Number.isInteger(req.port) || req.port < 1 || req.port > 65535) throw new InvalidArgumentError('port', 'must be 1..65535');
+      // The stream goes only to the address the call came from: a ticket holder cannot aim it elsewhere.
+      const host = peerHost(ctx.peer);
+      if (!host) throw new ForkfleetError('failed_precondition', `cannot tell the caller's address from ${ctx.peer}`);
+      const r = await deps.migrate(claims.snapshotId, { host, port: req.port });
+      deps.log?.info({ snapshotId: claims.snapshotId, to: `${host}:${req.port}`, bytes: r.bytes, ms: r.ms }, 'snapshot migrated to a peer');
+      return { bytes: BigInt(r.bytes), millis: r.ms };
     },
 
     async *fetchChunks(reqs: AsyncIterable<FetchChunksRequest>, ctx: CallContext): AsyncIterable<Response> {

@@ -2,7 +2,8 @@
 // One template VM is booted for the file and everything forks from its snapshot.
 import { createHash } from 'node:crypto';
 import { createReadStream } from 'node:fs';
-import { mkdtemp, readdir, readFile, rm, stat } from 'node:fs/promises';
+import { copyFile, mkdtemp, readdir, readFile, rm, stat } from 'node:fs/promises';
+import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { pino } from 'pino';
@@ -217,6 +218,45 @@ describe('QemuVmmDriver (real QEMU)', () => {
     const left = await readdir(standbyDir);
     expect(left).toHaveLength(1);
     expect(standbyPids.filter((p) => p !== vm?.pid).every(isAlive)).toBe(true);
+  });
+
+  it('migrate_whenRestoredOnAnotherHostsDriver_vmHasSnapshotStateOwnIdentitySnapshotsAndLeavesNothing', async () => {
+    // Another "host": a second driver with its own root; the stream crosses loopback TCP.
+    const dest = new QemuVmmDriver({ root: join(root, 'host2'), accel: 'tcg', logger, standby: NO_REFILL });
+    const server = net.createServer({ pauseOnConnect: true });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const port = (server.address() as net.AddressInfo).port;
+    const accepted = new Promise<net.Socket>((r) => server.once('connection', r));
+    try {
+      // The layer's header names the image disk by another host's path: it is rebased onto ours.
+      const src = { manifest: snap.manifest, image, diskLayerBacking: '/elsewhere/disk.qcow2', writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };
+      const incoming = await dest.prepareIncoming(src, { vmId: 'm0', hostname: 'm0', sandboxId: 'sb-m0' });
+      const [sent, vm] = await Promise.all([driver.migrateOut(snap, { host: '127.0.0.1', port }), accepted.then((c) => incoming.load(c))]);
+      expect(sent.bytes).toBeGreaterThan(16 << 20);
+      expect(vm).toMatchObject({ state: 'running', baseSnapshotId: 'snap-tpl', hostname: 'm0' });
+      expect((await dest.readFile('m0', '/dev/shm/marker')).toString()).toBe('tmpfs-before-snapshot');
+      expect(await sh('m0', 'cat /data/marker; hostname; cat /run/forkfleet/sandbox-id', dest)).toBe('disk-before-snapshot\nm0\nsb-m0');
+      const a = Number(await sh('m0', 'cat /tmp/counter', dest));
+      await new Promise((r) => setTimeout(r, 700));
+      expect(Number(await sh('m0', 'cat /tmp/counter', dest))).toBeGreaterThan(a);
+      // The source's QEMU never ran the guest and is gone; nothing of it is left.
+      expect((await readdir(join(root, 'standby')).catch(() => [] as string[])).filter((d) => d.startsWith('migrate-'))).toEqual([]);
+      // A migrated VM snapshots and forks like any other.
+      await sh('m0', 'echo migrated > /data/m && sync', dest);
+      const s = await dest.snapshot('m0', 'snap-m0');
+      const [g] = await dest.fork(s, [{ vmId: 'mg0' }]);
+      expect(await sh(g?.vmId ?? '', 'cat /data/m /dev/shm/marker', dest)).toBe('migrated\ntmpfs-before-snapshot');
+      await dest.destroy('mg0');
+      await dest.destroy('m0');
+      await dest.deleteSnapshot(s);
+      // A prepared VM whose stream never comes is aborted without a trace.
+      const unused = await dest.prepareIncoming(src, { vmId: 'm1' });
+      await unused.abort();
+      expect(await readdir(join(root, 'host2', 'vms'))).toEqual([]);
+    } finally {
+      server.close();
+      await dest.close();
+    }
   });
 
   it('pause_thenResume_guestContinues', async () => {

@@ -43,7 +43,10 @@ import {
   type ExecRequest,
   type ExecResult,
   type GuestImage,
+  type IncomingSource,
+  type IncomingVm,
   type LocalSnapshot,
+  type MigrateOutReport,
   type NetworkPolicySpec,
   type RecoveryReport,
   type SnapshotManifest,
@@ -66,6 +69,7 @@ import {
   killHard,
   OverlayFactory,
   qemuImgCreateOverlay,
+  qemuImgRebaseUnsafe,
   qemuVersion,
   spawnQemu,
   type QemuProcess,
@@ -109,6 +113,8 @@ interface VmPersisted {
   network?: NetworkPolicySpec;
   /** The directory its QEMU was started in, when that is not the workdir (a claimed standby). */
   launchDir?: string;
+  /** Guest RAM is anonymous memory, not a file (a VM restored by migration from another host, ADR 0015). */
+  anonymousRam?: boolean;
 }
 
 interface VmRecord extends VmPersisted {
@@ -304,6 +310,7 @@ export class QemuVmmDriver implements VmmDriver {
       kernelArgs: p.kernelArgs,
       memPath,
       memShared,
+      ...(p.anonymousRam ? { anonymousRam: true } : {}),
       disk,
       qmpSocket: join(dir, `qmp.${gen}.sock`),
       agentSocket: join(dir, `qga.${gen}.sock`),
@@ -634,7 +641,8 @@ export class QemuVmmDriver implements VmmDriver {
     try {
       await qemuImgCreateOverlay(rec.image.disk, recvDisk, rec.image.diskVirtualSize);
       await qemuImgCreateOverlay(diskImg, newDisk, rec.image.diskVirtualSize);
-      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), startPaused: true, egress: false, name: `ff-recv-${snapshotId}` };
+      // The receiver's RAM is the new image file, even when the VM's own RAM is anonymous.
+      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), anonymousRam: false, startPaused: true, egress: false, name: `ff-recv-${snapshotId}` };
       recv = await this.spawnAndConnect(l, join(recvDir, 'qemu.log'));
       await setCaps(recv.qmp, { events: true, 'x-ignore-shared': false });
       await recv.qmp.execute('migrate-incoming', { uri: `unix:${migSock}` });
@@ -776,14 +784,16 @@ export class QemuVmmDriver implements VmmDriver {
    * guest stays paused. The device state goes in as an inherited fd (`migrate-incoming fd:3`):
    * QEMU reads the file itself, with no `exec:` fork and no stream through this event loop (ADR 0009).
    */
-  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void, niceness = 0): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void, niceness = 0, o: { hostNetwork?: boolean } = {}): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
     const m = snapshot.manifest;
     await this.overlays.create(join(snapshot.dir, m.files.disk), p.diskPath, m.diskVirtualSize);
     mark('overlay');
     const state = await open(join(snapshot.dir, m.files.deviceState), 'r');
     let started: { proc: QemuProcess; qmp: QmpClient };
     try {
-      const l = { ...this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, true), niceness };
+      const spec = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, true);
+      // hostNetwork: a migration source (migrateOut), which never runs the guest.
+      const l = { ...spec, niceness, ...(o.hostNetwork ? { netns: undefined, startPaused: true } : {}) };
       started = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), [state.fd], p.network);
     } finally {
       await state.close();
@@ -871,6 +881,133 @@ export class QemuVmmDriver implements VmmDriver {
   /** Stops every standby and makes no more (an agent stopping: VMs stay for the next one, standbys are never adopted). */
   closeStandbys(): Promise<void> {
     return this.standbys.close();
+  }
+
+  // ---------------------------------------------------------------- restore by migration (ADR 0015)
+
+  /**
+   * Source side of a restore on another host (ADR 0015): a QEMU is started with the
+   * snapshot's memory image mapped and its device state loaded, the guest never runs, and it
+   * migrates everything (all of RAM, the device state) to the destination's listener at
+   * `target`, then exits. It runs in the agent's network namespace, because it must reach the
+   * other host; the guest's vCPUs never start in it. The snapshot's files are only read.
+   */
+  async migrateOut(snapshot: LocalSnapshot, target: { host: string; port: number }): Promise<MigrateOutReport> {
+    const t0 = performance.now();
+    await this.assertCompatible(snapshot);
+    const id = `migrate-${randomBytes(6).toString('hex')}`;
+    // Under standby/, so recover() reaps it if the agent dies meanwhile (fleet:down kills it by pid).
+    const workdir = join(this.standbyDir, id);
+    await mkdir(workdir, { recursive: true });
+    let started: { proc: QemuProcess; qmp: QmpClient } | undefined;
+    try {
+      const p = await this.clonePersisted(snapshot, { vmId: id }, workdir);
+      started = await this.spawnIncoming(snapshot, p, () => undefined, 0, { hostNetwork: true });
+      const { qmp } = started;
+      await setCaps(qmp, { events: true, 'x-ignore-shared': false });
+      // QEMU's default cap is 32 MiB/s; the link and the destination set the pace.
+      await qmp.execute('migrate-set-parameters', { 'max-bandwidth': 64 * 1024 ** 3 });
+      const tm = performance.now();
+      const host = target.host.includes(':') ? `[${target.host}]` : target.host;
+      await migrateAndWait(qmp, `tcp:${host}:${target.port}`);
+      const q = await qmp.execute<{ ram?: { transferred?: number; mbps?: number; 'normal-bytes'?: number } }>('query-migrate').catch(() => undefined);
+      const bytes = q?.ram?.transferred ?? 0;
+      const ms = Math.round(performance.now() - t0);
+      this.opts.logger.info({ snapshotId: snapshot.manifest.snapshotId, bytes, ms, prepareMs: Math.round(tm - t0), mbps: q?.ram?.mbps && Math.round(q.ram.mbps) }, 'snapshot migrated out');
+      return { bytes, ms };
+    } finally {
+      if (started) {
+        started.qmp.close();
+        await killAndWait(started.proc);
+      }
+      await rm(workdir, { recursive: true, force: true });
+    }
+  }
+
+  /**
+   * Destination side (ADR 0015): a VM `c` that will be restored from the migration stream of
+   * a snapshot this host does not hold. Prepared before the stream arrives: the workdir and
+   * the disk (an overlay on the snapshot's disk layer, which `src.writeDiskLayer` puts in the
+   * workdir). `load(conn)` starts QEMU on the accepted connection (inherited, so the stream
+   * never passes through this process), loads it into anonymous RAM, then gives the VM the
+   * same clone hygiene as any restore.
+   */
+  async prepareIncoming(src: IncomingSource, c: CloneSpec): Promise<IncomingVm> {
+    validateId('vmId', c.vmId);
+    if (c.network) EgressManager.validate(c.network);
+    const m = src.manifest;
+    await this.assertCompatible({ dir: '', manifest: m });
+    const t0 = this.opts.clock.now();
+    const workdir = await this.makeWorkdir(c.vmId);
+    const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId, migrated: true });
+    let p: VmPersisted;
+    try {
+      const layer = join(workdir, 'layer.qcow2');
+      await src.writeDiskLayer(layer);
+      if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(layer, src.image.disk);
+      p = {
+        info: {
+          vmId: c.vmId, state: 'starting', accel: m.config.accel, pid: 0, workdir, memoryMib: m.config.memoryMib,
+          vcpus: m.config.vcpus, hostname: c.hostname ?? c.vmId, sandboxId: c.sandboxId ?? c.vmId,
+          baseSnapshotId: m.snapshotId, readyMs: 0,
+        },
+        image: src.image,
+        kernelArgs: m.image.kernelArgs,
+        memPath: '',
+        memShared: false,
+        anonymousRam: true,
+        diskPath: join(workdir, 'disk.0.qcow2'),
+        gen: 0,
+        dependsOn: [],
+        ...(c.network?.allowEgress ? { network: c.network } : {}),
+      };
+      await qemuImgCreateOverlay(layer, p.diskPath, m.diskVirtualSize);
+    } catch (e) {
+      await rm(workdir, { recursive: true, force: true });
+      throw e;
+    }
+    const prepareMs = this.opts.clock.now() - t0;
+    let used = false;
+    return {
+      vmId: c.vmId,
+      load: async (conn: net.Socket): Promise<VmInfo> => {
+        if (used) throw new VmAlreadyExistsError(c.vmId);
+        used = true;
+        const t1 = this.opts.clock.now();
+        try {
+          const fd = (conn as unknown as { _handle?: { fd?: number } })._handle?.fd;
+          if (typeof fd !== 'number' || fd < 0) throw new VmmError('migration connection has no file descriptor');
+          let rec: VmRecord;
+          try {
+            rec = await this.launch(p, log, { incoming: true, extraFds: [fd] });
+          } finally {
+            // QEMU holds its own copy now; destroy() closes ours without shutting the connection down.
+            conn.destroy();
+          }
+          await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
+          await incomingAndWait(rec.qmp, 'fd:3');
+          const loadMs = this.opts.clock.now() - t1;
+          await rec.qmp.execute('cont');
+          rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
+          await this.cloneHygiene(rec);
+          rec.info.readyMs = this.opts.clock.now() - t0;
+          this.setState(rec, 'running');
+          await this.persist(rec);
+          log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, pid: rec.proc.pid }, 'vm restored by migration');
+          return { ...rec.info };
+        } catch (e) {
+          conn.destroy();
+          await this.destroy(c.vmId).catch(() => undefined);
+          await rm(workdir, { recursive: true, force: true });
+          throw e;
+        }
+      },
+      abort: async () => {
+        used = true;
+        await this.destroy(c.vmId).catch(() => undefined);
+        await rm(workdir, { recursive: true, force: true });
+      },
+    };
   }
 
   private async restoreOne(snapshot: LocalSnapshot, c: CloneSpec): Promise<VmInfo> {
@@ -1238,7 +1375,7 @@ export class QemuVmmDriver implements VmmDriver {
   private async persist(rec: VmRecord): Promise<void> {
     const p: VmPersisted = {
       info: rec.info, image: rec.image, kernelArgs: rec.kernelArgs, memPath: rec.memPath, memShared: rec.memShared,
-      diskPath: rec.diskPath, gen: rec.gen, dependsOn: rec.dependsOn,
+      diskPath: rec.diskPath, gen: rec.gen, dependsOn: rec.dependsOn, ...(rec.anonymousRam ? { anonymousRam: true } : {}),
       ...(rec.network ? { network: rec.network } : {}),
       ...(rec.launchDir ? { launchDir: rec.launchDir } : {}),
     };

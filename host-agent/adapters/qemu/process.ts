@@ -92,6 +92,11 @@ export async function qemuImgCreateOverlay(backing: string, overlay: string, vir
   await run('qemu-img', ['create', '-q', '-f', 'qcow2', '-u', '-b', backing, '-F', 'qcow2', overlay, String(virtualSize)]);
 }
 
+/** Points a qcow2 layer at another backing file without touching data (-u: header only). */
+export async function qemuImgRebaseUnsafe(layer: string, backing: string): Promise<void> {
+  await run('qemu-img', ['rebase', '-u', '-f', 'qcow2', '-b', backing, '-F', 'qcow2', layer]);
+}
+
 /**
  * Creates qcow2 overlays. An empty overlay is a pure function of (backing path, backing format,
  * virtual size), so the first one for a backing file is made by `qemu-img` and later ones are

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file forkfleet/v1/transfer.proto.
  */
 export const file_forkfleet_v1_transfer: GenFile = /*@__PURE__*/
-  fileDesc("Chtmb3JrZmxlZXQvdjEvdHJhbnNmZXIucHJvdG8SDGZvcmtmbGVldC52MSKFAQoOVHJhbnNmZXJUaWNrZXQSEwoLc25hcHNob3RfaWQYASABKAkSGwoTZGVzdGluYXRpb25faG9zdF9pZBgCIAEoCRIuCgpleHBpcmVzX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIRCgl0aWNrZXRfaWQYBCABKAkiQQoMU2lnbmVkVGlja2V0Eg4KBnRpY2tldBgBIAEoDBIRCglzaWduYXR1cmUYAiABKAwSDgoGa2V5X2lkGAMgASgJIkAKEkdldE1hbmlmZXN0UmVxdWVzdBIqCgZ0aWNrZXQYASABKAsyGi5mb3JrZmxlZXQudjEuU2lnbmVkVGlja2V0IkUKE0dldE1hbmlmZXN0UmVzcG9uc2USLgoIbWFuaWZlc3QYASABKAsyHC5mb3JrZmxlZXQudjEuU2lnbmVkTWFuaWZlc3QigwEKEkZldGNoQ2h1bmtzUmVxdWVzdBInCgRvcGVuGAEgASgLMhcuZm9ya2ZsZWV0LnYxLkZldGNoT3BlbkgAEicKBHdhbnQYAiABKAsyFy5mb3JrZmxlZXQudjEuRmV0Y2hXYW50SAASEAoGY3JlZGl0GAMgASgNSABCCQoHcGF5bG9hZCJHCglGZXRjaE9wZW4SKgoGdGlja2V0GAEgASgLMhouZm9ya2ZsZWV0LnYxLlNpZ25lZFRpY2tldBIOCgZjcmVkaXQYAiABKA0iHAoJRmV0Y2hXYW50Eg8KB2RpZ2VzdHMYASADKAwiXQoTRmV0Y2hDaHVua3NSZXNwb25zZRIoCgVjaHVuaxgBIAEoCzIXLmZvcmtmbGVldC52MS5DaHVua0RhdGFIABIRCgdtaXNzaW5nGAIgASgMSABCCQoHcGF5bG9hZCJbCglDaHVua0RhdGESDgoGZGlnZXN0GAEgASgMEiIKBWNvZGVjGAIgASgOMhMuZm9ya2ZsZWV0LnYxLkNvZGVjEgwKBHNpemUYAyABKA0SDAoEZGF0YRgEIAEoDDLCAQoUQ2h1bmtUcmFuc2ZlclNlcnZpY2USUgoLR2V0TWFuaWZlc3QSIC5mb3JrZmxlZXQudjEuR2V0TWFuaWZlc3RSZXF1ZXN0GiEuZm9ya2ZsZWV0LnYxLkdldE1hbmlmZXN0UmVzcG9uc2USVgoLRmV0Y2hDaHVua3MSIC5mb3JrZmxlZXQudjEuRmV0Y2hDaHVua3NSZXF1ZXN0GiEuZm9ya2ZsZWV0LnYxLkZldGNoQ2h1bmtzUmVzcG9uc2UoATABYgZwcm90bzM", [file_forkfleet_v1_snapshot, file_google_protobuf_timestamp]);
+  fileDesc("Chtmb3JrZmxlZXQvdjEvdHJhbnNmZXIucHJvdG8SDGZvcmtmbGVldC52MSKFAQoOVHJhbnNmZXJUaWNrZXQSEwoLc25hcHNob3RfaWQYASABKAkSGwoTZGVzdGluYXRpb25faG9zdF9pZBgCIAEoCRIuCgpleHBpcmVzX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIRCgl0aWNrZXRfaWQYBCABKAkiQQoMU2lnbmVkVGlja2V0Eg4KBnRpY2tldBgBIAEoDBIRCglzaWduYXR1cmUYAiABKAwSDgoGa2V5X2lkGAMgASgJIkAKEkdldE1hbmlmZXN0UmVxdWVzdBIqCgZ0aWNrZXQYASABKAsyGi5mb3JrZmxlZXQudjEuU2lnbmVkVGlja2V0IkUKE0dldE1hbmlmZXN0UmVzcG9uc2USLgoIbWFuaWZlc3QYASABKAsyHC5mb3JrZmxlZXQudjEuU2lnbmVkTWFuaWZlc3QigwEKEkZldGNoQ2h1bmtzUmVxdWVzdBInCgRvcGVuGAEgASgLMhcuZm9ya2ZsZWV0LnYxLkZldGNoT3BlbkgAEicKBHdhbnQYAiABKAsyFy5mb3JrZmxlZXQudjEuRmV0Y2hXYW50SAASEAoGY3JlZGl0GAMgASgNSABCCQoHcGF5bG9hZCJHCglGZXRjaE9wZW4SKgoGdGlja2V0GAEgASgLMhouZm9ya2ZsZWV0LnYxLlNpZ25lZFRpY2tldBIOCgZjcmVkaXQYAiABKA0iHAoJRmV0Y2hXYW50Eg8KB2RpZ2VzdHMYASADKAwiXQoTRmV0Y2hDaHVua3NSZXNwb25zZRIoCgVjaHVuaxgBIAEoCzIXLmZvcmtmbGVldC52MS5DaHVua0RhdGFIABIRCgdtaXNzaW5nGAIgASgMSABCCQoHcGF5bG9hZCJbCglDaHVua0RhdGESDgoGZGlnZXN0GAEgASgMEiIKBWNvZGVjGAIgASgOMhMuZm9ya2ZsZWV0LnYxLkNvZGVjEgwKBHNpemUYAyABKA0SDAoEZGF0YRgEIAEoDCJSChZNaWdyYXRlU25hcHNob3RSZXF1ZXN0EioKBnRpY2tldBgBIAEoCzIaLmZvcmtmbGVldC52MS5TaWduZWRUaWNrZXQSDAoEcG9ydBgCIAEoDSI4ChdNaWdyYXRlU25hcHNob3RSZXNwb25zZRINCgVieXRlcxgBIAEoBBIOCgZtaWxsaXMYAiABKA0yogIKFENodW5rVHJhbnNmZXJTZXJ2aWNlElIKC0dldE1hbmlmZXN0EiAuZm9ya2ZsZWV0LnYxLkdldE1hbmlmZXN0UmVxdWVzdBohLmZvcmtmbGVldC52MS5HZXRNYW5pZmVzdFJlc3BvbnNlElYKC0ZldGNoQ2h1bmtzEiAuZm9ya2ZsZWV0LnYxLkZldGNoQ2h1bmtzUmVxdWVzdBohLmZvcmtmbGVldC52MS5GZXRjaENodW5rc1Jlc3BvbnNlKAEwARJeCg9NaWdyYXRlU25hcHNob3QSJC5mb3JrZmxlZXQudjEuTWlncmF0ZVNuYXBzaG90UmVxdWVzdBolLmZvcmtmbGVldC52MS5NaWdyYXRlU25hcHNob3RSZXNwb25zZWIGcHJvdG8z", [file_forkfleet_v1_snapshot, file_google_protobuf_timestamp]);
 
 /**
  * Permission for one destination host to fetch one snapshot until it expires.
@@ -263,6 +263,56 @@ export const ChunkDataSchema: GenMessage<ChunkData> = /*@__PURE__*/
   messageDesc(file_forkfleet_v1_transfer, 8);
 
 /**
+ * @generated from message forkfleet.v1.MigrateSnapshotRequest
+ */
+export type MigrateSnapshotRequest = Message<"forkfleet.v1.MigrateSnapshotRequest"> & {
+  /**
+   * @generated from field: forkfleet.v1.SignedTicket ticket = 1;
+   */
+  ticket?: SignedTicket | undefined;
+
+  /**
+   * The caller's listener port, on the address the call came from.
+   *
+   * @generated from field: uint32 port = 2;
+   */
+  port: number;
+};
+
+/**
+ * Describes the message forkfleet.v1.MigrateSnapshotRequest.
+ * Use `create(MigrateSnapshotRequestSchema)` to create a new message.
+ */
+export const MigrateSnapshotRequestSchema: GenMessage<MigrateSnapshotRequest> = /*@__PURE__*/
+  messageDesc(file_forkfleet_v1_transfer, 9);
+
+/**
+ * @generated from message forkfleet.v1.MigrateSnapshotResponse
+ */
+export type MigrateSnapshotResponse = Message<"forkfleet.v1.MigrateSnapshotResponse"> & {
+  /**
+   * Migration stream bytes sent.
+   *
+   * @generated from field: uint64 bytes = 1;
+   */
+  bytes: bigint;
+
+  /**
+   * Server-side time, from the request to the stream sent.
+   *
+   * @generated from field: uint32 millis = 2;
+   */
+  millis: number;
+};
+
+/**
+ * Describes the message forkfleet.v1.MigrateSnapshotResponse.
+ * Use `create(MigrateSnapshotResponseSchema)` to create a new message.
+ */
+export const MigrateSnapshotResponseSchema: GenMessage<MigrateSnapshotResponse> = /*@__PURE__*/
+  messageDesc(file_forkfleet_v1_transfer, 10);
+
+/**
  * Served by every host agent to its peers: bulk snapshot bytes move host to host here,
  * never over NATS. Every call needs a ticket the scheduler signed.
  *
@@ -289,6 +339,18 @@ export const ChunkTransferService: GenService<{
     methodKind: "bidi_streaming";
     input: typeof FetchChunksRequestSchema;
     output: typeof FetchChunksResponseSchema;
+  },
+  /**
+   * Restore by migration (ADR 0015): the server starts a paused clone of the snapshot and
+   * migrates all of its RAM and its device state to a one-shot listener of the caller, at
+   * the address this call came from. Returns when the stream is sent.
+   *
+   * @generated from rpc forkfleet.v1.ChunkTransferService.MigrateSnapshot
+   */
+  migrateSnapshot: {
+    methodKind: "unary";
+    input: typeof MigrateSnapshotRequestSchema;
+    output: typeof MigrateSnapshotResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_forkfleet_v1_transfer, 0);

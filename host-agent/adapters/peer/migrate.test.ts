@@ -1,0 +1,110 @@
+// MigrateSnapshot over real gRPC on loopback (ADR 0015): the ticket check, the target being
+// the caller's own address, and the destination handing the source's connection on unread.
+// The source's QEMU is replaced by a function that connects and writes (the driver's side
+// is tested against real QEMU in adapters/qemu/driver.int.test.ts).
+import net from 'node:net';
+import { writeFileSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { FsChunkStore, FsManifestStore } from '../chunkstore/fs-store.ts';
+import { ingestSnapshot } from '../chunkstore/ingest.ts';
+import { LiveRoots, systemClock } from '../../domain/snapshot-store.ts';
+import { generateSigningKey, signManifest, signTicket, type SigningKey, type TrustedKeys } from '../../domain/tickets.ts';
+import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
+import { startGrpcServer, type RunningGrpcServer } from '../../../services/adapters/grpc/server.ts';
+import { createClient } from '../../../services/adapters/grpc/rpc.ts';
+import { tempDir } from '../../../services/testkit/proc.ts';
+import { chunkTransferService, HOST_ID_METADATA, peerHost } from './server.ts';
+import { migrateFrom } from './migrate.ts';
+
+let dir: string;
+let key: SigningKey;
+let trust: TrustedKeys;
+let withMigrate: RunningGrpcServer;
+let without: RunningGrpcServer;
+const targets: Array<{ host: string; port: number }> = [];
+
+/** Stands in for the driver's migrateOut: connects to the target and sends a fixed stream. */
+async function fakeMigrate(_snapshotId: string, target: { host: string; port: number }): Promise<{ bytes: number; ms: number }> {
+  targets.push(target);
+  const c = net.createConnection(target.port, target.host);
+  await new Promise<void>((resolve, reject) => c.once('connect', resolve).once('error', reject));
+  await new Promise<void>((resolve) => c.end('the-migration-stream', resolve));
+  return { bytes: 20, ms: 1 };
+}
+
+const ticket = (dest: string, k = key) => signTicket({ snapshotId: 's1', destinationHostId: dest, expiresAt: new Date(Date.now() + 60_000) }, k);
+
+async function readAll(conn: net.Socket): Promise<string> {
+  conn.resume();
+  let s = '';
+  for await (const b of conn) s += (b as Buffer).toString();
+  return s;
+}
+
+beforeAll(async () => {
+  dir = tempDir('ff-migrate-');
+  const gen = generateSigningKey('k1');
+  key = gen.signing;
+  trust = gen.trusted;
+  const file = join(dir, 'mem.img');
+  writeFileSync(file, Buffer.alloc(1 << 20, 7));
+  const deps = { chunks: new FsChunkStore(join(dir, 'A')), manifests: new FsManifestStore(join(dir, 'A')), roots: new LiveRoots(), clock: systemClock };
+  const s1 = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: file }] }, deps);
+  await deps.manifests.put('s1', signManifest(s1.manifest, key));
+  const svc = (migrate?: typeof fakeMigrate) => chunkTransferService({ chunks: deps.chunks, manifests: deps.manifests, trust, clock: { now: () => new Date() }, ...(migrate ? { migrate } : {}) }).registration;
+  withMigrate = await startGrpcServer({ address: '127.0.0.1:0', services: [svc(fakeMigrate)] });
+  without = await startGrpcServer({ address: '127.0.0.1:0', services: [svc()] });
+});
+
+afterAll(async () => {
+  await withMigrate?.close(100);
+  await without?.close(100);
+  if (dir) rmSync(dir, { recursive: true, force: true });
+});
+
+describe('MigrateSnapshot', () => {
+  it('migrateFrom_withValidTicket_sourceConnectsToTheCallersAddressAndTheStreamReachesLoadUnread', async () => {
+    const r = await migrateFrom({ sourceAddress: withMigrate.address, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1' }, readAll);
+    expect(r.result).toBe('the-migration-stream');
+    expect(r.bytes).toBe(20);
+    expect(targets.at(-1)?.host).toBe('127.0.0.1');
+  });
+
+  it('migrateFrom_withoutValidTicket_isRefusedAndLoadNeverRuns', async () => {
+    const stranger = generateSigningKey('k1').signing;
+    let loaded = false;
+    const load = async (c: net.Socket): Promise<string> => {
+      loaded = true;
+      return readAll(c);
+    };
+    const calls = targets.length;
+    for (const t of [ticket('hostR', stranger), ticket('someOtherHost')]) {
+      await expect(migrateFrom({ sourceAddress: withMigrate.address, ticket: t, hostId: 'hostR', listenHost: '127.0.0.1' }, load)).rejects.toMatchObject({ kind: expect.stringMatching(/permission_denied|unauthenticated/) });
+    }
+    expect(loaded).toBe(false);
+    expect(targets.length).toBe(calls);
+  });
+
+  it('migrateSnapshot_onAHostThatCannotMigrate_failsPreconditionSoTheCallerFetches', async () => {
+    await expect(migrateFrom({ sourceAddress: without.address, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1' }, readAll)).rejects.toMatchObject({ kind: 'failed_precondition' });
+  });
+
+  it('migrateSnapshot_withPortZero_isInvalidArgumentNamingPort', async () => {
+    const client = createClient(ChunkTransferService, withMigrate.address);
+    try {
+      await expect(client.migrateSnapshot({ ticket: ticket('hostR'), port: 0 }, { metadata: { [HOST_ID_METADATA]: 'hostR' } })).rejects.toMatchObject({ kind: 'invalid_argument', message: expect.stringContaining('port') });
+    } finally {
+      client.close();
+    }
+  });
+
+  it('peerHost_readsTheAddressOfEveryGrpcPeerForm', () => {
+    expect(peerHost('10.0.0.2:5123')).toBe('10.0.0.2');
+    expect(peerHost('ipv4:10.0.0.2:5123')).toBe('10.0.0.2');
+    expect(peerHost('[fd00::2]:5123')).toBe('fd00::2');
+    expect(peerHost('[::ffff:10.0.0.2]:5123')).toBe('10.0.0.2');
+    expect(peerHost('unix:/tmp/x.sock')).toBeUndefined();
+  });
+});
