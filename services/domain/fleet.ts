@@ -212,10 +212,14 @@ export class Fleet {
     }, [], true);
   }
 
-  private async sandboxOp(kind: OperationKind, input: SandboxOpInput, allowed: readonly SandboxState[], extra: Record<string, unknown> = {}): Promise<OperationRec> {
+  private async sandboxOp(kind: OperationKind, input: SandboxOpInput, allowed: readonly SandboxState[], extra: Record<string, unknown> = {}, known?: SandboxRec): Promise<OperationRec> {
+    // The key lookup and the sandbox read go to etcd together (one batched read, not two round trips).
+    // A repeat of the key answers with its operation even when the sandbox is gone by now.
+    const read = known ? Promise.resolve(known) : this.getSandbox(input.tenantId, input.sandboxId);
+    read.catch(() => undefined);
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
     if (prior) return prior;
-    const sb = await this.getSandbox(input.tenantId, input.sandboxId);
+    const sb = await read;
     if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`);
     if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
     return this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], true);
@@ -227,8 +231,8 @@ export class Fleet {
   async resumeSandbox(input: SandboxOpInput): Promise<OperationRec> {
     const sb = await this.getSandbox(input.tenantId, input.sandboxId);
     // Resuming a hibernated sandbox is a wake: restore from its hibernation snapshot.
-    if (sb.state === 'hibernated' || sb.state === 'waking') return this.sandboxOp('wake', input, ['hibernated', 'waking']);
-    return this.sandboxOp('resume', input, ['running', 'paused']);
+    if (sb.state === 'hibernated' || sb.state === 'waking') return this.sandboxOp('wake', input, ['hibernated', 'waking'], {}, sb);
+    return this.sandboxOp('resume', input, ['running', 'paused'], {}, sb);
   }
   snapshotSandbox(input: SandboxOpInput & { pin: boolean; keepLast: number; retentionTtlMs: number | null; labels: Record<string, string> }): Promise<OperationRec> {
     return this.sandboxOp('snapshot', input, ['running', 'paused'], {
