@@ -240,7 +240,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
       await new Promise((r) => setTimeout(r, 700));
       expect(Number(await sh('m0', 'cat /tmp/counter', dest))).toBeGreaterThan(a);
       // The source's QEMU never ran the guest and is gone; nothing of it is left.
-      expect((await readdir(join(root, 'standby')).catch(() => [] as string[])).filter((d) => d.startsWith('migrate-'))).toEqual([]);
+      expect((await readdir(join(root, 'standby')).catch(() => [] as string[])).filter((d) => d.startsWith('source-'))).toEqual([]);
       // A migrated VM snapshots and forks like any other.
       await sh('m0', 'echo migrated > /data/m && sync', dest);
       const s = await dest.snapshot('m0', 'snap-m0');

@@ -146,6 +146,8 @@ const VM_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$/;
 /** A resume refreshes the guest clock once the pauses since its last refresh add up to this. */
 const CLOCK_REFRESH_AFTER_MS = 200;
 const MIGRATION_TIMEOUT_MS = 120_000;
+/** Migration sources kept ready on a host, all snapshots together (ADR 0015). */
+const MIGRATION_SOURCES_MAX = 2;
 
 export class QemuVmmDriver implements VmmDriver {
   private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby'>> & { probeImage?: GuestImage; egress?: EgressOptions };
@@ -156,6 +158,8 @@ export class QemuVmmDriver implements VmmDriver {
   private readonly overlays = new OverlayFactory();
   private versionPromise: Promise<string> | undefined;
   private readonly standbys: StandbyPool;
+  /** Migration sources kept ready (ADR 0015): standbys in the agent's network namespace. */
+  private readonly sources: StandbyPool;
 
   constructor(opts: QemuDriverOptions) {
     this.opts = {
@@ -167,9 +171,13 @@ export class QemuVmmDriver implements VmmDriver {
       tcgTbMib: 64,
       ...opts,
     };
-    this.standbys = new StandbyPool(
-      { ...DEFAULT_STANDBY_POLICY, ...opts.standby },
-      (s) => this.launchStandby(s),
+    const policy = { ...DEFAULT_STANDBY_POLICY, ...opts.standby };
+    this.standbys = new StandbyPool(policy, (s) => this.launchStandby(s), (s) => this.discardStandby(s), this.opts.logger, this.opts.clock);
+    // One per snapshot that was migrated out before, so the next child that leaves skips the
+    // QEMU start; within the same host-wide cap as fork standbys.
+    this.sources = new StandbyPool(
+      { ...policy, max: Math.min(policy.max, MIGRATION_SOURCES_MAX), perSnapshot: Math.min(policy.perSnapshot, 1) },
+      (s) => this.launchStandby(s, { hostNetwork: true }),
       (s) => this.discardStandby(s),
       this.opts.logger,
       this.opts.clock,
@@ -813,15 +821,15 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /** A standby (standby.ts): a clone's QEMU with the snapshot's device state loaded, paused, owned by no VM yet. */
-  private async launchStandby(snapshot: LocalSnapshot): Promise<Standby> {
-    const id = `standby-${randomBytes(6).toString('hex')}`;
+  private async launchStandby(snapshot: LocalSnapshot, o: { hostNetwork?: boolean } = {}): Promise<Standby> {
+    const id = `${o.hostNetwork ? 'source' : 'standby'}-${randomBytes(6).toString('hex')}`;
     const workdir = join(this.standbyDir, id);
     await mkdir(workdir, { recursive: true });
     try {
       const p = await this.clonePersisted(snapshot, { vmId: id }, workdir);
       // Nice 19: starting standbys is background work that must not slow the VMs and forks
       // running now; the claim renices the process to 0.
-      const { proc, qmp } = await this.spawnIncoming(snapshot, p, () => undefined, 19);
+      const { proc, qmp } = await this.spawnIncoming(snapshot, p, () => undefined, 19, o);
       return { id, snapshotId: snapshot.manifest.snapshotId, workdir, proc, qmp, readyAt: this.opts.clock.now() };
     } catch (e) {
       await rm(workdir, { recursive: true, force: true });
@@ -850,17 +858,8 @@ export class QemuVmmDriver implements VmmDriver {
       await this.discardStandby(s);
       throw e;
     }
-    // Back to normal priority: every thread (nice is per thread on Linux), twice in case one
-    // was being created meanwhile.
-    for (let pass = 0; pass < 2; pass++) {
-      for (const tid of await readdir(`/proc/${s.proc.pid}/task`).catch(() => [] as string[])) {
-        try {
-          setPriority(Number(tid), 0);
-        } catch {
-          // a thread that just ended
-        }
-      }
-    }
+    // Back to normal priority (it started at nice 19 as background work).
+    await reniceProcess(s.proc.pid, 0);
     const rec = this.register({ ...p, launchDir: s.workdir }, s.proc, s.qmp, log);
     if (s.qmp.closed) throw new VmCrashedError(p.info.vmId, 'standby QEMU exited before it was claimed');
     return rec;
@@ -874,13 +873,13 @@ export class QemuVmmDriver implements VmmDriver {
     return this.standbys.warm(snapshot, count);
   }
 
-  dropStandbys(snapshotId: string): Promise<void> {
-    return this.standbys.drop(snapshotId);
+  async dropStandbys(snapshotId: string): Promise<void> {
+    await Promise.all([this.standbys.drop(snapshotId), this.sources.drop(snapshotId)]);
   }
 
   /** Stops every standby and makes no more (an agent stopping: VMs stay for the next one, standbys are never adopted). */
-  closeStandbys(): Promise<void> {
-    return this.standbys.close();
+  async closeStandbys(): Promise<void> {
+    await Promise.all([this.standbys.close(), this.sources.close()]);
   }
 
   // ---------------------------------------------------------------- restore by migration (ADR 0015)
@@ -895,32 +894,26 @@ export class QemuVmmDriver implements VmmDriver {
   async migrateOut(snapshot: LocalSnapshot, target: { host: string; port: number }): Promise<MigrateOutReport> {
     const t0 = performance.now();
     await this.assertCompatible(snapshot);
-    const id = `migrate-${randomBytes(6).toString('hex')}`;
-    // Under standby/, so recover() reaps it if the agent dies meanwhile (fleet:down kills it by pid).
-    const workdir = join(this.standbyDir, id);
-    await mkdir(workdir, { recursive: true });
-    let started: { proc: QemuProcess; qmp: QmpClient } | undefined;
+    const ready = await this.sources.claim(snapshot.manifest.snapshotId);
+    // Keep one ready for the next child of this snapshot that leaves the host.
+    this.sources.demand(snapshot, 1);
+    const s = ready ?? (await this.launchStandby(snapshot, { hostNetwork: true }));
     try {
-      const p = await this.clonePersisted(snapshot, { vmId: id }, workdir);
-      started = await this.spawnIncoming(snapshot, p, () => undefined, 0, { hostNetwork: true });
-      const { qmp } = started;
-      await setCaps(qmp, { events: true, 'x-ignore-shared': false });
+      // Started as background work (nice 19); its stream is on a restore's critical path.
+      await reniceProcess(s.proc.pid, 0);
+      await setCaps(s.qmp, { events: true, 'x-ignore-shared': false });
       // QEMU's default cap is 32 MiB/s; the link and the destination set the pace.
-      await qmp.execute('migrate-set-parameters', { 'max-bandwidth': 64 * 1024 ** 3 });
+      await s.qmp.execute('migrate-set-parameters', { 'max-bandwidth': 64 * 1024 ** 3 });
       const tm = performance.now();
       const host = target.host.includes(':') ? `[${target.host}]` : target.host;
-      await migrateAndWait(qmp, `tcp:${host}:${target.port}`);
-      const q = await qmp.execute<{ ram?: { transferred?: number; mbps?: number; 'normal-bytes'?: number } }>('query-migrate').catch(() => undefined);
+      await migrateAndWait(s.qmp, `tcp:${host}:${target.port}`);
+      const q = await s.qmp.execute<{ ram?: { transferred?: number; mbps?: number } }>('query-migrate').catch(() => undefined);
       const bytes = q?.ram?.transferred ?? 0;
       const ms = Math.round(performance.now() - t0);
-      this.opts.logger.info({ snapshotId: snapshot.manifest.snapshotId, bytes, ms, prepareMs: Math.round(tm - t0), mbps: q?.ram?.mbps && Math.round(q.ram.mbps) }, 'snapshot migrated out');
+      this.opts.logger.info({ snapshotId: snapshot.manifest.snapshotId, bytes, ms, ready: !!ready, prepareMs: Math.round(tm - t0), mbps: q?.ram?.mbps && Math.round(q.ram.mbps) }, 'snapshot migrated out');
       return { bytes, ms };
     } finally {
-      if (started) {
-        started.qmp.close();
-        await killAndWait(started.proc);
-      }
-      await rm(workdir, { recursive: true, force: true });
+      await this.discardStandby(s);
     }
   }
 
@@ -1226,7 +1219,7 @@ export class QemuVmmDriver implements VmmDriver {
   async deleteSnapshot(snapshot: LocalSnapshot): Promise<void> {
     const id = snapshot.manifest.snapshotId;
     // Standbys are not users: they go with the snapshot.
-    await this.standbys.drop(id);
+    await this.dropStandbys(id);
     const users = [...this.vms.values()].filter((v) => v.dependsOn.includes(id)).map((v) => `vm ${v.info.vmId}`);
     for (const other of await readdir(this.snapshotsDir).catch(() => [] as string[])) {
       const m = await this.openSnapshot(join(this.snapshotsDir, other)).catch(() => undefined);
@@ -1243,6 +1236,7 @@ export class QemuVmmDriver implements VmmDriver {
   detach(): void {
     // Standbys are left running too; they are never adopted, a new agent's recover reaps them.
     this.standbys.abandon();
+    this.sources.abandon();
     for (const rec of this.vms.values()) {
       rec.expectExit = true;
       rec.agent?.close();
@@ -1252,7 +1246,7 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   async close(): Promise<void> {
-    await this.standbys.close();
+    await this.closeStandbys();
     await Promise.all([...this.vms.keys()].map((id) => this.destroy(id)));
   }
 
@@ -1508,6 +1502,19 @@ export async function armIncoming(qmp: QmpClient, sockPath: string): Promise<(fi
       await unlink(sockPath).catch(() => undefined);
     }
   };
+}
+
+/** Sets the nice value of every thread of `pid` (nice is per thread on Linux); twice, in case one was being created meanwhile. */
+async function reniceProcess(pid: number, niceness: number): Promise<void> {
+  for (let pass = 0; pass < 2; pass++) {
+    for (const tid of await readdir(`/proc/${pid}/task`).catch(() => [] as string[])) {
+      try {
+        setPriority(Number(tid), niceness);
+      } catch {
+        // a thread that just ended
+      }
+    }
+  }
 }
 
 /** Load a migration stream from `file` (see armIncoming). */
