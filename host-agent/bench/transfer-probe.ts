@@ -5,7 +5,10 @@
 //   node --import tsx host-agent/bench/transfer-probe.ts --rate 1 --reps 3 \
 //     --config 'base=' --config 'one=FF_STREAMS=1' [--prof DIR] [--naive]
 // A config is NAME=ENV[;ENV...] (environment of the fetch process). --prof writes CPU
-// profiles of the fetch and server processes into DIR.
+// profiles of the fetch and server processes into DIR. --warm: each config fetches through its
+// own long-lived receiver (`fetch-daemon`, as bench:transfer's `seconds`), warmed by one fetch
+// of the warm-up snapshot `w` into a store of its own. Every fetch gets a new store; all are
+// deleted at the end.
 import { parseArgs } from 'node:util';
 import { rmSync, mkdirSync, readFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
@@ -13,7 +16,7 @@ import { fileURLToPath } from 'node:url';
 import { encodeSignedTicket, signTicket } from '../domain/tickets.ts';
 import { createFabric, readLog, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { tempDir, waitFor } from '../../services/testkit/proc.ts';
-import { prepareSource } from './transfer-source.ts';
+import { prepareSource, prepareWarmup, startDaemon } from './transfer-source.ts';
 import { loadavg } from 'node:os';
 import { execFileSync, spawn } from 'node:child_process';
 
@@ -38,7 +41,7 @@ const ENDPOINT = resolve(here, '../adapters/peer/endpoint-main.ts');
 
 async function main(): Promise<void> {
   const { values } = parseArgs({
-    options: { rate: { type: 'string', default: '1' }, reps: { type: 'string', default: '3' }, config: { type: 'string', multiple: true }, prof: { type: 'string' }, naive: { type: 'boolean', default: false }, 'server-env': { type: 'string', default: '' }, 'server-endpoint': { type: 'string' } },
+    options: { rate: { type: 'string', default: '1' }, reps: { type: 'string', default: '3' }, config: { type: 'string', multiple: true }, prof: { type: 'string' }, naive: { type: 'boolean', default: false }, 'server-env': { type: 'string', default: '' }, 'server-endpoint': { type: 'string' }, warm: { type: 'boolean', default: false } },
   });
   const configs = (values.config ?? ['base=']).map((c) => {
     const i = c.indexOf('=');
@@ -47,9 +50,11 @@ async function main(): Promise<void> {
   });
   const dir = tempDir('ff-probe-');
   const fabric = createFabric(2, 'ff-p');
+  const daemons = new Map<string, ReturnType<typeof startDaemon>>();
   try {
     const [h0, h1] = fabric.hosts as [NsHost, NsHost];
-    const { mem, disk, pem, srcRoot, signing } = await prepareSource(dir);
+    const { mem, disk, pem, srcRoot, signing, store } = await prepareSource(dir);
+    if (values.warm) await prepareWarmup(dir, mem, disk, store, signing);
     const prof = values.prof ? resolve(values.prof) : undefined;
     if (prof) mkdirSync(prof, { recursive: true });
     // One directory per process kind: a tsx process also profiles its loader thread.
@@ -64,7 +69,18 @@ async function main(): Promise<void> {
       fabric.shape(h0, `${g}gbit`, g >= 10 ? '4mb' : '256kb');
       fabric.shape(h1, `${g}gbit`, g >= 10 ? '4mb' : '256kb');
     }
-    const ticket = Buffer.from(encodeSignedTicket(signTicket({ snapshotId: 's1', destinationHostId: 'h1', expiresAt: new Date(Date.now() + 3_600_000) }, signing))).toString('base64');
+    const ticketFor = (snapshotId: string): string => Buffer.from(encodeSignedTicket(signTicket({ snapshotId, destinationHostId: 'h1', expiresAt: new Date(Date.now() + 3_600_000) }, signing))).toString('base64');
+    const ticket = ticketFor('s1');
+    if (values.warm) {
+      for (const c of configs) {
+        const { ENDPOINT: endpoint = ENDPOINT, ...env } = c.env;
+        const dm = startDaemon(h1, ['env', ...Object.entries(env).map(([k, v]) => `${k}=${v}`), process.execPath, '--import', 'tsx', endpoint, 'fetch-daemon', '--trust', pem], join(dir, `daemon-${c.name}.log`));
+        daemons.set(c.name, dm);
+        const wu = await dm.ask({ root: join(dir, `warmup-${c.name}`), hostId: 'h1', snapshot: 'w', ticket: ticketFor('w'), sources: `${h0.address}:${port}`, materialise: true });
+        if (wu.ok !== true) throw new Error(`warm-up of ${c.name} failed: ${JSON.stringify(wu)}`);
+        process.stdout.write(`${JSON.stringify({ config: c.name, warmup: true, seconds: wu.seconds, cpu_ms: wu.cpu_ms, faults: wu.page_faults })}\n`);
+      }
+    }
     const wire = (): number => fabric.counters(h0).tx + fabric.counters(h1).tx;
     for (let rep = 0; rep < Number(values.reps); rep++) {
       for (const c of configs) {
@@ -80,8 +96,18 @@ async function main(): Promise<void> {
         const perfEvent = process.env.PROBE_PERF_EVENT ? ['-e', process.env.PROBE_PERF_EVENT, '-c', '1'] : ['-F', '1999'];
         const perfArgs = perfDir ? ['perf', 'record', ...perfEvent, '-g', '-o', join(perfDir, `fetch-${c.name}-${rep}.data`), '--'] : [];
         const srvPerf = perfDir ? spawn('perf', ['record', ...perfEvent, '-g', '-p', String(server.pid), '-o', join(perfDir, `server-${c.name}-${rep}.data`)], { stdio: 'ignore' }) : undefined;
-        const r = await fabric.run(h1, [...perfArgs, 'env', ...envArgs, process.execPath, ...profArgs(`fetch-${c.name}`), '--import', 'tsx', endpoint, 'fetch', '--root', dst, '--host-id', 'h1', '--snapshot', 's1', '--ticket', ticket, '--sources', `${h0.address}:${port}`, '--trust', pem, '--materialise'], 300_000);
+        const dm = daemons.get(c.name);
+        const dmPerf = perfDir && dm ? spawn('perf', ['record', ...perfEvent, '-g', '-p', String(dm.pid), '-o', join(perfDir, `fetch-${c.name}-${rep}.data`)], { stdio: 'ignore' }) : undefined;
+        if (dmPerf) await new Promise((r) => setTimeout(r, 300));
+        const r = dm
+          ? { code: 0, stderr: '', stdout: JSON.stringify(await dm.ask({ root: dst, hostId: 'h1', snapshot: 's1', ticket, sources: `${h0.address}:${port}`, materialise: true })) }
+          : await fabric.run(h1, [...perfArgs, 'env', ...envArgs, process.execPath, ...profArgs(`fetch-${c.name}`), '--import', 'tsx', endpoint, 'fetch', '--root', dst, '--host-id', 'h1', '--snapshot', 's1', '--ticket', ticket, '--sources', `${h0.address}:${port}`, '--trust', pem, '--materialise'], 300_000);
         const w = wire() - before;
+        for (const pp of [dmPerf]) {
+          if (!pp) continue;
+          pp.kill('SIGINT');
+          await new Promise((r) => pp.once('exit', r));
+        }
         if (srvPerf) {
           srvPerf.kill('SIGINT');
           await new Promise((r) => srvPerf.once('exit', r));
@@ -97,9 +123,9 @@ async function main(): Promise<void> {
         const s = Number(out.seconds);
         const rep2 = out.report as { ms: number };
         process.stdout.write(
-          `${JSON.stringify({ config: c.name, rep, load: +loadavg()[0]!.toFixed(2), seconds: +s.toFixed(3), fetch_ms: rep2.ms, ready: +Number(out.ready_seconds).toFixed(3), durable: +Number(out.durable_seconds).toFixed(3), wire: w, goodput: +((w * 8) / s / 1e9).toFixed(3), cpu_ms: out.cpu_ms, sys_ms: out.cpu_sys_ms, faults: out.page_faults, srv_cpu_ms: srvCpu, srv_faults: srvFaults, phases: out.phases, link })}\n`,
+          `${JSON.stringify({ config: c.name, rep, load: +loadavg()[0]!.toFixed(2), seconds: +s.toFixed(3), fetch_ms: rep2.ms, ready: +Number(out.ready_seconds).toFixed(3), durable: +Number(out.durable_seconds).toFixed(3), wire: w, goodput: +((w * 8) / s / 1e9).toFixed(3), cpu_ms: out.cpu_ms, sys_ms: out.cpu_sys_ms, faults: out.page_faults, gc: out.gc, srv_cpu_ms: srvCpu, srv_faults: srvFaults, phases: out.phases, link })}\n`,
         );
-        rmSync(dst, { recursive: true, force: true });
+        // Kept until the end: deleting ~600 files slows the next fetch's creates (ADR 0008).
       }
       if (naive) {
         const nb = wire();
@@ -109,9 +135,12 @@ async function main(): Promise<void> {
         process.stdout.write(`${JSON.stringify({ config: 'naive', rep, load: +loadavg()[0]!.toFixed(2), seconds: +n.seconds.toFixed(3), wire: wire() - nb })}\n`);
       }
     }
+    for (const dm of daemons.values()) await dm.stop();
+    daemons.clear();
     await server.stop(5000);
     await naive?.stop(2000);
   } finally {
+    for (const dm of daemons.values()) await dm.stop().catch(() => undefined);
     await fabric.destroy();
     rmSync(dir, { recursive: true, force: true });
   }

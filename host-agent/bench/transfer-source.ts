@@ -1,12 +1,16 @@
 // The source side of the transfer benchmarks (transfer.ts, transfer-probe.ts): the synthetic
 // image of transfer-image.ts ingested as snapshot s1 into a chunk store, its manifest signed by
-// a fresh key whose public half the receiving endpoint trusts.
-import { writeFileSync } from 'node:fs';
+// a fresh key whose public half the receiving endpoint trusts; the warm-up snapshot `w`; and
+// the long-lived receiver process (`endpoint-main.ts fetch-daemon`).
+import { closeSync, ftruncateSync, openSync, readFileSync, writeFileSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
+import { spawn } from 'node:child_process';
+import { createInterface } from 'node:readline';
+import { readLog, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { FsChunkStore, FsManifestStore } from '../adapters/chunkstore/fs-store.ts';
 import { ingestSnapshot } from '../adapters/chunkstore/ingest.ts';
 import { LiveRoots, systemClock } from '../domain/snapshot-store.ts';
-import { generateSigningKey, signManifest } from '../domain/tickets.ts';
+import { generateSigningKey, signManifest, type SigningKey } from '../domain/tickets.ts';
 import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DEFAULT_IMAGE, writeDiskLayer, writeMemoryImage } from './transfer-image.ts';
 
@@ -28,3 +32,79 @@ export async function prepareSource(dir: string) {
   await store.manifests.put('s1', signManifest(s1.manifest, signing));
   return { mem, disk, pem, srcRoot, store, signing, s1 };
 }
+
+/**
+ * A copy of a sparse image in which every non-zero 4 KiB page carries a different 16-byte
+ * stamp (salt, page number) in its first bytes: same size and compressibility, but no chunk
+ * in common with the original (the warm-up snapshot must not deduplicate anything).
+ */
+export function writeVariant(src: string, dst: string, salt: number): void {
+  const buf = readFileSync(src);
+  const zero = Buffer.alloc(4096);
+  const fd = openSync(dst, 'w');
+  try {
+    ftruncateSync(fd, buf.length);
+    for (let p = 0; p * 4096 < buf.length; p++) {
+      const page = buf.subarray(p * 4096, (p + 1) * 4096);
+      if (page.equals(zero.subarray(0, page.length))) continue;
+      page.writeUInt32LE(0x57524d55, 0);
+      page.writeUInt32LE(salt, 4);
+      page.writeDoubleLE(p, 8);
+      writeSync(fd, page, 0, page.length, p * 4096);
+    }
+  } finally {
+    closeSync(fd);
+  }
+}
+
+/**
+ * The warm-up snapshot `w` (transfer.ts, transfer-probe.ts): s1's images with every non-zero
+ * page stamped, ingested and signed into the source store. Same size class, no chunk in common.
+ */
+export async function prepareWarmup(dir: string, mem: string, disk: string, store: Awaited<ReturnType<typeof prepareSource>>['store'], signing: SigningKey) {
+  const wmem = join(dir, 'warm-mem.img');
+  const wdisk = join(dir, 'warm-disk.img');
+  writeVariant(mem, wmem, 1);
+  writeVariant(disk, wdisk, 2);
+  const w = await ingestSnapshot(
+    { snapshotId: 'w', tenantId: 't', sourceSandboxId: 'sb0', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: wmem }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: wdisk }] },
+    store,
+  );
+  await store.manifests.put('w', signManifest(w.manifest, signing));
+  return w;
+}
+
+/** The long-lived receiver (`endpoint-main.ts fetch-daemon`) in a namespace: one JSON line per request. */
+export function startDaemon(h: NsHost, args: readonly string[], logPath: string): { pid: number; ask: (req: object) => Promise<Record<string, unknown>>; stop: () => Promise<void> } {
+  const child = spawn('ip', ['netns', 'exec', h.ns, ...args], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, UV_THREADPOOL_SIZE: process.env.UV_THREADPOOL_SIZE ?? '16' } });
+  const logFd = openSync(logPath, 'a');
+  child.stderr.on('data', (b: Buffer) => writeSync(logFd, b));
+  const lines = createInterface({ input: child.stdout })[Symbol.asyncIterator]();
+  // 'close': the process exited and its stdio is drained (no stderr write after closeSync).
+  const exited = new Promise<void>((r) => child.once('close', () => r()));
+  const next = async (): Promise<Record<string, unknown>> => {
+    const r = await lines.next();
+    if (r.done) throw new Error(`fetch-daemon exited: ${readLog(logPath).slice(-2000)}`);
+    return JSON.parse(r.value) as Record<string, unknown>;
+  };
+  const ready = next();
+  ready.catch(() => undefined); // reported by the first ask
+  return {
+    pid: child.pid ?? -1,
+    ask: async (req) => {
+      await ready;
+      child.stdin.write(`${JSON.stringify(req)}\n`);
+      return next();
+    },
+    stop: async () => {
+      child.stdin.end();
+      const t = setTimeout(() => {
+        if (child.pid !== undefined && child.exitCode === null) process.kill(child.pid, 'SIGKILL');
+      }, 10_000);
+      await exited;
+      clearTimeout(t);
+      closeSync(logFd);
+    },
+  };
+}
+

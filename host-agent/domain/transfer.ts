@@ -29,11 +29,34 @@ export interface ChunkSource {
   open(signal?: AbortSignal): ChunkSession;
 }
 
-/** Receives each verified chunk's plain content (e.g. writes it into a sparse image). */
-export type ChunkSink = (digest: DigestHex, plain: Buffer) => Promise<void>;
+/**
+ * Receives each verified chunk's plain content (e.g. writes it into a sparse image). A sink
+ * may carry a `placer`: then a store that can (`PlacingChunkStore`) writes the plain bytes
+ * where the placer says itself, and the sink is not called for that chunk.
+ */
+export type ChunkSink = ((digest: DigestHex, plain: Buffer) => Promise<void>) & { readonly placer?: ChunkPlacer };
+
+export interface ChunkPlacer {
+  /** Where `digest`'s plain bytes go (opaque here; the store understands it), or undefined. */
+  placesOf(digest: DigestHex): unknown;
+  /** The store wrote them there. */
+  placed(digest: DigestHex): void;
+}
+
+/** A ChunkStore that can also write a chunk's plain bytes where a ChunkPlacer says. */
+export interface PlacingChunkStore extends ChunkStore {
+  acceptInto(chunk: EncodedChunk, places: unknown): Promise<void>;
+}
+
+function canPlace(store: ChunkStore): store is PlacingChunkStore {
+  return typeof (store as Partial<PlacingChunkStore>).acceptInto === 'function';
+}
 
 export interface FetchOptions {
-  /** Called once per fetched chunk, after it verified and was stored. */
+  /**
+   * Called once per fetched chunk, after it verified and was stored (unless its `placer`
+   * had the store write the bytes: then `placer.placed` is called instead).
+   */
   readonly onChunk?: ChunkSink;
   /** Digests requested per session and not yet received (per source). */
   readonly window?: number;
@@ -106,6 +129,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   const excluded = new Map<DigestHex, Set<string>>();
   const report: FetchReport = { requested: pending.size, fetched: 0, bytes: 0, rejected: 0, sources: [], ms: 0 };
   const changed = new Notifier();
+  const placer = opts.onChunk?.placer && canPlace(store) ? opts.onChunk.placer : undefined;
   let alive = sources.length;
   let idle = 0;
 
@@ -195,9 +219,14 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
               const chunk = ev.chunk;
               // The store may take `chunk.data` (hand it to a worker, detaching it).
               const bytes = chunk.data.length;
-              const p = store.accept(chunk).then(async (plain) => {
-                if (opts.onChunk && pending.has(d)) await opts.onChunk(d, plain);
-              }).then(
+              const places = placer && pending.has(d) ? placer.placesOf(d) : undefined;
+              const stored =
+                places !== undefined
+                  ? (store as PlacingChunkStore).acceptInto(chunk, places).then(() => placer?.placed(d))
+                  : store.accept(chunk).then(async (plain) => {
+                      if (opts.onChunk && pending.has(d)) await opts.onChunk(d, plain);
+                    });
+              const p = stored.then(
                 () => {
                   storing.delete(d);
                   if (pending.delete(d)) {

@@ -11,7 +11,7 @@
 // file or a complete one (the page cache survives a process crash); an OS crash can leave
 // a torn or empty chunk file, but reads used for restores decode and hash (readVerified),
 // so a damaged file never passes as valid. See docs/adr/0007-chunk-format.md.
-import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
+import { mkdirSync, readdirSync, statSync, unlinkSync, write as fsWrite } from 'node:fs';
 import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
@@ -94,6 +94,15 @@ export async function fsyncAll(paths: Iterable<string>, concurrency = 16): Promi
     };
     await Promise.all(Array.from({ length: Math.min(concurrency, list.length) }, worker));
   }
+}
+
+/** Where a chunk's plain bytes go: offsets in files open for writing (by fd). */
+export type ImagePlaces = ReadonlyArray<{ readonly fd: number; readonly pos: number }>;
+
+function pwriteAll(fd: number, buf: Buffer, pos: number): Promise<void> {
+  return new Promise((resolve, reject) =>
+    fsWrite(fd, buf, 0, buf.length, pos, (e, n) => (e ? reject(e) : n !== buf.length ? reject(new Error(`short image write: ${n} of ${buf.length} bytes`)) : resolve())),
+  );
 }
 
 export interface FsChunkStoreOptions {
@@ -179,11 +188,28 @@ export class FsChunkStore implements ChunkStore {
       const final = this.pathOf(chunk.digest);
       const plain = await acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach });
       this.unsynced.add(final);
-      return plain;
+      return plain as Buffer;
     }
     const plain = await decodeChunk(chunk);
     await this.write(chunk);
     return plain;
+  }
+
+  /**
+   * `accept`, and the plain bytes written at `places` (positions in open image files, see
+   * Materialiser): on the verify worker when the chunk goes there, so the bytes never come
+   * back to the calling thread. Resolves when the chunk is stored and every place written.
+   */
+  async acceptInto(chunk: EncodedChunk, places: ImagePlaces): Promise<void> {
+    checkDigest(chunk.digest);
+    if (this.offload && isOwned(chunk.data)) {
+      const final = this.pathOf(chunk.digest);
+      await acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach, places });
+      this.unsynced.add(final);
+      return;
+    }
+    const plain = await this.accept(chunk);
+    await Promise.all(places.map((p) => pwriteAll(p.fd, plain, p.pos)));
   }
 
   private async write(chunk: EncodedChunk): Promise<void> {

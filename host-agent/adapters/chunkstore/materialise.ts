@@ -21,10 +21,10 @@ import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
 import type { SnapshotManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, LiveRoots, Lease, ManifestStore } from '../../domain/snapshot-store.ts';
-import type { ChunkSink } from '../../domain/transfer.ts';
+import type { ChunkPlacer, ChunkSink } from '../../domain/transfer.ts';
 import { ChunkCorruptError, ManifestNotFoundError } from '../../domain/transfer-errors.ts';
 import { verifyManifest, type TrustedKeys } from '../../domain/tickets.ts';
-import { fsyncAll } from './fs-store.ts';
+import { fsyncAll, type ImagePlaces } from './fs-store.ts';
 
 export interface MaterialisedSnapshot {
   readonly snapshotId: string;
@@ -203,10 +203,24 @@ export class Materialiser {
         await Promise.all(l.map((p) => p.fh.write(plain, 0, plain.length, p.pos)));
       };
       if (fill) {
-        await fill(async (digest, plain) => {
+        // The store may write a received chunk's bytes into the image itself (from its verify
+        // worker: FsChunkStore.acceptInto), so they need not come back to this thread.
+        const placer: ChunkPlacer = {
+          placesOf: (digest): ImagePlaces | undefined => {
+            const l = places.get(digest);
+            return l && !written.has(digest) ? l.map((p) => ({ fd: p.fh.fd, pos: p.pos })) : undefined;
+          },
+          placed: (digest) => {
+            if (written.has(digest)) return;
+            written.add(digest);
+            received++;
+          },
+        };
+        const sink = async (digest: DigestHex, plain: Buffer): Promise<void> => {
           received++;
           await put(digest, plain);
-        });
+        };
+        await fill(Object.assign(sink, { placer }));
       }
       // Whatever was not delivered comes from the local store.
       const rest = [...places.keys()].filter((d) => !written.has(d));

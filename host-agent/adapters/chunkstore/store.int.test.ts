@@ -177,6 +177,38 @@ describe('content-addressed snapshot store', () => {
     expect(readdirSync(join(dir, 'offload', 'tmp'))).toEqual([]);
   });
 
+  it('acceptInto_onWorkerOrInline_storesChunkAndWritesEveryPlaceOrNothingOnMismatch', async () => {
+    const store = new FsChunkStore(join(dir, 'place'));
+    const plain = Buffer.concat([textBytes(CS / 2, 5), randomBytesSeeded(CS / 2, 6)]);
+    const good = await encodeChunk(plain);
+    const img = join(dir, 'place.img');
+    const fd = openSync(img, 'w+');
+    try {
+      ftruncateSync(fd, 4 * CS);
+      // Owned (verified and placed on a worker), then shared (inline): each at two places.
+      const owned = Buffer.from(good.data);
+      markOwned(owned);
+      await store.acceptInto({ ...good, data: owned }, [{ fd, pos: 0 }, { fd, pos: 2 * CS }]);
+      expect(owned.length).toBe(0);
+      await store.acceptInto({ ...good, data: Buffer.from(good.data) }, [{ fd, pos: CS }, { fd, pos: 3 * CS }]);
+      const got = readFileSync(img);
+      for (let i = 0; i < 4; i++) expect(got.subarray(i * CS, (i + 1) * CS).equals(plain)).toBe(true);
+      expect((await store.readVerified(good.digest)).equals(plain)).toBe(true);
+      // Wrong content for the digest: rejected, nothing stored, the place left alone.
+      ftruncateSync(fd, 0);
+      ftruncateSync(fd, CS);
+      const bad = Buffer.from(good.data);
+      markOwned(bad);
+      const other = sha256Hex(Buffer.from('other'));
+      await expect(store.acceptInto({ ...good, digest: other, data: bad }, [{ fd, pos: 0 }])).rejects.toBeInstanceOf(DigestMismatchError);
+      await expect(store.acceptInto({ ...good, digest: other, data: Buffer.from(good.data) }, [{ fd, pos: 0 }])).rejects.toBeInstanceOf(DigestMismatchError);
+      expect(await store.has(other)).toBe(false);
+      expect(readFileSync(img).equals(Buffer.alloc(CS))).toBe(true);
+    } finally {
+      closeSync(fd);
+    }
+  });
+
   it('put_whenWriterKilledMidWrite_leavesNoChunkThatPassesAsValid', async () => {
     const root = join(dir, 'crash');
     const writer = resolve(fileURLToPath(new URL('.', import.meta.url)), 'crash-writer.fixture.ts');

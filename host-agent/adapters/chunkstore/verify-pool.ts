@@ -1,7 +1,10 @@
 // Receiving a chunk off the main thread: decode (lz4), SHA-256, compare, then write the chunk
 // file (temp + rename) on a small pool of worker threads. The agent's event loop then only
 // parses gRPC frames and schedules; the per-chunk CPU (hash, lz4, four fs syscalls) runs on
-// the second core. See docs/adr/0008-peer-chunk-transfer.md (issue 4 targets).
+// the second core. See docs/adr/0008-peer-chunk-transfer.md (issue 4 targets). With
+// `places` (FsChunkStore.acceptInto: a fetch that materialises an image) the worker also
+// writes the plain bytes into the image, asynchronously on the libuv pool, and they never
+// come back to the main thread (ADR 0008, "Warm receiver").
 //
 // Zero-copy hand-off: the chunk's ArrayBuffer is *transferred* to the worker (and the plain
 // bytes transferred back), so only buffers that belong to this chunk alone may go this way.
@@ -27,6 +30,11 @@ export interface OffloadedAccept {
   readonly tmp: string;
   readonly final: string;
   readonly fsync: boolean;
+  /**
+   * Also write the plain bytes at these (fd, offset) places (an image being materialised),
+   * asynchronously on the libuv pool from the worker; the plain bytes then stay in the worker.
+   */
+  readonly places?: ReadonlyArray<{ readonly fd: number; readonly pos: number }>;
 }
 
 // Plain JS, run with `eval` and no execArgv (no tsx loader in the worker: it would cost
@@ -68,6 +76,20 @@ parentPort.on('message', (m) => {
     try { fs.unlinkSync(m.tmp); } catch {}
     return parentPort.postMessage({ id: m.id, error: String(e && e.message || e), code: e && e.code });
   }
+  if (m.places && m.places.length > 0) {
+    // Image writes on the libuv pool; this thread goes on with the next chunk meanwhile.
+    let left = m.places.length;
+    let failed;
+    for (const p of m.places) {
+      fs.write(p.fd, plain, 0, plain.length, p.pos, (e, n) => {
+        if (!failed && (e || n !== plain.length)) failed = e || new Error('short image write: ' + n + ' of ' + plain.length + ' bytes');
+        if (--left > 0) return;
+        if (failed) parentPort.postMessage({ id: m.id, error: 'writing image: ' + String(failed.message || failed), code: failed.code });
+        else parentPort.postMessage({ id: m.id, placed: true });
+      });
+    }
+    return;
+  }
   const transfer = plain.buffer === m.data.buffer ? [m.data.buffer] : [plain.buffer, m.data.buffer];
   parentPort.postMessage({ id: m.id, plain }, transfer);
 });
@@ -76,6 +98,7 @@ parentPort.on('message', (m) => {
 interface Reply {
   id: number;
   plain?: Uint8Array;
+  placed?: boolean;
   mismatch?: string;
   error?: string;
   code?: string;
@@ -83,7 +106,7 @@ interface Reply {
 
 interface Slot {
   worker: Worker;
-  pending: Map<number, { digest: string; resolve: (b: Buffer) => void; reject: (e: unknown) => void }>;
+  pending: Map<number, { digest: string; resolve: (b: Buffer | undefined) => void; reject: (e: unknown) => void }>;
 }
 
 let slots: Slot[] | undefined;
@@ -107,6 +130,7 @@ function spawn(): Slot {
     slot.pending.delete(r.id);
     if (slot.pending.size === 0) worker.unref();
     if (r.plain) p.resolve(Buffer.from(r.plain.buffer, r.plain.byteOffset, r.plain.byteLength));
+    else if (r.placed) p.resolve(undefined);
     else if (r.mismatch !== undefined) p.reject(new DigestMismatchError(p.digest, r.mismatch));
     else p.reject(Object.assign(new Error(`storing chunk ${p.digest.slice(0, 16)}: ${r.error ?? 'unknown error'}`), { code: r.code }));
   });
@@ -126,17 +150,18 @@ function pick(): Slot {
 }
 
 /**
- * Verifies `c` and writes its chunk file on a worker thread; resolves with the plain bytes.
+ * Verifies `c` and writes its chunk file on a worker thread; resolves with the plain bytes,
+ * or with undefined once they are written at `c.places` too (when given).
  * `c.data` must be owned (`isOwned`): it is detached.
  */
-export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer> {
+export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer | undefined> {
   const slot = pick();
   const id = seq++;
-  return new Promise<Buffer>((resolve, reject) => {
+  return new Promise<Buffer | undefined>((resolve, reject) => {
     slot.pending.set(id, { digest: c.digest, resolve, reject });
     if (slot.pending.size === 1) slot.worker.ref();
     try {
-      slot.worker.postMessage({ id, digest: c.digest, codec: c.codec, size: c.size, data: c.data, tmp: c.tmp, final: c.final, fsync: c.fsync }, [c.data.buffer as ArrayBuffer]);
+      slot.worker.postMessage({ id, digest: c.digest, codec: c.codec, size: c.size, data: c.data, tmp: c.tmp, final: c.final, fsync: c.fsync, places: c.places }, [c.data.buffer as ArrayBuffer]);
     } catch (e) {
       slot.pending.delete(id);
       if (slot.pending.size === 0) slot.worker.unref();
