@@ -241,13 +241,14 @@ describe('QemuVmmDriver (real QEMU)', () => {
       expect(Number(await sh('m0', 'cat /tmp/counter', dest))).toBeGreaterThan(a);
       // The source's QEMU never ran the guest and is gone; nothing of it is left.
       expect((await readdir(join(root, 'standby')).catch(() => [] as string[])).filter((d) => d.startsWith('source-'))).toEqual([]);
-      // A migrated VM snapshots and forks like any other.
+      // A migrated VM snapshots and forks like any other, also once it is gone (as after a
+      // hibernation): its snapshot stands on nothing in the VM's workdir.
       await sh('m0', 'echo migrated > /data/m && sync', dest);
       const s = await dest.snapshot('m0', 'snap-m0');
+      await dest.destroy('m0');
       const [g] = await dest.fork(s, [{ vmId: 'mg0' }]);
       expect(await sh(g?.vmId ?? '', 'cat /data/m /dev/shm/marker', dest)).toBe('migrated\ntmpfs-before-snapshot');
       await dest.destroy('mg0');
-      await dest.destroy('m0');
       await dest.deleteSnapshot(s);
       // A prepared VM whose stream never comes is aborted without a trace.
       const unused = await dest.prepareIncoming(src, { vmId: 'm1' });

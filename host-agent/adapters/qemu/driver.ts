@@ -920,8 +920,7 @@ export class QemuVmmDriver implements VmmDriver {
   /**
    * Destination side (ADR 0015): a VM `c` that will be restored from the migration stream of
    * a snapshot this host does not hold. Prepared before the stream arrives: the workdir and
-   * the disk (an overlay on the snapshot's disk layer, which `src.writeDiskLayer` puts in the
-   * workdir). `load(conn)` starts QEMU on the accepted connection (inherited, so the stream
+   * the disk (the snapshot's disk layer, which `src.writeDiskLayer` writes as the VM's own). `load(conn)` starts QEMU on the accepted connection (inherited, so the stream
    * never passes through this process), loads it into anonymous RAM, then gives the VM the
    * same clone hygiene as any restore.
    */
@@ -935,9 +934,6 @@ export class QemuVmmDriver implements VmmDriver {
     const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId, migrated: true });
     let p: VmPersisted;
     try {
-      const layer = join(workdir, 'layer.qcow2');
-      await src.writeDiskLayer(layer);
-      if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(layer, src.image.disk);
       p = {
         info: {
           vmId: c.vmId, state: 'starting', accel: m.config.accel, pid: 0, workdir, memoryMib: m.config.memoryMib,
@@ -954,7 +950,11 @@ export class QemuVmmDriver implements VmmDriver {
         dependsOn: [],
         ...(c.network?.allowEgress ? { network: c.network } : {}),
       };
-      await qemuImgCreateOverlay(layer, p.diskPath, m.diskVirtualSize);
+      // The layer is this VM's own copy, so it becomes its disk (backed by the image's base
+      // disk, like a booted VM's): nothing the VM or its later snapshots stand on lives
+      // outside the snapshot store once the VM is gone.
+      await src.writeDiskLayer(p.diskPath);
+      if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(p.diskPath, src.image.disk);
     } catch (e) {
       await rm(workdir, { recursive: true, force: true });
       throw e;
