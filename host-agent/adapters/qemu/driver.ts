@@ -920,9 +920,10 @@ export class QemuVmmDriver implements VmmDriver {
   /**
    * Destination side (ADR 0015): a VM `c` that will be restored from the migration stream of
    * a snapshot this host does not hold. Prepared before the stream arrives: the workdir and
-   * the disk (the snapshot's disk layer, which `src.writeDiskLayer` writes as the VM's own). `load(conn)` starts QEMU on the accepted connection (inherited, so the stream
-   * never passes through this process), loads it into anonymous RAM, then gives the VM the
-   * same clone hygiene as any restore.
+   * the disk (the snapshot's disk layer, which `src.writeDiskLayer` writes as the VM's own).
+   * `load(conn)` starts QEMU on the accepted connection (inherited, so the stream never passes
+   * through this process), loads it into anonymous RAM, then gives the VM the same clone
+   * hygiene as any restore.
    */
   async prepareIncoming(src: IncomingSource, c: CloneSpec): Promise<IncomingVm> {
     validateId('vmId', c.vmId);
