@@ -59,6 +59,11 @@ export interface SchedulerConfig {
   /** FF_CHUNK_BYTES: chunk size of the snapshot store (for transfer estimates). */
   readonly chunkBytes: number;
   /**
+   * FF_MIGRATE_MAX_CHILDREN: in a small fork spread, a host with at most this many children
+   * restores them by migration (ADR 0015); set it to the agents' value. 0: never.
+   */
+  readonly migrateMaxChildren: number;
+  /**
    * FF_ELECTION_TTL: lease TTL of the leader election, whole seconds. A killed leader's
    * lease lapses after about this long and a standby takes over (measured: ~1.2-2 s with
    * '1s'). Shorter is faster failover; the leader must keep its lease alive, so an event
@@ -108,6 +113,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [, metricsAddr] = get('metricsAddr', 'FF_METRICS_ADDR', '');
   const [, logLevel] = get('logLevel', 'FF_LOG_LEVEL', 'info');
   const [cb, chunk] = get('chunkBytes', 'FF_CHUNK_BYTES', String(256 * 1024));
+  const [mm, migrateMax] = get('migrateMaxChildren', 'FF_MIGRATE_MAX_CHILDREN', '2');
   const [et, electionTtl] = get('electionTtlSeconds', 'FF_ELECTION_TTL', '2s');
   const [tc, tlsCert] = get('tlsCertPath', 'FF_TLS_CERT', '');
   const [tk, tlsKey] = get('tlsKeyPath', 'FF_TLS_KEY', '');
@@ -143,6 +149,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     metricsAddr: metricsAddr ? addr('FF_METRICS_ADDR', metricsAddr) : '',
     logLevel,
     chunkBytes: Number(chunk),
+    migrateMaxChildren: Number(migrateMax),
     electionTtlSeconds: parseDuration(et, electionTtl) / 1000,
     tlsCertPath: tlsCert,
     tlsKeyPath: tlsKey,
@@ -166,5 +173,6 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, 'must be longer than FF_HOST_SUSPECT_AFTER');
   if (!Number.isInteger(cfg.stepAttempts) || cfg.stepAttempts < 1 || cfg.stepAttempts > 20) throw new InvalidArgumentError(sat, 'must be an integer in [1, 20]');
   if (!Number.isInteger(cfg.chunkBytes) || cfg.chunkBytes < 4096) throw new InvalidArgumentError(cb, 'must be an integer >= 4096');
+  if (!Number.isInteger(cfg.migrateMaxChildren) || cfg.migrateMaxChildren < 0 || cfg.migrateMaxChildren > 64) throw new InvalidArgumentError(mm, 'must be an integer in [0, 64]');
   return Object.freeze(cfg);
 }

@@ -9,8 +9,8 @@ import type { Socket } from 'node:net';
 import { join } from 'node:path';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
-import type { SnapshotShipper } from '../domain/agent.ts';
-import type { GuestImage, IncomingSource, LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
+import type { IncomingSnapshot, SnapshotShipper } from '../domain/agent.ts';
+import type { GuestImage, LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
 import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
 import { verifyManifest, type TrustedKeys } from '../domain/tickets.ts';
@@ -228,7 +228,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * the disk layer, whose chunks are fetched from the sources here (the memory comes in the
    * migration stream). `release` unpins the fetched chunks once the layer is written.
    */
-  async incomingSource(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSource & { bytesFetched: number; release(): void }> {
+  async incomingSource(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSnapshot> {
     const sources = this.sourcesOf(fetch);
     try {
       const manifest = verifyManifest(await this.signedBySchedulerFrom(snapshotId, fetch, sources, await this.deps.manifests.get(snapshotId)), this.deps.trust, snapshotId);

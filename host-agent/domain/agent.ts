@@ -64,6 +64,9 @@ export interface Journal {
   put(opId: string, stepId: string, result: Uint8Array): Promise<void>;
 }
 
+/** A snapshot held elsewhere, ready for a restore by migration; `release` unpins its fetched disk chunks. */
+export type IncomingSnapshot = IncomingSource & { bytesFetched: number; release(): void };
+
 /** How snapshots become portable (chunk store) and arrive from peers (adapters/chunkstore, adapters/peer). */
 export interface SnapshotShipper {
   /** Cuts a local snapshot into the content-addressed store; returns its manifest (unsigned envelope). */
@@ -80,7 +83,7 @@ export interface SnapshotShipper {
   /** Restore by migration (ADR 0015), optional: is the snapshot on this host? */
   holds?(snapshotId: string): Promise<boolean>;
   /** Restore by migration: the verified manifest and the disk layer of a snapshot held elsewhere. */
-  incomingSource?(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSource & { bytesFetched: number; release(): void }>;
+  incomingSource?(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSnapshot>;
   /** Restore by migration: a source's stream, arriving on a connection to `listenHost`, handed to `load`. */
   migrateFrom?<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>): Promise<{ result: T; bytes: number }>;
 }
@@ -422,7 +425,7 @@ export class Agent {
     const migrateFrom = shipper.migrateFrom.bind(shipper);
     const listenHost = hostOfAddress(this.deps.config.peerAddress);
     const t0 = this.deps.clock.now();
-    let src: Awaited<ReturnType<NonNullable<SnapshotShipper['incomingSource']>>> | undefined;
+    let src: IncomingSnapshot | undefined;
     try {
       src = await shipper.incomingSource(snapshotId, fetch);
       const from = src;

@@ -41,8 +41,8 @@ export interface ExecutorConfig {
   expiryNoticeMs?: number;
   /**
    * A fork's host with at most this many children restores them by migration from a holder
-   * (ADR 0015; the agents' FF_MIGRATE_MAX_CHILDREN, default 2), so it neither waits for nor
-   * serves a transfer wave.
+   * (ADR 0015; FF_MIGRATE_MAX_CHILDREN, as on the agents; default 2), so it neither waits for
+   * nor serves a transfer wave.
    */
   migrateMaxChildren?: number;
 }

@@ -6,7 +6,7 @@ import net from 'node:net';
 import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import type { SignedTicket } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { createClient } from '../../../services/adapters/grpc/rpc.ts';
-import { HOST_ID_METADATA } from './server.ts';
+import { HOST_ID_METADATA, plainAddress } from './server.ts';
 import { hostOfAddress } from '../../domain/agent.ts';
 
 export interface MigrateFromOptions {
@@ -29,12 +29,6 @@ export interface MigrateFromReport<T> {
   readonly sourceMs: number;
 }
 
-function sameAddress(a: string | undefined, b: string): boolean {
-  if (!a) return false;
-  const plain = (x: string): string => (x.startsWith('::ffff:') && net.isIP(x.slice(7)) === 4 ? x.slice(7) : x);
-  return plain(a) === plain(b);
-}
-
 /**
  * Asks the source to migrate the ticket's snapshot to a one-shot listener here and hands the
  * connection, unread, to `load`. Only a connection from the source's address is taken; the
@@ -42,7 +36,7 @@ function sameAddress(a: string | undefined, b: string): boolean {
  * or fails before it connects.
  */
 export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Socket) => Promise<T>): Promise<MigrateFromReport<T>> {
-  const sourceHost = hostOfAddress(o.sourceAddress);
+  const sourceHost = plainAddress(hostOfAddress(o.sourceAddress));
   const server = net.createServer({ pauseOnConnect: true });
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject);
@@ -56,7 +50,7 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Soc
   try {
     const accepted = new Promise<net.Socket>((resolve, reject) => {
       server.on('connection', (c) => {
-        if (!sameAddress(c.remoteAddress, sourceHost)) {
+        if (!c.remoteAddress || plainAddress(c.remoteAddress) !== sourceHost) {
           c.destroy();
           return;
         }

@@ -16,6 +16,7 @@ import type { ChunkStore, Clock, DigestHex, EncodedChunk, ManifestStore } from '
 import { manifestDigests } from '../../domain/snapshot-store.ts';
 import { ManifestNotFoundError, TicketInvalidError } from '../../domain/transfer-errors.ts';
 import { decodeManifestUnverified, verifyTicket, type TrustedKeys } from '../../domain/tickets.ts';
+import { hostOfAddress } from '../../domain/agent.ts';
 import { serializeResponse, type WireResponse } from './wire.ts';
 
 export const HOST_ID_METADATA = 'ff-host-id';
@@ -48,11 +49,13 @@ type Response = MessageInitShape<typeof FetchChunksResponseSchema>;
 
 /** The IP address in a grpc-js peer string ("10.0.0.2:5123", "[fd00::2]:5123", "ipv4:..."). */
 export function peerHost(peer: string): string | undefined {
-  const p = peer.replace(/^ipv[46]:/, '');
-  const m = /^\[([^\]]+)\]:\d+$/.exec(p) ?? /^([^:]+):\d+$/.exec(p);
-  const host = m?.[1];
-  if (!host || !isIP(host)) return undefined;
-  return host.startsWith('::ffff:') && isIP(host.slice(7)) === 4 ? host.slice(7) : host;
+  const host = hostOfAddress(peer.replace(/^ipv[46]:/, ''));
+  return isIP(host) ? plainAddress(host) : undefined;
+}
+
+/** An IPv4-mapped IPv6 address ("::ffff:10.0.0.2") as the IPv4 address; others unchanged. */
+export function plainAddress(ip: string): string {
+  return ip.startsWith('::ffff:') && isIP(ip.slice(7)) === 4 ? ip.slice(7) : ip;
 }
 
 function defaultCallerHostId(ctx: CallContext): string {

@@ -895,8 +895,6 @@ export class QemuVmmDriver implements VmmDriver {
     const t0 = performance.now();
     await this.assertCompatible(snapshot);
     const ready = await this.sources.claim(snapshot.manifest.snapshotId);
-    // Keep one ready for the next child of this snapshot that leaves the host.
-    this.sources.demand(snapshot, 1);
     const s = ready ?? (await this.launchStandby(snapshot, { hostNetwork: true }));
     try {
       // Started as background work (nice 19); its stream is on a restore's critical path.
@@ -914,6 +912,9 @@ export class QemuVmmDriver implements VmmDriver {
       return { bytes, ms };
     } finally {
       await this.discardStandby(s);
+      // Keep one ready for the next child of this snapshot that leaves the host (started
+      // after this stream, so it does not compete with it).
+      this.sources.demand(snapshot, 1);
     }
   }
 
