@@ -382,7 +382,12 @@ export class Executor {
     throw new ConflictError(`operation ${id}`);
   }
 
-  private async updateSandbox(tenantId: string, id: string, mutate: (sb: SandboxRec) => void, extra: (sb: SandboxRec, before: SandboxRec) => StoreWrite[] = () => []): Promise<SandboxRec> {
+  private async updateSandbox(
+    tenantId: string,
+    id: string,
+    mutate: (sb: SandboxRec) => void,
+    extra: (sb: SandboxRec, before: SandboxRec) => StoreWrite[] | Promise<StoreWrite[]> = () => [],
+  ): Promise<SandboxRec> {
     for (let i = 0; i < 20; i++) {
       const v = await this.deps.store.getSandbox(tenantId, id);
       if (!v) throw new NotFoundError('sandbox', id);
@@ -390,9 +395,23 @@ export class Executor {
       mutate(next);
       if (!canTransition(v.value.state, next.state)) throw new WrongStateError('sandbox', id, v.value.state, `cannot become ${next.state}`);
       next.updatedAt = this.deps.clock.now();
-      if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...extra(next, v.value)])) return next;
+      if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(await extra(next, v.value))])) return next;
     }
     throw new ConflictError(`sandbox ${id}`);
+  }
+
+  /**
+   * The write that books (`sign` 1) or releases (-1) a sandbox's capacity on its host, guarded by
+   * the alloc's revision: passed as `updateSandbox`'s extra so the state change and the booking
+   * commit together, and no reader or crash ever sees one without the other.
+   */
+  private capacity(hostId: string, res: ResourcesRec, sign: 1 | -1): () => Promise<StoreWrite[]> {
+    return async () => {
+      if (!hostId) return [];
+      const a = await this.deps.store.getAlloc(hostId);
+      const next: HostAllocRec = { hostId, allocated: addRes(a.value.allocated, res, sign), sandboxes: Math.max(0, a.value.sandboxes + sign) };
+      return [{ kind: 'alloc', value: next, expectRevision: a.modRevision }];
+    };
   }
 
   /** Moves a sandbox to `state`, keeping the running-time clock and the host's booked capacity right. */
@@ -409,11 +428,8 @@ export class Executor {
   /** Releases the capacity a sandbox booked on its host (guarded read-modify-write). */
   private async releaseCapacity(hostId: string, res: ResourcesRec): Promise<void> {
     if (!hostId) return;
-    for (let i = 0; i < 20; i++) {
-      const a = await this.deps.store.getAlloc(hostId);
-      const next: HostAllocRec = { hostId, allocated: addRes(a.value.allocated, res, -1), sandboxes: Math.max(0, a.value.sandboxes - 1) };
-      if (await this.commit([{ kind: 'alloc', value: next, expectRevision: a.modRevision }])) return;
-    }
+    const write = this.capacity(hostId, res, -1);
+    for (let i = 0; i < 20; i++) if (await this.commit(await write())) return;
     throw new ConflictError(`capacity of host ${hostId}`);
   }
 
@@ -846,12 +862,20 @@ export class Executor {
     const now = this.deps.clock.now();
     const message = e instanceof Error ? e.message : String(e);
     const hostId = sb.hostId;
-    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-      this.setState(s, 'failed', now, message);
-      s.opId = '';
-    }).catch((err: unknown) => this.log.warn({ err, sandboxId: sb.id }, 'could not mark sandbox failed'));
-    // A failed start holds no VM: the agent cleans up its own half-made VM in the step.
-    await this.releaseCapacity(hostId, sb.resources);
+    // A failed start holds no VM (the agent cleans up its own half-made VM in the step), so its
+    // booking goes with the state change.
+    await this.updateSandbox(
+      sb.tenantId,
+      sb.id,
+      (s) => {
+        this.setState(s, 'failed', now, message);
+        s.opId = '';
+      },
+      this.capacity(hostId, sb.resources, -1),
+    ).catch(async (err: unknown) => {
+      this.log.warn({ err, sandboxId: sb.id }, 'could not mark sandbox failed');
+      await this.releaseCapacity(hostId, sb.resources);
+    });
   }
 
   private async runSnapshot(op: OperationRec): Promise<void> {
@@ -976,13 +1000,16 @@ export class Executor {
         this.log.warn({ err: e, snapshotId: sn.id, hostId: h.id }, 'hibernation replica failed');
       }
     }
-    const hostId = sb.hostId;
-    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-      this.setState(s, 'hibernated', this.deps.clock.now());
-      s.hibernationSnapshotId = sn.id;
-      s.opId = '';
-    });
-    await this.releaseCapacity(hostId, sb.resources);
+    await this.updateSandbox(
+      sb.tenantId,
+      sb.id,
+      (s) => {
+        this.setState(s, 'hibernated', this.deps.clock.now());
+        s.hibernationSnapshotId = sn.id;
+        s.opId = '';
+      },
+      this.capacity(sb.hostId, sb.resources, -1),
+    );
     await this.finish(op, { sandboxIds: [sb.id], snapshotId: sn.id }, null);
   }
 
@@ -1041,12 +1068,16 @@ export class Executor {
       woke = await this.step(op, `wake/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
     } catch (e) {
       if (this.active) {
-        await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-          s.state = 'hibernated';
-          s.stateReason = `wake failed: ${e instanceof Error ? e.message : String(e)}`;
-          s.opId = '';
-        }).catch(() => undefined);
-        await this.releaseCapacity(hostId, sb.resources).catch(() => undefined);
+        await this.updateSandbox(
+          sb.tenantId,
+          sb.id,
+          (s) => {
+            s.state = 'hibernated';
+            s.stateReason = `wake failed: ${e instanceof Error ? e.message : String(e)}`;
+            s.opId = '';
+          },
+          this.capacity(hostId, sb.resources, -1),
+        ).catch(() => undefined);
       }
       throw e;
     }
@@ -1075,11 +1106,15 @@ export class Executor {
     const heldCapacity = ['starting', 'running', 'paused', 'hibernating', 'destroying'].includes(sb.state);
     if (sb.state !== 'destroying') await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'destroying', this.deps.clock.now()));
     if (sb.hostId && sb.state !== 'lost') await this.step(op, 'destroy', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
-    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-      this.setState(s, 'destroyed', this.deps.clock.now());
-      s.opId = '';
-    });
-    if (heldCapacity) await this.releaseCapacity(sb.hostId, sb.resources);
+    await this.updateSandbox(
+      sb.tenantId,
+      sb.id,
+      (s) => {
+        this.setState(s, 'destroyed', this.deps.clock.now());
+        s.opId = '';
+      },
+      heldCapacity ? this.capacity(sb.hostId, sb.resources, -1) : undefined,
+    );
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
 
@@ -1518,10 +1553,12 @@ export class Executor {
       const sb = byId.get(vm.sandboxId);
       const alive = vm.state === PbVmState.RUNNING || vm.state === PbVmState.PAUSED;
       if (sb && sb.state === 'lost' && sb.hostId === hostId && alive) {
-        await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-          this.setState(s, vm.state === PbVmState.PAUSED ? 'paused' : 'running', now, '');
-        });
-        await this.bookCapacity(hostId, sb.resources);
+        await this.updateSandbox(
+          sb.tenantId,
+          sb.id,
+          (s) => this.setState(s, vm.state === PbVmState.PAUSED ? 'paused' : 'running', now, ''),
+          this.capacity(hostId, sb.resources, 1),
+        );
         this.log.warn({ hostId, sandboxId: sb.id }, 'host returned: sandbox reclaimed');
       } else if (!sb || sb.hostId !== hostId || sb.state === 'destroyed' || sb.state === 'hibernated') {
         const opId = `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`;
@@ -1533,22 +1570,14 @@ export class Executor {
     }
   }
 
-  private async bookCapacity(hostId: string, res: ResourcesRec): Promise<void> {
-    for (let i = 0; i < 20; i++) {
-      const a = await this.deps.store.getAlloc(hostId);
-      const next: HostAllocRec = { hostId, allocated: addRes(a.value.allocated, res, 1), sandboxes: a.value.sandboxes + 1 };
-      if (await this.commit([{ kind: 'alloc', value: next, expectRevision: a.modRevision }])) return;
-    }
-    throw new ConflictError(`capacity of host ${hostId}`);
-  }
-
   private async markHostLost(hostId: string): Promise<void> {
     const now = this.deps.clock.now();
     for (const v of await this.deps.store.listSandboxes(undefined)) {
       const sb = v.value;
       if (sb.hostId !== hostId || !['running', 'paused', 'starting', 'hibernating'].includes(sb.state)) continue;
-      await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'lost', now, `host ${hostId} lost`)).catch(() => undefined);
-      await this.releaseCapacity(hostId, sb.resources).catch(() => undefined);
+      await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'lost', now, `host ${hostId} lost`), this.capacity(hostId, sb.resources, -1)).catch((e: unknown) =>
+        this.log.warn({ err: e, hostId, sandboxId: sb.id }, 'could not mark sandbox lost'),
+      );
     }
   }
 }
