@@ -6,6 +6,7 @@ import { InvalidArgumentError } from '../proto/errors.ts';
 import { parseDuration } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
 import { parseCidr } from './adapters/netns/egress.ts';
+import { DEFAULT_RAM_MOUNT } from './adapters/qemu/ram-pool.ts';
 
 export interface AgentProcessConfig {
   /** FF_HOST_ID: this host's id (a-z, 0-9, -). */
@@ -62,6 +63,11 @@ export interface AgentProcessConfig {
    * migrates them from a source instead of fetching the snapshot (ADR 0015); 0 turns it off.
    */
   readonly migrateMaxChildren: number;
+  /**
+   * Guest RAM of migrated VMs (ADR 0016): FF_RAM_MOUNT, a tmpfs with huge=always (mounted there
+   * when nothing is; empty: off, anonymous RAM); FF_RAM_POOL, files filled ahead, all sizes.
+   */
+  readonly ram: Readonly<{ mount: string; keep: number }> | undefined;
   readonly bootId: string;
 }
 
@@ -110,10 +116,12 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       idleMs: parseDuration('FF_STANDBY_IDLE', e('FF_STANDBY_IDLE', '10m')),
     },
     migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', e('FF_MIGRATE_MAX_CHILDREN', '2'), 0, 64),
+    ram: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT) ? { mount: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT), keep: int('FF_RAM_POOL', e('FF_RAM_POOL', '2'), 0, 64) } : undefined,
     bootId: randomUUID(),
   };
   parseCidr('FF_EGRESS_POOL', cfg.egress.pool);
   for (const c of cfg.egress.denyCidrs) parseCidr('FF_EGRESS_DENY_CIDRS', c);
+  if (cfg.ram && !cfg.ram.mount.startsWith('/')) throw new InvalidArgumentError('FF_RAM_MOUNT', 'must be an absolute path, or empty to turn the RAM pool off');
   if (!cfg.trustedKeyPath) throw new InvalidArgumentError('FF_TRUSTED_KEY', "must name the scheduler's public key (PEM)");
   return Object.freeze(cfg);
 }

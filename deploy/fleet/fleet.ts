@@ -31,6 +31,7 @@ import { totalmem } from 'node:os';
 import { createPublicKey, generateKeyPairSync } from 'node:crypto';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
 import type { NatsUser } from '../../services/adapters/nats/auth.ts';
+import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -554,6 +555,10 @@ export async function down(dir: string): Promise<void> {
     if (kind === 'agent') {
       // Agents leave VMs running for a restarted agent to adopt; down ends them too.
       for (const h of state.hosts) for (const pid of [...qemuPids(h.dataDir), ...standbyPids(h.dataDir)]) await stopPid(pid, 2000);
+      // Agents mount their RAM tmpfs in their own mount namespace (gone with them); when one
+      // was already mounted on the machine, their files are in it: remove them.
+      const ramMount = state.options.agentEnv?.FF_RAM_MOUNT ?? DEFAULT_RAM_MOUNT;
+      if (ramMount) for (const h of state.hosts) rmSync(ramDirFor(ramMount, join(h.dataDir, 'vmm')), { recursive: true, force: true });
     }
   }
   for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });

@@ -20,6 +20,11 @@ describe('qemuArgs', () => {
     expect(a[a.indexOf('-accel') + 1]).toBe('kvm');
     expect(a).not.toContain('-incoming');
   });
+  it('args_whenRamFileGiven_mapsItSharedAndHugePageAligned_beforeAnonymousRam', () => {
+    const a = qemuArgs({ ...launch, anonymousRam: true, ramFile: '/r/vm-a.ram' });
+    expect(a[a.indexOf('-object') + 1]).toBe('memory-backend-file,id=mem,size=256M,mem-path=/r/vm-a.ram,share=on,align=2M');
+    expect(qemuArgs({ ...launch, anonymousRam: true })[a.indexOf('-object') + 1]).toBe('memory-backend-ram,id=mem,size=256M');
+  });
 });
 
 describe('qemuArgs: the guest NIC', () => {

@@ -46,6 +46,11 @@ export interface QemuLaunch {
   memShared: boolean;
   /** Anonymous RAM instead of the file (classic save/restore baseline in the benchmark). */
   anonymousRam?: boolean;
+  /**
+   * Guest RAM is this file on a huge-page tmpfs (ram-pool.ts), mapped share=on and 2 MiB
+   * aligned so it maps in huge pages; before memPath and anonymousRam.
+   */
+  ramFile?: string;
   disk: string;
   qmpSocket: string;
   agentSocket: string;
@@ -74,7 +79,11 @@ export function qemuArgs(l: QemuLaunch): string[] {
     `mem-path=${l.memPath}`,
     l.memShared ? 'share=on' : 'share=off',
   ].join(',');
-  const ramObject = l.anonymousRam ? `memory-backend-ram,id=mem,size=${l.memoryMib}M` : mem;
+  const ramObject = l.ramFile
+    ? `memory-backend-file,id=mem,size=${l.memoryMib}M,mem-path=${l.ramFile},share=on,align=2M`
+    : l.anonymousRam
+      ? `memory-backend-ram,id=mem,size=${l.memoryMib}M`
+      : mem;
   const args = [
     '-name', l.name,
     '-machine', `${MACHINE_TYPE},pit=on,pic=on,rtc=on,memory-backend=mem`,

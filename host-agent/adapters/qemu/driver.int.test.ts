@@ -1,5 +1,6 @@
 // Integration tests of the QEMU VmmDriver against real QEMU (TCG on the dev machine).
 // One template VM is booted for the file and everything forks from its snapshot.
+import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import { createReadStream } from 'node:fs';
 import { copyFile, mkdtemp, readdir, readFile, rm, stat } from 'node:fs/promises';
@@ -11,7 +12,9 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
 import type { GuestImage, LocalSnapshot, VmEvent } from '../../domain/vmm.ts';
+import { waitFor } from '../../../services/testkit/proc.ts';
 import { QemuVmmDriver } from './driver.ts';
+import { ramDirFor, tmpfsOptions } from './ram-pool.ts';
 import { cmdlineOf, isAlive, killHard } from './process.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
@@ -221,8 +224,11 @@ describe('QemuVmmDriver (real QEMU)', () => {
   });
 
   it('migrate_whenRestoredOnAnotherHostsDriver_vmHasSnapshotStateOwnIdentitySnapshotsAndLeavesNothing', async () => {
-    // Another "host": a second driver with its own root; the stream crosses loopback TCP.
-    const dest = new QemuVmmDriver({ root: join(root, 'host2'), accel: 'tcg', logger, standby: NO_REFILL });
+    // Another "host": a second driver with its own root, and its RAM pool on a huge-page tmpfs
+    // of the test's own (ADR 0016); the stream crosses loopback TCP.
+    const ramMount = join(root, 'ram');
+    const dest = new QemuVmmDriver({ root: join(root, 'host2'), accel: 'tcg', logger, standby: NO_REFILL, ram: { mount: ramMount, keep: 1 } });
+    const ramDir = ramDirFor(ramMount, join(root, 'host2'));
     const server = net.createServer({ pauseOnConnect: true });
     await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
     const port = (server.address() as net.AddressInfo).port;
@@ -234,6 +240,8 @@ describe('QemuVmmDriver (real QEMU)', () => {
       const [sent, vm] = await Promise.all([driver.migrateOut(snap, { host: '127.0.0.1', port }), accepted.then((c) => incoming.load(c))]);
       expect(sent.bytes).toBeGreaterThan(16 << 20);
       expect(vm).toMatchObject({ state: 'running', baseSnapshotId: 'snap-tpl', hostname: 'm0' });
+      // Its RAM is its file in the pool, mapped shared in huge pages.
+      expect((await cmdlineOf(vm.pid))?.join(' ')).toContain(`mem-path=${join(ramDir, 'vm-m0.ram')},share=on,align=2M`);
       expect((await dest.readFile('m0', '/dev/shm/marker')).toString()).toBe('tmpfs-before-snapshot');
       expect(await sh('m0', 'cat /data/marker; hostname; cat /run/forkfleet/sandbox-id', dest)).toBe('disk-before-snapshot\nm0\nsb-m0');
       const a = Number(await sh('m0', 'cat /tmp/counter', dest));
@@ -246,6 +254,9 @@ describe('QemuVmmDriver (real QEMU)', () => {
       await sh('m0', 'echo migrated > /data/m && sync', dest);
       const s = await dest.snapshot('m0', 'snap-m0');
       await dest.destroy('m0');
+      // Its RAM file went with it; the pool filled one for the next VM of that size.
+      await waitFor('a filled RAM file', async () => (await readdir(ramDir)).some((f) => f.startsWith(`free-${MEM}-`)), 30_000);
+      expect((await readdir(ramDir)).filter((f) => f.startsWith('vm-'))).toEqual([]);
       const [g] = await dest.fork(s, [{ vmId: 'mg0' }]);
       expect(await sh(g?.vmId ?? '', 'cat /data/m /dev/shm/marker', dest)).toBe('migrated\ntmpfs-before-snapshot');
       await dest.destroy('mg0');
@@ -254,10 +265,14 @@ describe('QemuVmmDriver (real QEMU)', () => {
       const unused = await dest.prepareIncoming(src, { vmId: 'm1' });
       await unused.abort();
       expect(await readdir(join(root, 'host2', 'vms'))).toEqual([]);
+      expect((await readdir(ramDir)).filter((f) => f.startsWith('vm-'))).toEqual([]);
     } finally {
       server.close();
       await dest.close();
+      if (await tmpfsOptions(ramMount)) execFileSync('umount', [ramMount]);
     }
+    // The pool's files and directory went with the driver.
+    expect(await readdir(ramMount)).toEqual([]);
   });
 
   it('pause_thenResume_guestContinues', async () => {

@@ -13,7 +13,7 @@ import { access, chmod, link, lstat, mkdir, open, readdir, readFile, rename, rm,
 import { constants, createReadStream, createWriteStream } from 'node:fs';
 import net from 'node:net';
 import { setPriority } from 'node:os';
-import { join } from 'node:path';
+import { basename, dirname, join } from 'node:path';
 import type { Logger } from 'pino';
 import {
   IncompatibleSnapshotError,
@@ -58,6 +58,7 @@ import {
 import { GuestAgentClient } from '../guest/client.ts';
 import { QmpClient, type QmpEvent } from '../qmp/client.ts';
 import { fingerprint, qemuArgs, type QemuLaunch } from './cmdline.ts';
+import { RamPool, ramDirFor, ramFileOf } from './ram-pool.ts';
 import { inNewNetns } from '../netns/netns.ts';
 import { EgressManager, type EgressOptions } from '../netns/egress.ts';
 import { DEFAULT_STANDBY_POLICY, StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
@@ -96,6 +97,8 @@ export interface QemuDriverOptions {
   egress?: EgressOptions;
   /** Paused, pre-loaded QEMUs that forks claim (standby.ts, ADR 0014). Default DEFAULT_STANDBY_POLICY. */
   standby?: Partial<StandbyPolicy>;
+  /** Guest RAM of migrated VMs on a huge-page tmpfs, some filled ahead (ram-pool.ts, ADR 0016). Absent: anonymous RAM. */
+  ram?: { mount: string; keep: number };
 }
 
 /** What vm.json holds: enough to rebuild the record after an agent restart. */
@@ -115,6 +118,8 @@ interface VmPersisted {
   launchDir?: string;
   /** Guest RAM is anonymous memory, not a file (a VM restored by migration from another host, ADR 0015). */
   anonymousRam?: boolean;
+  /** Guest RAM is this file of the RAM pool (a VM restored by migration, ADR 0016); removed with the VM. */
+  ramFile?: string;
 }
 
 interface VmRecord extends VmPersisted {
@@ -150,13 +155,14 @@ const MIGRATION_TIMEOUT_MS = 120_000;
 const MIGRATION_SOURCES_MAX = 2;
 
 export class QemuVmmDriver implements VmmDriver {
-  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby'>> & { probeImage?: GuestImage; egress?: EgressOptions };
+  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram'>> & Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram'>;
   private egressManager: EgressManager | undefined;
   private readonly vms = new Map<string, VmRecord>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
   private accelPromise: Promise<Accel> | undefined;
   private readonly overlays = new OverlayFactory();
   private versionPromise: Promise<string> | undefined;
+  private ramPoolOpened: Promise<RamPool | undefined> | undefined;
   private readonly standbys: StandbyPool;
   /** Migration sources kept ready (ADR 0015): standbys in the agent's network namespace. */
   private readonly sources: StandbyPool;
@@ -182,6 +188,20 @@ export class QemuVmmDriver implements VmmDriver {
       this.opts.logger,
       this.opts.clock,
     );
+  }
+
+  /**
+   * The RAM pool (ADR 0016), opened (and its tmpfs mounted if need be) on first use; undefined
+   * when the driver has none or it could not open (then migrated VMs get anonymous RAM).
+   */
+  private ramPool(): Promise<RamPool | undefined> {
+    const ram = this.opts.ram;
+    this.ramPoolOpened ??= ram ? RamPool.open(this.opts.root, { ...ram, logger: this.opts.logger.child({ component: 'ram-pool' }) }) : Promise.resolve(undefined);
+    return this.ramPoolOpened;
+  }
+
+  private get ramDir(): string | undefined {
+    return this.opts.ram ? ramDirFor(this.opts.ram.mount, this.opts.root) : undefined;
   }
 
   private get vmsDir(): string {
@@ -319,6 +339,7 @@ export class QemuVmmDriver implements VmmDriver {
       memPath,
       memShared,
       ...(p.anonymousRam ? { anonymousRam: true } : {}),
+      ...(p.ramFile ? { ramFile: p.ramFile } : {}),
       disk,
       qmpSocket: join(dir, `qmp.${gen}.sock`),
       agentSocket: join(dir, `qga.${gen}.sock`),
@@ -650,7 +671,7 @@ export class QemuVmmDriver implements VmmDriver {
       await qemuImgCreateOverlay(rec.image.disk, recvDisk, rec.image.diskVirtualSize);
       await qemuImgCreateOverlay(diskImg, newDisk, rec.image.diskVirtualSize);
       // The receiver's RAM is the new image file, even when the VM's own RAM is anonymous.
-      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), anonymousRam: false, startPaused: true, egress: false, name: `ff-recv-${snapshotId}` };
+      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), anonymousRam: false, ramFile: undefined, startPaused: true, egress: false, name: `ff-recv-${snapshotId}` };
       recv = await this.spawnAndConnect(l, join(recvDir, 'qemu.log'));
       await setCaps(recv.qmp, { events: true, 'x-ignore-shared': false });
       await recv.qmp.execute('migrate-incoming', { uri: `unix:${migSock}` });
@@ -935,7 +956,9 @@ export class QemuVmmDriver implements VmmDriver {
     const workdir = await this.makeWorkdir(c.vmId);
     const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId, migrated: true });
     let p: VmPersisted;
+    let ram: { path: string; filled: boolean } | undefined;
     try {
+      ram = await (await this.ramPool())?.take(c.vmId, m.config.memoryMib);
       p = {
         info: {
           vmId: c.vmId, state: 'starting', accel: m.config.accel, pid: 0, workdir, memoryMib: m.config.memoryMib,
@@ -946,7 +969,7 @@ export class QemuVmmDriver implements VmmDriver {
         kernelArgs: m.image.kernelArgs,
         memPath: '',
         memShared: false,
-        anonymousRam: true,
+        ...(ram ? { ramFile: ram.path } : { anonymousRam: true }),
         diskPath: join(workdir, 'disk.0.qcow2'),
         gen: 0,
         dependsOn: [],
@@ -958,7 +981,7 @@ export class QemuVmmDriver implements VmmDriver {
       await src.writeDiskLayer(p.diskPath);
       if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(p.diskPath, src.image.disk);
     } catch (e) {
-      await rm(workdir, { recursive: true, force: true });
+      await this.reapWorkdir(workdir);
       throw e;
     }
     const prepareMs = this.opts.clock.now() - t0;
@@ -988,13 +1011,15 @@ export class QemuVmmDriver implements VmmDriver {
           rec.info.readyMs = this.opts.clock.now() - t0;
           this.setState(rec, 'running');
           await this.persist(rec);
-          log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, pid: rec.proc.pid }, 'vm restored by migration');
+          log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, ramFilled: ram?.filled, pid: rec.proc.pid }, 'vm restored by migration');
           return { ...rec.info };
         } catch (e) {
           conn.destroy();
           await this.destroy(c.vmId).catch(() => undefined);
           await rm(workdir, { recursive: true, force: true });
           throw e;
+        } finally {
+          if (ram) void this.ramPool().then((pool) => pool?.refill());
         }
       },
       abort: async () => {
@@ -1200,6 +1225,8 @@ export class QemuVmmDriver implements VmmDriver {
       }
     }
     await rm(workdir, { recursive: true, force: true });
+    // A VM's RAM file (ram-pool.ts) goes with its workdir, whoever removes it.
+    if (this.ramDir && dirname(workdir) === this.vmsDir) await rm(ramFileOf(this.ramDir, basename(workdir)), { force: true });
     return killed;
   }
 
@@ -1250,6 +1277,7 @@ export class QemuVmmDriver implements VmmDriver {
   async close(): Promise<void> {
     await this.closeStandbys();
     await Promise.all([...this.vms.keys()].map((id) => this.destroy(id)));
+    await (await this.ramPoolOpened)?.close();
   }
 
   // ---------------------------------------------------------------- recovery
@@ -1276,6 +1304,11 @@ export class QemuVmmDriver implements VmmDriver {
       await this.reapWorkdir(workdir, persisted?.launchDir);
       if (persisted?.launchDir) await rm(persisted.launchDir, { force: true });
       report.reaped.push(vmId);
+    }
+    // RAM files of VMs that are gone (ADR 0016); the pool keeps its filled free files.
+    if (this.opts.ram) {
+      const ramReaped = await (await this.ramPool())?.reap(new Set(this.vms.keys()));
+      if (ramReaped?.length) this.opts.logger.info({ vms: ramReaped }, 'left-over RAM files reaped');
     }
     // Standbys are never adopted (a new agent makes its own). A claimed one's old name is a
     // symlink to its VM's workdir: kept while that exists (QEMU reopens its disk by it).
@@ -1371,7 +1404,7 @@ export class QemuVmmDriver implements VmmDriver {
   private async persist(rec: VmRecord): Promise<void> {
     const p: VmPersisted = {
       info: rec.info, image: rec.image, kernelArgs: rec.kernelArgs, memPath: rec.memPath, memShared: rec.memShared,
-      diskPath: rec.diskPath, gen: rec.gen, dependsOn: rec.dependsOn, ...(rec.anonymousRam ? { anonymousRam: true } : {}),
+      diskPath: rec.diskPath, gen: rec.gen, dependsOn: rec.dependsOn, ...(rec.anonymousRam ? { anonymousRam: true } : {}), ...(rec.ramFile ? { ramFile: rec.ramFile } : {}),
       ...(rec.network ? { network: rec.network } : {}),
       ...(rec.launchDir ? { launchDir: rec.launchDir } : {}),
     };

@@ -1,0 +1,99 @@
+// The RAM pool against real tmpfs mounts (mounted by the tests under their own temp dir and
+// unmounted at the end): huge pages, filled files, reaping and cleanup.
+import { execFileSync } from 'node:child_process';
+import { mkdir, mkdtemp, readdir, rm, stat, writeFile } from 'node:fs/promises';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { pino } from 'pino';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { waitFor } from '../../../services/testkit/proc.ts';
+import { RamPool, ramDirFor, tmpfsOptions } from './ram-pool.ts';
+
+const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
+let base: string;
+const mounted: string[] = [];
+
+beforeAll(async () => {
+  base = await mkdtemp(join(tmpdir(), 'ffram-'));
+});
+
+afterAll(async () => {
+  for (const m of mounted.reverse()) execFileSync('umount', [m]);
+  await rm(base, { recursive: true, force: true });
+});
+
+async function openPool(name: string, keep: number): Promise<{ pool: RamPool; mount: string }> {
+  const mount = join(base, name);
+  const pool = await RamPool.open(join(base, `root-${name}`), { mount, keep, logger });
+  if ((await tmpfsOptions(mount)) && !mounted.includes(mount)) mounted.push(mount);
+  if (!pool) throw new Error('pool did not open');
+  return { pool, mount };
+}
+
+describe('RamPool (real tmpfs)', () => {
+  it('open_whenNothingIsMounted_mountsAHugePageTmpfs_andTwoRootsGetTwoDirectories', async () => {
+    const { pool, mount } = await openPool('a', 0);
+    expect(await tmpfsOptions(mount)).toContain('huge=always');
+    expect(pool.dir).toBe(ramDirFor(mount, join(base, 'root-a')));
+    expect(ramDirFor(mount, join(base, 'root-b'))).not.toBe(pool.dir);
+    await pool.close();
+    expect(await readdir(mount)).toEqual([]);
+  });
+
+  it('open_whenTheMountIsATmpfsWithoutHugePages_refusesSoVmsKeepAnonymousRam', async () => {
+    const mount = join(base, 'plain');
+    await mkdir(mount);
+    execFileSync('mount', ['-t', 'tmpfs', '-o', 'size=16m', 'ff-test-plain', mount]);
+    mounted.push(mount);
+    expect(await RamPool.open(join(base, 'root-plain'), { mount, keep: 1, logger })).toBeUndefined();
+  });
+
+  it('take_afterARefill_handsOutAFilledFileOfThatSize_andReleaseRemovesIt', async () => {
+    const { pool } = await openPool('b', 1);
+    // Nothing filled yet: a path QEMU will create, and the size is remembered for the fill.
+    const first = await pool.take('vm1', 8);
+    expect(first).toEqual({ path: join(pool.dir, 'vm-vm1.ram'), filled: false });
+    pool.refill();
+    await waitFor('a filled file', async () => pool.size === 1, 20_000, 20);
+    const free = (await readdir(pool.dir)).filter((f) => f.startsWith('free-8-'));
+    expect(free).toHaveLength(1);
+    const second = await pool.take('vm2', 8);
+    expect(second).toEqual({ path: join(pool.dir, 'vm-vm2.ram'), filled: true });
+    const st = await stat(second.path);
+    // Written, not sparse: its pages exist before any VM touches them.
+    expect(st.size).toBe(8 << 20);
+    expect(st.blocks * 512).toBeGreaterThanOrEqual(8 << 20);
+    // Another size finds nothing filled.
+    expect((await pool.take('vm3', 4)).filled).toBe(false);
+    await pool.release('vm2');
+    await expect(stat(second.path)).rejects.toThrow();
+    await pool.release('vm-never-had-one');
+    await pool.close();
+  });
+
+  it('open_afterACrash_dropsPartialFills_keepsFilledFiles_andReapRemovesOnlyGoneVmsFiles', async () => {
+    const { pool } = await openPool('c', 1);
+    await pool.take('keep', 4);
+    pool.refill();
+    await waitFor('a filled file', async () => pool.size === 1, 20_000, 20);
+    // What a killed agent leaves: a live VM's file, a gone VM's file, a half-done fill.
+    await writeFile(join(pool.dir, 'vm-keep.ram'), '');
+    await writeFile(join(pool.dir, 'vm-gone.ram'), '');
+    await writeFile(join(pool.dir, '.fill-4-abc'), '');
+    const again = await RamPool.open(join(base, 'root-c'), { mount: join(base, 'c'), keep: 1, logger });
+    expect(again?.size).toBe(1);
+    expect(await again?.reap(new Set(['keep']))).toEqual(['gone']);
+    expect((await readdir(pool.dir)).sort()).toEqual([expect.stringMatching(/^free-4-[0-9a-f]+\.ram$/), 'vm-keep.ram']);
+    await again?.release('keep');
+    await again?.close();
+    await expect(stat(pool.dir)).rejects.toThrow();
+  });
+
+  it('close_duringAFill_stopsItAndLeavesNothing', async () => {
+    const { pool, mount } = await openPool('d', 2);
+    await pool.take('x', 512);
+    pool.refill();
+    await pool.close();
+    expect(await readdir(mount)).toEqual([]);
+  });
+});

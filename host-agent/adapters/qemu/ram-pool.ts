@@ -1,0 +1,209 @@
+// Guest RAM for VMs restored by migration (ADR 0016): files on a huge-page tmpfs, some of them
+// filled ahead of time.
+//
+// A migrated VM's RAM is written page by page by the incoming stream. In anonymous memory of a
+// fresh QEMU that costs the kernel a new page for every fault, and on a host whose free memory
+// goes back to a hypervisor (free page reporting, as on this nested dev machine) ~1 s of system
+// time per 256 MiB, on the restore's critical path. A file on a `huge=always` tmpfs, written
+// once ahead of time, already holds its pages: QEMU maps it (share=on, align=2M) with one fault
+// per 2 MiB, ~5 ms for 256 MiB. The VM's memory then is that file, which goes with the VM.
+//
+// Layout: <mount>/<key>/ (key: a digest of the driver's root, so agents sharing a machine never
+//   share files)
+//   vm-<vmId>.ram      the RAM of a live VM (the driver removes it with the VM's workdir)
+//   free-<mib>-<n>.ram a filled file no VM uses yet
+//   .fill-<mib>-<n>    a fill in progress (a crash leaves it; open() removes it)
+// Invariants: a file is free or belongs to exactly one VM, never both (take() renames);
+// free files <= keep; at most one fill runs at a time.
+import { execFile, spawn, type ChildProcess } from 'node:child_process';
+import { createHash, randomBytes } from 'node:crypto';
+import { mkdir, readdir, readFile, rename, rm, rmdir } from 'node:fs/promises';
+import { join } from 'node:path';
+import { promisify } from 'node:util';
+import type { Logger } from 'pino';
+
+const run = promisify(execFile);
+
+export interface RamPoolOptions {
+  /** The huge-page tmpfs (FF_RAM_MOUNT). Mounted here when nothing is. */
+  mount: string;
+  /** Filled files kept ready, all sizes together (FF_RAM_POOL). 0: files are made on demand only. */
+  keep: number;
+  logger: Logger;
+}
+
+/** FF_RAM_MOUNT's default. */
+export const DEFAULT_RAM_MOUNT = '/run/forkfleet/ram';
+
+/** The directory a driver rooted at `root` keeps its RAM files in (also for fleet:down's sweep). */
+export function ramDirFor(mount: string, root: string): string {
+  return join(mount, createHash('sha256').update(root).digest('hex').slice(0, 16));
+}
+
+/** The file that is (or will be) the RAM of `vmId`. */
+export function ramFileOf(dir: string, vmId: string): string {
+  return join(dir, `vm-${vmId}.ram`);
+}
+
+/** Options of the tmpfs mounted at `path`, or undefined when no tmpfs is mounted exactly there. */
+export async function tmpfsOptions(path: string): Promise<string[] | undefined> {
+  const mounts = await readFile('/proc/self/mountinfo', 'utf8');
+  let found: string[] | undefined;
+  for (const line of mounts.split('\n')) {
+    const [pre, post] = line.split(' - ');
+    const fields = pre?.split(' ') ?? [];
+    const rest = post?.split(' ') ?? [];
+    // The last mount at a path is the one that shows.
+    if (fields[4] === path) found = rest[0] === 'tmpfs' ? (rest[2] ?? '').split(',') : undefined;
+  }
+  return found;
+}
+
+export class RamPool {
+  /** Free files by size (MiB), oldest first. */
+  private readonly free = new Map<number, string[]>();
+  /** Sizes asked for, most recent last: what fills make. */
+  private readonly demand: number[] = [];
+  private filling: { child: ChildProcess; path: string; done: Promise<void> } | undefined;
+  private closed = false;
+
+  private constructor(
+    readonly dir: string,
+    private readonly o: RamPoolOptions,
+  ) {}
+
+  /**
+   * The pool of a driver rooted at `root`, or undefined (logged) when there is no huge-page
+   * tmpfs at `mount` and one cannot be mounted: VMs then get anonymous RAM, as before.
+   * A tmpfs without huge pages is refused: its 4 KiB faults cost more than anonymous THP.
+   */
+  static async open(root: string, o: RamPoolOptions): Promise<RamPool | undefined> {
+    try {
+      let opts = await tmpfsOptions(o.mount);
+      if (!opts) {
+        await mkdir(o.mount, { recursive: true, mode: 0o700 });
+        // size=100%: the scheduler books host memory; the mount must never be the tighter limit
+        // (a full tmpfs would fault the guest's RAM with SIGBUS).
+        await run('mount', ['-t', 'tmpfs', '-o', 'huge=always,size=100%,mode=0700', 'forkfleet-ram', o.mount]);
+        opts = await tmpfsOptions(o.mount);
+      }
+      if (!opts?.includes('huge=always')) {
+        o.logger.warn({ mount: o.mount, options: opts?.join(',') }, 'RAM pool off: the mount is not a tmpfs with huge=always');
+        return undefined;
+      }
+      const pool = new RamPool(ramDirFor(o.mount, root), o);
+      await mkdir(pool.dir, { recursive: true, mode: 0o700 });
+      for (const f of await readdir(pool.dir)) {
+        const m = /^free-(\d+)-[0-9a-f]+\.ram$/.exec(f);
+        if (m) pool.freeOf(Number(m[1])).push(join(pool.dir, f));
+        else if (f.startsWith('.fill-')) await rm(join(pool.dir, f), { force: true });
+      }
+      return pool;
+    } catch (e) {
+      o.logger.warn({ mount: o.mount, err: String(e) }, 'RAM pool off: no huge-page tmpfs');
+      return undefined;
+    }
+  }
+
+  /** Filled files ready now, all sizes. */
+  get size(): number {
+    let n = 0;
+    for (const l of this.free.values()) n += l.length;
+    return n;
+  }
+
+  /**
+   * The RAM file for `vmId` (size `mib`): a filled one when there is one of that size, else a
+   * path QEMU creates. Either way the next fill makes one of this size; it starts at `refill()`,
+   * which the caller makes once the VM is loaded, so the fill never competes with the load.
+   */
+  async take(vmId: string, mib: number): Promise<{ path: string; filled: boolean }> {
+    const path = ramFileOf(this.dir, vmId);
+    this.demand.push(mib);
+    if (this.demand.length > 8) this.demand.shift();
+    const list = this.freeOf(mib);
+    let filled = false;
+    while (list.length > 0 && !filled) {
+      const f = list.shift()!;
+      filled = await rename(f, path).then(() => true, () => false);
+    }
+    return { path, filled };
+  }
+
+  /** Removes the RAM file of `vmId` (its VM is gone); nothing if there is none. */
+  async release(vmId: string): Promise<void> {
+    await rm(ramFileOf(this.dir, vmId), { force: true });
+  }
+
+  /** Removes every VM file whose VM is not in `live` (after an agent restart). */
+  async reap(live: ReadonlySet<string>): Promise<string[]> {
+    const reaped: string[] = [];
+    for (const f of await readdir(this.dir).catch(() => [] as string[])) {
+      const m = /^vm-(.+)\.ram$/.exec(f);
+      if (m && !live.has(m[1]!)) {
+        await rm(join(this.dir, f), { force: true });
+        reaped.push(m[1]!);
+      }
+    }
+    return reaped;
+  }
+
+  /** Stops a fill, removes the free files and, once no VM file is left, the directory. */
+  async close(): Promise<void> {
+    this.closed = true;
+    const f = this.filling;
+    if (f) {
+      f.child.kill('SIGKILL');
+      await f.done;
+    }
+    for (const l of this.free.values()) for (const p of l.splice(0)) await rm(p, { force: true });
+    await rmdir(this.dir).catch(() => undefined);
+  }
+
+  private freeOf(mib: number): string[] {
+    let l = this.free.get(mib);
+    if (!l) this.free.set(mib, (l = []));
+    return l;
+  }
+
+  /**
+   * One fill at a time, in the background at nice 19 (a `dd` of zeros: writing is what makes
+   * the pages, so a later mapping only faults them in): the most recently asked size that has
+   * the fewest free files, until `keep` are ready.
+   */
+  refill(): void {
+    if (this.closed || this.filling || this.size >= this.o.keep || this.demand.length === 0) return;
+    const recent = [...new Set([...this.demand].reverse())];
+    const mib = recent.reduce((best, m) => (this.freeOf(m).length < this.freeOf(best).length ? m : best), recent[0]!);
+    const n = randomBytes(6).toString('hex');
+    const path = join(this.dir, `.fill-${mib}-${n}`);
+    const child = spawn('nice', ['-n', '19', 'dd', 'if=/dev/zero', `of=${path}`, 'bs=1M', `count=${mib}`, 'status=none'], { stdio: 'ignore' });
+    const t0 = Date.now();
+    const done = new Promise<void>((resolve) => {
+      let ended = false;
+      const end = (code: number | null): void => {
+        if (ended) return;
+        ended = true;
+        void this.filled(path, mib, n, code, Date.now() - t0).then(resolve);
+      };
+      child.once('error', () => end(null));
+      child.once('close', end);
+    });
+    this.filling = { child, path, done };
+  }
+
+  private async filled(path: string, mib: number, n: string, code: number | null, ms: number): Promise<void> {
+    this.filling = undefined;
+    if (code !== 0 || this.closed) {
+      await rm(path, { force: true });
+      if (!this.closed) this.o.logger.warn({ mib, code }, 'RAM pool fill failed');
+      return;
+    }
+    const free = join(this.dir, `free-${mib}-${n}.ram`);
+    if (await rename(path, free).then(() => true, () => false)) {
+      this.freeOf(mib).push(free);
+      this.o.logger.debug({ mib, ms, ready: this.size }, 'RAM pool file filled');
+    }
+    this.refill();
+  }
+}
