@@ -65,9 +65,10 @@ export interface AgentProcessConfig {
   readonly migrateMaxChildren: number;
   /**
    * Guest RAM of migrated VMs (ADR 0016): FF_RAM_MOUNT, a tmpfs with huge=always (mounted there
-   * when nothing is; empty: off, anonymous RAM); FF_RAM_POOL, files filled ahead, all sizes.
+   * when nothing is; empty: off, anonymous RAM); FF_RAM_POOL, free files kept, all sizes;
+   * FF_RAM_POOL_MIB, comma-separated guest sizes (MiB) filled at start, before any restore.
    */
-  readonly ram: Readonly<{ mount: string; keep: number }> | undefined;
+  readonly ram: Readonly<{ mount: string; keep: number; prefillMib: readonly number[] }> | undefined;
   readonly bootId: string;
 }
 
@@ -116,7 +117,13 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       idleMs: parseDuration('FF_STANDBY_IDLE', e('FF_STANDBY_IDLE', '10m')),
     },
     migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', e('FF_MIGRATE_MAX_CHILDREN', '2'), 0, 64),
-    ram: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT) ? { mount: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT), keep: int('FF_RAM_POOL', e('FF_RAM_POOL', '2'), 0, 64) } : undefined,
+    ram: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT)
+      ? {
+          mount: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT),
+          keep: int('FF_RAM_POOL', e('FF_RAM_POOL', '2'), 0, 64),
+          prefillMib: e('FF_RAM_POOL_MIB', '').split(',').map((x) => x.trim()).filter(Boolean).map((x) => int('FF_RAM_POOL_MIB', x, 64, 1 << 20)),
+        }
+      : undefined,
     bootId: randomUUID(),
   };
   parseCidr('FF_EGRESS_POOL', cfg.egress.pool);

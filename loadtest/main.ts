@@ -163,7 +163,11 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     if (!apiAddr) {
       fleetMod = await import('../deploy/fleet/fleet.ts');
       log(`starting a ${cfg.hosts}-host fleet in ${cfg.fleetDir} (links ${cfg.link})`);
-      const st = await fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort }));
+      // Configured as an operator who knows the sandbox size would: agents keep RAM of that
+      // size ready for restores by migration (ADR 0016).
+      const agentEnv = { FF_RAM_POOL_MIB: String(cfg.guestMib) };
+      const st = await fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv }));
+      notes.push(`fleet agents: FF_RAM_POOL_MIB=${cfg.guestMib} (RAM of the guest's size filled at agent start, ADR 0016).`);
       apiAddr = st.apiAddresses[0]!;
       fleetHosts = st.hosts;
     }

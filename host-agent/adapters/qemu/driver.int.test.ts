@@ -254,7 +254,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
       await sh('m0', 'echo migrated > /data/m && sync', dest);
       const s = await dest.snapshot('m0', 'snap-m0');
       await dest.destroy('m0');
-      // Its RAM file went with it; the pool filled one for the next VM of that size.
+      // Its RAM file went back to the pool (or the pool had filled one), for the next VM of that size.
       await waitFor('a filled RAM file', async () => (await readdir(ramDir)).some((f) => f.startsWith(`free-${MEM}-`)), 30_000);
       expect((await readdir(ramDir)).filter((f) => f.startsWith('vm-'))).toEqual([]);
       const [g] = await dest.fork(s, [{ vmId: 'mg0' }]);

@@ -98,7 +98,7 @@ export interface QemuDriverOptions {
   /** Paused, pre-loaded QEMUs that forks claim (standby.ts, ADR 0014). Default DEFAULT_STANDBY_POLICY. */
   standby?: Partial<StandbyPolicy>;
   /** Guest RAM of migrated VMs on a huge-page tmpfs, some filled ahead (ram-pool.ts, ADR 0016). Absent: anonymous RAM. */
-  ram?: { mount: string; keep: number };
+  ram?: { mount: string; keep: number; prefillMib?: readonly number[] };
 }
 
 /** What vm.json holds: enough to rebuild the record after an agent restart. */
@@ -992,6 +992,13 @@ export class QemuVmmDriver implements VmmDriver {
         if (used) throw new VmAlreadyExistsError(c.vmId);
         used = true;
         const t1 = this.opts.clock.now();
+        const ph: Record<string, number> = {};
+        let tp = performance.now();
+        const mark = (k: string): void => {
+          const n = performance.now();
+          ph[k] = Math.round((n - tp) * 10) / 10;
+          tp = n;
+        };
         try {
           const fd = (conn as unknown as { _handle?: { fd?: number } })._handle?.fd;
           if (typeof fd !== 'number' || fd < 0) throw new VmmError('migration connection has no file descriptor');
@@ -1002,16 +1009,20 @@ export class QemuVmmDriver implements VmmDriver {
             // QEMU holds its own copy now; destroy() closes ours without shutting the connection down.
             conn.destroy();
           }
+          mark('launch');
           await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
           await incomingAndWait(rec.qmp, 'fd:3');
+          mark('load');
           const loadMs = this.opts.clock.now() - t1;
           await rec.qmp.execute('cont');
+          mark('cont');
           rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
-          await this.cloneHygiene(rec);
+          mark('sync');
+          await this.cloneHygiene(rec, mark);
           rec.info.readyMs = this.opts.clock.now() - t0;
           this.setState(rec, 'running');
           await this.persist(rec);
-          log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, ramFilled: ram?.filled, pid: rec.proc.pid }, 'vm restored by migration');
+          log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, phases: ph, ramFilled: ram?.filled, pid: rec.proc.pid }, 'vm restored by migration');
           return { ...rec.info };
         } catch (e) {
           conn.destroy();
@@ -1225,8 +1236,13 @@ export class QemuVmmDriver implements VmmDriver {
       }
     }
     await rm(workdir, { recursive: true, force: true });
-    // A VM's RAM file (ram-pool.ts) goes with its workdir, whoever removes it.
-    if (this.ramDir && dirname(workdir) === this.vmsDir) await rm(ramFileOf(this.ramDir, basename(workdir)), { force: true });
+    // A VM's RAM file (ram-pool.ts) goes with its workdir, whoever removes it: back to the
+    // pool when there is one open (its QEMU is gone by now), else away.
+    if (this.ramDir && dirname(workdir) === this.vmsDir) {
+      const pool = await this.ramPoolOpened;
+      if (pool) await pool.recycle(basename(workdir));
+      else await rm(ramFileOf(this.ramDir, basename(workdir)), { force: true });
+    }
     return killed;
   }
 

@@ -71,6 +71,25 @@ describe('RamPool (real tmpfs)', () => {
     await pool.close();
   });
 
+  it('recycle_whenAVmIsGone_itsFileServesTheNextVmOfThatSize_untilThePoolIsFull', async () => {
+    const { pool } = await openPool('e', 1);
+    const a = await pool.take('a', 2);
+    const b = await pool.take('b', 2);
+    for (const p of [a.path, b.path]) await writeFile(p, Buffer.alloc(2 << 20, 7));
+    await pool.recycle('a');
+    await pool.recycle('b');
+    // The pool keeps one: a's file is free now, b's is gone.
+    expect(pool.size).toBe(1);
+    await expect(stat(b.path)).rejects.toThrow();
+    expect(await pool.take('c', 2)).toEqual({ path: join(pool.dir, 'vm-c.ram'), filled: true });
+    // With a file free for that size, no fill starts.
+    await pool.recycle('c');
+    pool.refill();
+    expect((await readdir(pool.dir)).filter((f) => f.startsWith('.fill-'))).toEqual([]);
+    await pool.recycle('never-had-one');
+    await pool.close();
+  });
+
   it('open_afterACrash_dropsPartialFills_keepsFilledFiles_andReapRemovesOnlyGoneVmsFiles', async () => {
     const { pool } = await openPool('c', 1);
     await pool.take('keep', 4);
@@ -87,6 +106,16 @@ describe('RamPool (real tmpfs)', () => {
     await again?.release('keep');
     await again?.close();
     await expect(stat(pool.dir)).rejects.toThrow();
+  });
+
+  it('open_withPrefillSizes_fillsOneFileOfEachBeforeAnyRestoreAsks', async () => {
+    const mount = join(base, 'f');
+    const pool = await RamPool.open(join(base, 'root-f'), { mount, keep: 2, prefillMib: [4, 2], logger });
+    mounted.push(mount);
+    await waitFor('both sizes filled', async () => pool?.size === 2, 20_000, 20);
+    expect((await readdir(pool!.dir)).map((f) => f.replace(/-[0-9a-f]+\.ram$/, '')).sort()).toEqual(['free-2', 'free-4']);
+    expect((await pool!.take('x', 2)).filled).toBe(true);
+    await pool!.close();
   });
 
   it('close_duringAFill_stopsItAndLeavesNothing', async () => {

@@ -1,23 +1,29 @@
-// Guest RAM for VMs restored by migration (ADR 0016): files on a huge-page tmpfs, some of them
-// filled ahead of time.
+// Guest RAM for VMs restored by migration (ADR 0016): files on a huge-page tmpfs, kept in a
+// pool.
 //
 // A migrated VM's RAM is written page by page by the incoming stream. In anonymous memory of a
 // fresh QEMU that costs the kernel a new page for every fault, and on a host whose free memory
 // goes back to a hypervisor (free page reporting, as on this nested dev machine) ~1 s of system
-// time per 256 MiB, on the restore's critical path. A file on a `huge=always` tmpfs, written
-// once ahead of time, already holds its pages: QEMU maps it (share=on, align=2M) with one fault
-// per 2 MiB, ~5 ms for 256 MiB. The VM's memory then is that file, which goes with the VM.
+// time per 256 MiB, on the restore's critical path. A file on a `huge=always` tmpfs whose
+// pages exist already maps into QEMU (share=on, align=2M) with one fault per 2 MiB, ~5 ms for
+// 256 MiB. The VM's memory then is that file. When the VM goes, its file goes back to the pool
+// (up to `keep`): its pages stay allocated, so the next migrated VM of that size finds memory
+// that is already there, without a fill. Reusing a file that held another VM's memory is safe
+// because a precopy migration writes every page of guest RAM before the guest runs: non-zero
+// pages with their data, zero pages by a marker the destination turns into a memset of any
+// page that is not zero already (QEMU's ram_handle_zero); a VM whose load fails never runs.
+// When no file of a size is free, one is written with zeros in the background (`dd`, nice 19).
 //
 // Layout: <mount>/<key>/ (key: a digest of the driver's root, so agents sharing a machine never
 //   share files)
-//   vm-<vmId>.ram      the RAM of a live VM (the driver removes it with the VM's workdir)
-//   free-<mib>-<n>.ram a filled file no VM uses yet
+//   vm-<vmId>.ram      the RAM of a live VM (the driver recycles or removes it with the VM's workdir)
+//   free-<mib>-<n>.ram a file no VM uses: written with zeros, or the RAM of a VM that is gone
 //   .fill-<mib>-<n>    a fill in progress (a crash leaves it; open() removes it)
 // Invariants: a file is free or belongs to exactly one VM, never both (take() renames);
-// free files <= keep; at most one fill runs at a time.
+// free files <= keep; at most one fill runs at a time; a file is recycled only once its QEMU is gone.
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
-import { mkdir, readdir, readFile, rename, rm, rmdir } from 'node:fs/promises';
+import { mkdir, readdir, readFile, rename, rm, rmdir, stat } from 'node:fs/promises';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import type { Logger } from 'pino';
@@ -27,8 +33,10 @@ const run = promisify(execFile);
 export interface RamPoolOptions {
   /** The huge-page tmpfs (FF_RAM_MOUNT). Mounted here when nothing is. */
   mount: string;
-  /** Filled files kept ready, all sizes together (FF_RAM_POOL). 0: files are made on demand only. */
+  /** Free files kept, all sizes together (FF_RAM_POOL). 0: files are made on demand and removed after. */
   keep: number;
+  /** Guest sizes (MiB) filled at open, before any restore asks (FF_RAM_POOL_MIB). */
+  prefillMib?: readonly number[];
   logger: Logger;
 }
 
@@ -98,6 +106,8 @@ export class RamPool {
         if (m) pool.freeOf(Number(m[1])).push(join(pool.dir, f));
         else if (f.startsWith('.fill-')) await rm(join(pool.dir, f), { force: true });
       }
+      pool.demand.push(...(o.prefillMib ?? []));
+      pool.refill();
       return pool;
     } catch (e) {
       o.logger.warn({ mount: o.mount, err: String(e) }, 'RAM pool off: no huge-page tmpfs');
@@ -135,6 +145,25 @@ export class RamPool {
     await rm(ramFileOf(this.dir, vmId), { force: true });
   }
 
+  /**
+   * The RAM file of `vmId`, whose QEMU has exited, goes back to the pool while it holds fewer
+   * than `keep` files; otherwise it is removed. Nothing if there is none.
+   */
+  async recycle(vmId: string): Promise<void> {
+    const path = ramFileOf(this.dir, vmId);
+    const st = await stat(path).catch(() => undefined);
+    if (!st) return;
+    const mib = st.size / 1048576;
+    if (!this.closed && Number.isInteger(mib) && mib > 0 && this.size < this.o.keep) {
+      const free = join(this.dir, `free-${mib}-${randomBytes(6).toString('hex')}.ram`);
+      if (await rename(path, free).then(() => true, () => false)) {
+        this.freeOf(mib).push(free);
+        return;
+      }
+    }
+    await rm(path, { force: true });
+  }
+
   /** Removes every VM file whose VM is not in `live` (after an agent restart). */
   async reap(live: ReadonlySet<string>): Promise<string[]> {
     const reaped: string[] = [];
@@ -168,13 +197,15 @@ export class RamPool {
 
   /**
    * One fill at a time, in the background at nice 19 (a `dd` of zeros: writing is what makes
-   * the pages, so a later mapping only faults them in): the most recently asked size that has
-   * the fewest free files, until `keep` are ready.
+   * the pages, so a later mapping only faults them in), of the most recently asked size that
+   * has no free file, while fewer than `keep` are free. Files of VMs that are gone come back
+   * by `recycle`, so in a steady state nothing is filled: on a host whose free memory goes
+   * back to the hypervisor a fill costs ~1 s of CPU per 256 MiB that nice does not hold back.
    */
   refill(): void {
-    if (this.closed || this.filling || this.size >= this.o.keep || this.demand.length === 0) return;
-    const recent = [...new Set([...this.demand].reverse())];
-    const mib = recent.reduce((best, m) => (this.freeOf(m).length < this.freeOf(best).length ? m : best), recent[0]!);
+    if (this.closed || this.filling || this.size >= this.o.keep) return;
+    const mib = [...this.demand].reverse().find((m) => this.freeOf(m).length === 0 && m > 0);
+    if (mib === undefined) return;
     const n = randomBytes(6).toString('hex');
     const path = join(this.dir, `.fill-${mib}-${n}`);
     const child = spawn('nice', ['-n', '19', 'dd', 'if=/dev/zero', `of=${path}`, 'bs=1M', `count=${mib}`, 'status=none'], { stdio: 'ignore' });
