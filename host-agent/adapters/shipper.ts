@@ -265,14 +265,15 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * one-shot listener on `listenHost`, and hands the first connection to `load`. A source
    * that fails before it connects is skipped; a failure after that is final.
    */
-  async migrateFrom<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>): Promise<{ result: T; bytes: number }> {
+  async migrateFrom<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }> {
     const ticket = fetch.ticket;
     if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
     let lastErr: unknown = new ForkfleetError('unavailable', `no source with an address for ${fetch.snapshotId}`);
     for (const s of fetch.sources.filter((x) => x.address)) {
       let started = false;
       try {
-        const r = await migrateFrom({ sourceAddress: s.address, ticket, hostId: this.deps.hostId, listenHost }, (conn) => {
+        if (signal?.aborted) throw signal.reason;
+        const r = await migrateFrom({ sourceAddress: s.address, ticket, hostId: this.deps.hostId, listenHost, ...(signal ? { signal } : {}) }, (conn) => {
           started = true;
           return load(conn);
         });

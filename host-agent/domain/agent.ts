@@ -85,7 +85,7 @@ export interface SnapshotShipper {
   /** Restore by migration: the verified manifest and the disk layer of a snapshot held elsewhere. */
   incomingSource?(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSnapshot>;
   /** Restore by migration: a source's stream, arriving on a connection to `listenHost`, handed to `load`. */
-  migrateFrom?<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>): Promise<{ result: T; bytes: number }>;
+  migrateFrom?<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }>;
 }
 
 export interface AgentConfig {
@@ -426,16 +426,27 @@ export class Agent {
     const listenHost = hostOfAddress(this.deps.config.peerAddress);
     const t0 = this.deps.clock.now();
     let src: IncomingSnapshot | undefined;
+    // The source is asked at once, while the disk layer is fetched and the VM prepared: its
+    // connection waits (unread) until the VM is ready to load it.
+    const srcP = shipper.incomingSource(snapshotId, fetch);
+    srcP.then((x) => (src = x), () => undefined);
     try {
-      src = await shipper.incomingSource(snapshotId, fetch);
-      const from = src;
       const results = await Promise.allSettled(
         clones.map(async (c) => {
-          const incoming = await prepare(from, c);
+          const incomingP = srcP.then((from) => prepare(from, c));
+          // A failed preparation also ends the wait for the source's connection.
+          const gaveUp = new AbortController();
+          incomingP.catch((e: unknown) => gaveUp.abort(e));
           try {
-            return await migrateFrom(fetch, listenHost, (conn) => incoming.load(conn));
+            return await migrateFrom(fetch, listenHost, async (conn) => {
+              const incoming = await incomingP.catch((e: unknown) => {
+                conn.destroy();
+                throw e;
+              });
+              return incoming.load(conn);
+            }, gaveUp.signal);
           } catch (e) {
-            await incoming.abort();
+            await incomingP.then((i) => i.abort(), () => undefined);
             throw e;
           }
         }),
@@ -446,13 +457,14 @@ export class Agent {
         await Promise.all(vms.map((v) => driver.destroy(v.vmId).catch(() => undefined)));
         throw failed.reason;
       }
-      const bytes = src.bytesFetched + results.reduce((n, r) => n + (r.status === 'fulfilled' ? r.value.bytes : 0), 0);
+      const bytes = (await srcP).bytesFetched + results.reduce((n, r) => n + (r.status === 'fulfilled' ? r.value.bytes : 0), 0);
       log.info({ snapshotId, vms: vms.length, bytes, ms: this.deps.clock.now() - t0 }, 'restored by migration');
       return { vms, bytes };
     } catch (e) {
       log.warn({ snapshotId, err: e instanceof Error ? e.message : String(e) }, 'restore by migration failed; fetching the snapshot instead');
       return undefined;
     } finally {
+      await srcP.catch(() => undefined);
       src?.release();
     }
   }

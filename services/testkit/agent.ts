@@ -1,5 +1,6 @@
 // Starts a real host-agent process (node --import tsx host-agent/main.ts) for integration
 // tests, optionally inside a network namespace, with its own data directory.
+import { execFileSync } from 'node:child_process';
 import { join, resolve } from 'node:path';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { pidAlive, spawnManaged, waitFor } from './proc.ts';
@@ -7,6 +8,10 @@ import { qemuPids, standbyPids } from '../../deploy/fleet/fleet.ts';
 import type { ManagedProcess } from './proc.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
+
+function tmpfsMounted(path: string): boolean {
+  return readFileSync('/proc/self/mountinfo', 'utf8').split('\n').some((l) => l.split(' ')[4] === path);
+}
 
 export interface AgentProcess {
   readonly hostId: string;
@@ -36,6 +41,8 @@ export interface StartAgentOptions {
 
 export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
   const dataDir = o.dataDir ?? mkdtempSync(`/tmp/ffa-${o.hostId}-`);
+  // The agent's RAM tmpfs (ADR 0016) is its own, inside its data directory: teardown unmounts it.
+  const ramMount = join(dataDir, 'ram');
   const logPath = join(o.logDir ?? dataDir, `agent-${o.hostId}.log`);
   const env: NodeJS.ProcessEnv = {
     ...process.env,
@@ -47,6 +54,7 @@ export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
     FF_PEER_ADDR: o.peerAddr ?? '127.0.0.1:0',
     FF_HEARTBEAT_INTERVAL: '500ms',
     FF_LOG_LEVEL: 'info',
+    FF_RAM_MOUNT: ramMount,
     ...o.env,
   };
   const launch = (): ManagedProcess => {
@@ -84,6 +92,8 @@ export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
           /* gone */
         }
       }
+      // Mounted in this mount namespace only when the agent ran outside a network namespace.
+      if (tmpfsMounted(ramMount)) execFileSync('umount', [ramMount]);
       rmSync(dataDir, { recursive: true, force: true });
     },
   };

@@ -87,6 +87,31 @@ describe('MigrateSnapshot', () => {
     expect(targets.length).toBe(calls);
   });
 
+  it('migrateFrom_whenTheCallerGivesUpBeforeTheSourceConnects_endsTheWaitAndLoadNeverRuns', async () => {
+    // A source that takes its time before connecting.
+    let release = (): void => undefined;
+    const late = new Promise<void>((r) => (release = r));
+    const slowMigrate = async (id: string, target: { host: string; port: number }) => {
+      await late;
+      return fakeMigrate(id, target).catch(() => ({ bytes: 0, ms: 0 }));
+    };
+    const slow = await startGrpcServer({ address: '127.0.0.1:0', services: [chunkTransferService({ chunks: new FsChunkStore(join(dir, 'A')), manifests: new FsManifestStore(join(dir, 'A')), trust, clock: { now: () => new Date() }, migrate: slowMigrate }).registration] });
+    try {
+      let loaded = false;
+      const gaveUp = new AbortController();
+      setTimeout(() => gaveUp.abort(new Error('preparation failed')), 50);
+      const t0 = Date.now();
+      await expect(
+        migrateFrom({ sourceAddress: slow.address, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1', signal: gaveUp.signal }, async (c) => ((loaded = true), readAll(c))),
+      ).rejects.toThrow('preparation failed');
+      expect(Date.now() - t0).toBeLessThan(5_000);
+      expect(loaded).toBe(false);
+    } finally {
+      release();
+      await slow.close(100);
+    }
+  });
+
   it('migrateSnapshot_onAHostThatCannotMigrate_failsPreconditionSoTheCallerFetches', async () => {
     await expect(migrateFrom({ sourceAddress: without.address, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1' }, readAll)).rejects.toMatchObject({ kind: 'failed_precondition' });
   });

@@ -19,6 +19,8 @@ export interface MigrateFromOptions {
   readonly listenHost: string;
   /** Whole exchange, from the call to the loaded VM (default 120 s). */
   readonly timeoutMs?: number;
+  /** Ends the wait for the source's connection (the caller gave up, e.g. its own preparation failed). */
+  readonly signal?: AbortSignal;
 }
 
 export interface MigrateFromReport<T> {
@@ -61,8 +63,10 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Soc
     });
     const port = (server.address() as net.AddressInfo).port;
     const call = client.migrateSnapshot({ ticket: o.ticket, port }, { timeoutMs: o.timeoutMs ?? 120_000, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
-    // The source failing before it connects ends the wait for its connection.
+    // The source failing before it connects, or the caller giving up, ends the wait for its connection.
     call.catch((e: unknown) => ac.abort(e));
+    if (o.signal?.aborted) ac.abort(o.signal.reason);
+    o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
     const result = await accepted.then(load);
     const res = await call;
     return { result, bytes: Number(res.bytes), sourceMs: res.millis };

@@ -899,8 +899,12 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /** Stops every standby and makes no more (an agent stopping: VMs stay for the next one, standbys are never adopted). */
+  /**
+   * An agent stopping for good or for an upgrade: standbys end, and the RAM pool stops its fill
+   * and gives back its free files. VMs (and their RAM files) are left for the next agent.
+   */
   async closeStandbys(): Promise<void> {
-    await Promise.all([this.standbys.close(), this.sources.close()]);
+    await Promise.all([this.standbys.close(), this.sources.close(), this.ramPoolOpened?.then((p) => p?.close())]);
   }
 
   // ---------------------------------------------------------------- restore by migration (ADR 0015)
