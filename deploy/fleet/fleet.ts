@@ -24,9 +24,9 @@
 // loopback; agents reach NATS through a unix-socket relay, so no address exists outside
 // the fleet's own namespaces. Peer chunk transfers cross the shaped veth links.
 import { spawn, execFileSync } from 'node:child_process';
-import { closeSync, existsSync, mkdirSync, openSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, existsSync, mkdirSync, openSync, readFileSync, readdirSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { createConnection } from 'node:net';
-import { join, resolve } from 'node:path';
+import { dirname, join, resolve } from 'node:path';
 import { totalmem } from 'node:os';
 import { createPublicKey, generateKeyPairSync } from 'node:crypto';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
@@ -558,7 +558,17 @@ export async function down(dir: string): Promise<void> {
       // Agents mount their RAM tmpfs in their own mount namespace (gone with them); when one
       // was already mounted on the machine, their files are in it: remove them.
       const ramMount = state.options.agentEnv?.FF_RAM_MOUNT ?? DEFAULT_RAM_MOUNT;
-      if (ramMount) for (const h of state.hosts) rmSync(ramDirFor(ramMount, join(h.dataDir, 'vmm')), { recursive: true, force: true });
+      if (ramMount) {
+        for (const h of state.hosts) rmSync(ramDirFor(ramMount, join(h.dataDir, 'vmm')), { recursive: true, force: true });
+        // The mount point the agents made (empty unless another fleet or a mount uses it).
+        for (const d of [ramMount, dirname(ramMount)]) {
+          try {
+            rmdirSync(d);
+          } catch {
+            /* in use, mounted or not ours */
+          }
+        }
+      }
     }
   }
   for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });

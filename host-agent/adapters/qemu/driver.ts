@@ -898,10 +898,10 @@ export class QemuVmmDriver implements VmmDriver {
     await Promise.all([this.standbys.drop(snapshotId), this.sources.drop(snapshotId)]);
   }
 
-  /** Stops every standby and makes no more (an agent stopping: VMs stay for the next one, standbys are never adopted). */
   /**
-   * An agent stopping for good or for an upgrade: standbys end, and the RAM pool stops its fill
-   * and gives back its free files. VMs (and their RAM files) are left for the next agent.
+   * An agent stopping (VMs stay for the next one): every standby ends and no more are made
+   * (standbys are never adopted), and the RAM pool stops its fill and removes its free files.
+   * VMs' RAM files stay with the VMs.
    */
   async closeStandbys(): Promise<void> {
     await Promise.all([this.standbys.close(), this.sources.close(), this.ramPoolOpened?.then((p) => p?.close())]);
@@ -1297,6 +1297,7 @@ export class QemuVmmDriver implements VmmDriver {
   async close(): Promise<void> {
     await this.closeStandbys();
     await Promise.all([...this.vms.keys()].map((id) => this.destroy(id)));
+    // Again, now that no VM file is left: removes the pool's directory.
     await (await this.ramPoolOpened)?.close();
   }
 
