@@ -561,7 +561,7 @@ export async function down(dir: string): Promise<void> {
       if (ramMount) {
         for (const h of state.hosts) rmSync(ramDirFor(ramMount, join(h.dataDir, 'vmm')), { recursive: true, force: true });
         // The mount point the agents made (empty unless another fleet or a mount uses it).
-        for (const d of [ramMount, dirname(ramMount)]) {
+        for (const d of ramMount === DEFAULT_RAM_MOUNT ? [ramMount, dirname(ramMount)] : [ramMount]) {
           try {
             rmdirSync(d);
           } catch {
