@@ -66,9 +66,10 @@ export interface AgentProcessConfig {
   /**
    * Guest RAM of migrated VMs (ADR 0016): FF_RAM_MOUNT, a tmpfs with huge=always (mounted there
    * when nothing is; empty: off, anonymous RAM); FF_RAM_POOL, free files kept, all sizes;
-   * FF_RAM_POOL_MIB, comma-separated guest sizes (MiB) filled at start, before any restore.
+   * FF_RAM_POOL_MAX_MIB, their total size at most; FF_RAM_POOL_MIB, comma-separated guest
+   * sizes (MiB) filled at start, before any restore.
    */
-  readonly ram: Readonly<{ mount: string; keep: number; prefillMib: readonly number[] }> | undefined;
+  readonly ram: Readonly<{ mount: string; keep: number; maxMib: number; prefillMib: readonly number[] }> | undefined;
   readonly bootId: string;
 }
 
@@ -121,6 +122,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       ? {
           mount: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT),
           keep: int('FF_RAM_POOL', e('FF_RAM_POOL', '2'), 0, 64),
+          maxMib: int('FF_RAM_POOL_MAX_MIB', e('FF_RAM_POOL_MAX_MIB', '2048'), 0, 1 << 30),
           prefillMib: e('FF_RAM_POOL_MIB', '').split(',').map((x) => x.trim()).filter(Boolean).map((x) => int('FF_RAM_POOL_MIB', x, 64, 1 << 20)),
         }
       : undefined,

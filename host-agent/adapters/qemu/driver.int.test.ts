@@ -227,7 +227,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     // Another "host": a second driver with its own root, and its RAM pool on a huge-page tmpfs
     // of the test's own (ADR 0016); the stream crosses loopback TCP.
     const ramMount = join(root, 'ram');
-    const dest = new QemuVmmDriver({ root: join(root, 'host2'), accel: 'tcg', logger, standby: NO_REFILL, ram: { mount: ramMount, keep: 1 } });
+    const dest = new QemuVmmDriver({ root: join(root, 'host2'), accel: 'tcg', logger, standby: NO_REFILL, ram: { mount: ramMount, keep: 1, maxMib: 1024 } });
     const ramDir = ramDirFor(ramMount, join(root, 'host2'));
     const server = net.createServer({ pauseOnConnect: true });
     await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));

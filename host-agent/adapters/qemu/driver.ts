@@ -98,7 +98,7 @@ export interface QemuDriverOptions {
   /** Paused, pre-loaded QEMUs that forks claim (standby.ts, ADR 0014). Default DEFAULT_STANDBY_POLICY. */
   standby?: Partial<StandbyPolicy>;
   /** Guest RAM of migrated VMs on a huge-page tmpfs, some filled ahead (ram-pool.ts, ADR 0016). Absent: anonymous RAM. */
-  ram?: { mount: string; keep: number; prefillMib?: readonly number[] };
+  ram?: { mount: string; keep: number; maxMib: number; prefillMib?: readonly number[] };
 }
 
 /** What vm.json holds: enough to rebuild the record after an agent restart. */

@@ -24,7 +24,7 @@ afterAll(async () => {
 
 async function openPool(name: string, keep: number): Promise<{ pool: RamPool; mount: string }> {
   const mount = join(base, name);
-  const pool = await RamPool.open(join(base, `root-${name}`), { mount, keep, logger });
+  const pool = await RamPool.open(join(base, `root-${name}`), { mount, keep, maxMib: 1024, logger });
   if ((await tmpfsOptions(mount)) && !mounted.includes(mount)) mounted.push(mount);
   if (!pool) throw new Error('pool did not open');
   return { pool, mount };
@@ -45,7 +45,7 @@ describe('RamPool (real tmpfs)', () => {
     await mkdir(mount);
     execFileSync('mount', ['-t', 'tmpfs', '-o', 'size=16m', 'ff-test-plain', mount]);
     mounted.push(mount);
-    expect(await RamPool.open(join(base, 'root-plain'), { mount, keep: 1, logger })).toBeUndefined();
+    expect(await RamPool.open(join(base, 'root-plain'), { mount, keep: 1, maxMib: 1024, logger })).toBeUndefined();
   });
 
   it('take_afterARefill_handsOutAFilledFileOfThatSize_andReleaseRemovesIt', async () => {
@@ -90,6 +90,24 @@ describe('RamPool (real tmpfs)', () => {
     await pool.close();
   });
 
+  it('recycleAndRefill_keepNoFileThatWouldTakeThePoolOverItsSizeCap', async () => {
+    const mount = join(base, 'g');
+    const pool = (await RamPool.open(join(base, 'root-g'), { mount, keep: 4, maxMib: 6, logger }))!;
+    mounted.push(mount);
+    const big = await pool.take('big', 8);
+    await writeFile(big.path, Buffer.alloc(8 << 20));
+    await pool.recycle('big');
+    await expect(stat(big.path)).rejects.toThrow();
+    expect(pool.size).toBe(0);
+    // Not filled either; a size within the cap is.
+    pool.refill();
+    expect((await readdir(pool.dir)).filter((f) => f.startsWith('.fill-'))).toEqual([]);
+    await pool.take('small', 4);
+    pool.refill();
+    await waitFor('the small size filled', async () => pool.size === 1, 20_000, 20);
+    await pool.close();
+  });
+
   it('open_afterACrash_dropsPartialFills_keepsFilledFiles_andReapRemovesOnlyGoneVmsFiles', async () => {
     const { pool } = await openPool('c', 1);
     await pool.take('keep', 4);
@@ -99,7 +117,7 @@ describe('RamPool (real tmpfs)', () => {
     await writeFile(join(pool.dir, 'vm-keep.ram'), '');
     await writeFile(join(pool.dir, 'vm-gone.ram'), '');
     await writeFile(join(pool.dir, '.fill-4-abc'), '');
-    const again = await RamPool.open(join(base, 'root-c'), { mount: join(base, 'c'), keep: 1, logger });
+    const again = await RamPool.open(join(base, 'root-c'), { mount: join(base, 'c'), keep: 1, maxMib: 1024, logger });
     expect(again?.size).toBe(1);
     expect(await again?.reap(new Set(['keep']))).toEqual(['gone']);
     expect((await readdir(pool.dir)).sort()).toEqual([expect.stringMatching(/^free-4-[0-9a-f]+\.ram$/), 'vm-keep.ram']);
@@ -110,7 +128,7 @@ describe('RamPool (real tmpfs)', () => {
 
   it('open_withPrefillSizes_fillsOneFileOfEachBeforeAnyRestoreAsks', async () => {
     const mount = join(base, 'f');
-    const pool = await RamPool.open(join(base, 'root-f'), { mount, keep: 2, prefillMib: [4, 2], logger });
+    const pool = await RamPool.open(join(base, 'root-f'), { mount, keep: 2, maxMib: 1024, prefillMib: [4, 2], logger });
     mounted.push(mount);
     await waitFor('both sizes filled', async () => pool?.size === 2, 20_000, 20);
     expect((await readdir(pool!.dir)).map((f) => f.replace(/-[0-9a-f]+\.ram$/, '')).sort()).toEqual(['free-2', 'free-4']);

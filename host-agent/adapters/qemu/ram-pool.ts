@@ -20,7 +20,7 @@
 //   free-<mib>-<n>.ram a file no VM uses: written with zeros, or the RAM of a VM that is gone
 //   .fill-<mib>-<n>    a fill in progress (a crash leaves it; open() removes it)
 // Invariants: a file is free or belongs to exactly one VM, never both (take() renames);
-// free files <= keep; at most one fill runs at a time; a file is recycled only once its QEMU is gone.
+// free files <= keep and their sizes add up to <= maxMib; at most one fill runs at a time; a file is recycled only once its QEMU is gone.
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { mkdir, readdir, readFile, rename, rm, rmdir, stat } from 'node:fs/promises';
@@ -35,6 +35,8 @@ export interface RamPoolOptions {
   mount: string;
   /** Free files kept, all sizes together (FF_RAM_POOL). 0: files are made on demand and removed after. */
   keep: number;
+  /** Their total size at most, MiB (FF_RAM_POOL_MAX_MIB): a bigger guest's RAM is never kept or filled. */
+  maxMib: number;
   /** Guest sizes (MiB) filled at open, before any restore asks (FF_RAM_POOL_MIB). */
   prefillMib?: readonly number[];
   logger: Logger;
@@ -115,6 +117,13 @@ export class RamPool {
     }
   }
 
+  /** Whether one more free file of `mib` stays within `keep` and `maxMib`. */
+  private roomFor(mib: number): boolean {
+    let total = 0;
+    for (const [m, l] of this.free) total += m * l.length;
+    return this.size < this.o.keep && total + mib <= this.o.maxMib;
+  }
+
   /** Filled files ready now, all sizes. */
   get size(): number {
     let n = 0;
@@ -154,7 +163,7 @@ export class RamPool {
     const st = await stat(path).catch(() => undefined);
     if (!st) return;
     const mib = st.size / 1048576;
-    if (!this.closed && Number.isInteger(mib) && mib > 0 && this.size < this.o.keep) {
+    if (!this.closed && Number.isInteger(mib) && mib > 0 && this.roomFor(mib)) {
       const free = join(this.dir, `free-${mib}-${randomBytes(6).toString('hex')}.ram`);
       if (await rename(path, free).then(() => true, () => false)) {
         this.freeOf(mib).push(free);
@@ -203,8 +212,8 @@ export class RamPool {
    * back to the hypervisor a fill costs ~1 s of CPU per 256 MiB that nice does not hold back.
    */
   refill(): void {
-    if (this.closed || this.filling || this.size >= this.o.keep) return;
-    const mib = [...this.demand].reverse().find((m) => this.freeOf(m).length === 0 && m > 0);
+    if (this.closed || this.filling) return;
+    const mib = [...this.demand].reverse().find((m) => this.freeOf(m).length === 0 && m > 0 && this.roomFor(m));
     if (mib === undefined) return;
     const n = randomBytes(6).toString('hex');
     const path = join(this.dir, `.fill-${mib}-${n}`);
