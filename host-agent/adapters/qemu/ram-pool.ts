@@ -132,9 +132,9 @@ export class RamPool {
   }
 
   /**
-   * The RAM file for `vmId` (size `mib`): a filled one when there is one of that size, else a
-   * path QEMU creates. Either way the next fill makes one of this size; it starts at `refill()`,
-   * which the caller makes once the VM is loaded, so the fill never competes with the load.
+   * The RAM file for `vmId` (size `mib`): a free one when there is one of that size, else a path
+   * QEMU creates. The size is remembered for `refill()`, which the caller makes once the VM is
+   * loaded, so a fill never competes with the load.
    */
   async take(vmId: string, mib: number): Promise<{ path: string; filled: boolean }> {
     const path = ramFileOf(this.dir, vmId);
