@@ -154,6 +154,20 @@ const MIGRATION_TIMEOUT_MS = 120_000;
 /** Migration sources kept ready on a host, all snapshots together (ADR 0015). */
 const MIGRATION_SOURCES_MAX = 2;
 
+/** Durations of a restore's phases for its log line: `mark(k)` records the ms since the previous mark (or the start) as `phases[k]`. */
+function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => void } {
+  const phases: Record<string, number> = {};
+  let last = performance.now();
+  return {
+    phases,
+    mark: (k) => {
+      const now = performance.now();
+      phases[k] = Math.round((now - last) * 10) / 10;
+      last = now;
+    },
+  };
+}
+
 export class QemuVmmDriver implements VmmDriver {
   private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram'>> & Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram'>;
   private egressManager: EgressManager | undefined;
@@ -996,13 +1010,7 @@ export class QemuVmmDriver implements VmmDriver {
         if (used) throw new VmAlreadyExistsError(c.vmId);
         used = true;
         const t1 = this.opts.clock.now();
-        const ph: Record<string, number> = {};
-        let tp = performance.now();
-        const mark = (k: string): void => {
-          const n = performance.now();
-          ph[k] = Math.round((n - tp) * 10) / 10;
-          tp = n;
-        };
+        const { phases: ph, mark } = phaseTimer();
         try {
           const fd = (conn as unknown as { _handle?: { fd?: number } })._handle?.fd;
           if (typeof fd !== 'number' || fd < 0) throw new VmmError('migration connection has no file descriptor');
@@ -1052,13 +1060,7 @@ export class QemuVmmDriver implements VmmDriver {
     const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId });
     try {
       const p = await this.clonePersisted(snapshot, c, workdir);
-      const ph: Record<string, number> = {};
-      let tp = performance.now();
-      const mark = (k: string): void => {
-        const n = performance.now();
-        ph[k] = Math.round((n - tp) * 10) / 10;
-        tp = n;
-      };
+      const { phases: ph, mark } = phaseTimer();
       // A standby's namespace has no egress link; a clone that may have egress starts its own.
       const standby = p.network ? undefined : await this.standbys.claim(m.snapshotId);
       let rec: VmRecord;
