@@ -90,6 +90,23 @@ describe('RamPool (real tmpfs)', () => {
     await pool.close();
   });
 
+  it('refill_whenARecycledFileTookTheRoomDuringTheFill_dropsTheFilledFile', async () => {
+    const { pool } = await openPool('h', 1);
+    // A fill big enough to still run while a small VM's file comes back.
+    await pool.take('big', 512);
+    pool.refill();
+    const a = await pool.take('a', 4);
+    await writeFile(a.path, Buffer.alloc(4 << 20, 1));
+    await pool.recycle('a');
+    expect(pool.size).toBe(1);
+    expect((await readdir(pool.dir)).some((f) => f.startsWith('.fill-512-'))).toBe(true);
+    await waitFor('the fill ended', async () => !(await readdir(pool.dir)).some((f) => f.startsWith('.fill-')), 30_000, 20);
+    await new Promise((r) => setTimeout(r, 50));
+    expect(pool.size).toBe(1);
+    expect((await readdir(pool.dir)).filter((f) => f.startsWith('free-'))).toEqual([expect.stringMatching(/^free-4-/)]);
+    await pool.close();
+  });
+
   it('recycleAndRefill_keepNoFileThatWouldTakeThePoolOverItsSizeCap', async () => {
     const mount = join(base, 'g');
     const pool = (await RamPool.open(join(base, 'root-g'), { mount, keep: 4, maxMib: 6, logger }))!;

@@ -155,8 +155,8 @@ export class RamPool {
   }
 
   /**
-   * The RAM file of `vmId`, whose QEMU has exited, goes back to the pool while it holds fewer
-   * than `keep` files; otherwise it is removed. Nothing if there is none.
+   * The RAM file of `vmId`, whose QEMU has exited, goes back to the pool while that keeps it
+   * within `keep` files and `maxMib`; otherwise it is removed. Nothing if there is none.
    */
   async recycle(vmId: string): Promise<void> {
     const path = ramFileOf(this.dir, vmId);
@@ -207,7 +207,7 @@ export class RamPool {
   /**
    * One fill at a time, in the background at nice 19 (a `dd` of zeros: writing is what makes
    * the pages, so a later mapping only faults them in), of the most recently asked size that
-   * has no free file, while fewer than `keep` are free. Files of VMs that are gone come back
+   * has no free file and fits within `keep` and `maxMib`. Files of VMs that are gone come back
    * by `recycle`, so in a steady state nothing is filled: on a host whose free memory goes
    * back to the hypervisor a fill costs ~1 s of CPU per 256 MiB that nice does not hold back.
    */
@@ -237,6 +237,11 @@ export class RamPool {
     if (code !== 0 || this.closed) {
       await rm(path, { force: true });
       if (!this.closed) this.o.logger.warn({ mib, code }, 'RAM pool fill failed');
+      return;
+    }
+    // A recycled file may have taken the room while this one was being written.
+    if (!this.roomFor(mib)) {
+      await rm(path, { force: true });
       return;
     }
     const free = join(this.dir, `free-${mib}-${n}.ram`);
