@@ -425,11 +425,9 @@ export class Agent {
     const migrateFrom = shipper.migrateFrom.bind(shipper);
     const listenHost = hostOfAddress(this.deps.config.peerAddress);
     const t0 = this.deps.clock.now();
-    let src: IncomingSnapshot | undefined;
     // The source is asked at once, while the disk layer is fetched and the VM prepared: its
     // connection waits (unread) until the VM is ready to load it.
     const srcP = shipper.incomingSource(snapshotId, fetch);
-    srcP.then((x) => (src = x), () => undefined);
     try {
       const results = await Promise.allSettled(
         clones.map(async (c) => {
@@ -464,8 +462,7 @@ export class Agent {
       log.warn({ snapshotId, err: e instanceof Error ? e.message : String(e) }, 'restore by migration failed; fetching the snapshot instead');
       return undefined;
     } finally {
-      await srcP.catch(() => undefined);
-      src?.release();
+      (await srcP.catch(() => undefined))?.release();
     }
   }
 

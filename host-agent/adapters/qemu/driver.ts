@@ -962,8 +962,8 @@ export class QemuVmmDriver implements VmmDriver {
    * a snapshot this host does not hold. Prepared before the stream arrives: the workdir and
    * the disk (the snapshot's disk layer, which `src.writeDiskLayer` writes as the VM's own).
    * `load(conn)` starts QEMU on the accepted connection (inherited, so the stream never passes
-   * through this process), loads it into anonymous RAM, then gives the VM the same clone
-   * hygiene as any restore.
+   * through this process), loads it into a RAM pool file (ADR 0016; anonymous RAM without a
+   * pool), then gives the VM the same clone hygiene as any restore.
    */
   async prepareIncoming(src: IncomingSource, c: CloneSpec): Promise<IncomingVm> {
     validateId('vmId', c.vmId);
@@ -1026,14 +1026,7 @@ export class QemuVmmDriver implements VmmDriver {
           await incomingAndWait(rec.qmp, 'fd:3');
           mark('load');
           const loadMs = this.opts.clock.now() - t1;
-          await rec.qmp.execute('cont');
-          mark('cont');
-          rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
-          mark('sync');
-          await this.cloneHygiene(rec, mark);
-          rec.info.readyMs = this.opts.clock.now() - t0;
-          this.setState(rec, 'running');
-          await this.persist(rec);
+          await this.startRestored(rec, t0, mark);
           log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, phases: ph, ramFilled: ram?.filled, pid: rec.proc.pid }, 'vm restored by migration');
           return { ...rec.info };
         } catch (e) {
@@ -1071,15 +1064,8 @@ export class QemuVmmDriver implements VmmDriver {
         const { proc, qmp } = await this.spawnIncoming(snapshot, p, mark);
         rec = this.register(p, proc, qmp, log);
       }
-      await rec.qmp.execute('cont');
-      mark('cont');
-      rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
-      mark('sync');
-      await this.cloneHygiene(rec, mark);
-      rec.info.readyMs = this.opts.clock.now() - t0;
+      await this.startRestored(rec, t0, mark);
       log.debug({ phases: ph, standby: !!standby }, 'restore phases');
-      this.setState(rec, 'running');
-      await this.persist(rec);
       log.info({ readyMs: rec.info.readyMs, pid: rec.proc.pid, standby: standby?.id }, 'vm restored');
       return { ...rec.info };
     } catch (e) {
@@ -1097,6 +1083,22 @@ export class QemuVmmDriver implements VmmDriver {
    * the "answers an exec" proof. Images without ff-clone get the older shell script +
    * guest-set-time (ADR 0005).
    */
+  /**
+   * The end of every restore, same-host or migrated: the loaded VM runs its first guest
+   * instruction, its agent is resynced, it gets clone hygiene, and it is recorded as running
+   * with its ready time counted from `t0`.
+   */
+  private async startRestored(rec: VmRecord, t0: number, mark: (k: string) => void): Promise<void> {
+    await rec.qmp.execute('cont');
+    mark('cont');
+    rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
+    mark('sync');
+    await this.cloneHygiene(rec, mark);
+    rec.info.readyMs = this.opts.clock.now() - t0;
+    this.setState(rec, 'running');
+    await this.persist(rec);
+  }
+
   private async cloneHygiene(rec: VmRecord, mark: (k: string) => void = () => undefined): Promise<void> {
     const agent = this.agentOf(rec);
     const record = await this.cloneRecord(rec, agent).catch((e: unknown) => {
