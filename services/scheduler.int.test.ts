@@ -5,7 +5,9 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
+import { Etcd3 } from 'etcd3';
 import { startEtcd } from './testkit/etcd.ts';
+import { keys } from './adapters/etcd/keys.ts';
 import type { EtcdCluster } from './testkit/etcd.ts';
 import { startNats } from './testkit/nats.ts';
 import type { NatsServer } from './testkit/nats.ts';
@@ -149,8 +151,18 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     expect(paused.result.case === 'sandbox' && paused.result.value.state).toBe(SandboxState.PAUSED);
     const execPaused = (await sh(api, parentId, 'true').catch((e: unknown) => e)) as RpcError;
     expect(execPaused.code).toBe(Status.FAILED_PRECONDITION);
-    await done(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: parentId }));
+    const resumed = await done(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: parentId }));
     expect((await sh(api, parentId, 'echo back')).out).toBe('back\n');
+    // The sandbox's new state and the op's end were committed in one transaction: no reader
+    // ever sees a finished resume on a paused sandbox, or a running sandbox with its resume open.
+    const etcdClient = new Etcd3({ hosts: etcd.endpoints });
+    try {
+      const [opKv, sbKv] = await Promise.all([keys.op(tenantId, resumed.id), keys.sandbox(tenantId, parentId)].map(async (k) => (await etcdClient.get(k).exec()).kvs[0]));
+      expect(opKv?.mod_revision).toBeDefined();
+      expect(opKv?.mod_revision).toBe(sbKv?.mod_revision);
+    } finally {
+      etcdClient.close();
+    }
 
     // destroy everything: no QEMU left on any host, capacity released
     for (const id of [parentId, ...kids.map((c) => c.id)]) await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));

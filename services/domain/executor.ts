@@ -362,14 +362,19 @@ export class Executor {
 
   // ---------------------------------------------------------------- records
 
-  private updateOp(tenantId: string, id: string, mutate: (op: OperationRec) => void): Promise<OperationRec> {
+  /**
+   * Read-modify-write of an op record, after this op's earlier updates. `extra(attempt)` adds
+   * writes to the same transaction (attempt 0 may use revisions read before; a conflict
+   * retries with attempt + 1, which must read again).
+   */
+  private updateOp(tenantId: string, id: string, mutate: (op: OperationRec) => void, extra?: (attempt: number) => Promise<StoreWrite[]>): Promise<OperationRec> {
     const prev = this.opChains.get(id) ?? Promise.resolve();
-    const next = prev.catch(() => undefined).then(() => this.updateOpNow(tenantId, id, mutate));
+    const next = prev.catch(() => undefined).then(() => this.updateOpNow(tenantId, id, mutate, extra));
     this.opChains.set(id, next);
     return next;
   }
 
-  private async updateOpNow(tenantId: string, id: string, mutate: (op: OperationRec) => void): Promise<OperationRec> {
+  private async updateOpNow(tenantId: string, id: string, mutate: (op: OperationRec) => void, extra?: (attempt: number) => Promise<StoreWrite[]>): Promise<OperationRec> {
     for (let i = 0; i < 20; i++) {
       // First try the revision this leader last wrote or saw; after a conflict, re-read.
       const v = (i === 0 ? this.ops.get(id) : undefined) ?? (await this.deps.store.getOp(tenantId, id));
@@ -377,7 +382,8 @@ export class Executor {
       const next = structuredClone(v.value);
       mutate(next);
       next.updatedAt = this.deps.clock.now();
-      if (await this.commit([{ kind: 'op', value: next, expectRevision: v.modRevision }])) return next;
+      const more = extra ? await extra(i) : [];
+      if (await this.commit([{ kind: 'op', value: next, expectRevision: v.modRevision }, ...more])) return next;
     }
     throw new ConflictError(`operation ${id}`);
   }
@@ -398,6 +404,24 @@ export class Executor {
       if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(await extra(next, v.value))])) return next;
     }
     throw new ConflictError(`sandbox ${id}`);
+  }
+
+  /**
+   * The guarded write that applies `mutate` to a sandbox, as an `updateOp` extra: the first
+   * attempt builds on `known` (read before the host step: no read on the way to the answer),
+   * a retry after a conflict reads the record again.
+   */
+  private sandboxWrite(known: Versioned<SandboxRec>, mutate: (sb: SandboxRec) => void): (attempt: number) => Promise<StoreWrite[]> {
+    const { tenantId, id } = known.value;
+    return async (attempt) => {
+      const v = attempt === 0 ? known : await this.deps.store.getSandbox(tenantId, id);
+      if (!v) throw new NotFoundError('sandbox', id);
+      const next = structuredClone(v.value);
+      mutate(next);
+      if (!canTransition(v.value.state, next.state)) throw new WrongStateError('sandbox', id, v.value.state, `cannot become ${next.state}`);
+      next.updatedAt = this.deps.clock.now();
+      return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }];
+    };
   }
 
   /**
@@ -433,18 +457,27 @@ export class Executor {
     throw new ConflictError(`capacity of host ${hostId}`);
   }
 
-  private async finish(op: OperationRec, result: OperationRec['result'], error: OperationError | null, progressDone?: number): Promise<void> {
+  /**
+   * Writes the op's final state; `extra` (see updateOp) commits in the same transaction, e.g.
+   * the sandbox state the op ends in, so the answer costs one write, not two.
+   */
+  private async finish(op: OperationRec, result: OperationRec['result'], error: OperationError | null, progressDone?: number, extra?: (attempt: number) => Promise<StoreWrite[]>): Promise<void> {
     // Only the leader finishes operations: one that stepped down leaves them to the next.
     if (!this.active) return;
-    await this.updateOp(op.tenantId, op.id, (o) => {
-      o.state = error ? 'failed' : 'succeeded';
-      // Keep what placement recorded (the explanation) next to the final result.
-      o.result = result ? { ...(o.result ?? {}), ...result } : null;
-      if (progressDone !== undefined) o.progress.done = progressDone;
-      o.error = error;
-      o.progress.message = error ? error.message : 'done';
-      Object.assign(o.steps, this.stepLog.get(op.id) ?? {});
-    });
+    await this.updateOp(
+      op.tenantId,
+      op.id,
+      (o) => {
+        o.state = error ? 'failed' : 'succeeded';
+        // Keep what placement recorded (the explanation) next to the final result.
+        o.result = result ? { ...(o.result ?? {}), ...result } : null;
+        if (progressDone !== undefined) o.progress.done = progressDone;
+        o.error = error;
+        o.progress.message = error ? error.message : 'done';
+        Object.assign(o.steps, this.stepLog.get(op.id) ?? {});
+      },
+      extra,
+    );
     this.log.info({ opId: op.id, kind: op.kind, ok: !error, error: error?.message }, 'operation finished');
     this.deps.onFinished?.(op.kind, !error, (this.deps.clock.now() - op.createdAt) / 1000);
   }
@@ -735,12 +768,20 @@ export class Executor {
   // ---------------------------------------------------------------- operations
 
   private async run(tenantId: string, opId: string): Promise<void> {
-    // Read from etcd, not the cache: a replica that led before may hold a stale copy.
-    const v = await this.deps.store.getOp(tenantId, opId);
+    // The copy maybeRun just took from this term's watch or list (stop() drops every copy, so
+    // none is left from an earlier term); a copy that is stale by now only costs the first
+    // guarded write a re-read. Without one, read etcd.
+    const v = this.ops.get(opId) ?? (await this.deps.store.getOp(tenantId, opId));
     if (!v || isTerminal(v.value.state)) return;
     this.ops.set(opId, v);
     let op = v.value;
-    if (op.state === 'pending') op = await this.updateOp(tenantId, opId, (o) => (o.state = 'running'));
+    if (op.state === 'pending') {
+      // Recorded while the work goes on, not before it: later updates of this op queue
+      // behind this one (updateOp), and a crash in between leaves a pending op that the next
+      // leader runs again, as it would a running one.
+      this.updateOp(tenantId, opId, (o) => (o.state = 'running')).catch((e: unknown) => this.log.warn({ err: e, opId }, 'could not mark the operation running'));
+      op = { ...op, state: 'running' };
+    }
     try {
       switch (op.kind) {
         case 'create':
@@ -961,7 +1002,7 @@ export class Executor {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
       const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? { case: 'pauseVm', value: { sandboxId: sb.id } as never } : { case: 'resumeVm', value: { sandboxId: sb.id, afterResume: hooksOf(sb) } as never });
       const now = this.deps.clock.now();
-      await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, target, now, op.kind === 'resume' ? Executor.hookReport(r, sb.id) : ''));
+      return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, this.sandboxWrite(sbv, (s) => this.setState(s, target, now, op.kind === 'resume' ? Executor.hookReport(r, sb.id) : '')));
     }
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }

@@ -212,27 +212,43 @@ export class Fleet {
     }, [], true);
   }
 
-  private async sandboxOp(kind: OperationKind, input: SandboxOpInput, allowed: readonly SandboxState[], extra: Record<string, unknown> = {}, known?: SandboxRec): Promise<OperationRec> {
+  /**
+   * A sandbox operation: `kind` (or the kind `choose` picks from the sandbox's state) with the
+   * states it may start from.
+   */
+  private async sandboxOp(kind: OperationKind, input: SandboxOpInput, allowed: readonly SandboxState[], extra: Record<string, unknown> = {}, choose?: (sb: SandboxRec) => [OperationKind, readonly SandboxState[]]): Promise<OperationRec> {
     // The key lookup and the sandbox read go to etcd together (one batched read, not two round trips).
     // A repeat of the key answers with its operation even when the sandbox is gone by now.
-    const read = known ? Promise.resolve(known) : this.getSandbox(input.tenantId, input.sandboxId);
+    const read = this.getSandbox(input.tenantId, input.sandboxId);
     read.catch(() => undefined);
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
     if (prior) return prior;
     const sb = await read;
+    if (choose) [kind, allowed] = choose(sb);
     if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`);
     if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
-    return this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], true);
+    const op = await this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], true);
+    this.readAtSubmit.set(op, sb);
+    return op;
+  }
+
+  /** The sandbox record a sandbox operation was submitted on, by the returned op object (see sandboxAtSubmit). */
+  private readonly readAtSubmit = new WeakMap<OperationRec, SandboxRec>();
+
+  /**
+   * The target sandbox as read when `op` (an object this Fleet just returned) was submitted:
+   * submitting does not write it, so the answer to the call can show it without a read.
+   */
+  sandboxAtSubmit(op: OperationRec): SandboxRec | undefined {
+    return this.readAtSubmit.get(op);
   }
 
   pauseSandbox(input: SandboxOpInput): Promise<OperationRec> {
     return this.sandboxOp('pause', input, ['running', 'paused']);
   }
-  async resumeSandbox(input: SandboxOpInput): Promise<OperationRec> {
-    const sb = await this.getSandbox(input.tenantId, input.sandboxId);
+  resumeSandbox(input: SandboxOpInput): Promise<OperationRec> {
     // Resuming a hibernated sandbox is a wake: restore from its hibernation snapshot.
-    if (sb.state === 'hibernated' || sb.state === 'waking') return this.sandboxOp('wake', input, ['hibernated', 'waking'], {}, sb);
-    return this.sandboxOp('resume', input, ['running', 'paused'], {}, sb);
+    return this.sandboxOp('resume', input, ['running', 'paused'], {}, (sb) => (sb.state === 'hibernated' || sb.state === 'waking' ? ['wake', ['hibernated', 'waking']] : ['resume', ['running', 'paused']]));
   }
   snapshotSandbox(input: SandboxOpInput & { pin: boolean; keepLast: number; retentionTtlMs: number | null; labels: Record<string, string> }): Promise<OperationRec> {
     return this.sandboxOp('snapshot', input, ['running', 'paused'], {
@@ -316,8 +332,8 @@ export class Fleet {
     return v.value;
   }
 
-  /** Waiters per `<tenant>/<op id>`: woken by the op watch when that op is written terminal. */
-  private readonly opWaiters = new Map<string, Set<() => void>>();
+  /** Waiters per `<tenant>/<op id>`: woken by the op watch, with the record, when that op is written terminal. */
+  private readonly opWaiters = new Map<string, Set<(op?: OperationRec) => void>>();
   /** One watch over the op records, started by the first waitOperation (shared by all waiters). */
   private opWatch: Promise<unknown> | undefined;
 
@@ -326,7 +342,7 @@ export class Fleet {
       .watchOps(
         (op) => {
           if (!isTerminal(op.state)) return;
-          for (const wake of this.opWaiters.get(`${op.tenantId}/${op.id}`) ?? []) wake();
+          for (const wake of this.opWaiters.get(`${op.tenantId}/${op.id}`) ?? []) wake(op);
         },
         { only: (tenantId, id) => this.opWaiters.has(`${tenantId}/${id}`) },
       )
@@ -339,19 +355,20 @@ export class Fleet {
 
   /**
    * Returns when the operation is terminal or `timeoutMs` passes (then in its current state).
-   * A watch on the op records wakes the wait the moment the op is written terminal; the
-   * record is then read again (the answer always comes from a read). Without the watch (it
-   * failed to start) the wait polls with backoff, as a fallback it also keeps at 1 s.
+   * A watch on the op records wakes the wait the moment the op is written terminal, with the
+   * record it saw: a terminal record is never written again, so that is the answer, without
+   * another read. Without the watch (it failed to start) the wait polls with backoff, as a
+   * fallback it also keeps at 1 s.
    */
   async waitOperation(tenantId: string, id: string, timeoutMs: number, signal?: AbortSignal): Promise<OperationRec> {
     const until = this.deps.clock.now() + timeoutMs;
     const key = `${tenantId}/${id}`;
-    let wake: () => void = () => undefined;
+    let wake: (op?: OperationRec) => void = () => undefined;
     let disarm: () => void = () => undefined;
     // Registered before each read, so a terminal write between the read and the wait is not missed.
-    const arm = (): Promise<void> =>
-      new Promise<void>((r) => {
-        const wakers = this.opWaiters.get(key) ?? new Set<() => void>();
+    const arm = (): Promise<OperationRec | undefined> =>
+      new Promise<OperationRec | undefined>((r) => {
+        const wakers = this.opWaiters.get(key) ?? new Set<(op?: OperationRec) => void>();
         this.opWaiters.set(key, wakers);
         wakers.add(r);
         wake = r;
@@ -375,10 +392,11 @@ export class Fleet {
         let timer: ReturnType<typeof setTimeout> | undefined;
         const onAbort = (): void => wake();
         signal?.addEventListener('abort', onAbort, { once: true });
-        await Promise.race([woken, new Promise<void>((r) => (timer = setTimeout(r, wait)))]);
+        const seen = await Promise.race([woken, new Promise<undefined>((r) => (timer = setTimeout(() => r(undefined), wait)))]);
         clearTimeout(timer);
         signal?.removeEventListener('abort', onAbort);
         disarm();
+        if (seen && isTerminal(seen.state)) return seen;
         delay = Math.min(delay * 2, 100);
       }
     } finally {

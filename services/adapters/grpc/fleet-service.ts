@@ -45,10 +45,11 @@ export interface FleetServiceDeps {
   clock: Clock;
 }
 
-/** Reads the records an operation's result refers to, for the response. */
+/** Reads the records an operation's result refers to, for the response (a just-submitted sandbox op's target is at hand). */
 async function opResponse(deps: FleetServiceDeps, op: OperationRec): ReturnType<typeof c.toOperation> extends infer T ? Promise<T> : never {
   const ids = op.result?.sandboxIds ?? (op.kind !== 'fork' && op.targetId.startsWith('sb-') ? [op.targetId] : []);
-  const sandboxes = (await Promise.all(ids.map((id) => deps.store.getSandbox(op.tenantId, id)))).flatMap((v) => (v ? [v.value] : []));
+  const known = deps.fleet.sandboxAtSubmit(op);
+  const sandboxes = (await Promise.all(ids.map((id) => (known?.id === id ? { value: known } : deps.store.getSandbox(op.tenantId, id))))).flatMap((v) => (v ? [v.value] : []));
   const snapId = op.result?.snapshotId ?? (op.targetId.startsWith('sn-') ? op.targetId : undefined);
   const snapshot = snapId ? (await deps.store.getSnapshot(op.tenantId, snapId))?.value : undefined;
   return c.toOperation(op, { sandboxes, snapshot }, deps.clock.now());
