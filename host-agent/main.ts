@@ -66,7 +66,9 @@ async function main(): Promise<void> {
   const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], onError: (err) => log.debug({ err }, 'peer request failed') });
   const peerAddress = cfg.peerAdvertise || peerServer.address;
 
-  const nc = await connect({ servers: cfg.natsUrl, name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250, ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined) });
+  // noAsyncTraces: no stack captured per request (each result and event publish is one), as the
+  // scheduler's connection; a timed-out request still fails with a named NatsError.
+  const nc = await connect({ servers: cfg.natsUrl, name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250, noAsyncTraces: true, ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined) });
   const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
   // CPU seconds of a process from /proc/<pid>/stat (utime + stime, in clock ticks of 1/100 s).
   const cpu = (pid: number): number | undefined => {

@@ -35,6 +35,7 @@ async function main(): Promise<void> {
     name: `fake-agents-${process.pid}`,
     maxReconnectAttempts: -1,
     reconnectTimeWait: 250,
+    noAsyncTraces: true, // as the real agent's connection (host-agent/main.ts)
     // With NATS authorization: a user made with hostGroupPermissions(hosts, FF_NATS_INBOX_PREFIX).
     ...(env.FF_NATS_NKEY_FILE ? nkeyConnectOptions(env.FF_NATS_NKEY_FILE) : {}),
     ...(env.FF_NATS_INBOX_PREFIX ? { inboxPrefix: env.FF_NATS_INBOX_PREFIX } : {}),
