@@ -407,20 +407,26 @@ export class Executor {
   }
 
   /**
-   * The guarded write that applies `mutate` to a sandbox, as an `updateOp` extra: the first
-   * attempt builds on `known` (read before the host step: no read on the way to the answer),
-   * a retry after a conflict reads the record again.
+   * The guarded write that applies `mutate` to a sandbox, as an `updateOp` extra (with
+   * `also`'s writes, e.g. the capacity it releases): the first attempt builds on `known` when
+   * given (read before the host step: no read on the way to the answer), a retry after a
+   * conflict reads the record again.
    */
-  private sandboxWrite(known: Versioned<SandboxRec>, mutate: (sb: SandboxRec) => void): (attempt: number) => Promise<StoreWrite[]> {
-    const { tenantId, id } = known.value;
+  private sandboxWrite(
+    ref: { tenantId: string; id: string },
+    mutate: (sb: SandboxRec) => void,
+    known?: Versioned<SandboxRec>,
+    also?: (sb: SandboxRec, before: SandboxRec) => Promise<StoreWrite[]>,
+  ): (attempt: number) => Promise<StoreWrite[]> {
+    const { tenantId, id } = ref;
     return async (attempt) => {
-      const v = attempt === 0 ? known : await this.deps.store.getSandbox(tenantId, id);
+      const v = attempt === 0 && known ? known : await this.deps.store.getSandbox(tenantId, id);
       if (!v) throw new NotFoundError('sandbox', id);
       const next = structuredClone(v.value);
       mutate(next);
       if (!canTransition(v.value.state, next.state)) throw new WrongStateError('sandbox', id, v.value.state, `cannot become ${next.state}`);
       next.updatedAt = this.deps.clock.now();
-      return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }];
+      return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(also ? await also(next, v.value) : [])];
     };
   }
 
@@ -892,11 +898,16 @@ export class Executor {
     }
     if (fetched && !migrated) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
     const now = this.deps.clock.now();
-    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-      this.setState(s, 'running', now);
-      s.opId = '';
-    });
-    await this.finish(op, { sandboxIds: [sb.id] }, null);
+    await this.finish(
+      op,
+      { sandboxIds: [sb.id] },
+      null,
+      undefined,
+      this.sandboxWrite(sb, (s) => {
+        this.setState(s, 'running', now);
+        s.opId = '';
+      }),
+    );
   }
 
   private async failSandbox(sb: SandboxRec, e: unknown): Promise<void> {
@@ -1002,7 +1013,7 @@ export class Executor {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
       const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? { case: 'pauseVm', value: { sandboxId: sb.id } as never } : { case: 'resumeVm', value: { sandboxId: sb.id, afterResume: hooksOf(sb) } as never });
       const now = this.deps.clock.now();
-      return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, this.sandboxWrite(sbv, (s) => this.setState(s, target, now, op.kind === 'resume' ? Executor.hookReport(r, sb.id) : '')));
+      return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, this.sandboxWrite(sb, (s) => this.setState(s, target, now, op.kind === 'resume' ? Executor.hookReport(r, sb.id) : ''), sbv));
     }
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
@@ -1123,12 +1134,17 @@ export class Executor {
       throw e;
     }
     if (fetch && !woke.restoredByMigration) await this.addHolder(sb.tenantId, snapshotId, hostId);
-    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-      this.setState(s, 'running', this.deps.clock.now(), Executor.hookReport(woke, sb.id));
-      s.hostId = hostId;
-      s.opId = '';
-    });
-    await this.finish(op, { sandboxIds: [sb.id] }, null);
+    await this.finish(
+      op,
+      { sandboxIds: [sb.id] },
+      null,
+      undefined,
+      this.sandboxWrite(sb, (s) => {
+        this.setState(s, 'running', this.deps.clock.now(), Executor.hookReport(woke, sb.id));
+        s.hostId = hostId;
+        s.opId = '';
+      }),
+    );
   }
 
   private async runDestroy(op: OperationRec): Promise<void> {
@@ -1147,16 +1163,21 @@ export class Executor {
     const heldCapacity = ['starting', 'running', 'paused', 'hibernating', 'destroying'].includes(sb.state);
     if (sb.state !== 'destroying') await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'destroying', this.deps.clock.now()));
     if (sb.hostId && sb.state !== 'lost') await this.step(op, 'destroy', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
-    await this.updateSandbox(
-      sb.tenantId,
-      sb.id,
-      (s) => {
-        this.setState(s, 'destroyed', this.deps.clock.now());
-        s.opId = '';
-      },
-      heldCapacity ? this.capacity(sb.hostId, sb.resources, -1) : undefined,
+    await this.finish(
+      op,
+      { sandboxIds: [sb.id] },
+      null,
+      undefined,
+      this.sandboxWrite(
+        sb,
+        (s) => {
+          this.setState(s, 'destroyed', this.deps.clock.now());
+          s.opId = '';
+        },
+        undefined,
+        heldCapacity ? this.capacity(sb.hostId, sb.resources, -1) : undefined,
+      ),
     );
-    await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
 
   private async runDeleteSnapshot(op: OperationRec): Promise<void> {

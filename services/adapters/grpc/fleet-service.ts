@@ -49,10 +49,14 @@ export interface FleetServiceDeps {
 async function opResponse(deps: FleetServiceDeps, op: OperationRec): ReturnType<typeof c.toOperation> extends infer T ? Promise<T> : never {
   const ids = op.result?.sandboxIds ?? (op.kind !== 'fork' && op.targetId.startsWith('sb-') ? [op.targetId] : []);
   const known = deps.fleet.sandboxAtSubmit(op);
-  const sandboxes = (await Promise.all(ids.map((id) => (known?.id === id ? { value: known } : deps.store.getSandbox(op.tenantId, id))))).flatMap((v) => (v ? [v.value] : []));
   const snapId = op.result?.snapshotId ?? (op.targetId.startsWith('sn-') ? op.targetId : undefined);
-  const snapshot = snapId ? (await deps.store.getSnapshot(op.tenantId, snapId))?.value : undefined;
-  return c.toOperation(op, { sandboxes, snapshot }, deps.clock.now());
+  // Issued in the same tick, so the store sends them to etcd as one batched read.
+  const [sbs, snap] = await Promise.all([
+    Promise.all(ids.map((id) => (known?.id === id ? { value: known } : deps.store.getSandbox(op.tenantId, id)))),
+    snapId ? deps.store.getSnapshot(op.tenantId, snapId) : undefined,
+  ]);
+  const sandboxes = sbs.flatMap((v) => (v ? [v.value] : []));
+  return c.toOperation(op, { sandboxes, snapshot: snap?.value }, deps.clock.now());
 }
 
 function sandboxOpInput(req: { tenantId: string; idempotencyKey: string; sandboxId: string }, tenantId: string): { tenantId: string; idempotencyKey: string; sandboxId: string } {
