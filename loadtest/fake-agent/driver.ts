@@ -5,6 +5,9 @@
 // VMs are simulated: each one is a small JSON file under <dir>/vms/, written when the VM is
 // "made", so a killed and restarted fake agent finds the VMs it had made (like the real
 // driver adopting QEMU processes that outlived the agent). Latencies are configurable.
+// With `persist: false` (FF_FAKE_STATE=memory, for runs that never restart an agent, such as
+// bench:placement) VMs live in memory only: a fake host's file writes then cost nothing on
+// the machine whose scheduler is being measured.
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { rename, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
@@ -42,6 +45,7 @@ export class FakeVmmDriver implements VmmDriver {
   constructor(
     private readonly dir: string,
     private readonly latency: FakeLatencies,
+    private readonly persist = true,
   ) {
     this.vmDir = join(dir, 'vms');
     this.snapDir = join(dir, 'snapshots');
@@ -75,7 +79,7 @@ export class FakeVmmDriver implements VmmDriver {
 
   private save(vm: VmInfo): VmInfo {
     this.vms.set(vm.vmId, vm);
-    writeFileSync(join(this.vmDir, `${vm.vmId}.json`), JSON.stringify(vm));
+    if (this.persist) writeFileSync(join(this.vmDir, `${vm.vmId}.json`), JSON.stringify(vm));
     return vm;
   }
 
@@ -85,6 +89,7 @@ export class FakeVmmDriver implements VmmDriver {
    */
   private async saveAsync(vm: VmInfo): Promise<VmInfo> {
     this.vms.set(vm.vmId, vm);
+    if (!this.persist) return vm;
     const p = join(this.vmDir, `${vm.vmId}.json`);
     await writeFile(`${p}.tmp`, JSON.stringify(vm));
     await rename(`${p}.tmp`, p);
@@ -217,7 +222,7 @@ export class FakeVmmDriver implements VmmDriver {
   async destroy(vmId: string): Promise<void> {
     await sleep(this.latency.destroyMs);
     this.vms.delete(vmId);
-    rmSync(join(this.vmDir, `${vmId}.json`), { force: true });
+    if (this.persist) rmSync(join(this.vmDir, `${vmId}.json`), { force: true });
   }
 
   deleteSnapshot(snapshot: LocalSnapshot): Promise<void> {

@@ -8,6 +8,7 @@ import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import type { Logger } from 'pino';
 import { Agent } from '../../host-agent/domain/agent.ts';
+import type { Journal } from '../../host-agent/domain/agent.ts';
 import { NatsAgentBus } from '../../host-agent/adapters/nats/agent-bus.ts';
 import { FsJournal } from '../../host-agent/adapters/journal/fs-journal.ts';
 import { FakeVmmDriver, FAKE_QEMU_VERSION } from './driver.ts';
@@ -23,6 +24,22 @@ export interface FakeAgentOptions {
   heartbeatMs: number;
   concurrency: number;
   linkBytesPerSecond?: number;
+  /** 'memory': VMs and the step journal in memory only (an agent that is never restarted); default 'files'. */
+  state?: 'files' | 'memory';
+}
+
+/** A step journal in memory: for fake agents that are never restarted (FF_FAKE_STATE=memory). */
+class MemoryJournal implements Journal {
+  private readonly results = new Map<string, Uint8Array>();
+
+  get(opId: string, stepId: string): Promise<Uint8Array | undefined> {
+    return Promise.resolve(this.results.get(`${opId}/${stepId}`));
+  }
+
+  put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
+    this.results.set(`${opId}/${stepId}`, result);
+    return Promise.resolve();
+  }
 }
 
 export interface FakeAgent {
@@ -33,13 +50,14 @@ export interface FakeAgent {
 
 export async function startFakeAgent(nc: NatsConnection, o: FakeAgentOptions, log: Logger): Promise<FakeAgent> {
   mkdirSync(o.dataDir, { recursive: true });
-  const driver = new FakeVmmDriver(join(o.dataDir, 'vmm'), o.latency);
+  const memory = o.state === 'memory';
+  const driver = new FakeVmmDriver(join(o.dataDir, 'vmm'), o.latency, !memory);
   const bus = await NatsAgentBus.create(nc, o.hostId, log);
   const agent = new Agent({
     driver,
     shipper: new FakeShipper(driver, o.hostId, o.latency),
     bus,
-    journal: new FsJournal(join(o.dataDir, 'journal')),
+    journal: memory ? new MemoryJournal() : new FsJournal(join(o.dataDir, 'journal')),
     images: (name) => Promise.resolve({ name, recipeHash: 'fake', kernel: '', initrd: '', disk: '', diskVirtualSize: 0, kernelArgs: '', readyMarker: '' }),
     clock: { now: () => Date.now() },
     log,

@@ -7,6 +7,8 @@
 // FF_DATA_DIR (one sub-directory per host), FF_HEARTBEAT_INTERVAL_MS (500),
 // FF_FAKE_VCPUS (64), FF_FAKE_MEMORY_MIB (262144), FF_FAKE_CREATE_MS, FF_FAKE_RESTORE_MS_PER_VM,
 // FF_FAKE_SNAPSHOT_MS, FF_FAKE_FETCH_MS, FF_FAKE_DESTROY_MS (all 0), FF_STEP_CONCURRENCY (16),
+// FF_FAKE_STATE (files, the default: VMs and the step journal survive a restart; memory: they
+// do not, and a fake host does no file I/O),
 // FF_NATS_NKEY_FILE + FF_NATS_INBOX_PREFIX (NATS authorization; see hostGroupPermissions).
 // Prints {"ready":true,...} on stdout once every agent consumes work; SIGTERM stops them.
 import { join } from 'node:path';
@@ -59,6 +61,7 @@ async function main(): Promise<void> {
           latency,
           heartbeatMs: num('FF_HEARTBEAT_INTERVAL_MS', 500),
           concurrency: num('FF_STEP_CONCURRENCY', 16),
+          state: env.FF_FAKE_STATE === 'memory' ? 'memory' : 'files',
         },
         log.child({ hostId }),
       ),

@@ -62,7 +62,7 @@ try {
   const env = { FF_LOG_LEVEL: arg('log-level', 'warn'), FF_STEP_TIMEOUT: '30s' };
   for (const id of ['b1', 'b2']) scheds.push(await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env, ...(CPU_PROF ? { nodeArgs: ['--cpu-prof', `--cpu-prof-dir=${join(dir, 'prof')}`] } : {}) }));
   const hosts = Array.from({ length: HOSTS }, (_, i) => `bench-${i + 1}`);
-  fakes = await startFakeAgents({ hosts, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '1000000', FF_FAKE_MEMORY_MIB: '1000000000', FF_HEARTBEAT_INTERVAL_MS: '1000', FF_STEP_CONCURRENCY: '64', FF_LOG_LEVEL: arg('log-level', 'warn') }, ...(CPU_PROF ? { nodeArgs: ['--cpu-prof', `--cpu-prof-dir=${join(dir, 'prof-agents')}`] } : {}) });
+  fakes = await startFakeAgents({ hosts, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '1000000', FF_FAKE_MEMORY_MIB: '1000000000', FF_HEARTBEAT_INTERVAL_MS: '1000', FF_STEP_CONCURRENCY: '64', FF_FAKE_STATE: 'memory', FF_LOG_LEVEL: arg('log-level', 'warn') }, ...(CPU_PROF ? { nodeArgs: ['--cpu-prof', `--cpu-prof-dir=${join(dir, 'prof-agents')}`] } : {}) });
   await waitFor('leader elected', async () => (await Promise.all(scheds.map((s) => s.isLeader()))).some(Boolean), 20_000, 50);
   const leaders = await Promise.all(scheds.map((s) => s.isLeader()));
   const apiSched = scheds[leaders.indexOf(false)] ?? scheds[0]!;
