@@ -250,4 +250,34 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     }
     await assertConsistent();
   }, 120_000);
+
+  it('forks_thatFinishBeforeTheirOwnWatchEventsArrive_runOnceAndSucceed', async () => {
+    // Agents that answer at once, with no files (FF_FAKE_STATE=memory): an op can end before
+    // the leader's watch has delivered its earlier writes. Those late, unfinished copies must
+    // not start it again (a second run would try to place the children again and fail the op).
+    const quickHosts = ['quick-1', 'quick-2'];
+    const quick = await startFakeAgents({ hosts: quickHosts, dataDir: join(dir, 'quick'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '100000', FF_FAKE_MEMORY_MIB: '100000000', FF_FAKE_STATE: 'memory', FF_STEP_CONCURRENCY: '64' } });
+    try {
+      await waitFor('quick hosts registered', async () => (await api.listHosts({})).hosts.filter((h) => quickHosts.includes(h.id)).length === 2, 20_000, 100);
+      const FORKS = 48;
+      let next = 0;
+      const finals: Operation[] = [];
+      await Promise.all(
+        Array.from({ length: 16 }, async () => {
+          while (next < FORKS) {
+            const hostId = quickHosts[next++ % 2]!;
+            finals.push(await wait(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 64, placement: { hostId } })));
+          }
+        }),
+      );
+      expect(finals.filter((f) => f.state !== OperationState.SUCCEEDED).map((f) => `${f.id}: ${f.error?.message}`)).toEqual([]);
+      const children = finals.flatMap((f) => (f.result.case === 'fork' ? f.result.value.children : []));
+      expect(new Set(children.map((c) => c.id)).size).toBe(FORKS * 64);
+      const onQuick = (await store.listSandboxes(tenantId)).filter((v) => quickHosts.includes(v.value.hostId));
+      expect(onQuick.map((v) => v.value.state).filter((s) => s !== 'running')).toEqual([]);
+      expect(onQuick).toHaveLength(FORKS * 64);
+    } finally {
+      await quick.stop();
+    }
+  }, 180_000);
 });

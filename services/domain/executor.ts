@@ -207,6 +207,12 @@ export class Executor {
   private readonly placeQueue: PlaceJob[] = [];
   private placeRunning = false;
   private readonly running = new Map<string, Promise<void>>();
+  /**
+   * Ops this leader finished, with the revision of their final write (the latest 10,000): a
+   * watch event that arrives after the run ended carries an older, unfinished copy, which
+   * must not start the op again (run() trusts the watch's copy instead of reading etcd).
+   */
+  private readonly finishedAt = new Map<string, number>();
   private readonly waiters = new Map<string, Waiter>();
   /** Results that arrived before anyone waited for them (e.g. right after a failover). */
   private readonly early = new Map<string, HostResultMsg>();
@@ -330,6 +336,7 @@ export class Executor {
 
   private maybeRun(op: OperationRec, modRevision: number): void {
     if (!this.active || isTerminal(op.state)) return;
+    if (modRevision <= (this.finishedAt.get(op.id) ?? 0)) return;
     const cur = this.ops.get(op.id);
     if (!cur || cur.modRevision < modRevision) this.ops.set(op.id, { value: op, modRevision });
     if (this.running.has(op.id)) return;
@@ -350,7 +357,10 @@ export class Executor {
     if (rev > 0) {
       for (const w of writes) {
         if (w.kind === 'host' || w.kind === 'alloc' || w.kind === 'snapshot') this.cache.apply({ kind: w.kind, value: { value: w.value, modRevision: rev } } as FleetChange);
-        else if (w.kind === 'op' && this.running.has(w.value.id)) this.ops.set(w.value.id, { value: w.value, modRevision: rev });
+        else if (w.kind === 'op' && isTerminal(w.value.state)) {
+          this.finishedAt.set(w.value.id, rev);
+          if (this.finishedAt.size > 10_000) this.finishedAt.delete(this.finishedAt.keys().next().value as string);
+        } else if (w.kind === 'op' && this.running.has(w.value.id)) this.ops.set(w.value.id, { value: w.value, modRevision: rev });
       }
     }
     return rev;
@@ -623,6 +633,9 @@ export class Executor {
             for (const k of jobKeys) groupKeys.add(k);
             const opWrites: StoreWrite[] = [];
             if (opUpdate) {
+              // The op's own updates (run() marks it running without waiting) land first: this
+              // write is guarded by the revision they leave.
+              await this.opChains.get(job.op.id)?.catch(() => undefined);
               const cur = (attempt === 0 ? this.ops.get(job.op.id) : undefined) ?? (await this.deps.store.getOp(job.op.tenantId, job.op.id));
               if (!cur) throw new NotFoundError('operation', job.op.id);
               const next = structuredClone(cur.value);
