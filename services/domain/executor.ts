@@ -910,14 +910,20 @@ export class Executor {
       throw e;
     }
     if (fetched && !migrated) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
+    await this.finishRunning(op, sb);
+  }
+
+  /** Ends a create or a wake: the sandbox runs (on `hostId`, when given) and the op succeeds, in one transaction. */
+  private finishRunning(op: OperationRec, sb: SandboxRec, reason = '', hostId?: string): Promise<void> {
     const now = this.deps.clock.now();
-    await this.finish(
+    return this.finish(
       op,
       { sandboxIds: [sb.id] },
       null,
       undefined,
       this.sandboxWrite(sb, (s) => {
-        this.setState(s, 'running', now);
+        this.setState(s, 'running', now, reason);
+        if (hostId !== undefined) s.hostId = hostId;
         s.opId = '';
       }),
     );
@@ -1147,17 +1153,7 @@ export class Executor {
       throw e;
     }
     if (fetch && !woke.restoredByMigration) await this.addHolder(sb.tenantId, snapshotId, hostId);
-    await this.finish(
-      op,
-      { sandboxIds: [sb.id] },
-      null,
-      undefined,
-      this.sandboxWrite(sb, (s) => {
-        this.setState(s, 'running', this.deps.clock.now(), Executor.hookReport(woke, sb.id));
-        s.hostId = hostId;
-        s.opId = '';
-      }),
-    );
+    await this.finishRunning(op, sb, Executor.hookReport(woke, sb.id), hostId);
   }
 
   private async runDestroy(op: OperationRec): Promise<void> {
