@@ -6,7 +6,7 @@
 // Without --api it starts its own fleet (deploy/fleet/fleet.ts) in --fleet-dir with prefix
 // fflt and base port 19700, and always brings it down.
 import { parseArgs } from 'node:util';
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { cpSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';
 import type { Server } from 'node:http';
 import { execFileSync } from 'node:child_process';
@@ -215,7 +215,9 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
 
     for (const n of [1, 4, 8]) await scenario(`fork_same_host_${n}`, n === 1 ? cfg.samples : Math.max(1, Math.ceil(cfg.samples / (n / 2))), async () => kids(await d.fork(s0.id, n, { locality: Locality.SAME_HOST })));
 
-    await scenario('resume_paused', Math.max(cfg.samples, 5), async () => {
+    // A sample takes ~0.1 s, and single samples swing by tens of ms on a shared machine (the
+    // first follows fork_same_host_8's teardown): 15 give a p50 that one slow sample cannot move.
+    await scenario('resume_paused', Math.max(cfg.samples, 15), async () => {
       await d.pause(tpl.sb.id);
       return [await d.resume(tpl.sb.id)];
     });
@@ -306,6 +308,14 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       return [r.ms];
     });
     await d.destroyAll([tpl.sb.id, ...live]);
+    // A failed scenario: the fleet's process logs outlive the fleet (fleet:down deletes its directory).
+    const failed = Object.entries(rec.results).filter(([, r]) => 'failed' in r).map(([n]) => n);
+    if (failed.length > 0 && fleetMod) {
+      const kept = join(cfg.report, 'fleet-logs');
+      rmSync(kept, { recursive: true, force: true });
+      cpSync(join(cfg.fleetDir, 'logs'), kept, { recursive: true });
+      notes.push(`${failed.join(', ')} failed: the fleet's process logs are kept in ${kept}.`);
+    }
 
     const order = ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout', 'resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold', 'restore_concurrent', 'cold_boot', 'classic_restore', 'naive_full_copy'];
     const scenarios: Record<string, ScenarioResult> = {};
