@@ -216,7 +216,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     for (const n of [1, 4, 8]) await scenario(`fork_same_host_${n}`, n === 1 ? cfg.samples : Math.max(1, Math.ceil(cfg.samples / (n / 2))), async () => kids(await d.fork(s0.id, n, { locality: Locality.SAME_HOST })));
 
     // A sample takes ~0.1 s, and single samples swing by tens of ms on a shared machine (the
-    // first follows fork_same_host_8's teardown): 15 give a p50 that one slow sample cannot move.
+    // first follows fork_same_host_8's teardown): with 15, one or two slow samples barely move the p50.
     await scenario('resume_paused', Math.max(cfg.samples, 15), async () => {
       await d.pause(tpl.sb.id);
       return [await d.resume(tpl.sb.id)];
