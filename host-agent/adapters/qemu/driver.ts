@@ -1076,14 +1076,6 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /**
-   * Make a clone distinct and current before it is handed out (DESIGN.md decision 7, ADR 0009):
-   * the host's clock, fresh RNG (host entropy written into the pool, then RNDRESEEDCRNG), its own
-   * hostname and sandbox id. One `guest-get-time` (no guest process) measures the guest clock's
-   * offset; then ONE guest exec of /sbin/ff-clone applies all of it, and its exit status 0 is
-   * the "answers an exec" proof. Images without ff-clone get the older shell script +
-   * guest-set-time (ADR 0005).
-   */
-  /**
    * The end of every restore, same-host or migrated: the loaded VM runs its first guest
    * instruction, its agent is resynced, it gets clone hygiene, and it is recorded as running
    * with its ready time counted from `t0`.
@@ -1099,6 +1091,14 @@ export class QemuVmmDriver implements VmmDriver {
     await this.persist(rec);
   }
 
+  /**
+   * Make a clone distinct and current before it is handed out (DESIGN.md decision 7, ADR 0009):
+   * the host's clock, fresh RNG (host entropy written into the pool, then RNDRESEEDCRNG), its own
+   * hostname and sandbox id. One `guest-get-time` (no guest process) measures the guest clock's
+   * offset; then ONE guest exec of /sbin/ff-clone applies all of it, and its exit status 0 is
+   * the "answers an exec" proof. Images without ff-clone get the older shell script +
+   * guest-set-time (ADR 0005).
+   */
   private async cloneHygiene(rec: VmRecord, mark: (k: string) => void = () => undefined): Promise<void> {
     const agent = this.agentOf(rec);
     const record = await this.cloneRecord(rec, agent).catch((e: unknown) => {
