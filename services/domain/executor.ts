@@ -402,16 +402,12 @@ export class Executor {
     tenantId: string,
     id: string,
     mutate: (sb: SandboxRec) => void,
-    extra: (sb: SandboxRec, before: SandboxRec) => StoreWrite[] | Promise<StoreWrite[]> = () => [],
+    extra?: (sb: SandboxRec, before: SandboxRec) => StoreWrite[] | Promise<StoreWrite[]>,
   ): Promise<SandboxRec> {
+    const write = this.sandboxWrite({ tenantId, id }, mutate, undefined, extra);
     for (let i = 0; i < 20; i++) {
-      const v = await this.deps.store.getSandbox(tenantId, id);
-      if (!v) throw new NotFoundError('sandbox', id);
-      const next = structuredClone(v.value);
-      mutate(next);
-      if (!canTransition(v.value.state, next.state)) throw new WrongStateError('sandbox', id, v.value.state, `cannot become ${next.state}`);
-      next.updatedAt = this.deps.clock.now();
-      if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(await extra(next, v.value))])) return next;
+      const writes = await write(i);
+      if (await this.commit(writes)) return (writes[0] as Extract<StoreWrite, { kind: 'sandbox' }>).value;
     }
     throw new ConflictError(`sandbox ${id}`);
   }
@@ -420,13 +416,14 @@ export class Executor {
    * The guarded write that applies `mutate` to a sandbox, as an `updateOp` extra (with
    * `also`'s writes, e.g. the capacity it releases): the first attempt builds on `known` when
    * given (read before the host step: no read on the way to the answer), a retry after a
-   * conflict reads the record again.
+   * conflict reads the record again. The sandbox write comes first. updateSandbox commits it
+   * on its own.
    */
   private sandboxWrite(
     ref: { tenantId: string; id: string },
     mutate: (sb: SandboxRec) => void,
     known?: Versioned<SandboxRec>,
-    also?: (sb: SandboxRec, before: SandboxRec) => Promise<StoreWrite[]>,
+    also?: (sb: SandboxRec, before: SandboxRec) => StoreWrite[] | Promise<StoreWrite[]>,
   ): (attempt: number) => Promise<StoreWrite[]> {
     const { tenantId, id } = ref;
     return async (attempt) => {
