@@ -2,23 +2,14 @@ import { describe, expect, it } from 'vitest';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { Agent } from './agent.ts';
-import type { AgentBus, Journal, SnapshotShipper } from './agent.ts';
+import type { AgentBus, SnapshotShipper } from './agent.ts';
+import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { VmmDriver } from './vmm.ts';
 import { HostResultSchema, HostWorkSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
-class MemJournal implements Journal {
-  readonly m = new Map<string, Uint8Array>();
-  async get(op: string, step: string): Promise<Uint8Array | undefined> {
-    return this.m.get(`${op}/${step}`);
-  }
-  async put(op: string, step: string, r: Uint8Array): Promise<void> {
-    this.m.set(`${op}/${step}`, r);
-  }
-}
-
-function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}): { agent: Agent; journal: MemJournal } {
-  const journal = new MemJournal();
+function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}): { agent: Agent; journal: MemoryJournal } {
+  const journal = new MemoryJournal();
   const agent = new Agent({
     driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
     shipper: { held: () => [], storedBytes: () => 0, ...shipper } as SnapshotShipper,
@@ -42,14 +33,14 @@ describe('Agent steps', () => {
     const back = fromBinary(HostResultSchema, toBinary(HostResultSchema, r));
     expect(back.error?.kind).toBe('not_found');
     expect(back.error?.message).toContain('sn-x');
-    expect(journal.m.size).toBe(1); // a non-retryable failure is final and journalled
+    expect(journal.results.size).toBe(1); // a non-retryable failure is final and journalled
   });
 
   it('step_whenRetryableFailure_isNotJournalledSoRedeliveryTriesAgain', async () => {
     const { agent, journal } = agentWith({}, { obtain: () => Promise.reject(new ForkfleetError('unavailable', 'peer down')) });
     const r = await agent.runStep(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }));
     expect(r.error?.retryable).toBe(true);
-    expect(journal.m.size).toBe(0);
+    expect(journal.results.size).toBe(0);
   });
 
   it('step_whenRedelivered_answersFromTheJournalWithoutActingAgain', async () => {

@@ -8,9 +8,9 @@ import { join } from 'node:path';
 import type { NatsConnection } from 'nats';
 import type { Logger } from 'pino';
 import { Agent } from '../../host-agent/domain/agent.ts';
-import type { Journal } from '../../host-agent/domain/agent.ts';
 import { NatsAgentBus } from '../../host-agent/adapters/nats/agent-bus.ts';
 import { FsJournal } from '../../host-agent/adapters/journal/fs-journal.ts';
+import { MemoryJournal } from '../../host-agent/adapters/journal/memory-journal.ts';
 import { FakeVmmDriver, FAKE_QEMU_VERSION } from './driver.ts';
 import type { FakeLatencies } from './driver.ts';
 import { FakeShipper } from './shipper.ts';
@@ -28,19 +28,6 @@ export interface FakeAgentOptions {
   state?: 'files' | 'memory';
 }
 
-/** A step journal in memory: for fake agents that are never restarted (FF_FAKE_STATE=memory). */
-class MemoryJournal implements Journal {
-  private readonly results = new Map<string, Uint8Array>();
-
-  get(opId: string, stepId: string): Promise<Uint8Array | undefined> {
-    return Promise.resolve(this.results.get(`${opId}/${stepId}`));
-  }
-
-  put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
-    this.results.set(`${opId}/${stepId}`, result);
-    return Promise.resolve();
-  }
-}
 
 export interface FakeAgent {
   readonly hostId: string;
