@@ -87,15 +87,20 @@ describe('MigrateSnapshot', () => {
     expect(targets.length).toBe(calls);
   });
 
-  it('migrateFrom_whenTheCallerGivesUpBeforeTheSourceConnects_endsTheWaitAndLoadNeverRuns', async () => {
-    // A source that takes its time before connecting.
+  /** A source that accepts MigrateSnapshot and connects only when released. */
+  async function slowSource(): Promise<{ server: RunningGrpcServer; release: () => void }> {
     let release = (): void => undefined;
     const late = new Promise<void>((r) => (release = r));
     const slowMigrate = async (id: string, target: { host: string; port: number }) => {
       await late;
       return fakeMigrate(id, target).catch(() => ({ bytes: 0, ms: 0 }));
     };
-    const slow = await startGrpcServer({ address: '127.0.0.1:0', services: [chunkTransferService({ chunks: new FsChunkStore(join(dir, 'A')), manifests: new FsManifestStore(join(dir, 'A')), trust, clock: { now: () => new Date() }, migrate: slowMigrate }).registration] });
+    const server = await startGrpcServer({ address: '127.0.0.1:0', services: [chunkTransferService({ chunks: new FsChunkStore(join(dir, 'A')), manifests: new FsManifestStore(join(dir, 'A')), trust, clock: { now: () => new Date() }, migrate: slowMigrate }).registration] });
+    return { server, release };
+  }
+
+  it('migrateFrom_whenTheCallerGivesUpBeforeTheSourceConnects_endsTheWaitAndLoadNeverRuns', async () => {
+    const { server: slow, release } = await slowSource();
     try {
       let loaded = false;
       const gaveUp = new AbortController();
@@ -104,6 +109,22 @@ describe('MigrateSnapshot', () => {
       await expect(
         migrateFrom({ sourceAddress: slow.address, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1', signal: gaveUp.signal }, async (c) => ((loaded = true), readAll(c))),
       ).rejects.toThrow('preparation failed');
+      expect(Date.now() - t0).toBeLessThan(5_000);
+      expect(loaded).toBe(false);
+    } finally {
+      release();
+      await slow.close(100);
+    }
+  });
+
+  it('migrateFrom_whenTheSourceAcceptsButNeverConnects_givesUpAfterTheConnectTimeoutAndLoadNeverRuns', async () => {
+    const { server: slow, release } = await slowSource();
+    try {
+      let loaded = false;
+      const t0 = Date.now();
+      await expect(
+        migrateFrom({ sourceAddress: slow.address, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1', connectTimeoutMs: 150 }, async (c) => ((loaded = true), readAll(c))),
+      ).rejects.toMatchObject({ kind: 'deadline_exceeded', message: expect.stringContaining('did not connect within 150 ms') });
       expect(Date.now() - t0).toBeLessThan(5_000);
       expect(loaded).toBe(false);
     } finally {

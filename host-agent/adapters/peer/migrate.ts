@@ -8,6 +8,7 @@ import type { SignedTicket } from '../../../proto/gen/forkfleet/v1/transfer_pb.t
 import { createClient } from '../../../services/adapters/grpc/rpc.ts';
 import { HOST_ID_METADATA, plainAddress } from './server.ts';
 import { hostOfAddress } from '../../domain/agent.ts';
+import { ForkfleetError } from '../../../proto/errors.ts';
 
 export interface MigrateFromOptions {
   /** host:port of the source's ChunkTransferService. */
@@ -19,6 +20,13 @@ export interface MigrateFromOptions {
   readonly listenHost: string;
   /** Whole exchange, from the call to the loaded VM (default 120 s). */
   readonly timeoutMs?: number;
+  /**
+   * How long the source may take to connect (default DEFAULT_MIGRATE_CONNECT_MS). It only has
+   * to start or claim a QEMU, whatever the VM's size, so this is far shorter than `timeoutMs`:
+   * a source that accepted the call but never connects is given up on, and the caller moves
+   * on to the next source or to the fetch, instead of waiting out the whole exchange.
+   */
+  readonly connectTimeoutMs?: number;
   /** Ends the wait for the source's connection (the caller gave up, e.g. its own preparation failed). */
   readonly signal?: AbortSignal;
 }
@@ -30,6 +38,9 @@ export interface MigrateFromReport<T> {
   /** The source's time, from the request to the stream sent. */
   readonly sourceMs: number;
 }
+
+/** Default time a migration source has to connect after accepting MigrateSnapshot. */
+export const DEFAULT_MIGRATE_CONNECT_MS = 20_000;
 
 /**
  * Asks the source to migrate the ticket's snapshot to a one-shot listener here and hands the
@@ -67,6 +78,9 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Soc
     call.catch((e: unknown) => ac.abort(e));
     if (o.signal?.aborted) ac.abort(o.signal.reason);
     o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
+    const connectMs = o.connectTimeoutMs ?? DEFAULT_MIGRATE_CONNECT_MS;
+    const noConnect = setTimeout(() => ac.abort(new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect within ${connectMs} ms`, { retryable: true })), connectMs);
+    void accepted.then(() => clearTimeout(noConnect), () => clearTimeout(noConnect));
     const result = await accepted.then(load);
     const res = await call;
     return { result, bytes: Number(res.bytes), sourceMs: res.millis };
