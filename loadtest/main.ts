@@ -1,7 +1,7 @@
 // Load test: same-host against cross-host fork and resume latency through the public API.
 //   npm run loadtest -- [--quick] [--json FILE] [--report DIR] [--api HOST:PORT]
 //        [--hosts 3] [--link 10gbit] [--guest-mib 256] [--dirty-mib 64] [--samples 5]
-//        [--concurrency 4] [--fanout N] [--duration 60s] [--metrics-port 19790]
+//        [--concurrency 4] [--fanout N] [--duration 60s] [--metrics-port 19790] [--keep-logs]
 //   npm run loadtest -- --plan --forks-per-s X --p95-ms Y --from FILE   (capacity planning)
 // Without --api it starts its own fleet (deploy/fleet/fleet.ts) in --fleet-dir with prefix
 // fflt and base port 19700, and always brings it down.
@@ -61,6 +61,8 @@ export interface LoadtestConfig {
   metricsPort: number;
   json: string | undefined;
   report: string;
+  /** Copy the started fleet's process logs to <report>/fleet-logs even when every scenario passed. */
+  keepLogs: boolean;
   fleetDir: string;
   prefix: string;
   basePort: number;
@@ -91,6 +93,7 @@ function compileConfig(v: Record<string, string | boolean | undefined>): Readonl
     metricsPort: Number(s('metrics-port') ?? 19790),
     json: s('json'),
     report: s('report') ?? join(ROOT, 'loadtest', 'out'),
+    keepLogs: v['keep-logs'] === true,
     fleetDir: s('fleet-dir') ?? '/var/lib/ffleet-lt',
     prefix: s('prefix') ?? 'fflt',
     basePort: Number(s('base-port') ?? 19700),
@@ -308,13 +311,13 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       return [r.ms];
     });
     await d.destroyAll([tpl.sb.id, ...live]);
-    // A failed scenario: the fleet's process logs outlive the fleet (fleet:down deletes its directory).
+    // A failed scenario (or --keep-logs): the fleet's process logs outlive the fleet (fleet:down deletes its directory).
     const failed = Object.entries(rec.results).filter(([, r]) => 'failed' in r).map(([n]) => n);
-    if (failed.length > 0 && fleetMod) {
+    if ((failed.length > 0 || cfg.keepLogs) && fleetMod) {
       const kept = join(cfg.report, 'fleet-logs');
       rmSync(kept, { recursive: true, force: true });
       cpSync(join(cfg.fleetDir, 'logs'), kept, { recursive: true });
-      notes.push(`${failed.join(', ')} failed: the fleet's process logs are kept in ${kept}.`);
+      notes.push(`${failed.length > 0 ? `${failed.join(', ')} failed: ` : ''}the fleet's process logs are kept in ${kept}.`);
     }
 
     const order = ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout', 'resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold', 'restore_concurrent', 'cold_boot', 'classic_restore', 'naive_full_copy'];
@@ -349,7 +352,7 @@ async function main(): Promise<void> {
       quick: { type: 'boolean' }, plan: { type: 'boolean' }, json: { type: 'string' }, report: { type: 'string' }, api: { type: 'string' },
       hosts: { type: 'string' }, link: { type: 'string' }, 'guest-mib': { type: 'string' }, 'dirty-mib': { type: 'string' }, samples: { type: 'string' },
       concurrency: { type: 'string' }, fanout: { type: 'string' }, duration: { type: 'string' }, budget: { type: 'string' }, 'op-timeout': { type: 'string' },
-      'metrics-port': { type: 'string' }, 'fleet-dir': { type: 'string' }, prefix: { type: 'string' }, 'base-port': { type: 'string' },
+      'metrics-port': { type: 'string' }, 'keep-logs': { type: 'boolean' }, 'fleet-dir': { type: 'string' }, prefix: { type: 'string' }, 'base-port': { type: 'string' },
       'forks-per-s': { type: 'string' }, 'p95-ms': { type: 'string' }, from: { type: 'string' }, 'fork-n': { type: 'string' }, 'host-slots': { type: 'string' }, seconds: { type: 'string' },
     },
   });
