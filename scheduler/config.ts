@@ -13,7 +13,10 @@ export interface PlacementConfig {
   readonly restoreCostMs: number;
   /** Cold boot cost of a create (no snapshot). */
   readonly bootCostMs: number;
-  /** Added per queued/in-flight op on the host, and per sibling placed before on it. */
+  /**
+   * Added per queued/in-flight op on the host, and per sibling placed before on it, when the
+   * host reports no restoreCostMs and restoreSlots (whose quotient is used instead).
+   */
   readonly perOpQueueMs: number;
   /** Weight of host utilisation (0..1) after the child. */
   readonly loadWeightMs: number;

@@ -115,7 +115,7 @@ function utilisation(d: Demand, cols: HostColumns, i: number, c: number): number
  */
 export function childScore(d: Demand, cols: HostColumns, i: number, j: number, transferMs: number, spread: Spread, config: PlacementConfig): ScoreBreakdown {
   const restoreMs = restoreCost(d, cols, i, config);
-  const queueMs = ((cols.inflightOps[i] as number) + j) * config.perOpQueueMs;
+  const queueMs = ((cols.inflightOps[i] as number) + j) * queuePerOp(cols, i, config);
   const loadMs = config.loadWeightMs * utilisation(d, cols, i, j + 1);
   const spreadMs = spread === 'SPREAD' ? config.spreadPenaltyMs * j : 0;
   const packMs = spread === 'PACK' ? config.packWeightMs * (1 - utilisation(d, cols, i, 0)) : 0;
@@ -127,11 +127,17 @@ export function childEta(d: Demand, cols: HostColumns, i: number, j: number, tra
   return (
     transferMs +
     restoreCost(d, cols, i, config) +
-    ((cols.inflightOps[i] as number) + j) * config.perOpQueueMs +
+    ((cols.inflightOps[i] as number) + j) * queuePerOp(cols, i, config) +
     config.loadWeightMs * utilisation(d, cols, i, j + 1) +
     (spread === 'SPREAD' ? config.spreadPenaltyMs * j : 0) +
     (spread === 'PACK' ? config.packWeightMs * (1 - utilisation(d, cols, i, 0)) : 0)
   );
+}
+
+/** What one op ahead in the host's queue costs a child: its measured restore time per slot, or the default. */
+function queuePerOp(cols: HostColumns, i: number, config: PlacementConfig): number {
+  const measured = cols.queuePerOpMs[i] as number;
+  return Number.isNaN(measured) ? config.perOpQueueMs : measured;
 }
 
 function restoreCost(d: Demand, cols: HostColumns, i: number, config: PlacementConfig): number {

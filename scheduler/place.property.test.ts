@@ -45,6 +45,7 @@ const hostArb = (i: number): fc.Arbitrary<HostInput> =>
       partialFrac: fc.double({ min: 0.01, max: 0.99, noNaN: true }),
       resident: fc.boolean(),
       restoreCostMs: fc.option(fc.integer({ min: 50, max: 600 }), { nil: undefined }),
+      restoreSlots: fc.option(fc.integer({ min: 1, max: 8 }), { nil: undefined }),
     })
     .map((r) => ({
       id: `h${i}`,
@@ -60,6 +61,7 @@ const hostArb = (i: number): fc.Arbitrary<HostInput> =>
       partialSnapshots: r.hold === 'partial' ? { 'snap-a': Math.floor(r.partialFrac * GIB) } : undefined,
       residentImages: r.hold === 'full' && r.resident ? ['snap-a'] : [],
       restoreCostMs: r.restoreCostMs,
+      restoreSlots: r.restoreSlots,
     }));
 
 interface Scenario {

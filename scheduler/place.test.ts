@@ -62,6 +62,22 @@ describe('fork', () => {
     expect(perHost(r)).toEqual({ cold: 2 });
   });
 
+  it('fork_whenHostsReportRestoreTimeAndSlots_pricesTheHoldersQueueByThemAndSpills', () => {
+    // A 1 GiB copy at 1.25 GB/s takes ~0.86 s. Ten ops queued on the holder cost 0.4 s at the
+    // default 40 ms each, so the child stays there; with measured 400 ms restores and one slot
+    // they cost 4 s, and the cold host's copy is the shorter wait.
+    const holder = (over: Partial<HostInput> = {}): HostInput => hostInput('holder', { heldSnapshots: ['snap-a'], inflightOps: 10, ...over });
+    expect(perHost(decide(fleet([holder(), hostInput('cold')]), forkRequest(1)))).toEqual({ holder: 1 });
+    const measured = { restoreCostMs: 400, restoreSlots: 1 };
+    const r = ok(decide(fleet([holder(measured), hostInput('cold', measured)]), forkRequest(1)));
+    expect(perHost(r)).toEqual({ cold: 1 });
+    expect(r.placements[0]?.score).toMatchObject({ restoreMs: 400, queueMs: 0 });
+    // Two slots halve what each op ahead costs: 10 * 200 ms on the holder.
+    const est = estimateAssignment(fleet([holder({ restoreCostMs: 400, restoreSlots: 2 })]), forkRequest(1), ['holder']);
+    if (!est.ok) throw new Error(est.reason);
+    expect(est.placements[0]?.score.queueMs).toBe(2000);
+  });
+
   it('fork_whenTransfersAreSlow_keepsEveryChildOnHoldersWhileTheyHaveRoom', () => {
     const slow = { bandwidthBytesPerS: 1e6, rxLoadBytesPerS: 0, txLoadBytesPerS: 0 };
     const view = fleet([
@@ -332,5 +348,12 @@ describe('determinism, sampling and validation', () => {
 
   it('buildFleetView_rejectsDuplicateHostIds', () => {
     expect(() => fleet([hostInput('a'), hostInput('a')])).toThrow(InvalidArgumentError);
+  });
+
+  it('buildFleetView_withBadRestoreSlotsOrCost_throwsInvalidArgumentNamingTheHostsField', () => {
+    for (const restoreSlots of [0, 1.5, -1]) {
+      expect(() => fleet([hostInput('a', { restoreSlots })])).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'hosts[a].restoreSlots' }));
+    }
+    expect(() => fleet([hostInput('a', { restoreCostMs: Number.NaN })])).toThrow(expect.objectContaining({ field: 'hosts[a].restoreCostMs' }));
   });
 });

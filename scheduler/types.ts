@@ -64,6 +64,12 @@ export interface HostInput {
   readonly residentImages?: readonly string[];
   /** Measured restore cost on this host; falls back to config.restoreCostMs. */
   readonly restoreCostMs?: number;
+  /**
+   * Restores (host-agent steps) this host runs at once. With `restoreCostMs` it prices the
+   * queue: each op queued or in flight, and each sibling placed before a child, costs
+   * restoreCostMs / restoreSlots. Without both, config.perOpQueueMs applies.
+   */
+  readonly restoreSlots?: number;
 }
 
 /** The VM configuration recorded in a snapshot manifest (DESIGN.md decision 3). */
@@ -123,6 +129,8 @@ export interface HostColumns {
   readonly inflightOps: Float64Array;
   /** NaN where the host has no measurement (config.restoreCostMs applies). */
   readonly restoreCostMs: Float64Array;
+  /** restoreCostMs / restoreSlots; NaN where the host reports either not (config.perOpQueueMs applies). */
+  readonly queuePerOpMs: Float64Array;
   /** Available inbound bytes/s: bandwidth - rxLoad. */
   readonly downlink: Float64Array;
   /** Available outbound bytes/s: bandwidth - txLoad. */
@@ -234,7 +242,7 @@ export interface ScoreBreakdown {
   /** When the host will hold all bytes (0 for holders); includes waiting for the source's own copy. */
   readonly transferMs: number;
   readonly restoreMs: number;
-  /** (inflightOps + siblings placed before on this host) * perOpQueueMs. */
+  /** (inflightOps + siblings placed before on this host) * (restoreCostMs / restoreSlots, or perOpQueueMs). */
   readonly queueMs: number;
   /** loadWeightMs * utilisation after this child (max of vCPU and memory fractions). */
   readonly loadMs: number;

@@ -42,6 +42,7 @@ export function buildFleetView(input: FleetViewInput): FleetView {
     allocDiskMib: f64(),
     inflightOps: f64(),
     restoreCostMs: f64(),
+    queuePerOpMs: f64(),
     downlink: f64(),
     uplink: f64(),
   };
@@ -57,6 +58,12 @@ export function buildFleetView(input: FleetViewInput): FleetView {
     hostIndexById.set(h.id, index);
     checkResources(`hosts[${h.id}].capacity`, h.capacity);
     checkResources(`hosts[${h.id}].allocated`, h.allocated);
+    if (h.restoreSlots !== undefined && !(Number.isInteger(h.restoreSlots) && h.restoreSlots >= 1)) {
+      throw new InvalidArgumentError(`hosts[${h.id}].restoreSlots`, `must be an integer >= 1, got ${h.restoreSlots}`);
+    }
+    if (h.restoreCostMs !== undefined && !(Number.isFinite(h.restoreCostMs) && h.restoreCostMs >= 0)) {
+      throw new InvalidArgumentError(`hosts[${h.id}].restoreCostMs`, `must be a finite number >= 0, got ${h.restoreCostMs}`);
+    }
     const key = vmmKey(h.vmm);
     let vmmProfile = profileByKey.get(key);
     if (vmmProfile === undefined) {
@@ -93,6 +100,7 @@ export function buildFleetView(input: FleetViewInput): FleetView {
     cols.allocDiskMib[index] = h.allocated.diskMib;
     cols.inflightOps[index] = h.inflightOps;
     cols.restoreCostMs[index] = h.restoreCostMs ?? Number.NaN;
+    cols.queuePerOpMs[index] = h.restoreCostMs !== undefined && h.restoreSlots !== undefined ? h.restoreCostMs / h.restoreSlots : Number.NaN;
     cols.downlink[index] = h.link.bandwidthBytesPerS - h.link.rxLoadBytesPerS;
     cols.uplink[index] = h.link.bandwidthBytesPerS - h.link.txLoadBytesPerS;
     return { ...h, index, vmmProfile };
