@@ -4,21 +4,21 @@ import { pino } from 'pino';
 import { Agent } from './agent.ts';
 import type { AgentBus, SnapshotShipper } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
-import type { VmmDriver } from './vmm.ts';
-import { HostResultSchema, HostWorkSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import type { VmInfo, VmmDriver } from './vmm.ts';
+import { HostResultSchema, HostWorkSchema, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
-function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}): { agent: Agent; journal: MemoryJournal } {
+function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}): { agent: Agent; journal: MemoryJournal } {
   const journal = new MemoryJournal();
   const agent = new Agent({
     driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
     shipper: { held: () => [], storedBytes: () => 0, ...shipper } as SnapshotShipper,
-    bus: {} as AgentBus,
+    bus: bus as AgentBus,
     journal,
     images: () => Promise.reject(new Error('no images in this test')),
     clock: { now: () => 1_000 },
     log: pino({ level: 'silent' }),
-    config: { hostId: 'h1', bootId: 'b', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 1 },
+    config: { hostId: 'h1', bootId: 'b', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
     qemuVersion: '7.2.0',
   });
   return { agent, journal };
@@ -51,5 +51,26 @@ describe('Agent steps', () => {
     const b = await agent.runStep(w);
     expect(destroys).toBe(1);
     expect(toBinary(HostResultSchema, b)).toEqual(toBinary(HostResultSchema, a));
+  });
+
+  it('heartbeat_afterLocalRestores_reportsItsSlotsAndTheMedianOfEachStepsFirstReadyChild', async () => {
+    const beats: Heartbeat[] = [];
+    let n = 0;
+    // Steps whose first children were ready after 300, 100 and 200 ms (their siblings later).
+    const ready = [[300, 900], [100], [200, 250]];
+    const { agent } = agentWith(
+      { fork: async (_s, clones) => clones.map((c, i) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: ready[n]![i]! }) as VmInfo) },
+      { obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) },
+      { publishHeartbeat: (hb) => void beats.push(hb) },
+    );
+    agent.heartbeat();
+    expect(beats[0]).toMatchObject({ restoreSlots: 3, restoreCostMs: 0 });
+    for (; n < ready.length; n++) {
+      const vms = ready[n]!.map((_, i) => ({ sandboxId: `sb-${n}-${i}` }));
+      const r = await agent.runStep(work(`restore/${n}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms } } }));
+      expect(r.error).toBeUndefined();
+    }
+    agent.heartbeat();
+    expect(beats[1]).toMatchObject({ restoreSlots: 3, restoreCostMs: 200 });
   });
 });

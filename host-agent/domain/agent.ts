@@ -131,6 +131,9 @@ export interface AgentDeps {
   qemuVersion: string;
 }
 
+/** Local restores the heartbeat's restore_cost_ms is the median of. */
+const RESTORE_SAMPLES = 32;
+
 const VM_STATE: Record<VmInfo['state'], PbVmState> = {
   starting: PbVmState.STARTING,
   running: PbVmState.RUNNING,
@@ -150,6 +153,13 @@ export class Agent {
   private readonly stops: Array<() => void | Promise<void>> = [];
   private inflight = 0;
   private seq = 0n;
+  /**
+   * Time to ready of the first child of each recent local restore step (at most
+   * RESTORE_SAMPLES, newest last): what a restore costs here with nothing else of its step
+   * alongside. The heartbeat reports the median, which placement uses to price this host's
+   * queue.
+   */
+  private readonly restoreSamples: number[] = [];
   private readonly queue: Array<() => Promise<void>> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
   /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
@@ -224,6 +234,17 @@ export class Agent {
     return v.state === 'running' ? now - a.busyAt : 0;
   }
 
+  private recordRestore(ms: number): void {
+    this.restoreSamples.push(ms);
+    if (this.restoreSamples.length > RESTORE_SAMPLES) this.restoreSamples.shift();
+  }
+
+  /** Median of the recent local restores, ms (0: none yet). */
+  restoreCostMs(): number {
+    const s = [...this.restoreSamples].sort((a, b) => a - b);
+    return s.length ? Math.round(s[Math.floor((s.length - 1) / 2)]!) : 0;
+  }
+
   heartbeat(): void {
     const cfg = this.deps.config;
     const vms = this.deps.driver.list().filter((v) => v.state !== 'destroyed');
@@ -251,6 +272,8 @@ export class Agent {
         peerAddress: cfg.peerAddress,
         linkBytesPerSecond: BigInt(cfg.linkBytesPerSecond),
         inflightOps: this.inflight,
+        restoreSlots: cfg.concurrency,
+        restoreCostMs: this.restoreCostMs(),
         interval: { nanos: (cfg.heartbeatMs % 1000) * 1e6, seconds: BigInt(Math.floor(cfg.heartbeatMs / 1000)) },
       }),
     );
@@ -369,6 +392,7 @@ export class Agent {
           );
           result.bytesFetched = BigInt(bytesFetched);
           if (clones.length) made = await driver.fork(local, clones);
+          if (made.length) this.recordRestore(Math.min(...made.map((v) => v.readyMs)));
         }
         const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
         const reports = new Map(await Promise.all(made.map(async (v) => [v.vmId, await this.runHooks(v.vmId, hooks.get(v.vmId) ?? [], log)] as const)));

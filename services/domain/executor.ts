@@ -216,6 +216,8 @@ export class Executor {
   private readonly waiters = new Map<string, Waiter>();
   /** Results that arrived before anyone waited for them (e.g. right after a failover). */
   private readonly early = new Map<string, HostResultMsg>();
+  /** Host steps sent and not yet finished, per host: placement counts them at once (fleetViewInput's ownInflight). */
+  private readonly stepsInFlight = new Map<string, number>();
   private stops: Array<() => void | Promise<void>> = [];
   private active = false;
   /** Batches waiting for the next group commit (commitGrouped). */
@@ -502,6 +504,17 @@ export class Executor {
    * dedups by op + step). The step is recorded in the operation before it is sent.
    */
   private async step(op: OperationRec, stepId: string, hostId: string, work: HostWorkMsg['work'], timeoutMs = this.deps.config.stepTimeoutMs): Promise<HostResultMsg> {
+    this.stepsInFlight.set(hostId, (this.stepsInFlight.get(hostId) ?? 0) + 1);
+    try {
+      return await this.stepOnHost(op, stepId, hostId, work, timeoutMs);
+    } finally {
+      const n = (this.stepsInFlight.get(hostId) ?? 1) - 1;
+      if (n > 0) this.stepsInFlight.set(hostId, n);
+      else this.stepsInFlight.delete(hostId);
+    }
+  }
+
+  private async stepOnHost(op: OperationRec, stepId: string, hostId: string, work: HostWorkMsg['work'], timeoutMs: number): Promise<HostResultMsg> {
     const key = stepKey(op.id, stepId);
     for (let attempt = 1; attempt <= this.deps.config.stepAttempts; attempt++) {
       const early = this.early.get(key);
@@ -599,6 +612,9 @@ export class Executor {
         // The revisions the plan reads, taken with it: the cache may move on during the awaits below.
         const allocRevs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.modRevision]));
         const snapshots = [...this.cache.snapshots.values()].map((sn) => sn.value);
+        // Steps in flight per host, plus one per host for each job this group places there
+        // (its step is sent after the commit): later jobs of the group see that queue too.
+        const inflight = new Map(this.stepsInFlight);
         const touched = new Set<string>();
         const planned: Array<{ job: PlaceJob; result: Extract<PlacementResult, { ok: true }>; writes: StoreWrite[] }> = [];
         let writeCount = 0;
@@ -610,7 +626,7 @@ export class Executor {
             continue;
           }
           try {
-            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes }));
+            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight }));
             const req = job.request(view);
             const result = place(view, req, rngForRequest(`${job.op.id}/${attempt}`), this.deps.config.placement);
             if (!result.ok) throw new NoCapacityError(result.explanation.summary);
@@ -646,6 +662,7 @@ export class Executor {
               let allocated = base.allocated;
               for (let i = 0; i < n; i++) allocated = addRes(allocated, perChild, 1);
               allocs.set(hostId, { hostId, allocated, sandboxes: base.sandboxes + n });
+              inflight.set(hostId, (inflight.get(hostId) ?? 0) + 1);
               touched.add(hostId);
             }
             planned.push({ job, result, writes: [...writes, ...opWrites] });

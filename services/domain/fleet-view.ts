@@ -62,6 +62,12 @@ export function fleetViewInput(args: {
   liveness: LivenessConfig;
   /** Chunk size used by the snapshot store. */
   chunkBytes: number;
+  /**
+   * Host steps this scheduler has sent and not yet seen finish, per host. A host's queue is
+   * the larger of this and its last heartbeat's count: the leader knows its own steps at
+   * once, a heartbeat only up to a second later.
+   */
+  ownInflight?: ReadonlyMap<string, number>;
 }): FleetViewInput {
   const hosts: HostInput[] = args.hosts.map((h) => {
     const heard = args.heard.get(h.id);
@@ -77,7 +83,9 @@ export function fleetViewInput(args: {
       draining: h.draining,
       capacity: h.capacity,
       allocated: alloc?.allocated ?? { vcpus: 0, memoryMib: 0, diskMib: 0 },
-      inflightOps: heard?.hb.inflightOps ?? 0,
+      inflightOps: Math.max(heard?.hb.inflightOps ?? 0, args.ownInflight?.get(h.id) ?? 0),
+      // The host's measured restore time and its slots price its queue (scheduler/README.md).
+      ...(heard && heard.hb.restoreCostMs > 0 && heard.hb.restoreSlots > 0 ? { restoreCostMs: heard.hb.restoreCostMs, restoreSlots: heard.hb.restoreSlots } : {}),
       link: { bandwidthBytesPerS: Math.max(1, h.linkBytesPerSecond), rxLoadBytesPerS: 0, txLoadBytesPerS: 0 },
       vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel },
       heldSnapshots: [...held],
