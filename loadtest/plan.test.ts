@@ -27,10 +27,7 @@ describe('capacity planner', () => {
     expect(simulate(modelFrom(run), 64, 10, o)).toEqual(simulate(modelFrom(run), 64, 10, o));
   });
 
-  // Skipped: with place()'s cost model the simulated fleet keeps sending children to the
-  // snapshot's holders (queue term small against the transfer term), so p95 at this load stays
-  // above target even with many hosts. Planner calibration is unfinished (see the report).
-  it.skip('simulate_withTooFewHosts_queuesAndMissesWhereMoreHostsMeetTheTarget', () => {
+  it('simulate_withTooFewHosts_queuesAndMissesWhereMoreHostsMeetTheTarget', () => {
     const o = { forksPerSecond: 40, p95TargetMs: 400, simulatedSeconds: 3, slotsPerHost: 1, templates: 5 };
     const few = simulate(modelFrom(run), 4, 10, o);
     const many = simulate(modelFrom(run), 64, 10, o);
@@ -38,7 +35,7 @@ describe('capacity planner', () => {
     expect(many.p95Ms).toBeLessThanOrEqual(400);
   });
 
-  it.skip('planCapacity_findsTheFewestHostsThatMeetTheTarget_andSlowLinksNeedNoFewer', () => {
+  it('planCapacity_findsTheFewestHostsThatMeetTheTarget_andSlowLinksNeedNoFewer', () => {
     const plan = planCapacity(run, { forksPerSecond: 20, p95TargetMs: 450, simulatedSeconds: 3, slotsPerHost: 1, templates: 5, linkRatesGbps: [1, 10], maxHosts: 256 });
     const [g1, g10] = plan.answers;
     expect(g10?.hosts).not.toBeNull();

@@ -7,6 +7,9 @@
 //     (fork_cross_host_1 p50 - fork_same_host_1 p50) scaled by run link rate / simulated link
 //     rate, and the host then holds the snapshot;
 //   - plus queueing: a host restores at most `slotsPerHost` children at once.
+// Hosts report what agents report: their restore time (the model's same-host median) and
+// their slots, which price a host's queue in place(); and the placements made since the last
+// refresh count in the queue at once, as the leader counts the steps it has sent.
 // Answers "how many hosts at what link rate for X forks/s at p95 <= Y ms". Pure, seeded.
 import { buildFleetView, place, xoshiro128ss } from '../scheduler/index.ts';
 import type { HostInput, SnapshotInput } from '../scheduler/index.ts';
@@ -92,13 +95,17 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
   const allocMib = new Float64Array(hosts);
   /** Finish times of every child queued or restoring on each host (place()'s inflightOps). */
   const finishes: number[][] = ids.map(() => []);
-  // Each template starts on one host (where its parent ran).
+  // Each template starts on one host (where its parent ran). Its size, as place() sees it, is
+  // what the measured transfer part moves at the run's link rate, so place() prices a copy
+  // as the simulation charges it (bytes / link rate), at every simulated link rate.
+  const effectiveBytes = Math.max(1, (model.transferMsAtRun / 1000) * ((model.runLinkGbps * 1e9) / 8));
   const snaps: SnapshotInput[] = Array.from({ length: templates }, (_, i) => ({
-    id: `tpl-${i}`, totalBytes: Math.max(1, model.guestMib) * 1048576 * 0.4, chunkBytes: 4 * 1048576,
+    id: `tpl-${i}`, totalBytes: effectiveBytes, chunkBytes: 4 * 1048576,
     vmConfig: { qemuVersion: '8.2.0', machine: 'microvm', cpuModel: 'host', accel: 'kvm', vcpus: 1, memoryMib: model.guestMib },
   }));
   for (const s of snaps) held[rng.nextInt(hosts)]!.add(s.id);
   const vmm = { qemuVersion: '8.2.2', machines: ['microvm'], cpuModels: ['host'], accel: 'kvm' as const };
+  const sameP50 = percentile([...model.sameHostMs].sort((a, b) => a - b), 50);
   const lat: number[] = [];
   let cross = 0;
   let unplaced = 0;
@@ -113,7 +120,7 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
         const rel = releases[i]!;
         while (rel.length && rel[0]!.at <= t) allocMib[i] = allocMib[i]! - rel.shift()!.mib;
         const busy = (finishes[i] = finishes[i]!.filter((f) => f > t)).length;
-        return { id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 64, memoryMib: memCap, diskMib: 1e7 }, allocated: { vcpus: 0, memoryMib: Math.max(0, allocMib[i]!), diskMib: 0 }, inflightOps: busy, link: { bandwidthBytesPerS: bw, rxLoadBytesPerS: 0, txLoadBytesPerS: 0 }, vmm, heldSnapshots: [...held[i]!], restoreCostMs: percentile([...model.sameHostMs].sort((a, b) => a - b), 50) };
+        return { id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 64, memoryMib: memCap, diskMib: 1e7 }, allocated: { vcpus: 0, memoryMib: Math.max(0, allocMib[i]!), diskMib: 0 }, inflightOps: busy, link: { bandwidthBytesPerS: bw, rxLoadBytesPerS: 0, txLoadBytesPerS: 0 }, vmm, heldSnapshots: [...held[i]!], restoreCostMs: sameP50, restoreSlots: slots };
       });
       view = buildFleetView({ revision: req, observedAtMs: t, hosts: hs, snapshots: snaps });
       nextView = t + refresh;
@@ -133,6 +140,9 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
       const service = base + (holds ? 0 : transferMs);
       if (!holds) cross++;
       held[i]!.add(snapshotId);
+      // Queued at once in the view (the leader's own steps), not only at the next refresh;
+      // the columns are updated in place rather than the view rebuilt per request.
+      view.cols.inflightOps[i] = (view.cols.inflightOps[i] as number) + 1;
       const sl = slotFree[i]!;
       let j = 0;
       for (let q = 1; q < sl.length; q++) if (sl[q]! < sl[j]!) j = q;
