@@ -240,7 +240,7 @@ export class Agent {
   }
 
   /** Median of the recent local restores, ms (0: none yet). */
-  restoreCostMs(): number {
+  private restoreCostMs(): number {
     const s = [...this.restoreSamples].sort((a, b) => a - b);
     return s.length ? Math.round(s[Math.floor((s.length - 1) / 2)]!) : 0;
   }

@@ -28,7 +28,6 @@ export interface FakeAgentOptions {
   state?: 'files' | 'memory';
 }
 
-
 export interface FakeAgent {
   readonly hostId: string;
   readonly driver: FakeVmmDriver;
