@@ -223,7 +223,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(standbyPids.filter((p) => p !== vm?.pid).every(isAlive)).toBe(true);
   });
 
-  it('migrate_whenRestoredOnAnotherHostsDriver_vmHasSnapshotStateOwnIdentitySnapshotsAndLeavesNothing', async () => {
+  it('migrate_whenRestoredOnAnotherHostsDriver_directlyOrIntoAnIncomingStandby_vmHasSnapshotStateOwnIdentitySnapshotsAndLeavesNothing', async () => {
     // Another "host": a second driver with its own root, and its RAM pool on a huge-page tmpfs
     // of the test's own (ADR 0016); the stream crosses loopback TCP.
     const ramMount = join(root, 'ram');
@@ -266,6 +266,48 @@ describe('QemuVmmDriver (real QEMU)', () => {
       await unused.abort();
       expect(await readdir(join(root, 'host2', 'vms'))).toEqual([]);
       expect((await readdir(ramDir)).filter((f) => f.startsWith('vm-'))).toEqual([]);
+
+      // An incoming standby (a QEMU of this configuration started before any stream, waiting
+      // with a placeholder disk) takes the next VM: the connection goes to it by getfd, and the
+      // snapshot's disk layer replaces the placeholder before QEMU activates it.
+      expect(await dest.warmIncoming(src, 1)).toBe(1);
+      const standbys2 = join(root, 'host2', 'standby');
+      const [waiting] = await readdir(standbys2);
+      const standbyPid = Number((await readFile(join(standbys2, waiting ?? '', 'qemu.0.pid'), 'utf8')).trim());
+      expect(isAlive(standbyPid)).toBe(true);
+      const server2 = net.createServer({ pauseOnConnect: true });
+      await new Promise<void>((r) => server2.listen(0, '127.0.0.1', r));
+      const accepted2 = new Promise<net.Socket>((r) => server2.once('connection', r));
+      try {
+        const incoming2 = await dest.prepareIncoming(src, { vmId: 'm2', hostname: 'm2', sandboxId: 'sb-m2' });
+        const port2 = (server2.address() as net.AddressInfo).port;
+        const [, vm2] = await Promise.all([driver.migrateOut(snap, { host: '127.0.0.1', port: port2 }), accepted2.then((c) => incoming2.load(c))]);
+        expect(vm2.pid).toBe(standbyPid);
+        expect(vm2).toMatchObject({ state: 'running', baseSnapshotId: 'snap-tpl', hostname: 'm2' });
+        expect((await dest.readFile('m2', '/dev/shm/marker')).toString()).toBe('tmpfs-before-snapshot');
+        expect(await sh('m2', 'cat /data/marker; hostname; cat /run/forkfleet/sandbox-id', dest)).toBe('disk-before-snapshot\nm2\nsb-m2');
+        const b = Number(await sh('m2', 'cat /tmp/counter', dest));
+        await new Promise((r) => setTimeout(r, 700));
+        expect(Number(await sh('m2', 'cat /tmp/counter', dest))).toBeGreaterThan(b);
+        // The disk is the layer, writable: what the VM writes survives its own snapshot.
+        await sh('m2', 'echo via-standby > /data/s && sync', dest);
+        const s2 = await dest.snapshot('m2', 'snap-m2');
+        // Its RAM file was renamed after the VM, like any migrated VM's.
+        expect((await readdir(ramDir)).filter((f) => f.startsWith('vm-'))).toEqual(['vm-m2.ram']);
+        await dest.destroy('m2');
+        const [g2] = await dest.fork(s2, [{ vmId: 'mg2' }]);
+        expect(await sh(g2?.vmId ?? '', 'cat /data/s', dest)).toBe('via-standby');
+        await dest.destroy('mg2');
+        await dest.deleteSnapshot(s2);
+      } finally {
+        server2.close();
+      }
+      expect(isAlive(standbyPid)).toBe(false);
+      expect(await readdir(standbys2)).toEqual([]);
+      expect(await readdir(join(root, 'host2', 'vms'))).toEqual([]);
+      expect((await readdir(ramDir)).filter((f) => f.startsWith('vm-'))).toEqual([]);
+      // One left waiting when the driver closes goes with it, RAM file and all (checked below).
+      expect(await dest.warmIncoming(src, 1)).toBe(1);
     } finally {
       server.close();
       await dest.close();

@@ -8,8 +8,8 @@
 //                      state.bin, disk.qcow2, all 0444 and never written again.
 // Invariant: a VM record exists exactly while its workdir exists; the pid files in a workdir
 // name every QEMU that may still run for it, so recover() can adopt or reap after a restart.
-import { randomBytes } from 'node:crypto';
-import { access, chmod, link, lstat, mkdir, open, readdir, readFile, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
+import { createHash, randomBytes } from 'node:crypto';
+import { access, chmod, copyFile, link, lstat, mkdir, open, readdir, readFile, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
 import { constants, createReadStream, createWriteStream } from 'node:fs';
 import net from 'node:net';
 import { setPriority } from 'node:os';
@@ -153,6 +153,24 @@ const CLOCK_REFRESH_AFTER_MS = 200;
 const MIGRATION_TIMEOUT_MS = 120_000;
 /** Migration sources kept ready on a host, all snapshots together (ADR 0015). */
 const MIGRATION_SOURCES_MAX = 2;
+/** Migration destinations kept ready on a host, all configurations together (ADR 0015). */
+const INCOMING_STANDBYS_MAX = 2;
+
+/**
+ * What an incoming standby is started as (ADR 0015): a migrated VM's QEMU before its stream
+ * is known, so before its snapshot is. Keyed (`manifest.snapshotId`) by everything its command
+ * line depends on: the image this host holds, kernel arguments, RAM, vCPUs, accel and disk size.
+ */
+interface IncomingTemplate {
+  manifest: SnapshotManifest;
+  image: GuestImage;
+}
+
+function incomingTemplate(m: SnapshotManifest, image: GuestImage): IncomingTemplate {
+  const launch = [image.name, image.recipeHash, image.kernel, image.initrd, image.disk, m.image.kernelArgs, m.config.memoryMib, m.config.vcpus, m.config.accel, m.diskVirtualSize];
+  const key = `incoming-${createHash('sha256').update(JSON.stringify(launch)).digest('hex').slice(0, 16)}`;
+  return { manifest: { ...m, snapshotId: key }, image };
+}
 
 /** Durations of a restore's phases for its log line: `mark(k)` records the ms since the previous mark (or the start) as `phases[k]`. */
 function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => void } {
@@ -180,6 +198,8 @@ export class QemuVmmDriver implements VmmDriver {
   private readonly standbys: StandbyPool;
   /** Migration sources kept ready (ADR 0015): standbys in the agent's network namespace. */
   private readonly sources: StandbyPool;
+  /** Migration destinations kept ready (ADR 0015): QEMUs waiting for a stream, by launch configuration. */
+  private readonly incoming: StandbyPool<IncomingTemplate>;
 
   constructor(opts: QemuDriverOptions) {
     this.opts = {
@@ -198,6 +218,15 @@ export class QemuVmmDriver implements VmmDriver {
     this.sources = new StandbyPool(
       { ...policy, max: Math.min(policy.max, MIGRATION_SOURCES_MAX), perSnapshot: Math.min(policy.perSnapshot, 1) },
       (s) => this.launchStandby(s, { hostNetwork: true }),
+      (s) => this.discardStandby(s),
+      this.opts.logger,
+      this.opts.clock,
+    );
+    // One per configuration that was migrated in before, so the next VM that arrives skips the
+    // QEMU start; within the same host-wide cap as fork standbys.
+    this.incoming = new StandbyPool<IncomingTemplate>(
+      { ...policy, max: Math.min(policy.max, INCOMING_STANDBYS_MAX), perSnapshot: Math.min(policy.perSnapshot, 1) },
+      (t) => this.launchIncomingStandby(t),
       (s) => this.discardStandby(s),
       this.opts.logger,
       this.opts.clock,
@@ -382,7 +411,7 @@ export class QemuVmmDriver implements VmmDriver {
     return rec;
   }
 
-  private async spawnAndConnect(l: QemuLaunch, logPath: string, extraFds: number[] = [], network?: NetworkPolicySpec): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+  private async spawnAndConnect(l: QemuLaunch, logPath: string, extraFds: number[] = [], network?: NetworkPolicySpec, o: { fdPassing?: boolean } = {}): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
     // Every QEMU the driver starts (boot, restore, snapshot replacement, receiver) runs in a new,
     // empty network namespace of its own (adapters/netns): the guest NIC reaches nothing.
     const qemu = l.niceness ? { command: 'nice', args: ['-n', String(l.niceness), this.opts.qemuBinary, ...qemuArgs(l)] } : { command: this.opts.qemuBinary, args: qemuArgs(l) };
@@ -397,7 +426,7 @@ export class QemuVmmDriver implements VmmDriver {
         this.egressManager ??= new EgressManager(this.opts.egress);
         await this.egressManager.attach(proc.pid, network);
       }
-      const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => !dead);
+      const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => !dead, o);
       return { proc, qmp };
     } catch (e) {
       await killAndWait(proc);
@@ -876,6 +905,63 @@ export class QemuVmmDriver implements VmmDriver {
     s.qmp.close();
     await killAndWait(s.proc);
     await rm(s.workdir, { recursive: true, force: true });
+    // An incoming standby's RAM file (named after it) goes back to the pool.
+    if (this.ramDir) await this.releaseRam(s.id);
+  }
+
+  /** The RAM file of `id` (a VM or an incoming standby; its QEMU is gone) back to the pool, or away. */
+  private async releaseRam(id: string): Promise<void> {
+    const pool = await this.ramPoolOpened;
+    if (pool) await pool.recycle(id);
+    else if (this.ramDir) await rm(ramFileOf(this.ramDir, id), { force: true });
+  }
+
+  /**
+   * An incoming standby (ADR 0015): the QEMU a VM migrated from another host with this
+   * template's configuration will run in, started before any stream comes: RAM from the pool,
+   * a placeholder disk (an empty overlay of the image's base disk, which QEMU opens inactive
+   * and re-reads when the stream ends), waiting with `-incoming defer`. Its QMP connection can
+   * pass file descriptors, so the migration connection accepted later goes to it by getfd.
+   */
+  private async launchIncomingStandby(t: IncomingTemplate): Promise<Standby> {
+    const id = `incoming-${randomBytes(6).toString('hex')}`;
+    const workdir = join(this.standbyDir, id);
+    await mkdir(workdir, { recursive: true });
+    try {
+      // A filled RAM file, waiting for a fill if need be: an unfilled one would make the
+      // stream's load fault in fresh memory (ADR 0016), and this is background work. The
+      // pool is not refilled after: the file of the VM destroyed next comes back to it.
+      const ram = await (await this.ramPool())?.take(id, t.manifest.config.memoryMib, { waitForFill: true });
+      const p = this.incomingPersisted(t.manifest, t.image, { vmId: id }, workdir, ram?.path);
+      await this.overlays.create(t.image.disk, p.diskPath, t.manifest.diskVirtualSize);
+      const l = { ...this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, true), niceness: 19 };
+      const { proc, qmp } = await this.spawnAndConnect(l, join(workdir, `qemu.${p.gen}.log`), [], undefined, { fdPassing: true });
+      return { id, snapshotId: t.manifest.snapshotId, workdir, proc, qmp, readyAt: this.opts.clock.now(), ...(ram ? { ramFilled: ram.filled } : {}) };
+    } catch (e) {
+      await rm(workdir, { recursive: true, force: true });
+      if (this.ramDir) await this.releaseRam(id);
+      throw e;
+    }
+  }
+
+  /** The record of a VM restored by migration (ADR 0015), before its QEMU runs. */
+  private incomingPersisted(m: SnapshotManifest, image: GuestImage, c: CloneSpec, workdir: string, ramFile: string | undefined): VmPersisted {
+    return {
+      info: {
+        vmId: c.vmId, state: 'starting', accel: m.config.accel, pid: 0, workdir, memoryMib: m.config.memoryMib,
+        vcpus: m.config.vcpus, hostname: c.hostname ?? c.vmId, sandboxId: c.sandboxId ?? c.vmId,
+        baseSnapshotId: m.snapshotId, readyMs: 0,
+      },
+      image,
+      kernelArgs: m.image.kernelArgs,
+      memPath: '',
+      memShared: false,
+      ...(ramFile ? { ramFile } : { anonymousRam: true }),
+      diskPath: join(workdir, 'disk.0.qcow2'),
+      gen: 0,
+      dependsOn: [],
+      ...(c.network?.allowEgress ? { network: c.network } : {}),
+    };
   }
 
   /**
@@ -918,7 +1004,9 @@ export class QemuVmmDriver implements VmmDriver {
    * VMs' RAM files stay with the VMs.
    */
   async closeStandbys(): Promise<void> {
-    await Promise.all([this.standbys.close(), this.sources.close(), this.ramPoolOpened?.then((p) => p?.close())]);
+    // The pool closes last: discarding an incoming standby gives its RAM file back to it.
+    await Promise.all([this.standbys.close(), this.sources.close(), this.incoming.close()]);
+    await this.ramPoolOpened?.then((p) => p?.close());
   }
 
   // ---------------------------------------------------------------- restore by migration (ADR 0015)
@@ -961,9 +1049,11 @@ export class QemuVmmDriver implements VmmDriver {
    * Destination side (ADR 0015): a VM `c` that will be restored from the migration stream of
    * a snapshot this host does not hold. Prepared before the stream arrives: the workdir and
    * the disk (the snapshot's disk layer, which `src.writeDiskLayer` writes as the VM's own).
-   * `load(conn)` starts QEMU on the accepted connection (inherited, so the stream never passes
-   * through this process), loads it into a RAM pool file (ADR 0016; anonymous RAM without a
-   * pool), then gives the VM the same clone hygiene as any restore.
+   * The QEMU is an incoming standby of the snapshot's configuration when one is ready (already
+   * started, waiting for a stream), else `load` starts one on the accepted connection
+   * (inherited, so the stream never passes through this process). Either way the stream
+   * goes into a RAM pool file (ADR 0016; anonymous RAM without a pool), then the VM gets the
+   * same clone hygiene as any restore.
    */
   async prepareIncoming(src: IncomingSource, c: CloneSpec): Promise<IncomingVm> {
     validateId('vmId', c.vmId);
@@ -973,32 +1063,42 @@ export class QemuVmmDriver implements VmmDriver {
     const t0 = this.opts.clock.now();
     const workdir = await this.makeWorkdir(c.vmId);
     const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId, migrated: true });
+    const template = incomingTemplate(m, src.image);
+    // A standby's namespace has no egress link; a VM that may have egress starts its own.
+    // Only a ready one: one still starting may be waiting for its RAM file's fill.
+    const standby = c.network?.allowEgress ? undefined : await this.incoming.claim(template.manifest.snapshotId, { waitForLaunching: false });
     let p: VmPersisted;
     let ram: { path: string; filled: boolean } | undefined;
+    let claimed: VmRecord | undefined;
     try {
-      ram = await (await this.ramPool())?.take(c.vmId, m.config.memoryMib);
-      p = {
-        info: {
-          vmId: c.vmId, state: 'starting', accel: m.config.accel, pid: 0, workdir, memoryMib: m.config.memoryMib,
-          vcpus: m.config.vcpus, hostname: c.hostname ?? c.vmId, sandboxId: c.sandboxId ?? c.vmId,
-          baseSnapshotId: m.snapshotId, readyMs: 0,
-        },
-        image: src.image,
-        kernelArgs: m.image.kernelArgs,
-        memPath: '',
-        memShared: false,
-        ...(ram ? { ramFile: ram.path } : { anonymousRam: true }),
-        diskPath: join(workdir, 'disk.0.qcow2'),
-        gen: 0,
-        dependsOn: [],
-        ...(c.network?.allowEgress ? { network: c.network } : {}),
-      };
-      // The layer is this VM's own copy, so it becomes its disk (backed by the image's base
-      // disk, like a booted VM's): nothing the VM or its later snapshots stand on lives
-      // outside the snapshot store once the VM is gone.
-      await src.writeDiskLayer(p.diskPath);
-      if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(p.diskPath, src.image.disk);
+      if (standby) {
+        // Its RAM file is renamed after the VM (QEMU keeps the mapping), as the pool names a VM's.
+        const ramFile = this.ramDir ? ramFileOf(this.ramDir, standby.id) : undefined;
+        const own = this.ramDir ? ramFileOf(this.ramDir, c.vmId) : undefined;
+        const hasRam = ramFile !== undefined && own !== undefined && (await rename(ramFile, own).then(() => true, () => false));
+        p = this.incomingPersisted(m, src.image, c, workdir, hasRam ? own : undefined);
+        // The layer goes into the placeholder disk the standby's QEMU opened (inactive until
+        // the stream ends, when QEMU re-reads the image's metadata): written beside it, then
+        // copied into the same file, whose inode QEMU holds.
+        const layer = join(standby.workdir, 'disk.layer.qcow2');
+        await src.writeDiskLayer(layer);
+        if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(layer, src.image.disk);
+        await copyFile(layer, join(standby.workdir, 'disk.0.qcow2'));
+        await rm(layer, { force: true });
+        claimed = await this.adoptStandby(p, standby, log);
+      } else {
+        ram = await (await this.ramPool())?.take(c.vmId, m.config.memoryMib);
+        p = this.incomingPersisted(m, src.image, c, workdir, ram?.path);
+        // The layer is this VM's own copy, so it becomes its disk (backed by the image's base
+        // disk, like a booted VM's): nothing the VM or its later snapshots stand on lives
+        // outside the snapshot store once the VM is gone.
+        await src.writeDiskLayer(p.diskPath);
+        if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(p.diskPath, src.image.disk);
+      }
     } catch (e) {
+      // adoptStandby registers the VM before its last check; a standby not adopted yet is ours to end.
+      if (this.vms.has(c.vmId)) await this.destroy(c.vmId).catch(() => undefined);
+      else if (standby) await this.discardStandby(standby);
       await this.reapWorkdir(workdir);
       throw e;
     }
@@ -1012,22 +1112,36 @@ export class QemuVmmDriver implements VmmDriver {
         const t1 = this.opts.clock.now();
         const { phases: ph, mark } = phaseTimer();
         try {
-          const fd = (conn as unknown as { _handle?: { fd?: number } })._handle?.fd;
-          if (typeof fd !== 'number' || fd < 0) throw new VmmError('migration connection has no file descriptor');
           let rec: VmRecord;
-          try {
-            rec = await this.launch(p, log, { incoming: true, extraFds: [fd] });
-          } finally {
-            // QEMU holds its own copy now; destroy() closes ours without shutting the connection down.
-            conn.destroy();
+          if (claimed) {
+            rec = claimed;
+            await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
+            const since = rec.qmp.history.length;
+            try {
+              // QEMU gets its own copy of the connection's descriptor; ours closes.
+              await rec.qmp.executeWithFd('getfd', { fdname: 'migration' }, conn);
+            } finally {
+              conn.destroy();
+            }
+            await rec.qmp.execute('migrate-incoming', { uri: 'fd:migration' });
+            await waitMigration(rec.qmp, 'completed', since);
+          } else {
+            const fd = (conn as unknown as { _handle?: { fd?: number } })._handle?.fd;
+            if (typeof fd !== 'number' || fd < 0) throw new VmmError('migration connection has no file descriptor');
+            try {
+              rec = await this.launch(p, log, { incoming: true, extraFds: [fd] });
+            } finally {
+              // QEMU holds its own copy now; destroy() closes ours without shutting the connection down.
+              conn.destroy();
+            }
+            mark('launch');
+            await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
+            await incomingAndWait(rec.qmp, 'fd:3');
           }
-          mark('launch');
-          await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
-          await incomingAndWait(rec.qmp, 'fd:3');
           mark('load');
           const loadMs = this.opts.clock.now() - t1;
           await this.startRestored(rec, t0, mark);
-          log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, phases: ph, ramFilled: ram?.filled, pid: rec.proc.pid }, 'vm restored by migration');
+          log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, phases: ph, ramFilled: ram?.filled ?? standby?.ramFilled, standby: standby?.id, pid: rec.proc.pid }, 'vm restored by migration');
           return { ...rec.info };
         } catch (e) {
           conn.destroy();
@@ -1036,6 +1150,9 @@ export class QemuVmmDriver implements VmmDriver {
           throw e;
         } finally {
           if (ram) void this.ramPool().then((pool) => pool?.refill());
+          // Keep one QEMU of this configuration waiting for the next VM that arrives (started
+          // after this one is ready, so it does not compete with its stream).
+          if (!c.network?.allowEgress) this.incoming.demand(template, 1);
         }
       },
       abort: async () => {
@@ -1044,6 +1161,15 @@ export class QemuVmmDriver implements VmmDriver {
         await rm(workdir, { recursive: true, force: true });
       },
     };
+  }
+
+  /**
+   * Keep `count` incoming standbys (ADR 0015) for VMs migrated here from snapshots like
+   * `src`'s (same image, RAM, vCPUs); resolves with how many are ready. Restores by
+   * migration keep one on their own (policy perSnapshot).
+   */
+  warmIncoming(src: Pick<IncomingSource, 'manifest' | 'image'>, count: number): Promise<number> {
+    return this.incoming.warm(incomingTemplate(src.manifest, src.image), count);
   }
 
   private async restoreOne(snapshot: LocalSnapshot, c: CloneSpec): Promise<VmInfo> {
@@ -1290,6 +1416,7 @@ export class QemuVmmDriver implements VmmDriver {
     // Standbys are left running too; they are never adopted, a new agent's recover reaps them.
     this.standbys.abandon();
     this.sources.abandon();
+    this.incoming.abandon();
     for (const rec of this.vms.values()) {
       rec.expectExit = true;
       rec.agent?.close();
@@ -1326,7 +1453,9 @@ export class QemuVmmDriver implements VmmDriver {
           this.opts.logger.warn({ vmId, err: String(e) }, 'adopt failed; reaping');
         }
       }
-      await this.reapWorkdir(workdir, persisted?.launchDir);
+      // No vm.json yet: it may be a claimed standby (incoming ones wait for their stream so),
+      // whose QEMU was started under standby/.
+      await this.reapWorkdir(workdir, persisted?.launchDir ?? this.standbyDir);
       if (persisted?.launchDir) await rm(persisted.launchDir, { force: true });
       report.reaped.push(vmId);
     }

@@ -48,6 +48,17 @@ describe('RamPool (real tmpfs)', () => {
     expect(await RamPool.open(join(base, 'root-plain'), { mount, keep: 1, maxMib: 1024, logger })).toBeUndefined();
   });
 
+  it('take_withWaitForFill_whenNoFreeFile_fillsOneAndHandsItOutFilled', async () => {
+    const { pool, mount } = await openPool('w', 1);
+    const t = await pool.take('sb1', 8, { waitForFill: true });
+    expect(t).toEqual({ path: join(pool.dir, 'vm-sb1.ram'), filled: true });
+    expect((await stat(t.path)).size).toBe(8 << 20);
+    expect(pool.size).toBe(0);
+    await pool.release('sb1');
+    await pool.close();
+    expect(await readdir(mount)).toEqual([]);
+  });
+
   it('take_afterARefill_handsOutAFilledFileOfThatSize_andReleaseRemovesIt', async () => {
     const { pool } = await openPool('b', 1);
     // Nothing filled yet: a path QEMU will create, and the size is remembered for the fill.

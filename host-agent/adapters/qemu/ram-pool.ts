@@ -74,7 +74,7 @@ export class RamPool {
   private readonly free = new Map<number, string[]>();
   /** Sizes asked for, most recent last: what fills make. */
   private readonly demand: number[] = [];
-  private filling: { child: ChildProcess; path: string; done: Promise<void> } | undefined;
+  private filling: { child: ChildProcess; path: string; mib: number; done: Promise<void> } | undefined;
   private closed = false;
 
   private constructor(
@@ -136,10 +136,16 @@ export class RamPool {
    * QEMU creates. The size is remembered for `refill()`, which the caller makes once the VM is
    * loaded, so a fill never competes with the load.
    */
-  async take(vmId: string, mib: number): Promise<{ path: string; filled: boolean }> {
+  async take(vmId: string, mib: number, o: { waitForFill?: boolean } = {}): Promise<{ path: string; filled: boolean }> {
     const path = ramFileOf(this.dir, vmId);
     this.demand.push(mib);
     if (this.demand.length > 8) this.demand.shift();
+    // Background work (an incoming standby) waits for a filled file: the one being filled, or
+    // one filled now for it.
+    if (o.waitForFill && this.freeOf(mib).length === 0) {
+      this.refill();
+      if (this.filling?.mib === mib) await this.filling.done;
+    }
     const list = this.freeOf(mib);
     let filled = false;
     while (list.length > 0 && !filled) {
@@ -229,7 +235,7 @@ export class RamPool {
       child.once('error', () => end(null));
       child.once('close', end);
     });
-    this.filling = { child, path, done };
+    this.filling = { child, path, mib, done };
   }
 
   private async filled(path: string, mib: number, n: string, code: number | null, ms: number): Promise<void> {

@@ -75,6 +75,17 @@ describe('StandbyPool', () => {
     await h.pool.close();
   });
 
+  it('claim_whenToldNotToWait_returnsNothingWhileOneStartsAndTheReadyOneAfter', async () => {
+    const h = harness();
+    const warming = h.pool.warm(snap('a'), 1);
+    await new Promise((r) => setImmediate(r));
+    expect(await h.pool.claim('a', { waitForLaunching: false })).toBeUndefined();
+    await h.release();
+    expect(await warming).toBe(1);
+    expect((await h.pool.claim('a', { waitForLaunching: false }))?.id).toBe('standby-1');
+    await h.pool.close();
+  });
+
   it('drop_whenLaunchFinishesAfterwards_discardsItAndStopsRefilling', async () => {
     const h = harness();
     const warming = h.pool.warm(snap('a'), 2);

@@ -15,11 +15,14 @@ import type { QemuProcess } from './process.ts';
 export interface Standby {
   /** Its directory's name under standby/ (the directory becomes the claiming VM's workdir). */
   id: string;
+  /** The pool's key: the snapshot's id (an incoming standby's: its launch configuration's key). */
   snapshotId: string;
   workdir: string;
   proc: QemuProcess;
   qmp: QmpClient;
   readyAt: number;
+  /** An incoming standby's RAM file was filled (ADR 0016) when it started. */
+  ramFilled?: boolean;
 }
 
 export interface StandbyPolicy {
@@ -36,15 +39,20 @@ export interface StandbyPolicy {
 
 export const DEFAULT_STANDBY_POLICY: Readonly<StandbyPolicy> = Object.freeze({ max: 8, perSnapshot: 2, idleMs: 10 * 60_000 });
 
-interface Want {
-  snapshot: LocalSnapshot;
+/** What a pool makes standbys of: a snapshot, or anything keyed like one (`manifest.snapshotId`). */
+export interface StandbyTemplate {
+  manifest: { snapshotId: string };
+}
+
+interface Want<T> {
+  snapshot: T;
   count: number;
   lastUse: number;
 }
 
-export class StandbyPool {
+export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
   private readonly ready = new Map<string, Standby[]>();
-  private readonly wants = new Map<string, Want>();
+  private readonly wants = new Map<string, Want<T>>();
   /** The launch in progress (one at a time), its snapshot, and whether a claim already waits for it. */
   private launching: { snapshotId: string; done: Promise<unknown>; awaited: boolean } | undefined;
   private loop: Promise<void> | undefined;
@@ -53,7 +61,7 @@ export class StandbyPool {
 
   constructor(
     private readonly policy: StandbyPolicy,
-    private readonly launch: (snapshot: LocalSnapshot) => Promise<Standby>,
+    private readonly launch: (snapshot: T) => Promise<Standby>,
     private readonly discard: (s: Standby) => Promise<void>,
     private readonly log: Logger,
     private readonly clock: Clock,
@@ -73,10 +81,10 @@ export class StandbyPool {
    * the one being started for it, which is further along than a new spawn (only one claim
    * waits for it; the other children of a fork spawn at once); undefined if neither.
    */
-  async claim(snapshotId: string): Promise<Standby | undefined> {
+  async claim(snapshotId: string, o: { waitForLaunching?: boolean } = {}): Promise<Standby | undefined> {
     const s = this.take(snapshotId);
     const l = this.launching;
-    if (s || l?.snapshotId !== snapshotId || l.awaited) return s;
+    if (s || l?.snapshotId !== snapshotId || l.awaited || o.waitForLaunching === false) return s;
     l.awaited = true;
     await l.done.catch(() => undefined);
     return this.take(snapshotId);
@@ -96,7 +104,7 @@ export class StandbyPool {
    * Demand for n children of the snapshot (a fork of n, or 1 for a snapshot just taken): keep
    * min(n, perSnapshot) standbys of it, started in the background.
    */
-  demand(snapshot: LocalSnapshot, n: number): void {
+  demand(snapshot: T, n: number): void {
     if (this.policy.perSnapshot <= 0) return;
     void this.warm(snapshot, Math.min(n, this.policy.perSnapshot));
   }
@@ -105,7 +113,7 @@ export class StandbyPool {
    * Asks for `count` standbys of the snapshot (capped by the host-wide max) and resolves when
    * the pool has done what it can: the number of ready standbys of the snapshot.
    */
-  async warm(snapshot: LocalSnapshot, count: number): Promise<number> {
+  async warm(snapshot: T, count: number): Promise<number> {
     const id = snapshot.manifest.snapshotId;
     if (this.closed || this.policy.max <= 0 || count <= 0) return this.ready.get(id)?.length ?? 0;
     const w = this.wants.get(id);

@@ -1,6 +1,6 @@
 // Async QMP client over a unix socket: commands with ids and timeouts, events to listeners,
 // and a close signal (QEMU exited). One instance per QEMU process.
-import { EventEmitter } from 'node:events';
+import { EventEmitter, once } from 'node:events';
 import net from 'node:net';
 import { ChannelClosedError, QmpCommandError, QmpTimeoutError } from '../../errors.ts';
 
@@ -28,8 +28,11 @@ export class QmpClient {
   /** Events seen so far, kept so a waiter can ask for an event that already arrived. */
   readonly history: QmpEvent[] = [];
 
+  private readonly fdPassing: boolean;
+
   private constructor(sock: net.Socket) {
     this.sock = sock;
+    this.fdPassing = ipcSockets.has(sock);
     this.emitter.setMaxListeners(0);
     sock.setEncoding('utf8');
     sock.on('data', (chunk: string) => this.onData(chunk));
@@ -37,9 +40,16 @@ export class QmpClient {
     sock.on('close', () => this.handleClose());
   }
 
-  /** Connect, read the greeting and negotiate capabilities. */
-  static async connect(path: string, timeoutMs = 5000): Promise<QmpClient> {
+  /**
+   * Connect, read the greeting and negotiate capabilities. `fdPassing`: the connection can
+   * also carry file descriptors to QEMU (executeWithFd).
+   */
+  static async connect(path: string, timeoutMs = 5000, o: { fdPassing?: boolean } = {}): Promise<QmpClient> {
     const sock = await new Promise<net.Socket>((resolve, reject) => {
+      if (o.fdPassing) {
+        connectFdPassing(path, timeoutMs).then(resolve, reject);
+        return;
+      }
       const s = net.createConnection(path);
       const t = setTimeout(() => {
         s.destroy();
@@ -61,13 +71,13 @@ export class QmpClient {
   }
 
   /** Retry connect until the socket exists and QEMU answers, or the deadline passes. */
-  static async connectWithRetry(path: string, deadlineMs: number, isAlive: () => boolean): Promise<QmpClient> {
+  static async connectWithRetry(path: string, deadlineMs: number, isAlive: () => boolean, o: { fdPassing?: boolean } = {}): Promise<QmpClient> {
     const end = Date.now() + deadlineMs;
     let last: unknown;
     while (Date.now() < end) {
       if (!isAlive()) throw new ChannelClosedError(`QMP ${path} (QEMU exited before it listened)`, { cause: last });
       try {
-        return await QmpClient.connect(path, Math.max(100, end - Date.now()));
+        return await QmpClient.connect(path, Math.max(100, end - Date.now()), o);
       } catch (e) {
         last = e;
         await new Promise((r) => setTimeout(r, 5));
@@ -92,6 +102,24 @@ export class QmpClient {
   }
 
   execute<T = unknown>(command: string, args: Record<string, unknown> = {}, timeoutMs = 10_000): Promise<T> {
+    return this.send<T>(command, args, timeoutMs, (line) => this.sock.write(line));
+  }
+
+  /**
+   * `command` (getfd, add-fd) with the file descriptor of `fd` attached (SCM_RIGHTS), so QEMU
+   * holds its own copy once this resolves. Only on a client connected with `fdPassing`.
+   */
+  async executeWithFd<T = unknown>(command: string, args: Record<string, unknown>, fd: net.Socket, timeoutMs = 10_000): Promise<T> {
+    const handle = (this.sock as unknown as { _handle?: IpcPipe })._handle;
+    const target = (fd as unknown as { _handle?: unknown })._handle;
+    if (!this.fdPassing || !handle) throw new Error('QMP: this connection cannot pass file descriptors');
+    if (!target) throw new Error(`QMP ${command}: the socket to pass has no handle (closed?)`);
+    // The handle-passing write bypasses the socket's queue: let queued commands go first.
+    if (this.sock.writableLength > 0) await once(this.sock, 'drain');
+    return this.send<T>(command, args, timeoutMs, (line) => writeWithHandle(handle, line, target));
+  }
+
+  private send<T>(command: string, args: Record<string, unknown>, timeoutMs: number, write: (line: string) => void): Promise<T> {
     if (this.closedError) return Promise.reject(this.closedError);
     const id = this.nextId++;
     return new Promise<T>((resolve, reject) => {
@@ -102,7 +130,13 @@ export class QmpClient {
       this.pending.set(id, { command, resolve: resolve as (v: unknown) => void, reject, timer });
       const msg: Record<string, unknown> = { execute: command, id };
       if (Object.keys(args).length > 0) msg.arguments = args;
-      this.sock.write(JSON.stringify(msg) + '\n');
+      try {
+        write(JSON.stringify(msg) + '\n');
+      } catch (e) {
+        this.pending.delete(id);
+        clearTimeout(timer);
+        reject(e as Error);
+      }
     });
   }
 
@@ -202,4 +236,70 @@ export class QmpClient {
       p.resolve(msg.return);
     }
   }
+}
+
+// ---------------------------------------------------------------- passing file descriptors
+// QEMU takes file descriptors (getfd) only as SCM_RIGHTS ancillary data on its monitor socket,
+// and Node has no public API for that: child_process uses it, through an IPC-mode libuv pipe,
+// for its own messages only. So a connection that must pass one is made on such a pipe (the
+// `pipe_wrap` binding, the one internal API this file relies on), and the command carrying the
+// descriptor is written with the binding's handle-passing write. Everything else on the
+// connection is a plain net.Socket. The rest of the driver never needs this; only a QEMU that
+// was started before its migration stream arrived does (ADR 0015, incoming standbys).
+
+interface IpcPipe {
+  writeUtf8String(req: unknown, data: string, sendHandle: unknown): number;
+}
+
+interface PipeWrapBinding {
+  Pipe: new (type: number) => IpcPipe & { connect(req: unknown, path: string): number; close(): void };
+  PipeConnectWrap: new () => { oncomplete: (status: number) => void };
+  constants: { IPC: number };
+}
+
+interface StreamWrapBinding {
+  WriteWrap: new () => { handle: unknown; oncomplete: (status: number) => void; async: boolean };
+}
+
+const ipcSockets = new WeakSet<net.Socket>();
+
+function binding<T>(name: string): T {
+  return (process as unknown as { binding(n: string): T }).binding(name);
+}
+
+/** A net.Socket connected to the unix socket `path` on an IPC-mode pipe handle. */
+function connectFdPassing(path: string, timeoutMs: number): Promise<net.Socket> {
+  const { Pipe, PipeConnectWrap, constants } = binding<PipeWrapBinding>('pipe_wrap');
+  const pipe = new Pipe(constants.IPC);
+  return new Promise<net.Socket>((resolve, reject) => {
+    const fail = (e: Error): void => {
+      clearTimeout(t);
+      pipe.close();
+      reject(e);
+    };
+    const t = setTimeout(() => fail(new QmpTimeoutError(`connect ${path}`, timeoutMs)), timeoutMs);
+    const req = new PipeConnectWrap();
+    req.oncomplete = (status) => {
+      if (status !== 0) return fail(new ChannelClosedError(`QMP ${path} (connect: uv error ${status})`));
+      clearTimeout(t);
+      // Connected first, then wrapped: a socket made on a handle starts reading at once.
+      const s = new net.Socket({ handle: pipe, readable: true, writable: true } as net.SocketConstructorOpts);
+      ipcSockets.add(s);
+      resolve(s);
+    };
+    const err = pipe.connect(req, path);
+    if (err !== 0) fail(new ChannelClosedError(`QMP ${path} (connect: uv error ${err})`));
+  });
+}
+
+/** Writes `data` with `sendHandle`'s descriptor attached; throws when the write is refused. */
+function writeWithHandle(pipe: IpcPipe, data: string, sendHandle: unknown): void {
+  const { WriteWrap } = binding<StreamWrapBinding>('stream_wrap');
+  const req = new WriteWrap();
+  req.handle = pipe;
+  req.async = false;
+  // Errors after dispatch surface as the connection closing, which fails the pending command.
+  req.oncomplete = () => undefined;
+  const err = pipe.writeUtf8String(req, data, sendHandle);
+  if (err !== 0) throw new Error(`QMP: passing a file descriptor failed (uv error ${err})`);
 }
