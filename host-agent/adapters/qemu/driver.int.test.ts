@@ -393,6 +393,29 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
+  it('recover_whenAgentDiedWithAnIncomingStandbyClaimedBeforeItsStream_reapsEveryQemuAndFile', async () => {
+    const other = await mkdtemp(join(tmpdir(), 'ffr-'));
+    try {
+      const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger, standby: NO_REFILL });
+      const src = { manifest: snap.manifest, image, diskLayerBacking: '/elsewhere/disk.qcow2', writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };
+      expect(await previous.warmIncoming(src, 2)).toBe(2);
+      const standbys = join(other, 'standby');
+      const pids = await Promise.all((await readdir(standbys)).map(async (d) => Number((await readFile(join(standbys, d, 'qemu.0.pid'), 'utf8')).trim())));
+      // One is claimed (its directory is the VM's now, with no vm.json until it is restored);
+      // the agent dies before the stream comes.
+      await previous.prepareIncoming(src, { vmId: 'inflight' });
+      previous.detach();
+      expect(pids.every(isAlive)).toBe(true);
+
+      const next = new QemuVmmDriver({ root: other, accel: 'tcg', logger, standby: NO_REFILL });
+      expect(await next.recover('adopt')).toEqual({ adopted: [], reaped: ['inflight'] });
+      for (const pid of pids) expect(await goneWithin(pid, 2000)).toBe(true);
+      expect(await allFiles(other)).toEqual([]);
+    } finally {
+      await rm(other, { recursive: true, force: true });
+    }
+  });
+
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.
     driver.detach();
