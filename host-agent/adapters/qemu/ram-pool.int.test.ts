@@ -59,6 +59,29 @@ describe('RamPool (real tmpfs)', () => {
     expect(await readdir(mount)).toEqual([]);
   });
 
+  it('take_withWaitForFill_whenAVmsFileComesBackDuringTheFill_takesThatFileWithoutWaitingForTheFill', async () => {
+    const { pool, mount } = await openPool('r', 1);
+    // A gone VM's file, written (so its pages exist), given back while the standby waits.
+    const old = join(pool.dir, 'vm-old.ram');
+    await writeFile(old, Buffer.alloc(128 << 20, 1));
+    const ino = (await stat(old)).ino;
+    const filling = async (): Promise<boolean> => (await readdir(pool.dir)).some((f) => f.startsWith('.fill-128-'));
+    try {
+      const taking = pool.take('sb', 128, { waitForFill: true });
+      await waitFor('the fill to start', filling, 10_000, 1);
+      await pool.recycle('old');
+      const t = await taking;
+      // The fill is still running (it renames its file when done): the take did not wait for it.
+      expect(await filling()).toBe(true);
+      expect(t).toEqual({ path: join(pool.dir, 'vm-sb.ram'), filled: true });
+      expect((await stat(t.path)).ino).toBe(ino);
+      await pool.release('sb');
+    } finally {
+      await pool.close();
+    }
+    expect(await readdir(mount)).toEqual([]);
+  });
+
   it('take_afterARefill_handsOutAFilledFileOfThatSize_andReleaseRemovesIt', async () => {
     const { pool } = await openPool('b', 1);
     // Nothing filled yet: a path QEMU will create, and the size is remembered for the fill.

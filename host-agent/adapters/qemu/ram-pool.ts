@@ -21,6 +21,7 @@
 //   .fill-<mib>-<n>    a fill in progress (a crash leaves it; open() removes it)
 // Invariants: a file is free or belongs to exactly one VM, never both (take() renames);
 // free files <= keep and their sizes add up to <= maxMib; at most one fill runs at a time; a file is recycled only once its QEMU is gone.
+import { EventEmitter } from 'node:events';
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
 import { mkdir, readdir, readFile, rename, rm, rmdir, stat } from 'node:fs/promises';
@@ -75,6 +76,8 @@ export class RamPool {
   /** Sizes asked for, most recent last: what fills make. */
   private readonly demand: number[] = [];
   private filling: { child: ChildProcess; path: string; mib: number; done: Promise<void> } | undefined;
+  /** 'free' (mib): a free file of that size was added (filled or given back). */
+  private readonly arrivals = new EventEmitter();
   private closed = false;
 
   private constructor(
@@ -140,11 +143,11 @@ export class RamPool {
     const path = ramFileOf(this.dir, vmId);
     this.demand.push(mib);
     if (this.demand.length > 8) this.demand.shift();
-    // Background work (an incoming standby) waits for a filled file: the one being filled, or
-    // one filled now for it.
+    // Background work (an incoming standby) waits for a filled file: a VM's file given back
+    // meanwhile, or the one filled now for it, whichever comes first.
     if (o.waitForFill && this.freeOf(mib).length === 0) {
       this.refill();
-      if (this.filling?.mib === mib) await this.filling.done;
+      await this.freeFileOrFillEnd(mib);
     }
     const list = this.freeOf(mib);
     let filled = false;
@@ -153,6 +156,23 @@ export class RamPool {
       filled = await rename(f, path).then(() => true, () => false);
     }
     return { path, filled };
+  }
+
+  /** Resolves when a free file of `mib` arrives, or at once when no fill of that size runs. */
+  private freeFileOrFillEnd(mib: number): Promise<void> {
+    const fill = this.filling;
+    if (fill?.mib !== mib) return Promise.resolve();
+    return new Promise((resolve) => {
+      const onFree = (m: number): void => {
+        if (m === mib) done();
+      };
+      const done = (): void => {
+        this.arrivals.off('free', onFree);
+        resolve();
+      };
+      this.arrivals.on('free', onFree);
+      void fill.done.then(done);
+    });
   }
 
   /** Removes the RAM file of `vmId` (its VM is gone); nothing if there is none. */
@@ -173,6 +193,7 @@ export class RamPool {
       const free = join(this.dir, `free-${mib}-${randomBytes(6).toString('hex')}.ram`);
       if (await rename(path, free).then(() => true, () => false)) {
         this.freeOf(mib).push(free);
+        this.arrivals.emit('free', mib);
         return;
       }
     }
@@ -253,6 +274,7 @@ export class RamPool {
     const free = join(this.dir, `free-${mib}-${n}.ram`);
     if (await rename(path, free).then(() => true, () => false)) {
       this.freeOf(mib).push(free);
+      this.arrivals.emit('free', mib);
       this.o.logger.debug({ mib, ms, ready: this.size }, 'RAM pool file filled');
     }
     this.refill();
