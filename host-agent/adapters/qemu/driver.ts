@@ -223,7 +223,7 @@ export class QemuVmmDriver implements VmmDriver {
       this.opts.clock,
     );
     // One per configuration that was migrated in before, so the next VM that arrives skips the
-    // QEMU start; within the same host-wide cap as fork standbys.
+    // QEMU start; at most INCOMING_STANDBYS_MAX per host (none when the standby max is 0).
     this.incoming = new StandbyPool<IncomingTemplate>(
       { ...policy, max: Math.min(policy.max, INCOMING_STANDBYS_MAX), perSnapshot: Math.min(policy.perSnapshot, 1) },
       (t) => this.launchIncomingStandby(t),
