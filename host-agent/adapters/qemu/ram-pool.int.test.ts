@@ -22,9 +22,9 @@ afterAll(async () => {
   await rm(base, { recursive: true, force: true });
 });
 
-async function openPool(name: string, keep: number): Promise<{ pool: RamPool; mount: string }> {
+async function openPool(name: string, keep: number, o: { recycleWaitMs?: number } = {}): Promise<{ pool: RamPool; mount: string }> {
   const mount = join(base, name);
-  const pool = await RamPool.open(join(base, `root-${name}`), { mount, keep, maxMib: 1024, logger });
+  const pool = await RamPool.open(join(base, `root-${name}`), { mount, keep, maxMib: 1024, logger, ...o });
   if ((await tmpfsOptions(mount)) && !mounted.includes(mount)) mounted.push(mount);
   if (!pool) throw new Error('pool did not open');
   return { pool, mount };
@@ -48,8 +48,8 @@ describe('RamPool (real tmpfs)', () => {
     expect(await RamPool.open(join(base, 'root-plain'), { mount, keep: 1, maxMib: 1024, logger })).toBeUndefined();
   });
 
-  it('take_withWaitForFill_whenNoFreeFile_fillsOneAndHandsItOutFilled', async () => {
-    const { pool, mount } = await openPool('w', 1);
+  it('take_withWaitForFill_whenNoFreeFileAndNoneComesBack_fillsOneAndHandsItOutFilled', async () => {
+    const { pool, mount } = await openPool('w', 1, { recycleWaitMs: 50 });
     const t = await pool.take('sb1', 8, { waitForFill: true });
     expect(t).toEqual({ path: join(pool.dir, 'vm-sb1.ram'), filled: true });
     expect((await stat(t.path)).size).toBe(8 << 20);
@@ -59,8 +59,28 @@ describe('RamPool (real tmpfs)', () => {
     expect(await readdir(mount)).toEqual([]);
   });
 
+  it('take_withWaitForFill_whenAVmsFileComesBackWithinTheWait_takesItAndFillsNothing', async () => {
+    const { pool, mount } = await openPool('q', 1);
+    const old = join(pool.dir, 'vm-old.ram');
+    await writeFile(old, Buffer.alloc(8 << 20, 1));
+    const ino = (await stat(old)).ino;
+    try {
+      const taking = pool.take('sb', 8, { waitForFill: true });
+      await pool.recycle('old');
+      const t = await taking;
+      expect(t).toEqual({ path: join(pool.dir, 'vm-sb.ram'), filled: true });
+      expect((await stat(t.path)).ino).toBe(ino);
+      // No fill ran or runs: the only file is the one taken.
+      expect(await readdir(pool.dir)).toEqual(['vm-sb.ram']);
+      await pool.release('sb');
+    } finally {
+      await pool.close();
+    }
+    expect(await readdir(mount)).toEqual([]);
+  });
+
   it('take_withWaitForFill_whenAVmsFileComesBackDuringTheFill_takesThatFileWithoutWaitingForTheFill', async () => {
-    const { pool, mount } = await openPool('r', 1);
+    const { pool, mount } = await openPool('r', 1, { recycleWaitMs: 0 });
     // A gone VM's file, written (so its pages exist), given back while the standby waits.
     const old = join(pool.dir, 'vm-old.ram');
     await writeFile(old, Buffer.alloc(128 << 20, 1));

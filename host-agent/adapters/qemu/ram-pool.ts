@@ -40,8 +40,19 @@ export interface RamPoolOptions {
   maxMib: number;
   /** Guest sizes (MiB) filled at open, before any restore asks (FF_RAM_POOL_MIB). */
   prefillMib?: readonly number[];
+  /**
+   * How long `take(..., { waitForFill })` waits for a gone VM's file before it starts a fill
+   * (default RECYCLE_WAIT_MS).
+   */
+  recycleWaitMs?: number;
   logger: Logger;
 }
+
+/**
+ * A standby's wait for a gone VM's file before it fills one: VMs of a size that just migrated
+ * in tend to go soon (a rollout's children), and a fill costs ~1 s of CPU per 256 MiB here.
+ */
+export const RECYCLE_WAIT_MS = 2000;
 
 /** FF_RAM_MOUNT's default. */
 export const DEFAULT_RAM_MOUNT = '/run/forkfleet/ram';
@@ -143,11 +154,15 @@ export class RamPool {
     const path = ramFileOf(this.dir, vmId);
     this.demand.push(mib);
     if (this.demand.length > 8) this.demand.shift();
-    // Background work (an incoming standby) waits for a filled file: a VM's file given back
-    // meanwhile, or the one filled now for it, whichever comes first.
+    // Background work (an incoming standby) waits for a filled file: a gone VM's file given
+    // back (or a fill already running) for a while, then one filled for it, unless a VM's
+    // file comes back first.
     if (o.waitForFill && this.freeOf(mib).length === 0) {
-      this.refill();
-      await this.freeFileOrFillEnd(mib);
+      await this.arrival(mib, this.o.recycleWaitMs ?? RECYCLE_WAIT_MS);
+      if (this.freeOf(mib).length === 0 && !this.closed) {
+        this.refill();
+        if (this.filling?.mib === mib) await this.arrival(mib);
+      }
     }
     const list = this.freeOf(mib);
     let filled = false;
@@ -158,20 +173,24 @@ export class RamPool {
     return { path, filled };
   }
 
-  /** Resolves when a free file of `mib` arrives, or at once when no fill of that size runs. */
-  private freeFileOrFillEnd(mib: number): Promise<void> {
-    const fill = this.filling;
-    if (fill?.mib !== mib) return Promise.resolve();
+  /**
+   * Resolves when a free file of `mib` arrives, when the fill running now (if it is of that
+   * size) ends, or after `ms`.
+   */
+  private arrival(mib: number, ms?: number): Promise<void> {
+    const fill = this.filling?.mib === mib ? this.filling : undefined;
     return new Promise((resolve) => {
       const onFree = (m: number): void => {
         if (m === mib) done();
       };
       const done = (): void => {
+        clearTimeout(timer);
         this.arrivals.off('free', onFree);
         resolve();
       };
+      const timer = ms === undefined ? undefined : setTimeout(done, ms);
       this.arrivals.on('free', onFree);
-      void fill.done.then(done);
+      void fill?.done.then(done);
     });
   }
 
