@@ -155,6 +155,8 @@ const MIGRATION_TIMEOUT_MS = 120_000;
 const MIGRATION_SOURCES_MAX = 2;
 /** Migration destinations kept ready on a host, all configurations together (ADR 0015). */
 const INCOMING_STANDBYS_MAX = 2;
+/** An incoming standby starts once no VM of its configuration migrated in for this long. */
+const INCOMING_STANDBY_QUIET_MS = 3000;
 
 /**
  * What an incoming standby is started as (ADR 0015): a migrated VM's QEMU before its stream
@@ -1150,9 +1152,10 @@ export class QemuVmmDriver implements VmmDriver {
           throw e;
         } finally {
           if (ram) void this.ramPool().then((pool) => pool?.refill());
-          // Keep one QEMU of this configuration waiting for the next VM that arrives (started
-          // after this one is ready, so it does not compete with its stream).
-          if (!c.network?.allowEgress) this.incoming.demand(template, 1);
+          // Keep one QEMU of this configuration waiting for the next VM that arrives, started
+          // once such VMs stopped arriving for a while: started between the restores of a
+          // burst, it took CPU from the next one's stream and guest (ADR 0015, item 4).
+          if (!c.network?.allowEgress) this.incoming.demandWhenQuiet(template, 1, INCOMING_STANDBY_QUIET_MS);
         }
       },
       abort: async () => {

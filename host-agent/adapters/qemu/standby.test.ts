@@ -86,6 +86,24 @@ describe('StandbyPool', () => {
     await h.pool.close();
   });
 
+  it('demandWhenQuiet_duringABurst_startsNothingUntilTheSnapshotIsQuiet_thenOne', async () => {
+    vi.useFakeTimers();
+    const h = harness({ perSnapshot: 2 }, { instant: true });
+    h.pool.demandWhenQuiet(snap('a'), 1, 3000);
+    await vi.advanceTimersByTimeAsync(2000);
+    h.pool.demandWhenQuiet(snap('a'), 1, 3000);
+    await vi.advanceTimersByTimeAsync(2000);
+    expect(h.launched).toHaveLength(0);
+    await vi.advanceTimersByTimeAsync(1000);
+    expect(h.launched).toHaveLength(1);
+    expect(h.pool.size).toBe(1);
+    // A demand still held back when the pool closes never starts.
+    h.pool.demandWhenQuiet(snap('b'), 1, 3000);
+    await h.pool.close();
+    await vi.advanceTimersByTimeAsync(5000);
+    expect(h.launched).toHaveLength(1);
+  });
+
   it('drop_whenLaunchFinishesAfterwards_discardsItAndStopsRefilling', async () => {
     const h = harness();
     const warming = h.pool.warm(snap('a'), 2);

@@ -58,6 +58,8 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
   private loop: Promise<void> | undefined;
   private closed = false;
   private readonly timer: NodeJS.Timeout;
+  /** Demands held back until their snapshot has been quiet for a while (demandWhenQuiet). */
+  private readonly quiet = new Map<string, NodeJS.Timeout>();
 
   constructor(
     private readonly policy: StandbyPolicy,
@@ -107,6 +109,23 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
   demand(snapshot: T, n: number): void {
     if (this.policy.perSnapshot <= 0) return;
     void this.warm(snapshot, Math.min(n, this.policy.perSnapshot));
+  }
+
+  /**
+   * demand(snapshot, n) once no further call for the snapshot came for `quietMs`: a burst of
+   * restores starts no standby between its restores, where it would take CPU from the next
+   * one, and leaves one ready for the next burst.
+   */
+  demandWhenQuiet(snapshot: T, n: number, quietMs: number): void {
+    if (this.closed || this.policy.perSnapshot <= 0) return;
+    const id = snapshot.manifest.snapshotId;
+    clearTimeout(this.quiet.get(id));
+    const t = setTimeout(() => {
+      this.quiet.delete(id);
+      this.demand(snapshot, n);
+    }, quietMs);
+    t.unref();
+    this.quiet.set(id, t);
   }
 
   /**
@@ -163,6 +182,11 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
     }
   }
 
+  private clearQuiet(): void {
+    for (const t of this.quiet.values()) clearTimeout(t);
+    this.quiet.clear();
+  }
+
   /** A standby whose QEMU went away on its own. */
   private forget(s: Standby): void {
     const list = this.ready.get(s.snapshotId);
@@ -191,6 +215,7 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
   abandon(): void {
     this.closed = true;
     clearInterval(this.timer);
+    this.clearQuiet();
     const all = [...this.ready.values()].flat();
     this.ready.clear();
     this.wants.clear();
@@ -200,6 +225,7 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
   async close(): Promise<void> {
     this.closed = true;
     clearInterval(this.timer);
+    this.clearQuiet();
     await this.loop?.catch(() => undefined);
     await Promise.all([...this.ready.keys()].map((id) => this.drop(id)));
   }
