@@ -908,14 +908,18 @@ export class QemuVmmDriver implements VmmDriver {
     await killAndWait(s.proc);
     await rm(s.workdir, { recursive: true, force: true });
     // An incoming standby's RAM file (named after it) goes back to the pool.
-    if (this.ramDir) await this.releaseRam(s.id);
+    await this.releaseRam(s.id);
   }
 
-  /** The RAM file of `id` (a VM or an incoming standby; its QEMU is gone) back to the pool, or away. */
+  /**
+   * The RAM file of `id` (a VM or an incoming standby; its QEMU is gone) back to the pool when
+   * one is open, else away; nothing without RAM files.
+   */
   private async releaseRam(id: string): Promise<void> {
+    if (!this.ramDir) return;
     const pool = await this.ramPoolOpened;
     if (pool) await pool.recycle(id);
-    else if (this.ramDir) await rm(ramFileOf(this.ramDir, id), { force: true });
+    else await rm(ramFileOf(this.ramDir, id), { force: true });
   }
 
   /**
@@ -941,7 +945,7 @@ export class QemuVmmDriver implements VmmDriver {
       return { id, snapshotId: t.manifest.snapshotId, workdir, proc, qmp, readyAt: this.opts.clock.now(), ...(ram ? { ramFilled: ram.filled } : {}) };
     } catch (e) {
       await rm(workdir, { recursive: true, force: true });
-      if (this.ramDir) await this.releaseRam(id);
+      await this.releaseRam(id);
       throw e;
     }
   }
@@ -1072,6 +1076,11 @@ export class QemuVmmDriver implements VmmDriver {
     let p: VmPersisted;
     let ram: { path: string; filled: boolean } | undefined;
     let claimed: VmRecord | undefined;
+    // The layer's header names the source host's image disk: rebased onto ours when it differs.
+    const writeLayer = async (path: string): Promise<void> => {
+      await src.writeDiskLayer(path);
+      if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(path, src.image.disk);
+    };
     try {
       if (standby) {
         // Its RAM file is renamed after the VM (QEMU keeps the mapping), as the pool names a VM's.
@@ -1083,8 +1092,7 @@ export class QemuVmmDriver implements VmmDriver {
         // the stream ends, when QEMU re-reads the image's metadata): written beside it, then
         // copied into the same file, whose inode QEMU holds.
         const layer = join(standby.workdir, 'disk.layer.qcow2');
-        await src.writeDiskLayer(layer);
-        if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(layer, src.image.disk);
+        await writeLayer(layer);
         await copyFile(layer, join(standby.workdir, 'disk.0.qcow2'));
         await rm(layer, { force: true });
         claimed = await this.adoptStandby(p, standby, log);
@@ -1094,8 +1102,7 @@ export class QemuVmmDriver implements VmmDriver {
         // The layer is this VM's own copy, so it becomes its disk (backed by the image's base
         // disk, like a booted VM's): nothing the VM or its later snapshots stand on lives
         // outside the snapshot store once the VM is gone.
-        await src.writeDiskLayer(p.diskPath);
-        if (src.diskLayerBacking !== src.image.disk) await qemuImgRebaseUnsafe(p.diskPath, src.image.disk);
+        await writeLayer(p.diskPath);
       }
     } catch (e) {
       // adoptStandby registers the VM before its last check; a standby not adopted yet is ours to end.
@@ -1117,16 +1124,12 @@ export class QemuVmmDriver implements VmmDriver {
           let rec: VmRecord;
           if (claimed) {
             rec = claimed;
-            await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
-            const since = rec.qmp.history.length;
             try {
               // QEMU gets its own copy of the connection's descriptor; ours closes.
               await rec.qmp.executeWithFd('getfd', { fdname: 'migration' }, conn);
             } finally {
               conn.destroy();
             }
-            await rec.qmp.execute('migrate-incoming', { uri: 'fd:migration' });
-            await waitMigration(rec.qmp, 'completed', since);
           } else {
             const fd = (conn as unknown as { _handle?: { fd?: number } })._handle?.fd;
             if (typeof fd !== 'number' || fd < 0) throw new VmmError('migration connection has no file descriptor');
@@ -1137,9 +1140,9 @@ export class QemuVmmDriver implements VmmDriver {
               conn.destroy();
             }
             mark('launch');
-            await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
-            await incomingAndWait(rec.qmp, 'fd:3');
           }
+          await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
+          await incomingAndWait(rec.qmp, claimed ? 'fd:migration' : 'fd:3');
           mark('load');
           const loadMs = this.opts.clock.now() - t1;
           await this.startRestored(rec, t0, mark);
@@ -1373,13 +1376,8 @@ export class QemuVmmDriver implements VmmDriver {
       }
     }
     await rm(workdir, { recursive: true, force: true });
-    // A VM's RAM file (ram-pool.ts) goes with its workdir, whoever removes it: back to the
-    // pool when there is one open (its QEMU is gone by now), else away.
-    if (this.ramDir && dirname(workdir) === this.vmsDir) {
-      const pool = await this.ramPoolOpened;
-      if (pool) await pool.recycle(basename(workdir));
-      else await rm(ramFileOf(this.ramDir, basename(workdir)), { force: true });
-    }
+    // A VM's RAM file (ram-pool.ts) goes with its workdir, whoever removes it.
+    if (dirname(workdir) === this.vmsDir) await this.releaseRam(basename(workdir));
     return killed;
   }
 
