@@ -31,7 +31,9 @@ async function main(): Promise<void> {
   await mkdir(cfg.dataDir, { recursive: true });
 
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
-  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}) });
+  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}),
+    // accel auto proves KVM by booting a guest: the tiny image (built once, cached by recipe hash).
+    ...(cfg.accel === 'auto' ? { probeImage: await ensureImage('tiny') } : {}) });
   const recovered = await driver.recover('adopt');
   log.info(recovered, 'recovered VMs from a previous run');
   const accel = await driver.resolveAccel();
