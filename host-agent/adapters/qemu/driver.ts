@@ -638,8 +638,8 @@ export class QemuVmmDriver implements VmmDriver {
     }
     // ---- pause window
     const src = rec.qmp;
-    const mark = src.history.length;
-    const rmark = repl.qmp.history.length;
+    const mark = src.mark;
+    const rmark = repl.qmp.mark;
     let sourceKilled = false;
     try {
       // `stop` and `migrate` are pipelined: QMP runs them in order, one round trip.
@@ -665,12 +665,12 @@ export class QemuVmmDriver implements VmmDriver {
       throw e;
     }
     // ---- end of pause window
-    const stopEv = src.history.slice(mark).find((e) => e.event === 'STOP');
+    const stopEv = src.eventsSince(mark).find((e) => e.event === 'STOP');
     const resumeEv = keepPaused ? undefined : await repl.qmp.waitEvent('RESUME', 5000, () => true, rmark);
     const pauseMs = stopEv && resumeEv ? resumeEv.timestampMs - stopEv.timestampMs : 0;
     if (stopEv) {
       const rel = (evs: QmpEvent[]): string[] => evs.map((e) => `${e.event}${e.data.status ? `:${String(e.data.status)}` : ''}+${(e.timestampMs - stopEv.timestampMs).toFixed(1)}`);
-      rec.log.debug({ source: rel(src.history.slice(mark)), replacement: rel(repl.qmp.history.slice(rmark)) }, 'snapshot pause breakdown');
+      rec.log.debug({ source: rel(src.eventsSince(mark)), replacement: rel(repl.qmp.eventsSince(rmark)) }, 'snapshot pause breakdown');
     }
 
     const oldGen = rec.gen;
@@ -733,7 +733,7 @@ export class QemuVmmDriver implements VmmDriver {
       });
 
       const src = rec.qmp;
-      const mark = src.history.length;
+      const mark = src.mark;
       if (keepPaused) {
         // Already stopped: no switchover pause needed, freeze the disk now.
         await src.execute('blockdev-snapshot', { node: 'disk0', overlay: overlayNode });
@@ -748,7 +748,7 @@ export class QemuVmmDriver implements VmmDriver {
         await contAfterMigration(src);
         // ---- end of pause window
       }
-      const stopEv = src.history.slice(mark).find((e) => e.event === 'STOP');
+      const stopEv = src.eventsSince(mark).find((e) => e.event === 'STOP');
       const resumeEv = keepPaused ? undefined : await src.waitEvent('RESUME', 5000, () => true, mark);
       const pauseMs = stopEv && resumeEv ? resumeEv.timestampMs - stopEv.timestampMs : 0;
       await setCaps(src, { 'pause-before-switchover': false });
@@ -1580,13 +1580,13 @@ async function queryStatus(qmp: QmpClient): Promise<string> {
   return r.status;
 }
 
-/** Wait for a MIGRATION event with `status` (events seen since `sinceIndex` count). */
-async function waitMigration(qmp: QmpClient, status: string, sinceIndex: number): Promise<QmpEvent> {
+/** Wait for a MIGRATION event with `status` (events seen since `sinceMark`, a QmpClient mark, count). */
+async function waitMigration(qmp: QmpClient, status: string, sinceMark: number): Promise<QmpEvent> {
   const ev = await qmp.waitEvent(
     'MIGRATION',
     MIGRATION_TIMEOUT_MS,
     (e) => e.data.status === status || e.data.status === 'failed' || e.data.status === 'cancelled',
-    sinceIndex,
+    sinceMark,
   );
   if (ev.data.status !== status) {
     const info = await qmp.execute<{ 'error-desc'?: string }>('query-migrate').catch(() => ({ 'error-desc': undefined }));
@@ -1614,7 +1614,7 @@ export async function contAfterMigration(qmp: QmpClient, deadlineMs = 5000): Pro
 }
 
 export async function migrateAndWait(qmp: QmpClient, uri: string): Promise<void> {
-  const mark = qmp.history.length;
+  const mark = qmp.mark;
   await qmp.execute('migrate', { uri });
   await waitMigration(qmp, 'completed', mark);
 }
@@ -1636,7 +1636,7 @@ export async function saveFullRamStream(driver: QemuVmmDriver, snap: LocalSnapsh
 }
 
 export async function incomingAndWait(qmp: QmpClient, uri: string): Promise<void> {
-  const mark = qmp.history.length;
+  const mark = qmp.mark;
   await qmp.execute('migrate-incoming', { uri });
   await waitMigration(qmp, 'completed', mark);
 }
@@ -1660,7 +1660,7 @@ export async function migrateToFile(qmp: QmpClient, file: string, sockPath: stri
   });
   await new Promise<void>((resolve, reject) => server.listen(sockPath, resolve).once('error', reject));
   try {
-    const mark = qmp.history.length;
+    const mark = qmp.mark;
     const stopped = stopFirst ? qmp.execute('stop') : Promise.resolve();
     const started = qmp.execute('migrate', { uri: `unix:${sockPath}` });
     await Promise.all([stopped, started]);
@@ -1679,7 +1679,7 @@ export async function migrateToFile(qmp: QmpClient, file: string, sockPath: stri
  */
 export async function armIncoming(qmp: QmpClient, sockPath: string): Promise<(file: string) => Promise<void>> {
   await unlink(sockPath).catch(() => undefined);
-  const mark = qmp.history.length;
+  const mark = qmp.mark;
   await qmp.execute('migrate-incoming', { uri: `unix:${sockPath}` });
   return async (file: string) => {
     const conn = net.createConnection(sockPath);

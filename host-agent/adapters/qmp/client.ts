@@ -18,6 +18,12 @@ interface Pending {
   timer: NodeJS.Timeout;
 }
 
+/**
+ * Events a client remembers. A long-lived VM sees thousands (every pause, resume and
+ * migration pass); marks are absolute, so dropping old ones never hides a new one.
+ */
+const HISTORY_MAX = 256;
+
 export class QmpClient {
   private readonly sock: net.Socket;
   private readonly pending = new Map<number, Pending>();
@@ -25,8 +31,10 @@ export class QmpClient {
   private nextId = 1;
   private buf = '';
   private closedError: Error | undefined;
-  /** Events seen so far, kept so a waiter can ask for an event that already arrived. */
-  readonly history: QmpEvent[] = [];
+  /** The last HISTORY_MAX events, kept so a waiter can ask for an event that already arrived. */
+  private readonly history: QmpEvent[] = [];
+  /** Events dropped from the front of `history`: marks count every event, dropped or not. */
+  private dropped = 0;
 
   private readonly fdPassing: boolean;
 
@@ -145,9 +153,22 @@ export class QmpClient {
     return () => this.emitter.off('event', listener);
   }
 
-  /** Resolve with the first event (including ones already seen after `sinceIndex`) matching. */
-  waitEvent(name: string, timeoutMs: number, match: (e: QmpEvent) => boolean = () => true, sinceIndex = 0): Promise<QmpEvent> {
-    const seen = this.history.slice(sinceIndex).find((e) => e.event === name && match(e));
+  /**
+   * A position in this connection's event stream (the number of events seen so far): what
+   * arrives after it is `eventsSince(mark)`. It stays valid however many events come later.
+   */
+  get mark(): number {
+    return this.dropped + this.history.length;
+  }
+
+  /** The events after `mark` (taken with `mark`); those older than the last HISTORY_MAX are gone. */
+  eventsSince(mark: number): QmpEvent[] {
+    return this.history.slice(Math.max(0, mark - this.dropped));
+  }
+
+  /** Resolve with the first event matching, including one already seen after `sinceMark` (a `mark`). */
+  waitEvent(name: string, timeoutMs: number, match: (e: QmpEvent) => boolean = () => true, sinceMark = 0): Promise<QmpEvent> {
+    const seen = this.eventsSince(sinceMark).find((e) => e.event === name && match(e));
     if (seen) return Promise.resolve(seen);
     if (this.closedError) return Promise.reject(this.closedError);
     return new Promise((resolve, reject) => {
@@ -219,7 +240,10 @@ export class QmpClient {
         timestampMs: ts ? ts.seconds * 1000 + ts.microseconds / 1000 : Date.now(),
       };
       this.history.push(ev);
-      if (this.history.length > 256) this.history.shift();
+      if (this.history.length > HISTORY_MAX) {
+        this.history.shift();
+        this.dropped++;
+      }
       this.emitter.emit('event', ev);
       return;
     }
