@@ -20,6 +20,10 @@ describe('qemuArgs', () => {
     expect(a[a.indexOf('-accel') + 1]).toBe('kvm');
     expect(a).not.toContain('-incoming');
   });
+  it('args_whenPreallocAsked_allocatesTheWholeMemoryFileAtStart', () => {
+    const a = qemuArgs({ ...launch, memShared: true, preallocRam: true });
+    expect(a[a.indexOf('-object') + 1]).toBe('memory-backend-file,id=mem,size=256M,mem-path=/s/mem.img,share=on,prealloc=on');
+  });
   it('args_whenRamFileGiven_mapsItSharedAndHugePageAligned_beforeAnonymousRam', () => {
     const a = qemuArgs({ ...launch, anonymousRam: true, ramFile: '/r/vm-a.ram' });
     expect(a[a.indexOf('-object') + 1]).toBe('memory-backend-file,id=mem,size=256M,mem-path=/r/vm-a.ram,share=on,align=2M');

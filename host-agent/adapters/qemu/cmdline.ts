@@ -44,6 +44,11 @@ export interface QemuLaunch {
    */
   memPath: string;
   memShared: boolean;
+  /**
+   * Allocate every page of the memory file when QEMU starts (prealloc=on), before anything
+   * is written into it.
+   */
+  preallocRam?: boolean;
   /** Anonymous RAM instead of the file (classic save/restore baseline in the benchmark). */
   anonymousRam?: boolean;
   /**
@@ -78,6 +83,7 @@ export function qemuArgs(l: QemuLaunch): string[] {
     `size=${l.memoryMib}M`,
     `mem-path=${l.memPath}`,
     l.memShared ? 'share=on' : 'share=off',
+    ...(l.preallocRam ? ['prealloc=on'] : []),
   ].join(',');
   const ramObject = l.ramFile
     ? `memory-backend-file,id=mem,size=${l.memoryMib}M,mem-path=${l.ramFile},share=on,align=2M`

@@ -93,6 +93,12 @@ export interface QemuDriverOptions {
   probeImage?: GuestImage;
   /** TCG translation cache per VM, MiB. Default 64. */
   tcgTbMib?: number;
+  /**
+   * Called during a receiver snapshot (a clone's, ADR 0003) once its RAM is copied, while the
+   * source VM is still stopped: its memory now must equal the new image, which tests check
+   * here (QMP pmemsave of the source against mem.img).
+   */
+  snapshotCopied?: (e: { vmId: string; snapshotId: string; qmp: QmpClient }) => Promise<void>;
   /** Egress for VMs whose network policy allows it (adapters/netns/egress.ts). */
   egress?: EgressOptions;
   /** Paused, pre-loaded QEMUs that forks claim (standby.ts, ADR 0014). Default DEFAULT_STANDBY_POLICY. */
@@ -189,7 +195,7 @@ function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => vo
 }
 
 export class QemuVmmDriver implements VmmDriver {
-  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram'>> & Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram'>;
+  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied'>> & Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied'>;
   private egressManager: EgressManager | undefined;
   private readonly vms = new Map<string, VmRecord>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
@@ -694,10 +700,12 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /**
-   * The VM is itself a clone (share=off): its private pages exist only in its process. Precopy
-   * its whole RAM into a receiver QEMU whose memory is a new share=on file (the image), with
-   * pause-before-switchover so the disk layer is frozen at the same instant; the source then
-   * continues. The receiver saves the device state with x-ignore-shared and exits.
+   * The VM is itself a clone (share=off): its private pages exist only in its process. Migrate
+   * its whole RAM into a receiver QEMU whose memory is a new share=on file (the image), the
+   * disk layer frozen at the instant the VM stops; the source then continues. Under KVM the
+   * copy is a live precopy with pause-before-switchover; under TCG the VM is stopped for the
+   * whole copy (TCG's dirty tracking misses writes). The receiver saves the device state with
+   * x-ignore-shared and exits.
    * See docs/adr/0003-snapshot-of-a-clone.md.
    */
   private async snapshotViaReceiver(rec: VmRecord, dir: string, snapshotId: string, keepPaused: boolean): Promise<{ pauseMs: number; parent: string | null; vmNowMapsSnapshot: boolean }> {
@@ -712,15 +720,23 @@ export class QemuVmmDriver implements VmmDriver {
     const overlayNode = `ovl-${snapshotId}`;
     let recv: { proc: QemuProcess; qmp: QmpClient } | undefined;
     let linked = false;
+    // Live precopy (the VM runs while its RAM is copied and stops only for the pages it
+    // dirtied meanwhile) is only as good as the accelerator's dirty tracking. KVM's sees every
+    // guest write; TCG's loses some writes to pages the guest keeps writing (a busy guest's
+    // image had 7-43 stale 4 KiB pages in most snapshots, and its children panicked), so under
+    // TCG the VM is stopped for the whole copy. The receiver then allocates its whole memory
+    // file when it starts, before the VM stops: writing into new page cache is what made the
+    // stopped copy slow (~1 s for 256 MiB here, ~70 ms with the file allocated).
+    const live = !keepPaused && rec.info.accel === 'kvm';
     try {
       await qemuImgCreateOverlay(rec.image.disk, recvDisk, rec.image.diskVirtualSize);
       await qemuImgCreateOverlay(diskImg, newDisk, rec.image.diskVirtualSize);
       // The receiver's RAM is the new image file, even when the VM's own RAM is anonymous.
-      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), anonymousRam: false, ramFile: undefined, startPaused: true, egress: false, name: `ff-recv-${snapshotId}` };
+      const l = { ...this.launchSpec(rec, 0, memImg, true, recvDisk, true, recvDir), anonymousRam: false, ramFile: undefined, startPaused: true, egress: false, name: `ff-recv-${snapshotId}`, preallocRam: !live };
       recv = await this.spawnAndConnect(l, join(recvDir, 'qemu.log'));
       await setCaps(recv.qmp, { events: true, 'x-ignore-shared': false });
       await recv.qmp.execute('migrate-incoming', { uri: `unix:${migSock}` });
-      await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false, 'pause-before-switchover': true });
+      await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false, 'pause-before-switchover': live });
       await rec.qmp.execute('migrate-set-parameters', { 'max-bandwidth': 64 * 1024 ** 3, 'downtime-limit': 30 });
       // Hard link, not rename: QEMU reopens the (now backing) image by its old name.
       await link(rec.diskPath, diskImg);
@@ -734,10 +750,16 @@ export class QemuVmmDriver implements VmmDriver {
 
       const src = rec.qmp;
       const mark = src.mark;
-      if (keepPaused) {
-        // Already stopped: no switchover pause needed, freeze the disk now.
+      if (!live) {
+        // Stopped for the whole copy (already, or from here): no write can be missed, and the
+        // disk is frozen at the same instant.
+        if (!keepPaused) await src.execute('stop');
+        // ---- pause window (unless the VM was paused already)
         await src.execute('blockdev-snapshot', { node: 'disk0', overlay: overlayNode });
         await migrateAndWait(src, `unix:${migSock}`);
+        await this.opts.snapshotCopied?.({ vmId: rec.info.vmId, snapshotId, qmp: src });
+        if (!keepPaused) await contAfterMigration(src);
+        // ---- end of pause window
       } else {
         await src.execute('migrate', { uri: `unix:${migSock}` });
         await waitMigration(src, 'pre-switchover', mark);
@@ -745,13 +767,14 @@ export class QemuVmmDriver implements VmmDriver {
         await src.execute('blockdev-snapshot', { node: 'disk0', overlay: overlayNode });
         await src.execute('migrate-continue', { state: 'pre-switchover' });
         await waitMigration(src, 'completed', mark);
+        await this.opts.snapshotCopied?.({ vmId: rec.info.vmId, snapshotId, qmp: src });
         await contAfterMigration(src);
         // ---- end of pause window
       }
       const stopEv = src.eventsSince(mark).find((e) => e.event === 'STOP');
       const resumeEv = keepPaused ? undefined : await src.waitEvent('RESUME', 5000, () => true, mark);
       const pauseMs = stopEv && resumeEv ? resumeEv.timestampMs - stopEv.timestampMs : 0;
-      await setCaps(src, { 'pause-before-switchover': false });
+      if (live) await setCaps(src, { 'pause-before-switchover': false });
 
       await waitMigration(recv.qmp, 'completed', 0);
       await setCaps(recv.qmp, { 'x-ignore-shared': true });
