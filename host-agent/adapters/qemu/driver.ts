@@ -1238,12 +1238,40 @@ export class QemuVmmDriver implements VmmDriver {
   private async startRestored(rec: VmRecord, t0: number, mark: (k: string) => void): Promise<void> {
     await rec.qmp.execute('cont');
     mark('cont');
-    rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
-    mark('sync');
-    await this.cloneHygiene(rec, mark);
+    try {
+      rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
+      mark('sync');
+      await this.cloneHygiene(rec, mark);
+    } catch (e) {
+      // The VM is destroyed next: what the guest was doing is only visible now.
+      rec.log.warn({ err: String(e), guest: await this.guestDiagnostics(rec) }, 'restored guest did not answer');
+      throw e;
+    }
     rec.info.readyMs = this.opts.clock.now() - t0;
     this.setState(rec, 'running');
     await this.persist(rec);
+  }
+
+  /**
+   * What a guest that stopped answering its agent is doing: the run state, where its vCPU is
+   * (twice, to tell a spinning guest from a halted one) and the end of its serial console
+   * (kernel oopses and panics). Best effort: any part that fails is left out.
+   */
+  private async guestDiagnostics(rec: VmRecord): Promise<Record<string, unknown>> {
+    const out: Record<string, unknown> = {};
+    if (!rec.qmp.closed) {
+      out.status = await queryStatus(rec.qmp).catch(() => undefined);
+      const cpu: string[] = [];
+      for (let i = 0; i < 2; i++) {
+        const regs = await rec.qmp.execute<string>('human-monitor-command', { 'command-line': 'info registers' }).catch(() => '');
+        cpu.push(`${/RIP=(\S+)/.exec(regs)?.[1] ?? '?'} HLT=${/HLT=(\d)/.exec(regs)?.[1] ?? '?'}`);
+        if (i === 0) await new Promise((r) => setTimeout(r, 200));
+      }
+      out.cpu = cpu;
+    }
+    const serial = await readFile(join(rec.info.workdir, 'serial.log'), 'utf8').catch(() => '');
+    if (serial) out.serialTail = serial.slice(-1500);
+    return out;
   }
 
   /**
