@@ -53,9 +53,11 @@ export interface AgentProcessConfig {
   /**
    * Standby QEMUs (ADR 0014): FF_STANDBY_MAX on this host in all (0 turns them off),
    * FF_STANDBY_PER_SNAPSHOT kept for a snapshot after a fork of it (at most the fork's size),
-   * FF_STANDBY_IDLE: a snapshot's standbys go when it was not forked for this long.
+   * FF_STANDBY_IDLE: a snapshot's standbys go when it was not forked for this long,
+   * FF_INCOMING_STANDBY_QUIET: a VM migrated in is followed by a waiting destination QEMU of
+   * its configuration once none has arrived for this long (ADR 0015).
    */
-  readonly standby: Readonly<{ max: number; perSnapshot: number; idleMs: number }>;
+  readonly standby: Readonly<{ max: number; perSnapshot: number; idleMs: number; incomingQuietMs: number }>;
   /** FF_GC_GRACE: unreferenced chunks younger than this survive a GC. */
   readonly gcGraceMs: number;
   /**
@@ -116,6 +118,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       max: int('FF_STANDBY_MAX', e('FF_STANDBY_MAX', '8'), 0, 1024),
       perSnapshot: int('FF_STANDBY_PER_SNAPSHOT', e('FF_STANDBY_PER_SNAPSHOT', '2'), 0, 1024),
       idleMs: parseDuration('FF_STANDBY_IDLE', e('FF_STANDBY_IDLE', '10m')),
+      incomingQuietMs: parseDuration('FF_INCOMING_STANDBY_QUIET', e('FF_INCOMING_STANDBY_QUIET', '3s')),
     },
     migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', e('FF_MIGRATE_MAX_CHILDREN', '2'), 0, 64),
     ram: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT)

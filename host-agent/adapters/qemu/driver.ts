@@ -161,8 +161,6 @@ const MIGRATION_TIMEOUT_MS = 120_000;
 const MIGRATION_SOURCES_MAX = 2;
 /** Migration destinations kept ready on a host, all configurations together (ADR 0015). */
 const INCOMING_STANDBYS_MAX = 2;
-/** An incoming standby starts once no VM of its configuration migrated in for this long. */
-const INCOMING_STANDBY_QUIET_MS = 3000;
 
 /**
  * What an incoming standby is started as (ADR 0015): a migrated VM's QEMU before its stream
@@ -203,6 +201,8 @@ export class QemuVmmDriver implements VmmDriver {
   private readonly overlays = new OverlayFactory();
   private versionPromise: Promise<string> | undefined;
   private ramPoolOpened: Promise<RamPool | undefined> | undefined;
+  /** StandbyPolicy.incomingQuietMs. */
+  private readonly incomingQuietMs: number;
   private readonly standbys: StandbyPool;
   /** Migration sources kept ready (ADR 0015): standbys in the agent's network namespace. */
   private readonly sources: StandbyPool;
@@ -220,6 +220,7 @@ export class QemuVmmDriver implements VmmDriver {
       ...opts,
     };
     const policy = { ...DEFAULT_STANDBY_POLICY, ...opts.standby };
+    this.incomingQuietMs = policy.incomingQuietMs;
     this.standbys = new StandbyPool(policy, (s) => this.launchStandby(s), (s) => this.discardStandby(s), this.opts.logger, this.opts.clock);
     // One per snapshot that was migrated out before, so the next child that leaves skips the
     // QEMU start; within the same host-wide cap as fork standbys.
@@ -1181,7 +1182,7 @@ export class QemuVmmDriver implements VmmDriver {
           // Keep one QEMU of this configuration waiting for the next VM that arrives, started
           // once such VMs stopped arriving for a while: started between the restores of a
           // burst, it took CPU from the next one's stream and guest (ADR 0015, item 4).
-          if (!c.network?.allowEgress) this.incoming.demandWhenQuiet(template, 1, INCOMING_STANDBY_QUIET_MS);
+          if (!c.network?.allowEgress) this.incoming.demandWhenQuiet(template, 1, this.incomingQuietMs);
         }
       },
       abort: async () => {

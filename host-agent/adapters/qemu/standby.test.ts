@@ -25,7 +25,7 @@ function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fa
     launched.push(sb);
     return sb;
   };
-  const pool = new StandbyPool({ max: 8, perSnapshot: 2, idleMs: 60_000, ...policy }, launch, async (s) => void discarded.push(s.id), log, { now: () => now });
+  const pool = new StandbyPool({ max: 8, perSnapshot: 2, idleMs: 60_000, incomingQuietMs: 3000, ...policy }, launch, async (s) => void discarded.push(s.id), log, { now: () => now });
   const release = async (): Promise<void> => {
     pending.shift()?.();
     await new Promise((r) => setImmediate(r));

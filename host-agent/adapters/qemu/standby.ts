@@ -35,9 +35,14 @@ export interface StandbyPolicy {
   perSnapshot: number;
   /** A snapshot's standbys go when it was not forked for this long (FF_STANDBY_IDLE). */
   idleMs: number;
+  /**
+   * An incoming standby (ADR 0015) starts once no VM of its configuration migrated in for
+   * this long (FF_INCOMING_STANDBY_QUIET); 0 starts one right after each migration.
+   */
+  incomingQuietMs: number;
 }
 
-export const DEFAULT_STANDBY_POLICY: Readonly<StandbyPolicy> = Object.freeze({ max: 8, perSnapshot: 2, idleMs: 10 * 60_000 });
+export const DEFAULT_STANDBY_POLICY: Readonly<StandbyPolicy> = Object.freeze({ max: 8, perSnapshot: 2, idleMs: 10 * 60_000, incomingQuietMs: 3000 });
 
 /** What a pool makes standbys of: a snapshot, or anything keyed like one (`manifest.snapshotId`). */
 export interface StandbyTemplate {
