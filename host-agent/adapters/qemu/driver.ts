@@ -435,7 +435,8 @@ export class QemuVmmDriver implements VmmDriver {
         this.egressManager ??= new EgressManager(this.opts.egress);
         await this.egressManager.attach(proc.pid, network);
       }
-      const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => !dead, o);
+      // QEMU answers QMP once its RAM is set up: a preallocated file takes ~4 ms per MiB here.
+      const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000 + (l.preallocRam ? l.memoryMib * 10 : 0), () => !dead, o);
       return { proc, qmp };
     } catch (e) {
       await killAndWait(proc);
