@@ -13,6 +13,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { startEtcd, type EtcdCluster } from '../../../services/testkit/etcd.ts';
 import { startNats, type NatsServer } from '../../../services/testkit/nats.ts';
+import { waitFor } from '../../../services/testkit/proc.ts';
 import type { LocalSnapshot } from '../../domain/vmm.ts';
 import { QemuVmmDriver } from '../qemu/driver.ts';
 import { isAlive, killHard } from '../qemu/process.ts';
@@ -152,6 +153,10 @@ beforeAll(async () => {
   // The template may have egress (allow 198.18.0.0/24): its snapshot replaces its QEMU process,
   // so the replacement must get a namespace and link of its own. Its clones get their own policy.
   const tpl = await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1, hostname: 'tpl', network: TEMPLATE_POLICY });
+  // The guest reports its NIC's operstate as up only once the kernel's link watch has run, up
+  // to ~1 s after init brought the link up (it still read 'down' right after create in 4 of 4
+  // runs here): a snapshot taken before that gives children whose eth0 starts 'down'.
+  await waitFor('template eth0 up', async () => (await sh('tpl', 'cat /sys/class/net/eth0/operstate')).out === 'up', 10_000, 50);
   tplBefore = { pid: tpl.pid, ns: (await netnsOf(tpl.pid))!, reached: (await probe('tpl', '198.18.0.2', EG_PORT)).verdict };
   snap = await driver.snapshot('tpl', 'snap-net');
   await driver.fork(snap, [
