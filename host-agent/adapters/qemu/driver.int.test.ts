@@ -216,8 +216,8 @@ describe('QemuVmmDriver (real QEMU)', () => {
   it('snapshot_ofAChildThatKeepsRewritingMemory_orOfAPausedChild_restoresChildrenThatRunClean', async () => {
     // A receiver snapshot copies a clone's RAM while the clone is stopped (under TCG). The live
     // precopy it replaced lost writes of a guest that kept rewriting pages: this test's images
-    // then had 5-11 pages that differed from the source's memory, and 4 of 6 children of such
-    // snapshots panicked or oopsed in a probe. A paused clone's snapshot used to hang until the
+    // then had 5-11 pages that differed from the source's memory, and in a probe 4 of 6
+    // children of such snapshots never answered their agent. A paused clone's snapshot hung until the
     // migration timeout (pause-before-switchover with nobody to continue).
     await driver.fork(snap, [{ vmId: 'busy', hostname: 'busy' }]);
     for (const f of ['x', 'y']) await sh('busy', `setsid sh -c 'while true; do dd if=/dev/urandom of=/dev/shm/${f} bs=64k count=64 2>/dev/null; done' </dev/null >/dev/null 2>&1 &`);
