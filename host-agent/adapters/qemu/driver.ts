@@ -759,9 +759,6 @@ export class QemuVmmDriver implements VmmDriver {
         // ---- pause window (unless the VM was paused already)
         await src.execute('blockdev-snapshot', { node: 'disk0', overlay: overlayNode });
         await migrateAndWait(src, `unix:${migSock}`);
-        await this.opts.snapshotCopied?.({ vmId: rec.info.vmId, snapshotId, qmp: src });
-        if (!keepPaused) await contAfterMigration(src);
-        // ---- end of pause window
       } else {
         await src.execute('migrate', { uri: `unix:${migSock}` });
         await waitMigration(src, 'pre-switchover', mark);
@@ -769,10 +766,11 @@ export class QemuVmmDriver implements VmmDriver {
         await src.execute('blockdev-snapshot', { node: 'disk0', overlay: overlayNode });
         await src.execute('migrate-continue', { state: 'pre-switchover' });
         await waitMigration(src, 'completed', mark);
-        await this.opts.snapshotCopied?.({ vmId: rec.info.vmId, snapshotId, qmp: src });
-        await contAfterMigration(src);
-        // ---- end of pause window
       }
+      // RAM copied, the VM still stopped.
+      await this.opts.snapshotCopied?.({ vmId: rec.info.vmId, snapshotId, qmp: src });
+      if (!keepPaused) await contAfterMigration(src);
+      // ---- end of pause window
       const stopEv = src.eventsSince(mark).find((e) => e.event === 'STOP');
       const resumeEv = keepPaused ? undefined : await src.waitEvent('RESUME', 5000, () => true, mark);
       const pauseMs = stopEv && resumeEv ? resumeEv.timestampMs - stopEv.timestampMs : 0;
