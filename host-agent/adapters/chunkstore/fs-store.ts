@@ -11,7 +11,7 @@
 // file or a complete one (the page cache survives a process crash); an OS crash can leave
 // a torn or empty chunk file, but reads used for restores decode and hash (readVerified),
 // so a damaged file never passes as valid. See docs/adr/0007-chunk-format.md.
-import { mkdirSync, readdirSync, statSync, unlinkSync, write as fsWrite } from 'node:fs';
+import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
 import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
@@ -23,6 +23,7 @@ import { decodeSignedManifest, encodeSignedManifest } from '../../domain/tickets
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
 import { acceptOffloaded } from './verify-pool.ts';
+import { writeSparse } from './sparse.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 
 const MAGIC = 0x31434646; // "FFC1" little-endian
@@ -98,12 +99,6 @@ export async function fsyncAll(paths: Iterable<string>, concurrency = 16): Promi
 
 /** Where a chunk's plain bytes go: offsets in files open for writing (by fd). */
 export type ImagePlaces = ReadonlyArray<{ readonly fd: number; readonly pos: number }>;
-
-function pwriteAll(fd: number, buf: Buffer, pos: number): Promise<void> {
-  return new Promise((resolve, reject) =>
-    fsWrite(fd, buf, 0, buf.length, pos, (e, n) => (e ? reject(e) : n !== buf.length ? reject(new Error(`short image write: ${n} of ${buf.length} bytes`)) : resolve())),
-  );
-}
 
 export interface FsChunkStoreOptions {
   /**
@@ -209,7 +204,7 @@ export class FsChunkStore implements ChunkStore {
       return;
     }
     const plain = await this.accept(chunk);
-    await Promise.all(places.map((p) => pwriteAll(p.fd, plain, p.pos)));
+    await Promise.all(places.map((p) => writeSparse(p.fd, plain, p.pos)));
   }
 
   private async write(chunk: EncodedChunk): Promise<void> {

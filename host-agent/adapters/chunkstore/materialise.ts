@@ -1,8 +1,9 @@
 // Materialise a snapshot's artifacts from the chunk store into plain files, verifying the
 // manifest signature and every chunk digest. Files are sparse (ftruncate to size, write only
 // listed chunks), built in a temp directory and renamed into place, then kept read-only:
-// every same-host fork maps the same memory image (page cache shared). Idempotent: a
-// second call returns the cached directory; concurrent calls share one build.
+// every same-host fork maps the same memory image (page cache shared). Zero pages inside
+// chunks stay holes too (sparse.ts). Idempotent: a second call returns the cached
+// directory; concurrent calls share one build.
 //
 // `materialiseWhile` builds the image while its chunks arrive from peers: each verified
 // chunk's plain bytes go straight to index*chunkSize, and only the chunks that were already
@@ -25,6 +26,7 @@ import type { ChunkPlacer, ChunkSink } from '../../domain/transfer.ts';
 import { ChunkCorruptError, ManifestNotFoundError } from '../../domain/transfer-errors.ts';
 import { verifyManifest, type TrustedKeys } from '../../domain/tickets.ts';
 import { fsyncAll, type ImagePlaces } from './fs-store.ts';
+import { writeSparse } from './sparse.ts';
 
 export interface MaterialisedSnapshot {
   readonly snapshotId: string;
@@ -200,7 +202,7 @@ export class Materialiser {
         const l = places.get(digest);
         if (!l || written.has(digest)) return;
         written.add(digest);
-        await Promise.all(l.map((p) => p.fh.write(plain, 0, plain.length, p.pos)));
+        await Promise.all(l.map((p) => writeSparse(p.fh.fd, plain, p.pos)));
       };
       if (fill) {
         // The store may write a received chunk's bytes into the image itself (from its verify

@@ -209,6 +209,31 @@ describe('content-addressed snapshot store', () => {
     }
   });
 
+  it('acceptInto_chunkWithZeroPages_leavesThemAsHolesAndReadsBackIdentical', async () => {
+    const store = new FsChunkStore(join(dir, 'holes'));
+    // Pages 0-1 text, 2-29 zero, 30 random, 31-63 zero: 3 of 64 pages hold data.
+    const plain = Buffer.alloc(CS);
+    textBytes(2 * 4096, 8).copy(plain, 0);
+    randomBytesSeeded(4096, 9).copy(plain, 30 * 4096);
+    const good = await encodeChunk(plain);
+    const img = join(dir, 'holes.img');
+    const fd = openSync(img, 'w+');
+    try {
+      ftruncateSync(fd, 2 * CS);
+      const owned = Buffer.from(good.data);
+      markOwned(owned);
+      await store.acceptInto({ ...good, data: owned }, [{ fd, pos: 0 }]); // on a worker
+      await store.acceptInto({ ...good, data: Buffer.from(good.data) }, [{ fd, pos: CS }]); // inline
+    } finally {
+      closeSync(fd);
+    }
+    const got = readFileSync(img);
+    expect(got.subarray(0, CS).equals(plain)).toBe(true);
+    expect(got.subarray(CS).equals(plain)).toBe(true);
+    // 6 data pages in all; ext4 allocates in 4 KiB blocks (st_blocks counts 512 B units).
+    expect(statSync(img).blocks * 512).toBeLessThanOrEqual(6 * 4096);
+  });
+
   it('put_whenWriterKilledMidWrite_leavesNoChunkThatPassesAsValid', async () => {
     const root = join(dir, 'crash');
     const writer = resolve(fileURLToPath(new URL('.', import.meta.url)), 'crash-writer.fixture.ts');

@@ -20,6 +20,7 @@ import { createRequire } from 'node:module';
 import { availableParallelism } from 'node:os';
 import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
+import { PAGE, nonZeroRuns } from './sparse.ts';
 
 export interface OffloadedAccept {
   readonly digest: string;
@@ -46,6 +47,11 @@ const { createHash } = require('node:crypto');
 const fs = require('node:fs');
 const lz4 = require(workerData.lz4);
 const MAGIC = 0x31434646;
+const PAGE = ${PAGE};
+const ZERO_PAGE = Buffer.alloc(PAGE);
+// tsx compiles with keepNames, which wraps nested functions in __name(fn, name).
+const __name = (f) => f;
+const nonZeroRuns = ${nonZeroRuns.toString()};
 parentPort.on('message', (m) => {
   let plain;
   try {
@@ -78,15 +84,22 @@ parentPort.on('message', (m) => {
   }
   if (m.places && m.places.length > 0) {
     // Image writes on the libuv pool; this thread goes on with the next chunk meanwhile.
-    let left = m.places.length;
+    // Only the non-zero pages are written: the image is sparse (sparse.ts).
+    const runs = nonZeroRuns(plain, ZERO_PAGE, PAGE);
+    let left = m.places.length * (runs.length / 2);
+    if (left === 0) return parentPort.postMessage({ id: m.id, placed: true });
     let failed;
+    const done = (e, n, len) => {
+      if (!failed && (e || n !== len)) failed = e || new Error('short image write: ' + n + ' of ' + len + ' bytes');
+      if (--left > 0) return;
+      if (failed) parentPort.postMessage({ id: m.id, error: 'writing image: ' + String(failed.message || failed), code: failed.code });
+      else parentPort.postMessage({ id: m.id, placed: true });
+    };
     for (const p of m.places) {
-      fs.write(p.fd, plain, 0, plain.length, p.pos, (e, n) => {
-        if (!failed && (e || n !== plain.length)) failed = e || new Error('short image write: ' + n + ' of ' + plain.length + ' bytes');
-        if (--left > 0) return;
-        if (failed) parentPort.postMessage({ id: m.id, error: 'writing image: ' + String(failed.message || failed), code: failed.code });
-        else parentPort.postMessage({ id: m.id, placed: true });
-      });
+      for (let i = 0; i < runs.length; i += 2) {
+        const len = runs[i + 1] - runs[i];
+        fs.write(p.fd, plain, runs[i], len, p.pos + runs[i], (e, n) => done(e, n, len));
+      }
     }
     return;
   }
