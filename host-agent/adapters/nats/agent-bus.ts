@@ -17,6 +17,7 @@ import {
 } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { Heartbeat, HostEvent, HostExecOutput, HostExecRequest, HostFileRequest, HostFileResponse, HostResult, HostWork } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
+import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
 
 async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
   const until = Date.now() + timeoutMs;
@@ -37,6 +38,7 @@ async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise
 
 export class NatsAgentBus implements AgentBus {
   private readonly js: JetStreamClient;
+  private readonly publisher: JsPublisher;
   private readonly subs: Subscription[] = [];
 
   private constructor(
@@ -45,6 +47,7 @@ export class NatsAgentBus implements AgentBus {
     private readonly log: Logger,
   ) {
     this.js = nc.jetstream();
+    this.publisher = JsPublisher.of(nc);
   }
 
   /**
@@ -90,7 +93,7 @@ export class NatsAgentBus implements AgentBus {
   }
 
   async publishResult(r: HostResult): Promise<void> {
-    await this.js.publish(subjects.result(this.hostId), toBinary(HostResultSchema, r));
+    await this.publisher.publish(subjects.result(this.hostId), toBinary(HostResultSchema, r));
   }
 
   publishHeartbeat(hb: Heartbeat): void {
@@ -98,7 +101,7 @@ export class NatsAgentBus implements AgentBus {
   }
 
   publishEvent(e: HostEvent): void {
-    this.js.publish(subjects.event(this.hostId), toBinary(HostEventSchema, e)).catch((err: unknown) => this.log.debug({ err }, 'event publish failed'));
+    this.publisher.publish(subjects.event(this.hostId), toBinary(HostEventSchema, e)).catch((err: unknown) => this.log.debug({ err }, 'event publish failed'));
   }
 
   serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void) => Promise<void>): () => void {

@@ -2,7 +2,7 @@
 // through a durable consumer, heartbeats and events on core subjects, exec and file
 // access as request/reply relays.
 import { randomBytes } from 'node:crypto';
-import { createInbox, headers as natsHeaders } from 'nats';
+import { createInbox } from 'nats';
 import type { ConsumerMessages, JetStreamClient, NatsConnection, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { BinaryReader } from '@bufbuild/protobuf/wire';
@@ -30,6 +30,7 @@ import type {
 import { AsyncQueue } from '../grpc/queue.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS, subjects } from './subjects.ts';
+import { JsPublisher } from './js-publisher.ts';
 
 /** Heartbeat field `repeated VmStatus vms` (proto/forkfleet/v1/hostwork.proto). */
 const HEARTBEAT_VMS_FIELD = 8;
@@ -64,11 +65,13 @@ export function decodeHeartbeat(data: Uint8Array): HeartbeatMsg {
 
 export class NatsWorkBus implements WorkBus {
   private readonly js: JetStreamClient;
+  private readonly publisher: JsPublisher;
   private readonly subs: Subscription[] = [];
   private readonly nonce = randomBytes(6).toString('hex');
 
   private constructor(private readonly nc: NatsConnection) {
     this.js = nc.jetstream();
+    this.publisher = JsPublisher.of(nc);
   }
 
   static async create(nc: NatsConnection): Promise<NatsWorkBus> {
@@ -79,12 +82,10 @@ export class NatsWorkBus implements WorkBus {
   }
 
   async sendWork(hostId: string, work: HostWorkMsg): Promise<void> {
-    const h = natsHeaders();
     // JetStream dedup window: a re-publish of the same step attempt is dropped.
     // The sender's nonce keeps a new leader's re-send of the same attempt from being dropped
     // as a duplicate of the old leader's message (the agent dedups by op + step anyway).
-    h.set('Nats-Msg-Id', `${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}`);
-    await this.js.publish(subjects.work(hostId), toBinary(HostWorkSchema, work), { headers: h });
+    await this.publisher.publish(subjects.work(hostId), toBinary(HostWorkSchema, work), { msgId: `${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}` });
   }
 
   async consumeResults(onResult: (r: HostResultMsg, ack: () => void) => void | Promise<void>): Promise<() => Promise<void>> {
