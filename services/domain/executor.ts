@@ -182,6 +182,12 @@ export class FleetCache {
   snapshot(tenantId: string, id: string): Versioned<SnapshotRec> | undefined {
     return this.snapshots.get(`${tenantId}/${id}`);
   }
+
+  /** Whether the cache holds this record at `modRevision` or later (the watch need not decode it). */
+  knows(kind: FleetChange['kind'], key: string, modRevision: number): boolean {
+    const m: Map<string, Versioned<unknown>> = kind === 'host' ? this.hosts : kind === 'alloc' ? this.allocs : this.snapshots;
+    return (m.get(key)?.modRevision ?? -1) >= modRevision;
+  }
 }
 
 function put<T>(m: Map<string, Versioned<T>>, k: string, v: Versioned<T>): void {
@@ -246,7 +252,8 @@ export class Executor {
       ack();
     });
     this.stops.push(stopResults);
-    this.stops.push(await this.deps.store.watchFleet((c) => this.cache.apply(c)));
+    // Records this leader committed are in the cache already (commit()): not decoded again.
+    this.stops.push(await this.deps.store.watchFleet((c) => this.cache.apply(c), { known: (kind, key, rev) => this.cache.knows(kind, key, rev) }));
     await this.cache.load(this.deps.store);
     // Ops this leader already runs are skipped undecoded: it wrote them itself (commit keeps
     // its copy), and a stale copy only costs a guarded write a re-read.
@@ -264,7 +271,7 @@ export class Executor {
       .followSandboxes(
         (c) => {
           if (term !== this.term) return;
-          if (c.kind === 'put') this.sandboxIndex.set(`${c.value.value.tenantId}/${c.value.value.id}`, c.value);
+          if (c.kind === 'put') this.indexSandbox(c.value);
           else this.sandboxIndex.delete(`${c.tenantId}/${c.id}`);
         },
         (e) => {
@@ -273,6 +280,9 @@ export class Executor {
           this.term++; // ignore whatever the broken watch still delivers
           this.log.warn({ err: e }, 'the sandbox watch broke off; the lifecycle rules list the sandboxes instead');
         },
+        // This leader's own sandbox writes are indexed when they commit (commit()): the watch
+        // skips them undecoded (two per forked child: most of what it would decode).
+        { known: (key, rev) => (this.sandboxIndex.get(key)?.modRevision ?? -1) >= rev },
       )
       .then(
         (stop) => {
@@ -353,12 +363,22 @@ export class Executor {
     this.running.set(op.id, p);
   }
 
-  /** Commits a batch; on success the leader's caches take the written records at the new revision. */
+  /** A sandbox record at a revision, unless the index already has a later one. */
+  private indexSandbox(v: Versioned<SandboxRec>): void {
+    const k = `${v.value.tenantId}/${v.value.id}`;
+    if ((this.sandboxIndex.get(k)?.modRevision ?? -1) < v.modRevision) this.sandboxIndex.set(k, v);
+  }
+
+  /**
+   * Commits a batch; on success the leader's caches and sandbox index take the written records
+   * at the new revision (so records given to commit are never changed afterwards).
+   */
   private async commit(writes: StoreWrite[]): Promise<number> {
     const rev = await this.deps.store.commitAt(writes);
     if (rev > 0) {
       for (const w of writes) {
         if (w.kind === 'host' || w.kind === 'alloc' || w.kind === 'snapshot') this.cache.apply({ kind: w.kind, value: { value: w.value, modRevision: rev } } as FleetChange);
+        else if (w.kind === 'sandbox' && this.active) this.indexSandbox({ value: w.value, modRevision: rev });
         else if (w.kind === 'op' && isTerminal(w.value.state)) {
           this.finishedAt.set(w.value.id, rev);
           if (this.finishedAt.size > 10_000) this.finishedAt.delete(this.finishedAt.keys().next().value as string);

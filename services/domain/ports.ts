@@ -69,9 +69,14 @@ export interface FleetStore {
    * sandbox index). `onError`: the watch broke off, later changes may be missed. Returns a
    * stop function.
    */
-  followSandboxes(onChange: (change: SandboxChange) => void, onError?: (e: unknown) => void): Promise<() => void>;
-  /** Calls `onChange` for every host, alloc and snapshot record written after now (the leader's cache). */
-  watchFleet(onChange: (change: FleetChange) => void): Promise<() => void>;
+  followSandboxes(onChange: (change: SandboxChange) => void, onError?: (e: unknown) => void, opts?: { known?: KnownRecord }): Promise<() => void>;
+  /**
+   * Calls `onChange` for every host, alloc and snapshot record written after now (the leader's
+   * cache). With `known`, a written record that the caller already has at that revision is
+   * skipped before it is decoded (the key is `hostId` for hosts and allocs, `<tenant>/<id>` for
+   * snapshots).
+   */
+  watchFleet(onChange: (change: FleetChange) => void, opts?: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean }): Promise<() => void>;
   /**
    * Calls `onChange` for sandbox / snapshot / operation record changes (WatchEvents,
    * webhooks), each with the record's previous value. `fromRevision` replays changes from
@@ -79,6 +84,13 @@ export interface FleetStore {
    */
   watchRecords(onChange: (change: RecordChange) => void, opts?: { fromRevision?: number }): Promise<() => void>;
 }
+
+/**
+ * `known(key, modRevision)`: the caller already holds this record at this revision or a later
+ * one (its own commit, applied when it returned), so the watch need not decode it. `key` is
+ * `<tenant>/<id>`.
+ */
+export type KnownRecord = (key: string, modRevision: number) => boolean;
 
 export type FleetChange =
   | { kind: 'host'; value: Versioned<HostRec> }

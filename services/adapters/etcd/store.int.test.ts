@@ -87,6 +87,38 @@ describe('EtcdFleetStore', () => {
     stop();
   }, 30_000);
 
+  it('followSandboxesAndWatchFleet_withKnown_skipRecordsTheCallerHasAtThatRevision', async () => {
+    // The caller "has" what it committed itself (the leader's index and cache): those writes
+    // are not delivered again; a later write by anyone else is. (A watch event may arrive
+    // before the commit's answer, so the test knows the next revision beforehand: nothing
+    // else writes to this etcd meanwhile.)
+    const alloc = (hostId: string, sandboxes: number): StoreWrite => ({ kind: 'alloc', value: { hostId, allocated: { vcpus: sandboxes, memoryMib: 0, diskMib: 0 }, sandboxes } });
+    const next = (await store.commitAt([alloc('h-known-seed', 0)])) + 1;
+    const mine = new Map<string, number>([
+      ['known/sb-k1', next],
+      ['alloc/h-known', next],
+    ]);
+    const seen: string[] = [];
+    const stopSb = await store.followSandboxes(
+      (c) => {
+        // (The list first delivers every record the other tests wrote.)
+        if (c.kind === 'put' && c.value.value.tenantId === 'known') seen.push(`sb:${c.value.value.id}:${c.value.value.state}`);
+      },
+      undefined,
+      { known: (key, rev) => (mine.get(key) ?? -1) >= rev },
+    );
+    const stopFleet = await store.watchFleet((c) => seen.push(c.kind === 'alloc' ? `alloc:${c.value.value.hostId}:${c.value.value.sandboxes}` : c.kind), {
+      known: (kind, key, rev) => (mine.get(`${kind}/${key}`) ?? -1) >= rev,
+    });
+    expect(await store.commitAt([{ kind: 'sandbox', value: sandbox('known', 'sb-k1') }, alloc('h-known', 1)])).toBe(next);
+    await store.commit([{ kind: 'sandbox', value: { ...sandbox('known', 'sb-k1'), state: 'paused' } }, alloc('h-known', 2)]);
+    await waitFor('the second writes', () => Promise.resolve(seen.length >= 2), 5_000, 10);
+    await sleep(200);
+    expect(seen.sort()).toEqual(['alloc:h-known:2', 'sb:sb-k1:paused']);
+    stopSb();
+    stopFleet();
+  }, 30_000);
+
   it('watchOps_withOnly_deliversJustTheAcceptedOps', async () => {
     const seen: string[] = [];
     const stop = await store.watchOps((op) => seen.push(op.id), { only: (tenantId, id) => tenantId === 't1' && id.endsWith('-a') });

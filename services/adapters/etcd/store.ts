@@ -2,7 +2,7 @@
 // revision it read; a batch is one transaction.
 import { Etcd3, Range } from 'etcd3';
 import type { IKeyValue } from 'etcd3';
-import type { FleetChange, FleetStore, RecordChange, SandboxChange, StoreWrite, Versioned } from '../../domain/ports.ts';
+import type { FleetChange, FleetStore, KnownRecord, RecordChange, SandboxChange, StoreWrite, Versioned } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
@@ -216,7 +216,7 @@ export class EtcdFleetStore implements FleetStore {
     return () => void w.cancel();
   }
 
-  async followSandboxes(onChange: (c: SandboxChange) => void, onError: (e: unknown) => void = () => undefined): Promise<() => void> {
+  async followSandboxes(onChange: (c: SandboxChange) => void, onError: (e: unknown) => void = () => undefined, opts: { known?: KnownRecord } = {}): Promise<() => void> {
     const prefix = keys.sandboxes();
     const { records, revision } = await this.getPrefixAt<SandboxRec>(prefix);
     for (const value of records) onChange({ kind: 'put', value });
@@ -224,7 +224,11 @@ export class EtcdFleetStore implements FleetStore {
     const w = await this.client.watch().prefix(prefix).startRevision(String(Number(revision) + 1)).create();
     // etcd cancelled the watch (e.g. its start revision was compacted): changes may be missed from here on.
     w.on('error', onError);
-    w.on('put', (kv) => onChange({ kind: 'put', value: decode<SandboxRec>(kv) }));
+    const known = opts.known;
+    w.on('put', (kv) => {
+      if (known && known(kv.key.toString('utf8').slice(prefix.length), Number(kv.mod_revision))) return;
+      onChange({ kind: 'put', value: decode<SandboxRec>(kv) });
+    });
     w.on('delete', (kv) => {
       // <prefix><tenant>/<id>
       const rest = kv.key.toString('utf8').slice(prefix.length);
@@ -234,16 +238,18 @@ export class EtcdFleetStore implements FleetStore {
     return () => void w.cancel();
   }
 
-  async watchFleet(onChange: (c: FleetChange) => void): Promise<() => void> {
-    const watchers = await Promise.all([
-      this.client.watch().prefix(keys.hosts()).create(),
-      this.client.watch().prefix(keys.allocs()).create(),
-      this.client.watch().prefix(keys.snapshots()).create(),
-    ]);
+  async watchFleet(onChange: (c: FleetChange) => void, opts: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean } = {}): Promise<() => void> {
+    const prefixes = [keys.hosts(), keys.allocs(), keys.snapshots()] as const;
+    const watchers = await Promise.all(prefixes.map((p) => this.client.watch().prefix(p).create()));
     const kinds = ['host', 'alloc', 'snapshot'] as const;
+    const known = opts.known;
     watchers.forEach((w, i) => {
       const kind = kinds[i] as (typeof kinds)[number];
-      w.on('put', (kv) => onChange({ kind, value: decode<never>(kv) } as FleetChange));
+      const prefix = prefixes[i] as string;
+      w.on('put', (kv) => {
+        if (known && known(kind, kv.key.toString('utf8').slice(prefix.length), Number(kv.mod_revision))) return;
+        onChange({ kind, value: decode<never>(kv) } as FleetChange);
+      });
     });
     return () => {
       for (const w of watchers) void w.cancel();
