@@ -15,7 +15,6 @@ import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
 import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
-import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, ManifestStore, SweepStats } from '../../domain/snapshot-store.ts';
 import { ChunkCorruptError, ChunkMissingError } from '../../domain/transfer-errors.ts';
@@ -24,10 +23,9 @@ import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
 import { acceptOffloaded } from './verify-pool.ts';
 import { writeSparse } from './sparse.ts';
+import { HEADER, MAGIC, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 
-const MAGIC = 0x31434646; // "FFC1" little-endian
-const HEADER = 16;
 /** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
 const READ_HEADROOM = 48;
 const HEX64 = /^[0-9a-f]{64}$/;
@@ -234,13 +232,10 @@ export class FsChunkStore implements ChunkStore {
       if (isNotFound(e)) return undefined;
       throw e;
     }
-    if (buf.length < HEADER || buf.readUInt32LE(0) !== MAGIC || buf.readUInt32LE(12) !== buf.length - HEADER) {
-      // Truncated or foreign: not a chunk. Serve as missing; readVerified removes it.
-      return undefined;
-    }
-    const codec = buf.readUInt8(4) as Codec;
+    // Truncated or foreign: not a chunk. Serve as missing; readVerified removes it.
+    const f = parseChunkFile(buf);
     // `data` may have headroom (see readChunkFile): peer/wire.ts puts its header there.
-    return { digest, codec, size: buf.readUInt32LE(8), data: buf.subarray(HEADER) };
+    return f && { digest, ...f };
   }
 
   /**
@@ -258,8 +253,8 @@ export class FsChunkStore implements ChunkStore {
       if (isNotFound(e)) return undefined;
       throw e;
     }
-    if (buf.length < HEADER || buf.readUInt32LE(0) !== MAGIC || buf.readUInt32LE(12) !== buf.length - HEADER) return undefined;
-    return { digest, codec: buf.readUInt8(4) as Codec, size: buf.readUInt32LE(8), data: buf.subarray(HEADER) };
+    const f = parseChunkFile(buf);
+    return f && { digest, ...f };
   }
 
   /** Free read buffers for getEncodedForSend (each READ_HEADROOM + readHint bytes). */

@@ -234,6 +234,27 @@ describe('content-addressed snapshot store', () => {
     expect(statSync(img).blocks * 512).toBeLessThanOrEqual(6 * 4096);
   });
 
+  it('accept_onAWorker_writesTheChunkFilePaddedForDirectIo_andEveryReaderTakesIt', async () => {
+    // A received chunk (owned: verified on a worker) goes to disk with O_DIRECT, zero-padded
+    // to 512 bytes; the header's data length says where the data ends.
+    const store = new FsChunkStore(join(dir, 'direct'));
+    const plain = Buffer.concat([textBytes(CS / 2, 11), randomBytesSeeded(CS / 2 - 1000, 12), Buffer.alloc(1000)]);
+    const good = await encodeChunk(plain);
+    expect((16 + good.data.length) % 512).not.toBe(0); // so there is padding
+    const owned = Buffer.from(good.data);
+    markOwned(owned);
+    expect((await store.accept({ ...good, data: owned })).equals(plain)).toBe(true);
+    const size = statSync(store.pathOf(good.digest)).size;
+    expect(size % 512).toBe(0);
+    expect(size - 16 - good.data.length).toBeGreaterThan(0);
+    expect((await store.readVerified(good.digest)).equals(plain)).toBe(true);
+    const sent = await store.getEncodedForSend(good.digest);
+    expect(sent && Buffer.from(sent.data).equals(good.data)).toBe(true);
+    // A file cut inside its data is still not a chunk.
+    await overwriteChunkFile(store, good.digest, readFileSync(store.pathOf(good.digest)).subarray(0, 16 + good.data.length - 1));
+    await expect(store.readVerified(good.digest)).rejects.toBeInstanceOf(ChunkCorruptError);
+  });
+
   it('put_whenWriterKilledMidWrite_leavesNoChunkThatPassesAsValid', async () => {
     const root = join(dir, 'crash');
     const writer = resolve(fileURLToPath(new URL('.', import.meta.url)), 'crash-writer.fixture.ts');

@@ -21,6 +21,7 @@ import { availableParallelism } from 'node:os';
 import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { PAGE, nonZeroRuns } from './sparse.ts';
+import { DIRECT_ALIGN, MAGIC } from './chunk-file.ts';
 
 export interface OffloadedAccept {
   readonly digest: string;
@@ -46,12 +47,53 @@ const { parentPort, workerData } = require('node:worker_threads');
 const { createHash } = require('node:crypto');
 const fs = require('node:fs');
 const lz4 = require(workerData.lz4);
-const MAGIC = 0x31434646;
+const MAGIC = ${MAGIC};
 const PAGE = ${PAGE};
 const ZERO_PAGE = Buffer.alloc(PAGE);
 // tsx compiles with keepNames, which wraps nested functions in __name(fn, name).
 const __name = (f) => f;
 const nonZeroRuns = ${nonZeroRuns.toString()};
+// Received chunk files are written with O_DIRECT, padded with zeros to DIRECT_ALIGN (the
+// store's reader allows that padding): they skip the page cache, which would hold a second,
+// compressed copy of bytes the materialised image already holds, and on this machine every
+// fresh page-cache page costs a host page fault (ADR 0008, "Chunk files skip the page
+// cache"). O_DIRECT needs an aligned buffer: a WebAssembly memory starts on a page boundary.
+// A file system that refuses O_DIRECT (EINVAL) gets buffered writes from then on.
+const DIRECT_ALIGN = ${DIRECT_ALIGN};
+const O_DIRECT = fs.constants.O_DIRECT;
+const noDirect = new Set();
+let directMem = new WebAssembly.Memory({ initial: 5 });
+function writeDirect(m, h) {
+  const dir = m.tmp.slice(0, m.tmp.lastIndexOf('/'));
+  if (!O_DIRECT || noDirect.has(dir)) return false;
+  const len = h.length + m.data.length;
+  const padded = Math.ceil(len / DIRECT_ALIGN) * DIRECT_ALIGN;
+  if (directMem.buffer.byteLength < padded) directMem.grow(Math.ceil((padded - directMem.buffer.byteLength) / 65536));
+  const buf = new Uint8Array(directMem.buffer, 0, padded);
+  buf.set(h, 0);
+  buf.set(m.data, h.length);
+  buf.fill(0, len);
+  let fd;
+  try {
+    fd = fs.openSync(m.tmp, fs.constants.O_WRONLY | fs.constants.O_CREAT | fs.constants.O_TRUNC | O_DIRECT, 0o644);
+  } catch (e) {
+    if (e && e.code === 'EINVAL') { noDirect.add(dir); return false; }
+    throw e;
+  }
+  try {
+    fs.writeSync(fd, buf, 0, padded, 0);
+    if (m.fsync) fs.fsyncSync(fd);
+  } catch (e) {
+    if (!(e && e.code === 'EINVAL')) throw e;
+    noDirect.add(dir);
+    fs.closeSync(fd);
+    fd = undefined;
+    return false;
+  } finally {
+    if (fd !== undefined) fs.closeSync(fd);
+  }
+  return true;
+}
 parentPort.on('message', (m) => {
   let plain;
   try {
@@ -70,12 +112,14 @@ parentPort.on('message', (m) => {
     h.writeUInt8(m.codec, 4);
     h.writeUInt32LE(m.size, 8);
     h.writeUInt32LE(m.data.length, 12);
-    const fd = fs.openSync(m.tmp, 'w');
-    try {
-      fs.writevSync(fd, [h, m.data]);
-      if (m.fsync) fs.fsyncSync(fd);
-    } finally {
-      fs.closeSync(fd);
+    if (!writeDirect(m, h)) {
+      const fd = fs.openSync(m.tmp, 'w');
+      try {
+        fs.writevSync(fd, [h, m.data]);
+        if (m.fsync) fs.fsyncSync(fd);
+      } finally {
+        fs.closeSync(fd);
+      }
     }
     fs.renameSync(m.tmp, m.final);
   } catch (e) {

@@ -1,0 +1,26 @@
+// The chunk file format (ADR 0007): a 16-byte header, then the encoded data.
+//   u32 LE magic "FFC1" | u8 codec | 3 bytes zero | u32 LE plain size | u32 LE data length
+// Files written with O_DIRECT (received chunks, verify-pool.ts) are zero-padded after the
+// data to a multiple of DIRECT_ALIGN; the data length in the header says where data ends.
+import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+
+export const MAGIC = 0x31434646; // "FFC1" little-endian
+export const HEADER = 16;
+/** O_DIRECT's size and memory alignment: the logical block size of common disks. */
+export const DIRECT_ALIGN = 512;
+
+export interface ParsedChunkFile {
+  readonly codec: Codec;
+  readonly size: number;
+  /** A view of `buf` (keeps whatever headroom `buf` has before it). */
+  readonly data: Buffer;
+}
+
+/** The header and data of a chunk file's bytes, or undefined when they are not a whole chunk file (truncated, foreign). */
+export function parseChunkFile(buf: Buffer): ParsedChunkFile | undefined {
+  if (buf.length < HEADER || buf.readUInt32LE(0) !== MAGIC) return undefined;
+  const dataLen = buf.readUInt32LE(12);
+  const padding = buf.length - HEADER - dataLen;
+  if (padding < 0 || padding >= DIRECT_ALIGN) return undefined;
+  return { codec: buf.readUInt8(4) as Codec, size: buf.readUInt32LE(8), data: buf.subarray(HEADER, HEADER + dataLen) };
+}
