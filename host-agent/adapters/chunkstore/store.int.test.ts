@@ -14,6 +14,7 @@ import { generateSigningKey, signManifest } from '../../domain/tickets.ts';
 import { ChunkCorruptError, DigestMismatchError, SnapshotLeasedError, ManifestInvalidError } from '../../domain/transfer-errors.ts';
 import { encodeChunk, sha256Hex } from './codec.ts';
 import { markOwned } from './buffers.ts';
+import { DIRECT_ALIGN } from './chunk-file.ts';
 import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { tempDir, sleep } from '../../../services/testkit/proc.ts';
 import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
@@ -236,16 +237,16 @@ describe('content-addressed snapshot store', () => {
 
   it('accept_onAWorker_writesTheChunkFilePaddedForDirectIo_andEveryReaderTakesIt', async () => {
     // A received chunk (owned: verified on a worker) goes to disk with O_DIRECT, zero-padded
-    // to 512 bytes; the header's data length says where the data ends.
+    // to DIRECT_ALIGN bytes; the header's data length says where the data ends.
     const store = new FsChunkStore(join(dir, 'direct'));
     const plain = Buffer.concat([textBytes(CS / 2, 11), randomBytesSeeded(CS / 2 - 1000, 12), Buffer.alloc(1000)]);
     const good = await encodeChunk(plain);
-    expect((16 + good.data.length) % 512).not.toBe(0); // so there is padding
+    expect((16 + good.data.length) % DIRECT_ALIGN).not.toBe(0); // so there is padding
     const owned = Buffer.from(good.data);
     markOwned(owned);
     expect((await store.accept({ ...good, data: owned })).equals(plain)).toBe(true);
     const size = statSync(store.pathOf(good.digest)).size;
-    expect(size % 512).toBe(0);
+    expect(size % DIRECT_ALIGN).toBe(0);
     expect(size - 16 - good.data.length).toBeGreaterThan(0);
     expect((await store.readVerified(good.digest)).equals(plain)).toBe(true);
     const sent = await store.getEncodedForSend(good.digest);

@@ -80,19 +80,18 @@ function writeDirect(m, h) {
     if (e && e.code === 'EINVAL') { noDirect.add(dir); return false; }
     throw e;
   }
+  let written = true;
   try {
     fs.writeSync(fd, buf, 0, padded, 0);
     if (m.fsync) fs.fsyncSync(fd);
   } catch (e) {
     if (!(e && e.code === 'EINVAL')) throw e;
-    noDirect.add(dir);
-    fs.closeSync(fd);
-    fd = undefined;
-    return false;
+    noDirect.add(dir); // the caller rewrites the file buffered
+    written = false;
   } finally {
-    if (fd !== undefined) fs.closeSync(fd);
+    fs.closeSync(fd);
   }
-  return true;
+  return written;
 }
 parentPort.on('message', (m) => {
   let plain;
