@@ -82,7 +82,8 @@ function writeDirect(m, h) {
   }
   let written = true;
   try {
-    fs.writeSync(fd, buf, 0, padded, 0);
+    const n = fs.writeSync(fd, buf, 0, padded, 0);
+    if (n !== padded) throw new Error('short chunk write: ' + n + ' of ' + padded + ' bytes');
     if (m.fsync) fs.fsyncSync(fd);
   } catch (e) {
     if (!(e && e.code === 'EINVAL')) throw e;
@@ -114,7 +115,8 @@ parentPort.on('message', (m) => {
     if (!writeDirect(m, h)) {
       const fd = fs.openSync(m.tmp, 'w');
       try {
-        fs.writevSync(fd, [h, m.data]);
+        const n = fs.writevSync(fd, [h, m.data]);
+        if (n !== h.length + m.data.length) throw new Error('short chunk write: ' + n + ' of ' + (h.length + m.data.length) + ' bytes');
         if (m.fsync) fs.fsyncSync(fd);
       } finally {
         fs.closeSync(fd);
