@@ -4,13 +4,23 @@
 // data to a multiple of DIRECT_ALIGN; the data length in the header says where data ends.
 import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 
-export const MAGIC = 0x31434646; // "FFC1" little-endian
+const MAGIC = 0x31434646; // "FFC1" little-endian
 export const HEADER = 16;
 /**
  * O_DIRECT's size and memory alignment: 4096 suits 512-byte and 4 KiB-sector disks alike
  * (a chunk file then takes ~2 KiB more disk on average, nothing more on the wire).
  */
 export const DIRECT_ALIGN = 4096;
+
+/** The header of a chunk file holding `c` (a buffer of its own: it may be sent to a worker). */
+export function encodeHeader(c: { readonly codec: Codec; readonly size: number; readonly data: Uint8Array }): Buffer {
+  const h = Buffer.alloc(HEADER);
+  h.writeUInt32LE(MAGIC, 0);
+  h.writeUInt8(c.codec, 4);
+  h.writeUInt32LE(c.size, 8);
+  h.writeUInt32LE(c.data.length, 12);
+  return h;
+}
 
 export interface ParsedChunkFile {
   readonly codec: Codec;

@@ -23,7 +23,7 @@ import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
 import { acceptOffloaded } from './verify-pool.ts';
 import { writeSparse } from './sparse.ts';
-import { HEADER, MAGIC, parseChunkFile } from './chunk-file.ts';
+import { encodeHeader, HEADER, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 
 /** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
@@ -32,15 +32,6 @@ const HEX64 = /^[0-9a-f]{64}$/;
 
 function checkDigest(d: string): void {
   if (!HEX64.test(d)) throw new InvalidArgumentError('digest', 'must be 64 lowercase hex characters');
-}
-
-function encodeHeader(c: EncodedChunk): Buffer {
-  const h = Buffer.alloc(HEADER);
-  h.writeUInt32LE(MAGIC, 0);
-  h.writeUInt8(c.codec, 4);
-  h.writeUInt32LE(c.size, 8);
-  h.writeUInt32LE(c.data.length, 12);
-  return h;
 }
 
 function isNotFound(e: unknown): boolean {

@@ -21,7 +21,7 @@ import { availableParallelism } from 'node:os';
 import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { PAGE, nonZeroRuns } from './sparse.ts';
-import { DIRECT_ALIGN, MAGIC } from './chunk-file.ts';
+import { DIRECT_ALIGN, encodeHeader } from './chunk-file.ts';
 
 export interface OffloadedAccept {
   readonly digest: string;
@@ -47,7 +47,6 @@ const { parentPort, workerData } = require('node:worker_threads');
 const { createHash } = require('node:crypto');
 const fs = require('node:fs');
 const lz4 = require(workerData.lz4);
-const MAGIC = ${MAGIC};
 const PAGE = ${PAGE};
 const ZERO_PAGE = Buffer.alloc(PAGE);
 // tsx compiles with keepNames, which wraps nested functions in __name(fn, name).
@@ -107,11 +106,7 @@ parentPort.on('message', (m) => {
     if (plain.length !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'decoded ' + plain.length + ' bytes, expected ' + m.size });
     const got = createHash('sha256').update(plain).digest('hex');
     if (got !== m.digest) return parentPort.postMessage({ id: m.id, mismatch: 'content hashes to ' + got.slice(0, 16) });
-    const h = Buffer.alloc(16);
-    h.writeUInt32LE(MAGIC, 0);
-    h.writeUInt8(m.codec, 4);
-    h.writeUInt32LE(m.size, 8);
-    h.writeUInt32LE(m.data.length, 12);
+    const h = m.header; // chunk-file.ts encodeHeader, made by the caller
     if (!writeDirect(m, h)) {
       const fd = fs.openSync(m.tmp, 'w');
       try {
@@ -219,7 +214,9 @@ export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer | undefined>
     slot.pending.set(id, { digest: c.digest, resolve, reject });
     if (slot.pending.size === 1) slot.worker.ref();
     try {
-      slot.worker.postMessage({ id, digest: c.digest, codec: c.codec, size: c.size, data: c.data, tmp: c.tmp, final: c.final, fsync: c.fsync, places: c.places }, [c.data.buffer as ArrayBuffer]);
+      // The header is made before `data` is detached (transferred).
+      const header = encodeHeader(c);
+      slot.worker.postMessage({ id, digest: c.digest, codec: c.codec, size: c.size, header, data: c.data, tmp: c.tmp, final: c.final, fsync: c.fsync, places: c.places }, [c.data.buffer as ArrayBuffer]);
     } catch (e) {
       slot.pending.delete(id);
       if (slot.pending.size === 0) slot.worker.unref();
