@@ -185,14 +185,19 @@ export class FleetCache {
 
   /** Whether the cache holds this record at `modRevision` or later (the watch need not decode it). */
   knows(kind: FleetChange['kind'], key: string, modRevision: number): boolean {
-    const m: Map<string, Versioned<unknown>> = kind === 'host' ? this.hosts : kind === 'alloc' ? this.allocs : this.snapshots;
-    return (m.get(key)?.modRevision ?? -1) >= modRevision;
+    return holds(kind === 'host' ? this.hosts : kind === 'alloc' ? this.allocs : this.snapshots, key, modRevision);
   }
 }
 
+/** Stores `v` under `k` unless the map already has a later revision of it. */
 function put<T>(m: Map<string, Versioned<T>>, k: string, v: Versioned<T>): void {
   const cur = m.get(k);
   if (!cur || cur.modRevision < v.modRevision) m.set(k, v);
+}
+
+/** Whether the map has `k` at `modRevision` or later. */
+function holds(m: ReadonlyMap<string, Versioned<unknown>>, k: string, modRevision: number): boolean {
+  return (m.get(k)?.modRevision ?? -1) >= modRevision;
 }
 
 interface DrainInput {
@@ -282,7 +287,7 @@ export class Executor {
         },
         // This leader's own sandbox writes are indexed when they commit (commit()): the watch
         // skips them undecoded (two per forked child: most of what it would decode).
-        { known: (key, rev) => (this.sandboxIndex.get(key)?.modRevision ?? -1) >= rev },
+        { known: (key, rev) => holds(this.sandboxIndex, key, rev) },
       )
       .then(
         (stop) => {
@@ -365,8 +370,7 @@ export class Executor {
 
   /** A sandbox record at a revision, unless the index already has a later one. */
   private indexSandbox(v: Versioned<SandboxRec>): void {
-    const k = `${v.value.tenantId}/${v.value.id}`;
-    if ((this.sandboxIndex.get(k)?.modRevision ?? -1) < v.modRevision) this.sandboxIndex.set(k, v);
+    put(this.sandboxIndex, `${v.value.tenantId}/${v.value.id}`, v);
   }
 
   /**
