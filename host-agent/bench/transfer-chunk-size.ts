@@ -1,24 +1,37 @@
-// Measures chunk size and codec choices on the synthetic guest image (ADR 0007).
-// Usage: node --import tsx host-agent/bench/transfer-chunk-size.ts
+// Measures chunk size and codec choices on a guest's memory image and a child's (ADR 0007).
+// Usage: node --import tsx host-agent/bench/transfer-chunk-size.ts [--content synthetic|guest]
+//   synthetic (default): transfer-image.ts's image and child;
+//   guest: a real booted guest's snapshot and its child's (transfer-guest.ts, as bench:transfer).
 import { createHash } from 'node:crypto';
 import { mkdtempSync, readFileSync, rmSync, openSync, writeSync, fsyncSync, closeSync, renameSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { compressSync as lz4c, uncompressSync as lz4d } from 'lz4-napi';
 import { compress as zc, decompress as zd } from 'zstd-napi';
+import { parseArgs } from 'node:util';
 import { writeMemoryImage, writeChildImage } from './transfer-image.ts';
+import { snapshotBootedGuest } from './transfer-guest.ts';
+import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 
-function main(): void {
+async function main(): Promise<void> {
+  const { values } = parseArgs({ options: { content: { type: 'string', default: 'synthetic' } } });
   const dir = mkdtempSync(join(tmpdir(), 'ff-chunk-'));
   try {
-    const mem = join(dir, 'mem.img');
-    const child = join(dir, 'child.img');
-    writeMemoryImage(mem);
-    writeChildImage(mem, child, 16 * 1024 * 1024, 99);
+    let mem = join(dir, 'mem.img');
+    let child = join(dir, 'child.img');
+    if (values.content === 'guest') {
+      const g = await snapshotBootedGuest(dir, (line) => process.stderr.write(`${line}\n`));
+      const memOf = (as: typeof g.s1): string => as.find((x) => x.kind === ArtifactKind.MEMORY)!.path;
+      mem = memOf(g.s1);
+      child = memOf(g.s2);
+    } else if (values.content === 'synthetic') {
+      writeMemoryImage(mem);
+      writeChildImage(mem, child, 16 * 1024 * 1024, 99);
+    } else throw new Error(`--content: "${values.content}" is neither guest nor synthetic`);
     const a = readFileSync(mem);
     const b = readFileSync(child);
     const results: Record<string, unknown>[] = [];
-    for (const cs of [64 * 1024, 256 * 1024, 1024 * 1024]) {
+    for (const cs of [64 * 1024, 128 * 1024, 256 * 1024, 1024 * 1024]) {
       const zero = Buffer.alloc(cs);
       const nz: Buffer[] = [];
       let t = performance.now();
@@ -83,4 +96,7 @@ function main(): void {
     rmSync(dir, { recursive: true, force: true });
   }
 }
-main();
+main().catch((e: unknown) => {
+  process.stderr.write(`${e instanceof Error ? (e.stack ?? e.message) : String(e)}\n`);
+  process.exitCode = 1;
+});

@@ -53,8 +53,8 @@ async function main(): Promise<void> {
   const daemons = new Map<string, ReturnType<typeof startDaemon>>();
   try {
     const [h0, h1] = fabric.hosts as [NsHost, NsHost];
-    const { mem, disk, pem, srcRoot, signing, store } = await prepareSource(dir);
-    if (values.warm) await prepareWarmup(dir, mem, disk, store, signing);
+    const { artifacts, pem, srcRoot, signing, store } = await prepareSource(dir);
+    if (values.warm) await prepareWarmup(dir, artifacts, store, signing);
     const prof = values.prof ? resolve(values.prof) : undefined;
     if (prof) mkdirSync(prof, { recursive: true });
     // One directory per process kind: a tsx process also profiles its loader thread.
@@ -63,7 +63,7 @@ async function main(): Promise<void> {
     const srvLog = join(dir, 'server.log');
     const server = fabric.spawn(h0, 'chunk-server', ['env', ...(values['server-env'] ?? '').split(';').filter(Boolean), process.execPath, ...profArgs('server'), '--import', 'tsx', values['server-endpoint'] ?? ENDPOINT, 'serve', '--root', srcRoot, '--listen', `${h0.address}:${port}`, '--trust', pem], srvLog);
     await waitFor('chunk server', async () => readLog(srvLog).includes('"listening"'), 20_000, 50);
-    const naive = values.naive ? fabric.spawn(h0, 'naive', [process.execPath, '--import', 'tsx', ENDPOINT, 'naive-serve', '--listen', `${h0.address}:${port + 1}`, '--files', `${mem},${disk}`], join(dir, 'naive.log')) : undefined;
+    const naive = values.naive ? fabric.spawn(h0, 'naive', [process.execPath, '--import', 'tsx', ENDPOINT, 'naive-serve', '--listen', `${h0.address}:${port + 1}`, '--files', artifacts.map((a) => a.path).join(',')], join(dir, 'naive.log')) : undefined;
     const g = Number(values.rate);
     if (g > 0) {
       fabric.shape(h0, `${g}gbit`, g >= 10 ? '4mb' : '256kb');

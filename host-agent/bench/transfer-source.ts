@@ -1,7 +1,8 @@
-// The source side of the transfer benchmarks (transfer.ts, transfer-probe.ts): the synthetic
-// image of transfer-image.ts ingested as snapshot s1 into a chunk store, its manifest signed by
-// a fresh key whose public half the receiving endpoint trusts; the warm-up snapshot `w`; and
-// the long-lived receiver process (`endpoint-main.ts fetch-daemon`).
+// The source side of the transfer benchmarks (transfer.ts, transfer-probe.ts): snapshot s1
+// (a booted guest's, transfer-guest.ts, or the synthetic image of transfer-image.ts) ingested
+// into a chunk store, its manifest signed by a fresh key whose public half the receiving
+// endpoint trusts; the warm-up snapshot `w`; and the long-lived receiver process
+// (`endpoint-main.ts fetch-daemon`).
 import { closeSync, ftruncateSync, openSync, readFileSync, writeFileSync, writeSync } from 'node:fs';
 import { join } from 'node:path';
 import { spawn } from 'node:child_process';
@@ -13,24 +14,31 @@ import { LiveRoots, systemClock } from '../domain/snapshot-store.ts';
 import { generateSigningKey, signManifest, type SigningKey } from '../domain/tickets.ts';
 import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DEFAULT_IMAGE, writeDiskLayer, writeMemoryImage } from './transfer-image.ts';
+import type { BenchArtifact } from './transfer-guest.ts';
 
-export async function prepareSource(dir: string) {
+/** The synthetic snapshot's files (transfer-image.ts): a memory image and a disk layer. */
+export function writeSyntheticSource(dir: string): BenchArtifact[] {
   const mem = join(dir, 'mem.img');
   const disk = join(dir, 'disk0.img');
   writeMemoryImage(mem, DEFAULT_IMAGE);
   writeDiskLayer(disk, 64 * 1024 * 1024, 16 * 1024 * 1024);
+  return [
+    { kind: ArtifactKind.MEMORY, name: 'memory', path: mem },
+    { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: disk },
+  ];
+}
+
+/** Ingests and signs s1 from `artifacts` (default: the synthetic image, written into `dir`). */
+export async function prepareSource(dir: string, artifacts: readonly BenchArtifact[] = writeSyntheticSource(dir)) {
   const { signing, trusted } = generateSigningKey('k1');
   /** The public key the receiving endpoint trusts (PEM). */
   const pem = join(dir, 'trust.pem');
   writeFileSync(pem, (trusted.get('k1') as NonNullable<ReturnType<typeof trusted.get>>).export({ type: 'spki', format: 'pem' }));
   const srcRoot = join(dir, 'src');
   const store = { chunks: new FsChunkStore(srcRoot), manifests: new FsManifestStore(srcRoot), roots: new LiveRoots(), clock: systemClock };
-  const s1 = await ingestSnapshot(
-    { snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: disk }] },
-    store,
-  );
+  const s1 = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb1', artifacts: [...artifacts] }, store);
   await store.manifests.put('s1', signManifest(s1.manifest, signing));
-  return { mem, disk, pem, srcRoot, store, signing, s1 };
+  return { artifacts, pem, srcRoot, store, signing, s1 };
 }
 
 /**
@@ -58,18 +66,16 @@ export function writeVariant(src: string, dst: string, salt: number): void {
 }
 
 /**
- * The warm-up snapshot `w` (transfer.ts, transfer-probe.ts): s1's images with every non-zero
+ * The warm-up snapshot `w` (transfer.ts, transfer-probe.ts): s1's files with every non-zero
  * page stamped, ingested and signed into the source store. Same size class, no chunk in common.
  */
-export async function prepareWarmup(dir: string, mem: string, disk: string, store: Awaited<ReturnType<typeof prepareSource>>['store'], signing: SigningKey) {
-  const wmem = join(dir, 'warm-mem.img');
-  const wdisk = join(dir, 'warm-disk.img');
-  writeVariant(mem, wmem, 1);
-  writeVariant(disk, wdisk, 2);
-  const w = await ingestSnapshot(
-    { snapshotId: 'w', tenantId: 't', sourceSandboxId: 'sb0', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: wmem }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: wdisk }] },
-    store,
-  );
+export async function prepareWarmup(dir: string, artifacts: readonly BenchArtifact[], store: Awaited<ReturnType<typeof prepareSource>>['store'], signing: SigningKey) {
+  const variants = artifacts.map((a, i) => {
+    const path = join(dir, `warm-${i}.img`);
+    writeVariant(a.path, path, i + 1);
+    return { ...a, path };
+  });
+  const w = await ingestSnapshot({ snapshotId: 'w', tenantId: 't', sourceSandboxId: 'sb0', artifacts: variants }, store);
   await store.manifests.put('w', signManifest(w.manifest, signing));
   return w;
 }

@@ -1,9 +1,13 @@
 // Transfer benchmark: two host-agent transfer endpoints in separate network namespaces on
 // a tbf-shaped veth/bridge link move a 256 MiB guest's snapshot; compared with a plain TCP
 // copy of the whole memory file plus disk over the same link. Then a diff snapshot.
-//   npm run bench:transfer -- --json FILE [--rates 1,10] [--warmups 1]
-// Needs root (ip netns, tc). Content is synthetic (see transfer-image.ts): 256 MiB sparse
-// memory with ~40 MiB kernel/module pages + 32 MiB random + 32 MiB text; a 64 MiB disk layer.
+//   npm run bench:transfer -- --json FILE [--rates 1,10] [--warmups 1] [--content guest|synthetic]
+// Needs root (ip netns, tc). Content (`--content`):
+// - guest (default): a real booted 256 MiB `tiny` guest whose workload put 64 MiB in its RAM,
+//   32 MiB random and 32 MiB of log-like text (transfer-guest.ts), snapshotted by the VMM
+//   driver; the diff snapshot is of a child forked from it that wrote 16 MiB.
+// - synthetic: transfer-image.ts's 256 MiB sparse memory with ~40 MiB kernel/module pages +
+//   32 MiB random + 32 MiB text and a 64 MiB disk layer; no VM runs.
 //
 // The receiver is measured twice per link rate (ADR 0008, "Warm receiver"):
 // - `seconds` (and goodput, speedups): a long-lived receiver (`endpoint-main.ts fetch-daemon`),
@@ -32,7 +36,8 @@ import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { createFabric, readLog, type Fabric, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { tempDir, waitFor } from '../../services/testkit/proc.ts';
 import { writeChildImage } from './transfer-image.ts';
-import { prepareSource, prepareWarmup, startDaemon } from './transfer-source.ts';
+import { snapshotBootedGuest, type BenchArtifact } from './transfer-guest.ts';
+import { prepareSource, prepareWarmup, startDaemon, writeSyntheticSource } from './transfer-source.ts';
 
 const here = fileURLToPath(new URL('.', import.meta.url));
 const ENDPOINT = resolve(here, '../adapters/peer/endpoint-main.ts');
@@ -77,21 +82,33 @@ function wire(f: Fabric, hosts: readonly NsHost[]): number {
 }
 
 async function main(): Promise<void> {
-  const { values } = parseArgs({ options: { json: { type: 'string' }, rates: { type: 'string', default: '1,10' }, 'fsync-each': { type: 'boolean', default: false }, 'skip-naive': { type: 'boolean', default: false }, 'skip-cold': { type: 'boolean', default: false }, warmups: { type: 'string', default: '1' } } });
+  const { values } = parseArgs({ options: { json: { type: 'string' }, rates: { type: 'string', default: '1,10' }, 'fsync-each': { type: 'boolean', default: false }, 'skip-naive': { type: 'boolean', default: false }, 'skip-cold': { type: 'boolean', default: false }, warmups: { type: 'string', default: '1' }, content: { type: 'string', default: 'guest' } } });
+  if (values.content !== 'guest' && values.content !== 'synthetic') throw new Error(`--content: "${values.content}" is neither guest nor synthetic`);
   const dir = tempDir('ff-bench-transfer-');
   const fabric = createFabric(2, 'ff-b');
   let daemon: ReturnType<typeof startDaemon> | undefined;
   try {
     const [h0, h1] = fabric.hosts as [NsHost, NsHost];
-    const { mem, disk, pem, srcRoot, store: A, signing, s1 } = await prepareSource(dir);
-    const child = join(dir, 'child.img');
-    const changed = writeChildImage(mem, child, 16 * 1024 * 1024, 7);
-    const s2 = await ingestSnapshot(
-      { snapshotId: 's2', tenantId: 't', parentSnapshotId: 's1', sourceSandboxId: 'sb1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: child }, { kind: ArtifactKind.DISK_LAYER, name: 'disk/0', path: disk }] },
-      A,
-    );
+    let content: { s1: BenchArtifact[]; s2: BenchArtifact[]; changedBytes: number; image: string };
+    if (values.content === 'guest') {
+      const g = await snapshotBootedGuest(dir, (line) => process.stderr.write(`${line}\n`));
+      content = { ...g, image: `booted guest (transfer-guest.ts): 256 MiB tiny guest, accel ${g.accel}, with 32 MiB random + 32 MiB text in tmpfs; diff: a child that wrote 16 MiB` };
+    } else {
+      const s1Files = writeSyntheticSource(dir);
+      const child = join(dir, 'child.img');
+      const changedBytes = writeChildImage(s1Files[0]!.path, child, 16 * 1024 * 1024, 7);
+      content = {
+        s1: s1Files,
+        s2: s1Files.map((a) => (a.kind === ArtifactKind.MEMORY ? { ...a, path: child } : a)),
+        changedBytes,
+        image: 'synthetic (transfer-image.ts): 256 MiB sparse memory, 40 MiB kernel/module pages + 32 MiB random + 32 MiB text; 64 MiB disk layer with 16 MiB of binaries',
+      };
+    }
+    const { pem, srcRoot, store: A, signing, s1 } = await prepareSource(dir, content.s1);
+    const changed = content.changedBytes;
+    const s2 = await ingestSnapshot({ snapshotId: 's2', tenantId: 't', parentSnapshotId: 's1', sourceSandboxId: 'sb1', artifacts: content.s2 }, A);
     await A.manifests.put('s2', signManifest(s2.manifest, signing));
-    const w = await prepareWarmup(dir, mem, disk, A, signing);
+    const w = await prepareWarmup(dir, content.s1, A, signing);
     const s1Digests = manifestDigests(s1.manifest);
     const wDigests = manifestDigests(w.manifest);
     const shared = [...wDigests].filter((d) => s1Digests.has(d) || manifestDigests(s2.manifest).has(d)).length;
@@ -103,7 +120,7 @@ async function main(): Promise<void> {
     const server = fabric.spawn(h0, 'chunk-server', [...NODE, 'serve', '--root', srcRoot, '--listen', `${h0.address}:${port}`, '--trust', pem], srvLog);
     await waitFor('chunk server', async () => readLog(srvLog).includes('"listening"'), 20_000, 50);
     const naiveLog = join(dir, 'naive.log');
-    const naive = fabric.spawn(h0, 'naive-server', [...NODE, 'naive-serve', '--listen', `${h0.address}:${port + 1}`, '--files', `${mem},${disk}`], naiveLog);
+    const naive = fabric.spawn(h0, 'naive-server', [...NODE, 'naive-serve', '--listen', `${h0.address}:${port + 1}`, '--files', content.s1.map((a) => a.path).join(',')], naiveLog);
     await waitFor('naive server', async () => readLog(naiveLog).includes('"listening"'), 20_000, 50);
 
     const ticketFor = (snapshotId: string): string =>
@@ -204,7 +221,7 @@ async function main(): Promise<void> {
     await server.stop(2000);
     await naive.stop(2000);
     const result = {
-      image: 'synthetic (transfer-image.ts): 256 MiB sparse memory, 40 MiB kernel/module pages + 32 MiB random + 32 MiB text; 64 MiB disk layer with 16 MiB of binaries',
+      image: content.image,
       receiver: `seconds/goodput/speedups: long-lived receiver after ${values.warmups} warm-up fetch(es) of a different snapshot (as an agent); cold_*: fresh receiver process per fetch`,
       chunk_size: s1.manifest.chunkSize,
       runs,
