@@ -3,7 +3,7 @@
 // configuration, so settings can be compared at the same machine load. Same endpoint,
 // same link shaping and the same wire-byte counting as transfer.ts.
 //   node --import tsx host-agent/bench/transfer-probe.ts --rate 1 --reps 3 \
-//     --config 'base=' --config 'one=FF_STREAMS=1' [--prof DIR] [--naive]
+//     --config 'base=' --config 'one=FF_STREAMS=1' [--prof DIR] [--naive] [--content synthetic|guest]
 // A config is NAME=ENV[;ENV...] (environment of the fetch process). --prof writes CPU
 // profiles of the fetch and server processes into DIR. --warm: each config fetches through its
 // own long-lived receiver (`fetch-daemon`, as bench:transfer's `seconds`), warmed by one fetch
@@ -17,6 +17,7 @@ import { encodeSignedTicket, signTicket } from '../domain/tickets.ts';
 import { createFabric, readLog, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { tempDir, waitFor } from '../../services/testkit/proc.ts';
 import { prepareSource, prepareWarmup, startDaemon } from './transfer-source.ts';
+import { snapshotBootedGuest } from './transfer-guest.ts';
 import { loadavg } from 'node:os';
 import { execFileSync, spawn } from 'node:child_process';
 
@@ -41,7 +42,7 @@ const ENDPOINT = resolve(here, '../adapters/peer/endpoint-main.ts');
 
 async function main(): Promise<void> {
   const { values } = parseArgs({
-    options: { rate: { type: 'string', default: '1' }, reps: { type: 'string', default: '3' }, config: { type: 'string', multiple: true }, prof: { type: 'string' }, naive: { type: 'boolean', default: false }, 'server-env': { type: 'string', default: '' }, 'server-endpoint': { type: 'string' }, warm: { type: 'boolean', default: false } },
+    options: { rate: { type: 'string', default: '1' }, reps: { type: 'string', default: '3' }, config: { type: 'string', multiple: true }, prof: { type: 'string' }, naive: { type: 'boolean', default: false }, 'server-env': { type: 'string', default: '' }, 'server-endpoint': { type: 'string' }, warm: { type: 'boolean', default: false }, content: { type: 'string', default: 'synthetic' } },
   });
   const configs = (values.config ?? ['base=']).map((c) => {
     const i = c.indexOf('=');
@@ -53,7 +54,9 @@ async function main(): Promise<void> {
   const daemons = new Map<string, ReturnType<typeof startDaemon>>();
   try {
     const [h0, h1] = fabric.hosts as [NsHost, NsHost];
-    const { artifacts, pem, srcRoot, signing, store } = await prepareSource(dir);
+    // guest: a booted guest's snapshot, as bench:transfer's default (transfer-guest.ts).
+    const guest = values.content === 'guest' ? (await snapshotBootedGuest(dir, (line) => process.stderr.write(`${line}\n`))).s1 : undefined;
+    const { artifacts, pem, srcRoot, signing, store } = await prepareSource(dir, guest);
     if (values.warm) await prepareWarmup(dir, artifacts, store, signing);
     const prof = values.prof ? resolve(values.prof) : undefined;
     if (prof) mkdirSync(prof, { recursive: true });
@@ -74,7 +77,7 @@ async function main(): Promise<void> {
     if (values.warm) {
       for (const c of configs) {
         const { ENDPOINT: endpoint = ENDPOINT, ...env } = c.env;
-        const dm = startDaemon(h1, ['env', ...Object.entries(env).map(([k, v]) => `${k}=${v}`), process.execPath, '--import', 'tsx', endpoint, 'fetch-daemon', '--trust', pem], join(dir, `daemon-${c.name}.log`));
+        const dm = startDaemon(h1, ['env', ...Object.entries(env).map(([k, v]) => `${k}=${v}`), process.execPath, ...profArgs(`daemon-${c.name}`), '--import', 'tsx', endpoint, 'fetch-daemon', '--trust', pem], join(dir, `daemon-${c.name}.log`));
         daemons.set(c.name, dm);
         const wu = await dm.ask({ root: join(dir, `warmup-${c.name}`), hostId: 'h1', snapshot: 'w', ticket: ticketFor('w'), sources: `${h0.address}:${port}`, materialise: true });
         if (wu.ok !== true) throw new Error(`warm-up of ${c.name} failed: ${JSON.stringify(wu)}`);

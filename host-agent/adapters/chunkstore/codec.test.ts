@@ -1,6 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import fc from 'fast-check';
 import { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { compressSync as lz4Compress } from 'lz4-napi';
 import { decodeChunk, encodeChunk, isZero, sha256Hex } from './codec.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
@@ -21,8 +22,23 @@ describe('chunk codec', () => {
   it('encodeChunk_whenIncompressible_storesUncompressed', async () => {
     expect((await encodeChunk(randomBytesSeeded(262144, 1))).codec).toBe(Codec.NONE);
     const text = await encodeChunk(textBytes(262144, 1));
-    expect(text.codec).toBe(Codec.LZ4);
+    expect(text.codec).toBe(Codec.ZSTD);
     expect(text.data.length).toBeLessThan(262144 / 2);
+  });
+
+  it('decodeChunk_ofAnLz4ChunkFromAnOlderStore_returnsThePlainBytes', async () => {
+    const plain = textBytes(262144, 5);
+    const chunk = { digest: sha256Hex(plain), codec: Codec.LZ4, size: plain.length, data: lz4Compress(plain) };
+    expect((await decodeChunk(chunk)).equals(plain)).toBe(true);
+  });
+
+  it('decodeChunk_whenZstdFrameClaimsAnotherSize_throwsDigestMismatchWithoutDecoding', async () => {
+    const enc = await encodeChunk(textBytes(262144, 6));
+    // The same data declared as a smaller chunk: the frame's content size no longer matches.
+    await expect(decodeChunk({ ...enc, size: 4096 })).rejects.toThrow(/frame content size/);
+    // A frame that holds more than the chunk's size cannot overrun the output buffer either.
+    const big = await encodeChunk(textBytes(1 << 20, 7));
+    await expect(decodeChunk({ ...big, size: 262144 })).rejects.toBeInstanceOf(DigestMismatchError);
   });
 
   it('decodeChunk_whenBytesFlipped_throwsDigestMismatch', async () => {
@@ -35,7 +51,8 @@ describe('chunk codec', () => {
   });
 
   it('decodeChunk_whenLz4LengthPrefixWrong_throwsDigestMismatchWithoutDecoding', async () => {
-    const enc = await encodeChunk(textBytes(262144, 4));
+    const plain = textBytes(262144, 4);
+    const enc = { digest: sha256Hex(plain), codec: Codec.LZ4, size: plain.length, data: lz4Compress(plain) };
     const t0 = performance.now();
     await expect(decodeChunk({ ...enc, data: Buffer.alloc(enc.data.length, 0xff) })).rejects.toBeInstanceOf(DigestMismatchError);
     expect(performance.now() - t0).toBeLessThan(1000); // no 4 GiB allocation attempt

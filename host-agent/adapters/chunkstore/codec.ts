@@ -1,10 +1,13 @@
-// Chunk encoding: lz4 block compression (lz4-napi), or none when it doesn't help.
-// Chosen by measurement: docs/adr/0007-chunk-format.md.
+// Chunk encoding: zstd level 1 (zstd-napi's native binding), or none when it doesn't help.
+// Chosen by measurement: docs/adr/0007-chunk-format.md. Chunks stored as lz4 (lz4-napi) by
+// earlier versions still decode.
 import { createHash } from 'node:crypto';
-import { compress as lz4Compress, uncompress as lz4Uncompress } from 'lz4-napi';
+import { uncompress as lz4Uncompress } from 'lz4-napi';
 import { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { EncodedChunk } from '../../domain/snapshot-store.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
+import { compressOffloaded } from './verify-pool.ts';
+import { zstdDecompressSync } from './zstd.ts';
 
 export const DEFAULT_CHUNK_SIZE = 256 * 1024;
 
@@ -21,13 +24,13 @@ export function isZero(buf: Buffer): boolean {
 }
 
 /**
- * Compresses on the libuv thread pool (so two cores work in parallel); stores the chunk
- * uncompressed (CODEC_NONE) when compression saves less than 1/16.
+ * Compresses with zstd on the chunk worker pool (so both cores work and the event loop does
+ * not stall); stores the chunk uncompressed (CODEC_NONE) when compression saves less than 1/16.
  */
 export async function encodeChunk(plain: Buffer, digest?: string): Promise<EncodedChunk> {
   const d = digest ?? sha256Hex(plain);
-  const c = await lz4Compress(plain);
-  if (c.length < plain.length - (plain.length >> 4)) return { digest: d, codec: Codec.LZ4, size: plain.length, data: c };
+  const c = await compressOffloaded(plain);
+  if (c.length < plain.length - (plain.length >> 4)) return { digest: d, codec: Codec.ZSTD, size: plain.length, data: c };
   return { digest: d, codec: Codec.NONE, size: plain.length, data: plain };
 }
 
@@ -49,6 +52,9 @@ export async function decodeChunk(chunk: EncodedChunk): Promise<Buffer> {
       } catch (e) {
         throw new DigestMismatchError(chunk.digest, 'lz4 data does not decode', { cause: e });
       }
+      break;
+    case Codec.ZSTD:
+      plain = zstdDecompressSync(chunk.digest, chunk.data, chunk.size);
       break;
     default:
       throw new DigestMismatchError(chunk.digest, `unsupported codec ${chunk.codec}`);

@@ -116,7 +116,7 @@ export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Prom
       createdAt: timestampFromDate(deps.clock.now()),
       vmConfig: input.vmConfig,
       chunkSize,
-      codec: Codec.LZ4,
+      codec: Codec.ZSTD,
       artifacts,
     });
     stats.ms = Math.round(performance.now() - t0);

@@ -15,7 +15,8 @@ import { ChunkCorruptError, DigestMismatchError, SnapshotLeasedError, ManifestIn
 import { encodeChunk, sha256Hex } from './codec.ts';
 import { markOwned } from './buffers.ts';
 import { DIRECT_ALIGN } from './chunk-file.ts';
-import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { ArtifactKind, Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { compressSync as lz4Compress } from 'lz4-napi';
 import { tempDir, sleep } from '../../../services/testkit/proc.ts';
 import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
 
@@ -168,13 +169,24 @@ describe('content-addressed snapshot store', () => {
     expect(data.length).toBe(0); // handed to the worker
     expect(got.equals(plain)).toBe(true);
     expect((await store.readVerified(good.digest)).equals(plain)).toBe(true);
-    // Wrong content for the digest, and undecodable lz4: rejected, nothing stored.
-    for (const bad of [{ ...good, digest: sha256Hex(Buffer.from('other')) }, { ...good, digest: sha256Hex(Buffer.from('x')), data: Buffer.alloc(good.data.length, 0xff) }]) {
+    // Wrong content for the digest, undecodable data, and a frame whose size is not the
+    // chunk's: rejected, nothing stored.
+    for (const bad of [
+      { ...good, digest: sha256Hex(Buffer.from('other')) },
+      { ...good, digest: sha256Hex(Buffer.from('x')), data: Buffer.alloc(good.data.length, 0xff) },
+      { ...good, digest: sha256Hex(Buffer.from('y')), size: 4096 },
+      { ...good, digest: sha256Hex(Buffer.from('z')), codec: Codec.LZ4 },
+    ]) {
       const owned = Buffer.from(bad.data);
       markOwned(owned);
       await expect(store.accept({ ...bad, data: owned })).rejects.toBeInstanceOf(DigestMismatchError);
       expect(await store.has(bad.digest)).toBe(false);
     }
+    // A chunk an older peer sends as lz4 is still taken.
+    const text = textBytes(CS, 5);
+    const lz4 = Buffer.from(lz4Compress(text));
+    markOwned(lz4);
+    expect((await store.accept({ digest: sha256Hex(text), codec: Codec.LZ4, size: CS, data: lz4 })).equals(text)).toBe(true);
     expect(readdirSync(join(dir, 'offload', 'tmp'))).toEqual([]);
   });
 

@@ -1,4 +1,4 @@
-// Receiving a chunk off the main thread: decode (lz4), SHA-256, compare, then write the chunk
+// Receiving a chunk off the main thread: decode (zstd, or lz4 for older stores), SHA-256, compare, then write the chunk
 // file (temp + rename) on a small pool of worker threads. The agent's event loop then only
 // parses gRPC frames and schedules; the per-chunk CPU (hash, lz4, four fs syscalls) runs on
 // the second core. See docs/adr/0008-peer-chunk-transfer.md (issue 4 targets). With
@@ -22,6 +22,7 @@ import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { PAGE, nonZeroRuns } from './sparse.ts';
 import { DIRECT_ALIGN, encodeHeader } from './chunk-file.ts';
+import { ZSTD_BINDING_PATH, ZSTD_LEVEL } from './zstd.ts';
 
 export interface OffloadedAccept {
   readonly digest: string;
@@ -40,13 +41,17 @@ export interface OffloadedAccept {
 }
 
 // Plain JS, run with `eval` and no execArgv (no tsx loader in the worker: it would cost
-// ~1 s of CPU to start). Codec values: NONE = 1, LZ4 = 2 (proto/forkfleet/v1/snapshot.proto).
+// ~1 s of CPU to start). Codec values: NONE = 1, LZ4 = 2, ZSTD = 3 (proto/forkfleet/v1/snapshot.proto).
 const WORKER_SOURCE = `
 'use strict';
 const { parentPort, workerData } = require('node:worker_threads');
 const { createHash } = require('node:crypto');
 const fs = require('node:fs');
 const lz4 = require(workerData.lz4);
+const zstd = require(workerData.zstd); // the native binding (codec.ts ZSTD_BINDING_PATH)
+const dctx = new zstd.DCtx();
+const cctx = new zstd.CCtx();
+let cscratch = Buffer.alloc(0);
 const PAGE = ${PAGE};
 const ZERO_PAGE = Buffer.alloc(PAGE);
 // tsx compiles with keepNames, which wraps nested functions in __name(fn, name).
@@ -94,6 +99,19 @@ function writeDirect(m, h) {
   return written;
 }
 parentPort.on('message', (m) => {
+  if (m.compress) {
+    // encodeChunk (codec.ts): zstd at ZSTD_LEVEL; the result goes back in a buffer of its own.
+    try {
+      const bound = zstd.compressBound(m.compress.length);
+      if (cscratch.length < bound) cscratch = Buffer.allocUnsafe(bound);
+      const n = cctx.compress(cscratch, m.compress, ${ZSTD_LEVEL});
+      const out = new Uint8Array(n);
+      out.set(cscratch.subarray(0, n));
+      return parentPort.postMessage({ id: m.id, compressed: out }, [out.buffer]);
+    } catch (e) {
+      return parentPort.postMessage({ id: m.id, error: 'zstd compress: ' + String(e && e.message || e) });
+    }
+  }
   let plain;
   try {
     if (m.codec === 1) plain = m.data;
@@ -102,6 +120,15 @@ parentPort.on('message', (m) => {
       // decoding, or a garbage prefix makes lz4 allocate up to 4 GiB.
       if (m.data.length < 4 || (m.data[0] | (m.data[1] << 8) | (m.data[2] << 16)) + m.data[3] * 16777216 !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'lz4 data does not decode (length prefix)' });
       try { plain = lz4.uncompressSync(m.data); } catch (e) { return parentPort.postMessage({ id: m.id, mismatch: 'lz4 data does not decode' }); }
+    } else if (m.codec === 3) {
+      // Decode into exactly the chunk's size: a frame that claims or holds more fails.
+      let declared = null;
+      try { declared = zstd.getFrameContentSize(m.data); } catch {}
+      if (declared !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'zstd data does not decode (frame content size)' });
+      plain = Buffer.allocUnsafe(m.size);
+      let n;
+      try { n = dctx.decompress(plain, m.data); } catch (e) { return parentPort.postMessage({ id: m.id, mismatch: 'zstd data does not decode' }); }
+      if (n !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'decoded ' + n + ' bytes, expected ' + m.size });
     } else return parentPort.postMessage({ id: m.id, mismatch: 'unsupported codec ' + m.codec });
     if (plain.length !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'decoded ' + plain.length + ' bytes, expected ' + m.size });
     const got = createHash('sha256').update(plain).digest('hex');
@@ -151,6 +178,7 @@ parentPort.on('message', (m) => {
 interface Reply {
   id: number;
   plain?: Uint8Array;
+  compressed?: Uint8Array;
   placed?: boolean;
   mismatch?: string;
   error?: string;
@@ -167,7 +195,7 @@ let seq = 0;
 const lz4Path = createRequire(import.meta.url).resolve('lz4-napi');
 
 function spawn(): Slot {
-  const worker = new Worker(WORKER_SOURCE, { eval: true, execArgv: [], workerData: { lz4: lz4Path }, env: {} });
+  const worker = new Worker(WORKER_SOURCE, { eval: true, execArgv: [], workerData: { lz4: lz4Path, zstd: ZSTD_BINDING_PATH }, env: {} });
   const slot: Slot = { worker, pending: new Map() };
   worker.unref();
   const fail = (e: unknown): void => {
@@ -183,9 +211,10 @@ function spawn(): Slot {
     slot.pending.delete(r.id);
     if (slot.pending.size === 0) worker.unref();
     if (r.plain) p.resolve(Buffer.from(r.plain.buffer, r.plain.byteOffset, r.plain.byteLength));
+    else if (r.compressed) p.resolve(Buffer.from(r.compressed.buffer, r.compressed.byteOffset, r.compressed.byteLength));
     else if (r.placed) p.resolve(undefined);
     else if (r.mismatch !== undefined) p.reject(new DigestMismatchError(p.digest, r.mismatch));
-    else p.reject(Object.assign(new Error(`storing chunk ${p.digest.slice(0, 16)}: ${r.error ?? 'unknown error'}`), { code: r.code }));
+    else p.reject(Object.assign(new Error(`${p.digest ? `storing chunk ${p.digest.slice(0, 16)}` : 'chunk worker'}: ${r.error ?? 'unknown error'}`), { code: r.code }));
   });
   return slot;
 }
@@ -217,6 +246,23 @@ export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer | undefined>
       // The header is made before `data` is detached (transferred).
       const header = encodeHeader(c);
       slot.worker.postMessage({ id, digest: c.digest, codec: c.codec, size: c.size, header, data: c.data, tmp: c.tmp, final: c.final, fsync: c.fsync, places: c.places }, [c.data.buffer as ArrayBuffer]);
+    } catch (e) {
+      slot.pending.delete(id);
+      if (slot.pending.size === 0) slot.worker.unref();
+      reject(e);
+    }
+  });
+}
+
+/** zstd-compresses `plain` (copied, not detached) on a worker thread (codec.ts encodeChunk). */
+export function compressOffloaded(plain: Uint8Array): Promise<Buffer> {
+  const slot = pick();
+  const id = seq++;
+  return new Promise<Buffer>((resolve, reject) => {
+    slot.pending.set(id, { digest: '', resolve: (b) => resolve(b as Buffer), reject });
+    if (slot.pending.size === 1) slot.worker.ref();
+    try {
+      slot.worker.postMessage({ id, compress: plain });
     } catch (e) {
       slot.pending.delete(id);
       if (slot.pending.size === 0) slot.worker.unref();
