@@ -262,7 +262,9 @@ export function compressOffloaded(plain: Uint8Array): Promise<Buffer> {
     slot.pending.set(id, { digest: '', resolve: (b) => resolve(b as Buffer), reject });
     if (slot.pending.size === 1) slot.worker.ref();
     try {
-      slot.worker.postMessage({ id, compress: plain });
+      // Structured clone copies a view's whole ArrayBuffer: a slice of a bigger one goes alone.
+      const own = plain.byteOffset === 0 && plain.byteLength === plain.buffer.byteLength ? plain : plain.slice();
+      slot.worker.postMessage({ id, compress: own });
     } catch (e) {
       slot.pending.delete(id);
       if (slot.pending.size === 0) slot.worker.unref();
