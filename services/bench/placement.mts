@@ -13,8 +13,12 @@
 //                    once, under fork(count) requests kept `inflight` at a time. Measured
 //                    from the first request to the last fork reaching `succeeded`, so every
 //                    counted child was placed, booked, restored by its agent and marked running.
+//   committed.cpu_us_per_child  CPU (user+sys, /proc ticks) of each process over the same
+//                    span per committed child: leader, API replica, fake agents, etcd, NATS
+//                    and this bench's own gRPC client. On a machine that every process shares,
+//                    committed_per_s is about (cores * 1e6) / their sum.
 import { execFileSync } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { loadavg } from 'node:os';
 import { startEtcd } from '../testkit/etcd.ts';
@@ -28,6 +32,13 @@ import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
+
+/** utime + stime of a process (all threads), ms. */
+function cpuMs(pid: number): number {
+  const f = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  const rest = f.slice(f.lastIndexOf(')') + 2).split(' ');
+  return (Number(rest[11]) + Number(rest[12])) * 10;
+}
 
 function arg(name: string, dflt: string): string {
   const i = process.argv.indexOf(`--${name}`);
@@ -86,6 +97,16 @@ try {
   let next = 0;
   let children = 0;
   const loadAtStart = loadavg()[0] ?? 0;
+  // CPU of every process during the measured part: where a committed child's cost goes.
+  const procs: Record<string, number> = {
+    leader: scheds[leaders.indexOf(true)]?.proc.pid ?? -1,
+    api_replica: apiSched.proc.pid,
+    fake_agents: fakes.proc.pid,
+    etcd: etcd.members[0]!.proc.pid,
+    nats: nats.proc.pid,
+  };
+  const cpu0 = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, cpuMs(pid)]));
+  const client0 = process.cpuUsage();
   const t0 = performance.now();
   const worker = async (): Promise<void> => {
     while (next < FORKS) {
@@ -96,11 +117,17 @@ try {
   };
   await Promise.all(Array.from({ length: INFLIGHT }, () => worker()));
   const seconds = (performance.now() - t0) / 1000;
+  const clientCpu = process.cpuUsage(client0);
+  const cpuPerChild: Record<string, number> = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, Math.round(((cpuMs(pid) - cpu0[k]!) * 1000) / Math.max(1, children))]));
+  // The bench's own gRPC client (this process), which decodes every fork's children.
+  cpuPerChild.bench_client = Math.round((clientCpu.user + clientCpu.system) / Math.max(1, children));
   api.close();
   const out = {
     decide,
     committed_per_s: Math.round(children / seconds),
     committed: { children, forks: FORKS, count: COUNT, inflight: INFLIGHT, hosts: HOSTS, seconds: Number(seconds.toFixed(2)), forks_per_s: Number((FORKS / seconds).toFixed(1)) },
+    // CPU microseconds per committed child, by process, over the measured part (10 ms ticks).
+    cpu_us_per_child: cpuPerChild,
     node: process.version,
     // The machine's 1-minute load when the measured part started and when it ended (our own
     // processes included): compare runs only at similar loads.
