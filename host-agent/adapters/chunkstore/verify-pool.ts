@@ -1,7 +1,8 @@
-// Receiving a chunk off the main thread: decode (zstd, or lz4 for older stores), SHA-256, compare, then write the chunk
-// file (temp + rename) on a small pool of worker threads. The agent's event loop then only
-// parses gRPC frames and schedules; the per-chunk CPU (hash, lz4, four fs syscalls) runs on
-// the second core. See docs/adr/0008-peer-chunk-transfer.md (issue 4 targets). With
+// Receiving a chunk off the main thread: decode (zstd, or lz4 from older stores), SHA-256,
+// compare, then write the chunk file (temp + rename) on a small pool of worker threads. The
+// agent's event loop then only parses gRPC frames and schedules; the per-chunk CPU (hash,
+// decode, four fs syscalls) runs on the second core. The same workers zstd-compress chunks
+// for ingest (`compressOffloaded`). See docs/adr/0008-peer-chunk-transfer.md (issue 4 targets). With
 // `places` (FsChunkStore.acceptInto: a fetch that materialises an image) the worker also
 // writes the plain bytes into the image, asynchronously on the libuv pool, and they never
 // come back to the main thread (ADR 0008, "Warm receiver").
@@ -48,7 +49,7 @@ const { parentPort, workerData } = require('node:worker_threads');
 const { createHash } = require('node:crypto');
 const fs = require('node:fs');
 const lz4 = require(workerData.lz4);
-const zstd = require(workerData.zstd); // the native binding (codec.ts ZSTD_BINDING_PATH)
+const zstd = require(workerData.zstd); // the native binding, as zstd.ts uses it
 const dctx = new zstd.DCtx();
 const cctx = new zstd.CCtx();
 let cscratch = Buffer.alloc(0);
