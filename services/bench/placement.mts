@@ -13,10 +13,10 @@
 //                    once, under fork(count) requests kept `inflight` at a time. Measured
 //                    from the first request to the last fork reaching `succeeded`, so every
 //                    counted child was placed, booked, restored by its agent and marked running.
-//   committed.cpu_us_per_child  CPU (user+sys, /proc ticks) of each process over the same
-//                    span per committed child: leader, API replica, fake agents, etcd, NATS
-//                    and this bench's own gRPC client. On a machine that every process shares,
-//                    committed_per_s is about (cores * 1e6) / their sum.
+//   cpu_us_per_child CPU (user+sys, /proc ticks) of each process over the same span, per
+//                    committed child: leader, API replica, fake agents, etcd, NATS and this
+//                    bench's own gRPC client. On a machine that every process shares,
+//                    committed_per_s is at most about (cores * 1e6) / their sum.
 import { execFileSync } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
