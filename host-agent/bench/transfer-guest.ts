@@ -1,6 +1,6 @@
 // The transfer benchmark's default content: snapshots of a real booted guest.
 //
-// A 256 MiB `tiny` guest (1 vCPU, whatever accel `auto` picks) boots, and its workload puts
+// A 256 MiB `tiny` guest (1 vCPU; accel from FF_ACCEL, default auto, as the agent) boots, and its workload puts
 // 64 MiB into guest RAM (tmpfs): 32 MiB from the guest's /dev/urandom and 32 MiB of log-like
 // text (transfer-image.ts textBytes, written through the guest agent). The VMM driver
 // snapshots it (s1). A child forked from s1 then writes 16 MiB (8 MiB random, 8 MiB text) and
@@ -15,7 +15,7 @@ import { promisify } from 'node:util';
 import { pino } from 'pino';
 import { ensureImage } from '../../deploy/images/build.ts';
 import { QemuVmmDriver } from '../adapters/qemu/driver.ts';
-import type { LocalSnapshot } from '../domain/vmm.ts';
+import type { AccelSetting, LocalSnapshot } from '../domain/vmm.ts';
 import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { textBytes } from './transfer-image.ts';
 
@@ -51,9 +51,11 @@ function artifacts(snap: LocalSnapshot, disk: string): BenchArtifact[] {
  * snapshot files stay under `dir`.
  */
 export async function snapshotBootedGuest(dir: string, log: (line: string) => void): Promise<GuestSnapshots> {
+  const setting = process.env.FF_ACCEL ?? 'auto';
+  if (setting !== 'auto' && setting !== 'kvm' && setting !== 'tcg') throw new Error(`FF_ACCEL: "${setting}" is not kvm, tcg or auto`);
   const image = await ensureImage('tiny');
   const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
-  const driver = new QemuVmmDriver({ root: join(dir, 'vmm'), accel: 'auto', logger, probeImage: image, autoProbeDeadlineMs: 10_000, standby: { max: 0, perSnapshot: 0 } });
+  const driver = new QemuVmmDriver({ root: join(dir, 'vmm'), accel: setting as AccelSetting, logger, probeImage: image, autoProbeDeadlineMs: 10_000, standby: { max: 0, perSnapshot: 0 } });
   try {
     const accel = await driver.resolveAccel();
     const tpl = await driver.create({ vmId: 'tpl', image, memoryMib: 256, vcpus: 1 });
