@@ -17,6 +17,8 @@
 //                    committed child: leader, API replica, fake agents, etcd, NATS and this
 //                    bench's own gRPC client. On a machine that every process shares,
 //                    committed_per_s is at most about (cores * 1e6) / their sum.
+//   per_child        etcd puts / txns / ranges (its /metrics) and NATS messages in / out (its
+//                    /varz) per committed child over the same span.
 import { execFileSync } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
@@ -32,6 +34,14 @@ import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
+
+/** etcd's MVCC counters (its /metrics) and nats-server's message counters (its /varz). */
+async function counters(etcdUrl: string, natsMonitorPort: number): Promise<Record<string, number>> {
+  const metrics = await (await fetch(`${etcdUrl}/metrics`)).text();
+  const metric = (name: string): number => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(metrics)?.[1] ?? NaN);
+  const varz = (await (await fetch(`http://127.0.0.1:${natsMonitorPort}/varz`)).json()) as { in_msgs: number; out_msgs: number };
+  return { etcd_puts: metric('etcd_mvcc_put_total'), etcd_txns: metric('etcd_mvcc_txn_total'), etcd_ranges: metric('etcd_mvcc_range_total'), nats_in_msgs: varz.in_msgs, nats_out_msgs: varz.out_msgs };
+}
 
 /** utime + stime of a process (all threads), ms. */
 function cpuMs(pid: number): number {
@@ -107,6 +117,7 @@ try {
   };
   const cpu0 = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, cpuMs(pid)]));
   const client0 = process.cpuUsage();
+  const count0 = await counters(etcd.endpoints[0]!, nats.monitorPort);
   const t0 = performance.now();
   const worker = async (): Promise<void> => {
     while (next < FORKS) {
@@ -118,6 +129,8 @@ try {
   await Promise.all(Array.from({ length: INFLIGHT }, () => worker()));
   const seconds = (performance.now() - t0) / 1000;
   const clientCpu = process.cpuUsage(client0);
+  const count1 = await counters(etcd.endpoints[0]!, nats.monitorPort);
+  const perChild = Object.fromEntries(Object.entries(count1).map(([k, v]) => [k, Number(((v - count0[k]!) / Math.max(1, children)).toFixed(2))]));
   const cpuPerChild: Record<string, number> = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, Math.round(((cpuMs(pid) - cpu0[k]!) * 1000) / Math.max(1, children))]));
   // The bench's own gRPC client (this process), which decodes every fork's children.
   cpuPerChild.bench_client = Math.round((clientCpu.user + clientCpu.system) / Math.max(1, children));
@@ -128,6 +141,8 @@ try {
     committed: { children, forks: FORKS, count: COUNT, inflight: INFLIGHT, hosts: HOSTS, seconds: Number(seconds.toFixed(2)), forks_per_s: Number((FORKS / seconds).toFixed(1)) },
     // CPU microseconds per committed child, by process, over the measured part (10 ms ticks).
     cpu_us_per_child: cpuPerChild,
+    // etcd puts, transactions and range reads, and NATS messages in and out, per committed child.
+    per_child: perChild,
     node: process.version,
     // The machine's 1-minute load when the measured part started and when it ended (our own
     // processes included): compare runs only at similar loads.
