@@ -10,23 +10,16 @@
 // of the warm-up snapshot `w` into a store of its own. Every fetch gets a new store; all are
 // deleted at the end.
 import { parseArgs } from 'node:util';
-import { rmSync, mkdirSync, readFileSync } from 'node:fs';
+import { rmSync, mkdirSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { encodeSignedTicket, signTicket } from '../domain/tickets.ts';
 import { createFabric, readLog, type NsHost } from '../adapters/peer/netns-testkit.ts';
-import { tempDir, waitFor } from '../../services/testkit/proc.ts';
+import { procCpu, tempDir, waitFor } from '../../services/testkit/proc.ts';
 import { prepareSource, prepareWarmup, startDaemon } from './transfer-source.ts';
 import { snapshotBootedGuest } from './transfer-guest.ts';
 import { loadavg } from 'node:os';
 import { execFileSync, spawn } from 'node:child_process';
-
-/** utime + stime in ms and minor page faults of a process (all threads). */
-function procCpu(pid: number): { ms: number; faults: number } {
-  const f = readFileSync(`/proc/${pid}/stat`, 'utf8');
-  const rest = f.slice(f.lastIndexOf(')') + 2).split(' ');
-  return { ms: (Number(rest[11]) + Number(rest[12])) * 10, faults: Number(rest[7]) };
-}
 
 /** tbf drops and TCP retransmissions in a namespace (cumulative). */
 function linkStats(ns: string): { drops: number; retrans: number } {

@@ -20,12 +20,12 @@
 //   per_child        etcd puts / txns / ranges (its /metrics) and NATS messages in / out (its
 //                    /varz) per committed child over the same span.
 import { execFileSync } from 'node:child_process';
-import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { loadavg } from 'node:os';
 import { startEtcd } from '../testkit/etcd.ts';
 import { startNats } from '../testkit/nats.ts';
-import { waitFor } from '../testkit/proc.ts';
+import { procCpu, waitFor } from '../testkit/proc.ts';
 import { startFakeAgents, startSchedulerProcess } from '../testkit/fleet-procs.ts';
 import type { SchedulerProcess } from '../testkit/fleet-procs.ts';
 import { loadSigningKey } from '../scheduler.ts';
@@ -43,12 +43,6 @@ async function counters(etcdUrl: string, natsMonitorPort: number): Promise<Recor
   return { etcd_puts: metric('etcd_mvcc_put_total'), etcd_txns: metric('etcd_mvcc_txn_total'), etcd_ranges: metric('etcd_mvcc_range_total'), nats_in_msgs: varz.in_msgs, nats_out_msgs: varz.out_msgs };
 }
 
-/** utime + stime of a process (all threads), ms. */
-function cpuMs(pid: number): number {
-  const f = readFileSync(`/proc/${pid}/stat`, 'utf8');
-  const rest = f.slice(f.lastIndexOf(')') + 2).split(' ');
-  return (Number(rest[11]) + Number(rest[12])) * 10;
-}
 
 function arg(name: string, dflt: string): string {
   const i = process.argv.indexOf(`--${name}`);
@@ -115,7 +109,7 @@ try {
     etcd: etcd.members[0]!.proc.pid,
     nats: nats.proc.pid,
   };
-  const cpu0 = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, cpuMs(pid)]));
+  const cpu0 = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, procCpu(pid).ms]));
   const client0 = process.cpuUsage();
   const count0 = await counters(etcd.endpoints[0]!, nats.monitorPort);
   const t0 = performance.now();
@@ -131,7 +125,7 @@ try {
   const clientCpu = process.cpuUsage(client0);
   const count1 = await counters(etcd.endpoints[0]!, nats.monitorPort);
   const perChild = Object.fromEntries(Object.entries(count1).map(([k, v]) => [k, Number(((v - count0[k]!) / Math.max(1, children)).toFixed(2))]));
-  const cpuPerChild: Record<string, number> = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, Math.round(((cpuMs(pid) - cpu0[k]!) * 1000) / Math.max(1, children))]));
+  const cpuPerChild: Record<string, number> = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, Math.round(((procCpu(pid).ms - cpu0[k]!) * 1000) / Math.max(1, children))]));
   // The bench's own gRPC client (this process), which decodes every fork's children.
   cpuPerChild.bench_client = Math.round((clientCpu.user + clientCpu.system) / Math.max(1, children));
   api.close();

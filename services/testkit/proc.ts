@@ -4,7 +4,7 @@
 import { spawn } from 'node:child_process';
 import type { ChildProcess } from 'node:child_process';
 import { createServer } from 'node:net';
-import { mkdtempSync, rmSync, openSync, closeSync } from 'node:fs';
+import { mkdtempSync, rmSync, openSync, closeSync, readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 
@@ -43,6 +43,13 @@ export async function waitFor(what: string, probe: () => Promise<boolean>, timeo
     await sleep(intervalMs);
   }
   throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`, { cause: lastErr });
+}
+
+/** CPU (utime + stime, all threads, in ms: 10 ms ticks) and minor page faults of a process, from /proc. */
+export function procCpu(pid: number): { ms: number; faults: number } {
+  const f = readFileSync(`/proc/${pid}/stat`, 'utf8');
+  const rest = f.slice(f.lastIndexOf(')') + 2).split(' ');
+  return { ms: (Number(rest[11]) + Number(rest[12])) * 10, faults: Number(rest[7]) };
 }
 
 export function pidAlive(pid: number): boolean {
