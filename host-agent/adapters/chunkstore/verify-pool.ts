@@ -23,7 +23,7 @@ import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { PAGE, nonZeroRuns } from './sparse.ts';
 import { DIRECT_ALIGN, encodeHeader } from './chunk-file.ts';
-import { ZSTD_BINDING_PATH, ZSTD_LEVEL } from './zstd.ts';
+import { ZSTD_BINDING_PATH, ZSTD_LEVEL, zstdDecodeExact } from './zstd.ts';
 
 export interface OffloadedAccept {
   readonly digest: string;
@@ -58,6 +58,7 @@ const ZERO_PAGE = Buffer.alloc(PAGE);
 // tsx compiles with keepNames, which wraps nested functions in __name(fn, name).
 const __name = (f) => f;
 const nonZeroRuns = ${nonZeroRuns.toString()};
+const zstdDecodeExact = ${zstdDecodeExact.toString()};
 // Received chunk files are written with O_DIRECT, padded with zeros to DIRECT_ALIGN (the
 // store's reader allows that padding): they skip the page cache, which would hold a second,
 // compressed copy of bytes the materialised image already holds, and on this machine every
@@ -122,14 +123,10 @@ parentPort.on('message', (m) => {
       if (m.data.length < 4 || (m.data[0] | (m.data[1] << 8) | (m.data[2] << 16)) + m.data[3] * 16777216 !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'lz4 data does not decode (length prefix)' });
       try { plain = lz4.uncompressSync(m.data); } catch (e) { return parentPort.postMessage({ id: m.id, mismatch: 'lz4 data does not decode' }); }
     } else if (m.codec === 3) {
-      // Decode into exactly the chunk's size: a frame that claims or holds more fails.
-      let declared = null;
-      try { declared = zstd.getFrameContentSize(m.data); } catch {}
-      if (declared !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'zstd data does not decode (frame content size)' });
-      plain = Buffer.allocUnsafe(m.size);
-      let n;
-      try { n = dctx.decompress(plain, m.data); } catch (e) { return parentPort.postMessage({ id: m.id, mismatch: 'zstd data does not decode' }); }
-      if (n !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'decoded ' + n + ' bytes, expected ' + m.size });
+      // Decode into exactly the chunk's size: a frame that claims or holds more fails (zstd.ts).
+      const r = zstdDecodeExact(zstd, dctx, m.data, m.size);
+      if (typeof r === 'string') return parentPort.postMessage({ id: m.id, mismatch: r });
+      plain = r;
     } else return parentPort.postMessage({ id: m.id, mismatch: 'unsupported codec ' + m.codec });
     if (plain.length !== m.size) return parentPort.postMessage({ id: m.id, mismatch: 'decoded ' + plain.length + ' bytes, expected ' + m.size });
     const got = createHash('sha256').update(plain).digest('hex');
