@@ -118,20 +118,21 @@ function openReceiver(root: string): Receiver {
     rx.phases.missing_done ??= since();
     return r;
   };
+  const mark = (what: 'received' | 'stored'): void => {
+    const t = since();
+    rx.phases[`last_${what}`] = t;
+    rx.phases[`first_${what}`] ??= t;
+  };
   chunks.accept = async (c) => {
-    rx.phases.last_received = since();
-    rx.phases.first_received ??= rx.phases.last_received;
+    mark('received');
     const r = await accept(c);
-    rx.phases.last_stored = since();
-    rx.phases.first_stored ??= rx.phases.last_stored;
+    mark('stored');
     return r;
   };
   chunks.acceptInto = async (c, places) => {
-    rx.phases.last_received = since();
-    rx.phases.first_received ??= rx.phases.last_received;
+    mark('received');
     await acceptInto(c, places);
-    rx.phases.last_stored = since();
-    rx.phases.first_stored ??= rx.phases.last_stored;
+    mark('stored');
   };
   return rx;
 }
