@@ -111,7 +111,8 @@ async function main(): Promise<void> {
     const w = await prepareWarmup(dir, content.s1, A, signing);
     const s1Digests = manifestDigests(s1.manifest);
     const wDigests = manifestDigests(w.manifest);
-    const shared = [...wDigests].filter((d) => s1Digests.has(d) || manifestDigests(s2.manifest).has(d)).length;
+    const s2Digests = manifestDigests(s2.manifest);
+    const shared = [...wDigests].filter((d) => s1Digests.has(d) || s2Digests.has(d)).length;
     if (shared > 0) throw new Error(`warm-up snapshot shares ${shared} chunks with s1/s2`);
     process.stderr.write(`ingest s1 ${JSON.stringify(s1.stats)}\ningest s2 ${JSON.stringify(s2.stats)}\ningest w ${JSON.stringify(w.stats)}\n`);
 
