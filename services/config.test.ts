@@ -28,6 +28,13 @@ describe('compileSchedulerConfig: API edge', () => {
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_RATE_BURST: 'x' }))).toBe('FF_RATE_BURST');
   });
 
+  it('history_defaultsToOneHourRetentionAndFiveMinuteCompaction_zeroTurnsEachOff_andJunkNamesTheVariable', () => {
+    expect(compileSchedulerConfig({}, tls)).toMatchObject({ recordRetentionMs: 3_600_000, etcdCompactIntervalMs: 300_000 });
+    expect(compileSchedulerConfig({}, { ...tls, FF_RECORD_RETENTION: '0s', FF_ETCD_COMPACT_INTERVAL: '0s' })).toMatchObject({ recordRetentionMs: 0, etcdCompactIntervalMs: 0 });
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_RECORD_RETENTION: '10ms' }))).toBe('FF_RECORD_RETENTION');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_ETCD_COMPACT_INTERVAL: 'often' }))).toBe('FF_ETCD_COMPACT_INTERVAL');
+  });
+
   it('parseBytes_acceptsUnitsAndRejectsJunk', () => {
     expect(parseBytes('f', '4MiB')).toBe(4 * 1024 * 1024);
     expect(parseBytes('f', '100')).toBe(100);

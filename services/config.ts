@@ -94,6 +94,14 @@ export interface SchedulerConfig {
   readonly webhooks: readonly WebhookTarget[];
   /** FF_WEBHOOK_RETRY_BASE: first retry delay of a failed webhook delivery (doubling, up to 5m, 8 attempts). */
   readonly webhookRetryBaseMs: number;
+  /**
+   * FF_RECORD_RETENTION: records of destroyed or failed sandboxes and of finished operations
+   * (with their idempotency keys) are deleted this long after their last change; 0s keeps
+   * them forever (etcd then grows without bound). ADR 0017.
+   */
+  readonly recordRetentionMs: number;
+  /** FF_ETCD_COMPACT_INTERVAL: the leader compacts etcd's history this often, keeping one interval of it; 0s: never (etcd's own --auto-compaction must then do it). */
+  readonly etcdCompactIntervalMs: number;
 }
 
 export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig, string>> = {}, env: NodeJS.ProcessEnv = process.env): SchedulerConfig {
@@ -129,6 +137,8 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [en, expiryNotice] = get('expiryNoticeMs', 'FF_SNAPSHOT_EXPIRY_NOTICE', '10m');
   const [wh, webhooks] = get('webhooks', 'FF_WEBHOOKS', '');
   const [wr, webhookRetry] = get('webhookRetryBaseMs', 'FF_WEBHOOK_RETRY_BASE', '1s');
+  const [rr, recordRetention] = get('recordRetentionMs', 'FF_RECORD_RETENTION', '1h');
+  const [ci, compactInterval] = get('etcdCompactIntervalMs', 'FF_ETCD_COMPACT_INTERVAL', '5m');
   if (!tlsCert) throw new InvalidArgumentError(tc, 'is required: the Fleet API serves TLS only (a dev CA and certificate: node --import tsx deploy/pki/pki.ts DIR)');
   if (!tlsKey) throw new InvalidArgumentError(tk, 'is required with FF_TLS_CERT');
   if (!tokens) throw new InvalidArgumentError(tf, 'is required: per-tenant bearer tokens (mint one: npm run forkfleet -- token mint --tenant NAME --tokens-file FILE)');
@@ -163,6 +173,8 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     expiryNoticeMs: parseDuration(en, expiryNotice),
     webhooks: webhooks ? parseWebhookTargets(wh, webhooks.startsWith('@') ? readFileSync(webhooks.slice(1), 'utf8') : webhooks) : [],
     webhookRetryBaseMs: parseDuration(wr, webhookRetry),
+    recordRetentionMs: parseDuration(rr, recordRetention),
+    etcdCompactIntervalMs: parseDuration(ci, compactInterval),
   };
   if (cfg.maxRecvBytes < 64 * 1024) throw new InvalidArgumentError(mr, 'must be at least 64KiB');
   if (cfg.maxSendBytes < 64 * 1024) throw new InvalidArgumentError(ms, 'must be at least 64KiB');
@@ -170,6 +182,8 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   if (!(cfg.ratePerSecond >= 0)) throw new InvalidArgumentError(rp, 'must be a number >= 0 (0: no default limit)');
   if (!Number.isInteger(cfg.rateBurst) || cfg.rateBurst < 1) throw new InvalidArgumentError(rb, 'must be an integer >= 1');
   if (!Number.isInteger(cfg.electionTtlSeconds) || cfg.electionTtlSeconds < 1) throw new InvalidArgumentError(et, 'must be a whole number of seconds, at least 1s');
+  if (cfg.recordRetentionMs !== 0 && cfg.recordRetentionMs < 1000) throw new InvalidArgumentError(rr, 'must be 0s (keep forever) or at least 1s');
+  if (cfg.etcdCompactIntervalMs !== 0 && cfg.etcdCompactIntervalMs < 1000) throw new InvalidArgumentError(ci, 'must be 0s (never) or at least 1s');
   if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, 'must be longer than FF_HOST_SUSPECT_AFTER');
   if (!Number.isInteger(cfg.stepAttempts) || cfg.stepAttempts < 1 || cfg.stepAttempts > 20) throw new InvalidArgumentError(sat, 'must be an integer in [1, 20]');
   if (!Number.isInteger(cfg.chunkBytes) || cfg.chunkBytes < 4096) throw new InvalidArgumentError(cb, 'must be an integer >= 4096');

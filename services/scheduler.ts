@@ -24,6 +24,7 @@ import { Fleet } from './domain/fleet.ts';
 import { Executor } from './domain/executor.ts';
 import { DEFAULT_RETRY, WebhookDispatcher } from './domain/webhooks.ts';
 import { EtcdDeliveryLog } from './adapters/etcd/webhook-log.ts';
+import { Compactor } from './domain/history.ts';
 import { fetchPoster } from './adapters/http/webhook-poster.ts';
 import { HeartbeatRegistry } from './domain/fleet-view.ts';
 import { systemClock } from './domain/ports.ts';
@@ -152,6 +153,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     metricsAddress = typeof a === 'object' && a ? `${h}:${a.port}` : config.metricsAddr;
   }
 
+  const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes and finished operations deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
   const executor = new Executor({
     store,
     bus,
@@ -162,19 +164,24 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       ticket: (snapshotId, destinationHostId) => signTicket({ snapshotId, destinationHostId, expiresAt: new Date(clock.now() + 10 * 60_000) }, signing),
       manifest: (bytes) => ({ signature: sign(null, bytes, signing.privateKey), keyId: signing.keyId }),
     },
-    config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs, migrateMaxChildren: config.migrateMaxChildren },
+    config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs, migrateMaxChildren: config.migrateMaxChildren, recordRetentionMs: config.recordRetentionMs },
     submit: (tenantId, key, kind, targetId, input) => fleet.submit(tenantId, key, kind, targetId, input),
     onFinished: (kind, ok, seconds) => {
       metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });
       metrics.opSeconds.observe({ kind }, seconds);
     },
+    onExpired: (sandboxes, ops) => {
+      expired.inc({ kind: 'sandbox' }, sandboxes);
+      expired.inc({ kind: 'operation' }, ops);
+    },
   });
 
   // Webhooks go out from the leader only (services/domain/webhooks.ts).
+  const deliveries = new EtcdDeliveryLog(store.etcd);
   const webhookAttempts = new Counter({ name: 'forkfleet_webhook_attempts_total', help: 'Webhook delivery attempts, by outcome (delivered, retry, failed).', labelNames: ['result'], registers: [registry] });
   const webhooks = new WebhookDispatcher({
     store,
-    deliveries: new EtcdDeliveryLog(store.etcd),
+    deliveries,
     poster: fetchPoster,
     clock,
     log: log.child({ component: 'webhooks' }),
@@ -182,6 +189,26 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     retry: { ...DEFAULT_RETRY, baseDelayMs: config.webhookRetryBaseMs },
     onAttempt: (result) => webhookAttempts.inc({ result }),
   });
+
+  // etcd history is compacted by the leader (domain/history.ts), never past the webhook cursor.
+  const compactedTo = new Gauge({ name: 'forkfleet_etcd_compacted_revision', help: 'The etcd revision the leader last compacted history to.', registers: [registry] });
+  const compactor = new Compactor(
+    {
+      store,
+      // The dispatcher replays from cursor + 1 after a restart: that revision must stay readable.
+      ...(config.webhooks.length > 0
+        ? {
+            floor: async () => {
+              const cursor = await deliveries.cursor();
+              return cursor > 0 ? cursor + 1 : undefined;
+            },
+          }
+        : {}),
+      onCompacted: (rev) => compactedTo.set(rev),
+      onError: (err) => log.warn({ err }, 'etcd compaction failed'),
+    },
+    config.etcdCompactIntervalMs,
+  );
 
   const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
   let closing = false;
@@ -194,10 +221,12 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       log.info({ id: config.id }, 'elected leader');
       await executor.start();
       await webhooks.start();
+      compactor.start();
     });
   election.onLost(() => {
     metrics.leader.set(0);
     log.error('lost leadership; stepping down and campaigning again');
+    compactor.stop();
     void Promise.all([executor.stop(), webhooks.stop()]).then(() => {
       if (!closing) campaign().catch((err: unknown) => log.error({ err }, 'leader campaign failed'));
     });
@@ -214,6 +243,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     leader,
     async close() {
       closing = true;
+      compactor.stop();
       await Promise.all([executor.stop(), webhooks.stop()]);
       await election.resign();
       await grpc.close(1000);

@@ -22,6 +22,8 @@ import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../s
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
 import { planRetention } from './retention.ts';
+import { commitPurge, expiredRecords, finishedOpOf } from './history.ts';
+import type { FinishedOp } from './history.ts';
 import { isForkfleetError } from '../../proto/errors.ts';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
@@ -45,6 +47,12 @@ export interface ExecutorConfig {
    * nor serves a transfer wave.
    */
   migrateMaxChildren?: number;
+  /**
+   * Records of destroyed or failed sandboxes and of finished operations (with their
+   * idempotency keys) are deleted this long after their last change (history.ts;
+   * FF_RECORD_RETENTION). 0 or absent: kept forever.
+   */
+  recordRetentionMs?: number;
 }
 
 /** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
@@ -67,6 +75,8 @@ export interface ExecutorDeps {
   submit?: (tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>) => Promise<OperationRec>;
   /** Observability hook: every finished operation (adapters turn it into metrics). */
   onFinished?: (kind: OperationRec['kind'], ok: boolean, seconds: number) => void;
+  /** Observability hook: records deleted by the history retention (history.ts), per pass. */
+  onExpired?: (sandboxes: number, ops: number) => void;
 }
 
 type Waiter = { resolve: (r: HostResultMsg | undefined) => void };
@@ -139,6 +149,10 @@ function writeKey(w: StoreWrite): string {
       return `idem/${w.tenantId}/${w.key}`;
     case 'delete-sandbox':
       return `sandbox/${w.tenantId}/${w.id}`;
+    case 'delete-op':
+      return `op/${w.tenantId}/${w.id}`;
+    case 'delete-idem':
+      return `idem/${w.tenantId}/${w.key}`;
   }
 }
 
@@ -240,6 +254,11 @@ export class Executor {
   /** Every sandbox record, by `<tenant>/<id>`, kept by a watch while leading (the lifecycle rules read it). */
   private readonly sandboxIndex = new Map<string, Versioned<SandboxRec>>();
   private sandboxIndexReady = false;
+  /**
+   * Finished operations, by `<tenant>/<id>`, until their records expire (history.ts): from
+   * the leader's start-up list, its own final writes and the op watch.
+   */
+  private readonly finishedOps = new Map<string, FinishedOp>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
 
@@ -262,8 +281,9 @@ export class Executor {
     await this.cache.load(this.deps.store);
     // Ops this leader already runs are skipped undecoded: it wrote them itself (commit keeps
     // its copy), and a stale copy only costs a guarded write a re-read.
-    this.stops.push(await this.deps.store.watchOps((op, rev) => this.maybeRun(op, rev), { only: (_tenantId, id) => !this.running.has(id) }));
-    for (const v of await this.deps.store.listOps({ activeOnly: true })) this.maybeRun(v.value, v.modRevision);
+    this.stops.push(await this.deps.store.watchOps((op, rev) => this.onOp({ value: op, modRevision: rev }), { only: (_tenantId, id) => !this.running.has(id) }));
+    this.finishedOps.clear();
+    for (const v of await this.deps.store.listOps({ activeOnly: false })) this.onOp(v);
     // The sandboxes, listed once and then followed by a watch: the lifecycle rules read this
     // index instead of listing the largest prefix in etcd every 2 s (a list that grows with
     // the fleet, where the watch costs only what changes).
@@ -299,34 +319,68 @@ export class Executor {
       );
     // One pass at a time: an overlapping pass would write host records with guards the
     // running pass is about to make stale (every such write conflicts).
-    let hostsBusy = false;
+    this.every(1000, 'host reconcile', () => this.reconcileHosts());
+    if (this.deps.submit) {
+      this.every(2000, 'lifecycle reconcile', async () => {
+        const sbs = this.sandboxIndexReady ? [...this.sandboxIndex.values()] : await this.deps.store.listSandboxes(undefined);
+        await this.reconcileLifecycles(sbs);
+        await this.reconcileRetention(sbs);
+      });
+    }
+    const retention = this.deps.config.recordRetentionMs ?? 0;
+    if (retention > 0) this.every(Math.min(30_000, Math.max(500, retention / 2)), 'expiring old records', () => this.expireHistory());
+  }
+
+  /** Runs `pass` every `ms` while leading, never two at once; a failed pass is logged. */
+  private every(ms: number, what: string, pass: () => Promise<unknown>): void {
+    let busy = false;
     const t = setInterval(() => {
-      if (hostsBusy) return;
-      hostsBusy = true;
-      this.reconcileHosts()
-        .catch((e: unknown) => this.log.warn({ err: e }, 'host reconcile failed'))
-        .finally(() => (hostsBusy = false));
-    }, 1000);
-    let lifecycleBusy = false;
-    const lt = setInterval(() => {
-      if (lifecycleBusy || !this.deps.submit) return;
-      lifecycleBusy = true;
-      (this.sandboxIndexReady ? Promise.resolve([...this.sandboxIndex.values()]) : this.deps.store.listSandboxes(undefined))
-        .then(async (sbs) => {
-          await this.reconcileLifecycles(sbs);
-          await this.reconcileRetention(sbs);
-        })
-        .catch((e: unknown) => this.log.warn({ err: e }, 'lifecycle reconcile failed'))
-        .finally(() => (lifecycleBusy = false));
-    }, 2000);
-    this.stops.push(() => clearInterval(lt));
+      if (busy) return;
+      busy = true;
+      pass()
+        .catch((e: unknown) => this.log.warn({ err: e }, `${what} failed`))
+        .finally(() => (busy = false));
+    }, ms);
     this.stops.push(() => clearInterval(t));
+  }
+
+  /** An op record from the start-up list or the watch: run it, or remember it finished. */
+  private onOp(v: Versioned<OperationRec>): void {
+    const f = finishedOpOf(v);
+    if (f) this.finishedOps.set(`${f.tenantId}/${f.id}`, f);
+    else this.maybeRun(v.value, v.modRevision);
+  }
+
+  /**
+   * Deletes the records that the history retention expires (history.ts), each guarded by the
+   * revision the leader holds. At most 100,000 a pass (a pass every 30 s keeps up with ~3,000
+   * expiring records a second; a longer backlog, e.g. the first pass after an upgrade, takes
+   * several passes).
+   */
+  async expireHistory(): Promise<{ sandboxes: number; ops: number }> {
+    const retention = this.deps.config.recordRetentionMs ?? 0;
+    if (!this.active || retention <= 0) return { sandboxes: 0, ops: 0 };
+    // Ops only with their idempotency key: deleting an op of an older record (no key recorded)
+    // would leave its key pointing at nothing, and a retry of that key could never submit.
+    const ops = [...this.finishedOps.values()].filter((o) => o.idempotencyKey);
+    const plan = expiredRecords(this.sandboxIndexReady ? this.sandboxIndex.values() : [], ops, this.deps.clock.now(), retention, 100_000);
+    if (plan.writes.length === 0) return { sandboxes: 0, ops: 0 };
+    await commitPurge({ commit: async (w) => (await this.commit([...w])) > 0 }, plan.writes);
+    // A delete whose guard failed: the record changed; the watch brings its new copy back.
+    for (const g of plan.writes) {
+      const w = g[0]!;
+      if (w.kind === 'delete-op') this.finishedOps.delete(`${w.tenantId}/${w.id}`);
+    }
+    this.log.info({ sandboxes: plan.sandboxes, ops: plan.ops, retentionMs: retention }, 'expired old records');
+    this.deps.onExpired?.(plan.sandboxes, plan.ops);
+    return { sandboxes: plan.sandboxes, ops: plan.ops };
   }
 
   async stop(): Promise<void> {
     this.active = false;
     for (const s of this.stops.splice(0)) await s();
     this.ops.clear();
+    this.finishedOps.clear();
     this.term++;
     this.sandboxIndexReady = false;
     this.sandboxIndex.clear();
@@ -383,7 +437,11 @@ export class Executor {
       for (const w of writes) {
         if (w.kind === 'host' || w.kind === 'alloc' || w.kind === 'snapshot') this.cache.apply({ kind: w.kind, value: { value: w.value, modRevision: rev } } as FleetChange);
         else if (w.kind === 'sandbox' && this.active) this.indexSandbox({ value: w.value, modRevision: rev });
+        else if (w.kind === 'delete-sandbox') this.sandboxIndex.delete(`${w.tenantId}/${w.id}`);
+        else if (w.kind === 'delete-op') this.finishedOps.delete(`${w.tenantId}/${w.id}`);
         else if (w.kind === 'op' && isTerminal(w.value.state)) {
+          const f = finishedOpOf({ value: w.value, modRevision: rev });
+          if (f && this.active) this.finishedOps.set(`${f.tenantId}/${f.id}`, f);
           this.finishedAt.set(w.value.id, rev);
           if (this.finishedAt.size > 10_000) this.finishedAt.delete(this.finishedAt.keys().next().value as string);
         } else if (w.kind === 'op' && this.running.has(w.value.id)) this.ops.set(w.value.id, { value: w.value, modRevision: rev });

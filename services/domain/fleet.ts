@@ -135,6 +135,7 @@ export class Fleet {
       result: null,
       error: null,
       steps: {},
+      idempotencyKey: key,
     };
     const ok = await this.deps.store.commit([
       { kind: 'idem', tenantId, key, opId: op.id, expectRevision: 0 },

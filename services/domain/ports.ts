@@ -33,7 +33,9 @@ export type StoreWrite =
   | { kind: 'host'; value: HostRec; expectRevision?: number }
   | { kind: 'alloc'; value: HostAllocRec; expectRevision?: number }
   | { kind: 'idem'; tenantId: string; key: string; opId: string; expectRevision?: number }
-  | { kind: 'delete-sandbox'; tenantId: string; id: string; expectRevision?: number };
+  | { kind: 'delete-sandbox'; tenantId: string; id: string; expectRevision?: number }
+  | { kind: 'delete-op'; tenantId: string; id: string; expectRevision?: number }
+  | { kind: 'delete-idem'; tenantId: string; key: string; expectRevision?: number };
 
 export interface FleetStore {
   getSandbox(tenantId: string, id: string): Promise<Versioned<SandboxRec> | undefined>;
@@ -83,6 +85,13 @@ export interface FleetStore {
    * that store revision on (when the store still has them); default: after now.
    */
   watchRecords(onChange: (change: RecordChange) => void, opts?: { fromRevision?: number }): Promise<() => void>;
+  /** The store's current revision (a linearizable read). */
+  revision(): Promise<number>;
+  /**
+   * Drops the history of every key before `revision` (etcd compaction): reads and watches
+   * from an older revision fail from then on. A revision already compacted is no error.
+   */
+  compact(revision: number): Promise<void>;
 }
 
 /**

@@ -198,6 +198,8 @@ export interface OperationRec {
   error: OperationError | null;
   /** Host steps dispatched: stepId -> host and status. */
   steps: Record<string, { hostId: string; status: 'sent' | 'done' | 'failed'; attempt: number }>;
+  /** The idempotency key it was submitted with: deleted with the record when it expires (history.ts). */
+  idempotencyKey?: string;
 }
 
 export function isTerminal(s: OperationState): boolean {

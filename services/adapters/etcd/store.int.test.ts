@@ -1,5 +1,5 @@
-// EtcdFleetStore against a real etcd: listing a prefix larger than one page, and the op
-// watch's key filter.
+// EtcdFleetStore against a real etcd: listing a prefix larger than one page, the op
+// watch's key filter, compaction and guarded deletes.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { startEtcd } from '../../testkit/etcd.ts';
 import type { EtcdCluster } from '../../testkit/etcd.ts';
@@ -117,6 +117,35 @@ describe('EtcdFleetStore', () => {
     expect(seen.sort()).toEqual(['alloc:h-known:2', 'sb:sb-k1:paused']);
     stopSb();
     stopFleet();
+  }, 30_000);
+
+  it('compact_dropsTheHistoryBeforeItsRevision_andCompactingAgainOrOlderIsNoError', async () => {
+    const key = 'sb-history';
+    const r1 = await store.commitAt([{ kind: 'sandbox', value: sandbox('hist', key) }]);
+    const r2 = await store.commitAt([{ kind: 'sandbox', value: { ...sandbox('hist', key), state: 'paused' } }]);
+    expect(await store.revision()).toBeGreaterThanOrEqual(r2);
+    const at = (rev: number) => store.etcd.get(`/ff/v1/sandboxes/hist/${key}`).revision(String(rev)).json() as Promise<SandboxRec | null>;
+    expect((await at(r1))?.state).toBe('running');
+    await store.compact(r2);
+    await expect(at(r1)).rejects.toThrow(/compacted/i);
+    expect((await at(r2))?.state).toBe('paused');
+    await store.compact(r2);
+    await store.compact(r1);
+    // A list after the compaction still reads every record.
+    expect((await store.listSandboxes('hist')).map((v) => v.value.state)).toEqual(['paused']);
+  }, 30_000);
+
+  it('commit_ofAGuardedOpDeleteWithItsKey_deletesBothOnlyWhileTheOpIsUnchanged', async () => {
+    const op = (id: string, state: OperationRec['state']): OperationRec => ({ id, tenantId: 'del', kind: 'create', targetId: 'x', state, input: {}, result: null, error: null, progress: { done: 0, total: 1, message: '', bytesTransferred: 0 }, steps: {}, createdAt: 0, updatedAt: 0, idempotencyKey: `key-${id}` });
+    const rev = await store.commitAt([{ kind: 'op', value: op('op-d1', 'succeeded') }, { kind: 'idem', tenantId: 'del', key: 'key-op-d1', opId: 'op-d1' }]);
+    // A stale guard (the op changed since it was read): nothing is deleted.
+    await store.commit([{ kind: 'op', value: op('op-d1', 'failed') }]);
+    expect(await store.commit([{ kind: 'delete-op', tenantId: 'del', id: 'op-d1', expectRevision: rev }, { kind: 'delete-idem', tenantId: 'del', key: 'key-op-d1' }])).toBe(false);
+    expect(await store.getIdempotent('del', 'key-op-d1')).toBe('op-d1');
+    const cur = (await store.getOp('del', 'op-d1'))!;
+    expect(await store.commit([{ kind: 'delete-op', tenantId: 'del', id: 'op-d1', expectRevision: cur.modRevision }, { kind: 'delete-idem', tenantId: 'del', key: 'key-op-d1' }])).toBe(true);
+    expect(await store.getOp('del', 'op-d1')).toBeUndefined();
+    expect(await store.getIdempotent('del', 'key-op-d1')).toBeUndefined();
   }, 30_000);
 
   it('watchOps_withOnly_deliversJustTheAcceptedOps', async () => {

@@ -38,6 +38,10 @@ function keyOf(w: StoreWrite): string {
       return keys.idem(w.tenantId, w.key);
     case 'delete-sandbox':
       return keys.sandbox(w.tenantId, w.id);
+    case 'delete-op':
+      return keys.op(w.tenantId, w.id);
+    case 'delete-idem':
+      return keys.idem(w.tenantId, w.key);
   }
 }
 
@@ -46,6 +50,8 @@ function valueOf(w: StoreWrite): string | undefined {
     case 'idem':
       return w.opId;
     case 'delete-sandbox':
+    case 'delete-op':
+    case 'delete-idem':
       return undefined;
     default:
       return JSON.stringify(w.value);
@@ -197,6 +203,21 @@ export class EtcdFleetStore implements FleetStore {
     });
     const res = await txn.then(...ops).commit();
     return res.succeeded ? Number(res.header.revision) : 0;
+  }
+
+  async revision(): Promise<number> {
+    // A read of a key that never exists: the answer's header carries the store revision.
+    return Number((await this.client.get(PREFIX + '__never__').exec()).header.revision);
+  }
+
+  async compact(revision: number): Promise<void> {
+    try {
+      await this.client.kv.compact({ revision: String(revision) });
+    } catch (e) {
+      // Compacted already (by us, another replica or etcd's own auto-compaction): done.
+      if (/compacted/i.test(e instanceof Error ? e.message : String(e))) return;
+      throw e;
+    }
   }
 
   async watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts: { only?: (tenantId: string, id: string) => boolean } = {}): Promise<() => void> {

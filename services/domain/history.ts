@@ -1,0 +1,162 @@
+// Bounded fleet history in etcd (ADR 0017). Without this the store only grows:
+//   - etcd keeps every revision of every key until it is compacted. A committed fork child
+//     costs ~2.3 KB of etcd database (bench:placement), so at a few thousand children a
+//     second the default 2 GiB backend quota fills within minutes, etcd raises its NOSPACE
+//     alarm and refuses every write: the whole fleet stops.
+//   - records of destroyed sandboxes and finished operations (and their idempotency keys)
+//     were kept forever, and every scan that lists them (leader start, quota admission,
+//     ListSandboxes) grew with the fleet's whole past.
+// So the leader
+//   - compacts etcd every `compactEveryMs` down to the revision it read one interval earlier
+//     (at least one interval of history stays, as the Kubernetes API server does it), never
+//     past `floor()` (the webhook cursor: events not yet recorded for delivery stay
+//     replayable);
+//   - deletes the records of sandboxes that are destroyed or failed, and of operations that
+//     are finished, `retentionMs` after their last change. An operation's idempotency key
+//     goes with it: a retry of the same key within the retention window gets the same
+//     operation back, a later one starts a new operation. Lost sandboxes are kept (their
+//     host may come back, or the user restores them); snapshot records are kept (retention
+//     rules and hosts' holdings refer to them).
+import type { FleetStore, StoreWrite, Versioned } from './ports.ts';
+import type { OperationRec, SandboxRec, SandboxState } from './records.ts';
+import { isTerminal } from './records.ts';
+
+/** Sandbox states whose records expire: nothing runs, books capacity or can come back. */
+export const EXPIRING_SANDBOX_STATES: ReadonlySet<SandboxState> = new Set(['destroyed', 'failed']);
+
+/** What the leader knows of a finished operation, enough to delete it and its key. */
+export interface FinishedOp {
+  readonly tenantId: string;
+  readonly id: string;
+  /** The user's idempotency key (absent on records written before it was recorded). */
+  readonly idempotencyKey?: string | undefined;
+  readonly updatedAt: number;
+  readonly modRevision: number;
+}
+
+export function finishedOpOf(v: Versioned<OperationRec>): FinishedOp | undefined {
+  const op = v.value;
+  if (!isTerminal(op.state)) return undefined;
+  return { tenantId: op.tenantId, id: op.id, idempotencyKey: op.idempotencyKey, updatedAt: op.updatedAt, modRevision: v.modRevision };
+}
+
+/**
+ * The deletes that expire records older than `retentionMs` at `now`, each guarded by the
+ * revision it was read at (a record changed since is not deleted). At most `max` records.
+ * Pure.
+ */
+export function expiredRecords(
+  sandboxes: Iterable<Versioned<SandboxRec>>,
+  ops: Iterable<FinishedOp>,
+  now: number,
+  retentionMs: number,
+  max = Infinity,
+): { writes: StoreWrite[][]; sandboxes: number; ops: number } {
+  const cutoff = now - retentionMs;
+  const writes: StoreWrite[][] = [];
+  let nSb = 0;
+  let nOps = 0;
+  for (const v of sandboxes) {
+    if (nSb + nOps >= max) break;
+    const sb = v.value;
+    if (!EXPIRING_SANDBOX_STATES.has(sb.state) || sb.updatedAt > cutoff) continue;
+    writes.push([{ kind: 'delete-sandbox', tenantId: sb.tenantId, id: sb.id, expectRevision: v.modRevision }]);
+    nSb++;
+  }
+  for (const op of ops) {
+    if (nSb + nOps >= max) break;
+    if (op.updatedAt > cutoff) continue;
+    // The op and its key go together; the key is not guarded (it never changes once written).
+    const del: StoreWrite[] = [{ kind: 'delete-op', tenantId: op.tenantId, id: op.id, expectRevision: op.modRevision }];
+    if (op.idempotencyKey) del.push({ kind: 'delete-idem', tenantId: op.tenantId, key: op.idempotencyKey });
+    writes.push(del);
+    nOps++;
+  }
+  return { writes, sandboxes: nSb, ops: nOps };
+}
+
+/** Deletes per transaction: under etcd's default --max-txn-ops of 128 with their guards. */
+const PURGE_BATCH = 50;
+
+/**
+ * Commits `groups` (each group is one record's deletes) in transactions of up to PURGE_BATCH
+ * writes. A transaction whose guards no longer hold (a record changed or went meanwhile) is
+ * retried group by group, so one changed record never keeps the others. Returns how many
+ * groups were deleted.
+ */
+export async function commitPurge(store: Pick<FleetStore, 'commit'>, groups: readonly StoreWrite[][]): Promise<number> {
+  let deleted = 0;
+  for (let i = 0; i < groups.length; ) {
+    const batch: StoreWrite[][] = [];
+    let n = 0;
+    while (i < groups.length && (batch.length === 0 || n + groups[i]!.length <= PURGE_BATCH)) {
+      n += groups[i]!.length;
+      batch.push(groups[i++]!);
+    }
+    if (await store.commit(batch.flat())) {
+      deleted += batch.length;
+      continue;
+    }
+    for (const g of batch) if (await store.commit(g)) deleted++;
+  }
+  return deleted;
+}
+
+export interface CompactorDeps {
+  readonly store: Pick<FleetStore, 'revision' | 'compact'>;
+  /** Compaction never goes past this revision (the webhook cursor); undefined: no floor. */
+  readonly floor?: () => Promise<number | undefined>;
+  readonly onCompacted?: (revision: number) => void;
+  readonly onError?: (e: unknown) => void;
+}
+
+/**
+ * Leader-only etcd compaction: every tick, compact to the revision read at the previous
+ * tick, so at least one interval of history is always kept (watchers that fall behind by
+ * less than that resume where they were).
+ */
+export class Compactor {
+  private timer: NodeJS.Timeout | undefined;
+  private previous = 0;
+  private busy = false;
+
+  constructor(
+    private readonly deps: CompactorDeps,
+    private readonly everyMs: number,
+  ) {}
+
+  start(): void {
+    if (this.everyMs <= 0 || this.timer) return;
+    this.previous = 0;
+    this.timer = setInterval(() => void this.tick(), this.everyMs);
+    this.timer.unref();
+    void this.tick();
+  }
+
+  stop(): void {
+    if (this.timer) clearInterval(this.timer);
+    this.timer = undefined;
+  }
+
+  /** One step: compacts to the revision the previous step read (bounded by the floor), then reads the current one. Returns the revision compacted to, or 0. */
+  async tick(): Promise<number> {
+    if (this.busy) return 0;
+    this.busy = true;
+    try {
+      const target = this.previous;
+      this.previous = await this.deps.store.revision();
+      if (target <= 0) return 0;
+      const floor = this.deps.floor ? await this.deps.floor() : undefined;
+      const to = floor === undefined ? target : Math.min(target, floor);
+      if (to <= 0) return 0;
+      await this.deps.store.compact(to);
+      this.deps.onCompacted?.(to);
+      return to;
+    } catch (e) {
+      this.deps.onError?.(e);
+      return 0;
+    } finally {
+      this.busy = false;
+    }
+  }
+}

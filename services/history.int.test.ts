@@ -1,0 +1,123 @@
+// Bounded history (services/domain/history.ts, ADR 0017) with real etcd, real nats-server,
+// a scheduler process and fake host agents: expired records go, live ones stay, a new
+// leader expires what the old one finished, and etcd's history is compacted.
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { startEtcd } from './testkit/etcd.ts';
+import type { EtcdCluster } from './testkit/etcd.ts';
+import { startNats } from './testkit/nats.ts';
+import type { NatsServer } from './testkit/nats.ts';
+import { waitFor } from './testkit/proc.ts';
+import { startFakeAgents, startSchedulerProcess } from './testkit/fleet-procs.ts';
+import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.ts';
+import { loadSigningKey } from './scheduler.ts';
+import { EtcdFleetStore } from './adapters/etcd/store.ts';
+import { keys } from './adapters/etcd/keys.ts';
+import type { Client } from './adapters/grpc/rpc.ts';
+import type { RpcError } from './adapters/grpc/status.ts';
+import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { status as Status } from '@grpc/grpc-js';
+
+type Fleet = Client<(typeof FleetService)['method']>;
+const tenantId = 't1';
+const RETENTION = '3s';
+
+describe('history retention and etcd compaction (real etcd, NATS, fake agents)', () => {
+  let etcd: EtcdCluster;
+  let nats: NatsServer;
+  let dir: string;
+  let store: EtcdFleetStore;
+  let fakes: FakeAgentsProcess;
+  let signingKeyPath: string;
+  const scheds: SchedulerProcess[] = [];
+  let api: Fleet;
+
+  const start = async (id: string): Promise<SchedulerProcess> => {
+    const s = await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env: { FF_RECORD_RETENTION: RETENTION, FF_ETCD_COMPACT_INTERVAL: '1s', FF_ELECTION_TTL: '1s' } });
+    scheds.push(s);
+    return s;
+  };
+  const ok = async (op: Operation): Promise<Operation> => {
+    const f = await api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 30n } }, { timeoutMs: 40_000 });
+    if (f.state !== OperationState.SUCCEEDED) throw new Error(`operation ${op.id} ${OperationState[f.state]}: ${f.error?.message}`);
+    return f;
+  };
+  const create = async (idempotencyKey: string): Promise<{ op: Operation; sandboxId: string }> => {
+    const op = await ok(await api.createSandbox({ tenantId, idempotencyKey, source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    return { op, sandboxId: op.result.case === 'sandbox' ? op.result.value.id : '' };
+  };
+
+  beforeAll(async () => {
+    dir = mkdtempSync('/tmp/ff-history-');
+    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
+    store = EtcdFleetStore.connect(etcd.endpoints);
+    signingKeyPath = join(dir, 'signing.pem');
+    loadSigningKey(signingKeyPath, 'scheduler-1');
+    const s = await start('h1');
+    fakes = await startFakeAgents({ hosts: ['hist-1', 'hist-2'], dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir });
+    api = s.credentials.client(FleetService, s.api);
+    await waitFor('leader', () => s.isLeader(), 20_000, 100);
+    await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === 2, 30_000, 100);
+  }, 120_000);
+
+  afterAll(async () => {
+    api?.close();
+    store?.close();
+    await fakes?.stop();
+    for (const s of scheds) await s.proc.stop();
+    await nats?.stop();
+    await etcd?.stop();
+    if (dir) rmSync(dir, { recursive: true, force: true });
+  }, 60_000);
+
+  it('retention_deletesDestroyedSandboxesAndFinishedOpsWithTheirKeys_andKeepsLiveSandboxes', async () => {
+    const kept = await create('keep-1');
+    const gone = await create('gone-1');
+    const destroy = await ok(await api.destroySandbox({ tenantId, idempotencyKey: 'destroy-1', sandboxId: gone.sandboxId }));
+    // Within the retention the key still answers with the same operation.
+    expect((await api.destroySandbox({ tenantId, idempotencyKey: 'destroy-1', sandboxId: gone.sandboxId })).id).toBe(destroy.id);
+    await waitFor('the destroyed sandbox and its ops expire', async () => (await store.getSandbox(tenantId, gone.sandboxId)) === undefined && (await store.getOp(tenantId, destroy.id)) === undefined, 30_000, 250);
+    expect(await store.getIdempotent(tenantId, 'destroy-1')).toBeUndefined();
+    await waitFor('the create ops expire', async () => (await store.getOp(tenantId, kept.op.id)) === undefined && (await store.getOp(tenantId, gone.op.id)) === undefined, 30_000, 250);
+    // The running sandbox stays, and answers as before.
+    expect((await store.getSandbox(tenantId, kept.sandboxId))?.value.state).toBe('running');
+    expect((await api.getSandbox({ tenantId, sandboxId: kept.sandboxId })).id).toBe(kept.sandboxId);
+    // The expired sandbox is gone from the API too.
+    const e = (await api.getSandbox({ tenantId, sandboxId: gone.sandboxId }).catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.NOT_FOUND);
+    // After the retention a reused key starts a new operation.
+    const again = await create('keep-1');
+    expect(again.op.id).not.toBe(kept.op.id);
+    expect(again.sandboxId).not.toBe(kept.sandboxId);
+  }, 90_000);
+
+  it('compaction_dropsHistoryOlderThanOneInterval_whileListsAndWatchesGoOn', async () => {
+    const rev = await store.revision();
+    await waitFor('a compaction past the test start', async () => {
+      try {
+        await store.etcd.get(keys.hosts()).revision(String(rev)).exec();
+        return false;
+      } catch (e) {
+        return /compacted/i.test(String(e));
+      }
+    }, 20_000, 250);
+    // The leader keeps working across compactions: a new sandbox starts and is listed.
+    const c = await create('after-compaction');
+    expect((await api.listSandboxes({ tenantId })).sandboxes.map((s) => s.id)).toContain(c.sandboxId);
+  }, 60_000);
+
+  it('aNewLeader_expiresTheOpsTheOldLeaderFinished', async () => {
+    const c = await create('before-failover');
+    // The old leader dies before the op's retention has passed; the new one lists it at start.
+    const old = scheds[0]!;
+    old.proc.kill();
+    await old.proc.exited;
+    const next = await start('h2');
+    await waitFor('the new leader', () => next.isLeader(), 30_000, 100);
+    await waitFor('the op finished under the old leader expires', async () => (await store.getOp(tenantId, c.op.id)) === undefined, 30_000, 250);
+    expect(await store.getIdempotent(tenantId, 'before-failover')).toBeUndefined();
+    expect((await store.getSandbox(tenantId, c.sandboxId))?.value.state).toBe('running');
+  }, 90_000);
+});
