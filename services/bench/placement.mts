@@ -2,7 +2,7 @@
 //
 //   npm run bench:placement -- --json FILE [--hosts 100] [--forks 300] [--count 64] [--inflight 16]
 //                                       [--log-level info] (schedulers' and agents' logs, with --keep-dir)
-//                                       [--no-decide] [--keep-dir] [--cpu-prof]
+//                                       [--no-decide] [--keep-dir] [--cpu-prof] [--churn SECONDS]
 //
 // Prints (and writes to FILE) { decide, committed_per_s, ... }:
 //   decide           the pure placement bench (scheduler/bench/decide.ts, run as is) on
@@ -18,7 +18,12 @@
 //                    bench's own gRPC client. On a machine that every process shares,
 //                    committed_per_s is at most about (cores * 1e6) / their sum.
 //   per_child        etcd puts / txns / ranges (its /metrics) and NATS messages in / out (its
-//                    /varz) per committed child over the same span.
+//                    /varz) per committed child over the same span, and the growth of etcd's
+//                    database (total and in use) and key count per child.
+//   churn            with --churn S: after the measured part, S seconds of the RL cycle
+//                    (fork(count), then destroy every child) with etcd's database and key
+//                    count sampled every 2 s: whether etcd stays bounded (ADR 0017). Set
+//                    FF_RECORD_RETENTION / FF_ETCD_COMPACT_INTERVAL to shorten the run.
 import { execFileSync } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
@@ -40,7 +45,7 @@ async function counters(etcdUrl: string, natsMonitorPort: number): Promise<Recor
   const metrics = await (await fetch(`${etcdUrl}/metrics`)).text();
   const metric = (name: string): number => Number(new RegExp(`^${name} (\\S+)$`, 'm').exec(metrics)?.[1] ?? NaN);
   const varz = (await (await fetch(`http://127.0.0.1:${natsMonitorPort}/varz`)).json()) as { in_msgs: number; out_msgs: number };
-  return { etcd_puts: metric('etcd_mvcc_put_total'), etcd_txns: metric('etcd_mvcc_txn_total'), etcd_ranges: metric('etcd_mvcc_range_total'), nats_in_msgs: varz.in_msgs, nats_out_msgs: varz.out_msgs };
+  return { etcd_puts: metric('etcd_mvcc_put_total'), etcd_txns: metric('etcd_mvcc_txn_total'), etcd_ranges: metric('etcd_mvcc_range_total'), nats_in_msgs: varz.in_msgs, nats_out_msgs: varz.out_msgs, etcd_db_bytes: metric('etcd_mvcc_db_total_size_in_bytes'), etcd_db_in_use_bytes: metric('etcd_mvcc_db_total_size_in_use_in_bytes'), etcd_keys: metric('etcd_debugging_mvcc_keys_total') };
 }
 
 
@@ -60,6 +65,7 @@ const NO_DECIDE = process.argv.includes('--no-decide');
 const CPU_PROF = process.argv.includes('--cpu-prof');
 /** Keeps the run's directory (scheduler and agent logs, CPU profiles) and prints its path. */
 const KEEP_DIR = CPU_PROF || process.argv.includes('--keep-dir');
+const CHURN_S = Number(arg('churn', '0'));
 
 // 1. The pure decision bench, reused as it is (it prints JSON).
 const decide = NO_DECIDE
@@ -98,6 +104,33 @@ try {
   // Warm-up: spreads the snapshot over the fleet and warms the JIT.
   for (let i = 0; i < 4; i++) await ok(await fork());
 
+  /** Forks children and destroys them again for `s` seconds; etcd sampled every 2 s. */
+  async function churnFor(s: number): Promise<Record<string, unknown>> {
+    const samples: Array<{ t: number; keys: number; db_mib: number; db_in_use_mib: number }> = [];
+    const t0 = performance.now();
+    const sample = async (): Promise<void> => {
+      const c = await counters(etcd.endpoints[0]!, nats.monitorPort);
+      samples.push({ t: Math.round((performance.now() - t0) / 1000), keys: c.etcd_keys!, db_mib: Number((c.etcd_db_bytes! / 2 ** 20).toFixed(1)), db_in_use_mib: Number((c.etcd_db_in_use_bytes! / 2 ** 20).toFixed(1)) });
+    };
+    await sample();
+    const timer = setInterval(() => void sample(), 2000);
+    let cycles = 0;
+    let destroyed = 0;
+    const cycle = async (): Promise<void> => {
+      while (performance.now() - t0 < s * 1000) {
+        const f = await ok(await fork());
+        const ids = f.result.case === 'fork' ? f.result.value.children.map((c) => c.id) : [];
+        await Promise.all(ids.map(async (sandboxId) => ok(await api.destroySandbox({ tenantId, idempotencyKey: `d-${k++}`, sandboxId }))));
+        destroyed += ids.length;
+        cycles++;
+      }
+    };
+    await Promise.all(Array.from({ length: Math.max(1, INFLIGHT >> 2) }, () => cycle()));
+    clearInterval(timer);
+    await sample();
+    return { seconds: s, cycles, children_created_and_destroyed: destroyed, retention: process.env.FF_RECORD_RETENTION ?? '1h (default)', compact_interval: process.env.FF_ETCD_COMPACT_INTERVAL ?? '5m (default)', samples };
+  }
+
   let next = 0;
   let children = 0;
   const loadAtStart = loadavg()[0] ?? 0;
@@ -128,6 +161,8 @@ try {
   const cpuPerChild: Record<string, number> = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, Math.round(((procCpu(pid).ms - cpu0[k]!) * 1000) / Math.max(1, children))]));
   // The bench's own gRPC client (this process), which decodes every fork's children.
   cpuPerChild.bench_client = Math.round((clientCpu.user + clientCpu.system) / Math.max(1, children));
+  // After every figure above is taken: the churn's work is not in them.
+  const churn = CHURN_S > 0 ? await churnFor(CHURN_S) : undefined;
   api.close();
   const out = {
     decide,
@@ -137,6 +172,7 @@ try {
     cpu_us_per_child: cpuPerChild,
     // etcd puts, transactions and range reads, and NATS messages in and out, per committed child.
     per_child: perChild,
+    ...(churn ? { churn } : {}),
     node: process.version,
     // The machine's 1-minute load when the measured part started and when it ended (our own
     // processes included): compare runs only at similar loads.
