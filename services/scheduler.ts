@@ -25,6 +25,7 @@ import { Executor } from './domain/executor.ts';
 import { DEFAULT_RETRY, WebhookDispatcher } from './domain/webhooks.ts';
 import { EtcdDeliveryLog } from './adapters/etcd/webhook-log.ts';
 import { Compactor } from './domain/history.ts';
+import { QuotaLedger } from './domain/quota-ledger.ts';
 import { fetchPoster } from './adapters/http/webhook-poster.ts';
 import { HeartbeatRegistry } from './domain/fleet-view.ts';
 import { systemClock } from './domain/ports.ts';
@@ -99,7 +100,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
   // The API edge: TLS only, every call authenticated (services/auth), rate- and stream-limited.
   const auth = new Authenticator(config.tokensFile, config.ratePerSecond > 0 ? { perSecond: config.ratePerSecond, burst: config.rateBurst } : undefined);
   const guard = new ApiGuard(auth, { maxStreamsPerCredential: config.maxStreamsPerCredential });
-  const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId) });
+  // Quota admission reads usage from a ledger a watch keeps (started by the first check that has a quota).
+  const usage = new QuotaLedger({ store, log: log.child({ component: 'quota-ledger' }) });
+  const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), usage, defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId) });
   const grpc: RunningGrpcServer = await startGrpcServer({
     address: config.grpcAddr,
     services: [fleetService({ fleet, store, clock })],
@@ -244,6 +247,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     async close() {
       closing = true;
       compactor.stop();
+      usage.stop();
       await Promise.all([executor.stop(), webhooks.stop()]);
       await election.resign();
       await grpc.close(1000);

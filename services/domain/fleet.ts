@@ -13,7 +13,7 @@ import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
 import { create } from '@bufbuild/protobuf';
 import { ForkfleetError } from '../../proto/errors.ts';
 import { admit, forkNeed } from './quota.ts';
-import type { QuotaOf } from './quota.ts';
+import type { QuotaOf, UsageSource } from './quota.ts';
 
 export type IdPrefix = 'sb' | 'sn' | 'op';
 
@@ -88,6 +88,8 @@ export interface FleetDeps {
   liveness: LivenessConfig;
   /** Per-tenant quotas checked at admission (quota.ts); none when absent. */
   quotas?: QuotaOf;
+  /** Where admission reads a tenant's usage (quota-ledger.ts); absent: from the records. */
+  usage?: UsageSource;
   /** A tenant's idle timeout for sandboxes that set none (lifecycle.idle_timeout unset). */
   defaultIdleTimeoutMs?: (tenantId: string) => number | undefined;
 }

@@ -85,6 +85,14 @@ export interface FleetStore {
    * that store revision on (when the store still has them); default: after now.
    */
   watchRecords(onChange: (change: RecordChange) => void, opts?: { fromRevision?: number }): Promise<() => void>;
+  /**
+   * Lists every sandbox, snapshot and operation record at one revision, then follows every
+   * change under the store's prefix from the next revision on, in revision order (the quota
+   * ledger). `onRevision(rev)`: every change up to store revision `rev` has been delivered
+   * (after the list, then after each watch response). `onError`: the watch broke off; later
+   * changes may be missed. Returns a stop function.
+   */
+  followRecords(onChange: (change: FollowedRecord) => void, onRevision: (revision: number) => void, onError: (e: unknown) => void): Promise<() => void>;
   /** The store's current revision (a linearizable read). */
   revision(): Promise<number>;
   /**
@@ -114,6 +122,12 @@ export type RecordChange =
   | { kind: 'sandbox'; value: SandboxRec; prev?: SandboxRec; revision: number }
   | { kind: 'snapshot'; value: SnapshotRec; prev?: SnapshotRec; revision: number }
   | { kind: 'op'; value: OperationRec; prev?: OperationRec; revision: number };
+
+/** A record as written (`value`) or deleted (no value), by `<tenant>/<id>` (followRecords). */
+export type FollowedRecord =
+  | { kind: 'sandbox'; key: string; value?: SandboxRec }
+  | { kind: 'snapshot'; key: string; value?: SnapshotRec }
+  | { kind: 'op'; key: string; value?: OperationRec };
 
 /** Leader election among scheduler replicas. */
 export interface LeaderElection {

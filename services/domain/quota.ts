@@ -3,7 +3,8 @@
 // a read, not a reservation: two admissions racing on the same tenant can both pass and
 // overshoot the quota by one request's worth. Forks recorded but not yet placed count with
 // their children, so a burst of fork calls cannot slip past the quota before placement.
-// Quotas come from the tokens file (services/auth).
+// Quotas come from the tokens file (services/auth). The usage comes from the replica's ledger
+// (quota-ledger.ts), which a watch keeps, or, when it cannot answer, from listing the records.
 import type { FleetStore } from './ports.ts';
 import type { SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { HOLDS_CAPACITY } from './records.ts';
@@ -43,13 +44,24 @@ export class QuotaExceededError extends ForkfleetError {
   }
 }
 
+/** What one sandbox adds to its tenant's usage: whether it counts, and the memory it holds. */
+export function sandboxUsage(s: SandboxRec): { counted: boolean; memoryMib: number } {
+  return { counted: !NOT_COUNTED.has(s.state), memoryMib: MEMORY_STATES.has(s.state) ? s.resources.memoryMib : 0 };
+}
+
+/** The stored bytes one snapshot adds to its tenant's usage. */
+export function snapshotUsageBytes(s: SnapshotRec): number {
+  return s.state !== 'deleted' && s.state !== 'failed' ? s.storedBytes : 0;
+}
+
 export function usageOf(sandboxes: readonly SandboxRec[], snapshots: readonly SnapshotRec[]): TenantUsage {
   const u: TenantUsage = { sandboxes: 0, memoryMib: 0, snapshotBytes: 0 };
   for (const s of sandboxes) {
-    if (!NOT_COUNTED.has(s.state)) u.sandboxes++;
-    if (MEMORY_STATES.has(s.state)) u.memoryMib += s.resources.memoryMib;
+    const x = sandboxUsage(s);
+    if (x.counted) u.sandboxes++;
+    u.memoryMib += x.memoryMib;
   }
-  for (const s of snapshots) if (s.state !== 'deleted' && s.state !== 'failed') u.snapshotBytes += s.storedBytes;
+  for (const s of snapshots) u.snapshotBytes += snapshotUsageBytes(s);
   return u;
 }
 
@@ -62,21 +74,40 @@ export function checkQuota(tenantId: string, quota: TenantQuota, usage: TenantUs
   if (quota.snapshotBytes !== undefined && need.snapshot && usage.snapshotBytes >= quota.snapshotBytes) throw new QuotaExceededError(tenantId, 'snapshot_bytes', usage.snapshotBytes, 0, quota.snapshotBytes, ' B');
 }
 
-/** Reads the tenant's usage and checks `need` against its quota; nothing to do without one. */
-export async function admit(deps: { store: FleetStore; quotas?: QuotaOf | undefined }, tenantId: string, need: QuotaNeed | (() => Promise<QuotaNeed>)): Promise<void> {
+/** Per-tenant usage kept up to date (quota-ledger.ts); undefined when it cannot answer now. */
+export interface UsageSource {
+  usage(tenantId: string): Promise<(TenantUsage & { pendingSandboxes: number; pendingMemoryMib: number }) | undefined>;
+}
+
+/**
+ * Checks `need` against the tenant's quota; nothing to do without one. The usage comes from
+ * the ledger when there is one and it can answer, else from the tenant's records.
+ */
+export async function admit(deps: { store: FleetStore; quotas?: QuotaOf | undefined; usage?: UsageSource | undefined }, tenantId: string, need: QuotaNeed | (() => Promise<QuotaNeed>)): Promise<void> {
   const quota = deps.quotas?.(tenantId);
   if (!quota || (quota.sandboxes === undefined && quota.memoryMib === undefined && quota.snapshotBytes === undefined)) return;
-  const [sbs, sns, n, pending] = await Promise.all([
-    deps.store.listSandboxes(tenantId),
-    quota.snapshotBytes === undefined ? Promise.resolve([]) : deps.store.listSnapshots(tenantId),
-    typeof need === 'function' ? need() : Promise.resolve(need),
-    pendingForks(deps.store, tenantId),
+  const [fromLedger, n] = await Promise.all([deps.usage?.usage(tenantId), typeof need === 'function' ? need() : Promise.resolve(need)]);
+  if (fromLedger) {
+    const { pendingSandboxes, pendingMemoryMib, ...usage } = fromLedger;
+    usage.sandboxes += pendingSandboxes;
+    usage.memoryMib += pendingMemoryMib;
+    return checkQuota(tenantId, quota, usage, n);
+  }
+  return checkQuota(tenantId, quota, await listedUsage(deps.store, tenantId, quota), n);
+}
+
+/** The tenant's usage read from its records (and every open operation), with forks not yet placed. */
+async function listedUsage(store: FleetStore, tenantId: string, quota: TenantQuota): Promise<TenantUsage> {
+  const [sbs, sns, pending] = await Promise.all([
+    store.listSandboxes(tenantId),
+    quota.snapshotBytes === undefined ? Promise.resolve([]) : store.listSnapshots(tenantId),
+    pendingForks(store, tenantId),
   ]);
   const usage = usageOf(sbs.map((v) => v.value), sns.map((v) => v.value));
   // Children of forks not yet placed have no records yet, but they are coming.
   usage.sandboxes += pending.sandboxes ?? 0;
   usage.memoryMib += pending.memoryMib ?? 0;
-  checkQuota(tenantId, quota, usage, n);
+  return usage;
 }
 
 /** What the tenant's forks that are recorded but not yet placed will add. */

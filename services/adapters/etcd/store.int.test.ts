@@ -7,6 +7,8 @@ import { sleep, waitFor } from '../../testkit/proc.ts';
 import { EtcdFleetStore } from './store.ts';
 import type { StoreWrite } from '../../domain/ports.ts';
 import type { OperationRec, SandboxRec } from '../../domain/records.ts';
+import { QuotaLedger } from '../../domain/quota-ledger.ts';
+import { usageOf } from '../../domain/quota.ts';
 
 function sandbox(tenantId: string, id: string): SandboxRec {
   return {
@@ -146,6 +148,50 @@ describe('EtcdFleetStore', () => {
     expect(await store.commit([{ kind: 'delete-op', tenantId: 'del', id: 'op-d1', expectRevision: cur.modRevision }, { kind: 'delete-idem', tenantId: 'del', key: 'key-op-d1' }])).toBe(true);
     expect(await store.getOp('del', 'op-d1')).toBeUndefined();
     expect(await store.getIdempotent('del', 'key-op-d1')).toBeUndefined();
+  }, 30_000);
+
+  it('quotaLedger_afterEachWrite_matchesTheUsageListedFromTheRecords', async () => {
+    // The ledger against a real etcd: each answer, asked as soon as a commit returned, counts
+    // exactly what listing the records does (the barrier's wait itself is unit-tested: on
+    // loopback the watch event is usually in before the answer's revision read returns).
+    const ledger = new QuotaLedger({ store });
+    const tenant = 'ledger';
+    const listed = async () => {
+      const u = usageOf((await store.listSandboxes(tenant)).map((v) => v.value), (await store.listSnapshots(tenant)).map((v) => v.value));
+      return { sandboxes: u.sandboxes, memoryMib: u.memoryMib, snapshotBytes: u.snapshotBytes };
+    };
+    const states: SandboxRec['state'][] = ['pending', 'starting', 'running', 'paused', 'hibernated', 'destroyed', 'failed', 'lost'];
+    expect(await ledger.usage(tenant)).toMatchObject(await listed());
+    for (let i = 0; i < 40; i++) {
+      const id = `sb-l${i % 7}`;
+      const w: StoreWrite =
+        i % 5 === 4
+          ? { kind: 'delete-sandbox', tenantId: tenant, id }
+          : { kind: 'sandbox', value: { ...sandbox(tenant, id), state: states[(i * 3) % states.length]!, resources: { vcpus: 1, memoryMib: 64 * (1 + (i % 4)), diskMib: 0 } } };
+      const writes: StoreWrite[] = [w];
+      if (i % 6 === 0) writes.push({ kind: 'snapshot', value: { id: `sn-l${i}`, tenantId: tenant, state: i % 12 === 0 ? 'ready' : 'deleted', storedBytes: 1000 + i } as never });
+      await store.commit(writes);
+      const u = await ledger.usage(tenant);
+      expect(u, `after write ${i}`).toMatchObject(await listed());
+    }
+    ledger.stop();
+  }, 30_000);
+
+  it('followRecords_listsThenFollowsEveryKind_andReportsTheRevisionOfEachChange', async () => {
+    await store.commit([{ kind: 'sandbox', value: sandbox('fr', 'sb-fr1') }]);
+    const seen: string[] = [];
+    let revision = 0;
+    const stop = await store.followRecords(
+      (c) => c.key.startsWith('fr/') && seen.push(`${c.kind}:${c.key}:${c.value ? 'put' : 'delete'}`),
+      (r) => (revision = r),
+      () => undefined,
+    );
+    expect(seen).toEqual(['sandbox:fr/sb-fr1:put']);
+    const op: OperationRec = { id: 'op-fr', tenantId: 'fr', kind: 'fork', targetId: 'x', state: 'pending', input: {}, result: null, error: null, progress: { done: 0, total: 1, message: '', bytesTransferred: 0 }, steps: {}, createdAt: 0, updatedAt: 0 };
+    const rev = await store.commitAt([{ kind: 'op', value: op }, { kind: 'delete-sandbox', tenantId: 'fr', id: 'sb-fr1' }, { kind: 'alloc', value: { hostId: 'h-fr', allocated: { vcpus: 0, memoryMib: 0, diskMib: 0 }, sandboxes: 0 } }]);
+    await waitFor('the changes', () => Promise.resolve(revision >= rev), 5_000, 10);
+    expect(seen.sort()).toEqual(['op:fr/op-fr:put', 'sandbox:fr/sb-fr1:delete', 'sandbox:fr/sb-fr1:put'].sort());
+    stop();
   }, 30_000);
 
   it('watchOps_withOnly_deliversJustTheAcceptedOps', async () => {

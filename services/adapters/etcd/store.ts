@@ -2,7 +2,7 @@
 // revision it read; a batch is one transaction.
 import { Etcd3, Range } from 'etcd3';
 import type { IKeyValue } from 'etcd3';
-import type { FleetChange, FleetStore, KnownRecord, RecordChange, SandboxChange, StoreWrite, Versioned } from '../../domain/ports.ts';
+import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, RecordChange, SandboxChange, StoreWrite, Versioned } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
@@ -122,13 +122,13 @@ export class EtcdFleetStore implements FleetStore {
     return (await this.getPrefixAt<T>(prefix, page)).records;
   }
 
-  /** getPrefix, with the store revision the list was read at. */
-  private async getPrefixAt<T>(prefix: string, page = LIST_PAGE): Promise<{ records: Versioned<T>[]; revision: string }> {
+  /** getPrefix, with the store revision the list was read at (`at`: that revision, no retry). */
+  private async getPrefixAt<T>(prefix: string, page = LIST_PAGE, at?: string): Promise<{ records: Versioned<T>[]; revision: string }> {
     const end = Range.prefix(prefix).end;
     for (let attempt = 0; ; attempt++) {
       const out: Versioned<T>[] = [];
       let start = Buffer.from(prefix);
-      let rev: string | undefined;
+      let rev: string | undefined = at;
       try {
         for (;;) {
           const b = this.client.getAll().inRange(new Range(start, end)).limit(page);
@@ -140,7 +140,7 @@ export class EtcdFleetStore implements FleetStore {
           start = Buffer.concat([last.key, Buffer.from([0])]);
         }
       } catch (e) {
-        if (attempt < 3 && rev && /compacted/i.test(e instanceof Error ? e.message : String(e))) continue;
+        if (attempt < 3 && rev && !at && /compacted/i.test(e instanceof Error ? e.message : String(e))) continue;
         throw e;
       }
     }
@@ -203,6 +203,52 @@ export class EtcdFleetStore implements FleetStore {
     });
     const res = await txn.then(...ops).commit();
     return res.succeeded ? Number(res.header.revision) : 0;
+  }
+
+  async followRecords(onChange: (c: FollowedRecord) => void, onRevision: (revision: number) => void, onError: (e: unknown) => void): Promise<() => void> {
+    const kinds = [
+      [keys.sandboxes(), 'sandbox'],
+      [keys.snapshots(), 'snapshot'],
+      [keys.ops(), 'op'],
+    ] as const;
+    // The three lists at one revision (the first one's; a compaction meanwhile starts over).
+    let lists: Array<{ records: Versioned<never>[]; revision: string }> = [];
+    for (let attempt = 0; ; attempt++) {
+      try {
+        const first = await this.getPrefixAt<never>(kinds[0][0]);
+        lists = [first, ...(await Promise.all(kinds.slice(1).map(([p]) => this.getPrefixAt<never>(p, p === keys.ops() ? LIST_PAGE_OPS : LIST_PAGE, first.revision))))];
+        break;
+      } catch (e) {
+        if (attempt < 3 && /compacted/i.test(e instanceof Error ? e.message : String(e))) continue;
+        throw e;
+      }
+    }
+    const revision = Number(lists[0]!.revision);
+    kinds.forEach(([, kind], i) => {
+      for (const v of lists[i]!.records) {
+        const rec = v.value as { tenantId: string; id: string };
+        onChange({ kind, key: `${rec.tenantId}/${rec.id}`, value: v.value } as FollowedRecord);
+      }
+    });
+    onRevision(revision);
+    // Every key under the prefix, so every revision made by the fleet is seen (onRevision).
+    const w = await this.client.watch().prefix(PREFIX).startRevision(String(revision + 1)).create();
+    const change = (kv: IKeyValue, deleted: boolean): void => {
+      const key = kv.key.toString('utf8');
+      const k = kinds.find(([p]) => key.startsWith(p));
+      if (!k) return;
+      const rest = key.slice(k[0].length);
+      onChange({ kind: k[1], key: rest, ...(deleted ? {} : { value: decode<never>(kv).value }) } as FollowedRecord);
+    };
+    w.on('put', (kv) => change(kv, false));
+    w.on('delete', (kv) => change(kv, true));
+    // After the response's put/delete events (emitted first, by the watcher's own listener).
+    w.on('data', (res) => {
+      const last = res.events[res.events.length - 1];
+      if (last) onRevision(Number(last.kv.mod_revision));
+    });
+    w.on('error', onError);
+    return () => void w.cancel();
   }
 
   async revision(): Promise<number> {

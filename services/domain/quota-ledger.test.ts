@@ -1,0 +1,113 @@
+import { describe, expect, it } from 'vitest';
+import { QuotaLedger } from './quota-ledger.ts';
+import type { FollowedRecord } from './ports.ts';
+import type { OperationRec, SandboxRec, SnapshotRec } from './records.ts';
+
+const sb = (id: string, state: SandboxRec['state'], memoryMib = 256, tenantId = 't'): SandboxRec => ({ id, tenantId, state, resources: { vcpus: 1, memoryMib, diskMib: 0 } }) as unknown as SandboxRec;
+const sn = (id: string, state: SnapshotRec['state'], storedBytes: number, memoryMib = 512): SnapshotRec => ({ id, tenantId: 't', state, storedBytes, vmConfig: { memoryMib } }) as unknown as SnapshotRec;
+const fork = (id: string, over: Partial<OperationRec> & { input?: Record<string, unknown> }): OperationRec => ({ id, tenantId: 't', kind: 'fork', state: 'pending', result: null, input: { snapshotId: 'sn-1', sandboxId: '', count: 4 }, ...over }) as unknown as OperationRec;
+
+/** A store of our own port: the test decides what the list holds, what the watch delivers and etcd's revision. */
+function fakeStore(initial: FollowedRecord[]) {
+  const s = {
+    current: 10,
+    onChange: undefined as ((c: FollowedRecord) => void) | undefined,
+    onRevision: undefined as ((r: number) => void) | undefined,
+    onError: undefined as ((e: unknown) => void) | undefined,
+    follows: 0,
+    async followRecords(onChange: (c: FollowedRecord) => void, onRevision: (r: number) => void, onError: (e: unknown) => void) {
+      s.follows++;
+      s.onChange = onChange;
+      s.onRevision = onRevision;
+      s.onError = onError;
+      for (const c of initial) onChange(c);
+      onRevision(s.current);
+      return () => undefined;
+    },
+    async revision() {
+      return s.current;
+    },
+    /** A write at the next revision, delivered by the watch. */
+    write(c: FollowedRecord) {
+      s.current++;
+      s.onChange?.(c);
+      s.onRevision?.(s.current);
+    },
+  };
+  return s;
+}
+
+describe('QuotaLedger', () => {
+  it('usage_countsWhatTheListedRecordsAddUp_likeUsageOf', async () => {
+    const store = fakeStore([
+      { kind: 'sandbox', key: 't/a', value: sb('a', 'running', 256) },
+      { kind: 'sandbox', key: 't/b', value: sb('b', 'hibernated', 512) },
+      { kind: 'sandbox', key: 't/c', value: sb('c', 'destroyed', 1024) },
+      { kind: 'sandbox', key: 'u/d', value: sb('d', 'running', 64, 'u') },
+      { kind: 'snapshot', key: 't/sn-1', value: sn('sn-1', 'ready', 1000) },
+      { kind: 'snapshot', key: 't/sn-2', value: sn('sn-2', 'deleted', 5000) },
+    ]);
+    const l = new QuotaLedger({ store });
+    expect(await l.usage('t')).toEqual({ sandboxes: 2, memoryMib: 256, snapshotBytes: 1000, pendingSandboxes: 0, pendingMemoryMib: 0 });
+    expect(await l.usage('u')).toMatchObject({ sandboxes: 1, memoryMib: 64 });
+    expect(await l.usage('nobody')).toMatchObject({ sandboxes: 0, memoryMib: 0, snapshotBytes: 0 });
+  });
+
+  it('usage_followsStateChangesAndDeletes_withoutCountingARecordTwice', async () => {
+    const store = fakeStore([{ kind: 'sandbox', key: 't/a', value: sb('a', 'running', 256) }]);
+    const l = new QuotaLedger({ store });
+    await l.usage('t');
+    store.write({ kind: 'sandbox', key: 't/a', value: sb('a', 'paused', 256) });
+    store.write({ kind: 'sandbox', key: 't/b', value: sb('b', 'pending', 128) });
+    expect(await l.usage('t')).toMatchObject({ sandboxes: 2, memoryMib: 384 });
+    store.write({ kind: 'sandbox', key: 't/a', value: sb('a', 'destroyed', 256) });
+    store.write({ kind: 'sandbox', key: 't/b' }); // deleted
+    expect(await l.usage('t')).toMatchObject({ sandboxes: 0, memoryMib: 0 });
+  });
+
+  it('usage_countsForksNotYetPlaced_atTheirSourcesMemory_untilPlaced', async () => {
+    const store = fakeStore([
+      { kind: 'snapshot', key: 't/sn-1', value: sn('sn-1', 'ready', 0, 512) },
+      { kind: 'sandbox', key: 't/src', value: sb('src', 'running', 128) },
+    ]);
+    const l = new QuotaLedger({ store });
+    await l.usage('t'); // started: it lists, then follows
+    store.write({ kind: 'op', key: 't/op-1', value: fork('op-1', {}) });
+    store.write({ kind: 'op', key: 't/op-2', value: fork('op-2', { input: { snapshotId: '', sandboxId: 'src', count: 2 } }) });
+    expect(await l.usage('t')).toMatchObject({ pendingSandboxes: 6, pendingMemoryMib: 4 * 512 + 2 * 128 });
+    // Placed (its children now have records) or finished: no longer pending.
+    store.write({ kind: 'op', key: 't/op-1', value: fork('op-1', { state: 'running', result: { sandboxIds: ['x'] } }) });
+    store.write({ kind: 'op', key: 't/op-2', value: fork('op-2', { state: 'failed' }) });
+    expect(await l.usage('t')).toMatchObject({ pendingSandboxes: 0, pendingMemoryMib: 0 });
+  });
+
+  it('usage_waitsUntilTheWatchHasDeliveredEtcdsCurrentRevision', async () => {
+    const store = fakeStore([]);
+    const l = new QuotaLedger({ store });
+    await l.usage('t');
+    // A write committed (etcd is at revision 11) whose watch event has not arrived yet.
+    store.current = 11;
+    const asked = l.usage('t');
+    await new Promise((r) => setTimeout(r, 20));
+    store.onChange?.({ kind: 'sandbox', key: 't/a', value: sb('a', 'pending', 256) });
+    store.onRevision?.(11);
+    expect(await asked).toMatchObject({ sandboxes: 1, memoryMib: 256 });
+  });
+
+  it('usage_whenTheWatchCannotCatchUpInTime_isUndefined_soAdmissionListsInstead', async () => {
+    const store = fakeStore([]);
+    const l = new QuotaLedger({ store }, 50);
+    await l.usage('t');
+    store.current = 99; // a revision the watch never delivers (a writer outside the prefix)
+    expect(await l.usage('t')).toBeUndefined();
+  });
+
+  it('usage_afterTheWatchBrokeOff_listsAndFollowsAgain', async () => {
+    const store = fakeStore([{ kind: 'sandbox', key: 't/a', value: sb('a', 'running') }]);
+    const l = new QuotaLedger({ store });
+    expect(await l.usage('t')).toMatchObject({ sandboxes: 1 });
+    store.onError?.(new Error('watch cancelled: compacted'));
+    expect(await l.usage('t')).toMatchObject({ sandboxes: 1 });
+    expect(store.follows).toBe(2);
+  });
+});
