@@ -1688,7 +1688,9 @@ export class Executor {
     const submit = this.deps.submit;
     if (!submit) return;
     const now = this.deps.clock.now();
-    const [snaps, sbs] = await Promise.all([this.deps.store.listSnapshots(undefined), sandboxes ?? this.deps.store.listSandboxes(undefined)]);
+    // While leading, the snapshots come from the cache a watch keeps (a stale entry only makes
+    // its guarded write conflict until the next pass), not from listing every snapshot every 2 s.
+    const [snaps, sbs] = await Promise.all([this.active ? [...this.cache.snapshots.values()] : this.deps.store.listSnapshots(undefined), sandboxes ?? this.deps.store.listSandboxes(undefined)]);
     const rev = new Map(snaps.map((v) => [v.value.id, v.modRevision]));
     const plan = planRetention(
       snaps.map((v) => v.value),
