@@ -191,6 +191,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     targets: config.webhooks,
     retry: { ...DEFAULT_RETRY, baseDelayMs: config.webhookRetryBaseMs },
     onAttempt: (result) => webhookAttempts.inc({ result }),
+    retentionMs: config.recordRetentionMs,
   });
 
   // etcd history is compacted by the leader (domain/history.ts), never past the webhook cursor.

@@ -30,6 +30,9 @@ class MemoryLog implements DeliveryLog {
   async list(f: { state?: DeliveryState }) {
     return [...this.recs.values()].filter((r) => !f.state || r.state === f.state);
   }
+  async remove(ids: readonly string[]) {
+    for (const id of ids) this.recs.delete(id);
+  }
 }
 
 function snapshotChange(revision: number, prev: Partial<SnapshotRec> | undefined, next: Partial<SnapshotRec>): RecordChange {
@@ -100,9 +103,9 @@ describe('WebhookDispatcher', () => {
     for (const c of cleanups.splice(0)) await c();
   });
 
-  async function dispatcherWith(failFirst: number, types: string[] = []) {
+  async function dispatcherWith(failFirst: number, types: string[] = [], over: { retentionMs?: number; log?: MemoryLog; now?: () => number } = {}) {
     const rx = await receiver(failFirst);
-    const log = new MemoryLog();
+    const log = over.log ?? new MemoryLog();
     let emit: (ch: RecordChange) => void = () => undefined;
     const d = new WebhookDispatcher({
       store: {
@@ -113,18 +116,44 @@ describe('WebhookDispatcher', () => {
       },
       deliveries: log,
       poster: fetchPoster,
-      clock: { now: () => Date.now() },
+      clock: { now: over.now ?? (() => Date.now()) },
       log: pino({ level: 'silent' }),
       targets: parseWebhookTargets('t', JSON.stringify([{ url: rx.url, secret: SECRET, types }])),
       retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
+      ...(over.retentionMs ? { retentionMs: over.retentionMs } : {}),
     });
     await d.start();
     cleanups.push(async () => {
       await d.stop();
       await rx.close();
     });
-    return { rx, log, emit: (ch: RecordChange) => emit(ch) };
+    return { rx, log, d, emit: (ch: RecordChange) => emit(ch) };
   }
+
+  it('expire_deletesDeliveredAndFailedRecordsPastTheRetention_andKeepsPendingAndRecentOnes', async () => {
+    let now = 1_000_000;
+    const log = new MemoryLog();
+    const rec = (id: string, state: DeliveryState, updatedAt: number): DeliveryRec => ({ id, url: 'http://127.0.0.1:1/x', tenantId: 't1', eventType: 'snapshot_created', revision: 1, body: '{}', state, attempts: 1, lastStatus: 204, lastError: '', createdAt: 0, updatedAt, nextAttemptAt: now + 3_600_000, deliveredAt: null });
+    // From an earlier leader: listed at start.
+    for (const r of [rec('old-delivered', 'delivered', now - 5000), rec('old-failed', 'failed', now - 5000), rec('recent', 'delivered', now - 10), rec('waiting', 'pending', now - 5000)]) log.recs.set(r.id, r);
+    const { d } = await dispatcherWith(0, [], { retentionMs: 1000, log, now: () => now });
+    expect(await d.expire()).toBe(2);
+    expect([...log.recs.keys()].sort()).toEqual(['recent', 'waiting']);
+    now += 2000;
+    expect(await d.expire()).toBe(1);
+    expect([...log.recs.keys()]).toEqual(['waiting']);
+  });
+
+  it('expire_ofARecordThisLeaderDelivered_deletesItAfterTheRetention', async () => {
+    let now = Date.now();
+    const { log, d, emit } = await dispatcherWith(0, [], { retentionMs: 1000, now: () => now });
+    emit(snapshotChange(7, undefined, {}));
+    await until(() => [...log.recs.values()].some((r) => r.state === 'delivered'));
+    expect(await d.expire()).toBe(0);
+    now += 1001;
+    expect(await d.expire()).toBe(1);
+    expect(log.recs.size).toBe(0);
+  });
 
   it('failingReceiver_getsRetriesUntilItAccepts_andTheDeliveryIsRecorded', async () => {
     const { rx, log, emit } = await dispatcherWith(2);

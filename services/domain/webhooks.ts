@@ -53,6 +53,8 @@ export interface DeliveryLog {
   create(rec: DeliveryRec): Promise<boolean>;
   update(rec: DeliveryRec): Promise<void>;
   list(filter: { state?: DeliveryState }): Promise<DeliveryRec[]>;
+  /** Deletes delivery records (delivered or failed ones, which never change again). */
+  remove(ids: readonly string[]): Promise<void>;
 }
 
 /** Sends one request; resolves with the HTTP status, rejects when there was no response. */
@@ -120,6 +122,11 @@ export interface WebhookDispatcherDeps {
   retry?: RetryPolicy;
   /** Observability: every finished attempt. */
   onAttempt?: (result: 'delivered' | 'retry' | 'failed') => void;
+  /**
+   * Delivered and failed delivery records are deleted this long after their last attempt
+   * (FF_RECORD_RETENTION, ADR 0017); 0 or absent: kept forever.
+   */
+  retentionMs?: number;
 }
 
 function targetKey(t: WebhookTarget): string {
@@ -132,6 +139,8 @@ export class WebhookDispatcher {
   private chain: Promise<void> = Promise.resolve();
   private active = false;
   private readonly retry: RetryPolicy;
+  /** Delivered and failed records, by id, with the time of their last attempt, until they expire. */
+  private readonly finished = new Map<string, number>();
 
   constructor(private readonly deps: WebhookDispatcherDeps) {
     this.retry = deps.retry ?? DEFAULT_RETRY;
@@ -141,7 +150,19 @@ export class WebhookDispatcher {
   async start(): Promise<void> {
     if (this.deps.targets.length === 0) return;
     this.active = true;
-    for (const d of await this.deps.deliveries.list({ state: 'pending' })) this.schedule(d, Math.max(0, d.nextAttemptAt - this.deps.clock.now()));
+    this.finished.clear();
+    for (const d of await this.deps.deliveries.list({})) {
+      if (d.state === 'pending') this.schedule(d, Math.max(0, d.nextAttemptAt - this.deps.clock.now()));
+      else this.finished.set(d.id, d.updatedAt);
+    }
+    const retention = this.deps.retentionMs ?? 0;
+    if (retention > 0) {
+      const t = setInterval(() => {
+        this.chain = this.chain.then(async () => void (await this.expire())).catch((e: unknown) => this.deps.log.warn({ err: e }, 'expiring webhook delivery records failed'));
+      }, Math.min(30_000, Math.max(500, retention / 2)));
+      t.unref();
+      this.timers.add(t);
+    }
     const cursor = await this.deps.deliveries.cursor();
     this.stopWatch = await this.deps.store.watchRecords(
       (ch) => {
@@ -150,6 +171,19 @@ export class WebhookDispatcher {
       },
       cursor > 0 ? { fromRevision: cursor + 1 } : {},
     );
+  }
+
+  /** Deletes the delivered and failed records whose last attempt is older than the retention. */
+  async expire(): Promise<number> {
+    const cutoff = this.deps.clock.now() - (this.deps.retentionMs ?? 0);
+    if (!this.active || !this.deps.retentionMs) return 0;
+    const due = [...this.finished].filter(([, at]) => at <= cutoff).map(([id]) => id);
+    for (let i = 0; i < due.length; i += 100) {
+      const ids = due.slice(i, i + 100);
+      await this.deps.deliveries.remove(ids);
+      for (const id of ids) this.finished.delete(id);
+    }
+    return due.length;
   }
 
   async stop(): Promise<void> {
@@ -225,5 +259,6 @@ export class WebhookDispatcher {
     }
     await this.deps.deliveries.update(next);
     if (next.state === 'pending') this.schedule(next, next.nextAttemptAt - this.deps.clock.now());
+    else this.finished.set(next.id, next.updatedAt);
   }
 }

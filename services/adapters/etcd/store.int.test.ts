@@ -8,6 +8,8 @@ import { EtcdFleetStore } from './store.ts';
 import type { StoreWrite } from '../../domain/ports.ts';
 import type { OperationRec, SandboxRec } from '../../domain/records.ts';
 import { QuotaLedger } from '../../domain/quota-ledger.ts';
+import { EtcdDeliveryLog } from './webhook-log.ts';
+import type { DeliveryRec } from '../../domain/webhooks.ts';
 import { usageOf } from '../../domain/quota.ts';
 
 function sandbox(tenantId: string, id: string): SandboxRec {
@@ -192,6 +194,15 @@ describe('EtcdFleetStore', () => {
     await waitFor('the changes', () => Promise.resolve(revision >= rev), 5_000, 10);
     expect(seen.sort()).toEqual(['op:fr/op-fr:put', 'sandbox:fr/sb-fr1:delete', 'sandbox:fr/sb-fr1:put'].sort());
     stop();
+  }, 30_000);
+
+  it('deliveryLog_remove_deletesJustTheNamedRecords_inBatchesOverTheTxnLimit', async () => {
+    const log = new EtcdDeliveryLog(store.etcd);
+    const rec = (id: string): DeliveryRec => ({ id, url: 'http://127.0.0.1:1/x', tenantId: 't1', eventType: 'snapshot_created', revision: 1, body: '{}', state: 'delivered', attempts: 1, lastStatus: 204, lastError: '', createdAt: 0, updatedAt: 0, nextAttemptAt: 0, deliveredAt: 0 });
+    const ids = Array.from({ length: 250 }, (_, i) => `dl-${i}`);
+    for (const id of ids) expect(await log.create(rec(id))).toBe(true);
+    await log.remove(ids.slice(0, 240));
+    expect((await log.list({})).map((r) => r.id).sort()).toEqual(ids.slice(240).sort());
   }, 30_000);
 
   it('watchOps_withOnly_deliversJustTheAcceptedOps', async () => {

@@ -1,6 +1,7 @@
 // Webhook delivery records and the event cursor in etcd (services/domain/webhooks.ts).
 //   /ff/v1/webhooks/cursor            last store revision whose events are all recorded
-//   /ff/v1/webhooks/deliveries/<id>   DeliveryRec (id = revision-type-target)
+//   /ff/v1/webhooks/deliveries/<id>   DeliveryRec (id = revision-type-target); delivered and
+//                                     failed ones are deleted after FF_RECORD_RETENTION
 import type { Etcd3 } from 'etcd3';
 import type { DeliveryLog, DeliveryRec, DeliveryState } from '../../domain/webhooks.ts';
 import { PREFIX } from './keys.ts';
@@ -28,6 +29,15 @@ export class EtcdDeliveryLog implements DeliveryLog {
 
   async update(rec: DeliveryRec): Promise<void> {
     await this.client.put(DELIVERIES + rec.id).value(JSON.stringify(rec)).exec();
+  }
+
+  async remove(ids: readonly string[]): Promise<void> {
+    // Unguarded: a delivered or failed record is never written again. 100 per transaction,
+    // under etcd's default --max-txn-ops of 128.
+    for (let i = 0; i < ids.length; i += 100) {
+      const batch = ids.slice(i, i + 100);
+      await this.client.if(`${PREFIX}__never__`, 'Version', '==', 0).then(...batch.map((id) => this.client.delete().key(DELIVERIES + id))).commit();
+    }
   }
 
   async list(filter: { state?: DeliveryState }): Promise<DeliveryRec[]> {
