@@ -209,6 +209,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
           }
         : {}),
       onCompacted: (rev) => compactedTo.set(rev),
+      onHeldBack: (floor, wanted) => log.warn({ floor, wanted }, 'etcd compaction is held back by the webhook cursor (events not recorded for delivery): etcd keeps growing'),
       onError: (err) => log.warn({ err }, 'etcd compaction failed'),
     },
     config.etcdCompactIntervalMs,

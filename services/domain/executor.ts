@@ -261,6 +261,8 @@ export class Executor {
   private readonly finishedOps = new Map<string, FinishedOp>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
+  /** Counts sandbox index follows within a term: a broken follow's late events are ignored. */
+  private sandboxGen = 0;
 
   constructor(private readonly deps: ExecutorDeps) {}
 
@@ -276,47 +278,29 @@ export class Executor {
       ack();
     });
     this.stops.push(stopResults);
+    const term = ++this.term;
     // Records this leader committed are in the cache already (commit()): not decoded again.
-    this.stops.push(await this.deps.store.watchFleet((c) => this.cache.apply(c), { known: (kind, key, rev) => this.cache.knows(kind, key, rev) }));
+    // A watch that etcd breaks off (ADR 0017: a resume from a compacted revision) is opened
+    // again and its records listed again (keepWatching).
+    await this.keepWatching(
+      term,
+      'fleet',
+      (onError) => this.deps.store.watchFleet((c) => this.cache.apply(c), { known: (kind, key, rev) => this.cache.knows(kind, key, rev), onError }),
+      () => this.cache.load(this.deps.store),
+    );
     await this.cache.load(this.deps.store);
     // Ops this leader already runs are skipped undecoded: it wrote them itself (commit keeps
     // its copy), and a stale copy only costs a guarded write a re-read.
-    this.stops.push(await this.deps.store.watchOps((op, rev) => this.onOp({ value: op, modRevision: rev }), { only: (_tenantId, id) => !this.running.has(id) }));
+    const listOps = async (): Promise<void> => {
+      for (const v of await this.deps.store.listOps({ activeOnly: false })) this.onOp(v);
+    };
+    await this.keepWatching(term, 'operation', (onError) => this.deps.store.watchOps((op, rev) => this.onOp({ value: op, modRevision: rev }), { only: (_tenantId, id) => !this.running.has(id), onError }), listOps);
     this.finishedOps.clear();
-    for (const v of await this.deps.store.listOps({ activeOnly: false })) this.onOp(v);
+    await listOps();
     // The sandboxes, listed once and then followed by a watch: the lifecycle rules read this
     // index instead of listing the largest prefix in etcd every 2 s (a list that grows with
     // the fleet, where the watch costs only what changes).
-    // It loads in the background (a new leader's first job is running operations); until
-    // it is ready, the rules list the sandboxes as before.
-    this.sandboxIndex.clear();
-    this.sandboxIndexReady = false;
-    const term = ++this.term;
-    this.deps.store
-      .followSandboxes(
-        (c) => {
-          if (term !== this.term) return;
-          if (c.kind === 'put') this.indexSandbox(c.value);
-          else this.sandboxIndex.delete(`${c.tenantId}/${c.id}`);
-        },
-        (e) => {
-          if (term !== this.term) return;
-          this.sandboxIndexReady = false;
-          this.term++; // ignore whatever the broken watch still delivers
-          this.log.warn({ err: e }, 'the sandbox watch broke off; the lifecycle rules list the sandboxes instead');
-        },
-        // This leader's own sandbox writes are indexed when they commit (commit()): the watch
-        // skips them undecoded (two per forked child: most of what it would decode).
-        { known: (key, rev) => holds(this.sandboxIndex, key, rev) },
-      )
-      .then(
-        (stop) => {
-          if (term !== this.term || !this.active) return stop();
-          this.stops.push(stop);
-          this.sandboxIndexReady = true;
-        },
-        (e: unknown) => this.log.warn({ err: e }, 'could not follow the sandbox records; the lifecycle rules list them instead'),
-      );
+    this.followSandboxIndex(term);
     // One pass at a time: an overlapping pass would write host records with guards the
     // running pass is about to make stale (every such write conflicts).
     this.every(1000, 'host reconcile', () => this.reconcileHosts());
@@ -329,6 +313,81 @@ export class Executor {
     }
     const retention = this.deps.config.recordRetentionMs ?? 0;
     if (retention > 0) this.every(Math.min(30_000, Math.max(500, retention / 2)), 'expiring old records', () => this.expireHistory());
+  }
+
+  /**
+   * Loads the sandbox index in the background (a new leader's first job is running
+   * operations); until it is ready, the rules list the sandboxes. A broken watch makes the
+   * index not ready, and it is listed and followed again a second later, for this term.
+   */
+  private followSandboxIndex(term: number): void {
+    if (term !== this.term || !this.active) return;
+    this.sandboxIndex.clear();
+    this.sandboxIndexReady = false;
+    const gen = ++this.sandboxGen;
+    const current = (): boolean => gen === this.sandboxGen && term === this.term;
+    this.deps.store
+      .followSandboxes(
+        (c) => {
+          if (!current()) return;
+          if (c.kind === 'put') this.indexSandbox(c.value);
+          else this.sandboxIndex.delete(`${c.tenantId}/${c.id}`);
+        },
+        (e) => {
+          if (!current()) return;
+          this.sandboxIndexReady = false;
+          this.sandboxGen++; // ignore whatever the broken watch still delivers
+          this.log.warn({ err: e }, 'the sandbox watch broke off; the lifecycle rules list the sandboxes until it is followed again');
+          setTimeout(() => this.followSandboxIndex(term), 1000).unref();
+        },
+        // This leader's own sandbox writes are indexed when they commit (commit()): the watch
+        // skips them undecoded (two per forked child: most of what it would decode).
+        { known: (key, rev) => holds(this.sandboxIndex, key, rev) },
+      )
+      .then(
+        (stop) => {
+          if (!current() || !this.active) return stop();
+          this.stops.push(stop);
+          this.sandboxIndexReady = true;
+        },
+        (e: unknown) => {
+          this.log.warn({ err: e }, 'could not follow the sandbox records; the lifecycle rules list them instead, and it is tried again');
+          if (current()) setTimeout(() => this.followSandboxIndex(term), 1000).unref();
+        },
+      );
+  }
+
+  /**
+   * Opens a watch for this term. When etcd breaks it off, it is opened again a second later
+   * and `relist` reads what it may have missed, until the term ends.
+   */
+  private async keepWatching(term: number, what: string, open: (onError: (e: unknown) => void) => Promise<() => void>, relist: () => Promise<void>): Promise<void> {
+    let stop: (() => void) | undefined;
+    let ended = false;
+    this.stops.push(() => {
+      ended = true;
+      stop?.();
+    });
+    const live = (): boolean => !ended && term === this.term && this.active;
+    const reopen = async (): Promise<void> => {
+      if (!live()) return;
+      try {
+        const s = await open(onError);
+        if (!live()) return s();
+        stop = s;
+        await relist();
+      } catch (e) {
+        onError(e);
+      }
+    };
+    const onError = (e: unknown): void => {
+      if (!live()) return;
+      this.log.warn({ err: e }, `the ${what} watch broke off; watching again and listing`);
+      stop?.();
+      stop = undefined;
+      setTimeout(() => void reopen(), 1000).unref();
+    };
+    stop = await open(onError);
   }
 
   /** Runs `pass` every `ms` while leading, never two at once; a failed pass is logged. */

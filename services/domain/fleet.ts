@@ -341,19 +341,28 @@ export class Fleet {
   private opWatch: Promise<unknown> | undefined;
 
   private watchTerminalOps(): Promise<unknown> {
-    this.opWatch ??= this.deps.store
+    if (this.opWatch) return this.opWatch;
+    const watch: Promise<() => void> = this.deps.store
       .watchOps(
         (op) => {
           if (!isTerminal(op.state)) return;
           for (const wake of this.opWaiters.get(`${op.tenantId}/${op.id}`) ?? []) wake(op);
         },
-        { only: (tenantId, id) => this.opWaiters.has(`${tenantId}/${id}`) },
+        {
+          only: (tenantId, id) => this.opWaiters.has(`${tenantId}/${id}`),
+          // Broken off by etcd: the waits go on polling (at most 1 s) and the next one watches again.
+          onError: () => {
+            if (this.opWatch === watch) this.opWatch = undefined;
+            void watch.then((stop) => stop(), () => undefined);
+          },
+        },
       )
       .catch((e: unknown) => {
-        this.opWatch = undefined; // the next wait tries again; this one polls
+        if (this.opWatch === watch) this.opWatch = undefined; // the next wait tries again; this one polls
         throw e;
       });
-    return this.opWatch;
+    this.opWatch = watch;
+    return watch;
   }
 
   /**

@@ -107,6 +107,8 @@ export interface CompactorDeps {
   /** Compaction never goes past this revision (the webhook cursor); undefined: no floor. */
   readonly floor?: () => Promise<number | undefined>;
   readonly onCompacted?: (revision: number) => void;
+  /** The floor has held compaction below the revision it would reach for more than an interval. */
+  readonly onHeldBack?: (floor: number, wanted: number) => void;
   readonly onError?: (e: unknown) => void;
 }
 
@@ -119,6 +121,10 @@ export class Compactor {
   private timer: NodeJS.Timeout | undefined;
   private previous = 0;
   private busy = false;
+  /** Counts start() and stop(): a tick still awaiting when leadership ends does nothing more. */
+  private term = 0;
+  /** When the floor first held compaction back (0: it does not). */
+  private heldSince = 0;
 
   constructor(
     private readonly deps: CompactorDeps,
@@ -127,13 +133,16 @@ export class Compactor {
 
   start(): void {
     if (this.everyMs <= 0 || this.timer) return;
+    this.term++;
     this.previous = 0;
+    this.heldSince = 0;
     this.timer = setInterval(() => void this.tick(), this.everyMs);
     this.timer.unref();
     void this.tick();
   }
 
   stop(): void {
+    this.term++;
     if (this.timer) clearInterval(this.timer);
     this.timer = undefined;
   }
@@ -142,12 +151,21 @@ export class Compactor {
   async tick(): Promise<number> {
     if (this.busy) return 0;
     this.busy = true;
+    const term = this.term;
     try {
       const target = this.previous;
-      this.previous = await this.deps.store.revision();
+      const now = await this.deps.store.revision();
+      if (term !== this.term) return 0;
+      this.previous = now;
       if (target <= 0) return 0;
       const floor = this.deps.floor ? await this.deps.floor() : undefined;
+      if (term !== this.term) return 0;
       const to = floor === undefined ? target : Math.min(target, floor);
+      // A floor that holds compaction back (webhook events not recorded) lets etcd grow: say so.
+      if (to < target) {
+        this.heldSince ||= Date.now();
+        if (Date.now() - this.heldSince > this.everyMs) this.deps.onHeldBack?.(to, target);
+      } else this.heldSince = 0;
       if (to <= 0) return 0;
       await this.deps.store.compact(to);
       this.deps.onCompacted?.(to);

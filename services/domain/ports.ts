@@ -64,7 +64,7 @@ export interface FleetStore {
    * Calls `onOp` for every operation record written after now (with `only`: just those it
    * accepts, judged by key before the record is decoded). Returns a stop function.
    */
-  watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts?: { only?: (tenantId: string, id: string) => boolean }): Promise<() => void>;
+  watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts?: { only?: (tenantId: string, id: string) => boolean; onError?: WatchBroke }): Promise<() => void>;
   /**
    * Calls `onChange` with every sandbox record now (one consistent list), then with every
    * sandbox record written or deleted after that list, in revision order (the leader's
@@ -78,13 +78,13 @@ export interface FleetStore {
    * skipped before it is decoded (the key is `hostId` for hosts and allocs, `<tenant>/<id>` for
    * snapshots).
    */
-  watchFleet(onChange: (change: FleetChange) => void, opts?: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean }): Promise<() => void>;
+  watchFleet(onChange: (change: FleetChange) => void, opts?: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean; onError?: WatchBroke }): Promise<() => void>;
   /**
    * Calls `onChange` for sandbox / snapshot / operation record changes (WatchEvents,
    * webhooks), each with the record's previous value. `fromRevision` replays changes from
    * that store revision on (when the store still has them); default: after now.
    */
-  watchRecords(onChange: (change: RecordChange) => void, opts?: { fromRevision?: number }): Promise<() => void>;
+  watchRecords(onChange: (change: RecordChange) => void, opts?: { fromRevision?: number; onError?: WatchBroke }): Promise<() => void>;
   /**
    * Lists every sandbox, snapshot and operation record at one revision, then follows every
    * change under the store's prefix from the next revision on, in revision order (the quota
@@ -101,6 +101,12 @@ export interface FleetStore {
    */
   compact(revision: number): Promise<void>;
 }
+
+/**
+ * A watch broke off for good (etcd cancelled it, e.g. because the revision it would resume
+ * from was compacted, ADR 0017): changes after it may be missed, so the caller lists again.
+ */
+export type WatchBroke = (e: unknown) => void;
 
 /**
  * `known(key, modRevision)`: the caller already holds this record at this revision or a later

@@ -49,6 +49,8 @@ export class QuotaLedger {
   private revision = 0;
   private waiters: Array<{ revision: number; resolve: () => void }> = [];
   private starting: Promise<void> | undefined;
+  /** Counts follows: callbacks of an earlier one are ignored. */
+  private gen = 0;
   private stopFollow: (() => void) | undefined;
 
   constructor(
@@ -78,6 +80,7 @@ export class QuotaLedger {
   }
 
   stop(): void {
+    this.gen++;
     this.stopFollow?.();
     this.stopFollow = undefined;
     this.starting = undefined;
@@ -86,18 +89,24 @@ export class QuotaLedger {
 
   /** Lists and starts following once; after a broken watch, starts again on the next call. */
   private async started(): Promise<boolean> {
-    this.starting ??= this.deps.store
-      .followRecords(
-        (c) => this.apply(c),
-        (rev) => this.advance(rev),
-        (e) => {
-          this.deps.log?.warn({ err: e }, 'the quota ledger watch broke off; admission lists records until it restarts');
-          this.stop();
-        },
-      )
-      .then((stop) => {
-        this.stopFollow = stop;
-      });
+    if (!this.starting) {
+      // A follow started before a stop() is cancelled when it arrives and never feeds this one.
+      const gen = ++this.gen;
+      this.starting = this.deps.store
+        .followRecords(
+          (c) => gen === this.gen && this.apply(c),
+          (rev) => gen === this.gen && this.advance(rev),
+          (e) => {
+            if (gen !== this.gen) return;
+            this.deps.log?.warn({ err: e }, 'the quota ledger watch broke off; admission lists records until it restarts');
+            this.stop();
+          },
+        )
+        .then((stop) => {
+          if (gen === this.gen) this.stopFollow = stop;
+          else stop();
+        });
+    }
     const s = this.starting;
     try {
       await s;

@@ -163,14 +163,38 @@ export class WebhookDispatcher {
       t.unref();
       this.timers.add(t);
     }
+    await this.follow();
+  }
+
+  /**
+   * Follows record changes from the cursor on. A watch that etcd breaks off is followed again
+   * from the cursor a second later, once what was already queued is recorded (the cursor is
+   * never compacted away: ADR 0017).
+   */
+  private async follow(): Promise<void> {
     const cursor = await this.deps.deliveries.cursor();
-    this.stopWatch = await this.deps.store.watchRecords(
+    const stop = await this.deps.store.watchRecords(
       (ch) => {
         const events = eventsOf(ch, this.deps.clock.now());
         this.chain = this.chain.then(() => this.record(events, ch.revision)).catch((e: unknown) => this.deps.log.warn({ err: e }, 'recording webhook deliveries failed'));
       },
-      cursor > 0 ? { fromRevision: cursor + 1 } : {},
+      {
+        ...(cursor > 0 ? { fromRevision: cursor + 1 } : {}),
+        onError: (e) => {
+          if (!this.active || this.stopWatch !== stop) return;
+          this.deps.log.warn({ err: e }, 'the event watch broke off; following again from the cursor');
+          stop();
+          this.stopWatch = undefined;
+          const t = setTimeout(() => {
+            this.timers.delete(t);
+            this.chain = this.chain.then(() => (this.active && !this.stopWatch ? this.follow() : undefined)).catch((err: unknown) => this.deps.log.warn({ err }, 'following the events again failed'));
+          }, 1000);
+          t.unref();
+          this.timers.add(t);
+        },
+      },
     );
+    this.stopWatch = stop;
   }
 
   /** Deletes the delivered and failed records whose last attempt is older than the retention. */
@@ -228,6 +252,7 @@ export class WebhookDispatcher {
     if (!target) {
       Object.assign(next, { state: 'failed', lastError: 'webhook no longer configured' });
       await this.deps.deliveries.update(next);
+      this.finished.set(next.id, next.updatedAt);
       return;
     }
     const headers = {

@@ -1,5 +1,6 @@
 // Starts a real etcd (Debian's etcd-server) for integration tests: free loopback ports,
 // a temporary data directory, stopped by PID.
+import { rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { freePort, spawnManaged, tempDir, waitFor } from './proc.ts';
 import type { ManagedProcess } from './proc.ts';
@@ -8,7 +9,10 @@ export interface EtcdMember {
   readonly name: string;
   readonly clientUrl: string;
   readonly peerUrl: string;
-  readonly proc: ManagedProcess;
+  /** The running process (a new one after restart()). */
+  proc: ManagedProcess;
+  /** Stops the member and starts it again on its data directory and ports; resolves when healthy. */
+  restart(): Promise<void>;
 }
 
 export interface EtcdCluster {
@@ -31,11 +35,13 @@ export async function startEtcd(opts: { size?: number; binary?: string; logDir?:
   const specs: Array<{ name: string; clientPort: number; peerPort: number }> = [];
   for (let i = 0; i < size; i++) specs.push({ name: `n${i + 1}`, clientPort: await freePort(), peerPort: await freePort() });
   const initialCluster = specs.map((s) => `${s.name}=http://127.0.0.1:${s.peerPort}`).join(',');
+  const dirs: string[] = [];
   const members: EtcdMember[] = specs.map((s) => {
     const dir = tempDir(`ff-etcd-${s.name}-`);
+    dirs.push(dir);
     const clientUrl = `http://127.0.0.1:${s.clientPort}`;
     const peerUrl = `http://127.0.0.1:${s.peerPort}`;
-    const proc = spawnManaged({
+    const launch = (): ManagedProcess => spawnManaged({
       name: `etcd-${s.name}`,
       command: opts.binary ?? 'etcd',
       args: [
@@ -54,9 +60,22 @@ export async function startEtcd(opts: { size?: number; binary?: string; logDir?:
         '--log-level', 'error',
       ],
       dir,
+      // The cluster removes it at stop(): a restart keeps the data.
+      removeDirOnStop: false,
       logPath: opts.logDir ? join(opts.logDir, `etcd-${s.name}.log`) : join(dir, 'etcd.log'),
     });
-    return { name: s.name, clientUrl, peerUrl, proc };
+    const m: EtcdMember = {
+      name: s.name,
+      clientUrl,
+      peerUrl,
+      proc: launch(),
+      async restart() {
+        await m.proc.stop();
+        m.proc = launch();
+        await waitFor(`etcd ${s.name} healthy again`, () => healthy(clientUrl), 15_000);
+      },
+    };
+    return m;
   });
   const cluster: EtcdCluster = {
     members,
@@ -64,6 +83,7 @@ export async function startEtcd(opts: { size?: number; binary?: string; logDir?:
     async stop() {
       // One at a time: stopping all members at once makes the last one hang (VMM-NOTES).
       for (const m of members) await m.proc.stop();
+      for (const d of dirs) rmSync(d, { recursive: true, force: true });
     },
   };
   try {

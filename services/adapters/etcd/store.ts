@@ -1,8 +1,9 @@
 // FleetStore over etcd (etcd3 client). Every guarded write compares the key's mod
 // revision it read; a batch is one transaction.
 import { Etcd3, Range } from 'etcd3';
-import type { IKeyValue } from 'etcd3';
-import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, RecordChange, SandboxChange, StoreWrite, Versioned } from '../../domain/ports.ts';
+import type { IKeyValue, IWatchResponse, Watcher } from 'etcd3';
+import { WatchManager } from 'etcd3/lib/watch.js';
+import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, RecordChange, SandboxChange, StoreWrite, Versioned, WatchBroke } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
@@ -17,6 +18,51 @@ const LIST_PAGE = 500;
 const LIST_PAGE_OPS = 50;
 /** Point reads per read-only transaction: under etcd's default --max-txn-ops of 128 (with the seed compare). */
 const GET_BATCH = 100;
+
+/**
+ * Every watcher gets an 'error' listener: etcd3 emits 'error' when etcd cancels a watch (a
+ * resume from a compacted revision after a reconnect, ADR 0017), and an EventEmitter
+ * 'error' without a listener throws out of the gRPC stream and kills the process.
+ */
+function onBroken(w: Watcher, onError: WatchBroke | undefined): void {
+  w.on('error', (e) => {
+    cancelled.add(w);
+    onError?.(e);
+  });
+}
+
+/**
+ * etcd3 (1.1.2, the newest) throws from its watch stream's 'data' handler, "Failed to find
+ * watcher for IWatchResponse", when an answer arrives for a watcher it no longer tracks. That
+ * happens around a reconnect after compaction: etcd cancels a watch that resumes from a
+ * compacted revision, its caller cancels the sibling watches to list again, and a cancel
+ * answer comes for a watcher the library has already dropped. The throw escapes the gRPC
+ * stream and ends the process (seen in services/history.int.test.ts). An answer for a watcher
+ * that is gone needs nothing done, so it is dropped here instead.
+ */
+function dropAnswersForGoneWatchers(): void {
+  const proto = WatchManager.prototype as unknown as { handleResponse: (this: { watchers: Array<{ id: string | null }> }, res: IWatchResponse) => void; __ffPatched?: boolean };
+  if (proto.__ffPatched) return;
+  const handle = proto.handleResponse;
+  proto.handleResponse = function (res) {
+    if (!this.watchers.some((w) => w.id === res.watch_id)) return;
+    handle.call(this, res);
+  };
+  proto.__ffPatched = true;
+}
+dropAnswersForGoneWatchers();
+
+/** Watchers etcd has cancelled (their 'error' came). */
+const cancelled = new WeakSet<Watcher>();
+
+/**
+ * Cancels a watcher, unless etcd already did: etcd3 would then send a cancel request for a
+ * watch it no longer tracks, and the answer to it throws ("Failed to find watcher for
+ * IWatchResponse") out of the stream handler, which ends the process.
+ */
+function cancel(w: Watcher): void {
+  if (!cancelled.has(w)) void w.cancel();
+}
 
 function decode<T>(kv: IKeyValue): Versioned<T> {
   return { value: JSON.parse(kv.value.toString('utf8')) as T, modRevision: Number(kv.mod_revision) };
@@ -247,8 +293,12 @@ export class EtcdFleetStore implements FleetStore {
       const last = res.events[res.events.length - 1];
       if (last) onRevision(Number(last.kv.mod_revision));
     });
-    w.on('error', onError);
-    return () => void w.cancel();
+    onBroken(w, onError);
+    // The library resumes a broken stream from the last response's header revision, which
+    // may be past events not yet delivered while this watch still caught up from the list:
+    // the ledger starts over instead of trusting the resumed stream.
+    w.on('disconnected', onError);
+    return () => cancel(w);
   }
 
   async revision(): Promise<number> {
@@ -266,9 +316,10 @@ export class EtcdFleetStore implements FleetStore {
     }
   }
 
-  async watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts: { only?: (tenantId: string, id: string) => boolean } = {}): Promise<() => void> {
+  async watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts: { only?: (tenantId: string, id: string) => boolean; onError?: WatchBroke } = {}): Promise<() => void> {
     const prefix = keys.ops();
     const w = await this.client.watch().prefix(prefix).create();
+    onBroken(w, opts.onError);
     const only = opts.only;
     w.on('put', (kv) => {
       if (only) {
@@ -280,7 +331,7 @@ export class EtcdFleetStore implements FleetStore {
       const d = decode<OperationRec>(kv);
       onOp(d.value, d.modRevision);
     });
-    return () => void w.cancel();
+    return () => cancel(w);
   }
 
   async followSandboxes(onChange: (c: SandboxChange) => void, onError: (e: unknown) => void = () => undefined, opts: { known?: KnownRecord } = {}): Promise<() => void> {
@@ -290,7 +341,7 @@ export class EtcdFleetStore implements FleetStore {
     // From the revision after the list's: no change is missed or seen twice.
     const w = await this.client.watch().prefix(prefix).startRevision(String(Number(revision) + 1)).create();
     // etcd cancelled the watch (e.g. its start revision was compacted): changes may be missed from here on.
-    w.on('error', onError);
+    onBroken(w, onError);
     const known = opts.known;
     w.on('put', (kv) => {
       if (known && known(kv.key.toString('utf8').slice(prefix.length), Number(kv.mod_revision))) return;
@@ -302,12 +353,13 @@ export class EtcdFleetStore implements FleetStore {
       const slash = rest.lastIndexOf('/');
       onChange({ kind: 'delete', tenantId: rest.slice(0, slash), id: rest.slice(slash + 1), revision: Number(kv.mod_revision) });
     });
-    return () => void w.cancel();
+    return () => cancel(w);
   }
 
-  async watchFleet(onChange: (c: FleetChange) => void, opts: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean } = {}): Promise<() => void> {
+  async watchFleet(onChange: (c: FleetChange) => void, opts: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean; onError?: WatchBroke } = {}): Promise<() => void> {
     const prefixes = [keys.hosts(), keys.allocs(), keys.snapshots()] as const;
     const watchers = await Promise.all(prefixes.map((p) => this.client.watch().prefix(p).create()));
+    for (const w of watchers) onBroken(w, opts.onError);
     const kinds = ['host', 'alloc', 'snapshot'] as const;
     const known = opts.known;
     watchers.forEach((w, i) => {
@@ -319,15 +371,16 @@ export class EtcdFleetStore implements FleetStore {
       });
     });
     return () => {
-      for (const w of watchers) void w.cancel();
+      for (const w of watchers) cancel(w);
     };
   }
 
-  async watchRecords(onChange: (c: RecordChange) => void, opts: { fromRevision?: number } = {}): Promise<() => void> {
+  async watchRecords(onChange: (c: RecordChange) => void, opts: { fromRevision?: number; onError?: WatchBroke } = {}): Promise<() => void> {
     // One watcher over the whole prefix, so changes arrive in revision order across kinds
     // (the webhook cursor relies on it).
     const b = this.client.watch().prefix(PREFIX).withPreviousKV();
     const w = await (opts.fromRevision ? b.startRevision(String(opts.fromRevision)) : b).create();
+    onBroken(w, opts.onError);
     const kinds = [
       [keys.sandboxes(), 'sandbox'],
       [keys.snapshots(), 'snapshot'],
@@ -341,6 +394,6 @@ export class EtcdFleetStore implements FleetStore {
       const prev = previous && previous.value.length > 0 ? (decode<never>(previous).value as unknown) : undefined;
       onChange({ kind, value: d.value, revision: d.modRevision, ...(prev ? { prev } : {}) } as RecordChange);
     });
-    return () => void w.cancel();
+    return () => cancel(w);
   }
 }

@@ -221,7 +221,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             if (types.size && !types.has(ev.type)) continue;
             q.push(ev);
           }
-        })
+        }, { onError: (e) => q.fail(e) })
         .then((s) => {
           stop = s;
           if (ctx.signal.aborted) s();
