@@ -255,8 +255,8 @@ export class Executor {
   private readonly sandboxIndex = new Map<string, Versioned<SandboxRec>>();
   private sandboxIndexReady = false;
   /**
-   * Finished operations, by `<tenant>/<id>`, until their records expire (history.ts): from
-   * the leader's start-up list, its own final writes and the op watch.
+   * Finished operations with an idempotency key, by `<tenant>/<id>`, until their records
+   * expire (history.ts): from the leader's start-up list, its own final writes and the op watch.
    */
   private readonly finishedOps = new Map<string, FinishedOp>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
@@ -406,8 +406,17 @@ export class Executor {
   /** An op record from the start-up list or the watch: run it, or remember it finished. */
   private onOp(v: Versioned<OperationRec>): void {
     const f = finishedOpOf(v);
-    if (f) this.finishedOps.set(`${f.tenantId}/${f.id}`, f);
+    if (f) this.noteFinished(f);
     else this.maybeRun(v.value, v.modRevision);
+  }
+
+  /**
+   * Remembers a finished op until its record expires. Only one with its idempotency key:
+   * deleting an op of an older record (no key recorded) would leave its key pointing at
+   * nothing, and a retry of that key could never submit.
+   */
+  private noteFinished(f: FinishedOp): void {
+    if (f.idempotencyKey) this.finishedOps.set(`${f.tenantId}/${f.id}`, f);
   }
 
   /**
@@ -419,10 +428,7 @@ export class Executor {
   async expireHistory(): Promise<{ sandboxes: number; ops: number }> {
     const retention = this.deps.config.recordRetentionMs ?? 0;
     if (!this.active || retention <= 0) return { sandboxes: 0, ops: 0 };
-    // Ops only with their idempotency key: deleting an op of an older record (no key recorded)
-    // would leave its key pointing at nothing, and a retry of that key could never submit.
-    const ops = [...this.finishedOps.values()].filter((o) => o.idempotencyKey);
-    const plan = expiredRecords(this.sandboxIndexReady ? this.sandboxIndex.values() : [], ops, this.deps.clock.now(), retention, 100_000);
+    const plan = expiredRecords(this.sandboxIndexReady ? this.sandboxIndex.values() : [], this.finishedOps.values(), this.deps.clock.now(), retention, 100_000);
     if (plan.writes.length === 0) return { sandboxes: 0, ops: 0 };
     await commitPurge({ commit: async (w) => (await this.commit([...w])) > 0 }, plan.writes);
     // A delete whose guard failed: the record changed; the watch brings its new copy back.
@@ -500,7 +506,7 @@ export class Executor {
         else if (w.kind === 'delete-op') this.finishedOps.delete(`${w.tenantId}/${w.id}`);
         else if (w.kind === 'op' && isTerminal(w.value.state)) {
           const f = finishedOpOf({ value: w.value, modRevision: rev });
-          if (f && this.active) this.finishedOps.set(`${f.tenantId}/${f.id}`, f);
+          if (f && this.active) this.noteFinished(f);
           this.finishedAt.set(w.value.id, rev);
           if (this.finishedAt.size > 10_000) this.finishedAt.delete(this.finishedAt.keys().next().value as string);
         } else if (w.kind === 'op' && this.running.has(w.value.id)) this.ops.set(w.value.id, { value: w.value, modRevision: rev });

@@ -35,10 +35,8 @@ export async function startEtcd(opts: { size?: number; binary?: string; logDir?:
   const specs: Array<{ name: string; clientPort: number; peerPort: number }> = [];
   for (let i = 0; i < size; i++) specs.push({ name: `n${i + 1}`, clientPort: await freePort(), peerPort: await freePort() });
   const initialCluster = specs.map((s) => `${s.name}=http://127.0.0.1:${s.peerPort}`).join(',');
-  const dirs: string[] = [];
   const members: EtcdMember[] = specs.map((s) => {
     const dir = tempDir(`ff-etcd-${s.name}-`);
-    dirs.push(dir);
     const clientUrl = `http://127.0.0.1:${s.clientPort}`;
     const peerUrl = `http://127.0.0.1:${s.peerPort}`;
     const launch = (): ManagedProcess => spawnManaged({
@@ -83,7 +81,7 @@ export async function startEtcd(opts: { size?: number; binary?: string; logDir?:
     async stop() {
       // One at a time: stopping all members at once makes the last one hang (VMM-NOTES).
       for (const m of members) await m.proc.stop();
-      for (const d of dirs) rmSync(d, { recursive: true, force: true });
+      for (const m of members) if (m.proc.dir) rmSync(m.proc.dir, { recursive: true, force: true });
     },
   };
   try {

@@ -56,12 +56,16 @@ dropAnswersForGoneWatchers();
 const cancelled = new WeakSet<Watcher>();
 
 /**
- * Cancels a watcher, unless etcd already did: etcd3 would then send a cancel request for a
- * watch it no longer tracks, and the answer to it throws ("Failed to find watcher for
- * IWatchResponse") out of the stream handler, which ends the process.
+ * Cancels a watcher, unless etcd already did: etcd3 would send a cancel request for a watch
+ * etcd no longer has, and keep the watcher among its closers until the next reconnect.
  */
 function cancel(w: Watcher): void {
   if (!cancelled.has(w)) void w.cancel();
+}
+
+/** The error etcd gives for a read or watch at a revision that compaction removed. */
+function isCompacted(e: unknown): boolean {
+  return /compacted/i.test(e instanceof Error ? e.message : String(e));
 }
 
 function decode<T>(kv: IKeyValue): Versioned<T> {
@@ -186,7 +190,7 @@ export class EtcdFleetStore implements FleetStore {
           start = Buffer.concat([last.key, Buffer.from([0])]);
         }
       } catch (e) {
-        if (attempt < 3 && rev && !at && /compacted/i.test(e instanceof Error ? e.message : String(e))) continue;
+        if (attempt < 3 && rev && !at && isCompacted(e)) continue;
         throw e;
       }
     }
@@ -265,7 +269,7 @@ export class EtcdFleetStore implements FleetStore {
         lists = [first, ...(await Promise.all(kinds.slice(1).map(([p]) => this.getPrefixAt<never>(p, p === keys.ops() ? LIST_PAGE_OPS : LIST_PAGE, first.revision))))];
         break;
       } catch (e) {
-        if (attempt < 3 && /compacted/i.test(e instanceof Error ? e.message : String(e))) continue;
+        if (attempt < 3 && isCompacted(e)) continue;
         throw e;
       }
     }
@@ -311,7 +315,7 @@ export class EtcdFleetStore implements FleetStore {
       await this.client.kv.compact({ revision: String(revision) });
     } catch (e) {
       // Compacted already (by us, another replica or etcd's own auto-compaction): done.
-      if (/compacted/i.test(e instanceof Error ? e.message : String(e))) return;
+      if (isCompacted(e)) return;
       throw e;
     }
   }
