@@ -79,7 +79,8 @@ export interface ExecutorDeps {
   onExpired?: (sandboxes: number, ops: number) => void;
 }
 
-type Waiter = { resolve: (r: HostResultMsg | undefined) => void };
+/** A step waiting for its result; `hostId`: the host it was sent to, the only one whose answer counts. */
+type Waiter = { hostId: string; resolve: (r: HostResultMsg | undefined) => void };
 
 function hooksOf(sb: SandboxRec): Array<{ argv: string[]; timeout: { seconds: bigint; nanos: number } }> {
   return (sb.afterResume ?? []).map((h) => ({ argv: h.argv, timeout: { seconds: BigInt(Math.floor(h.timeoutMs / 1000)), nanos: (h.timeoutMs % 1000) * 1e6 } }));
@@ -240,7 +241,7 @@ export class Executor {
   private readonly finishedAt = new Map<string, number>();
   private readonly waiters = new Map<string, Waiter>();
   /** Results that arrived before anyone waited for them (e.g. right after a failover). */
-  private readonly early = new Map<string, HostResultMsg>();
+  private readonly early = new Map<string, { result: HostResultMsg; fromHost: string }>();
   /** Host steps sent and not yet finished, per host: placement counts them at once (fleetViewInput's ownInflight). */
   private readonly stepsInFlight = new Map<string, number>();
   private stops: Array<() => void | Promise<void>> = [];
@@ -273,8 +274,8 @@ export class Executor {
   /** Called when this replica becomes leader. */
   async start(): Promise<void> {
     this.active = true;
-    const stopResults = await this.deps.bus.consumeResults((r, ack) => {
-      this.onResult(r);
+    const stopResults = await this.deps.bus.consumeResults((r, ack, fromHost) => {
+      this.onResult(r, fromHost);
       ack();
     });
     this.stops.push(stopResults);
@@ -458,14 +459,22 @@ export class Executor {
     await Promise.race([Promise.allSettled([...this.running.values()]), new Promise((r) => setTimeout(r, 2000))]);
   }
 
-  onResult(r: HostResultMsg): void {
+  /**
+   * A step's result, from the host whose subject it came on. A result for a step that was
+   * sent to another host is dropped: a host's agent cannot answer for another host's steps.
+   */
+  onResult(r: HostResultMsg, fromHost: string): void {
     const key = stepKey(r.opId, r.stepId);
     const w = this.waiters.get(key);
+    if (w && w.hostId !== fromHost) {
+      this.log.warn({ opId: r.opId, stepId: r.stepId, hostId: w.hostId, fromHost }, 'dropped a step result from a host the step was not sent to');
+      return;
+    }
     if (w) {
       this.waiters.delete(key);
       w.resolve(r);
     } else {
-      this.early.set(key, r);
+      this.early.set(key, { result: r, fromHost });
       if (this.early.size > 10_000) this.early.delete(this.early.keys().next().value as string);
     }
   }
@@ -667,7 +676,8 @@ export class Executor {
       const early = this.early.get(key);
       if (early) {
         this.early.delete(key);
-        return this.checkResult(early, hostId, stepId);
+        if (early.fromHost === hostId) return this.checkResult(early.result, hostId, stepId);
+        this.log.warn({ opId: op.id, stepId, hostId, fromHost: early.fromHost }, 'dropped a step result from a host the step was not sent to');
       }
       // The step's decision (which host does what) is already in etcd (the placement or the
       // sandbox record); the step log is written with the op's final state, not per step.
@@ -680,6 +690,7 @@ export class Executor {
           resolve(undefined);
         }, timeoutMs);
         this.waiters.set(key, {
+          hostId,
           resolve: (r) => {
             clearTimeout(t);
             resolve(r);

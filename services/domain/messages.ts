@@ -16,6 +16,8 @@ export type {
 export {
   HostWorkSchema,
   HostResultSchema,
+  HostWorkBatchSchema,
+  HostResultBatchSchema,
   HeartbeatSchema,
   HostEventSchema,
   HostExecRequestSchema,

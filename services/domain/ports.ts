@@ -149,8 +149,11 @@ export interface LeaderElection {
 export interface WorkBus {
   /** Durable, at-least-once delivery to one host's work queue. */
   sendWork(hostId: string, work: HostWorkMsg): Promise<void>;
-  /** Results from all hosts; `ack` after the result is recorded. Leader only. */
-  consumeResults(onResult: (r: HostResultMsg, ack: () => void) => void | Promise<void>): Promise<() => Promise<void>>;
+  /**
+   * Results from all hosts; `ack` after the result is recorded. `fromHost` is the host whose
+   * subject the result came on (its NATS user may publish only there). Leader only.
+   */
+  consumeResults(onResult: (r: HostResultMsg, ack: () => void, fromHost: string) => void | Promise<void>): Promise<() => Promise<void>>;
   onHeartbeat(cb: (hb: HeartbeatMsg) => void): () => void;
   onHostEvent(cb: (e: HostEventMsg) => void): () => void;
   /** Relays an exec to a host; yields output pieces, the last being the exit or an error. */

@@ -9,7 +9,7 @@ import { startNats } from '../../../services/testkit/nats.ts';
 import type { NatsServer } from '../../../services/testkit/nats.ts';
 import { NatsWorkBus } from '../../../services/adapters/nats/bus.ts';
 import { agentConnectOptions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
-import { STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
+import { STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { NatsAgentBus } from './agent-bus.ts';
 import { HeartbeatSchema, HostEventSchema, HostExecOutputSchema, HostFileRequestSchema, HostFileResponseSchema, HostExecRequestSchema, HostResultSchema, HostWorkSchema } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostResultMsg, HeartbeatMsg, HostWorkMsg } from '../../../services/domain/messages.ts';
@@ -58,6 +58,8 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
   let agentA: NatsConnection;
   let busA: NatsAgentBus;
   const results: HostResultMsg[] = [];
+  /** The host each result came from, by `${opId}/${stepId}` (consumeResults' `fromHost`). */
+  const resultHosts = new Map<string, string>();
   const heartbeats: HeartbeatMsg[] = [];
   let stopResults: (() => Promise<void>) | undefined;
 
@@ -68,8 +70,9 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     nats = await startNats({ auth: { hosts: ['host-a', 'host-b'] } });
     sched = await connect({ servers: nats.url, name: 'scheduler', ...nkeyConnectOptions(nats.auth!.schedulerSeedFile) });
     bus = await NatsWorkBus.create(sched);
-    stopResults = await bus.consumeResults((r, ack) => {
+    stopResults = await bus.consumeResults((r, ack, fromHost) => {
       results.push(r);
+      resultHosts.set(`${r.opId}/${r.stepId}`, fromHost);
       ack();
     });
     bus.onHeartbeat((hb) => heartbeats.push(hb));
@@ -124,6 +127,32 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     const res = await bus.file('host-a', create(HostFileRequestSchema, { sandboxId: 's', path: '/etc/hostname' }), { timeoutMs: 5000 });
     expect(new TextDecoder().decode(res.data)).toBe('read /etc/hostname');
     unserveFile();
+    await stop();
+  });
+
+  it('sendWork_manyStepsInOneTurn_goAsOneMessage_andEachResultComesBackFromItsHost', async () => {
+    const jsm = await sched.jetstreamManager();
+    const seq = async (stream: string): Promise<number> => (await jsm.streams.info(stream)).state.last_seq;
+    const [work0, results0] = [await seq(STREAM_WORK), await seq(STREAM_RESULTS)];
+    const got: HostWorkMsg[] = [];
+    const stop = await busA.consumeWork(async (w, ctl) => {
+      got.push(w);
+      await busA.publishResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: 'host-a', attempt: w.attempt }));
+      ctl.ack();
+    });
+    const steps = Array.from({ length: 10 }, (_, i) => `fork/${i}`);
+    await Promise.all(steps.map((stepId) => bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-batch', stepId, attempt: 1 }))));
+    await waitUntil('every step of the batch answered', () => (steps.every((s) => resultHosts.has(`op-batch/${s}`)) ? true : undefined));
+    expect(got.filter((w) => w.opId === 'op-batch').map((w) => w.stepId)).toEqual(steps);
+    expect(steps.map((s) => resultHosts.get(`op-batch/${s}`))).toEqual(steps.map(() => 'host-a'));
+    // Ten steps sent in one turn were one stored message, and their ten results (ready in
+    // the same turn on the agent) one or two more.
+    expect(await seq(STREAM_WORK)).toBe(work0 + 1);
+    expect((await seq(STREAM_RESULTS)) - results0).toBeLessThanOrEqual(2);
+    // The batch was acked once all ten were: the work queue holds nothing for host-a.
+    const ackPending = async (): Promise<number> => (await jsm.consumers.info(STREAM_WORK, workConsumer('host-a'))).num_ack_pending;
+    for (let i = 0; i < 50 && (await ackPending()) > 0; i++) await sleep(100);
+    expect(await ackPending()).toBe(0);
     await stop();
   });
 

@@ -13,11 +13,13 @@ import {
   HostFileRequestSchema,
   HostFileResponseSchema,
   HostResultSchema,
+  HostWorkBatchSchema,
   HostWorkSchema,
 } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { Heartbeat, HostEvent, HostExecOutput, HostExecRequest, HostFileRequest, HostFileResponse, HostResult, HostWork } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
+import { ackAfter, isBatch, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
 
 async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
   const until = Date.now() + timeoutMs;
@@ -39,6 +41,7 @@ async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise
 export class NatsAgentBus implements AgentBus {
   private readonly js: JetStreamClient;
   private readonly publisher: JsPublisher;
+  private readonly batcher: SubjectBatcher;
   private readonly subs: Subscription[] = [];
 
   private constructor(
@@ -48,6 +51,7 @@ export class NatsAgentBus implements AgentBus {
   ) {
     this.js = nc.jetstream();
     this.publisher = JsPublisher.of(nc);
+    this.batcher = new SubjectBatcher(this.publisher);
   }
 
   /**
@@ -73,17 +77,21 @@ export class NatsAgentBus implements AgentBus {
     const pending = new Set<Promise<void>>();
     const loop = (async () => {
       for await (const m of messages) {
-        let w: HostWork;
+        let ws: HostWork[];
         try {
-          w = fromBinary(HostWorkSchema, m.data);
+          ws = isBatch(m) ? fromBinary(HostWorkBatchSchema, m.data).items : [fromBinary(HostWorkSchema, m.data)];
         } catch (e) {
           this.log.warn({ err: e }, 'undecodable work message dropped');
           m.term();
           continue;
         }
-        const p = onWork(w, { ack: () => m.ack(), working: () => m.working() }).catch((e: unknown) => this.log.error({ err: e }, 'work handler failed'));
-        pending.add(p);
-        void p.finally(() => pending.delete(p));
+        // A batch is acked when every step in it is (each step acks when its result is out).
+        const ctl: WorkControl = { ack: ackAfter(ws.length, () => m.ack()), working: () => m.working() };
+        for (const w of ws) {
+          const p = onWork(w, ctl).catch((e: unknown) => this.log.error({ err: e }, 'work handler failed'));
+          pending.add(p);
+          void p.finally(() => pending.delete(p));
+        }
       }
     })();
     return async () => {
@@ -93,7 +101,8 @@ export class NatsAgentBus implements AgentBus {
   }
 
   async publishResult(r: HostResult): Promise<void> {
-    await this.publisher.publish(subjects.result(this.hostId), toBinary(HostResultSchema, r));
+    // Results that are ready in the same turn go out as one message (batcher.ts).
+    await this.batcher.publish(subjects.result(this.hostId), toBinary(HostResultSchema, r));
   }
 
   publishHeartbeat(hb: Heartbeat): void {

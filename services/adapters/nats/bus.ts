@@ -14,6 +14,7 @@ import {
   HostExecRequestSchema,
   HostFileRequestSchema,
   HostFileResponseSchema,
+  HostResultBatchSchema,
   HostResultSchema,
   HostWorkSchema,
 } from '../../domain/messages.ts';
@@ -31,6 +32,7 @@ import { AsyncQueue } from '../grpc/queue.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS, subjects } from './subjects.ts';
 import { JsPublisher } from './js-publisher.ts';
+import { ackAfter, isBatch, SubjectBatcher } from './batcher.ts';
 
 /** Heartbeat field `repeated VmStatus vms` (proto/forkfleet/v1/hostwork.proto). */
 const HEARTBEAT_VMS_FIELD = 8;
@@ -65,13 +67,13 @@ export function decodeHeartbeat(data: Uint8Array): HeartbeatMsg {
 
 export class NatsWorkBus implements WorkBus {
   private readonly js: JetStreamClient;
-  private readonly publisher: JsPublisher;
+  private readonly batcher: SubjectBatcher;
   private readonly subs: Subscription[] = [];
   private readonly nonce = randomBytes(6).toString('hex');
 
   private constructor(private readonly nc: NatsConnection) {
     this.js = nc.jetstream();
-    this.publisher = JsPublisher.of(nc);
+    this.batcher = new SubjectBatcher(JsPublisher.of(nc));
   }
 
   static async create(nc: NatsConnection): Promise<NatsWorkBus> {
@@ -85,23 +87,28 @@ export class NatsWorkBus implements WorkBus {
     // JetStream dedup window: a re-publish of the same step attempt is dropped.
     // The sender's nonce keeps a new leader's re-send of the same attempt from being dropped
     // as a duplicate of the old leader's message (the agent dedups by op + step anyway).
-    await this.publisher.publish(subjects.work(hostId), toBinary(HostWorkSchema, work), { msgId: `${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}` });
+    // Steps for the same host in the same turn go out as one message (batcher.ts).
+    await this.batcher.publish(subjects.work(hostId), toBinary(HostWorkSchema, work), `${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}`);
   }
 
-  async consumeResults(onResult: (r: HostResultMsg, ack: () => void) => void | Promise<void>): Promise<() => Promise<void>> {
+  async consumeResults(onResult: (r: HostResultMsg, ack: () => void, fromHost: string) => void | Promise<void>): Promise<() => Promise<void>> {
     const consumer = await this.js.consumers.get(STREAM_RESULTS, RESULTS_CONSUMER);
     const messages: ConsumerMessages = await consumer.consume({ max_messages: 256 });
+    const prefix = subjects.result('');
     const done = (async () => {
       for await (const m of messages) {
-        let r: HostResultMsg;
+        let rs: HostResultMsg[];
         try {
-          r = fromBinary(HostResultSchema, m.data);
+          rs = isBatch(m) ? fromBinary(HostResultBatchSchema, m.data).items : [fromBinary(HostResultSchema, m.data)];
         } catch {
           m.term(); // undecodable: never redeliver
           continue;
         }
+        // The subject names the host that sent it (its NATS user may publish only there).
+        const fromHost = m.subject.startsWith(prefix) ? m.subject.slice(prefix.length) : '';
+        const ack = ackAfter(rs.length, () => m.ack());
         try {
-          await onResult(r, () => m.ack());
+          for (const r of rs) await onResult(r, ack, fromHost);
         } catch {
           m.nak(1000);
         }

@@ -70,17 +70,18 @@ export class JsPublisher {
   /**
    * Publishes to a subject a stream captures and resolves with the server's PubAck. `msgId`
    * sets `Nats-Msg-Id`: the stream drops a second message with the same id within its
-   * duplicate window (the PubAck then says `duplicate`).
+   * duplicate window (the PubAck then says `duplicate`). `headers` are set as given.
    */
-  publish(subject: string, data: Uint8Array, opts: { msgId?: string } = {}): Promise<PubAck> {
+  publish(subject: string, data: Uint8Array, opts: { msgId?: string; headers?: Readonly<Record<string, string>> } = {}): Promise<PubAck> {
     if (this.closed) return Promise.reject(new ForkfleetError('unavailable', `JetStream publish to ${subject}: the publisher is closed`));
     const token = (this.seq++).toString(36);
     return new Promise<PubAck>((resolve, reject) => {
       this.pending.set(token, { subject, deadline: Date.now() + this.timeoutMs, resolve, reject });
       let h: ReturnType<typeof natsHeaders> | undefined;
-      if (opts.msgId) {
+      if (opts.msgId || opts.headers) {
         h = natsHeaders();
-        h.set('Nats-Msg-Id', opts.msgId);
+        if (opts.msgId) h.set('Nats-Msg-Id', opts.msgId);
+        for (const [k, v] of Object.entries(opts.headers ?? {})) h.set(k, v);
       }
       try {
         this.nc.publish(subject, data, { reply: `${this.inbox}.${token}`, ...(h ? { headers: h } : {}) });
