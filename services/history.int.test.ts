@@ -104,6 +104,23 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     expect(again.sandboxId).not.toBe(kept.sandboxId);
   }, 90_000);
 
+  it('retention_deletesTheRecordOfADeletedSnapshot_andKeepsAReadyOne', async () => {
+    const src = await create('snap-src');
+    const snap = async (key: string): Promise<string> => {
+      const op = await ok(await api.snapshotSandbox({ tenantId, idempotencyKey: key, sandboxId: src.sandboxId }));
+      return op.result.case === 'snapshot' ? op.result.value.id : '';
+    };
+    const [keep, drop] = [await snap('snap-keep'), await snap('snap-drop')];
+    await ok(await api.deleteSnapshot({ tenantId, idempotencyKey: 'snap-del', snapshotId: drop }));
+    expect((await store.getSnapshot(tenantId, drop))?.value.state).toBe('deleted');
+    await waitFor('the deleted snapshot record expires', async () => (await store.getSnapshot(tenantId, drop)) === undefined, 30_000, 250);
+    expect((await store.getSnapshot(tenantId, keep))?.value.state).toBe('ready');
+    expect((await api.getSnapshot({ tenantId, snapshotId: keep })).id).toBe(keep);
+    // The leader goes on placing from the kept one.
+    const fork = await ok(await api.forkSandbox({ tenantId, idempotencyKey: 'snap-fork', source: { case: 'snapshotId', value: keep }, count: 2 }));
+    expect(fork.result.case === 'fork' ? fork.result.value.children.length : 0).toBe(2);
+  }, 90_000);
+
   it('compaction_dropsHistoryOlderThanOneInterval_whileListsAndWatchesGoOn', async () => {
     const rev = await store.revision();
     await compactedPast(rev);

@@ -156,7 +156,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     metricsAddress = typeof a === 'object' && a ? `${h}:${a.port}` : config.metricsAddr;
   }
 
-  const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes and finished operations deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
+  const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes, finished operations and deleted or failed snapshots deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
   const executor = new Executor({
     store,
     bus,
@@ -173,9 +173,10 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });
       metrics.opSeconds.observe({ kind }, seconds);
     },
-    onExpired: (sandboxes, ops) => {
+    onExpired: (sandboxes, ops, snapshots) => {
       expired.inc({ kind: 'sandbox' }, sandboxes);
       expired.inc({ kind: 'operation' }, ops);
+      expired.inc({ kind: 'snapshot' }, snapshots);
     },
   });
 

@@ -76,7 +76,7 @@ export interface ExecutorDeps {
   /** Observability hook: every finished operation (adapters turn it into metrics). */
   onFinished?: (kind: OperationRec['kind'], ok: boolean, seconds: number) => void;
   /** Observability hook: records deleted by the history retention (history.ts), per pass. */
-  onExpired?: (sandboxes: number, ops: number) => void;
+  onExpired?: (sandboxes: number, ops: number, snapshots: number) => void;
 }
 
 /** A step waiting for its result; `hostId`: the host it was sent to, the only one whose answer counts. */
@@ -152,10 +152,15 @@ function writeKey(w: StoreWrite): string {
       return `sandbox/${w.tenantId}/${w.id}`;
     case 'delete-op':
       return `op/${w.tenantId}/${w.id}`;
+    case 'delete-snapshot':
+      return `snapshot/${w.tenantId}/${w.id}`;
     case 'delete-idem':
       return `idem/${w.tenantId}/${w.key}`;
   }
 }
+
+/** Deleted snapshot records the leader's cache remembers (FleetCache.goneSnapshots). */
+const GONE_SNAPSHOTS_MAX = 100_000;
 
 /** Writes per group-committed transaction: etcd's default --max-txn-ops is 128 (compares count too, plus the seed compare). */
 const GROUP_COMMIT_MAX_WRITES = 100;
@@ -175,6 +180,12 @@ export class FleetCache {
   readonly hosts = new Map<string, Versioned<HostRec>>();
   readonly allocs = new Map<string, Versioned<HostAllocRec>>();
   readonly snapshots = new Map<string, Versioned<SnapshotRec>>();
+  /**
+   * Snapshot records deleted (expired), by key: the revision of the delete. A copy from
+   * before it (a watch event or a list still in flight) is not taken back in. Bounded: the
+   * oldest go first.
+   */
+  private readonly goneSnapshots = new Map<string, number>();
 
   apply(c: FleetChange): void {
     switch (c.kind) {
@@ -182,8 +193,18 @@ export class FleetCache {
         return put(this.hosts, c.value.value.id, c.value);
       case 'alloc':
         return put(this.allocs, c.value.value.hostId, c.value);
-      case 'snapshot':
-        return put(this.snapshots, `${c.value.value.tenantId}/${c.value.value.id}`, c.value);
+      case 'snapshot': {
+        const k = `${c.value.value.tenantId}/${c.value.value.id}`;
+        if ((this.goneSnapshots.get(k) ?? -1) >= c.value.modRevision) return;
+        return put(this.snapshots, k, c.value);
+      }
+      case 'snapshot-gone': {
+        const cur = this.snapshots.get(c.key);
+        if (cur && cur.modRevision < c.revision) this.snapshots.delete(c.key);
+        this.goneSnapshots.set(c.key, Math.max(c.revision, this.goneSnapshots.get(c.key) ?? 0));
+        if (this.goneSnapshots.size > GONE_SNAPSHOTS_MAX) this.goneSnapshots.delete(this.goneSnapshots.keys().next().value as string);
+        return;
+      }
     }
   }
 
@@ -200,6 +221,7 @@ export class FleetCache {
 
   /** Whether the cache holds this record at `modRevision` or later (the watch need not decode it). */
   knows(kind: FleetChange['kind'], key: string, modRevision: number): boolean {
+    if (kind === 'snapshot' && (this.goneSnapshots.get(key) ?? -1) >= modRevision) return true;
     return holds(kind === 'host' ? this.hosts : kind === 'alloc' ? this.allocs : this.snapshots, key, modRevision);
   }
 }
@@ -426,20 +448,25 @@ export class Executor {
    * expiring records a second; a longer backlog, e.g. the first pass after an upgrade, takes
    * several passes).
    */
-  async expireHistory(): Promise<{ sandboxes: number; ops: number }> {
+  async expireHistory(): Promise<{ sandboxes: number; ops: number; snapshots: number }> {
     const retention = this.deps.config.recordRetentionMs ?? 0;
-    if (!this.active || retention <= 0) return { sandboxes: 0, ops: 0 };
-    const plan = expiredRecords(this.sandboxIndexReady ? this.sandboxIndex.values() : [], this.finishedOps.values(), this.deps.clock.now(), retention, 100_000);
-    if (plan.writes.length === 0) return { sandboxes: 0, ops: 0 };
+    if (!this.active || retention <= 0) return { sandboxes: 0, ops: 0, snapshots: 0 };
+    const plan = expiredRecords(
+      { sandboxes: this.sandboxIndexReady ? this.sandboxIndex.values() : [], ops: this.finishedOps.values(), snapshots: this.cache.snapshots.values() },
+      this.deps.clock.now(),
+      retention,
+      100_000,
+    );
+    if (plan.writes.length === 0) return { sandboxes: 0, ops: 0, snapshots: 0 };
     await commitPurge({ commit: async (w) => (await this.commit([...w])) > 0 }, plan.writes);
     // A delete whose guard failed: the record changed; the watch brings its new copy back.
     for (const g of plan.writes) {
       const w = g[0]!;
       if (w.kind === 'delete-op') this.finishedOps.delete(`${w.tenantId}/${w.id}`);
     }
-    this.log.info({ sandboxes: plan.sandboxes, ops: plan.ops, retentionMs: retention }, 'expired old records');
-    this.deps.onExpired?.(plan.sandboxes, plan.ops);
-    return { sandboxes: plan.sandboxes, ops: plan.ops };
+    this.log.info({ sandboxes: plan.sandboxes, ops: plan.ops, snapshots: plan.snapshots, retentionMs: retention }, 'expired old records');
+    this.deps.onExpired?.(plan.sandboxes, plan.ops, plan.snapshots);
+    return { sandboxes: plan.sandboxes, ops: plan.ops, snapshots: plan.snapshots };
   }
 
   async stop(): Promise<void> {
@@ -513,6 +540,7 @@ export class Executor {
         else if (w.kind === 'sandbox' && this.active) this.indexSandbox({ value: w.value, modRevision: rev });
         else if (w.kind === 'delete-sandbox') this.sandboxIndex.delete(`${w.tenantId}/${w.id}`);
         else if (w.kind === 'delete-op') this.finishedOps.delete(`${w.tenantId}/${w.id}`);
+        else if (w.kind === 'delete-snapshot') this.cache.apply({ kind: 'snapshot-gone', key: `${w.tenantId}/${w.id}`, revision: rev });
         else if (w.kind === 'op' && isTerminal(w.value.state)) {
           const f = finishedOpOf({ value: w.value, modRevision: rev });
           if (f && this.active) this.noteFinished(f);
@@ -1160,7 +1188,7 @@ export class Executor {
     try {
       r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
     } catch (e) {
-      await this.commit([{ kind: 'snapshot', value: { ...rec, state: 'failed' } }]);
+      await this.commit([{ kind: 'snapshot', value: { ...rec, state: 'failed', endedAt: this.deps.clock.now() } }]);
       throw e;
     }
     const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
@@ -1374,7 +1402,7 @@ export class Executor {
     if (users.length > 0) throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
     await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleting' } }]);
     await Promise.all(sn.hostIds.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
-    await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleted', hostIds: [], deletedReason: reason } }]);
+    await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleted', hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() } }]);
     await this.finish(op, { snapshotId: sn.id }, null);
   }
 

@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { commitPurge, Compactor, expiredRecords, finishedOpOf } from './history.ts';
 import type { StoreWrite, Versioned } from './ports.ts';
-import type { OperationRec, SandboxRec, SandboxState } from './records.ts';
+import type { OperationRec, SandboxRec, SandboxState, SnapshotRec, SnapshotState } from './records.ts';
 
 const H = 3_600_000;
 const NOW = 100 * H;
@@ -14,9 +14,32 @@ function op(id: string, state: OperationRec['state'], updatedAt: number, idempot
   return { value: { id, tenantId: 't1', state, updatedAt, ...(idempotencyKey ? { idempotencyKey } : {}) } as OperationRec, modRevision: 9 };
 }
 
+function sn(id: string, state: SnapshotState, endedAt: number | undefined, createdAt = 0, rev = 5): Versioned<SnapshotRec> {
+  return { value: { id, tenantId: 't1', state, createdAt, ...(endedAt === undefined ? {} : { endedAt }) } as SnapshotRec, modRevision: rev };
+}
+
 describe('expiredRecords', () => {
+  it('expiredRecords_ofDeletedAndFailedSnapshotsPastRetention_deletesTheirRecordsGuardedByRevision', () => {
+    const plan = expiredRecords({ snapshots: [sn('d', 'deleted', NOW - 2 * H, 0, 21), sn('f', 'failed', NOW - 2 * H, 0, 22)] }, NOW, H);
+    expect(plan.writes).toEqual([
+      [{ kind: 'delete-snapshot', tenantId: 't1', id: 'd', expectRevision: 21 }],
+      [{ kind: 'delete-snapshot', tenantId: 't1', id: 'f', expectRevision: 22 }],
+    ]);
+    expect(plan.snapshots).toBe(2);
+  });
+
+  it('expiredRecords_keepsLiveAndRecentlyDeletedSnapshots_andAgesOldRecordsWithoutEndedAtByCreation', () => {
+    const live = (['creating', 'ready', 'deleting'] as const).map((s, i) => sn(`l${i}`, s, 0));
+    // Deleted a moment ago, though created long ago: kept for the retention.
+    const recent = sn('r', 'deleted', NOW - H + 1, 0);
+    // A record from before endedAt existed: its creation time stands in.
+    const legacyOld = sn('o', 'deleted', undefined, NOW - 2 * H);
+    const legacyNew = sn('n', 'deleted', undefined, NOW - 1);
+    expect(expiredRecords({ snapshots: [...live, recent, legacyOld, legacyNew] }, NOW, H).writes).toEqual([[{ kind: 'delete-snapshot', tenantId: 't1', id: 'o', expectRevision: 5 }]]);
+  });
+
   it('expiredRecords_ofDestroyedAndFailedSandboxesPastRetention_deletesThemGuardedByTheirRevision', () => {
-    const plan = expiredRecords([sb('a', 'destroyed', NOW - 2 * H, 11), sb('b', 'failed', NOW - 2 * H, 12)], [], NOW, H);
+    const plan = expiredRecords({ sandboxes: [sb('a', 'destroyed', NOW - 2 * H, 11), sb('b', 'failed', NOW - 2 * H, 12)] }, NOW, H);
     expect(plan.writes).toEqual([
       [{ kind: 'delete-sandbox', tenantId: 't1', id: 'a', expectRevision: 11 }],
       [{ kind: 'delete-sandbox', tenantId: 't1', id: 'b', expectRevision: 12 }],
@@ -28,12 +51,12 @@ describe('expiredRecords', () => {
     const states: SandboxState[] = ['pending', 'starting', 'running', 'paused', 'hibernating', 'hibernated', 'waking', 'destroying', 'lost'];
     const old = states.map((s, i) => sb(`x${i}`, s, 0));
     const recent = sb('r', 'destroyed', NOW - H + 1);
-    expect(expiredRecords([...old, recent], [], NOW, H).writes).toEqual([]);
+    expect(expiredRecords({ sandboxes: [...old, recent] }, NOW, H).writes).toEqual([]);
   });
 
   it('expiredRecords_ofAFinishedOpPastRetention_deletesItWithItsIdempotencyKey', () => {
     const f = finishedOpOf(op('op-1', 'succeeded', NOW - 2 * H, 'key-1'))!;
-    expect(expiredRecords([], [f], NOW, H).writes).toEqual([
+    expect(expiredRecords({ ops: [f] }, NOW, H).writes).toEqual([
       [
         { kind: 'delete-op', tenantId: 't1', id: 'op-1', expectRevision: 9 },
         { kind: 'delete-idem', tenantId: 't1', key: 'key-1' },
@@ -50,8 +73,9 @@ describe('expiredRecords', () => {
   it('expiredRecords_withAMaximum_stopsThere', () => {
     const many = Array.from({ length: 10 }, (_, i) => sb(`s${i}`, 'destroyed', 0));
     const ops = Array.from({ length: 10 }, (_, i) => finishedOpOf(op(`o${i}`, 'succeeded', 0, `k${i}`))!);
-    const plan = expiredRecords(many, ops, NOW, H, 12);
-    expect(plan.sandboxes + plan.ops).toBe(12);
+    const snaps = Array.from({ length: 10 }, (_, i) => sn(`n${i}`, 'deleted', 0));
+    const plan = expiredRecords({ sandboxes: many, ops, snapshots: snaps }, NOW, H, 12);
+    expect(plan.sandboxes + plan.ops + plan.snapshots).toBe(12);
     expect(plan.writes).toHaveLength(12);
   });
 });

@@ -15,14 +15,20 @@
 //     are finished, `retentionMs` after their last change. An operation's idempotency key
 //     goes with it: a retry of the same key within the retention window gets the same
 //     operation back, a later one starts a new operation. Lost sandboxes are kept (their
-//     host may come back, or the user restores them); snapshot records are kept (retention
-//     rules and hosts' holdings refer to them).
+//     host may come back, or the user restores them);
+//   - deletes the records of snapshots that are deleted or failed `retentionMs` after they
+//     became so (every hibernation and every fork of a live sandbox makes a snapshot: their
+//     records were the last thing that grew without bound). Ready snapshots are kept: the
+//     retention rules (keep-last-N, TTL, pins) decide when they go.
 import type { FleetStore, StoreWrite, Versioned } from './ports.ts';
-import type { OperationRec, SandboxRec, SandboxState } from './records.ts';
+import type { OperationRec, SandboxRec, SandboxState, SnapshotRec, SnapshotState } from './records.ts';
 import { isTerminal } from './records.ts';
 
 /** Sandbox states whose records expire: nothing runs, books capacity or can come back. */
 export const EXPIRING_SANDBOX_STATES: ReadonlySet<SandboxState> = new Set(['destroyed', 'failed']);
+
+/** Snapshot states whose records expire: no host holds the snapshot for use any more. */
+export const EXPIRING_SNAPSHOT_STATES: ReadonlySet<SnapshotState> = new Set(['deleted', 'failed']);
 
 /** What the leader knows of a finished operation, enough to delete it and its key. */
 export interface FinishedOp {
@@ -43,28 +49,29 @@ export function finishedOpOf(v: Versioned<OperationRec>): FinishedOp | undefined
 /**
  * The deletes that expire records older than `retentionMs` at `now`, each guarded by the
  * revision it was read at (a record changed since is not deleted). At most `max` records.
- * Pure.
+ * A snapshot's age counts from `endedAt` (records written before that field: from
+ * `createdAt`). Pure.
  */
 export function expiredRecords(
-  sandboxes: Iterable<Versioned<SandboxRec>>,
-  ops: Iterable<FinishedOp>,
+  records: { sandboxes?: Iterable<Versioned<SandboxRec>>; ops?: Iterable<FinishedOp>; snapshots?: Iterable<Versioned<SnapshotRec>> },
   now: number,
   retentionMs: number,
   max = Infinity,
-): { writes: StoreWrite[][]; sandboxes: number; ops: number } {
+): { writes: StoreWrite[][]; sandboxes: number; ops: number; snapshots: number } {
   const cutoff = now - retentionMs;
   const writes: StoreWrite[][] = [];
   let nSb = 0;
   let nOps = 0;
-  for (const v of sandboxes) {
-    if (nSb + nOps >= max) break;
+  let nSn = 0;
+  for (const v of records.sandboxes ?? []) {
+    if (writes.length >= max) break;
     const sb = v.value;
     if (!EXPIRING_SANDBOX_STATES.has(sb.state) || sb.updatedAt > cutoff) continue;
     writes.push([{ kind: 'delete-sandbox', tenantId: sb.tenantId, id: sb.id, expectRevision: v.modRevision }]);
     nSb++;
   }
-  for (const op of ops) {
-    if (nSb + nOps >= max) break;
+  for (const op of records.ops ?? []) {
+    if (writes.length >= max) break;
     if (op.updatedAt > cutoff) continue;
     // The op and its key go together; the key is not guarded (it never changes once written).
     const del: StoreWrite[] = [{ kind: 'delete-op', tenantId: op.tenantId, id: op.id, expectRevision: op.modRevision }];
@@ -72,7 +79,14 @@ export function expiredRecords(
     writes.push(del);
     nOps++;
   }
-  return { writes, sandboxes: nSb, ops: nOps };
+  for (const v of records.snapshots ?? []) {
+    if (writes.length >= max) break;
+    const sn = v.value;
+    if (!EXPIRING_SNAPSHOT_STATES.has(sn.state) || (sn.endedAt ?? sn.createdAt) > cutoff) continue;
+    writes.push([{ kind: 'delete-snapshot', tenantId: sn.tenantId, id: sn.id, expectRevision: v.modRevision }]);
+    nSn++;
+  }
+  return { writes, sandboxes: nSb, ops: nOps, snapshots: nSn };
 }
 
 /** Deletes per transaction: under etcd's default --max-txn-ops of 128 with their guards. */

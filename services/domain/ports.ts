@@ -35,6 +35,7 @@ export type StoreWrite =
   | { kind: 'idem'; tenantId: string; key: string; opId: string; expectRevision?: number }
   | { kind: 'delete-sandbox'; tenantId: string; id: string; expectRevision?: number }
   | { kind: 'delete-op'; tenantId: string; id: string; expectRevision?: number }
+  | { kind: 'delete-snapshot'; tenantId: string; id: string; expectRevision?: number }
   | { kind: 'delete-idem'; tenantId: string; key: string; expectRevision?: number };
 
 export interface FleetStore {
@@ -118,7 +119,9 @@ export type KnownRecord = (key: string, modRevision: number) => boolean;
 export type FleetChange =
   | { kind: 'host'; value: Versioned<HostRec> }
   | { kind: 'alloc'; value: Versioned<HostAllocRec> }
-  | { kind: 'snapshot'; value: Versioned<SnapshotRec> };
+  | { kind: 'snapshot'; value: Versioned<SnapshotRec> }
+  /** A snapshot record was deleted (expired, ADR 0017) at `revision`; `key` is `tenantId/id`. */
+  | { kind: 'snapshot-gone'; key: string; revision: number };
 
 export type SandboxChange =
   | { kind: 'put'; value: Versioned<SandboxRec> }

@@ -135,6 +135,11 @@ export interface SnapshotRec {
   expiryDueAt?: number | null;
   /** Why a deleted snapshot was deleted: by a user call, or by retention. */
   deletedReason?: 'deleted' | 'expired';
+  /**
+   * When the snapshot became deleted or failed (ms): its record expires FF_RECORD_RETENTION
+   * later (ADR 0017). Absent on records written before the field and on live snapshots.
+   */
+  endedAt?: number;
 }
 
 export type HostState = 'ready' | 'suspect' | 'lost';

@@ -90,6 +90,8 @@ function keyOf(w: StoreWrite): string {
       return keys.sandbox(w.tenantId, w.id);
     case 'delete-op':
       return keys.op(w.tenantId, w.id);
+    case 'delete-snapshot':
+      return keys.snapshot(w.tenantId, w.id);
     case 'delete-idem':
       return keys.idem(w.tenantId, w.key);
   }
@@ -101,6 +103,7 @@ function valueOf(w: StoreWrite): string | undefined {
       return w.opId;
     case 'delete-sandbox':
     case 'delete-op':
+    case 'delete-snapshot':
     case 'delete-idem':
       return undefined;
     default:
@@ -373,6 +376,8 @@ export class EtcdFleetStore implements FleetStore {
         if (known && known(kind, kv.key.toString('utf8').slice(prefix.length), Number(kv.mod_revision))) return;
         onChange({ kind, value: decode<never>(kv) } as FleetChange);
       });
+      // Only snapshot records are ever deleted (expired, ADR 0017); hosts and allocs stay.
+      if (kind === 'snapshot') w.on('delete', (kv) => onChange({ kind: 'snapshot-gone', key: kv.key.toString('utf8').slice(prefix.length), revision: Number(kv.mod_revision) }));
     });
     return () => {
       for (const w of watchers) cancel(w);

@@ -1,0 +1,29 @@
+import { describe, expect, it } from 'vitest';
+import { FleetCache } from './executor.ts';
+import type { Versioned } from './ports.ts';
+import type { SnapshotRec } from './records.ts';
+
+const snap = (id: string, state: SnapshotRec['state'], modRevision: number): Versioned<SnapshotRec> => ({ value: { id, tenantId: 't1', state } as SnapshotRec, modRevision });
+
+describe('FleetCache snapshots', () => {
+  it('snapshotGone_removesTheRecord_andAnOlderCopyArrivingLaterIsNotTakenBackIn', () => {
+    const c = new FleetCache();
+    c.apply({ kind: 'snapshot', value: snap('sn-a', 'deleted', 10) });
+    c.apply({ kind: 'snapshot-gone', key: 't1/sn-a', revision: 12 });
+    expect(c.snapshot('t1', 'sn-a')).toBeUndefined();
+    // A watch event or a list from before the delete, late: still gone, and known.
+    c.apply({ kind: 'snapshot', value: snap('sn-a', 'deleted', 10) });
+    expect(c.snapshot('t1', 'sn-a')).toBeUndefined();
+    expect(c.knows('snapshot', 't1/sn-a', 11)).toBe(true);
+    // A record written again after the delete (a new revision) is taken.
+    c.apply({ kind: 'snapshot', value: snap('sn-a', 'ready', 13) });
+    expect(c.snapshot('t1', 'sn-a')?.modRevision).toBe(13);
+  });
+
+  it('snapshotGone_ofAnOlderRevisionThanTheCachedRecord_keepsTheRecord', () => {
+    const c = new FleetCache();
+    c.apply({ kind: 'snapshot', value: snap('sn-b', 'ready', 20) });
+    c.apply({ kind: 'snapshot-gone', key: 't1/sn-b', revision: 15 });
+    expect(c.snapshot('t1', 'sn-b')?.modRevision).toBe(20);
+  });
+});
