@@ -35,6 +35,11 @@ describe('compileSchedulerConfig: API edge', () => {
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_ETCD_COMPACT_INTERVAL: 'often' }))).toBe('FF_ETCD_COMPACT_INTERVAL');
   });
 
+  it('heldSnapshotCheck_defaultsToThirtySeconds_andUnderOneSecondNamesTheVariable', () => {
+    expect(compileSchedulerConfig({}, tls).heldSnapshotCheckMs).toBe(30_000);
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_HELD_SNAPSHOT_CHECK: '100ms' }))).toBe('FF_HELD_SNAPSHOT_CHECK');
+  });
+
   it('parseBytes_acceptsUnitsAndRejectsJunk', () => {
     expect(parseBytes('f', '4MiB')).toBe(4 * 1024 * 1024);
     expect(parseBytes('f', '100')).toBe(100);

@@ -102,6 +102,8 @@ export interface SchedulerConfig {
   readonly recordRetentionMs: number;
   /** FF_ETCD_COMPACT_INTERVAL: the leader compacts etcd's history this often, keeping one interval of it; 0s: never (etcd's own --auto-compaction must then do it). */
   readonly etcdCompactIntervalMs: number;
+  /** FF_HELD_SNAPSHOT_CHECK: how often the leader looks for deleted snapshots that hosts still hold, and has them deleted there. */
+  readonly heldSnapshotCheckMs: number;
 }
 
 export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig, string>> = {}, env: NodeJS.ProcessEnv = process.env): SchedulerConfig {
@@ -139,6 +141,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [wr, webhookRetry] = get('webhookRetryBaseMs', 'FF_WEBHOOK_RETRY_BASE', '1s');
   const [rr, recordRetention] = get('recordRetentionMs', 'FF_RECORD_RETENTION', '1h');
   const [ci, compactInterval] = get('etcdCompactIntervalMs', 'FF_ETCD_COMPACT_INTERVAL', '5m');
+  const [hs, heldCheck] = get('heldSnapshotCheckMs', 'FF_HELD_SNAPSHOT_CHECK', '30s');
   if (!tlsCert) throw new InvalidArgumentError(tc, 'is required: the Fleet API serves TLS only (a dev CA and certificate: node --import tsx deploy/pki/pki.ts DIR)');
   if (!tlsKey) throw new InvalidArgumentError(tk, 'is required with FF_TLS_CERT');
   if (!tokens) throw new InvalidArgumentError(tf, 'is required: per-tenant bearer tokens (mint one: npm run forkfleet -- token mint --tenant NAME --tokens-file FILE)');
@@ -175,6 +178,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     webhookRetryBaseMs: parseDuration(wr, webhookRetry),
     recordRetentionMs: parseDuration(rr, recordRetention),
     etcdCompactIntervalMs: parseDuration(ci, compactInterval),
+    heldSnapshotCheckMs: parseDuration(hs, heldCheck),
   };
   if (cfg.maxRecvBytes < 64 * 1024) throw new InvalidArgumentError(mr, 'must be at least 64KiB');
   if (cfg.maxSendBytes < 64 * 1024) throw new InvalidArgumentError(ms, 'must be at least 64KiB');
@@ -184,6 +188,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   if (!Number.isInteger(cfg.electionTtlSeconds) || cfg.electionTtlSeconds < 1) throw new InvalidArgumentError(et, 'must be a whole number of seconds, at least 1s');
   if (cfg.recordRetentionMs !== 0 && cfg.recordRetentionMs < 1000) throw new InvalidArgumentError(rr, 'must be 0s (keep forever) or at least 1s');
   if (cfg.etcdCompactIntervalMs !== 0 && cfg.etcdCompactIntervalMs < 1000) throw new InvalidArgumentError(ci, 'must be 0s (never) or at least 1s');
+  if (cfg.heldSnapshotCheckMs < 1000) throw new InvalidArgumentError(hs, 'must be at least 1s');
   if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, 'must be longer than FF_HOST_SUSPECT_AFTER');
   if (!Number.isInteger(cfg.stepAttempts) || cfg.stepAttempts < 1 || cfg.stepAttempts > 20) throw new InvalidArgumentError(sat, 'must be an integer in [1, 20]');
   if (!Number.isInteger(cfg.chunkBytes) || cfg.chunkBytes < 4096) throw new InvalidArgumentError(cb, 'must be an integer >= 4096');

@@ -19,6 +19,9 @@ import type { RpcError } from './adapters/grpc/status.ts';
 import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { status as Status } from '@grpc/grpc-js';
+import { connect } from 'nats';
+import { subjects } from './adapters/nats/subjects.ts';
+import { decodeHeartbeat } from './adapters/nats/bus.ts';
 
 type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
@@ -35,7 +38,7 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
   let api: Fleet;
 
   const start = async (id: string): Promise<SchedulerProcess> => {
-    const s = await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env: { FF_RECORD_RETENTION: RETENTION, FF_ETCD_COMPACT_INTERVAL: '1s', FF_ELECTION_TTL: '1s' } });
+    const s = await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env: { FF_RECORD_RETENTION: RETENTION, FF_ETCD_COMPACT_INTERVAL: '1s', FF_ELECTION_TTL: '1s', FF_HELD_SNAPSHOT_CHECK: '1s' } });
     scheds.push(s);
     return s;
   };
@@ -120,6 +123,34 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     const fork = await ok(await api.forkSandbox({ tenantId, idempotencyKey: 'snap-fork', source: { case: 'snapshotId', value: keep }, count: 2 }));
     expect(fork.result.case === 'fork' ? fork.result.value.children.length : 0).toBe(2);
   }, 90_000);
+
+  it('aHostThatStillHoldsASnapshotWhoseRecordIsGone_isToldToDeleteIt_andKeepsTheLiveOne', async () => {
+    const src = await create('held-src');
+    const snap = async (key: string): Promise<string> => {
+      const op = await ok(await api.snapshotSandbox({ tenantId, idempotencyKey: key, sandboxId: src.sandboxId }));
+      return op.result.case === 'snapshot' ? op.result.value.id : '';
+    };
+    const [live, stale] = [await snap('held-live'), await snap('held-stale')];
+    // What hosts say they hold, from their heartbeats.
+    const nc = await connect({ servers: nats.url });
+    const held = new Map<string, Set<string>>();
+    const sub = nc.subscribe(subjects.allHeartbeats, { callback: (_e, m) => {
+      const hb = decodeHeartbeat(m.data);
+      held.set(hb.hostId, new Set(hb.snapshots.map((x) => x.snapshotId)));
+    } });
+    try {
+      const holds = (id: string): boolean => [...held.values()].some((s) => s.has(id));
+      await waitFor('both snapshots held', async () => holds(live) && holds(stale), 10_000, 100);
+      // The record of one goes (as when it expired while its host was away and missed the delete).
+      const v = await store.getSnapshot(tenantId, stale);
+      expect(await store.commit([{ kind: 'delete-snapshot', tenantId, id: stale, expectRevision: v!.modRevision }])).toBe(true);
+      await waitFor('no host holds the snapshot whose record is gone', async () => !holds(stale), 20_000, 100);
+      expect(holds(live)).toBe(true);
+    } finally {
+      sub.unsubscribe();
+      await nc.close();
+    }
+  }, 60_000);
 
   it('compaction_dropsHistoryOlderThanOneInterval_whileListsAndWatchesGoOn', async () => {
     const rev = await store.revision();

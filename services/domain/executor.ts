@@ -22,7 +22,7 @@ import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../s
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
 import { planRetention } from './retention.ts';
-import { commitPurge, expiredRecords, finishedOpOf } from './history.ts';
+import { commitPurge, EXPIRING_SNAPSHOT_STATES, expiredRecords, finishedOpOf } from './history.ts';
 import type { FinishedOp } from './history.ts';
 import { isForkfleetError } from '../../proto/errors.ts';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
@@ -53,6 +53,8 @@ export interface ExecutorConfig {
    * FF_RECORD_RETENTION). 0 or absent: kept forever.
    */
   recordRetentionMs?: number;
+  /** How often reconcileHeldSnapshots runs (FF_HELD_SNAPSHOT_CHECK; default 30 s). */
+  heldSnapshotCheckMs?: number;
 }
 
 /** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
@@ -158,6 +160,11 @@ function writeKey(w: StoreWrite): string {
       return `idem/${w.tenantId}/${w.key}`;
   }
 }
+
+/** A host that still holds a deleted snapshot is asked again after this long (reconcileHeldSnapshots). */
+const HELD_GC_RETRY_MS = 10 * 60_000;
+/** Stale-snapshot deletes sent per pass at most. */
+const HELD_GC_MAX = 200;
 
 /** Deleted snapshot records the leader's cache remembers (FleetCache.goneSnapshots). */
 const GONE_SNAPSHOTS_MAX = 100_000;
@@ -282,6 +289,8 @@ export class Executor {
    * expire (history.ts): from the leader's start-up list, its own final writes and the op watch.
    */
   private readonly finishedOps = new Map<string, FinishedOp>();
+  /** `${hostId}/${snapshotId}` -> when that host was last asked to delete a stale snapshot. */
+  private readonly heldGcAt = new Map<string, number>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
   /** Counts sandbox index follows within a term: a broken follow's late events are ignored. */
@@ -336,6 +345,7 @@ export class Executor {
     }
     const retention = this.deps.config.recordRetentionMs ?? 0;
     if (retention > 0) this.every(Math.min(30_000, Math.max(500, retention / 2)), 'expiring old records', () => this.expireHistory());
+    this.every(this.deps.config.heldSnapshotCheckMs ?? 30_000, 'held snapshot check', async () => this.reconcileHeldSnapshots());
   }
 
   /**
@@ -1711,6 +1721,44 @@ export class Executor {
   }
 
   // ---------------------------------------------------------------- hosts
+
+  /**
+   * Tells hosts to delete snapshots they still hold whose record is deleted, failed or gone
+   * (expired, ADR 0017): a host that was away or failed its step when the snapshot was
+   * deleted would keep the chunks forever. Only ready hosts are asked, each (host, snapshot)
+   * at most once per HELD_GC_RETRY_MS and at most HELD_GC_MAX per pass; the agent's delete is
+   * idempotent. Ready, creating and deleting snapshots are never touched: their records are
+   * in the leader's cache from before any host holds them (a snapshot's record is written
+   * before its step). Returns how many deletes were sent.
+   */
+  reconcileHeldSnapshots(): number {
+    if (!this.active) return 0;
+    const now = this.deps.clock.now();
+    const byId = new Map<string, SnapshotRec>();
+    for (const v of this.cache.snapshots.values()) byId.set(v.value.id, v.value);
+    for (const [k, at] of this.heldGcAt) if (at <= now - HELD_GC_RETRY_MS) this.heldGcAt.delete(k);
+    let sent = 0;
+    for (const heard of this.deps.heard.all()) {
+      const hostId = heard.hb.hostId;
+      if (this.cache.hosts.get(hostId)?.value.state !== 'ready' || livenessOf(heard.heardAt, now, this.deps.config.liveness) !== 'ready') continue;
+      for (const held of heard.hb.snapshots) {
+        const rec = byId.get(held.snapshotId);
+        if ((rec && !EXPIRING_SNAPSHOT_STATES.has(rec.state)) || sent >= HELD_GC_MAX) continue;
+        const k = `${hostId}/${held.snapshotId}`;
+        if (this.heldGcAt.has(k)) continue;
+        this.heldGcAt.set(k, now);
+        sent++;
+        // The op id changes per retry window, so a later retry is not answered from the
+        // agent's journal of the earlier one.
+        const opId = `gc-${Math.floor(now / HELD_GC_RETRY_MS)}`;
+        this.log.warn({ hostId, snapshotId: held.snapshotId, record: rec?.state ?? 'gone' }, 'host holds a snapshot that is deleted: deleting it there');
+        void this.deps.bus
+          .sendWork(hostId, create(HostWorkSchema, { opId, stepId: `delete/${held.snapshotId}`, attempt: 1, tenantId: rec?.tenantId ?? 'system', work: { case: 'deleteSnapshot', value: { snapshotId: held.snapshotId } as never } }))
+          .catch((e: unknown) => this.log.warn({ err: e, hostId, snapshotId: held.snapshotId }, 'could not ask a host to delete a stale snapshot'));
+      }
+    }
+    return sent;
+  }
 
   /** Registers new hosts and moves silent ones to suspect, then lost (their sandboxes become lost). */
   async reconcileHosts(): Promise<void> {
