@@ -18,6 +18,8 @@ import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread, Locality } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
+import { STREAM_WORK, workConsumer } from './adapters/nats/subjects.ts';
+import { status as Status } from '@grpc/grpc-js';
 import type { SandboxRec } from './domain/records.ts';
 
 type Fleet = Client<(typeof FleetService)['method']>;
@@ -103,7 +105,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     store?.close();
     await nats?.stop();
     await etcd?.stop();
-    if (dir) rmSync(dir, { recursive: true, force: true });
+    if (dir && !process.env.FF_KEEP) rmSync(dir, { recursive: true, force: true });
   }, 60_000);
 
   it('fanout_whenLeaderKilledMidway_completesViaStandbyWithoutDoublePlacementOrLostOp', async () => {
@@ -228,6 +230,48 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const r = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-6' } }));
     expect(r.result.case === 'sandbox' && r.result.value.hostId).toBe('fake-6');
     expect((await store.getSnapshot(tenantId, snId))?.value.hostIds).toContain('fake-6');
+    await sleep(10);
+    await assertConsistent();
+  });
+
+  it('removeHost_ofALostHost_dropsItsRecordsAndQueue_refusesLiveOrUnknownHosts_andTheAgentBackRegistersAnew', async () => {
+    const gone = await startFakeAgents({ hosts: ['fake-x'], dataDir: join(dir, 'removed'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } });
+    fakes.push(gone);
+    await waitFor('fake-x registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-x'), 10_000, 50);
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-x' } }));
+    const sbId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const code = (p: Promise<unknown>): Promise<{ code?: number; field?: string; message?: string }> => p.then(() => ({}), (e: unknown) => e as { code: number; field?: string });
+    // Refused while the host is heard from, for an unknown host, and for a malformed id.
+    const live = await code(api.removeHost({ hostId: 'fake-x' }));
+    expect(live.code).toBe(Status.FAILED_PRECONDITION);
+    expect(live.message).toMatch(/ready .*stop its agent/);
+    expect((await code(api.removeHost({ hostId: 'no-such-host' }))).code).toBe(Status.NOT_FOUND);
+    const bad = await code(api.removeHost({ hostId: 'Bad Host!' }));
+    expect([bad.code, bad.field]).toEqual([Status.INVALID_ARGUMENT, 'host_id']);
+    expect((await store.getHost('fake-x'))?.value.state).toBe('ready');
+
+    gone.proc.kill();
+    await waitFor('fake-x lost and its sandbox lost', async () => (await store.getHost('fake-x'))?.value.state === 'lost' && (await store.getSandbox(tenantId, sbId))?.value.state === 'lost', 20_000, 100);
+    const jsm = await (await import('nats')).connect({ servers: nats.url }).then((nc) => nc.jetstreamManager().then((m) => ({ m, nc })));
+    try {
+      expect((await jsm.m.consumers.info(STREAM_WORK, workConsumer('fake-x'))).name).toBe(workConsumer('fake-x'));
+      expect((await api.removeHost({ hostId: 'fake-x' })).lostSandboxes).toBe(1);
+      expect(await store.getHost('fake-x')).toBeUndefined();
+      expect((await store.getAlloc('fake-x')).modRevision).toBe(0);
+      expect((await api.listHosts({})).hosts.map((h) => h.id)).not.toContain('fake-x');
+      expect(await jsm.m.consumers.info(STREAM_WORK, workConsumer('fake-x')).then(() => 'exists', () => 'gone')).toBe('gone');
+      // A second call: the host is gone.
+      expect((await code(api.removeHost({ hostId: 'fake-x' }))).code).toBe(Status.NOT_FOUND);
+      // The leader does not bring it back from the last heartbeat it heard.
+      await sleep(2500);
+      expect(await store.getHost('fake-x')).toBeUndefined();
+    } finally {
+      await jsm.nc.close();
+    }
+    // Its agent starts again: a new host, and its VM reclaims the lost sandbox.
+    await gone.restart();
+    await waitFor('fake-x registered again', async () => (await store.getHost('fake-x'))?.value.state === 'ready', 10_000, 100);
+    await waitFor('its lost sandbox reclaimed', async () => (await store.getSandbox(tenantId, sbId))?.value.state === 'running', 10_000, 100);
     await sleep(10);
     await assertConsistent();
   });

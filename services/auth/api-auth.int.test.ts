@@ -200,6 +200,7 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     expect(await codeOf(a.listHosts({}))).toBe('PERMISSION_DENIED');
     expect(await codeOf(a.cordonHost({ idempotencyKey: key(), hostId: HOSTS[0]!, cordon: true }))).toBe('PERMISSION_DENIED');
     expect(await codeOf(a.drainHost({ idempotencyKey: key(), hostId: HOSTS[0]!, migrate: true }))).toBe('PERMISSION_DENIED');
+    expect(await codeOf(a.removeHost({ hostId: HOSTS[0]! }))).toBe('PERMISSION_DENIED');
     expect((await store.listHosts()).map((h) => [h.value.id, h.value.cordoned, h.value.draining])).toEqual(before.map((h) => [h.value.id, h.value.cordoned, h.value.draining]));
     expect((await admin.listHosts({})).hosts.length).toBe(HOSTS.length);
   });

@@ -4,7 +4,7 @@
 //                   "quotas": { "sandboxes": 50, "memory_mib": 65536, "snapshot_bytes": 107374182400 },
 //                   "rate": { "per_s": 50, "burst": 100 }, "idle_timeout": "10m" } ] }
 //
-// `admin` tokens may call the fleet operations (ListHosts, CordonHost, DrainHost) and act for
+// `admin` tokens may call the fleet operations (ListHosts, CordonHost, DrainHost, RemoveHost) and act for
 // any tenant by naming it in `tenant_id`. Quotas and rate are per tenant: every entry of a
 // tenant that sets them must agree. A token is `ff_` + 43 base64url characters (256 random
 // bits); `mintToken` prints it once and stores only its digest. The file is re-read when it

@@ -376,6 +376,14 @@ export function buildProgram(): Command {
       endProgress(cmd);
       out(cmd, op, () => `${id} drained (${op.progress.done}/${op.progress.total})\n`);
     });
+  hosts
+    .command('rm')
+    .description('remove a lost host from the fleet (drain it and stop its agent first)')
+    .argument('<host>')
+    .action(async (id: string, _o: unknown, cmd: Command) => {
+      const r = await client(cmd).hosts.remove(id);
+      out(cmd, r, () => `${id} removed${r.lostSandboxes ? `; ${r.lostSandboxes} lost sandbox(es) were on it` : ''}\n`);
+    });
 
   // ----- loadtest
   program

@@ -156,6 +156,10 @@ function writeKey(w: StoreWrite): string {
       return `op/${w.tenantId}/${w.id}`;
     case 'delete-snapshot':
       return `snapshot/${w.tenantId}/${w.id}`;
+    case 'delete-host':
+      return `host/${w.id}`;
+    case 'delete-alloc':
+      return `alloc/${w.hostId}`;
     case 'delete-idem':
       return `idem/${w.tenantId}/${w.key}`;
   }
@@ -166,8 +170,8 @@ const HELD_GC_RETRY_MS = 10 * 60_000;
 /** Stale-snapshot deletes sent per pass at most. */
 const HELD_GC_MAX = 200;
 
-/** Deleted snapshot records the leader's cache remembers (FleetCache.goneSnapshots). */
-const GONE_SNAPSHOTS_MAX = 100_000;
+/** Deletes the leader's cache remembers (FleetCache.gone). */
+const GONE_RECORDS_MAX = 100_000;
 
 /** Writes per group-committed transaction: etcd's default --max-txn-ops is 128 (compares count too, plus the seed compare). */
 const GROUP_COMMIT_MAX_WRITES = 100;
@@ -188,31 +192,41 @@ export class FleetCache {
   readonly allocs = new Map<string, Versioned<HostAllocRec>>();
   readonly snapshots = new Map<string, Versioned<SnapshotRec>>();
   /**
-   * Snapshot records deleted (expired), by key: the revision of the delete. A copy from
-   * before it (a watch event or a list still in flight) is not taken back in. Bounded: the
-   * oldest go first.
+   * Records deleted (expired snapshots, removed hosts' records and allocs), by map and key:
+   * the revision of the delete. A copy from before it (a watch event or a list still in
+   * flight) is not taken back in. Bounded: the oldest go first.
    */
-  private readonly goneSnapshots = new Map<string, number>();
+  private readonly gone = new Map<string, number>();
 
   apply(c: FleetChange): void {
     switch (c.kind) {
       case 'host':
-        return put(this.hosts, c.value.value.id, c.value);
+        return this.put('host', this.hosts, c.value.value.id, c.value);
       case 'alloc':
-        return put(this.allocs, c.value.value.hostId, c.value);
-      case 'snapshot': {
-        const k = `${c.value.value.tenantId}/${c.value.value.id}`;
-        if ((this.goneSnapshots.get(k) ?? -1) >= c.value.modRevision) return;
-        return put(this.snapshots, k, c.value);
-      }
-      case 'snapshot-gone': {
-        const cur = this.snapshots.get(c.key);
-        if (cur && cur.modRevision < c.revision) this.snapshots.delete(c.key);
-        this.goneSnapshots.set(c.key, Math.max(c.revision, this.goneSnapshots.get(c.key) ?? 0));
-        if (this.goneSnapshots.size > GONE_SNAPSHOTS_MAX) this.goneSnapshots.delete(this.goneSnapshots.keys().next().value as string);
+        return this.put('alloc', this.allocs, c.value.value.hostId, c.value);
+      case 'snapshot':
+        return this.put('snapshot', this.snapshots, `${c.value.value.tenantId}/${c.value.value.id}`, c.value);
+      case 'gone': {
+        const m: Map<string, Versioned<unknown>> = this.mapOf(c.of);
+        const cur = m.get(c.key);
+        if (cur && cur.modRevision < c.revision) m.delete(c.key);
+        const g = `${c.of}/${c.key}`;
+        this.gone.set(g, Math.max(c.revision, this.gone.get(g) ?? 0));
+        if (this.gone.size > GONE_RECORDS_MAX) this.gone.delete(this.gone.keys().next().value as string);
         return;
       }
     }
+  }
+
+  private mapOf(kind: 'host' | 'alloc' | 'snapshot'): Map<string, Versioned<unknown>> {
+    return kind === 'host' ? this.hosts : kind === 'alloc' ? this.allocs : this.snapshots;
+  }
+
+  /** Stores `v` under `k` unless the map already has it at a later revision, or it was deleted after `v`. */
+  private put<T>(kind: 'host' | 'alloc' | 'snapshot', m: Map<string, Versioned<T>>, k: string, v: Versioned<T>): void {
+    if ((this.gone.get(`${kind}/${k}`) ?? -1) >= v.modRevision) return;
+    const cur = m.get(k);
+    if (!cur || cur.modRevision < v.modRevision) m.set(k, v);
   }
 
   async load(store: FleetStore): Promise<void> {
@@ -228,15 +242,10 @@ export class FleetCache {
 
   /** Whether the cache holds this record at `modRevision` or later (the watch need not decode it). */
   knows(kind: FleetChange['kind'], key: string, modRevision: number): boolean {
-    if (kind === 'snapshot' && (this.goneSnapshots.get(key) ?? -1) >= modRevision) return true;
-    return holds(kind === 'host' ? this.hosts : kind === 'alloc' ? this.allocs : this.snapshots, key, modRevision);
+    if (kind === 'gone') return false;
+    if ((this.gone.get(`${kind}/${key}`) ?? -1) >= modRevision) return true;
+    return holds(this.mapOf(kind), key, modRevision);
   }
-}
-
-/** Stores `v` under `k` unless the map already has a later revision of it. */
-function put<T>(m: Map<string, Versioned<T>>, k: string, v: Versioned<T>): void {
-  const cur = m.get(k);
-  if (!cur || cur.modRevision < v.modRevision) m.set(k, v);
 }
 
 /** Whether the map has `k` at `modRevision` or later. */
@@ -535,7 +544,9 @@ export class Executor {
 
   /** A sandbox record at a revision, unless the index already has a later one. */
   private indexSandbox(v: Versioned<SandboxRec>): void {
-    put(this.sandboxIndex, `${v.value.tenantId}/${v.value.id}`, v);
+    const k = `${v.value.tenantId}/${v.value.id}`;
+    const cur = this.sandboxIndex.get(k);
+    if (!cur || cur.modRevision < v.modRevision) this.sandboxIndex.set(k, v);
   }
 
   /**
@@ -550,7 +561,7 @@ export class Executor {
         else if (w.kind === 'sandbox' && this.active) this.indexSandbox({ value: w.value, modRevision: rev });
         else if (w.kind === 'delete-sandbox') this.sandboxIndex.delete(`${w.tenantId}/${w.id}`);
         else if (w.kind === 'delete-op') this.finishedOps.delete(`${w.tenantId}/${w.id}`);
-        else if (w.kind === 'delete-snapshot') this.cache.apply({ kind: 'snapshot-gone', key: `${w.tenantId}/${w.id}`, revision: rev });
+        else if (w.kind === 'delete-snapshot') this.cache.apply({ kind: 'gone', of: 'snapshot', key: `${w.tenantId}/${w.id}`, revision: rev });
         else if (w.kind === 'op' && isTerminal(w.value.state)) {
           const f = finishedOpOf({ value: w.value, modRevision: rev });
           if (f && this.active) this.noteFinished(f);
@@ -1769,6 +1780,12 @@ export class Executor {
       const hb = heard.hb;
       const cur = recs.get(hb.hostId);
       const state = now - heard.heardAt > this.deps.config.liveness.lostAfterMs ? 'lost' : now - heard.heardAt > this.deps.config.liveness.suspectAfterMs ? 'suspect' : 'ready';
+      // No record and silent: a removed host (RemoveHost), heard last before it went. Its
+      // next heartbeat registers it anew.
+      if (!cur && state !== 'ready') {
+        this.deps.heard.forget(hb.hostId);
+        continue;
+      }
       const next: HostRec = {
         id: hb.hostId,
         state,
@@ -1800,7 +1817,9 @@ export class Executor {
       const state = next.state;
       if (cur && cur.value.state !== state) this.log.warn({ hostId: next.id, from: cur.value.state, to: state }, 'host state changed');
       if (state === 'lost' && cur?.value.state !== 'lost') await this.markHostLost(next.id);
-      if (state === 'ready' && cur?.value.state === 'lost') await this.reclaimReturnedHost(next.id);
+      // A lost host back, or a new one that already runs VMs (a removed host whose agent
+      // started again): its lost sandboxes are reclaimed and stray VMs stopped.
+      if (state === 'ready' && (cur?.value.state === 'lost' || (!cur && (this.deps.heard.get(next.id)?.hb.vms.length ?? 0) > 0))) await this.reclaimReturnedHost(next.id);
     }
   }
 

@@ -6,10 +6,10 @@ import type { SnapshotRec } from './records.ts';
 const snap = (id: string, state: SnapshotRec['state'], modRevision: number): Versioned<SnapshotRec> => ({ value: { id, tenantId: 't1', state } as SnapshotRec, modRevision });
 
 describe('FleetCache snapshots', () => {
-  it('snapshotGone_removesTheRecord_andAnOlderCopyArrivingLaterIsNotTakenBackIn', () => {
+  it('goneSnapshot_removesTheRecord_andAnOlderCopyArrivingLaterIsNotTakenBackIn', () => {
     const c = new FleetCache();
     c.apply({ kind: 'snapshot', value: snap('sn-a', 'deleted', 10) });
-    c.apply({ kind: 'snapshot-gone', key: 't1/sn-a', revision: 12 });
+    c.apply({ kind: 'gone', of: 'snapshot', key: 't1/sn-a', revision: 12 });
     expect(c.snapshot('t1', 'sn-a')).toBeUndefined();
     // A watch event or a list from before the delete, late: still gone, and known.
     c.apply({ kind: 'snapshot', value: snap('sn-a', 'deleted', 10) });
@@ -20,10 +20,10 @@ describe('FleetCache snapshots', () => {
     expect(c.snapshot('t1', 'sn-a')?.modRevision).toBe(13);
   });
 
-  it('snapshotGone_ofAnOlderRevisionThanTheCachedRecord_keepsTheRecord', () => {
+  it('goneSnapshot_ofAnOlderRevisionThanTheCachedRecord_keepsTheRecord', () => {
     const c = new FleetCache();
     c.apply({ kind: 'snapshot', value: snap('sn-b', 'ready', 20) });
-    c.apply({ kind: 'snapshot-gone', key: 't1/sn-b', revision: 15 });
+    c.apply({ kind: 'gone', of: 'snapshot', key: 't1/sn-b', revision: 15 });
     expect(c.snapshot('t1', 'sn-b')?.modRevision).toBe(20);
   });
 });

@@ -39,6 +39,11 @@ export class HeartbeatRegistry {
     return this.hosts.get(hostId);
   }
 
+  /** Drops a host's last heartbeat (a removed host that stays silent). */
+  forget(hostId: string): void {
+    this.hosts.delete(hostId);
+  }
+
   all(): HeardHost[] {
     return [...this.hosts.values()];
   }

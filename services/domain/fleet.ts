@@ -7,7 +7,7 @@ import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, Resou
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
 import { isTerminal } from './records.ts';
-import { NotFoundError, WrongStateError } from './errors.ts';
+import { ConflictError, NotFoundError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
 import { create } from '@bufbuild/protobuf';
@@ -36,6 +36,9 @@ export function newId(prefix: IdPrefix): string {
   idPoolAt += 20;
   return `${prefix}-${s}`;
 }
+
+/** Sandbox states that do not keep a host from being removed (nothing of theirs runs there). */
+const REMOVABLE_WITH: ReadonlySet<SandboxState> = new Set(['lost', 'destroyed', 'failed']);
 
 export interface PlacementPrefs {
   locality: 'ANY' | 'SAME_HOST' | 'CROSS_HOST';
@@ -506,6 +509,33 @@ export class Fleet {
       }
     }
     throw new ForkfleetError('aborted', `host ${hostId} is changing too often; retry`, { retryable: true });
+  }
+
+  /**
+   * Removes a lost host (decommissioning): its work queue on NATS, then its record and alloc
+   * in one transaction guarded by the revisions read. Refused while the host is heard from or
+   * recorded as anything but lost, and while a sandbox on it is in a state other than lost,
+   * destroyed or failed (drain it first). Lost sandboxes stay lost and can be restored
+   * elsewhere; their count is returned. The leader, seeing the records go, forgets the host;
+   * if its agent starts again it registers as a new host.
+   */
+  async removeHost(hostId: string): Promise<{ lostSandboxes: number }> {
+    const v = await this.deps.store.getHost(hostId);
+    if (!v) throw new NotFoundError('host', hostId);
+    const heard = this.deps.heard.get(hostId);
+    const live = heard ? livenessOf(heard.heardAt, this.deps.clock.now(), this.deps.liveness) : 'lost';
+    if (v.value.state !== 'lost' || live !== 'lost') {
+      throw new WrongStateError('host', hostId, live !== 'lost' ? `${live} (heard ${Math.round((this.deps.clock.now() - (heard?.heardAt ?? 0)) / 1000)} s ago)` : v.value.state, 'drain it, stop its agent, and remove it once it is lost');
+    }
+    const on = (await this.deps.store.listSandboxes(undefined)).map((x) => x.value).filter((sb) => sb.hostId === hostId);
+    const busy = on.filter((sb) => !REMOVABLE_WITH.has(sb.state));
+    if (busy.length > 0) throw new WrongStateError('host', hostId, `still recorded with ${busy.length} sandbox(es) (${busy.slice(0, 3).map((sb) => `${sb.id} ${sb.state}`).join(', ')})`, 'wait until they are lost, or drain the host');
+    const alloc = await this.deps.store.getAlloc(hostId);
+    await this.deps.bus.forgetHost(hostId);
+    const writes: StoreWrite[] = [{ kind: 'delete-host', id: hostId, expectRevision: v.modRevision }];
+    if (alloc.modRevision > 0) writes.push({ kind: 'delete-alloc', hostId, expectRevision: alloc.modRevision });
+    if (!(await this.deps.store.commit(writes))) throw new ConflictError(`host ${hostId}`);
+    return { lostSandboxes: on.filter((sb) => sb.state === 'lost').length };
   }
 
   async drainHost(key: string, hostId: string, migrate: boolean): Promise<OperationRec> {

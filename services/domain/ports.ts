@@ -36,6 +36,8 @@ export type StoreWrite =
   | { kind: 'delete-sandbox'; tenantId: string; id: string; expectRevision?: number }
   | { kind: 'delete-op'; tenantId: string; id: string; expectRevision?: number }
   | { kind: 'delete-snapshot'; tenantId: string; id: string; expectRevision?: number }
+  | { kind: 'delete-host'; id: string; expectRevision?: number }
+  | { kind: 'delete-alloc'; hostId: string; expectRevision?: number }
   | { kind: 'delete-idem'; tenantId: string; key: string; expectRevision?: number };
 
 export interface FleetStore {
@@ -120,8 +122,11 @@ export type FleetChange =
   | { kind: 'host'; value: Versioned<HostRec> }
   | { kind: 'alloc'; value: Versioned<HostAllocRec> }
   | { kind: 'snapshot'; value: Versioned<SnapshotRec> }
-  /** A snapshot record was deleted (expired, ADR 0017) at `revision`; `key` is `tenantId/id`. */
-  | { kind: 'snapshot-gone'; key: string; revision: number };
+  /**
+   * A record was deleted at `revision`: a snapshot's that expired (ADR 0017; `key` is
+   * `tenantId/id`), or a removed host's record or alloc (`key` is the host id).
+   */
+  | { kind: 'gone'; of: 'host' | 'alloc' | 'snapshot'; key: string; revision: number };
 
 export type SandboxChange =
   | { kind: 'put'; value: Versioned<SandboxRec> }
@@ -152,6 +157,8 @@ export interface LeaderElection {
 export interface WorkBus {
   /** Durable, at-least-once delivery to one host's work queue. */
   sendWork(hostId: string, work: HostWorkMsg): Promise<void>;
+  /** Deletes a removed host's work queue and the work still queued in it (idempotent). */
+  forgetHost(hostId: string): Promise<void>;
   /**
    * Results from all hosts; `ack` after the result is recorded. `fromHost` is the host whose
    * subject the result came on (its NATS user may publish only there). Leader only.

@@ -562,6 +562,11 @@ export class Forkfleet {
     },
     drain: async (hostId: string, migrate = false, opts: CallOpts = {}): Promise<OperationInfo> =>
       this.submit((idempotencyKey, o) => this.rpc.drainHost({ idempotencyKey, hostId, migrate }, o), opts),
+    /** Removes a lost host (decommissioning); resolves with how many lost sandboxes were recorded on it. */
+    remove: async (hostId: string, opts: CallOpts = {}): Promise<{ lostSandboxes: number }> => {
+      const r = await this.retry((o) => this.rpc.removeHost({ hostId }, o), opts);
+      return { lostSandboxes: r.lostSandboxes };
+    },
   };
 
   // --- used by Sandbox

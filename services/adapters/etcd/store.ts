@@ -92,6 +92,10 @@ function keyOf(w: StoreWrite): string {
       return keys.op(w.tenantId, w.id);
     case 'delete-snapshot':
       return keys.snapshot(w.tenantId, w.id);
+    case 'delete-host':
+      return keys.host(w.id);
+    case 'delete-alloc':
+      return keys.alloc(w.hostId);
     case 'delete-idem':
       return keys.idem(w.tenantId, w.key);
   }
@@ -104,6 +108,8 @@ function valueOf(w: StoreWrite): string | undefined {
     case 'delete-sandbox':
     case 'delete-op':
     case 'delete-snapshot':
+    case 'delete-host':
+    case 'delete-alloc':
     case 'delete-idem':
       return undefined;
     default:
@@ -376,8 +382,8 @@ export class EtcdFleetStore implements FleetStore {
         if (known && known(kind, kv.key.toString('utf8').slice(prefix.length), Number(kv.mod_revision))) return;
         onChange({ kind, value: decode<never>(kv) } as FleetChange);
       });
-      // Only snapshot records are ever deleted (expired, ADR 0017); hosts and allocs stay.
-      if (kind === 'snapshot') w.on('delete', (kv) => onChange({ kind: 'snapshot-gone', key: kv.key.toString('utf8').slice(prefix.length), revision: Number(kv.mod_revision) }));
+      // Snapshot records expire (ADR 0017); a removed host's record and alloc go (RemoveHost).
+      w.on('delete', (kv) => onChange({ kind: 'gone', of: kind, key: kv.key.toString('utf8').slice(prefix.length), revision: Number(kv.mod_revision) }));
     });
     return () => {
       for (const w of watchers) cancel(w);

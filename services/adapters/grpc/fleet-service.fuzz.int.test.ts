@@ -189,7 +189,7 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
 
   it('snapshotsHostsAndOperations_withArbitraryFields_answerCleanly', async () => {
     await fc.assert(
-      fc.asyncProperty(fc.constantFrom('getSnapshot', 'pin', 'unpin', 'retention', 'deleteSnapshot', 'cordon', 'drain', 'getOp', 'waitOp', 'listSandboxes', 'listSnapshots'), nasty, nasty, nasty, smallInt, duration, async (which, tenantId, key, id, n, d) => {
+      fc.asyncProperty(fc.constantFrom('getSnapshot', 'pin', 'unpin', 'retention', 'deleteSnapshot', 'cordon', 'drain', 'removeHost', 'getOp', 'waitOp', 'listSandboxes', 'listSnapshots'), nasty, nasty, nasty, smallInt, duration, async (which, tenantId, key, id, n, d) => {
         await probe(() => {
           switch (which) {
             case 'getSnapshot':
@@ -206,6 +206,8 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
               return api.cordonHost({ idempotencyKey: key, hostId: id, cordon: n % 2 === 0 }, opts);
             case 'drain':
               return api.drainHost({ idempotencyKey: key, hostId: id }, opts);
+            case 'removeHost':
+              return api.removeHost({ hostId: id }, opts);
             case 'getOp':
               return api.getOperation({ tenantId, operationId: id }, opts);
             case 'waitOp':

@@ -2,6 +2,7 @@
 import { FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type {
   CordonHostRequest,
+  RemoveHostRequest,
   CreateSandboxRequest,
   DeleteSnapshotRequest,
   DestroySandboxRequest,
@@ -272,6 +273,10 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     async drainHost(req: DrainHostRequest, ctx: CallContext) {
       admin(ctx, 'DrainHost');
       return op(await fleet.drainHost(c.idemKey(req.idempotencyKey), c.hostId(req.hostId), req.migrate));
+    },
+    async removeHost(req: RemoveHostRequest, ctx: CallContext) {
+      admin(ctx, 'RemoveHost');
+      return fleet.removeHost(c.hostId(req.hostId));
     },
     async getOperation(req: GetOperationRequest, ctx: CallContext) {
       return op(await fleet.getOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id')));

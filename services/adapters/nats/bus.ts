@@ -3,7 +3,7 @@
 // access as request/reply relays.
 import { randomBytes } from 'node:crypto';
 import { createInbox } from 'nats';
-import type { ConsumerMessages, JetStreamClient, NatsConnection, Subscription } from 'nats';
+import type { ConsumerMessages, JetStreamClient, JetStreamManager, NatsConnection, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { BinaryReader } from '@bufbuild/protobuf/wire';
 import type { WorkBus } from '../../domain/ports.ts';
@@ -30,7 +30,7 @@ import type {
 } from '../../domain/messages.ts';
 import { AsyncQueue } from '../grpc/queue.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
-import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS, subjects } from './subjects.ts';
+import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
 import { JsPublisher } from './js-publisher.ts';
 import { ackAfter, isBatch, SubjectBatcher } from './batcher.ts';
 
@@ -71,7 +71,10 @@ export class NatsWorkBus implements WorkBus {
   private readonly subs: Subscription[] = [];
   private readonly nonce = randomBytes(6).toString('hex');
 
-  private constructor(private readonly nc: NatsConnection) {
+  private constructor(
+    private readonly nc: NatsConnection,
+    private readonly jsm: JetStreamManager,
+  ) {
     this.js = nc.jetstream();
     this.batcher = new SubjectBatcher(JsPublisher.of(nc));
   }
@@ -80,7 +83,17 @@ export class NatsWorkBus implements WorkBus {
     const jsm = await nc.jetstreamManager();
     await ensureStreams(jsm);
     await ensureResultsConsumer(jsm);
-    return new NatsWorkBus(nc);
+    return new NatsWorkBus(nc, jsm);
+  }
+
+  async forgetHost(hostId: string): Promise<void> {
+    try {
+      await this.jsm.consumers.delete(STREAM_WORK, workConsumer(hostId));
+    } catch (e) {
+      // Already gone (never made, or deleted by an earlier call): nothing to do.
+      if (!/consumer not found/i.test((e as Error).message)) throw new ForkfleetError('unavailable', `deleting the work queue of host ${hostId}: ${(e as Error).message}`, { cause: e });
+    }
+    await this.jsm.streams.purge(STREAM_WORK, { filter: subjects.work(hostId) });
   }
 
   async sendWork(hostId: string, work: HostWorkMsg): Promise<void> {
