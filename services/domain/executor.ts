@@ -120,6 +120,8 @@ function compactExplanation(e: unknown): unknown {
 /** A placement waiting to be decided (Executor.placeAndBook). */
 interface PlaceJob {
   op: OperationRec;
+  /** The snapshot the placement restores from, if any: the view holds only the group's snapshots. */
+  snapshot: { tenantId: string; id: string } | undefined;
   request: (view: ReturnType<typeof buildFleetView>) => PlacementRequest;
   records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void };
   resolve: (p: Placed) => void;
@@ -786,9 +788,9 @@ export class Executor {
    * ones that queue up while a commit is in flight are decided together (each seeing what
    * the earlier ones booked, exactly as one after another) and committed in one transaction.
    */
-  private placeAndBook(op: OperationRec, request: PlaceJob['request'], records: PlaceJob['records']): Promise<Placed> {
+  private placeAndBook(op: OperationRec, snapshot: PlaceJob['snapshot'], request: PlaceJob['request'], records: PlaceJob['records']): Promise<Placed> {
     return new Promise<Placed>((resolve, reject) => {
-      this.placeQueue.push({ op, request, records, resolve, reject });
+      this.placeQueue.push({ op, snapshot, request, records, resolve, reject });
       if (!this.placeRunning) void this.runPlacements();
     });
   }
@@ -818,7 +820,9 @@ export class Executor {
         const allocs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.value]));
         // The revisions the plan reads, taken with it: the cache may move on during the awaits below.
         const allocRevs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.modRevision]));
-        const snapshots = [...this.cache.snapshots.values()].map((sn) => sn.value);
+        // Only the snapshots this group places from: a view over every snapshot the fleet has
+        // cost O(hosts x snapshots) per decision.
+        const snapshots = [...new Map(pending.flatMap((j) => (j.snapshot ? [this.cache.snapshot(j.snapshot.tenantId, j.snapshot.id)?.value] : [])).filter((x): x is SnapshotRec => x !== undefined).map((x) => [x.id, x])).values()];
         // Steps in flight per host, plus one per host for each job this group places there
         // (its step is sent after the commit): later jobs of the group see that queue too.
         const inflight = new Map(this.stepsInFlight);
@@ -910,7 +914,7 @@ export class Executor {
    * the snapshot afterwards; off where it must hold it (a drain, a fan-out relay).
    */
   private fetchPlan(sn: SnapshotRec, hostId: string, plannedSource?: string, migrate = true): object | undefined {
-    const heardHolds = this.deps.heard.get(hostId)?.hb.snapshots.some((s) => s.snapshotId === sn.id && s.complete) ?? false;
+    const heardHolds = this.deps.heard.holds(hostId, sn.id);
     if (sn.hostIds.includes(hostId) || heardHolds) return undefined;
     const now = this.deps.clock.now();
     const alive = (h: string): boolean => livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) !== 'lost';
@@ -1081,6 +1085,7 @@ export class Executor {
       const sandboxRev = v.modRevision;
       const { result } = await this.placeAndBook(
         op,
+        sb.sourceSnapshotId ? { tenantId: sb.tenantId, id: sb.sourceSnapshotId } : undefined,
         () =>
           sb.sourceSnapshotId
             ? { kind: 'restore', id: op.id, nowMs: this.deps.clock.now(), snapshotId: sb.sourceSnapshotId, overlayDiskMib: sb.resources.diskMib, preferences: this.prefs(prefs) }
@@ -1334,6 +1339,7 @@ export class Executor {
       const before = sb;
       await this.placeAndBook(
         op,
+        { tenantId: before.tenantId, id: snapshotId },
         () => ({ kind: 'restore', id: op.id, nowMs: this.deps.clock.now(), snapshotId, overlayDiskMib: before.resources.diskMib, preferences: {} }),
         (res) => {
           const next = structuredClone(before);
@@ -1467,6 +1473,7 @@ export class Executor {
       let made: SandboxRec[] = [];
       const { revision } = await this.placeAndBook(
         op,
+        { tenantId: op.tenantId, id: snapshotId },
         () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: input.count, overlayDiskMib: resources.diskMib, preferences: this.prefs(input.placement) }),
         (res) => {
           made = res.placements.map((p) => {
@@ -1685,6 +1692,7 @@ export class Executor {
       let chosen = '';
       await this.placeAndBook(
         op,
+        { tenantId: sn.tenantId, id: sn.id },
         () => ({ kind: 'restore', id: `${op.id}/${sb.id}`, nowMs: this.deps.clock.now(), snapshotId: sn.id, overlayDiskMib: sb.resources.diskMib, preferences: {} }),
         (res) => {
           chosen = res.placements[0]!.hostId;
@@ -1842,7 +1850,7 @@ export class Executor {
         continue;
       }
       if (sb.idleTimeoutMs) {
-        const vm = this.deps.heard.get(sb.hostId)?.hb.vms.find((v) => v.sandboxId === sb.id);
+        const vm = this.deps.heard.vm(sb.hostId, sb.id);
         const idleMs = vm?.idle ? Number(vm.idle.seconds) * 1000 + Math.floor(vm.idle.nanos / 1e6) : 0;
         if (idleMs >= sb.idleTimeoutMs) await submit(sb.tenantId, `__idle/${sb.id}/${sb.runningSince ?? 0}`, 'hibernate', sb.id, { snapshotId: newId('sn'), replicas: 0, reason: 'idle' });
       }

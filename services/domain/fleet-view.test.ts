@@ -2,7 +2,7 @@ import { describe, expect, it } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, HeartbeatRegistry } from './fleet-view.ts';
-import type { HostRec } from './records.ts';
+import type { HostRec, SnapshotRec } from './records.ts';
 
 const host = (id: string): HostRec => ({
   id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 8, memoryMib: 8192, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0',
@@ -32,5 +32,33 @@ describe('fleetViewInput', () => {
     const [measured, fresh] = input(new Map([['measured', 1], ['new', 3]]));
     expect(measured?.inflightOps).toBe(2); // the heartbeat already counts the leader's step
     expect(fresh?.inflightOps).toBe(3); // sent since the host's last heartbeat
+  });
+});
+
+describe('holdings in the view', () => {
+  const snap = (id: string, hostIds: string[]) => ({ id, tenantId: 't', state: 'ready', hostIds, storedBytes: 1, vmConfig: null }) as unknown as SnapshotRec;
+
+  it('heldSnapshots_comeFromRecordsAndHeartbeats_onlyForTheViewsSnapshots', () => {
+    const heard = new HeartbeatRegistry();
+    heard.record(create(HeartbeatSchema, { hostId: 'a', bootId: 'b', snapshots: [{ snapshotId: 'sn-1', complete: true }, { snapshotId: 'sn-2', complete: false }, { snapshotId: 'sn-other', complete: true }] }), 1_000);
+    heard.record(create(HeartbeatSchema, { hostId: 'b', bootId: 'b' }), 1_000);
+    const hosts = fleetViewInput({
+      hosts: [host('a'), host('b')], allocs: new Map(), heard, snapshots: [snap('sn-1', []), snap('sn-2', ['b'])], revision: 1, now: 1_000,
+      liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144,
+    }).hosts;
+    // a: sn-1 complete by heartbeat (sn-2 only partial, sn-other not in the view); b: sn-2 by its record.
+    expect(hosts.map((h) => [h.id, [...h.heldSnapshots].sort()])).toEqual([['a', ['sn-1']], ['b', ['sn-2']]]);
+  });
+
+  it('registry_vmAndHolds_lookUpTheLastHeartbeat', () => {
+    const heard = new HeartbeatRegistry();
+    heard.record(create(HeartbeatSchema, { hostId: 'a', bootId: 'b', vms: [{ sandboxId: 'sb-1', pid: 7 }], snapshots: [{ snapshotId: 'sn-1', complete: true }] }), 1_000);
+    expect(heard.vm('a', 'sb-1')?.pid).toBe(7);
+    expect(heard.holds('a', 'sn-1')).toBe(true);
+    // A newer heartbeat replaces what the indexes answer.
+    heard.record(create(HeartbeatSchema, { hostId: 'a', bootId: 'b', vms: [], snapshots: [] }), 2_000);
+    expect(heard.vm('a', 'sb-1')).toBeUndefined();
+    expect(heard.holds('a', 'sn-1')).toBe(false);
+    expect(heard.vm('nobody', 'sb-1')).toBeUndefined();
   });
 });

@@ -44,6 +44,25 @@ export class HeartbeatRegistry {
     this.hosts.delete(hostId);
   }
 
+  /**
+   * A VM's status in the host's last heartbeat. Indexed once per heartbeat: the lifecycle
+   * rules ask for every sandbox on a host, and a scan of the VM list each time was
+   * quadratic in the VMs per host.
+   */
+  vm(hostId: string, sandboxId: string): HeartbeatMsg['vms'][number] | undefined {
+    const hb = this.hosts.get(hostId)?.hb;
+    if (!hb) return undefined;
+    let idx = vmIndex.get(hb);
+    if (!idx) vmIndex.set(hb, (idx = new Map(hb.vms.map((v) => [v.sandboxId, v]))));
+    return idx.get(sandboxId);
+  }
+
+  /** Whether the host's last heartbeat lists `snapshotId` as complete (indexed once per heartbeat). */
+  holds(hostId: string, snapshotId: string): boolean {
+    const hb = this.hosts.get(hostId)?.hb;
+    return hb ? completeSnapshots(hb).has(snapshotId) : false;
+  }
+
   all(): HeardHost[] {
     return [...this.hosts.values()];
   }
@@ -51,9 +70,19 @@ export class HeartbeatRegistry {
   /** Hosts whose snapshot list contains `snapshotId` as complete. */
   holders(snapshotId: string): string[] {
     const out: string[] = [];
-    for (const h of this.hosts.values()) if (h.hb.snapshots.some((s) => s.snapshotId === snapshotId && s.complete)) out.push(h.hb.hostId);
+    for (const h of this.hosts.values()) if (completeSnapshots(h.hb).has(snapshotId)) out.push(h.hb.hostId);
     return out;
   }
+}
+
+/** Per-heartbeat indexes (a heartbeat message is never changed once recorded). */
+const vmIndex = new WeakMap<HeartbeatMsg, Map<string, HeartbeatMsg['vms'][number]>>();
+const snapshotIndex = new WeakMap<HeartbeatMsg, Set<string>>();
+
+function completeSnapshots(hb: HeartbeatMsg): Set<string> {
+  let set = snapshotIndex.get(hb);
+  if (!set) snapshotIndex.set(hb, (set = new Set(hb.snapshots.filter((s) => s.complete).map((s) => s.snapshotId))));
+  return set;
 }
 
 /** Builds the placement library's input from etcd records plus heartbeats. */
@@ -61,6 +90,7 @@ export function fleetViewInput(args: {
   hosts: readonly HostRec[];
   allocs: ReadonlyMap<string, HostAllocRec>;
   heard: HeartbeatRegistry;
+  /** The snapshots the placements decided over this view read (the rest are not in the view). */
   snapshots: readonly SnapshotRec[];
   revision: number;
   now: number;
@@ -74,13 +104,29 @@ export function fleetViewInput(args: {
    */
   ownInflight?: ReadonlyMap<string, number>;
 }): FleetViewInput {
+  // Which of `snapshots` each host holds, by its record or its last heartbeat: one pass over
+  // the snapshots' holders, then an indexed lookup per host and snapshot (not every host
+  // against every snapshot, nor every snapshot a heartbeat lists).
+  const viewIds = new Set(args.snapshots.map((s) => s.id));
+  const recorded = new Map<string, string[]>();
+  for (const s of args.snapshots) {
+    for (const h of s.hostIds) {
+      const list = recorded.get(h);
+      if (list) list.push(s.id);
+      else recorded.set(h, [s.id]);
+    }
+  }
   const hosts: HostInput[] = args.hosts.map((h) => {
     const heard = args.heard.get(h.id);
     const alloc = args.allocs.get(h.id);
     const state = h.state === 'lost' && heard === undefined ? 'lost' : livenessOf(heard?.heardAt, args.now, args.liveness);
-    const held = new Set<string>();
-    for (const s of heard?.hb.snapshots ?? []) if (s.complete) held.add(s.snapshotId);
-    for (const s of args.snapshots) if (s.hostIds.includes(h.id)) held.add(s.id);
+    const held = new Set<string>(recorded.get(h.id));
+    if (heard) {
+      // The smaller side drives the intersection of the host's heard holdings and the view's snapshots.
+      const hs = completeSnapshots(heard.hb);
+      const [small, large] = hs.size < viewIds.size ? [hs, viewIds] : [viewIds, hs];
+      for (const id of small) if (large.has(id)) held.add(id);
+    }
     return {
       id: h.id,
       state,
