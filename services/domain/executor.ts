@@ -236,6 +236,17 @@ export class FleetCache {
     for (const value of hosts) this.apply({ kind: 'host', value });
     for (const value of allocs) this.apply({ kind: 'alloc', value });
     for (const value of snaps) this.apply({ kind: 'snapshot', value });
+    // A relist (after a broken watch) also drops what was deleted meanwhile: a cached entry
+    // that the list lacks and that is older than the list's newest record is gone.
+    this.dropMissing('host', hosts.map((v) => [v.value.id, v.modRevision]));
+    this.dropMissing('alloc', allocs.map((v) => [v.value.hostId, v.modRevision]));
+    this.dropMissing('snapshot', snaps.map((v) => [`${v.value.tenantId}/${v.value.id}`, v.modRevision]));
+  }
+
+  private dropMissing(kind: 'host' | 'alloc' | 'snapshot', listed: ReadonlyArray<readonly [string, number]>): void {
+    const rev = listed.reduce((m, [, r]) => Math.max(m, r), 0);
+    const keys = new Set(listed.map(([k]) => k));
+    for (const [k, v] of this.mapOf(kind)) if (!keys.has(k) && v.modRevision <= rev) this.apply({ kind: 'gone', of: kind, key: k, revision: rev });
   }
 
   snapshot(tenantId: string, id: string): Versioned<SnapshotRec> | undefined {
@@ -328,7 +339,15 @@ export class Executor {
     await this.keepWatching(
       term,
       'fleet',
-      (onError) => this.deps.store.watchFleet((c) => this.cache.apply(c), { known: (kind, key, rev) => this.cache.knows(kind, key, rev), onError }),
+      (onError) =>
+        this.deps.store.watchFleet(
+          (c) => {
+            this.cache.apply(c);
+            // A removed host (RemoveHost deletes its queue too; this covers a failure there).
+            if (c.kind === 'gone' && c.of === 'host') void this.deps.bus.forgetHost(c.key).catch((e: unknown) => this.log.warn({ err: e, hostId: c.key }, 'could not delete a removed host\'s work queue'));
+          },
+          { known: (kind, key, rev) => this.cache.knows(kind, key, rev), onError },
+        ),
       () => this.cache.load(this.deps.store),
     );
     await this.cache.load(this.deps.store);
@@ -750,8 +769,9 @@ export class Executor {
       });
       const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt, tenantId: op.tenantId, work });
       // A publish can fail while NATS is restarting or the connection is re-established:
-      // retry it with backoff (the same message id, so JetStream drops a duplicate if the
-      // failed publish was in fact stored) rather than waiting out the whole step timeout.
+      // retry it with backoff rather than waiting out the whole step timeout. Sent alone, the
+      // retry has the same message id and JetStream drops it if the failed publish was in fact
+      // stored; sent in a batch (batcher.ts) it may not, and the agent dedups by op + step.
       let settled = false;
       void result.then(() => (settled = true));
       for (let i = 0, delay = 250; !settled && this.active; i++, delay = Math.min(delay * 2, 2000)) {
@@ -1185,12 +1205,17 @@ export class Executor {
   private async snapshotOf(op: OperationRec, sandboxId: string, snapshotId: string, opts: { pin?: boolean; keepLast?: number; retentionTtlMs?: number | null; labels?: Record<string, string> }, tenantId = op.tenantId): Promise<SnapshotRec> {
     const existing = await this.deps.store.getSnapshot(tenantId, snapshotId);
     if (existing?.value.state === 'ready') return existing.value;
+    if (existing && (existing.value.state === 'deleting' || existing.value.state === 'deleted')) throw new WrongStateError('snapshot', snapshotId, existing.value.state, 'it was deleted before it was taken');
     const sbv = await this.deps.store.getSandbox(tenantId, sandboxId);
     if (!sbv) throw new NotFoundError('sandbox', sandboxId);
     const sb = sbv.value;
     if (sb.state !== 'running' && sb.state !== 'paused' && sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be snapshotted');
     const now = this.deps.clock.now();
-    const rec: SnapshotRec = existing?.value ?? {
+    // A re-run (a new leader, or a retry) of a snapshot whose record says failed takes it up
+    // again as creating: a failed record is final only for an op that gave up.
+    const again: SnapshotRec | undefined = existing ? { ...existing.value, state: 'creating' } : undefined;
+    if (again) delete again.endedAt;
+    const rec: SnapshotRec = again ?? {
       id: snapshotId,
       tenantId,
       state: 'creating',
@@ -1209,12 +1234,16 @@ export class Executor {
       manifestSignature: '',
       manifestKeyId: '',
     };
-    if (!existing) await this.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
+    const recRev = existing ? (existing.value.state === 'creating' ? existing.modRevision : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: existing.modRevision }])) : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
+    if (!recRev) throw new ConflictError(`snapshot ${snapshotId}`);
     let r: HostResultMsg;
     try {
       r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
     } catch (e) {
-      await this.commit([{ kind: 'snapshot', value: { ...rec, state: 'failed', endedAt: this.deps.clock.now() } }]);
+      // A leader that stepped down leaves the op to the next one, which takes the snapshot up
+      // again: writing failed now could land after that (and a host would be told to delete
+      // what is about to be ready). Guarded by the record as this run wrote it.
+      if (this.active) await this.commit([{ kind: 'snapshot', value: { ...rec, state: 'failed', endedAt: this.deps.clock.now() }, expectRevision: recRev }]);
       throw e;
     }
     const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
@@ -1744,7 +1773,8 @@ export class Executor {
   /**
    * Tells hosts to delete snapshots they still hold whose record is deleted, failed or gone
    * (expired, ADR 0017): a host that was away or failed its step when the snapshot was
-   * deleted would keep the chunks forever. Only ready hosts are asked, each (host, snapshot)
+   * deleted would keep the chunks forever (a failed snapshot's, once it failed
+   * HELD_GC_RETRY_MS ago: a re-run of its op may take it up again). Only ready hosts are asked, each (host, snapshot)
    * at most once per HELD_GC_RETRY_MS and at most HELD_GC_MAX per pass; the agent's delete is
    * idempotent. Ready, creating and deleting snapshots are never touched: their records are
    * in the leader's cache from before any host holds them (a snapshot's record is written
@@ -1763,6 +1793,8 @@ export class Executor {
       for (const held of heard.hb.snapshots) {
         const rec = byId.get(held.snapshotId);
         if ((rec && !EXPIRING_SNAPSHOT_STATES.has(rec.state)) || sent >= HELD_GC_MAX) continue;
+        // A failed snapshot may yet be taken up again by a re-run of its op: only old ones.
+        if (rec?.state === 'failed' && (rec.endedAt ?? 0) > now - HELD_GC_RETRY_MS) continue;
         const k = `${hostId}/${held.snapshotId}`;
         if (this.heldGcAt.has(k)) continue;
         this.heldGcAt.set(k, now);
@@ -1812,8 +1844,9 @@ export class Executor {
         bootId: hb.bootId,
       };
       const changed = !cur || cur.value.state !== next.state || cur.value.bootId !== next.bootId || cur.value.peerAddress !== next.peerAddress || JSON.stringify(cur.value.capacity) !== JSON.stringify(next.capacity);
-      // Heartbeat times are written only with a state change (or every 10 s), not per beat.
-      if (changed || now - next.lastHeartbeatAt > 10_000) {
+      // Heartbeat times are written only with a state change, or every 10 s while the host
+      // is heard (a silent host's record is not rewritten: nothing new to say).
+      if (changed || (heard.heardAt > next.lastHeartbeatAt && now - next.lastHeartbeatAt > 10_000)) {
         next.lastHeartbeatAt = heard.heardAt;
         writes.push({ next, cur });
       }
@@ -1908,7 +1941,7 @@ export class Executor {
           this.capacity(hostId, sb.resources, 1),
         );
         this.log.warn({ hostId, sandboxId: sb.id }, 'host returned: sandbox reclaimed');
-      } else if (!sb || sb.hostId !== hostId || sb.state === 'destroyed' || sb.state === 'hibernated') {
+      } else if (!sb || sb.hostId !== hostId || sb.state === 'destroyed' || sb.state === 'failed' || sb.state === 'hibernated') {
         const opId = `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`;
         await this.deps.bus
           .sendWork(hostId, create(HostWorkSchema, { opId, stepId: `stop/${vm.sandboxId}`, attempt: 1, tenantId: sb?.tenantId ?? 'system', work: { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never } }))

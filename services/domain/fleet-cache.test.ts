@@ -26,4 +26,15 @@ describe('FleetCache snapshots', () => {
     c.apply({ kind: 'gone', of: 'snapshot', key: 't1/sn-b', revision: 15 });
     expect(c.snapshot('t1', 'sn-b')?.modRevision).toBe(20);
   });
+
+  it('load_afterRecordsWereDeleted_dropsThemButKeepsOnesNewerThanTheList', async () => {
+    const c = new FleetCache();
+    c.apply({ kind: 'snapshot', value: snap('sn-old', 'deleted', 5) });
+    c.apply({ kind: 'snapshot', value: snap('sn-new', 'ready', 50) }); // written after the list was read
+    const store = { listHosts: async () => [], listAllocs: async () => [], listSnapshots: async () => [snap('sn-kept', 'ready', 20)] } as unknown as Parameters<FleetCache['load']>[0];
+    await c.load(store);
+    expect(c.snapshot('t1', 'sn-old')).toBeUndefined();
+    expect(c.snapshot('t1', 'sn-kept')?.modRevision).toBe(20);
+    expect(c.snapshot('t1', 'sn-new')?.modRevision).toBe(50);
+  });
 });

@@ -17,7 +17,6 @@ import type { QuotaOf, UsageSource } from './quota.ts';
 
 export type IdPrefix = 'sb' | 'sn' | 'op';
 
-/** Ids: a prefix and 20 base32 characters (100 random bits). */
 /**
  * Random bytes for ids, drawn from a pool refilled 4 KiB at a time: one `randomBytes(20)` per
  * id was ~6 us of the API's CPU per fork child (a fork(64) makes 64 ids).
@@ -25,6 +24,7 @@ export type IdPrefix = 'sb' | 'sn' | 'op';
 const idPool = Buffer.allocUnsafe(4096);
 let idPoolAt = idPool.length;
 
+/** Ids: a prefix and 20 base32 characters (100 random bits). */
 export function newId(prefix: IdPrefix): string {
   const alphabet = 'abcdefghijklmnopqrstuvwxyz234567';
   if (idPoolAt + 20 > idPool.length) {
@@ -520,22 +520,32 @@ export class Fleet {
    * if its agent starts again it registers as a new host.
    */
   async removeHost(hostId: string): Promise<{ lostSandboxes: number }> {
-    const v = await this.deps.store.getHost(hostId);
-    if (!v) throw new NotFoundError('host', hostId);
-    const heard = this.deps.heard.get(hostId);
-    const live = heard ? livenessOf(heard.heardAt, this.deps.clock.now(), this.deps.liveness) : 'lost';
-    if (v.value.state !== 'lost' || live !== 'lost') {
-      throw new WrongStateError('host', hostId, live !== 'lost' ? `${live} (heard ${Math.round((this.deps.clock.now() - (heard?.heardAt ?? 0)) / 1000)} s ago)` : v.value.state, 'drain it, stop its agent, and remove it once it is lost');
+    // The host record changes while the leader marks the host lost: re-read and check again.
+    for (let attempt = 0; attempt < 5; attempt++) {
+      const v = await this.deps.store.getHost(hostId);
+      if (!v) throw new NotFoundError('host', hostId);
+      const heard = this.deps.heard.get(hostId);
+      const live = heard ? livenessOf(heard.heardAt, this.deps.clock.now(), this.deps.liveness) : 'lost';
+      if (v.value.state !== 'lost' || live !== 'lost') {
+        throw new WrongStateError('host', hostId, live !== 'lost' ? `${live} (heard ${Math.round((this.deps.clock.now() - (heard?.heardAt ?? 0)) / 1000)} s ago)` : v.value.state, 'drain it, stop its agent, and remove it once it is lost');
+      }
+      const on = (await this.deps.store.listSandboxes(undefined)).map((x) => x.value).filter((sb) => sb.hostId === hostId);
+      const busy = on.filter((sb) => !REMOVABLE_WITH.has(sb.state));
+      if (busy.length > 0) {
+        const hibernated = busy.some((sb) => sb.state === 'hibernated');
+        throw new WrongStateError('host', hostId, `still recorded with ${busy.length} sandbox(es) (${busy.slice(0, 3).map((sb) => `${sb.id} ${sb.state}`).join(', ')})`, hibernated ? 'wake or destroy the hibernated ones (their snapshot is on this host), and wait for the others to end' : 'wait until they are lost or destroyed');
+      }
+      const alloc = await this.deps.store.getAlloc(hostId);
+      const writes: StoreWrite[] = [{ kind: 'delete-host', id: hostId, expectRevision: v.modRevision }];
+      if (alloc.modRevision > 0) writes.push({ kind: 'delete-alloc', hostId, expectRevision: alloc.modRevision });
+      if (!(await this.deps.store.commit(writes))) continue;
+      // After the commit: a removal that loses its race must not cut a host off its queue.
+      // If this fails, the leader deletes the queue when it sees the record go; an agent
+      // that is in fact still running creates its queue again (agent-bus.ts).
+      await this.deps.bus.forgetHost(hostId).catch(() => undefined);
+      return { lostSandboxes: on.filter((sb) => sb.state === 'lost').length };
     }
-    const on = (await this.deps.store.listSandboxes(undefined)).map((x) => x.value).filter((sb) => sb.hostId === hostId);
-    const busy = on.filter((sb) => !REMOVABLE_WITH.has(sb.state));
-    if (busy.length > 0) throw new WrongStateError('host', hostId, `still recorded with ${busy.length} sandbox(es) (${busy.slice(0, 3).map((sb) => `${sb.id} ${sb.state}`).join(', ')})`, 'wait until they are lost, or drain the host');
-    const alloc = await this.deps.store.getAlloc(hostId);
-    await this.deps.bus.forgetHost(hostId);
-    const writes: StoreWrite[] = [{ kind: 'delete-host', id: hostId, expectRevision: v.modRevision }];
-    if (alloc.modRevision > 0) writes.push({ kind: 'delete-alloc', hostId, expectRevision: alloc.modRevision });
-    if (!(await this.deps.store.commit(writes))) throw new ConflictError(`host ${hostId}`);
-    return { lostSandboxes: on.filter((sb) => sb.state === 'lost').length };
+    throw new ConflictError(`host ${hostId}`);
   }
 
   async drainHost(key: string, hostId: string, migrate: boolean): Promise<OperationRec> {

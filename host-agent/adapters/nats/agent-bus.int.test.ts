@@ -11,6 +11,7 @@ import { NatsWorkBus } from '../../../services/adapters/nats/bus.ts';
 import { agentConnectOptions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
 import { STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { NatsAgentBus } from './agent-bus.ts';
+import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
 import { HeartbeatSchema, HostEventSchema, HostExecOutputSchema, HostFileRequestSchema, HostFileResponseSchema, HostExecRequestSchema, HostResultSchema, HostWorkSchema } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostResultMsg, HeartbeatMsg, HostWorkMsg } from '../../../services/domain/messages.ts';
 
@@ -140,6 +141,9 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
       await busA.publishResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: 'host-a', attempt: w.attempt }));
       ctl.ack();
     });
+    // The scheduler batches only to a host whose heartbeat says it reads batches (the bus sets it).
+    busA.publishHeartbeat(create(HeartbeatSchema, { hostId: 'host-a', seq: 8n }));
+    await waitUntil('host-a heartbeat 8', () => heartbeats.find((h) => h.hostId === 'host-a' && h.seq === 8n && h.readsBatches));
     const steps = Array.from({ length: 10 }, (_, i) => `fork/${i}`);
     await Promise.all(steps.map((stepId) => bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-batch', stepId, attempt: 1 }))));
     await waitUntil('every step of the batch answered', () => (steps.every((s) => resultHosts.has(`op-batch/${s}`)) ? true : undefined));
@@ -153,6 +157,50 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     const ackPending = async (): Promise<number> => (await jsm.consumers.info(STREAM_WORK, workConsumer('host-a'))).num_ack_pending;
     for (let i = 0; i < 50 && (await ackPending()) > 0; i++) await sleep(100);
     expect(await ackPending()).toBe(0);
+    await stop();
+  });
+
+  it('batches_onlyToPeersThatSayTheyReadThem_anOldAgentGetsSingleSteps_anOldSchedulerSingleResults', async () => {
+    const jsm = await sched.jetstreamManager();
+    const seq = async (stream: string): Promise<number> => (await jsm.streams.info(stream)).state.last_seq;
+    const stop = await busA.consumeWork(async (w, ctl) => {
+      await busA.publishResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: 'host-a', attempt: w.attempt }));
+      ctl.ack();
+    });
+    const answered = (op: string, n: number): Promise<boolean> => waitUntil(`${op} answered`, () => (Array.from({ length: n }, (_, i) => resultHosts.has(`${op}/s${i}`)).every(Boolean) ? true : undefined));
+    // An agent whose heartbeat does not say reads_batches (an older agent): one message per step.
+    agentA.publish(subjects.heartbeat('host-a'), toBinary(HeartbeatSchema, create(HeartbeatSchema, { hostId: 'host-a', seq: 9n })));
+    await waitUntil('host-a heartbeat 9', () => heartbeats.find((h) => h.hostId === 'host-a' && h.seq === 9n));
+    let w0 = await seq(STREAM_WORK);
+    await Promise.all(Array.from({ length: 5 }, (_, i) => bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-old-agent', stepId: `s${i}`, attempt: 1 }))));
+    await answered('op-old-agent', 5);
+    expect(await seq(STREAM_WORK)).toBe(w0 + 5);
+    // Work without the Ff-Result-Batch header (an older scheduler): one result message per step.
+    w0 = await seq(STREAM_WORK);
+    const r0 = await seq(STREAM_RESULTS);
+    const raw = JsPublisher.of(sched);
+    await Promise.all(Array.from({ length: 5 }, (_, i) => raw.publish(subjects.work('host-a'), toBinary(HostWorkSchema, create(HostWorkSchema, { opId: 'op-old-sched', stepId: `s${i}`, attempt: 1 })))));
+    await answered('op-old-sched', 5);
+    expect((await seq(STREAM_RESULTS)) - r0).toBe(5);
+    busA.publishHeartbeat(create(HeartbeatSchema, { hostId: 'host-a', seq: 10n }));
+    await waitUntil('host-a heartbeat 10', () => heartbeats.find((h) => h.hostId === 'host-a' && h.seq === 10n));
+    await stop();
+  });
+
+  it('workQueue_deletedUnderARunningAgent_isCreatedAgainAndWorkFlows', async () => {
+    const got: HostWorkMsg[] = [];
+    const stop = await busA.consumeWork(async (w, ctl) => {
+      got.push(w);
+      ctl.ack();
+    });
+    await bus.forgetHost('host-a');
+    const jsm = await sched.jetstreamManager();
+    for (let i = 0; i < 100; i++) {
+      if (await jsm.consumers.info(STREAM_WORK, workConsumer('host-a')).then(() => true, () => false)) break;
+      await sleep(100);
+    }
+    await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-after-removal', stepId: 'create', attempt: 1 }));
+    await waitUntil('work after the queue came back', () => got.find((w) => w.opId === 'op-after-removal'));
     await stop();
   });
 

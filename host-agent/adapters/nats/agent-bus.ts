@@ -1,7 +1,7 @@
 // AgentBus over NATS: a durable JetStream consumer of this host's work subject, results
 // and events published to JetStream, heartbeats on core NATS, exec and file request/reply.
-import { ErrorCode } from 'nats';
-import type { ConsumerMessages, JetStreamClient, JetStreamManager, NatsConnection, NatsError, Subscription } from 'nats';
+import { ConsumerEvents, ErrorCode } from 'nats';
+import type { ConsumerMessages, JetStreamClient, JetStreamManager, JsMsg, NatsConnection, NatsError, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
 import type { AgentBus, WorkControl } from '../../domain/agent.ts';
@@ -19,7 +19,7 @@ import {
 import type { Heartbeat, HostEvent, HostExecOutput, HostExecRequest, HostFileRequest, HostFileResponse, HostResult, HostWork } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
-import { ackAfter, isBatch, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
+import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
 
 async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
   const until = Date.now() + timeoutMs;
@@ -42,10 +42,13 @@ export class NatsAgentBus implements AgentBus {
   private readonly js: JetStreamClient;
   private readonly publisher: JsPublisher;
   private readonly batcher: SubjectBatcher;
+  /** `${opId}/${stepId}` of steps whose scheduler reads result batches. */
+  private readonly batchable = new Set<string>();
   private readonly subs: Subscription[] = [];
 
   private constructor(
     private readonly nc: NatsConnection,
+    private readonly jsm: JetStreamManager,
     private readonly hostId: string,
     private readonly log: Logger,
   ) {
@@ -68,45 +71,88 @@ export class NatsAgentBus implements AgentBus {
       await waitForStreams(jsm, opts.streamWaitMs ?? Number.POSITIVE_INFINITY);
     }
     await ensureWorkConsumer(jsm, hostId);
-    return new NatsAgentBus(nc, hostId, log);
+    return new NatsAgentBus(nc, jsm, hostId, log);
   }
 
   async consumeWork(onWork: (w: HostWork, ctl: WorkControl) => Promise<void>): Promise<() => Promise<void>> {
-    const consumer = await this.js.consumers.get(STREAM_WORK, workConsumer(this.hostId));
-    const messages: ConsumerMessages = await consumer.consume({ max_messages: 16 });
     const pending = new Set<Promise<void>>();
+    const handle = (m: JsMsg): void => {
+      let ws: HostWork[];
+      try {
+        ws = isBatch(m) ? fromBinary(HostWorkBatchSchema, m.data).items : [fromBinary(HostWorkSchema, m.data)];
+      } catch (e) {
+        this.log.warn({ err: e }, 'undecodable work message dropped');
+        m.term();
+        return;
+      }
+      // A batch is acked when every step in it is (each step acks when its result is out).
+      const ctl: WorkControl = { ack: ackAfter(ws.length, () => m.ack()), working: () => m.working() };
+      // A scheduler that reads result batches says so on its work (hostwork.proto, "Batches").
+      if (m.headers?.get(RESULT_BATCH_HEADER) === '1') for (const w of ws) this.markBatchable(`${w.opId}/${w.stepId}`);
+      for (const w of ws) {
+        const p = onWork(w, ctl).catch((e: unknown) => this.log.error({ err: e }, 'work handler failed'));
+        pending.add(p);
+        void p.finally(() => pending.delete(p));
+      }
+    };
+    const open = async (): Promise<ConsumerMessages> => (await this.js.consumers.get(STREAM_WORK, workConsumer(this.hostId))).consume({ max_messages: 16 });
+    let closed = false;
+    let messages = await open();
+    // The durable consumer can be deleted under a running agent (RemoveHost of a host that
+    // only looked gone, e.g. across a partition). nats.js would only notice at its next
+    // missed-heartbeat reset (tens of seconds): the agent creates the consumer again at
+    // once and consumes anew. The leader registers the host again from its heartbeats.
     const loop = (async () => {
-      for await (const m of messages) {
-        let ws: HostWork[];
-        try {
-          ws = isBatch(m) ? fromBinary(HostWorkBatchSchema, m.data).items : [fromBinary(HostWorkSchema, m.data)];
-        } catch (e) {
-          this.log.warn({ err: e }, 'undecodable work message dropped');
-          m.term();
-          continue;
-        }
-        // A batch is acked when every step in it is (each step acks when its result is out).
-        const ctl: WorkControl = { ack: ackAfter(ws.length, () => m.ack()), working: () => m.working() };
-        for (const w of ws) {
-          const p = onWork(w, ctl).catch((e: unknown) => this.log.error({ err: e }, 'work handler failed'));
-          pending.add(p);
-          void p.finally(() => pending.delete(p));
+      while (!closed) {
+        const current = messages;
+        void (async () => {
+          for await (const st of await current.status()) {
+            if (st.type !== ConsumerEvents.ConsumerDeleted && st.type !== ConsumerEvents.ConsumerNotFound) continue;
+            this.log.warn({ status: st.type }, "this host's work queue is gone (the host was removed?): creating it again");
+            await ensureWorkConsumer(this.jsm, this.hostId).catch((e: unknown) => this.log.error({ err: e }, 'could not create the work queue again'));
+            current.stop();
+            return;
+          }
+        })().catch(() => undefined);
+        for await (const m of current) handle(m);
+        if (closed) break;
+        for (let delay = 100; !closed; delay = Math.min(delay * 2, 5000)) {
+          try {
+            messages = await open();
+            if (closed) await messages.close(); // closed while it opened
+            break;
+          } catch (e) {
+            this.log.warn({ err: e }, 'could not consume the work queue again; retrying');
+            await new Promise((r) => setTimeout(r, delay));
+          }
         }
       }
     })();
     return async () => {
+      closed = true;
       await messages.close();
       await loop.catch(() => undefined);
     };
   }
 
   async publishResult(r: HostResult): Promise<void> {
-    // Results that are ready in the same turn go out as one message (batcher.ts).
-    await this.batcher.publish(subjects.result(this.hostId), toBinary(HostResultSchema, r));
+    // Results that are ready in the same turn go out as one message (batcher.ts), when the
+    // scheduler that sent the step reads batches.
+    const key = `${r.opId}/${r.stepId}`;
+    const bytes = toBinary(HostResultSchema, r);
+    if (this.batchable.delete(key)) await this.batcher.publish(subjects.result(this.hostId), bytes);
+    else await this.publisher.publish(subjects.result(this.hostId), bytes);
+  }
+
+  private markBatchable(key: string): void {
+    this.batchable.add(key);
+    // Steps whose result never goes out (a crash mid-step is redelivered and marked again).
+    if (this.batchable.size > 10_000) this.batchable.delete(this.batchable.values().next().value as string);
   }
 
   publishHeartbeat(hb: Heartbeat): void {
-    this.nc.publish(subjects.heartbeat(this.hostId), toBinary(HeartbeatSchema, hb));
+    // This bus reads work batches (hostwork.proto, "Batches").
+    this.nc.publish(subjects.heartbeat(this.hostId), toBinary(HeartbeatSchema, { ...hb, readsBatches: true }));
   }
 
   publishEvent(e: HostEvent): void {

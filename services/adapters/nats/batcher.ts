@@ -12,6 +12,8 @@ import type { JsMsg } from 'nats';
 import type { JsPublisher } from './js-publisher.ts';
 
 export const BATCH_HEADER = 'Ff-Batch';
+/** On work messages from a scheduler that reads HostResultBatch: the agent may batch the results of these steps. */
+export const RESULT_BATCH_HEADER = 'Ff-Result-Batch';
 
 /** Items per message at most: a restore step for 64 VMs is ~10-20 KiB encoded. */
 const MAX_ITEMS = 64;
@@ -43,6 +45,10 @@ export function isBatch(m: Pick<JsMsg, 'headers'>): boolean {
  * receivers dedup by op + step).
  */
 export function ackAfter(n: number, ack: () => void): () => void {
+  if (n === 0) {
+    ack(); // an empty batch: nothing to wait for (never redelivered)
+    return () => undefined;
+  }
   let left = n;
   return () => {
     if (--left === 0) ack();
@@ -60,7 +66,11 @@ export class SubjectBatcher {
   private readonly due = new Set<string>();
   private scheduled = false;
 
-  constructor(private readonly publisher: JsPublisher) {}
+  /** `headers`: set on every message this batcher sends, batch or single. */
+  constructor(
+    private readonly publisher: JsPublisher,
+    private readonly headers: Readonly<Record<string, string>> = {},
+  ) {}
 
   /**
    * Publishes `bytes` to `subject`, in one message with what else is queued there. Resolves
@@ -110,11 +120,13 @@ export class SubjectBatcher {
     let sent: Promise<unknown>;
     if (q.length === 1) {
       const one = q[0]!;
-      sent = this.publisher.publish(subject, one.bytes, one.msgId ? { msgId: one.msgId } : {});
+      sent = this.publisher.publish(subject, one.bytes, { ...(one.msgId ? { msgId: one.msgId } : {}), headers: this.headers });
     } else {
+      // JetStream dedups per stream, and one stream takes every host's subject: the subject
+      // is part of the id.
       const ids = q.map((x) => x.msgId);
-      const msgId = ids.every((id) => id !== undefined) ? `batch/${createHash('sha1').update(ids.join('\n')).digest('hex')}` : undefined;
-      sent = this.publisher.publish(subject, frameBatch(q.map((x) => x.bytes)), { ...(msgId ? { msgId } : {}), headers: { [BATCH_HEADER]: '1' } });
+      const msgId = ids.every((id) => id !== undefined) ? `batch/${createHash('sha1').update(subject).update('\n').update(ids.join('\n')).digest('hex')}` : undefined;
+      sent = this.publisher.publish(subject, frameBatch(q.map((x) => x.bytes)), { ...(msgId ? { msgId } : {}), headers: { ...this.headers, [BATCH_HEADER]: '1' } });
     }
     sent.then(
       () => q.forEach((x) => x.resolve()),

@@ -32,7 +32,10 @@ import { AsyncQueue } from '../grpc/queue.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
 import { JsPublisher } from './js-publisher.ts';
-import { ackAfter, isBatch, SubjectBatcher } from './batcher.ts';
+import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from './batcher.ts';
+
+/** On every work message: this scheduler reads result batches (hostwork.proto, "Batches"). */
+const WORK_HEADERS = { [RESULT_BATCH_HEADER]: '1' } as const;
 
 /** Heartbeat field `repeated VmStatus vms` (proto/forkfleet/v1/hostwork.proto). */
 const HEARTBEAT_VMS_FIELD = 8;
@@ -67,7 +70,10 @@ export function decodeHeartbeat(data: Uint8Array): HeartbeatMsg {
 
 export class NatsWorkBus implements WorkBus {
   private readonly js: JetStreamClient;
+  private readonly publisher: JsPublisher;
   private readonly batcher: SubjectBatcher;
+  /** Hosts whose last heartbeat said they read work batches (Heartbeat.reads_batches). */
+  private readonly batchHosts = new Set<string>();
   private readonly subs: Subscription[] = [];
   private readonly nonce = randomBytes(6).toString('hex');
 
@@ -76,7 +82,8 @@ export class NatsWorkBus implements WorkBus {
     private readonly jsm: JetStreamManager,
   ) {
     this.js = nc.jetstream();
-    this.batcher = new SubjectBatcher(JsPublisher.of(nc));
+    this.publisher = JsPublisher.of(nc);
+    this.batcher = new SubjectBatcher(this.publisher, WORK_HEADERS);
   }
 
   static async create(nc: NatsConnection): Promise<NatsWorkBus> {
@@ -100,8 +107,14 @@ export class NatsWorkBus implements WorkBus {
     // JetStream dedup window: a re-publish of the same step attempt is dropped.
     // The sender's nonce keeps a new leader's re-send of the same attempt from being dropped
     // as a duplicate of the old leader's message (the agent dedups by op + step anyway).
-    // Steps for the same host in the same turn go out as one message (batcher.ts).
-    await this.batcher.publish(subjects.work(hostId), toBinary(HostWorkSchema, work), `${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}`);
+    // The host is part of the id: JetStream dedups per stream, and FF_WORK takes every host's
+    // subject (the same op and step can go to two hosts, e.g. a stale-snapshot delete).
+    const msgId = `${hostId}/${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}`;
+    const bytes = toBinary(HostWorkSchema, work);
+    // Steps for the same host in the same turn go out as one message (batcher.ts), to hosts
+    // that said in their heartbeats that they read batches.
+    if (this.batchHosts.has(hostId)) await this.batcher.publish(subjects.work(hostId), bytes, msgId);
+    else await this.publisher.publish(subjects.work(hostId), bytes, { msgId, headers: WORK_HEADERS });
   }
 
   async consumeResults(onResult: (r: HostResultMsg, ack: () => void, fromHost: string) => void | Promise<void>): Promise<() => Promise<void>> {
@@ -137,10 +150,18 @@ export class NatsWorkBus implements WorkBus {
     const sub = this.nc.subscribe(subjects.allHeartbeats, {
       callback: (err, m) => {
         if (err) return;
+        let hb: HeartbeatMsg;
         try {
-          cb(decodeHeartbeat(m.data));
+          hb = decodeHeartbeat(m.data);
         } catch {
-          /* malformed heartbeat: ignored */
+          return; // malformed heartbeat: ignored
+        }
+        if (hb.readsBatches) this.batchHosts.add(hb.hostId);
+        else this.batchHosts.delete(hb.hostId);
+        try {
+          cb(hb);
+        } catch {
+          /* the handler's failure is not the bus's */
         }
       },
     });
