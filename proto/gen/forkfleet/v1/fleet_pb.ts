@@ -2212,6 +2212,7 @@ export const FleetService: GenService<{
    * (decommissioning). Drain it first to keep its sandboxes, then stop its agent; a host
    * still heard from, or one with sandboxes that are not lost, destroyed or failed, is
    * refused (FAILED_PRECONDITION). If its agent starts again, it registers as a new host.
+   * Not idempotent by key: a repeated call, once the host is gone, answers NOT_FOUND.
    *
    * @generated from rpc forkfleet.v1.FleetService.RemoveHost
    */
