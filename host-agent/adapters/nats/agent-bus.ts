@@ -115,8 +115,8 @@ export class NatsAgentBus implements AgentBus {
           }
         })().catch(() => undefined);
         for await (const m of current) handle(m);
-        if (closed) break;
-        for (let delay = 100; !closed; delay = Math.min(delay * 2, 5000)) {
+        if (closed || this.nc.isClosed()) break;
+        for (let delay = 100; !closed && !this.nc.isClosed(); delay = Math.min(delay * 2, 5000)) {
           try {
             messages = await open();
             if (closed) await messages.close(); // closed while it opened
