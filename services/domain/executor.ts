@@ -212,9 +212,7 @@ export class FleetCache {
         const m: Map<string, Versioned<unknown>> = this.mapOf(c.of);
         const cur = m.get(c.key);
         if (cur && cur.modRevision < c.revision) m.delete(c.key);
-        const g = `${c.of}/${c.key}`;
-        this.gone.set(g, Math.max(c.revision, this.gone.get(g) ?? 0));
-        if (this.gone.size > GONE_RECORDS_MAX) this.gone.delete(this.gone.keys().next().value as string);
+        this.remember(`${c.of}/${c.key}`, c.revision);
         return;
       }
     }
@@ -246,7 +244,18 @@ export class FleetCache {
   private dropMissing(kind: 'host' | 'alloc' | 'snapshot', listed: ReadonlyArray<readonly [string, number]>): void {
     const rev = listed.reduce((m, [, r]) => Math.max(m, r), 0);
     const keys = new Set(listed.map(([k]) => k));
-    for (const [k, v] of this.mapOf(kind)) if (!keys.has(k) && v.modRevision <= rev) this.apply({ kind: 'gone', of: kind, key: k, revision: rev });
+    const m = this.mapOf(kind);
+    for (const [k, v] of m) {
+      if (keys.has(k) || v.modRevision > rev) continue;
+      m.delete(k);
+      // Remembered at the copy's own revision: a late copy of it stays out, a newer write gets in.
+      this.remember(`${kind}/${k}`, v.modRevision);
+    }
+  }
+
+  private remember(g: string, revision: number): void {
+    this.gone.set(g, Math.max(revision, this.gone.get(g) ?? 0));
+    if (this.gone.size > GONE_RECORDS_MAX) this.gone.delete(this.gone.keys().next().value as string);
   }
 
   snapshot(tenantId: string, id: string): Versioned<SnapshotRec> | undefined {
