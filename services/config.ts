@@ -95,9 +95,9 @@ export interface SchedulerConfig {
   /** FF_WEBHOOK_RETRY_BASE: first retry delay of a failed webhook delivery (doubling, up to 5m, 8 attempts). */
   readonly webhookRetryBaseMs: number;
   /**
-   * FF_RECORD_RETENTION: records of destroyed or failed sandboxes and of finished operations
-   * (with their idempotency keys) are deleted this long after their last change; 0s keeps
-   * them forever (etcd then grows without bound). ADR 0017.
+   * FF_RECORD_RETENTION: records of destroyed or failed sandboxes, of finished operations
+   * (with their idempotency keys) and of deleted or failed snapshots are deleted this long
+   * after their last change; 0s keeps them forever (etcd then grows without bound). ADR 0017.
    */
   readonly recordRetentionMs: number;
   /** FF_ETCD_COMPACT_INTERVAL: the leader compacts etcd's history this often, keeping one interval of it; 0s: never (etcd's own --auto-compaction must then do it). */

@@ -73,6 +73,15 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect((await store.listOps({ activeOnly: true })).map((o) => `${o.value.kind} ${o.value.id} ${o.value.state}`)).toEqual([]);
   }
 
+  /** A fake agent process of its own for `hostId` (so it can be killed alone), registered, with one sandbox on it. */
+  async function hostWithSandbox(hostId: string, dataDir: string): Promise<{ agents: FakeAgentsProcess; sandboxId: string }> {
+    const agents = await startFakeAgents({ hosts: [hostId], dataDir: join(dir, dataDir), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } });
+    fakes.push(agents);
+    await waitFor(`${hostId} registered`, async () => (await api.listHosts({})).hosts.some((h) => h.id === hostId), 10_000, 50);
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId } }));
+    return { agents, sandboxId: c.result.case === 'sandbox' ? c.result.value.id : '' };
+  }
+
   beforeAll(async () => {
     dir = mkdtempSync('/tmp/ff-failover-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
@@ -202,12 +211,8 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   });
 
   it('host_whenSilent_becomesSuspectThenLost_itsSandboxesLost_andRestoreElsewhereFetchesFromSurvivingHolder', async () => {
-    const doomed = await startFakeAgents({ hosts: ['fake-l'], dataDir: join(dir, 'lost'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } });
-    fakes.push(doomed);
-    await waitFor('fake-l registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-l'), 10_000, 50);
     // A sandbox and its snapshot on the doomed host; the snapshot also reaches fake-5.
-    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-l' } }));
-    const sbId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const { agents: doomed, sandboxId: sbId } = await hostWithSandbox('fake-l', 'lost');
     const sn = await ok(api, await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sbId }));
     const snId = sn.result.case === 'snapshot' ? sn.result.value.id : '';
     await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 1, placement: { hostId: 'fake-5', locality: Locality.CROSS_HOST } }));
@@ -235,11 +240,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   });
 
   it('removeHost_ofALostHost_dropsItsRecordsAndQueue_refusesLiveOrUnknownHosts_andTheAgentBackRegistersAnew', async () => {
-    const gone = await startFakeAgents({ hosts: ['fake-x'], dataDir: join(dir, 'removed'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } });
-    fakes.push(gone);
-    await waitFor('fake-x registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-x'), 10_000, 50);
-    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-x' } }));
-    const sbId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const { agents: gone, sandboxId: sbId } = await hostWithSandbox('fake-x', 'removed');
     const code = (p: Promise<unknown>): Promise<{ code?: number; field?: string; message?: string }> => p.then(() => ({}), (e: unknown) => e as { code: number; field?: string });
     // Refused while the host is heard from, for an unknown host, and for a malformed id.
     const live = await code(api.removeHost({ hostId: 'fake-x' }));

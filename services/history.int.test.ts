@@ -52,6 +52,11 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     return { op, sandboxId: op.result.case === 'sandbox' ? op.result.value.id : '' };
   };
 
+  const snapshot = async (sandboxId: string, idempotencyKey: string): Promise<string> => {
+    const op = await ok(await api.snapshotSandbox({ tenantId, idempotencyKey, sandboxId }));
+    return op.result.case === 'snapshot' ? op.result.value.id : '';
+  };
+
   /** Waits until the leader has compacted etcd past `rev` (a read at `rev` fails as compacted). */
   const compactedPast = (rev: number): Promise<void> =>
     waitFor(`a compaction past revision ${rev}`, async () => {
@@ -109,11 +114,7 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
 
   it('retention_deletesTheRecordOfADeletedSnapshot_andKeepsAReadyOne', async () => {
     const src = await create('snap-src');
-    const snap = async (key: string): Promise<string> => {
-      const op = await ok(await api.snapshotSandbox({ tenantId, idempotencyKey: key, sandboxId: src.sandboxId }));
-      return op.result.case === 'snapshot' ? op.result.value.id : '';
-    };
-    const [keep, drop] = [await snap('snap-keep'), await snap('snap-drop')];
+    const [keep, drop] = [await snapshot(src.sandboxId, 'snap-keep'), await snapshot(src.sandboxId, 'snap-drop')];
     await ok(await api.deleteSnapshot({ tenantId, idempotencyKey: 'snap-del', snapshotId: drop }));
     expect((await store.getSnapshot(tenantId, drop))?.value.state).toBe('deleted');
     await waitFor('the deleted snapshot record expires', async () => (await store.getSnapshot(tenantId, drop)) === undefined, 30_000, 250);
@@ -126,11 +127,7 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
 
   it('aHostThatStillHoldsASnapshotWhoseRecordIsGone_isToldToDeleteIt_andKeepsTheLiveOne', async () => {
     const src = await create('held-src');
-    const snap = async (key: string): Promise<string> => {
-      const op = await ok(await api.snapshotSandbox({ tenantId, idempotencyKey: key, sandboxId: src.sandboxId }));
-      return op.result.case === 'snapshot' ? op.result.value.id : '';
-    };
-    const [live, stale] = [await snap('held-live'), await snap('held-stale')];
+    const [live, stale] = [await snapshot(src.sandboxId, 'held-live'), await snapshot(src.sandboxId, 'held-stale')];
     // What hosts say they hold, from their heartbeats.
     const nc = await connect({ servers: nats.url });
     const held = new Map<string, Set<string>>();

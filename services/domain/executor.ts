@@ -48,9 +48,9 @@ export interface ExecutorConfig {
    */
   migrateMaxChildren?: number;
   /**
-   * Records of destroyed or failed sandboxes and of finished operations (with their
-   * idempotency keys) are deleted this long after their last change (history.ts;
-   * FF_RECORD_RETENTION). 0 or absent: kept forever.
+   * Records of destroyed or failed sandboxes, of finished operations (with their idempotency
+   * keys) and of deleted or failed snapshots are deleted this long after their last change
+   * (history.ts; FF_RECORD_RETENTION). 0 or absent: kept forever.
    */
   recordRetentionMs?: number;
   /** How often reconcileHeldSnapshots runs (FF_HELD_SNAPSHOT_CHECK; default 30 s). */
@@ -224,9 +224,7 @@ export class FleetCache {
 
   /** Stores `v` under `k` unless the map already has it at a later revision, or it was deleted after `v`. */
   private put<T>(kind: 'host' | 'alloc' | 'snapshot', m: Map<string, Versioned<T>>, k: string, v: Versioned<T>): void {
-    if ((this.gone.get(`${kind}/${k}`) ?? -1) >= v.modRevision) return;
-    const cur = m.get(k);
-    if (!cur || cur.modRevision < v.modRevision) m.set(k, v);
+    if ((this.gone.get(`${kind}/${k}`) ?? -1) < v.modRevision) putNewer(m, k, v);
   }
 
   async load(store: FleetStore): Promise<void> {
@@ -268,6 +266,12 @@ export class FleetCache {
     if ((this.gone.get(`${kind}/${key}`) ?? -1) >= modRevision) return true;
     return holds(this.mapOf(kind), key, modRevision);
   }
+}
+
+/** Stores `v` under `k` unless the map already has a later revision of it. */
+function putNewer<T>(m: Map<string, Versioned<T>>, k: string, v: Versioned<T>): void {
+  const cur = m.get(k);
+  if (!cur || cur.modRevision < v.modRevision) m.set(k, v);
 }
 
 /** Whether the map has `k` at `modRevision` or later. */
@@ -574,9 +578,7 @@ export class Executor {
 
   /** A sandbox record at a revision, unless the index already has a later one. */
   private indexSandbox(v: Versioned<SandboxRec>): void {
-    const k = `${v.value.tenantId}/${v.value.id}`;
-    const cur = this.sandboxIndex.get(k);
-    if (!cur || cur.modRevision < v.modRevision) this.sandboxIndex.set(k, v);
+    putNewer(this.sandboxIndex, `${v.value.tenantId}/${v.value.id}`, v);
   }
 
   /**

@@ -512,8 +512,8 @@ export class Fleet {
   }
 
   /**
-   * Removes a lost host (decommissioning): its work queue on NATS, then its record and alloc
-   * in one transaction guarded by the revisions read. Refused while the host is heard from or
+   * Removes a lost host (decommissioning): its record and alloc in one transaction guarded by
+   * the revisions read, then its work queue on NATS. Refused while the host is heard from or
    * recorded as anything but lost, and while a sandbox on it is in a state other than lost,
    * destroyed or failed (drain it first). Lost sandboxes stay lost and can be restored
    * elsewhere; their count is returned. The leader, seeing the records go, forgets the host;
