@@ -21,6 +21,9 @@ import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREA
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
 import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
 
+/** How often a consuming agent checks that its work consumer still exists (consumeWork). */
+const QUEUE_CHECK_MS = 10_000;
+
 async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
   const until = Date.now() + timeoutMs;
   for (let delay = 100; ; delay = Math.min(delay * 2, 2000)) {
@@ -100,24 +103,43 @@ export class NatsAgentBus implements AgentBus {
     let messages = await open();
     // The durable consumer can be deleted under a running agent (RemoveHost of a host that
     // only looked gone, e.g. across a partition). nats.js would only notice at its next
-    // missed-heartbeat reset (tens of seconds): the agent creates the consumer again at
-    // once and consumes anew. The leader registers the host again from its heartbeats.
+    // missed-heartbeat reset (tens of seconds), and the server's "consumer deleted" answer
+    // reaches it only if a pull was waiting: the agent also checks every QUEUE_CHECK_MS that
+    // its consumer exists. Then it stops consuming, creates the consumer again and consumes
+    // anew. In that order: an old iterator still pulling when the new consumer exists could
+    // take a message and drop it when stopped (it would come back only after the ack wait).
+    // The leader registers the host again from its heartbeats.
+    const name = workConsumer(this.hostId);
     const loop = (async () => {
       while (!closed) {
         const current = messages;
+        const gone = (why: string): void => {
+          this.log.warn({ why }, "this host's work queue is gone (the host was removed?): creating it again");
+          current.stop();
+        };
         void (async () => {
           for await (const st of await current.status()) {
-            if (st.type !== ConsumerEvents.ConsumerDeleted && st.type !== ConsumerEvents.ConsumerNotFound) continue;
-            this.log.warn({ status: st.type }, "this host's work queue is gone (the host was removed?): creating it again");
-            await ensureWorkConsumer(this.jsm, this.hostId).catch((e: unknown) => this.log.error({ err: e }, 'could not create the work queue again'));
-            current.stop();
-            return;
+            if (st.type === ConsumerEvents.ConsumerDeleted || st.type === ConsumerEvents.ConsumerNotFound) return gone(st.type);
           }
         })().catch(() => undefined);
-        for await (const m of current) handle(m);
+        const check = setInterval(() => {
+          this.jsm.consumers.info(STREAM_WORK, name).then(
+            () => undefined,
+            (e: unknown) => {
+              if (/consumer not found/i.test((e as Error).message)) gone('consumer not found');
+            },
+          );
+        }, QUEUE_CHECK_MS);
+        check.unref();
+        try {
+          for await (const m of current) handle(m);
+        } finally {
+          clearInterval(check);
+        }
         if (closed || this.nc.isClosed()) break;
         for (let delay = 100; !closed && !this.nc.isClosed(); delay = Math.min(delay * 2, 5000)) {
           try {
+            await ensureWorkConsumer(this.jsm, this.hostId);
             messages = await open();
             if (closed) await messages.close(); // closed while it opened
             break;
