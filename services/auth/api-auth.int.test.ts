@@ -94,6 +94,7 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     tokens.b = creds.mint({ tenant: 'tenant-b' });
     tokens.tight = creds.mint({ tenant: 'tight', quotas: { sandboxes: 1, memory_mib: 512 } });
     tokens.slow = creds.mint({ tenant: 'slow', rate: { per_s: 1, burst: 3 } });
+    tokens.life = creds.mint({ tenant: 'life' });
     const signingKeyPath = join(dir, 'signing.pem');
     sched = await startScheduler(
       compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath, maxStreamsPerCredential: '2', maxRecvBytes: '64KiB', metricsAddr: '127.0.0.1:0', ...creds.config }),
@@ -286,5 +287,21 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     await waitFor('a stream slot is free again', async () => (await failure(a.watchEvents({}, { timeoutMs: 300 })))?.code === Status.DEADLINE_EXCEEDED, 10_000, 100);
     ac[1]!.abort();
     await open[1];
+  });
+
+  it('sdkSandboxHandle_showsTheStateEachLifecycleCallLeftIt_hibernateIncluded', async () => {
+    const sdk = new Forkfleet({ address: sched.address, token: tokens.life!, ca: creds.caPem });
+    try {
+      const sb = await sdk.create({ image: 'tiny', memoryMib: 256 });
+      expect(sb.info?.state).toBe('running');
+      expect((await sb.pause()).info?.state).toBe('paused');
+      expect((await sb.resume()).info?.state).toBe('running');
+      // A hibernation's operation result is its snapshot: the handle must not keep 'running'.
+      expect((await sb.hibernate()).info?.state).toBe('hibernated');
+      expect((await sb.resume()).info?.state).toBe('running');
+      expect((await sb.destroy()).info?.state).toBe('destroyed');
+    } finally {
+      sdk.close();
+    }
   });
 });

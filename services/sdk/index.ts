@@ -710,7 +710,11 @@ export class Sandbox {
 
   private async op(kind: 'pause' | 'resume' | 'hibernate' | 'destroy', opts: CallOpts, replicas = 0): Promise<Sandbox> {
     const op = await this.ff.sandboxOp(kind, this.id, opts, replicas);
+    // A hibernation's result is its snapshot, not the sandbox: read the sandbox again, or
+    // `info` would still show the state from before the call.
     if (op.sandbox) this.info = op.sandbox;
+    else if (kind === 'destroy') this.info = this.info ? { ...this.info, state: 'destroyed' } : undefined;
+    else this.info = await this.ff.get(this.id, opts);
     return this;
   }
 
