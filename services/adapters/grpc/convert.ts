@@ -260,6 +260,15 @@ const SN_STATE: Record<SnapshotRec['state'], PbSnapshotState> = {
   failed: PbSnapshotState.FAILED,
 };
 
+/**
+ * When retention will delete the snapshot: the announced time once it is expiring (keep_last
+ * or TTL, ADR 0011), else its TTL's end; unset when neither applies.
+ */
+function expiresAt(sn: SnapshotRec): { expiresAt?: Timestamp } {
+  if (sn.expiryDueAt !== undefined && sn.expiryDueAt !== null) return { expiresAt: ts(sn.expiryDueAt) };
+  return sn.retentionTtlMs !== null ? { expiresAt: ts(sn.createdAt + sn.retentionTtlMs) } : {};
+}
+
 export function toSnapshot(sn: SnapshotRec): Snapshot {
   return create(SnapshotSchema, {
     id: sn.id,
@@ -271,7 +280,7 @@ export function toSnapshot(sn: SnapshotRec): Snapshot {
     createdAt: ts(sn.createdAt),
     pinned: sn.pinned,
     retention: { ...(sn.retentionTtlMs !== null ? { ttl: dur(sn.retentionTtlMs) } : {}), keepLast: sn.keepLast },
-    ...(sn.retentionTtlMs !== null ? { expiresAt: ts(sn.createdAt + sn.retentionTtlMs) } : {}),
+    ...expiresAt(sn),
     logicalBytes: BigInt(sn.logicalBytes),
     storedBytes: BigInt(sn.storedBytes),
     hostIds: sn.hostIds,

@@ -943,7 +943,8 @@ export type Snapshot = Message<"forkfleet.v1.Snapshot"> & {
   retention?: Retention | undefined;
 
   /**
-   * When retention will delete it; unset if never.
+   * When retention will delete it: the announced time once it is expiring (keep_last or
+   * ttl; a SNAPSHOT_EXPIRING event was sent), else the end of its ttl; unset if neither.
    *
    * @generated from field: google.protobuf.Timestamp expires_at = 10;
    */
