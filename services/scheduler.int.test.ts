@@ -6,6 +6,10 @@ import { join } from 'node:path';
 import { pino } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { Etcd3 } from 'etcd3';
+import { connect } from 'nats';
+import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
+import { subjects } from './adapters/nats/subjects.ts';
+import { HostFileRequestSchema, HostFileResponseSchema } from '../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { startEtcd } from './testkit/etcd.ts';
 import { keys } from './adapters/etcd/keys.ts';
 import type { EtcdCluster } from './testkit/etcd.ts';
@@ -201,6 +205,50 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     expect(c2).toBeGreaterThan(c1); // the counter process survived hibernation and runs again
     expect((await api.getSandbox({ tenantId, sandboxId: id })).state).toBe(SandboxState.RUNNING);
     await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+  }, 300_000);
+
+  it('files_largerThanANatsMessage_roundTripInPieces_withTheirMode_andAnOversizedExecIsInvalidArgument', async () => {
+    const created = await done(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    const sb = created.result.case === 'sandbox' ? created.result.value : undefined;
+    const agent = agents.find((a) => a.hostId === sb!.hostId)!;
+    // 3 MiB: three times NATS' default max_payload, which one relayed message used to be.
+    const data = Buffer.alloc(3 << 20);
+    for (let i = 0; i < data.length; i += 4) data.writeUInt32LE((i * 2654435761) >>> 0, i);
+    const header = { tenantId, idempotencyKey: key(), sandboxId: sb!.id, path: '/tmp/big.bin', mode: 0o750 };
+    const pieces = [0, 1, 2, 3].map((i) => ({ payload: { case: 'data' as const, value: data.subarray(i * (768 << 10), (i + 1) * (768 << 10)) } }));
+    const w = await api.writeFile([{ payload: { case: 'header' as const, value: header } }, ...pieces]);
+    expect(w.bytesWritten).toBe(BigInt(data.length));
+    const back: Buffer[] = [];
+    for await (const r of api.readFile({ tenantId, sandboxId: sb!.id, path: '/tmp/big.bin' })) back.push(Buffer.from(r.data));
+    expect(Buffer.concat(back).equals(data)).toBe(true);
+    // max_bytes cuts it; the mode was set after the last piece.
+    const head: Buffer[] = [];
+    for await (const r of api.readFile({ tenantId, sandboxId: sb!.id, path: '/tmp/big.bin', maxBytes: 1_500_000n })) head.push(Buffer.from(r.data));
+    expect(Buffer.concat(head).equals(data.subarray(0, 1_500_000))).toBe(true);
+    expect(await sh(api, sb!.id, 'stat -c %a:%s /tmp/big.bin')).toEqual({ out: `750:${data.length}\n`, code: 0 });
+    // An exec whose stdin cannot fit one relayed message is refused up front, naming stdin.
+    const e = (await (async () => {
+      for await (const _ of api.exec({ tenantId, sandboxId: sb!.id, argv: ['cat'], stdin: new Uint8Array(1 << 20) }));
+    })().catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.INVALID_ARGUMENT);
+    expect(e.field).toBe('stdin');
+    const m = (await api.writeFile([{ payload: { case: 'header' as const, value: { ...header, idempotencyKey: key(), mode: 0o10000 } } }]).catch((x: unknown) => x)) as RpcError;
+    expect(m.code).toBe(Status.INVALID_ARGUMENT);
+    expect(m.field).toBe('header.mode');
+    // A whole-file read in one answer (as a scheduler before ranged reads asks for it) is
+    // over NATS' limit: the agent answers with an error instead of dying on the publish.
+    const nc = await connect({ servers: nats.url });
+    try {
+      const req = create(HostFileRequestSchema, { sandboxId: sb!.id, path: '/tmp/big.bin', op: { case: 'read', value: { maxBytes: 0n } } });
+      const res = fromBinary(HostFileResponseSchema, (await nc.request(subjects.file(agent.hostId), toBinary(HostFileRequestSchema, req), { timeout: 30_000 })).data);
+      expect(res.error?.field).toBe('max_bytes');
+    } finally {
+      await nc.close();
+    }
+    // The host agent served all of it and is still up.
+    expect(pidAlive(agent.proc.pid)).toBe(true);
+    expect(await sh(api, sb!.id, 'echo up')).toEqual({ out: 'up\n', code: 0 });
+    await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sb!.id }));
   }, 300_000);
 
   it('ttl_countsRunningTimeOnly_pausedTimeDoesNotExpireTheSandbox', async () => {

@@ -546,17 +546,20 @@ export class Agent {
   }
 
   private async file(req: HostFileRequest): Promise<HostFileResponse> {
-    const res: HostFileResponse = { $typeName: 'forkfleet.v1.HostFileResponse', data: new Uint8Array(), bytesWritten: 0n };
+    const res: HostFileResponse = { $typeName: 'forkfleet.v1.HostFileResponse', data: new Uint8Array(), bytesWritten: 0n, eof: false };
     try {
       const vm = this.vmOf(req.sandboxId);
       this.touch(vm.vmId);
       if (req.op.case === 'write') {
-        await this.deps.driver.writeFile(vm.vmId, req.path, Buffer.from(req.op.value.data));
-        res.bytesWritten = BigInt(req.op.value.data.length);
+        const w = req.op.value;
+        await this.deps.driver.writeFile(vm.vmId, req.path, Buffer.from(w.data), { append: w.append, mode: w.mode });
+        res.bytesWritten = BigInt(w.data.length);
       } else if (req.op.case === 'read') {
-        const data = await this.deps.driver.readFile(vm.vmId, req.path);
+        // A ranged read: the scheduler asks for pieces that fit a NATS message (HostFileRequest).
         const max = Number(req.op.value.maxBytes);
+        const data = await this.deps.driver.readFile(vm.vmId, req.path, { offset: Number(req.op.value.offset), maxBytes: max });
         res.data = max > 0 && data.length > max ? data.subarray(0, max) : data;
+        res.eof = max === 0 || data.length < max;
       } else {
         throw new ForkfleetError('invalid_argument', 'op: set read or write', { field: 'op' });
       }

@@ -83,6 +83,17 @@ export interface ExecRequest {
   captureOutput?: boolean;
 }
 
+export interface FileRange {
+  offset?: number;
+  maxBytes?: number;
+}
+
+export interface FileWriteOptions {
+  append?: boolean;
+  /** Permission bits set after the write; 0 or absent leaves the guest's default. */
+  mode?: number;
+}
+
 export interface ExecResult {
   exitCode: number;
   signal: number | null;
@@ -177,8 +188,10 @@ export interface VmmDriver {
   resolveAccel(): Promise<Accel>;
   create(spec: CreateVmSpec): Promise<VmInfo>;
   exec(vmId: string, req: ExecRequest): Promise<ExecResult>;
-  readFile(vmId: string, path: string): Promise<Buffer>;
-  writeFile(vmId: string, path: string, data: Buffer): Promise<void>;
+  /** The file's bytes from `range.offset`, at most `range.maxBytes` (0 or absent: to the end). */
+  readFile(vmId: string, path: string, range?: FileRange): Promise<Buffer>;
+  /** Replaces the file with `data` (or appends it), then sets `mode` when given. */
+  writeFile(vmId: string, path: string, data: Buffer, opts?: FileWriteOptions): Promise<void>;
   pause(vmId: string): Promise<void>;
   resume(vmId: string): Promise<void>;
   /** Immutable snapshot; the source keeps running afterwards. */

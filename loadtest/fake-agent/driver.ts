@@ -11,7 +11,7 @@
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { rename, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
-import type { CloneSpec, CreateVmSpec, ExecRequest, ExecResult, LocalSnapshot, RecoveryReport, SnapshotManifest, VmEvent, VmInfo, VmmDriver, Accel } from '../../host-agent/domain/vmm.ts';
+import type { CloneSpec, CreateVmSpec, ExecRequest, ExecResult, FileRange, FileWriteOptions, LocalSnapshot, RecoveryReport, SnapshotManifest, VmEvent, VmInfo, VmmDriver, Accel } from '../../host-agent/domain/vmm.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
 export interface FakeLatencies {
@@ -129,13 +129,23 @@ export class FakeVmmDriver implements VmmDriver {
     return Promise.resolve({ exitCode: 0, signal: null, stdout: Buffer.from(out), stderr: Buffer.alloc(0) });
   }
 
-  readFile(vmId: string): Promise<Buffer> {
+  /** Guest files, per VM, in memory (not kept across a restart of the fake agent). */
+  private readonly files = new Map<string, Map<string, { data: Buffer; mode: number }>>();
+
+  readFile(vmId: string, path: string, range: FileRange = {}): Promise<Buffer> {
     this.vm(vmId);
-    return Promise.resolve(Buffer.alloc(0));
+    const f = this.files.get(vmId)?.get(path);
+    if (!f) return Promise.reject(new ForkfleetError('not_found', `no such file in the guest: ${path}`));
+    const from = range.offset ?? 0;
+    return Promise.resolve(f.data.subarray(from, range.maxBytes ? from + range.maxBytes : undefined));
   }
 
-  writeFile(vmId: string): Promise<void> {
+  writeFile(vmId: string, path: string, data: Buffer, opts: FileWriteOptions = {}): Promise<void> {
     this.vm(vmId);
+    const files = this.files.get(vmId) ?? new Map<string, { data: Buffer; mode: number }>();
+    this.files.set(vmId, files);
+    const before = files.get(path);
+    files.set(path, { data: opts.append && before ? Buffer.concat([before.data, data]) : Buffer.from(data), mode: opts.mode || before?.mode || 0o600 });
     return Promise.resolve();
   }
 
@@ -222,6 +232,7 @@ export class FakeVmmDriver implements VmmDriver {
   async destroy(vmId: string): Promise<void> {
     await sleep(this.latency.destroyMs);
     this.vms.delete(vmId);
+    this.files.delete(vmId);
     if (this.persist) rmSync(join(this.vmDir, `${vmId}.json`), { force: true });
   }
 

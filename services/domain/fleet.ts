@@ -10,11 +10,16 @@ import { isTerminal } from './records.ts';
 import { ConflictError, NotFoundError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
-import { create } from '@bufbuild/protobuf';
-import { ForkfleetError } from '../../proto/errors.ts';
+import { create, toBinary } from '@bufbuild/protobuf';
+import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
 import { admit, forkNeed } from './quota.ts';
 import type { QuotaOf, UsageSource } from './quota.ts';
 
+
+/** Room left in a relayed NATS message for its protobuf framing and headers. */
+const RELAY_HEADROOM = 16 << 10;
+/** The most file data one relayed request or answer carries. */
+const FILE_PIECE_MAX = 512 << 10;
 export type IdPrefix = 'sb' | 'sn' | 'op';
 
 /**
@@ -450,30 +455,67 @@ export class Fleet {
   }
 
   async *exec(input: ExecInput, signal?: AbortSignal): AsyncIterable<HostExecOutputMsg> {
-    const sb = await this.runningSandbox(input.tenantId, input.sandboxId);
     const req = create(HostExecRequestSchema, {
-      sandboxId: sb.id,
+      sandboxId: input.sandboxId,
       argv: input.argv,
       env: input.env,
       cwd: input.cwd,
       stdin: input.stdin,
       timeout: { seconds: BigInt(Math.floor(input.timeoutMs / 1000)), nanos: (input.timeoutMs % 1000) * 1e6 },
     });
+    // The request travels as one NATS message: checked before a hibernated sandbox is woken for it.
+    const size = toBinary(HostExecRequestSchema, req).length;
+    const max = this.deps.bus.maxPayload - RELAY_HEADROOM;
+    if (size > max) throw new InvalidArgumentError('stdin', `the exec request (stdin, argv and env) is ${size} bytes; at most ${max} fit this fleet's relay (NATS max_payload): pass large inputs with WriteFile`);
+    const sb = await this.runningSandbox(input.tenantId, input.sandboxId);
     yield* this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, ...(signal ? { signal } : {}) });
   }
 
-  async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array): Promise<number> {
-    const sb = await this.runningSandbox(tenantId, sandboxId);
-    const res = await this.deps.bus.file(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data, mode } } }), { timeoutMs: 30_000 });
-    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message);
-    return Number(res.bytesWritten);
+  /** Bytes of file data per relayed request or answer: what fits a NATS message (at most 512 KiB). */
+  private filePiece(): number {
+    return Math.max(4096, Math.min(FILE_PIECE_MAX, this.deps.bus.maxPayload - RELAY_HEADROOM));
   }
 
+  /** One relayed file request; the host's error, if any, is thrown. */
+  private async fileCall(hostId: string, req: Parameters<WorkBus['file']>[1]): Promise<Awaited<ReturnType<WorkBus['file']>>> {
+    const res = await this.deps.bus.file(hostId, req, { timeoutMs: 30_000 });
+    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message, res.error.field ? { field: res.error.field } : {});
+    return res;
+  }
+
+  /**
+   * Writes the file in pieces that fit the relay: the first replaces the file, the rest
+   * append, and the last sets `mode` (0: the guest's default). A failure part-way leaves the
+   * pieces written so far; the call fails and says so.
+   */
+  async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array): Promise<number> {
+    const sb = await this.runningSandbox(tenantId, sandboxId);
+    const piece = this.filePiece();
+    let written = 0;
+    for (let off = 0; off < data.length || off === 0; off += piece) {
+      const part = data.subarray(off, off + piece);
+      const last = off + piece >= data.length;
+      const res = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data: part, mode: last ? mode : 0, append: off > 0 } } }));
+      written += Number(res.bytesWritten);
+      if (last) break;
+    }
+    return written;
+  }
+
+  /** Reads up to `maxBytes` of the file in ranged pieces that fit the relay, until its end. */
   async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number): Promise<Uint8Array> {
     const sb = await this.runningSandbox(tenantId, sandboxId);
-    const res = await this.deps.bus.file(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(maxBytes) } } }), { timeoutMs: 30_000 });
-    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message);
-    return res.data;
+    const piece = this.filePiece();
+    const parts: Uint8Array[] = [];
+    let got = 0;
+    while (got < maxBytes) {
+      const want = Math.min(piece, maxBytes - got);
+      const res = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want), offset: BigInt(got) } } }));
+      parts.push(res.data);
+      got += res.data.length;
+      if (res.eof || res.data.length < want) break;
+    }
+    return parts.length === 1 ? parts[0]! : Buffer.concat(parts);
   }
 
   async listHosts(states: HostRec['state'][]): Promise<HostListing[]> {

@@ -169,4 +169,6 @@ export interface WorkBus {
   /** Relays an exec to a host; yields output pieces, the last being the exit or an error. */
   exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal }): AsyncIterable<HostExecOutputMsg>;
   file(hostId: string, req: HostFileRequestMsg, opts: { timeoutMs: number }): Promise<HostFileResponseMsg>;
+  /** The largest message the bus carries, bytes (NATS max_payload): relayed requests and answers must fit. */
+  readonly maxPayload: number;
 }

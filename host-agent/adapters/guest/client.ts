@@ -155,26 +155,32 @@ export class GuestAgentClient {
     }
   }
 
-  async readFile(path: string, timeoutMs = 10_000): Promise<Buffer> {
+  /** The file's bytes from `range.offset` (default 0), at most `range.maxBytes` of them (0 or absent: to the end). */
+  async readFile(path: string, range: { offset?: number; maxBytes?: number } = {}, timeoutMs = 10_000): Promise<Buffer> {
     const handle = await this.command<number>('guest-file-open', { path, mode: 'r' }, timeoutMs);
     try {
+      if (range.offset) await this.command('guest-file-seek', { handle, offset: range.offset, whence: 'set' }, timeoutMs);
       const parts: Buffer[] = [];
-      while (true) {
+      let left = range.maxBytes || Infinity;
+      while (left > 0) {
         const r = await this.command<{ count: number; 'buf-b64': string; eof: boolean }>(
           'guest-file-read',
-          { handle, count: 1 << 20 },
+          { handle, count: Math.min(1 << 20, left) },
           timeoutMs,
         );
         parts.push(Buffer.from(r['buf-b64'], 'base64'));
-        if (r.eof || r.count === 0) return Buffer.concat(parts);
+        left -= r.count;
+        if (r.eof || r.count === 0) break;
       }
+      return Buffer.concat(parts);
     } finally {
       await this.command('guest-file-close', { handle }, timeoutMs);
     }
   }
 
-  async writeFile(path: string, data: Buffer, timeoutMs = 10_000): Promise<void> {
-    const handle = await this.command<number>('guest-file-open', { path, mode: 'w' }, timeoutMs);
+  /** Writes `data` to the file, replacing it, or after its end with `append`. */
+  async writeFile(path: string, data: Buffer, opts: { append?: boolean } = {}, timeoutMs = 10_000): Promise<void> {
+    const handle = await this.command<number>('guest-file-open', { path, mode: opts.append ? 'a' : 'w' }, timeoutMs);
     try {
       for (let off = 0; off < data.length || off === 0; off += 1 << 20) {
         const part = data.subarray(off, off + (1 << 20));

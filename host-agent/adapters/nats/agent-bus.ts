@@ -181,6 +181,24 @@ export class NatsAgentBus implements AgentBus {
     this.publisher.publish(subjects.event(this.hostId), toBinary(HostEventSchema, e)).catch((err: unknown) => this.log.debug({ err }, 'event publish failed'));
   }
 
+  /**
+   * Publishes a relay answer. One that NATS refuses (over its max_payload: publish throws)
+   * goes out as the error `tooBig` makes instead; this must never throw out of a callback,
+   * which would end the agent.
+   */
+  private reply(subject: string, data: Uint8Array, tooBig: () => Uint8Array): void {
+    try {
+      this.nc.publish(subject, data);
+    } catch (e) {
+      this.log.warn({ err: e, bytes: data.length }, 'relay answer refused by NATS');
+      try {
+        this.nc.publish(subject, tooBig());
+      } catch (e2) {
+        this.log.warn({ err: e2 }, 'relay error answer refused by NATS');
+      }
+    }
+  }
+
   serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void) => Promise<void>): () => void {
     const sub = this.nc.subscribe(subjects.exec(this.hostId), {
       callback: (err, m) => {
@@ -193,7 +211,7 @@ export class NatsAgentBus implements AgentBus {
           this.nc.publish(reply, toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: 1n, payload: { case: 'error', value: { kind: 'invalid_argument', message: 'undecodable exec request' } } })));
           return;
         }
-        void handler(req, (out) => this.nc.publish(reply, toBinary(HostExecOutputSchema, out)));
+        void handler(req, (out) => this.reply(reply, toBinary(HostExecOutputSchema, out), () => toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: out.seq, payload: { case: 'error', value: { kind: 'internal', message: 'an exec output piece did not fit a NATS message' } } })))).catch((e: unknown) => this.log.warn({ err: e }, 'exec relay failed'));
       },
     });
     this.subs.push(sub);
@@ -211,7 +229,9 @@ export class NatsAgentBus implements AgentBus {
           m.respond(toBinary(HostFileResponseSchema, create(HostFileResponseSchema, { error: { kind: 'invalid_argument', message: 'undecodable file request' } })));
           return;
         }
-        void handler(req).then((res) => m.respond(toBinary(HostFileResponseSchema, res)));
+        void handler(req)
+          .then((res) => this.reply(m.reply!, toBinary(HostFileResponseSchema, res), () => toBinary(HostFileResponseSchema, create(HostFileResponseSchema, { error: { kind: 'invalid_argument', field: 'max_bytes', message: `the answer is larger than the ${this.nc.info?.max_payload ?? 0}-byte NATS message limit: read in smaller pieces` } }))))
+          .catch((e: unknown) => this.log.warn({ err: e }, 'file relay failed'));
       },
     });
     this.subs.push(sub);

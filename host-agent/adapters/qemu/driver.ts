@@ -16,6 +16,7 @@ import { setPriority } from 'node:os';
 import { basename, dirname, join } from 'node:path';
 import type { Logger } from 'pino';
 import {
+  GuestChmodError,
   IncompatibleSnapshotError,
   InvalidArgumentError,
   InvalidVmStateError,
@@ -42,6 +43,8 @@ import {
   type CreateVmSpec,
   type ExecRequest,
   type ExecResult,
+  type FileRange,
+  type FileWriteOptions,
   type GuestImage,
   type IncomingSource,
   type IncomingVm,
@@ -494,12 +497,18 @@ export class QemuVmmDriver implements VmmDriver {
     return this.agentOf(this.running(vmId, 'exec')).exec(req);
   }
 
-  async readFile(vmId: string, path: string): Promise<Buffer> {
-    return this.agentOf(this.running(vmId, 'read a file')).readFile(path);
+  async readFile(vmId: string, path: string, range: FileRange = {}): Promise<Buffer> {
+    return this.agentOf(this.running(vmId, 'read a file')).readFile(path, range);
   }
 
-  async writeFile(vmId: string, path: string, data: Buffer): Promise<void> {
-    return this.agentOf(this.running(vmId, 'write a file')).writeFile(path, data);
+  async writeFile(vmId: string, path: string, data: Buffer, opts: FileWriteOptions = {}): Promise<void> {
+    const agent = this.agentOf(this.running(vmId, 'write a file'));
+    await agent.writeFile(path, data, { append: opts.append ?? false });
+    if (!opts.mode) return;
+    // qemu-ga opens files with its own default mode and has no chmod: the guest's chmod sets it.
+    const mode = opts.mode & 0o7777;
+    const r = await agent.exec({ path: '/bin/chmod', args: [mode.toString(8), path] });
+    if (r.exitCode !== 0) throw new GuestChmodError(path, mode, r.exitCode, r.stderr.toString('utf8'));
   }
 
   // ---------------------------------------------------------------- pause / resume

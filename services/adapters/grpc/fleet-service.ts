@@ -140,7 +140,8 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         if (r.payload.case === 'header') {
           if (header) throw new InvalidArgumentError('header', 'sent twice');
           const h = r.payload.value;
-          header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestPath(h.path, 'header.path'), mode: h.mode & 0o7777 || 0o644 };
+          if (h.mode > 0o7777) throw new InvalidArgumentError('header.mode', 'permission bits: at most 07777 (0: the guest default)');
+          header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestPath(h.path, 'header.path'), mode: h.mode };
           if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
         } else if (r.payload.case === 'data') {
           if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');

@@ -229,6 +229,11 @@ export class NatsWorkBus implements WorkBus {
     return q;
   }
 
+  get maxPayload(): number {
+    // What the server told this connection (1 MiB unless configured otherwise).
+    return this.nc.info?.max_payload ?? 1 << 20;
+  }
+
   async file(hostId: string, req: HostFileRequestMsg, opts: { timeoutMs: number }): Promise<HostFileResponseMsg> {
     try {
       const m = await this.nc.request(subjects.file(hostId), toBinary(HostFileRequestSchema, req), { timeout: opts.timeoutMs });

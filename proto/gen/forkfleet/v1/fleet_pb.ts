@@ -464,7 +464,7 @@ export type WriteFileHeader = Message<"forkfleet.v1.WriteFileHeader"> & {
   path: string;
 
   /**
-   * Permission bits, e.g. 0644.
+   * Permission bits, e.g. 0644 (at most 07777); 0 leaves the guest's default for a new file.
    *
    * @generated from field: uint32 mode = 5;
    */
