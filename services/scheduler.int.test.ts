@@ -18,6 +18,7 @@ import type { NatsServer } from './testkit/nats.ts';
 import { startAgent } from './testkit/agent.ts';
 import type { AgentProcess } from './testkit/agent.ts';
 import { pidAlive, waitFor } from './testkit/proc.ts';
+import { qemuPidsByVm } from '../deploy/fleet/fleet.ts';
 import { compileSchedulerConfig } from './config.ts';
 import { startScheduler } from './scheduler.ts';
 import type { SchedulerHandle } from './scheduler.ts';
@@ -249,6 +250,40 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     expect(pidAlive(agent.proc.pid)).toBe(true);
     expect(await sh(api, sb!.id, 'echo up')).toEqual({ out: 'up\n', code: 0 });
     await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sb!.id }));
+  }, 300_000);
+
+  it('vmGone_crashedQemuOrReapedAtAgentRestart_marksTheSandboxLostWithWhy_andFreesItsCapacity', async () => {
+    const make = async (hostId?: string): Promise<{ id: string; hostId: string }> => {
+      const op = await done(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, ...(hostId ? { placement: { hostId } } : {}) }));
+      const sb = op.result.case === 'sandbox' ? op.result.value : undefined;
+      return { id: sb!.id, hostId: sb!.hostId };
+    };
+    const a = await make();
+    const b = await make(a.hostId);
+    expect(b.hostId).toBe(a.hostId);
+    const agent = agents.find((x) => x.hostId === a.hostId)!;
+    const allocated = async (): Promise<bigint> => (await api.listHosts({})).hosts.find((h) => h.id === a.hostId)!.allocated!.memoryMib;
+    const before = await allocated();
+    const lost = (id: string) => async () => (await api.getSandbox({ tenantId, sandboxId: id })).state === SandboxState.LOST;
+
+    // 1. QEMU killed under a running sandbox: its host reports the VM crashed.
+    for (const pid of qemuPidsByVm(agent.dataDir).get(a.id) ?? []) process.kill(pid, 'SIGKILL');
+    await waitFor('crashed sandbox lost', lost(a.id), 30_000, 200);
+    expect((await api.getSandbox({ tenantId, sandboxId: a.id })).stateReason).toMatch(/its VM crashed on host/);
+    expect(await allocated()).toBe(before - 256n);
+    // The host is told to clean the dead VM up (its directory goes).
+    await waitFor('dead VM cleaned up', async () => !qemuPidsByVm(agent.dataDir).has(a.id), 30_000, 200);
+
+    // 2. The agent killed, the VM's QEMU gone meanwhile: the restarted agent reaps it and its
+    //    heartbeats no longer list it.
+    agent.proc.kill();
+    await agent.proc.exited;
+    for (const pid of qemuPidsByVm(agent.dataDir).get(b.id) ?? []) process.kill(pid, 'SIGKILL');
+    await agent.restart();
+    await waitFor('reaped sandbox lost', lost(b.id), 60_000, 200);
+    expect((await api.getSandbox({ tenantId, sandboxId: b.id })).stateReason).toMatch(/no longer runs its VM \(its agent restarted\)/);
+    expect(await allocated()).toBe(before - 512n);
+    for (const id of [a.id, b.id]) await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
   }, 300_000);
 
   it('ttl_countsRunningTimeOnly_pausedTimeDoesNotExpireTheSandbox', async () => {

@@ -32,6 +32,11 @@ import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
 /** A fork that spreads to more hosts lacking the snapshot than this follows the transfer plan only (no migration). */
 const MIGRATE_MAX_HOSTS = 4;
 
+
+/** How often the leader checks sandboxes against their hosts' heartbeats (reconcileVms). */
+const VM_CHECK_MS = 2000;
+/** Heartbeats received this soon after a sandbox's last change may not list its VM yet. */
+const VM_CHECK_GRACE_MS = 3000;
 export interface ExecutorConfig {
   liveness: LivenessConfig;
   /** How long one host step may take before it is re-sent. */
@@ -326,6 +331,10 @@ export class Executor {
   private readonly finishedOps = new Map<string, FinishedOp>();
   /** `${hostId}/${snapshotId}` -> when that host was last asked to delete a stale snapshot. */
   private readonly heldGcAt = new Map<string, number>();
+  /** Sandboxes whose VM their host's heartbeat did not list: `<tenant>/<id>` -> that heartbeat (reconcileVms). */
+  private readonly vmMissing = new Map<string, { bootId: string; seq: bigint }>();
+  /** Each host's agent boot id as reconcileVms last saw it, and when it saw it change (0: not seen to). */
+  private readonly hostBoots = new Map<string, { bootId: string; changedAt: number }>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
   /** Counts sandbox index follows within a term: a broken follow's late events are ignored. */
@@ -389,6 +398,104 @@ export class Executor {
     const retention = this.deps.config.recordRetentionMs ?? 0;
     if (retention > 0) this.every(Math.min(30_000, Math.max(500, retention / 2)), 'expiring old records', () => this.expireHistory());
     this.every(this.deps.config.heldSnapshotCheckMs ?? 30_000, 'held snapshot check', async () => this.reconcileHeldSnapshots());
+    this.every(VM_CHECK_MS, 'vm reconcile', () => this.reconcileVms());
+  }
+
+  /**
+   * Sandboxes against their hosts' heartbeats, so no VM disappears without a record of it: a
+   * running or paused sandbox (no operation at work on it) whose VM its live host reports
+   * crashed or stopped, or leaves out of two heartbeats in a row (its agent restarted and
+   * reaped it, say), becomes lost, its capacity released, with the reason (a
+   * SANDBOX_STATE_CHANGED event carries it); the host is told to clean a dead VM up. A lost sandbox whose VM its own host then reports alive again is running again,
+   * re-booked (as when a lost host returns). Heartbeats from the first moments after a
+   * sandbox's last change are not trusted to list it yet.
+   */
+  async reconcileVms(): Promise<void> {
+    if (!this.sandboxIndexReady) return;
+    const now = this.deps.clock.now();
+    for (const { hb } of this.deps.heard.all()) {
+      const seen = this.hostBoots.get(hb.hostId);
+      if (seen?.bootId !== hb.bootId) this.hostBoots.set(hb.hostId, { bootId: hb.bootId, changedAt: seen ? now : 0 });
+    }
+    const missingNow = new Set<string>();
+    for (const [key, { value: sb }] of this.sandboxIndex) {
+      const watched = ((sb.state === 'running' || sb.state === 'paused') && !sb.opId) || sb.state === 'lost';
+      if (!watched || !sb.hostId) continue;
+      const heard = this.deps.heard.get(sb.hostId);
+      if (!heard || livenessOf(heard.heardAt, now, this.deps.config.liveness) !== 'ready') continue;
+      const graceMs = Math.max(VM_CHECK_GRACE_MS, 2 * Number(heard.hb.interval?.seconds ?? 1n) * 1000);
+      if (heard.heardAt < sb.updatedAt + graceMs) continue;
+      const vm = this.deps.heard.vm(sb.hostId, sb.id);
+      const alive = vm !== undefined && (vm.state === PbVmState.RUNNING || vm.state === PbVmState.PAUSED || vm.state === PbVmState.STARTING);
+      if (sb.state === 'lost') {
+        if (alive && vm.state !== PbVmState.STARTING) await this.vmBack(sb, vm.state === PbVmState.PAUSED ? 'paused' : 'running');
+        continue;
+      }
+      if (alive) continue;
+      let reason: string;
+      if (vm) {
+        reason = `its VM ${vm.state === PbVmState.CRASHED ? 'crashed' : 'stopped'} on host ${sb.hostId}${vm.reason ? `: ${vm.reason}` : ''}`;
+        // The host still keeps the dead VM's directory, network namespace and record: gone with it.
+        if (await this.vmGone(sb, reason)) await this.sendHostWork(sb.hostId, `vm-gone-${sb.id}`, sb.tenantId, `stop/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not clean up a dead VM');
+        continue;
+      } else {
+        // Gone from one heartbeat: wait for the next one to say the same.
+        missingNow.add(key);
+        const first = this.vmMissing.get(key);
+        if (!first) this.vmMissing.set(key, { bootId: heard.hb.bootId, seq: heard.hb.seq });
+        if (!first || (first.bootId === heard.hb.bootId && first.seq >= heard.hb.seq)) continue;
+        const restarted = first.bootId !== heard.hb.bootId || (this.hostBoots.get(sb.hostId)?.changedAt ?? 0) > sb.updatedAt;
+        reason = `host ${sb.hostId} no longer runs its VM${restarted ? ' (its agent restarted)' : ''}`;
+      }
+      await this.vmGone(sb, reason);
+    }
+    for (const key of this.vmMissing.keys()) if (!missingNow.has(key)) this.vmMissing.delete(key);
+  }
+
+  /** A sandbox whose VM is gone: lost, capacity released; false if an operation took it up meanwhile. */
+  private async vmGone(sb: SandboxRec, reason: string): Promise<boolean> {
+    const now = this.deps.clock.now();
+    try {
+      await this.updateSandbox(
+        sb.tenantId,
+        sb.id,
+        (s) => {
+          if ((s.state !== 'running' && s.state !== 'paused') || s.opId || s.hostId !== sb.hostId) throw new ConflictError(`sandbox ${sb.id} changed`);
+          this.setState(s, 'lost', now, reason);
+        },
+        this.capacity(sb.hostId, sb.resources, -1),
+      );
+      this.vmMissing.delete(`${sb.tenantId}/${sb.id}`);
+      this.log.warn({ sandboxId: sb.id, tenantId: sb.tenantId, hostId: sb.hostId, reason }, 'sandbox lost: its VM is gone');
+      return true;
+    } catch (e) {
+      if (!(e instanceof ConflictError)) this.log.warn({ err: e, sandboxId: sb.id }, 'could not mark a sandbox lost');
+      return false;
+    }
+  }
+
+  /** One host step sent without waiting for its result (clean-ups; the agent dedups by op and step). */
+  private async sendHostWork(hostId: string, opId: string, tenantId: string, stepId: string, work: HostWorkMsg['work'], failed: string): Promise<void> {
+    await this.deps.bus.sendWork(hostId, create(HostWorkSchema, { opId, stepId, attempt: 1, tenantId, work })).catch((e: unknown) => this.log.warn({ err: e, hostId, opId, stepId }, failed));
+  }
+
+  /** A lost sandbox whose VM its own host reports alive again: back in that state, re-booked. */
+  private async vmBack(sb: SandboxRec, state: 'running' | 'paused'): Promise<void> {
+    const now = this.deps.clock.now();
+    try {
+      await this.updateSandbox(
+        sb.tenantId,
+        sb.id,
+        (s) => {
+          if (s.state !== 'lost' || s.hostId !== sb.hostId) throw new ConflictError(`sandbox ${sb.id} changed`);
+          this.setState(s, state, now, '');
+        },
+        this.capacity(sb.hostId, sb.resources, 1),
+      );
+      this.log.warn({ sandboxId: sb.id, hostId: sb.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
+    } catch (e) {
+      if (!(e instanceof ConflictError)) this.log.warn({ err: e, sandboxId: sb.id }, 'could not reclaim a lost sandbox');
+    }
   }
 
   /**
@@ -1953,10 +2060,7 @@ export class Executor {
         );
         this.log.warn({ hostId, sandboxId: sb.id }, 'host returned: sandbox reclaimed');
       } else if (!sb || sb.hostId !== hostId || sb.state === 'destroyed' || sb.state === 'failed' || sb.state === 'hibernated') {
-        const opId = `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`;
-        await this.deps.bus
-          .sendWork(hostId, create(HostWorkSchema, { opId, stepId: `stop/${vm.sandboxId}`, attempt: 1, tenantId: sb?.tenantId ?? 'system', work: { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never } }))
-          .catch((e: unknown) => this.log.warn({ err: e, hostId, sandboxId: vm.sandboxId }, 'could not stop a stale VM'));
+        await this.sendHostWork(hostId, `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never }, 'could not stop a stale VM');
         this.log.warn({ hostId, sandboxId: vm.sandboxId }, 'host returned with a VM whose sandbox lives elsewhere or is gone: stopping it');
       }
     }
