@@ -477,6 +477,44 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
+  it('recover_afterAgentKillMidCloneSnapshot_mergesTheNewLayerBack_resumesTheVm_andTheReRunAndLaterSnapshotsKeepEveryWrite', async () => {
+    await driver.fork(snap, [{ vmId: 'k1', hostname: 'k1' }]);
+    await sh('k1', 'echo one > /data/one && sync');
+    // The agent dies while a receiver snapshot copies the clone's RAM: after blockdev-snapshot
+    // switched the VM onto its new disk layer (and stopped it), before vm.json said so.
+    let died: () => void = () => undefined;
+    const dead = new Promise<void>((r) => (died = r));
+    onSnapshotCopied = async ({ snapshotId }) => {
+      if (snapshotId !== 'snap-k1-cut') return;
+      driver.detach();
+      died();
+      await new Promise(() => undefined); // a dead agent runs no more of the snapshot
+    };
+    void driver.snapshot('k1', 'snap-k1-cut').catch(() => undefined);
+    await dead;
+    onSnapshotCopied = undefined;
+    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve() });
+    const report = await restarted.recover('adopt');
+    expect(report.adopted).toContain('k1');
+    driver = restarted;
+    // Running again (the killed snapshot had stopped it), on the layer it writes.
+    expect(driver.get('k1')?.state).toBe('running');
+    expect(await sh('k1', 'cat /data/one')).toBe('one');
+    await sh('k1', 'echo two > /data/two && sync');
+    // The redelivered step takes the killed snapshot again, and it holds every write; so
+    // does a later one (its disk chain opens: the fork boots).
+    const again = await driver.snapshot('k1', 'snap-k1-cut');
+    await sh('k1', 'echo three > /data/three && sync');
+    const later = await driver.snapshot('k1', 'snap-k1-later');
+    const [g1, g2] = [...(await driver.fork(again, [{ vmId: 'k1g', hostname: 'k1g' }])), ...(await driver.fork(later, [{ vmId: 'k1h', hostname: 'k1h' }]))];
+    expect([g1?.state, g2?.state]).toEqual(['running', 'running']);
+    expect(await sh('k1g', 'cat /data/one /data/two; test -e /data/three || echo no-three')).toBe('one\ntwo\nno-three');
+    expect(await sh('k1h', 'cat /data/one /data/two /data/three')).toBe('one\ntwo\nthree');
+    for (const id of ['k1g', 'k1h', 'k1']) await driver.destroy(id);
+    await driver.deleteSnapshot(later);
+    await driver.deleteSnapshot(again);
+  });
+
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.
     driver.detach();

@@ -9,7 +9,7 @@
 // Invariant: a VM record exists exactly while its workdir exists; the pid files in a workdir
 // name every QEMU that may still run for it, so recover() can adopt or reap after a restart.
 import { createHash, randomBytes } from 'node:crypto';
-import { access, chmod, copyFile, link, lstat, mkdir, open, readdir, readFile, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
+import { access, chmod, copyFile, link, lstat, mkdir, open, readdir, readFile, realpath, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
 import { constants, createReadStream, createWriteStream } from 'node:fs';
 import net from 'node:net';
 import { setPriority } from 'node:os';
@@ -740,6 +740,8 @@ export class QemuVmmDriver implements VmmDriver {
     // stopped copy slow (~1 s for 256 MiB here, ~70 ms with the file allocated).
     const live = !keepPaused && rec.info.accel === 'kvm';
     try {
+      // qemu-img would overwrite it, and it may be the VM's live layer (see the catch below).
+      if (await stat(newDisk).then(() => true, () => false)) throw new VmmError(`disk layer ${newDisk} exists already: an earlier attempt at snapshot ${snapshotId} was interrupted`);
       await qemuImgCreateOverlay(rec.image.disk, recvDisk, rec.image.diskVirtualSize);
       await qemuImgCreateOverlay(diskImg, newDisk, rec.image.diskVirtualSize);
       // The receiver's RAM is the new image file, even when the VM's own RAM is anonymous.
@@ -801,12 +803,14 @@ export class QemuVmmDriver implements VmmDriver {
         await killAndWait(recv.proc);
       }
       await rec.qmp.execute('migrate_cancel').catch(() => undefined);
-      if (linked && rec.qmp.closed === false) {
-        const top = await rec.qmp.execute<{ inserted?: { file: string } }[]>('query-block').catch(() => []);
-        if (!top.some((b) => b.inserted?.file === newDisk)) await unlink(diskImg).catch(() => undefined);
-      }
+      if (linked && rec.qmp.closed === false && (await topDiskFile(rec.qmp).catch(() => undefined)) !== newDisk) await unlink(diskImg).catch(() => undefined);
       await rec.qmp.execute('blockdev-del', { 'node-name': overlayNode }).catch(() => undefined);
-      await rm(newDisk, { force: true });
+      // A failure after blockdev-snapshot leaves the VM writing newDisk, whose header names its
+      // backing in the snapshot directory that goes now: merged back into the layer below first.
+      if (!rec.qmp.closed && (await topDiskFile(rec.qmp).catch(() => undefined)) === newDisk) {
+        await commitActiveLayer(rec.qmp, rec.diskPath, `ff-rollback-${snapshotId}`).catch((c: unknown) => rec.log.error({ err: String(c) }, 'merging the overlay of a failed snapshot back failed: the VM keeps writing it'));
+      }
+      if (rec.qmp.closed || (await topDiskFile(rec.qmp).catch(() => newDisk)) !== newDisk) await rm(newDisk, { force: true });
       if (!rec.qmp.closed && (await queryStatus(rec.qmp).catch(() => '')) !== 'running' && !keepPaused) {
         await contAfterMigration(rec.qmp).catch(() => undefined);
       }
@@ -1552,7 +1556,26 @@ export class QemuVmmDriver implements VmmDriver {
   private async adopt(p: VmPersisted, pid: number): Promise<void> {
     const log = this.opts.logger.child({ vmId: p.info.vmId });
     const qmp = await QmpClient.connect(join(p.info.workdir, `qmp.${p.gen}.sock`));
-    const status = await queryStatus(qmp);
+    let status = await queryStatus(qmp);
+    if (p.info.state === 'running' && status !== 'running') {
+      // Stopped by an operation the previous agent died in (a snapshot's copy, a pause it had
+      // not recorded yet): the VM runs again, as recorded; a redelivered step redoes its own pause.
+      await qmp.execute('migrate_cancel').catch(() => undefined);
+      await contAfterMigration(qmp);
+      log.warn({ status }, 'adopted VM was stopped mid-operation: resumed');
+      status = await queryStatus(qmp);
+    }
+    // A receiver snapshot switches the VM onto a new overlay (blockdev-snapshot) before vm.json
+    // says so. After a kill in between, QEMU writes that overlay while vm.json names the layer
+    // below: a later snapshot would hard-link the stale layer as its disk (missing every write
+    // since), and the overlay's header names its backing inside the unfinished snapshot's
+    // directory, which goes. The overlay is merged back down, as if the snapshot never began.
+    const top = await topDiskFile(qmp).catch(() => undefined);
+    if (top && (await realpath(top).catch(() => top)) !== (await realpath(p.diskPath).catch(() => p.diskPath))) {
+      await commitActiveLayer(qmp, p.diskPath, `ff-rollback-${p.info.vmId}`);
+      await unlink(top).catch(() => undefined);
+      log.warn({ recorded: p.diskPath, overlay: top }, 'VM wrote a disk overlay of an interrupted snapshot: merged it back into its layer');
+    }
     const rec = this.register(p, adoptProcess(pid), qmp, log);
     rec.info.state = status === 'running' ? 'running' : 'paused';
     rec.agent = await GuestAgentClient.connect(join(p.info.workdir, `qga.${p.gen}.sock`));
@@ -1780,4 +1803,44 @@ async function writeJsonAtomic(path: string, value: unknown): Promise<void> {
   const tmp = `${path}.tmp`;
   await writeFile(tmp, JSON.stringify(value, null, 2));
   await rename(tmp, path);
+}
+
+/**
+ * Merges the VM's active disk layer into the layer below it (`base`, by file name) and makes
+ * that the active layer again: a live active block-commit, completed (the VM may run).
+ */
+async function commitActiveLayer(qmp: QmpClient, base: string, jobId: string): Promise<void> {
+  const mark = qmp.mark;
+  const topNode = (await qmp.execute<Array<{ device?: string; inserted?: { 'node-name'?: string } }>>('query-block')).find((b) => b.device === 'disk0')?.inserted?.['node-name'];
+  const ofJob = (e: QmpEvent): boolean => e.data.device === jobId || e.data.id === jobId;
+  await qmp.execute('block-commit', { 'job-id': jobId, device: 'disk0', base });
+  // Ready once the overlay's data is in `base` (then writes go to both until completion).
+  for (const end = Date.now() + 120_000; ; ) {
+    const job = (await qmp.execute<Array<{ device: string; ready: boolean }>>('query-block-jobs')).find((j) => j.device === jobId);
+    if (!job) {
+      const ended = qmp.eventsSince(mark).find((e) => e.event === 'BLOCK_JOB_COMPLETED' && ofJob(e));
+      throw new VmmError(`block-commit ${jobId} ended before it was ready: ${String(ended?.data.error ?? 'no detail')}`);
+    }
+    if (job.ready) break;
+    if (Date.now() > end) throw new VmmError(`block-commit ${jobId} not ready after 120 s`);
+    await new Promise((r) => setTimeout(r, 10));
+  }
+  await qmp.execute('block-job-complete', { device: jobId });
+  const done = await qmp.waitEvent('BLOCK_JOB_COMPLETED', 120_000, ofJob, mark);
+  if (done.data.error) throw new VmmError(`block-commit ${jobId} failed: ${String(done.data.error)}`);
+  // An overlay added with blockdev-add stays a named node once out of the chain: closed here.
+  if (topNode) await qmp.execute('blockdev-del', { 'node-name': topNode }).catch(() => undefined);
+}
+
+/**
+ * The file of the top layer of the VM's disk (drive disk0) as QEMU reports it (query-block).
+ * After blockdev-snapshot of an overlay added with its backing given at run time, QEMU names
+ * the layer by a `json:{...}` descriptor: its `file.filename` is the file.
+ */
+async function topDiskFile(qmp: QmpClient): Promise<string | undefined> {
+  const blocks = await qmp.execute<Array<{ device?: string; inserted?: { file: string } }>>('query-block');
+  const file = blocks.find((b) => b.device === 'disk0')?.inserted?.file;
+  if (!file?.startsWith('json:')) return file;
+  const desc = JSON.parse(file.slice('json:'.length)) as { file?: { filename?: string } };
+  return desc.file?.filename;
 }
