@@ -26,7 +26,7 @@ import { createClient } from '../adapters/grpc/rpc.ts';
 import type { Client } from '../adapters/grpc/rpc.ts';
 import type { RpcError } from '../adapters/grpc/status.ts';
 import { Forkfleet } from '../sdk/index.ts';
-import { FleetService, OperationState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { FleetService, OperationState, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 
 type Api = Client<(typeof FleetService)['method']>;
@@ -287,6 +287,59 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     await waitFor('a stream slot is free again', async () => (await failure(a.watchEvents({}, { timeoutMs: 300 })))?.code === Status.DEADLINE_EXCEEDED, 10_000, 100);
     ac[1]!.abort();
     await open[1];
+  });
+
+  it('placementOnANamedHost_isForAdminCredentialsOnly', async () => {
+    const life = client(tokens.life!);
+    const e = await failure(life.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, placement: { hostId: HOSTS[0]! } }));
+    expect(e?.code).toBe(Status.PERMISSION_DENIED);
+    expect(e?.field).toBe('placement.host_id');
+    const f = await failure(life.forkSandbox({ idempotencyKey: key(), source: { case: 'snapshotId', value: 'sn-aaaaaaaaaaaaaaaaaaaa' }, count: 1, placement: { hostId: HOSTS[0]! } }));
+    expect(f?.field).toBe('placement.host_id');
+  });
+
+  it('createFromSnapshot_booksTheSnapshotsVmSize_andRefusesAnotherNamingTheField', async () => {
+    const life = client(tokens.life!);
+    const src = await ok(life, await life.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 512n, vcpus: 2 } }));
+    const srcId = src.result.case === 'sandbox' ? src.result.value.id : '';
+    const snap = await ok(life, await life.snapshotSandbox({ idempotencyKey: key(), sandboxId: srcId }));
+    const snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+    // Unset: the restore is booked at the snapshot's 512 MiB and 2 vCPUs (not the 256 MiB / 1 default).
+    const restored = await ok(life, await life.createSandbox({ idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId } }));
+    const sb = restored.result.case === 'sandbox' ? restored.result.value : undefined;
+    expect([sb?.resources?.memoryMib, sb?.resources?.vcpus]).toEqual([512n, 2]);
+    const e = await failure(life.createSandbox({ idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, resources: { memoryMib: 256n } }));
+    expect(e?.code).toBe(Status.INVALID_ARGUMENT);
+    expect(e?.field).toBe('resources.memory_mib');
+    const v = await failure(life.createSandbox({ idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, resources: { memoryMib: 512n, vcpus: 1 } }));
+    expect(v?.field).toBe('resources.vcpus');
+    for (const id of [srcId, sb!.id]) await ok(life, await life.destroySandbox({ idempotencyKey: key(), sandboxId: id }));
+  });
+
+  it('watchEvents_afterRevision_replaysWhatHappenedSince_andACompactedOneIsFailedPrecondition', async () => {
+    const life = client(tokens.life!);
+    const from = await store.revision();
+    const made = await ok(life, await life.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' } }));
+    const id = made.result.case === 'sandbox' ? made.result.value.id : '';
+    // Opened after the sandbox is running: the replay still brings its events, in revision order.
+    const ac = new AbortController();
+    const seen: Array<{ revision: bigint; state: number }> = [];
+    try {
+      for await (const ev of life.watchEvents({ sandboxId: id, afterRevision: BigInt(from) }, { signal: ac.signal, timeoutMs: 10_000 })) {
+        seen.push({ revision: ev.revision, state: ev.sandboxState });
+        if (ev.sandboxState === SandboxState.RUNNING) break;
+      }
+    } finally {
+      ac.abort();
+    }
+    expect(seen.map((e) => e.state)).toContain(SandboxState.RUNNING);
+    expect(seen.every((e, i) => e.revision > BigInt(from) && (i === 0 || e.revision >= seen[i - 1]!.revision))).toBe(true);
+    expect((await failure(life.watchEvents({ afterRevision: -1n })))?.field).toBe('after_revision');
+    await ok(life, await life.destroySandbox({ idempotencyKey: key(), sandboxId: id }));
+    await store.compact(await store.revision());
+    const gone = await failure(life.watchEvents({ afterRevision: BigInt(from) }, { timeoutMs: 10_000 }));
+    expect(gone?.code).toBe(Status.FAILED_PRECONDITION);
+    expect(gone?.field).toBe('after_revision');
   });
 
   it('sdkSandboxHandle_showsTheStateEachLifecycleCallLeftIt_hibernateIncluded', async () => {

@@ -58,6 +58,8 @@ export interface CreateInput {
   image: string;
   snapshotId: string;
   resources: ResourcesRec;
+  /** Which of `resources` the caller set (the rest are defaults): a restore takes its snapshot's VM size. */
+  resourcesSet?: { vcpus: boolean; memoryMib: boolean };
   labels: Record<string, string>;
   ttlMs: number | null;
   idleTimeoutMs: number | null;
@@ -124,6 +126,19 @@ export function runningMs(sb: SandboxRec, now: number): number {
   return sb.runningMsBefore + (sb.runningSince === null ? 0 : Math.max(0, now - sb.runningSince));
 }
 
+
+/**
+ * A restore's size: the snapshot's VM has its memory and vCPUs already, so they are what is
+ * booked (and counted against quotas). A size the caller set that differs is refused, naming
+ * the field; the writable disk stays the caller's.
+ */
+function restoredResources(sn: SnapshotRec, asked: ResourcesRec, set: CreateInput['resourcesSet']): ResourcesRec {
+  const vm = sn.vmConfig;
+  if (!vm) return asked;
+  if (set?.memoryMib && asked.memoryMib !== vm.memoryMib) throw new InvalidArgumentError('resources.memory_mib', `a restore of ${sn.id} has its VM's ${vm.memoryMib} MiB; leave it unset or ask for that`);
+  if (set?.vcpus && asked.vcpus !== vm.vcpus) throw new InvalidArgumentError('resources.vcpus', `a restore of ${sn.id} has its VM's ${vm.vcpus} vCPUs; leave it unset or ask for that`);
+  return { ...asked, memoryMib: vm.memoryMib, vcpus: vm.vcpus };
+}
 export class Fleet {
   constructor(private readonly deps: FleetDeps) {}
 
@@ -172,8 +187,8 @@ export class Fleet {
   async createSandbox(input: CreateInput): Promise<OperationRec> {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
     if (prior) return prior;
-    if (input.snapshotId) await this.getSnapshot(input.tenantId, input.snapshotId);
-    await admit(this.deps, input.tenantId, { sandboxes: 1, memoryMib: input.resources.memoryMib });
+    const resources = input.snapshotId ? restoredResources(await this.getSnapshot(input.tenantId, input.snapshotId), input.resources, input.resourcesSet) : input.resources;
+    await admit(this.deps, input.tenantId, { sandboxes: 1, memoryMib: resources.memoryMib });
     const id = newId('sb');
     const now = this.deps.clock.now();
     const sb: SandboxRec = {
@@ -182,7 +197,7 @@ export class Fleet {
       state: 'pending',
       stateReason: '',
       hostId: '',
-      resources: input.resources,
+      resources,
       image: input.image,
       sourceSnapshotId: input.snapshotId,
       lineageId: id,

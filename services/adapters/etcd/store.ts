@@ -314,6 +314,16 @@ export class EtcdFleetStore implements FleetStore {
     return () => cancel(w);
   }
 
+  /** Whether etcd no longer has revision `rev` (compaction removed it). */
+  private async compactedPast(rev: number): Promise<boolean> {
+    try {
+      await this.client.get(PREFIX + '__never__').revision(String(rev)).exec();
+      return false;
+    } catch (e) {
+      return isCompacted(e);
+    }
+  }
+
   async revision(): Promise<number> {
     // A read of a key that never exists: the answer's header carries the store revision.
     return Number((await this.client.get(PREFIX + '__never__').exec()).header.revision);
@@ -395,7 +405,10 @@ export class EtcdFleetStore implements FleetStore {
     // (the webhook cursor relies on it).
     const b = this.client.watch().prefix(PREFIX).withPreviousKV();
     const w = await (opts.fromRevision ? b.startRevision(String(opts.fromRevision)) : b).create();
-    onBroken(w, opts.onError);
+    const from = opts.fromRevision;
+    // etcd cancels a watch from a compacted revision with an empty reason: a read at that
+    // revision says whether that was why, so the caller can tell (isCompacted) and say so.
+    onBroken(w, from ? (e) => void this.compactedPast(from).then((gone) => opts.onError?.(gone && !isCompacted(e) ? new Error(`watch from revision ${from}: required revision has been compacted`) : e)) : opts.onError);
     const kinds = [
       [keys.sandboxes(), 'sandbox'],
       [keys.snapshots(), 'snapshot'],

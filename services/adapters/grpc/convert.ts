@@ -102,6 +102,30 @@ export function resources(r: Resources | undefined, field = 'resources'): Resour
   return { vcpus, memoryMib, diskMib };
 }
 
+/** Most items in one page of a list (page_size 0 or more: this many). */
+export const MAX_PAGE = 1000;
+
+/**
+ * A list's page token: the id of the last item of the page before, base64url-encoded (lists
+ * are in id order, so a page resumes after it even when items came and went meanwhile).
+ */
+export function pageToken(token: string, field = 'page_token'): string {
+  if (!token) return '';
+  const id = Buffer.from(token, 'base64url').toString('utf8');
+  if (!/^(sb|sn)-[a-z0-9]{1,40}$/.test(id) || Buffer.from(id).toString('base64url') !== token) throw new InvalidArgumentError(field, 'not a token this API returned');
+  return id;
+}
+
+/** One page of `all` (sorted here by id): items after `after`, at most `pageSize` (0: MAX_PAGE), and the token for the next page ('' at the end). */
+export function page<T extends { id: string }>(all: readonly T[], pageSize: number, after: string): { items: T[]; nextPageToken: string } {
+  const size = pageSize === 0 ? MAX_PAGE : Math.min(pageSize, MAX_PAGE);
+  const sorted = [...all].sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+  const from = after ? sorted.findIndex((x) => x.id > after) : 0;
+  const items = from < 0 ? [] : sorted.slice(from, from + size);
+  const more = from >= 0 && from + size < sorted.length;
+  return { items, nextPageToken: more ? Buffer.from(items[items.length - 1]!.id).toString('base64url') : '' };
+}
+
 export function labels(m: Record<string, string>, field = 'labels'): Record<string, string> {
   const entries = Object.entries(m);
   if (entries.length > LIMITS.maxLabels) throw new InvalidArgumentError(field, `at most ${LIMITS.maxLabels} labels`);
@@ -133,9 +157,8 @@ export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlM
     idleTimeoutMs: durationMs(l?.idleTimeout, `${field}.idle_timeout`),
     afterResume: hooks.map((h, i) => {
       const f = `${field}.after_resume[${i}]`;
-      if (h.argv.length === 0 || !h.argv[0]) throw new InvalidArgumentError(`${f}.argv`, 'must name a command');
-      if (h.argv.length > LIMITS.maxArgv || h.argv.some((a) => Buffer.byteLength(a) > LIMITS.maxArgBytes)) throw new InvalidArgumentError(`${f}.argv`, `at most ${LIMITS.maxArgv} arguments of ${LIMITS.maxArgBytes} bytes each`);
-      return { argv: [...h.argv], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: 10 * 60_000 }) ?? 30_000 };
+      // The same rules as Exec's argv (a hook is an exec after every resume).
+      return { argv: [...argv(h.argv, `${f}.argv`)], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: 10 * 60_000 }) ?? 30_000 };
     }),
   };
 }

@@ -38,7 +38,7 @@ import type { CallContext, ServiceRegistration } from './rpc.ts';
 import { AsyncQueue } from './queue.ts';
 import * as c from './convert.ts';
 import { requireAdmin, tenantFor } from '../../auth/guard.ts';
-import { UnauthenticatedError } from '../../auth/errors.ts';
+import { PermissionDeniedError, UnauthenticatedError } from '../../auth/errors.ts';
 
 export interface FleetServiceDeps {
   fleet: Fleet;
@@ -76,6 +76,12 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
   };
   const tenant = (v: string, ctx: CallContext, field = 'tenant_id'): string => tenantFor(principal(ctx), v === '' ? '' : c.tenant(v, field), field);
   const admin = (ctx: CallContext, what: string): void => requireAdmin(principal(ctx), what);
+  // Pinning a sandbox to a named host is for operators (tests, debugging a host), not tenants.
+  const placementFor = (p: Parameters<typeof c.placement>[0], ctx: CallContext): ReturnType<typeof c.placement> => {
+    const out = c.placement(p);
+    if (out.hostId && !principal(ctx).admin) throw new PermissionDeniedError('placement.host_id needs an admin credential', 'placement.host_id');
+    return out;
+  };
   return register(FleetService, {
     async createSandbox(req: CreateSandboxRequest, ctx: CallContext) {
       const tenantId = tenant(req.tenantId, ctx);
@@ -89,12 +95,13 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           image: req.source.case === 'image' ? c.image(req.source.value) : '',
           snapshotId: req.source.case === 'snapshotId' ? c.id('sn', req.source.value, 'snapshot_id') : '',
           resources: c.resources(req.resources),
+          resourcesSet: { vcpus: (req.resources?.vcpus ?? 0) !== 0, memoryMib: (req.resources?.memoryMib ?? 0n) !== 0n },
           labels: c.labels(req.labels),
           ttlMs: lc.ttlMs,
           idleTimeoutMs: lc.idleTimeoutMs,
           afterResume: lc.afterResume,
           ...c.network(req.network),
-          placement: c.placement(req.placement),
+          placement: placementFor(req.placement, ctx),
           hostname: c.hostname(req.hostname),
         }),
       );
@@ -103,11 +110,11 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       return c.toSandbox(await fleet.getSandbox(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id')), deps.clock.now());
     },
     async listSandboxes(req: ListSandboxesRequest, ctx: CallContext) {
-      if (req.pageToken) throw new InvalidArgumentError('page_token', 'paging is not supported yet; omit it');
+      const after = c.pageToken(req.pageToken);
       const states = req.states.map((s, i) => c.sandboxState(s, `states[${i}]`));
       const all = await fleet.listSandboxes(tenant(req.tenantId, ctx), states, c.labels(req.labels));
-      const size = req.pageSize === 0 ? all.length : Math.min(req.pageSize, 1000);
-      return { sandboxes: all.slice(0, size).map((s) => c.toSandbox(s, deps.clock.now())) };
+      const { items, nextPageToken } = c.page(all, req.pageSize, after);
+      return { sandboxes: items.map((s) => c.toSandbox(s, deps.clock.now())), nextPageToken };
     },
     async *exec(req: ExecRequest, ctx: CallContext) {
       const tenantId = tenant(req.tenantId, ctx);
@@ -198,7 +205,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           snapshotId: req.source.case === 'snapshotId' ? c.id('sn', req.source.value, 'snapshot_id') : '',
           sandboxId: req.source.case === 'sandboxId' ? c.id('sb', req.source.value, 'sandbox_id') : '',
           count: req.count,
-          placement: c.placement(req.placement),
+          placement: placementFor(req.placement, ctx),
           labels: c.labels(req.labels),
           ...(({ ttlMs, idleTimeoutMs, afterResume }) => ({ ttlMs, idleTimeoutMs, afterResume: afterResume.length ? afterResume : null }))(c.lifecycle(req.lifecycle)),
         }),
@@ -212,22 +219,27 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const sandboxId = req.sandboxId ? c.id('sb', req.sandboxId, 'sandbox_id') : '';
       const types = new Set(req.types);
       for (const t of types) if (!(t in EventType) || t === EventType.UNSPECIFIED) throw new InvalidArgumentError('types', `unknown event type ${t}`);
+      if (req.afterRevision < 0n) throw new InvalidArgumentError('after_revision', 'a store revision (0: from now)');
+      const after = Number(req.afterRevision);
       const q = new AsyncQueue<ReturnType<typeof c.toEvent>>();
       let stop: (() => void) | undefined;
+      // A resumed watch replays every change after `after` (from the store's history), then goes on.
+      const broke = (e: unknown): void =>
+        q.fail(after > 0 && /compacted/i.test(e instanceof Error ? e.message : String(e)) ? new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }) : e);
       void deps.store
         .watchRecords((ch) => {
-          if (ch.value.tenantId !== tenantId || ch.revision <= Number(req.afterRevision)) return;
+          if (ch.value.tenantId !== tenantId || ch.revision <= after) return;
           for (const e of eventsOf(ch, deps.clock.now())) {
             const ev = c.toEvent(e);
             if (sandboxId && ev.sandboxId !== sandboxId) continue;
             if (types.size && !types.has(ev.type)) continue;
             q.push(ev);
           }
-        }, { onError: (e) => q.fail(e) })
+        }, { ...(after > 0 ? { fromRevision: after + 1 } : {}), onError: broke })
         .then((s) => {
           stop = s;
           if (ctx.signal.aborted) s();
-        }, (e: unknown) => q.fail(e));
+        }, broke);
       ctx.signal.addEventListener('abort', () => {
         stop?.();
         q.end();
@@ -238,10 +250,11 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       return c.toSnapshot(await fleet.getSnapshot(tenant(req.tenantId, ctx), c.id('sn', req.snapshotId, 'snapshot_id')));
     },
     async listSnapshots(req: ListSnapshotsRequest, ctx: CallContext) {
-      if (req.pageToken) throw new InvalidArgumentError('page_token', 'paging is not supported yet; omit it');
+      const after = c.pageToken(req.pageToken);
       const lineage = req.lineageId ? c.id('sb', req.lineageId, 'lineage_id') : '';
       const all = await fleet.listSnapshots(tenant(req.tenantId, ctx), lineage);
-      return { snapshots: all.slice(0, req.pageSize || all.length).map(c.toSnapshot) };
+      const { items, nextPageToken } = c.page(all, req.pageSize, after);
+      return { snapshots: items.map(c.toSnapshot), nextPageToken };
     },
     async pinSnapshot(req: PinSnapshotRequest, ctx: CallContext) {
       c.idemKey(req.idempotencyKey);

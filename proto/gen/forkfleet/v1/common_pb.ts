@@ -73,7 +73,7 @@ export type PlacementPreference = Message<"forkfleet.v1.PlacementPreference"> & 
   maxPerHost: number;
 
   /**
-   * Place only on this host (admin use, tests).
+   * Place only on this host (admin credentials only, else PERMISSION_DENIED; tests, debugging).
    *
    * @generated from field: string host_id = 4;
    */

@@ -159,6 +159,9 @@ export type CreateSandboxRequest = Message<"forkfleet.v1.CreateSandboxRequest"> 
   } | { case: undefined; value?: undefined };
 
   /**
+   * A restore (snapshot_id) has its snapshot's memory and vCPUs: leave them unset (or ask for
+   * exactly those; another value is INVALID_ARGUMENT). Unset for an image: 1 vCPU, 256 MiB.
+   *
    * @generated from field: forkfleet.v1.Resources resources = 5;
    */
   resources?: Resources | undefined;
@@ -244,11 +247,15 @@ export type ListSandboxesRequest = Message<"forkfleet.v1.ListSandboxesRequest"> 
   labels: { [key: string]: string };
 
   /**
+   * At most this many, in id order (0 or over 1000: 1000); next_page_token is set when more remain.
+   *
    * @generated from field: uint32 page_size = 4;
    */
   pageSize: number;
 
   /**
+   * A next_page_token from the previous page.
+   *
    * @generated from field: string page_token = 5;
    */
   pageToken: string;
@@ -881,6 +888,9 @@ export type WatchEventsRequest = Message<"forkfleet.v1.WatchEventsRequest"> & {
   types: EventType[];
 
   /**
+   * Resume: replay every event after this store revision (an Event's revision), then go on.
+   * 0: from now. A revision etcd has compacted away is FAILED_PRECONDITION (field after_revision).
+   *
    * @generated from field: int64 after_revision = 4;
    */
   afterRevision: bigint;
@@ -1028,11 +1038,15 @@ export type ListSnapshotsRequest = Message<"forkfleet.v1.ListSnapshotsRequest"> 
   lineageId: string;
 
   /**
+   * At most this many, in id order (0 or over 1000: 1000); next_page_token is set when more remain.
+   *
    * @generated from field: uint32 page_size = 3;
    */
   pageSize: number;
 
   /**
+   * A next_page_token from the previous page.
+   *
    * @generated from field: string page_token = 4;
    */
   pageToken: string;
@@ -2002,8 +2016,12 @@ export const OperationKindSchema: GenEnum<OperationKind> = /*@__PURE__*/
  * Conventions:
  * - Every resource belongs to a tenant. `tenant_id` on a request must match the caller's
  *   credentials (admins may name any tenant); another tenant's resource is NOT_FOUND.
- * - Every mutating call takes an `idempotency_key` (1..128 chars). Repeating a call with
- *   the same key and tenant returns the first call's result and does nothing again.
+ * - Every call that returns an Operation takes an `idempotency_key` (1..128 chars).
+ *   Repeating it with the same key and tenant returns the first call's operation and does
+ *   nothing again. Pin, Unpin, SetSnapshotRetention and CordonHost set a value: repeating
+ *   one sets the same value again (their key is checked, not recorded). Exec and WriteFile
+ *   are not deduplicated: a repeated Exec runs its command again, a repeated WriteFile
+ *   writes the same bytes again; their key is optional.
  * - Long-running calls return an Operation at once; GetOperation / WaitOperation follow it.
  * - A bad field is INVALID_ARGUMENT and the message names the field.
  *
