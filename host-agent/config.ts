@@ -51,6 +51,12 @@ export interface AgentProcessConfig {
   /** FF_GC_INTERVAL: how often the chunk store is garbage-collected (also after every snapshot delete). */
   readonly gcIntervalMs: number;
   /**
+   * FF_JOURNAL_RETENTION: step results (the idempotency journal) of ops last written longer
+   * ago than this are deleted (default 48h: twice the work stream's 24 h message age, past any
+   * redelivery; 0 keeps them forever).
+   */
+  readonly journalRetentionMs: number;
+  /**
    * Standby QEMUs (ADR 0014): FF_STANDBY_MAX on this host in all (0 turns them off),
    * FF_STANDBY_PER_SNAPSHOT kept for a snapshot after a fork of it (at most the fork's size),
    * FF_STANDBY_IDLE: a snapshot's standbys go when it was not forked for this long,
@@ -113,6 +119,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       denyCidrs: e('FF_EGRESS_DENY_CIDRS', '').split(',').map((x) => x.trim()).filter(Boolean),
     },
     gcIntervalMs: parseDuration('FF_GC_INTERVAL', e('FF_GC_INTERVAL', '5m')),
+    journalRetentionMs: parseDuration('FF_JOURNAL_RETENTION', e('FF_JOURNAL_RETENTION', '48h')),
     gcGraceMs: parseDuration('FF_GC_GRACE', e('FF_GC_GRACE', '60s')),
     standby: {
       max: int('FF_STANDBY_MAX', e('FF_STANDBY_MAX', '8'), 0, 1024),

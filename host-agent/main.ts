@@ -2,7 +2,7 @@
 // the NATS bus into an Agent. Configuration: FF_* environment variables (config.ts).
 import { createPublicKey } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import { mkdir } from 'node:fs/promises';
+import { mkdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { connect } from 'nats';
 import { pino } from 'pino';
@@ -43,6 +43,9 @@ async function main(): Promise<void> {
   const chunks = new FsChunkStore(join(cfg.dataDir, 'chunks'));
   const manifests = new FsManifestStore(join(cfg.dataDir, 'manifests'));
   const materialiser = new Materialiser({ root: join(cfg.dataDir, 'images'), chunks, manifests, trust, roots, log });
+  // Flattened disk layers made while ingesting (shipper.portableDisk): removed once ingested,
+  // so anything here was left by an agent killed mid-ingest.
+  await rm(join(cfg.dataDir, 'scratch'), { recursive: true, force: true });
   const shipper = new ChunkStoreShipper({
     hostId: cfg.hostId,
     driver,
@@ -100,7 +103,7 @@ async function main(): Promise<void> {
     images: (name) => ensureImage(name as ImageName),
     clock: { now: () => Date.now() },
     log,
-    config: { hostId: cfg.hostId, bootId: cfg.bootId, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, migrateMaxChildren: cfg.migrateMaxChildren },
+    config: { hostId: cfg.hostId, bootId: cfg.bootId, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, journalRetentionMs: cfg.journalRetentionMs, migrateMaxChildren: cfg.migrateMaxChildren },
     qemuVersion: await driver.qemuVersion(),
   });
   await agent.start();

@@ -62,6 +62,8 @@ export interface WorkControl {
 export interface Journal {
   get(opId: string, stepId: string): Promise<Uint8Array | undefined>;
   put(opId: string, stepId: string, result: Uint8Array): Promise<void>;
+  /** Drops the results of ops last written before `olderThanMs` (epoch ms); how many went. */
+  prune?(olderThanMs: number): Promise<number>;
 }
 
 /** A snapshot held elsewhere, ready for a restore by migration; `release` unpins its fetched disk chunks. */
@@ -99,6 +101,8 @@ export interface AgentConfig {
   concurrency: number;
   /** How often the chunk store is garbage-collected (it also runs after every snapshot delete). 0: never. */
   gcIntervalMs?: number;
+  /** FF_JOURNAL_RETENTION: step results of ops older than this are pruned (0: kept forever). */
+  journalRetentionMs?: number;
   /**
    * Restore by migration (ADR 0015): a restore step of at most this many VMs of a snapshot
    * held elsewhere migrates each from a source instead of fetching the snapshot (default 2;
@@ -187,6 +191,17 @@ export class Agent {
     this.heartbeat();
     const t = setInterval(() => this.heartbeat(), this.deps.config.heartbeatMs);
     this.stops.push(() => clearInterval(t));
+    const keepMs = this.deps.config.journalRetentionMs ?? 0;
+    if (keepMs > 0 && this.deps.journal.prune) {
+      const prune = () =>
+        void this.deps.journal.prune!(this.deps.clock.now() - keepMs).then(
+          (n) => n > 0 && this.log.info({ ops: n }, 'old step results pruned from the journal'),
+          (e: unknown) => this.log.warn({ err: e }, 'journal prune failed'),
+        );
+      prune();
+      const j = setInterval(prune, Math.min(3_600_000, Math.max(1000, keepMs / 4)));
+      this.stops.push(() => clearInterval(j));
+    }
     const gcEvery = this.deps.config.gcIntervalMs ?? 0;
     if (gcEvery > 0) {
       const gc = () => void this.deps.shipper.collectGarbage().catch((e: unknown) => this.log.warn({ err: e }, 'chunk gc failed'));

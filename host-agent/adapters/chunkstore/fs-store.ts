@@ -25,6 +25,7 @@ import { acceptOffloaded } from './verify-pool.ts';
 import { writeSparse } from './sparse.ts';
 import { encodeHeader, HEADER, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
+import { isAlive } from '../qemu/process.ts';
 
 /** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
 const READ_HEADROOM = 48;
@@ -372,6 +373,12 @@ export class FsManifestStore implements ManifestStore {
     this.tmpDir = join(root, 'tmp');
     mkdirSync(this.dir, { recursive: true });
     mkdirSync(this.tmpDir, { recursive: true });
+    // Left by a writer killed mid-put (its pid leads the name, tmpPathIn): never a manifest,
+    // the rename makes one. A live process's are left alone (a store sharing this root).
+    for (const f of readdirSync(this.tmpDir)) {
+      const pid = Number(/^(\d+)\./.exec(f)?.[1] ?? 0);
+      if (f.endsWith('.tmp') && pid > 0 && pid !== process.pid && !isAlive(pid)) unlinkSync(join(this.tmpDir, f));
+    }
   }
 
   private pathOf(id: string): string {

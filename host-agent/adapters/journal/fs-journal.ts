@@ -1,6 +1,8 @@
 // Step results journalled as files: <dir>/<opId>/<stepId-encoded>.bin, written through a
-// temporary file and a rename so a crash never leaves a half-written result.
-import { mkdir, readFile, rename, writeFile } from 'node:fs/promises';
+// temporary file and a rename so a crash never leaves a half-written result. `prune` drops
+// the results of ops that finished long ago (past any redelivery: the work stream keeps a
+// message at most 24 h), so the journal does not grow with every op the host ever ran.
+import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import type { Journal } from '../../domain/agent.ts';
 
@@ -36,5 +38,34 @@ export class FsJournal implements Journal {
     const tmp = `${p}.tmp-${process.pid}`;
     await writeFile(tmp, result);
     await rename(tmp, p);
+  }
+
+  private swept = false;
+
+  /**
+   * Removes every op whose results were last written before `olderThanMs` (epoch ms; the op
+   * directory's mtime). The first call also removes temp files that a killed writer (another
+   * process) left in the ops it keeps. Returns how many ops went.
+   */
+  async prune(olderThanMs: number): Promise<number> {
+    let removed = 0;
+    const sweep = !this.swept;
+    this.swept = true;
+    for (const opId of await readdir(this.dir).catch(() => [] as string[])) {
+      const d = join(this.dir, opId);
+      const st = await stat(d).catch(() => undefined);
+      if (!st?.isDirectory()) continue;
+      if (st.mtimeMs < olderThanMs) {
+        await rm(d, { recursive: true, force: true });
+        this.made.delete(opId);
+        removed++;
+      } else if (sweep) {
+        for (const f of await readdir(d).catch(() => [] as string[])) {
+          const m = /\.tmp-(\d+)$/.exec(f);
+          if (m && Number(m[1]) !== process.pid) await rm(join(d, f), { force: true });
+        }
+      }
+    }
+    return removed;
   }
 }

@@ -11,8 +11,25 @@ export class MemoryJournal implements Journal {
     return Promise.resolve(this.results.get(`${opId}/${stepId}`));
   }
 
+  /** When each op's results were last written. */
+  private readonly lastAt = new Map<string, number>();
+
   put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
     this.results.set(`${opId}/${stepId}`, result);
+    this.lastAt.delete(opId);
+    this.lastAt.set(opId, Date.now());
     return Promise.resolve();
+  }
+
+  prune(olderThanMs: number): Promise<number> {
+    let removed = 0;
+    // lastAt is in write order (re-inserted on each put): the oldest come first.
+    for (const [opId, at] of this.lastAt) {
+      if (at >= olderThanMs) break;
+      this.lastAt.delete(opId);
+      for (const k of this.results.keys()) if (k.startsWith(`${opId}/`)) this.results.delete(k);
+      removed++;
+    }
+    return Promise.resolve(removed);
   }
 }

@@ -1,0 +1,45 @@
+import { afterEach, describe, expect, it } from 'vitest';
+import { mkdtempSync, readdirSync, rmSync, utimesSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { FsJournal } from './fs-journal.ts';
+import { MemoryJournal } from './memory-journal.ts';
+
+const dirs: string[] = [];
+afterEach(() => {
+  for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true });
+});
+
+describe('journal prune', () => {
+  it('fsJournal_prune_dropsOnlyOpsLastWrittenBeforeTheCutoff_andTempFilesOfAKilledWriter', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
+    dirs.push(dir);
+    const j = new FsJournal(dir);
+    await j.put('op-old', 'restore/h1', new Uint8Array([1]));
+    await j.put('op-new', 'restore/h1', new Uint8Array([2]));
+    // A killed writer (another pid) left a temp file in an op that stays.
+    writeFileSync(join(dir, 'op-new', 'x.bin.tmp-999999'), 'half');
+    const hourAgo = new Date(Date.now() - 3_600_000);
+    utimesSync(join(dir, 'op-old'), hourAgo, hourAgo);
+    expect(await j.prune(Date.now() - 60_000)).toBe(1);
+    expect(readdirSync(dir)).toEqual(['op-new']);
+    expect(readdirSync(join(dir, 'op-new'))).toHaveLength(1);
+    expect(await j.get('op-old', 'restore/h1')).toBeUndefined();
+    expect([...(await j.get('op-new', 'restore/h1'))!]).toEqual([2]);
+    // A pruned op written again is journalled again (its directory is made anew).
+    await j.put('op-old', 'restore/h1', new Uint8Array([3]));
+    expect([...(await j.get('op-old', 'restore/h1'))!]).toEqual([3]);
+  });
+
+  it('memoryJournal_prune_dropsTheOldestOpsOnly', async () => {
+    const j = new MemoryJournal();
+    await j.put('op-a', 's1', new Uint8Array([1]));
+    await j.put('op-a', 's2', new Uint8Array([1]));
+    const cut = Date.now() + 1;
+    await new Promise((r) => setTimeout(r, 5));
+    await j.put('op-b', 's1', new Uint8Array([2]));
+    expect(await j.prune(cut)).toBe(1);
+    expect(await j.get('op-a', 's1')).toBeUndefined();
+    expect(await j.get('op-b', 's1')).toEqual(new Uint8Array([2]));
+  });
+});
