@@ -13,10 +13,12 @@ import { promisify } from 'node:util';
 import { ImageBuildError } from '../../host-agent/errors.ts';
 import type { GuestImage } from '../../host-agent/domain/vmm.ts';
 
+import { IMAGE_NAMES, type ImageName } from './names.ts';
+
 const run = promisify(execFile);
 const here = dirname(fileURLToPath(import.meta.url));
 
-export type ImageName = 'tiny' | 'debian';
+export type { ImageName } from './names.ts';
 
 export interface ImageOptions {
   /** Guest kernel version; default: the newest /boot/vmlinuz-* on this machine. */
@@ -159,7 +161,7 @@ export async function ensureImage(name: ImageName, opts: ImageOptions = {}): Pro
 
 if (process.argv[1] && fileURLToPath(import.meta.url) === process.argv[1]) {
   const name = process.argv[2] as ImageName | undefined;
-  if (name !== 'tiny' && name !== 'debian') {
+  if (!name || !(IMAGE_NAMES as readonly string[]).includes(name)) {
     console.error('usage: node --import tsx deploy/images/build.ts tiny|debian');
     process.exit(2);
   }

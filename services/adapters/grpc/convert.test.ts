@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { timestampMs } from '@bufbuild/protobuf/wkt';
-import { lifecycle, page, pageToken, toSnapshot } from './convert.ts';
+import { image, lifecycle, page, pageToken, toSnapshot } from './convert.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import type { SnapshotRec } from '../../domain/records.ts';
 
@@ -67,5 +67,12 @@ describe('lifecycle hooks', () => {
     expect(hook(['/bin/true', 'a\0b'])).toThrow(/lifecycle\.after_resume\[0\]\.argv\[1\]/);
     expect(hook([])).toThrow(/lifecycle\.after_resume\[0\]\.argv/);
     expect(hook(['/bin/true'])().afterResume[0]!.argv).toEqual(['/bin/true']);
+  });
+});
+
+describe('image', () => {
+  it('unknownImageName_isInvalidArgumentListingTheImagesHostsBuild', () => {
+    expect(image('tiny')).toBe('tiny');
+    expect(() => image('ubuntu')).toThrow(/unknown image "ubuntu"; hosts build tiny, debian/);
   });
 });

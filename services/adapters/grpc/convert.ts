@@ -5,6 +5,7 @@ import type { MessageInitShape } from '@bufbuild/protobuf';
 import type { Duration, DurationSchema, Timestamp } from '@bufbuild/protobuf/wkt';
 import { timestampFromMs } from '@bufbuild/protobuf/wkt';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
+import { IMAGE_NAMES } from '../../../deploy/images/names.ts';
 import { Locality, Spread, Accel } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { Lifecycle, NetworkPolicy, PlacementPreference, Resources, ResourcesSchema } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
 import {
@@ -183,6 +184,8 @@ export function hostname(v: string, field = 'hostname'): string {
 
 export function image(v: string, field = 'image'): string {
   if (!IMAGE_RE.test(v)) throw new InvalidArgumentError(field, 'must be an image name such as "tiny" or "debian"');
+  // Checked here, not when a host fails to build it after the sandbox's records are written.
+  if (!(IMAGE_NAMES as readonly string[]).includes(v)) throw new InvalidArgumentError(field, `unknown image ${JSON.stringify(v)}; hosts build ${IMAGE_NAMES.join(', ')}`);
   return v;
 }
 

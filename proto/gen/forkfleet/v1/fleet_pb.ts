@@ -142,7 +142,7 @@ export type CreateSandboxRequest = Message<"forkfleet.v1.CreateSandboxRequest"> 
    */
   source: {
     /**
-     * A guest image name, e.g. "tiny" or "debian".
+     * A guest image hosts build from a recipe: "tiny" or "debian" (another is INVALID_ARGUMENT).
      *
      * @generated from field: string image = 3;
      */
