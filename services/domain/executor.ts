@@ -428,7 +428,8 @@ export class Executor {
       const vm = this.deps.heard.vm(sb.hostId, sb.id);
       const alive = vm !== undefined && (vm.state === PbVmState.RUNNING || vm.state === PbVmState.PAUSED || vm.state === PbVmState.STARTING);
       if (sb.state === 'lost') {
-        if (alive && vm.state !== PbVmState.STARTING) await this.vmBack(sb, vm.state === PbVmState.PAUSED ? 'paused' : 'running');
+        // A host coming back from lost is reclaimReturnedHost's (reconcileHosts) until its record says ready.
+        if (alive && vm.state !== PbVmState.STARTING && this.cache.hosts.get(sb.hostId)?.value.state === 'ready') await this.vmBack(sb, vm.state === PbVmState.PAUSED ? 'paused' : 'running');
         continue;
       }
       if (alive) continue;
@@ -436,7 +437,8 @@ export class Executor {
       if (vm) {
         reason = `its VM ${vm.state === PbVmState.CRASHED ? 'crashed' : 'stopped'} on host ${sb.hostId}${vm.reason ? `: ${vm.reason}` : ''}`;
         // The host still keeps the dead VM's directory, network namespace and record: gone with it.
-        if (await this.vmGone(sb, reason)) await this.sendHostWork(sb.hostId, `vm-gone-${sb.id}`, sb.tenantId, `stop/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not clean up a dead VM');
+        // One op per death (the agent answers a repeated op + step from its journal).
+        if (await this.vmGone(sb, reason)) await this.sendHostWork(sb.hostId, `vm-gone-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not clean up a dead VM');
         continue;
       } else {
         // Gone from one heartbeat: wait for the next one to say the same.
@@ -1543,9 +1545,17 @@ export class Executor {
     const sb = sbv.value;
     if (sb.state === 'hibernating' || sb.state === 'waking') throw new WrongStateError('sandbox', sb.id, sb.state, 'still busy after the step timeout; retry the destroy');
     if (sb.state === 'destroyed') return this.finish(op, { sandboxIds: [sb.id] }, null);
-    const heldCapacity = ['starting', 'running', 'paused', 'hibernating', 'destroying'].includes(sb.state);
-    if (sb.state !== 'destroying') await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'destroying', this.deps.clock.now()));
-    if (sb.hostId && sb.state !== 'lost') await this.step(op, 'destroy', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+    // The state the guarded write to destroying found (a lost sandbox may have been reclaimed
+    // since the read above): it says whether a VM runs and capacity is booked.
+    let before: SandboxState = sb.state;
+    if (sb.state !== 'destroying') {
+      await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'destroying', this.deps.clock.now()), (_s, prev) => {
+        before = prev.state;
+        return [];
+      });
+    }
+    const heldCapacity = ['starting', 'running', 'paused', 'hibernating', 'destroying'].includes(before);
+    if (sb.hostId && before !== 'lost') await this.step(op, 'destroy', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
     await this.finish(
       op,
       { sandboxIds: [sb.id] },
@@ -1879,8 +1889,11 @@ export class Executor {
       next.hostId = to;
       this.setState(next, m.wasPaused ? 'paused' : 'running', this.deps.clock.now(), `migrated from ${from}`);
       next.updatedAt = this.deps.clock.now();
+      // A source VM that died meanwhile made the sandbox lost and released its capacity there
+      // already (reconcileVms): the restored copy on `to` is the sandbox; nothing more to release.
+      const release = v.value.state !== 'lost';
       const alloc: HostAllocRec = { hostId: from, allocated: addRes(a.value.allocated, sb.resources, -1), sandboxes: Math.max(0, a.value.sandboxes - 1) };
-      if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, { kind: 'alloc', value: alloc, expectRevision: a.modRevision }])) break;
+      if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(release ? [{ kind: 'alloc', value: alloc, expectRevision: a.modRevision } as StoreWrite] : [])])) break;
     }
     // 5. The source VM is no longer the sandbox.
     await this.step(op, `migrate/${sb.id}/destroy-source`, from, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
@@ -2046,19 +2059,13 @@ export class Executor {
   private async reclaimReturnedHost(hostId: string): Promise<void> {
     const hb = this.deps.heard.get(hostId)?.hb;
     if (!hb) return;
-    const now = this.deps.clock.now();
     const byId = new Map((await this.deps.store.listSandboxes(undefined)).map((v) => [v.value.id, v.value]));
     for (const vm of hb.vms) {
       const sb = byId.get(vm.sandboxId);
       const alive = vm.state === PbVmState.RUNNING || vm.state === PbVmState.PAUSED;
       if (sb && sb.state === 'lost' && sb.hostId === hostId && alive) {
-        await this.updateSandbox(
-          sb.tenantId,
-          sb.id,
-          (s) => this.setState(s, vm.state === PbVmState.PAUSED ? 'paused' : 'running', now, ''),
-          this.capacity(hostId, sb.resources, 1),
-        );
-        this.log.warn({ hostId, sandboxId: sb.id }, 'host returned: sandbox reclaimed');
+        // Guarded like reconcileVms' own reclaim, which may get there first: booked once.
+        await this.vmBack(sb, vm.state === PbVmState.PAUSED ? 'paused' : 'running');
       } else if (!sb || sb.hostId !== hostId || sb.state === 'destroyed' || sb.state === 'failed' || sb.state === 'hibernated') {
         await this.sendHostWork(hostId, `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never }, 'could not stop a stale VM');
         this.log.warn({ hostId, sandboxId: vm.sandboxId }, 'host returned with a VM whose sandbox lives elsewhere or is gone: stopping it');

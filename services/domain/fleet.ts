@@ -503,9 +503,19 @@ export class Fleet {
    * append, and the last sets `mode` (0: the guest's default). A failure part-way leaves the
    * pieces written so far; the call fails and says so.
    */
+  /** A host whose agent predates ranged files (no Heartbeat.ranged_files) gets one message per file. */
+  private ranged(hostId: string): boolean {
+    return this.deps.heard.get(hostId)?.hb.rangedFiles === true;
+  }
+
   async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array): Promise<number> {
     const sb = await this.runningSandbox(tenantId, sandboxId);
     const piece = this.filePiece();
+    if (!this.ranged(sb.hostId)) {
+      // An older agent truncates on every write and ignores append and mode.
+      if (data.length > piece) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'data' });
+      return Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data } } }))).bytesWritten);
+    }
     let written = 0;
     for (let off = 0; off < data.length || off === 0; off += piece) {
       const part = data.subarray(off, off + piece);
@@ -521,6 +531,13 @@ export class Fleet {
   async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number): Promise<Uint8Array> {
     const sb = await this.runningSandbox(tenantId, sandboxId);
     const piece = this.filePiece();
+    if (!this.ranged(sb.hostId)) {
+      // An older agent ignores the offset: one request, capped so that its answer fits.
+      const want = Math.min(piece, maxBytes);
+      const data = (await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want) } } }))).data;
+      if (data.length === want && want < maxBytes) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'max_bytes' });
+      return data;
+    }
     const parts: Uint8Array[] = [];
     let got = 0;
     while (got < maxBytes) {

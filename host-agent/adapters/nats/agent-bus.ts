@@ -173,8 +173,8 @@ export class NatsAgentBus implements AgentBus {
   }
 
   publishHeartbeat(hb: Heartbeat): void {
-    // This bus reads work batches (hostwork.proto, "Batches").
-    this.nc.publish(subjects.heartbeat(this.hostId), toBinary(HeartbeatSchema, { ...hb, readsBatches: true }));
+    // This bus reads work batches (hostwork.proto, "Batches"); its agent serves ranged files.
+    this.nc.publish(subjects.heartbeat(this.hostId), toBinary(HeartbeatSchema, { ...hb, readsBatches: true, rangedFiles: true }));
   }
 
   publishEvent(e: HostEvent): void {

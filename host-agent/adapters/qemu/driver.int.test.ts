@@ -3,7 +3,7 @@
 import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import { createReadStream } from 'node:fs';
-import { copyFile, mkdtemp, readdir, readFile, rm, stat } from 'node:fs/promises';
+import { copyFile, mkdtemp, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -513,6 +513,32 @@ describe('QemuVmmDriver (real QEMU)', () => {
     for (const id of ['k1g', 'k1h', 'k1']) await driver.destroy(id);
     await driver.deleteSnapshot(later);
     await driver.deleteSnapshot(again);
+  });
+
+  it('recover_whenKilledAfterACloneSnapshotsManifestBeforeVmJson_keepsTheVmOnItsNewLayer_andTheSnapshotsDiskUntouched', async () => {
+    await driver.fork(snap, [{ vmId: 'k2', hostname: 'k2' }]);
+    await sh('k2', 'echo one > /data/one && sync');
+    const vmJson = join(root, 'vms', 'k2', 'vm.json');
+    const stale = await readFile(vmJson, 'utf8');
+    const s1 = await driver.snapshot('k2', 'snap-k2');
+    // As if killed after manifest.json and before vm.json was rewritten: the record names the
+    // layer that is now the snapshot's disk (hard-linked).
+    await writeFile(vmJson, stale);
+    const diskBefore = await digest(join(s1.dir, 'disk.qcow2'));
+    driver.detach();
+    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve() });
+    expect((await restarted.recover('adopt')).adopted).toContain('k2');
+    driver = restarted;
+    await sh('k2', 'echo two > /data/two && sync');
+    expect(await digest(join(s1.dir, 'disk.qcow2'))).toBe(diskBefore);
+    const s2 = await driver.snapshot('k2', 'snap-k2-next');
+    const [a, b] = [...(await driver.fork(s1, [{ vmId: 'k2g', hostname: 'k2g' }])), ...(await driver.fork(s2, [{ vmId: 'k2h', hostname: 'k2h' }]))];
+    expect([a?.state, b?.state]).toEqual(['running', 'running']);
+    expect(await sh('k2g', 'cat /data/one; test -e /data/two || echo no-two')).toBe('one\nno-two');
+    expect(await sh('k2h', 'cat /data/one /data/two')).toBe('one\ntwo');
+    for (const id of ['k2g', 'k2h', 'k2']) await driver.destroy(id);
+    await driver.deleteSnapshot(s2);
+    await driver.deleteSnapshot(s1);
   });
 
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {

@@ -1572,9 +1572,18 @@ export class QemuVmmDriver implements VmmDriver {
     // directory, which goes. The overlay is merged back down, as if the snapshot never began.
     const top = await topDiskFile(qmp).catch(() => undefined);
     if (top && (await realpath(top).catch(() => top)) !== (await realpath(p.diskPath).catch(() => p.diskPath))) {
-      await commitActiveLayer(qmp, p.diskPath, `ff-rollback-${p.info.vmId}`);
-      await unlink(top).catch(() => undefined);
-      log.warn({ recorded: p.diskPath, overlay: top }, 'VM wrote a disk overlay of an interrupted snapshot: merged it back into its layer');
+      // disk.<snapshot>.qcow2: whose snapshot it began. One that got its manifest is complete
+      // (its disk is the recorded layer, hard-linked): the VM stays on the new layer, as the
+      // snapshot's end would have recorded. Merging down would write into the snapshot's disk.
+      const of = /^disk\.(.+)\.qcow2$/.exec(basename(top))?.[1];
+      if (of && (await stat(join(this.snapshotsDir, of, 'manifest.json')).then(() => true, () => false))) {
+        log.warn({ recorded: p.diskPath, snapshotId: of }, 'VM was recorded before its finished snapshot: now on that snapshot\'s new layer');
+        p = { ...p, diskPath: top, dependsOn: p.dependsOn.includes(of) ? p.dependsOn : [of, ...p.dependsOn] };
+      } else {
+        await commitActiveLayer(qmp, p.diskPath, `ff-rollback-${p.info.vmId}`);
+        await unlink(top).catch(() => undefined);
+        log.warn({ recorded: p.diskPath, overlay: top }, 'VM wrote a disk overlay of an interrupted snapshot: merged it back into its layer');
+      }
     }
     const rec = this.register(p, adoptProcess(pid), qmp, log);
     rec.info.state = status === 'running' ? 'running' : 'paused';
@@ -1813,7 +1822,9 @@ async function commitActiveLayer(qmp: QmpClient, base: string, jobId: string): P
   const mark = qmp.mark;
   const topNode = (await qmp.execute<Array<{ device?: string; inserted?: { 'node-name'?: string } }>>('query-block')).find((b) => b.device === 'disk0')?.inserted?.['node-name'];
   const ofJob = (e: QmpEvent): boolean => e.data.device === jobId || e.data.id === jobId;
-  await qmp.execute('block-commit', { 'job-id': jobId, device: 'disk0', base });
+  // An agent killed during this merge leaves the job running in QEMU: the next one takes it up.
+  const running = (await qmp.execute<Array<{ device: string }>>('query-block-jobs')).some((j) => j.device === jobId);
+  if (!running) await qmp.execute('block-commit', { 'job-id': jobId, device: 'disk0', base });
   // Ready once the overlay's data is in `base` (then writes go to both until completion).
   for (const end = Date.now() + 120_000; ; ) {
     const job = (await qmp.execute<Array<{ device: string; ready: boolean }>>('query-block-jobs')).find((j) => j.device === jobId);

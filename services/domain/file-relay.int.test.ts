@@ -1,0 +1,83 @@
+// The scheduler's file relay against a host agent that predates ranged files (no
+// Heartbeat.ranged_files): real etcd and NATS, the agent's side played by a responder that
+// answers as the old agent did (whole-file reads cut at max_bytes, every write truncating).
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { connect } from 'nats';
+import type { NatsConnection } from 'nats';
+import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
+import { startEtcd } from '../testkit/etcd.ts';
+import type { EtcdCluster } from '../testkit/etcd.ts';
+import { startNats } from '../testkit/nats.ts';
+import type { NatsServer } from '../testkit/nats.ts';
+import { EtcdFleetStore } from '../adapters/etcd/store.ts';
+import { NatsWorkBus } from '../adapters/nats/bus.ts';
+import { subjects } from '../adapters/nats/subjects.ts';
+import { Fleet } from './fleet.ts';
+import { HeartbeatRegistry } from './fleet-view.ts';
+import { systemClock } from './ports.ts';
+import type { SandboxRec } from './records.ts';
+import { HeartbeatSchema, HostFileRequestSchema, HostFileResponseSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+
+describe('file relay to an agent without ranged files (real etcd, NATS)', () => {
+  let etcd: EtcdCluster;
+  let nats: NatsServer;
+  let nc: NatsConnection;
+  let store: EtcdFleetStore;
+  let fleet: Fleet;
+  const heard = new HeartbeatRegistry();
+  const file = { data: Buffer.alloc(0) };
+  const requests: Array<{ offset: bigint; maxBytes: bigint; append?: boolean }> = [];
+
+  beforeAll(async () => {
+    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
+    store = EtcdFleetStore.connect(etcd.endpoints);
+    nc = await connect({ servers: nats.url });
+    fleet = new Fleet({ store, bus: await NatsWorkBus.create(nc), clock: systemClock, heard, liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } });
+    // The old agent: no ranged_files in its heartbeat, offset and append unknown to it.
+    heard.record(create(HeartbeatSchema, { hostId: 'old-1', seq: 1n, bootId: 'b' }), Date.now());
+    nc.subscribe(subjects.file('old-1'), {
+      callback: (_e, m) => {
+        const req = fromBinary(HostFileRequestSchema, m.data);
+        if (req.op.case === 'write') {
+          requests.push({ offset: 0n, maxBytes: 0n, append: req.op.value.append });
+          file.data = Buffer.from(req.op.value.data);
+          m.respond(toBinary(HostFileResponseSchema, create(HostFileResponseSchema, { bytesWritten: BigInt(req.op.value.data.length) })));
+        } else if (req.op.case === 'read') {
+          requests.push({ offset: req.op.value.offset, maxBytes: req.op.value.maxBytes });
+          const max = Number(req.op.value.maxBytes);
+          m.respond(toBinary(HostFileResponseSchema, create(HostFileResponseSchema, { data: max > 0 ? file.data.subarray(0, max) : file.data })));
+        }
+      },
+    });
+    const now = Date.now();
+    const sb: SandboxRec = {
+      id: 'sb-aaaaaaaaaaaaaaaaaaaa', tenantId: 't', state: 'running', stateReason: '', hostId: 'old-1', resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 },
+      image: 'tiny', sourceSnapshotId: '', lineageId: 'sb-aaaaaaaaaaaaaaaaaaaa', hostname: 'x', labels: {}, ttlMs: null, idleTimeoutMs: null, allowEgress: false,
+      createdAt: now, updatedAt: now, runningMsBefore: 0, runningSince: now, hibernationSnapshotId: '', opId: '',
+    };
+    await store.commit([{ kind: 'sandbox', value: sb, expectRevision: 0 }]);
+  }, 60_000);
+
+  afterAll(async () => {
+    await nc?.close();
+    store?.close();
+    await nats?.stop();
+    await etcd?.stop();
+  });
+
+  it('oldAgent_getsEachFileInOneMessage_andFilesOverAPieceFailClearlyInsteadOfCorrupting', async () => {
+    const small = Buffer.from('a small file');
+    expect(await fleet.writeFile('t', 'sb-aaaaaaaaaaaaaaaaaaaa', '/tmp/f', 0o644, small)).toBe(small.length);
+    expect(Buffer.from(await fleet.readFile('t', 'sb-aaaaaaaaaaaaaaaaaaaa', '/tmp/f', 64 << 20)).equals(small)).toBe(true);
+    expect(requests.map((r) => r.append ?? r.offset)).toEqual([false, 0n]);
+    // Over one piece: a refusal naming the field, nothing sent.
+    requests.length = 0;
+    await expect(fleet.writeFile('t', 'sb-aaaaaaaaaaaaaaaaaaaa', '/tmp/f', 0, Buffer.alloc(2 << 20))).rejects.toMatchObject({ kind: 'failed_precondition', field: 'data' });
+    expect(requests).toEqual([]);
+    file.data = Buffer.alloc(2 << 20, 7);
+    await expect(fleet.readFile('t', 'sb-aaaaaaaaaaaaaaaaaaaa', '/tmp/f', 64 << 20)).rejects.toMatchObject({ kind: 'failed_precondition', field: 'max_bytes' });
+    // One capped request (its answer fits a NATS message), not repeated copies of the first piece.
+    expect(requests).toHaveLength(1);
+    expect(Number(requests[0]!.maxBytes)).toBeLessThanOrEqual(512 << 10);
+  });
+});
