@@ -456,22 +456,37 @@ export class Executor {
 
   /** A sandbox whose VM is gone: lost, capacity released; false if an operation took it up meanwhile. */
   private async vmGone(sb: SandboxRec, reason: string): Promise<boolean> {
+    if (!(await this.vmStateChange(sb, (s) => (s.state === 'running' || s.state === 'paused') && !s.opId, 'lost', reason, -1))) return false;
+    this.vmMissing.delete(`${sb.tenantId}/${sb.id}`);
+    this.log.warn({ sandboxId: sb.id, tenantId: sb.tenantId, hostId: sb.hostId, reason }, 'sandbox lost: its VM is gone');
+    return true;
+  }
+
+  /** A lost sandbox whose VM its own host reports alive again: back in that state, re-booked. */
+  private async vmBack(sb: SandboxRec, state: 'running' | 'paused'): Promise<void> {
+    if (await this.vmStateChange(sb, (s) => s.state === 'lost', state, '', 1)) this.log.warn({ sandboxId: sb.id, hostId: sb.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
+  }
+
+  /**
+   * The guarded write of vmGone / vmBack: the state change and the capacity it books (+1) or
+   * releases (-1) on the sandbox's host, in one transaction. False, writing nothing, when the
+   * record moved on meanwhile (`still` fails or the host changed).
+   */
+  private async vmStateChange(sb: SandboxRec, still: (s: SandboxRec) => boolean, state: SandboxState, reason: string, sign: 1 | -1): Promise<boolean> {
     const now = this.deps.clock.now();
     try {
       await this.updateSandbox(
         sb.tenantId,
         sb.id,
         (s) => {
-          if ((s.state !== 'running' && s.state !== 'paused') || s.opId || s.hostId !== sb.hostId) throw new ConflictError(`sandbox ${sb.id} changed`);
-          this.setState(s, 'lost', now, reason);
+          if (!still(s) || s.hostId !== sb.hostId) throw new ConflictError(`sandbox ${sb.id} changed`);
+          this.setState(s, state, now, reason);
         },
-        this.capacity(sb.hostId, sb.resources, -1),
+        this.capacity(sb.hostId, sb.resources, sign),
       );
-      this.vmMissing.delete(`${sb.tenantId}/${sb.id}`);
-      this.log.warn({ sandboxId: sb.id, tenantId: sb.tenantId, hostId: sb.hostId, reason }, 'sandbox lost: its VM is gone');
       return true;
     } catch (e) {
-      if (!(e instanceof ConflictError)) this.log.warn({ err: e, sandboxId: sb.id }, 'could not mark a sandbox lost');
+      if (!(e instanceof ConflictError)) this.log.warn({ err: e, sandboxId: sb.id, to: state }, 'could not record that a sandbox\'s VM went or came back');
       return false;
     }
   }
@@ -479,25 +494,6 @@ export class Executor {
   /** One host step sent without waiting for its result (clean-ups; the agent dedups by op and step). */
   private async sendHostWork(hostId: string, opId: string, tenantId: string, stepId: string, work: HostWorkMsg['work'], failed: string): Promise<void> {
     await this.deps.bus.sendWork(hostId, create(HostWorkSchema, { opId, stepId, attempt: 1, tenantId, work })).catch((e: unknown) => this.log.warn({ err: e, hostId, opId, stepId }, failed));
-  }
-
-  /** A lost sandbox whose VM its own host reports alive again: back in that state, re-booked. */
-  private async vmBack(sb: SandboxRec, state: 'running' | 'paused'): Promise<void> {
-    const now = this.deps.clock.now();
-    try {
-      await this.updateSandbox(
-        sb.tenantId,
-        sb.id,
-        (s) => {
-          if (s.state !== 'lost' || s.hostId !== sb.hostId) throw new ConflictError(`sandbox ${sb.id} changed`);
-          this.setState(s, state, now, '');
-        },
-        this.capacity(sb.hostId, sb.resources, 1),
-      );
-      this.log.warn({ sandboxId: sb.id, hostId: sb.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
-    } catch (e) {
-      if (!(e instanceof ConflictError)) this.log.warn({ err: e, sandboxId: sb.id }, 'could not reclaim a lost sandbox');
-    }
   }
 
   /**

@@ -2,31 +2,13 @@ import { describe, expect, it } from 'vitest';
 import fc from 'fast-check';
 import { planRetention } from './retention.ts';
 import type { SandboxRec, SnapshotRec } from './records.ts';
+import { snapshotRecord } from '../testkit/records.ts';
 
 const MIN = 60_000;
 const NOTICE = 5 * MIN;
 
 function snap(id: string, createdMin: number, over: Partial<SnapshotRec> = {}): SnapshotRec {
-  return {
-    id,
-    tenantId: 't1',
-    state: 'ready',
-    sourceSandboxId: 'sb-a',
-    parentSnapshotId: '',
-    lineageId: 'sb-a',
-    createdAt: createdMin * MIN,
-    pinned: false,
-    retentionTtlMs: null,
-    keepLast: 0,
-    logicalBytes: 0,
-    storedBytes: 0,
-    hostIds: ['h1'],
-    vmConfig: null,
-    labels: {},
-    manifestSignature: '',
-    manifestKeyId: '',
-    ...over,
-  };
+  return snapshotRecord({ id, createdAt: createdMin * MIN, ...over });
 }
 
 function sandbox(id: string, over: Partial<SandboxRec>): SandboxRec {

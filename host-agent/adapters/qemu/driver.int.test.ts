@@ -11,7 +11,7 @@ import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
-import type { GuestImage, LocalSnapshot, VmEvent } from '../../domain/vmm.ts';
+import type { GuestImage, LocalSnapshot, RecoveryReport, VmEvent } from '../../domain/vmm.ts';
 import { waitFor } from '../../../services/testkit/proc.ts';
 import type { QmpClient } from '../qmp/client.ts';
 import { QemuVmmDriver } from './driver.ts';
@@ -102,10 +102,29 @@ async function differingPages(dump: string, image: string): Promise<number[]> {
 
 const COUNTER = "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' </dev/null >/dev/null 2>&1 &";
 
+const newDriver = (): QemuVmmDriver => new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve() });
+
+/** A new agent's driver on the same root after the old one died (`detach`ed first, unless `dead`): it recovers, and becomes `driver`. */
+async function restartAgent(opts: { dead?: boolean } = {}): Promise<RecoveryReport> {
+  if (!opts.dead) driver.detach();
+  driver = newDriver();
+  return driver.recover('adopt');
+}
+
+/** One child of each snapshot, which must answer `script` with `out` (its disk and memory state); then it is destroyed. */
+async function childrenSee(cases: ReadonlyArray<{ of: LocalSnapshot; id: string; script: string; out: string }>): Promise<void> {
+  for (const c of cases) {
+    const [vm] = await driver.fork(c.of, [{ vmId: c.id, hostname: c.id }]);
+    expect(vm?.state).toBe('running');
+    expect(await sh(c.id, c.script)).toBe(c.out);
+    await driver.destroy(c.id);
+  }
+}
+
 beforeAll(async () => {
   image = await ensureImage('tiny');
   root = await mkdtemp(join(tmpdir(), 'ffv-'));
-  driver = new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve() });
+  driver = newDriver();
   await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1, hostname: 'tpl' });
   await sh('tpl', COUNTER);
   await driver.writeFile('tpl', '/dev/shm/marker', Buffer.from('tmpfs-before-snapshot'));
@@ -493,10 +512,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     void driver.snapshot('k1', 'snap-k1-cut').catch(() => undefined);
     await dead;
     onSnapshotCopied = undefined;
-    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve() });
-    const report = await restarted.recover('adopt');
-    expect(report.adopted).toContain('k1');
-    driver = restarted;
+    expect((await restartAgent({ dead: true })).adopted).toContain('k1');
     // Running again (the killed snapshot had stopped it), on the layer it writes.
     expect(driver.get('k1')?.state).toBe('running');
     expect(await sh('k1', 'cat /data/one')).toBe('one');
@@ -506,11 +522,11 @@ describe('QemuVmmDriver (real QEMU)', () => {
     const again = await driver.snapshot('k1', 'snap-k1-cut');
     await sh('k1', 'echo three > /data/three && sync');
     const later = await driver.snapshot('k1', 'snap-k1-later');
-    const [g1, g2] = [...(await driver.fork(again, [{ vmId: 'k1g', hostname: 'k1g' }])), ...(await driver.fork(later, [{ vmId: 'k1h', hostname: 'k1h' }]))];
-    expect([g1?.state, g2?.state]).toEqual(['running', 'running']);
-    expect(await sh('k1g', 'cat /data/one /data/two; test -e /data/three || echo no-three')).toBe('one\ntwo\nno-three');
-    expect(await sh('k1h', 'cat /data/one /data/two /data/three')).toBe('one\ntwo\nthree');
-    for (const id of ['k1g', 'k1h', 'k1']) await driver.destroy(id);
+    await childrenSee([
+      { of: again, id: 'k1g', script: 'cat /data/one /data/two; test -e /data/three || echo no-three', out: 'one\ntwo\nno-three' },
+      { of: later, id: 'k1h', script: 'cat /data/one /data/two /data/three', out: 'one\ntwo\nthree' },
+    ]);
+    await driver.destroy('k1');
     await driver.deleteSnapshot(later);
     await driver.deleteSnapshot(again);
   });
@@ -525,30 +541,24 @@ describe('QemuVmmDriver (real QEMU)', () => {
     // layer that is now the snapshot's disk (hard-linked).
     await writeFile(vmJson, stale);
     const diskBefore = await digest(join(s1.dir, 'disk.qcow2'));
-    driver.detach();
-    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve() });
-    expect((await restarted.recover('adopt')).adopted).toContain('k2');
-    driver = restarted;
+    expect((await restartAgent()).adopted).toContain('k2');
     await sh('k2', 'echo two > /data/two && sync');
     expect(await digest(join(s1.dir, 'disk.qcow2'))).toBe(diskBefore);
     const s2 = await driver.snapshot('k2', 'snap-k2-next');
-    const [a, b] = [...(await driver.fork(s1, [{ vmId: 'k2g', hostname: 'k2g' }])), ...(await driver.fork(s2, [{ vmId: 'k2h', hostname: 'k2h' }]))];
-    expect([a?.state, b?.state]).toEqual(['running', 'running']);
-    expect(await sh('k2g', 'cat /data/one; test -e /data/two || echo no-two')).toBe('one\nno-two');
-    expect(await sh('k2h', 'cat /data/one /data/two')).toBe('one\ntwo');
-    for (const id of ['k2g', 'k2h', 'k2']) await driver.destroy(id);
+    await childrenSee([
+      { of: s1, id: 'k2g', script: 'cat /data/one; test -e /data/two || echo no-two', out: 'one\nno-two' },
+      { of: s2, id: 'k2h', script: 'cat /data/one /data/two', out: 'one\ntwo' },
+    ]);
+    await driver.destroy('k2');
     await driver.deleteSnapshot(s2);
     await driver.deleteSnapshot(s1);
   });
 
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.
-    driver.detach();
-    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL });
-    const report = await restarted.recover('adopt');
+    const report = await restartAgent();
     expect(report.adopted).toEqual(['tpl']);
-    expect(await sh('tpl', 'cat /dev/shm/marker', restarted)).toBe('tmpfs-before-snapshot');
-    driver = restarted;
+    expect(await sh('tpl', 'cat /dev/shm/marker', driver)).toBe('tmpfs-before-snapshot');
     await driver.close();
     await driver.deleteSnapshot(snap);
     expect(await ourProcesses()).toEqual([]);

@@ -3,26 +3,9 @@ import { timestampMs } from '@bufbuild/protobuf/wkt';
 import { image, lifecycle, page, pageToken, toSnapshot } from './convert.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import type { SnapshotRec } from '../../domain/records.ts';
+import { snapshotRecord } from '../../testkit/records.ts';
 
-const base: SnapshotRec = {
-  id: 'sn-a',
-  tenantId: 't',
-  state: 'ready',
-  sourceSandboxId: 'sb-a',
-  parentSnapshotId: '',
-  lineageId: 'sb-a',
-  createdAt: 1_000_000,
-  pinned: false,
-  retentionTtlMs: null,
-  keepLast: 1,
-  logicalBytes: 0,
-  storedBytes: 0,
-  hostIds: ['h1'],
-  vmConfig: null,
-  labels: {},
-  manifestSignature: '',
-  manifestKeyId: '',
-};
+const base: SnapshotRec = snapshotRecord({ createdAt: 1_000_000, keepLast: 1 });
 
 describe('toSnapshot expires_at', () => {
   it('keepLastExpiryAnnounced_isTheAnnouncedTime', () => {
