@@ -2,6 +2,7 @@
 // the NATS bus into an Agent. Configuration: FF_* environment variables (config.ts).
 import { createPublicKey } from 'node:crypto';
 import { readFileSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
 import { mkdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { connect } from 'nats';
@@ -41,6 +42,10 @@ async function main(): Promise<void> {
 
   const roots = new LiveRoots();
   const chunks = new FsChunkStore(join(cfg.dataDir, 'chunks'));
+  // Chunks a killed agent wrote are in the page cache, not yet on disk, and this process's
+  // sync() covers only its own writes: ingest and fetches count such chunks as present (and
+  // store manifests over them). One file-system sync at start makes them durable first.
+  execFileSync('sync', ['-f', join(cfg.dataDir, 'chunks')]);
   const manifests = new FsManifestStore(join(cfg.dataDir, 'manifests'));
   const materialiser = new Materialiser({ root: join(cfg.dataDir, 'images'), chunks, manifests, trust, roots, log });
   // Flattened disk layers made while ingesting (shipper.portableDisk): removed once ingested,
