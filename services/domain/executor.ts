@@ -31,12 +31,11 @@ import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
 
 /** A fork that spreads to more hosts lacking the snapshot than this follows the transfer plan only (no migration). */
 const MIGRATE_MAX_HOSTS = 4;
-
-
 /** How often the leader checks sandboxes against their hosts' heartbeats (reconcileVms). */
 const VM_CHECK_MS = 2000;
-/** Heartbeats received this soon after a sandbox's last change may not list its VM yet. */
+/** Heartbeats received this soon after a sandbox's last change may not list its VM yet (or two heartbeat intervals, if longer). */
 const VM_CHECK_GRACE_MS = 3000;
+
 export interface ExecutorConfig {
   liveness: LivenessConfig;
   /** How long one host step may take before it is re-sent. */
@@ -406,9 +405,10 @@ export class Executor {
    * running or paused sandbox (no operation at work on it) whose VM its live host reports
    * crashed or stopped, or leaves out of two heartbeats in a row (its agent restarted and
    * reaped it, say), becomes lost, its capacity released, with the reason (a
-   * SANDBOX_STATE_CHANGED event carries it); the host is told to clean a dead VM up. A lost sandbox whose VM its own host then reports alive again is running again,
-   * re-booked (as when a lost host returns). Heartbeats from the first moments after a
-   * sandbox's last change are not trusted to list it yet.
+   * SANDBOX_STATE_CHANGED event carries it); the host is told to clean a dead VM up. A lost
+   * sandbox whose VM its own ready host reports alive again is running again, re-booked.
+   * Heartbeats from the first moments after a sandbox's last change are not trusted to list
+   * it yet.
    */
   async reconcileVms(): Promise<void> {
     if (!this.sandboxIndexReady) return;
@@ -433,23 +433,20 @@ export class Executor {
         continue;
       }
       if (alive) continue;
-      let reason: string;
       if (vm) {
-        reason = `its VM ${vm.state === PbVmState.CRASHED ? 'crashed' : 'stopped'} on host ${sb.hostId}${vm.reason ? `: ${vm.reason}` : ''}`;
+        const reason = `its VM ${vm.state === PbVmState.CRASHED ? 'crashed' : 'stopped'} on host ${sb.hostId}${vm.reason ? `: ${vm.reason}` : ''}`;
         // The host still keeps the dead VM's directory, network namespace and record: gone with it.
         // One op per death (the agent answers a repeated op + step from its journal).
         if (await this.vmGone(sb, reason)) await this.sendHostWork(sb.hostId, `vm-gone-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not clean up a dead VM');
         continue;
-      } else {
-        // Gone from one heartbeat: wait for the next one to say the same.
-        missingNow.add(key);
-        const first = this.vmMissing.get(key);
-        if (!first) this.vmMissing.set(key, { bootId: heard.hb.bootId, seq: heard.hb.seq });
-        if (!first || (first.bootId === heard.hb.bootId && first.seq >= heard.hb.seq)) continue;
-        const restarted = first.bootId !== heard.hb.bootId || (this.hostBoots.get(sb.hostId)?.changedAt ?? 0) > sb.updatedAt;
-        reason = `host ${sb.hostId} no longer runs its VM${restarted ? ' (its agent restarted)' : ''}`;
       }
-      await this.vmGone(sb, reason);
+      // Gone from one heartbeat: wait for the next one to say the same.
+      missingNow.add(key);
+      const first = this.vmMissing.get(key);
+      if (!first) this.vmMissing.set(key, { bootId: heard.hb.bootId, seq: heard.hb.seq });
+      if (!first || (first.bootId === heard.hb.bootId && first.seq >= heard.hb.seq)) continue;
+      const restarted = first.bootId !== heard.hb.bootId || (this.hostBoots.get(sb.hostId)?.changedAt ?? 0) > sb.updatedAt;
+      await this.vmGone(sb, `host ${sb.hostId} no longer runs its VM${restarted ? ' (its agent restarted)' : ''}`);
     }
     for (const key of this.vmMissing.keys()) if (!missingNow.has(key)) this.vmMissing.delete(key);
   }

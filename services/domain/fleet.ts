@@ -15,11 +15,11 @@ import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
 import { admit, forkNeed } from './quota.ts';
 import type { QuotaOf, UsageSource } from './quota.ts';
 
-
 /** Room left in a relayed NATS message for its protobuf framing and headers. */
 const RELAY_HEADROOM = 16 << 10;
 /** The most file data one relayed request or answer carries. */
 const FILE_PIECE_MAX = 512 << 10;
+
 export type IdPrefix = 'sb' | 'sn' | 'op';
 
 /**
@@ -126,7 +126,6 @@ export function runningMs(sb: SandboxRec, now: number): number {
   return sb.runningMsBefore + (sb.runningSince === null ? 0 : Math.max(0, now - sb.runningSince));
 }
 
-
 /**
  * A restore's size: the snapshot's VM has its memory and vCPUs already, so they are what is
  * booked (and counted against quotas). A size the caller set that differs is refused, naming
@@ -139,6 +138,7 @@ function restoredResources(sn: SnapshotRec, asked: ResourcesRec, set: CreateInpu
   if (set?.vcpus && asked.vcpus !== vm.vcpus) throw new InvalidArgumentError('resources.vcpus', `a restore of ${sn.id} has its VM's ${vm.vcpus} vCPUs; leave it unset or ask for that`);
   return { ...asked, memoryMib: vm.memoryMib, vcpus: vm.vcpus };
 }
+
 export class Fleet {
   constructor(private readonly deps: FleetDeps) {}
 
@@ -498,16 +498,16 @@ export class Fleet {
     return res;
   }
 
-  /**
-   * Writes the file in pieces that fit the relay: the first replaces the file, the rest
-   * append, and the last sets `mode` (0: the guest's default). A failure part-way leaves the
-   * pieces written so far; the call fails and says so.
-   */
   /** A host whose agent predates ranged files (no Heartbeat.ranged_files) gets one message per file. */
   private ranged(hostId: string): boolean {
     return this.deps.heard.get(hostId)?.hb.rangedFiles === true;
   }
 
+  /**
+   * Writes the file in pieces that fit the relay: the first replaces the file, the rest
+   * append, and the last sets `mode` (0: the guest's default). A failure part-way leaves the
+   * pieces written so far; the call fails and says so.
+   */
   async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array): Promise<number> {
     const sb = await this.runningSandbox(tenantId, sandboxId);
     const piece = this.filePiece();
