@@ -332,8 +332,6 @@ export class Executor {
   private readonly heldGcAt = new Map<string, number>();
   /** Sandboxes whose VM their host's heartbeat did not list: `<tenant>/<id>` -> that heartbeat (reconcileVms). */
   private readonly vmMissing = new Map<string, { bootId: string; seq: bigint }>();
-  /** Each host's agent boot id as reconcileVms last saw it, and when it saw it change (0: not seen to). */
-  private readonly hostBoots = new Map<string, { bootId: string; changedAt: number }>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
   /** Counts sandbox index follows within a term: a broken follow's late events are ignored. */
@@ -413,10 +411,6 @@ export class Executor {
   async reconcileVms(): Promise<void> {
     if (!this.sandboxIndexReady) return;
     const now = this.deps.clock.now();
-    for (const { hb } of this.deps.heard.all()) {
-      const seen = this.hostBoots.get(hb.hostId);
-      if (seen?.bootId !== hb.bootId) this.hostBoots.set(hb.hostId, { bootId: hb.bootId, changedAt: seen ? now : 0 });
-    }
     const missingNow = new Set<string>();
     for (const [key, { value: sb }] of this.sandboxIndex) {
       const watched = ((sb.state === 'running' || sb.state === 'paused') && !sb.opId) || sb.state === 'lost';
@@ -445,7 +439,7 @@ export class Executor {
       const first = this.vmMissing.get(key);
       if (!first) this.vmMissing.set(key, { bootId: heard.hb.bootId, seq: heard.hb.seq });
       if (!first || (first.bootId === heard.hb.bootId && first.seq >= heard.hb.seq)) continue;
-      const restarted = first.bootId !== heard.hb.bootId || (this.hostBoots.get(sb.hostId)?.changedAt ?? 0) > sb.updatedAt;
+      const restarted = first.bootId !== heard.hb.bootId || heard.bootChangedAt > sb.updatedAt;
       await this.vmGone(sb, `host ${sb.hostId} no longer runs its VM${restarted ? ' (its agent restarted)' : ''}`);
     }
     for (const key of this.vmMissing.keys()) if (!missingNow.has(key)) this.vmMissing.delete(key);

@@ -16,6 +16,8 @@ export interface HeardHost {
   hb: HeartbeatMsg;
   /** Local receive time (ms). */
   heardAt: number;
+  /** When this replica first heard the host's current boot id after another one (ms); 0 if it never saw it change. */
+  bootChangedAt: number;
 }
 
 export function livenessOf(heardAt: number | undefined, now: number, cfg: LivenessConfig): HostState {
@@ -31,8 +33,9 @@ export class HeartbeatRegistry {
 
   record(hb: HeartbeatMsg, now: number): { isNew: boolean; restarted: boolean } {
     const prev = this.hosts.get(hb.hostId);
-    this.hosts.set(hb.hostId, { hb, heardAt: now });
-    return { isNew: prev === undefined, restarted: prev !== undefined && prev.hb.bootId !== hb.bootId };
+    const restarted = prev !== undefined && prev.hb.bootId !== hb.bootId;
+    this.hosts.set(hb.hostId, { hb, heardAt: now, bootChangedAt: restarted ? now : (prev?.bootChangedAt ?? 0) });
+    return { isNew: prev === undefined, restarted };
   }
 
   get(hostId: string): HeardHost | undefined {

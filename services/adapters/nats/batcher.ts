@@ -62,7 +62,7 @@ export function ackAfter(n: number, ack: () => void): () => void {
  * batching adds no wait when there is nothing to batch with.
  */
 export class SubjectBatcher {
-  private readonly subjects = new Map<string, { items: Queued[]; bytes: number; inFlight: boolean }>();
+  private readonly subjects = new Map<string, { items: Queued[]; inFlight: boolean }>();
   private readonly due = new Set<string>();
   private scheduled = false;
 
@@ -82,9 +82,8 @@ export class SubjectBatcher {
   publish(subject: string, bytes: Uint8Array, msgId?: string): Promise<void> {
     return new Promise<void>((resolve, reject) => {
       let st = this.subjects.get(subject);
-      if (!st) this.subjects.set(subject, (st = { items: [], bytes: 0, inFlight: false }));
+      if (!st) this.subjects.set(subject, (st = { items: [], inFlight: false }));
       st.items.push({ bytes, msgId, resolve, reject });
-      st.bytes += bytes.length;
       if (st.inFlight) return; // sent when the PubAck in flight comes
       this.due.add(subject);
       if (!this.scheduled) {
@@ -115,7 +114,6 @@ export class SubjectBatcher {
       q.push(x);
       bytes += x.bytes.length;
     }
-    st.bytes -= bytes;
     st.inFlight = true;
     let sent: Promise<unknown>;
     if (q.length === 1) {
