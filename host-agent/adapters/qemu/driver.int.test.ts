@@ -111,7 +111,11 @@ async function restartAgent(opts: { dead?: boolean } = {}): Promise<RecoveryRepo
   return driver.recover('adopt');
 }
 
-/** One child of each snapshot, which must answer `script` with `out` (its disk and memory state); then it is destroyed. */
+/**
+ * One child of each snapshot, which must answer `script` with `out`; then it is destroyed. A
+ * script that checks disk contents drops the guest's page cache first: the snapshot's RAM
+ * carries recently written files, and reads would not reach the disk.
+ */
 async function childrenSee(cases: ReadonlyArray<{ of: LocalSnapshot; id: string; script: string; out: string }>): Promise<void> {
   for (const c of cases) {
     const [vm] = await driver.fork(c.of, [{ vmId: c.id, hostname: c.id }]);
@@ -523,12 +527,33 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await sh('k1', 'echo three > /data/three && sync');
     const later = await driver.snapshot('k1', 'snap-k1-later');
     await childrenSee([
-      { of: again, id: 'k1g', script: 'cat /data/one /data/two; test -e /data/three || echo no-three', out: 'one\ntwo\nno-three' },
-      { of: later, id: 'k1h', script: 'cat /data/one /data/two /data/three', out: 'one\ntwo\nthree' },
+      { of: again, id: 'k1g', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two; test -e /data/three || echo no-three', out: 'one\ntwo\nno-three' },
+      { of: later, id: 'k1h', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two /data/three', out: 'one\ntwo\nthree' },
     ]);
     await driver.destroy('k1');
     await driver.deleteSnapshot(later);
     await driver.deleteSnapshot(again);
+  });
+
+  it('snapshot_ofACloneThatFailsAfterItsDiskSwitched_mergesTheLayerBack_andLaterSnapshotsKeepEveryWrite', async () => {
+    await driver.fork(snap, [{ vmId: 'k3', hostname: 'k3' }]);
+    await sh('k3', 'echo one > /data/one && sync');
+    // Fails inside the RAM copy, after blockdev-snapshot moved the VM onto its new layer.
+    onSnapshotCopied = async ({ snapshotId }) => {
+      if (snapshotId === 'snap-k3-bad') throw new Error('copy failed');
+    };
+    try {
+      await expect(driver.snapshot('k3', 'snap-k3-bad')).rejects.toThrow(/copy failed/);
+    } finally {
+      onSnapshotCopied = undefined;
+    }
+    expect(driver.get('k3')?.state).toBe('running');
+    await sh('k3', 'echo two > /data/two && sync');
+    const s = await driver.snapshot('k3', 'snap-k3-good');
+    // Read from the disk, not the page cache the snapshot's RAM carries.
+    await childrenSee([{ of: s, id: 'k3g', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two', out: 'one\ntwo' }]);
+    await driver.destroy('k3');
+    await driver.deleteSnapshot(s);
   });
 
   it('recover_whenKilledAfterACloneSnapshotsManifestBeforeVmJson_keepsTheVmOnItsNewLayer_andTheSnapshotsDiskUntouched', async () => {
@@ -546,8 +571,8 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await digest(join(s1.dir, 'disk.qcow2'))).toBe(diskBefore);
     const s2 = await driver.snapshot('k2', 'snap-k2-next');
     await childrenSee([
-      { of: s1, id: 'k2g', script: 'cat /data/one; test -e /data/two || echo no-two', out: 'one\nno-two' },
-      { of: s2, id: 'k2h', script: 'cat /data/one /data/two', out: 'one\ntwo' },
+      { of: s1, id: 'k2g', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one; test -e /data/two || echo no-two', out: 'one\nno-two' },
+      { of: s2, id: 'k2h', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two', out: 'one\ntwo' },
     ]);
     await driver.destroy('k2');
     await driver.deleteSnapshot(s2);

@@ -803,14 +803,23 @@ export class QemuVmmDriver implements VmmDriver {
         await killAndWait(recv.proc);
       }
       await rec.qmp.execute('migrate_cancel').catch(() => undefined);
-      if (linked && rec.qmp.closed === false && (await topDiskFile(rec.qmp).catch(() => undefined)) !== newDisk) await unlink(diskImg).catch(() => undefined);
-      await rec.qmp.execute('blockdev-del', { 'node-name': overlayNode }).catch(() => undefined);
       // A failure after blockdev-snapshot leaves the VM writing newDisk, whose header names its
-      // backing in the snapshot directory that goes now: merged back into the layer below first.
-      if (!rec.qmp.closed && (await topDiskFile(rec.qmp).catch(() => undefined)) === newDisk) {
-        await commitActiveLayer(rec.qmp, rec.diskPath, `ff-rollback-${snapshotId}`).catch((c: unknown) => rec.log.error({ err: String(c) }, 'merging the overlay of a failed snapshot back failed: the VM keeps writing it'));
+      // backing (diskImg) in the snapshot directory that goes now: merged back into the layer
+      // below first. Until then diskImg stays.
+      let onNewDisk = !rec.qmp.closed && (await topDiskFile(rec.qmp).catch(() => undefined)) === newDisk;
+      if (linked && !rec.qmp.closed && !onNewDisk) await unlink(diskImg).catch(() => undefined);
+      await rec.qmp.execute('blockdev-del', { 'node-name': overlayNode }).catch(() => undefined);
+      if (onNewDisk) {
+        try {
+          // The completed copy left the images inactive: writable again before the merge.
+          if ((await queryStatus(rec.qmp)) !== 'running') await reactivate(rec.qmp, keepPaused);
+          await commitActiveLayer(rec.qmp, rec.diskPath, `ff-rollback-${snapshotId}`);
+          onNewDisk = false;
+        } catch (c) {
+          rec.log.error({ err: String(c) }, 'merging the overlay of a failed snapshot back failed: the VM keeps writing it');
+        }
       }
-      if (rec.qmp.closed || (await topDiskFile(rec.qmp).catch(() => newDisk)) !== newDisk) await rm(newDisk, { force: true });
+      if (!onNewDisk) await rm(newDisk, { force: true });
       if (!rec.qmp.closed && (await queryStatus(rec.qmp).catch(() => '')) !== 'running' && !keepPaused) {
         await contAfterMigration(rec.qmp).catch(() => undefined);
       }
@@ -1560,8 +1569,7 @@ export class QemuVmmDriver implements VmmDriver {
     if (p.info.state === 'running' && status !== 'running') {
       // Stopped by an operation the previous agent died in (a snapshot's copy, a pause it had
       // not recorded yet): the VM runs again, as recorded; a redelivered step redoes its own pause.
-      await qmp.execute('migrate_cancel').catch(() => undefined);
-      await contAfterMigration(qmp);
+      await reactivate(qmp, false);
       log.warn({ status }, 'adopted VM was stopped mid-operation: resumed');
       status = await queryStatus(qmp);
     }
@@ -1580,6 +1588,8 @@ export class QemuVmmDriver implements VmmDriver {
         log.warn({ recorded: p.diskPath, snapshotId: of }, 'VM was recorded before its finished snapshot: now on that snapshot\'s new layer');
         p = { ...p, diskPath: top, dependsOn: p.dependsOn.includes(of) ? p.dependsOn : [of, ...p.dependsOn] };
       } else {
+        // A paused VM's images may still be inactive (a migration stopped it): writable first.
+        if (status !== 'running') await reactivate(qmp, true);
         await commitActiveLayer(qmp, p.diskPath, `ff-rollback-${p.info.vmId}`);
         await unlink(top).catch(() => undefined);
         log.warn({ recorded: p.diskPath, overlay: top }, 'VM wrote a disk overlay of an interrupted snapshot: merged it back into its layer');
@@ -1812,6 +1822,17 @@ async function writeJsonAtomic(path: string, value: unknown): Promise<void> {
   const tmp = `${path}.tmp`;
   await writeFile(tmp, JSON.stringify(value, null, 2));
   await rename(tmp, path);
+}
+
+/**
+ * Makes a stopped VM's disk images writable again: QEMU inactivates them when a migration
+ * completes, and only `cont` activates them (QEMU 7.2 has no command for it alone). The VM
+ * is stopped again at once when it is to stay paused (it runs for one QMP round trip).
+ */
+async function reactivate(qmp: QmpClient, stayPaused: boolean): Promise<void> {
+  await qmp.execute('migrate_cancel').catch(() => undefined);
+  await contAfterMigration(qmp);
+  if (stayPaused) await qmp.execute('stop');
 }
 
 /**
