@@ -193,15 +193,19 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
       got.push(w);
       ctl.ack();
     });
-    await bus.forgetHost('host-a');
-    const jsm = await sched.jetstreamManager();
-    for (let i = 0; i < 100; i++) {
-      if (await jsm.consumers.info(STREAM_WORK, workConsumer('host-a')).then(() => true, () => false)) break;
-      await sleep(100);
+    // Stopped whatever happens: a consumer left running would take the next test's work.
+    try {
+      await bus.forgetHost('host-a');
+      const jsm = await sched.jetstreamManager();
+      for (let i = 0; i < 100; i++) {
+        if (await jsm.consumers.info(STREAM_WORK, workConsumer('host-a')).then(() => true, () => false)) break;
+        await sleep(100);
+      }
+      await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-after-removal', stepId: 'create', attempt: 1 }));
+      await waitUntil('work after the queue came back', () => got.find((w) => w.opId === 'op-after-removal'));
+    } finally {
+      await stop();
     }
-    await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-after-removal', stepId: 'create', attempt: 1 }));
-    await waitUntil('work after the queue came back', () => got.find((w) => w.opId === 'op-after-removal'));
-    await stop();
   });
 
   it('exec_whenNoAgentServesTheHost_failsFastAsUnavailable', async () => {

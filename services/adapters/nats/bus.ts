@@ -94,11 +94,24 @@ export class NatsWorkBus implements WorkBus {
   }
 
   async forgetHost(hostId: string): Promise<void> {
-    try {
-      await this.jsm.consumers.delete(STREAM_WORK, workConsumer(hostId));
-    } catch (e) {
-      // Already gone (never made, or deleted by an earlier call): nothing to do.
-      if (!/consumer not found/i.test((e as Error).message)) throw new ForkfleetError('unavailable', `deleting the work queue of host ${hostId}: ${(e as Error).message}`, { cause: e });
+    for (let attempt = 1; ; attempt++) {
+      try {
+        await this.jsm.consumers.delete(STREAM_WORK, workConsumer(hostId));
+        break;
+      } catch (e) {
+        const msg = (e as Error).message;
+        // Already gone (never made, or deleted by an earlier call): nothing to do.
+        if (/consumer not found/i.test(msg)) break;
+        // A nats-server without its PR 7886 (the Debian 12 one) does not retry removing the
+        // consumer's directory when a last state write lands in it, and answers "directory
+        // not empty". The consumer is out of the stream by then (it is removed before its
+        // store): asked again, the server says "not found".
+        if (/directory not empty/i.test(msg) && attempt < 5) {
+          await new Promise((r) => setTimeout(r, 50 * attempt));
+          continue;
+        }
+        throw new ForkfleetError('unavailable', `deleting the work queue of host ${hostId}: ${msg}`, { cause: e });
+      }
     }
     await this.jsm.streams.purge(STREAM_WORK, { filter: subjects.work(hostId) });
   }
