@@ -283,7 +283,10 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     await waitFor('reaped sandbox lost', lost(b.id), 60_000, 200);
     expect((await api.getSandbox({ tenantId, sandboxId: b.id })).stateReason).toMatch(/no longer runs its VM \(its agent restarted\)/);
     expect(await allocated()).toBe(before - 512n);
+    // Destroying a lost sandbox releases nothing more: its booking went when it was lost.
     for (const id of [a.id, b.id]) await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    for (const id of [a.id, b.id]) expect((await api.getSandbox({ tenantId, sandboxId: id })).state).toBe(SandboxState.DESTROYED);
+    expect(await allocated()).toBe(before - 512n);
   }, 300_000);
 
   it('ttl_countsRunningTimeOnly_pausedTimeDoesNotExpireTheSandbox', async () => {

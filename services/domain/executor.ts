@@ -10,7 +10,7 @@ import { create, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
-import { canTransition, isTerminal } from './records.ts';
+import { canTransition, HOLDS_CAPACITY, isTerminal } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
@@ -1532,17 +1532,22 @@ export class Executor {
     const sb = sbv.value;
     if (sb.state === 'hibernating' || sb.state === 'waking') throw new WrongStateError('sandbox', sb.id, sb.state, 'still busy after the step timeout; retry the destroy');
     if (sb.state === 'destroyed') return this.finish(op, { sandboxIds: [sb.id] }, null);
-    // The state the guarded write to destroying found (a lost sandbox may have been reclaimed
-    // since the read above): it says whether a VM runs and capacity is booked.
-    let before: SandboxState = sb.state;
     if (sb.state !== 'destroying') {
-      await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'destroying', this.deps.clock.now()), (_s, prev) => {
-        before = prev.state;
-        return [];
+      // The state the guarded write found (a lost sandbox may have been reclaimed since the
+      // read above) says whether a VM runs and capacity is booked. A sandbox with neither
+      // (lost, hibernated, failed, pending) is destroyed in that one write: `destroying` always
+      // means "VM and booking still there", so a re-run of this op after a failover releases
+      // only what is held (a lost sandbox's booking went when it was marked lost).
+      let before: SandboxState = sb.state;
+      await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        before = s.state;
+        if (HOLDS_CAPACITY.has(s.state)) return this.setState(s, 'destroying', this.deps.clock.now());
+        this.setState(s, 'destroyed', this.deps.clock.now());
+        s.opId = '';
       });
+      if (!HOLDS_CAPACITY.has(before)) return this.finish(op, { sandboxIds: [sb.id] }, null);
     }
-    const heldCapacity = ['starting', 'running', 'paused', 'hibernating', 'destroying'].includes(before);
-    if (sb.hostId && before !== 'lost') await this.step(op, 'destroy', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+    if (sb.hostId) await this.step(op, 'destroy', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
     await this.finish(
       op,
       { sandboxIds: [sb.id] },
@@ -1555,7 +1560,7 @@ export class Executor {
           s.opId = '';
         },
         undefined,
-        heldCapacity ? this.capacity(sb.hostId, sb.resources, -1) : undefined,
+        this.capacity(sb.hostId, sb.resources, -1),
       ),
     );
   }

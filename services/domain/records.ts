@@ -40,12 +40,12 @@ export type SandboxState =
   | 'lost';
 
 export const SANDBOX_TRANSITIONS: Readonly<Record<SandboxState, readonly SandboxState[]>> = {
-  pending: ['starting', 'failed', 'destroying'],
+  pending: ['starting', 'failed', 'destroying', 'destroyed'],
   starting: ['running', 'failed', 'destroying'],
   running: ['paused', 'hibernating', 'destroying', 'failed', 'lost'],
   paused: ['running', 'hibernating', 'destroying', 'lost'],
   hibernating: ['hibernated', 'running', 'failed', 'lost'],
-  hibernated: ['waking', 'destroying'],
+  hibernated: ['waking', 'destroying', 'destroyed'],
   waking: ['running', 'failed', 'hibernated', 'destroying'],
   destroying: ['destroyed', 'failed'],
   failed: ['destroying', 'destroyed'],
