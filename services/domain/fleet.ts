@@ -625,7 +625,18 @@ export class Fleet {
   async drainHost(key: string, hostId: string, migrate: boolean): Promise<OperationRec> {
     const prior = await this.existingOp('admin', key);
     if (prior) return prior;
-    await this.cordonHost(hostId, true);
-    return this.submit('admin', key, 'drain', hostId, { migrate });
+    // The cordon and the drain op commit together: a crash between them cannot leave a host
+    // cordoned with nothing draining it. A conflict (the host record changed) re-reads.
+    for (let i = 0; i < 10; i++) {
+      const v = await this.deps.store.getHost(hostId);
+      if (!v) throw new NotFoundError('host', hostId);
+      const cordon: StoreWrite = { kind: 'host', value: { ...v.value, cordoned: true }, expectRevision: v.modRevision };
+      try {
+        return await this.submit('admin', key, 'drain', hostId, { migrate }, [cordon], true);
+      } catch (e) {
+        if (!(e instanceof ForkfleetError && e.kind === 'aborted')) throw e;
+      }
+    }
+    throw new ForkfleetError('aborted', `host ${hostId} is changing too often; retry`, { retryable: true });
   }
 }
