@@ -13,7 +13,7 @@
 // so a damaged file never passes as valid. See docs/adr/0007-chunk-format.md.
 import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
 import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
-import { dirname, join } from 'node:path';
+import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, ManifestStore, SweepStats } from '../../domain/snapshot-store.ts';
@@ -26,6 +26,7 @@ import { writeSparse } from './sparse.ts';
 import { encodeHeader, HEADER, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 import { isAlive } from '../qemu/process.ts';
+import { fsyncAll } from '../durable.ts';
 
 /** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
 const READ_HEADROOM = 48;
@@ -57,34 +58,6 @@ async function writeFileVia(tmpDir: string, final: string, parts: readonly Uint8
     await fh.close();
   }
   await rename(tmp, final);
-}
-
-async function fsyncPath(p: string): Promise<void> {
-  let fh;
-  try {
-    fh = await open(p, 'r');
-  } catch (e) {
-    if (isNotFound(e)) return; // swept or quarantined since: nothing to make durable
-    throw e;
-  }
-  try {
-    await fh.sync();
-  } finally {
-    await fh.close();
-  }
-}
-
-/** fsyncs `paths` (files, then the directories that hold them) with bounded concurrency. */
-export async function fsyncAll(paths: Iterable<string>, concurrency = 16): Promise<void> {
-  const files = [...paths];
-  const dirs = [...new Set(files.map((f) => dirname(f)))];
-  for (const list of [files, dirs]) {
-    let next = 0;
-    const worker = async (): Promise<void> => {
-      while (next < list.length) await fsyncPath(list[next++] as string);
-    };
-    await Promise.all(Array.from({ length: Math.min(concurrency, list.length) }, worker));
-  }
 }
 
 /** Where a chunk's plain bytes go: offsets in files open for writing (by fd). */

@@ -25,7 +25,8 @@ import type { ChunkStore, DigestHex, LiveRoots, Lease, ManifestStore } from '../
 import type { ChunkPlacer, ChunkSink } from '../../domain/transfer.ts';
 import { ChunkCorruptError, ManifestNotFoundError } from '../../domain/transfer-errors.ts';
 import { verifyManifest, type TrustedKeys } from '../../domain/tickets.ts';
-import { fsyncAll, type ImagePlaces } from './fs-store.ts';
+import { type ImagePlaces } from './fs-store.ts';
+import { fsyncAll } from '../durable.ts';
 import { writeSparse } from './sparse.ts';
 
 export interface MaterialisedSnapshot {
@@ -266,15 +267,10 @@ export class Materialiser {
 
   /** Durable marker: "images/<id> may not be on disk yet" (see the header comment). */
   private async markUnsynced(snapshotId: string): Promise<void> {
+    // Written in place (a torn marker reads as another boot's: the image is rebuilt).
     const marker = join(this.unsyncedDir, snapshotId);
-    const fh = await open(marker, 'w');
-    try {
-      await fh.writeFile(this.boot);
-      await fh.sync();
-    } finally {
-      await fh.close();
-    }
-    await fsyncDir(this.unsyncedDir);
+    await writeFile(marker, this.boot);
+    await fsyncAll([marker]);
   }
 
   /**
@@ -290,14 +286,5 @@ export class Materialiser {
       removed.push(id);
     }
     return removed;
-  }
-}
-
-async function fsyncDir(dir: string): Promise<void> {
-  const fh = await open(dir, 'r');
-  try {
-    await fh.sync();
-  } finally {
-    await fh.close();
   }
 }

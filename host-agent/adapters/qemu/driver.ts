@@ -4,8 +4,9 @@
 //   vms/<vmId>/        vm.json, qemu.<gen>.pid, qmp.<gen>.sock, qga.<gen>.sock, serial.log,
 //                      qemu.<gen>.log, disk.<gen>.qcow2 and, for a VM booted from an image,
 //                      mem.<gen>.img (share=on). <gen> grows when a snapshot replaces the process.
-//   snapshots/<id>/    manifest.json (written last: its presence means complete), mem.img,
-//                      state.bin, disk.qcow2, all 0444 and never written again.
+//   snapshots/<id>/    manifest.json (written last, after an fsync of the rest: its presence
+//                      means complete), mem.img, state.bin, disk.qcow2, all 0444 and never
+//                      written again.
 // Invariant: a VM record exists exactly while its workdir exists; the pid files in a workdir
 // name every QEMU that may still run for it, so recover() can adopt or reap after a restart.
 import { createHash, randomBytes } from 'node:crypto';
@@ -63,6 +64,7 @@ import { QmpClient, type QmpEvent } from '../qmp/client.ts';
 import { fingerprint, qemuArgs, type QemuLaunch } from './cmdline.ts';
 import { RamPool, ramDirFor, ramFileOf } from './ram-pool.ts';
 import { inNewNetns } from '../netns/netns.ts';
+import { fsyncAll, writeFileDurable } from '../durable.ts';
 import { EgressManager, type EgressOptions } from '../netns/egress.ts';
 import { DEFAULT_STANDBY_POLICY, StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
 import {
@@ -589,9 +591,13 @@ export class QemuVmmDriver implements VmmDriver {
         }
         rec.dependsOn = [snapshotId, ...rec.dependsOn];
         await writeJsonAtomic(join(dir, 'image.json'), rec.image);
-        for (const f of ['mem.img', 'state.bin', 'disk.qcow2', 'image.json']) await chmod(join(dir, f), 0o444);
-        await writeJsonAtomic(join(dir, 'manifest.json'), manifest);
-        await chmod(join(dir, 'manifest.json'), 0o444);
+        const files = ['mem.img', 'state.bin', 'disk.qcow2', 'image.json'].map((f) => join(dir, f));
+        for (const f of files) await chmod(f, 0o444);
+        // manifest.json says "complete", also after an OS crash: the files it names reach the
+        // disk first (fsync; ~75 ms for 160 MB here, nothing for a RAM-pool memory file), and
+        // it is itself written durably (temp, fsync, rename, fsync of the directory).
+        await fsyncAll(files);
+        await writeFileDurable(join(dir, 'manifest.json'), JSON.stringify(manifest, null, 2), 0o444);
         this.setState(rec, before);
         await this.persist(rec);
         rec.log.info({ snapshotId, method: manifest.method, pauseMs: result.pauseMs }, 'snapshot taken');
