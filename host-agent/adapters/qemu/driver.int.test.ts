@@ -83,6 +83,7 @@ async function allFiles(dir: string): Promise<string[]> {
 
 /** Set by a test to look at a receiver snapshot's source while it is stopped after the copy. */
 let onSnapshotCopied: ((e: { snapshotId: string; qmp: QmpClient }) => Promise<void>) | undefined;
+let onSnapshotStage: ((e: { snapshotId: string; stage: 'armed' | 'loaded' | 'switched'; replacement: QmpClient }) => Promise<void>) | undefined;
 
 /**
  * The 4 KiB pages (by guest-physical page number) in which a dump of guest-physical memory
@@ -102,7 +103,7 @@ async function differingPages(dump: string, image: string): Promise<number[]> {
 
 const COUNTER = "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' </dev/null >/dev/null 2>&1 &";
 
-const newDriver = (): QemuVmmDriver => new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve() });
+const newDriver = (): QemuVmmDriver => new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve(), snapshotStage: (e) => onSnapshotStage?.(e) ?? Promise.resolve() });
 
 /** A new agent's driver on the same root after the old one died (`detach`ed first, unless `dead`): it recovers, and becomes `driver`. */
 async function restartAgent(opts: { dead?: boolean } = {}): Promise<RecoveryReport> {
@@ -577,6 +578,64 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.destroy('k2');
     await driver.deleteSnapshot(s2);
     await driver.deleteSnapshot(s1);
+  });
+
+  it('recover_afterAgentKillInATemplateSnapshot_undoesItBeforeTheSourceStops_sealsItOnceTheReplacementRuns', async () => {
+    const qemusOf = async (vmId: string): Promise<number> => (await Promise.all((await ourProcesses()).map(async (pid) => (await cmdlineOf(pid))?.some((a) => a.includes(`/vms/${vmId}/`))))).filter(Boolean).length;
+    /** Runs a template snapshot until `stage`, where the agent dies. */
+    const dieAt = async (vmId: string, snapshotId: string, stage: 'armed' | 'loaded' | 'switched'): Promise<void> => {
+      let died: () => void = () => undefined;
+      const dead = new Promise<void>((r) => (died = r));
+      onSnapshotStage = async (e) => {
+        if (e.snapshotId !== snapshotId || e.stage !== stage) return;
+        driver.detach();
+        e.replacement.close(); // a dead agent's connections close
+        died();
+        await new Promise(() => undefined); // a dead agent runs no more of the snapshot
+      };
+      void driver.snapshot(vmId, snapshotId).catch(() => undefined);
+      await dead;
+      onSnapshotStage = undefined;
+    };
+    /** After the restart: the VM runs its replacement, on the sealed snapshot, which the redelivered step gets and whose child sees the VM's state. */
+    const sealedAndRunning = async (vmId: string, snapshotId: string): Promise<void> => {
+      expect(await qemusOf(vmId)).toBe(1);
+      expect(driver.get(vmId)).toMatchObject({ state: 'running', baseSnapshotId: snapshotId });
+      expect(await sh(vmId, 'cat /dev/shm/mark')).toBe(vmId);
+      const sealed = await driver.snapshot(vmId, snapshotId);
+      expect(sealed.manifest).toMatchObject({ snapshotId, method: 'shared-file', sourceVmId: vmId });
+      await childrenSee([{ of: sealed, id: `${vmId}c`, script: 'cat /dev/shm/mark; echo 3 > /proc/sys/vm/drop_caches; cat /data/mark', out: `${vmId}\n${vmId}-disk` }]);
+      await driver.destroy(vmId);
+      await driver.deleteSnapshot(sealed);
+    };
+    try {
+      for (const vmId of ['tp2', 'tp3']) {
+        await driver.create({ vmId, image, memoryMib: MEM, vcpus: 1, hostname: vmId });
+        await sh(vmId, `echo ${vmId} > /dev/shm/mark && echo ${vmId}-disk > /data/mark && sync`);
+      }
+      // 1. Killed with the replacement QEMU ready and the source not yet stopped: undone. The
+      //    replacement is gone, the VM runs on its own memory file, the half-made snapshot goes.
+      await dieAt('tp2', 'snap-tp2-armed', 'armed');
+      expect(await qemusOf('tp2')).toBe(2);
+      const r1 = await restartAgent({ dead: true });
+      expect(r1.adopted).toEqual(expect.arrayContaining(['tp2', 'tp3']));
+      expect(r1.reaped).toContain('snapshot:snap-tp2-armed');
+      expect(await qemusOf('tp2')).toBe(1);
+      expect(driver.get('tp2')?.state).toBe('running');
+      expect(driver.get('tp2')?.baseSnapshotId).not.toBe('snap-tp2-armed');
+      expect(await sh('tp2', 'cat /dev/shm/mark /data/mark')).toBe('tp2\ntp2-disk');
+      // 2. Killed once the source is gone and the replacement has the device state, vm.json
+      //    still naming the source: the restarted agent moves the VM onto the replacement.
+      await dieAt('tp2', 'snap-tp2-loaded', 'loaded');
+      expect((await restartAgent({ dead: true })).adopted).toEqual(expect.arrayContaining(['tp2', 'tp3']));
+      await sealedAndRunning('tp2', 'snap-tp2-loaded');
+      // 3. Killed after vm.json names the replacement, before the manifest.
+      await dieAt('tp3', 'snap-tp3-switched', 'switched');
+      expect((await restartAgent({ dead: true })).adopted).toEqual(expect.arrayContaining(['tp3']));
+      await sealedAndRunning('tp3', 'snap-tp3-switched');
+    } finally {
+      onSnapshotStage = undefined;
+    }
   });
 
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
