@@ -296,6 +296,17 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 120_000);
 
+  it('destroy_twiceAtOnceUnderDifferentKeys_destroysOnceAndReleasesTheBookingOnce', async () => {
+    const op = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 6, placement: { spread: Spread.SPREAD } }));
+    const kids = op.result.case === 'fork' ? op.result.value.children : [];
+    expect(kids).toHaveLength(6);
+    // A user's destroy and a TTL's, say: two operations on the same sandbox at once.
+    const destroys = await Promise.all(kids.flatMap((k) => [0, 1].map(() => api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: k.id }))));
+    for (const f of await Promise.all(destroys.map((d) => wait(api, d)))) expect(f.state).toBe(OperationState.SUCCEEDED);
+    for (const k of kids) expect((await store.getSandbox(tenantId, k.id))?.value.state).toBe('destroyed');
+    await assertConsistent();
+  });
+
   it('forks_thatFinishBeforeTheirOwnWatchEventsArrive_runOnceAndSucceed', async () => {
     // Agents that answer at once, with no files (FF_FAKE_STATE=memory): an op can end before
     // the leader's watch has delivered its earlier writes. Those late, unfinished copies must

@@ -1298,7 +1298,9 @@ export class Executor {
       this.capacity(hostId, sb.resources, -1),
     ).catch(async (err: unknown) => {
       this.log.warn({ err, sandboxId: sb.id }, 'could not mark sandbox failed');
-      await this.releaseCapacity(hostId, sb.resources);
+      // Whoever moved the record on (a destroy) releases its booking, or did: released here
+      // only if the record is gone.
+      if (!(await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => 'unknown' as const))) await this.releaseCapacity(hostId, sb.resources);
     });
   }
 
@@ -1532,35 +1534,46 @@ export class Executor {
     const sb = sbv.value;
     if (sb.state === 'hibernating' || sb.state === 'waking') throw new WrongStateError('sandbox', sb.id, sb.state, 'still busy after the step timeout; retry the destroy');
     if (sb.state === 'destroyed') return this.finish(op, { sandboxIds: [sb.id] }, null);
+    // The record as the guarded write found it: host, resources and state may have changed
+    // since the read above (a lost sandbox reclaimed, a pending one placed by its create).
+    let cur = sb;
     if (sb.state !== 'destroying') {
-      // The state the guarded write found (a lost sandbox may have been reclaimed since the
-      // read above) says whether a VM runs and capacity is booked. A sandbox with neither
-      // (lost, hibernated, failed, pending) is destroyed in that one write: `destroying` always
-      // means "VM and booking still there", so a re-run of this op after a failover releases
-      // only what is held (a lost sandbox's booking went when it was marked lost).
+      // A sandbox with no booking (lost, hibernated, failed, pending) is destroyed in that one
+      // write: `destroying` always means "VM and booking still there", so a re-run of this op
+      // after a failover releases only what is held (a lost sandbox's booking went when it
+      // was marked lost, a failed one's when it failed).
       let before: SandboxState = sb.state;
-      await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+      cur = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
         before = s.state;
         if (HOLDS_CAPACITY.has(s.state)) return this.setState(s, 'destroying', this.deps.clock.now());
         this.setState(s, 'destroyed', this.deps.clock.now());
         s.opId = '';
       });
-      if (!HOLDS_CAPACITY.has(before)) return this.finish(op, { sandboxIds: [sb.id] }, null);
+      if (!HOLDS_CAPACITY.has(before)) {
+        // A failed start may still have made its VM (a step that timed out here and finished
+        // there), and a lost one may be back: its host is told to stop it, without waiting
+        // (the host may be gone; its queue keeps the step until it returns or is removed).
+        if ((before === 'failed' || before === 'lost') && cur.hostId) await this.sendHostWork(cur.hostId, op.id, cur.tenantId, `destroy/${before}`, { case: 'destroyVm', value: { sandboxId: cur.id } as never }, `could not tell the host to stop a ${before} sandbox's VM`);
+        return this.finish(op, { sandboxIds: [cur.id] }, null);
+      }
     }
-    if (sb.hostId) await this.step(op, 'destroy', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+    const { hostId, resources } = cur;
+    if (hostId) await this.step(op, 'destroy', hostId, { case: 'destroyVm', value: { sandboxId: cur.id } as never });
     await this.finish(
       op,
-      { sandboxIds: [sb.id] },
+      { sandboxIds: [cur.id] },
       null,
       undefined,
       this.sandboxWrite(
-        sb,
+        cur,
         (s) => {
           this.setState(s, 'destroyed', this.deps.clock.now());
           s.opId = '';
         },
         undefined,
-        this.capacity(sb.hostId, sb.resources, -1),
+        // Only what this write takes from `destroying` is released: a concurrent destroy that
+        // finished first, or a failing start that released when it wrote `failed`, did it.
+        async (_next, prev) => (prev.state === 'destroying' ? this.capacity(hostId, resources, -1)() : []),
       ),
     );
   }

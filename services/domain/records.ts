@@ -40,20 +40,23 @@ export type SandboxState =
   | 'lost';
 
 export const SANDBOX_TRANSITIONS: Readonly<Record<SandboxState, readonly SandboxState[]>> = {
-  pending: ['starting', 'failed', 'destroying', 'destroyed'],
+  pending: ['starting', 'failed', 'destroyed'],
   starting: ['running', 'failed', 'destroying'],
   running: ['paused', 'hibernating', 'destroying', 'failed', 'lost'],
   paused: ['running', 'hibernating', 'destroying', 'lost'],
   hibernating: ['hibernated', 'running', 'failed', 'lost'],
-  hibernated: ['waking', 'destroying', 'destroyed'],
+  hibernated: ['waking', 'destroyed'],
   waking: ['running', 'failed', 'hibernated', 'destroying'],
   destroying: ['destroyed', 'failed'],
-  failed: ['destroying', 'destroyed'],
-  lost: ['running', 'paused', 'waking', 'destroying', 'destroyed'],
+  failed: ['destroyed'],
+  lost: ['running', 'paused', 'waking', 'destroyed'],
   destroyed: [],
 };
 
-/** States in which the sandbox holds a VM and booked capacity on `hostId`. */
+/**
+ * States in which the sandbox holds a VM and booked capacity on `hostId`. Only these become
+ * `destroying`; the others are destroyed in one write (Executor.runDestroy).
+ */
 export const HOLDS_CAPACITY: ReadonlySet<SandboxState> = new Set(['starting', 'running', 'paused', 'hibernating', 'destroying']);
 
 export function canTransition(from: SandboxState, to: SandboxState): boolean {
