@@ -609,7 +609,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
       await driver.deleteSnapshot(sealed);
     };
     try {
-      for (const vmId of ['tp2', 'tp3']) {
+      for (const vmId of ['tp2', 'tp3', 'tp4']) {
         await driver.create({ vmId, image, memoryMib: MEM, vcpus: 1, hostname: vmId });
         await sh(vmId, `echo ${vmId} > /dev/shm/mark && echo ${vmId}-disk > /data/mark && sync`);
       }
@@ -631,8 +631,17 @@ describe('QemuVmmDriver (real QEMU)', () => {
       await sealedAndRunning('tp2', 'snap-tp2-loaded');
       // 3. Killed after vm.json names the replacement, before the manifest.
       await dieAt('tp3', 'snap-tp3-switched', 'switched');
-      expect((await restartAgent({ dead: true })).adopted).toEqual(expect.arrayContaining(['tp3']));
+      expect((await restartAgent({ dead: true })).adopted).toEqual(expect.arrayContaining(['tp3', 'tp4']));
       await sealedAndRunning('tp3', 'snap-tp3-switched');
+      // 4. Not killed: failing after the switch (a guest agent that does not come back, say).
+      //    The step fails, but the VM runs from the snapshot's files: they are sealed.
+      onSnapshotStage = async (e) => {
+        if (e.snapshotId === 'snap-tp4-failed' && e.stage === 'switched') throw new Error('failed after the switch');
+      };
+      await expect(driver.snapshot('tp4', 'snap-tp4-failed')).rejects.toThrow(/after the switch/);
+      onSnapshotStage = undefined;
+      expect(JSON.parse(await readFile(join(root, 'snapshots', 'snap-tp4-failed', 'manifest.json'), 'utf8'))).toMatchObject({ snapshotId: 'snap-tp4-failed' });
+      await sealedAndRunning('tp4', 'snap-tp4-failed');
     } finally {
       onSnapshotStage = undefined;
     }

@@ -570,23 +570,18 @@ export class QemuVmmDriver implements VmmDriver {
     return this.locked(vmId, async (rec) => {
       const before = rec.info.state;
       if (before !== 'running' && before !== 'paused') throw new InvalidVmStateError(vmId, before, 'snapshot');
+      // A template snapshot that failed after the VM switched onto it and could not be sealed
+      // then: its files are complete (the VM runs from them); sealed before anything else, so
+      // that this one (maybe its retry) does not build on an unsealed parent.
+      await this.sealSwitched(rec);
+      const qemuVersion = await this.qemuVersion();
       const dir = join(this.snapshotsDir, snapshotId);
       await mkdir(this.snapshotsDir, { recursive: true });
       try {
         await mkdir(dir);
       } catch (e) {
-        if ((e as NodeJS.ErrnoException).code === 'EEXIST') {
-          // A template snapshot that failed after the VM switched onto it: its files are
-          // complete (the VM runs from them); only the seal is missing.
-          const sw = rec.switching;
-          if (sw?.manifest.snapshotId === snapshotId && sw.gen === rec.gen) {
-            await sealSnapshot(dir, rec.image, sw.manifest);
-            rec.switching = undefined;
-            await this.persist(rec);
-          }
-          // Idempotent: the same snapshot taken before is returned as it is.
-          return this.openSnapshot(dir);
-        }
+        // Idempotent: the same snapshot taken before is returned as it is.
+        if ((e as NodeJS.ErrnoException).code === 'EEXIST') return this.openSnapshot(dir);
         throw e;
       }
       this.setState(rec, 'snapshotting');
@@ -598,7 +593,7 @@ export class QemuVmmDriver implements VmmDriver {
         parentSnapshotId: rec.dependsOn[0] ?? null,
         sourceVmId: vmId,
         createdAt: new Date(this.opts.clock.now()).toISOString(),
-        config: fingerprint(rec.info.accel, rec.info.memoryMib, rec.info.vcpus, await this.qemuVersion()),
+        config: fingerprint(rec.info.accel, rec.info.memoryMib, rec.info.vcpus, qemuVersion),
         image: { name: rec.image.name, recipeHash: rec.image.recipeHash, kernelArgs: rec.kernelArgs },
         files: { memory: 'mem.img', deviceState: 'state.bin', disk: 'disk.qcow2' },
         diskVirtualSize: rec.image.diskVirtualSize,
@@ -627,15 +622,30 @@ export class QemuVmmDriver implements VmmDriver {
       } catch (e) {
         rec.log.error({ snapshotId, err: String(e) }, 'snapshot failed');
         if (rec.info.state === 'snapshotting') this.setState(rec, rec.qmp.closed ? 'crashed' : before);
-        // vm.json was rewritten for a template snapshot: it says what is true now (the undone
-        // or the switched VM; after a switch, `switching` stays until a retry or recover() seals).
+        // A template VM that switched onto the snapshot runs from its files, which are
+        // complete: sealed (the step still fails; a retry gets the snapshot). If even that
+        // fails, `switching` stays in vm.json for the next snapshot or recover().
+        await this.sealSwitched(rec).catch((c: unknown) => rec.log.error({ snapshotId, err: String(c) }, 'sealing the switched snapshot failed'));
+        // A replacement whose guest agent was not connected yet: its socket, for later calls.
+        if (!rec.agent && !rec.qmp.closed && rec.memPath.startsWith(`${dir}/`)) rec.agent = await GuestAgentClient.connect(join(rec.info.workdir, `qga.${rec.gen}.sock`)).catch(() => undefined);
+        // vm.json was rewritten for a template snapshot: it says what is true now.
         if (draft.method === 'shared-file') await this.persist(rec).catch(() => undefined);
-        // A template VM that switched onto the snapshot maps its files: they stay (without a
-        // manifest, the directory is no snapshot; the VM's record keeps it).
-        if (!rec.memPath.startsWith(`${dir}/`)) await rm(dir, { recursive: true, force: true });
+        // The VM may depend on the directory (its memory file, or its disk layer's backing):
+        // then it stays, named in the VM's dependsOn.
+        if (!rec.dependsOn.includes(snapshotId)) await rm(dir, { recursive: true, force: true });
         throw e;
       }
     });
+  }
+
+  /** Seals the template snapshot the VM switched onto, if one is left unsealed (VmPersisted.switching). */
+  private async sealSwitched(rec: VmRecord): Promise<void> {
+    const sw = rec.switching;
+    if (!sw || sw.gen !== rec.gen) return;
+    const dir = join(this.snapshotsDir, sw.manifest.snapshotId);
+    if (!(await stat(join(dir, 'manifest.json')).then(() => true, () => false))) await sealSnapshot(dir, rec.image, sw.manifest);
+    rec.switching = undefined;
+    await this.persist(rec);
   }
 
   /**
@@ -653,14 +663,19 @@ export class QemuVmmDriver implements VmmDriver {
     const newDisk = join(rec.info.workdir, `disk.${snapshotId}.qcow2`);
     // Recorded first: an agent killed anywhere below leaves recover() what to undo or finish.
     rec.switching = { gen: newGen, memPath: memImg, diskPath: newDisk, state: resumeTo, manifest: draft };
-    await this.persist(rec);
-    // A rename leaves the running QEMU's memory mapping untouched. The disk is hard-linked,
-    // not renamed: QEMU's file driver reopens images by name when migration inactivates them.
-    await rename(rec.memPath, memImg);
-    await link(rec.diskPath, diskImg).catch(async (e: unknown) => {
-      await rename(memImg, rec.memPath).catch(() => undefined);
+    let renamed = false;
+    try {
+      await this.persist(rec);
+      // A rename leaves the running QEMU's memory mapping untouched. The disk is hard-linked,
+      // not renamed: QEMU's file driver reopens images by name when migration inactivates them.
+      await rename(rec.memPath, memImg);
+      renamed = true;
+      await link(rec.diskPath, diskImg);
+    } catch (e) {
+      if (renamed) await rename(memImg, rec.memPath).catch(() => undefined);
+      rec.switching = undefined;
       throw e;
-    });
+    }
     const undo = async (): Promise<void> => {
       await rename(memImg, rec.memPath).catch(() => undefined);
       await unlink(diskImg).catch(() => undefined);
@@ -733,6 +748,7 @@ export class QemuVmmDriver implements VmmDriver {
     await unlink(rec.diskPath);
     src.close();
     rec.agent?.close();
+    rec.agent = undefined; // the source's; the replacement's is connected below
     rec.proc = repl.proc;
     rec.qmp = repl.qmp;
     rec.info.pid = repl.proc.pid;
@@ -1609,7 +1625,7 @@ export class QemuVmmDriver implements VmmDriver {
       const dir = join(this.snapshotsDir, snap);
       await this.reapWorkdir(join(dir, '.recv'));
       const complete = await stat(join(dir, 'manifest.json')).then(() => true, () => false);
-      if (!complete && ![...this.vms.values()].some((v) => v.memPath.startsWith(`${dir}/`))) {
+      if (!complete && ![...this.vms.values()].some((v) => v.memPath.startsWith(`${dir}/`) || v.dependsOn.includes(snap))) {
         await rm(dir, { recursive: true, force: true });
         report.reaped.push(`snapshot:${snap}`);
       }
@@ -1657,6 +1673,10 @@ export class QemuVmmDriver implements VmmDriver {
       await unlink(p.diskPath).catch(() => undefined); // hard-linked as the snapshot's disk
       await this.removeGenFiles(workdir, p.gen);
       p = { ...p, gen: sw.gen, memPath: sw.memPath, memShared: false, diskPath: sw.diskPath, info: { ...p.info, baseSnapshotId: id }, dependsOn: p.dependsOn.includes(id) ? p.dependsOn : [id, ...p.dependsOn] };
+    } else if (!(await this.livePid(workdir, sw.gen, p.launchDir))) {
+      // Not sealed on the word of a record alone: after an OS crash the memory file's and
+      // state's last writes may never have reached the disk. Reaped, the directory swept.
+      return undefined;
     }
     if (!(await stat(join(dir, 'manifest.json')).then(() => true, () => false))) await sealSnapshot(dir, p.image, sw.manifest);
     log.warn('agent died in a template snapshot after the VM switched onto it: snapshot sealed');
