@@ -1,9 +1,12 @@
-// Making files durable: fsync of files and the directories that name them, and a write that
-// survives an OS crash whole or not at all (temp file, fsync, rename, fsync of the directory).
-// A rename alone is atomic against a process kill, not against a power loss: without the
-// fsyncs the new name can survive with no data behind it.
-import { open, rename } from 'node:fs/promises';
-import { dirname } from 'node:path';
+// Making files durable: fsync of files and the directories that name them, a write that
+// survives an OS crash whole or not at all (writeFileDurable), and directories published
+// before their fsync and made durable in the background (DeferredSync). A rename
+// alone is atomic against a process kill, not against a power loss: without the fsyncs the
+// new name can survive with no data behind it.
+import { readdirSync, readFileSync, rmSync } from 'node:fs';
+import { mkdir, open, readdir, rename, unlink, writeFile } from 'node:fs/promises';
+import { dirname, join } from 'node:path';
+import type { Logger } from 'pino';
 
 async function fsyncPath(p: string): Promise<void> {
   let fh;
@@ -45,4 +48,88 @@ export async function writeFileDurable(path: string, data: string | Uint8Array, 
   }
   await rename(tmp, path);
   await fsyncPath(dirname(path));
+}
+
+/** The kernel's boot id: it changes when the OS restarts (a crash included). */
+export function bootId(): string {
+  try {
+    return readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim();
+  } catch {
+    return 'unknown';
+  }
+}
+
+/**
+ * Directories published before they are fsynced (readers get them from the page cache, which
+ * a process crash keeps), made durable in the background, safely across an OS crash: a marker
+ * `<markerDir>/<id>` holding the boot id is made durable before the directory is published
+ * (`mark`) and removed once a background fsync of the directory finished (`later`). At start
+ * (`recover`), a marker of this boot means "still in the page cache": synced again; a marker
+ * of another boot means the directory may be torn: the caller discards it.
+ */
+export class DeferredSync {
+  private readonly syncing = new Set<Promise<void>>();
+
+  constructor(
+    private readonly markerDir: string,
+    private readonly log?: Logger,
+    readonly boot = bootId(),
+  ) {}
+
+  /** Before `id`'s directory is published. Written in place: a torn marker reads as another boot's. */
+  async mark(id: string): Promise<void> {
+    const marker = join(this.markerDir, id);
+    await mkdir(this.markerDir, { recursive: true });
+    await writeFile(marker, this.boot);
+    await fsyncAll([marker]);
+  }
+
+  /** After it is published: fsyncs every file in `dir` and `dir` itself in the background, then drops the marker. */
+  later(id: string, dir: string): void {
+    const p = (async () => {
+      const files = await readdir(dir).catch(() => [] as string[]);
+      await fsyncAll([...files.map((f) => join(dir, f)), join(dir, '.')]);
+      await unlink(join(this.markerDir, id)).catch(() => undefined);
+    })().catch((e: unknown) => {
+      // The marker stays: after an OS crash the directory is discarded. Nothing else to do.
+      this.log?.warn({ id, err: (e as Error).message }, 'background fsync failed');
+    });
+    this.syncing.add(p);
+    void p.finally(() => this.syncing.delete(p));
+  }
+
+  /**
+   * At start: ids marked in this boot are synced again (`dirOf`); for ids marked in another
+   * boot, `discard` runs (it removes the directory), then the marker goes. Returns those ids.
+   */
+  recover(dirOf: (id: string) => string, discard: (id: string) => void): string[] {
+    const torn: string[] = [];
+    let ids: string[] = [];
+    try {
+      ids = readdirSync(this.markerDir);
+    } catch {
+      return []; // never marked anything
+    }
+    for (const id of ids) {
+      let boot = '';
+      try {
+        boot = readFileSync(join(this.markerDir, id), 'utf8');
+      } catch {
+        /* unreadable marker: another boot's */
+      }
+      if (boot === this.boot) {
+        this.later(id, dirOf(id));
+      } else {
+        discard(id);
+        rmSync(join(this.markerDir, id), { force: true });
+        torn.push(id);
+      }
+    }
+    return torn;
+  }
+
+  /** Resolves when every background fsync started so far has finished. */
+  async flush(): Promise<void> {
+    while (this.syncing.size > 0) await Promise.allSettled([...this.syncing]);
+  }
 }

@@ -14,8 +14,8 @@
 // kernel boot id is made durable first and removed once a background fsync of the image
 // finished. After an OS crash (different boot id) an image with a marker is discarded and
 // rebuilt from verified chunks, so a torn image is never restored.
-import { mkdirSync, readFileSync, readdirSync, rmSync } from 'node:fs';
-import { open, rename, rm, stat, mkdir, unlink, writeFile } from 'node:fs/promises';
+import { mkdirSync, readdirSync, rmSync } from 'node:fs';
+import { open, rename, rm, stat, mkdir, writeFile } from 'node:fs/promises';
 import type { FileHandle } from 'node:fs/promises';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
@@ -26,7 +26,7 @@ import type { ChunkPlacer, ChunkSink } from '../../domain/transfer.ts';
 import { ChunkCorruptError, ManifestNotFoundError } from '../../domain/transfer-errors.ts';
 import { verifyManifest, type TrustedKeys } from '../../domain/tickets.ts';
 import { type ImagePlaces } from './fs-store.ts';
-import { fsyncAll } from '../durable.ts';
+import { DeferredSync } from '../durable.ts';
 import { writeSparse } from './sparse.ts';
 
 export interface MaterialisedSnapshot {
@@ -51,14 +51,6 @@ export interface MaterialiserDeps {
   readonly syncInline?: boolean;
 }
 
-function bootId(): string {
-  try {
-    return readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim();
-  } catch {
-    return 'unknown';
-  }
-}
-
 function fileName(artifactName: string): string {
   return artifactName.replace(/[^A-Za-z0-9._-]/g, '_');
 }
@@ -66,53 +58,27 @@ function fileName(artifactName: string): string {
 export class Materialiser {
   private readonly imagesDir: string;
   private readonly tmpDir: string;
-  private readonly unsyncedDir: string;
-  private readonly boot = bootId();
   private readonly building = new Map<string, Promise<MaterialisedSnapshot>>();
-  private readonly syncing = new Set<Promise<void>>();
+  private readonly unsynced: DeferredSync;
 
   constructor(private readonly deps: MaterialiserDeps) {
     this.imagesDir = join(deps.root, 'images');
     this.tmpDir = join(deps.root, 'images-tmp');
-    this.unsyncedDir = join(deps.root, 'images-unsynced');
     mkdirSync(this.imagesDir, { recursive: true });
     rmSync(this.tmpDir, { recursive: true, force: true });
     mkdirSync(this.tmpDir, { recursive: true });
-    mkdirSync(this.unsyncedDir, { recursive: true });
-    for (const id of readdirSync(this.unsyncedDir)) {
-      let boot = '';
-      try {
-        boot = readFileSync(join(this.unsyncedDir, id), 'utf8');
-      } catch {
-        /* unreadable marker: treat as another boot's */
-      }
-      if (boot === this.boot) {
-        // Same boot: the page cache holds the whole image; finish making it durable.
-        this.syncLater(id, join(this.imagesDir, id));
-      } else {
-        // Written before an OS crash and never fsynced: may be torn. Rebuild on demand.
-        rmSync(join(this.imagesDir, id), { recursive: true, force: true });
-        rmSync(join(this.unsyncedDir, id), { force: true });
-      }
-    }
+    // Same boot: the page cache holds the whole image, it is synced again. Written before an
+    // OS crash and never fsynced: may be torn, removed (rebuilt on demand).
+    this.unsynced = new DeferredSync(join(deps.root, 'images-unsynced'), deps.log);
+    this.unsynced.recover(
+      (id) => join(this.imagesDir, id),
+      (id) => rmSync(join(this.imagesDir, id), { recursive: true, force: true }),
+    );
   }
 
   /** Resolves when every background image fsync started so far has finished. */
   async flush(): Promise<void> {
-    while (this.syncing.size > 0) await Promise.allSettled([...this.syncing]);
-  }
-
-  private syncLater(snapshotId: string, dir: string): void {
-    const p = (async () => {
-      const files = readdirSync(dir).map((f) => join(dir, f));
-      await fsyncAll([...files, join(dir, '.')]);
-      await unlink(join(this.unsyncedDir, snapshotId));
-    })().catch((e: unknown) => {
-      // Marker stays: after an OS crash the image is rebuilt. Nothing else to do.
-      this.deps.log?.warn({ snapshotId, err: (e as Error).message }, 'background fsync of image failed');
-    });
-    this.syncing.add(p);
-    void p.finally(() => this.syncing.delete(p));
+    await this.unsynced.flush();
   }
 
   /** Materialises and leases: the image stays until `lease.release()` and a GC. */
@@ -245,7 +211,7 @@ export class Materialiser {
       // The memory image must never be written again (VMM-NOTES gotcha 3).
       await Promise.all(handles.map((fh) => fh.chmod(0o444)));
       await Promise.all(handles.splice(0).map((fh) => fh.close()));
-      if (!this.deps.syncInline) await this.markUnsynced(snapshotId);
+      if (!this.deps.syncInline) await this.unsynced.mark(snapshotId);
       try {
         await rename(tmp, final);
       } catch (e) {
@@ -254,7 +220,7 @@ export class Materialiser {
         await rm(tmp, { recursive: true, force: true });
         return { snapshotId, dir: final, files, built: false, ms: Math.round(performance.now() - t0) };
       }
-      if (!this.deps.syncInline) this.syncLater(snapshotId, final);
+      if (!this.deps.syncInline) this.unsynced.later(snapshotId, final);
     } catch (e) {
       await Promise.allSettled(handles.map((fh) => fh.close()));
       await rm(tmp, { recursive: true, force: true });
@@ -263,14 +229,6 @@ export class Materialiser {
     const ms = Math.round(performance.now() - t0);
     this.deps.log?.info({ snapshotId, ms, chunksReceivedWhileBuilding: received }, 'snapshot materialised');
     return { snapshotId, dir: final, files, built: true, ms };
-  }
-
-  /** Durable marker: "images/<id> may not be on disk yet" (see the header comment). */
-  private async markUnsynced(snapshotId: string): Promise<void> {
-    // Written in place (a torn marker reads as another boot's: the image is rebuilt).
-    const marker = join(this.unsyncedDir, snapshotId);
-    await writeFile(marker, this.boot);
-    await fsyncAll([marker]);
   }
 
   /**
