@@ -102,7 +102,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const disk = await this.portableDisk(local, image.disk);
     const metadata: Record<string, Uint8Array> = {};
     for (const f of META_FILES) metadata[f] = await readFile(join(local.dir, f));
-    const { manifest, stats } = await ingestSnapshot(
+    const { manifest, stats, unpin } = await ingestSnapshot(
       {
         snapshotId: m.snapshotId,
         tenantId: '',
@@ -128,11 +128,15 @@ export class ChunkStoreShipper implements SnapshotShipper {
       },
       { chunks: this.deps.chunks, roots: this.deps.roots, clock: { now: () => new Date() }, chunkSize: this.deps.chunkSize, log: this.deps.log },
     );
-    if (disk !== join(local.dir, m.files.disk)) await rm(disk, { force: true });
-    manifest.metadata = metadata;
     // Unsigned here: the scheduler signs the exact bytes; restores verify its signature.
+    manifest.metadata = metadata;
     const signed = create(SignedManifestSchema, { manifest: toBinary(SnapshotManifestSchema, manifest) });
-    await this.deps.manifests.put(m.snapshotId, signed);
+    try {
+      if (disk !== join(local.dir, m.files.disk)) await rm(disk, { force: true });
+      await this.deps.manifests.put(m.snapshotId, signed);
+    } finally {
+      unpin(); // the manifest keeps the chunks from here (or nothing does: a failed put)
+    }
     this.complete.add(m.snapshotId);
     this.deps.log.info({ snapshotId: m.snapshotId, ...stats }, 'snapshot ingested');
     return signed;

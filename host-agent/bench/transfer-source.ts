@@ -38,6 +38,7 @@ export async function prepareSource(dir: string, artifacts: readonly BenchArtifa
   const store = { chunks: new FsChunkStore(srcRoot), manifests: new FsManifestStore(srcRoot), roots: new LiveRoots(), clock: systemClock };
   const s1 = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb1', artifacts: [...artifacts] }, store);
   await store.manifests.put('s1', signManifest(s1.manifest, signing));
+  s1.unpin();
   return { artifacts, pem, srcRoot, store, signing, s1 };
 }
 
@@ -77,6 +78,7 @@ export async function prepareWarmup(dir: string, artifacts: readonly BenchArtifa
   });
   const w = await ingestSnapshot({ snapshotId: 'w', tenantId: 't', sourceSandboxId: 'sb0', artifacts: variants }, store);
   await store.manifests.put('w', signManifest(w.manifest, signing));
+  w.unpin();
   return w;
 }
 

@@ -108,6 +108,7 @@ async function main(): Promise<void> {
     const changed = content.changedBytes;
     const s2 = await ingestSnapshot({ snapshotId: 's2', tenantId: 't', parentSnapshotId: 's1', sourceSandboxId: 'sb1', artifacts: content.s2 }, A);
     await A.manifests.put('s2', signManifest(s2.manifest, signing));
+    s2.unpin();
     const w = await prepareWarmup(dir, content.s1, A, signing);
     const s1Digests = manifestDigests(s1.manifest);
     const wDigests = manifestDigests(w.manifest);

@@ -1,6 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import fc from 'fast-check';
-import { selectExpired, type SnapshotRecord } from './snapshot-store-gc.ts';
+import { collectGarbage, selectExpired, type SnapshotRecord } from './snapshot-store-gc.ts';
+import { LiveRoots, type ChunkStore, type DigestHex, type ManifestStore, type SweepStats } from './snapshot-store.ts';
 
 const t = (min: number): Date => new Date(Date.UTC(2026, 0, 1) + min * 60_000);
 
@@ -37,5 +38,37 @@ describe('selectExpired', () => {
         }
       }),
     );
+  });
+});
+
+describe('collectGarbage', () => {
+  it('gc_whenAFetchStoresItsManifestAndUnpinsMidSweep_keepsItsOldChunks', async () => {
+    // An old chunk (older than the grace period) that a fetch found already here: pinned by
+    // the fetch, in no manifest yet when the GC marks. The fetch stores its manifest and
+    // unpins while the sweep runs: the chunk must survive.
+    const roots = new LiveRoots();
+    const old: DigestHex = 'a'.repeat(64);
+    const stray: DigestHex = 'b'.repeat(64);
+    const unpin = roots.pin([old]);
+    const stored = new Map<DigestHex, number>([[old, 0], [stray, 0]]);
+    const chunks = {
+      async sweep(isLive: (d: DigestHex, mtimeMs: number) => boolean): Promise<SweepStats> {
+        let deleted = 0;
+        for (const [d, mtime] of [...stored]) {
+          if (d === old) unpin(); // the fetch's manifest was stored after the mark: it unpins now
+          if (!isLive(d, mtime)) {
+            stored.delete(d);
+            deleted++;
+          }
+        }
+        return { scanned: 2, deleted, freedBytes: 0, keptBytes: 0 };
+      },
+    } as unknown as ChunkStore;
+    const manifests = { list: async () => [], get: async () => undefined } as unknown as ManifestStore;
+    await collectGarbage({ chunks, manifests, roots, clock: { now: () => new Date(Date.UTC(2026, 0, 1)) }, graceMs: 60_000 });
+    expect([...stored.keys()]).toEqual([old]);
+    // The unpin took effect once the sweep ended: the next GC may take the chunk (its
+    // manifest, stored by then, is what keeps it in real life).
+    expect(roots.isPinned(old)).toBe(false);
   });
 });

@@ -64,15 +64,24 @@ export interface GcResult extends SweepStats {
  * ingest or transfer, and older than the grace period.
  */
 export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
+  // A manifest stored after the mark below is not in `live`: its chunks stay pinned (their
+  // owners' unpins wait) until the sweep ends.
+  const endSweep = deps.roots.beginSweep();
   const live = new Set<DigestHex>();
-  const ids = await deps.manifests.list();
-  for (const id of ids) {
-    const signed = await deps.manifests.get(id);
-    if (!signed) continue;
-    for (const d of manifestDigests(decodeManifestUnverified(signed))) live.add(d);
+  let ids: string[];
+  let stats: SweepStats;
+  try {
+    ids = await deps.manifests.list();
+    for (const id of ids) {
+      const signed = await deps.manifests.get(id);
+      if (!signed) continue;
+      for (const d of manifestDigests(decodeManifestUnverified(signed))) live.add(d);
+    }
+    const cutoff = deps.clock.now().getTime() - deps.graceMs;
+    stats = await deps.chunks.sweep((d, mtimeMs) => live.has(d) || deps.roots.isPinned(d) || mtimeMs > cutoff);
+  } finally {
+    endSweep();
   }
-  const cutoff = deps.clock.now().getTime() - deps.graceMs;
-  const stats = await deps.chunks.sweep((d, mtimeMs) => live.has(d) || deps.roots.isPinned(d) || mtimeMs > cutoff);
   const result = { ...stats, liveChunks: live.size, manifests: ids.length };
   deps.log?.info({ gc: result }, 'chunk gc done');
   return result;

@@ -114,6 +114,10 @@ export interface Lease {
 export class LiveRoots {
   private readonly leases = new Map<string, Set<string>>();
   private readonly pins = new Map<DigestHex, number>();
+  /** GCs between their mark and the end of their sweep (beginSweep). */
+  private sweeps = 0;
+  /** Unpins asked for while a GC ran: they take effect when the last one ends. */
+  private deferred: Array<() => void> = [];
 
   lease(snapshotId: string, holder: string): Lease {
     let s = this.leases.get(snapshotId);
@@ -151,14 +155,34 @@ export class LiveRoots {
     const list = [...digests];
     for (const d of list) this.pins.set(d, (this.pins.get(d) ?? 0) + 1);
     let done = false;
-    return () => {
-      if (done) return;
-      done = true;
+    const release = (): void => {
       for (const d of list) {
         const n = (this.pins.get(d) ?? 1) - 1;
         if (n <= 0) this.pins.delete(d);
         else this.pins.set(d, n);
       }
+    };
+    return () => {
+      if (done) return;
+      done = true;
+      if (this.sweeps > 0) this.deferred.push(release);
+      else release();
+    };
+  }
+
+  /**
+   * A GC calls this before it marks: until the returned function is called, unpins wait. A
+   * pin's owner unpins once its manifest is stored, maybe after the GC read the manifests, and
+   * an old chunk (older than the grace period) would otherwise be swept under that manifest.
+   */
+  beginSweep(): () => void {
+    this.sweeps++;
+    let done = false;
+    return () => {
+      if (done) return;
+      done = true;
+      if (--this.sweeps > 0) return;
+      for (const release of this.deferred.splice(0)) release();
     };
   }
 

@@ -47,12 +47,20 @@ export interface IngestStats {
   ms: number;
 }
 
-export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Promise<{ manifest: SnapshotManifest; stats: IngestStats }> {
+/**
+ * Cuts `input`'s artifacts into the chunk store and returns their manifest (not stored: the
+ * caller stores it once signed). The chunks stay pinned against GC until `unpin` is called,
+ * which the caller does after storing the manifest (on a failure they are unpinned here).
+ */
+export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Promise<{ manifest: SnapshotManifest; stats: IngestStats; unpin: () => void }> {
   const chunkSize = deps.chunkSize ?? DEFAULT_CHUNK_SIZE;
   const concurrency = deps.concurrency ?? 8;
   const t0 = performance.now();
   const stats: IngestStats = { logicalBytes: 0, zeroChunks: 0, nonZeroChunks: 0, newChunks: 0, newStoredBytes: 0, dedupChunks: 0, ms: 0 };
   const pinned: Array<() => void> = [];
+  const unpin = (): void => {
+    for (const u of pinned.splice(0)) u();
+  };
   try {
     const artifacts = [];
     for (const a of input.artifacts) {
@@ -121,8 +129,9 @@ export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Prom
     });
     stats.ms = Math.round(performance.now() - t0);
     deps.log?.info({ snapshotId: input.snapshotId, ingest: stats }, 'snapshot ingested');
-    return { manifest, stats };
-  } finally {
-    for (const u of pinned) u();
+    return { manifest, stats, unpin };
+  } catch (e) {
+    unpin();
+    throw e;
   }
 }

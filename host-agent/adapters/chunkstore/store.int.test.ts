@@ -41,6 +41,7 @@ function setup(name: string) {
   const ingest = async (snapshotId: string, artifacts: ArtifactInput[], parent?: string) => {
     const r = await ingestSnapshot({ snapshotId, tenantId: 't', sourceSandboxId: 'sb', parentSnapshotId: parent, artifacts }, { chunks, roots, clock: systemClock, chunkSize: CS });
     await manifests.put(snapshotId, signManifest(r.manifest, signing));
+    r.unpin();
     return r;
   };
   return { root, chunks, manifests, roots, mat, ingest };
@@ -130,6 +131,7 @@ describe('content-addressed snapshot store', () => {
     const r2 = await s.ingest('s2', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: paths[1] }], 's1');
     const r3 = await s.ingest('s3', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: paths[2] }]);
     const r4 = await ingestSnapshot({ snapshotId: 's4', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: paths[3] }] }, { chunks: s.chunks, roots: s.roots, clock: systemClock, chunkSize: CS });
+    r4.unpin();
     const unpin = s.roots.pin(manifestDigests(r4.manifest));
     const vm = await s.mat.acquire('s3', 'vm-1');
     // Age every chunk past the grace period.

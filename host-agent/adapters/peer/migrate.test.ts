@@ -53,6 +53,7 @@ beforeAll(async () => {
   const deps = { chunks: new FsChunkStore(join(dir, 'A')), manifests: new FsManifestStore(join(dir, 'A')), roots: new LiveRoots(), clock: systemClock };
   const s1 = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: file }] }, deps);
   await deps.manifests.put('s1', signManifest(s1.manifest, key));
+  s1.unpin();
   const svc = (migrate?: typeof fakeMigrate) => chunkTransferService({ chunks: deps.chunks, manifests: deps.manifests, trust, clock: { now: () => new Date() }, ...(migrate ? { migrate } : {}) }).registration;
   withMigrate = await startGrpcServer({ address: '127.0.0.1:0', services: [svc(fakeMigrate)] });
   without = await startGrpcServer({ address: '127.0.0.1:0', services: [svc()] });

@@ -76,8 +76,10 @@ beforeAll(async () => {
   const deps = { chunks: new FsChunkStore(rootA), manifests: new FsManifestStore(rootA), roots: new LiveRoots(), clock: systemClock };
   const s1 = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: memPath }] }, deps);
   await deps.manifests.put('s1', signManifest(s1.manifest, key));
+  s1.unpin();
   const s2 = await ingestSnapshot({ snapshotId: 'other', tenantId: 't', sourceSandboxId: 'sb2', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: other }] }, deps);
   await deps.manifests.put('other', signManifest(s2.manifest, key));
+  s2.unpin();
   totalChunks = new Set(s1.manifest.artifacts.flatMap((a) => a.chunks.map((c) => Buffer.from(c.digest).toString('hex')))).size;
   // Host B holds the same snapshot (e.g. it received it earlier).
   cpSync(rootA, join(dir, 'B'), { recursive: true });
