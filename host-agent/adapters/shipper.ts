@@ -63,6 +63,8 @@ async function exists(p: string): Promise<boolean> {
 export class ChunkStoreShipper implements SnapshotShipper {
   /** Snapshots whose every chunk is here (the heartbeat reports them). */
   private readonly complete = new Set<string>();
+  /** Fetches obtain() returned before they were durable, by snapshot (durable()). */
+  private readonly durables = new Map<string, Promise<void>>();
   private gcRun: Promise<unknown> = Promise.resolve();
   private lastGc: GcResult | undefined;
 
@@ -142,6 +144,15 @@ export class ChunkStoreShipper implements SnapshotShipper {
     return signed;
   }
 
+  async durable(snapshotId: string): Promise<void> {
+    try {
+      await this.durables.get(snapshotId);
+    } catch (e) {
+      // Stored since by another path (an ingest, a later fetch): held all the same.
+      if (!(await this.deps.manifests.get(snapshotId))) throw e;
+    }
+  }
+
   async obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }> {
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
     if (await exists(join(own, 'manifest.json'))) return { local: await this.deps.driver.openSnapshot(own), bytesFetched: 0 };
@@ -179,9 +190,17 @@ export class ChunkStoreShipper implements SnapshotShipper {
         bytesFetched = report.bytes ?? 0;
         onProgress(bytesFetched, bytesFetched);
         fetchedManifest = got;
-        void durable.then(
-          () => this.complete.add(snapshotId),
-          () => {}, // logged by fetchSnapshot; the next obtain fetches what is missing
+        const settled = durable.then(() => {
+          this.complete.add(snapshotId);
+        });
+        this.durables.set(snapshotId, settled);
+        // A failure (logged by fetchSnapshot) stays until the next fetch of the snapshot: the
+        // steps waiting in durable() fail, and their retries fetch what is missing.
+        void settled.then(
+          () => {
+            if (this.durables.get(snapshotId) === settled) this.durables.delete(snapshotId);
+          },
+          () => undefined,
         );
       } finally {
         for (const s of sources) s.close();

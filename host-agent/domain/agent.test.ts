@@ -53,6 +53,38 @@ describe('Agent steps', () => {
     expect(toBinary(HostResultSchema, b)).toEqual(toBinary(HostResultSchema, a));
   });
 
+  it('restore_ofAFetchedSnapshot_answersOnlyOnceTheFetchIsDurable_andFailsRetryablyIfItCannotBe', async () => {
+    const order: string[] = [];
+    let settle: (ok: boolean) => void = () => undefined;
+    const { agent, journal } = agentWith(
+      { fork: async (_s, clones) => clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo) },
+      {
+        obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 10 }),
+        durable: () =>
+          new Promise<void>((resolve, reject) => {
+            settle = (ok) => {
+              order.push(ok ? 'durable' : 'durable failed');
+              if (ok) resolve();
+              else reject(new ForkfleetError('unavailable', 'fsync failed'));
+            };
+          }),
+      },
+    );
+    const restore = (step: string) => agent.runStep(work(step, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${step}` }] } } })).then((r) => (order.push('answered'), r));
+    const ok = restore('r1');
+    await new Promise((r) => setTimeout(r, 20));
+    expect(order).toEqual([]); // the VM runs, but the host does not say so before it holds the snapshot
+    settle(true);
+    expect((await ok).error).toBeUndefined();
+    expect(order).toEqual(['durable', 'answered']);
+    const bad = restore('r2');
+    await new Promise((r) => setTimeout(r, 20));
+    settle(false);
+    const r = await bad;
+    expect(r.error?.retryable).toBe(true);
+    expect(journal.results.has('op-a/r2')).toBe(false); // redelivered, it stores the manifest again
+  });
+
   it('heartbeat_afterLocalRestores_reportsItsSlotsAndTheMedianOfEachStepsFirstReadyChild', async () => {
     const beats: Heartbeat[] = [];
     let n = 0;

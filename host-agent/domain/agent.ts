@@ -75,6 +75,12 @@ export interface SnapshotShipper {
   ingest(local: LocalSnapshot): Promise<SignedManifest>;
   /** The local snapshot directory, fetching missing chunks from peers and materialising first when needed. */
   obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }>;
+  /**
+   * Resolves once a fetch that `obtain` returned before it was durable (chunks fsynced,
+   * manifest stored: the host then holds the snapshot, also after a crash) is; rejects if that
+   * failed. At once when none is in flight.
+   */
+  durable?(snapshotId: string): Promise<void>;
   held(): HeldSnapshot[];
   /** Deletes the snapshot here; what still uses it keeps its files until the next GC after. */
   remove(snapshotId: string): Promise<void>;
@@ -411,6 +417,10 @@ export class Agent {
         }
         const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
         const reports = new Map(await Promise.all(made.map(async (v) => [v.vmId, await this.runHooks(v.vmId, hooks.get(v.vmId) ?? [], log)] as const)));
+        // The scheduler records this host as a holder of a snapshot it fetched: only once that
+        // is durable (it ran alongside the restore). A failure fails the step; its retry finds
+        // the VMs and the chunks here and stores the manifest again.
+        if (!migrated) await shipper.durable?.(snapshotId);
         result.vms = [...have, ...made].map((v) => ({ ...this.vmStatus(v), reason: reports.get(v.vmId) ?? '' }));
         log.info({ children: made.length, reused: have.length, bytesFetched: Number(result.bytesFetched), migrated: !!migrated }, 'restored');
         return;
@@ -439,6 +449,7 @@ export class Agent {
       }
       case 'fetchSnapshot': {
         const { bytesFetched } = await shipper.obtain(work.value.snapshotId, work.value, () => undefined);
+        await shipper.durable?.(work.value.snapshotId); // a replica counts once it survives a crash
         result.bytesFetched = BigInt(bytesFetched);
         return;
       }
