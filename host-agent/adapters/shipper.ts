@@ -367,7 +367,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
           this.deps.log.debug({ snapshotId: id, err: String(e) }, 'deleted snapshot still in use on this host; kept for now');
         }
       }
-      const images = await this.deps.materialiser.prune(await this.deps.driver.snapshotsInUse());
+      // Images of fetches whose manifest is not stored yet are in use too: a fork maps them next.
+      const images = await this.deps.materialiser.prune(new Set([...(await this.deps.driver.snapshotsInUse()), ...this.durables.keys()]));
       const gc = await collectGarbage({ chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, clock: { now: () => new Date() }, graceMs: this.deps.gcGraceMs ?? 60_000, log: this.deps.log });
       this.lastGc = gc;
       if (dirs.length || images.length) this.deps.log.info({ snapshotDirs: dirs, images }, 'deleted snapshots removed from disk');

@@ -240,7 +240,16 @@ export class Materialiser {
     const removed: string[] = [];
     for (const id of readdirSync(this.imagesDir)) {
       if (keep.has(id) || this.building.has(id)) continue;
-      await rm(join(this.imagesDir, id), { recursive: true, force: true });
+      // Out of images/ in one rename first: a kill during the recursive rm must not leave a
+      // partial image where a cache hit would take it for whole (images-tmp/ is wiped at start).
+      const doomed = join(this.tmpDir, `pruned-${id}-${randomBytes(4).toString('hex')}`);
+      try {
+        await rename(join(this.imagesDir, id), doomed);
+      } catch (e) {
+        if ((e as NodeJS.ErrnoException).code === 'ENOENT') continue; // gone meanwhile
+        throw e;
+      }
+      await rm(doomed, { recursive: true, force: true });
       removed.push(id);
     }
     return removed;

@@ -1545,6 +1545,12 @@ export class QemuVmmDriver implements VmmDriver {
       if (m?.manifest.parentSnapshotId === id) users.push(`snapshot ${other}`);
     }
     if (users.length > 0) throw new SnapshotInUseError(id, users);
+    // The manifest first: a kill during the recursive rm leaves a directory without one, which
+    // is no snapshot and goes with recover()'s sweep (a partial one with its manifest left
+    // would pass for complete).
+    await unlink(join(snapshot.dir, 'manifest.json')).catch((e: unknown) => {
+      if ((e as NodeJS.ErrnoException).code !== 'ENOENT') throw e;
+    });
     await rm(snapshot.dir, { recursive: true, force: true });
   }
 
