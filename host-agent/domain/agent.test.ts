@@ -85,6 +85,33 @@ describe('Agent steps', () => {
     expect(journal.results.has('op-a/r2')).toBe(false); // redelivered, it stores the manifest again
   });
 
+  it('step_whoseJournalEntryIsEmpty_asAnOsCrashCanLeaveIt_runsAgain', async () => {
+    let destroys = 0;
+    const { agent, journal } = agentWith({ get: () => ({ vmId: 'sb-1' }) as never, destroy: async () => void destroys++ });
+    await journal.put('op-a', 'destroy', new Uint8Array(0));
+    const r = await agent.runStep(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }));
+    expect(r).toMatchObject({ opId: 'op-a', stepId: 'destroy' });
+    expect(destroys).toBe(1);
+  });
+
+  it('restore_redeliveredAfterTheAgentDiedBeforeItsHooksRan_runsThemOnTheVmItFinds_butNotTwiceOnceRecorded', async () => {
+    const execs: string[] = [];
+    const vm = { vmId: 'sb-h', sandboxId: 'sb-h', state: 'running', pid: 1, readyMs: 1 } as VmInfo;
+    const { agent, journal } = agentWith(
+      { get: (id) => (id === 'sb-h' ? vm : undefined), exec: async (id, req) => (execs.push(`${id} ${req.path}`), { exitCode: 0, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0) }) as never },
+      { obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) },
+    );
+    // The first delivery made the VM and died before its hooks: the VM is here, no result.
+    const step = (stepId: string) => work(stepId, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-h', afterResume: [{ argv: ['/bin/refresh'] }] }] } } });
+    const r = await agent.runStep(step('restore/h1'));
+    expect(r.error).toBeUndefined();
+    expect(execs).toEqual(['sb-h /bin/refresh']);
+    // Died again after the hooks, before the result was journalled: they are not run twice.
+    journal.results.delete('op-a/restore/h1');
+    expect((await agent.runStep(step('restore/h1'))).error).toBeUndefined();
+    expect(execs).toEqual(['sb-h /bin/refresh']);
+  });
+
   it('heartbeat_afterLocalRestores_reportsItsSlotsAndTheMedianOfEachStepsFirstReadyChild', async () => {
     const beats: Heartbeat[] = [];
     let n = 0;

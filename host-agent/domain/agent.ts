@@ -338,9 +338,9 @@ export class Agent {
 
   private async runStepOnce(w: HostWork): Promise<HostResult> {
     const { journal, clock } = this.deps;
-    const prior = await journal.get(w.opId, w.stepId);
-    if (prior) return fromBinary(HostResultSchema, prior);
     const log = this.log.child({ opId: w.opId, stepId: w.stepId });
+    const prior = journalled(await journal.get(w.opId, w.stepId), w);
+    if (prior) return prior;
     const started = clock.now();
     const result = create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: this.deps.config.hostId, attempt: w.attempt });
     try {
@@ -416,7 +416,22 @@ export class Agent {
           if (made.length) this.recordRestore(Math.min(...made.map((v) => v.readyMs)));
         }
         const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
-        const reports = new Map(await Promise.all(made.map(async (v) => [v.vmId, await this.runHooks(v.vmId, hooks.get(v.vmId) ?? [], log)] as const)));
+        // A VM found here from an earlier delivery of this step (the agent died before its
+        // result) gets its hooks now unless that delivery recorded them run: at least once.
+        const reports = new Map(
+          await Promise.all(
+            [...made, ...have].map(async (v) => {
+              const list = hooks.get(v.vmId) ?? [];
+              if (list.length === 0) return [v.vmId, ''] as const;
+              const hookKey = `${w.stepId}#hooks/${v.vmId}`;
+              const ran = made.includes(v) ? undefined : await this.deps.journal.get(w.opId, hookKey);
+              if (ran) return [v.vmId, Buffer.from(ran).toString('utf8')] as const;
+              const report = await this.runHooks(v.vmId, list, log);
+              await this.deps.journal.put(w.opId, hookKey, Buffer.from(report, 'utf8'));
+              return [v.vmId, report] as const;
+            }),
+          ),
+        );
         // The scheduler records this host as a holder of a snapshot it fetched: only once that
         // is durable (it ran alongside the restore). A failure fails the step; its retry finds
         // the VMs and the chunks here and stores the manifest again.
@@ -593,5 +608,20 @@ export class Agent {
       res.error = { $typeName: 'forkfleet.v1.ErrorInfo', ...errorInfo(e) };
     }
     return res;
+  }
+}
+
+/**
+ * A journalled result of this step, or undefined: an empty or undecodable entry (a write an
+ * OS crash cut short; the journal does not fsync) or one of another step counts as none, and
+ * the step runs again.
+ */
+function journalled(bytes: Uint8Array | undefined, w: HostWork): HostResult | undefined {
+  if (!bytes || bytes.length === 0) return undefined;
+  try {
+    const r = fromBinary(HostResultSchema, bytes);
+    return r.opId === w.opId && r.stepId === w.stepId ? r : undefined;
+  } catch {
+    return undefined;
   }
 }

@@ -565,8 +565,12 @@ export class QemuVmmDriver implements VmmDriver {
 
   // ---------------------------------------------------------------- snapshot
 
-  snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot> {
+  async snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot> {
     validateId('snapshotId', snapshotId);
+    // Taken before (a redelivered step): returned as it is, also when its VM is gone since
+    // (the step's ingest still has to run on it).
+    const done = join(this.snapshotsDir, snapshotId);
+    if (await stat(join(done, 'manifest.json')).then(() => true, () => false)) return this.openSnapshot(done);
     return this.locked(vmId, async (rec) => {
       const before = rec.info.state;
       if (before !== 'running' && before !== 'paused') throw new InvalidVmStateError(vmId, before, 'snapshot');
