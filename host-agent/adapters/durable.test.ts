@@ -38,6 +38,20 @@ describe('DeferredSync', () => {
     expect(readdirSync(markers)).toEqual([]);
   });
 
+  it('later_ofAnOlderMark_leavesTheMarkerOfANewerOne', async () => {
+    // Published, then removed and rebuilt (marked again) while the first fsync still ran.
+    const s = new DeferredSync(markers, undefined, 'boot-1');
+    await s.mark('a');
+    publish('a');
+    s.later('a', dirOf('a'));
+    await s.mark('a');
+    await s.flush();
+    expect(readdirSync(markers)).toEqual(['a']);
+    s.later('a', dirOf('a'));
+    await s.flush();
+    expect(readdirSync(markers)).toEqual([]);
+  });
+
   it('recover_discardsWhatAnotherBootMarked_syncsAgainWhatThisBootMarked_andKeepsTheRest', async () => {
     // Before an OS crash: 'torn' was marked and never synced. After it (boot-2): 'fresh' was
     // marked by an agent that died before its fsync ended; 'done' has no marker.

@@ -69,6 +69,9 @@ export function bootId(): string {
  */
 export class DeferredSync {
   private readonly syncing = new Set<Promise<void>>();
+  /** The newest mark of each id in this process: an older one's fsync must not drop its marker. */
+  private readonly marks = new Map<string, number>();
+  private seq = 0;
 
   constructor(
     private readonly markerDir: string,
@@ -79,6 +82,7 @@ export class DeferredSync {
   /** Before `id`'s directory is published. Written in place: a torn marker reads as another boot's. */
   async mark(id: string): Promise<void> {
     const marker = join(this.markerDir, id);
+    this.marks.set(id, ++this.seq);
     await mkdir(this.markerDir, { recursive: true });
     await writeFile(marker, this.boot);
     await fsyncAll([marker]);
@@ -86,9 +90,16 @@ export class DeferredSync {
 
   /** After it is published: fsyncs every file in `dir` and `dir` itself in the background, then drops the marker. */
   later(id: string, dir: string): void {
+    const mine = this.marks.get(id);
     const p = (async () => {
-      const files = await readdir(dir).catch(() => [] as string[]);
+      const files = await readdir(dir).catch((e: unknown) => {
+        if ((e as NodeJS.ErrnoException).code === 'ENOENT') return [] as string[]; // removed since: nothing to make durable
+        throw e;
+      });
       await fsyncAll([...files.map((f) => join(dir, f)), join(dir, '.')]);
+      // Marked again meanwhile (the directory removed and rebuilt): that mark's fsync drops it.
+      if (this.marks.get(id) !== mine) return;
+      this.marks.delete(id);
       await unlink(join(this.markerDir, id)).catch(() => undefined);
     })().catch((e: unknown) => {
       // The marker stays: after an OS crash the directory is discarded. Nothing else to do.

@@ -63,8 +63,10 @@ async function exists(p: string): Promise<boolean> {
 export class ChunkStoreShipper implements SnapshotShipper {
   /** Snapshots whose every chunk is here (the heartbeat reports them). */
   private readonly complete = new Set<string>();
-  /** Fetches obtain() returned before they were durable, by snapshot (durable()). */
+  /** Fetches obtain() returned before they were durable, until they are, by snapshot (durable()). */
   private readonly durables = new Map<string, Promise<void>>();
+  /** Why the last such fetch of a snapshot could not be made durable (until it is, or removed). */
+  private readonly notDurable = new Map<string, unknown>();
   private gcRun: Promise<unknown> = Promise.resolve();
   private lastGc: GcResult | undefined;
 
@@ -145,12 +147,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
   }
 
   async durable(snapshotId: string): Promise<void> {
-    try {
-      await this.durables.get(snapshotId);
-    } catch (e) {
-      // Stored since by another path (an ingest, a later fetch): held all the same.
-      if (!(await this.deps.manifests.get(snapshotId))) throw e;
-    }
+    await this.durables.get(snapshotId)?.catch(() => undefined);
+    const failed = this.notDurable.get(snapshotId);
+    // Stored since by another path (an ingest, a later fetch): held all the same.
+    if (failed !== undefined && !(await this.deps.manifests.get(snapshotId))) throw failed;
   }
 
   async obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }> {
@@ -190,18 +190,20 @@ export class ChunkStoreShipper implements SnapshotShipper {
         bytesFetched = report.bytes ?? 0;
         onProgress(bytesFetched, bytesFetched);
         fetchedManifest = got;
-        const settled = durable.then(() => {
-          this.complete.add(snapshotId);
-        });
-        this.durables.set(snapshotId, settled);
-        // A failure (logged by fetchSnapshot) stays until the next fetch of the snapshot: the
-        // steps waiting in durable() fail, and their retries fetch what is missing.
-        void settled.then(
+        this.notDurable.delete(snapshotId);
+        const settled: Promise<void> = durable.then(
           () => {
-            if (this.durables.get(snapshotId) === settled) this.durables.delete(snapshotId);
+            this.complete.add(snapshotId);
           },
-          () => undefined,
+          (e: unknown) => {
+            // Logged by fetchSnapshot; durable() reports it, a later fetch replaces it.
+            this.notDurable.set(snapshotId, e);
+          },
         );
+        this.durables.set(snapshotId, settled);
+        void settled.then(() => {
+          if (this.durables.get(snapshotId) === settled) this.durables.delete(snapshotId);
+        });
       } finally {
         for (const s of sources) s.close();
       }
@@ -338,6 +340,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
    */
   async remove(snapshotId: string): Promise<void> {
     this.complete.delete(snapshotId);
+    this.notDurable.delete(snapshotId);
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
     if (await exists(own)) await writeFile(join(own, DELETED_MARKER), '');
     await this.deps.manifests.delete(snapshotId);
@@ -367,8 +370,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
           this.deps.log.debug({ snapshotId: id, err: String(e) }, 'deleted snapshot still in use on this host; kept for now');
         }
       }
-      // Images of fetches whose manifest is not stored yet are in use too: a fork maps them next.
-      const images = await this.deps.materialiser.prune(new Set([...(await this.deps.driver.snapshotsInUse()), ...this.durables.keys()]));
+      // Images of fetches whose manifest is not stored yet are in use too (a fork maps them
+      // next): asked per image, just before it would go.
+      const inUse = await this.deps.driver.snapshotsInUse();
+      const images = await this.deps.materialiser.prune((id) => inUse.has(id) || this.durables.has(id));
       const gc = await collectGarbage({ chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, clock: { now: () => new Date() }, graceMs: this.deps.gcGraceMs ?? 60_000, log: this.deps.log });
       this.lastGc = gc;
       if (dirs.length || images.length) this.deps.log.info({ snapshotDirs: dirs, images }, 'deleted snapshots removed from disk');

@@ -401,6 +401,12 @@ export class Agent {
           }
         }
         const clones: CloneSpec[] = missing.map((s) => ({ vmId: s.sandboxId, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) }));
+        // VMs with hooks that this step is about to make, recorded first: a redelivery after a
+        // crash runs the hooks on those it finds, and only on those (not on a VM another op made).
+        const making = `${w.stepId}#making`;
+        const madeBefore = have.length ? new Set<string>(await this.deps.journal.get(w.opId, making).then((b) => (b?.length ? (JSON.parse(Buffer.from(b).toString('utf8')) as string[]) : []), () => [])) : new Set<string>();
+        const hooked = clones.filter((c) => (vms.find((v) => v.sandboxId === c.vmId)?.afterResume.length ?? 0) > 0).map((c) => c.vmId);
+        if (hooked.length) await this.deps.journal.put(w.opId, making, Buffer.from(JSON.stringify([...new Set([...madeBefore, ...hooked])])));
         let made: VmInfo[] = [];
         const migrated = clones.length ? await this.restoreByMigration(snapshotId, work.value.fetch, clones, log) : undefined;
         if (migrated) {
@@ -416,11 +422,11 @@ export class Agent {
           if (made.length) this.recordRestore(Math.min(...made.map((v) => v.readyMs)));
         }
         const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
-        // A VM found here from an earlier delivery of this step (the agent died before its
-        // result) gets its hooks now unless that delivery recorded them run: at least once.
+        // A VM an earlier delivery of this step made (the agent died before its result) gets
+        // its hooks now unless that delivery recorded them run: at least once.
         const reports = new Map(
           await Promise.all(
-            [...made, ...have].map(async (v) => {
+            [...made, ...have.filter((v) => madeBefore.has(v.vmId))].map(async (v) => {
               const list = hooks.get(v.vmId) ?? [];
               if (list.length === 0) return [v.vmId, ''] as const;
               const hookKey = `${w.stepId}#hooks/${v.vmId}`;
@@ -433,9 +439,14 @@ export class Agent {
           ),
         );
         // The scheduler records this host as a holder of a snapshot it fetched: only once that
-        // is durable (it ran alongside the restore). A failure fails the step; its retry finds
-        // the VMs and the chunks here and stores the manifest again.
-        if (!migrated) await shipper.durable?.(snapshotId);
+        // is durable (it ran alongside the restore). If it could not be, the VMs run all the
+        // same (from the image) and the host says it does not hold the snapshot.
+        if (!migrated) {
+          await shipper.durable?.(snapshotId).catch((e: unknown) => {
+            log.warn({ snapshotId, err: e instanceof Error ? e.message : String(e) }, 'fetched snapshot not stored durably: restored, but not held here');
+            result.snapshotNotHeld = true;
+          });
+        }
         result.vms = [...have, ...made].map((v) => ({ ...this.vmStatus(v), reason: reports.get(v.vmId) ?? '' }));
         log.info({ children: made.length, reused: have.length, bytesFetched: Number(result.bytesFetched), migrated: !!migrated }, 'restored');
         return;
@@ -464,7 +475,10 @@ export class Agent {
       }
       case 'fetchSnapshot': {
         const { bytesFetched } = await shipper.obtain(work.value.snapshotId, work.value, () => undefined);
-        await shipper.durable?.(work.value.snapshotId); // a replica counts once it survives a crash
+        // A replica counts once it survives a crash; a failure to store it may pass on a retry.
+        await shipper.durable?.(work.value.snapshotId).catch((e: unknown) => {
+          throw e instanceof ForkfleetError ? e : new ForkfleetError('unavailable', `storing snapshot ${work.value.snapshotId} durably failed: ${e instanceof Error ? e.message : String(e)}`, { cause: e });
+        });
         result.bytesFetched = BigInt(bytesFetched);
         return;
       }

@@ -1257,7 +1257,8 @@ export class Executor {
       } else {
         work = { case: 'createVm', value: { vm: this.vmSpec(sb), image: sb.image } as never };
       }
-      migrated = (await this.step(op, 'create', sb.hostId, work)).restoredByMigration;
+      const r = await this.step(op, 'create', sb.hostId, work);
+      migrated = r.restoredByMigration || r.snapshotNotHeld;
     } catch (e) {
       if (this.active) await this.failSandbox(sb, e);
       throw e;
@@ -1517,7 +1518,7 @@ export class Executor {
       }
       throw e;
     }
-    if (fetch && !woke.restoredByMigration) await this.addHolder(sb.tenantId, snapshotId, hostId);
+    if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld) await this.addHolder(sb.tenantId, snapshotId, hostId);
     await this.finishRunning(op, sb, Executor.hookReport(woke, sb.id), hostId);
   }
 
@@ -1722,7 +1723,7 @@ export class Executor {
         }
         await this.markRunning(mine.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
         runningCount += mine.length;
-        if (fetch && !restored.restoredByMigration) await this.addHolder(op.tenantId, snapshotId, hostId);
+        if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld) await this.addHolder(op.tenantId, snapshotId, hostId);
         // Progress is written at most once a second (and with the final state), not per host.
         if (this.deps.clock.now() - lastProgressAt >= 1000) {
           lastProgressAt = this.deps.clock.now();
@@ -1876,8 +1877,8 @@ export class Executor {
     try {
       // The snapshot must end up on the new host (the old one is going away): fetch, never migrate.
       const fetch = this.fetchPlan((await this.readSnapshot(sb.tenantId, sn.id))?.value ?? sn, to, from, false);
-      await this.step(op, `migrate/${sb.id}/restore`, to, { case: 'restoreVms', value: { snapshotId: sn.id, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
-      if (fetch) await this.addHolder(sb.tenantId, sn.id, to);
+      const restored = await this.step(op, `migrate/${sb.id}/restore`, to, { case: 'restoreVms', value: { snapshotId: sn.id, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
+      if (fetch && !restored.snapshotNotHeld) await this.addHolder(sb.tenantId, sn.id, to);
       if (m.wasPaused) await this.step(op, `migrate/${sb.id}/pause-dest`, to, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
     } catch (e) {
       // Undo: release the booking, let the source run again.

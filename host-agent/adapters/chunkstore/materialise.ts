@@ -235,11 +235,16 @@ export class Materialiser {
    * Removes images of snapshots that have no manifest, no lease and are not in `inUse` (e.g.
    * a disk layer a later local snapshot is backed by). Returns removed ids.
    */
-  async prune(inUse: ReadonlySet<string> = new Set()): Promise<string[]> {
-    const keep = new Set([...(await this.deps.manifests.list()), ...this.deps.roots.leasedSnapshots(), ...inUse]);
+  async prune(inUse: (snapshotId: string) => boolean = () => false): Promise<string[]> {
+    const keep = new Set([...(await this.deps.manifests.list()), ...this.deps.roots.leasedSnapshots()]);
     const removed: string[] = [];
     for (const id of readdirSync(this.imagesDir)) {
-      if (keep.has(id) || this.building.has(id)) continue;
+      if (keep.has(id) || this.building.has(id) || inUse(id)) continue;
+      // Stored since the list above (a fetch's manifest lands after its image)?
+      if (await this.deps.manifests.get(id)) continue;
+      // Checked again in the same turn as the rename below: a build or use that starts after
+      // it finds no image and makes a new one.
+      if (this.building.has(id) || inUse(id)) continue;
       // Out of images/ in one rename first: a kill during the recursive rm must not leave a
       // partial image where a cache hit would take it for whole (images-tmp/ is wiped at start).
       const doomed = join(this.tmpDir, `pruned-${id}-${randomBytes(4).toString('hex')}`);
