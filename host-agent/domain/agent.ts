@@ -404,7 +404,14 @@ export class Agent {
         // VMs with hooks that this step is about to make, recorded first: a redelivery after a
         // crash runs the hooks on those it finds, and only on those (not on a VM another op made).
         const making = `${w.stepId}#making`;
-        const madeBefore = have.length ? new Set<string>(await this.deps.journal.get(w.opId, making).then((b) => (b?.length ? (JSON.parse(Buffer.from(b).toString('utf8')) as string[]) : []), () => [])) : new Set<string>();
+        const madeBefore = new Set<string>(
+          have.length
+            ? await this.deps.journal
+                .get(w.opId, making)
+                .then((b) => (b?.length ? (JSON.parse(Buffer.from(b).toString('utf8')) as string[]) : []))
+                .catch(() => [] as string[]) // unreadable or torn: none recorded
+            : [],
+        );
         const hooked = clones.filter((c) => (vms.find((v) => v.sandboxId === c.vmId)?.afterResume.length ?? 0) > 0).map((c) => c.vmId);
         if (hooked.length) await this.deps.journal.put(w.opId, making, Buffer.from(JSON.stringify([...new Set([...madeBefore, ...hooked])])));
         let made: VmInfo[] = [];
