@@ -146,19 +146,25 @@ describe('RamPool (real tmpfs)', () => {
 
   it('refill_whenARecycledFileTookTheRoomDuringTheFill_dropsTheFilledFile', async () => {
     const { pool } = await openPool('h', 1);
-    // A fill big enough to still run while a small VM's file comes back.
-    await pool.take('big', 512);
-    pool.refill();
-    const a = await pool.take('a', 4);
-    await writeFile(a.path, Buffer.alloc(4 << 20, 1));
-    await pool.recycle('a');
-    expect(pool.size).toBe(1);
-    expect((await readdir(pool.dir)).some((f) => f.startsWith('.fill-512-'))).toBe(true);
-    await waitFor('the fill ended', async () => !(await readdir(pool.dir)).some((f) => f.startsWith('.fill-')), 30_000, 20);
-    await new Promise((r) => setTimeout(r, 50));
-    expect(pool.size).toBe(1);
-    expect((await readdir(pool.dir)).filter((f) => f.startsWith('free-'))).toEqual([expect.stringMatching(/^free-4-/)]);
-    await pool.close();
+    try {
+      // A fill big enough to still run while a small VM's file comes back. It starts
+      // asynchronously (a loaded machine took longer than the steps below): waited for.
+      await pool.take('big', 512);
+      pool.refill();
+      const filling = async (): Promise<boolean> => (await readdir(pool.dir)).some((f) => f.startsWith('.fill-512-'));
+      await waitFor('the fill started', filling, 10_000, 5);
+      const a = await pool.take('a', 4);
+      await writeFile(a.path, Buffer.alloc(4 << 20, 1));
+      await pool.recycle('a');
+      expect(pool.size).toBe(1);
+      expect(await filling()).toBe(true);
+      await waitFor('the fill ended', async () => !(await readdir(pool.dir)).some((f) => f.startsWith('.fill-')), 30_000, 20);
+      await new Promise((r) => setTimeout(r, 50));
+      expect(pool.size).toBe(1);
+      expect((await readdir(pool.dir)).filter((f) => f.startsWith('free-'))).toEqual([expect.stringMatching(/^free-4-/)]);
+    } finally {
+      await pool.close(); // stops a fill still running, or the tmpfs cannot be unmounted
+    }
   });
 
   it('recycleAndRefill_keepNoFileThatWouldTakeThePoolOverItsSizeCap', async () => {
