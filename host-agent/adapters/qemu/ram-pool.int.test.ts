@@ -18,7 +18,15 @@ beforeAll(async () => {
 });
 
 afterAll(async () => {
-  for (const m of mounted.reverse()) execFileSync('umount', [m]);
+  // Every mount goes, also when a failed test left a fill writing into one ("target is busy"):
+  // that one is detached (lazy unmount) and freed when the writer ends.
+  for (const m of mounted.reverse()) {
+    try {
+      execFileSync('umount', [m], { stdio: 'pipe' });
+    } catch {
+      execFileSync('umount', ['-l', m]);
+    }
+  }
   await rm(base, { recursive: true, force: true });
 });
 
