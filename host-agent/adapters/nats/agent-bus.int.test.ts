@@ -208,6 +208,29 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     }
   });
 
+  it('workQueue_whoseStoreDirectoryTheServerLost_isMadeAgainByTheAgent_andItsQueuedWorkStillArrives', async () => {
+    // The state a consumer re-made during its own deletion is left in (nats-server without its
+    // PR 7886): alive, but its store directory gone, so every add answers "no such file".
+    await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-before-heal', stepId: 'create', attempt: 1 }));
+    rmSync(join(nats.storeDir, 'jetstream', '$G', 'streams', STREAM_WORK, 'obs', workConsumer('host-a')), { recursive: true, force: true });
+    const again = await agentConn('host-a');
+    try {
+      const b = await NatsAgentBus.create(again, 'host-a', log, { streamWaitMs: 5000 });
+      const got: HostWorkMsg[] = [];
+      const stop = await b.consumeWork(async (w, ctl) => {
+        got.push(w);
+        ctl.ack();
+      });
+      try {
+        await waitUntil('work queued before the heal', () => got.find((w) => w.opId === 'op-before-heal'));
+      } finally {
+        await stop();
+      }
+    } finally {
+      await again.close();
+    }
+  });
+
   it('exec_whenNoAgentServesTheHost_failsFastAsUnavailable', async () => {
     const t0 = Date.now();
     const err = await (async () => {

@@ -23,6 +23,8 @@ import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from '../../..
 
 /** How often a consuming agent checks that its work consumer still exists (consumeWork). */
 const QUEUE_CHECK_MS = 10_000;
+/** How long after its work queue went the agent makes it again (see consumeWork). */
+const RECREATE_AFTER_MS = 500;
 
 async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
   const until = Date.now() + timeoutMs;
@@ -137,6 +139,9 @@ export class NatsAgentBus implements AgentBus {
           clearInterval(check);
         }
         if (closed || this.nc.isClosed()) break;
+        // Not at once: the server answers "not found" before it has removed the old consumer's
+        // directory, and one made meanwhile can lose its own (ensureWorkConsumer).
+        await new Promise((r) => setTimeout(r, RECREATE_AFTER_MS));
         for (let delay = 100; !closed && !this.nc.isClosed(); delay = Math.min(delay * 2, 5000)) {
           try {
             await ensureWorkConsumer(this.jsm, this.hostId);

@@ -11,6 +11,8 @@
 //                  filter is part of the subject, so it cannot create a consumer on another
 //                  host's work; the server rejects a body whose filter differs from the subject)
 //              $JS.API.CONSUMER.INFO|MSG.NEXT.FF_WORK.agent-<h>     (pull its work)
+//              $JS.API.CONSUMER.DELETE.FF_WORK.agent-<h>            (make its consumer again when
+//                  the server lost its store: ensureWorkConsumer; its work stays in the stream)
 //              $JS.ACK.FF_WORK.agent-<h>.>                          (ack / in-progress its work)
 //              one reply to each request it received, within 2 min (allow_responses: file relay)
 //   subscribe  ff.exec.<h>  ff.file.<h>  _INBOX_<h>.>                (its relays and its own inbox)
@@ -44,6 +46,7 @@ export function hostPermissions(hostId: string): NatsPermissions {
         `$JS.API.CONSUMER.CREATE.${STREAM_WORK}.${c}.${subjects.work(hostId)}`,
         `$JS.API.CONSUMER.INFO.${STREAM_WORK}.${c}`,
         `$JS.API.CONSUMER.MSG.NEXT.${STREAM_WORK}.${c}`,
+        `$JS.API.CONSUMER.DELETE.${STREAM_WORK}.${c}`,
         `$JS.ACK.${STREAM_WORK}.${c}.>`,
       ],
     },
