@@ -67,6 +67,26 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
   const agentConn = (hostId: string, credOf = hostId): Promise<NatsConnection> =>
     connect({ servers: nats.url, name: `agent-${hostId}`, ...agentConnectOptions(hostId, nats.auth!.hostSeedFile(credOf)) });
 
+  /** A new agent connection for `hostId` makes its bus, consumes, and receives the work of `opId`. */
+  const newAgentReceives = async (hostId: string, opId: string): Promise<void> => {
+    const conn = await agentConn(hostId);
+    try {
+      const b = await NatsAgentBus.create(conn, hostId, log, { streamWaitMs: 5000 });
+      const got: HostWorkMsg[] = [];
+      const stop = await b.consumeWork(async (w, ctl) => {
+        got.push(w);
+        ctl.ack();
+      });
+      try {
+        await waitUntil(`${opId} on ${hostId}`, () => got.find((w) => w.opId === opId));
+      } finally {
+        await stop();
+      }
+    } finally {
+      await conn.close();
+    }
+  };
+
   beforeAll(async () => {
     nats = await startNats({ auth: { hosts: ['host-a', 'host-b'] } });
     sched = await connect({ servers: nats.url, name: 'scheduler', ...nkeyConnectOptions(nats.auth!.schedulerSeedFile) });
@@ -213,22 +233,7 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     // PR 7886): alive, but its store directory gone, so every add answers "no such file".
     await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-before-heal', stepId: 'create', attempt: 1 }));
     rmSync(join(nats.storeDir, 'jetstream', '$G', 'streams', STREAM_WORK, 'obs', workConsumer('host-a')), { recursive: true, force: true });
-    const again = await agentConn('host-a');
-    try {
-      const b = await NatsAgentBus.create(again, 'host-a', log, { streamWaitMs: 5000 });
-      const got: HostWorkMsg[] = [];
-      const stop = await b.consumeWork(async (w, ctl) => {
-        got.push(w);
-        ctl.ack();
-      });
-      try {
-        await waitUntil('work queued before the heal', () => got.find((w) => w.opId === 'op-before-heal'));
-      } finally {
-        await stop();
-      }
-    } finally {
-      await again.close();
-    }
+    await newAgentReceives('host-a', 'op-before-heal');
   });
 
   it('exec_whenNoAgentServesTheHost_failsFastAsUnavailable', async () => {
@@ -283,36 +288,12 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     expect(await refused(jsm.consumers.add(STREAM_WORK, { durable_name: 'sneaky', ack_policy: AckPolicy.Explicit, filter_subject: subjects.work('host-b') }))).toBe(ErrorCode.PermissionsViolation);
     expect(await refused(NatsAgentBus.create(agentA, 'host-b', log, { streamWaitMs: 1000 }))).toBeDefined();
     // The work for B is still there for B.
-    const agentB = await agentConn('host-b');
-    try {
-      const busB = await NatsAgentBus.create(agentB, 'host-b', log, { streamWaitMs: 5000 });
-      const got: HostWorkMsg[] = [];
-      const stop = await busB.consumeWork(async (w, ctl) => {
-        got.push(w);
-        ctl.ack();
-      });
-      await waitUntil('work on host-b', () => got.find((w) => w.opId === 'op-for-b'));
-      await stop();
-    } finally {
-      await agentB.close();
-    }
+    await newAgentReceives('host-b', 'op-for-b');
   });
 
   it('durableWork_whenAgentReconnectsWithItsCredential_resumesUnackedWork', async () => {
     await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-while-away', stepId: 'create', attempt: 1 }));
-    const again = await agentConn('host-a');
-    try {
-      const b = await NatsAgentBus.create(again, 'host-a', log, { streamWaitMs: 5000 });
-      const got: HostWorkMsg[] = [];
-      const stop = await b.consumeWork(async (w, ctl) => {
-        got.push(w);
-        ctl.ack();
-      });
-      await waitUntil('queued work after reconnect', () => got.find((w) => w.opId === 'op-while-away'));
-      await stop();
-    } finally {
-      await again.close();
-    }
+    await newAgentReceives('host-a', 'op-while-away');
   });
 
   it('agentProcess_withFF_NATS_NKEY_FILE_heartbeatsAsItselfAndAnotherHostsKeyCannotStartIt', async () => {
