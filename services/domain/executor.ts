@@ -1243,7 +1243,8 @@ export class Executor {
       return this.finish(op, { sandboxIds: [sb.id] }, sb.state === 'running' ? null : { kind: 'failed_precondition', message: `sandbox is ${sb.state}`, retryable: false });
     }
     let fetched = false;
-    let migrated = false;
+    /** The host does not hold the snapshot after the step (its VM came by migration, or the fetch could not be made durable). */
+    let notHeld = false;
     try {
       let work: HostWorkMsg['work'];
       if (sb.sourceSnapshotId) {
@@ -1258,12 +1259,12 @@ export class Executor {
         work = { case: 'createVm', value: { vm: this.vmSpec(sb), image: sb.image } as never };
       }
       const r = await this.step(op, 'create', sb.hostId, work);
-      migrated = r.restoredByMigration || r.snapshotNotHeld;
+      notHeld = r.restoredByMigration || r.snapshotNotHeld;
     } catch (e) {
       if (this.active) await this.failSandbox(sb, e);
       throw e;
     }
-    if (fetched && !migrated) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
+    if (fetched && !notHeld) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
     await this.finishRunning(op, sb);
   }
 
