@@ -64,6 +64,8 @@ export interface ProcRecord {
   command: string;
   args: string[];
   env: Record<string, string>;
+  /** Working directory, when not the repository (nats-server: its store). */
+  cwd?: string;
 }
 
 export interface HostRecord {
@@ -187,9 +189,9 @@ async function waitLog(path: string, needle: string, timeoutMs: number, pid: num
   throw new Error(`timed out waiting for "${needle}" in ${path}`);
 }
 
-function spawnDetached(log: string, command: string, args: string[], env: Record<string, string>): number {
+function spawnDetached(log: string, command: string, args: string[], env: Record<string, string>, cwd = ROOT): number {
   const fd = openSync(log, 'a');
-  const child = spawn(command, args, { detached: true, stdio: ['ignore', fd, fd], env: { ...process.env, ...env }, cwd: ROOT });
+  const child = spawn(command, args, { detached: true, stdio: ['ignore', fd, fd], env: { ...process.env, ...env }, cwd });
   closeSync(fd);
   child.unref();
   if (child.pid === undefined) throw new Error(`could not start ${command}`);
@@ -198,7 +200,7 @@ function spawnDetached(log: string, command: string, args: string[], env: Record
 
 function launch(state: FleetState, rec: Omit<ProcRecord, 'pid' | 'log' | 'command' | 'args' | 'env'>, command: string, args: string[], env: Record<string, string> = {}): ProcRecord {
   const log = join(state.options.dir, 'logs', `${rec.name}.log`);
-  const full: ProcRecord = { ...rec, pid: spawnDetached(log, command, args, env), log, command, args, env };
+  const full: ProcRecord = { ...rec, pid: spawnDetached(log, command, args, env, rec.cwd), log, command, args, env };
   state.procs.push(full);
   saveState(state);
   return full;
@@ -213,7 +215,7 @@ export async function restartProcess(dir: string, name: string): Promise<ProcRec
   const rec = state?.procs.find((p) => p.name === name);
   if (!state || !rec) throw new Error(`no process ${name} in the fleet at ${dir}`);
   await stopPid(rec.pid, 8000);
-  rec.pid = spawnDetached(rec.log, rec.command, rec.args, rec.env);
+  rec.pid = spawnDetached(rec.log, rec.command, rec.args, rec.env, rec.cwd);
   saveState(state);
   if (rec.kind === 'agent' || rec.kind === 'scheduler') {
     const lines = readFileSync(rec.log, 'utf8').split('\n').length;
@@ -331,7 +333,8 @@ async function startNats(state: FleetState): Promise<void> {
   const store = join(state.options.dir, 'nats');
   mkdirSync(store, { recursive: true });
   const conf = makeNatsAuth(state);
-  launch(state, { name: 'nats', kind: 'nats' }, 'nats-server', ['-c', conf, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
+  // Its store as working directory: nats-server writes a lost consumer's meta.inf relative to it.
+  launch(state, { name: 'nats', kind: 'nats', cwd: store }, 'nats-server', ['-c', conf, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
   state.natsUrl = `nats://127.0.0.1:${port}`;
   state.natsMonitor = `http://127.0.0.1:${monitor}`;
   await waitPort('127.0.0.1', port, 10_000);

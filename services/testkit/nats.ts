@@ -58,6 +58,9 @@ export async function startNats(opts: { binary?: string; logDir?: string; auth?:
       args: [...confArgs, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitorPort), '-sd', storeDir],
       // The directory survives a restart; server.stop() removes it (and the watchdog, if we die).
       dir,
+      // Its own directory: nats-server writes a lost consumer's meta.inf relative to its
+      // working directory (ensureWorkConsumer), which must not be the repository.
+      cwd: dir,
       removeDirOnStop: false,
       logPath: opts.logDir ? join(opts.logDir, 'nats.log') : join(dir, 'nats.log'),
     });

@@ -104,6 +104,8 @@ export interface SpawnManagedOptions {
   /** stdout and stderr go here (append); otherwise they are discarded. */
   logPath?: string;
   env?: NodeJS.ProcessEnv;
+  /** Working directory (default: this process's). */
+  cwd?: string;
   /** When false, stop() leaves `dir` in place (e.g. for a restart); default true. */
   removeDirOnStop?: boolean;
   /** When true (default), a watchdog kills the process and removes `dir` if we die first. */
@@ -121,6 +123,7 @@ export function spawnManaged(opts: SpawnManagedOptions): ManagedProcess {
   const child = spawn(opts.command, [...opts.args], {
     stdio: ['ignore', fd ?? 'ignore', fd ?? 'ignore'],
     env: opts.env ?? process.env,
+    ...(opts.cwd ? { cwd: opts.cwd } : {}),
   });
   if (fd !== undefined) closeSync(fd);
   if (child.pid === undefined) throw new Error(`${opts.name}: failed to start ${opts.command}`);
