@@ -51,7 +51,7 @@ export async function writeFileDurable(path: string, data: string | Uint8Array, 
 }
 
 /** The kernel's boot id: it changes when the OS restarts (a crash included). */
-export function bootId(): string {
+function bootId(): string {
   try {
     return readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim();
   } catch {

@@ -412,7 +412,8 @@ export class Agent {
                 .catch(() => [] as string[]) // unreadable or torn: none recorded
             : [],
         );
-        const hooked = clones.filter((c) => (vms.find((v) => v.sandboxId === c.vmId)?.afterResume.length ?? 0) > 0).map((c) => c.vmId);
+        const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
+        const hooked = clones.filter((c) => (hooks.get(c.vmId)?.length ?? 0) > 0).map((c) => c.vmId);
         if (hooked.length) await this.deps.journal.put(w.opId, making, Buffer.from(JSON.stringify([...new Set([...madeBefore, ...hooked])])));
         let made: VmInfo[] = [];
         const migrated = clones.length ? await this.restoreByMigration(snapshotId, work.value.fetch, clones, log) : undefined;
@@ -428,7 +429,6 @@ export class Agent {
           if (clones.length) made = await driver.fork(local, clones);
           if (made.length) this.recordRestore(Math.min(...made.map((v) => v.readyMs)));
         }
-        const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
         // A VM an earlier delivery of this step made (the agent died before its result) gets
         // its hooks now unless that delivery recorded them run: at least once.
         const reports = new Map(

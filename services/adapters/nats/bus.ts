@@ -30,7 +30,7 @@ import type {
 } from '../../domain/messages.ts';
 import { AsyncQueue } from '../grpc/queue.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
-import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
+import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, retryOnConsumerStoreRace, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
 import { JsPublisher } from './js-publisher.ts';
 import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from './batcher.ts';
 
@@ -94,24 +94,16 @@ export class NatsWorkBus implements WorkBus {
   }
 
   async forgetHost(hostId: string): Promise<void> {
-    for (let attempt = 1; ; attempt++) {
-      try {
-        await this.jsm.consumers.delete(STREAM_WORK, workConsumer(hostId));
-        break;
-      } catch (e) {
-        const msg = (e as Error).message;
-        // Already gone (never made, or deleted by an earlier call): nothing to do.
-        if (/consumer not found/i.test(msg)) break;
-        // A nats-server without its PR 7886 (the Debian 12 one) does not retry removing the
-        // consumer's directory when a last state write lands in it, and answers "directory
-        // not empty". The consumer is out of the stream by then (it is removed before its
-        // store): asked again, the server says "not found".
-        if (/directory not empty/i.test(msg) && attempt < 5) {
-          await new Promise((r) => setTimeout(r, 50 * attempt));
-          continue;
-        }
-        throw new ForkfleetError('unavailable', `deleting the work queue of host ${hostId}: ${msg}`, { cause: e });
-      }
+    try {
+      await retryOnConsumerStoreRace(() =>
+        this.jsm.consumers.delete(STREAM_WORK, workConsumer(hostId)).catch((e: unknown) => {
+          // Already gone (never made, or deleted by an earlier call): nothing to do.
+          if (!/consumer not found/i.test((e as Error).message)) throw e;
+          return true;
+        }),
+      );
+    } catch (e) {
+      throw new ForkfleetError('unavailable', `deleting the work queue of host ${hostId}: ${(e as Error).message}`, { cause: e });
     }
     await this.jsm.streams.purge(STREAM_WORK, { filter: subjects.work(hostId) });
   }

@@ -55,33 +55,47 @@ export async function ensureStreams(jsm: JetStreamManager): Promise<void> {
 }
 
 /**
- * Creates (or finds) `hostId`'s durable work consumer. A nats-server without its PR 7886 can
- * lose a consumer's store directory when the consumer is made again while its deletion still
- * removes the directory (RemoveHost under a running agent, which makes its queue at once):
- * the consumer then lives on with no directory, and every later add answers "open
- * .../meta.inf: no such file or directory". Such a consumer is deleted and made again, a few
- * times, apart; work in the stream is not lost with it (a work-queue stream keeps a message
- * until it is acked, and a new consumer delivers them all; the agent dedups by op and step).
+ * Runs a consumer call again (up to 5 times, 100 ms x attempt apart, `between` before each
+ * retry) while nats-server answers with a race in its consumer store. A server without its
+ * PR 7886 (the Debian 12 one) does not retry removing a consumer's directory when a last
+ * state write lands in it ("directory not empty"; the consumer is out of the stream by then:
+ * asked again, "not found"), and a consumer made again while its deletion still removes the
+ * directory (RemoveHost under a running agent, which makes its queue at once) lives on with
+ * no directory: every later add answers "open .../meta.inf: no such file or directory".
+ */
+export async function retryOnConsumerStoreRace<T>(call: () => Promise<T>, between: () => Promise<unknown> = async () => undefined): Promise<T> {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await call();
+    } catch (e) {
+      if (attempt >= 5 || !/no such file or directory|directory not empty/i.test((e as Error).message)) throw e;
+      await new Promise((r) => setTimeout(r, 100 * attempt));
+      await between();
+    }
+  }
+}
+
+/**
+ * Creates (or finds) `hostId`'s durable work consumer. One the server lost the store of
+ * (retryOnConsumerStoreRace) is deleted and made again; work in the stream is not lost with it
+ * (a work-queue stream keeps a message until it is acked, and a new consumer delivers them
+ * all; the agent dedups by op and step).
  */
 export async function ensureWorkConsumer(jsm: JetStreamManager, hostId: string): Promise<string> {
   const name = workConsumer(hostId);
-  for (let attempt = 1; ; attempt++) {
-    try {
-      await jsm.consumers.add(STREAM_WORK, {
+  await retryOnConsumerStoreRace(
+    () =>
+      jsm.consumers.add(STREAM_WORK, {
         durable_name: name,
         ack_policy: AckPolicy.Explicit,
         deliver_policy: DeliverPolicy.All,
         filter_subject: subjects.work(hostId),
         ack_wait: WORK_ACK_WAIT_MS * 1e6,
         max_deliver: 20,
-      });
-      return name;
-    } catch (e) {
-      if (attempt >= 5 || !/no such file or directory|directory not empty/i.test((e as Error).message)) throw e;
-      await new Promise((r) => setTimeout(r, 200 * attempt));
-      await jsm.consumers.delete(STREAM_WORK, name).catch(() => undefined);
-    }
-  }
+      }),
+    () => jsm.consumers.delete(STREAM_WORK, name).catch(() => undefined),
+  );
+  return name;
 }
 
 export async function ensureResultsConsumer(jsm: JetStreamManager): Promise<void> {
