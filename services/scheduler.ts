@@ -157,8 +157,10 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
   }
 
   const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes, finished operations and deleted or failed snapshots deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
+  const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
   const executor = new Executor({
     store,
+    fence: () => election.fence(),
     bus,
     clock,
     log: log.child({ component: 'executor' }),
@@ -216,7 +218,6 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
     config.etcdCompactIntervalMs,
   );
 
-  const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
   let closing = false;
   // Leadership lost (lease lapsed, e.g. a stalled event loop): stop executing at once, then
   // campaign again as a standby. Whoever leads next re-runs every open operation from etcd.

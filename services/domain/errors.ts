@@ -25,6 +25,13 @@ export class ConflictError extends ForkfleetError {
   }
 }
 
+/** A leader's fenced write found that another replica leads now (ports.ts LeaderFence). */
+export class NotLeaderError extends ForkfleetError {
+  constructor() {
+    super('unavailable', 'this scheduler replica no longer leads; the new leader re-runs the operation', { retryable: true });
+  }
+}
+
 export class HostStepError extends ForkfleetError {
   constructor(hostId: string, step: string, kind: string, message: string, retryable: boolean) {
     super(

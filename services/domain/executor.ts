@@ -8,7 +8,7 @@
 // (the agent answers a repeat from its journal), and nothing is lost or duplicated.
 import { create, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
-import type { Clock, FleetChange, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
+import type { Clock, FleetChange, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { canTransition, HOLDS_CAPACITY, isTerminal } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
@@ -16,7 +16,7 @@ import { HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
-import { ConflictError, HostStepError, NoCapacityError, NotFoundError, StepTimeoutError, WrongStateError } from './errors.ts';
+import { ConflictError, HostStepError, NoCapacityError, NotFoundError, NotLeaderError, StepTimeoutError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
@@ -83,6 +83,12 @@ export interface ExecutorDeps {
   onFinished?: (kind: OperationRec['kind'], ok: boolean, seconds: number) => void;
   /** Observability hook: records deleted by the history retention (history.ts), per pass. */
   onExpired?: (sandboxes: number, ops: number, snapshots: number) => void;
+  /**
+   * The fence of this replica's leadership (LeaderElection.fence), added to every write the
+   * executor commits: a replica that lost the lead without noticing yet (a stalled event
+   * loop) cannot overwrite what the new leader did; its writes throw NotLeaderError.
+   */
+  fence?: () => LeaderFence | undefined;
 }
 
 /** A step waiting for its result; `hostId`: the host it was sent to, the only one whose answer counts. */
@@ -168,6 +174,8 @@ function writeKey(w: StoreWrite): string {
       return `alloc/${w.hostId}`;
     case 'delete-idem':
       return `idem/${w.tenantId}/${w.key}`;
+    case 'fence':
+      return `fence/${w.key}`;
   }
 }
 
@@ -682,7 +690,8 @@ export class Executor {
    * at the new revision (so records given to commit are never changed afterwards).
    */
   private async commit(writes: StoreWrite[]): Promise<number> {
-    const rev = await this.deps.store.commitAt(writes);
+    const fence = this.deps.fence?.();
+    const rev = await this.deps.store.commitAt(fence ? [...writes, fence] : writes);
     if (rev > 0) {
       for (const w of writes) {
         if (w.kind === 'host' || w.kind === 'alloc' || w.kind === 'snapshot') this.cache.apply({ kind: w.kind, value: { value: w.value, modRevision: rev } } as FleetChange);
@@ -1178,8 +1187,9 @@ export class Executor {
           return await this.finish(op, null, { kind: 'failed_precondition', message: `operation kind ${op.kind} is not supported by this scheduler version`, retryable: false });
       }
     } catch (e) {
-      // Stepping down is not a failure: the next leader re-runs the operation.
-      if (!this.active) return;
+      // Stepping down is not a failure: the next leader re-runs the operation. A fenced write
+      // may find the lead gone before this replica learns it (its writes fail from then on).
+      if (!this.active || e instanceof NotLeaderError) return;
       this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
       await this.finish(op, null, errorOf(e));
     }

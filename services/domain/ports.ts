@@ -38,7 +38,21 @@ export type StoreWrite =
   | { kind: 'delete-snapshot'; tenantId: string; id: string; expectRevision?: number }
   | { kind: 'delete-host'; id: string; expectRevision?: number }
   | { kind: 'delete-alloc'; hostId: string; expectRevision?: number }
-  | { kind: 'delete-idem'; tenantId: string; key: string; expectRevision?: number };
+  | { kind: 'delete-idem'; tenantId: string; key: string; expectRevision?: number }
+  | LeaderFence;
+
+/**
+ * Leader fencing: a guard, not a write. A batch with a fence commits only while `key` (the
+ * leader's election key) still has create revision `createRevision`, that is while the
+ * replica that won that election still leads. A leader whose lease lapsed (a stalled event
+ * loop) thus cannot write after a standby took over, even before it learns that it lost;
+ * the store throws NotLeaderError instead.
+ */
+export interface LeaderFence {
+  readonly kind: 'fence';
+  readonly key: string;
+  readonly createRevision: number;
+}
 
 export interface FleetStore {
   getSandbox(tenantId: string, id: string): Promise<Versioned<SandboxRec> | undefined>;
@@ -150,6 +164,11 @@ export interface LeaderElection {
   /** Called when leadership is lost after it was won. */
   onLost(cb: () => void): void;
   isLeader(): boolean;
+  /**
+   * The fence of the election this replica won last (kept after it is lost, so late writes
+   * of that term fail); undefined before the first win.
+   */
+  fence(): LeaderFence | undefined;
   resign(): Promise<void>;
 }
 

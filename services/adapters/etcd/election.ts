@@ -2,12 +2,13 @@
 // killed leader's lease lapses after `ttlSeconds`, then a standby's campaign wins.
 import type { Etcd3 } from 'etcd3';
 import type { Campaign } from 'etcd3';
-import type { LeaderElection } from '../../domain/ports.ts';
+import type { LeaderElection, LeaderFence } from '../../domain/ports.ts';
 import { keys } from './keys.ts';
 
 export class EtcdLeaderElection implements LeaderElection {
   private campaignObj: Campaign | undefined;
   private leader = false;
+  private lastFence: LeaderFence | undefined;
   private readonly lostCbs: Array<() => void> = [];
 
   constructor(
@@ -22,8 +23,20 @@ export class EtcdLeaderElection implements LeaderElection {
       const c = election.campaign(this.candidateId);
       this.campaignObj = c;
       c.on('elected', () => {
-        this.leader = true;
-        resolve();
+        // The fence: the campaign key (prefix + lease id) at the create revision it has now.
+        // Gone already (the lease lapsed in between): a fence no write can pass.
+        void c
+          .getCampaignKey()
+          .then(async (key) => {
+            const kv = (await this.client.get(key).exec()).kvs[0];
+            this.lastFence = { kind: 'fence', key, createRevision: kv ? Number(kv.create_revision) : -1 };
+            this.leader = true;
+            resolve();
+          })
+          .catch((err: unknown) => {
+            void c.resign().catch(() => undefined);
+            reject(err instanceof Error ? err : new Error(String(err)));
+          });
       });
       c.on('error', (err: Error) => {
         const was = this.leader;
@@ -40,6 +53,10 @@ export class EtcdLeaderElection implements LeaderElection {
 
   isLeader(): boolean {
     return this.leader;
+  }
+
+  fence(): LeaderFence | undefined {
+    return this.lastFence;
   }
 
   async resign(): Promise<void> {

@@ -11,6 +11,8 @@ import { QuotaLedger } from '../../domain/quota-ledger.ts';
 import { EtcdDeliveryLog } from './webhook-log.ts';
 import type { DeliveryRec } from '../../domain/webhooks.ts';
 import { usageOf } from '../../domain/quota.ts';
+import { EtcdLeaderElection } from './election.ts';
+import { NotLeaderError } from '../../domain/errors.ts';
 
 function sandbox(tenantId: string, id: string): SandboxRec {
   return {
@@ -146,6 +148,29 @@ describe('EtcdFleetStore', () => {
     // A list after the compaction still reads every record.
     expect((await store.listSandboxes('hist')).map((v) => v.value.state)).toEqual(['paused']);
   }, 30_000);
+
+  it('commitAt_withTheFenceOfAnElectionThatLapsed_throwsNotLeaderAndWritesNothing', async () => {
+    // A leader whose lease lapsed (its process stalled) and a standby that won meanwhile.
+    const a = new EtcdLeaderElection(store.etcd, 'fence-a', 1);
+    await a.campaign();
+    const fenceA = a.fence()!;
+    expect(fenceA.createRevision).toBeGreaterThan(0);
+    const rec = sandbox('fence', 'sb-1');
+    expect(await store.commitAt([{ kind: 'sandbox', value: rec, expectRevision: 0 }, fenceA])).toBeGreaterThan(0);
+    const v1 = (await store.getSandbox('fence', 'sb-1'))!;
+    // A stale guard under a valid fence is a plain conflict (0), not a lost leadership.
+    expect(await store.commitAt([{ kind: 'sandbox', value: { ...rec, stateReason: 'stale' }, expectRevision: v1.modRevision - 1 }, fenceA])).toBe(0);
+
+    await store.etcd.delete().key(fenceA.key).exec(); // what etcd does when the lease expires
+    const b = new EtcdLeaderElection(store.etcd, 'fence-b', 1);
+    await b.campaign();
+    await expect(store.commitAt([{ kind: 'sandbox', value: { ...rec, state: 'failed' }, expectRevision: v1.modRevision }, fenceA])).rejects.toBeInstanceOf(NotLeaderError);
+    expect((await store.getSandbox('fence', 'sb-1'))!.value.state).toBe('running');
+    // The new leader's fence lets the same write through.
+    expect(await store.commitAt([{ kind: 'sandbox', value: { ...rec, state: 'failed' }, expectRevision: v1.modRevision }, b.fence()!])).toBeGreaterThan(0);
+    await b.resign();
+    await a.resign();
+  });
 
   it('commit_ofAGuardedOpDeleteWithItsKey_deletesBothOnlyWhileTheOpIsUnchanged', async () => {
     const op = (id: string, state: OperationRec['state']): OperationRec => ({ id, tenantId: 'del', kind: 'create', targetId: 'x', state, input: {}, result: null, error: null, progress: { done: 0, total: 1, message: '', bytesTransferred: 0 }, steps: {}, createdAt: 0, updatedAt: 0, idempotencyKey: `key-${id}` });

@@ -3,10 +3,11 @@
 import { Etcd3, Range } from 'etcd3';
 import type { IKeyValue, IWatchResponse, Watcher } from 'etcd3';
 import { WatchManager } from 'etcd3/lib/watch.js';
-import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, RecordChange, SandboxChange, StoreWrite, Versioned, WatchBroke } from '../../domain/ports.ts';
+import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, LeaderFence, RecordChange, SandboxChange, StoreWrite, Versioned, WatchBroke } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
+import { NotLeaderError } from '../../domain/errors.ts';
 
 /**
  * Keys per page when listing a prefix. One range response must stay under the client's
@@ -98,6 +99,8 @@ function keyOf(w: StoreWrite): string {
       return keys.alloc(w.hostId);
     case 'delete-idem':
       return keys.idem(w.tenantId, w.key);
+    case 'fence':
+      return w.key;
   }
 }
 
@@ -111,6 +114,7 @@ function valueOf(w: StoreWrite): string | undefined {
     case 'delete-host':
     case 'delete-alloc':
     case 'delete-idem':
+    case 'fence':
       return undefined;
     default:
       return JSON.stringify(w.value);
@@ -250,18 +254,24 @@ export class EtcdFleetStore implements FleetStore {
   }
 
   async commitAt(writes: readonly StoreWrite[]): Promise<number> {
-    if (writes.length === 0) return 1;
+    const fence = writes.find((w): w is LeaderFence => w.kind === 'fence');
+    const records = writes.filter((w): w is Exclude<StoreWrite, LeaderFence> => w.kind !== 'fence');
+    if (records.length === 0) return 1;
     const ns = this.client;
     let txn = ns.if(PREFIX + '__never__', 'Version', '==', 0); // always-true seed compare
-    for (const w of writes) {
+    if (fence) txn = txn.and(fence.key, 'Create', '==', fence.createRevision);
+    for (const w of records) {
       if (w.expectRevision !== undefined) txn = txn.and(keyOf(w), 'Mod', '==', w.expectRevision);
     }
-    const ops = writes.map((w) => {
+    const ops = records.map((w) => {
       const v = valueOf(w);
       return v === undefined ? ns.delete().key(keyOf(w)) : ns.put(keyOf(w)).value(v);
     });
-    const res = await txn.then(...ops).commit();
-    return res.succeeded ? Number(res.header.revision) : 0;
+    // On a failed guard, the fence key as it is now tells a lost leadership from a conflict.
+    const res = await (fence ? txn.then(...ops).else(ns.get(fence.key)) : txn.then(...ops)).commit();
+    if (res.succeeded) return Number(res.header.revision);
+    if (fence && Number(res.responses[0]?.response_range?.kvs[0]?.create_revision ?? 0) !== fence.createRevision) throw new NotLeaderError();
+    return 0;
   }
 
   async followRecords(onChange: (c: FollowedRecord) => void, onRevision: (revision: number) => void, onError: (e: unknown) => void): Promise<() => void> {
