@@ -307,6 +307,45 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
+  it('failedCreateHibernateAndWake_leaveTheSandboxInAStateItCanLeave_withItsBookingRight', async () => {
+    // A create no host can take: the sandbox fails (it used to stay pending, counted by quota).
+    const big = await wait(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 64 } }));
+    expect(big.state).toBe(OperationState.FAILED);
+    const bigId = big.targetId;
+    expect((await store.getSandbox(tenantId, bigId))?.value).toMatchObject({ state: 'failed', opId: '' });
+    expect((await store.getSandbox(tenantId, bigId))?.value.stateReason).toMatch(/^create failed: no host can take this/);
+
+    // A hibernate whose snapshot fails (the fake refuses it for this hostname), from paused:
+    // back to paused (it used to stay hibernating, which hibernate, resume and destroy refuse).
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, hostname: 'fake-fail-snapshot-1' }));
+    const sid = c.result.case === 'sandbox' ? c.result.value.id : '';
+    await ok(api, await api.pauseSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
+    const hib = await wait(api, await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
+    expect(hib.state).toBe(OperationState.FAILED);
+    expect((await store.getSandbox(tenantId, sid))?.value).toMatchObject({ state: 'paused', opId: '' });
+    expect((await store.getSandbox(tenantId, sid))?.value.hibernatingFrom).toBeUndefined();
+    await ok(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
+    await assertConsistent();
+
+    // A wake no host can take (every host cordoned): back to hibernated, nothing booked.
+    const w = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    const wid = w.result.case === 'sandbox' ? w.result.value.id : '';
+    await ok(api, await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: wid }));
+    const open = (await api.listHosts({})).hosts.filter((h) => !h.cordoned).map((h) => h.id);
+    try {
+      for (const h of open) await api.cordonHost({ idempotencyKey: key(), hostId: h, cordon: true });
+      const wake = await wait(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: wid }));
+      expect(wake.state).toBe(OperationState.FAILED);
+      expect((await store.getSandbox(tenantId, wid))?.value).toMatchObject({ state: 'hibernated', opId: '' });
+      await assertConsistent();
+    } finally {
+      for (const h of open) await api.cordonHost({ idempotencyKey: key(), hostId: h, cordon: false });
+    }
+    await ok(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: wid }));
+    for (const id of [bigId, sid, wid]) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    await assertConsistent();
+  }, 120_000);
+
   it('forks_thatFinishBeforeTheirOwnWatchEventsArrive_runOnceAndSucceed', async () => {
     // Agents that answer at once, with no files (FF_FAKE_STATE=memory): an op can end before
     // the leader's watch has delivered its earlier writes. Those late, unfinished copies must

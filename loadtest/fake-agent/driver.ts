@@ -29,6 +29,9 @@ export const NO_LATENCY: FakeLatencies = { createMs: 0, restoreMsPerVm: 0, snaps
 
 export const FAKE_QEMU_VERSION = '7.2.0-fake';
 
+/** VMs whose hostname starts with this fail every snapshot (a fault for tests). */
+export const FAIL_SNAPSHOT_HOSTNAME = 'fake-fail-snapshot';
+
 const sleep = (ms: number): Promise<void> => (ms > 0 ? new Promise((r) => setTimeout(r, ms)) : Promise.resolve());
 
 export class FakeVmmDriver implements VmmDriver {
@@ -161,6 +164,8 @@ export class FakeVmmDriver implements VmmDriver {
 
   async snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot> {
     const vm = this.vm(vmId);
+    // A fault for tests of failed snapshots and hibernates: such a VM refuses every snapshot.
+    if (vm.hostname?.startsWith(FAIL_SNAPSHOT_HOSTNAME)) throw new ForkfleetError('internal', `fake VM ${vmId} refuses snapshots (hostname ${vm.hostname})`);
     const dir = join(this.snapDir, snapshotId);
     const held = this.snaps.get(snapshotId);
     if (held) return held;

@@ -1220,7 +1220,7 @@ export class Executor {
     if (sb.state === 'pending') {
       const prefs = (op.input as { placement?: PlacementPrefs }).placement;
       const sandboxRev = v.modRevision;
-      const { result } = await this.placeAndBook(
+      const placed = this.placeAndBook(
         op,
         sb.sourceSnapshotId ? { tenantId: sb.tenantId, id: sb.sourceSnapshotId } : undefined,
         () =>
@@ -1246,7 +1246,8 @@ export class Executor {
           };
         },
       );
-      void result;
+      // No host could take it (or the snapshot it starts from is gone): nothing was booked.
+      if (!(await placed.then(() => true, (e: unknown) => this.failAndSettle(op, e, 'pending', () => 'failed')))) return;
     }
     if (sb.state !== 'starting') {
       // Already past this point (re-run after a failover).
@@ -1276,6 +1277,32 @@ export class Executor {
     }
     if (fetched && !notHeld) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
     await this.finishRunning(op, sb);
+  }
+
+  /**
+   * Fails `op` and, in the same transaction, moves its sandbox from the transitional state
+   * `from` the op put it in to `to(record)`, if it is still there and the op's own: a failed
+   * create, hibernate or wake never leaves a sandbox that no call can move on (a hibernating
+   * one refuses hibernate, resume and destroy; a pending one counts against quota). Returns
+   * false for the callers' `placed.then(...)`. Rethrows when this replica no longer leads:
+   * the next leader re-runs the op instead.
+   */
+  private async failAndSettle(op: OperationRec, e: unknown, from: SandboxState, to: (sb: SandboxRec) => SandboxState): Promise<false> {
+    if (!this.active) throw e;
+    this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
+    const error = errorOf(e);
+    await this.finish(op, null, error, undefined, async () => {
+      const v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+      if (!v || v.value.state !== from || (v.value.opId !== '' && v.value.opId !== op.id)) return [];
+      const next = structuredClone(v.value);
+      const now = this.deps.clock.now();
+      this.setState(next, to(v.value), now, `${op.kind} failed: ${error.message}`);
+      next.opId = '';
+      next.updatedAt = now;
+      delete next.hibernatingFrom;
+      return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }];
+    });
+    return false;
   }
 
   /** Ends a create or a wake: the sandbox runs (on `hostId`, when given) and the op succeeds, in one transaction. */
@@ -1425,6 +1452,7 @@ export class Executor {
     if (sb.state === 'hibernated') return this.finish(op, { sandboxIds: [sb.id], snapshotId: sb.hibernationSnapshotId }, null);
     if (sb.state === 'running' || sb.state === 'paused') {
       sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        s.hibernatingFrom = s.state === 'paused' ? 'paused' : 'running';
         this.setState(s, 'hibernating', this.deps.clock.now());
         s.opId = op.id;
       });
@@ -1432,8 +1460,16 @@ export class Executor {
     if (sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
     // keep_last 1: an older hibernation snapshot of the lineage is pruned once no live
     // sandbox uses it (the current one is in use while the sandbox lives).
-    const sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { 'forkfleet.io/hibernation': sb.id } });
-    await this.step(op, 'stop', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+    let sn: SnapshotRec;
+    try {
+      sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { 'forkfleet.io/hibernation': sb.id } });
+      await this.step(op, 'stop', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+    } catch (e) {
+      // Back to what it was: its VM and booking are still there (a VM the stop step did end
+      // after all is found missing by the VM check, which records it lost).
+      await this.failAndSettle(op, e, 'hibernating', (cur) => cur.hibernatingFrom ?? 'running');
+      return;
+    }
     // Durability: copy the snapshot to more hosts, best effort (it is already safe on one).
     const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
     for (const h of others.slice(0, Math.min(input.replicas ?? 0, others.length))) {
@@ -1454,6 +1490,7 @@ export class Executor {
         this.setState(s, 'hibernated', this.deps.clock.now());
         s.hibernationSnapshotId = sn.id;
         s.opId = '';
+        delete s.hibernatingFrom;
       },
       this.capacity(sb.hostId, sb.resources, -1),
     );
@@ -1480,14 +1517,20 @@ export class Executor {
     }
     if (sb.state !== 'waking' || !v) throw new WrongStateError('sandbox', sb.id, sb.state, 'only a hibernated sandbox can be woken');
     const snapshotId = sb.hibernationSnapshotId || sb.sourceSnapshotId;
-    const snv = await this.readSnapshot(sb.tenantId, snapshotId);
-    if (!snv || snv.value.state !== 'ready') throw new NotFoundError('snapshot', snapshotId);
     const input = op.input as { bookedHost?: string; transferSource?: string };
+    const snv = await this.readSnapshot(sb.tenantId, snapshotId);
     let hostId = input.bookedHost ?? '';
+    if (!snv || snv.value.state !== 'ready') {
+      const gone = new NotFoundError('snapshot', snapshotId);
+      // Nothing booked yet (a re-run finds bookedHost set): it goes back to sleep.
+      if (!hostId) await this.failAndSettle(op, gone, 'waking', () => 'hibernated');
+      else throw gone;
+      return;
+    }
     if (!hostId) {
       const rev = v.modRevision;
       const before = sb;
-      await this.placeAndBook(
+      const placed = this.placeAndBook(
         op,
         { tenantId: before.tenantId, id: snapshotId },
         () => ({ kind: 'restore', id: op.id, nowMs: this.deps.clock.now(), snapshotId, overlayDiskMib: before.resources.diskMib, preferences: {} }),
@@ -1509,10 +1552,13 @@ export class Executor {
           };
         },
       );
+      // No host could take it: nothing was booked, so it goes back to sleep.
+      if (!(await placed.then(() => true, (e: unknown) => this.failAndSettle(op, e, 'waking', () => 'hibernated')))) return;
     }
-    const fetch = this.fetchPlan(snv.value, hostId, input.transferSource);
     let woke: HostResultMsg;
+    let fetch: ReturnType<Executor['fetchPlan']>;
     try {
+      fetch = this.fetchPlan(snv.value, hostId, input.transferSource);
       woke = await this.step(op, `wake/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
     } catch (e) {
       if (this.active) {

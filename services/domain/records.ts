@@ -44,7 +44,7 @@ export const SANDBOX_TRANSITIONS: Readonly<Record<SandboxState, readonly Sandbox
   starting: ['running', 'failed', 'destroying'],
   running: ['paused', 'hibernating', 'destroying', 'failed', 'lost'],
   paused: ['running', 'hibernating', 'destroying', 'lost'],
-  hibernating: ['hibernated', 'running', 'failed', 'lost'],
+  hibernating: ['hibernated', 'running', 'paused', 'failed', 'lost'],
   hibernated: ['waking', 'destroyed'],
   waking: ['running', 'failed', 'hibernated', 'destroying'],
   destroying: ['destroyed', 'failed'],
@@ -87,6 +87,8 @@ export interface SandboxRec {
   /** When the sandbox last entered `running`; null when not running. TTL counts only running time. */
   runningSince: number | null;
   hibernationSnapshotId: string;
+  /** While hibernating: the state it came from, which a failed hibernate returns it to. */
+  hibernatingFrom?: 'running' | 'paused';
   /** User steps run in the guest after every resume, wake and restore (before it is reported ready). */
   afterResume?: HookRec[];
   /** Operation that currently owns the sandbox (one at a time); empty when idle. */
