@@ -121,6 +121,26 @@ describe('Agent steps', () => {
     expect(execs).toEqual(['sb-h /bin/refresh']);
   });
 
+  it('restore_redeliveredWithEveryVmPresent_fetchesNothing_andSaysWhetherTheSnapshotIsHeldHere', async () => {
+    const vm = { vmId: 'sb-m', sandboxId: 'sb-m', state: 'running', pid: 1, readyMs: 1 } as VmInfo;
+    let obtains = 0;
+    let held = false;
+    const { agent } = agentWith(
+      { get: (id) => (id === 'sb-m' ? vm : undefined) },
+      // The first delivery restored by migration (or its fetch was cut off): a fetch now would
+      // fail, its ticket expired and its sources gone.
+      { obtain: () => (obtains++, Promise.reject(new ForkfleetError('unavailable', 'no source answers'))), holds: async () => held },
+    );
+    const step = (stepId: string) => work(stepId, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-m' }] } } });
+    const r = await agent.runStep(step('restore/h1'));
+    expect(r.error).toBeUndefined();
+    expect(r.vms.map((v) => v.sandboxId)).toEqual(['sb-m']);
+    expect(r.snapshotNotHeld).toBe(true);
+    held = true;
+    expect((await agent.runStep(step('restore/h2'))).snapshotNotHeld).toBe(false);
+    expect(obtains).toBe(0);
+  });
+
   it('heartbeat_afterLocalRestores_reportsItsSlotsAndTheMedianOfEachStepsFirstReadyChild', async () => {
     const beats: Heartbeat[] = [];
     let n = 0;

@@ -421,6 +421,13 @@ export class Agent {
           made = migrated.vms;
           result.bytesFetched = BigInt(migrated.bytes);
           result.restoredByMigration = true;
+        } else if (clones.length === 0) {
+          // A redelivery that finds every VM (the agent died before its result): nothing to
+          // restore, so nothing to fetch, which may not even be possible any more (sources
+          // gone, ticket expired). Held here only if the snapshot is complete on this host (an
+          // earlier restore by migration never fetched it).
+          const held = shipper.holds ? await shipper.holds(snapshotId) : shipper.held().some((h) => h.snapshotId === snapshotId && h.complete);
+          if (!held) result.snapshotNotHeld = true;
         } else {
           const { local, bytesFetched } = await shipper.obtain(snapshotId, work.value.fetch, (done, total) =>
             this.deps.bus.publishEvent(this.event(HostEventType.TRANSFER_PROGRESS, { snapshotId, opId: w.opId, bytesDone: BigInt(done), bytesTotal: BigInt(total) })),
@@ -448,7 +455,7 @@ export class Agent {
         // The scheduler records this host as a holder of a snapshot it fetched: only once that
         // is durable (it ran alongside the restore). If it could not be, the VMs run all the
         // same (from the image) and the host says it does not hold the snapshot.
-        if (!migrated) {
+        if (!migrated && clones.length > 0) {
           await shipper.durable?.(snapshotId).catch((e: unknown) => {
             log.warn({ snapshotId, err: e instanceof Error ? e.message : String(e) }, 'fetched snapshot not stored durably: restored, but not held here');
             result.snapshotNotHeld = true;
