@@ -647,6 +647,26 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
+  it('recover_whileTheGuestAgentDoesNotAnswer_adoptsTheVm_andItsNextGuestCallSyncs', async () => {
+    // QEMU's guest-agent chardev serves one connection at a time: while this one is open, the
+    // new driver's connection waits unanswered, as with a busy or stopped qemu-ga.
+    driver.detach();
+    const sock = (await readdir(join(root, 'vms', 'tpl'))).find((f) => /^qga\.\d+\.sock$/.test(f));
+    expect(sock).toBeDefined();
+    const blocker = net.connect(join(root, 'vms', 'tpl', sock!));
+    await new Promise<void>((resolve, reject) => blocker.once('connect', resolve).once('error', reject));
+    try {
+      const report = await restartAgent({ dead: true });
+      expect(report.adopted).toEqual(['tpl']);
+      expect(report.reaped).toEqual([]);
+      expect(driver.get('tpl')?.state).toBe('running');
+    } finally {
+      blocker.destroy();
+    }
+    // The channel freed, the first guest call syncs and is answered.
+    expect(await sh('tpl', 'cat /dev/shm/marker', driver)).toBe('tmpfs-before-snapshot');
+  }, 60_000);
+
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.
     const report = await restartAgent();

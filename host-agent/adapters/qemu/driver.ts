@@ -31,6 +31,7 @@ import {
   VmNotFoundError,
   CloneHygieneError,
   GuestAgentCommandError,
+  GuestAgentTimeoutError,
   QmpCommandError,
 } from '../../errors.ts';
 import { diffFingerprint } from '../../domain/compat.ts';
@@ -1729,10 +1730,27 @@ export class QemuVmmDriver implements VmmDriver {
       }
     }
     const rec = this.register(p, adoptProcess(pid), qmp, log);
-    rec.info.state = status === 'running' ? 'running' : 'paused';
-    rec.agent = await GuestAgentClient.connect(join(p.info.workdir, `qga.${p.gen}.sock`));
-    if (status === 'running') await rec.agent.sync(10_000);
-    await this.persist(rec);
+    try {
+      rec.info.state = status === 'running' ? 'running' : 'paused';
+      rec.agent = await GuestAgentClient.connect(join(p.info.workdir, `qga.${p.gen}.sock`));
+      // A slow or busy guest agent (a loaded TCG guest, qemu-ga stopped by the user) is no
+      // reason to kill a VM that QMP just answered: the channel stays unsynced and the next
+      // guest call syncs first (GuestAgentClient.commandRaw).
+      if (status === 'running') {
+        await rec.agent.sync(10_000).catch((e: unknown) => {
+          if (!(e instanceof GuestAgentTimeoutError)) throw e;
+          log.warn({ err: String(e) }, 'adopted VM: guest agent did not answer yet; the next guest call syncs again');
+        });
+      }
+      await this.persist(rec);
+    } catch (e) {
+      // Not adopted after all: the caller reaps it, and no record of it stays behind.
+      rec.expectExit = true;
+      this.vms.delete(p.info.vmId);
+      rec.agent?.close();
+      qmp.close();
+      throw e;
+    }
     log.info({ pid, status }, 'vm adopted');
   }
 
