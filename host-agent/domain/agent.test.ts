@@ -1,4 +1,4 @@
-import { describe, expect, it } from 'vitest';
+import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { Agent } from './agent.ts';
@@ -139,6 +139,58 @@ describe('Agent steps', () => {
     held = true;
     expect((await agent.runStep(step('restore/h2'))).snapshotNotHeld).toBe(false);
     expect(obtains).toBe(0);
+  });
+
+  it('destroy_ofAVmARestoreIsStillMaking_waitsForIt_thenDestroysIt', async () => {
+    const vms = new Map<string, VmInfo>();
+    let finishFork: () => void = () => undefined;
+    const { agent } = agentWith(
+      {
+        get: (id) => vms.get(id),
+        fork: (_s, clones) =>
+          new Promise<VmInfo[]>((resolve) => {
+            finishFork = () => {
+              const made = clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo);
+              for (const v of made) vms.set(v.vmId, v);
+              resolve(made);
+            };
+          }),
+        destroy: async (id) => void vms.delete(id),
+      },
+      { obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) },
+    );
+    const restore = agent.runStep(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }, { sandboxId: 'sb-2' }] } } }));
+    await new Promise((r) => setTimeout(r, 10));
+    // The scheduler gave up on the slow restore and destroys one sandbox meanwhile.
+    let destroyed = false;
+    const destroy = agent.runStep(create(HostWorkSchema, { opId: 'op-d', stepId: 'destroy', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } })).then((r) => ((destroyed = true), r));
+    await new Promise((r) => setTimeout(r, 10));
+    expect(destroyed).toBe(false);
+    finishFork();
+    expect((await restore).error).toBeUndefined();
+    expect((await destroy).error).toBeUndefined();
+    expect([...vms.keys()]).toEqual(['sb-2']);
+  });
+
+  it('work_waitingForAStepSlot_isKeptAliveSoTheBusDoesNotDeliverItAgain', async () => {
+    vi.useFakeTimers();
+    try {
+      let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+      const { agent } = agentWith(
+        { onEvent: () => () => undefined },
+        { obtain: () => new Promise<never>(() => undefined) },
+        { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async () => undefined },
+      );
+      await agent.start();
+      // Three restores whose fetch never ends take every slot (concurrency 3); a fourth waits for one.
+      const alive = [0, 0, 0, 0];
+      for (let i = 0; i < 4; i++)  void onWork!(work(`restore/${i}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), { ack: () => undefined, working: () => void alive[i]!++ });
+      await vi.advanceTimersByTimeAsync(11_000);
+      expect(alive[3]).toBeGreaterThanOrEqual(2);
+      await agent.stop?.();
+    } finally {
+      vi.useRealTimers();
+    }
   });
 
   it('heartbeat_afterLocalRestores_reportsItsSlotsAndTheMedianOfEachStepsFirstReadyChild', async () => {

@@ -172,6 +172,8 @@ export class Agent {
   private readonly restoreSamples: number[] = [];
   private readonly queue: Array<() => Promise<void>> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
+  /** Sandboxes whose VM a running create or restore step makes: settles when that step ends (act). */
+  private readonly making = new Map<string, Promise<void>>();
   /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
   private readonly activity = new Map<string, { busyAt: number; cpu: number | undefined; at: number }>();
 
@@ -304,9 +306,11 @@ export class Agent {
 
   private onWork(w: HostWork, ctl: WorkControl): Promise<void> {
     return new Promise<void>((resolve) => {
+      // From delivery on, also while the step waits for a slot: JetStream would otherwise
+      // deliver a queued step again after its ack wait, and copies would pile up in the queue.
+      const keepAlive = setInterval(() => ctl.working(), 5000);
       const run = async (): Promise<void> => {
         this.inflight++;
-        const keepAlive = setInterval(() => ctl.working(), 5000);
         try {
           const result = await this.runStep(w);
           await this.deps.bus.publishResult(result);
@@ -364,6 +368,23 @@ export class Agent {
   }
 
   private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
+    const work = w.work;
+    // VMs this step makes are "being made" until it ends: a destroy of one of them waits for
+    // that (the scheduler can give up on a slow create or restore and destroy its sandbox
+    // while the VM is still starting; found missing, the VM would run on with no record).
+    const makes = work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : [];
+    if (makes.length === 0) return this.actOn(w, result, log);
+    const done = this.actOn(w, result, log);
+    const settled = done.catch(() => undefined);
+    for (const id of makes) if (id) this.making.set(id, settled);
+    try {
+      await done;
+    } finally {
+      for (const id of makes) if (this.making.get(id) === settled) this.making.delete(id);
+    }
+  }
+
+  private async actOn(w: HostWork, result: HostResult, log: Logger): Promise<void> {
     const { driver, shipper } = this.deps;
     const work = w.work;
     switch (work.case) {
@@ -479,6 +500,7 @@ export class Agent {
         return;
       }
       case 'destroyVm': {
+        await this.making.get(work.value.sandboxId);
         if (driver.get(work.value.sandboxId)) await driver.destroy(work.value.sandboxId);
         return;
       }
