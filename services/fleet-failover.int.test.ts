@@ -346,6 +346,26 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 120_000);
 
+  it('fork_whoseChildIsDestroyedDuringItsRestore_runsTheOthers_andLeavesNoVmOfTheDestroyedOne', async () => {
+    // Four children on one host: its restore takes ~400 ms (100 ms per VM).
+    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 4, placement: { hostId: 'fake-2' } });
+    let kids: SandboxRec[] = [];
+    await waitFor('children starting', async () => {
+      kids = (await store.listSandboxes(tenantId)).map((v) => v.value).filter((v) => v.opId === fork.id && v.state === 'starting');
+      return kids.length === 4;
+    }, 10_000, 10);
+    const gone = kids[0]!.id;
+    const destroy = await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: gone });
+    const f = await wait(api, fork);
+    expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+    expect((await wait(api, destroy)).state).toBe(OperationState.SUCCEEDED);
+    for (const k of kids.slice(1)) expect((await store.getSandbox(tenantId, k.id))?.value.state).toBe('running');
+    expect((await store.getSandbox(tenantId, gone))?.value.state).toBe('destroyed');
+    await waitFor('no VM of the destroyed child', async () => ![...main.vms().values()].some((vms) => vms.some((v) => v.sandboxId === gone)), 10_000, 50);
+    await assertConsistent();
+    for (const k of kids.slice(1)) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: k.id }));
+  }, 60_000);
+
   it('forks_thatFinishBeforeTheirOwnWatchEventsArrive_runOnceAndSucceed', async () => {
     // Agents that answer at once, with no files (FF_FAKE_STATE=memory): an op can end before
     // the leader's watch has delivered its earlier writes. Those late, unfinished copies must

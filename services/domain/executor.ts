@@ -1128,10 +1128,19 @@ export class Executor {
     });
     if (writes.length && (await this.commitGrouped(writes))) return;
     for (const { rec } of sbs) {
-      await this.updateSandbox(rec.tenantId, rec.id, (s) => {
-        this.setState(s, 'running', now, rec.stateReason);
-        s.opId = '';
-      });
+      try {
+        await this.updateSandbox(rec.tenantId, rec.id, (s) => {
+          this.setState(s, 'running', now, rec.stateReason);
+          s.opId = '';
+        });
+      } catch (e) {
+        if (!(e instanceof WrongStateError) && !(e instanceof NotFoundError)) throw e;
+        // Moved on while its restore ran (destroyed by its user, failed by a timeout): the
+        // other children still become running. Its VM, which the restore made after a
+        // destroy may have found nothing to stop, is stopped (a no-op if it went already).
+        this.log.info({ sandboxId: rec.id, hostId: rec.hostId, err: (e as Error).message }, 'child moved on during its restore; stopping its VM');
+        void this.sendHostWork(rec.hostId, `moved-on-${rec.id}`, rec.tenantId, `stop/${rec.id}`, { case: 'destroyVm', value: { sandboxId: rec.id } as never }, 'could not stop the VM of a child that moved on during its restore');
+      }
     }
   }
 
