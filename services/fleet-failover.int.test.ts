@@ -239,6 +239,24 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
+  it('destroy_whoseHostDiesMeanwhile_endsDestroyedWithTheBookingReleased_andTheHostCanBeRemoved', async () => {
+    const { agents: dying, sandboxId: sbId } = await hostWithSandbox('fake-d', 'dying');
+    dying.proc.kill();
+    // Its VMs died with it (the files it leaves are not VMs): out of assertConsistent's view.
+    fakes.splice(fakes.indexOf(dying), 1);
+    // Asked while the host is still counted ready: the step goes out and no answer comes.
+    const destroy = await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sbId });
+    const f = await wait(api, destroy);
+    expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+    expect((await store.getSandbox(tenantId, sbId))?.value.state).toBe('destroyed');
+    expect((await store.getAlloc('fake-d')).value).toMatchObject({ sandboxes: 0, allocated: { vcpus: 0, memoryMib: 0 } });
+    await waitFor('host lost', async () => (await store.getHost('fake-d'))?.value.state === 'lost', 15_000, 50);
+    await api.removeHost({ hostId: 'fake-d' });
+    expect(await store.getHost('fake-d')).toBeUndefined();
+    await dying.stop();
+    await assertConsistent();
+  }, 60_000);
+
   it('removeHost_ofALostHost_dropsItsRecordsAndQueue_refusesLiveOrUnknownHosts_andTheAgentBackRegistersAnew', async () => {
     const { agents: gone, sandboxId: sbId } = await hostWithSandbox('fake-x', 'removed');
     const code = (p: Promise<unknown>): Promise<{ code?: number; field?: string; message?: string }> => p.then(() => ({}), (e: unknown) => e as { code: number; field?: string });
@@ -347,8 +365,11 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   }, 120_000);
 
   it('fork_whoseChildIsDestroyedDuringItsRestore_runsTheOthers_andLeavesNoVmOfTheDestroyedOne', async () => {
-    // Four children on one host: its restore takes ~400 ms (100 ms per VM).
-    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 4, placement: { hostId: 'fake-2' } });
+    // Four children on a host of their own: its restore takes ~600 ms (150 ms per VM).
+    const slow = await startFakeAgents({ hosts: ['fake-s'], dataDir: join(dir, 'slow'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8', FF_FAKE_RESTORE_MS_PER_VM: '150' } });
+    fakes.push(slow);
+    await waitFor('fake-s registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-s'), 10_000, 50);
+    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 4, placement: { hostId: 'fake-s' } });
     let kids: SandboxRec[] = [];
     await waitFor('children starting', async () => {
       kids = (await store.listSandboxes(tenantId)).map((v) => v.value).filter((v) => v.opId === fork.id && v.state === 'starting');
@@ -361,7 +382,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect((await wait(api, destroy)).state).toBe(OperationState.SUCCEEDED);
     for (const k of kids.slice(1)) expect((await store.getSandbox(tenantId, k.id))?.value.state).toBe('running');
     expect((await store.getSandbox(tenantId, gone))?.value.state).toBe('destroyed');
-    await waitFor('no VM of the destroyed child', async () => ![...main.vms().values()].some((vms) => vms.some((v) => v.sandboxId === gone)), 10_000, 50);
+    await waitFor('no VM of the destroyed child', async () => !(slow.vms().get('fake-s') ?? []).some((v) => v.sandboxId === gone), 10_000, 50);
     await assertConsistent();
     for (const k of kids.slice(1)) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: k.id }));
   }, 60_000);

@@ -179,6 +179,13 @@ function writeKey(w: StoreWrite): string {
   }
 }
 
+/** A record a reconciler listed changed before its guarded write: that write is skipped. */
+class MovedOnError extends Error {
+  constructor(id: string, state: string, hostId: string) {
+    super(`sandbox ${id} is ${state} on ${hostId || 'no host'} now`);
+  }
+}
+
 /** A host that still holds a deleted snapshot is asked again after this long (reconcileHeldSnapshots). */
 const HELD_GC_RETRY_MS = 10 * 60_000;
 /** Stale-snapshot deletes sent per pass at most. */
@@ -905,6 +912,8 @@ export class Executor {
         log[stepId] = { hostId, status: r.error ? 'failed' : 'done', attempt };
         return this.checkResult(r, hostId, stepId);
       }
+      // A lost host will not answer: the step fails now rather than after every attempt.
+      if (this.cache.hosts.get(hostId)?.value.state === 'lost') throw new StepTimeoutError(hostId, stepId, timeoutMs * attempt);
       this.log.warn({ opId: op.id, stepId, hostId, attempt }, 'host step timed out; re-sending');
     }
     throw new StepTimeoutError(hostId, stepId, timeoutMs * this.deps.config.stepAttempts);
@@ -1625,7 +1634,19 @@ export class Executor {
       }
     }
     const { hostId, resources } = cur;
-    if (hostId) await this.step(op, 'destroy', hostId, { case: 'destroyVm', value: { sandboxId: cur.id } as never });
+    if (hostId && this.cache.hosts.get(hostId)?.value.state === 'lost') {
+      // Its host is lost: no answer will come. The VM went with the host, or is stopped when
+      // the host returns (the queued step, and reclaimReturnedHost for a destroyed sandbox).
+      await this.sendHostWork(hostId, op.id, cur.tenantId, 'destroy/lost-host', { case: 'destroyVm', value: { sandboxId: cur.id } as never }, 'could not queue the destroy of a VM on a lost host');
+    } else if (hostId) {
+      try {
+        await this.step(op, 'destroy', hostId, { case: 'destroyVm', value: { sandboxId: cur.id } as never });
+      } catch (e) {
+        // The host was lost meanwhile, and markHostLost destroyed the sandbox: done.
+        if ((await this.deps.store.getSandbox(cur.tenantId, cur.id))?.value.state !== 'destroyed') throw e;
+        return this.finish(op, { sandboxIds: [cur.id] }, null);
+      }
+    }
     await this.finish(
       op,
       { sandboxIds: [cur.id] },
@@ -2145,14 +2166,34 @@ export class Executor {
     }
   }
 
+  /**
+   * A lost host's sandboxes: those with a VM there become lost (a destroying one destroyed),
+   * and their bookings are released. Each is re-checked in its guarded write (the list may be
+   * stale: a drain or a VM check may have moved it meanwhile), and releases what that write
+   * found booked.
+   */
   private async markHostLost(hostId: string): Promise<void> {
     const now = this.deps.clock.now();
+    // Not `starting`: its op's step fails it (failSandbox), releasing its booking.
+    const losable = new Set<SandboxState>(['running', 'paused', 'hibernating', 'destroying']);
     for (const v of await this.deps.store.listSandboxes(undefined)) {
       const sb = v.value;
-      if (sb.hostId !== hostId || !['running', 'paused', 'starting', 'hibernating'].includes(sb.state)) continue;
-      await this.updateSandbox(sb.tenantId, sb.id, (s) => this.setState(s, 'lost', now, `host ${hostId} lost`), this.capacity(hostId, sb.resources, -1)).catch((e: unknown) =>
-        this.log.warn({ err: e, hostId, sandboxId: sb.id }, 'could not mark sandbox lost'),
-      );
+      if (sb.hostId !== hostId || !losable.has(sb.state)) continue;
+      await this.updateSandbox(
+        sb.tenantId,
+        sb.id,
+        (s) => {
+          if (s.hostId !== hostId || !losable.has(s.state)) throw new MovedOnError(s.id, s.state, s.hostId);
+          if (s.state === 'destroying') {
+            this.setState(s, 'destroyed', now, `host ${hostId} lost`);
+            s.opId = '';
+          } else this.setState(s, 'lost', now, `host ${hostId} lost`);
+        },
+        (_next, before) => this.capacity(hostId, before.resources, -1)(),
+      ).catch((e: unknown) => {
+        if (e instanceof MovedOnError) this.log.debug({ hostId, sandboxId: sb.id, err: e.message }, 'sandbox moved on before its host was marked lost');
+        else this.log.warn({ err: e, hostId, sandboxId: sb.id }, 'could not mark sandbox lost');
+      });
     }
   }
 }
