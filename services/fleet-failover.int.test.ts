@@ -210,6 +210,23 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
+  it('drain_whoseSandboxIsDestroyedWhileItIsCopied_removesTheCopy_andBooksNothingTwice', async () => {
+    const { sandboxId: sbId } = await hostWithSandbox('fake-m', 'migrating');
+    const drain = await api.drainHost({ idempotencyKey: key(), hostId: 'fake-m', migrate: true });
+    // Destroyed once the drain chose a host for it (its restore there takes ~400 ms).
+    await waitFor('destination chosen', async () => {
+      const o = (await store.getOp('admin', drain.id))?.value;
+      return Boolean((o?.input as { migrations?: Record<string, { toHostId?: string }> } | undefined)?.migrations?.[sbId]?.toHostId);
+    }, 10_000, 5);
+    await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sbId }));
+    const f = await wait(api, drain, 'admin');
+    expect(f.state).toBe(OperationState.FAILED);
+    expect(f.error?.message).toContain('moved on during its migration');
+    expect((await store.getSandbox(tenantId, sbId))?.value.state).toBe('destroyed');
+    await waitFor('no VM of it anywhere', async () => ![...fakes.flatMap((x) => [...x.vms().values()])].some((vms) => vms.some((v) => v.sandboxId === sbId)), 10_000, 50);
+    await assertConsistent();
+  }, 60_000);
+
   it('host_whenSilent_becomesSuspectThenLost_itsSandboxesLost_andRestoreElsewhereFetchesFromSurvivingHolder', async () => {
     // A sandbox and its snapshot on the doomed host; the snapshot also reaches fake-5.
     const { agents: doomed, sandboxId: sbId } = await hostWithSandbox('fake-l', 'lost');

@@ -1968,8 +1968,11 @@ export class Executor {
       if (fetch && !restored.snapshotNotHeld) await this.addHolder(sb.tenantId, sn.id, to);
       if (m.wasPaused) await this.step(op, `migrate/${sb.id}/pause-dest`, to, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
     } catch (e) {
+      // A leader that stepped down undoes nothing: the next one finds the booking and the
+      // choice recorded, and restores there again.
+      if (!this.active) throw e;
       // Undo: release the booking, let the source run again.
-      await this.releaseCapacity(to, sb.resources);
+      await this.unbookMigration(op, sb, to);
       if (!m.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
       throw e;
     }
@@ -1978,6 +1981,14 @@ export class Executor {
       const [v, a] = await Promise.all([this.deps.store.getSandbox(sb.tenantId, sb.id), this.deps.store.getAlloc(from)]);
       if (!v) throw new NotFoundError('sandbox', sb.id);
       if (v.value.hostId === to) break;
+      if (v.value.hostId !== from || !['running', 'paused', 'lost'].includes(v.value.state)) {
+        // Moved on while it was copied (destroyed by its user or its TTL, say): the copy on
+        // `to` is not the sandbox. Its booking goes and its VM is stopped.
+        if (!this.active) throw new NotLeaderError();
+        await this.unbookMigration(op, sb, to);
+        await this.step(op, `migrate/${sb.id}/destroy-dest`, to, { case: 'destroyVm', value: { sandboxId: sb.id } as never }).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
+        throw new WrongStateError('sandbox', sb.id, `${v.value.state} on ${v.value.hostId || 'no host'}`, 'it moved on during its migration; the copy was removed');
+      }
       const next = structuredClone(v.value);
       next.hostId = to;
       this.setState(next, m.wasPaused ? 'paused' : 'running', this.deps.clock.now(), `migrated from ${from}`);
@@ -1990,6 +2001,23 @@ export class Executor {
     }
     // 5. The source VM is no longer the sandbox.
     await this.step(op, `migrate/${sb.id}/destroy-source`, from, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+  }
+
+  /**
+   * Releases a migration's booking on `to` and forgets the choice, in one transaction: a
+   * re-run then books again instead of restoring onto a host with no booking.
+   */
+  private async unbookMigration(op: OperationRec, sb: SandboxRec, to: string): Promise<void> {
+    await this.updateOp(
+      op.tenantId,
+      op.id,
+      (o) => {
+        const inp = o.input as unknown as DrainInput;
+        const mm = inp.migrations?.[sb.id];
+        if (mm) inp.migrations = { ...inp.migrations, [sb.id]: { ...mm, toHostId: undefined } };
+      },
+      this.capacity(to, sb.resources, -1),
+    );
   }
 
   // ---------------------------------------------------------------- hosts
