@@ -404,6 +404,28 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     for (const k of kids.slice(1)) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: k.id }));
   }, 60_000);
 
+  it('snapshot_pinnedWhileTaken_staysPinnedOnceReady_andADeleteMeanwhileIsRefusedNotUndone', async () => {
+    // A host whose snapshots take 600 ms.
+    const slow = await startFakeAgents({ hosts: ['fake-p'], dataDir: join(dir, 'pin'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8', FF_FAKE_SNAPSHOT_MS: '600' } });
+    fakes.push(slow);
+    await waitFor('fake-p registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-p'), 10_000, 50);
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-p' } }));
+    const sid = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const snap = await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid });
+    let snId = '';
+    await waitFor('snapshot creating', async () => {
+      const o = (await store.getOp(tenantId, snap.id))?.value;
+      snId = (o?.input as { snapshotId?: string } | undefined)?.snapshotId ?? '';
+      return snId !== '' && (await store.getSnapshot(tenantId, snId))?.value.state === 'creating';
+    }, 10_000, 10);
+    await api.pinSnapshot({ tenantId, idempotencyKey: key(), snapshotId: snId });
+    const del = await wait(api, await api.deleteSnapshot({ tenantId, idempotencyKey: key(), snapshotId: snId }));
+    expect(del.state).toBe(OperationState.FAILED);
+    await ok(api, snap);
+    expect((await store.getSnapshot(tenantId, snId))?.value).toMatchObject({ state: 'ready', pinned: true });
+    await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
+  }, 60_000);
+
   it('forks_thatFinishBeforeTheirOwnWatchEventsArrive_runOnceAndSucceed', async () => {
     // Agents that answer at once, with no files (FF_FAKE_STATE=memory): an op can end before
     // the leader's watch has delivered its earlier writes. Those late, unfinished copies must

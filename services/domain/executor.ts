@@ -1440,8 +1440,15 @@ export class Executor {
       ready.logicalBytes = logical;
       ready.storedBytes = stored;
     }
-    await this.commit([{ kind: 'snapshot', value: ready }]);
-    return ready;
+    // Onto the record as it is now, guarded: a pin or a retention set while it was taken
+    // stays, and a snapshot deleted meanwhile is not brought back.
+    for (let i = 0; i < 20; i++) {
+      const cur = await this.deps.store.getSnapshot(rec.tenantId, rec.id);
+      if (!cur || cur.value.state !== 'creating') throw new WrongStateError('snapshot', rec.id, cur?.value.state ?? 'gone', 'it changed while it was taken');
+      const next: SnapshotRec = { ...cur.value, state: 'ready', hostIds: [sb.hostId], manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
+      if (await this.commit([{ kind: 'snapshot', value: next, expectRevision: cur.modRevision }])) return next;
+    }
+    throw new ConflictError(`snapshot ${rec.id}`);
   }
 
   private async runPauseResume(op: OperationRec): Promise<void> {
@@ -1669,17 +1676,35 @@ export class Executor {
   private async runDeleteSnapshot(op: OperationRec): Promise<void> {
     const v = await this.deps.store.getSnapshot(op.tenantId, op.targetId);
     if (!v) throw new NotFoundError('snapshot', op.targetId);
-    const sn = v.value;
+    let sn = v.value;
     if (sn.state === 'deleted') return this.finish(op, { snapshotId: sn.id }, null);
-    if (sn.pinned) throw new WrongStateError('snapshot', sn.id, 'pinned', 'unpin it first');
     const reason = (op.input as { reason?: string }).reason === 'expired' ? 'expired' : 'deleted';
-    // Nothing live loses its snapshot: a sandbox restored from it maps its memory image, a
-    // hibernated one lives in it.
-    const users = (await this.deps.store.listSandboxes(op.tenantId)).map((v) => v.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === sn.id || b.hibernationSnapshotId === sn.id));
-    if (users.length > 0) throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
-    await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleting' } }]);
-    await Promise.all(sn.hostIds.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
-    await this.commit([{ kind: 'snapshot', value: { ...sn, state: 'deleted', hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() } }]);
+    // `deleting` is written guarded by the revision the checks read: a pin, or a snapshot
+    // that became ready, in between makes them run again.
+    for (let i = 0; sn.state !== 'deleting'; i++) {
+      if (i === 20) throw new ConflictError(`snapshot ${sn.id}`);
+      const cur = i === 0 ? v : await this.deps.store.getSnapshot(op.tenantId, op.targetId);
+      if (!cur) throw new NotFoundError('snapshot', op.targetId);
+      sn = cur.value;
+      if (sn.state === 'deleted') return this.finish(op, { snapshotId: sn.id }, null);
+      if (sn.state === 'deleting') break;
+      if (sn.state === 'creating') throw new WrongStateError('snapshot', sn.id, 'creating', 'delete it once it is ready or failed');
+      if (sn.pinned) throw new WrongStateError('snapshot', sn.id, 'pinned', 'unpin it first');
+      // Nothing live loses its snapshot: a sandbox restored from it maps its memory image, a
+      // hibernated one lives in it.
+      const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === sn.id || b.hibernationSnapshotId === sn.id));
+      if (users.length > 0) throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
+      const deleting: SnapshotRec = { ...sn, state: 'deleting' };
+      if (await this.commit([{ kind: 'snapshot', value: deleting, expectRevision: cur.modRevision }])) sn = deleting;
+    }
+    const hosts = sn.hostIds;
+    await Promise.all(hosts.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
+    for (let i = 0; ; i++) {
+      const cur = await this.deps.store.getSnapshot(op.tenantId, op.targetId);
+      if (!cur || cur.value.state === 'deleted') break;
+      if (await this.commit([{ kind: 'snapshot', value: { ...cur.value, state: 'deleted', hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() }, expectRevision: cur.modRevision }])) break;
+      if (i === 20) throw new ConflictError(`snapshot ${sn.id}`);
+    }
     await this.finish(op, { snapshotId: sn.id }, null);
   }
 

@@ -345,6 +345,7 @@ export class Fleet {
 
   pinSnapshot(tenantId: string, id: string, pinned: boolean): Promise<SnapshotRec> {
     return this.updateSnapshot(tenantId, id, (s) => {
+      if (pinned && s.state === 'deleting') throw new WrongStateError('snapshot', id, 'deleting', 'it cannot be pinned any more');
       s.pinned = pinned;
     });
   }
