@@ -8,7 +8,8 @@ import { mkdir, open, readdir, rename, unlink, writeFile } from 'node:fs/promise
 import { dirname, join } from 'node:path';
 import type { Logger } from 'pino';
 
-async function fsyncPath(p: string): Promise<void> {
+/** fsync of one file or directory (a directory: the names in it); a path gone since is skipped. */
+export async function fsyncPath(p: string): Promise<void> {
   let fh;
   try {
     fh = await open(p, 'r');

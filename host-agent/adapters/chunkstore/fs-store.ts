@@ -13,7 +13,7 @@
 // so a damaged file never passes as valid. See docs/adr/0007-chunk-format.md.
 import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
 import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
-import { join } from 'node:path';
+import { dirname, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, ManifestStore, SweepStats } from '../../domain/snapshot-store.ts';
@@ -26,7 +26,7 @@ import { writeSparse } from './sparse.ts';
 import { encodeHeader, HEADER, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 import { isAlive } from '../qemu/process.ts';
-import { fsyncAll } from '../durable.ts';
+import { fsyncAll, fsyncPath } from '../durable.ts';
 
 /** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
 const READ_HEADROOM = 48;
@@ -87,6 +87,10 @@ export class FsChunkStore implements ChunkStore {
   private readonly offload: boolean;
   /** Chunk files renamed into place since the last `sync()`. */
   private unsynced = new Set<string>();
+  /** Chunks a verify worker is storing now: renamed there, counted in `unsynced` once it answers. */
+  private readonly offloaded = new Set<Promise<unknown>>();
+  /** The last `sync()` called (settled either way): the next one runs after it. */
+  private syncing: Promise<unknown> = Promise.resolve();
 
   constructor(root: string, opts: FsChunkStoreOptions = {}) {
     this.root = root;
@@ -144,8 +148,7 @@ export class FsChunkStore implements ChunkStore {
       // Verified (decode + SHA-256) before the temp file is written, on a worker; `chunk.data`
       // is detached by this call. See verify-pool.ts.
       const final = this.pathOf(chunk.digest);
-      const plain = await acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach });
-      this.unsynced.add(final);
+      const plain = await this.trackOffloaded(acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach }), final);
       return plain as Buffer;
     }
     const plain = await decodeChunk(chunk);
@@ -162,8 +165,7 @@ export class FsChunkStore implements ChunkStore {
     checkDigest(chunk.digest);
     if (this.offload && isOwned(chunk.data)) {
       const final = this.pathOf(chunk.digest);
-      await acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach, places });
-      this.unsynced.add(final);
+      await this.trackOffloaded(acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach, places }), final);
       return;
     }
     const plain = await this.accept(chunk);
@@ -177,15 +179,42 @@ export class FsChunkStore implements ChunkStore {
     this.unsynced.add(final);
   }
 
-  async sync(): Promise<void> {
-    const batch = this.unsynced;
-    this.unsynced = new Set();
-    try {
-      await fsyncAll(batch);
-    } catch (e) {
-      for (const p of batch) this.unsynced.add(p);
-      throw e;
-    }
+  /**
+   * A worker's accept: its file is in place before the worker answers, so until then a
+   * concurrent `has()` can find it while `unsynced` does not list it yet; sync() waits for it.
+   */
+  private trackOffloaded<T>(p: Promise<T>, final: string): Promise<T> {
+    const tracked = p.then((r) => {
+      this.unsynced.add(final);
+      return r;
+    });
+    const settled = tracked.catch(() => undefined);
+    this.offloaded.add(settled);
+    void settled.then(() => this.offloaded.delete(settled));
+    return tracked;
+  }
+
+  /**
+   * Makes every chunk stored before this call durable, including those another caller's
+   * sync is fsyncing right now and those a verify worker is still storing: a caller may
+   * store a manifest over chunks it found already present (ADR 0007, Durability).
+   */
+  sync(): Promise<void> {
+    // One after another, each after the worker accepts in flight at its call.
+    const accepting = [...this.offloaded];
+    const run = this.syncing.then(async () => {
+      await Promise.all(accepting);
+      const batch = this.unsynced;
+      this.unsynced = new Set();
+      try {
+        await fsyncAll(batch);
+      } catch (e) {
+        for (const p of batch) this.unsynced.add(p);
+        throw e;
+      }
+    });
+    this.syncing = run.catch(() => undefined);
+    return run;
   }
 
   async getEncoded(digest: DigestHex): Promise<EncodedChunk | undefined> {
@@ -361,6 +390,8 @@ export class FsManifestStore implements ManifestStore {
 
   async put(snapshotId: string, signed: SignedManifest): Promise<void> {
     await writeFileVia(this.tmpDir, this.pathOf(snapshotId), [encodeSignedManifest(signed)], true);
+    // The rename itself, durable: "manifest present" means complete, also after an OS crash.
+    await fsyncPath(dirname(this.pathOf(snapshotId)));
   }
 
   async get(snapshotId: string): Promise<SignedManifest | undefined> {

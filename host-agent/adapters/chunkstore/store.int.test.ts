@@ -192,6 +192,26 @@ describe('content-addressed snapshot store', () => {
     expect(readdirSync(join(dir, 'offload', 'tmp'))).toEqual([]);
   });
 
+  it('sync_calledWhileAnotherSyncOrAWorkersAcceptRuns_resolvesOnlyAfterIt', async () => {
+    // A second fetch or ingest that finds chunks present relies on their durability: its
+    // sync() (with nothing of its own to fsync) must not end before theirs.
+    const store = new FsChunkStore(join(dir, 'sync-order'));
+    const order: string[] = [];
+    for (let i = 0; i < 64; i++) await store.put(await encodeChunk(randomBytesSeeded(CS, 100 + i)));
+    const first = store.sync().then(() => order.push('first'));
+    const second = store.sync().then(() => order.push('second'));
+    await Promise.all([first, second]);
+    expect(order).toEqual(['first', 'second']);
+    // A chunk a verify worker is storing: sync() waits until it is in place and synced.
+    const c = await encodeChunk(randomBytesSeeded(CS, 200));
+    const data = Buffer.from(c.data);
+    markOwned(data);
+    const accepted = store.accept({ ...c, data }).then(() => order.push('accepted'));
+    await store.sync().then(() => order.push('synced'));
+    await accepted;
+    expect(order.slice(2)).toEqual(['accepted', 'synced']);
+  });
+
   it('acceptInto_onWorkerOrInline_storesChunkAndWritesEveryPlaceOrNothingOnMismatch', async () => {
     const store = new FsChunkStore(join(dir, 'place'));
     const plain = Buffer.concat([textBytes(CS / 2, 5), randomBytesSeeded(CS / 2, 6)]);
