@@ -536,6 +536,19 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.deleteSnapshot(again);
   });
 
+  it('snapshot_ofACloneAfterAnAttemptKilledBeforeItsDiskSwitched_removesTheLayerItLeft_andSucceeds', async () => {
+    await driver.fork(snap, [{ vmId: 'k5', hostname: 'k5' }]);
+    await sh('k5', 'echo one > /data/one && sync');
+    // What an agent killed between creating the snapshot's new layer and blockdev-snapshot
+    // leaves in the VM's directory (the snapshot's own directory is swept at start). The
+    // redelivered step used to fail on it, "exists already", and journal that failure.
+    execFileSync('qemu-img', ['create', '-q', '-f', 'qcow2', join(root, 'vms', 'k5', 'disk.snap-k5-again.qcow2'), '64M']);
+    const again = await driver.snapshot('k5', 'snap-k5-again');
+    await childrenSee([{ of: again, id: 'k5c', script: 'cat /data/one', out: 'one' }]);
+    await driver.destroy('k5');
+    await driver.deleteSnapshot(again);
+  });
+
   it('snapshot_ofACloneThatFailsAfterItsDiskSwitched_mergesTheLayerBack_andLaterSnapshotsKeepEveryWrite', async () => {
     await driver.fork(snap, [{ vmId: 'k3', hostname: 'k3' }]);
     await sh('k3', 'echo one > /data/one && sync');
@@ -666,6 +679,15 @@ describe('QemuVmmDriver (real QEMU)', () => {
     // The channel freed, the first guest call syncs and is answered.
     expect(await sh('tpl', 'cat /dev/shm/marker', driver)).toBe('tmpfs-before-snapshot');
   }, 60_000);
+
+  it('recover_ofAnAcceleratorProbeTheAgentDiedIn_reapsIt', async () => {
+    // resolveAccel's probe VM, alive when the agent died: nobody's sandbox, so not adopted.
+    await driver.fork(snap, [{ vmId: 'kvmprobe-1-abcdef', hostname: 'probe' }]);
+    const report = await restartAgent();
+    expect(report.reaped).toContain('kvmprobe-1-abcdef');
+    expect(report.adopted).not.toContain('kvmprobe-1-abcdef');
+    expect(driver.get('kvmprobe-1-abcdef')).toBeUndefined();
+  });
 
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.

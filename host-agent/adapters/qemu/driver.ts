@@ -214,6 +214,9 @@ function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => vo
   };
 }
 
+/** VM ids of accelerator probes (resolveAccel): never adopted by recover(). */
+const PROBE_VM_PREFIX = 'kvmprobe-';
+
 export class QemuVmmDriver implements VmmDriver {
   private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage'>> & Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage'>;
   private egressManager: EgressManager | undefined;
@@ -320,7 +323,7 @@ export class QemuVmmDriver implements VmmDriver {
     }
     if (!this.opts.probeImage) throw new InvalidArgumentError('probeImage', 'required for accel=auto');
     // Prove KVM can run a stock guest: boot one to "agent answers" within the deadline.
-    const vmId = `kvmprobe-${process.pid}-${randomBytes(3).toString('hex')}`;
+    const vmId = `${PROBE_VM_PREFIX}${process.pid}-${randomBytes(3).toString('hex')}`;
     const t0 = Date.now();
     try {
       await this.boot({ vmId, image: this.opts.probeImage, memoryMib: 128, vcpus: 1 }, 'kvm', this.opts.autoProbeDeadlineMs);
@@ -812,7 +815,14 @@ export class QemuVmmDriver implements VmmDriver {
     const live = !keepPaused && rec.info.accel === 'kvm';
     try {
       // qemu-img would overwrite it, and it may be the VM's live layer (see the catch below).
-      if (await stat(newDisk).then(() => true, () => false)) throw new VmmError(`disk layer ${newDisk} exists already: an earlier attempt at snapshot ${snapshotId} was interrupted`);
+      // One the VM does not write is what an attempt killed before its blockdev-snapshot left
+      // (an adopted VM was put back on its real top layer): it goes, with its block node.
+      if (await stat(newDisk).then(() => true, () => false)) {
+        if ((await topDiskFile(rec.qmp)) === newDisk) throw new VmmError(`disk layer ${newDisk} exists already and the VM writes it: an earlier attempt at snapshot ${snapshotId} was interrupted`);
+        await rec.qmp.execute('blockdev-del', { 'node-name': overlayNode }).catch(() => undefined);
+        await rm(newDisk, { force: true });
+        rec.log.warn({ snapshotId, disk: newDisk }, 'removed the disk layer an interrupted attempt at this snapshot left');
+      }
       await qemuImgCreateOverlay(rec.image.disk, recvDisk, rec.image.diskVirtualSize);
       await qemuImgCreateOverlay(diskImg, newDisk, rec.image.diskVirtualSize);
       // The receiver's RAM is the new image file, even when the VM's own RAM is anonymous.
@@ -1602,7 +1612,8 @@ export class QemuVmmDriver implements VmmDriver {
       }
       const pid = persisted ? await this.livePid(workdir, persisted.gen, persisted.launchDir) : 0;
       const alive = pid > 0;
-      if (mode === 'adopt' && persisted && alive) {
+      // An accelerator probe the agent died in (resolveAccel) is nobody's VM: reaped.
+      if (mode === 'adopt' && persisted && alive && !vmId.startsWith(PROBE_VM_PREFIX)) {
         try {
           await this.adopt(persisted, pid);
           report.adopted.push(vmId);
