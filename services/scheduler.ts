@@ -221,8 +221,17 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
   let closing = false;
   // Leadership lost (lease lapsed, e.g. a stalled event loop): stop executing at once, then
   // campaign again as a standby. Whoever leads next re-runs every open operation from etcd.
+  // A campaign that fails (etcd unreachable, say) is tried again: a replica never stops
+  // standing for leader while it runs.
+  const standFor = (): Promise<void> =>
+    election.campaign().catch(async (err: unknown) => {
+      if (closing) throw err;
+      log.error({ err }, 'leader campaign failed; campaigning again in 1 s');
+      await new Promise((r) => setTimeout(r, 1000));
+      return standFor();
+    });
   const campaign = (): Promise<void> =>
-    election.campaign().then(async () => {
+    standFor().then(async () => {
       if (closing) return;
       metrics.leader.set(1);
       log.info({ id: config.id }, 'elected leader');

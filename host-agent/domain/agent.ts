@@ -172,8 +172,12 @@ export class Agent {
   private readonly restoreSamples: number[] = [];
   private readonly queue: Array<() => Promise<void>> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
-  /** Sandboxes whose VM a running create or restore step makes: settles when that step ends (act). */
-  private readonly making = new Map<string, Promise<void>>();
+  /** Sandboxes whose VM a running create or restore step makes, by that step (act). */
+  private readonly making = new Map<string, object>();
+  /** Of those, the ones destroyed meanwhile: their step stops them once made. */
+  private readonly doomed = new Set<string>();
+  /** Keep-alives of delivered steps (running or waiting for a slot), cleared by stop(). */
+  private readonly keepAlives = new Set<ReturnType<typeof setInterval>>();
   /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
   private readonly activity = new Map<string, { busyAt: number; cpu: number | undefined; at: number }>();
 
@@ -221,6 +225,9 @@ export class Agent {
 
   async stop(): Promise<void> {
     for (const s of this.stops.splice(0).reverse()) await s();
+    // Steps still waiting for a slot are not acked: the bus delivers them again.
+    for (const t of this.keepAlives) clearInterval(t);
+    this.keepAlives.clear();
   }
 
   private event(type: HostEventType, fields: Partial<Pick<HostEvent, 'sandboxId' | 'snapshotId' | 'opId' | 'message'>> & { bytesDone?: bigint; bytesTotal?: bigint }): HostEvent {
@@ -309,6 +316,7 @@ export class Agent {
       // From delivery on, also while the step waits for a slot: JetStream would otherwise
       // deliver a queued step again after its ack wait, and copies would pile up in the queue.
       const keepAlive = setInterval(() => ctl.working(), 5000);
+      this.keepAlives.add(keepAlive);
       const run = async (): Promise<void> => {
         this.inflight++;
         try {
@@ -320,6 +328,7 @@ export class Agent {
           this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not report step result; it will be redelivered');
         } finally {
           clearInterval(keepAlive);
+          this.keepAlives.delete(keepAlive);
           this.inflight--;
           resolve();
           this.queue.shift()?.().catch(() => undefined);
@@ -369,18 +378,23 @@ export class Agent {
 
   private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
     const work = w.work;
-    // VMs this step makes are "being made" until it ends: a destroy of one of them waits for
-    // that (the scheduler can give up on a slow create or restore and destroy its sandbox
-    // while the VM is still starting; found missing, the VM would run on with no record).
-    const makes = work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : [];
+    // VMs this step makes are "being made" until it ends. A destroy of one of them meanwhile
+    // (the scheduler can give up on a slow create or restore and destroy its sandbox while
+    // the VM is still starting) answers at once and leaves it doomed: this step stops it as
+    // soon as it is made. Found missing and forgotten, the VM would run on with no record.
+    const makes = (work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : []).filter(Boolean);
     if (makes.length === 0) return this.actOn(w, result, log);
-    const done = this.actOn(w, result, log);
-    const settled = done.catch(() => undefined);
-    for (const id of makes) if (id) this.making.set(id, settled);
+    const step = {};
+    for (const id of makes) this.making.set(id, step);
     try {
-      await done;
+      await this.actOn(w, result, log);
     } finally {
-      for (const id of makes) if (this.making.get(id) === settled) this.making.delete(id);
+      for (const id of makes) {
+        if (this.making.get(id) === step) this.making.delete(id);
+        if (!this.doomed.delete(id) || !this.deps.driver.get(id)) continue;
+        log.info({ sandboxId: id }, 'destroyed while it was being made: stopping it');
+        await this.deps.driver.destroy(id).catch((e: unknown) => log.warn({ sandboxId: id, err: e instanceof Error ? e.message : String(e) }, 'could not stop a VM destroyed while it was being made'));
+      }
     }
   }
 
@@ -500,7 +514,7 @@ export class Agent {
         return;
       }
       case 'destroyVm': {
-        await this.making.get(work.value.sandboxId);
+        if (this.making.has(work.value.sandboxId)) this.doomed.add(work.value.sandboxId);
         if (driver.get(work.value.sandboxId)) await driver.destroy(work.value.sandboxId);
         return;
       }

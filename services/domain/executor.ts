@@ -179,6 +179,9 @@ function writeKey(w: StoreWrite): string {
   }
 }
 
+/** After a failed hibernate, the idle rule waits this long before it tries again. */
+const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
+
 /** A record a reconciler listed changed before its guarded write: that write is skipped. */
 class MovedOnError extends Error {
   constructor(id: string, state: string, hostId: string) {
@@ -1305,7 +1308,7 @@ export class Executor {
    * false for the callers' `placed.then(...)`. Rethrows when this replica no longer leads:
    * the next leader re-runs the op instead.
    */
-  private async failAndSettle(op: OperationRec, e: unknown, from: SandboxState, to: (sb: SandboxRec) => SandboxState): Promise<false> {
+  private async failAndSettle(op: OperationRec, e: unknown, from: SandboxState, to: (sb: SandboxRec) => SandboxState, also?: (sb: SandboxRec) => Promise<StoreWrite[]>): Promise<false> {
     if (!this.active) throw e;
     this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
     const error = errorOf(e);
@@ -1318,9 +1321,21 @@ export class Executor {
       next.opId = '';
       next.updatedAt = now;
       delete next.hibernatingFrom;
-      return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }];
+      return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(also ? await also(v.value) : [])];
     });
     return false;
+  }
+
+  /**
+   * A failed wake's settle: back to hibernated, releasing the booking its op recorded, if
+   * any (a placement commit that failed with an unknown outcome may have landed; a re-run
+   * finds bookedHost set). Read from the op now, not from the copy the run started with.
+   */
+  private async settleWake(op: OperationRec, e: unknown): Promise<false> {
+    return this.failAndSettle(op, e, 'waking', () => 'hibernated', async (sb) => {
+      const booked = ((await this.deps.store.getOp(op.tenantId, op.id))?.value.input as { bookedHost?: string } | undefined)?.bookedHost;
+      return booked ? this.capacity(booked, sb.resources, -1)() : [];
+    });
   }
 
   /** Ends a create or a wake: the sandbox runs (on `hostId`, when given) and the op succeeds, in one transaction. */
@@ -1402,53 +1417,57 @@ export class Executor {
     };
     const recRev = existing ? (existing.value.state === 'creating' ? existing.modRevision : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: existing.modRevision }])) : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
     if (!recRev) throw new ConflictError(`snapshot ${snapshotId}`);
-    let r: HostResultMsg;
     try {
-      r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
+      const r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
+      const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
+      if (r.manifest && r.manifest.manifest.length > 0) {
+        const sig = this.deps.signer.manifest(r.manifest.manifest);
+        ready.manifestSignature = Buffer.from(sig.signature).toString('base64');
+        ready.manifestKeyId = sig.keyId;
+        const m = fromBinary(SnapshotManifestSchema, r.manifest.manifest);
+        const vc = m.vmConfig;
+        if (vc) {
+          ready.vmConfig = {
+            machine: vc.machine,
+            memoryMib: Number(vc.memoryMib),
+            vcpus: vc.vcpus,
+            devices: vc.devices,
+            qemuVersion: vc.qemuVersion,
+            accel: vc.accel === Accel.KVM ? 'kvm' : 'tcg',
+            cpuModel: vc.cpuModel,
+            image: vc.image,
+          };
+        }
+        let logical = 0;
+        let stored = 0;
+        for (const a of m.artifacts) {
+          logical += Number(a.size);
+          for (const c of a.chunks) stored += c.storedSize;
+        }
+        ready.logicalBytes = logical;
+        ready.storedBytes = stored;
+      }
+      // Onto the record as it is now, guarded: a pin or a retention set while it was taken
+      // stays, and a snapshot deleted meanwhile is not brought back.
+      for (let i = 0; i < 20; i++) {
+        const cur = await this.deps.store.getSnapshot(rec.tenantId, rec.id);
+        if (!cur || cur.value.state !== 'creating') throw new WrongStateError('snapshot', rec.id, cur?.value.state ?? 'gone', 'it changed while it was taken');
+        const next: SnapshotRec = { ...cur.value, state: 'ready', hostIds: [sb.hostId], manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
+        if (await this.commit([{ kind: 'snapshot', value: next, expectRevision: cur.modRevision }])) return next;
+      }
+      throw new ConflictError(`snapshot ${rec.id}`);
     } catch (e) {
-      // A leader that stepped down leaves the op to the next one, which takes the snapshot up
-      // again: writing failed now could land after that (and a host would be told to delete
-      // what is about to be ready). Guarded by the record as this run wrote it.
-      if (this.active) await this.commit([{ kind: 'snapshot', value: { ...rec, state: 'failed', endedAt: this.deps.clock.now() }, expectRevision: recRev }]);
+      // A snapshot that will not become ready is failed, whatever failed after its record was
+      // written (the step, the signature, the ready write), or it would stay creating, which
+      // nothing expires and a delete refuses. A leader that stepped down leaves the op to the
+      // next one, which takes the snapshot up again: writing failed now could land after that
+      // (and a host would be told to delete what is about to be ready).
+      if (this.active) {
+        const cur = await this.deps.store.getSnapshot(rec.tenantId, rec.id).catch(() => undefined);
+        if (cur?.value.state === 'creating') await this.commit([{ kind: 'snapshot', value: { ...cur.value, state: 'failed', endedAt: this.deps.clock.now() }, expectRevision: cur.modRevision }]).catch(() => undefined);
+      }
       throw e;
     }
-    const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
-    if (r.manifest && r.manifest.manifest.length > 0) {
-      const sig = this.deps.signer.manifest(r.manifest.manifest);
-      ready.manifestSignature = Buffer.from(sig.signature).toString('base64');
-      ready.manifestKeyId = sig.keyId;
-      const m = fromBinary(SnapshotManifestSchema, r.manifest.manifest);
-      const vc = m.vmConfig;
-      if (vc) {
-        ready.vmConfig = {
-          machine: vc.machine,
-          memoryMib: Number(vc.memoryMib),
-          vcpus: vc.vcpus,
-          devices: vc.devices,
-          qemuVersion: vc.qemuVersion,
-          accel: vc.accel === Accel.KVM ? 'kvm' : 'tcg',
-          cpuModel: vc.cpuModel,
-          image: vc.image,
-        };
-      }
-      let logical = 0;
-      let stored = 0;
-      for (const a of m.artifacts) {
-        logical += Number(a.size);
-        for (const c of a.chunks) stored += c.storedSize;
-      }
-      ready.logicalBytes = logical;
-      ready.storedBytes = stored;
-    }
-    // Onto the record as it is now, guarded: a pin or a retention set while it was taken
-    // stays, and a snapshot deleted meanwhile is not brought back.
-    for (let i = 0; i < 20; i++) {
-      const cur = await this.deps.store.getSnapshot(rec.tenantId, rec.id);
-      if (!cur || cur.value.state !== 'creating') throw new WrongStateError('snapshot', rec.id, cur?.value.state ?? 'gone', 'it changed while it was taken');
-      const next: SnapshotRec = { ...cur.value, state: 'ready', hostIds: [sb.hostId], manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
-      if (await this.commit([{ kind: 'snapshot', value: next, expectRevision: cur.modRevision }])) return next;
-    }
-    throw new ConflictError(`snapshot ${rec.id}`);
   }
 
   private async runPauseResume(op: OperationRec): Promise<void> {
@@ -1460,7 +1479,21 @@ export class Executor {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
       const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? { case: 'pauseVm', value: { sandboxId: sb.id } as never } : { case: 'resumeVm', value: { sandboxId: sb.id, afterResume: hooksOf(sb) } as never });
       const now = this.deps.clock.now();
-      return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, this.sandboxWrite(sb, (s) => this.setState(s, target, now, op.kind === 'resume' ? Executor.hookReport(r, sb.id) : ''), sbv));
+      return this.finish(
+        op,
+        { sandboxIds: [sb.id] },
+        null,
+        undefined,
+        this.sandboxWrite(
+          sb,
+          (s) => {
+            // A hibernate that took it meanwhile owns it now (its record is re-read on a conflict).
+            if ((s.state !== 'running' && s.state !== 'paused') || (s.opId !== '' && s.opId !== op.id)) throw new WrongStateError('sandbox', s.id, s.state, `${op.kind} lost the race to another operation (${s.opId || 'none'})`);
+            this.setState(s, target, now, op.kind === 'resume' ? Executor.hookReport(r, sb.id) : '');
+          },
+          sbv,
+        ),
+      );
     }
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
@@ -1546,10 +1579,7 @@ export class Executor {
     const snv = await this.readSnapshot(sb.tenantId, snapshotId);
     let hostId = input.bookedHost ?? '';
     if (!snv || snv.value.state !== 'ready') {
-      const gone = new NotFoundError('snapshot', snapshotId);
-      // Nothing booked yet (a re-run finds bookedHost set): it goes back to sleep.
-      if (!hostId) await this.failAndSettle(op, gone, 'waking', () => 'hibernated');
-      else throw gone;
+      await this.settleWake(op, new NotFoundError('snapshot', snapshotId));
       return;
     }
     if (!hostId) {
@@ -1577,8 +1607,8 @@ export class Executor {
           };
         },
       );
-      // No host could take it: nothing was booked, so it goes back to sleep.
-      if (!(await placed.then(() => true, (e: unknown) => this.failAndSettle(op, e, 'waking', () => 'hibernated')))) return;
+      // No host could take it: it goes back to sleep.
+      if (!(await placed.then(() => true, (e: unknown) => this.settleWake(op, e)))) return;
     }
     let woke: HostResultMsg;
     let fetch: ReturnType<Executor['fetchPlan']>;
@@ -2159,7 +2189,9 @@ export class Executor {
         await submit(sb.tenantId, `__ttl/${sb.id}`, 'destroy', sb.id, { reason: 'ttl' });
         continue;
       }
-      if (sb.idleTimeoutMs) {
+      // A hibernate that failed (failAndSettle) is not tried again at once: the VM stays as
+      // idle as it was, and every attempt pauses it for a snapshot.
+      if (sb.idleTimeoutMs && !(sb.stateReason.startsWith('hibernate failed') && now - sb.updatedAt < IDLE_RETRY_AFTER_FAILURE_MS)) {
         const vm = this.deps.heard.vm(sb.hostId, sb.id);
         const idleMs = vm?.idle ? Number(vm.idle.seconds) * 1000 + Math.floor(vm.idle.nanos / 1e6) : 0;
         if (idleMs >= sb.idleTimeoutMs) await submit(sb.tenantId, `__idle/${sb.id}/${sb.runningSince ?? 0}`, 'hibernate', sb.id, { snapshotId: newId('sn'), replicas: 0, reason: 'idle' });

@@ -22,25 +22,42 @@ export class EtcdLeaderElection implements LeaderElection {
       const election = this.client.election(keys.election(), this.ttlSeconds);
       const c = election.campaign(this.candidateId);
       this.campaignObj = c;
+      let ended = false;
       c.on('elected', () => {
         // The fence: the campaign key (prefix + lease id) at the create revision it has now.
-        // Gone already (the lease lapsed in between): a fence no write can pass.
-        void c
-          .getCampaignKey()
-          .then(async (key) => {
-            const kv = (await this.client.get(key).exec()).kvs[0];
-            this.lastFence = { kind: 'fence', key, createRevision: kv ? Number(kv.create_revision) : -1 };
+        // Gone already (the lease lapsed in between): a fence no write can pass. Read again
+        // on a failed read (an etcd hiccup): giving up here leaves the election to the caller.
+        const readFence = async (): Promise<LeaderFence> => {
+          const key = await c.getCampaignKey();
+          for (let attempt = 1; ; attempt++) {
+            try {
+              const kv = (await this.client.get(key).exec()).kvs[0];
+              return { kind: 'fence', key, createRevision: kv ? Number(kv.create_revision) : -1 };
+            } catch (e) {
+              if (attempt === 5 || ended) throw e;
+              await new Promise((r) => setTimeout(r, 200 * attempt));
+            }
+          }
+        };
+        readFence().then(
+          (fence) => {
+            // Lost (or resigned) while the fence was read: this campaign is over.
+            if (ended || this.campaignObj !== c) return;
+            this.lastFence = fence;
             this.leader = true;
             resolve();
-          })
-          .catch((err: unknown) => {
+          },
+          (err: unknown) => {
+            ended = true;
             void c.resign().catch(() => undefined);
             reject(err instanceof Error ? err : new Error(String(err)));
-          });
+          },
+        );
       });
       c.on('error', (err: Error) => {
-        const was = this.leader;
-        this.leader = false;
+        ended = true;
+        const was = this.leader && this.campaignObj === c;
+        if (this.campaignObj === c) this.leader = false;
         if (was) for (const cb of this.lostCbs) cb();
         else reject(err);
       });
