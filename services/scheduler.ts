@@ -228,6 +228,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
       if (closing) throw err;
       log.error({ err }, 'leader campaign failed; campaigning again in 1 s');
       await new Promise((r) => setTimeout(r, 1000));
+      if (closing) throw err;
       return standFor();
     });
   const campaign = (): Promise<void> =>

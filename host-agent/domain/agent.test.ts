@@ -141,7 +141,7 @@ describe('Agent steps', () => {
     expect(obtains).toBe(0);
   });
 
-  it('destroy_ofAVmARestoreIsStillMaking_answersAtOnce_andTheVmGoesAsSoonAsItIsMade', async () => {
+  it('destroy_ofAVmARestoreIsStillMaking_waitsForIt_thenDestroysIt', async () => {
     const vms = new Map<string, VmInfo>();
     let finishFork: () => void = () => undefined;
     const { agent } = agentWith(
@@ -161,13 +161,14 @@ describe('Agent steps', () => {
     );
     const restore = agent.runStep(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }, { sandboxId: 'sb-2' }] } } }));
     await new Promise((r) => setTimeout(r, 10));
-    // The scheduler gave up on the slow restore and destroys one sandbox meanwhile: answered
-    // at once (its step would time out waiting), the VM not made yet.
-    const destroy = await agent.runStep(create(HostWorkSchema, { opId: 'op-d', stepId: 'destroy', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }));
-    expect(destroy.error).toBeUndefined();
+    // The scheduler gave up on the slow restore and destroys one sandbox meanwhile.
+    let destroyed = false;
+    const destroy = agent.runStep(create(HostWorkSchema, { opId: 'op-d', stepId: 'destroy', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } })).then((r) => ((destroyed = true), r));
+    await new Promise((r) => setTimeout(r, 10));
+    expect(destroyed).toBe(false);
     finishFork();
     expect((await restore).error).toBeUndefined();
-    // Stopped as soon as the restore made it; its sibling runs.
+    expect((await destroy).error).toBeUndefined();
     expect([...vms.keys()]).toEqual(['sb-2']);
   });
 

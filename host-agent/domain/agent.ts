@@ -172,10 +172,8 @@ export class Agent {
   private readonly restoreSamples: number[] = [];
   private readonly queue: Array<() => Promise<void>> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
-  /** Sandboxes whose VM a running create or restore step makes, by that step (act). */
-  private readonly making = new Map<string, object>();
-  /** Of those, the ones destroyed meanwhile: their step stops them once made. */
-  private readonly doomed = new Set<string>();
+  /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
+  private readonly making = new Map<string, Set<Promise<void>>>();
   /** Keep-alives of delivered steps (running or waiting for a slot), cleared by stop(). */
   private readonly keepAlives = new Set<ReturnType<typeof setInterval>>();
   /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
@@ -225,7 +223,8 @@ export class Agent {
 
   async stop(): Promise<void> {
     for (const s of this.stops.splice(0).reverse()) await s();
-    // Steps still waiting for a slot are not acked: the bus delivers them again.
+    // Steps still waiting for a slot are dropped unacked: the bus delivers them again.
+    this.queue.length = 0;
     for (const t of this.keepAlives) clearInterval(t);
     this.keepAlives.clear();
   }
@@ -378,22 +377,27 @@ export class Agent {
 
   private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
     const work = w.work;
-    // VMs this step makes are "being made" until it ends. A destroy of one of them meanwhile
-    // (the scheduler can give up on a slow create or restore and destroy its sandbox while
-    // the VM is still starting) answers at once and leaves it doomed: this step stops it as
-    // soon as it is made. Found missing and forgotten, the VM would run on with no record.
+    // VMs this step makes are "being made" until it ends: a destroy of one of them waits for
+    // every step making it (the scheduler can give up on a slow create or restore and destroy
+    // its sandbox while the VM is still starting; found missing, the VM would run on with no
+    // record). The wait is bounded by those steps, which the scheduler's step timeout (180 s
+    // by default, per attempt) outlasts. Should the agent die meanwhile, the scheduler stops
+    // a VM whose record moved on when the restore's result comes (Executor.markRunning).
     const makes = (work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : []).filter(Boolean);
     if (makes.length === 0) return this.actOn(w, result, log);
-    const step = {};
-    for (const id of makes) this.making.set(id, step);
+    const done = this.actOn(w, result, log);
+    const settled = done.then(
+      () => undefined,
+      () => undefined,
+    );
+    for (const id of makes) this.making.set(id, new Set([...(this.making.get(id) ?? []), settled]));
     try {
-      await this.actOn(w, result, log);
+      await done;
     } finally {
       for (const id of makes) {
-        if (this.making.get(id) === step) this.making.delete(id);
-        if (!this.doomed.delete(id) || !this.deps.driver.get(id)) continue;
-        log.info({ sandboxId: id }, 'destroyed while it was being made: stopping it');
-        await this.deps.driver.destroy(id).catch((e: unknown) => log.warn({ sandboxId: id, err: e instanceof Error ? e.message : String(e) }, 'could not stop a VM destroyed while it was being made'));
+        const steps = this.making.get(id);
+        steps?.delete(settled);
+        if (steps?.size === 0) this.making.delete(id);
       }
     }
   }
@@ -514,7 +518,7 @@ export class Agent {
         return;
       }
       case 'destroyVm': {
-        if (this.making.has(work.value.sandboxId)) this.doomed.add(work.value.sandboxId);
+        await Promise.all(this.making.get(work.value.sandboxId) ?? []);
         if (driver.get(work.value.sandboxId)) await driver.destroy(work.value.sandboxId);
         return;
       }

@@ -1462,9 +1462,16 @@ export class Executor {
       // nothing expires and a delete refuses. A leader that stepped down leaves the op to the
       // next one, which takes the snapshot up again: writing failed now could land after that
       // (and a host would be told to delete what is about to be ready).
-      if (this.active) {
-        const cur = await this.deps.store.getSnapshot(rec.tenantId, rec.id).catch(() => undefined);
-        if (cur?.value.state === 'creating') await this.commit([{ kind: 'snapshot', value: { ...cur.value, state: 'failed', endedAt: this.deps.clock.now() }, expectRevision: cur.modRevision }]).catch(() => undefined);
+      for (let i = 0; i < 20 && this.active; i++) {
+        try {
+          const cur = await this.deps.store.getSnapshot(rec.tenantId, rec.id);
+          if (cur?.value.state !== 'creating') break;
+          if (await this.commit([{ kind: 'snapshot', value: { ...cur.value, state: 'failed', endedAt: this.deps.clock.now() }, expectRevision: cur.modRevision }])) break;
+        } catch (w) {
+          if (w instanceof NotLeaderError) break;
+          this.log.warn({ err: w, snapshotId: rec.id }, 'could not mark a snapshot failed');
+          await new Promise((r) => setTimeout(r, 200));
+        }
       }
       throw e;
     }
@@ -1616,19 +1623,11 @@ export class Executor {
       fetch = this.fetchPlan(snv.value, hostId, input.transferSource);
       woke = await this.step(op, `wake/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
     } catch (e) {
-      if (this.active) {
-        await this.updateSandbox(
-          sb.tenantId,
-          sb.id,
-          (s) => {
-            s.state = 'hibernated';
-            s.stateReason = `wake failed: ${e instanceof Error ? e.message : String(e)}`;
-            s.opId = '';
-          },
-          this.capacity(hostId, sb.resources, -1),
-        ).catch(() => undefined);
-      }
-      throw e;
+      // Back to hibernated with its booking released, in the transaction that fails the op:
+      // a re-run after a failover finds the op finished, not a booking to release again.
+      if (!this.active) throw e;
+      await this.settleWake(op, e);
+      return;
     }
     if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld) await this.addHolder(sb.tenantId, snapshotId, hostId);
     await this.finishRunning(op, sb, Executor.hookReport(woke, sb.id), hostId);
