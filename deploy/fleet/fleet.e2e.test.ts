@@ -14,6 +14,8 @@ import { OperationState, SandboxState } from '../../proto/gen/forkfleet/v1/fleet
 import type { FleetService, Operation, Sandbox } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Locality } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SandboxRec } from '../../services/domain/records.ts';
+import { RpcError } from '../../services/adapters/grpc/status.ts';
+import { status as Status } from '@grpc/grpc-js';
 
 type Api = Client<(typeof FleetService)['method']>;
 const DIR = '/var/lib/ffleet-e2e';
@@ -190,7 +192,20 @@ describe('local fleet end to end (3 hosts in network namespaces, real etcd x3, N
   it('fault_oneOfThreeEtcdMembersKilled_fleetKeepsWorking', async () => {
     const member = readState(DIR)!.procs.find((p) => p.name === 'etcd-2')!;
     process.kill(member.pid, 'SIGKILL');
-    const f = await done(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 1 }));
+    // While the two left elect a raft leader, a call may be answered UNAVAILABLE (retryable):
+    // retried under the same idempotency key, as the SDK does.
+    const k = key();
+    const fork = async (): Promise<Operation> => {
+      for (let attempt = 1; ; attempt++) {
+        try {
+          return await api.forkSandbox({ tenantId, idempotencyKey: k, source: { case: 'snapshotId', value: snapshotId }, count: 1 });
+        } catch (e) {
+          if (!(e instanceof RpcError) || e.code !== Status.UNAVAILABLE || !e.retryable || attempt === 10) throw e;
+          await new Promise((r) => setTimeout(r, 500));
+        }
+      }
+    };
+    const f = await done(await fork());
     expect(children(f)[0]?.state).toBe(SandboxState.RUNNING);
     await restartProcess(DIR, 'etcd-2');
     await assertConsistent();

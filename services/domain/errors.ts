@@ -25,6 +25,17 @@ export class ConflictError extends ForkfleetError {
   }
 }
 
+/**
+ * The fleet store (etcd) did not answer: a member down, a raft election under way. Retryable:
+ * API calls that change anything carry idempotency keys, so a client's retry of one whose
+ * write did land finds its operation instead of making another.
+ */
+export class StoreUnavailableError extends ForkfleetError {
+  constructor(what: string, cause: unknown) {
+    super('unavailable', `the fleet store is unavailable (${what}): ${cause instanceof Error ? cause.message : String(cause)}; retry`, { retryable: true, cause });
+  }
+}
+
 /** A leader's fenced write found that another replica leads now (ports.ts LeaderFence). */
 export class NotLeaderError extends ForkfleetError {
   constructor() {

@@ -12,7 +12,7 @@ import { EtcdDeliveryLog } from './webhook-log.ts';
 import type { DeliveryRec } from '../../domain/webhooks.ts';
 import { usageOf } from '../../domain/quota.ts';
 import { EtcdLeaderElection } from './election.ts';
-import { NotLeaderError } from '../../domain/errors.ts';
+import { NotLeaderError, StoreUnavailableError } from '../../domain/errors.ts';
 
 function sandbox(tenantId: string, id: string): SandboxRec {
   return {
@@ -171,6 +171,24 @@ describe('EtcdFleetStore', () => {
     await b.resign();
     await a.resign();
   });
+
+  it('readsAndWrites_whenEtcdIsDown_failWithARetryableStoreUnavailableError', async () => {
+    // The API answers UNAVAILABLE (retryable) for these, not INTERNAL.
+    const gone = await startEtcd();
+    const s = EtcdFleetStore.connect(gone.endpoints);
+    try {
+      await s.getSandbox('t', 'warm-up');
+      await gone.stop();
+      const read = await s.getSandbox('t', 'sb').catch((e: unknown) => e);
+      expect(read).toBeInstanceOf(StoreUnavailableError);
+      expect((read as StoreUnavailableError).retryable).toBe(true);
+      expect(await s.commitAt([{ kind: 'sandbox', value: sandbox('t', 'sb'), expectRevision: 0 }]).catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
+      expect(await s.listSandboxes('t').catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
+    } finally {
+      s.close();
+      await gone.stop();
+    }
+  }, 60_000);
 
   it('commit_ofAGuardedOpDeleteWithItsKey_deletesBothOnlyWhileTheOpIsUnchanged', async () => {
     const op = (id: string, state: OperationRec['state']): OperationRec => ({ id, tenantId: 'del', kind: 'create', targetId: 'x', state, input: {}, result: null, error: null, progress: { done: 0, total: 1, message: '', bytesTransferred: 0 }, steps: {}, createdAt: 0, updatedAt: 0, idempotencyKey: `key-${id}` });

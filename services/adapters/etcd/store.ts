@@ -1,13 +1,13 @@
 // FleetStore over etcd (etcd3 client). Every guarded write compares the key's mod
 // revision it read; a batch is one transaction.
-import { Etcd3, Range } from 'etcd3';
+import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError, GRPCUnavailableError, Range } from 'etcd3';
 import type { IKeyValue, IWatchResponse, Watcher } from 'etcd3';
 import { WatchManager } from 'etcd3/lib/watch.js';
 import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, LeaderFence, RecordChange, SandboxChange, StoreWrite, Versioned, WatchBroke } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
-import { NotLeaderError } from '../../domain/errors.ts';
+import { NotLeaderError, StoreUnavailableError } from '../../domain/errors.ts';
 
 /**
  * Keys per page when listing a prefix. One range response must stay under the client's
@@ -62,6 +62,17 @@ const cancelled = new WeakSet<Watcher>();
  */
 function cancel(w: Watcher): void {
   if (!cancelled.has(w)) void w.cancel();
+}
+
+/**
+ * etcd's "not now" errors (a member gone, no raft leader, a request that timed out) as a
+ * named, retryable error: the API answers UNAVAILABLE, not INTERNAL, and clients retry. Others
+ * pass unchanged (compaction is told apart by its message, isCompacted).
+ */
+function storeError(what: string, e: unknown): unknown {
+  // etcd3's circuit breakers (cockatiel) refuse calls to members that failed just before.
+  const brokenCircuit = typeof e === 'object' && e !== null && (e as { isBrokenCircuitError?: unknown }).isBrokenCircuitError === true;
+  return brokenCircuit || e instanceof GRPCUnavailableError || e instanceof GRPCDeadlineExceededError || e instanceof GRPCInternalError || e instanceof GRPCCancelledError ? new StoreUnavailableError(what, e) : e;
 }
 
 /** The error etcd gives for a read or watch at a revision that compaction removed. */
@@ -171,7 +182,7 @@ export class EtcdFleetStore implements FleetStore {
               .then((res) => batch.map((_, j) => res.responses[j]?.response_range.kvs[0]));
       read.then(
         (kvs) => batch.forEach((g, j) => g.resolve(kvs[j])),
-        (e: unknown) => batch.forEach((g) => g.reject(e)),
+        (e: unknown) => batch.forEach((g) => g.reject(storeError('read', e))),
       );
     }
   }
@@ -204,7 +215,7 @@ export class EtcdFleetStore implements FleetStore {
         }
       } catch (e) {
         if (attempt < 3 && rev && !at && isCompacted(e)) continue;
-        throw e;
+        throw storeError('list', e);
       }
     }
   }
@@ -268,7 +279,11 @@ export class EtcdFleetStore implements FleetStore {
       return v === undefined ? ns.delete().key(keyOf(w)) : ns.put(keyOf(w)).value(v);
     });
     // On a failed guard, the fence key as it is now tells a lost leadership from a conflict.
-    const res = await (fence ? txn.then(...ops).else(ns.get(fence.key)) : txn.then(...ops)).commit();
+    // A write etcd did not answer may or may not have been applied: the error says so, and
+    // the caller's guards decide what a retry does.
+    const res = await (fence ? txn.then(...ops).else(ns.get(fence.key)) : txn.then(...ops)).commit().catch((e: unknown) => {
+      throw storeError('write', e);
+    });
     if (res.succeeded) return Number(res.header.revision);
     if (fence && Number(res.responses[0]?.response_range?.kvs[0]?.create_revision ?? 0) !== fence.createRevision) throw new NotLeaderError();
     return 0;
