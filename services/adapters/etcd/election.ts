@@ -78,6 +78,9 @@ export class EtcdLeaderElection implements LeaderElection {
 
   async resign(): Promise<void> {
     this.leader = false;
-    await this.campaignObj?.resign().catch(() => undefined);
+    // Forgotten first: a campaign whose fence read ends after this does not become leader.
+    const c = this.campaignObj;
+    this.campaignObj = undefined;
+    await c?.resign().catch(() => undefined);
   }
 }
