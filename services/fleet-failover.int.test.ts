@@ -21,6 +21,7 @@ import { HOLDS_CAPACITY } from './domain/records.ts';
 import { STREAM_WORK, workConsumer } from './adapters/nats/subjects.ts';
 import { status as Status } from '@grpc/grpc-js';
 import type { SandboxRec } from './domain/records.ts';
+import { FAIL_SNAPSHOT_HOSTNAME } from '../loadtest/fake-agent/driver.ts';
 
 type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
@@ -73,11 +74,17 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect((await store.listOps({ activeOnly: true })).map((o) => `${o.value.kind} ${o.value.id} ${o.value.state}`)).toEqual([]);
   }
 
-  /** A fake agent process of its own for `hostId` (so it can be killed alone), registered, with one sandbox on it. */
-  async function hostWithSandbox(hostId: string, dataDir: string): Promise<{ agents: FakeAgentsProcess; sandboxId: string }> {
-    const agents = await startFakeAgents({ hosts: [hostId], dataDir: join(dir, dataDir), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } });
+  /** A fake agent process of its own for `hostId` (so it can be killed alone), registered. */
+  async function ownHost(hostId: string, dataDir: string, env: Record<string, string> = {}): Promise<FakeAgentsProcess> {
+    const agents = await startFakeAgents({ hosts: [hostId], dataDir: join(dir, dataDir), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8', ...env } });
     fakes.push(agents);
     await waitFor(`${hostId} registered`, async () => (await api.listHosts({})).hosts.some((h) => h.id === hostId), 10_000, 50);
+    return agents;
+  }
+
+  /** ownHost, with one sandbox on it. */
+  async function hostWithSandbox(hostId: string, dataDir: string): Promise<{ agents: FakeAgentsProcess; sandboxId: string }> {
+    const agents = await ownHost(hostId, dataDir);
     const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId } }));
     return { agents, sandboxId: c.result.case === 'sandbox' ? c.result.value.id : '' };
   }
@@ -157,9 +164,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   });
 
   it('fork_whenHostAgentRestartedMidStep_neitherLosesNorDuplicatesSandboxes', async () => {
-    const slow = await startFakeAgents({ hosts: ['fake-r'], dataDir: join(dir, 'restart'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '32', FF_FAKE_RESTORE_MS_PER_VM: '150', FF_FAKE_FETCH_MS: '100' } });
-    fakes.push(slow);
-    await waitFor('fake-r registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-r'), 10_000, 50);
+    const slow = await ownHost('fake-r', 'restart', { FF_FAKE_VCPUS: '32', FF_FAKE_RESTORE_MS_PER_VM: '150', FF_FAKE_FETCH_MS: '100' });
     const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 16, placement: { hostId: 'fake-r' } });
     await waitFor('some VMs made', async () => {
       const n = slow.vms().get('fake-r')!.length;
@@ -352,7 +357,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
 
     // A hibernate whose snapshot fails (the fake refuses it for this hostname), from paused:
     // back to paused (it used to stay hibernating, which hibernate, resume and destroy refuse).
-    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, hostname: 'fake-fail-snapshot-1' }));
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, hostname: `${FAIL_SNAPSHOT_HOSTNAME}-1` }));
     const sid = c.result.case === 'sandbox' ? c.result.value.id : '';
     await ok(api, await api.pauseSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
     const hib = await wait(api, await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
@@ -383,9 +388,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
 
   it('fork_whoseChildIsDestroyedDuringItsRestore_runsTheOthers_andLeavesNoVmOfTheDestroyedOne', async () => {
     // Four children on a host of their own: its restore takes ~600 ms (150 ms per VM).
-    const slow = await startFakeAgents({ hosts: ['fake-s'], dataDir: join(dir, 'slow'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8', FF_FAKE_RESTORE_MS_PER_VM: '150' } });
-    fakes.push(slow);
-    await waitFor('fake-s registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-s'), 10_000, 50);
+    const slow = await ownHost('fake-s', 'slow', { FF_FAKE_RESTORE_MS_PER_VM: '150' });
     const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 4, placement: { hostId: 'fake-s' } });
     let kids: SandboxRec[] = [];
     await waitFor('children starting', async () => {
@@ -406,9 +409,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
 
   it('snapshot_pinnedWhileTaken_staysPinnedOnceReady_andADeleteMeanwhileIsRefusedNotUndone', async () => {
     // A host whose snapshots take 600 ms.
-    const slow = await startFakeAgents({ hosts: ['fake-p'], dataDir: join(dir, 'pin'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8', FF_FAKE_SNAPSHOT_MS: '600' } });
-    fakes.push(slow);
-    await waitFor('fake-p registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-p'), 10_000, 50);
+    await ownHost('fake-p', 'pin', { FF_FAKE_SNAPSHOT_MS: '600' });
     const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-p' } }));
     const sid = c.result.case === 'sandbox' ? c.result.value.id : '';
     const snap = await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid });

@@ -174,8 +174,6 @@ function writeKey(w: StoreWrite): string {
       return `alloc/${w.hostId}`;
     case 'delete-idem':
       return `idem/${w.tenantId}/${w.key}`;
-    case 'fence':
-      return `fence/${w.key}`;
   }
 }
 
@@ -700,8 +698,7 @@ export class Executor {
    * at the new revision (so records given to commit are never changed afterwards).
    */
   private async commit(writes: StoreWrite[]): Promise<number> {
-    const fence = this.deps.fence?.();
-    const rev = await this.deps.store.commitAt(fence ? [...writes, fence] : writes);
+    const rev = await this.deps.store.commitAt(writes, this.deps.fence?.());
     if (rev > 0) {
       for (const w of writes) {
         if (w.kind === 'host' || w.kind === 'alloc' || w.kind === 'snapshot') this.cache.apply({ kind: w.kind, value: { value: w.value, modRevision: rev } } as FleetChange);
@@ -1338,6 +1335,22 @@ export class Executor {
     });
   }
 
+  /**
+   * Read-modify-write of a snapshot record, guarded by the revision read (read again on a
+   * conflict, up to 20 times). `next` gives the record to write, or undefined to leave it as
+   * it is. Resolves with the record as it then is; undefined if there is none.
+   */
+  private async updateSnapshotRec(tenantId: string, id: string, next: (cur: SnapshotRec) => SnapshotRec | undefined | Promise<SnapshotRec | undefined>): Promise<SnapshotRec | undefined> {
+    for (let i = 0; i < 20; i++) {
+      const cur = await this.deps.store.getSnapshot(tenantId, id);
+      if (!cur) return undefined;
+      const n = await next(cur.value);
+      if (!n) return cur.value;
+      if (await this.commit([{ kind: 'snapshot', value: n, expectRevision: cur.modRevision }])) return n;
+    }
+    throw new ConflictError(`snapshot ${id}`);
+  }
+
   /** Ends a create or a wake: the sandbox runs (on `hostId`, when given) and the op succeeds, in one transaction. */
   private finishRunning(op: OperationRec, sb: SandboxRec, reason = '', hostId?: string): Promise<void> {
     const now = this.deps.clock.now();
@@ -1447,26 +1460,25 @@ export class Executor {
         ready.logicalBytes = logical;
         ready.storedBytes = stored;
       }
-      // Onto the record as it is now, guarded: a pin or a retention set while it was taken
-      // stays, and a snapshot deleted meanwhile is not brought back.
-      for (let i = 0; i < 20; i++) {
-        const cur = await this.deps.store.getSnapshot(rec.tenantId, rec.id);
-        if (!cur || cur.value.state !== 'creating') throw new WrongStateError('snapshot', rec.id, cur?.value.state ?? 'gone', 'it changed while it was taken');
-        const next: SnapshotRec = { ...cur.value, state: 'ready', hostIds: [sb.hostId], manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
-        if (await this.commit([{ kind: 'snapshot', value: next, expectRevision: cur.modRevision }])) return next;
-      }
-      throw new ConflictError(`snapshot ${rec.id}`);
+      // Onto the record as it is now: a pin or a retention set while it was taken stays, and
+      // a snapshot deleted meanwhile is not brought back.
+      const changed = (state: string): WrongStateError => new WrongStateError('snapshot', rec.id, state, 'it changed while it was taken');
+      const done = await this.updateSnapshotRec(rec.tenantId, rec.id, (cur) => {
+        if (cur.state !== 'creating') throw changed(cur.state);
+        return { ...cur, state: 'ready', hostIds: [sb.hostId], manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
+      });
+      if (!done) throw changed('gone');
+      return done;
     } catch (e) {
       // A snapshot that will not become ready is failed, whatever failed after its record was
       // written (the step, the signature, the ready write), or it would stay creating, which
       // nothing expires and a delete refuses. A leader that stepped down leaves the op to the
       // next one, which takes the snapshot up again: writing failed now could land after that
       // (and a host would be told to delete what is about to be ready).
-      for (let i = 0; i < 20 && this.active; i++) {
+      for (let i = 0; i < 5 && this.active; i++) {
         try {
-          const cur = await this.deps.store.getSnapshot(rec.tenantId, rec.id);
-          if (cur?.value.state !== 'creating') break;
-          if (await this.commit([{ kind: 'snapshot', value: { ...cur.value, state: 'failed', endedAt: this.deps.clock.now() }, expectRevision: cur.modRevision }])) break;
+          await this.updateSnapshotRec(rec.tenantId, rec.id, (cur) => (cur.state === 'creating' ? { ...cur, state: 'failed', endedAt: this.deps.clock.now() } : undefined));
+          break;
         } catch (w) {
           if (w instanceof NotLeaderError) break;
           this.log.warn({ err: w, snapshotId: rec.id }, 'could not mark a snapshot failed');
@@ -1705,35 +1717,24 @@ export class Executor {
   private async runDeleteSnapshot(op: OperationRec): Promise<void> {
     const v = await this.deps.store.getSnapshot(op.tenantId, op.targetId);
     if (!v) throw new NotFoundError('snapshot', op.targetId);
-    let sn = v.value;
-    if (sn.state === 'deleted') return this.finish(op, { snapshotId: sn.id }, null);
+    if (v.value.state === 'deleted') return this.finish(op, { snapshotId: v.value.id }, null);
     const reason = (op.input as { reason?: string }).reason === 'expired' ? 'expired' : 'deleted';
     // `deleting` is written guarded by the revision the checks read: a pin, or a snapshot
     // that became ready, in between makes them run again.
-    for (let i = 0; sn.state !== 'deleting'; i++) {
-      if (i === 20) throw new ConflictError(`snapshot ${sn.id}`);
-      const cur = i === 0 ? v : await this.deps.store.getSnapshot(op.tenantId, op.targetId);
-      if (!cur) throw new NotFoundError('snapshot', op.targetId);
-      sn = cur.value;
-      if (sn.state === 'deleted') return this.finish(op, { snapshotId: sn.id }, null);
-      if (sn.state === 'deleting') break;
-      if (sn.state === 'creating') throw new WrongStateError('snapshot', sn.id, 'creating', 'delete it once it is ready or failed');
-      if (sn.pinned) throw new WrongStateError('snapshot', sn.id, 'pinned', 'unpin it first');
+    const sn = await this.updateSnapshotRec(op.tenantId, op.targetId, async (cur) => {
+      if (cur.state === 'deleted' || cur.state === 'deleting') return undefined;
+      if (cur.state === 'creating') throw new WrongStateError('snapshot', cur.id, 'creating', 'delete it once it is ready or failed');
+      if (cur.pinned) throw new WrongStateError('snapshot', cur.id, 'pinned', 'unpin it first');
       // Nothing live loses its snapshot: a sandbox restored from it maps its memory image, a
       // hibernated one lives in it.
-      const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === sn.id || b.hibernationSnapshotId === sn.id));
-      if (users.length > 0) throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
-      const deleting: SnapshotRec = { ...sn, state: 'deleting' };
-      if (await this.commit([{ kind: 'snapshot', value: deleting, expectRevision: cur.modRevision }])) sn = deleting;
-    }
-    const hosts = sn.hostIds;
-    await Promise.all(hosts.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
-    for (let i = 0; ; i++) {
-      const cur = await this.deps.store.getSnapshot(op.tenantId, op.targetId);
-      if (!cur || cur.value.state === 'deleted') break;
-      if (await this.commit([{ kind: 'snapshot', value: { ...cur.value, state: 'deleted', hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() }, expectRevision: cur.modRevision }])) break;
-      if (i === 20) throw new ConflictError(`snapshot ${sn.id}`);
-    }
+      const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === cur.id || b.hibernationSnapshotId === cur.id));
+      if (users.length > 0) throw new WrongStateError('snapshot', cur.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
+      return { ...cur, state: 'deleting' };
+    });
+    if (!sn) throw new NotFoundError('snapshot', op.targetId);
+    if (sn.state === 'deleted') return this.finish(op, { snapshotId: sn.id }, null);
+    await Promise.all(sn.hostIds.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
+    await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => (cur.state === 'deleted' ? undefined : { ...cur, state: 'deleted', hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() }));
     await this.finish(op, { snapshotId: sn.id }, null);
   }
 

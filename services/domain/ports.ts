@@ -38,18 +38,16 @@ export type StoreWrite =
   | { kind: 'delete-snapshot'; tenantId: string; id: string; expectRevision?: number }
   | { kind: 'delete-host'; id: string; expectRevision?: number }
   | { kind: 'delete-alloc'; hostId: string; expectRevision?: number }
-  | { kind: 'delete-idem'; tenantId: string; key: string; expectRevision?: number }
-  | LeaderFence;
+  | { kind: 'delete-idem'; tenantId: string; key: string; expectRevision?: number };
 
 /**
- * Leader fencing: a guard, not a write. A batch with a fence commits only while `key` (the
+ * Leader fencing: a guard on a whole batch. A batch with a fence commits only while `key` (the
  * leader's election key) still has create revision `createRevision`, that is while the
  * replica that won that election still leads. A leader whose lease lapsed (a stalled event
  * loop) thus cannot write after a standby took over, even before it learns that it lost;
  * the store throws NotLeaderError instead.
  */
 export interface LeaderFence {
-  readonly kind: 'fence';
   readonly key: string;
   readonly createRevision: number;
 }
@@ -74,9 +72,10 @@ export interface FleetStore {
   commit(writes: readonly StoreWrite[]): Promise<boolean>;
   /**
    * Like `commit`, but returns the store revision the batch was written at (every written
-   * key then has that mod revision), or 0 on a guard conflict (nothing written).
+   * key then has that mod revision), or 0 on a guard conflict (nothing written). With
+   * `fence`, only while that leadership holds (else NotLeaderError).
    */
-  commitAt(writes: readonly StoreWrite[]): Promise<number>;
+  commitAt(writes: readonly StoreWrite[], fence?: LeaderFence): Promise<number>;
   /**
    * Calls `onOp` for every operation record written after now (with `only`: just those it
    * accepts, judged by key before the record is decoded). Returns a stop function.

@@ -32,7 +32,7 @@ export class EtcdLeaderElection implements LeaderElection {
           for (let attempt = 1; ; attempt++) {
             try {
               const kv = (await this.client.get(key).exec()).kvs[0];
-              return { kind: 'fence', key, createRevision: kv ? Number(kv.create_revision) : -1 };
+              return { key, createRevision: kv ? Number(kv.create_revision) : -1 };
             } catch (e) {
               if (attempt === 5 || ended) throw e;
               await new Promise((r) => setTimeout(r, 200 * attempt));

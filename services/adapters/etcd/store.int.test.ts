@@ -156,18 +156,18 @@ describe('EtcdFleetStore', () => {
     const fenceA = a.fence()!;
     expect(fenceA.createRevision).toBeGreaterThan(0);
     const rec = sandbox('fence', 'sb-1');
-    expect(await store.commitAt([{ kind: 'sandbox', value: rec, expectRevision: 0 }, fenceA])).toBeGreaterThan(0);
+    expect(await store.commitAt([{ kind: 'sandbox', value: rec, expectRevision: 0 }], fenceA)).toBeGreaterThan(0);
     const v1 = (await store.getSandbox('fence', 'sb-1'))!;
     // A stale guard under a valid fence is a plain conflict (0), not a lost leadership.
-    expect(await store.commitAt([{ kind: 'sandbox', value: { ...rec, stateReason: 'stale' }, expectRevision: v1.modRevision - 1 }, fenceA])).toBe(0);
+    expect(await store.commitAt([{ kind: 'sandbox', value: { ...rec, stateReason: 'stale' }, expectRevision: v1.modRevision - 1 }], fenceA)).toBe(0);
 
     await store.etcd.delete().key(fenceA.key).exec(); // what etcd does when the lease expires
     const b = new EtcdLeaderElection(store.etcd, 'fence-b', 1);
     await b.campaign();
-    await expect(store.commitAt([{ kind: 'sandbox', value: { ...rec, state: 'failed' }, expectRevision: v1.modRevision }, fenceA])).rejects.toBeInstanceOf(NotLeaderError);
+    await expect(store.commitAt([{ kind: 'sandbox', value: { ...rec, state: 'failed' }, expectRevision: v1.modRevision }], fenceA)).rejects.toBeInstanceOf(NotLeaderError);
     expect((await store.getSandbox('fence', 'sb-1'))!.value.state).toBe('running');
     // The new leader's fence lets the same write through.
-    expect(await store.commitAt([{ kind: 'sandbox', value: { ...rec, state: 'failed' }, expectRevision: v1.modRevision }, b.fence()!])).toBeGreaterThan(0);
+    expect(await store.commitAt([{ kind: 'sandbox', value: { ...rec, state: 'failed' }, expectRevision: v1.modRevision }], b.fence()!)).toBeGreaterThan(0);
     await b.resign();
     await a.resign();
   });

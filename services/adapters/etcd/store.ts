@@ -110,8 +110,6 @@ function keyOf(w: StoreWrite): string {
       return keys.alloc(w.hostId);
     case 'delete-idem':
       return keys.idem(w.tenantId, w.key);
-    case 'fence':
-      return w.key;
   }
 }
 
@@ -125,7 +123,6 @@ function valueOf(w: StoreWrite): string | undefined {
     case 'delete-host':
     case 'delete-alloc':
     case 'delete-idem':
-    case 'fence':
       return undefined;
     default:
       return JSON.stringify(w.value);
@@ -264,17 +261,15 @@ export class EtcdFleetStore implements FleetStore {
     return (await this.commitAt(writes)) > 0;
   }
 
-  async commitAt(writes: readonly StoreWrite[]): Promise<number> {
-    const fence = writes.find((w): w is LeaderFence => w.kind === 'fence');
-    const records = writes.filter((w): w is Exclude<StoreWrite, LeaderFence> => w.kind !== 'fence');
-    if (records.length === 0) return 1;
+  async commitAt(writes: readonly StoreWrite[], fence?: LeaderFence): Promise<number> {
+    if (writes.length === 0) return 1;
     const ns = this.client;
     let txn = ns.if(PREFIX + '__never__', 'Version', '==', 0); // always-true seed compare
     if (fence) txn = txn.and(fence.key, 'Create', '==', fence.createRevision);
-    for (const w of records) {
+    for (const w of writes) {
       if (w.expectRevision !== undefined) txn = txn.and(keyOf(w), 'Mod', '==', w.expectRevision);
     }
-    const ops = records.map((w) => {
+    const ops = writes.map((w) => {
       const v = valueOf(w);
       return v === undefined ? ns.delete().key(keyOf(w)) : ns.put(keyOf(w)).value(v);
     });
