@@ -13,13 +13,14 @@ const zstd = createRequire(import.meta.url)(ZSTD_BINDING_PATH) as typeof ZstdBin
 let dctx: ZstdBinding.DCtx | undefined;
 
 /**
- * Decodes one frame of exactly `size` plain bytes into a new buffer; returns why not (a
- * string) when the frame declares another size, does not decode, or decodes to another size.
+ * Decodes one frame of exactly `size` plain bytes into `out` (a buffer of exactly `size`
+ * bytes) or, without it, into a new buffer; returns why not (a string) when the frame
+ * declares another size, does not decode, or decodes to another size.
  *
  * Self-contained on purpose: the verify worker runs this function's source text, so it uses
  * nothing but its arguments.
  */
-export function zstdDecodeExact(binding: Pick<typeof ZstdBinding, 'getFrameContentSize'>, ctx: Pick<ZstdBinding.DCtx, 'decompress'>, data: Uint8Array, size: number): Buffer | string {
+export function zstdDecodeExact(binding: Pick<typeof ZstdBinding, 'getFrameContentSize'>, ctx: Pick<ZstdBinding.DCtx, 'decompress'>, data: Uint8Array, size: number, out?: Buffer): Buffer | string {
   let declared: number | null = null;
   try {
     declared = binding.getFrameContentSize(data);
@@ -27,7 +28,7 @@ export function zstdDecodeExact(binding: Pick<typeof ZstdBinding, 'getFrameConte
     // not a frame header
   }
   if (declared !== size) return 'zstd data does not decode (frame content size)';
-  const plain = Buffer.allocUnsafe(size);
+  const plain = out !== undefined && out.length === size ? out : Buffer.allocUnsafe(size);
   let n: number;
   try {
     n = ctx.decompress(plain, data);
