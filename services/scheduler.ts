@@ -10,6 +10,7 @@ import type { NatsConnection } from 'nats';
 import type { Logger } from 'pino';
 import { Registry, Counter, Histogram, Gauge, collectDefaultMetrics } from 'prom-client';
 import type { SchedulerConfig } from './config.ts';
+import type { FleetStore } from './domain/ports.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
@@ -71,7 +72,12 @@ export function schedulerMetrics(registry: Registry): { ops: Counter<'kind' | 'r
   };
 }
 
-export async function startScheduler(config: SchedulerConfig, log: Logger): Promise<SchedulerHandle> {
+/** Seams for tests in the same process: `executorStore` wraps the store the leader's executor writes through (fault injection). */
+export interface SchedulerSeams {
+  executorStore?: (store: FleetStore) => FleetStore;
+}
+
+export async function startScheduler(config: SchedulerConfig, log: Logger, seams: SchedulerSeams = {}): Promise<SchedulerHandle> {
   const clock = systemClock;
   const registry = new Registry();
   collectDefaultMetrics({ register: registry });
@@ -159,7 +165,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger): Prom
   const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes, finished operations and deleted or failed snapshots deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
   const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
   const executor = new Executor({
-    store,
+    store: seams.executorStore ? seams.executorStore(store) : store,
     fence: () => election.fence(),
     bus,
     clock,

@@ -16,7 +16,7 @@ import { HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
-import { ConflictError, HostStepError, NoCapacityError, NotFoundError, NotLeaderError, StepTimeoutError, WrongStateError } from './errors.ts';
+import { ConflictError, HostStepError, NoCapacityError, NotFoundError, NotLeaderError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
@@ -198,6 +198,10 @@ const GONE_RECORDS_MAX = 100_000;
 /** Writes per group-committed transaction: etcd's default --max-txn-ops is 128 (compares count too, plus the seed compare). */
 const GROUP_COMMIT_MAX_WRITES = 100;
 
+/** Backoff of an op run again after the fleet store failed under it (run()). */
+const STORE_RETRY_FIRST_MS = 250;
+const STORE_RETRY_MAX_MS = 4000;
+
 function stepKey(opId: string, stepId: string): string {
   return `${opId}/${stepId}`;
 }
@@ -329,6 +333,8 @@ export class Executor {
   /** Host steps sent and not yet finished, per host: placement counts them at once (fleetViewInput's ownInflight). */
   private readonly stepsInFlight = new Map<string, number>();
   private stops: Array<() => void | Promise<void>> = [];
+  /** Runners waiting out a backoff (pause()): woken when this replica stops leading. */
+  private readonly sleepers = new Set<() => void>();
   private active = false;
   /** Batches waiting for the next group commit (commitGrouped). */
   private readonly groupQueue: Array<{ writes: StoreWrite[]; resolve: (rev: number) => void; reject: (e: unknown) => void }> = [];
@@ -648,6 +654,7 @@ export class Executor {
       this.waiters.delete(k);
       w.resolve(undefined);
     }
+    for (const wake of [...this.sleepers]) wake();
     await Promise.race([Promise.allSettled([...this.running.values()]), new Promise((r) => setTimeout(r, 2000))]);
   }
 
@@ -1166,6 +1173,38 @@ export class Executor {
   // ---------------------------------------------------------------- operations
 
   private async run(tenantId: string, opId: string): Promise<void> {
+    // The store failing under a step (etcd unreachable, or a write whose answer was lost)
+    // does not fail the op: its outcome is unknown, and the op is still recorded as running.
+    // It runs again, from its record read afresh, as the next leader would run it: every
+    // kind is written to be re-run. Until the store answers or this replica stops leading.
+    for (let attempt = 0; ; attempt++) {
+      try {
+        return await this.runOnce(tenantId, opId);
+      } catch (e) {
+        if (!(e instanceof StoreUnavailableError) || !this.active) throw e;
+        const delay = Math.min(STORE_RETRY_MAX_MS, STORE_RETRY_FIRST_MS * 2 ** attempt);
+        this.log.warn({ err: e, opId, attempt: attempt + 1, retryInMs: delay }, 'the fleet store failed under an operation; running it again');
+        await this.pause(delay);
+        if (!this.active) return;
+        this.ops.delete(opId);
+      }
+    }
+  }
+
+  /** Sleeps `ms`, or until this replica stops leading (stop() wakes every sleeper). */
+  private pause(ms: number): Promise<void> {
+    return new Promise((resolve) => {
+      const wake = (): void => {
+        clearTimeout(t);
+        this.sleepers.delete(wake);
+        resolve();
+      };
+      const t = setTimeout(wake, ms);
+      this.sleepers.add(wake);
+    });
+  }
+
+  private async runOnce(tenantId: string, opId: string): Promise<void> {
     // The copy maybeRun just took from this term's watch or list (stop() drops every copy, so
     // none is left from an earlier term); a copy that is stale by now only costs the first
     // guarded write a re-read. Without one, read etcd.
@@ -1208,6 +1247,8 @@ export class Executor {
       // Stepping down is not a failure: the next leader re-runs the operation. A fenced write
       // may find the lead gone before this replica learns it (its writes fail from then on).
       if (!this.active || e instanceof NotLeaderError) return;
+      // The store's outcome is unknown: run() runs the op again (failing it would need the store too).
+      if (e instanceof StoreUnavailableError) throw e;
       this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
       await this.finish(op, null, errorOf(e));
     }
@@ -1264,8 +1305,21 @@ export class Executor {
           };
         },
       );
-      // No host could take it (or the snapshot it starts from is gone): nothing was booked.
-      if (!(await placed.then(() => true, (e: unknown) => this.failAndSettle(op, e, 'pending', () => 'failed')))) return;
+      const ok = await placed.then(
+        () => true,
+        async (e: unknown) => {
+          // A placement commit whose answer was lost may have landed all the same (see
+          // runFork): then the sandbox is starting, booked, on behalf of this op.
+          const now = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+          if (now?.value.state === 'starting' && now.value.opId === op.id) {
+            sb = now.value;
+            return true;
+          }
+          // No host could take it (or the snapshot it starts from is gone): nothing was booked.
+          return this.failAndSettle(op, e, 'pending', () => 'failed');
+        },
+      );
+      if (!ok) return;
     }
     if (sb.state !== 'starting') {
       // Already past this point (re-run after a failover).
@@ -1302,11 +1356,13 @@ export class Executor {
    * `from` the op put it in to `to(record)`, if it is still there and the op's own: a failed
    * create, hibernate or wake never leaves a sandbox that no call can move on (a hibernating
    * one refuses hibernate, resume and destroy; a pending one counts against quota). Returns
-   * false for the callers' `placed.then(...)`. Rethrows when this replica no longer leads:
-   * the next leader re-runs the op instead.
+   * false for the callers' `placed.then(...)`. Rethrows when this replica no longer leads
+   * (the next leader re-runs the op instead) and when the store failed (StoreUnavailableError:
+   * run() runs the op again).
    */
   private async failAndSettle(op: OperationRec, e: unknown, from: SandboxState, to: (sb: SandboxRec) => SandboxState, also?: (sb: SandboxRec) => Promise<StoreWrite[]>): Promise<false> {
-    if (!this.active) throw e;
+    // Stepped down, or the store's outcome is unknown: the op runs again (run()), not failed.
+    if (!this.active || e instanceof StoreUnavailableError) throw e;
     this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
     const error = errorOf(e);
     await this.finish(op, null, error, undefined, async () => {
@@ -1776,7 +1832,7 @@ export class Executor {
     if (!opNow.result?.sandboxIds) {
       const now = this.deps.clock.now();
       let made: SandboxRec[] = [];
-      const { revision } = await this.placeAndBook(
+      const placed = await this.placeAndBook(
         op,
         { tenantId: op.tenantId, id: snapshotId },
         () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: input.count, overlayDiskMib: resources.diskMib, preferences: this.prefs(input.placement) }),
@@ -1819,15 +1875,20 @@ export class Executor {
             },
           };
         },
-      );
-      children = made.map((rec) => ({ rec, rev: revision }));
-      transfers = ((this.ops.get(op.id)?.value.input as { transfers?: typeof transfers } | undefined)?.transfers ?? []);
-    } else {
-      // A re-run (e.g. after a failover): the placement stands; finish what is left.
-      const existing = await Promise.all(opNow.result.sandboxIds.map((id) => this.deps.store.getSandbox(op.tenantId, id)));
-      children = existing.filter((e): e is Versioned<SandboxRec> => e !== undefined).map((e) => ({ rec: e.value, rev: e.modRevision }));
-      transfers = ((opNow.input as { transfers?: typeof transfers }).transfers ?? []);
-    }
+      ).catch(async (e: unknown) => {
+        // A placement commit whose answer was lost may have landed all the same (etcd3
+        // retried it and it then conflicted with itself, or etcd stopped answering): the op
+        // record says. If it did, its children exist and hold their booking.
+        const landed = (await this.deps.store.getOp(op.tenantId, op.id))?.value;
+        if (!landed?.result?.sandboxIds) throw e;
+        this.log.info({ opId: op.id, err: e }, 'the placement commit had landed; going on with its children');
+        return landed;
+      });
+      if ('revision' in placed) {
+        children = made.map((rec) => ({ rec, rev: placed.revision }));
+        transfers = ((this.ops.get(op.id)?.value.input as { transfers?: typeof transfers } | undefined)?.transfers ?? []);
+      } else ({ children, transfers } = await this.childrenOf(op, placed));
+    } else ({ children, transfers } = await this.childrenOf(op, opNow));
 
     // 3. One restore step per host, in transfer waves: a host that fetches from another
     //    destination starts after that destination holds the snapshot.
@@ -1882,13 +1943,30 @@ export class Executor {
     const outcomes = await Promise.allSettled([...byHost.keys()].map((h) => runHost(h)));
     if (!this.active) return;
     const failed = outcomes.filter((o): o is PromiseRejectedResult => o.status === 'rejected');
+    // A host whose children could not be marked running (the store failed): the fork runs
+    // again (run()), finding the others running and that host's restore answered already.
+    const unknown = failed.find((o) => o.reason instanceof StoreUnavailableError);
+    if (unknown) throw unknown.reason;
     const result = { sandboxIds: children.map((c) => c.rec.id), snapshotId };
     const total = children.length;
     if (failed.length > 0) {
       const first = errorOf(failed[0]!.reason);
       return this.finish(op, result, { ...first, message: `${runningCount} of ${total} children started; ${first.message}` }, runningCount);
     }
+    // Children that an earlier run of this op failed (before a failover or a store outage)
+    // fail the op as they did then, though this run had nothing left to do for them.
+    const failedBefore = children.find((c) => c.rec.state === 'failed');
+    if (failedBefore) return this.finish(op, result, { kind: 'unavailable', message: `${runningCount} of ${total} children started; child ${failedBefore.rec.id}: ${failedBefore.rec.stateReason}`, retryable: false }, runningCount);
     await this.finish(op, result, null, runningCount);
+  }
+
+  /** A fork's children as placed (a re-run after a failover, say): the placement stands; what is left is finished. */
+  private async childrenOf(op: OperationRec, placed: OperationRec): Promise<{ children: Array<{ rec: SandboxRec; rev: number }>; transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> }> {
+    const existing = await Promise.all((placed.result?.sandboxIds ?? []).map((id) => this.deps.store.getSandbox(op.tenantId, id)));
+    return {
+      children: existing.filter((e): e is Versioned<SandboxRec> => e !== undefined).map((e) => ({ rec: e.value, rev: e.modRevision })),
+      transfers: (placed.input as { transfers?: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> }).transfers ?? [],
+    };
   }
 
   /**

@@ -172,6 +172,32 @@ describe('EtcdFleetStore', () => {
     await a.resign();
   });
 
+  it('commitAt_retriedAfterItApplied_returnsTheRevisionItLandedAt_unlessItsRecordsChangedSince', async () => {
+    // etcd3 retries a call whose answer was lost; a transaction etcd had applied then fails
+    // its own guards. The store recognises its own writes instead of reporting a conflict.
+    const rec = { ...sandbox('replay', 'sb-r1'), updatedAt: 1 };
+    const alloc = (sandboxes: number, expectRevision: number): StoreWrite => ({ kind: 'alloc', value: { hostId: 'h-replay', allocated: { vcpus: sandboxes, memoryMib: 256 * sandboxes, diskMib: 0 }, sandboxes }, expectRevision });
+    const placement: StoreWrite[] = [{ kind: 'sandbox', value: rec, expectRevision: 0 }, alloc(1, 0)];
+    const landed = await store.commitAt(placement);
+    expect(landed).toBeGreaterThan(0);
+    expect(await store.commitAt(placement)).toBe(landed);
+    // Under a fence too (its key is read first in the else branch).
+    const e = new EtcdLeaderElection(store.etcd, 'replay-a', 5);
+    await e.campaign();
+    const second: StoreWrite[] = [{ kind: 'sandbox', value: { ...rec, state: 'paused', updatedAt: 2 }, expectRevision: landed }];
+    const at2 = await store.commitAt(second, e.fence()!);
+    expect(await store.commitAt(second, e.fence()!)).toBe(at2);
+    await e.resign();
+    // Once the record moved on, the replay is the conflict it is.
+    await store.commit([{ kind: 'sandbox', value: { ...rec, state: 'running', updatedAt: 3 } }]);
+    expect(await store.commitAt(second)).toBe(0);
+    // Capacity alone cannot be recognised (another change can leave the same value): a conflict.
+    const a1 = (await store.getAlloc('h-replay')).modRevision;
+    const release: StoreWrite[] = [alloc(0, a1)];
+    expect(await store.commitAt(release)).toBeGreaterThan(0);
+    expect(await store.commitAt(release)).toBe(0);
+  });
+
   it('readsAndWrites_whenEtcdIsDown_failWithARetryableStoreUnavailableError', async () => {
     // The API answers UNAVAILABLE (retryable) for these, not INTERNAL.
     const gone = await startEtcd();

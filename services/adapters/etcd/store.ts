@@ -269,17 +269,34 @@ export class EtcdFleetStore implements FleetStore {
     for (const w of writes) {
       if (w.expectRevision !== undefined) txn = txn.and(keyOf(w), 'Mod', '==', w.expectRevision);
     }
-    const ops = writes.map((w) => {
-      const v = valueOf(w);
+    const values = writes.map(valueOf);
+    const ops = writes.map((w, i) => {
+      const v = values[i];
       return v === undefined ? ns.delete().key(keyOf(w)) : ns.put(keyOf(w)).value(v);
     });
-    // On a failed guard, the fence key as it is now tells a lost leadership from a conflict.
-    // A write etcd did not answer may or may not have been applied: the error says so, and
-    // the caller's guards decide what a retry does.
-    const res = await (fence ? txn.then(...ops).else(ns.get(fence.key)) : txn.then(...ops)).commit().catch((e: unknown) => {
+    // When a guard fails, the else branch reads, at that same revision, the fence key (a lost
+    // leadership is not a conflict) and every key this transaction puts. etcd3 retries a call
+    // whose answer was lost (its retry policy: unavailable, internal, cancelled), and a retry
+    // of a transaction etcd had applied fails its own guards: finding every put value as
+    // written, all at one revision, means it landed there, and that revision is returned
+    // instead of a false conflict (a placement retried on that conflict would find its own
+    // children in the way and fail, leaving them booked and starting forever). Only a
+    // transaction that puts a sandbox, op or snapshot record can be recognised so: those carry
+    // the time of the write, while two different capacity changes can leave equal alloc values.
+    const puts = writes.flatMap((w, i) => (values[i] === undefined ? [] : [{ key: keyOf(w), value: values[i]! }]));
+    const recognisable = writes.some((w) => w.kind === 'sandbox' || w.kind === 'op' || w.kind === 'snapshot');
+    const reads = [...(fence ? [ns.get(fence.key)] : []), ...(recognisable ? puts.map((p) => ns.get(p.key)) : [])];
+    const res = await (reads.length > 0 ? txn.then(...ops).else(...reads) : txn.then(...ops)).commit().catch((e: unknown) => {
+      // A write etcd did not answer may or may not have been applied: the error says so
+      // (unavailable, retryable), and the caller's guards decide what a retry does.
       throw storeError('write', e);
     });
     if (res.succeeded) return Number(res.header.revision);
+    if (recognisable) {
+      const got = res.responses.slice(fence ? 1 : 0).map((r) => r.response_range?.kvs[0]);
+      const at = got[0]?.mod_revision;
+      if (at !== undefined && puts.every((p, i) => got[i]?.mod_revision === at && got[i]!.value.toString() === p.value)) return Number(at);
+    }
     if (fence && Number(res.responses[0]?.response_range?.kvs[0]?.create_revision ?? 0) !== fence.createRevision) throw new NotLeaderError();
     return 0;
   }

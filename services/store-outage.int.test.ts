@@ -1,0 +1,161 @@
+// A placement commit whose answer is lost: etcd applied it, the scheduler did not hear so.
+// Real etcd and nats-server, a scheduler replica in this process whose executor writes
+// through a fault-injecting wrapper of the real store (the only fake here: it implements our
+// own FleetStore port), and fake host agents as a process (loadtest/fake-agent/).
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { pino } from 'pino';
+import { startEtcd } from './testkit/etcd.ts';
+import type { EtcdCluster } from './testkit/etcd.ts';
+import { startNats } from './testkit/nats.ts';
+import type { NatsServer } from './testkit/nats.ts';
+import { waitFor } from './testkit/proc.ts';
+import { startFakeAgents } from './testkit/fleet-procs.ts';
+import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
+import { testCredentials } from './testkit/credentials.ts';
+import { compileSchedulerConfig } from './config.ts';
+import { startScheduler } from './scheduler.ts';
+import type { SchedulerHandle } from './scheduler.ts';
+import { EtcdFleetStore } from './adapters/etcd/store.ts';
+import type { FleetStore, StoreWrite } from './domain/ports.ts';
+import { StoreUnavailableError } from './domain/errors.ts';
+import { HOLDS_CAPACITY } from './domain/records.ts';
+import type { Client } from './adapters/grpc/rpc.ts';
+import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
+
+type Fleet = Client<(typeof FleetService)['method']>;
+const tenantId = 't1';
+let keyN = 0;
+const key = (): string => `k-${Date.now()}-${keyN++}`;
+const HOSTS = ['fake-1', 'fake-2', 'fake-3', 'fake-4'];
+
+/**
+ * How the next commit of a kind goes wrong: a placement (it writes a starting sandbox) whose
+ * answer is lost or that etcd3 retries after it applied, or a commit that marks a restored
+ * child running whose answer is lost.
+ */
+type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost';
+
+/** The store, but the next commit `armed.fault` names applies and then fails as it says. */
+function faulty(store: FleetStore, armed: { fault?: Fault; hit: number }): FleetStore {
+  const commitAt = async (writes: readonly StoreWrite[], fence?: Parameters<FleetStore['commitAt']>[1]): Promise<number> => {
+    const placement = writes.some((w) => w.kind === 'sandbox' && w.value.state === 'starting' && w.expectRevision !== undefined);
+    const running = writes.some((w) => w.kind === 'sandbox' && w.value.state === 'running' && w.value.sourceSnapshotId !== '');
+    const fault = (placement && armed.fault !== 'running-answer-lost') || (running && armed.fault === 'running-answer-lost') ? armed.fault : undefined;
+    if (!fault) return store.commitAt(writes, fence);
+    armed.fault = undefined;
+    armed.hit++;
+    const rev = await store.commitAt(writes, fence);
+    expect(rev).toBeGreaterThan(0);
+    // etcd applied it; the answer never arrived:
+    if (fault !== 'applied-then-retried') throw new StoreUnavailableError('write', new Error('connection reset before the answer (injected)'));
+    // etcd3 retried the call the way its retry policy does, after the first one had applied.
+    return store.commitAt(writes, fence);
+  };
+  return new Proxy(store, {
+    get(target, prop) {
+      if (prop === 'commitAt') return commitAt;
+      if (prop === 'commit') return async (writes: readonly StoreWrite[]) => (await commitAt(writes)) > 0;
+      const v = Reflect.get(target, prop, target) as unknown;
+      return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+    },
+  });
+}
+
+describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)', () => {
+  let etcd: EtcdCluster;
+  let nats: NatsServer;
+  let dir: string;
+  let store: EtcdFleetStore;
+  let sched: SchedulerHandle;
+  let agents: FakeAgentsProcess;
+  let api: Fleet;
+  let snapshotId = '';
+  const armed: { fault?: Fault; hit: number } = { hit: 0 };
+
+  async function wait(op: Operation): Promise<Operation> {
+    return api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
+  }
+
+  /** Every live sandbox is booked once on its host, and no operation is left unfinished. */
+  async function assertBookedOnce(): Promise<void> {
+    const live = (await store.listSandboxes(undefined)).map((v) => v.value).filter((s) => HOLDS_CAPACITY.has(s.state));
+    for (const a of await store.listAllocs()) {
+      const mine = live.filter((s) => s.hostId === a.value.hostId);
+      expect(a.value.sandboxes, `sandboxes booked on ${a.value.hostId}`).toBe(mine.length);
+      expect(a.value.allocated.memoryMib, `memory booked on ${a.value.hostId}`).toBe(mine.reduce((n, s) => n + s.resources.memoryMib, 0));
+    }
+    expect((await store.listOps({ activeOnly: true })).map((o) => `${o.value.kind} ${o.value.id} ${o.value.state}`)).toEqual([]);
+  }
+
+  beforeAll(async () => {
+    dir = mkdtempSync('/tmp/ff-outage-');
+    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
+    store = EtcdFleetStore.connect(etcd.endpoints);
+    const creds = testCredentials(dir);
+    sched = await startScheduler(
+      compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: join(dir, 'signing.pem'), suspectAfterMs: '3s', lostAfterMs: '20s', ...creds.config }),
+      pino({ level: 'warn' }),
+      { executorStore: (s) => faulty(s, armed) },
+    );
+    await sched.leader;
+    agents = await startFakeAgents({ hosts: HOSTS, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '16' } });
+    api = creds.client(FleetService, sched.address);
+    await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === HOSTS.length, 20_000, 100);
+    const parent = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    expect(parent.state).toBe(OperationState.SUCCEEDED);
+    const snap = await wait(await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: parent.result.case === 'sandbox' ? parent.result.value.id : '' }));
+    snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+    expect(snapshotId).not.toBe('');
+  }, 120_000);
+
+  afterAll(async () => {
+    api?.close();
+    await sched?.close();
+    await agents?.stop();
+    store?.close();
+    await nats?.stop();
+    await etcd?.stop();
+    if (dir) rmSync(dir, { recursive: true, force: true });
+  }, 60_000);
+
+  for (const fault of ['answer-lost', 'applied-then-retried'] as const) {
+    it(`fork_whosePlacementCommit${fault === 'answer-lost' ? 'AnswerIsLost' : 'IsRetriedAfterItApplied'}_startsEveryChildBookedOnce`, async () => {
+      armed.fault = fault;
+      const hits = armed.hit;
+      const op = await wait(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 6, placement: { spread: Spread.SPREAD } }));
+      expect(armed.hit).toBe(hits + 1);
+      expect(op.state, op.error?.message).toBe(OperationState.SUCCEEDED);
+      const ids = op.result.case === 'fork' ? op.result.value.children.map((c) => c.id) : [];
+      expect(ids).toHaveLength(6);
+      const states = await Promise.all(ids.map(async (id) => (await store.getSandbox(tenantId, id))?.value.state));
+      expect(states).toEqual(Array(6).fill('running'));
+      await assertBookedOnce();
+    }, 90_000);
+  }
+
+  it('fork_whoseCommitMarkingChildrenRunningLosesItsAnswer_succeedsWithEveryChildRunning', async () => {
+    armed.fault = 'running-answer-lost';
+    const hits = armed.hit;
+    const op = await wait(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 4, placement: { spread: Spread.SPREAD } }));
+    expect(armed.hit).toBe(hits + 1);
+    expect(op.state, op.error?.message).toBe(OperationState.SUCCEEDED);
+    const ids = op.result.case === 'fork' ? op.result.value.children.map((c) => c.id) : [];
+    expect(await Promise.all(ids.map(async (id) => (await store.getSandbox(tenantId, id))?.value.state))).toEqual(Array(4).fill('running'));
+    await assertBookedOnce();
+  }, 90_000);
+
+  it('create_whosePlacementCommitAnswerIsLost_startsTheSandboxBookedOnce', async () => {
+    armed.fault = 'answer-lost';
+    const hits = armed.hit;
+    const op = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    expect(armed.hit).toBe(hits + 1);
+    expect(op.state, op.error?.message).toBe(OperationState.SUCCEEDED);
+    const id = op.result.case === 'sandbox' ? op.result.value.id : '';
+    expect((await store.getSandbox(tenantId, id))?.value.state).toBe('running');
+    await assertBookedOnce();
+  }, 90_000);
+});
