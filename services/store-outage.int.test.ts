@@ -34,17 +34,23 @@ const HOSTS = ['fake-1', 'fake-2', 'fake-3', 'fake-4'];
 
 /**
  * How the next commit of a kind goes wrong: a placement (it writes a starting sandbox) whose
- * answer is lost or that etcd3 retries after it applied, or a commit that marks a restored
- * child running whose answer is lost.
+ * answer is lost or that etcd3 retries after it applied; or, with the answer lost, a commit
+ * that marks a restored child running, or one that switches a migrated sandbox to its new host.
  */
-type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost';
+type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost' | 'switch-answer-lost';
+
+const isSandbox = (w: StoreWrite, p: (sb: Extract<StoreWrite, { kind: 'sandbox' }>['value']) => boolean): boolean => w.kind === 'sandbox' && p(w.value);
+const targets: Record<Fault, (w: StoreWrite) => boolean> = {
+  'answer-lost': (w) => isSandbox(w, (sb) => sb.state === 'starting') && w.expectRevision !== undefined,
+  'applied-then-retried': (w) => isSandbox(w, (sb) => sb.state === 'starting') && w.expectRevision !== undefined,
+  'running-answer-lost': (w) => isSandbox(w, (sb) => sb.state === 'running' && sb.sourceSnapshotId !== '' && sb.stateReason === ''),
+  'switch-answer-lost': (w) => isSandbox(w, (sb) => sb.stateReason.startsWith('migrated from')),
+};
 
 /** The store, but the next commit `armed.fault` names applies and then fails as it says. */
 function faulty(store: FleetStore, armed: { fault?: Fault; hit: number }): FleetStore {
   const commitAt = async (writes: readonly StoreWrite[], fence?: Parameters<FleetStore['commitAt']>[1]): Promise<number> => {
-    const placement = writes.some((w) => w.kind === 'sandbox' && w.value.state === 'starting' && w.expectRevision !== undefined);
-    const running = writes.some((w) => w.kind === 'sandbox' && w.value.state === 'running' && w.value.sourceSnapshotId !== '');
-    const fault = (placement && armed.fault !== 'running-answer-lost') || (running && armed.fault === 'running-answer-lost') ? armed.fault : undefined;
+    const fault = armed.fault && writes.some(targets[armed.fault]) ? armed.fault : undefined;
     if (!fault) return store.commitAt(writes, fence);
     armed.fault = undefined;
     armed.hit++;
@@ -76,8 +82,8 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
   let snapshotId = '';
   const armed: { fault?: Fault; hit: number } = { hit: 0 };
 
-  async function wait(op: Operation): Promise<Operation> {
-    return api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
+  async function wait(op: Operation, tenant = tenantId): Promise<Operation> {
+    return api.waitOperation({ tenantId: tenant, operationId: op.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
   }
 
   /** Every live sandbox is booked once on its host, and no operation is left unfinished. */
@@ -145,6 +151,24 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
     expect(op.state, op.error?.message).toBe(OperationState.SUCCEEDED);
     const ids = op.result.case === 'fork' ? op.result.value.children.map((c) => c.id) : [];
     expect(await Promise.all(ids.map(async (id) => (await store.getSandbox(tenantId, id))?.value.state))).toEqual(Array(4).fill('running'));
+    await assertBookedOnce();
+  }, 90_000);
+
+  it('drain_whoseCommitSwitchingASandboxLosesItsAnswer_movesItAndStopsTheSourceVm', async () => {
+    const made = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-4' } }));
+    const id = made.result.case === 'sandbox' ? made.result.value.id : '';
+    expect(agents.vms().get('fake-4')?.map((v) => v.sandboxId)).toContain(id);
+    armed.fault = 'switch-answer-lost';
+    const hits = armed.hit;
+    const op = await wait(await api.drainHost({ idempotencyKey: key(), hostId: 'fake-4', migrate: true }), 'admin');
+    expect(armed.hit).toBe(hits + 1);
+    expect(op.state, op.error?.message).toBe(OperationState.SUCCEEDED);
+    const after = (await store.getSandbox(tenantId, id))?.value;
+    expect(after?.state).toBe('running');
+    expect(after?.hostId).not.toBe('fake-4');
+    expect(agents.vms().get('fake-4')).toEqual([]);
+    expect(agents.vms().get(after!.hostId)?.map((v) => v.sandboxId)).toContain(id);
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-4', cordon: false });
     await assertBookedOnce();
   }, 90_000);
 

@@ -1182,7 +1182,8 @@ export class Executor {
         return await this.runOnce(tenantId, opId);
       } catch (e) {
         if (!(e instanceof StoreUnavailableError) || !this.active) throw e;
-        const delay = Math.min(STORE_RETRY_MAX_MS, STORE_RETRY_FIRST_MS * 2 ** attempt);
+        // Jittered, so the ops that waited out one outage do not all run again at once.
+        const delay = Math.round(Math.min(STORE_RETRY_MAX_MS, STORE_RETRY_FIRST_MS * 2 ** attempt) * (0.5 + Math.random() / 2));
         this.log.warn({ err: e, opId, attempt: attempt + 1, retryInMs: delay }, 'the fleet store failed under an operation; running it again');
         await this.pause(delay);
         if (!this.active) return;
@@ -1344,7 +1345,8 @@ export class Executor {
       const r = await this.step(op, 'create', sb.hostId, work);
       notHeld = r.restoredByMigration || r.snapshotNotHeld;
     } catch (e) {
-      if (this.active) await this.failSandbox(sb, e);
+      // A store that failed under the step's preparation fails nothing: the op runs again.
+      if (this.active && !(e instanceof StoreUnavailableError)) await this.failSandbox(sb, e);
       throw e;
     }
     if (fetched && !notHeld) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
@@ -1713,7 +1715,13 @@ export class Executor {
     if (!sbv) throw new NotFoundError('sandbox', op.targetId);
     const sb = sbv.value;
     if (sb.state === 'hibernating' || sb.state === 'waking') throw new WrongStateError('sandbox', sb.id, sb.state, 'still busy after the step timeout; retry the destroy');
-    if (sb.state === 'destroyed') return this.finish(op, { sandboxIds: [sb.id] }, null);
+    if (sb.state === 'destroyed') {
+      // An earlier run of this op may have written `destroyed` (a failed or lost sandbox) and
+      // stopped before it told the host (a store outage, a failover): told now (stopping a
+      // VM that is gone does nothing; a removed host is not sent anything).
+      if (sb.hostId && this.cache.hosts.has(sb.hostId)) await this.sendHostWork(sb.hostId, op.id, sb.tenantId, 'destroy/again', { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not tell the host to stop a destroyed sandbox\'s VM');
+      return this.finish(op, { sandboxIds: [sb.id] }, null);
+    }
     // The record as the guarded write found it: host, resources and state may have changed
     // since the read above (a lost sandbox reclaimed, a pending one placed by its create).
     let cur = sb;
@@ -2031,7 +2039,8 @@ export class Executor {
       if (h.value.cordoned && h.value.draining) break;
       if (await this.commit([{ kind: 'host', value: { ...h.value, cordoned: true, draining: true }, expectRevision: h.modRevision }])) break;
     }
-    const onHost = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value).filter((sb) => sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused'));
+    const listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
+    const onHost = listed.filter((sb) => sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused'));
     if (!input.migrate) {
       if (onHost.length === 0) return this.finish(op, { sandboxIds: [] }, null);
       return this.finish(op, { sandboxIds: onHost.map((s) => s.id) }, {
@@ -2042,11 +2051,22 @@ export class Executor {
     }
     const moved: string[] = [];
     const failures: string[] = [];
+    // An earlier run of this drain (before a failover or a store outage) that switched a
+    // sandbox's record may have stopped before it destroyed the source VM: done now (the
+    // agent answers a repeated step from its journal).
+    const recorded = (this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.migrations ?? {};
+    for (const [id, m] of Object.entries(recorded)) {
+      if (!m.toHostId || listed.find((s) => s.id === id)?.hostId !== m.toHostId) continue;
+      await this.step(op, `migrate/${id}/destroy-source`, hostId, { case: 'destroyVm', value: { sandboxId: id } as never });
+      moved.push(id);
+    }
     for (const sb of onHost) {
       try {
         await this.migrate(op, sb);
         moved.push(sb.id);
       } catch (e) {
+        // Not a failed migration: the drain runs again, with the choices it recorded.
+        if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
         this.log.warn({ err: e, opId: op.id, sandboxId: sb.id }, 'migration failed; the sandbox stays on the draining host');
         failures.push(`${sb.id}: ${e instanceof Error ? e.message : String(e)}`);
       }
@@ -2102,8 +2122,9 @@ export class Executor {
       if (m.wasPaused) await this.step(op, `migrate/${sb.id}/pause-dest`, to, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
     } catch (e) {
       // A leader that stepped down undoes nothing: the next one finds the booking and the
-      // choice recorded, and restores there again.
-      if (!this.active) throw e;
+      // choice recorded, and restores there again. Nor does a store that failed: the drain
+      // runs again (run()) and does the same.
+      if (!this.active || e instanceof StoreUnavailableError) throw e;
       // Undo: release the booking, let the source run again.
       await this.unbookMigration(op, sb, to);
       if (!m.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);

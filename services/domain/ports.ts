@@ -75,8 +75,8 @@ export interface FleetStore {
    * key then has that mod revision), or 0 on a guard conflict (nothing written). With
    * `fence`, only while that leadership holds (else NotLeaderError). A batch that was applied
    * and then sent again (its first answer lost) returns the revision it was applied at, when
-   * it wrote a sandbox, op or snapshot record that is still as written. A StoreUnavailableError
-   * leaves the outcome unknown.
+   * it wrote a sandbox or op record that is still as written and none of its keys went back
+   * to an older revision (store.ts). A StoreUnavailableError leaves the outcome unknown.
    */
   commitAt(writes: readonly StoreWrite[], fence?: LeaderFence): Promise<number>;
   /**

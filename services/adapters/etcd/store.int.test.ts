@@ -196,6 +196,19 @@ describe('EtcdFleetStore', () => {
     const release: StoreWrite[] = [alloc(0, a1)];
     expect(await store.commitAt(release)).toBeGreaterThan(0);
     expect(await store.commitAt(release)).toBe(0);
+    // A capacity record it wrote that changed after it landed does not hide it.
+    const rec2 = { ...sandbox('replay', 'sb-r2'), updatedAt: 4 };
+    const a2 = (await store.getAlloc('h-replay')).modRevision;
+    const booking: StoreWrite[] = [{ kind: 'sandbox', value: rec2, expectRevision: 0 }, alloc(1, a2)];
+    const at3 = await store.commitAt(booking);
+    await store.commit([alloc(2, at3)]);
+    expect(await store.commitAt(booking)).toBe(at3);
+    // The same record next to another value than the one that landed with it is not this
+    // transaction: a conflict.
+    const rec3 = { ...sandbox('replay', 'sb-r3'), updatedAt: 5 };
+    const a3 = (await store.getAlloc('h-replay')).modRevision;
+    expect(await store.commitAt([{ kind: 'sandbox', value: rec3, expectRevision: 0 }, alloc(3, a3)])).toBeGreaterThan(0);
+    expect(await store.commitAt([{ kind: 'sandbox', value: rec3, expectRevision: 0 }, alloc(9, a3)])).toBe(0);
   });
 
   it('readsAndWrites_whenEtcdIsDown_failWithARetryableStoreUnavailableError', async () => {

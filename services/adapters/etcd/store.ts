@@ -277,14 +277,17 @@ export class EtcdFleetStore implements FleetStore {
     // When a guard fails, the else branch reads, at that same revision, the fence key (a lost
     // leadership is not a conflict) and every key this transaction puts. etcd3 retries a call
     // whose answer was lost (its retry policy: unavailable, internal, cancelled), and a retry
-    // of a transaction etcd had applied fails its own guards: finding every put value as
-    // written, all at one revision, means it landed there, and that revision is returned
-    // instead of a false conflict (a placement retried on that conflict would find its own
-    // children in the way and fail, leaving them booked and starting forever). Only a
-    // transaction that puts a sandbox, op or snapshot record can be recognised so: those carry
-    // the time of the write, while two different capacity changes can leave equal alloc values.
-    const puts = writes.flatMap((w, i) => (values[i] === undefined ? [] : [{ key: keyOf(w), value: values[i]! }]));
-    const recognisable = writes.some((w) => w.kind === 'sandbox' || w.kind === 'op' || w.kind === 'snapshot');
+    // of a transaction etcd had applied fails its own guards. Such a transaction is
+    // recognised, and the revision it landed at returned instead of a false conflict (a
+    // placement retried on that conflict would find its own children in the way and fail,
+    // leaving them booked and starting forever), when:
+    // - a sandbox or op record it puts is there exactly as written, at some revision R (those
+    //   records carry the time of the write: a different change does not leave equal bytes);
+    // - every key it puts is as written at R, or was changed or deleted after R (capacity
+    //   records change all the time).
+    // Anything else is a conflict.
+    const puts = writes.flatMap((w, i) => (values[i] === undefined ? [] : [{ key: keyOf(w), value: values[i]!, recognisable: w.kind === 'sandbox' || w.kind === 'op' }]));
+    const recognisable = puts.some((p) => p.recognisable);
     const reads = [...(fence ? [ns.get(fence.key)] : []), ...(recognisable ? puts.map((p) => ns.get(p.key)) : [])];
     const res = await (reads.length > 0 ? txn.then(...ops).else(...reads) : txn.then(...ops)).commit().catch((e: unknown) => {
       // A write etcd did not answer may or may not have been applied: the error says so
@@ -294,8 +297,10 @@ export class EtcdFleetStore implements FleetStore {
     if (res.succeeded) return Number(res.header.revision);
     if (recognisable) {
       const got = res.responses.slice(fence ? 1 : 0).map((r) => r.response_range?.kvs[0]);
-      const at = got[0]?.mod_revision;
-      if (at !== undefined && puts.every((p, i) => got[i]?.mod_revision === at && got[i]!.value.toString() === p.value)) return Number(at);
+      const same = (i: number): boolean => got[i] !== undefined && got[i]!.value.toString() === puts[i]!.value;
+      const mark = puts.findIndex((p, i) => p.recognisable && same(i));
+      const at = mark >= 0 ? Number(got[mark]!.mod_revision) : 0;
+      if (at > 0 && puts.every((_, i) => got[i] === undefined || (Number(got[i]!.mod_revision) === at ? same(i) : Number(got[i]!.mod_revision) > at))) return at;
     }
     if (fence && Number(res.responses[0]?.response_range?.kvs[0]?.create_revision ?? 0) !== fence.createRevision) throw new NotLeaderError();
     return 0;
