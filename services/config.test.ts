@@ -40,6 +40,12 @@ describe('compileSchedulerConfig: API edge', () => {
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_HELD_SNAPSHOT_CHECK: '100ms' }))).toBe('FF_HELD_SNAPSHOT_CHECK');
   });
 
+  it('strayVmGrace_defaultsToZeroMeaningDerived_andUnderOneSecondNamesTheVariable', () => {
+    expect(compileSchedulerConfig({}, tls).strayVmGraceMs).toBe(0);
+    expect(compileSchedulerConfig({}, { ...tls, FF_STRAY_VM_GRACE: '2s' }).strayVmGraceMs).toBe(2000);
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_STRAY_VM_GRACE: '10ms' }))).toBe('FF_STRAY_VM_GRACE');
+  });
+
   it('parseBytes_acceptsUnitsAndRejectsJunk', () => {
     expect(parseBytes('f', '4MiB')).toBe(4 * 1024 * 1024);
     expect(parseBytes('f', '100')).toBe(100);

@@ -50,6 +50,14 @@ export interface SchedulerConfig {
   readonly stepTimeoutMs: number;
   /** FF_STEP_ATTEMPTS */
   readonly stepAttempts: number;
+  /**
+   * FF_STRAY_VM_GRACE: a VM that a host reports and no sandbox record places there (its
+   * sandbox lives elsewhere, is destroyed, failed, hibernated or gone) is stopped once it has
+   * been so this long. 0: derived, 2 x FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS + 60 s (19 min
+   * with the defaults: the steps that make a VM before its record says so, a wake's restore
+   * and a migration's restore and pause, are over by then).
+   */
+  readonly strayVmGraceMs: number;
   /** FF_SIGNING_KEY: PEM file with the Ed25519 key that signs tickets and manifests; generated when missing. */
   readonly signingKeyPath: string;
   /** FF_METRICS_ADDR: Prometheus /metrics; empty disables. */
@@ -119,6 +127,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [la, lost] = get('lostAfterMs', 'FF_HOST_LOST_AFTER', '30s');
   const [st, step] = get('stepTimeoutMs', 'FF_STEP_TIMEOUT', '180s');
   const [sat, attempts] = get('stepAttempts', 'FF_STEP_ATTEMPTS', '3');
+  const [sg, strayGrace] = get('strayVmGraceMs', 'FF_STRAY_VM_GRACE', '0s');
   const [, keyPath] = get('signingKeyPath', 'FF_SIGNING_KEY', '');
   const [, metricsAddr] = get('metricsAddr', 'FF_METRICS_ADDR', '');
   const [, logLevel] = get('logLevel', 'FF_LOG_LEVEL', 'info');
@@ -158,6 +167,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     lostAfterMs: parseDuration(la, lost),
     stepTimeoutMs: parseDuration(st, step),
     stepAttempts: Number(attempts),
+    strayVmGraceMs: parseDuration(sg, strayGrace),
     signingKeyPath: keyPath,
     metricsAddr: metricsAddr ? addr('FF_METRICS_ADDR', metricsAddr) : '',
     logLevel,
@@ -191,6 +201,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   if (cfg.heldSnapshotCheckMs < 1000) throw new InvalidArgumentError(hs, 'must be at least 1s');
   if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, 'must be longer than FF_HOST_SUSPECT_AFTER');
   if (!Number.isInteger(cfg.stepAttempts) || cfg.stepAttempts < 1 || cfg.stepAttempts > 20) throw new InvalidArgumentError(sat, 'must be an integer in [1, 20]');
+  if (cfg.strayVmGraceMs !== 0 && cfg.strayVmGraceMs < 1000) throw new InvalidArgumentError(sg, 'must be 0s (derived from the step timeout) or at least 1s');
   if (!Number.isInteger(cfg.chunkBytes) || cfg.chunkBytes < 4096) throw new InvalidArgumentError(cb, 'must be an integer >= 4096');
   if (!Number.isInteger(cfg.migrateMaxChildren) || cfg.migrateMaxChildren < 0 || cfg.migrateMaxChildren > 64) throw new InvalidArgumentError(mm, 'must be an integer in [0, 64]');
   return Object.freeze(cfg);

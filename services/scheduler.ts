@@ -175,7 +175,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       ticket: (snapshotId, destinationHostId) => signTicket({ snapshotId, destinationHostId, expiresAt: new Date(clock.now() + 10 * 60_000) }, signing),
       manifest: (bytes) => ({ signature: sign(null, bytes, signing.privateKey), keyId: signing.keyId }),
     },
-    config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs, migrateMaxChildren: config.migrateMaxChildren, recordRetentionMs: config.recordRetentionMs, heldSnapshotCheckMs: config.heldSnapshotCheckMs },
+    config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs, migrateMaxChildren: config.migrateMaxChildren, recordRetentionMs: config.recordRetentionMs, heldSnapshotCheckMs: config.heldSnapshotCheckMs, strayVmGraceMs: config.strayVmGraceMs },
     submit: (tenantId, key, kind, targetId, input) => fleet.submit(tenantId, key, kind, targetId, input),
     onFinished: (kind, ok, seconds) => {
       metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });

@@ -59,6 +59,8 @@ export interface ExecutorConfig {
   recordRetentionMs?: number;
   /** How often reconcileHeldSnapshots runs (FF_HELD_SNAPSHOT_CHECK; default 30 s). */
   heldSnapshotCheckMs?: number;
+  /** How long a VM stays stray before it is stopped (reconcileStrayVms; FF_STRAY_VM_GRACE). 0 or absent: 2 x stepTimeoutMs x stepAttempts + 60 s. */
+  strayVmGraceMs?: number;
 }
 
 /** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
@@ -354,6 +356,8 @@ export class Executor {
   private readonly heldGcAt = new Map<string, number>();
   /** Sandboxes whose VM their host's heartbeat did not list: `<tenant>/<id>` -> that heartbeat (reconcileVms). */
   private readonly vmMissing = new Map<string, { bootId: string; seq: bigint }>();
+  /** `host/sandbox` -> when reconcileStrayVms first saw that VM stray (this term). */
+  private readonly strays = new Map<string, number>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
   /** Counts sandbox index follows within a term: a broken follow's late events are ignored. */
@@ -417,7 +421,10 @@ export class Executor {
     const retention = this.deps.config.recordRetentionMs ?? 0;
     if (retention > 0) this.every(Math.min(30_000, Math.max(500, retention / 2)), 'expiring old records', () => this.expireHistory());
     this.every(this.deps.config.heldSnapshotCheckMs ?? 30_000, 'held snapshot check', async () => this.reconcileHeldSnapshots());
-    this.every(VM_CHECK_MS, 'vm reconcile', () => this.reconcileVms());
+    this.every(VM_CHECK_MS, 'vm reconcile', async () => {
+      await this.reconcileVms();
+      await this.reconcileStrayVms();
+    });
   }
 
   /**
@@ -468,6 +475,48 @@ export class Executor {
   }
 
   /** A sandbox whose VM is gone: lost, capacity released; false if an operation took it up meanwhile. */
+  /**
+   * Hosts' VMs against the sandbox records, the other way round from reconcileVms, so no VM
+   * runs on without a record of it: a VM that a ready host reports and that no record places
+   * there (its sandbox lives on another host, is destroyed, failed or hibernated, or has no
+   * record) is stopped once it has been so for the grace period. A VM is made before its
+   * record says so only by a wake's restore (one step) and a migration's restore and
+   * pause-dest steps (two), so it is stray for at most two steps, each within stepTimeoutMs x
+   * stepAttempts: the default grace is twice that plus a minute. A VM
+   * left behind by a crash or a failover at the wrong moment (a drain's source VM, a restore
+   * that finished after its op gave up) goes this way.
+   */
+  async reconcileStrayVms(): Promise<void> {
+    if (!this.sandboxIndexReady) return;
+    const now = this.deps.clock.now();
+    const cfg = this.deps.config;
+    const grace = cfg.strayVmGraceMs || 2 * cfg.stepTimeoutMs * cfg.stepAttempts + 60_000;
+    const byId = new Map<string, SandboxRec>();
+    for (const { value } of this.sandboxIndex.values()) byId.set(value.id, value);
+    const seen = new Set<string>();
+    for (const h of this.deps.heard.all()) {
+      const hostId = h.hb.hostId;
+      if (livenessOf(h.heardAt, now, cfg.liveness) !== 'ready' || this.cache.hosts.get(hostId)?.value.state === 'lost') continue;
+      for (const vm of h.hb.vms) {
+        const sb = byId.get(vm.sandboxId);
+        if (sb && sb.hostId === hostId && sb.state !== 'destroyed' && sb.state !== 'failed' && sb.state !== 'hibernated') continue;
+        const k = `${hostId}/${vm.sandboxId}`;
+        seen.add(k);
+        const first = this.strays.get(k);
+        if (first === undefined) {
+          this.strays.set(k, now);
+          continue;
+        }
+        if (now - first < grace) continue;
+        // Sent again after another grace if the VM is still there.
+        this.strays.set(k, now);
+        this.log.warn({ hostId, sandboxId: vm.sandboxId, sandbox: sb ? `${sb.state} on ${sb.hostId || 'no host'}` : 'no record', strayForMs: now - first }, 'a host runs a VM that no sandbox record places there: stopping it');
+        await this.sendHostWork(hostId, `stray-${hostId}-${vm.sandboxId}-${first}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never }, 'could not stop a stray VM');
+      }
+    }
+    for (const k of this.strays.keys()) if (!seen.has(k)) this.strays.delete(k);
+  }
+
   private async vmGone(sb: SandboxRec, reason: string): Promise<boolean> {
     if (!(await this.vmStateChange(sb, (s) => (s.state === 'running' || s.state === 'paused') && !s.opId, 'lost', reason, -1))) return false;
     this.vmMissing.delete(`${sb.tenantId}/${sb.id}`);
@@ -648,6 +697,7 @@ export class Executor {
     this.term++;
     this.sandboxIndexReady = false;
     this.sandboxIndex.clear();
+    this.strays.clear();
     // Waiting runners would only time out: wake them so they end now; the next leader
     // re-runs their operations from etcd.
     for (const [k, w] of this.waiters) {
