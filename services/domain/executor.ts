@@ -474,7 +474,6 @@ export class Executor {
     for (const key of this.vmMissing.keys()) if (!missingNow.has(key)) this.vmMissing.delete(key);
   }
 
-  /** A sandbox whose VM is gone: lost, capacity released; false if an operation took it up meanwhile. */
   /**
    * Hosts' VMs against the sandbox records, the other way round from reconcileVms, so no VM
    * runs on without a record of it: a VM that a ready host reports and that no record places
@@ -482,25 +481,40 @@ export class Executor {
    * record) is stopped once it has been so for the grace period. A VM is made before its
    * record says so only by a wake's restore (one step) and a migration's restore and
    * pause-dest steps (two), so it is stray for at most two steps, each within stepTimeoutMs x
-   * stepAttempts: the default grace is twice that plus a minute. A VM
-   * left behind by a crash or a failover at the wrong moment (a drain's source VM, a restore
-   * that finished after its op gave up) goes this way.
+   * stepAttempts: the default grace is twice that plus a minute. Those two are also skipped
+   * outright while this leader runs them (a wake's booked host, a drain's recorded
+   * destination), and their clock starts again after. A VM left behind by a crash or a
+   * failover at the wrong moment (a drain's source VM, a restore that finished after its op
+   * gave up) goes this way.
    */
   async reconcileStrayVms(): Promise<void> {
     if (!this.sandboxIndexReady) return;
+    const term = this.term;
     const now = this.deps.clock.now();
     const cfg = this.deps.config;
     const grace = cfg.strayVmGraceMs || 2 * cfg.stepTimeoutMs * cfg.stepAttempts + 60_000;
     const byId = new Map<string, SandboxRec>();
     for (const { value } of this.sandboxIndex.values()) byId.set(value.id, value);
+    // Where the ops this leader runs make VMs ahead of their records.
+    const making = new Set<string>();
+    for (const { value: op } of this.ops.values()) {
+      if (op.kind === 'wake') {
+        const booked = (op.input as { bookedHost?: string }).bookedHost;
+        if (booked) making.add(`${booked}/${op.targetId}`);
+      } else if (op.kind === 'drain') {
+        for (const [id, m] of Object.entries((op.input as unknown as DrainInput).migrations ?? {})) if (m.toHostId) making.add(`${m.toHostId}/${id}`);
+      }
+    }
     const seen = new Set<string>();
     for (const h of this.deps.heard.all()) {
       const hostId = h.hb.hostId;
       if (livenessOf(h.heardAt, now, cfg.liveness) !== 'ready' || this.cache.hosts.get(hostId)?.value.state === 'lost') continue;
       for (const vm of h.hb.vms) {
+        if (this.term !== term || !this.active) return; // stepped down meanwhile: the next term starts its own clocks
         const sb = byId.get(vm.sandboxId);
         if (sb && sb.hostId === hostId && sb.state !== 'destroyed' && sb.state !== 'failed' && sb.state !== 'hibernated') continue;
         const k = `${hostId}/${vm.sandboxId}`;
+        if (making.has(k)) continue;
         seen.add(k);
         const first = this.strays.get(k);
         if (first === undefined) {
@@ -517,6 +531,7 @@ export class Executor {
     for (const k of this.strays.keys()) if (!seen.has(k)) this.strays.delete(k);
   }
 
+  /** A sandbox whose VM is gone: lost, capacity released; false if an operation took it up meanwhile. */
   private async vmGone(sb: SandboxRec, reason: string): Promise<boolean> {
     if (!(await this.vmStateChange(sb, (s) => (s.state === 'running' || s.state === 'paused') && !s.opId, 'lost', reason, -1))) return false;
     this.vmMissing.delete(`${sb.tenantId}/${sb.id}`);
@@ -2105,9 +2120,17 @@ export class Executor {
     // sandbox's record may have stopped before it destroyed the source VM: done now (the
     // agent answers a repeated step from its journal).
     const recorded = (this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.migrations ?? {};
+    let earlier = 0;
     for (const [id, m] of Object.entries(recorded)) {
-      if (!m.toHostId || listed.find((s) => s.id === id)?.hostId !== m.toHostId) continue;
-      await this.step(op, `migrate/${id}/destroy-source`, hostId, { case: 'destroyVm', value: { sandboxId: id } as never });
+      if (!m.toHostId || m.toHostId === hostId || listed.find((s) => s.id === id)?.hostId !== m.toHostId) continue;
+      earlier++;
+      try {
+        await this.step(op, `migrate/${id}/destroy-source`, hostId, { case: 'destroyVm', value: { sandboxId: id } as never });
+      } catch (e) {
+        // The sandbox is on its new host either way; a source VM left behind is a stray VM
+        // (reconcileStrayVms stops it).
+        this.log.warn({ err: e, opId: op.id, sandboxId: id, hostId }, 'could not stop the source VM of a sandbox an earlier run of this drain moved');
+      }
       moved.push(id);
     }
     for (const sb of onHost) {
@@ -2121,7 +2144,7 @@ export class Executor {
         failures.push(`${sb.id}: ${e instanceof Error ? e.message : String(e)}`);
       }
     }
-    if (failures.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length} sandboxes off ${hostId}; ${failures.join('; ')}`, retryable: true });
+    if (failures.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${failures.join('; ')}`, retryable: true });
     await this.finish(op, { sandboxIds: moved }, null, moved.length);
   }
 
@@ -2141,7 +2164,15 @@ export class Executor {
     if (sb.state === 'running') await this.step(op, `migrate/${sb.id}/pause`, from, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
     const sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' } }, sb.tenantId);
     // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
+    //    A host uncordoned during its drain (cordonHost false clears draining too) is not
+    //    drained further: placement could choose it, and the switch would then stop the VM it
+    //    "moved" to itself.
+    const stillDraining = (): void => {
+      const h = this.cache.hosts.get(from)?.value;
+      if (!h?.cordoned || !h.draining) throw new WrongStateError('host', from, 'not draining', 'it was uncordoned during its drain: the drain stops');
+    };
     if (!m.toHostId) {
+      stillDraining();
       let chosen = '';
       await this.placeAndBook(
         op,
@@ -2149,6 +2180,8 @@ export class Executor {
         () => ({ kind: 'restore', id: `${op.id}/${sb.id}`, nowMs: this.deps.clock.now(), snapshotId: sn.id, overlayDiskMib: sb.resources.diskMib, preferences: {} }),
         (res) => {
           chosen = res.placements[0]!.hostId;
+          // Only an uncordoned host can be chosen; the job fails here, before anything is booked.
+          if (chosen === from) throw new WrongStateError('host', from, 'not draining', 'it was uncordoned during its drain: the drain stops');
           const mm = { ...m!, toHostId: chosen };
           return {
             perChild: sb.resources,
@@ -2175,8 +2208,10 @@ export class Executor {
       // choice recorded, and restores there again. Nor does a store that failed: the drain
       // runs again (run()) and does the same.
       if (!this.active || e instanceof StoreUnavailableError) throw e;
-      // Undo: release the booking, let the source run again.
+      // Undo: release the booking, stop a copy the restore may have made after all (a step
+      // that timed out here and finished there), let the source run again.
       await this.unbookMigration(op, sb, to);
+      if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, `migrate/${sb.id}/undo-dest`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the copy of a migration that failed');
       if (!m.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
       throw e;
     }
