@@ -427,6 +427,21 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
   }, 60_000);
 
+  it('drain_whoseSandboxFitsNoOtherHost_failsAndLeavesItsVmRunning', async () => {
+    // 40 vCPUs: no other host has that many. The migration pauses the source VM before it
+    // books a destination; when none can take it, the source must run again.
+    const big = await ownHost('fake-big', 'big', { FF_FAKE_VCPUS: '40' });
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 40 }, placement: { hostId: 'fake-big' } }));
+    const id = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const final = await wait(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-big', migrate: true }), 'admin');
+    expect(final.state).toBe(OperationState.FAILED);
+    expect(final.error?.message).toMatch(/moved 0 of 1/);
+    expect(big.vms().get('fake-big')?.find((v) => v.sandboxId === id)?.state).toBe('running');
+    expect((await store.getSandbox(tenantId, id))?.value.state).toBe('running');
+    await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    await assertConsistent();
+  });
+
   it('forks_thatFinishBeforeTheirOwnWatchEventsArrive_runOnceAndSucceed', async () => {
     // Agents that answer at once, with no files (FF_FAKE_STATE=memory): an op can end before
     // the leader's watch has delivered its earlier writes. Those late, unfinished copies must

@@ -2160,40 +2160,48 @@ export class Executor {
       m = { snapshotId: newId('sn'), wasPaused: sb.state === 'paused' };
       await record(m);
     }
+    // A host uncordoned during its drain (cordonHost false clears draining too) is not
+    // drained further: placement could choose it, and the switch would then stop the VM the
+    // sandbox had "moved" to on that same host.
+    const notDraining = (): WrongStateError => new WrongStateError('host', from, 'not draining', 'it was uncordoned during its drain: the drain stops');
+    const h = this.cache.hosts.get(from)?.value;
+    if (!m.toHostId && (!h?.cordoned || !h.draining)) throw notDraining();
     // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
     if (sb.state === 'running') await this.step(op, `migrate/${sb.id}/pause`, from, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
-    const sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' } }, sb.tenantId);
-    // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
-    //    A host uncordoned during its drain (cordonHost false clears draining too) is not
-    //    drained further: placement could choose it, and the switch would then stop the VM it
-    //    "moved" to itself.
-    const stillDraining = (): void => {
-      const h = this.cache.hosts.get(from)?.value;
-      if (!h?.cordoned || !h.draining) throw new WrongStateError('host', from, 'not draining', 'it was uncordoned during its drain: the drain stops');
-    };
-    if (!m.toHostId) {
-      stillDraining();
-      let chosen = '';
-      await this.placeAndBook(
-        op,
-        { tenantId: sn.tenantId, id: sn.id },
-        () => ({ kind: 'restore', id: `${op.id}/${sb.id}`, nowMs: this.deps.clock.now(), snapshotId: sn.id, overlayDiskMib: sb.resources.diskMib, preferences: {} }),
-        (res) => {
-          chosen = res.placements[0]!.hostId;
-          // Only an uncordoned host can be chosen; the job fails here, before anything is booked.
-          if (chosen === from) throw new WrongStateError('host', from, 'not draining', 'it was uncordoned during its drain: the drain stops');
-          const mm = { ...m!, toHostId: chosen };
-          return {
-            perChild: sb.resources,
-            writes: [],
-            opUpdate: (o) => {
-              const inp = o.input as unknown as DrainInput;
-              inp.migrations = { ...(inp.migrations ?? {}), [sb.id]: mm };
-            },
-          };
-        },
-      );
-      m = { ...m, toHostId: chosen };
+    let sn: SnapshotRec;
+    try {
+      sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' } }, sb.tenantId);
+      // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
+      if (!m.toHostId) {
+        let chosen = '';
+        const snap = sn;
+        await this.placeAndBook(
+          op,
+          { tenantId: snap.tenantId, id: snap.id },
+          () => ({ kind: 'restore', id: `${op.id}/${sb.id}`, nowMs: this.deps.clock.now(), snapshotId: snap.id, overlayDiskMib: sb.resources.diskMib, preferences: {} }),
+          (res) => {
+            chosen = res.placements[0]!.hostId;
+            // Only an uncordoned host can be chosen; the job fails here, before anything is booked.
+            if (chosen === from) throw notDraining();
+            const mm = { ...m!, toHostId: chosen };
+            return {
+              perChild: sb.resources,
+              writes: [],
+              opUpdate: (o) => {
+                const inp = o.input as unknown as DrainInput;
+                inp.migrations = { ...(inp.migrations ?? {}), [sb.id]: mm };
+              },
+            };
+          },
+        );
+        m = { ...m, toHostId: chosen };
+      }
+    } catch (e) {
+      // Nothing is booked and no copy made: the source runs again (it stayed paused, with its
+      // record saying running). Not after a lost lead or a failed store: the op runs again.
+      if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+      if (!m.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
+      throw e;
     }
     const to = m.toHostId!;
     // 3. Restore under the same sandbox id on the new host (fetching the snapshot there).
