@@ -54,8 +54,8 @@ export interface SchedulerConfig {
    * FF_STRAY_VM_GRACE: a VM that a host reports and no sandbox record places there (its
    * sandbox lives elsewhere, is destroyed, failed, hibernated or gone) is stopped once it has
    * been so this long. 0: derived, 2 x FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS + 60 s (19 min
-   * with the defaults: the steps that make a VM before its record says so, a wake's restore
-   * and a migration's restore and pause, are over by then).
+   * with the defaults: the only steps that make a VM before its record says so, a
+   * migration's restore and pause, are over by then).
    */
   readonly strayVmGraceMs: number;
   /** FF_SIGNING_KEY: PEM file with the Ed25519 key that signs tickets and manifests; generated when missing. */

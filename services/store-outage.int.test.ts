@@ -40,9 +40,10 @@ const HOSTS = ['fake-1', 'fake-2', 'fake-3', 'fake-4'];
 type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost' | 'switch-answer-lost';
 
 const isSandbox = (w: StoreWrite, p: (sb: Extract<StoreWrite, { kind: 'sandbox' }>['value']) => boolean): boolean => w.kind === 'sandbox' && p(w.value);
+const placement = (w: StoreWrite): boolean => isSandbox(w, (sb) => sb.state === 'starting') && w.expectRevision !== undefined;
 const targets: Record<Fault, (w: StoreWrite) => boolean> = {
-  'answer-lost': (w) => isSandbox(w, (sb) => sb.state === 'starting') && w.expectRevision !== undefined,
-  'applied-then-retried': (w) => isSandbox(w, (sb) => sb.state === 'starting') && w.expectRevision !== undefined,
+  'answer-lost': placement,
+  'applied-then-retried': placement,
   'running-answer-lost': (w) => isSandbox(w, (sb) => sb.state === 'running' && sb.sourceSnapshotId !== '' && sb.stateReason === ''),
   'switch-answer-lost': (w) => isSandbox(w, (sb) => sb.stateReason.startsWith('migrated from')),
 };

@@ -478,14 +478,13 @@ export class Executor {
    * Hosts' VMs against the sandbox records, the other way round from reconcileVms, so no VM
    * runs on without a record of it: a VM that a ready host reports and that no record places
    * there (its sandbox lives on another host, is destroyed, failed or hibernated, or has no
-   * record) is stopped once it has been so for the grace period. A VM is made before its
-   * record says so only by a wake's restore (one step) and a migration's restore and
-   * pause-dest steps (two), so it is stray for at most two steps, each within stepTimeoutMs x
-   * stepAttempts: the default grace is twice that plus a minute. Those two are also skipped
-   * outright while this leader runs them (a wake's booked host, a drain's recorded
-   * destination), and their clock starts again after. A VM left behind by a crash or a
-   * failover at the wrong moment (a drain's source VM, a restore that finished after its op
-   * gave up) goes this way.
+   * record) is stopped once it has been so for the grace period. Only a migration makes a
+   * VM before its record says so (create, fork and wake record the host when they book it):
+   * its restore and pause-dest steps, each within stepTimeoutMs x stepAttempts, so the
+   * default grace is twice that plus a minute. A migration this leader runs is also skipped
+   * outright (its drain's recorded destination), and its clock starts again after. A VM
+   * left behind by a crash or a failover at the wrong moment (a drain's source VM, a restore
+   * that finished after its op gave up) goes this way.
    */
   async reconcileStrayVms(): Promise<void> {
     if (!this.sandboxIndexReady) return;
@@ -495,15 +494,11 @@ export class Executor {
     const grace = cfg.strayVmGraceMs || 2 * cfg.stepTimeoutMs * cfg.stepAttempts + 60_000;
     const byId = new Map<string, SandboxRec>();
     for (const { value } of this.sandboxIndex.values()) byId.set(value.id, value);
-    // Where the ops this leader runs make VMs ahead of their records.
+    // Where the drains this leader runs make VMs ahead of their records.
     const making = new Set<string>();
     for (const { value: op } of this.ops.values()) {
-      if (op.kind === 'wake') {
-        const booked = (op.input as { bookedHost?: string }).bookedHost;
-        if (booked) making.add(`${booked}/${op.targetId}`);
-      } else if (op.kind === 'drain') {
-        for (const [id, m] of Object.entries((op.input as unknown as DrainInput).migrations ?? {})) if (m.toHostId) making.add(`${m.toHostId}/${id}`);
-      }
+      if (op.kind !== 'drain') continue;
+      for (const [id, m] of Object.entries((op.input as unknown as DrainInput).migrations ?? {})) if (m.toHostId) making.add(`${m.toHostId}/${id}`);
     }
     const seen = new Set<string>();
     for (const h of this.deps.heard.all()) {
@@ -2164,6 +2159,10 @@ export class Executor {
     // drained further: placement could choose it, and the switch would then stop the VM the
     // sandbox had "moved" to on that same host.
     const notDraining = (): WrongStateError => new WrongStateError('host', from, 'not draining', 'it was uncordoned during its drain: the drain stops');
+    /** An undo: the source VM (paused for the snapshot) runs again, best effort. */
+    const resumeSource = async (): Promise<void> => {
+      if (!m!.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
+    };
     const h = this.cache.hosts.get(from)?.value;
     if (!m.toHostId && (!h?.cordoned || !h.draining)) throw notDraining();
     // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
@@ -2200,7 +2199,7 @@ export class Executor {
       // Nothing is booked and no copy made: the source runs again (it stayed paused, with its
       // record saying running). Not after a lost lead or a failed store: the op runs again.
       if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
-      if (!m.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
+      await resumeSource();
       throw e;
     }
     const to = m.toHostId!;
@@ -2220,7 +2219,7 @@ export class Executor {
       // that timed out here and finished there), let the source run again.
       await this.unbookMigration(op, sb, to);
       if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, `migrate/${sb.id}/undo-dest`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the copy of a migration that failed');
-      if (!m.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
+      await resumeSource();
       throw e;
     }
     // 4. Switch the record and release the source's capacity in one transaction.
