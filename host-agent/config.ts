@@ -13,7 +13,7 @@ export interface AgentProcessConfig {
   readonly hostId: string;
   /** FF_DATA_DIR: VMs, snapshots, chunks, journal. Keep it short (unix socket paths). */
   readonly dataDir: string;
-  /** FF_NATS_URL */
+  /** FF_NATS_URL: nats:// URLs of one NATS cluster, comma-separated (the client tries each). */
   readonly natsUrl: string;
   /**
    * FF_NATS_NKEY_FILE: this host's NATS user NKey seed (a file, mode 0600). Its NATS user may
@@ -78,8 +78,19 @@ export interface AgentProcessConfig {
    * sizes (MiB) filled at start, before any restore.
    */
   readonly ram: Readonly<{ mount: string; keep: number; maxMib: number; prefillMib: readonly number[] }> | undefined;
+  /**
+   * Guest CPU isolation (adapters/qemu/cgroup.ts, ADR 0018): FF_GUEST_CGROUP, the cgroup every
+   * QEMU joins, a path below the cgroup root (v2) or the cpu controller (v1); unset:
+   * "forkfleet-guests", skipped with a warning where the host has no usable cgroup; set: it must
+   * work or the agent does not start; empty: off. FF_GUEST_CPU_WEIGHT, the group's weight on
+   * cgroup v2's scale (1-10000; 100, the default, weighs as much as one ordinary process).
+   */
+  readonly guestCgroup: Readonly<{ path: string; cpuWeight: number; required: boolean }> | undefined;
   readonly bootId: string;
 }
+
+/** The cgroup guests join when FF_GUEST_CGROUP is unset. */
+export const DEFAULT_GUEST_CGROUP = 'forkfleet-guests';
 
 function int(field: string, v: string, min: number, max: number): number {
   const n = Number(v);
@@ -136,8 +147,15 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
           prefillMib: e('FF_RAM_POOL_MIB', '').split(',').map((x) => x.trim()).filter(Boolean).map((x) => int('FF_RAM_POOL_MIB', x, 64, 1 << 20)),
         }
       : undefined,
+    guestCgroup: e('FF_GUEST_CGROUP', DEFAULT_GUEST_CGROUP)
+      ? { path: e('FF_GUEST_CGROUP', DEFAULT_GUEST_CGROUP), cpuWeight: int('FF_GUEST_CPU_WEIGHT', e('FF_GUEST_CPU_WEIGHT', '100'), 1, 10_000), required: env.FF_GUEST_CGROUP !== undefined }
+      : undefined,
     bootId: randomUUID(),
   };
+  const cg = cfg.guestCgroup?.path.replace(/^\//, '');
+  if (cg !== undefined && (!/^[A-Za-z0-9_.@-]+(\/[A-Za-z0-9_.@-]+)*$/.test(cg) || cg.split('/').some((p) => p === '.' || p === '..'))) {
+    throw new InvalidArgumentError('FF_GUEST_CGROUP', 'must be a cgroup path below the root such as forkfleet-guests, or empty to turn guest isolation off');
+  }
   parseCidr('FF_EGRESS_POOL', cfg.egress.pool);
   for (const c of cfg.egress.denyCidrs) parseCidr('FF_EGRESS_DENY_CIDRS', c);
   if (cfg.ram && !cfg.ram.mount.startsWith('/')) throw new InvalidArgumentError('FF_RAM_MOUNT', 'must be an absolute path, or empty to turn the RAM pool off');

@@ -133,3 +133,10 @@ export class ImageBuildError extends ForkfleetError {
     super('internal', `image ${name} build failed: ${detail}`, options);
   }
 }
+
+/** The host lacks something the agent needs to set up (a cgroup hierarchy, a mount); says what. */
+export class HostSetupError extends ForkfleetError {
+  constructor(message: string, options: ForkfleetErrorOptions = {}) {
+    super('failed_precondition', message, { retryable: false, ...options });
+  }
+}

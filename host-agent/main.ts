@@ -10,6 +10,7 @@ import { pino } from 'pino';
 import { compileAgentConfig } from './config.ts';
 import { Agent } from './domain/agent.ts';
 import { QemuVmmDriver } from './adapters/qemu/driver.ts';
+import { GuestCgroup } from './adapters/qemu/cgroup.ts';
 import { NatsAgentBus } from './adapters/nats/agent-bus.ts';
 import { agentConnectOptions } from '../services/adapters/nats/auth.ts';
 import { FsJournal } from './adapters/journal/fs-journal.ts';
@@ -31,8 +32,16 @@ async function main(): Promise<void> {
   const trust = new Map([['scheduler-1', createPublicKey(readFileSync(cfg.trustedKeyPath))]]);
   await mkdir(cfg.dataDir, { recursive: true });
 
+  // Guests share one CPU weight against the agent and the rest of the host (ADR 0018).
+  const guestCgroup = cfg.guestCgroup ? await GuestCgroup.open(cfg.guestCgroup).catch((err: unknown) => {
+    if (cfg.guestCgroup?.required) throw err;
+    log.warn({ err }, 'guest CPU isolation is off: set FF_GUEST_CGROUP= to silence this, or give the agent a writable cgroup hierarchy');
+    return undefined;
+  }) : undefined;
+  if (guestCgroup) log.info({ cgroup: guestCgroup.dir, version: guestCgroup.version, cpuWeight: guestCgroup.cpuWeight }, 'guests run in their own cgroup');
+
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
-  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}),
+  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}), ...(guestCgroup ? { guestCgroup } : {}),
     // accel auto proves KVM by booting a guest: the tiny image (built once, cached by recipe hash).
     ...(cfg.accel === 'auto' ? { probeImage: await ensureImage('tiny') } : {}) });
   const recovered = await driver.recover('adopt');
@@ -78,7 +87,7 @@ async function main(): Promise<void> {
 
   // noAsyncTraces: no stack captured per request (each result and event publish is one), as the
   // scheduler's connection; a timed-out request still fails with a named NatsError.
-  const nc = await connect({ servers: cfg.natsUrl, name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250, noAsyncTraces: true, ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined) });
+  const nc = await connect({ servers: cfg.natsUrl.split(',').map((u) => u.trim()), name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250, noAsyncTraces: true, ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined) });
   const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
   // CPU seconds of a process from /proc/<pid>/stat (utime + stime, in clock ticks of 1/100 s).
   const cpu = (pid: number): number | undefined => {

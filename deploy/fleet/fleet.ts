@@ -93,6 +93,8 @@ export interface FleetState {
   procs: ProcRecord[];
   signingKey: string;
   trustedKey: string;
+  /** The cgroup the agents put their guests in (ADR 0018), removed by down(); empty: none. */
+  guestCgroup?: string;
 }
 
 export function defaultOptions(over: Partial<FleetOptions> = {}): FleetOptions {
@@ -368,6 +370,39 @@ async function startSchedulers(state: FleetState): Promise<void> {
 }
 
 /**
+ * Shell commands that mount the machine's cgroup hierarchy with the cpu controller at its usual
+ * place inside an agent's mount namespace: `ip netns exec` mounts a fresh /sys there, without
+ * /sys/fs/cgroup's mounts, and the agent's guests join a cgroup of that hierarchy (ADR 0018).
+ */
+export function cgroupMountCommands(mounts = readFileSync('/proc/self/mounts', 'utf8')): string[] {
+  const rows = mounts.split('\n').map((l) => l.split(' '));
+  if (rows.some((m) => m[1] === '/sys/fs/cgroup' && m[2] === 'cgroup2')) return ['mount -t cgroup2 cgroup2 /sys/fs/cgroup'];
+  const cpu = rows.find((m) => m[2] === 'cgroup' && (m[3] ?? '').split(',').includes('cpu'));
+  if (!cpu?.[1]) return [];
+  const controllers = (cpu[3] ?? '').split(',').filter((o) => o === 'cpu' || o === 'cpuacct').join(',');
+  return [
+    'mount -t tmpfs -o size=64k,mode=0755 ff-cgroup /sys/fs/cgroup',
+    `mkdir -p "${cpu[1]}"`,
+    `mount -t cgroup -o ${controllers} cgroup "${cpu[1]}"`,
+    // Co-mounted hierarchies are reached as /sys/fs/cgroup/cpu too (a symlink on Debian).
+    ...(cpu[1] === '/sys/fs/cgroup/cpu' ? [] : ['ln -s "' + cpu[1] + '" /sys/fs/cgroup/cpu']),
+  ];
+}
+
+/**
+ * The guests' cgroup of a fleet's agents: FF_GUEST_CGROUP when set (empty: off), else one per
+ * fleet; none on a machine without a cpu cgroup hierarchy (said on stderr).
+ */
+function guestCgroupFor(opts: FleetOptions): string {
+  const chosen = opts.agentEnv?.FF_GUEST_CGROUP ?? process.env.FF_GUEST_CGROUP ?? `forkfleet-${opts.prefix}-guests`;
+  if (chosen && cgroupMountCommands().length === 0) {
+    process.stderr.write('fleet: no cgroup hierarchy with the cpu controller here: guests run without CPU isolation (ADR 0018)\n');
+    return '';
+  }
+  return chosen;
+}
+
+/**
  * The agent runs in its host's network namespace. `ip netns exec` also gives it a mount
  * namespace of its own; there the fleet's hosts/ directory is covered by an empty tmpfs
  * and only the agent's own directory is bound back, so an agent cannot read or write
@@ -387,6 +422,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     `mount -t tmpfs -o size=1m,mode=0700 ff-nats-keys "${natsKeysDir(state)}"`,
     `mkdir -p "${h.dataDir}"`,
     `mount --move "${stash}" "${h.dataDir}"`,
+    ...(state.guestCgroup ? cgroupMountCommands() : []),
     `exec "${NODE}" --import tsx "${join(ROOT, 'host-agent', 'main.ts')}"`,
   ].join('; ');
   const p = launch(state, { name: `agent-${h.id}`, kind: 'agent', host: h.id, netns: h.netns }, ...inNetns(h.netns, 'sh', ['-c', script]), {
@@ -402,6 +438,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     FF_LINK_BYTES_PER_SECOND: String(Math.round(linkBytesPerSecond(state.options.link))),
     FF_CAPACITY_MEMORY_MIB: String(state.options.hostMemoryMib),
     FF_HEARTBEAT_INTERVAL: '500ms',
+    FF_GUEST_CGROUP: state.guestCgroup ?? '',
     ...state.options.agentEnv,
   });
   await waitLog(p.log, '"ready":true', 120_000, p.pid);
@@ -453,6 +490,7 @@ export async function up(opts: FleetOptions): Promise<FleetState> {
     procs: [],
     signingKey: join(opts.dir, 'keys', 'signing.pem'),
     trustedKey: join(opts.dir, 'keys', 'signing.pem.pub'),
+    guestCgroup: guestCgroupFor(opts),
   };
   saveState(state);
   try {
@@ -543,6 +581,19 @@ function readPidFile(path: string): number[] {
   return Number.isInteger(pid) && pid > 1 ? [pid] : [];
 }
 
+/** Removes the fleet's guests cgroup (and its parents the path made), once its VMs are gone; a busy or foreign one stays. */
+function removeGuestCgroup(path: string): void {
+  const base = existsSync('/sys/fs/cgroup/cgroup.controllers') ? '/sys/fs/cgroup' : '/sys/fs/cgroup/cpu';
+  const parts = path.replace(/^\/+|\/+$/g, '').split('/');
+  for (let i = parts.length; i > 0; i--) {
+    try {
+      rmdirSync(join(base, ...parts.slice(0, i)));
+    } catch {
+      return; // still has processes or other groups: not ours to remove
+    }
+  }
+}
+
 export async function down(dir: string): Promise<void> {
   const state = readState(dir);
   if (!state) {
@@ -575,6 +626,7 @@ export async function down(dir: string): Promise<void> {
     }
   }
   for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });
+  if (state.guestCgroup) removeGuestCgroup(state.guestCgroup);
   rmSync(dir, { recursive: true, force: true });
 }
 

@@ -68,6 +68,7 @@ import { inNewNetns } from '../netns/netns.ts';
 import { fsyncAll, writeFileDurable } from '../durable.ts';
 import { EgressManager, type EgressOptions } from '../netns/egress.ts';
 import { DEFAULT_STANDBY_POLICY, StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
+import type { GuestCgroup } from './cgroup.ts';
 import {
   adoptProcess,
   cmdlineOf,
@@ -120,6 +121,11 @@ export interface QemuDriverOptions {
   standby?: Partial<StandbyPolicy>;
   /** Guest RAM of migrated VMs on a huge-page tmpfs, some filled ahead (ram-pool.ts, ADR 0016). Absent: anonymous RAM. */
   ram?: { mount: string; keep: number; maxMib: number; prefillMib?: readonly number[] };
+  /**
+   * The cgroup every QEMU this driver starts joins at once (cgroup.ts): the guests together weigh
+   * like one process against the agent and the rest of the host. Absent: QEMU stays in the agent's.
+   */
+  guestCgroup?: GuestCgroup;
 }
 
 /** What vm.json holds: enough to rebuild the record after an agent restart. */
@@ -218,7 +224,7 @@ function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => vo
 const PROBE_VM_PREFIX = 'kvmprobe-';
 
 export class QemuVmmDriver implements VmmDriver {
-  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage'>> & Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage'>;
+  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup'>> & Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup'>;
   private egressManager: EgressManager | undefined;
   private readonly vms = new Map<string, VmRecord>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
@@ -451,6 +457,9 @@ export class QemuVmmDriver implements VmmDriver {
     const qemu = l.niceness ? { command: 'nice', args: ['-n', String(l.niceness), this.opts.qemuBinary, ...qemuArgs(l)] } : { command: this.opts.qemuBinary, args: qemuArgs(l) };
     const cmd = l.netns === 'new' ? inNewNetns(qemu.command, qemu.args) : qemu;
     const proc = spawnQemu(cmd.command, cmd.args, logPath, extraFds);
+    // Into the guests' cgroup before it has done much: all its threads move with it, and the
+    // ones it starts later are born there. A VM outside still works, only unisolated.
+    await this.opts.guestCgroup?.add(proc.pid).catch((err: unknown) => this.opts.logger.warn({ err, pid: proc.pid, cgroup: this.opts.guestCgroup?.dir }, 'QEMU could not join the guests cgroup: it runs unisolated'));
     let dead = false;
     void proc.exited.then(() => (dead = true));
     try {
