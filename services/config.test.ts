@@ -11,6 +11,16 @@ const fieldOf = (f: () => unknown): string | undefined => {
   }
 };
 
+describe('compileSchedulerConfig: NATS', () => {
+  it('natsUrl_takesTheServersOfACluster_andStreamReplicasDefaultToOne', () => {
+    const c = compileSchedulerConfig({}, { ...tls, FF_NATS_URL: 'nats://10.0.0.1:4222,nats://10.0.0.2:4222', FF_NATS_STREAM_REPLICAS: '3' });
+    expect(c).toMatchObject({ natsUrl: 'nats://10.0.0.1:4222,nats://10.0.0.2:4222', natsStreamReplicas: 3 });
+    expect(compileSchedulerConfig({}, tls).natsStreamReplicas).toBe(1);
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_NATS_URL: 'nats://a:4222,http://b' }))).toBe('FF_NATS_URL');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_NATS_STREAM_REPLICAS: '6' }))).toBe('FF_NATS_STREAM_REPLICAS');
+  });
+});
+
 describe('compileSchedulerConfig: API edge', () => {
   it('withoutTlsOrTokens_failsAtStartupNamingTheVariable', () => {
     expect(fieldOf(() => compileSchedulerConfig({}, {}))).toBe('FF_TLS_CERT');

@@ -38,8 +38,14 @@ export interface SchedulerConfig {
   readonly grpcAddr: string;
   /** FF_ETCD_ENDPOINTS: comma-separated etcd client URLs. */
   readonly etcdEndpoints: readonly string[];
-  /** FF_NATS_URL */
+  /** FF_NATS_URL: nats:// URLs of one NATS cluster, comma-separated (the client tries each). */
   readonly natsUrl: string;
+  /**
+   * FF_NATS_STREAM_REPLICAS: copies of each JetStream stream (work, results, events), 1-5. Set
+   * it to 3 with a NATS cluster of 3 or more servers so that losing one loses no work; an
+   * existing stream with fewer is grown to it.
+   */
+  readonly natsStreamReplicas: number;
   /** FF_NATS_NKEY_FILE: the scheduler's NATS NKey seed (a NATS server with authorization needs it); empty: none. */
   readonly natsNkeyFile: string;
   /** FF_HOST_SUSPECT_AFTER: heartbeat age that makes a host suspect. */
@@ -121,6 +127,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [, etcd] = get('etcdEndpoints', 'FF_ETCD_ENDPOINTS', 'http://127.0.0.1:2379');
   const [nu, natsUrl] = get('natsUrl', 'FF_NATS_URL', 'nats://127.0.0.1:4222');
   const [, natsNkeyFile] = get('natsNkeyFile', 'FF_NATS_NKEY_FILE', '');
+  const [nr, natsReplicas] = get('natsStreamReplicas', 'FF_NATS_STREAM_REPLICAS', '1');
   const [sa, suspect] = get('suspectAfterMs', 'FF_HOST_SUSPECT_AFTER', '5s');
   // Marking a host lost marks its sandboxes lost: the grace period must outlast a busy
   // host's stall (seen: 10 s agent stalls on a 2-core TCG host running 10+ guests).
@@ -156,12 +163,14 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   if (!tokens) throw new InvalidArgumentError(tf, 'is required: per-tenant bearer tokens (mint one: npm run forkfleet -- token mint --tenant NAME --tokens-file FILE)');
   const etcdEndpoints = etcd.split(',').map((s) => s.trim()).filter(Boolean);
   if (etcdEndpoints.length === 0) throw new InvalidArgumentError('FF_ETCD_ENDPOINTS', 'must list at least one endpoint');
-  if (!/^nats:\/\//.test(natsUrl)) throw new InvalidArgumentError(nu, 'must be a nats:// URL');
+  if (!/^[1-5]$/.test(natsReplicas)) throw new InvalidArgumentError(nr, `must be an integer in [1, 5], got ${JSON.stringify(natsReplicas)}`);
+  if (!natsUrl.split(',').every((u) => /^nats:\/\/\S+$/.test(u.trim()))) throw new InvalidArgumentError(nu, 'must be a nats:// URL, or several separated by commas (servers of one cluster)');
   const cfg: SchedulerConfig = {
     id,
     grpcAddr: addr(ga, grpcAddr),
     etcdEndpoints,
     natsUrl,
+    natsStreamReplicas: Number(natsReplicas),
     natsNkeyFile,
     suspectAfterMs: parseDuration(sa, suspect),
     lostAfterMs: parseDuration(la, lost),

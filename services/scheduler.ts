@@ -89,7 +89,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
 
   const store = EtcdFleetStore.connect([...config.etcdEndpoints]);
   const nc: NatsConnection = await connect({
-    servers: config.natsUrl,
+    servers: config.natsUrl.split(',').map((u) => u.trim()),
     name: `scheduler-${config.id}`,
     maxReconnectAttempts: -1,
     reconnectTimeWait: 250,
@@ -98,7 +98,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     noAsyncTraces: true,
     ...(config.natsNkeyFile ? nkeyConnectOptions(config.natsNkeyFile) : {}),
   });
-  const bus = await NatsWorkBus.create(nc);
+  const bus = await NatsWorkBus.create(nc, config.natsStreamReplicas);
   const heard = new HeartbeatRegistry();
   bus.onHeartbeat((hb) => heard.record(hb, clock.now()));
   const liveness = { suspectAfterMs: config.suspectAfterMs, lostAfterMs: config.lostAfterMs };

@@ -42,16 +42,44 @@ function sansOf(cert: X509Certificate): Set<string> {
   return out;
 }
 
-function serverCertOk(p: DevPki, sans: readonly string[]): boolean {
-  if (!existsSync(p.serverCert) || !existsSync(p.serverKey)) return false;
+function serverCertOk(ca: { caCert: string }, cert: { serverCert: string; serverKey: string }, sans: readonly string[]): boolean {
+  if (!existsSync(cert.serverCert) || !existsSync(cert.serverKey)) return false;
   try {
-    const ca = new X509Certificate(readFileSync(p.caCert));
-    const cert = new X509Certificate(readFileSync(p.serverCert));
-    if (!cert.verify(ca.publicKey) || Date.parse(cert.validTo) < Date.now() + 86_400_000) return false;
-    const have = sansOf(cert);
+    const caCert = new X509Certificate(readFileSync(ca.caCert));
+    const c = new X509Certificate(readFileSync(cert.serverCert));
+    if (!c.verify(caCert.publicKey) || Date.parse(c.validTo) < Date.now() + 86_400_000) return false;
+    const have = sansOf(c);
     return sans.every((s) => have.has(s));
   } catch {
     return false;
+  }
+}
+
+/** Makes (or reuses) a CA: `caCert` and `caKey` (0600) in their directory. */
+export function ensureCa(caCert: string, caKey: string, subject = '/CN=Forkfleet dev CA'): void {
+  if (existsSync(caCert) && existsSync(caKey)) return;
+  openssl(['req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes', '-keyout', caKey, '-out', caCert, '-days', '3650',
+    '-subj', subject, '-addext', 'basicConstraints=critical,CA:TRUE', '-addext', 'keyUsage=critical,keyCertSign,cRLSign']);
+  chmodSync(caKey, 0o600);
+}
+
+/**
+ * Issues (or keeps) a TLS server certificate signed by the CA, for these SANs ("DNS:name",
+ * "IP:addr"): re-issued only when missing, not signed by this CA, near expiry or lacking a SAN.
+ */
+export function ensureServerCert(ca: { caCert: string; caKey: string }, cert: { serverCert: string; serverKey: string }, sans: readonly string[], cn = 'forkfleet-scheduler'): void {
+  for (const s of sans) if (!/^(DNS:[A-Za-z0-9.*-]+|IP:[0-9a-fA-F.:]+)$/.test(s)) throw new Error(`SAN ${JSON.stringify(s)}: want DNS:name or IP:address`);
+  if (serverCertOk(ca, cert, sans)) return;
+  const csr = `${cert.serverCert}.csr`;
+  const ext = `${cert.serverCert}.ext`;
+  writeFileSync(ext, `basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=${sans.join(',')}\n`);
+  try {
+    openssl(['req', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes', '-keyout', cert.serverKey, '-out', csr, '-subj', `/CN=${cn}`]);
+    chmodSync(cert.serverKey, 0o600);
+    openssl(['x509', '-req', '-in', csr, '-CA', ca.caCert, '-CAkey', ca.caKey, '-set_serial', `0x${Date.now().toString(16)}${Math.floor(Math.random() * 65536).toString(16)}`, '-days', '825', '-extfile', ext, '-out', cert.serverCert]);
+  } finally {
+    rmSync(csr, { force: true });
+    rmSync(ext, { force: true });
   }
 }
 
@@ -60,23 +88,9 @@ export function ensureDevPki(dir: string, extraSans: readonly string[] = []): De
   mkdirSync(dir, { recursive: true, mode: 0o700 });
   const p: DevPki = { dir, caCert: join(dir, 'ca.crt'), caKey: join(dir, 'ca.key'), serverCert: join(dir, 'server.crt'), serverKey: join(dir, 'server.key') };
   const sans = [...new Set([...DEFAULT_SANS, ...extraSans])];
-  for (const s of sans) if (!/^(DNS:[A-Za-z0-9.*-]+|IP:[0-9a-fA-F.:]+)$/.test(s)) throw new Error(`SAN ${JSON.stringify(s)}: want DNS:name or IP:address`);
-  if (!existsSync(p.caCert) || !existsSync(p.caKey)) {
-    rmSync(p.serverCert, { force: true });
-    openssl(['req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes', '-keyout', p.caKey, '-out', p.caCert, '-days', '3650',
-      '-subj', '/CN=Forkfleet dev CA', '-addext', 'basicConstraints=critical,CA:TRUE', '-addext', 'keyUsage=critical,keyCertSign,cRLSign']);
-    chmodSync(p.caKey, 0o600);
-  }
-  if (!serverCertOk(p, sans)) {
-    const csr = join(dir, 'server.csr');
-    const ext = join(dir, 'server.ext');
-    writeFileSync(ext, `basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=${sans.join(',')}\n`);
-    openssl(['req', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes', '-keyout', p.serverKey, '-out', csr, '-subj', '/CN=forkfleet-scheduler']);
-    chmodSync(p.serverKey, 0o600);
-    openssl(['x509', '-req', '-in', csr, '-CA', p.caCert, '-CAkey', p.caKey, '-set_serial', `0x${Date.now().toString(16)}`, '-days', '825', '-extfile', ext, '-out', p.serverCert]);
-    rmSync(csr, { force: true });
-    rmSync(ext, { force: true });
-  }
+  if (!existsSync(p.caCert) || !existsSync(p.caKey)) rmSync(p.serverCert, { force: true });
+  ensureCa(p.caCert, p.caKey);
+  ensureServerCert(p, p, sans);
   return p;
 }
 

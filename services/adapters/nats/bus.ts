@@ -86,9 +86,10 @@ export class NatsWorkBus implements WorkBus {
     this.batcher = new SubjectBatcher(this.publisher, WORK_HEADERS);
   }
 
-  static async create(nc: NatsConnection): Promise<NatsWorkBus> {
+  /** `streamReplicas`: copies of each JetStream stream (FF_NATS_STREAM_REPLICAS). */
+  static async create(nc: NatsConnection, streamReplicas = 1): Promise<NatsWorkBus> {
     const jsm = await nc.jetstreamManager();
-    await ensureStreams(jsm);
+    await ensureStreams(jsm, streamReplicas);
     await ensureResultsConsumer(jsm);
     return new NatsWorkBus(nc, jsm);
   }

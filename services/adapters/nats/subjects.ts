@@ -32,26 +32,37 @@ export const HOST_ID_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
 /** How long a host may hold a work message before it is redelivered (it sends in-progress acks). */
 export const WORK_ACK_WAIT_MS = 30_000;
 
-async function ensureStream(jsm: JetStreamManager, name: string, subjectsList: string[], retention: RetentionPolicy): Promise<void> {
+async function ensureStream(jsm: JetStreamManager, name: string, subjectsList: string[], retention: RetentionPolicy, replicas: number): Promise<void> {
+  let info;
   try {
-    await jsm.streams.info(name);
+    info = await jsm.streams.info(name);
   } catch {
-    try {
-      await jsm.streams.add({ name, subjects: subjectsList, retention, max_age: 24 * 3600 * 1e9 });
-    } catch (e) {
-      // Another replica created it concurrently.
-      await jsm.streams.info(name).catch(() => {
-        throw e;
-      });
-    }
+    info = undefined;
+  }
+  if (info) {
+    // A stream made with fewer replicas (an earlier config, or an agent of an open server) grows.
+    if (info.config.num_replicas < replicas) await jsm.streams.update(name, { ...info.config, num_replicas: replicas });
+    return;
+  }
+  try {
+    await jsm.streams.add({ name, subjects: subjectsList, retention, max_age: 24 * 3600 * 1e9, num_replicas: replicas });
+  } catch (e) {
+    // Another replica created it concurrently.
+    await jsm.streams.info(name).catch(() => {
+      throw e;
+    });
   }
 }
 
-/** Creates the streams if missing. Idempotent; every replica and agent may call it. */
-export async function ensureStreams(jsm: JetStreamManager): Promise<void> {
-  await ensureStream(jsm, STREAM_WORK, ['ff.work.*'], RetentionPolicy.Workqueue);
-  await ensureStream(jsm, STREAM_RESULTS, [subjects.allResults], RetentionPolicy.Workqueue);
-  await ensureStream(jsm, STREAM_EVENTS, [subjects.allEvents], RetentionPolicy.Limits);
+/**
+ * Creates the streams if missing, with `replicas` copies each (a NATS cluster of 3 or more
+ * servers: 3, so a server's loss loses no work; one server: 1), and grows an existing
+ * stream's replicas to that. Idempotent; every replica and agent may call it.
+ */
+export async function ensureStreams(jsm: JetStreamManager, replicas = 1): Promise<void> {
+  await ensureStream(jsm, STREAM_WORK, ['ff.work.*'], RetentionPolicy.Workqueue, replicas);
+  await ensureStream(jsm, STREAM_RESULTS, [subjects.allResults], RetentionPolicy.Workqueue, replicas);
+  await ensureStream(jsm, STREAM_EVENTS, [subjects.allEvents], RetentionPolicy.Limits, replicas);
 }
 
 /**
