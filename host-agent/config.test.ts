@@ -1,15 +1,8 @@
 import { describe, expect, it } from 'vitest';
 import { compileAgentConfig, DEFAULT_GUEST_CGROUP } from './config.ts';
+import { fieldOf } from '../services/testkit/fields.ts';
 
 const base = { FF_TRUSTED_KEY: '/k.pem', FF_HOST_ID: 'h1' };
-const fieldOf = (f: () => unknown): string | undefined => {
-  try {
-    f();
-    return undefined;
-  } catch (e) {
-    return (e as { field?: string }).field;
-  }
-};
 
 describe('compileAgentConfig: guest CPU isolation', () => {
   it('guestCgroup_unset_isTheDefaultGroupAndOptional', () => {

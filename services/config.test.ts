@@ -1,15 +1,8 @@
 import { describe, expect, it } from 'vitest';
 import { compileSchedulerConfig, parseBytes } from './config.ts';
+import { fieldOf } from './testkit/fields.ts';
 
 const tls = { FF_TLS_CERT: '/c.crt', FF_TLS_KEY: '/c.key', FF_TOKENS_FILE: '/t.json' };
-const fieldOf = (f: () => unknown): string | undefined => {
-  try {
-    f();
-    return undefined;
-  } catch (e) {
-    return (e as { field?: string }).field;
-  }
-};
 
 describe('compileSchedulerConfig: NATS', () => {
   it('natsUrl_takesTheServersOfACluster_andStreamReplicasDefaultToOne', () => {

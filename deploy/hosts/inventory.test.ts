@@ -1,21 +1,12 @@
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
-import { InvalidArgumentError } from '../../proto/errors.ts';
+import { fieldOf } from '../../services/testkit/fields.ts';
 import { DEFAULT_PORTS, hostPort, parseInventory } from './inventory.ts';
 import { renderFiles, type Secrets } from './render.ts';
 
 const example = (): Record<string, unknown> => JSON.parse(readFileSync(join(import.meta.dirname, 'inventory.example.json'), 'utf8')) as Record<string, unknown>;
 
-function fieldOf(f: () => unknown): string | undefined {
-  try {
-    f();
-  } catch (e) {
-    if (e instanceof InvalidArgumentError) return e.field;
-    throw e;
-  }
-  return undefined;
-}
 
 const secrets: Secrets = {
   caCert: 'CA\n',
