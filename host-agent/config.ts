@@ -106,6 +106,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
   if (accel !== 'kvm' && accel !== 'tcg' && accel !== 'auto') throw new InvalidArgumentError('FF_ACCEL', 'must be kvm, tcg or auto');
   const peerAddr = e('FF_PEER_ADDR', '127.0.0.1:0');
   if (!/^[^\s:]+:\d{1,5}$/.test(peerAddr)) throw new InvalidArgumentError('FF_PEER_ADDR', 'must be host:port');
+  if (!e('FF_NATS_URL', 'nats://127.0.0.1:4222').split(',').every((u) => /^nats:\/\/\S+$/.test(u.trim()))) throw new InvalidArgumentError('FF_NATS_URL', 'must be a nats:// URL, or several separated by commas (servers of one cluster)');
   const cfg: AgentProcessConfig = {
     hostId,
     dataDir: e('FF_DATA_DIR', '/var/lib/forkfleet'),

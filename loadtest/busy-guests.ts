@@ -9,7 +9,7 @@
 // scheduler's `forkfleet_scheduler_is_leader`. The same sampling runs for 5 s before the fork
 // (the baseline: one busy guest). Then it destroys everything it made. Prints JSON:
 //   { env: {guest_cgroup, hosts, children, seconds, cores}, fork_ms,
-//     baseline: {api_ms, heartbeat_age_ms}, busy: {api_ms, heartbeat_age_ms, hosts_not_ready,
+//     baseline: {api_ms, api_failures, heartbeat_age_ms}, busy: {api_ms, api_failures, heartbeat_age_ms, hosts_not_ready,
 //     host_state_changes, leader_changes, leaderless_samples}, load_avg }
 // Compare runs of the fleet with FF_GUEST_CGROUP= (off) and without it (on), at the same
 // `children`. Nothing here is timed as a pass/fail check: it reports what it saw.
@@ -45,14 +45,17 @@ const ff = new Forkfleet({ address: state.apiAddresses.join(',') });
 const log = (s: string): void => void process.stderr.write(`busy-guests: ${s}\n`);
 
 interface Phase {
+  /** ListHosts alone, call to answer. */
   api: LatencyHistogram;
+  /** ListHosts calls that failed or took over 30 s (not in `api`). */
+  apiFailures: number;
   heartbeatAge: LatencyHistogram;
   notReady: number;
   stateChanges: number;
   leaderChanges: number;
   leaderless: number;
 }
-const newPhase = (): Phase => ({ api: new LatencyHistogram(), heartbeatAge: new LatencyHistogram(), notReady: 0, stateChanges: 0, leaderChanges: 0, leaderless: 0 });
+const newPhase = (): Phase => ({ api: new LatencyHistogram(), apiFailures: 0, heartbeatAge: new LatencyHistogram(), notReady: 0, stateChanges: 0, leaderChanges: 0, leaderless: 0 });
 
 /** Which scheduler leads, by its metrics address ('' when none says so or none answers). */
 async function leader(): Promise<string> {
@@ -72,18 +75,21 @@ async function sample(phase: Phase, untilMs: number): Promise<void> {
   while (performance.now() < untilMs) {
     const next = performance.now() + 250;
     const t0 = performance.now();
-    const [hosts, lead] = await Promise.all([ff.hosts.list({ timeoutMs: 30_000 }).catch(() => undefined), leader()]);
-    const now = Date.now();
-    if (hosts) {
-      phase.api.record(performance.now() - t0);
-      const states = new Map(hosts.map((h) => [h.id, h.state]));
-      for (const h of hosts) {
+    // Timed alone: the leader reads below run alongside and are not in the figure.
+    const timedList = ff.hosts.list({ timeoutMs: 30_000 }).then(
+      (hosts) => ({ hosts, ms: performance.now() - t0, at: Date.now() }),
+      () => undefined,
+    );
+    const [listed, lead] = await Promise.all([timedList, leader()]);
+    if (listed) {
+      phase.api.record(listed.ms);
+      for (const h of listed.hosts) {
         if (h.state !== 'ready') phase.notReady++;
         if (lastStates.size > 0 && lastStates.get(h.id) !== h.state) phase.stateChanges++;
-        if (h.lastHeartbeat) phase.heartbeatAge.record(Math.max(0, now - Date.parse(h.lastHeartbeat)));
+        if (h.lastHeartbeat) phase.heartbeatAge.record(Math.max(0, listed.at - Date.parse(h.lastHeartbeat)));
       }
-      lastStates = states;
-    }
+      lastStates = new Map(listed.hosts.map((h) => [h.id, h.state]));
+    } else phase.apiFailures++;
     if (!lead) phase.leaderless++;
     if (lastLeader !== undefined && lead && lead !== lastLeader) phase.leaderChanges++;
     if (lead) lastLeader = lead;
@@ -93,6 +99,7 @@ async function sample(phase: Phase, untilMs: number): Promise<void> {
 
 const report = (p: Phase): Record<string, unknown> => ({
   api_ms: p.api.summary(),
+  api_failures: p.apiFailures,
   heartbeat_age_ms: p.heartbeatAge.summary(),
   hosts_not_ready: p.notReady,
   host_state_changes: p.stateChanges,

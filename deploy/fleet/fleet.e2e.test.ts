@@ -4,7 +4,7 @@
 // that owns a VM matches a live QEMU on its host, and each live QEMU matches a record.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { execFileSync } from 'node:child_process';
-import { existsSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
 import { Etcd3 } from 'etcd3';
 import { defaultOptions, down, pidAlive, qemuPids, qemuPidsByVm, readState, restartProcess, up } from './fleet.ts';
 import type { FleetState } from './fleet.ts';
@@ -113,6 +113,9 @@ describe('local fleet end to end (3 hosts in network namespaces, real etcd x3, N
     expect(execFileSync('ip', ['netns', 'list'], { encoding: 'utf8' })).not.toMatch(/\bffe-/);
     for (const p of state.procs) expect(pidAlive(p.pid)).toBe(false);
     expect(existsSync(DIR)).toBe(false);
+    // ... and no guests cgroup (ADR 0018).
+    expect(state.guestCgroup).toBe('forkfleet-ffe-guests');
+    expect(existsSync(`/sys/fs/cgroup/cpu/${state.guestCgroup}`) || existsSync(`/sys/fs/cgroup/${state.guestCgroup}`)).toBe(false);
   }, 120_000);
 
   let snapshotId = '';
@@ -229,6 +232,10 @@ describe('local fleet end to end (3 hosts in network namespaces, real etcd x3, N
   });
 
   it('destroyEverything_leavesNoVmOrCapacityBehind', async () => {
+    // Every guest runs in the fleet's guests cgroup, apart from the agents (ADR 0018).
+    const running = state.hosts.flatMap((h) => qemuPids(h.dataDir)).filter(pidAlive);
+    expect(running.length).toBeGreaterThan(0);
+    for (const pid of running) expect(readFileSync(`/proc/${pid}/cgroup`, 'utf8')).toContain(`:/${state.guestCgroup}\n`);
     const live = (await api.listSandboxes({ tenantId })).sandboxes.filter((s) => s.state !== SandboxState.DESTROYED);
     for (const s of live) await done(await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: s.id }));
     const until = Date.now() + 30_000;

@@ -32,6 +32,7 @@ import { createPublicKey, generateKeyPairSync } from 'node:crypto';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
 import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
+import { GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -391,15 +392,15 @@ export function cgroupMountCommands(mounts = readFileSync('/proc/self/mounts', '
 
 /**
  * The guests' cgroup of a fleet's agents: FF_GUEST_CGROUP when set (empty: off), else one per
- * fleet; none on a machine without a cpu cgroup hierarchy (said on stderr).
+ * fleet. It is made here, as the agents will (so they reuse it); where that fails, guests run
+ * without CPU isolation and this says why on stderr.
  */
-function guestCgroupFor(opts: FleetOptions): string {
+async function guestCgroupFor(opts: FleetOptions): Promise<string> {
   const chosen = opts.agentEnv?.FF_GUEST_CGROUP ?? process.env.FF_GUEST_CGROUP ?? `forkfleet-${opts.prefix}-guests`;
-  if (chosen && cgroupMountCommands().length === 0) {
-    process.stderr.write('fleet: no cgroup hierarchy with the cpu controller here: guests run without CPU isolation (ADR 0018)\n');
-    return '';
-  }
-  return chosen;
+  if (!chosen) return '';
+  const why = cgroupMountCommands().length === 0 ? 'no cgroup hierarchy with the cpu controller' : await GuestCgroup.open({ path: chosen, cpuWeight: 100 }).then(() => '', (e: unknown) => (e as Error).message);
+  if (why) process.stderr.write(`fleet: guests run without CPU isolation (ADR 0018): ${why}\n`);
+  return why ? '' : chosen;
 }
 
 /**
@@ -490,7 +491,7 @@ export async function up(opts: FleetOptions): Promise<FleetState> {
     procs: [],
     signingKey: join(opts.dir, 'keys', 'signing.pem'),
     trustedKey: join(opts.dir, 'keys', 'signing.pem.pub'),
-    guestCgroup: guestCgroupFor(opts),
+    guestCgroup: await guestCgroupFor(opts),
   };
   saveState(state);
   try {
@@ -581,17 +582,35 @@ function readPidFile(path: string): number[] {
   return Number.isInteger(pid) && pid > 1 ? [pid] : [];
 }
 
-/** Removes the fleet's guests cgroup (and its parents the path made), once its VMs are gone; a busy or foreign one stays. */
-function removeGuestCgroup(path: string): void {
-  const base = existsSync('/sys/fs/cgroup/cgroup.controllers') ? '/sys/fs/cgroup' : '/sys/fs/cgroup/cpu';
-  const parts = path.replace(/^\/+|\/+$/g, '').split('/');
-  for (let i = parts.length; i > 0; i--) {
+/**
+ * Removes the fleet's guests cgroup. Whatever is still in it is a QEMU this fleet's agents
+ * started that the stops above missed (a receiver of a snapshot, say): it is killed by PID
+ * first. Only the group itself goes, not parents of a nested FF_GUEST_CGROUP.
+ */
+async function removeGuestCgroup(path: string): Promise<void> {
+  const dir = join(existsSync('/sys/fs/cgroup/cgroup.controllers') ? '/sys/fs/cgroup' : '/sys/fs/cgroup/cpu', path);
+  for (let attempt = 0; attempt < 50; attempt++) {
+    let procs: string;
     try {
-      rmdirSync(join(base, ...parts.slice(0, i)));
+      procs = readFileSync(join(dir, 'cgroup.procs'), 'utf8');
     } catch {
-      return; // still has processes or other groups: not ours to remove
+      return; // gone already
+    }
+    for (const pid of procs.split('\n').filter(Boolean).map(Number)) {
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        /* exited meanwhile */
+      }
+    }
+    try {
+      rmdirSync(dir);
+      return;
+    } catch {
+      await new Promise((r) => setTimeout(r, 100)); // the killed ones are still leaving it
     }
   }
+  process.stderr.write(`fleet: could not remove cgroup ${dir}\n`);
 }
 
 export async function down(dir: string): Promise<void> {
@@ -626,7 +645,7 @@ export async function down(dir: string): Promise<void> {
     }
   }
   for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });
-  if (state.guestCgroup) removeGuestCgroup(state.guestCgroup);
+  if (state.guestCgroup) await removeGuestCgroup(state.guestCgroup);
   rmSync(dir, { recursive: true, force: true });
 }
 
