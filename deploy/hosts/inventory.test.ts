@@ -47,8 +47,12 @@ describe('inventory', () => {
     expect(fieldOf(() => parseInventory(j))).toBe(field);
   });
 
-  it('hostPort_ofIpv6_bracketsTheAddress', () => {
-    expect(hostPort('fd00::1', 2379)).toBe('[fd00::1]:2379');
+  it('parseInventory_ofANameOrIpv6Address_refusesIt_etcdAndTheProcessesBindToIpv4', () => {
+    for (const a of ['cp-1.example.internal', 'fd00::1']) {
+      const j = example();
+      (j.etcd as Array<Record<string, unknown>>)[0]!.address = a;
+      expect(fieldOf(() => parseInventory(j))).toBe('etcd[0].address');
+    }
     expect(hostPort('10.0.0.1', 2379)).toBe('10.0.0.1:2379');
   });
 });
@@ -73,7 +77,10 @@ describe('renderFiles', () => {
   });
 
   it('renderFiles_secretFilesAreRootOnly', () => {
-    for (const f of files) if (/signing\.pem$|\.nk$|tls\.key$/.test(f.path)) expect([f.path, f.mode]).toEqual([f.path, 0o600]);
+    const secret = files.filter((f) => /signing\.pem$|\.nk$|tls\.key$/.test(f.path));
+    // 2 schedulers x (signing key, NKey, TLS key) + 3 hosts' NKeys.
+    expect(secret).toHaveLength(9);
+    for (const f of secret) expect([f.path, f.mode]).toEqual([f.path, 0o600]);
   });
 
   it('renderFiles_natsConfig_routesToTheOtherServersAndGivesEachHostItsOwnUser', () => {

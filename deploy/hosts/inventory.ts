@@ -9,6 +9,8 @@
 //     "schedulers": [{ "name": "sched-1", "address": "10.0.0.11", "dns": ["api.forkfleet.internal"] }, ...],
 //     "hosts":      [{ "id": "kvm-01", "address": "10.0.1.21", "linkGbps": 25 }, ...],
 //     "controlCidrs": ["10.0.0.0/24", "10.0.1.0/24"],    networks no sandbox may reach (FF_EGRESS_DENY_CIDRS)
+//     Addresses are IPv4: where each process listens. The etcd membership is fixed by the first
+//     render (ETCD_INITIAL_CLUSTER_STATE=new): grow it with `etcdctl member add`, not here.
 //     "ports": { "api": 17700, ... }                     optional; defaults below
 //   }
 //
@@ -85,9 +87,13 @@ function str(o: Json, key: string, field: string, re?: RegExp, why?: string): st
   return v;
 }
 
+/**
+ * Where the process listens and others reach it: an IPv4 address. etcd binds only to IP
+ * addresses, and the processes' host:port settings take IPv4 (names go in a scheduler's `dns`).
+ */
 function address(o: Json, field: string): string {
   const v = str(o, 'address', field);
-  if (!isIP(v) && !DNS.test(v)) throw new InvalidArgumentError(`${field}.address`, `must be an IP address or a DNS name, got ${JSON.stringify(v)}`);
+  if (isIP(v) !== 4) throw new InvalidArgumentError(`${field}.address`, `must be an IPv4 address, got ${JSON.stringify(v)}`);
   return v;
 }
 
@@ -164,7 +170,7 @@ export function parseInventory(raw: unknown): Inventory {
   unique(schedulers, (m) => m.machine, 'schedulers');
   unique(hosts, (h) => h.machine, 'hosts');
   const cidrs = root.controlCidrs ?? [];
-  if (!Array.isArray(cidrs) || cidrs.some((c) => typeof c !== 'string' || !/^[0-9a-fA-F.:]+\/\d{1,3}$/.test(c))) throw new InvalidArgumentError('controlCidrs', 'must be a list of CIDRs such as 10.0.0.0/24');
+  if (!Array.isArray(cidrs) || cidrs.some((c) => typeof c !== 'string' || !/^(\d{1,3}\.){3}\d{1,3}\/\d{1,2}$/.test(c) || isIP(c.split('/')[0]!) !== 4 || Number(c.split('/')[1]) > 32)) throw new InvalidArgumentError('controlCidrs', 'must be a list of IPv4 CIDRs such as 10.0.0.0/24');
   const portsRaw = root.ports === undefined ? {} : obj(root.ports, 'ports');
   const ports = { ...DEFAULT_PORTS } as Record<keyof Ports, number>;
   for (const [k, v] of Object.entries(portsRaw)) {
@@ -175,7 +181,7 @@ export function parseInventory(raw: unknown): Inventory {
   return Object.freeze({ name, installDir, etcd, nats, schedulers, hosts, controlCidrs: cidrs as string[], ports: Object.freeze(ports) });
 }
 
-/** "[addr]" for IPv6 in URLs and host:port, the address as is otherwise. */
+/** host:port of an inventory address (IPv4). */
 export function hostPort(addr: string, port: number): string {
-  return `${isIP(addr) === 6 ? `[${addr}]` : addr}:${port}`;
+  return `${addr}:${port}`;
 }

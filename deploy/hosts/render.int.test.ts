@@ -7,7 +7,7 @@
 import { spawnSync } from 'node:child_process';
 import { mkdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
-import { connect, ErrorCode, type NatsConnection } from 'nats';
+import { connect, ErrorCode, RetentionPolicy, type NatsConnection } from 'nats';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { freePort, spawnManaged, tempDir, waitFor, type ManagedProcess } from '../../services/testkit/proc.ts';
 import { nkeyConnectOptions, agentConnectOptions } from '../../services/adapters/nats/auth.ts';
@@ -69,6 +69,18 @@ beforeAll(async () => {
   }
   await Promise.all(inv.etcd.map((m) => waitFor(`${m.name} healthy`, async () => fetch(`http://${m.address}:${etcdClient}/health`).then((r) => r.ok, () => false), 30_000, 100)));
   await Promise.all(inv.nats.map((m) => waitFor(`${m.name} ready`, async () => fetch(`http://${m.address}:${natsMonitor}/healthz`).then((r) => r.ok, () => false), 30_000, 100)));
+  // A work stream made earlier with one copy (an older config): the schedulers must grow it.
+  await waitFor('JetStream cluster has a leader', async () => {
+    const nc = await nats(join(machine('cp-1'), 'etc/forkfleet/scheduler/nats.nk'));
+    try {
+      await (await nc.jetstreamManager()).streams.add({ name: STREAM_WORK, subjects: ['ff.work.*'], retention: RetentionPolicy.Workqueue, num_replicas: 1 });
+      return true;
+    } catch {
+      return false;
+    } finally {
+      await nc.close();
+    }
+  }, 30_000, 250);
 
   // Schedulers: the rendered scheduler.env; systemd's credentials directory is the rendered
   // directory its LoadCredential lines read from, and the tokens file is the rendered one.
@@ -110,7 +122,7 @@ describe('a rendered deployment', () => {
     expect(leaders.filter(Boolean)).toHaveLength(1);
   });
 
-  it('render_ofThreeNatsServers_streamsAreReplicatedThreeTimes', async () => {
+  it('render_ofThreeNatsServers_streamsAreReplicatedThreeTimes_andAnEarlierSingleCopyStreamGrows', async () => {
     const nc = await nats(join(machine('cp-1'), 'etc/forkfleet/scheduler/nats.nk'));
     try {
       const jsm = await nc.jetstreamManager();
@@ -171,8 +183,13 @@ describe('a rendered deployment', () => {
   it('render_again_keepsEverySecretAndChangesNoFile', () => {
     const files = ['machines/cp-1/etc/forkfleet/scheduler/signing.pem', 'machines/cp-1/etc/nats-server.conf', 'machines/127.0.0.42/etc/forkfleet/agent/nats.nk', 'machines/cp-2/etc/forkfleet/scheduler/tls.crt'];
     const before = files.map((f) => readFileSync(join(out, f), 'utf8'));
-    const again = render(inv, out);
-    expect(again).not.toContain('credentials.json'); // the admin token is minted once
+    const credentials = readFileSync(join(out, 'credentials.json'), 'utf8');
+    render(inv, out);
     expect(files.map((f) => readFileSync(join(out, f), 'utf8'))).toEqual(before);
+    // The admin token is minted once: the credentials and the tokens file stay as they were.
+    expect(readFileSync(join(out, 'credentials.json'), 'utf8')).toBe(credentials);
+    expect(JSON.parse(readFileSync(join(out, 'secrets/tokens.json'), 'utf8')).tokens).toHaveLength(1);
+    // Directories are 0755 whatever the umask: they land on the machines' /etc.
+    expect(statSync(join(out, 'machines/cp-1/etc/forkfleet')).mode & 0o777).toBe(0o755);
   });
 });

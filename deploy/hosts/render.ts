@@ -8,7 +8,7 @@
 //                again after editing the inventory (a new host, a new scheduler) and only
 //                what is missing is made; nothing is rotated.
 // DIR/machines/<machine>/   everything that machine needs, laid out from / (copy with
-//                `rsync -a DIR/machines/<machine>/ root@<machine>:/`):
+//                COPY_COMMAND below, which keeps existing directories' owner and mode):
 //   etc/default/etcd                      an etcd member (Debian's etcd.service reads it)
 //   etc/nats-server.conf                  a NATS server (Debian's nats-server.service reads it)
 //   etc/systemd/system/nats-server.service.d/forkfleet.conf
@@ -23,8 +23,8 @@
 import { chmodSync, existsSync, mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { dirname, join, relative, resolve } from 'node:path';
 import { createPublicKey, generateKeyPairSync, randomBytes } from 'node:crypto';
-import { isIP } from 'node:net';
 import { parseArgs } from 'node:util';
+import { nkeys as natsNkeys } from 'nats';
 import { createNkeyFile, hostPermissions, type NatsUser } from '../../services/adapters/nats/auth.ts';
 import { mintToken } from '../../services/auth/tokens.ts';
 import { ensureCa, ensureServerCert } from '../pki/pki.ts';
@@ -63,7 +63,6 @@ const env = (vars: Record<string, string>, header: string): string =>
 
 const unit = (name: string, inv: Inventory): string => readFileSync(join(UNITS, name), 'utf8').replaceAll('@INSTALL_DIR@', inv.installDir);
 
-const san = (a: string): string => (isIP(a) ? `IP:${a}` : `DNS:${a}`);
 
 /** Every machine's files, from the inventory and the secrets. Pure. */
 export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
@@ -175,9 +174,16 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
   return out;
 }
 
+/** How to copy a machine's files onto it: as root, existing directories (/, /etc) keep their owner and mode. */
+export const COPY_COMMAND = "tar -C machines/<machine> -cf - etc | ssh root@<machine> 'tar -C / --no-same-owner --no-overwrite-dir -xf -'";
+
 function installGuide(inv: Inventory, apis: string): string {
-  const machines = (role: (m: string) => boolean): string[] => [...new Set([...inv.etcd, ...inv.nats, ...inv.schedulers, ...inv.hosts].map((e) => e.machine))].filter(role);
-  const has = (list: ReadonlyArray<{ machine: string }>) => (m: string): boolean => list.some((e) => e.machine === m);
+  const all = [...new Set([...inv.etcd, ...inv.nats, ...inv.schedulers, ...inv.hosts].map((e) => e.machine))];
+  const runs = (list: ReadonlyArray<{ machine: string }>) => (m: string): boolean => list.some((e) => e.machine === m);
+  const of = (list: ReadonlyArray<{ machine: string }>): string => all.filter(runs(list)).join(', ');
+  // setup.sh installs every package on every machine (a development superset); Debian enables
+  // their services. Each machine disables the ones it does not run.
+  const unused = all.map((m) => `   - ${m}: \`systemctl disable --now prometheus${runs(inv.etcd)(m) ? '' : ' etcd'}${runs(inv.nats)(m) ? '' : ' nats-server'}\``);
   const lines = [
     `# Installing Forkfleet cluster ${inv.name}`,
     '',
@@ -185,15 +191,19 @@ function installGuide(inv: Inventory, apis: string): string {
     '',
     '1. On every machine, as root: Debian 12 with Node.js 20 and npm; the repository checked out at',
     `   \`${inv.installDir}\`; then \`bash ${inv.installDir}/deploy/setup.sh\` (Debian packages and npm dependencies).`,
-    '2. Copy each machine\'s directory onto it: `rsync -a machines/<machine>/ root@<machine>:/`.',
-    `3. etcd members (${machines(has(inv.etcd)).join(', ')}): \`systemctl enable --now etcd\` on all of them within a minute (the first waits for a quorum).`,
-    `4. NATS servers (${machines(has(inv.nats)).join(', ')}): \`chown root:nats /etc/nats-server.conf && systemctl daemon-reload && systemctl enable --now nats-server\`.`,
-    `5. Schedulers (${machines(has(inv.schedulers)).join(', ')}): \`systemctl daemon-reload && systemctl enable --now forkfleet-scheduler\`.`,
-    `6. Hosts (${machines(has(inv.hosts)).join(', ')}): \`systemctl daemon-reload && systemctl enable --now forkfleet-agent\`.`,
-    `7. From your workstation: \`FF_CREDENTIALS=$PWD/credentials.json FF_API=${apis} npm run forkfleet -- hosts ls\`.`,
+    '2. Turn off the services a machine does not run (setup.sh installs them all, and Debian enables them):',
+    ...unused,
+    `3. Copy each machine's files onto it, as root (existing directories keep their owner and mode): \`${COPY_COMMAND}\`.`,
+    `4. etcd members (${of(inv.etcd)}): \`systemctl enable etcd && systemctl restart etcd\` on all of them within a minute (the first waits for a quorum).`,
+    `5. NATS servers (${of(inv.nats)}): \`chown root:nats /etc/nats-server.conf && systemctl daemon-reload && systemctl enable nats-server && systemctl restart nats-server\`.`,
+    `6. Schedulers (${of(inv.schedulers)}): \`systemctl daemon-reload && systemctl enable --now forkfleet-scheduler\`.`,
+    `7. Hosts (${of(inv.hosts)}): \`systemctl daemon-reload && systemctl enable --now forkfleet-agent\`.`,
+    `8. From your workstation: \`FF_CREDENTIALS=$PWD/credentials.json FF_API=${apis} npm run forkfleet -- hosts ls\`.`,
     '',
-    'Render again after changing the inventory: secrets are kept, so only new machines\' files and the',
-    'NATS configs (one user per host) change. Copy those and `systemctl reload nats-server`.',
+    'Render again after adding hosts or schedulers: the secrets are kept, so only the new machines\' files',
+    'and the NATS configs (one user per host) change; copy those and `systemctl reload nats-server`. The etcd',
+    'membership is fixed by the first start (`ETCD_INITIAL_CLUSTER_STATE=new`): change it with `etcdctl member add`',
+    'and `ETCD_INITIAL_CLUSTER_STATE=existing` on the new member, not by rendering.',
     '',
   ];
   return lines.join('\n');
@@ -201,8 +211,11 @@ function installGuide(inv: Inventory, apis: string): string {
 
 const read = (p: string): string => readFileSync(p, 'utf8');
 
-/** Makes what is missing under `dir` (mode 0700) and reads it all back. */
-export function ensureSecrets(dir: string, inv: Inventory): { secrets: Secrets; adminCredentials: string | undefined } {
+/**
+ * Makes what is missing under `dir` (mode 0700) and reads it all back. The first call also
+ * writes `dir`/../credentials.json (the admin token, shown nowhere else).
+ */
+export function ensureSecrets(dir: string, inv: Inventory): Secrets {
   mkdirSync(join(dir, 'nkeys'), { recursive: true, mode: 0o700 });
   chmodSync(dir, 0o700);
   const ca = { caCert: join(dir, 'ca.crt'), caKey: join(dir, 'ca.key') };
@@ -210,7 +223,7 @@ export function ensureSecrets(dir: string, inv: Inventory): { secrets: Secrets; 
   const schedulerTls = new Map<string, { cert: string; key: string }>();
   for (const m of inv.schedulers) {
     const cert = { serverCert: join(dir, `scheduler-${m.name}.crt`), serverKey: join(dir, `scheduler-${m.name}.key`) };
-    ensureServerCert(ca, cert, [...new Set([san(m.address), ...m.dns.map((d) => `DNS:${d}`), 'DNS:localhost', 'IP:127.0.0.1'])], `forkfleet-scheduler-${m.name}`);
+    ensureServerCert(ca, cert, [...new Set([`IP:${m.address}`, ...m.dns.map((d) => `DNS:${d}`), 'DNS:localhost', 'IP:127.0.0.1'])], `forkfleet-scheduler-${m.name}`);
     schedulerTls.set(m.name, { cert: read(cert.serverCert), key: read(cert.serverKey) });
   }
   const signing = join(dir, 'signing.pem');
@@ -222,29 +235,33 @@ export function ensureSecrets(dir: string, inv: Inventory): { secrets: Secrets; 
   const nkeys = new Map<string, { seed: string; pub: string }>();
   for (const id of ['scheduler', ...inv.hosts.map((h) => `host-${h.id}`)]) {
     const f = join(dir, 'nkeys', `${id}.nk`);
-    const pubFile = `${f}.pub`;
-    if (!existsSync(f) || !existsSync(pubFile)) writeFileSync(pubFile, `${createNkeyFile(f).publicKey}\n`, { mode: 0o644 });
-    nkeys.set(id, { seed: read(f).trim(), pub: read(pubFile).trim() });
+    if (!existsSync(f)) createNkeyFile(f);
+    const seed = read(f).trim();
+    nkeys.set(id, { seed, pub: natsNkeys.fromSeed(new TextEncoder().encode(seed)).getPublicKey() });
   }
   const routeFile = join(dir, 'nats-route-password');
   if (!existsSync(routeFile)) writeFileSync(routeFile, randomBytes(24).toString('base64url'), { mode: 0o600 });
   const tokens = join(dir, 'tokens.json');
-  // The first render mints an admin token; it is shown only in DIR/credentials.json.
-  const adminToken = existsSync(tokens) ? undefined : mintToken(tokens, { tenant: 'admin', admin: true, name: `${inv.name}-admin` });
-  return {
-    secrets: { caCert: read(ca.caCert), schedulerTls, signingKey: read(signing), signingPub, nkeys, natsRoutePassword: read(routeFile).trim(), tokensJson: read(tokens) },
-    adminCredentials: adminToken === undefined ? undefined : `${JSON.stringify({ token: adminToken, ca: 'secrets/ca.crt' }, null, 2)}\n`,
-  };
+  // The first render mints an admin token. Only its digest is kept, so the token itself goes
+  // into DIR/credentials.json at once, before anything else can fail.
+  if (!existsSync(tokens)) {
+    const token = mintToken(tokens, { tenant: 'admin', admin: true, name: `${inv.name}-admin` });
+    writeFileSync(join(dir, '..', 'credentials.json'), `${JSON.stringify({ token, ca: 'secrets/ca.crt' }, null, 2)}\n`, { mode: 0o600 });
+  }
+  return { caCert: read(ca.caCert), schedulerTls, signingKey: read(signing), signingPub, nkeys, natsRoutePassword: read(routeFile).trim(), tokensJson: read(tokens) };
 }
 
 /** Renders `inv` into `out`: secrets made or reused, every file written. Returns the files written. */
 export function render(inv: Inventory, out: string): string[] {
-  const { secrets, adminCredentials } = ensureSecrets(join(out, 'secrets'), inv);
-  const files = renderFiles(inv, secrets);
-  if (adminCredentials) files.push({ path: 'credentials.json', content: adminCredentials, mode: 0o600 });
+  mkdirSync(out, { recursive: true });
+  const files = renderFiles(inv, ensureSecrets(join(out, 'secrets'), inv));
   for (const f of files) {
     const p = join(out, f.path);
-    mkdirSync(dirname(p), { recursive: true });
+    // Directories 0755 whatever the umask: they are copied onto the machines' own /etc.
+    for (let d = dirname(p); d.length > out.length; d = dirname(d)) {
+      mkdirSync(d, { recursive: true });
+      chmodSync(d, 0o755);
+    }
     writeFileSync(p, f.content, { mode: f.mode });
     chmodSync(p, f.mode);
   }
