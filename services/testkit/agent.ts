@@ -55,6 +55,8 @@ export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
     FF_HEARTBEAT_INTERVAL: '500ms',
     FF_LOG_LEVEL: 'info',
     FF_RAM_MOUNT: ramMount,
+    // No guests cgroup (ADR 0018): it would outlive the test; cgroup.int and the fleet e2e cover it.
+    FF_GUEST_CGROUP: '',
     ...o.env,
   };
   const launch = (): ManagedProcess => {
