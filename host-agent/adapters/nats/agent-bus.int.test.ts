@@ -312,7 +312,7 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
       // host-a's identity with host-b's key: its consumer and inbox are not host-b's, so it stops.
       const p = spawn(process.execPath, ['--import', 'tsx', 'host-agent/main.ts'], {
         cwd: new URL('../../../', import.meta.url).pathname,
-        env: { ...process.env, ...env, FF_HOST_ID: 'host-a', FF_DATA_DIR: join(dir, 'a'), FF_RAM_MOUNT: '', FF_NATS_URL: nats.url, FF_TRUSTED_KEY: keyPath, FF_NATS_NKEY_FILE: nats.auth!.hostSeedFile('host-b') },
+        env: { ...process.env, ...env, FF_HOST_ID: 'host-a', FF_DATA_DIR: join(dir, 'a'), FF_RAM_MOUNT: '', FF_GUEST_CGROUP: '', FF_NATS_URL: nats.url, FF_TRUSTED_KEY: keyPath, FF_NATS_NKEY_FILE: nats.auth!.hostSeedFile('host-b') },
         stdio: ['ignore', 'ignore', 'pipe'],
       });
       let stderr = '';
