@@ -3,7 +3,7 @@
 import { cpus, hostname, totalmem } from 'node:os';
 import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
-import { parseDuration } from '../services/config.ts';
+import { natsServers, parseDuration } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
 import { parseCidr } from './adapters/netns/egress.ts';
 import { DEFAULT_RAM_MOUNT } from './adapters/qemu/ram-pool.ts';
@@ -106,7 +106,8 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
   if (accel !== 'kvm' && accel !== 'tcg' && accel !== 'auto') throw new InvalidArgumentError('FF_ACCEL', 'must be kvm, tcg or auto');
   const peerAddr = e('FF_PEER_ADDR', '127.0.0.1:0');
   if (!/^[^\s:]+:\d{1,5}$/.test(peerAddr)) throw new InvalidArgumentError('FF_PEER_ADDR', 'must be host:port');
-  if (!e('FF_NATS_URL', 'nats://127.0.0.1:4222').split(',').every((u) => /^nats:\/\/\S+$/.test(u.trim()))) throw new InvalidArgumentError('FF_NATS_URL', 'must be a nats:// URL, or several separated by commas (servers of one cluster)');
+  natsServers('FF_NATS_URL', e('FF_NATS_URL', 'nats://127.0.0.1:4222'));
+  const guestPath = e('FF_GUEST_CGROUP', DEFAULT_GUEST_CGROUP);
   const cfg: AgentProcessConfig = {
     hostId,
     dataDir: e('FF_DATA_DIR', '/var/lib/forkfleet'),
@@ -148,8 +149,8 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
           prefillMib: e('FF_RAM_POOL_MIB', '').split(',').map((x) => x.trim()).filter(Boolean).map((x) => int('FF_RAM_POOL_MIB', x, 64, 1 << 20)),
         }
       : undefined,
-    guestCgroup: e('FF_GUEST_CGROUP', DEFAULT_GUEST_CGROUP)
-      ? { path: e('FF_GUEST_CGROUP', DEFAULT_GUEST_CGROUP), cpuWeight: int('FF_GUEST_CPU_WEIGHT', e('FF_GUEST_CPU_WEIGHT', '100'), 1, 10_000), required: env.FF_GUEST_CGROUP !== undefined }
+    guestCgroup: guestPath
+      ? { path: guestPath, cpuWeight: int('FF_GUEST_CPU_WEIGHT', e('FF_GUEST_CPU_WEIGHT', '100'), 1, 10_000), required: env.FF_GUEST_CGROUP !== undefined }
       : undefined,
     bootId: randomUUID(),
   };

@@ -8,6 +8,7 @@ import { join } from 'node:path';
 import { connect } from 'nats';
 import { pino } from 'pino';
 import { compileAgentConfig } from './config.ts';
+import { natsServers } from '../services/config.ts';
 import { Agent } from './domain/agent.ts';
 import { QemuVmmDriver } from './adapters/qemu/driver.ts';
 import { GuestCgroup } from './adapters/qemu/cgroup.ts';
@@ -87,7 +88,7 @@ async function main(): Promise<void> {
 
   // noAsyncTraces: no stack captured per request (each result and event publish is one), as the
   // scheduler's connection; a timed-out request still fails with a named NatsError.
-  const nc = await connect({ servers: cfg.natsUrl.split(',').map((u) => u.trim()), name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250, noAsyncTraces: true, ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined) });
+  const nc = await connect({ servers: natsServers('FF_NATS_URL', cfg.natsUrl), name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250, noAsyncTraces: true, ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined) });
   const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
   // CPU seconds of a process from /proc/<pid>/stat (utime + stime, in clock ticks of 1/100 s).
   const cpu = (pid: number): number | undefined => {

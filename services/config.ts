@@ -19,6 +19,16 @@ export function parseDuration(field: string, v: string): number {
 const SIZE_UNITS: Record<string, number> = { '': 1, b: 1, kib: 1024, mib: 1024 ** 2, gib: 1024 ** 3 };
 
 /** Parses '4MiB', '512KiB' or a bare number of bytes. */
+/**
+ * The servers of FF_NATS_URL: one nats:// URL or several, comma-separated (the servers of one
+ * cluster). Throws InvalidArgumentError naming `field` otherwise.
+ */
+export function natsServers(field: string, v: string): string[] {
+  const urls = v.split(',').map((u) => u.trim());
+  if (!urls.every((u) => /^nats:\/\/\S+$/.test(u))) throw new InvalidArgumentError(field, 'must be a nats:// URL, or several separated by commas (servers of one cluster)');
+  return urls;
+}
+
 export function parseBytes(field: string, v: string): number {
   const m = /^(\d+)\s*(b|kib|mib|gib)?$/i.exec(v.trim());
   const n = m ? Number(m[1]) * (SIZE_UNITS[(m[2] ?? '').toLowerCase()] ?? 1) : NaN;
@@ -164,7 +174,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const etcdEndpoints = etcd.split(',').map((s) => s.trim()).filter(Boolean);
   if (etcdEndpoints.length === 0) throw new InvalidArgumentError('FF_ETCD_ENDPOINTS', 'must list at least one endpoint');
   if (!/^[1-5]$/.test(natsReplicas)) throw new InvalidArgumentError(nr, `must be an integer in [1, 5], got ${JSON.stringify(natsReplicas)}`);
-  if (!natsUrl.split(',').every((u) => /^nats:\/\/\S+$/.test(u.trim()))) throw new InvalidArgumentError(nu, 'must be a nats:// URL, or several separated by commas (servers of one cluster)');
+  natsServers(nu, natsUrl);
   const cfg: SchedulerConfig = {
     id,
     grpcAddr: addr(ga, grpcAddr),

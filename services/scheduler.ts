@@ -9,7 +9,7 @@ import { connect } from 'nats';
 import type { NatsConnection } from 'nats';
 import type { Logger } from 'pino';
 import { Registry, Counter, Histogram, Gauge, collectDefaultMetrics } from 'prom-client';
-import type { SchedulerConfig } from './config.ts';
+import { natsServers, type SchedulerConfig } from './config.ts';
 import type { FleetStore } from './domain/ports.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import { EtcdLeaderElection } from './adapters/etcd/election.ts';
@@ -89,7 +89,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
 
   const store = EtcdFleetStore.connect([...config.etcdEndpoints]);
   const nc: NatsConnection = await connect({
-    servers: config.natsUrl.split(',').map((u) => u.trim()),
+    servers: natsServers('FF_NATS_URL', config.natsUrl),
     name: `scheduler-${config.id}`,
     maxReconnectAttempts: -1,
     reconnectTimeWait: 250,

@@ -32,7 +32,7 @@ import { createPublicKey, generateKeyPairSync } from 'node:crypto';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
 import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
-import { GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
+import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -588,7 +588,9 @@ function readPidFile(path: string): number[] {
  * first. Only the group itself goes, not parents of a nested FF_GUEST_CGROUP.
  */
 async function removeGuestCgroup(path: string): Promise<void> {
-  const dir = join(existsSync('/sys/fs/cgroup/cgroup.controllers') ? '/sys/fs/cgroup' : '/sys/fs/cgroup/cpu', path);
+  const h = await cpuHierarchy();
+  if (!h) return;
+  const dir = join(h.base, path);
   for (let attempt = 0; attempt < 50; attempt++) {
     let procs: string;
     try {

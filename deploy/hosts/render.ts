@@ -25,7 +25,7 @@ import { dirname, join, relative, resolve } from 'node:path';
 import { createPublicKey, generateKeyPairSync, randomBytes } from 'node:crypto';
 import { parseArgs } from 'node:util';
 import { nkeys as natsNkeys } from 'nats';
-import { createNkeyFile, hostPermissions, type NatsUser } from '../../services/adapters/nats/auth.ts';
+import { createNkeyFile, hostPermissions, natsAuthorization, type NatsUser } from '../../services/adapters/nats/auth.ts';
 import { mintToken } from '../../services/auth/tokens.ts';
 import { ensureCa, ensureServerCert } from '../pki/pki.ts';
 import { hostPort, parseInventory, type Inventory } from './inventory.ts';
@@ -63,26 +63,27 @@ const env = (vars: Record<string, string>, header: string): string =>
 
 const unit = (name: string, inv: Inventory): string => readFileSync(join(UNITS, name), 'utf8').replaceAll('@INSTALL_DIR@', inv.installDir);
 
-
 /** Every machine's files, from the inventory and the secrets. Pure. */
 export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
   const out: RenderedFile[] = [];
   const put = (machine: string, path: string, content: string, mode = 0o644): void => void out.push({ path: `machines/${machine}/${path}`, content, mode });
   const p = inv.ports;
-  const etcdEndpoints = inv.etcd.map((m) => `http://${hostPort(m.address, p.etcdClient)}`).join(',');
+  const etcdClient = (m: { address: string }): string => `http://${hostPort(m.address, p.etcdClient)}`;
+  const etcdPeer = (m: { address: string }): string => `http://${hostPort(m.address, p.etcdPeer)}`;
+  const etcdEndpoints = inv.etcd.map(etcdClient).join(',');
   const natsUrls = inv.nats.map((m) => `nats://${hostPort(m.address, p.natsClient)}`).join(',');
   const replicas = inv.nats.length >= 3 ? 3 : 1;
 
   // etcd: Debian's etcd.service reads /etc/default/etcd (ETCD_* are etcd's flags).
-  const initialCluster = inv.etcd.map((m) => `${m.name}=http://${hostPort(m.address, p.etcdPeer)}`).join(',');
+  const initialCluster = inv.etcd.map((m) => `${m.name}=${etcdPeer(m)}`).join(',');
   for (const m of inv.etcd) {
     put(m.machine, 'etc/default/etcd', env({
       ETCD_NAME: m.name,
       ETCD_DATA_DIR: '/var/lib/etcd/forkfleet',
-      ETCD_LISTEN_CLIENT_URLS: `http://${hostPort(m.address, p.etcdClient)}`,
-      ETCD_ADVERTISE_CLIENT_URLS: `http://${hostPort(m.address, p.etcdClient)}`,
-      ETCD_LISTEN_PEER_URLS: `http://${hostPort(m.address, p.etcdPeer)}`,
-      ETCD_INITIAL_ADVERTISE_PEER_URLS: `http://${hostPort(m.address, p.etcdPeer)}`,
+      ETCD_LISTEN_CLIENT_URLS: etcdClient(m),
+      ETCD_ADVERTISE_CLIENT_URLS: etcdClient(m),
+      ETCD_LISTEN_PEER_URLS: etcdPeer(m),
+      ETCD_INITIAL_ADVERTISE_PEER_URLS: etcdPeer(m),
       ETCD_INITIAL_CLUSTER: initialCluster,
       ETCD_INITIAL_CLUSTER_STATE: 'new',
       ETCD_INITIAL_CLUSTER_TOKEN: `forkfleet-${inv.name}`,
@@ -102,7 +103,7 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       port: p.natsClient,
       http: hostPort(m.address, p.natsMonitor),
       jetstream: { store_dir: '/var/lib/nats/jetstream' },
-      authorization: { users: users.map((u) => (u.permissions ? { nkey: u.nkey, permissions: u.permissions } : { nkey: u.nkey })) },
+      authorization: natsAuthorization(users),
     };
     if (inv.nats.length > 1) {
       conf.cluster = {

@@ -34,6 +34,12 @@ export async function cgroupVersion(root = CGROUP_ROOT): Promise<CgroupVersion |
   return undefined;
 }
 
+/** Where groups with the cpu controller live: the v2 root, or v1's cpu mount; undefined without either. */
+export async function cpuHierarchy(root = CGROUP_ROOT): Promise<{ version: CgroupVersion; base: string } | undefined> {
+  const version = await cgroupVersion(root);
+  return version && { version, base: version === 'v2' ? root : join(root, 'cpu') };
+}
+
 /** cgroup v1 cpu.shares for a v2 weight (v2 default 100 = v1 default 1024). */
 export function sharesForWeight(weight: number): number {
   return Math.max(2, Math.round((weight * 1024) / 100));
@@ -58,9 +64,9 @@ export class GuestCgroup {
     const rel = o.path.replace(/^\/+|\/+$/g, '');
     if (!rel || rel.split('/').some((p) => p === '' || p === '.' || p === '..')) throw new HostSetupError(`guest cgroup: ${JSON.stringify(o.path)} is not a cgroup path below the root`);
     const root = o.root ?? CGROUP_ROOT;
-    const version = await cgroupVersion(root);
-    if (!version) throw new HostSetupError(`guest cgroup: no cgroup v2 hierarchy and no v1 cpu controller under ${root}`);
-    const base = version === 'v2' ? root : join(root, 'cpu');
+    const h = await cpuHierarchy(root);
+    if (!h) throw new HostSetupError(`guest cgroup: no cgroup v2 hierarchy and no v1 cpu controller under ${root}`);
+    const { version, base } = h;
     const dir = resolve(base, rel);
     try {
       if (version === 'v2') {

@@ -79,8 +79,13 @@ export interface NatsUser {
  * nats-server configuration text for these users (NATS conf accepts JSON). Pass it with
  * `-c FILE`; listen address, JetStream and store dir still come from the command line.
  */
+/** nats-server's `authorization` block for these users (a user without permissions may do anything). */
+export function natsAuthorization(users: readonly NatsUser[]): { users: Array<{ nkey: string; permissions?: NatsPermissions }> } {
+  return { users: users.map((u) => (u.permissions ? { nkey: u.nkey, permissions: u.permissions } : { nkey: u.nkey })) };
+}
+
 export function natsServerAuthConfig(users: NatsUser[]): string {
-  return `${JSON.stringify({ authorization: { users: users.map((u) => (u.permissions ? { nkey: u.nkey, permissions: u.permissions } : { nkey: u.nkey })) } }, null, 2)}\n`;
+  return `${JSON.stringify({ authorization: natsAuthorization(users) }, null, 2)}\n`;
 }
 
 export interface NatsCredential {

@@ -33,12 +33,7 @@ export const HOST_ID_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
 export const WORK_ACK_WAIT_MS = 30_000;
 
 async function ensureStream(jsm: JetStreamManager, name: string, subjectsList: string[], retention: RetentionPolicy, replicas: number): Promise<void> {
-  let info;
-  try {
-    info = await jsm.streams.info(name);
-  } catch {
-    info = undefined;
-  }
+  const info = await jsm.streams.info(name).catch(() => undefined);
   if (info) {
     // A stream made with fewer replicas (an earlier config, or an agent of an open server) grows.
     if (info.config.num_replicas < replicas) await jsm.streams.update(name, { ...info.config, num_replicas: replicas });
