@@ -55,6 +55,13 @@ export class HostStepError extends ForkfleetError {
   }
 }
 
+/** The host a step went to was marked lost (its heartbeats stopped) before it answered. */
+export class HostLostError extends ForkfleetError {
+  constructor(hostId: string, step: string) {
+    super('unavailable', `host ${hostId} was lost (its heartbeats stopped) before it finished ${step}`, { retryable: true });
+  }
+}
+
 export class StepTimeoutError extends ForkfleetError {
   constructor(hostId: string, step: string, ms: number) {
     super('deadline_exceeded', `host ${hostId} did not finish ${step} within ${ms} ms`, { retryable: true });

@@ -16,7 +16,7 @@ import { HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
-import { ConflictError, HostStepError, NoCapacityError, NotFoundError, NotLeaderError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
+import { ConflictError, HostLostError, HostStepError, NoCapacityError, NotFoundError, NotLeaderError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
@@ -94,7 +94,9 @@ export interface ExecutorDeps {
 }
 
 /** A step waiting for its result; `hostId`: the host it was sent to, the only one whose answer counts. */
-type Waiter = { hostId: string; resolve: (r: HostResultMsg | undefined) => void };
+/** What a step's waiter is woken with when its host is marked lost (reconcileHosts). */
+const HOST_LOST = Symbol('host lost');
+type Waiter = { hostId: string; resolve: (r: HostResultMsg | typeof HOST_LOST | undefined) => void };
 
 function hooksOf(sb: SandboxRec): Array<{ argv: string[]; timeout: { seconds: bigint; nanos: number } }> {
   return (sb.afterResume ?? []).map((h) => ({ argv: h.argv, timeout: { seconds: BigInt(Math.floor(h.timeoutMs / 1000)), nanos: (h.timeoutMs % 1000) * 1e6 } }));
@@ -943,8 +945,11 @@ export class Executor {
       // sandbox record); the step log is written with the op's final state, not per step.
       const log = this.stepLog.get(op.id) ?? {};
       this.stepLog.set(op.id, log);
+      // A lost host will not answer: fail now, not after every attempt's timeout. (A host
+      // that becomes lost while the step waits wakes the waiter: failStepsOn.)
+      if (this.cache.hosts.get(hostId)?.value.state === 'lost') throw new HostLostError(hostId, stepId);
       log[stepId] = { hostId, status: 'sent', attempt };
-      const result = new Promise<HostResultMsg | undefined>((resolve) => {
+      const result = new Promise<HostResultMsg | typeof HOST_LOST | undefined>((resolve) => {
         const t = setTimeout(() => {
           this.waiters.delete(key);
           resolve(undefined);
@@ -975,12 +980,14 @@ export class Executor {
       }
       const r = await result;
       if (!this.active) throw new StepTimeoutError(hostId, stepId, 0);
+      if (r === HOST_LOST) {
+        log[stepId] = { hostId, status: 'failed', attempt };
+        throw new HostLostError(hostId, stepId);
+      }
       if (r) {
         log[stepId] = { hostId, status: r.error ? 'failed' : 'done', attempt };
         return this.checkResult(r, hostId, stepId);
       }
-      // A lost host will not answer: the step fails now rather than after every attempt.
-      if (this.cache.hosts.get(hostId)?.value.state === 'lost') throw new StepTimeoutError(hostId, stepId, timeoutMs * attempt);
       this.log.warn({ opId: op.id, stepId, hostId, attempt }, 'host step timed out; re-sending');
     }
     throw new StepTimeoutError(hostId, stepId, timeoutMs * this.deps.config.stepAttempts);
@@ -2355,7 +2362,10 @@ export class Executor {
     for (const { next, cur } of writes) {
       const state = next.state;
       if (cur && cur.value.state !== state) this.log.warn({ hostId: next.id, from: cur.value.state, to: state }, 'host state changed');
-      if (state === 'lost' && cur?.value.state !== 'lost') await this.markHostLost(next.id);
+      if (state === 'lost' && cur?.value.state !== 'lost') {
+        await this.markHostLost(next.id);
+        this.failStepsOn(next.id);
+      }
       // A lost host back, or a new one that already runs VMs (a removed host whose agent
       // started again): its lost sandboxes are reclaimed and stray VMs stopped.
       if (state === 'ready' && (cur?.value.state === 'lost' || (!cur && (this.deps.heard.get(next.id)?.hb.vms.length ?? 0) > 0))) await this.reclaimReturnedHost(next.id);
@@ -2439,6 +2449,22 @@ export class Executor {
         await this.sendHostWork(hostId, `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never }, 'could not stop a stale VM');
         this.log.warn({ hostId, sandboxId: vm.sandboxId }, 'host returned with a VM whose sandbox lives elsewhere or is gone: stopping it');
       }
+    }
+  }
+
+  /**
+   * Wakes every step waiting on a host that was just marked lost: each fails with
+   * HostLostError at once instead of waiting out FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS (a fork
+   * of 64 whose one host died would otherwise hang for minutes). Its op then does what a
+   * timed-out step makes it do: a fork fails that host's children (their bookings released)
+   * and finishes with the others. A result the host sends if it comes back is dropped, and
+   * a VM it made for a failed child is stopped as a stray (reclaimReturnedHost).
+   */
+  private failStepsOn(hostId: string): void {
+    for (const [k, w] of this.waiters) {
+      if (w.hostId !== hostId) continue;
+      this.waiters.delete(k);
+      w.resolve(HOST_LOST);
     }
   }
 

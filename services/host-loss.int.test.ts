@@ -1,0 +1,102 @@
+// A host that dies while an operation waits on it: the operation ends when the host is
+// marked lost, not after FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS. Real etcd and nats-server, a
+// scheduler replica in this process, two fake host agent processes (loadtest/fake-agent/);
+// the one whose restores never finish in time is SIGKILLed mid-fork.
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { join } from 'node:path';
+import { pino } from 'pino';
+import { startEtcd } from './testkit/etcd.ts';
+import type { EtcdCluster } from './testkit/etcd.ts';
+import { startNats } from './testkit/nats.ts';
+import type { NatsServer } from './testkit/nats.ts';
+import { waitFor } from './testkit/proc.ts';
+import { startFakeAgents } from './testkit/fleet-procs.ts';
+import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
+import { testCredentials } from './testkit/credentials.ts';
+import { compileSchedulerConfig } from './config.ts';
+import { startScheduler } from './scheduler.ts';
+import type { SchedulerHandle } from './scheduler.ts';
+import type { Client } from './adapters/grpc/rpc.ts';
+import { FleetService, HostState, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
+
+type Fleet = Client<(typeof FleetService)['method']>;
+const tenantId = 't1';
+let keyN = 0;
+const key = (): string => `k-${Date.now()}-${keyN++}`;
+const LOST_AFTER_MS = 3000;
+const STEP_TIMEOUT_MS = 120_000;
+
+describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
+  let etcd: EtcdCluster;
+  let nats: NatsServer;
+  let dir: string;
+  let sched: SchedulerHandle;
+  let healthy: FakeAgentsProcess;
+  let dying: FakeAgentsProcess;
+  let api: Fleet;
+
+  beforeAll(async () => {
+    dir = mkdtempSync('/tmp/ff-hostloss-');
+    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
+    const creds = testCredentials(dir);
+    sched = await startScheduler(
+      compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: join(dir, 'signing.pem'), suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms`, ...creds.config }),
+      pino({ level: 'warn' }),
+    );
+    await sched.leader;
+    // fake-b takes a minute per restored VM: its fork step is still running when it dies.
+    [healthy, dying] = await Promise.all([
+      startFakeAgents({ hosts: ['fake-a'], dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } }),
+      startFakeAgents({ hosts: ['fake-b'], dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8', FF_FAKE_RESTORE_MS_PER_VM: '60000' } }),
+    ]);
+    api = creds.client(FleetService, sched.address);
+    await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === 2, 20_000, 100);
+  }, 120_000);
+
+  afterAll(async () => {
+    api?.close();
+    await sched?.close();
+    await healthy?.stop();
+    await dying?.stop();
+    await nats?.stop();
+    await etcd?.stop();
+    if (dir) rmSync(dir, { recursive: true, force: true });
+  }, 60_000);
+
+  it('forkWhoseHostDies_endsWhenTheHostIsLost_withItsOtherChildrenRunning_andTheLostOnesFailedAndUnbooked', async () => {
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } })).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sourceId = made.result.case === 'sandbox' ? made.result.value.id : '';
+
+    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 2, placement: { spread: Spread.SPREAD, maxPerHost: 1 } });
+    // Both children are placed (one per host) and fake-a's is running: fake-b's restore is under way.
+    let childIds: string[] = [];
+    await waitFor('the fork placed', async () => {
+      const sbs = (await api.listSandboxes({ tenantId })).sandboxes.filter((s) => s.id !== sourceId);
+      childIds = sbs.map((s) => s.id);
+      return sbs.length === 2 && sbs.some((s) => s.hostId === 'fake-a' && s.state === SandboxState.RUNNING) && sbs.some((s) => s.hostId === 'fake-b' && s.state === SandboxState.STARTING);
+    }, 30_000, 50);
+
+    const killedAt = Date.now();
+    dying.proc.kill();
+    const final = await api.waitOperation({ tenantId, operationId: fork.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
+    const tookMs = Date.now() - killedAt;
+    // Lost after LOST_AFTER_MS of silence, found by the next 1 s host pass; far below the step timeout.
+    expect(tookMs).toBeLessThan(LOST_AFTER_MS + 10_000);
+    expect(final.state).toBe(OperationState.FAILED);
+    expect(final.error?.message).toMatch(/^1 of 2 children started; host fake-b was lost/);
+
+    const children = await Promise.all(childIds.map((id) => api.getSandbox({ tenantId, sandboxId: id })));
+    const onA = children.find((s) => s.hostId === 'fake-a');
+    const onB = children.find((s) => s.hostId === 'fake-b');
+    expect(onA?.state).toBe(SandboxState.RUNNING);
+    expect(onB?.state).toBe(SandboxState.FAILED);
+    expect(onB?.stateReason).toMatch(/host fake-b was lost/);
+    // The failed child's booking went with it: the lost host books nothing.
+    const hostB = (await api.listHosts({})).hosts.find((h) => h.id === 'fake-b');
+    expect(hostB?.state).toBe(HostState.LOST);
+    expect(hostB?.allocated?.vcpus ?? 0).toBe(0);
+  }, 90_000);
+});
