@@ -17,6 +17,16 @@ describe('CLI hints', () => {
     expect(hintFor({ kind: 'resource_exhausted', message: 'x', field: 'rate' }, 'a:1')).toContain('too many requests');
     expect(exitCodeFor({ kind: 'unavailable', message: 'x' })).toBe(69);
   });
+  it('hintFor_anOperationThatFailedOnTheFleet_pointsAtItsSandboxesAndHosts_notAtTheConnection', () => {
+    const lost = { kind: 'unavailable', message: 'operation op-1 (fork) failed: 4 of 6 children started; host h1 was lost', retryable: true, operation: true };
+    expect(hintFor(lost, 'a:1')).toContain('forkfleet hosts ls');
+    expect(hintFor(lost, 'a:1')).not.toContain('fleet:up');
+    expect(hintFor(lost, 'a:1')).toContain('again may succeed');
+    expect(exitCodeFor(lost)).toBe(1);
+    expect(hintFor({ kind: 'deadline_exceeded', message: 'x', operation: true }, 'a:1')).not.toContain('larger --timeout');
+    // A failed operation whose kind says what the caller must change keeps that kind's hint.
+    expect(hintFor({ kind: 'resource_exhausted', message: 'x', operation: true }, 'a:1')).toContain('no capacity');
+  });
   it('defaultApi_prefersFF_API_thenTheLocalFleet_thenTheDefaultPort', () => {
     expect(defaultApi({ FF_API: 'h:1' })).toBe('h:1');
     expect(defaultApi({ FF_FLEET_DIR: '/nonexistent-ffui' })).toBe('127.0.0.1:17700');

@@ -7,7 +7,15 @@ export interface ErrorLike {
   message: string;
   field?: string | undefined;
   retryable?: boolean;
+  /**
+   * The error is an operation's: it ran on the fleet and ended FAILED (the SDK's
+   * OperationFailedError), so the API answered and the call itself did not fail.
+   */
+  operation?: boolean;
 }
+
+/** An operation that failed on the fleet for a reason of the fleet's (a host lost, a step timed out). */
+const FLEET_KINDS = new Set(['unavailable', 'deadline_exceeded', 'internal', 'aborted']);
 
 /** Proto field path -> the CLI flag or argument that sets it. */
 const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
@@ -28,6 +36,10 @@ const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
 };
 
 export function hintFor(e: ErrorLike, api: string): string {
+  if (e.operation && FLEET_KINDS.has(e.kind ?? '')) {
+    const again = e.retryable ? 'running the command again may succeed' : 'running it again will likely fail the same way';
+    return `the operation ran and failed on the fleet (the API is reachable): see the sandboxes' states with \`forkfleet sandbox ls\` and the hosts' with \`forkfleet hosts ls\`; ${again}`;
+  }
   switch (e.kind) {
     case 'invalid_argument': {
       const flag = e.field ? (FLAG_OF_FIELD[e.field] ?? `field ${e.field}`) : undefined;
@@ -65,7 +77,7 @@ export function hintFor(e: ErrorLike, api: string): string {
 /** Exit codes: 0 ok, 1 API error, 2 usage / invalid argument, 69 unavailable (EX_UNAVAILABLE). */
 export function exitCodeFor(e: ErrorLike): number {
   if (e.kind === 'invalid_argument') return 2;
-  if (e.kind === 'unavailable') return 69;
+  if (e.kind === 'unavailable' && !e.operation) return 69;
   return 1;
 }
 

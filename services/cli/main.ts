@@ -5,7 +5,7 @@ import { spawn } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
-import { Forkfleet, ForkfleetError, parseDuration } from '../sdk/index.ts';
+import { Forkfleet, ForkfleetError, OperationFailedError, parseDuration } from '../sdk/index.ts';
 import type { CallOpts, HostInfo, OperationInfo, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
 import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
 
@@ -406,7 +406,8 @@ export function buildProgram(): Command {
 function describeError(e: unknown, api: string): { kind: string; message: string; field: string | undefined; retryable: boolean; hint: string; exitCode: number } {
   if (e instanceof ForkfleetError) {
     const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
-    return { ...base, hint: hintFor(base, api), exitCode: exitCodeFor(base) };
+    const like = { ...base, operation: e instanceof OperationFailedError };
+    return { ...base, hint: hintFor(like, api), exitCode: exitCodeFor(like) };
   }
   const message = e instanceof Error ? e.message : String(e);
   return { kind: 'internal', message, field: undefined, retryable: false, hint: 'this is a bug in the CLI or a local problem; the message above says what', exitCode: 1 };
