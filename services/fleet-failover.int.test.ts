@@ -189,16 +189,45 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
-  it('drain_withoutMigrate_cordonsAndFailsNamingTheSandboxesLeft', async () => {
-    const onHost = (await store.listSandboxes(tenantId)).filter((v) => v.value.hostId === 'fake-3' && v.value.state === 'running').length;
-    expect(onHost).toBeGreaterThan(0);
-    const final = await wait(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-3', migrate: false }), 'admin');
-    expect(final.state).toBe(OperationState.FAILED);
-    expect(final.error?.message).toContain(`${onHost} sandbox(es) still run on it`);
-    const host = (await api.listHosts({})).hosts.find((h) => h.id === 'fake-3')!;
-    expect(host.cordoned && host.draining).toBe(true);
-    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-3', cordon: false });
-  });
+  it('drain_withoutMigrate_hibernatesItsSandboxes_copiesEverySnapshotOnlyItHeld_soTheHostCanBeRemovedAndTheyWakeElsewhere', async () => {
+    const { agents: h, sandboxId: running } = await hostWithSandbox('fake-h', 'hib-drain');
+    const make = async (): Promise<string> => {
+      const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-h' } }));
+      return c.result.case === 'sandbox' ? c.result.value.id : '';
+    };
+    const paused = await make();
+    await ok(api, await api.pauseSandbox({ tenantId, idempotencyKey: key(), sandboxId: paused }));
+    // Hibernated before the drain, its snapshot on this host alone (as an idle hibernation).
+    const earlier = await make();
+    await ok(api, await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: earlier, replicas: 0 }));
+    const earlierSn = (await store.getSandbox(tenantId, earlier))!.value.hibernationSnapshotId;
+    expect((await store.getSnapshot(tenantId, earlierSn))?.value.hostIds).toEqual(['fake-h']);
+
+    const final = await ok(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-h', migrate: false }), 'admin');
+    expect(final.progress?.done).toBe(2);
+    for (const id of [running, paused, earlier]) {
+      const sb = (await store.getSandbox(tenantId, id))!.value;
+      expect(sb.state, id).toBe('hibernated');
+      const holders = (await store.getSnapshot(tenantId, sb.hibernationSnapshotId))!.value.hostIds;
+      expect(holders.filter((x) => x !== 'fake-h'), `copies of ${sb.hibernationSnapshotId}`).not.toEqual([]);
+    }
+    expect(h.vms().get('fake-h')).toEqual([]);
+    expect((await store.getAlloc('fake-h')).value).toMatchObject({ sandboxes: 0, allocated: { vcpus: 0, memoryMib: 0 } });
+    await assertConsistent();
+
+    // The host can go: its hibernated sandboxes do not need it.
+    h.proc.kill();
+    fakes.splice(fakes.indexOf(h), 1);
+    await waitFor('fake-h lost', async () => (await store.getHost('fake-h'))?.value.state === 'lost', 20_000, 100);
+    await api.removeHost({ hostId: 'fake-h' });
+    expect(await store.getHost('fake-h')).toBeUndefined();
+    // And each wakes on another host, from the copy.
+    const woke = await ok(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: running }));
+    expect(woke.result.case === 'sandbox' && woke.result.value.hostId).not.toBe('fake-h');
+    expect((await store.getSandbox(tenantId, running))?.value.state).toBe('running');
+    await h.stop();
+    await assertConsistent();
+  }, 90_000);
 
   it('drain_withMigrate_movesEveryRunningSandboxToAnotherHost', async () => {
     const before = (await store.listSandboxes(tenantId)).map((v) => v.value).filter((s) => s.hostId === 'fake-4' && s.state === 'running');

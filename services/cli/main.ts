@@ -370,11 +370,11 @@ export function buildProgram(): Command {
     .command('drain')
     .description('cordon a host, then hibernate (or --migrate) its sandboxes')
     .argument('<host>')
-    .option('--migrate', 'move running sandboxes to other hosts instead of hibernating them', false)
+    .option('--migrate', 'move running sandboxes to other hosts instead of hibernating them (without it, each is hibernated and its snapshot copied to another host, where it wakes)', false)
     .action(async (id: string, o: { migrate: boolean }, cmd: Command) => {
       const op = await client(cmd).hosts.drain(id, o.migrate, progress(cmd, `drain ${id}`));
       endProgress(cmd);
-      out(cmd, op, () => `${id} drained (${op.progress.done}/${op.progress.total})\n`);
+      out(cmd, op, () => `${id} drained: ${op.progress.done} sandbox(es) ${o.migrate ? 'moved to other hosts' : 'hibernated, their snapshots copied to other hosts'}\n`);
     });
   hosts
     .command('rm')

@@ -24,7 +24,7 @@ import { newId } from './fleet.ts';
 import { planRetention } from './retention.ts';
 import { commitPurge, EXPIRING_SNAPSHOT_STATES, expiredRecords, finishedOpOf } from './history.ts';
 import type { FinishedOp } from './history.ts';
-import { isForkfleetError } from '../../proto/errors.ts';
+import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
@@ -311,6 +311,8 @@ interface DrainInput {
   migrate: boolean;
   /** sandboxId -> where its migration stands (recorded before each step so a re-run resumes). */
   migrations?: Record<string, { snapshotId: string; toHostId?: string; wasPaused: boolean }>;
+  /** Without migrate: sandboxId -> [tenantId, id] of the hibernate operation it submitted (recorded first, so a re-run waits for the same ones). */
+  hibernations?: Record<string, [string, string]>;
 }
 
 export class Executor {
@@ -2092,8 +2094,8 @@ export class Executor {
    * `migrate`, every running or paused sandbox on it moves to another host: pause it,
    * snapshot it, book capacity elsewhere, restore it there under the same sandbox id,
    * switch the record (host and capacity) in one transaction, then destroy the source VM.
-   * Without `migrate`, nothing is moved: the op fails with a message naming how many
-   * sandboxes still run on the host (hibernating them is a separate feature).
+   * Without `migrate`, they are hibernated in place and their snapshots copied to another
+   * host (drainByHibernating).
    * Progress per sandbox is recorded in the op's input before each step, so a new leader
    * resumes a half-done migration instead of repeating it.
    */
@@ -2108,14 +2110,7 @@ export class Executor {
     }
     const listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
     const onHost = listed.filter((sb) => sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused'));
-    if (!input.migrate) {
-      if (onHost.length === 0) return this.finish(op, { sandboxIds: [] }, null);
-      return this.finish(op, { sandboxIds: onHost.map((s) => s.id) }, {
-        kind: 'failed_precondition',
-        message: `host ${hostId} is cordoned and draining, but ${onHost.length} sandbox(es) still run on it; drain with migrate=true to move them, or destroy them`,
-        retryable: false,
-      });
-    }
+    if (!input.migrate) return this.drainByHibernating(op, hostId, onHost);
     const moved: string[] = [];
     const failures: string[] = [];
     // An earlier run of this drain (before a failover or a store outage) that switched a
@@ -2148,6 +2143,78 @@ export class Executor {
     }
     if (failures.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${failures.join('; ')}`, retryable: true });
     await this.finish(op, { sandboxIds: moved }, null, moved.length);
+  }
+
+  /**
+   * Drain without migrate: every running or paused sandbox on the host is hibernated in
+   * place (a hibernate operation of its own, under its tenant, keyed by this drain and the
+   * sandbox), which gives its CPU and RAM back. Then every hibernated sandbox of the host
+   * whose snapshot no other live host holds (these, and any that idled into hibernation
+   * earlier) gets a copy of it on another ready host, so the host can be removed and the
+   * next call wakes the sandbox there. The drain fails, naming them, for sandboxes that
+   * could not be hibernated or copied; running it again retries those.
+   */
+  private async drainByHibernating(op: OperationRec, hostId: string, onHost: SandboxRec[]): Promise<void> {
+    const submit = this.deps.submit;
+    if (!submit) throw new ForkfleetError('internal', 'this scheduler cannot submit operations: a drain without migrate needs it');
+    const failures: string[] = [];
+    const recorded = { ...((this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.hibernations ?? {}) };
+    const fresh = onHost.filter((sb) => !recorded[sb.id]);
+    if (fresh.length > 0) {
+      // Recorded before submitting: a re-run (failover) waits for these, not new ones.
+      const keyed = Object.fromEntries(fresh.map((sb) => [sb.id, [sb.tenantId, `__drain/${op.id}/${sb.id}`] as [string, string]]));
+      await this.updateOp(op.tenantId, op.id, (o) => {
+        const inp = o.input as unknown as DrainInput;
+        inp.hibernations = { ...(inp.hibernations ?? {}), ...keyed };
+      });
+      Object.assign(recorded, keyed);
+    }
+    // Submit (idempotent by key), then wait for each to end.
+    const ends = await Promise.all(
+      Object.entries(recorded).map(async ([sandboxId, [tenantId, key]]) => {
+        const h = await submit(tenantId, key, 'hibernate', sandboxId, { snapshotId: newId('sn'), replicas: 0, reason: 'drain' });
+        for (;;) {
+          const cur = (await this.deps.store.getOp(tenantId, h.id))?.value;
+          if (!this.active) throw new NotLeaderError();
+          if (!cur) return { sandboxId, error: `its hibernate operation ${h.id} is gone` };
+          if (isTerminal(cur.state)) return { sandboxId, error: cur.state === 'succeeded' ? undefined : `${cur.error?.message ?? cur.state}` };
+          await this.pause(250);
+        }
+      }),
+    );
+    for (const e of ends) if (e.error !== undefined) failures.push(`${e.sandboxId}: hibernate failed: ${e.error}`);
+    // A copy of each hibernation snapshot held by no other live host.
+    const now = this.deps.clock.now();
+    const ready = (h: string): boolean => livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) === 'ready';
+    const targets = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== hostId && !h.cordoned && !h.draining && h.state !== 'lost' && ready(h.id));
+    const hibernated = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value).filter((sb) => sb.hostId === hostId && sb.state === 'hibernated' && sb.hibernationSnapshotId);
+    let copied = 0;
+    for (const sb of hibernated) {
+      const sn = (await this.deps.store.getSnapshot(sb.tenantId, sb.hibernationSnapshotId))?.value;
+      if (!sn) {
+        failures.push(`${sb.id}: its hibernation snapshot ${sb.hibernationSnapshotId} is gone`);
+        continue;
+      }
+      if (sn.hostIds.some((h) => h !== hostId && this.cache.hosts.get(h)?.value.state !== 'lost')) continue;
+      // Copies go round robin over the ready hosts.
+      const to = targets[copied % Math.max(1, targets.length)];
+      if (!to) {
+        failures.push(`${sb.id}: its snapshot ${sn.id} is only on ${hostId} and no other host is ready to take a copy`);
+        continue;
+      }
+      try {
+        const fetch = this.fetchPlan(sn, to.id, hostId, false);
+        if (fetch) await this.step(op, `replicate/${sb.id}/${to.id}`, to.id, { case: 'fetchSnapshot', value: fetch as never });
+        await this.addHolder(sn.tenantId, sn.id, to.id);
+        copied++;
+      } catch (e) {
+        if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+        failures.push(`${sb.id}: copying its snapshot ${sn.id} to ${to.id} failed: ${e instanceof Error ? e.message : String(e)}`);
+      }
+    }
+    const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
+    if (failures.length) return this.finish(op, { sandboxIds: done }, { kind: 'unavailable', message: `hibernated ${done.length} of ${ends.length} sandboxes on ${hostId}; ${failures.join('; ')}`, retryable: true }, done.length);
+    await this.finish(op, { sandboxIds: done }, null, done.length);
   }
 
   private async migrate(op: OperationRec, sb: SandboxRec): Promise<void> {

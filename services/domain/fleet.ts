@@ -605,10 +605,17 @@ export class Fleet {
         throw new WrongStateError('host', hostId, live !== 'lost' ? `${live} (heard ${Math.round((this.deps.clock.now() - (heard?.heardAt ?? 0)) / 1000)} s ago)` : v.value.state, 'drain it, stop its agent, and remove it once it is lost');
       }
       const on = (await this.deps.store.listSandboxes(undefined)).map((x) => x.value).filter((sb) => sb.hostId === hostId);
-      const busy = on.filter((sb) => !REMOVABLE_WITH.has(sb.state));
+      // A hibernated sandbox needs its snapshot, not the host: one that another host holds a
+      // copy of (a drain without migrate makes that copy) wakes there.
+      const busy: SandboxRec[] = [];
+      for (const sb of on) {
+        if (REMOVABLE_WITH.has(sb.state)) continue;
+        if (sb.state === 'hibernated' && sb.hibernationSnapshotId && (await this.deps.store.getSnapshot(sb.tenantId, sb.hibernationSnapshotId))?.value.hostIds.some((h) => h !== hostId)) continue;
+        busy.push(sb);
+      }
       if (busy.length > 0) {
         const hibernated = busy.some((sb) => sb.state === 'hibernated');
-        throw new WrongStateError('host', hostId, `still recorded with ${busy.length} sandbox(es) (${busy.slice(0, 3).map((sb) => `${sb.id} ${sb.state}`).join(', ')})`, hibernated ? 'wake or destroy the hibernated ones (their snapshot is on this host), and wait for the others to end' : 'wait until they are lost or destroyed');
+        throw new WrongStateError('host', hostId, `still recorded with ${busy.length} sandbox(es) (${busy.slice(0, 3).map((sb) => `${sb.id} ${sb.state}`).join(', ')})`, hibernated ? 'drain it (without --migrate) while its agent runs, so its hibernated sandboxes\' snapshots are copied to another host, or wake or destroy them; wait for the others to end' : 'wait until they are lost or destroyed');
       }
       const alloc = await this.deps.store.getAlloc(hostId);
       const writes: StoreWrite[] = [{ kind: 'delete-host', id: hostId, expectRevision: v.modRevision }];
