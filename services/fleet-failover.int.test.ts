@@ -189,7 +189,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
-  it('drain_withoutMigrate_hibernatesItsSandboxes_copiesEverySnapshotOnlyItHeld_soTheHostCanBeRemovedAndTheyWakeElsewhere', async () => {
+  it('drain_withoutMigrate_hibernatesItsSandboxes_andCopiesEverySnapshotOnlyItHeld_soTheHostCanBeRemovedAndTheyWakeElsewhere', async () => {
     const { agents: h, sandboxId: running } = await hostWithSandbox('fake-h', 'hib-drain');
     const make = async (): Promise<string> => {
       const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-h' } }));
@@ -203,6 +203,11 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const earlierSn = (await store.getSandbox(tenantId, earlier))!.value.hibernationSnapshotId;
     expect((await store.getSnapshot(tenantId, earlierSn))?.value.hostIds).toEqual(['fake-h']);
 
+    // A user's snapshot that only this host holds.
+    const snap = await ok(api, await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: running }));
+    const userSn = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+    expect((await store.getSnapshot(tenantId, userSn))?.value.hostIds).toEqual(['fake-h']);
+
     const final = await ok(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-h', migrate: false }), 'admin');
     expect(final.progress?.done).toBe(2);
     for (const id of [running, paused, earlier]) {
@@ -211,6 +216,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       const holders = (await store.getSnapshot(tenantId, sb.hibernationSnapshotId))!.value.hostIds;
       expect(holders.filter((x) => x !== 'fake-h'), `copies of ${sb.hibernationSnapshotId}`).not.toEqual([]);
     }
+    expect((await store.getSnapshot(tenantId, userSn))!.value.hostIds.filter((x) => x !== 'fake-h')).not.toEqual([]);
     expect(h.vms().get('fake-h')).toEqual([]);
     expect((await store.getAlloc('fake-h')).value).toMatchObject({ sandboxes: 0, allocated: { vcpus: 0, memoryMib: 0 } });
     await assertConsistent();

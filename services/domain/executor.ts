@@ -2141,7 +2141,8 @@ export class Executor {
         failures.push(`${sb.id}: ${e instanceof Error ? e.message : String(e)}`);
       }
     }
-    if (failures.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${failures.join('; ')}`, retryable: true });
+    const uncopied = await this.copySnapshotsOff(op, hostId);
+    if (failures.length || uncopied.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${[...failures, ...uncopied].join('; ')}`, retryable: true });
     await this.finish(op, { sandboxIds: moved }, null, moved.length);
   }
 
@@ -2183,38 +2184,45 @@ export class Executor {
       }),
     );
     for (const e of ends) if (e.error !== undefined) failures.push(`${e.sandboxId}: hibernate failed: ${e.error}`);
-    // A copy of each hibernation snapshot held by no other live host.
+    // Hibernated sandboxes need their snapshots: copied below with every other one only this host holds.
+    for (const sb of (await this.deps.store.listSandboxes(undefined)).map((v) => v.value)) {
+      if (sb.hostId === hostId && sb.state === 'hibernated' && !(sb.hibernationSnapshotId && (await this.deps.store.getSnapshot(sb.tenantId, sb.hibernationSnapshotId)))) failures.push(`${sb.id}: its hibernation snapshot ${sb.hibernationSnapshotId || '(none)'} is gone`);
+    }
+    failures.push(...(await this.copySnapshotsOff(op, hostId)));
+    const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
+    if (failures.length) return this.finish(op, { sandboxIds: done }, { kind: 'unavailable', message: `hibernated ${done.length} of ${ends.length} sandboxes on ${hostId}; ${failures.join('; ')}`, retryable: true }, done.length);
+    await this.finish(op, { sandboxIds: done }, null, done.length);
+  }
+
+  /**
+   * The end of every drain: each ready snapshot that no other live host holds (a hibernated
+   * sandbox's, a fork's source, a user's) gets a copy on another ready host, round robin,
+   * so removing the drained host loses no snapshot. Returns what could not be copied.
+   */
+  private async copySnapshotsOff(op: OperationRec, hostId: string): Promise<string[]> {
+    const failures: string[] = [];
     const now = this.deps.clock.now();
-    const ready = (h: string): boolean => livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) === 'ready';
-    const targets = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== hostId && !h.cordoned && !h.draining && h.state !== 'lost' && ready(h.id));
-    const hibernated = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value).filter((sb) => sb.hostId === hostId && sb.state === 'hibernated' && sb.hibernationSnapshotId);
+    const live = (h: string): boolean => this.cache.hosts.has(h) && this.cache.hosts.get(h)?.value.state !== 'lost' && livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) !== 'lost';
+    const targets = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== hostId && !h.cordoned && !h.draining && h.state === 'ready' && livenessOf(this.deps.heard.get(h.id)?.heardAt, now, this.deps.config.liveness) === 'ready');
+    const only = (await this.deps.store.listSnapshots(undefined)).map((v) => v.value).filter((sn) => sn.state === 'ready' && sn.hostIds.includes(hostId) && !sn.hostIds.some((h) => h !== hostId && live(h)));
     let copied = 0;
-    for (const sb of hibernated) {
-      const sn = (await this.deps.store.getSnapshot(sb.tenantId, sb.hibernationSnapshotId))?.value;
-      if (!sn) {
-        failures.push(`${sb.id}: its hibernation snapshot ${sb.hibernationSnapshotId} is gone`);
-        continue;
-      }
-      if (sn.hostIds.some((h) => h !== hostId && this.cache.hosts.get(h)?.value.state !== 'lost')) continue;
-      // Copies go round robin over the ready hosts.
+    for (const sn of only) {
       const to = targets[copied % Math.max(1, targets.length)];
       if (!to) {
-        failures.push(`${sb.id}: its snapshot ${sn.id} is only on ${hostId} and no other host is ready to take a copy`);
+        failures.push(`snapshot ${sn.id} is only on ${hostId} and no other host is ready to take a copy`);
         continue;
       }
       try {
         const fetch = this.fetchPlan(sn, to.id, hostId, false);
-        if (fetch) await this.step(op, `replicate/${sb.id}/${to.id}`, to.id, { case: 'fetchSnapshot', value: fetch as never });
+        if (fetch) await this.step(op, `replicate/${sn.id}/${to.id}`, to.id, { case: 'fetchSnapshot', value: fetch as never });
         await this.addHolder(sn.tenantId, sn.id, to.id);
         copied++;
       } catch (e) {
         if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
-        failures.push(`${sb.id}: copying its snapshot ${sn.id} to ${to.id} failed: ${e instanceof Error ? e.message : String(e)}`);
+        failures.push(`copying snapshot ${sn.id} to ${to.id} failed: ${e instanceof Error ? e.message : String(e)}`);
       }
     }
-    const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
-    if (failures.length) return this.finish(op, { sandboxIds: done }, { kind: 'unavailable', message: `hibernated ${done.length} of ${ends.length} sandboxes on ${hostId}; ${failures.join('; ')}`, retryable: true }, done.length);
-    await this.finish(op, { sandboxIds: done }, null, done.length);
+    return failures;
   }
 
   private async migrate(op: OperationRec, sb: SandboxRec): Promise<void> {
