@@ -21,3 +21,17 @@ describe('compileAgentConfig: guest CPU isolation', () => {
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_GUEST_CPU_WEIGHT: '10001' }))).toBe('FF_GUEST_CPU_WEIGHT');
   });
 });
+
+describe('compileAgentConfig: NATS TLS', () => {
+  it('natsTls_unset_isOff_tlsUrlsOrTheCa_turnItOn', () => {
+    expect(compileAgentConfig(base).natsTls).toBeUndefined();
+    expect(compileAgentConfig({ ...base, FF_NATS_URL: 'tls://10.0.0.1:4222' }).natsTls).toEqual({ prefix: 'FF_NATS', ca: '', cert: '', key: '' });
+    expect(compileAgentConfig({ ...base, FF_NATS_CA: '/n/ca.crt', FF_NATS_CERT: '/n/c.crt', FF_NATS_KEY: '/n/c.key' }).natsTls).toEqual({ prefix: 'FF_NATS', ca: '/n/ca.crt', cert: '/n/c.crt', key: '/n/c.key' });
+  });
+
+  it('natsTls_whenCertLacksKeyOrKeyLacksCertOrTheUrlIsNotNats_namesTheVariable', () => {
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_NATS_CA: '/n/ca.crt', FF_NATS_CERT: '/n/c.crt' }))).toBe('FF_NATS_KEY');
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_NATS_KEY: '/n/c.key' }))).toBe('FF_NATS_CERT');
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_NATS_URL: 'https://10.0.0.1:4222' }))).toBe('FF_NATS_URL');
+  });
+});

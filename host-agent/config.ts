@@ -3,7 +3,7 @@
 import { cpus, hostname, totalmem } from 'node:os';
 import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
-import { natsServers, parseDuration } from '../services/config.ts';
+import { natsServers, natsTls, parseDuration, type TlsClientFiles } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
 import { parseCidr } from './adapters/netns/egress.ts';
 import { DEFAULT_RAM_MOUNT } from './adapters/qemu/ram-pool.ts';
@@ -13,8 +13,15 @@ export interface AgentProcessConfig {
   readonly hostId: string;
   /** FF_DATA_DIR: VMs, snapshots, chunks, journal. Keep it short (unix socket paths). */
   readonly dataDir: string;
-  /** FF_NATS_URL: nats:// URLs of one NATS cluster, comma-separated (the client tries each). */
+  /** FF_NATS_URL: nats:// (or tls://) URLs of one NATS cluster, comma-separated (the client tries each). */
   readonly natsUrl: string;
+  /**
+   * FF_NATS_CA, FF_NATS_CERT, FF_NATS_KEY (PEM files): TLS to NATS, on with tls:// URLs or any
+   * of them (services/config.ts natsTls). CA alone: the servers are verified against it; CERT
+   * and KEY: a client certificate, for servers that verify clients. Undefined: plain text,
+   * unless the server requires TLS.
+   */
+  readonly natsTls: TlsClientFiles | undefined;
   /**
    * FF_NATS_NKEY_FILE: this host's NATS user NKey seed (a file, mode 0600). Its NATS user may
    * use only this host's subjects (services/adapters/nats/auth.ts). Empty: no authentication.
@@ -106,12 +113,13 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
   if (accel !== 'kvm' && accel !== 'tcg' && accel !== 'auto') throw new InvalidArgumentError('FF_ACCEL', 'must be kvm, tcg or auto');
   const peerAddr = e('FF_PEER_ADDR', '127.0.0.1:0');
   if (!/^[^\s:]+:\d{1,5}$/.test(peerAddr)) throw new InvalidArgumentError('FF_PEER_ADDR', 'must be host:port');
-  natsServers('FF_NATS_URL', e('FF_NATS_URL', 'nats://127.0.0.1:4222'));
+  const natsUrls = natsServers('FF_NATS_URL', e('FF_NATS_URL', 'nats://127.0.0.1:4222'));
   const guestPath = e('FF_GUEST_CGROUP', DEFAULT_GUEST_CGROUP);
   const cfg: AgentProcessConfig = {
     hostId,
     dataDir: e('FF_DATA_DIR', '/var/lib/forkfleet'),
     natsUrl: e('FF_NATS_URL', 'nats://127.0.0.1:4222'),
+    natsTls: natsTls(natsUrls, env),
     natsNkeyFile: e('FF_NATS_NKEY_FILE', ''),
     peerAddr,
     peerAdvertise: e('FF_PEER_ADVERTISE', ''),

@@ -8,12 +8,12 @@ import { join } from 'node:path';
 import { connect } from 'nats';
 import { pino } from 'pino';
 import { compileAgentConfig } from './config.ts';
-import { natsServers } from '../services/config.ts';
+import { natsServers, readTlsClientFiles } from '../services/config.ts';
 import { Agent } from './domain/agent.ts';
 import { QemuVmmDriver } from './adapters/qemu/driver.ts';
 import { GuestCgroup } from './adapters/qemu/cgroup.ts';
 import { NatsAgentBus } from './adapters/nats/agent-bus.ts';
-import { agentConnectOptions } from '../services/adapters/nats/auth.ts';
+import { agentConnectOptions, natsTlsOptions } from '../services/adapters/nats/auth.ts';
 import { FsJournal } from './adapters/journal/fs-journal.ts';
 import { FsChunkStore, FsManifestStore } from './adapters/chunkstore/fs-store.ts';
 import { Materialiser } from './adapters/chunkstore/materialise.ts';
@@ -31,6 +31,8 @@ async function main(): Promise<void> {
   const cfg = compileAgentConfig();
   const log = pino({ level: cfg.logLevel, base: { component: 'host-agent', hostId: cfg.hostId } });
   const trust = new Map([['scheduler-1', createPublicKey(readFileSync(cfg.trustedKeyPath))]]);
+  // Read before anything starts: a TLS file that cannot be read fails start-up naming its variable.
+  const natsTlsPem = cfg.natsTls ? readTlsClientFiles(cfg.natsTls) : undefined;
   await mkdir(cfg.dataDir, { recursive: true });
 
   // Guests share one CPU weight against the agent and the rest of the host (ADR 0018).
@@ -88,7 +90,15 @@ async function main(): Promise<void> {
 
   // noAsyncTraces: no stack captured per request (each result and event publish is one), as the
   // scheduler's connection; a timed-out request still fails with a named NatsError.
-  const nc = await connect({ servers: natsServers('FF_NATS_URL', cfg.natsUrl), name: `agent-${cfg.hostId}`, maxReconnectAttempts: -1, reconnectTimeWait: 250, noAsyncTraces: true, ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined) });
+  const nc = await connect({
+    servers: natsServers('FF_NATS_URL', cfg.natsUrl),
+    name: `agent-${cfg.hostId}`,
+    maxReconnectAttempts: -1,
+    reconnectTimeWait: 250,
+    noAsyncTraces: true,
+    ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined),
+    ...natsTlsOptions(natsTlsPem),
+  });
   const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
   // CPU seconds of a process from /proc/<pid>/stat (utime + stime, in clock ticks of 1/100 s).
   const cpu = (pid: number): number | undefined => {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { compileSchedulerConfig, parseBytes } from './config.ts';
+import { compileSchedulerConfig, parseBytes, readTlsClientFiles } from './config.ts';
 import { fieldOf } from './testkit/fields.ts';
 
 const tls = { FF_TLS_CERT: '/c.crt', FF_TLS_KEY: '/c.key', FF_TOKENS_FILE: '/t.json' };
@@ -11,6 +11,42 @@ describe('compileSchedulerConfig: NATS', () => {
     expect(compileSchedulerConfig({}, tls).natsStreamReplicas).toBe(1);
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_NATS_URL: 'nats://a:4222,http://b' }))).toBe('FF_NATS_URL');
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_NATS_STREAM_REPLICAS: '6' }))).toBe('FF_NATS_STREAM_REPLICAS');
+  });
+});
+
+describe('compileSchedulerConfig: control-plane TLS', () => {
+  const https = { ...tls, FF_ETCD_ENDPOINTS: 'https://10.0.0.1:2379,https://10.0.0.2:2379' };
+
+  it('etcdAndNatsTls_unset_areOff_asBefore', () => {
+    expect(compileSchedulerConfig({}, tls)).toMatchObject({ etcdEndpoints: ['http://127.0.0.1:2379'], etcdTls: undefined, natsUrl: 'nats://127.0.0.1:4222', natsTls: undefined });
+  });
+
+  it('etcdTls_caAlone_verifiesTheServer_certAndKey_addAClientCertificate_httpsAlone_usesTheSystemRoots', () => {
+    expect(compileSchedulerConfig({}, { ...https, FF_ETCD_CA: '/e/ca.crt' }).etcdTls).toEqual({ prefix: 'FF_ETCD', ca: '/e/ca.crt', cert: '', key: '' });
+    expect(compileSchedulerConfig({}, { ...https, FF_ETCD_CA: '/e/ca.crt', FF_ETCD_CERT: '/e/c.crt', FF_ETCD_KEY: '/e/c.key' }).etcdTls).toEqual({ prefix: 'FF_ETCD', ca: '/e/ca.crt', cert: '/e/c.crt', key: '/e/c.key' });
+    expect(compileSchedulerConfig({}, https).etcdTls).toEqual({ prefix: 'FF_ETCD', ca: '', cert: '', key: '' });
+  });
+
+  it('etcdTls_whenCertLacksKeyOrKeyLacksCertOrEndpointIsPlainHttp_namesTheVariable', () => {
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...https, FF_ETCD_CERT: '/e/c.crt' }))).toBe('FF_ETCD_KEY');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...https, FF_ETCD_KEY: '/e/c.key' }))).toBe('FF_ETCD_CERT');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_ETCD_CA: '/e/ca.crt' }))).toBe('FF_ETCD_ENDPOINTS');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_ETCD_ENDPOINTS: 'http://10.0.0.1:2379', FF_ETCD_CERT: '/e/c.crt', FF_ETCD_KEY: '/e/c.key' }))).toBe('FF_ETCD_ENDPOINTS');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_ETCD_ENDPOINTS: 'https://10.0.0.1:2379,http://10.0.0.2:2379' }))).toBe('FF_ETCD_ENDPOINTS');
+  });
+
+  it('natsTls_tlsUrlsOrTheCa_turnItOn_andCertWithoutKeyNamesTheVariable', () => {
+    expect(compileSchedulerConfig({}, { ...tls, FF_NATS_URL: 'tls://10.0.0.1:4222,tls://10.0.0.2:4222' }).natsTls).toEqual({ prefix: 'FF_NATS', ca: '', cert: '', key: '' });
+    expect(compileSchedulerConfig({}, { ...tls, FF_NATS_CA: '/n/ca.crt' }).natsTls).toEqual({ prefix: 'FF_NATS', ca: '/n/ca.crt', cert: '', key: '' });
+    expect(compileSchedulerConfig({}, { ...tls, FF_NATS_URL: 'tls://10.0.0.1:4222', FF_NATS_CA: '/n/ca.crt', FF_NATS_CERT: '/n/c.crt', FF_NATS_KEY: '/n/c.key' }).natsTls).toMatchObject({ cert: '/n/c.crt', key: '/n/c.key' });
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_NATS_CERT: '/n/c.crt' }))).toBe('FF_NATS_KEY');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_NATS_KEY: '/n/c.key' }))).toBe('FF_NATS_CERT');
+  });
+
+  it('readTlsClientFiles_whenAFileIsMissing_namesItsVariable', () => {
+    const c = compileSchedulerConfig({}, { ...https, FF_ETCD_CA: '/nonexistent/ca.crt' });
+    expect(fieldOf(() => readTlsClientFiles(c.etcdTls!))).toBe('FF_ETCD_CA');
+    expect(readTlsClientFiles({ prefix: 'FF_NATS', ca: '', cert: '', key: '' })).toEqual({ ca: undefined, cert: undefined, key: undefined });
   });
 });
 

@@ -18,17 +18,86 @@ export function parseDuration(field: string, v: string): number {
 
 const SIZE_UNITS: Record<string, number> = { '': 1, b: 1, kib: 1024, mib: 1024 ** 2, gib: 1024 ** 3 };
 
-/** Parses '4MiB', '512KiB' or a bare number of bytes. */
 /**
- * The servers of FF_NATS_URL: one nats:// URL or several, comma-separated (the servers of one
- * cluster). Throws InvalidArgumentError naming `field` otherwise.
+ * The servers of FF_NATS_URL: one nats:// or tls:// URL or several, comma-separated (the
+ * servers of one cluster). Throws InvalidArgumentError naming `field` otherwise.
  */
 export function natsServers(field: string, v: string): string[] {
   const urls = v.split(',').map((u) => u.trim());
-  if (!urls.every((u) => /^nats:\/\/\S+$/.test(u))) throw new InvalidArgumentError(field, 'must be a nats:// URL, or several separated by commas (servers of one cluster)');
+  if (!urls.every((u) => /^(nats|tls):\/\/\S+$/.test(u))) throw new InvalidArgumentError(field, 'must be a nats:// or tls:// URL, or several separated by commas (servers of one cluster)');
   return urls;
 }
 
+/**
+ * A TLS client's PEM files: <prefix>_CA, the CA the servers' certificates chain to ('': the
+ * system roots); <prefix>_CERT and <prefix>_KEY, a client certificate (chain) and its private
+ * key, both set or both ''.
+ */
+export interface TlsClientFiles {
+  /** Which variables name the files (FF_ETCD_CA, ... or FF_NATS_CA, ...). */
+  readonly prefix: 'FF_ETCD' | 'FF_NATS';
+  readonly ca: string;
+  readonly cert: string;
+  readonly key: string;
+}
+
+/** <prefix>_CA, _CERT and _KEY from `env`; undefined when none is set. */
+function tlsClientFiles(prefix: TlsClientFiles['prefix'], env: NodeJS.ProcessEnv): TlsClientFiles | undefined {
+  const ca = env[`${prefix}_CA`] ?? '';
+  const cert = env[`${prefix}_CERT`] ?? '';
+  const key = env[`${prefix}_KEY`] ?? '';
+  if (cert && !key) throw new InvalidArgumentError(`${prefix}_KEY`, `is required with ${prefix}_CERT (the client certificate's private key, PEM)`);
+  if (key && !cert) throw new InvalidArgumentError(`${prefix}_CERT`, `is required with ${prefix}_KEY (the client certificate, PEM)`);
+  return ca || cert ? Object.freeze({ prefix, ca, cert, key }) : undefined;
+}
+
+/**
+ * TLS to etcd: on with https:// endpoints (verified against the system roots unless FF_ETCD_CA
+ * is set) or with FF_ETCD_CA / FF_ETCD_CERT + FF_ETCD_KEY; undefined: plain text. An http://
+ * endpoint with TLS files set is a mistake, and so is a list mixing http:// and https://.
+ */
+export function etcdTls(endpoints: readonly string[], env: NodeJS.ProcessEnv): TlsClientFiles | undefined {
+  const files = tlsClientFiles('FF_ETCD', env);
+  const https = endpoints.some((u) => /^https:\/\//i.test(u));
+  const http = endpoints.some((u) => /^http:\/\//i.test(u));
+  if (https && http) throw new InvalidArgumentError('FF_ETCD_ENDPOINTS', 'mixes http:// and https:// endpoints: the members of one cluster speak one or the other');
+  if (files && http) throw new InvalidArgumentError('FF_ETCD_ENDPOINTS', `is http:// (plain text) while ${files.cert ? 'FF_ETCD_CERT' : 'FF_ETCD_CA'} is set: use https:// endpoints`);
+  return files ?? (https ? Object.freeze({ prefix: 'FF_ETCD', ca: '', cert: '', key: '' } as const) : undefined);
+}
+
+/**
+ * TLS to NATS: on with tls:// URLs in FF_NATS_URL (verified against the system roots unless
+ * FF_NATS_CA is set) or with FF_NATS_CA / FF_NATS_CERT + FF_NATS_KEY; the client then refuses a
+ * server that does not speak TLS. Undefined: as the server asks (nats.js upgrades when a server
+ * requires TLS, and verifies it against the system roots).
+ */
+export function natsTls(urls: readonly string[], env: NodeJS.ProcessEnv): TlsClientFiles | undefined {
+  return tlsClientFiles('FF_NATS', env) ?? (urls.some((u) => u.startsWith('tls://')) ? Object.freeze({ prefix: 'FF_NATS', ca: '', cert: '', key: '' } as const) : undefined);
+}
+
+/** The PEM contents of a TLS client's files, read once at start-up. */
+export interface TlsClientPem {
+  /** Undefined: the system roots. */
+  readonly ca: Buffer | undefined;
+  /** Undefined (with `key`): no client certificate. */
+  readonly cert: Buffer | undefined;
+  readonly key: Buffer | undefined;
+}
+
+/** Reads `files`; one that cannot be read fails naming its variable. */
+export function readTlsClientFiles(files: TlsClientFiles): TlsClientPem {
+  const read = (suffix: 'CA' | 'CERT' | 'KEY', path: string): Buffer | undefined => {
+    if (!path) return undefined;
+    try {
+      return readFileSync(path);
+    } catch (e) {
+      throw new InvalidArgumentError(`${files.prefix}_${suffix}`, `cannot read ${path}: ${(e as Error).message}`, { cause: e });
+    }
+  };
+  return { ca: read('CA', files.ca), cert: read('CERT', files.cert), key: read('KEY', files.key) };
+}
+
+/** Parses '4MiB', '512KiB' or a bare number of bytes. */
 export function parseBytes(field: string, v: string): number {
   const m = /^(\d+)\s*(b|kib|mib|gib)?$/i.exec(v.trim());
   const n = m ? Number(m[1]) * (SIZE_UNITS[(m[2] ?? '').toLowerCase()] ?? 1) : NaN;
@@ -46,10 +115,18 @@ export interface SchedulerConfig {
   readonly id: string;
   /** FF_GRPC_ADDR: where the Fleet API listens. */
   readonly grpcAddr: string;
-  /** FF_ETCD_ENDPOINTS: comma-separated etcd client URLs. */
+  /** FF_ETCD_ENDPOINTS: comma-separated etcd client URLs (http://, or https:// for TLS). */
   readonly etcdEndpoints: readonly string[];
-  /** FF_NATS_URL: nats:// URLs of one NATS cluster, comma-separated (the client tries each). */
+  /**
+   * FF_ETCD_CA, FF_ETCD_CERT, FF_ETCD_KEY (PEM files): TLS to etcd (etcdTls). CA alone: the
+   * members' certificates are verified against it; CERT and KEY: the client certificate a
+   * member with client-certificate authentication asks for. Undefined: plain text.
+   */
+  readonly etcdTls: TlsClientFiles | undefined;
+  /** FF_NATS_URL: nats:// (or tls://) URLs of one NATS cluster, comma-separated (the client tries each). */
   readonly natsUrl: string;
+  /** FF_NATS_CA, FF_NATS_CERT, FF_NATS_KEY (PEM files): TLS to NATS, as etcdTls (natsTls). */
+  readonly natsTls: TlsClientFiles | undefined;
   /**
    * FF_NATS_STREAM_REPLICAS: copies of each JetStream stream (work, results, events), 1-5. Set
    * it to 3 with a NATS cluster of 3 or more servers so that losing one loses no work; an
@@ -174,12 +251,14 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const etcdEndpoints = etcd.split(',').map((s) => s.trim()).filter(Boolean);
   if (etcdEndpoints.length === 0) throw new InvalidArgumentError('FF_ETCD_ENDPOINTS', 'must list at least one endpoint');
   if (!/^[1-5]$/.test(natsReplicas)) throw new InvalidArgumentError(nr, `must be an integer in [1, 5], got ${JSON.stringify(natsReplicas)}`);
-  natsServers(nu, natsUrl);
+  const natsUrls = natsServers(nu, natsUrl);
   const cfg: SchedulerConfig = {
     id,
     grpcAddr: addr(ga, grpcAddr),
     etcdEndpoints,
+    etcdTls: etcdTls(etcdEndpoints, env),
     natsUrl,
+    natsTls: natsTls(natsUrls, env),
     natsStreamReplicas: Number(natsReplicas),
     natsNkeyFile,
     suspectAfterMs: parseDuration(sa, suspect),

@@ -9,12 +9,12 @@ import { connect } from 'nats';
 import type { NatsConnection } from 'nats';
 import type { Logger } from 'pino';
 import { Registry, Counter, Histogram, Gauge, collectDefaultMetrics } from 'prom-client';
-import { natsServers, type SchedulerConfig } from './config.ts';
+import { natsServers, readTlsClientFiles, type SchedulerConfig } from './config.ts';
 import type { FleetStore } from './domain/ports.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
-import { nkeyConnectOptions } from './adapters/nats/auth.ts';
+import { natsTlsOptions, nkeyConnectOptions } from './adapters/nats/auth.ts';
 import { startGrpcServer } from './adapters/grpc/server.ts';
 import { fleetServerCredentials } from './adapters/grpc/tls.ts';
 import { Authenticator } from './auth/tokens.ts';
@@ -78,6 +78,9 @@ export interface SchedulerSeams {
 }
 
 export async function startScheduler(config: SchedulerConfig, log: Logger, seams: SchedulerSeams = {}): Promise<SchedulerHandle> {
+  // Read before anything starts: a TLS file that cannot be read fails start-up naming its variable.
+  const etcdTls = config.etcdTls ? readTlsClientFiles(config.etcdTls) : undefined;
+  const natsTls = config.natsTls ? readTlsClientFiles(config.natsTls) : undefined;
   const clock = systemClock;
   const registry = new Registry();
   collectDefaultMetrics({ register: registry });
@@ -87,7 +90,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const metrics = schedulerMetrics(registry);
   const signing = loadSigningKey(config.signingKeyPath, 'scheduler-1');
 
-  const store = EtcdFleetStore.connect([...config.etcdEndpoints]);
+  const store = EtcdFleetStore.connect([...config.etcdEndpoints], etcdTls);
   const nc: NatsConnection = await connect({
     servers: natsServers('FF_NATS_URL', config.natsUrl),
     name: `scheduler-${config.id}`,
@@ -97,6 +100,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     // cost of sending a host step); a timed-out request still fails with a named NatsError.
     noAsyncTraces: true,
     ...(config.natsNkeyFile ? nkeyConnectOptions(config.natsNkeyFile) : {}),
+    ...natsTlsOptions(natsTls),
   });
   const bus = await NatsWorkBus.create(nc, config.natsStreamReplicas);
   const heard = new HeartbeatRegistry();

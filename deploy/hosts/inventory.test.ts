@@ -8,12 +8,19 @@ import { renderFiles, type Secrets } from './render.ts';
 const example = (): Record<string, unknown> => JSON.parse(readFileSync(join(import.meta.dirname, 'inventory.example.json'), 'utf8')) as Record<string, unknown>;
 
 
+const pairs = (ids: string[], tag: string): Map<string, { cert: string; key: string }> => new Map(ids.map((id) => [id, { cert: `${tag}-CERT-${id}\n`, key: `${tag}-KEY-${id}\n` }]));
+
 const secrets: Secrets = {
   caCert: 'CA\n',
   schedulerTls: new Map([
     ['sched-1', { cert: 'C1\n', key: 'K1\n' }],
     ['sched-2', { cert: 'C2\n', key: 'K2\n' }],
   ]),
+  etcdCaCert: 'ETCD-CA\n',
+  etcdMemberTls: pairs(['etcd-1', 'etcd-2', 'etcd-3'], 'ETCD-MEMBER'),
+  etcdClientTls: pairs(['sched-1', 'sched-2'], 'ETCD-CLIENT'),
+  natsServerTls: pairs(['nats-1', 'nats-2', 'nats-3'], 'NATS-SERVER'),
+  natsClientTls: pairs(['scheduler-sched-1', 'scheduler-sched-2', 'host-kvm-01', 'host-kvm-02', 'host-kvm-03'], 'NATS-CLIENT'),
   signingKey: 'SIGN\n',
   signingPub: 'PUB\n',
   nkeys: new Map(['scheduler', 'host-kvm-01', 'host-kvm-02', 'host-kvm-03'].map((id) => [id, { seed: `SEED-${id}`, pub: `PUB-${id}` }])),
@@ -67,25 +74,72 @@ describe('renderFiles', () => {
 
   it('renderFiles_givesEachMachineOnlyItsRolesFiles', () => {
     const of = (m: string): string[] => files.filter((f) => f.path.startsWith(`machines/${m}/`)).map((f) => f.path.slice(`machines/${m}/`.length)).sort();
-    expect(of('cp-3')).toEqual(['etc/default/etcd', 'etc/nats-server.conf', 'etc/systemd/system/nats-server.service.d/forkfleet.conf']);
-    expect(of('kvm-02')).toEqual(['etc/forkfleet/agent.env', 'etc/forkfleet/agent/nats.nk', 'etc/forkfleet/agent/trusted.pem', 'etc/systemd/system/forkfleet-agent.service']);
-    // A host never receives the signing key, another host's NKey or the schedulers' secrets.
+    expect(of('cp-3')).toEqual([
+      'etc/default/etcd',
+      'etc/forkfleet/etcd/ca.crt',
+      'etc/forkfleet/etcd/member.crt',
+      'etc/forkfleet/etcd/member.key',
+      'etc/forkfleet/nats/ca.crt',
+      'etc/forkfleet/nats/server.crt',
+      'etc/forkfleet/nats/server.key',
+      'etc/nats-server.conf',
+      'etc/systemd/system/etcd.service.d/forkfleet.conf',
+      'etc/systemd/system/nats-server.service.d/forkfleet.conf',
+    ]);
+    expect(of('kvm-02')).toEqual([
+      'etc/forkfleet/agent.env',
+      'etc/forkfleet/agent/ca.crt',
+      'etc/forkfleet/agent/nats.crt',
+      'etc/forkfleet/agent/nats.key',
+      'etc/forkfleet/agent/nats.nk',
+      'etc/forkfleet/agent/trusted.pem',
+      'etc/systemd/system/forkfleet-agent.service',
+    ]);
+    // A host never receives the signing key, another host's NKey or key, the schedulers'
+    // secrets, or anything of etcd's (its CA signs only what etcd admits).
     const kvm = files.filter((f) => f.path.startsWith('machines/kvm-02/')).map((f) => f.content).join('');
-    expect(kvm).not.toContain('SIGN');
-    expect(kvm).not.toContain('SEED-host-kvm-01');
-    expect(kvm).not.toContain('SEED-scheduler');
+    for (const other of ['SIGN', 'SEED-host-kvm-01', 'SEED-scheduler', 'NATS-CLIENT-KEY-host-kvm-01', 'NATS-CLIENT-KEY-scheduler', 'ETCD']) expect(kvm).not.toContain(other);
+    expect(kvm).toContain('NATS-CLIENT-KEY-host-kvm-02');
   });
 
   it('renderFiles_secretFilesAreRootOnly', () => {
-    const secret = files.filter((f) => /signing\.pem$|\.nk$|tls\.key$/.test(f.path));
-    // 2 schedulers x (signing key, NKey, TLS key) + 3 hosts' NKeys.
-    expect(secret).toHaveLength(9);
+    const secret = files.filter((f) => /signing\.pem$|\.nk$|\.key$/.test(f.path));
+    // 2 schedulers x (signing key, NKey, API, etcd and NATS TLS keys) + 3 hosts x (NKey, NATS TLS
+    // key) + 3 etcd members' keys + 3 NATS servers' keys.
+    expect(secret).toHaveLength(22);
     for (const f of secret) expect([f.path, f.mode]).toEqual([f.path, 0o600]);
   });
 
-  it('renderFiles_natsConfig_routesToTheOtherServersAndGivesEachHostItsOwnUser', () => {
-    const conf = JSON.parse(file('machines/cp-2/etc/nats-server.conf').replace(/^#.*\n/, '')) as { cluster: { routes: string[] }; authorization: { users: Array<{ nkey: string; permissions?: { publish: { allow: string[] } } }> } };
+  it('renderFiles_etcdSpeaksOnlyTlsAndAdmitsOnlyClientCertificatesOfItsOwnCa', () => {
+    const etcd = Object.fromEntries(file('machines/cp-2/etc/default/etcd').split('\n').filter((l) => /^ETCD_/.test(l)).map((l) => l.split(/=(.*)/s).slice(0, 2) as [string, string]));
+    for (const k of ['ETCD_LISTEN_CLIENT_URLS', 'ETCD_ADVERTISE_CLIENT_URLS', 'ETCD_LISTEN_PEER_URLS', 'ETCD_INITIAL_ADVERTISE_PEER_URLS']) expect(etcd[k]).toMatch(/^https:\/\/10\.0\.0\.12:\d+$/);
+    expect(etcd.ETCD_INITIAL_CLUSTER!.split(',').every((m) => /=https:\/\//.test(m))).toBe(true);
+    expect(etcd).toMatchObject({ ETCD_CLIENT_CERT_AUTH: 'true', ETCD_PEER_CLIENT_CERT_AUTH: 'true', ETCD_TRUSTED_CA_FILE: '/run/credentials/etcd.service/ca.crt', ETCD_PEER_TRUSTED_CA_FILE: '/run/credentials/etcd.service/ca.crt' });
+    expect(file('machines/cp-2/etc/forkfleet/etcd/ca.crt')).toBe('ETCD-CA\n');
+    expect(file('machines/cp-2/etc/forkfleet/etcd/member.key')).toBe('ETCD-MEMBER-KEY-etcd-2\n');
+    // The drop-in hands the member its files: every ETCD_*_FILE is one of its credentials.
+    const dropIn = file('machines/cp-2/etc/systemd/system/etcd.service.d/forkfleet.conf');
+    for (const [k, v] of Object.entries(etcd)) if (k.endsWith('_FILE')) expect(dropIn).toContain(`LoadCredential=${v.slice('/run/credentials/etcd.service/'.length)}:/etc/forkfleet/etcd/`);
+    const sched = file('machines/cp-1/etc/forkfleet/scheduler.env');
+    expect(sched).toMatch(/^FF_ETCD_ENDPOINTS=https:\/\/10\.0\.0\.11:2379,https:\/\/10\.0\.0\.12:2379,https:\/\/10\.0\.0\.13:2379$/m);
+    expect(sched).toMatch(/^FF_ETCD_CERT=\/run\/credentials\/forkfleet-scheduler\.service\/etcd\.crt$/m);
+    expect(file('machines/cp-1/etc/forkfleet/scheduler/etcd.key')).toBe('ETCD-CLIENT-KEY-sched-1\n');
+  });
+
+  it('renderFiles_natsConfig_routesToTheOtherServersOverTlsAndGivesEachHostItsOwnUser', () => {
+    type Tls = { cert_file: string; key_file: string; ca_file: string; verify: boolean };
+    const conf = JSON.parse(file('machines/cp-2/etc/nats-server.conf').replace(/^#.*\n/, '')) as { tls: Tls; cluster: { routes: string[]; tls: Tls }; authorization: { users: Array<{ nkey: string; permissions?: { publish: { allow: string[] } } }> } };
     expect(conf.cluster.routes).toEqual(['nats-route://forkfleet-route:route-secret@10.0.0.11:6222', 'nats-route://forkfleet-route:route-secret@10.0.0.13:6222']);
+    const tls = { cert_file: '/run/credentials/nats-server.service/server.crt', key_file: '/run/credentials/nats-server.service/server.key', ca_file: '/run/credentials/nats-server.service/ca.crt', verify: true };
+    expect(conf.tls).toMatchObject(tls);
+    expect(conf.cluster.tls).toMatchObject(tls);
+    expect(file('machines/cp-2/etc/forkfleet/nats/server.key')).toBe('NATS-SERVER-KEY-nats-2\n');
+    expect(file('machines/cp-2/etc/systemd/system/nats-server.service.d/forkfleet.conf')).toMatch(/^LoadCredential=server\.key:\/etc\/forkfleet\/nats\/server\.key$/m);
+    // Processes dial tls:// with the fleet CA and their own client certificate.
+    const agent = file('machines/kvm-03/etc/forkfleet/agent.env');
+    expect(agent).toMatch(/^FF_NATS_URL=tls:\/\/10\.0\.0\.11:4222,tls:\/\/10\.0\.0\.12:4222,tls:\/\/10\.0\.0\.13:4222$/m);
+    expect(agent).toMatch(/^FF_NATS_KEY=\/etc\/forkfleet\/agent\/nats\.key$/m);
+    expect(file('machines/kvm-03/etc/forkfleet/agent/ca.crt')).toBe('CA\n');
     const host = conf.authorization.users.find((u) => u.nkey === 'PUB-host-kvm-03');
     expect(host?.permissions?.publish.allow).toContain('ff.result.kvm-03');
     expect(conf.authorization.users.find((u) => u.nkey === 'PUB-scheduler')?.permissions).toBeUndefined();

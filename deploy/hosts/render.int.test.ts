@@ -2,21 +2,26 @@
 // started from its /etc/default/etcd files, a 3-server NATS cluster from its
 // nats-server.conf files, and two scheduler replicas from their scheduler.env files, each on
 // its own loopback address (127.0.0.x) as if on its own machine. Only the paths that name
-// the machine's file system (data directories, systemd's credentials directory) are
-// rewritten to this test's directory. The systemd units pass `systemd-analyze verify`.
+// the machine's file system (data directories, the agent's /etc/forkfleet) are rewritten to
+// this test's directory, and systemd's credentials directories are made from the units'
+// LoadCredential lines as systemd makes them. etcd and NATS speak TLS only, with client
+// certificates. The systemd units pass `systemd-analyze verify`.
 import { spawnSync } from 'node:child_process';
-import { mkdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { copyFileSync, mkdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { get as httpsGet } from 'node:https';
+import { connect as tcpConnect } from 'node:net';
 import { join, resolve } from 'node:path';
-import { connect, ErrorCode, RetentionPolicy, type NatsConnection } from 'nats';
+import { Etcd3 } from 'etcd3';
+import { connect, ErrorCode, RetentionPolicy, type ConnectionOptions, type NatsConnection } from 'nats';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { freePort, spawnManaged, tempDir, waitFor, type ManagedProcess } from '../../services/testkit/proc.ts';
-import { nkeyConnectOptions, agentConnectOptions } from '../../services/adapters/nats/auth.ts';
+import { nkeyConnectOptions, agentConnectOptions, natsTlsOptions } from '../../services/adapters/nats/auth.ts';
 import { STREAM_RESULTS, STREAM_WORK, subjects } from '../../services/adapters/nats/subjects.ts';
 import { compileAgentConfig } from '../../host-agent/config.ts';
-import { compileSchedulerConfig } from '../../services/config.ts';
+import { compileSchedulerConfig, natsTls, readTlsClientFiles } from '../../services/config.ts';
 import { fleetApiClient } from '../fleet/api-credentials.ts';
 import { parseInventory, type Inventory } from './inventory.ts';
-import { render, SCHEDULER_CREDENTIALS } from './render.ts';
+import { ETCD_CREDENTIALS, NATS_CREDENTIALS, render, SCHEDULER_CREDENTIALS } from './render.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 
@@ -30,11 +35,31 @@ function envFile(path: string): Record<string, string> {
   return out;
 }
 
+/**
+ * What systemd makes of a unit's LoadCredential=ID:PATH lines: a directory holding a copy of
+ * each PATH (on the machine `root`) named ID, in this test's directory. Returns it.
+ */
+function loadCredentials(unitPath: string, root: string, into: string): string {
+  mkdirSync(into, { recursive: true, mode: 0o700 });
+  for (const m of readFileSync(unitPath, 'utf8').matchAll(/^LoadCredential=([^:\s]+):(\S+)$/gm)) copyFileSync(join(root, m[2]!), join(into, m[1]!));
+  return into;
+}
+
+/** Rewrites every value of `env` that names `from` to name `to` instead. */
+const rebase = (env: Record<string, string>, from: string, to: string): Record<string, string> => Object.fromEntries(Object.entries(env).map(([k, v]) => [k, v.replaceAll(from, to)]));
+
 let dir: string;
 let out: string;
 let inv: Inventory;
 const procs: ManagedProcess[] = [];
 const machine = (m: string): string => join(out, 'machines', m);
+/** Every file the first render wrote: path, content and mode. */
+let firstRender: Array<[string, string, number]>;
+const snapshot = (files: string[]): Array<[string, string, number]> => files.map((f) => [f, readFileSync(join(out, f), 'utf8'), statSync(join(out, f)).mode & 0o777]);
+/** Each scheduler's environment as its process sees it (credentials and tokens file rebased). */
+const schedulerEnv = new Map<string, Record<string, string>>();
+/** The agent of host kvm-01's environment, its /etc/forkfleet rebased onto its machine directory. */
+const agentEnv = (): Record<string, string> => rebase(envFile(join(machine('127.0.0.41'), 'etc/forkfleet/agent.env')), '/etc/forkfleet/', `${join(machine('127.0.0.41'), 'etc/forkfleet')}/`);
 
 beforeAll(async () => {
   dir = tempDir('ff-render-');
@@ -51,27 +76,40 @@ beforeAll(async () => {
     controlCidrs: ['127.0.0.0/8'],
     ports: { etcdClient, etcdPeer, natsClient, natsCluster, natsMonitor, api, metrics },
   });
-  render(inv, out);
+  firstRender = snapshot(render(inv, out));
 
-  // etcd members: the rendered ETCD_* variables, with a data directory of this test's.
+  // etcd members: the rendered ETCD_* variables, with a data directory of this test's and the
+  // TLS files their drop-in hands over.
   for (const [i, m] of inv.etcd.entries()) {
-    const env = { ...envFile(join(machine(m.machine), 'etc/default/etcd')), ETCD_DATA_DIR: join(dir, `etcd-${i}`), ETCD_LOG_LEVEL: 'warn' };
+    const root = machine(m.machine);
+    const creds = loadCredentials(join(root, 'etc/systemd/system/etcd.service.d/forkfleet.conf'), root, join(dir, 'credentials', m.machine, 'etcd.service'));
+    const env = { ...rebase(envFile(join(root, 'etc/default/etcd')), ETCD_CREDENTIALS, creds), ETCD_DATA_DIR: join(dir, `etcd-${i}`), ETCD_LOG_LEVEL: 'warn' };
     procs.push(spawnManaged({ name: m.name, command: 'etcd', args: [], env: { PATH: process.env.PATH, ...env }, logPath: join(dir, `${m.name}.log`) }));
   }
-  // NATS servers: the rendered config, with a JetStream store of this test's.
+  // NATS servers: the rendered config, with a JetStream store of this test's and the TLS files
+  // their drop-in hands over.
   for (const [i, m] of inv.nats.entries()) {
-    const text = readFileSync(join(machine(m.machine), 'etc/nats-server.conf'), 'utf8').replace(/^#.*\n/, '');
+    const root = machine(m.machine);
+    const creds = loadCredentials(join(root, 'etc/systemd/system/nats-server.service.d/forkfleet.conf'), root, join(dir, 'credentials', m.machine, 'nats-server.service'));
+    const text = readFileSync(join(root, 'etc/nats-server.conf'), 'utf8').replace(/^#.*\n/, '').replaceAll(NATS_CREDENTIALS, creds);
     const conf = JSON.parse(text) as { jetstream: { store_dir: string } };
     conf.jetstream.store_dir = join(dir, `js-${i}`);
     const path = join(dir, `nats-${i}.conf`);
     writeFileSync(path, JSON.stringify(conf));
     procs.push(spawnManaged({ name: m.name, command: 'nats-server', args: ['-c', path], logPath: join(dir, `${m.name}.log`) }));
   }
-  await Promise.all(inv.etcd.map((m) => waitFor(`${m.name} healthy`, async () => fetch(`http://${m.address}:${etcdClient}/health`).then((r) => r.ok, () => false), 30_000, 100)));
+  // Schedulers' environments: the rendered scheduler.env; systemd's credentials directory is
+  // made from their unit's LoadCredential lines, and the tokens file is the rendered one.
+  for (const m of inv.schedulers) {
+    const root = machine(m.machine);
+    const creds = loadCredentials(join(root, 'etc/systemd/system/forkfleet-scheduler.service'), root, join(dir, 'credentials', m.machine, 'forkfleet-scheduler.service'));
+    schedulerEnv.set(m.name, rebase(rebase(envFile(join(root, 'etc/forkfleet/scheduler.env')), SCHEDULER_CREDENTIALS, creds), '/etc/forkfleet/tokens.json', join(root, 'etc/forkfleet/tokens.json')));
+  }
+  await Promise.all(inv.etcd.map((m) => waitFor(`${m.name} healthy`, () => etcdHealthy(m.address, schedulerEnv.get('sched-1')!), 30_000, 100)));
   await Promise.all(inv.nats.map((m) => waitFor(`${m.name} ready`, async () => fetch(`http://${m.address}:${natsMonitor}/healthz`).then((r) => r.ok, () => false), 30_000, 100)));
   // A work stream made earlier with one copy (an older config): the schedulers must grow it.
   await waitFor('JetStream cluster has a leader', async () => {
-    const nc = await nats(join(machine('cp-1'), 'etc/forkfleet/scheduler/nats.nk'));
+    const nc = await nats(schedulerEnv.get('sched-1')!);
     try {
       await (await nc.jetstreamManager()).streams.add({ name: STREAM_WORK, subjects: ['ff.work.*'], retention: RetentionPolicy.Workqueue, num_replicas: 1 });
       return true;
@@ -82,13 +120,9 @@ beforeAll(async () => {
     }
   }, 30_000, 250);
 
-  // Schedulers: the rendered scheduler.env; systemd's credentials directory is the rendered
-  // directory its LoadCredential lines read from, and the tokens file is the rendered one.
   for (const m of inv.schedulers) {
-    const root = machine(m.machine);
-    const env = Object.fromEntries(Object.entries(envFile(join(root, 'etc/forkfleet/scheduler.env'))).map(([k, v]) => [k, v.replaceAll(SCHEDULER_CREDENTIALS, join(root, 'etc/forkfleet/scheduler')).replaceAll('/etc/forkfleet/tokens.json', join(root, 'etc/forkfleet/tokens.json'))]));
     const logPath = join(dir, `${m.name}.log`);
-    const p = spawnManaged({ name: m.name, command: process.execPath, args: ['--import', 'tsx', join(ROOT, 'services', 'main.ts')], env: { ...process.env, ...env, FF_ELECTION_TTL: '1s' }, logPath, cwd: ROOT });
+    const p = spawnManaged({ name: m.name, command: process.execPath, args: ['--import', 'tsx', join(ROOT, 'services', 'main.ts')], env: { ...process.env, ...schedulerEnv.get(m.name)!, FF_ELECTION_TTL: '1s' }, logPath, cwd: ROOT });
     procs.push(p);
     await waitFor(`${m.name} ready`, async () => {
       if (p.child.exitCode !== null) throw new Error(`${m.name} exited: ${readFileSync(logPath, 'utf8').slice(-1500)}`);
@@ -103,8 +137,53 @@ afterAll(async () => {
   if (dir) rmSync(dir, { recursive: true, force: true });
 });
 
-async function nats(seedFile: string, extra: Parameters<typeof connect>[0] = {}): Promise<NatsConnection> {
-  return connect({ servers: inv.nats.map((m) => `nats://${m.address}:${inv.ports.natsClient}`), ...nkeyConnectOptions(seedFile), ...extra });
+/** A NATS connection as a process with this environment makes it: its URLs, NKey and TLS files. */
+async function nats(env: Record<string, string>, extra: ConnectionOptions = {}): Promise<NatsConnection> {
+  const tls = natsTls(env.FF_NATS_URL!.split(','), env);
+  return connect({ servers: env.FF_NATS_URL!.split(','), ...nkeyConnectOptions(env.FF_NATS_NKEY_FILE!), ...natsTlsOptions(tls ? readTlsClientFiles(tls) : undefined), ...extra });
+}
+
+/**
+ * How a TLS server that wants a client certificate turns a client away: its alert (Go sends
+ * "bad certificate", OpenSSL's alert 42), or, when the connection is closed before the client
+ * has read the alert, a reset.
+ */
+const REFUSED_HANDSHAKE = /bad certificate|certificate required|ECONNRESET/;
+
+/** The status of an https GET with these PEM files, or the error's message. */
+function httpsStatus(url: string, files: { ca: string; cert: string; key: string }): Promise<number | string> {
+  return new Promise((res) => {
+    const req = httpsGet(url, { ca: readFileSync(files.ca), cert: readFileSync(files.cert), key: readFileSync(files.key), timeout: 2000 }, (r) => {
+      r.resume();
+      res(r.statusCode ?? 0);
+    });
+    req.on('error', (e) => res(e.message));
+    req.on('timeout', () => req.destroy());
+  });
+}
+
+/** etcd's /health over https, with the client certificate of a scheduler's environment. */
+async function etcdHealthy(address: string, env: Record<string, string>): Promise<boolean> {
+  return (await httpsStatus(`https://${address}:${inv.ports.etcdClient}/health`, { ca: env.FF_ETCD_CA!, cert: env.FF_ETCD_CERT!, key: env.FF_ETCD_KEY! })) === 200;
+}
+
+/**
+ * What a NATS port does with a client that speaks plain text (CONNECT, then PING, in clear):
+ * the INFO it sent first, if any, and whether it ever answered PONG before closing.
+ */
+function plainTextSession(address: string, port: number): Promise<{ info: Record<string, unknown> | undefined; pong: boolean }> {
+  return new Promise((res) => {
+    const sock = tcpConnect(port, address, () => sock.write('CONNECT {"verbose":false,"pedantic":false}\r\nPING\r\n'));
+    let got = '';
+    const timer = setTimeout(() => sock.destroy(), 10_000);
+    sock.on('data', (b) => (got += b.toString('latin1')));
+    sock.on('error', () => undefined);
+    sock.on('close', () => {
+      clearTimeout(timer);
+      const info = /^INFO (\{.*\}) ?\r\n/.exec(got)?.[1];
+      res({ info: info ? (JSON.parse(info) as Record<string, unknown>) : undefined, pong: got.includes('PONG') });
+    });
+  });
 }
 
 describe('a rendered deployment', () => {
@@ -123,7 +202,7 @@ describe('a rendered deployment', () => {
   });
 
   it('render_ofThreeNatsServers_streamsAreReplicatedThreeTimes_andAnEarlierSingleCopyStreamGrows', async () => {
-    const nc = await nats(join(machine('cp-1'), 'etc/forkfleet/scheduler/nats.nk'));
+    const nc = await nats(schedulerEnv.get('sched-1')!);
     try {
       const jsm = await nc.jetstreamManager();
       for (const s of [STREAM_WORK, STREAM_RESULTS]) expect((await jsm.streams.info(s)).config.num_replicas).toBe(3);
@@ -133,9 +212,9 @@ describe('a rendered deployment', () => {
   });
 
   it('render_hostNkey_readsItsQueueButCannotActForAnotherHost', async () => {
-    const seed = join(machine('127.0.0.41'), 'etc/forkfleet/agent/nats.nk');
-    expect(statSync(seed).mode & 0o777).toBe(0o600);
-    const nc = await nats(seed, { inboxPrefix: agentConnectOptions('kvm-01', undefined).inboxPrefix });
+    const env = agentEnv();
+    expect(statSync(env.FF_NATS_NKEY_FILE!).mode & 0o777).toBe(0o600);
+    const nc = await nats(env, { inboxPrefix: agentConnectOptions('kvm-01', undefined).inboxPrefix });
     try {
       const jsm = await nc.jetstreamManager();
       expect((await jsm.streams.info(STREAM_WORK)).config.name).toBe(STREAM_WORK);
@@ -165,15 +244,68 @@ describe('a rendered deployment', () => {
     const s = compileSchedulerConfig({}, envFile(join(machine('cp-1'), 'etc/forkfleet/scheduler.env')));
     expect(s.natsStreamReplicas).toBe(3);
     expect(s.etcdEndpoints).toHaveLength(3);
+    expect(s.etcdTls).toMatchObject({ ca: `${SCHEDULER_CREDENTIALS}/etcd-ca.crt`, cert: `${SCHEDULER_CREDENTIALS}/etcd.crt` });
+    expect(s.natsTls).toMatchObject({ ca: `${SCHEDULER_CREDENTIALS}/ca.crt`, cert: `${SCHEDULER_CREDENTIALS}/nats.crt` });
+    expect(compileAgentConfig(envFile(join(machine('127.0.0.41'), 'etc/forkfleet/agent.env'))).natsTls).toMatchObject({ ca: '/etc/forkfleet/agent/ca.crt', cert: '/etc/forkfleet/agent/nats.crt' });
+  });
+
+  it('render_etcd_refusesPlainTextAndClientsWithoutAClientCertificate', async () => {
+    const env = schedulerEnv.get('sched-1')!;
+    const member = `${inv.etcd[0]!.address}:${inv.ports.etcdClient}`;
+    // The rendered client certificate is what lets the schedulers in (positive control).
+    const ok = new Etcd3({ hosts: `https://${member}`, credentials: { rootCertificate: readFileSync(env.FF_ETCD_CA!), certChain: readFileSync(env.FF_ETCD_CERT!), privateKey: readFileSync(env.FF_ETCD_KEY!) } });
+    const plain = new Etcd3({ hosts: `http://${member}`, dialTimeout: 2000 });
+    const noCert = new Etcd3({ hosts: `https://${member}`, dialTimeout: 2000, credentials: { rootCertificate: readFileSync(env.FF_ETCD_CA!) } });
+    try {
+      await ok.put('ff-render-test').value('1');
+      await expect(plain.get('ff-render-test').string()).rejects.toThrow(/UNAVAILABLE/);
+      await expect(noCert.get('ff-render-test').string()).rejects.toThrow(REFUSED_HANDSHAKE);
+    } finally {
+      for (const c of [ok, plain, noCert]) c.close();
+    }
+    // HTTP in clear gets no answer from the API either.
+    expect(await fetch(`http://${member}/health`).then((r) => r.ok, () => false)).toBe(false);
+    // The peer port admits members' certificates only, not a scheduler's.
+    const peer = `https://${inv.etcd[0]!.address}:${inv.ports.etcdPeer}/version`;
+    const etcdDir = join(machine(inv.etcd[0]!.machine), 'etc/forkfleet/etcd');
+    expect(await httpsStatus(peer, { ca: env.FF_ETCD_CA!, cert: join(etcdDir, 'member.crt'), key: join(etcdDir, 'member.key') })).toBe(200);
+    expect(await httpsStatus(peer, { ca: env.FF_ETCD_CA!, cert: env.FF_ETCD_CERT!, key: env.FF_ETCD_KEY! })).toMatch(REFUSED_HANDSHAKE);
+  });
+
+  it('render_nats_refusesPlainTextOnClientAndRoutePorts_andTlsClientsWithoutACertificate', async () => {
+    // The client port says it requires TLS, then fails the handshake on the plain text; the
+    // route port speaks TLS from its first byte. Neither ever answers.
+    const [client, route] = await Promise.all([inv.ports.natsClient, inv.ports.natsCluster].map((port) => plainTextSession(inv.nats[1]!.address, port)));
+    expect({ tlsRequired: client!.info?.tls_required, pong: client!.pong }).toEqual({ tlsRequired: true, pong: false });
+    expect({ info: route!.info, pong: route!.pong }).toEqual({ info: undefined, pong: false });
+    // The CA and a valid NKey, but no client certificate: the TLS handshake fails.
+    const env = schedulerEnv.get('sched-1')!;
+    const refused = await nats({ ...env, FF_NATS_CERT: '', FF_NATS_KEY: '' }, { maxReconnectAttempts: 0, reconnect: false, timeout: 5000 }).then(
+      async (nc) => {
+        await nc.close();
+        return 'connected';
+      },
+      (e: unknown) => String(e),
+    );
+    expect(refused).toMatch(REFUSED_HANDSHAKE);
+    // With its certificate, the same client gets in.
+    await (await nats(env, { maxReconnectAttempts: 0, reconnect: false, timeout: 5000 })).close();
   });
 
   it('render_systemdUnits_passSystemdAnalyzeVerify', () => {
-    // Verified as installed: the unit under /etc/systemd/system/ of a scratch root.
-    for (const [m, u] of [['cp-1', 'forkfleet-scheduler.service'], ['127.0.0.41', 'forkfleet-agent.service']] as const) {
-      const unitDir = join(dir, 'verify', m);
+    // Verified as installed: the unit, or Debian's unit with the rendered drop-in, side by side in a scratch directory.
+    for (const [m, u] of [['cp-1', 'forkfleet-scheduler.service'], ['127.0.0.41', 'forkfleet-agent.service'], ['cp-1', 'etcd.service'], ['cp-1', 'nats-server.service']] as const) {
+      const unitDir = join(dir, 'verify', m, u);
       mkdirSync(unitDir, { recursive: true });
       const path = join(unitDir, u);
-      writeFileSync(path, readFileSync(join(machine(m), 'etc/systemd/system', u)));
+      const dropIn = join(machine(m), 'etc/systemd/system', `${u}.d`, 'forkfleet.conf');
+      if (u === 'etcd.service' || u === 'nats-server.service') {
+        writeFileSync(path, readFileSync(join('/lib/systemd/system', u)));
+        mkdirSync(`${path}.d`);
+        writeFileSync(join(`${path}.d`, 'forkfleet.conf'), readFileSync(dropIn));
+      } else {
+        writeFileSync(path, readFileSync(join(machine(m), 'etc/systemd/system', u)));
+      }
       // A directive it cannot parse is only a warning on stderr, with exit status 0: both count.
       const r = spawnSync('systemd-analyze', ['verify', path], { encoding: 'utf8' });
       expect({ unit: u, status: r.status, stderr: r.stderr.trim() }).toEqual({ unit: u, status: 0, stderr: '' });
@@ -181,11 +313,10 @@ describe('a rendered deployment', () => {
   });
 
   it('render_again_keepsEverySecretAndChangesNoFile', () => {
-    const files = ['machines/cp-1/etc/forkfleet/scheduler/signing.pem', 'machines/cp-1/etc/nats-server.conf', 'machines/127.0.0.42/etc/forkfleet/agent/nats.nk', 'machines/cp-2/etc/forkfleet/scheduler/tls.crt'];
-    const before = files.map((f) => readFileSync(join(out, f), 'utf8'));
+    expect(firstRender.map(([f]) => f)).toEqual(expect.arrayContaining(['machines/cp-1/etc/forkfleet/scheduler/signing.pem', 'machines/cp-1/etc/forkfleet/etcd/member.key', 'machines/127.0.0.42/etc/forkfleet/agent/nats.key']));
     const credentials = readFileSync(join(out, 'credentials.json'), 'utf8');
-    render(inv, out);
-    expect(files.map((f) => readFileSync(join(out, f), 'utf8'))).toEqual(before);
+    // The same files, each with the same content and mode, as the first render's.
+    expect(snapshot(render(inv, out))).toEqual(firstRender);
     // The admin token is minted once: the credentials and the tokens file stay as they were.
     expect(readFileSync(join(out, 'credentials.json'), 'utf8')).toBe(credentials);
     expect(JSON.parse(readFileSync(join(out, 'secrets/tokens.json'), 'utf8')).tokens).toHaveLength(1);

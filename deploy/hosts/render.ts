@@ -3,18 +3,28 @@
 //
 //   npm run deploy:render -- --inventory deploy/hosts/inventory.example.json --out DIR
 //
-// DIR/secrets/   the CA (its key never leaves here), the schedulers' signing key, NATS NKeys,
-//                the NATS route password and the tokens file. Kept between renders: render
-//                again after editing the inventory (a new host, a new scheduler) and only
-//                what is missing is made; nothing is rotated.
+// DIR/secrets/   the CAs (their keys never leave here), every TLS certificate and key, the
+//                schedulers' signing key, NATS NKeys, the NATS route password and the tokens
+//                file. Kept between renders: render again after editing the inventory (a new
+//                host, a new scheduler) and only what is missing is made; nothing is rotated
+//                (a certificate is re-issued only in its last 30 days or when its address changed).
 // DIR/machines/<machine>/   everything that machine needs, laid out from / (copy with
 //                COPY_COMMAND below, which keeps existing directories' owner and mode):
 //   etc/default/etcd                      an etcd member (Debian's etcd.service reads it)
+//   etc/forkfleet/etcd/*, etc/systemd/system/etcd.service.d/forkfleet.conf   its TLS files
 //   etc/nats-server.conf                  a NATS server (Debian's nats-server.service reads it)
-//   etc/systemd/system/nats-server.service.d/forkfleet.conf
+//   etc/forkfleet/nats/*, etc/systemd/system/nats-server.service.d/forkfleet.conf
 //   etc/forkfleet/scheduler.env, etc/forkfleet/scheduler/*, etc/forkfleet/tokens.json,
 //   etc/systemd/system/forkfleet-scheduler.service
 //   etc/forkfleet/agent.env, etc/forkfleet/agent/*, etc/systemd/system/forkfleet-agent.service
+//
+// Control-plane TLS: etcd serves clients and peers over TLS and admits only client
+// certificates of its own CA (secrets/etcd/), which signs nothing but the members' and the
+// schedulers' etcd certificates: no other machine's key opens etcd. NATS serves clients and
+// routes over TLS and verifies client certificates of the fleet CA (secrets/ca.crt, which
+// also signs the schedulers' API certificates); NKeys still decide who may do what there.
+// Private keys reach etcd, nats-server and the schedulers through systemd's LoadCredential
+// (the files stay root's, mode 0600); the agent, root itself, reads its own.
 // DIR/credentials.json   an admin token and the CA for the CLI and SDK (FF_CREDENTIALS=...)
 // DIR/INSTALL.md         the steps, per machine, in order
 //
@@ -27,16 +37,33 @@ import { parseArgs } from 'node:util';
 import { nkeys as natsNkeys } from 'nats';
 import { createNkeyFile, hostPermissions, natsAuthorization, type NatsUser } from '../../services/adapters/nats/auth.ts';
 import { mintToken } from '../../services/auth/tokens.ts';
-import { ensureCa, ensureServerCert } from '../pki/pki.ts';
+import { ensureCa, ensureCert, ensureServerCert, type CertUse } from '../pki/pki.ts';
 import { hostPort, parseInventory, type Inventory } from './inventory.ts';
 
 const UNITS = resolve(import.meta.dirname, 'units');
 
+/** PEM of a certificate and its private key. */
+export interface CertPair {
+  readonly cert: string;
+  readonly key: string;
+}
+
 /** What ties the fleet together; made once per DIR/secrets (`ensureSecrets`). */
 export interface Secrets {
+  /** The fleet CA: the schedulers' API certificates, NATS servers' and NATS clients' certificates. */
   readonly caCert: string;
   /** PEM of each scheduler's TLS certificate and key, by scheduler name. */
-  readonly schedulerTls: ReadonlyMap<string, { cert: string; key: string }>;
+  readonly schedulerTls: ReadonlyMap<string, CertPair>;
+  /** etcd's own CA: it signs only the members' and the schedulers' etcd certificates. */
+  readonly etcdCaCert: string;
+  /** Each etcd member's certificate for clients and peers (server and client), by member name. */
+  readonly etcdMemberTls: ReadonlyMap<string, CertPair>;
+  /** Each scheduler's etcd client certificate, by scheduler name. */
+  readonly etcdClientTls: ReadonlyMap<string, CertPair>;
+  /** Each NATS server's certificate for clients and routes (server and client), by server name. */
+  readonly natsServerTls: ReadonlyMap<string, CertPair>;
+  /** NATS client certificates: "scheduler-<name>" and "host-<id>". */
+  readonly natsClientTls: ReadonlyMap<string, CertPair>;
   readonly signingKey: string;
   readonly signingPub: string;
   /** NATS user NKeys: "scheduler" and "host-<id>". */
@@ -55,6 +82,12 @@ export interface RenderedFile {
 
 /** Where a scheduler's secrets are once systemd has loaded them (LoadCredential in its unit). */
 export const SCHEDULER_CREDENTIALS = '/run/credentials/forkfleet-scheduler.service';
+/** Where an etcd member's TLS files are once systemd has loaded them (units/etcd.forkfleet.conf). */
+export const ETCD_CREDENTIALS = '/run/credentials/etcd.service';
+/** Where a NATS server's TLS files are once systemd has loaded them (units/nats-server.forkfleet.conf). */
+export const NATS_CREDENTIALS = '/run/credentials/nats-server.service';
+/** The CN of every etcd member's certificate: the peer port admits these only. */
+const ETCD_MEMBER_CN = 'forkfleet-etcd-member';
 
 const env = (vars: Record<string, string>, header: string): string =>
   `# ${header}\n# Rendered by deploy/hosts/render.ts; variables: services/config.ts and host-agent/config.ts.\n${Object.entries(vars)
@@ -68,15 +101,27 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
   const out: RenderedFile[] = [];
   const put = (machine: string, path: string, content: string, mode = 0o644): void => void out.push({ path: `machines/${machine}/${path}`, content, mode });
   const p = inv.ports;
-  const etcdClient = (m: { address: string }): string => `http://${hostPort(m.address, p.etcdClient)}`;
-  const etcdPeer = (m: { address: string }): string => `http://${hostPort(m.address, p.etcdPeer)}`;
+  const etcdClient = (m: { address: string }): string => `https://${hostPort(m.address, p.etcdClient)}`;
+  const etcdPeer = (m: { address: string }): string => `https://${hostPort(m.address, p.etcdPeer)}`;
   const etcdEndpoints = inv.etcd.map(etcdClient).join(',');
-  const natsUrls = inv.nats.map((m) => `nats://${hostPort(m.address, p.natsClient)}`).join(',');
+  const natsUrls = inv.nats.map((m) => `tls://${hostPort(m.address, p.natsClient)}`).join(',');
   const replicas = inv.nats.length >= 3 ? 3 : 1;
 
-  // etcd: Debian's etcd.service reads /etc/default/etcd (ETCD_* are etcd's flags).
+  // etcd: Debian's etcd.service reads /etc/default/etcd (ETCD_* are etcd's flags). Clients and
+  // peers speak TLS and must show a certificate of etcd's CA; the member's own certificate
+  // serves both listeners and dials the other members. On the peer port only members' (CN
+  // ETCD_MEMBER_CN) are admitted. etcd would also match a peer's certificate against the
+  // address its connection comes from, which is the kernel's choice of source address (not
+  // the inventory's on a machine with several, nor on the test's loopback aliases): that check
+  // is off, the CA and the CN carry the trust.
   const initialCluster = inv.etcd.map((m) => `${m.name}=${etcdPeer(m)}`).join(',');
   for (const m of inv.etcd) {
+    const tls = s.etcdMemberTls.get(m.name)!;
+    const files = {
+      ETCD_TRUSTED_CA_FILE: `${ETCD_CREDENTIALS}/ca.crt`,
+      ETCD_CERT_FILE: `${ETCD_CREDENTIALS}/member.crt`,
+      ETCD_KEY_FILE: `${ETCD_CREDENTIALS}/member.key`,
+    };
     put(m.machine, 'etc/default/etcd', env({
       ETCD_NAME: m.name,
       ETCD_DATA_DIR: '/var/lib/etcd/forkfleet',
@@ -91,17 +136,40 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       ETCD_MAX_TXN_OPS: '1024',
       // ~1.2 KiB per child created within FF_RECORD_RETENTION, plus the live fleet (ADR 0017).
       ETCD_QUOTA_BACKEND_BYTES: String(8 * 2 ** 30),
+      ...files,
+      ETCD_CLIENT_CERT_AUTH: 'true',
+      ETCD_PEER_TRUSTED_CA_FILE: files.ETCD_TRUSTED_CA_FILE,
+      ETCD_PEER_CERT_FILE: files.ETCD_CERT_FILE,
+      ETCD_PEER_KEY_FILE: files.ETCD_KEY_FILE,
+      ETCD_PEER_CLIENT_CERT_AUTH: 'true',
+      ETCD_PEER_CERT_ALLOWED_CN: ETCD_MEMBER_CN,
+      ETCD_EXPERIMENTAL_PEER_SKIP_CLIENT_SAN_VERIFICATION: 'true',
     }, `etcd member ${m.name} of Forkfleet cluster ${inv.name}`));
+    put(m.machine, 'etc/forkfleet/etcd/ca.crt', s.etcdCaCert);
+    put(m.machine, 'etc/forkfleet/etcd/member.crt', tls.cert);
+    put(m.machine, 'etc/forkfleet/etcd/member.key', tls.key, 0o600);
+    put(m.machine, 'etc/systemd/system/etcd.service.d/forkfleet.conf', unit('etcd.forkfleet.conf', inv));
   }
 
   // NATS: one config per server; JetStream, a cluster when there are several, NKey users.
   const users: NatsUser[] = [{ nkey: s.nkeys.get('scheduler')!.pub }, ...inv.hosts.map((h) => ({ nkey: s.nkeys.get(`host-${h.id}`)!.pub, permissions: hostPermissions(h.id) }))];
+  // Clients and routes speak TLS and show a certificate of the fleet CA (`verify`: no TLS
+  // session, hence no NKey challenge, without one); the NKey user still decides what a client
+  // may do. The monitoring port stays plain HTTP (health and statistics).
+  const natsListenerTls = {
+    cert_file: `${NATS_CREDENTIALS}/server.crt`,
+    key_file: `${NATS_CREDENTIALS}/server.key`,
+    ca_file: `${NATS_CREDENTIALS}/ca.crt`,
+    verify: true,
+  };
   for (const m of inv.nats) {
+    const tls = s.natsServerTls.get(m.name)!;
     const conf: Record<string, unknown> = {
       server_name: m.name,
       host: m.address,
       port: p.natsClient,
       http: hostPort(m.address, p.natsMonitor),
+      tls: natsListenerTls,
       jetstream: { store_dir: '/var/lib/nats/jetstream' },
       authorization: natsAuthorization(users),
     };
@@ -109,23 +177,36 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       conf.cluster = {
         name: `forkfleet-${inv.name}`,
         listen: hostPort(m.address, p.natsCluster),
+        // Routes dial the other servers' addresses: their certificates name them (IP SANs).
+        tls: natsListenerTls,
         authorization: { user: 'forkfleet-route', password: s.natsRoutePassword },
         routes: inv.nats.filter((o) => o !== m).map((o) => `nats-route://forkfleet-route:${s.natsRoutePassword}@${hostPort(o.address, p.natsCluster)}`),
       };
     }
     put(m.machine, 'etc/nats-server.conf', `# NATS server ${m.name} of Forkfleet cluster ${inv.name}. Rendered by deploy/hosts/render.ts.\n${JSON.stringify(conf, null, 2)}\n`, 0o640);
+    put(m.machine, 'etc/forkfleet/nats/ca.crt', s.caCert);
+    put(m.machine, 'etc/forkfleet/nats/server.crt', tls.cert);
+    put(m.machine, 'etc/forkfleet/nats/server.key', tls.key, 0o600);
     put(m.machine, 'etc/systemd/system/nats-server.service.d/forkfleet.conf', unit('nats-server.forkfleet.conf', inv));
   }
 
   // Schedulers.
   for (const m of inv.schedulers) {
     const tls = s.schedulerTls.get(m.name)!;
+    const etcdTls = s.etcdClientTls.get(m.name)!;
+    const natsTls = s.natsClientTls.get(`scheduler-${m.name}`)!;
     put(m.machine, 'etc/forkfleet/scheduler.env', env({
       FF_SCHEDULER_ID: m.name,
       FF_GRPC_ADDR: hostPort(m.address, p.api),
       FF_METRICS_ADDR: hostPort(m.address, p.metrics),
       FF_ETCD_ENDPOINTS: etcdEndpoints,
+      FF_ETCD_CA: `${SCHEDULER_CREDENTIALS}/etcd-ca.crt`,
+      FF_ETCD_CERT: `${SCHEDULER_CREDENTIALS}/etcd.crt`,
+      FF_ETCD_KEY: `${SCHEDULER_CREDENTIALS}/etcd.key`,
       FF_NATS_URL: natsUrls,
+      FF_NATS_CA: `${SCHEDULER_CREDENTIALS}/ca.crt`,
+      FF_NATS_CERT: `${SCHEDULER_CREDENTIALS}/nats.crt`,
+      FF_NATS_KEY: `${SCHEDULER_CREDENTIALS}/nats.key`,
       FF_NATS_STREAM_REPLICAS: String(replicas),
       FF_NATS_NKEY_FILE: `${SCHEDULER_CREDENTIALS}/nats.nk`,
       FF_SIGNING_KEY: `${SCHEDULER_CREDENTIALS}/signing.pem`,
@@ -141,18 +222,27 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
     put(m.machine, 'etc/forkfleet/scheduler/tls.crt', tls.cert, 0o600);
     put(m.machine, 'etc/forkfleet/scheduler/tls.key', tls.key, 0o600);
     put(m.machine, 'etc/forkfleet/scheduler/ca.crt', s.caCert, 0o600);
+    put(m.machine, 'etc/forkfleet/scheduler/etcd-ca.crt', s.etcdCaCert, 0o600);
+    put(m.machine, 'etc/forkfleet/scheduler/etcd.crt', etcdTls.cert, 0o600);
+    put(m.machine, 'etc/forkfleet/scheduler/etcd.key', etcdTls.key, 0o600);
+    put(m.machine, 'etc/forkfleet/scheduler/nats.crt', natsTls.cert, 0o600);
+    put(m.machine, 'etc/forkfleet/scheduler/nats.key', natsTls.key, 0o600);
     // Digests only; re-read when it changes (mint tokens with `forkfleet token mint`).
     put(m.machine, 'etc/forkfleet/tokens.json', s.tokensJson, 0o644);
     put(m.machine, 'etc/systemd/system/forkfleet-scheduler.service', unit('forkfleet-scheduler.service', inv));
   }
 
-  // Host agents.
+  // Host agents: root, they read their files in place. A host gets nothing of etcd's.
   for (const h of inv.hosts) {
+    const natsTls = s.natsClientTls.get(`host-${h.id}`)!;
     put(h.machine, 'etc/forkfleet/agent.env', env({
       FF_HOST_ID: h.id,
       FF_DATA_DIR: '/var/lib/forkfleet',
       FF_NATS_URL: natsUrls,
       FF_NATS_NKEY_FILE: '/etc/forkfleet/agent/nats.nk',
+      FF_NATS_CA: '/etc/forkfleet/agent/ca.crt',
+      FF_NATS_CERT: '/etc/forkfleet/agent/nats.crt',
+      FF_NATS_KEY: '/etc/forkfleet/agent/nats.key',
       FF_TRUSTED_KEY: '/etc/forkfleet/agent/trusted.pem',
       FF_PEER_ADDR: hostPort(h.address, p.peer),
       FF_ACCEL: 'auto',
@@ -167,6 +257,9 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
     }, `host agent ${h.id} of Forkfleet cluster ${inv.name}`));
     put(h.machine, 'etc/forkfleet/agent/nats.nk', `${s.nkeys.get(`host-${h.id}`)!.seed}\n`, 0o600);
     put(h.machine, 'etc/forkfleet/agent/trusted.pem', s.signingPub, 0o644);
+    put(h.machine, 'etc/forkfleet/agent/ca.crt', s.caCert, 0o644);
+    put(h.machine, 'etc/forkfleet/agent/nats.crt', natsTls.cert, 0o644);
+    put(h.machine, 'etc/forkfleet/agent/nats.key', natsTls.key, 0o600);
     put(h.machine, 'etc/systemd/system/forkfleet-agent.service', unit('forkfleet-agent.service', inv));
   }
 
@@ -174,6 +267,10 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
   out.push({ path: 'INSTALL.md', content: installGuide(inv, apis), mode: 0o644 });
   return out;
 }
+
+/** etcdctl on an etcd member, as root: the member's own certificate is a client certificate etcd admits. */
+const etcdctl = (inv: Inventory): string =>
+  `etcdctl --cacert /etc/forkfleet/etcd/ca.crt --cert /etc/forkfleet/etcd/member.crt --key /etc/forkfleet/etcd/member.key --endpoints ${inv.etcd.map((m) => `https://${hostPort(m.address, inv.ports.etcdClient)}`).join(',')}`;
 
 /** How to copy a machine's files onto it: as root, existing directories (/, /etc) keep their owner and mode. */
 export const COPY_COMMAND = "tar -C machines/<machine> -cf - etc | ssh root@<machine> 'tar -C / --no-same-owner --no-overwrite-dir -xf -'";
@@ -195,7 +292,8 @@ function installGuide(inv: Inventory, apis: string): string {
     '2. Turn off the services a machine does not run (setup.sh installs them all, and Debian enables them):',
     ...unused,
     `3. Copy each machine's files onto it, as root (existing directories keep their owner and mode): \`${COPY_COMMAND}\`.`,
-    `4. etcd members (${of(inv.etcd)}): \`systemctl enable etcd && systemctl restart etcd\` on all of them within a minute (the first waits for a quorum).`,
+    `4. etcd members (${of(inv.etcd)}): \`systemctl daemon-reload && systemctl enable etcd && systemctl restart etcd\` on all of them within a minute (the first waits for a quorum).`,
+    `   Check from any of them: \`${etcdctl(inv)} endpoint health\`.`,
     `5. NATS servers (${of(inv.nats)}): \`chown root:nats /etc/nats-server.conf && systemctl daemon-reload && systemctl enable nats-server && systemctl restart nats-server\`.`,
     `6. Schedulers (${of(inv.schedulers)}): \`systemctl daemon-reload && systemctl enable --now forkfleet-scheduler\`.`,
     `7. Hosts (${of(inv.hosts)}): \`systemctl daemon-reload && systemctl enable --now forkfleet-agent\`.`,
@@ -203,8 +301,14 @@ function installGuide(inv: Inventory, apis: string): string {
     '',
     'Render again after adding hosts or schedulers: the secrets are kept, so only the new machines\' files',
     'and the NATS configs (one user per host) change; copy those and `systemctl reload nats-server`. The etcd',
-    'membership is fixed by the first start (`ETCD_INITIAL_CLUSTER_STATE=new`): change it with `etcdctl member add`',
-    'and `ETCD_INITIAL_CLUSTER_STATE=existing` on the new member, not by rendering.',
+    'membership is fixed by the first start (`ETCD_INITIAL_CLUSTER_STATE=new`): change it on a member with',
+    `\`${etcdctl(inv)} member add ...\` and \`ETCD_INITIAL_CLUSTER_STATE=existing\` on the new member, not by rendering`,
+    '(a member added to the inventory gets its certificate when you render; set that before its first start).',
+    '',
+    'etcd, NATS clients and NATS routes speak TLS with client certificates (the README section "Deploying on',
+    'real hosts" says what is and is not encrypted). systemd hands the keys to etcd, nats-server and the',
+    'schedulers when they start. Certificates are valid for 825 days; a render re-issues one in its last 30',
+    'days or when its address changed: then copy the files and restart the services whose certificates changed.',
     '',
   ];
   return lines.join('\n');
@@ -217,16 +321,31 @@ const read = (p: string): string => readFileSync(p, 'utf8');
  * writes `dir`/../credentials.json (the admin token, shown nowhere else).
  */
 export function ensureSecrets(dir: string, inv: Inventory): Secrets {
-  mkdirSync(join(dir, 'nkeys'), { recursive: true, mode: 0o700 });
+  for (const d of ['nkeys', 'etcd', 'nats']) mkdirSync(join(dir, d), { recursive: true, mode: 0o700 });
   chmodSync(dir, 0o700);
   const ca = { caCert: join(dir, 'ca.crt'), caKey: join(dir, 'ca.key') };
   ensureCa(ca.caCert, ca.caKey, `/CN=Forkfleet ${inv.name} CA`);
-  const schedulerTls = new Map<string, { cert: string; key: string }>();
+  const schedulerTls = new Map<string, CertPair>();
   for (const m of inv.schedulers) {
     const cert = { serverCert: join(dir, `scheduler-${m.name}.crt`), serverKey: join(dir, `scheduler-${m.name}.key`) };
     ensureServerCert(ca, cert, [...new Set([`IP:${m.address}`, ...m.dns.map((d) => `DNS:${d}`), 'DNS:localhost', 'IP:127.0.0.1'])], `forkfleet-scheduler-${m.name}`);
     schedulerTls.set(m.name, { cert: read(cert.serverCert), key: read(cert.serverKey) });
   }
+  // One certificate per process and role, named <dir>/<file>.crt|.key; servers' name their IPv4 address.
+  const issue = (signer: { caCert: string; caKey: string }, file: string, cn: string, use: CertUse, address?: string): CertPair => {
+    const pair = { cert: join(dir, `${file}.crt`), key: join(dir, `${file}.key`) };
+    ensureCert(signer, pair, { sans: address ? [`IP:${address}`] : [], cn, use });
+    return { cert: read(pair.cert), key: read(pair.key) };
+  };
+  const etcdCa = { caCert: join(dir, 'etcd', 'ca.crt'), caKey: join(dir, 'etcd', 'ca.key') };
+  ensureCa(etcdCa.caCert, etcdCa.caKey, `/CN=Forkfleet ${inv.name} etcd CA`);
+  const etcdMemberTls = new Map(inv.etcd.map((m) => [m.name, issue(etcdCa, `etcd/member-${m.name}`, ETCD_MEMBER_CN, 'server+client', m.address)] as const));
+  const etcdClientTls = new Map(inv.schedulers.map((m) => [m.name, issue(etcdCa, `etcd/client-scheduler-${m.name}`, `forkfleet-scheduler-${m.name}`, 'client')] as const));
+  const natsServerTls = new Map(inv.nats.map((m) => [m.name, issue(ca, `nats/server-${m.name}`, `forkfleet-nats-${m.name}`, 'server+client', m.address)] as const));
+  const natsClientTls = new Map([
+    ...inv.schedulers.map((m) => [`scheduler-${m.name}`, issue(ca, `nats/client-scheduler-${m.name}`, `forkfleet-scheduler-${m.name}`, 'client')] as const),
+    ...inv.hosts.map((h) => [`host-${h.id}`, issue(ca, `nats/client-host-${h.id}`, `forkfleet-host-${h.id}`, 'client')] as const),
+  ]);
   const signing = join(dir, 'signing.pem');
   if (!existsSync(signing)) {
     const { privateKey } = generateKeyPairSync('ed25519');
@@ -249,7 +368,20 @@ export function ensureSecrets(dir: string, inv: Inventory): Secrets {
     const token = mintToken(tokens, { tenant: 'admin', admin: true, name: `${inv.name}-admin` });
     writeFileSync(join(dir, '..', 'credentials.json'), `${JSON.stringify({ token, ca: 'secrets/ca.crt' }, null, 2)}\n`, { mode: 0o600 });
   }
-  return { caCert: read(ca.caCert), schedulerTls, signingKey: read(signing), signingPub, nkeys, natsRoutePassword: read(routeFile).trim(), tokensJson: read(tokens) };
+  return {
+    caCert: read(ca.caCert),
+    schedulerTls,
+    etcdCaCert: read(etcdCa.caCert),
+    etcdMemberTls,
+    etcdClientTls,
+    natsServerTls,
+    natsClientTls,
+    signingKey: read(signing),
+    signingPub,
+    nkeys,
+    natsRoutePassword: read(routeFile).trim(),
+    tokensJson: read(tokens),
+  };
 }
 
 /** Renders `inv` into `out`: secrets made or reused, every file written. Returns the files written. */

@@ -1,7 +1,10 @@
 // Dev PKI: a private CA and a server certificate for the scheduler's TLS endpoint, made with
 // the `openssl` CLI (Debian package `openssl`, installed by deploy/setup.sh). Idempotent:
-// an existing CA is reused; the server certificate is re-issued only when it is missing,
-// was not signed by this CA, or lacks a wanted SAN. Keys are written mode 0600.
+// an existing CA is reused; a certificate is re-issued only when it is missing, was not
+// signed by this CA, lacks a wanted SAN or extended key usage, has another CN, or expires
+// within 30 days. Keys are written mode 0600. deploy/hosts/render.ts also issues client
+// certificates (etcd, NATS) and certificates that are both (etcd members and NATS servers
+// dial their peers with theirs).
 //
 //   node --import tsx deploy/pki/pki.ts DIR [--san DNS:name|IP:addr ...]
 //
@@ -42,14 +45,27 @@ function sansOf(cert: X509Certificate): Set<string> {
   return out;
 }
 
-function serverCertOk(ca: { caCert: string }, cert: { serverCert: string; serverKey: string }, sans: readonly string[]): boolean {
-  if (!existsSync(cert.serverCert) || !existsSync(cert.serverKey)) return false;
+/** A certificate is re-issued when it expires within this long (they are issued for 825 days). */
+export const RENEW_BEFORE_MS = 30 * 86_400_000;
+
+/** What a certificate is for: its extended key usages (a TLS server, a TLS client, or both). */
+export type CertUse = 'server' | 'client' | 'server+client';
+
+const EKU: Record<CertUse, { names: string; oids: readonly string[] }> = {
+  server: { names: 'serverAuth', oids: ['1.3.6.1.5.5.7.3.1'] },
+  client: { names: 'clientAuth', oids: ['1.3.6.1.5.5.7.3.2'] },
+  'server+client': { names: 'serverAuth,clientAuth', oids: ['1.3.6.1.5.5.7.3.1', '1.3.6.1.5.5.7.3.2'] },
+};
+
+function certOk(ca: { caCert: string }, cert: { cert: string; key: string }, o: { sans: readonly string[]; cn: string; use: CertUse }): boolean {
+  if (!existsSync(cert.cert) || !existsSync(cert.key)) return false;
   try {
     const caCert = new X509Certificate(readFileSync(ca.caCert));
-    const c = new X509Certificate(readFileSync(cert.serverCert));
-    if (!c.verify(caCert.publicKey) || Date.parse(c.validTo) < Date.now() + 86_400_000) return false;
+    const c = new X509Certificate(readFileSync(cert.cert));
+    if (!c.verify(caCert.publicKey) || Date.parse(c.validTo) < Date.now() + RENEW_BEFORE_MS) return false;
     const have = sansOf(c);
-    return sans.every((s) => have.has(s));
+    const usages = c.keyUsage ?? [];
+    return o.sans.every((s) => have.has(s)) && EKU[o.use].oids.every((oid) => usages.includes(oid)) && c.subject.split('\n').includes(`CN=${o.cn}`);
   } catch {
     return false;
   }
@@ -64,23 +80,31 @@ export function ensureCa(caCert: string, caKey: string, subject = '/CN=Forkfleet
 }
 
 /**
- * Issues (or keeps) a TLS server certificate signed by the CA, for these SANs ("DNS:name",
- * "IP:addr"): re-issued only when missing, not signed by this CA, near expiry or lacking a SAN.
+ * Issues (or keeps) a certificate signed by the CA for `use`, with these SANs ("DNS:name",
+ * "IP:addr"; a client certificate may have none) and this CN: re-issued only when missing, not
+ * signed by this CA, expiring within RENEW_BEFORE_MS, lacking a SAN or the usage, or of another
+ * CN. The key is written mode 0600.
  */
-export function ensureServerCert(ca: { caCert: string; caKey: string }, cert: { serverCert: string; serverKey: string }, sans: readonly string[], cn = 'forkfleet-scheduler'): void {
-  for (const s of sans) if (!/^(DNS:[A-Za-z0-9.*-]+|IP:[0-9a-fA-F.:]+)$/.test(s)) throw new Error(`SAN ${JSON.stringify(s)}: want DNS:name or IP:address`);
-  if (serverCertOk(ca, cert, sans)) return;
-  const csr = `${cert.serverCert}.csr`;
-  const ext = `${cert.serverCert}.ext`;
-  writeFileSync(ext, `basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=${sans.join(',')}\n`);
+export function ensureCert(ca: { caCert: string; caKey: string }, cert: { cert: string; key: string }, o: { sans: readonly string[]; cn: string; use: CertUse }): void {
+  for (const s of o.sans) if (!/^(DNS:[A-Za-z0-9.*-]+|IP:[0-9a-fA-F.:]+)$/.test(s)) throw new Error(`SAN ${JSON.stringify(s)}: want DNS:name or IP:address`);
+  if (!/^[A-Za-z0-9 ._-]+$/.test(o.cn)) throw new Error(`CN ${JSON.stringify(o.cn)}: want letters, digits, space, '.', '_' or '-'`);
+  if (certOk(ca, cert, o)) return;
+  const csr = `${cert.cert}.csr`;
+  const ext = `${cert.cert}.ext`;
+  writeFileSync(ext, `basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=${EKU[o.use].names}\n${o.sans.length ? `subjectAltName=${o.sans.join(',')}\n` : ''}`);
   try {
-    openssl(['req', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes', '-keyout', cert.serverKey, '-out', csr, '-subj', `/CN=${cn}`]);
-    chmodSync(cert.serverKey, 0o600);
-    openssl(['x509', '-req', '-in', csr, '-CA', ca.caCert, '-CAkey', ca.caKey, '-set_serial', `0x${Date.now().toString(16)}${Math.floor(Math.random() * 65536).toString(16)}`, '-days', '825', '-extfile', ext, '-out', cert.serverCert]);
+    openssl(['req', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes', '-keyout', cert.key, '-out', csr, '-subj', `/CN=${o.cn}`]);
+    chmodSync(cert.key, 0o600);
+    openssl(['x509', '-req', '-in', csr, '-CA', ca.caCert, '-CAkey', ca.caKey, '-set_serial', `0x${Date.now().toString(16)}${Math.floor(Math.random() * 65536).toString(16)}`, '-days', '825', '-extfile', ext, '-out', cert.cert]);
   } finally {
     rmSync(csr, { force: true });
     rmSync(ext, { force: true });
   }
+}
+
+/** A TLS server certificate for these SANs (ensureCert with use 'server'). */
+export function ensureServerCert(ca: { caCert: string; caKey: string }, cert: { serverCert: string; serverKey: string }, sans: readonly string[], cn = 'forkfleet-scheduler'): void {
+  ensureCert(ca, { cert: cert.serverCert, key: cert.serverKey }, { sans, cn, use: 'server' });
 }
 
 /** Makes (or reuses) the dev CA and server certificate in `dir`. */

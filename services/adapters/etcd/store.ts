@@ -1,5 +1,6 @@
 // FleetStore over etcd (etcd3 client). Every guarded write compares the key's mod
 // revision it read; a batch is one transaction.
+import { rootCertificates } from 'node:tls';
 import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError, GRPCUnavailableError, Range } from 'etcd3';
 import type { IKeyValue, IWatchResponse, Watcher } from 'etcd3';
 import { WatchManager } from 'etcd3/lib/watch.js';
@@ -132,8 +133,15 @@ function valueOf(w: StoreWrite): string | undefined {
 export class EtcdFleetStore implements FleetStore {
   constructor(private readonly client: Etcd3) {}
 
-  static connect(endpoints: string[]): EtcdFleetStore {
-    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000 }));
+  /**
+   * A client of these endpoints. With `tls` it speaks TLS: the members are verified against
+   * `tls.ca` (else the system roots), and `tls.cert` / `tls.key` is the client certificate a
+   * member with client-certificate authentication asks for. Without it: plain text, or TLS
+   * against the system roots when the endpoints are https:// (etcd3's own choice).
+   */
+  static connect(endpoints: string[], tls?: { ca: Buffer | undefined; cert: Buffer | undefined; key: Buffer | undefined }): EtcdFleetStore {
+    const credentials = tls ? { rootCertificate: tls.ca ?? Buffer.from(rootCertificates.join('\n')), ...(tls.cert && tls.key ? { certChain: tls.cert, privateKey: tls.key } : {}) } : undefined;
+    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, ...(credentials ? { credentials } : {}) }));
   }
 
   get etcd(): Etcd3 {

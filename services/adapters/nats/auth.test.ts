@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { hostGroupPermissions, hostPermissions, natsServerAuthConfig } from './auth.ts';
+import type { PeerCertificate } from 'node:tls';
+import { hostGroupPermissions, hostPermissions, natsServerAuthConfig, natsTlsOptions } from './auth.ts';
 
 describe('NATS permissions', () => {
   it('hostPermissions_namesOnlyItsOwnSubjectsAndConsumer', () => {
@@ -20,5 +21,18 @@ describe('NATS permissions', () => {
     const cfg = JSON.parse(natsServerAuthConfig([{ nkey: 'US' }, { nkey: 'UH', permissions: hostPermissions('h1') }])) as { authorization: { users: Array<{ nkey: string; permissions?: unknown }> } };
     expect(cfg.authorization.users[0]).toEqual({ nkey: 'US' });
     expect(cfg.authorization.users[1]?.permissions).toBeDefined();
+  });
+  it('natsTlsOptions_checkTheServerCertificateAgainstTheAddressDialed_notLocalhost', () => {
+    const opts = natsTlsOptions({ ca: undefined, cert: undefined, key: undefined }).tls as unknown as { checkServerIdentity: (this: unknown, host: string, cert: PeerCertificate) => Error | undefined };
+    const certFor = (san: string): PeerCertificate => ({ subject: { CN: 'nats' }, subjectaltname: san }) as unknown as PeerCertificate;
+    const dialed = (ip: string): unknown => ({ socket: { remoteAddress: ip } });
+    // nats.js names no host for an IP server, so Node would check "localhost".
+    expect(opts.checkServerIdentity.call(dialed('10.0.0.2'), 'localhost', certFor('IP Address:10.0.0.2'))).toBeUndefined();
+    expect(opts.checkServerIdentity.call(dialed('10.0.0.3'), 'localhost', certFor('IP Address:10.0.0.2'))).toBeInstanceOf(Error);
+    // A certificate for "localhost" does not pass for whatever server was dialed.
+    expect(opts.checkServerIdentity.call(dialed('10.0.0.3'), 'localhost', certFor('DNS:localhost'))).toBeInstanceOf(Error);
+    // Without a socket to tell the address: Node's own check of the name, which fails closed for IP-only certificates.
+    expect(opts.checkServerIdentity.call(undefined, 'localhost', certFor('IP Address:10.0.0.2'))).toBeInstanceOf(Error);
+    expect(opts.checkServerIdentity.call({ servername: 'nats.example' }, 'nats.example', certFor('DNS:nats.example'))).toBeUndefined();
   });
 });

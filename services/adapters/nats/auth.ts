@@ -19,8 +19,10 @@
 // Agents never create streams (the scheduler does; an agent waits for them) and cannot
 // create, read or pull another host's consumer. Anything else is a permissions violation.
 import { chmodSync, readFileSync, writeFileSync } from 'node:fs';
+import type { Socket } from 'node:net';
+import { checkServerIdentity, type PeerCertificate } from 'node:tls';
 import { nkeyAuthenticator, nkeys } from 'nats';
-import type { ConnectionOptions } from 'nats';
+import type { ConnectionOptions, TlsOptions } from 'nats';
 import { agentInboxPrefix, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
 
 export interface NatsPermissions {
@@ -108,6 +110,36 @@ export function nkeyConnectOptions(seedFile: string): Pick<ConnectionOptions, 'a
   const seed = readFileSync(seedFile, 'utf8').trim();
   if (!/^SU[A-Z2-7]{56}$/.test(seed)) throw new Error(`${seedFile}: not a NATS user NKey seed`);
   return { authenticator: nkeyAuthenticator(new TextEncoder().encode(seed)) };
+}
+
+/**
+ * Connection options for TLS to NATS: none without `tls` (nats.js then upgrades only when a
+ * server requires it). With it, TLS is required (a server without it is refused), the server is
+ * verified against `tls.ca` (else the system roots), and `tls.cert` / `tls.key` is the client
+ * certificate a server with `verify` asks for. The NKey still decides what the client may do.
+ */
+export function natsTlsOptions(tls: { ca: Buffer | undefined; cert: Buffer | undefined; key: Buffer | undefined } | undefined): Pick<ConnectionOptions, 'tls'> {
+  if (!tls) return {};
+  // nats.js hands options it does not know to Node's tls.connect.
+  const options: TlsOptions & { checkServerIdentity: typeof checkDialedServer } = {
+    ...(tls.ca ? { ca: tls.ca.toString('utf8') } : {}),
+    ...(tls.cert && tls.key ? { cert: tls.cert.toString('utf8'), key: tls.key.toString('utf8') } : {}),
+    checkServerIdentity: checkDialedServer,
+  };
+  return { tls: options };
+}
+
+/**
+ * Node's check of a NATS server's certificate, against the address nats.js dialed. nats.js
+ * (2.29) upgrades its socket to TLS without naming the host when the host is an IP address,
+ * and Node then checks the certificate against "localhost" (nats-io/nats.js#303): an IP
+ * address in the certificate would never match, and a "localhost" would match any server.
+ * Node calls this with its connect options as `this`; with no name in them, their socket's
+ * remote address is the server dialed. Otherwise (a name given), Node's own check of that name.
+ */
+function checkDialedServer(this: { servername?: string; host?: string; socket?: Socket } | undefined, hostname: string, cert: PeerCertificate): Error | undefined {
+  const dialed = !this?.servername && !this?.host ? this?.socket?.remoteAddress : undefined;
+  return checkServerIdentity(dialed ?? hostname, cert);
 }
 
 /**
