@@ -309,7 +309,7 @@ export function buildProgram(): Command {
     .argument('<source>', 'sandbox or snapshot id')
     .argument('[count]', 'children, 1..256', intArg('count', 1, 256), 1)
     .addOption(new Option('--locality <l>', 'where children go').choices(['any', 'same_host', 'cross_host']).default('any'))
-    .addOption(new Option('--spread <s>', 'pack or spread children across hosts').choices(['pack', 'spread']))
+    .addOption(new Option('--spread <s>', 'prefer filling busy hosts (pack) or distinct hosts (spread); a preference weighed against time to ready, see --max-per-host for a hard limit').choices(['pack', 'spread']))
     .option('--max-per-host <n>', 'at most this many children per host', intArg('--max-per-host', 1, 256))
     .option('--label <key=value>', 'label (repeatable)', labelsArg)
     .action(async (source: string, count: number, o: { locality: 'any' | 'same_host' | 'cross_host'; spread?: 'pack' | 'spread'; maxPerHost?: number; label?: Record<string, string> }, cmd: Command) => {

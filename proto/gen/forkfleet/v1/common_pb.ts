@@ -358,14 +358,18 @@ export enum Spread {
   UNSPECIFIED = 0,
 
   /**
-   * Fill as few hosts as possible.
+   * Prefer hosts that are already in use: a term of the estimated time to ready (ADR 0006),
+   * so an idle host still takes children when that is clearly faster.
    *
    * @generated from enum value: SPREAD_PACK = 1;
    */
   PACK = 1,
 
   /**
-   * Distribute across as many hosts as possible.
+   * Prefer distinct hosts: each sibling already placed on a host adds a penalty (50 ms by
+   * default) to that host's estimated time to ready, so children still share a host when
+   * that is clearly faster (the others must fetch the snapshot first, or restore slower).
+   * For a hard limit, set max_per_host.
    *
    * @generated from enum value: SPREAD_SPREAD = 2;
    */
