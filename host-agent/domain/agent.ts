@@ -143,12 +143,6 @@ export interface AgentDeps {
 
 /** Local restores the heartbeat's restore_cost_ms is the median of. */
 const RESTORE_SAMPLES = 32;
-/**
- * Fewer local restores than this report no cost (0: the scheduler's default). One cold first
- * restore (650-750 ms under TCG against ~220 ms after) made the scheduler avoid a host for
- * good: a host it avoids makes no new samples that could correct the figure.
- */
-const MIN_RESTORE_SAMPLES = 3;
 
 const VM_STATE: Record<VmInfo['state'], PbVmState> = {
   starting: PbVmState.STARTING,
@@ -274,10 +268,10 @@ export class Agent {
     if (this.restoreSamples.length > RESTORE_SAMPLES) this.restoreSamples.shift();
   }
 
-  /** Median of the recent local restores, ms (0: fewer than MIN_RESTORE_SAMPLES yet). */
+  /** Median of the recent local restores, ms (0: none yet). */
   private restoreCostMs(): number {
     const s = [...this.restoreSamples].sort((a, b) => a - b);
-    return s.length >= MIN_RESTORE_SAMPLES ? Math.round(s[Math.floor((s.length - 1) / 2)]!) : 0;
+    return s.length ? Math.round(s[Math.floor((s.length - 1) / 2)]!) : 0;
   }
 
   heartbeat(): void {

@@ -730,9 +730,8 @@ export type Heartbeat = Message<"forkfleet.v1.Heartbeat"> & {
 
   /**
    * Median time to ready of this host's recent local restores (forks and restores of a
-   * snapshot it holds), ms; 0 until it has made 3 (one cold first restore would price the
-   * host out of placement, and a host that gets no work makes no samples to correct it).
-   * With restore_slots it prices the host's queue in placement.
+   * snapshot it holds), ms; 0 until it has restored one. With restore_slots it prices the
+   * host's queue in placement.
    *
    * @generated from field: uint32 restore_cost_ms = 21;
    */
