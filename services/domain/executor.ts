@@ -2438,8 +2438,13 @@ export class Executor {
       const state = next.state;
       if (cur && cur.value.state !== state) this.log.warn({ hostId: next.id, from: cur.value.state, to: state }, 'host state changed');
       if (state === 'lost' && cur?.value.state !== 'lost') {
-        await this.markHostLost(next.id);
-        this.failStepsOn(next.id);
+        // Its sandboxes first (a destroy whose step then fails finds its sandbox destroyed);
+        // the steps fail even if that write fails: the next pass sees the host lost already.
+        try {
+          await this.markHostLost(next.id);
+        } finally {
+          this.failStepsOn(next.id);
+        }
       }
       // A lost host back, or a new one that already runs VMs (a removed host whose agent
       // started again): its lost sandboxes are reclaimed and stray VMs stopped.
