@@ -3,25 +3,15 @@
 // scheduler replica in this process, two fake host agent processes (loadtest/fake-agent/);
 // the one whose restores never finish in time is SIGKILLed mid-fork.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
-import { pino } from 'pino';
-import { startEtcd } from './testkit/etcd.ts';
-import type { EtcdCluster } from './testkit/etcd.ts';
-import { startNats } from './testkit/nats.ts';
-import type { NatsServer } from './testkit/nats.ts';
 import { waitFor } from './testkit/proc.ts';
 import { startFakeAgents } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
-import { testCredentials } from './testkit/credentials.ts';
-import { compileSchedulerConfig } from './config.ts';
-import { startScheduler } from './scheduler.ts';
-import type { SchedulerHandle } from './scheduler.ts';
-import type { Client } from './adapters/grpc/rpc.ts';
-import { FleetService, HostState, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { startTestScheduler } from './testkit/scheduler.ts';
+import type { Fleet, TestScheduler } from './testkit/scheduler.ts';
+import { HostState, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
 
-type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
 let keyN = 0;
 const key = (): string => `k-${Date.now()}-${keyN++}`;
@@ -29,40 +19,24 @@ const LOST_AFTER_MS = 3000;
 const STEP_TIMEOUT_MS = 120_000;
 
 describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
-  let etcd: EtcdCluster;
-  let nats: NatsServer;
-  let dir: string;
-  let sched: SchedulerHandle;
+  let ts: TestScheduler;
   let healthy: FakeAgentsProcess;
   let dying: FakeAgentsProcess;
   let api: Fleet;
 
   beforeAll(async () => {
-    dir = mkdtempSync('/tmp/ff-hostloss-');
-    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
-    const creds = testCredentials(dir);
-    sched = await startScheduler(
-      compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: join(dir, 'signing.pem'), suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms`, ...creds.config }),
-      pino({ level: 'warn' }),
-    );
-    await sched.leader;
+    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` } });
+    api = ts.api;
+    const agents = (hostId: string, env: Record<string, string>): Promise<FakeAgentsProcess> => startFakeAgents({ hosts: [hostId], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '8', ...env } });
     // fake-b takes a minute per restored VM: its fork step is still running when it dies.
-    [healthy, dying] = await Promise.all([
-      startFakeAgents({ hosts: ['fake-a'], dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } }),
-      startFakeAgents({ hosts: ['fake-b'], dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8', FF_FAKE_RESTORE_MS_PER_VM: '60000' } }),
-    ]);
-    api = creds.client(FleetService, sched.address);
+    [healthy, dying] = await Promise.all([agents('fake-a', {}), agents('fake-b', { FF_FAKE_RESTORE_MS_PER_VM: '60000' })]);
     await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === 2, 20_000, 100);
   }, 120_000);
 
   afterAll(async () => {
-    api?.close();
-    await sched?.close();
     await healthy?.stop();
     await dying?.stop();
-    await nats?.stop();
-    await etcd?.stop();
-    if (dir) rmSync(dir, { recursive: true, force: true });
+    await ts?.stop();
   }, 60_000);
 
   it('forkWhoseHostDies_endsWhenTheHostIsLost_withItsOtherChildrenRunning_andTheLostOnesFailedAndUnbooked', async () => {

@@ -3,30 +3,20 @@
 // host agents as a process (loadtest/fake-agent/); the stray VM is made by a host step sent
 // straight to the host's work subject, as a step of a crashed or deposed leader would be.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
-import { pino } from 'pino';
 import { connect } from 'nats';
 import type { NatsConnection } from 'nats';
 import { create, toBinary } from '@bufbuild/protobuf';
-import { startEtcd } from './testkit/etcd.ts';
-import type { EtcdCluster } from './testkit/etcd.ts';
-import { startNats } from './testkit/nats.ts';
-import type { NatsServer } from './testkit/nats.ts';
 import { waitFor } from './testkit/proc.ts';
 import { startFakeAgents } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
-import { testCredentials } from './testkit/credentials.ts';
-import { compileSchedulerConfig } from './config.ts';
-import { startScheduler } from './scheduler.ts';
-import type { SchedulerHandle } from './scheduler.ts';
+import { startTestScheduler } from './testkit/scheduler.ts';
+import type { Fleet, TestScheduler } from './testkit/scheduler.ts';
 import { subjects } from './adapters/nats/subjects.ts';
 import { HostWorkSchema } from './domain/messages.ts';
-import type { Client } from './adapters/grpc/rpc.ts';
-import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 
-type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
 let keyN = 0;
 const key = (): string => `k-${Date.now()}-${keyN++}`;
@@ -34,10 +24,7 @@ const HOSTS = ['fake-1', 'fake-2'];
 const GRACE_MS = 3000;
 
 describe('stray VMs (real etcd, NATS, fake agents)', () => {
-  let etcd: EtcdCluster;
-  let nats: NatsServer;
-  let dir: string;
-  let sched: SchedulerHandle;
+  let ts: TestScheduler;
   let agents: FakeAgentsProcess;
   let api: Fleet;
   let nc: NatsConnection;
@@ -64,28 +51,17 @@ describe('stray VMs (real etcd, NATS, fake agents)', () => {
   }
 
   beforeAll(async () => {
-    dir = mkdtempSync('/tmp/ff-stray-');
-    [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
-    const creds = testCredentials(dir);
-    sched = await startScheduler(
-      compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: join(dir, 'signing.pem'), suspectAfterMs: '3s', lostAfterMs: '20s', strayVmGraceMs: `${GRACE_MS}ms`, ...creds.config }),
-      pino({ level: 'warn' }),
-    );
-    await sched.leader;
-    agents = await startFakeAgents({ hosts: HOSTS, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '8' } });
-    api = creds.client(FleetService, sched.address);
-    nc = await connect({ servers: nats.url });
+    ts = await startTestScheduler({ prefix: 'ff-stray-', config: { suspectAfterMs: '3s', lostAfterMs: '20s', strayVmGraceMs: `${GRACE_MS}ms` } });
+    api = ts.api;
+    agents = await startFakeAgents({ hosts: HOSTS, dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '8' } });
+    nc = await connect({ servers: ts.nats.url });
     await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === HOSTS.length, 20_000, 100);
   }, 120_000);
 
   afterAll(async () => {
-    api?.close();
     await nc?.close();
-    await sched?.close();
     await agents?.stop();
-    await nats?.stop();
-    await etcd?.stop();
-    if (dir) rmSync(dir, { recursive: true, force: true });
+    await ts?.stop();
   }, 60_000);
 
   it('aVmWithNoRecord_andOneWhoseSandboxLivesOnAnotherHost_areStoppedAfterTheGrace_andRecordedVmsStay', async () => {

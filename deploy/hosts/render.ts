@@ -96,12 +96,15 @@ const env = (vars: Record<string, string>, header: string): string =>
 
 const unit = (name: string, inv: Inventory): string => readFileSync(join(UNITS, name), 'utf8').replaceAll('@INSTALL_DIR@', inv.installDir);
 
+/** An etcd member's client URL (TLS). */
+const etcdClientUrl = (inv: Inventory, m: { address: string }): string => `https://${hostPort(m.address, inv.ports.etcdClient)}`;
+
 /** Every machine's files, from the inventory and the secrets. Pure. */
 export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
   const out: RenderedFile[] = [];
   const put = (machine: string, path: string, content: string, mode = 0o644): void => void out.push({ path: `machines/${machine}/${path}`, content, mode });
   const p = inv.ports;
-  const etcdClient = (m: { address: string }): string => `https://${hostPort(m.address, p.etcdClient)}`;
+  const etcdClient = (m: { address: string }): string => etcdClientUrl(inv, m);
   const etcdPeer = (m: { address: string }): string => `https://${hostPort(m.address, p.etcdPeer)}`;
   const etcdEndpoints = inv.etcd.map(etcdClient).join(',');
   const natsUrls = inv.nats.map((m) => `tls://${hostPort(m.address, p.natsClient)}`).join(',');
@@ -270,7 +273,7 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
 
 /** etcdctl on an etcd member, as root: the member's own certificate is a client certificate etcd admits. */
 const etcdctl = (inv: Inventory): string =>
-  `etcdctl --cacert /etc/forkfleet/etcd/ca.crt --cert /etc/forkfleet/etcd/member.crt --key /etc/forkfleet/etcd/member.key --endpoints ${inv.etcd.map((m) => `https://${hostPort(m.address, inv.ports.etcdClient)}`).join(',')}`;
+  `etcdctl --cacert /etc/forkfleet/etcd/ca.crt --cert /etc/forkfleet/etcd/member.crt --key /etc/forkfleet/etcd/member.key --endpoints ${inv.etcd.map((m) => etcdClientUrl(inv, m)).join(',')}`;
 
 /** How to copy a machine's files onto it: as root, existing directories (/, /etc) keep their owner and mode. */
 export const COPY_COMMAND = "tar -C machines/<machine> -cf - etc | ssh root@<machine> 'tar -C / --no-same-owner --no-overwrite-dir -xf -'";

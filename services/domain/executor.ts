@@ -2185,10 +2185,12 @@ export class Executor {
     );
     for (const e of ends) if (e.error !== undefined) failures.push(`${e.sandboxId}: hibernate failed: ${e.error}`);
     // Hibernated sandboxes need their snapshots: copied below with every other one only this host holds.
+    const snapshots = (await this.deps.store.listSnapshots(undefined)).map((v) => v.value);
+    const recordedSnapshots = new Set(snapshots.map((sn) => `${sn.tenantId}/${sn.id}`));
     for (const sb of (await this.deps.store.listSandboxes(undefined)).map((v) => v.value)) {
-      if (sb.hostId === hostId && sb.state === 'hibernated' && !(sb.hibernationSnapshotId && (await this.deps.store.getSnapshot(sb.tenantId, sb.hibernationSnapshotId)))) failures.push(`${sb.id}: its hibernation snapshot ${sb.hibernationSnapshotId || '(none)'} is gone`);
+      if (sb.hostId === hostId && sb.state === 'hibernated' && !recordedSnapshots.has(`${sb.tenantId}/${sb.hibernationSnapshotId}`)) failures.push(`${sb.id}: its hibernation snapshot ${sb.hibernationSnapshotId || '(none)'} is gone`);
     }
-    failures.push(...(await this.copySnapshotsOff(op, hostId)));
+    failures.push(...(await this.copySnapshotsOff(op, hostId, snapshots)));
     const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
     if (failures.length) return this.finish(op, { sandboxIds: done }, { kind: 'unavailable', message: `hibernated ${done.length} of ${ends.length} sandboxes on ${hostId}; ${failures.join('; ')}`, retryable: true }, done.length);
     await this.finish(op, { sandboxIds: done }, null, done.length);
@@ -2198,13 +2200,14 @@ export class Executor {
    * The end of every drain: each ready snapshot that no other live host holds (a hibernated
    * sandbox's, a fork's source, a user's) gets a copy on another ready host, round robin,
    * so removing the drained host loses no snapshot. Returns what could not be copied.
+   * `snapshots`: every snapshot record, when the caller has just listed them.
    */
-  private async copySnapshotsOff(op: OperationRec, hostId: string): Promise<string[]> {
+  private async copySnapshotsOff(op: OperationRec, hostId: string, snapshots?: readonly SnapshotRec[]): Promise<string[]> {
     const failures: string[] = [];
     const now = this.deps.clock.now();
     const live = (h: string): boolean => this.cache.hosts.has(h) && this.cache.hosts.get(h)?.value.state !== 'lost' && livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) !== 'lost';
     const targets = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== hostId && !h.cordoned && !h.draining && h.state === 'ready' && livenessOf(this.deps.heard.get(h.id)?.heardAt, now, this.deps.config.liveness) === 'ready');
-    const only = (await this.deps.store.listSnapshots(undefined)).map((v) => v.value).filter((sn) => sn.state === 'ready' && sn.hostIds.includes(hostId) && !sn.hostIds.some((h) => h !== hostId && live(h)));
+    const only = (snapshots ?? (await this.deps.store.listSnapshots(undefined)).map((v) => v.value)).filter((sn) => sn.state === 'ready' && sn.hostIds.includes(hostId) && !sn.hostIds.some((h) => h !== hostId && live(h)));
     let copied = 0;
     for (const sn of only) {
       const to = targets[copied % Math.max(1, targets.length)];

@@ -9,6 +9,7 @@ import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } fro
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
 import { NotLeaderError, StoreUnavailableError } from '../../domain/errors.ts';
+import type { TlsClientPem } from '../../config.ts';
 
 /**
  * Keys per page when listing a prefix. One range response must stay under the client's
@@ -139,7 +140,7 @@ export class EtcdFleetStore implements FleetStore {
    * member with client-certificate authentication asks for. Without it: plain text, or TLS
    * against the system roots when the endpoints are https:// (etcd3's own choice).
    */
-  static connect(endpoints: string[], tls?: { ca: Buffer | undefined; cert: Buffer | undefined; key: Buffer | undefined }): EtcdFleetStore {
+  static connect(endpoints: string[], tls?: TlsClientPem): EtcdFleetStore {
     const credentials = tls ? { rootCertificate: tls.ca ?? Buffer.from(rootCertificates.join('\n')), ...(tls.cert && tls.key ? { certChain: tls.cert, privateKey: tls.key } : {}) } : undefined;
     return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, ...(credentials ? { credentials } : {}) }));
   }

@@ -24,6 +24,7 @@ import { checkServerIdentity, type PeerCertificate } from 'node:tls';
 import { nkeyAuthenticator, nkeys } from 'nats';
 import type { ConnectionOptions, TlsOptions } from 'nats';
 import { agentInboxPrefix, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
+import type { TlsClientPem } from '../../config.ts';
 
 export interface NatsPermissions {
   publish: { allow: string[] };
@@ -118,7 +119,7 @@ export function nkeyConnectOptions(seedFile: string): Pick<ConnectionOptions, 'a
  * verified against `tls.ca` (else the system roots), and `tls.cert` / `tls.key` is the client
  * certificate a server with `verify` asks for. The NKey still decides what the client may do.
  */
-export function natsTlsOptions(tls: { ca: Buffer | undefined; cert: Buffer | undefined; key: Buffer | undefined } | undefined): Pick<ConnectionOptions, 'tls'> {
+export function natsTlsOptions(tls: TlsClientPem | undefined): Pick<ConnectionOptions, 'tls'> {
   if (!tls) return {};
   // nats.js hands options it does not know to Node's tls.connect.
   const options: TlsOptions & { checkServerIdentity: typeof checkDialedServer } = {
