@@ -2,7 +2,7 @@
 // a temporary data directory, stopped by PID.
 import { rmSync } from 'node:fs';
 import { join } from 'node:path';
-import { freePort, spawnManaged, tempDir, waitFor } from './proc.ts';
+import { ExitedBeforeReadyError, freePort, spawnManaged, tempDir, waitReady } from './proc.ts';
 import type { ManagedProcess } from './proc.ts';
 
 export interface EtcdMember {
@@ -31,6 +31,18 @@ async function healthy(clientUrl: string): Promise<boolean> {
 
 /** Starts a cluster of `size` members (1 or 3 typically) on loopback. */
 export async function startEtcd(opts: { size?: number; binary?: string; logDir?: string } = {}): Promise<EtcdCluster> {
+  // A port can still be taken between freePort and etcd's bind: a member then exits, and we
+  // start the cluster again on fresh ports.
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await startEtcdOnce(opts);
+    } catch (e) {
+      if (!(e instanceof ExitedBeforeReadyError) || attempt >= 3) throw e;
+    }
+  }
+}
+
+async function startEtcdOnce(opts: { size?: number; binary?: string; logDir?: string } = {}): Promise<EtcdCluster> {
   const size = opts.size ?? 1;
   const specs: Array<{ name: string; clientPort: number; peerPort: number }> = [];
   for (let i = 0; i < size; i++) specs.push({ name: `n${i + 1}`, clientPort: await freePort(), peerPort: await freePort() });
@@ -70,7 +82,7 @@ export async function startEtcd(opts: { size?: number; binary?: string; logDir?:
       async restart() {
         await m.proc.stop();
         m.proc = launch();
-        await waitFor(`etcd ${s.name} healthy again`, () => healthy(clientUrl), 15_000);
+        await waitReady(m.proc, `etcd ${s.name} healthy again`, () => healthy(clientUrl), 15_000);
       },
     };
     return m;
@@ -85,7 +97,7 @@ export async function startEtcd(opts: { size?: number; binary?: string; logDir?:
     },
   };
   try {
-    await Promise.all(members.map((m) => waitFor(`etcd ${m.name} healthy`, () => healthy(m.clientUrl), 15_000)));
+    await Promise.all(members.map((m) => waitReady(m.proc, `etcd ${m.name} healthy`, () => healthy(m.clientUrl), 20_000)));
   } catch (e) {
     await cluster.stop();
     throw e;

@@ -4,7 +4,8 @@ import { AckPolicy, connect, StringCodec } from 'nats';
 import type { NatsConnection } from 'nats';
 import { startNats } from './nats.ts';
 import type { NatsServer } from './nats.ts';
-import { pidAlive } from './proc.ts';
+import { createServer } from 'node:net';
+import { freePort, pidAlive } from './proc.ts';
 
 const sc = StringCodec();
 
@@ -65,5 +66,29 @@ describe('nats harness (real nats-server with JetStream)', () => {
     await extra.stop();
     expect(pidAlive(pid)).toBe(false);
     expect(existsSync(extra.storeDir)).toBe(false);
+  });
+});
+
+describe('nats harness start', () => {
+  it('start_whenItsFirstPortIsTaken_startsOnFreshPorts', async () => {
+    const taken = createServer();
+    const takenPort = await freePort();
+    await new Promise<void>((r) => taken.listen(takenPort, '127.0.0.1', () => r()));
+    let first = true;
+    const server = await startNats({
+      pickPort: async () => {
+        if (!first) return freePort();
+        first = false;
+        return takenPort;
+      },
+    });
+    try {
+      expect(server.port).not.toBe(takenPort);
+      const nc = await connect({ servers: server.url });
+      await nc.close();
+    } finally {
+      await server.stop();
+      await new Promise((r) => taken.close(r));
+    }
   });
 });

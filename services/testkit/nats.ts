@@ -3,7 +3,7 @@
 import { rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../adapters/nats/auth.ts';
-import { freePort, spawnManaged, tempDir, waitFor } from './proc.ts';
+import { ExitedBeforeReadyError, freePort, spawnManaged, tempDir, waitReady } from './proc.ts';
 import type { ManagedProcess } from './proc.ts';
 
 export interface NatsServer {
@@ -19,6 +19,9 @@ export interface NatsServer {
   stop(): Promise<void>;
 }
 
+/** Generous: a loaded CI machine (TCG guests on 2 cores) can take seconds to start it. */
+const READY_MS = 20_000;
+
 async function ready(monitorPort: number): Promise<boolean> {
   const res = await fetch(`http://127.0.0.1:${monitorPort}/healthz?js-enabled-only=true`, { signal: AbortSignal.timeout(500) });
   return res.ok;
@@ -29,9 +32,14 @@ async function ready(monitorPort: number): Promise<boolean> {
  * (services/adapters/nats/auth.ts): a scheduler user with full rights and one user per host.
  * Without it the server is open, as before.
  */
-export async function startNats(opts: { binary?: string; logDir?: string; auth?: { hosts: string[] } } = {}): Promise<NatsServer> {
-  const port = await freePort();
-  const monitorPort = await freePort();
+export async function startNats(opts: {
+  binary?: string;
+  logDir?: string;
+  auth?: { hosts: string[] };
+  /** Where ports come from (default freePort); tests use it to hand out a taken one. */
+  pickPort?: () => Promise<number>;
+} = {}): Promise<NatsServer> {
+  const pickPort = opts.pickPort ?? (() => freePort());
   const dir = tempDir('ff-nats-');
   const storeDir = join(dir, 'js');
   const confArgs: string[] = [];
@@ -51,7 +59,7 @@ export async function startNats(opts: { binary?: string; logDir?: string; auth?:
       },
     };
   }
-  const launch = (): ManagedProcess =>
+  const launch = (port: number, monitorPort: number): ManagedProcess =>
     spawnManaged({
       name: 'nats-server',
       command: opts.binary ?? 'nats-server',
@@ -64,28 +72,37 @@ export async function startNats(opts: { binary?: string; logDir?: string; auth?:
       removeDirOnStop: false,
       logPath: opts.logDir ? join(opts.logDir, 'nats.log') : join(dir, 'nats.log'),
     });
-  const server: NatsServer = {
-    url: `nats://127.0.0.1:${port}`,
-    port,
-    monitorPort,
-    storeDir,
-    ...(auth ? { auth } : {}),
-    proc: launch(),
-    async restart() {
-      await server.proc.stop();
-      server.proc = launch();
-      await waitFor('nats-server ready after restart', () => ready(monitorPort), 10_000);
-    },
-    async stop() {
-      await server.proc.stop();
+  // A port can still be taken between freePort and the server's bind: the server then
+  // exits, and we try again on fresh ports.
+  for (let attempt = 1; ; attempt++) {
+    const port = await pickPort();
+    const monitorPort = await pickPort();
+    const proc = launch(port, monitorPort);
+    try {
+      await waitReady(proc, 'nats-server ready', () => ready(monitorPort), READY_MS);
+    } catch (e) {
+      await proc.stop();
+      if (e instanceof ExitedBeforeReadyError && attempt < 3) continue;
       rmSync(dir, { recursive: true, force: true });
-    },
-  };
-  try {
-    await waitFor('nats-server ready', () => ready(monitorPort), 10_000);
-  } catch (e) {
-    await server.stop();
-    throw e;
+      throw e;
+    }
+    const server: NatsServer = {
+      url: `nats://127.0.0.1:${port}`,
+      port,
+      monitorPort,
+      storeDir,
+      ...(auth ? { auth } : {}),
+      proc,
+      async restart() {
+        await server.proc.stop();
+        server.proc = launch(port, monitorPort);
+        await waitReady(server.proc, 'nats-server ready after restart', () => ready(monitorPort), READY_MS);
+      },
+      async stop() {
+        await server.proc.stop();
+        rmSync(dir, { recursive: true, force: true });
+      },
+    };
+    return server;
   }
-  return server;
 }

@@ -8,18 +8,47 @@ import { mkdtempSync, rmSync, openSync, closeSync, readFileSync } from 'node:fs'
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 
-/** A free TCP port on `host`, found by binding port 0. */
-export function freePort(host = '127.0.0.1'): Promise<number> {
-  return new Promise((resolve, reject) => {
+/** The kernel's ephemeral port range (net.ipv4.ip_local_port_range). */
+function ephemeralRange(): [number, number] {
+  try {
+    const [lo, hi] = readFileSync('/proc/sys/net/ipv4/ip_local_port_range', 'utf8').trim().split(/\s+/).map(Number);
+    if (lo && hi) return [lo, hi];
+  } catch {
+    /* not Linux: fall through */
+  }
+  return [32768, 60999];
+}
+
+function bindable(port: number, host: string): Promise<number | undefined> {
+  return new Promise((resolve) => {
     const srv = createServer();
     srv.unref();
-    srv.on('error', reject);
-    srv.listen(0, host, () => {
+    srv.once('error', () => resolve(undefined));
+    srv.listen(port, host, () => {
       const addr = srv.address();
-      const port = typeof addr === 'object' && addr ? addr.port : 0;
-      srv.close(() => resolve(port));
+      const got = typeof addr === 'object' && addr ? addr.port : undefined;
+      srv.close(() => resolve(got));
     });
   });
+}
+
+/**
+ * A free TCP port on `host`. It is drawn below the kernel's ephemeral range, so that between
+ * this check and the server's own bind no outgoing connection (of any process: test files
+ * run in parallel) can be given the port; port 0 would hand out exactly those ports.
+ */
+export async function freePort(host = '127.0.0.1'): Promise<number> {
+  const [lo] = ephemeralRange();
+  const base = 10_000;
+  if (lo - base >= 1000) {
+    for (let i = 0; i < 50; i++) {
+      const got = await bindable(base + Math.floor(Math.random() * (lo - base)), host);
+      if (got !== undefined) return got;
+    }
+  }
+  const got = await bindable(0, host);
+  if (got === undefined) throw new Error(`freePort: cannot bind on ${host}`);
+  return got;
 }
 
 export function tempDir(prefix: string): string {
@@ -43,6 +72,45 @@ export async function waitFor(what: string, probe: () => Promise<boolean>, timeo
     await sleep(intervalMs);
   }
   throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}`, { cause: lastErr });
+}
+
+/** The last `bytes` of a log file, or a note that there is none. */
+export function logTail(path: string | undefined, bytes = 2000): string {
+  if (!path) return '(no log)';
+  try {
+    const text = readFileSync(path, 'utf8');
+    return text.length > bytes ? `…${text.slice(-bytes)}` : text || '(empty log)';
+  } catch {
+    return `(no log at ${path})`;
+  }
+}
+
+/** `proc` exited before it answered its readiness probe. */
+export class ExitedBeforeReadyError extends Error {}
+
+/**
+ * Like waitFor, for a server we started: fails at once, with the tail of its log, if the
+ * process exits first (a port taken after all, a bad flag), instead of polling to the timeout.
+ */
+export async function waitReady(proc: ManagedProcess, what: string, probe: () => Promise<boolean>, timeoutMs: number, intervalMs = 20): Promise<void> {
+  let code: number | null | undefined;
+  let gone = false;
+  void proc.exited.then((c) => {
+    code = c;
+    gone = true;
+  });
+  const until = Date.now() + timeoutMs;
+  let lastErr: unknown;
+  while (Date.now() < until) {
+    if (gone) throw new ExitedBeforeReadyError(`${proc.name} (pid ${proc.pid}) exited with code ${String(code)} before ${what}; its log ends:\n${logTail(proc.logPath)}`);
+    try {
+      if (await probe()) return;
+    } catch (e) {
+      lastErr = e;
+    }
+    await sleep(intervalMs);
+  }
+  throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}; ${proc.name}'s log ends:\n${logTail(proc.logPath)}`, { cause: lastErr });
 }
 
 /** CPU (utime + stime, all threads, in ms: 10 ms ticks) and minor page faults of a process, from /proc. */
