@@ -161,6 +161,15 @@ describe('fork', () => {
     expect(decide(view, forkRequest(9, { preferences: { maxPerHost: 2 } })).ok).toBe(false);
   });
 
+  it('fork_withSiblingsAlreadyOnHosts_countsThemAgainstMaxPerHost', () => {
+    const view = fleet([0, 1, 2].map((i) => hostInput(`h${i}`, { heldSnapshots: ['snap-a'] })));
+    const siblingsPerHost = new Map([['h0', 2], ['h1', 1]]);
+    expect(perHost(decide(view, forkRequest(3, { siblingsPerHost, preferences: { maxPerHost: 2 } })))).toEqual({ h1: 1, h2: 2 });
+    expect(decide(view, forkRequest(4, { siblingsPerHost, preferences: { maxPerHost: 2 } })).ok).toBe(false);
+    // Without maxPerHost, siblings cap nothing.
+    expect(decide(view, forkRequest(4, { siblingsPerHost })).ok).toBe(true);
+  });
+
   it('fork_withPack_prefersTheFullerHost', () => {
     const view = fleet([
       hostInput('empty', { heldSnapshots: ['snap-a'] }),

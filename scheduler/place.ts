@@ -168,7 +168,8 @@ const NO_HOSTS: ReadonlySet<number> = new Set();
 interface Context {
   readonly ctx: DecisionContext;
   readonly spread: Spread;
-  readonly maxPerHost: number;
+  /** Children this request may put on the host at this index: maxPerHost less the fork's siblings there. */
+  readonly perHost: (index: number) => number;
 }
 
 /** Builds the per-decision context, or null if the request names a snapshot the view lacks. */
@@ -191,11 +192,14 @@ function contextFor(view: FleetView, request: PlacementRequest, config: Placemen
     compat: new Uint8Array(view.vmmProfiles.length),
     vmmRequirement: request.kind === 'create' ? request.vmm : undefined,
   };
-  return { ctx, spread: prefs.spread ?? 'PACK', maxPerHost: prefs.maxPerHost ?? Number.POSITIVE_INFINITY };
+  const maxPerHost = prefs.maxPerHost ?? Number.POSITIVE_INFINITY;
+  const siblings = request.kind === 'fork' ? request.siblingsPerHost : undefined;
+  const perHost = siblings === undefined || siblings.size === 0 ? () => maxPerHost : (index: number) => maxPerHost - (siblings.get(view.hosts[index]?.id ?? '') ?? 0);
+  return { ctx, spread: prefs.spread ?? 'PACK', perHost };
 }
 
-function makeSlot(cand: Candidate, maxPerHost: number, tie: number): Slot {
-  return { cand, cap: Math.min(cand.room, maxPerHost), tie, placed: 0, opened: false, transferMs: 0, nextEta: Number.POSITIVE_INFINITY };
+function makeSlot(cand: Candidate, perHost: number, tie: number): Slot {
+  return { cand, cap: Math.min(cand.room, perHost), tie, placed: 0, opened: false, transferMs: 0, nextEta: Number.POSITIVE_INFINITY };
 }
 
 /**
@@ -210,12 +214,13 @@ function makeSlot(cand: Candidate, maxPerHost: number, tie: number): Slot {
  * Before each of the `count` picks at most count-1 hosts have been touched, so one of those
  * best hosts still offers its first child, which orders before any pruned host's.
  */
-function greedy(plan: PlanBuilder, cands: readonly Candidate[], count: number, maxPerHost: number, seed: number): void {
+function greedy(plan: PlanBuilder, cands: readonly Candidate[], count: number, perHost: (index: number) => number, seed: number): void {
   // Warm hosts: rank by first-child ETA without allocating, keep the best `count`.
   const warm: Candidate[] = [];
   const unopened: Slot[] = [];
   for (const c of cands) {
-    if (!c.holds && c.missingBytes > 0) unopened.push(makeSlot(c, maxPerHost, tieKey(seed, c.index)));
+    if (perHost(c.index) <= 0) continue; // the fork's siblings there already fill maxPerHost
+    if (!c.holds && c.missingBytes > 0) unopened.push(makeSlot(c, perHost(c.index), tieKey(seed, c.index)));
     else warm.push(c);
   }
   const eta0 = new Float64Array(warm.length);
@@ -233,7 +238,7 @@ function greedy(plan: PlanBuilder, cands: readonly Candidate[], count: number, m
   }
   const open = new MinHeap<Slot>(slotLess);
   for (const k of order) {
-    const s = makeSlot(warm[k] as Candidate, maxPerHost, ties[k] as number);
+    const s = makeSlot(warm[k] as Candidate, perHost((warm[k] as Candidate).index), ties[k] as number);
     plan.open(s);
     open.push(s);
   }
@@ -338,7 +343,7 @@ export function place(view: FleetView, request: PlacementRequest, rng: Rng, conf
     const explanation = buildExplanation({ view, request, tally: newTally(), feasible: 0, sampled: false, fallbackFullScan: false, requested: count, placements: [], unknownSnapshot: true });
     return { ok: false, reason: 'unknown_snapshot', explanation };
   }
-  const { ctx, spread, maxPerHost } = c;
+  const { ctx, spread, perHost } = c;
   const n = view.hosts.length;
 
   let ex: Examined;
@@ -360,14 +365,14 @@ export function place(view: FleetView, request: PlacementRequest, rng: Rng, conf
 
   const seed = rng.nextU32();
   let plan = new PlanBuilder(ctx, config, spread);
-  greedy(plan, ex.cands, count, maxPerHost, seed);
+  greedy(plan, ex.cands, count, perHost, seed);
   let fallbackFullScan = false;
   if (sampled && plan.placements.length < count) {
     // The sample was too small or unlucky; a miss must not become a false "no capacity".
     fallbackFullScan = true;
     ex = fullScan(ctx);
     plan = new PlanBuilder(ctx, config, spread);
-    greedy(plan, ex.cands, count, maxPerHost, seed);
+    greedy(plan, ex.cands, count, perHost, seed);
   }
 
   const ok = plan.placements.length === count;
@@ -414,7 +419,7 @@ export function estimateAssignment(
       if (host === undefined) return { ok: false, hostId: id, reason: 'unknown_host' };
       const r = evaluateHost(idx as number, c.ctx);
       if (typeof r === 'string') return { ok: false, hostId: id, reason: r };
-      slot = makeSlot(r, c.maxPerHost, 0);
+      slot = makeSlot(r, c.perHost(idx as number), 0);
       slots.set(id, slot);
       if (!plan.open(slot)) return { ok: false, hostId: id, reason: 'no_transfer_source' };
     }

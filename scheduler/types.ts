@@ -206,6 +206,11 @@ export interface ForkRequest extends RequestBase {
   readonly count: number;
   /** qcow2 overlay reservation per child. */
   readonly overlayDiskMib: number;
+  /**
+   * Children of the same fork already on hosts, by host id: a fork placing some children
+   * again (the host starting them was lost). They count against preferences.maxPerHost.
+   */
+  readonly siblingsPerHost?: ReadonlyMap<string, number>;
 }
 
 /** Wake a hibernated sandbox: one VM from its snapshot. */

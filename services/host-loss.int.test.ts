@@ -1,7 +1,9 @@
-// A host that dies while an operation waits on it: the operation ends when the host is
-// marked lost, not after FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS. Real etcd and nats-server, a
-// scheduler replica in this process, two fake host agent processes (loadtest/fake-agent/);
-// the one whose restores never finish in time is SIGKILLed mid-fork.
+// A host that dies while a fork waits on it: the fork goes on when the host is marked lost,
+// not after FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS. The children the lost host was starting are
+// placed again on a live host when one has room (within the fork's maxPerHost), and fail
+// otherwise. Real etcd and nats-server, a scheduler replica in this process, fake host agent
+// processes (loadtest/fake-agent/); the one whose restores never finish in time is
+// SIGKILLed mid-fork.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { join } from 'node:path';
 import { waitFor } from './testkit/proc.ts';
@@ -22,12 +24,15 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   let ts: TestScheduler;
   let healthy: FakeAgentsProcess;
   let dying: FakeAgentsProcess;
+  let dyingToo: FakeAgentsProcess | undefined;
   let api: Fleet;
+  let agents: (hostId: string, env: Record<string, string>) => Promise<FakeAgentsProcess>;
+  let sourceId = '';
 
   beforeAll(async () => {
     ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` } });
     api = ts.api;
-    const agents = (hostId: string, env: Record<string, string>): Promise<FakeAgentsProcess> => startFakeAgents({ hosts: [hostId], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '8', ...env } });
+    agents = (hostId, env) => startFakeAgents({ hosts: [hostId], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '8', ...env } });
     // fake-b takes a minute per restored VM: its fork step is still running when it dies.
     [healthy, dying] = await Promise.all([agents('fake-a', {}), agents('fake-b', { FF_FAKE_RESTORE_MS_PER_VM: '60000' })]);
     await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === 2, 20_000, 100);
@@ -36,14 +41,16 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   afterAll(async () => {
     await healthy?.stop();
     await dying?.stop();
+    await dyingToo?.stop();
     await ts?.stop();
   }, 60_000);
 
-  it('forkWhoseHostDies_endsWhenTheHostIsLost_withItsOtherChildrenRunning_andTheLostOnesFailedAndUnbooked', async () => {
+  it('forkWhoseHostDies_withNoRoomElsewhereUnderMaxPerHost_endsWhenTheHostIsLost_withItsOtherChildrenRunning_andTheLostOnesFailedAndUnbooked', async () => {
     const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } })).id, timeout: { seconds: 30n } });
     expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
-    const sourceId = made.result.case === 'sandbox' ? made.result.value.id : '';
+    sourceId = made.result.case === 'sandbox' ? made.result.value.id : '';
 
+    // maxPerHost 1: fake-a, the only live host left, already runs one child of this fork.
     const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 2, placement: { spread: Spread.SPREAD, maxPerHost: 1 } });
     // Both children are placed (one per host) and fake-a's is running: fake-b's restore is under way.
     let childIds: string[] = [];
@@ -72,5 +79,39 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     const hostB = (await api.listHosts({})).hosts.find((h) => h.id === 'fake-b');
     expect(hostB?.state).toBe(HostState.LOST);
     expect(hostB?.allocated?.vcpus ?? 0).toBe(0);
+  }, 90_000);
+
+  it('forkWhoseHostDies_placesTheChildrenItWasStartingAgainOnALiveHost_andSucceedsWithAllOfThem', async () => {
+    dyingToo = await agents('fake-c', { FF_FAKE_RESTORE_MS_PER_VM: '60000' });
+    await waitFor('fake-c registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-c' && h.state === HostState.READY), 20_000, 100);
+    // fake-a cordoned while the fork is placed: both children go to fake-c.
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: true });
+    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 2 });
+    let childIds: string[] = [];
+    await waitFor('the fork placed on fake-c', async () => {
+      const op = await api.getOperation({ tenantId, operationId: fork.id });
+      childIds = op.result.case === 'fork' ? op.result.value.children.map((c) => c.id) : [];
+      if (childIds.length !== 2) return false;
+      const sbs = await Promise.all(childIds.map((id) => api.getSandbox({ tenantId, sandboxId: id })));
+      return sbs.every((s) => s.hostId === 'fake-c' && s.state === SandboxState.STARTING);
+    }, 30_000, 50);
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: false });
+
+    const killedAt = Date.now();
+    dyingToo.proc.kill();
+    const final = await api.waitOperation({ tenantId, operationId: fork.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
+    expect(Date.now() - killedAt).toBeLessThan(LOST_AFTER_MS + 10_000);
+    expect(final.state, final.error?.message).toBe(OperationState.SUCCEEDED);
+    const children = await Promise.all(childIds.map((id) => api.getSandbox({ tenantId, sandboxId: id })));
+    for (const c of children) {
+      expect(c.state).toBe(SandboxState.RUNNING);
+      expect(c.hostId).toBe('fake-a');
+    }
+    // The booking moved with them: the lost host books nothing, fake-a books the source,
+    // the first test's running child and these two.
+    const hosts = (await api.listHosts({})).hosts;
+    expect(hosts.find((h) => h.id === 'fake-c')?.state).toBe(HostState.LOST);
+    expect(hosts.find((h) => h.id === 'fake-c')?.allocated?.vcpus ?? 0).toBe(0);
+    expect(hosts.find((h) => h.id === 'fake-a')?.allocated?.vcpus).toBe(4);
   }, 90_000);
 });

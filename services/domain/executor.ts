@@ -31,6 +31,11 @@ import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
 
 /** A fork that spreads to more hosts lacking the snapshot than this follows the transfer plan only (no migration). */
 const MIGRATE_MAX_HOSTS = 4;
+/** How many times a fork's child is placed again after the host starting it was lost. */
+const FORK_REPLACEMENTS = 2;
+
+/** A fork's children placed again (op input `replaced`): how often, and by which placement (its name). */
+type Replacements = Record<string, { times: number; by: string }>;
 /** How often the leader checks sandboxes against their hosts' heartbeats (reconcileVms). */
 const VM_CHECK_MS = 2000;
 /** Heartbeats received this soon after a sandbox's last change may not list its VM yet (or two heartbeat intervals, if longer). */
@@ -1967,11 +1972,103 @@ export class Executor {
       } else ({ children, transfers } = await this.childrenOf(op, placed));
     } else ({ children, transfers } = await this.childrenOf(op, opNow));
 
-    // 3. One restore step per host, in transfer waves: a host that fetches from another
-    //    destination starts after that destination holds the snapshot.
-    const byHost = new Map<string, Array<{ rec: SandboxRec; rev: number }>>();
-    for (const c of children) if (c.rec.state === 'starting') byHost.set(c.rec.hostId, [...(byHost.get(c.rec.hostId) ?? []), c]);
+    // 3. One restore step per host, in transfer waves (restoreRound). Children a host that
+    //    was lost meanwhile was starting are placed again on live hosts (replaceChildren), up
+    //    to FORK_REPLACEMENTS times each: a fork of 64 whose host dies mid-way still ends
+    //    with 64 children when the fleet has room for them.
+    const replaced: Replacements = { ...((this.ops.get(op.id)?.value ?? opNow).input as { replaced?: Replacements }).replaced };
     let runningCount = children.filter((c) => c.rec.state === 'running').length;
+    const progress = { lastAt: this.deps.clock.now() };
+    const onRunning = (n: number): void => {
+      runningCount += n;
+      // Progress is written at most once a second (and with the final state), not per host.
+      if (this.deps.clock.now() - progress.lastAt < 1000) return;
+      progress.lastAt = this.deps.clock.now();
+      const d = runningCount;
+      void this.updateOp(op.tenantId, op.id, (o) => {
+        o.progress.done = Math.max(o.progress.done, d);
+      }).catch(() => undefined);
+    };
+    const failures: unknown[] = [];
+    /** Where each live child is (or is being started): a child placed again keeps to maxPerHost with its siblings. */
+    const hostOf = new Map(children.filter((c) => c.rec.state === 'starting' || c.rec.state === 'running').map((c) => [c.rec.id, c.rec.hostId]));
+    const fail = async (f: { children: Array<{ rec: SandboxRec }>; error: unknown }): Promise<void> => {
+      failures.push(f.error);
+      for (const c of f.children) {
+        hostOf.delete(c.rec.id);
+        await this.failSandbox(c.rec, f.error);
+      }
+    };
+    let batch = children.filter((c) => c.rec.state === 'starting');
+    let plan = transfers;
+    while (batch.length > 0) {
+      // Children placed again are restored in a step of their own, named by the placement that
+      // moved them (so a re-run sends the same step): a host that restored others for this op
+      // would otherwise answer with that result.
+      const byPlacement = new Map<string, typeof batch>();
+      for (const c of batch) byPlacement.set(replaced[c.rec.id]?.by ?? '', [...(byPlacement.get(replaced[c.rec.id]?.by ?? '') ?? []), c]);
+      const failed = (await Promise.all([...byPlacement].map(([by, b]) => this.restoreRound(op, snapshotId, sn, b, plan, by, onRunning)))).flat();
+      if (!this.active) return;
+      // A host that failed: its children fail, unless the host was lost and they can be placed
+      // again. A host whose children could not be marked running (the store failed) is left
+      // as it is: the fork runs again (run()), finding the others running and that host's
+      // restore answered already.
+      const stranded: typeof failed = [];
+      for (const f of failed) {
+        if (f.error instanceof StoreUnavailableError) continue;
+        if (f.error instanceof HostLostError && f.children.every((c) => (replaced[c.rec.id]?.times ?? 0) < FORK_REPLACEMENTS)) {
+          stranded.push(f);
+          continue;
+        }
+        await fail(f);
+      }
+      const unknown = failed.find((f) => f.error instanceof StoreUnavailableError);
+      if (unknown) throw unknown.error;
+      const moving = stranded.flatMap((f) => f.children);
+      const movingIds = new Set(moving.map((c) => c.rec.id));
+      const siblings = new Map<string, number>();
+      for (const [id, h] of hostOf) if (!movingIds.has(id)) siblings.set(h, (siblings.get(h) ?? 0) + 1);
+      const again = moving.length > 0 ? await this.replaceChildren(op, snapshotId, resources, input.placement, moving, siblings, replaced) : undefined;
+      // No live host had room for them (or they moved on): they fail as their host did.
+      if (!again) {
+        for (const f of stranded) await fail(f);
+        break;
+      }
+      for (const c of again.children) hostOf.set(c.rec.id, c.rec.hostId);
+      batch = again.children;
+      plan = again.transfers;
+    }
+    const result = { sandboxIds: children.map((c) => c.rec.id), snapshotId };
+    const total = children.length;
+    if (failures.length > 0) {
+      const first = errorOf(failures[0]);
+      return this.finish(op, result, { ...first, message: `${runningCount} of ${total} children started; ${first.message}` }, runningCount);
+    }
+    // Children that an earlier run of this op failed (before a failover or a store outage)
+    // fail the op as they did then, though this run had nothing left to do for them.
+    const failedBefore = children.find((c) => c.rec.state === 'failed');
+    if (failedBefore) return this.finish(op, result, { kind: 'unavailable', message: `${runningCount} of ${total} children started; child ${failedBefore.rec.id}: ${failedBefore.rec.stateReason}`, retryable: false }, runningCount);
+    await this.finish(op, result, null, runningCount);
+  }
+
+  /**
+   * Restores a batch of a fork's children, one step per host, in transfer waves: a host that
+   * fetches from another destination starts after that destination holds the snapshot.
+   * Resolves with the hosts that failed (their children still `starting`: the caller fails
+   * them or places them again).
+   */
+  private async restoreRound(
+    op: OperationRec,
+    snapshotId: string,
+    sn: SnapshotRec,
+    batch: Array<{ rec: SandboxRec; rev: number }>,
+    transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }>,
+    /** The placement that put this batch where it is: '' for the fork's own, else replaceChildren's. */
+    placedBy: string,
+    onRunning: (n: number) => void,
+  ): Promise<Array<{ hostId: string; children: Array<{ rec: SandboxRec; rev: number }>; error: unknown }>> {
+    const byHost = new Map<string, Array<{ rec: SandboxRec; rev: number }>>();
+    for (const c of batch) byHost.set(c.rec.hostId, [...(byHost.get(c.rec.hostId) ?? []), c]);
     // In a small spread, a host with few children migrates them from a holder (ADR 0015): it
     // starts at once and never serves onward, so the transfer plan's waves apply only among
     // the other hosts. A host that does serve onward must hold the snapshot afterwards: no
@@ -1982,7 +2079,6 @@ export class Executor {
     const migrates = (h: string): boolean => lacking.size <= MIGRATE_MAX_HOSTS && lacking.has(h) && (byHost.get(h)?.length ?? 0) <= migrateMax;
     const sourceOf = new Map(transfers.filter((t) => !migrates(t.destinationHostId) && !migrates(t.sourceHostId)).map((t) => [t.destinationHostId, t.sourceHostId]));
     const done = new Map<string, Promise<boolean>>();
-    let lastProgressAt = this.deps.clock.now();
     const runHost = (hostId: string): Promise<boolean> => {
       const existingRun = done.get(hostId);
       if (existingRun) return existingRun;
@@ -1993,48 +2089,89 @@ export class Executor {
         const vms = mine.map((c) => this.vmSpec(c.rec));
         const current = (await this.readSnapshot(op.tenantId, snapshotId))?.value ?? sn;
         const fetch = this.fetchPlan(current, hostId, src, migrates(hostId));
-        let restored: HostResultMsg;
-        try {
-          restored = await this.step(op, `restore/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
-        } catch (e) {
-          // A leader that stepped down leaves the children to the next one.
-          if (this.active) for (const c of mine) await this.failSandbox(c.rec, e);
-          throw e;
-        }
+        const stepId = placedBy ? `restore/${hostId}/${placedBy}` : `restore/${hostId}`;
+        const restored = await this.step(op, stepId, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
         await this.markRunning(mine.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
-        runningCount += mine.length;
+        onRunning(mine.length);
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld) await this.addHolder(op.tenantId, snapshotId, hostId);
-        // Progress is written at most once a second (and with the final state), not per host.
-        if (this.deps.clock.now() - lastProgressAt >= 1000) {
-          lastProgressAt = this.deps.clock.now();
-          const d = runningCount;
-          void this.updateOp(op.tenantId, op.id, (o) => {
-            o.progress.done = Math.max(o.progress.done, d);
-          }).catch(() => undefined);
-        }
         return true;
       })();
       done.set(hostId, p);
       return p;
     };
-    const outcomes = await Promise.allSettled([...byHost.keys()].map((h) => runHost(h)));
-    if (!this.active) return;
-    const failed = outcomes.filter((o): o is PromiseRejectedResult => o.status === 'rejected');
-    // A host whose children could not be marked running (the store failed): the fork runs
-    // again (run()), finding the others running and that host's restore answered already.
-    const unknown = failed.find((o) => o.reason instanceof StoreUnavailableError);
-    if (unknown) throw unknown.reason;
-    const result = { sandboxIds: children.map((c) => c.rec.id), snapshotId };
-    const total = children.length;
-    if (failed.length > 0) {
-      const first = errorOf(failed[0]!.reason);
-      return this.finish(op, result, { ...first, message: `${runningCount} of ${total} children started; ${first.message}` }, runningCount);
+    const hosts = [...byHost.keys()];
+    const outcomes = await Promise.allSettled(hosts.map((h) => runHost(h)));
+    return outcomes.flatMap((o, i) => (o.status === 'rejected' ? [{ hostId: hosts[i]!, children: byHost.get(hosts[i]!)!, error: o.reason as unknown }] : []));
+  }
+
+  /**
+   * Places a fork's children again, off the lost host(s) that were starting them: their
+   * records move to the new hosts (still `starting`), the lost hosts' booking for them is
+   * released and the new hosts' taken, with the op's transfer plan and replacement counts,
+   * in one transaction. Resolves undefined when no live host has room (the caller fails the
+   * children, as before) or when the records moved on (a destroy).
+   */
+  private async replaceChildren(
+    op: OperationRec,
+    snapshotId: string,
+    resources: ResourcesRec,
+    prefs: PlacementPrefs | undefined,
+    stranded: Array<{ rec: SandboxRec; rev: number }>,
+    siblingsPerHost: ReadonlyMap<string, number>,
+    replaced: Replacements,
+  ): Promise<{ children: Array<{ rec: SandboxRec; rev: number }>; transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> } | undefined> {
+    // Only records still as the restore left them: starting, on the lost host, for this op.
+    const fresh = (await Promise.all(stranded.map((c) => this.deps.store.getSandbox(op.tenantId, c.rec.id)))).filter(
+      (v, i): v is Versioned<SandboxRec> => v !== undefined && v.value.state === 'starting' && v.value.hostId === stranded[i]!.rec.hostId && v.value.opId === op.id,
+    );
+    if (fresh.length === 0) return undefined;
+    const lostHosts = [...new Set(fresh.map((v) => v.value.hostId))];
+    this.log.warn({ opId: op.id, lostHosts, children: fresh.length }, 'placing children again: the host starting them was lost');
+    const now = this.deps.clock.now();
+    // Names this placement in the op record and in the step ids of its restores.
+    const by = `again-${newId('op').slice(3, 11)}`;
+    let made: Array<{ rec: SandboxRec; rev: number }> = [];
+    let plan: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> = [];
+    try {
+      const placed = await this.placeAndBook(
+        op,
+        { tenantId: op.tenantId, id: snapshotId },
+        () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: this.prefs(prefs) }),
+        (res) => {
+          made = res.placements.map((p) => {
+            const v = fresh[p.childIndex]!;
+            return { rec: { ...v.value, hostId: p.hostId, stateReason: `placed again: host ${v.value.hostId} was lost`, updatedAt: now }, rev: v.modRevision };
+          });
+          plan = (res.transferPlan?.transfers ?? []).map((t) => ({ sourceHostId: t.sourceHostId, destinationHostId: t.destinationHostId, wave: t.wave }));
+          // The lost hosts' booking for these children, taken off as the cache has it (a stale
+          // revision conflicts and the group is planned again on a reloaded cache).
+          const release: StoreWrite[] = lostHosts.map((h) => {
+            const a = this.cache.allocs.get(h);
+            const n = fresh.filter((v) => v.value.hostId === h).length;
+            let allocated = a?.value.allocated ?? ZERO;
+            for (let i = 0; i < n; i++) allocated = addRes(allocated, resources, -1);
+            return { kind: 'alloc', value: { hostId: h, allocated, sandboxes: Math.max(0, (a?.value.sandboxes ?? 0) - n) }, expectRevision: a?.modRevision ?? 0 };
+          });
+          const dests = new Set(plan.map((t) => t.destinationHostId));
+          return {
+            perChild: resources,
+            writes: [...made.map((m) => ({ kind: 'sandbox', value: m.rec, expectRevision: m.rev }) as StoreWrite), ...release],
+            opUpdate: (o) => {
+              const inp = o.input as { transfers?: typeof plan; replaced?: Replacements };
+              inp.transfers = [...(inp.transfers ?? []).filter((t) => !dests.has(t.destinationHostId)), ...plan];
+              inp.replaced = { ...inp.replaced, ...Object.fromEntries(made.map((m) => [m.rec.id, { times: (inp.replaced?.[m.rec.id]?.times ?? 0) + 1, by }])) };
+              o.progress.message = `placing ${made.length} children again: host ${lostHosts.join(', ')} was lost`;
+            },
+          };
+        },
+      );
+      for (const m of made) replaced[m.rec.id] = { times: (replaced[m.rec.id]?.times ?? 0) + 1, by };
+      return { children: made.map((m) => ({ rec: m.rec, rev: placed.revision })), transfers: plan };
+    } catch (e) {
+      if (e instanceof StoreUnavailableError) throw e;
+      this.log.warn({ opId: op.id, err: e }, 'could not place the lost host\'s children again');
+      return undefined;
     }
-    // Children that an earlier run of this op failed (before a failover or a store outage)
-    // fail the op as they did then, though this run had nothing left to do for them.
-    const failedBefore = children.find((c) => c.rec.state === 'failed');
-    if (failedBefore) return this.finish(op, result, { kind: 'unavailable', message: `${runningCount} of ${total} children started; child ${failedBefore.rec.id}: ${failedBefore.rec.stateReason}`, retryable: false }, runningCount);
-    await this.finish(op, result, null, runningCount);
   }
 
   /** A fork's children as placed (a re-run after a failover, say): the placement stands; what is left is finished. */
