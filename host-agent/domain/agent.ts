@@ -647,7 +647,7 @@ export class Agent {
       const piece = 512 * 1024;
       for (let o = 0; o < r.stdout.length; o += piece) out({ case: 'stdout', value: r.stdout.subarray(o, o + piece) });
       for (let o = 0; o < r.stderr.length; o += piece) out({ case: 'stderr', value: r.stderr.subarray(o, o + piece) });
-      out({ case: 'exit', value: { $typeName: 'forkfleet.v1.HostExecExit', exitCode: r.exitCode, signal: r.signal ?? 0, timedOut: false } });
+      out({ case: 'exit', value: { $typeName: 'forkfleet.v1.HostExecExit', exitCode: r.exitCode, signal: r.signal ?? 0, timedOut: r.timedOut ?? false } });
     } catch (e) {
       const info = errorInfo(e);
       out({ case: 'error', value: { $typeName: 'forkfleet.v1.ErrorInfo', ...info } });

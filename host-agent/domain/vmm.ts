@@ -99,6 +99,8 @@ export interface ExecResult {
   signal: number | null;
   stdout: Buffer;
   stderr: Buffer;
+  /** The command ran past timeoutMs and was killed; stdout and stderr hold what it wrote until then. */
+  timedOut?: boolean;
 }
 
 /**

@@ -402,6 +402,31 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await readdir(ramMount)).toEqual([]);
   });
 
+  it('exec_ofACommandThatLeavesAProcessRunning_returnsWhenTheCommandExits_withItsOutputAndStdin_andTheProcessLivesOn', async () => {
+    const t0 = Date.now();
+    const r = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'sleep 300 & echo $!; cat; echo err >&2; exit 3'], stdin: Buffer.from('from stdin\n'), timeoutMs: 20_000 });
+    expect(Date.now() - t0).toBeLessThan(10_000);
+    expect(r.timedOut).toBeUndefined();
+    expect(r.exitCode).toBe(3);
+    const [pid, echoed] = r.stdout.toString().trim().split('\n');
+    expect(echoed).toBe('from stdin');
+    expect(r.stderr.toString()).toBe('err\n');
+    expect(await sh('tpl', `kill -0 ${pid} && echo alive`)).toBe('alive');
+    await sh('tpl', `kill ${pid}`);
+    // The wrapper's files are gone (but those of the wrapper running this check, our parent).
+    expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
+  });
+
+  it('exec_pastItsTimeout_killsTheCommand_andSaysTimedOut_withWhatItWrote', async () => {
+    const t0 = Date.now();
+    // The program and what it started: a shell waiting on a sleep.
+    const r = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'echo started; sleep 301; echo never'], timeoutMs: 1500 });
+    expect(Date.now() - t0).toBeLessThan(8000);
+    expect(r.timedOut).toBe(true);
+    expect(r.stdout.toString()).toBe('started\n');
+    expect(await sh('tpl', 'ps | grep -c "[s]leep 301" || true')).toBe('0');
+  });
+
   it('pause_thenResume_guestContinues', async () => {
     await driver.pause('tpl');
     expect(driver.get('tpl')?.state).toBe('paused');

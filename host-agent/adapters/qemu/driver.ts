@@ -505,7 +505,7 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   private async healthCheck(rec: VmRecord, timeoutMs: number): Promise<void> {
-    const r = await this.agentOf(rec).exec({ path: '/bin/true', timeoutMs });
+    const r = await this.agentOf(rec).exec({ path: '/bin/true', timeoutMs, captureOutput: false });
     if (r.exitCode !== 0) throw new CloneHygieneError(rec.info.vmId, 'health (exec /bin/true)');
   }
 
