@@ -208,7 +208,7 @@ export class GuestAgentClient {
         killedAt = now;
         const kill = capture
           ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid)], 'capture-output': false, ...(req.env ? { env: req.env } : {}) }
-          : { path: '/bin/kill', arg: ['-KILL', String(pid)], 'capture-output': false };
+          : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
         await this.command('guest-exec', kill, 10_000).catch(() => undefined);
       } else if (killedAt !== undefined && now - killedAt >= EXEC_KILL_GRACE_MS) {
         throw new GuestAgentTimeoutError(`guest-exec ${req.path} (killed after ${timeoutMs} ms, still not exited)`, timeoutMs + EXEC_KILL_GRACE_MS);
