@@ -113,5 +113,9 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     expect(hosts.find((h) => h.id === 'fake-c')?.state).toBe(HostState.LOST);
     expect(hosts.find((h) => h.id === 'fake-c')?.allocated?.vcpus ?? 0).toBe(0);
     expect(hosts.find((h) => h.id === 'fake-a')?.allocated?.vcpus).toBe(4);
+    // Both tests' stranded children, as an SRE sees them.
+    const text = await ts.sched.registry.metrics();
+    expect(text).toMatch(/^forkfleet_fork_children_replaced_total\{result="placed"\} 2$/m);
+    expect(text).toMatch(/^forkfleet_fork_children_replaced_total\{result="failed"\} 1$/m);
   }, 90_000);
 });

@@ -166,6 +166,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     metricsAddress = typeof a === 'object' && a ? `${h}:${a.port}` : config.metricsAddr;
   }
 
+  const replaced = new Counter({ name: 'forkfleet_fork_children_replaced_total', help: "A fork's children whose host was lost while it started them: placed again on a live host (result=placed) or failed for want of room (result=failed).", labelNames: ['result'], registers: [registry] });
   const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes, finished operations and deleted or failed snapshots deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
   const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
   const executor = new Executor({
@@ -185,6 +186,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });
       metrics.opSeconds.observe({ kind }, seconds);
     },
+    onChildrenReplaced: (result, children) => replaced.inc({ result }, children),
     onExpired: (sandboxes, ops, snapshots) => {
       expired.inc({ kind: 'sandbox' }, sandboxes);
       expired.inc({ kind: 'operation' }, ops);

@@ -88,6 +88,8 @@ export interface ExecutorDeps {
   submit?: (tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>) => Promise<OperationRec>;
   /** Observability hook: every finished operation (adapters turn it into metrics). */
   onFinished?: (kind: OperationRec['kind'], ok: boolean, seconds: number) => void;
+  /** Observability hook: a fork's children placed again after their host was lost (`placed`), or failed for want of room (`failed`). */
+  onChildrenReplaced?: (result: 'placed' | 'failed', children: number) => void;
   /** Observability hook: records deleted by the history retention (history.ts), per pass. */
   onExpired?: (sandboxes: number, ops: number, snapshots: number) => void;
   /**
@@ -2029,6 +2031,7 @@ export class Executor {
       const siblings = new Map<string, number>();
       for (const [id, h] of hostOf) if (!movingIds.has(id)) siblings.set(h, (siblings.get(h) ?? 0) + 1);
       const again = moving.length > 0 ? await this.replaceChildren(op, snapshotId, resources, input.placement, moving, siblings, replaced) : undefined;
+      if (moving.length > 0) this.deps.onChildrenReplaced?.(again ? 'placed' : 'failed', again ? again.children.length : moving.length);
       // No live host had room for them (or they moved on): they fail as their host did.
       if (!again) {
         for (const f of stranded) await fail(f);
