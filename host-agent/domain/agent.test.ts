@@ -121,6 +121,22 @@ describe('Agent steps', () => {
     expect(execs).toEqual(['sb-h /bin/refresh']);
   });
 
+  it('resume_whoseHookTimesOut_reportsItTimedOut_andRunsTheNextHook', async () => {
+    const execs: string[] = [];
+    const vm = { vmId: 'sb-t', sandboxId: 'sb-t', state: 'running', pid: 1, readyMs: 1 } as VmInfo;
+    const { agent } = agentWith({
+      get: (id) => (id === 'sb-t' ? vm : undefined),
+      exec: async (_id, req) => {
+        execs.push(req.path);
+        return (req.path === '/bin/slow' ? { exitCode: 137, signal: null, timedOut: true, stdout: Buffer.alloc(0), stderr: Buffer.from('Killed') } : { exitCode: 0, signal: null, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0) }) as never;
+      },
+    });
+    const r = await agent.runStep(work('resume', { work: { case: 'resumeVm', value: { sandboxId: 'sb-t', afterResume: [{ argv: ['/bin/slow'], timeout: { seconds: 2n, nanos: 0 } }, { argv: ['/bin/next'] }] } } }));
+    expect(r.error).toBeUndefined();
+    expect(execs).toEqual(['/bin/slow', '/bin/next']);
+    expect(r.vms[0]?.reason).toBe('after_resume[0] /bin/slow timed out after 2000 ms and was killed');
+  });
+
   it('restore_redeliveredWithEveryVmPresent_fetchesNothing_andSaysWhetherTheSnapshotIsHeldHere', async () => {
     const vm = { vmId: 'sb-m', sandboxId: 'sb-m', state: 'running', pid: 1, readyMs: 1 } as VmInfo;
     let obtains = 0;

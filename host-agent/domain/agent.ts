@@ -612,7 +612,8 @@ export class Agent {
       const timeoutMs = h.timeout ? Number(h.timeout.seconds) * 1000 + Math.floor(h.timeout.nanos / 1e6) : 30_000;
       try {
         const r = await this.deps.driver.exec(vmId, { path, args, timeoutMs });
-        if (r.exitCode !== 0) failures.push(`after_resume[${i}] ${path} exited ${r.exitCode}: ${r.stderr.toString('utf8').trim().slice(0, 200)}`);
+        if (r.timedOut) failures.push(`after_resume[${i}] ${path} timed out after ${timeoutMs} ms and was killed`);
+        else if (r.exitCode !== 0) failures.push(`after_resume[${i}] ${path} exited ${r.exitCode}: ${r.stderr.toString('utf8').trim().slice(0, 200)}`);
       } catch (e) {
         failures.push(`after_resume[${i}] ${path} failed: ${e instanceof Error ? e.message : String(e)}`);
       }
