@@ -638,16 +638,23 @@ export class Agent {
       this.touch(vm.vmId);
       const timeoutMs = req.timeout ? Number(req.timeout.seconds) * 1000 + Math.floor(req.timeout.nanos / 1e6) : 60_000;
       const [path, ...args] = req.cwd ? ['/bin/sh', '-c', 'cd "$0" && exec "$@"', req.cwd, ...req.argv] : req.argv;
+      // Output is passed on as the guest has it (a long command's while it runs), in pieces
+      // that fit a NATS message.
+      const piece = 512 * 1024;
+      const onOutput = (stream: 'stdout' | 'stderr', data: Buffer): void => {
+        for (let o = 0; o < data.length; o += piece) out({ case: stream, value: data.subarray(o, o + piece) });
+      };
       const r = await this.deps.driver.exec(vm.vmId, {
         path: path!,
         args,
         env: Object.entries(req.env).map(([k, v]) => `${k}=${v}`),
         ...(req.stdin.length ? { stdin: Buffer.from(req.stdin) } : {}),
         timeoutMs,
+        onOutput,
       });
-      const piece = 512 * 1024;
-      for (let o = 0; o < r.stdout.length; o += piece) out({ case: 'stdout', value: r.stdout.subarray(o, o + piece) });
-      for (let o = 0; o < r.stderr.length; o += piece) out({ case: 'stderr', value: r.stderr.subarray(o, o + piece) });
+      // A driver that does not stream returns the output with the exit.
+      onOutput('stdout', r.stdout);
+      onOutput('stderr', r.stderr);
       out({ case: 'exit', value: { $typeName: 'forkfleet.v1.HostExecExit', exitCode: r.exitCode, signal: r.signal ?? 0, timedOut: r.timedOut ?? false } });
     } catch (e) {
       const info = errorInfo(e);

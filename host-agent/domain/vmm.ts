@@ -81,6 +81,12 @@ export interface ExecRequest {
   timeoutMs?: number;
   /** Collect stdout/stderr (default true). Off saves the guest two pipes when only the exit status matters. */
   captureOutput?: boolean;
+  /**
+   * Output as it comes: a program still running after a moment has what it wrote so far
+   * passed here while it runs, and the rest when it exits. With it, ExecResult's stdout and
+   * stderr are empty: every byte went here, in order per stream.
+   */
+  onOutput?: (stream: 'stdout' | 'stderr', data: Buffer) => void;
 }
 
 export interface FileRange {

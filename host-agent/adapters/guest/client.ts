@@ -47,6 +47,14 @@ const EXEC_KILL = [
 /** How long a killed program has to exit (and its output to be copied out) before exec gives up on it. */
 const EXEC_KILL_GRACE_MS = 5000;
 
+/**
+ * With `onOutput`, a program still running after this long has its output files read while
+ * it runs, at most every LIVE_READ_EVERY_MS (two guest-file-reads each time): short execs
+ * pay nothing for it.
+ */
+const LIVE_AFTER_MS = 300;
+const LIVE_READ_EVERY_MS = 250;
+
 type Reader = { delimited: boolean; resolve: (line: string) => void };
 
 export class GuestAgentClient {
@@ -183,6 +191,7 @@ export class GuestAgentClient {
     const started = Date.now();
     let delay = 2;
     let killedAt: number | undefined;
+    const live = capture && req.onOutput ? new LiveOutput(this, wrapperFiles(pid, req.env), req.onOutput) : undefined;
     while (true) {
       // Each poll gets its own timeout: the deadline is the loop's to enforce.
       const st = await this.command<{
@@ -193,15 +202,21 @@ export class GuestAgentClient {
         'err-data'?: string;
       }>('guest-exec-status', { pid }, 10_000);
       if (st.exited) {
-        return {
-          exitCode: st.exitcode ?? -1,
-          signal: st.signal ?? null,
-          stdout: Buffer.from(st['out-data'] ?? '', 'base64'),
-          stderr: Buffer.from(st['err-data'] ?? '', 'base64'),
-          ...(killedAt !== undefined ? { timedOut: true } : {}),
-        };
+        let stdout = Buffer.from(st['out-data'] ?? '', 'base64');
+        let stderr = Buffer.from(st['err-data'] ?? '', 'base64');
+        if (live) {
+          live.finish(stdout, stderr);
+          await live.close();
+          stdout = stderr = Buffer.alloc(0);
+        } else if (req.onOutput) {
+          if (stdout.length) req.onOutput('stdout', stdout);
+          if (stderr.length) req.onOutput('stderr', stderr);
+          stdout = stderr = Buffer.alloc(0);
+        }
+        return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...(killedAt !== undefined ? { timedOut: true } : {}) };
       }
       const now = Date.now();
+      if (live && now - started >= LIVE_AFTER_MS) await live.poll(now);
       if (killedAt === undefined && now >= end) {
         // Kill the program (the wrapper then copies out what it wrote and exits) or, without
         // the wrapper, the process itself.
@@ -211,6 +226,7 @@ export class GuestAgentClient {
           : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
         await this.command('guest-exec', kill, 10_000).catch(() => undefined);
       } else if (killedAt !== undefined && now - killedAt >= EXEC_KILL_GRACE_MS) {
+        await live?.close();
         throw new GuestAgentTimeoutError(`guest-exec ${req.path} (killed after ${timeoutMs} ms, still not exited)`, timeoutMs + EXEC_KILL_GRACE_MS);
       }
       await new Promise((r) => setTimeout(r, delay));
@@ -336,5 +352,60 @@ function tryParse(line: string): Record<string, unknown> | undefined {
     return v && typeof v === 'object' ? (v as Record<string, unknown>) : undefined;
   } catch {
     return undefined;
+  }
+}
+
+/** The wrapper's output files for the wrapper with this pid, under the TMPDIR its environment gives it. */
+function wrapperFiles(pid: number, env: readonly string[] | undefined): { stdout: string; stderr: string } {
+  const tmp = env ? (env.find((e) => e.startsWith('TMPDIR='))?.slice(7) || '/tmp') : '/tmp';
+  return { stdout: `${tmp}/.ff-exec-${pid}.out`, stderr: `${tmp}/.ff-exec-${pid}.err` };
+}
+
+/**
+ * Reads a running program's output files (EXEC_WRAPPER's) through guest-file-read and passes
+ * what is new to onOutput; at exit, passes what qemu-ga returns past the bytes already passed
+ * (qemu-ga's output is the files' content). A file it cannot open (the wrapper ran the
+ * program directly, or the file is gone) is simply not read early.
+ */
+class LiveOutput {
+  private readonly sent = { stdout: 0, stderr: 0 };
+  private readonly handles: { stdout?: number | null; stderr?: number | null } = {};
+  private lastReadAt = 0;
+
+  constructor(
+    private readonly agent: GuestAgentClient,
+    private readonly files: { stdout: string; stderr: string },
+    private readonly onOutput: (stream: 'stdout' | 'stderr', data: Buffer) => void,
+  ) {}
+
+  async poll(now: number): Promise<void> {
+    if (now - this.lastReadAt < LIVE_READ_EVERY_MS) return;
+    this.lastReadAt = now;
+    for (const stream of ['stdout', 'stderr'] as const) {
+      if (this.handles[stream] === undefined) {
+        this.handles[stream] = await this.agent.command<number>('guest-file-open', { path: this.files[stream], mode: 'r' }, 10_000).catch(() => null);
+      }
+      const handle = this.handles[stream];
+      if (handle === null || handle === undefined) continue;
+      const r = await this.agent.command<{ count: number; 'buf-b64': string }>('guest-file-read', { handle, count: 1 << 20 }, 10_000).catch(() => undefined);
+      if (r && r.count > 0) {
+        this.sent[stream] += r.count;
+        this.onOutput(stream, Buffer.from(r['buf-b64'], 'base64'));
+      }
+    }
+  }
+
+  /** At exit: `all` is the stream's whole output (qemu-ga's); only what was not passed yet goes out. */
+  finish(stdout: Buffer, stderr: Buffer): void {
+    if (stdout.length > this.sent.stdout) this.onOutput('stdout', stdout.subarray(this.sent.stdout));
+    if (stderr.length > this.sent.stderr) this.onOutput('stderr', stderr.subarray(this.sent.stderr));
+  }
+
+  async close(): Promise<void> {
+    for (const stream of ['stdout', 'stderr'] as const) {
+      const handle = this.handles[stream];
+      if (typeof handle === 'number') await this.agent.command('guest-file-close', { handle }, 10_000).catch(() => undefined);
+      this.handles[stream] = null;
+    }
   }
 }

@@ -417,6 +417,23 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
   });
 
+  it('exec_withOnOutput_passesALongCommandsOutputWhileItRuns_andEveryByteOnceInOrder', async () => {
+    const got: Array<{ stream: string; text: string; at: number }> = [];
+    const onOutput = (stream: string, data: Buffer): void => void got.push({ stream, text: data.toString(), at: Date.now() });
+    const r = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'echo first; echo oops >&2; sleep 2; echo second'], timeoutMs: 20_000, onOutput });
+    const endedAt = Date.now();
+    expect(r.exitCode).toBe(0);
+    expect(r.stdout.length + r.stderr.length).toBe(0);
+    expect(got.filter((g) => g.stream === 'stdout').map((g) => g.text).join('')).toBe('first\nsecond\n');
+    expect(got.filter((g) => g.stream === 'stderr').map((g) => g.text).join('')).toBe('oops\n');
+    // "first" came while the command slept, not with its exit.
+    expect(endedAt - got.find((g) => g.text.startsWith('first'))!.at).toBeGreaterThan(1000);
+    // A short command's output all comes at its exit, the same way.
+    const quick: string[] = [];
+    await driver.exec('tpl', { path: '/bin/echo', args: ['hi'], onOutput: (_s, d) => void quick.push(d.toString()) });
+    expect(quick.join('')).toBe('hi\n');
+  });
+
   it('exec_pastItsTimeout_killsTheCommand_andSaysTimedOut_withWhatItWrote', async () => {
     const t0 = Date.now();
     // The program and what it started: a shell waiting on a sleep.
