@@ -1994,8 +1994,10 @@ export class Executor {
     const failures: unknown[] = [];
     /** Where each live child is (or is being started): a child placed again keeps to maxPerHost with its siblings. */
     const hostOf = new Map(children.filter((c) => c.rec.state === 'starting' || c.rec.state === 'running').map((c) => [c.rec.id, c.rec.hostId]));
-    const fail = async (f: { children: Array<{ rec: SandboxRec }>; error: unknown }): Promise<void> => {
+    /** The op fails with the host's error; its children fail too if their start did (a step that answered made their VMs). */
+    const fail = async (f: { children: Array<{ rec: SandboxRec }>; error: unknown; stepFailed: boolean }): Promise<void> => {
       failures.push(f.error);
+      if (!f.stepFailed) return;
       for (const c of f.children) {
         hostOf.delete(c.rec.id);
         await this.failSandbox(c.rec, f.error);
@@ -2057,8 +2059,9 @@ export class Executor {
   /**
    * Restores a batch of a fork's children, one step per host, in transfer waves: a host that
    * fetches from another destination starts after that destination holds the snapshot.
-   * Resolves with the hosts that failed (their children still `starting`: the caller fails
-   * them or places them again).
+   * Resolves with the hosts that failed, their children still `starting`: where the step
+   * failed the caller fails them or places them again; where it answered (`stepFailed`
+   * false) their VMs run and only marking them running failed.
    */
   private async restoreRound(
     op: OperationRec,
@@ -2069,7 +2072,7 @@ export class Executor {
     /** The placement that put this batch where it is: '' for the fork's own, else replaceChildren's. */
     placedBy: string,
     onRunning: (n: number) => void,
-  ): Promise<Array<{ hostId: string; children: Array<{ rec: SandboxRec; rev: number }>; error: unknown }>> {
+  ): Promise<Array<{ hostId: string; children: Array<{ rec: SandboxRec; rev: number }>; error: unknown; stepFailed: boolean }>> {
     const byHost = new Map<string, Array<{ rec: SandboxRec; rev: number }>>();
     for (const c of batch) byHost.set(c.rec.hostId, [...(byHost.get(c.rec.hostId) ?? []), c]);
     // In a small spread, a host with few children migrates them from a holder (ADR 0015): it
@@ -2082,6 +2085,8 @@ export class Executor {
     const migrates = (h: string): boolean => lacking.size <= MIGRATE_MAX_HOSTS && lacking.has(h) && (byHost.get(h)?.length ?? 0) <= migrateMax;
     const sourceOf = new Map(transfers.filter((t) => !migrates(t.destinationHostId) && !migrates(t.sourceHostId)).map((t) => [t.destinationHostId, t.sourceHostId]));
     const done = new Map<string, Promise<boolean>>();
+    /** Hosts whose restore step failed (not what came after it: marking the children running). */
+    const stepFailed = new Set<string>();
     const runHost = (hostId: string): Promise<boolean> => {
       const existingRun = done.get(hostId);
       if (existingRun) return existingRun;
@@ -2093,7 +2098,13 @@ export class Executor {
         const current = (await this.readSnapshot(op.tenantId, snapshotId))?.value ?? sn;
         const fetch = this.fetchPlan(current, hostId, src, migrates(hostId));
         const stepId = placedBy ? `restore/${hostId}/${placedBy}` : `restore/${hostId}`;
-        const restored = await this.step(op, stepId, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
+        let restored: HostResultMsg;
+        try {
+          restored = await this.step(op, stepId, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
+        } catch (e) {
+          stepFailed.add(hostId);
+          throw e;
+        }
         await this.markRunning(mine.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
         onRunning(mine.length);
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld) await this.addHolder(op.tenantId, snapshotId, hostId);
@@ -2104,7 +2115,7 @@ export class Executor {
     };
     const hosts = [...byHost.keys()];
     const outcomes = await Promise.allSettled(hosts.map((h) => runHost(h)));
-    return outcomes.flatMap((o, i) => (o.status === 'rejected' ? [{ hostId: hosts[i]!, children: byHost.get(hosts[i]!)!, error: o.reason as unknown }] : []));
+    return outcomes.flatMap((o, i) => (o.status === 'rejected' ? [{ hostId: hosts[i]!, children: byHost.get(hosts[i]!)!, error: o.reason as unknown, stepFailed: stepFailed.has(hosts[i]!) }] : []));
   }
 
   /**
