@@ -192,48 +192,51 @@ export class GuestAgentClient {
     let delay = 2;
     let killedAt: number | undefined;
     const live = capture && req.onOutput ? new LiveOutput(this, wrapperFiles(pid, req.env), req.onOutput) : undefined;
-    while (true) {
-      // Each poll gets its own timeout: the deadline is the loop's to enforce.
-      const st = await this.command<{
-        exited: boolean;
-        exitcode?: number;
-        signal?: number;
-        'out-data'?: string;
-        'err-data'?: string;
-      }>('guest-exec-status', { pid }, 10_000);
-      if (st.exited) {
-        let stdout = Buffer.from(st['out-data'] ?? '', 'base64');
-        let stderr = Buffer.from(st['err-data'] ?? '', 'base64');
-        if (live) {
-          live.finish(stdout, stderr);
-          await live.close();
-          stdout = stderr = Buffer.alloc(0);
-        } else if (req.onOutput) {
-          if (stdout.length) req.onOutput('stdout', stdout);
-          if (stderr.length) req.onOutput('stderr', stderr);
-          stdout = stderr = Buffer.alloc(0);
+    try {
+      while (true) {
+        // Each poll gets its own timeout: the deadline is the loop's to enforce.
+        const st = await this.command<{
+          exited: boolean;
+          exitcode?: number;
+          signal?: number;
+          'out-data'?: string;
+          'err-data'?: string;
+        }>('guest-exec-status', { pid }, 10_000);
+        if (st.exited) {
+          let stdout = Buffer.from(st['out-data'] ?? '', 'base64');
+          let stderr = Buffer.from(st['err-data'] ?? '', 'base64');
+          if (live) {
+            live.finish(stdout, stderr);
+            stdout = stderr = Buffer.alloc(0);
+          } else if (req.onOutput) {
+            if (stdout.length) req.onOutput('stdout', stdout);
+            if (stderr.length) req.onOutput('stderr', stderr);
+            stdout = stderr = Buffer.alloc(0);
+          }
+          return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...(killedAt !== undefined ? { timedOut: true } : {}) };
         }
-        return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...(killedAt !== undefined ? { timedOut: true } : {}) };
+        const now = Date.now();
+        if (live && now - started >= LIVE_AFTER_MS) await live.poll(now);
+        if (killedAt === undefined && now >= end) {
+          // Kill the program (the wrapper then copies out what it wrote and exits) or, without
+          // the wrapper, the process itself.
+          killedAt = now;
+          const kill = capture
+            ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid)], 'capture-output': false, ...(req.env ? { env: req.env } : {}) }
+            : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
+          await this.command('guest-exec', kill, 10_000).catch(() => undefined);
+        } else if (killedAt !== undefined && now - killedAt >= EXEC_KILL_GRACE_MS) {
+          throw new GuestAgentTimeoutError(`guest-exec ${req.path} (killed after ${timeoutMs} ms, still not exited)`, timeoutMs + EXEC_KILL_GRACE_MS);
+        }
+        await new Promise((r) => setTimeout(r, delay));
+        // The next poll comes after a fifth of the time waited so far (2..100 ms): an exit is
+        // noticed at most ~20% late, and a slow exec (many clones sharing the CPU under TCG) is
+        // not slowed further by a stream of polls, each of which costs the guest CPU (ADR 0009).
+        delay = Math.min(100, Math.max(2, (Date.now() - started) / 5));
       }
-      const now = Date.now();
-      if (live && now - started >= LIVE_AFTER_MS) await live.poll(now);
-      if (killedAt === undefined && now >= end) {
-        // Kill the program (the wrapper then copies out what it wrote and exits) or, without
-        // the wrapper, the process itself.
-        killedAt = now;
-        const kill = capture
-          ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid)], 'capture-output': false, ...(req.env ? { env: req.env } : {}) }
-          : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
-        await this.command('guest-exec', kill, 10_000).catch(() => undefined);
-      } else if (killedAt !== undefined && now - killedAt >= EXEC_KILL_GRACE_MS) {
-        await live?.close();
-        throw new GuestAgentTimeoutError(`guest-exec ${req.path} (killed after ${timeoutMs} ms, still not exited)`, timeoutMs + EXEC_KILL_GRACE_MS);
-      }
-      await new Promise((r) => setTimeout(r, delay));
-      // The next poll comes after a fifth of the time waited so far (2..100 ms): an exit is
-      // noticed at most ~20% late, and a slow exec (many clones sharing the CPU under TCG) is
-      // not slowed further by a stream of polls, each of which costs the guest CPU (ADR 0009).
-      delay = Math.min(100, Math.max(2, (Date.now() - started) / 5));
+    } finally {
+      // Closed on every way out: qemu-ga keeps an open handle until it is closed.
+      await live?.close();
     }
   }
 
@@ -370,6 +373,7 @@ function wrapperFiles(pid: number, env: readonly string[] | undefined): { stdout
 class LiveOutput {
   private readonly sent = { stdout: 0, stderr: 0 };
   private readonly handles: { stdout?: number | null; stderr?: number | null } = {};
+  private readonly openFailures = { stdout: 0, stderr: 0 };
   private lastReadAt = 0;
 
   constructor(
@@ -383,7 +387,9 @@ class LiveOutput {
     this.lastReadAt = now;
     for (const stream of ['stdout', 'stderr'] as const) {
       if (this.handles[stream] === undefined) {
-        this.handles[stream] = await this.agent.command<number>('guest-file-open', { path: this.files[stream], mode: 'r' }, 10_000).catch(() => null);
+        // Tried on a few polls (the shell may not have made the file yet), then given up on.
+        const h = await this.agent.command<number>('guest-file-open', { path: this.files[stream], mode: 'r' }, 10_000).catch(() => undefined);
+        this.handles[stream] = h ?? (++this.openFailures[stream] >= 3 ? null : undefined);
       }
       const handle = this.handles[stream];
       if (handle === null || handle === undefined) continue;
@@ -395,7 +401,7 @@ class LiveOutput {
     }
   }
 
-  /** At exit: `all` is the stream's whole output (qemu-ga's); only what was not passed yet goes out. */
+  /** At exit, with each stream's whole output (qemu-ga's): only what was not passed yet goes out. */
   finish(stdout: Buffer, stderr: Buffer): void {
     if (stdout.length > this.sent.stdout) this.onOutput('stdout', stdout.subarray(this.sent.stdout));
     if (stderr.length > this.sent.stderr) this.onOutput('stderr', stderr.subarray(this.sent.stderr));
