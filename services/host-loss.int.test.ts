@@ -13,6 +13,31 @@ import { startTestScheduler } from './testkit/scheduler.ts';
 import type { Fleet, TestScheduler } from './testkit/scheduler.ts';
 import { HostState, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
+import type { FleetStore, StoreWrite } from './domain/ports.ts';
+
+/**
+ * The store, but while `retried.armed`, the next commit that places a child again applies
+ * and is then sent once more, as etcd3's retry policy does after a lost answer: the second
+ * one conflicts, so the executor sees a failed placement that in fact landed.
+ */
+function retriedReplacement(store: FleetStore, retried: { armed: boolean; hit: number }): FleetStore {
+  const isReplacement = (w: StoreWrite): boolean => w.kind === 'sandbox' && w.value.stateReason.startsWith('placed again');
+  const commitAt: FleetStore['commitAt'] = async (writes, fence) => {
+    if (!retried.armed || !writes.some(isReplacement)) return store.commitAt(writes, fence);
+    retried.armed = false;
+    retried.hit++;
+    expect(await store.commitAt(writes, fence)).toBeGreaterThan(0);
+    return store.commitAt(writes, fence);
+  };
+  return new Proxy(store, {
+    get(target, prop) {
+      if (prop === 'commitAt') return commitAt;
+      if (prop === 'commit') return async (writes: readonly StoreWrite[]) => (await commitAt(writes)) > 0;
+      const v = Reflect.get(target, prop, target) as unknown;
+      return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+    },
+  });
+}
 
 const tenantId = 't1';
 let keyN = 0;
@@ -28,9 +53,11 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   let api: Fleet;
   let agents: (hostId: string, env: Record<string, string>) => Promise<FakeAgentsProcess>;
   let sourceId = '';
+  const retried = { armed: false, hit: 0 };
+  let dyingThird: FakeAgentsProcess | undefined;
 
   beforeAll(async () => {
-    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` } });
+    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` }, seams: { executorStore: (st) => retriedReplacement(st, retried) } });
     api = ts.api;
     agents = (hostId, env) => startFakeAgents({ hosts: [hostId], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '8', ...env } });
     // fake-b takes a minute per restored VM: its fork step is still running when it dies.
@@ -42,6 +69,7 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     await healthy?.stop();
     await dying?.stop();
     await dyingToo?.stop();
+    await dyingThird?.stop();
     await ts?.stop();
   }, 60_000);
 
@@ -117,5 +145,31 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     const text = await ts.sched.registry.metrics();
     expect(text).toMatch(/^forkfleet_fork_children_replaced_total\{result="placed"\} 2$/m);
     expect(text).toMatch(/^forkfleet_fork_children_replaced_total\{result="failed"\} 1$/m);
+  }, 90_000);
+
+  it('replacement_whoseCommitLandsButIsRetriedAndConflicts_goesOnWithTheChildrenWhereItPutThem', async () => {
+    dyingThird = await agents('fake-d', { FF_FAKE_RESTORE_MS_PER_VM: '60000' });
+    await waitFor('fake-d registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-d' && h.state === HostState.READY), 20_000, 100);
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: true });
+    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 1 });
+    let childId = '';
+    await waitFor('the fork placed on fake-d', async () => {
+      const op = await api.getOperation({ tenantId, operationId: fork.id });
+      childId = op.result.case === 'fork' ? (op.result.value.children[0]?.id ?? '') : '';
+      return childId !== '' && (await api.getSandbox({ tenantId, sandboxId: childId })).hostId === 'fake-d';
+    }, 30_000, 50);
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: false });
+    retried.armed = true;
+    dyingThird.proc.kill();
+    const final = await api.waitOperation({ tenantId, operationId: fork.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
+    expect(retried.hit).toBe(1);
+    expect(final.state, final.error?.message).toBe(OperationState.SUCCEEDED);
+    const child = await api.getSandbox({ tenantId, sandboxId: childId });
+    expect(child.state).toBe(SandboxState.RUNNING);
+    expect(child.hostId).toBe('fake-a');
+    // Booked once, on fake-a: the two earlier tests' 4 and this child.
+    const hosts = (await api.listHosts({})).hosts;
+    expect(hosts.find((h) => h.id === 'fake-d')?.allocated?.vcpus ?? 0).toBe(0);
+    expect(hosts.find((h) => h.id === 'fake-a')?.allocated?.vcpus).toBe(5);
   }, 90_000);
 });

@@ -13,7 +13,7 @@ import type { TestCredentials } from './credentials.ts';
 import { compileSchedulerConfig } from '../config.ts';
 import type { SchedulerConfig } from '../config.ts';
 import { startScheduler } from '../scheduler.ts';
-import type { SchedulerHandle } from '../scheduler.ts';
+import type { SchedulerHandle, SchedulerSeams } from '../scheduler.ts';
 import type { Client } from '../adapters/grpc/rpc.ts';
 import { FleetService } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 
@@ -35,7 +35,7 @@ export interface TestScheduler {
 }
 
 /** Starts etcd, NATS and a leading scheduler; `config` overrides compileSchedulerConfig's raw options. */
-export async function startTestScheduler(o: { prefix: string; config?: Partial<Record<keyof SchedulerConfig, string>> }): Promise<TestScheduler> {
+export async function startTestScheduler(o: { prefix: string; config?: Partial<Record<keyof SchedulerConfig, string>>; seams?: SchedulerSeams }): Promise<TestScheduler> {
   const dir = mkdtempSync(`/tmp/${o.prefix}`);
   const [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
   const credentials = testCredentials(dir);
@@ -43,6 +43,7 @@ export async function startTestScheduler(o: { prefix: string; config?: Partial<R
   const sched = await startScheduler(
     compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath, ...o.config, ...credentials.config }),
     pino({ level: 'warn' }),
+    o.seams,
   );
   await sched.leader;
   const api = credentials.client(FleetService, sched.address);
