@@ -14,6 +14,7 @@ import type { Fleet, TestScheduler } from './testkit/scheduler.ts';
 import { HostState, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import type { FleetStore, StoreWrite } from './domain/ports.ts';
+import { withCommitAt } from './testkit/store-proxy.ts';
 
 /**
  * The store, but while `retried.armed`, the next commit that places a child again applies
@@ -29,14 +30,7 @@ function retriedReplacement(store: FleetStore, retried: { armed: boolean; hit: n
     expect(await store.commitAt(writes, fence)).toBeGreaterThan(0);
     return store.commitAt(writes, fence);
   };
-  return new Proxy(store, {
-    get(target, prop) {
-      if (prop === 'commitAt') return commitAt;
-      if (prop === 'commit') return async (writes: readonly StoreWrite[]) => (await commitAt(writes)) > 0;
-      const v = Reflect.get(target, prop, target) as unknown;
-      return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
-    },
-  });
+  return withCommitAt(store, commitAt);
 }
 
 const tenantId = 't1';

@@ -19,6 +19,7 @@ import { startScheduler } from './scheduler.ts';
 import type { SchedulerHandle } from './scheduler.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import type { FleetStore, StoreWrite } from './domain/ports.ts';
+import { withCommitAt } from './testkit/store-proxy.ts';
 import { StoreUnavailableError } from './domain/errors.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
 import type { Client } from './adapters/grpc/rpc.ts';
@@ -62,14 +63,7 @@ function faulty(store: FleetStore, armed: { fault?: Fault; hit: number }): Fleet
     // etcd3 retried the call the way its retry policy does, after the first one had applied.
     return store.commitAt(writes, fence);
   };
-  return new Proxy(store, {
-    get(target, prop) {
-      if (prop === 'commitAt') return commitAt;
-      if (prop === 'commit') return async (writes: readonly StoreWrite[]) => (await commitAt(writes)) > 0;
-      const v = Reflect.get(target, prop, target) as unknown;
-      return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
-    },
-  });
+  return withCommitAt(store, commitAt);
 }
 
 describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)', () => {
