@@ -103,21 +103,33 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     expect(hostB?.allocated?.vcpus ?? 0).toBe(0);
   }, 90_000);
 
-  it('forkWhoseHostDies_placesTheChildrenItWasStartingAgainOnALiveHost_andSucceedsWithAllOfThem', async () => {
-    dyingToo = await agents('fake-c', { FF_FAKE_RESTORE_MS_PER_VM: '60000' });
-    await waitFor('fake-c registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-c' && h.state === HostState.READY), 20_000, 100);
-    // fake-a cordoned while the fork is placed: both children go to fake-c.
+  /**
+   * Starts a host whose restores take a minute, and forks `count` children onto it (fake-a
+   * cordoned meanwhile, uncordoned after): they are still starting when the test kills it.
+   */
+  async function forkOntoASlowHost(hostId: string, count: number): Promise<{ host: FakeAgentsProcess; forkId: string; childIds: string[] }> {
+    const host = await agents(hostId, { FF_FAKE_RESTORE_MS_PER_VM: '60000' });
+    await waitFor(`${hostId} registered`, async () => (await api.listHosts({})).hosts.some((h) => h.id === hostId && h.state === HostState.READY), 20_000, 100);
     await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: true });
-    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 2 });
+    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count });
     let childIds: string[] = [];
-    await waitFor('the fork placed on fake-c', async () => {
+    await waitFor(`the fork placed on ${hostId}`, async () => {
       const op = await api.getOperation({ tenantId, operationId: fork.id });
       childIds = op.result.case === 'fork' ? op.result.value.children.map((c) => c.id) : [];
-      if (childIds.length !== 2) return false;
+      if (childIds.length !== count) return false;
       const sbs = await Promise.all(childIds.map((id) => api.getSandbox({ tenantId, sandboxId: id })));
-      return sbs.every((s) => s.hostId === 'fake-c' && s.state === SandboxState.STARTING);
+      return sbs.every((s) => s.hostId === hostId && s.state === SandboxState.STARTING);
     }, 30_000, 50);
     await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: false });
+    return { host, forkId: fork.id, childIds };
+  }
+
+  it('forkWhoseHostDies_placesTheChildrenItWasStartingAgainOnALiveHost_andSucceedsWithAllOfThem', async () => {
+    // Both children go to fake-c.
+    const placed = await forkOntoASlowHost('fake-c', 2);
+    dyingToo = placed.host;
+    const { childIds } = placed;
+    const fork = { id: placed.forkId };
 
     const killedAt = Date.now();
     dyingToo.proc.kill();
@@ -142,17 +154,10 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   }, 90_000);
 
   it('replacement_whoseCommitLandsButIsRetriedAndConflicts_goesOnWithTheChildrenWhereItPutThem', async () => {
-    dyingThird = await agents('fake-d', { FF_FAKE_RESTORE_MS_PER_VM: '60000' });
-    await waitFor('fake-d registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'fake-d' && h.state === HostState.READY), 20_000, 100);
-    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: true });
-    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 1 });
-    let childId = '';
-    await waitFor('the fork placed on fake-d', async () => {
-      const op = await api.getOperation({ tenantId, operationId: fork.id });
-      childId = op.result.case === 'fork' ? (op.result.value.children[0]?.id ?? '') : '';
-      return childId !== '' && (await api.getSandbox({ tenantId, sandboxId: childId })).hostId === 'fake-d';
-    }, 30_000, 50);
-    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: false });
+    const placed = await forkOntoASlowHost('fake-d', 1);
+    dyingThird = placed.host;
+    const fork = { id: placed.forkId };
+    const childId = placed.childIds[0]!;
     retried.armed = true;
     dyingThird.proc.kill();
     const final = await api.waitOperation({ tenantId, operationId: fork.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
