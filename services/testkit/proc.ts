@@ -59,11 +59,16 @@ export function sleep(ms: number): Promise<void> {
   return new Promise((r) => setTimeout(r, ms));
 }
 
-/** Polls `probe` until it returns true or `timeoutMs` passes. */
-export async function waitFor(what: string, probe: () => Promise<boolean>, timeoutMs: number, intervalMs = 20): Promise<void> {
+/**
+ * Polls `probe` until it returns true or `timeoutMs` passes. `giveUp`, checked before each
+ * probe, ends the wait at once with the error it returns (a server that exited, say).
+ */
+export async function waitFor(what: string, probe: () => Promise<boolean>, timeoutMs: number, intervalMs = 20, giveUp?: () => Error | undefined): Promise<void> {
   const until = Date.now() + timeoutMs;
   let lastErr: unknown;
   while (Date.now() < until) {
+    const fatal = giveUp?.();
+    if (fatal) throw fatal;
     try {
       if (await probe()) return;
     } catch (e) {
@@ -99,18 +104,11 @@ export async function waitReady(proc: ManagedProcess, what: string, probe: () =>
     code = c;
     gone = true;
   });
-  const until = Date.now() + timeoutMs;
-  let lastErr: unknown;
-  while (Date.now() < until) {
-    if (gone) throw new ExitedBeforeReadyError(`${proc.name} (pid ${proc.pid}) exited with code ${String(code)} before ${what}; its log ends:\n${logTail(proc.logPath)}`);
-    try {
-      if (await probe()) return;
-    } catch (e) {
-      lastErr = e;
-    }
-    await sleep(intervalMs);
-  }
-  throw new Error(`timed out after ${timeoutMs} ms waiting for ${what}; ${proc.name}'s log ends:\n${logTail(proc.logPath)}`, { cause: lastErr });
+  const exitedFirst = (): Error | undefined => (gone ? new ExitedBeforeReadyError(`${proc.name} (pid ${proc.pid}) exited with code ${String(code)} before ${what}; its log ends:\n${logTail(proc.logPath)}`) : undefined);
+  await waitFor(what, probe, timeoutMs, intervalMs, exitedFirst).catch((e: unknown) => {
+    if (!(e instanceof ExitedBeforeReadyError) && e instanceof Error) e.message += `; ${proc.name}'s log ends:\n${logTail(proc.logPath)}`;
+    throw e;
+  });
 }
 
 /** CPU (utime + stime, all threads, in ms: 10 ms ticks) and minor page faults of a process, from /proc. */
