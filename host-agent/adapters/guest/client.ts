@@ -205,12 +205,9 @@ export class GuestAgentClient {
         if (st.exited) {
           let stdout = Buffer.from(st['out-data'] ?? '', 'base64');
           let stderr = Buffer.from(st['err-data'] ?? '', 'base64');
+          // (Without capture there is no output, and nothing for onOutput.)
           if (live) {
             live.finish(stdout, stderr);
-            stdout = stderr = Buffer.alloc(0);
-          } else if (req.onOutput) {
-            if (stdout.length) req.onOutput('stdout', stdout);
-            if (stderr.length) req.onOutput('stderr', stderr);
             stdout = stderr = Buffer.alloc(0);
           }
           return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...(killedAt !== undefined ? { timedOut: true } : {}) };
