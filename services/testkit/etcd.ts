@@ -2,7 +2,7 @@
 // a temporary data directory, stopped by PID.
 import { rmSync } from 'node:fs';
 import { join } from 'node:path';
-import { ExitedBeforeReadyError, freePort, spawnManaged, tempDir, waitReady } from './proc.ts';
+import { freePort, onFreshPorts, spawnManaged, tempDir, waitReady } from './proc.ts';
 import type { ManagedProcess } from './proc.ts';
 
 export interface EtcdMember {
@@ -31,15 +31,7 @@ async function healthy(clientUrl: string): Promise<boolean> {
 
 /** Starts a cluster of `size` members (1 or 3 typically) on loopback. */
 export async function startEtcd(opts: { size?: number; binary?: string; logDir?: string } = {}): Promise<EtcdCluster> {
-  // A port can still be taken between freePort and etcd's bind: a member then exits, and we
-  // start the cluster again on fresh ports.
-  for (let attempt = 1; ; attempt++) {
-    try {
-      return await startEtcdOnce(opts);
-    } catch (e) {
-      if (!(e instanceof ExitedBeforeReadyError) || attempt >= 3) throw e;
-    }
-  }
+  return onFreshPorts(() => startEtcdOnce(opts));
 }
 
 async function startEtcdOnce(opts: { size?: number; binary?: string; logDir?: string } = {}): Promise<EtcdCluster> {

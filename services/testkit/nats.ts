@@ -3,7 +3,7 @@
 import { rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../adapters/nats/auth.ts';
-import { ExitedBeforeReadyError, freePort, spawnManaged, tempDir, waitReady } from './proc.ts';
+import { freePort, onFreshPorts, spawnManaged, tempDir, waitReady } from './proc.ts';
 import type { ManagedProcess } from './proc.ts';
 
 export interface NatsServer {
@@ -72,9 +72,7 @@ export async function startNats(opts: {
       removeDirOnStop: false,
       logPath: opts.logDir ? join(opts.logDir, 'nats.log') : join(dir, 'nats.log'),
     });
-  // A port can still be taken between freePort and the server's bind: the server then
-  // exits, and we try again on fresh ports.
-  for (let attempt = 1; ; attempt++) {
+  const started = await onFreshPorts(async () => {
     const port = await pickPort();
     const monitorPort = await pickPort();
     const proc = launch(port, monitorPort);
@@ -82,27 +80,30 @@ export async function startNats(opts: {
       await waitReady(proc, 'nats-server ready', () => ready(monitorPort), READY_MS);
     } catch (e) {
       await proc.stop();
-      if (e instanceof ExitedBeforeReadyError && attempt < 3) continue;
-      rmSync(dir, { recursive: true, force: true });
       throw e;
     }
-    const server: NatsServer = {
-      url: `nats://127.0.0.1:${port}`,
-      port,
-      monitorPort,
-      storeDir,
-      ...(auth ? { auth } : {}),
-      proc,
-      async restart() {
-        await server.proc.stop();
-        server.proc = launch(port, monitorPort);
-        await waitReady(server.proc, 'nats-server ready after restart', () => ready(monitorPort), READY_MS);
-      },
-      async stop() {
-        await server.proc.stop();
-        rmSync(dir, { recursive: true, force: true });
-      },
-    };
-    return server;
-  }
+    return { port, monitorPort, proc };
+  }).catch((e: unknown) => {
+    rmSync(dir, { recursive: true, force: true });
+    throw e;
+  });
+  const { port, monitorPort } = started;
+  const server: NatsServer = {
+    url: `nats://127.0.0.1:${port}`,
+    port,
+    monitorPort,
+    storeDir,
+    ...(auth ? { auth } : {}),
+    proc: started.proc,
+    async restart() {
+      await server.proc.stop();
+      server.proc = launch(port, monitorPort);
+      await waitReady(server.proc, 'nats-server ready after restart', () => ready(monitorPort), READY_MS);
+    },
+    async stop() {
+      await server.proc.stop();
+      rmSync(dir, { recursive: true, force: true });
+    },
+  };
+  return server;
 }

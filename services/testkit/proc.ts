@@ -94,6 +94,21 @@ export function logTail(path: string | undefined, bytes = 2000): string {
 export class ExitedBeforeReadyError extends Error {}
 
 /**
+ * Starts a server (`start` picks its ports, launches it and waits until it is ready), again
+ * on fresh ports when it exits before it is ready: a port can still be taken between
+ * freePort and the server's own bind. At most `tries` starts.
+ */
+export async function onFreshPorts<T>(start: () => Promise<T>, tries = 3): Promise<T> {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await start();
+    } catch (e) {
+      if (!(e instanceof ExitedBeforeReadyError) || attempt >= tries) throw e;
+    }
+  }
+}
+
+/**
  * Like waitFor, for a server we started: fails at once, with the tail of its log, if the
  * process exits first (a port taken after all, a bad flag), instead of polling to the timeout.
  */
