@@ -252,6 +252,25 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sb!.id }));
   }, 300_000);
 
+  it('exec_cancelledByItsClientMidway_killsTheCommandInTheGuest', async () => {
+    const created = await done(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    const id = created.result.case === 'sandbox' ? created.result.value.id : '';
+    const ac = new AbortController();
+    const got: string[] = [];
+    const e = (await (async () => {
+      for await (const r of api.exec({ tenantId, sandboxId: id, argv: ['/bin/sh', '-c', 'echo started; sleep 304; echo never'], timeout: { seconds: 300n } }, { signal: ac.signal })) {
+        if (r.payload.case === 'stdout') got.push(Buffer.from(r.payload.value).toString());
+        // Its output streams while it runs; the client then gives up on it.
+        if (got.join('') === 'started\n') ac.abort();
+      }
+    })().catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.CANCELLED);
+    expect(got.join('')).toBe('started\n');
+    // The API told the host, which killed the command and its sleep (it would run 300 s).
+    await waitFor('the cancelled command gone from the guest', async () => (await sh(api, id, 'ps | grep -c "[s]leep 304" || true')).out === '0\n', 15_000, 250);
+    await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+  }, 300_000);
+
   it('vmGone_crashedQemuOrReapedAtAgentRestart_marksTheSandboxLostWithWhy_andFreesItsCapacity', async () => {
     const make = async (hostId?: string): Promise<{ id: string; hostId: string }> => {
       const op = await done(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, ...(hostId ? { placement: { hostId } } : {}) }));

@@ -48,7 +48,8 @@ export interface AgentBus {
   publishResult(r: HostResult): Promise<void>;
   publishHeartbeat(hb: Heartbeat): void;
   publishEvent(e: HostEvent): void;
-  serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void) => Promise<void>): () => void;
+  /** `signal` aborts when the exec's caller is gone (HostExecCancel): the command is killed. */
+  serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void, signal: AbortSignal) => Promise<void>): () => void;
   serveFile(handler: (req: HostFileRequest) => Promise<HostFileResponse>): () => void;
 }
 
@@ -195,7 +196,7 @@ export class Agent {
         }
       }),
     );
-    this.stops.push(bus.serveExec((req, emit) => this.exec(req, emit)));
+    this.stops.push(bus.serveExec((req, emit, signal) => this.exec(req, emit, signal)));
     this.stops.push(bus.serveFile((req) => this.file(req)));
     this.stops.push(await bus.consumeWork((w, ctl) => this.onWork(w, ctl)));
     this.heartbeat();
@@ -630,7 +631,7 @@ export class Agent {
 
   // ---------------------------------------------------------------- exec and files
 
-  private async exec(req: HostExecRequest, emit: (out: HostExecOutput) => void): Promise<void> {
+  private async exec(req: HostExecRequest, emit: (out: HostExecOutput) => void, signal?: AbortSignal): Promise<void> {
     let seq = 0n;
     const out = (payload: HostExecOutput['payload']): void => emit({ $typeName: 'forkfleet.v1.HostExecOutput', seq: ++seq, payload });
     try {
@@ -651,6 +652,7 @@ export class Agent {
         ...(req.stdin.length ? { stdin: Buffer.from(req.stdin) } : {}),
         timeoutMs,
         onOutput,
+        ...(signal ? { signal } : {}),
       });
       // A driver that does not stream returns the output with the exit.
       onOutput('stdout', r.stdout);

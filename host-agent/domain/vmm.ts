@@ -87,6 +87,8 @@ export interface ExecRequest {
    * stderr are empty: every byte went here, in order per stream.
    */
   onOutput?: (stream: 'stdout' | 'stderr', data: Buffer) => void;
+  /** Aborting kills the program and everything it started, as at its timeout; the result then says `cancelled`. */
+  signal?: AbortSignal;
 }
 
 export interface FileRange {
@@ -107,6 +109,8 @@ export interface ExecResult {
   stderr: Buffer;
   /** The command ran past timeoutMs and was killed; stdout and stderr hold what it wrote until then. */
   timedOut?: boolean;
+  /** ExecRequest.signal aborted first and the command was killed; stdout and stderr hold what it wrote until then. */
+  cancelled?: boolean;
 }
 
 /**

@@ -21,6 +21,7 @@ export {
   HeartbeatSchema,
   HostEventSchema,
   HostExecRequestSchema,
+  HostExecCancelSchema,
   HostExecOutputSchema,
   HostFileRequestSchema,
   HostFileResponseSchema,

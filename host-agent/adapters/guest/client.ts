@@ -46,6 +46,8 @@ const EXEC_KILL = [
 
 /** How long a killed program has to exit (and its output to be copied out) before exec gives up on it. */
 const EXEC_KILL_GRACE_MS = 5000;
+/** How often the kill is sent again while the killed program has not exited. */
+const EXEC_KILL_AGAIN_MS = 1000;
 
 /**
  * With `onOutput`, a program still running after this long has its output files read while
@@ -170,7 +172,8 @@ export class GuestAgentClient {
 
   /**
    * Run a program; resolves with exit code, stdout and stderr once it has exited. Past
-   * `timeoutMs` the program is killed and the result says `timedOut`, with what it wrote.
+   * `timeoutMs` the program is killed and the result says `timedOut`, with what it wrote;
+   * when `signal` aborts first, the same, and it says `cancelled`.
    *
    * With output captured, the program runs under EXEC_WRAPPER: qemu-ga reports a process
    * exited only once its output pipes close, so a command that leaves a process behind
@@ -191,6 +194,8 @@ export class GuestAgentClient {
     const started = Date.now();
     let delay = 2;
     let killedAt: number | undefined;
+    let lastKill = 0;
+    let why: { timedOut: true } | { cancelled: true } | undefined;
     const live = capture && req.onOutput ? new LiveOutput(this, wrapperFiles(pid, req.env), req.onOutput) : undefined;
     try {
       while (true) {
@@ -210,20 +215,26 @@ export class GuestAgentClient {
             live.finish(stdout, stderr);
             stdout = stderr = Buffer.alloc(0);
           }
-          return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...(killedAt !== undefined ? { timedOut: true } : {}) };
+          return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...why };
         }
         const now = Date.now();
         if (live && now - started >= LIVE_AFTER_MS) await live.poll(now);
-        if (killedAt === undefined && now >= end) {
-          // Kill the program (the wrapper then copies out what it wrote and exits) or, without
-          // the wrapper, the process itself.
+        if (why === undefined && (now >= end || req.signal?.aborted)) {
+          why = now >= end ? { timedOut: true } : { cancelled: true };
           killedAt = now;
+        }
+        if (killedAt !== undefined && now - killedAt >= EXEC_KILL_GRACE_MS) {
+          throw new GuestAgentTimeoutError(`guest-exec ${req.path} (killed after ${now - started} ms, still not exited)`, timeoutMs + EXEC_KILL_GRACE_MS);
+        }
+        if (killedAt !== undefined && now - lastKill >= EXEC_KILL_AGAIN_MS) {
+          // Kill the program (the wrapper then copies out what it wrote and exits) or, without
+          // the wrapper, the process itself. Again while it has not exited: a kill that came
+          // before the wrapper started the program found nothing to kill.
+          lastKill = now;
           const kill = capture
             ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid)], 'capture-output': false, ...(req.env ? { env: req.env } : {}) }
             : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
           await this.command('guest-exec', kill, 10_000).catch(() => undefined);
-        } else if (killedAt !== undefined && now - killedAt >= EXEC_KILL_GRACE_MS) {
-          throw new GuestAgentTimeoutError(`guest-exec ${req.path} (killed after ${timeoutMs} ms, still not exited)`, timeoutMs + EXEC_KILL_GRACE_MS);
         }
         await new Promise((r) => setTimeout(r, delay));
         // The next poll comes after a fifth of the time waited so far (2..100 ms): an exit is

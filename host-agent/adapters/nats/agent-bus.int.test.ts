@@ -256,12 +256,20 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
       .publish(subjects.result('host-b'), toBinary(HostResultSchema, create(HostResultSchema, { opId: 'op-forged', hostId: 'host-b' })))
       .then(() => undefined, (e: unknown) => e as NatsError);
     expect(err?.code).toBe(ErrorCode.PermissionsViolation);
-    // Neither an exec answer for another host nor work for it may be injected either.
+    // Neither an exec answer for another host nor work for it may be injected either, nor
+    // an exec cancel, even for its own host (only the scheduler sends those).
     agentA.publish(subjects.work('host-b'), new Uint8Array([1]));
     agentA.publish(`${subjects.execOut('host-b')}.X`, new Uint8Array([1]));
-    await waitUntil('four publish violations', () => (seen.length >= 4 ? seen : undefined));
+    agentA.publish(subjects.execCancel('host-a'), new Uint8Array([1]));
+    await waitUntil('five publish violations', () => (seen.length >= 5 ? seen : undefined));
     expect(seen).toEqual(
-      expect.arrayContaining([`publish ${subjects.heartbeat('host-b')}`, `publish ${subjects.result('host-b')}`, `publish ${subjects.work('host-b')}`, `publish ${subjects.execOut('host-b')}.X`]),
+      expect.arrayContaining([
+        `publish ${subjects.heartbeat('host-b')}`,
+        `publish ${subjects.result('host-b')}`,
+        `publish ${subjects.work('host-b')}`,
+        `publish ${subjects.execOut('host-b')}.X`,
+        `publish ${subjects.execCancel('host-a')}`,
+      ]),
     );
     await sleep(300);
     expect(heartbeats.some((h) => h.hostId === 'host-b')).toBe(false);
@@ -275,7 +283,7 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
         agentA.subscribe(subject, { callback: (err) => resolve(err ?? undefined) });
         setTimeout(() => resolve(undefined), 3000);
       });
-    for (const s of [subjects.exec('host-b'), subjects.file('host-b'), subjects.work('host-b'), subjects.allResults, '_INBOX.>', '>']) {
+    for (const s of [subjects.exec('host-b'), subjects.execCancel('host-b'), subjects.file('host-b'), subjects.work('host-b'), subjects.allResults, '_INBOX.>', '>']) {
       expect((await subErr(s))?.code, s).toBe(ErrorCode.PermissionsViolation);
     }
     // Host B's durable consumer: not readable, not pullable; no consumer of B's work can be made.

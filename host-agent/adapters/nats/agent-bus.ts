@@ -8,6 +8,7 @@ import type { AgentBus, WorkControl } from '../../domain/agent.ts';
 import {
   HeartbeatSchema,
   HostEventSchema,
+  HostExecCancelSchema,
   HostExecOutputSchema,
   HostExecRequestSchema,
   HostFileRequestSchema,
@@ -204,7 +205,10 @@ export class NatsAgentBus implements AgentBus {
     }
   }
 
-  serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void) => Promise<void>): () => void {
+  serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void, signal: AbortSignal) => Promise<void>): () => void {
+    // Execs in progress by their reply subject (unique per call), aborted by a HostExecCancel
+    // from the scheduler (only it may publish there: auth.ts).
+    const running = new Map<string, AbortController>();
     const sub = this.nc.subscribe(subjects.exec(this.hostId), {
       callback: (err, m) => {
         if (err || !m.reply) return;
@@ -216,11 +220,32 @@ export class NatsAgentBus implements AgentBus {
           this.nc.publish(reply, toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: 1n, payload: { case: 'error', value: { kind: 'invalid_argument', message: 'undecodable exec request' } } })));
           return;
         }
-        void handler(req, (out) => this.reply(reply, toBinary(HostExecOutputSchema, out), () => toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: out.seq, payload: { case: 'error', value: { kind: 'internal', message: 'an exec output piece did not fit a NATS message' } } })))).catch((e: unknown) => this.log.warn({ err: e }, 'exec relay failed'));
+        const ac = new AbortController();
+        running.set(reply, ac);
+        void handler(req, (out) => this.reply(reply, toBinary(HostExecOutputSchema, out), () => toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: out.seq, payload: { case: 'error', value: { kind: 'internal', message: 'an exec output piece did not fit a NATS message' } } }))), ac.signal)
+          .catch((e: unknown) => this.log.warn({ err: e }, 'exec relay failed'))
+          .finally(() => running.delete(reply));
       },
     });
-    this.subs.push(sub);
-    return () => sub.unsubscribe();
+    const cancels = this.nc.subscribe(subjects.execCancel(this.hostId), {
+      callback: (err, m) => {
+        if (err) return;
+        try {
+          const replySubject = fromBinary(HostExecCancelSchema, m.data).replySubject;
+          const ac = running.get(replySubject);
+          if (!ac) return; // it has exited already
+          this.log.info({ replySubject }, 'exec cancelled by its caller: killing the command');
+          ac.abort();
+        } catch (e) {
+          this.log.warn({ err: e }, 'undecodable exec cancel ignored');
+        }
+      },
+    });
+    this.subs.push(sub, cancels);
+    return () => {
+      sub.unsubscribe();
+      cancels.unsubscribe();
+    };
   }
 
   serveFile(handler: (req: HostFileRequest) => Promise<HostFileResponse>): () => void {

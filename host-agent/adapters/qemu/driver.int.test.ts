@@ -444,6 +444,24 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await sh('tpl', 'ps | grep -c "[s]leep 301" || true')).toBe('0');
   });
 
+  it('exec_whenItsSignalAborts_killsTheCommandAndWhatItStarted_andSaysCancelled', async () => {
+    // Aborted while it runs: killed with its child, and what it wrote comes back.
+    const ac = new AbortController();
+    const t0 = Date.now();
+    setTimeout(() => ac.abort(), 1500);
+    const r = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'echo started; sleep 302; echo never'], timeoutMs: 60_000, signal: ac.signal });
+    expect(Date.now() - t0).toBeLessThan(8000);
+    expect(r.cancelled).toBe(true);
+    expect(r.timedOut).toBeUndefined();
+    expect(r.stdout.toString()).toBe('started\n');
+    // Aborted before the guest has even started it: it never runs, or is killed once it does.
+    const early = new AbortController();
+    const pending = driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'sleep 303'], timeoutMs: 60_000, signal: early.signal });
+    early.abort();
+    expect((await pending).cancelled).toBe(true);
+    expect(await sh('tpl', 'ps | grep -c "[s]leep 30[23]" || true')).toBe('0');
+  });
+
   it('pause_thenResume_guestContinues', async () => {
     await driver.pause('tpl');
     expect(driver.get('tpl')?.state).toBe('paused');

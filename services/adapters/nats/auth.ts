@@ -15,7 +15,8 @@
 //                  the server lost its store: ensureWorkConsumer; its work stays in the stream)
 //              $JS.ACK.FF_WORK.agent-<h>.>                          (ack / in-progress its work)
 //              one reply to each request it received, within 2 min (allow_responses: file relay)
-//   subscribe  ff.exec.<h>  ff.file.<h>  _INBOX_<h>.>                (its relays and its own inbox)
+//   subscribe  ff.exec.<h>  ff.execcancel.<h>  ff.file.<h>          (its relays, exec cancels)
+//              _INBOX_<h>.>                                          (its own inbox)
 // Agents never create streams (the scheduler does; an agent waits for them) and cannot
 // create, read or pull another host's consumer. Anything else is a permissions violation.
 import { chmodSync, readFileSync, writeFileSync } from 'node:fs';
@@ -53,7 +54,7 @@ export function hostPermissions(hostId: string): NatsPermissions {
         `$JS.ACK.${STREAM_WORK}.${c}.>`,
       ],
     },
-    subscribe: { allow: [subjects.exec(hostId), subjects.file(hostId), `${agentInboxPrefix(hostId)}.>`] },
+    subscribe: { allow: [subjects.exec(hostId), subjects.execCancel(hostId), subjects.file(hostId), `${agentInboxPrefix(hostId)}.>`] },
     allow_responses: { ...RESPONSE_WINDOW },
   };
 }
@@ -66,7 +67,8 @@ export function hostGroupPermissions(hostIds: string[], inboxPrefix: string): Na
   const per = hostIds.map(hostPermissions);
   return {
     publish: { allow: per.flatMap((p) => p.publish.allow).filter((x, i, a) => a.indexOf(x) === i) },
-    subscribe: { allow: [...hostIds.flatMap((h) => [subjects.exec(h), subjects.file(h)]), `${inboxPrefix}.>`] },
+    // Each host's relay subjects (all it may subscribe to but its inbox), then the one inbox.
+    subscribe: { allow: [...hostIds.flatMap((h) => hostPermissions(h).subscribe.allow.filter((x) => !x.startsWith(agentInboxPrefix(h)))), `${inboxPrefix}.>`] },
     allow_responses: { ...RESPONSE_WINDOW },
   };
 }

@@ -10,6 +10,7 @@ import type { WorkBus } from '../../domain/ports.ts';
 import {
   HeartbeatSchema,
   HostEventSchema,
+  HostExecCancelSchema,
   HostExecOutputSchema,
   HostExecRequestSchema,
   HostFileRequestSchema,
@@ -195,9 +196,19 @@ export class NatsWorkBus implements WorkBus {
     // else, so a long exec's output stream needs no response-permission window.
     const inbox = createInbox(subjects.execOut(hostId));
     const q = new AsyncQueue<HostExecOutputMsg>();
+    // The caller is gone before the exit: the host kills the command (HostExecCancel), so a
+    // cancelled or abandoned exec leaves nothing running in the guest.
+    const cancelOnHost = (): void => {
+      try {
+        this.nc.publish(subjects.execCancel(hostId), toBinary(HostExecCancelSchema, create(HostExecCancelSchema, { replySubject: inbox })));
+      } catch {
+        // A closed connection: the host's own timeout for the command still applies.
+      }
+    };
     const timer = setTimeout(() => {
       q.fail(new ForkfleetError('deadline_exceeded', `exec on host ${hostId} timed out after ${opts.timeoutMs} ms`));
       sub.unsubscribe();
+      cancelOnHost();
     }, opts.timeoutMs);
     const finish = (): void => {
       clearTimeout(timer);
@@ -229,6 +240,7 @@ export class NatsWorkBus implements WorkBus {
       if (!q.isEnded) {
         finish();
         q.fail(new ForkfleetError('cancelled', 'exec cancelled'));
+        cancelOnHost();
       }
     });
     this.nc.publish(subjects.exec(hostId), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, req)), { reply: inbox });

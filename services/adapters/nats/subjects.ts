@@ -12,6 +12,8 @@ export const subjects = {
   file: (hostId: string) => `ff.file.${hostId}`,
   /** Exec output from a host streams to `<this>.<unique id>` (the scheduler's per-call reply subject). */
   execOut: (hostId: string) => `ff.execout.${hostId}`,
+  /** HostExecCancel: the caller of an exec on this host is gone; the host kills the command. */
+  execCancel: (hostId: string) => `ff.execcancel.${hostId}`,
   allHeartbeats: 'ff.heartbeat.*',
   allEvents: 'ff.event.*',
   allResults: 'ff.result.*',
