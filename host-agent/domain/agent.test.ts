@@ -1,14 +1,14 @@
 import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
-import { Agent } from './agent.ts';
+import { Agent, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
 import type { AgentBus, SnapshotShipper } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { VmInfo, VmmDriver } from './vmm.ts';
 import { HostResultSchema, HostWorkSchema, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
-function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}): { agent: Agent; journal: MemoryJournal } {
+function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }): { agent: Agent; journal: MemoryJournal } {
   const journal = new MemoryJournal();
   const agent = new Agent({
     driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
@@ -16,7 +16,7 @@ function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper>
     bus: bus as AgentBus,
     journal,
     images: () => Promise.reject(new Error('no images in this test')),
-    clock: { now: () => 1_000 },
+    clock,
     log: pino({ level: 'silent' }),
     config: { hostId: 'h1', bootId: 'b', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
     qemuVersion: '7.2.0',
@@ -228,5 +228,43 @@ describe('Agent steps', () => {
     }
     agent.heartbeat();
     expect(beats[1]).toMatchObject({ restoreSlots: 3, restoreCostMs: 200 });
+  });
+
+  it('heartbeat_whenTheHostsRestoresAreOlderThanTheirMaxAge_reportsNoCostSoPlacementTriesItAgain', async () => {
+    const beats: Heartbeat[] = [];
+    let now = 1_000;
+    let n = 0;
+    const ready = [5000, 6000, 100];
+    const { agent } = agentWith(
+      { fork: async (_s, clones) => clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: ready[n]! }) as VmInfo) },
+      { obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) },
+      { publishHeartbeat: (hb) => void beats.push(hb) },
+      { now: () => now },
+    );
+    const restore = async (): Promise<void> => {
+      expect((await agent.runStep(work(`restore/${n}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${n}` }] } } }))).error).toBeUndefined();
+      n++;
+    };
+    // A slow spell: two slow restores.
+    await restore();
+    now += 60_000;
+    await restore();
+    agent.heartbeat();
+    expect(beats.at(-1)!.restoreCostMs).toBe(5000); // the median (the lower middle of two)
+    // Until the first is past the max age, both count; then only the second.
+    now = 1_000 + RESTORE_SAMPLE_MAX_AGE_MS;
+    agent.heartbeat();
+    expect(beats.at(-1)!.restoreCostMs).toBe(5000);
+    now = 1_000 + RESTORE_SAMPLE_MAX_AGE_MS + 1;
+    agent.heartbeat();
+    expect(beats.at(-1)!.restoreCostMs).toBe(6000);
+    // Then none: the host reports no cost (placement prices it with its default).
+    now = 1_000 + 60_000 + RESTORE_SAMPLE_MAX_AGE_MS + 1;
+    agent.heartbeat();
+    expect(beats.at(-1)!.restoreCostMs).toBe(0);
+    // A new restore is its price again.
+    await restore();
+    agent.heartbeat();
+    expect(beats.at(-1)!.restoreCostMs).toBe(100);
   });
 });

@@ -144,6 +144,13 @@ export interface AgentDeps {
 
 /** Local restores the heartbeat's restore_cost_ms is the median of. */
 const RESTORE_SAMPLES = 32;
+/**
+ * A restore sample older than this no longer counts. Placement prices a host by its samples
+ * and avoids a slow one, so a host that was slow for a while would get no new samples and
+ * keep its old price for good; aged out, it reports none and is priced like a new host
+ * (the scheduler's default), so it gets restores again and measures itself anew.
+ */
+export const RESTORE_SAMPLE_MAX_AGE_MS = 10 * 60_000;
 
 const VM_STATE: Record<VmInfo['state'], PbVmState> = {
   starting: PbVmState.STARTING,
@@ -166,11 +173,11 @@ export class Agent {
   private seq = 0n;
   /**
    * Time to ready of the first child of each recent local restore step (at most
-   * RESTORE_SAMPLES, newest last): what a restore costs here with nothing else of its step
+   * RESTORE_SAMPLES, none older than RESTORE_SAMPLE_MAX_AGE_MS, oldest first): what a restore costs here with nothing else of its step
    * alongside. The heartbeat reports the median, which placement uses to price this host's
    * queue.
    */
-  private readonly restoreSamples: number[] = [];
+  private readonly restoreSamples: Array<{ ms: number; at: number }> = [];
   private readonly queue: Array<() => Promise<void>> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
   /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
@@ -265,13 +272,15 @@ export class Agent {
   }
 
   private recordRestore(ms: number): void {
-    this.restoreSamples.push(ms);
+    this.restoreSamples.push({ ms, at: this.deps.clock.now() });
     if (this.restoreSamples.length > RESTORE_SAMPLES) this.restoreSamples.shift();
   }
 
-  /** Median of the recent local restores, ms (0: none yet). */
+  /** Median of the recent local restores, ms (0: none in the last RESTORE_SAMPLE_MAX_AGE_MS). */
   private restoreCostMs(): number {
-    const s = [...this.restoreSamples].sort((a, b) => a - b);
+    const since = this.deps.clock.now() - RESTORE_SAMPLE_MAX_AGE_MS;
+    while (this.restoreSamples.length && this.restoreSamples[0]!.at < since) this.restoreSamples.shift();
+    const s = this.restoreSamples.map((x) => x.ms).sort((a, b) => a - b);
     return s.length ? Math.round(s[Math.floor((s.length - 1) / 2)]!) : 0;
   }
 
