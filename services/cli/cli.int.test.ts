@@ -72,6 +72,7 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(new Set(ls.filter((s) => s.state === 'running').map((s) => s.id))).toEqual(new Set([sb.id, ...fork.children.map((c) => c.id)]));
     const human = await cli(['sandbox', 'ls']);
     expect(human.stdout).toMatch(/^ID\s+STATE\s+HOST/);
+    expect((await cli(['sandbox', 'list'])).stdout).toBe(human.stdout); // `list` is `ls`
 
     const snaps = await json<Array<{ id: string; hostIds: string[] }>>(['snapshot', 'ls']);
     expect(snaps.map((s) => s.id)).toContain(fork.snapshotId);

@@ -217,7 +217,7 @@ export function buildProgram(): Command {
       endProgress(cmd);
       out(cmd, s.info, () => `${s.id}  ${s.info?.state} on ${s.info?.hostId}\nnext: forkfleet sandbox exec ${s.id} -- uname -a\n`);
     });
-  sb.command('ls')
+  sb.command('ls').alias('list')
     .description('list sandboxes (all but destroyed)')
     .option('--state <state...>', 'only these states')
     .option('--label <key=value>', 'label selector (repeatable)', labelsArg)
@@ -323,7 +323,7 @@ export function buildProgram(): Command {
 
   // ----- snapshots
   const sn = program.command('snapshot').alias('sn').description('list, pin and delete snapshots');
-  sn.command('ls')
+  sn.command('ls').alias('list')
     .description('list snapshots and where they live')
     .option('--lineage <id>', 'only this lineage')
     .action(async (o: { lineage?: string }, cmd: Command) => {
@@ -353,7 +353,7 @@ export function buildProgram(): Command {
 
   // ----- hosts
   const hosts = program.command('hosts').description('fleet hosts (admin)');
-  hosts.command('ls').description('hosts, their capacity and load').action(async (_o: unknown, cmd: Command) => {
+  hosts.command('ls').alias('list').description('hosts, their capacity and load').action(async (_o: unknown, cmd: Command) => {
     const list = await client(cmd).hosts.list();
     out(cmd, list, () => table(hostRows(list)));
   });
