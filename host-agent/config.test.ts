@@ -35,3 +35,16 @@ describe('compileAgentConfig: NATS TLS', () => {
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_NATS_URL: 'https://10.0.0.1:4222' }))).toBe('FF_NATS_URL');
   });
 });
+
+describe('compileAgentConfig: peer TLS', () => {
+  it('peerTls_unset_isPlainText_allThreeFilesTurnOnMutualTls', () => {
+    expect(compileAgentConfig(base).peerTls).toBeUndefined();
+    expect(compileAgentConfig({ ...base, FF_PEER_CA: '/p/ca.crt', FF_PEER_CERT: '/p/h.crt', FF_PEER_KEY: '/p/h.key' }).peerTls).toEqual({ prefix: 'FF_PEER', ca: '/p/ca.crt', cert: '/p/h.crt', key: '/p/h.key' });
+  });
+
+  it('peerTls_withoutOneOfItsThreeFiles_namesTheMissingVariable', () => {
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_CERT: '/p/h.crt', FF_PEER_KEY: '/p/h.key' }))).toBe('FF_PEER_CA');
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_CA: '/p/ca.crt' }))).toBe('FF_PEER_CERT');
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_CA: '/p/ca.crt', FF_PEER_CERT: '/p/h.crt' }))).toBe('FF_PEER_KEY');
+  });
+});

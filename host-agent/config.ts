@@ -3,7 +3,7 @@
 import { cpus, hostname, totalmem } from 'node:os';
 import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
-import { natsServers, natsTls, parseDuration, type TlsClientFiles } from '../services/config.ts';
+import { natsServers, natsTls, parseDuration, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
 import { parseCidr } from './adapters/netns/egress.ts';
 import { DEFAULT_RAM_MOUNT } from './adapters/qemu/ram-pool.ts';
@@ -31,6 +31,15 @@ export interface AgentProcessConfig {
   readonly peerAddr: string;
   /** FF_PEER_ADVERTISE: the host:port peers dial; defaults to the bound peer address. */
   readonly peerAdvertise: string;
+  /**
+   * FF_PEER_CA, FF_PEER_CERT, FF_PEER_KEY (PEM files, all three or none): mutual TLS on the
+   * peer transfer service, both as its server and when fetching from other hosts
+   * (adapters/peer/tls.ts). The certificate is this host's, for server and client use, naming
+   * its peer address (IP SAN) and `forkfleet-host-<FF_HOST_ID>` (CN); peers must show one from
+   * the same CA, and a ticket is honoured only for the host its certificate names.
+   * Undefined: plain text (the caller's host id is then only what it says it is).
+   */
+  readonly peerTls: TlsClientFiles | undefined;
   /** FF_TRUSTED_KEY: PEM public key of the scheduler (verifies tickets and manifests). */
   readonly trustedKeyPath: string;
   /** FF_ACCEL: kvm | tcg | auto */
@@ -105,6 +114,14 @@ function int(field: string, v: string, min: number, max: number): number {
   return n;
 }
 
+/** FF_PEER_CA, FF_PEER_CERT and FF_PEER_KEY: all three (mutual TLS) or none (plain text). */
+function peerTls(env: NodeJS.ProcessEnv): TlsClientFiles | undefined {
+  const files = tlsClientFiles('FF_PEER', env);
+  if (files && !files.ca) throw new InvalidArgumentError('FF_PEER_CA', 'is required with FF_PEER_CERT: peers are verified against this CA (mutual TLS)');
+  if (files && !files.cert) throw new InvalidArgumentError('FF_PEER_CERT', 'is required with FF_PEER_CA: this host shows its certificate to peers (mutual TLS)');
+  return files;
+}
+
 export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentProcessConfig {
   const e = (name: string, dflt: string): string => env[name] ?? dflt;
   const hostId = e('FF_HOST_ID', hostname().toLowerCase().replace(/[^a-z0-9-]/g, '-'));
@@ -120,6 +137,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
     dataDir: e('FF_DATA_DIR', '/var/lib/forkfleet'),
     natsUrl: e('FF_NATS_URL', 'nats://127.0.0.1:4222'),
     natsTls: natsTls(natsUrls, env),
+    peerTls: peerTls(env),
     natsNkeyFile: e('FF_NATS_NKEY_FILE', ''),
     peerAddr,
     peerAdvertise: e('FF_PEER_ADVERTISE', ''),

@@ -18,6 +18,7 @@ import { FsJournal } from './adapters/journal/fs-journal.ts';
 import { FsChunkStore, FsManifestStore } from './adapters/chunkstore/fs-store.ts';
 import { Materialiser } from './adapters/chunkstore/materialise.ts';
 import { chunkTransferService } from './adapters/peer/server.ts';
+import { certificateHostId, peerServerCredentials, readPeerTls, writeQemuTlsDir } from './adapters/peer/tls.ts';
 import { ChunkStoreShipper } from './adapters/shipper.ts';
 import { LiveRoots } from './domain/snapshot-store.ts';
 import { startGrpcServer } from '../services/adapters/grpc/server.ts';
@@ -33,6 +34,7 @@ async function main(): Promise<void> {
   const trust = new Map([['scheduler-1', createPublicKey(readFileSync(cfg.trustedKeyPath))]]);
   // Read before anything starts: a TLS file that cannot be read fails start-up naming its variable.
   const natsTlsPem = cfg.natsTls ? readTlsClientFiles(cfg.natsTls) : undefined;
+  const peerTls = readPeerTls(cfg.peerTls);
   await mkdir(cfg.dataDir, { recursive: true });
 
   // Guests share one CPU weight against the agent and the rest of the host (ADR 0018).
@@ -45,6 +47,8 @@ async function main(): Promise<void> {
 
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
   const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}), ...(guestCgroup ? { guestCgroup } : {}),
+    // Migration streams to and from other hosts (ADR 0015) speak the same mutual TLS as the peer service.
+    ...(peerTls ? { migrationTlsDir: writeQemuTlsDir(join(cfg.dataDir, 'migration-tls'), peerTls) } : {}),
     // accel auto proves KVM by booting a guest: the tiny image (built once, cached by recipe hash).
     ...(cfg.accel === 'auto' ? { probeImage: await ensureImage('tiny') } : {}) });
   const recovered = await driver.recover('adopt');
@@ -76,6 +80,7 @@ async function main(): Promise<void> {
     log,
     chunkSize: cfg.chunkBytes,
     gcGraceMs: cfg.gcGraceMs,
+    peerTls,
   });
   await shipper.load();
 
@@ -84,8 +89,9 @@ async function main(): Promise<void> {
     const { local } = await shipper.obtain(snapshotId, undefined, () => undefined);
     return driver.migrateOut(local, target);
   };
-  const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate });
-  const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], onError: (err) => log.debug({ err }, 'peer request failed') });
+  // With peer TLS, a caller is the host its certificate names (tls.ts), not what it says.
+  const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate, ...(peerTls ? { callerHostId: certificateHostId } : {}) });
+  const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], credentials: peerServerCredentials(peerTls), onError: (err) => log.debug({ err }, 'peer request failed') });
   const peerAddress = cfg.peerAdvertise || peerServer.address;
 
   // noAsyncTraces: no stack captured per request (each result and event publish is one), as the

@@ -6,6 +6,7 @@
 // Without --api it starts its own fleet (deploy/fleet/fleet.ts) in --fleet-dir with prefix
 // fflt and base port 19700, and always brings it down.
 import { parseArgs } from 'node:util';
+import { parseOnOff } from '../services/config.ts';
 import { cpSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { createServer } from 'node:http';
 import type { Server } from 'node:http';
@@ -66,6 +67,8 @@ export interface LoadtestConfig {
   fleetDir: string;
   prefix: string;
   basePort: number;
+  /** Mutual TLS between the started fleet's agents (--peer-tls on|off, default on). */
+  peerTls: boolean;
 }
 
 function compileConfig(v: Record<string, string | boolean | undefined>): Readonly<LoadtestConfig> {
@@ -97,6 +100,7 @@ function compileConfig(v: Record<string, string | boolean | undefined>): Readonl
     fleetDir: s('fleet-dir') ?? '/var/lib/ffleet-lt',
     prefix: s('prefix') ?? 'fflt',
     basePort: Number(s('base-port') ?? 19700),
+    peerTls: parseOnOff('--peer-tls', s('peer-tls'), true),
   });
 }
 
@@ -169,8 +173,9 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       // Configured as an operator who knows the sandbox size would: agents keep RAM of that
       // size ready for restores by migration (ADR 0016).
       const agentEnv = { FF_RAM_POOL_MIB: String(cfg.guestMib) };
-      const st = await fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv }));
+      const st = await fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv, peerTls: cfg.peerTls }));
       notes.push(`fleet agents: FF_RAM_POOL_MIB=${cfg.guestMib} (RAM of the guest's size filled at agent start, ADR 0016).`);
+      notes.push(`between agents: ${cfg.peerTls ? 'mutual TLS (chunk transfers and migration streams encrypted)' : 'plain text (--peer-tls off)'}.`);
       apiAddr = st.apiAddresses[0]!;
       fleetHosts = st.hosts;
     }
@@ -356,7 +361,7 @@ async function main(): Promise<void> {
       hosts: { type: 'string' }, link: { type: 'string' }, 'guest-mib': { type: 'string' }, 'dirty-mib': { type: 'string' }, samples: { type: 'string' },
       concurrency: { type: 'string' }, fanout: { type: 'string' }, duration: { type: 'string' }, budget: { type: 'string' }, 'op-timeout': { type: 'string' },
       'metrics-port': { type: 'string' }, 'keep-logs': { type: 'boolean' }, 'fleet-dir': { type: 'string' }, prefix: { type: 'string' }, 'base-port': { type: 'string' },
-      'forks-per-s': { type: 'string' }, 'p95-ms': { type: 'string' }, from: { type: 'string' }, 'fork-n': { type: 'string' }, 'host-slots': { type: 'string' }, seconds: { type: 'string' },
+      'forks-per-s': { type: 'string' }, 'p95-ms': { type: 'string' }, from: { type: 'string' }, 'fork-n': { type: 'string' }, 'host-slots': { type: 'string' }, seconds: { type: 'string' }, 'peer-tls': { type: 'string' },
     },
   });
   if (values.plan) {

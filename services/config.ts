@@ -9,6 +9,13 @@ import type { WebhookTarget } from './domain/webhooks.ts';
 
 const UNITS: Record<string, number> = { ms: 1, s: 1000, m: 60_000, h: 3_600_000 };
 
+/** `on` or `off` (absent: `dflt`); anything else fails naming `field`. */
+export function parseOnOff(field: string, v: string | undefined, dflt: boolean): boolean {
+  if (v === undefined) return dflt;
+  if (v !== 'on' && v !== 'off') throw new InvalidArgumentError(field, `on or off, got ${JSON.stringify(v)}`);
+  return v === 'on';
+}
+
 /** Parses '250ms', '10s', '5m', '1h' (or a bare number of milliseconds). */
 export function parseDuration(field: string, v: string): number {
   const m = /^(\d+(?:\.\d+)?)(ms|s|m|h)?$/.exec(v.trim());
@@ -35,14 +42,14 @@ export function natsServers(field: string, v: string): string[] {
  */
 export interface TlsClientFiles {
   /** Which variables name the files (FF_ETCD_CA, ... or FF_NATS_CA, ...). */
-  readonly prefix: 'FF_ETCD' | 'FF_NATS';
+  readonly prefix: 'FF_ETCD' | 'FF_NATS' | 'FF_PEER';
   readonly ca: string;
   readonly cert: string;
   readonly key: string;
 }
 
 /** <prefix>_CA, _CERT and _KEY from `env`; undefined when none is set. */
-function tlsClientFiles(prefix: TlsClientFiles['prefix'], env: NodeJS.ProcessEnv): TlsClientFiles | undefined {
+export function tlsClientFiles(prefix: TlsClientFiles['prefix'], env: NodeJS.ProcessEnv): TlsClientFiles | undefined {
   const ca = env[`${prefix}_CA`] ?? '';
   const cert = env[`${prefix}_CERT`] ?? '';
   const key = env[`${prefix}_KEY`] ?? '';

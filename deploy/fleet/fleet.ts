@@ -24,7 +24,7 @@
 // loopback; agents reach NATS through a unix-socket relay, so no address exists outside
 // the fleet's own namespaces. Peer chunk transfers cross the shaped veth links.
 import { spawn, execFileSync } from 'node:child_process';
-import { closeSync, existsSync, mkdirSync, openSync, readFileSync, readdirSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, copyFileSync, existsSync, mkdirSync, openSync, readFileSync, readdirSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { createConnection } from 'node:net';
 import { dirname, join, resolve } from 'node:path';
 import { totalmem } from 'node:os';
@@ -34,6 +34,9 @@ import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
 import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
+import { ensureCert } from '../pki/pki.ts';
+import { parseOnOff } from '../../services/config.ts';
+import { peerCertificateCn } from '../../host-agent/adapters/peer/peer-identity.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 const NODE = process.execPath;
@@ -49,6 +52,8 @@ export interface FleetOptions {
   basePort: number;
   /** Per-agent memory capacity the scheduler may book, MiB. */
   hostMemoryMib: number;
+  /** Mutual TLS between the agents (peer transfers and migration streams; default on). */
+  peerTls: boolean;
   /** Extra FF_* environment for the schedulers and the agents (tests tune timings with it). */
   schedulerEnv?: Record<string, string>;
   agentEnv?: Record<string, string>;
@@ -108,6 +113,7 @@ export function defaultOptions(over: Partial<FleetOptions> = {}): FleetOptions {
     prefix: over.prefix ?? 'ffl',
     basePort: over.basePort ?? 17700,
     hostMemoryMib: over.hostMemoryMib ?? Math.floor((totalmem() / 1048576) * 0.7 / hosts),
+    peerTls: over.peerTls ?? true,
     ...(over.schedulerEnv ? { schedulerEnv: over.schedulerEnv } : {}),
     ...(over.agentEnv ? { agentEnv: over.agentEnv } : {}),
   };
@@ -404,6 +410,21 @@ async function guestCgroupFor(opts: FleetOptions): Promise<string> {
 }
 
 /**
+ * The host's peer certificate (mutual TLS between agents, host-agent/adapters/peer/tls.ts),
+ * from the fleet's dev CA: CN forkfleet-host-<id>, its peer address as IP SAN. The key, the
+ * certificate and a copy of the CA's certificate live in the host's own directory, which only
+ * its agent sees. Returns the agent's FF_PEER_* variables.
+ */
+function makePeerCert(state: FleetState, h: HostRecord): Record<string, string> {
+  const ca = apiCredentialPaths(state.options.dir);
+  const pair = { cert: join(h.dataDir, 'peer.crt'), key: join(h.dataDir, 'peer.key') };
+  mkdirSync(h.dataDir, { recursive: true });
+  ensureCert({ caCert: ca.caCert, caKey: join(ca.pki, 'ca.key') }, pair, { sans: [`IP:${h.address}`], cn: peerCertificateCn(h.id), use: 'server+client' });
+  copyFileSync(ca.caCert, join(h.dataDir, 'peer-ca.crt'));
+  return { FF_PEER_CA: join(h.dataDir, 'peer-ca.crt'), FF_PEER_CERT: pair.cert, FF_PEER_KEY: pair.key };
+}
+
+/**
  * The agent runs in its host's network namespace. `ip netns exec` also gives it a mount
  * namespace of its own; there the fleet's hosts/ directory is covered by an empty tmpfs
  * and only the agent's own directory is bound back, so an agent cannot read or write
@@ -413,6 +434,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
   const hostsDir = join(state.options.dir, 'hosts');
   const stash = join(state.options.dir, `.own-${h.id}`);
   mkdirSync(stash, { recursive: true });
+  const peerTls = state.options.peerTls === false ? {} : makePeerCert(state, h);
   const sock = join(state.options.dir, 'nats.sock');
   const relay = launch(state, { name: `relay-${h.id}`, kind: 'relay', host: h.id, netns: h.netns }, ...inNetns(h.netns, NODE, tsx('deploy/fleet/relay.ts', `tcp:127.0.0.1:4222=unix:${sock}`)));
   await waitLog(relay.log, 'relay ready', 15_000, relay.pid);
@@ -421,6 +443,8 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     `mount --bind "${h.dataDir}" "${stash}"`,
     `mount -t tmpfs -o size=1m,mode=0755 ff-hosts "${hostsDir}"`,
     `mount -t tmpfs -o size=1m,mode=0700 ff-nats-keys "${natsKeysDir(state)}"`,
+    // The dev CA's key and the API's key are not the agent's either (it has the CA's certificate).
+    `mount -t tmpfs -o size=1m,mode=0700 ff-pki "${apiCredentialPaths(state.options.dir).pki}"`,
     `mkdir -p "${h.dataDir}"`,
     `mount --move "${stash}" "${h.dataDir}"`,
     ...(state.guestCgroup ? cgroupMountCommands() : []),
@@ -434,6 +458,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     // Sandboxes allowed egress never reach the fleet network (other agents' peer ports).
     FF_EGRESS_DENY_CIDRS: '10.213.77.0/24',
     FF_PEER_ADDR: `${h.address}:7800`,
+    ...peerTls,
     FF_TRUSTED_KEY: state.trustedKey,
     FF_ACCEL: process.env.FF_ACCEL ?? 'auto',
     FF_LINK_BYTES_PER_SECOND: String(Math.round(linkBytesPerSecond(state.options.link))),
@@ -703,12 +728,13 @@ async function cli(argv: string[]): Promise<void> {
       dir,
       ...(arg(argv, 'prefix') ? { prefix: arg(argv, 'prefix')! } : {}),
       ...(arg(argv, 'base-port') ? { basePort: Number(arg(argv, 'base-port')) } : {}),
+      peerTls: parseOnOff('--peer-tls', arg(argv, 'peer-tls'), true),
     });
     const s = await up(opts);
     const api = s.apiAddresses[0]!;
     process.stdout.write(
       [
-        `Forkfleet is up: ${s.hosts.length} hosts (${s.hosts.map((h) => `${h.id}=${h.address}`).join(', ')}), links ${opts.link}, etcd x${opts.etcd}, 2 schedulers.`,
+        `Forkfleet is up: ${s.hosts.length} hosts (${s.hosts.map((h) => `${h.id}=${h.address}`).join(', ')}), links ${opts.link}, etcd x${opts.etcd}, 2 schedulers; between agents ${opts.peerTls ? 'mutual TLS' : 'plain text (--peer-tls off)'}.`,
         `  API (gRPC over TLS):   ${s.apiAddresses.join(' and ')}   CA ${apiCredentialPaths(dir).caCert}`,
         `  credentials:           ${apiCredentialPaths(dir).credentials} (admin; the CLI and SDK find it), ${apiCredentialPaths(dir).devCredentials} (tenant dev: FF_CREDENTIALS=...)`,
         `  metrics:               ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}`,

@@ -21,6 +21,7 @@ const secrets: Secrets = {
   etcdClientTls: pairs(['sched-1', 'sched-2'], 'ETCD-CLIENT'),
   natsServerTls: pairs(['nats-1', 'nats-2', 'nats-3'], 'NATS-SERVER'),
   natsClientTls: pairs(['scheduler-sched-1', 'scheduler-sched-2', 'host-kvm-01', 'host-kvm-02', 'host-kvm-03'], 'NATS-CLIENT'),
+  peerTls: pairs(['kvm-01', 'kvm-02', 'kvm-03'], 'PEER'),
   signingKey: 'SIGN\n',
   signingPub: 'PUB\n',
   nkeys: new Map(['scheduler', 'host-kvm-01', 'host-kvm-02', 'host-kvm-03'].map((id) => [id, { seed: `SEED-${id}`, pub: `PUB-${id}` }])),
@@ -92,21 +93,24 @@ describe('renderFiles', () => {
       'etc/forkfleet/agent/nats.crt',
       'etc/forkfleet/agent/nats.key',
       'etc/forkfleet/agent/nats.nk',
+      'etc/forkfleet/agent/peer.crt',
+      'etc/forkfleet/agent/peer.key',
       'etc/forkfleet/agent/trusted.pem',
       'etc/systemd/system/forkfleet-agent.service',
     ]);
     // A host never receives the signing key, another host's NKey or key, the schedulers'
     // secrets, or anything of etcd's (its CA signs only what etcd admits).
     const kvm = files.filter((f) => f.path.startsWith('machines/kvm-02/')).map((f) => f.content).join('');
-    for (const other of ['SIGN', 'SEED-host-kvm-01', 'SEED-scheduler', 'NATS-CLIENT-KEY-host-kvm-01', 'NATS-CLIENT-KEY-scheduler', 'ETCD']) expect(kvm).not.toContain(other);
+    for (const other of ['SIGN', 'SEED-host-kvm-01', 'SEED-scheduler', 'NATS-CLIENT-KEY-host-kvm-01', 'NATS-CLIENT-KEY-scheduler', 'PEER-KEY-kvm-01', 'ETCD']) expect(kvm).not.toContain(other);
     expect(kvm).toContain('NATS-CLIENT-KEY-host-kvm-02');
+    expect(kvm).toContain('PEER-KEY-kvm-02');
   });
 
   it('renderFiles_secretFilesAreRootOnly', () => {
     const secret = files.filter((f) => /signing\.pem$|\.nk$|\.key$/.test(f.path));
     // 2 schedulers x (signing key, NKey, API, etcd and NATS TLS keys) + 3 hosts x (NKey, NATS TLS
-    // key) + 3 etcd members' keys + 3 NATS servers' keys.
-    expect(secret).toHaveLength(22);
+    // key, peer TLS key) + 3 etcd members' keys + 3 NATS servers' keys.
+    expect(secret).toHaveLength(25);
     for (const f of secret) expect([f.path, f.mode]).toEqual([f.path, 0o600]);
   });
 

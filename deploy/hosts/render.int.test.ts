@@ -11,6 +11,7 @@ import { copyFileSync, mkdirSync, readFileSync, rmSync, statSync, writeFileSync 
 import { get as httpsGet } from 'node:https';
 import { connect as tcpConnect } from 'node:net';
 import { join, resolve } from 'node:path';
+import { X509Certificate } from 'node:crypto';
 import { Etcd3 } from 'etcd3';
 import { connect, ErrorCode, RetentionPolicy, type ConnectionOptions, type NatsConnection } from 'nats';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -18,6 +19,7 @@ import { freePort, spawnManaged, tempDir, waitFor, type ManagedProcess } from '.
 import { nkeyConnectOptions, agentConnectOptions, natsTlsOptions } from '../../services/adapters/nats/auth.ts';
 import { STREAM_RESULTS, STREAM_WORK, subjects } from '../../services/adapters/nats/subjects.ts';
 import { compileAgentConfig } from '../../host-agent/config.ts';
+import { peerCertificateCn } from '../../host-agent/adapters/peer/peer-identity.ts';
 import { compileSchedulerConfig, natsTls, readTlsClientFiles } from '../../services/config.ts';
 import { fleetApiClient } from '../fleet/api-credentials.ts';
 import { parseInventory, type Inventory } from './inventory.ts';
@@ -247,6 +249,20 @@ describe('a rendered deployment', () => {
     expect(s.etcdTls).toMatchObject({ ca: `${SCHEDULER_CREDENTIALS}/etcd-ca.crt`, cert: `${SCHEDULER_CREDENTIALS}/etcd.crt` });
     expect(s.natsTls).toMatchObject({ ca: `${SCHEDULER_CREDENTIALS}/ca.crt`, cert: `${SCHEDULER_CREDENTIALS}/nats.crt` });
     expect(compileAgentConfig(envFile(join(machine('127.0.0.41'), 'etc/forkfleet/agent.env'))).natsTls).toMatchObject({ ca: '/etc/forkfleet/agent/ca.crt', cert: '/etc/forkfleet/agent/nats.crt' });
+  });
+
+  it('render_peerCertificates_nameEachHostByIdAndAddress_forMutualTlsBetweenAgents', () => {
+    const ca = new X509Certificate(readFileSync(join(out, 'secrets', 'ca.crt')));
+    for (const h of inv.hosts) {
+      const cfg = compileAgentConfig(envFile(join(machine(h.machine), 'etc/forkfleet/agent.env')));
+      expect(cfg.peerTls).toEqual({ prefix: 'FF_PEER', ca: '/etc/forkfleet/agent/ca.crt', cert: '/etc/forkfleet/agent/peer.crt', key: '/etc/forkfleet/agent/peer.key' });
+      const cert = new X509Certificate(readFileSync(join(machine(h.machine), 'etc/forkfleet/agent/peer.crt')));
+      expect(cert.verify(ca.publicKey)).toBe(true);
+      expect(cert.subject).toContain(`CN=${peerCertificateCn(h.id)}`);
+      expect(cert.subjectAltName).toBe(`IP Address:${h.address}`);
+      expect(cert.keyUsage).toEqual(expect.arrayContaining(['1.3.6.1.5.5.7.3.1', '1.3.6.1.5.5.7.3.2']));
+      expect(statSync(join(machine(h.machine), 'etc/forkfleet/agent/peer.key')).mode & 0o777).toBe(0o600);
+    }
   });
 
   it('render_etcd_refusesPlainTextAndClientsWithoutAClientCertificate', async () => {

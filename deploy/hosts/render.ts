@@ -38,6 +38,7 @@ import { nkeys as natsNkeys } from 'nats';
 import { createNkeyFile, hostPermissions, natsAuthorization, type NatsUser } from '../../services/adapters/nats/auth.ts';
 import { mintToken } from '../../services/auth/tokens.ts';
 import { ensureCa, ensureCert, ensureServerCert, type CertUse } from '../pki/pki.ts';
+import { peerCertificateCn } from '../../host-agent/adapters/peer/peer-identity.ts';
 import { hostPort, parseInventory, type Inventory } from './inventory.ts';
 
 const UNITS = resolve(import.meta.dirname, 'units');
@@ -64,6 +65,8 @@ export interface Secrets {
   readonly natsServerTls: ReadonlyMap<string, CertPair>;
   /** NATS client certificates: "scheduler-<name>" and "host-<id>". */
   readonly natsClientTls: ReadonlyMap<string, CertPair>;
+  /** Each host's peer transfer certificate (server and client: mutual TLS between agents), by host id. */
+  readonly peerTls: ReadonlyMap<string, CertPair>;
   readonly signingKey: string;
   readonly signingPub: string;
   /** NATS user NKeys: "scheduler" and "host-<id>". */
@@ -248,6 +251,9 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       FF_NATS_KEY: '/etc/forkfleet/agent/nats.key',
       FF_TRUSTED_KEY: '/etc/forkfleet/agent/trusted.pem',
       FF_PEER_ADDR: hostPort(h.address, p.peer),
+      FF_PEER_CA: '/etc/forkfleet/agent/ca.crt',
+      FF_PEER_CERT: '/etc/forkfleet/agent/peer.crt',
+      FF_PEER_KEY: '/etc/forkfleet/agent/peer.key',
       FF_ACCEL: 'auto',
       FF_LINK_BYTES_PER_SECOND: String(Math.round((h.linkGbps * 1e9) / 8)),
       ...(h.vcpus !== undefined ? { FF_CAPACITY_VCPUS: String(h.vcpus) } : {}),
@@ -263,6 +269,8 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
     put(h.machine, 'etc/forkfleet/agent/ca.crt', s.caCert, 0o644);
     put(h.machine, 'etc/forkfleet/agent/nats.crt', natsTls.cert, 0o644);
     put(h.machine, 'etc/forkfleet/agent/nats.key', natsTls.key, 0o600);
+    put(h.machine, 'etc/forkfleet/agent/peer.crt', s.peerTls.get(h.id)!.cert, 0o644);
+    put(h.machine, 'etc/forkfleet/agent/peer.key', s.peerTls.get(h.id)!.key, 0o600);
     put(h.machine, 'etc/systemd/system/forkfleet-agent.service', unit('forkfleet-agent.service', inv));
   }
 
@@ -349,6 +357,9 @@ export function ensureSecrets(dir: string, inv: Inventory): Secrets {
     ...inv.schedulers.map((m) => [`scheduler-${m.name}`, issue(ca, `nats/client-scheduler-${m.name}`, `forkfleet-scheduler-${m.name}`, 'client')] as const),
     ...inv.hosts.map((h) => [`host-${h.id}`, issue(ca, `nats/client-host-${h.id}`, `forkfleet-host-${h.id}`, 'client')] as const),
   ]);
+  // Peer transfer (host-agent/adapters/peer/tls.ts): named by the host's id (CN) and address.
+  mkdirSync(join(dir, 'peer'), { recursive: true, mode: 0o700 });
+  const peerTls = new Map(inv.hosts.map((h) => [h.id, issue(ca, `peer/host-${h.id}`, peerCertificateCn(h.id), 'server+client', h.address)] as const));
   const signing = join(dir, 'signing.pem');
   if (!existsSync(signing)) {
     const { privateKey } = generateKeyPairSync('ed25519');
@@ -379,6 +390,7 @@ export function ensureSecrets(dir: string, inv: Inventory): Secrets {
     etcdClientTls,
     natsServerTls,
     natsClientTls,
+    peerTls,
     signingKey: read(signing),
     signingPub,
     nkeys,

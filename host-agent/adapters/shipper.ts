@@ -21,6 +21,7 @@ import { ingestSnapshot } from './chunkstore/ingest.ts';
 import type { MaterialisedSnapshot, Materialiser } from './chunkstore/materialise.ts';
 import { PeerChunkSource } from './peer/client.ts';
 import { migrateFrom } from './peer/migrate.ts';
+import type { PeerTls } from './peer/tls.ts';
 import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { Artifact, SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { HeldSnapshotSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
@@ -48,6 +49,8 @@ export interface ShipperDeps {
   chunkSize: number;
   /** Unreferenced chunks younger than this survive a GC (default 60 s). */
   gcGraceMs?: number;
+  /** Mutual TLS to the peers it fetches from (peer/tls.ts); absent: plain text. */
+  peerTls?: PeerTls | undefined;
 }
 
 /** Marks a VMM snapshot directory whose snapshot was deleted while something still used it. */
@@ -290,7 +293,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * one-shot listener on `listenHost`, and hands the first connection to `load`. A source
    * that fails before it connects is skipped; a failure after that is final.
    */
-  async migrateFrom<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }> {
+  async migrateFrom<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket, sourceGone: AbortSignal) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }> {
     const ticket = fetch.ticket;
     if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
     let lastErr: unknown = new ForkfleetError('unavailable', `no source with an address for ${fetch.snapshotId}`);
@@ -298,9 +301,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
       let started = false;
       try {
         if (signal?.aborted) throw signal.reason;
-        const r = await migrateFrom({ sourceAddress: s.address, ticket, hostId: this.deps.hostId, listenHost, ...(signal ? { signal } : {}) }, (conn) => {
+        const r = await migrateFrom({ sourceAddress: s.address, ticket, hostId: this.deps.hostId, listenHost, tls: this.deps.peerTls, ...(signal ? { signal } : {}) }, (conn, sourceGone) => {
           started = true;
-          return load(conn);
+          return load(conn, sourceGone);
         });
         return { result: r.result, bytes: r.bytes };
       } catch (e) {
@@ -329,7 +332,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
   private sourcesOf(fetch: FetchSnapshotWork): PeerChunkSource[] {
     const ticket = fetch.ticket;
     if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
-    return fetch.sources.filter((s) => s.address).map((s) => new PeerChunkSource({ id: s.hostId, address: s.address, ticket, hostId: this.deps.hostId }));
+    return fetch.sources.filter((s) => s.address).map((s) => new PeerChunkSource({ id: s.hostId, address: s.address, ticket, hostId: this.deps.hostId, tls: this.deps.peerTls }));
   }
 
   /**

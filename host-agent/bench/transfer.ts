@@ -1,8 +1,10 @@
 // Transfer benchmark: two host-agent transfer endpoints in separate network namespaces on
 // a tbf-shaped veth/bridge link move a 256 MiB guest's snapshot; compared with a plain TCP
 // copy of the whole memory file plus disk over the same link. Then a diff snapshot.
-//   npm run bench:transfer -- --json FILE [--rates 1,10] [--warmups 1] [--content guest|synthetic]
-// Needs root (ip netns, tc). Content (`--content`):
+//   npm run bench:transfer -- --json FILE [--rates 1,10] [--warmups 1] [--content guest|synthetic] [--tls]
+// Needs root (ip netns, tc). --tls: the endpoints speak mutual TLS, as agents with FF_PEER_*
+// do (host-agent/adapters/peer/tls.ts; certificates of a CA made for the run); the naive
+// baseline stays a plain TCP stream. Content (`--content`):
 // - guest (default): a real booted 256 MiB `tiny` guest whose workload put 64 MiB in its RAM,
 //   32 MiB random and 32 MiB of log-like text (transfer-guest.ts), snapshotted by the VMM
 //   driver; the diff snapshot is of a child forked from it that wrote 16 MiB.
@@ -38,6 +40,8 @@ import { tempDir, waitFor } from '../../services/testkit/proc.ts';
 import { writeChildImage } from './transfer-image.ts';
 import { snapshotBootedGuest, type BenchArtifact } from './transfer-guest.ts';
 import { prepareSource, prepareWarmup, startDaemon, writeSyntheticSource } from './transfer-source.ts';
+import { ensureCa, ensureCert } from '../../deploy/pki/pki.ts';
+import { peerCertificateCn } from '../adapters/peer/peer-identity.ts';
 
 const here = fileURLToPath(new URL('.', import.meta.url));
 const ENDPOINT = resolve(here, '../adapters/peer/endpoint-main.ts');
@@ -82,7 +86,7 @@ function wire(f: Fabric, hosts: readonly NsHost[]): number {
 }
 
 async function main(): Promise<void> {
-  const { values } = parseArgs({ options: { json: { type: 'string' }, rates: { type: 'string', default: '1,10' }, 'fsync-each': { type: 'boolean', default: false }, 'skip-naive': { type: 'boolean', default: false }, 'skip-cold': { type: 'boolean', default: false }, warmups: { type: 'string', default: '1' }, content: { type: 'string', default: 'guest' } } });
+  const { values } = parseArgs({ options: { json: { type: 'string' }, rates: { type: 'string', default: '1,10' }, 'fsync-each': { type: 'boolean', default: false }, 'skip-naive': { type: 'boolean', default: false }, 'skip-cold': { type: 'boolean', default: false }, warmups: { type: 'string', default: '1' }, content: { type: 'string', default: 'guest' }, tls: { type: 'boolean', default: false } } });
   if (values.content !== 'guest' && values.content !== 'synthetic') throw new Error(`--content: "${values.content}" is neither guest nor synthetic`);
   const dir = tempDir('ff-bench-transfer-');
   const fabric = createFabric(2, 'ff-b');
@@ -118,8 +122,17 @@ async function main(): Promise<void> {
     process.stderr.write(`ingest s1 ${JSON.stringify(s1.stats)}\ningest s2 ${JSON.stringify(s2.stats)}\ningest w ${JSON.stringify(w.stats)}\n`);
 
     const port = 7443;
+    // --tls: each end's certificate names its host (h0 serves, h1 is the ticket's destination).
+    const tlsArgs = (hostId: string, address: string): string[] => {
+      if (!values.tls) return [];
+      const ca = { caCert: join(dir, 'tls-ca.crt'), caKey: join(dir, 'tls-ca.key') };
+      ensureCa(ca.caCert, ca.caKey);
+      const pair = { cert: join(dir, `tls-${hostId}.crt`), key: join(dir, `tls-${hostId}.key`) };
+      ensureCert(ca, pair, { sans: [`IP:${address}`], cn: peerCertificateCn(hostId), use: 'server+client' });
+      return ['--tls-ca', ca.caCert, '--tls-cert', pair.cert, '--tls-key', pair.key];
+    };
     const srvLog = join(dir, 'server.log');
-    const server = fabric.spawn(h0, 'chunk-server', [...NODE, 'serve', '--root', srcRoot, '--listen', `${h0.address}:${port}`, '--trust', pem], srvLog);
+    const server = fabric.spawn(h0, 'chunk-server', [...NODE, 'serve', '--root', srcRoot, '--listen', `${h0.address}:${port}`, '--trust', pem, ...tlsArgs('h0', h0.address)], srvLog);
     await waitFor('chunk server', async () => readLog(srvLog).includes('"listening"'), 20_000, 50);
     const naiveLog = join(dir, 'naive.log');
     const naive = fabric.spawn(h0, 'naive-server', [...NODE, 'naive-serve', '--listen', `${h0.address}:${port + 1}`, '--files', content.s1.map((a) => a.path).join(',')], naiveLog);
@@ -134,7 +147,7 @@ async function main(): Promise<void> {
     // Today's method: a fresh receiver process for one fetch.
     const coldFetch = async (root: string, snapshotId: string): Promise<{ out: Record<string, unknown>; wire: number }> => {
       const before = wire(fabric, [h0, h1]);
-      const r = await fabric.run(h1, [...NODE, 'fetch', '--root', root, '--host-id', 'h1', '--snapshot', snapshotId, '--ticket', ticketFor(snapshotId), '--sources', `${h0.address}:${port}`, '--trust', pem, '--materialise', ...(values['fsync-each'] ? ['--fsync-each'] : [])], 300_000);
+      const r = await fabric.run(h1, [...NODE, 'fetch', '--root', root, '--host-id', 'h1', '--snapshot', snapshotId, '--ticket', ticketFor(snapshotId), '--sources', `${h0.address}:${port}`, '--trust', pem, '--materialise', ...tlsArgs('h1', h1.address), ...(values['fsync-each'] ? ['--fsync-each'] : [])], 300_000);
       const after = wire(fabric, [h0, h1]);
       const line = r.stdout.trim().split('\n').pop() ?? '';
       if (r.code !== 0 || !line.startsWith('{')) throw new Error(`fetch failed (${r.code}): ${r.stderr.slice(-2000)}`);
@@ -143,7 +156,7 @@ async function main(): Promise<void> {
     // The agent's way: the long-lived receiver. Every fetch gets its own (new) root, so
     // nothing is deduplicated; nothing is deleted before the end (ADR 0008: on this ext4
     // without a journal, files created within minutes of many deletions cost ~1.5 ms each).
-    daemon = startDaemon(h1, [...NODE, 'fetch-daemon', '--trust', pem, ...(values['fsync-each'] ? ['--fsync-each'] : [])], join(dir, 'daemon.log'));
+    daemon = startDaemon(h1, [...NODE, 'fetch-daemon', '--trust', pem, ...tlsArgs('h1', h1.address), ...(values['fsync-each'] ? ['--fsync-each'] : [])], join(dir, 'daemon.log'));
     const d = daemon;
     const warmFetch = async (root: string, snapshotId: string): Promise<{ out: Record<string, unknown>; wire: number }> => {
       const before = wire(fabric, [h0, h1]);
@@ -224,6 +237,7 @@ async function main(): Promise<void> {
     await naive.stop(2000);
     const result = {
       image: content.image,
+      transport: values.tls ? 'mutual TLS between the endpoints (the naive baseline: plain TCP)' : 'plain text',
       receiver: `seconds/goodput/speedups: long-lived receiver after ${values.warmups} warm-up fetch(es) of a different snapshot (as an agent); cold_*: fresh receiver process per fetch`,
       chunk_size: s1.manifest.chunkSize,
       runs,

@@ -94,7 +94,7 @@ export interface SnapshotShipper {
   /** Restore by migration: the verified manifest and the disk layer of a snapshot held elsewhere. */
   incomingSource?(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSnapshot>;
   /** Restore by migration: a source's stream, arriving on a connection to `listenHost`, handed to `load`. */
-  migrateFrom?<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }>;
+  migrateFrom?<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket, sourceGone: AbortSignal) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }>;
 }
 
 export interface AgentConfig {
@@ -579,12 +579,12 @@ export class Agent {
           const gaveUp = new AbortController();
           incomingP.catch((e: unknown) => gaveUp.abort(e));
           try {
-            return await migrateFrom(fetch, listenHost, async (conn) => {
+            return await migrateFrom(fetch, listenHost, async (conn, sourceGone) => {
               const incoming = await incomingP.catch((e: unknown) => {
                 conn.destroy();
                 throw e;
               });
-              return incoming.load(conn);
+              return incoming.load(conn, sourceGone);
             }, gaveUp.signal);
           } catch (e) {
             await incomingP.then((i) => i.abort(), () => undefined);

@@ -180,9 +180,11 @@ export interface IncomingVm {
   /**
    * Loads the stream arriving on `conn` (an accepted connection this process must not have
    * read from; it is handed to the VMM and closed here). Resolves when the VM is restored,
-   * clean and answering exec. On failure the VM is destroyed.
+   * clean and answering exec. On failure the VM is destroyed. `sourceGone` aborting (the source
+   * reported its end of the stream failed) fails it at once: a stream that never began to
+   * load, such as a TLS handshake that failed, would otherwise be waited for until a timeout.
    */
-  load(conn: Socket): Promise<VmInfo>;
+  load(conn: Socket, sourceGone?: AbortSignal): Promise<VmInfo>;
   abort(): Promise<void>;
 }
 

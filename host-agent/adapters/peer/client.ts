@@ -5,7 +5,7 @@
 // FetchChunks uses grpc-js directly (the generic bridge in services/adapters/grpc/rpc.ts
 // copies every message through fromBinary): responses are decoded by wire.ts into views of
 // the received buffer, requests are written to the call as they are made.
-import { Client as GrpcClient, Metadata, credentials as grpcCredentials } from '@grpc/grpc-js';
+import { Client as GrpcClient, Metadata } from '@grpc/grpc-js';
 import type { ClientDuplexStream, ServiceError } from '@grpc/grpc-js';
 import { create, toBinary } from '@bufbuild/protobuf';
 import type { MessageInitShape } from '@bufbuild/protobuf';
@@ -20,6 +20,7 @@ import type { ChunkEvent, ChunkSession, ChunkSource } from '../../domain/transfe
 import type { DigestHex } from '../../domain/snapshot-store.ts';
 import { ManifestNotFoundError } from '../../domain/transfer-errors.ts';
 import { HOST_ID_METADATA } from './server.ts';
+import { peerChannelCredentials, type PeerTls } from './tls.ts';
 
 type Req = MessageInitShape<typeof FetchChunksRequestSchema>;
 
@@ -34,6 +35,8 @@ export interface PeerChunkSourceOptions {
   /** Chunks the peer may send ahead of consumption (default 64). */
   readonly credit?: number;
   readonly manifestTimeoutMs?: number;
+  /** Mutual TLS (tls.ts); absent: plain text. */
+  readonly tls?: PeerTls | undefined;
 }
 
 /** gRPC (5) + protobuf headers of one chunk message: digest, codec, size, lengths (< 64). */
@@ -55,8 +58,9 @@ export class PeerChunkSource implements ChunkSource {
       // queueing delay (tbf latency 5ms) caps a stream near 100 Mbit/s.
       'grpc-node.flow_control_window': 16 * 1024 * 1024,
     };
-    this.client = createClient(ChunkTransferService, opts.address, undefined, channelOptions);
-    this.raw = new GrpcClient(opts.address, grpcCredentials.createInsecure(), channelOptions);
+    const creds = peerChannelCredentials(opts.tls);
+    this.client = createClient(ChunkTransferService, opts.address, creds, channelOptions);
+    this.raw = new GrpcClient(opts.address, creds, channelOptions);
   }
 
   async getManifest(signal?: AbortSignal): Promise<SignedManifest> {

@@ -6,6 +6,9 @@
 //   naive-serve --listen IP:PORT --files F[,F]      (baseline: plain TCP stream of whole files)
 //   naive-recv  --connect IP:PORT --out FILE
 // `serve` prints {"listening":ADDR} once ready; `fetch` and `naive-recv` print one JSON report.
+// serve, fetch and fetch-daemon take --tls-ca, --tls-cert and --tls-key (PEM files): mutual TLS
+// as an agent with FF_PEER_* speaks it (tls.ts; the server then takes the caller's host id from
+// its certificate, not from --host-id).
 // Tuning knobs for experiments (fetch): FF_STREAMS (streams per source), FF_CREDIT,
 // FF_WINDOW (digests requested per stream), FF_PUTS (chunks being stored per stream);
 // defaults are those of the agent.
@@ -28,6 +31,7 @@ import { fetchSnapshot } from '../../domain/transfer.ts';
 import { startGrpcServer } from '../../../services/adapters/grpc/server.ts';
 import { chunkTransferService } from './server.ts';
 import { PeerChunkSource } from './client.ts';
+import { certificateHostId, peerServerCredentials, type PeerTls } from './tls.ts';
 
 const log = pino({ level: process.env.LOG_LEVEL ?? 'info' }, pino.destination(2));
 
@@ -47,8 +51,15 @@ const { positionals, values } = parseArgs({
     files: { type: 'string' },
     out: { type: 'string' },
     'fsync-each': { type: 'boolean', default: false },
+    'tls-ca': { type: 'string' },
+    'tls-cert': { type: 'string' },
+    'tls-key': { type: 'string' },
   },
 });
+
+/** --tls-ca, --tls-cert and --tls-key: all three or none. */
+const peerTls: PeerTls | undefined =
+  values['tls-ca'] || values['tls-cert'] || values['tls-key'] ? { ca: readFileSync(need('tls-ca')), cert: readFileSync(need('tls-cert')), key: readFileSync(need('tls-key')) } : undefined;
 
 function need(name: keyof typeof values): string {
   const v = values[name];
@@ -64,10 +75,11 @@ async function serve(): Promise<void> {
   const root = need('root');
   const chunks = new FsChunkStore(root);
   const manifests = new FsManifestStore(root);
-  const { registration, stats } = chunkTransferService({ chunks, manifests, trust: trust(), clock: systemClock, log });
+  const { registration, stats } = chunkTransferService({ chunks, manifests, trust: trust(), clock: systemClock, log, ...(peerTls ? { callerHostId: certificateHostId } : {}) });
   const srv = await startGrpcServer({
     address: need('listen'),
     services: [registration],
+    credentials: peerServerCredentials(peerTls),
     channelOptions: { 'grpc-node.flow_control_window': 16 * 1024 * 1024 },
   });
   process.stdout.write(`${JSON.stringify({ listening: srv.address, pid: process.pid })}\n`);
@@ -144,7 +156,7 @@ async function fetchOnce(rx: Receiver, req: FetchRequest): Promise<Record<string
   const ticket = decodeSignedTicket(Buffer.from(req.ticket, 'base64'));
   const sources = req.sources
     .split(',')
-    .map((address, i) => new PeerChunkSource({ id: `src${i}:${address}`, address, ticket, hostId: req.hostId, ...(process.env.FF_CREDIT ? { credit: Number(process.env.FF_CREDIT) } : {}) }));
+    .map((address, i) => new PeerChunkSource({ id: `src${i}:${address}`, address, ticket, hostId: req.hostId, tls: peerTls, ...(process.env.FF_CREDIT ? { credit: Number(process.env.FF_CREDIT) } : {}) }));
   const phases: Record<string, number> = (rx.phases = {});
   const t0 = (rx.t0 = performance.now());
   const since = (): number => Math.round(performance.now() - t0);

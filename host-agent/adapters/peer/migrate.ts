@@ -7,6 +7,7 @@ import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_p
 import type { SignedTicket } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { createClient } from '../../../services/adapters/grpc/rpc.ts';
 import { HOST_ID_METADATA, plainAddress } from './server.ts';
+import { peerChannelCredentials, type PeerTls } from './tls.ts';
 import { hostOfAddress } from '../../domain/agent.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 
@@ -29,6 +30,8 @@ export interface MigrateFromOptions {
   readonly connectTimeoutMs?: number;
   /** Ends the wait for the source's connection (the caller gave up, e.g. its own preparation failed). */
   readonly signal?: AbortSignal;
+  /** Mutual TLS for the MigrateSnapshot call (tls.ts; the migration stream itself is plain text). */
+  readonly tls?: PeerTls | undefined;
 }
 
 export interface MigrateFromReport<T> {
@@ -46,9 +49,10 @@ export const DEFAULT_MIGRATE_CONNECT_MS = 20_000;
  * Asks the source to migrate the ticket's snapshot to a one-shot listener here and hands the
  * connection, unread, to `load`. Only a connection from the source's address is taken; the
  * listener closes at the first one. Fails (and `load` never runs) when the source refuses
- * or fails before it connects.
+ * or fails before it connects. `load`'s `sourceGone` aborts when the source reports that its
+ * end failed after it connected (so the load need not wait for a stream that will not come).
  */
-export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Socket) => Promise<T>): Promise<MigrateFromReport<T>> {
+export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Socket, sourceGone: AbortSignal) => Promise<T>): Promise<MigrateFromReport<T>> {
   const sourceHost = plainAddress(hostOfAddress(o.sourceAddress));
   const server = net.createServer({ pauseOnConnect: true });
   await new Promise<void>((resolve, reject) => {
@@ -59,7 +63,7 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Soc
     });
   });
   const ac = new AbortController();
-  const client = createClient(ChunkTransferService, o.sourceAddress);
+  const client = createClient(ChunkTransferService, o.sourceAddress, peerChannelCredentials(o.tls));
   try {
     const accepted = new Promise<net.Socket>((resolve, reject) => {
       server.on('connection', (c) => {
@@ -74,14 +78,19 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Soc
     });
     const port = (server.address() as net.AddressInfo).port;
     const call = client.migrateSnapshot({ ticket: o.ticket, port }, { timeoutMs: o.timeoutMs ?? 120_000, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
-    // The source failing before it connects, or the caller giving up, ends the wait for its connection.
-    call.catch((e: unknown) => ac.abort(e));
+    // The source failing before it connects, or the caller giving up, ends the wait for its
+    // connection; failing after, the load's wait for its stream.
+    const sourceGone = new AbortController();
+    call.catch((e: unknown) => {
+      ac.abort(e);
+      sourceGone.abort(e);
+    });
     if (o.signal?.aborted) ac.abort(o.signal.reason);
     o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
     const connectMs = o.connectTimeoutMs ?? DEFAULT_MIGRATE_CONNECT_MS;
     const noConnect = setTimeout(() => ac.abort(new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect within ${connectMs} ms`, { retryable: true })), connectMs);
     void accepted.then(() => clearTimeout(noConnect), () => clearTimeout(noConnect));
-    const result = await accepted.then(load);
+    const result = await accepted.then((conn) => load(conn, sourceGone.signal));
     const res = await call;
     return { result, bytes: Number(res.bytes), sourceMs: res.millis };
   } finally {

@@ -3,7 +3,8 @@
 // scheduler signed for this snapshot and for the calling host; otherwise nothing is served.
 //
 // The caller's host id comes from `callerHostId(ctx)`. The default reads the `ff-host-id`
-// metadata; deployments with mTLS should derive it from the peer certificate instead.
+// metadata; with mutual TLS (FF_PEER_*) the agent takes it from the caller's certificate
+// (tls.ts certificateHostId).
 import type { Logger } from 'pino';
 import type { MessageInitShape } from '@bufbuild/protobuf';
 import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';

@@ -1,7 +1,7 @@
 // Peer transfer between host agents in separate network namespaces (real processes, real
 // gRPC, real veth/bridge). Needs root. Every namespace and process is removed in afterAll.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { cpSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { cpSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { FsChunkStore, FsManifestStore, overwriteChunkFile } from '../chunkstore/fs-store.ts';
@@ -13,6 +13,8 @@ import { tempDir, waitFor, sleep } from '../../../services/testkit/proc.ts';
 import type { ManagedProcess } from '../../../services/testkit/proc.ts';
 import { writeMemoryImage, randomBytesSeeded } from '../../bench/transfer-image.ts';
 import { createFabric, readLog, type Fabric, type NsHost } from './netns-testkit.ts';
+import { peerCertificateCn } from './peer-identity.ts';
+import { ensureCa, ensureCert } from '../../../deploy/pki/pki.ts';
 
 const ENDPOINT = resolve(fileURLToPath(new URL('.', import.meta.url)), 'endpoint-main.ts');
 const NODE = [process.execPath, '--import', 'tsx', ENDPOINT];
@@ -40,20 +42,28 @@ function ticket(snapshotId: string, dest: string, opts: { key?: SigningKey; expi
   return Buffer.from(encodeSignedTicket(t)).toString('base64');
 }
 
-async function startServer(host: NsHost, root: string): Promise<ManagedProcess> {
+async function startServer(host: NsHost, root: string, extra: readonly string[] = [], port = PORT): Promise<ManagedProcess> {
   const logPath = join(dir, `${host.ns}-${servers.size}-${Date.now()}.log`);
-  const p = fabric.spawn(host, `chunk-server-${host.ns}`, [...NODE, 'serve', '--root', root, '--listen', `${host.address}:${PORT}`, '--trust', pem], logPath);
+  const p = fabric.spawn(host, `chunk-server-${host.ns}`, [...NODE, 'serve', '--root', root, '--listen', `${host.address}:${port}`, '--trust', pem, ...extra], logPath);
   await waitFor(`server in ${host.ns}`, async () => readLog(logPath).includes('"listening"'), 30_000, 50);
-  servers.set(host.ns, p);
+  if (port === PORT) servers.set(host.ns, p);
   return p;
+}
+
+/** A peer certificate of `ca` (as deploy/ issues them): CN forkfleet-host-<hostId>, IP SAN `address`. */
+function peerCert(ca: { caCert: string; caKey: string }, name: string, hostId: string, address: string): string[] {
+  const pair = { cert: join(dir, 'tls', `${name}.crt`), key: join(dir, 'tls', `${name}.key`) };
+  ensureCert(ca, pair, { sans: [`IP:${address}`], cn: peerCertificateCn(hostId), use: 'server+client' });
+  return ['--tls-ca', ca.caCert, '--tls-cert', pair.cert, '--tls-key', pair.key];
 }
 
 function fetchArgs(root: string, snapshotId: string, tk: string, sources: readonly NsHost[], hostId = 'hostR'): string[] {
   return [...NODE, 'fetch', '--root', root, '--host-id', hostId, '--snapshot', snapshotId, '--ticket', tk, '--sources', sources.map((s) => `${s.address}:${PORT}`).join(','), '--trust', pem, '--materialise'];
 }
 
-async function fetch(root: string, snapshotId: string, tk: string, sources: readonly NsHost[], hostId = 'hostR'): Promise<FetchOut> {
-  const r = await fabric.run(R, fetchArgs(root, snapshotId, tk, sources, hostId), 90_000);
+async function fetch(root: string, snapshotId: string, tk: string, sources: readonly NsHost[], hostId = 'hostR', extra: readonly string[] = [], port = PORT): Promise<FetchOut> {
+  const args = fetchArgs(root, snapshotId, tk, sources, hostId).map((a) => (port !== PORT ? a.replace(`:${PORT}`, `:${port}`) : a));
+  const r = await fabric.run(R, [...args, ...extra], 90_000);
   const line = r.stdout.trim().split('\n').pop() ?? '';
   if (!line.startsWith('{')) throw new Error(`fetch produced no report (code ${r.code}): ${r.stderr.slice(-3000)}`);
   return JSON.parse(line) as FetchOut;
@@ -119,6 +129,38 @@ describe('peer transfer between network namespaces', () => {
       expect(out.ok, what).toBe(false);
       expect(['permission_denied', 'unauthenticated'], `${what}: ${out.error?.message}`).toContain(out.error?.kind);
       expect(out.stored, what).toBe(0);
+    }
+  });
+
+  it('fetch_overMutualTls_worksForTheHostItsCertificateNames_andNoOneElse', async () => {
+    mkdirSync(join(dir, 'tls'), { recursive: true });
+    const ca = { caCert: join(dir, 'tls', 'ca.crt'), caKey: join(dir, 'tls', 'ca.key') };
+    ensureCa(ca.caCert, ca.caKey);
+    const other = { caCert: join(dir, 'tls', 'other-ca.crt'), caKey: join(dir, 'tls', 'other-ca.key') };
+    ensureCa(other.caCert, other.caKey, '/CN=Another CA');
+    const tlsPort = PORT + 1;
+    const server = await startServer(A, join(dir, 'A'), peerCert(ca, 'A', 'hostA', A.address), tlsPort);
+    try {
+      // The host the ticket names, with its certificate: byte-identical, as in plain text.
+      const ok = await fetch(join(dir, 'R-tls'), 's1', ticket('s1', 'hostR'), [A], 'hostR', peerCert(ca, 'R', 'hostR', R.address), tlsPort);
+      expect(ok.error).toBeUndefined();
+      expect(ok.report?.fetched).toBe(totalChunks);
+      expect(readFileSync(ok.materialised!.files.memory!).equals(readFileSync(memPath))).toBe(true);
+      // Another host of the fleet with hostR's ticket, saying it is hostR: its certificate says otherwise.
+      const impostor = await fetch(join(dir, 'R-tls-impostor'), 's1', ticket('s1', 'hostR'), [A], 'hostR', peerCert(ca, 'X', 'hostX', R.address), tlsPort);
+      expect(impostor.ok).toBe(false);
+      expect(['permission_denied', 'unauthenticated'], impostor.error?.message).toContain(impostor.error?.kind);
+      expect(impostor.stored).toBe(0);
+      // A certificate of another CA, or none (plain text): no TLS session, nothing served.
+      const stranger = await fetch(join(dir, 'R-tls-stranger'), 's1', ticket('s1', 'hostR'), [A], 'hostR', peerCert(other, 'R-other', 'hostR', R.address), tlsPort);
+      const plain = await fetch(join(dir, 'R-tls-plain'), 's1', ticket('s1', 'hostR'), [A], 'hostR', [], tlsPort);
+      for (const [what, out] of [['another CA', stranger], ['plain text', plain]] as const) {
+        expect(out.ok, what).toBe(false);
+        expect(out.error?.kind, `${what}: ${out.error?.message}`).toBe('unavailable');
+        expect(out.stored, what).toBe(0);
+      }
+    } finally {
+      await server.stop(3000);
     }
   });
 

@@ -2,7 +2,7 @@
 // One template VM is booted for the file and everything forks from its snapshot.
 import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { createReadStream } from 'node:fs';
+import { createReadStream, mkdirSync, readFileSync } from 'node:fs';
 import { copyFile, mkdtemp, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
@@ -17,6 +17,9 @@ import type { QmpClient } from '../qmp/client.ts';
 import { QemuVmmDriver } from './driver.ts';
 import { ramDirFor, tmpfsOptions } from './ram-pool.ts';
 import { cmdlineOf, isAlive, killHard } from './process.ts';
+import { ensureCa, ensureCert } from '../../../deploy/pki/pki.ts';
+import { writeQemuTlsDir } from '../peer/tls.ts';
+import { peerCertificateCn } from '../peer/peer-identity.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
 let root: string;
@@ -400,6 +403,55 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
     // The pool's files and directory went with the driver.
     expect(await readdir(ramMount)).toEqual([]);
+  });
+
+  it('migrate_overTls_whenBothHostsHaveTheFleetsCertificates_restoresTheVm_andAPlainTextStreamIsRefused', async () => {
+    // Two more "hosts", each with a certificate of one CA naming 127.0.0.1 (as deploy/ issues them).
+    const pki = join(root, 'tls');
+    mkdirSync(pki, { recursive: true });
+    const ca = { caCert: join(pki, 'ca.crt'), caKey: join(pki, 'ca.key') };
+    ensureCa(ca.caCert, ca.caKey);
+    const tlsDir = (name: string): string => {
+      const pair = { cert: join(pki, `${name}.crt`), key: join(pki, `${name}.key`) };
+      ensureCert(ca, pair, { sans: ['IP:127.0.0.1'], cn: peerCertificateCn(name), use: 'server+client' });
+      return writeQemuTlsDir(join(pki, `qemu-${name}`), { ca: readFileSync(ca.caCert), cert: readFileSync(pair.cert), key: readFileSync(pair.key) });
+    };
+    const src = new QemuVmmDriver({ root: join(root, 'tls-src'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: tlsDir('src') });
+    const dest = new QemuVmmDriver({ root: join(root, 'tls-dst'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: tlsDir('dst') });
+    const server = net.createServer({ pauseOnConnect: true });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const port = (server.address() as net.AddressInfo).port;
+    const next = (): Promise<net.Socket> => new Promise((r) => server.once('connection', r));
+    const layer = { manifest: snap.manifest, image, diskLayerBacking: image.disk, writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };
+    try {
+      const incoming = await dest.prepareIncoming(layer, { vmId: 't0', hostname: 't0', sandboxId: 'sb-t0' });
+      const accepted = next();
+      const [sent, vm] = await Promise.all([src.migrateOut(snap, { host: '127.0.0.1', port }), accepted.then((c) => incoming.load(c))]);
+      expect(sent.bytes).toBeGreaterThan(16 << 20);
+      expect(vm).toMatchObject({ state: 'running', baseSnapshotId: 'snap-tpl', hostname: 't0' });
+      expect(await sh('t0', 'cat /data/marker; hostname', dest)).toBe('disk-before-snapshot\nt0');
+      await dest.destroy('t0');
+      // A source without the certificates (plain text) gets nothing in: the destination's QEMU
+      // drops the stream, the source says so (as MigrateSnapshot's failure tells migrateFrom),
+      // and the load fails at once, leaving no VM.
+      const refused = await dest.prepareIncoming(layer, { vmId: 't1' });
+      const accepted2 = next();
+      const sourceGone = new AbortController();
+      const t1 = Date.now();
+      const out = driver.migrateOut(snap, { host: '127.0.0.1', port }).catch((e: unknown) => {
+        sourceGone.abort(e);
+        throw e;
+      });
+      const [sentPlain, load] = await Promise.allSettled([out, accepted2.then((c) => refused.load(c, sourceGone.signal))]);
+      expect(sentPlain.status).toBe('rejected');
+      expect(load.status).toBe('rejected');
+      expect(Date.now() - t1).toBeLessThan(30_000);
+      expect(await readdir(join(root, 'tls-dst', 'vms'))).toEqual([]);
+    } finally {
+      server.close();
+      await src.close();
+      await dest.close();
+    }
   });
 
   it('exec_ofACommandThatLeavesAProcessRunning_returnsWhenTheCommandExits_withItsOutputAndStdin_andTheProcessLivesOn', async () => {

@@ -126,6 +126,23 @@ export interface QemuDriverOptions {
    * like one process against the agent and the rest of the host. Absent: QEMU stays in the agent's.
    */
   guestCgroup?: GuestCgroup;
+  /**
+   * Migration streams between hosts (migrateOut, prepareIncoming) over mutual TLS: a directory
+   * in QEMU's tls-creds-x509 layout (ca-cert.pem, server-cert.pem, server-key.pem,
+   * client-cert.pem, client-key.pem; the agent writes it from FF_PEER_*, peer/tls.ts). The
+   * source checks the destination's certificate against its address, the destination asks for
+   * the source's. Both ends must have it, or neither. Absent: plain text.
+   */
+  migrationTlsDir?: string;
+}
+
+/** The QOM id of the TLS credentials a migration stream uses (QemuDriverOptions.migrationTlsDir). */
+const MIGRATION_TLS_ID = 'ff-peer-tls';
+
+/** Makes the next migration of `qmp`'s QEMU (either end) speak TLS with the credentials in `dir`. */
+async function useMigrationTls(qmp: QmpClient, dir: string, end: { endpoint: 'client'; hostname: string } | { endpoint: 'server' }): Promise<void> {
+  await qmp.execute('object-add', { 'qom-type': 'tls-creds-x509', id: MIGRATION_TLS_ID, dir, endpoint: end.endpoint, 'verify-peer': true });
+  await qmp.execute('migrate-set-parameters', { 'tls-creds': MIGRATION_TLS_ID, ...(end.endpoint === 'client' ? { 'tls-hostname': end.hostname } : {}) });
 }
 
 /** What vm.json holds: enough to rebuild the record after an agent restart. */
@@ -224,7 +241,8 @@ function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => vo
 const PROBE_VM_PREFIX = 'kvmprobe-';
 
 export class QemuVmmDriver implements VmmDriver {
-  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup'>> & Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup'>;
+  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir'>> &
+    Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir'>;
   private egressManager: EgressManager | undefined;
   private readonly vms = new Map<string, VmRecord>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
@@ -1170,6 +1188,7 @@ export class QemuVmmDriver implements VmmDriver {
       await setCaps(s.qmp, { events: true, 'x-ignore-shared': false });
       // QEMU's default cap is 32 MiB/s; the link and the destination set the pace.
       await s.qmp.execute('migrate-set-parameters', { 'max-bandwidth': 64 * 1024 ** 3 });
+      if (this.opts.migrationTlsDir) await useMigrationTls(s.qmp, this.opts.migrationTlsDir, { endpoint: 'client', hostname: target.host });
       const tm = performance.now();
       const host = target.host.includes(':') ? `[${target.host}]` : target.host;
       await migrateAndWait(s.qmp, `tcp:${host}:${target.port}`);
@@ -1250,7 +1269,7 @@ export class QemuVmmDriver implements VmmDriver {
     let used = false;
     return {
       vmId: c.vmId,
-      load: async (conn: net.Socket): Promise<VmInfo> => {
+      load: async (conn: net.Socket, sourceGone?: AbortSignal): Promise<VmInfo> => {
         if (used) throw new VmAlreadyExistsError(c.vmId);
         used = true;
         const t1 = this.opts.clock.now();
@@ -1277,7 +1296,8 @@ export class QemuVmmDriver implements VmmDriver {
             mark('launch');
           }
           await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
-          await incomingAndWait(rec.qmp, claimed ? 'fd:migration' : 'fd:3');
+          if (this.opts.migrationTlsDir) await useMigrationTls(rec.qmp, this.opts.migrationTlsDir, { endpoint: 'server' });
+          await untilAborted(incomingAndWait(rec.qmp, claimed ? 'fd:migration' : 'fd:3'), sourceGone, 'the migration source failed before the stream was loaded');
           mark('load');
           const loadMs = this.opts.clock.now() - t1;
           await this.startRestored(rec, t0, mark);
@@ -1907,6 +1927,23 @@ export async function saveFullRamStream(driver: QemuVmmDriver, snap: LocalSnapsh
   const launch = driver.launchOf('classic-src');
   await driver.destroy('classic-src');
   return launch;
+}
+
+/** `p`, or a VmmError (`why`, with the signal's reason) as soon as `signal` aborts. */
+async function untilAborted<T>(p: Promise<T>, signal: AbortSignal | undefined, why: string): Promise<T> {
+  if (!signal) return p;
+  let onAbort = (): void => undefined;
+  const aborted = new Promise<never>((_, reject) => {
+    onAbort = () => reject(new VmmError(`${why}: ${signal.reason instanceof Error ? signal.reason.message : String(signal.reason)}`));
+    if (signal.aborted) onAbort();
+    else signal.addEventListener('abort', onAbort, { once: true });
+  });
+  p.catch(() => undefined); // settled later, once the VM is destroyed
+  try {
+    return await Promise.race([p, aborted]);
+  } finally {
+    signal.removeEventListener('abort', onAbort);
+  }
 }
 
 export async function incomingAndWait(qmp: QmpClient, uri: string): Promise<void> {

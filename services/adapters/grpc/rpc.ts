@@ -26,6 +26,7 @@ import { fromServiceError, toGrpcStatus } from './status.ts';
 import { readableItems } from './queue.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import type { Principal } from '../../auth/tokens.ts';
+import type { PeerCertificate } from 'node:tls';
 
 type MethodShape = GenServiceMethods[string];
 type In<M extends MethodShape> = MessageShape<M['input']>;
@@ -43,6 +44,8 @@ export interface CallContext {
   readonly method: string;
   /** Who is calling, when the server has a CallGuard; undefined on an unguarded server. */
   readonly principal: Principal | undefined;
+  /** The client's TLS certificate, on a server that asks for one (mutual TLS). */
+  readonly peerCertificate?: PeerCertificate | undefined;
 }
 
 /**
@@ -178,7 +181,8 @@ function contextOf(call: AnyServerCall, method: string, principal?: Principal): 
     t.unref();
     emitter.once('finish', () => clearTimeout(t));
   }
-  return { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method, principal };
+  const cert = call.getAuthContext?.()?.sslPeerCertificate;
+  return { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method, principal, ...(cert ? { peerCertificate: cert } : {}) };
 }
 
 async function writeAll(call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>, out: AsyncIterable<unknown>, signal: AbortSignal): Promise<void> {
