@@ -30,7 +30,7 @@ export interface MigrateFromOptions {
   readonly connectTimeoutMs?: number;
   /** Ends the wait for the source's connection (the caller gave up, e.g. its own preparation failed). */
   readonly signal?: AbortSignal;
-  /** Mutual TLS for the MigrateSnapshot call (tls.ts; the migration stream itself is plain text). */
+  /** Mutual TLS for the MigrateSnapshot call (tls.ts; the stream's own TLS is QEMU's: QemuDriverOptions.migrationTlsDir). */
   readonly tls?: PeerTls | undefined;
 }
 

@@ -5,6 +5,7 @@
 // - the source takes the caller's host id from its certificate's CN
 //   (`forkfleet-host-<id>`), not from what the caller says, so a ticket is honoured only for
 //   the host it names even if someone else got hold of it.
+// Migration streams (ADR 0015) use the same certificate through QEMU (writeQemuTlsDir).
 // Without them, both ends speak plain text and the caller's host id is its `ff-host-id`
 // metadata (server.ts), as before.
 import { chmodSync, mkdirSync, writeFileSync } from 'node:fs';
@@ -21,7 +22,6 @@ export interface PeerTls {
   readonly cert: Buffer;
   readonly key: Buffer;
 }
-
 
 /** The peer TLS files (config.peerTls), read once; a file that cannot be read fails naming its variable. */
 export function readPeerTls(files: TlsClientFiles | undefined): PeerTls | undefined {
