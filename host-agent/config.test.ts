@@ -42,6 +42,12 @@ describe('compileAgentConfig: peer TLS', () => {
     expect(compileAgentConfig({ ...base, FF_PEER_CA: '/p/ca.crt', FF_PEER_CERT: '/p/h.crt', FF_PEER_KEY: '/p/h.key' }).peerTls).toEqual({ prefix: 'FF_PEER', ca: '/p/ca.crt', cert: '/p/h.crt', key: '/p/h.key' });
   });
 
+  it('peerMigrationTls_isOnUnlessOff_andAnythingElseNamesTheVariable', () => {
+    expect(compileAgentConfig(base).peerMigrationTls).toBe(true);
+    expect(compileAgentConfig({ ...base, FF_PEER_MIGRATION_TLS: 'off' }).peerMigrationTls).toBe(false);
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_MIGRATION_TLS: 'no' }))).toBe('FF_PEER_MIGRATION_TLS');
+  });
+
   it('peerTls_withoutOneOfItsThreeFiles_namesTheMissingVariable', () => {
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_CERT: '/p/h.crt', FF_PEER_KEY: '/p/h.key' }))).toBe('FF_PEER_CA');
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_CA: '/p/ca.crt' }))).toBe('FF_PEER_CERT');

@@ -3,7 +3,7 @@
 import { cpus, hostname, totalmem } from 'node:os';
 import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
-import { natsServers, natsTls, parseDuration, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
+import { natsServers, natsTls, parseDuration, parseOnOff, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
 import { parseCidr } from './adapters/netns/egress.ts';
 import { DEFAULT_RAM_MOUNT } from './adapters/qemu/ram-pool.ts';
@@ -88,6 +88,14 @@ export interface AgentProcessConfig {
    */
   readonly migrateMaxChildren: number;
   /**
+   * FF_PEER_MIGRATION_TLS (on|off, default on): with peer TLS (FF_PEER_*), migration streams
+   * use it too (QEMU's TLS). Off leaves them plain text, for a peer network that is private
+   * or encrypted below (WireGuard): on this TCG machine QEMU's TLS moved a stream at ~0.4-0.7
+   * Gbit/s against ~0.8-3 Gbit/s plain (docs/adr/0015-restore-by-migration.md). Set it alike on
+   * every host. Without peer TLS it changes nothing.
+   */
+  readonly peerMigrationTls: boolean;
+  /**
    * Guest RAM of migrated VMs (ADR 0016): FF_RAM_MOUNT, a tmpfs with huge=always (mounted there
    * when nothing is; empty: off, anonymous RAM); FF_RAM_POOL, free files kept, all sizes;
    * FF_RAM_POOL_MAX_MIB, their total size at most; FF_RAM_POOL_MIB, comma-separated guest
@@ -167,6 +175,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       incomingQuietMs: parseDuration('FF_INCOMING_STANDBY_QUIET', e('FF_INCOMING_STANDBY_QUIET', '3s')),
     },
     migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', e('FF_MIGRATE_MAX_CHILDREN', '2'), 0, 64),
+    peerMigrationTls: parseOnOff('FF_PEER_MIGRATION_TLS', env.FF_PEER_MIGRATION_TLS, true),
     ram: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT)
       ? {
           mount: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT),

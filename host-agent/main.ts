@@ -48,7 +48,7 @@ async function main(): Promise<void> {
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
   const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}), ...(guestCgroup ? { guestCgroup } : {}),
     // Migration streams to and from other hosts (ADR 0015) speak the same mutual TLS as the peer service.
-    ...(peerTls ? { migrationTlsDir: writeQemuTlsDir(join(cfg.dataDir, 'migration-tls'), peerTls) } : {}),
+    ...(peerTls && cfg.peerMigrationTls ? { migrationTlsDir: writeQemuTlsDir(join(cfg.dataDir, 'migration-tls'), peerTls) } : {}),
     // accel auto proves KVM by booting a guest: the tiny image (built once, cached by recipe hash).
     ...(cfg.accel === 'auto' ? { probeImage: await ensureImage('tiny') } : {}) });
   const recovered = await driver.recover('adopt');
