@@ -430,7 +430,14 @@ describe('QemuVmmDriver (real QEMU)', () => {
       expect(sent.bytes).toBeGreaterThan(16 << 20);
       expect(vm).toMatchObject({ state: 'running', baseSnapshotId: 'snap-tpl', hostname: 't0' });
       expect(await sh('t0', 'cat /data/marker; hostname', dest)).toBe('disk-before-snapshot\nt0');
+      // It snapshots like any VM (its own migration to a file is not the peer stream's TLS).
+      await sh('t0', 'echo over-tls > /data/t && sync', dest);
+      const st = await dest.snapshot('t0', 'snap-t0');
       await dest.destroy('t0');
+      const [tg] = await dest.fork(st, [{ vmId: 'tg0' }]);
+      expect(await sh(tg?.vmId ?? '', 'cat /data/t', dest)).toBe('over-tls');
+      await dest.destroy('tg0');
+      await dest.deleteSnapshot(st);
       // A source without the certificates (plain text) gets nothing in: the destination's QEMU
       // drops the stream, the source says so (as MigrateSnapshot's failure tells migrateFrom),
       // and the load fails at once, leaving no VM.

@@ -1298,6 +1298,9 @@ export class QemuVmmDriver implements VmmDriver {
           await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
           if (this.opts.migrationTlsDir) await useMigrationTls(rec.qmp, this.opts.migrationTlsDir, { endpoint: 'server' });
           await untilAborted(incomingAndWait(rec.qmp, claimed ? 'fd:migration' : 'fd:3'), sourceGone, 'the migration source failed before the stream was loaded');
+          // The VM's own later migrations (its snapshots, to a local file) are plain: a
+          // server-side tls-creds left set would make QEMU refuse them.
+          if (this.opts.migrationTlsDir) await rec.qmp.execute('migrate-set-parameters', { 'tls-creds': '' });
           mark('load');
           const loadMs = this.opts.clock.now() - t1;
           await this.startRestored(rec, t0, mark);
