@@ -34,9 +34,8 @@ import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
 import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
-import { ensureCert } from '../pki/pki.ts';
+import { ensurePeerCert } from '../pki/pki.ts';
 import { parseOnOff } from '../../services/config.ts';
-import { peerCertificateCn } from '../../host-agent/adapters/peer/peer-identity.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 const NODE = process.execPath;
@@ -419,7 +418,7 @@ function makePeerCert(state: FleetState, h: HostRecord): Record<string, string> 
   const ca = apiCredentialPaths(state.options.dir);
   const pair = { cert: join(h.dataDir, 'peer.crt'), key: join(h.dataDir, 'peer.key') };
   mkdirSync(h.dataDir, { recursive: true });
-  ensureCert({ caCert: ca.caCert, caKey: join(ca.pki, 'ca.key') }, pair, { sans: [`IP:${h.address}`], cn: peerCertificateCn(h.id), use: 'server+client' });
+  ensurePeerCert({ caCert: ca.caCert, caKey: join(ca.pki, 'ca.key') }, pair, h.id, h.address);
   copyFileSync(ca.caCert, join(h.dataDir, 'peer-ca.crt'));
   return { FF_PEER_CA: join(h.dataDir, 'peer-ca.crt'), FF_PEER_CERT: pair.cert, FF_PEER_KEY: pair.key };
 }

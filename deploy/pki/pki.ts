@@ -13,6 +13,7 @@ import { execFileSync } from 'node:child_process';
 import { chmodSync, existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { X509Certificate } from 'node:crypto';
 import { join, resolve } from 'node:path';
+import { peerCertificateCn } from '../../host-agent/adapters/peer/peer-identity.ts';
 
 export const DEFAULT_SANS: readonly string[] = ['DNS:localhost', 'IP:127.0.0.1', 'IP:::1'];
 
@@ -100,6 +101,14 @@ export function ensureCert(ca: { caCert: string; caKey: string }, cert: { cert: 
     rmSync(csr, { force: true });
     rmSync(ext, { force: true });
   }
+}
+
+/**
+ * A host's peer certificate (mutual TLS between agents, host-agent/adapters/peer/tls.ts):
+ * server and client use, CN forkfleet-host-<hostId>, its peer `address` as IP SAN.
+ */
+export function ensurePeerCert(ca: { caCert: string; caKey: string }, cert: { cert: string; key: string }, hostId: string, address: string): void {
+  ensureCert(ca, cert, { sans: [`IP:${address}`], cn: peerCertificateCn(hostId), use: 'server+client' });
 }
 
 /** A TLS server certificate for these SANs (ensureCert with use 'server'). */

@@ -35,13 +35,12 @@ import { ingestSnapshot } from '../adapters/chunkstore/ingest.ts';
 import { encodeSignedTicket, signManifest, signTicket } from '../domain/tickets.ts';
 import { manifestDigests } from '../domain/snapshot-store.ts';
 import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
-import { createFabric, readLog, type Fabric, type NsHost } from '../adapters/peer/netns-testkit.ts';
+import { createFabric, endpointTlsArgs, readLog, type Fabric, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { tempDir, waitFor } from '../../services/testkit/proc.ts';
 import { writeChildImage } from './transfer-image.ts';
 import { snapshotBootedGuest, type BenchArtifact } from './transfer-guest.ts';
 import { prepareSource, prepareWarmup, startDaemon, writeSyntheticSource } from './transfer-source.ts';
-import { ensureCa, ensureCert } from '../../deploy/pki/pki.ts';
-import { peerCertificateCn } from '../adapters/peer/peer-identity.ts';
+import { ensureCa } from '../../deploy/pki/pki.ts';
 
 const here = fileURLToPath(new URL('.', import.meta.url));
 const ENDPOINT = resolve(here, '../adapters/peer/endpoint-main.ts');
@@ -123,14 +122,9 @@ async function main(): Promise<void> {
 
     const port = 7443;
     // --tls: each end's certificate names its host (h0 serves, h1 is the ticket's destination).
-    const tlsArgs = (hostId: string, address: string): string[] => {
-      if (!values.tls) return [];
-      const ca = { caCert: join(dir, 'tls-ca.crt'), caKey: join(dir, 'tls-ca.key') };
-      ensureCa(ca.caCert, ca.caKey);
-      const pair = { cert: join(dir, `tls-${hostId}.crt`), key: join(dir, `tls-${hostId}.key`) };
-      ensureCert(ca, pair, { sans: [`IP:${address}`], cn: peerCertificateCn(hostId), use: 'server+client' });
-      return ['--tls-ca', ca.caCert, '--tls-cert', pair.cert, '--tls-key', pair.key];
-    };
+    const tlsCa = { caCert: join(dir, 'tls-ca.crt'), caKey: join(dir, 'tls-ca.key') };
+    if (values.tls) ensureCa(tlsCa.caCert, tlsCa.caKey);
+    const tlsArgs = (hostId: string, address: string): string[] => (values.tls ? endpointTlsArgs(tlsCa, dir, hostId, address, `tls-${hostId}`) : []);
     const srvLog = join(dir, 'server.log');
     const server = fabric.spawn(h0, 'chunk-server', [...NODE, 'serve', '--root', srcRoot, '--listen', `${h0.address}:${port}`, '--trust', pem, ...tlsArgs('h0', h0.address)], srvLog);
     await waitFor('chunk server', async () => readLog(srvLog).includes('"listening"'), 20_000, 50);

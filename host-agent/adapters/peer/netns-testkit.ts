@@ -6,7 +6,9 @@ import { execFileSync, spawn } from 'node:child_process';
 import type { ChildProcess } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { spawnManaged, type ManagedProcess } from '../../../services/testkit/proc.ts';
+import { ensurePeerCert } from '../../../deploy/pki/pki.ts';
 
 /** Agents run with a larger libuv pool: chunk fsyncs then overlap (ext4 commits them together). */
 const agentEnv: NodeJS.ProcessEnv = { ...process.env, UV_THREADPOOL_SIZE: process.env.UV_THREADPOOL_SIZE ?? '16' };
@@ -133,4 +135,14 @@ export function readLog(path: string): string {
   } catch {
     return '';
   }
+}
+
+/**
+ * endpoint-main.ts's --tls-* arguments for `hostId` at `address`: its peer certificate from
+ * `ca` (made in `dir` as <name>.crt/.key, where `name` defaults to the host id).
+ */
+export function endpointTlsArgs(ca: { caCert: string; caKey: string }, dir: string, hostId: string, address: string, name = hostId): string[] {
+  const pair = { cert: join(dir, `${name}.crt`), key: join(dir, `${name}.key`) };
+  ensurePeerCert(ca, pair, hostId, address);
+  return ['--tls-ca', ca.caCert, '--tls-cert', pair.cert, '--tls-key', pair.key];
 }

@@ -46,7 +46,7 @@ export function peerChannelCredentials(tls: PeerTls | undefined): ChannelCredent
  * the call has no certificate or it names no host (every ticket is then refused).
  */
 export function certificateHostId(ctx: CallContext): string {
-  const cn = ctx.peerCertificate?.subject?.CN;
+  const cn = ctx.peerCertificate()?.subject?.CN;
   const name = Array.isArray(cn) ? undefined : cn;
   return name?.startsWith(PEER_CN_PREFIX) ? name.slice(PEER_CN_PREFIX.length) : '';
 }

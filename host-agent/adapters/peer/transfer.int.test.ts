@@ -12,9 +12,8 @@ import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { tempDir, waitFor, sleep } from '../../../services/testkit/proc.ts';
 import type { ManagedProcess } from '../../../services/testkit/proc.ts';
 import { writeMemoryImage, randomBytesSeeded } from '../../bench/transfer-image.ts';
-import { createFabric, readLog, type Fabric, type NsHost } from './netns-testkit.ts';
-import { peerCertificateCn } from './peer-identity.ts';
-import { ensureCa, ensureCert } from '../../../deploy/pki/pki.ts';
+import { createFabric, endpointTlsArgs, readLog, type Fabric, type NsHost } from './netns-testkit.ts';
+import { ensureCa } from '../../../deploy/pki/pki.ts';
 
 const ENDPOINT = resolve(fileURLToPath(new URL('.', import.meta.url)), 'endpoint-main.ts');
 const NODE = [process.execPath, '--import', 'tsx', ENDPOINT];
@@ -50,20 +49,15 @@ async function startServer(host: NsHost, root: string, extra: readonly string[] 
   return p;
 }
 
-/** A peer certificate of `ca` (as deploy/ issues them): CN forkfleet-host-<hostId>, IP SAN `address`. */
-function peerCert(ca: { caCert: string; caKey: string }, name: string, hostId: string, address: string): string[] {
-  const pair = { cert: join(dir, 'tls', `${name}.crt`), key: join(dir, 'tls', `${name}.key`) };
-  ensureCert(ca, pair, { sans: [`IP:${address}`], cn: peerCertificateCn(hostId), use: 'server+client' });
-  return ['--tls-ca', ca.caCert, '--tls-cert', pair.cert, '--tls-key', pair.key];
-}
+/** --tls-* arguments with a peer certificate of `ca` for `hostId` at `address` (as deploy/ issues them). */
+const peerCert = (ca: { caCert: string; caKey: string }, name: string, hostId: string, address: string): string[] => endpointTlsArgs(ca, join(dir, 'tls'), hostId, address, name);
 
-function fetchArgs(root: string, snapshotId: string, tk: string, sources: readonly NsHost[], hostId = 'hostR'): string[] {
-  return [...NODE, 'fetch', '--root', root, '--host-id', hostId, '--snapshot', snapshotId, '--ticket', tk, '--sources', sources.map((s) => `${s.address}:${PORT}`).join(','), '--trust', pem, '--materialise'];
+function fetchArgs(root: string, snapshotId: string, tk: string, sources: readonly NsHost[], hostId = 'hostR', port = PORT): string[] {
+  return [...NODE, 'fetch', '--root', root, '--host-id', hostId, '--snapshot', snapshotId, '--ticket', tk, '--sources', sources.map((s) => `${s.address}:${port}`).join(','), '--trust', pem, '--materialise'];
 }
 
 async function fetch(root: string, snapshotId: string, tk: string, sources: readonly NsHost[], hostId = 'hostR', extra: readonly string[] = [], port = PORT): Promise<FetchOut> {
-  const args = fetchArgs(root, snapshotId, tk, sources, hostId).map((a) => (port !== PORT ? a.replace(`:${PORT}`, `:${port}`) : a));
-  const r = await fabric.run(R, [...args, ...extra], 90_000);
+  const r = await fabric.run(R, [...fetchArgs(root, snapshotId, tk, sources, hostId, port), ...extra], 90_000);
   const line = r.stdout.trim().split('\n').pop() ?? '';
   if (!line.startsWith('{')) throw new Error(`fetch produced no report (code ${r.code}): ${r.stderr.slice(-3000)}`);
   return JSON.parse(line) as FetchOut;

@@ -17,9 +17,8 @@ import type { QmpClient } from '../qmp/client.ts';
 import { QemuVmmDriver } from './driver.ts';
 import { ramDirFor, tmpfsOptions } from './ram-pool.ts';
 import { cmdlineOf, isAlive, killHard } from './process.ts';
-import { ensureCa, ensureCert } from '../../../deploy/pki/pki.ts';
+import { ensureCa, ensurePeerCert } from '../../../deploy/pki/pki.ts';
 import { writeQemuTlsDir } from '../peer/tls.ts';
-import { peerCertificateCn } from '../peer/peer-identity.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
 let root: string;
@@ -413,7 +412,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     ensureCa(ca.caCert, ca.caKey);
     const tlsDir = (name: string): string => {
       const pair = { cert: join(pki, `${name}.crt`), key: join(pki, `${name}.key`) };
-      ensureCert(ca, pair, { sans: ['IP:127.0.0.1'], cn: peerCertificateCn(name), use: 'server+client' });
+      ensurePeerCert(ca, pair, name, '127.0.0.1');
       return writeQemuTlsDir(join(pki, `qemu-${name}`), { ca: readFileSync(ca.caCert), cert: readFileSync(pair.cert), key: readFileSync(pair.key) });
     };
     const src = new QemuVmmDriver({ root: join(root, 'tls-src'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: tlsDir('src') });

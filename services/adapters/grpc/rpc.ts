@@ -44,8 +44,11 @@ export interface CallContext {
   readonly method: string;
   /** Who is calling, when the server has a CallGuard; undefined on an unguarded server. */
   readonly principal: Principal | undefined;
-  /** The client's TLS certificate, on a server that asks for one (mutual TLS). */
-  readonly peerCertificate?: PeerCertificate | undefined;
+  /**
+   * The client's TLS certificate, on a server that asks for one (mutual TLS). A call, not a
+   * field: grpc-js builds the certificate object anew on each ask, and most handlers never do.
+   */
+  peerCertificate(): PeerCertificate | undefined;
 }
 
 /**
@@ -181,8 +184,7 @@ function contextOf(call: AnyServerCall, method: string, principal?: Principal): 
     t.unref();
     emitter.once('finish', () => clearTimeout(t));
   }
-  const cert = call.getAuthContext?.()?.sslPeerCertificate;
-  return { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method, principal, ...(cert ? { peerCertificate: cert } : {}) };
+  return { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method, principal, peerCertificate: () => call.getAuthContext().sslPeerCertificate };
 }
 
 async function writeAll(call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>, out: AsyncIterable<unknown>, signal: AbortSignal): Promise<void> {
