@@ -20,7 +20,7 @@ import type { ChunkEvent, ChunkSession, ChunkSource } from '../../domain/transfe
 import type { DigestHex } from '../../domain/snapshot-store.ts';
 import { ManifestNotFoundError } from '../../domain/transfer-errors.ts';
 import { HOST_ID_METADATA } from './server.ts';
-import { peerChannelCredentials, type PeerTls } from './tls.ts';
+import { peerChannel, type PeerTls } from './tls.ts';
 
 type Req = MessageInitShape<typeof FetchChunksRequestSchema>;
 
@@ -52,15 +52,16 @@ export class PeerChunkSource implements ChunkSource {
 
   constructor(private readonly opts: PeerChunkSourceOptions) {
     this.id = opts.id;
+    const peer = peerChannel(opts.tls, opts.address);
     const channelOptions = {
+      ...peer.options,
       'grpc.max_receive_message_length': 16 * 1024 * 1024,
       // Big HTTP/2 receive windows: the default 64 KiB window over a link with a few ms of
       // queueing delay (tbf latency 5ms) caps a stream near 100 Mbit/s.
       'grpc-node.flow_control_window': 16 * 1024 * 1024,
     };
-    const creds = peerChannelCredentials(opts.tls);
-    this.client = createClient(ChunkTransferService, opts.address, creds, channelOptions);
-    this.raw = new GrpcClient(opts.address, creds, channelOptions);
+    this.client = createClient(ChunkTransferService, opts.address, peer.credentials, channelOptions);
+    this.raw = new GrpcClient(opts.address, peer.credentials, channelOptions);
   }
 
   async getManifest(signal?: AbortSignal): Promise<SignedManifest> {

@@ -7,7 +7,7 @@ import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_p
 import type { SignedTicket } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { createClient } from '../../../services/adapters/grpc/rpc.ts';
 import { HOST_ID_METADATA, plainAddress } from './server.ts';
-import { peerChannelCredentials, type PeerTls } from './tls.ts';
+import { peerChannel, type PeerTls } from './tls.ts';
 import { hostOfAddress } from '../../domain/agent.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 
@@ -63,7 +63,8 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Soc
     });
   });
   const ac = new AbortController();
-  const client = createClient(ChunkTransferService, o.sourceAddress, peerChannelCredentials(o.tls));
+  const peer = peerChannel(o.tls, o.sourceAddress);
+  const client = createClient(ChunkTransferService, o.sourceAddress, peer.credentials, peer.options);
   try {
     const accepted = new Promise<net.Socket>((resolve, reject) => {
       server.on('connection', (c) => {

@@ -10,8 +10,10 @@
 // metadata (server.ts), as before.
 import { chmodSync, mkdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { checkServerIdentity } from 'node:tls';
 import { ServerCredentials, credentials as grpcCredentials } from '@grpc/grpc-js';
-import type { ChannelCredentials } from '@grpc/grpc-js';
+import type { ChannelCredentials, ClientOptions } from '@grpc/grpc-js';
+import { hostOfAddress } from '../../domain/agent.ts';
 import type { CallContext } from '../../../services/adapters/grpc/rpc.ts';
 import { readTlsClientFiles, type TlsClientFiles } from '../../../services/config.ts';
 import { PEER_CN_PREFIX } from './peer-identity.ts';
@@ -36,9 +38,30 @@ export function peerServerCredentials(tls: PeerTls | undefined): ServerCredentia
   return tls ? ServerCredentials.createSsl(tls.ca, [{ cert_chain: tls.cert, private_key: tls.key }], true) : ServerCredentials.createInsecure();
 }
 
-/** Client side: TLS that verifies the peer against the CA and the address dialed, showing this host's certificate. */
-export function peerChannelCredentials(tls: PeerTls | undefined): ChannelCredentials {
-  return tls ? grpcCredentials.createSsl(tls.ca, tls.key, tls.cert) : grpcCredentials.createInsecure();
+/**
+ * The TLS server name (SNI) a receiver sends. TLS allows only a DNS name there (RFC 6066), and
+ * peers are dialed by IP address, so SNI carries this fixed name; the certificate is still
+ * checked against the address dialed (its IP SAN), never against this name.
+ */
+export const PEER_TLS_SERVER_NAME = 'forkfleet-peer';
+
+/** Credentials and channel options for a client of the peer at `address` ("host:port"). */
+export interface PeerChannel {
+  readonly credentials: ChannelCredentials;
+  readonly options: ClientOptions;
+}
+
+/**
+ * Client side: TLS that verifies the peer against the CA and the address dialed, showing this
+ * host's certificate; without `tls`, plain text.
+ */
+export function peerChannel(tls: PeerTls | undefined, address: string): PeerChannel {
+  if (!tls) return { credentials: grpcCredentials.createInsecure(), options: {} };
+  const dialed = hostOfAddress(address);
+  return {
+    credentials: grpcCredentials.createSsl(tls.ca, tls.key, tls.cert, { checkServerIdentity: (_sni, cert) => checkServerIdentity(dialed, cert) }),
+    options: { 'grpc.ssl_target_name_override': PEER_TLS_SERVER_NAME },
+  };
 }
 
 /**

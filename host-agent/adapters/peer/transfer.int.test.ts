@@ -25,6 +25,8 @@ interface FetchOut {
   report?: { requested: number; fetched: number; rejected: number; sources: Array<{ id: string; chunks: number; rejected: number }> };
   error?: { kind: string; message: string };
   materialised?: { files: Record<string, string> };
+  /** The fetch process's stderr (not part of its report). */
+  stderr: string;
 }
 
 let fabric: Fabric;
@@ -60,7 +62,7 @@ async function fetch(root: string, snapshotId: string, tk: string, sources: read
   const r = await fabric.run(R, [...fetchArgs(root, snapshotId, tk, sources, hostId, port), ...extra], 90_000);
   const line = r.stdout.trim().split('\n').pop() ?? '';
   if (!line.startsWith('{')) throw new Error(`fetch produced no report (code ${r.code}): ${r.stderr.slice(-3000)}`);
-  return JSON.parse(line) as FetchOut;
+  return { ...(JSON.parse(line) as Omit<FetchOut, 'stderr'>), stderr: r.stderr };
 }
 
 beforeAll(async () => {
@@ -140,6 +142,8 @@ describe('peer transfer between network namespaces', () => {
       expect(ok.error).toBeUndefined();
       expect(ok.report?.fetched).toBe(totalChunks);
       expect(readFileSync(ok.materialised!.files.memory!).equals(readFileSync(memPath))).toBe(true);
+      // Peers are dialed by IP address, which TLS does not allow as the server name (SNI).
+      expect(ok.stderr).not.toContain('DeprecationWarning');
       // Another host of the fleet with hostR's ticket, saying it is hostR: its certificate says otherwise.
       const impostor = await fetch(join(dir, 'R-tls-impostor'), 's1', ticket('s1', 'hostR'), [A], 'hostR', peerCert(ca, 'X', 'hostX', R.address), tlsPort);
       expect(impostor.ok).toBe(false);
@@ -155,6 +159,17 @@ describe('peer transfer between network namespaces', () => {
       }
     } finally {
       await server.stop(3000);
+    }
+    // A source whose certificate (of the fleet's CA) was issued for another address: the
+    // receiver refuses it before asking for anything.
+    const misnamed = await startServer(A, join(dir, 'A'), peerCert(ca, 'A-as-B', 'hostA', B.address), tlsPort);
+    try {
+      const out = await fetch(join(dir, 'R-tls-misnamed'), 's1', ticket('s1', 'hostR'), [A], 'hostR', peerCert(ca, 'R', 'hostR', R.address), tlsPort);
+      expect(out.ok).toBe(false);
+      expect(out.error?.kind, out.error?.message).toBe('unavailable');
+      expect(out.stored).toBe(0);
+    } finally {
+      await misnamed.stop(3000);
     }
   });
 
