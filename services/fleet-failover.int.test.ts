@@ -210,6 +210,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
 
     const final = await ok(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-h', migrate: false }), 'admin');
     expect(final.progress?.done).toBe(2);
+    expect((await store.getHost('fake-h'))?.value).toMatchObject({ cordoned: true, draining: false });
     for (const id of [running, paused, earlier]) {
       const sb = (await store.getSandbox(tenantId, id))!.value;
       expect(sb.state, id).toBe('hibernated');
@@ -240,6 +241,8 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect(before.length).toBeGreaterThan(0);
     const final = await ok(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-4', migrate: true }), 'admin');
     expect(final.state).toBe(OperationState.SUCCEEDED);
+    // Drained: still cordoned, no longer draining.
+    expect((await api.listHosts({})).hosts.find((x) => x.id === 'fake-4')).toMatchObject({ cordoned: true, draining: false });
     const after = new Map((await store.listSandboxes(tenantId)).map((v) => [v.value.id, v.value] as [string, SandboxRec]));
     for (const s of before) {
       expect(after.get(s.id)?.state).toBe('running');
@@ -471,6 +474,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const final = await wait(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-big', migrate: true }), 'admin');
     expect(final.state).toBe(OperationState.FAILED);
     expect(final.error?.message).toMatch(/moved 0 of 1/);
+    expect((await store.getHost('fake-big'))?.value).toMatchObject({ cordoned: true, draining: false });
     expect(big.vms().get('fake-big')?.find((v) => v.sandboxId === id)?.state).toBe('running');
     expect((await store.getSandbox(tenantId, id))?.value.state).toBe('running');
     await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));

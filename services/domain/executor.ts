@@ -1327,7 +1327,7 @@ export class Executor {
       // The store's outcome is unknown: run() runs the op again (failing it would need the store too).
       if (e instanceof StoreUnavailableError) throw e;
       this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
-      await this.finish(op, null, errorOf(e));
+      await this.finish(op, null, errorOf(e), undefined, op.kind === 'drain' ? this.drainEnded(op) : undefined);
     }
   }
 
@@ -2241,7 +2241,8 @@ export class Executor {
   // ---------------------------------------------------------------- drain
 
   /**
-   * Drain: the host is cordoned (no new placements) and marked draining. With
+   * Drain: the host is cordoned (no new placements) and marked draining until the drain
+   * ends (drainEnded). With
    * `migrate`, every running or paused sandbox on it moves to another host: pause it,
    * snapshot it, book capacity elsewhere, restore it there under the same sandbox id,
    * switch the record (host and capacity) in one transaction, then destroy the source VM.
@@ -2293,8 +2294,21 @@ export class Executor {
       }
     }
     const uncopied = await this.copySnapshotsOff(op, hostId);
-    if (failures.length || uncopied.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${[...failures, ...uncopied].join('; ')}`, retryable: true });
-    await this.finish(op, { sandboxIds: moved }, null, moved.length);
+    if (failures.length || uncopied.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${[...failures, ...uncopied].join('; ')}`, retryable: true }, undefined, this.drainEnded(op));
+    await this.finish(op, { sandboxIds: moved }, null, moved.length, this.drainEnded(op));
+  }
+
+  /**
+   * The end of a drain, in the transaction of its final state: the host stays cordoned and
+   * is no longer `draining` (so `hosts ls` tells a drained host from one being drained; the
+   * operation says how it went), unless another drain of the same host is still at work.
+   */
+  private drainEnded(op: OperationRec): (attempt: number) => Promise<StoreWrite[]> {
+    return async () => {
+      for (const { value: o } of this.ops.values()) if (o.kind === 'drain' && o.targetId === op.targetId && o.id !== op.id && !isTerminal(o.state)) return [];
+      const h = await this.deps.store.getHost(op.targetId);
+      return h?.value.draining ? [{ kind: 'host', value: { ...h.value, draining: false }, expectRevision: h.modRevision }] : [];
+    };
   }
 
   /**
@@ -2343,8 +2357,8 @@ export class Executor {
     }
     failures.push(...(await this.copySnapshotsOff(op, hostId, snapshots)));
     const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
-    if (failures.length) return this.finish(op, { sandboxIds: done }, { kind: 'unavailable', message: `hibernated ${done.length} of ${ends.length} sandboxes on ${hostId}; ${failures.join('; ')}`, retryable: true }, done.length);
-    await this.finish(op, { sandboxIds: done }, null, done.length);
+    if (failures.length) return this.finish(op, { sandboxIds: done }, { kind: 'unavailable', message: `hibernated ${done.length} of ${ends.length} sandboxes on ${hostId}; ${failures.join('; ')}`, retryable: true }, done.length, this.drainEnded(op));
+    await this.finish(op, { sandboxIds: done }, null, done.length, this.drainEnded(op));
   }
 
   /**

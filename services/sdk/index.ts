@@ -402,8 +402,12 @@ export class Forkfleet {
     return opts.idempotencyKey ?? newIdempotencyKey();
   }
 
-  /** Follows an operation until it is done, reporting progress; throws OperationFailedError on failure. */
-  async wait(operationId: string, opts: CallOpts = {}): Promise<OperationInfo> {
+  /**
+   * Follows an operation until it is done, reporting progress; throws OperationFailedError on
+   * failure. `tenant`: the operation's tenant, when it is not this client's (a host drain is
+   * the `admin` tenant's).
+   */
+  async wait(operationId: string, opts: CallOpts = {}, tenant = this.tenant): Promise<OperationInfo> {
     const until = Date.now() + (opts.timeoutMs ?? 600_000);
     // With a progress callback poll once a second; without, long-poll in 30 s windows.
     const windowMs = opts.onProgress ? 1000 : 30_000;
@@ -411,7 +415,7 @@ export class Forkfleet {
       const left = until - Date.now();
       if (left <= 0) throw new ForkfleetError('deadline_exceeded', `operation ${operationId} not done after ${opts.timeoutMs ?? 600_000} ms; follow it with GetOperation`, { retryable: false });
       const w = Math.max(1, Math.min(windowMs, left));
-      const pb = await this.retry((o) => this.rpc.waitOperation({ tenantId: this.tenant, operationId, timeout: durationOf(w) }, { ...o, timeoutMs: w + 10_000 }), { ...opts, timeoutMs: w + 10_000 });
+      const pb = await this.retry((o) => this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { ...o, timeoutMs: w + 10_000 }), { ...opts, timeoutMs: w + 10_000 });
       const op = toOperation(pb);
       opts.onProgress?.(op);
       if (op.state === 'succeeded') return op;
@@ -427,7 +431,7 @@ export class Forkfleet {
   private async submit(call: (key: string, o: RpcCallOptions) => Promise<PbOperation>, opts: CallOpts): Promise<OperationInfo> {
     const key = this.key(opts);
     const op = await this.retry((o) => call(key, o), { ...opts, timeoutMs: this.timeoutMs });
-    return this.wait(op.id, opts);
+    return this.wait(op.id, opts, op.tenantId || this.tenant);
   }
 
   // --- sandboxes
