@@ -42,7 +42,7 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     await down(DIR);
   }, 120_000);
 
-  it('walkthrough_createExecFork4LsPinDestroy_jsonParsesAndExitCodesPassThrough', async () => {
+  it('walkthrough_createGetEventsExecFork4LsPinDestroyDrain_jsonParsesAndExitCodesPassThrough', async () => {
     const status = await json<{ api: string[]; hosts: unknown[] }>(['fleet', 'status', '--dir', DIR]);
     expect(status.api).toHaveLength(2);
 
@@ -51,6 +51,19 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
 
     const sb = await json<{ id: string; state: string; hostId: string }>(['sandbox', 'create', '--image', 'tiny', '--memory', '256']);
     expect(sb.state).toBe('running');
+    expect(await json<{ id: string; state: string; resources: { memoryMib: number } }>(['sandbox', 'get', sb.id])).toMatchObject({ id: sb.id, state: 'running', resources: { memoryMib: 256 } });
+    expect((await cli(['sandbox', 'get', sb.id])).stdout).toMatch(new RegExp(`^id\\s+${sb.id}\nstate\\s+running\n`));
+
+    // Its history, replayed from the start (--after 1): the create's end, then that operation.
+    const ev = await cli(['--json', 'events', '--after', '1', '--sandbox', sb.id, '--type', 'operation_done', '--count', '1', '--for', '60s']);
+    expect(ev.code, ev.stderr).toBe(0);
+    const done = ev.stdout.trim().split('\n').map((l) => JSON.parse(l) as { type: string; sandboxId: string; operationId: string; time: string });
+    expect(done).toHaveLength(1);
+    expect(done[0]).toMatchObject({ type: 'operation_done', sandboxId: sb.id });
+    const createOp = await json<{ kind: string; state: string; targetId: string; updatedAt: string; sandbox: { id: string } }>(['operation', 'get', done[0]!.operationId]);
+    expect(createOp).toMatchObject({ kind: 'create', state: 'succeeded', targetId: sb.id, sandbox: { id: sb.id } });
+    // A replayed event keeps the time of its change.
+    expect(done[0]!.time).toBe(createOp.updatedAt);
 
     // exec streams output and passes the exit code through
     const ex = await cli(['sandbox', 'exec', sb.id, '--', 'sh', '-c', 'echo out; echo err >&2; exit 3']);
@@ -93,6 +106,14 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const destroyed = await json<Array<{ id: string; state: string }>>(['sandbox', 'destroy', sb.id, ...fork.children.map((c) => c.id)]);
     expect(destroyed.map((d) => d.state)).toEqual(Array(5).fill('destroyed'));
     expect((await json<unknown[]>(['sandbox', 'ls'])).length).toBe(0);
+
+    // A drain is the admin tenant's operation: the CLI follows it whatever --tenant says
+    // (FF_TENANT=cli here). Once drained, the host is cordoned and no longer draining.
+    const drained = await json<{ state: string; kind: string }>(['hosts', 'drain', hosts[1]!.id]);
+    expect(drained).toMatchObject({ kind: 'drain', state: 'succeeded' });
+    const after = await json<Array<{ id: string; cordoned: boolean; draining: boolean }>>(['hosts', 'ls']);
+    expect(after.find((h) => h.id === hosts[1]!.id)).toMatchObject({ cordoned: true, draining: false });
+    expect(await json<{ cordoned: boolean }>(['hosts', 'cordon', '--undo', hosts[1]!.id])).toMatchObject({ cordoned: false });
   }, 360_000);
 
   it('credentials_tenantTokenActsOnlyForItsTenant_noTokenIsUnauthenticated_withHints', async () => {

@@ -6,7 +6,7 @@ import { readFileSync, writeFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
 import { Forkfleet, ForkfleetError, OperationFailedError, parseDuration } from '../sdk/index.ts';
-import type { CallOpts, HostInfo, OperationInfo, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
+import type { CallOpts, EventInfo, HostInfo, OperationInfo, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
 import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -54,6 +54,62 @@ function table(rows: string[][]): string {
   if (rows.length === 0) return '';
   const widths = rows[0]!.map((_, c) => Math.max(...rows.map((r) => (r[c] ?? '').length)));
   return `${rows.map((r) => r.map((cell, c) => (c === r.length - 1 ? cell : cell.padEnd(widths[c]!))).join('  ')).join('\n')}\n`;
+}
+
+/** `key  value` lines (a record shown to a person), empty values left out. */
+function fields(rows: Array<[string, string]>): string {
+  return table(rows.filter(([, v]) => v !== ''));
+}
+const labelText = (labels: Record<string, string>): string => Object.entries(labels).map(([k, v]) => `${k}=${v}`).join(',');
+
+function sandboxFields(s: SandboxInfo): string {
+  return fields([
+    ['id', s.id],
+    ['state', s.stateReason ? `${s.state} (${s.stateReason})` : s.state],
+    ['host', s.hostId],
+    ['source', s.sourceSnapshotId || s.image],
+    ['lineage', s.lineageId],
+    ['hostname', s.hostname],
+    ['resources', `${s.resources.vcpus} vCPU, ${s.resources.memoryMib} MiB memory, ${s.resources.diskMib} MiB disk`],
+    ['labels', labelText(s.labels)],
+    ['created', s.createdAt ?? ''],
+    ['hibernation', s.hibernationSnapshotId],
+  ]);
+}
+
+function operationFields(op: OperationInfo): string {
+  const p = op.progress;
+  const progressText = [p.total > 0 ? `${p.done}/${p.total}` : '', p.message, p.bytesTransferred > 0 ? `${fmtBytes(p.bytesTransferred)} transferred` : ''].filter(Boolean).join(' · ');
+  return fields([
+    ['id', op.id],
+    ['kind', op.kind],
+    ['state', op.state],
+    ['target', op.targetId],
+    ['tenant', op.tenantId],
+    ['created', op.createdAt ?? ''],
+    ['updated', op.updatedAt ?? ''],
+    ['progress', progressText],
+    ['error', op.error ? `${op.error.kind}: ${op.error.message}${op.error.retryable ? ' (retryable)' : ''}` : ''],
+    ['sandbox', op.sandbox ? `${op.sandbox.id} ${op.sandbox.state}${op.sandbox.hostId ? ` on ${op.sandbox.hostId}` : ''}` : ''],
+    ['snapshot', op.snapshot ? `${op.snapshot.id} ${op.snapshot.state}` : (op.fork?.snapshotId ?? '')],
+    ['placement', op.fork?.summary ?? ''],
+    ['children', op.fork ? op.fork.children.map((c) => `${c.id}${c.hostId ? `@${c.hostId}` : ''}`).join(' ') : ''],
+  ]);
+}
+
+const EVENT_TYPES = ['sandbox_created', 'sandbox_state_changed', 'sandbox_destroyed', 'snapshot_created', 'sandbox_restored', 'sandbox_hibernated', 'sandbox_woken', 'snapshot_expiring', 'snapshot_expired', 'host_state_changed', 'operation_done'] as const;
+
+/** TIME  REVISION  TYPE  SUBJECT  details: the subject is the snapshot for snapshot events, else the sandbox (or host). */
+function eventLine(e: EventInfo): string {
+  const subject = (e.type.startsWith('snapshot_') && e.snapshotId) || e.sandboxId || e.snapshotId || e.hostId || '-';
+  const detail = [
+    e.sandboxState !== 'unspecified' ? e.sandboxState : '',
+    e.hostId && subject !== e.hostId ? `on ${e.hostId}` : '',
+    e.sandboxId && subject !== e.sandboxId ? `of ${e.sandboxId}` : '',
+    e.operationId,
+    e.message,
+  ].filter(Boolean).join('  ');
+  return `${e.time ?? '-'}  ${e.revision}  ${e.type}  ${subject}${detail ? `  ${detail}` : ''}\n`;
 }
 
 /** Progress for long work on stderr (never on stdout, so --json stays parseable). */
@@ -225,6 +281,13 @@ export function buildProgram(): Command {
       const list = await client(cmd).list({ ...(o.state ? { states: o.state as SandboxInfo['state'][] } : {}), ...(o.label ? { labels: o.label } : {}) });
       out(cmd, list, () => (list.length ? table(sandboxRows(list)) : 'no sandboxes; create one with `forkfleet sandbox create`\n'));
     });
+  sb.command('get').alias('show')
+    .description('one sandbox: state (and why), host, source, resources, labels')
+    .argument('<sandbox>')
+    .action(async (id: string, _o: unknown, cmd: Command) => {
+      const s = await client(cmd).get(id);
+      out(cmd, s, () => sandboxFields(s));
+    });
   sb.command('exec')
     .description('run a command in the guest, streaming its output; exits with its exit code')
     .argument('<sandbox>')
@@ -349,6 +412,44 @@ export function buildProgram(): Command {
       const ops = await Promise.all(ids.map((id) => client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`))));
       endProgress(cmd);
       out(cmd, ops.map((op) => ({ snapshotId: op.targetId, operation: op.id, state: op.state })), () => ids.map((id) => `${id}  deleted\n`).join(''));
+    });
+
+  // ----- operations and events
+  const op = program.command('operation').alias('op').description('operations (what create, fork, drain, ... did)');
+  op.command('get').alias('show')
+    .description('one operation: state, progress, error, and for a fork its placement and children (a drain is the admin tenant\'s: --tenant admin)')
+    .argument('<operation>')
+    .action(async (id: string, _o: unknown, cmd: Command) => {
+      const o = await client(cmd).operation(id);
+      out(cmd, o, () => operationFields(o));
+    });
+  program
+    .command('events')
+    .description('follow the tenant\'s lifecycle events as they happen (one line each; --json: one JSON object per line), until interrupted')
+    .option('--sandbox <id>', 'only this sandbox\'s events')
+    .addOption(new Option('--type <type...>', 'only these types').choices(EVENT_TYPES))
+    .option('--after <revision>', 'first replay every event after this revision (an event\'s second column), then follow', intArg('--after', 1, Number.MAX_SAFE_INTEGER))
+    .option('--count <n>', 'stop after this many events', intArg('--count', 1, Number.MAX_SAFE_INTEGER))
+    .option('--for <duration>', 'stop after this long, e.g. 30s')
+    .action(async (o: { sandbox?: string; type?: string[]; after?: number; count?: number; for?: string }, cmd: Command) => {
+      const ac = new AbortController();
+      const stop = (): void => ac.abort();
+      process.once('SIGINT', stop);
+      const timer = o.for ? setTimeout(stop, parseDuration(o.for)) : undefined;
+      const json = globals(cmd).json;
+      let seen = 0;
+      try {
+        for await (const e of client(cmd).watch({ ...(o.sandbox ? { sandboxId: o.sandbox } : {}), ...(o.type ? { types: o.type } : {}), ...(o.after ? { afterRevision: o.after } : {}), signal: ac.signal })) {
+          process.stdout.write(json ? `${JSON.stringify(e)}\n` : eventLine(e));
+          if (o.count && ++seen >= o.count) break;
+        }
+      } catch (e) {
+        // Interrupted or out of time: the end the user asked for, not an error.
+        if (!ac.signal.aborted) throw e;
+      } finally {
+        clearTimeout(timer);
+        process.off('SIGINT', stop);
+      }
     });
 
   // ----- hosts

@@ -17,6 +17,14 @@ describe('eventsOf', () => {
     expect(types({ kind: 'sandbox', prev: sb({}), value: sb({ hostId: 'h2' }), revision: 7 })).toEqual([]);
   });
 
+  it('eventTime_isWhenTheRecordChanged_soAReplayedEventKeepsIt_elseNow', () => {
+    const at = (ch: RecordChange) => eventsOf(ch, 9_000).map((e) => e.time);
+    expect(at({ kind: 'sandbox', prev: sb({ state: 'running' }), value: sb({ state: 'paused', updatedAt: 1_234 }), revision: 8 })).toEqual([1_234]);
+    expect(at({ kind: 'op', prev: { id: 'op-1', tenantId: 't', state: 'running', targetId: 'sb-1', error: null, updatedAt: 1_000 } as OperationRec, value: { id: 'op-1', tenantId: 't', state: 'failed', targetId: 'sb-1', error: null, updatedAt: 2_000 } as OperationRec, revision: 9 })).toEqual([2_000]);
+    // A record without a time of change (as a snapshot's): the time it was seen.
+    expect(at({ kind: 'sandbox', value: sb({ state: 'pending' }), revision: 10 })).toEqual([9_000]);
+  });
+
   it('operationDone_isEmittedOnceAtTheTerminalTransition', () => {
     const op = (state: OperationRec['state']) => ({ id: 'op-1', tenantId: 't', state, targetId: 'sb-1', error: null }) as OperationRec;
     expect(types({ kind: 'op', prev: op('running'), value: op('succeeded'), revision: 1 })).toEqual(['operation_done']);

@@ -35,8 +35,14 @@ export interface FleetEvent {
   message: string;
 }
 
+/**
+ * The events one record change means. `time` is when the change was made: the record's
+ * `updatedAt` (so a replayed event keeps its time), else `now` (snapshot records carry no
+ * time of their last change).
+ */
 export function eventsOf(ch: RecordChange, now: number): FleetEvent[] {
-  const base = { revision: ch.revision, tenantId: ch.value.tenantId, time: now, sandboxId: '', snapshotId: '', hostId: '', operationId: '', sandboxState: '' as const, message: '' };
+  const changedAt = ch.kind === 'snapshot' ? 0 : ch.value.updatedAt;
+  const base = { revision: ch.revision, tenantId: ch.value.tenantId, time: changedAt > 0 ? changedAt : now, sandboxId: '', snapshotId: '', hostId: '', operationId: '', sandboxState: '' as const, message: '' };
   if (ch.kind === 'sandbox') {
     const sb = ch.value;
     const prev = ch.prev;
