@@ -14,7 +14,7 @@ import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.
 import { loadSigningKey } from './scheduler.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import type { Client } from './adapters/grpc/rpc.ts';
-import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { FleetService, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread, Locality } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
@@ -50,6 +50,8 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   let api: Fleet;
   let parentId = '';
   let snapshotId = '';
+  /** Starts another scheduler replica (as beforeAll's), for tests that kill the leader again. */
+  let startReplica: (id: string) => Promise<SchedulerProcess>;
 
   /** Every fake VM, etcd sandbox and alloc record agree: no VM twice, none missing, capacity = sum of sandboxes. */
   async function assertConsistent(): Promise<void> {
@@ -96,7 +98,12 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const signingKeyPath = join(dir, 'signing.pem');
     loadSigningKey(signingKeyPath, 'scheduler-1');
     const env = { FF_HOST_SUSPECT_AFTER: '1500ms', FF_HOST_LOST_AFTER: '5s', FF_STEP_TIMEOUT: '5s', FF_STEP_ATTEMPTS: '5', FF_ELECTION_TTL: '1s' };
-    for (const id of ['s1', 's2']) scheds.push(await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env }));
+    startReplica = async (id) => {
+      const p = await startSchedulerProcess({ id, dir, etcdEndpoints: etcd.endpoints, natsUrl: nats.url, signingKeyPath, env });
+      scheds.push(p);
+      return p;
+    };
+    for (const id of ['s1', 's2']) await startReplica(id);
     main = await startFakeAgents({
       hosts: HOSTS,
       dataDir: join(dir, 'fleet'),
@@ -160,6 +167,39 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect(new Set(kids.map((k) => k.id)).size).toBe(64);
     expect(kids.every((k) => k.state === 'running')).toBe(true);
     expect(new Set(kids.map((k) => k.hostId)).size).toBeGreaterThanOrEqual(8);
+    await assertConsistent();
+  });
+
+  it('forkOfALiveSandbox_whenLeaderKilledWhileItSnapshotsTheSource_takesUpTheSameSnapshotAndCompletes', async () => {
+    // A source whose snapshot takes 3 s: long enough to kill the leader in the middle of it.
+    await ownHost('fake-slow-snap', 'slow-snap', { FF_FAKE_SNAPSHOT_MS: '3000' });
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-slow-snap' } }));
+    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    // A standby to take over (the first test killed a replica), and the API on it.
+    const standby = await startReplica('s3');
+    const alive = scheds.filter((s) => s.proc.child.exitCode === null && s.proc.child.signalCode === null && s !== standby);
+    const leader = (await Promise.all(alive.map(async (s) => ((await s.isLeader()) ? s : undefined)))).find(Boolean)!;
+    api.close();
+    api = standby.credentials.client(FleetService, standby.api);
+
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 3 });
+    let forkSnapshotId = '';
+    await waitFor('source snapshot under way', async () => {
+      forkSnapshotId = ((await store.getOp(tenantId, op.id))?.value.input as { forkSnapshotId?: string } | undefined)?.forkSnapshotId ?? '';
+      return forkSnapshotId !== '' && (await store.getSnapshot(tenantId, forkSnapshotId))?.value.state === 'creating';
+    }, 20_000, 10);
+    leader.proc.kill();
+    await leader.proc.exited;
+    await waitFor('standby takes over', () => standby.isLeader(), 10_000, 20);
+
+    const final = await wait(api, op);
+    expect(final.state, final.error?.message).toBe(OperationState.SUCCEEDED);
+    const result = final.result.case === 'fork' ? final.result.value : undefined;
+    expect(result?.snapshotId).toBe(forkSnapshotId);
+    expect(result?.children.map((k) => k.state)).toEqual(Array(3).fill(SandboxState.RUNNING));
+    expect((await store.getSnapshot(tenantId, forkSnapshotId))?.value.state).toBe('ready');
+    // One snapshot of the source: the new leader took up the old one's.
+    expect((await store.listSnapshots(tenantId)).filter((v) => v.value.sourceSandboxId === sourceId).map((v) => v.value.id)).toEqual([forkSnapshotId]);
     await assertConsistent();
   });
 

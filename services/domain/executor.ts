@@ -1892,14 +1892,19 @@ export class Executor {
       idleTimeoutMs?: number | null;
       forkSnapshotId?: string;
     };
-    // 1. The snapshot: given, or taken now from the live sandbox (recorded so a re-run reuses it).
-    let snapshotId = input.snapshotId || input.forkSnapshotId || '';
+    // 1. The snapshot: given, or taken now from the live sandbox. Its id is recorded before it
+    //    is taken, so a re-run (a new leader) takes up the same snapshot: done already, or
+    //    still to finish (snapshotOf resumes a creating record; the agent answers the repeated
+    //    step from its journal or joins the run in progress).
+    let snapshotId = input.snapshotId;
     if (!snapshotId) {
-      const id = newId('sn');
-      await this.updateOp(op.tenantId, op.id, (o) => {
-        (o.input as { forkSnapshotId?: string }).forkSnapshotId = id;
-        o.progress.message = 'snapshotting source';
-      });
+      const id = input.forkSnapshotId || newId('sn');
+      if (!input.forkSnapshotId) {
+        await this.updateOp(op.tenantId, op.id, (o) => {
+          (o.input as { forkSnapshotId?: string }).forkSnapshotId = id;
+          o.progress.message = 'snapshotting source';
+        });
+      }
       snapshotId = (await this.snapshotOf(op, input.sandboxId, id, {})).id;
     }
     const snv = await this.readSnapshot(op.tenantId, snapshotId);
