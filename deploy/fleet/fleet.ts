@@ -763,8 +763,11 @@ async function cli(argv: string[]): Promise<void> {
     process.stdout.write('\nhosts (from the scheduler):\n');
     if (st.hosts.length === 0) process.stdout.write('  (API not answering)\n');
     for (const h of st.hosts) process.stdout.write(`  ${JSON.stringify(h)}\n`);
+  } else if (cmd === 'restart' && argv[1] && !argv[1].startsWith('--')) {
+    const rec = await restartProcess(dir, argv[1]);
+    process.stdout.write(`${rec.name} restarted: pid ${rec.pid}\n`);
   } else {
-    process.stderr.write('usage: fleet.ts up [--hosts N] [--etcd 1|3] [--link RATE] | status [--json] | down   (--dir DIR)\n');
+    process.stderr.write('usage: fleet.ts up [--hosts N] [--etcd 1|3] [--link RATE] | status [--json] | restart NAME | down   (--dir DIR)\n');
     process.exit(2);
   }
 }

@@ -42,7 +42,7 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     await down(DIR);
   }, 120_000);
 
-  it('walkthrough_createGetEventsExecFork4LsPinDestroyDrain_jsonParsesAndExitCodesPassThrough', async () => {
+  it('walkthrough_createGetEventsExecFork4LsPinDestroyDrainRestart_jsonParsesAndExitCodesPassThrough', async () => {
     const status = await json<{ api: string[]; hosts: unknown[] }>(['fleet', 'status', '--dir', DIR]);
     expect(status.api).toHaveLength(2);
 
@@ -114,6 +114,15 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const after = await json<Array<{ id: string; cordoned: boolean; draining: boolean }>>(['hosts', 'ls']);
     expect(after.find((h) => h.id === hosts[1]!.id)).toMatchObject({ cordoned: true, draining: false });
     expect(await json<{ cordoned: boolean }>(['hosts', 'cordon', '--undo', hosts[1]!.id])).toMatchObject({ cordoned: false });
+
+    // fleet restart: one process, by the name fleet status shows; a name it does not know is a bad argument.
+    const restarted = await json<{ name: string; pid: number }>(['fleet', 'restart', `agent-${hosts[1]!.id}`, '--dir', DIR]);
+    expect(restarted.name).toBe(`agent-${hosts[1]!.id}`);
+    const st = await json<{ procs: Array<{ name: string; pid: number; alive: boolean }> }>(['fleet', 'status', '--dir', DIR]);
+    expect(st.procs.find((p) => p.name === restarted.name)).toMatchObject({ pid: restarted.pid, alive: true });
+    const unknown = await cli(['fleet', 'restart', 'agent-nope', '--dir', DIR]);
+    expect(unknown.code).toBe(2);
+    expect(unknown.stderr).toContain('agent-h1');
   }, 360_000);
 
   it('credentials_tenantTokenActsOnlyForItsTenant_noTokenIsUnauthenticated_withHints', async () => {

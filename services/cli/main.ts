@@ -222,6 +222,19 @@ export function buildProgram(): Command {
         table([['PROCESS', 'PID', 'ALIVE', 'NETNS'], ...procs.map((p) => [p.name, String(p.pid), p.alive ? 'up' : 'DOWN', p.netns ?? '-'])]));
     });
 
+  fleet
+    .command('restart')
+    .description('stop one process of the local fleet (if it runs) and start it again as it was started, e.g. after killing it to see the fleet recover: agent-h2, scheduler-1, etcd-1, nats (names: fleet status)')
+    .argument('<process>')
+    .option('--dir <dir>', 'fleet directory (FF_FLEET_DIR)')
+    .action(async (name: string, o: { dir?: string }, cmd: Command) => {
+      const { readState, restartProcess } = await import('../../deploy/fleet/fleet.ts');
+      const names = readState(fleetDir(o))?.procs.map((p) => p.name) ?? [];
+      if (!names.includes(name)) throw new ForkfleetError('invalid_argument', `process: ${JSON.stringify(name)} is not a process of the fleet in ${fleetDir(o)}${names.length ? ` (${names.join(', ')})` : ' (is it up?)'}`, { field: 'process' });
+      const rec = await restartProcess(fleetDir(o), name);
+      out(cmd, { name: rec.name, pid: rec.pid }, () => `${rec.name} restarted: pid ${rec.pid}\n`);
+    });
+
   // ----- token
   const token = program.command('token').description('API credentials (bearer tokens, stored hashed)');
   token
