@@ -74,6 +74,12 @@ describe('compileSchedulerConfig: API edge', () => {
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_ETCD_COMPACT_INTERVAL: 'often' }))).toBe('FF_ETCD_COMPACT_INTERVAL');
   });
 
+  it('forkSnapshotTtl_defaultsToOneDay_zeroKeepsThem_andJunkNamesTheVariable', () => {
+    expect(compileSchedulerConfig({}, tls).forkSnapshotTtlMs).toBe(86_400_000);
+    expect(compileSchedulerConfig({}, { ...tls, FF_FORK_SNAPSHOT_TTL: '0s' }).forkSnapshotTtlMs).toBe(0);
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_FORK_SNAPSHOT_TTL: '10ms' }))).toBe('FF_FORK_SNAPSHOT_TTL');
+  });
+
   it('heldSnapshotCheck_defaultsToThirtySeconds_andUnderOneSecondNamesTheVariable', () => {
     expect(compileSchedulerConfig({}, tls).heldSnapshotCheckMs).toBe(30_000);
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_HELD_SNAPSHOT_CHECK: '100ms' }))).toBe('FF_HELD_SNAPSHOT_CHECK');

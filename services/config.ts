@@ -208,6 +208,11 @@ export interface SchedulerConfig {
    * after their last change; 0s keeps them forever (etcd then grows without bound). ADR 0017.
    */
   readonly recordRetentionMs: number;
+  /**
+   * FF_FORK_SNAPSHOT_TTL: retention TTL of the snapshot a fork of a live sandbox takes, when
+   * the request sets none (ForkSandboxRequest.snapshot_retention); 0s keeps them.
+   */
+  readonly forkSnapshotTtlMs: number;
   /** FF_ETCD_COMPACT_INTERVAL: the leader compacts etcd's history this often, keeping one interval of it; 0s: never (etcd's own --auto-compaction must then do it). */
   readonly etcdCompactIntervalMs: number;
   /** FF_HELD_SNAPSHOT_CHECK: how often the leader looks for deleted snapshots that hosts still hold, and has them deleted there. */
@@ -250,6 +255,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [wh, webhooks] = get('webhooks', 'FF_WEBHOOKS', '');
   const [wr, webhookRetry] = get('webhookRetryBaseMs', 'FF_WEBHOOK_RETRY_BASE', '1s');
   const [rr, recordRetention] = get('recordRetentionMs', 'FF_RECORD_RETENTION', '1h');
+  const [fst, forkSnapshotTtl] = get('forkSnapshotTtlMs', 'FF_FORK_SNAPSHOT_TTL', '24h');
   const [ci, compactInterval] = get('etcdCompactIntervalMs', 'FF_ETCD_COMPACT_INTERVAL', '5m');
   const [hs, heldCheck] = get('heldSnapshotCheckMs', 'FF_HELD_SNAPSHOT_CHECK', '30s');
   if (!tlsCert) throw new InvalidArgumentError(tc, 'is required: the Fleet API serves TLS only (a dev CA and certificate: node --import tsx deploy/pki/pki.ts DIR)');
@@ -292,6 +298,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     webhooks: webhooks ? parseWebhookTargets(wh, webhooks.startsWith('@') ? readFileSync(webhooks.slice(1), 'utf8') : webhooks) : [],
     webhookRetryBaseMs: parseDuration(wr, webhookRetry),
     recordRetentionMs: parseDuration(rr, recordRetention),
+    forkSnapshotTtlMs: parseDuration(fst, forkSnapshotTtl),
     etcdCompactIntervalMs: parseDuration(ci, compactInterval),
     heldSnapshotCheckMs: parseDuration(hs, heldCheck),
   };
@@ -302,6 +309,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   if (!Number.isInteger(cfg.rateBurst) || cfg.rateBurst < 1) throw new InvalidArgumentError(rb, 'must be an integer >= 1');
   if (!Number.isInteger(cfg.electionTtlSeconds) || cfg.electionTtlSeconds < 1) throw new InvalidArgumentError(et, 'must be a whole number of seconds, at least 1s');
   if (cfg.recordRetentionMs !== 0 && cfg.recordRetentionMs < 1000) throw new InvalidArgumentError(rr, 'must be 0s (keep forever) or at least 1s');
+  if (cfg.forkSnapshotTtlMs !== 0 && cfg.forkSnapshotTtlMs < 1000) throw new InvalidArgumentError(fst, 'must be 0s (keep them) or at least 1s');
   if (cfg.etcdCompactIntervalMs !== 0 && cfg.etcdCompactIntervalMs < 1000) throw new InvalidArgumentError(ci, 'must be 0s (never) or at least 1s');
   if (cfg.heldSnapshotCheckMs < 1000) throw new InvalidArgumentError(hs, 'must be at least 1s');
   if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, 'must be longer than FF_HOST_SUSPECT_AFTER');

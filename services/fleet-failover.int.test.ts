@@ -203,6 +203,28 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
+  it('forkOfALiveSandbox_givesTheSnapshotItTakesTheDefaultTtlOrTheRetentionAsked_andASnapshotSourceNone', async () => {
+    const fork = async (retention?: { ttl?: { seconds: bigint; nanos?: number }; keepLast?: number }): Promise<{ snapshotId: string; children: string[] }> => {
+      const f = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: parentId }, count: 1, ...(retention ? { snapshotRetention: retention } : {}) }));
+      return f.result.case === 'fork' ? { snapshotId: f.result.value.snapshotId, children: f.result.value.children.map((c) => c.id) } : { snapshotId: '', children: [] };
+    };
+    // Unset: the fleet's default TTL (24h), so repeated forks do not keep every snapshot forever.
+    const dflt = await fork();
+    expect((await store.getSnapshot(tenantId, dflt.snapshotId))?.value).toMatchObject({ retentionTtlMs: 24 * 3_600_000, keepLast: 0, pinned: false });
+    expect((await api.getSnapshot({ tenantId, snapshotId: dflt.snapshotId })).expiresAt).toBeDefined();
+    // What the request asks for; an empty retention keeps it.
+    const asked = await fork({ ttl: { seconds: 600n }, keepLast: 3 });
+    expect((await store.getSnapshot(tenantId, asked.snapshotId))?.value).toMatchObject({ retentionTtlMs: 600_000, keepLast: 3 });
+    const kept = await fork({});
+    expect((await store.getSnapshot(tenantId, kept.snapshotId))?.value).toMatchObject({ retentionTtlMs: null, keepLast: 0 });
+    // A snapshot source takes no snapshot: a retention for it is a bad argument, as is a bad TTL.
+    const bad = async (req: Parameters<Fleet['forkSandbox']>[0]): Promise<string | undefined> => ((await api.forkSandbox(req).catch((e: unknown) => e)) as { code?: number; field?: string }).field;
+    expect(await bad({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 1, snapshotRetention: { keepLast: 2 } })).toBe('snapshot_retention');
+    expect(await bad({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: parentId }, count: 1, snapshotRetention: { ttl: { seconds: 0n, nanos: 5 } } })).toBe('snapshot_retention.ttl');
+    for (const id of [...dflt.children, ...asked.children, ...kept.children]) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    await assertConsistent();
+  });
+
   it('fork_whenHostAgentRestartedMidStep_neitherLosesNorDuplicatesSandboxes', async () => {
     const slow = await ownHost('fake-r', 'restart', { FF_FAKE_VCPUS: '32', FF_FAKE_RESTORE_MS_PER_VM: '150', FF_FAKE_FETCH_MS: '100' });
     const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 16, placement: { hostId: 'fake-r' } });

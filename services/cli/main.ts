@@ -388,9 +388,13 @@ export function buildProgram(): Command {
     .addOption(new Option('--spread <s>', 'prefer filling busy hosts (pack) or distinct hosts (spread); a preference weighed against time to ready, see --max-per-host for a hard limit').choices(['pack', 'spread']))
     .option('--max-per-host <n>', 'at most this many children per host', intArg('--max-per-host', 1, 256))
     .option('--label <key=value>', 'label (repeatable)', labelsArg)
-    .action(async (source: string, count: number, o: { locality: 'any' | 'same_host' | 'cross_host'; spread?: 'pack' | 'spread'; maxPerHost?: number; label?: Record<string, string> }, cmd: Command) => {
+    .option('--snapshot-ttl <duration>', 'forking a live sandbox: delete the snapshot it takes this long after it was taken, once no child restores from it (default: the fleet\'s, 24h; 0 keeps it)')
+    .option('--snapshot-keep-last <n>', 'forking a live sandbox: keep only the newest N snapshots of its lineage', intArg('--snapshot-keep-last', 1, 10_000))
+    .action(async (source: string, count: number, o: { locality: 'any' | 'same_host' | 'cross_host'; spread?: 'pack' | 'spread'; maxPerHost?: number; label?: Record<string, string>; snapshotTtl?: string; snapshotKeepLast?: number }, cmd: Command) => {
       const src = source.startsWith('sn-') ? { snapshotId: source } : { sandboxId: source };
-      const r = await client(cmd).fork(src, count, { locality: o.locality, ...(o.spread ? { spread: o.spread } : {}), ...(o.maxPerHost ? { maxPerHost: o.maxPerHost } : {}), labels: o.label ?? {} }, progress(cmd, `fork x${count}`));
+      const keep = o.snapshotTtl !== undefined && (o.snapshotTtl.trim() === '0' || parseDuration(o.snapshotTtl) === 0);
+      const snapshotRetention = o.snapshotTtl !== undefined || o.snapshotKeepLast !== undefined ? { ...(o.snapshotTtl !== undefined && !keep ? { ttl: o.snapshotTtl } : {}), ...(o.snapshotKeepLast ? { keepLast: o.snapshotKeepLast } : {}) } : undefined;
+      const r = await client(cmd).fork(src, count, { locality: o.locality, ...(o.spread ? { spread: o.spread } : {}), ...(o.maxPerHost ? { maxPerHost: o.maxPerHost } : {}), labels: o.label ?? {}, ...(snapshotRetention ? { snapshotRetention } : {}) }, progress(cmd, `fork x${count}`));
       endProgress(cmd);
       const children = r.children.map((c) => c.info!);
       out(cmd, { snapshotId: r.snapshotId, children, placement: r.operation.fork?.summary ?? '' }, () =>

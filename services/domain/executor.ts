@@ -1891,6 +1891,8 @@ export class Executor {
       afterResume?: HookRec[] | null;
       idleTimeoutMs?: number | null;
       forkSnapshotId?: string;
+      /** Absent in ops submitted before it existed: kept. */
+      snapshotRetention?: { ttlMs: number | null; keepLast: number };
     };
     // 1. The snapshot: given, or taken now from the live sandbox. Its id is recorded before it
     //    is taken, so a re-run (a new leader) takes up the same snapshot: done already, or
@@ -1905,7 +1907,7 @@ export class Executor {
           o.progress.message = 'snapshotting source';
         });
       }
-      snapshotId = (await this.snapshotOf(op, input.sandboxId, id, {})).id;
+      snapshotId = (await this.snapshotOf(op, input.sandboxId, id, { retentionTtlMs: input.snapshotRetention?.ttlMs ?? null, keepLast: input.snapshotRetention?.keepLast ?? 0 })).id;
     }
     const snv = await this.readSnapshot(op.tenantId, snapshotId);
     if (!snv || snv.value.state !== 'ready') throw new NotFoundError('snapshot', snapshotId);

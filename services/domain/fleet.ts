@@ -83,6 +83,17 @@ export interface ForkInput {
   idleTimeoutMs: number | null;
   /** The children's after_resume hooks; null: the source sandbox's. */
   afterResume: HookRec[] | null;
+  /**
+   * Retention of the snapshot a fork of a live sandbox takes (ttlMs null: no TTL); absent:
+   * FleetDeps.forkSnapshotTtlMs. Only with `sandboxId`.
+   */
+  snapshotRetention?: SnapshotRetention;
+}
+
+/** A snapshot's retention rule (records.ts SnapshotRec: retentionTtlMs, keepLast). */
+export interface SnapshotRetention {
+  ttlMs: number | null;
+  keepLast: number;
 }
 
 export interface SandboxOpInput {
@@ -113,6 +124,8 @@ export interface FleetDeps {
   usage?: UsageSource;
   /** A tenant's idle timeout for sandboxes that set none (lifecycle.idle_timeout unset). */
   defaultIdleTimeoutMs?: (tenantId: string) => number | undefined;
+  /** TTL of the snapshot a fork of a live sandbox takes when the request sets no retention; 0 or absent: kept. */
+  forkSnapshotTtlMs?: number;
 }
 
 export interface HostListing {
@@ -229,7 +242,8 @@ export class Fleet {
     } else {
       const sb = await this.getSandbox(input.tenantId, input.sandboxId);
       // A hibernated sandbox is forked from its hibernation snapshot, without waking it.
-      if (sb.state === 'hibernated' && sb.hibernationSnapshotId) return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '' });
+      // (No snapshot is taken then, so snapshotRetention has nothing to apply to.)
+      if (sb.state === 'hibernated' && sb.hibernationSnapshotId) return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '', snapshotRetention: undefined });
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked');
       lineageId = sb.lineageId;
     }
@@ -246,6 +260,7 @@ export class Fleet {
       ttlMs: input.ttlMs,
       idleTimeoutMs: input.idleTimeoutMs,
       afterResume: input.afterResume,
+      ...(input.sandboxId ? { snapshotRetention: input.snapshotRetention ?? { ttlMs: this.deps.forkSnapshotTtlMs || null, keepLast: 0 } } : {}),
     }, [], true);
   }
 

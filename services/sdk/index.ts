@@ -307,6 +307,11 @@ export interface ForkOptions {
   maxPerHost?: number;
   labels?: Record<string, string>;
   ttl?: string | number;
+  /**
+   * Forking a live sandbox: retention of the snapshot it takes. Unset: the fleet's default
+   * TTL (FF_FORK_SNAPSHOT_TTL, 24h); `{}` keeps it. Not allowed with a snapshot as source.
+   */
+  snapshotRetention?: { ttl?: string | number; keepLast?: number };
 }
 
 export interface ExecOptions {
@@ -500,6 +505,7 @@ export class Forkfleet {
             placement: { locality, spread, maxPerHost: fo.maxPerHost ?? 0 },
             labels: fo.labels ?? {},
             ...(fo.ttl !== undefined ? { lifecycle: { ttl: durationOf(parseDuration(fo.ttl)) } } : {}),
+            ...(fo.snapshotRetention ? { snapshotRetention: { ...(fo.snapshotRetention.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.snapshotRetention.ttl)) } : {}), keepLast: fo.snapshotRetention.keepLast ?? 0 } } : {}),
           },
           o,
         ),

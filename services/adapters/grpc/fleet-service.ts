@@ -198,6 +198,10 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const key = c.idemKey(req.idempotencyKey);
       if (req.source.case === undefined) throw new InvalidArgumentError('source', 'set snapshot_id or sandbox_id');
       if (req.count < 1 || req.count > c.LIMITS.maxForkCount) throw new InvalidArgumentError('count', `must be between 1 and ${c.LIMITS.maxForkCount}`);
+      const sr = req.snapshotRetention;
+      if (sr && req.source.case === 'snapshotId') throw new InvalidArgumentError('snapshot_retention', 'only a fork of a live sandbox (sandbox_id) takes a snapshot; set a snapshot\'s own retention with SetSnapshotRetention');
+      if ((sr?.keepLast ?? 0) > c.LIMITS.maxKeepLast) throw new InvalidArgumentError('snapshot_retention.keep_last', `at most ${c.LIMITS.maxKeepLast}`);
+      const snapshotRetention = sr ? { ttlMs: c.durationMs(sr.ttl, 'snapshot_retention.ttl', { min: 1000 }), keepLast: sr.keepLast } : undefined;
       return op(
         await fleet.forkSandbox({
           tenantId,
@@ -208,6 +212,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           placement: placementFor(req.placement, ctx),
           labels: c.labels(req.labels),
           ...(({ ttlMs, idleTimeoutMs, afterResume }) => ({ ttlMs, idleTimeoutMs, afterResume: afterResume.length ? afterResume : null }))(c.lifecycle(req.lifecycle)),
+          ...(snapshotRetention ? { snapshotRetention } : {}),
         }),
       );
     },
