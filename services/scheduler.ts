@@ -23,6 +23,7 @@ import type { RunningGrpcServer } from './adapters/grpc/server.ts';
 import { fleetService } from './adapters/grpc/fleet-service.ts';
 import { Fleet } from './domain/fleet.ts';
 import { Executor } from './domain/executor.ts';
+import { registerFleetGauges } from './fleet-metrics.ts';
 import { DEFAULT_RETRY, WebhookDispatcher } from './domain/webhooks.ts';
 import { EtcdDeliveryLog } from './adapters/etcd/webhook-log.ts';
 import { Compactor } from './domain/history.ts';
@@ -193,6 +194,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       expired.inc({ kind: 'snapshot' }, snapshots);
     },
   });
+
+  registerFleetGauges(registry, () => executor.gauges());
 
   // Webhooks go out from the leader only (services/domain/webhooks.ts).
   const deliveries = new EtcdDeliveryLog(store.etcd);

@@ -113,10 +113,30 @@ describe('dashboard and metrics against a local fleet', () => {
     expect((await fetch(`http://${fleet.metricsAddresses[0]}/dashboard/`)).status).toBe(200);
   });
 
-  it('schedulerMetrics_passPromtoolCheckMetrics', async () => {
+  it('schedulerMetrics_passPromtoolCheckMetrics_andTheLeaderReportsHostCapacityBookingAndSandboxes', async () => {
     const texts = await Promise.all(fleet.metricsAddresses.map(async (addr) => (await fetch(`http://${addr}/metrics`)).text()));
     // Only the leader has observed operations.
     expect(texts.join('\n')).toContain('forkfleet_operation_duration_seconds_bucket{le="0.05",kind="create"}');
+    // Fleet state, for capacity planning and alerts: the leader reports it, the other replica
+    // exposes the same metrics without samples.
+    const sample = (text: string, series: string): number | undefined => {
+      const line = text.split('\n').find((l) => l.startsWith(`${series} `));
+      return line === undefined ? undefined : Number(line.slice(series.length + 1));
+    };
+    const leaderText = texts.find((t) => sample(t, 'forkfleet_scheduler_is_leader') === 1)!;
+    const standbyText = texts.find((t) => t !== leaderText)!;
+    expect(sample(leaderText, 'forkfleet_hosts{state="ready"}')).toBe(2);
+    expect(sample(leaderText, 'forkfleet_hosts{state="lost"}')).toBe(0);
+    const hostsNow = await ff.hosts.list();
+    for (const h of hostsNow) {
+      expect(sample(leaderText, `forkfleet_host_memory_capacity_bytes{host="${h.id}"}`)).toBe(h.capacity.memoryMib * 1024 * 1024);
+      expect(sample(leaderText, `forkfleet_host_memory_allocated_bytes{host="${h.id}"}`)).toBe(h.allocated.memoryMib * 1024 * 1024);
+      expect(sample(leaderText, `forkfleet_host_vcpus_capacity{host="${h.id}"}`)).toBe(h.capacity.vcpus);
+    }
+    expect(sample(leaderText, `forkfleet_host_sandboxes{host="${sb.info!.hostId}"}`)).toBeGreaterThanOrEqual(1);
+    expect(sample(leaderText, 'forkfleet_sandboxes{state="running"}')).toBeGreaterThanOrEqual(1);
+    expect(standbyText).toContain('# TYPE forkfleet_hosts gauge');
+    expect(sample(standbyText, 'forkfleet_hosts{state="ready"}')).toBeUndefined();
     for (const text of texts) {
       const full = spawnSync('promtool', ['check', 'metrics'], { input: text, encoding: 'utf8' });
       const problems = `${full.stdout}${full.stderr}`.split('\n').filter(Boolean);

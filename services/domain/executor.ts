@@ -22,6 +22,8 @@ import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../s
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
 import { planRetention } from './retention.ts';
+import { fleetGauges } from './fleet-gauges.ts';
+import type { FleetGauges } from './fleet-gauges.ts';
 import { commitPurge, EXPIRING_SNAPSHOT_STATES, expiredRecords, finishedOpOf } from './history.ts';
 import type { FinishedOp } from './history.ts';
 import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
@@ -378,6 +380,20 @@ export class Executor {
 
   get log(): Logger {
     return this.deps.log;
+  }
+
+  /** The fleet's gauges from this leader's caches (fleet-gauges.ts); undefined while it does not lead. */
+  gauges(): FleetGauges | undefined {
+    if (!this.active) return undefined;
+    return fleetGauges({
+      hosts: [...this.cache.hosts.values()].map((v) => v.value),
+      allocs: new Map([...this.cache.allocs].map(([k, v]) => [k, v.value])),
+      heard: this.deps.heard,
+      now: this.deps.clock.now(),
+      liveness: this.deps.config.liveness,
+      sandboxes: this.sandboxIndexReady ? [...this.sandboxIndex.values()].map((v) => v.value) : undefined,
+      snapshots: [...this.cache.snapshots.values()].map((v) => v.value),
+    });
   }
 
   /** Called when this replica becomes leader. */

@@ -1,0 +1,73 @@
+// The fleet's state as numbers for Prometheus (scheduler.ts registers them): hosts by
+// liveness, each host's capacity, booking and measured use, sandboxes and snapshots by state.
+// Pure: the leader's caches in, numbers out. Capacity planning reads these: booked against
+// capacity per host, and what the hosts report using.
+import type { HostAllocRec, HostRec, SandboxRec, SnapshotRec } from './records.ts';
+import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
+import { livenessOf } from './fleet-view.ts';
+
+const MIB = 1024 * 1024;
+
+export interface HostGauges {
+  state: HostRec['state'];
+  cordoned: boolean;
+  draining: boolean;
+  capacity: { vcpus: number; memoryBytes: number; diskBytes: number };
+  allocated: { vcpus: number; memoryBytes: number; diskBytes: number };
+  sandboxes: number;
+  /** From the host's last heartbeat; undefined when this replica has not heard it. */
+  memoryUsedBytes: number | undefined;
+  chunkStoreBytes: number | undefined;
+}
+
+export interface FleetGauges {
+  hosts: Map<string, HostGauges>;
+  /** Sandbox records by state (destroyed and failed ones until history retention deletes them); undefined until the leader's index has loaded. */
+  sandboxes: Map<string, number> | undefined;
+  snapshots: Map<string, number>;
+  /** Stored (compressed, deduplicated within the snapshot) bytes of ready snapshots. */
+  snapshotStoredBytes: number;
+}
+
+export interface FleetGaugeInput {
+  hosts: Iterable<HostRec>;
+  allocs: ReadonlyMap<string, HostAllocRec>;
+  heard: Pick<HeartbeatRegistry, 'get'>;
+  now: number;
+  liveness: LivenessConfig;
+  sandboxes: Iterable<SandboxRec> | undefined;
+  snapshots: Iterable<SnapshotRec>;
+}
+
+const bytes = (r: { vcpus: number; memoryMib: number; diskMib: number } | undefined): HostGauges['capacity'] => ({ vcpus: r?.vcpus ?? 0, memoryBytes: (r?.memoryMib ?? 0) * MIB, diskBytes: (r?.diskMib ?? 0) * MIB });
+
+/** The gauges of the fleet `i` describes. A host's state is as ListHosts shows it: from its heartbeats when heard, else its record's. */
+export function fleetGauges(i: FleetGaugeInput): FleetGauges {
+  const hosts = new Map<string, HostGauges>();
+  for (const h of i.hosts) {
+    const heard = i.heard.get(h.id);
+    const alloc = i.allocs.get(h.id);
+    hosts.set(h.id, {
+      state: heard ? livenessOf(heard.heardAt, i.now, i.liveness) : h.state,
+      cordoned: h.cordoned,
+      draining: h.draining,
+      capacity: bytes(h.capacity),
+      allocated: bytes(alloc?.allocated),
+      sandboxes: alloc?.sandboxes ?? 0,
+      memoryUsedBytes: heard ? Number(heard.hb.memoryUsedBytes) : undefined,
+      chunkStoreBytes: heard ? Number(heard.hb.chunkStoreBytes) : undefined,
+    });
+  }
+  let sandboxes: Map<string, number> | undefined;
+  if (i.sandboxes) {
+    sandboxes = new Map();
+    for (const s of i.sandboxes) sandboxes.set(s.state, (sandboxes.get(s.state) ?? 0) + 1);
+  }
+  const snapshots = new Map<string, number>();
+  let snapshotStoredBytes = 0;
+  for (const s of i.snapshots) {
+    snapshots.set(s.state, (snapshots.get(s.state) ?? 0) + 1);
+    if (s.state === 'ready') snapshotStoredBytes += s.storedBytes;
+  }
+  return { hosts, sandboxes, snapshots, snapshotStoredBytes };
+}
