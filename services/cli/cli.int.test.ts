@@ -49,9 +49,9 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const hosts = await json<Array<{ id: string; state: string }>>(['hosts', 'ls']);
     expect(hosts.map((h) => h.state)).toEqual(['ready', 'ready']);
 
-    const sb = await json<{ id: string; state: string; hostId: string }>(['sandbox', 'create', '--image', 'tiny', '--memory', '256']);
+    const sb = await json<{ id: string; state: string; hostId: string }>(['sandbox', 'create', '--image', 'tiny', '--memory', '256', '--idle-timeout', '1h']);
     expect(sb.state).toBe('running');
-    expect(await json<{ id: string; state: string; resources: { memoryMib: number } }>(['sandbox', 'get', sb.id])).toMatchObject({ id: sb.id, state: 'running', resources: { memoryMib: 256 } });
+    expect(await json<{ id: string; state: string; resources: { memoryMib: number } }>(['sandbox', 'get', sb.id])).toMatchObject({ id: sb.id, state: 'running', resources: { memoryMib: 256 }, idleTimeoutMs: 3_600_000, ttlMs: null });
     expect((await cli(['sandbox', 'get', sb.id])).stdout).toMatch(new RegExp(`^id\\s+${sb.id}\nstate\\s+running\n`));
 
     // Its history, replayed from the start (--after 1): the create's end, then that operation.
@@ -73,12 +73,14 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(JSON.parse(exj.stdout)).toMatchObject({ stdout: 'hi\n', exitCode: 0 });
 
     // fork 4: progress goes to stderr, the children as JSON to stdout
-    const fk = await cli(['--json', 'sandbox', 'fork', sb.id, '4']);
+    const fk = await cli(['--json', 'sandbox', 'fork', sb.id, '4', '--ttl', '2h', '--idle-timeout', '0']);
     expect(fk.code, fk.stderr).toBe(0);
     const fork = JSON.parse(fk.stdout) as { snapshotId: string; children: Array<{ id: string; state: string }> };
     expect(fork.children).toHaveLength(4);
     expect(fork.children.every((c) => c.state === 'running')).toBe(true);
     const child = fork.children[0]!;
+    expect(await json<{ ttlMs: number | null; idleTimeoutMs: number | null }>(['sandbox', 'get', child.id])).toMatchObject({ ttlMs: 7_200_000, idleTimeoutMs: 0 });
+    expect((await cli(['sandbox', 'get', child.id])).stdout).toMatch(/\nidle timeout\s+never\n/);
     expect((await cli(['sandbox', 'exec', child.id, '--', 'cat', '/tmp/s'])).stdout).toBe('state\n');
 
     const ls = await json<Array<{ id: string; state: string }>>(['sandbox', 'ls']);

@@ -8,6 +8,7 @@ import { Command, CommanderError, Option } from 'commander';
 import { Forkfleet, ForkfleetError, OperationFailedError, parseDuration } from '../sdk/index.ts';
 import type { CallOpts, EventInfo, HostInfo, OperationInfo, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
 import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
+import { EVENT_TYPES } from '../domain/events.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 
@@ -50,6 +51,16 @@ function fmtBytes(n: number): string {
   return `${v.toFixed(1)} ${u[i]}`;
 }
 
+/** 95ms, 12s, 3m20s, 2h5m: a duration for a person. */
+function fmtMs(ms: number): string {
+  if (ms < 1000) return `${Math.round(ms)}ms`;
+  const s = Math.floor(ms / 1000);
+  if (s < 60) return `${s}s`;
+  const m = Math.floor(s / 60);
+  if (m < 60) return `${m}m${s % 60 ? `${s % 60}s` : ''}`;
+  return `${Math.floor(m / 60)}h${m % 60 ? `${m % 60}m` : ''}`;
+}
+
 function table(rows: string[][]): string {
   if (rows.length === 0) return '';
   const widths = rows[0]!.map((_, c) => Math.max(...rows.map((r) => (r[c] ?? '').length)));
@@ -72,7 +83,10 @@ function sandboxFields(s: SandboxInfo): string {
     ['hostname', s.hostname],
     ['resources', `${s.resources.vcpus} vCPU, ${s.resources.memoryMib} MiB memory, ${s.resources.diskMib} MiB disk`],
     ['labels', labelText(s.labels)],
+    ['ran', `${fmtMs(s.runningMs)}${s.ttlMs ? ` of a ${fmtMs(s.ttlMs)} TTL` : ''}`],
+    ['idle timeout', s.idleTimeoutMs ? `${fmtMs(s.idleTimeoutMs)} (then hibernated)` : s.idleTimeoutMs === 0 ? 'never' : ''],
     ['created', s.createdAt ?? ''],
+    ['changed', s.updatedAt ?? ''],
     ['hibernation', s.hibernationSnapshotId],
   ]);
 }
@@ -96,8 +110,6 @@ function operationFields(op: OperationInfo): string {
     ['children', op.fork ? op.fork.children.map((c) => `${c.id}${c.hostId ? `@${c.hostId}` : ''}`).join(' ') : ''],
   ]);
 }
-
-const EVENT_TYPES = ['sandbox_created', 'sandbox_state_changed', 'sandbox_destroyed', 'snapshot_created', 'sandbox_restored', 'sandbox_hibernated', 'sandbox_woken', 'snapshot_expiring', 'snapshot_expired', 'host_state_changed', 'operation_done'] as const;
 
 /** TIME  REVISION  TYPE  SUBJECT  details: the subject is the snapshot for snapshot events, else the sandbox (or host). */
 function eventLine(e: EventInfo): string {
@@ -276,11 +288,12 @@ export function buildProgram(): Command {
     .option('--memory <mib>', 'memory, MiB', intArg('--memory', 16, 1 << 20))
     .option('--vcpus <n>', 'vCPUs', intArg('--vcpus', 1, 64))
     .option('--ttl <duration>', 'destroy after this much running time, e.g. 1h')
+    .option('--idle-timeout <duration>', 'hibernate it after this long idle (its CPU and RAM go back; the next call wakes it), e.g. 10m; 0 never (default: the tenant\'s)')
     .option('--host <id>', 'place on this host')
     .option('--label <key=value>', 'label (repeatable)', labelsArg)
-    .action(async (o: { image: string; fromSnapshot?: string; memory?: number; vcpus?: number; ttl?: string; host?: string; label?: Record<string, string> }, cmd: Command) => {
+    .action(async (o: { image: string; fromSnapshot?: string; memory?: number; vcpus?: number; ttl?: string; idleTimeout?: string; host?: string; label?: Record<string, string> }, cmd: Command) => {
       const s = await client(cmd).create(
-        { ...(o.fromSnapshot ? { snapshotId: o.fromSnapshot } : { image: o.image }), ...(o.memory ? { memoryMib: o.memory } : {}), ...(o.vcpus ? { vcpus: o.vcpus } : {}), ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.host ? { hostId: o.host } : {}), labels: o.label ?? {} },
+        { ...(o.fromSnapshot ? { snapshotId: o.fromSnapshot } : { image: o.image }), ...(o.memory ? { memoryMib: o.memory } : {}), ...(o.vcpus ? { vcpus: o.vcpus } : {}), ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.idleTimeout !== undefined ? { idleTimeout: o.idleTimeout } : {}), ...(o.host ? { hostId: o.host } : {}), labels: o.label ?? {} },
         progress(cmd, 'create'),
       );
       endProgress(cmd);
@@ -388,13 +401,15 @@ export function buildProgram(): Command {
     .addOption(new Option('--spread <s>', 'prefer filling busy hosts (pack) or distinct hosts (spread); a preference weighed against time to ready, see --max-per-host for a hard limit').choices(['pack', 'spread']))
     .option('--max-per-host <n>', 'at most this many children per host', intArg('--max-per-host', 1, 256))
     .option('--label <key=value>', 'label (repeatable)', labelsArg)
+    .option('--ttl <duration>', 'destroy each child after this much running time, e.g. 1h')
+    .option('--idle-timeout <duration>', 'hibernate each child after this long idle; 0 never (default: the source sandbox\'s)')
     .option('--snapshot-ttl <duration>', 'forking a live sandbox: delete the snapshot it takes this long after it was taken, once no child restores from it (default: the fleet\'s, 24h; 0 keeps it)')
     .option('--snapshot-keep-last <n>', 'forking a live sandbox: keep only the newest N snapshots of its lineage', intArg('--snapshot-keep-last', 1, 10_000))
-    .action(async (source: string, count: number, o: { locality: 'any' | 'same_host' | 'cross_host'; spread?: 'pack' | 'spread'; maxPerHost?: number; label?: Record<string, string>; snapshotTtl?: string; snapshotKeepLast?: number }, cmd: Command) => {
+    .action(async (source: string, count: number, o: { locality: 'any' | 'same_host' | 'cross_host'; spread?: 'pack' | 'spread'; maxPerHost?: number; label?: Record<string, string>; ttl?: string; idleTimeout?: string; snapshotTtl?: string; snapshotKeepLast?: number }, cmd: Command) => {
       const src = source.startsWith('sn-') ? { snapshotId: source } : { sandboxId: source };
       const keep = o.snapshotTtl !== undefined && (o.snapshotTtl.trim() === '0' || parseDuration(o.snapshotTtl) === 0);
       const snapshotRetention = o.snapshotTtl !== undefined || o.snapshotKeepLast !== undefined ? { ...(o.snapshotTtl !== undefined && !keep ? { ttl: o.snapshotTtl } : {}), ...(o.snapshotKeepLast ? { keepLast: o.snapshotKeepLast } : {}) } : undefined;
-      const r = await client(cmd).fork(src, count, { locality: o.locality, ...(o.spread ? { spread: o.spread } : {}), ...(o.maxPerHost ? { maxPerHost: o.maxPerHost } : {}), labels: o.label ?? {}, ...(snapshotRetention ? { snapshotRetention } : {}) }, progress(cmd, `fork x${count}`));
+      const r = await client(cmd).fork(src, count, { locality: o.locality, ...(o.spread ? { spread: o.spread } : {}), ...(o.maxPerHost ? { maxPerHost: o.maxPerHost } : {}), labels: o.label ?? {}, ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.idleTimeout !== undefined ? { idleTimeout: o.idleTimeout } : {}), ...(snapshotRetention ? { snapshotRetention } : {}) }, progress(cmd, `fork x${count}`));
       endProgress(cmd);
       const children = r.children.map((c) => c.info!);
       out(cmd, { snapshotId: r.snapshotId, children, placement: r.operation.fork?.summary ?? '' }, () =>

@@ -60,7 +60,13 @@ export interface SandboxInfo {
   labels: Record<string, string>;
   resources: ResourcesInfo;
   createdAt: string | undefined;
+  updatedAt: string | undefined;
   hibernationSnapshotId: string;
+  /** Its lifecycle: TTL (of running time) and idle timeout, ms; null when it has none. */
+  ttlMs: number | null;
+  idleTimeoutMs: number | null;
+  /** Running time so far (what the TTL counts), ms. */
+  runningMs: number;
 }
 
 export interface SnapshotInfo {
@@ -150,6 +156,7 @@ const lower = (s: string | undefined): string => (s ?? 'UNSPECIFIED').toLowerCas
 const num = (v: bigint | number | undefined): number => Number(v ?? 0);
 const ts = (t: { seconds: bigint; nanos: number } | undefined): string | undefined => (t ? new Date(Number(t.seconds) * 1000 + Math.floor(t.nanos / 1e6)).toISOString() : undefined);
 const res = (r: { vcpus: number; memoryMib: bigint; diskMib: bigint } | undefined): ResourcesInfo => ({ vcpus: r?.vcpus ?? 0, memoryMib: num(r?.memoryMib), diskMib: num(r?.diskMib) });
+const msOf = (d: { seconds: bigint; nanos: number } | undefined): number | null => (d ? Number(d.seconds) * 1000 + Math.floor(d.nanos / 1e6) : null);
 
 function toSandbox(s: PbSandbox): SandboxInfo {
   return {
@@ -165,7 +172,11 @@ function toSandbox(s: PbSandbox): SandboxInfo {
     labels: { ...s.labels },
     resources: res(s.resources),
     createdAt: ts(s.createdAt),
+    updatedAt: ts(s.updatedAt),
     hibernationSnapshotId: s.hibernationSnapshotId,
+    ttlMs: msOf(s.lifecycle?.ttl),
+    idleTimeoutMs: msOf(s.lifecycle?.idleTimeout),
+    runningMs: msOf(s.runningTime) ?? 0,
   };
 }
 
@@ -242,6 +253,7 @@ const durationOf = (ms: number): { seconds: bigint; nanos: number } => ({ second
 /** Parses '10s', '500ms', '2m', '1h' or a number of milliseconds. */
 export function parseDuration(v: string | number): number {
   if (typeof v === 'number') return v;
+  if (v.trim() === '0') return 0;
   const m = /^(\d+(?:\.\d+)?)(ms|s|m|h)$/.exec(v.trim());
   if (!m) throw new ForkfleetError('invalid_argument', `want a duration like 500ms, 10s, 2m or 1h, got ${JSON.stringify(v)}`, { field: 'duration' });
   return Number(m[1]) * { ms: 1, s: 1000, m: 60_000, h: 3_600_000 }[m[2] as 'ms' | 's' | 'm' | 'h'];
@@ -307,6 +319,8 @@ export interface ForkOptions {
   maxPerHost?: number;
   labels?: Record<string, string>;
   ttl?: string | number;
+  /** The children's idle timeout ('0' or 0 disables); unset: the source sandbox's. */
+  idleTimeout?: string | number;
   /**
    * Forking a live sandbox: retention of the snapshot it takes. Unset: the fleet's default
    * TTL (FF_FORK_SNAPSHOT_TTL, 24h); `{}` keeps it. Not allowed with a snapshot as source.
@@ -504,7 +518,9 @@ export class Forkfleet {
             count,
             placement: { locality, spread, maxPerHost: fo.maxPerHost ?? 0 },
             labels: fo.labels ?? {},
-            ...(fo.ttl !== undefined ? { lifecycle: { ttl: durationOf(parseDuration(fo.ttl)) } } : {}),
+            ...(fo.ttl !== undefined || fo.idleTimeout !== undefined
+              ? { lifecycle: { ...(fo.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.ttl)) } : {}), ...(fo.idleTimeout !== undefined ? { idleTimeout: durationOf(parseDuration(fo.idleTimeout)) } : {}) } }
+              : {}),
             ...(fo.snapshotRetention ? { snapshotRetention: { ...(fo.snapshotRetention.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.snapshotRetention.ttl)) } : {}), keepLast: fo.snapshotRetention.keepLast ?? 0 } } : {}),
           },
           o,

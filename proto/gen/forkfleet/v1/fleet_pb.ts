@@ -1823,6 +1823,10 @@ export enum EventType {
   SNAPSHOT_EXPIRED = 9,
 
   /**
+   * Reserved: not emitted. Events are a tenant's; a host's state is fleet-wide: ListHosts
+   * and the scheduler's forkfleet_hosts{state} metric carry it, and each sandbox on a lost
+   * host gets a SANDBOX_STATE_CHANGED (lost) event.
+   *
    * @generated from enum value: EVENT_TYPE_HOST_STATE_CHANGED = 10;
    */
   HOST_STATE_CHANGED = 10,
