@@ -27,6 +27,12 @@ describe('CLI hints', () => {
     // A failed operation whose kind says what the caller must change keeps that kind's hint.
     expect(hintFor({ kind: 'resource_exhausted', message: 'x', operation: true }, 'a:1')).toContain('no capacity');
   });
+  it('hintFor_aPausedSandbox_saysHowToResumeIt_andOtherWrongStatesHowToSeeIt', () => {
+    expect(hintFor({ kind: 'failed_precondition', message: 'sandbox sb-abc123 is paused; it must be running' }, 'a:1')).toContain('forkfleet sandbox resume sb-abc123');
+    expect(hintFor({ kind: 'failed_precondition', message: 'snapshot sn-1 is deleting' }, 'a:1')).toContain('forkfleet sandbox get');
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'snapshot_retention.ttl' }, 'a:1')).toContain('--snapshot-ttl');
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'lifecycle.idle_timeout' }, 'a:1')).toContain('--idle-timeout');
+  });
   it('defaultApi_prefersFF_API_thenTheLocalFleet_thenTheDefaultPort', () => {
     expect(defaultApi({ FF_API: 'h:1' })).toBe('h:1');
     expect(defaultApi({ FF_FLEET_DIR: '/nonexistent-ffui' })).toBe('127.0.0.1:17700');

@@ -29,6 +29,10 @@ const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
   'resources.memory_mib': '--memory',
   'resources.vcpus': '--vcpus',
   'lifecycle.ttl': '--ttl',
+  'lifecycle.idle_timeout': '--idle-timeout',
+  snapshot_retention: '--snapshot-ttl / --snapshot-keep-last (only when forking a live SANDBOX)',
+  'snapshot_retention.ttl': '--snapshot-ttl (at least 1s)',
+  'snapshot_retention.keep_last': '--snapshot-keep-last',
   timeout: '--timeout',
   path: 'the guest path',
   'header.path': 'the guest path',
@@ -52,8 +56,12 @@ export function hintFor(e: ErrorLike, api: string): string {
       return `is the fleet up at ${api}? start one with \`npm run fleet:up\` (or \`forkfleet fleet up\`), or point --api / FF_API at a scheduler`;
     case 'deadline_exceeded':
       return 'the call took too long; the operation may still finish: check with `forkfleet sandbox ls`, or retry with a larger --timeout';
-    case 'failed_precondition':
-      return 'the sandbox or snapshot is in the wrong state for this; see its state with `forkfleet sandbox ls`';
+    case 'failed_precondition': {
+      // "sandbox sb-... is paused; it must be running": say how to get it there.
+      const paused = /sandbox (sb-[A-Za-z0-9_-]+) is paused/.exec(e.message);
+      if (paused) return `resume it first: \`forkfleet sandbox resume ${paused[1]}\` (a hibernated sandbox wakes by itself; a paused one stays paused until resumed)`;
+      return 'the sandbox or snapshot is in the wrong state for this; see its state with `forkfleet sandbox get ID` (or `forkfleet sandbox ls`)';
+    }
     case 'resource_exhausted':
       if (e.field?.startsWith('quotas.')) return "your tenant's quota is used up: destroy sandboxes (`forkfleet sandbox destroy`) or delete snapshots, or ask an admin for a larger quota";
       if (e.field === 'rate') return 'too many requests for your tenant; wait a moment and run the command again';
