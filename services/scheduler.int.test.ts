@@ -1,14 +1,14 @@
 // End to end through the public API on one machine: real etcd, real nats-server, a
 // scheduler replica, and two real host agents running QEMU (TCG here).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { Etcd3 } from 'etcd3';
 import { connect } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
-import { subjects } from './adapters/nats/subjects.ts';
+import { subjects, WORK_ACK_WAIT_MS } from './adapters/nats/subjects.ts';
 import { HostFileRequestSchema, HostFileResponseSchema } from '../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { startEtcd } from './testkit/etcd.ts';
 import { keys } from './adapters/etcd/keys.ts';
@@ -65,7 +65,8 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     const creds = testCredentials(dir);
     sched = await startScheduler(
       compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: keyPath, suspectAfterMs: '3s', lostAfterMs: '20s', ...creds.config }),
-      pino({ level: 'warn' }),
+      // FF_TEST_SCHED_LOG=info shows the scheduler's log (it runs in this process).
+      pino({ level: process.env.FF_TEST_SCHED_LOG ?? 'warn' }),
     );
     await sched.leader;
     for (const hostId of ['host-a', 'host-b']) agents.push(await startAgent({ hostId, natsUrl: nats.url, trustedKeyPath: `${keyPath}.pub`, ...(process.env.FF_TEST_LOG_DIR ? { logDir: process.env.FF_TEST_LOG_DIR } : {}) }));
@@ -269,6 +270,28 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     // The API told the host, which killed the command and its sleep (it would run 300 s).
     await waitFor('the cancelled command gone from the guest', async () => (await sh(api, id, 'ps | grep -c "[s]leep 304" || true')).out === '0\n', 15_000, 250);
     await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+  }, 300_000);
+
+  it('step_whoseAgentIsKilledAndRestartedMidway_isSentAgainAtOnce_andMakesOneVm', async () => {
+    // A create on host-b boots a guest (seconds under TCG): its agent is killed mid-boot.
+    const agent = agents.find((a) => a.hostId === 'host-b')!;
+    const from = readFileSync(agent.logPath, 'utf8').length;
+    const op = await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'host-b' } });
+    await waitFor('step started on host-b', async () => readFileSync(agent.logPath, 'utf8').slice(from).split('\n').some((l) => l.includes('"step started"') && l.includes(op.id)), 30_000, 20);
+    agent.proc.kill();
+    await agent.proc.exited;
+    const killedAt = Date.now();
+    await agent.restart();
+    const final = await done(api, op);
+    const sb = final.result.case === 'sandbox' ? final.result.value : undefined;
+    expect(sb).toMatchObject({ state: SandboxState.RUNNING, hostId: 'host-b' });
+    // The leader saw the agent's new boot id and sent the step again: the dead agent's work
+    // message would have come back only after JetStream's ack wait.
+    expect(Date.now() - killedAt).toBeLessThan(WORK_ACK_WAIT_MS);
+    // One VM for it, whatever the killed agent had started.
+    expect(qemuPidsByVm(agent.dataDir).get(sb!.id)).toHaveLength(1);
+    expect((await sh(api, sb!.id, 'echo up')).out).toBe('up\n');
+    await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sb!.id }));
   }, 300_000);
 
   it('vmGone_crashedQemuOrReapedAtAgentRestart_marksTheSandboxLostWithWhy_andFreesItsCapacity', async () => {

@@ -102,10 +102,14 @@ export interface ExecutorDeps {
   fence?: () => LeaderFence | undefined;
 }
 
-/** A step waiting for its result; `hostId`: the host it was sent to, the only one whose answer counts. */
 /** What a step's waiter is woken with when its host is marked lost (reconcileHosts). */
 const HOST_LOST = Symbol('host lost');
-type Waiter = { hostId: string; resolve: (r: HostResultMsg | typeof HOST_LOST | undefined) => void };
+/** What a step's waiter is woken with when its host's agent restarted (reconcileHosts): send the step again now. */
+const HOST_RESTARTED = Symbol('host restarted');
+/** Re-sends of one step on its host's restarts that do not count as attempts (an agent in a crash loop then uses them up). */
+const FREE_RESENDS = 3;
+/** A step waiting for its result; `hostId`: the host it was sent to, the only one whose answer counts. */
+type Waiter = { hostId: string; resolve: (r: HostResultMsg | typeof HOST_LOST | typeof HOST_RESTARTED | undefined) => void };
 
 function hooksOf(sb: SandboxRec): Array<{ argv: string[]; timeout: { seconds: bigint; nanos: number } }> {
   return (sb.afterResume ?? []).map((h) => ({ argv: h.argv, timeout: { seconds: BigInt(Math.floor(h.timeoutMs / 1000)), nanos: (h.timeoutMs % 1000) * 1e6 } }));
@@ -959,6 +963,11 @@ export class Executor {
 
   private async stepOnHost(op: OperationRec, stepId: string, hostId: string, work: HostWorkMsg['work'], timeoutMs: number): Promise<HostResultMsg> {
     const key = stepKey(op.id, stepId);
+    let freeResends = FREE_RESENDS;
+    // Every send is numbered (HostWork.attempt, and so its JetStream message id: a re-send
+    // with the id of the first would be dropped as a duplicate); `attempt` counts against
+    // FF_STEP_ATTEMPTS.
+    let sends = 0;
     for (let attempt = 1; attempt <= this.deps.config.stepAttempts; attempt++) {
       const early = this.early.get(key);
       if (early) {
@@ -974,7 +983,7 @@ export class Executor {
       // that becomes lost while the step waits wakes the waiter: failStepsOn.)
       if (this.cache.hosts.get(hostId)?.value.state === 'lost') throw new HostLostError(hostId, stepId);
       log[stepId] = { hostId, status: 'sent', attempt };
-      const result = new Promise<HostResultMsg | typeof HOST_LOST | undefined>((resolve) => {
+      const result = new Promise<HostResultMsg | typeof HOST_LOST | typeof HOST_RESTARTED | undefined>((resolve) => {
         const t = setTimeout(() => {
           this.waiters.delete(key);
           resolve(undefined);
@@ -987,7 +996,7 @@ export class Executor {
           },
         });
       });
-      const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt, tenantId: op.tenantId, work });
+      const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt: ++sends, tenantId: op.tenantId, work });
       // A publish can fail while NATS is restarting or the connection is re-established:
       // retry it with backoff rather than waiting out the whole step timeout. Sent alone, the
       // retry has the same message id and JetStream drops it if the failed publish was in fact
@@ -1008,6 +1017,14 @@ export class Executor {
       if (r === HOST_LOST) {
         log[stepId] = { hostId, status: 'failed', attempt };
         throw new HostLostError(hostId, stepId);
+      }
+      if (r === HOST_RESTARTED) {
+        // The agent that had the step died with it; its work message would come back only
+        // after JetStream's ack wait (30 s). Sent again now, it runs at once (the agent
+        // answers a step it finished from its journal, so nothing is done twice).
+        this.log.info({ opId: op.id, stepId, hostId, attempt }, 'host agent restarted during a step; re-sending it');
+        if (freeResends-- > 0) attempt--;
+        continue;
       }
       if (r) {
         log[stepId] = { hostId, status: r.error ? 'failed' : 'done', attempt };
@@ -2628,6 +2645,8 @@ export class Executor {
     for (const { next, cur } of writes) {
       const state = next.state;
       if (cur && cur.value.state !== state) this.log.warn({ hostId: next.id, from: cur.value.state, to: state }, 'host state changed');
+      // A new boot id: the agent restarted. Steps it had in hand died with it.
+      if (cur && state === 'ready' && cur.value.bootId !== next.bootId) this.resendStepsOn(next.id);
       if (state === 'lost' && cur?.value.state !== 'lost') {
         // Its sandboxes first (a destroy whose step then fails finds its sandbox destroyed);
         // the steps fail even if that write fails: the next pass sees the host lost already.
@@ -2732,10 +2751,23 @@ export class Executor {
    * a VM it made for a failed child is stopped as a stray (reclaimReturnedHost).
    */
   private failStepsOn(hostId: string): void {
+    this.wakeStepsOn(hostId, HOST_LOST);
+  }
+
+  /**
+   * Wakes every step waiting on a host whose agent restarted: each is sent again at once
+   * (stepOnHost), instead of waiting for JetStream to redeliver the message the dead agent
+   * held (its ack wait, 30 s) or for the step's timeout.
+   */
+  private resendStepsOn(hostId: string): void {
+    this.wakeStepsOn(hostId, HOST_RESTARTED);
+  }
+
+  private wakeStepsOn(hostId: string, why: typeof HOST_LOST | typeof HOST_RESTARTED): void {
     for (const [k, w] of this.waiters) {
       if (w.hostId !== hostId) continue;
       this.waiters.delete(k);
-      w.resolve(HOST_LOST);
+      w.resolve(why);
     }
   }
 
