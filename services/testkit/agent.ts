@@ -69,11 +69,19 @@ export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
       if (p.child.exitCode !== null) throw new Error(`agent ${o.hostId} exited: ${readFileSync(logPath, 'utf8').slice(-2000)}`);
       return readFileSync(logPath, 'utf8').includes('"ready":true');
     }, 60_000, 100);
+  let first: ManagedProcess;
+  try {
+    first = launch();
+  } catch (e) {
+    // Not started (e.g. its log directory is missing): the data directory made for it goes too.
+    if (!o.dataDir) rmSync(dataDir, { recursive: true, force: true });
+    throw e;
+  }
   const agent: AgentProcess = {
     hostId: o.hostId,
     dataDir,
     logPath,
-    proc: launch(),
+    proc: first,
     async restart() {
       await agent.proc.stop();
       agent.proc = launch();
