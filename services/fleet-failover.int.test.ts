@@ -203,6 +203,42 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
+  it('forkOfALiveSandbox_whoseSourceIsLostDuringTheFailover_failsAndMarksItsUnfinishedSnapshotFailed', async () => {
+    await ownHost('fake-slow-snap-2', 'slow-snap-2', { FF_FAKE_SNAPSHOT_MS: '3000' });
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-slow-snap-2' } }));
+    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const standby = await startReplica('s4');
+    const alive = scheds.filter((s) => s.proc.child.exitCode === null && s.proc.child.signalCode === null && s !== standby);
+    const leader = (await Promise.all(alive.map(async (s) => ((await s.isLeader()) ? s : undefined)))).find(Boolean)!;
+    api.close();
+    api = standby.credentials.client(FleetService, standby.api);
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 2 });
+    let forkSnapshotId = '';
+    await waitFor('source snapshot under way', async () => {
+      forkSnapshotId = ((await store.getOp(tenantId, op.id))?.value.input as { forkSnapshotId?: string } | undefined)?.forkSnapshotId ?? '';
+      return forkSnapshotId !== '' && (await store.getSnapshot(tenantId, forkSnapshotId))?.value.state === 'creating';
+    }, 20_000, 10);
+    leader.proc.kill();
+    await leader.proc.exited;
+    // While no replica leads: the source is recorded lost (as its host's loss would), its booking released.
+    const sb = (await store.getSandbox(tenantId, sourceId))!;
+    const alloc = await store.getAlloc('fake-slow-snap-2');
+    expect(await store.commit([
+      { kind: 'sandbox', value: { ...sb.value, state: 'lost', stateReason: 'test: lost during the failover', updatedAt: Date.now() }, expectRevision: sb.modRevision },
+      { kind: 'alloc', value: { ...alloc.value, sandboxes: alloc.value.sandboxes - 1, allocated: { ...alloc.value.allocated, vcpus: alloc.value.allocated.vcpus - 1, memoryMib: alloc.value.allocated.memoryMib - 256 } }, expectRevision: alloc.modRevision },
+    ])).toBe(true);
+    await waitFor('standby takes over', () => standby.isLeader(), 10_000, 20);
+
+    const final = await wait(api, op);
+    expect(final.state).toBe(OperationState.FAILED);
+    expect(final.error?.message).toMatch(/lost/);
+    // Not left creating (nothing expires a creating snapshot, and a delete refuses it).
+    expect((await store.getSnapshot(tenantId, forkSnapshotId))?.value.state).toBe('failed');
+    // Its VM still runs on its host: the leader takes it back (booked once).
+    await waitFor('source reclaimed', async () => (await store.getSandbox(tenantId, sourceId))?.value.state === 'running', 20_000, 100);
+    await assertConsistent();
+  });
+
   it('forkOfALiveSandbox_givesTheSnapshotItTakesTheDefaultTtlOrTheRetentionAsked_andASnapshotSourceNone', async () => {
     const fork = async (retention?: { ttl?: { seconds: bigint; nanos?: number }; keepLast?: number }): Promise<{ snapshotId: string; children: string[] }> => {
       const f = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: parentId }, count: 1, ...(retention ? { snapshotRetention: retention } : {}) }));

@@ -1568,9 +1568,14 @@ export class Executor {
     if (existing?.value.state === 'ready') return existing.value;
     if (existing && (existing.value.state === 'deleting' || existing.value.state === 'deleted')) throw new WrongStateError('snapshot', snapshotId, existing.value.state, 'it was deleted before it was taken');
     const sbv = await this.deps.store.getSandbox(tenantId, sandboxId);
-    if (!sbv) throw new NotFoundError('sandbox', sandboxId);
-    const sb = sbv.value;
-    if (sb.state !== 'running' && sb.state !== 'paused' && sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be snapshotted');
+    const unfit = !sbv ? new NotFoundError('sandbox', sandboxId) : sbv.value.state !== 'running' && sbv.value.state !== 'paused' && sbv.value.state !== 'hibernating' ? new WrongStateError('sandbox', sbv.value.id, sbv.value.state, 'only a running or paused sandbox can be snapshotted') : undefined;
+    if (unfit) {
+      // A re-run (a new leader) of an op whose snapshot an earlier run began, its sandbox gone
+      // or changed since: that snapshot will not be finished.
+      if (existing?.value.state === 'creating') await this.markSnapshotFailed(existing.value);
+      throw unfit;
+    }
+    const sb = sbv!.value;
     const now = this.deps.clock.now();
     // A re-run (a new leader, or a retry) of a snapshot whose record says failed takes it up
     // again as creating: a failed record is final only for an op that gave up.
@@ -1638,21 +1643,28 @@ export class Executor {
       return done;
     } catch (e) {
       // A snapshot that will not become ready is failed, whatever failed after its record was
-      // written (the step, the signature, the ready write), or it would stay creating, which
-      // nothing expires and a delete refuses. A leader that stepped down leaves the op to the
-      // next one, which takes the snapshot up again: writing failed now could land after that
-      // (and a host would be told to delete what is about to be ready).
-      for (let i = 0; i < 5 && this.active; i++) {
-        try {
-          await this.updateSnapshotRec(rec.tenantId, rec.id, (cur) => (cur.state === 'creating' ? { ...cur, state: 'failed', endedAt: this.deps.clock.now() } : undefined));
-          break;
-        } catch (w) {
-          if (w instanceof NotLeaderError) break;
-          this.log.warn({ err: w, snapshotId: rec.id }, 'could not mark a snapshot failed');
-          await new Promise((r) => setTimeout(r, 200));
-        }
-      }
+      // written (the step, the signature, the ready write).
+      await this.markSnapshotFailed(rec);
       throw e;
+    }
+  }
+
+  /**
+   * A creating snapshot that will not become ready is marked failed, or it would stay
+   * creating, which nothing expires and a delete refuses. A leader that stepped down leaves
+   * the op to the next one, which takes the snapshot up again: writing failed now could land
+   * after that (and a host would be told to delete what is about to be ready).
+   */
+  private async markSnapshotFailed(rec: SnapshotRec): Promise<void> {
+    for (let i = 0; i < 5 && this.active; i++) {
+      try {
+        await this.updateSnapshotRec(rec.tenantId, rec.id, (cur) => (cur.state === 'creating' ? { ...cur, state: 'failed', endedAt: this.deps.clock.now() } : undefined));
+        return;
+      } catch (w) {
+        if (w instanceof NotLeaderError) return;
+        this.log.warn({ err: w, snapshotId: rec.id }, 'could not mark a snapshot failed');
+        await new Promise((r) => setTimeout(r, 200));
+      }
     }
   }
 
