@@ -250,7 +250,7 @@ function toEvent(e: PbEvent): EventInfo {
 
 const durationOf = (ms: number): { seconds: bigint; nanos: number } => ({ seconds: BigInt(Math.floor(ms / 1000)), nanos: (ms % 1000) * 1e6 });
 
-/** Parses '10s', '500ms', '2m', '1h' or a number of milliseconds. */
+/** Parses '10s', '500ms', '2m', '1h', '0' or a number of milliseconds. */
 export function parseDuration(v: string | number): number {
   if (typeof v === 'number') return v;
   if (v.trim() === '0') return 0;
