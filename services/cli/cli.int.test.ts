@@ -88,6 +88,9 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const human = await cli(['sandbox', 'ls']);
     expect(human.stdout).toMatch(/^ID\s+STATE\s+HOST/);
     expect((await cli(['sandbox', 'list'])).stdout).toBe(human.stdout); // `list` is `ls`
+    const onHost = await json<Array<{ id: string; hostId: string }>>(['sandbox', 'ls', '--host', sb.hostId]);
+    expect(onHost.map((s) => s.id)).toContain(sb.id);
+    expect(onHost.every((s) => s.hostId === sb.hostId)).toBe(true);
 
     const snaps = await json<Array<{ id: string; hostIds: string[] }>>(['snapshot', 'ls']);
     expect(snaps.map((s) => s.id)).toContain(fork.snapshotId);

@@ -303,8 +303,10 @@ export function buildProgram(): Command {
     .description('list sandboxes (all but destroyed)')
     .option('--state <state...>', 'only these states')
     .option('--label <key=value>', 'label selector (repeatable)', labelsArg)
-    .action(async (o: { state?: string[]; label?: Record<string, string> }, cmd: Command) => {
-      const list = await client(cmd).list({ ...(o.state ? { states: o.state as SandboxInfo['state'][] } : {}), ...(o.label ? { labels: o.label } : {}) });
+    .option('--host <id>', 'only those on this host (e.g. before draining it)')
+    .action(async (o: { state?: string[]; label?: Record<string, string>; host?: string }, cmd: Command) => {
+      const all = await client(cmd).list({ ...(o.state ? { states: o.state as SandboxInfo['state'][] } : {}), ...(o.label ? { labels: o.label } : {}) });
+      const list = o.host ? all.filter((s) => s.hostId === o.host) : all;
       out(cmd, list, () => (list.length ? table(sandboxRows(list)) : 'no sandboxes; create one with `forkfleet sandbox create`\n'));
     });
   sb.command('get').alias('show')
