@@ -341,6 +341,10 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect(final.state).toBe(OperationState.SUCCEEDED);
     // Drained: still cordoned, no longer draining.
     expect((await api.listHosts({})).hosts.find((x) => x.id === 'fake-4')).toMatchObject({ cordoned: true, draining: false });
+    // The snapshots it took to move them expire (they were kept forever).
+    const taken = (await store.listSnapshots(tenantId)).map((v) => v.value).filter((sn) => sn.labels['forkfleet.io/purpose'] === 'migration' && before.some((s) => s.id === sn.sourceSandboxId));
+    expect(taken.length).toBe(before.length);
+    for (const sn of taken) expect(sn.retentionTtlMs, sn.id).toBe(24 * 3_600_000);
     const after = new Map((await store.listSandboxes(tenantId)).map((v) => [v.value.id, v.value] as [string, SandboxRec]));
     for (const s of before) {
       expect(after.get(s.id)?.state).toBe('running');

@@ -102,6 +102,13 @@ export interface ExecutorDeps {
   fence?: () => LeaderFence | undefined;
 }
 
+/**
+ * Retention TTL of the snapshot a drain takes to move a sandbox (migrate): it is needed
+ * only while the drain runs (the moved VM maps its image on the new host, which that host
+ * keeps while the VM runs). Without one it was kept forever, one per sandbox moved.
+ */
+const MIGRATION_SNAPSHOT_TTL_MS = 24 * 3_600_000;
+
 /** What a step's waiter is woken with when its host is marked lost (reconcileHosts). */
 const HOST_LOST = Symbol('host lost');
 /** What a step's waiter is woken with when its host's agent restarted (reconcileHosts): send the step again now. */
@@ -2471,7 +2478,7 @@ export class Executor {
     if (sb.state === 'running') await this.step(op, `migrate/${sb.id}/pause`, from, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
     let sn: SnapshotRec;
     try {
-      sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' } }, sb.tenantId);
+      sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
       // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
       if (!m.toHostId) {
         let chosen = '';
