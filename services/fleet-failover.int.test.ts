@@ -91,6 +91,30 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     return { agents, sandboxId: c.result.case === 'sandbox' ? c.result.value.id : '' };
   }
 
+  /**
+   * A sandbox on a host of its own whose snapshot takes 3 s (long enough to kill the leader in
+   * the middle of it), a fork of it under way (its snapshot recorded and creating), and a new
+   * standby replica `replicaId` that the API now talks to. The caller kills `leader`.
+   */
+  async function forkWhileItsSourceSnapshots(hostId: string, replicaId: string, count: number): Promise<{ sourceId: string; op: Operation; forkSnapshotId: string; leader: SchedulerProcess; standby: SchedulerProcess }> {
+    await ownHost(hostId, hostId, { FF_FAKE_SNAPSHOT_MS: '3000' });
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId } }));
+    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    // A standby to take over (earlier tests killed replicas), and the API on it.
+    const standby = await startReplica(replicaId);
+    const alive = scheds.filter((s) => s.proc.child.exitCode === null && s.proc.child.signalCode === null && s !== standby);
+    const leader = (await Promise.all(alive.map(async (s) => ((await s.isLeader()) ? s : undefined)))).find(Boolean)!;
+    api.close();
+    api = standby.credentials.client(FleetService, standby.api);
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count });
+    let forkSnapshotId = '';
+    await waitFor('source snapshot under way', async () => {
+      forkSnapshotId = ((await store.getOp(tenantId, op.id))?.value.input as { forkSnapshotId?: string } | undefined)?.forkSnapshotId ?? '';
+      return forkSnapshotId !== '' && (await store.getSnapshot(tenantId, forkSnapshotId))?.value.state === 'creating';
+    }, 20_000, 10);
+    return { sourceId, op, forkSnapshotId, leader, standby };
+  }
+
   beforeAll(async () => {
     dir = mkdtempSync('/tmp/ff-failover-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
@@ -171,23 +195,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   });
 
   it('forkOfALiveSandbox_whenLeaderKilledWhileItSnapshotsTheSource_takesUpTheSameSnapshotAndCompletes', async () => {
-    // A source whose snapshot takes 3 s: long enough to kill the leader in the middle of it.
-    await ownHost('fake-slow-snap', 'slow-snap', { FF_FAKE_SNAPSHOT_MS: '3000' });
-    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-slow-snap' } }));
-    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
-    // A standby to take over (the first test killed a replica), and the API on it.
-    const standby = await startReplica('s3');
-    const alive = scheds.filter((s) => s.proc.child.exitCode === null && s.proc.child.signalCode === null && s !== standby);
-    const leader = (await Promise.all(alive.map(async (s) => ((await s.isLeader()) ? s : undefined)))).find(Boolean)!;
-    api.close();
-    api = standby.credentials.client(FleetService, standby.api);
-
-    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 3 });
-    let forkSnapshotId = '';
-    await waitFor('source snapshot under way', async () => {
-      forkSnapshotId = ((await store.getOp(tenantId, op.id))?.value.input as { forkSnapshotId?: string } | undefined)?.forkSnapshotId ?? '';
-      return forkSnapshotId !== '' && (await store.getSnapshot(tenantId, forkSnapshotId))?.value.state === 'creating';
-    }, 20_000, 10);
+    const { sourceId, op, forkSnapshotId, leader, standby } = await forkWhileItsSourceSnapshots('fake-slow-snap', 's3', 3);
     leader.proc.kill();
     await leader.proc.exited;
     await waitFor('standby takes over', () => standby.isLeader(), 10_000, 20);
@@ -204,20 +212,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   });
 
   it('forkOfALiveSandbox_whoseSourceIsLostDuringTheFailover_failsAndMarksItsUnfinishedSnapshotFailed', async () => {
-    await ownHost('fake-slow-snap-2', 'slow-snap-2', { FF_FAKE_SNAPSHOT_MS: '3000' });
-    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-slow-snap-2' } }));
-    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
-    const standby = await startReplica('s4');
-    const alive = scheds.filter((s) => s.proc.child.exitCode === null && s.proc.child.signalCode === null && s !== standby);
-    const leader = (await Promise.all(alive.map(async (s) => ((await s.isLeader()) ? s : undefined)))).find(Boolean)!;
-    api.close();
-    api = standby.credentials.client(FleetService, standby.api);
-    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 2 });
-    let forkSnapshotId = '';
-    await waitFor('source snapshot under way', async () => {
-      forkSnapshotId = ((await store.getOp(tenantId, op.id))?.value.input as { forkSnapshotId?: string } | undefined)?.forkSnapshotId ?? '';
-      return forkSnapshotId !== '' && (await store.getSnapshot(tenantId, forkSnapshotId))?.value.state === 'creating';
-    }, 20_000, 10);
+    const { sourceId, op, forkSnapshotId, leader, standby } = await forkWhileItsSourceSnapshots('fake-slow-snap-2', 's4', 2);
     leader.proc.kill();
     await leader.proc.exited;
     // While no replica leads: the source is recorded lost (as its host's loss would), its booking released.
