@@ -14,7 +14,7 @@ import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.
 import { loadSigningKey } from './scheduler.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import type { Client } from './adapters/grpc/rpc.ts';
-import { FleetService, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { FleetService, OperationKind, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread, Locality } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
@@ -607,4 +607,52 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       await quick.stop();
     }
   }, 180_000);
+  it('listOperations_newestFirst_filtersByStateKindAndTarget_pagesEveryOneOnce_andNamesABadField', async () => {
+    const t = 'ops-list';
+    const a = await ok(api, await api.createSandbox({ tenantId: t, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }), t);
+    const sandboxId = a.result.case === 'sandbox' ? a.result.value.id : '';
+    const snap = await ok(api, await api.snapshotSandbox({ tenantId: t, idempotencyKey: key(), sandboxId }), t);
+    const forked = await ok(api, await api.forkSandbox({ tenantId: t, idempotencyKey: key(), source: { case: 'snapshotId', value: snap.result.case === 'snapshot' ? snap.result.value.id : '' }, count: 3 }), t);
+    const kids = forked.result.case === 'fork' ? forked.result.value.children.map((c) => c.id) : [];
+    for (const id of kids) await ok(api, await api.destroySandbox({ tenantId: t, idempotencyKey: key(), sandboxId: id }), t);
+    const submitted = [a, snap, forked].map((o) => o.id);
+
+    const all = (await api.listOperations({ tenantId: t })).operations;
+    expect(all).toHaveLength(3 + kids.length);
+    const created = all.map((o) => Number(o.createdAt!.seconds) * 1000 + Math.floor(o.createdAt!.nanos / 1e6));
+    expect(created).toEqual([...created].sort((x, y) => y - x));
+    expect(all.slice(-3).map((o) => o.id)).toEqual([...submitted].reverse());
+    expect(new Set(all.map((o) => o.tenantId))).toEqual(new Set([t]));
+    // A fork comes with its children, as GetOperation gives it.
+    const fork = (await api.listOperations({ tenantId: t, kinds: [OperationKind.FORK] })).operations;
+    expect(fork.map((o) => o.id)).toEqual([forked.id]);
+    expect(fork[0]!.result.case === 'fork' ? fork[0]!.result.value.children.map((c) => c.id).sort() : []).toEqual([...kids].sort());
+    expect((await api.listOperations({ tenantId: t, kinds: [OperationKind.CREATE, OperationKind.SNAPSHOT] })).operations.map((o) => o.id)).toEqual([snap.id, a.id]);
+    expect((await api.listOperations({ tenantId: t, states: [OperationState.SUCCEEDED] })).operations).toHaveLength(all.length);
+    expect((await api.listOperations({ tenantId: t, states: [OperationState.FAILED, OperationState.RUNNING] })).operations).toEqual([]);
+    expect((await api.listOperations({ tenantId: t, targetId: kids[0]! })).operations.map((o) => OperationKind[o.kind])).toEqual(['DESTROY']);
+    expect((await api.listOperations({ tenantId: t, targetId: sandboxId })).operations.map((o) => o.id)).toEqual([snap.id, a.id]);
+
+    // Pages of 2 walk every operation once, in the same order.
+    const walked: string[] = [];
+    let pageToken = '';
+    do {
+      const p = await api.listOperations({ tenantId: t, pageSize: 2, pageToken });
+      expect(p.operations.length).toBeLessThanOrEqual(2);
+      walked.push(...p.operations.map((o) => o.id));
+      pageToken = p.nextPageToken;
+    } while (pageToken);
+    expect(walked).toEqual(all.map((o) => o.id));
+
+    const bad = async (req: Parameters<Fleet['listOperations']>[0]): Promise<string> => {
+      const e = (await api.listOperations(req).then(() => undefined, (x: unknown) => x)) as { code?: number; field?: string } | undefined;
+      expect(e?.code).toBe(Status.INVALID_ARGUMENT);
+      return e?.field ?? '';
+    };
+    expect(await bad({ tenantId: t, states: [OperationState.UNSPECIFIED] })).toBe('states[0]');
+    expect(await bad({ tenantId: t, kinds: [OperationKind.FORK, 99 as OperationKind] })).toBe('kinds[1]');
+    expect(await bad({ tenantId: t, targetId: '../etc' })).toBe('target_id');
+    // A sandbox list's token is not an operation list's.
+    expect(await bad({ tenantId: t, pageToken: Buffer.from(sandboxId).toString('base64url') })).toBe('page_token');
+  }, 60_000);
 });

@@ -42,7 +42,7 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     await down(DIR);
   }, 120_000);
 
-  it('walkthrough_createGetEventsExecFork4LsPinDestroyDrainRestart_jsonParsesAndExitCodesPassThrough', async () => {
+  it('walkthrough_createGetEventsExecFork4LsPinDestroyOpsDrainRestart_jsonParsesAndExitCodesPassThrough', async () => {
     const status = await json<{ api: string[]; hosts: unknown[] }>(['fleet', 'status', '--dir', DIR]);
     expect(status.api).toHaveLength(2);
 
@@ -112,12 +112,23 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(destroyed.map((d) => d.state)).toEqual(Array(5).fill('destroyed'));
     expect((await json<unknown[]>(['sandbox', 'ls'])).length).toBe(0);
 
+    // What ran, newest first: the five destroys; on the first sandbox, its destroy, the fork of it and its create.
+    const destroys = await json<Array<{ kind: string; state: string; targetId: string }>>(['operation', 'ls', '--kind', 'destroy', '--limit', '5']);
+    expect(destroys.map((o) => [o.kind, o.state])).toEqual(Array(5).fill(['destroy', 'succeeded']));
+    expect(new Set(destroys.map((o) => o.targetId))).toEqual(new Set([sb.id, ...fork.children.map((c) => c.id)]));
+    const onSb = await cli(['op', 'ls', '--target', sb.id]);
+    expect(onSb.stdout).toMatch(/^ID\s+KIND\s+STATE\s+TARGET\s+PROGRESS\s+CREATED/);
+    expect(onSb.stdout.trim().split('\n').slice(1).map((l) => l.split(/\s+/)[1])).toEqual(['destroy', 'fork', 'create']);
+    expect((await cli(['op', 'ls', '--state', 'done'])).code).toBe(2);
+
     // A drain is the admin tenant's operation: the CLI follows it whatever --tenant says
     // (FF_TENANT=cli here). Once drained, the host is cordoned and no longer draining.
     const drained = await json<{ state: string; kind: string }>(['hosts', 'drain', hosts[1]!.id]);
     expect(drained).toMatchObject({ kind: 'drain', state: 'succeeded' });
     const after = await json<Array<{ id: string; cordoned: boolean; draining: boolean }>>(['hosts', 'ls']);
     expect(after.find((h) => h.id === hosts[1]!.id)).toMatchObject({ cordoned: true, draining: false });
+    const drains = await json<Array<{ kind: string; targetId: string; tenantId: string }>>(['--tenant', 'admin', 'op', 'ls', '--kind', 'drain', '--limit', '1']);
+    expect(drains).toEqual([expect.objectContaining({ kind: 'drain', targetId: hosts[1]!.id, tenantId: 'admin' })]);
     expect(await json<{ cordoned: boolean }>(['hosts', 'cordon', '--undo', hosts[1]!.id])).toMatchObject({ cordoned: false });
 
     // fleet restart: one process, by the name fleet status shows; a name it does not know is a bad argument.

@@ -6,7 +6,8 @@ import { readFileSync, writeFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
 import { Forkfleet, ForkfleetError, OperationFailedError, parseDuration } from '../sdk/index.ts';
-import type { CallOpts, EventInfo, HostInfo, OperationInfo, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
+import type { CallOpts, EventInfo, HostInfo, OperationInfo, OperationKindName, OperationStateName, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
+import { OPERATION_KINDS, OPERATION_STATES } from '../sdk/index.ts';
 import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
 import { EVENT_TYPES } from '../domain/events.ts';
 
@@ -158,6 +159,12 @@ function sandboxRows(list: SandboxInfo[]): string[][] {
 }
 function snapshotRows(list: SnapshotInfo[]): string[][] {
   return [['ID', 'STATE', 'PINNED', 'SOURCE', 'STORED', 'HOSTS', 'EXPIRES'], ...list.map((s) => [s.id, s.state, s.pinned ? 'yes' : 'no', s.sourceSandboxId || '-', fmtBytes(s.storedBytes), s.hostIds.join(',') || '-', s.expiresAt ?? 'never'])];
+}
+function operationRows(list: OperationInfo[]): string[][] {
+  return [
+    ['ID', 'KIND', 'STATE', 'TARGET', 'PROGRESS', 'CREATED', 'ERROR'],
+    ...list.map((o) => [o.id, o.kind, o.state, o.targetId || '-', o.progress.total > 0 ? `${o.progress.done}/${o.progress.total}` : '-', o.createdAt ?? '-', o.error ? `${o.error.kind}: ${o.error.message}` : '']),
+  ];
 }
 function hostRows(list: HostInfo[]): string[][] {
   return [
@@ -456,6 +463,16 @@ export function buildProgram(): Command {
     .action(async (id: string, _o: unknown, cmd: Command) => {
       const o = await client(cmd).operation(id);
       out(cmd, o, () => operationFields(o));
+    });
+  op.command('ls').alias('list')
+    .description('the tenant\'s operations, newest first: running ones and those finished within the retention (1h by default); drains are the admin tenant\'s (--tenant admin)')
+    .addOption(new Option('--state <state...>', 'only these states').choices(OPERATION_STATES))
+    .addOption(new Option('--kind <kind...>', 'only these kinds').choices(OPERATION_KINDS))
+    .option('--target <id>', 'only those acting on this sandbox, snapshot or host')
+    .option('--limit <n>', 'at most this many, newest first', intArg('--limit', 1, 100_000), 100)
+    .action(async (o: { state?: OperationStateName[]; kind?: OperationKindName[]; target?: string; limit: number }, cmd: Command) => {
+      const list = await client(cmd).listOperations({ ...(o.state ? { states: o.state } : {}), ...(o.kind ? { kinds: o.kind } : {}), ...(o.target ? { targetId: o.target } : {}), limit: o.limit });
+      out(cmd, list, () => (list.length ? table(operationRows(list)) : 'no operations\n'));
     });
   program
     .command('events')

@@ -3,7 +3,7 @@
 // leader's Executor carries out. Inputs arrive validated (adapters/grpc/convert.ts).
 import { randomFillSync } from 'node:crypto';
 import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
-import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
+import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
 import { isTerminal } from './records.ts';
@@ -383,6 +383,13 @@ export class Fleet {
     const v = await this.deps.store.getOp(tenantId, id);
     if (!v) throw new NotFoundError('operation', id);
     return v.value;
+  }
+
+  /** The tenant's operations (running, and finished ones until retention deletes them) that match every filter given. */
+  async listOperations(tenantId: string, filter: { states: OperationState[]; kinds: OperationKind[]; targetId: string }): Promise<OperationRec[]> {
+    return (await this.deps.store.listOps({ activeOnly: false, tenantId }))
+      .map((v) => v.value)
+      .filter((o) => (!filter.states.length || filter.states.includes(o.state)) && (!filter.kinds.length || filter.kinds.includes(o.kind)) && (!filter.targetId || o.targetId === filter.targetId));
   }
 
   /** Waiters per `<tenant>/<op id>`: woken by the op watch, with the record, when that op is written terminal. */

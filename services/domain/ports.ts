@@ -58,7 +58,8 @@ export interface FleetStore {
   getSnapshot(tenantId: string, id: string): Promise<Versioned<SnapshotRec> | undefined>;
   listSnapshots(tenantId: string | undefined): Promise<Versioned<SnapshotRec>[]>;
   getOp(tenantId: string, id: string): Promise<Versioned<OperationRec> | undefined>;
-  listOps(filter: { activeOnly: boolean }): Promise<Versioned<OperationRec>[]>;
+  /** Every tenant's operations, or only `tenantId`'s. */
+  listOps(filter: { activeOnly: boolean; tenantId?: string }): Promise<Versioned<OperationRec>[]>;
   getHost(id: string): Promise<Versioned<HostRec> | undefined>;
   listHosts(): Promise<Versioned<HostRec>[]>;
   getAlloc(hostId: string): Promise<Versioned<HostAllocRec>>;

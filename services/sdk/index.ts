@@ -38,7 +38,11 @@ type FleetClient = Client<(typeof FleetService)['method']>;
 
 export type SandboxStateName = 'pending' | 'starting' | 'running' | 'paused' | 'hibernating' | 'hibernated' | 'waking' | 'destroying' | 'destroyed' | 'failed' | 'lost' | 'unspecified';
 export type SnapshotStateName = 'creating' | 'ready' | 'deleting' | 'deleted' | 'failed' | 'unspecified';
-export type OperationStateName = 'pending' | 'running' | 'succeeded' | 'failed' | 'cancelled' | 'unspecified';
+export type OperationStateName = (typeof OPERATION_STATES)[number] | 'unspecified';
+/** What listOperations can filter by. */
+export const OPERATION_STATES = ['pending', 'running', 'succeeded', 'failed', 'cancelled'] as const;
+export const OPERATION_KINDS = ['create', 'pause', 'resume', 'hibernate', 'wake', 'snapshot', 'fork', 'destroy', 'delete_snapshot', 'drain'] as const;
+export type OperationKindName = (typeof OPERATION_KINDS)[number];
 export type HostStateName = 'ready' | 'suspect' | 'lost' | 'unspecified';
 
 export interface ResourcesInfo {
@@ -153,6 +157,12 @@ export class OperationFailedError extends ForkfleetError {
 // ---------------------------------------------------------------- conversion
 
 const lower = (s: string | undefined): string => (s ?? 'UNSPECIFIED').toLowerCase();
+/** The proto enum value of a lower-case name (`field` names the filter when the name is unknown). */
+function enumValue<E extends Record<string, string | number>>(e: E, name: string, field: string): number {
+  const v = e[name.toUpperCase() as keyof E];
+  if (typeof v !== 'number' || v === 0) throw new ForkfleetError('invalid_argument', `${field}: unknown value ${JSON.stringify(name)}`, { field });
+  return v;
+}
 const num = (v: bigint | number | undefined): number => Number(v ?? 0);
 const ts = (t: { seconds: bigint; nanos: number } | undefined): string | undefined => (t ? new Date(Number(t.seconds) * 1000 + Math.floor(t.nanos / 1e6)).toISOString() : undefined);
 const res = (r: { vcpus: number; memoryMib: bigint; diskMib: bigint } | undefined): ResourcesInfo => ({ vcpus: r?.vcpus ?? 0, memoryMib: num(r?.memoryMib), diskMib: num(r?.diskMib) });
@@ -446,6 +456,28 @@ export class Forkfleet {
     return toOperation(await this.retry((o) => this.rpc.getOperation({ tenantId: this.tenant, operationId }, o), opts));
   }
 
+  /**
+   * The tenant's operations, newest first: the running ones and the finished ones the
+   * scheduler still keeps (FF_RECORD_RETENTION, 1 h by default). Every filter given must
+   * match; `limit` stops after that many (default: all). `tenant`: another tenant's (admin
+   * credentials only; a host drain is the `admin` tenant's).
+   */
+  async listOperations(filter: { states?: OperationStateName[]; kinds?: OperationKindName[]; targetId?: string; limit?: number } = {}, opts: CallOpts = {}, tenant = this.tenant): Promise<OperationInfo[]> {
+    const states = (filter.states ?? []).map((s, i) => enumValue(OperationState, s, `states[${i}]`));
+    const kinds = (filter.kinds ?? []).map((k, i) => enumValue(OperationKind, k, `kinds[${i}]`));
+    const limit = filter.limit ?? Infinity;
+    const out: OperationInfo[] = [];
+    if (limit <= 0) return out;
+    let pageToken = '';
+    do {
+      const pageSize = Math.min(100, limit - out.length);
+      const r = await this.retry((o) => this.rpc.listOperations({ tenantId: tenant, states, kinds, targetId: filter.targetId ?? '', pageSize, pageToken }, o), opts);
+      out.push(...r.operations.map(toOperation));
+      pageToken = r.nextPageToken;
+    } while (pageToken && out.length < limit);
+    return out;
+  }
+
   /** Submits a mutating call (one key for all attempts) and waits for its operation. */
   private async submit(call: (key: string, o: RpcCallOptions) => Promise<PbOperation>, opts: CallOpts): Promise<OperationInfo> {
     const key = this.key(opts);
@@ -492,7 +524,7 @@ export class Forkfleet {
   }
 
   async list(filter: { states?: SandboxStateName[]; labels?: Record<string, string> } = {}, opts: CallOpts = {}): Promise<SandboxInfo[]> {
-    const states = (filter.states ?? []).map((s) => SandboxState[s.toUpperCase() as keyof typeof SandboxState]);
+    const states = (filter.states ?? []).map((s, i) => enumValue(SandboxState, s, `states[${i}]`));
     const out: SandboxInfo[] = [];
     let pageToken = '';
     do {

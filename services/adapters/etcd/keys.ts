@@ -27,7 +27,7 @@ export const keys = {
   snapshot: (tenant: string, id: string) => `${PREFIX}snapshots/${tenant}/${id}`,
   snapshots: (tenant?: string) => `${PREFIX}snapshots/${tenant === undefined ? '' : `${tenant}/`}`,
   op: (tenant: string, id: string) => `${PREFIX}ops/${tenant}/${id}`,
-  ops: () => `${PREFIX}ops/`,
+  ops: (tenant?: string) => `${PREFIX}ops/${tenant === undefined ? '' : `${tenant}/`}`,
   idem: (tenant: string, key: string) => `${PREFIX}idem/${tenant}/${createHash('sha256').update(key).digest('hex').slice(0, 32)}`,
   election: () => `${PREFIX}election`,
 };

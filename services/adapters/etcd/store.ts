@@ -241,8 +241,8 @@ export class EtcdFleetStore implements FleetStore {
   getOp(tenantId: string, id: string): Promise<Versioned<OperationRec> | undefined> {
     return this.getOne(keys.op(tenantId, id));
   }
-  async listOps(filter: { activeOnly: boolean }): Promise<Versioned<OperationRec>[]> {
-    const all = await this.getPrefix<OperationRec>(keys.ops(), LIST_PAGE_OPS);
+  async listOps(filter: { activeOnly: boolean; tenantId?: string }): Promise<Versioned<OperationRec>[]> {
+    const all = await this.getPrefix<OperationRec>(keys.ops(filter.tenantId), LIST_PAGE_OPS);
     return filter.activeOnly ? all.filter((o) => !isTerminal(o.value.state)) : all;
   }
   getHost(id: string): Promise<Versioned<HostRec> | undefined> {

@@ -1,6 +1,8 @@
 import { describe, expect, it } from 'vitest';
 import { timestampMs } from '@bufbuild/protobuf/wkt';
-import { image, lifecycle, page, pageToken, toSnapshot } from './convert.ts';
+import { image, lifecycle, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, toSnapshot } from './convert.ts';
+import { OperationKind, OperationState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { OperationRec } from '../../domain/records.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import type { SnapshotRec } from '../../domain/records.ts';
 import { snapshotRecord } from '../../testkit/records.ts';
@@ -41,6 +43,44 @@ describe('list pages', () => {
   it('pageToken_notMadeByTheApi_isInvalidArgumentNamingTheField', () => {
     expect(() => pageToken('not a token')).toThrow(InvalidArgumentError);
     expect(() => pageToken(Buffer.from('../etc').toString('base64url'))).toThrow(/page_token/);
+  });
+});
+
+describe('operation lists', () => {
+  // Seven operations, two created in the same millisecond: newest first, then by id.
+  const at = [5, 9, 1, 9, 3, 7, 2];
+  const ops = at.map((t, i) => ({ id: `op-${String.fromCharCode(97 + i)}aaaaaaaaaaaaaaaaaaa`, createdAt: 1_700_000_000_000 + t }) as OperationRec);
+  const newestFirst = [...ops].sort((a, b) => b.createdAt - a.createdAt || (a.id < b.id ? -1 : 1)).map((o) => o.id);
+
+  it('pages_walkEveryOperationOnceNewestFirst_tiesById_andAPageHoldsAtMost100', () => {
+    const seen: string[] = [];
+    let token = '';
+    do {
+      const p = page(ops, 2, pageToken(token, 'page_token', NEWEST_OPERATION_FIRST), NEWEST_OPERATION_FIRST);
+      seen.push(...p.items.map((x) => x.id));
+      token = p.nextPageToken;
+    } while (token);
+    expect(seen).toEqual(newestFirst);
+    const many = Array.from({ length: 150 }, (_, i) => ({ id: `op-${String(i).padStart(20, '0')}`, createdAt: i }) as OperationRec);
+    expect(page(many, 0, '', NEWEST_OPERATION_FIRST).items).toHaveLength(100);
+    expect(page(many, 500, '', NEWEST_OPERATION_FIRST).items).toHaveLength(100);
+  });
+
+  it('aSandboxListToken_isNotAnOperationListToken_andTheOtherWayRound', () => {
+    const opToken = page(ops, 1, '', NEWEST_OPERATION_FIRST).nextPageToken;
+    expect(pageToken(opToken, 'page_token', NEWEST_OPERATION_FIRST)).toMatch(/^\d{15}\.op-/);
+    expect(() => pageToken(opToken)).toThrow(/page_token/);
+    expect(() => pageToken(Buffer.from('sb-aaaaaaaaaaaaaaaaaaaa').toString('base64url'), 'page_token', NEWEST_OPERATION_FIRST)).toThrow(/page_token/);
+  });
+
+  it('filters_withUnspecifiedOrUnknownValues_areInvalidArgumentNamingTheField', () => {
+    expect(operationState(OperationState.RUNNING, 'states[0]')).toBe('running');
+    expect(operationKind(OperationKind.DELETE_SNAPSHOT, 'kinds[0]')).toBe('delete_snapshot');
+    expect(() => operationState(OperationState.UNSPECIFIED, 'states[2]')).toThrow(/states\[2\]/);
+    expect(() => operationKind(42 as OperationKind, 'kinds[1]')).toThrow(/kinds\[1\]/);
+    expect(operationTarget('host-7', 'target_id')).toBe('host-7');
+    expect(operationTarget('sn-aaaaaaaaaaaaaaaaaaaa', 'target_id')).toBe('sn-aaaaaaaaaaaaaaaaaaaa');
+    expect(() => operationTarget('../etc', 'target_id')).toThrow(InvalidArgumentError);
   });
 });
 

@@ -107,24 +107,47 @@ export function resources(r: Resources | undefined, field = 'resources'): Resour
 export const MAX_PAGE = 1000;
 
 /**
- * A list's page token: the id of the last item of the page before, base64url-encoded (lists
- * are in id order, so a page resumes after it even when items came and went meanwhile).
+ * The order a list is paged in: by `key`, ascending. A page token is the key of the last item
+ * of the page before, base64url-encoded, so a page resumes after it even when items came and
+ * went meanwhile; `pattern` is what such a key looks like, `max` the largest page.
  */
-export function pageToken(token: string, field = 'page_token'): string {
-  if (!token) return '';
-  const id = Buffer.from(token, 'base64url').toString('utf8');
-  if (!/^(sb|sn)-[a-z0-9]{1,40}$/.test(id) || Buffer.from(id).toString('base64url') !== token) throw new InvalidArgumentError(field, 'not a token this API returned');
-  return id;
+export interface PageOrder<T> {
+  key(item: T): string;
+  pattern: RegExp;
+  max: number;
 }
 
-/** One page of `all` (sorted here by id): items after `after`, at most `pageSize` (0: MAX_PAGE), and the token for the next page ('' at the end). */
-export function page<T extends { id: string }>(all: readonly T[], pageSize: number, after: string): { items: T[]; nextPageToken: string } {
-  const size = pageSize === 0 ? MAX_PAGE : Math.min(pageSize, MAX_PAGE);
-  const sorted = [...all].sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
-  const from = after ? sorted.findIndex((x) => x.id > after) : 0;
+/** Sandboxes and snapshots: in id order. */
+export const BY_ID: PageOrder<{ id: string }> = { key: (x) => x.id, pattern: /^(sb|sn)-[a-z0-9]{1,40}$/, max: MAX_PAGE };
+
+/** Most operations in one page: each fork's children come with it. */
+export const MAX_OPERATION_PAGE = 100;
+/** Epoch ms that count down in a key that sorts ascending (newest first); good until the year 33658. */
+const NEWEST_FIRST = 1e15;
+
+/** Operations: newest first (then by id). */
+export const NEWEST_OPERATION_FIRST: PageOrder<OperationRec> = {
+  key: (op) => `${String(NEWEST_FIRST - op.createdAt).padStart(15, '0')}.${op.id}`,
+  pattern: /^\d{15}\.op-[a-z2-7]{20}$/,
+  max: MAX_OPERATION_PAGE,
+};
+
+/** The key a page token carries ('' for none); a token this API did not make is INVALID_ARGUMENT. */
+export function pageToken(token: string, field = 'page_token', order: Pick<PageOrder<never>, 'pattern'> = BY_ID): string {
+  if (!token) return '';
+  const key = Buffer.from(token, 'base64url').toString('utf8');
+  if (!order.pattern.test(key) || Buffer.from(key).toString('base64url') !== token) throw new InvalidArgumentError(field, 'not a token this API returned');
+  return key;
+}
+
+/** One page of `all` (sorted here by the order's key): items after `after`, at most `pageSize` (0: the order's max), and the token for the next page ('' at the end). */
+export function page<T extends { id: string }>(all: readonly T[], pageSize: number, after: string, order: PageOrder<T> = BY_ID): { items: T[]; nextPageToken: string } {
+  const size = pageSize === 0 ? order.max : Math.min(pageSize, order.max);
+  const sorted = all.map((x) => ({ x, k: order.key(x) })).sort((a, b) => (a.k < b.k ? -1 : a.k > b.k ? 1 : 0));
+  const from = after ? sorted.findIndex((e) => e.k > after) : 0;
   const items = from < 0 ? [] : sorted.slice(from, from + size);
   const more = from >= 0 && from + size < sorted.length;
-  return { items, nextPageToken: more ? Buffer.from(items[items.length - 1]!.id).toString('base64url') : '' };
+  return { items: items.map((e) => e.x), nextPageToken: more ? Buffer.from(items[items.length - 1]!.k).toString('base64url') : '' };
 }
 
 export function labels(m: Record<string, string>, field = 'labels'): Record<string, string> {
@@ -348,6 +371,26 @@ const OP_STATE: Record<OperationRec['state'], PbOpState> = {
   failed: PbOpState.FAILED,
   cancelled: PbOpState.CANCELLED,
 };
+
+/** A requested operation state; UNSPECIFIED or an unknown number is INVALID_ARGUMENT naming the field. */
+export function operationState(s: PbOpState, field: string): OperationRec['state'] {
+  const found = (Object.entries(OP_STATE) as [OperationRec['state'], PbOpState][]).find(([, v]) => v === s);
+  if (!found) throw new InvalidArgumentError(field, `unknown operation state ${s}`);
+  return found[0];
+}
+
+/** A requested operation kind; UNSPECIFIED or an unknown number is INVALID_ARGUMENT naming the field. */
+export function operationKind(k: PbOpKind, field: string): OperationRec['kind'] {
+  const found = (Object.entries(OP_KIND) as [OperationRec['kind'], PbOpKind][]).find(([, v]) => v === k);
+  if (!found) throw new InvalidArgumentError(field, `unknown operation kind ${k}`);
+  return found[0];
+}
+
+/** What an operation acts on: a sandbox or snapshot id, or a host id (a drain). */
+export function operationTarget(v: string, field: string): string {
+  if (!ID_RE.sb.test(v) && !ID_RE.sn.test(v) && !HOST_ID_RE.test(v)) throw new InvalidArgumentError(field, 'must be a sandbox id (sb-...), a snapshot id (sn-...) or a host id');
+  return v;
+}
 
 export interface OpResultObjects {
   sandboxes: SandboxRec[];

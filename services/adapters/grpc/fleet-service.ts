@@ -10,6 +10,7 @@ import type {
   ExecRequest,
   ForkSandboxRequest,
   GetOperationRequest,
+  ListOperationsRequest,
   GetSandboxRequest,
   GetSnapshotRequest,
   HibernateSandboxRequest,
@@ -299,6 +300,17 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     },
     async getOperation(req: GetOperationRequest, ctx: CallContext) {
       return op(await fleet.getOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id')));
+    },
+    async listOperations(req: ListOperationsRequest, ctx: CallContext) {
+      const tenantId = tenant(req.tenantId, ctx);
+      const filter = {
+        states: req.states.map((s, i) => c.operationState(s, `states[${i}]`)),
+        kinds: req.kinds.map((k, i) => c.operationKind(k, `kinds[${i}]`)),
+        targetId: req.targetId ? c.operationTarget(req.targetId, 'target_id') : '',
+      };
+      const after = c.pageToken(req.pageToken, 'page_token', c.NEWEST_OPERATION_FIRST);
+      const { items, nextPageToken } = c.page(await fleet.listOperations(tenantId, filter), req.pageSize, after, c.NEWEST_OPERATION_FIRST);
+      return { operations: await Promise.all(items.map(op)), nextPageToken };
     },
     async waitOperation(req: WaitOperationRequest, ctx: CallContext) {
       const timeoutMs = c.durationMs(req.timeout, 'timeout', { max: c.LIMITS.maxWaitMs }) ?? c.LIMITS.defaultWaitMs;
