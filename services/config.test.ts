@@ -35,6 +35,14 @@ describe('compileSchedulerConfig: control-plane TLS', () => {
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_ETCD_ENDPOINTS: 'https://10.0.0.1:2379,http://10.0.0.2:2379' }))).toBe('FF_ETCD_ENDPOINTS');
   });
 
+  it('etcdServerName_isADnsNameUsedOnlyWithTls_elseNamesTheVariable', () => {
+    expect(compileSchedulerConfig({}, { ...https, FF_ETCD_CA: '/e/ca.crt', FF_ETCD_SERVER_NAME: 'etcd.forkfleet' }).etcdServerName).toBe('etcd.forkfleet');
+    expect(compileSchedulerConfig({}, https).etcdServerName).toBe('');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...https, FF_ETCD_SERVER_NAME: '10.0.0.1:2379' }))).toBe('FF_ETCD_SERVER_NAME');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...https, FF_ETCD_SERVER_NAME: 'bad name' }))).toBe('FF_ETCD_SERVER_NAME');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_ETCD_SERVER_NAME: 'etcd.forkfleet' }))).toBe('FF_ETCD_SERVER_NAME');
+  });
+
   it('natsTls_tlsUrlsOrTheCa_turnItOn_andCertWithoutKeyNamesTheVariable', () => {
     expect(compileSchedulerConfig({}, { ...tls, FF_NATS_URL: 'tls://10.0.0.1:4222,tls://10.0.0.2:4222' }).natsTls).toEqual({ prefix: 'FF_NATS', ca: '', cert: '', key: '' });
     expect(compileSchedulerConfig({}, { ...tls, FF_NATS_CA: '/n/ca.crt' }).natsTls).toEqual({ prefix: 'FF_NATS', ca: '/n/ca.crt', cert: '', key: '' });

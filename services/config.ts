@@ -72,6 +72,15 @@ export function etcdTls(endpoints: readonly string[], env: NodeJS.ProcessEnv): T
   return files ?? (https ? Object.freeze({ prefix: 'FF_ETCD', ca: '', cert: '', key: '' } as const) : undefined);
 }
 
+/** FF_ETCD_SERVER_NAME (SchedulerConfig.etcdServerName): a DNS name, and only with TLS to etcd. */
+function etcdServerName(endpoints: readonly string[], env: NodeJS.ProcessEnv): string {
+  const name = env.FF_ETCD_SERVER_NAME ?? '';
+  if (!name) return '';
+  if (!/^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$/i.test(name)) throw new InvalidArgumentError('FF_ETCD_SERVER_NAME', `must be a DNS name, got ${JSON.stringify(name)}`);
+  if (!etcdTls(endpoints, env)) throw new InvalidArgumentError('FF_ETCD_SERVER_NAME', 'is a TLS setting, but etcd is spoken to in plain text: use https:// endpoints');
+  return name;
+}
+
 /**
  * TLS to NATS: on with tls:// URLs in FF_NATS_URL (verified against the system roots unless
  * FF_NATS_CA is set) or with FF_NATS_CA / FF_NATS_CERT + FF_NATS_KEY; the client then refuses a
@@ -130,6 +139,14 @@ export interface SchedulerConfig {
    * member with client-certificate authentication asks for. Undefined: plain text.
    */
   readonly etcdTls: TlsClientFiles | undefined;
+  /**
+   * FF_ETCD_SERVER_NAME: with TLS, the DNS name the members' certificates are checked against
+   * and the one sent as the TLS server name, instead of the endpoint's host. For endpoints
+   * that are IP addresses (Node warns, DEP0123, when an IP is the server name);
+   * deploy/hosts issues the members' certificates with `etcd.forkfleet` and sets it. '': the
+   * endpoint's host.
+   */
+  readonly etcdServerName: string;
   /** FF_NATS_URL: nats:// (or tls://) URLs of one NATS cluster, comma-separated (the client tries each). */
   readonly natsUrl: string;
   /** FF_NATS_CA, FF_NATS_CERT, FF_NATS_KEY (PEM files): TLS to NATS, as etcdTls (natsTls). */
@@ -270,6 +287,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     grpcAddr: addr(ga, grpcAddr),
     etcdEndpoints,
     etcdTls: etcdTls(etcdEndpoints, env),
+    etcdServerName: etcdServerName(etcdEndpoints, env),
     natsUrl,
     natsTls: natsTls(natsUrls, env),
     natsStreamReplicas: Number(natsReplicas),

@@ -91,7 +91,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const metrics = schedulerMetrics(registry);
   const signing = loadSigningKey(config.signingKeyPath, 'scheduler-1');
 
-  const store = EtcdFleetStore.connect([...config.etcdEndpoints], etcdTls);
+  const store = EtcdFleetStore.connect([...config.etcdEndpoints], etcdTls, config.etcdServerName);
   const nc: NatsConnection = await connect({
     servers: natsServers('FF_NATS_URL', config.natsUrl),
     name: `scheduler-${config.id}`,

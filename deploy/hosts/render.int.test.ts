@@ -23,7 +23,7 @@ import { peerCertificateCn } from '../../host-agent/adapters/peer/peer-identity.
 import { compileSchedulerConfig, natsTls, readTlsClientFiles } from '../../services/config.ts';
 import { fleetApiClient } from '../fleet/api-credentials.ts';
 import { parseInventory, type Inventory } from './inventory.ts';
-import { ETCD_CREDENTIALS, NATS_CREDENTIALS, render, SCHEDULER_CREDENTIALS } from './render.ts';
+import { ETCD_CREDENTIALS, ETCD_SERVER_NAME, NATS_CREDENTIALS, render, SCHEDULER_CREDENTIALS } from './render.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 
@@ -201,6 +201,9 @@ describe('a rendered deployment', () => {
     // Exactly one replica leads (the rendered etcd cluster holds the election).
     const leaders = await Promise.all(inv.schedulers.map(async (m) => /^forkfleet_scheduler_is_leader 1$/m.test(await (await fetch(`http://${m.address}:${inv.ports.metrics}/metrics`)).text())));
     expect(leaders.filter(Boolean)).toHaveLength(1);
+    // They reach etcd by IP address over TLS without Node's warning about an IP address as
+    // the TLS server name (DEP0123): they send FF_ETCD_SERVER_NAME, which the members' certificates carry.
+    for (const m of inv.schedulers) expect(readFileSync(join(dir, `${m.name}.log`), 'utf8')).not.toMatch(/DEP0123|TLS ServerName/);
   });
 
   it('render_ofThreeNatsServers_streamsAreReplicatedThreeTimes_andAnEarlierSingleCopyStreamGrows', async () => {
@@ -269,9 +272,12 @@ describe('a rendered deployment', () => {
     const env = schedulerEnv.get('sched-1')!;
     const member = `${inv.etcd[0]!.address}:${inv.ports.etcdClient}`;
     // The rendered client certificate is what lets the schedulers in (positive control).
-    const ok = new Etcd3({ hosts: `https://${member}`, credentials: { rootCertificate: readFileSync(env.FF_ETCD_CA!), certChain: readFileSync(env.FF_ETCD_CERT!), privateKey: readFileSync(env.FF_ETCD_KEY!) } });
+    // Checked against the name the schedulers use (FF_ETCD_SERVER_NAME), as they check it.
+    const grpcOptions = { 'grpc.ssl_target_name_override': env.FF_ETCD_SERVER_NAME! };
+    expect(env.FF_ETCD_SERVER_NAME).toBe(ETCD_SERVER_NAME);
+    const ok = new Etcd3({ hosts: `https://${member}`, grpcOptions, credentials: { rootCertificate: readFileSync(env.FF_ETCD_CA!), certChain: readFileSync(env.FF_ETCD_CERT!), privateKey: readFileSync(env.FF_ETCD_KEY!) } });
     const plain = new Etcd3({ hosts: `http://${member}`, dialTimeout: 2000 });
-    const noCert = new Etcd3({ hosts: `https://${member}`, dialTimeout: 2000, credentials: { rootCertificate: readFileSync(env.FF_ETCD_CA!) } });
+    const noCert = new Etcd3({ hosts: `https://${member}`, dialTimeout: 2000, grpcOptions, credentials: { rootCertificate: readFileSync(env.FF_ETCD_CA!) } });
     try {
       await ok.put('ff-render-test').value('1');
       await expect(plain.get('ff-render-test').string()).rejects.toThrow(/UNAVAILABLE/);

@@ -91,6 +91,12 @@ export const ETCD_CREDENTIALS = '/run/credentials/etcd.service';
 export const NATS_CREDENTIALS = '/run/credentials/nats-server.service';
 /** The CN of every etcd member's certificate: the peer port admits these only. */
 const ETCD_MEMBER_CN = 'forkfleet-etcd-member';
+/**
+ * A DNS name every etcd member's certificate carries besides its IP address. The schedulers
+ * dial members by IP and check them against this name (FF_ETCD_SERVER_NAME), so no IP address
+ * goes out as the TLS server name. Only the deployment's own etcd CA signs member certificates.
+ */
+export const ETCD_SERVER_NAME = 'etcd.forkfleet';
 
 const env = (vars: Record<string, string>, header: string): string =>
   `# ${header}\n# Rendered by deploy/hosts/render.ts; variables: services/config.ts and host-agent/config.ts.\n${Object.entries(vars)
@@ -209,6 +215,7 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       FF_ETCD_CA: `${SCHEDULER_CREDENTIALS}/etcd-ca.crt`,
       FF_ETCD_CERT: `${SCHEDULER_CREDENTIALS}/etcd.crt`,
       FF_ETCD_KEY: `${SCHEDULER_CREDENTIALS}/etcd.key`,
+      FF_ETCD_SERVER_NAME: ETCD_SERVER_NAME,
       FF_NATS_URL: natsUrls,
       FF_NATS_CA: `${SCHEDULER_CREDENTIALS}/ca.crt`,
       FF_NATS_CERT: `${SCHEDULER_CREDENTIALS}/nats.crt`,
@@ -343,14 +350,14 @@ export function ensureSecrets(dir: string, inv: Inventory): Secrets {
     schedulerTls.set(m.name, { cert: read(cert.serverCert), key: read(cert.serverKey) });
   }
   // One certificate per process and role, named <dir>/<file>.crt|.key; servers' name their IPv4 address.
-  const issue = (signer: { caCert: string; caKey: string }, file: string, cn: string, use: CertUse, address?: string): CertPair => {
+  const issue = (signer: { caCert: string; caKey: string }, file: string, cn: string, use: CertUse, address?: string, dns: readonly string[] = []): CertPair => {
     const pair = { cert: join(dir, `${file}.crt`), key: join(dir, `${file}.key`) };
-    ensureCert(signer, pair, { sans: address ? [`IP:${address}`] : [], cn, use });
+    ensureCert(signer, pair, { sans: [...(address ? [`IP:${address}`] : []), ...dns.map((d) => `DNS:${d}`)], cn, use });
     return { cert: read(pair.cert), key: read(pair.key) };
   };
   const etcdCa = { caCert: join(dir, 'etcd', 'ca.crt'), caKey: join(dir, 'etcd', 'ca.key') };
   ensureCa(etcdCa.caCert, etcdCa.caKey, `/CN=Forkfleet ${inv.name} etcd CA`);
-  const etcdMemberTls = new Map(inv.etcd.map((m) => [m.name, issue(etcdCa, `etcd/member-${m.name}`, ETCD_MEMBER_CN, 'server+client', m.address)] as const));
+  const etcdMemberTls = new Map(inv.etcd.map((m) => [m.name, issue(etcdCa, `etcd/member-${m.name}`, ETCD_MEMBER_CN, 'server+client', m.address, [ETCD_SERVER_NAME])] as const));
   const etcdClientTls = new Map(inv.schedulers.map((m) => [m.name, issue(etcdCa, `etcd/client-scheduler-${m.name}`, `forkfleet-scheduler-${m.name}`, 'client')] as const));
   const natsServerTls = new Map(inv.nats.map((m) => [m.name, issue(ca, `nats/server-${m.name}`, `forkfleet-nats-${m.name}`, 'server+client', m.address)] as const));
   const natsClientTls = new Map([

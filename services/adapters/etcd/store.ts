@@ -138,11 +138,14 @@ export class EtcdFleetStore implements FleetStore {
    * A client of these endpoints. With `tls` it speaks TLS: the members are verified against
    * `tls.ca` (else the system roots), and `tls.cert` / `tls.key` is the client certificate a
    * member with client-certificate authentication asks for. Without it: plain text, or TLS
-   * against the system roots when the endpoints are https:// (etcd3's own choice).
+   * against the system roots when the endpoints are https:// (etcd3's own choice). `serverName`
+   * (with `tls`): the name the members' certificates are checked against and sent as the TLS
+   * server name, instead of each endpoint's host.
    */
-  static connect(endpoints: string[], tls?: TlsClientPem): EtcdFleetStore {
+  static connect(endpoints: string[], tls?: TlsClientPem, serverName = ''): EtcdFleetStore {
     const credentials = tls ? { rootCertificate: tls.ca ?? Buffer.from(rootCertificates.join('\n')), ...(tls.cert && tls.key ? { certChain: tls.cert, privateKey: tls.key } : {}) } : undefined;
-    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, ...(credentials ? { credentials } : {}) }));
+    const grpcOptions = tls && serverName ? { grpcOptions: { 'grpc.ssl_target_name_override': serverName } } : {};
+    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, ...(credentials ? { credentials } : {}), ...grpcOptions }));
   }
 
   get etcd(): Etcd3 {
