@@ -655,4 +655,27 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     // A sandbox list's token is not an operation list's.
     expect(await bad({ tenantId: t, pageToken: Buffer.from(sandboxId).toString('base64url') })).toBe('page_token');
   }, 60_000);
+  it('listsOfAllTenants_showAnAdminEveryTenantsSandboxesOnAHostAndTheirOperations_andNeedNoTenantId', async () => {
+    const made = async (t: string, hostId?: string): Promise<{ id: string; hostId: string; opId: string }> => {
+      const op = await ok(api, await api.createSandbox({ tenantId: t, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, ...(hostId ? { placement: { hostId } } : {}) }), t);
+      return { id: op.result.case === 'sandbox' ? op.result.value.id : '', hostId: op.result.case === 'sandbox' ? op.result.value.hostId : '', opId: op.id };
+    };
+    const x = await made('tenant-x');
+    const y = await made('tenant-y', x.hostId);
+    const onHost = (await api.listSandboxes({ allTenants: true, hostId: x.hostId })).sandboxes;
+    expect(onHost.every((s) => s.hostId === x.hostId)).toBe(true);
+    expect(onHost.filter((s) => s.id === x.id || s.id === y.id).map((s) => [s.id, s.tenantId]).sort()).toEqual([[x.id, 'tenant-x'], [y.id, 'tenant-y']].sort());
+    // Without all_tenants, one tenant's only; host_id filters on the server.
+    expect((await api.listSandboxes({ tenantId: 'tenant-x', hostId: x.hostId })).sandboxes.map((s) => s.id)).toEqual([x.id]);
+    const other = HOSTS.find((h) => h !== x.hostId)!;
+    expect((await api.listSandboxes({ tenantId: 'tenant-x', hostId: other })).sandboxes).toEqual([]);
+    const creates = (await api.listOperations({ allTenants: true, kinds: [OperationKind.CREATE] })).operations;
+    expect(creates.slice(0, 2).map((o) => [o.id, o.tenantId])).toEqual([[y.opId, 'tenant-y'], [x.opId, 'tenant-x']]);
+
+    const fieldOf = (p: Promise<unknown>): Promise<[number | undefined, string | undefined]> => p.then(() => [undefined, undefined], (e: { code?: number; field?: string }) => [e.code, e.field]);
+    expect(await fieldOf(api.listSandboxes({ allTenants: true, tenantId: 'tenant-x' }))).toEqual([Status.INVALID_ARGUMENT, 'tenant_id']);
+    expect(await fieldOf(api.listOperations({ allTenants: true, tenantId: 'tenant-x' }))).toEqual([Status.INVALID_ARGUMENT, 'tenant_id']);
+    expect(await fieldOf(api.listSandboxes({ tenantId: 'tenant-x', hostId: 'Not A Host' }))).toEqual([Status.INVALID_ARGUMENT, 'host_id']);
+    for (const s of [x, y]) await ok(api, await api.destroySandbox({ tenantId: s === x ? 'tenant-x' : 'tenant-y', idempotencyKey: key(), sandboxId: s.id }), s === x ? 'tenant-x' : 'tenant-y');
+  }, 60_000);
 });

@@ -196,8 +196,13 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     expect((await admin.getSandbox({ tenantId: 'tenant-a', sandboxId: sbA })).id).toBe(sbA);
   });
 
-  it('hostOperations_withTenantCredentials_arePermissionDenied_andChangeNothing', async () => {
+  it('hostOperationsAndListsOfAllTenants_withTenantCredentials_arePermissionDenied_andChangeNothing', async () => {
     const before = await store.listHosts();
+    expect(await codeOf(a.listSandboxes({ allTenants: true }))).toBe('PERMISSION_DENIED');
+    expect(await codeOf(a.listOperations({ allTenants: true }))).toBe('PERMISSION_DENIED');
+    // Its own tenant's operations are its to list, another's are not.
+    expect(await codeOf(a.listOperations({}))).toBe('OK');
+    expect(await codeOf(a.listOperations({ tenantId: 'tenant-b' }))).toBe('PERMISSION_DENIED');
     expect(await codeOf(a.listHosts({}))).toBe('PERMISSION_DENIED');
     expect(await codeOf(a.cordonHost({ idempotencyKey: key(), hostId: HOSTS[0]!, cordon: true }))).toBe('PERMISSION_DENIED');
     expect(await codeOf(a.drainHost({ idempotencyKey: key(), hostId: HOSTS[0]!, migrate: true }))).toBe('PERMISSION_DENIED');

@@ -49,7 +49,7 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const hosts = await json<Array<{ id: string; state: string }>>(['hosts', 'ls']);
     expect(hosts.map((h) => h.state)).toEqual(['ready', 'ready']);
 
-    const sb = await json<{ id: string; state: string; hostId: string }>(['sandbox', 'create', '--image', 'tiny', '--memory', '256', '--idle-timeout', '1h']);
+    const sb = await json<{ id: string; tenantId: string; state: string; hostId: string }>(['sandbox', 'create', '--image', 'tiny', '--memory', '256', '--idle-timeout', '1h']);
     expect(sb.state).toBe('running');
     expect(await json<{ id: string; state: string; resources: { memoryMib: number } }>(['sandbox', 'get', sb.id])).toMatchObject({ id: sb.id, state: 'running', resources: { memoryMib: 256 }, idleTimeoutMs: 3_600_000, ttlMs: null });
     expect((await cli(['sandbox', 'get', sb.id])).stdout).toMatch(new RegExp(`^id\\s+${sb.id}\nstate\\s+running\n`));
@@ -91,6 +91,9 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const onHost = await json<Array<{ id: string; hostId: string }>>(['sandbox', 'ls', '--host', sb.hostId]);
     expect(onHost.map((s) => s.id)).toContain(sb.id);
     expect(onHost.every((s) => s.hostId === sb.hostId)).toBe(true);
+    // An admin's view of the host, whoever's sandboxes they are (this fleet's credentials are admin).
+    const everyones = await cli(['sandbox', 'ls', '--all-tenants', '--host', sb.hostId]);
+    expect(everyones.stdout).toMatch(new RegExp(`^ID\\s+TENANT\\s+STATE[^\\n]*\\n(.*\\n)*${sb.id}\\s+${sb.tenantId}\\s+running`));
 
     const snaps = await json<Array<{ id: string; hostIds: string[] }>>(['snapshot', 'ls']);
     expect(snaps.map((s) => s.id)).toContain(fork.snapshotId);

@@ -160,6 +160,11 @@ function sandboxRows(list: SandboxInfo[]): string[][] {
 function snapshotRows(list: SnapshotInfo[]): string[][] {
   return [['ID', 'STATE', 'PINNED', 'SOURCE', 'STORED', 'HOSTS', 'EXPIRES'], ...list.map((s) => [s.id, s.state, s.pinned ? 'yes' : 'no', s.sourceSandboxId || '-', fmtBytes(s.storedBytes), s.hostIds.join(',') || '-', s.expiresAt ?? 'never'])];
 }
+/** `rows` (a header, then one row per item of `list`) with a TENANT column after the id, when asked. */
+function withTenant(rows: string[][], list: ReadonlyArray<{ tenantId: string }>, show: boolean | undefined): string[][] {
+  if (!show) return rows;
+  return rows.map((r, i) => [r[0]!, i === 0 ? 'TENANT' : list[i - 1]!.tenantId, ...r.slice(1)]);
+}
 function operationRows(list: OperationInfo[]): string[][] {
   return [
     ['ID', 'KIND', 'STATE', 'TARGET', 'PROGRESS', 'CREATED', 'ERROR'],
@@ -311,10 +316,10 @@ export function buildProgram(): Command {
     .option('--state <state...>', 'only these states')
     .option('--label <key=value>', 'label selector (repeatable)', labelsArg)
     .option('--host <id>', 'only those on this host (e.g. before draining it)')
-    .action(async (o: { state?: string[]; label?: Record<string, string>; host?: string }, cmd: Command) => {
-      const all = await client(cmd).list({ ...(o.state ? { states: o.state as SandboxInfo['state'][] } : {}), ...(o.label ? { labels: o.label } : {}) });
-      const list = o.host ? all.filter((s) => s.hostId === o.host) : all;
-      out(cmd, list, () => (list.length ? table(sandboxRows(list)) : 'no sandboxes; create one with `forkfleet sandbox create`\n'));
+    .option('--all-tenants', 'every tenant\'s, with a TENANT column (admin)')
+    .action(async (o: { state?: string[]; label?: Record<string, string>; host?: string; allTenants?: boolean }, cmd: Command) => {
+      const list = await client(cmd).list({ ...(o.state ? { states: o.state as SandboxInfo['state'][] } : {}), ...(o.label ? { labels: o.label } : {}), ...(o.host ? { hostId: o.host } : {}), ...(o.allTenants ? { allTenants: true } : {}) });
+      out(cmd, list, () => (list.length ? table(withTenant(sandboxRows(list), list, o.allTenants)) : 'no sandboxes; create one with `forkfleet sandbox create`\n'));
     });
   sb.command('get').alias('show')
     .description('one sandbox: state (and why), host, source, resources, labels')
@@ -470,9 +475,10 @@ export function buildProgram(): Command {
     .addOption(new Option('--kind <kind...>', 'only these kinds').choices(OPERATION_KINDS))
     .option('--target <id>', 'only those acting on this sandbox, snapshot or host')
     .option('--limit <n>', 'at most this many, newest first', intArg('--limit', 1, 100_000), 100)
-    .action(async (o: { state?: OperationStateName[]; kind?: OperationKindName[]; target?: string; limit: number }, cmd: Command) => {
-      const list = await client(cmd).listOperations({ ...(o.state ? { states: o.state } : {}), ...(o.kind ? { kinds: o.kind } : {}), ...(o.target ? { targetId: o.target } : {}), limit: o.limit });
-      out(cmd, list, () => (list.length ? table(operationRows(list)) : 'no operations\n'));
+    .option('--all-tenants', 'every tenant\'s, with a TENANT column (admin)')
+    .action(async (o: { state?: OperationStateName[]; kind?: OperationKindName[]; target?: string; limit: number; allTenants?: boolean }, cmd: Command) => {
+      const list = await client(cmd).listOperations({ ...(o.state ? { states: o.state } : {}), ...(o.kind ? { kinds: o.kind } : {}), ...(o.target ? { targetId: o.target } : {}), limit: o.limit, ...(o.allTenants ? { allTenants: true } : {}) });
+      out(cmd, list, () => (list.length ? table(withTenant(operationRows(list), list, o.allTenants)) : 'no operations\n'));
     });
   program
     .command('events')

@@ -325,10 +325,12 @@ export class Fleet {
     return v.value;
   }
 
-  async listSandboxes(tenantId: string, states: SandboxState[], labels: Record<string, string>): Promise<SandboxRec[]> {
+  /** The tenant's sandboxes (undefined: every tenant's) that match every filter given; no state filter means all but destroyed. */
+  async listSandboxes(tenantId: string | undefined, states: SandboxState[], labels: Record<string, string>, hostId = ''): Promise<SandboxRec[]> {
     const all = (await this.deps.store.listSandboxes(tenantId)).map((v) => v.value);
     return all
       .filter((s) => (states.length ? states.includes(s.state) : s.state !== 'destroyed'))
+      .filter((s) => !hostId || s.hostId === hostId)
       .filter((s) => Object.entries(labels).every(([k, v]) => s.labels[k] === v))
       .sort((a, b) => a.createdAt - b.createdAt || a.id.localeCompare(b.id));
   }
@@ -385,9 +387,9 @@ export class Fleet {
     return v.value;
   }
 
-  /** The tenant's operations (running, and finished ones until retention deletes them) that match every filter given. */
-  async listOperations(tenantId: string, filter: { states: OperationState[]; kinds: OperationKind[]; targetId: string }): Promise<OperationRec[]> {
-    return (await this.deps.store.listOps({ activeOnly: false, tenantId }))
+  /** The tenant's operations (undefined: every tenant's; running, and finished ones until retention deletes them) that match every filter given. */
+  async listOperations(tenantId: string | undefined, filter: { states: OperationState[]; kinds: OperationKind[]; targetId: string }): Promise<OperationRec[]> {
+    return (await this.deps.store.listOps({ activeOnly: false, ...(tenantId === undefined ? {} : { tenantId }) }))
       .map((v) => v.value)
       .filter((o) => (!filter.states.length || filter.states.includes(o.state)) && (!filter.kinds.length || filter.kinds.includes(o.kind)) && (!filter.targetId || o.targetId === filter.targetId));
   }

@@ -459,10 +459,10 @@ export class Forkfleet {
   /**
    * The tenant's operations, newest first: the running ones and the finished ones the
    * scheduler still keeps (FF_RECORD_RETENTION, 1 h by default). Every filter given must
-   * match; `limit` stops after that many (default: all). `tenant`: another tenant's (admin
-   * credentials only; a host drain is the `admin` tenant's).
+   * match; `limit` stops after that many (default: all). `tenant`: another tenant's, and
+   * `allTenants`: every tenant's (admin credentials only; a host drain is the `admin` tenant's).
    */
-  async listOperations(filter: { states?: OperationStateName[]; kinds?: OperationKindName[]; targetId?: string; limit?: number } = {}, opts: CallOpts = {}, tenant = this.tenant): Promise<OperationInfo[]> {
+  async listOperations(filter: { states?: OperationStateName[]; kinds?: OperationKindName[]; targetId?: string; limit?: number; allTenants?: boolean } = {}, opts: CallOpts = {}, tenant = this.tenant): Promise<OperationInfo[]> {
     const states = (filter.states ?? []).map((s, i) => enumValue(OperationState, s, `states[${i}]`));
     const kinds = (filter.kinds ?? []).map((k, i) => enumValue(OperationKind, k, `kinds[${i}]`));
     const limit = filter.limit ?? Infinity;
@@ -471,7 +471,7 @@ export class Forkfleet {
     let pageToken = '';
     do {
       const pageSize = Math.min(100, limit - out.length);
-      const r = await this.retry((o) => this.rpc.listOperations({ tenantId: tenant, states, kinds, targetId: filter.targetId ?? '', pageSize, pageToken }, o), opts);
+      const r = await this.retry((o) => this.rpc.listOperations({ tenantId: filter.allTenants ? '' : tenant, allTenants: filter.allTenants ?? false, states, kinds, targetId: filter.targetId ?? '', pageSize, pageToken }, o), opts);
       out.push(...r.operations.map(toOperation));
       pageToken = r.nextPageToken;
     } while (pageToken && out.length < limit);
@@ -523,12 +523,16 @@ export class Forkfleet {
     return toSandbox(await this.retry((o) => this.rpc.getSandbox({ tenantId: this.tenant, sandboxId }, o), opts));
   }
 
-  async list(filter: { states?: SandboxStateName[]; labels?: Record<string, string> } = {}, opts: CallOpts = {}): Promise<SandboxInfo[]> {
+  /**
+   * Sandboxes matching every filter given (no states: all but destroyed). `hostId`: only those
+   * on that host; `allTenants`: every tenant's, not this client's (admin credentials only).
+   */
+  async list(filter: { states?: SandboxStateName[]; labels?: Record<string, string>; hostId?: string; allTenants?: boolean } = {}, opts: CallOpts = {}): Promise<SandboxInfo[]> {
     const states = (filter.states ?? []).map((s, i) => enumValue(SandboxState, s, `states[${i}]`));
     const out: SandboxInfo[] = [];
     let pageToken = '';
     do {
-      const r = await this.retry((o) => this.rpc.listSandboxes({ tenantId: this.tenant, states, labels: filter.labels ?? {}, pageSize: 500, pageToken }, o), opts);
+      const r = await this.retry((o) => this.rpc.listSandboxes({ tenantId: filter.allTenants ? '' : this.tenant, allTenants: filter.allTenants ?? false, states, labels: filter.labels ?? {}, hostId: filter.hostId ?? '', pageSize: 500, pageToken }, o), opts);
       out.push(...r.sandboxes.map(toSandbox));
       pageToken = r.nextPageToken;
     } while (pageToken);

@@ -77,6 +77,13 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
   };
   const tenant = (v: string, ctx: CallContext, field = 'tenant_id'): string => tenantFor(principal(ctx), v === '' ? '' : c.tenant(v, field), field);
   const admin = (ctx: CallContext, what: string): void => requireAdmin(principal(ctx), what);
+  /** A list of every tenant's records: admin only, and with no tenant_id. */
+  const allTenants = (req: { tenantId: string; allTenants: boolean }, ctx: CallContext, rpc: string): boolean => {
+    if (!req.allTenants) return false;
+    admin(ctx, `${rpc} with all_tenants`);
+    if (req.tenantId) throw new InvalidArgumentError('tenant_id', 'must be empty with all_tenants');
+    return true;
+  };
   // Pinning a sandbox to a named host is for operators (tests, debugging a host), not tenants.
   const placementFor = (p: Parameters<typeof c.placement>[0], ctx: CallContext): ReturnType<typeof c.placement> => {
     const out = c.placement(p);
@@ -113,7 +120,8 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     async listSandboxes(req: ListSandboxesRequest, ctx: CallContext) {
       const after = c.pageToken(req.pageToken);
       const states = req.states.map((s, i) => c.sandboxState(s, `states[${i}]`));
-      const all = await fleet.listSandboxes(tenant(req.tenantId, ctx), states, c.labels(req.labels));
+      const hostId = req.hostId ? c.hostId(req.hostId) : '';
+      const all = await fleet.listSandboxes(allTenants(req, ctx, 'ListSandboxes') ? undefined : tenant(req.tenantId, ctx), states, c.labels(req.labels), hostId);
       const { items, nextPageToken } = c.page(all, req.pageSize, after);
       return { sandboxes: items.map((s) => c.toSandbox(s, deps.clock.now())), nextPageToken };
     },
@@ -302,7 +310,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       return op(await fleet.getOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id')));
     },
     async listOperations(req: ListOperationsRequest, ctx: CallContext) {
-      const tenantId = tenant(req.tenantId, ctx);
+      const tenantId = allTenants(req, ctx, 'ListOperations') ? undefined : tenant(req.tenantId, ctx);
       const filter = {
         states: req.states.map((s, i) => c.operationState(s, `states[${i}]`)),
         kinds: req.kinds.map((k, i) => c.operationKind(k, `kinds[${i}]`)),
