@@ -26,6 +26,7 @@ import type { Client } from './adapters/grpc/rpc.ts';
 import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
+import { Forkfleet } from './sdk/index.ts';
 
 type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
@@ -75,6 +76,7 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
   let agents: FakeAgentsProcess;
   let api: Fleet;
   let snapshotId = '';
+  let creds: ReturnType<typeof testCredentials>;
   const armed: { fault?: Fault; hit: number } = { hit: 0 };
 
   async function wait(op: Operation, tenant = tenantId): Promise<Operation> {
@@ -96,7 +98,7 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
     dir = mkdtempSync('/tmp/ff-outage-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
     store = EtcdFleetStore.connect(etcd.endpoints);
-    const creds = testCredentials(dir);
+    creds = testCredentials(dir);
     sched = await startScheduler(
       compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: join(dir, 'signing.pem'), suspectAfterMs: '3s', lostAfterMs: '20s', ...creds.config }),
       pino({ level: 'warn' }),
@@ -176,5 +178,27 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
     const id = op.result.case === 'sandbox' ? op.result.value.id : '';
     expect((await store.getSandbox(tenantId, id))?.value.state).toBe('running');
     await assertBookedOnce();
+  }, 90_000);
+  it('sdkWait_whenEtcdRestartsUnderARunningFork_ridesOutTheOutage_andReturnsTheSucceededFork', async () => {
+    // A host whose restores take 3 s: the fork is still running when etcd goes away.
+    const slow = await startFakeAgents({ hosts: ['slow-1'], dataDir: join(dir, 'slow'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '16', FF_FAKE_RESTORE_MS_PER_VM: '3000' } });
+    const sdk = new Forkfleet({ address: sched.address, token: creds.adminToken, ca: creds.caPem, tenant: tenantId });
+    try {
+      await waitFor('slow host registered', async () => (await api.listHosts({})).hosts.some((h) => h.id === 'slow-1'), 20_000, 100);
+      const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2, placement: { hostId: 'slow-1' } });
+      // With a progress callback, as the CLI waits: a read every second.
+      const waited = sdk.wait(op.id, { timeoutMs: 60_000, onProgress: () => undefined });
+      await waitFor('children restoring', async () => (await store.listSandboxes(tenantId)).some((v) => v.value.opId === op.id && v.value.state === 'starting'), 20_000, 50);
+      // The scheduler's reads fail while etcd is down, and for a while after (etcd3 keeps
+      // its circuit open): the SDK's wait goes on polling instead of giving up.
+      await etcd.members[0]!.restart();
+      const done = await waited;
+      expect(done.state).toBe('succeeded');
+      expect(done.fork?.children.map((c) => c.state)).toEqual(['running', 'running']);
+      await assertBookedOnce();
+    } finally {
+      sdk.close();
+      await slow.stop();
+    }
   }, 90_000);
 });

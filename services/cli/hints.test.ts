@@ -9,6 +9,8 @@ describe('CLI hints', () => {
   it('hintFor_notFoundAndUnavailable_sayWhatToDoNext', () => {
     expect(hintFor({ kind: 'not_found', message: 'x' }, 'a:1')).toContain('forkfleet sandbox ls');
     expect(hintFor({ kind: 'unavailable', message: 'x' }, 'a:1')).toContain('npm run fleet:up');
+    // The scheduler answered; its etcd did not.
+    expect(hintFor({ kind: 'unavailable', message: 'the fleet store is unavailable (read): Execution prevented because the circuit breaker is open; retry' }, 'a:1')).toMatch(/cannot reach etcd.*operation ls/);
     expect(hintFor({ kind: 'unavailable', message: 'No connection established. Last error: Error: unable to verify the first certificate' }, 'a:1')).toContain('FF_CA');
     expect(hintFor({ kind: 'unauthenticated', message: 'no credentials' }, 'a:1')).toContain('FF_TOKEN');
     expect(hintFor({ kind: 'permission_denied', message: 'x', field: 'tenant_id' }, 'a:1')).toContain('drop --tenant');

@@ -53,6 +53,8 @@ export function hintFor(e: ErrorLike, api: string): string {
       return 'list what exists with `forkfleet sandbox ls` (or `forkfleet snapshot ls`, `forkfleet hosts ls`); ids are per tenant, so check --tenant too';
     case 'unavailable':
       if (/certificate|ssl|tls|handshake/i.test(e.message)) return "the scheduler's TLS certificate is not trusted: set FF_CA to its CA (the local fleet's is <fleet dir>/pki/ca.crt) or use --credentials";
+      // The scheduler answered, but etcd did not: work already submitted goes on once it is back.
+      if (/fleet store is unavailable/.test(e.message)) return 'the scheduler cannot reach etcd just now (`forkfleet fleet status` shows the local fleet\'s); an operation it accepted goes on: retry in a few seconds, and see what already ran with `forkfleet operation ls`';
       return `is the fleet up at ${api}? start one with \`npm run fleet:up\` (or \`forkfleet fleet up\`), or point --api / FF_API at a scheduler`;
     case 'deadline_exceeded':
       return 'the call took too long; the operation may still finish: check with `forkfleet sandbox ls`, or retry with a larger --timeout';

@@ -258,6 +258,12 @@ function toEvent(e: PbEvent): EventInfo {
   };
 }
 
+/** Errors worth another attempt: the server marked them retryable (a cancel is not). */
+const retryable = (e: unknown): boolean => e instanceof ForkfleetError && e.retryable && e.kind !== 'cancelled';
+
+/** How long `wait` keeps polling through nothing but retryable errors before it gives up. */
+export const WAIT_OUTAGE_MS = 60_000;
+
 const durationOf = (ms: number): { seconds: bigint; nanos: number } => ({ seconds: BigInt(Math.floor(ms / 1000)), nanos: (ms % 1000) * 1e6 });
 
 /** Parses '10s', '500ms', '2m', '1h', '0' or a number of milliseconds. */
@@ -420,8 +426,7 @@ export class Forkfleet {
       try {
         return await fn({ timeoutMs: opts.timeoutMs ?? this.timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) });
       } catch (e) {
-        const retryable = e instanceof ForkfleetError && e.retryable && e.kind !== 'cancelled';
-        if (!retryable || attempt >= attempts || opts.signal?.aborted) throw e;
+        if (!retryable(e) || attempt >= attempts || opts.signal?.aborted) throw e;
         await sleep(Math.random() * Math.min(maxMs, baseMs * 2 ** (attempt - 1)), opts.signal);
       }
     }
@@ -440,11 +445,24 @@ export class Forkfleet {
     const until = Date.now() + (opts.timeoutMs ?? 600_000);
     // With a progress callback poll once a second; without, long-poll in 30 s windows.
     const windowMs = opts.onProgress ? 1000 : 30_000;
+    // The operation goes on without this client: a scheduler or its store that is briefly
+    // unreachable (retryable errors, e.g. while etcd restarts) does not end the wait. Polling
+    // goes on until WAIT_OUTAGE_MS of nothing but such errors, then the last one is thrown.
+    let failingSince = 0;
     for (;;) {
       const left = until - Date.now();
       if (left <= 0) throw new ForkfleetError('deadline_exceeded', `operation ${operationId} not done after ${opts.timeoutMs ?? 600_000} ms; follow it with GetOperation`, { retryable: false });
       const w = Math.max(1, Math.min(windowMs, left));
-      const pb = await this.retry((o) => this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { ...o, timeoutMs: w + 10_000 }), { ...opts, timeoutMs: w + 10_000 });
+      let pb: PbOperation;
+      try {
+        pb = await this.retry((o) => this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { ...o, timeoutMs: w + 10_000 }), { ...opts, timeoutMs: w + 10_000 });
+      } catch (e) {
+        failingSince ||= Date.now();
+        if (!retryable(e) || opts.signal?.aborted || Date.now() - failingSince >= WAIT_OUTAGE_MS) throw e;
+        await sleep(Math.min(1000, Math.max(0, until - Date.now())), opts.signal);
+        continue;
+      }
+      failingSince = 0;
       const op = toOperation(pb);
       opts.onProgress?.(op);
       if (op.state === 'succeeded') return op;
