@@ -4,7 +4,7 @@
 // `sum` over replicas gives the fleet's figure.
 import { Gauge } from 'prom-client';
 import type { Registry } from 'prom-client';
-import type { FleetGauges, HostGauges } from './domain/fleet-gauges.ts';
+import type { FleetGauges, HostGauges, TenantGauges } from './domain/fleet-gauges.ts';
 
 const HOST_STATES = ['ready', 'suspect', 'lost'] as const;
 
@@ -57,5 +57,15 @@ export function registerFleetGauges(registry: Registry, source: () => FleetGauge
   gauge('forkfleet_snapshots', 'Snapshot records by state.', ['state'], (g, s) => {
     for (const [state, n] of s.snapshots) g.set({ state }, n);
   });
+  const perTenant = (name: string, help: string, value: (t: TenantGauges) => number): void =>
+    gauge(name, help, ['tenant'], (g, s) => {
+      for (const [tenant, t] of s.tenants ?? []) g.set({ tenant }, value(t));
+    });
+  gauge('forkfleet_tenant_sandboxes', "A tenant's sandbox records by state (destroyed and failed ones until FF_RECORD_RETENTION deletes them).", ['tenant', 'state'], (g, s) => {
+    for (const [tenant, t] of s.tenants ?? []) for (const [state, n] of t.sandboxes) g.set({ tenant, state }, n);
+  });
+  perTenant('forkfleet_tenant_vcpus_booked', "vCPUs booked by a tenant's sandboxes that hold capacity (a hibernated one books none).", (t) => t.vcpus);
+  perTenant('forkfleet_tenant_memory_booked_bytes', "Memory booked by a tenant's sandboxes that hold capacity (a hibernated one books none).", (t) => t.memoryBytes);
+  perTenant('forkfleet_tenant_snapshot_stored_bytes', "A tenant's ready snapshots' stored sizes, summed (hibernation snapshots included).", (t) => t.snapshotStoredBytes);
   gauge('forkfleet_snapshot_stored_bytes', "Ready snapshots' stored (compressed) sizes, summed; a chunk shared between snapshots counts in each, so the hosts' chunk stores hold less.", [], (g, s) => g.set(s.snapshotStoredBytes));
 }

@@ -4,7 +4,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { execFileSync, spawnSync } from 'node:child_process';
 import { createServer } from 'node:http';
 import type { Server } from 'node:http';
-import { mkdtempSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { chromium } from 'playwright-core';
 import type { BrowserContext } from 'playwright-core';
@@ -135,6 +135,12 @@ describe('dashboard and metrics against a local fleet', () => {
     }
     expect(sample(leaderText, `forkfleet_host_sandboxes{host="${sb.info!.hostId}"}`)).toBeGreaterThanOrEqual(1);
     expect(sample(leaderText, 'forkfleet_sandboxes{state="running"}')).toBeGreaterThanOrEqual(1);
+    // Per tenant: what 'dash' books now, as its own list adds it up.
+    const mine = await ff.list();
+    const holding = mine.filter((s) => ['starting', 'running', 'paused', 'hibernating', 'destroying'].includes(s.state));
+    expect(sample(leaderText, 'forkfleet_tenant_memory_booked_bytes{tenant="dash"}')).toBe(holding.reduce((n, s) => n + s.resources.memoryMib, 0) * 1024 * 1024);
+    expect(sample(leaderText, 'forkfleet_tenant_vcpus_booked{tenant="dash"}')).toBe(holding.reduce((n, s) => n + s.resources.vcpus, 0));
+    expect(sample(leaderText, 'forkfleet_tenant_sandboxes{tenant="dash",state="running"}')).toBe(mine.filter((s) => s.state === 'running').length);
     expect(standbyText).toContain('# TYPE forkfleet_hosts gauge');
     expect(sample(standbyText, 'forkfleet_hosts{state="ready"}')).toBeUndefined();
     for (const text of texts) {
@@ -146,5 +152,20 @@ describe('dashboard and metrics against a local fleet', () => {
       const ours = text.split('\n').filter((l) => !PROM_CLIENT_GAUGES.some((g) => l.includes(` ${g} `) || l.startsWith(g))).join('\n');
       expect(execFileSync('promtool', ['check', 'metrics'], { input: ours, encoding: 'utf8' })).toBe('');
     }
+  });
+
+  it('grafanaDashboard_queriesParseAsPromQl_andNameOnlyMetricsTheSchedulersExpose', async () => {
+    const board = JSON.parse(readFileSync(join(import.meta.dirname, '..', '..', 'deploy', 'grafana', 'forkfleet.json'), 'utf8')) as { panels: Array<{ title: string; targets?: Array<{ expr: string }> }> };
+    const exprs = board.panels.flatMap((p) => (p.targets ?? []).map((t) => ({ title: p.title, expr: t.expr })));
+    expect(exprs.length).toBeGreaterThan(10);
+    // promtool parses PromQL in recording rules: one rule per panel query, with Grafana's
+    // interval variables ($__rate_interval) as a fixed range.
+    const rules = join(tmp, 'grafana-rules.yml');
+    writeFileSync(rules, `groups:\n  - name: grafana\n    rules:\n${exprs.map((e, i) => `      - record: grafana_panel_${i}\n        expr: ${JSON.stringify(e.expr.replace(/\$__\w+/g, '5m'))}\n`).join('')}`);
+    const check = spawnSync('promtool', ['check', 'rules', rules], { encoding: 'utf8' });
+    expect(check.status, `${check.stdout}${check.stderr}`).toBe(0);
+    const exposed = new Set((await Promise.all(fleet.metricsAddresses.map(async (addr) => (await fetch(`http://${addr}/metrics`)).text()))).join('\n').match(/^# TYPE \S+/gm)!.map((l) => l.slice('# TYPE '.length)));
+    const unknown = exprs.flatMap((e) => [...e.expr.matchAll(/\bforkfleet_[a-z_]+/g)].map((m) => m[0].replace(/_(bucket|sum|count)$/, '')).filter((name) => !exposed.has(name)).map((name) => `${e.title}: ${name}`));
+    expect(unknown).toEqual([]);
   });
 });

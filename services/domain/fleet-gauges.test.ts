@@ -42,8 +42,8 @@ describe('fleetGauges', () => {
   });
 
   it('sandboxesAndSnapshots_areCountedByState_andOnlyReadySnapshotsAddStoredBytes', () => {
-    const sb = (state: SandboxRec['state']): SandboxRec => ({ state }) as SandboxRec;
-    const sn = (state: SnapshotRec['state'], storedBytes: number): SnapshotRec => ({ state, storedBytes }) as SnapshotRec;
+    const sb = (state: SandboxRec['state']): SandboxRec => ({ state, tenantId: 't', resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 } }) as SandboxRec;
+    const sn = (state: SnapshotRec['state'], storedBytes: number): SnapshotRec => ({ state, storedBytes, tenantId: 't' }) as SnapshotRec;
     const g = fleetGauges({
       hosts: [],
       allocs: new Map(),
@@ -56,5 +56,27 @@ describe('fleetGauges', () => {
     expect(Object.fromEntries(g.sandboxes!)).toEqual({ running: 2, hibernated: 1, destroyed: 1 });
     expect(Object.fromEntries(g.snapshots)).toEqual({ ready: 2, creating: 1, deleted: 1 });
     expect(g.snapshotStoredBytes).toBe(150);
+  });
+
+  it('perTenant_bookedCpuAndMemoryCountOnlySandboxesHoldingCapacity_andStorageOnlyReadySnapshots', () => {
+    const sb = (tenantId: string, state: SandboxRec['state'], vcpus = 1, memoryMib = 256): SandboxRec => ({ tenantId, state, resources: { vcpus, memoryMib, diskMib: 1024 } }) as SandboxRec;
+    const sn = (tenantId: string, state: SnapshotRec['state'], storedBytes: number): SnapshotRec => ({ tenantId, state, storedBytes }) as SnapshotRec;
+    const input = {
+      hosts: [],
+      allocs: new Map(),
+      heard: { get: () => undefined },
+      now: 0,
+      liveness,
+      sandboxes: [sb('a', 'running', 2, 512), sb('a', 'paused'), sb('a', 'hibernated', 4, 4096), sb('a', 'destroyed', 8, 8192), sb('b', 'starting'), sb('b', 'failed')],
+      snapshots: [sn('a', 'ready', 100), sn('a', 'creating', 5), sn('c', 'ready', 70)],
+    };
+    const g = fleetGauges(input);
+    // A hibernated or destroyed sandbox books nothing: only storage for its snapshot.
+    expect(g.tenants!.get('a')).toEqual({ sandboxes: new Map([['running', 1], ['paused', 1], ['hibernated', 1], ['destroyed', 1]]), vcpus: 3, memoryBytes: 768 * MIB, snapshotStoredBytes: 100 });
+    expect(g.tenants!.get('b')).toMatchObject({ vcpus: 1, memoryBytes: 256 * MIB, snapshotStoredBytes: 0 });
+    // A tenant with snapshots and no sandboxes still shows its storage.
+    expect(g.tenants!.get('c')).toEqual({ sandboxes: new Map(), vcpus: 0, memoryBytes: 0, snapshotStoredBytes: 70 });
+    // No sandbox index yet: no tenant figures at all (not zeros).
+    expect(fleetGauges({ ...input, sandboxes: undefined }).tenants).toBeUndefined();
   });
 });

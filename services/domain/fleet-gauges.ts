@@ -1,8 +1,11 @@
 // The fleet's state as numbers for Prometheus (scheduler.ts registers them): hosts by
 // liveness, each host's capacity, booking and measured use, sandboxes and snapshots by state.
 // Pure: the leader's caches in, numbers out. Capacity planning reads these: booked against
-// capacity per host, and what the hosts report using.
+// capacity per host, and what the hosts report using. Per tenant, what each holds now (booked
+// vCPUs and memory, stored snapshot bytes): integrated over time, they are what to charge a
+// tenant for, and they show that a hibernated sandbox books no CPU or memory, only storage.
 import type { HostAllocRec, HostRec, SandboxRec, SnapshotRec } from './records.ts';
+import { HOLDS_CAPACITY } from './records.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
 import { livenessOf } from './fleet-view.ts';
 
@@ -20,6 +23,17 @@ export interface HostGauges {
   chunkStoreBytes: number | undefined;
 }
 
+/** What one tenant holds now. */
+export interface TenantGauges {
+  /** Sandboxes by state (destroyed and failed ones until history retention deletes them). */
+  sandboxes: Map<string, number>;
+  /** vCPUs and memory booked by its sandboxes that hold capacity (starting, running, paused, hibernating, destroying). */
+  vcpus: number;
+  memoryBytes: number;
+  /** Stored bytes of its ready snapshots (hibernation snapshots included). */
+  snapshotStoredBytes: number;
+}
+
 export interface FleetGauges {
   hosts: Map<string, HostGauges>;
   /** Sandbox records by state (destroyed and failed ones until history retention deletes them); undefined until the leader's index has loaded. */
@@ -27,6 +41,8 @@ export interface FleetGauges {
   snapshots: Map<string, number>;
   /** Stored (compressed, deduplicated within the snapshot) bytes of ready snapshots. */
   snapshotStoredBytes: number;
+  /** By tenant; undefined until the leader's sandbox index has loaded. */
+  tenants: Map<string, TenantGauges> | undefined;
 }
 
 export interface FleetGaugeInput {
@@ -59,15 +75,32 @@ export function fleetGauges(i: FleetGaugeInput): FleetGauges {
     });
   }
   let sandboxes: Map<string, number> | undefined;
+  let tenants: Map<string, TenantGauges> | undefined;
+  const tenant = (id: string): TenantGauges => {
+    let t = tenants!.get(id);
+    if (!t) tenants!.set(id, (t = { sandboxes: new Map(), vcpus: 0, memoryBytes: 0, snapshotStoredBytes: 0 }));
+    return t;
+  };
   if (i.sandboxes) {
     sandboxes = new Map();
-    for (const s of i.sandboxes) sandboxes.set(s.state, (sandboxes.get(s.state) ?? 0) + 1);
+    tenants = new Map();
+    for (const s of i.sandboxes) {
+      sandboxes.set(s.state, (sandboxes.get(s.state) ?? 0) + 1);
+      const t = tenant(s.tenantId);
+      t.sandboxes.set(s.state, (t.sandboxes.get(s.state) ?? 0) + 1);
+      if (HOLDS_CAPACITY.has(s.state)) {
+        t.vcpus += s.resources.vcpus;
+        t.memoryBytes += s.resources.memoryMib * MIB;
+      }
+    }
   }
   const snapshots = new Map<string, number>();
   let snapshotStoredBytes = 0;
   for (const s of i.snapshots) {
     snapshots.set(s.state, (snapshots.get(s.state) ?? 0) + 1);
-    if (s.state === 'ready') snapshotStoredBytes += s.storedBytes;
+    if (s.state !== 'ready') continue;
+    snapshotStoredBytes += s.storedBytes;
+    if (tenants) tenant(s.tenantId).snapshotStoredBytes += s.storedBytes;
   }
-  return { hosts, sandboxes, snapshots, snapshotStoredBytes };
+  return { hosts, sandboxes, snapshots, snapshotStoredBytes, tenants };
 }
