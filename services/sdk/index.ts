@@ -483,7 +483,7 @@ export class Forkfleet {
   async listOperations(filter: { states?: OperationStateName[]; kinds?: OperationKindName[]; targetId?: string; limit?: number; allTenants?: boolean } = {}, opts: CallOpts = {}, tenant = this.tenant): Promise<OperationInfo[]> {
     const states = (filter.states ?? []).map((s, i) => enumValue(OperationState, s, `states[${i}]`));
     const kinds = (filter.kinds ?? []).map((k, i) => enumValue(OperationKind, k, `kinds[${i}]`));
-    const limit = filter.limit ?? Infinity;
+    const limit = Math.floor(filter.limit ?? Infinity);
     const out: OperationInfo[] = [];
     if (limit <= 0) return out;
     let pageToken = '';
