@@ -660,8 +660,10 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       const op = await ok(api, await api.createSandbox({ tenantId: t, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, ...(hostId ? { placement: { hostId } } : {}) }), t);
       return { id: op.result.case === 'sandbox' ? op.result.value.id : '', hostId: op.result.case === 'sandbox' ? op.result.value.hostId : '', opId: op.id };
     };
-    const x = await made('tenant-x');
-    const y = await made('tenant-y', x.hostId);
+    // A host of their own: earlier tests leave the shared ones nearly full.
+    const agents = await ownHost('fake-tenants', 'tenants');
+    const x = await made('tenant-x', 'fake-tenants');
+    const y = await made('tenant-y', 'fake-tenants');
     const onHost = (await api.listSandboxes({ allTenants: true, hostId: x.hostId })).sandboxes;
     expect(onHost.every((s) => s.hostId === x.hostId)).toBe(true);
     expect(onHost.filter((s) => s.id === x.id || s.id === y.id).map((s) => [s.id, s.tenantId]).sort()).toEqual([[x.id, 'tenant-x'], [y.id, 'tenant-y']].sort());
@@ -677,5 +679,6 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect(await fieldOf(api.listOperations({ allTenants: true, tenantId: 'tenant-x' }))).toEqual([Status.INVALID_ARGUMENT, 'tenant_id']);
     expect(await fieldOf(api.listSandboxes({ tenantId: 'tenant-x', hostId: 'Not A Host' }))).toEqual([Status.INVALID_ARGUMENT, 'host_id']);
     for (const s of [x, y]) await ok(api, await api.destroySandbox({ tenantId: s === x ? 'tenant-x' : 'tenant-y', idempotencyKey: key(), sandboxId: s.id }), s === x ? 'tenant-x' : 'tenant-y');
+    await agents.stop();
   }, 60_000);
 });

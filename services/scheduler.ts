@@ -113,7 +113,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const guard = new ApiGuard(auth, { maxStreamsPerCredential: config.maxStreamsPerCredential });
   // Quota admission reads usage from a ledger a watch keeps (started by the first check that has a quota).
   const usage = new QuotaLedger({ store, log: log.child({ component: 'quota-ledger' }) });
-  const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), usage, defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId), forkSnapshotTtlMs: config.forkSnapshotTtlMs });
+  const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), usage, defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId), forkSnapshotTtlMs: config.forkSnapshotTtlMs, rateOf: (tenantId) => auth.rateOf(tenantId) });
   const grpc: RunningGrpcServer = await startGrpcServer({
     address: config.grpcAddr,
     services: [fleetService({ fleet, store, clock })],

@@ -95,6 +95,7 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     tokens.tight = creds.mint({ tenant: 'tight', quotas: { sandboxes: 1, memory_mib: 512 } });
     tokens.slow = creds.mint({ tenant: 'slow', rate: { per_s: 1, burst: 3 } });
     tokens.life = creds.mint({ tenant: 'life' });
+    tokens.rated = creds.mint({ tenant: 'rated', rate: { per_s: 50, burst: 70 } });
     const signingKeyPath = join(dir, 'signing.pem');
     sched = await startScheduler(
       compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath, maxStreamsPerCredential: '2', maxRecvBytes: '64KiB', metricsAddr: '127.0.0.1:0', ...creds.config }),
@@ -228,9 +229,22 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     expect(fork?.code).toBe(Status.RESOURCE_EXHAUSTED);
     expect(fork?.field).toBe('quotas.sandboxes');
     expect(await records()).toEqual(before);
+    // The tenant sees its quota and what counts against it.
+    const used = await tight.getTenantUsage({});
+    expect([used.tenantId, used.sandboxes, used.memoryMib, used.quota?.sandboxes, used.quota?.memoryMib, used.quota?.snapshotBytes]).toEqual(['tight', 1, 256n, 1, 512n, undefined]);
     // Destroying frees the quota.
     await ok(tight, await tight.destroySandbox({ idempotencyKey: key(), sandboxId: id }));
+    expect((await tight.getTenantUsage({})).sandboxes).toBe(0);
     await ok(tight, await tight.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+  });
+
+  it('tenantUsage_showsItsOwnRateAndNoLimitsWhereNoneAreSet_andAnotherTenantsOnlyToAnAdmin', async () => {
+    const rated = await client(tokens.rated!).getTenantUsage({});
+    expect([rated.tenantId, rated.ratePerSecond, rated.rateBurst, rated.quota?.sandboxes, rated.quota?.memoryMib]).toEqual(['rated', 50, 70, undefined, undefined]);
+    expect(await codeOf(a.getTenantUsage({ tenantId: 'tight' }))).toBe('PERMISSION_DENIED');
+    expect((await admin.getTenantUsage({ tenantId: 'tight' })).quota?.sandboxes).toBe(1);
+    const bad = await failure(admin.getTenantUsage({ tenantId: 'Not A Tenant' }));
+    expect([bad?.code, bad?.field]).toEqual([Status.INVALID_ARGUMENT, 'tenant_id']);
   });
 
   it('tenantOverItsRate_isRetryableResourceExhausted_andTheSdkRetriesThrough', async () => {

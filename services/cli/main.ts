@@ -510,6 +510,23 @@ export function buildProgram(): Command {
     });
 
   // ----- hosts
+  program
+    .command('usage')
+    .description('the tenant\'s quotas and rate limit, and what counts against the quotas now (how many more sandboxes a fork may start)')
+    .action(async (_o: unknown, cmd: Command) => {
+      const u = await client(cmd).usage();
+      const of = (used: string, limit: string | undefined): string => `${used}${limit === undefined ? ' (no limit)' : ` of ${limit}`}`;
+      const q = u.quota;
+      out(cmd, u, () =>
+        fields([
+          ['tenant', u.tenantId],
+          ['sandboxes', of(String(u.sandboxes), q.sandboxes === undefined ? undefined : String(q.sandboxes))],
+          ['memory', of(`${u.memoryMib} MiB`, q.memoryMib === undefined ? undefined : `${q.memoryMib} MiB`)],
+          ['snapshots', of(fmtBytes(u.snapshotBytes), q.snapshotBytes === undefined ? undefined : fmtBytes(q.snapshotBytes))],
+          ['rate', u.ratePerSecond > 0 ? `${u.ratePerSecond} calls/s, burst ${u.rateBurst}` : 'no limit'],
+        ]));
+    });
+
   const hosts = program.command('hosts').description('fleet hosts (admin)');
   hosts.command('ls').alias('list').description('hosts, their capacity and load').action(async (_o: unknown, cmd: Command) => {
     const list = await client(cmd).hosts.list();

@@ -12,8 +12,8 @@ import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
-import { admit, forkNeed } from './quota.ts';
-import type { QuotaOf, UsageSource } from './quota.ts';
+import { admit, forkNeed, tenantUsage } from './quota.ts';
+import type { QuotaOf, TenantQuota, TenantUsage, UsageSource } from './quota.ts';
 
 /** Room left in a relayed NATS message for its protobuf framing and headers. */
 const RELAY_HEADROOM = 16 << 10;
@@ -126,6 +126,8 @@ export interface FleetDeps {
   defaultIdleTimeoutMs?: (tenantId: string) => number | undefined;
   /** TTL of the snapshot a fork of a live sandbox takes when the request sets no retention; 0 or absent: kept. */
   forkSnapshotTtlMs?: number;
+  /** A tenant's call rate limit (services/auth), for GetTenantUsage; absent: none. */
+  rateOf?: (tenantId: string) => { perSecond: number; burst: number } | undefined;
 }
 
 export interface HostListing {
@@ -379,6 +381,11 @@ export class Fleet {
     if (prior) return prior;
     await this.getSnapshot(tenantId, id);
     return this.submit(tenantId, key, 'delete_snapshot', id, {});
+  }
+
+  /** The tenant's quotas and rate limit, and what counts against the quotas now (quota.ts). */
+  async tenantUsage(tenantId: string): Promise<{ usage: TenantUsage; quota: TenantQuota; rate: { perSecond: number; burst: number } | undefined }> {
+    return { usage: await tenantUsage(this.deps, tenantId), quota: this.deps.quotas?.(tenantId) ?? {}, rate: this.deps.rateOf?.(tenantId) };
   }
 
   async getOperation(tenantId: string, id: string): Promise<OperationRec> {

@@ -86,21 +86,31 @@ export interface UsageSource {
 export async function admit(deps: { store: FleetStore; quotas?: QuotaOf | undefined; usage?: UsageSource | undefined }, tenantId: string, need: QuotaNeed | (() => Promise<QuotaNeed>)): Promise<void> {
   const quota = deps.quotas?.(tenantId);
   if (!quota || (quota.sandboxes === undefined && quota.memoryMib === undefined && quota.snapshotBytes === undefined)) return;
-  const [fromLedger, n] = await Promise.all([deps.usage?.usage(tenantId), typeof need === 'function' ? need() : Promise.resolve(need)]);
+  const [usage, n] = await Promise.all([tenantUsage(deps, tenantId, { snapshots: quota.snapshotBytes !== undefined }), typeof need === 'function' ? need() : Promise.resolve(need)]);
+  return checkQuota(tenantId, quota, usage, n);
+}
+
+/**
+ * What counts against the tenant's quotas now, forks admitted but not yet placed included:
+ * from the ledger when it can answer, else from the tenant's records. `snapshots: false`
+ * leaves snapshot bytes out of a listing (0) when no quota needs them.
+ */
+export async function tenantUsage(deps: { store: FleetStore; usage?: UsageSource | undefined }, tenantId: string, o: { snapshots: boolean } = { snapshots: true }): Promise<TenantUsage> {
+  const fromLedger = await deps.usage?.usage(tenantId);
   if (fromLedger) {
     const { pendingSandboxes, pendingMemoryMib, ...usage } = fromLedger;
     usage.sandboxes += pendingSandboxes;
     usage.memoryMib += pendingMemoryMib;
-    return checkQuota(tenantId, quota, usage, n);
+    return usage;
   }
-  return checkQuota(tenantId, quota, await listedUsage(deps.store, tenantId, quota), n);
+  return listedUsage(deps.store, tenantId, o.snapshots);
 }
 
 /** The tenant's usage read from its records (and every open operation), with forks not yet placed. */
-async function listedUsage(store: FleetStore, tenantId: string, quota: TenantQuota): Promise<TenantUsage> {
+async function listedUsage(store: FleetStore, tenantId: string, snapshots: boolean): Promise<TenantUsage> {
   const [sbs, sns, pending] = await Promise.all([
     store.listSandboxes(tenantId),
-    quota.snapshotBytes === undefined ? Promise.resolve([]) : store.listSnapshots(tenantId),
+    snapshots ? store.listSnapshots(tenantId) : Promise.resolve([]),
     pendingForks(store, tenantId),
   ]);
   const usage = usageOf(sbs.map((v) => v.value), sns.map((v) => v.value));

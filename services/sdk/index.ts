@@ -104,6 +104,19 @@ export interface HostInfo {
   linkBytesPerSecond: number;
 }
 
+/** A tenant's quotas and rate limit, and what counts against the quotas now (GetTenantUsage). */
+export interface UsageInfo {
+  tenantId: string;
+  sandboxes: number;
+  memoryMib: number;
+  snapshotBytes: number;
+  /** Unset: no limit. */
+  quota: { sandboxes?: number; memoryMib?: number; snapshotBytes?: number };
+  /** Calls per second and burst; 0: no limit. */
+  ratePerSecond: number;
+  rateBurst: number;
+}
+
 export interface ProgressInfo {
   done: number;
   total: number;
@@ -494,6 +507,25 @@ export class Forkfleet {
       pageToken = r.nextPageToken;
     } while (pageToken && out.length < limit);
     return out;
+  }
+
+  /** The tenant's quotas and rate limit, and what counts against the quotas now. `tenant`: another's (admin credentials only). */
+  async usage(opts: CallOpts = {}, tenant = this.tenant): Promise<UsageInfo> {
+    const u = await this.retry((o) => this.rpc.getTenantUsage({ tenantId: tenant }, o), opts);
+    const q = u.quota;
+    return {
+      tenantId: u.tenantId,
+      sandboxes: u.sandboxes,
+      memoryMib: num(u.memoryMib),
+      snapshotBytes: num(u.snapshotBytes),
+      quota: {
+        ...(q?.sandboxes !== undefined ? { sandboxes: q.sandboxes } : {}),
+        ...(q?.memoryMib !== undefined ? { memoryMib: num(q.memoryMib) } : {}),
+        ...(q?.snapshotBytes !== undefined ? { snapshotBytes: num(q.snapshotBytes) } : {}),
+      },
+      ratePerSecond: u.ratePerSecond,
+      rateBurst: u.rateBurst,
+    };
   }
 
   /** Submits a mutating call (one key for all attempts) and waits for its operation. */

@@ -10,6 +10,7 @@ import type {
   ExecRequest,
   ForkSandboxRequest,
   GetOperationRequest,
+  GetTenantUsageRequest,
   ListOperationsRequest,
   GetSandboxRequest,
   GetSnapshotRequest,
@@ -305,6 +306,23 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     async removeHost(req: RemoveHostRequest, ctx: CallContext) {
       admin(ctx, 'RemoveHost');
       return fleet.removeHost(c.hostId(req.hostId));
+    },
+    async getTenantUsage(req: GetTenantUsageRequest, ctx: CallContext) {
+      const tenantId = tenant(req.tenantId, ctx);
+      const { usage, quota, rate } = await fleet.tenantUsage(tenantId);
+      return {
+        tenantId,
+        sandboxes: usage.sandboxes,
+        memoryMib: BigInt(usage.memoryMib),
+        snapshotBytes: BigInt(usage.snapshotBytes),
+        quota: {
+          ...(quota.sandboxes !== undefined ? { sandboxes: quota.sandboxes } : {}),
+          ...(quota.memoryMib !== undefined ? { memoryMib: BigInt(quota.memoryMib) } : {}),
+          ...(quota.snapshotBytes !== undefined ? { snapshotBytes: BigInt(quota.snapshotBytes) } : {}),
+        },
+        ratePerSecond: rate?.perSecond ?? 0,
+        rateBurst: rate?.burst ?? 0,
+      };
     },
     async getOperation(req: GetOperationRequest, ctx: CallContext) {
       return op(await fleet.getOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id')));
