@@ -10,7 +10,7 @@ import { startEtcd } from './testkit/etcd.ts';
 import type { EtcdCluster } from './testkit/etcd.ts';
 import { startNats } from './testkit/nats.ts';
 import type { NatsServer } from './testkit/nats.ts';
-import { waitFor } from './testkit/proc.ts';
+import { sleep, waitFor } from './testkit/proc.ts';
 import { startFakeAgents } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
 import { testCredentials } from './testkit/credentials.ts';
@@ -199,6 +199,23 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
     } finally {
       sdk.close();
       await slow.stop();
+    }
+  }, 90_000);
+  it('sdkCreate_submittedWhileEtcdIsDown_isAskedAgainUntilItIsBack_andMakesOneSandbox', async () => {
+    const sdk = new Forkfleet({ address: sched.address, token: creds.adminToken, ca: creds.caPem, tenant: 'outage' });
+    try {
+      await etcd.members[0]!.proc.stop();
+      // The scheduler answers UNAVAILABLE (its store is down) for as long as etcd is away:
+      // the SDK asks again with the same idempotency key, past its five quick attempts.
+      const created = sdk.create({ image: 'tiny', memoryMib: 256 });
+      await sleep(3000);
+      await etcd.members[0]!.restart();
+      const sb = await created;
+      expect(sb.info?.state).toBe('running');
+      expect((await store.listSandboxes('outage')).map((v) => v.value.id)).toEqual([sb.id]);
+      await assertBookedOnce();
+    } finally {
+      sdk.close();
     }
   }, 90_000);
 });

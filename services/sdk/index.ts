@@ -274,7 +274,10 @@ function toEvent(e: PbEvent): EventInfo {
 /** Errors worth another attempt: the server marked them retryable (a cancel is not). */
 const retryable = (e: unknown): boolean => e instanceof ForkfleetError && e.retryable && e.kind !== 'cancelled';
 
-/** How long `wait` keeps polling through nothing but retryable errors before it gives up. */
+/**
+ * How long a call is asked again while the scheduler answers UNAVAILABLE (retry), and how long
+ * `wait` keeps polling through nothing but retryable errors, before either gives up.
+ */
 export const WAIT_OUTAGE_MS = 60_000;
 
 const durationOf = (ms: number): { seconds: bigint; nanos: number } => ({ seconds: BigInt(Math.floor(ms / 1000)), nanos: (ms % 1000) * 1e6 });
@@ -432,14 +435,22 @@ export class Forkfleet {
     this.rpc.close();
   }
 
-  /** Runs `fn` until it succeeds, retrying only errors marked retryable. */
+  /**
+   * Runs `fn` until it succeeds, retrying only errors marked retryable: `attempts` times, except
+   * that a scheduler that answers UNAVAILABLE (its etcd or NATS is away, e.g. restarting) is
+   * asked again for up to WAIT_OUTAGE_MS. A mutating call keeps its idempotency key throughout.
+   */
   async retry<T>(fn: (o: RpcCallOptions) => Promise<T>, opts: CallOpts = {}): Promise<T> {
     const { attempts, baseMs, maxMs } = this.retryOpts;
+    let outageSince = 0;
     for (let attempt = 1; ; attempt++) {
       try {
         return await fn({ timeoutMs: opts.timeoutMs ?? this.timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) });
       } catch (e) {
-        if (!retryable(e) || attempt >= attempts || opts.signal?.aborted) throw e;
+        const outage = e instanceof RpcError && e.answered && e.kind === 'unavailable';
+        if (outage) outageSince ||= Date.now();
+        const spent = outage ? Date.now() - outageSince >= WAIT_OUTAGE_MS : attempt >= attempts;
+        if (!retryable(e) || spent || opts.signal?.aborted) throw e;
         await sleep(Math.random() * Math.min(maxMs, baseMs * 2 ** (attempt - 1)), opts.signal);
       }
     }

@@ -129,10 +129,21 @@ describe('gRPC adapter: protobuf-es services on grpc-js', () => {
     ['unavailable', Status.UNAVAILABLE],
     ['aborted', Status.ABORTED],
     ['unauthenticated', Status.UNAUTHENTICATED],
-  ] as const)('namedError_%s_mapsToStatus', async (kind, code) => {
+  ] as const)('namedError_%s_mapsToStatus_andSaysTheServerAnswered', async (kind, code) => {
     const e = (await client.echo({ message: 'x', failWith: kind }).catch((x: unknown) => x)) as RpcError;
     expect(e.code).toBe(code);
     expect(e.kind).toBe(kind);
+    expect(e.answered).toBe(true);
+  });
+
+  it('noServerAtTheAddress_isUnavailableThatNoServerAnswered', async () => {
+    const nowhere = createClient(EchoService, '127.0.0.1:1');
+    try {
+      const e = (await nowhere.echo({ message: 'x' }, { timeoutMs: 2000 }).catch((x: unknown) => x)) as RpcError;
+      expect([e.code, e.kind, e.answered]).toEqual([Status.UNAVAILABLE, 'unavailable', false]);
+    } finally {
+      nowhere.close();
+    }
   });
 
   it('namedError_inServerStream_arrivesAsStatus', async () => {

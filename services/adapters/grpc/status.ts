@@ -55,9 +55,15 @@ export function toGrpcStatus(err: unknown): GrpcStatusObject {
 /** Error a client sees for a failed call: a ForkfleetError with the server's kind and field. */
 export class RpcError extends ForkfleetError {
   readonly code: Status;
-  constructor(code: Status, kind: ErrorKind, message: string, retryable: boolean, field: string | undefined, cause: unknown) {
+  /**
+   * The server answered with this error (it carries Forkfleet's error metadata), as opposed to
+   * one grpc-js made because no server could be reached or the call broke off.
+   */
+  readonly answered: boolean;
+  constructor(code: Status, kind: ErrorKind, message: string, retryable: boolean, field: string | undefined, cause: unknown, answered = false) {
     super(kind, message, { retryable, ...(field === undefined ? {} : { field }), cause });
     this.code = code;
+    this.answered = answered;
   }
 }
 
@@ -73,5 +79,5 @@ export function fromServiceError(err: ServiceError): RpcError {
     kindFromMeta !== undefined && kindFromMeta in KIND_TO_STATUS ? kindFromMeta : (STATUS_TO_KIND.get(err.code) ?? 'internal');
   const retryableMeta = firstString(md, META_RETRYABLE);
   const retryable = retryableMeta === undefined ? kind === 'unavailable' || kind === 'aborted' : retryableMeta === 'true';
-  return new RpcError(err.code, kind, err.details || err.message, retryable, firstString(md, META_FIELD), err);
+  return new RpcError(err.code, kind, err.details || err.message, retryable, firstString(md, META_FIELD), err, kindFromMeta !== undefined);
 }
