@@ -229,6 +229,24 @@ describe('EtcdFleetStore', () => {
     }
   }, 60_000);
 
+  it('aSingleMember_backFromARestart_answersTheNextCall_notAfterACircuitBreakersWait', async () => {
+    // etcd3's per-member circuit breaker would fail every call for 5 s after three failures,
+    // with no other member to send them to.
+    const one = await startEtcd();
+    const s = EtcdFleetStore.connect(one.endpoints);
+    try {
+      await s.getSandbox('t', 'warm-up');
+      await one.members[0]!.proc.stop();
+      for (let i = 0; i < 4; i++) expect(await s.getSandbox('t', 'sb').catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
+      await one.members[0]!.restart();
+      expect(await s.getSandbox('t', 'sb')).toBeUndefined();
+      expect(await s.commitAt([{ kind: 'sandbox', value: sandbox('t', 'sb'), expectRevision: 0 }])).toBeGreaterThan(0);
+    } finally {
+      s.close();
+      await one.stop();
+    }
+  }, 60_000);
+
   it('commit_ofAGuardedOpDeleteWithItsKey_deletesBothOnlyWhileTheOpIsUnchanged', async () => {
     const op = (id: string, state: OperationRec['state']): OperationRec => ({ id, tenantId: 'del', kind: 'create', targetId: 'x', state, input: {}, result: null, error: null, progress: { done: 0, total: 1, message: '', bytesTransferred: 0 }, steps: {}, createdAt: 0, updatedAt: 0, idempotencyKey: `key-${id}` });
     const rev = await store.commitAt([{ kind: 'op', value: op('op-d1', 'succeeded') }, { kind: 'idem', tenantId: 'del', key: 'key-op-d1', opId: 'op-d1' }]);

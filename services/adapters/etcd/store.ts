@@ -1,6 +1,7 @@
 // FleetStore over etcd (etcd3 client). Every guarded write compares the key's mod
 // revision it read; a batch is one transaction.
 import { rootCertificates } from 'node:tls';
+import { noop } from 'cockatiel';
 import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError, GRPCUnavailableError, Range } from 'etcd3';
 import type { IKeyValue, IWatchResponse, Watcher } from 'etcd3';
 import { WatchManager } from 'etcd3/lib/watch.js';
@@ -145,7 +146,12 @@ export class EtcdFleetStore implements FleetStore {
   static connect(endpoints: string[], tls?: TlsClientPem, serverName = ''): EtcdFleetStore {
     const credentials = tls ? { rootCertificate: tls.ca ?? Buffer.from(rootCertificates.join('\n')), ...(tls.cert && tls.key ? { certChain: tls.cert, privateKey: tls.key } : {}) } : undefined;
     const grpcOptions = tls && serverName ? { grpcOptions: { 'grpc.ssl_target_name_override': serverName } } : {};
-    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, ...(credentials ? { credentials } : {}), ...grpcOptions }));
+    // etcd3 puts a circuit breaker on each member: after 3 failures in a row it fails every call
+    // to that member for 5 s, so that calls go to the others. With one member there are no
+    // others, and the breaker only kept the fleet failing ~2.9 s after etcd was back (a
+    // restart); without it, the first read after etcd is healthy again succeeds.
+    const faultHandling = endpoints.length === 1 ? { faultHandling: { host: () => noop } } : {};
+    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, ...(credentials ? { credentials } : {}), ...grpcOptions, ...faultHandling }));
   }
 
   get etcd(): Etcd3 {
