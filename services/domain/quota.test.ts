@@ -22,7 +22,8 @@ describe('quotas', () => {
       ({
         listSandboxes: async () => [{ value: running, modRevision: 1 }],
         listSnapshots: async () => [],
-        listOps: async () => ops.map((value) => ({ value, modRevision: 1 })),
+        // As the store: one tenant's when asked for one (its key prefix).
+        listOps: async (o: { tenantId?: string }) => ops.filter((v) => o.tenantId === undefined || v.tenantId === o.tenantId).map((value) => ({ value, modRevision: 1 })),
         getSandbox: async () => ({ value: running, modRevision: 1 }),
       }) as unknown as FleetStore;
     const quotas = () => ({ sandboxes: 5 });
@@ -31,6 +32,8 @@ describe('quotas', () => {
     await expect(admit({ store: store([fork('op-1', false)]), quotas }, 't', { sandboxes: 2 })).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.sandboxes' });
     // A placed fork's children are counted from their records instead.
     await expect(admit({ store: store([fork('op-1', true)]), quotas }, 't', { sandboxes: 4 })).resolves.toBeUndefined();
+    // Another tenant's unplaced fork counts against that tenant only.
+    await expect(admit({ store: store([{ ...fork('op-2', false), tenantId: 'u' }]), quotas }, 't', { sandboxes: 4 })).resolves.toBeUndefined();
   });
 
   it('usageOf_countsLiveSandboxes_memoryOnlyOfThoseHoldingCapacity_andStoredSnapshotBytes', () => {

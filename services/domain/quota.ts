@@ -122,7 +122,7 @@ async function listedUsage(store: FleetStore, tenantId: string, snapshots: boole
 
 /** What the tenant's forks that are recorded but not yet placed will add. */
 async function pendingForks(store: FleetStore, tenantId: string): Promise<QuotaNeed> {
-  const open = (await store.listOps({ activeOnly: true, tenantId })).map((v) => v.value).filter((o) => o.tenantId === tenantId && o.kind === 'fork' && !o.result?.sandboxIds);
+  const open = (await store.listOps({ activeOnly: true, tenantId })).map((v) => v.value).filter((o) => o.kind === 'fork' && !o.result?.sandboxIds);
   const needs = await Promise.all(open.map((o) => {
     const i = o.input as { snapshotId?: string; sandboxId?: string; count?: number };
     return forkNeed(store, tenantId, { snapshotId: i.snapshotId ?? '', sandboxId: i.sandboxId ?? '' }, i.count ?? 0)();
