@@ -14,7 +14,7 @@ import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.
 import { loadSigningKey } from './scheduler.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import type { Client } from './adapters/grpc/rpc.ts';
-import { FleetService, OperationKind, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { FleetService, HostState, OperationKind, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread, Locality } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
@@ -680,5 +680,111 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect(await fieldOf(api.listSandboxes({ tenantId: 'tenant-x', hostId: 'Not A Host' }))).toEqual([Status.INVALID_ARGUMENT, 'host_id']);
     for (const s of [x, y]) await ok(api, await api.destroySandbox({ tenantId: s === x ? 'tenant-x' : 'tenant-y', idempotencyKey: key(), sandboxId: s.id }), s === x ? 'tenant-x' : 'tenant-y');
     await agents.stop();
+  }, 60_000);
+
+  /**
+   * Hosts an earlier test stopped the agents of are lost (their sandboxes too) before a test
+   * checks the whole fleet's consistency: until then their sandboxes run with no VM anywhere.
+   */
+  async function hostsSettled(): Promise<void> {
+    await waitFor('no host suspect, and no sandbox running on a lost one', async () => {
+      const hosts = (await api.listHosts({})).hosts;
+      if (hosts.some((h) => h.state === HostState.SUSPECT)) return false;
+      const lost = new Set(hosts.filter((h) => h.state === HostState.LOST).map((h) => h.id));
+      return (await store.listSandboxes(undefined)).every((v) => !lost.has(v.value.hostId) || (v.value.state !== 'running' && v.value.state !== 'paused'));
+    }, 60_000, 250);
+  }
+
+  /** A fork's or drain's CancelOperation, then its end: CANCELLED, with the error saying what it undid. */
+  async function cancelled(op: Operation, tenant = tenantId): Promise<Operation> {
+    const asked = await api.cancelOperation({ tenantId: tenant, operationId: op.id });
+    expect(asked.cancelRequested).toBe(true);
+    const final = await wait(api, op, tenant);
+    expect([OperationState[final.state], final.error?.kind]).toEqual(['CANCELLED', 'cancelled']);
+    // Asked again: the same answer, nothing else happens.
+    expect((await api.cancelOperation({ tenantId: tenant, operationId: op.id })).state).toBe(OperationState.CANCELLED);
+    return final;
+  }
+
+  it('cancelOperation_ofAForkWhileItsChildrenRestore_destroysEveryChildThatStarted_andLeavesNoVmOrBooking', async () => {
+    await hostsSettled();
+    await ownHost('fake-cancel-f', 'cancel-f', { FF_FAKE_RESTORE_MS_PER_VM: '1500' });
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-cancel-f' } }));
+    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 3, placement: { hostId: 'fake-cancel-f' } });
+    let childIds: string[] = [];
+    await waitFor('children placed and restoring', async () => {
+      childIds = (await store.getOp(tenantId, op.id))?.value.result?.sandboxIds ?? [];
+      return childIds.length === 3;
+    }, 20_000, 20);
+    const final = await cancelled(op);
+    expect(final.error?.message).toContain('destroyed 3 of the 3 sandboxes it had started');
+    const children = new Map((await store.listSandboxes(tenantId)).map((v) => [v.value.id, v.value] as [string, SandboxRec]));
+    for (const id of childIds) expect(children.get(id)?.state, id).toBe('destroyed');
+    // The source runs on; nothing of the children is left on the host or booked for them.
+    expect(children.get(sourceId)?.state).toBe('running');
+    expect(fakes.flatMap((f) => f.vms().get('fake-cancel-f') ?? []).map((v) => v.sandboxId)).toEqual([sourceId]);
+    await assertConsistent();
+  }, 90_000);
+
+  it('cancelOperation_ofAForkWhileItSnapshotsItsLiveSource_placesNoChild_andTheSourceRunsOn', async () => {
+    await hostsSettled();
+    await ownHost('fake-cancel-s', 'cancel-s', { FF_FAKE_SNAPSHOT_MS: '2000' });
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-cancel-s' } }));
+    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 4 });
+    await waitFor('source snapshot under way', async () => ((await store.getOp(tenantId, op.id))?.value.input as { forkSnapshotId?: string }).forkSnapshotId !== undefined, 20_000, 10);
+    const final = await cancelled(op);
+    expect(final.result.case === 'fork' ? final.result.value.children : []).toEqual([]);
+    expect((await store.getOp(tenantId, op.id))?.value.result?.sandboxIds).toBeUndefined();
+    expect((await store.getSandbox(tenantId, sourceId))?.value.state).toBe('running');
+    expect(fakes.flatMap((f) => f.vms().get('fake-cancel-s') ?? []).map((v) => v.sandboxId)).toEqual([sourceId]);
+    await assertConsistent();
+  }, 90_000);
+
+  it('cancelOperation_ofADrainBetweenItsMigrations_movesNoFurtherSandbox_andTheHostStaysCordonedNotDraining', async () => {
+    await hostsSettled();
+    await ownHost('fake-cancel-d', 'cancel-d', { FF_FAKE_SNAPSHOT_MS: '1500' });
+    const ids: string[] = [];
+    for (let i = 0; i < 2; i++) {
+      const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-cancel-d' } }));
+      ids.push(c.result.case === 'sandbox' ? c.result.value.id : '');
+    }
+    const op = await api.drainHost({ idempotencyKey: key(), hostId: 'fake-cancel-d', migrate: true });
+    await waitFor('first migration under way', async () => Object.keys(((await store.getOp('admin', op.id))?.value.input as { migrations?: object }).migrations ?? {}).length > 0, 20_000, 10);
+    const final = await cancelled(op, 'admin');
+    expect(final.error?.message).toMatch(/moved 1 of 2 sandboxes off fake-cancel-d/);
+    expect((await api.listHosts({})).hosts.find((h) => h.id === 'fake-cancel-d')).toMatchObject({ cordoned: true, draining: false });
+    const after = await Promise.all(ids.map(async (id) => (await store.getSandbox(tenantId, id))?.value));
+    expect(after.map((s) => s?.state)).toEqual(['running', 'running']);
+    expect(after.filter((s) => s?.hostId === 'fake-cancel-d')).toHaveLength(1);
+    await assertConsistent();
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-cancel-d', cordon: false });
+  }, 90_000);
+
+  it('cancelOperation_ofACreateWhileItBoots_destroysTheSandboxOnceItStarted_andLeavesNoVmOrBooking', async () => {
+    await hostsSettled();
+    await ownHost('fake-cancel-c', 'cancel-c', { FF_FAKE_CREATE_MS: '1500' });
+    const op = await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-cancel-c' } });
+    await waitFor('booting', async () => (await store.getSandbox(tenantId, op.targetId))?.value.state === 'starting', 20_000, 10);
+    const final = await cancelled(op);
+    expect(final.error?.message).toContain('destroyed 1 of the 1 sandboxes it had started');
+    expect((await store.getSandbox(tenantId, op.targetId))?.value.state).toBe('destroyed');
+    expect(fakes.flatMap((f) => f.vms().get('fake-cancel-c') ?? [])).toEqual([]);
+    await assertConsistent();
+  }, 60_000);
+
+  it('cancelOperation_ofAFinishedOrSingleStepOperation_isFailedPrecondition_ofAnUnknownOneNotFound_andABadIdNamesTheField', async () => {
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    const sandboxId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const fail = (p: Promise<unknown>): Promise<[number | undefined, string | undefined]> => p.then(() => [undefined, undefined], (e: { code?: number; field?: string }) => [e.code, e.field]);
+    expect(await fail(api.cancelOperation({ tenantId, operationId: c.id }))).toEqual([Status.FAILED_PRECONDITION, 'operation_id']);
+    // A pause is one host step: refused while it runs as well as after.
+    const pause = await api.pauseSandbox({ tenantId, idempotencyKey: key(), sandboxId });
+    expect(await fail(api.cancelOperation({ tenantId, operationId: pause.id }))).toEqual([Status.FAILED_PRECONDITION, 'operation_id']);
+    await ok(api, pause);
+    expect((await fail(api.cancelOperation({ tenantId, operationId: 'op-aaaaaaaaaaaaaaaaaaaa' })))[0]).toBe(Status.NOT_FOUND);
+    expect(await fail(api.cancelOperation({ tenantId, operationId: 'Not An Id' }))).toEqual([Status.INVALID_ARGUMENT, 'operation_id']);
+    await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId }));
   }, 60_000);
 });

@@ -61,7 +61,7 @@ export function loadSigningKey(path: string, keyId: string): SigningKey {
 
 export function schedulerMetrics(registry: Registry): { ops: Counter<'kind' | 'result'>; opSeconds: Histogram<'kind'>; leader: Gauge } {
   return {
-    ops: new Counter({ name: 'forkfleet_operations_total', help: 'Operations finished by the leader, by kind and result.', labelNames: ['kind', 'result'], registers: [registry] }),
+    ops: new Counter({ name: 'forkfleet_operations_total', help: 'Operations finished by the leader, by kind and result (succeeded, failed, cancelled).', labelNames: ['kind', 'result'], registers: [registry] }),
     opSeconds: new Histogram({
       name: 'forkfleet_operation_duration_seconds',
       help: 'Time from an operation being recorded to it finishing, by kind.',
@@ -183,8 +183,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     },
     config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs, migrateMaxChildren: config.migrateMaxChildren, recordRetentionMs: config.recordRetentionMs, heldSnapshotCheckMs: config.heldSnapshotCheckMs, strayVmGraceMs: config.strayVmGraceMs },
     submit: (tenantId, key, kind, targetId, input) => fleet.submit(tenantId, key, kind, targetId, input),
-    onFinished: (kind, ok, seconds) => {
-      metrics.ops.inc({ kind, result: ok ? 'succeeded' : 'failed' });
+    onFinished: (kind, state, seconds) => {
+      metrics.ops.inc({ kind, result: state });
       metrics.opSeconds.observe({ kind }, seconds);
     },
     onChildrenReplaced: (result, children) => replaced.inc({ result }, children),

@@ -174,6 +174,7 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
       deleteSnapshot: await codeOf(b.deleteSnapshot({ idempotencyKey: key(), snapshotId: snA })),
       getOperation: await codeOf(b.getOperation({ operationId: opA })),
       waitOperation: await codeOf(b.waitOperation({ operationId: opA, timeout: { seconds: 1n } })),
+      cancelOperation: await codeOf(b.cancelOperation({ operationId: opA })),
     };
     expect(results).toEqual(Object.fromEntries(Object.keys(results).map((k) => [k, 'NOT_FOUND'])));
     expect((await b.listSandboxes({})).sandboxes).toEqual([]);

@@ -98,7 +98,7 @@ function operationFields(op: OperationInfo): string {
   return fields([
     ['id', op.id],
     ['kind', op.kind],
-    ['state', op.state],
+    ['state', op.cancelRequested && (op.state === 'pending' || op.state === 'running') ? `${op.state} (cancel requested)` : op.state],
     ['target', op.targetId],
     ['tenant', op.tenantId],
     ['created', op.createdAt ?? ''],
@@ -468,6 +468,19 @@ export function buildProgram(): Command {
     .action(async (id: string, _o: unknown, cmd: Command) => {
       const o = await client(cmd).operation(id);
       out(cmd, o, () => operationFields(o));
+    });
+  op.command('cancel')
+    .description('ask a running create, fork or drain to stop: it ends cancelled at its next safe point, destroying what it started (a drain is the admin tenant\'s: --tenant admin)')
+    .argument('<operation>')
+    .option('--wait', 'wait until it has ended, and show how')
+    .action(async (id: string, o: { wait?: boolean }, cmd: Command) => {
+      const ff = client(cmd);
+      let op = await ff.cancelOperation(id);
+      if (o.wait) op = await ff.wait(id).catch((e: unknown) => {
+        if (e instanceof OperationFailedError) return e.operation;
+        throw e;
+      });
+      out(cmd, op, () => operationFields(op));
     });
   op.command('ls').alias('list')
     .description('the tenant\'s operations, newest first: running ones and those finished within the retention (1h by default); drains are the admin tenant\'s (--tenant admin)')

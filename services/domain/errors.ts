@@ -67,3 +67,10 @@ export class StepTimeoutError extends ForkfleetError {
     super('deadline_exceeded', `host ${hostId} did not finish ${step} within ${ms} ms`, { retryable: true });
   }
 }
+
+/** A CancelOperation call stopped the operation at one of its safe points (Executor). */
+export class OperationCancelledError extends ForkfleetError {
+  constructor(what = 'cancelled by a CancelOperation call') {
+    super('cancelled', what, { retryable: false });
+  }
+}

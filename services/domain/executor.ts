@@ -16,7 +16,7 @@ import { HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
-import { ConflictError, HostLostError, HostStepError, NoCapacityError, NotFoundError, NotLeaderError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
+import { ConflictError, HostLostError, HostStepError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
@@ -89,7 +89,7 @@ export interface ExecutorDeps {
   /** Records a new operation (Fleet.submit): the leader's own reconcilers start work through it. */
   submit?: (tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>) => Promise<OperationRec>;
   /** Observability hook: every finished operation (adapters turn it into metrics). */
-  onFinished?: (kind: OperationRec['kind'], ok: boolean, seconds: number) => void;
+  onFinished?: (kind: OperationRec['kind'], state: 'succeeded' | 'failed' | 'cancelled', seconds: number) => void;
   /** Observability hook: a fork's children placed again after their host was lost (`placed`), or failed for want of room (`failed`). */
   onChildrenReplaced?: (result: 'placed' | 'failed', children: number) => void;
   /** Observability hook: records deleted by the history retention (history.ts), per pass. */
@@ -434,12 +434,14 @@ export class Executor {
       () => this.cache.load(this.deps.store),
     );
     await this.cache.load(this.deps.store);
-    // Ops this leader already runs are skipped undecoded: it wrote them itself (commit keeps
-    // its copy), and a stale copy only costs a guarded write a re-read.
+    // The writes of an op this leader runs that it committed itself are skipped undecoded
+    // (commit keeps its copy at that revision). Another's (a CancelOperation from an API
+    // replica) are taken: the op reads its cancel from the copy.
     const listOps = async (): Promise<void> => {
       for (const v of await this.deps.store.listOps({ activeOnly: false })) this.onOp(v);
     };
-    await this.keepWatching(term, 'operation', (onError) => this.deps.store.watchOps((op, rev) => this.onOp({ value: op, modRevision: rev }), { only: (_tenantId, id) => !this.running.has(id), onError }), listOps);
+    const ownWrite = (id: string, rev: number): boolean => this.running.has(id) && (this.ops.get(id)?.modRevision ?? 0) >= rev;
+    await this.keepWatching(term, 'operation', (onError) => this.deps.store.watchOps((op, rev) => this.onOp({ value: op, modRevision: rev }), { only: (_tenantId, id, rev) => !ownWrite(id, rev), onError }), listOps);
     this.finishedOps.clear();
     await listOps();
     // The sandboxes, listed once and then followed by a watch: the lifecycle rules read this
@@ -816,7 +818,10 @@ export class Executor {
           if (f && this.active) this.noteFinished(f);
           this.finishedAt.set(w.value.id, rev);
           if (this.finishedAt.size > 10_000) this.finishedAt.delete(this.finishedAt.keys().next().value as string);
-        } else if (w.kind === 'op' && this.running.has(w.value.id)) this.ops.set(w.value.id, { value: w.value, modRevision: rev });
+        } else if (w.kind === 'op' && this.running.has(w.value.id) && (this.ops.get(w.value.id)?.modRevision ?? 0) < rev) {
+          // Unless the op watch brought a later write first (a cancel, whose reply raced this one's).
+          this.ops.set(w.value.id, { value: w.value, modRevision: rev });
+        }
       }
     }
     return rev;
@@ -933,11 +938,13 @@ export class Executor {
   private async finish(op: OperationRec, result: OperationRec['result'], error: OperationError | null, progressDone?: number, extra?: (attempt: number) => Promise<StoreWrite[]>): Promise<void> {
     // Only the leader finishes operations: one that stepped down leaves them to the next.
     if (!this.active) return;
+    let state: 'succeeded' | 'failed' | 'cancelled' = 'succeeded';
     await this.updateOp(
       op.tenantId,
       op.id,
       (o) => {
-        o.state = error ? 'failed' : 'succeeded';
+        // `cancelled` only for an op whose cancel was asked for (a host's error of that kind fails it).
+        o.state = state = !error ? 'succeeded' : error.kind === 'cancelled' && o.cancelRequested ? 'cancelled' : 'failed';
         // Keep what placement recorded (the explanation) next to the final result.
         o.result = result ? { ...(o.result ?? {}), ...result } : null;
         if (progressDone !== undefined) o.progress.done = progressDone;
@@ -948,7 +955,46 @@ export class Executor {
       extra,
     );
     this.log.info({ opId: op.id, kind: op.kind, ok: !error, error: error?.message }, 'operation finished');
-    this.deps.onFinished?.(op.kind, !error, (this.deps.clock.now() - op.createdAt) / 1000);
+    this.deps.onFinished?.(op.kind, state, (this.deps.clock.now() - op.createdAt) / 1000);
+  }
+
+  /** Whether CancelOperation asked `opId` to stop (the op watch and this leader's writes keep the copy current). */
+  private cancelRequested(opId: string): boolean {
+    return this.ops.get(opId)?.value.cancelRequested === true;
+  }
+
+  /** A safe point of a cancellable op (CANCELLABLE_KINDS): throws OperationCancelledError if it was asked to stop. */
+  private stopIfCancelled(op: OperationRec, what?: string): void {
+    if (this.cancelRequested(op.id)) throw new OperationCancelledError(what);
+  }
+
+  /**
+   * Submits (idempotently, by `key`) an operation of this scheduler's own and waits for it
+   * to end. Resolves with undefined when it succeeded, else with why not.
+   */
+  private async submitAndWait(tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>): Promise<string | undefined> {
+    const submit = this.deps.submit;
+    if (!submit) throw new ForkfleetError('internal', `this scheduler cannot submit operations: it needs to for a ${kind} of its own`);
+    const h = await submit(tenantId, key, kind, targetId, input);
+    for (;;) {
+      const cur = (await this.deps.store.getOp(tenantId, h.id))?.value;
+      if (!this.active) throw new NotLeaderError();
+      if (!cur) return `its ${kind} operation ${h.id} is gone`;
+      if (isTerminal(cur.state)) return cur.state === 'succeeded' ? undefined : `${cur.error?.message ?? cur.state}`;
+      await this.pause(250);
+    }
+  }
+
+  /**
+   * The end of a cancelled create or fork whose sandboxes started: each is destroyed by a
+   * destroy operation of its own, keyed by this op and the sandbox (a re-run after a
+   * failover waits for the same ones), then the op ends `cancelled` saying so.
+   */
+  private async destroyForCancel(op: OperationRec, result: OperationRec['result'], sandboxIds: readonly string[], progressDone?: number): Promise<void> {
+    const ends = await Promise.all(sandboxIds.map(async (id) => ({ id, error: await this.submitAndWait(op.tenantId, `__cancel/${op.id}/${id}`, 'destroy', id, {}) })));
+    const failed = ends.filter((e) => e.error !== undefined).map((e) => `${e.id}: destroy failed: ${e.error}`);
+    const what = sandboxIds.length === 0 ? 'cancelled by a CancelOperation call' : `cancelled by a CancelOperation call; destroyed ${sandboxIds.length - failed.length} of the ${sandboxIds.length} sandboxes it had started${failed.length ? `; ${failed.join('; ')}` : ''}`;
+    await this.finish(op, result, errorOf(new OperationCancelledError(what)), progressDone);
   }
 
   // ---------------------------------------------------------------- host steps
@@ -1393,6 +1439,8 @@ export class Executor {
     const v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     if (!v) throw new NotFoundError('sandbox', op.targetId);
     let sb = v.value;
+    // Cancelled before it was placed: nothing was booked; the sandbox fails.
+    if (sb.state === 'pending' && this.cancelRequested(op.id)) return void (await this.failAndSettle(op, new OperationCancelledError(), 'pending', () => 'failed'));
     if (sb.state === 'pending') {
       const prefs = (op.input as { placement?: PlacementPrefs }).placement;
       const sandboxRev = v.modRevision;
@@ -1438,6 +1486,8 @@ export class Executor {
       );
       if (!ok) return;
     }
+    // Cancelled after it started (a re-run after a failover finds it running): destroyed.
+    if (sb.state === 'running' && this.cancelRequested(op.id)) return this.destroyForCancel(op, { sandboxIds: [sb.id] }, [sb.id]);
     if (sb.state !== 'starting') {
       // Already past this point (re-run after a failover).
       return this.finish(op, { sandboxIds: [sb.id] }, sb.state === 'running' ? null : { kind: 'failed_precondition', message: `sandbox is ${sb.state}`, retryable: false });
@@ -1446,6 +1496,8 @@ export class Executor {
     /** The host does not hold the snapshot after the step (its VM came by migration, or the fetch could not be made durable). */
     let notHeld = false;
     try {
+      // Cancelled after it was placed, before its step: the sandbox fails and its booking goes (below).
+      this.stopIfCancelled(op);
       let work: HostWorkMsg['work'];
       if (sb.sourceSnapshotId) {
         // A restore on a host that lacks the snapshot needs sources, a ticket and the
@@ -1466,6 +1518,16 @@ export class Executor {
       throw e;
     }
     if (fetched && !notHeld) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
+    if (this.cancelRequested(op.id)) {
+      // Cancelled while it started: it runs (recorded so, with no op on it), then is destroyed.
+      const now = this.deps.clock.now();
+      await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        if (s.state !== 'starting' || s.opId !== op.id) return;
+        this.setState(s, 'running', now);
+        s.opId = '';
+      });
+      return this.destroyForCancel(op, { sandboxIds: [sb.id] }, [sb.id]);
+    }
     await this.finishRunning(op, sb);
   }
 
@@ -1488,7 +1550,7 @@ export class Executor {
       if (!v || v.value.state !== from || (v.value.opId !== '' && v.value.opId !== op.id)) return [];
       const next = structuredClone(v.value);
       const now = this.deps.clock.now();
-      this.setState(next, to(v.value), now, `${op.kind} failed: ${error.message}`);
+      this.setState(next, to(v.value), now, e instanceof OperationCancelledError ? `${op.kind} cancelled` : `${op.kind} failed: ${error.message}`);
       next.opId = '';
       next.updatedAt = now;
       delete next.hibernatingFrom;
@@ -1951,6 +2013,9 @@ export class Executor {
     //    still to finish (snapshotOf resumes a creating record; the agent answers the repeated
     //    step from its journal or joins the run in progress).
     let snapshotId = input.snapshotId;
+    const placedBefore = !!(this.ops.get(op.id)?.value ?? op).result?.sandboxIds;
+    // Cancelled before its children were placed: none are (a snapshot taken of a live source stays, with its retention).
+    if (!placedBefore) this.stopIfCancelled(op);
     if (!snapshotId) {
       const id = input.forkSnapshotId || newId('sn');
       if (!input.forkSnapshotId) {
@@ -1970,6 +2035,7 @@ export class Executor {
     // 2. Placement, committed with the children's records and the op's plan in one
     //    transaction: either all of it exists (op.result is set) or none of it does.
     const opNow = this.ops.get(op.id)?.value ?? op;
+    if (!opNow.result?.sandboxIds) this.stopIfCancelled(op);
     let children: Array<{ rec: SandboxRec; rev: number }>;
     let transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> = [];
     if (!opNow.result?.sandboxIds) {
@@ -2038,10 +2104,13 @@ export class Executor {
     //    to FORK_REPLACEMENTS times each: a fork of 64 whose host dies mid-way still ends
     //    with 64 children when the fleet has room for them.
     const replaced: Replacements = { ...((this.ops.get(op.id)?.value ?? opNow).input as { replaced?: Replacements }).replaced };
-    let runningCount = children.filter((c) => c.rec.state === 'running').length;
+    /** Children that started (their VMs run): a cancelled fork destroys them. */
+    const started = new Set(children.filter((c) => c.rec.state === 'running').map((c) => c.rec.id));
+    let runningCount = started.size;
     const progress = { lastAt: this.deps.clock.now() };
-    const onRunning = (n: number): void => {
-      runningCount += n;
+    const onRunning = (ids: readonly string[]): void => {
+      for (const id of ids) started.add(id);
+      runningCount += ids.length;
       // Progress is written at most once a second (and with the final state), not per host.
       if (this.deps.clock.now() - progress.lastAt < 1000) return;
       progress.lastAt = this.deps.clock.now();
@@ -2104,6 +2173,7 @@ export class Executor {
     }
     const result = { sandboxIds: children.map((c) => c.rec.id), snapshotId };
     const total = children.length;
+    if (this.cancelRequested(op.id)) return this.destroyForCancel(op, result, [...started], runningCount);
     if (failures.length > 0) {
       const first = errorOf(failures[0]);
       return this.finish(op, result, { ...first, message: `${runningCount} of ${total} children started; ${first.message}` }, runningCount);
@@ -2130,7 +2200,7 @@ export class Executor {
     transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }>,
     /** The placement that put this batch where it is: '' for the fork's own, else replaceChildren's. */
     placedBy: string,
-    onRunning: (n: number) => void,
+    onRunning: (ids: readonly string[]) => void,
   ): Promise<Array<{ hostId: string; children: Array<{ rec: SandboxRec; rev: number }>; error: unknown; stepFailed: boolean }>> {
     const byHost = new Map<string, Array<{ rec: SandboxRec; rev: number }>>();
     for (const c of batch) byHost.set(c.rec.hostId, [...(byHost.get(c.rec.hostId) ?? []), c]);
@@ -2159,13 +2229,15 @@ export class Executor {
         const stepId = placedBy ? `restore/${hostId}/${placedBy}` : `restore/${hostId}`;
         let restored: HostResultMsg;
         try {
+          // Cancelled: a step not sent yet (a later wave's) is not sent; its children fail.
+          this.stopIfCancelled(op);
           restored = await this.step(op, stepId, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
         } catch (e) {
           stepFailed.add(hostId);
           throw e;
         }
         await this.markRunning(mine.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
-        onRunning(mine.length);
+        onRunning(mine.map((c) => c.rec.id));
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld) await this.addHolder(op.tenantId, snapshotId, hostId);
         return true;
       })();
@@ -2341,7 +2413,15 @@ export class Executor {
       }
       moved.push(id);
     }
+    // Cancelled: the migration under way ends as it ends; no further one, and no snapshot copied off.
+    const cancelled = (): Promise<void> | undefined => {
+      if (!this.cancelRequested(op.id)) return undefined;
+      const what = `cancelled by a CancelOperation call: moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}, copied no snapshot off${failures.length ? `; ${failures.join('; ')}` : ''}`;
+      return this.finish(op, { sandboxIds: moved }, errorOf(new OperationCancelledError(what)), moved.length, this.drainEnded(op));
+    };
     for (const sb of onHost) {
+      const stop = cancelled();
+      if (stop) return stop;
       try {
         await this.migrate(op, sb);
         moved.push(sb.id);
@@ -2352,6 +2432,8 @@ export class Executor {
         failures.push(`${sb.id}: ${e instanceof Error ? e.message : String(e)}`);
       }
     }
+    const stop = cancelled();
+    if (stop) return stop;
     const uncopied = await this.copySnapshotsOff(op, hostId);
     if (failures.length || uncopied.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${[...failures, ...uncopied].join('; ')}`, retryable: true }, undefined, this.drainEnded(op));
     await this.finish(op, { sandboxIds: moved }, null, moved.length, this.drainEnded(op));
@@ -2380,11 +2462,11 @@ export class Executor {
    * could not be hibernated or copied; running it again retries those.
    */
   private async drainByHibernating(op: OperationRec, hostId: string, onHost: SandboxRec[]): Promise<void> {
-    const submit = this.deps.submit;
-    if (!submit) throw new ForkfleetError('internal', 'this scheduler cannot submit operations: a drain without migrate needs it');
+    if (!this.deps.submit) throw new ForkfleetError('internal', 'this scheduler cannot submit operations: a drain without migrate needs it');
     const failures: string[] = [];
     const recorded = { ...((this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.hibernations ?? {}) };
-    const fresh = onHost.filter((sb) => !recorded[sb.id]);
+    // Cancelled: the hibernations already submitted end as they end; no new ones.
+    const fresh = this.cancelRequested(op.id) ? [] : onHost.filter((sb) => !recorded[sb.id]);
     if (fresh.length > 0) {
       // Recorded before submitting: a re-run (failover) waits for these, not new ones.
       const keyed = Object.fromEntries(fresh.map((sb) => [sb.id, [sb.tenantId, `__drain/${op.id}/${sb.id}`] as [string, string]]));
@@ -2396,18 +2478,17 @@ export class Executor {
     }
     // Submit (idempotent by key), then wait for each to end.
     const ends = await Promise.all(
-      Object.entries(recorded).map(async ([sandboxId, [tenantId, key]]) => {
-        const h = await submit(tenantId, key, 'hibernate', sandboxId, { snapshotId: newId('sn'), replicas: 0, reason: 'drain' });
-        for (;;) {
-          const cur = (await this.deps.store.getOp(tenantId, h.id))?.value;
-          if (!this.active) throw new NotLeaderError();
-          if (!cur) return { sandboxId, error: `its hibernate operation ${h.id} is gone` };
-          if (isTerminal(cur.state)) return { sandboxId, error: cur.state === 'succeeded' ? undefined : `${cur.error?.message ?? cur.state}` };
-          await this.pause(250);
-        }
-      }),
+      Object.entries(recorded).map(async ([sandboxId, [tenantId, key]]) => ({
+        sandboxId,
+        error: await this.submitAndWait(tenantId, key, 'hibernate', sandboxId, { snapshotId: newId('sn'), replicas: 0, reason: 'drain' }),
+      })),
     );
     for (const e of ends) if (e.error !== undefined) failures.push(`${e.sandboxId}: hibernate failed: ${e.error}`);
+    if (this.cancelRequested(op.id)) {
+      const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
+      const what = `cancelled by a CancelOperation call: hibernated ${done.length} of ${onHost.length} sandboxes on ${hostId}, copied no snapshot off${failures.length ? `; ${failures.join('; ')}` : ''}`;
+      return this.finish(op, { sandboxIds: done }, errorOf(new OperationCancelledError(what)), done.length, this.drainEnded(op));
+    }
     // Hibernated sandboxes need their snapshots: copied below with every other one only this host holds.
     const snapshots = (await this.deps.store.listSnapshots(undefined)).map((v) => v.value);
     const recordedSnapshots = new Set(snapshots.map((sn) => `${sn.tenantId}/${sn.id}`));

@@ -6,7 +6,7 @@ import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.
 import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
-import { isTerminal } from './records.ts';
+import { CANCELLABLE_KINDS, isTerminal } from './records.ts';
 import { ConflictError, NotFoundError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
@@ -392,6 +392,26 @@ export class Fleet {
     const v = await this.deps.store.getOp(tenantId, id);
     if (!v) throw new NotFoundError('operation', id);
     return v.value;
+  }
+
+  /**
+   * CancelOperation: records that the op should stop, guarded by the revision read (the
+   * leader's own writes re-read and keep it). The leader ends the op `cancelled` at its next
+   * safe point (Executor: create, fork and drain have them; CANCELLABLE_KINDS).
+   */
+  async cancelOperation(tenantId: string, id: string): Promise<OperationRec> {
+    for (let i = 0; i < 10; i++) {
+      const v = await this.deps.store.getOp(tenantId, id);
+      if (!v) throw new NotFoundError('operation', id);
+      const op = v.value;
+      if (op.state === 'cancelled' || (op.cancelRequested && !isTerminal(op.state))) return op;
+      if (isTerminal(op.state)) throw new ForkfleetError('failed_precondition', `operation ${id} already ${op.state}: there is nothing to cancel`, { field: 'operation_id' });
+      if (!CANCELLABLE_KINDS.has(op.kind)) throw new ForkfleetError('failed_precondition', `a ${op.kind} operation cannot be cancelled: it is one host step, and ends on its own`, { field: 'operation_id' });
+      const next: OperationRec = { ...structuredClone(op), cancelRequested: true, updatedAt: this.deps.clock.now() };
+      next.progress.message = 'cancelling';
+      if (await this.deps.store.commit([{ kind: 'op', value: next, expectRevision: v.modRevision }])) return next;
+    }
+    throw new ConflictError(`operation ${id}`);
   }
 
   /** The tenant's operations (undefined: every tenant's; running, and finished ones until retention deletes them) that match every filter given. */

@@ -82,9 +82,9 @@ export interface FleetStore {
   commitAt(writes: readonly StoreWrite[], fence?: LeaderFence): Promise<number>;
   /**
    * Calls `onOp` for every operation record written after now (with `only`: just those it
-   * accepts, judged by key before the record is decoded). Returns a stop function.
+   * accepts, judged by key and revision before the record is decoded). Returns a stop function.
    */
-  watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts?: { only?: (tenantId: string, id: string) => boolean; onError?: WatchBroke }): Promise<() => void>;
+  watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts?: { only?: (tenantId: string, id: string, modRevision: number) => boolean; onError?: WatchBroke }): Promise<() => void>;
   /**
    * Calls `onChange` with every sandbox record now (one consistent list), then with every
    * sandbox record written or deleted after that list, in revision order (the leader's

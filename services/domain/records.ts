@@ -210,7 +210,12 @@ export interface OperationRec {
   steps: Record<string, { hostId: string; status: 'sent' | 'done' | 'failed'; attempt: number }>;
   /** The idempotency key it was submitted with: deleted with the record when it expires (history.ts). */
   idempotencyKey?: string;
+  /** CancelOperation asked it to stop: the leader ends it `cancelled` at its next safe point (executor.ts). */
+  cancelRequested?: boolean;
 }
+
+/** Kinds with safe points to stop at (CancelOperation); the others are one host step each. */
+export const CANCELLABLE_KINDS: ReadonlySet<OperationKind> = new Set(['create', 'fork', 'drain']);
 
 export function isTerminal(s: OperationState): boolean {
   return s === 'succeeded' || s === 'failed' || s === 'cancelled';

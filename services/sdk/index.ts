@@ -134,6 +134,8 @@ export interface OperationInfo {
   createdAt: string | undefined;
   updatedAt: string | undefined;
   error: { kind: string; message: string; field: string; retryable: boolean } | undefined;
+  /** A cancelOperation call asked it to stop (it ends `cancelled` at its next safe point, or ended otherwise). */
+  cancelRequested: boolean;
   sandbox?: SandboxInfo;
   snapshot?: SnapshotInfo;
   fork?: { snapshotId: string; children: SandboxInfo[]; summary: string };
@@ -249,6 +251,7 @@ function toOperation(o: PbOperation): OperationInfo {
     createdAt: ts(o.createdAt),
     updatedAt: ts(o.updatedAt),
     error: o.error ? { kind: o.error.kind, message: o.error.message, field: o.error.field, retryable: o.error.retryable } : undefined,
+    cancelRequested: o.cancelRequested,
   };
   if (o.result.case === 'sandbox') out.sandbox = toSandbox(o.result.value);
   else if (o.result.case === 'snapshot') out.snapshot = toSnapshot(o.result.value);
@@ -496,6 +499,17 @@ export class Forkfleet {
 
   async operation(operationId: string, opts: CallOpts = {}): Promise<OperationInfo> {
     return toOperation(await this.retry((o) => this.rpc.getOperation({ tenantId: this.tenant, operationId }, o), opts));
+  }
+
+  /**
+   * Asks a running create, fork or drain to stop (CancelOperation): it ends `cancelled` at its
+   * next safe point, undoing what it started (a fork destroys the children that started; see
+   * proto/forkfleet/v1/fleet.proto). Returns the operation as the call left it (wait() on it
+   * then throws OperationFailedError with state `cancelled`). Asking again is harmless.
+   * `tenant`: another tenant's (admin credentials only; a drain is the `admin` tenant's).
+   */
+  async cancelOperation(operationId: string, opts: CallOpts = {}, tenant = this.tenant): Promise<OperationInfo> {
+    return toOperation(await this.retry((o) => this.rpc.cancelOperation({ tenantId: tenant, operationId }, o), opts));
   }
 
   /**

@@ -399,7 +399,7 @@ export class EtcdFleetStore implements FleetStore {
     }
   }
 
-  async watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts: { only?: (tenantId: string, id: string) => boolean; onError?: WatchBroke } = {}): Promise<() => void> {
+  async watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts: { only?: (tenantId: string, id: string, modRevision: number) => boolean; onError?: WatchBroke } = {}): Promise<() => void> {
     const prefix = keys.ops();
     const w = await this.client.watch().prefix(prefix).create();
     onBroken(w, opts.onError);
@@ -409,7 +409,7 @@ export class EtcdFleetStore implements FleetStore {
         // <prefix><tenant>/<id>: filter by key, so unwanted records are never decoded.
         const rest = kv.key.toString('utf8').slice(prefix.length);
         const slash = rest.lastIndexOf('/');
-        if (!only(rest.slice(0, slash), rest.slice(slash + 1))) return;
+        if (!only(rest.slice(0, slash), rest.slice(slash + 1), Number(kv.mod_revision))) return;
       }
       const d = decode<OperationRec>(kv);
       onOp(d.value, d.modRevision);

@@ -441,6 +441,7 @@ export function toOperation(op: OperationRec, objs: OpResultObjects, now: number
     targetId: op.targetId,
     result,
     ...(op.error ? { error: { kind: op.error.kind, message: op.error.message, retryable: op.error.retryable, field: op.error.field ?? '' } } : {}),
+    cancelRequested: op.cancelRequested ?? false,
   });
 }
 

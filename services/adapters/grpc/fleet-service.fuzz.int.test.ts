@@ -189,7 +189,7 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
 
   it('snapshotsHostsAndOperations_withArbitraryFields_answerCleanly', async () => {
     await fc.assert(
-      fc.asyncProperty(fc.constantFrom('getSnapshot', 'pin', 'unpin', 'retention', 'deleteSnapshot', 'cordon', 'drain', 'removeHost', 'getOp', 'waitOp', 'listOps', 'usage', 'listSandboxes', 'listSnapshots'), nasty, nasty, nasty, smallInt, duration, async (which, tenantId, key, id, n, d) => {
+      fc.asyncProperty(fc.constantFrom('getSnapshot', 'pin', 'unpin', 'retention', 'deleteSnapshot', 'cordon', 'drain', 'removeHost', 'getOp', 'waitOp', 'cancelOp', 'listOps', 'usage', 'listSandboxes', 'listSnapshots'), nasty, nasty, nasty, smallInt, duration, async (which, tenantId, key, id, n, d) => {
         await probe(() => {
           switch (which) {
             case 'getSnapshot':
@@ -212,6 +212,8 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
               return api.getOperation({ tenantId, operationId: id }, opts);
             case 'waitOp':
               return api.waitOperation({ tenantId, operationId: id, timeout: { seconds: 0n, nanos: 1_000_000 } }, opts);
+            case 'cancelOp':
+              return api.cancelOperation({ tenantId, operationId: id }, opts);
             case 'usage':
               return api.getTenantUsage({ tenantId }, opts);
             case 'listOps':

@@ -26,6 +26,7 @@ import type {
   SnapshotSandboxRequest,
   UnpinSnapshotRequest,
   WaitOperationRequest,
+  CancelOperationRequest,
   WatchEventsRequest,
   WriteFileRequest,
 } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
@@ -337,6 +338,9 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const after = c.pageToken(req.pageToken, 'page_token', c.NEWEST_OPERATION_FIRST);
       const { items, nextPageToken } = c.page(await fleet.listOperations(tenantId, filter), req.pageSize, after, c.NEWEST_OPERATION_FIRST);
       return { operations: await Promise.all(items.map(op)), nextPageToken };
+    },
+    async cancelOperation(req: CancelOperationRequest, ctx: CallContext) {
+      return op(await fleet.cancelOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id')));
     },
     async waitOperation(req: WaitOperationRequest, ctx: CallContext) {
       const timeoutMs = c.durationMs(req.timeout, 'timeout', { max: c.LIMITS.maxWaitMs }) ?? c.LIMITS.defaultWaitMs;
