@@ -720,7 +720,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const final = await cancelled(op);
     expect(final.error?.message).toContain('destroyed 3 of the 3 sandboxes it had started');
     const children = new Map((await store.listSandboxes(tenantId)).map((v) => [v.value.id, v.value] as [string, SandboxRec]));
-    for (const id of childIds) expect(children.get(id)?.state, id).toBe('destroyed');
+    for (const id of childIds) expect([children.get(id)?.state, children.get(id)?.stateReason], id).toEqual(['destroyed', `fork ${op.id} cancelled`]);
     // The source runs on; nothing of the children is left on the host or booked for them.
     expect(children.get(sourceId)?.state).toBe('running');
     expect(fakes.flatMap((f) => f.vms().get('fake-cancel-f') ?? []).map((v) => v.sandboxId)).toEqual([sourceId]);

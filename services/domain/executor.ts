@@ -991,7 +991,7 @@ export class Executor {
    * failover waits for the same ones), then the op ends `cancelled` saying so.
    */
   private async destroyForCancel(op: OperationRec, result: OperationRec['result'], sandboxIds: readonly string[], progressDone?: number): Promise<void> {
-    const ends = await Promise.all(sandboxIds.map(async (id) => ({ id, error: await this.submitAndWait(op.tenantId, `__cancel/${op.id}/${id}`, 'destroy', id, {}) })));
+    const ends = await Promise.all(sandboxIds.map(async (id) => ({ id, error: await this.submitAndWait(op.tenantId, `__cancel/${op.id}/${id}`, 'destroy', id, { reason: `${op.kind} ${op.id} cancelled` }) })));
     const failed = ends.filter((e) => e.error !== undefined).map((e) => `${e.id}: destroy failed: ${e.error}`);
     const what = sandboxIds.length === 0 ? 'cancelled by a CancelOperation call' : `cancelled by a CancelOperation call; destroyed ${sandboxIds.length - failed.length} of the ${sandboxIds.length} sandboxes it had started${failed.length ? `; ${failed.join('; ')}` : ''}`;
     await this.finish(op, result, errorOf(new OperationCancelledError(what)), progressDone);
@@ -1894,6 +1894,8 @@ export class Executor {
   }
 
   private async runDestroy(op: OperationRec): Promise<void> {
+    // Why, when this scheduler destroys it itself (a cancelled create or fork): kept as the state's reason.
+    const reason = typeof op.input.reason === 'string' ? op.input.reason : '';
     let sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     // A hibernate or wake in flight owns the VM: let it finish (it is bounded by its steps'
     // timeouts), then destroy what it left.
@@ -1924,7 +1926,7 @@ export class Executor {
       cur = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
         before = s.state;
         if (HOLDS_CAPACITY.has(s.state)) return this.setState(s, 'destroying', this.deps.clock.now());
-        this.setState(s, 'destroyed', this.deps.clock.now());
+        this.setState(s, 'destroyed', this.deps.clock.now(), reason);
         s.opId = '';
       });
       if (!HOLDS_CAPACITY.has(before)) {
@@ -1957,7 +1959,7 @@ export class Executor {
       this.sandboxWrite(
         cur,
         (s) => {
-          this.setState(s, 'destroyed', this.deps.clock.now());
+          this.setState(s, 'destroyed', this.deps.clock.now(), reason);
           s.opId = '';
         },
         undefined,
