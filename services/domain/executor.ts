@@ -2016,8 +2016,10 @@ export class Executor {
     //    step from its journal or joins the run in progress).
     let snapshotId = input.snapshotId;
     const placedBefore = !!(this.ops.get(op.id)?.value ?? op).result?.sandboxIds;
-    // Cancelled before its children were placed: none are (a snapshot taken of a live source stays, with its retention).
-    if (!placedBefore) this.stopIfCancelled(op);
+    // Cancelled before its children were placed: none are. A snapshot of a live source that
+    // an earlier run started is finished first (below), so its record does not stay
+    // `creating`; it stays, with its retention.
+    if (!placedBefore && !input.forkSnapshotId) this.stopIfCancelled(op);
     if (!snapshotId) {
       const id = input.forkSnapshotId || newId('sn');
       if (!input.forkSnapshotId) {
