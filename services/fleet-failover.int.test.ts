@@ -774,6 +774,35 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 60_000);
 
+  it('cancelOperation_ofAFork_whenTheLeaderIsKilledWhileItDestroysTheChildren_endsCancelledViaTheStandby_withEachChildDestroyedOnce', async () => {
+    await hostsSettled();
+    await ownHost('fake-cancel-k', 'cancel-k', { FF_FAKE_RESTORE_MS_PER_VM: '300', FF_FAKE_DESTROY_MS: '2000' });
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-cancel-k' } }));
+    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    // A standby to take over, and the API on it.
+    const standby = await startReplica('s-cancel');
+    const alive = scheds.filter((x) => x.proc.child.exitCode === null && x.proc.child.signalCode === null && x !== standby);
+    const leader = (await Promise.all(alive.map(async (x) => ((await x.isLeader()) ? x : undefined)))).find(Boolean)!;
+    api.close();
+    api = standby.credentials.client(FleetService, standby.api);
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 3, placement: { hostId: 'fake-cancel-k' } });
+    await waitFor('children placed', async () => ((await store.getOp(tenantId, op.id))?.value.result?.sandboxIds ?? []).length === 3, 20_000, 20);
+    await api.cancelOperation({ tenantId, operationId: op.id });
+    // The leader is destroying the children (2 s each on the host) when it dies.
+    const destroys = async (): Promise<Array<{ value: { idempotencyKey?: string; state: string } }>> => (await store.listOps({ activeOnly: false, tenantId })).filter((v) => v.value.kind === 'destroy' && (v.value.idempotencyKey ?? '').startsWith(`__cancel/${op.id}/`));
+    await waitFor('destroys under way', async () => (await destroys()).length === 3, 30_000, 20);
+    leader.proc.kill();
+    await leader.proc.exited;
+    const others = scheds.filter((x) => x !== leader && x.proc.child.exitCode === null && x.proc.child.signalCode === null);
+    await waitFor('a standby takes over', async () => (await Promise.all(others.map((x) => x.isLeader()))).some(Boolean), 10_000, 20);
+    const final = await wait(api, op);
+    expect([OperationState[final.state], final.error?.message]).toEqual(['CANCELLED', 'cancelled by a CancelOperation call; destroyed 3 of the 3 sandboxes it had started']);
+    // The same three destroy operations, each succeeded: none submitted again under another key.
+    expect((await destroys()).map((v) => v.value.state)).toEqual(['succeeded', 'succeeded', 'succeeded']);
+    for (const id of (await store.getOp(tenantId, op.id))?.value.result?.sandboxIds ?? []) expect((await store.getSandbox(tenantId, id))?.value.state, id).toBe('destroyed');
+    await assertConsistent();
+  }, 120_000);
+
   it('cancelOperation_ofAFinishedOrSingleStepOperation_isFailedPrecondition_ofAnUnknownOneNotFound_andABadIdNamesTheField', async () => {
     const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
     const sandboxId = c.result.case === 'sandbox' ? c.result.value.id : '';

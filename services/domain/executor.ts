@@ -440,7 +440,7 @@ export class Executor {
     const listOps = async (): Promise<void> => {
       for (const v of await this.deps.store.listOps({ activeOnly: false })) this.onOp(v);
     };
-    const ownWrite = (id: string, rev: number): boolean => this.running.has(id) && (this.ops.get(id)?.modRevision ?? 0) >= rev;
+    const ownWrite = (id: string, rev: number): boolean => this.running.has(id) && Math.max(this.ops.get(id)?.modRevision ?? 0, this.finishedAt.get(id) ?? 0) >= rev;
     await this.keepWatching(term, 'operation', (onError) => this.deps.store.watchOps((op, rev) => this.onOp({ value: op, modRevision: rev }), { only: (_tenantId, id, rev) => !ownWrite(id, rev), onError }), listOps);
     this.finishedOps.clear();
     await listOps();
@@ -1486,8 +1486,13 @@ export class Executor {
       );
       if (!ok) return;
     }
-    // Cancelled after it started (a re-run after a failover finds it running): destroyed.
-    if (sb.state === 'running' && this.cancelRequested(op.id)) return this.destroyForCancel(op, { sandboxIds: [sb.id] }, [sb.id]);
+    // Cancelled, and a re-run after a failover finds it past its step: failed at a safe point
+    // (the op ends cancelled), or started (running, or already being destroyed by this
+    // cancel: its keyed destroy op is waited for again).
+    if (this.cancelRequested(op.id) && sb.state !== 'starting') {
+      if (sb.state === 'failed') return this.finish(op, { sandboxIds: [sb.id] }, errorOf(new OperationCancelledError()));
+      return this.destroyForCancel(op, { sandboxIds: [sb.id] }, [sb.id]);
+    }
     if (sb.state !== 'starting') {
       // Already past this point (re-run after a failover).
       return this.finish(op, { sandboxIds: [sb.id] }, sb.state === 'running' ? null : { kind: 'failed_precondition', message: `sandbox is ${sb.state}`, retryable: false });
@@ -2108,9 +2113,13 @@ export class Executor {
     //    to FORK_REPLACEMENTS times each: a fork of 64 whose host dies mid-way still ends
     //    with 64 children when the fleet has room for them.
     const replaced: Replacements = { ...((this.ops.get(op.id)?.value ?? opNow).input as { replaced?: Replacements }).replaced };
-    /** Children that started (their VMs run): a cancelled fork destroys them. */
-    const started = new Set(children.filter((c) => c.rec.state === 'running').map((c) => c.rec.id));
-    let runningCount = started.size;
+    /**
+     * Children that started (a VM was made for them): a cancelled fork destroys them. A re-run
+     * after a failover counts those it finds past `starting` (its cancel may have been
+     * destroying them: their destroy ops, keyed, are waited for again).
+     */
+    const started = new Set(children.filter((c) => c.rec.state !== 'starting' && c.rec.state !== 'failed').map((c) => c.rec.id));
+    let runningCount = children.filter((c) => c.rec.state === 'running').length;
     const progress = { lastAt: this.deps.clock.now() };
     const onRunning = (ids: readonly string[]): void => {
       for (const id of ids) started.add(id);
