@@ -85,8 +85,8 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   }
 
   /** ownHost, with one sandbox on it. */
-  async function hostWithSandbox(hostId: string, dataDir: string): Promise<{ agents: FakeAgentsProcess; sandboxId: string }> {
-    const agents = await ownHost(hostId, dataDir);
+  async function hostWithSandbox(hostId: string, dataDir: string, env: Record<string, string> = {}): Promise<{ agents: FakeAgentsProcess; sandboxId: string }> {
+    const agents = await ownHost(hostId, dataDir, env);
     const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId } }));
     return { agents, sandboxId: c.result.case === 'sandbox' ? c.result.value.id : '' };
   }
@@ -708,9 +708,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
 
   it('cancelOperation_ofAForkWhileItsChildrenRestore_destroysEveryChildThatStarted_andLeavesNoVmOrBooking', async () => {
     await hostsSettled();
-    await ownHost('fake-cancel-f', 'cancel-f', { FF_FAKE_RESTORE_MS_PER_VM: '1500' });
-    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-cancel-f' } }));
-    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const { sandboxId: sourceId } = await hostWithSandbox('fake-cancel-f', 'cancel-f', { FF_FAKE_RESTORE_MS_PER_VM: '1500' });
     const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 3, placement: { hostId: 'fake-cancel-f' } });
     let childIds: string[] = [];
     await waitFor('children placed and restoring', async () => {
@@ -729,9 +727,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
 
   it('cancelOperation_ofAForkWhileItSnapshotsItsLiveSource_placesNoChild_andTheSourceRunsOn', async () => {
     await hostsSettled();
-    await ownHost('fake-cancel-s', 'cancel-s', { FF_FAKE_SNAPSHOT_MS: '2000' });
-    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-cancel-s' } }));
-    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const { sandboxId: sourceId } = await hostWithSandbox('fake-cancel-s', 'cancel-s', { FF_FAKE_SNAPSHOT_MS: '2000' });
     const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 4 });
     await waitFor('source snapshot under way', async () => ((await store.getOp(tenantId, op.id))?.value.input as { forkSnapshotId?: string }).forkSnapshotId !== undefined, 20_000, 10);
     const final = await cancelled(op);
@@ -776,9 +772,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
 
   it('cancelOperation_ofAFork_whenTheLeaderIsKilledWhileItDestroysTheChildren_endsCancelledViaTheStandby_withEachChildDestroyedOnce', async () => {
     await hostsSettled();
-    await ownHost('fake-cancel-k', 'cancel-k', { FF_FAKE_RESTORE_MS_PER_VM: '300', FF_FAKE_DESTROY_MS: '2000' });
-    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-cancel-k' } }));
-    const sourceId = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const { sandboxId: sourceId } = await hostWithSandbox('fake-cancel-k', 'cancel-k', { FF_FAKE_RESTORE_MS_PER_VM: '300', FF_FAKE_DESTROY_MS: '2000' });
     // A standby to take over, and the API on it.
     const standby = await startReplica('s-cancel');
     const alive = scheds.filter((x) => x.proc.child.exitCode === null && x.proc.child.signalCode === null && x !== standby);
