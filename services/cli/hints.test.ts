@@ -29,6 +29,10 @@ describe('CLI hints', () => {
     // A failed operation whose kind says what the caller must change keeps that kind's hint.
     expect(hintFor({ kind: 'resource_exhausted', message: 'x', operation: true }, 'a:1')).toContain('no capacity');
   });
+  it('hintFor_aCancelledOperation_saysItWasCancelledAndWhereToSeeWhatItUndid_notThatTheCallWas', () => {
+    expect(hintFor({ kind: 'cancelled', message: 'operation op-1 (fork) cancelled: cancelled by a CancelOperation call', operation: true }, 'a:1')).toContain('forkfleet operation get');
+    expect(hintFor({ kind: 'cancelled', message: 'cancelled by client' }, 'a:1')).toBe('the call was cancelled');
+  });
   it('hintFor_aPausedSandbox_saysHowToResumeIt_andOtherWrongStatesHowToSeeIt', () => {
     expect(hintFor({ kind: 'failed_precondition', message: 'sandbox sb-abc123 is paused; it must be running' }, 'a:1')).toContain('forkfleet sandbox resume sb-abc123');
     expect(hintFor({ kind: 'failed_precondition', message: 'snapshot sn-1 is deleting' }, 'a:1')).toContain('forkfleet sandbox get');

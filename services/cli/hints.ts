@@ -78,7 +78,8 @@ export function hintFor(e: ErrorLike, api: string): string {
     case 'permission_denied':
       return e.field === 'tenant_id' ? "your credential acts for its own tenant only: drop --tenant (or FF_TENANT)" : 'this needs an admin credential';
     case 'cancelled':
-      return 'the call was cancelled';
+      // An operation someone cancelled (CancelOperation), or this call interrupted.
+      return e.operation ? 'the operation was cancelled (`forkfleet operation cancel`); what it started was destroyed: see `forkfleet operation get OP`' : 'the call was cancelled';
     default:
       return `see the scheduler logs (npm run fleet:status shows where they are)`;
   }

@@ -1547,8 +1547,8 @@ export const OperationSchema: GenMessage<Operation> = /*@__PURE__*/
 
 /**
  * What a cancelled operation leaves:
- * - create: a sandbox not yet started fails ("create cancelled"), its booking released; one
- *   that started is destroyed (a DESTROY operation of its own).
+ * - create: a sandbox not yet started fails (its state_reason says it was cancelled), its
+ *   booking released; one that started is destroyed (a DESTROY operation of its own).
  * - fork: no children if it had not placed them (a snapshot it took of a live source stays,
  *   with its retention); else host steps not yet sent are not sent (their children fail),
  *   steps under way finish, and every child that started is destroyed.
