@@ -123,6 +123,10 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(onSb.stdout).toMatch(/^ID\s+KIND\s+STATE\s+TARGET\s+PROGRESS\s+CREATED/);
     expect(onSb.stdout.trim().split('\n').slice(1).map((l) => l.split(/\s+/)[1])).toEqual(['destroy', 'fork', 'create']);
     expect((await cli(['op', 'ls', '--state', 'done'])).code).toBe(2);
+    // A finished operation cannot be cancelled: the API says why, exit 1.
+    const late = await cli(['--json', 'operation', 'cancel', done[0]!.operationId]);
+    expect([late.code, JSON.parse(late.stdout).error.kind]).toEqual([1, 'failed_precondition']);
+    expect(JSON.parse(late.stdout).error.message).toContain('already succeeded');
     // Nothing counts against the tenant's quotas now (and this fleet sets none).
     expect(await json<{ tenantId: string; sandboxes: number; memoryMib: number; quota: object }>(['usage'])).toMatchObject({ tenantId: sb.tenantId, sandboxes: 0, memoryMib: 0, quota: {} });
     expect((await cli(['usage'])).stdout).toMatch(/^tenant\s+\S+\nsandboxes\s+0 \(no limit\)\nmemory\s+0 MiB \(no limit\)\n/);
