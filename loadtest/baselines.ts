@@ -4,7 +4,9 @@
 //     (host-agent/bench/vmm.ts): driver, migrateAndWait, incomingAndWait, OverlayFactory.
 //   naive_full_copy: a cross-host restore that first copies the whole saved memory stream
 //     and the disk over a TCP stream between two of the fleet's host namespaces (so at the
-//     fleet's shaped link rate), then does the classic restore from the copy.
+//     fleet's shaped link rate; over mutual TLS with the hosts' peer certificates when the
+//     fleet's peers speak TLS, as its migration streams do), then does the classic restore
+//     from the copy.
 import { mkdir, rm, stat } from 'node:fs/promises';
 import { spawn } from 'node:child_process';
 import type { ChildProcess } from 'node:child_process';
@@ -99,6 +101,8 @@ export interface CopyPath {
   toNetns?: string;
   fromAddress: string;
   port: number;
+  /** The sending and receiving hosts' peer TLS files (CA, certificate, key): the copy is then mutual TLS. */
+  tls?: { from: readonly [string, string, string]; to: readonly [string, string, string] };
 }
 
 function nodeIn(netns: string | undefined, args: string[]): ChildProcess {
@@ -110,14 +114,14 @@ function nodeIn(netns: string | undefined, args: string[]): ChildProcess {
 /** Starts the sender (not timed). Returns a function that runs one timed copy + classic restore. */
 export async function startNaive(b: LocalBaseline, path: CopyPath): Promise<{ once: () => Promise<{ ms: number; copyMs: number; bytes: number }>; close: () => Promise<void> }> {
   const disk = join(b.snap.dir, 'disk.qcow2');
-  const server = nodeIn(path.fromNetns, ['serve', '--listen', `${path.fromAddress}:${path.port}`, '--files', `${b.classicFile},${disk}`]);
+  const server = nodeIn(path.fromNetns, ['serve', '--listen', `${path.fromAddress}:${path.port}`, '--files', `${b.classicFile},${disk}`, ...(path.tls ? ['--tls', path.tls.from.join(',')] : [])]);
   await nextJson(lines(server), 'naive copy server');
   let k = 0;
   return {
     once: async () => {
       const out = join(b.dir, `naive-${k++}`);
       await mkdir(out);
-      const recv = nodeIn(path.toNetns, ['recv', '--connect', `${path.fromAddress}:${path.port}`, '--out', out]);
+      const recv = nodeIn(path.toNetns, ['recv', '--connect', `${path.fromAddress}:${path.port}`, '--out', out, ...(path.tls ? ['--tls', path.tls.to.join(',')] : [])]);
       try {
         const it = lines(recv);
         await nextJson(it, 'naive copy receiver');

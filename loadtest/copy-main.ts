@@ -1,15 +1,27 @@
 // Naive full-copy baseline helper, run inside a fleet host's network namespace:
 //   copy-main.ts serve --listen IP:PORT --files F[,F]   streams every file whole on each connection
 //   copy-main.ts recv  --connect IP:PORT --out DIR       waits for "go" on stdin, receives, prints JSON
+// With --tls CA,CERT,KEY (each end its host's peer certificate) the stream is mutual TLS, as
+// the fleet's peers speak it, so a TLS fleet is compared with an encrypted copy.
 // Wire format per file: u16 name length, name, u64 size, bytes.
 import { parseArgs } from 'node:util';
 import { createReadStream, createWriteStream, statSync } from 'node:fs';
 import { basename, join } from 'node:path';
+import { readFileSync } from 'node:fs';
 import { connect, createServer } from 'node:net';
 import type { Socket } from 'node:net';
+import tls from 'node:tls';
 import { once } from 'node:events';
 
-const { positionals, values } = parseArgs({ allowPositionals: true, options: { listen: { type: 'string' }, connect: { type: 'string' }, files: { type: 'string' }, out: { type: 'string' } } });
+const { positionals, values } = parseArgs({ allowPositionals: true, options: { listen: { type: 'string' }, connect: { type: 'string' }, files: { type: 'string' }, out: { type: 'string' }, tls: { type: 'string' } } });
+
+/** --tls CA,CERT,KEY: PEM files of the fleet's CA and this end's host certificate. */
+function tlsFiles(): { ca: Buffer; cert: Buffer; key: Buffer } | undefined {
+  if (!values.tls) return undefined;
+  const [ca, cert, key] = values.tls.split(',').map((f) => readFileSync(f));
+  if (!ca || !cert || !key) throw new Error('--tls needs CA,CERT,KEY');
+  return { ca, cert, key };
+}
 
 function need(k: 'listen' | 'connect' | 'files' | 'out'): string {
   const v = values[k];
@@ -33,7 +45,9 @@ async function send(sock: Socket, files: string[]): Promise<void> {
 async function serve(): Promise<void> {
   const files = need('files').split(',');
   const [host, port] = need('listen').split(':');
-  const srv = createServer((sock) => void send(sock, files).catch((e: unknown) => process.stderr.write(`send failed: ${String(e)}\n`)));
+  const onSock = (sock: Socket): void => void send(sock, files).catch((e: unknown) => process.stderr.write(`send failed: ${String(e)}\n`));
+  const t = tlsFiles();
+  const srv = t ? tls.createServer({ ...t, requestCert: true, rejectUnauthorized: true }, onSock) : createServer(onSock);
   srv.listen(Number(port), host, () => process.stdout.write(`${JSON.stringify({ listening: need('listen') })}\n`));
   process.once('SIGTERM', () => srv.close(() => process.exit(0)));
 }
@@ -44,7 +58,9 @@ async function recv(): Promise<void> {
   process.stdout.write('{"ready":true}\n');
   await once(process.stdin, 'data');
   const t0 = performance.now();
-  const sock = connect(Number(port), host);
+  const t = tlsFiles();
+  // The sender's certificate names its address (IP SAN), as between the fleet's agents.
+  const sock = t ? tls.connect({ port: Number(port), host, ...t, servername: 'forkfleet-peer', checkServerIdentity: (_n, cert) => tls.checkServerIdentity(host!, cert) }) : connect(Number(port), host);
   let buf = Buffer.alloc(0);
   let out: ReturnType<typeof createWriteStream> | undefined;
   let left = 0n;

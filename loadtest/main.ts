@@ -156,7 +156,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     log(`Prometheus metrics on http://127.0.0.1:${cfg.metricsPort}/metrics`);
   }
   let fleetMod: FleetMod | undefined;
-  let fleetHosts: Array<{ netns: string; address: string }> = [];
+  let fleetHosts: Array<{ netns: string; address: string; dataDir: string }> = [];
   let apiAddr = cfg.api;
   const work = mkdtempSync(join(tmpdir(), 'fflt-'));
   let local: LocalBaseline | undefined;
@@ -298,13 +298,16 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       notes.push(`QEMU-level baseline guest: accel ${local.accel}; its boot+setup (${Math.round(local.coldBootMs)} ms, below the API) is cold_boot sample 2.`);
       await scenario('classic_restore', ratioSamples, async () => [await classicRestoreOnce(local!)]);
       const [a, b] = fleetHosts;
-      const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990 } : { fromAddress: '127.0.0.1', port: 19795 });
+      // Between TLS peers, the copy is encrypted too (the peer certificates the fleet issued them).
+      const peerFiles = (h: { dataDir: string }): readonly [string, string, string] => [join(h.dataDir, 'peer-ca.crt'), join(h.dataDir, 'peer.crt'), join(h.dataDir, 'peer.key')];
+      const naiveTls = a && b && cfg.peerTls ? { from: peerFiles(a), to: peerFiles(b) } : undefined;
+      const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990, ...(naiveTls ? { tls: naiveTls } : {}) } : { fromAddress: '127.0.0.1', port: 19795 });
       cleanup.push(naive.close);
       if (!(a && b)) notes.push('naive_full_copy: no fleet namespaces known (--api), so the copy ran over unshaped loopback.');
       let copy = '';
       await scenario('naive_full_copy', ratioSamples, async () => {
         const r = await naive.once();
-        copy = `naive_full_copy: copied ${(r.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) in ${Math.round(r.copyMs)} ms, then a classic restore.`;
+        copy = `naive_full_copy: copied ${(r.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) ${naiveTls ? 'over mutual TLS, as the fleet\'s peers, ' : ''}in ${Math.round(r.copyMs)} ms, then a classic restore.`;
         return [r.ms];
       });
       if (copy) notes.push(copy);
