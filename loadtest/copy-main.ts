@@ -5,9 +5,8 @@
 // the fleet's peers speak it, so a TLS fleet is compared with an encrypted copy.
 // Wire format per file: u16 name length, name, u64 size, bytes.
 import { parseArgs } from 'node:util';
-import { createReadStream, createWriteStream, statSync } from 'node:fs';
+import { createReadStream, createWriteStream, readFileSync, statSync } from 'node:fs';
 import { basename, join } from 'node:path';
-import { readFileSync } from 'node:fs';
 import { connect, createServer } from 'node:net';
 import type { Socket } from 'node:net';
 import tls from 'node:tls';

@@ -299,8 +299,11 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       await scenario('classic_restore', ratioSamples, async () => [await classicRestoreOnce(local!)]);
       const [a, b] = fleetHosts;
       // Between TLS peers, the copy is encrypted too (the peer certificates the fleet issued them).
-      const peerFiles = (h: { dataDir: string }): readonly [string, string, string] => [join(h.dataDir, 'peer-ca.crt'), join(h.dataDir, 'peer.crt'), join(h.dataDir, 'peer.key')];
-      const naiveTls = a && b && cfg.peerTls ? { from: peerFiles(a), to: peerFiles(b) } : undefined;
+      const peerFiles = (h: { dataDir: string }): readonly [string, string, string] => {
+        const f = fleetMod!.peerCertFiles(h);
+        return [f.ca, f.cert, f.key];
+      };
+      const naiveTls = a && b && fleetMod && cfg.peerTls ? { from: peerFiles(a), to: peerFiles(b) } : undefined;
       const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990, ...(naiveTls ? { tls: naiveTls } : {}) } : { fromAddress: '127.0.0.1', port: 19795 });
       cleanup.push(naive.close);
       if (!(a && b)) notes.push('naive_full_copy: no fleet namespaces known (--api), so the copy ran over unshaped loopback.');

@@ -414,13 +414,18 @@ async function guestCgroupFor(opts: FleetOptions): Promise<string> {
  * certificate and a copy of the CA's certificate live in the host's own directory, which only
  * its agent sees. Returns the agent's FF_PEER_* variables.
  */
+/** Where a host's peer TLS files are (makePeerCert writes them): the fleet's CA, its certificate and key. */
+export function peerCertFiles(h: { dataDir: string }): { ca: string; cert: string; key: string } {
+  return { ca: join(h.dataDir, 'peer-ca.crt'), cert: join(h.dataDir, 'peer.crt'), key: join(h.dataDir, 'peer.key') };
+}
+
 function makePeerCert(state: FleetState, h: HostRecord): Record<string, string> {
   const ca = apiCredentialPaths(state.options.dir);
-  const pair = { cert: join(h.dataDir, 'peer.crt'), key: join(h.dataDir, 'peer.key') };
+  const files = peerCertFiles(h);
   mkdirSync(h.dataDir, { recursive: true });
-  ensurePeerCert({ caCert: ca.caCert, caKey: join(ca.pki, 'ca.key') }, pair, h.id, h.address);
-  copyFileSync(ca.caCert, join(h.dataDir, 'peer-ca.crt'));
-  return { FF_PEER_CA: join(h.dataDir, 'peer-ca.crt'), FF_PEER_CERT: pair.cert, FF_PEER_KEY: pair.key };
+  ensurePeerCert({ caCert: ca.caCert, caKey: join(ca.pki, 'ca.key') }, { cert: files.cert, key: files.key }, h.id, h.address);
+  copyFileSync(ca.caCert, files.ca);
+  return { FF_PEER_CA: files.ca, FF_PEER_CERT: files.cert, FF_PEER_KEY: files.key };
 }
 
 /**
