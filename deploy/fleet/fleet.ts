@@ -408,17 +408,17 @@ async function guestCgroupFor(opts: FleetOptions): Promise<string> {
   return why ? '' : chosen;
 }
 
+/** Where a host's peer TLS files are (makePeerCert writes them): the fleet's CA, its certificate and key. */
+export function peerCertFiles(h: { dataDir: string }): { ca: string; cert: string; key: string } {
+  return { ca: join(h.dataDir, 'peer-ca.crt'), cert: join(h.dataDir, 'peer.crt'), key: join(h.dataDir, 'peer.key') };
+}
+
 /**
  * The host's peer certificate (mutual TLS between agents, host-agent/adapters/peer/tls.ts),
  * from the fleet's dev CA: CN forkfleet-host-<id>, its peer address as IP SAN. The key, the
  * certificate and a copy of the CA's certificate live in the host's own directory, which only
  * its agent sees. Returns the agent's FF_PEER_* variables.
  */
-/** Where a host's peer TLS files are (makePeerCert writes them): the fleet's CA, its certificate and key. */
-export function peerCertFiles(h: { dataDir: string }): { ca: string; cert: string; key: string } {
-  return { ca: join(h.dataDir, 'peer-ca.crt'), cert: join(h.dataDir, 'peer.crt'), key: join(h.dataDir, 'peer.key') };
-}
-
 function makePeerCert(state: FleetState, h: HostRecord): Record<string, string> {
   const ca = apiCredentialPaths(state.options.dir);
   const files = peerCertFiles(h);

@@ -111,6 +111,19 @@ export function ensurePeerCert(ca: { caCert: string; caKey: string }, cert: { ce
   ensureCert(ca, cert, { sans: [`IP:${address}`], cn: peerCertificateCn(hostId), use: 'server+client' });
 }
 
+/**
+ * A dev CA in `dir` (made once) and a peer certificate of it for `hostId` at `address`, read
+ * back as PEM (the shape of host-agent's PeerTls): for tests and benchmarks that play hosts.
+ */
+export function devPeerTls(dir: string, hostId: string, address: string): { ca: Buffer; cert: Buffer; key: Buffer } {
+  mkdirSync(dir, { recursive: true });
+  const ca = { caCert: join(dir, 'ca.crt'), caKey: join(dir, 'ca.key') };
+  ensureCa(ca.caCert, ca.caKey);
+  const pair = { cert: join(dir, `${hostId}.crt`), key: join(dir, `${hostId}.key`) };
+  ensurePeerCert(ca, pair, hostId, address);
+  return { ca: readFileSync(ca.caCert), cert: readFileSync(pair.cert), key: readFileSync(pair.key) };
+}
+
 /** A TLS server certificate for these SANs (ensureCert with use 'server'). */
 export function ensureServerCert(ca: { caCert: string; caKey: string }, cert: { serverCert: string; serverKey: string }, sans: readonly string[], cn = 'forkfleet-scheduler'): void {
   ensureCert(ca, { cert: cert.serverCert, key: cert.serverKey }, { sans, cn, use: 'server' });

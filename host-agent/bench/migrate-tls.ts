@@ -11,16 +11,16 @@
 //   tls     QEMU to QEMU over QEMU's mutual TLS with certificates of one CA (the default)
 // Prints per mode the medians of the source's stream time (`migrate` to completed) and of
 // call to ready (stream loaded, VM resumed, clone hygiene done), and their ratio.
-import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { rmSync, writeFileSync } from 'node:fs';
 import { copyFile, mkdtemp } from 'node:fs/promises';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { ensureImage } from '../../deploy/images/build.ts';
-import { ensureCa, ensurePeerCert } from '../../deploy/pki/pki.ts';
+import { devPeerTls } from '../../deploy/pki/pki.ts';
 import { QemuVmmDriver } from '../adapters/qemu/driver.ts';
-import { writeQemuTlsDir, type PeerTls } from '../adapters/peer/tls.ts';
+import { writeQemuTlsDir } from '../adapters/peer/tls.ts';
 import type { AccelSetting } from '../domain/vmm.ts';
 
 const arg = (name: string, dflt: string): string => {
@@ -57,19 +57,10 @@ try {
   await tpl.destroy('tpl');
 
   const pki = join(root, 'pki');
-  mkdirSync(pki, { recursive: true });
-  const ca = { caCert: join(pki, 'ca.crt'), caKey: join(pki, 'ca.key') };
-  ensureCa(ca.caCert, ca.caKey);
-  const peer = (name: string): PeerTls => {
-    const pair = { cert: join(pki, `${name}.crt`), key: join(pki, `${name}.key`) };
-    ensurePeerCert(ca, pair, name, '127.0.0.1');
-    return { ca: readFileSync(ca.caCert), cert: readFileSync(pair.cert), key: readFileSync(pair.key) };
-  };
-  const [pa, pb] = [peer('a'), peer('b')];
   const plainSrc = newDriver('plain-src');
   const plainDst = newDriver('plain-dst');
-  const qemuSrc = newDriver('qemu-src', writeQemuTlsDir(join(pki, 'qa'), pa));
-  const qemuDst = newDriver('qemu-dst', writeQemuTlsDir(join(pki, 'qb'), pb));
+  const qemuSrc = newDriver('qemu-src', writeQemuTlsDir(join(pki, 'qa'), devPeerTls(pki, 'a', '127.0.0.1')));
+  const qemuDst = newDriver('qemu-dst', writeQemuTlsDir(join(pki, 'qb'), devPeerTls(pki, 'b', '127.0.0.1')));
   const layer = { manifest: snap.manifest, image, diskLayerBacking: image.disk, writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };
 
   type Mode = 'plain' | 'tls';

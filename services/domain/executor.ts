@@ -9,7 +9,7 @@
 import { create, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } from './ports.ts';
-import type { HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
+import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { canTransition, HOLDS_CAPACITY, isTerminal } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostWorkSchema, VmSpecSchema } from './messages.ts';
@@ -89,7 +89,7 @@ export interface ExecutorDeps {
   /** Records a new operation (Fleet.submit): the leader's own reconcilers start work through it. */
   submit?: (tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>) => Promise<OperationRec>;
   /** Observability hook: every finished operation (adapters turn it into metrics). */
-  onFinished?: (kind: OperationRec['kind'], state: 'succeeded' | 'failed' | 'cancelled', seconds: number) => void;
+  onFinished?: (kind: OperationRec['kind'], state: FinalOperationState, seconds: number) => void;
   /** Observability hook: a fork's children placed again after their host was lost (`placed`), or failed for want of room (`failed`). */
   onChildrenReplaced?: (result: 'placed' | 'failed', children: number) => void;
   /** Observability hook: records deleted by the history retention (history.ts), per pass. */
@@ -938,7 +938,7 @@ export class Executor {
   private async finish(op: OperationRec, result: OperationRec['result'], error: OperationError | null, progressDone?: number, extra?: (attempt: number) => Promise<StoreWrite[]>): Promise<void> {
     // Only the leader finishes operations: one that stepped down leaves them to the next.
     if (!this.active) return;
-    let state: 'succeeded' | 'failed' | 'cancelled' = 'succeeded';
+    let state: FinalOperationState = 'succeeded';
     await this.updateOp(
       op.tenantId,
       op.id,
@@ -993,7 +993,7 @@ export class Executor {
   private async destroyForCancel(op: OperationRec, result: OperationRec['result'], sandboxIds: readonly string[], progressDone?: number): Promise<void> {
     const ends = await Promise.all(sandboxIds.map(async (id) => ({ id, error: await this.submitAndWait(op.tenantId, `__cancel/${op.id}/${id}`, 'destroy', id, { reason: `${op.kind} ${op.id} cancelled` }) })));
     const failed = ends.filter((e) => e.error !== undefined).map((e) => `${e.id}: destroy failed: ${e.error}`);
-    const what = sandboxIds.length === 0 ? 'cancelled by a CancelOperation call' : `cancelled by a CancelOperation call; destroyed ${sandboxIds.length - failed.length} of the ${sandboxIds.length} sandboxes it had started${failed.length ? `; ${failed.join('; ')}` : ''}`;
+    const what = sandboxIds.length === 0 ? undefined : `cancelled by a CancelOperation call; destroyed ${sandboxIds.length - failed.length} of the ${sandboxIds.length} sandboxes it had started${failed.length ? `; ${failed.join('; ')}` : ''}`;
     await this.finish(op, result, errorOf(new OperationCancelledError(what)), progressDone);
   }
 

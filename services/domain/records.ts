@@ -185,6 +185,8 @@ export type OperationKind = 'create' | 'pause' | 'resume' | 'hibernate' | 'wake'
  * its state is terminal; `result` is set only on success, `error` only on failure.
  */
 export type OperationState = 'pending' | 'running' | 'succeeded' | 'failed' | 'cancelled';
+/** The states an operation ends in (isTerminal). */
+export type FinalOperationState = Exclude<OperationState, 'pending' | 'running'>;
 
 export interface OperationError {
   kind: string;

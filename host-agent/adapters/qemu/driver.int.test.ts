@@ -2,7 +2,7 @@
 // One template VM is booted for the file and everything forks from its snapshot.
 import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { createReadStream, mkdirSync, readFileSync } from 'node:fs';
+import { createReadStream } from 'node:fs';
 import { copyFile, mkdtemp, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
@@ -17,7 +17,7 @@ import type { QmpClient } from '../qmp/client.ts';
 import { QemuVmmDriver } from './driver.ts';
 import { ramDirFor, tmpfsOptions } from './ram-pool.ts';
 import { cmdlineOf, isAlive, killHard } from './process.ts';
-import { ensureCa, ensurePeerCert } from '../../../deploy/pki/pki.ts';
+import { devPeerTls } from '../../../deploy/pki/pki.ts';
 import { writeQemuTlsDir } from '../peer/tls.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
@@ -407,14 +407,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
   it('migrate_overTls_whenBothHostsHaveTheFleetsCertificates_restoresTheVm_andAPlainTextStreamIsRefused', async () => {
     // Two more "hosts", each with a certificate of one CA naming 127.0.0.1 (as deploy/ issues them).
     const pki = join(root, 'tls');
-    mkdirSync(pki, { recursive: true });
-    const ca = { caCert: join(pki, 'ca.crt'), caKey: join(pki, 'ca.key') };
-    ensureCa(ca.caCert, ca.caKey);
-    const tlsDir = (name: string): string => {
-      const pair = { cert: join(pki, `${name}.crt`), key: join(pki, `${name}.key`) };
-      ensurePeerCert(ca, pair, name, '127.0.0.1');
-      return writeQemuTlsDir(join(pki, `qemu-${name}`), { ca: readFileSync(ca.caCert), cert: readFileSync(pair.cert), key: readFileSync(pair.key) });
-    };
+    const tlsDir = (name: string): string => writeQemuTlsDir(join(pki, `qemu-${name}`), devPeerTls(pki, name, '127.0.0.1'));
     const src = new QemuVmmDriver({ root: join(root, 'tls-src'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: tlsDir('src') });
     const dest = new QemuVmmDriver({ root: join(root, 'tls-dst'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: tlsDir('dst') });
     const server = net.createServer({ pauseOnConnect: true });
