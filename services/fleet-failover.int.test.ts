@@ -14,7 +14,8 @@ import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.
 import { loadSigningKey } from './scheduler.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import type { Client } from './adapters/grpc/rpc.ts';
-import { FleetService, HostState, OperationKind, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { FleetService, HostState, OperationKind, OperationState, OperationStepState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { durationMs, timestampMs } from '@bufbuild/protobuf/wkt';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread, Locality } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
@@ -269,6 +270,43 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect(ids).toHaveLength(16);
     const vms = slow.vms().get('fake-r')!.map((v) => v.sandboxId);
     expect(vms.sort()).toEqual([...ids].sort());
+    // Its one step says it was sent again.
+    expect(final.steps.map((st) => [st.stepId, st.state])).toEqual([['restore/fake-r', OperationStepState.SUCCEEDED]]);
+    expect(final.steps[0]!.attempt).toBeGreaterThanOrEqual(2);
+    await assertConsistent();
+  });
+
+  it('operation_listsEachHostStep_whenItWasSentHowLongItTookThereAndWhatItFetched_andACreateEndsOneOfOneDone', async () => {
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    expect([c.progress?.done, c.progress?.total]).toEqual([1, 1]);
+    expect(c.steps.map((st) => [st.stepId, st.action, st.state, st.attempt])).toEqual([['create', 'create_vm', OperationStepState.SUCCEEDED, 1]]);
+    const source = c.result.case === 'sandbox' ? c.result.value : undefined;
+    const sourceId = source?.id ?? '';
+    // A fork of the live sandbox: its snapshot is taken first, then each host restores (and
+    // the hosts that do not hold it fetch it, 300 ms in these fake agents).
+    const f = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 3, placement: { spread: Spread.SPREAD } }));
+    const kids = f.result.case === 'fork' ? f.result.value.children : [];
+    const [snap, ...restores] = f.steps;
+    expect([snap?.stepId.startsWith('snapshot/'), snap?.action, snap?.state]).toEqual([true, 'snapshot_vm', OperationStepState.SUCCEEDED]);
+    expect(restores.map((st) => [st.action, st.state])).toEqual(Array(3).fill(['restore_vms', OperationStepState.SUCCEEDED]));
+    expect(new Set(restores.map((st) => st.hostId))).toEqual(new Set(kids.map((k) => k.hostId)));
+    const created = timestampMs(f.createdAt!);
+    for (const st of f.steps) {
+      const sent = timestampMs(st.sentAt!);
+      const ended = timestampMs(st.finishedAt!);
+      expect(sent).toBeGreaterThanOrEqual(created);
+      expect(ended).toBeGreaterThanOrEqual(sent);
+      // The host's own time fits inside the scheduler's (same clock here; 5 ms of rounding).
+      expect(durationMs(st.hostDuration!)).toBeLessThanOrEqual(ended - sent + 5);
+    }
+    // No restore is sent before the snapshot it restores is taken.
+    for (const st of restores) expect(timestampMs(st.sentAt!)).toBeGreaterThanOrEqual(timestampMs(snap!.finishedAt!));
+    const fetched = restores.filter((st) => st.hostId !== source?.hostId);
+    expect(fetched.length).toBeGreaterThan(0);
+    for (const st of fetched) {
+      expect(st.bytesFetched).toBeGreaterThan(0n);
+      expect(durationMs(st.hostDuration!)).toBeGreaterThanOrEqual(300);
+    }
     await assertConsistent();
   });
 

@@ -151,6 +151,10 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     const text = await ts.sched.registry.metrics();
     expect(text).toMatch(/^forkfleet_fork_children_replaced_total\{result="placed"\} 2$/m);
     expect(text).toMatch(/^forkfleet_fork_children_replaced_total\{result="failed"\} 1$/m);
+    // The restore steps the lost host never answered failed; those of the hosts the children moved to succeeded.
+    expect(text).toMatch(/^forkfleet_host_step_duration_seconds_count\{action="restore_vms",result="failed"\} [1-9]/m);
+    expect(text).toMatch(/^forkfleet_host_step_duration_seconds_count\{action="restore_vms",result="succeeded"\} [1-9]/m);
+    expect(text).toMatch(/^forkfleet_host_step_host_seconds_count\{action="restore_vms"\} [1-9]/m);
   }, 90_000);
 
   it('replacement_whoseCommitLandsButIsRetriedAndConflicts_goesOnWithTheChildrenWhereItPutThem', async () => {

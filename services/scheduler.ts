@@ -59,6 +59,9 @@ export function loadSigningKey(path: string, keyId: string): SigningKey {
   return { keyId, privateKey };
 }
 
+/** Seconds: a same-host fork's restore on KVM (tens of ms) up to a migration or fetch of a large snapshot. */
+const STEP_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60];
+
 export function schedulerMetrics(registry: Registry): { ops: Counter<'kind' | 'result'>; opSeconds: Histogram<'kind'>; leader: Gauge } {
   return {
     ops: new Counter({ name: 'forkfleet_operations_total', help: 'Operations finished by the leader, by kind and result (succeeded, failed, cancelled).', labelNames: ['kind', 'result'], registers: [registry] }),
@@ -168,6 +171,20 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   }
 
   const replaced = new Counter({ name: 'forkfleet_fork_children_replaced_total', help: "A fork's children whose host was lost while it started them: placed again on a live host (result=placed) or failed for want of room (result=failed).", labelNames: ['result'], registers: [registry] });
+  const stepSeconds = new Histogram({
+    name: 'forkfleet_host_step_duration_seconds',
+    help: "Host steps, from the leader's first send to the answer reaching it (or the step failing), by action (the HostWork kind, e.g. restore_vms) and result (succeeded, failed).",
+    labelNames: ['action', 'result'],
+    buckets: STEP_BUCKETS,
+    registers: [registry],
+  });
+  const stepHostSeconds = new Histogram({
+    name: 'forkfleet_host_step_host_seconds',
+    help: 'Host steps as their host measured them (its start to its answer), by action; forkfleet_host_step_duration_seconds minus this is the time in NATS and in the leader.',
+    labelNames: ['action'],
+    buckets: STEP_BUCKETS,
+    registers: [registry],
+  });
   const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes, finished operations and deleted or failed snapshots deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
   const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
   const executor = new Executor({
@@ -188,6 +205,10 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       metrics.opSeconds.observe({ kind }, seconds);
     },
     onChildrenReplaced: (result, children) => replaced.inc({ result }, children),
+    onStepEnded: (action, result, seconds, hostSeconds) => {
+      if (seconds !== undefined) stepSeconds.observe({ action, result }, seconds);
+      if (hostSeconds !== undefined) stepHostSeconds.observe({ action }, hostSeconds);
+    },
     onExpired: (sandboxes, ops, snapshots) => {
       expired.inc({ kind: 'sandbox' }, sandboxes);
       expired.inc({ kind: 'operation' }, ops);

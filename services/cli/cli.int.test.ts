@@ -61,7 +61,7 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(done).toHaveLength(1);
     expect(done[0]).toMatchObject({ type: 'operation_done', sandboxId: sb.id });
     const createOp = await json<{ kind: string; state: string; targetId: string; updatedAt: string; sandbox: { id: string } }>(['operation', 'get', done[0]!.operationId]);
-    expect(createOp).toMatchObject({ kind: 'create', state: 'succeeded', targetId: sb.id, sandbox: { id: sb.id } });
+    expect(createOp).toMatchObject({ kind: 'create', state: 'succeeded', targetId: sb.id, sandbox: { id: sb.id }, progress: { done: 1, total: 1 }, steps: [{ stepId: 'create', hostId: sb.hostId, action: 'create_vm', state: 'succeeded', attempt: 1 }] });
     // A replayed event keeps the time of its change.
     expect(done[0]!.time).toBe(createOp.updatedAt);
 
@@ -122,6 +122,10 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const onSb = await cli(['op', 'ls', '--target', sb.id]);
     expect(onSb.stdout).toMatch(/^ID\s+KIND\s+STATE\s+TARGET\s+PROGRESS\s+CREATED/);
     expect(onSb.stdout.trim().split('\n').slice(1).map((l) => l.split(/\s+/)[1])).toEqual(['destroy', 'fork', 'create']);
+    // Where the fork's time went: its source's snapshot, then the restores, each with its times.
+    const forkOp = await cli(['op', 'get', onSb.stdout.trim().split('\n')[2]!.split(/\s+/)[0]!]);
+    expect(forkOp.stdout).toMatch(/\nSTEP\s+HOST\s+ACTION\s+STATE\s+SENT\s+TOOK\s+ON HOST\s+NOTES\nsnapshot\/sn-\S+\s+h\d\s+snapshot_vm\s+succeeded\s+\+\d\S*\s+\d\S*\s+\d\S*\s+source paused \d/);
+    expect(forkOp.stdout).toMatch(/\nrestore\/h\d\s+h\d\s+restore_vms\s+succeeded\s+\+\d\S*\s+\d\S*\s+\d/);
     expect((await cli(['op', 'ls', '--state', 'done'])).code).toBe(2);
     // A finished operation cannot be cancelled: the API says why, exit 1.
     const late = await cli(['--json', 'operation', 'cancel', done[0]!.operationId]);

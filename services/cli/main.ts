@@ -109,7 +109,41 @@ function operationFields(op: OperationInfo): string {
     ['snapshot', op.snapshot ? `${op.snapshot.id} ${op.snapshot.state}` : (op.fork?.snapshotId ?? '')],
     ['placement', op.fork?.summary ?? ''],
     ['children', op.fork ? op.fork.children.map((c) => `${c.id}${c.hostId ? `@${c.hostId}` : ''}`).join(' ') : ''],
-  ]);
+  ]) + stepsTable(op);
+}
+
+/** 460ms, 7.3s, 3m20s: a step's time, to a tenth of a second under a minute. */
+function fmtStepMs(ms: number): string {
+  return ms < 1000 ? `${Math.round(ms)}ms` : ms < 60_000 ? `${(ms / 1000).toFixed(1)}s` : fmtMs(ms);
+}
+
+/**
+ * The op's host steps: when each was sent (after the op was created), how long until its
+ * answer came, how long it took on the host, and what it moved. Empty when it has none.
+ */
+function stepsTable(op: OperationInfo): string {
+  if (op.steps.length === 0) return '';
+  const created = op.createdAt ? Date.parse(op.createdAt) : undefined;
+  const rows = op.steps.map((st) => {
+    const sent = st.sentAt ? Date.parse(st.sentAt) : undefined;
+    const ended = st.finishedAt ? Date.parse(st.finishedAt) : undefined;
+    const notes = [
+      st.pauseMs !== undefined ? `source paused ${fmtStepMs(st.pauseMs)}` : '',
+      st.bytesFetched > 0 ? `${fmtBytes(st.bytesFetched)} ${st.restoredByMigration ? 'migrated' : 'fetched'}` : st.restoredByMigration ? 'migrated' : '',
+      st.attempt > 1 ? `attempt ${st.attempt}` : '',
+    ].filter(Boolean).join(', ');
+    return [
+      st.stepId,
+      st.hostId,
+      st.action,
+      st.state,
+      sent !== undefined && created !== undefined ? `+${fmtStepMs(sent - created)}` : '-',
+      sent !== undefined && ended !== undefined ? fmtStepMs(ended - sent) : '-',
+      st.hostMs !== undefined ? fmtStepMs(st.hostMs) : '-',
+      notes,
+    ];
+  });
+  return `\nsteps (sent: after the operation was created; took: until the scheduler had the answer; on host: as the host measured it)\n${table([['STEP', 'HOST', 'ACTION', 'STATE', 'SENT', 'TOOK', 'ON HOST', 'NOTES'], ...rows])}`;
 }
 
 /** TIME  REVISION  TYPE  SUBJECT  details: the subject is the snapshot for snapshot events, else the sandbox (or host). */

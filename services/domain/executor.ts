@@ -7,9 +7,10 @@
 // non-terminal operation: committed placements are not redone, sent steps are re-sent
 // (the agent answers a repeat from its journal), and nothing is lost or duplicated.
 import { create, fromBinary } from '@bufbuild/protobuf';
+import { durationMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } from './ports.ts';
-import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
+import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from './records.ts';
 import { canTransition, HOLDS_CAPACITY, isTerminal } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostWorkSchema, VmSpecSchema } from './messages.ts';
@@ -92,6 +93,8 @@ export interface ExecutorDeps {
   onFinished?: (kind: OperationRec['kind'], state: FinalOperationState, seconds: number) => void;
   /** Observability hook: a fork's children placed again after their host was lost (`placed`), or failed for want of room (`failed`). */
   onChildrenReplaced?: (result: 'placed' | 'failed', children: number) => void;
+  /** A host step ended: seconds from this leader's first send (undefined if an earlier leader sent it) and as its host measured it (undefined without an answer). */
+  onStepEnded?: (action: string, result: 'succeeded' | 'failed', seconds: number | undefined, hostSeconds: number | undefined) => void;
   /** Observability hook: records deleted by the history retention (history.ts), per pass. */
   onExpired?: (sandboxes: number, ops: number, snapshots: number) => void;
   /**
@@ -225,6 +228,23 @@ const GROUP_COMMIT_MAX_WRITES = 100;
 /** Backoff of an op run again after the fleet store failed under it (run()). */
 const STORE_RETRY_FIRST_MS = 250;
 const STORE_RETRY_MAX_MS = 4000;
+
+/** What a host's answer says of a step's time and bytes, for the op's step log (StepRec). */
+function stepTimes(r: HostResultMsg | undefined): Partial<StepRec> {
+  if (!r) return {};
+  return {
+    ...(r.duration ? { hostMs: Math.round(durationMs(r.duration)) } : {}),
+    ...(r.pause ? { pauseMs: Math.round(durationMs(r.pause)) } : {}),
+    ...(r.bytesFetched > 0n ? { bytesFetched: Number(r.bytesFetched) } : {}),
+    ...(r.restoredByMigration ? { migrated: true } : {}),
+  };
+}
+
+/** A step as this leader saw it over what the record says: the first send time stays (an earlier leader's, or an earlier run's). */
+function mergeStep(recorded: StepRec | undefined, seen: StepRec): StepRec {
+  const sentAt = recorded?.sentAt !== undefined && seen.sentAt !== undefined ? Math.min(recorded.sentAt, seen.sentAt) : (recorded?.sentAt ?? seen.sentAt);
+  return { ...recorded, ...seen, ...(sentAt !== undefined ? { sentAt } : {}) };
+}
 
 function stepKey(opId: string, stepId: string): string {
   return `${opId}/${stepId}`;
@@ -852,6 +872,8 @@ export class Executor {
       if (!v) throw new NotFoundError('operation', id);
       const next = structuredClone(v.value);
       mutate(next);
+      // Every write of a running op carries its step log (at most once a second for progress).
+      for (const [stepId, st] of Object.entries(this.stepLog.get(id) ?? {})) next.steps[stepId] = mergeStep(next.steps[stepId], st);
       next.updatedAt = this.deps.clock.now();
       const more = extra ? await extra(i) : [];
       if (await this.commit([{ kind: 'op', value: next, expectRevision: v.modRevision }, ...more])) return next;
@@ -947,10 +969,11 @@ export class Executor {
         o.state = state = !error ? 'succeeded' : error.kind === 'cancelled' && o.cancelRequested ? 'cancelled' : 'failed';
         // Keep what placement recorded (the explanation) next to the final result.
         o.result = result ? { ...(o.result ?? {}), ...result } : null;
+        // A one-sandbox op (create, wake) that succeeded did its one unit.
         if (progressDone !== undefined) o.progress.done = progressDone;
+        else if (!error) o.progress.done = o.progress.total;
         o.error = error;
         o.progress.message = error ? error.message : 'done';
-        Object.assign(o.steps, this.stepLog.get(op.id) ?? {});
       },
       extra,
     );
@@ -1021,21 +1044,37 @@ export class Executor {
     // with the id of the first would be dropped as a duplicate); `attempt` counts against
     // FF_STEP_ATTEMPTS.
     let sends = 0;
+    // The step's decision (which host does what) is already in etcd (the placement or the
+    // sandbox record); the step log is written with the op's progress and final state, not per step.
+    const log = this.stepLog.get(op.id) ?? {};
+    this.stepLog.set(op.id, log);
+    // As the HostWork field is named in the proto (restoreVms -> restore_vms): the API and metrics show it so.
+    const action = (work.case ?? '').replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
+    /** Records the step's end; `attempt` there counts its sends. */
+    const ended = (r: HostResultMsg | undefined, attempt = sends): void => {
+      const now = this.deps.clock.now();
+      const st: StepRec = { ...log[stepId], ...stepTimes(r), hostId, action, status: !r || r.error ? 'failed' : 'done', attempt, endedAt: now };
+      log[stepId] = st;
+      this.deps.onStepEnded?.(action, st.status === 'done' ? 'succeeded' : 'failed', st.sentAt !== undefined ? (now - st.sentAt) / 1000 : undefined, st.hostMs !== undefined ? st.hostMs / 1000 : undefined);
+    };
     for (let attempt = 1; attempt <= this.deps.config.stepAttempts; attempt++) {
       const early = this.early.get(key);
       if (early) {
         this.early.delete(key);
-        if (early.fromHost === hostId) return this.checkResult(early.result, hostId, stepId);
+        if (early.fromHost === hostId) {
+          // An answer to a send of an earlier leader (this one may not have sent it yet).
+          ended(early.result, Math.max(1, sends));
+          return this.checkResult(early.result, hostId, stepId);
+        }
         this.log.warn({ opId: op.id, stepId, hostId, fromHost: early.fromHost }, 'dropped a step result from a host the step was not sent to');
       }
-      // The step's decision (which host does what) is already in etcd (the placement or the
-      // sandbox record); the step log is written with the op's final state, not per step.
-      const log = this.stepLog.get(op.id) ?? {};
-      this.stepLog.set(op.id, log);
       // A lost host will not answer: fail now, not after every attempt's timeout. (A host
       // that becomes lost while the step waits wakes the waiter: failStepsOn.)
-      if (this.cache.hosts.get(hostId)?.value.state === 'lost') throw new HostLostError(hostId, stepId);
-      log[stepId] = { hostId, status: 'sent', attempt };
+      if (this.cache.hosts.get(hostId)?.value.state === 'lost') {
+        ended(undefined);
+        throw new HostLostError(hostId, stepId);
+      }
+      log[stepId] = { hostId, action, status: 'sent', attempt: sends + 1, sentAt: log[stepId]?.sentAt ?? this.deps.clock.now() };
       const result = new Promise<HostResultMsg | typeof HOST_LOST | typeof HOST_RESTARTED | undefined>((resolve) => {
         const t = setTimeout(() => {
           this.waiters.delete(key);
@@ -1068,7 +1107,7 @@ export class Executor {
       const r = await result;
       if (!this.active) throw new StepTimeoutError(hostId, stepId, 0);
       if (r === HOST_LOST) {
-        log[stepId] = { hostId, status: 'failed', attempt };
+        ended(undefined);
         throw new HostLostError(hostId, stepId);
       }
       if (r === HOST_RESTARTED) {
@@ -1080,11 +1119,12 @@ export class Executor {
         continue;
       }
       if (r) {
-        log[stepId] = { hostId, status: r.error ? 'failed' : 'done', attempt };
+        ended(r);
         return this.checkResult(r, hostId, stepId);
       }
       this.log.warn({ opId: op.id, stepId, hostId, attempt }, 'host step timed out; re-sending');
     }
+    ended(undefined);
     throw new StepTimeoutError(hostId, stepId, timeoutMs * this.deps.config.stepAttempts);
   }
 

@@ -195,6 +195,24 @@ export interface OperationError {
   field?: string;
 }
 
+/** One host step of an op, as the leader saw it (Operation.steps). Times are ms since the epoch. */
+export interface StepRec {
+  hostId: string;
+  status: 'sent' | 'done' | 'failed';
+  attempt: number;
+  /** HostWork kind as its proto field is named, e.g. 'restore_vms'. Absent in records written before it was kept. */
+  action?: string;
+  /** First sent by this leader; absent for a step an earlier leader sent (its answer came to this one). */
+  sentAt?: number;
+  /** The answer (or the failure) reached the leader. */
+  endedAt?: number;
+  /** As the host measured it (HostResult.duration / pause). */
+  hostMs?: number;
+  pauseMs?: number;
+  bytesFetched?: number;
+  migrated?: boolean;
+}
+
 export interface OperationRec {
   id: string;
   tenantId: string;
@@ -208,8 +226,8 @@ export interface OperationRec {
   progress: { done: number; total: number; message: string; bytesTransferred: number };
   result: { sandboxIds?: string[]; snapshotId?: string; explanation?: unknown } | null;
   error: OperationError | null;
-  /** Host steps dispatched: stepId -> host and status. */
-  steps: Record<string, { hostId: string; status: 'sent' | 'done' | 'failed'; attempt: number }>;
+  /** Host steps dispatched: stepId -> host, status and timings (written with progress and the final state). */
+  steps: Record<string, StepRec>;
   /** The idempotency key it was submitted with: deleted with the record when it expires (history.ts). */
   idempotencyKey?: string;
   /** CancelOperation asked it to stop: the leader ends it `cancelled` at its next safe point (executor.ts). */

@@ -19,7 +19,7 @@ import type { CallOptions as RpcCallOptions, Client } from '../adapters/grpc/rpc
 import { RpcError } from '../adapters/grpc/status.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 import type { ErrorKind } from '../../proto/errors.ts';
-import { EventType, FleetService, HostState, OperationKind, OperationState, SandboxState, SnapshotState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { EventType, FleetService, HostState, OperationKind, OperationState, OperationStepState, SandboxState, SnapshotState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type {
   Event as PbEvent,
   Host as PbHost,
@@ -124,6 +124,25 @@ export interface ProgressInfo {
   bytesTransferred: number;
 }
 
+/** One host step of an operation: what a host was asked to do, when, and how long it took there. */
+export interface OperationStepInfo {
+  stepId: string;
+  hostId: string;
+  /** HostWork kind, e.g. 'restore_vms', 'snapshot_vm', 'create_vm'. */
+  action: string;
+  state: 'running' | 'succeeded' | 'failed' | 'unspecified';
+  attempt: number;
+  /** Unset for a step an earlier scheduler leader sent. */
+  sentAt: string | undefined;
+  finishedAt: string | undefined;
+  /** As the host measured it; undefined until it answered. */
+  hostMs: number | undefined;
+  /** The source VM's pause (snapshot of a running sandbox). */
+  pauseMs: number | undefined;
+  bytesFetched: number;
+  restoredByMigration: boolean;
+}
+
 export interface OperationInfo {
   id: string;
   tenantId: string;
@@ -136,6 +155,8 @@ export interface OperationInfo {
   error: { kind: string; message: string; field: string; retryable: boolean } | undefined;
   /** A cancelOperation call asked it to stop (it ends `cancelled` at its next safe point, or ended otherwise). */
   cancelRequested: boolean;
+  /** Its host steps, in the order they were sent: complete once it has ended (while it runs, as of its last progress write). */
+  steps: OperationStepInfo[];
   sandbox?: SandboxInfo;
   snapshot?: SnapshotInfo;
   fork?: { snapshotId: string; children: SandboxInfo[]; summary: string };
@@ -252,6 +273,19 @@ function toOperation(o: PbOperation): OperationInfo {
     updatedAt: ts(o.updatedAt),
     error: o.error ? { kind: o.error.kind, message: o.error.message, field: o.error.field, retryable: o.error.retryable } : undefined,
     cancelRequested: o.cancelRequested,
+    steps: o.steps.map((st) => ({
+      stepId: st.stepId,
+      hostId: st.hostId,
+      action: st.action,
+      state: lower(OperationStepState[st.state]) as OperationStepInfo['state'],
+      attempt: st.attempt,
+      sentAt: ts(st.sentAt),
+      finishedAt: ts(st.finishedAt),
+      hostMs: msOf(st.hostDuration) ?? undefined,
+      pauseMs: msOf(st.pause) ?? undefined,
+      bytesFetched: num(st.bytesFetched),
+      restoredByMigration: st.restoredByMigration,
+    })),
   };
   if (o.result.case === 'sandbox') out.sandbox = toSandbox(o.result.value);
   else if (o.result.case === 'snapshot') out.snapshot = toSnapshot(o.result.value);

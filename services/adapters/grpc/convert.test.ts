@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
-import { timestampMs } from '@bufbuild/protobuf/wkt';
-import { image, lifecycle, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, toSnapshot } from './convert.ts';
-import { OperationKind, OperationState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { durationMs, timestampMs } from '@bufbuild/protobuf/wkt';
+import { image, lifecycle, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, toSnapshot, toSteps } from './convert.ts';
+import { OperationKind, OperationState, OperationStepState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { OperationRec } from '../../domain/records.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import type { SnapshotRec } from '../../domain/records.ts';
@@ -97,5 +97,28 @@ describe('image', () => {
   it('unknownImageName_isInvalidArgumentListingTheImagesHostsBuild', () => {
     expect(image('tiny')).toBe('tiny');
     expect(() => image('ubuntu')).toThrow(/unknown image "ubuntu"; hosts build tiny, debian/);
+  });
+});
+
+describe('operation steps', () => {
+  it('areInTheOrderFirstSent_anEarlierLeadersStepByItsAnswer_withTheirTimesAndBytes', () => {
+    const steps = toSteps({
+      'restore/h2': { hostId: 'h2', action: 'restore_vms', status: 'sent', attempt: 1, sentAt: 5_000 },
+      'restore/h3': { hostId: 'h3', action: 'restore_vms', status: 'done', attempt: 2, sentAt: 4_000, endedAt: 9_000, hostMs: 4_500, bytesFetched: 1234, migrated: true },
+      // Sent by a leader that died; its answer reached this one.
+      'restore/h4': { hostId: 'h4', action: 'restore_vms', status: 'failed', attempt: 1, endedAt: 4_500 },
+      'snapshot/sn-1': { hostId: 'h1', action: 'snapshot_vm', status: 'done', attempt: 1, sentAt: 1_000, endedAt: 3_900, hostMs: 2_800, pauseMs: 120 },
+    });
+    expect(steps.map((st) => [st.stepId, st.action, st.state, st.attempt])).toEqual([
+      ['snapshot/sn-1', 'snapshot_vm', OperationStepState.SUCCEEDED, 1],
+      ['restore/h3', 'restore_vms', OperationStepState.SUCCEEDED, 2],
+      ['restore/h4', 'restore_vms', OperationStepState.FAILED, 1],
+      ['restore/h2', 'restore_vms', OperationStepState.RUNNING, 1],
+    ]);
+    const [snap, h3, h4, h2] = steps;
+    expect(durationMs(snap!.pause!)).toBe(120);
+    expect([timestampMs(h3!.sentAt!), timestampMs(h3!.finishedAt!), durationMs(h3!.hostDuration!), h3!.bytesFetched, h3!.restoredByMigration]).toEqual([4_000, 9_000, 4_500, 1234n, true]);
+    expect([h4!.sentAt, h4!.hostDuration]).toEqual([undefined, undefined]);
+    expect([h2!.finishedAt, h2!.bytesFetched, h2!.restoredByMigration]).toEqual([undefined, 0n, false]);
   });
 });

@@ -14,6 +14,8 @@ import {
   OperationKind as PbOpKind,
   OperationSchema,
   OperationState as PbOpState,
+  OperationStepSchema,
+  OperationStepState as PbStepState,
   EventSchema,
   EventType as PbEventType,
   SandboxSchema,
@@ -21,9 +23,9 @@ import {
   SnapshotSchema,
   SnapshotState as PbSnapshotState,
 } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import type { Event, Host, Operation, Sandbox, Snapshot } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Event, Host, Operation, OperationStep, Sandbox, Snapshot } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { FleetEvent, FleetEventType } from '../../domain/events.ts';
-import type { HookRec, HostAllocRec, HostRec, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from '../../domain/records.ts';
+import type { HookRec, HostAllocRec, HostRec, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from '../../domain/records.ts';
 import type { PlacementPrefs } from '../../domain/fleet.ts';
 import { runningMs } from '../../domain/fleet.ts';
 
@@ -442,7 +444,30 @@ export function toOperation(op: OperationRec, objs: OpResultObjects, now: number
     result,
     ...(op.error ? { error: { kind: op.error.kind, message: op.error.message, retryable: op.error.retryable, field: op.error.field ?? '' } } : {}),
     cancelRequested: op.cancelRequested ?? false,
+    steps: toSteps(op.steps),
   });
+}
+
+const STEP_STATE: Record<StepRec['status'], PbStepState> = { sent: PbStepState.RUNNING, done: PbStepState.SUCCEEDED, failed: PbStepState.FAILED };
+
+/** An op's step log in the order the steps were first sent (a step an earlier leader sent, with no send time, by its answer). */
+export function toSteps(steps: OperationRec['steps']): OperationStep[] {
+  const at = (s: StepRec): number => s.sentAt ?? s.endedAt ?? Number.MAX_SAFE_INTEGER;
+  return Object.entries(steps)
+    .sort(([a, x], [b, y]) => at(x) - at(y) || (a < b ? -1 : a > b ? 1 : 0))
+    .map(([stepId, s]) => create(OperationStepSchema, {
+      stepId,
+      hostId: s.hostId,
+      action: s.action ?? '',
+      state: STEP_STATE[s.status],
+      attempt: s.attempt,
+      ...(s.sentAt !== undefined ? { sentAt: ts(s.sentAt) } : {}),
+      ...(s.endedAt !== undefined ? { finishedAt: ts(s.endedAt) } : {}),
+      ...(s.hostMs !== undefined ? { hostDuration: dur(s.hostMs) } : {}),
+      ...(s.pauseMs !== undefined ? { pause: dur(s.pauseMs) } : {}),
+      bytesFetched: BigInt(s.bytesFetched ?? 0),
+      restoredByMigration: s.migrated ?? false,
+    }));
 }
 
 const HOST_STATE: Record<HostRec['state'], PbHostState> = { ready: PbHostState.READY, suspect: PbHostState.SUSPECT, lost: PbHostState.LOST };
