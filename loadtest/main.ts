@@ -16,7 +16,9 @@ import { tmpdir } from 'node:os';
 import { pino } from 'pino';
 import { Histogram, Registry } from 'prom-client';
 import { LatencyHistogram } from './hist.ts';
-import { Driver, Locality, Spread, connect, OpFailed } from './scenarios.ts';
+import { Driver, Locality, OperationKind, Spread, connect, OpFailed } from './scenarios.ts';
+import { summarisePhases } from './phases.ts';
+import type { OpPhases, PhaseSummary } from './phases.ts';
 import { classicRestoreOnce, prepareLocalBaseline, startNaive } from './baselines.ts';
 import type { LocalBaseline } from './baselines.ts';
 import { checks, renderReport } from './report.ts';
@@ -104,8 +106,18 @@ function compileConfig(v: Record<string, string | boolean | undefined>): Readonl
   });
 }
 
+/** The operation kind a scenario times (its setup's other operations, e.g. a wake's hibernate, are not broken down). */
+function timedKind(scenario: string): OperationKind[] {
+  if (scenario.startsWith('fork_')) return [OperationKind.FORK];
+  if (scenario === 'resume_paused') return [OperationKind.RESUME];
+  if (scenario.startsWith('resume_hibernated')) return [OperationKind.WAKE, OperationKind.RESUME];
+  if (scenario === 'restore_concurrent') return [OperationKind.CREATE];
+  return [];
+}
+
 class Recorder {
   readonly hists = new Map<string, LatencyHistogram>();
+  readonly phases = new Map<string, OpPhases[]>();
   readonly results: Record<string, ScenarioResult> = {};
   private readonly prom = new Map<string, Histogram>();
   constructor(private readonly registry: Registry) {}
@@ -196,6 +208,10 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
 
     async function scenario(name: string, samples: number, one: () => Promise<number[]>): Promise<void> {
       const t0 = Date.now();
+      const kinds = timedKind(name);
+      d.phaseSink = (kind, p) => {
+        if (kinds.includes(kind)) rec.phases.set(name, [...(rec.phases.get(name) ?? []), p]);
+      };
       try {
         for (let i = 0; i < samples; i++) {
           if (i > 0 && (Date.now() - t0 > cfg.durationMs || overBudget())) {
@@ -207,6 +223,8 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
         rec.finish(name);
       } catch (e) {
         rec.finish(name, e instanceof Error ? e.message : String(e));
+      } finally {
+        d.phaseSink = undefined;
       }
     }
 
@@ -337,15 +355,19 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     const order = ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout', 'resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold', 'restore_concurrent', 'cold_boot', 'classic_restore', 'naive_full_copy'];
     const scenarios: Record<string, ScenarioResult> = {};
     const samples: Record<string, number[]> = {};
+    const phases: Record<string, PhaseSummary> = {};
     for (const n of order) {
       scenarios[n] = rec.results[n] ?? { skipped: 'not run' };
       samples[n] = (rec.hists.get(n)?.samples ?? []).map((x) => Math.round(x * 10) / 10);
+      const p = summarisePhases(rec.phases.get(n) ?? []);
+      if (p) phases[n] = p;
     }
     notes.push(`fork_fanout: ${cfg.fanout} children, placement.spread SPREAD; restore_concurrent: ${cfg.concurrency} CreateSandbox(snapshot_id) at once; run took ${Math.round((Date.now() - started) / 1000)} s.`);
     return {
       env: { accel, hosts: hosts.length, link_gbps: cfg.linkGbps, guest_mib: cfg.guestMib, dirty_mib: cfg.dirtyMib, date: new Date().toISOString(), git_commit: gitCommit(), api: apiAddr, mode: cfg.quick ? 'quick' : 'full', notes },
       scenarios,
       samples,
+      phases,
     };
   } finally {
     for (const c of cleanup.reverse()) await c().catch(() => undefined);

@@ -30,5 +30,12 @@ describe('report', () => {
     for (const f of Object.keys(files)) expect(markdown).toContain(`(${f})`);
     expect(files['same-vs-cross.svg']).toContain('cross host p50');
     expect(files['cdf-fork.svg']).toContain('fork_cross_host_1 (n=3)');
+    expect(markdown).not.toContain('Where the time went');
+  });
+
+  it('renderReport_withPhases_tablesWhereEachScenariosTimeWent', () => {
+    const { markdown } = renderReport({ ...base, phases: { fork_cross_host_1: { n: 5, op_ms: 2400, to_first_step_ms: 12, host_step_ms: 2300, step_overhead_ms: 30, exec_after_op_ms: 150, bytes_moved: 180 * 1024 * 1024, migrated_samples: 5 } } });
+    expect(markdown).toContain('## Where the time went (medians, ms)');
+    expect(markdown).toContain('| fork_cross_host_1 | 5 | 2400 | 12 | 2300 | 30 | 150 | 180.0 | 5 |');
   });
 });

@@ -2,6 +2,7 @@
 import { renderBars, renderCdf } from './svg.ts';
 import type { BarGroup } from './svg.ts';
 import type { LatencySummary } from './hist.ts';
+import type { PhaseSummary } from './phases.ts';
 
 export interface RunEnv {
   accel: string;
@@ -22,6 +23,17 @@ export interface RunResult {
   env: RunEnv;
   scenarios: Record<string, ScenarioResult>;
   samples: Record<string, number[]>;
+  /** Per scenario timed through the API: medians of where each sample's time went (phases.ts). */
+  phases?: Record<string, PhaseSummary>;
+}
+
+const MIB = 1024 * 1024;
+
+/** The phases table: a row per scenario with a breakdown. */
+export function phaseRows(phases: Record<string, PhaseSummary>): string[] {
+  return Object.entries(phases).map(
+    ([name, p]) => `| ${name} | ${p.n} | ${p.op_ms} | ${p.to_first_step_ms} | ${p.host_step_ms} | ${p.step_overhead_ms} | ${p.exec_after_op_ms} | ${(p.bytes_moved / MIB).toFixed(1)} | ${p.migrated_samples} |`,
+  );
 }
 
 export function isSummary(r: ScenarioResult | undefined): r is LatencySummary {
@@ -126,6 +138,22 @@ export function renderReport(r: RunResult): { markdown: string; files: Record<st
     '| --- | --- | --- | --- |',
     ...checks(r.scenarios).map((c) => `| ${c.what} | ${c.target} | ${c.value} | ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'} |`),
     '',
+    ...(r.phases && Object.keys(r.phases).length
+      ? [
+          '## Where the time went (medians, ms)',
+          '',
+          'From each operation\'s host steps (`Operation.steps`): `in scheduler` is the operation from its',
+          'record to its final write; `to first step` is queueing and placement before its first host',
+          'step; `host step` is the longest step as its host measured it; `step overhead` is that step\'s',
+          'time outside the host (NATS both ways, the leader); `exec after op` runs on the load test\'s',
+          'clock, from the API answering the finished operation to the last sandbox answering an exec.',
+          '',
+          '| scenario | n | in scheduler | to first step | host step | step overhead | exec after op | MiB moved | migrated |',
+          '| --- | --- | --- | --- | --- | --- | --- | --- | --- |',
+          ...phaseRows(r.phases),
+          '',
+        ]
+      : []),
     '## Same host against cross host',
     '',
     '![same vs cross](same-vs-cross.svg)',

@@ -4,10 +4,12 @@ import { createClient } from '../services/adapters/grpc/rpc.ts';
 import { fleetChannelCredentials, fleetChannelOptions } from '../services/adapters/grpc/tls.ts';
 import { resolveClientCredentials } from '../services/auth/client-credentials.ts';
 import type { Client } from '../services/adapters/grpc/rpc.ts';
-import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { FleetService, OperationKind, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation, Sandbox, Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Locality, Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { setupScript } from './workload.ts';
+import { phasesOf } from './phases.ts';
+import type { OpPhases } from './phases.ts';
 
 export type Api = Client<(typeof FleetService)['method']>;
 export const TENANT = 'loadtest';
@@ -32,7 +34,16 @@ export function connect(addr: string, credentialsFile?: string): Api {
 }
 
 export class Driver {
+  /** Takes the breakdown of each timed operation (fork, resume, restore) with its kind, when set. */
+  phaseSink: ((kind: OperationKind, p: OpPhases) => void) | undefined;
+
   constructor(readonly api: Api, readonly opTimeoutMs: number) {}
+
+  /** Hands the sink a timed op's breakdown: `opAt` when the API answered it done, `readyAt` when its last sandbox answered an exec. */
+  private phases(op: Operation, opAt: number, readyAt: number): void {
+    const p = this.phaseSink && phasesOf(op, readyAt - opAt);
+    if (p) this.phaseSink!(op.kind, p);
+  }
 
   async done(op: Operation): Promise<Operation> {
     const f = await this.api.waitOperation({ tenantId: TENANT, operationId: op.id, timeout: { seconds: BigInt(Math.ceil(this.opTimeoutMs / 1000)) } }, { timeoutMs: this.opTimeoutMs + 10_000 });
@@ -81,9 +92,11 @@ export class Driver {
   async fork(snapshotId: string, count: number, placement: { locality?: Locality; spread?: Spread }): Promise<{ children: Sandbox[]; ms: number[] }> {
     const t0 = performance.now();
     const op = await this.done(await this.api.forkSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count, placement }));
+    const opAt = performance.now();
     const children = op.result.case === 'fork' ? op.result.value.children : [];
     if (children.length !== count) throw new Error(`fork returned ${children.length} children, asked for ${count}`);
     const ms = await Promise.all(children.map(async (c) => (await this.exec(c.id, 'true'), performance.now() - t0)));
+    this.phases(op, opAt, t0 + Math.max(...ms));
     return { children, ms };
   }
 
@@ -93,8 +106,10 @@ export class Driver {
       Array.from({ length: k }, async () => {
         const t0 = performance.now();
         const op = await this.done(await this.api.createSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
+        const opAt = performance.now();
         if (op.result.case !== 'sandbox') throw new Error('restore returned no sandbox');
         await this.exec(op.result.value.id, 'true');
+        this.phases(op, opAt, performance.now());
         return { sb: op.result.value, ms: performance.now() - t0 };
       }),
     );
@@ -118,9 +133,12 @@ export class Driver {
   /** ResumeSandbox; ms from the call until the sandbox answers an exec. */
   async resume(sandboxId: string): Promise<number> {
     const t0 = performance.now();
-    await this.done(await this.api.resumeSandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+    const op = await this.done(await this.api.resumeSandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+    const opAt = performance.now();
     await this.exec(sandboxId, 'true');
-    return performance.now() - t0;
+    const readyAt = performance.now();
+    this.phases(op, opAt, readyAt);
+    return readyAt - t0;
   }
 
   async hostOf(sandboxId: string): Promise<string> {
@@ -146,4 +164,4 @@ export class Driver {
   }
 }
 
-export { Locality, Spread };
+export { Locality, OperationKind, Spread };
