@@ -2,6 +2,7 @@
 //   npm run loadtest -- [--quick] [--json FILE] [--report DIR] [--api HOST:PORT]
 //        [--hosts 3] [--link 10gbit] [--guest-mib 256] [--dirty-mib 64] [--samples 5]
 //        [--concurrency 4] [--fanout N] [--duration 60s] [--metrics-port 19790] [--keep-logs]
+//        [--only fork_cross_host_4,resume_paused,...] (the others are reported as skipped)
 //   npm run loadtest -- --plan --forks-per-s X --p95-ms Y --from FILE   (capacity planning)
 // Without --api it starts its own fleet (deploy/fleet/fleet.ts) in --fleet-dir with prefix
 // fflt and base port 19700, and always brings it down.
@@ -71,6 +72,19 @@ export interface LoadtestConfig {
   basePort: number;
   /** Mutual TLS between the started fleet's agents (--peer-tls on|off, default on). */
   peerTls: boolean;
+  /** --only: the scenarios to run; undefined runs them all. */
+  only: ReadonlySet<string> | undefined;
+}
+
+/** Every scenario, in the order of the JSON and the report. */
+const SCENARIOS = ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout', 'resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold', 'restore_concurrent', 'cold_boot', 'classic_restore', 'naive_full_copy'] as const;
+
+function parseOnly(v: string | undefined): ReadonlySet<string> | undefined {
+  if (v === undefined) return undefined;
+  const names = v.split(',').map((n) => n.trim()).filter(Boolean);
+  const unknown = names.filter((n) => !(SCENARIOS as readonly string[]).includes(n));
+  if (names.length === 0 || unknown.length > 0) throw new Error(`--only: want scenario names separated by commas (${SCENARIOS.join(', ')}), got ${JSON.stringify(v)}`);
+  return new Set(names);
 }
 
 function compileConfig(v: Record<string, string | boolean | undefined>): Readonly<LoadtestConfig> {
@@ -103,6 +117,7 @@ function compileConfig(v: Record<string, string | boolean | undefined>): Readonl
     prefix: s('prefix') ?? 'fflt',
     basePort: Number(s('base-port') ?? 19700),
     peerTls: parseOnOff('--peer-tls', s('peer-tls'), true),
+    only: parseOnly(s('only')),
   });
 }
 
@@ -160,6 +175,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
   const started = Date.now();
   const registry = new Registry();
   const rec = new Recorder(registry);
+  const selected = (name: string): boolean => !cfg.only || cfg.only.has(name);
   const notes: string[] = [];
   let metrics: Server | undefined;
   if (cfg.metricsPort > 0) {
@@ -177,8 +193,10 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
   const cleanup: Array<() => Promise<void>> = [];
   try {
     // Fleet (or a given API) and the QEMU-level baseline guest are prepared in parallel: setup only, nothing is timed.
-    localP = prepareLocalBaseline({ root: join(work, 'q'), accel: (process.env.FF_ACCEL as 'auto' | 'kvm' | 'tcg' | undefined) ?? 'auto', guestMib: cfg.guestMib, dirtyMib: cfg.dirtyMib, logger });
-    localP.catch(() => undefined);
+    if (selected('classic_restore') || selected('naive_full_copy')) {
+      localP = prepareLocalBaseline({ root: join(work, 'q'), accel: (process.env.FF_ACCEL as 'auto' | 'kvm' | 'tcg' | undefined) ?? 'auto', guestMib: cfg.guestMib, dirtyMib: cfg.dirtyMib, logger });
+      localP.catch(() => undefined);
+    }
     if (!apiAddr) {
       fleetMod = await import('../deploy/fleet/fleet.ts');
       log(`starting a ${cfg.hosts}-host fleet in ${cfg.fleetDir} (links ${cfg.link})`);
@@ -207,6 +225,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     const live = new Set<string>();
 
     async function scenario(name: string, samples: number, one: () => Promise<number[]>): Promise<void> {
+      if (!selected(name)) return rec.skip(name, 'not selected (--only)');
       const t0 = Date.now();
       const kinds = timedKind(name);
       d.phaseSink = (kind, p) => {
@@ -230,8 +249,10 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
 
     log('template: boot + setup through the API');
     const tpl = await setup.coldBoot(cfg.guestMib, cfg.dirtyMib);
-    rec.record('cold_boot', tpl.ms);
-    notes.push('cold_boot sample 1 is the template, booted while the QEMU-level baseline guest booted too (both setups share the CPUs).');
+    if (selected('cold_boot')) {
+      rec.record('cold_boot', tpl.ms);
+      notes.push(`cold_boot sample 1 is the template${localP ? ', booted while the QEMU-level baseline guest booted too (both setups share the CPUs)' : ''}.`);
+    }
     const s0 = await setup.snapshot(tpl.sb.id);
     log(`template ${tpl.sb.id} on ${tpl.sb.hostId}, snapshot ${s0.id} (${s0.storedBytes} stored bytes of ${s0.logicalBytes})`);
     const kids = async (r: { children: Array<{ id: string }>; ms: number[] }): Promise<number[]> => {
@@ -310,31 +331,33 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     }
 
     // QEMU-level baselines.
-    try {
-      local = await localP!;
-      rec.record('cold_boot', local.coldBootMs);
-      notes.push(`QEMU-level baseline guest: accel ${local.accel}; its boot+setup (${Math.round(local.coldBootMs)} ms, below the API) is cold_boot sample 2.`);
-      await scenario('classic_restore', ratioSamples, async () => [await classicRestoreOnce(local!)]);
-      const [a, b] = fleetHosts;
-      // Between TLS peers, the copy is encrypted too (the peer certificates the fleet issued them).
-      const peerFiles = (h: { dataDir: string }): readonly [string, string, string] => {
-        const f = fleetMod!.peerCertFiles(h);
-        return [f.ca, f.cert, f.key];
-      };
-      const naiveTls = a && b && fleetMod && cfg.peerTls ? { from: peerFiles(a), to: peerFiles(b) } : undefined;
-      const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990, ...(naiveTls ? { tls: naiveTls } : {}) } : { fromAddress: '127.0.0.1', port: 19795 });
-      cleanup.push(naive.close);
-      if (!(a && b)) notes.push('naive_full_copy: no fleet namespaces known (--api), so the copy ran over unshaped loopback.');
-      let copy = '';
-      await scenario('naive_full_copy', ratioSamples, async () => {
-        const r = await naive.once();
-        copy = `naive_full_copy: copied ${(r.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) ${naiveTls ? 'over mutual TLS, as the fleet\'s peers, ' : ''}in ${Math.round(r.copyMs)} ms, then a classic restore.`;
-        return [r.ms];
-      });
-      if (copy) notes.push(copy);
-    } catch (e) {
-      const why = `QEMU-level baseline failed: ${e instanceof Error ? e.message : String(e)}`;
-      for (const n of ['classic_restore', 'naive_full_copy']) if (!rec.results[n]) rec.skip(n, why);
+    if (localP) {
+      try {
+        local = await localP;
+        if (selected('cold_boot')) rec.record('cold_boot', local.coldBootMs);
+        notes.push(`QEMU-level baseline guest: accel ${local.accel}; its boot+setup (${Math.round(local.coldBootMs)} ms, below the API) is cold_boot sample 2.`);
+        await scenario('classic_restore', ratioSamples, async () => [await classicRestoreOnce(local!)]);
+        const [a, b] = fleetHosts;
+        // Between TLS peers, the copy is encrypted too (the peer certificates the fleet issued them).
+        const peerFiles = (h: { dataDir: string }): readonly [string, string, string] => {
+          const f = fleetMod!.peerCertFiles(h);
+          return [f.ca, f.cert, f.key];
+        };
+        const naiveTls = a && b && fleetMod && cfg.peerTls ? { from: peerFiles(a), to: peerFiles(b) } : undefined;
+        const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990, ...(naiveTls ? { tls: naiveTls } : {}) } : { fromAddress: '127.0.0.1', port: 19795 });
+        cleanup.push(naive.close);
+        if (!(a && b)) notes.push('naive_full_copy: no fleet namespaces known (--api), so the copy ran over unshaped loopback.');
+        let copy = '';
+        await scenario('naive_full_copy', ratioSamples, async () => {
+          const r = await naive.once();
+          copy = `naive_full_copy: copied ${(r.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) ${naiveTls ? 'over mutual TLS, as the fleet\'s peers, ' : ''}in ${Math.round(r.copyMs)} ms, then a classic restore.`;
+          return [r.ms];
+        });
+        if (copy) notes.push(copy);
+      } catch (e) {
+        const why = `QEMU-level baseline failed: ${e instanceof Error ? e.message : String(e)}`;
+        for (const n of ['classic_restore', 'naive_full_copy']) if (!rec.results[n]) rec.skip(n, why);
+      }
     }
     // More cold boots if there is time left.
     await scenario('cold_boot', overBudget() ? 0 : 1, async () => {
@@ -352,11 +375,10 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       notes.push(`${failed.length > 0 ? `${failed.join(', ')} failed: ` : ''}the fleet's process logs are kept in ${kept}.`);
     }
 
-    const order = ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout', 'resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold', 'restore_concurrent', 'cold_boot', 'classic_restore', 'naive_full_copy'];
     const scenarios: Record<string, ScenarioResult> = {};
     const samples: Record<string, number[]> = {};
     const phases: Record<string, PhaseSummary> = {};
-    for (const n of order) {
+    for (const n of SCENARIOS) {
       scenarios[n] = rec.results[n] ?? { skipped: 'not run' };
       samples[n] = (rec.hists.get(n)?.samples ?? []).map((x) => Math.round(x * 10) / 10);
       const p = summarisePhases(rec.phases.get(n) ?? []);
@@ -388,7 +410,7 @@ async function main(): Promise<void> {
       quick: { type: 'boolean' }, plan: { type: 'boolean' }, json: { type: 'string' }, report: { type: 'string' }, api: { type: 'string' },
       hosts: { type: 'string' }, link: { type: 'string' }, 'guest-mib': { type: 'string' }, 'dirty-mib': { type: 'string' }, samples: { type: 'string' },
       concurrency: { type: 'string' }, fanout: { type: 'string' }, duration: { type: 'string' }, budget: { type: 'string' }, 'op-timeout': { type: 'string' },
-      'metrics-port': { type: 'string' }, 'keep-logs': { type: 'boolean' }, 'fleet-dir': { type: 'string' }, prefix: { type: 'string' }, 'base-port': { type: 'string' },
+      'metrics-port': { type: 'string' }, 'keep-logs': { type: 'boolean' }, only: { type: 'string' }, 'fleet-dir': { type: 'string' }, prefix: { type: 'string' }, 'base-port': { type: 'string' },
       'forks-per-s': { type: 'string' }, 'p95-ms': { type: 'string' }, from: { type: 'string' }, 'fork-n': { type: 'string' }, 'host-slots': { type: 'string' }, seconds: { type: 'string' }, 'peer-tls': { type: 'string' },
     },
   });
