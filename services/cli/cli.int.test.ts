@@ -120,12 +120,13 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(destroys.map((o) => [o.kind, o.state])).toEqual(Array(5).fill(['destroy', 'succeeded']));
     expect(new Set(destroys.map((o) => o.targetId))).toEqual(new Set([sb.id, ...fork.children.map((c) => c.id)]));
     const onSb = await cli(['op', 'ls', '--target', sb.id]);
-    expect(onSb.stdout).toMatch(/^ID\s+KIND\s+STATE\s+TARGET\s+PROGRESS\s+CREATED/);
+    expect(onSb.stdout).toMatch(/^ID\s+KIND\s+STATE\s+TARGET\s+PROGRESS\s+CREATED\s+TOOK/);
     expect(onSb.stdout.trim().split('\n').slice(1).map((l) => l.split(/\s+/)[1])).toEqual(['destroy', 'fork', 'create']);
     // Where the fork's time went: its source's snapshot, then the restores, each with its times.
     const forkOp = await cli(['op', 'get', onSb.stdout.trim().split('\n')[2]!.split(/\s+/)[0]!]);
     expect(forkOp.stdout).toMatch(/\nSTEP\s+HOST\s+ACTION\s+STATE\s+SENT\s+TOOK\s+ON HOST\s+NOTES\nsnapshot\/sn-\S+\s+h\d\s+snapshot_vm\s+succeeded\s+\+\d\S*\s+\d\S*\s+\d\S*\s+source paused \d/);
     expect(forkOp.stdout).toMatch(/\nrestore\/h\d\s+h\d\s+restore_vms\s+succeeded\s+\+\d\S*\s+\d\S*\s+\d/);
+    expect(forkOp.stdout).toMatch(/\ntook\s+\d+(\.\d)?m?s\n/);
     expect((await cli(['op', 'ls', '--state', 'done'])).code).toBe(2);
     // A finished operation cannot be cancelled: the API says why, exit 1.
     const late = await cli(['--json', 'operation', 'cancel', done[0]!.operationId]);

@@ -103,6 +103,7 @@ function operationFields(op: OperationInfo): string {
     ['tenant', op.tenantId],
     ['created', op.createdAt ?? ''],
     ['updated', op.updatedAt ?? ''],
+    ['took', tookText(op)],
     ['progress', progressText],
     ['error', op.error ? `${op.error.kind}: ${op.error.message}${op.error.retryable ? ' (retryable)' : ''}` : ''],
     ['sandbox', op.sandbox ? `${op.sandbox.id} ${op.sandbox.state}${op.sandbox.hostId ? ` on ${op.sandbox.hostId}` : ''}` : ''],
@@ -199,10 +200,15 @@ function withTenant(rows: string[][], list: ReadonlyArray<{ tenantId: string }>,
   if (!show) return rows;
   return rows.map((r, i) => [r[0]!, i === 0 ? 'TENANT' : list[i - 1]!.tenantId, ...r.slice(1)]);
 }
+/** An ended operation's time from its record to its end ('' while it runs). */
+function tookText(o: OperationInfo): string {
+  const ended = o.state === 'succeeded' || o.state === 'failed' || o.state === 'cancelled';
+  return ended && o.createdAt && o.updatedAt ? fmtStepMs(Date.parse(o.updatedAt) - Date.parse(o.createdAt)) : '';
+}
 function operationRows(list: OperationInfo[]): string[][] {
   return [
-    ['ID', 'KIND', 'STATE', 'TARGET', 'PROGRESS', 'CREATED', 'ERROR'],
-    ...list.map((o) => [o.id, o.kind, o.state, o.targetId || '-', o.progress.total > 0 ? `${o.progress.done}/${o.progress.total}` : '-', o.createdAt ?? '-', o.error ? `${o.error.kind}: ${o.error.message}` : '']),
+    ['ID', 'KIND', 'STATE', 'TARGET', 'PROGRESS', 'CREATED', 'TOOK', 'ERROR'],
+    ...list.map((o) => [o.id, o.kind, o.state, o.targetId || '-', o.progress.total > 0 ? `${o.progress.done}/${o.progress.total}` : '-', o.createdAt ?? '-', tookText(o) || '-', o.error ? `${o.error.kind}: ${o.error.message}` : '']),
   ];
 }
 function hostRows(list: HostInfo[]): string[][] {
