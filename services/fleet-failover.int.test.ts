@@ -307,6 +307,8 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       expect(st.bytesFetched).toBeGreaterThan(0n);
       expect(durationMs(st.hostDuration!)).toBeGreaterThanOrEqual(300);
     }
+    // Their capacity goes back: later tests fill the hosts.
+    for (const id of [sourceId, ...kids.map((k) => k.id)]) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
     await assertConsistent();
   });
 
