@@ -185,6 +185,13 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     buckets: STEP_BUCKETS,
     registers: [registry],
   });
+  const stepChildren = new Map<string, { observe(v: number): void }>();
+  const stepHostChildren = new Map<string, { observe(v: number): void }>();
+  const cached = <T>(m: Map<string, T>, k: string, make: () => T): T => {
+    let v = m.get(k);
+    if (v === undefined) m.set(k, (v = make()));
+    return v;
+  };
   const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes, finished operations and deleted or failed snapshots deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
   const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
   const executor = new Executor({
@@ -206,8 +213,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     },
     onChildrenReplaced: (result, children) => replaced.inc({ result }, children),
     onStepEnded: (action, result, seconds, hostSeconds) => {
-      if (seconds !== undefined) stepSeconds.observe({ action, result }, seconds);
-      if (hostSeconds !== undefined) stepHostSeconds.observe({ action }, hostSeconds);
+      // Label children looked up once per action (a fork(64) ends 64 steps).
+      if (seconds !== undefined) cached(stepChildren, `${action}/${result}`, () => stepSeconds.labels(action, result)).observe(seconds);
+      if (hostSeconds !== undefined) cached(stepHostChildren, action, () => stepHostSeconds.labels(action)).observe(hostSeconds);
     },
     onExpired: (sandboxes, ops, snapshots) => {
       expired.inc({ kind: 'sandbox' }, sandboxes);

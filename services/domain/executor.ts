@@ -229,15 +229,22 @@ const GROUP_COMMIT_MAX_WRITES = 100;
 const STORE_RETRY_FIRST_MS = 250;
 const STORE_RETRY_MAX_MS = 4000;
 
-/** What a host's answer says of a step's time and bytes, for the op's step log (StepRec). */
-function stepTimes(r: HostResultMsg | undefined): Partial<StepRec> {
-  if (!r) return {};
-  return {
-    ...(r.duration ? { hostMs: Math.round(durationMs(r.duration)) } : {}),
-    ...(r.pause ? { pauseMs: Math.round(durationMs(r.pause)) } : {}),
-    ...(r.bytesFetched > 0n ? { bytesFetched: Number(r.bytesFetched) } : {}),
-    ...(r.restoredByMigration ? { migrated: true } : {}),
-  };
+/** Adds what a host's answer says of a step's time and bytes to its entry in the op's step log. */
+function addHostReport(st: StepRec, r: HostResultMsg): void {
+  if (r.duration) st.hostMs = Math.round(durationMs(r.duration));
+  if (r.pause) st.pauseMs = Math.round(durationMs(r.pause));
+  if (r.bytesFetched > 0n) st.bytesFetched = Number(r.bytesFetched);
+  if (r.restoredByMigration) st.migrated = true;
+}
+
+const ACTION_NAMES = new Map<string, string>();
+
+/** A HostWork kind as its proto field is named (restoreVms -> restore_vms): the API and the metrics show it so. */
+function actionName(workCase: string | undefined): string {
+  const c = workCase ?? '';
+  let name = ACTION_NAMES.get(c);
+  if (name === undefined) ACTION_NAMES.set(c, (name = c.replace(/[A-Z]/g, (x) => `_${x.toLowerCase()}`)));
+  return name;
 }
 
 /** A step as this leader saw it over what the record says: the first send time stays (an earlier leader's, or an earlier run's). */
@@ -1048,12 +1055,14 @@ export class Executor {
     // sandbox record); the step log is written with the op's progress and final state, not per step.
     const log = this.stepLog.get(op.id) ?? {};
     this.stepLog.set(op.id, log);
-    // As the HostWork field is named in the proto (restoreVms -> restore_vms): the API and metrics show it so.
-    const action = (work.case ?? '').replace(/[A-Z]/g, (c) => `_${c.toLowerCase()}`);
+    const action = actionName(work.case);
     /** Records the step's end; `attempt` there counts its sends. */
     const ended = (r: HostResultMsg | undefined, attempt = sends): void => {
       const now = this.deps.clock.now();
-      const st: StepRec = { ...log[stepId], ...stepTimes(r), hostId, action, status: !r || r.error ? 'failed' : 'done', attempt, endedAt: now };
+      const st: StepRec = { hostId, action, status: !r || r.error ? 'failed' : 'done', attempt, endedAt: now };
+      const sentAt = log[stepId]?.sentAt;
+      if (sentAt !== undefined) st.sentAt = sentAt;
+      if (r) addHostReport(st, r);
       log[stepId] = st;
       this.deps.onStepEnded?.(action, st.status === 'done' ? 'succeeded' : 'failed', st.sentAt !== undefined ? (now - st.sentAt) / 1000 : undefined, st.hostMs !== undefined ? st.hostMs / 1000 : undefined);
     };
