@@ -247,10 +247,14 @@ function actionName(workCase: string | undefined): string {
   return name;
 }
 
-/** A step as this leader saw it over what the record says: the first send time stays (an earlier leader's, or an earlier run's). */
+/**
+ * A step as this leader saw it, over what the record says: this leader's view wins (a step it
+ * sent again is running again, whatever an earlier answer said), but the first send time
+ * stays (an earlier leader's, or an earlier run's).
+ */
 function mergeStep(recorded: StepRec | undefined, seen: StepRec): StepRec {
   const sentAt = recorded?.sentAt !== undefined && seen.sentAt !== undefined ? Math.min(recorded.sentAt, seen.sentAt) : (recorded?.sentAt ?? seen.sentAt);
-  return { ...recorded, ...seen, ...(sentAt !== undefined ? { sentAt } : {}) };
+  return sentAt !== undefined ? { ...seen, sentAt } : seen;
 }
 
 function stepKey(opId: string, stepId: string): string {
