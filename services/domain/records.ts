@@ -202,7 +202,7 @@ export interface StepRec {
   attempt: number;
   /** HostWork kind as its proto field is named, e.g. 'restore_vms'. Absent in records written before it was kept. */
   action?: string;
-  /** First sent by this leader; absent for a step an earlier leader sent (its answer came to this one). */
+  /** When it was first sent, as recorded by the leader that sent it (or an earlier one); absent when the leader that sent it died before recording it. */
   sentAt?: number;
   /** The answer (or the failure) reached the leader. */
   endedAt?: number;
