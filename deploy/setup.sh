@@ -9,6 +9,8 @@ APT_PACKAGES=(
   qemu-system-x86 qemu-utils qemu-guest-agent linux-image-amd64 busybox-static
   etcd-server etcd-client nats-server iproute2 zstd lz4 cpio kmod e2fsprogs xz-utils mmdebstrap chromium prometheus openssl
   util-linux nftables
+  # socat carries migration streams between hosts over TLS (host-agent/adapters/peer/tls-relay.ts).
+  socat
   # systemd-analyze checks the rendered units of a real deployment (deploy/hosts).
   systemd
   # zstd-napi (the chunk codec) builds its native addon with node-gyp during npm ci when no

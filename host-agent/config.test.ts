@@ -42,9 +42,9 @@ describe('compileAgentConfig: peer TLS', () => {
     expect(compileAgentConfig({ ...base, FF_PEER_CA: '/p/ca.crt', FF_PEER_CERT: '/p/h.crt', FF_PEER_KEY: '/p/h.key' }).peerTls).toEqual({ prefix: 'FF_PEER', ca: '/p/ca.crt', cert: '/p/h.crt', key: '/p/h.key' });
   });
 
-  it('peerMigrationTls_isOnUnlessOff_andAnythingElseNamesTheVariable', () => {
-    expect(compileAgentConfig(base).peerMigrationTls).toBe(true);
-    expect(compileAgentConfig({ ...base, FF_PEER_MIGRATION_TLS: 'off' }).peerMigrationTls).toBe(false);
+  it('peerMigrationTls_isOnByDefault_takesRelayQemuOrOff_andAnythingElseNamesTheVariable', () => {
+    expect(compileAgentConfig(base).peerMigrationTls).toBe('on');
+    for (const v of ['relay', 'qemu', 'off'] as const) expect(compileAgentConfig({ ...base, FF_PEER_MIGRATION_TLS: v }).peerMigrationTls).toBe(v);
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_MIGRATION_TLS: 'no' }))).toBe('FF_PEER_MIGRATION_TLS');
   });
 

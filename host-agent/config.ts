@@ -3,7 +3,7 @@
 import { cpus, hostname, totalmem } from 'node:os';
 import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
-import { natsServers, natsTls, parseDuration, parseOnOff, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
+import { natsServers, natsTls, parseDuration, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
 import { parseCidr } from './adapters/netns/egress.ts';
 import { DEFAULT_RAM_MOUNT } from './adapters/qemu/ram-pool.ts';
@@ -88,13 +88,18 @@ export interface AgentProcessConfig {
    */
   readonly migrateMaxChildren: number;
   /**
-   * FF_PEER_MIGRATION_TLS (on|off, default on): with peer TLS (FF_PEER_*), migration streams
-   * use it too (QEMU's TLS). Off leaves them plain text, for a peer network that is private
-   * or encrypted below (WireGuard): on this TCG machine QEMU's TLS moved a stream at ~0.4-0.7
-   * Gbit/s against ~0.8-3 Gbit/s plain (docs/adr/0015-restore-by-migration.md). Set it alike on
-   * every host. Without peer TLS it changes nothing.
+   * FF_PEER_MIGRATION_TLS (on|relay|qemu|off, default on): with peer TLS (FF_PEER_*), how
+   * migration streams are encrypted (ADR 0015, "TLS relays"):
+   * - relay: QEMU streams plain text to a unix socket and a socat process per stream carries it
+   *   over mutual TLS (OpenSSL); each end checks the other's certificate names the host it
+   *   expects. Needs socat; the agent refuses to start without it.
+   * - qemu: QEMU's own TLS channel (GnuTLS). It sends each guest page as a TLS record of its own:
+   *   on this TCG machine a 140 MB stream took ~1.9x as long as a plain one.
+   * - on: relay when socat is installed, else qemu.
+   * - off: plain text, for a peer network that is private or encrypted below (WireGuard).
+   * Set it alike on every host. Without peer TLS it changes nothing.
    */
-  readonly peerMigrationTls: boolean;
+  readonly peerMigrationTls: 'on' | 'relay' | 'qemu' | 'off';
   /**
    * Guest RAM of migrated VMs (ADR 0016): FF_RAM_MOUNT, a tmpfs with huge=always (mounted there
    * when nothing is; empty: off, anonymous RAM); FF_RAM_POOL, free files kept, all sizes;
@@ -128,6 +133,11 @@ function peerTls(env: NodeJS.ProcessEnv): TlsClientFiles | undefined {
   if (files && !files.ca) throw new InvalidArgumentError('FF_PEER_CA', 'is required with FF_PEER_CERT: peers are verified against this CA (mutual TLS)');
   if (files && !files.cert) throw new InvalidArgumentError('FF_PEER_CERT', 'is required with FF_PEER_CA: this host shows its certificate to peers (mutual TLS)');
   return files;
+}
+
+function migrationTls(v: string): AgentProcessConfig['peerMigrationTls'] {
+  if (v === 'on' || v === 'relay' || v === 'qemu' || v === 'off') return v;
+  throw new InvalidArgumentError('FF_PEER_MIGRATION_TLS', `must be on, relay, qemu or off, got ${JSON.stringify(v)}`);
 }
 
 export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentProcessConfig {
@@ -175,7 +185,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       incomingQuietMs: parseDuration('FF_INCOMING_STANDBY_QUIET', e('FF_INCOMING_STANDBY_QUIET', '3s')),
     },
     migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', e('FF_MIGRATE_MAX_CHILDREN', '2'), 0, 64),
-    peerMigrationTls: parseOnOff('FF_PEER_MIGRATION_TLS', env.FF_PEER_MIGRATION_TLS, true),
+    peerMigrationTls: migrationTls(e('FF_PEER_MIGRATION_TLS', 'on')),
     ram: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT)
       ? {
           mount: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT),

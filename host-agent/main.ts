@@ -20,6 +20,8 @@ import { Materialiser } from './adapters/chunkstore/materialise.ts';
 import { chunkTransferService } from './adapters/peer/server.ts';
 import { certificateHostId, peerServerCredentials, readPeerTls, writeQemuTlsDir } from './adapters/peer/tls.ts';
 import { ChunkStoreShipper } from './adapters/shipper.ts';
+import { findSocat } from './adapters/peer/tls-relay.ts';
+import { migrateOutThroughRelay } from './adapters/peer/migrate.ts';
 import { LiveRoots } from './domain/snapshot-store.ts';
 import { startGrpcServer } from '../services/adapters/grpc/server.ts';
 import { ensureImage } from '../deploy/images/build.ts';
@@ -36,6 +38,14 @@ async function main(): Promise<void> {
   const natsTlsPem = cfg.natsTls ? readTlsClientFiles(cfg.natsTls) : undefined;
   const peerTls = readPeerTls(cfg.peerTls);
   await mkdir(cfg.dataDir, { recursive: true });
+  // How migration streams between hosts are encrypted (config.ts peerMigrationTls, ADR 0015).
+  const socat = peerTls && (cfg.peerMigrationTls === 'on' || cfg.peerMigrationTls === 'relay') ? findSocat() : undefined;
+  if (peerTls && cfg.peerMigrationTls === 'relay' && !socat) throw new Error('FF_PEER_MIGRATION_TLS=relay needs socat (apt-get install socat)');
+  if (peerTls && cfg.peerMigrationTls === 'on' && !socat) log.warn('socat is not installed: migration streams use QEMU\'s own TLS, about twice as slow (ADR 0015)');
+  const migrationTlsDir = peerTls && cfg.peerMigrationTls !== 'off' ? writeQemuTlsDir(join(cfg.dataDir, 'migration-tls'), peerTls) : undefined;
+  const relay = socat && migrationTlsDir ? { socat, tlsDir: migrationTlsDir, socketDir: join(cfg.dataDir, 'relay') } : undefined;
+  // Relay sockets of an agent that died mid-stream (its relays died with it).
+  await rm(join(cfg.dataDir, 'relay'), { recursive: true, force: true });
 
   // Guests share one CPU weight against the agent and the rest of the host (ADR 0018).
   const guestCgroup = cfg.guestCgroup ? await GuestCgroup.open(cfg.guestCgroup).catch((err: unknown) => {
@@ -48,7 +58,7 @@ async function main(): Promise<void> {
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
   const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}), ...(guestCgroup ? { guestCgroup } : {}),
     // Migration streams to and from other hosts (ADR 0015) speak the same mutual TLS as the peer service.
-    ...(peerTls && cfg.peerMigrationTls ? { migrationTlsDir: writeQemuTlsDir(join(cfg.dataDir, 'migration-tls'), peerTls) } : {}),
+    ...(migrationTlsDir ? { migrationTlsDir } : {}),
     // accel auto proves KVM by booting a guest: the tiny image (built once, cached by recipe hash).
     ...(cfg.accel === 'auto' ? { probeImage: await ensureImage('tiny') } : {}) });
   const recovered = await driver.recover('adopt');
@@ -81,13 +91,16 @@ async function main(): Promise<void> {
     chunkSize: cfg.chunkBytes,
     gcGraceMs: cfg.gcGraceMs,
     peerTls,
+    migrationRelay: relay,
   });
   await shipper.load();
 
   // Restore by migration, source side (ADR 0015): a paused clone of a snapshot held here migrates to the caller.
-  const migrate = async (snapshotId: string, target: { host: string; port: number }): Promise<{ bytes: number; ms: number }> => {
+  // Through a TLS relay, QEMU streams to a unix socket here and the relay carries it to the
+  // caller, whose certificate must name the host the call came from (its certificate's CN).
+  const migrate = async (snapshotId: string, target: { host: string; port: number; hostId: string }): Promise<{ bytes: number; ms: number }> => {
     const { local } = await shipper.obtain(snapshotId, undefined, () => undefined);
-    return driver.migrateOut(local, target);
+    return relay ? migrateOutThroughRelay(relay, target, (to) => driver.migrateOut(local, to)) : driver.migrateOut(local, target);
   };
   // With peer TLS, a caller is the host its certificate names (tls.ts), not what it says.
   const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate, ...(peerTls ? { callerHostId: certificateHostId } : {}) });

@@ -25,6 +25,7 @@ import type { LocalBaseline } from './baselines.ts';
 import { checks, renderReport } from './report.ts';
 import type { RunResult, ScenarioResult } from './report.ts';
 import { formatPlan, planCapacity } from './plan.ts';
+import { findSocat } from '../host-agent/adapters/peer/tls-relay.ts';
 import type { Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type * as FleetModule from '../deploy/fleet/fleet.ts';
 
@@ -161,6 +162,14 @@ class Recorder {
   }
 }
 
+/** How the fleet's agents (started from this environment) encrypt migration streams (host-agent config.ts peerMigrationTls). */
+function migrationTlsNote(): string {
+  const v = process.env.FF_PEER_MIGRATION_TLS ?? 'on';
+  if (v === 'off') return 'left plain (FF_PEER_MIGRATION_TLS=off)';
+  if (v === 'qemu' || (v === 'on' && !findSocat())) return "by QEMU's TLS";
+  return 'by socat TLS relays';
+}
+
 function gitCommit(): string {
   try {
     const c = execFileSync('git', ['-C', ROOT, 'rev-parse', '--short', 'HEAD'], { encoding: 'utf8' }).trim();
@@ -205,7 +214,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       const agentEnv = { FF_RAM_POOL_MIB: String(cfg.guestMib) };
       const st = await fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv, peerTls: cfg.peerTls }));
       notes.push(`fleet agents: FF_RAM_POOL_MIB=${cfg.guestMib} (RAM of the guest's size filled at agent start, ADR 0016).`);
-      notes.push(`between agents: ${cfg.peerTls ? 'mutual TLS (chunk transfers and migration streams encrypted)' : 'plain text (--peer-tls off)'}.`);
+      notes.push(`between agents: ${cfg.peerTls ? `mutual TLS (chunk transfers and migration streams encrypted, the latter ${migrationTlsNote()})` : 'plain text (--peer-tls off)'}.`);
       apiAddr = st.apiAddresses[0]!;
       fleetHosts = st.hosts;
     }

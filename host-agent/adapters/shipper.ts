@@ -5,12 +5,11 @@
 import { execFile } from 'node:child_process';
 import { promisify } from 'node:util';
 import { access, mkdir, open, readdir, readFile, rename, rm, writeFile } from 'node:fs/promises';
-import type { Socket } from 'node:net';
 import { join } from 'node:path';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
 import type { IncomingSnapshot, SnapshotShipper } from '../domain/agent.ts';
-import type { GuestImage, LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
+import type { GuestImage, LocalSnapshot, MigrationStream, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
 import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
 import { verifyManifest, type TrustedKeys } from '../domain/tickets.ts';
@@ -20,7 +19,7 @@ import type { GcResult } from '../domain/snapshot-store-gc.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
 import type { MaterialisedSnapshot, Materialiser } from './chunkstore/materialise.ts';
 import { PeerChunkSource } from './peer/client.ts';
-import { migrateFrom } from './peer/migrate.ts';
+import { migrateFrom, type MigrationRelaySettings } from './peer/migrate.ts';
 import type { PeerTls } from './peer/tls.ts';
 import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { Artifact, SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
@@ -51,6 +50,12 @@ export interface ShipperDeps {
   gcGraceMs?: number;
   /** Mutual TLS to the peers it fetches from (peer/tls.ts); absent: plain text. */
   peerTls?: PeerTls | undefined;
+  /**
+   * Migration streams arrive through TLS relays (peer/tls-relay.ts): socat's path, this host's
+   * certificates in QEMU's layout, and where the relays' unix sockets go. Absent: QEMU reads
+   * the connection itself (plain, or QEMU's own TLS).
+   */
+  migrationRelay?: MigrationRelaySettings | undefined;
 }
 
 /** Marks a VMM snapshot directory whose snapshot was deleted while something still used it. */
@@ -293,7 +298,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * one-shot listener on `listenHost`, and hands the first connection to `load`. A source
    * that fails before it connects is skipped; a failure after that is final.
    */
-  async migrateFrom<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket, sourceGone: AbortSignal) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }> {
+  async migrateFrom<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: MigrationStream, sourceGone: AbortSignal) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }> {
     const ticket = fetch.ticket;
     if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
     let lastErr: unknown = new ForkfleetError('unavailable', `no source with an address for ${fetch.snapshotId}`);
@@ -301,7 +306,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
       let started = false;
       try {
         if (signal?.aborted) throw signal.reason;
-        const r = await migrateFrom({ sourceAddress: s.address, ticket, hostId: this.deps.hostId, listenHost, tls: this.deps.peerTls, ...(signal ? { signal } : {}) }, (conn, sourceGone) => {
+        const relay = this.deps.migrationRelay && { ...this.deps.migrationRelay, sourceHostId: s.hostId };
+        const r = await migrateFrom({ sourceAddress: s.address, ticket, hostId: this.deps.hostId, listenHost, tls: this.deps.peerTls, relay, ...(signal ? { signal } : {}) }, (conn, sourceGone) => {
           started = true;
           return load(conn, sourceGone);
         });

@@ -1,5 +1,5 @@
-// Benchmark: what TLS costs a restore by migration (ADR 0015) on this machine, to decide
-// FF_PEER_MIGRATION_TLS on a fleet whose peer network is private or encrypted below.
+// Benchmark: what TLS costs a restore by migration (ADR 0015) on this machine, and which TLS:
+// QEMU's own channel or the agents' TLS relays (FF_PEER_MIGRATION_TLS).
 //
 //   npm run bench:migrate-tls -- [--reps 5] [--json FILE]
 //
@@ -8,9 +8,11 @@
 // driver pairs on loopback (the agents' own code: migrateOut, prepareIncoming, load),
 // alternating in every round:
 //   plain   QEMU to QEMU, no TLS (FF_PEER_MIGRATION_TLS=off)
-//   tls     QEMU to QEMU over QEMU's mutual TLS with certificates of one CA (the default)
+//   tls     QEMU to QEMU over QEMU's mutual TLS with certificates of one CA (=qemu)
+//   relay   QEMU to a unix socket, socat relays over mutual TLS, unix socket to QEMU (=relay;
+//           skipped when socat is not installed)
 // Prints per mode the medians of the source's stream time (`migrate` to completed) and of
-// call to ready (stream loaded, VM resumed, clone hygiene done), and their ratio.
+// call to ready (stream loaded, VM resumed, clone hygiene done), and their ratios to plain.
 import { rmSync, writeFileSync } from 'node:fs';
 import { copyFile, mkdtemp } from 'node:fs/promises';
 import net from 'node:net';
@@ -21,6 +23,8 @@ import { ensureImage } from '../../deploy/images/build.ts';
 import { devPeerTls } from '../../deploy/pki/pki.ts';
 import { QemuVmmDriver } from '../adapters/qemu/driver.ts';
 import { writeQemuTlsDir } from '../adapters/peer/tls.ts';
+import { findSocat, listenRelay } from '../adapters/peer/tls-relay.ts';
+import { migrateOutThroughRelay } from '../adapters/peer/migrate.ts';
 import type { AccelSetting } from '../domain/vmm.ts';
 
 const arg = (name: string, dflt: string): string => {
@@ -59,21 +63,45 @@ try {
   const pki = join(root, 'pki');
   const plainSrc = newDriver('plain-src');
   const plainDst = newDriver('plain-dst');
-  const qemuSrc = newDriver('qemu-src', writeQemuTlsDir(join(pki, 'qa'), devPeerTls(pki, 'a', '127.0.0.1')));
-  const qemuDst = newDriver('qemu-dst', writeQemuTlsDir(join(pki, 'qb'), devPeerTls(pki, 'b', '127.0.0.1')));
+  const tlsA = writeQemuTlsDir(join(pki, 'qa'), devPeerTls(pki, 'a', '127.0.0.1'));
+  const tlsB = writeQemuTlsDir(join(pki, 'qb'), devPeerTls(pki, 'b', '127.0.0.1'));
+  const qemuSrc = newDriver('qemu-src', tlsA);
+  const qemuDst = newDriver('qemu-dst', tlsB);
+  const socat = findSocat();
+  const relaySrc = newDriver('relay-src', tlsA);
+  const relayDst = newDriver('relay-dst', tlsB);
   const layer = { manifest: snap.manifest, image, diskLayerBacking: image.disk, writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };
 
-  type Mode = 'plain' | 'tls';
-  const modes: Mode[] = ['plain', 'tls'];
+  type Mode = 'plain' | 'tls' | 'relay';
+  const modes: Mode[] = socat ? ['plain', 'tls', 'relay'] : ['plain', 'tls'];
   const got: Record<Mode, { streamMs: number[]; loadMs: number[]; bytes: number }> = {
     plain: { streamMs: [], loadMs: [], bytes: 0 },
     tls: { streamMs: [], loadMs: [], bytes: 0 },
+    relay: { streamMs: [], loadMs: [], bytes: 0 },
   };
   let n = 0;
   for (let rep = 0; rep < REPS; rep++) {
     // Alternated, so neither mode always runs first in a round.
     for (const mode of rep % 2 ? [...modes].reverse() : modes) {
-      const dst = mode === 'tls' ? qemuDst : plainDst;
+      const dst = mode === 'tls' ? qemuDst : mode === 'relay' ? relayDst : plainDst;
+      if (mode === 'relay') {
+        const vmId = `m${n++}`;
+        const unixPath = join(root, `${vmId}.sock`);
+        const relay = { socat: socat!, socketDir: join(root, 'relay-out') };
+        const inbound = await listenRelay({ socat: socat!, tlsDir: tlsB, unixPath, peerHostId: 'a', acceptTimeoutMs: 20_000, bindHost: '127.0.0.1', fromHost: '127.0.0.1' });
+        const incoming = await dst.prepareIncoming(layer, { vmId, hostname: vmId, sandboxId: `sb-${vmId}` });
+        const t0 = performance.now();
+        const out = migrateOutThroughRelay({ ...relay, tlsDir: tlsA }, { host: '127.0.0.1', port: inbound.port, hostId: 'b' }, (to) => relaySrc.migrateOut(snap, to));
+        const [sent] = await Promise.all([out, inbound.verified.then(() => incoming.load({ unixPath }))]);
+        const loadMs = performance.now() - t0;
+        await inbound.stop();
+        got[mode].streamMs.push(sent.ms);
+        got[mode].loadMs.push(Math.round(loadMs));
+        got[mode].bytes = sent.bytes;
+        await dst.destroy(vmId);
+        process.stderr.write(`${mode} stream ${sent.ms} ms, ready ${Math.round(loadMs)} ms\n`);
+        continue;
+      }
       let got1: (s: net.Socket) => void = () => undefined;
       const next = new Promise<net.Socket>((r) => (got1 = r));
       const server = net.createServer({ pauseOnConnect: true }, (s) => got1(s));
@@ -98,10 +126,17 @@ try {
     reps: REPS,
     stream_bytes: got.plain.bytes,
     modes: Object.fromEntries(modes.map((m) => [m, { source_stream_ms_p50: median(got[m].streamMs), call_to_ready_ms_p50: median(got[m].loadMs), call_to_ready_ms: got[m].loadMs }])),
-    tls_over_plain: {
-      source_stream: Number((median(got.tls.streamMs) / median(got.plain.streamMs)).toFixed(2)),
-      call_to_ready: Number((median(got.tls.loadMs) / median(got.plain.loadMs)).toFixed(2)),
-    },
+    ...Object.fromEntries(
+      modes
+        .filter((m) => m !== 'plain')
+        .map((m) => [
+          `${m}_over_plain`,
+          {
+            source_stream: Number((median(got[m].streamMs) / median(got.plain.streamMs)).toFixed(2)),
+            call_to_ready: Number((median(got[m].loadMs) / median(got.plain.loadMs)).toFixed(2)),
+          },
+        ]),
+    ),
   };
   console.log(JSON.stringify(out, null, 2));
   const json = arg('json', '');

@@ -8,8 +8,7 @@
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { durationFromMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
-import type { Socket } from 'node:net';
-import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock, NetworkPolicySpec, IncomingSource, CloneSpec } from './vmm.ts';
+import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock, NetworkPolicySpec, IncomingSource, CloneSpec, MigrationStream } from './vmm.ts';
 import {
   HeartbeatSchema,
   HostEventSchema,
@@ -94,7 +93,7 @@ export interface SnapshotShipper {
   /** Restore by migration: the verified manifest and the disk layer of a snapshot held elsewhere. */
   incomingSource?(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSnapshot>;
   /** Restore by migration: a source's stream, arriving on a connection to `listenHost`, handed to `load`. */
-  migrateFrom?<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: Socket, sourceGone: AbortSignal) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }>;
+  migrateFrom?<T>(fetch: FetchSnapshotWork, listenHost: string, load: (conn: MigrationStream, sourceGone: AbortSignal) => Promise<T>, signal?: AbortSignal): Promise<{ result: T; bytes: number }>;
 }
 
 export interface AgentConfig {
@@ -581,7 +580,7 @@ export class Agent {
           try {
             return await migrateFrom(fetch, listenHost, async (conn, sourceGone) => {
               const incoming = await incomingP.catch((e: unknown) => {
-                conn.destroy();
+                if (!('unixPath' in conn)) conn.destroy();
                 throw e;
               });
               return incoming.load(conn, sourceGone);

@@ -162,6 +162,15 @@ export interface MigrateOutReport {
   ms: number;
 }
 
+/**
+ * Where a migration stream goes or comes from (ADR 0015): a TCP connection the VMM reads or
+ * writes itself (plain text, or QEMU's own TLS), or a unix socket on this host whose other
+ * end is a TLS relay (peer/tls-relay.ts): the VMM connects to it (source) or listens on it
+ * (destination).
+ */
+export type MigrationTarget = { readonly host: string; readonly port: number } | { readonly unixPath: string };
+export type MigrationStream = Socket | { readonly unixPath: string };
+
 /** A snapshot this host does not hold, as a restore by migration needs it (ADR 0015). */
 export interface IncomingSource {
   /** The VMM adapter's manifest of the snapshot (from the signed manifest's metadata). */
@@ -179,12 +188,13 @@ export interface IncomingVm {
   readonly vmId: string;
   /**
    * Loads the stream arriving on `conn` (an accepted connection this process must not have
-   * read from; it is handed to the VMM and closed here). Resolves when the VM is restored,
+   * read from; it is handed to the VMM and closed here), or on a unix socket the VMM listens
+   * on at `conn.unixPath` (a TLS relay connects to it). Resolves when the VM is restored,
    * clean and answering exec. On failure the VM is destroyed. `sourceGone` aborting (the source
    * reported its end of the stream failed) fails it at once: a stream that never began to
    * load, such as a TLS handshake that failed, would otherwise be waited for until a timeout.
    */
-  load(conn: Socket, sourceGone?: AbortSignal): Promise<VmInfo>;
+  load(conn: MigrationStream, sourceGone?: AbortSignal): Promise<VmInfo>;
   abort(): Promise<void>;
 }
 
@@ -227,7 +237,7 @@ export interface VmmDriver {
    * clone's whole RAM and device state to `target` (the destination's listener); the
    * destination prepares a VM that loads that stream.
    */
-  migrateOut?(snapshot: LocalSnapshot, target: { host: string; port: number }): Promise<MigrateOutReport>;
+  migrateOut?(snapshot: LocalSnapshot, target: MigrationTarget): Promise<MigrateOutReport>;
   prepareIncoming?(src: IncomingSource, child: CloneSpec): Promise<IncomingVm>;
   /**
    * Snapshots whose files something on this host still needs: a VM maps its memory image or

@@ -17,6 +17,7 @@ import { createClient } from '../../../services/adapters/grpc/rpc.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
 import { chunkTransferService, HOST_ID_METADATA, peerHost } from './server.ts';
 import { migrateFrom } from './migrate.ts';
+import type { MigrationStream } from '../../domain/vmm.ts';
 
 let dir: string;
 let key: SigningKey;
@@ -36,7 +37,17 @@ async function fakeMigrate(_snapshotId: string, target: { host: string; port: nu
 
 const ticket = (dest: string, k = key) => signTicket({ snapshotId: 's1', destinationHostId: dest, expiresAt: new Date(Date.now() + 60_000) }, k);
 
-async function readAll(conn: net.Socket): Promise<string> {
+/** What QEMU does with a stream: reads an accepted connection, or listens on the relay's unix socket and reads the first. */
+async function readAll(stream: MigrationStream): Promise<string> {
+  let conn: net.Socket;
+  if (stream instanceof net.Socket) conn = stream;
+  else {
+    const server = net.createServer();
+    const accepted = new Promise<net.Socket>((r) => server.once('connection', r));
+    await new Promise<void>((r) => server.listen(stream.unixPath, r));
+    conn = await accepted;
+    server.close();
+  }
   conn.resume();
   let s = '';
   for await (const b of conn) s += (b as Buffer).toString();
@@ -76,7 +87,7 @@ describe('MigrateSnapshot', () => {
   it('migrateFrom_withoutValidTicket_isRefusedAndLoadNeverRuns', async () => {
     const stranger = generateSigningKey('k1').signing;
     let loaded = false;
-    const load = async (c: net.Socket): Promise<string> => {
+    const load = async (c: MigrationStream): Promise<string> => {
       loaded = true;
       return readAll(c);
     };

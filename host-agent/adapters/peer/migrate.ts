@@ -3,6 +3,9 @@
 // connect to it. The accepted connection is handed on unread: the destination's QEMU reads
 // the stream itself, so the bytes never pass through this process.
 import net from 'node:net';
+import { randomBytes } from 'node:crypto';
+import { mkdir, rm } from 'node:fs/promises';
+import { join } from 'node:path';
 import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import type { SignedTicket } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { createClient } from '../../../services/adapters/grpc/rpc.ts';
@@ -10,6 +13,8 @@ import { HOST_ID_METADATA, plainAddress } from './server.ts';
 import { peerChannel, type PeerTls } from './tls.ts';
 import { hostOfAddress } from '../../domain/agent.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
+import type { MigrationStream } from '../../domain/vmm.ts';
+import { connectRelay, listenRelay } from './tls-relay.ts';
 
 export interface MigrateFromOptions {
   /** host:port of the source's ChunkTransferService. */
@@ -30,8 +35,18 @@ export interface MigrateFromOptions {
   readonly connectTimeoutMs?: number;
   /** Ends the wait for the source's connection (the caller gave up, e.g. its own preparation failed). */
   readonly signal?: AbortSignal;
-  /** Mutual TLS for the MigrateSnapshot call (tls.ts; the stream's own TLS is QEMU's: QemuDriverOptions.migrationTlsDir). */
+  /**
+   * Mutual TLS for the MigrateSnapshot call (tls.ts). The stream's own TLS is QEMU's
+   * (QemuDriverOptions.migrationTlsDir), or with `relay` a TLS relay's.
+   */
   readonly tls?: PeerTls | undefined;
+  /**
+   * The stream comes through a TLS relay (tls-relay.ts) instead of a connection QEMU reads
+   * itself: it listens here for the source, which must present the certificate of
+   * `sourceHostId`, and hands `load` the unix socket (`socketDir`, a new name) that the
+   * relay connects to once QEMU listens on it.
+   */
+  readonly relay?: (MigrationRelaySettings & { readonly sourceHostId: string }) | undefined;
 }
 
 export interface MigrateFromReport<T> {
@@ -52,7 +67,8 @@ export const DEFAULT_MIGRATE_CONNECT_MS = 20_000;
  * or fails before it connects. `load`'s `sourceGone` aborts when the source reports that its
  * end failed after it connected (so the load need not wait for a stream that will not come).
  */
-export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Socket, sourceGone: AbortSignal) => Promise<T>): Promise<MigrateFromReport<T>> {
+export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: MigrationStream, sourceGone: AbortSignal) => Promise<T>): Promise<MigrateFromReport<T>> {
+  if (o.relay) return migrateFromRelay(o, o.relay, load);
   const sourceHost = plainAddress(hostOfAddress(o.sourceAddress));
   const server = net.createServer({ pauseOnConnect: true });
   await new Promise<void>((resolve, reject) => {
@@ -98,5 +114,77 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: net.Soc
     ac.abort(new Error('migration finished'));
     server.close();
     client.close();
+  }
+}
+
+/**
+ * migrateFrom through a TLS relay (tls-relay.ts): the relay listens instead of this process,
+ * and `load` starts once the source has connected from its address and proved it is the
+ * source host, as it starts on an accepted connection without a relay.
+ */
+async function migrateFromRelay<T>(o: MigrateFromOptions, r: NonNullable<MigrateFromOptions['relay']>, load: (conn: MigrationStream, sourceGone: AbortSignal) => Promise<T>): Promise<MigrateFromReport<T>> {
+  const connectMs = o.connectTimeoutMs ?? DEFAULT_MIGRATE_CONNECT_MS;
+  const unixPath = join(r.socketDir, `in-${randomBytes(6).toString('hex')}.sock`);
+  await mkdir(r.socketDir, { recursive: true, mode: 0o700 });
+  const relay = await listenRelay({ socat: r.socat, tlsDir: r.tlsDir, unixPath, peerHostId: r.sourceHostId, acceptTimeoutMs: connectMs, bindHost: o.listenHost, fromHost: plainAddress(hostOfAddress(o.sourceAddress)) });
+  const ac = new AbortController();
+  const peer = peerChannel(o.tls, o.sourceAddress);
+  const client = createClient(ChunkTransferService, o.sourceAddress, peer.credentials, peer.options);
+  try {
+    const call = client.migrateSnapshot({ ticket: o.ticket, port: relay.port }, { timeoutMs: o.timeoutMs ?? 120_000, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
+    const sourceGone = new AbortController();
+    call.catch((e: unknown) => {
+      ac.abort(e);
+      sourceGone.abort(e);
+    });
+    // The relay ending before the source connected (in time, from its address, as the source
+    // host) or with an error (the stream broke) ends the exchange. One that carried a whole
+    // stream exits 0, maybe before QEMU has finished loading it or the source's call answered.
+    void relay.exited.then((x) => {
+      if (x.peerVerified && x.code === 0) return;
+      const why = x.peerVerified
+        ? new ForkfleetError('unavailable', `the migration stream's relay ended (exit ${x.code})`, { retryable: true })
+        : new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect as host ${r.sourceHostId} within ${connectMs} ms`, { retryable: true });
+      ac.abort(why);
+      sourceGone.abort(why);
+    });
+    if (o.signal?.aborted) ac.abort(o.signal.reason);
+    o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
+    const connected = new Promise<void>((resolve, reject) => {
+      void relay.verified.then(resolve);
+      ac.signal.addEventListener('abort', () => reject(ac.signal.reason as Error), { once: true });
+    });
+    const result = await connected.then(() => load({ unixPath }, sourceGone.signal));
+    const res = await call;
+    return { result, bytes: Number(res.bytes), sourceMs: res.millis };
+  } finally {
+    ac.abort(new Error('migration finished'));
+    client.close();
+    await relay.stop();
+    await rm(unixPath, { force: true });
+  }
+}
+
+/** A host's TLS relay settings for migration streams (ChunkStoreShipper's migrationRelay). */
+export interface MigrationRelaySettings {
+  readonly socat: string;
+  readonly tlsDir: string;
+  readonly socketDir: string;
+}
+
+/**
+ * Source end of a stream through a TLS relay: the relay listens on a new unix socket here and
+ * carries what `send` streams into it (QEMU's `migrate unix:`) to `target`, whose certificate
+ * must name `target.hostId` (the host the ticket and the call's certificate named).
+ */
+export async function migrateOutThroughRelay<R>(r: MigrationRelaySettings, target: { host: string; port: number; hostId: string }, send: (to: { unixPath: string }) => Promise<R>): Promise<R> {
+  await mkdir(r.socketDir, { recursive: true, mode: 0o700 });
+  const unixPath = join(r.socketDir, `out-${randomBytes(6).toString('hex')}.sock`);
+  const relay = await connectRelay({ ...r, unixPath, host: target.host, port: target.port, peerHostId: target.hostId, acceptTimeoutMs: 30_000 });
+  try {
+    return await send({ unixPath });
+  } finally {
+    await relay.stop();
+    await rm(unixPath, { force: true });
   }
 }

@@ -37,7 +37,7 @@ export interface ChunkServerDeps {
    * Restore by migration (ADR 0015): migrate a paused clone of the snapshot to `target`.
    * Absent: MigrateSnapshot is refused and callers fetch chunks instead.
    */
-  readonly migrate?: (snapshotId: string, target: { host: string; port: number }) => Promise<{ bytes: number; ms: number }>;
+  readonly migrate?: (snapshotId: string, target: { host: string; port: number; hostId: string }) => Promise<{ bytes: number; ms: number }>;
 }
 
 export interface ChunkServerStats {
@@ -108,7 +108,8 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       // The stream goes only to the address the call came from: a ticket holder cannot aim it elsewhere.
       const host = peerHost(ctx.peer);
       if (!host) throw new ForkfleetError('failed_precondition', `cannot tell the caller's address from ${ctx.peer}`);
-      const r = await deps.migrate(claims.snapshotId, { host, port: req.port });
+      // hostId: the caller the ticket was checked against (with peer TLS, its certificate's CN).
+      const r = await deps.migrate(claims.snapshotId, { host, port: req.port, hostId: caller(ctx) });
       deps.log?.info({ snapshotId: claims.snapshotId, to: `${host}:${req.port}`, bytes: r.bytes, ms: r.ms }, 'snapshot migrated to a peer');
       return { bytes: BigInt(r.bytes), millis: r.ms };
     },

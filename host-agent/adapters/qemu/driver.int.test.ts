@@ -19,6 +19,8 @@ import { ramDirFor, tmpfsOptions } from './ram-pool.ts';
 import { cmdlineOf, isAlive, killHard } from './process.ts';
 import { devPeerTls } from '../../../deploy/pki/pki.ts';
 import { writeQemuTlsDir } from '../peer/tls.ts';
+import { findSocat, listenRelay } from '../peer/tls-relay.ts';
+import { migrateOutThroughRelay } from '../peer/migrate.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
 let root: string;
@@ -448,6 +450,37 @@ describe('QemuVmmDriver (real QEMU)', () => {
       expect(await readdir(join(root, 'tls-dst', 'vms'))).toEqual([]);
     } finally {
       server.close();
+      await src.close();
+      await dest.close();
+    }
+  });
+
+  it.skipIf(!findSocat())('migrate_throughTlsRelays_qemuStreamsPlainTextToUnixSocketsAndTheRelaysCarryItOverTls_restoresTheVm', async () => {
+    // As two agents with FF_PEER_MIGRATION_TLS=relay: each QEMU speaks to a unix socket on its
+    // own host, two socat relays carry the stream over mutual TLS and check each other's host.
+    const pki = join(root, 'relay-pki');
+    const relayOf = (name: string) => ({ socat: findSocat()!, tlsDir: writeQemuTlsDir(join(pki, `qemu-${name}`), devPeerTls(pki, name, '127.0.0.1')), socketDir: join(root, `relay-${name}`) });
+    const [rs, rd] = [relayOf('rsrc'), relayOf('rdst')];
+    const src = new QemuVmmDriver({ root: join(root, 'relay-src'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: rs.tlsDir });
+    const dest = new QemuVmmDriver({ root: join(root, 'relay-dst'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: rd.tlsDir });
+    const layer = { manifest: snap.manifest, image, diskLayerBacking: image.disk, writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };
+    const unixPath = join(root, 'relay-in.sock');
+    const inbound = await listenRelay({ ...rd, unixPath, peerHostId: 'rsrc', acceptTimeoutMs: 20_000, bindHost: '127.0.0.1', fromHost: '127.0.0.1' });
+    try {
+      const incoming = await dest.prepareIncoming(layer, { vmId: 'r0', hostname: 'r0', sandboxId: 'sb-r0' });
+      const [sent, vm] = await Promise.all([
+        migrateOutThroughRelay(rs, { host: '127.0.0.1', port: inbound.port, hostId: 'rdst' }, (to) => src.migrateOut(snap, to)),
+        inbound.verified.then(() => incoming.load({ unixPath })),
+      ]);
+      expect(sent.bytes).toBeGreaterThan(16 << 20);
+      expect(vm).toMatchObject({ state: 'running', baseSnapshotId: 'snap-tpl', hostname: 'r0' });
+      expect(await sh('r0', 'cat /data/marker; hostname', dest)).toBe('disk-before-snapshot\nr0');
+      expect((await inbound.exited).code).toBe(0);
+      await dest.destroy('r0');
+      expect(await readdir(join(root, 'relay-dst', 'vms'))).toEqual([]);
+      expect(await readdir(rs.socketDir)).toEqual([]);
+    } finally {
+      await inbound.stop();
       await src.close();
       await dest.close();
     }

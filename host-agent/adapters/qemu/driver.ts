@@ -52,6 +52,8 @@ import {
   type IncomingVm,
   type LocalSnapshot,
   type MigrateOutReport,
+  type MigrationStream,
+  type MigrationTarget,
   type NetworkPolicySpec,
   type RecoveryReport,
   type SnapshotManifest,
@@ -1177,7 +1179,7 @@ export class QemuVmmDriver implements VmmDriver {
    * `target`, then exits. It runs in the agent's network namespace, because it must reach the
    * other host; the guest's vCPUs never start in it. The snapshot's files are only read.
    */
-  async migrateOut(snapshot: LocalSnapshot, target: { host: string; port: number }): Promise<MigrateOutReport> {
+  async migrateOut(snapshot: LocalSnapshot, target: MigrationTarget): Promise<MigrateOutReport> {
     const t0 = performance.now();
     await this.assertCompatible(snapshot);
     const ready = await this.sources.claim(snapshot.manifest.snapshotId);
@@ -1188,10 +1190,10 @@ export class QemuVmmDriver implements VmmDriver {
       await setCaps(s.qmp, { events: true, 'x-ignore-shared': false });
       // QEMU's default cap is 32 MiB/s; the link and the destination set the pace.
       await s.qmp.execute('migrate-set-parameters', { 'max-bandwidth': 64 * 1024 ** 3 });
-      if (this.opts.migrationTlsDir) await useMigrationTls(s.qmp, this.opts.migrationTlsDir, { endpoint: 'client', hostname: target.host });
+      // To a unix socket, a TLS relay carries the stream (peer/tls-relay.ts); QEMU's own TLS only on TCP.
+      if ('host' in target && this.opts.migrationTlsDir) await useMigrationTls(s.qmp, this.opts.migrationTlsDir, { endpoint: 'client', hostname: target.host });
       const tm = performance.now();
-      const host = target.host.includes(':') ? `[${target.host}]` : target.host;
-      await migrateAndWait(s.qmp, `tcp:${host}:${target.port}`);
+      await migrateAndWait(s.qmp, migrationUri(target));
       const q = await s.qmp.execute<{ ram?: { transferred?: number; mbps?: number } }>('query-migrate').catch(() => undefined);
       const bytes = q?.ram?.transferred ?? 0;
       const ms = Math.round(performance.now() - t0);
@@ -1269,14 +1271,19 @@ export class QemuVmmDriver implements VmmDriver {
     let used = false;
     return {
       vmId: c.vmId,
-      load: async (conn: net.Socket, sourceGone?: AbortSignal): Promise<VmInfo> => {
+      load: async (conn: MigrationStream, sourceGone?: AbortSignal): Promise<VmInfo> => {
         if (used) throw new VmAlreadyExistsError(c.vmId);
         used = true;
         const t1 = this.opts.clock.now();
         const { phases: ph, mark } = phaseTimer();
         try {
           let rec: VmRecord;
-          if (claimed) {
+          // A relay's stream: QEMU listens on the unix socket; the relay (peer/tls-relay.ts) connects.
+          const viaUnix = conn instanceof net.Socket ? undefined : conn.unixPath;
+          if (!(conn instanceof net.Socket)) {
+            rec = claimed ?? (await this.launch(p, log, { incoming: true }));
+            if (!claimed) mark('launch');
+          } else if (claimed) {
             rec = claimed;
             try {
               // QEMU gets its own copy of the connection's descriptor; ours closes.
@@ -1296,18 +1303,20 @@ export class QemuVmmDriver implements VmmDriver {
             mark('launch');
           }
           await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
-          if (this.opts.migrationTlsDir) await useMigrationTls(rec.qmp, this.opts.migrationTlsDir, { endpoint: 'server' });
-          await untilAborted(incomingAndWait(rec.qmp, claimed ? 'fd:migration' : 'fd:3'), sourceGone, 'the migration source failed before the stream was loaded');
+          const qemuTls = viaUnix === undefined && this.opts.migrationTlsDir;
+          if (qemuTls) await useMigrationTls(rec.qmp, this.opts.migrationTlsDir!, { endpoint: 'server' });
+          const uri = viaUnix !== undefined ? `unix:${viaUnix}` : claimed ? 'fd:migration' : 'fd:3';
+          await untilAborted(incomingAndWait(rec.qmp, uri), sourceGone, 'the migration source failed before the stream was loaded');
           // The VM's own later migrations (its snapshots, to a local file) are plain: a
           // server-side tls-creds left set would make QEMU refuse them.
-          if (this.opts.migrationTlsDir) await rec.qmp.execute('migrate-set-parameters', { 'tls-creds': '' });
+          if (qemuTls) await rec.qmp.execute('migrate-set-parameters', { 'tls-creds': '' });
           mark('load');
           const loadMs = this.opts.clock.now() - t1;
           await this.startRestored(rec, t0, mark);
           log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, phases: ph, ramFilled: ram?.filled ?? standby?.ramFilled, standby: standby?.id, pid: rec.proc.pid }, 'vm restored by migration');
           return { ...rec.info };
         } catch (e) {
-          conn.destroy();
+          if (conn instanceof net.Socket) conn.destroy();
           await this.destroy(c.vmId).catch(() => undefined);
           await rm(workdir, { recursive: true, force: true });
           throw e;
@@ -1908,6 +1917,12 @@ export async function contAfterMigration(qmp: QmpClient, deadlineMs = 5000): Pro
       await new Promise((r) => setTimeout(r, 2));
     }
   }
+}
+
+/** QEMU's migration URI for `t`. */
+function migrationUri(t: MigrationTarget): string {
+  if ('unixPath' in t) return `unix:${t.unixPath}`;
+  return `tcp:${t.host.includes(':') ? `[${t.host}]` : t.host}:${t.port}`;
 }
 
 export async function migrateAndWait(qmp: QmpClient, uri: string): Promise<void> {
