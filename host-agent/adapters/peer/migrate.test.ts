@@ -3,19 +3,17 @@
 // The source's QEMU is replaced by a function that connects and writes (the driver's side
 // is tested against real QEMU in adapters/qemu/driver.int.test.ts).
 import net from 'node:net';
-import { writeFileSync, rmSync } from 'node:fs';
+import { rmSync } from 'node:fs';
+import { FsChunkStore, FsManifestStore } from '../chunkstore/fs-store.ts';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { FsChunkStore, FsManifestStore } from '../chunkstore/fs-store.ts';
-import { ingestSnapshot } from '../chunkstore/ingest.ts';
-import { LiveRoots, systemClock } from '../../domain/snapshot-store.ts';
-import { generateSigningKey, signManifest, signTicket, type SigningKey, type TrustedKeys } from '../../domain/tickets.ts';
-import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { generateSigningKey, signTicket, type SigningKey, type TrustedKeys } from '../../domain/tickets.ts';
 import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { startGrpcServer, type RunningGrpcServer } from '../../../services/adapters/grpc/server.ts';
 import { createClient } from '../../../services/adapters/grpc/rpc.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
 import { chunkTransferService, HOST_ID_METADATA, peerHost } from './server.ts';
+import { storeHoldingS1 } from './migrate-testkit.ts';
 import { migrateFrom } from './migrate.ts';
 import type { MigrationStream } from '../../domain/vmm.ts';
 
@@ -59,12 +57,7 @@ beforeAll(async () => {
   const gen = generateSigningKey('k1');
   key = gen.signing;
   trust = gen.trusted;
-  const file = join(dir, 'mem.img');
-  writeFileSync(file, Buffer.alloc(1 << 20, 7));
-  const deps = { chunks: new FsChunkStore(join(dir, 'A')), manifests: new FsManifestStore(join(dir, 'A')), roots: new LiveRoots(), clock: systemClock };
-  const s1 = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: file }] }, deps);
-  await deps.manifests.put('s1', signManifest(s1.manifest, key));
-  s1.unpin();
+  const deps = await storeHoldingS1(dir, key);
   const svc = (migrate?: typeof fakeMigrate) => chunkTransferService({ chunks: deps.chunks, manifests: deps.manifests, trust, clock: { now: () => new Date() }, ...(migrate ? { migrate } : {}) }).registration;
   withMigrate = await startGrpcServer({ address: '127.0.0.1:0', services: [svc(fakeMigrate)] });
   without = await startGrpcServer({ address: '127.0.0.1:0', services: [svc()] });

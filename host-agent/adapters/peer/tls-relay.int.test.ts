@@ -5,20 +5,17 @@
 // reads (the driver's side is tested against real QEMU in adapters/qemu/driver.int.test.ts).
 import net from 'node:net';
 import { createHash, randomBytes } from 'node:crypto';
-import { existsSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { FsChunkStore, FsManifestStore } from '../chunkstore/fs-store.ts';
-import { ingestSnapshot } from '../chunkstore/ingest.ts';
-import { LiveRoots, systemClock } from '../../domain/snapshot-store.ts';
-import { generateSigningKey, signManifest, signTicket, type SigningKey, type TrustedKeys } from '../../domain/tickets.ts';
+import { generateSigningKey, signTicket, type SigningKey, type TrustedKeys } from '../../domain/tickets.ts';
 import type { MigrationStream } from '../../domain/vmm.ts';
-import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { startGrpcServer, type RunningGrpcServer } from '../../../services/adapters/grpc/server.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
 import { devPeerTls } from '../../../deploy/pki/pki.ts';
 import { chunkTransferService } from './server.ts';
 import { certificateHostId, peerServerCredentials, writeQemuTlsDir, type PeerTls } from './tls.ts';
+import { storeHoldingS1 } from './migrate-testkit.ts';
 import { migrateFrom, migrateOutThroughRelay, type MigrationRelaySettings } from './migrate.ts';
 import { findSocat, listenRelay } from './tls-relay.ts';
 
@@ -85,12 +82,7 @@ describe.skipIf(!socat)('TLS relays for migration streams', () => {
       tls[h] = devPeerTls(join(dir, 'pki'), h, '127.0.0.1');
       relays[h] = { socat: socat!, tlsDir: writeQemuTlsDir(join(dir, `tls-${h}`), tls[h]!), socketDir: join(dir, `relay-${h}`) };
     }
-    const file = join(dir, 'mem.img');
-    writeFileSync(file, Buffer.alloc(1 << 20, 7));
-    const deps = { chunks: new FsChunkStore(join(dir, 'A')), manifests: new FsManifestStore(join(dir, 'A')), roots: new LiveRoots(), clock: systemClock };
-    const s1 = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: file }] }, deps);
-    await deps.manifests.put('s1', signManifest(s1.manifest, key));
-    s1.unpin();
+    const deps = await storeHoldingS1(dir, key);
     // The source host as main.ts wires it: the caller is the host its certificate names.
     const migrate = (_id: string, target: { host: string; port: number; hostId: string }) => migrateOutThroughRelay(relays.src!, target, sendStream);
     const svc = chunkTransferService({ chunks: deps.chunks, manifests: deps.manifests, trust, clock: { now: () => new Date() }, migrate, callerHostId: certificateHostId });

@@ -137,8 +137,9 @@ export async function listenRelay(o: RelayOptions & { readonly bindHost: string;
   const port = new Promise<number>((r) => (onPort = r));
   const verified = new Promise<void>((r) => (onVerified = r));
   const listen = `OPENSSL-LISTEN:0,${b.pf},bind=${b.bind},range=${from.range},backlog=1,accept-timeout=${seconds(o.acceptTimeoutMs)},${tlsOptions(o, 'server')}`;
-  // Retried every 50 ms for as long as a peer may take to connect: QEMU listens once it has started.
-  const unix = `UNIX-CONNECT:${path},retry=${Math.ceil(o.acceptTimeoutMs / 50)},interval=0.05`;
+  // QEMU listens only once the load has started (after the source proved who it is): retried
+  // every 10 ms (a failed connect costs microseconds; the stream waits for the first success).
+  const unix = `UNIX-CONNECT:${path},retry=${Math.ceil(o.acceptTimeoutMs / 10)},interval=0.01`;
   const relay = start(o, [listen, unix], (line) => {
     const m = / listening on AF=\d+ .*:(\d+)\s*$/.exec(line);
     if (m) onPort(Number(m[1]));
