@@ -622,7 +622,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
-  it('recover_whenAgentDiedWithAnIncomingStandbyClaimedBeforeItsStream_reapsEveryQemuAndFile', async () => {
+  it('recover_whenAgentDiedWithIncomingQemusWaitingForTheirStreams_claimedStandbysOrStartedAtPrepare_reapsEveryQemuAndFile', async () => {
     const other = await mkdtemp(join(tmpdir(), 'ffr-'));
     try {
       const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger, standby: NO_REFILL });
@@ -633,12 +633,18 @@ describe('QemuVmmDriver (real QEMU)', () => {
       // One is claimed (its directory is the VM's now, with no vm.json until it is restored);
       // the agent dies before the stream comes.
       await previous.prepareIncoming(src, { vmId: 'inflight' });
+      // With the standbys taken, prepare starts a QEMU of its own, which also waits for its stream.
+      await previous.prepareIncoming(src, { vmId: 'inflight1' });
+      await previous.prepareIncoming(src, { vmId: 'inflight2' });
+      const started = Number((await readFile(join(other, 'vms', 'inflight2', 'qemu.0.pid'), 'utf8')).trim());
       previous.detach();
-      expect(pids.every(isAlive)).toBe(true);
+      expect([...pids, started].every(isAlive)).toBe(true);
 
       const next = new QemuVmmDriver({ root: other, accel: 'tcg', logger, standby: NO_REFILL });
-      expect(await next.recover('adopt')).toEqual({ adopted: [], reaped: ['inflight'] });
-      for (const pid of pids) expect(await goneWithin(pid, 2000)).toBe(true);
+      const report = await next.recover('adopt');
+      expect(report.adopted).toEqual([]);
+      expect([...report.reaped].sort()).toEqual(['inflight', 'inflight1', 'inflight2']);
+      for (const pid of [...pids, started]) expect(await goneWithin(pid, 2000)).toBe(true);
       expect(await allFiles(other)).toEqual([]);
     } finally {
       await rm(other, { recursive: true, force: true });

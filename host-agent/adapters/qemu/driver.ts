@@ -456,9 +456,9 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /** Spawn QEMU for `p` (generation p.gen) and connect QMP; registers the record. */
-  private async launch(p: VmPersisted, log: Logger, o: { incoming: boolean; extraFds?: number[] }): Promise<VmRecord> {
+  private async launch(p: VmPersisted, log: Logger, o: { incoming: boolean; fdPassing?: boolean }): Promise<VmRecord> {
     const l = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, o.incoming);
-    const { proc, qmp } = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), o.extraFds, p.network);
+    const { proc, qmp } = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), [], p.network, { fdPassing: o.fdPassing ?? false });
     return this.register(p, proc, qmp, log);
   }
 
@@ -1212,8 +1212,9 @@ export class QemuVmmDriver implements VmmDriver {
    * a snapshot this host does not hold. Prepared before the stream arrives: the workdir and
    * the disk (the snapshot's disk layer, which `src.writeDiskLayer` writes as the VM's own).
    * The QEMU is an incoming standby of the snapshot's configuration when one is ready (already
-   * started, waiting for a stream), else `load` starts one on the accepted connection
-   * (inherited, so the stream never passes through this process). Either way the stream
+   * started, waiting for a stream), else one started here, while the source gets its end
+   * ready. `load` hands it the accepted connection's descriptor (so the stream never passes
+   * through this process), or has it listen on a TLS relay's unix socket. Either way the stream
    * goes into a RAM pool file (ADR 0016; anonymous RAM without a pool), then the VM gets the
    * same clone hygiene as any restore.
    */
@@ -1259,6 +1260,10 @@ export class QemuVmmDriver implements VmmDriver {
         // disk, like a booted VM's): nothing the VM or its later snapshots stand on lives
         // outside the snapshot store once the VM is gone.
         await writeLayer(p.diskPath);
+        // Started now, while the source gets its end ready, rather than once it has connected
+        // (150-300 ms of QEMU start on this machine were on every such restore's critical path).
+        // It takes the stream's descriptor as a standby does (`getfd`), or listens on a relay's socket.
+        claimed = await this.launch(p, log, { incoming: true, fdPassing: true });
       }
     } catch (e) {
       // adoptStandby registers the VM before its last check; a standby not adopted yet is ours to end.
@@ -1268,6 +1273,7 @@ export class QemuVmmDriver implements VmmDriver {
       throw e;
     }
     const prepareMs = this.opts.clock.now() - t0;
+    const waiting = claimed;
     let used = false;
     return {
       vmId: c.vmId,
@@ -1277,35 +1283,22 @@ export class QemuVmmDriver implements VmmDriver {
         const t1 = this.opts.clock.now();
         const { phases: ph, mark } = phaseTimer();
         try {
-          let rec: VmRecord;
-          // A relay's stream: QEMU listens on the unix socket; the relay (peer/tls-relay.ts) connects.
+          // The QEMU that waits for the stream: a claimed standby, or the one started at prepare.
+          const rec = waiting;
           const viaUnix = conn instanceof net.Socket ? undefined : conn.unixPath;
-          if (!(conn instanceof net.Socket)) {
-            rec = claimed ?? (await this.launch(p, log, { incoming: true }));
-            if (!claimed) mark('launch');
-          } else if (claimed) {
-            rec = claimed;
+          if (conn instanceof net.Socket) {
             try {
               // QEMU gets its own copy of the connection's descriptor; ours closes.
               await rec.qmp.executeWithFd('getfd', { fdname: 'migration' }, conn);
             } finally {
               conn.destroy();
             }
-          } else {
-            const fd = (conn as unknown as { _handle?: { fd?: number } })._handle?.fd;
-            if (typeof fd !== 'number' || fd < 0) throw new VmmError('migration connection has no file descriptor');
-            try {
-              rec = await this.launch(p, log, { incoming: true, extraFds: [fd] });
-            } finally {
-              // QEMU holds its own copy now; destroy() closes ours without shutting the connection down.
-              conn.destroy();
-            }
-            mark('launch');
           }
           await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
           const qemuTls = viaUnix === undefined && this.opts.migrationTlsDir;
           if (qemuTls) await useMigrationTls(rec.qmp, this.opts.migrationTlsDir!, { endpoint: 'server' });
-          const uri = viaUnix !== undefined ? `unix:${viaUnix}` : claimed ? 'fd:migration' : 'fd:3';
+          // A relay's stream (peer/tls-relay.ts): QEMU listens on the unix socket and the relay connects.
+          const uri = viaUnix !== undefined ? `unix:${viaUnix}` : 'fd:migration';
           await untilAborted(incomingAndWait(rec.qmp, uri), sourceGone, 'the migration source failed before the stream was loaded');
           // The VM's own later migrations (its snapshots, to a local file) are plain: a
           // server-side tls-creds left set would make QEMU refuse them.
