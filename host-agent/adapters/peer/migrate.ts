@@ -140,8 +140,10 @@ async function migrateFromRelay<T>(o: MigrateFromOptions, r: NonNullable<Migrate
     // The relay ending before the source connected (in time, from its address, as the source
     // host) or with an error (the stream broke) ends the exchange. One that carried a whole
     // stream exits 0, maybe before QEMU has finished loading it or the source's call answered.
+    let loaded = false;
     void relay.exited.then((x) => {
-      if (x.peerVerified && x.code === 0) return;
+      // After the load, the stream is in: how the relay then ended changes nothing.
+      if (loaded || (x.peerVerified && x.code === 0)) return;
       const why = x.peerVerified
         ? new ForkfleetError('unavailable', `the migration stream's relay ended (exit ${x.code})`, { retryable: true })
         : new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect as host ${r.sourceHostId} within ${connectMs} ms`, { retryable: true });
@@ -152,9 +154,11 @@ async function migrateFromRelay<T>(o: MigrateFromOptions, r: NonNullable<Migrate
     o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
     const connected = new Promise<void>((resolve, reject) => {
       void relay.verified.then(resolve);
-      ac.signal.addEventListener('abort', () => reject(ac.signal.reason as Error), { once: true });
+      if (ac.signal.aborted) reject(ac.signal.reason as Error);
+      else ac.signal.addEventListener('abort', () => reject(ac.signal.reason as Error), { once: true });
     });
     const result = await connected.then(() => load({ unixPath }, sourceGone.signal));
+    loaded = true;
     const res = await call;
     return { result, bytes: Number(res.bytes), sourceMs: res.millis };
   } finally {

@@ -116,6 +116,17 @@ describe.skipIf(!socat)('TLS relays for migration streams', () => {
     expect(ourRelays()).toEqual([]);
   });
 
+  it('migrateFrom_throughRelays_whenTheCallerHasAlreadyGivenUp_failsAtOnce_andLoadNeverRuns', async () => {
+    let loaded = false;
+    const t0 = Date.now();
+    await expect(
+      migrateFrom({ sourceAddress: source.address, ticket: ticket('dst'), hostId: 'dst', listenHost: '127.0.0.1', tls: tls.dst, signal: AbortSignal.abort(new Error('preparation failed')), relay: { ...relays.dst!, sourceHostId: 'src' } }, async (s) => ((loaded = true), readStream(s))),
+    ).rejects.toThrow('preparation failed');
+    expect(loaded).toBe(false);
+    expect(Date.now() - t0).toBeLessThan(5_000);
+    expect(ourRelays()).toEqual([]);
+  });
+
   it('listenRelay_refusesAConnectionFromAnotherAddress_andKeepsListeningForTheSource', async () => {
     const unixPath = join(dir, 'range.sock');
     const relay = await listenRelay({ ...relays.dst!, unixPath, peerHostId: 'src', acceptTimeoutMs: 5_000, bindHost: '127.0.0.1', fromHost: '127.0.0.1' });
