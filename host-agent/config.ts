@@ -97,7 +97,9 @@ export interface AgentProcessConfig {
    *   on this TCG machine a 140 MB stream took ~1.9x as long as a plain one.
    * - on: relay when socat is installed, else qemu.
    * - off: plain text, for a peer network that is private or encrypted below (WireGuard).
-   * Set it alike on every host. Without peer TLS it changes nothing.
+   * relay and qemu speak the same TLS with the same certificates, so hosts can move from one to
+   * the other one at a time; off and the others cannot migrate to each other (such restores
+   * fetch the snapshot instead). Without peer TLS it changes nothing.
    */
   readonly peerMigrationTls: 'on' | 'relay' | 'qemu' | 'off';
   /**

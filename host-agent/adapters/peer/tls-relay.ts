@@ -13,7 +13,7 @@
 // agent (PR_SET_PDEATHSIG through setpriv); it also gives up on its own when its peer does not
 // come (accept-timeout) or the stream stalls (-T).
 import { spawn, execFileSync, type ChildProcess } from 'node:child_process';
-import { existsSync } from 'node:fs';
+import { existsSync, readFileSync, writeFileSync } from 'node:fs';
 import { isIP } from 'node:net';
 import { join } from 'node:path';
 import { PEER_CN_PREFIX } from './peer-identity.ts';
@@ -80,10 +80,33 @@ function tlsOptions(o: RelayOptions, role: 'server' | 'client'): string {
 
 const seconds = (ms: number): string => (Math.max(1, ms) / 1000).toFixed(3);
 
+// OpenSSL settings of the relays (OPENSSL_CONF). No TLS 1.3 session tickets: the server sends
+// them after the handshake, and a source QEMU with its own TLS (hosts still on
+// FF_PEER_MIGRATION_TLS=qemu) never reads its socket while it streams, so they sat unread and
+// its connection was reset at the end (the driver test of mixed ends showed it). Nothing here
+// resumes sessions: each relay makes one connection.
+const OPENSSL_CNF = `openssl_conf = forkfleet_relay
+[forkfleet_relay]
+ssl_conf = ssl_sect
+[ssl_sect]
+system_default = system_default_sect
+[system_default_sect]
+MinProtocol = TLSv1.2
+NumTickets = 0
+`;
+
+/** The relays' OpenSSL configuration, written next to the certificates once. */
+function opensslConf(tlsDir: string): string {
+  const path = join(tlsDir, 'relay-openssl.cnf');
+  if (!existsSync(path) || readFileSync(path, 'utf8') !== OPENSSL_CNF) writeFileSync(path, OPENSSL_CNF, { mode: 0o600 });
+  return path;
+}
+
 function start(o: RelayOptions, addresses: [string, string], onLine: (line: string) => void): Relay {
   const args = ['-d', '-d', '-b', '262144', '-T', seconds(o.idleTimeoutMs ?? 60_000), ...addresses];
   const [cmd, argv] = canSetPdeathsig() ? ['setpriv', ['--pdeathsig', 'KILL', '--', o.socat, ...args]] : [o.socat, args];
-  const child: ChildProcess = spawn(cmd, argv, { stdio: ['ignore', 'ignore', 'pipe'] });
+  const env = { ...process.env, OPENSSL_CONF: opensslConf(o.tlsDir) };
+  const child: ChildProcess = spawn(cmd, argv, { stdio: ['ignore', 'ignore', 'pipe'], env });
   if (child.pid === undefined) throw new Error(`TLS relay: could not start ${o.socat}`);
   let log = '';
   let peerVerified = false;

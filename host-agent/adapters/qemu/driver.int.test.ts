@@ -455,7 +455,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
-  it.skipIf(!findSocat())('migrate_throughTlsRelays_qemuStreamsPlainTextToUnixSocketsAndTheRelaysCarryItOverTls_restoresTheVm', async () => {
+  it.skipIf(!findSocat())('migrate_throughTlsRelays_qemuStreamsPlainTextToUnixSocketsAndTheRelaysCarryItOverTls_restoresTheVm_andEitherEndMayBeQemusOwnTls', async () => {
     // As two agents with FF_PEER_MIGRATION_TLS=relay: each QEMU speaks to a unix socket on its
     // own host, two socat relays carry the stream over mutual TLS and check each other's host.
     const pki = join(root, 'relay-pki');
@@ -477,6 +477,36 @@ describe('QemuVmmDriver (real QEMU)', () => {
       expect(await sh('r0', 'cat /data/marker; hostname', dest)).toBe('disk-before-snapshot\nr0');
       expect((await inbound.exited).code).toBe(0);
       await dest.destroy('r0');
+
+      // Mixed ends, as while a fleet moves host by host from QEMU's TLS (=qemu) to relays: the
+      // wire is TLS with the same certificates either way.
+      // 1. A relay source to a destination whose QEMU reads the connection with its own TLS.
+      const server = net.createServer({ pauseOnConnect: true });
+      await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+      try {
+        const accepted = new Promise<net.Socket>((r) => server.once('connection', r));
+        const toQemuTls = await dest.prepareIncoming(layer, { vmId: 'r1', hostname: 'r1' });
+        const [, vm1] = await Promise.all([
+          migrateOutThroughRelay(rs, { host: '127.0.0.1', port: (server.address() as net.AddressInfo).port, hostId: 'rdst' }, (to) => src.migrateOut(snap, to)),
+          accepted.then((c) => toQemuTls.load(c)),
+        ]);
+        expect(vm1).toMatchObject({ state: 'running', hostname: 'r1' });
+      } finally {
+        server.close();
+      }
+      await dest.destroy('r1');
+      // 2. A source QEMU with its own TLS to a destination relay.
+      const unixPath2 = join(root, 'relay-in2.sock');
+      const inbound2 = await listenRelay({ ...rd, unixPath: unixPath2, peerHostId: 'rsrc', acceptTimeoutMs: 20_000, bindHost: '127.0.0.1', fromHost: '127.0.0.1' });
+      try {
+        const fromQemuTls = await dest.prepareIncoming(layer, { vmId: 'r2', hostname: 'r2' });
+        const [, vm2] = await Promise.all([src.migrateOut(snap, { host: '127.0.0.1', port: inbound2.port }), inbound2.verified.then(() => fromQemuTls.load({ unixPath: unixPath2 }))]);
+        expect(vm2).toMatchObject({ state: 'running', hostname: 'r2' });
+        expect(await sh('r2', 'hostname', dest)).toBe('r2');
+      } finally {
+        await inbound2.stop();
+      }
+      await dest.destroy('r2');
       expect(await readdir(join(root, 'relay-dst', 'vms'))).toEqual([]);
       expect(await readdir(rs.socketDir)).toEqual([]);
     } finally {
