@@ -59,6 +59,8 @@ async function main(): Promise<void> {
   const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}), ...(guestCgroup ? { guestCgroup } : {}),
     // Migration streams to and from other hosts (ADR 0015) speak the same mutual TLS as the peer service.
     ...(migrationTlsDir ? { migrationTlsDir } : {}),
+    // Through relays, a migration source QEMU needs no network: it gets a namespace of its own.
+    ...(relay ? { migrationViaUnix: true } : {}),
     // accel auto proves KVM by booting a guest: the tiny image (built once, cached by recipe hash).
     ...(cfg.accel === 'auto' ? { probeImage: await ensureImage('tiny') } : {}) });
   const recovered = await driver.recover('adopt');

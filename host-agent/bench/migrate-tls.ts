@@ -37,8 +37,8 @@ const logger = pino({ level: 'warn' });
 const root = await mkdtemp(join(tmpdir(), 'ff-migrate-tls-'));
 const NO_STANDBY = { perSnapshot: 0 };
 const drivers: QemuVmmDriver[] = [];
-const newDriver = (name: string, tlsDir?: string): QemuVmmDriver => {
-  const d = new QemuVmmDriver({ root: join(root, name), accel, logger, standby: NO_STANDBY, ...(tlsDir ? { migrationTlsDir: tlsDir } : {}) });
+const newDriver = (name: string, tlsDir?: string, viaUnix = false): QemuVmmDriver => {
+  const d = new QemuVmmDriver({ root: join(root, name), accel, logger, standby: NO_STANDBY, ...(tlsDir ? { migrationTlsDir: tlsDir } : {}), ...(viaUnix ? { migrationViaUnix: true } : {}) });
   drivers.push(d);
   return d;
 };
@@ -68,7 +68,7 @@ try {
   const qemuSrc = newDriver('qemu-src', tlsA);
   const qemuDst = newDriver('qemu-dst', tlsB);
   const socat = findSocat();
-  const relaySrc = newDriver('relay-src', tlsA);
+  const relaySrc = newDriver('relay-src', tlsA, true);
   const relayDst = newDriver('relay-dst', tlsB);
   const layer = { manifest: snap.manifest, image, diskLayerBacking: image.disk, writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };
 

@@ -20,6 +20,7 @@ import { cmdlineOf, isAlive, killHard } from './process.ts';
 import { devPeerTls } from '../../../deploy/pki/pki.ts';
 import { writeQemuTlsDir } from '../peer/tls.ts';
 import { findSocat, listenRelay } from '../peer/tls-relay.ts';
+import { netnsOf } from '../netns/netns.ts';
 import { migrateOutThroughRelay } from '../peer/migrate.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
@@ -455,14 +456,17 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
-  it.skipIf(!findSocat())('migrate_throughTlsRelays_qemuStreamsPlainTextToUnixSocketsAndTheRelaysCarryItOverTls_restoresTheVm_andEitherEndMayBeQemusOwnTls', async () => {
+  it.skipIf(!findSocat())('migrate_throughTlsRelays_qemuStreamsPlainTextToUnixSocketsFromItsOwnNetnsAndTheRelaysCarryItOverTls_restoresTheVm_andEitherEndMayBeQemusOwnTls', async () => {
     // As two agents with FF_PEER_MIGRATION_TLS=relay: each QEMU speaks to a unix socket on its
     // own host, two socat relays carry the stream over mutual TLS and check each other's host.
     const pki = join(root, 'relay-pki');
     const relayOf = (name: string) => ({ socat: findSocat()!, tlsDir: writeQemuTlsDir(join(pki, `qemu-${name}`), devPeerTls(pki, name, '127.0.0.1')), socketDir: join(root, `relay-${name}`) });
     const [rs, rd] = [relayOf('rsrc'), relayOf('rdst')];
-    const src = new QemuVmmDriver({ root: join(root, 'relay-src'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: rs.tlsDir });
+    // As main.ts sets it up with relays: the source QEMU runs in a network namespace of its own.
+    // It keeps one source QEMU ready after a stream (perSnapshot 1), checked below.
+    const src = new QemuVmmDriver({ root: join(root, 'relay-src'), accel: 'tcg', logger, standby: { perSnapshot: 1 }, migrationTlsDir: rs.tlsDir, migrationViaUnix: true });
     const dest = new QemuVmmDriver({ root: join(root, 'relay-dst'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: rd.tlsDir });
+    const srcQemuTls = new QemuVmmDriver({ root: join(root, 'relay-src-qemu-tls'), accel: 'tcg', logger, standby: NO_REFILL, migrationTlsDir: rs.tlsDir });
     const layer = { manifest: snap.manifest, image, diskLayerBacking: image.disk, writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };
     const unixPath = join(root, 'relay-in.sock');
     const inbound = await listenRelay({ ...rd, unixPath, peerHostId: 'rsrc', acceptTimeoutMs: 20_000, bindHost: '127.0.0.1', fromHost: '127.0.0.1' });
@@ -477,6 +481,16 @@ describe('QemuVmmDriver (real QEMU)', () => {
       expect(await sh('r0', 'cat /data/marker; hostname', dest)).toBe('disk-before-snapshot\nr0');
       expect((await inbound.exited).code).toBe(0);
       await dest.destroy('r0');
+      // The source QEMU made ready for the next stream runs in a network namespace of its own.
+      const sources = join(root, 'relay-src', 'standby');
+      let sourcePid = 0;
+      await waitFor('a ready migration source', async () => {
+        const d = (await readdir(sources)).find((x) => x.startsWith('source-'));
+        sourcePid = d ? Number((await readFile(join(sources, d, 'qemu.0.pid'), 'utf8').catch(() => '')).trim()) : 0;
+        return sourcePid > 0 && isAlive(sourcePid);
+      }, 30_000);
+      expect(await netnsOf(sourcePid)).toBeDefined();
+      expect(await netnsOf(sourcePid)).not.toBe(await netnsOf('self'));
 
       // Mixed ends, as while a fleet moves host by host from QEMU's TLS (=qemu) to relays: the
       // wire is TLS with the same certificates either way.
@@ -500,7 +514,9 @@ describe('QemuVmmDriver (real QEMU)', () => {
       const inbound2 = await listenRelay({ ...rd, unixPath: unixPath2, peerHostId: 'rsrc', acceptTimeoutMs: 20_000, bindHost: '127.0.0.1', fromHost: '127.0.0.1' });
       try {
         const fromQemuTls = await dest.prepareIncoming(layer, { vmId: 'r2', hostname: 'r2' });
-        const [, vm2] = await Promise.all([src.migrateOut(snap, { host: '127.0.0.1', port: inbound2.port }), inbound2.verified.then(() => fromQemuTls.load({ unixPath: unixPath2 }))]);
+        // Such a source has no network of its own to reach a TCP target from.
+        await expect(src.migrateOut(snap, { host: '127.0.0.1', port: inbound2.port })).rejects.toThrow('stream to a unix socket');
+        const [, vm2] = await Promise.all([srcQemuTls.migrateOut(snap, { host: '127.0.0.1', port: inbound2.port }), inbound2.verified.then(() => fromQemuTls.load({ unixPath: unixPath2 }))]);
         expect(vm2).toMatchObject({ state: 'running', hostname: 'r2' });
         expect(await sh('r2', 'hostname', dest)).toBe('r2');
       } finally {
@@ -512,6 +528,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
     } finally {
       await inbound.stop();
       await src.close();
+      await srcQemuTls.close();
       await dest.close();
     }
   });

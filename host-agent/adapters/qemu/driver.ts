@@ -136,6 +136,13 @@ export interface QemuDriverOptions {
    * the source's. Both ends must have it, or neither. Absent: plain text.
    */
   migrationTlsDir?: string;
+  /**
+   * Every migration stream this host sends goes to a unix socket here (TLS relays,
+   * peer/tls-relay.ts): migration sources (migrateOut) then run in an empty network namespace of
+   * their own, like every other QEMU, instead of the agent's, and a TCP target is refused.
+   * A source QEMU loads a snapshot's device state; it need not reach the peer network to stream it.
+   */
+  migrationViaUnix?: boolean;
 }
 
 /** The QOM id of the TLS credentials a migration stream uses (QemuDriverOptions.migrationTlsDir). */
@@ -243,8 +250,8 @@ function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => vo
 const PROBE_VM_PREFIX = 'kvmprobe-';
 
 export class QemuVmmDriver implements VmmDriver {
-  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir'>> &
-    Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir'>;
+  private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir' | 'migrationViaUnix'>> &
+    Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir' | 'migrationViaUnix'>;
   private egressManager: EgressManager | undefined;
   private readonly vms = new Map<string, VmRecord>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
@@ -277,7 +284,7 @@ export class QemuVmmDriver implements VmmDriver {
     // QEMU start; within the same host-wide cap as fork standbys.
     this.sources = new StandbyPool(
       { ...policy, max: Math.min(policy.max, MIGRATION_SOURCES_MAX), perSnapshot: Math.min(policy.perSnapshot, 1) },
-      (s) => this.launchStandby(s, { hostNetwork: true }),
+      (s) => this.launchStandby(s, { source: true }),
       (s) => this.discardStandby(s),
       this.opts.logger,
       this.opts.clock,
@@ -1013,7 +1020,7 @@ export class QemuVmmDriver implements VmmDriver {
    * guest stays paused. The device state goes in as an inherited fd (`migrate-incoming fd:3`):
    * QEMU reads the file itself, with no `exec:` fork and no stream through this event loop (ADR 0009).
    */
-  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void, niceness = 0, o: { hostNetwork?: boolean } = {}): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void, niceness = 0, o: { source?: boolean } = {}): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
     const m = snapshot.manifest;
     await this.overlays.create(join(snapshot.dir, m.files.disk), p.diskPath, m.diskVirtualSize);
     mark('overlay');
@@ -1021,8 +1028,9 @@ export class QemuVmmDriver implements VmmDriver {
     let started: { proc: QemuProcess; qmp: QmpClient };
     try {
       const spec = this.launchSpec(p, p.gen, p.memPath, p.memShared, p.diskPath, true);
-      // hostNetwork: a migration source (migrateOut), which never runs the guest.
-      const l = { ...spec, niceness, ...(o.hostNetwork ? { netns: undefined, startPaused: true } : {}) };
+      // A migration source (migrateOut) never runs the guest. It streams from the agent's network
+      // namespace, or from its own when every stream goes to a unix socket (migrationViaUnix).
+      const l = { ...spec, niceness, ...(o.source ? { startPaused: true, ...(this.opts.migrationViaUnix ? {} : { netns: undefined }) } : {}) };
       started = await this.spawnAndConnect(l, join(p.info.workdir, `qemu.${p.gen}.log`), [state.fd], p.network);
     } finally {
       await state.close();
@@ -1042,8 +1050,8 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /** A standby (standby.ts): a clone's QEMU with the snapshot's device state loaded, paused, owned by no VM yet. */
-  private async launchStandby(snapshot: LocalSnapshot, o: { hostNetwork?: boolean } = {}): Promise<Standby> {
-    const id = `${o.hostNetwork ? 'source' : 'standby'}-${randomBytes(6).toString('hex')}`;
+  private async launchStandby(snapshot: LocalSnapshot, o: { source?: boolean } = {}): Promise<Standby> {
+    const id = `${o.source ? 'source' : 'standby'}-${randomBytes(6).toString('hex')}`;
     const workdir = join(this.standbyDir, id);
     await mkdir(workdir, { recursive: true });
     try {
@@ -1177,13 +1185,15 @@ export class QemuVmmDriver implements VmmDriver {
    * snapshot's memory image mapped and its device state loaded, the guest never runs, and it
    * migrates everything (all of RAM, the device state) to the destination's listener at
    * `target`, then exits. It runs in the agent's network namespace, because it must reach the
-   * other host; the guest's vCPUs never start in it. The snapshot's files are only read.
+   * other host, or with migrationViaUnix (a TLS relay carries the stream) in one of its own;
+   * the guest's vCPUs never start in it. The snapshot's files are only read.
    */
   async migrateOut(snapshot: LocalSnapshot, target: MigrationTarget): Promise<MigrateOutReport> {
     const t0 = performance.now();
+    if ('host' in target && this.opts.migrationViaUnix) throw new VmmError('migration sources have no network here (migrationViaUnix): stream to a unix socket');
     await this.assertCompatible(snapshot);
     const ready = await this.sources.claim(snapshot.manifest.snapshotId);
-    const s = ready ?? (await this.launchStandby(snapshot, { hostNetwork: true }));
+    const s = ready ?? (await this.launchStandby(snapshot, { source: true }));
     try {
       // Started as background work (nice 19); its stream is on a restore's critical path.
       await reniceProcess(s.proc.pid, 0);
