@@ -238,7 +238,10 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       const t0 = Date.now();
       const kinds = timedKind(name);
       d.phaseSink = (kind, p) => {
-        if (kinds.includes(kind)) rec.phases.set(name, [...(rec.phases.get(name) ?? []), p]);
+        if (!kinds.includes(kind)) return;
+        const list = rec.phases.get(name);
+        if (list) list.push(p);
+        else rec.phases.set(name, [p]);
       };
       try {
         for (let i = 0; i < samples; i++) {

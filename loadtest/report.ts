@@ -30,7 +30,7 @@ export interface RunResult {
 const MIB = 1024 * 1024;
 
 /** The phases table: a row per scenario with a breakdown. */
-export function phaseRows(phases: Record<string, PhaseSummary>): string[] {
+function phaseRows(phases: Record<string, PhaseSummary>): string[] {
   return Object.entries(phases).map(
     ([name, p]) => `| ${name} | ${p.n} | ${p.op_ms} | ${p.to_first_step_ms} | ${p.host_step_ms} | ${p.step_overhead_ms} | ${p.exec_after_op_ms} | ${(p.bytes_moved / MIB).toFixed(1)} | ${p.migrated_samples} |`,
   );

@@ -63,12 +63,63 @@ export const DEFAULT_MIGRATE_CONNECT_MS = 20_000;
 /**
  * Asks the source to migrate the ticket's snapshot to a one-shot listener here and hands the
  * connection, unread, to `load`. Only a connection from the source's address is taken; the
- * listener closes at the first one. Fails (and `load` never runs) when the source refuses
- * or fails before it connects. `load`'s `sourceGone` aborts when the source reports that its
- * end failed after it connected (so the load need not wait for a stream that will not come).
+ * listener closes at the first one. With `o.relay` a TLS relay listens instead, and `load`
+ * gets the unix socket it relays to once the source has also proved which host it is.
+ * Fails (and `load` never runs) when the source refuses or fails before it connects.
+ * `load`'s `sourceGone` aborts when the source reports that its end failed after it connected
+ * (so the load need not wait for a stream that will not come).
  */
 export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: MigrationStream, sourceGone: AbortSignal) => Promise<T>): Promise<MigrateFromReport<T>> {
-  if (o.relay) return migrateFromRelay(o, o.relay, load);
+  const connectMs = o.connectTimeoutMs ?? DEFAULT_MIGRATE_CONNECT_MS;
+  const inbound = o.relay ? await relayOnce(o, o.relay, connectMs) : await listenOnce(o, connectMs);
+  const ac = new AbortController();
+  const peer = peerChannel(o.tls, o.sourceAddress);
+  const client = createClient(ChunkTransferService, o.sourceAddress, peer.credentials, peer.options);
+  try {
+    const call = client.migrateSnapshot({ ticket: o.ticket, port: inbound.port }, { timeoutMs: o.timeoutMs ?? 120_000, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
+    // The source failing before it connects, the inbound end giving up, or the caller giving
+    // up, ends the wait for its connection; failing after, the load's wait for its stream.
+    // Once the stream is loaded, nothing of theirs matters.
+    const sourceGone = new AbortController();
+    let loaded = false;
+    const fail = (e: unknown): void => {
+      if (loaded) return;
+      ac.abort(e);
+      sourceGone.abort(e);
+    };
+    call.catch(fail);
+    void inbound.failed.then(fail);
+    if (o.signal?.aborted) ac.abort(o.signal.reason);
+    o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
+    const arrived = new Promise<MigrationStream>((resolve, reject) => {
+      void inbound.arrived.then(resolve);
+      if (ac.signal.aborted) reject(ac.signal.reason as Error);
+      else ac.signal.addEventListener('abort', () => reject(ac.signal.reason as Error), { once: true });
+    });
+    const result = await arrived.then((conn) => load(conn, sourceGone.signal));
+    loaded = true;
+    const res = await call;
+    return { result, bytes: Number(res.bytes), sourceMs: res.millis };
+  } finally {
+    ac.abort(new Error('migration finished'));
+    client.close();
+    await inbound.close();
+  }
+}
+
+/** Where a source's stream comes in (migrateFrom). */
+interface Inbound {
+  /** What MigrateSnapshot asks the source to connect to. */
+  readonly port: number;
+  /** The stream, once the source has connected (and, through a relay, proved who it is). */
+  readonly arrived: Promise<MigrationStream>;
+  /** Resolves with why, if this end gives up on its own before the stream is loaded. */
+  readonly failed: Promise<Error>;
+  close(): Promise<void>;
+}
+
+/** A one-shot listener that hands the source's connection on, unread (QEMU reads it itself). */
+async function listenOnce(o: MigrateFromOptions, connectMs: number): Promise<Inbound> {
   const sourceHost = plainAddress(hostOfAddress(o.sourceAddress));
   const server = net.createServer({ pauseOnConnect: true });
   await new Promise<void>((resolve, reject) => {
@@ -78,95 +129,58 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: Migrati
       resolve();
     });
   });
-  const ac = new AbortController();
-  const peer = peerChannel(o.tls, o.sourceAddress);
-  const client = createClient(ChunkTransferService, o.sourceAddress, peer.credentials, peer.options);
-  try {
-    const accepted = new Promise<net.Socket>((resolve, reject) => {
-      server.on('connection', (c) => {
-        if (!c.remoteAddress || plainAddress(c.remoteAddress) !== sourceHost) {
-          c.destroy();
-          return;
-        }
-        server.close();
-        resolve(c);
-      });
-      ac.signal.addEventListener('abort', () => reject(ac.signal.reason as Error), { once: true });
+  let noConnect: NodeJS.Timeout | undefined;
+  const failed = new Promise<Error>((resolve) => {
+    noConnect = setTimeout(() => resolve(new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect within ${connectMs} ms`, { retryable: true })), connectMs);
+  });
+  const arrived = new Promise<net.Socket>((resolve) => {
+    server.on('connection', (c) => {
+      if (!c.remoteAddress || plainAddress(c.remoteAddress) !== sourceHost) {
+        c.destroy();
+        return;
+      }
+      clearTimeout(noConnect);
+      server.close();
+      resolve(c);
     });
-    const port = (server.address() as net.AddressInfo).port;
-    const call = client.migrateSnapshot({ ticket: o.ticket, port }, { timeoutMs: o.timeoutMs ?? 120_000, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
-    // The source failing before it connects, or the caller giving up, ends the wait for its
-    // connection; failing after, the load's wait for its stream.
-    const sourceGone = new AbortController();
-    call.catch((e: unknown) => {
-      ac.abort(e);
-      sourceGone.abort(e);
-    });
-    if (o.signal?.aborted) ac.abort(o.signal.reason);
-    o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
-    const connectMs = o.connectTimeoutMs ?? DEFAULT_MIGRATE_CONNECT_MS;
-    const noConnect = setTimeout(() => ac.abort(new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect within ${connectMs} ms`, { retryable: true })), connectMs);
-    void accepted.then(() => clearTimeout(noConnect), () => clearTimeout(noConnect));
-    const result = await accepted.then((conn) => load(conn, sourceGone.signal));
-    const res = await call;
-    return { result, bytes: Number(res.bytes), sourceMs: res.millis };
-  } finally {
-    ac.abort(new Error('migration finished'));
-    server.close();
-    client.close();
-  }
+  });
+  return {
+    port: (server.address() as net.AddressInfo).port,
+    arrived,
+    failed,
+    close: async () => {
+      clearTimeout(noConnect);
+      server.close();
+    },
+  };
 }
 
 /**
- * migrateFrom through a TLS relay (tls-relay.ts): the relay listens instead of this process,
- * and `load` starts once the source has connected from its address and proved it is the
- * source host, as it starts on an accepted connection without a relay.
+ * A TLS relay (tls-relay.ts) listening for the source; the stream arrives on a new unix socket
+ * under `r.socketDir`, which QEMU listens on and the relay connects to.
  */
-async function migrateFromRelay<T>(o: MigrateFromOptions, r: NonNullable<MigrateFromOptions['relay']>, load: (conn: MigrationStream, sourceGone: AbortSignal) => Promise<T>): Promise<MigrateFromReport<T>> {
-  const connectMs = o.connectTimeoutMs ?? DEFAULT_MIGRATE_CONNECT_MS;
+async function relayOnce(o: MigrateFromOptions, r: NonNullable<MigrateFromOptions['relay']>, connectMs: number): Promise<Inbound> {
   const unixPath = join(r.socketDir, `in-${randomBytes(6).toString('hex')}.sock`);
   await mkdir(r.socketDir, { recursive: true, mode: 0o700 });
   const relay = await listenRelay({ socat: r.socat, tlsDir: r.tlsDir, unixPath, peerHostId: r.sourceHostId, acceptTimeoutMs: connectMs, bindHost: o.listenHost, fromHost: plainAddress(hostOfAddress(o.sourceAddress)) });
-  const ac = new AbortController();
-  const peer = peerChannel(o.tls, o.sourceAddress);
-  const client = createClient(ChunkTransferService, o.sourceAddress, peer.credentials, peer.options);
-  try {
-    const call = client.migrateSnapshot({ ticket: o.ticket, port: relay.port }, { timeoutMs: o.timeoutMs ?? 120_000, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
-    const sourceGone = new AbortController();
-    call.catch((e: unknown) => {
-      ac.abort(e);
-      sourceGone.abort(e);
-    });
-    // The relay ending before the source connected (in time, from its address, as the source
-    // host) or with an error (the stream broke) ends the exchange. One that carried a whole
-    // stream exits 0, maybe before QEMU has finished loading it or the source's call answered.
-    let loaded = false;
-    void relay.exited.then((x) => {
-      // After the load, the stream is in: how the relay then ended changes nothing.
-      if (loaded || (x.peerVerified && x.code === 0)) return;
-      const why = x.peerVerified
-        ? new ForkfleetError('unavailable', `the migration stream's relay ended (exit ${x.code})`, { retryable: true })
-        : new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect as host ${r.sourceHostId} within ${connectMs} ms`, { retryable: true });
-      ac.abort(why);
-      sourceGone.abort(why);
-    });
-    if (o.signal?.aborted) ac.abort(o.signal.reason);
-    o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
-    const connected = new Promise<void>((resolve, reject) => {
-      void relay.verified.then(resolve);
-      if (ac.signal.aborted) reject(ac.signal.reason as Error);
-      else ac.signal.addEventListener('abort', () => reject(ac.signal.reason as Error), { once: true });
-    });
-    const result = await connected.then(() => load({ unixPath }, sourceGone.signal));
-    loaded = true;
-    const res = await call;
-    return { result, bytes: Number(res.bytes), sourceMs: res.millis };
-  } finally {
-    ac.abort(new Error('migration finished'));
-    client.close();
-    await relay.stop();
-    await rm(unixPath, { force: true });
-  }
+  return {
+    port: relay.port,
+    arrived: relay.verified.then(() => ({ unixPath })),
+    // Ending before the source connected (in time, from its address, as the source host), or
+    // with an error (the stream broke). One that carried a whole stream exits 0, maybe before
+    // QEMU has finished loading it or the source's call answered: that is no failure.
+    failed: relay.exited.then((x) =>
+      x.peerVerified && x.code === 0
+        ? new Promise<Error>(() => undefined)
+        : x.peerVerified
+          ? new ForkfleetError('unavailable', `the migration stream's relay ended (exit ${x.code})`, { retryable: true })
+          : new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect as host ${r.sourceHostId} within ${connectMs} ms`, { retryable: true }),
+    ),
+    close: async () => {
+      await relay.stop();
+      await rm(unixPath, { force: true });
+    },
+  };
 }
 
 /** A host's TLS relay settings for migration streams (ChunkStoreShipper's migrationRelay). */

@@ -12,34 +12,27 @@
 // Each relay carries one stream, then exits. A relay is our child process and dies with the
 // agent (PR_SET_PDEATHSIG through setpriv); it also gives up on its own when its peer does not
 // come (accept-timeout) or the stream stalls (-T).
-import { spawn, execFileSync, type ChildProcess } from 'node:child_process';
-import { existsSync, readFileSync, writeFileSync } from 'node:fs';
+import { spawn, type ChildProcess } from 'node:child_process';
+import { existsSync, writeFileSync } from 'node:fs';
 import { isIP } from 'node:net';
 import { join } from 'node:path';
 import { PEER_CN_PREFIX } from './peer-identity.ts';
 
-/** socat's path, or undefined when it is not installed (streams then use QEMU's TLS). */
-export function findSocat(): string | undefined {
+/** `name`'s path on PATH, or undefined. */
+function onPath(name: string): string | undefined {
   for (const dir of (process.env.PATH ?? '/usr/bin:/bin').split(':')) {
-    const p = join(dir || '.', 'socat');
-    if (dir && existsSync(p)) return p;
+    if (dir && existsSync(join(dir, name))) return join(dir, name);
   }
   return undefined;
 }
 
-/** Whether `setpriv` can tie a child's life to ours (util-linux; Debian has it in every install). */
-let pdeathsig: boolean | undefined;
-function canSetPdeathsig(): boolean {
-  if (pdeathsig === undefined) {
-    try {
-      execFileSync('setpriv', ['--pdeathsig', 'KILL', '--', 'true'], { stdio: 'ignore' });
-      pdeathsig = true;
-    } catch {
-      pdeathsig = false;
-    }
-  }
-  return pdeathsig;
+/** socat's path, or undefined when it is not installed (streams then use QEMU's TLS). */
+export function findSocat(): string | undefined {
+  return onPath('socat');
 }
+
+/** `setpriv` (util-linux; every Debian install has it, with --pdeathsig since 2.33) ties a child's life to ours. */
+const SETPRIV = onPath('setpriv');
 
 export interface RelayOptions {
   /** socat's path (findSocat). */
@@ -95,16 +88,21 @@ MinProtocol = TLSv1.2
 NumTickets = 0
 `;
 
-/** The relays' OpenSSL configuration, written next to the certificates once. */
+const confWritten = new Set<string>();
+
+/** The relays' OpenSSL configuration, written next to the certificates once per process. */
 function opensslConf(tlsDir: string): string {
   const path = join(tlsDir, 'relay-openssl.cnf');
-  if (!existsSync(path) || readFileSync(path, 'utf8') !== OPENSSL_CNF) writeFileSync(path, OPENSSL_CNF, { mode: 0o600 });
+  if (!confWritten.has(path)) {
+    writeFileSync(path, OPENSSL_CNF, { mode: 0o600 });
+    confWritten.add(path);
+  }
   return path;
 }
 
 function start(o: RelayOptions, addresses: [string, string], onLine: (line: string) => void): Relay {
   const args = ['-d', '-d', '-b', '262144', '-T', seconds(o.idleTimeoutMs ?? 60_000), ...addresses];
-  const [cmd, argv] = canSetPdeathsig() ? ['setpriv', ['--pdeathsig', 'KILL', '--', o.socat, ...args]] : [o.socat, args];
+  const [cmd, argv] = SETPRIV ? [SETPRIV, ['--pdeathsig', 'KILL', '--', o.socat, ...args]] : [o.socat, args];
   const env = { ...process.env, OPENSSL_CONF: opensslConf(o.tlsDir) };
   const child: ChildProcess = spawn(cmd, argv, { stdio: ['ignore', 'ignore', 'pipe'], env });
   if (child.pid === undefined) throw new Error(`TLS relay: could not start ${o.socat}`);

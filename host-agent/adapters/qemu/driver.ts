@@ -1295,7 +1295,7 @@ export class QemuVmmDriver implements VmmDriver {
         try {
           // The QEMU that waits for the stream: a claimed standby, or the one started at prepare.
           const rec = waiting;
-          const viaUnix = conn instanceof net.Socket ? undefined : conn.unixPath;
+          const socket = conn instanceof net.Socket;
           if (conn instanceof net.Socket) {
             try {
               // QEMU gets its own copy of the connection's descriptor; ours closes.
@@ -1305,10 +1305,11 @@ export class QemuVmmDriver implements VmmDriver {
             }
           }
           await setCaps(rec.qmp, { events: true, 'x-ignore-shared': false });
-          const qemuTls = viaUnix === undefined && this.opts.migrationTlsDir;
-          if (qemuTls) await useMigrationTls(rec.qmp, this.opts.migrationTlsDir!, { endpoint: 'server' });
-          // A relay's stream (peer/tls-relay.ts): QEMU listens on the unix socket and the relay connects.
-          const uri = viaUnix !== undefined ? `unix:${viaUnix}` : 'fd:migration';
+          // QEMU's own TLS only on a connection; a relay's stream (peer/tls-relay.ts) comes in
+          // plain on a unix socket QEMU listens on, and the relay connects.
+          const qemuTls = socket ? this.opts.migrationTlsDir : undefined;
+          if (qemuTls) await useMigrationTls(rec.qmp, qemuTls, { endpoint: 'server' });
+          const uri = conn instanceof net.Socket ? 'fd:migration' : `unix:${conn.unixPath}`;
           await untilAborted(incomingAndWait(rec.qmp, uri), sourceGone, 'the migration source failed before the stream was loaded');
           // The VM's own later migrations (its snapshots, to a local file) are plain: a
           // server-side tls-creds left set would make QEMU refuse them.
