@@ -257,6 +257,23 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
+  it('forkOfASnapshot_whoseInheritedHooksMakeItsChildrenOverflowOneTransaction_failsNamingCount_andBooksNothing', async () => {
+    // The API sees the fork's own labels only; the children also inherit the source's hooks.
+    const hooks = [0, 1].map(() => ({ argv: ['/bin/sh', '-c', `echo ${'x'.repeat(3900)}`] }));
+    const src = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 128n, vcpus: 1 }, lifecycle: { afterResume: hooks } }));
+    const srcId = src.result.case === 'sandbox' ? src.result.value.id : '';
+    const snap = await ok(api, await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: srcId }));
+    const snId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+    const labels = Object.fromEntries(Array.from({ length: 14 }, (_, i) => [`k${i}`, 'v'.repeat(250)]));
+    const fork = await wait(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 100, labels, placement: { spread: Spread.SPREAD } }));
+    expect(OperationState[fork.state]).toBe('FAILED');
+    expect(fork.error?.message).toMatch(/^count: this placement writes ~\d+ bytes/);
+    // The same fork with fewer children fits.
+    const small = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 2, labels }));
+    for (const id of [srcId, ...(small.result.case === 'fork' ? small.result.value.children.map((c) => c.id) : [])]) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    await assertConsistent();
+  });
+
   it('fork_whenHostAgentRestartedMidStep_neitherLosesNorDuplicatesSandboxes', async () => {
     const slow = await ownHost('fake-r', 'restart', { FF_FAKE_VCPUS: '32', FF_FAKE_RESTORE_MS_PER_VM: '150', FF_FAKE_FETCH_MS: '100' });
     const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 16, placement: { hostId: 'fake-r' } });

@@ -8,8 +8,8 @@ export class NotFoundError extends ForkfleetError {
 }
 
 export class WrongStateError extends ForkfleetError {
-  constructor(what: string, id: string, state: string, wanted: string) {
-    super('failed_precondition', `${what} ${id} is ${state}; ${wanted}`);
+  constructor(what: string, id: string, state: string, wanted: string, field?: string) {
+    super('failed_precondition', `${what} ${id} is ${state}; ${wanted}`, field === undefined ? {} : { field });
   }
 }
 

@@ -11,7 +11,7 @@ import { durationMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from './records.ts';
-import { canTransition, HOLDS_CAPACITY, isTerminal } from './records.ts';
+import { canTransition, HOLDS_CAPACITY, isTerminal, PLACEMENT_TXN_MAX_BYTES, SANDBOX_RECORD_BASE_BYTES, sandboxRecordBytes } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
@@ -27,7 +27,7 @@ import { fleetGauges } from './fleet-gauges.ts';
 import type { FleetGauges } from './fleet-gauges.ts';
 import { commitPurge, EXPIRING_SNAPSHOT_STATES, expiredRecords, finishedOpOf } from './history.ts';
 import type { FinishedOp } from './history.ts';
-import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
+import { ForkfleetError, InvalidArgumentError, isForkfleetError } from '../../proto/errors.ts';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
@@ -175,6 +175,13 @@ type Placed = { result: Extract<PlacementResult, { ok: true }>; revision: number
  */
 const PLACE_GROUP_MAX_JOBS = 16;
 const PLACE_GROUP_MAX_WRITES = 500;
+
+/** Record bytes a job's writes put, estimated: its sandbox records by their labels and hooks, anything else as a small record. */
+function writeBytes(writes: readonly StoreWrite[]): number {
+  let n = 0;
+  for (const w of writes) n += w.kind === 'sandbox' ? sandboxRecordBytes(w.value) : SANDBOX_RECORD_BASE_BYTES;
+  return n;
+}
 
 /** The store key a write touches (its kind and id), to keep one transaction from writing a key twice. */
 function writeKey(w: StoreWrite): string {
@@ -1196,6 +1203,7 @@ export class Executor {
         const touched = new Set<string>();
         const planned: Array<{ job: PlaceJob; result: Extract<PlacementResult, { ok: true }>; writes: StoreWrite[] }> = [];
         let writeCount = 0;
+        let groupBytes = 0;
         const groupKeys = new Set<string>();
         const overflow: PlaceJob[] = [];
         for (const job of pending) {
@@ -1213,11 +1221,15 @@ export class Executor {
             for (const p of result.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);
             const newHosts = [...perHost.keys()].filter((h) => !touched.has(h)).length;
             const size = writes.length + newHosts + (opUpdate ? 1 : 0);
+            const bytes = writeBytes(writes);
+            // The API refuses forks whose children cannot fit one transaction; one whose
+            // inherited hooks make it too large anyway fails here, before it books anything.
+            if (bytes > PLACEMENT_TXN_MAX_BYTES) throw new InvalidArgumentError('count', `this placement writes ~${bytes} bytes of records (${writes.length} writes) in one transaction; at most ${PLACEMENT_TXN_MAX_BYTES} fit: fewer children, or smaller labels and after_resume hooks`);
             // A transaction writes a key once: a job that writes a record an earlier job of the
             // group writes (two operations on one sandbox) waits for the next group, where its
             // guard decides, as when placements ran one at a time.
             const jobKeys = [...writes.map(writeKey), ...(opUpdate ? [`op/${job.op.tenantId}/${job.op.id}`] : [])];
-            if (planned.length > 0 && (writeCount + size > PLACE_GROUP_MAX_WRITES || jobKeys.some((k) => groupKeys.has(k)))) {
+            if (planned.length > 0 && (writeCount + size > PLACE_GROUP_MAX_WRITES || groupBytes + bytes > PLACEMENT_TXN_MAX_BYTES || jobKeys.some((k) => groupKeys.has(k)))) {
               overflow.push(job); // decided again in the next group
               continue;
             }
@@ -1245,6 +1257,7 @@ export class Executor {
             }
             planned.push({ job, result, writes: [...writes, ...opWrites] });
             writeCount += size;
+            groupBytes += bytes;
           } catch (e) {
             // This job alone fails (no capacity, its op is gone, ...); it booked nothing yet.
             job.reject(e);

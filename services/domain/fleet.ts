@@ -6,7 +6,7 @@ import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.
 import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
-import { CANCELLABLE_KINDS, isTerminal } from './records.ts';
+import { CANCELLABLE_KINDS, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxRecordBytes } from './records.ts';
 import { ConflictError, NotFoundError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
@@ -202,7 +202,10 @@ export class Fleet {
   async createSandbox(input: CreateInput): Promise<OperationRec> {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
     if (prior) return prior;
-    const resources = input.snapshotId ? restoredResources(await this.getSnapshot(input.tenantId, input.snapshotId), input.resources, input.resourcesSet) : input.resources;
+    const sn = input.snapshotId ? await this.getSnapshot(input.tenantId, input.snapshotId) : undefined;
+    // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
+    if (sn && sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be restored', 'snapshot_id');
+    const resources = sn ? restoredResources(sn, input.resources, input.resourcesSet) : input.resources;
     await admit(this.deps, input.tenantId, { sandboxes: 1, memoryMib: resources.memoryMib });
     const id = newId('sb');
     const now = this.deps.clock.now();
@@ -237,18 +240,29 @@ export class Fleet {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
     if (prior) return prior;
     let lineageId: string;
+    let inheritedHooks: HookRec[] | undefined;
     if (input.snapshotId) {
       const sn = await this.getSnapshot(input.tenantId, input.snapshotId);
-      if (sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be forked');
+      if (sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be forked', 'snapshot_id');
       lineageId = sn.lineageId;
     } else {
       const sb = await this.getSandbox(input.tenantId, input.sandboxId);
       // A hibernated sandbox is forked from its hibernation snapshot, without waking it.
       // (No snapshot is taken then, so snapshotRetention has nothing to apply to.)
-      if (sb.state === 'hibernated' && sb.hibernationSnapshotId) return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '', snapshotRetention: undefined });
-      if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked');
+      if (sb.state === 'hibernated' && sb.hibernationSnapshotId) {
+        if (input.snapshotRetention) throw new ForkfleetError('failed_precondition', `sandbox ${sb.id} is hibernated: a fork of it starts from its hibernation snapshot ${sb.hibernationSnapshotId} and takes none, so snapshot_retention has nothing to apply to (set that snapshot's own with SetSnapshotRetention)`, { field: 'snapshot_retention' });
+        return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '' });
+      }
+      if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked', 'sandbox_id');
       lineageId = sb.lineageId;
+      inheritedHooks = sb.afterResume;
     }
+    // Every child record carries the fork's labels and hooks, and all of them go into one
+    // transaction (a fork of a snapshot inherits its source's hooks unread here: the leader
+    // fails such a fork before it books anything if it is still too large).
+    const perChild = sandboxRecordBytes({ labels: input.labels, afterResume: input.afterResume ?? inheritedHooks ?? [] });
+    const fit = Math.floor(PLACEMENT_TXN_MAX_BYTES / perChild);
+    if (input.count > fit) throw new InvalidArgumentError('count', `at most ${fit} children with these labels and after_resume hooks (~${perChild} bytes in each child's record; a fork writes all its children in one transaction of at most ${PLACEMENT_TXN_MAX_BYTES} bytes)`);
     await admit(this.deps, input.tenantId, forkNeed(this.deps.store, input.tenantId, input, input.count));
     const childIds = Array.from({ length: input.count }, () => newId('sb'));
     return this.submit(input.tenantId, input.idempotencyKey, 'fork', input.snapshotId || input.sandboxId, {
@@ -533,7 +547,16 @@ export class Fleet {
     // The request travels as one NATS message: checked before a hibernated sandbox is woken for it.
     const size = toBinary(HostExecRequestSchema, req).length;
     const max = this.deps.bus.maxPayload - RELAY_HEADROOM;
-    if (size > max) throw new InvalidArgumentError('stdin', `the exec request (stdin, argv and env) is ${size} bytes; at most ${max} fit this fleet's relay (NATS max_payload): pass large inputs with WriteFile`);
+    if (size > max) {
+      // Named after the part that takes the most room.
+      const parts: Array<[string, number]> = [
+        ['stdin', input.stdin.length],
+        ['argv', input.argv.reduce((n, a) => n + Buffer.byteLength(a), 0)],
+        ['env', Object.entries(input.env).reduce((n, [k, v]) => n + Buffer.byteLength(k) + Buffer.byteLength(v), 0)],
+      ];
+      const [field] = parts.reduce((a, b) => (b[1] > a[1] ? b : a));
+      throw new InvalidArgumentError(field, `the exec request (stdin ${parts[0]![1]}, argv ${parts[1]![1]}, env ${parts[2]![1]} bytes) is ${size} bytes; at most ${max} fit this fleet's relay (NATS max_payload): pass large inputs with WriteFile`);
+    }
     const sb = await this.runningSandbox(input.tenantId, input.sandboxId);
     yield* this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, ...(signal ? { signal } : {}) });
   }

@@ -240,3 +240,24 @@ export const CANCELLABLE_KINDS: ReadonlySet<OperationKind> = new Set(['create', 
 export function isTerminal(s: OperationState): boolean {
   return s === 'succeeded' || s === 'failed' || s === 'cancelled';
 }
+
+/**
+ * Record bytes one placement transaction writes, at most: under etcd's default request limit
+ * (--max-request-bytes, 1.5 MiB), with room for the op's plan, the hosts' capacity records and
+ * the keys. A fork writes all its children in one transaction, so this caps count x child size.
+ */
+export const PLACEMENT_TXN_MAX_BYTES = 1_000_000;
+/** A sandbox record's JSON without its labels and hooks, at most (ids, state, resources, times: ~700 bytes). */
+export const SANDBOX_RECORD_BASE_BYTES = 1024;
+
+const jsonSizes = new WeakMap<object, number>();
+
+/** A sandbox record's size as stored, estimated: its labels and hooks (measured once per object: a fork's children share them) plus the rest. */
+export function sandboxRecordBytes(sb: Pick<SandboxRec, 'labels' | 'afterResume'>): number {
+  const size = (v: object): number => {
+    let n = jsonSizes.get(v);
+    if (n === undefined) jsonSizes.set(v, (n = Buffer.byteLength(JSON.stringify(v))));
+    return n;
+  };
+  return SANDBOX_RECORD_BASE_BYTES + size(sb.labels) + (sb.afterResume ? size(sb.afterResume) : 0);
+}

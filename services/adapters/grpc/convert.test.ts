@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { durationMs, timestampMs } from '@bufbuild/protobuf/wkt';
-import { image, lifecycle, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, toSnapshot, toSteps } from './convert.ts';
+import { env, idemKey, image, labels, lifecycle, LIMITS, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, SANDBOXES_BY_ID, SNAPSHOTS_BY_ID, toSnapshot, toSteps } from './convert.ts';
 import { OperationKind, OperationState, OperationStepState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { OperationRec } from '../../domain/records.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
@@ -30,19 +30,25 @@ describe('list pages', () => {
     const seen: string[] = [];
     let token = '';
     for (let n = 0; n < 10; n++) {
-      const p = page(ids, 3, pageToken(token));
+      const p = page(ids, 3, pageToken(token, SANDBOXES_BY_ID), SANDBOXES_BY_ID);
       seen.push(...p.items.map((x) => x.id));
       token = p.nextPageToken;
       if (!token) break;
     }
     expect(seen).toEqual(ids.map((x) => x.id).sort());
-    expect(page(ids, 0, '').items).toHaveLength(7);
-    expect(page(ids, 7, '').nextPageToken).toBe('');
+    expect(page(ids, 0, '', SANDBOXES_BY_ID).items).toHaveLength(7);
+    expect(page(ids, 7, '', SANDBOXES_BY_ID).nextPageToken).toBe('');
   });
 
   it('pageToken_notMadeByTheApi_isInvalidArgumentNamingTheField', () => {
-    expect(() => pageToken('not a token')).toThrow(InvalidArgumentError);
-    expect(() => pageToken(Buffer.from('../etc').toString('base64url'))).toThrow(/page_token/);
+    expect(() => pageToken('not a token', SANDBOXES_BY_ID)).toThrow(InvalidArgumentError);
+    expect(() => pageToken(Buffer.from('../etc').toString('base64url'), SANDBOXES_BY_ID)).toThrow(/page_token/);
+  });
+
+  it('pageToken_ofAnotherList_isInvalidArgument', () => {
+    const snapshotToken = Buffer.from('sn-aaaaaaaaaaaaaaaaaaaa').toString('base64url');
+    expect(pageToken(snapshotToken, SNAPSHOTS_BY_ID)).toBe('sn-aaaaaaaaaaaaaaaaaaaa');
+    expect(() => pageToken(snapshotToken, SANDBOXES_BY_ID)).toThrow(/page_token/);
   });
 });
 
@@ -56,7 +62,7 @@ describe('operation lists', () => {
     const seen: string[] = [];
     let token = '';
     do {
-      const p = page(ops, 2, pageToken(token, 'page_token', NEWEST_OPERATION_FIRST), NEWEST_OPERATION_FIRST);
+      const p = page(ops, 2, pageToken(token, NEWEST_OPERATION_FIRST), NEWEST_OPERATION_FIRST);
       seen.push(...p.items.map((x) => x.id));
       token = p.nextPageToken;
     } while (token);
@@ -68,9 +74,9 @@ describe('operation lists', () => {
 
   it('aSandboxListToken_isNotAnOperationListToken_andTheOtherWayRound', () => {
     const opToken = page(ops, 1, '', NEWEST_OPERATION_FIRST).nextPageToken;
-    expect(pageToken(opToken, 'page_token', NEWEST_OPERATION_FIRST)).toMatch(/^\d{15}\.op-/);
-    expect(() => pageToken(opToken)).toThrow(/page_token/);
-    expect(() => pageToken(Buffer.from('sb-aaaaaaaaaaaaaaaaaaaa').toString('base64url'), 'page_token', NEWEST_OPERATION_FIRST)).toThrow(/page_token/);
+    expect(pageToken(opToken, NEWEST_OPERATION_FIRST)).toMatch(/^\d{15}\.op-/);
+    expect(() => pageToken(opToken, SANDBOXES_BY_ID)).toThrow(/page_token/);
+    expect(() => pageToken(Buffer.from('sb-aaaaaaaaaaaaaaaaaaaa').toString('base64url'), NEWEST_OPERATION_FIRST)).toThrow(/page_token/);
   });
 
   it('filters_withUnspecifiedOrUnknownValues_areInvalidArgumentNamingTheField', () => {
@@ -120,5 +126,34 @@ describe('operation steps', () => {
     expect([timestampMs(h3!.sentAt!), timestampMs(h3!.finishedAt!), durationMs(h3!.hostDuration!), h3!.bytesFetched, h3!.restoredByMigration]).toEqual([4_000, 9_000, 4_500, 1234n, true]);
     expect([h4!.sentAt, h4!.hostDuration]).toEqual([undefined, undefined]);
     expect([h2!.finishedAt, h2!.bytesFetched, h2!.restoredByMigration]).toEqual([undefined, 0n, false]);
+  });
+});
+
+describe('fields a record stores', () => {
+  it('idempotencyKey_startingWithTwoUnderscores_isInvalidArgument', () => {
+    // "__ttl/<sandbox>" is the key of the scheduler's own TTL destroy of that sandbox.
+    expect(() => idemKey('__ttl/sb-aaaaaaaaaaaaaaaaaaaa')).toThrow(/idempotency_key.*reserved/);
+    expect(idemKey('_one-underscore_is-fine')).toBe('_one-underscore_is-fine');
+  });
+
+  it('labels_withControlCharacters_isInvalidArgumentNamingTheLabel', () => {
+    expect(() => labels({ team: 'a\u0000b' })).toThrow(/labels\[team\].*control/);
+    expect(labels({ team: 'rl-ablation ü' })).toEqual({ team: 'rl-ablation ü' });
+  });
+
+  it('labels_overTheByteBudget_isInvalidArgument', () => {
+    // 64 labels of 256-byte values: within the count and value limits, over the total.
+    const many = Object.fromEntries(Array.from({ length: LIMITS.maxLabels }, (_, i) => [`k${i}`, 'v'.repeat(256)]));
+    expect(() => labels(many)).toThrow(/^labels: at most 4096 bytes/);
+  });
+
+  it('afterResumeHooks_overTheByteBudget_isInvalidArgument', () => {
+    const hook = { argv: ['/bin/sh', '-c', 'x'.repeat(4000)] };
+    expect(lifecycle({ afterResume: [hook, hook] } as never).afterResume).toHaveLength(2);
+    expect(() => lifecycle({ afterResume: [hook, hook, hook] } as never)).toThrow(/lifecycle\.after_resume: at most 8192 bytes/);
+  });
+
+  it('env_withTooManyVariables_isInvalidArgument', () => {
+    expect(() => env(Object.fromEntries(Array.from({ length: LIMITS.maxEnv + 1 }, (_, i) => [`V${i}`, ''])))).toThrow(/^env: at most 256/);
   });
 });

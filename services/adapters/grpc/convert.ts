@@ -51,7 +51,26 @@ export const LIMITS = {
   maxKeepLast: 10_000,
   maxHooks: 8,
   maxCidrs: 64,
+  /** A sandbox's labels as stored (JSON), at most: every child of a fork carries a copy. */
+  maxLabelBytes: 4096,
+  /** A sandbox's after_resume hooks as stored (JSON), at most: every child of a fork carries a copy. */
+  maxHookBytes: 8192,
+  maxEnv: 256,
 };
+
+/** UTF-8 bytes of `v` as JSON: what a record stores of it. */
+export function jsonBytes(v: unknown): number {
+  return Buffer.byteLength(JSON.stringify(v));
+}
+
+/** Whether `v` has a C0 control character or DEL: label values are text that dashboards and CLIs print. */
+function hasControl(v: string): boolean {
+  for (let i = 0; i < v.length; i++) {
+    const ch = v.charCodeAt(i);
+    if (ch < 0x20 || ch === 0x7f) return true;
+  }
+  return false;
+}
 
 const TENANT_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
 const KEY_RE = /^[\x21-\x7e]{1,128}$/;
@@ -68,6 +87,9 @@ export function tenant(v: string, field = 'tenant_id'): string {
 
 export function idemKey(v: string, field = 'idempotency_key'): string {
   if (!KEY_RE.test(v)) throw new InvalidArgumentError(field, 'must be 1-128 printable ASCII characters without spaces');
+  // The scheduler submits its own operations (TTL expiry, wake, cancel) under keys that start
+  // with "__": a client's key there could stand in for one of them.
+  if (v.startsWith('__')) throw new InvalidArgumentError(field, 'must not start with "__" (reserved for the scheduler\'s own operations)');
   return v;
 }
 
@@ -119,8 +141,10 @@ export interface PageOrder<T> {
   max: number;
 }
 
-/** Sandboxes and snapshots: in id order. */
-export const BY_ID: PageOrder<{ id: string }> = { key: (x) => x.id, pattern: /^(sb|sn)-[a-z0-9]{1,40}$/, max: MAX_PAGE };
+/** Sandboxes: in id order. */
+export const SANDBOXES_BY_ID: PageOrder<{ id: string }> = { key: (x) => x.id, pattern: ID_RE.sb, max: MAX_PAGE };
+/** Snapshots: in id order. */
+export const SNAPSHOTS_BY_ID: PageOrder<{ id: string }> = { key: (x) => x.id, pattern: ID_RE.sn, max: MAX_PAGE };
 
 /** Most operations in one page: each fork's children come with it. */
 export const MAX_OPERATION_PAGE = 100;
@@ -134,8 +158,8 @@ export const NEWEST_OPERATION_FIRST: PageOrder<OperationRec> = {
   max: MAX_OPERATION_PAGE,
 };
 
-/** The key a page token carries ('' for none); a token this API did not make is INVALID_ARGUMENT. */
-export function pageToken(token: string, field = 'page_token', order: Pick<PageOrder<never>, 'pattern'> = BY_ID): string {
+/** The key a page token carries ('' for none); a token this API did not make for this list is INVALID_ARGUMENT. */
+export function pageToken(token: string, order: Pick<PageOrder<never>, 'pattern'>, field = 'page_token'): string {
   if (!token) return '';
   const key = Buffer.from(token, 'base64url').toString('utf8');
   if (!order.pattern.test(key) || Buffer.from(key).toString('base64url') !== token) throw new InvalidArgumentError(field, 'not a token this API returned');
@@ -143,7 +167,7 @@ export function pageToken(token: string, field = 'page_token', order: Pick<PageO
 }
 
 /** One page of `all` (sorted here by the order's key): items after `after`, at most `pageSize` (0: the order's max), and the token for the next page ('' at the end). */
-export function page<T extends { id: string }>(all: readonly T[], pageSize: number, after: string, order: PageOrder<T> = BY_ID): { items: T[]; nextPageToken: string } {
+export function page<T extends { id: string }>(all: readonly T[], pageSize: number, after: string, order: PageOrder<NoInfer<T>>): { items: T[]; nextPageToken: string } {
   const size = pageSize === 0 ? order.max : Math.min(pageSize, order.max);
   const sorted = all.map((x) => ({ x, k: order.key(x) })).sort((a, b) => (a.k < b.k ? -1 : a.k > b.k ? 1 : 0));
   const from = after ? sorted.findIndex((e) => e.k > after) : 0;
@@ -158,7 +182,10 @@ export function labels(m: Record<string, string>, field = 'labels'): Record<stri
   for (const [k, v] of entries) {
     if (!LABEL_KEY_RE.test(k)) throw new InvalidArgumentError(`${field}[${JSON.stringify(k.slice(0, 64))}]`, 'label keys are 1-63 characters of a-z, A-Z, 0-9, . _ / -');
     if (Buffer.byteLength(v) > 256) throw new InvalidArgumentError(`${field}[${k}]`, 'label values are at most 256 bytes');
+    if (hasControl(v)) throw new InvalidArgumentError(`${field}[${k}]`, 'label values must not contain control characters');
   }
+  const bytes = jsonBytes(m);
+  if (bytes > LIMITS.maxLabelBytes) throw new InvalidArgumentError(field, `at most ${LIMITS.maxLabelBytes} bytes of keys and values together (as JSON), got ${bytes}`);
   return { ...m };
 }
 
@@ -178,14 +205,17 @@ export function placement(p: PlacementPreference | undefined, field = 'placement
 export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlMs: number | null; idleTimeoutMs: number | null; afterResume: HookRec[] } {
   const hooks = l?.afterResume ?? [];
   if (hooks.length > LIMITS.maxHooks) throw new InvalidArgumentError(`${field}.after_resume`, `at most ${LIMITS.maxHooks} hooks`);
+  const afterResume = hooks.map((h, i) => {
+    const f = `${field}.after_resume[${i}]`;
+    // The same rules as Exec's argv (a hook is an exec after every resume).
+    return { argv: [...argv(h.argv, `${f}.argv`)], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: 10 * 60_000 }) ?? 30_000 };
+  });
+  const bytes = jsonBytes(afterResume);
+  if (bytes > LIMITS.maxHookBytes) throw new InvalidArgumentError(`${field}.after_resume`, `at most ${LIMITS.maxHookBytes} bytes of hooks together (as JSON), got ${bytes}: put a longer script in a file in the guest and run that`);
   return {
     ttlMs: durationMs(l?.ttl, `${field}.ttl`, { min: 1000 }),
     idleTimeoutMs: durationMs(l?.idleTimeout, `${field}.idle_timeout`),
-    afterResume: hooks.map((h, i) => {
-      const f = `${field}.after_resume[${i}]`;
-      // The same rules as Exec's argv (a hook is an exec after every resume).
-      return { argv: [...argv(h.argv, `${f}.argv`)], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: 10 * 60_000 }) ?? 30_000 };
-    }),
+    afterResume,
   };
 }
 
@@ -237,7 +267,9 @@ export function argv(v: string[], field = 'argv'): string[] {
 }
 
 export function env(m: Record<string, string>, field = 'env'): Record<string, string> {
-  for (const [k, val] of Object.entries(m)) {
+  const entries = Object.entries(m);
+  if (entries.length > LIMITS.maxEnv) throw new InvalidArgumentError(field, `at most ${LIMITS.maxEnv} variables`);
+  for (const [k, val] of entries) {
     if (!/^[A-Za-z_][A-Za-z0-9_]{0,127}$/.test(k)) throw new InvalidArgumentError(`${field}[${JSON.stringify(k.slice(0, 64))}]`, 'must be a valid variable name');
     if (val.includes('\0') || Buffer.byteLength(val) > LIMITS.maxArgBytes) throw new InvalidArgumentError(`${field}[${k}]`, 'value must be at most 4096 bytes without NUL');
   }

@@ -30,7 +30,8 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { Client } from './rpc.ts';
 import type { RpcError } from './status.ts';
-import { FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { EventType, FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { sandboxRecord, snapshotRecord } from '../../testkit/records.ts';
 
 type Api = Client<(typeof FleetService)['method']>;
 
@@ -227,6 +228,44 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
       }),
       { numRuns: RUNS },
     );
+  });
+
+  it('refusals_nameTheFieldAtFault_andWriteNothing', async () => {
+    const t = 'refusals';
+    const sb = (c: string): string => `sb-${c.repeat(20)}`;
+    const sn = (c: string): string => `sn-${c.repeat(20)}`;
+    await store.commit([
+      { kind: 'snapshot', value: snapshotRecord({ id: sn('c'), tenantId: t, state: 'creating', sourceSandboxId: sb('a'), lineageId: sb('a') }) },
+      { kind: 'sandbox', value: sandboxRecord({ id: sb('a'), tenantId: t, lineageId: sb('a') }) },
+      { kind: 'sandbox', value: sandboxRecord({ id: sb('h'), tenantId: t, state: 'hibernated', hostId: '', runningSince: null, hibernationSnapshotId: sn('c'), lineageId: sb('h') }) },
+    ]);
+    const refused = async (call: () => Promise<unknown>, code: Status, field: string): Promise<string> => {
+      const before = await revision();
+      const e = (await call().then(() => undefined, (x: unknown) => x)) as RpcError | undefined;
+      expect(e, `expected ${Status[code]} naming ${field}`).toBeDefined();
+      expect([Status[e!.code], e!.field]).toEqual([Status[code], field]);
+      expect(await revision(), 'a refused call wrote to etcd').toBe(before);
+      return e!.message;
+    };
+    const big = Object.fromEntries(Array.from({ length: 12 }, (_, i) => [`k${i}`, 'v'.repeat(250)]));
+    // Scheduler-owned keys: "__ttl/<sandbox>" is the key of that sandbox's own TTL destroy.
+    await refused(() => api.pauseSandbox({ tenantId: t, idempotencyKey: `__ttl/${sb('a')}`, sandboxId: sb('a') }), Status.INVALID_ARGUMENT, 'idempotency_key');
+    await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k1', source: { case: 'image', value: 'tiny' }, labels: { a: 'x\u0007' } }), Status.INVALID_ARGUMENT, 'labels[a]');
+    // A snapshot still being written cannot be restored (as it cannot be forked).
+    await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k2', source: { case: 'snapshotId', value: sn('c') } }), Status.FAILED_PRECONDITION, 'snapshot_id');
+    // 256 children with ~3 KiB of labels each do not fit one placement transaction.
+    expect(await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k3', source: { case: 'sandboxId', value: sb('a') }, count: 256, labels: big }), Status.INVALID_ARGUMENT, 'count')).toMatch(/at most \d+ children/);
+    await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k4', source: { case: 'sandboxId', value: sb('h') }, count: 2, snapshotRetention: { keepLast: 1 } }), Status.FAILED_PRECONDITION, 'snapshot_retention');
+    await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k5', source: { case: 'sandboxId', value: sb('a') }, count: 4, placement: { hostId: 'h1', maxPerHost: 2 } }), Status.INVALID_ARGUMENT, 'placement.max_per_host');
+    await refused(() => api.setSnapshotRetention({ tenantId: t, idempotencyKey: 'k6', snapshotId: sn('c') }), Status.INVALID_ARGUMENT, 'retention');
+    await refused(() => api.listSandboxes({ tenantId: t, pageToken: Buffer.from(sn('c')).toString('base64url') }), Status.INVALID_ARGUMENT, 'page_token');
+    // An exec too large for the relay names the part that is large.
+    await refused(async () => {
+      for await (const _ of api.exec({ tenantId: t, sandboxId: sb('a'), argv: ['true'], env: Object.fromEntries(Array.from({ length: 256 }, (_, i) => [`V${i}`, 'x'.repeat(4096)])) })) void _;
+    }, Status.INVALID_ARGUMENT, 'env');
+    await refused(async () => {
+      for await (const _ of api.watchEvents({ tenantId: t, types: [EventType.SANDBOX_STATE_CHANGED, EventType.HOST_STATE_CHANGED] })) void _;
+    }, Status.INVALID_ARGUMENT, 'types[1]');
   });
 
   it('rawBytes_thatAreNotAValidMessage_getInvalidArgumentAndServerStaysUp', async () => {

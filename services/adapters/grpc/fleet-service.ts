@@ -120,11 +120,11 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       return c.toSandbox(await fleet.getSandbox(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id')), deps.clock.now());
     },
     async listSandboxes(req: ListSandboxesRequest, ctx: CallContext) {
-      const after = c.pageToken(req.pageToken);
+      const after = c.pageToken(req.pageToken, c.SANDBOXES_BY_ID);
       const states = req.states.map((s, i) => c.sandboxState(s, `states[${i}]`));
       const hostId = req.hostId ? c.hostId(req.hostId) : '';
       const all = await fleet.listSandboxes(allTenants(req, ctx, 'ListSandboxes') ? undefined : tenant(req.tenantId, ctx), states, c.labels(req.labels), hostId);
-      const { items, nextPageToken } = c.page(all, req.pageSize, after);
+      const { items, nextPageToken } = c.page(all, req.pageSize, after, c.SANDBOXES_BY_ID);
       return { sandboxes: items.map((s) => c.toSandbox(s, deps.clock.now())), nextPageToken };
     },
     async *exec(req: ExecRequest, ctx: CallContext) {
@@ -213,6 +213,9 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       if (sr && req.source.case === 'snapshotId') throw new InvalidArgumentError('snapshot_retention', 'only a fork of a live sandbox (sandbox_id) takes a snapshot; set a snapshot\'s own retention with SetSnapshotRetention');
       if ((sr?.keepLast ?? 0) > c.LIMITS.maxKeepLast) throw new InvalidArgumentError('snapshot_retention.keep_last', `at most ${c.LIMITS.maxKeepLast}`);
       const snapshotRetention = sr ? { ttlMs: c.durationMs(sr.ttl, 'snapshot_retention.ttl', { min: 1000 }), keepLast: sr.keepLast } : undefined;
+      const placement = placementFor(req.placement, ctx);
+      // Pinned to one host, the children can never be placed if fewer than all of them may go there.
+      if (placement.hostId && placement.maxPerHost > 0 && placement.maxPerHost < req.count) throw new InvalidArgumentError('placement.max_per_host', `${placement.maxPerHost} per host with placement.host_id set cannot place ${req.count} children`);
       return op(
         await fleet.forkSandbox({
           tenantId,
@@ -220,7 +223,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           snapshotId: req.source.case === 'snapshotId' ? c.id('sn', req.source.value, 'snapshot_id') : '',
           sandboxId: req.source.case === 'sandboxId' ? c.id('sb', req.source.value, 'sandbox_id') : '',
           count: req.count,
-          placement: placementFor(req.placement, ctx),
+          placement,
           labels: c.labels(req.labels),
           ...(({ ttlMs, idleTimeoutMs, afterResume }) => ({ ttlMs, idleTimeoutMs, afterResume: afterResume.length ? afterResume : null }))(c.lifecycle(req.lifecycle)),
           ...(snapshotRetention ? { snapshotRetention } : {}),
@@ -233,8 +236,12 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     watchEvents(req: WatchEventsRequest, ctx: CallContext) {
       const tenantId = tenant(req.tenantId, ctx);
       const sandboxId = req.sandboxId ? c.id('sb', req.sandboxId, 'sandbox_id') : '';
+      req.types.forEach((t, i) => {
+        if (!(t in EventType) || t === EventType.UNSPECIFIED) throw new InvalidArgumentError(`types[${i}]`, `unknown event type ${t}`);
+        // Reserved in the proto: a filter for it would wait on a stream that never carries one.
+        if (t === EventType.HOST_STATE_CHANGED) throw new InvalidArgumentError(`types[${i}]`, 'HOST_STATE_CHANGED is never emitted to a tenant: ListHosts and the forkfleet_hosts metric carry host states');
+      });
       const types = new Set(req.types);
-      for (const t of types) if (!(t in EventType) || t === EventType.UNSPECIFIED) throw new InvalidArgumentError('types', `unknown event type ${t}`);
       if (req.afterRevision < 0n) throw new InvalidArgumentError('after_revision', 'a store revision (0: from now)');
       const after = Number(req.afterRevision);
       const q = new AsyncQueue<ReturnType<typeof c.toEvent>>();
@@ -266,10 +273,10 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       return c.toSnapshot(await fleet.getSnapshot(tenant(req.tenantId, ctx), c.id('sn', req.snapshotId, 'snapshot_id')));
     },
     async listSnapshots(req: ListSnapshotsRequest, ctx: CallContext) {
-      const after = c.pageToken(req.pageToken);
+      const after = c.pageToken(req.pageToken, c.SNAPSHOTS_BY_ID);
       const lineage = req.lineageId ? c.id('sb', req.lineageId, 'lineage_id') : '';
       const all = await fleet.listSnapshots(tenant(req.tenantId, ctx), lineage);
-      const { items, nextPageToken } = c.page(all, req.pageSize, after);
+      const { items, nextPageToken } = c.page(all, req.pageSize, after, c.SNAPSHOTS_BY_ID);
       return { snapshots: items.map(c.toSnapshot), nextPageToken };
     },
     async pinSnapshot(req: PinSnapshotRequest, ctx: CallContext) {
@@ -282,9 +289,11 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     },
     async setSnapshotRetention(req: SetSnapshotRetentionRequest, ctx: CallContext) {
       c.idemKey(req.idempotencyKey);
-      const keepLast = req.retention?.keepLast ?? 0;
+      // Unset would read as "keep forever" (no ttl, no keep_last): that must be asked for, as an empty Retention.
+      if (!req.retention) throw new InvalidArgumentError('retention', 'required: the retention to set (an empty one keeps the snapshot until it is deleted)');
+      const keepLast = req.retention.keepLast;
       if (keepLast > c.LIMITS.maxKeepLast) throw new InvalidArgumentError('retention.keep_last', `at most ${c.LIMITS.maxKeepLast}`);
-      return c.toSnapshot(await fleet.setRetention(tenant(req.tenantId, ctx), c.id('sn', req.snapshotId, 'snapshot_id'), c.durationMs(req.retention?.ttl, 'retention.ttl', { min: 1000 }), keepLast));
+      return c.toSnapshot(await fleet.setRetention(tenant(req.tenantId, ctx), c.id('sn', req.snapshotId, 'snapshot_id'), c.durationMs(req.retention.ttl, 'retention.ttl', { min: 1000 }), keepLast));
     },
     async deleteSnapshot(req: DeleteSnapshotRequest, ctx: CallContext) {
       return op(await fleet.deleteSnapshot(tenant(req.tenantId, ctx), c.idemKey(req.idempotencyKey), c.id('sn', req.snapshotId, 'snapshot_id')));
@@ -335,7 +344,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         kinds: req.kinds.map((k, i) => c.operationKind(k, `kinds[${i}]`)),
         targetId: req.targetId ? c.operationTarget(req.targetId, 'target_id') : '',
       };
-      const after = c.pageToken(req.pageToken, 'page_token', c.NEWEST_OPERATION_FIRST);
+      const after = c.pageToken(req.pageToken, c.NEWEST_OPERATION_FIRST);
       const { items, nextPageToken } = c.page(await fleet.listOperations(tenantId, filter), req.pageSize, after, c.NEWEST_OPERATION_FIRST);
       return { operations: await Promise.all(items.map(op)), nextPageToken };
     },
