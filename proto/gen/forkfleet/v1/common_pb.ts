@@ -139,7 +139,8 @@ export type Lifecycle = Message<"forkfleet.v1.Lifecycle"> & {
    * Steps run in the guest, in order, after every resume, wake and restore (after the
    * clock, RNG and identity are fixed, before the sandbox is reported running), such as
    * refreshing credentials. A failing step does not stop the sandbox: its exit is recorded
-   * in the sandbox's state_reason.
+   * in the sandbox's state_reason. At most 8 steps, 8 KiB as JSON together: a longer
+   * script belongs in a file in the guest.
    *
    * @generated from field: repeated forkfleet.v1.GuestHook after_resume = 3;
    */

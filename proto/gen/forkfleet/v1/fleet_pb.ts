@@ -2401,7 +2401,8 @@ export const OperationStepStateSchema: GenEnum<OperationStepState> = /*@__PURE__
  * Conventions:
  * - Every resource belongs to a tenant. `tenant_id` on a request must match the caller's
  *   credentials (admins may name any tenant); another tenant's resource is NOT_FOUND.
- * - Every call that returns an Operation takes an `idempotency_key` (1..128 chars).
+ * - Every call that returns an Operation takes an `idempotency_key` (1..128 printable ASCII
+ *   characters, not starting with "__": those keys are the scheduler's own).
  *   Repeating it with the same key and tenant returns the first call's operation and does
  *   nothing again. Pin, Unpin, SetSnapshotRetention and CordonHost set a value: repeating
  *   one sets the same value again (their key is checked, not recorded). Exec and WriteFile
@@ -2409,6 +2410,10 @@ export const OperationStepStateSchema: GenEnum<OperationStepState> = /*@__PURE__
  *   writes the same bytes again; their key is optional.
  * - Long-running calls return an Operation at once; GetOperation / WaitOperation follow it.
  * - A bad field is INVALID_ARGUMENT and the message names the field.
+ * - Labels: at most 64, keys of 1-63 characters (a-z, A-Z, 0-9, . _ / -), values of at most
+ *   256 bytes without control characters, 4 KiB as JSON together. Every child of a fork
+ *   carries its labels and hooks, and a fork writes all its children in one transaction
+ *   (1 MB of records): with large labels or hooks, fewer children fit (INVALID_ARGUMENT count).
  *
  * @generated from service forkfleet.v1.FleetService
  */
