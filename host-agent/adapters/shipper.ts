@@ -14,6 +14,7 @@ import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
 import { verifyManifest, type TrustedKeys } from '../domain/tickets.ts';
 import { fetchChunks, fetchSnapshot } from '../domain/transfer.ts';
+import { ChunkCorruptError, ChunkMissingError } from '../domain/transfer-errors.ts';
 import { collectGarbage } from '../domain/snapshot-store-gc.ts';
 import type { GcResult } from '../domain/snapshot-store-gc.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
@@ -102,7 +103,12 @@ export class ChunkStoreShipper implements SnapshotShipper {
     if (!backing || backing === imageDisk) return disk;
     await mkdir(this.deps.scratchDir, { recursive: true });
     const flat = join(this.deps.scratchDir, `${local.manifest.snapshotId}.disk.qcow2`);
-    await run('qemu-img', ['convert', '-U', '-O', 'qcow2', '-B', imageDisk, '-F', 'qcow2', disk, flat]);
+    try {
+      await run('qemu-img', ['convert', '-U', '-O', 'qcow2', '-B', imageDisk, '-F', 'qcow2', disk, flat]);
+    } catch (e) {
+      await rm(flat, { force: true });
+      throw e;
+    }
     return flat;
   }
 
@@ -111,9 +117,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const existing = await this.deps.manifests.get(m.snapshotId);
     if (existing) return existing;
     const image = JSON.parse(await readFile(join(local.dir, 'image.json'), 'utf8')) as { disk: string };
-    const disk = await this.portableDisk(local, image.disk);
     const metadata: Record<string, Uint8Array> = {};
     for (const f of META_FILES) metadata[f] = await readFile(join(local.dir, f));
+    const disk = await this.portableDisk(local, image.disk);
     const { manifest, stats, unpin } = await ingestSnapshot(
       {
         snapshotId: m.snapshotId,
@@ -139,12 +145,16 @@ export class ChunkStoreShipper implements SnapshotShipper {
         ],
       },
       { chunks: this.deps.chunks, roots: this.deps.roots, clock: { now: () => new Date() }, chunkSize: this.deps.chunkSize, log: this.deps.log },
-    );
+    ).finally(async () => {
+      // In the chunk store now, or the ingest failed (a retry flattens again). A copy left
+      // behind only costs disk: it must not fail an ingest whose chunks are pinned.
+      if (disk === join(local.dir, m.files.disk)) return;
+      await rm(disk, { force: true }).catch((e: unknown) => this.deps.log.warn({ path: disk, err: (e as Error).message }, 'could not remove the flattened disk'));
+    });
     // Unsigned here: the scheduler signs the exact bytes; restores verify its signature.
     manifest.metadata = metadata;
     const signed = create(SignedManifestSchema, { manifest: toBinary(SnapshotManifestSchema, manifest) });
     try {
-      if (disk !== join(local.dir, m.files.disk)) await rm(disk, { force: true });
       await this.deps.manifests.put(m.snapshotId, signed);
     } finally {
       unpin(); // the manifest keeps the chunks from here (or nothing does: a failed put)
@@ -169,7 +179,22 @@ export class ChunkStoreShipper implements SnapshotShipper {
     let mat: MaterialisedSnapshot | undefined;
     let fetchedManifest: SignedManifest | undefined;
     const stored = await this.deps.manifests.get(snapshotId);
-    if (!stored || stored.signature.length === 0) {
+    if (stored && stored.signature.length > 0) {
+      try {
+        mat = await this.deps.materialiser.materialise(snapshotId);
+      } catch (e) {
+        if (!(e instanceof ChunkCorruptError || e instanceof ChunkMissingError)) throw e;
+        // Stored, but a chunk is gone (quarantined, or lost to an OS crash): not a holder
+        // until every chunk is here again, so the scheduler stops naming this host.
+        this.complete.delete(snapshotId);
+        if (!fetch || fetch.sources.length === 0) {
+          throw new ForkfleetError('not_found', `snapshot ${snapshotId} is incomplete on host ${this.deps.hostId} (${e.digests.length} chunk(s) corrupt or missing) and no source was named`, { cause: e });
+        }
+        // The fetch below asks the sources only for what the store lacks (ADR 0007).
+        this.deps.log.warn({ snapshotId, chunks: e.digests.length, err: e.message }, 'stored snapshot lacks chunks: fetching them again');
+      }
+    }
+    if (!mat) {
       if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.deps.hostId} and no source was named`);
       const sources = this.sourcesOf(fetch);
       try {

@@ -34,8 +34,11 @@ export async function encodeChunk(plain: Buffer, digest?: string): Promise<Encod
   return { digest: d, codec: Codec.NONE, size: plain.length, data: plain };
 }
 
-/** Decodes and checks length and digest. Throws DigestMismatchError. */
-export async function decodeChunk(chunk: EncodedChunk): Promise<Buffer> {
+/**
+ * Decodes and checks length and digest. Throws DigestMismatchError. Given `known`, bytes that
+ * hash to the digest, compares with them instead of hashing.
+ */
+export async function decodeChunk(chunk: EncodedChunk, known?: Buffer): Promise<Buffer> {
   let plain: Buffer;
   switch (chunk.codec) {
     case Codec.NONE:
@@ -60,6 +63,10 @@ export async function decodeChunk(chunk: EncodedChunk): Promise<Buffer> {
       throw new DigestMismatchError(chunk.digest, `unsupported codec ${chunk.codec}`);
   }
   if (plain.length !== chunk.size) throw new DigestMismatchError(chunk.digest, `decoded ${plain.length} bytes, expected ${chunk.size}`);
+  if (known) {
+    if (!plain.equals(known)) throw new DigestMismatchError(chunk.digest, 'content differs from the expected bytes');
+    return plain;
+  }
   const got = sha256Hex(plain);
   if (got !== chunk.digest) throw new DigestMismatchError(chunk.digest, `content hashes to ${got.slice(0, 16)}`);
   return plain;

@@ -11,13 +11,13 @@
 // file or a complete one (the page cache survives a process crash); an OS crash can leave
 // a torn or empty chunk file, but reads used for restores decode and hash (readVerified),
 // so a damaged file never passes as valid. See docs/adr/0007-chunk-format.md.
-import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
+import { mkdirSync, readdirSync, rmSync, statSync, unlinkSync } from 'node:fs';
 import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, ManifestStore, SweepStats } from '../../domain/snapshot-store.ts';
-import { ChunkCorruptError, ChunkMissingError } from '../../domain/transfer-errors.ts';
+import { ChunkCorruptError, ChunkMissingError, DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { decodeSignedManifest, encodeSignedManifest } from '../../domain/tickets.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
@@ -51,13 +51,19 @@ async function writeFileVia(tmpDir: string, final: string, parts: readonly Uint8
   const tmp = tmpPathIn(tmpDir);
   const fh = await open(tmp, 'w');
   try {
-    // One writev syscall for header + data.
-    await fh.writev(parts as Uint8Array[]);
-    if (fsync) await fh.sync();
-  } finally {
-    await fh.close();
+    try {
+      // One writev syscall for header + data.
+      await fh.writev(parts as Uint8Array[]);
+      if (fsync) await fh.sync();
+    } finally {
+      await fh.close();
+    }
+    await rename(tmp, final);
+  } catch (e) {
+    // Temp files are only cleared when a store opens: retries after ENOSPC would pile them up.
+    await unlink(tmp).catch(() => undefined);
+    throw e;
   }
-  await rename(tmp, final);
 }
 
 /** Where a chunk's plain bytes go: offsets in files open for writing (by fd). */
@@ -122,7 +128,9 @@ export class FsChunkStore implements ChunkStore {
   /**
    * stat(2) of each chunk file, synchronously in batches of 128 (a few ms each) with the
    * event loop free in between: one libuv pool round trip per digest cost 30-500 ms for a
-   * 600-chunk snapshot here, on the transfer's critical path.
+   * 600-chunk snapshot here, on the transfer's critical path. A file too short to hold a
+   * header (an OS crash before its sync) counts as missing and is removed; a longer torn one
+   * is found when it is read (readVerified).
    */
   async missing(digests: Iterable<DigestHex>): Promise<DigestHex[]> {
     const uniq = [...new Set(digests)];
@@ -131,7 +139,10 @@ export class FsChunkStore implements ChunkStore {
       if (i > 0 && i % 128 === 0) await new Promise<void>((r) => setImmediate(r));
       const d = uniq[i] as DigestHex;
       checkDigest(d);
-      if (!statSync(this.pathOf(d), { throwIfNoEntry: false })) out.push(d);
+      const st = statSync(this.pathOf(d), { throwIfNoEntry: false });
+      if (st && st.size >= HEADER) continue;
+      if (st) rmSync(this.pathOf(d), { force: true });
+      out.push(d);
     }
     return out;
   }
@@ -182,12 +193,21 @@ export class FsChunkStore implements ChunkStore {
   /**
    * A worker's accept: its file is in place before the worker answers, so until then a
    * concurrent `has()` can find it while `unsynced` does not list it yet; sync() waits for it.
+   * A failure after the rename (an image write, the worker exiting) leaves the file in place,
+   * so it is listed then too; only a digest mismatch is known to write nothing (sync skips a
+   * listed file that is not there).
    */
   private trackOffloaded<T>(p: Promise<T>, final: string): Promise<T> {
-    const tracked = p.then((r) => {
-      this.unsynced.add(final);
-      return r;
-    });
+    const tracked = p.then(
+      (r) => {
+        this.unsynced.add(final);
+        return r;
+      },
+      (e: unknown) => {
+        if (!(e instanceof DigestMismatchError)) this.unsynced.add(final);
+        throw e;
+      },
+    );
     const settled = tracked.catch(() => undefined);
     this.offloaded.add(settled);
     void settled.then(() => this.offloaded.delete(settled));
@@ -405,6 +425,9 @@ export class FsManifestStore implements ManifestStore {
 
   async delete(snapshotId: string): Promise<void> {
     await rm(this.pathOf(snapshotId), { force: true });
+    // Durable before a GC unlinks the chunks: after an OS crash the manifest must not be back
+    // without them.
+    await fsyncPath(this.dir);
   }
 
   async list(): Promise<string[]> {

@@ -8,8 +8,9 @@ import type { Logger } from 'pino';
 import { ArtifactSchema, ChunkRefSchema, Codec, SnapshotManifestSchema } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ArtifactKind, ChunkRef, SnapshotManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { VmConfig } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
-import type { ChunkStore, Clock, LiveRoots } from '../../domain/snapshot-store.ts';
-import { DEFAULT_CHUNK_SIZE, encodeChunk, isZero, sha256Hex } from './codec.ts';
+import type { ChunkStore, Clock, EncodedChunk, LiveRoots } from '../../domain/snapshot-store.ts';
+import { DigestMismatchError } from '../../domain/transfer-errors.ts';
+import { DEFAULT_CHUNK_SIZE, decodeChunk, encodeChunk, isZero, sha256Hex } from './codec.ts';
 
 export interface ArtifactInput {
   readonly kind: ArtifactKind;
@@ -45,6 +46,17 @@ export interface IngestStats {
   newStoredBytes: number;
   dedupChunks: number;
   ms: number;
+}
+
+/** Whether stored chunk `c` decodes to `plain` (a decode and a compare; no hash, `plain` was hashed). */
+async function decodesTo(c: EncodedChunk, plain: Buffer): Promise<boolean> {
+  try {
+    await decodeChunk(c, plain);
+    return true;
+  } catch (e) {
+    if (e instanceof DigestMismatchError) return false;
+    throw e;
+  }
 }
 
 /**
@@ -90,10 +102,13 @@ export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Prom
           const ref = create(ChunkRefSchema, { index: BigInt(index), digest: Buffer.from(digest, 'hex'), size: len, storedSize: len });
           refs.push(ref);
           const p = (async () => {
-            if (await deps.chunks.has(digest)) {
+            // A chunk file renamed into place but not fsynced before an OS crash may be empty,
+            // cut short or torn, and sync() below skips it (not written by this run): reused only
+            // if it decodes to these bytes, else rewritten from them (ADR 0007, Durability).
+            const stored = await deps.chunks.getEncoded(digest);
+            if (stored && (await decodesTo(stored, buf))) {
               stats.dedupChunks++;
-              const enc = await deps.chunks.getEncoded(digest);
-              ref.storedSize = enc?.data.length ?? len;
+              ref.storedSize = stored.data.length;
               await deps.chunks.touch(digest);
               return;
             }

@@ -1,0 +1,97 @@
+// FsChunkStore and FsManifestStore on what goes wrong: files an OS crash cut short, image
+// writes and renames that fail, and which files and directories get fsynced. The fsync
+// helpers (our own, ../durable.ts) are wrapped to record what they were asked to sync.
+import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest';
+import { closeSync, existsSync, mkdirSync, openSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './fs-store.ts';
+import { encodeChunk } from './codec.ts';
+import { markOwned } from './buffers.ts';
+import { create } from '@bufbuild/protobuf';
+import { SignedManifestSchema } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { tempDir } from '../../../services/testkit/proc.ts';
+import type * as Durable from '../durable.ts';
+import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
+
+const synced = vi.hoisted(() => [] as string[]);
+vi.mock('../durable.ts', async (importOriginal) => {
+  const real = await importOriginal<typeof Durable>();
+  return {
+    ...real,
+    fsyncPath: async (p: string) => {
+      synced.push(p);
+      await real.fsyncPath(p);
+    },
+    fsyncAll: async (paths: Iterable<string>, concurrency?: number) => {
+      const list = [...paths];
+      synced.push(...list);
+      await real.fsyncAll(list, concurrency);
+    },
+  };
+});
+
+const CS = 256 * 1024;
+let dir: string;
+
+beforeAll(() => {
+  dir = tempDir('ff-fs-store-');
+});
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
+beforeEach(() => {
+  synced.length = 0;
+});
+
+describe('FsChunkStore', () => {
+  it('missing_ofEmptyOrHeaderlessChunkFile_countsItMissingAndRemovesIt', async () => {
+    const store = new FsChunkStore(join(dir, 'missing'));
+    const [empty, short, whole] = await Promise.all([1, 2, 3].map((i) => encodeChunk(textBytes(CS, i))));
+    for (const c of [empty!, short!, whole!]) await store.put(c);
+    await overwriteChunkFile(store, empty!.digest, Buffer.alloc(0));
+    await overwriteChunkFile(store, short!.digest, Buffer.from('FFC1'));
+    expect(await store.missing([empty!.digest, short!.digest, whole!.digest])).toEqual([empty!.digest, short!.digest]);
+    expect(existsSync(store.pathOf(empty!.digest))).toBe(false);
+    expect(existsSync(store.pathOf(short!.digest))).toBe(false);
+    expect(await store.has(whole!.digest)).toBe(true);
+  });
+
+  it('acceptInto_whenTheImageWriteFailsAfterTheChunkIsInPlace_nextSyncStillFsyncsTheChunk', async () => {
+    const store = new FsChunkStore(join(dir, 'place-fails'));
+    const c = await encodeChunk(randomBytesSeeded(CS, 7));
+    const img = join(dir, 'place-fails.img');
+    writeFileSync(img, Buffer.alloc(CS));
+    // Open read-only: the verify worker's image write fails (EBADF) after its rename.
+    const fd = openSync(img, 'r');
+    try {
+      const data = Buffer.from(c.data);
+      markOwned(data);
+      await expect(store.acceptInto({ ...c, data }, [{ fd, pos: 0 }])).rejects.toThrow(/writing image/);
+    } finally {
+      closeSync(fd);
+    }
+    expect(await store.has(c.digest)).toBe(true);
+    await store.sync();
+    expect(synced).toContain(store.pathOf(c.digest));
+  });
+
+  it('put_whenTheRenameFails_leavesNoTempFile', async () => {
+    const root = join(dir, 'rename-fails');
+    const store = new FsChunkStore(root);
+    const c = await encodeChunk(textBytes(CS, 9));
+    // A directory where the chunk file goes: rename(2) of a file onto it fails (EISDIR).
+    mkdirSync(join(store.pathOf(c.digest), 'x'), { recursive: true });
+    await expect(store.put(c)).rejects.toThrow();
+    expect(readdirSync(join(root, 'tmp'))).toEqual([]);
+  });
+});
+
+describe('FsManifestStore', () => {
+  it('delete_ofAManifest_fsyncsTheManifestsDirectory', async () => {
+    const root = join(dir, 'manifests');
+    const manifests = new FsManifestStore(root);
+    await manifests.put('s1', create(SignedManifestSchema, { manifest: Buffer.from('m') }));
+    synced.length = 0;
+    await manifests.delete('s1');
+    expect(await manifests.get('s1')).toBeUndefined();
+    expect(synced).toContain(join(root, 'manifests'));
+  });
+});

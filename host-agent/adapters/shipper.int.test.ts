@@ -1,0 +1,166 @@
+// ChunkStoreShipper over real chunk stores, a real chunk server on loopback and real
+// qemu-img; the VMM driver is a fake of our own port (only openSnapshot is used here).
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { cpSync, existsSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
+import { join } from 'node:path';
+import { create } from '@bufbuild/protobuf';
+import { pino } from 'pino';
+import { ChunkStoreShipper } from './shipper.ts';
+import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './chunkstore/fs-store.ts';
+import { ingestSnapshot } from './chunkstore/ingest.ts';
+import { Materialiser } from './chunkstore/materialise.ts';
+import { chunkTransferService } from './peer/server.ts';
+import { LiveRoots, systemClock } from '../domain/snapshot-store.ts';
+import { generateSigningKey, signManifest, signTicket, type SigningKey, type TrustedKeys } from '../domain/tickets.ts';
+import type { LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
+import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { FetchSnapshotWorkSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { startGrpcServer, type RunningGrpcServer } from '../../services/adapters/grpc/server.ts';
+import { tempDir } from '../../services/testkit/proc.ts';
+import { randomBytesSeeded, textBytes } from '../bench/transfer-image.ts';
+
+const CS = 256 * 1024;
+const log = pino({ level: 'silent' });
+let dir: string;
+let key: SigningKey;
+let trust: TrustedKeys;
+let server: RunningGrpcServer;
+let signed: SignedManifest;
+let memPath: string;
+/** s1's chunk digests, in memory order. */
+let s1Digests: string[];
+const served: string[] = [];
+
+/** Reads the VMM manifest the snapshot's metadata carries: all obtain() needs of a driver. */
+const driver = {
+  openSnapshot: async (d: string): Promise<LocalSnapshot> => ({ dir: d, manifest: JSON.parse(readFileSync(join(d, 'manifest.json'), 'utf8')) as VmmSnapshotManifest }),
+  snapshotsInUse: async () => new Set<string>(),
+} as unknown as VmmDriver;
+
+/** A host that stored s1 (its chunks and signed manifest), restarted: the shipper loads what it holds. */
+async function receiver(name: string) {
+  const root = join(dir, name);
+  cpSync(join(dir, 'A', 'chunks'), join(root, 'chunks'), { recursive: true });
+  const chunks = new FsChunkStore(root);
+  const manifests = new FsManifestStore(root);
+  await manifests.put('s1', signed);
+  const roots = new LiveRoots();
+  const materialiser = new Materialiser({ root, chunks, manifests, roots, trust });
+  const driverSnapshotsDir = join(root, 'vmm');
+  mkdirSync(driverSnapshotsDir, { recursive: true });
+  const shipper = new ChunkStoreShipper({ hostId: 'hostR', driver, driverSnapshotsDir, chunks, manifests, materialiser, roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS });
+  await shipper.load();
+  return { chunks, shipper };
+}
+
+function work(sources: Array<{ hostId: string; address: string }>) {
+  const ticket = signTicket({ snapshotId: 's1', destinationHostId: 'hostR', expiresAt: new Date(Date.now() + 60_000) }, key);
+  return create(FetchSnapshotWorkSchema, { snapshotId: 's1', sources, ticket, manifest: signed });
+}
+
+beforeAll(async () => {
+  dir = tempDir('ff-shipper-');
+  const gen = generateSigningKey('k1');
+  key = gen.signing;
+  trust = gen.trusted;
+  // Host A holds s1: four chunks of memory, and the VMM's small files in the manifest.
+  memPath = join(dir, 'mem.img');
+  writeFileSync(memPath, Buffer.concat([textBytes(CS, 1), randomBytesSeeded(CS, 2), textBytes(CS, 3), randomBytesSeeded(CS, 4)]));
+  const chunks = new FsChunkStore(join(dir, 'A'));
+  const manifests = new FsManifestStore(join(dir, 'A'));
+  const r = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: memPath }] }, { chunks, roots: new LiveRoots(), clock: systemClock, chunkSize: CS });
+  r.manifest.metadata = { 'manifest.json': Buffer.from(JSON.stringify({ snapshotId: 's1' })), 'image.json': Buffer.from('{}') };
+  signed = signManifest(r.manifest, key);
+  s1Digests = r.manifest.artifacts[0]!.chunks.map((c) => Buffer.from(c.digest).toString('hex'));
+  await manifests.put('s1', signed);
+  r.unpin();
+  const svc = chunkTransferService({ chunks, manifests, trust, clock: systemClock, onServed: (d) => served.push(d) });
+  server = await startGrpcServer({ address: '127.0.0.1:0', services: [svc.registration] });
+});
+
+afterAll(async () => {
+  await server?.close(100);
+  if (dir) rmSync(dir, { recursive: true, force: true });
+});
+
+describe('ChunkStoreShipper.obtain', () => {
+  it('obtain_whenAStoredChunkIsCorruptAndSourcesAreNamed_fetchesOnlyThatChunkAgainAndMaterialises', async () => {
+    const { chunks, shipper } = await receiver('R-corrupt');
+    const victim = s1Digests[1]!;
+    const raw = readFileSync(chunks.pathOf(victim));
+    raw[100] = (raw[100] ?? 0) ^ 1;
+    await overwriteChunkFile(chunks, victim, raw);
+    served.length = 0;
+
+    const { local, bytesFetched } = await shipper.obtain('s1', work([{ hostId: 'hostA', address: server.address }]), () => undefined);
+    await shipper.durable('s1');
+    expect(served).toEqual([victim]);
+    expect(bytesFetched).toBeGreaterThan(0);
+    expect(readFileSync(join(local.dir, 'memory')).equals(readFileSync(memPath))).toBe(true);
+    expect((await chunks.readVerified(victim)).length).toBe(CS);
+    expect(shipper.held().map((h) => h.snapshotId)).toEqual(['s1']);
+  });
+
+  it('obtain_whenAStoredChunkIsMissingAndNoSourceIsNamed_stopsReportingTheSnapshotHeldAndSaysWhy', async () => {
+    const { chunks, shipper } = await receiver('R-missing');
+    rmSync(chunks.pathOf(s1Digests[2]!));
+    expect(shipper.held().map((h) => h.snapshotId)).toEqual(['s1']);
+
+    await expect(shipper.obtain('s1', work([]), () => undefined)).rejects.toThrow(/s1 is incomplete on host hostR .*no source/);
+    expect(shipper.held()).toEqual([]);
+    expect(await shipper.holds('s1')).toBe(false);
+    await expect(shipper.obtain('s1', undefined, () => undefined)).rejects.toThrow(/no source/);
+  });
+});
+
+describe('ChunkStoreShipper.ingest', () => {
+  it('ingest_whenTheIngestFailsAfterFlatteningTheDisk_removesTheFlattenedDiskFromScratch', async () => {
+    const root = join(dir, 'I');
+    const snap = join(root, 'vmm', 'x1');
+    mkdirSync(snap, { recursive: true });
+    // A clone's layer: backed by its parent's layer, which the image's base disk backs.
+    const base = join(root, 'base.qcow2');
+    const parent = join(root, 'parent.qcow2');
+    execFileSync('qemu-img', ['create', '-q', '-f', 'qcow2', base, '4M']);
+    execFileSync('qemu-img', ['create', '-q', '-f', 'qcow2', '-b', base, '-F', 'qcow2', parent]);
+    execFileSync('qemu-img', ['create', '-q', '-f', 'qcow2', '-b', parent, '-F', 'qcow2', join(snap, 'disk.qcow2')]);
+    writeFileSync(join(snap, 'image.json'), JSON.stringify({ disk: base }));
+    writeFileSync(join(snap, 'manifest.json'), '{}');
+    const manifest = {
+      schema: 1,
+      snapshotId: 'x1',
+      parentSnapshotId: null,
+      sourceVmId: 'vm-1',
+      createdAt: new Date().toISOString(),
+      config: { machineType: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '8', accel: 'tcg', cpuModel: 'max' },
+      image: { name: 'tiny', recipeHash: 'h', kernelArgs: '' },
+      // No memory file: the ingest fails after the disk was flattened.
+      files: { memory: 'memory', deviceState: 'state', disk: 'disk.qcow2' },
+      diskVirtualSize: 4 << 20,
+      method: 'shared-file',
+      sourcePauseMs: 0,
+    } satisfies VmmSnapshotManifest;
+    const chunks = new FsChunkStore(root);
+    const manifests = new FsManifestStore(root);
+    const roots = new LiveRoots();
+    const scratchDir = join(root, 'scratch');
+    const shipper = new ChunkStoreShipper({
+      hostId: 'hostI',
+      driver,
+      driverSnapshotsDir: join(root, 'vmm'),
+      chunks,
+      manifests,
+      materialiser: new Materialiser({ root, chunks, manifests, roots, trust }),
+      roots,
+      trust,
+      scratchDir,
+      log,
+      chunkSize: CS,
+    });
+    await expect(shipper.ingest({ dir: snap, manifest })).rejects.toThrow(/ENOENT/);
+    expect(existsSync(scratchDir)).toBe(true); // it was flattened there
+    expect(readdirSync(scratchDir)).toEqual([]);
+  });
+});
