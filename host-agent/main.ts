@@ -100,9 +100,9 @@ async function main(): Promise<void> {
   // Restore by migration, source side (ADR 0015): a paused clone of a snapshot held here migrates to the caller.
   // Through a TLS relay, QEMU streams to a unix socket here and the relay carries it to the
   // caller, whose certificate must name the host the call came from (its certificate's CN).
-  const migrate = async (snapshotId: string, target: { host: string; port: number; hostId: string }): Promise<{ bytes: number; ms: number }> => {
+  const migrate = async (snapshotId: string, target: { host: string; port: number; hostId: string }, signal: AbortSignal): Promise<{ bytes: number; ms: number }> => {
     const { local } = await shipper.obtain(snapshotId, undefined, () => undefined);
-    return relay ? migrateOutThroughRelay(relay, target, (to) => driver.migrateOut(local, to)) : driver.migrateOut(local, target);
+    return relay ? migrateOutThroughRelay(relay, target, (to) => driver.migrateOut(local, to, signal), signal) : driver.migrateOut(local, target, signal);
   };
   // With peer TLS, a caller is the host its certificate names (tls.ts), not what it says.
   const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate, ...(peerTls ? { callerHostId: certificateHostId } : {}) });

@@ -336,6 +336,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
           started = true;
           return load(conn, sourceGone);
         });
+        if (r.sourceError) this.deps.log.warn({ source: s.hostId, snapshotId: fetch.snapshotId, err: r.sourceError }, 'migration source failed to answer after its stream was loaded; the VM stands');
         return { result: r.result, bytes: r.bytes };
       } catch (e) {
         if (started) throw e;

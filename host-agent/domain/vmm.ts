@@ -235,9 +235,10 @@ export interface VmmDriver {
   /**
    * Optional (ADR 0015): restore on another host by migration. The source migrates a paused
    * clone's whole RAM and device state to `target` (the destination's listener); the
-   * destination prepares a VM that loads that stream.
+   * destination prepares a VM that loads that stream. `signal` aborts a stream whose
+   * destination gave up.
    */
-  migrateOut?(snapshot: LocalSnapshot, target: MigrationTarget): Promise<MigrateOutReport>;
+  migrateOut?(snapshot: LocalSnapshot, target: MigrationTarget, signal?: AbortSignal): Promise<MigrateOutReport>;
   prepareIncoming?(src: IncomingSource, child: CloneSpec): Promise<IncomingVm>;
   /**
    * Snapshots whose files something on this host still needs: a VM maps its memory image or

@@ -51,10 +51,15 @@ export interface MigrateFromOptions {
 
 export interface MigrateFromReport<T> {
   readonly result: T;
-  /** Stream bytes the source sent. */
+  /** Stream bytes the source sent (0 when its answer failed after the stream was loaded). */
   readonly bytes: number;
   /** The source's time, from the request to the stream sent. */
   readonly sourceMs: number;
+  /**
+   * The source's answer failed after the stream had been loaded (QEMU checked the stream
+   * whole): the VM stands, and this says why the answer did not come.
+   */
+  readonly sourceError?: string;
 }
 
 /** Default time a migration source has to connect after accepting MigrateSnapshot. */
@@ -71,12 +76,15 @@ export const DEFAULT_MIGRATE_CONNECT_MS = 20_000;
  */
 export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: MigrationStream, sourceGone: AbortSignal) => Promise<T>): Promise<MigrateFromReport<T>> {
   const connectMs = o.connectTimeoutMs ?? DEFAULT_MIGRATE_CONNECT_MS;
-  const inbound = o.relay ? await relayOnce(o, o.relay, connectMs) : await listenOnce(o, connectMs);
-  const ac = new AbortController();
+  const timeoutMs = o.timeoutMs ?? 120_000;
+  if (o.signal?.aborted) throw o.signal.reason instanceof Error ? o.signal.reason : new Error(String(o.signal.reason));
   const peer = peerChannel(o.tls, o.sourceAddress);
   const client = createClient(ChunkTransferService, o.sourceAddress, peer.credentials, peer.options);
+  const ac = new AbortController();
+  let inbound: Inbound | undefined;
   try {
-    const call = client.migrateSnapshot({ ticket: o.ticket, port: inbound.port }, { timeoutMs: o.timeoutMs ?? 120_000, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
+    inbound = o.relay ? await relayOnce(o, o.relay, connectMs, timeoutMs) : await listenOnce(o, connectMs);
+    const call = client.migrateSnapshot({ ticket: o.ticket, port: inbound.port }, { timeoutMs, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
     // The source failing before it connects, the inbound end giving up, or the caller giving
     // up, ends the wait for its connection; failing after, the load's wait for its stream.
     // Once the stream is loaded, nothing of theirs matters.
@@ -89,21 +97,27 @@ export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: Migrati
     };
     call.catch(fail);
     void inbound.failed.then(fail);
+    const connected = inbound.arrived;
     if (o.signal?.aborted) ac.abort(o.signal.reason);
     o.signal?.addEventListener('abort', () => ac.abort(o.signal?.reason), { once: true, signal: ac.signal });
     const arrived = new Promise<MigrationStream>((resolve, reject) => {
-      void inbound.arrived.then(resolve);
+      void connected.then(resolve);
       if (ac.signal.aborted) reject(ac.signal.reason as Error);
       else ac.signal.addEventListener('abort', () => reject(ac.signal.reason as Error), { once: true });
     });
     const result = await arrived.then((conn) => load(conn, sourceGone.signal));
     loaded = true;
-    const res = await call;
-    return { result, bytes: Number(res.bytes), sourceMs: res.millis };
+    // QEMU loaded the whole stream and checked it: the VM stands whatever the source's answer
+    // says now (a reset connection, a relay that ended late), and is not thrown away for it.
+    const res = await call.then(
+      (r) => ({ bytes: Number(r.bytes), sourceMs: r.millis }),
+      (e: unknown) => ({ bytes: 0, sourceMs: 0, sourceError: e instanceof Error ? e.message : String(e) }),
+    );
+    return { result, ...res };
   } finally {
     ac.abort(new Error('migration finished'));
     client.close();
-    await inbound.close();
+    await inbound?.close();
   }
 }
 
@@ -132,6 +146,8 @@ async function listenOnce(o: MigrateFromOptions, connectMs: number): Promise<Inb
   let noConnect: NodeJS.Timeout | undefined;
   const failed = new Promise<Error>((resolve) => {
     noConnect = setTimeout(() => resolve(new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect within ${connectMs} ms`, { retryable: true })), connectMs);
+    // A failed accept (EMFILE) is an 'error' on the server: this end gives up, and the agent lives.
+    server.on('error', (e) => resolve(new ForkfleetError('unavailable', `migration listener failed: ${e.message}`, { retryable: true })));
   });
   const arrived = new Promise<net.Socket>((resolve) => {
     server.on('connection', (c) => {
@@ -159,24 +175,33 @@ async function listenOnce(o: MigrateFromOptions, connectMs: number): Promise<Inb
  * A TLS relay (tls-relay.ts) listening for the source; the stream arrives on a new unix socket
  * under `r.socketDir`, which QEMU listens on and the relay connects to.
  */
-async function relayOnce(o: MigrateFromOptions, r: NonNullable<MigrateFromOptions['relay']>, connectMs: number): Promise<Inbound> {
+async function relayOnce(o: MigrateFromOptions, r: NonNullable<MigrateFromOptions['relay']>, connectMs: number, timeoutMs: number): Promise<Inbound> {
   const unixPath = join(r.socketDir, `in-${randomBytes(6).toString('hex')}.sock`);
   await mkdir(r.socketDir, { recursive: true, mode: 0o700 });
-  const relay = await listenRelay({ socat: r.socat, tlsDir: r.tlsDir, unixPath, peerHostId: r.sourceHostId, acceptTimeoutMs: connectMs, bindHost: o.listenHost, fromHost: plainAddress(hostOfAddress(o.sourceAddress)) });
-  return {
-    port: relay.port,
-    arrived: relay.verified.then(() => ({ unixPath })),
+  // The stream waits in the relay until this host's QEMU listens, for as long as the exchange may take.
+  const relay = await listenRelay({ socat: r.socat, tlsDir: r.tlsDir, unixPath, peerHostId: r.sourceHostId, acceptTimeoutMs: connectMs, unixWaitMs: timeoutMs, bindHost: o.listenHost, fromHost: plainAddress(hostOfAddress(o.sourceAddress)) });
+  const late = (): Error => new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect as host ${r.sourceHostId} within ${connectMs} ms`, { retryable: true });
+  // socat's accept-timeout starts again after each refused connection, and its TLS handshake
+  // has none: the source has connectMs from here to prove who it is, whatever socat does.
+  let noConnect: NodeJS.Timeout | undefined;
+  const failed = new Promise<Error>((resolve) => {
+    noConnect = setTimeout(() => resolve(late()), connectMs);
+    void relay.verified.then(() => clearTimeout(noConnect));
     // Ending before the source connected (in time, from its address, as the source host), or
     // with an error (the stream broke). One that carried a whole stream exits 0, maybe before
     // QEMU has finished loading it or the source's call answered: that is no failure.
-    failed: relay.exited.then((x) =>
-      x.peerVerified && x.code === 0
-        ? new Promise<Error>(() => undefined)
-        : x.peerVerified
-          ? new ForkfleetError('unavailable', `the migration stream's relay ended (exit ${x.code})`, { retryable: true })
-          : new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect as host ${r.sourceHostId} within ${connectMs} ms`, { retryable: true }),
-    ),
+    void relay.exited.then((x) => {
+      if (x.peerVerified && x.code === 0) return;
+      clearTimeout(noConnect);
+      resolve(x.peerVerified ? new ForkfleetError('unavailable', `the migration stream's relay ended (exit ${x.code})`, { retryable: true }) : late());
+    });
+  });
+  return {
+    port: relay.port,
+    arrived: relay.verified.then(() => ({ unixPath })),
+    failed,
     close: async () => {
+      clearTimeout(noConnect);
       await relay.stop();
       await rm(unixPath, { force: true });
     },
@@ -195,14 +220,29 @@ export interface MigrationRelaySettings {
  * carries what `send` streams into it (QEMU's `migrate unix:`) to `target`, whose certificate
  * must name `target.hostId` (the host the ticket and the call's certificate named).
  */
-export async function migrateOutThroughRelay<R>(r: MigrationRelaySettings, target: { host: string; port: number; hostId: string }, send: (to: { unixPath: string }) => Promise<R>): Promise<R> {
+export async function migrateOutThroughRelay<R>(r: MigrationRelaySettings, target: { host: string; port: number; hostId: string }, send: (to: { unixPath: string }) => Promise<R>, signal?: AbortSignal): Promise<R> {
   await mkdir(r.socketDir, { recursive: true, mode: 0o700 });
   const unixPath = join(r.socketDir, `out-${randomBytes(6).toString('hex')}.sock`);
-  const relay = await connectRelay({ ...r, unixPath, host: target.host, port: target.port, peerHostId: target.hostId, acceptTimeoutMs: 30_000 });
+  const relay = await connectRelay({ ...r, unixPath, host: target.host, port: target.port, peerHostId: target.hostId, acceptTimeoutMs: 30_000, idleTimeoutMs: RELAY_IDLE_MS });
+  const stop = (): void => void relay.stop();
+  signal?.addEventListener('abort', stop, { once: true });
   try {
-    return await send({ unixPath });
+    const sent = await send({ unixPath });
+    // QEMU's "completed" means it wrote the stream into the unix socket; the relay may still
+    // hold the end of it (its buffer, the socket queues) while the destination reads. It
+    // exits once the destination has read all and closed: killing it now cut streams short.
+    // It gives up by itself after RELAY_IDLE_MS without progress (-T). How it exits says
+    // nothing more: a destination QEMU with its own TLS resets the connection once it has
+    // loaded the stream (exit 1, "Connection reset by peer"), and whether a stream loaded is
+    // the destination's to tell (QEMU checks it whole).
+    await relay.exited;
+    return sent;
   } finally {
+    signal?.removeEventListener('abort', stop);
     await relay.stop();
     await rm(unixPath, { force: true });
   }
 }
+
+/** A relay whose stream moves nothing for this long gives up (socat -T). */
+const RELAY_IDLE_MS = 60_000;

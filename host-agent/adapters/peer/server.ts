@@ -37,7 +37,7 @@ export interface ChunkServerDeps {
    * Restore by migration (ADR 0015): migrate a paused clone of the snapshot to `target`.
    * Absent: MigrateSnapshot is refused and callers fetch chunks instead.
    */
-  readonly migrate?: (snapshotId: string, target: { host: string; port: number; hostId: string }) => Promise<{ bytes: number; ms: number }>;
+  readonly migrate?: (snapshotId: string, target: { host: string; port: number; hostId: string }, signal: AbortSignal) => Promise<{ bytes: number; ms: number }>;
 }
 
 export interface ChunkServerStats {
@@ -109,7 +109,8 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       const host = peerHost(ctx.peer);
       if (!host) throw new ForkfleetError('failed_precondition', `cannot tell the caller's address from ${ctx.peer}`);
       // hostId: the caller the ticket was checked against (with peer TLS, its certificate's CN).
-      const r = await deps.migrate(claims.snapshotId, { host, port: req.port, hostId: caller(ctx) });
+      // The caller's cancel (it gave up waiting) stops the stream.
+      const r = await deps.migrate(claims.snapshotId, { host, port: req.port, hostId: caller(ctx) }, ctx.signal);
       deps.log?.info({ snapshotId: claims.snapshotId, to: `${host}:${req.port}`, bytes: r.bytes, ms: r.ms }, 'snapshot migrated to a peer');
       return { bytes: BigInt(r.bytes), millis: r.ms };
     },

@@ -5,7 +5,7 @@
 // reads (the driver's side is tested against real QEMU in adapters/qemu/driver.int.test.ts).
 import net from 'node:net';
 import { createHash, randomBytes } from 'node:crypto';
-import { existsSync, readdirSync, readFileSync, rmSync } from 'node:fs';
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { generateSigningKey, signTicket, type SigningKey, type TrustedKeys } from '../../domain/tickets.ts';
@@ -102,6 +102,59 @@ describe.skipIf(!socat)('TLS relays for migration streams', () => {
     expect(ourRelays()).toEqual([]);
     expect(readdirSync(relays.dst!.socketDir)).toEqual([]);
     expect(readdirSync(relays.src!.socketDir)).toEqual([]);
+  });
+
+  it('migrateOutThroughRelay_whoseSourceClosesAtOnceAsQemuDoes_deliversAllOfItToASlowReader_beforeItAnswers', async () => {
+    // QEMU reports "completed" once the stream is in the unix socket and closes it; the relay
+    // may still hold the end of it while the destination reads. 32 MiB, read slowly.
+    const big = randomBytes(32 << 20);
+    const writeAndLeave = async (to: { unixPath: string }): Promise<{ bytes: number; ms: number }> => {
+      const c = net.createConnection(to.unixPath);
+      await new Promise<void>((resolve, reject) => c.once('connect', resolve).once('error', reject));
+      await new Promise<void>((resolve) => c.end(big, resolve));
+      c.destroy();
+      return { bytes: big.length, ms: 1 };
+    };
+    let answered = 0;
+    const migrate = async (_id: string, target: { host: string; port: number; hostId: string }) => {
+      const r = await migrateOutThroughRelay(relays.src!, target, writeAndLeave);
+      answered = Date.now();
+      return r;
+    };
+    mkdirSync(join(dir, 'slow'));
+    const deps = await storeHoldingS1(join(dir, 'slow'), key);
+    const svc = chunkTransferService({ chunks: deps.chunks, manifests: deps.manifests, trust, clock: { now: () => new Date() }, migrate, callerHostId: certificateHostId });
+    const src = await startGrpcServer({ address: '127.0.0.1:0', services: [svc.registration], credentials: peerServerCredentials(tls.src) });
+    try {
+      let readAll = 0;
+      const slowRead = async (stream: MigrationStream): Promise<Buffer> => {
+        if (stream instanceof net.Socket) throw new Error('expected a relay stream');
+        const server = net.createServer();
+        const accepted = new Promise<net.Socket>((r) => server.once('connection', r));
+        await new Promise<void>((r) => server.listen(stream.unixPath, r));
+        try {
+          const conn = await accepted;
+          const parts: Buffer[] = [];
+          for await (const b of conn) {
+            parts.push(b as Buffer);
+            await new Promise((r) => setTimeout(r, 1));
+          }
+          readAll = Date.now();
+          return Buffer.concat(parts);
+        } finally {
+          server.close();
+        }
+      };
+      const r = await migrateFrom({ sourceAddress: src.address, ticket: ticket('dst'), hostId: 'dst', listenHost: '127.0.0.1', tls: tls.dst, relay: { ...relays.dst!, sourceHostId: 'src' } }, slowRead);
+      expect(r.result.length).toBe(big.length);
+      expect(sha(r.result)).toBe(sha(big));
+      expect(r.sourceError).toBeUndefined();
+      // The source answered once the destination had it all, not when its own side was written.
+      expect(answered).toBeGreaterThanOrEqual(readAll);
+      expect(ourRelays()).toEqual([]);
+    } finally {
+      await src.close(100);
+    }
   });
 
   it('migrateFrom_whenTheSourceIsNotTheHostTheDestinationExpects_refusesItsStream_andLoadNeverRuns', async () => {

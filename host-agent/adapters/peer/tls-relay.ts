@@ -58,11 +58,14 @@ export interface Relay {
   stop(): Promise<void>;
 }
 
-// A socat address option's value cannot hold these (they separate options and addresses).
-const UNSAFE = /[,:!\s]/;
+// What a value in a socat address may be made of. socat gives meaning to much else: ',' ':'
+// and '!!' separate options and addresses, quotes and backslashes are parsed (an unbalanced
+// quote made it read past the end of the argument), so this is a list of what is safe rather
+// than of what is not. Paths are the agent's own directories; host ids are [a-z0-9-].
+const SAFE = /^[A-Za-z0-9._/+-]+$/;
 
 function checkValue(what: string, v: string): string {
-  if (!v || UNSAFE.test(v)) throw new Error(`TLS relay: ${what} ${JSON.stringify(v)} cannot be passed to socat`);
+  if (!SAFE.test(v)) throw new Error(`TLS relay: ${what} ${JSON.stringify(v)} cannot be passed to socat`);
   return v;
 }
 
@@ -105,10 +108,16 @@ function start(o: RelayOptions, addresses: [string, string], onLine: (line: stri
   const [cmd, argv] = SETPRIV ? [SETPRIV, ['--pdeathsig', 'KILL', '--', o.socat, ...args]] : [o.socat, args];
   const env = { ...process.env, OPENSSL_CONF: opensslConf(o.tlsDir) };
   const child: ChildProcess = spawn(cmd, argv, { stdio: ['ignore', 'ignore', 'pipe'], env });
-  if (child.pid === undefined) throw new Error(`TLS relay: could not start ${o.socat}`);
   let log = '';
   let peerVerified = false;
   let partial = '';
+  // Listened to before anything else: a spawn that fails (ENOENT, EAGAIN, EMFILE) emits
+  // 'error' on the next tick, and an 'error' nobody listens to ends the agent.
+  const exited = new Promise<{ code: number | null; peerVerified: boolean; log: string }>((resolve) => {
+    child.once('error', (e) => resolve({ code: null, peerVerified, log: log + `${e.message}\n` }));
+    child.once('close', (code) => resolve({ code, peerVerified, log }));
+  });
+  if (child.pid === undefined) throw new Error(`TLS relay: could not start ${o.socat}`);
   child.stderr?.setEncoding('utf8');
   child.stderr?.on('data', (s: string) => {
     const lines = (partial + s).split('\n');
@@ -119,10 +128,6 @@ function start(o: RelayOptions, addresses: [string, string], onLine: (line: stri
       if (line.includes('commonName matches')) peerVerified = true;
       onLine(line);
     }
-  });
-  const exited = new Promise<{ code: number | null; peerVerified: boolean; log: string }>((resolve) => {
-    child.once('error', () => resolve({ code: null, peerVerified, log }));
-    child.once('close', (code) => resolve({ code, peerVerified, log }));
   });
   return {
     pid: child.pid,
@@ -149,7 +154,7 @@ function socatHost(host: string): { pf: string; bind: string; range: string } {
  * Resolves once listening, with the port. `verified` resolves when the source has connected
  * and proved who it is; it never resolves if the relay ends first.
  */
-export async function listenRelay(o: RelayOptions & { readonly bindHost: string; readonly fromHost: string }): Promise<Relay & { port: number; verified: Promise<void> }> {
+export async function listenRelay(o: RelayOptions & { readonly bindHost: string; readonly fromHost: string; readonly unixWaitMs?: number }): Promise<Relay & { port: number; verified: Promise<void> }> {
   const b = socatHost(o.bindHost);
   const from = socatHost(o.fromHost);
   const path = checkValue('socket path', o.unixPath);
@@ -158,9 +163,11 @@ export async function listenRelay(o: RelayOptions & { readonly bindHost: string;
   const port = new Promise<number>((r) => (onPort = r));
   const verified = new Promise<void>((r) => (onVerified = r));
   const listen = `OPENSSL-LISTEN:0,${b.pf},bind=${b.bind},range=${from.range},backlog=1,accept-timeout=${seconds(o.acceptTimeoutMs)},${tlsOptions(o, 'server')}`;
-  // QEMU listens only once the load has started (after the source proved who it is): retried
-  // every 10 ms (a failed connect costs microseconds; the stream waits for the first success).
-  const unix = `UNIX-CONNECT:${path},retry=${Math.ceil(o.acceptTimeoutMs / 10)},interval=0.01`;
+  // QEMU listens only once the load has started (after the source proved who it is, and this
+  // host has its disk layer and QEMU ready, which may take longer than the source took to
+  // connect): retried every 10 ms (a failed connect costs microseconds; the stream waits for
+  // the first success), for `unixWaitMs`.
+  const unix = `UNIX-CONNECT:${path},retry=${Math.ceil((o.unixWaitMs ?? o.acceptTimeoutMs) / 10)},interval=0.01`;
   const relay = start(o, [listen, unix], (line) => {
     const m = / listening on AF=\d+ .*:(\d+)\s*$/.exec(line);
     if (m) onPort(Number(m[1]));

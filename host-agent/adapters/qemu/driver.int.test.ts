@@ -407,6 +407,31 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await readdir(ramMount)).toEqual([]);
   });
 
+  it('migrateOut_whoseDestinationGivesUpMidStream_isCancelledAtOnce_andLeavesNoSourceQemu', async () => {
+    // A destination that accepts and never reads (gone, or a listener whose port another
+    // restore has by now): the source stops when the caller's signal says so.
+    const server = net.createServer({ pauseOnConnect: true });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const accepted = new Promise<net.Socket>((r) => server.once('connection', r));
+    const ac = new AbortController();
+    try {
+      const out = driver.migrateOut(snap, { host: '127.0.0.1', port: (server.address() as net.AddressInfo).port }, ac.signal);
+      out.catch(() => undefined);
+      const conn = await accepted;
+      await new Promise((r) => setTimeout(r, 300));
+      const t0 = Date.now();
+      ac.abort(new Error('destination gave up'));
+      await expect(out).rejects.toThrow(/cancelled|destination gave up/);
+      expect(Date.now() - t0).toBeLessThan(5_000);
+      conn.destroy();
+      expect((await readdir(join(root, 'standby')).catch(() => [] as string[])).filter((d) => d.startsWith('source-'))).toEqual([]);
+      // Already given up before it starts: nothing is launched.
+      await expect(driver.migrateOut(snap, { host: '127.0.0.1', port: 1 }, AbortSignal.abort(new Error('too late')))).rejects.toThrow('too late');
+    } finally {
+      server.close();
+    }
+  });
+
   it('migrate_overTls_whenBothHostsHaveTheFleetsCertificates_restoresTheVm_andAPlainTextStreamIsRefused', async () => {
     // Two more "hosts", each with a certificate of one CA naming 127.0.0.1 (as deploy/ issues them).
     const pki = join(root, 'tls');

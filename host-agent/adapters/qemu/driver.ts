@@ -1188,8 +1188,9 @@ export class QemuVmmDriver implements VmmDriver {
    * other host, or with migrationViaUnix (a TLS relay carries the stream) in one of its own;
    * the guest's vCPUs never start in it. The snapshot's files are only read.
    */
-  async migrateOut(snapshot: LocalSnapshot, target: MigrationTarget): Promise<MigrateOutReport> {
+  async migrateOut(snapshot: LocalSnapshot, target: MigrationTarget, signal?: AbortSignal): Promise<MigrateOutReport> {
     const t0 = performance.now();
+    signal?.throwIfAborted();
     if ('host' in target && this.opts.migrationViaUnix) throw new VmmError('migration sources have no network here (migrationViaUnix): stream to a unix socket');
     await this.assertCompatible(snapshot);
     const ready = await this.sources.claim(snapshot.manifest.snapshotId);
@@ -1203,7 +1204,16 @@ export class QemuVmmDriver implements VmmDriver {
       // To a unix socket, a TLS relay carries the stream (peer/tls-relay.ts); QEMU's own TLS only on TCP.
       if ('host' in target && this.opts.migrationTlsDir) await useMigrationTls(s.qmp, this.opts.migrationTlsDir, { endpoint: 'client', hostname: target.host });
       const tm = performance.now();
-      await migrateAndWait(s.qmp, migrationUri(target));
+      // The destination gave up (its call ended): no stream goes to a listener it closed,
+      // whose port a later restore on that host may have by now.
+      signal?.throwIfAborted();
+      const cancel = (): void => void s.qmp.execute('migrate_cancel').catch(() => undefined);
+      signal?.addEventListener('abort', cancel, { once: true });
+      try {
+        await migrateAndWait(s.qmp, migrationUri(target));
+      } finally {
+        signal?.removeEventListener('abort', cancel);
+      }
       const q = await s.qmp.execute<{ ram?: { transferred?: number; mbps?: number } }>('query-migrate').catch(() => undefined);
       const bytes = q?.ram?.transferred ?? 0;
       const ms = Math.round(performance.now() - t0);
