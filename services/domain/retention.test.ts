@@ -67,6 +67,14 @@ describe('planRetention', () => {
     expect(planRetention(snaps, [{ ...child, state: 'destroyed' }], 100 * MIN, NOTICE).announce.map((x) => x.snapshot.id)).toEqual(['s1']);
   });
 
+  it('ttlSnapshotFreedAfterItsTtl_getsTheFullNoticeFromWhenItIsFree', () => {
+    // Its TTL (60 min) passed while a sandbox restored from it; it is free at 100 min.
+    const s = snap('s1', 0, { retentionTtlMs: 60 * MIN });
+    const child = sandbox('sb-child', { sourceSnapshotId: 's1' });
+    expect(planRetention([s], [child], 100 * MIN, NOTICE).announce).toEqual([]);
+    expect(planRetention([s], [{ ...child, state: 'destroyed' }], 100 * MIN, NOTICE).announce.map((a) => a.dueAt)).toEqual([100 * MIN + NOTICE]);
+  });
+
   it('lineagesAndTenants_areCountedSeparately', () => {
     const snaps = [snap('a1', 1, { keepLast: 1 }), snap('b1', 2, { keepLast: 1, lineageId: 'sb-b' }), snap('c1', 3, { keepLast: 1, tenantId: 't2' })];
     expect(planRetention(snaps, [], 10 * MIN, NOTICE).announce).toEqual([]);

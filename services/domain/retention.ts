@@ -74,7 +74,9 @@ export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: read
         if (!announced) return;
       }
       if (!announced) {
-        announce.push({ snapshot: sn, dueAt: Math.max(goneAt, now) });
+        // A full notice, also for one whose TTL passed while a sandbox used it (or while no
+        // leader ran): deleted at once it would get none.
+        announce.push({ snapshot: sn, dueAt: Math.max(goneAt, now + noticeMs) });
         return;
       }
       if (sn.expiryDueAt! > now || by) return;

@@ -92,6 +92,24 @@ describe('MigrateSnapshot', () => {
     expect(targets.length).toBe(calls);
   });
 
+  it('fetchChunks_wantOfADigestThatIsNot32Bytes_isInvalidArgumentNamingIt', async () => {
+    // The same service serves chunks: a malformed want is the caller's error, not a ticket's.
+    const client = createClient(ChunkTransferService, withMigrate.address);
+    try {
+      async function* reqs() {
+        yield { payload: { case: 'open' as const, value: { ticket: ticket('hostR'), credit: 4 } } };
+        yield { payload: { case: 'want' as const, value: { digests: [new Uint8Array(32), new Uint8Array(5)] } } };
+      }
+      const call = client.fetchChunks(reqs(), { metadata: { [HOST_ID_METADATA]: 'hostR' } });
+      const got = await (async () => {
+        for await (const _ of call) void _;
+      })().then(() => undefined, (e: unknown) => e as { kind?: string; field?: string });
+      expect(got).toMatchObject({ kind: 'invalid_argument', field: 'want.digests[1]' });
+    } finally {
+      client.close();
+    }
+  });
+
   /** A source that accepts MigrateSnapshot and connects only when released. */
   async function slowSource(): Promise<{ server: RunningGrpcServer; release: () => void }> {
     let release = (): void => undefined;

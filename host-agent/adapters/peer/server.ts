@@ -134,6 +134,12 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
             const p = r.value.payload;
             if (p.case === 'credit') credit += p.value;
             else if (p.case === 'want') {
+              // A receiver asks for each chunk it lacks once (again only after a 'missing');
+              // more than this waiting is not a receiver, and each would cost a read.
+              if (wants.length + p.value.digests.length > Math.max(1024, 2 * allowed.size)) throw new InvalidArgumentError('want.digests', `more than ${Math.max(1024, 2 * allowed.size)} chunks asked for and not yet sent`);
+              p.value.digests.forEach((b, i) => {
+                if (b.length !== 32) throw new InvalidArgumentError(`want.digests[${i}]`, `a SHA-256 digest is 32 bytes, got ${b.length}`);
+              });
               for (const b of p.value.digests) {
                 const d = Buffer.from(b).toString('hex');
                 if (!allowed.has(d)) {
