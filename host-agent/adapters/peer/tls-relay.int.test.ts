@@ -45,8 +45,11 @@ function ourRelays(): number[] {
     .map(Number);
 }
 
-/** What the destination's QEMU does with a relay's stream: listens on the unix socket and reads one connection. */
-async function readStream(stream: MigrationStream): Promise<Buffer> {
+/**
+ * What the destination's QEMU does with a relay's stream: listens on the unix socket and reads
+ * one connection (pausing `delayMs` after each read: a slow reader).
+ */
+const reader = (delayMs: number) => async (stream: MigrationStream): Promise<Buffer> => {
   if (stream instanceof net.Socket) throw new Error('expected a relay stream');
   const server = net.createServer();
   const accepted = new Promise<net.Socket>((r) => server.once('connection', r));
@@ -54,12 +57,16 @@ async function readStream(stream: MigrationStream): Promise<Buffer> {
   try {
     const conn = await accepted;
     const parts: Buffer[] = [];
-    for await (const b of conn) parts.push(b as Buffer);
+    for await (const b of conn) {
+      parts.push(b as Buffer);
+      if (delayMs > 0) await new Promise((r) => setTimeout(r, delayMs));
+    }
     return Buffer.concat(parts);
   } finally {
     server.close();
   }
-}
+};
+const readStream = reader(0);
 
 /** What the source's QEMU does (`migrate unix:`): connects to the relay's socket and writes the stream. */
 async function sendStream(to: { unixPath: string }): Promise<{ bytes: number; ms: number }> {
@@ -128,22 +135,9 @@ describe.skipIf(!socat)('TLS relays for migration streams', () => {
     try {
       let readAll = 0;
       const slowRead = async (stream: MigrationStream): Promise<Buffer> => {
-        if (stream instanceof net.Socket) throw new Error('expected a relay stream');
-        const server = net.createServer();
-        const accepted = new Promise<net.Socket>((r) => server.once('connection', r));
-        await new Promise<void>((r) => server.listen(stream.unixPath, r));
-        try {
-          const conn = await accepted;
-          const parts: Buffer[] = [];
-          for await (const b of conn) {
-            parts.push(b as Buffer);
-            await new Promise((r) => setTimeout(r, 1));
-          }
-          readAll = Date.now();
-          return Buffer.concat(parts);
-        } finally {
-          server.close();
-        }
+        const got = await reader(1)(stream);
+        readAll = Date.now();
+        return got;
       };
       const r = await migrateFrom({ sourceAddress: src.address, ticket: ticket('dst'), hostId: 'dst', listenHost: '127.0.0.1', tls: tls.dst, relay: { ...relays.dst!, sourceHostId: 'src' } }, slowRead);
       expect(r.result.length).toBe(big.length);

@@ -13,32 +13,10 @@ import type { DeliveryRec } from '../../domain/webhooks.ts';
 import { usageOf } from '../../domain/quota.ts';
 import { EtcdLeaderElection } from './election.ts';
 import { NotLeaderError, StoreUnavailableError } from '../../domain/errors.ts';
+import { sandboxRecord } from '../../testkit/records.ts';
 
 function sandbox(tenantId: string, id: string): SandboxRec {
-  return {
-    id,
-    tenantId,
-    state: 'running',
-    stateReason: '',
-    hostId: 'h1',
-    resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 },
-    image: 'tiny',
-    sourceSnapshotId: '',
-    lineageId: id,
-    hostname: id,
-    labels: { pad: 'x'.repeat(400) },
-    ttlMs: null,
-    idleTimeoutMs: null,
-    afterResume: [],
-    allowEgress: false,
-    allowCidrs: [],
-    createdAt: 0,
-    updatedAt: 0,
-    runningMsBefore: 0,
-    runningSince: 0,
-    hibernationSnapshotId: '',
-    opId: '',
-  };
+  return sandboxRecord({ id, tenantId, lineageId: id, hostname: id, labels: { pad: 'x'.repeat(400) }, afterResume: [], allowCidrs: [] });
 }
 
 describe('EtcdFleetStore', () => {
