@@ -41,7 +41,10 @@ export class VmmError extends ForkfleetError {
 
 export class VmBootTimeoutError extends ForkfleetError {
   constructor(vmId: string, ms: number, options: ForkfleetErrorOptions = {}) {
-    super('deadline_exceeded', `vm ${vmId} did not become ready within ${ms} ms`, options);
+    // What stopped it (a failed qemu-img, a full disk, a health check) travels with the message:
+    // the cause is not part of the step's result.
+    const why = options.cause instanceof Error ? `: ${options.cause.message}` : '';
+    super('deadline_exceeded', `vm ${vmId} did not become ready within ${ms} ms${why}`, options);
   }
 }
 

@@ -360,10 +360,20 @@ export class Agent {
   private async runStepOnce(w: HostWork): Promise<HostResult> {
     const { journal, clock } = this.deps;
     const log = this.log.child({ opId: w.opId, stepId: w.stepId });
-    const prior = journalled(await journal.get(w.opId, w.stepId), w);
-    if (prior) return prior;
     const started = clock.now();
     const result = create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: this.deps.config.hostId, attempt: w.attempt });
+    let read: Uint8Array | undefined;
+    try {
+      read = await journal.get(w.opId, w.stepId);
+    } catch (e) {
+      // Answered, not left to redelivery (which would fail alike until JetStream drops it):
+      // the scheduler sees why, and retries a step it may retry.
+      log.error({ err: e }, 'step journal unreadable; step not run');
+      result.error = create(ErrorInfoSchema, errorInfo(e));
+      return result;
+    }
+    const prior = journalled(read, w);
+    if (prior) return prior;
     try {
       log.info({ work: w.work.case }, 'step started');
       await this.act(w, result, log);
@@ -373,7 +383,10 @@ export class Agent {
     }
     result.duration = durationFromMs(Math.round(clock.now() - started));
     // Failures that may succeed on a retry are not journalled, so a redelivery tries again.
-    if (!result.error || !result.error.retryable) await journal.put(w.opId, w.stepId, toBinary(HostResultSchema, result));
+    // A journal that cannot be written (disk full) does not hide what the step did: the
+    // result goes out all the same (a redelivery would then run the step again, and every
+    // step checks what is already there first).
+    if (!result.error || !result.error.retryable) await journal.put(w.opId, w.stepId, toBinary(HostResultSchema, result)).catch((e: unknown) => log.error({ err: e }, 'could not journal the step result; reporting it anyway'));
     log.info({ ok: !result.error, ms: clock.now() - started }, 'step finished');
     return result;
   }

@@ -31,6 +31,27 @@ describe('journal prune', () => {
     expect([...(await j.get('op-old', 'restore/h1'))!]).toEqual([3]);
   });
 
+  it('fsJournal_opIdsLongerThanAFileNameAllows_areJournalledAndPruned_andUnsafeOnesRefused', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
+    dirs.push(dir);
+    const j = new FsJournal(dir);
+    // A stray VM's stop: stray-<63-character host id>-<sandbox id>-<epoch ms>.
+    const long = `stray-${'h'.repeat(63)}-sb-aaaaaaaaaaaaaaaaaaaa-1796312483823`;
+    const other = `${long.slice(0, -1)}4`;
+    await j.put(long, `stop/sb-aaaaaaaaaaaaaaaaaaaa`, new Uint8Array([7]));
+    await j.put(other, `stop/sb-aaaaaaaaaaaaaaaaaaaa`, new Uint8Array([8]));
+    expect([...(await j.get(long, 'stop/sb-aaaaaaaaaaaaaaaaaaaa'))!]).toEqual([7]);
+    expect([...(await j.get(other, 'stop/sb-aaaaaaaaaaaaaaaaaaaa'))!]).toEqual([8]);
+    await j.put('op-a', 'x'.repeat(300), new Uint8Array([9]));
+    expect([...(await j.get('op-a', 'x'.repeat(300)))!]).toEqual([9]);
+    const hourAgo = new Date(Date.now() - 3_600_000);
+    for (const d of readdirSync(dir)) utimesSync(join(dir, d), hourAgo, hourAgo);
+    expect(await j.prune(Date.now() - 60_000)).toBe(3);
+    await j.put(long, 'again', new Uint8Array([1]));
+    expect([...(await j.get(long, 'again'))!]).toEqual([1]);
+    await expect(j.get('../etc', 's')).rejects.toThrow(/bad op id/);
+  });
+
   it('memoryJournal_prune_dropsTheOldestOpsOnly', async () => {
     const j = new MemoryJournal();
     await j.put('op-a', 's1', new Uint8Array([1]));

@@ -3,20 +3,29 @@
 // the results of ops that finished long ago (past any redelivery: the work stream keeps a
 // message at most 24 h), so the journal does not grow with every op the host ever ran.
 import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
+import { createHash } from 'node:crypto';
 import { join } from 'node:path';
 import type { Journal } from '../../domain/agent.ts';
 
-const SAFE = /^[A-Za-z0-9_-]{1,64}$/;
+const SAFE = /^[A-Za-z0-9_-]+$/;
+/** Longer op ids (the scheduler's own, e.g. a stray VM's stop names the host and the sandbox) go by a digest. */
+const MAX_NAME = 64;
+
+/** An op's directory: its id, or for a long one a digest of it ('~' is in no op id). */
+function opDir(opId: string): string {
+  return opId.length <= MAX_NAME ? opId : `~${createHash('sha256').update(opId).digest('hex').slice(0, 40)}`;
+}
 
 export class FsJournal implements Journal {
-  /** Op directories this process made (nothing removes them), so a put skips the mkdir. */
+  /** Op directories this process made (only prune removes them), so a put skips the mkdir. */
   private readonly made = new Set<string>();
 
   constructor(private readonly dir: string) {}
 
   private path(opId: string, stepId: string): string {
     if (!SAFE.test(opId)) throw new Error(`journal: bad op id ${JSON.stringify(opId)}`);
-    return join(this.dir, opId, `${Buffer.from(stepId).toString('base64url')}.bin`);
+    const step = Buffer.from(stepId).toString('base64url');
+    return join(this.dir, opDir(opId), `${step.length <= 200 ? step : `~${createHash('sha256').update(stepId).digest('base64url')}`}.bin`);
   }
 
   async get(opId: string, stepId: string): Promise<Uint8Array | undefined> {
@@ -30,10 +39,11 @@ export class FsJournal implements Journal {
 
   async put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
     const p = this.path(opId, stepId);
-    if (!this.made.has(opId)) {
-      await mkdir(join(this.dir, opId), { recursive: true });
+    const dir = opDir(opId);
+    if (!this.made.has(dir)) {
+      await mkdir(join(this.dir, dir), { recursive: true });
       if (this.made.size >= 10_000) this.made.clear();
-      this.made.add(opId);
+      this.made.add(dir);
     }
     const tmp = `${p}.tmp-${process.pid}`;
     await writeFile(tmp, result);
