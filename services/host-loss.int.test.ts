@@ -15,6 +15,9 @@ import { HostState, OperationState, SandboxState } from '../proto/gen/forkfleet/
 import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import type { FleetStore, StoreWrite } from './domain/ports.ts';
 import { withCommitAt } from './testkit/store-proxy.ts';
+import { EtcdFleetStore } from './adapters/etcd/store.ts';
+import type { HostRec } from './domain/records.ts';
+import { sandboxRecord } from './testkit/records.ts';
 
 /**
  * The store, but while `retried.armed`, the next commit that places a child again applies
@@ -175,4 +178,34 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     expect(hosts.find((h) => h.id === 'fake-d')?.allocated?.vcpus ?? 0).toBe(0);
     expect(hosts.find((h) => h.id === 'fake-a')?.allocated?.vcpus).toBe(5);
   }, 90_000);
+
+  it('hostsThisLeaderNeverHeard_goLost_andALostHostsSandboxesLeftRunning_areMarkedLost', async () => {
+    // What a leader finds after a failover or a restart: 'ghost' (recorded ready) died before
+    // this scheduler started, so it never heard it; 'ghost-2' is recorded lost, but the pass
+    // that lost it did not get to its sandbox (a leader that died in between).
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      const host = (id: string, state: HostRec['state']): HostRec => ({ id, state, cordoned: false, draining: false, capacity: { vcpus: 8, memoryMib: 8192, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2', cpuModel: 'max', machine: 'microvm', peerAddress: '', linkBytesPerSecond: 0, labels: {}, registeredAt: 0, lastHeartbeatAt: 0, bootId: 'b' });
+      const booked = { vcpus: 1, memoryMib: 256, diskMib: 1024 };
+      const sb = (id: string, hostId: string) => sandboxRecord({ id, tenantId, hostId, lineageId: id, hostname: id });
+      const [a, b] = ['sb-ghostaaaaaaaaaaaaaaa', 'sb-ghostbbbbbbbbbbbbbbb'];
+      expect(
+        await store.commit([
+          { kind: 'host', value: host('ghost', 'ready') },
+          { kind: 'host', value: host('ghost-2', 'lost') },
+          { kind: 'alloc', value: { hostId: 'ghost', allocated: booked, sandboxes: 1 } },
+          { kind: 'alloc', value: { hostId: 'ghost-2', allocated: booked, sandboxes: 1 } },
+          { kind: 'sandbox', value: sb(a, 'ghost') },
+          { kind: 'sandbox', value: sb(b, 'ghost-2') },
+        ]),
+      ).toBe(true);
+      await waitFor('both sandboxes lost', async () => (await Promise.all([a, b].map((id) => api.getSandbox({ tenantId, sandboxId: id })))).every((x) => x.state === SandboxState.LOST), LOST_AFTER_MS + 10_000, 200);
+      const hosts = (await api.listHosts({})).hosts;
+      expect(hosts.find((h) => h.id === 'ghost')?.state).toBe(HostState.LOST);
+      // Their bookings went with them.
+      for (const id of ['ghost', 'ghost-2']) expect(hosts.find((h) => h.id === id)?.allocated?.vcpus ?? 0).toBe(0);
+    } finally {
+      store.close();
+    }
+  }, 60_000);
 });

@@ -280,9 +280,23 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       if (closing) return;
       metrics.leader.set(1);
       log.info({ id: config.id }, 'elected leader');
-      await executor.start();
-      await webhooks.start();
-      compactor.start();
+      try {
+        await executor.start();
+        await webhooks.start();
+        compactor.start();
+      } catch (err) {
+        // A leader that could not start (etcd failed it a read, likely just after a failover)
+        // would hold the lease and run nothing, and no standby would take over: it steps
+        // down and stands again, and whoever wins starts afresh.
+        log.error({ err }, 'leader could not start; resigning and campaigning again');
+        metrics.leader.set(0);
+        compactor.stop();
+        await Promise.all([executor.stop(), webhooks.stop()]).catch(() => undefined);
+        await election.resign();
+        if (closing) return;
+        await new Promise((r) => setTimeout(r, 1000));
+        if (!closing) return campaign();
+      }
     });
   election.onLost(() => {
     metrics.leader.set(0);

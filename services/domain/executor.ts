@@ -211,6 +211,9 @@ function writeKey(w: StoreWrite): string {
   }
 }
 
+/** States a sandbox on a lost host cannot keep (markHostLost). Not `starting`: its op's step fails it (failSandbox), releasing its booking. */
+const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'paused', 'hibernating', 'destroying']);
+
 /** After a failed hibernate, the idle rule waits this long before it tries again. */
 const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
 
@@ -367,10 +370,36 @@ function holds(m: ReadonlyMap<string, Versioned<unknown>>, k: string, modRevisio
 
 interface DrainInput {
   migrate: boolean;
-  /** sandboxId -> where its migration stands (recorded before each step so a re-run resumes). */
-  migrations?: Record<string, { snapshotId: string; toHostId?: string; wasPaused: boolean }>;
+  /**
+   * sandboxId -> where its migration stands (recorded before each step so a re-run resumes).
+   * A failed attempt is undone and retired (snapshotId ''): a re-run of the drain starts a new
+   * attempt, with a new snapshot and step ids of its own (migrationStep).
+   */
+  migrations?: Record<string, MigrationRec>;
   /** Without migrate: sandboxId -> [tenantId, id] of the hibernate operation it submitted (recorded first, so a re-run waits for the same ones). */
   hibernations?: Record<string, [string, string]>;
+}
+
+interface MigrationRec {
+  snapshotId: string;
+  toHostId?: string;
+  wasPaused: boolean;
+  /** 0 (or absent) for the first attempt. */
+  attempt?: number;
+}
+
+/**
+ * The step id of a drain migration's `step`, per attempt: an agent answers a step id it ran
+ * from its journal, so a second attempt must not reuse the first's ('paused' for a VM that
+ * runs again, 'running' for a copy that was destroyed).
+ */
+function migrationStep(sandboxId: string, m: Pick<MigrationRec, 'attempt'>, step: string): string {
+  return `migrate/${sandboxId}${m.attempt ? `/${m.attempt}` : ''}/${step}`;
+}
+
+/** A failed migration's record once undone: the next attempt starts afresh. */
+function retired(m: Pick<MigrationRec, 'attempt'>): MigrationRec {
+  return { snapshotId: '', wasPaused: false, attempt: (m.attempt ?? 0) + 1 };
 }
 
 export class Executor {
@@ -422,6 +451,8 @@ export class Executor {
   private readonly strays = new Map<string, number>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
+  /** When this replica became leader (hosts it never heard from are silent since then). */
+  private termStartedAt = 0;
   /** Counts sandbox index follows within a term: a broken follow's late events are ignored. */
   private sandboxGen = 0;
 
@@ -454,6 +485,7 @@ export class Executor {
     });
     this.stops.push(stopResults);
     const term = ++this.term;
+    this.termStartedAt = this.deps.clock.now();
     // Records this leader committed are in the cache already (commit()): not decoded again.
     // A watch that etcd breaks off (ADR 0017: a resume from a compacted revision) is opened
     // again and its records listed again (keepWatching).
@@ -657,6 +689,7 @@ export class Executor {
     this.sandboxIndexReady = false;
     const gen = ++this.sandboxGen;
     const current = (): boolean => gen === this.sandboxGen && term === this.term;
+    let stopWatch: (() => void) | undefined;
     this.deps.store
       .followSandboxes(
         (c) => {
@@ -668,6 +701,7 @@ export class Executor {
           if (!current()) return;
           this.sandboxIndexReady = false;
           this.sandboxGen++; // ignore whatever the broken watch still delivers
+          stopWatch?.(); // a resumed stream (after a disconnect) is not trusted, nor kept
           this.log.warn({ err: e }, 'the sandbox watch broke off; the lifecycle rules list the sandboxes until it is followed again');
           setTimeout(() => this.followSandboxIndex(term), 1000).unref();
         },
@@ -678,6 +712,7 @@ export class Executor {
       .then(
         (stop) => {
           if (!current() || !this.active) return stop();
+          stopWatch = stop;
           this.stops.push(stop);
           this.sandboxIndexReady = true;
         },
@@ -700,7 +735,11 @@ export class Executor {
       stop?.();
     });
     const live = (): boolean => !ended && term === this.term && this.active;
+    // One reopen at a time: the watchers of one open (watchFleet has three) break together,
+    // and each says so.
+    let reopening = false;
     const reopen = async (): Promise<void> => {
+      reopening = false;
       if (!live()) return;
       try {
         const s = await open(onError);
@@ -712,7 +751,8 @@ export class Executor {
       }
     };
     const onError = (e: unknown): void => {
-      if (!live()) return;
+      if (!live() || reopening) return;
+      reopening = true;
       this.log.warn({ err: e }, `the ${what} watch broke off; watching again and listing`);
       stop?.();
       stop = undefined;
@@ -890,6 +930,9 @@ export class Executor {
       if (!v) throw new NotFoundError('operation', id);
       const next = structuredClone(v.value);
       mutate(next);
+      // An ended op stays ended: a write from a run that started off a stale copy (a late
+      // watch event after the final write's answer was lost) must not make it running again.
+      if (isTerminal(v.value.state) && !isTerminal(next.state)) throw new WrongStateError('operation', id, v.value.state, 'it has ended');
       // Every write of a running op carries its step log (at most once a second for progress).
       for (const [stepId, st] of Object.entries(this.stepLog.get(id) ?? {})) next.steps[stepId] = mergeStep(next.steps[stepId], st);
       next.updatedAt = this.deps.clock.now();
@@ -1438,7 +1481,13 @@ export class Executor {
     // none is left from an earlier term); a copy that is stale by now only costs the first
     // guarded write a re-read. Without one, read etcd.
     const v = this.ops.get(opId) ?? (await this.deps.store.getOp(tenantId, opId));
-    if (!v || isTerminal(v.value.state)) return;
+    if (!v) return;
+    if (isTerminal(v.value.state)) {
+      // Ended (its final write landed though its answer was lost, say): older copies that
+      // the watch may still deliver do not start it again (maybeRun).
+      this.finishedAt.set(opId, Math.max(this.finishedAt.get(opId) ?? 0, v.modRevision));
+      return;
+    }
     this.ops.set(opId, v);
     let op = v.value;
     if (op.state === 'pending') {
@@ -1678,8 +1727,14 @@ export class Executor {
     const now = this.deps.clock.now();
     const message = e instanceof Error ? e.message : String(e);
     const hostId = sb.hostId;
-    // A failed start holds no VM (the agent cleans up its own half-made VM in the step), so its
-    // booking goes with the state change.
+    // A start that failed on its host holds no VM (the agent cleans up its own half-made VM in
+    // the step), so its booking goes with the state change. One given up on here (no answer in
+    // time, or the host went silent) may still be running there: its VM is stopped as soon as
+    // the host gets to it (a destroy waits for the steps making that VM), not left for the
+    // stray-VM check, minutes later and unbooked meanwhile.
+    if (hostId && (e instanceof StepTimeoutError || e instanceof HostLostError)) {
+      void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the VM of a start given up on');
+    }
     await this.updateSandbox(
       sb.tenantId,
       sb.id,
@@ -2484,7 +2539,7 @@ export class Executor {
       if (!m.toHostId || m.toHostId === hostId || listed.find((s) => s.id === id)?.hostId !== m.toHostId) continue;
       earlier++;
       try {
-        await this.step(op, `migrate/${id}/destroy-source`, hostId, { case: 'destroyVm', value: { sandboxId: id } as never });
+        await this.step(op, migrationStep(id, m, 'destroy-source'), hostId, { case: 'destroyVm', value: { sandboxId: id } as never });
       } catch (e) {
         // The sandbox is on its new host either way; a source VM left behind is a stray VM
         // (reconcileStrayVms stops it).
@@ -2614,28 +2669,30 @@ export class Executor {
 
   private async migrate(op: OperationRec, sb: SandboxRec): Promise<void> {
     const from = sb.hostId;
-    const record = (m: NonNullable<DrainInput['migrations']>[string]): Promise<OperationRec> =>
+    const record = (m: MigrationRec): Promise<OperationRec> =>
       this.updateOp(op.tenantId, op.id, (o) => {
         const inp = o.input as unknown as DrainInput;
         inp.migrations = { ...(inp.migrations ?? {}), [sb.id]: m };
       });
     let m = (this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.migrations?.[sb.id];
-    if (!m) {
-      m = { snapshotId: newId('sn'), wasPaused: sb.state === 'paused' };
+    if (!m?.snapshotId) {
+      // First attempt, or one after an attempt that failed and was undone (retired).
+      m = { snapshotId: newId('sn'), wasPaused: sb.state === 'paused', ...(m?.attempt ? { attempt: m.attempt } : {}) };
       await record(m);
     }
+    const stepId = (step: string): string => migrationStep(sb.id, m!, step);
     // A host uncordoned during its drain (cordonHost false clears draining too) is not
     // drained further: placement could choose it, and the switch would then stop the VM the
     // sandbox had "moved" to on that same host.
     const notDraining = (): WrongStateError => new WrongStateError('host', from, 'not draining', 'it was uncordoned during its drain: the drain stops');
     /** An undo: the source VM (paused for the snapshot) runs again, best effort. */
     const resumeSource = async (): Promise<void> => {
-      if (!m!.wasPaused) await this.step(op, `migrate/${sb.id}/resume`, from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
+      if (!m!.wasPaused) await this.step(op, stepId('resume'), from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
     };
     const h = this.cache.hosts.get(from)?.value;
     if (!m.toHostId && (!h?.cordoned || !h.draining)) throw notDraining();
     // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
-    if (sb.state === 'running') await this.step(op, `migrate/${sb.id}/pause`, from, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
+    if (sb.state === 'running') await this.step(op, stepId('pause'), from, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
     let sn: SnapshotRec;
     try {
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
@@ -2668,6 +2725,9 @@ export class Executor {
       // Nothing is booked and no copy made: the source runs again (it stayed paused, with its
       // record saying running). Not after a lost lead or a failed store: the op runs again.
       if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+      // Retired first: should the drain run again (a failover, a store outage later in it),
+      // this sandbox is snapshotted anew, not restored from what it was before it ran again.
+      await record(retired(m));
       await resumeSource();
       throw e;
     }
@@ -2676,9 +2736,9 @@ export class Executor {
     try {
       // The snapshot must end up on the new host (the old one is going away): fetch, never migrate.
       const fetch = this.fetchPlan((await this.readSnapshot(sb.tenantId, sn.id))?.value ?? sn, to, from, false);
-      const restored = await this.step(op, `migrate/${sb.id}/restore`, to, { case: 'restoreVms', value: { snapshotId: sn.id, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
+      const restored = await this.step(op, stepId('restore'), to, { case: 'restoreVms', value: { snapshotId: sn.id, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
       if (fetch && !restored.snapshotNotHeld) await this.addHolder(sb.tenantId, sn.id, to);
-      if (m.wasPaused) await this.step(op, `migrate/${sb.id}/pause-dest`, to, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
+      if (m.wasPaused) await this.step(op, stepId('pause-dest'), to, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
     } catch (e) {
       // A leader that stepped down undoes nothing: the next one finds the booking and the
       // choice recorded, and restores there again. Nor does a store that failed: the drain
@@ -2687,21 +2747,25 @@ export class Executor {
       // Undo: release the booking, stop a copy the restore may have made after all (a step
       // that timed out here and finished there), let the source run again.
       await this.unbookMigration(op, sb, to);
-      if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, `migrate/${sb.id}/undo-dest`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the copy of a migration that failed');
+      if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the copy of a migration that failed');
       await resumeSource();
       throw e;
     }
     // 4. Switch the record and release the source's capacity in one transaction.
-    for (let i = 0; i < 20; i++) {
+    let switched = false;
+    for (let i = 0; i < 20 && !switched; i++) {
       const [v, a] = await Promise.all([this.deps.store.getSandbox(sb.tenantId, sb.id), this.deps.store.getAlloc(from)]);
       if (!v) throw new NotFoundError('sandbox', sb.id);
-      if (v.value.hostId === to) break;
+      if (v.value.hostId === to) {
+        switched = true;
+        break;
+      }
       if (v.value.hostId !== from || !['running', 'paused', 'lost'].includes(v.value.state)) {
         // Moved on while it was copied (destroyed by its user or its TTL, say): the copy on
         // `to` is not the sandbox. Its booking goes and its VM is stopped.
         if (!this.active) throw new NotLeaderError();
         await this.unbookMigration(op, sb, to);
-        await this.step(op, `migrate/${sb.id}/destroy-dest`, to, { case: 'destroyVm', value: { sandboxId: sb.id } as never }).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
+        await this.step(op, stepId('destroy-dest'), to, { case: 'destroyVm', value: { sandboxId: sb.id } as never }).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
         throw new WrongStateError('sandbox', sb.id, `${v.value.state} on ${v.value.hostId || 'no host'}`, 'it moved on during its migration; the copy was removed');
       }
       const next = structuredClone(v.value);
@@ -2712,10 +2776,14 @@ export class Executor {
       // already (reconcileVms): the restored copy on `to` is the sandbox; nothing more to release.
       const release = v.value.state !== 'lost';
       const alloc: HostAllocRec = { hostId: from, allocated: addRes(a.value.allocated, sb.resources, -1), sandboxes: Math.max(0, a.value.sandboxes - 1) };
-      if (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(release ? [{ kind: 'alloc', value: alloc, expectRevision: a.modRevision } as StoreWrite] : [])])) break;
+      switched = (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(release ? [{ kind: 'alloc', value: alloc, expectRevision: a.modRevision } as StoreWrite] : [])])) > 0;
     }
+    // Still on `from` after every try: its VM there is the sandbox, so it is not stopped. The
+    // drain runs again from its record (the copy and its booking on `to` are recorded) and
+    // switches then.
+    if (!switched) throw new StoreUnavailableError(`switching sandbox ${sb.id} to ${to}`, new ConflictError(`sandbox ${sb.id} or the capacity of ${from} (kept changing)`));
     // 5. The source VM is no longer the sandbox.
-    await this.step(op, `migrate/${sb.id}/destroy-source`, from, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+    await this.step(op, stepId('destroy-source'), from, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
   }
 
   /**
@@ -2728,8 +2796,9 @@ export class Executor {
       op.id,
       (o) => {
         const inp = o.input as unknown as DrainInput;
+        // Undone: retired, so a re-run of the drain makes a new attempt (a new snapshot).
         const mm = inp.migrations?.[sb.id];
-        if (mm) inp.migrations = { ...inp.migrations, [sb.id]: { ...mm, toHostId: undefined } };
+        if (mm) inp.migrations = { ...inp.migrations, [sb.id]: retired(mm) };
       },
       this.capacity(to, sb.resources, -1),
     );
@@ -2818,6 +2887,17 @@ export class Executor {
         writes.push({ next, cur });
       }
     }
+    // A host this leader never heard from (it died before a failover, or before the
+    // schedulers restarted) is silent since this term began: it goes suspect, then lost, as
+    // one heard and then silent does; without this it stayed ready with its sandboxes running.
+    if (this.termStartedAt > 0) {
+      for (const cur of recs.values()) {
+        if (cur.value.state === 'lost' || this.deps.heard.get(cur.value.id)) continue;
+        const silentMs = now - this.termStartedAt;
+        const state = silentMs > this.deps.config.liveness.lostAfterMs ? 'lost' : silentMs > this.deps.config.liveness.suspectAfterMs ? 'suspect' : cur.value.state;
+        if (state !== cur.value.state) writes.push({ next: { ...cur.value, state }, cur });
+      }
+    }
     // The pass's host records go out group-committed (each keeps its own guard), not one
     // transaction per host; then each state change is acted on, one host at a time.
     await Promise.all(writes.map(({ next, cur }) => this.commitGrouped([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }])));
@@ -2838,6 +2918,21 @@ export class Executor {
       // A lost host back, or a new one that already runs VMs (a removed host whose agent
       // started again): its lost sandboxes are reclaimed and stray VMs stopped.
       if (state === 'ready' && (cur?.value.state === 'lost' || (!cur && (this.deps.heard.get(next.id)?.hb.vms.length ?? 0) > 0))) await this.reclaimReturnedHost(next.id);
+    }
+    // Marking a lost host's sandboxes happens on the pass that sees it go lost; one that did
+    // not finish (a leader that died in between, a failed list or write) is done again here,
+    // for as long as the index shows one of its sandboxes in a state a lost host cannot keep.
+    if (this.sandboxIndexReady) {
+      const lost = new Set<string>();
+      for (const h of recs.values()) if (h.value.state === 'lost' && !writes.some((w) => w.next.id === h.value.id)) lost.add(h.value.id);
+      if (lost.size > 0) {
+        const stale = new Set<string>();
+        for (const v of this.sandboxIndex.values()) if (lost.has(v.value.hostId) && LOSABLE.has(v.value.state)) stale.add(v.value.hostId);
+        for (const hostId of stale) {
+          this.log.warn({ hostId }, 'a lost host still has sandboxes that are not marked lost: marking them');
+          await this.markHostLost(hostId).catch((e: unknown) => this.log.warn({ err: e, hostId }, 'could not mark a lost host\'s sandboxes lost'));
+        }
+      }
     }
   }
 
@@ -2958,8 +3053,7 @@ export class Executor {
    */
   private async markHostLost(hostId: string): Promise<void> {
     const now = this.deps.clock.now();
-    // Not `starting`: its op's step fails it (failSandbox), releasing its booking.
-    const losable = new Set<SandboxState>(['running', 'paused', 'hibernating', 'destroying']);
+    const losable = LOSABLE;
     for (const v of await this.deps.store.listSandboxes(undefined)) {
       const sb = v.value;
       if (sb.hostId !== hostId || !losable.has(sb.state)) continue;

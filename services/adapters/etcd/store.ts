@@ -64,7 +64,9 @@ const cancelled = new WeakSet<Watcher>();
  * etcd no longer has, and keep the watcher among its closers until the next reconnect.
  */
 function cancel(w: Watcher): void {
-  if (!cancelled.has(w)) void w.cancel();
+  if (cancelled.has(w)) return;
+  cancelled.add(w);
+  void w.cancel();
 }
 
 /**
@@ -81,6 +83,16 @@ function storeError(what: string, e: unknown): unknown {
 /** The error etcd gives for a read or watch at a revision that compaction removed. */
 function isCompacted(e: unknown): boolean {
   return /compacted/i.test(e instanceof Error ? e.message : String(e));
+}
+
+/**
+ * etcd3 resumes a broken watch stream from the last response's header revision, which may be
+ * past events not delivered yet (a watch still catching up from its start revision): a
+ * follower that must see every change (a cache, an index, the ops to run) starts over
+ * (lists again) instead of trusting the resumed stream.
+ */
+function resumeIsABreak(w: Watcher, onError: ((e: unknown) => void) | undefined): void {
+  if (onError) w.on('disconnected', (e: unknown) => onError(e ?? new Error('watch stream disconnected')));
 }
 
 function decode<T>(kv: IKeyValue): Versioned<T> {
@@ -367,10 +379,7 @@ export class EtcdFleetStore implements FleetStore {
       if (last) onRevision(Number(last.kv.mod_revision));
     });
     onBroken(w, onError);
-    // The library resumes a broken stream from the last response's header revision, which
-    // may be past events not yet delivered while this watch still caught up from the list:
-    // the ledger starts over instead of trusting the resumed stream.
-    w.on('disconnected', onError);
+    resumeIsABreak(w, onError);
     return () => cancel(w);
   }
 
@@ -403,6 +412,7 @@ export class EtcdFleetStore implements FleetStore {
     const prefix = keys.ops();
     const w = await this.client.watch().prefix(prefix).create();
     onBroken(w, opts.onError);
+    resumeIsABreak(w, opts.onError);
     const only = opts.only;
     w.on('put', (kv) => {
       if (only) {
@@ -425,6 +435,7 @@ export class EtcdFleetStore implements FleetStore {
     const w = await this.client.watch().prefix(prefix).startRevision(String(Number(revision) + 1)).create();
     // etcd cancelled the watch (e.g. its start revision was compacted): changes may be missed from here on.
     onBroken(w, onError);
+    resumeIsABreak(w, onError);
     const known = opts.known;
     w.on('put', (kv) => {
       if (known && known(kv.key.toString('utf8').slice(prefix.length), Number(kv.mod_revision))) return;
@@ -442,7 +453,10 @@ export class EtcdFleetStore implements FleetStore {
   async watchFleet(onChange: (c: FleetChange) => void, opts: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean; onError?: WatchBroke } = {}): Promise<() => void> {
     const prefixes = [keys.hosts(), keys.allocs(), keys.snapshots()] as const;
     const watchers = await Promise.all(prefixes.map((p) => this.client.watch().prefix(p).create()));
-    for (const w of watchers) onBroken(w, opts.onError);
+    for (const w of watchers) {
+      onBroken(w, opts.onError);
+      resumeIsABreak(w, opts.onError);
+    }
     const kinds = ['host', 'alloc', 'snapshot'] as const;
     const known = opts.known;
     watchers.forEach((w, i) => {
