@@ -1708,19 +1708,34 @@ export class Executor {
   }
 
   /** Ends a create or a wake: the sandbox runs (on `hostId`, when given) and the op succeeds, in one transaction. */
-  private finishRunning(op: OperationRec, sb: SandboxRec, reason = '', hostId?: string): Promise<void> {
+  private async finishRunning(op: OperationRec, sb: SandboxRec, reason = '', hostId?: string): Promise<void> {
     const now = this.deps.clock.now();
-    return this.finish(
-      op,
-      { sandboxIds: [sb.id] },
-      null,
-      undefined,
-      this.sandboxWrite(sb, (s) => {
-        this.setState(s, 'running', now, reason);
-        if (hostId !== undefined) s.hostId = hostId;
-        s.opId = '';
-      }),
-    );
+    try {
+      await this.finish(
+        op,
+        { sandboxIds: [sb.id] },
+        null,
+        undefined,
+        this.sandboxWrite(sb, (s) => {
+          this.setState(s, 'running', now, reason);
+          if (hostId !== undefined) s.hostId = hostId;
+          s.opId = '';
+        }),
+      );
+    } catch (e) {
+      // The VM runs, but the record moved on while it started (destroyed, say, by a destroy
+      // its host ran before this start, after an agent restart): nothing owns that VM, so it
+      // is stopped now rather than by the stray-VM check, minutes later (as markRunning does
+      // for a fork's children).
+      const where = hostId ?? sb.hostId;
+      if (where && (e instanceof WrongStateError || e instanceof NotFoundError)) {
+        const cur = await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => 'unknown' as const);
+        if (cur !== 'unknown' && (!cur || cur.value.state === 'destroyed' || cur.value.hostId !== where)) {
+          void this.sendHostWork(where, op.id, sb.tenantId, `stop-moved-on/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the VM of a sandbox that moved on while it started');
+        }
+      }
+      throw e;
+    }
   }
 
   private async failSandbox(sb: SandboxRec, e: unknown): Promise<void> {
