@@ -39,7 +39,7 @@ const HOSTS = ['fake-1', 'fake-2', 'fake-3', 'fake-4'];
  * answer is lost or that etcd3 retries after it applied; or, with the answer lost, a commit
  * that marks a restored child running, or one that switches a migrated sandbox to its new host.
  */
-type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost' | 'switch-answer-lost';
+type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost' | 'switch-answer-lost' | 'snapshot-create-retried';
 
 const isSandbox = (w: StoreWrite, p: (sb: Extract<StoreWrite, { kind: 'sandbox' }>['value']) => boolean): boolean => w.kind === 'sandbox' && p(w.value);
 const placement = (w: StoreWrite): boolean => isSandbox(w, (sb) => sb.state === 'starting') && w.expectRevision !== undefined;
@@ -48,6 +48,7 @@ const targets: Record<Fault, (w: StoreWrite) => boolean> = {
   'applied-then-retried': placement,
   'running-answer-lost': (w) => isSandbox(w, (sb) => sb.state === 'running' && sb.sourceSnapshotId !== '' && sb.stateReason === ''),
   'switch-answer-lost': (w) => isSandbox(w, (sb) => sb.stateReason.startsWith('migrated from')),
+  'snapshot-create-retried': (w) => w.kind === 'snapshot' && w.value.state === 'creating' && w.expectRevision === 0,
 };
 
 /** The store, but the next commit `armed.fault` names applies and then fails as it says. */
@@ -60,7 +61,7 @@ function faulty(store: FleetStore, armed: { fault?: Fault; hit: number }): Fleet
     const rev = await store.commitAt(writes, fence);
     expect(rev).toBeGreaterThan(0);
     // etcd applied it; the answer never arrived:
-    if (fault !== 'applied-then-retried') throw new StoreUnavailableError('write', new Error('connection reset before the answer (injected)'));
+    if (fault !== 'applied-then-retried' && fault !== 'snapshot-create-retried') throw new StoreUnavailableError('write', new Error('connection reset before the answer (injected)'));
     // etcd3 retried the call the way its retry policy does, after the first one had applied.
     return store.commitAt(writes, fence);
   };
@@ -139,6 +140,18 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
       await assertBookedOnce();
     }, 90_000);
   }
+
+  it('snapshot_whoseRecordsCreateIsRetriedAfterItApplied_isTakenAndReady_notLeftCreating', async () => {
+    const made = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    armed.fault = 'snapshot-create-retried';
+    const hits = armed.hit;
+    const op = await wait(await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: made.result.case === 'sandbox' ? made.result.value.id : '' }));
+    expect(armed.hit).toBe(hits + 1);
+    expect(op.state, op.error?.message).toBe(OperationState.SUCCEEDED);
+    const id = op.result.case === 'snapshot' ? op.result.value.id : '';
+    expect((await store.getSnapshot(tenantId, id))?.value.state).toBe('ready');
+    await assertBookedOnce();
+  }, 90_000);
 
   it('fork_whoseCommitMarkingChildrenRunningLosesItsAnswer_succeedsWithEveryChildRunning', async () => {
     armed.fault = 'running-answer-lost';

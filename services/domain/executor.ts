@@ -1810,8 +1810,15 @@ export class Executor {
       manifestSignature: '',
       manifestKeyId: '',
     };
-    const recRev = existing ? (existing.value.state === 'creating' ? existing.modRevision : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: existing.modRevision }])) : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
-    if (!recRev) throw new ConflictError(`snapshot ${snapshotId}`);
+    let recRev = existing ? (existing.value.state === 'creating' ? existing.modRevision : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: existing.modRevision }])) : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
+    if (!recRev) {
+      // etcd3 retries a write whose answer was lost, and the retry of one that landed fails
+      // its own guard: the record there, as written, is ours. Failing here would leave it
+      // 'creating' for good (no op finishes it; it can neither expire nor be deleted).
+      const there = await this.deps.store.getSnapshot(tenantId, snapshotId);
+      if (there?.value.state !== 'creating' || JSON.stringify(there.value) !== JSON.stringify(rec)) throw new ConflictError(`snapshot ${snapshotId}`);
+      recRev = there.modRevision;
+    }
     try {
       const r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
       const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
