@@ -2948,11 +2948,12 @@ export class Executor {
       const lost = new Set<string>();
       for (const h of recs.values()) if (h.value.state === 'lost' && !writes.some((w) => w.next.id === h.value.id)) lost.add(h.value.id);
       if (lost.size > 0) {
-        const stale = new Set<string>();
-        for (const v of this.sandboxIndex.values()) if (lost.has(v.value.hostId) && LOSABLE.has(v.value.state)) stale.add(v.value.hostId);
-        for (const hostId of stale) {
-          this.log.warn({ hostId }, 'a lost host still has sandboxes that are not marked lost: marking them');
-          await this.markHostLost(hostId).catch((e: unknown) => this.log.warn({ err: e, hostId }, 'could not mark a lost host\'s sandboxes lost'));
+        const stale = new Map<string, SandboxRec[]>();
+        for (const v of this.sandboxIndex.values()) if (lost.has(v.value.hostId) && LOSABLE.has(v.value.state)) stale.set(v.value.hostId, [...(stale.get(v.value.hostId) ?? []), v.value]);
+        for (const [hostId, sbs] of stale) {
+          this.log.warn({ hostId, sandboxes: sbs.length }, 'a lost host still has sandboxes that are not marked lost: marking them');
+          // Those the index shows, not a list of every sandbox: this runs every pass until done.
+          await this.markHostLost(hostId, sbs).catch((e: unknown) => this.log.warn({ err: e, hostId }, 'could not mark a lost host\'s sandboxes lost'));
         }
       }
     }
@@ -3073,11 +3074,10 @@ export class Executor {
    * stale: a drain or a VM check may have moved it meanwhile), and releases what that write
    * found booked.
    */
-  private async markHostLost(hostId: string): Promise<void> {
+  private async markHostLost(hostId: string, only?: readonly SandboxRec[]): Promise<void> {
     const now = this.deps.clock.now();
     const losable = LOSABLE;
-    for (const v of await this.deps.store.listSandboxes(undefined)) {
-      const sb = v.value;
+    for (const sb of only ?? (await this.deps.store.listSandboxes(undefined)).map((v) => v.value)) {
       if (sb.hostId !== hostId || !losable.has(sb.state)) continue;
       await this.updateSandbox(
         sb.tenantId,
