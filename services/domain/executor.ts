@@ -211,6 +211,11 @@ function writeKey(w: StoreWrite): string {
   }
 }
 
+/** The host work that stops (destroys) a sandbox's VM on its host. */
+function stopVm(sandboxId: string): HostWorkMsg['work'] {
+  return { case: 'destroyVm', value: { sandboxId } as never };
+}
+
 /** States a sandbox on a lost host cannot keep (markHostLost). Not `starting`: its op's step fails it (failSandbox), releasing its booking. */
 const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'paused', 'hibernating', 'destroying']);
 
@@ -570,7 +575,7 @@ export class Executor {
         const reason = `its VM ${vm.state === PbVmState.CRASHED ? 'crashed' : 'stopped'} on host ${sb.hostId}${vm.reason ? `: ${vm.reason}` : ''}`;
         // The host still keeps the dead VM's directory, network namespace and record: gone with it.
         // One op per death (the agent answers a repeated op + step from its journal).
-        if (await this.vmGone(sb, reason)) await this.sendHostWork(sb.hostId, `vm-gone-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not clean up a dead VM');
+        if (await this.vmGone(sb, reason)) await this.sendHostWork(sb.hostId, `vm-gone-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, stopVm(sb.id), 'could not clean up a dead VM');
         continue;
       }
       // Gone from one heartbeat: wait for the next one to say the same.
@@ -630,7 +635,7 @@ export class Executor {
         // Sent again after another grace if the VM is still there.
         this.strays.set(k, now);
         this.log.warn({ hostId, sandboxId: vm.sandboxId, sandbox: sb ? `${sb.state} on ${sb.hostId || 'no host'}` : 'no record', strayForMs: now - first }, 'a host runs a VM that no sandbox record places there: stopping it');
-        await this.sendHostWork(hostId, `stray-${hostId}-${vm.sandboxId}-${first}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never }, 'could not stop a stray VM');
+        await this.sendHostWork(hostId, `stray-${hostId}-${vm.sandboxId}-${first}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, stopVm(vm.sandboxId), 'could not stop a stray VM');
       }
     }
     for (const k of this.strays.keys()) if (!seen.has(k)) this.strays.delete(k);
@@ -1426,7 +1431,7 @@ export class Executor {
         // other children still become running. Its VM, which the restore made after a
         // destroy may have found nothing to stop, is stopped (a no-op if it went already).
         this.log.info({ sandboxId: rec.id, hostId: rec.hostId, err: (e as Error).message }, 'child moved on during its restore; stopping its VM');
-        void this.sendHostWork(rec.hostId, `moved-on-${rec.id}`, rec.tenantId, `stop/${rec.id}`, { case: 'destroyVm', value: { sandboxId: rec.id } as never }, 'could not stop the VM of a child that moved on during its restore');
+        void this.sendHostWork(rec.hostId, `moved-on-${rec.id}`, rec.tenantId, `stop/${rec.id}`, stopVm(rec.id), 'could not stop the VM of a child that moved on during its restore');
       }
     }
   }
@@ -1731,7 +1736,7 @@ export class Executor {
       if (where && (e instanceof WrongStateError || e instanceof NotFoundError)) {
         const cur = await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => 'unknown' as const);
         if (cur !== 'unknown' && (!cur || cur.value.state === 'destroyed' || cur.value.hostId !== where)) {
-          void this.sendHostWork(where, op.id, sb.tenantId, `stop-moved-on/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the VM of a sandbox that moved on while it started');
+          void this.sendHostWork(where, op.id, sb.tenantId, `stop-moved-on/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a sandbox that moved on while it started');
         }
       }
       throw e;
@@ -1748,7 +1753,7 @@ export class Executor {
     // the host gets to it (a destroy waits for the steps making that VM), not left for the
     // stray-VM check, minutes later and unbooked meanwhile.
     if (hostId && (e instanceof StepTimeoutError || e instanceof HostLostError)) {
-      void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the VM of a start given up on');
+      void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start given up on');
     }
     await this.updateSandbox(
       sb.tenantId,
@@ -1936,7 +1941,7 @@ export class Executor {
     let sn: SnapshotRec;
     try {
       sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { 'forkfleet.io/hibernation': sb.id } });
-      await this.step(op, 'stop', sb.hostId, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+      await this.step(op, 'stop', sb.hostId, stopVm(sb.id));
     } catch (e) {
       // Back to what it was: its VM and booking are still there (a VM the stop step did end
       // after all is found missing by the VM check, which records it lost).
@@ -2059,7 +2064,7 @@ export class Executor {
       // An earlier run of this op may have written `destroyed` (a failed or lost sandbox) and
       // stopped before it told the host (a store outage, a failover): told now (stopping a
       // VM that is gone does nothing; a removed host is not sent anything).
-      if (sb.hostId && this.cache.hosts.has(sb.hostId)) await this.sendHostWork(sb.hostId, op.id, sb.tenantId, 'destroy/again', { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not tell the host to stop a destroyed sandbox\'s VM');
+      if (sb.hostId && this.cache.hosts.has(sb.hostId)) await this.sendHostWork(sb.hostId, op.id, sb.tenantId, 'destroy/again', stopVm(sb.id), 'could not tell the host to stop a destroyed sandbox\'s VM');
       return this.finish(op, { sandboxIds: [sb.id] }, null);
     }
     // The record as the guarded write found it: host, resources and state may have changed
@@ -2081,7 +2086,7 @@ export class Executor {
         // A failed start may still have made its VM (a step that timed out here and finished
         // there), and a lost one may be back: its host is told to stop it, without waiting
         // (the host may be gone; its queue keeps the step until it returns or is removed).
-        if ((before === 'failed' || before === 'lost') && cur.hostId) await this.sendHostWork(cur.hostId, op.id, cur.tenantId, `destroy/${before}`, { case: 'destroyVm', value: { sandboxId: cur.id } as never }, `could not tell the host to stop a ${before} sandbox's VM`);
+        if ((before === 'failed' || before === 'lost') && cur.hostId) await this.sendHostWork(cur.hostId, op.id, cur.tenantId, `destroy/${before}`, stopVm(cur.id), `could not tell the host to stop a ${before} sandbox's VM`);
         return this.finish(op, { sandboxIds: [cur.id] }, null);
       }
     }
@@ -2089,10 +2094,10 @@ export class Executor {
     if (hostId && this.cache.hosts.get(hostId)?.value.state === 'lost') {
       // Its host is lost: no answer will come. The VM went with the host, or is stopped when
       // the host returns (the queued step, and reclaimReturnedHost for a destroyed sandbox).
-      await this.sendHostWork(hostId, op.id, cur.tenantId, 'destroy/lost-host', { case: 'destroyVm', value: { sandboxId: cur.id } as never }, 'could not queue the destroy of a VM on a lost host');
+      await this.sendHostWork(hostId, op.id, cur.tenantId, 'destroy/lost-host', stopVm(cur.id), 'could not queue the destroy of a VM on a lost host');
     } else if (hostId) {
       try {
-        await this.step(op, 'destroy', hostId, { case: 'destroyVm', value: { sandboxId: cur.id } as never });
+        await this.step(op, 'destroy', hostId, stopVm(cur.id));
       } catch (e) {
         // The host was lost meanwhile, and markHostLost destroyed the sandbox: done.
         if ((await this.deps.store.getSandbox(cur.tenantId, cur.id))?.value.state !== 'destroyed') throw e;
@@ -2561,7 +2566,7 @@ export class Executor {
       if (!m.toHostId || m.toHostId === hostId || listed.find((s) => s.id === id)?.hostId !== m.toHostId) continue;
       earlier++;
       try {
-        await this.step(op, migrationStep(id, m, 'destroy-source'), hostId, { case: 'destroyVm', value: { sandboxId: id } as never });
+        await this.step(op, migrationStep(id, m, 'destroy-source'), hostId, stopVm(id));
       } catch (e) {
         // The sandbox is on its new host either way; a source VM left behind is a stray VM
         // (reconcileStrayVms stops it).
@@ -2769,7 +2774,7 @@ export class Executor {
       // Undo: release the booking, stop a copy the restore may have made after all (a step
       // that timed out here and finished there), let the source run again.
       await this.unbookMigration(op, sb, to);
-      if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), { case: 'destroyVm', value: { sandboxId: sb.id } as never }, 'could not stop the copy of a migration that failed');
+      if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), stopVm(sb.id), 'could not stop the copy of a migration that failed');
       await resumeSource();
       throw e;
     }
@@ -2787,7 +2792,7 @@ export class Executor {
         // `to` is not the sandbox. Its booking goes and its VM is stopped.
         if (!this.active) throw new NotLeaderError();
         await this.unbookMigration(op, sb, to);
-        await this.step(op, stepId('destroy-dest'), to, { case: 'destroyVm', value: { sandboxId: sb.id } as never }).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
+        await this.step(op, stepId('destroy-dest'), to, stopVm(sb.id)).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
         throw new WrongStateError('sandbox', sb.id, `${v.value.state} on ${v.value.hostId || 'no host'}`, 'it moved on during its migration; the copy was removed');
       }
       const next = structuredClone(v.value);
@@ -2805,7 +2810,7 @@ export class Executor {
     // switches then.
     if (!switched) throw new StoreUnavailableError(`switching sandbox ${sb.id} to ${to}`, new ConflictError(`sandbox ${sb.id} or the capacity of ${from} (kept changing)`));
     // 5. The source VM is no longer the sandbox.
-    await this.step(op, stepId('destroy-source'), from, { case: 'destroyVm', value: { sandboxId: sb.id } as never });
+    await this.step(op, stepId('destroy-source'), from, stopVm(sb.id));
   }
 
   /**
@@ -2945,8 +2950,9 @@ export class Executor {
     // not finish (a leader that died in between, a failed list or write) is done again here,
     // for as long as the index shows one of its sandboxes in a state a lost host cannot keep.
     if (this.sandboxIndexReady) {
+      const changedNow = new Set(writes.map((w) => w.next.id));
       const lost = new Set<string>();
-      for (const h of recs.values()) if (h.value.state === 'lost' && !writes.some((w) => w.next.id === h.value.id)) lost.add(h.value.id);
+      for (const h of recs.values()) if (h.value.state === 'lost' && !changedNow.has(h.value.id)) lost.add(h.value.id);
       if (lost.size > 0) {
         const stale = new Map<string, SandboxRec[]>();
         for (const v of this.sandboxIndex.values()) if (lost.has(v.value.hostId) && LOSABLE.has(v.value.state)) stale.set(v.value.hostId, [...(stale.get(v.value.hostId) ?? []), v.value]);
@@ -3033,7 +3039,7 @@ export class Executor {
         // Guarded like reconcileVms' own reclaim, which may get there first: booked once.
         await this.vmBack(sb, vm.state === PbVmState.PAUSED ? 'paused' : 'running');
       } else if (!sb || sb.hostId !== hostId || sb.state === 'destroyed' || sb.state === 'failed' || sb.state === 'hibernated') {
-        await this.sendHostWork(hostId, `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, { case: 'destroyVm', value: { sandboxId: vm.sandboxId } as never }, 'could not stop a stale VM');
+        await this.sendHostWork(hostId, `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, stopVm(vm.sandboxId), 'could not stop a stale VM');
         this.log.warn({ hostId, sandboxId: vm.sandboxId }, 'host returned with a VM whose sandbox lives elsewhere or is gone: stopping it');
       }
     }
