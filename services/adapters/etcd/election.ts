@@ -1,15 +1,61 @@
 // Scheduler leader election on etcd (etcd3 Election). The lease TTL bounds failover: a
 // killed leader's lease lapses after `ttlSeconds`, then a standby's campaign wins.
+//
+// A leader cut off from etcd (a partition, a stalled etcd member) must stop acting before a
+// standby can win, or two replicas send host work at once. etcd3 reports a lease lost only
+// when no keepalive has been answered for 2 x TTL; etcd can expire it after 1 x TTL. So each
+// campaign keeps its own deadline: the send time of the last answered keepalive plus the TTL
+// (etcd renews from when the request arrives, which is later). A leader steps down when that
+// deadline comes within LEASE_MARGIN_MS, before etcd could let anyone else win.
+import type { EventEmitter } from 'node:events';
 import type { Etcd3 } from 'etcd3';
 import type { Campaign } from 'etcd3';
 import type { LeaderElection, LeaderFence } from '../../domain/ports.ts';
 import { keys } from './keys.ts';
+
+/** How long before the lease's earliest possible expiry a leader steps down. */
+const LEASE_MARGIN_MS = 250;
+const LEASE_CHECK_MS = 50;
+
+/**
+ * The earliest time etcd may expire a campaign's lease, from the lease's keepalive events.
+ * etcd3 keeps the Lease private; without it (another etcd3 version) the deadline is never
+ * renewed past the first TTL, so the check below would step down at once: `known` says so.
+ */
+function leaseDeadline(c: Campaign, ttlMs: number): { until: () => number; known: boolean; close: () => void } {
+  const lease = (c as unknown as { lease?: EventEmitter }).lease;
+  let until = Date.now() + ttlMs; // the lease is granted after this
+  if (!lease || typeof lease.on !== 'function') return { until: () => until, known: false, close: () => undefined };
+  // Keepalives go out on one stream and are answered in order: an answer is for the oldest
+  // request still unanswered on the current stream.
+  let sent: number[] = [];
+  const onFired = (): void => void sent.push(Date.now());
+  const onStream = (): void => void (sent = []);
+  const onAnswer = (): void => {
+    const at = sent.shift();
+    if (at !== undefined) until = Math.max(until, at + ttlMs);
+  };
+  lease.on('keepaliveEstablished', onStream);
+  lease.on('keepaliveFired', onFired);
+  lease.on('keepaliveSucceeded', onAnswer);
+  return {
+    until: () => until,
+    known: true,
+    close: () => {
+      lease.off('keepaliveEstablished', onStream);
+      lease.off('keepaliveFired', onFired);
+      lease.off('keepaliveSucceeded', onAnswer);
+    },
+  };
+}
 
 export class EtcdLeaderElection implements LeaderElection {
   private campaignObj: Campaign | undefined;
   private leader = false;
   private lastFence: LeaderFence | undefined;
   private readonly lostCbs: Array<() => void> = [];
+  /** Stops the current campaign's lease watchdog. */
+  private stopWatchdog: (() => void) | undefined;
 
   constructor(
     private readonly client: Etcd3,
@@ -23,6 +69,26 @@ export class EtcdLeaderElection implements LeaderElection {
       const c = election.campaign(this.candidateId);
       this.campaignObj = c;
       let ended = false;
+      const deadline = leaseDeadline(c, this.ttlSeconds * 1000);
+      let watchdog: NodeJS.Timeout | undefined;
+      const stopWatchdog = (): void => {
+        if (watchdog) clearInterval(watchdog);
+        watchdog = undefined;
+        deadline.close();
+      };
+      this.stopWatchdog = stopWatchdog;
+      /** Leadership ends here: this campaign's key may outlive it, so it is revoked (a new campaign would wait behind it). */
+      const stepDown = (): void => {
+        stopWatchdog();
+        ended = true;
+        const was = this.leader && this.campaignObj === c;
+        if (this.campaignObj === c) {
+          this.leader = false;
+          this.campaignObj = undefined;
+        }
+        void c.resign().catch(() => undefined);
+        if (was) for (const cb of this.lostCbs) cb();
+      };
       c.on('elected', () => {
         // The fence: the campaign key (prefix + lease id) at the create revision it has now.
         // Gone already (the lease lapsed in between): a fence no write can pass. Read again
@@ -45,16 +111,24 @@ export class EtcdLeaderElection implements LeaderElection {
             if (ended || this.campaignObj !== c) return;
             this.lastFence = fence;
             this.leader = true;
+            if (deadline.known) {
+              watchdog = setInterval(() => {
+                if (Date.now() >= deadline.until() - LEASE_MARGIN_MS) stepDown();
+              }, LEASE_CHECK_MS);
+              watchdog.unref();
+            }
             resolve();
           },
           (err: unknown) => {
             ended = true;
+            deadline.close();
             void c.resign().catch(() => undefined);
             reject(err instanceof Error ? err : new Error(String(err)));
           },
         );
       });
       c.on('error', (err: Error) => {
+        stopWatchdog();
         ended = true;
         const was = this.leader && this.campaignObj === c;
         if (this.campaignObj === c) this.leader = false;
@@ -81,6 +155,7 @@ export class EtcdLeaderElection implements LeaderElection {
     // Forgotten first: a campaign whose fence read ends after this does not become leader.
     const c = this.campaignObj;
     this.campaignObj = undefined;
+    this.stopWatchdog?.();
     await c?.resign().catch(() => undefined);
   }
 }

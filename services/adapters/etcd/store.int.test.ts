@@ -1,6 +1,8 @@
 // EtcdFleetStore against a real etcd: listing a prefix larger than one page, the op
 // watch's key filter, compaction and guarded deletes.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { createConnection, createServer } from 'node:net';
+import type { Socket } from 'node:net';
 import { startEtcd } from '../../testkit/etcd.ts';
 import type { EtcdCluster } from '../../testkit/etcd.ts';
 import { sleep, waitFor } from '../../testkit/proc.ts';
@@ -14,6 +16,36 @@ import { usageOf } from '../../domain/quota.ts';
 import { EtcdLeaderElection } from './election.ts';
 import { NotLeaderError, StoreUnavailableError } from '../../domain/errors.ts';
 import { sandboxRecord } from '../../testkit/records.ts';
+
+/**
+ * A TCP relay to `target` ("http://host:port") that can be frozen: from then on it forwards
+ * nothing either way and keeps the connections open, as a network partition looks to both
+ * ends until a timeout.
+ */
+async function freezableRelay(target: string): Promise<{ url: string; freeze: () => void; close: () => Promise<void> }> {
+  const { hostname, port } = new URL(target);
+  const sockets = new Set<Socket>();
+  let frozen = false;
+  const server = createServer((down) => {
+    const up = createConnection({ host: hostname, port: Number(port) });
+    for (const [from, to] of [[down, up], [up, down]] as const) {
+      sockets.add(from);
+      from.on('data', (b) => void (frozen || to.write(b)));
+      from.on('error', () => to.destroy());
+      from.on('close', () => to.destroy());
+    }
+  });
+  await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+  const a = server.address();
+  return {
+    url: `http://127.0.0.1:${typeof a === 'object' && a ? a.port : 0}`,
+    freeze: () => void (frozen = true),
+    close: async () => {
+      for (const s of sockets) s.destroy();
+      await new Promise((r) => server.close(r));
+    },
+  };
+}
 
 function sandbox(tenantId: string, id: string): SandboxRec {
   return sandboxRecord({ id, tenantId, lineageId: id, hostname: id, labels: { pad: 'x'.repeat(400) }, afterResume: [], allowCidrs: [] });
@@ -149,6 +181,40 @@ describe('EtcdFleetStore', () => {
     await b.resign();
     await a.resign();
   });
+
+  it('leader_cutOffFromEtcd_stepsDownBeforeAStandbyCanWin', async () => {
+    // The leader reaches etcd through a relay that then goes silent: its lease lapses after the
+    // TTL and the standby wins. The old leader must have stopped (onLost, isLeader false)
+    // before that, or both would act as leader for a while (etcd3 alone reports the loss only
+    // after 2 x TTL without an answer).
+    const relay = await freezableRelay(etcd.endpoints[0]!);
+    const cutOff = EtcdFleetStore.connect([relay.url]);
+    const a = new EtcdLeaderElection(cutOff.etcd, 'cut-a', 2);
+    const b = new EtcdLeaderElection(store.etcd, 'cut-b', 2);
+    try {
+      await a.campaign();
+      let lostAt = 0;
+      a.onLost(() => (lostAt = Date.now()));
+      let wonAt = 0;
+      const bWon = b.campaign().then(() => (wonAt = Date.now()));
+      // Answered keepalives keep the leader: the standby waits through several TTLs.
+      await sleep(3000);
+      expect(a.isLeader()).toBe(true);
+      expect(wonAt).toBe(0);
+      const frozenAt = Date.now();
+      relay.freeze();
+      await bWon;
+      expect(lostAt, 'the cut-off leader never stepped down').toBeGreaterThan(0);
+      expect(lostAt).toBeGreaterThanOrEqual(frozenAt);
+      expect(lostAt).toBeLessThan(wonAt);
+      expect(a.isLeader()).toBe(false);
+      expect(b.isLeader()).toBe(true);
+    } finally {
+      await b.resign();
+      await relay.close();
+      cutOff.close();
+    }
+  }, 30_000);
 
   it('commitAt_retriedAfterItApplied_returnsTheRevisionItLandedAt_unlessItsRecordsChangedSince', async () => {
     // etcd3 retries a call whose answer was lost; a transaction etcd had applied then fails
