@@ -1322,6 +1322,15 @@ export class Executor {
           return;
         }
         this.log.debug({ opIds: planned.map((p) => p.job.op.id), attempt }, 'placement commit conflicted; re-planning');
+        if (planned.length > 1) {
+          // The conflict may be one job's own guard (a record its caller read that changed
+          // since, or a placement of it that landed already): re-planned together, that job
+          // would fail the whole group every time. Each job is placed on its own instead and
+          // fails, if it does, alone.
+          pending = [];
+          for (const p of planned) await this.placeGroup([p.job]);
+          return;
+        }
         pending = planned.map((p) => p.job);
       }
       for (const job of pending) job.reject(new ConflictError('host capacity (too many concurrent placements)'));

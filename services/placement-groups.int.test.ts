@@ -1,0 +1,95 @@
+// Placements that queue up while a placement commit is in flight are committed together, in
+// one transaction. A job whose own guard keeps failing (a record its caller read that changed
+// since, a placement of it that landed already) must then fail alone, not take the forks it
+// was grouped with down with it. Real etcd and nats-server, a scheduler replica in this
+// process (its store wrapped to slow placement commits down and to fail one fork's) and a fake
+// host agent process (loadtest/fake-agent/).
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { join } from 'node:path';
+import { waitFor } from './testkit/proc.ts';
+import { startFakeAgents } from './testkit/fleet-procs.ts';
+import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
+import { startTestScheduler } from './testkit/scheduler.ts';
+import type { Fleet, TestScheduler } from './testkit/scheduler.ts';
+import { OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import type { FleetStore, StoreWrite } from './domain/ports.ts';
+import { withCommitAt } from './testkit/store-proxy.ts';
+
+const tenantId = 't1';
+let keyN = 0;
+const key = (): string => `k-${Date.now()}-${keyN++}`;
+
+/** What the wrapped store saw of placement commits (those that create fork children). */
+interface Seen {
+  /** The label value of the fork whose placements conflict, as a stale guard would. */
+  poison: string;
+  /** Placement commits that held a poisoned child and children of another fork. */
+  poisonedGroups: number;
+}
+
+/**
+ * Placement commits take 300 ms (so the forks submitted meanwhile queue up into one group);
+ * one that creates a child labelled `poison=<seen.poison>` conflicts without writing.
+ */
+function slowPlacements(store: FleetStore, seen: Seen): FleetStore {
+  const childOf = (w: StoreWrite): string | undefined => (w.kind === 'sandbox' && w.expectRevision === 0 && w.value.opId && w.value.state === 'starting' ? w.value.opId : undefined);
+  return withCommitAt(store, async (writes, fence) => {
+    const ops = new Set(writes.map(childOf).filter((x): x is string => x !== undefined));
+    if (ops.size === 0) return store.commitAt(writes, fence);
+    await new Promise((r) => setTimeout(r, 300));
+    const poisoned = writes.some((w) => w.kind === 'sandbox' && childOf(w) && w.value.labels['poison'] === seen.poison);
+    if (!poisoned) return store.commitAt(writes, fence);
+    if (ops.size > 1) seen.poisonedGroups++;
+    return 0;
+  });
+}
+
+describe('placement groups (real etcd, NATS, a fake agent)', () => {
+  let ts: TestScheduler;
+  let host: FakeAgentsProcess;
+  let api: Fleet;
+  const seen: Seen = { poison: 'off', poisonedGroups: 0 };
+
+  beforeAll(async () => {
+    ts = await startTestScheduler({ prefix: 'ff-placegroups-', seams: { executorStore: (st) => slowPlacements(st, seen) } });
+    api = ts.api;
+    host = await startFakeAgents({ hosts: ['fake-a'], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '64' } });
+    await waitFor('host registered', async () => (await api.listHosts({})).hosts.length === 1, 20_000, 100);
+  }, 120_000);
+
+  afterAll(async () => {
+    await host?.stop();
+    await ts?.stop();
+  }, 60_000);
+
+  const wait = (op: Operation): Promise<Operation> => api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
+
+  it('forksPlacedTogether_withOneWhoseCommitAlwaysConflicts_failOnlyThatOne', async () => {
+    const made = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sourceId = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const snap = await wait(await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sourceId }));
+    expect(snap.state, snap.error?.message).toBe(OperationState.SUCCEEDED);
+    const snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+
+    seen.poison = 'stale';
+    const fork = (labels: Record<string, string>): Promise<Operation> => api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2, labels });
+    // The first fork's commit is in flight (300 ms) while the others queue: they are
+    // planned and committed as one group, the poisoned one among them.
+    const first = await fork({});
+    await new Promise((r) => setTimeout(r, 100));
+    const [poisoned, ...others] = await Promise.all([fork({ poison: 'stale' }), ...Array.from({ length: 5 }, () => fork({}))]);
+    const finals = await Promise.all([first, ...others].map(wait));
+    const poisonedFinal = await wait(poisoned!);
+
+    expect(seen.poisonedGroups, 'the poisoned fork was never committed in a group with others').toBeGreaterThan(0);
+    for (const f of finals) expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+    expect(poisonedFinal.state).toBe(OperationState.FAILED);
+    // Only the succeeded forks' children exist; the failed one booked nothing.
+    const children = (await api.listSandboxes({ tenantId })).sandboxes.filter((s) => s.id !== sourceId);
+    expect(children.length).toBe(2 * finals.length);
+    const booked = (await api.listHosts({})).hosts.find((h) => h.id === 'fake-a')?.allocated?.vcpus;
+    expect(booked).toBe(1 + children.length);
+  }, 120_000);
+});
