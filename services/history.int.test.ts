@@ -149,6 +149,25 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     }
   }, 60_000);
 
+  it('aHostThatNoLongerHoldsASnapshot_isDroppedFromItsHolders_andAForkThereFetchesItFromAnother', async () => {
+    const src = await create('lost-src');
+    const sn = await snapshot(src.sandboxId, 'lost-snap');
+    const first = (await store.getSnapshot(tenantId, sn))!.value.hostIds;
+    expect(first).toHaveLength(1);
+    const [a] = first as [string];
+    const b = fakes.hosts.find((h) => h !== a)!;
+    // A fork onto the other host fetches the snapshot there: both hold it.
+    await ok(await api.forkSandbox({ tenantId, idempotencyKey: 'lost-fork-b', source: { case: 'snapshotId', value: sn }, count: 1, placement: { hostId: b } }));
+    await waitFor('both hosts recorded as holders', async () => (await store.getSnapshot(tenantId, sn))!.value.hostIds.length === 2, 10_000, 100);
+    // Host a loses its copy (a disk replaced, chunks found corrupt): its heartbeats stop listing it.
+    rmSync(join(dir, 'fleet', a, 'vmm', 'snapshots', sn), { recursive: true });
+    await fakes.restart();
+    await waitFor(`${a} dropped from the snapshot's holders`, async () => JSON.stringify((await store.getSnapshot(tenantId, sn))!.value.hostIds) === JSON.stringify([b]), 30_000, 200);
+    // Placement no longer takes host a for a holder: a fork there fetches the snapshot from b.
+    const fork = await ok(await api.forkSandbox({ tenantId, idempotencyKey: 'lost-fork-a', source: { case: 'snapshotId', value: sn }, count: 1, placement: { hostId: a } }));
+    expect(fork.result.case === 'fork' ? fork.result.value.children.map((c) => c.hostId) : []).toEqual([a]);
+  }, 90_000);
+
   it('compaction_dropsHistoryOlderThanOneInterval_whileListsAndWatchesGoOn', async () => {
     const rev = await store.revision();
     await compactedPast(rev);

@@ -234,6 +234,13 @@ const HELD_GC_RETRY_MS = 10 * 60_000;
 /** Stale-snapshot deletes sent per pass at most. */
 const HELD_GC_MAX = 200;
 
+/**
+ * How long a live host's heartbeats must lack a snapshot its record says it holds before the
+ * record drops it (pruneHolders): longer than a heartbeat sent just before the snapshot was
+ * stored takes to arrive.
+ */
+const NOT_HELD_GRACE_MS = 5000;
+
 /** Deletes the leader's cache remembers (FleetCache.gone). */
 const GONE_RECORDS_MAX = 100_000;
 
@@ -450,6 +457,8 @@ export class Executor {
   private readonly finishedOps = new Map<string, FinishedOp>();
   /** `${hostId}/${snapshotId}` -> when that host was last asked to delete a stale snapshot. */
   private readonly heldGcAt = new Map<string, number>();
+  /** `${host}/${snapshot}` -> when a live host's heartbeat first lacked a snapshot its record says it holds (pruneHolders). */
+  private readonly notHeldSince = new Map<string, number>();
   /** Sandboxes whose VM their host's heartbeat did not list: `<tenant>/<id>` -> that heartbeat (reconcileVms). */
   private readonly vmMissing = new Map<string, { bootId: string; seq: bigint }>();
   /** `host/sandbox` -> when reconcileStrayVms first saw that VM stray (this term). */
@@ -535,7 +544,10 @@ export class Executor {
     }
     const retention = this.deps.config.recordRetentionMs ?? 0;
     if (retention > 0) this.every(Math.min(30_000, Math.max(500, retention / 2)), 'expiring old records', () => this.expireHistory());
-    this.every(this.deps.config.heldSnapshotCheckMs ?? 30_000, 'held snapshot check', async () => this.reconcileHeldSnapshots());
+    this.every(this.deps.config.heldSnapshotCheckMs ?? 30_000, 'held snapshot check', async () => {
+      this.reconcileHeldSnapshots();
+      await this.pruneHolders();
+    });
     this.every(VM_CHECK_MS, 'vm reconcile', async () => {
       await this.reconcileVms();
       await this.reconcileStrayVms();
@@ -2881,6 +2893,56 @@ export class Executor {
       }
     }
     return sent;
+  }
+
+  /**
+   * Drops a host from a ready snapshot's holders once its heartbeats have stopped listing the
+   * snapshot as complete for NOT_HELD_GRACE_MS, across two passes: a chunk there was found
+   * corrupt or missing (the agent stops counting itself a holder until it has fetched them
+   * again), or the host came back with its disk replaced. While the record still named it,
+   * placement preferred that host and sent it no fetch plan, so every restore there failed.
+   * Hosts not heard lately are left to the host reconciler. Returns how many holders it dropped.
+   */
+  async pruneHolders(): Promise<number> {
+    if (!this.active) return 0;
+    const now = this.deps.clock.now();
+    const lacking = (hostId: string, snapshotId: string): boolean => {
+      const heard = this.deps.heard.get(hostId);
+      return heard !== undefined && livenessOf(heard.heardAt, now, this.deps.config.liveness) === 'ready' && !this.deps.heard.holds(hostId, snapshotId);
+    };
+    const seen = new Set<string>();
+    const drop: SnapshotRec[] = [];
+    for (const v of this.cache.snapshots.values()) {
+      const sn = v.value;
+      if (sn.state !== 'ready') continue;
+      let due = false;
+      for (const h of sn.hostIds) {
+        if (!lacking(h, sn.id)) continue;
+        const k = `${h}/${sn.id}`;
+        seen.add(k);
+        const since = this.notHeldSince.get(k);
+        if (since === undefined) this.notHeldSince.set(k, now);
+        else if (now - since >= NOT_HELD_GRACE_MS) due = true;
+      }
+      if (due) drop.push(sn);
+    }
+    for (const k of this.notHeldSince.keys()) if (!seen.has(k)) this.notHeldSince.delete(k);
+    let dropped = 0;
+    for (const sn of drop) {
+      const due = (h: string): boolean => lacking(h, sn.id) && now - (this.notHeldSince.get(`${h}/${sn.id}`) ?? now) >= NOT_HELD_GRACE_MS;
+      let gone: string[] = [];
+      try {
+        await this.updateSnapshotRec(sn.tenantId, sn.id, (cur) => {
+          gone = cur.state === 'ready' ? cur.hostIds.filter(due) : [];
+          return gone.length === 0 ? undefined : { ...cur, hostIds: cur.hostIds.filter((h) => !gone.includes(h)) };
+        });
+        if (gone.length > 0) this.log.warn({ snapshotId: sn.id, hostIds: gone }, 'hosts no longer report a snapshot complete: dropped from its holders');
+        dropped += gone.length;
+      } catch (e) {
+        this.log.warn({ err: e, snapshotId: sn.id }, 'could not drop hosts that no longer hold a snapshot from its holders');
+      }
+    }
+    return dropped;
   }
 
   /** Registers new hosts and moves silent ones to suspect, then lost (their sandboxes become lost). */
