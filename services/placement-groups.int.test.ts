@@ -1,7 +1,8 @@
 // Placements that queue up while a placement commit is in flight are committed together, in
 // one transaction. A job whose own guard keeps failing (a record its caller read that changed
 // since, a placement of it that landed already) must then fail alone, not take the forks it
-// was grouped with down with it. Real etcd and nats-server, a scheduler replica in this
+// was grouped with down with it. A placement decided before a host was cordoned must not
+// land on it. Real etcd and nats-server, a scheduler replica in this
 // process (its store wrapped to slow placement commits down and to fail one fork's) and a fake
 // host agent process (loadtest/fake-agent/).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -26,6 +27,8 @@ interface Seen {
   poison: string;
   /** Placement commits that held a poisoned child and children of another fork. */
   poisonedGroups: number;
+  /** Runs once, when the next placement commit has been decided and is about to be sent. */
+  beforeNextPlacement?: () => Promise<void>;
 }
 
 /**
@@ -37,6 +40,9 @@ function slowPlacements(store: FleetStore, seen: Seen): FleetStore {
   return withCommitAt(store, async (writes, fence) => {
     const ops = new Set(writes.map(childOf).filter((x): x is string => x !== undefined));
     if (ops.size === 0) return store.commitAt(writes, fence);
+    const hook = seen.beforeNextPlacement;
+    seen.beforeNextPlacement = undefined;
+    await hook?.();
     await new Promise((r) => setTimeout(r, 300));
     const poisoned = writes.some((w) => w.kind === 'sandbox' && childOf(w) && w.value.labels['poison'] === seen.poison);
     if (!poisoned) return store.commitAt(writes, fence);
@@ -47,26 +53,26 @@ function slowPlacements(store: FleetStore, seen: Seen): FleetStore {
 
 describe('placement groups (real etcd, NATS, a fake agent)', () => {
   let ts: TestScheduler;
-  let host: FakeAgentsProcess;
+  let hosts: FakeAgentsProcess;
   let api: Fleet;
   const seen: Seen = { poison: 'off', poisonedGroups: 0 };
 
   beforeAll(async () => {
     ts = await startTestScheduler({ prefix: 'ff-placegroups-', seams: { executorStore: (st) => slowPlacements(st, seen) } });
     api = ts.api;
-    host = await startFakeAgents({ hosts: ['fake-a'], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '64' } });
-    await waitFor('host registered', async () => (await api.listHosts({})).hosts.length === 1, 20_000, 100);
+    hosts = await startFakeAgents({ hosts: ['fake-a', 'fake-b'], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '64' } });
+    await waitFor('hosts registered', async () => (await api.listHosts({})).hosts.length === 2, 20_000, 100);
   }, 120_000);
 
   afterAll(async () => {
-    await host?.stop();
+    await hosts?.stop();
     await ts?.stop();
   }, 60_000);
 
   const wait = (op: Operation): Promise<Operation> => api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
 
   it('forksPlacedTogether_withOneWhoseCommitAlwaysConflicts_failOnlyThatOne', async () => {
-    const made = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    const made = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } }));
     expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
     const sourceId = made.result.case === 'sandbox' ? made.result.value.id : '';
     const snap = await wait(await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sourceId }));
@@ -74,7 +80,7 @@ describe('placement groups (real etcd, NATS, a fake agent)', () => {
     const snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
 
     seen.poison = 'stale';
-    const fork = (labels: Record<string, string>): Promise<Operation> => api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2, labels });
+    const fork = (labels: Record<string, string>): Promise<Operation> => api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2, labels, placement: { hostId: 'fake-a' } });
     // The first fork's commit is in flight (300 ms) while the others queue: they are
     // planned and committed as one group, the poisoned one among them.
     const first = await fork({});
@@ -91,5 +97,28 @@ describe('placement groups (real etcd, NATS, a fake agent)', () => {
     expect(children.length).toBe(2 * finals.length);
     const booked = (await api.listHosts({})).hosts.find((h) => h.id === 'fake-a')?.allocated?.vcpus;
     expect(booked).toBe(1 + children.length);
+  }, 120_000);
+
+  it('forkDecidedBeforeItsHostWasCordoned_isPlacedAgainElsewhere_notOnTheCordonedHost', async () => {
+    const made = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } }));
+    const sourceId = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const snap = await wait(await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sourceId }));
+    const snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+    // The fork is decided over the leader's view (fake-a holds the snapshot: its children go
+    // there); the host is cordoned through the API before that decision is committed.
+    let cordoned = false;
+    seen.beforeNextPlacement = async () => {
+      await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: true });
+      cordoned = true;
+    };
+    try {
+      const f = await wait(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 3 }));
+      expect(cordoned).toBe(true);
+      expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+      const hostsOf = f.result.case === 'fork' ? f.result.value.children.map((c) => c.hostId) : [];
+      expect(hostsOf).toEqual(['fake-b', 'fake-b', 'fake-b']);
+    } finally {
+      await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: false });
+    }
   }, 120_000);
 });

@@ -204,6 +204,8 @@ function writeKey(w: StoreWrite): string {
       return `snapshot/${w.tenantId}/${w.id}`;
     case 'delete-host':
       return `host/${w.id}`;
+    case 'check-host':
+      return `check/host/${w.id}`;
     case 'delete-alloc':
       return `alloc/${w.hostId}`;
     case 'delete-idem':
@@ -1254,6 +1256,9 @@ export class Executor {
         const allocs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.value]));
         // The revisions the plan reads, taken with it: the cache may move on during the awaits below.
         const allocRevs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.modRevision]));
+        // And of the host records: a host cordoned, drained or lost since (a cordon is written
+        // by an API replica, and reaches this cache by a watch) fails the commit.
+        const hostRevs = new Map(hosts.map((h) => [h.value.id, h.modRevision]));
         // Only the snapshots this group places from: a view over every snapshot the fleet has
         // cost O(hosts x snapshots) per decision.
         const snapshots = [...new Map(pending.flatMap((j) => (j.snapshot ? [this.cache.snapshot(j.snapshot.tenantId, j.snapshot.id)?.value] : [])).filter((x): x is SnapshotRec => x !== undefined).map((x) => [x.id, x])).values()];
@@ -1280,7 +1285,8 @@ export class Executor {
             const perHost = new Map<string, number>();
             for (const p of result.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);
             const newHosts = [...perHost.keys()].filter((h) => !touched.has(h)).length;
-            const size = writes.length + newHosts + (opUpdate ? 1 : 0);
+            // Each new host adds its capacity write and its record's guard.
+            const size = writes.length + 2 * newHosts + (opUpdate ? 1 : 0);
             const bytes = writeBytes(writes);
             // The API refuses forks whose children cannot fit one transaction; one whose
             // inherited hooks make it too large anyway fails here, before it books anything.
@@ -1328,7 +1334,8 @@ export class Executor {
         if (planned.length === 0) return;
         // One write per touched host's capacity, guarded by the alloc revision this plan read.
         const allocWrites: StoreWrite[] = [...touched].map((hostId) => ({ kind: 'alloc', value: allocs.get(hostId)!, expectRevision: allocRevs.get(hostId) ?? 0 }));
-        const rev = await this.commit([...allocWrites, ...planned.flatMap((p) => p.writes)]);
+        const hostChecks: StoreWrite[] = [...touched].map((id) => ({ kind: 'check-host', id, expectRevision: hostRevs.get(id) ?? 0 }));
+        const rev = await this.commit([...allocWrites, ...hostChecks, ...planned.flatMap((p) => p.writes)]);
         if (rev) {
           for (const p of planned) p.job.resolve({ result: p.result, revision: rev });
           return;

@@ -120,6 +120,7 @@ function keyOf(w: StoreWrite): string {
     case 'delete-snapshot':
       return keys.snapshot(w.tenantId, w.id);
     case 'delete-host':
+    case 'check-host':
       return keys.host(w.id);
     case 'delete-alloc':
       return keys.alloc(w.hostId);
@@ -128,8 +129,11 @@ function keyOf(w: StoreWrite): string {
   }
 }
 
-function valueOf(w: StoreWrite): string | undefined {
+/** What a write puts (a string), deletes (undefined) or leaves alone (null: a guard only). */
+function valueOf(w: StoreWrite): string | undefined | null {
   switch (w.kind) {
+    case 'check-host':
+      return null;
     case 'idem':
       return w.opId;
     case 'delete-sandbox':
@@ -299,8 +303,9 @@ export class EtcdFleetStore implements FleetStore {
     for (const w of writes) {
       if (w.expectRevision !== undefined) txn = txn.and(keyOf(w), 'Mod', '==', w.expectRevision);
     }
-    const values = writes.map(valueOf);
-    const ops = writes.map((w, i) => {
+    const changes = writes.filter((w) => valueOf(w) !== null);
+    const values = changes.map(valueOf) as Array<string | undefined>;
+    const ops = changes.map((w, i) => {
       const v = values[i];
       return v === undefined ? ns.delete().key(keyOf(w)) : ns.put(keyOf(w)).value(v);
     });
@@ -316,7 +321,7 @@ export class EtcdFleetStore implements FleetStore {
     // - every key it puts is as written at R, or was changed or deleted after R (capacity
     //   records change all the time).
     // Anything else is a conflict.
-    const puts = writes.flatMap((w, i) => (values[i] === undefined ? [] : [{ key: keyOf(w), value: values[i]!, recognisable: w.kind === 'sandbox' || w.kind === 'op' }]));
+    const puts = changes.flatMap((w, i) => (values[i] === undefined ? [] : [{ key: keyOf(w), value: values[i]!, recognisable: w.kind === 'sandbox' || w.kind === 'op' }]));
     const recognisable = puts.some((p) => p.recognisable);
     const reads = [...(fence ? [ns.get(fence.key)] : []), ...(recognisable ? puts.map((p) => ns.get(p.key)) : [])];
     const res = await (reads.length > 0 ? txn.then(...ops).else(...reads) : txn.then(...ops)).commit().catch((e: unknown) => {
