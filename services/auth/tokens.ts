@@ -15,6 +15,7 @@ import { InvalidArgumentError } from '../../proto/errors.ts';
 import { parseDuration } from '../config.ts';
 import { UnauthenticatedError } from './errors.ts';
 import type { RateSpec } from './limits.ts';
+import { TENANT_ID_RE } from '../domain/records.ts';
 
 export interface TenantQuota {
   /** Sandboxes that are not destroyed, failed or lost. */
@@ -44,7 +45,6 @@ export interface Principal {
   readonly credentialId: string;
 }
 
-const TENANT_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
 const TOKEN_RE = /^ff_[A-Za-z0-9_-]{43}$/;
 
 export function sha256(token: string): Buffer {
@@ -65,7 +65,7 @@ function positiveInt(field: string, v: unknown): number | undefined {
 export function parseEntry(raw: unknown, where: string): TokenEntry {
   if (typeof raw !== 'object' || raw === null) throw new InvalidArgumentError(where, 'must be an object');
   const r = raw as Record<string, unknown>;
-  if (typeof r.tenant !== 'string' || !TENANT_RE.test(r.tenant)) throw new InvalidArgumentError(`${where}.tenant`, 'must be 1-63 characters of a-z, 0-9 and -');
+  if (typeof r.tenant !== 'string' || !TENANT_ID_RE.test(r.tenant)) throw new InvalidArgumentError(`${where}.tenant`, 'must be 1-63 characters of a-z, 0-9 and -');
   if (typeof r.token_sha256 !== 'string' || !/^[0-9a-f]{64}$/.test(r.token_sha256)) throw new InvalidArgumentError(`${where}.token_sha256`, 'must be 64 lowercase hex digits');
   if (r.admin !== undefined && typeof r.admin !== 'boolean') throw new InvalidArgumentError(`${where}.admin`, 'must be true or false');
   // Fleet operations (drain) are recorded under tenant 'admin': only admin tokens may act as it.

@@ -247,6 +247,9 @@ export function isTerminal(s: OperationState): boolean {
  * the keys. A fork writes all its children in one transaction, so this caps count x child size.
  */
 export const PLACEMENT_TXN_MAX_BYTES = 1_000_000;
+
+/** A tenant id: 1-63 characters of a-z, 0-9 and -, starting with a letter or digit (API, tokens, webhooks). */
+export const TENANT_ID_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
 /** A sandbox record's JSON without its labels and hooks, at most (ids, state, resources, times: ~700 bytes). */
 export const SANDBOX_RECORD_BASE_BYTES = 1024;
 

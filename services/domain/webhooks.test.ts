@@ -7,12 +7,18 @@ import type { DeliveryLog, DeliveryRec, DeliveryState } from './webhooks.ts';
 import type { RecordChange } from './ports.ts';
 import type { SnapshotRec } from './records.ts';
 import { fetchPoster } from '../adapters/http/webhook-poster.ts';
+import { sandboxRecord } from '../testkit/records.ts';
 
 const SECRET = 'a-secret-of-enough-length';
 
 class MemoryLog implements DeliveryLog {
   readonly recs = new Map<string, DeliveryRec>();
   cur = 0;
+  /** The next create throws (etcd unavailable), writing nothing. */
+  failNextCreate = false;
+  async get(id: string) {
+    return this.recs.get(id);
+  }
   async cursor() {
     return this.cur;
   }
@@ -20,6 +26,10 @@ class MemoryLog implements DeliveryLog {
     this.cur = r;
   }
   async create(rec: DeliveryRec) {
+    if (this.failNextCreate) {
+      this.failNextCreate = false;
+      throw new Error('etcd unavailable');
+    }
     if (this.recs.has(rec.id)) return false;
     this.recs.set(rec.id, rec);
     return true;
@@ -33,6 +43,10 @@ class MemoryLog implements DeliveryLog {
   async remove(ids: readonly string[]) {
     for (const id of ids) this.recs.delete(id);
   }
+}
+
+function sandboxCreated(revision: number, id: string): RecordChange {
+  return { kind: 'sandbox', value: sandboxRecord({ id, state: 'starting', updatedAt: 1 }), revision };
 }
 
 function snapshotChange(revision: number, prev: Partial<SnapshotRec> | undefined, next: Partial<SnapshotRec>): RecordChange {
@@ -91,6 +105,12 @@ describe('webhook signatures', () => {
     expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"ftp://x","secret":"0123456789abcdef"}]')).toThrow(/FF_WEBHOOKS\[0\]\.url/);
     expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"short"}]')).toThrow(/FF_WEBHOOKS\[0\]\.secret/);
     expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"0123456789abcdef","types":["nope"]}]')).toThrow(/types/);
+    // Anything that would quietly widen a tenant's hook to every tenant's events is refused.
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"0123456789abcdef","tenant_id":"t1"}]')).toThrow(/FF_WEBHOOKS\[0\]\.tenant_id: unknown key/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"0123456789abcdef","tenant":["t1"]}]')).toThrow(/FF_WEBHOOKS\[0\]\.tenant/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"0123456789abcdef","tenant":""}]')).toThrow(/FF_WEBHOOKS\[0\]\.tenant/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"0123456789abcdef","types":"sandbox_created"}]')).toThrow(/FF_WEBHOOKS\[0\]\.types/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '["http://x"]')).toThrow(/FF_WEBHOOKS\[0\]/);
     expect(parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef","tenant":"t1","types":["snapshot_expired"]}]')).toEqual([
       { url: 'http://x/h', secret: '0123456789abcdef', tenantId: 't1', types: ['snapshot_expired'] },
     ]);
@@ -106,12 +126,22 @@ describe('WebhookDispatcher', () => {
   async function dispatcherWith(failFirst: number, types: string[] = [], over: { retentionMs?: number; log?: MemoryLog; now?: () => number } = {}) {
     const rx = await receiver(failFirst);
     const log = over.log ?? new MemoryLog();
-    let emit: (ch: RecordChange) => void = () => undefined;
+    // The store's history: a watch from a revision replays what came since, then follows.
+    const history: RecordChange[] = [];
+    let watching: ((ch: RecordChange) => void) | undefined;
+    const emit = (ch: RecordChange): void => {
+      history.push(ch);
+      watching?.(ch);
+    };
     const d = new WebhookDispatcher({
       store: {
-        watchRecords: async (cb) => {
-          emit = cb;
-          return () => undefined;
+        watchRecords: async (cb, opts) => {
+          const from = opts?.fromRevision;
+          if (from !== undefined) for (const ch of history.filter((c) => c.revision >= from)) cb(ch);
+          watching = cb;
+          return () => {
+            if (watching === cb) watching = undefined;
+          };
         },
       },
       deliveries: log,
@@ -127,7 +157,7 @@ describe('WebhookDispatcher', () => {
       await d.stop();
       await rx.close();
     });
-    return { rx, log, d, emit: (ch: RecordChange) => emit(ch) };
+    return { rx, log, d, emit };
   }
 
   it('expire_deletesDeliveredAndFailedRecordsPastTheRetention_andKeepsPendingAndRecentOnes', async () => {
@@ -184,5 +214,50 @@ describe('WebhookDispatcher', () => {
     emit(snapshotChange(12, { expiryDueAt: 1000 }, { state: 'deleted', deletedReason: 'expired' }));
     await until(() => [...log.recs.values()].filter((r) => r.state === 'delivered').length === 2);
     expect(rx.got.map((g) => (JSON.parse(g.body) as { type: string }).type).sort()).toEqual(['snapshot_expired', 'snapshot_expiring']);
+  });
+
+  it('eventsOfOneTransaction_eachGetTheirOwnDelivery', async () => {
+    // A fork's children are written in one transaction: three sandbox_created at one revision.
+    const { rx, log, emit } = await dispatcherWith(0, ['sandbox_created']);
+    for (const id of ['sb-c1', 'sb-c2', 'sb-c3']) emit(sandboxCreated(9, id));
+    await until(() => [...log.recs.values()].filter((r) => r.state === 'delivered').length === 3);
+    expect(rx.got.map((g) => (JSON.parse(g.body) as { sandboxId: string }).sandboxId).sort()).toEqual(['sb-c1', 'sb-c2', 'sb-c3']);
+    expect(new Set(rx.got.map((g) => g.delivery)).size).toBe(3);
+  });
+
+  it('recordThatFails_isRecordedAgainFromTheCursor_andTheCursorNeverPassesIt', async () => {
+    const { rx, log, emit } = await dispatcherWith(0, ['sandbox_created']);
+    emit(sandboxCreated(5, 'sb-first'));
+    await until(() => log.cur === 4);
+    // etcd fails the record of revision 7; revision 8 arrives behind it.
+    log.failNextCreate = true;
+    emit(sandboxCreated(7, 'sb-lost'));
+    emit(sandboxCreated(8, 'sb-after'));
+    await until(() => [...log.recs.values()].filter((r) => r.state === 'delivered').length === 3);
+    expect(rx.got.map((g) => (JSON.parse(g.body) as { sandboxId: string }).sandboxId).sort()).toEqual(['sb-after', 'sb-first', 'sb-lost']);
+    expect(log.cur).toBe(7);
+  });
+
+  it('recordThatFailsBeforeAnyCursor_isFollowedAgainFromItsOwnRevision', async () => {
+    const { rx, log, emit } = await dispatcherWith(0, ['sandbox_created']);
+    log.failNextCreate = true;
+    emit(sandboxCreated(3, 'sb-very-first'));
+    await until(() => [...log.recs.values()].some((r) => r.state === 'delivered'));
+    expect(rx.got.map((g) => (JSON.parse(g.body) as { sandboxId: string }).sandboxId)).toEqual(['sb-very-first']);
+  });
+
+  it('pendingDeliveryWrittenBehindThisLeadersBack_isAttemptedWhenItsEventIsReplayed', async () => {
+    // Its create landed but the answer was lost (or a deposed leader wrote it after this one
+    // listed the log): the record is there, pending, and nothing here has scheduled it.
+    const log = new MemoryLog();
+    const { rx, emit } = await dispatcherWith(0, ['sandbox_created'], { log });
+    const first = sandboxCreated(6, 'sb-behind');
+    emit(sandboxCreated(5, 'sb-x'));
+    await until(() => log.cur === 4);
+    const id = [...log.recs.keys()][0]!.replace('sb-x', 'sb-behind').replace(/^5-/, '6-');
+    log.recs.set(id, { id, url: rx.url, tenantId: 't1', eventType: 'sandbox_created', revision: 6, body: '{"replayed":true}', state: 'pending', attempts: 1, lastStatus: 0, lastError: 'timeout', createdAt: 0, updatedAt: 0, nextAttemptAt: 0, deliveredAt: null });
+    emit(first);
+    await until(() => log.recs.get(id)?.state === 'delivered');
+    expect(rx.got.filter((g) => g.delivery === id)).toHaveLength(1);
   });
 });

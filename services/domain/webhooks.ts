@@ -2,7 +2,8 @@
 // HMAC-SHA256, retried with exponential backoff, and every delivery recorded in the store.
 //
 // Only the leader dispatches. Before an event is attempted, its delivery record is written
-// (id = revision + type + target, so a re-run never creates a second one) and the watch
+// (id = revision + type + the record it is about + target, so a re-run never creates a
+// second one) and the watch
 // cursor advanced; a new leader resumes from the cursor and retries every delivery still
 // pending. Delivery is therefore at least once: receivers dedupe on `forkfleet-delivery`.
 //
@@ -14,6 +15,7 @@ import type { Clock, FleetStore } from './ports.ts';
 import { EVENT_TYPES, eventsOf } from './events.ts';
 import type { FleetEvent, FleetEventType } from './events.ts';
 import { InvalidArgumentError } from '../../proto/errors.ts';
+import { TENANT_ID_RE } from './records.ts';
 
 export interface WebhookTarget {
   readonly url: string;
@@ -51,6 +53,7 @@ export interface DeliveryLog {
   setCursor(revision: number): Promise<void>;
   /** Writes the record unless one with its id exists; false when it did. */
   create(rec: DeliveryRec): Promise<boolean>;
+  get(id: string): Promise<DeliveryRec | undefined>;
   update(rec: DeliveryRec): Promise<void>;
   list(filter: { state?: DeliveryState }): Promise<DeliveryRec[]>;
   /** Deletes delivery records (delivered or failed ones, which never change again). */
@@ -91,6 +94,8 @@ export function verifyWebhookSignature(secret: string, body: string, header: str
   return timingSafeEqual(want, Buffer.from(v1));
 }
 
+const TARGET_KEYS: ReadonlySet<string> = new Set(['url', 'secret', 'tenant', 'types']);
+
 /** Parses the FF_WEBHOOKS JSON: `[{url, secret, tenant?, types?}]`. */
 export function parseWebhookTargets(field: string, json: string): WebhookTarget[] {
   let raw: unknown;
@@ -101,14 +106,20 @@ export function parseWebhookTargets(field: string, json: string): WebhookTarget[
   }
   if (!Array.isArray(raw)) throw new InvalidArgumentError(field, 'must be a JSON array of {url, secret, tenant?, types?}');
   return raw.map((r: unknown, i) => {
-    const o = (r ?? {}) as Record<string, unknown>;
+    if (typeof r !== 'object' || r === null || Array.isArray(r)) throw new InvalidArgumentError(`${field}[${i}]`, 'must be an object {url, secret, tenant?, types?}');
+    const o = r as Record<string, unknown>;
+    // A misspelt key (`tenant_id`) must not leave `tenant` unset: that means every tenant's events.
+    for (const k of Object.keys(o)) if (!TARGET_KEYS.has(k)) throw new InvalidArgumentError(`${field}[${i}].${k}`, 'unknown key; the keys are url, secret, tenant, types');
     const url = typeof o.url === 'string' ? o.url : '';
     if (!/^https?:\/\/[^\s]+$/.test(url)) throw new InvalidArgumentError(`${field}[${i}].url`, 'must be an http(s) URL');
     const secret = typeof o.secret === 'string' ? o.secret : '';
     if (secret.length < 16) throw new InvalidArgumentError(`${field}[${i}].secret`, 'must be at least 16 characters');
-    const types = Array.isArray(o.types) ? o.types : [];
+    if (o.types !== undefined && !Array.isArray(o.types)) throw new InvalidArgumentError(`${field}[${i}].types`, `must be an array of event types (absent: all); one of ${EVENT_TYPES.join(', ')}`);
+    const types = (o.types ?? []) as unknown[];
     for (const t of types) if (!(EVENT_TYPES as readonly unknown[]).includes(t)) throw new InvalidArgumentError(`${field}[${i}].types`, `unknown event type ${JSON.stringify(t)}; one of ${EVENT_TYPES.join(', ')}`);
-    return { url, secret, tenantId: typeof o.tenant === 'string' ? o.tenant : '', types: types as FleetEventType[] };
+    // Absent: an operator's hook, every tenant's events. Present: one tenant id.
+    if (o.tenant !== undefined && (typeof o.tenant !== 'string' || !TENANT_ID_RE.test(o.tenant))) throw new InvalidArgumentError(`${field}[${i}].tenant`, 'must be a tenant id (absent: every tenant\'s events, an operator\'s hook)');
+    return { url, secret, tenantId: (o.tenant as string | undefined) ?? '', types: types as FleetEventType[] };
   });
 }
 
@@ -129,6 +140,17 @@ export interface WebhookDispatcherDeps {
   retentionMs?: number;
 }
 
+/**
+ * A delivery's id: the event (revision, type and the record it is about: one transaction
+ * writes many records at one revision, e.g. a fork's children) and the target. A re-run of
+ * the same change makes the same id, so a replay never creates a second delivery.
+ */
+function deliveryId(ev: FleetEvent, t: WebhookTarget): string {
+  // A snapshot's events also name its source sandbox: the subject is the snapshot.
+  const subject = ev.type.startsWith('snapshot_') ? ev.snapshotId : ev.type === 'operation_done' ? ev.operationId : ev.sandboxId;
+  return `${ev.revision}-${ev.type}-${ev.tenantId}-${subject}-${targetKey(t)}`;
+}
+
 function targetKey(t: WebhookTarget): string {
   return createHash('sha256').update(t.url).update('\0').update(t.tenantId).digest('hex').slice(0, 12);
 }
@@ -139,8 +161,16 @@ export class WebhookDispatcher {
   private chain: Promise<void> = Promise.resolve();
   private active = false;
   private readonly retry: RetryPolicy;
-  /** Delivered and failed records, by id, with the time of their last attempt, until they expire. */
+  /**
+   * Delivered and failed records, by id, with the time of their last attempt, until they
+   * expire. Kept only with a retention (without one nothing expires, and the map would grow
+   * with every event).
+   */
   private readonly finished = new Map<string, number>();
+  /** Pending deliveries this leader has scheduled or is attempting. */
+  private readonly owned = new Set<string>();
+  /** The current watch (follow); changes of an older one are not recorded. */
+  private generation = 0;
 
   constructor(private readonly deps: WebhookDispatcherDeps) {
     this.retry = deps.retry ?? DEFAULT_RETRY;
@@ -151,9 +181,10 @@ export class WebhookDispatcher {
     if (this.deps.targets.length === 0) return;
     this.active = true;
     this.finished.clear();
+    this.owned.clear();
     for (const d of await this.deps.deliveries.list({})) {
       if (d.state === 'pending') this.schedule(d, Math.max(0, d.nextAttemptAt - this.deps.clock.now()));
-      else this.finished.set(d.id, d.updatedAt);
+      else this.noteFinished(d);
     }
     const retention = this.deps.retentionMs ?? 0;
     if (retention > 0) {
@@ -171,30 +202,51 @@ export class WebhookDispatcher {
    * from the cursor a second later, once what was already queued is recorded (the cursor is
    * never compacted away: ADR 0017).
    */
-  private async follow(): Promise<void> {
+  private async follow(failedAt?: number): Promise<void> {
     const cursor = await this.deps.deliveries.cursor();
+    // No cursor yet (nothing recorded since the fleet began): a change whose record failed is
+    // followed again from its own revision, not from now.
+    const fromRevision = cursor > 0 ? cursor + 1 : failedAt;
+    // Changes of this watch are recorded only while it is the current one: after a failed
+    // record, the changes queued behind it must not move the cursor past the one that failed.
+    const generation = ++this.generation;
+    const watch: { stop?: () => void } = {};
+    const again = (e: unknown, what: string, at?: number): void => {
+      if (!this.active || generation !== this.generation) return;
+      this.generation++;
+      this.deps.log.warn({ err: e }, `${what}; following again from the cursor`);
+      watch.stop?.();
+      if (this.stopWatch === watch.stop) this.stopWatch = undefined;
+      this.followAgain(at ?? failedAt);
+    };
     const stop = await this.deps.store.watchRecords(
       (ch) => {
         const events = eventsOf(ch, this.deps.clock.now());
-        this.chain = this.chain.then(() => this.record(events, ch.revision)).catch((e: unknown) => this.deps.log.warn({ err: e }, 'recording webhook deliveries failed'));
+        this.chain = this.chain
+          .then(() => (generation === this.generation ? this.record(events, ch.revision) : undefined))
+          .catch((e: unknown) => again(e, 'recording webhook deliveries failed', ch.revision));
       },
       {
-        ...(cursor > 0 ? { fromRevision: cursor + 1 } : {}),
-        onError: (e) => {
-          if (!this.active || this.stopWatch !== stop) return;
-          this.deps.log.warn({ err: e }, 'the event watch broke off; following again from the cursor');
-          stop();
-          this.stopWatch = undefined;
-          const t = setTimeout(() => {
-            this.timers.delete(t);
-            this.chain = this.chain.then(() => (this.active && !this.stopWatch ? this.follow() : undefined)).catch((err: unknown) => this.deps.log.warn({ err }, 'following the events again failed'));
-          }, 1000);
-          t.unref();
-          this.timers.add(t);
-        },
+        ...(fromRevision !== undefined ? { fromRevision } : {}),
+        onError: (e) => again(e, 'the event watch broke off'),
       },
     );
-    this.stopWatch = stop;
+    watch.stop = stop;
+    if (generation === this.generation) this.stopWatch = stop;
+    else stop();
+  }
+
+  /** Follows again from the cursor a second from now, and again after each failure. */
+  private followAgain(failedAt: number | undefined): void {
+    const t = setTimeout(() => {
+      this.timers.delete(t);
+      this.chain = this.chain.then(() => (this.active && !this.stopWatch ? this.follow(failedAt) : undefined)).catch((err: unknown) => {
+        this.deps.log.warn({ err }, 'following the events again failed; trying again');
+        if (this.active && !this.stopWatch) this.followAgain(failedAt);
+      });
+    }, 1000);
+    t.unref();
+    this.timers.add(t);
   }
 
   /** Deletes the delivered and failed records whose last attempt is older than the retention. */
@@ -212,6 +264,7 @@ export class WebhookDispatcher {
 
   async stop(): Promise<void> {
     this.active = false;
+    this.generation++;
     this.stopWatch?.();
     for (const t of this.timers) clearTimeout(t);
     this.timers.clear();
@@ -224,10 +277,17 @@ export class WebhookDispatcher {
       for (const t of this.deps.targets) {
         if (t.tenantId && t.tenantId !== ev.tenantId) continue;
         if (t.types.length && !t.types.includes(ev.type)) continue;
-        const id = `${ev.revision}-${ev.type}-${targetKey(t)}`;
+        const id = deliveryId(ev, t);
         const body = JSON.stringify({ id, ...ev, time: new Date(ev.time).toISOString() });
         const rec: DeliveryRec = { id, url: t.url, tenantId: ev.tenantId, eventType: ev.type, revision: ev.revision, body, state: 'pending', attempts: 0, lastStatus: 0, lastError: '', createdAt: now, updatedAt: now, nextAttemptAt: now, deliveredAt: null };
         if (await this.deps.deliveries.create(rec)) this.schedule(rec, 0);
+        else if (!this.owned.has(id) && !this.finished.has(id)) {
+          // Written, but not by a create this leader saw succeed (its answer was lost, or a
+          // deposed leader wrote it after this one listed the log): nobody here would retry it.
+          const there = await this.deps.deliveries.get(id);
+          if (there?.state === 'pending') this.schedule(there, Math.max(0, there.nextAttemptAt - now));
+          else if (there) this.noteFinished(there);
+        }
       }
     }
     // Every revision below this one is complete (changes arrive in revision order); this
@@ -235,8 +295,13 @@ export class WebhookDispatcher {
     await this.deps.deliveries.setCursor(revision - 1);
   }
 
+  private noteFinished(rec: DeliveryRec): void {
+    if (this.deps.retentionMs) this.finished.set(rec.id, rec.updatedAt);
+  }
+
   private schedule(rec: DeliveryRec, delayMs: number): void {
     if (!this.active) return;
+    this.owned.add(rec.id);
     const t = setTimeout(() => {
       this.timers.delete(t);
       void this.attempt(rec).catch((e: unknown) => this.deps.log.warn({ err: e, deliveryId: rec.id }, 'webhook attempt bookkeeping failed'));
@@ -252,7 +317,8 @@ export class WebhookDispatcher {
     if (!target) {
       Object.assign(next, { state: 'failed', lastError: 'webhook no longer configured' });
       await this.deps.deliveries.update(next);
-      this.finished.set(next.id, next.updatedAt);
+      this.owned.delete(next.id);
+      this.noteFinished(next);
       return;
     }
     const headers = {
@@ -284,6 +350,9 @@ export class WebhookDispatcher {
     }
     await this.deps.deliveries.update(next);
     if (next.state === 'pending') this.schedule(next, next.nextAttemptAt - this.deps.clock.now());
-    else this.finished.set(next.id, next.updatedAt);
+    else {
+      this.owned.delete(next.id);
+      this.noteFinished(next);
+    }
   }
 }

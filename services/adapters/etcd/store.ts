@@ -488,6 +488,9 @@ export class EtcdFleetStore implements FleetStore {
     // etcd cancels a watch from a compacted revision with an empty reason: a read at that
     // revision says whether that was why, so the caller can tell (isCompacted) and say so.
     onBroken(w, from ? (e) => void this.compactedPast(from).then((gone) => opts.onError?.(gone && !isCompacted(e) ? new Error(`watch from revision ${from}: required revision has been compacted`) : e)) : opts.onError);
+    // etcd3 resumes a broken stream from the revision of the last response, which during a
+    // catch-up is the store's current one: the rest of the backlog would be skipped unseen.
+    resumeIsABreak(w, opts.onError);
     const kinds = [
       [keys.sandboxes(), 'sandbox'],
       [keys.snapshots(), 'snapshot'],

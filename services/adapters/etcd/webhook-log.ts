@@ -1,6 +1,6 @@
 // Webhook delivery records and the event cursor in etcd (services/domain/webhooks.ts).
 //   /ff/v1/webhooks/cursor            last store revision whose events are all recorded
-//   /ff/v1/webhooks/deliveries/<id>   DeliveryRec (id = revision-type-target); delivered and
+//   /ff/v1/webhooks/deliveries/<id>   DeliveryRec (id = revision-type-tenant-subject-target); delivered and
 //                                     failed ones are deleted after FF_RECORD_RETENTION
 import type { Etcd3 } from 'etcd3';
 import type { DeliveryLog, DeliveryRec, DeliveryState } from '../../domain/webhooks.ts';
@@ -25,6 +25,11 @@ export class EtcdDeliveryLog implements DeliveryLog {
     const key = DELIVERIES + rec.id;
     const res = await this.client.if(key, 'Create', '==', 0).then(this.client.put(key).value(JSON.stringify(rec))).commit();
     return res.succeeded;
+  }
+
+  async get(id: string): Promise<DeliveryRec | undefined> {
+    const v = await this.client.get(DELIVERIES + id).string();
+    return v ? (JSON.parse(v) as DeliveryRec) : undefined;
   }
 
   async update(rec: DeliveryRec): Promise<void> {

@@ -26,6 +26,7 @@ import {
 import type { Event, Host, Operation, OperationStep, Sandbox, Snapshot } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { FleetEvent, FleetEventType } from '../../domain/events.ts';
 import type { HookRec, HostAllocRec, HostRec, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from '../../domain/records.ts';
+import { TENANT_ID_RE } from '../../domain/records.ts';
 import type { PlacementPrefs } from '../../domain/fleet.ts';
 import { runningMs } from '../../domain/fleet.ts';
 
@@ -72,7 +73,6 @@ function hasControl(v: string): boolean {
   return false;
 }
 
-const TENANT_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
 const KEY_RE = /^[\x21-\x7e]{1,128}$/;
 const ID_RE = { sb: /^sb-[a-z2-7]{20}$/, sn: /^sn-[a-z2-7]{20}$/, op: /^op-[a-z2-7]{20}$/ };
 const IMAGE_RE = /^[a-z0-9][a-z0-9._-]{0,63}$/;
@@ -81,7 +81,7 @@ const HOST_ID_RE = /^[a-z0-9][a-z0-9-]{0,62}$/;
 const LABEL_KEY_RE = /^[a-zA-Z0-9][a-zA-Z0-9._/-]{0,62}$/;
 
 export function tenant(v: string, field = 'tenant_id'): string {
-  if (!TENANT_RE.test(v)) throw new InvalidArgumentError(field, 'must be 1-63 characters of a-z, 0-9 and -, starting with a letter or digit');
+  if (!TENANT_ID_RE.test(v)) throw new InvalidArgumentError(field, 'must be 1-63 characters of a-z, 0-9 and -, starting with a letter or digit');
   return v;
 }
 

@@ -40,6 +40,12 @@ import { register } from './rpc.ts';
 import type { CallContext, ServiceRegistration } from './rpc.ts';
 import { AsyncQueue } from './queue.ts';
 import * as c from './convert.ts';
+
+/**
+ * Events a WatchEvents stream holds for a client that does not read them (flow control holds
+ * the writes) before it ends the stream with RESOURCE_EXHAUSTED: ~1 MB per stream.
+ */
+const WATCH_EVENTS_MAX_QUEUED = 4096;
 import { requireAdmin, tenantFor } from '../../auth/guard.ts';
 import { PermissionDeniedError, UnauthenticatedError } from '../../auth/errors.ts';
 
@@ -246,22 +252,37 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const after = Number(req.afterRevision);
       const q = new AsyncQueue<ReturnType<typeof c.toEvent>>();
       let stop: (() => void) | undefined;
+      /** The revision of the last event queued: the stream ends only between revisions, so a client resumes exactly. */
+      let lastQueued = after;
       // A resumed watch replays every change after `after` (from the store's history), then goes on.
-      const broke = (e: unknown): void =>
-        q.fail(after > 0 && /compacted/i.test(e instanceof Error ? e.message : String(e)) ? new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }) : e);
+      const broke = (e: unknown): void => {
+        stop?.();
+        if (q.isEnded) return;
+        if (after > 0 && /compacted/i.test(e instanceof Error ? e.message : String(e))) q.fail(new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }));
+        else q.fail(new ForkfleetError('unavailable', `the store's event stream broke off (${e instanceof Error ? e.message : String(e)}): resume with after_revision ${lastQueued}`, { cause: e }));
+      };
       void deps.store
         .watchRecords((ch) => {
-          if (ch.value.tenantId !== tenantId || ch.revision <= after) return;
+          // The call ended (cancelled, or failed below): etcd may still deliver until its cancel lands.
+          if (q.isEnded || ch.value.tenantId !== tenantId || ch.revision <= after) return;
+          // A client that does not read (HTTP/2 flow control holds the writes) must not grow
+          // this replica's memory without bound: its stream ends at a revision boundary.
+          if (ch.revision > lastQueued && q.size >= WATCH_EVENTS_MAX_QUEUED) {
+            stop?.();
+            q.fail(new ForkfleetError('resource_exhausted', `${q.size} events wait unread: read faster, or resume with after_revision ${lastQueued}`));
+            return;
+          }
           for (const e of eventsOf(ch, deps.clock.now())) {
             const ev = c.toEvent(e);
             if (sandboxId && ev.sandboxId !== sandboxId) continue;
             if (types.size && !types.has(ev.type)) continue;
             q.push(ev);
+            lastQueued = ch.revision;
           }
         }, { ...(after > 0 ? { fromRevision: after + 1 } : {}), onError: broke })
         .then((s) => {
           stop = s;
-          if (ctx.signal.aborted) s();
+          if (ctx.signal.aborted || q.isEnded) s();
         }, broke);
       ctx.signal.addEventListener('abort', () => {
         stop?.();

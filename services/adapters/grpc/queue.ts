@@ -34,6 +34,11 @@ export class AsyncQueue<T> implements AsyncIterable<T> {
     return this.ended;
   }
 
+  /** Items pushed and not yet read. */
+  get size(): number {
+    return this.items.length;
+  }
+
   [Symbol.asyncIterator](): AsyncIterator<T> {
     return {
       next: () => {
