@@ -6,6 +6,7 @@
 // SIGKILLed mid-fork.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { join } from 'node:path';
+import { readFileSync } from 'node:fs';
 import { waitFor } from './testkit/proc.ts';
 import { startFakeAgents } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
@@ -52,6 +53,9 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   let sourceId = '';
   const retried = { armed: false, hit: 0 };
   let dyingThird: FakeAgentsProcess | undefined;
+  let dyingHib: FakeAgentsProcess | undefined;
+  let replicaHost: FakeAgentsProcess | undefined;
+  let slowSnapshots: FakeAgentsProcess | undefined;
 
   beforeAll(async () => {
     ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` }, seams: { executorStore: (st) => retriedReplacement(st, retried) } });
@@ -67,6 +71,9 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     await dying?.stop();
     await dyingToo?.stop();
     await dyingThird?.stop();
+    await dyingHib?.stop();
+    await replicaHost?.stop();
+    await slowSnapshots?.stop();
     await ts?.stop();
   }, 60_000);
 
@@ -178,6 +185,68 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     expect(hosts.find((h) => h.id === 'fake-d')?.allocated?.vcpus ?? 0).toBe(0);
     expect(hosts.find((h) => h.id === 'fake-a')?.allocated?.vcpus).toBe(5);
   }, 90_000);
+
+  it('hibernate_whoseHostIsLostWhileItsReplicaIsCopied_leavesItHibernatedFromTheNewSnapshot_andItWakesFromIt', async () => {
+    // fake-h runs the sandbox; fake-r takes a minute to copy the replica; every other host is
+    // cordoned so that the replica goes to fake-r. fake-h dies while fake-r copies.
+    const [h, r] = await Promise.all([agents('fake-h', {}), agents('fake-r', { FF_FAKE_FETCH_MS: '60000', FF_LOG_LEVEL: 'info' })]);
+    dyingHib = h;
+    replicaHost = r;
+    await waitFor('fake-h and fake-r registered', async () => (await api.listHosts({})).hosts.filter((x) => (x.id === 'fake-h' || x.id === 'fake-r') && x.state === HostState.READY).length === 2, 20_000, 100);
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-h' } })).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const others = (await api.listHosts({})).hosts.filter((x) => x.id !== 'fake-h' && x.id !== 'fake-r' && !x.cordoned).map((x) => x.id);
+    for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: true });
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      const hib = await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 1 });
+      const rLog = join(ts.dir, 'fake-agents-fake-r.log');
+      await waitFor('the replica copy started on fake-r', async () => readFileSync(rLog, 'utf8').split('\n').some((l) => l.includes('"step started"') && l.includes(hib.id) && l.includes('replicate/fake-r')), 30_000, 50);
+      h.proc.kill();
+      await waitFor('fake-h lost', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-h' && x.state === HostState.LOST), LOST_AFTER_MS + 10_000, 200);
+      // Its VM was stopped before the copy began: the sandbox is hibernated, from the snapshot
+      // this hibernate took (it used to be marked lost, with no snapshot to restore it from).
+      const rec = (await store.getSandbox(tenantId, sid))!.value;
+      expect(rec.state).toBe('hibernated');
+      expect(rec.hibernationSnapshotId).not.toBe('');
+      expect(rec.opId).toBe('');
+      // fake-h comes back with the snapshot on its disk; the sandbox wakes from it.
+      await h.restart();
+      await waitFor('fake-h taken back by the host pass', async () => (await store.getHost('fake-h'))?.value.state === 'ready', 20_000, 200);
+      const wake = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+      expect(wake.state, wake.error?.message).toBe(OperationState.SUCCEEDED);
+      expect((await api.getSandbox({ tenantId, sandboxId: sid })).state).toBe(SandboxState.RUNNING);
+    } finally {
+      for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: false });
+      store.close();
+    }
+  }, 120_000);
+
+  it('sandboxLostMidHibernate_whoseVmComesBackWithItsHost_isRunningAndWatchedAgain_notLeftToTheFailedOp', async () => {
+    // fake-s takes a minute per snapshot: it dies while the hibernate's snapshot step runs,
+    // is lost, and comes back with the VM still there.
+    const host = await agents('fake-s', { FF_FAKE_SNAPSHOT_MS: '60000', FF_LOG_LEVEL: 'info' });
+    slowSnapshots = host;
+    await waitFor('fake-s registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-s' && x.state === HostState.READY), 20_000, 100);
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-s' } })).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      const hib = await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 0 });
+      const sLog = join(ts.dir, 'fake-agents-fake-s.log');
+      await waitFor('the snapshot step started on fake-s', async () => readFileSync(sLog, 'utf8').split('\n').some((l) => l.includes('"step started"') && l.includes(hib.id)), 30_000, 50);
+      host.proc.kill();
+      await waitFor('the sandbox lost with its host', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'lost', LOST_AFTER_MS + 10_000, 200);
+      await host.restart();
+      await waitFor('the sandbox running again', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'running', 20_000, 200);
+      // No op is at work on it: the VM checks and the lifecycle rules see it again.
+      expect((await store.getSandbox(tenantId, sid))?.value.opId).toBe('');
+    } finally {
+      store.close();
+    }
+  }, 120_000);
 
   it('hostsThisLeaderNeverHeard_goLost_andALostHostsSandboxesLeftRunning_areMarkedLost', async () => {
     // What a leader finds after a failover or a restart: 'ghost' (recorded ready) died before

@@ -1976,6 +1976,23 @@ export class Executor {
       await this.failAndSettle(op, e, 'hibernating', (cur) => cur.hibernatingFrom ?? 'running');
       return;
     }
+    // The VM is gone: the snapshot is the sandbox now, recorded before anything else can
+    // happen to it (its host lost while the replicas below are copied marks a hibernated
+    // sandbox nothing; a sandbox lost meanwhile keeps its booking released and gets the
+    // snapshot to be restored from, not an older one).
+    const now = await this.updateSandbox(
+      sb.tenantId,
+      sb.id,
+      (s) => {
+        s.hibernationSnapshotId = sn.id;
+        if (s.state === 'lost') return;
+        this.setState(s, 'hibernated', this.deps.clock.now());
+        s.opId = '';
+        delete s.hibernatingFrom;
+      },
+      (_next, before) => (before.state === 'hibernating' ? this.capacity(sb.hostId, sb.resources, -1)() : Promise.resolve([])),
+    );
+    if (now.state === 'lost') throw new HostLostError(sb.hostId, `hibernating sandbox ${sb.id} (it is lost; snapshot ${sn.id}, taken before its VM stopped, is what restores it)`);
     // Durability: copy the snapshot to more hosts, best effort (it is already safe on one).
     const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
     for (const h of others.slice(0, Math.min(input.replicas ?? 0, others.length))) {
@@ -1989,17 +2006,6 @@ export class Executor {
         this.log.warn({ err: e, snapshotId: sn.id, hostId: h.id }, 'hibernation replica failed');
       }
     }
-    await this.updateSandbox(
-      sb.tenantId,
-      sb.id,
-      (s) => {
-        this.setState(s, 'hibernated', this.deps.clock.now());
-        s.hibernationSnapshotId = sn.id;
-        s.opId = '';
-        delete s.hibernatingFrom;
-      },
-      this.capacity(sb.hostId, sb.resources, -1),
-    );
     await this.finish(op, { sandboxIds: [sb.id], snapshotId: sn.id }, null);
   }
 
@@ -3168,10 +3174,13 @@ export class Executor {
         sb.id,
         (s) => {
           if (s.hostId !== hostId || !losable.has(s.state)) throw new MovedOnError(s.id, s.state, s.hostId);
-          if (s.state === 'destroying') {
-            this.setState(s, 'destroyed', now, `host ${hostId} lost`);
-            s.opId = '';
-          } else this.setState(s, 'lost', now, `host ${hostId} lost`);
+          if (s.state === 'destroying') this.setState(s, 'destroyed', now, `host ${hostId} lost`);
+          else this.setState(s, 'lost', now, `host ${hostId} lost`);
+          // The op at work on it (a hibernate, a pause) can no longer finish: its later writes
+          // check the state. Left set, a VM that comes back with its host would be taken
+          // back as running but still look busy, and nothing would watch it again.
+          s.opId = '';
+          delete s.hibernatingFrom;
         },
         (_next, before) => this.capacity(hostId, before.resources, -1)(),
       ).catch((e: unknown) => {

@@ -28,6 +28,14 @@ describe('fleetViewInput', () => {
     expect(fresh?.restoreSlots).toBeUndefined();
   });
 
+  it('hostRecordedLost_staysLostInTheView_evenWithFreshHeartbeats_untilItsRecordIsReady', () => {
+    const heard = new HeartbeatRegistry();
+    heard.record(create(HeartbeatSchema, { hostId: 'back', bootId: 'b2' }), 1_000);
+    const view = (state: HostRec['state']) => fleetViewInput({ hosts: [{ ...host('back'), state }], allocs: new Map(), heard, snapshots: [], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144 }).hosts[0]?.state;
+    expect(view('lost')).toBe('lost');
+    expect(view('ready')).toBe('ready');
+  });
+
   it('inflightOps_isTheLargerOfTheHeartbeatsAndTheLeadersOwnStepsInFlight', () => {
     const [measured, fresh] = input(new Map([['measured', 1], ['new', 3]]));
     expect(measured?.inflightOps).toBe(2); // the heartbeat already counts the leader's step

@@ -122,7 +122,10 @@ export function fleetViewInput(args: {
   const hosts: HostInput[] = args.hosts.map((h) => {
     const heard = args.heard.get(h.id);
     const alloc = args.allocs.get(h.id);
-    const state = h.state === 'lost' && heard === undefined ? 'lost' : livenessOf(heard?.heardAt, args.now, args.liveness);
+    // A host recorded lost stays lost here until the host pass takes it back (within a
+    // second of its heartbeats returning, reclaiming what it had): a step sent to it before
+    // that fails at once as sent to a lost host.
+    const state = h.state === 'lost' ? 'lost' : livenessOf(heard?.heardAt, args.now, args.liveness);
     const held = new Set<string>(recorded.get(h.id));
     if (heard) {
       // The smaller side drives the intersection of the host's heard holdings and the view's snapshots.
