@@ -54,3 +54,109 @@ describe('compileAgentConfig: peer TLS', () => {
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_CA: '/p/ca.crt', FF_PEER_CERT: '/p/h.crt' }))).toBe('FF_PEER_KEY');
   });
 });
+
+describe('compileAgentConfig: value rules', () => {
+  // Each integer setting with a value it accepts (so a refusal below is the spelling's, not the range's).
+  const INTEGERS: Record<string, string> = { FF_CAPACITY_VCPUS: '64', FF_CAPACITY_MEMORY_MIB: '4096', FF_CAPACITY_DISK_MIB: '4096', FF_LINK_BYTES_PER_SECOND: '4096', FF_STEP_CONCURRENCY: '16', FF_CHUNK_BYTES: '4096', FF_STANDBY_MAX: '16', FF_STANDBY_PER_SNAPSHOT: '16', FF_MIGRATE_MAX_CHILDREN: '16', FF_RAM_POOL: '16', FF_RAM_POOL_MAX_MIB: '4096', FF_RAM_POOL_MIB: '4096', FF_GUEST_CPU_WEIGHT: '4096' };
+  const DURATIONS = ['FF_HEARTBEAT_INTERVAL', 'FF_GC_INTERVAL', 'FF_JOURNAL_RETENTION', 'FF_GC_GRACE', 'FF_STANDBY_IDLE', 'FF_INCOMING_STANDBY_QUIET'];
+
+  it('defaults_areUnchanged', () => {
+    const c = compileAgentConfig(base);
+    expect(c).toMatchObject({ peerAddr: '127.0.0.1:0', peerAdvertise: '', heartbeatMs: 1000, concurrency: 4, chunkBytes: 256 * 1024, logLevel: 'info', linkBytesPerSecond: 1.25e9, gcIntervalMs: 300_000, journalRetentionMs: 48 * 3_600_000, gcGraceMs: 60_000, migrateMaxChildren: 2 });
+    expect(c.standby).toEqual({ max: 8, perSnapshot: 2, idleMs: 600_000, incomingQuietMs: 3000 });
+    expect(c.ram).toMatchObject({ keep: 2, maxMib: 2048, prefillMib: [] });
+    expect(c.capacity.diskMib).toBe(100 * 1024);
+  });
+
+  it('standbyMax_empty_isRefusedNamingTheVariable', () => {
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_STANDBY_MAX: '' }))).toBe('FF_STANDBY_MAX');
+    expect(compileAgentConfig({ ...base, FF_STANDBY_MAX: '0' }).standby.max).toBe(0);
+  });
+
+  it('integerSettings_emptyOrWhitespace_areRefusedNamingTheVariable', () => {
+    // FF_RAM_POOL_MIB is a list: '' is none (prefill nothing), spaces alone are refused.
+    for (const name of Object.keys(INTEGERS)) for (const v of name === 'FF_RAM_POOL_MIB' ? [' ', '\t'] : ['', ' ', '\t']) expect(fieldOf(() => compileAgentConfig({ ...base, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
+  });
+
+  it('integerSettings_hexExponentSignOrDecimalPoint_areRefusedNamingTheVariable', () => {
+    for (const [name, ok] of Object.entries(INTEGERS)) {
+      expect(fieldOf(() => compileAgentConfig({ ...base, [name]: ok })), `${name}=${ok}`).toBeUndefined();
+      const n = Number(ok);
+      for (const v of [`0x${n.toString(16)}`, `${ok}e0`, `+${ok}`, `${ok}.0`, `${ok}x`]) expect(fieldOf(() => compileAgentConfig({ ...base, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
+    }
+  });
+
+  it('integerSettings_paddedWithSpaces_areRefusedNamingTheVariable', () => {
+    // Items of the FF_RAM_POOL_MIB list may have spaces around the commas ('256, 512'), as other lists.
+    for (const [name, ok] of Object.entries(INTEGERS)) if (name !== 'FF_RAM_POOL_MIB') for (const v of [` ${ok}`, `${ok} `]) expect(fieldOf(() => compileAgentConfig({ ...base, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
+  });
+
+  it('integerSettings_plainDecimalDigits_areAccepted_zeroStillTurnsStandbysMigrationAndThePoolOff', () => {
+    const c = compileAgentConfig({ ...base, FF_STANDBY_MAX: '0', FF_MIGRATE_MAX_CHILDREN: '0', FF_RAM_POOL: '0', FF_CAPACITY_VCPUS: '032', FF_RAM_POOL_MIB: '256, 512' });
+    expect(c).toMatchObject({ migrateMaxChildren: 0, capacity: { vcpus: 32 } });
+    expect(c.standby.max).toBe(0);
+    expect(c.ram).toMatchObject({ keep: 0, prefillMib: [256, 512] });
+  });
+
+  it('ramPoolMib_emptyItem_isRefusedNamingTheVariable', () => {
+    for (const v of ['256,,512', '256,', ' ']) expect(fieldOf(() => compileAgentConfig({ ...base, FF_RAM_POOL_MIB: v })), v).toBe('FF_RAM_POOL_MIB');
+  });
+
+  it('ramPoolAndCpuWeight_whenTheirFeatureIsOff_areStillValidated', () => {
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_RAM_MOUNT: '', FF_RAM_POOL: '' }))).toBe('FF_RAM_POOL');
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_GUEST_CGROUP: '', FF_GUEST_CPU_WEIGHT: 'x' }))).toBe('FF_GUEST_CPU_WEIGHT');
+  });
+
+  it('durationSettings_emptyPaddedOrJunk_areRefusedNamingTheVariable', () => {
+    for (const name of DURATIONS) for (const v of ['', ' ', ' 5s', '5s ', '-1s', '1d', '0x10']) expect(fieldOf(() => compileAgentConfig({ ...base, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
+  });
+
+  it('heartbeatInterval_zeroOrUnder100ms_isRefusedNamingTheVariable', () => {
+    for (const v of ['0', '0s', '1ms', '99ms']) expect(fieldOf(() => compileAgentConfig({ ...base, FF_HEARTBEAT_INTERVAL: v })), v).toBe('FF_HEARTBEAT_INTERVAL');
+    expect(compileAgentConfig({ ...base, FF_HEARTBEAT_INTERVAL: '500ms' }).heartbeatMs).toBe(500);
+    expect(compileAgentConfig({ ...base, FF_HEARTBEAT_INTERVAL: '100ms' }).heartbeatMs).toBe(100);
+  });
+
+  it('gcGraceAndStandbyIdle_underOneSecond_areRefusedNamingTheVariable', () => {
+    for (const name of ['FF_GC_GRACE', 'FF_STANDBY_IDLE']) for (const v of ['0s', '999ms']) expect(fieldOf(() => compileAgentConfig({ ...base, [name]: v })), `${name}=${v}`).toBe(name);
+    expect(compileAgentConfig({ ...base, FF_GC_GRACE: '1s' }).gcGraceMs).toBe(1000);
+  });
+
+  it('gcIntervalAndJournalRetention_zeroTurnsThemOff_butUnderOneSecondIsRefused', () => {
+    expect(compileAgentConfig({ ...base, FF_GC_INTERVAL: '0s', FF_JOURNAL_RETENTION: '0' })).toMatchObject({ gcIntervalMs: 0, journalRetentionMs: 0 });
+    for (const name of ['FF_GC_INTERVAL', 'FF_JOURNAL_RETENTION']) for (const v of ['1ms', '500ms']) expect(fieldOf(() => compileAgentConfig({ ...base, [name]: v })), `${name}=${v}`).toBe(name);
+  });
+
+  it('incomingStandbyQuiet_zeroMeansAtOnce_andIsAccepted', () => {
+    expect(compileAgentConfig({ ...base, FF_INCOMING_STANDBY_QUIET: '0s' }).standby.incomingQuietMs).toBe(0);
+  });
+
+  it('timerDurations_longerThanNodeTimersTake_areRefusedNamingTheVariable', () => {
+    for (const name of ['FF_HEARTBEAT_INTERVAL', 'FF_GC_INTERVAL', 'FF_INCOMING_STANDBY_QUIET']) expect(fieldOf(() => compileAgentConfig({ ...base, [name]: '600h' })), name).toBe(name);
+    expect(compileAgentConfig({ ...base, FF_JOURNAL_RETENTION: '720h' }).journalRetentionMs).toBe(720 * 3_600_000);
+  });
+
+  it('peerAddr_portAbove65535OrNotHostPort_isRefused_portZeroPicksOne', () => {
+    for (const v of ['0.0.0.0:99999', '0.0.0.0:65536', '10.0.0.1', ':7800', '10.0.0.1:', 'a b:1', '10.0.0.1:78x', '']) expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_ADDR: v })), v).toBe('FF_PEER_ADDR');
+    expect(compileAgentConfig({ ...base, FF_PEER_ADDR: '0.0.0.0:0' }).peerAddr).toBe('0.0.0.0:0');
+    expect(compileAgentConfig({ ...base, FF_PEER_ADDR: '10.0.0.1:65535' }).peerAddr).toBe('10.0.0.1:65535');
+  });
+
+  it('peerAdvertise_emptyMeansTheBoundAddress_elseHostPortWithANonZeroPort', () => {
+    expect(compileAgentConfig({ ...base, FF_PEER_ADVERTISE: '' }).peerAdvertise).toBe('');
+    expect(compileAgentConfig({ ...base, FF_PEER_ADVERTISE: '10.0.0.1:7800' }).peerAdvertise).toBe('10.0.0.1:7800');
+    for (const v of ['10.0.0.1:0', '10.0.0.1:70000', '10.0.0.1', ' ']) expect(fieldOf(() => compileAgentConfig({ ...base, FF_PEER_ADVERTISE: v })), v).toBe('FF_PEER_ADVERTISE');
+  });
+
+  it('logLevel_notAPinoLevel_isRefusedNamingTheVariable', () => {
+    for (const v of ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']) expect(compileAgentConfig({ ...base, FF_LOG_LEVEL: v }).logLevel).toBe(v);
+    for (const v of ['verbose', 'INFO', 'warning', '', ' info']) expect(fieldOf(() => compileAgentConfig({ ...base, FF_LOG_LEVEL: v })), v).toBe('FF_LOG_LEVEL');
+  });
+
+  it('dataDirAndTrustedKey_emptyOrWhitespace_areRefusedNamingTheVariable', () => {
+    for (const v of ['', '  ']) {
+      expect(fieldOf(() => compileAgentConfig({ ...base, FF_DATA_DIR: v }))).toBe('FF_DATA_DIR');
+      expect(fieldOf(() => compileAgentConfig({ ...base, FF_TRUSTED_KEY: v }))).toBe('FF_TRUSTED_KEY');
+    }
+  });
+});

@@ -1,9 +1,11 @@
 // Host-agent configuration, compiled once from options and FF_* environment variables
-// into a frozen object; a bad value fails start-up naming the variable.
+// into a frozen object; a bad value fails start-up naming the variable. Integers are decimal
+// digits and durations as services/config.ts parses them; '' is a value, not "unset" (it is
+// refused, except where a comment below says what it turns off).
 import { cpus, hostname, totalmem } from 'node:os';
 import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
-import { natsServers, natsTls, parseDuration, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
+import { MAX_TIMER_MS, natsServers, natsTls, parseDurationIn, parseHostPort, parseInteger, parseLogLevel, parseRequired, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
 import { parseCidr } from './adapters/netns/egress.ts';
 import { DEFAULT_RAM_MOUNT } from './adapters/qemu/ram-pool.ts';
@@ -29,7 +31,7 @@ export interface AgentProcessConfig {
   readonly natsNkeyFile: string;
   /** FF_PEER_ADDR: where the ChunkTransfer service listens (host:port; port 0 picks one). */
   readonly peerAddr: string;
-  /** FF_PEER_ADVERTISE: the host:port peers dial; defaults to the bound peer address. */
+  /** FF_PEER_ADVERTISE: the host:port peers dial (port 1-65535); empty: the bound peer address. */
   readonly peerAdvertise: string;
   /**
    * FF_PEER_CA, FF_PEER_CERT, FF_PEER_KEY (PEM files, all three or none): mutual TLS on the
@@ -48,13 +50,13 @@ export interface AgentProcessConfig {
   readonly capacity: { vcpus: number; memoryMib: number; diskMib: number };
   /** FF_LINK_BYTES_PER_SECOND: the NIC rate peers can get from this host. */
   readonly linkBytesPerSecond: number;
-  /** FF_HEARTBEAT_INTERVAL */
+  /** FF_HEARTBEAT_INTERVAL: at least 100ms. */
   readonly heartbeatMs: number;
-  /** FF_STEP_CONCURRENCY */
+  /** FF_STEP_CONCURRENCY: 1-64. */
   readonly concurrency: number;
-  /** FF_CHUNK_BYTES */
+  /** FF_CHUNK_BYTES: 4096 to 64 MiB. */
   readonly chunkBytes: number;
-  /** FF_LOG_LEVEL */
+  /** FF_LOG_LEVEL: a pino level (services/config.ts LOG_LEVELS). */
   readonly logLevel: string;
   /**
    * Sandboxes whose policy allows egress (host-agent/adapters/netns/egress.ts):
@@ -64,23 +66,23 @@ export interface AgentProcessConfig {
    * on other machines). The agent's own namespace is always refused.
    */
   readonly egress: { pool: string; denyCidrs: string[] };
-  /** FF_GC_INTERVAL: how often the chunk store is garbage-collected (also after every snapshot delete). */
+  /** FF_GC_INTERVAL: how often the chunk store is garbage-collected (also after every snapshot delete); at least 1s, or 0s: only after deletes. */
   readonly gcIntervalMs: number;
   /**
    * FF_JOURNAL_RETENTION: step results (the idempotency journal) of ops last written longer
    * ago than this are deleted (default 48h: twice the work stream's 24 h message age, past any
-   * redelivery; 0 keeps them forever).
+   * redelivery; 0 keeps them forever; else at least 1s).
    */
   readonly journalRetentionMs: number;
   /**
    * Standby QEMUs (ADR 0014): FF_STANDBY_MAX on this host in all (0 turns them off),
    * FF_STANDBY_PER_SNAPSHOT kept for a snapshot after a fork of it (at most the fork's size),
-   * FF_STANDBY_IDLE: a snapshot's standbys go when it was not forked for this long,
+   * FF_STANDBY_IDLE: a snapshot's standbys go when it was not forked for this long (at least 1s),
    * FF_INCOMING_STANDBY_QUIET: a VM migrated in is followed by a waiting destination QEMU of
-   * its configuration once none has arrived for this long (ADR 0015).
+   * its configuration once none has arrived for this long (ADR 0015; 0: at once).
    */
   readonly standby: Readonly<{ max: number; perSnapshot: number; idleMs: number; incomingQuietMs: number }>;
-  /** FF_GC_GRACE: unreferenced chunks younger than this survive a GC. */
+  /** FF_GC_GRACE: unreferenced chunks younger than this survive a GC (at least 1s: chunks being written are unreferenced). */
   readonly gcGraceMs: number;
   /**
    * FF_MIGRATE_MAX_CHILDREN: a restore of at most this many VMs of a snapshot held elsewhere
@@ -123,12 +125,6 @@ export interface AgentProcessConfig {
 /** The cgroup guests join when FF_GUEST_CGROUP is unset. */
 export const DEFAULT_GUEST_CGROUP = 'forkfleet-guests';
 
-function int(field: string, v: string, min: number, max: number): number {
-  const n = Number(v);
-  if (!Number.isSafeInteger(n) || n < min || n > max) throw new InvalidArgumentError(field, `must be an integer in [${min}, ${max}], got ${JSON.stringify(v)}`);
-  return n;
-}
-
 /** FF_PEER_CA, FF_PEER_CERT and FF_PEER_KEY: all three (mutual TLS) or none (plain text). */
 function peerTls(env: NodeJS.ProcessEnv): TlsClientFiles | undefined {
   const files = tlsClientFiles('FF_PEER', env);
@@ -144,61 +140,66 @@ function migrationTls(v: string): AgentProcessConfig['peerMigrationTls'] {
 
 export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentProcessConfig {
   const e = (name: string, dflt: string): string => env[name] ?? dflt;
+  // An integer setting (parseInteger: decimal digits, '' refused) or a duration (parseDurationIn).
+  const int = (name: string, dflt: string, min: number, max: number): number => parseInteger(name, e(name, dflt), min, max);
+  const duration = (name: string, dflt: string, bounds: Parameters<typeof parseDurationIn>[2]): number => parseDurationIn(name, e(name, dflt), bounds);
   const hostId = e('FF_HOST_ID', hostname().toLowerCase().replace(/[^a-z0-9-]/g, '-'));
   if (!/^[a-z0-9][a-z0-9-]{0,62}$/.test(hostId)) throw new InvalidArgumentError('FF_HOST_ID', 'must be 1-63 characters of a-z, 0-9 and -');
   const accel = e('FF_ACCEL', 'auto');
   if (accel !== 'kvm' && accel !== 'tcg' && accel !== 'auto') throw new InvalidArgumentError('FF_ACCEL', 'must be kvm, tcg or auto');
-  const peerAddr = e('FF_PEER_ADDR', '127.0.0.1:0');
-  if (!/^[^\s:]+:\d{1,5}$/.test(peerAddr)) throw new InvalidArgumentError('FF_PEER_ADDR', 'must be host:port');
+  const peerAddr = parseHostPort('FF_PEER_ADDR', e('FF_PEER_ADDR', '127.0.0.1:0'), true);
+  const peerAdvertise = e('FF_PEER_ADVERTISE', '');
+  if (peerAdvertise) parseHostPort('FF_PEER_ADVERTISE', peerAdvertise, false);
   const natsUrls = natsServers('FF_NATS_URL', e('FF_NATS_URL', 'nats://127.0.0.1:4222'));
   const guestPath = e('FF_GUEST_CGROUP', DEFAULT_GUEST_CGROUP);
+  // Checked whether or not the RAM pool and guest cgroup are on: a bad value is a mistake either way.
+  const ramMount = e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT);
+  const ramPool = {
+    keep: int('FF_RAM_POOL', '2', 0, 64),
+    maxMib: int('FF_RAM_POOL_MAX_MIB', '2048', 0, 1 << 30),
+    // '' fills none; an empty item ('256,,512') is a mistake, not skipped.
+    prefillMib: e('FF_RAM_POOL_MIB', '') === '' ? [] : e('FF_RAM_POOL_MIB', '').split(',').map((x) => parseInteger('FF_RAM_POOL_MIB', x.trim(), 64, 1 << 20)),
+  };
+  const cpuWeight = int('FF_GUEST_CPU_WEIGHT', '100', 1, 10_000);
   const cfg: AgentProcessConfig = {
     hostId,
-    dataDir: e('FF_DATA_DIR', '/var/lib/forkfleet'),
+    dataDir: parseRequired('FF_DATA_DIR', e('FF_DATA_DIR', '/var/lib/forkfleet'), 'must name the directory of VMs, snapshots, chunks and the journal'),
     natsUrl: e('FF_NATS_URL', 'nats://127.0.0.1:4222'),
     natsTls: natsTls(natsUrls, env),
     peerTls: peerTls(env),
     natsNkeyFile: e('FF_NATS_NKEY_FILE', ''),
     peerAddr,
-    peerAdvertise: e('FF_PEER_ADVERTISE', ''),
+    peerAdvertise,
     trustedKeyPath: e('FF_TRUSTED_KEY', ''),
     accel,
     capacity: {
-      vcpus: int('FF_CAPACITY_VCPUS', e('FF_CAPACITY_VCPUS', String(cpus().length * 16)), 1, 100_000),
-      memoryMib: int('FF_CAPACITY_MEMORY_MIB', e('FF_CAPACITY_MEMORY_MIB', String(Math.floor((totalmem() / 1048576) * 0.8))), 64, 1 << 30),
-      diskMib: int('FF_CAPACITY_DISK_MIB', e('FF_CAPACITY_DISK_MIB', String(100 * 1024)), 1, 1 << 30),
+      vcpus: int('FF_CAPACITY_VCPUS', String(cpus().length * 16), 1, 100_000),
+      memoryMib: int('FF_CAPACITY_MEMORY_MIB', String(Math.floor((totalmem() / 1048576) * 0.8)), 64, 1 << 30),
+      diskMib: int('FF_CAPACITY_DISK_MIB', String(100 * 1024), 1, 1 << 30),
     },
-    linkBytesPerSecond: int('FF_LINK_BYTES_PER_SECOND', e('FF_LINK_BYTES_PER_SECOND', String(1.25e9)), 1, 1e12),
-    heartbeatMs: parseDuration('FF_HEARTBEAT_INTERVAL', e('FF_HEARTBEAT_INTERVAL', '1s')),
-    concurrency: int('FF_STEP_CONCURRENCY', e('FF_STEP_CONCURRENCY', '4'), 1, 64),
-    chunkBytes: int('FF_CHUNK_BYTES', e('FF_CHUNK_BYTES', String(256 * 1024)), 4096, 64 << 20),
-    logLevel: e('FF_LOG_LEVEL', 'info'),
+    linkBytesPerSecond: int('FF_LINK_BYTES_PER_SECOND', String(1.25e9), 1, 1e12),
+    // 0 (or a few ms) would heartbeat about every millisecond: setInterval runs 0 as 1 ms.
+    heartbeatMs: duration('FF_HEARTBEAT_INTERVAL', '1s', { min: 100, max: MAX_TIMER_MS }),
+    concurrency: int('FF_STEP_CONCURRENCY', '4', 1, 64),
+    chunkBytes: int('FF_CHUNK_BYTES', String(256 * 1024), 4096, 64 << 20),
+    logLevel: parseLogLevel('FF_LOG_LEVEL', e('FF_LOG_LEVEL', 'info')),
     egress: {
       pool: e('FF_EGRESS_POOL', '100.96.0.0/16'),
       denyCidrs: e('FF_EGRESS_DENY_CIDRS', '').split(',').map((x) => x.trim()).filter(Boolean),
     },
-    gcIntervalMs: parseDuration('FF_GC_INTERVAL', e('FF_GC_INTERVAL', '5m')),
-    journalRetentionMs: parseDuration('FF_JOURNAL_RETENTION', e('FF_JOURNAL_RETENTION', '48h')),
-    gcGraceMs: parseDuration('FF_GC_GRACE', e('FF_GC_GRACE', '60s')),
+    gcIntervalMs: duration('FF_GC_INTERVAL', '5m', { min: 1000, max: MAX_TIMER_MS, zero: 'never: only after snapshot deletes' }),
+    journalRetentionMs: duration('FF_JOURNAL_RETENTION', '48h', { min: 1000, zero: 'keep forever' }),
+    gcGraceMs: duration('FF_GC_GRACE', '60s', { min: 1000 }),
     standby: {
-      max: int('FF_STANDBY_MAX', e('FF_STANDBY_MAX', '8'), 0, 1024),
-      perSnapshot: int('FF_STANDBY_PER_SNAPSHOT', e('FF_STANDBY_PER_SNAPSHOT', '2'), 0, 1024),
-      idleMs: parseDuration('FF_STANDBY_IDLE', e('FF_STANDBY_IDLE', '10m')),
-      incomingQuietMs: parseDuration('FF_INCOMING_STANDBY_QUIET', e('FF_INCOMING_STANDBY_QUIET', '3s')),
+      max: int('FF_STANDBY_MAX', '8', 0, 1024),
+      perSnapshot: int('FF_STANDBY_PER_SNAPSHOT', '2', 0, 1024),
+      idleMs: duration('FF_STANDBY_IDLE', '10m', { min: 1000 }),
+      incomingQuietMs: duration('FF_INCOMING_STANDBY_QUIET', '3s', { min: 0, max: MAX_TIMER_MS }),
     },
-    migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', e('FF_MIGRATE_MAX_CHILDREN', '2'), 0, 64),
+    migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', '2', 0, 64),
     peerMigrationTls: migrationTls(e('FF_PEER_MIGRATION_TLS', 'on')),
-    ram: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT)
-      ? {
-          mount: e('FF_RAM_MOUNT', DEFAULT_RAM_MOUNT),
-          keep: int('FF_RAM_POOL', e('FF_RAM_POOL', '2'), 0, 64),
-          maxMib: int('FF_RAM_POOL_MAX_MIB', e('FF_RAM_POOL_MAX_MIB', '2048'), 0, 1 << 30),
-          prefillMib: e('FF_RAM_POOL_MIB', '').split(',').map((x) => x.trim()).filter(Boolean).map((x) => int('FF_RAM_POOL_MIB', x, 64, 1 << 20)),
-        }
-      : undefined,
-    guestCgroup: guestPath
-      ? { path: guestPath, cpuWeight: int('FF_GUEST_CPU_WEIGHT', e('FF_GUEST_CPU_WEIGHT', '100'), 1, 10_000), required: env.FF_GUEST_CGROUP !== undefined }
-      : undefined,
+    ram: ramMount ? { mount: ramMount, ...ramPool } : undefined,
+    guestCgroup: guestPath ? { path: guestPath, cpuWeight, required: env.FF_GUEST_CGROUP !== undefined } : undefined,
     bootId: randomUUID(),
   };
   const cg = cfg.guestCgroup?.path.replace(/^\//, '');
@@ -208,6 +209,6 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
   parseCidr('FF_EGRESS_POOL', cfg.egress.pool);
   for (const c of cfg.egress.denyCidrs) parseCidr('FF_EGRESS_DENY_CIDRS', c);
   if (cfg.ram && !cfg.ram.mount.startsWith('/')) throw new InvalidArgumentError('FF_RAM_MOUNT', 'must be an absolute path, or empty to turn the RAM pool off');
-  if (!cfg.trustedKeyPath) throw new InvalidArgumentError('FF_TRUSTED_KEY', "must name the scheduler's public key (PEM)");
+  parseRequired('FF_TRUSTED_KEY', cfg.trustedKeyPath, "must name the scheduler's public key (PEM)");
   return Object.freeze(cfg);
 }

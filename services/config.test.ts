@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { compileSchedulerConfig, parseBytes, readTlsClientFiles } from './config.ts';
+import { compileSchedulerConfig, MAX_TIMER_MS, parseBytes, parseDuration, readTlsClientFiles } from './config.ts';
 import { fieldOf } from './testkit/fields.ts';
 
 const tls = { FF_TLS_CERT: '/c.crt', FF_TLS_KEY: '/c.key', FF_TOKENS_FILE: '/t.json' };
@@ -103,5 +103,98 @@ describe('compileSchedulerConfig: API edge', () => {
     expect(parseBytes('f', '4MiB')).toBe(4 * 1024 * 1024);
     expect(parseBytes('f', '100')).toBe(100);
     expect(fieldOf(() => parseBytes('f', '4 MB'))).toBe('f');
+  });
+});
+
+describe('compileSchedulerConfig: value rules', () => {
+  // Each integer setting with a value it accepts (so a refusal below is the spelling's, not the range's).
+  const INTEGERS: Record<string, string> = { FF_NATS_STREAM_REPLICAS: '3', FF_STEP_ATTEMPTS: '16', FF_CHUNK_BYTES: '4096', FF_MIGRATE_MAX_CHILDREN: '16', FF_MAX_STREAMS_PER_CREDENTIAL: '16', FF_RATE_BURST: '16' };
+  const DURATIONS = ['FF_HOST_SUSPECT_AFTER', 'FF_HOST_LOST_AFTER', 'FF_STEP_TIMEOUT', 'FF_STRAY_VM_GRACE', 'FF_ELECTION_TTL', 'FF_SNAPSHOT_EXPIRY_NOTICE', 'FF_WEBHOOK_RETRY_BASE', 'FF_RECORD_RETENTION', 'FF_FORK_SNAPSHOT_TTL', 'FF_ETCD_COMPACT_INTERVAL', 'FF_HELD_SNAPSHOT_CHECK'];
+
+  it('defaults_areUnchanged', () => {
+    expect(compileSchedulerConfig({}, tls)).toMatchObject({
+      grpcAddr: '127.0.0.1:7700', metricsAddr: '', logLevel: 'info', natsStreamReplicas: 1, suspectAfterMs: 5000, lostAfterMs: 30_000, stepTimeoutMs: 180_000, stepAttempts: 3, strayVmGraceMs: 0,
+      chunkBytes: 256 * 1024, migrateMaxChildren: 2, electionTtlSeconds: 2, ratePerSecond: 200, rateBurst: 600, expiryNoticeMs: 600_000, webhookRetryBaseMs: 1000, heldSnapshotCheckMs: 30_000,
+    });
+  });
+
+  it('rateAndMigrateMax_emptyOrWhitespace_areRefusedNamingTheVariable_notTurnedOff', () => {
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_RATE_PER_S: '' }))).toBe('FF_RATE_PER_S');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_MIGRATE_MAX_CHILDREN: ' ' }))).toBe('FF_MIGRATE_MAX_CHILDREN');
+  });
+
+  it('integerSettings_emptyOrWhitespace_areRefusedNamingTheVariable', () => {
+    for (const name of Object.keys(INTEGERS)) for (const v of ['', ' ', '\t']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
+  });
+
+  it('integerSettings_hexExponentSignDecimalPointOrPadding_areRefusedNamingTheVariable', () => {
+    for (const [name, ok] of Object.entries(INTEGERS)) {
+      expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: ok })), `${name}=${ok}`).toBeUndefined();
+      for (const v of [`0x${Number(ok).toString(16)}`, `${ok}e0`, `+${ok}`, `${ok}.0`, ` ${ok}`, `${ok} `]) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
+    }
+  });
+
+  it('chunkBytes_isBoundedAsTheAgentsSetting', () => {
+    expect(compileSchedulerConfig({}, { ...tls, FF_CHUNK_BYTES: String(64 << 20) }).chunkBytes).toBe(64 << 20);
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_CHUNK_BYTES: String((64 << 20) + 1) }))).toBe('FF_CHUNK_BYTES');
+  });
+
+  it('ratePerSecond_isADecimalNumber_zeroTurnsTheDefaultLimitOff_hexExponentOrPaddingIsRefused', () => {
+    expect(compileSchedulerConfig({}, { ...tls, FF_RATE_PER_S: '0.5' }).ratePerSecond).toBe(0.5);
+    expect(compileSchedulerConfig({}, { ...tls, FF_RATE_PER_S: '0' }).ratePerSecond).toBe(0);
+    for (const v of ['0x10', '1e3', ' 5', '5 ', '-1', '.5', 'Infinity']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_RATE_PER_S: v })), v).toBe('FF_RATE_PER_S');
+  });
+
+  it('durationSettings_emptyPaddedOrJunk_areRefusedNamingTheVariable', () => {
+    for (const name of DURATIONS) for (const v of ['', ' ', ' 5s', '5s ', '-1s', '1d']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
+    expect(fieldOf(() => parseDuration('f', '99999999999999999999h'))).toBe('f');
+  });
+
+  it('stepTimeoutAndHostSuspectAfter_zeroOrUnderOneSecond_areRefusedNamingTheVariable', () => {
+    for (const name of ['FF_STEP_TIMEOUT', 'FF_HOST_SUSPECT_AFTER']) for (const v of ['0', '0s', '999ms']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: v })), `${name}=${v}`).toBe(name);
+    expect(compileSchedulerConfig({}, { ...tls, FF_HOST_SUSPECT_AFTER: '1500ms', FF_HOST_LOST_AFTER: '5s', FF_STEP_TIMEOUT: '5s' })).toMatchObject({ suspectAfterMs: 1500, lostAfterMs: 5000, stepTimeoutMs: 5000 });
+  });
+
+  it('rawOptions_areValidatedAsTheVariables_andNameThem', () => {
+    expect(fieldOf(() => compileSchedulerConfig({ stepTimeoutMs: '0ms' }, tls))).toBe('FF_STEP_TIMEOUT');
+    expect(fieldOf(() => compileSchedulerConfig({ grpcAddr: '127.0.0.1:70000' }, tls))).toBe('FF_GRPC_ADDR');
+    expect(compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', metricsAddr: '127.0.0.1:0', maxRecvBytes: '64KiB', maxStreamsPerCredential: '2' }, tls)).toMatchObject({ grpcAddr: '127.0.0.1:0', metricsAddr: '127.0.0.1:0', maxRecvBytes: 65_536, maxStreamsPerCredential: 2 });
+  });
+
+  it('hostLostAfter_notLongerThanSuspectAfter_isRefusedNamingIt', () => {
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_HOST_SUSPECT_AFTER: '5s', FF_HOST_LOST_AFTER: '5s' }))).toBe('FF_HOST_LOST_AFTER');
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_HOST_SUSPECT_AFTER: '10s', FF_HOST_LOST_AFTER: '5s' }))).toBe('FF_HOST_LOST_AFTER');
+  });
+
+  it('webhookRetryBase_zeroOrUnder100ms_isRefused_expiryNoticeZeroMeansNoNotice', () => {
+    for (const v of ['0s', '99ms']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_WEBHOOK_RETRY_BASE: v })), v).toBe('FF_WEBHOOK_RETRY_BASE');
+    expect(compileSchedulerConfig({}, { ...tls, FF_WEBHOOK_RETRY_BASE: '300ms' }).webhookRetryBaseMs).toBe(300);
+    expect(compileSchedulerConfig({}, { ...tls, FF_SNAPSHOT_EXPIRY_NOTICE: '0s' }).expiryNoticeMs).toBe(0);
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_SNAPSHOT_EXPIRY_NOTICE: '10ms' }))).toBe('FF_SNAPSHOT_EXPIRY_NOTICE');
+  });
+
+  it('timerDurations_longerThanNodeTimersTake_areRefusedNamingTheVariable', () => {
+    for (const name of ['FF_STEP_TIMEOUT', 'FF_HELD_SNAPSHOT_CHECK', 'FF_ETCD_COMPACT_INTERVAL', 'FF_WEBHOOK_RETRY_BASE', 'FF_ELECTION_TTL']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: `${MAX_TIMER_MS + 1}` })), name).toBe(name);
+    expect(compileSchedulerConfig({}, { ...tls, FF_STEP_TIMEOUT: `${MAX_TIMER_MS}` }).stepTimeoutMs).toBe(MAX_TIMER_MS);
+    expect(compileSchedulerConfig({}, { ...tls, FF_RECORD_RETENTION: '720h', FF_FORK_SNAPSHOT_TTL: '720h' })).toMatchObject({ recordRetentionMs: 720 * 3_600_000, forkSnapshotTtlMs: 720 * 3_600_000 });
+  });
+
+  it('grpcAndMetricsAddr_portAbove65535OrNotHostPort_areRefused_portZeroPicksOne', () => {
+    for (const name of ['FF_GRPC_ADDR', 'FF_METRICS_ADDR']) {
+      for (const v of ['0.0.0.0:99999', '0.0.0.0:65536', '127.0.0.1', ':7700', '127.0.0.1:', ' ', '127.0.0.1:7700 ']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
+      expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: '0.0.0.0:0' })), name).toBeUndefined();
+      expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: '10.0.0.1:65535' })), name).toBeUndefined();
+    }
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_GRPC_ADDR: '' }))).toBe('FF_GRPC_ADDR');
+    expect(compileSchedulerConfig({}, { ...tls, FF_METRICS_ADDR: '' }).metricsAddr).toBe('');
+  });
+
+  it('logLevel_notAPinoLevel_isRefusedNamingTheVariable', () => {
+    for (const v of ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent']) expect(compileSchedulerConfig({}, { ...tls, FF_LOG_LEVEL: v }).logLevel).toBe(v);
+    for (const v of ['verbose', 'INFO', 'warning', '', ' info']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_LOG_LEVEL: v })), v).toBe('FF_LOG_LEVEL');
+  });
+
+  it('requiredPathsAndSchedulerId_whitespaceOnly_areRefusedNamingTheVariable', () => {
+    for (const name of ['FF_TLS_CERT', 'FF_TLS_KEY', 'FF_TOKENS_FILE', 'FF_SCHEDULER_ID']) for (const v of ['', '  ']) expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, [name]: v })), `${name}=${JSON.stringify(v)}`).toBe(name);
   });
 });

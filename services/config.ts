@@ -1,6 +1,8 @@
 // Scheduler configuration, compiled once at start-up from options and environment
 // variables into a frozen object (CONVENTIONS.md §6). A bad value fails start-up with the
-// variable's name and the reason.
+// variable's name and the reason. Integers are decimal digits (parseInteger), durations
+// parseDuration's (with a minimum each, parseDurationIn), addresses host:port; '' is a value,
+// not "unset": refused, except where a setting's comment says what it turns off.
 import { hostname } from 'node:os';
 import { readFileSync } from 'node:fs';
 import { InvalidArgumentError } from '../proto/errors.ts';
@@ -16,11 +18,97 @@ export function parseOnOff(field: string, v: string | undefined, dflt: boolean):
   return v === 'on';
 }
 
-/** Parses '250ms', '10s', '5m', '1h' (or a bare number of milliseconds). */
+/**
+ * Parses '250ms', '10s', '1.5m', '1h' (or a bare number of milliseconds), exactly as written:
+ * no surrounding spaces, and '' is refused (not 0).
+ */
 export function parseDuration(field: string, v: string): number {
-  const m = /^(\d+(?:\.\d+)?)(ms|s|m|h)?$/.exec(v.trim());
-  if (!m) throw new InvalidArgumentError(field, `must be a duration such as '500ms', '10s' or '5m', got ${JSON.stringify(v)}`);
-  return Math.round(Number(m[1]) * (UNITS[m[2] ?? 'ms'] ?? 1));
+  const m = /^(\d+(?:\.\d+)?)(ms|s|m|h)?$/.exec(v);
+  const ms = m ? Math.round(Number(m[1]) * (UNITS[m[2] ?? 'ms'] ?? 1)) : NaN;
+  if (!Number.isSafeInteger(ms)) throw new InvalidArgumentError(field, `must be a duration such as '500ms', '10s' or '5m', got ${JSON.stringify(v)}`);
+  return ms;
+}
+
+/**
+ * The longest delay Node.js timers take (2^31-1 ms, about 24.8 days): setTimeout and
+ * setInterval run a longer one after 1 ms. The bound of every duration that sets a timer.
+ */
+export const MAX_TIMER_MS = 2 ** 31 - 1;
+
+/** '1s', '100ms', '5m': `ms` as a duration setting is written. */
+function formatMs(ms: number): string {
+  if (ms === MAX_TIMER_MS) return `${ms}ms (about 24.8 days, the longest timer Node.js runs)`;
+  if (ms > 0 && ms % 3_600_000 === 0) return `${ms / 3_600_000}h`;
+  if (ms > 0 && ms % 60_000 === 0) return `${ms / 60_000}m`;
+  if (ms > 0 && ms % 1000 === 0) return `${ms / 1000}s`;
+  return `${ms}ms`;
+}
+
+/** The values a duration setting may take. */
+export interface DurationBounds {
+  /** The shortest, in milliseconds (0 aside: see `zero`). */
+  readonly min: number;
+  /** The longest, in milliseconds (default: no bound); MAX_TIMER_MS for one that sets a timer. */
+  readonly max?: number;
+  /** Set when 0 is accepted as well, below `min`: what it means ('never', 'keep forever'). */
+  readonly zero?: string;
+}
+
+/** A duration setting (parseDuration) within `bounds`; anything else fails naming `field`. */
+export function parseDurationIn(field: string, v: string, bounds: DurationBounds): number {
+  const ms = parseDuration(field, v);
+  if (ms === 0 && bounds.zero !== undefined) return 0;
+  if (ms < bounds.min) throw new InvalidArgumentError(field, `must be ${bounds.zero !== undefined ? `0s (${bounds.zero}) or ` : ''}at least ${formatMs(bounds.min)}, got ${JSON.stringify(v)}`);
+  if (bounds.max !== undefined && ms > bounds.max) throw new InvalidArgumentError(field, `must be at most ${formatMs(bounds.max)}, got ${JSON.stringify(v)}`);
+  return ms;
+}
+
+/**
+ * An integer setting in [min, max], written as plain decimal digits: '', ' 5', '0x10', '1e3',
+ * '+5' and '5.0' are refused (Number() would make '' and ' ' 0, which turns many settings off).
+ */
+export function parseInteger(field: string, v: string, min: number, max: number = Number.MAX_SAFE_INTEGER): number {
+  const n = /^\d+$/.test(v) ? Number(v) : NaN;
+  if (!Number.isSafeInteger(n) || n < min || n > max) {
+    throw new InvalidArgumentError(field, `must be an integer ${max === Number.MAX_SAFE_INTEGER ? `>= ${min}` : `in [${min}, ${max}]`} (decimal digits), got ${JSON.stringify(v)}`);
+  }
+  return n;
+}
+
+/** A non-negative decimal number setting ('200', '0.5'), plain digits as parseInteger; at least `min`. */
+export function parseDecimal(field: string, v: string, min: number): number {
+  const n = /^\d+(?:\.\d+)?$/.test(v) ? Number(v) : NaN;
+  if (!Number.isFinite(n) || n < min) throw new InvalidArgumentError(field, `must be a number >= ${min} such as '200' or '0.5', got ${JSON.stringify(v)}`);
+  return n;
+}
+
+/**
+ * A host:port setting: the host an IPv4 address or a name (no spaces or colons, as
+ * deploy/hosts/inventory.ts renders them), the port decimal in [0, 65535], or in [1, 65535]
+ * unless `portZero` (where 0 asks the OS for a free port when listening).
+ */
+export function parseHostPort(field: string, v: string, portZero: boolean): string {
+  const m = /^[^\s:]+:(\d{1,5})$/.exec(v);
+  const port = m ? Number(m[1]) : NaN;
+  const lo = portZero ? 0 : 1;
+  if (!(port >= lo && port <= 65535)) throw new InvalidArgumentError(field, `must be host:port with a port in [${lo}, 65535]${portZero ? ' (0: any free port)' : ''}, got ${JSON.stringify(v)}`);
+  return v;
+}
+
+/** pino's levels, for FF_LOG_LEVEL (pino refuses any other, with an error naming no variable). */
+export const LOG_LEVELS = ['fatal', 'error', 'warn', 'info', 'debug', 'trace', 'silent'] as const;
+
+/** A FF_LOG_LEVEL value: one of LOG_LEVELS, lower case as pino takes it. */
+export function parseLogLevel(field: string, v: string): (typeof LOG_LEVELS)[number] {
+  const level = LOG_LEVELS.find((l) => l === v);
+  if (level === undefined) throw new InvalidArgumentError(field, `must be one of ${LOG_LEVELS.join(', ')}, got ${JSON.stringify(v)}`);
+  return level;
+}
+
+/** A setting that must name something: '' and spaces alone fail naming `field` (`what`: why it is needed). */
+export function parseRequired(field: string, v: string, what: string): string {
+  if (v.trim() === '') throw new InvalidArgumentError(field, what);
+  return v;
 }
 
 const SIZE_UNITS: Record<string, number> = { '': 1, b: 1, kib: 1024, mib: 1024 ** 2, gib: 1024 ** 3 };
@@ -113,23 +201,18 @@ export function readTlsClientFiles(files: TlsClientFiles): TlsClientPem {
   return { ca: read('CA', files.ca), cert: read('CERT', files.cert), key: read('KEY', files.key) };
 }
 
-/** Parses '4MiB', '512KiB' or a bare number of bytes. */
+/** Parses '4MiB', '512KiB' or a bare number of bytes (no surrounding spaces; '' is refused). */
 export function parseBytes(field: string, v: string): number {
-  const m = /^(\d+)\s*(b|kib|mib|gib)?$/i.exec(v.trim());
+  const m = /^(\d+)\s*(b|kib|mib|gib)?$/i.exec(v);
   const n = m ? Number(m[1]) * (SIZE_UNITS[(m[2] ?? '').toLowerCase()] ?? 1) : NaN;
   if (!Number.isSafeInteger(n)) throw new InvalidArgumentError(field, `must be a size such as '4MiB' or a number of bytes, got ${JSON.stringify(v)}`);
   return n;
 }
 
-function addr(field: string, v: string): string {
-  if (!/^[^\s:]+:\d{1,5}$/.test(v)) throw new InvalidArgumentError(field, `must be host:port, got ${JSON.stringify(v)}`);
-  return v;
-}
-
 export interface SchedulerConfig {
   /** FF_SCHEDULER_ID: this replica's name in the leader election. */
   readonly id: string;
-  /** FF_GRPC_ADDR: where the Fleet API listens. */
+  /** FF_GRPC_ADDR: where the Fleet API listens (host:port; port 0 picks a free one). */
   readonly grpcAddr: string;
   /** FF_ETCD_ENDPOINTS: comma-separated etcd client URLs (http://, or https:// for TLS). */
   readonly etcdEndpoints: readonly string[];
@@ -159,13 +242,13 @@ export interface SchedulerConfig {
   readonly natsStreamReplicas: number;
   /** FF_NATS_NKEY_FILE: the scheduler's NATS NKey seed (a NATS server with authorization needs it); empty: none. */
   readonly natsNkeyFile: string;
-  /** FF_HOST_SUSPECT_AFTER: heartbeat age that makes a host suspect. */
+  /** FF_HOST_SUSPECT_AFTER: heartbeat age that makes a host suspect (at least 1s). */
   readonly suspectAfterMs: number;
-  /** FF_HOST_LOST_AFTER: heartbeat age that makes a host lost. */
+  /** FF_HOST_LOST_AFTER: heartbeat age that makes a host lost (longer than FF_HOST_SUSPECT_AFTER). */
   readonly lostAfterMs: number;
-  /** FF_STEP_TIMEOUT: how long one host step may run before it is re-sent. */
+  /** FF_STEP_TIMEOUT: how long one host step may run before it is re-sent (at least 1s). */
   readonly stepTimeoutMs: number;
-  /** FF_STEP_ATTEMPTS */
+  /** FF_STEP_ATTEMPTS: 1-20. */
   readonly stepAttempts: number;
   /**
    * FF_STRAY_VM_GRACE: a VM that a host reports and no sandbox record places there (its
@@ -177,11 +260,11 @@ export interface SchedulerConfig {
   readonly strayVmGraceMs: number;
   /** FF_SIGNING_KEY: PEM file with the Ed25519 key that signs tickets and manifests; generated when missing. */
   readonly signingKeyPath: string;
-  /** FF_METRICS_ADDR: Prometheus /metrics; empty disables. */
+  /** FF_METRICS_ADDR: Prometheus /metrics (host:port; port 0 picks a free one); empty disables. */
   readonly metricsAddr: string;
-  /** FF_LOG_LEVEL */
+  /** FF_LOG_LEVEL: a pino level (LOG_LEVELS). */
   readonly logLevel: string;
-  /** FF_CHUNK_BYTES: chunk size of the snapshot store (for transfer estimates). */
+  /** FF_CHUNK_BYTES: chunk size of the snapshot store (for transfer estimates), 4096 to 64 MiB as the agents'. */
   readonly chunkBytes: number;
   /**
    * FF_MIGRATE_MAX_CHILDREN: in a small fork spread, a host with at most this many children
@@ -207,17 +290,17 @@ export interface SchedulerConfig {
   readonly maxRecvBytes: number;
   /** FF_GRPC_MAX_SEND: largest response message the API sends ('16MiB'). */
   readonly maxSendBytes: number;
-  /** FF_MAX_STREAMS_PER_CREDENTIAL: concurrent streaming calls (exec, files, watch) per credential. */
+  /** FF_MAX_STREAMS_PER_CREDENTIAL: concurrent streaming calls (exec, files, watch) per credential, at least 1. */
   readonly maxStreamsPerCredential: number;
-  /** FF_RATE_PER_S: default per-tenant request rate (a tenant's `rate` in the tokens file overrides it); 0 disables. */
+  /** FF_RATE_PER_S: default per-tenant request rate (a tenant's `rate` in the tokens file overrides it), a decimal number such as 0.5; 0 disables ('' is refused). */
   readonly ratePerSecond: number;
-  /** FF_RATE_BURST: default per-tenant burst. */
+  /** FF_RATE_BURST: default per-tenant burst, at least 1. */
   readonly rateBurst: number;
-  /** FF_SNAPSHOT_EXPIRY_NOTICE: how long before a retention deletion SNAPSHOT_EXPIRING is announced. */
+  /** FF_SNAPSHOT_EXPIRY_NOTICE: how long before a retention deletion SNAPSHOT_EXPIRING is announced; at least 1s, or 0s: no notice. */
   readonly expiryNoticeMs: number;
   /** FF_WEBHOOKS: JSON `[{url, secret, tenant?, types?}]`, or `@FILE` to read it from a file; empty: none. */
   readonly webhooks: readonly WebhookTarget[];
-  /** FF_WEBHOOK_RETRY_BASE: first retry delay of a failed webhook delivery (doubling, up to 5m, 8 attempts). */
+  /** FF_WEBHOOK_RETRY_BASE: first retry delay of a failed webhook delivery (doubling, up to 5m, 8 attempts); at least 100ms. */
   readonly webhookRetryBaseMs: number;
   /**
    * FF_RECORD_RETENTION: records of destroyed or failed sandboxes, of finished operations
@@ -232,13 +315,13 @@ export interface SchedulerConfig {
   readonly forkSnapshotTtlMs: number;
   /** FF_ETCD_COMPACT_INTERVAL: the leader compacts etcd's history this often, keeping one interval of it; 0s: never (etcd's own --auto-compaction must then do it). */
   readonly etcdCompactIntervalMs: number;
-  /** FF_HELD_SNAPSHOT_CHECK: how often the leader looks for deleted snapshots that hosts still hold, and has them deleted there. */
+  /** FF_HELD_SNAPSHOT_CHECK: how often the leader looks for deleted snapshots that hosts still hold, and has them deleted there (at least 1s). */
   readonly heldSnapshotCheckMs: number;
 }
 
 export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig, string>> = {}, env: NodeJS.ProcessEnv = process.env): SchedulerConfig {
   const get = (key: keyof SchedulerConfig, envName: string, dflt: string): [string, string] => [envName, raw[key] ?? env[envName] ?? dflt];
-  const [, id] = get('id', 'FF_SCHEDULER_ID', `${hostname()}-${process.pid}`);
+  const [sid, id] = get('id', 'FF_SCHEDULER_ID', `${hostname()}-${process.pid}`);
   const [ga, grpcAddr] = get('grpcAddr', 'FF_GRPC_ADDR', '127.0.0.1:7700');
   const [, etcd] = get('etcdEndpoints', 'FF_ETCD_ENDPOINTS', 'http://127.0.0.1:2379');
   const [nu, natsUrl] = get('natsUrl', 'FF_NATS_URL', 'nats://127.0.0.1:4222');
@@ -252,8 +335,8 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [sat, attempts] = get('stepAttempts', 'FF_STEP_ATTEMPTS', '3');
   const [sg, strayGrace] = get('strayVmGraceMs', 'FF_STRAY_VM_GRACE', '0s');
   const [, keyPath] = get('signingKeyPath', 'FF_SIGNING_KEY', '');
-  const [, metricsAddr] = get('metricsAddr', 'FF_METRICS_ADDR', '');
-  const [, logLevel] = get('logLevel', 'FF_LOG_LEVEL', 'info');
+  const [ma, metricsAddr] = get('metricsAddr', 'FF_METRICS_ADDR', '');
+  const [ll, logLevel] = get('logLevel', 'FF_LOG_LEVEL', 'info');
   const [cb, chunk] = get('chunkBytes', 'FF_CHUNK_BYTES', String(256 * 1024));
   const [mm, migrateMax] = get('migrateMaxChildren', 'FF_MIGRATE_MAX_CHILDREN', '2');
   const [et, electionTtl] = get('electionTtlSeconds', 'FF_ELECTION_TTL', '2s');
@@ -275,65 +358,56 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [fst, forkSnapshotTtl] = get('forkSnapshotTtlMs', 'FF_FORK_SNAPSHOT_TTL', '24h');
   const [ci, compactInterval] = get('etcdCompactIntervalMs', 'FF_ETCD_COMPACT_INTERVAL', '5m');
   const [hs, heldCheck] = get('heldSnapshotCheckMs', 'FF_HELD_SNAPSHOT_CHECK', '30s');
-  if (!tlsCert) throw new InvalidArgumentError(tc, 'is required: the Fleet API serves TLS only (a dev CA and certificate: node --import tsx deploy/pki/pki.ts DIR)');
-  if (!tlsKey) throw new InvalidArgumentError(tk, 'is required with FF_TLS_CERT');
-  if (!tokens) throw new InvalidArgumentError(tf, 'is required: per-tenant bearer tokens (mint one: npm run forkfleet -- token mint --tenant NAME --tokens-file FILE)');
+  parseRequired(tc, tlsCert, 'is required: the Fleet API serves TLS only (a dev CA and certificate: node --import tsx deploy/pki/pki.ts DIR)');
+  parseRequired(tk, tlsKey, 'is required with FF_TLS_CERT');
+  parseRequired(tf, tokens, 'is required: per-tenant bearer tokens (mint one: npm run forkfleet -- token mint --tenant NAME --tokens-file FILE)');
+  parseRequired(sid, id, "must name this replica in the leader election (default: the host's name and the process id)");
   const etcdEndpoints = etcd.split(',').map((s) => s.trim()).filter(Boolean);
   if (etcdEndpoints.length === 0) throw new InvalidArgumentError('FF_ETCD_ENDPOINTS', 'must list at least one endpoint');
-  if (!/^[1-5]$/.test(natsReplicas)) throw new InvalidArgumentError(nr, `must be an integer in [1, 5], got ${JSON.stringify(natsReplicas)}`);
   const natsUrls = natsServers(nu, natsUrl);
+  const suspectAfterMs = parseDurationIn(sa, suspect, { min: 1000 });
+  const stepTimeoutMs = parseDurationIn(st, step, { min: 1000, max: MAX_TIMER_MS });
   const cfg: SchedulerConfig = {
     id,
-    grpcAddr: addr(ga, grpcAddr),
+    grpcAddr: parseHostPort(ga, grpcAddr, true),
     etcdEndpoints,
     etcdTls: etcdTls(etcdEndpoints, env),
     etcdServerName: etcdServerName(etcdEndpoints, env),
     natsUrl,
     natsTls: natsTls(natsUrls, env),
-    natsStreamReplicas: Number(natsReplicas),
+    natsStreamReplicas: parseInteger(nr, natsReplicas, 1, 5),
     natsNkeyFile,
-    suspectAfterMs: parseDuration(sa, suspect),
-    lostAfterMs: parseDuration(la, lost),
-    stepTimeoutMs: parseDuration(st, step),
-    stepAttempts: Number(attempts),
-    strayVmGraceMs: parseDuration(sg, strayGrace),
+    suspectAfterMs,
+    lostAfterMs: parseDurationIn(la, lost, { min: 1000 }),
+    stepTimeoutMs,
+    stepAttempts: parseInteger(sat, attempts, 1, 20),
+    strayVmGraceMs: parseDurationIn(sg, strayGrace, { min: 1000, zero: 'derived from the step timeout' }),
     signingKeyPath: keyPath,
-    metricsAddr: metricsAddr ? addr('FF_METRICS_ADDR', metricsAddr) : '',
-    logLevel,
-    chunkBytes: Number(chunk),
-    migrateMaxChildren: Number(migrateMax),
-    electionTtlSeconds: parseDuration(et, electionTtl) / 1000,
+    metricsAddr: metricsAddr ? parseHostPort(ma, metricsAddr, true) : '',
+    logLevel: parseLogLevel(ll, logLevel),
+    chunkBytes: parseInteger(cb, chunk, 4096, 64 << 20),
+    migrateMaxChildren: parseInteger(mm, migrateMax, 0, 64),
+    electionTtlSeconds: parseDurationIn(et, electionTtl, { min: 1000, max: MAX_TIMER_MS }) / 1000,
     tlsCertPath: tlsCert,
     tlsKeyPath: tlsKey,
     tlsCaPath: tlsCa,
     tokensFile: tokens,
     maxRecvBytes: parseBytes(mr, maxRecv),
     maxSendBytes: parseBytes(ms, maxSend),
-    maxStreamsPerCredential: Number(maxStreams),
-    ratePerSecond: Number(ratePerS),
-    rateBurst: Number(rateBurst),
-    expiryNoticeMs: parseDuration(en, expiryNotice),
+    maxStreamsPerCredential: parseInteger(mst, maxStreams, 1),
+    ratePerSecond: parseDecimal(rp, ratePerS, 0),
+    rateBurst: parseInteger(rb, rateBurst, 1),
+    expiryNoticeMs: parseDurationIn(en, expiryNotice, { min: 1000, zero: 'no notice: announced as it is deleted' }),
     webhooks: webhooks ? parseWebhookTargets(wh, webhooks.startsWith('@') ? readFileSync(webhooks.slice(1), 'utf8') : webhooks) : [],
-    webhookRetryBaseMs: parseDuration(wr, webhookRetry),
-    recordRetentionMs: parseDuration(rr, recordRetention),
-    forkSnapshotTtlMs: parseDuration(fst, forkSnapshotTtl),
-    etcdCompactIntervalMs: parseDuration(ci, compactInterval),
-    heldSnapshotCheckMs: parseDuration(hs, heldCheck),
+    webhookRetryBaseMs: parseDurationIn(wr, webhookRetry, { min: 100, max: MAX_TIMER_MS }),
+    recordRetentionMs: parseDurationIn(rr, recordRetention, { min: 1000, zero: 'keep forever' }),
+    forkSnapshotTtlMs: parseDurationIn(fst, forkSnapshotTtl, { min: 1000, zero: 'keep them' }),
+    etcdCompactIntervalMs: parseDurationIn(ci, compactInterval, { min: 1000, max: MAX_TIMER_MS, zero: 'never' }),
+    heldSnapshotCheckMs: parseDurationIn(hs, heldCheck, { min: 1000, max: MAX_TIMER_MS }),
   };
   if (cfg.maxRecvBytes < 64 * 1024) throw new InvalidArgumentError(mr, 'must be at least 64KiB');
   if (cfg.maxSendBytes < 64 * 1024) throw new InvalidArgumentError(ms, 'must be at least 64KiB');
-  if (!Number.isInteger(cfg.maxStreamsPerCredential) || cfg.maxStreamsPerCredential < 1) throw new InvalidArgumentError(mst, 'must be an integer >= 1');
-  if (!(cfg.ratePerSecond >= 0)) throw new InvalidArgumentError(rp, 'must be a number >= 0 (0: no default limit)');
-  if (!Number.isInteger(cfg.rateBurst) || cfg.rateBurst < 1) throw new InvalidArgumentError(rb, 'must be an integer >= 1');
-  if (!Number.isInteger(cfg.electionTtlSeconds) || cfg.electionTtlSeconds < 1) throw new InvalidArgumentError(et, 'must be a whole number of seconds, at least 1s');
-  if (cfg.recordRetentionMs !== 0 && cfg.recordRetentionMs < 1000) throw new InvalidArgumentError(rr, 'must be 0s (keep forever) or at least 1s');
-  if (cfg.forkSnapshotTtlMs !== 0 && cfg.forkSnapshotTtlMs < 1000) throw new InvalidArgumentError(fst, 'must be 0s (keep them) or at least 1s');
-  if (cfg.etcdCompactIntervalMs !== 0 && cfg.etcdCompactIntervalMs < 1000) throw new InvalidArgumentError(ci, 'must be 0s (never) or at least 1s');
-  if (cfg.heldSnapshotCheckMs < 1000) throw new InvalidArgumentError(hs, 'must be at least 1s');
-  if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, 'must be longer than FF_HOST_SUSPECT_AFTER');
-  if (!Number.isInteger(cfg.stepAttempts) || cfg.stepAttempts < 1 || cfg.stepAttempts > 20) throw new InvalidArgumentError(sat, 'must be an integer in [1, 20]');
-  if (cfg.strayVmGraceMs !== 0 && cfg.strayVmGraceMs < 1000) throw new InvalidArgumentError(sg, 'must be 0s (derived from the step timeout) or at least 1s');
-  if (!Number.isInteger(cfg.chunkBytes) || cfg.chunkBytes < 4096) throw new InvalidArgumentError(cb, 'must be an integer >= 4096');
-  if (!Number.isInteger(cfg.migrateMaxChildren) || cfg.migrateMaxChildren < 0 || cfg.migrateMaxChildren > 64) throw new InvalidArgumentError(mm, 'must be an integer in [0, 64]');
+  if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, `must be longer than FF_HOST_SUSPECT_AFTER (${suspect}), got ${JSON.stringify(lost)}`);
+  if (!Number.isInteger(cfg.electionTtlSeconds)) throw new InvalidArgumentError(et, `must be a whole number of seconds, at least 1s, got ${JSON.stringify(electionTtl)}`);
   return Object.freeze(cfg);
 }
