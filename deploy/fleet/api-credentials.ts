@@ -5,7 +5,7 @@
 //   <dir>/credentials.json      admin token + CA: what `npm run forkfleet`, fleet:status and the
 //                               SDK find by default (services/auth/client-credentials.ts)
 //   <dir>/dev-credentials.json  a token of tenant `dev` (with quotas): FF_CREDENTIALS=<that file>
-// Tokens are minted afresh on every `up`. `down` removes the whole directory, so the next
+// Tokens are minted afresh on every `up`. `down` removes pki/ with the rest, so the next
 // `up` makes a new CA too: clients must re-read ca.crt (the CLI and SDK do, from the files).
 import { mkdirSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';

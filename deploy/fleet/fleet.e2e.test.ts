@@ -6,7 +6,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { execFileSync } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
 import { Etcd3 } from 'etcd3';
-import { defaultOptions, down, pidAlive, qemuPids, qemuPidsByVm, readState, restartProcess, up } from './fleet.ts';
+import { defaultOptions, down, pidAlive, procAlive, qemuPids, qemuPidsByVm, readState, restartProcess, up } from './fleet.ts';
 import type { FleetState } from './fleet.ts';
 import { fleetApiClient } from './api-credentials.ts';
 import type { Client } from '../../services/adapters/grpc/rpc.ts';
@@ -97,7 +97,7 @@ describe('local fleet end to end (3 hosts in network namespaces, real etcd x3, N
 
   beforeAll(async () => {
     if (readState(DIR)) await down(DIR);
-    state = await up(defaultOptions({ hosts: 3, etcd: 3, link: '10gbit', dir: DIR, prefix: 'ffe', basePort: 16700, hostMemoryMib: 4096 }));
+    state = await up(defaultOptions({ hosts: 3, etcd: 3, link: '10gbit', dir: DIR, prefix: 'ffx', basePort: 16700, hostMemoryMib: 4096 }));
     apis = await Promise.all(state.apiAddresses.map((a) => fleetApiClient(DIR, a)));
     api = apis[0]!;
     etcd = new Etcd3({ hosts: state.etcdEndpoints });
@@ -110,11 +110,11 @@ describe('local fleet end to end (3 hosts in network namespaces, real etcd x3, N
     etcd?.close();
     await down(DIR);
     // Nothing of the fleet is left: no namespace, no process, no directory.
-    expect(execFileSync('ip', ['netns', 'list'], { encoding: 'utf8' })).not.toMatch(/\bffe-/);
-    for (const p of state.procs) expect(pidAlive(p.pid)).toBe(false);
+    expect(execFileSync('ip', ['netns', 'list'], { encoding: 'utf8' })).not.toMatch(/\bffx-/);
+    for (const p of state.procs) expect(procAlive(p)).toBe(false);
     expect(existsSync(DIR)).toBe(false);
     // ... and no guests cgroup (ADR 0018).
-    expect(state.guestCgroup).toBe('forkfleet-ffe-guests');
+    expect(state.guestCgroup).toBe('forkfleet-ffx-guests');
     expect(existsSync(`/sys/fs/cgroup/cpu/${state.guestCgroup}`) || existsSync(`/sys/fs/cgroup/${state.guestCgroup}`)).toBe(false);
   }, 120_000);
 

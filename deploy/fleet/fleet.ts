@@ -3,12 +3,16 @@
 // directory (other agents' directories are hidden by a private mount namespace) and a
 // tbf-shaped link to a shared bridge.
 //
-//   node --import tsx deploy/fleet/fleet.ts up [--hosts 3] [--etcd 1|3] [--link 10gbit]
+//   node --import tsx deploy/fleet/fleet.ts up [--hosts 3] [--etcd 1|3] [--link 10gbit] ...
 //   node --import tsx deploy/fleet/fleet.ts status [--json]
+//   node --import tsx deploy/fleet/fleet.ts restart NAME
 //   node --import tsx deploy/fleet/fleet.ts down
+// (every flag: USAGE below, or --help)
 //
-// Layout (FF_FLEET_DIR, default /var/lib/ffleet):
-//   state.json            every process (by PID), namespace and address this fleet made
+// Layout (--dir or FF_FLEET_DIR, default /var/lib/ffleet; a new or empty directory, or one
+// holding a fleet: `down` removes exactly the entries below, and the directory if up made it):
+//   .ffleet.json          marks the directory as the fleet's (kept, with logs/, by a failed up)
+//   state.json            every process (by PID and start time), namespace and address this fleet made
 //   logs/<process>.log
 //   keys/signing.pem(.pub) the schedulers' Ed25519 key; agents trust the .pub
 //   pki/, keys/tokens.json, credentials.json (admin), dev-credentials.json (tenant dev):
@@ -18,6 +22,7 @@
 //   hosts/<id>/nats.nk    that host's NATS NKey seed: it may use only its own subjects
 //   hosts/<hostId>/       one agent's data (VMs, snapshots, chunks, journal)
 //   nats.sock             the NATS relay socket agents reach from their namespaces
+//   .own-<hostId>/        where an agent's mount namespace moves its own directory from
 //
 // Network: namespace <prefix>-net holds bridge br0 (no address); namespace <prefix>-<host>
 // holds eth0 = 10.213.77.<10+i>/24. The control plane listens on the root namespace's
@@ -28,14 +33,16 @@ import { closeSync, copyFileSync, existsSync, mkdirSync, openSync, readFileSync,
 import { createConnection } from 'node:net';
 import { dirname, join, resolve } from 'node:path';
 import { totalmem } from 'node:os';
+import { parseArgs } from 'node:util';
 import { createPublicKey, generateKeyPairSync } from 'node:crypto';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
 import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
+import { HOST_LINK_PREFIX } from '../../host-agent/adapters/netns/egress.ts';
 import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 import { ensurePeerCert } from '../pki/pki.ts';
-import { parseOnOff } from '../../services/config.ts';
+import { cmdlineOf, identityOf, isQemuIn, isSameProcess, runsLaunchedCommand } from './proc-identity.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 const NODE = process.execPath;
@@ -71,6 +78,13 @@ export interface ProcRecord {
   env: Record<string, string>;
   /** Working directory, when not the repository (nats-server: its store). */
   cwd?: string;
+  /**
+   * Start time (field 22 of /proc/<pid>/stat) and boot id when the fleet started it: the PID
+   * is this process only while they match (proc-identity.ts). Absent in a state.json of an
+   * older fleet.ts; then the command line decides.
+   */
+  startTime?: number;
+  bootId?: string;
 }
 
 export interface HostRecord {
@@ -102,13 +116,23 @@ export interface FleetState {
   guestCgroup?: string;
 }
 
+export const DEFAULT_FLEET_DIR = '/var/lib/ffleet';
+
+/**
+ * The fleet directory, absolute: processes started with another working directory
+ * (nats-server runs in its store) are given paths in it. An empty FF_FLEET_DIR is unset.
+ */
+export function fleetDir(dir?: string): string {
+  return resolve(dir || process.env.FF_FLEET_DIR || DEFAULT_FLEET_DIR);
+}
+
 export function defaultOptions(over: Partial<FleetOptions> = {}): FleetOptions {
   const hosts = over.hosts ?? 3;
   return {
     hosts,
     etcd: over.etcd ?? 1,
     link: over.link ?? '10gbit',
-    dir: over.dir ?? process.env.FF_FLEET_DIR ?? '/var/lib/ffleet',
+    dir: fleetDir(over.dir),
     prefix: over.prefix ?? 'ffl',
     basePort: over.basePort ?? 17700,
     hostMemoryMib: over.hostMemoryMib ?? Math.floor((totalmem() / 1048576) * 0.7 / hosts),
@@ -128,6 +152,10 @@ function sh(cmd: string, args: string[], opts: { allowFail?: boolean } = {}): st
   }
 }
 
+/**
+ * Whether some process has this PID: not whether it is the fleet's (procAlive, and the QEMU
+ * scans below, check that). For a PID just taken from a check of identity.
+ */
 export function pidAlive(pid: number): boolean {
   try {
     process.kill(pid, 0);
@@ -137,14 +165,157 @@ export function pidAlive(pid: number): boolean {
   }
 }
 
+/**
+ * Whether the fleet's process `rec` still runs: its PID names the process the fleet started,
+ * not a later one the kernel gave the same PID (after a reboot or a kill -9 of everything).
+ */
+export function procAlive(rec: Pick<ProcRecord, 'pid' | 'startTime' | 'bootId' | 'command' | 'args'>): boolean {
+  if (rec.startTime !== undefined) return isSameProcess(rec.pid, { startTime: rec.startTime, bootId: rec.bootId ?? '' });
+  return runsLaunchedCommand(rec.pid, rec.command, rec.args);
+}
+
+/** Says so when a recorded PID now names some other process, which is left alone. */
+function reportReused(what: string, pid: number): void {
+  if (!pidAlive(pid)) return;
+  const cmd = (cmdlineOf(pid) ?? []).join(' ').slice(0, 120);
+  process.stderr.write(`fleet: pid ${pid} (${what}) now belongs to another process${cmd ? ` (${cmd})` : ''}: not signalled\n`);
+}
+
+function signal(pid: number, sig: NodeJS.Signals): boolean {
+  try {
+    process.kill(pid, sig);
+    return true;
+  } catch {
+    return false; // gone
+  }
+}
+
+/**
+ * SIGTERM, then SIGKILL after graceMs, to `pid` while `ours()` says it is still the process
+ * meant: checked again before each signal, so a PID freed and reused meanwhile is spared.
+ */
+export async function stopProcess(what: string, pid: number, ours: () => boolean, graceMs: number): Promise<void> {
+  if (!ours()) return reportReused(what, pid);
+  if (!signal(pid, 'SIGTERM')) return;
+  const until = Date.now() + graceMs;
+  while (Date.now() < until && ours()) await new Promise((r) => setTimeout(r, 50));
+  if (!ours()) return;
+  signal(pid, 'SIGKILL');
+  // Bounded: a process stuck in the kernel (D state) may outlive SIGKILL for a while.
+  const killedBy = Date.now() + 10_000;
+  while (ours()) {
+    if (Date.now() > killedBy) {
+      process.stderr.write(`fleet: pid ${pid} (${what}) still there 10 s after SIGKILL\n`);
+      return;
+    }
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+/** Stops one of the fleet's recorded processes, if its PID is still that process. */
+export function stopRecorded(rec: ProcRecord, graceMs: number): Promise<void> {
+  return stopProcess(rec.name, rec.pid, () => procAlive(rec), graceMs);
+}
+
 function statePath(dir: string): string {
   return join(dir, 'state.json');
 }
 
+function readJson(path: string): unknown {
+  try {
+    return JSON.parse(readFileSync(path, 'utf8'));
+  } catch {
+    return undefined; // missing, or not JSON: not ours either way
+  }
+}
+
+function isFleetState(x: unknown): x is FleetState {
+  const s = x as Partial<FleetState> | null | undefined;
+  return !!s && typeof s === 'object' && s.version === 1 && typeof s.options === 'object' && Array.isArray(s.procs) && Array.isArray(s.hosts) && Array.isArray(s.namespaces);
+}
+
+/** The state of the fleet in `dir`; undefined if there is none (a state.json that is not a fleet's included). */
 export function readState(dir: string): FleetState | undefined {
-  const p = statePath(dir);
-  if (!existsSync(p)) return undefined;
-  return JSON.parse(readFileSync(p, 'utf8')) as FleetState;
+  const s = readJson(statePath(fleetDir(dir)));
+  return isFleetState(s) ? s : undefined;
+}
+
+/**
+ * Marks a directory as a fleet's from the first thing `up` does to it until `down` is done:
+ * a failed `up` leaves it beside the logs it keeps, so the next `up` or `down` knows them for
+ * the fleet's. createdDir: `up` made the directory itself, so `down` removes it too.
+ */
+const MARKER = '.ffleet.json';
+interface DirMarker {
+  fleet: 'forkfleet';
+  createdDir: boolean;
+}
+
+function readMarker(dir: string): DirMarker | undefined {
+  const m = readJson(join(dir, MARKER)) as Partial<DirMarker> | undefined;
+  return m && typeof m === 'object' && m.fleet === 'forkfleet' ? { fleet: 'forkfleet', createdDir: m.createdDir !== false } : undefined;
+}
+
+/**
+ * What the fleet puts at the top of its directory (the layout above), and so all that `down`
+ * removes: never anything else that is there.
+ */
+const FLEET_ENTRIES = new Set([MARKER, 'state.json', 'state.json.tmp', 'logs', 'keys', 'pki', 'credentials.json', 'dev-credentials.json', 'etcd', 'nats', 'nats-keys', 'nats.sock', 'hosts']);
+const isFleetEntry = (name: string): boolean => FLEET_ENTRIES.has(name) || /^\.own-h\d+$/.test(name);
+
+/**
+ * Whose `dir` is: absent or empty (free for a new fleet), ours (a fleet's state, or what a
+ * failed `up` left) or foreign (anything else: `up` refuses it, since `down` would remove
+ * whatever of its entries have the names the fleet uses).
+ */
+export function fleetDirOwnership(dir: string): 'absent' | 'empty' | 'ours' | 'foreign' {
+  let entries: string[];
+  try {
+    entries = readdirSync(dir);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code === 'ENOENT') return 'absent';
+    throw new Error(`--dir ${dir}: ${(e as Error).message}`, { cause: e });
+  }
+  if (entries.length === 0) return 'empty';
+  return readMarker(dir) || readState(dir) ? 'ours' : 'foreign';
+}
+
+/** fleetDirOwnership for `up`: a foreign directory is refused, naming --dir. */
+export function claimableDir(dir: string): 'absent' | 'empty' | 'ours' {
+  const owner = fleetDirOwnership(dir);
+  if (owner === 'foreign') {
+    throw new Error(`--dir ${dir}: exists, is not empty and holds no fleet (no state.json or ${MARKER} of fleet.ts); fleet:down removes what a fleet puts in its directory, so name a new or empty one`);
+  }
+  return owner;
+}
+
+/**
+ * Removes the fleet's own entries from `dir` (all but logs/ and the marker when keepLogs),
+ * then the directory if `up` made it and nothing else is in it.
+ */
+export function removeFleetEntries(dir: string, opts: { keepLogs?: boolean } = {}): void {
+  const marker = readMarker(dir);
+  let entries: string[];
+  try {
+    entries = readdirSync(dir);
+  } catch {
+    return; // gone already
+  }
+  // The marker last: until then an interrupted teardown leaves a directory the next one knows.
+  for (const name of entries.filter((n) => isFleetEntry(n) && n !== MARKER)) {
+    if (opts.keepLogs && name === 'logs') continue;
+    rmSync(join(dir, name), { recursive: true, force: true });
+  }
+  if (opts.keepLogs) return;
+  rmSync(join(dir, MARKER), { force: true });
+  // A state.json of an older fleet.ts has no marker; that version removed the whole directory.
+  if (marker?.createdDir ?? true) {
+    try {
+      rmdirSync(dir);
+    } catch {
+      /* not empty: someone else's files are in it too */
+    }
+  }
 }
 
 function saveState(s: FleetState): void {
@@ -187,28 +358,32 @@ function waitPort(host: string, port: number, timeoutMs: number): Promise<void> 
   });
 }
 
-async function waitLog(path: string, needle: string, timeoutMs: number, pid: number): Promise<void> {
+async function waitLog(path: string, needle: string, timeoutMs: number, rec: ProcRecord): Promise<void> {
   const until = Date.now() + timeoutMs;
   while (Date.now() < until) {
     if (existsSync(path) && readFileSync(path, 'utf8').includes(needle)) return;
-    if (!pidAlive(pid)) throw new Error(`process ${pid} exited; see ${path}:\n${existsSync(path) ? readFileSync(path, 'utf8').slice(-1500) : ''}`);
+    if (!procAlive(rec)) throw new Error(`process ${rec.pid} (${rec.name}) exited; see ${path}:\n${existsSync(path) ? readFileSync(path, 'utf8').slice(-1500) : ''}`);
     await new Promise((r) => setTimeout(r, 100));
   }
   throw new Error(`timed out waiting for "${needle}" in ${path}`);
 }
 
-function spawnDetached(log: string, command: string, args: string[], env: Record<string, string>, cwd = ROOT): number {
+/**
+ * Starts a process detached, and reads its start time at once: it is our child (not reaped
+ * yet even if it has exited already), so its PID cannot have been reused.
+ */
+function spawnDetached(log: string, command: string, args: string[], env: Record<string, string>, cwd = ROOT): { pid: number; startTime: number; bootId: string } {
   const fd = openSync(log, 'a');
   const child = spawn(command, args, { detached: true, stdio: ['ignore', fd, fd], env: { ...process.env, ...env }, cwd });
   closeSync(fd);
   child.unref();
   if (child.pid === undefined) throw new Error(`could not start ${command}`);
-  return child.pid;
+  return { pid: child.pid, ...identityOf(child.pid) };
 }
 
 function launch(state: FleetState, rec: Omit<ProcRecord, 'pid' | 'log' | 'command' | 'args' | 'env'>, command: string, args: string[], env: Record<string, string> = {}): ProcRecord {
   const log = join(state.options.dir, 'logs', `${rec.name}.log`);
-  const full: ProcRecord = { ...rec, pid: spawnDetached(log, command, args, env, rec.cwd), log, command, args, env };
+  const full: ProcRecord = { ...rec, ...spawnDetached(log, command, args, env, rec.cwd), log, command, args, env };
   state.procs.push(full);
   saveState(state);
   return full;
@@ -219,11 +394,11 @@ function launch(state: FleetState, rec: Omit<ProcRecord, 'pid' | 'log' | 'comman
  * started, waiting until it is ready. For fault tests and operators.
  */
 export async function restartProcess(dir: string, name: string): Promise<ProcRecord> {
-  const state = readState(dir);
+  const state = readState(fleetDir(dir));
   const rec = state?.procs.find((p) => p.name === name);
-  if (!state || !rec) throw new Error(`no process ${name} in the fleet at ${dir}`);
-  await stopPid(rec.pid, 8000);
-  rec.pid = spawnDetached(rec.log, rec.command, rec.args, rec.env, rec.cwd);
+  if (!state || !rec) throw new Error(`no process ${name} in the fleet at ${fleetDir(dir)}`);
+  await stopRecorded(rec, 8000);
+  Object.assign(rec, spawnDetached(rec.log, rec.command, rec.args, rec.env, rec.cwd));
   saveState(state);
   if (rec.kind === 'agent' || rec.kind === 'scheduler') {
     const lines = readFileSync(rec.log, 'utf8').split('\n').length;
@@ -231,7 +406,7 @@ export async function restartProcess(dir: string, name: string): Promise<ProcRec
     for (;;) {
       const fresh = readFileSync(rec.log, 'utf8').split('\n').slice(lines - 1);
       if (fresh.some((l) => l.includes('"ready":true'))) break;
-      if (!pidAlive(rec.pid)) throw new Error(`${name} exited on restart; see ${rec.log}`);
+      if (!procAlive(rec)) throw new Error(`${name} exited on restart; see ${rec.log}`);
       if (Date.now() > until) throw new Error(`${name} not ready after restart`);
       await new Promise((r) => setTimeout(r, 100));
     }
@@ -264,8 +439,7 @@ function makeNetwork(state: FleetState): void {
   for (let i = 1; i <= hosts; i++) {
     const id = `h${i}`;
     const ns = `${prefix}-${id}`;
-    const ifHost = `${prefix}${id}a`;
-    const ifBridge = `${prefix}${id}b`;
+    const { ifHost, ifBridge } = linkNames(prefix, id);
     sh('ip', ['netns', 'add', ns]);
     state.namespaces.push(ns);
     saveState(state);
@@ -348,7 +522,7 @@ async function startNats(state: FleetState): Promise<void> {
   await waitPort('127.0.0.1', port, 10_000);
   const sock = join(state.options.dir, 'nats.sock');
   const r = launch(state, { name: 'relay-nats', kind: 'relay' }, NODE, tsx('deploy/fleet/relay.ts', `unix:${sock}=tcp:127.0.0.1:${port}`));
-  await waitLog(r.log, 'relay ready', 15_000, r.pid);
+  await waitLog(r.log, 'relay ready', 15_000, r);
 }
 
 async function startSchedulers(state: FleetState): Promise<void> {
@@ -368,7 +542,7 @@ async function startSchedulers(state: FleetState): Promise<void> {
       ...schedulerApiEnv(state.options.dir),
       ...state.options.schedulerEnv,
     });
-    await waitLog(p.log, '"ready":true', 60_000, p.pid);
+    await waitLog(p.log, '"ready":true', 60_000, p);
     state.apiAddresses.push(api);
     state.metricsAddresses.push(metrics);
     saveState(state);
@@ -441,7 +615,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
   const peerTls = state.options.peerTls === false ? {} : makePeerCert(state, h);
   const sock = join(state.options.dir, 'nats.sock');
   const relay = launch(state, { name: `relay-${h.id}`, kind: 'relay', host: h.id, netns: h.netns }, ...inNetns(h.netns, NODE, tsx('deploy/fleet/relay.ts', `tcp:127.0.0.1:4222=unix:${sock}`)));
-  await waitLog(relay.log, 'relay ready', 15_000, relay.pid);
+  await waitLog(relay.log, 'relay ready', 15_000, relay);
   const script = [
     'set -e',
     `mount --bind "${h.dataDir}" "${stash}"`,
@@ -471,7 +645,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     FF_GUEST_CGROUP: state.guestCgroup ?? '',
     ...state.options.agentEnv,
   });
-  await waitLog(p.log, '"ready":true', 120_000, p.pid);
+  await waitLog(p.log, '"ready":true', 120_000, p);
 }
 
 /** The fleet is up when the scheduler reports every host ready (registered from its heartbeats). */
@@ -491,19 +665,46 @@ async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<voi
   }
 }
 
-export async function up(opts: FleetOptions): Promise<FleetState> {
-  if (!/^[a-z]{1,6}$/.test(opts.prefix)) throw new Error('--prefix: 1-6 lowercase letters');
-  if (!(opts.hosts >= 1 && opts.hosts <= 32)) throw new Error('--hosts: 1..32');
+/** The lowest and highest --base-port: the fleet listens on base-port .. base-port + 41. */
+export const BASE_PORT_RANGE = [1024, 65535 - 41] as const;
+
+/** Interface names of host `id`'s veth pair: its end in the host namespace, and the bridge's. */
+function linkNames(prefix: string, id: string): { ifHost: string; ifBridge: string } {
+  return { ifHost: `${prefix}${id}a`, ifBridge: `${prefix}${id}b` };
+}
+
+/** Checks options before anything is made; each error names the flag. */
+export function validateOptions(opts: FleetOptions): void {
+  if (!/^[a-z]{1,6}$/.test(opts.prefix)) throw new Error(`--prefix: 1-6 lowercase letters, got ${JSON.stringify(opts.prefix)}`);
+  // An agent's egress firewall (host-agent/adapters/netns/egress.ts) drops all input from
+  // links named ffe*, its sandboxes' veths; the fleet's own link in that namespace must not
+  // match, or the agent is cut off from its peers.
+  const clash = Array.from({ length: Math.max(1, opts.hosts) }, (_, i) => linkNames(opts.prefix, `h${i + 1}`).ifHost).find((n) => n.startsWith(HOST_LINK_PREFIX));
+  if (clash) throw new Error(`--prefix: ${JSON.stringify(opts.prefix)} names the hosts' links ${clash}..., and the agents' egress firewall drops every link named ${HOST_LINK_PREFIX}* (host-agent/adapters/netns/egress.ts): choose a prefix that does not start with ${HOST_LINK_PREFIX}`);
+  if (!(Number.isInteger(opts.hosts) && opts.hosts >= 1 && opts.hosts <= 32)) throw new Error(`--hosts: an integer 1..32, got ${opts.hosts}`);
+  if (opts.etcd !== 1 && opts.etcd !== 3) throw new Error(`--etcd: 1 or 3, got ${String(opts.etcd)}`);
+  if (!(Number.isInteger(opts.basePort) && opts.basePort >= BASE_PORT_RANGE[0] && opts.basePort <= BASE_PORT_RANGE[1])) throw new Error(`--base-port: an integer ${BASE_PORT_RANGE[0]}..${BASE_PORT_RANGE[1]} (the fleet listens on base-port .. base-port + 41), got ${opts.basePort}`);
+  if (!(Number.isInteger(opts.hostMemoryMib) && opts.hostMemoryMib >= 1)) throw new Error(`hostMemoryMib: a positive integer, got ${opts.hostMemoryMib}`);
   linkBytesPerSecond(opts.link);
+}
+
+export async function up(given: FleetOptions): Promise<FleetState> {
+  const opts: FleetOptions = { ...given, dir: fleetDir(given.dir) };
+  validateOptions(opts);
+  const owner = claimableDir(opts.dir);
   const existing = readState(opts.dir);
   if (existing) {
-    const alive = existing.procs.filter((p) => pidAlive(p.pid));
+    const alive = existing.procs.filter(procAlive);
     if (alive.length > 0) throw new Error(`a fleet is already up in ${opts.dir} (since ${existing.startedAt}, ${alive.length} processes alive): run fleet:down first`);
-    await down(opts.dir);
   }
+  // A dead fleet's leftovers, or the logs of a failed up: cleared so this fleet starts afresh.
+  if (owner === 'ours') await down(opts.dir);
   for (const ns of sh('ip', ['netns', 'list']).split('\n').map((l) => l.split(' ')[0])) {
     if (ns && ns.startsWith(`${opts.prefix}-`)) throw new Error(`network namespace ${ns} already exists; run fleet:down or delete it`);
   }
+  const createdDir = !existsSync(opts.dir);
+  mkdirSync(opts.dir, { recursive: true });
+  writeFileSync(join(opts.dir, MARKER), `${JSON.stringify({ fleet: 'forkfleet', createdDir } satisfies DirMarker)}\n`);
   mkdirSync(join(opts.dir, 'logs'), { recursive: true });
   const state: FleetState = {
     version: 1,
@@ -542,62 +743,91 @@ export async function up(opts: FleetOptions): Promise<FleetState> {
     await waitHostsReady(state, 60_000);
     return state;
   } catch (e) {
-    process.stderr.write(`fleet: start failed, cleaning up: ${(e as Error).message}\n`);
-    await down(opts.dir);
-    throw e;
+    // The logs stay: the error names files in them, and they say why.
+    const logs = join(opts.dir, 'logs');
+    process.stderr.write(`fleet: start failed, cleaning up (the logs stay in ${logs}): ${(e as Error).message}\n`);
+    await teardown(opts.dir, { keepLogs: true }).catch((t: unknown) => void process.stderr.write(`fleet: cleaning up failed too: ${(t as Error).message}\n`));
+    throw new Error(`${(e as Error).message}\n(the fleet's logs are kept in ${logs}; fleet:down removes them)`, { cause: e });
   }
 }
 
-async function stopPid(pid: number, graceMs: number): Promise<void> {
-  if (!pidAlive(pid)) return;
+/** A QEMU pid file, with the directories the QEMU it names must have been started in. */
+interface QemuPidFile {
+  pid: number;
+  /** The pid file's directory, and a claimed standby's launch directory (driver.ts VmPersisted.launchDir). */
+  dirs: string[];
+}
+
+/** The pid files (qemu.<gen>.pid, written by QEMU) in `dir`; undefined if it is no directory. */
+function qemuPidFilesIn(dir: string, extraDirs: string[] = []): QemuPidFile[] | undefined {
+  let files: string[];
   try {
-    process.kill(pid, 'SIGTERM');
+    files = readdirSync(dir);
   } catch {
-    return;
+    return undefined;
   }
-  const until = Date.now() + graceMs;
-  while (Date.now() < until && pidAlive(pid)) await new Promise((r) => setTimeout(r, 50));
-  if (pidAlive(pid)) {
-    try {
-      process.kill(pid, 'SIGKILL');
-    } catch {
-      /* gone */
-    }
-    while (pidAlive(pid)) await new Promise((r) => setTimeout(r, 20));
+  return files.filter((f) => /^qemu\..*pid$/.test(f)).flatMap((f) => readPidFile(join(dir, f)).map((pid) => ({ pid, dirs: [dir, ...extraDirs] })));
+}
+
+function subdirs(dir: string): string[] {
+  try {
+    return readdirSync(dir);
+  } catch {
+    return [];
   }
 }
 
-/** QEMU PIDs recorded in an agent's data directory, by VM (one pid file per QEMU generation). */
+/** A VM's pid files: vms/<vmId>/qemu.<gen>.pid; a claimed standby's QEMU names its standby directory. */
+function vmPidFiles(dataDir: string, vm: string): QemuPidFile[] | undefined {
+  const dir = join(dataDir, 'vmm', 'vms', vm);
+  const launchDir = (readJson(join(dir, 'vm.json')) as { launchDir?: unknown } | undefined)?.launchDir;
+  return qemuPidFilesIn(dir, typeof launchDir === 'string' ? [launchDir] : []);
+}
+
+/** Standbys' pid files: standby/<id>/qemu.0.pid (a paused QEMU no sandbox owns yet, ADR 0014). */
+function standbyPidFiles(dataDir: string): QemuPidFile[] {
+  const dir = join(dataDir, 'vmm', 'standby');
+  // A claimed standby's symlink to a destroyed VM, or one still starting, has no pid file.
+  return subdirs(dir).flatMap((s) => readPidFile(join(dir, s, 'qemu.0.pid')).map((pid) => ({ pid, dirs: [join(dir, s)] })));
+}
+
+/** Snapshot receivers' pid files: snapshots/<id>/.recv/qemu.<gen>.pid (driver.ts snapshotViaReceiver). */
+function receiverPidFiles(dataDir: string): QemuPidFile[] {
+  const dir = join(dataDir, 'vmm', 'snapshots');
+  return subdirs(dir).flatMap((s) => qemuPidFilesIn(join(dir, s, '.recv')) ?? []);
+}
+
+/** The PIDs of those pid files that still name their QEMU (not a process that reused the PID). */
+const running = (files: QemuPidFile[]): number[] => [...new Set(files.filter((f) => isQemuIn(f.pid, f.dirs)).map((f) => f.pid))];
+
+/** QEMUs running for an agent's VMs, by VM (one pid file per QEMU generation). Every VM directory has an entry. */
 export function qemuPidsByVm(dataDir: string): Map<string, number[]> {
-  const vms = join(dataDir, 'vmm', 'vms');
   const out = new Map<string, number[]>();
+  const vms = join(dataDir, 'vmm', 'vms');
   if (!existsSync(vms)) return out;
   for (const vm of readdirSync(vms)) {
-    let files: string[] = [];
-    try {
-      files = readdirSync(join(vms, vm));
-    } catch {
-      continue;
-    }
-    out.set(vm, files.filter((f) => /^qemu\..*pid$/.test(f)).flatMap((f) => readPidFile(join(vms, vm, f))));
+    const files = vmPidFiles(dataDir, vm);
+    if (files) out.set(vm, running(files));
   }
   return out;
 }
 
-/** Every QEMU PID recorded in an agent's data directory: its VMs'. */
+/** Every QEMU running for an agent's VMs. */
 export function qemuPids(dataDir: string): number[] {
   return [...qemuPidsByVm(dataDir).values()].flat();
 }
 
 /**
- * PIDs of the agent's standby QEMUs (paused processes no sandbox owns yet, ADR 0014). A
+ * The agent's standby QEMUs that run (paused processes no sandbox owns yet, ADR 0014). A
  * stopping agent ends them itself; this is for tearing down after an agent was killed.
  */
 export function standbyPids(dataDir: string): number[] {
-  const dir = join(dataDir, 'vmm', 'standby');
-  if (!existsSync(dir)) return [];
-  // A claimed standby's symlink to a destroyed VM, or one still starting, has no pid file.
-  return readdirSync(dir).flatMap((s) => readPidFile(join(dir, s, 'qemu.0.pid')));
+  return running(standbyPidFiles(dataDir));
+}
+
+/** The agent's snapshot receiver QEMUs that run (a snapshot of a clone the agent died in). */
+export function receiverPids(dataDir: string): number[] {
+  return running(receiverPidFiles(dataDir));
 }
 
 /** The PID a QEMU pid file names: none if the file is missing or holds no plausible PID. */
@@ -613,8 +843,9 @@ function readPidFile(path: string): number[] {
 
 /**
  * Removes the fleet's guests cgroup. Whatever is still in it is a QEMU this fleet's agents
- * started that the stops above missed (a receiver of a snapshot, say): it is killed by PID
- * first. Only the group itself goes, not parents of a nested FF_GUEST_CGROUP.
+ * started that the stops above missed: it is killed by PID first (the cgroup lists only live
+ * members, so these PIDs are current). Only the group itself goes, not parents of a nested
+ * FF_GUEST_CGROUP.
  */
 async function removeGuestCgroup(path: string): Promise<void> {
   const h = await cpuHierarchy();
@@ -644,21 +875,26 @@ async function removeGuestCgroup(path: string): Promise<void> {
   process.stderr.write(`fleet: could not remove cgroup ${dir}\n`);
 }
 
-export async function down(dir: string): Promise<void> {
-  const state = readState(dir);
-  if (!state) {
-    process.stderr.write(`fleet: nothing to stop in ${dir}\n`);
-    return;
-  }
+/** Stops the fleet's processes and removes its namespaces and cgroup. */
+async function stopFleet(state: FleetState): Promise<void> {
   const order: ProcRecord['kind'][] = ['agent', 'scheduler', 'relay', 'nats', 'etcd'];
   for (const kind of order) {
     const procs = state.procs.filter((p) => p.kind === kind);
     // etcd members one at a time (all at once makes the last one hang).
-    if (kind === 'etcd') for (const p of procs) await stopPid(p.pid, 5000);
-    else await Promise.all(procs.map((p) => stopPid(p.pid, 8000)));
+    if (kind === 'etcd') for (const p of procs) await stopRecorded(p, 5000);
+    else await Promise.all(procs.map((p) => stopRecorded(p, 8000)));
     if (kind === 'agent') {
-      // Agents leave VMs running for a restarted agent to adopt; down ends them too.
-      for (const h of state.hosts) for (const pid of [...qemuPids(h.dataDir), ...standbyPids(h.dataDir)]) await stopPid(pid, 2000);
+      // Agents leave VMs running for a restarted agent to adopt; down ends them too, and any
+      // standby or snapshot receiver a killed agent left. Each PID only while it is still the
+      // QEMU its pid file was written for.
+      for (const h of state.hosts) {
+        const seen = new Set<number>();
+        for (const f of [...subdirs(join(h.dataDir, 'vmm', 'vms')).flatMap((vm) => vmPidFiles(h.dataDir, vm) ?? []), ...standbyPidFiles(h.dataDir), ...receiverPidFiles(h.dataDir)]) {
+          if (seen.has(f.pid)) continue; // a claimed standby's: under vms/ and standby/
+          seen.add(f.pid);
+          await stopProcess(`a QEMU of ${h.id}`, f.pid, () => isQemuIn(f.pid, f.dirs), 2000);
+        }
+      }
       // Agents mount their RAM tmpfs in their own mount namespace (gone with them); when one
       // was already mounted on the machine, their files are in it: remove them.
       const ramMount = state.options.agentEnv?.FF_RAM_MOUNT ?? DEFAULT_RAM_MOUNT;
@@ -677,13 +913,36 @@ export async function down(dir: string): Promise<void> {
   }
   for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });
   if (state.guestCgroup) await removeGuestCgroup(state.guestCgroup);
-  rmSync(dir, { recursive: true, force: true });
+}
+
+/** down, or a failed up's cleanup (which keeps the logs). */
+async function teardown(dir: string, opts: { keepLogs?: boolean } = {}): Promise<void> {
+  const state = readState(dir);
+  if (state) await stopFleet(state);
+  else if (!readMarker(dir)) {
+    process.stderr.write(`fleet: nothing to stop in ${dir}\n`);
+    return;
+  }
+  removeFleetEntries(dir, opts);
+}
+
+/**
+ * Stops the fleet in `dir` and removes what it made: its processes (each only while its PID
+ * is still that process), namespaces, cgroup, and its entries in the directory (never other
+ * files there; the directory itself if `up` made it).
+ */
+export async function down(dir: string): Promise<void> {
+  await teardown(fleetDir(dir));
 }
 
 export async function status(dir: string): Promise<{ state: FleetState; procs: Array<ProcRecord & { alive: boolean }>; hosts: unknown[] }> {
+  dir = fleetDir(dir);
   const state = readState(dir);
-  if (!state) throw new Error(`no fleet in ${dir}: start one with npm run fleet:up`);
-  const procs = state.procs.map((p) => ({ ...p, alive: pidAlive(p.pid) }));
+  if (!state) {
+    const failed = readMarker(dir) && existsSync(join(dir, 'logs')) ? ` (the logs of a start that failed are in ${join(dir, 'logs')})` : '';
+    throw new Error(`no fleet in ${dir}${failed}: start one with npm run fleet:up`);
+  }
+  const procs = state.procs.map((p) => ({ ...p, alive: procAlive(p) }));
   let hosts: unknown[] = [];
   try {
     const { HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
@@ -714,26 +973,112 @@ export async function status(dir: string): Promise<{ state: FleetState; procs: A
   return { state, procs, hosts };
 }
 
-function arg(argv: string[], name: string): string | undefined {
-  const i = argv.indexOf(`--${name}`);
-  return i >= 0 ? argv[i + 1] : undefined;
+export const USAGE = `usage: fleet.ts COMMAND [flags]
+  up                   start a fleet: etcd, NATS, 2 schedulers and N host agents in network namespaces
+    --hosts N          host agents, 1-32 (default 3)
+    --etcd 1|3         etcd members (default 1)
+    --link RATE        each host's shaped link, e.g. 10gbit, 1gbit, 500mbit (default 10gbit)
+    --prefix P         namespace and link name prefix: 1-6 lowercase letters, not starting with ${HOST_LINK_PREFIX} (default ffl)
+    --base-port N      first port of the control plane, which listens on N .. N+41; ${BASE_PORT_RANGE[0]}-${BASE_PORT_RANGE[1]} (default 17700)
+    --peer-tls on|off  mutual TLS between the agents (default on)
+  status [--json]      the fleet's processes and hosts
+  restart NAME         stop one process (names: status) and start it again as it was started
+  down                 stop everything and remove what the fleet made
+flags of every command:
+  --dir DIR            the fleet's directory: new, empty or a fleet's (default $FF_FLEET_DIR, else ${DEFAULT_FLEET_DIR})
+  -h, --help           this text
+`;
+
+/** A command line fleet.ts cannot run; the message names the flag. */
+export class UsageError extends Error {
+  override name = 'UsageError';
+}
+
+export type CliCommand =
+  | { cmd: 'help' }
+  | { cmd: 'up'; opts: FleetOptions }
+  | { cmd: 'status'; dir: string; json: boolean }
+  | { cmd: 'restart'; dir: string; name: string }
+  | { cmd: 'down'; dir: string };
+
+const FLAGS = {
+  dir: { type: 'string' },
+  hosts: { type: 'string' },
+  etcd: { type: 'string' },
+  link: { type: 'string' },
+  prefix: { type: 'string' },
+  'base-port': { type: 'string' },
+  'peer-tls': { type: 'string' },
+  json: { type: 'boolean' },
+  help: { type: 'boolean', short: 'h' },
+} as const;
+
+/** The flags each command takes besides --dir and --help. */
+const COMMAND_FLAGS: Record<Exclude<CliCommand['cmd'], 'help'>, readonly (keyof typeof FLAGS)[]> = {
+  up: ['hosts', 'etcd', 'link', 'prefix', 'base-port', 'peer-tls'],
+  status: ['json'],
+  restart: [],
+  down: [],
+};
+
+/** A whole decimal number within min..max: Number() alone also takes '2.5', '0x10', '' and ' 3'. */
+function intFlag(flag: string, v: string | undefined, min: number, max: number, dflt: number): number {
+  if (v === undefined) return dflt;
+  const n = /^\d{1,6}$/.test(v) ? Number(v) : NaN;
+  if (!(n >= min && n <= max)) throw new UsageError(`--${flag}: an integer ${min}..${max}, got ${JSON.stringify(v)}`);
+  return n;
+}
+
+/** Parses fleet.ts's arguments strictly: unknown flags, missing values, stray words and bad numbers are errors. */
+export function parseCli(argv: string[]): CliCommand {
+  let parsed: ReturnType<typeof parseArgs<{ args: string[]; options: typeof FLAGS; strict: true; allowPositionals: true }>>;
+  try {
+    parsed = parseArgs({ args: argv, options: FLAGS, strict: true, allowPositionals: true });
+  } catch (e) {
+    throw new UsageError((e as Error).message, { cause: e });
+  }
+  const { values: v, positionals } = parsed;
+  if (v.help) return { cmd: 'help' };
+  const [cmd, ...rest] = positionals;
+  if (cmd !== 'up' && cmd !== 'status' && cmd !== 'restart' && cmd !== 'down') throw new UsageError(cmd === undefined ? 'a command: up, status, restart or down' : `unknown command ${JSON.stringify(cmd)}: up, status, restart or down`);
+  for (const flag of Object.keys(v) as (keyof typeof FLAGS)[]) {
+    if (flag !== 'dir' && !COMMAND_FLAGS[cmd].includes(flag)) throw new UsageError(`--${flag}: not a flag of ${cmd}`);
+  }
+  if (cmd === 'restart' && rest.length !== 1) throw new UsageError('restart: one process name (fleet.ts status lists them)');
+  if (cmd !== 'restart' && rest.length > 0) throw new UsageError(`${cmd}: unexpected argument ${JSON.stringify(rest[0])}`);
+  if (v.dir === '') throw new UsageError('--dir: empty');
+  const dir = fleetDir(v.dir);
+  if (cmd === 'status') return { cmd, dir, json: v.json ?? false };
+  if (cmd === 'restart') return { cmd, dir, name: rest[0]! };
+  if (cmd === 'down') return { cmd, dir };
+  const etcd = intFlag('etcd', v.etcd, 1, 3, 1);
+  if (etcd !== 1 && etcd !== 3) throw new UsageError(`--etcd: 1 or 3, got ${etcd}`);
+  const peerTls = v['peer-tls'];
+  if (peerTls !== undefined && peerTls !== 'on' && peerTls !== 'off') throw new UsageError(`--peer-tls: on or off, got ${JSON.stringify(peerTls)}`);
+  const opts = defaultOptions({
+    hosts: intFlag('hosts', v.hosts, 1, 32, 3),
+    etcd,
+    ...(v.link !== undefined ? { link: v.link } : {}),
+    dir,
+    ...(v.prefix !== undefined ? { prefix: v.prefix } : {}),
+    basePort: intFlag('base-port', v['base-port'], BASE_PORT_RANGE[0], BASE_PORT_RANGE[1], 17700),
+    peerTls: peerTls !== 'off',
+  });
+  try {
+    validateOptions(opts);
+  } catch (e) {
+    throw new UsageError((e as Error).message, { cause: e });
+  }
+  return { cmd, opts };
 }
 
 async function cli(argv: string[]): Promise<void> {
-  const [cmd] = argv;
-  const dir = arg(argv, 'dir') ?? process.env.FF_FLEET_DIR ?? '/var/lib/ffleet';
-  if (cmd === 'up') {
-    const etcd = Number(arg(argv, 'etcd') ?? 1);
-    if (etcd !== 1 && etcd !== 3) throw new Error('--etcd: 1 or 3');
-    const opts = defaultOptions({
-      hosts: Number(arg(argv, 'hosts') ?? 3),
-      etcd,
-      link: arg(argv, 'link') ?? '10gbit',
-      dir,
-      ...(arg(argv, 'prefix') ? { prefix: arg(argv, 'prefix')! } : {}),
-      ...(arg(argv, 'base-port') ? { basePort: Number(arg(argv, 'base-port')) } : {}),
-      peerTls: parseOnOff('--peer-tls', arg(argv, 'peer-tls'), true),
-    });
+  const c = parseCli(argv);
+  if (c.cmd === 'help') {
+    process.stdout.write(USAGE);
+  } else if (c.cmd === 'up') {
+    const { opts } = c;
+    const { dir } = opts;
     const s = await up(opts);
     const api = s.apiAddresses[0]!;
     process.stdout.write(
@@ -754,12 +1099,13 @@ async function cli(argv: string[]): Promise<void> {
         '',
       ].join('\n'),
     );
-  } else if (cmd === 'down') {
-    await down(dir);
-    process.stdout.write('fleet is down: processes stopped by PID, namespaces and links removed\n');
-  } else if (cmd === 'status') {
+  } else if (c.cmd === 'down') {
+    await down(c.dir);
+    process.stdout.write('fleet is down: its processes stopped, namespaces, links and files removed\n');
+  } else if (c.cmd === 'status') {
+    const { dir } = c;
     const st = await status(dir);
-    if (argv.includes('--json')) {
+    if (c.json) {
       process.stdout.write(`${JSON.stringify({ procs: st.procs, hosts: st.hosts, api: st.state.apiAddresses }, null, 2)}\n`);
       return;
     }
@@ -768,12 +1114,9 @@ async function cli(argv: string[]): Promise<void> {
     process.stdout.write('\nhosts (from the scheduler):\n');
     if (st.hosts.length === 0) process.stdout.write('  (API not answering)\n');
     for (const h of st.hosts) process.stdout.write(`  ${JSON.stringify(h)}\n`);
-  } else if (cmd === 'restart' && argv[1] && !argv[1].startsWith('--')) {
-    const rec = await restartProcess(dir, argv[1]);
-    process.stdout.write(`${rec.name} restarted: pid ${rec.pid}\n`);
   } else {
-    process.stderr.write('usage: fleet.ts up [--hosts N] [--etcd 1|3] [--link RATE] | status [--json] | restart NAME | down   (--dir DIR)\n');
-    process.exit(2);
+    const rec = await restartProcess(c.dir, c.name);
+    process.stdout.write(`${rec.name} restarted: pid ${rec.pid}\n`);
   }
 }
 
@@ -782,7 +1125,8 @@ if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename
     () => process.exit(0),
     (e: unknown) => {
       process.stderr.write(`fleet: ${e instanceof Error ? e.message : String(e)}\n`);
-      process.exit(1);
+      if (e instanceof UsageError) process.stderr.write(`\n${USAGE}`);
+      process.exit(e instanceof UsageError ? 2 : 1);
     },
   );
 }

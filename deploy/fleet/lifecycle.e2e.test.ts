@@ -10,7 +10,7 @@ import { createServer } from 'node:http';
 import type { Server } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { join } from 'node:path';
-import { defaultOptions, down, pidAlive, qemuPidsByVm, readState, up } from './fleet.ts';
+import { defaultOptions, down, pidAlive, procAlive, qemuPidsByVm, readState, up } from './fleet.ts';
 import type { FleetState } from './fleet.ts';
 import { fleetApiClient } from './api-credentials.ts';
 import type { Client } from '../../services/adapters/grpc/rpc.ts';
@@ -124,7 +124,7 @@ describe('hibernate, wake and retention on a local fleet (2 hosts of 600 MiB, re
     await down(DIR);
     await new Promise<void>((r) => receiver.close(() => r()));
     expect(execFileSync('ip', ['netns', 'list'], { encoding: 'utf8' })).not.toMatch(/\bffh-/);
-    for (const p of state.procs) expect(pidAlive(p.pid)).toBe(false);
+    for (const p of state.procs) expect(procAlive(p)).toBe(false);
     expect(existsSync(DIR)).toBe(false);
   }, 120_000);
 

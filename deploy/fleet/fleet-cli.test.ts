@@ -1,0 +1,86 @@
+import { resolve } from 'node:path';
+import { afterEach, describe, expect, it, vi } from 'vitest';
+import { defaultOptions, parseCli, USAGE, UsageError, validateOptions } from './fleet.ts';
+
+afterEach(() => vi.unstubAllEnvs());
+
+describe('parseCli (fleet.ts arguments)', () => {
+  it('upWithInlineValues_takesThem', () => {
+    const c = parseCli(['up', '--hosts=5', '--etcd', '3', '--link=1gbit', '--prefix', 'ffq', '--base-port', '18000', '--peer-tls', 'off', '--dir', '/tmp/ffq']);
+    expect(c).toMatchObject({ cmd: 'up', opts: { hosts: 5, etcd: 3, link: '1gbit', prefix: 'ffq', basePort: 18000, peerTls: false, dir: '/tmp/ffq' } });
+  });
+
+  it('up_withoutFlags_takesTheDefaults', () => {
+    vi.stubEnv('FF_FLEET_DIR', '');
+    expect(parseCli(['up'])).toMatchObject({ cmd: 'up', opts: { hosts: 3, etcd: 1, link: '10gbit', prefix: 'ffl', basePort: 17700, peerTls: true, dir: '/var/lib/ffleet' } });
+  });
+
+  it('unknownFlag_isAnErrorNamingIt', () => {
+    expect(() => parseCli(['up', '--host', '3'])).toThrow(UsageError);
+    expect(() => parseCli(['up', '--host', '3'])).toThrow(/--host\b/);
+  });
+
+  it('flagOfAnotherCommand_isAnErrorNamingIt', () => {
+    expect(() => parseCli(['down', '--hosts', '3'])).toThrow(/--hosts: not a flag of down/);
+    expect(() => parseCli(['up', '--json'])).toThrow(/--json: not a flag of up/);
+  });
+
+  it.each([
+    [['up', '--hosts', '2.5'], /--hosts: an integer 1\.\.32, got "2\.5"/],
+    [['up', '--hosts', '0'], /--hosts: an integer 1\.\.32/],
+    [['up', '--hosts', '33'], /--hosts: an integer 1\.\.32/],
+    [['up', '--hosts', '0x10'], /--hosts/],
+    [['up', '--hosts='], /--hosts/],
+    [['up', '--base-port', 'abc'], /--base-port: an integer 1024\.\.65494, got "abc"/],
+    [['up', '--base-port', '65500'], /--base-port/],
+    [['up', '--etcd', '2'], /--etcd: 1 or 3/],
+    [['up', '--peer-tls', 'yes'], /--peer-tls: on or off/],
+    [['up', '--link', 'fast'], /--link/],
+    [['up', '--prefix', 'FFL'], /--prefix/],
+  ])('badValue_%j_isAnErrorNamingTheFlag', (argv, message) => {
+    expect(() => parseCli(argv)).toThrow(message);
+  });
+
+  it('missingValue_isAnError', () => {
+    expect(() => parseCli(['up', '--hosts'])).toThrow(/--hosts/);
+  });
+
+  it('commands_andTheirArguments_areChecked', () => {
+    expect(() => parseCli([])).toThrow(/a command/);
+    expect(() => parseCli(['start'])).toThrow(/unknown command "start"/);
+    expect(() => parseCli(['restart'])).toThrow(/one process name/);
+    expect(() => parseCli(['down', 'now'])).toThrow(/unexpected argument "now"/);
+    expect(parseCli(['restart', 'agent-h2', '--dir', '/tmp/f'])).toEqual({ cmd: 'restart', dir: '/tmp/f', name: 'agent-h2' });
+    expect(parseCli(['status', '--json', '--dir', '/tmp/f'])).toEqual({ cmd: 'status', dir: '/tmp/f', json: true });
+    expect(parseCli(['--help'])).toEqual({ cmd: 'help' });
+  });
+
+  it('usage_listsEveryFlag', () => {
+    for (const flag of ['--hosts', '--etcd', '--link', '--prefix', '--base-port', '--peer-tls', '--json', '--dir', '--help', 'restart NAME']) expect(USAGE).toContain(flag);
+  });
+});
+
+describe('the fleet directory is absolute', () => {
+  it('relativeDirFlag_isResolvedAgainstTheWorkingDirectory', () => {
+    expect(parseCli(['down', '--dir', 'tmp/fleet'])).toEqual({ cmd: 'down', dir: resolve('tmp/fleet') });
+    expect(parseCli(['up', '--dir', './f'])).toMatchObject({ opts: { dir: resolve('f') } });
+  });
+
+  it('relativeFF_FLEET_DIR_isResolvedToo', () => {
+    vi.stubEnv('FF_FLEET_DIR', 'rel/fleet');
+    expect(defaultOptions().dir).toBe(resolve('rel/fleet'));
+    expect(parseCli(['status'])).toMatchObject({ dir: resolve('rel/fleet') });
+  });
+});
+
+describe('--prefix and the agents\' egress firewall', () => {
+  it('prefixStartingWithFfe_isRejectedNamingPrefix', () => {
+    // Its links would be ffe*: host-agent/adapters/netns/egress.ts drops all input from those.
+    expect(() => validateOptions(defaultOptions({ prefix: 'ffe' }))).toThrow(/--prefix: "ffe" .*ffeh1a.*does not start with ffe/);
+    expect(() => parseCli(['up', '--prefix', 'ffeast'])).toThrow(/--prefix/);
+  });
+
+  it('otherPrefixes_areAccepted', () => {
+    for (const prefix of ['ffl', 'ff', 'f', 'ffx', 'ffh', 'effe']) expect(() => validateOptions(defaultOptions({ prefix, hostMemoryMib: 1024 }))).not.toThrow();
+  });
+});

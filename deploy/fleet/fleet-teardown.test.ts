@@ -1,0 +1,177 @@
+// down() on staged fleet directories: no namespace, cgroup or RAM mount is named in these
+// states, so only the processes this file starts are signalled, and only files in its own
+// temporary directory are touched.
+import { spawn } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
+import { claimableDir, defaultOptions, down, fleetDirOwnership, procAlive, qemuPidsByVm, readState, receiverPids, removeFleetEntries, standbyPids } from './fleet.ts';
+import type { FleetState, ProcRecord } from './fleet.ts';
+import { identityOf, isSameProcess } from './proc-identity.ts';
+
+let tmp: string;
+const started: ChildProcess[] = [];
+
+/** A child of this test, ours to signal; resolves `exited` once it is gone and reaped. */
+function start(command: string, args: string[], argv0?: string): { pid: number; exited: Promise<void> } {
+  const child = spawn(command, args, { stdio: 'ignore', ...(argv0 ? { argv0 } : {}) });
+  started.push(child);
+  if (child.pid === undefined) throw new Error(`could not start ${command}`);
+  const exited = new Promise<void>((r) => (child.exitCode !== null || child.signalCode !== null ? r() : child.once('exit', () => r())));
+  return { pid: child.pid, exited };
+}
+
+/** A process whose command line looks like a QEMU started in `dir` (node, renamed by argv0). */
+async function fakeQemu(dir: string): Promise<{ pid: number; exited: Promise<void> }> {
+  const q = start(process.execPath, ['-e', 'setInterval(() => {}, 1000)', '--', '-pidfile', join(dir, 'qemu.0.pid')], 'qemu-system-x86_64');
+  mkdirSync(dir, { recursive: true });
+  writeFileSync(join(dir, 'qemu.0.pid'), `${q.pid}\n`);
+  return q;
+}
+
+function record(name: string, pid: number, command: string, args: string[], identity?: { startTime: number; bootId: string }): ProcRecord {
+  return { name, kind: 'relay', pid, log: '', command, args, env: {}, ...identity };
+}
+
+/** A fleet directory as `up` leaves it, with these processes and host h1 (no namespaces, cgroup or RAM mount). */
+function stageFleet(dir: string, procs: ProcRecord[]): FleetState {
+  const opts = defaultOptions({ dir, hosts: 1, hostMemoryMib: 1024, agentEnv: { FF_RAM_MOUNT: '' } });
+  const state: FleetState = {
+    version: 1, startedAt: new Date().toISOString(), options: opts, apiAddresses: [], metricsAddresses: [], etcdEndpoints: [], natsUrl: '', natsMonitor: '',
+    netnsBridge: '', namespaces: [], procs, signingKey: join(dir, 'keys', 'signing.pem'), trustedKey: join(dir, 'keys', 'signing.pem.pub'), guestCgroup: '',
+    hosts: [{ id: 'h1', netns: 'unused-h1', address: '10.213.77.11', dataDir: join(dir, 'hosts', 'h1'), ifHost: 'fflh1a', ifBridge: 'fflh1b' }],
+  };
+  for (const d of ['logs', 'keys', 'pki', 'etcd/etcd-1', 'nats', 'nats-keys', 'hosts/h1/vmm/vms', '.own-h1']) mkdirSync(join(dir, d), { recursive: true });
+  writeFileSync(join(dir, 'logs', 'etcd-1.log'), 'log\n');
+  writeFileSync(join(dir, 'credentials.json'), '{}');
+  writeFileSync(join(dir, '.ffleet.json'), JSON.stringify({ fleet: 'forkfleet', createdDir: true }));
+  writeFileSync(join(dir, 'state.json'), JSON.stringify(state));
+  return state;
+}
+
+beforeAll(() => {
+  tmp = mkdtempSync(join(tmpdir(), 'ff-teardown-'));
+});
+afterEach(() => {
+  for (const c of started.splice(0)) if (c.exitCode === null && c.signalCode === null) c.kill('SIGKILL');
+});
+afterAll(() => rmSync(tmp, { recursive: true, force: true }));
+
+describe('down stops only processes that are still the fleet\'s', () => {
+  it('down_stopsARecordedProcessWhoseStartTimeStillMatches', async () => {
+    const dir = join(tmp, 'live');
+    const s = start('sleep', ['30']);
+    stageFleet(dir, [record('relay-nats', s.pid, 'sleep', ['30'], identityOf(s.pid))]);
+    await down(dir);
+    await s.exited;
+    expect(existsSync(dir)).toBe(false);
+  });
+
+  it('pidFile_ofAReusedPid_isNotSignalled', async () => {
+    // The recorded start time is not this process's: as after a reboot, its PID went to another.
+    const dir = join(tmp, 'reused');
+    const s = start('sleep', ['30']);
+    const id = identityOf(s.pid);
+    const rec = record('etcd-1', s.pid, 'sleep', ['30'], { ...id, startTime: id.startTime - 1 });
+    stageFleet(dir, [rec]);
+    expect(procAlive(rec)).toBe(false);
+    await down(dir);
+    expect(isSameProcess(s.pid, id)).toBe(true);
+  });
+
+  it('legacyRecordWithoutStartTime_whosePidRunsSomethingElse_isNotSignalled', async () => {
+    const dir = join(tmp, 'legacy');
+    const s = start('sleep', ['30']);
+    const id = identityOf(s.pid);
+    stageFleet(dir, [record('etcd-1', s.pid, 'etcd', ['--name', 'etcd-1', '--data-dir', join(dir, 'etcd', 'etcd-1')])]);
+    await down(dir);
+    expect(isSameProcess(s.pid, id)).toBe(true);
+  });
+
+  it('qemuPidFiles_stopReceiversAndStandbys_butNotAReusedPid', async () => {
+    const dir = join(tmp, 'qemu');
+    stageFleet(dir, []);
+    const vmm = join(dir, 'hosts', 'h1', 'vmm');
+    const receiver = await fakeQemu(join(vmm, 'snapshots', 's1', '.recv'));
+    const standby = await fakeQemu(join(vmm, 'standby', 'sb1'));
+    const vm = await fakeQemu(join(vmm, 'vms', 'v1'));
+    // A VM's pid file naming a process that is no QEMU of that VM (its PID was reused).
+    const other = start('sleep', ['30']);
+    const otherId = identityOf(other.pid);
+    mkdirSync(join(vmm, 'vms', 'v2'));
+    writeFileSync(join(vmm, 'vms', 'v2', 'qemu.0.pid'), `${other.pid}\n`);
+
+    const dataDir = join(dir, 'hosts', 'h1');
+    expect(receiverPids(dataDir)).toEqual([receiver.pid]);
+    expect(standbyPids(dataDir)).toEqual([standby.pid]);
+    expect(qemuPidsByVm(dataDir)).toEqual(new Map([['v1', [vm.pid]], ['v2', []]]));
+
+    await down(dir);
+    await Promise.all([receiver.exited, standby.exited, vm.exited]);
+    expect(isSameProcess(other.pid, otherId)).toBe(true);
+  });
+
+  it('claimedStandbysQemu_namingItsLaunchDirectory_isFoundUnderItsVm', async () => {
+    const dir = join(tmp, 'claimed');
+    stageFleet(dir, []);
+    const vmm = join(dir, 'hosts', 'h1', 'vmm');
+    const q = await fakeQemu(join(vmm, 'standby', 'sb2'));
+    // A claimed standby's directory becomes the VM's workdir; its QEMU still names the old path.
+    mkdirSync(join(vmm, 'vms', 'v3'), { recursive: true });
+    writeFileSync(join(vmm, 'vms', 'v3', 'qemu.0.pid'), `${q.pid}\n`);
+    writeFileSync(join(vmm, 'vms', 'v3', 'vm.json'), JSON.stringify({ launchDir: join(vmm, 'standby', 'sb2') }));
+    expect(qemuPidsByVm(join(dir, 'hosts', 'h1')).get('v3')).toEqual([q.pid]);
+    await down(dir);
+    await q.exited;
+  });
+});
+
+describe('the fleet directory', () => {
+  it('up_intoANonEmptyDirectoryWithoutAFleet_isRefusedNamingDir', () => {
+    const dir = join(tmp, 'srv');
+    mkdirSync(join(dir, 'www'), { recursive: true });
+    writeFileSync(join(dir, 'state.json'), '{"someone":"else"}');
+    expect(fleetDirOwnership(dir)).toBe('foreign');
+    expect(() => claimableDir(dir)).toThrow(/--dir .*srv: exists, is not empty and holds no fleet/);
+  });
+
+  it('newEmptyOrFleetDirectories_areClaimable', () => {
+    expect(claimableDir(join(tmp, 'absent'))).toBe('absent');
+    mkdirSync(join(tmp, 'empty'));
+    expect(claimableDir(join(tmp, 'empty'))).toBe('empty');
+    const dir = join(tmp, 'ours');
+    stageFleet(dir, []);
+    expect(claimableDir(dir)).toBe('ours');
+    expect(readState(dir)?.hosts[0]?.id).toBe('h1');
+  });
+
+  it('down_inADirectoryWithOtherFiles_removesOnlyTheFleetsEntries', async () => {
+    const dir = join(tmp, 'shared');
+    stageFleet(dir, []);
+    writeFileSync(join(dir, 'precious.txt'), 'not the fleet\'s');
+    mkdirSync(join(dir, 'backups'));
+    await down(dir);
+    expect(readdirSync(dir).sort()).toEqual(['backups', 'precious.txt']);
+  });
+
+  it('failedUp_keepsItsLogs_andTheNextUpOrDownKnowsThemForTheFleets', async () => {
+    const dir = join(tmp, 'failed');
+    stageFleet(dir, []);
+    removeFleetEntries(dir, { keepLogs: true });
+    expect(readdirSync(dir).sort()).toEqual(['.ffleet.json', 'logs']);
+    expect(existsSync(join(dir, 'logs', 'etcd-1.log'))).toBe(true);
+    expect(claimableDir(dir)).toBe('ours');
+    await down(dir);
+    expect(existsSync(dir)).toBe(false);
+  });
+
+  it('directoryThatExistedBeforeUp_staysAfterDown', async () => {
+    const dir = join(tmp, 'preexisting');
+    stageFleet(dir, []);
+    writeFileSync(join(dir, '.ffleet.json'), JSON.stringify({ fleet: 'forkfleet', createdDir: false }));
+    await down(dir);
+    expect(readdirSync(dir)).toEqual([]);
+  });
+});
