@@ -66,10 +66,18 @@ export function readCredentialsFile(path: string): CredentialsFile | undefined {
 }
 
 export function resolveClientCredentials(o: CredentialOptions = {}, env: NodeJS.ProcessEnv = process.env): ClientCredentials {
-  const filePath = o.credentialsFile ?? defaultCredentialsFile(env);
+  // A file named on purpose (--credentials, FF_CREDENTIALS) comes before FF_TOKEN and FF_CA;
+  // the local fleet's default file comes after them.
+  const named = o.credentialsFile ?? env.FF_CREDENTIALS;
+  const filePath = named ?? defaultCredentialsFile(env);
   const file = o.token !== undefined && o.ca !== undefined ? undefined : readCredentialsFile(filePath);
-  const token = o.token ?? env.FF_TOKEN ?? file?.token;
-  const ca = o.ca ?? env.FF_CA ?? file?.ca;
-  const source = o.token !== undefined ? 'options' : env.FF_TOKEN !== undefined ? 'FF_TOKEN' : file?.token !== undefined ? filePath : 'none';
-  return { token: token || undefined, caPem: ca ? pem(ca, o.ca !== undefined ? 'ca' : env.FF_CA !== undefined ? 'FF_CA' : filePath) : undefined, tenant: file?.tenant, api: file?.api, source };
+  const pick = <T>(option: T | undefined, fromEnv: T | undefined, fromFile: T | undefined): [T | undefined, 'options' | 'env' | 'file' | 'none'] => {
+    const order: Array<[T | undefined, 'options' | 'env' | 'file']> = named !== undefined ? [[option, 'options'], [fromFile, 'file'], [fromEnv, 'env']] : [[option, 'options'], [fromEnv, 'env'], [fromFile, 'file']];
+    const hit = order.find(([v]) => v !== undefined);
+    return hit ?? [undefined, 'none'];
+  };
+  const [token, tokenFrom] = pick(o.token, env.FF_TOKEN, file?.token);
+  const [ca, caFrom] = pick<string | Buffer>(o.ca, env.FF_CA, file?.ca);
+  const source = tokenFrom === 'options' ? 'options' : tokenFrom === 'env' ? 'FF_TOKEN' : tokenFrom === 'file' ? filePath : 'none';
+  return { token: token || undefined, caPem: ca ? pem(ca, caFrom === 'options' ? 'ca' : caFrom === 'env' ? 'FF_CA' : filePath) : undefined, tenant: file?.tenant, api: file?.api, source };
 }

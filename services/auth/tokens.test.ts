@@ -163,7 +163,7 @@ describe('ApiGuard and tenancy', () => {
 });
 
 describe('client credentials', () => {
-  it('resolveClientCredentials_prefersOptionsThenEnvThenTheCredentialsFile', () => {
+  it('resolveClientCredentials_prefersOptions_thenANamedCredentialsFile_thenEnv_thenTheFleetsFile', () => {
     const dir = mkdtempSync(join(tmpdir(), 'ff-creds-'));
     try {
       writeFileSync(join(dir, 'ca.crt'), '-----BEGIN CERTIFICATE-----\nfile\n');
@@ -174,6 +174,12 @@ describe('client credentials', () => {
       expect(resolveClientCredentials({}, { FF_FLEET_DIR: dir, FF_TOKEN: 'ff_env' }).token).toBe('ff_env');
       expect(resolveClientCredentials({ token: 'ff_opt' }, { FF_FLEET_DIR: dir, FF_TOKEN: 'ff_env' }).token).toBe('ff_opt');
       expect(resolveClientCredentials({}, { FF_FLEET_DIR: join(dir, 'none') })).toMatchObject({ token: undefined, caPem: undefined });
+      // A file named on purpose wins over FF_TOKEN / FF_CA (an exported dev token must not
+      // stand in for the admin file the command names).
+      const named = resolveClientCredentials({ credentialsFile: join(dir, 'credentials.json') }, { FF_TOKEN: 'ff_env', FF_CA: join(dir, 'other.crt') });
+      expect(named).toMatchObject({ token: 'ff_file', source: join(dir, 'credentials.json') });
+      expect(named.caPem?.toString()).toContain('file');
+      expect(resolveClientCredentials({}, { FF_CREDENTIALS: join(dir, 'credentials.json'), FF_TOKEN: 'ff_env' }).token).toBe('ff_file');
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }
