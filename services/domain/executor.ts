@@ -1943,6 +1943,10 @@ export class Executor {
         ),
       );
     }
+    // The record says so already; the VM may not (a step that failed after its VM changed,
+    // e.g. the agent could not write the VM's state file): the step puts it right, or is a
+    // no-op on the host. A resume the record already shows runs no hooks.
+    if (sb.hostId) await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? { case: 'pauseVm', value: { sandboxId: sb.id } as never } : { case: 'resumeVm', value: { sandboxId: sb.id, afterResume: [] } as never });
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
 
