@@ -1984,7 +1984,7 @@ export class Executor {
     // happen to it (its host lost while the replicas below are copied marks a hibernated
     // sandbox nothing; a sandbox lost meanwhile keeps its booking released and gets the
     // snapshot to be restored from, not an older one).
-    const now = await this.updateSandbox(
+    const recorded = await this.updateSandbox(
       sb.tenantId,
       sb.id,
       (s) => {
@@ -1996,7 +1996,7 @@ export class Executor {
       },
       (_next, before) => (before.state === 'hibernating' ? this.capacity(sb.hostId, sb.resources, -1)() : Promise.resolve([])),
     );
-    if (now.state === 'lost') throw new HostLostError(sb.hostId, `hibernating sandbox ${sb.id} (it is lost; snapshot ${sn.id}, taken before its VM stopped, is what restores it)`);
+    if (recorded.state === 'lost') throw new HostLostError(sb.hostId, `hibernating sandbox ${sb.id} (it is lost; snapshot ${sn.id}, taken before its VM stopped, is what restores it)`);
     // Durability: copy the snapshot to more hosts, best effort (it is already safe on one).
     const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
     for (const h of others.slice(0, Math.min(input.replicas ?? 0, others.length))) {
