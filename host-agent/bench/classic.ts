@@ -31,7 +31,7 @@ export async function classicRestore(s: ClassicRestoreSpec): Promise<{ ms: numbe
   const disk = join(s.dir, 'disk.qcow2');
   const l: QemuLaunch = {
     ...s.launch, anonymousRam: true, disk, incoming: true, name: s.name,
-    qmpSocket: join(s.dir, 'qmp.sock'), agentSocket: join(s.dir, 'qga.sock'), serialLog: join(s.dir, 'serial.log'), pidFile: join(s.dir, 'pid'),
+    qmpSocket: join(s.dir, 'qmp.sock'), agentSocket: join(s.dir, 'qga.sock'), pidFile: join(s.dir, 'pid'),
   };
   let proc: QemuProcess | undefined;
   const stop = async (): Promise<void> => {

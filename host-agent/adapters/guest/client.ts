@@ -59,9 +59,21 @@ const LIVE_READ_EVERY_MS = 250;
 
 type Reader = { delimited: boolean; resolve: (line: string) => void };
 
+/**
+ * The most the channel holds of an answer not yet complete: the largest reply qemu-ga sends
+ * is guest-exec-status with 16 MiB of captured output, ~21.3 MiB in base64. The guest is
+ * the tenant's: one that writes more than this without a newline (or floods the port) gets
+ * its channel closed, not the agent's memory.
+ */
+export const MAX_PENDING_REPLY_BYTES = 32 << 20;
+
 export class GuestAgentClient {
   private readonly sock: net.Socket;
+  /** Received bytes up to the last line end seen (and what follows it in that piece). */
   private buf: Buffer = Buffer.alloc(0);
+  /** Pieces received after `buf` with no line end yet. */
+  private parts: Buffer[] = [];
+  private partLen = 0;
   private reader: Reader | undefined;
   private closedError: Error | undefined;
   private tail: Promise<unknown> = Promise.resolve();
@@ -70,12 +82,31 @@ export class GuestAgentClient {
   private constructor(sock: net.Socket) {
     this.sock = sock;
     sock.on('data', (d: Buffer) => {
-      this.buf = this.buf.length ? Buffer.concat([this.buf, d]) : d;
-      this.pump();
+      // Bytes no command waits for (a late answer to a timed-out one, or whatever a guest
+      // writes unasked) are dropped: the next command resyncs first.
+      const r = this.reader;
+      if (!r) return;
+      if (this.buf.length + this.partLen + d.length > MAX_PENDING_REPLY_BYTES) {
+        this.closedError = new ChannelClosedError(`guest agent (it sent over ${MAX_PENDING_REPLY_BYTES} bytes without ending a line)`);
+        this.dropBuffered();
+        sock.destroy();
+        return;
+      }
+      // Pieces of a line are joined once its end is here (joining at every piece copies the
+      // line again each time: quadratic in a long answer).
+      if (d.includes(0x0a) || (r.delimited && d.includes(0xff))) {
+        this.buf = this.buf.length || this.parts.length ? Buffer.concat([this.buf, ...this.parts, d]) : d;
+        this.parts = [];
+        this.partLen = 0;
+        this.pump();
+      } else {
+        this.parts.push(d);
+        this.partLen += d.length;
+      }
     });
     sock.on('error', () => undefined);
     sock.on('close', () => {
-      this.closedError = new ChannelClosedError('guest agent');
+      this.closedError ??= new ChannelClosedError('guest agent');
     });
   }
 
@@ -115,7 +146,7 @@ export class GuestAgentClient {
       while (true) {
         this.throwIfClosed();
         const id = randomInt(1, 2 ** 47);
-        this.buf = Buffer.alloc(0);
+        this.dropBuffered();
         this.sock.write(JSON.stringify({ execute: 'guest-sync-delimited', arguments: { id } }) + '\n');
         const attemptEnd = Math.min(end, Date.now() + wait);
         wait = Math.min(2 * wait, Math.max(attemptMs, 2000));
@@ -261,9 +292,11 @@ export class GuestAgentClient {
           { handle, count: Math.min(1 << 20, left) },
           timeoutMs,
         );
-        parts.push(Buffer.from(r['buf-b64'], 'base64'));
-        left -= r.count;
-        if (r.eof || r.count === 0) break;
+        // What was decoded counts, not what the guest says it sent, and never more than asked for.
+        const got = Buffer.from(r['buf-b64'], 'base64').subarray(0, Math.min(1 << 20, left));
+        parts.push(got);
+        left -= got.length;
+        if (r.eof || got.length === 0) break;
       }
       return Buffer.concat(parts);
     } finally {
@@ -334,6 +367,12 @@ export class GuestAgentClient {
       };
       this.pump();
     });
+  }
+
+  private dropBuffered(): void {
+    this.buf = Buffer.alloc(0);
+    this.parts = [];
+    this.partLen = 0;
   }
 
   private pump(): void {

@@ -1,10 +1,10 @@
 import { describe, expect, it } from 'vitest';
-import { qemuArgs, type QemuLaunch } from './cmdline.ts';
+import { qemuArgs, SERIAL_CHARDEV, SERIAL_RING_BYTES, type QemuLaunch } from './cmdline.ts';
 
 const launch: QemuLaunch = {
   name: 'ff-a', accel: 'tcg', memoryMib: 256, vcpus: 1, kernel: '/k', initrd: '/i', kernelArgs: 'console=ttyS0',
   memPath: '/s/mem.img', memShared: false, disk: '/v/disk.qcow2', qmpSocket: '/v/q', agentSocket: '/v/g',
-  serialLog: '/v/serial.log', pidFile: '/v/pid', incoming: true,
+  pidFile: '/v/pid', incoming: true,
 };
 
 describe('qemuArgs', () => {
@@ -32,6 +32,13 @@ describe('qemuArgs', () => {
 });
 
 describe('qemuArgs: the guest NIC', () => {
+  it('args_guestConsole_goesToABoundedRingInQemu_neverToAFileOnTheHost', () => {
+    const a = qemuArgs(launch);
+    expect(a[a.indexOf('-serial') + 1]).toBe(`chardev:${SERIAL_CHARDEV}`);
+    expect(a).toContain(`ringbuf,id=${SERIAL_CHARDEV},size=${SERIAL_RING_BYTES}`);
+    expect(a.some((x) => x.startsWith('file:'))).toBe(false);
+  });
+
   it('args_whenNoEgress_userNetworkingIsRestricted', () => {
     const a = qemuArgs(launch);
     expect(a[a.indexOf('-netdev') + 1]).toBe('user,id=net0,restrict=on,ipv6=off');

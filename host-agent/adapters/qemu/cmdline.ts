@@ -3,6 +3,11 @@
 // (VMM-NOTES gotcha 5); fingerprint() is what the snapshot manifest records of it.
 import type { Accel, VmConfigFingerprint } from '../../domain/vmm.ts';
 
+/** The chardev of the guest's serial console (a ring in QEMU's memory). */
+export const SERIAL_CHARDEV = 'serial0';
+/** What the console ring keeps: the last 64 KiB the guest wrote (a power of two, as QEMU needs). */
+export const SERIAL_RING_BYTES = 64 * 1024;
+
 export const MACHINE_TYPE = 'microvm';
 export const AGENT_PORT = 'org.qemu.guest_agent.0';
 export const DEVICES: readonly string[] = [
@@ -59,7 +64,6 @@ export interface QemuLaunch {
   disk: string;
   qmpSocket: string;
   agentSocket: string;
-  serialLog: string;
   pidFile: string;
   /** Wait for `migrate-incoming` instead of booting. */
   incoming: boolean;
@@ -99,7 +103,11 @@ export function qemuArgs(l: QemuLaunch): string[] {
     '-smp', String(l.vcpus),
     '-object', ramObject,
     '-nodefaults', '-no-user-config', '-nographic',
-    '-serial', `file:${l.serialLog}`,
+    // The guest's console (the kernel's, and whatever its root writes to ttyS0) goes to a ring
+    // in QEMU's memory, read back over QMP when a guest stops answering: a file would grow
+    // without bound on the host's data disk, shared by every tenant's sandboxes.
+    '-chardev', `ringbuf,id=${SERIAL_CHARDEV},size=${SERIAL_RING_BYTES}`,
+    '-serial', `chardev:${SERIAL_CHARDEV}`,
     '-kernel', l.kernel,
     '-initrd', l.initrd,
     '-append', l.kernelArgs,

@@ -1,7 +1,7 @@
 // QEMU implementation of the VmmDriver port (DESIGN.md decision 2, VMM-NOTES.md).
 //
 // Layout under `root` (one filesystem, so snapshot files can be renamed into place):
-//   vms/<vmId>/        vm.json, qemu.<gen>.pid, qmp.<gen>.sock, qga.<gen>.sock, serial.log,
+//   vms/<vmId>/        vm.json, qemu.<gen>.pid, qmp.<gen>.sock, qga.<gen>.sock,
 //                      qemu.<gen>.log, disk.<gen>.qcow2 and, for a VM booted from an image,
 //                      mem.<gen>.img (share=on). <gen> grows when a snapshot replaces the process.
 //   snapshots/<id>/    manifest.json (written last, after an fsync of the rest: its presence
@@ -64,7 +64,7 @@ import {
 } from '../../domain/vmm.ts';
 import { GuestAgentClient } from '../guest/client.ts';
 import { QmpClient, type QmpEvent } from '../qmp/client.ts';
-import { fingerprint, qemuArgs, type QemuLaunch } from './cmdline.ts';
+import { fingerprint, qemuArgs, SERIAL_CHARDEV, SERIAL_RING_BYTES, type QemuLaunch } from './cmdline.ts';
 import { RamPool, ramDirFor, ramFileOf } from './ram-pool.ts';
 import { inNewNetns } from '../netns/netns.ts';
 import { fsyncAll, writeFileDurable } from '../durable.ts';
@@ -453,7 +453,6 @@ export class QemuVmmDriver implements VmmDriver {
       disk,
       qmpSocket: join(dir, `qmp.${gen}.sock`),
       agentSocket: join(dir, `qga.${gen}.sock`),
-      serialLog: join(dir, 'serial.log'),
       pidFile: join(dir, `qemu.${gen}.pid`),
       incoming,
       tcgTbMib: this.opts.tcgTbMib,
@@ -1427,8 +1426,10 @@ export class QemuVmmDriver implements VmmDriver {
       }
       out.cpu = cpu;
     }
-    const serial = await readFile(join(rec.info.workdir, 'serial.log'), 'utf8').catch(() => '');
-    if (serial) out.serialTail = serial.slice(-1500);
+    if (!rec.qmp.closed) {
+      const serial = await rec.qmp.execute<string>('ringbuf-read', { device: SERIAL_CHARDEV, size: SERIAL_RING_BYTES, format: 'utf8' }).catch(() => '');
+      if (serial) out.serialTail = serial.slice(-1500);
+    }
     return out;
   }
 
