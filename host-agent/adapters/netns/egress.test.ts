@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { parseCidr, sandboxRuleset } from './egress.ts';
+import { ALWAYS_DENIED, parseCidr, sandboxRuleset } from './egress.ts';
 import { inNewNetns } from './netns.ts';
 
 describe('egress helpers', () => {
@@ -11,6 +11,15 @@ describe('egress helpers', () => {
   it('parseCidr_whenNotIpv4Cidr_namesTheField', () => {
     for (const bad of ['fe80::/10', '10.0.0.0/33', '256.1.1.1/8', 'x', '1.2.3/8']) expect(() => parseCidr('network.allowCidrs', bad)).toThrow(/network.allowCidrs/);
   });
+  it('alwaysDenied_coversEveryCloudsInstanceMetadataAddress', () => {
+    const inside = (ip: string, cidr: string): boolean => {
+      const c = parseCidr('t', cidr);
+      return (parseCidr('t', `${ip}/32`).base & (c.len === 0 ? 0 : (0xffffffff << (32 - c.len)) >>> 0)) >>> 0 === c.base;
+    };
+    // AWS, GCP, Azure, OpenStack, DigitalOcean, Oracle: 169.254.169.254; Alibaba: 100.100.100.200.
+    for (const ip of ['169.254.169.254', '100.100.100.200']) expect(ALWAYS_DENIED.some((c) => inside(ip, c)), ip).toBe(true);
+  });
+
   it('sandboxRuleset_denyComesBeforeAllowAndDefaultIsDrop', () => {
     const r = sandboxRuleset(['198.18.0.0/24'], ['127.0.0.0/8', '198.18.0.1/32']);
     expect(r).toContain('policy drop;');

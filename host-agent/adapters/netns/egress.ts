@@ -55,8 +55,12 @@ export function parseCidr(field: string, s: string): Cidr {
 const ip4 = (n: number): string => [n >>> 24, (n >>> 16) & 255, (n >>> 8) & 255, n & 255].join('.');
 const cidrText = (c: Cidr): string => `${ip4(c.base)}/${c.len}`;
 
-/** Always refused from a sandbox, besides the agent namespace's own addresses and denyCidrs. */
-const ALWAYS_DENIED = ['127.0.0.0/8', '169.254.0.0/16', '0.0.0.0/8', '224.0.0.0/4'];
+/**
+ * Always refused from a sandbox, besides the agent namespace's own addresses and denyCidrs:
+ * loopback, link-local (the metadata service of AWS, GCP, Azure and OpenStack at
+ * 169.254.169.254), Alibaba Cloud's metadata address, "this network" and multicast.
+ */
+export const ALWAYS_DENIED = ['127.0.0.0/8', '169.254.0.0/16', '100.100.100.200/32', '0.0.0.0/8', '224.0.0.0/4'];
 export const HOST_LINK_PREFIX = 'ffe';
 
 /** The nftables ruleset of a sandbox namespace (pure; exported for unit tests). */
