@@ -86,6 +86,8 @@ export class GuestAgentClient {
       // writes unasked) are dropped: the next command resyncs first.
       const r = this.reader;
       if (!r) return;
+      // Waiting for a sync's delimiter: everything before it is stale.
+      if (r.delimited && !d.includes(0xff)) return void this.dropBuffered();
       if (this.buf.length + this.partLen + d.length > MAX_PENDING_REPLY_BYTES) {
         this.closedError = new ChannelClosedError(`guest agent (it sent over ${MAX_PENDING_REPLY_BYTES} bytes without ending a line)`);
         this.dropBuffered();
