@@ -218,6 +218,16 @@ function stopVm(sandboxId: string): HostWorkMsg['work'] {
   return { case: 'destroyVm', value: { sandboxId } as never };
 }
 
+/** The host work that pauses a sandbox's VM (a no-op on a paused one). */
+function pauseVm(sandboxId: string): HostWorkMsg['work'] {
+  return { case: 'pauseVm', value: { sandboxId } as never };
+}
+
+/** The host work that resumes a sandbox's VM (a no-op on a running one), then runs `afterResume`. */
+function resumeVm(sandboxId: string, afterResume: ReturnType<typeof hooksOf> = []): HostWorkMsg['work'] {
+  return { case: 'resumeVm', value: { sandboxId, afterResume } as never };
+}
+
 /** States a sandbox on a lost host cannot keep (markHostLost). Not `starting`: its op's step fails it (failSandbox), releasing its booking. */
 const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'paused', 'hibernating', 'destroying']);
 
@@ -1925,7 +1935,7 @@ export class Executor {
     const target: SandboxState = op.kind === 'pause' ? 'paused' : 'running';
     if (sb.state !== target) {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
-      const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? { case: 'pauseVm', value: { sandboxId: sb.id } as never } : { case: 'resumeVm', value: { sandboxId: sb.id, afterResume: hooksOf(sb) } as never });
+      const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id, hooksOf(sb)));
       const now = this.deps.clock.now();
       return this.finish(
         op,
@@ -1946,7 +1956,7 @@ export class Executor {
     // The record says so already; the VM may not (a step that failed after its VM changed,
     // e.g. the agent could not write the VM's state file): the step puts it right, or is a
     // no-op on the host. A resume the record already shows runs no hooks.
-    if (sb.hostId) await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? { case: 'pauseVm', value: { sandboxId: sb.id } as never } : { case: 'resumeVm', value: { sandboxId: sb.id, afterResume: [] } as never });
+    if (sb.hostId) await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id));
     await this.finish(op, { sandboxIds: [sb.id] }, null);
   }
 
@@ -2752,12 +2762,12 @@ export class Executor {
     const notDraining = (): WrongStateError => new WrongStateError('host', from, 'not draining', 'it was uncordoned during its drain: the drain stops');
     /** An undo: the source VM (paused for the snapshot) runs again, best effort. */
     const resumeSource = async (): Promise<void> => {
-      if (!m!.wasPaused) await this.step(op, stepId('resume'), from, { case: 'resumeVm', value: { sandboxId: sb.id } as never }).catch(() => undefined);
+      if (!m!.wasPaused) await this.step(op, stepId('resume'), from, resumeVm(sb.id)).catch(() => undefined);
     };
     const h = this.cache.hosts.get(from)?.value;
     if (!m.toHostId && (!h?.cordoned || !h.draining)) throw notDraining();
     // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
-    if (sb.state === 'running') await this.step(op, stepId('pause'), from, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
+    if (sb.state === 'running') await this.step(op, stepId('pause'), from, pauseVm(sb.id));
     let sn: SnapshotRec;
     try {
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
@@ -2803,7 +2813,7 @@ export class Executor {
       const fetch = this.fetchPlan((await this.readSnapshot(sb.tenantId, sn.id))?.value ?? sn, to, from, false);
       const restored = await this.step(op, stepId('restore'), to, { case: 'restoreVms', value: { snapshotId: sn.id, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
       if (fetch && !restored.snapshotNotHeld) await this.addHolder(sb.tenantId, sn.id, to);
-      if (m.wasPaused) await this.step(op, stepId('pause-dest'), to, { case: 'pauseVm', value: { sandboxId: sb.id } as never });
+      if (m.wasPaused) await this.step(op, stepId('pause-dest'), to, pauseVm(sb.id));
     } catch (e) {
       // A leader that stepped down undoes nothing: the next one finds the booking and the
       // choice recorded, and restores there again. Nor does a store that failed: the drain
@@ -2928,29 +2938,29 @@ export class Executor {
       return heard !== undefined && livenessOf(heard.heardAt, now, this.deps.config.liveness) === 'ready' && !this.deps.heard.holds(hostId, snapshotId);
     };
     const seen = new Set<string>();
-    const drop: SnapshotRec[] = [];
+    /** Snapshots with the hosts due to be dropped from their holders. */
+    const drop: Array<{ sn: SnapshotRec; hosts: Set<string> }> = [];
     for (const v of this.cache.snapshots.values()) {
       const sn = v.value;
       if (sn.state !== 'ready') continue;
-      let due = false;
+      const hosts = new Set<string>();
       for (const h of sn.hostIds) {
         if (!lacking(h, sn.id)) continue;
         const k = `${h}/${sn.id}`;
         seen.add(k);
         const since = this.notHeldSince.get(k);
         if (since === undefined) this.notHeldSince.set(k, now);
-        else if (now - since >= NOT_HELD_GRACE_MS) due = true;
+        else if (now - since >= NOT_HELD_GRACE_MS) hosts.add(h);
       }
-      if (due) drop.push(sn);
+      if (hosts.size > 0) drop.push({ sn, hosts });
     }
     for (const k of this.notHeldSince.keys()) if (!seen.has(k)) this.notHeldSince.delete(k);
     let dropped = 0;
-    for (const sn of drop) {
-      const due = (h: string): boolean => lacking(h, sn.id) && now - (this.notHeldSince.get(`${h}/${sn.id}`) ?? now) >= NOT_HELD_GRACE_MS;
+    for (const { sn, hosts } of drop) {
       let gone: string[] = [];
       try {
         await this.updateSnapshotRec(sn.tenantId, sn.id, (cur) => {
-          gone = cur.state === 'ready' ? cur.hostIds.filter(due) : [];
+          gone = cur.state === 'ready' ? cur.hostIds.filter((h) => hosts.has(h)) : [];
           return gone.length === 0 ? undefined : { ...cur, hostIds: cur.hostIds.filter((h) => !gone.includes(h)) };
         });
         if (gone.length > 0) this.log.warn({ snapshotId: sn.id, hostIds: gone }, 'hosts no longer report a snapshot complete: dropped from its holders');
@@ -3170,14 +3180,13 @@ export class Executor {
    */
   private async markHostLost(hostId: string, only?: readonly SandboxRec[]): Promise<void> {
     const now = this.deps.clock.now();
-    const losable = LOSABLE;
     for (const sb of only ?? (await this.deps.store.listSandboxes(undefined)).map((v) => v.value)) {
-      if (sb.hostId !== hostId || !losable.has(sb.state)) continue;
+      if (sb.hostId !== hostId || !LOSABLE.has(sb.state)) continue;
       await this.updateSandbox(
         sb.tenantId,
         sb.id,
         (s) => {
-          if (s.hostId !== hostId || !losable.has(s.state)) throw new MovedOnError(s.id, s.state, s.hostId);
+          if (s.hostId !== hostId || !LOSABLE.has(s.state)) throw new MovedOnError(s.id, s.state, s.hostId);
           if (s.state === 'destroying') this.setState(s, 'destroyed', now, `host ${hostId} lost`);
           else this.setState(s, 'lost', now, `host ${hostId} lost`);
           // The op at work on it (a hibernate, a pause) can no longer finish: its later writes

@@ -28,11 +28,20 @@ const GET_BATCH = 100;
  * resume from a compacted revision after a reconnect, ADR 0017), and an EventEmitter
  * 'error' without a listener throws out of the gRPC stream and kills the process.
  */
-function onBroken(w: Watcher, onError: WatchBroke | undefined): void {
+/**
+ * Reports a watch that broke: etcd cancelled it ('error'), or its stream dropped
+ * ('disconnected'). etcd3 resumes a dropped stream from the last response's header revision,
+ * which may be past events not delivered yet (a watch still catching up from its start
+ * revision): a follower that must see every change (a cache, an index, the ops to run, the
+ * events) starts over (lists again) instead of trusting the resumed stream.
+ * `onDisconnected` defaults to `onError`.
+ */
+function onBroken(w: Watcher, onError: WatchBroke | undefined, onDisconnected: WatchBroke | undefined = onError): void {
   w.on('error', (e) => {
     cancelled.add(w);
     onError?.(e);
   });
+  if (onDisconnected) w.on('disconnected', (e: unknown) => onDisconnected(e ?? new Error('watch stream disconnected')));
 }
 
 /**
@@ -83,16 +92,6 @@ function storeError(what: string, e: unknown): unknown {
 /** The error etcd gives for a read or watch at a revision that compaction removed. */
 function isCompacted(e: unknown): boolean {
   return /compacted/i.test(e instanceof Error ? e.message : String(e));
-}
-
-/**
- * etcd3 resumes a broken watch stream from the last response's header revision, which may be
- * past events not delivered yet (a watch still catching up from its start revision): a
- * follower that must see every change (a cache, an index, the ops to run) starts over
- * (lists again) instead of trusting the resumed stream.
- */
-function resumeIsABreak(w: Watcher, onError: ((e: unknown) => void) | undefined): void {
-  if (onError) w.on('disconnected', (e: unknown) => onError(e ?? new Error('watch stream disconnected')));
 }
 
 function decode<T>(kv: IKeyValue): Versioned<T> {
@@ -384,7 +383,6 @@ export class EtcdFleetStore implements FleetStore {
       if (last) onRevision(Number(last.kv.mod_revision));
     });
     onBroken(w, onError);
-    resumeIsABreak(w, onError);
     return () => cancel(w);
   }
 
@@ -417,7 +415,6 @@ export class EtcdFleetStore implements FleetStore {
     const prefix = keys.ops();
     const w = await this.client.watch().prefix(prefix).create();
     onBroken(w, opts.onError);
-    resumeIsABreak(w, opts.onError);
     const only = opts.only;
     w.on('put', (kv) => {
       if (only) {
@@ -440,7 +437,6 @@ export class EtcdFleetStore implements FleetStore {
     const w = await this.client.watch().prefix(prefix).startRevision(String(Number(revision) + 1)).create();
     // etcd cancelled the watch (e.g. its start revision was compacted): changes may be missed from here on.
     onBroken(w, onError);
-    resumeIsABreak(w, onError);
     const known = opts.known;
     w.on('put', (kv) => {
       if (known && known(kv.key.toString('utf8').slice(prefix.length), Number(kv.mod_revision))) return;
@@ -458,10 +454,7 @@ export class EtcdFleetStore implements FleetStore {
   async watchFleet(onChange: (c: FleetChange) => void, opts: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean; onError?: WatchBroke } = {}): Promise<() => void> {
     const prefixes = [keys.hosts(), keys.allocs(), keys.snapshots()] as const;
     const watchers = await Promise.all(prefixes.map((p) => this.client.watch().prefix(p).create()));
-    for (const w of watchers) {
-      onBroken(w, opts.onError);
-      resumeIsABreak(w, opts.onError);
-    }
+    for (const w of watchers) onBroken(w, opts.onError);
     const kinds = ['host', 'alloc', 'snapshot'] as const;
     const known = opts.known;
     watchers.forEach((w, i) => {
@@ -487,10 +480,7 @@ export class EtcdFleetStore implements FleetStore {
     const from = opts.fromRevision;
     // etcd cancels a watch from a compacted revision with an empty reason: a read at that
     // revision says whether that was why, so the caller can tell (isCompacted) and say so.
-    onBroken(w, from ? (e) => void this.compactedPast(from).then((gone) => opts.onError?.(gone && !isCompacted(e) ? new Error(`watch from revision ${from}: required revision has been compacted`) : e)) : opts.onError);
-    // etcd3 resumes a broken stream from the revision of the last response, which during a
-    // catch-up is the store's current one: the rest of the backlog would be skipped unseen.
-    resumeIsABreak(w, opts.onError);
+    onBroken(w, from ? (e) => void this.compactedPast(from).then((gone) => opts.onError?.(gone && !isCompacted(e) ? new Error(`watch from revision ${from}: required revision has been compacted`) : e)) : opts.onError, opts.onError);
     const kinds = [
       [keys.sandboxes(), 'sandbox'],
       [keys.snapshots(), 'snapshot'],

@@ -40,14 +40,14 @@ import { register } from './rpc.ts';
 import type { CallContext, ServiceRegistration } from './rpc.ts';
 import { AsyncQueue } from './queue.ts';
 import * as c from './convert.ts';
+import { requireAdmin, tenantFor } from '../../auth/guard.ts';
+import { PermissionDeniedError, UnauthenticatedError } from '../../auth/errors.ts';
 
 /**
  * Events a WatchEvents stream holds for a client that does not read them (flow control holds
  * the writes) before it ends the stream with RESOURCE_EXHAUSTED: ~1 MB per stream.
  */
 const WATCH_EVENTS_MAX_QUEUED = 4096;
-import { requireAdmin, tenantFor } from '../../auth/guard.ts';
-import { PermissionDeniedError, UnauthenticatedError } from '../../auth/errors.ts';
 
 export interface FleetServiceDeps {
   fleet: Fleet;
