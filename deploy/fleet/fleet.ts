@@ -116,7 +116,7 @@ export interface FleetState {
   guestCgroup?: string;
 }
 
-export const DEFAULT_FLEET_DIR = '/var/lib/ffleet';
+const DEFAULT_FLEET_DIR = '/var/lib/ffleet';
 
 /**
  * The fleet directory, absolute: processes started with another working directory
@@ -194,7 +194,7 @@ function signal(pid: number, sig: NodeJS.Signals): boolean {
  * SIGTERM, then SIGKILL after graceMs, to `pid` while `ours()` says it is still the process
  * meant: checked again before each signal, so a PID freed and reused meanwhile is spared.
  */
-export async function stopProcess(what: string, pid: number, ours: () => boolean, graceMs: number): Promise<void> {
+async function stopProcess(what: string, pid: number, ours: () => boolean, graceMs: number): Promise<void> {
   if (!ours()) return reportReused(what, pid);
   if (!signal(pid, 'SIGTERM')) return;
   const until = Date.now() + graceMs;
@@ -213,7 +213,7 @@ export async function stopProcess(what: string, pid: number, ours: () => boolean
 }
 
 /** Stops one of the fleet's recorded processes, if its PID is still that process. */
-export function stopRecorded(rec: ProcRecord, graceMs: number): Promise<void> {
+function stopRecorded(rec: ProcRecord, graceMs: number): Promise<void> {
   return stopProcess(rec.name, rec.pid, () => procAlive(rec), graceMs);
 }
 
@@ -666,7 +666,7 @@ async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<voi
 }
 
 /** The lowest and highest --base-port: the fleet listens on base-port .. base-port + 41. */
-export const BASE_PORT_RANGE = [1024, 65535 - 41] as const;
+const BASE_PORT_RANGE = [1024, 65535 - 41] as const;
 
 /** Interface names of host `id`'s veth pair: its end in the host namespace, and the bridge's. */
 function linkNames(prefix: string, id: string): { ifHost: string; ifBridge: string } {

@@ -3,7 +3,7 @@
 import { execFileSync } from 'node:child_process';
 import { join, resolve } from 'node:path';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
-import { pidAlive, spawnManaged, waitFor } from './proc.ts';
+import { spawnManaged, waitFor } from './proc.ts';
 import { qemuPids, standbyPids } from '../../deploy/fleet/fleet.ts';
 import type { ManagedProcess } from './proc.ts';
 
@@ -91,11 +91,11 @@ export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
       await agent.proc.stop(10_000);
     },
     qemuPids() {
-      return qemuPids(dataDir).filter(pidAlive);
+      return qemuPids(dataDir);
     },
     async teardown() {
       await agent.stop();
-      for (const pid of [...agent.qemuPids(), ...standbyPids(dataDir).filter(pidAlive)]) {
+      for (const pid of [...agent.qemuPids(), ...standbyPids(dataDir)]) {
         try {
           process.kill(pid, 'SIGKILL');
         } catch {
