@@ -2,7 +2,7 @@
 // one transaction. A job whose own guard keeps failing (a record its caller read that changed
 // since, a placement of it that landed already) must then fail alone, not take the forks it
 // was grouped with down with it. A placement decided before a host was cordoned must not
-// land on it. Real etcd and nats-server, a scheduler replica in this
+// land on it, and a fork and a delete of its snapshot that overlap never both succeed. Real etcd and nats-server, a scheduler replica in this
 // process (its store wrapped to slow placement commits down and to fail one fork's) and a fake
 // host agent process (loadtest/fake-agent/).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -12,7 +12,7 @@ import { startFakeAgents } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
 import { startTestScheduler } from './testkit/scheduler.ts';
 import type { Fleet, TestScheduler } from './testkit/scheduler.ts';
-import { OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { OperationState, SnapshotState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { FleetStore, StoreWrite } from './domain/ports.ts';
 import { withCommitAt } from './testkit/store-proxy.ts';
@@ -29,6 +29,8 @@ interface Seen {
   poisonedGroups: number;
   /** Runs once, when the next placement commit has been decided and is about to be sent. */
   beforeNextPlacement?: () => Promise<void>;
+  /** Runs once, before the next commit that marks a snapshot `deleting`. */
+  beforeDeletingMark?: () => Promise<void>;
 }
 
 /**
@@ -38,6 +40,11 @@ interface Seen {
 function slowPlacements(store: FleetStore, seen: Seen): FleetStore {
   const childOf = (w: StoreWrite): string | undefined => (w.kind === 'sandbox' && w.expectRevision === 0 && w.value.opId && w.value.state === 'starting' ? w.value.opId : undefined);
   return withCommitAt(store, async (writes, fence) => {
+    if (seen.beforeDeletingMark && writes.some((w) => w.kind === 'snapshot' && w.value.state === 'deleting')) {
+      const hook = seen.beforeDeletingMark;
+      seen.beforeDeletingMark = undefined;
+      await hook();
+    }
     const ops = new Set(writes.map(childOf).filter((x): x is string => x !== undefined));
     if (ops.size === 0) return store.commitAt(writes, fence);
     const hook = seen.beforeNextPlacement;
@@ -120,5 +127,45 @@ describe('placement groups (real etcd, NATS, a fake agent)', () => {
     } finally {
       await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: false });
     }
+  }, 120_000);
+
+  /** A sandbox on fake-a and a ready snapshot of it (held by fake-a). */
+  const snapshotOnA = async (): Promise<string> => {
+    const made = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } }));
+    const sourceId = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const snap = await wait(await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sourceId }));
+    expect(snap.state, snap.error?.message).toBe(OperationState.SUCCEEDED);
+    return snap.result.case === 'snapshot' ? snap.result.value.id : '';
+  };
+
+  it('forkDecidedBeforeItsSnapshotWasDeleted_fails_withNoChildOfTheDeletedSnapshot', async () => {
+    const snapshotId = await snapshotOnA();
+    // The fork is decided (from a ready snapshot); the snapshot is deleted, to the end, before
+    // that decision is committed.
+    let deleted: Operation | undefined;
+    seen.beforeNextPlacement = async () => {
+      deleted = await wait(await api.deleteSnapshot({ tenantId, idempotencyKey: key(), snapshotId }));
+    };
+    const f = await wait(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2 }));
+    expect(deleted?.state, deleted?.error?.message).toBe(OperationState.SUCCEEDED);
+    expect(f.state).toBe(OperationState.FAILED);
+    expect(f.error?.message).toMatch(/snapshot .* is deleted/);
+    const children = (await api.listSandboxes({ tenantId, pageSize: 1000 })).sandboxes.filter((b) => b.sourceSnapshotId === snapshotId);
+    expect(children).toEqual([]);
+  }, 120_000);
+
+  it('deleteWhileAForkOfTheSnapshotCommits_findsItsChildren_andKeepsTheSnapshotReady', async () => {
+    const snapshotId = await snapshotOnA();
+    // The delete has checked what it checks before its `deleting` mark; a fork of the
+    // snapshot is placed and finishes before that mark is committed.
+    let fork: Operation | undefined;
+    seen.beforeDeletingMark = async () => {
+      fork = await wait(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2 }));
+    };
+    const del = await wait(await api.deleteSnapshot({ tenantId, idempotencyKey: key(), snapshotId }));
+    expect(fork?.state, fork?.error?.message).toBe(OperationState.SUCCEEDED);
+    expect(del.state).toBe(OperationState.FAILED);
+    expect(del.error?.message).toContain('in use');
+    expect((await api.getSnapshot({ tenantId, snapshotId })).state).toBe(SnapshotState.READY);
   }, 120_000);
 });

@@ -2,6 +2,7 @@ import { describe, expect, it } from 'vitest';
 import { eventsOf } from './events.ts';
 import type { RecordChange } from './ports.ts';
 import type { OperationRec, SandboxRec } from './records.ts';
+import { snapshotRecord } from '../testkit/records.ts';
 
 const sb = (over: Partial<SandboxRec>): SandboxRec => ({ id: 'sb-1', tenantId: 't', state: 'running', stateReason: '', hostId: 'h1', sourceSnapshotId: '', ...over }) as SandboxRec;
 const types = (ch: RecordChange) => eventsOf(ch, 0).map((e) => e.type);
@@ -30,5 +31,11 @@ describe('eventsOf', () => {
     expect(types({ kind: 'op', prev: op('running'), value: op('succeeded'), revision: 1 })).toEqual(['operation_done']);
     expect(types({ kind: 'op', prev: op('succeeded'), value: op('succeeded'), revision: 2 })).toEqual([]);
     expect(types({ kind: 'op', prev: op('pending'), value: op('running'), revision: 3 })).toEqual([]);
+  });
+
+  it('snapshotCreated_onceWhenItBecomesReady_notWhenARefusedDeletePutsItBack', () => {
+    expect(types({ kind: 'snapshot', prev: snapshotRecord({ state: 'creating' }), value: snapshotRecord({ state: 'ready' }), revision: 1 })).toEqual(['snapshot_created']);
+    expect(types({ kind: 'snapshot', prev: snapshotRecord({ state: 'ready' }), value: snapshotRecord({ state: 'deleting', deletingFrom: 'ready' }), revision: 2 })).toEqual([]);
+    expect(types({ kind: 'snapshot', prev: snapshotRecord({ state: 'deleting', deletingFrom: 'ready' }), value: snapshotRecord({ state: 'ready' }), revision: 3 })).toEqual([]);
   });
 });

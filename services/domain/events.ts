@@ -60,7 +60,8 @@ export function eventsOf(ch: RecordChange, now: number): FleetEvent[] {
     const prev = ch.prev;
     const ev = (type: FleetEventType, message: string): FleetEvent => ({ ...base, type, snapshotId: sn.id, sandboxId: sn.sourceSandboxId, message });
     const out: FleetEvent[] = [];
-    if (sn.state === 'ready' && prev?.state !== 'ready') out.push(ev('snapshot_created', ''));
+    // A delete that found the snapshot in use puts it back from `deleting`: not a new snapshot.
+    if (sn.state === 'ready' && prev?.state !== 'ready' && prev?.state !== 'deleting') out.push(ev('snapshot_created', ''));
     const due = sn.expiryDueAt ?? null;
     if (sn.state === 'ready' && due !== null && (prev?.expiryDueAt ?? null) === null) out.push(ev('snapshot_expiring', `expires at ${new Date(due).toISOString()}`));
     if (sn.state === 'deleted' && prev?.state !== 'deleted' && sn.deletedReason === 'expired') out.push(ev('snapshot_expired', 'deleted by retention'));

@@ -206,6 +206,8 @@ function writeKey(w: StoreWrite): string {
       return `host/${w.id}`;
     case 'check-host':
       return `check/host/${w.id}`;
+    case 'check-snapshot':
+      return `check/snapshot/${w.tenantId}/${w.id}`;
     case 'delete-alloc':
       return `alloc/${w.hostId}`;
     case 'delete-idem':
@@ -1269,6 +1271,11 @@ export class Executor {
         // And of the host records: a host cordoned, drained or lost since (a cordon is written
         // by an API replica, and reaches this cache by a watch) fails the commit.
         const hostRevs = new Map(hosts.map((h) => [h.value.id, h.modRevision]));
+        // And of the records of the snapshots placed from, which must be ready: a delete marks
+        // one `deleting` before it looks for sandboxes that use it (runDeleteSnapshot), so a
+        // placement either lands before that mark, and the delete finds its sandboxes, or
+        // fails its commit and is decided again over the reloaded cache, where it fails.
+        const snapshotChecks = new Map<string, StoreWrite>();
         // Only the snapshots this group places from: a view over every snapshot the fleet has
         // cost O(hosts x snapshots) per decision.
         const snapshots = [...new Map(pending.flatMap((j) => (j.snapshot ? [this.cache.snapshot(j.snapshot.tenantId, j.snapshot.id)?.value] : [])).filter((x): x is SnapshotRec => x !== undefined).map((x) => [x.id, x])).values()];
@@ -1287,6 +1294,13 @@ export class Executor {
             continue;
           }
           try {
+            let snapshotCheck: StoreWrite | undefined;
+            if (job.snapshot) {
+              const { tenantId, id } = job.snapshot;
+              const sv = this.cache.snapshot(tenantId, id) ?? (await this.deps.store.getSnapshot(tenantId, id));
+              if (!sv || sv.value.state !== 'ready') throw new WrongStateError('snapshot', id, sv?.value.state ?? 'gone', 'only a ready snapshot can be restored', 'snapshot_id');
+              snapshotCheck = { kind: 'check-snapshot', tenantId, id, expectRevision: sv.modRevision };
+            }
             const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight }));
             const req = job.request(view);
             const result = place(view, req, rngForRequest(`${job.op.id}/${attempt}`), this.deps.config.placement);
@@ -1331,6 +1345,7 @@ export class Executor {
               inflight.set(hostId, (inflight.get(hostId) ?? 0) + 1);
               touched.add(hostId);
             }
+            if (snapshotCheck) snapshotChecks.set(writeKey(snapshotCheck), snapshotCheck);
             planned.push({ job, result, writes: [...writes, ...opWrites] });
             writeCount += size;
             groupBytes += bytes;
@@ -1345,7 +1360,7 @@ export class Executor {
         // One write per touched host's capacity, guarded by the alloc revision this plan read.
         const allocWrites: StoreWrite[] = [...touched].map((hostId) => ({ kind: 'alloc', value: allocs.get(hostId)!, expectRevision: allocRevs.get(hostId) ?? 0 }));
         const hostChecks: StoreWrite[] = [...touched].map((id) => ({ kind: 'check-host', id, expectRevision: hostRevs.get(id) ?? 0 }));
-        const rev = await this.commit([...allocWrites, ...hostChecks, ...planned.flatMap((p) => p.writes)]);
+        const rev = await this.commit([...allocWrites, ...hostChecks, ...snapshotChecks.values(), ...planned.flatMap((p) => p.writes)]);
         if (rev) {
           for (const p of planned) p.job.resolve({ result: p.result, revision: rev });
           return;
@@ -2178,20 +2193,31 @@ export class Executor {
     const reason = (op.input as { reason?: string }).reason === 'expired' ? 'expired' : 'deleted';
     // `deleting` is written guarded by the revision the checks read: a pin, or a snapshot
     // that became ready, in between makes them run again.
-    const sn = await this.updateSnapshotRec(op.tenantId, op.targetId, async (cur) => {
+    const sn = await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
       if (cur.state === 'deleted' || cur.state === 'deleting') return undefined;
       if (cur.state === 'creating') throw new WrongStateError('snapshot', cur.id, 'creating', 'delete it once it is ready or failed');
       if (cur.pinned) throw new WrongStateError('snapshot', cur.id, 'pinned', 'unpin it first');
-      // Nothing live loses its snapshot: a sandbox restored from it maps its memory image, a
-      // hibernated one lives in it.
-      const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === cur.id || b.hibernationSnapshotId === cur.id));
-      if (users.length > 0) throw new WrongStateError('snapshot', cur.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
-      return { ...cur, state: 'deleting' };
+      return { ...cur, state: 'deleting', deletingFrom: cur.state === 'failed' ? 'failed' : 'ready' };
     });
     if (!sn) throw new NotFoundError('snapshot', op.targetId);
     if (sn.state === 'deleted') return this.finish(op, { snapshotId: sn.id }, null);
+    // Nothing live loses its snapshot: a sandbox restored from it maps its memory image, a
+    // hibernated one lives in it. They are looked for only once the mark is written: a
+    // placement from this snapshot is guarded by its record (placeGroup), so one that
+    // commits after the mark fails, and one that committed before it is found here. (A
+    // re-run looks again: its first run may have died between the mark and the look.)
+    const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === sn.id || b.hibernationSnapshotId === sn.id));
+    if (users.length > 0) {
+      // Back to the state it had: nothing was deleted yet.
+      await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
+        if (cur.state !== 'deleting') return undefined;
+        const { deletingFrom, ...rest } = cur;
+        return { ...rest, state: deletingFrom ?? (cur.manifestSignature ? 'ready' : 'failed') };
+      });
+      throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
+    }
     await Promise.all(sn.hostIds.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
-    await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => (cur.state === 'deleted' ? undefined : { ...cur, state: 'deleted', hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() }));
+    await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => (cur.state === 'deleted' ? undefined : { ...cur, state: 'deleted', deletingFrom: undefined, hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() }));
     await this.finish(op, { snapshotId: sn.id }, null);
   }
 
@@ -3116,7 +3142,10 @@ export class Executor {
         this.log.info({ snapshotId: snapshot.id, tenantId: snapshot.tenantId, dueAt: new Date(dueAt).toISOString() }, 'snapshot expiry announced');
     }
     for (const sn of plan.withdraw) await this.commit([{ kind: 'snapshot', value: { ...sn, expiryDueAt: null }, expectRevision: rev.get(sn.id) ?? 0 }]);
-    for (const sn of plan.expire) await submit(sn.tenantId, `__expire/${sn.id}`, 'delete_snapshot', sn.id, { reason: 'expired' });
+    // Keyed by the record's revision too: passes over the same record never delete twice, and
+    // a delete that found the snapshot in use after all (a fork placed meanwhile) puts it back
+    // at a new revision, so its next expiry is a new operation, not that failed one again.
+    for (const sn of plan.expire) await submit(sn.tenantId, `__expire/${sn.id}/${rev.get(sn.id) ?? 0}`, 'delete_snapshot', sn.id, { reason: 'expired' });
     for (const [id, by] of plan.held) this.log.debug({ snapshotId: id, usedBy: by }, 'expired snapshot kept while sandboxes use it');
   }
 

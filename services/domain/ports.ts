@@ -40,7 +40,9 @@ export type StoreWrite =
   | { kind: 'delete-alloc'; hostId: string; expectRevision?: number }
   | { kind: 'delete-idem'; tenantId: string; key: string; expectRevision?: number }
   /** Writes nothing: the batch commits only while host `id`'s record is at `expectRevision` (0: absent). */
-  | { kind: 'check-host'; id: string; expectRevision: number };
+  | { kind: 'check-host'; id: string; expectRevision: number }
+  /** Writes nothing: the batch commits only while snapshot `id`'s record is at `expectRevision`. */
+  | { kind: 'check-snapshot'; tenantId: string; id: string; expectRevision: number };
 
 /**
  * Leader fencing: a guard on a whole batch. A batch with a fence commits only while `key` (the

@@ -138,6 +138,11 @@ export interface SnapshotRec {
    * expiring. Deletion waits while a live sandbox still restores from or hibernates in it.
    */
   expiryDueAt?: number | null;
+  /**
+   * The state a `deleting` snapshot had before: it goes back to it when its delete finds that
+   * sandboxes still use it. Absent on records written before the field.
+   */
+  deletingFrom?: 'ready' | 'failed';
   /** Why a deleted snapshot was deleted: by a user call, or by retention. */
   deletedReason?: 'deleted' | 'expired';
   /**

@@ -117,6 +117,7 @@ function keyOf(w: StoreWrite): string {
     case 'delete-op':
       return keys.op(w.tenantId, w.id);
     case 'delete-snapshot':
+    case 'check-snapshot':
       return keys.snapshot(w.tenantId, w.id);
     case 'delete-host':
     case 'check-host':
@@ -132,6 +133,7 @@ function keyOf(w: StoreWrite): string {
 function valueOf(w: StoreWrite): string | undefined | null {
   switch (w.kind) {
     case 'check-host':
+    case 'check-snapshot':
       return null;
     case 'idem':
       return w.opId;
