@@ -83,6 +83,8 @@ export interface ForkInput {
   idleTimeoutMs: number | null;
   /** The children's after_resume hooks; null: the source sandbox's. */
   afterResume: HookRec[] | null;
+  /** Set (by forkSandbox) on the fork of a hibernated sandbox, which forks its hibernation snapshot: that sandbox. */
+  hibernatedSandboxId?: string;
   /**
    * Retention of the snapshot a fork of a live sandbox takes (ttlMs null: no TTL); absent:
    * FleetDeps.forkSnapshotTtlMs. Only with `sandboxId`.
@@ -154,13 +156,35 @@ function restoredResources(sn: SnapshotRec, asked: ResourcesRec, set: CreateInpu
   return { ...asked, memoryMib: vm.memoryMib, vcpus: vm.vcpus };
 }
 
+/** What a repeat of an idempotency key asks for: one of these kinds of operation, on this target (when known before the operation exists). */
+interface Repeat {
+  kinds: readonly OperationKind[];
+  targetId?: string;
+}
+
+function isRepeatOf(op: OperationRec, r: Repeat): boolean {
+  if (!r.kinds.includes(op.kind)) return false;
+  if (r.targetId === undefined || op.targetId === r.targetId) return true;
+  // A fork of a hibernated sandbox is a fork of its hibernation snapshot (forkSandbox).
+  return op.kind === 'fork' && (op.input as { hibernatedSandboxId?: string }).hibernatedSandboxId === r.targetId;
+}
+
 export class Fleet {
   constructor(private readonly deps: FleetDeps) {}
 
-  private async existingOp(tenantId: string, key: string): Promise<OperationRec | undefined> {
+  /**
+   * The operation a repeat of `key` answers with. A key names one request: used again for
+   * another kind of operation or another target, it is refused (INVALID_ARGUMENT on the key)
+   * rather than answered with an operation that did something else.
+   */
+  private async existingOp(tenantId: string, key: string, repeat: Repeat): Promise<OperationRec | undefined> {
     const opId = await this.deps.store.getIdempotent(tenantId, key);
     if (opId === undefined) return undefined;
-    return (await this.deps.store.getOp(tenantId, opId))?.value;
+    const op = (await this.deps.store.getOp(tenantId, opId))?.value;
+    if (op && !isRepeatOf(op, repeat)) {
+      throw new InvalidArgumentError('idempotency_key', `already used for another request (operation ${op.id}: ${op.kind.replace('_', ' ')} of ${op.targetId}); a different request needs a key of its own`);
+    }
+    return op;
   }
 
   /**
@@ -170,7 +194,8 @@ export class Fleet {
    * still catches a repeat that raced it).
    */
   async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = [], checked = false): Promise<OperationRec> {
-    const prior = checked ? undefined : await this.existingOp(tenantId, key);
+    const repeat: Repeat = { kinds: [kind], targetId };
+    const prior = checked ? undefined : await this.existingOp(tenantId, key, repeat);
     if (prior) return prior;
     const now = this.deps.clock.now();
     const op: OperationRec = {
@@ -194,13 +219,13 @@ export class Fleet {
       ...extra,
     ]);
     if (ok) return op;
-    const raced = await this.existingOp(tenantId, key);
+    const raced = await this.existingOp(tenantId, key, repeat);
     if (raced) return raced;
     throw new ForkfleetError('aborted', 'concurrent change; retry', { retryable: true });
   }
 
   async createSandbox(input: CreateInput): Promise<OperationRec> {
-    const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['create'] });
     if (prior) return prior;
     const sn = input.snapshotId ? await this.getSnapshot(input.tenantId, input.snapshotId) : undefined;
     // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
@@ -237,7 +262,7 @@ export class Fleet {
   }
 
   async forkSandbox(input: ForkInput): Promise<OperationRec> {
-    const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId });
     if (prior) return prior;
     let lineageId: string;
     let inheritedHooks: HookRec[] | undefined;
@@ -245,21 +270,24 @@ export class Fleet {
       const sn = await this.getSnapshot(input.tenantId, input.snapshotId);
       if (sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be forked', 'snapshot_id');
       lineageId = sn.lineageId;
+      // The children inherit the hooks of the sandbox the snapshot was taken of (runFork):
+      // counted here, so a fork too large for one transaction is refused now, not failed
+      // after it was accepted.
+      if (!input.afterResume && sn.sourceSandboxId) inheritedHooks = (await this.deps.store.getSandbox(input.tenantId, sn.sourceSandboxId))?.value.afterResume;
     } else {
       const sb = await this.getSandbox(input.tenantId, input.sandboxId);
       // A hibernated sandbox is forked from its hibernation snapshot, without waking it.
       // (No snapshot is taken then, so snapshotRetention has nothing to apply to.)
       if (sb.state === 'hibernated' && sb.hibernationSnapshotId) {
         if (input.snapshotRetention) throw new ForkfleetError('failed_precondition', `sandbox ${sb.id} is hibernated: a fork of it starts from its hibernation snapshot ${sb.hibernationSnapshotId} and takes none, so snapshot_retention has nothing to apply to (set that snapshot's own with SetSnapshotRetention)`, { field: 'snapshot_retention' });
-        return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '' });
+        return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '', hibernatedSandboxId: sb.id });
       }
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked', 'sandbox_id');
       lineageId = sb.lineageId;
       inheritedHooks = sb.afterResume;
     }
     // Every child record carries the fork's labels and hooks, and all of them go into one
-    // transaction (a fork of a snapshot inherits its source's hooks unread here: the leader
-    // fails such a fork before it books anything if it is still too large).
+    // transaction (the leader checks again, with what it reads then, before it books anything).
     const perChild = sandboxRecordBytes({ labels: input.labels, afterResume: input.afterResume ?? inheritedHooks ?? [] });
     const fit = Math.floor(PLACEMENT_TXN_MAX_BYTES / perChild);
     if (input.count > fit) throw new InvalidArgumentError('count', `at most ${fit} children with these labels and after_resume hooks (~${perChild} bytes in each child's record; a fork writes all its children in one transaction of at most ${PLACEMENT_TXN_MAX_BYTES} bytes)`);
@@ -276,6 +304,7 @@ export class Fleet {
       ttlMs: input.ttlMs,
       idleTimeoutMs: input.idleTimeoutMs,
       afterResume: input.afterResume,
+      ...(input.hibernatedSandboxId ? { hibernatedSandboxId: input.hibernatedSandboxId } : {}),
       ...(input.sandboxId ? { snapshotRetention: input.snapshotRetention ?? { ttlMs: this.deps.forkSnapshotTtlMs || null, keepLast: 0 } } : {}),
     }, [], true);
   }
@@ -289,7 +318,7 @@ export class Fleet {
     // A repeat of the key answers with its operation even when the sandbox is gone by now.
     const read = this.getSandbox(input.tenantId, input.sandboxId);
     read.catch(() => undefined);
-    const prior = await this.existingOp(input.tenantId, input.idempotencyKey);
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: kind === 'resume' ? ['resume', 'wake'] : [kind], targetId: input.sandboxId });
     if (prior) return prior;
     const sb = await read;
     if (choose) [kind, allowed] = choose(sb);
@@ -391,7 +420,7 @@ export class Fleet {
   }
 
   async deleteSnapshot(tenantId: string, key: string, id: string): Promise<OperationRec> {
-    const prior = await this.existingOp(tenantId, key);
+    const prior = await this.existingOp(tenantId, key, { kinds: ['delete_snapshot'], targetId: id });
     if (prior) return prior;
     await this.getSnapshot(tenantId, id);
     return this.submit(tenantId, key, 'delete_snapshot', id, {});
@@ -705,7 +734,7 @@ export class Fleet {
   }
 
   async drainHost(key: string, hostId: string, migrate: boolean): Promise<OperationRec> {
-    const prior = await this.existingOp('admin', key);
+    const prior = await this.existingOp('admin', key, { kinds: ['drain'], targetId: hostId });
     if (prior) return prior;
     // The cordon and the drain op commit together: a crash between them cannot leave a host
     // cordoned with nothing draining it. A conflict (the host record changed) re-reads.

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { durationMs, timestampMs } from '@bufbuild/protobuf/wkt';
-import { env, idemKey, image, labels, lifecycle, LIMITS, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, SANDBOXES_BY_ID, SNAPSHOTS_BY_ID, toSnapshot, toSteps } from './convert.ts';
+import { env, idemKey, image, labels, lifecycle, LIMITS, network, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, SANDBOXES_BY_ID, SNAPSHOTS_BY_ID, toSnapshot, toSteps } from './convert.ts';
 import { OperationKind, OperationState, OperationStepState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { OperationRec } from '../../domain/records.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
@@ -139,6 +139,21 @@ describe('fields a record stores', () => {
   it('labels_withControlCharacters_isInvalidArgumentNamingTheLabel', () => {
     expect(() => labels({ team: 'a\u0000b' })).toThrow(/labels\[team\].*control/);
     expect(labels({ team: 'rl-ablation ü' })).toEqual({ team: 'rl-ablation ü' });
+    // C1 controls (U+009B is a terminal's CSI, as ESC [ is) and the line separators too.
+    for (const v of ['x\u009b31m', 'a\u0085b', 'a\u2028b']) expect(() => labels({ team: v })).toThrow(/labels\[team\].*control/);
+  });
+
+  it('idleTimeout_underASecondButNotZero_isInvalidArgument_notTruncatedToDisabled', () => {
+    const idle = (seconds: bigint, nanos: number) => lifecycle({ idleTimeout: { seconds, nanos }, afterResume: [] } as never).idleTimeoutMs;
+    expect(idle(0n, 0)).toBe(0);
+    expect(idle(1n, 0)).toBe(1000);
+    expect(() => idle(0n, 500_000)).toThrow(/lifecycle\.idle_timeout/);
+    expect(() => idle(0n, -500_000)).toThrow(/lifecycle\.idle_timeout/);
+    expect(() => idle(0n, 999_000_000)).toThrow(/lifecycle\.idle_timeout/);
+  });
+
+  it('allowCidrs_listedTwice_isInvalidArgumentNamingTheSecond', () => {
+    expect(() => network({ allowEgress: true, allowCidrs: ['10.0.0.0/8', '192.0.2.0/24', '10.0.0.0/8'] } as never)).toThrow(/network\.allow_cidrs\[2\].*twice/);
   });
 
   it('labels_overTheByteBudget_isInvalidArgument', () => {

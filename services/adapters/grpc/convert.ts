@@ -64,11 +64,14 @@ export function jsonBytes(v: unknown): number {
   return Buffer.byteLength(JSON.stringify(v));
 }
 
-/** Whether `v` has a C0 control character or DEL: label values are text that dashboards and CLIs print. */
+/**
+ * Whether `v` has a control character (C0, DEL or C1: U+009B starts a terminal escape as ESC [
+ * does) or a line or paragraph separator: label values are text that dashboards and CLIs print.
+ */
 function hasControl(v: string): boolean {
   for (let i = 0; i < v.length; i++) {
     const ch = v.charCodeAt(i);
-    if (ch < 0x20 || ch === 0x7f) return true;
+    if (ch < 0x20 || (ch >= 0x7f && ch <= 0x9f) || ch === 0x2028 || ch === 0x2029) return true;
   }
   return false;
 }
@@ -112,8 +115,10 @@ function intIn(v: number | bigint, field: string, min: number, max: number): num
 export function durationMs(d: Duration | undefined, field: string, opts: { min?: number; max?: number } = {}): number | null {
   if (!d) return null;
   if (d.nanos < -999_999_999 || d.nanos > 999_999_999 || (d.seconds > 0n && d.nanos < 0) || (d.seconds < 0n && d.nanos > 0)) throw new InvalidArgumentError(field, 'is not a valid duration');
-  const ms = Number(d.seconds) * 1000 + Math.trunc(d.nanos / 1e6);
   const min = opts.min ?? 0;
+  // A negative duration under a millisecond would truncate to 0 (and pass a min of 0).
+  if (min >= 0 && (d.seconds < 0n || d.nanos < 0)) throw new InvalidArgumentError(field, `must be between ${min} ms and ${opts.max ?? LIMITS.maxDurationMs} ms`);
+  const ms = Number(d.seconds) * 1000 + Math.trunc(d.nanos / 1e6);
   const max = opts.max ?? LIMITS.maxDurationMs;
   if (!Number.isFinite(ms) || ms < min || ms > max) throw new InvalidArgumentError(field, `must be between ${min} ms and ${max} ms`);
   return ms;
@@ -202,6 +207,12 @@ export function placement(p: PlacementPreference | undefined, field = 'placement
   };
 }
 
+/** Zero disables; anything else is at least a second (a shorter one would truncate to 0, the opposite). */
+function idleTimeout(d: Duration | undefined, field: string): number | null {
+  if (!d || (d.seconds === 0n && d.nanos === 0)) return durationMs(d, field);
+  return durationMs(d, field, { min: 1000 });
+}
+
 export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlMs: number | null; idleTimeoutMs: number | null; afterResume: HookRec[] } {
   const hooks = l?.afterResume ?? [];
   if (hooks.length > LIMITS.maxHooks) throw new InvalidArgumentError(`${field}.after_resume`, `at most ${LIMITS.maxHooks} hooks`);
@@ -214,7 +225,7 @@ export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlM
   if (bytes > LIMITS.maxHookBytes) throw new InvalidArgumentError(`${field}.after_resume`, `at most ${LIMITS.maxHookBytes} bytes of hooks together (as JSON), got ${bytes}: put a longer script in a file in the guest and run that`);
   return {
     ttlMs: durationMs(l?.ttl, `${field}.ttl`, { min: 1000 }),
-    idleTimeoutMs: durationMs(l?.idleTimeout, `${field}.idle_timeout`),
+    idleTimeoutMs: idleTimeout(l?.idleTimeout, `${field}.idle_timeout`),
     afterResume,
   };
 }
@@ -227,6 +238,7 @@ export function network(n: NetworkPolicy | undefined, field = 'network'): { allo
   if (cidrs.length > LIMITS.maxCidrs) throw new InvalidArgumentError(`${field}.allow_cidrs`, `at most ${LIMITS.maxCidrs} entries`);
   cidrs.forEach((c, i) => {
     if (!IPV4_CIDR.test(c)) throw new InvalidArgumentError(`${field}.allow_cidrs[${i}]`, `must be an IPv4 CIDR such as 203.0.113.0/24, got ${JSON.stringify(c.slice(0, 64))}`);
+    if (cidrs.indexOf(c) !== i) throw new InvalidArgumentError(`${field}.allow_cidrs[${i}]`, `${c} is listed twice (first at [${cidrs.indexOf(c)}])`);
   });
   if (cidrs.length && !n?.allowEgress) throw new InvalidArgumentError(`${field}.allow_cidrs`, 'needs allow_egress: egress is off unless allowed');
   return { allowEgress: n?.allowEgress ?? false, allowCidrs: [...cidrs] };

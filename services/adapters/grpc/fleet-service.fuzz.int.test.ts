@@ -256,6 +256,14 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     // 256 children with ~3 KiB of labels each do not fit one placement transaction.
     expect(await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k3', source: { case: 'sandboxId', value: sb('a') }, count: 256, labels: big }), Status.INVALID_ARGUMENT, 'count')).toMatch(/at most \d+ children/);
     await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k4', source: { case: 'sandboxId', value: sb('h') }, count: 2, snapshotRetention: { keepLast: 1 } }), Status.FAILED_PRECONDITION, 'snapshot_retention');
+    // A fork of a snapshot inherits the after_resume hooks of the sandbox it was taken of
+    // (~8 KiB here): counted at the API, as the fork's own labels are.
+    const hooks = Array.from({ length: 8 }, (_, i) => ({ argv: ['sh', '-c', `${i}`.padEnd(950, '#')], timeoutMs: 1000 }));
+    await store.commit([
+      { kind: 'sandbox', value: sandboxRecord({ id: sb('k'), tenantId: t, lineageId: sb('k'), afterResume: hooks }) },
+      { kind: 'snapshot', value: snapshotRecord({ id: sn('k'), tenantId: t, sourceSandboxId: sb('k'), lineageId: sb('k') }) },
+    ]);
+    expect(await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k4h', source: { case: 'snapshotId', value: sn('k') }, count: 200 }), Status.INVALID_ARGUMENT, 'count')).toMatch(/at most \d+ children/);
     await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k5', source: { case: 'sandboxId', value: sb('a') }, count: 4, placement: { hostId: 'h1', maxPerHost: 2 } }), Status.INVALID_ARGUMENT, 'placement.max_per_host');
     await refused(() => api.setSnapshotRetention({ tenantId: t, idempotencyKey: 'k6', snapshotId: sn('c') }), Status.INVALID_ARGUMENT, 'retention');
     await refused(() => api.listSandboxes({ tenantId: t, pageToken: Buffer.from(sn('c')).toString('base64url') }), Status.INVALID_ARGUMENT, 'page_token');
@@ -266,6 +274,32 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     await refused(async () => {
       for await (const _ of api.watchEvents({ tenantId: t, types: [EventType.SANDBOX_STATE_CHANGED, EventType.HOST_STATE_CHANGED] })) void _;
     }, Status.INVALID_ARGUMENT, 'types[1]');
+    // A revision the store has not reached would skip every event up to it without a word.
+    const ahead = BigInt(await revision()) + 1000n;
+    expect(
+      await refused(async () => {
+        for await (const _ of api.watchEvents({ tenantId: t, afterRevision: ahead })) void _;
+      }, Status.INVALID_ARGUMENT, 'after_revision'),
+    ).toContain('ahead of the store');
+  });
+
+  it('idempotencyKey_usedAgainForAnotherRequest_isInvalidArgumentNamingIt_andTheFirstOperationStands', async () => {
+    const t = 'rekey';
+    const sb = (c: string): string => `sb-${c.repeat(20)}`;
+    await store.commit([
+      { kind: 'sandbox', value: sandboxRecord({ id: sb('a'), tenantId: t, lineageId: sb('a') }) },
+      { kind: 'sandbox', value: sandboxRecord({ id: sb('b'), tenantId: t, lineageId: sb('b') }) },
+    ]);
+    const first = await api.pauseSandbox({ tenantId: t, idempotencyKey: 'once', sandboxId: sb('a') }, opts);
+    // The same request again: the same operation.
+    expect((await api.pauseSandbox({ tenantId: t, idempotencyKey: 'once', sandboxId: sb('a') }, opts)).id).toBe(first.id);
+    const before = await revision();
+    for (const other of [() => api.destroySandbox({ tenantId: t, idempotencyKey: 'once', sandboxId: sb('b') }, opts), () => api.pauseSandbox({ tenantId: t, idempotencyKey: 'once', sandboxId: sb('b') }, opts), () => api.destroySandbox({ tenantId: t, idempotencyKey: 'once', sandboxId: sb('a') }, opts)]) {
+      const e = (await other().then(() => undefined, (x: unknown) => x)) as RpcError | undefined;
+      expect([e && Status[e.code], e?.field]).toEqual([Status[Status.INVALID_ARGUMENT], 'idempotency_key']);
+      expect(e?.message).toContain(first.id);
+    }
+    expect(await revision(), 'a refused call wrote to etcd').toBe(before);
   });
 
   it('rawBytes_thatAreNotAValidMessage_getInvalidArgumentAndServerStaysUp', async () => {

@@ -248,7 +248,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         if (t === EventType.HOST_STATE_CHANGED) throw new InvalidArgumentError(`types[${i}]`, 'HOST_STATE_CHANGED is never emitted to a tenant: ListHosts and the forkfleet_hosts metric carry host states');
       });
       const types = new Set(req.types);
-      if (req.afterRevision < 0n) throw new InvalidArgumentError('after_revision', 'a store revision (0: from now)');
+      if (req.afterRevision < 0n || req.afterRevision > BigInt(Number.MAX_SAFE_INTEGER)) throw new InvalidArgumentError('after_revision', 'a store revision (0: from now)');
       const after = Number(req.afterRevision);
       const q = new AsyncQueue<ReturnType<typeof c.toEvent>>();
       let stop: (() => void) | undefined;
@@ -261,8 +261,14 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         if (after > 0 && /compacted/i.test(e instanceof Error ? e.message : String(e))) q.fail(new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }));
         else q.fail(new ForkfleetError('unavailable', `the store's event stream broke off (${e instanceof Error ? e.message : String(e)}): resume with after_revision ${lastQueued}`, { cause: e }));
       };
-      void deps.store
-        .watchRecords((ch) => {
+      // A revision the store has not reached (one from another etcd cluster, or one restored
+      // from an older backup) would silently skip every event up to it.
+      const ahead = async (): Promise<void> => {
+        const now = after > 0 ? await deps.store.revision() : 0;
+        if (after > now) throw new InvalidArgumentError('after_revision', `revision ${after} is ahead of the store (at ${now}): it comes from another store, or one restored since`);
+      };
+      void ahead()
+        .then(() => deps.store.watchRecords((ch) => {
           // The call ended (cancelled, or failed below): etcd may still deliver until its cancel lands.
           if (q.isEnded || ch.value.tenantId !== tenantId || ch.revision <= after) return;
           // A client that does not read (HTTP/2 flow control holds the writes) must not grow
@@ -279,11 +285,11 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             q.push(ev);
             lastQueued = ch.revision;
           }
-        }, { ...(after > 0 ? { fromRevision: after + 1 } : {}), onError: broke })
+        }, { ...(after > 0 ? { fromRevision: after + 1 } : {}), onError: broke }))
         .then((s) => {
           stop = s;
           if (ctx.signal.aborted || q.isEnded) s();
-        }, broke);
+        }, (e: unknown) => (e instanceof InvalidArgumentError ? q.fail(e) : broke(e)));
       ctx.signal.addEventListener('abort', () => {
         stop?.();
         q.end();
