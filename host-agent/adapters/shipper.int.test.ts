@@ -39,10 +39,10 @@ const driver = {
   snapshotsInUse: async () => new Set<string>(),
 } as unknown as VmmDriver;
 
-/** A host that stored s1 (its chunks and signed manifest), restarted: the shipper loads what it holds. */
-async function receiver(name: string) {
+/** A host that stored s1 (its chunks and signed manifest), restarted: the shipper loads what it holds. `keepStore`: its store as an earlier receiver(name) left it. */
+async function receiver(name: string, opts: { keepStore?: boolean } = {}) {
   const root = join(dir, name);
-  cpSync(join(dir, 'A', 'chunks'), join(root, 'chunks'), { recursive: true });
+  if (!opts.keepStore) cpSync(join(dir, 'A', 'chunks'), join(root, 'chunks'), { recursive: true });
   const chunks = new FsChunkStore(root);
   const manifests = new FsManifestStore(root);
   await manifests.put('s1', signed);
@@ -113,10 +113,20 @@ describe('ChunkStoreShipper.obtain', () => {
     expect(await shipper.holds('s1')).toBe(false);
     await expect(shipper.obtain('s1', undefined, () => undefined)).rejects.toThrow(/no source/);
   });
+
+  it('load_afterARestart_doesNotReportASnapshotWhoseStoredChunkIsMissing', async () => {
+    const { chunks, shipper } = await receiver('R-restart');
+    expect(shipper.held().map((h) => h.snapshotId)).toEqual(['s1']);
+    rmSync(chunks.pathOf(s1Digests[3]!));
+    // The agent restarts: the manifest is still stored, one of its chunks is not.
+    const { shipper: restarted } = await receiver('R-restart', { keepStore: true });
+    expect(restarted.held()).toEqual([]);
+    expect(await restarted.holds('s1')).toBe(false);
+  });
 });
 
 describe('ChunkStoreShipper.ingest', () => {
-  it('ingest_whenTheIngestFailsAfterFlatteningTheDisk_removesTheFlattenedDiskFromScratch', async () => {
+  it('ingest_whenTheIngestFailsAfterFlatteningTheDisk_removesTheFlattenedDiskFromScratch_andReportsTheSnapshotHeldIncomplete', async () => {
     const root = join(dir, 'I');
     const snap = join(root, 'vmm', 'x1');
     mkdirSync(snap, { recursive: true });
@@ -146,21 +156,38 @@ describe('ChunkStoreShipper.ingest', () => {
     const manifests = new FsManifestStore(root);
     const roots = new LiveRoots();
     const scratchDir = join(root, 'scratch');
-    const shipper = new ChunkStoreShipper({
-      hostId: 'hostI',
-      driver,
-      driverSnapshotsDir: join(root, 'vmm'),
-      chunks,
-      manifests,
-      materialiser: new Materialiser({ root, chunks, manifests, roots, trust }),
-      roots,
-      trust,
-      scratchDir,
-      log,
-      chunkSize: CS,
-    });
+    const shipperOf = () =>
+      new ChunkStoreShipper({
+        hostId: 'hostI',
+        driver,
+        driverSnapshotsDir: join(root, 'vmm'),
+        chunks,
+        manifests,
+        materialiser: new Materialiser({ root, chunks, manifests, roots, trust }),
+        roots,
+        trust,
+        scratchDir,
+        log,
+        chunkSize: CS,
+      });
+    const shipper = shipperOf();
     await expect(shipper.ingest({ dir: snap, manifest })).rejects.toThrow(/ENOENT/);
     expect(existsSync(scratchDir)).toBe(true); // it was flattened there
     expect(readdirSync(scratchDir)).toEqual([]);
+    // The VMM's directory stays (a running VM's disk may be backed by it): reported held but
+    // not complete, so the scheduler can have it deleted once its record failed. Also after a
+    // restart of the agent.
+    const heldOf = (sh: ChunkStoreShipper) => sh.held().map((h) => [h.snapshotId, h.complete]);
+    expect(heldOf(shipper)).toEqual([['x1', false]]);
+    const restarted = shipperOf();
+    await restarted.load();
+    expect(heldOf(restarted)).toEqual([['x1', false]]);
+    // Deleted: marked for the GC (which removes the directory once nothing uses it), no longer held.
+    await restarted.remove('x1');
+    expect(existsSync(join(snap, '.deleted'))).toBe(true);
+    expect(heldOf(restarted)).toEqual([]);
+    const again = shipperOf();
+    await again.load();
+    expect(heldOf(again)).toEqual([]);
   });
 });

@@ -11,6 +11,7 @@ import type { Logger } from 'pino';
 import type { IncomingSnapshot, SnapshotShipper } from '../domain/agent.ts';
 import type { GuestImage, LocalSnapshot, MigrationStream, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
 import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
+import { manifestDigests } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
 import { verifyManifest, type TrustedKeys } from '../domain/tickets.ts';
 import { fetchChunks, fetchSnapshot } from '../domain/transfer.ts';
@@ -28,6 +29,7 @@ import { HeldSnapshotSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts'
 import type { FetchSnapshotWork, HeldSnapshot } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
+import { writeFileDurable } from './durable.ts';
 
 const run = promisify(execFile);
 
@@ -72,6 +74,13 @@ async function exists(p: string): Promise<boolean> {
 export class ChunkStoreShipper implements SnapshotShipper {
   /** Snapshots whose every chunk is here (the heartbeat reports them). */
   private readonly complete = new Set<string>();
+  /**
+   * Snapshots the VMM wrote here whose ingest has not stored a manifest (one running, or one
+   * that failed or was killed): reported as held but not complete, so the scheduler has a
+   * snapshot whose record failed or is gone deleted here (reconcileHeldSnapshots) instead of
+   * its VMM directory (the guest's whole memory) staying on disk for good.
+   */
+  private readonly sealedOnly = new Set<string>();
   /** Fetches obtain() returned before they were durable, until they are, by snapshot (durable()). */
   private readonly durables = new Map<string, Promise<void>>();
   /** Why the last such fetch of a snapshot could not be made durable (until it is, or removed). */
@@ -83,11 +92,34 @@ export class ChunkStoreShipper implements SnapshotShipper {
 
   /** Fills the held set from what is on disk (after an agent restart). */
   async load(): Promise<void> {
-    for (const id of await this.deps.manifests.list()) this.complete.add(id);
+    // Checked, not assumed: a snapshot found incomplete here before a restart (a chunk
+    // quarantined, or lost to an OS crash) is not a holder again until it is fetched again.
+    const digestsOf = new Map<string, Set<string>>();
+    for (const id of await this.deps.manifests.list()) {
+      try {
+        const stored = await this.deps.manifests.get(id);
+        if (stored) digestsOf.set(id, manifestDigests(fromBinary(SnapshotManifestSchema, stored.manifest)));
+      } catch (e) {
+        this.deps.log.warn({ snapshotId: id, err: (e as Error).message }, 'stored manifest does not read: not reported as held');
+      }
+    }
+    const gone = new Set(await this.deps.chunks.missing([...digestsOf.values()].flatMap((ds) => [...ds])));
+    for (const [id, ds] of digestsOf) {
+      const lacking = gone.size === 0 ? 0 : [...ds].filter((d) => gone.has(d)).length;
+      if (lacking === 0) this.complete.add(id);
+      else this.deps.log.warn({ snapshotId: id, chunks: lacking }, 'stored snapshot lacks chunks: not reported as held until they are fetched again');
+    }
+    for (const id of await readdir(this.deps.driverSnapshotsDir).catch(() => [] as string[])) {
+      const dir = join(this.deps.driverSnapshotsDir, id);
+      // Sealed (the VMM's manifest.json is written last), not deleted, and never ingested.
+      if (!this.complete.has(id) && (await exists(join(dir, 'manifest.json'))) && !(await exists(join(dir, DELETED_MARKER)))) this.sealedOnly.add(id);
+    }
   }
 
   held(): HeldSnapshot[] {
-    return [...this.complete].map((snapshotId) => create(HeldSnapshotSchema, { snapshotId, complete: true }));
+    const out = [...this.complete].map((snapshotId) => create(HeldSnapshotSchema, { snapshotId, complete: true }));
+    for (const snapshotId of this.sealedOnly) if (!this.complete.has(snapshotId)) out.push(create(HeldSnapshotSchema, { snapshotId, complete: false }));
+    return out;
   }
 
   /**
@@ -116,6 +148,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const m = local.manifest;
     const existing = await this.deps.manifests.get(m.snapshotId);
     if (existing) return existing;
+    this.sealedOnly.add(m.snapshotId);
     const image = JSON.parse(await readFile(join(local.dir, 'image.json'), 'utf8')) as { disk: string };
     const metadata: Record<string, Uint8Array> = {};
     for (const f of META_FILES) metadata[f] = await readFile(join(local.dir, f));
@@ -160,6 +193,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       unpin(); // the manifest keeps the chunks from here (or nothing does: a failed put)
     }
     this.complete.add(m.snapshotId);
+    this.sealedOnly.delete(m.snapshotId);
     this.deps.log.info({ snapshotId: m.snapshotId, ...stats }, 'snapshot ingested');
     return signed;
   }
@@ -375,9 +409,12 @@ export class ChunkStoreShipper implements SnapshotShipper {
    */
   async remove(snapshotId: string): Promise<void> {
     this.complete.delete(snapshotId);
+    this.sealedOnly.delete(snapshotId);
     this.notDurable.delete(snapshotId);
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
-    if (await exists(own)) await writeFile(join(own, DELETED_MARKER), '');
+    // Durable before the manifest goes: a directory with neither marker nor manifest after a
+    // power loss would be reported as a snapshot never ingested, and deleted only later.
+    if (await exists(own)) await writeFileDurable(join(own, DELETED_MARKER), '');
     await this.deps.manifests.delete(snapshotId);
     await this.collectGarbage();
   }
