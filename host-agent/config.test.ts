@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { compileAgentConfig, DEFAULT_GUEST_CGROUP } from './config.ts';
+import { compileAgentConfig, DEFAULT_GUEST_CGROUP, sandboxDenyCidrs } from './config.ts';
 import { fieldOf } from '../services/testkit/fields.ts';
 
 const base = { FF_TRUSTED_KEY: '/k.pem', FF_HOST_ID: 'h1' };
@@ -158,5 +158,14 @@ describe('compileAgentConfig: value rules', () => {
       expect(fieldOf(() => compileAgentConfig({ ...base, FF_DATA_DIR: v }))).toBe('FF_DATA_DIR');
       expect(fieldOf(() => compileAgentConfig({ ...base, FF_TRUSTED_KEY: v }))).toBe('FF_TRUSTED_KEY');
     }
+  });
+});
+
+describe('sandboxDenyCidrs', () => {
+  it('addsTheNatsServersByAddress_toTheOperatorsDenyList_once', () => {
+    const deny = (natsUrl: string, cidrs: string[]) => sandboxDenyCidrs({ natsUrl, egress: { pool: '100.96.0.0/16', denyCidrs: cidrs } });
+    expect(deny('tls://10.0.0.11:4222,tls://10.0.0.12:4222,nats://nats.internal:4222', ['10.0.1.0/24'])).toEqual(['10.0.1.0/24', '10.0.0.11/32', '10.0.0.12/32']);
+    expect(deny('nats://10.0.0.11:4222', ['10.0.0.11/32'])).toEqual(['10.0.0.11/32']);
+    expect(deny('nats://user:pw@10.0.0.9:4222', [])).toEqual(['10.0.0.9/32']);
   });
 });

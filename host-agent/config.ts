@@ -3,6 +3,7 @@
 // digits and durations as services/config.ts parses them; '' is a value, not "unset" (it is
 // refused, except where a comment below says what it turns off).
 import { cpus, hostname, totalmem } from 'node:os';
+import { isIPv4 } from 'node:net';
 import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
 import { MAX_TIMER_MS, natsServers, natsTls, parseDurationIn, parseHostPort, parseInteger, parseLogLevel, parseRequired, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
@@ -211,4 +212,25 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
   if (cfg.ram && !cfg.ram.mount.startsWith('/')) throw new InvalidArgumentError('FF_RAM_MOUNT', 'must be an absolute path, or empty to turn the RAM pool off');
   parseRequired('FF_TRUSTED_KEY', cfg.trustedKeyPath, "must name the scheduler's public key (PEM)");
   return Object.freeze(cfg);
+}
+
+/**
+ * What no sandbox may reach whatever its policy: FF_EGRESS_DENY_CIDRS, plus the NATS servers
+ * this agent uses (by IPv4 address), which the agent knows whether or not the operator listed
+ * their network. etcd, the schedulers and other hosts' peer ports are not known here: only
+ * FF_EGRESS_DENY_CIDRS keeps sandboxes from them (main.ts warns when it is empty).
+ */
+export function sandboxDenyCidrs(cfg: Pick<AgentProcessConfig, 'natsUrl' | 'egress'>): string[] {
+  const nats = cfg.natsUrl
+    .split(',')
+    .map((u) => {
+      try {
+        return new URL(u.trim()).hostname;
+      } catch {
+        return '';
+      }
+    })
+    .filter((h) => isIPv4(h))
+    .map((h) => `${h}/32`);
+  return [...new Set([...cfg.egress.denyCidrs, ...nats])];
 }

@@ -7,7 +7,7 @@ import { mkdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { connect } from 'nats';
 import { pino } from 'pino';
-import { compileAgentConfig } from './config.ts';
+import { compileAgentConfig, sandboxDenyCidrs } from './config.ts';
 import { natsServers, readTlsClientFiles } from '../services/config.ts';
 import { Agent } from './domain/agent.ts';
 import { QemuVmmDriver } from './adapters/qemu/driver.ts';
@@ -56,7 +56,8 @@ async function main(): Promise<void> {
   if (guestCgroup) log.info({ cgroup: guestCgroup.dir, version: guestCgroup.version, cpuWeight: guestCgroup.cpuWeight }, 'guests run in their own cgroup');
 
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
-  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: [...cfg.egress.denyCidrs] }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}), ...(guestCgroup ? { guestCgroup } : {}),
+  if (cfg.egress.denyCidrs.length === 0) log.warn('FF_EGRESS_DENY_CIDRS is empty: a sandbox allowed egress can reach etcd, the schedulers and other hosts\' peer ports on other machines; set it to their networks');
+  const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: sandboxDenyCidrs(cfg) }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}), ...(guestCgroup ? { guestCgroup } : {}),
     // Migration streams to and from other hosts (ADR 0015) speak the same mutual TLS as the peer service.
     ...(migrationTlsDir ? { migrationTlsDir } : {}),
     // Through relays, a migration source QEMU needs no network: it gets a namespace of its own.

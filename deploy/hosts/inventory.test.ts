@@ -47,6 +47,10 @@ describe('inventory', () => {
     ['ports.bogus', (j: Record<string, unknown>) => (j.ports = { bogus: 1 })],
     ['ports.api', (j: Record<string, unknown>) => (j.ports = { api: 70000 })],
     ['controlCidrs', (j: Record<string, unknown>) => (j.controlCidrs = ['10.0.0.0'])],
+    ['controlCidrs', (j: Record<string, unknown>) => (j.controlCidrs = [])],
+    // An address outside every control network: a sandbox allowed egress could reach it.
+    ['hosts[2].address', (j: Record<string, unknown>) => ((j.hosts as Array<Record<string, unknown>>)[2]!.address = '10.0.2.23')],
+    ['etcd[0].address', (j: Record<string, unknown>) => (j.controlCidrs = ['10.0.0.12/31', '10.0.1.0/24'])],
     ['hosts[0].linkGbps', (j: Record<string, unknown>) => ((j.hosts as Array<Record<string, unknown>>)[0]!.linkGbps = 0)],
     ['installDir', (j: Record<string, unknown>) => (j.installDir = 'relative/path')],
   ])('parseInventory_whenBad_namesTheField %s', (field, spoil) => {

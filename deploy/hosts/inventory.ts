@@ -8,7 +8,8 @@
 //     "nats":       [{ "name": "nats-1", "address": "10.0.0.11" }, ...],     1 or 3+ servers (JetStream)
 //     "schedulers": [{ "name": "sched-1", "address": "10.0.0.11", "dns": ["api.forkfleet.internal"] }, ...],
 //     "hosts":      [{ "id": "kvm-01", "address": "10.0.1.21", "linkGbps": 25 }, ...],
-//     "controlCidrs": ["10.0.0.0/24", "10.0.1.0/24"],    networks no sandbox may reach (FF_EGRESS_DENY_CIDRS)
+//     "controlCidrs": ["10.0.0.0/24", "10.0.1.0/24"],    networks no sandbox may reach (FF_EGRESS_DENY_CIDRS);
+//                                                        required, and every address above must be in one
 //     Addresses are IPv4: where each process listens. The etcd membership is fixed by the first
 //     render (ETCD_INITIAL_CLUSTER_STATE=new): grow it with `etcdctl member add`, not here.
 //     "ports": { "api": 17700, ... }                     optional; defaults below
@@ -171,6 +172,16 @@ export function parseInventory(raw: unknown): Inventory {
   unique(hosts, (h) => h.machine, 'hosts');
   const cidrs = root.controlCidrs ?? [];
   if (!Array.isArray(cidrs) || cidrs.some((c) => typeof c !== 'string' || !/^(\d{1,3}\.){3}\d{1,3}\/\d{1,2}$/.test(c) || isIP(c.split('/')[0]!) !== 4 || Number(c.split('/')[1]) > 32)) throw new InvalidArgumentError('controlCidrs', 'must be a list of IPv4 CIDRs such as 10.0.0.0/24');
+  // Every address of the control plane must be in them: a sandbox allowed egress on one host
+  // could otherwise reach etcd, NATS, a scheduler or another host's peer port.
+  if (cidrs.length === 0) throw new InvalidArgumentError('controlCidrs', 'required: the networks of every address here, which no sandbox allowed egress may reach (FF_EGRESS_DENY_CIDRS)');
+  const within = (addr: string): boolean => (cidrs as string[]).some((c) => inCidr(addr, c));
+  const roles: Array<[string, ReadonlyArray<{ address: string }>]> = [['etcd', etcd], ['nats', nats], ['schedulers', schedulers], ['hosts', hosts]];
+  for (const [role, list] of roles) {
+    list.forEach((m, i) => {
+      if (!within(m.address)) throw new InvalidArgumentError(`${role}[${i}].address`, `${m.address} is in none of controlCidrs (${(cidrs as string[]).join(', ')}): a sandbox allowed egress could reach it`);
+    });
+  }
   const portsRaw = root.ports === undefined ? {} : obj(root.ports, 'ports');
   const ports = { ...DEFAULT_PORTS } as Record<keyof Ports, number>;
   for (const [k, v] of Object.entries(portsRaw)) {
@@ -179,6 +190,14 @@ export function parseInventory(raw: unknown): Inventory {
     ports[k as keyof Ports] = v;
   }
   return Object.freeze({ name, installDir, etcd, nats, schedulers, hosts, controlCidrs: cidrs as string[], ports: Object.freeze(ports) });
+}
+
+/** Whether IPv4 `addr` is in `cidr` (both checked by the parser). */
+function inCidr(addr: string, cidr: string): boolean {
+  const n = (a: string): number => a.split('.').reduce((x, o) => x * 256 + Number(o), 0);
+  const [base, len] = cidr.split('/') as [string, string];
+  const size = 2 ** (32 - Number(len));
+  return Math.floor(n(addr) / size) === Math.floor(n(base) / size);
 }
 
 /** host:port of an inventory address (IPv4). */
