@@ -21,6 +21,7 @@ import { Spread, Locality } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
 import { STREAM_WORK, workConsumer } from './adapters/nats/subjects.ts';
 import { status as Status } from '@grpc/grpc-js';
+import type { RpcError } from './adapters/grpc/status.ts';
 import type { SandboxRec } from './domain/records.ts';
 import { FAIL_SNAPSHOT_HOSTNAME } from '../loadtest/fake-agent/driver.ts';
 
@@ -257,17 +258,17 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
-  it('forkOfASnapshot_whoseInheritedHooksMakeItsChildrenOverflowOneTransaction_failsNamingCount_andBooksNothing', async () => {
-    // The API sees the fork's own labels only; the children also inherit the source's hooks.
+  it('forkOfASnapshot_whoseInheritedHooksMakeItsChildrenOverflowOneTransaction_isRefusedNamingCount_andBooksNothing', async () => {
+    // The children inherit the source's hooks besides the fork's own labels: the API counts both.
     const hooks = [0, 1].map(() => ({ argv: ['/bin/sh', '-c', `echo ${'x'.repeat(3900)}`] }));
     const src = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 128n, vcpus: 1 }, lifecycle: { afterResume: hooks } }));
     const srcId = src.result.case === 'sandbox' ? src.result.value.id : '';
     const snap = await ok(api, await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: srcId }));
     const snId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
     const labels = Object.fromEntries(Array.from({ length: 14 }, (_, i) => [`k${i}`, 'v'.repeat(250)]));
-    const fork = await wait(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 100, labels, placement: { spread: Spread.SPREAD } }));
-    expect(OperationState[fork.state]).toBe('FAILED');
-    expect(fork.error?.message).toMatch(/^count: this placement writes ~\d+ bytes/);
+    const refused = (await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 100, labels, placement: { spread: Spread.SPREAD } }).catch((e: unknown) => e)) as RpcError;
+    expect([Status[refused.code], refused.field]).toEqual(['INVALID_ARGUMENT', 'count']);
+    expect(refused.message).toMatch(/at most \d+ children with these labels and after_resume hooks/);
     // The same fork with fewer children fits.
     const small = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 2, labels }));
     for (const id of [srcId, ...(small.result.case === 'fork' ? small.result.value.children.map((c) => c.id) : [])]) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
