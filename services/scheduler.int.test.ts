@@ -209,7 +209,7 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
   }, 300_000);
 
-  it('files_largerThanANatsMessage_roundTripInPieces_withTheirMode_andAnOversizedExecIsInvalidArgument', async () => {
+  it('files_largerThanANatsMessage_roundTripInPieces_withTheirMode_andAnOversizedExecOrAMissingPathIsAClientError', async () => {
     const created = await done(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
     const sb = created.result.case === 'sandbox' ? created.result.value : undefined;
     const agent = agents.find((a) => a.hostId === sb!.hostId)!;
@@ -237,6 +237,13 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     const m = (await api.writeFile([{ payload: { case: 'header' as const, value: { ...header, idempotencyKey: key(), mode: 0o10000 } } }]).catch((x: unknown) => x)) as RpcError;
     expect(m.code).toBe(Status.INVALID_ARGUMENT);
     expect(m.field).toBe('header.mode');
+    // The guest's refusals of a path name it: a file that is not there, a directory.
+    const missing = (await (async () => {
+      for await (const _ of api.readFile({ tenantId, sandboxId: sb!.id, path: '/tmp/not-there' }));
+    })().catch((x: unknown) => x)) as RpcError;
+    expect([Status[missing.code], missing.field]).toEqual(['NOT_FOUND', 'path']);
+    const dir = (await api.writeFile([{ payload: { case: 'header' as const, value: { ...header, idempotencyKey: key(), path: '/tmp/no-dir/f' } } }]).catch((x: unknown) => x)) as RpcError;
+    expect([Status[dir.code], dir.field]).toEqual(['NOT_FOUND', 'header.path']);
     // A whole-file read in one answer (as a scheduler before ranged reads asks for it) is
     // over NATS' limit: the agent answers with an error instead of dying on the publish.
     const nc = await connect({ servers: nats.url });

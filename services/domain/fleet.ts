@@ -187,6 +187,11 @@ export class Fleet {
     return op;
   }
 
+  /** A placement pinned to a host names one the fleet has (else it would fail only once placed). */
+  private async knownHost(placement: PlacementPrefs | undefined): Promise<void> {
+    if (placement?.hostId && !(await this.deps.store.getHost(placement.hostId))) throw new InvalidArgumentError('placement.host_id', `no host ${placement.hostId} in this fleet (ListHosts)`);
+  }
+
   /**
    * Records a pending operation under its idempotency key, with any records it creates,
    * in one transaction. A repeat of the key returns the first operation unchanged.
@@ -227,6 +232,7 @@ export class Fleet {
   async createSandbox(input: CreateInput): Promise<OperationRec> {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['create'] });
     if (prior) return prior;
+    await this.knownHost(input.placement);
     const sn = input.snapshotId ? await this.getSnapshot(input.tenantId, input.snapshotId) : undefined;
     // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
     if (sn && sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be restored', 'snapshot_id');
@@ -264,6 +270,7 @@ export class Fleet {
   async forkSandbox(input: ForkInput): Promise<OperationRec> {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId });
     if (prior) return prior;
+    await this.knownHost(input.placement);
     let lineageId: string;
     let inheritedHooks: HookRec[] | undefined;
     if (input.snapshotId) {
@@ -598,7 +605,9 @@ export class Fleet {
   /** One relayed file request; the host's error, if any, is thrown. */
   private async fileCall(hostId: string, req: Parameters<WorkBus['file']>[1]): Promise<Awaited<ReturnType<WorkBus['file']>>> {
     const res = await this.deps.bus.file(hostId, req, { timeoutMs: 30_000 });
-    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message, res.error.field ? { field: res.error.field } : {});
+    // The guest's refusal of the path names it as the API does: WriteFile's path is in its header.
+    const field = res.error?.field === 'path' && req.op.case === 'write' ? 'header.path' : res.error?.field;
+    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message, field ? { field } : {});
     return res;
   }
 

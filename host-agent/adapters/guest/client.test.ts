@@ -6,8 +6,9 @@ import type { Server, Socket } from 'node:net';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { GuestAgentClient, MAX_PENDING_REPLY_BYTES } from './client.ts';
-import { ChannelClosedError } from '../../errors.ts';
+import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, pathError } from './client.ts';
+import { ChannelClosedError, GuestAgentCommandError } from '../../errors.ts';
+import type { ForkfleetError } from '../../../proto/errors.ts';
 
 /** Answers guest-sync-delimited and guest-ping like qemu-ga; `onPing` replaces the ping answer. */
 async function fakeGuest(onPing?: (sock: Socket) => void): Promise<{ path: string; sockets: Socket[]; close: () => Promise<void> }> {
@@ -88,4 +89,17 @@ describe('GuestAgentClient with an untrusted guest', () => {
     await c.sync(5000);
     await c.ping(5000);
   }, 60_000);
+});
+
+describe('pathError', () => {
+  it('guestRefusalsOfThePath_nameThePathField_withTheirKind_otherErrorsPassUnchanged', () => {
+    const refused = (desc: string) => pathError('/x/y', new GuestAgentCommandError('guest-file-open', `GenericError: failed to open file '/x/y' (mode: 'r'): ${desc}`)) as ForkfleetError;
+    expect([refused('No such file or directory').kind, refused('No such file or directory').field]).toEqual(['not_found', 'path']);
+    expect(refused('Not a directory').kind).toBe('not_found');
+    expect(refused('Is a directory').kind).toBe('invalid_argument');
+    expect(refused('Permission denied').kind).toBe('failed_precondition');
+    expect(refused('No space left on device').kind).toBe('resource_exhausted');
+    const other = new GuestAgentCommandError('guest-file-read', 'GenericError: Input/output error');
+    expect(pathError('/x/y', other)).toBe(other);
+  });
 });

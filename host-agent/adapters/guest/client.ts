@@ -6,6 +6,7 @@ import { randomInt } from 'node:crypto';
 import net from 'node:net';
 import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
 import type { ExecRequest, ExecResult } from '../../domain/vmm.ts';
+import { ForkfleetError } from '../../../proto/errors.ts';
 
 /**
  * Runs "$@" with stdout and stderr in files, then copies them to its own (qemu-ga's pipes)
@@ -283,6 +284,12 @@ export class GuestAgentClient {
 
   /** The file's bytes from `range.offset` (default 0), at most `range.maxBytes` of them (0 or absent: to the end). */
   async readFile(path: string, range: { offset?: number; maxBytes?: number } = {}, timeoutMs = 10_000): Promise<Buffer> {
+    return this.readFileRaw(path, range, timeoutMs).catch((e: unknown) => {
+      throw pathError(path, e);
+    });
+  }
+
+  private async readFileRaw(path: string, range: { offset?: number; maxBytes?: number }, timeoutMs: number): Promise<Buffer> {
     const handle = await this.command<number>('guest-file-open', { path, mode: 'r' }, timeoutMs);
     try {
       if (range.offset) await this.command('guest-file-seek', { handle, offset: range.offset, whence: 'set' }, timeoutMs);
@@ -308,6 +315,12 @@ export class GuestAgentClient {
 
   /** Writes `data` to the file, replacing it, or after its end with `append`. */
   async writeFile(path: string, data: Buffer, opts: { append?: boolean } = {}, timeoutMs = 10_000): Promise<void> {
+    return this.writeFileRaw(path, data, opts, timeoutMs).catch((e: unknown) => {
+      throw pathError(path, e);
+    });
+  }
+
+  private async writeFileRaw(path: string, data: Buffer, opts: { append?: boolean }, timeoutMs: number): Promise<void> {
     const handle = await this.command<number>('guest-file-open', { path, mode: opts.append ? 'a' : 'w' }, timeoutMs);
     try {
       for (let off = 0; off < data.length || off === 0; off += 1 << 20) {
@@ -463,4 +476,21 @@ class LiveOutput {
       this.handles[stream] = null;
     }
   }
+}
+
+/**
+ * The guest's refusal of a file call, when it is about the caller's path (qemu-ga appends the
+ * errno's text): an error that names the `path` field, not an internal one.
+ */
+export function pathError(path: string, e: unknown): unknown {
+  if (!(e instanceof GuestAgentCommandError)) return e;
+  const at = (kind: ForkfleetError['kind'], why: string): ForkfleetError => new ForkfleetError(kind, `${path}: ${why} (in the guest)`, { field: 'path', cause: e });
+  const m = e.message;
+  if (/No such file or directory/i.test(m)) return at('not_found', 'no such file or directory');
+  if (/Not a directory/i.test(m)) return at('not_found', 'a part of the path is not a directory');
+  if (/Is a directory/i.test(m)) return at('invalid_argument', 'is a directory');
+  if (/Permission denied|Read-only file system|Operation not permitted/i.test(m)) return at('failed_precondition', 'the guest refuses access');
+  if (/No space left on device|Disk quota exceeded/i.test(m)) return at('resource_exhausted', 'the guest file system is full');
+  if (/File name too long/i.test(m)) return at('invalid_argument', 'a name in it is too long');
+  return e;
 }

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { durationMs, timestampMs } from '@bufbuild/protobuf/wkt';
-import { env, idemKey, image, labels, lifecycle, LIMITS, network, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, SANDBOXES_BY_ID, SNAPSHOTS_BY_ID, toSnapshot, toSteps } from './convert.ts';
+import { env, guestFilePath, idemKey, image, labels, lifecycle, LIMITS, network, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, SANDBOXES_BY_ID, SNAPSHOTS_BY_ID, toSnapshot, toSteps } from './convert.ts';
 import { OperationKind, OperationState, OperationStepState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { OperationRec } from '../../domain/records.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
@@ -150,6 +150,18 @@ describe('fields a record stores', () => {
     expect(() => idle(0n, 500_000)).toThrow(/lifecycle\.idle_timeout/);
     expect(() => idle(0n, -500_000)).toThrow(/lifecycle\.idle_timeout/);
     expect(() => idle(0n, 999_000_000)).toThrow(/lifecycle\.idle_timeout/);
+  });
+
+  it('operationTarget_thatLooksLikeAMalformedSandboxOrSnapshotId_isInvalidArgument', () => {
+    expect(operationTarget('sb-aaaaaaaaaaaaaaaaaaaa', 'target_id')).toBe('sb-aaaaaaaaaaaaaaaaaaaa');
+    expect(operationTarget('kvm-01', 'target_id')).toBe('kvm-01');
+    for (const bad of ['sb-bad', 'op-aaaaaaaaaaaaaaaaaaaa', 'sn-x']) expect(() => operationTarget(bad, 'target_id')).toThrow(/^target_id: /);
+  });
+
+  it('guestFilePath_ofTheRootOrADirectory_isInvalidArgument', () => {
+    expect(guestFilePath('/tmp/x')).toBe('/tmp/x');
+    expect(() => guestFilePath('/', 'header.path')).toThrow(/^header\.path: must name a file/);
+    expect(() => guestFilePath('/tmp/')).toThrow(/^path: /);
   });
 
   it('allowCidrs_listedTwice_isInvalidArgumentNamingTheSecond', () => {

@@ -267,6 +267,13 @@ export function guestPath(v: string, field = 'path'): string {
   return v;
 }
 
+/** A file in the guest (ReadFile, WriteFile): a guest path that names a file, not the root. */
+export function guestFilePath(v: string, field = 'path'): string {
+  guestPath(v, field);
+  if (v === '/') throw new InvalidArgumentError(field, 'must name a file, not a directory');
+  return v;
+}
+
 export function argv(v: string[], field = 'argv'): string[] {
   if (v.length === 0) throw new InvalidArgumentError(field, 'must name a command');
   if (v.length > LIMITS.maxArgv) throw new InvalidArgumentError(field, `at most ${LIMITS.maxArgv} arguments`);
@@ -434,7 +441,9 @@ export function operationKind(k: PbOpKind, field: string): OperationRec['kind'] 
 
 /** What an operation acts on: a sandbox or snapshot id, or a host id (a drain). */
 export function operationTarget(v: string, field: string): string {
-  if (!ID_RE.sb.test(v) && !ID_RE.sn.test(v) && !HOST_ID_RE.test(v)) throw new InvalidArgumentError(field, 'must be a sandbox id (sb-...), a snapshot id (sn-...) or a host id');
+  // A host id may look like anything of [a-z0-9-], but not like a malformed sandbox or snapshot id.
+  const idLike = /^(sb|sn|op)-/.test(v);
+  if (!ID_RE.sb.test(v) && !ID_RE.sn.test(v) && (idLike || !HOST_ID_RE.test(v))) throw new InvalidArgumentError(field, 'must be a sandbox id (sb-...), a snapshot id (sn-...) or a host id');
   return v;
 }
 

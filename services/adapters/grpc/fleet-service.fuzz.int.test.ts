@@ -264,6 +264,8 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
       { kind: 'snapshot', value: snapshotRecord({ id: sn('k'), tenantId: t, sourceSandboxId: sb('k'), lineageId: sb('k') }) },
     ]);
     expect(await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k4h', source: { case: 'snapshotId', value: sn('k') }, count: 200 }), Status.INVALID_ARGUMENT, 'count')).toMatch(/at most \d+ children/);
+    // A placement pinned to a host the fleet does not have would fail only once placed.
+    await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k4p', source: { case: 'image', value: 'tiny' }, placement: { hostId: 'no-such-host' } }), Status.INVALID_ARGUMENT, 'placement.host_id');
     await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k5', source: { case: 'sandboxId', value: sb('a') }, count: 4, placement: { hostId: 'h1', maxPerHost: 2 } }), Status.INVALID_ARGUMENT, 'placement.max_per_host');
     await refused(() => api.setSnapshotRetention({ tenantId: t, idempotencyKey: 'k6', snapshotId: sn('c') }), Status.INVALID_ARGUMENT, 'retention');
     await refused(() => api.listSandboxes({ tenantId: t, pageToken: Buffer.from(sn('c')).toString('base64url') }), Status.INVALID_ARGUMENT, 'page_token');

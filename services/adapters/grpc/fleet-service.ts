@@ -165,7 +165,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           if (header) throw new InvalidArgumentError('header', 'sent twice');
           const h = r.payload.value;
           if (h.mode > 0o7777) throw new InvalidArgumentError('header.mode', 'permission bits: at most 07777 (0: the guest default)');
-          header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestPath(h.path, 'header.path'), mode: h.mode };
+          header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestFilePath(h.path, 'header.path'), mode: h.mode };
           if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
         } else if (r.payload.case === 'data') {
           if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');
@@ -183,7 +183,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     async *readFile(req: ReadFileRequest, ctx: CallContext) {
       const max = req.maxBytes === 0n ? c.LIMITS.maxFileBytes : Number(req.maxBytes);
       if (!(max > 0 && max <= c.LIMITS.maxFileBytes)) throw new InvalidArgumentError('max_bytes', `must be at most ${c.LIMITS.maxFileBytes}`);
-      const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestPath(req.path), max);
+      const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max);
       const piece = 256 * 1024;
       for (let off = 0; off < data.length; off += piece) yield { data: data.subarray(off, off + piece) };
       if (data.length === 0) yield { data: new Uint8Array() };
