@@ -117,8 +117,8 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
    * Starts a host whose restores take a minute, and forks `count` children onto it (fake-a
    * cordoned meanwhile, uncordoned after): they are still starting when the test kills it.
    */
-  async function forkOntoASlowHost(hostId: string, count: number): Promise<{ host: FakeAgentsProcess; forkId: string; childIds: string[] }> {
-    const host = await agents(hostId, { FF_FAKE_RESTORE_MS_PER_VM: '60000' });
+  async function forkOntoASlowHost(hostId: string, count: number, env: Record<string, string> = {}): Promise<{ host: FakeAgentsProcess; forkId: string; childIds: string[] }> {
+    const host = await agents(hostId, { FF_FAKE_RESTORE_MS_PER_VM: '60000', ...env });
     await waitFor(`${hostId} registered`, async () => (await api.listHosts({})).hosts.some((h) => h.id === hostId && h.state === HostState.READY), 20_000, 100);
     await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-a', cordon: true });
     const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count });
@@ -185,6 +185,28 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     expect(hosts.find((h) => h.id === 'fake-d')?.allocated?.vcpus ?? 0).toBe(0);
     expect(hosts.find((h) => h.id === 'fake-a')?.allocated?.vcpus).toBe(5);
   }, 90_000);
+
+  it('lostHostThatComesBack_doesNotStartASecondVmOfTheChildrenPlacedAgainElsewhere', async () => {
+    const placed = await forkOntoASlowHost('fake-k', 2, { FF_LOG_LEVEL: 'info' });
+    const back = placed.host;
+    try {
+      back.proc.kill();
+      const final = await api.waitOperation({ tenantId, operationId: placed.forkId, timeout: { seconds: 60n } }, { timeoutMs: 70_000 });
+      expect(final.state, final.error?.message).toBe(OperationState.SUCCEEDED);
+      for (const id of placed.childIds) expect((await api.getSandbox({ tenantId, sandboxId: id })).hostId).toBe('fake-a');
+      // fake-k comes back. The restore it was running is delivered to it again (after
+      // JetStream's ack wait); the children run on fake-a by now, so it must not start them.
+      const log = join(ts.dir, 'fake-agents-fake-k.log');
+      const from = readFileSync(log, 'utf8').length;
+      await back.restart();
+      const finished = (step: string): boolean => readFileSync(log, 'utf8').slice(from).split('\n').some((l) => l.includes('"step finished"') && l.includes(placed.forkId) && l.includes(`"stepId":"${step}`));
+      await waitFor('the redelivered restore and the stops of the children placed again, handled on fake-k', async () => finished('restore/') && placed.childIds.every((id) => finished(`stop-replaced/${id}`)), 60_000, 200);
+      const vms = (back.vms().get('fake-k') ?? []).map((v) => v.sandboxId);
+      for (const id of placed.childIds) expect(vms).not.toContain(id);
+    } finally {
+      await back.stop();
+    }
+  }, 150_000);
 
   it('hibernate_whoseHostIsLostWhileItsReplicaIsCopied_leavesItHibernatedFromTheNewSnapshot_andItWakesFromIt', async () => {
     // fake-h runs the sandbox; fake-r takes a minute to copy the replica; every other host is

@@ -188,6 +188,48 @@ describe('Agent steps', () => {
     expect([...vms.keys()]).toEqual(['sb-2']);
   });
 
+  /** A driver whose VMs are a map: fork makes every clone at once, destroy removes one. */
+  const mapDriver = (vms: Map<string, VmInfo>): Partial<VmmDriver> => ({
+    get: (id) => vms.get(id),
+    fork: async (_s, clones) => clones.map((c) => (vms.set(c.vmId, { vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 } as VmInfo), vms.get(c.vmId)!)),
+    destroy: async (id) => void vms.delete(id),
+  });
+  const obtained = { obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) };
+
+  it('destroy_deliveredRightAfterARestoreOfItsSandbox_waitsForIt_evenWhileTheRestoreStillReadsItsJournal', async () => {
+    const vms = new Map<string, VmInfo>();
+    const { agent, journal } = agentWith(mapDriver(vms), obtained);
+    // The restore's journal read is the slower one (a redelivery after an agent restart: both
+    // steps start together, in delivery order).
+    const get = journal.get.bind(journal);
+    journal.get = async (op, step) => {
+      if (step === 'restore/h1') await new Promise((r) => setTimeout(r, 30));
+      return get(op, step);
+    };
+    const restore = agent.runStep(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }));
+    const destroy = agent.runStep(create(HostWorkSchema, { opId: 'op-d', stepId: 'destroy', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }));
+    expect((await restore).error).toBeUndefined();
+    expect((await destroy).error).toBeUndefined();
+    expect([...vms.keys()]).toEqual([]);
+  });
+
+  it('restoreOrCreate_ofAStartTheSchedulerGaveUpOnHere_doesNotMakeThatVm', async () => {
+    const vms = new Map<string, VmInfo>();
+    const { agent } = agentWith(mapDriver(vms), obtained);
+    // The child was placed again elsewhere (its host was lost); the stop of the same op comes
+    // before the restore that was still queued here.
+    expect((await agent.runStep(work('stop-replaced/sb-1', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
+    const r = await agent.runStep(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }, { sandboxId: 'sb-2' }] } } }));
+    expect(r.error).toBeUndefined();
+    expect([...vms.keys()]).toEqual(['sb-2']);
+    await agent.runStep(work('stop-unanswered/sb-3', { work: { case: 'destroyVm', value: { sandboxId: 'sb-3' } } }));
+    const c = await agent.runStep(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-3' } } } }));
+    expect(c.error?.message).toMatch(/gave up on starting sb-3/);
+    // Another op's start of the same sandbox (a later wake here, say) is not affected.
+    await agent.runStep(create(HostWorkSchema, { opId: 'op-b', stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }));
+    expect([...vms.keys()].sort()).toEqual(['sb-1', 'sb-2']);
+  });
+
   it('work_waitingForAStepSlot_isKeptAliveSoTheBusDoesNotDeliverItAgain', async () => {
     vi.useFakeTimers();
     try {

@@ -181,6 +181,12 @@ export class Agent {
   private readonly inProgress = new Map<string, Promise<HostResult>>();
   /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
   private readonly making = new Map<string, Set<Promise<void>>>();
+  /**
+   * `${opId}/${sandboxId}` of starts the scheduler gave up on here (a stop-unanswered,
+   * stop-moved-on or stop-replaced step ran): a create or restore of that op that comes after
+   * it (a redelivery after an agent restart) does not make that VM. In memory, bounded.
+   */
+  private readonly gaveUp = new Set<string>();
   /** Keep-alives of delivered steps (running or waiting for a slot), cleared by stop(). */
   private readonly keepAlives = new Set<ReturnType<typeof setInterval>>();
   /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
@@ -354,6 +360,24 @@ export class Agent {
     if (running) return running;
     const p = this.runStepOnce(w).finally(() => this.inProgress.delete(key));
     this.inProgress.set(key, p);
+    // VMs this step makes are "being made" from now on, before its journal read: a destroy
+    // delivered after it (steps start in delivery order) waits for it, instead of finding no
+    // VM while this step still reads its journal, and the VM then running on with no record.
+    const makes = makesOf(w);
+    if (makes.length > 0) {
+      const settled = p.then(
+        () => undefined,
+        () => undefined,
+      );
+      for (const id of makes) this.making.set(id, new Set([...(this.making.get(id) ?? []), settled]));
+      void settled.then(() => {
+        for (const id of makes) {
+          const steps = this.making.get(id);
+          steps?.delete(settled);
+          if (steps?.size === 0) this.making.delete(id);
+        }
+      });
+    }
     return p;
   }
 
@@ -397,39 +421,22 @@ export class Agent {
     return { sandboxId: v.sandboxId, hostname: v.hostname || v.sandboxId, vcpus: v.resources?.vcpus || 1, memoryMib: Number(v.resources?.memoryMib ?? 256n) || 256, ...network };
   }
 
+  /**
+   * A step's work. VMs a step makes are "being made" while it runs (runStep): a destroy of
+   * one of them waits for every step making it (the scheduler can give up on a slow create
+   * or restore and destroy its sandbox while the VM is still starting; found missing, the VM
+   * would run on with no record). The wait is bounded by those steps, which the scheduler's
+   * step timeout (180 s by default, per attempt) outlasts. Should the agent die meanwhile,
+   * the scheduler stops a VM whose record moved on when the restore's result comes
+   * (Executor.markRunning), or queues a stop of that op behind the restore (gaveUp).
+   */
   private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
-    const work = w.work;
-    // VMs this step makes are "being made" until it ends: a destroy of one of them waits for
-    // every step making it (the scheduler can give up on a slow create or restore and destroy
-    // its sandbox while the VM is still starting; found missing, the VM would run on with no
-    // record). The wait is bounded by those steps, which the scheduler's step timeout (180 s
-    // by default, per attempt) outlasts. Should the agent die meanwhile, the scheduler stops
-    // a VM whose record moved on when the restore's result comes (Executor.markRunning).
-    const makes = (work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : []).filter(Boolean);
-    if (makes.length === 0) return this.actOn(w, result, log);
-    const done = this.actOn(w, result, log);
-    const settled = done.then(
-      () => undefined,
-      () => undefined,
-    );
-    for (const id of makes) this.making.set(id, new Set([...(this.making.get(id) ?? []), settled]));
-    try {
-      await done;
-    } finally {
-      for (const id of makes) {
-        const steps = this.making.get(id);
-        steps?.delete(settled);
-        if (steps?.size === 0) this.making.delete(id);
-      }
-    }
-  }
-
-  private async actOn(w: HostWork, result: HostResult, log: Logger): Promise<void> {
     const { driver, shipper } = this.deps;
     const work = w.work;
     switch (work.case) {
       case 'createVm': {
         const s = this.spec(work.value.vm, 'create_vm.vm');
+        if (this.gaveUp.has(`${w.opId}/${s.sandboxId}`)) throw new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${s.sandboxId} here (op ${w.opId}): not started`);
         const existing = driver.get(s.sandboxId);
         if (existing && existing.state !== 'crashed' && existing.state !== 'destroyed') {
           result.vms = [this.vmStatus(existing)];
@@ -454,6 +461,8 @@ export class Agent {
         const have: VmInfo[] = [];
         const missing: typeof specs = [];
         for (const s of specs) {
+          // Given up on here (placed again elsewhere, say) before this step ran: not made.
+          if (this.gaveUp.has(`${w.opId}/${s.sandboxId}`)) continue;
           const ex = driver.get(s.sandboxId);
           if (ex && ex.state !== 'crashed' && ex.state !== 'destroyed') have.push(ex);
           else {
@@ -540,6 +549,10 @@ export class Agent {
         return;
       }
       case 'destroyVm': {
+        if (GAVE_UP_STEP.test(w.stepId)) {
+          this.gaveUp.add(`${w.opId}/${work.value.sandboxId}`);
+          if (this.gaveUp.size > GAVE_UP_MAX) this.gaveUp.delete(this.gaveUp.values().next().value as string);
+        }
         await Promise.all(this.making.get(work.value.sandboxId) ?? []);
         if (driver.get(work.value.sandboxId)) await driver.destroy(work.value.sandboxId);
         return;
@@ -709,6 +722,16 @@ export class Agent {
     return res;
   }
 }
+
+/** Sandbox ids a create or restore step makes. */
+function makesOf(w: HostWork): string[] {
+  const work = w.work;
+  return (work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : []).filter(Boolean);
+}
+
+/** Stops by which the scheduler gives up on a start of the same op on this host (Executor). */
+const GAVE_UP_STEP = /^stop-(unanswered|moved-on|replaced)\//;
+const GAVE_UP_MAX = 10_000;
 
 /**
  * A journalled result of this step, or undefined: an empty or undecodable entry (a write an

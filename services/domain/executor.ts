@@ -704,9 +704,21 @@ export class Executor {
     }
   }
 
-  /** One host step sent without waiting for its result (clean-ups; the agent dedups by op and step). */
+  /**
+   * One host step sent without waiting for its result (clean-ups; the agent dedups by op and
+   * step). The send is retried a few times (a NATS restart fails the publishes of a few
+   * seconds): such a stop is sent once, and a lost one leaves a VM running with no record.
+   */
   private async sendHostWork(hostId: string, opId: string, tenantId: string, stepId: string, work: HostWorkMsg['work'], failed: string): Promise<void> {
-    await this.deps.bus.sendWork(hostId, create(HostWorkSchema, { opId, stepId, attempt: 1, tenantId, work })).catch((e: unknown) => this.log.warn({ err: e, hostId, opId, stepId }, failed));
+    const msg = create(HostWorkSchema, { opId, stepId, attempt: 1, tenantId, work });
+    for (let i = 0; ; i++) {
+      try {
+        return await this.deps.bus.sendWork(hostId, msg);
+      } catch (e) {
+        if (i >= 4 || !this.active) return void this.log.warn({ err: e, hostId, opId, stepId }, failed);
+        await new Promise((r) => setTimeout(r, 500 * 2 ** i));
+      }
+    }
   }
 
   /**
@@ -2546,6 +2558,10 @@ export class Executor {
         },
       );
       for (const m of made) replaced[m.rec.id] = { times: (replaced[m.rec.id]?.times ?? 0) + 1, by };
+      // The lost host may only be away: back, its agent would run the restore still queued for
+      // it and start a second VM of each child. A stop of this op, queued behind that restore,
+      // ends any it made, and one that arrives first makes the agent skip them (agent.ts).
+      for (const v of fresh) void this.sendHostWork(v.value.hostId, op.id, op.tenantId, `stop-replaced/${v.value.id}`, stopVm(v.value.id), 'could not tell a lost host to stop a child placed again elsewhere');
       return { children: made.map((m) => ({ rec: m.rec, rev: placed.revision })), transfers: plan };
     } catch (e) {
       if (e instanceof StoreUnavailableError) throw e;
