@@ -643,6 +643,8 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     FF_CAPACITY_MEMORY_MIB: String(state.options.hostMemoryMib),
     FF_HEARTBEAT_INTERVAL: '500ms',
     FF_GUEST_CGROUP: state.guestCgroup ?? '',
+    // As the systemd unit sets it (and bench:transfer's endpoints run with it).
+    UV_THREADPOOL_SIZE: process.env.UV_THREADPOOL_SIZE ?? '16',
     ...state.options.agentEnv,
   });
   await waitLog(p.log, '"ready":true', 120_000, p);

@@ -25,7 +25,12 @@
 //   runs with cold JIT, a new heap (first-touch page faults, ~1 ms per fresh 256 KiB here) and
 //   verify workers that boot on the first chunk: costs an agent pays once, not per fork.
 // Both rows use the same chunk server (warmed by the warm-up fetch) and count wire bytes the
-// same way (tx of both veth ends while the fetch runs).
+// same way: `bytes_on_wire` is the tx of both veth ends while the fetch runs; goodput counts
+// the sender's end only (`bytes_on_wire_forward`), since tbf shapes each direction to the
+// link rate on its own and the receiver's requests and ACKs (`_reverse`) use the other one.
+// `speedup_vs_naive` is naive_copy_seconds / seconds (chunks stored); the naive copy's clock
+// also covers writing the whole file, so `speedup_ready_vs_naive` (image complete) is the
+// like-for-like one.
 import { parseArgs } from 'node:util';
 import { rmSync, writeFileSync } from 'node:fs';
 import { loadavg } from 'node:os';
@@ -49,10 +54,15 @@ const NODE = [process.execPath, ...(process.env.BENCH_NODE_ARGS ?? '').split(' '
 interface Run {
   link_gbps: number;
   logical_bytes: number;
+  /** Bytes of the chunks that hold any non-zero byte (what a sparse image has allocated). */
   nonzero_bytes: number;
+  /** Both directions: sender to receiver (forward) plus the receiver's requests and ACKs (reverse). */
   bytes_on_wire: number;
+  bytes_on_wire_forward: number;
+  bytes_on_wire_reverse: number;
   /** Warm (long-lived) receiver: until every chunk is stored (not yet synced). */
   seconds: number;
+  /** Forward wire bytes (each direction of the link is shaped to link_gbps on its own) over `seconds`. */
   goodput_gbps: number;
   /** Until the materialised image is complete too (it is written while chunks arrive). */
   ready_seconds: number;
@@ -139,24 +149,26 @@ async function main(): Promise<void> {
       return out;
     };
     // Today's method: a fresh receiver process for one fetch.
-    const coldFetch = async (root: string, snapshotId: string): Promise<{ out: Record<string, unknown>; wire: number }> => {
+    const coldFetch = async (root: string, snapshotId: string): Promise<{ out: Record<string, unknown>; wire: number; forward: number }> => {
       const before = wire(fabric, [h0, h1]);
+      const forward0 = wire(fabric, [h0]);
       const r = await fabric.run(h1, [...NODE, 'fetch', '--root', root, '--host-id', 'h1', '--snapshot', snapshotId, '--ticket', ticketFor(snapshotId), '--sources', `${h0.address}:${port}`, '--trust', pem, '--materialise', ...tlsArgs('h1', h1.address), ...(values['fsync-each'] ? ['--fsync-each'] : [])], 300_000);
       const after = wire(fabric, [h0, h1]);
       const line = r.stdout.trim().split('\n').pop() ?? '';
       if (r.code !== 0 || !line.startsWith('{')) throw new Error(`fetch failed (${r.code}): ${r.stderr.slice(-2000)}`);
-      return { out: checked(JSON.parse(line) as Record<string, unknown>, 'cold fetch'), wire: after - before };
+      return { out: checked(JSON.parse(line) as Record<string, unknown>, 'cold fetch'), wire: after - before, forward: wire(fabric, [h0]) - forward0 };
     };
     // The agent's way: the long-lived receiver. Every fetch gets its own (new) root, so
     // nothing is deduplicated; nothing is deleted before the end (ADR 0008: on this ext4
     // without a journal, files created within minutes of many deletions cost ~1.5 ms each).
     daemon = startDaemon(h1, [...NODE, 'fetch-daemon', '--trust', pem, ...tlsArgs('h1', h1.address), ...(values['fsync-each'] ? ['--fsync-each'] : [])], join(dir, 'daemon.log'));
     const d = daemon;
-    const warmFetch = async (root: string, snapshotId: string): Promise<{ out: Record<string, unknown>; wire: number }> => {
+    const warmFetch = async (root: string, snapshotId: string): Promise<{ out: Record<string, unknown>; wire: number; forward: number }> => {
       const before = wire(fabric, [h0, h1]);
+      const forward0 = wire(fabric, [h0]);
       const out = await d.ask({ root, hostId: 'h1', snapshot: snapshotId, ticket: ticketFor(snapshotId), sources: `${h0.address}:${port}`, materialise: true });
       const after = wire(fabric, [h0, h1]);
-      return { out: checked(out, `fetch ${snapshotId}`), wire: after - before };
+      return { out: checked(out, `fetch ${snapshotId}`), wire: after - before, forward: wire(fabric, [h0]) - forward0 };
     };
     for (let i = 0; i < Number(values.warmups); i++) {
       const warmup = await warmFetch(join(dir, `dst-warmup-${i}`), 'w');
@@ -175,7 +187,7 @@ async function main(): Promise<void> {
         fabric.shape(h1, rate, burst);
       }
       const load0 = loadavg()[0] ?? 0;
-      const { out, wire: wb } = await warmFetch(join(dir, `dst-${g}`), 's1');
+      const { out, wire: wb, forward: wf } = await warmFetch(join(dir, `dst-${g}`), 's1');
       const seconds = Number(out.seconds);
       const rep = out.report as { fetched: number; requested: number };
       if (rep.fetched !== s1Digests.size || rep.requested !== s1Digests.size) throw new Error(`warm fetch fetched ${rep.fetched} of ${s1Digests.size} chunks (${rep.requested} requested): deduplicated`);
@@ -189,7 +201,7 @@ async function main(): Promise<void> {
       }
       // The same transfer into a fresh process (and a fresh root).
       const coldRoot = join(dir, `dst-cold-${g}`);
-      const cold = values['skip-cold'] ? { out: { seconds: 0, cpu_ms: 0, page_faults: 0 }, wire: 0 } : await coldFetch(coldRoot, 's1');
+      const cold = values['skip-cold'] ? { out: { seconds: 0, cpu_ms: 0, page_faults: 0 }, wire: 0, forward: 0 } : await coldFetch(coldRoot, 's1');
       const coldSeconds = Number(cold.out.seconds);
       // Baseline: plain TCP stream of the whole memory file plus the disk.
       const nb = wire(fabric, [h0, h1]);
@@ -202,8 +214,10 @@ async function main(): Promise<void> {
         logical_bytes: logical,
         nonzero_bytes: nonzero,
         bytes_on_wire: wb,
+        bytes_on_wire_forward: wf,
+        bytes_on_wire_reverse: wb - wf,
         seconds: +seconds.toFixed(3),
-        goodput_gbps: +((wb * 8) / seconds / 1e9).toFixed(3),
+        goodput_gbps: +((wf * 8) / seconds / 1e9).toFixed(3),
         ready_seconds: +Number(out.ready_seconds).toFixed(3),
         materialise_ms: Math.round((Number(out.ready_seconds) - seconds) * 1000),
         durable_seconds: +Number(out.durable_seconds).toFixed(3),
@@ -213,7 +227,7 @@ async function main(): Promise<void> {
         page_faults: Number(out.page_faults),
         cold_seconds: +coldSeconds.toFixed(3),
         cold_bytes_on_wire: cold.wire,
-        cold_goodput_gbps: coldSeconds > 0 ? +((cold.wire * 8) / coldSeconds / 1e9).toFixed(3) : 0,
+        cold_goodput_gbps: coldSeconds > 0 ? +((cold.forward * 8) / coldSeconds / 1e9).toFixed(3) : 0,
         cold_cpu_ms: Number(cold.out.cpu_ms),
         cold_page_faults: Number(cold.out.page_faults),
         naive_copy_seconds: +naiveOut.seconds.toFixed(3),

@@ -13,6 +13,10 @@
 //                    once, under fork(count) requests kept `inflight` at a time. Measured
 //                    from the first request to the last fork reaching `succeeded`, so every
 //                    counted child was placed, booked, restored by its agent and marked running.
+//                    Four untimed warm-up forks first spread the snapshot over the fleet: the
+//                    timed forks mostly land on hosts that already hold it, so the figure is
+//                    placements without transfer plans (the fake agents' "fetch" is instant
+//                    anyway; transfer time is bench:transfer's and the loadtest's).
 //   cpu_us_per_child CPU (user+sys, /proc ticks) of each process over the same span, per
 //                    committed child: leader, API replica, fake agents, etcd, NATS and this
 //                    bench's own gRPC client. On a machine that every process shares,
