@@ -1,10 +1,11 @@
 // Benchmark: how fast place() decides on simulated fleets of 100, 1000 and 10000 hosts.
-// Prints JSON { decide: { "<hosts>": { per_s, p50_us, p99_us } } } (DESIGN.md "Benchmarks").
+// Prints JSON { decide: { "<hosts>": { per_s, p50_us, p99_us } } } (issue 5: the pure placement).
 //
 // Fleets come from the deterministic generator in fleet.ts (~5% of hosts hold each
-// snapshot). The view is built once per fleet (as the
-// service builds it once per etcd read); only place() is timed. Requests mix fork(1),
-// fork(8) and fork(64) with varied locality/spread preferences.
+// snapshot). The view is built once per fleet and only place() is timed: the scheduler's
+// leader also builds a view (O(hosts)) for each decision, from its cache, which this figure
+// leaves out. Requests mix fork(1), fork(8) and fork(64) with varied locality/spread
+// preferences.
 //
 //   npm run bench:decide            # defaults
 //   DECISIONS=5000 npm run bench:decide
