@@ -16,6 +16,8 @@ import { OperationState, SnapshotState } from '../proto/gen/forkfleet/v1/fleet_p
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { FleetStore, StoreWrite } from './domain/ports.ts';
 import { withCommitAt } from './testkit/store-proxy.ts';
+import { EtcdFleetStore } from './adapters/etcd/store.ts';
+import { sandboxRecord } from './testkit/records.ts';
 
 const tenantId = 't1';
 let keyN = 0;
@@ -167,5 +169,22 @@ describe('placement groups (real etcd, NATS, a fake agent)', () => {
     expect(del.state).toBe(OperationState.FAILED);
     expect(del.error?.message).toContain('in use');
     expect((await api.getSnapshot({ tenantId, snapshotId })).state).toBe(SnapshotState.READY);
+  }, 120_000);
+
+  it('deleteTakenUpAgainAfterItFoundNoUser_goesOnDeleting_neverPutsBackASnapshotHostsMayHaveDeleted', async () => {
+    // A delete that found no user cleared `deletingFrom`, then its leader died; a create
+    // against the `deleting` mark failed meanwhile and left a failed sandbox naming it.
+    const snapshotId = await snapshotOnA();
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      const sn = (await store.getSnapshot(tenantId, snapshotId))!;
+      const failed = sandboxRecord({ id: 'sb-failedaaaaaaaaaaaaaa', tenantId, state: 'failed', hostId: '', sourceSnapshotId: snapshotId, lineageId: 'sb-failedaaaaaaaaaaaaaa', hostname: 'f' });
+      expect(await store.commit([{ kind: 'snapshot', value: { ...sn.value, state: 'deleting' }, expectRevision: sn.modRevision }, { kind: 'sandbox', value: failed, expectRevision: 0 }])).toBe(true);
+      const del = await wait(await api.deleteSnapshot({ tenantId, idempotencyKey: key(), snapshotId }));
+      expect(del.state, del.error?.message).toBe(OperationState.SUCCEEDED);
+      expect((await store.getSnapshot(tenantId, snapshotId))?.value.state).toBe('deleted');
+    } finally {
+      store.close();
+    }
   }, 120_000);
 });

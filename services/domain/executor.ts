@@ -2216,20 +2216,30 @@ export class Executor {
     // Nothing live loses its snapshot: a sandbox restored from it maps its memory image, a
     // hibernated one lives in it. They are looked for only once the mark is written: a
     // placement from this snapshot is guarded by its record (placeGroup), so one that
-    // commits after the mark fails, and one that committed before it is found here. (A
-    // re-run looks again: its first run may have died between the mark and the look.)
-    const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === sn.id || b.hibernationSnapshotId === sn.id));
-    if (users.length > 0) {
-      // Back to the state it had: nothing was deleted yet.
+    // commits after the mark fails, and one that committed before it is found here. While
+    // `deletingFrom` is set the delete may still go back; a re-run (its first run may have
+    // died between the mark and the look) looks again. Once nothing was found it is cleared
+    // before any host deletes a byte, so a re-run after that never puts back a snapshot whose
+    // bytes may be gone (a create that failed against the mark is a user it would find).
+    if (sn.deletingFrom !== undefined) {
+      const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === sn.id || b.hibernationSnapshotId === sn.id));
+      if (users.length > 0) {
+        // Back to the state it had: nothing was deleted yet.
+        await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
+          if (cur.state !== 'deleting' || cur.deletingFrom === undefined) return undefined;
+          const { deletingFrom, ...rest } = cur;
+          return { ...rest, state: deletingFrom };
+        });
+        throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
+      }
       await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
-        if (cur.state !== 'deleting') return undefined;
-        const { deletingFrom, ...rest } = cur;
-        return { ...rest, state: deletingFrom ?? (cur.manifestSignature ? 'ready' : 'failed') };
+        if (cur.state !== 'deleting' || cur.deletingFrom === undefined) return undefined;
+        const { deletingFrom: _gone, ...rest } = cur;
+        return rest;
       });
-      throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
     }
     await Promise.all(sn.hostIds.map((h) => this.step(op, `delete/${h}`, h, { case: 'deleteSnapshot', value: { snapshotId: sn.id } as never }).catch((e: unknown) => this.log.warn({ err: e, hostId: h }, 'snapshot delete on host failed'))));
-    await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => (cur.state === 'deleted' ? undefined : { ...cur, state: 'deleted', deletingFrom: undefined, hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() }));
+    await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => (cur.state === 'deleted' ? undefined : { ...cur, state: 'deleted', hostIds: [], deletedReason: reason, endedAt: this.deps.clock.now() }));
     await this.finish(op, { snapshotId: sn.id }, null);
   }
 

@@ -140,7 +140,8 @@ export interface SnapshotRec {
   expiryDueAt?: number | null;
   /**
    * The state a `deleting` snapshot had before: it goes back to it when its delete finds that
-   * sandboxes still use it. Absent on records written before the field.
+   * sandboxes still use it. Cleared once the delete found none, before any host deletes its
+   * bytes (from then on it never goes back); absent on records written before the field.
    */
   deletingFrom?: 'ready' | 'failed';
   /** Why a deleted snapshot was deleted: by a user call, or by retention. */
