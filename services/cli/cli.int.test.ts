@@ -2,7 +2,8 @@
 // create, exec, fork 4, ls, pin, destroy, with --json parsed at each step.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { spawn } from 'node:child_process';
-import { resolve } from 'node:path';
+import { join, resolve } from 'node:path';
+import { tmpdir } from 'node:os';
 import { defaultOptions, down, up } from '../../deploy/fleet/fleet.ts';
 
 const DIR = '/var/lib/ffleet-ui';
@@ -107,6 +108,9 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const bad = await cli(['--json', 'sandbox', 'fork', sb.id, '100000']);
     expect(bad.code).toBe(2);
     expect(JSON.parse(bad.stdout).error.kind).toBe('invalid_argument');
+    // A bad option of `fleet up` is refused before anything is installed or started.
+    const badLink = await cli(['--json', 'fleet', 'up', '--link', 'fast', '--dir', join(tmpdir(), `ff-cli-never-${process.pid}`)]);
+    expect([badLink.code, JSON.parse(badLink.stdout).error.field]).toEqual([2, '--link']);
     const down = await cli(['--api', '127.0.0.1:1', 'hosts', 'ls']);
     expect(down.code).toBe(69);
     expect(down.stderr).toContain('npm run fleet:up');

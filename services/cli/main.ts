@@ -1,7 +1,7 @@
 // The `forkfleet` command line: npm run forkfleet -- <command> [...]
 // Every command takes --json (one JSON document on stdout), --api host:port and --tenant.
 // Talks to the fleet through the SDK (services/sdk); `fleet` commands drive deploy/fleet.
-import { spawn } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
@@ -257,8 +257,18 @@ export function buildProgram(): Command {
     .option('--prefix <p>', 'network namespace prefix')
     .option('--base-port <port>', 'first port', intArg('--base-port', 1024, 65000))
     .action(async (o: { hosts: number; etcd: number; link: string; dir?: string; prefix?: string; basePort?: number }, cmd: Command) => {
-      const { up, defaultOptions } = await import('../../deploy/fleet/fleet.ts');
+      const { up, defaultOptions, linkBytesPerSecond } = await import('../../deploy/fleet/fleet.ts');
       if (o.etcd !== 1 && o.etcd !== 3) throw new ForkfleetError('invalid_argument', '--etcd: 1 or 3', { field: '--etcd' });
+      try {
+        linkBytesPerSecond(o.link);
+      } catch (e) {
+        throw new ForkfleetError('invalid_argument', (e as Error).message, { field: '--link' });
+      }
+      // As `npm run fleet:up`: the Debian packages the fleet runs on (etcd, NATS, QEMU, ...),
+      // installed when missing (idempotent, under a second when nothing is). Its output goes
+      // to stderr, so that --json output stays one document.
+      const setup = spawnSync('bash', [resolve(ROOT, 'deploy', 'setup.sh')], { cwd: ROOT, stdio: ['ignore', 2, 2] });
+      if (setup.status !== 0) throw new ForkfleetError('failed_precondition', `deploy/setup.sh failed (${setup.error?.message ?? `exit ${setup.status ?? setup.signal}`}): see its output above`);
       const s = await up(defaultOptions({ hosts: o.hosts, etcd: o.etcd, link: o.link, dir: fleetDir(o), ...(o.prefix ? { prefix: o.prefix } : {}), ...(o.basePort ? { basePort: o.basePort } : {}) }));
       out(cmd, { dir: s.options.dir, api: s.apiAddresses, metrics: s.metricsAddresses, hosts: s.hosts.map((h) => ({ id: h.id, address: h.address })) }, () =>
         `fleet is up in ${s.options.dir}: ${s.hosts.length} hosts; API ${s.apiAddresses.join(', ')}; metrics ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}\n` +
