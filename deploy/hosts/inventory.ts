@@ -19,6 +19,7 @@
 // directory per machine with everything that machine needs.
 import { isIP } from 'node:net';
 import { InvalidArgumentError } from '../../proto/errors.ts';
+import { parseCidr } from '../../host-agent/adapters/netns/egress.ts';
 
 export interface Ports {
   readonly etcdClient: number;
@@ -192,12 +193,10 @@ export function parseInventory(raw: unknown): Inventory {
   return Object.freeze({ name, installDir, etcd, nats, schedulers, hosts, controlCidrs: cidrs as string[], ports: Object.freeze(ports) });
 }
 
-/** Whether IPv4 `addr` is in `cidr` (both checked by the parser). */
+/** Whether IPv4 `addr` is in `cidr` (both checked by the parser): its prefix of that length is the CIDR's. */
 function inCidr(addr: string, cidr: string): boolean {
-  const n = (a: string): number => a.split('.').reduce((x, o) => x * 256 + Number(o), 0);
-  const [base, len] = cidr.split('/') as [string, string];
-  const size = 2 ** (32 - Number(len));
-  return Math.floor(n(addr) / size) === Math.floor(n(base) / size);
+  const c = parseCidr('controlCidrs', cidr);
+  return parseCidr('controlCidrs', `${addr}/${c.len}`).base === c.base;
 }
 
 /** host:port of an inventory address (IPv4). */

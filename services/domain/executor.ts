@@ -1309,7 +1309,7 @@ export class Executor {
             let snapshotCheck: StoreWrite | undefined;
             if (job.snapshot) {
               const { tenantId, id } = job.snapshot;
-              const sv = this.cache.snapshot(tenantId, id) ?? (await this.deps.store.getSnapshot(tenantId, id));
+              const sv = await this.readSnapshot(tenantId, id);
               if (!sv || sv.value.state !== 'ready') throw new WrongStateError('snapshot', id, sv?.value.state ?? 'gone', 'only a ready snapshot can be restored', 'snapshot_id');
               snapshotCheck = { kind: 'check-snapshot', tenantId, id, expectRevision: sv.modRevision };
             }

@@ -27,8 +27,7 @@ const GET_BATCH = 100;
  * Every watcher gets an 'error' listener: etcd3 emits 'error' when etcd cancels a watch (a
  * resume from a compacted revision after a reconnect, ADR 0017), and an EventEmitter
  * 'error' without a listener throws out of the gRPC stream and kills the process.
- */
-/**
+ *
  * Reports a watch that broke: etcd cancelled it ('error'), or its stream dropped
  * ('disconnected'). etcd3 resumes a dropped stream from the last response's header revision,
  * which may be past events not delivered yet (a watch still catching up from its start
