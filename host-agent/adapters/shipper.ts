@@ -30,6 +30,7 @@ import type { FetchSnapshotWork, HeldSnapshot } from '../../proto/gen/forkfleet/
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 import { writeFileDurable } from './durable.ts';
+import { runTied } from './tied.ts';
 
 const run = promisify(execFile);
 
@@ -136,7 +137,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
     await mkdir(this.deps.scratchDir, { recursive: true });
     const flat = join(this.deps.scratchDir, `${local.manifest.snapshotId}.disk.qcow2`);
     try {
-      await run('qemu-img', ['convert', '-U', '-O', 'qcow2', '-B', imageDisk, '-F', 'qcow2', disk, flat]);
+      // Tied to the agent: a killed agent's convert would go on writing a whole disk into a
+      // file the next agent removes at start (main.ts clears the scratch directory).
+      await runTied('qemu-img', ['convert', '-U', '-O', 'qcow2', '-B', imageDisk, '-F', 'qcow2', disk, flat]);
     } catch (e) {
       await rm(flat, { force: true });
       throw e;

@@ -13,26 +13,16 @@
 // agent (PR_SET_PDEATHSIG through setpriv); it also gives up on its own when its peer does not
 // come (accept-timeout) or the stream stalls (-T).
 import { spawn, type ChildProcess } from 'node:child_process';
-import { existsSync, writeFileSync } from 'node:fs';
+import { writeFileSync } from 'node:fs';
 import { isIP } from 'node:net';
 import { join } from 'node:path';
 import { PEER_CN_PREFIX } from './peer-identity.ts';
-
-/** `name`'s path on PATH, or undefined. */
-function onPath(name: string): string | undefined {
-  for (const dir of (process.env.PATH ?? '/usr/bin:/bin').split(':')) {
-    if (dir && existsSync(join(dir, name))) return join(dir, name);
-  }
-  return undefined;
-}
+import { onPath, tiedToUs } from '../tied.ts';
 
 /** socat's path, or undefined when it is not installed (streams then use QEMU's TLS). */
 export function findSocat(): string | undefined {
   return onPath('socat');
 }
-
-/** `setpriv` (util-linux; every Debian install has it, with --pdeathsig since 2.33) ties a child's life to ours. */
-const SETPRIV = onPath('setpriv');
 
 export interface RelayOptions {
   /** socat's path (findSocat). */
@@ -105,7 +95,7 @@ function opensslConf(tlsDir: string): string {
 
 function start(o: RelayOptions, addresses: [string, string], onLine: (line: string) => void): Relay {
   const args = ['-d', '-d', '-b', '262144', '-T', seconds(o.idleTimeoutMs ?? 60_000), ...addresses];
-  const [cmd, argv] = SETPRIV ? [SETPRIV, ['--pdeathsig', 'KILL', '--', o.socat, ...args]] : [o.socat, args];
+  const [cmd, argv] = tiedToUs(o.socat, args);
   const env = { ...process.env, OPENSSL_CONF: opensslConf(o.tlsDir) };
   const child: ChildProcess = spawn(cmd, argv, { stdio: ['ignore', 'ignore', 'pipe'], env });
   let log = '';

@@ -28,6 +28,7 @@ import { mkdir, readdir, readFile, rename, rm, rmdir, stat } from 'node:fs/promi
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import type { Logger } from 'pino';
+import { tiedToUs } from '../tied.ts';
 
 const run = promisify(execFile);
 
@@ -263,7 +264,8 @@ export class RamPool {
     if (mib === undefined) return;
     const n = randomBytes(6).toString('hex');
     const path = join(this.dir, `.fill-${mib}-${n}`);
-    const child = spawn('nice', ['-n', '19', 'dd', 'if=/dev/zero', `of=${path}`, 'bs=1M', `count=${mib}`, 'status=none'], { stdio: 'ignore' });
+    // Tied to the agent, which removes a killed agent's .fill files at start.
+    const child = spawn(...tiedToUs('nice', ['-n', '19', 'dd', 'if=/dev/zero', `of=${path}`, 'bs=1M', `count=${mib}`, 'status=none']), { stdio: 'ignore' });
     const t0 = Date.now();
     const done = new Promise<void>((resolve) => {
       let ended = false;
