@@ -845,9 +845,10 @@ function readPidFile(path: string): number[] {
 
 /**
  * Removes the fleet's guests cgroup. Whatever is still in it is a QEMU this fleet's agents
- * started that the stops above missed: it is killed by PID first (the cgroup lists only live
- * members, so these PIDs are current). Only the group itself goes, not parents of a nested
- * FF_GUEST_CGROUP.
+ * started that the stops above missed. It is killed through `cgroup.kill` (cgroup v2, Linux
+ * 5.14+: the kernel kills the group's members, so no PID read here can have been reused by
+ * then); on an older kernel, by the PIDs `cgroup.procs` lists (live members only). Only the
+ * group itself goes, not parents of a nested FF_GUEST_CGROUP.
  */
 async function removeGuestCgroup(path: string): Promise<void> {
   const h = await cpuHierarchy();
@@ -860,11 +861,13 @@ async function removeGuestCgroup(path: string): Promise<void> {
     } catch {
       return; // gone already
     }
-    for (const pid of procs.split('\n').filter(Boolean).map(Number)) {
-      try {
-        process.kill(pid, 'SIGKILL');
-      } catch {
-        /* exited meanwhile */
+    if (!killCgroup(dir)) {
+      for (const pid of procs.split('\n').filter(Boolean).map(Number)) {
+        try {
+          process.kill(pid, 'SIGKILL');
+        } catch {
+          /* exited meanwhile */
+        }
       }
     }
     try {
@@ -875,6 +878,16 @@ async function removeGuestCgroup(path: string): Promise<void> {
     }
   }
   process.stderr.write(`fleet: could not remove cgroup ${dir}\n`);
+}
+
+/** SIGKILLs every member of a cgroup v2 group by its `cgroup.kill`; false where there is none. */
+export function killCgroup(dir: string): boolean {
+  try {
+    writeFileSync(join(dir, 'cgroup.kill'), '1');
+    return true;
+  } catch {
+    return false;
+  }
 }
 
 /** Stops the fleet's processes and removes its namespaces and cgroup. */
