@@ -2,10 +2,11 @@
 // writes and renames that fail, and which files and directories get fsynced. The fsync
 // helpers (our own, ../durable.ts) are wrapped to record what they were asked to sync.
 import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest';
-import { closeSync, existsSync, mkdirSync, openSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, existsSync, mkdirSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './fs-store.ts';
 import { encodeChunk } from './codec.ts';
+import { ChunkCorruptError } from '../../domain/transfer-errors.ts';
 import { markOwned } from './buffers.ts';
 import { create } from '@bufbuild/protobuf';
 import { SignedManifestSchema } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
@@ -42,16 +43,47 @@ beforeEach(() => {
 });
 
 describe('FsChunkStore', () => {
-  it('missing_ofEmptyOrHeaderlessChunkFile_countsItMissingAndRemovesIt', async () => {
+  it('missing_ofEmptyOrHeaderlessChunkFile_countsItMissingUntilAFetchStoresAVerifiedCopyOverIt', async () => {
     const store = new FsChunkStore(join(dir, 'missing'));
     const [empty, short, whole] = await Promise.all([1, 2, 3].map((i) => encodeChunk(textBytes(CS, i))));
     for (const c of [empty!, short!, whole!]) await store.put(c);
     await overwriteChunkFile(store, empty!.digest, Buffer.alloc(0));
     await overwriteChunkFile(store, short!.digest, Buffer.from('FFC1'));
     expect(await store.missing([empty!.digest, short!.digest, whole!.digest])).toEqual([empty!.digest, short!.digest]);
-    expect(existsSync(store.pathOf(empty!.digest))).toBe(false);
-    expect(existsSync(store.pathOf(short!.digest))).toBe(false);
-    expect(await store.has(whole!.digest)).toBe(true);
+    await expect(store.readVerified(short!.digest)).rejects.toBeInstanceOf(ChunkCorruptError);
+    // What a fetch does with a missing chunk: a verified copy renamed over the torn file.
+    await store.accept(empty!);
+    expect(await store.missing([empty!.digest, short!.digest, whole!.digest])).toEqual([short!.digest]);
+    expect((await store.readVerified(empty!.digest)).equals(textBytes(CS, 1))).toBe(true);
+  });
+
+  it('readVerified_ofACorruptFileAFetchReplacedMeanwhile_keepsTheVerifiedCopy', async () => {
+    // The read sees the corrupt file; before the store removes it, a fetch renames a verified
+    // copy into place (and counts it stored). Only the corrupt bytes may go.
+    const good = await encodeChunk(textBytes(CS, 9));
+    class Racing extends FsChunkStore {
+      override async getEncoded(d: string): Promise<Awaited<ReturnType<FsChunkStore['getEncoded']>>> {
+        const stale = await super.getEncoded(d);
+        await this.put(good);
+        return stale;
+      }
+    }
+    const store = new Racing(join(dir, 'quarantine-race'));
+    await store.put(good);
+    await overwriteChunkFile(store, good.digest, Buffer.concat([Buffer.from(readFileSync(store.pathOf(good.digest))).subarray(0, 64), Buffer.alloc(4096, 7)]));
+    await expect(store.readVerified(good.digest)).rejects.toBeInstanceOf(ChunkCorruptError);
+    expect(await store.missing([good.digest])).toEqual([]);
+    expect((await FsChunkStore.prototype.readVerified.call(store, good.digest)).equals(textBytes(CS, 9))).toBe(true);
+  });
+
+  it('readVerified_ofACorruptFile_removesItAndLeavesNothingAside', async () => {
+    const store = new FsChunkStore(join(dir, 'quarantine'));
+    const c = await encodeChunk(textBytes(CS, 10));
+    await store.put(c);
+    await overwriteChunkFile(store, c.digest, Buffer.concat([Buffer.from(readFileSync(store.pathOf(c.digest))).subarray(0, 64), Buffer.alloc(4096, 7)]));
+    await expect(store.readVerified(c.digest)).rejects.toBeInstanceOf(ChunkCorruptError);
+    expect(existsSync(store.pathOf(c.digest))).toBe(false);
+    expect(readdirSync(join(dir, 'quarantine', 'tmp'))).toEqual([]);
   });
 
   it('acceptInto_whenTheImageWriteFailsAfterTheChunkIsInPlace_nextSyncStillFsyncsTheChunk', async () => {

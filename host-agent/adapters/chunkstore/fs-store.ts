@@ -11,7 +11,7 @@
 // file or a complete one (the page cache survives a process crash); an OS crash can leave
 // a torn or empty chunk file, but reads used for restores decode and hash (readVerified),
 // so a damaged file never passes as valid. See docs/adr/0007-chunk-format.md.
-import { mkdirSync, readdirSync, rmSync, statSync, unlinkSync } from 'node:fs';
+import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
 import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
@@ -129,8 +129,10 @@ export class FsChunkStore implements ChunkStore {
    * stat(2) of each chunk file, synchronously in batches of 128 (a few ms each) with the
    * event loop free in between: one libuv pool round trip per digest cost 30-500 ms for a
    * 600-chunk snapshot here, on the transfer's critical path. A file too short to hold a
-   * header (an OS crash before its sync) counts as missing and is removed; a longer torn one
-   * is found when it is read (readVerified).
+   * header (an OS crash before its sync) counts as missing and stays until a fetch renames a
+   * verified copy over it: removing it here could remove that copy instead, had a verify
+   * worker renamed it into place since the stat. A longer torn one is found when it is read
+   * (readVerified).
    */
   async missing(digests: Iterable<DigestHex>): Promise<DigestHex[]> {
     const uniq = [...new Set(digests)];
@@ -141,7 +143,6 @@ export class FsChunkStore implements ChunkStore {
       checkDigest(d);
       const st = statSync(this.pathOf(d), { throwIfNoEntry: false });
       if (st && st.size >= HEADER) continue;
-      if (st) rmSync(this.pathOf(d), { force: true });
       out.push(d);
     }
     return out;
@@ -328,10 +329,25 @@ export class FsChunkStore implements ChunkStore {
     }
   }
 
+  /**
+   * Removes a chunk file that failed verification. Not by path: a fetch may have renamed a
+   * verified copy over it since it was read, and that copy counts as stored. So the file is
+   * moved aside first and checked again there; a copy that verifies goes back (over anything
+   * renamed in since: the same content).
+   */
   private async quarantine(digest: DigestHex): Promise<void> {
-    await unlink(this.pathOf(digest)).catch((e: unknown) => {
-      if (!isNotFound(e)) throw e;
-    });
+    const path = this.pathOf(digest);
+    const aside = tmpPathIn(this.tmpDir);
+    try {
+      await rename(path, aside);
+    } catch (e) {
+      if (isNotFound(e)) return;
+      throw e;
+    }
+    const f = parseChunkFile(await readFile(aside));
+    const good = f !== undefined && (await decodeChunk({ digest, ...f }).then(() => true, () => false));
+    if (good) await rename(aside, path);
+    else await unlink(aside);
   }
 
   async touch(digest: DigestHex): Promise<void> {
