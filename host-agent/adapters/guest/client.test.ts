@@ -7,26 +7,60 @@ import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, pathError } from './client.ts';
-import { ChannelClosedError, GuestAgentCommandError } from '../../errors.ts';
+import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
 import type { ForkfleetError } from '../../../proto/errors.ts';
 
-/** Answers guest-sync-delimited and guest-ping like qemu-ga; `onPing` replaces the ping answer. */
-async function fakeGuest(onPing?: (sock: Socket) => void): Promise<{ path: string; sockets: Socket[]; close: () => Promise<void> }> {
+interface FakeGuestOptions {
+  /** Replaces the answer to guest-ping. */
+  onPing?: (sock: Socket) => void;
+  /** Answers to other commands (in order, as qemu-ga answers: after `delayMs`, the ones before it first). */
+  answer?: (req: { execute: string; arguments?: Record<string, unknown> }) => { delayMs?: number; reply: unknown } | undefined;
+  /** Bytes each new connection's parser holds already (half a request a snapshot replayed). */
+  seed?: string;
+}
+
+/**
+ * Answers guest-sync-delimited and guest-ping like qemu-ga (and what `answer` says). Like
+ * qemu-ga's parser, a 0xFF byte drops whatever came before it; a line that does not parse is
+ * counted in `parseErrors` and answered with an error.
+ */
+async function fakeGuest(o: FakeGuestOptions | ((sock: Socket) => void) = {}): Promise<{ path: string; sockets: Socket[]; parseErrors: () => number; close: () => Promise<void> }> {
+  const opts: FakeGuestOptions = typeof o === 'function' ? { onPing: o } : o;
   const dir = mkdtempSync(join(tmpdir(), 'ff-qga-'));
   const path = join(dir, 'qga.sock');
   const sockets: Socket[] = [];
+  let parseErrors = 0;
   const srv: Server = createServer((sock) => {
     sockets.push(sock);
     sock.on('error', () => undefined);
-    let pending = '';
+    let pending = opts.seed ?? '';
+    let inOrder: Promise<unknown> = Promise.resolve();
+    const send = (delayMs: number, line: string | Buffer): void => {
+      inOrder = inOrder.then(() => new Promise((r) => setTimeout(r, delayMs))).then(() => void (sock.destroyed || sock.write(line)));
+    };
     sock.on('data', (d) => {
-      pending += d.toString('utf8');
+      pending += d.toString('latin1');
+      const ff = pending.lastIndexOf('\xff');
+      if (ff >= 0) pending = pending.slice(ff + 1);
       let nl: number;
       while ((nl = pending.indexOf('\n')) >= 0) {
-        const req = JSON.parse(pending.slice(0, nl)) as { execute: string; arguments?: { id?: number } };
+        const line = pending.slice(0, nl);
         pending = pending.slice(nl + 1);
-        if (req.execute === 'guest-sync-delimited') sock.write(Buffer.concat([Buffer.from([0xff]), Buffer.from(`${JSON.stringify({ return: req.arguments?.id })}\n`)]));
-        else if (req.execute === 'guest-ping') (onPing ?? ((s: Socket) => s.write('{"return": {}}\n')))(sock);
+        let req: { execute: string; arguments?: Record<string, unknown> };
+        try {
+          req = JSON.parse(line) as typeof req;
+        } catch {
+          parseErrors++;
+          send(0, '{"error": {"class": "GenericError", "desc": "JSON parse error"}}\n');
+          continue;
+        }
+        if (req.execute === 'guest-sync-delimited') send(0, Buffer.concat([Buffer.from([0xff]), Buffer.from(`${JSON.stringify({ return: req.arguments?.id })}\n`)]));
+        else if (req.execute === 'guest-ping' && opts.onPing) opts.onPing(sock);
+        else if (req.execute === 'guest-ping') send(0, '{"return": {}}\n');
+        else {
+          const a = opts.answer?.(req);
+          if (a) send(a.delayMs ?? 0, `${JSON.stringify({ return: a.reply })}\n`);
+        }
       }
     });
   });
@@ -34,6 +68,7 @@ async function fakeGuest(onPing?: (sock: Socket) => void): Promise<{ path: strin
   return {
     path,
     sockets,
+    parseErrors: () => parseErrors,
     close: async () => {
       for (const s of sockets) s.destroy();
       await new Promise((r) => srv.close(r));
@@ -65,17 +100,65 @@ describe('GuestAgentClient with an untrusted guest', () => {
     for (const c of cleanups.splice(0)) await c();
   });
 
-  it('answerWithoutANewlinePastTheCap_closesTheChannel_insteadOfBufferingIt', async () => {
+  it('answerWithoutANewlinePastTheCap_closesTheChannel_insteadOfBufferingIt_andTheNextCallConnectsAgain', async () => {
     let flooded: Promise<number> | undefined;
-    const g = await fakeGuest((sock) => void (flooded = flood(sock, MAX_PENDING_REPLY_BYTES + (64 << 20))));
+    const g = await fakeGuest((sock) => {
+      if (flooded) sock.write('{"return": {}}\n');
+      else flooded = flood(sock, MAX_PENDING_REPLY_BYTES + (64 << 20));
+    });
     cleanups.push(g.close);
     const c = await GuestAgentClient.connect(g.path);
     cleanups.push(() => c.close());
     await expect(c.ping(30_000)).rejects.toBeInstanceOf(ChannelClosedError);
     // The client hung up once the cap was passed: the guest could not push it all.
     expect(await flooded).toBeLessThan(MAX_PENDING_REPLY_BYTES + (64 << 20));
+    expect(c.closed).toBe(true);
+    // The sandbox keeps a guest channel: a new connection, synced before the command.
+    await c.ping(5000);
+    expect(g.sockets).toHaveLength(2);
+    // Closed by its owner (a destroyed VM, a snapshot's switch), it stays closed.
+    c.close();
     await expect(c.ping(1000)).rejects.toBeInstanceOf(ChannelClosedError);
+    expect(g.sockets).toHaveLength(2);
   }, 60_000);
+
+  it('commandQueuedBehindOneThatTimesOut_resyncsFirst_andNeverTakesTheLateAnswerForItsOwn', async () => {
+    let handle = 100;
+    const g = await fakeGuest({
+      // qemu-ga answers in order; the open of /slow takes 1.5 s (a FIFO, a loaded guest).
+      answer: (req) => (req.execute === 'guest-file-open' ? { delayMs: req.arguments?.path === '/slow' ? 1500 : 0, reply: handle++ } : undefined),
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    await c.sync(5000);
+    const slow = c.command<number>('guest-file-open', { path: '/slow', mode: 'w' }, 500);
+    const next = c.command<number>('guest-file-open', { path: '/b', mode: 'w' }, 5000);
+    await expect(slow).rejects.toBeInstanceOf(GuestAgentTimeoutError);
+    // /slow was given handle 100 (answered late); /b's own open is the second one.
+    expect(await next).toBe(101);
+  }, 30_000);
+
+  it('execStatusWithFullStdoutAndStderr_fitsUnderTheCap', async () => {
+    // qemu-ga caps each stream at 16 MiB and sends both, base64, in one line.
+    const out = Buffer.alloc(16 << 20, 0x61).toString('base64');
+    const g = await fakeGuest({ answer: (req) => (req.execute === 'guest-exec-status' ? { reply: { exited: true, exitcode: 0, 'out-data': out, 'err-data': out } } : undefined) });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    const st = await c.command<{ 'out-data': string; 'err-data': string }>('guest-exec-status', { pid: 1 }, 30_000);
+    expect(st['out-data'].length + st['err-data'].length).toBe(2 * out.length);
+  }, 60_000);
+
+  it('sync_ofAGuestWhoseParserHoldsHalfARequest_flushesItFirst_soTheFirstSyncParses', async () => {
+    // A snapshot taken while a write was half sent replays that half into every clone's qemu-ga.
+    const g = await fakeGuest({ seed: '{"execute": "guest-file-write", "arguments": {"handle": 1, "buf-b64": "QUFB' });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    await c.sync(10_000, 5000);
+    expect(g.parseErrors()).toBe(0);
+  }, 30_000);
 
   it('bytesNoCommandWaitsFor_areDropped_andTheNextCommandIsAnswered', async () => {
     const g = await fakeGuest();

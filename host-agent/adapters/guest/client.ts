@@ -58,18 +58,21 @@ const EXEC_KILL_AGAIN_MS = 1000;
 const LIVE_AFTER_MS = 300;
 const LIVE_READ_EVERY_MS = 250;
 
-type Reader = { delimited: boolean; resolve: (line: string) => void };
+type Reader = { delimited: boolean; resolve: (line: string) => void; reject: (e: Error) => void };
+
+const SYNC_FLUSH = Buffer.from([0xff]);
 
 /**
  * The most the channel holds of an answer not yet complete: the largest reply qemu-ga sends
- * is guest-exec-status with 16 MiB of captured output, ~21.3 MiB in base64. The guest is
- * the tenant's: one that writes more than this without a newline (or floods the port) gets
- * its channel closed, not the agent's memory.
+ * is guest-exec-status with 16 MiB of captured stdout *and* 16 MiB of stderr, ~42.7 MiB in
+ * base64. The guest is the tenant's: one that writes more than this without a newline (or
+ * floods the port) gets its channel closed, not the agent's memory (the driver connects
+ * again for the next call).
  */
-export const MAX_PENDING_REPLY_BYTES = 32 << 20;
+export const MAX_PENDING_REPLY_BYTES = 48 << 20;
 
 export class GuestAgentClient {
-  private readonly sock: net.Socket;
+  private sock!: net.Socket;
   /** Received bytes up to the last line end seen (and what follows it in that piece). */
   private buf: Buffer = Buffer.alloc(0);
   /** Pieces received after `buf` with no line end yet. */
@@ -77,12 +80,23 @@ export class GuestAgentClient {
   private partLen = 0;
   private reader: Reader | undefined;
   private closedError: Error | undefined;
+  /** close() was called: the channel stays closed (no reconnect). */
+  private shut = false;
   private tail: Promise<unknown> = Promise.resolve();
   private synced = false;
 
-  private constructor(sock: net.Socket) {
+  private constructor(
+    private readonly path: string,
+    sock: net.Socket,
+  ) {
+    this.attach(sock);
+  }
+
+  /** Makes `sock` the channel; events of an earlier socket are ignored from then on. */
+  private attach(sock: net.Socket): void {
     this.sock = sock;
     sock.on('data', (d: Buffer) => {
+      if (sock !== this.sock) return;
       // Bytes no command waits for (a late answer to a timed-out one, or whatever a guest
       // writes unasked) are dropped: the next command resyncs first.
       const r = this.reader;
@@ -107,32 +121,54 @@ export class GuestAgentClient {
         this.partLen += d.length;
       }
     });
-    sock.on('error', () => undefined);
+    sock.on('error', (e) => {
+      if (sock === this.sock) this.closedError ??= new ChannelClosedError('guest agent', { cause: e });
+    });
     sock.on('close', () => {
+      if (sock !== this.sock) return;
       this.closedError ??= new ChannelClosedError('guest agent');
+      const r = this.reader;
+      this.reader = undefined;
+      r?.reject(this.closedError);
     });
   }
 
-  static connect(path: string, timeoutMs = 5000): Promise<GuestAgentClient> {
-    return new Promise((resolve, reject) => {
-      const s = net.createConnection(path);
-      const t = setTimeout(() => {
-        s.destroy();
-        reject(new GuestAgentTimeoutError(`connect ${path}`, timeoutMs));
-      }, timeoutMs);
-      s.once('connect', () => {
-        clearTimeout(t);
-        resolve(new GuestAgentClient(s));
-      });
-      s.once('error', (e) => {
-        clearTimeout(t);
-        reject(e);
-      });
-    });
+  static async connect(path: string, timeoutMs = 5000): Promise<GuestAgentClient> {
+    return new GuestAgentClient(path, await openSocket(path, timeoutMs));
   }
 
   close(): void {
+    this.shut = true;
     this.sock.destroy();
+  }
+
+  /** The connection is gone (closed here, by QEMU, or for flooding). The next call connects again, unless close() was called. */
+  get closed(): boolean {
+    return this.closedError !== undefined || this.sock.destroyed;
+  }
+
+  /**
+   * For a caller holding the channel (inside serial()): a connection that was lost (the guest
+   * flooded it, a reply outgrew the cap, the socket dropped) is opened again, unsynced. QEMU's
+   * chardev takes a new connection once the old one is gone; if QEMU is gone too, the
+   * connect fails and the call with it.
+   */
+  private async reopenIfLost(): Promise<void> {
+    if (!this.closed) return;
+    if (this.shut) throw this.closedError ?? new ChannelClosedError('guest agent');
+    const lost = this.closedError;
+    const sock = await openSocket(this.path, 5000).catch((e: unknown) => {
+      throw new ChannelClosedError(`guest agent (connecting again: ${(e as Error).message})`, { cause: lost });
+    });
+    if (this.shut) {
+      sock.destroy();
+      throw this.closedError ?? new ChannelClosedError('guest agent');
+    }
+    this.dropBuffered();
+    this.reader = undefined;
+    this.closedError = undefined;
+    this.synced = false;
+    this.attach(sock);
   }
 
   /**
@@ -142,32 +178,40 @@ export class GuestAgentClient {
    */
   sync(deadlineMs: number, attemptMs = 1000): Promise<void> {
     return this.serial(async () => {
-      const end = Date.now() + deadlineMs;
-      // The first attempt gets `attemptMs`, later ones twice the previous (up to 2 s): a short
-      // first wait costs little when a request was lost, and a slow guest still converges.
-      let wait = attemptMs;
-      while (true) {
-        this.throwIfClosed();
-        const id = randomInt(1, 2 ** 47);
-        this.dropBuffered();
-        this.sock.write(JSON.stringify({ execute: 'guest-sync-delimited', arguments: { id } }) + '\n');
-        const attemptEnd = Math.min(end, Date.now() + wait);
-        wait = Math.min(2 * wait, Math.max(attemptMs, 2000));
-        try {
-          while (true) {
-            const line = await this.readLine(true, Math.max(1, attemptEnd - Date.now()));
-            const msg = tryParse(line);
-            if (msg && msg.return === id) {
-              this.synced = true;
-              return;
-            }
-          }
-        } catch (e) {
-          if (!(e instanceof GuestAgentTimeoutError)) throw e;
-          if (Date.now() >= end) throw new GuestAgentTimeoutError('guest-sync-delimited', deadlineMs);
-        }
-      }
+      await this.reopenIfLost();
+      await this.syncNow(deadlineMs, attemptMs);
     });
+  }
+
+  /** sync()'s work, for a caller that already holds the channel (inside serial()). */
+  private async syncNow(deadlineMs: number, attemptMs = 1000): Promise<void> {
+    const end = Date.now() + deadlineMs;
+    // The first attempt gets `attemptMs`, later ones twice the previous (up to 2 s): a short
+    // first wait costs little when a request was lost, and a slow guest still converges.
+    let wait = attemptMs;
+    while (true) {
+      this.throwIfClosed();
+      const id = randomInt(1, 2 ** 47);
+      this.dropBuffered();
+      // A 0xFF byte first (invalid JSON) makes qemu-ga's parser drop half a request it holds
+      // (a snapshot taken mid-write replays one into every clone), so the sync itself parses.
+      this.sock.write(Buffer.concat([SYNC_FLUSH, Buffer.from(JSON.stringify({ execute: 'guest-sync-delimited', arguments: { id } }) + '\n')]));
+      const attemptEnd = Math.min(end, Date.now() + wait);
+      wait = Math.min(2 * wait, Math.max(attemptMs, 2000));
+      try {
+        while (true) {
+          const line = await this.readLine(true, Math.max(1, attemptEnd - Date.now()));
+          const msg = tryParse(line);
+          if (msg && msg.return === id) {
+            this.synced = true;
+            return;
+          }
+        }
+      } catch (e) {
+        if (!(e instanceof GuestAgentTimeoutError)) throw e;
+        if (Date.now() >= end) throw new GuestAgentTimeoutError('guest-sync-delimited', deadlineMs);
+      }
+    }
   }
 
   /** One command, answered in order. A timeout leaves the channel unsynced; the next call resyncs. */
@@ -175,9 +219,12 @@ export class GuestAgentClient {
     return this.commandRaw<T>(execute, JSON.stringify(args === undefined ? { execute } : { execute, arguments: args }), timeoutMs);
   }
 
-  private async commandRaw<T>(execute: string, json: string, timeoutMs: number): Promise<T> {
-    if (!this.synced) await this.sync(timeoutMs);
+  private commandRaw<T>(execute: string, json: string, timeoutMs: number): Promise<T> {
     return this.serial(async () => {
+      // Checked once this command holds the channel, not when it was queued: a command ahead
+      // of it may have timed out meanwhile, and its late answer would be taken for this one's.
+      await this.reopenIfLost();
+      if (!this.synced) await this.syncNow(timeoutMs);
       this.throwIfClosed();
       this.sock.write(json + '\n');
       try {
@@ -230,6 +277,8 @@ export class GuestAgentClient {
     let killedAt: number | undefined;
     let lastKill = 0;
     let why: { timedOut: true } | { cancelled: true } | undefined;
+    /** Kill helpers started: qemu-ga keeps each one's record until its status is asked for. */
+    const killers: number[] = [];
     const live = capture && req.onOutput ? new LiveOutput(this, wrapperFiles(pid, req.env), req.onOutput) : undefined;
     try {
       while (true) {
@@ -268,7 +317,8 @@ export class GuestAgentClient {
           const kill = capture
             ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid)], 'capture-output': false, ...(req.env ? { env: req.env } : {}) }
             : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
-          await this.command('guest-exec', kill, 10_000).catch(() => undefined);
+          const k = await this.command<{ pid: number }>('guest-exec', kill, 10_000).catch(() => undefined);
+          if (k) killers.push(k.pid);
         }
         await new Promise((r) => setTimeout(r, delay));
         // The next poll comes after a fifth of the time waited so far (2..100 ms): an exit is
@@ -279,6 +329,8 @@ export class GuestAgentClient {
     } finally {
       // Closed on every way out: qemu-ga keeps an open handle until it is closed.
       await live?.close();
+      // Asked once: a helper that has exited (they take milliseconds) is forgotten by qemu-ga.
+      for (const k of killers) await this.command('guest-exec-status', { pid: k }, 10_000).catch(() => undefined);
     }
   }
 
@@ -359,25 +411,21 @@ export class GuestAgentClient {
 
   private readLine(delimited: boolean, timeoutMs: number): Promise<string> {
     return new Promise((resolve, reject) => {
+      if (this.closed) return void reject(this.closedError ?? new ChannelClosedError('guest agent'));
       const t = setTimeout(() => {
         this.reader = undefined;
-        clearInterval(closedPoll);
         reject(new GuestAgentTimeoutError('read', timeoutMs));
       }, timeoutMs);
-      const closedPoll = setInterval(() => {
-        if (this.closedError) {
-          clearTimeout(t);
-          clearInterval(closedPoll);
-          this.reader = undefined;
-          reject(this.closedError);
-        }
-      }, 20);
+      // Ended by a line, the timeout, or the socket's 'close' (which rejects the reader).
       this.reader = {
         delimited,
         resolve: (line) => {
           clearTimeout(t);
-          clearInterval(closedPoll);
           resolve(line);
+        },
+        reject: (e) => {
+          clearTimeout(t);
+          reject(e);
         },
       };
       this.pump();
@@ -409,6 +457,24 @@ export class GuestAgentClient {
     this.reader = undefined;
     r.resolve(line);
   }
+}
+
+function openSocket(path: string, timeoutMs: number): Promise<net.Socket> {
+  return new Promise((resolve, reject) => {
+    const s = net.createConnection(path);
+    const t = setTimeout(() => {
+      s.destroy();
+      reject(new GuestAgentTimeoutError(`connect ${path}`, timeoutMs));
+    }, timeoutMs);
+    s.once('connect', () => {
+      clearTimeout(t);
+      resolve(s);
+    });
+    s.once('error', (e) => {
+      clearTimeout(t);
+      reject(e);
+    });
+  });
 }
 
 function tryParse(line: string): Record<string, unknown> | undefined {
