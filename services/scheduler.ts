@@ -275,16 +275,24 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       if (closing) throw err;
       return standFor();
     });
+  // Counts terms of leadership here: a start still waiting when its term ended (onLost ran
+  // meanwhile) starts nothing more; executor and webhooks end what they began after their stop().
+  let leaderTerm = 0;
   const campaign = (): Promise<void> =>
     standFor().then(async () => {
       if (closing) return;
+      const term = ++leaderTerm;
+      const current = (): boolean => term === leaderTerm && !closing && election.isLeader();
       metrics.leader.set(1);
       log.info({ id: config.id }, 'elected leader');
       try {
         await executor.start();
+        if (!current()) return;
         await webhooks.start();
+        if (!current()) return;
         compactor.start();
       } catch (err) {
+        if (term !== leaderTerm) return; // this term's start failed after it ended: onLost took over
         // A leader that could not start (etcd failed it a read, likely just after a failover)
         // would hold the lease and run nothing, and no standby would take over: it steps
         // down and stands again, and whoever wins starts afresh.
@@ -299,6 +307,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       }
     });
   election.onLost(() => {
+    leaderTerm++;
     metrics.leader.set(0);
     log.error('lost leadership; stepping down and campaigning again');
     compactor.stop();

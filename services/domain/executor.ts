@@ -507,13 +507,17 @@ export class Executor {
   /** Called when this replica becomes leader. */
   async start(): Promise<void> {
     this.active = true;
+    const term = ++this.term;
+    this.termStartedAt = this.deps.clock.now();
+    // stop() may come while this waits on NATS or etcd (the lease lapsed mid-start): from then
+    // on nothing more is started in this term, and what it started afterwards stops at once
+    // (addStop), so a replica that no longer leads runs no leader work.
+    const current = (): boolean => this.active && term === this.term;
     const stopResults = await this.deps.bus.consumeResults((r, ack, fromHost) => {
       this.onResult(r, fromHost);
       ack();
     });
-    this.stops.push(stopResults);
-    const term = ++this.term;
-    this.termStartedAt = this.deps.clock.now();
+    this.addStop(term, stopResults);
     // Records this leader committed are in the cache already (commit()): not decoded again.
     // A watch that etcd breaks off (ADR 0017: a resume from a compacted revision) is opened
     // again and its records listed again (keepWatching).
@@ -531,7 +535,9 @@ export class Executor {
         ),
       () => this.cache.load(this.deps.store),
     );
+    if (!current()) return;
     await this.cache.load(this.deps.store);
+    if (!current()) return;
     // The writes of an op this leader runs that it committed itself are skipped undecoded
     // (commit keeps its copy at that revision). Another's (a CancelOperation from an API
     // replica) are taken: the op reads its cancel from the copy.
@@ -540,8 +546,10 @@ export class Executor {
     };
     const ownWrite = (id: string, rev: number): boolean => this.running.has(id) && Math.max(this.ops.get(id)?.modRevision ?? 0, this.finishedAt.get(id) ?? 0) >= rev;
     await this.keepWatching(term, 'operation', (onError) => this.deps.store.watchOps((op, rev) => this.onOp({ value: op, modRevision: rev }), { only: (_tenantId, id, rev) => !ownWrite(id, rev), onError }), listOps);
+    if (!current()) return;
     this.finishedOps.clear();
     await listOps();
+    if (!current()) return;
     // The sandboxes, listed once and then followed by a watch: the lifecycle rules read this
     // index instead of listing the largest prefix in etcd every 2 s (a list that grows with
     // the fleet, where the watch costs only what changes).
@@ -773,7 +781,7 @@ export class Executor {
   private async keepWatching(term: number, what: string, open: (onError: (e: unknown) => void) => Promise<() => void>, relist: () => Promise<void>): Promise<void> {
     let stop: (() => void) | undefined;
     let ended = false;
-    this.stops.push(() => {
+    this.addStop(term, () => {
       ended = true;
       stop?.();
     });
@@ -801,7 +809,19 @@ export class Executor {
       stop = undefined;
       setTimeout(() => void reopen(), 1000).unref();
     };
-    stop = await open(onError);
+    const first = await open(onError);
+    // Stopped while it opened (the term ended): closed here, not left open.
+    if (live()) stop = first;
+    else first();
+  }
+
+  /** Registers what stop() ends; one of a term that already ended is ended at once. */
+  private addStop(term: number, stop: () => void | Promise<void>): void {
+    if (this.active && term === this.term) {
+      this.stops.push(stop);
+      return;
+    }
+    void (async () => stop())().catch((e: unknown) => this.log.warn({ err: e }, 'stopping what a start that was stopped meanwhile had begun failed'));
   }
 
   /** Runs `pass` every `ms` while leading, never two at once; a failed pass is logged. */
@@ -1817,9 +1837,9 @@ export class Executor {
     // time, or the host went silent) may still be running there: its VM is stopped as soon as
     // the host gets to it (a destroy waits for the steps making that VM), not left for the
     // stray-VM check, minutes later and unbooked meanwhile.
-    if (hostId && (e instanceof StepTimeoutError || e instanceof HostLostError)) {
-      void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start given up on');
-    }
+    // The stop goes out after the record's write commits: a deposed leader (its write fails
+    // NotLeaderError) must not stop a VM the new leader has just started from the journal.
+    let deposed = false;
     await this.updateSandbox(
       sb.tenantId,
       sb.id,
@@ -1829,11 +1849,18 @@ export class Executor {
       },
       this.capacity(hostId, sb.resources, -1),
     ).catch(async (err: unknown) => {
+      if (err instanceof NotLeaderError) {
+        deposed = true;
+        return;
+      }
       this.log.warn({ err, sandboxId: sb.id }, 'could not mark sandbox failed');
       // Whoever moved the record on (a destroy) releases its booking, or did: released here
       // only if the record is gone.
       if (!(await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => 'unknown' as const))) await this.releaseCapacity(hostId, sb.resources);
     });
+    if (hostId && !deposed && this.active && (e instanceof StepTimeoutError || e instanceof HostLostError)) {
+      void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start given up on');
+    }
   }
 
   private async runSnapshot(op: OperationRec): Promise<void> {

@@ -160,6 +160,46 @@ describe('WebhookDispatcher', () => {
     return { rx, log, d, emit };
   }
 
+  it('stopWhileStartStillLists_startSchedulesNothingAndOpensNoWatch', async () => {
+    // Leadership lost while the new leader was still listing the delivery log: the replica
+    // that no longer leads must not deliver, nor follow the events.
+    const rx = await receiver(0);
+    cleanups.push(() => rx.close());
+    const log = new MemoryLog();
+    log.recs.set('waiting', { id: 'waiting', url: rx.url, tenantId: 't1', eventType: 'snapshot_created', revision: 1, body: '{}', state: 'pending', attempts: 0, lastStatus: 0, lastError: '', createdAt: 0, updatedAt: 0, nextAttemptAt: 0, deliveredAt: null });
+    let release!: () => void;
+    const listed = new Promise<void>((r) => (release = r));
+    const list = log.list.bind(log);
+    log.list = async (f) => {
+      await listed;
+      return list(f);
+    };
+    let watches = 0;
+    const d = new WebhookDispatcher({
+      store: {
+        watchRecords: async () => {
+          watches++;
+          return () => undefined;
+        },
+      },
+      deliveries: log,
+      poster: fetchPoster,
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      targets: parseWebhookTargets('t', JSON.stringify([{ url: rx.url, secret: SECRET }])),
+      retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
+      retentionMs: 1000,
+    });
+    const starting = d.start();
+    await d.stop();
+    release();
+    await starting;
+    await new Promise((r) => setTimeout(r, 300));
+    expect(watches).toBe(0);
+    expect(rx.got).toHaveLength(0);
+    expect(log.recs.get('waiting')?.state).toBe('pending');
+  });
+
   it('expire_deletesDeliveredAndFailedRecordsPastTheRetention_andKeepsPendingAndRecentOnes', async () => {
     let now = 1_000_000;
     const log = new MemoryLog();

@@ -180,9 +180,13 @@ export class WebhookDispatcher {
   async start(): Promise<void> {
     if (this.deps.targets.length === 0) return;
     this.active = true;
+    const run = ++this.runs;
     this.finished.clear();
     this.owned.clear();
-    for (const d of await this.deps.deliveries.list({})) {
+    const listed = await this.deps.deliveries.list({});
+    // stop() came while this listed (leadership lost mid-start): nothing is scheduled.
+    if (run !== this.runs) return;
+    for (const d of listed) {
       if (d.state === 'pending') this.schedule(d, Math.max(0, d.nextAttemptAt - this.deps.clock.now()));
       else this.noteFinished(d);
     }
@@ -197,6 +201,9 @@ export class WebhookDispatcher {
     await this.follow();
   }
 
+  /** Counts start() and stop() calls: a start that a stop overtook does nothing more. */
+  private runs = 0;
+
   /**
    * Follows record changes from the cursor on. A watch that etcd breaks off is followed again
    * from the cursor a second later, once what was already queued is recorded (the cursor is
@@ -204,6 +211,7 @@ export class WebhookDispatcher {
    */
   private async follow(failedAt?: number): Promise<void> {
     const cursor = await this.deps.deliveries.cursor();
+    if (!this.active) return; // stopped meanwhile
     // No cursor yet (nothing recorded since the fleet began): a change whose record failed is
     // followed again from its own revision, not from now.
     const fromRevision = cursor > 0 ? cursor + 1 : failedAt;
@@ -232,7 +240,7 @@ export class WebhookDispatcher {
       },
     );
     watch.stop = stop;
-    if (generation === this.generation) this.stopWatch = stop;
+    if (generation === this.generation && this.active) this.stopWatch = stop;
     else stop();
   }
 
@@ -264,6 +272,7 @@ export class WebhookDispatcher {
 
   async stop(): Promise<void> {
     this.active = false;
+    this.runs++;
     this.generation++;
     this.stopWatch?.();
     for (const t of this.timers) clearTimeout(t);

@@ -1,0 +1,72 @@
+// Executor.start() against stores that answer when the test says: leadership that ends while
+// the new leader is still starting (its lease lapsed during a long list) must leave no leader
+// work running on the replica. The store and bus are stubs of our own ports: every method
+// not named here answers at once with nothing.
+import { describe, expect, it } from 'vitest';
+import pino from 'pino';
+import { Executor } from './executor.ts';
+import type { ExecutorDeps } from './executor.ts';
+import { HeartbeatRegistry } from './fleet-view.ts';
+
+/** A port stub: the named methods, and for every other one an async function answering []. */
+function stub<T>(methods: Record<string, unknown>): T {
+  return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
+}
+
+describe('Executor terms', () => {
+  it('stopWhileStartListsOperations_leavesNoWatchNoConsumerAndNoPeriodicPass', async () => {
+    let releaseOps!: () => void;
+    const opsListed = new Promise<void>((r) => (releaseOps = r));
+    const open = new Set<string>();
+    let passes = 0;
+    const watch = (name: string) => async () => {
+      open.add(name);
+      return () => void open.delete(name);
+    };
+    const store = stub<ExecutorDeps['store']>({
+      watchFleet: watch('fleet'),
+      watchOps: watch('ops'),
+      followSandboxes: watch('sandboxes'),
+      listOps: async () => {
+        await opsListed;
+        return [];
+      },
+      listSandboxes: async () => {
+        passes++;
+        return [];
+      },
+      listHosts: async () => {
+        passes++;
+        return [];
+      },
+    });
+    const bus = stub<ExecutorDeps['bus']>({
+      consumeResults: async () => {
+        open.add('results');
+        return async () => void open.delete('results');
+      },
+    });
+    const ex = new Executor({
+      store,
+      bus,
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18, heldSnapshotCheckMs: 100 },
+      submit: async () => {
+        throw new Error('not in this test');
+      },
+    });
+    const starting = ex.start();
+    await new Promise((r) => setTimeout(r, 50));
+    await ex.stop();
+    const before = passes;
+    releaseOps();
+    await starting;
+    // Longer than every pass's period (host reconcile 1 s, lifecycle 2 s, held check 100 ms).
+    await new Promise((r) => setTimeout(r, 2500));
+    expect([...open]).toEqual([]);
+    expect(passes).toBe(before);
+  }, 10_000);
+});
