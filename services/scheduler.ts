@@ -197,6 +197,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const executor = new Executor({
     store: seams.executorStore ? seams.executorStore(store) : store,
     fence: () => election.fence(),
+    leading: () => election.isLeader(),
     bus,
     clock,
     log: log.child({ component: 'executor' }),

@@ -7,6 +7,8 @@ import pino from 'pino';
 import { Executor } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
+import { NotLeaderError } from './errors.ts';
+import type { HostResultMsg } from './messages.ts';
 
 /** A port stub: the named methods, and for every other one an async function answering []. */
 function stub<T>(methods: Record<string, unknown>): T {
@@ -69,4 +71,37 @@ describe('Executor terms', () => {
     expect([...open]).toEqual([]);
     expect(passes).toBe(before);
   }, 10_000);
+
+  it('resultFromAHost_whileTheLeaseHasRunOut_isNotTaken_soItGoesToWhoeverLeads', async () => {
+    let leading = true;
+    let onResult: ((r: HostResultMsg, ack: () => void, fromHost: string) => void | Promise<void>) | undefined;
+    const ex = new Executor({
+      store: stub({ watchFleet: async () => () => undefined, watchOps: async () => () => undefined, followSandboxes: async () => () => undefined }),
+      bus: stub({
+        consumeResults: async (cb: typeof onResult) => {
+          onResult = cb;
+          return async () => undefined;
+        },
+      }),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
+      leading: () => leading,
+    });
+    await ex.start();
+    try {
+      const r = { opId: 'op-1', stepId: 's1' } as HostResultMsg;
+      let acks = 0;
+      leading = false;
+      expect(() => onResult!(r, () => acks++, 'h1')).toThrow(NotLeaderError);
+      expect(acks).toBe(0);
+      leading = true;
+      await onResult!(r, () => acks++, 'h1');
+      expect(acks).toBe(1);
+    } finally {
+      await ex.stop();
+    }
+  });
 });

@@ -103,6 +103,12 @@ export interface ExecutorDeps {
    * loop) cannot overwrite what the new leader did; its writes throw NotLeaderError.
    */
   fence?: () => LeaderFence | undefined;
+  /**
+   * Whether this replica still holds its leadership's lease (LeaderElection.isLeader), checked
+   * before every message to a host and every result taken: after a stall, a replica that has
+   * lost the lead without noticing yet neither sends work nor consumes the new leader's answers.
+   */
+  leading?: () => boolean;
 }
 
 /**
@@ -514,6 +520,8 @@ export class Executor {
     // (addStop), so a replica that no longer leads runs no leader work.
     const current = (): boolean => this.active && term === this.term;
     const stopResults = await this.deps.bus.consumeResults((r, ack, fromHost) => {
+      // Not ours to take (redelivered to whoever leads): a throw naks it.
+      if (!this.leading()) throw new NotLeaderError();
       this.onResult(r, fromHost);
       ack();
     });
@@ -720,6 +728,7 @@ export class Executor {
   private async sendHostWork(hostId: string, opId: string, tenantId: string, stepId: string, work: HostWorkMsg['work'], failed: string): Promise<void> {
     const msg = create(HostWorkSchema, { opId, stepId, attempt: 1, tenantId, work });
     for (let i = 0; ; i++) {
+      if (!this.leading()) return void this.log.warn({ hostId, opId, stepId }, `${failed}: no longer leading`);
       try {
         return await this.deps.bus.sendWork(hostId, msg);
       } catch (e) {
@@ -813,6 +822,11 @@ export class Executor {
     // Stopped while it opened (the term ended): closed here, not left open.
     if (live()) stop = first;
     else first();
+  }
+
+  /** Executing (started, not stopped) and still holding the lease (ExecutorDeps.leading). */
+  private leading(): boolean {
+    return this.active && (this.deps.leading?.() ?? true);
   }
 
   /** Registers what stop() ends; one of a term that already ended is ended at once. */
@@ -1221,7 +1235,7 @@ export class Executor {
       // stored; sent in a batch (batcher.ts) it may not, and the agent dedups by op + step.
       let settled = false;
       void result.then(() => (settled = true));
-      for (let i = 0, delay = 250; !settled && this.active; i++, delay = Math.min(delay * 2, 2000)) {
+      for (let i = 0, delay = 250; !settled && this.leading(); i++, delay = Math.min(delay * 2, 2000)) {
         try {
           await this.deps.bus.sendWork(hostId, msg);
           break;

@@ -19,17 +19,19 @@ const LEASE_CHECK_MS = 50;
 
 /**
  * The earliest time etcd may expire a campaign's lease, from the lease's keepalive events.
+ * On the monotonic clock (performance.now): a wall clock stepped back by NTP would let a
+ * leader act past the lease's real expiry.
  * etcd3 keeps the Lease private; without it (another etcd3 version) the deadline is never
  * renewed past the first TTL, so the check below would step down at once: `known` says so.
  */
 function leaseDeadline(c: Campaign, ttlMs: number): { until: () => number; known: boolean; close: () => void } {
   const lease = (c as unknown as { lease?: EventEmitter }).lease;
-  let until = Date.now() + ttlMs; // the lease is granted after this
+  let until = performance.now() + ttlMs; // the lease is granted after this
   if (!lease || typeof lease.on !== 'function') return { until: () => until, known: false, close: () => undefined };
   // Keepalives go out on one stream and are answered in order: an answer is for the oldest
   // request still unanswered on the current stream.
   let sent: number[] = [];
-  const onFired = (): void => void sent.push(Date.now());
+  const onFired = (): void => void sent.push(performance.now());
   const onStream = (): void => void (sent = []);
   const onAnswer = (): void => {
     const at = sent.shift();
@@ -56,6 +58,8 @@ export class EtcdLeaderElection implements LeaderElection {
   private readonly lostCbs: Array<() => void> = [];
   /** Stops the current campaign's lease watchdog. */
   private stopWatchdog: (() => void) | undefined;
+  /** The current term's lease deadline, where known: isLeader() checks it itself. */
+  private leaseUntil: (() => number) | undefined;
 
   constructor(
     private readonly client: Etcd3,
@@ -111,9 +115,10 @@ export class EtcdLeaderElection implements LeaderElection {
             if (ended || this.campaignObj !== c) return;
             this.lastFence = fence;
             this.leader = true;
+            this.leaseUntil = deadline.known ? deadline.until : undefined;
             if (deadline.known) {
               watchdog = setInterval(() => {
-                if (Date.now() >= deadline.until() - LEASE_MARGIN_MS) stepDown();
+                if (performance.now() >= deadline.until() - LEASE_MARGIN_MS) stepDown();
               }, LEASE_CHECK_MS);
               watchdog.unref();
             }
@@ -142,8 +147,15 @@ export class EtcdLeaderElection implements LeaderElection {
     this.lostCbs.push(cb);
   }
 
+  /**
+   * Leading, and the lease has not run out: checked against the deadline here too, not only
+   * by the watchdog's timer, so a replica whose event loop stalled past its lease knows it
+   * before the timer runs (I/O callbacks can come first after a stall).
+   */
   isLeader(): boolean {
-    return this.leader;
+    if (!this.leader) return false;
+    const until = this.leaseUntil;
+    return until === undefined || performance.now() < until() - LEASE_MARGIN_MS;
   }
 
   fence(): LeaderFence | undefined {
