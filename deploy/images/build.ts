@@ -3,14 +3,18 @@
 //   cache: $FORKFLEET_CACHE_DIR/images/<name>-<hash>/ (default /var/cache/forkfleet)
 //   CLI:   node --import tsx deploy/images/build.ts tiny|debian
 // A build runs in a temp dir next to the cache entry and is renamed into place, so a reader
-// never sees a half-built image and concurrent builders do not clash.
+// never sees a half-built image and concurrent builders do not clash. The build's processes
+// die with the process that started it (a PID namespace of their own, tied to it), and the
+// temp dir of a builder that was killed is removed by the next build.
 import { execFile } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { mkdir, mkdtemp, readFile, rename, rm, stat } from 'node:fs/promises';
+import { mkdir, mkdtemp, readdir, readFile, rename, rm, stat } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { ImageBuildError } from '../../host-agent/errors.ts';
+import { isAlive } from '../../host-agent/adapters/qemu/process.ts';
+import { onPath, tiedToUs } from '../../host-agent/adapters/tied.ts';
 import type { GuestImage } from '../../host-agent/domain/vmm.ts';
 
 import { IMAGE_NAMES, type ImageName } from './names.ts';
@@ -112,6 +116,38 @@ async function exists(p: string): Promise<boolean> {
   }
 }
 
+/** A build's temp dir: `.<name>-<hash>.build-<builder pid>-<random>`. */
+const BUILD_DIR = /^\.[a-z0-9]+-[0-9a-f]+\.build-(\d+)-/;
+
+/**
+ * Removes the temp dirs of builds whose builder is gone (killed mid-build: its processes died
+ * with it, see buildCommand). A dir whose builder's PID is alive, even reused by another
+ * process, is left alone.
+ */
+export async function removeAbandonedBuilds(root: string): Promise<string[]> {
+  const removed: string[] = [];
+  for (const name of await readdir(root).catch(() => [] as string[])) {
+    const pid = Number(BUILD_DIR.exec(name)?.[1] ?? NaN);
+    if (!Number.isInteger(pid) || pid <= 1 || pid === process.pid || isAlive(pid)) continue;
+    await rm(join(root, name), { recursive: true, force: true });
+    removed.push(name);
+  }
+  return removed;
+}
+
+/**
+ * The command line of a build script. It runs as PID 1 of a PID namespace of its own that is
+ * tied to this process (setpriv --pdeathsig, unshare --kill-child): if this process dies, the
+ * kernel kills the build and everything it started (mmdebstrap, apt, mkfs), instead of a
+ * second build racing an orphaned one. In a mount namespace of its own too: what mmdebstrap
+ * mounts in the root file system it builds goes with the namespace, so removing a killed
+ * build's temp dir never reaches into a mount. Without root or unshare, only bash is tied.
+ */
+export function buildCommand(args: readonly string[]): [string, string[]] {
+  if (process.getuid?.() === 0 && onPath('unshare')) return tiedToUs('unshare', ['--mount', '--pid', '--fork', '--kill-child=KILL', '--', 'bash', ...args]);
+  return tiedToUs('bash', args);
+}
+
 /** Return the cached image for `name`, building it first if its recipe changed. */
 export async function ensureImage(name: ImageName, opts: ImageOptions = {}): Promise<GuestImage> {
   const r = RECIPES[name];
@@ -120,11 +156,12 @@ export async function ensureImage(name: ImageName, opts: ImageOptions = {}): Pro
   const dir = join(root, `${name}-${hash}`);
   if (!(await exists(join(dir, 'image.json')))) {
     await mkdir(root, { recursive: true });
-    const tmp = await mkdtemp(join(root, `.${name}-${hash}.build-`));
+    await removeAbandonedBuilds(root);
+    const tmp = await mkdtemp(join(root, `.${name}-${hash}.build-${process.pid}-`));
     try {
       const args = [join(here, r.script), tmp, kernelVersion, String(diskMib)];
       if (name === 'debian') args.push(await aptSourcesFile());
-      await run('bash', args, { maxBuffer: 64 << 20 });
+      await run(...buildCommand(args), { maxBuffer: 64 << 20 });
       try {
         await rename(tmp, dir);
       } catch (e) {
