@@ -1075,9 +1075,13 @@ export class QemuVmmDriver implements VmmDriver {
 
   /**
    * The RAM file of `id` (a VM or an incoming standby; its QEMU is gone) back to the pool when
-   * one is open, else away; nothing without RAM files.
+   * one is open, else away; nothing without RAM files. `recorded` is the file its vm.json
+   * names: one that is not where the pool is now (the agent restarted with the pool off, or
+   * on another mount) is removed where it is, or it would pin host RAM for good.
    */
-  private async releaseRam(id: string): Promise<void> {
+  private async releaseRam(id: string, recorded?: string): Promise<void> {
+    const here = this.ramDir ? ramFileOf(this.ramDir, id) : undefined;
+    if (recorded && recorded !== here && basename(recorded) === basename(ramFileOf('/', id))) await rm(recorded, { force: true });
     if (!this.ramDir) return;
     const pool = await this.ramPoolOpened;
     if (pool) await pool.recycle(id);
@@ -1578,6 +1582,7 @@ export class QemuVmmDriver implements VmmDriver {
   private async reapWorkdir(workdir: string, launchDir?: string): Promise<string[]> {
     const killed: string[] = [];
     const files = await readdir(workdir).catch(() => [] as string[]);
+    const recordedRam = files.includes('vm.json') ? await readFile(join(workdir, 'vm.json'), 'utf8').then((t) => (JSON.parse(t) as { ramFile?: unknown }).ramFile).catch(() => undefined) : undefined;
     for (const f of files.filter((x) => x.endsWith('.pid'))) {
       const pid = Number((await readFile(join(workdir, f), 'utf8').catch(() => '')).trim());
       if (pid > 0 && (await this.isOurQemu(pid, workdir, launchDir))) {
@@ -1587,7 +1592,7 @@ export class QemuVmmDriver implements VmmDriver {
     }
     await rm(workdir, { recursive: true, force: true });
     // A VM's RAM file (ram-pool.ts) goes with its workdir, whoever removes it.
-    if (dirname(workdir) === this.vmsDir) await this.releaseRam(basename(workdir));
+    if (dirname(workdir) === this.vmsDir) await this.releaseRam(basename(workdir), typeof recordedRam === 'string' ? recordedRam : undefined);
     return killed;
   }
 
