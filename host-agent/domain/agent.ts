@@ -691,7 +691,7 @@ export class Agent {
       // A driver that does not stream returns the output with the exit.
       onOutput('stdout', r.stdout);
       onOutput('stderr', r.stderr);
-      out({ case: 'exit', value: { $typeName: 'forkfleet.v1.HostExecExit', exitCode: r.exitCode, signal: r.signal ?? 0, timedOut: r.timedOut ?? false } });
+      out({ case: 'exit', value: { $typeName: 'forkfleet.v1.HostExecExit', exitCode: r.exitCode, signal: r.signal ?? 0, timedOut: r.timedOut ?? false, outputTruncated: r.outputTruncated ?? false } });
     } catch (e) {
       const info = errorInfo(e);
       out({ case: 'error', value: { $typeName: 'forkfleet.v1.ErrorInfo', ...info } });

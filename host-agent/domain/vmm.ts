@@ -111,6 +111,8 @@ export interface ExecResult {
   timedOut?: boolean;
   /** ExecRequest.signal aborted first and the command was killed; stdout and stderr hold what it wrote until then. */
   cancelled?: boolean;
+  /** The guest agent's capture of stdout or stderr reached its cap (qemu-ga: 16 MiB each): output past it may be missing. */
+  outputTruncated?: boolean;
 }
 
 /**

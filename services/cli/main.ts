@@ -390,14 +390,15 @@ export function buildProgram(): Command {
       const g = globals(cmd);
       const stdin = o.stdin ? readFileSync(0) : undefined;
       const stream = client(cmd).sandbox(id).exec(argv, { env: o.env ?? {}, ...(o.cwd ? { cwd: o.cwd } : {}), timeout: o.execTimeout, ...(stdin ? { stdin } : {}) });
-      const res = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0 };
+      const res = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0, outputTruncated: false };
       for await (const c of stream) {
-        if (c.stream === 'exit') Object.assign(res, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs });
+        if (c.stream === 'exit') Object.assign(res, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
         else if (g.json) res[c.stream] += Buffer.from(c.data).toString();
         else (c.stream === 'stdout' ? process.stdout : process.stderr).write(c.data);
       }
       if (g.json) process.stdout.write(`${JSON.stringify(res, null, 2)}\n`);
       else if (res.timedOut) process.stderr.write(`forkfleet: command timed out after ${o.execTimeout} (--exec-timeout)\n`);
+      if (!g.json && res.outputTruncated) process.stderr.write('forkfleet: output truncated: stdout or stderr passed the guest agent\'s 16 MiB cap (redirect it to a file in the sandbox and cp it out)\n');
       process.exitCode = res.signal ? 128 + res.signal : res.exitCode < 0 ? 1 : res.exitCode;
     });
   sb.command('cp')

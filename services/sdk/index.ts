@@ -175,7 +175,7 @@ export interface EventInfo {
   message: string;
 }
 
-export type ExecChunk = { stream: 'stdout' | 'stderr'; data: Uint8Array } | { stream: 'exit'; exitCode: number; signal: number; timedOut: boolean; durationMs: number };
+export type ExecChunk = { stream: 'stdout' | 'stderr'; data: Uint8Array } | { stream: 'exit'; exitCode: number; signal: number; timedOut: boolean; durationMs: number; outputTruncated: boolean };
 
 // ---------------------------------------------------------------- errors
 
@@ -413,6 +413,8 @@ export interface ExecResult {
   signal: number;
   timedOut: boolean;
   durationMs: number;
+  /** stdout or stderr reached the guest agent's 16 MiB capture cap: output past it may be missing. */
+  outputTruncated: boolean;
 }
 
 /** An exec in progress: iterate it for output; the last chunk is the exit. */
@@ -802,7 +804,7 @@ export class Forkfleet {
             if (r.payload.case === 'stdout' || r.payload.case === 'stderr') yield { stream: r.payload.case, data: r.payload.value };
             else if (r.payload.case === 'exit') {
               const x = r.payload.value;
-              yield { stream: 'exit', exitCode: x.exitCode, signal: x.signal, timedOut: x.timedOut, durationMs: x.duration ? Number(x.duration.seconds) * 1000 + x.duration.nanos / 1e6 : 0 };
+              yield { stream: 'exit', exitCode: x.exitCode, signal: x.signal, timedOut: x.timedOut, durationMs: x.duration ? Number(x.duration.seconds) * 1000 + x.duration.nanos / 1e6 : 0, outputTruncated: x.outputTruncated };
             }
           }
           return;
@@ -819,11 +821,11 @@ export class Forkfleet {
       async result(): Promise<ExecResult> {
         const out: Buffer[] = [];
         const err: Buffer[] = [];
-        const r: ExecResult = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0 };
+        const r: ExecResult = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0, outputTruncated: false };
         for await (const c of it) {
           if (c.stream === 'stdout') out.push(Buffer.from(c.data));
           else if (c.stream === 'stderr') err.push(Buffer.from(c.data));
-          else if (c.stream === 'exit') Object.assign(r, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs });
+          else if (c.stream === 'exit') Object.assign(r, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
         }
         r.stdout = Buffer.concat(out).toString();
         r.stderr = Buffer.concat(err).toString();

@@ -150,6 +150,19 @@ describe('GuestAgentClient with an untrusted guest', () => {
     expect(st['out-data'].length + st['err-data'].length).toBe(2 * out.length);
   }, 60_000);
 
+  it('exec_whoseOutputPassedQemuGasCap_saysTheOutputWasTruncated', async () => {
+    const g = await fakeGuest({
+      answer: (req) =>
+        req.execute === 'guest-exec' ? { reply: { pid: 42 } } : req.execute === 'guest-exec-status' ? { reply: { exited: true, exitcode: 0, 'out-data': 'YQ==', 'out-truncated': true } } : undefined,
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    const r = await c.exec({ path: '/bin/yes', timeoutMs: 5000 });
+    expect(r).toMatchObject({ exitCode: 0, outputTruncated: true });
+    expect(r.stdout.toString()).toBe('a');
+  });
+
   it('sync_ofAGuestWhoseParserHoldsHalfARequest_flushesItFirst_soTheFirstSyncParses', async () => {
     // A snapshot taken while a write was half sent replays that half into every clone's qemu-ga.
     const g = await fakeGuest({ seed: '{"execute": "guest-file-write", "arguments": {"handle": 1, "buf-b64": "QUFB' });

@@ -289,6 +289,8 @@ export class GuestAgentClient {
           signal?: number;
           'out-data'?: string;
           'err-data'?: string;
+          'out-truncated'?: boolean;
+          'err-truncated'?: boolean;
         }>('guest-exec-status', { pid }, 10_000);
         if (st.exited) {
           let stdout = Buffer.from(st['out-data'] ?? '', 'base64');
@@ -298,7 +300,8 @@ export class GuestAgentClient {
             live.finish(stdout, stderr);
             stdout = stderr = Buffer.alloc(0);
           }
-          return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...why };
+          const truncated = st['out-truncated'] === true || st['err-truncated'] === true;
+          return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...why, ...(truncated ? { outputTruncated: true } : {}) };
         }
         const now = Date.now();
         if (live && now - started >= LIVE_AFTER_MS) await live.poll(now);

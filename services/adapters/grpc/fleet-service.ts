@@ -149,7 +149,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             yield { payload: { case: 'stderr' as const, value: out.payload.value } };
             break;
           case 'exit':
-            yield { payload: { case: 'exit' as const, value: { exitCode: out.payload.value.exitCode, signal: out.payload.value.signal, timedOut: out.payload.value.timedOut } } };
+            yield { payload: { case: 'exit' as const, value: { exitCode: out.payload.value.exitCode, signal: out.payload.value.signal, timedOut: out.payload.value.timedOut, outputTruncated: out.payload.value.outputTruncated } } };
             return;
           case 'error':
             throw new ForkfleetError(out.payload.value.kind as ForkfleetError['kind'], out.payload.value.message, { retryable: out.payload.value.retryable });
