@@ -5,6 +5,9 @@ import { defineConfig } from 'vitest/config';
 //   int:  *.int.test.ts, real etcd / nats-server / QEMU started by the tests; files run
 //         one at a time because this machine has 2 cores and QEMU runs under TCG.
 //   e2e:  *.e2e.test.ts, a whole local fleet (deploy/fleet) with faults injected.
+// The tiers run one after another (sequence.groupOrder): without it vitest runs projects
+// side by side, and on a machine with more cores the int tests' guests and the e2e fleet
+// would share it.
 const exclude = ['node_modules/**', '**/.cache/**'];
 export default defineConfig({
   test: {
@@ -15,6 +18,7 @@ export default defineConfig({
           include: ['**/*.test.ts'],
           exclude: [...exclude, '**/*.int.test.ts', '**/*.e2e.test.ts'],
           testTimeout: 20_000,
+          sequence: { groupOrder: 0 },
         },
       },
       {
@@ -24,6 +28,7 @@ export default defineConfig({
           include: ['**/*.e2e.test.ts'],
           exclude,
           fileParallelism: false,
+          sequence: { groupOrder: 2 },
           testTimeout: 300_000,
           hookTimeout: 300_000,
         },
@@ -34,6 +39,7 @@ export default defineConfig({
           include: ['**/*.int.test.ts'],
           exclude,
           fileParallelism: false,
+          sequence: { groupOrder: 1 },
           testTimeout: 120_000,
           hookTimeout: 180_000,
         },

@@ -16,6 +16,8 @@ APT_PACKAGES=(
   # zstd-napi (the chunk codec) builds its native addon with node-gyp during npm ci when no
   # prebuilt binary can be fetched, as on a machine that reaches only the npm registry.
   g++ make python3
+  # .ci/run checks that the generated code is current with git.
+  git
 )
 
 missing=()
@@ -33,8 +35,11 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   # Installing must not start services (there may be no init system here).
   # Only while installing: left behind, it would keep later upgrades from restarting services.
-  if [[ ! -e /usr/sbin/policy-rc.d ]]; then
-    printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
+  # Ours carries a marker line, so one a killed run left is recognised and replaced (and
+  # removed) by the next run; someone else's is left alone.
+  marker='# forkfleet setup.sh: removed when it ends'
+  if [[ ! -e /usr/sbin/policy-rc.d ]] || grep -qxF "$marker" /usr/sbin/policy-rc.d; then
+    printf '#!/bin/sh\n%s\nexit 101\n' "$marker" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
     trap 'rm -f /usr/sbin/policy-rc.d' EXIT
   fi
   apt-get update -qq
@@ -46,6 +51,10 @@ stamp=node_modules/.forkfleet-lock.sha256
 want=$(sha256sum package-lock.json | cut -d' ' -f1)
 if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   echo "setup: npm ci"
+  # node-gyp (zstd-napi, when no prebuilt binary is reachable) takes Node's headers from the
+  # installed Node where it has them, instead of downloading them from outside the npm registry.
+  node_prefix=$(dirname "$(dirname "$(command -v node)")")
+  if [[ -z ${npm_config_nodedir:-} && -f $node_prefix/include/node/node_api.h ]]; then export npm_config_nodedir=$node_prefix; fi
   npm ci --no-audit --no-fund --loglevel=error
   echo "$want" > "$stamp"
 fi
