@@ -2474,7 +2474,9 @@ export class Executor {
     if (this.cancelRequested(op.id)) return this.destroyForCancel(op, result, [...started], runningCount);
     if (failures.length > 0) {
       const first = errorOf(failures[0]);
-      return this.finish(op, result, { ...first, message: `${runningCount} of ${total} children started; ${first.message}` }, runningCount);
+      // Retryable only when nothing started: a caller that retries a partly started fork
+      // (with a new key) would start a second set beside the running children.
+      return this.finish(op, result, { ...first, message: `${runningCount} of ${total} children started; ${first.message}`, retryable: first.retryable && runningCount === 0 }, runningCount);
     }
     // Children that an earlier run of this op failed (before a failover or a store outage)
     // fail the op as they did then, though this run had nothing left to do for them.
@@ -2522,11 +2524,15 @@ export class Executor {
         if (src && byHost.has(src)) await runHost(src).catch(() => false);
         const mine = byHost.get(hostId) ?? [];
         const vms = mine.map((c) => this.vmSpec(c.rec));
-        const current = (await this.readSnapshot(op.tenantId, snapshotId))?.value ?? sn;
-        const fetch = this.fetchPlan(current, hostId, src, migrates(hostId));
         const stepId = placedBy ? `restore/${hostId}/${placedBy}` : `restore/${hostId}`;
         let restored: HostResultMsg;
+        let fetch: ReturnType<Executor['fetchPlan']>;
         try {
+          // What fails before the step is sent (the snapshot's record, a fetch plan with no
+          // holder left) fails the children too: left `starting`, they would keep their
+          // booking with nothing to end them.
+          const current = (await this.readSnapshot(op.tenantId, snapshotId))?.value ?? sn;
+          fetch = this.fetchPlan(current, hostId, src, migrates(hostId));
           // Cancelled: a step not sent yet (a later wave's) is not sent; its children fail.
           this.stopIfCancelled(op);
           restored = await this.step(op, stepId, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });

@@ -5,7 +5,7 @@
 //
 // Prints one JSON line at the end: {"best": {...}, "scores": [...], "kept": "sb-..."}.
 import { parseArgs } from 'node:util';
-import { Forkfleet } from '../index.ts';
+import { Forkfleet, OperationFailedError } from '../index.ts';
 import type { Sandbox } from '../index.ts';
 import { defaultApi } from '../../cli/hints.ts';
 
@@ -51,7 +51,9 @@ try {
   if (!values['keep-parent']) await parent.destroy();
   process.stdout.write(`${JSON.stringify({ best, scores, kept: best.sandboxId })}\n`);
 } catch (e) {
-  // Leave nothing behind on failure.
+  // Leave nothing behind on failure, including the children a partly failed fork started
+  // (its error carries them: they run, and count against the quota, until destroyed).
+  if (e instanceof OperationFailedError) for (const c of e.operation.fork?.children ?? []) if (!kids.some((k) => k.id === c.id)) kids.push(ff.sandbox(c.id));
   await Promise.allSettled([...kids, ...(parent ? [parent] : [])].map((k) => k.destroy()));
   throw e;
 } finally {
