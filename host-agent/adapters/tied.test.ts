@@ -2,7 +2,7 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { spawn } from 'node:child_process';
 import { once } from 'node:events';
 import { readFileSync } from 'node:fs';
-import { isAlive, killHard } from './qemu/process.ts';
+import { isAlive, isGone, killHard } from './qemu/process.ts';
 import { tiedToUs } from './tied.ts';
 
 // A stand-in for the agent: a Node process that spawns the given command line, prints the
@@ -21,13 +21,14 @@ async function parentWith(cmdline: [string, string[]]): Promise<{ parent: number
   return { parent: p.pid as number, child: Number(line.toString().trim()) };
 }
 
+/** Exited within `ms`: gone, or a zombie (an orphan's reaper, PID 1, may take its time). */
 async function goneWithin(pid: number, ms: number): Promise<boolean> {
   const end = Date.now() + ms;
   while (Date.now() < end) {
-    if (!isAlive(pid)) return true;
+    if (isGone(pid)) return true;
     await new Promise((r) => setTimeout(r, 20));
   }
-  return !isAlive(pid);
+  return isGone(pid);
 }
 
 describe('tiedToUs', () => {

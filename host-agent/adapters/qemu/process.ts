@@ -60,6 +60,11 @@ export function adoptProcess(pid: number): QemuProcess {
   return { pid, child: undefined, exited };
 }
 
+/** The process has exited: no such PID, or a zombie no one has reaped yet. */
+export function isGone(pid: number): boolean {
+  return !isAlive(pid) || isZombie(pid);
+}
+
 function isZombie(pid: number): boolean {
   try {
     // Synchronous read is fine: a tiny procfs file, polled only for adopted processes.
