@@ -279,6 +279,33 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
   }, 300_000);
 
+  it('waitOperation_whoseCallDeadlineComesBeforeItsTimeout_answersWithTheOperationAsItIs', async () => {
+    const op = await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } });
+    // A boot takes seconds under TCG: still going when the call's 1.5 s deadline comes.
+    const now = await api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 60n } }, { timeoutMs: 1500 });
+    expect([OperationState.PENDING, OperationState.RUNNING]).toContain(now.state);
+    const final = await done(api, op);
+    await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: final.result.case === 'sandbox' ? final.result.value.id : '' }));
+  }, 300_000);
+
+  it('exec_ofAHibernatedSandbox_cancelledByItsClientWhileItWakes_neverRunsTheCommand', async () => {
+    const created = await done(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
+    const id = created.result.case === 'sandbox' ? created.result.value.id : '';
+    await done(api, await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    // The client gives up while the exec waits for the wake (a restore: seconds under TCG).
+    const ac = new AbortController();
+    setTimeout(() => ac.abort(), 150);
+    const e = (await (async () => {
+      for await (const _ of api.exec({ tenantId, sandboxId: id, argv: ['/bin/sh', '-c', 'echo ran > /tmp/ran'], timeout: { seconds: 60n } }, { signal: ac.signal })) void _;
+    })().catch((x: unknown) => x)) as RpcError;
+    expect(e.code).toBe(Status.CANCELLED);
+    // The wake goes on (others may be waiting for it); the cancelled command never runs.
+    await waitFor('woken', async () => (await api.getSandbox({ tenantId, sandboxId: id })).state === SandboxState.RUNNING, 120_000, 250);
+    await new Promise((r) => setTimeout(r, 2000));
+    expect((await sh(api, id, 'cat /tmp/ran 2>/dev/null; echo end')).out).toBe('end\n');
+    await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+  }, 300_000);
+
   it('step_whoseAgentIsKilledAndRestartedMidway_isSentAgainAtOnce_andMakesOneVm', async () => {
     // A create on host-b boots a guest (seconds under TCG): its agent is killed mid-boot.
     const agent = agents.find((a) => a.hostId === 'host-b')!;

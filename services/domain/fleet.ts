@@ -229,6 +229,22 @@ export class Fleet {
     throw new ForkfleetError('aborted', 'concurrent change; retry', { retryable: true });
   }
 
+  /**
+   * Quota admission. Refused, a call whose key an earlier call committed meanwhile (a client's
+   * retry racing its own first attempt, whose pending children the usage now counts) gets that
+   * call's operation, not a refusal of work that is in fact running.
+   */
+  private async admitUnlessRepeated(tenantId: string, key: string, repeat: Repeat, need: Parameters<typeof admit>[2]): Promise<OperationRec | undefined> {
+    try {
+      await admit(this.deps, tenantId, need);
+      return undefined;
+    } catch (e) {
+      const raced = await this.existingOp(tenantId, key, repeat).catch(() => undefined);
+      if (raced) return raced;
+      throw e;
+    }
+  }
+
   async createSandbox(input: CreateInput): Promise<OperationRec> {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['create'] });
     if (prior) return prior;
@@ -237,7 +253,8 @@ export class Fleet {
     // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
     if (sn && sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be restored', 'snapshot_id');
     const resources = sn ? restoredResources(sn, input.resources, input.resourcesSet) : input.resources;
-    await admit(this.deps, input.tenantId, { sandboxes: 1, memoryMib: resources.memoryMib });
+    const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['create'] }, { sandboxes: 1, memoryMib: resources.memoryMib });
+    if (raced) return raced;
     const id = newId('sb');
     const now = this.deps.clock.now();
     const sb: SandboxRec = {
@@ -298,7 +315,8 @@ export class Fleet {
     const perChild = sandboxRecordBytes({ labels: input.labels, afterResume: input.afterResume ?? inheritedHooks ?? [] });
     const fit = Math.floor(PLACEMENT_TXN_MAX_BYTES / perChild);
     if (input.count > fit) throw new InvalidArgumentError('count', `at most ${fit} children with these labels and after_resume hooks (~${perChild} bytes in each child's record; a fork writes all its children in one transaction of at most ${PLACEMENT_TXN_MAX_BYTES} bytes)`);
-    await admit(this.deps, input.tenantId, forkNeed(this.deps.store, input.tenantId, input, input.count));
+    const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId }, forkNeed(this.deps.store, input.tenantId, input, input.count));
+    if (raced) return raced;
     const childIds = Array.from({ length: input.count }, () => newId('sb'));
     return this.submit(input.tenantId, input.idempotencyKey, 'fork', input.snapshotId || input.sandboxId, {
       snapshotId: input.snapshotId,
@@ -331,6 +349,8 @@ export class Fleet {
     if (choose) [kind, allowed] = choose(sb);
     if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`);
     if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
+    // A hibernated sandbox holds no memory: waking it takes its memory again, within the quota.
+    if (kind === 'wake' && sb.state === 'hibernated') await admit(this.deps, input.tenantId, { memoryMib: sb.resources.memoryMib });
     const op = await this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], true);
     this.readAtSubmit.set(op, sb);
     return op;
@@ -555,19 +575,28 @@ export class Fleet {
   /**
    * The sandbox, running. A hibernated one is woken first, transparently: concurrent calls
    * share one wake operation (its idempotency key names the hibernation snapshot), so the
-   * caller only sees a slower first call.
+   * caller only sees a slower first call. One still hibernating (its idle timeout just fired)
+   * is waited for, then woken. The caller's `signal` ends the waits (CANCELLED).
    */
-  private async runningSandbox(tenantId: string, id: string): Promise<SandboxRec> {
+  private async runningSandbox(tenantId: string, id: string, signal?: AbortSignal): Promise<SandboxRec> {
+    const cancelled = (): ForkfleetError => new ForkfleetError('cancelled', `the call was cancelled while sandbox ${id} was being woken`);
     let sb = await this.getSandbox(tenantId, id);
+    if (sb.state === 'hibernating' && sb.opId) {
+      await this.waitOperation(tenantId, sb.opId, 300_000, signal);
+      if (signal?.aborted) throw cancelled();
+      sb = await this.getSandbox(tenantId, id);
+    }
     if (sb.state === 'hibernated' || sb.state === 'waking') {
       // While waking, the record names the wake in progress; while hibernated, the key is
       // stable (updatedAt does not change until a wake starts), so racing callers share it.
+      if (sb.state === 'hibernated') await admit(this.deps, tenantId, { memoryMib: sb.resources.memoryMib });
       const opId = sb.state === 'waking' && sb.opId ? sb.opId : (await this.submit(tenantId, `__wake/${sb.id}/${sb.updatedAt}`, 'wake', sb.id, {})).id;
-      const done = await this.waitOperation(tenantId, opId, 300_000);
+      const done = await this.waitOperation(tenantId, opId, 300_000, signal);
+      if (signal?.aborted) throw cancelled();
       if (done.state !== 'succeeded') throw new ForkfleetError('unavailable', `waking sandbox ${id} failed: ${done.error?.message ?? done.state}`, { retryable: true });
       sb = await this.getSandbox(tenantId, id);
     }
-    if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, 'it must be running');
+    if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', 'sandbox_id');
     return sb;
   }
 
@@ -593,7 +622,9 @@ export class Fleet {
       const [field] = parts.reduce((a, b) => (b[1] > a[1] ? b : a));
       throw new InvalidArgumentError(field, `the exec request (stdin ${parts[0]![1]}, argv ${parts[1]![1]}, env ${parts[2]![1]} bytes) is ${size} bytes; at most ${max} fit this fleet's relay (NATS max_payload): pass large inputs with WriteFile`);
     }
-    const sb = await this.runningSandbox(input.tenantId, input.sandboxId);
+    const sb = await this.runningSandbox(input.tenantId, input.sandboxId, signal);
+    // Gone while the sandbox was woken: the command is not sent at all.
+    if (signal?.aborted) throw new ForkfleetError('cancelled', 'exec cancelled before it was sent');
     yield* this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, ...(signal ? { signal } : {}) });
   }
 

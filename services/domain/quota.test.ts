@@ -2,6 +2,8 @@ import { describe, expect, it } from 'vitest';
 import { admit, checkQuota, usageOf } from './quota.ts';
 import type { OperationRec, SandboxRec, SnapshotRec } from './records.ts';
 import type { FleetStore } from './ports.ts';
+import { Fleet } from './fleet.ts';
+import { HeartbeatRegistry } from './fleet-view.ts';
 
 const sb = (state: SandboxRec['state'], memoryMib: number): SandboxRec => ({ state, resources: { vcpus: 1, memoryMib, diskMib: 0 } }) as unknown as SandboxRec;
 const sn = (state: SnapshotRec['state'], storedBytes: number): SnapshotRec => ({ state, storedBytes }) as unknown as SnapshotRec;
@@ -64,4 +66,50 @@ describe('quotas', () => {
     expect(err(() => checkQuota('acme', { snapshotBytes: 1000 }, { sandboxes: 0, memoryMib: 0, snapshotBytes: 999 }, { snapshot: true }))).toBeUndefined();
     expect(err(() => checkQuota('acme', { snapshotBytes: 0 }, { sandboxes: 9, memoryMib: 9, snapshotBytes: 0 }, { sandboxes: 1, memoryMib: 1 }))).toBeUndefined();
   });
+
+  it('createSandbox_refusedByQuotaAfterItsFirstAttemptCommitted_returnsThatAttemptsOperation', async () => {
+    // A client's retry looked its key up before its first attempt committed; by the time it
+    // is admitted, the first attempt's sandbox counts against the quota.
+    const first = { id: 'op-first', tenantId: 't', kind: 'create', targetId: 'sb-first', state: 'running' } as unknown as OperationRec;
+    let lookups = 0;
+    const running = { id: 'sb-first', tenantId: 't', state: 'starting', resources: { vcpus: 1, memoryMib: 256, diskMib: 0 } } as unknown as SandboxRec;
+    const store = {
+      getIdempotent: async () => (lookups++ === 0 ? undefined : first.id),
+      getOp: async () => ({ value: first, modRevision: 5 }),
+      listSandboxes: async () => [{ value: running, modRevision: 4 }],
+      listSnapshots: async () => [],
+      listOps: async () => [{ value: first, modRevision: 5 }],
+    } as unknown as FleetStore;
+    const fleet = new Fleet({ store, bus: {} as never, clock: { now: () => Date.now() }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => ({ sandboxes: 1 }) });
+    const input = { tenantId: 't', idempotencyKey: 'k1', image: 'tiny', snapshotId: '', resources: { vcpus: 1, memoryMib: 256, diskMib: 0 }, labels: {}, ttlMs: null, idleTimeoutMs: null, afterResume: [], allowEgress: false, allowCidrs: [], placement: {}, hostname: '' };
+    await expect(fleet.createSandbox(input as never)).resolves.toMatchObject({ id: 'op-first' });
+    // A different key is refused as before.
+    lookups = 0;
+    store.getIdempotent = async () => undefined;
+    await expect(fleet.createSandbox({ ...input, idempotencyKey: 'k2' } as never)).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.sandboxes' });
+  });
+
+  it('resumeOfAHibernatedSandbox_overTheMemoryQuota_isRefusedNamingIt_andWithinItIsSubmitted', async () => {
+    // A hibernated sandbox holds no memory; the tenant started another meanwhile.
+    const hib = { id: 'sb-hib', tenantId: 't', state: 'hibernated', resources: { vcpus: 1, memoryMib: 256, diskMib: 0 }, opId: '' } as unknown as SandboxRec;
+    const other = { id: 'sb-run', tenantId: 't', state: 'running', resources: { vcpus: 1, memoryMib: 256, diskMib: 0 } } as unknown as SandboxRec;
+    let submitted = 0;
+    const store = {
+      getIdempotent: async () => undefined,
+      getSandbox: async () => ({ value: hib, modRevision: 3 }),
+      listSandboxes: async () => [hib, other].map((value) => ({ value, modRevision: 3 })),
+      listSnapshots: async () => [],
+      listOps: async () => [],
+      commit: async () => {
+        submitted++;
+        return true;
+      },
+    } as unknown as FleetStore;
+    const fleetWith = (memoryMib: number): Fleet => new Fleet({ store, bus: {} as never, clock: { now: () => Date.now() }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => ({ memoryMib }) });
+    await expect(fleetWith(256).resumeSandbox({ tenantId: 't', idempotencyKey: 'k', sandboxId: 'sb-hib' })).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.memory_mib' });
+    expect(submitted).toBe(0);
+    await expect(fleetWith(512).resumeSandbox({ tenantId: 't', idempotencyKey: 'k', sandboxId: 'sb-hib' })).resolves.toMatchObject({ kind: 'wake' });
+    expect(submitted).toBe(1);
+  });
 });
+

@@ -1,5 +1,5 @@
 // Per-tenant quotas, checked at admission (CreateSandbox, ForkSandbox, SnapshotSandbox,
-// HibernateSandbox) against what the tenant's records in the store add up to. A check is
+// HibernateSandbox, and the memory of a wake: explicit, or by a call to a hibernated sandbox) against what the tenant's records in the store add up to. A check is
 // a read, not a reservation: two admissions racing on the same tenant can both pass and
 // overshoot the quota by one request's worth. Forks recorded but not yet placed count with
 // their children, so a burst of fork calls cannot slip past the quota before placement.

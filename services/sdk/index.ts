@@ -308,6 +308,16 @@ function toEvent(e: PbEvent): EventInfo {
   };
 }
 
+/**
+ * An Exec error after which the command cannot have run: a retryable error the scheduler
+ * answered itself, or a call grpc-js could not get to any scheduler.
+ */
+export function execNeverStarted(e: unknown): boolean {
+  if (!(e instanceof RpcError)) return false;
+  if (e.answered) return e.retryable && e.kind !== 'cancelled';
+  return e.kind === 'unavailable' && /No connection established/i.test(e.message);
+}
+
 /** Errors worth another attempt: the server marked them retryable (a cancel is not). */
 const retryable = (e: unknown): boolean => e instanceof ForkfleetError && e.retryable && e.kind !== 'cancelled';
 
@@ -809,8 +819,11 @@ export class Forkfleet {
           }
           return;
         } catch (e) {
-          // Only retry before any output arrived: the same key makes the retry safe.
-          if (got || !(e instanceof ForkfleetError && e.retryable) || attempt >= ff.retryOpts.attempts || eo.signal?.aborted) throw e;
+          // An Exec is not deduplicated (its key is not recorded): retried only when the
+          // command cannot have started, i.e. no output came and either the scheduler said so
+          // (a retryable error it answered: the host's errors never are) or the call never
+          // reached a scheduler. A call that broke off in flight may have started it.
+          if (got || !execNeverStarted(e) || attempt >= ff.retryOpts.attempts || eo.signal?.aborted) throw e;
           await sleep(Math.random() * Math.min(ff.retryOpts.maxMs, ff.retryOpts.baseMs * 2 ** (attempt - 1)), eo.signal);
         }
       }

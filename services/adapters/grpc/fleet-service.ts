@@ -49,6 +49,9 @@ import { PermissionDeniedError, UnauthenticatedError } from '../../auth/errors.t
  */
 const WATCH_EVENTS_MAX_QUEUED = 4096;
 
+/** How long before a WaitOperation call's deadline it answers with the operation as it is. */
+const WAIT_ANSWER_MARGIN_MS = 500;
+
 export interface FleetServiceDeps {
   fleet: Fleet;
   store: FleetStore;
@@ -152,7 +155,10 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             yield { payload: { case: 'exit' as const, value: { exitCode: out.payload.value.exitCode, signal: out.payload.value.signal, timedOut: out.payload.value.timedOut, outputTruncated: out.payload.value.outputTruncated } } };
             return;
           case 'error':
-            throw new ForkfleetError(out.payload.value.kind as ForkfleetError['kind'], out.payload.value.message, { retryable: out.payload.value.retryable });
+            // The host had the request: the command may have started (a guest channel that
+            // broke mid-run), and an Exec is not deduplicated, so a retry could run it twice.
+            // Not retryable whatever the host's error says; the caller decides.
+            throw new ForkfleetError(out.payload.value.kind as ForkfleetError['kind'], out.payload.value.message, { retryable: false });
         }
       }
     },
@@ -379,7 +385,10 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       return op(await fleet.cancelOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id')));
     },
     async waitOperation(req: WaitOperationRequest, ctx: CallContext) {
-      const timeoutMs = c.durationMs(req.timeout, 'timeout', { max: c.LIMITS.maxWaitMs }) ?? c.LIMITS.defaultWaitMs;
+      const asked = c.durationMs(req.timeout, 'timeout', { max: c.LIMITS.maxWaitMs }) ?? c.LIMITS.defaultWaitMs;
+      // Within the call's own deadline (less a margin for the answer): a client with a shorter
+      // deadline than `timeout` gets the operation as it is then, not DEADLINE_EXCEEDED.
+      const timeoutMs = ctx.deadline ? Math.max(0, Math.min(asked, ctx.deadline.getTime() - Date.now() - WAIT_ANSWER_MARGIN_MS)) : asked;
       return op(await fleet.waitOperation(tenant(req.tenantId, ctx), c.id('op', req.operationId, 'operation_id'), timeoutMs, ctx.signal));
     },
   });

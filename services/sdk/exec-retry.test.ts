@@ -1,0 +1,22 @@
+// Which Exec errors the SDK may retry: an Exec is not deduplicated, so only one after which
+// the command cannot have run.
+import { status as Status } from '@grpc/grpc-js';
+import { describe, expect, it } from 'vitest';
+import { RpcError } from '../adapters/grpc/status.ts';
+import { ForkfleetError } from '../../proto/errors.ts';
+import { execNeverStarted } from './index.ts';
+
+describe('execNeverStarted', () => {
+  it('retriesWhatTheSchedulerAnsweredRetryable_andCallsThatNeverReachedAScheduler_only', () => {
+    // The scheduler's own retryable refusal (waking failed, host not answering): not sent.
+    expect(execNeverStarted(new RpcError(Status.UNAVAILABLE, 'unavailable', 'host h1 is not answering', true, undefined, undefined, true))).toBe(true);
+    // The host had it (its errors reach the client non-retryable).
+    expect(execNeverStarted(new RpcError(Status.UNAVAILABLE, 'unavailable', 'guest agent connection closed', false, undefined, undefined, true))).toBe(false);
+    // grpc-js could not reach any scheduler.
+    expect(execNeverStarted(new RpcError(Status.UNAVAILABLE, 'unavailable', 'No connection established. Last error: connect ECONNREFUSED 127.0.0.1:1', true, undefined, undefined, false))).toBe(true);
+    // The call broke off in flight (a replica restarting): the command may be running.
+    expect(execNeverStarted(new RpcError(Status.UNAVAILABLE, 'unavailable', 'Connection dropped', true, undefined, undefined, false))).toBe(false);
+    expect(execNeverStarted(new RpcError(Status.CANCELLED, 'cancelled', 'cancelled', true, undefined, undefined, true))).toBe(false);
+    expect(execNeverStarted(new ForkfleetError('unavailable', 'x', { retryable: true }))).toBe(false);
+  });
+});
