@@ -66,8 +66,8 @@ const SYNC_FLUSH = Buffer.from([0xff]);
  * The most the channel holds of an answer not yet complete: the largest reply qemu-ga sends
  * is guest-exec-status with 16 MiB of captured stdout *and* 16 MiB of stderr, ~42.7 MiB in
  * base64. The guest is the tenant's: one that writes more than this without a newline (or
- * floods the port) gets its channel closed, not the agent's memory (the driver connects
- * again for the next call).
+ * floods the port) gets its channel closed, not the agent's memory (the next call connects
+ * again).
  */
 export const MAX_PENDING_REPLY_BYTES = 48 << 20;
 

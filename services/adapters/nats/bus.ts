@@ -206,7 +206,9 @@ export class NatsWorkBus implements WorkBus {
       }
     };
     const timer = setTimeout(() => {
-      q.fail(new ForkfleetError('deadline_exceeded', `exec on host ${hostId} timed out after ${opts.timeoutMs} ms`));
+      // After the request went out: the command may have run, so not retryable (Exec is not
+      // deduplicated). Only "no responders" below says it never reached the host.
+      q.fail(new ForkfleetError('deadline_exceeded', `exec on host ${hostId} timed out after ${opts.timeoutMs} ms`, { retryable: false }));
       sub.unsubscribe();
       cancelOnHost();
     }, opts.timeoutMs);
@@ -219,7 +221,7 @@ export class NatsWorkBus implements WorkBus {
         if (q.isEnded) return;
         if (err) {
           finish();
-          q.fail(new ForkfleetError('unavailable', `exec relay failed: ${err.message}`, { cause: err }));
+          q.fail(new ForkfleetError('unavailable', `exec relay failed: ${err.message}`, { cause: err, retryable: false }));
           return;
         }
         // An empty message means "no responders" for the initial request.
