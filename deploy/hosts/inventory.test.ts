@@ -53,6 +53,7 @@ describe('inventory', () => {
     ['etcd[0].address', (j: Record<string, unknown>) => (j.controlCidrs = ['10.0.0.12/31', '10.0.1.0/24'])],
     ['hosts[0].linkGbps', (j: Record<string, unknown>) => ((j.hosts as Array<Record<string, unknown>>)[0]!.linkGbps = 0)],
     ['installDir', (j: Record<string, unknown>) => (j.installDir = 'relative/path')],
+    ['node', (j: Record<string, unknown>) => (j.node = 'node')],
   ])('parseInventory_whenBad_namesTheField %s', (field, spoil) => {
     const j = example();
     spoil(j);
@@ -153,9 +154,12 @@ describe('renderFiles', () => {
     expect(conf.authorization.users.find((u) => u.nkey === 'PUB-scheduler')?.permissions).toBeUndefined();
   });
 
-  it('renderFiles_unitsNameTheInstallDirectory', () => {
+  it('renderFiles_unitsNameTheInstallDirectoryAndNode', () => {
     expect(file('machines/cp-1/etc/systemd/system/forkfleet-scheduler.service')).toContain('ExecStart=/usr/bin/node --import tsx /opt/forkfleet/services/main.ts');
     expect(file('machines/kvm-01/etc/systemd/system/forkfleet-agent.service')).toMatch(/^KillMode=process$/m);
-    expect(files.every((f) => !f.content.includes('@INSTALL_DIR@'))).toBe(true);
+    expect(files.every((f) => !f.content.includes('@INSTALL_DIR@') && !f.content.includes('@NODE@'))).toBe(true);
+    // Node.js installed elsewhere than Debian's path (Debian 12's own nodejs is 18).
+    const elsewhere = renderFiles(parseInventory({ ...example(), node: '/usr/local/bin/node' }), secrets);
+    expect(elsewhere.find((f) => f.path === 'machines/kvm-01/etc/systemd/system/forkfleet-agent.service')?.content).toContain('ExecStart=/usr/local/bin/node --import tsx /opt/forkfleet/host-agent/main.ts');
   });
 });

@@ -4,6 +4,7 @@
 //   {
 //     "name": "prod",                                    cluster name: etcd token, NATS cluster
 //     "installDir": "/opt/forkfleet",                    where the repository is checked out on every machine
+//     "node": "/usr/bin/node",                           Node.js 20 on every machine (optional; e.g. /usr/local/bin/node)
 //     "etcd":       [{ "name": "etcd-1", "address": "10.0.0.11" }, ...],     1, 3 or 5 members
 //     "nats":       [{ "name": "nats-1", "address": "10.0.0.11" }, ...],     1 or 3+ servers (JetStream)
 //     "schedulers": [{ "name": "sched-1", "address": "10.0.0.11", "dns": ["api.forkfleet.internal"] }, ...],
@@ -63,6 +64,8 @@ export interface HostEntry {
 export interface Inventory {
   readonly name: string;
   readonly installDir: string;
+  /** Node.js on every machine: the units' ExecStart. */
+  readonly node: string;
   readonly etcd: readonly Member[];
   readonly nats: readonly Member[];
   readonly schedulers: readonly SchedulerEntry[];
@@ -133,6 +136,7 @@ export function parseInventory(raw: unknown): Inventory {
   const root = obj(raw, 'inventory');
   const name = str(root, 'name', '', NAME, 'must be 1-63 characters of a-z, 0-9 and -');
   const installDir = root.installDir === undefined ? '/opt/forkfleet' : str(root, 'installDir', '', /^\/[^\s"'$\\]*$/, 'must be an absolute path without spaces or quotes');
+  const node = root.node === undefined ? '/usr/bin/node' : str(root, 'node', '', /^\/[^\s"'$\\]*$/, 'must be an absolute path without spaces or quotes');
   const etcd = list(root, 'etcd', 1).map((o, i) => member(o, `etcd[${i}]`));
   if (![1, 3, 5, 7].includes(etcd.length)) throw new InvalidArgumentError('etcd', `needs 1, 3, 5 or 7 members (an odd number keeps a quorum), got ${etcd.length}`);
   const nats = list(root, 'nats', 1).map((o, i) => member(o, `nats[${i}]`));
@@ -190,7 +194,7 @@ export function parseInventory(raw: unknown): Inventory {
     if (typeof v !== 'number' || !Number.isInteger(v) || v < 1 || v > 65535) throw new InvalidArgumentError(`ports.${k}`, 'must be an integer in [1, 65535]');
     ports[k as keyof Ports] = v;
   }
-  return Object.freeze({ name, installDir, etcd, nats, schedulers, hosts, controlCidrs: cidrs as string[], ports: Object.freeze(ports) });
+  return Object.freeze({ name, installDir, node, etcd, nats, schedulers, hosts, controlCidrs: cidrs as string[], ports: Object.freeze(ports) });
 }
 
 /** Whether IPv4 `addr` is in `cidr` (both checked by the parser): its prefix of that length is the CIDR's. */

@@ -103,7 +103,7 @@ const env = (vars: Record<string, string>, header: string): string =>
     .map(([k, v]) => `${k}=${v}`)
     .join('\n')}\n`;
 
-const unit = (name: string, inv: Inventory): string => readFileSync(join(UNITS, name), 'utf8').replaceAll('@INSTALL_DIR@', inv.installDir);
+const unit = (name: string, inv: Inventory): string => readFileSync(join(UNITS, name), 'utf8').replaceAll('@INSTALL_DIR@', inv.installDir).replaceAll('@NODE@', inv.node);
 
 /** An etcd member's client URL (TLS). */
 const etcdClientUrl = (inv: Inventory, m: { address: string }): string => `https://${hostPort(m.address, inv.ports.etcdClient)}`;
