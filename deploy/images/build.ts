@@ -25,7 +25,7 @@ const here = dirname(fileURLToPath(import.meta.url));
 export type { ImageName } from './names.ts';
 
 export interface ImageOptions {
-  /** Guest kernel version; default: the newest /boot/vmlinuz-* on this machine. */
+  /** Guest kernel version; default: the one linux-image-amd64 installs (guestKernel). */
   kernelVersion?: string;
   /** Size of the data disk (tiny) or root disk (debian), MiB. */
   diskMib?: number;
@@ -66,8 +66,20 @@ export function defaultCacheDir(): string {
   return process.env.FORKFLEET_CACHE_DIR ?? '/var/cache/forkfleet';
 }
 
-async function newestKernel(): Promise<string> {
-  const { stdout } = await run('sh', ['-c', 'ls /boot/vmlinuz-* | sed "s|/boot/vmlinuz-||" | sort -V | tail -n1']);
+/**
+ * The guest kernel: the one linux-image-amd64 (which setup installs) depends on, where it is
+ * in /boot; else the newest generic one there. Not simply the newest: a cloud image's
+ * linux-image-cloud-amd64 (6.1.0-28-cloud-amd64 sorts after 6.1.0-28-amd64) is built for
+ * another set of devices, and the recipe hash names linux-image-amd64's version.
+ */
+async function guestKernel(): Promise<string> {
+  const depends = await run('dpkg-query', ['-W', '-f', '${Depends}', 'linux-image-amd64']).then(
+    (r) => r.stdout,
+    () => '',
+  );
+  const wanted = /linux-image-(\S+)/.exec(depends)?.[1];
+  if (wanted && (await exists(`/boot/vmlinuz-${wanted}`))) return wanted;
+  const { stdout } = await run('sh', ['-c', 'ls /boot/vmlinuz-* | sed "s|/boot/vmlinuz-||" | grep -v -e "-cloud-" -e "-rt-" | sort -V | tail -n1']);
   const v = stdout.trim();
   if (!v) throw new ImageBuildError('?', 'no /boot/vmlinuz-* (install linux-image-amd64)');
   return v;
@@ -84,7 +96,7 @@ async function packageVersions(pkgs: string[]): Promise<string> {
 
 export async function recipeHash(name: ImageName, opts: ImageOptions = {}): Promise<{ hash: string; kernelVersion: string; diskMib: number }> {
   const r = RECIPES[name];
-  const kernelVersion = opts.kernelVersion ?? (await newestKernel());
+  const kernelVersion = opts.kernelVersion ?? (await guestKernel());
   const diskMib = opts.diskMib ?? r.defaultDiskMib;
   const h = createHash('sha256');
   h.update(await readFile(join(here, r.script)));
