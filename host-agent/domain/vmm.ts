@@ -111,7 +111,7 @@ export interface ExecResult {
   timedOut?: boolean;
   /** ExecRequest.signal aborted first and the command was killed; stdout and stderr hold what it wrote until then. */
   cancelled?: boolean;
-  /** The guest agent's capture of stdout or stderr reached its cap (qemu-ga: 16 MiB each): output past it may be missing. */
+  /** stdout or stderr had more than an exec returns (guest/client.ts EXEC_MAX_OUTPUT_BYTES, or qemu-ga's own 16 MiB without the wrapper): what followed is missing. */
   outputTruncated?: boolean;
 }
 

@@ -398,7 +398,7 @@ export function buildProgram(): Command {
       }
       if (g.json) process.stdout.write(`${JSON.stringify(res, null, 2)}\n`);
       else if (res.timedOut) process.stderr.write(`forkfleet: command timed out after ${o.execTimeout} (--exec-timeout)\n`);
-      if (!g.json && res.outputTruncated) process.stderr.write('forkfleet: output truncated: stdout or stderr passed the guest agent\'s 16 MiB cap (redirect it to a file in the sandbox and cp it out)\n');
+      if (!g.json && res.outputTruncated) process.stderr.write('forkfleet: output truncated: stdout or stderr had more than an exec returns (64 MiB each); write it to a file in the sandbox and cp it out\n');
       process.exitCode = res.signal ? 128 + res.signal : res.exitCode < 0 ? 1 : res.exitCode;
     });
   sb.command('cp')

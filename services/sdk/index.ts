@@ -423,7 +423,7 @@ export interface ExecResult {
   signal: number;
   timedOut: boolean;
   durationMs: number;
-  /** stdout or stderr reached the guest agent's 16 MiB capture cap: output past it may be missing. */
+  /** stdout or stderr had more than an exec returns (64 MiB each): what followed is missing. */
   outputTruncated: boolean;
 }
 

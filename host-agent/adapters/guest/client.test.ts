@@ -6,7 +6,7 @@ import type { Server, Socket } from 'node:net';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, pathError } from './client.ts';
+import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, leftStreams, pathError } from './client.ts';
 import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
 import type { ForkfleetError } from '../../../proto/errors.ts';
 
@@ -197,5 +197,17 @@ describe('pathError', () => {
     expect(refused('No space left on device').kind).toBe('resource_exhausted');
     const other = new GuestAgentCommandError('guest-file-read', 'GenericError: Input/output error');
     expect(pathError('/x/y', other)).toBe(other);
+  });
+});
+
+describe('leftStreams', () => {
+  it('takesOffTheWrappersLastLineNamingWhatItLeft_onlyWithThisCallsNonce', () => {
+    const zero = 'ff-exec-0123456789abcdef';
+    expect(leftStreams(Buffer.from(`warning\n\n${zero} out err\n`), zero)).toEqual({ stderr: Buffer.from('warning\n'), left: ['stdout', 'stderr'] });
+    expect(leftStreams(Buffer.from(`\n${zero} out\n`), zero)).toEqual({ stderr: Buffer.alloc(0), left: ['stdout'] });
+    // A program that writes such a line with another nonce (or none) keeps its stderr as it is.
+    const fake = Buffer.from('x\nff-exec-ffffffffffffffff out\n');
+    expect(leftStreams(fake, zero)).toEqual({ stderr: fake, left: [] });
+    expect(leftStreams(Buffer.from('plain\n'), zero)).toEqual({ stderr: Buffer.from('plain\n'), left: [] });
   });
 });

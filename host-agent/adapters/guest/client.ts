@@ -2,27 +2,46 @@
 // QEMU). The channel carries no request ids, and bytes in flight when a snapshot was taken are
 // replayed to every clone, so: one request at a time, and `sync()` (guest-sync-delimited with a
 // fresh id) before first use, after every restore, and after any timeout.
-import { randomInt } from 'node:crypto';
+import { randomBytes, randomInt } from 'node:crypto';
 import net from 'node:net';
 import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
 import type { ExecRequest, ExecResult } from '../../domain/vmm.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 
 /**
+ * What the exec wrapper hands qemu-ga of each stream. qemu-ga holds a program's whole output
+ * in memory and sends it as one base64 JSON answer: 8 MB of stdout got qemu-ga OOM-killed in a
+ * 128 MiB guest (the kernel's log said so; nothing restarts it, so the sandbox lost its guest
+ * agent for good). Past this, the wrapper leaves the stream's file for the host to read in
+ * pieces (readLeftOutput).
+ */
+export const EXEC_HANDED_BYTES = 1 << 20;
+/** The most of one stream's output an exec returns; past it the result says outputTruncated. */
+export const EXEC_MAX_OUTPUT_BYTES = 64 << 20;
+
+/**
  * Runs "$@" with stdout and stderr in files, then copies them to its own (qemu-ga's pipes)
- * and exits with the program's status (GuestAgent.exec). Where no file can be made (no
- * writable TMPDIR or /tmp) the program runs directly, as it would without the wrapper. Only
- * the shell's own commands and `rm` run for a program that writes nothing: each process
- * costs ~5-10 ms under TCG.
+ * and exits with the program's status (GuestAgent.exec). A file longer than
+ * EXEC_HANDED_BYTES is copied only that far and left in place; the wrapper then ends stderr
+ * with a line "$0 out err" naming what it left ($0 is `ff-exec-<nonce>`, a nonce of the call,
+ * which the host takes off again). Where no file can be made (no writable TMPDIR or /tmp)
+ * the program runs directly, as it would without the wrapper. Only the shell's own commands
+ * and `rm` run for a program that writes nothing; `wc` and `cat` for each stream it wrote:
+ * each process costs ~5-10 ms under TCG.
  */
 const EXEC_WRAPPER = [
   'f="${TMPDIR:-/tmp}/.ff-exec-$$"',
   'if ! : 2>/dev/null >"$f.out"; then exec "$@"; fi',
   '"$@" >"$f.out" 2>"$f.err"',
   'r=$?',
-  '[ -s "$f.out" ] && cat "$f.out"',
-  '[ -s "$f.err" ] && cat "$f.err" >&2',
-  'rm -f "$f.out" "$f.err"',
+  'k=',
+  `if [ -s "$f.out" ]; then if [ "$(wc -c <"$f.out")" -gt ${EXEC_HANDED_BYTES} ]; then k=" out"; head -c ${EXEC_HANDED_BYTES} "$f.out"; else cat "$f.out"; fi; fi`,
+  `if [ -s "$f.err" ]; then if [ "$(wc -c <"$f.err")" -gt ${EXEC_HANDED_BYTES} ]; then k="$k err"; head -c ${EXEC_HANDED_BYTES} "$f.err" >&2; else cat "$f.err" >&2; fi; fi`,
+  'set --',
+  'case "$k" in *out*) ;; *) set -- "$f.out";; esac',
+  'case "$k" in *err*) ;; *) set -- "$@" "$f.err";; esac',
+  '[ $# -eq 0 ] || rm -f "$@"',
+  '[ -z "$k" ] || printf \'\\n%s%s\\n\' "$0" "$k" >&2',
   'exit $r',
 ].join('\n');
 
@@ -266,8 +285,11 @@ export class GuestAgentClient {
     const timeoutMs = req.timeoutMs ?? 30_000;
     const end = Date.now() + timeoutMs;
     const capture = req.captureOutput ?? true;
+    // The wrapper's $0: names its line about output it left (EXEC_WRAPPER), which no program
+    // output can fake without knowing this call's nonce.
+    const zero = `ff-exec-${randomBytes(8).toString('hex')}`;
     const args: Record<string, unknown> = capture
-      ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, 'ff-exec', req.path, ...(req.args ?? [])], 'capture-output': true }
+      ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, zero, req.path, ...(req.args ?? [])], 'capture-output': true }
       : { path: req.path, arg: req.args ?? [], 'capture-output': false };
     if (req.env) args.env = req.env;
     if (req.stdin) args['input-data'] = req.stdin.toString('base64');
@@ -294,13 +316,32 @@ export class GuestAgentClient {
         }>('guest-exec-status', { pid }, 10_000);
         if (st.exited) {
           let stdout = Buffer.from(st['out-data'] ?? '', 'base64');
-          let stderr = Buffer.from(st['err-data'] ?? '', 'base64');
+          const told = leftStreams(Buffer.from(st['err-data'] ?? '', 'base64'), zero);
+          let stderr = told.stderr;
+          let truncated = st['out-truncated'] === true || st['err-truncated'] === true;
+          // What qemu-ga was handed of each stream, and the rest from the files the wrapper left.
+          const handed = { stdout: stdout.length, stderr: stderr.length };
+          const parts: { stdout: Buffer[]; stderr: Buffer[] } = { stdout: [stdout], stderr: [stderr] };
           // (Without capture there is no output, and nothing for onOutput.)
           if (live) {
             live.finish(stdout, stderr);
-            stdout = stderr = Buffer.alloc(0);
+            parts.stdout = [];
+            parts.stderr = [];
           }
-          const truncated = st['out-truncated'] === true || st['err-truncated'] === true;
+          if (told.left.length) {
+            const files = wrapperFiles(pid, req.env);
+            for (const stream of told.left) {
+              const from = Math.max(handed[stream], live?.passed(stream) ?? 0);
+              const rest = await this.readLeftOutput(files[stream], from, EXEC_MAX_OUTPUT_BYTES - from, (piece) => (live ? req.onOutput?.(stream, piece) : parts[stream].push(piece)));
+              truncated ||= !rest.complete;
+            }
+            const rm = await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...told.left.map((x) => files[x])], 'capture-output': false }, 10_000).catch(() => undefined);
+            if (rm) killers.push(rm.pid);
+          }
+          if (!live) {
+            stdout = Buffer.concat(parts.stdout);
+            stderr = Buffer.concat(parts.stderr);
+          } else stdout = stderr = Buffer.alloc(0);
           return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...why, ...(truncated ? { outputTruncated: true } : {}) };
         }
         const now = Date.now();
@@ -334,6 +375,32 @@ export class GuestAgentClient {
       await live?.close();
       // Asked once: a helper that has exited (they take milliseconds) is forgotten by qemu-ga.
       for (const k of killers) await this.command('guest-exec-status', { pid: k }, 10_000).catch(() => undefined);
+    }
+  }
+
+  /**
+   * A file the exec wrapper left (its output past EXEC_HANDED_BYTES), from `from`, in pieces
+   * of at most 1 MiB (qemu-ga answers each in one line), at most `max` bytes; `complete` says
+   * whether the end was reached.
+   */
+  private async readLeftOutput(path: string, from: number, max: number, onPiece: (b: Buffer) => void): Promise<{ complete: boolean }> {
+    const handle = await this.command<number>('guest-file-open', { path, mode: 'r' }, 10_000).catch(() => undefined);
+    if (handle === undefined) return { complete: false };
+    try {
+      if (from > 0) await this.command('guest-file-seek', { handle, offset: from, whence: 'set' }, 10_000);
+      let left = max;
+      while (left > 0) {
+        const r = await this.command<{ count: number; 'buf-b64': string; eof: boolean }>('guest-file-read', { handle, count: Math.min(1 << 20, left) }, 10_000);
+        const got = Buffer.from(r['buf-b64'], 'base64').subarray(0, Math.min(1 << 20, left));
+        if (got.length) onPiece(got);
+        left -= got.length;
+        if (r.eof || got.length === 0) return { complete: true };
+      }
+      // At the cap: complete only if nothing follows.
+      const next = await this.command<{ count: number; eof: boolean }>('guest-file-read', { handle, count: 1 }, 10_000);
+      return { complete: next.count === 0 };
+    } finally {
+      await this.command('guest-file-close', { handle }, 10_000).catch(() => undefined);
     }
   }
 
@@ -480,6 +547,19 @@ function openSocket(path: string, timeoutMs: number): Promise<net.Socket> {
   });
 }
 
+/**
+ * The wrapper's stderr without its last line naming the streams it left in files (EXEC_WRAPPER:
+ * "\\n$0 out err\\n"), and those streams.
+ */
+export function leftStreams(stderr: Buffer, zero: string): { stderr: Buffer; left: Array<'stdout' | 'stderr'> } {
+  const at = stderr.lastIndexOf(`\n${zero}`);
+  if (at < 0) return { stderr, left: [] };
+  const line = stderr.subarray(at + 1).toString('latin1').trim();
+  if (!/^ff-exec-[0-9a-f]+( out)?( err)?$/.test(line) || line === zero) return { stderr, left: [] };
+  const words = line.split(' ').slice(1);
+  return { stderr: stderr.subarray(0, at), left: words.map((w) => (w === 'out' ? 'stdout' : 'stderr')) };
+}
+
 function tryParse(line: string): Record<string, unknown> | undefined {
   try {
     const v: unknown = JSON.parse(line.trim());
@@ -536,6 +616,13 @@ class LiveOutput {
   finish(stdout: Buffer, stderr: Buffer): void {
     if (stdout.length > this.sent.stdout) this.onOutput('stdout', stdout.subarray(this.sent.stdout));
     if (stderr.length > this.sent.stderr) this.onOutput('stderr', stderr.subarray(this.sent.stderr));
+    this.sent.stdout = Math.max(this.sent.stdout, stdout.length);
+    this.sent.stderr = Math.max(this.sent.stderr, stderr.length);
+  }
+
+  /** Bytes of `stream` passed to onOutput so far. */
+  passed(stream: 'stdout' | 'stderr'): number {
+    return this.sent[stream];
   }
 
   async close(): Promise<void> {

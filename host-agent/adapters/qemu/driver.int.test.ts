@@ -590,6 +590,26 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(quick.join('')).toBe('hi\n');
   });
 
+  it('exec_ofMoreOutputThanQemuGaCanHold_returnsAllOfIt_inPieces_andTheGuestAgentLivesOn', async () => {
+    // 8 MB of stdout handed to qemu-ga whole got it OOM-killed in this 128 MiB guest.
+    const script = 'head -c 8000000 /dev/zero | tr "\\0" a; echo done >&2';
+    const r = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', script], timeoutMs: 120_000 });
+    expect(r.exitCode).toBe(0);
+    expect(r.stdout.length).toBe(8_000_000);
+    expect(r.stdout.every((b) => b === 0x61)).toBe(true);
+    expect(r.stderr.toString()).toBe('done\n');
+    expect(r.outputTruncated).toBeUndefined();
+    // Streamed (as the API runs it): every byte once, in order.
+    const got: Buffer[] = [];
+    const s = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', script], timeoutMs: 120_000, onOutput: (stream, d) => void (stream === 'stdout' && got.push(Buffer.from(d))) });
+    expect(s.exitCode).toBe(0);
+    const all = Buffer.concat(got);
+    expect(all.length).toBe(8_000_000);
+    expect(all.every((b) => b === 0x61)).toBe(true);
+    // qemu-ga still answers, and no output file is left behind.
+    expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
+  }, 300_000);
+
   it('exec_pastItsTimeout_killsTheCommand_andSaysTimedOut_withWhatItWrote', async () => {
     const t0 = Date.now();
     // The program and what it started: a shell waiting on a sleep.

@@ -423,8 +423,8 @@ export type ExecExit = Message<"forkfleet.v1.ExecExit"> & {
   duration?: Duration | undefined;
 
   /**
-   * The guest agent keeps at most 16 MiB of each of stdout and stderr: one of them reached
-   * that, so output past it may be missing (what was streamed while the command ran is not).
+   * An exec returns at most 64 MiB of each of stdout and stderr: one of them had more, and
+   * what followed is missing (write large output to a file in the sandbox and ReadFile it).
    *
    * @generated from field: bool output_truncated = 5;
    */
