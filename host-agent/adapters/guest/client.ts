@@ -3,10 +3,11 @@
 // replayed to every clone, so: one request at a time, and `sync()` (guest-sync-delimited with a
 // fresh id) before first use, after every restore, and after any timeout.
 import { randomBytes, randomInt } from 'node:crypto';
-import net from 'node:net';
+import type net from 'node:net';
 import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
 import type { ExecRequest, ExecResult } from '../../domain/vmm.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
+import { connectUnix } from '../unix-connect.ts';
 
 /**
  * What the exec wrapper hands qemu-ga of each stream. qemu-ga holds a program's whole output
@@ -530,21 +531,7 @@ export class GuestAgentClient {
 }
 
 function openSocket(path: string, timeoutMs: number): Promise<net.Socket> {
-  return new Promise((resolve, reject) => {
-    const s = net.createConnection(path);
-    const t = setTimeout(() => {
-      s.destroy();
-      reject(new GuestAgentTimeoutError(`connect ${path}`, timeoutMs));
-    }, timeoutMs);
-    s.once('connect', () => {
-      clearTimeout(t);
-      resolve(s);
-    });
-    s.once('error', (e) => {
-      clearTimeout(t);
-      reject(e);
-    });
-  });
+  return connectUnix(path, timeoutMs, () => new GuestAgentTimeoutError(`connect ${path}`, timeoutMs));
 }
 
 /**

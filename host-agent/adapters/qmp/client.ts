@@ -3,6 +3,7 @@
 import { EventEmitter, once } from 'node:events';
 import net from 'node:net';
 import { ChannelClosedError, QmpCommandError, QmpTimeoutError } from '../../errors.ts';
+import { connectUnix } from '../unix-connect.ts';
 
 export interface QmpEvent {
   event: string;
@@ -53,25 +54,7 @@ export class QmpClient {
    * also carry file descriptors to QEMU (executeWithFd).
    */
   static async connect(path: string, timeoutMs = 5000, o: { fdPassing?: boolean } = {}): Promise<QmpClient> {
-    const sock = await new Promise<net.Socket>((resolve, reject) => {
-      if (o.fdPassing) {
-        connectFdPassing(path, timeoutMs).then(resolve, reject);
-        return;
-      }
-      const s = net.createConnection(path);
-      const t = setTimeout(() => {
-        s.destroy();
-        reject(new QmpTimeoutError(`connect ${path}`, timeoutMs));
-      }, timeoutMs);
-      s.once('connect', () => {
-        clearTimeout(t);
-        resolve(s);
-      });
-      s.once('error', (e) => {
-        clearTimeout(t);
-        reject(e);
-      });
-    });
+    const sock = o.fdPassing ? await connectFdPassing(path, timeoutMs) : await connectUnix(path, timeoutMs, () => new QmpTimeoutError(`connect ${path}`, timeoutMs));
     const c = new QmpClient(sock);
     await c.greeting(timeoutMs);
     await c.execute('qmp_capabilities', {}, timeoutMs);
