@@ -610,6 +610,17 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
   }, 300_000);
 
+  it('guestAgent_isSparedByTheOomKiller_andStartedAgainWhenKilled', async () => {
+    expect(await sh('tpl', 'cat /proc/$(pidof qemu-ga)/oom_score_adj')).toBe('-1000');
+    const before = await sh('tpl', 'pidof qemu-ga');
+    // Killed a second after this exec has returned (nothing of ours in flight then).
+    await driver.exec('tpl', { path: '/bin/sh', args: ['-c', '(sleep 1; kill -9 $(pidof qemu-ga)) >/dev/null 2>&1 &'], timeoutMs: 10_000 });
+    await new Promise((r) => setTimeout(r, 3000));
+    const after = await sh('tpl', 'pidof qemu-ga');
+    expect(after).not.toBe(before);
+    expect(await sh('tpl', 'echo back')).toBe('back');
+  }, 120_000);
+
   it('exec_pastItsTimeout_killsTheCommand_andSaysTimedOut_withWhatItWrote', async () => {
     const t0 = Date.now();
     // The program and what it started: a shell waiting on a sleep.
