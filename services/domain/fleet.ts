@@ -245,6 +245,11 @@ export class Fleet {
     }
   }
 
+  /** A hibernated sandbox holds no memory: waking it takes its memory again, within the quota (a waking one counts already). */
+  private async admitWake(tenantId: string, sb: SandboxRec): Promise<void> {
+    if (sb.state === 'hibernated') await admit(this.deps, tenantId, { memoryMib: sb.resources.memoryMib });
+  }
+
   async createSandbox(input: CreateInput): Promise<OperationRec> {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['create'] });
     if (prior) return prior;
@@ -349,8 +354,7 @@ export class Fleet {
     if (choose) [kind, allowed] = choose(sb);
     if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`);
     if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
-    // A hibernated sandbox holds no memory: waking it takes its memory again, within the quota.
-    if (kind === 'wake' && sb.state === 'hibernated') await admit(this.deps, input.tenantId, { memoryMib: sb.resources.memoryMib });
+    if (kind === 'wake') await this.admitWake(input.tenantId, sb);
     const op = await this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], true);
     this.readAtSubmit.set(op, sb);
     return op;
@@ -589,7 +593,7 @@ export class Fleet {
     if (sb.state === 'hibernated' || sb.state === 'waking') {
       // While waking, the record names the wake in progress; while hibernated, the key is
       // stable (updatedAt does not change until a wake starts), so racing callers share it.
-      if (sb.state === 'hibernated') await admit(this.deps, tenantId, { memoryMib: sb.resources.memoryMib });
+      await this.admitWake(tenantId, sb);
       const opId = sb.state === 'waking' && sb.opId ? sb.opId : (await this.submit(tenantId, `__wake/${sb.id}/${sb.updatedAt}`, 'wake', sb.id, {})).id;
       const done = await this.waitOperation(tenantId, opId, 300_000, signal);
       if (signal?.aborted) throw cancelled();

@@ -300,8 +300,8 @@ export class GuestAgentClient {
     let killedAt: number | undefined;
     let lastKill = 0;
     let why: { timedOut: true } | { cancelled: true } | undefined;
-    /** Kill helpers started: qemu-ga keeps each one's record until its status is asked for. */
-    const killers: number[] = [];
+    /** Helpers started (kills, the output files' removal): qemu-ga keeps each one's record until its status is asked for. */
+    const helpers: number[] = [];
     const live = capture && req.onOutput ? new LiveOutput(this, wrapperFiles(pid, req.env), req.onOutput) : undefined;
     try {
       while (true) {
@@ -337,7 +337,7 @@ export class GuestAgentClient {
               truncated ||= !rest.complete;
             }
             const rm = await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...told.left.map((x) => files[x])], 'capture-output': false }, 10_000).catch(() => undefined);
-            if (rm) killers.push(rm.pid);
+            if (rm) helpers.push(rm.pid);
           }
           if (!live) {
             stdout = Buffer.concat(parts.stdout);
@@ -363,7 +363,7 @@ export class GuestAgentClient {
             ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid)], 'capture-output': false, ...(req.env ? { env: req.env } : {}) }
             : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
           const k = await this.command<{ pid: number }>('guest-exec', kill, 10_000).catch(() => undefined);
-          if (k) killers.push(k.pid);
+          if (k) helpers.push(k.pid);
         }
         await new Promise((r) => setTimeout(r, delay));
         // The next poll comes after a fifth of the time waited so far (2..100 ms): an exit is
@@ -375,49 +375,45 @@ export class GuestAgentClient {
       // Closed on every way out: qemu-ga keeps an open handle until it is closed.
       await live?.close();
       // Asked once: a helper that has exited (they take milliseconds) is forgotten by qemu-ga.
-      for (const k of killers) await this.command('guest-exec-status', { pid: k }, 10_000).catch(() => undefined);
+      for (const h of helpers) await this.command('guest-exec-status', { pid: h }, 10_000).catch(() => undefined);
     }
   }
 
   /**
    * A file the exec wrapper left (its output past EXEC_HANDED_BYTES), from `from`, in pieces
    * of at most 1 MiB (qemu-ga answers each in one line), at most `max` bytes; `complete` says
-   * whether the end was reached.
+   * whether the end was reached (one byte more is asked for to know).
    */
   private async readLeftOutput(path: string, from: number, max: number, onPiece: (b: Buffer) => void): Promise<{ complete: boolean }> {
-    const handle = await this.command<number>('guest-file-open', { path, mode: 'r' }, 10_000).catch(() => undefined);
-    if (handle === undefined) return { complete: false };
+    let got = 0;
     try {
-      if (from > 0) await this.command('guest-file-seek', { handle, offset: from, whence: 'set' }, 10_000);
-      let left = max;
-      while (left > 0) {
-        const r = await this.command<{ count: number; 'buf-b64': string; eof: boolean }>('guest-file-read', { handle, count: Math.min(1 << 20, left) }, 10_000);
-        const got = Buffer.from(r['buf-b64'], 'base64').subarray(0, Math.min(1 << 20, left));
-        if (got.length) onPiece(got);
-        left -= got.length;
-        if (r.eof || got.length === 0) return { complete: true };
-      }
-      // At the cap: complete only if nothing follows.
-      const next = await this.command<{ count: number; eof: boolean }>('guest-file-read', { handle, count: 1 }, 10_000);
-      return { complete: next.count === 0 };
-    } finally {
-      await this.command('guest-file-close', { handle }, 10_000).catch(() => undefined);
+      await this.readPieces(path, from, max + 1, 10_000, (piece) => {
+        const mine = piece.subarray(0, Math.max(0, max - got));
+        got += piece.length;
+        if (mine.length) onPiece(mine);
+      });
+    } catch (e) {
+      if (e instanceof GuestAgentCommandError) return { complete: false }; // gone (not openable)
+      throw e;
     }
+    return { complete: got <= max };
   }
 
   /** The file's bytes from `range.offset` (default 0), at most `range.maxBytes` of them (0 or absent: to the end). */
   async readFile(path: string, range: { offset?: number; maxBytes?: number } = {}, timeoutMs = 10_000): Promise<Buffer> {
-    return this.readFileRaw(path, range, timeoutMs).catch((e: unknown) => {
+    const parts: Buffer[] = [];
+    await this.readPieces(path, range.offset ?? 0, range.maxBytes || Infinity, timeoutMs, (piece) => parts.push(piece)).catch((e: unknown) => {
       throw pathError(path, e);
     });
+    return Buffer.concat(parts);
   }
 
-  private async readFileRaw(path: string, range: { offset?: number; maxBytes?: number }, timeoutMs: number): Promise<Buffer> {
+  /** Reads `path` from `offset`, at most `max` bytes, handing each guest-file-read answer (at most 1 MiB) to `onPiece`. */
+  private async readPieces(path: string, offset: number, max: number, timeoutMs: number, onPiece: (piece: Buffer) => void): Promise<void> {
     const handle = await this.command<number>('guest-file-open', { path, mode: 'r' }, timeoutMs);
     try {
-      if (range.offset) await this.command('guest-file-seek', { handle, offset: range.offset, whence: 'set' }, timeoutMs);
-      const parts: Buffer[] = [];
-      let left = range.maxBytes || Infinity;
+      if (offset) await this.command('guest-file-seek', { handle, offset, whence: 'set' }, timeoutMs);
+      let left = max;
       while (left > 0) {
         const r = await this.command<{ count: number; 'buf-b64': string; eof: boolean }>(
           'guest-file-read',
@@ -426,11 +422,10 @@ export class GuestAgentClient {
         );
         // What was decoded counts, not what the guest says it sent, and never more than asked for.
         const got = Buffer.from(r['buf-b64'], 'base64').subarray(0, Math.min(1 << 20, left));
-        parts.push(got);
+        if (got.length) onPiece(got);
         left -= got.length;
         if (r.eof || got.length === 0) break;
       }
-      return Buffer.concat(parts);
     } finally {
       await this.command('guest-file-close', { handle }, timeoutMs);
     }
