@@ -187,6 +187,56 @@ describe('GuestAgentClient with an untrusted guest', () => {
   }, 60_000);
 });
 
+describe('GuestAgentClient.hold', () => {
+  let guests: Array<Awaited<ReturnType<typeof fakeGuest>>> = [];
+  afterEach(async () => {
+    for (const g of guests) await g.close();
+    guests = [];
+  });
+
+  it('commandsQueuedWhileHeld_waitWithoutTimingOut_andGoToTheSocketItWasMovedTo', async () => {
+    const status = (exited: boolean) => (req: { execute: string }) => (req.execute === 'guest-exec-status' ? { reply: exited ? { exited: true, exitcode: 0, 'out-data': Buffer.from('from the replacement').toString('base64') } : { exited: false } } : undefined);
+    const old = await fakeGuest({ answer: status(false) });
+    const moved = await fakeGuest({ answer: status(true) });
+    guests.push(old, moved);
+    const c = await GuestAgentClient.connect(old.path);
+    try {
+      expect(await c.command<{ exited: boolean }>('guest-exec-status', { pid: 1 })).toEqual({ exited: false });
+      const release = await c.hold();
+      // Queued during the hold, with a timeout shorter than the hold: it must wait, not time out.
+      const queued = c.command<{ exited: boolean; 'out-data': string }>('guest-exec-status', { pid: 1 }, 100);
+      await new Promise((r) => setTimeout(r, 300));
+      for (const s of old.sockets) s.destroy(); // the old QEMU dies under the hold
+      await new Promise((r) => setTimeout(r, 50));
+      release(moved.path);
+      release(old.path); // a second call does nothing
+      const r = await queued;
+      expect(Buffer.from(r['out-data'], 'base64').toString()).toBe('from the replacement');
+      expect(moved.sockets).toHaveLength(1);
+      await c.ping(1000);
+    } finally {
+      c.close();
+    }
+  });
+
+  it('releasedWithoutAPath_keepsTheSocketItHad', async () => {
+    const g = await fakeGuest();
+    guests.push(g);
+    const c = await GuestAgentClient.connect(g.path);
+    try {
+      await c.ping(1000);
+      const release = await c.hold();
+      const queued = c.ping(100);
+      await new Promise((r) => setTimeout(r, 200));
+      release();
+      await queued;
+      expect(g.sockets).toHaveLength(1);
+    } finally {
+      c.close();
+    }
+  });
+});
+
 describe('pathError', () => {
   it('guestRefusalsOfThePath_nameThePathField_withTheirKind_otherErrorsPassUnchanged', () => {
     const refused = (desc: string) => pathError('/x/y', new GuestAgentCommandError('guest-file-open', `GenericError: failed to open file '/x/y' (mode: 'r'): ${desc}`)) as ForkfleetError;

@@ -106,7 +106,7 @@ export class GuestAgentClient {
   private synced = false;
 
   private constructor(
-    private readonly path: string,
+    private path: string,
     sock: net.Socket,
   ) {
     this.attach(sock);
@@ -160,6 +160,37 @@ export class GuestAgentClient {
   close(): void {
     this.shut = true;
     this.sock.destroy();
+  }
+
+  /**
+   * Holds the channel while the guest's QEMU is replaced under it (a template snapshot swaps
+   * the process; the guest, its qemu-ga and qemu-ga's table of running execs carry on in the
+   * replacement). Resolves once the command in progress has finished; commands queued from
+   * then on (a running exec's status polls, its kill) wait, without their timeouts running,
+   * until the returned function is called. `release(path)` moves the channel to the
+   * replacement's socket: the next command connects there and resyncs. `release()` keeps the
+   * socket it had. Call it exactly once, on every path.
+   */
+  hold(): Promise<(movedTo?: string) => void> {
+    return new Promise((held) => {
+      void this.serial(
+        () =>
+          new Promise<void>((done) => {
+            let released = false;
+            held((movedTo) => {
+              if (released) return;
+              released = true;
+              if (movedTo !== undefined && movedTo !== this.path && !this.shut) {
+                this.path = movedTo;
+                this.synced = false;
+                this.closedError ??= new ChannelClosedError('guest agent (moved to a new QEMU)');
+                this.sock.destroy();
+              }
+              done();
+            });
+          }),
+      );
+    });
   }
 
   /** The connection is gone (closed here, by QEMU, or for flooding). The next call connects again, unless close() was called. */

@@ -913,6 +913,28 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
+  it('snapshot_ofATemplateWhileAnExecRuns_theExecCarriesOnInTheReplacementQemu_andReturnsItsWholeOutput', async () => {
+    await driver.create({ vmId: 'tx1', image, memoryMib: MEM, vcpus: 1, hostname: 'tx1' });
+    try {
+      const started = Date.now();
+      const running = driver.exec('tx1', { path: '/bin/sh', args: ['-c', 'echo before; sleep 3; echo after; echo err >&2; exit 7'], timeoutMs: 60_000 });
+      await new Promise((r) => setTimeout(r, 1000));
+      const s = await driver.snapshot('tx1', 'snap-tx1');
+      expect(s.manifest.method).toBe('shared-file');
+      const r = await running;
+      expect(r).toMatchObject({ exitCode: 7 });
+      expect(r.stdout.toString()).toBe('before\nafter\n');
+      expect(r.stderr.toString()).toBe('err\n');
+      expect(Date.now() - started).toBeGreaterThanOrEqual(3000);
+      // The moved channel serves later calls too.
+      expect(await sh('tx1', 'echo again')).toBe('again');
+      await driver.destroy('tx1');
+      await driver.deleteSnapshot(s);
+    } finally {
+      await driver.destroy('tx1').catch(() => undefined);
+    }
+  });
+
   it('recover_whileTheGuestAgentDoesNotAnswer_adoptsTheVm_andItsNextGuestCallSyncs', async () => {
     // QEMU's guest-agent chardev serves one connection at a time: while this one is open, the
     // new driver's connection waits unanswered, as with a busy or stopped qemu-ga.

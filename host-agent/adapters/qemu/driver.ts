@@ -521,13 +521,22 @@ export class QemuVmmDriver implements VmmDriver {
   private async connectAgent(rec: VmRecord, deadlineMs: number, attemptMs = 1000): Promise<GuestAgentClient> {
     const agent = await GuestAgentClient.connect(join(rec.info.workdir, `qga.${rec.gen}.sock`));
     try {
-      await agent.sync(Math.max(1000, deadlineMs), attemptMs);
+      await this.syncAgent(rec, agent, deadlineMs, attemptMs);
     } catch (e) {
       agent.close();
-      if (rec.qmp.closed) throw new VmCrashedError(rec.info.vmId, 'QEMU exited before its guest agent answered', { cause: e });
       throw e;
     }
     return agent;
+  }
+
+  /** Waits until the VM's guest agent answers; a QEMU that exited meanwhile is a crash. */
+  private async syncAgent(rec: VmRecord, agent: GuestAgentClient, deadlineMs: number, attemptMs = 1000): Promise<void> {
+    try {
+      await agent.sync(Math.max(1000, deadlineMs), attemptMs);
+    } catch (e) {
+      if (rec.qmp.closed) throw new VmCrashedError(rec.info.vmId, 'QEMU exited before its guest agent answered', { cause: e });
+      throw e;
+    }
   }
 
   private async healthCheck(rec: VmRecord, timeoutMs: number): Promise<void> {
@@ -749,6 +758,26 @@ export class QemuVmmDriver implements VmmDriver {
       await undo();
       throw e;
     }
+    // A running exec's status polls (and any other guest call) wait while the QEMU under the
+    // guest is replaced, then go on through the replacement: the guest, its qemu-ga and
+    // qemu-ga's table of running execs carry on there. Released on every path below.
+    const release = await rec.agent?.hold();
+    try {
+      return await this.switchToReplacement(rec, repl, feedReplacement, { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, parent: draft.parentSnapshotId, undo }, (qga) => release?.(qga));
+    } finally {
+      release?.();
+    }
+  }
+
+  /** snapshotSharedFile's pause window and switch; `moveAgent` moves the guest agent's channel to the replacement's socket. */
+  private async switchToReplacement(
+    rec: VmRecord,
+    repl: { proc: QemuProcess; qmp: QmpClient },
+    feedReplacement: (file: string) => Promise<void>,
+    o: { stateBin: string; memImg: string; newDisk: string; newGen: number; snapshotId: string; keepPaused: boolean; parent: string | null; undo: () => Promise<void> },
+    moveAgent: (qgaPath: string) => void,
+  ): Promise<{ pauseMs: number; parent: string | null }> {
+    const { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, undo } = o;
     // ---- pause window
     const src = rec.qmp;
     const mark = src.mark;
@@ -776,6 +805,7 @@ export class QemuVmmDriver implements VmmDriver {
         if (!keepPaused) await contAfterMigration(src).catch(() => undefined);
       } else {
         rec.switching = undefined; // both QEMUs are gone: the VM crashed
+        rec.agent?.close();
       }
       throw e;
     }
@@ -792,8 +822,7 @@ export class QemuVmmDriver implements VmmDriver {
     const oldGen = rec.gen;
     await unlink(rec.diskPath);
     src.close();
-    rec.agent?.close();
-    rec.agent = undefined; // the source's; the replacement's is connected below
+    moveAgent(join(rec.info.workdir, `qga.${newGen}.sock`));
     rec.proc = repl.proc;
     rec.qmp = repl.qmp;
     rec.info.pid = repl.proc.pid;
@@ -811,12 +840,13 @@ export class QemuVmmDriver implements VmmDriver {
     await this.persist(rec);
     await this.opts.snapshotStage?.({ vmId: rec.info.vmId, snapshotId, stage: 'switched', replacement: repl.qmp });
     await this.removeGenFiles(rec.info.workdir, oldGen);
-    if (!keepPaused) {
-      rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs);
-    } else {
-      rec.agent = await GuestAgentClient.connect(join(rec.info.workdir, `qga.${newGen}.sock`));
+    if (!rec.agent) {
+      rec.agent = keepPaused ? await GuestAgentClient.connect(join(rec.info.workdir, `qga.${newGen}.sock`)) : await this.connectAgent(rec, this.opts.restoreTimeoutMs);
+    } else if (!keepPaused) {
+      // (A paused guest answers once resumed: its agent's next call connects and syncs.)
+      await this.syncAgent(rec, rec.agent, this.opts.restoreTimeoutMs);
     }
-    return { pauseMs, parent: draft.parentSnapshotId };
+    return { pauseMs, parent: o.parent };
   }
 
   /**
