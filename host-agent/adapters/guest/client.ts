@@ -47,22 +47,62 @@ const EXEC_WRAPPER = [
 ].join('\n');
 
 /**
- * Kills what the wrapper runs ($1 is the wrapper's pid): its child, the program, and every
- * process under it, found through /proc with the shell's own commands (the tree is collected
- * first, then killed, so nothing is re-parented in between). The wrapper itself lives on to
- * copy out what the program wrote; a program that runs without one is $1 itself.
+ * Sh function `kill_tree P`: kills every process under P (found through /proc with the shell's
+ * own commands; the tree is collected first, then killed, so nothing is re-parented in
+ * between), not P itself. Its variables are the shell's globals: t_, m_, d_, q_, k_, v_.
  */
-const EXEC_KILL = [
-  'tree=" $1 "; more=1',
-  'while [ $more = 1 ]; do more=0',
-  '  for d in /proc/[0-9]*; do p=${d#/proc/}',
-  '    case "$tree" in *" $p "*) continue;; esac',
-  '    while read -r k v; do if [ "$k" = PPid: ]; then case "$tree" in *" $v "*) tree="$tree$p "; more=1;; esac; break; fi; done < "$d/status"',
-  '  done 2>/dev/null',
+const KILL_TREE = [
+  'kill_tree() {',
+  '  t_=" $1 "; m_=1',
+  '  while [ $m_ = 1 ]; do m_=0',
+  '    for d_ in /proc/[0-9]*; do q_=${d_#/proc/}',
+  '      case "$t_" in *" $q_ "*) continue;; esac',
+  '      while read -r k_ v_; do if [ "$k_" = PPid: ]; then case "$t_" in *" $v_ "*) t_="$t_$q_ "; m_=1;; esac; break; fi; done < "$d_/status"',
+  '    done 2>/dev/null',
+  '  done',
+  '  for q_ in $t_; do [ "$q_" = "$1" ] || kill -KILL "$q_" 2>/dev/null; done',
+  '}',
+].join('\n');
+
+/**
+ * Kills what the wrapper runs ($1 is the wrapper's pid): its child, the program, and every
+ * process under it. The wrapper itself lives on to copy out what the program wrote; a program
+ * that runs without one is $1 itself.
+ */
+const EXEC_KILL = [KILL_TREE, 'kill_tree "$1"', '[ -e "${TMPDIR:-/tmp}/.ff-exec-$1.out" ] || kill -KILL "$1" 2>/dev/null', 'exit 0'].join('\n');
+
+/**
+ * Names this agent process's exec wrappers ($0 is `ff-exec-<instance>-<nonce>`), so that a
+ * later agent on the same VM (after a crash or a restart) can tell the wrappers nobody polls
+ * any more from its own. (A driver may name its own: GuestAgentClient.connect's `instance`.)
+ */
+export const AGENT_INSTANCE = randomBytes(4).toString('hex');
+
+/**
+ * Run once a restarted agent has adopted a VM ($1 is the new agent's instance): the execs the
+ * previous agent ran (wrappers in /tmp whose $0 names another instance) can no longer be
+ * answered or timed out by anyone, so their programs are killed as a timeout would have, their
+ * wrappers exit, and the output files of wrappers that are gone are removed (also the ones a
+ * wrapper left for a reader that died). Prints how many execs it ended. (A wrapper given
+ * another TMPDIR in its environment is not found.)
+ */
+const REAP_ORPHAN_EXECS = [
+  KILL_TREE,
+  'wrapper() { case "$(tr \'\\000\' \' \' <"/proc/$1/cmdline" 2>/dev/null)" in *" ff-exec-"*) return 0;; esac; return 1; }',
+  'pid_of() { w_=${1##*/.ff-exec-}; w_=${w_%.*}; case "$w_" in ""|*[!0-9]*) w_=;; esac; }',
+  'ended=',
+  'for f in /tmp/.ff-exec-*.out; do',
+  '  pid_of "$f"; [ -n "$w_" ] && [ -d "/proc/$w_" ] && wrapper "$w_" || continue',
+  '  case "$(tr \'\\000\' \' \' <"/proc/$w_/cmdline" 2>/dev/null)" in *" ff-exec-$1-"*) continue;; esac',
+  '  kill_tree "$w_"; ended="$ended $w_"',
   'done',
-  'for p in $tree; do [ "$p" = "$1" ] || kill -KILL "$p" 2>/dev/null; done',
-  '[ -e "${TMPDIR:-/tmp}/.ff-exec-$1.out" ] || kill -KILL "$1" 2>/dev/null',
-  'exit 0',
+  'n=0; while [ -n "$ended" ] && [ $n -lt 50 ]; do a_=; for w in $ended; do [ -d "/proc/$w" ] && a_=1; done; [ -z "$a_" ] && break; sleep 0.1; n=$((n+1)); done',
+  'for f in /tmp/.ff-exec-*.out /tmp/.ff-exec-*.err; do',
+  '  pid_of "$f"; [ -n "$w_" ] || continue',
+  '  [ -d "/proc/$w_" ] && wrapper "$w_" && continue',
+  '  rm -f "$f"',
+  'done',
+  'set -- $ended; echo $#',
 ].join('\n');
 
 /** How long a killed program has to exit (and its output to be copied out) before exec gives up on it. */
@@ -108,6 +148,8 @@ export class GuestAgentClient {
   private constructor(
     private path: string,
     sock: net.Socket,
+    /** Names the wrappers of this client's execs (AGENT_INSTANCE). */
+    private readonly instance: string,
   ) {
     this.attach(sock);
   }
@@ -153,8 +195,9 @@ export class GuestAgentClient {
     });
   }
 
-  static async connect(path: string, timeoutMs = 5000): Promise<GuestAgentClient> {
-    return new GuestAgentClient(path, await openSocket(path, timeoutMs));
+  static async connect(path: string, timeoutMs = 5000, instance = AGENT_INSTANCE): Promise<GuestAgentClient> {
+    if (!/^[0-9a-f]+$/.test(instance)) throw new Error(`guest agent client: instance must be lower-case hex, got ${JSON.stringify(instance)}`);
+    return new GuestAgentClient(path, await openSocket(path, timeoutMs), instance);
   }
 
   close(): void {
@@ -319,7 +362,7 @@ export class GuestAgentClient {
     const capture = req.captureOutput ?? true;
     // The wrapper's $0: names its line about output it left (EXEC_WRAPPER), which no program
     // output can fake without knowing this call's nonce.
-    const zero = `ff-exec-${randomBytes(8).toString('hex')}`;
+    const zero = `ff-exec-${this.instance}-${randomBytes(8).toString('hex')}`;
     const args: Record<string, unknown> = capture
       ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, zero, req.path, ...(req.args ?? [])], 'capture-output': true }
       : { path: req.path, arg: req.args ?? [], 'capture-output': false };
@@ -408,6 +451,16 @@ export class GuestAgentClient {
       // Asked once: a helper that has exited (they take milliseconds) is forgotten by qemu-ga.
       for (const h of helpers) await this.command('guest-exec-status', { pid: h }, 10_000).catch(() => undefined);
     }
+  }
+
+  /**
+   * Ends the execs an earlier agent (another instance) left running in this guest (REAP_ORPHAN_EXECS) and
+   * removes the output files nobody will read; resolves with how many execs it ended.
+   */
+  async reapOrphanExecs(timeoutMs = 30_000): Promise<number> {
+    const r = await this.exec({ path: '/bin/sh', args: ['-c', REAP_ORPHAN_EXECS, 'ff-reap', this.instance], timeoutMs });
+    if (r.exitCode !== 0) throw new GuestAgentCommandError('reap orphan execs', `exit ${r.exitCode}: ${r.stderr.toString('utf8').trim()}`);
+    return Number(r.stdout.toString('utf8').trim()) || 0;
   }
 
   /**
@@ -568,7 +621,7 @@ export function leftStreams(stderr: Buffer, zero: string): { stderr: Buffer; lef
   const at = stderr.lastIndexOf(`\n${zero}`);
   if (at < 0) return { stderr, left: [] };
   const line = stderr.subarray(at + 1).toString('latin1').trim();
-  if (!/^ff-exec-[0-9a-f]+( out)?( err)?$/.test(line) || line === zero) return { stderr, left: [] };
+  if (!/^ff-exec-[0-9a-f-]+( out)?( err)?$/.test(line) || line === zero) return { stderr, left: [] };
   const words = line.split(' ').slice(1);
   return { stderr: stderr.subarray(0, at), left: words.map((w) => (w === 'out' ? 'stdout' : 'stderr')) };
 }

@@ -964,6 +964,22 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(driver.get('kvmprobe-1-abcdef')).toBeUndefined();
   });
 
+  it('recover_afterAgentRestart_endsTheExecsTheDeadAgentLeftRunning_andRemovesOutputFilesNoOneWillRead', async () => {
+    // An exec of the agent that dies: nobody will poll it or end it at its timeout.
+    const orphan = driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'echo $$ > /tmp/orphan.pid; exec sleep 300'], timeoutMs: 600_000 });
+    orphan.catch(() => undefined);
+    await waitFor('the orphan exec started', async () => (await sh('tpl', 'cat /tmp/orphan.pid 2>/dev/null || true')) !== '', 10_000, 200);
+    const pid = await sh('tpl', 'cat /tmp/orphan.pid');
+    // Output a wrapper left for a reader that died with its agent (that wrapper is gone).
+    await sh('tpl', 'echo left > /tmp/.ff-exec-99999.out');
+    const report = await restartAgent();
+    expect(report.adopted).toEqual(['tpl']);
+    await expect(orphan).rejects.toThrow();
+    expect(await sh('tpl', `[ -d /proc/${pid} ] && echo running || echo ended`)).toBe('ended');
+    // Only the files of the wrapper running this check are there.
+    expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
+  });
+
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.
     const report = await restartAgent();

@@ -257,6 +257,8 @@ export class QemuVmmDriver implements VmmDriver {
   private readonly listeners = new Set<(e: VmEvent) => void>();
   private accelPromise: Promise<Accel> | undefined;
   private readonly overlays = new OverlayFactory();
+  /** Names this driver's exec wrappers in its guests: a later driver (the agent restarted) ends the ones it did not start. */
+  private readonly agentInstance = randomBytes(4).toString('hex');
   private versionPromise: Promise<string> | undefined;
   private ramPoolOpened: Promise<RamPool | undefined> | undefined;
   /** StandbyPolicy.incomingQuietMs. */
@@ -518,8 +520,13 @@ export class QemuVmmDriver implements VmmDriver {
     });
   }
 
+  /** A guest-agent channel whose exec wrappers carry this driver's instance (see GuestAgentClient.reapOrphanExecs). */
+  private openAgent(path: string): Promise<GuestAgentClient> {
+    return GuestAgentClient.connect(path, 5000, this.agentInstance);
+  }
+
   private async connectAgent(rec: VmRecord, deadlineMs: number, attemptMs = 1000): Promise<GuestAgentClient> {
-    const agent = await GuestAgentClient.connect(join(rec.info.workdir, `qga.${rec.gen}.sock`));
+    const agent = await this.openAgent(join(rec.info.workdir, `qga.${rec.gen}.sock`));
     try {
       await this.syncAgent(rec, agent, deadlineMs, attemptMs);
     } catch (e) {
@@ -681,7 +688,7 @@ export class QemuVmmDriver implements VmmDriver {
         // fails, `switching` stays in vm.json for the next snapshot or recover().
         await this.sealSwitched(rec).catch((c: unknown) => rec.log.error({ snapshotId, err: String(c) }, 'sealing the switched snapshot failed'));
         // A replacement whose guest agent was not connected yet: its socket, for later calls.
-        if (!rec.agent && !rec.qmp.closed && rec.memPath.startsWith(`${dir}/`)) rec.agent = await GuestAgentClient.connect(join(rec.info.workdir, `qga.${rec.gen}.sock`)).catch(() => undefined);
+        if (!rec.agent && !rec.qmp.closed && rec.memPath.startsWith(`${dir}/`)) rec.agent = await this.openAgent(join(rec.info.workdir, `qga.${rec.gen}.sock`)).catch(() => undefined);
         // vm.json was rewritten for a template snapshot: it says what is true now.
         if (draft.method === 'shared-file') await this.persist(rec).catch(() => undefined);
         // The VM may depend on the directory (its memory file, or its disk layer's backing):
@@ -841,7 +848,7 @@ export class QemuVmmDriver implements VmmDriver {
     await this.opts.snapshotStage?.({ vmId: rec.info.vmId, snapshotId, stage: 'switched', replacement: repl.qmp });
     await this.removeGenFiles(rec.info.workdir, oldGen);
     if (!rec.agent) {
-      rec.agent = keepPaused ? await GuestAgentClient.connect(join(rec.info.workdir, `qga.${newGen}.sock`)) : await this.connectAgent(rec, this.opts.restoreTimeoutMs);
+      rec.agent = keepPaused ? await this.openAgent(join(rec.info.workdir, `qga.${newGen}.sock`)) : await this.connectAgent(rec, this.opts.restoreTimeoutMs);
     } else if (!keepPaused) {
       // (A paused guest answers once resumed: its agent's next call connects and syncs.)
       await this.syncAgent(rec, rec.agent, this.opts.restoreTimeoutMs);
@@ -1688,6 +1695,8 @@ export class QemuVmmDriver implements VmmDriver {
 
   async recover(mode: 'adopt' | 'reap'): Promise<RecoveryReport> {
     const report: RecoveryReport = { adopted: [], reaped: [] };
+    /** Adopted guests ending the previous agent's execs, all at once: awaited before recover() returns, so no exec of ours overlaps them. */
+    const reaping: Array<Promise<void>> = [];
     for (const vmId of await readdir(this.vmsDir).catch(() => [] as string[])) {
       if (this.vms.has(vmId)) continue;
       const workdir = join(this.vmsDir, vmId);
@@ -1706,7 +1715,8 @@ export class QemuVmmDriver implements VmmDriver {
       // An accelerator probe the agent died in (resolveAccel) is nobody's VM: reaped.
       if (mode === 'adopt' && persisted && alive && !vmId.startsWith(PROBE_VM_PREFIX)) {
         try {
-          await this.adopt(persisted, pid);
+          const reaped = await this.adopt(persisted, pid);
+          if (reaped) reaping.push(reaped);
           report.adopted.push(vmId);
           continue;
         } catch (e) {
@@ -1745,6 +1755,7 @@ export class QemuVmmDriver implements VmmDriver {
         report.reaped.push(`snapshot:${snap}`);
       }
     }
+    await Promise.all(reaping);
     return report;
   }
 
@@ -1798,7 +1809,8 @@ export class QemuVmmDriver implements VmmDriver {
     return settled(p);
   }
 
-  private async adopt(p: VmPersisted, pid: number): Promise<void> {
+  /** Adopts a running VM; resolves with its guest's reaping of the execs the previous agent left (or undefined), which recover() awaits. */
+  private async adopt(p: VmPersisted, pid: number): Promise<Promise<void> | undefined> {
     const log = this.opts.logger.child({ vmId: p.info.vmId });
     const qmp = await QmpClient.connect(join(p.info.workdir, `qmp.${p.gen}.sock`));
     let status = await queryStatus(qmp);
@@ -1834,17 +1846,32 @@ export class QemuVmmDriver implements VmmDriver {
     const rec = this.register(p, adoptProcess(pid), qmp, log);
     try {
       rec.info.state = status === 'running' ? 'running' : 'paused';
-      rec.agent = await GuestAgentClient.connect(join(p.info.workdir, `qga.${p.gen}.sock`));
+      rec.agent = await this.openAgent(join(p.info.workdir, `qga.${p.gen}.sock`));
       // A slow or busy guest agent (a loaded TCG guest, qemu-ga stopped by the user) is no
       // reason to kill a VM that QMP just answered: the channel stays unsynced and the next
       // guest call syncs first (GuestAgentClient.commandRaw).
+      let answered = false;
       if (status === 'running') {
-        await rec.agent.sync(10_000).catch((e: unknown) => {
-          if (!(e instanceof GuestAgentTimeoutError)) throw e;
-          log.warn({ err: String(e) }, 'adopted VM: guest agent did not answer yet; the next guest call syncs again');
-        });
+        answered = await rec.agent.sync(10_000).then(
+          () => true,
+          (e: unknown) => {
+            if (!(e instanceof GuestAgentTimeoutError)) throw e;
+            log.warn({ err: String(e) }, 'adopted VM: guest agent did not answer yet; the next guest call syncs again');
+            return false;
+          },
+        );
       }
       await this.persist(rec);
+      log.info({ pid, status }, 'vm adopted');
+      // The previous agent's execs in this guest: nobody polls them, so nobody ends them at
+      // their timeout; ended now, with the output files no one will read.
+      const agent = rec.agent;
+      return answered
+        ? agent.reapOrphanExecs(15_000).then(
+            (n) => void (n > 0 && log.warn({ execs: n }, 'ended the execs the previous agent left running in the guest')),
+            (e: unknown) => log.warn({ err: String(e) }, 'could not end the execs the previous agent left in the guest'),
+          )
+        : undefined;
     } catch (e) {
       // Not adopted after all: the caller reaps it, and no record of it stays behind.
       rec.expectExit = true;
@@ -1853,7 +1880,6 @@ export class QemuVmmDriver implements VmmDriver {
       qmp.close();
       throw e;
     }
-    log.info({ pid, status }, 'vm adopted');
   }
 
   // ---------------------------------------------------------------- bookkeeping
