@@ -272,6 +272,42 @@ describe('Agent steps', () => {
     expect(beats[1]).toMatchObject({ restoreSlots: 3, restoreCostMs: 200 });
   });
 
+  it('heartbeat_ofASandboxWokenOrResumed_reportsItIdleSinceThen_notSinceItsEarlierVmWentIdle', async () => {
+    const beats: Heartbeat[] = [];
+    let now = 1_000;
+    const vms = new Map<string, VmInfo>();
+    const vm = (state: VmInfo['state']): VmInfo => ({ vmId: 'sb-1', sandboxId: 'sb-1', state, pid: 0, readyMs: 1, vcpus: 1, memoryMib: 256 }) as VmInfo;
+    const { agent } = agentWith(
+      {
+        list: () => [...vms.values()],
+        get: (id) => vms.get(id),
+        fork: async (_s, clones) => clones.map(() => (vms.set('sb-1', vm('running')), vms.get('sb-1')!)),
+        resume: async () => void vms.set('sb-1', vm('running')),
+      },
+      { obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) },
+      { publishHeartbeat: (hb) => void beats.push(hb) },
+      { now: () => now },
+    );
+    const idleS = (): bigint | undefined => beats.at(-1)!.vms.find((v) => v.sandboxId === 'sb-1')?.idle?.seconds;
+    vms.set('sb-1', vm('running'));
+    agent.heartbeat();
+    now += 600_000;
+    agent.heartbeat();
+    expect(idleS()).toBe(600n);
+    // Hibernated (its VM destroyed), then woken on this host an hour later.
+    vms.delete('sb-1');
+    now += 3_600_000;
+    expect((await agent.runStep(work('wake', { work: { case: 'restoreVms', value: { snapshotId: 'sn-h', vms: [{ sandboxId: 'sb-1' }] } } }))).error).toBeUndefined();
+    agent.heartbeat();
+    expect(idleS()).toBe(0n);
+    // Paused for an hour, then resumed.
+    vms.set('sb-1', vm('paused'));
+    now += 3_600_000;
+    expect((await agent.runStep(work('resume', { work: { case: 'resumeVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
+    agent.heartbeat();
+    expect(idleS()).toBe(0n);
+  });
+
   it('heartbeat_whenTheHostsRestoresAreOlderThanTheirMaxAge_reportsNoCostSoPlacementTriesItAgain', async () => {
     const beats: Heartbeat[] = [];
     let now = 1_000;

@@ -296,6 +296,11 @@ export class Agent {
     this.seq += 1n;
     const accel = vms[0]?.accel ?? 'tcg';
     const statuses = vms.map((v) => ({ ...this.vmStatus(v), idle: durationFromMs(Math.round(this.idleMs(v))) }));
+    // Activity of VMs that are gone: forgotten, so the map stays as large as the host's VMs.
+    if (this.activity.size > vms.length) {
+      const live = new Set(vms.map((v) => v.vmId));
+      for (const id of this.activity.keys()) if (!live.has(id)) this.activity.delete(id);
+    }
     this.deps.bus.publishHeartbeat(
       create(HeartbeatSchema, {
         hostId: cfg.hostId,
@@ -445,6 +450,7 @@ export class Agent {
         if (existing) await driver.destroy(s.sandboxId);
         const image = await this.deps.images(work.value.image || 'tiny');
         const vm = await driver.create({ vmId: s.sandboxId, image, memoryMib: s.memoryMib, vcpus: s.vcpus, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) });
+        this.touch(vm.vmId);
         result.vms = [this.vmStatus(vm)];
         return;
       }
@@ -531,6 +537,9 @@ export class Agent {
             result.snapshotNotHeld = true;
           });
         }
+        // A VM made now (a fork's child, a woken sandbox) has been idle for no time at all,
+        // whatever an earlier VM of the same sandbox on this host last did.
+        for (const v of made) this.touch(v.vmId);
         result.vms = [...have, ...made].map((v) => ({ ...this.vmStatus(v), reason: reports.get(v.vmId) ?? '' }));
         log.info({ children: made.length, reused: have.length, bytesFetched: Number(result.bytesFetched), migrated: !!migrated }, 'restored');
         return;
@@ -544,6 +553,8 @@ export class Agent {
       case 'resumeVm': {
         const vm = this.vmOf(work.value.sandboxId);
         if (vm.state !== 'running') await driver.resume(vm.vmId);
+        // Idle time counts from the resume, not from before the pause.
+        this.touch(vm.vmId);
         const reason = await this.runHooks(vm.vmId, work.value.afterResume, log);
         result.vms = [{ ...this.vmStatus(this.vmOf(vm.vmId)), reason }];
         return;
