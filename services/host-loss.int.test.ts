@@ -245,7 +245,7 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     }
   }, 120_000);
 
-  it('sandboxLostMidHibernate_whoseVmComesBackWithItsHost_isRunningAndWatchedAgain_notLeftToTheFailedOp', async () => {
+  it('sandboxLostMidHibernate_whoseVmComesBackWithItsHost_isTakenBackInItsVmsState_andWatchedAgain_notLeftToTheFailedOp', async () => {
     // fake-s takes a minute per snapshot: it dies while the hibernate's snapshot step runs,
     // is lost, and comes back with the VM still there.
     const host = await agents('fake-s', { FF_FAKE_SNAPSHOT_MS: '60000', FF_LOG_LEVEL: 'info' });
@@ -262,13 +262,46 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
       host.proc.kill();
       await waitFor('the sandbox lost with its host', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'lost', LOST_AFTER_MS + 10_000, 200);
       await host.restart();
-      await waitFor('the sandbox running again', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'running', 20_000, 200);
+      // Paused, as its VM is: a hibernate pauses the guest before its snapshot.
+      await waitFor('the sandbox back, paused as its VM is', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'paused', 20_000, 200);
       // No op is at work on it: the VM checks and the lifecycle rules see it again.
       expect((await store.getSandbox(tenantId, sid))?.value.opId).toBe('');
     } finally {
       store.close();
     }
   }, 120_000);
+
+  it('lostSandboxWhoseVmComesBack_toAHostBookedFullMeanwhile_staysLost_andItsVmIsStopped_neverBookingTheHostTwice', async () => {
+    const host = await agents('fake-f', { FF_FAKE_VCPUS: '2' });
+    let restarted = false;
+    await waitFor('fake-f registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-f' && x.state === HostState.READY), 20_000, 100);
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 2 }, placement: { hostId: 'fake-f' } })).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      host.proc.kill();
+      await waitFor('the sandbox lost with its host', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'lost', LOST_AFTER_MS + 10_000, 200);
+      // What a placement in the moment between the host's return and the reclaim does: it
+      // books the host's room (its 2 vCPUs) for a sandbox of its own.
+      const alloc = await store.getAlloc('fake-f');
+      expect(alloc.value.allocated.vcpus).toBe(0);
+      expect(await store.commit([{ kind: 'alloc', value: { hostId: 'fake-f', allocated: { vcpus: 2, memoryMib: 256, diskMib: 1024 }, sandboxes: 1 }, expectRevision: alloc.modRevision }])).toBe(true);
+      // The dead agent's VM is still there, and comes back with it.
+      expect((host.vms().get('fake-f') ?? []).map((v) => v.vmId)).toContain(sid);
+      await host.restart();
+      restarted = true;
+      await waitFor('fake-f ready again', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-f' && x.state === HostState.READY), 20_000, 100);
+      // The VM came back but does not fit: it is stopped (gone from the host's heartbeats)...
+      await waitFor('the VM stopped', async () => !(host.vms().get('fake-f') ?? []).some((v) => v.vmId === sid), 20_000, 200);
+      // ...and the sandbox stays lost, the host booked once.
+      expect((await store.getSandbox(tenantId, sid))?.value.state).toBe('lost');
+      expect((await store.getAlloc('fake-f')).value.allocated.vcpus).toBe(2);
+    } finally {
+      store.close();
+      if (restarted) await host.stop();
+    }
+  }, 90_000);
 
   it('hostsThisLeaderNeverHeard_goLost_andALostHostsSandboxesLeftRunning_areMarkedLost', async () => {
     // What a leader finds after a failover or a restart: 'ghost' (recorded ready) died before

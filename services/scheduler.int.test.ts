@@ -288,10 +288,13 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: final.result.case === 'sandbox' ? final.result.value.id : '' }));
   }, 300_000);
 
-  it('exec_ofAHibernatedSandbox_cancelledByItsClientWhileItWakes_neverRunsTheCommand', async () => {
+  it('hibernate_pausesTheGuestBeforeItsSnapshot_andAnExecCancelledByItsClientWhileTheSandboxWakes_neverRunsTheCommand', async () => {
     const created = await done(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
     const id = created.result.case === 'sandbox' ? created.result.value.id : '';
-    await done(api, await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    const hib = await done(api, await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+    // The guest is paused before its snapshot and stays so until it stops: it never runs on
+    // past the state the wake brings back.
+    expect(hib.steps.map((s) => s.action)).toEqual(['pause_vm', 'snapshot_vm', 'destroy_vm']);
     // The client gives up while the exec waits for the wake (a restore: seconds under TCG).
     const ac = new AbortController();
     setTimeout(() => ac.abort(), 150);

@@ -243,6 +243,13 @@ const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'pa
 const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
 
 /** A record a reconciler listed changed before its guarded write: that write is skipped. */
+/** A lost sandbox's VM came back on a host that has since been booked full: it is not taken back (reclaimIfRoom). */
+class NoRoomToReclaimError extends Error {
+  constructor(hostId: string, booked: ResourcesRec, capacity: ResourcesRec | undefined) {
+    super(`host ${hostId} has no room to take it back (booked ${JSON.stringify(booked)} of ${capacity ? JSON.stringify(capacity) : 'an unknown capacity'})`);
+  }
+}
+
 class MovedOnError extends Error {
   constructor(id: string, state: string, hostId: string) {
     super(`sandbox ${id} is ${state} on ${hostId || 'no host'} now`);
@@ -685,15 +692,27 @@ export class Executor {
 
   /** A sandbox whose VM is gone: lost, capacity released; false if an operation took it up meanwhile. */
   private async vmGone(sb: SandboxRec, reason: string): Promise<boolean> {
-    if (!(await this.vmStateChange(sb, (s) => (s.state === 'running' || s.state === 'paused') && !s.opId, 'lost', reason, -1))) return false;
+    if ((await this.vmStateChange(sb, (s) => (s.state === 'running' || s.state === 'paused') && !s.opId, 'lost', reason, -1)) !== true) return false;
     this.vmMissing.delete(`${sb.tenantId}/${sb.id}`);
     this.log.warn({ sandboxId: sb.id, tenantId: sb.tenantId, hostId: sb.hostId, reason }, 'sandbox lost: its VM is gone');
     return true;
   }
 
   /** A lost sandbox whose VM its own host reports alive again: back in that state, re-booked. */
+  /**
+   * A lost sandbox whose VM its host reports alive again is running (or paused) again, booked
+   * again, but only if the host still has room for it: its bookings were released when it was
+   * marked lost, and placements may have filled the host since (its record says ready before
+   * the reclaim runs). One that no longer fits stays lost and its VM is stopped, so capacity is never booked twice and no VM runs without a record placing it.
+   */
   private async vmBack(sb: SandboxRec, state: 'running' | 'paused'): Promise<void> {
-    if (await this.vmStateChange(sb, (s) => s.state === 'lost', state, '', 1)) this.log.warn({ sandboxId: sb.id, hostId: sb.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
+    const r = await this.vmStateChange(sb, (s) => s.state === 'lost', state, '', 1);
+    if (r === true) return void this.log.warn({ sandboxId: sb.id, hostId: sb.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
+    if (!(r instanceof NoRoomToReclaimError)) return;
+    this.log.warn({ sandboxId: sb.id, hostId: sb.hostId, err: r.message }, 'lost sandbox not reclaimed: its host was booked full meanwhile; stopping its VM');
+    // The record is left as it is (lost, with its reason): the same op + step on every pass
+    // until the VM is gone, which the agent answers from its journal.
+    await this.sendHostWork(sb.hostId, `no-room-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, stopVm(sb.id), 'could not stop a VM that came back to a full host');
   }
 
   /**
@@ -701,7 +720,7 @@ export class Executor {
    * releases (-1) on the sandbox's host, in one transaction. False, writing nothing, when the
    * record moved on meanwhile (`still` fails or the host changed).
    */
-  private async vmStateChange(sb: SandboxRec, still: (s: SandboxRec) => boolean, state: SandboxState, reason: string, sign: 1 | -1): Promise<boolean> {
+  private async vmStateChange(sb: SandboxRec, still: (s: SandboxRec) => boolean, state: SandboxState, reason: string, sign: 1 | -1): Promise<boolean | NoRoomToReclaimError> {
     const now = this.deps.clock.now();
     try {
       await this.updateSandbox(
@@ -711,10 +730,11 @@ export class Executor {
           if (!still(s) || s.hostId !== sb.hostId) throw new ConflictError(`sandbox ${sb.id} changed`);
           this.setState(s, state, now, reason);
         },
-        this.capacity(sb.hostId, sb.resources, sign),
+        sign === 1 ? this.capacityIfRoom(sb.hostId, sb.resources) : this.capacity(sb.hostId, sb.resources, sign),
       );
       return true;
     } catch (e) {
+      if (e instanceof NoRoomToReclaimError) return e;
       if (!(e instanceof ConflictError)) this.log.warn({ err: e, sandboxId: sb.id, to: state }, 'could not record that a sandbox\'s VM went or came back');
       return false;
     }
@@ -1069,6 +1089,23 @@ export class Executor {
       const a = await this.deps.store.getAlloc(hostId);
       const next: HostAllocRec = { hostId, allocated: addRes(a.value.allocated, res, sign), sandboxes: Math.max(0, a.value.sandboxes + sign) };
       return [{ kind: 'alloc', value: next, expectRevision: a.modRevision }];
+    };
+  }
+
+  /**
+   * capacity(hostId, res, +1) for a booking no placement made (a lost sandbox taken back):
+   * throws NoRoomToReclaimError when what the host has booked plus `res` exceeds its
+   * capacity (its record, as the guarded write reads it) in any resource.
+   */
+  private capacityIfRoom(hostId: string, res: ResourcesRec): () => Promise<StoreWrite[]> {
+    const book = this.capacity(hostId, res, 1);
+    return async () => {
+      const writes = await book();
+      const alloc = writes.find((w) => w.kind === 'alloc');
+      const cap = (await this.deps.store.getHost(hostId))?.value.capacity;
+      const booked = alloc ? (alloc.value as HostAllocRec).allocated : res;
+      if (!cap || booked.vcpus > cap.vcpus || booked.memoryMib > cap.memoryMib || booked.diskMib > cap.diskMib) throw new NoRoomToReclaimError(hostId, booked, cap);
+      return writes;
     };
   }
 
@@ -2048,15 +2085,31 @@ export class Executor {
     if (sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
     // keep_last 1: an older hibernation snapshot of the lineage is pruned once no live
     // sandbox uses it (the current one is in use while the sandbox lives).
+    // The VM is paused first and stays paused through the snapshot until it stops: a guest
+    // that ran on after its snapshot (a running VM is resumed once the snapshot is taken)
+    // would do work, and answer calls, that the hibernated sandbox then never had.
+    const paused = sb.hibernatingFrom !== 'paused';
     let sn: SnapshotRec;
     try {
+      if (paused) await this.step(op, 'pause', sb.hostId, pauseVm(sb.id));
       sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { 'forkfleet.io/hibernation': sb.id } });
-      await this.step(op, 'stop', sb.hostId, stopVm(sb.id));
     } catch (e) {
       // Back to what it was: its VM and booking are still there (a VM the stop step did end
-      // after all is found missing by the VM check, which records it lost).
+      // after all is found missing by the VM check, which records it lost), running again if
+      // it was paused here.
+      if (paused) await this.step(op, 'resume-after-failure', sb.hostId, resumeVm(sb.id)).catch((r: unknown) => this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed; it stays paused'));
       await this.failAndSettle(op, e, 'hibernating', (cur) => cur.hibernatingFrom ?? 'running');
       return;
+    }
+    try {
+      await this.step(op, 'stop', sb.hostId, stopVm(sb.id));
+    } catch (e) {
+      // The snapshot is complete and the VM has not run since it was taken: the sandbox is
+      // hibernated all the same (rolling back would leave a VM that may be stopped already
+      // recorded as running, and the snapshot unused). A VM still there is stopped later: by
+      // this stop sent once more, or as a stray (a hibernated sandbox runs no VM).
+      this.log.warn({ err: e, sandboxId: sb.id, hostId: sb.hostId }, 'stopping the hibernated sandbox\'s VM failed; it is hibernated from its snapshot, and its VM is stopped later');
+      await this.sendHostWork(sb.hostId, `${op.id}-stop-again`, sb.tenantId, `stop/${sb.id}`, stopVm(sb.id), 'could not stop a hibernated sandbox\'s VM');
     }
     // The VM is gone: the snapshot is the sandbox now, recorded before anything else can
     // happen to it (its host lost while the replicas below are copied marks a hibernated
@@ -3184,7 +3237,9 @@ export class Executor {
       // idle as it was, and every attempt pauses it for a snapshot.
       if (sb.idleTimeoutMs && !(sb.stateReason.startsWith('hibernate failed') && now - sb.updatedAt < IDLE_RETRY_AFTER_FAILURE_MS)) {
         const vm = this.deps.heard.vm(sb.hostId, sb.id);
-        const idleMs = vm?.idle ? Number(vm.idle.seconds) * 1000 + Math.floor(vm.idle.nanos / 1e6) : 0;
+        // Never more than it has been running since its last start, wake or resume: a host's
+        // idle figure from before (an agent that kept a VM's last activity) does not count.
+        const idleMs = Math.min(vm?.idle ? Number(vm.idle.seconds) * 1000 + Math.floor(vm.idle.nanos / 1e6) : 0, sb.runningSince === null ? 0 : now - sb.runningSince);
         if (idleMs >= sb.idleTimeoutMs) await submit(sb.tenantId, `__idle/${sb.id}/${sb.runningSince ?? 0}`, 'hibernate', sb.id, { snapshotId: newId('sn'), replicas: 0, reason: 'idle' });
       }
     }
