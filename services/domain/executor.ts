@@ -22,7 +22,7 @@ import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
-import { planRetention } from './retention.ts';
+import { HIBERNATION_LABEL, planRetention } from './retention.ts';
 import { fleetGauges } from './fleet-gauges.ts';
 import type { FleetGauges } from './fleet-gauges.ts';
 import { commitPurge, EXPIRING_SNAPSHOT_STATES, expiredRecords, finishedOpOf } from './history.ts';
@@ -2092,7 +2092,7 @@ export class Executor {
     let sn: SnapshotRec;
     try {
       if (paused) await this.step(op, 'pause', sb.hostId, pauseVm(sb.id));
-      sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { 'forkfleet.io/hibernation': sb.id } });
+      sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { [HIBERNATION_LABEL]: sb.id } });
     } catch (e) {
       // Back to what it was: its VM and booking are still there (a VM the stop step did end
       // after all is found missing by the VM check, which records it lost), running again if

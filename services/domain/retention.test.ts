@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import fc from 'fast-check';
-import { planRetention } from './retention.ts';
+import { HIBERNATION_LABEL, planRetention } from './retention.ts';
 import type { SandboxRec, SnapshotRec } from './records.ts';
 import { snapshotRecord } from '../testkit/records.ts';
 
@@ -78,6 +78,35 @@ describe('planRetention', () => {
   it('lineagesAndTenants_areCountedSeparately', () => {
     const snaps = [snap('a1', 1, { keepLast: 1 }), snap('b1', 2, { keepLast: 1, lineageId: 'sb-b' }), snap('c1', 3, { keepLast: 1, tenantId: 't2' })];
     expect(planRetention(snaps, [], 10 * MIN, NOTICE).announce).toEqual([]);
+  });
+
+  it('keepLast_countsOnlySnapshotsOfItsKindWithAKeepLastRule_soHibernationForkAndUnruledSnapshotsNeverPushAUsersOneOut', () => {
+    const hib = { [HIBERNATION_LABEL]: 'sb-1' };
+    const snaps = [
+      snap('u1', 1, { keepLast: 2 }),
+      snap('u2', 2, { keepLast: 2 }),
+      // What the system took since, in the same lineage: a hibernation, a fork's snapshot of
+      // the live sandbox (a TTL), a migration's; and a user snapshot without keep_last.
+      snap('h1', 3, { keepLast: 1, labels: hib }),
+      snap('f1', 4, { retentionTtlMs: 24 * 60 * MIN }),
+      snap('m1', 5, { retentionTtlMs: 24 * 60 * MIN, labels: { 'forkfleet.io/purpose': 'migration' } }),
+      snap('n1', 6),
+    ];
+    const sbs = [sandbox('sb-1', { state: 'hibernated', hibernationSnapshotId: 'h1' })];
+    expect(planRetention(snaps, sbs, 10 * MIN, NOTICE).announce).toEqual([]);
+    // A third user snapshot with keep_last 2 does push the oldest out; a second hibernation pushes the first.
+    const more = [...snaps, snap('u3', 7, { keepLast: 2 }), snap('h2', 8, { keepLast: 1, labels: hib })];
+    const woke = [sandbox('sb-1', { state: 'hibernated', hibernationSnapshotId: 'h2' })];
+    expect(planRetention(more, woke, 10 * MIN, NOTICE).announce.map((a) => a.snapshot.id).sort()).toEqual(['h1', 'u1']);
+  });
+
+  it('hibernationSnapshot_ofASandboxThatIsGone_expiresWithFullNotice_whileOneOfALiveSandboxIsKept', () => {
+    const snaps = [snap('h1', 1, { keepLast: 1, labels: { [HIBERNATION_LABEL]: 'sb-gone' } }), snap('h2', 1, { keepLast: 1, labels: { [HIBERNATION_LABEL]: 'sb-here' } })];
+    const sbs = [sandbox('sb-gone', { state: 'destroyed', hibernationSnapshotId: 'h1' }), sandbox('sb-here', { state: 'running', hibernationSnapshotId: '' })];
+    const p = planRetention(snaps, sbs, 10 * MIN, NOTICE);
+    expect(p.announce.map((a) => [a.snapshot.id, a.dueAt])).toEqual([['h1', 10 * MIN + NOTICE]]);
+    // Its record expired from the history too: the same.
+    expect(planRetention(snaps, [sbs[1]!], 10 * MIN, NOTICE).announce.map((a) => a.snapshot.id)).toEqual(['h1']);
   });
 
   it('anyFleet_neverDeletesPinnedUsedOrNewestKeepLast', () => {

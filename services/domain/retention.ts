@@ -3,8 +3,15 @@
 // Rules, per snapshot (a snapshot carries its own Retention):
 //   - pinned: never expires;
 //   - keep_last = N > 0: expires once it is not among the newest N ready, unpinned
-//     snapshots of its lineage;
-//   - ttl: expires `ttl` after it was created.
+//     snapshots of its lineage that carry a keep_last rule too, and are of its kind: a
+//     sandbox's hibernation snapshots (label forkfleet.io/hibernation) count only against
+//     each other, every other snapshot only against other such snapshots. So the snapshots
+//     the system takes (hibernation, fork of a live sandbox, migration, which carry their own
+//     rules) and snapshots taken without keep_last never push a user's snapshot out of its
+//     window;
+//   - ttl: expires `ttl` after it was created;
+//   - a hibernation snapshot whose sandbox is gone (destroyed, or its record expired)
+//     expires: nothing wakes from it any more.
 // Expiry is announced first: the record gets `expiryDueAt` (the SNAPSHOT_EXPIRING event)
 // at least `noticeMs` before the deletion, or at the TTL when that is later. A snapshot that
 // a live sandbox still restores from (its source) or hibernates in is never deleted, nor
@@ -24,11 +31,18 @@ export interface RetentionPlan {
   readonly held: ReadonlyMap<string, readonly string[]>;
 }
 
-/** When retention wants `sn` gone, or null when it is kept. `rank` is its place in its lineage, newest first. */
-function wantedGoneAt(sn: SnapshotRec, rank: number, now: number, noticeMs: number): number | null {
+/** The label that names the sandbox a hibernation snapshot belongs to. */
+export const HIBERNATION_LABEL = 'forkfleet.io/hibernation';
+
+/**
+ * When retention wants `sn` gone, or null when it is kept. `rank` is its place among the
+ * snapshots it is counted against (see the rules above), newest first; `orphan`: a hibernation
+ * snapshot whose sandbox is gone.
+ */
+function wantedGoneAt(sn: SnapshotRec, rank: number, orphan: boolean, now: number, noticeMs: number): number | null {
   if (sn.pinned) return null;
   const byTtl = sn.retentionTtlMs !== null ? sn.createdAt + sn.retentionTtlMs : null;
-  const outOfWindow = sn.keepLast > 0 && rank >= sn.keepLast;
+  const outOfWindow = (sn.keepLast > 0 && rank >= sn.keepLast) || orphan;
   // An announcement already made keeps its time; a new one gives the full notice.
   const byWindow = outOfWindow ? (sn.expiryDueAt ?? now + noticeMs) : null;
   if (byTtl === null) return byWindow;
@@ -38,8 +52,10 @@ function wantedGoneAt(sn: SnapshotRec, rank: number, now: number, noticeMs: numb
 
 export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: readonly SandboxRec[], now: number, noticeMs: number): RetentionPlan {
   const users = new Map<string, string[]>();
+  const live = new Set<string>();
   for (const sb of sandboxes) {
     if (sb.state === 'destroyed') continue;
+    live.add(sb.id);
     for (const id of new Set([sb.sourceSnapshotId, sb.hibernationSnapshotId])) {
       if (!id) continue;
       // Appended in place: thousands of children share one snapshot (a copy per user is quadratic).
@@ -51,7 +67,9 @@ export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: read
   const lineages = new Map<string, SnapshotRec[]>();
   for (const sn of snapshots) {
     if (sn.state !== 'ready' || sn.pinned) continue;
-    const key = `${sn.tenantId}/${sn.lineageId || sn.id}`;
+    // Ranked only against the snapshots it is counted against; one without keep_last is alone.
+    const of = sn.labels[HIBERNATION_LABEL];
+    const key = sn.keepLast > 0 ? `${sn.tenantId}/${sn.lineageId || sn.id}/${of === undefined ? 'user' : `hibernation/${of}`}` : `${sn.tenantId}/alone/${sn.id}`;
     const list = lineages.get(key);
     if (list) list.push(sn);
     else lineages.set(key, [sn]);
@@ -63,7 +81,8 @@ export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: read
   for (const list of lineages.values()) {
     list.sort((a, b) => b.createdAt - a.createdAt || (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
     list.forEach((sn, rank) => {
-      const goneAt = wantedGoneAt(sn, rank, now, noticeMs);
+      const of = sn.labels[HIBERNATION_LABEL];
+      const goneAt = wantedGoneAt(sn, rank, of !== undefined && !live.has(of), now, noticeMs);
       if (goneAt === null || goneAt - noticeMs > now) return;
       due.add(sn.id);
       const by = users.get(sn.id);
