@@ -303,6 +303,34 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     }
   }, 90_000);
 
+  it('twoWakesOfOneHibernatedSandbox_underDifferentKeys_bothSucceed_withOneVmAndOneBooking', async () => {
+    // fake-w's restores take 1.5 s: the second wake arrives while the first one restores.
+    const host = await agents('fake-w', { FF_FAKE_RESTORE_MS_PER_VM: '1500' });
+    try {
+      await waitFor('fake-w registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-w' && x.state === HostState.READY), 20_000, 100);
+      const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-w' } })).id, timeout: { seconds: 30n } });
+      expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+      const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+      const hib = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 0 })).id, timeout: { seconds: 30n } });
+      expect(hib.state, hib.error?.message).toBe(OperationState.SUCCEEDED);
+      const booked = (): Promise<number> => api.listHosts({}).then((r) => r.hosts.reduce((n, h) => n + Number(h.allocated?.memoryMib ?? 0n), 0));
+      const before = await booked();
+      const first = await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid });
+      await waitFor('the first wake under way', async () => (await api.getSandbox({ tenantId, sandboxId: sid })).state === SandboxState.WAKING, 10_000, 20);
+      const second = await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid });
+      expect(second.id).not.toBe(first.id);
+      const ends = await Promise.all([first, second].map((op) => api.waitOperation({ tenantId, operationId: op.id, timeout: { seconds: 60n } }, { timeoutMs: 70_000 })));
+      expect(ends.map((o) => o.state)).toEqual([OperationState.SUCCEEDED, OperationState.SUCCEEDED]);
+      expect((await api.getSandbox({ tenantId, sandboxId: sid })).state).toBe(SandboxState.RUNNING);
+      // One VM of it across the fleet, one booking of its 256 MiB.
+      const vms = [...host.vms().values(), ...healthy.vms().values()].flat().filter((v) => v.vmId === sid);
+      expect(vms).toHaveLength(1);
+      expect((await booked()) - before).toBe(256);
+    } finally {
+      await host.stop();
+    }
+  }, 120_000);
+
   it('hostsThisLeaderNeverHeard_goLost_andALostHostsSandboxesLeftRunning_areMarkedLost', async () => {
     // What a leader finds after a failover or a restart: 'ghost' (recorded ready) died before
     // this scheduler started, so it never heard it; 'ghost-2' is recorded lost, but the pass

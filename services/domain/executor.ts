@@ -250,6 +250,13 @@ class NoRoomToReclaimError extends Error {
   }
 }
 
+/** A wake or hibernate found its sandbox taken by another operation of the same kind in its guarded write. */
+class OwnedByOtherOpError extends Error {
+  constructor(opId: string) {
+    super(`operation ${opId} took the sandbox first`);
+  }
+}
+
 class MovedOnError extends Error {
   constructor(id: string, state: string, hostId: string) {
     super(`sandbox ${id} is ${state} on ${hostId || 'no host'} now`);
@@ -1826,10 +1833,19 @@ export class Executor {
    * finds bookedHost set). Read from the op now, not from the copy the run started with.
    */
   private async settleWake(op: OperationRec, e: unknown): Promise<false> {
-    return this.failAndSettle(op, e, 'waking', () => 'hibernated', async (sb) => {
-      const booked = ((await this.deps.store.getOp(op.tenantId, op.id))?.value.input as { bookedHost?: string } | undefined)?.bookedHost;
-      return booked ? this.capacity(booked, sb.resources, -1)() : [];
+    let booked: { hostId: string; sb: SandboxRec } | undefined;
+    const r = await this.failAndSettle(op, e, 'waking', () => 'hibernated', async (sb) => {
+      const hostId = ((await this.deps.store.getOp(op.tenantId, op.id))?.value.input as { bookedHost?: string } | undefined)?.bookedHost;
+      booked = hostId ? { hostId, sb } : undefined;
+      return hostId ? this.capacity(hostId, sb.resources, -1)() : [];
     });
+    // A restore that did not answer in time (or whose host went) may still start its VM: it
+    // is told to stop it, and not to start it if it has not yet (the agent's gave-up list), as
+    // a failed start is. The sandbox is hibernated again and its booking released.
+    if (booked && this.active && (e instanceof StepTimeoutError || e instanceof HostLostError)) {
+      void this.sendHostWork(booked.hostId, op.id, booked.sb.tenantId, `stop-unanswered/${booked.sb.id}`, stopVm(booked.sb.id), 'could not stop the VM of a wake given up on');
+    }
+    return r;
   }
 
   /**
@@ -2072,15 +2088,24 @@ export class Executor {
    */
   private async runHibernate(op: OperationRec): Promise<void> {
     const input = op.input as { snapshotId: string; replicas?: number };
-    let sb = (await this.deps.store.getSandbox(op.tenantId, op.targetId))?.value;
+    // Likewise a second hibernate of a sandbox another one owns: it then finds it hibernated.
+    let sb = (await this.afterOtherOp(op, 'hibernating'))?.value;
     if (!sb) throw new NotFoundError('sandbox', op.targetId);
     if (sb.state === 'hibernated') return this.finish(op, { sandboxIds: [sb.id], snapshotId: sb.hibernationSnapshotId }, null);
     if (sb.state === 'running' || sb.state === 'paused') {
-      sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-        s.hibernatingFrom = s.state === 'paused' ? 'paused' : 'running';
-        this.setState(s, 'hibernating', this.deps.clock.now());
-        s.opId = op.id;
-      });
+      try {
+        sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+          if (s.state === 'hibernating' && s.opId !== '' && s.opId !== op.id) throw new OwnedByOtherOpError(s.opId);
+          if (s.state === 'hibernating') return; // this op's own, from an earlier run of it
+          s.hibernatingFrom = s.state === 'paused' ? 'paused' : 'running';
+          this.setState(s, 'hibernating', this.deps.clock.now());
+          s.opId = op.id;
+        });
+      } catch (e) {
+        // Another hibernate took it between the read and the write: this one waits for it.
+        if (!(e instanceof OwnedByOtherOpError)) throw e;
+        return this.runHibernate(op);
+      }
     }
     if (sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
     // keep_last 1: an older hibernation snapshot of the lineage is pruned once no live
@@ -2151,15 +2176,24 @@ export class Executor {
    * returns the sandbox to hibernated and releases it.
    */
   private async runWake(op: OperationRec): Promise<void> {
-    let v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+    // A second wake (another idempotency key, an exec's wake) of a sandbox another wake owns
+    // waits for that one, and then finds it running: one placement, one booking, one VM.
+    let v = await this.afterOtherOp(op, 'waking');
     if (!v) throw new NotFoundError('sandbox', op.targetId);
     let sb = v.value;
     if (sb.state === 'running') return this.finish(op, { sandboxIds: [sb.id] }, null);
     if (sb.state === 'hibernated' || sb.state === 'lost') {
-      sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-        s.state = 'waking';
-        s.opId = op.id;
-      });
+      try {
+        sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+          if (s.state === 'waking' && s.opId !== '' && s.opId !== op.id) throw new OwnedByOtherOpError(s.opId);
+          s.state = 'waking';
+          s.opId = op.id;
+        });
+      } catch (e) {
+        // Another wake took it between the read and the write: this one waits for it.
+        if (!(e instanceof OwnedByOtherOpError)) throw e;
+        return this.runWake(op);
+      }
       v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     }
     if (sb.state !== 'waking' || !v) throw new WrongStateError('sandbox', sb.id, sb.state, 'only a hibernated sandbox can be woken');
@@ -2213,6 +2247,22 @@ export class Executor {
     }
     if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld) await this.addHolder(sb.tenantId, snapshotId, hostId);
     await this.finishRunning(op, sb, Executor.hookReport(woke, sb.id), hostId);
+  }
+
+  /**
+   * The sandbox, once no other operation holds it in `state` (polled, for at most what that
+   * operation's steps may take): the record as it then is, which may still be in `state` and
+   * owned by it (the caller's own checks refuse it then).
+   */
+  private async afterOtherOp(op: OperationRec, state: 'waking' | 'hibernating'): Promise<Versioned<SandboxRec> | undefined> {
+    let v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+    const until = this.deps.clock.now() + this.deps.config.stepTimeoutMs * this.deps.config.stepAttempts;
+    while (v && v.value.state === state && v.value.opId !== '' && v.value.opId !== op.id && this.active && this.deps.clock.now() < until) {
+      await new Promise((r) => setTimeout(r, 250));
+      v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+    }
+    if (v && v.value.state === state && v.value.opId !== '' && v.value.opId !== op.id) throw new WrongStateError('sandbox', v.value.id, v.value.state, `operation ${v.value.opId} is still at work on it; retry`);
+    return v;
   }
 
   private async runDestroy(op: OperationRec): Promise<void> {
