@@ -209,7 +209,7 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     await done(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
   }, 300_000);
 
-  it('files_largerThanANatsMessage_roundTripInPieces_withTheirMode_andAnOversizedExecOrAMissingPathIsAClientError', async () => {
+  it('files_largerThanANatsMessage_roundTripInPieces_withTheirMode_aFailedWriteLeavesTheOldFile_andAnOversizedExecOrAMissingPathIsAClientError', async () => {
     const created = await done(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));
     const sb = created.result.case === 'sandbox' ? created.result.value : undefined;
     const agent = agents.find((a) => a.hostId === sb!.hostId)!;
@@ -244,6 +244,13 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     expect([Status[missing.code], missing.field]).toEqual(['NOT_FOUND', 'path']);
     const dir = (await api.writeFile([{ payload: { case: 'header' as const, value: { ...header, idempotencyKey: key(), path: '/tmp/no-dir/f' } } }]).catch((x: unknown) => x)) as RpcError;
     expect([Status[dir.code], dir.field]).toEqual(['NOT_FOUND', 'header.path']);
+    // A write that fails part-way (the file system fills up after the first piece) leaves the
+    // file it was to replace as it was, and no temporary file.
+    expect(await sh(api, sb!.id, 'mkdir -p /mnt/small && mount -t tmpfs -o size=1m tmpfs /mnt/small && echo old > /mnt/small/f && echo ok')).toEqual({ out: 'ok\n', code: 0 });
+    const full = (await api.writeFile([{ payload: { case: 'header' as const, value: { ...header, idempotencyKey: key(), path: '/mnt/small/f' } } }, ...pieces]).catch((x: unknown) => x)) as RpcError;
+    expect(full.code).not.toBe(Status.OK);
+    expect(full.field).toBe('header.path');
+    expect(await sh(api, sb!.id, 'cat /mnt/small/f; ls -A /mnt/small')).toEqual({ out: 'old\nf\n', code: 0 });
     // A whole-file read in one answer (as a scheduler before ranged reads asks for it) is
     // over NATS' limit: the agent answers with an error instead of dying on the publish.
     const nc = await connect({ servers: nats.url });

@@ -1,7 +1,7 @@
 // API use cases of the Fleet service. Any scheduler replica serves them: reads go to
 // etcd, mutations are recorded as pending operations (with their idempotency key) that the
 // leader's Executor carries out. Inputs arrive validated (adapters/grpc/convert.ts).
-import { randomFillSync } from 'node:crypto';
+import { randomBytes, randomFillSync } from 'node:crypto';
 import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
@@ -642,7 +642,8 @@ export class Fleet {
     const res = await this.deps.bus.file(hostId, req, { timeoutMs: 30_000 });
     // The guest's refusal of the path names it as the API does: WriteFile's path is in its header.
     const field = res.error?.field === 'path' && req.op.case === 'write' ? 'header.path' : res.error?.field;
-    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message, field ? { field } : {});
+    // The host's word on whether trying again can help (a full guest disk cannot) is kept.
+    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message, { ...(field ? { field } : {}), retryable: res.error.retryable });
     return res;
   }
 
@@ -652,9 +653,11 @@ export class Fleet {
   }
 
   /**
-   * Writes the file in pieces that fit the relay: the first replaces the file, the rest
-   * append, and the last sets `mode` (0: the guest's default). A failure part-way leaves the
-   * pieces written so far; the call fails and says so.
+   * Writes the file in pieces that fit the relay. One piece replaces the file directly; more
+   * go into a temporary file next to it (the first creates it, the rest append, the last sets
+   * `mode`, 0: the guest's default), which a guest `mv -f` then renames over `path`. So a
+   * failure part-way (a full guest disk, a lost relay) leaves the old file as it was, and the
+   * temporary file is removed (best effort).
    */
   async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array): Promise<number> {
     const sb = await this.runningSandbox(tenantId, sandboxId);
@@ -664,15 +667,40 @@ export class Fleet {
       if (data.length > piece) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'data' });
       return Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data } } }))).bytesWritten);
     }
+    const write = async (to: string, part: Uint8Array, append: boolean, last: boolean): Promise<number> =>
+      Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path: to, op: { case: 'write', value: { data: part, mode: last ? mode : 0, append } } }))).bytesWritten);
+    if (data.length <= piece) return write(path, data, false, true);
+    const slash = path.lastIndexOf('/');
+    const tmp = `${path.slice(0, slash + 1)}.${path.slice(slash + 1)}.ff-write-${randomBytes(6).toString('hex')}`;
     let written = 0;
-    for (let off = 0; off < data.length || off === 0; off += piece) {
-      const part = data.subarray(off, off + piece);
-      const last = off + piece >= data.length;
-      const res = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data: part, mode: last ? mode : 0, append: off > 0 } } }));
-      written += Number(res.bytesWritten);
-      if (last) break;
+    try {
+      for (let off = 0; off < data.length; off += piece) {
+        const last = off + piece >= data.length;
+        written += await write(tmp, data.subarray(off, off + piece), off > 0, last);
+      }
+      await this.guestCommand(sb.hostId, sandboxId, ['/bin/mv', '-f', tmp, path], 'header.path');
+    } catch (e) {
+      await this.guestCommand(sb.hostId, sandboxId, ['/bin/rm', '-f', tmp], 'header.path').catch(() => undefined);
+      // A failure in the temporary file is reported against the path the caller named.
+      if (e instanceof ForkfleetError && e.field === 'header.path') throw new ForkfleetError(e.kind, e.message.split(tmp).join(path), { field: 'header.path', retryable: e.retryable });
+      throw e;
     }
     return written;
+  }
+
+  /** Runs a short command in the guest through the exec relay; a non-zero exit is a failed_precondition naming `field`. */
+  private async guestCommand(hostId: string, sandboxId: string, argv: string[], field: string): Promise<void> {
+    const req = create(HostExecRequestSchema, { sandboxId, argv, env: {}, cwd: '', stdin: new Uint8Array(), timeout: { seconds: 30n, nanos: 0 } });
+    let stderr = '';
+    for await (const m of this.deps.bus.exec(hostId, req, { timeoutMs: 40_000 })) {
+      if (m.payload.case === 'stderr') stderr += Buffer.from(m.payload.value).toString('utf8');
+      else if (m.payload.case === 'error') throw new ForkfleetError(m.payload.value.kind as ForkfleetError['kind'], m.payload.value.message, { retryable: m.payload.value.retryable });
+      else if (m.payload.case === 'exit') {
+        if (m.payload.value.exitCode !== 0 || m.payload.value.timedOut) throw new ForkfleetError('failed_precondition', `${argv[0]} in the guest failed (exit ${m.payload.value.exitCode}${m.payload.value.timedOut ? ', timed out' : ''}): ${stderr.trim()}`, { field });
+        return;
+      }
+    }
+    throw new ForkfleetError('unavailable', `${argv[0]} in the guest: the relay ended without its exit`, { retryable: true });
   }
 
   /** Reads up to `maxBytes` of the file in ranged pieces that fit the relay, until its end. */
