@@ -71,4 +71,23 @@ describe('collectGarbage', () => {
     // manifest, stored by then, is what keeps it in real life).
     expect(roots.isPinned(old)).toBe(false);
   });
+
+  it('gc_withAManifestThatDoesNotDecode_removesIt_andSweepsOn_butAManifestItCannotReadStopsTheSweep', async () => {
+    const stored = new Set<DigestHex>(['c'.repeat(64)]);
+    const chunks = {
+      async sweep(isLive: (d: DigestHex, mtimeMs: number) => boolean): Promise<SweepStats> {
+        for (const d of [...stored]) if (!isLive(d, 0)) stored.delete(d);
+        return { scanned: 1, deleted: 0, freedBytes: 0, keptBytes: 0 };
+      },
+    } as unknown as ChunkStore;
+    const deleted: string[] = [];
+    const gc = (get: () => Promise<unknown>) =>
+      collectGarbage({ chunks, manifests: { list: async () => ['sn-bad'], get, delete: async (id: string) => void deleted.push(id) } as unknown as ManifestStore, roots: new LiveRoots(), clock: { now: () => new Date(Date.UTC(2026, 0, 1)) }, graceMs: 60_000 });
+    // Unreadable now (an I/O error): the GC fails and removes nothing.
+    await expect(gc(async () => Promise.reject(Object.assign(new Error('EIO: i/o error'), { code: 'EIO' })))).rejects.toThrow(/EIO/);
+    expect([deleted, stored.size]).toEqual([[], 1]);
+    // Garbage bytes: the manifest goes and the sweep runs.
+    await gc(async () => ({ manifest: new Uint8Array([0xff, 0xff, 0xff]) }));
+    expect([deleted, stored.size]).toEqual([['sn-bad'], 0]);
+  });
 });

@@ -73,9 +73,23 @@ export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
   try {
     ids = await deps.manifests.list();
     for (const id of ids) {
-      const signed = await deps.manifests.get(id);
-      if (!signed) continue;
-      for (const d of manifestDigests(decodeManifestUnverified(signed))) live.add(d);
+      let digests: Set<DigestHex>;
+      try {
+        const signed = await deps.manifests.get(id);
+        if (!signed) continue;
+        digests = manifestDigests(decodeManifestUnverified(signed));
+      } catch (e) {
+        // A read that failed (EIO, EMFILE) may work next time: no sweep now, nothing lost.
+        if (typeof (e as NodeJS.ErrnoException).code === 'string') throw e;
+        // A manifest that does not decode restores nothing (every restore verifies it) and
+        // would stop every GC here for good: it goes, and the chunks only it named with the
+        // sweep. The host then no longer reports the snapshot, and the scheduler drops it from
+        // the snapshot's holders.
+        deps.log?.error({ snapshotId: id, err: String(e) }, 'a stored manifest does not decode: removed');
+        await deps.manifests.delete(id);
+        continue;
+      }
+      for (const d of digests) live.add(d);
     }
     const cutoff = deps.clock.now().getTime() - deps.graceMs;
     stats = await deps.chunks.sweep((d, mtimeMs) => live.has(d) || deps.roots.isPinned(d) || mtimeMs > cutoff);
