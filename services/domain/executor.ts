@@ -2377,7 +2377,10 @@ export class Executor {
         throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
       }
       await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
-        if (cur.state !== 'deleting' || cur.deletingFrom === undefined) return undefined;
+        // Put back meanwhile by another delete that found users (then pinned or forked from,
+        // perhaps): this delete's look is stale, and it must not go on to delete the bytes.
+        if (cur.state !== 'deleting') throw new WrongStateError('snapshot', cur.id, cur.state, 'another delete found it in use and put it back while this one looked; retry');
+        if (cur.deletingFrom === undefined) return undefined;
         const { deletingFrom: _gone, ...rest } = cur;
         return rest;
       });
