@@ -416,6 +416,7 @@ export function buildProgram(): Command {
       if ((rs && rd) || (!rs && !rd)) throw new ForkfleetError('invalid_argument', 'cp: exactly one of SRC and DST must be SANDBOX:/absolute/path', { field: 'path' });
       if (rd) {
         const data = src === '-' ? readFileSync(0) : readFileSync(src);
+        if (!/^[0-7]{1,4}$/.test(o.mode)) throw new ForkfleetError('invalid_argument', `--mode: want octal permission bits such as 644 or 0755, got ${JSON.stringify(o.mode)}`, { field: 'header.mode' });
         const n = await client(cmd).sandbox(rd.id).writeFile(rd.path, data, parseInt(o.mode, 8));
         out(cmd, { sandboxId: rd.id, path: rd.path, bytes: n }, () => `${n} bytes -> ${rd.id}:${rd.path}\n`);
       } else {

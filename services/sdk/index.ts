@@ -327,7 +327,16 @@ const retryable = (e: unknown): boolean => e instanceof ForkfleetError && e.retr
  */
 export const WAIT_OUTAGE_MS = 60_000;
 
-const durationOf = (ms: number): { seconds: bigint; nanos: number } => ({ seconds: BigInt(Math.floor(ms / 1000)), nanos: (ms % 1000) * 1e6 });
+/**
+ * A protobuf Duration from milliseconds, whole nanoseconds (1.005 s is 1 s + 5,000,000 ns,
+ * not 4,999,999.999...: a fraction fails to encode, and grpc-js would report that as INTERNAL).
+ * A negative or non-finite value is refused, naming `field`.
+ */
+export function durationOf(ms: number, field = 'duration'): { seconds: bigint; nanos: number } {
+  if (!Number.isFinite(ms) || ms < 0) throw new ForkfleetError('invalid_argument', `${field}: want a duration of 0 or more, got ${ms}`, { field });
+  const ns = BigInt(Math.round(ms * 1e6));
+  return { seconds: ns / 1_000_000_000n, nanos: Number(ns % 1_000_000_000n) };
+}
 
 /** Parses '10s', '500ms', '2m', '1h', '0' or a number of milliseconds. */
 export function parseDuration(v: string | number): number {
@@ -622,7 +631,7 @@ export class Forkfleet {
             labels: spec.labels ?? {},
             hostname: spec.hostname ?? '',
             ...(spec.ttl !== undefined || spec.idleTimeout !== undefined
-              ? { lifecycle: { ...(spec.ttl !== undefined ? { ttl: durationOf(parseDuration(spec.ttl)) } : {}), ...(spec.idleTimeout !== undefined ? { idleTimeout: durationOf(parseDuration(spec.idleTimeout)) } : {}) } }
+              ? { lifecycle: { ...(spec.ttl !== undefined ? { ttl: durationOf(parseDuration(spec.ttl), 'lifecycle.ttl') } : {}), ...(spec.idleTimeout !== undefined ? { idleTimeout: durationOf(parseDuration(spec.idleTimeout), 'lifecycle.idle_timeout') } : {}) } }
               : {}),
             ...(spec.allowEgress !== undefined ? { network: { allowEgress: spec.allowEgress } } : {}),
             ...(spec.hostId ? { placement: { hostId: spec.hostId } } : {}),
@@ -676,9 +685,9 @@ export class Forkfleet {
             placement: { locality, spread, maxPerHost: fo.maxPerHost ?? 0 },
             labels: fo.labels ?? {},
             ...(fo.ttl !== undefined || fo.idleTimeout !== undefined
-              ? { lifecycle: { ...(fo.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.ttl)) } : {}), ...(fo.idleTimeout !== undefined ? { idleTimeout: durationOf(parseDuration(fo.idleTimeout)) } : {}) } }
+              ? { lifecycle: { ...(fo.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.ttl), 'lifecycle.ttl') } : {}), ...(fo.idleTimeout !== undefined ? { idleTimeout: durationOf(parseDuration(fo.idleTimeout), 'lifecycle.idle_timeout') } : {}) } }
               : {}),
-            ...(fo.snapshotRetention ? { snapshotRetention: { ...(fo.snapshotRetention.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.snapshotRetention.ttl)) } : {}), keepLast: fo.snapshotRetention.keepLast ?? 0 } } : {}),
+            ...(fo.snapshotRetention ? { snapshotRetention: { ...(fo.snapshotRetention.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.snapshotRetention.ttl), 'snapshot_retention.ttl') } : {}), keepLast: fo.snapshotRetention.keepLast ?? 0 } } : {}),
           },
           o,
         ),
@@ -777,7 +786,7 @@ export class Forkfleet {
             pin: spec.pin ?? false,
             labels: spec.labels ?? {},
             ...(spec.ttl !== undefined || spec.keepLast !== undefined
-              ? { retention: { ...(spec.ttl !== undefined ? { ttl: durationOf(parseDuration(spec.ttl)) } : {}), keepLast: spec.keepLast ?? 0 } }
+              ? { retention: { ...(spec.ttl !== undefined ? { ttl: durationOf(parseDuration(spec.ttl), 'retention.ttl') } : {}), keepLast: spec.keepLast ?? 0 } }
               : {}),
           },
           o,
@@ -805,7 +814,7 @@ export class Forkfleet {
               env: eo.env ?? {},
               cwd: eo.cwd ?? '',
               stdin: typeof eo.stdin === 'string' ? Buffer.from(eo.stdin) : (eo.stdin ?? new Uint8Array()),
-              ...(eo.timeout !== undefined ? { timeout: durationOf(parseDuration(eo.timeout)) } : {}),
+              ...(eo.timeout !== undefined ? { timeout: durationOf(parseDuration(eo.timeout), 'timeout') } : {}),
             },
             eo.signal ? { signal: eo.signal } : {},
           );
