@@ -36,6 +36,19 @@ export class StoreUnavailableError extends ForkfleetError {
   }
 }
 
+/**
+ * etcd refused a request as over a limit: its database is full ("mvcc: database space
+ * exceeded", its NOSPACE alarm: writes fail until an operator compacts and defragments it or
+ * raises --quota-backend-bytes) or it has too many requests in flight (which passes: retryable).
+ */
+export class StoreFullError extends ForkfleetError {
+  constructor(what: string, cause: unknown) {
+    const msg = cause instanceof Error ? cause.message : String(cause);
+    const full = /space exceeded|nospace/i.test(msg);
+    super('resource_exhausted', full ? `the fleet store is full (${what}): etcd's database space is exceeded; an operator must compact and defragment etcd or raise its quota` : `the fleet store is over its request limit (${what}): ${msg}; retry`, { retryable: !full, cause });
+  }
+}
+
 /** A leader's fenced write found that another replica leads now (ports.ts LeaderFence). */
 export class NotLeaderError extends ForkfleetError {
   constructor() {

@@ -30,11 +30,12 @@ async function healthy(clientUrl: string): Promise<boolean> {
 }
 
 /** Starts a cluster of `size` members (1 or 3 typically) on loopback. */
-export async function startEtcd(opts: { size?: number; binary?: string; logDir?: string } = {}): Promise<EtcdCluster> {
+/** `args`: more etcd flags, e.g. a small --quota-backend-bytes. */
+export async function startEtcd(opts: { size?: number; binary?: string; logDir?: string; args?: string[] } = {}): Promise<EtcdCluster> {
   return onFreshPorts(() => startEtcdOnce(opts));
 }
 
-async function startEtcdOnce(opts: { size?: number; binary?: string; logDir?: string } = {}): Promise<EtcdCluster> {
+async function startEtcdOnce(opts: { size?: number; binary?: string; logDir?: string; args?: string[] } = {}): Promise<EtcdCluster> {
   const size = opts.size ?? 1;
   const specs: Array<{ name: string; clientPort: number; peerPort: number }> = [];
   for (let i = 0; i < size; i++) specs.push({ name: `n${i + 1}`, clientPort: await freePort(), peerPort: await freePort() });
@@ -60,6 +61,7 @@ async function startEtcdOnce(opts: { size?: number; binary?: string; logDir?: st
         '--max-txn-ops', '1024',
         '--logger', 'zap',
         '--log-level', 'error',
+        ...(opts.args ?? []),
       ],
       dir,
       // The cluster removes it at stop(): a restart keeps the data.

@@ -14,7 +14,7 @@ import { EtcdDeliveryLog } from './webhook-log.ts';
 import type { DeliveryRec } from '../../domain/webhooks.ts';
 import { usageOf } from '../../domain/quota.ts';
 import { EtcdLeaderElection } from './election.ts';
-import { NotLeaderError, StoreUnavailableError } from '../../domain/errors.ts';
+import { NotLeaderError, StoreFullError, StoreUnavailableError } from '../../domain/errors.ts';
 import { sandboxRecord } from '../../testkit/records.ts';
 
 /**
@@ -270,6 +270,25 @@ describe('EtcdFleetStore', () => {
     } finally {
       s.close();
       await gone.stop();
+    }
+  }, 60_000);
+
+  it('writes_whenEtcdsDatabaseIsFull_failWithResourceExhaustedSayingSo_notAnInternalError', async () => {
+    // A 1 MiB quota (etcd allows it; the default is 2 GiB): a few hundred KiB of records fill it.
+    const small = await startEtcd({ args: ['--quota-backend-bytes', String(1 << 20)] });
+    const s = EtcdFleetStore.connect(small.endpoints);
+    try {
+      const big = (i: number): SandboxRec => ({ ...sandbox('t', `sb-${i}`), labels: { pad: 'x'.repeat(60_000) } });
+      let err: unknown;
+      for (let i = 0; i < 200 && err === undefined; i++) err = await s.commitAt([{ kind: 'sandbox', value: big(i), expectRevision: 0 }]).then(() => undefined, (e: unknown) => e);
+      expect(err).toBeInstanceOf(StoreFullError);
+      expect(err).toMatchObject({ kind: 'resource_exhausted', retryable: false });
+      expect((err as Error).message).toMatch(/database space is exceeded/);
+      // Reads still work.
+      expect((await s.getSandbox('t', 'sb-0'))?.value.id).toBe('sb-0');
+    } finally {
+      s.close();
+      await small.stop();
     }
   }, 60_000);
 

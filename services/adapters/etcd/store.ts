@@ -2,14 +2,14 @@
 // revision it read; a batch is one transaction.
 import { rootCertificates } from 'node:tls';
 import { noop } from 'cockatiel';
-import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError, GRPCUnavailableError, Range } from 'etcd3';
+import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError, GRPCResourceExhastedError, GRPCUnavailableError, Range } from 'etcd3';
 import type { IKeyValue, IWatchResponse, Watcher } from 'etcd3';
 import { WatchManager } from 'etcd3/lib/watch.js';
 import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, LeaderFence, RecordChange, SandboxChange, StoreWrite, Versioned, WatchBroke } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
-import { NotLeaderError, StoreUnavailableError } from '../../domain/errors.ts';
+import { NotLeaderError, StoreFullError, StoreUnavailableError } from '../../domain/errors.ts';
 import type { TlsClientPem } from '../../config.ts';
 
 /**
@@ -85,6 +85,7 @@ function cancel(w: Watcher): void {
 function storeError(what: string, e: unknown): unknown {
   // etcd3's circuit breakers (cockatiel) refuse calls to members that failed just before.
   const brokenCircuit = typeof e === 'object' && e !== null && (e as { isBrokenCircuitError?: unknown }).isBrokenCircuitError === true;
+  if (e instanceof GRPCResourceExhastedError) return new StoreFullError(what, e);
   return brokenCircuit || e instanceof GRPCUnavailableError || e instanceof GRPCDeadlineExceededError || e instanceof GRPCInternalError || e instanceof GRPCCancelledError ? new StoreUnavailableError(what, e) : e;
 }
 
