@@ -331,6 +331,39 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     }
   }, 120_000);
 
+  it('natsDownLongerThanTheLostThreshold_losesNoHostAndNoSandbox_andTheFleetWorksWhenItIsBack', async () => {
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } })).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const hostId = made.result.case === 'sandbox' ? made.result.value.hostId : '';
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    const seen = new Set<string>();
+    let watching = true;
+    const watch = (async () => {
+      while (watching) {
+        const [sb, host] = await Promise.all([store.getSandbox(tenantId, sid), store.getHost(hostId)]);
+        seen.add(`sandbox:${sb?.value.state}`).add(`host:${host?.value.state}`);
+        await new Promise((r) => setTimeout(r, 100));
+      }
+    })();
+    try {
+      // Every host and the scheduler hear nothing for LOST_AFTER_MS + 2 s.
+      await ts.nats.restart(LOST_AFTER_MS + 2000);
+      await waitFor('its host heard again', async () => (await api.listHosts({})).hosts.some((x) => x.id === hostId && x.state === HostState.READY), 30_000, 200);
+      await new Promise((r) => setTimeout(r, 2000));
+      watching = false;
+      await watch;
+      expect([...seen].filter((x) => x.endsWith(':lost'))).toEqual([]);
+      // The work path came back with NATS: a destroy goes through.
+      const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+      expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
+    } finally {
+      watching = false;
+      await watch;
+      store.close();
+    }
+  }, 120_000);
+
   it('hostsThisLeaderNeverHeard_goLost_andALostHostsSandboxesLeftRunning_areMarkedLost', async () => {
     // What a leader finds after a failover or a restart: 'ghost' (recorded ready) died before
     // this scheduler started, so it never heard it; 'ghost-2' is recorded lost, but the pass

@@ -501,6 +501,8 @@ export class Executor {
   private term = 0;
   /** When this replica became leader (hosts it never heard from are silent since then). */
   private termStartedAt = 0;
+  /** When reconcileHosts began holding back lost transitions for want of a bus connection (logged once per spell). */
+  private heldLostSince: number | undefined;
   /** Counts sandbox index follows within a term: a broken follow's late events are ignored. */
   private sandboxGen = 0;
 
@@ -3182,10 +3184,20 @@ export class Executor {
     const now = this.deps.clock.now();
     const recs = this.cache.hosts;
     const writes: Array<{ next: HostRec; cur: Versioned<HostRec> | undefined }> = [];
+    // Silence this leader may have caused: while its own bus connection is down, and until
+    // it has been up for the lost threshold again, no host is lost for not being heard (they
+    // go suspect at most): a NATS outage, or this replica cut off from NATS, would otherwise
+    // mark every host lost and every sandbox with it. Hosts that really died are lost once
+    // the connection has been back that long.
+    const linkedMs = this.deps.bus.connectedForMs?.() ?? Number.POSITIVE_INFINITY;
+    const mayLose = linkedMs > this.deps.config.liveness.lostAfterMs;
+    if (!mayLose && this.heldLostSince === undefined && linkedMs === 0) this.log.warn('not connected to NATS: no host is marked lost until the connection has been back for the lost threshold');
+    this.heldLostSince = mayLose ? undefined : (this.heldLostSince ?? now);
     for (const heard of this.deps.heard.all()) {
       const hb = heard.hb;
       const cur = recs.get(hb.hostId);
-      const state = now - heard.heardAt > this.deps.config.liveness.lostAfterMs ? 'lost' : now - heard.heardAt > this.deps.config.liveness.suspectAfterMs ? 'suspect' : 'ready';
+      const silent = now - heard.heardAt > this.deps.config.liveness.lostAfterMs ? 'lost' : now - heard.heardAt > this.deps.config.liveness.suspectAfterMs ? 'suspect' : 'ready';
+      const state = silent === 'lost' && !mayLose ? (cur?.value.state === 'lost' ? 'lost' : 'suspect') : silent;
       // No record and silent: a removed host (RemoveHost), heard last before it went. Its
       // next heartbeat registers it anew.
       if (!cur && state !== 'ready') {
@@ -3224,7 +3236,7 @@ export class Executor {
       for (const cur of recs.values()) {
         if (cur.value.state === 'lost' || this.deps.heard.get(cur.value.id)) continue;
         const silentMs = now - this.termStartedAt;
-        const state = silentMs > this.deps.config.liveness.lostAfterMs ? 'lost' : silentMs > this.deps.config.liveness.suspectAfterMs ? 'suspect' : cur.value.state;
+        const state = silentMs > this.deps.config.liveness.lostAfterMs && mayLose ? 'lost' : silentMs > this.deps.config.liveness.suspectAfterMs ? 'suspect' : cur.value.state;
         if (state !== cur.value.state) writes.push({ next: { ...cur.value, state }, cur });
       }
     }

@@ -197,4 +197,10 @@ export interface WorkBus {
   file(hostId: string, req: HostFileRequestMsg, opts: { timeoutMs: number }): Promise<HostFileResponseMsg>;
   /** The largest message the bus carries, bytes (NATS max_payload): relayed requests and answers must fit. */
   readonly maxPayload: number;
+  /**
+   * How long this process has been connected to the bus without a break, ms (0 while it is
+   * disconnected): hosts that went silent while this process heard nothing at all are not
+   * lost on that evidence. Optional: a bus that cannot tell counts as always connected.
+   */
+  connectedForMs?(): number;
 }

@@ -14,8 +14,8 @@ export interface NatsServer {
   proc: ManagedProcess;
   /** Set when started with `auth`: NKey seed files (mode 0600) for the scheduler and each host. */
   readonly auth?: { schedulerSeedFile: string; hostSeedFile: (hostId: string) => string };
-  /** Stops the server (SIGTERM) and starts it again on the same port and store. */
-  restart(): Promise<void>;
+  /** Stops the server (SIGTERM) and starts it again on the same port and store, after `downMs` (0). */
+  restart(downMs?: number): Promise<void>;
   stop(): Promise<void>;
 }
 
@@ -95,8 +95,9 @@ export async function startNats(opts: {
     storeDir,
     ...(auth ? { auth } : {}),
     proc: started.proc,
-    async restart() {
+    async restart(downMs = 0) {
       await server.proc.stop();
+      if (downMs > 0) await new Promise((r) => setTimeout(r, downMs));
       server.proc = launch(port, monitorPort);
       await waitReady(server.proc, 'nats-server ready after restart', () => ready(monitorPort), READY_MS);
     },

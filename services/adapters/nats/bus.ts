@@ -78,6 +78,9 @@ export class NatsWorkBus implements WorkBus {
   private readonly subs: Subscription[] = [];
   private readonly nonce = randomBytes(6).toString('hex');
 
+  /** performance.now() of the last (re)connect; undefined while disconnected. */
+  private connectedAt: number | undefined = performance.now();
+
   private constructor(
     private readonly nc: NatsConnection,
     private readonly jsm: JetStreamManager,
@@ -85,6 +88,16 @@ export class NatsWorkBus implements WorkBus {
     this.js = nc.jetstream();
     this.publisher = JsPublisher.of(nc);
     this.batcher = new SubjectBatcher(this.publisher, WORK_HEADERS);
+    void (async () => {
+      for await (const st of nc.status()) {
+        if (st.type === 'disconnect') this.connectedAt = undefined;
+        else if (st.type === 'reconnect') this.connectedAt = performance.now();
+      }
+    })().catch(() => undefined);
+  }
+
+  connectedForMs(): number {
+    return this.connectedAt === undefined || this.nc.isClosed() ? 0 : performance.now() - this.connectedAt;
   }
 
   /** `streamReplicas`: copies of each JetStream stream (FF_NATS_STREAM_REPLICAS). */
