@@ -425,6 +425,23 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 60_000);
 
+  it('drain_claimsEachSandboxWhileItMoves_soAResumeMidwayIsRefused_andTheSwitchEndsTheClaim', async () => {
+    // Snapshots take 1.5 s on fake-q: the drain's source stays paused that long.
+    const { sandboxId: sbId } = await hostWithSandbox('fake-q', 'claimed', { FF_FAKE_SNAPSHOT_MS: '1500' });
+    const drain = await api.drainHost({ idempotencyKey: key(), hostId: 'fake-q', migrate: true });
+    await waitFor('the sandbox claimed by the drain', async () => (await store.getSandbox(tenantId, sbId))?.value.opId === drain.id, 10_000, 5);
+    // A resume now would run the paused source on after its snapshot: refused.
+    const resumed = await wait(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sbId }));
+    expect(resumed.state).toBe(OperationState.FAILED);
+    const f = await wait(api, drain, 'admin');
+    expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+    const after = (await store.getSandbox(tenantId, sbId))?.value;
+    expect(after).toMatchObject({ state: 'running', opId: '' });
+    expect(after?.hostId).not.toBe('fake-q');
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-q', cordon: false });
+    await assertConsistent();
+  }, 60_000);
+
   it('host_whenSilent_becomesSuspectThenLost_itsSandboxesLost_andRestoreElsewhereFetchesFromSurvivingHolder', async () => {
     // A sandbox and its snapshot on the doomed host; the snapshot also reaches fake-5.
     const { agents: doomed, sandboxId: sbId } = await hostWithSandbox('fake-l', 'lost');

@@ -2056,6 +2056,9 @@ export class Executor {
     if (!sbv) throw new NotFoundError('sandbox', op.targetId);
     const sb = sbv.value;
     const target: SandboxState = op.kind === 'pause' ? 'paused' : 'running';
+    // A drain moving it holds it (its source VM is paused for the move while the record says
+    // running): a resume would run the source on after its snapshot, and the switch would drop that.
+    if ((sb.state === 'running' || sb.state === 'paused') && sb.opId !== '' && sb.opId !== op.id) throw new WrongStateError('sandbox', sb.id, sb.state, `operation ${sb.opId} is moving it to another host; ${op.kind} it once that ends`);
     if (sb.state !== target) {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
       const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id, hooksOf(sb)));
@@ -2973,6 +2976,23 @@ export class Executor {
     };
     const h = this.cache.hosts.get(from)?.value;
     if (!m.toHostId && (!h?.cordoned || !h.draining)) throw notDraining();
+    // 0. Claimed for the move (its record stays running or paused): a resume, a hibernate,
+    //    the TTL and idle rules and the VM check leave a sandbox another op is at work on
+    //    alone, so nothing runs the paused source on after its snapshot, work the switch
+    //    would then throw away. The switch, or an undo, ends the claim.
+    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+      if (s.opId === op.id) return;
+      if (s.hostId !== from || (s.state !== 'running' && s.state !== 'paused')) throw new WrongStateError('sandbox', s.id, `${s.state} on ${s.hostId || 'no host'}`, 'it moved on before its migration began');
+      if (s.opId !== '') throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; the drain moves it when run again`);
+      s.opId = op.id;
+    });
+    const unclaim = (): Promise<unknown> =>
+      this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        if (s.opId !== op.id) throw new MovedOnError(s.id, s.state, s.hostId);
+        s.opId = '';
+      }).catch((e: unknown) => {
+        if (!(e instanceof MovedOnError)) this.log.warn({ err: e, sandboxId: sb.id }, 'could not end a migration\'s claim on its sandbox');
+      });
     // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
     if (sb.state === 'running') await this.step(op, stepId('pause'), from, pauseVm(sb.id));
     let sn: SnapshotRec;
@@ -3011,6 +3031,7 @@ export class Executor {
       // this sandbox is snapshotted anew, not restored from what it was before it ran again.
       await record(retired(m));
       await resumeSource();
+      await unclaim();
       throw e;
     }
     const to = m.toHostId!;
@@ -3031,6 +3052,7 @@ export class Executor {
       await this.unbookMigration(op, sb, to);
       if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), stopVm(sb.id), 'could not stop the copy of a migration that failed');
       await resumeSource();
+      await unclaim();
       throw e;
     }
     // 4. Switch the record and release the source's capacity in one transaction.
@@ -3052,6 +3074,7 @@ export class Executor {
       }
       const next = structuredClone(v.value);
       next.hostId = to;
+      if (next.opId === op.id) next.opId = '';
       this.setState(next, m.wasPaused ? 'paused' : 'running', this.deps.clock.now(), `migrated from ${from}`);
       next.updatedAt = this.deps.clock.now();
       // A source VM that died meanwhile made the sandbox lost and released its capacity there
