@@ -442,6 +442,28 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 60_000);
 
+  it('drain_ofAHostWhereAForksChildIsStillStarting_waitsForIt_andMovesItToo', async () => {
+    // Restores take 3 s on fake-z: the fork's child is still starting when the drain begins.
+    const { sandboxId: srcId } = await hostWithSandbox('fake-z', 'startingdrain', { FF_FAKE_RESTORE_MS_PER_VM: '3000' });
+    const fork = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: srcId }, count: 1, placement: { hostId: 'fake-z' } });
+    let childId = '';
+    await waitFor('the child starting on fake-z', async () => {
+      const c = (await store.listSandboxes(tenantId)).map((v) => v.value).find((x) => x.hostId === 'fake-z' && x.state === 'starting');
+      childId = c?.id ?? '';
+      return c !== undefined;
+    }, 10_000, 20);
+    const drain = await wait(api, await api.drainHost({ idempotencyKey: key(), hostId: 'fake-z', migrate: true }), 'admin');
+    expect(drain.state, drain.error?.message).toBe(OperationState.SUCCEEDED);
+    expect((await wait(api, fork)).state).toBe(OperationState.SUCCEEDED);
+    for (const id of [srcId, childId]) {
+      const sb = (await store.getSandbox(tenantId, id))?.value;
+      expect(sb?.state, id).toBe('running');
+      expect(sb?.hostId, id).not.toBe('fake-z');
+    }
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-z', cordon: false });
+    await assertConsistent();
+  }, 90_000);
+
   it('host_whenSilent_becomesSuspectThenLost_itsSandboxesLost_andRestoreElsewhereFetchesFromSurvivingHolder', async () => {
     // A sandbox and its snapshot on the doomed host; the snapshot also reaches fake-5.
     const { agents: doomed, sandboxId: sbId } = await hostWithSandbox('fake-l', 'lost');

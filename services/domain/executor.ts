@@ -257,6 +257,9 @@ class OwnedByOtherOpError extends Error {
   }
 }
 
+/** States a drain waits out before it lists what to move: booked on the host and on their way. */
+const DRAIN_WAITS_FOR: ReadonlySet<SandboxState> = new Set(['starting', 'waking', 'hibernating']);
+
 class MovedOnError extends Error {
   constructor(id: string, state: string, hostId: string) {
     super(`sandbox ${id} is ${state} on ${hostId || 'no host'} now`);
@@ -2810,11 +2813,21 @@ export class Executor {
       if (h.value.cordoned && h.value.draining) break;
       if (await this.commit([{ kind: 'host', value: { ...h.value, cordoned: true, draining: true }, expectRevision: h.modRevision }])) break;
     }
-    const listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
+    // Sandboxes booked here before the cordon that are still on their way (a fork's children
+    // starting, a wake, a hibernate) are waited for, as long as their steps may take: listed
+    // now, they would be skipped, and would then run on the drained host.
+    let listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
+    const settling = (): SandboxRec[] => listed.filter((sb) => sb.hostId === hostId && DRAIN_WAITS_FOR.has(sb.state));
+    const until = this.deps.clock.now() + this.deps.config.stepTimeoutMs * this.deps.config.stepAttempts;
+    while (settling().length > 0 && this.active && this.deps.clock.now() < until) {
+      await new Promise((r) => setTimeout(r, 1000));
+      listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
+    }
+    const unsettled = settling().map((sb) => `${sb.id}: still ${sb.state} here`);
     const onHost = listed.filter((sb) => sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused'));
-    if (!input.migrate) return this.drainByHibernating(op, hostId, onHost);
+    if (!input.migrate) return this.drainByHibernating(op, hostId, onHost, unsettled);
     const moved: string[] = [];
-    const failures: string[] = [];
+    const failures: string[] = [...unsettled];
     // An earlier run of this drain (before a failover or a store outage) that switched a
     // sandbox's record may have stopped before it destroyed the source VM: done now (the
     // agent answers a repeated step from its journal).
@@ -2880,9 +2893,9 @@ export class Executor {
    * next call wakes the sandbox there. The drain fails, naming them, for sandboxes that
    * could not be hibernated or copied; running it again retries those.
    */
-  private async drainByHibernating(op: OperationRec, hostId: string, onHost: SandboxRec[]): Promise<void> {
+  private async drainByHibernating(op: OperationRec, hostId: string, onHost: SandboxRec[], unsettled: string[] = []): Promise<void> {
     if (!this.deps.submit) throw new ForkfleetError('internal', 'this scheduler cannot submit operations: a drain without migrate needs it');
-    const failures: string[] = [];
+    const failures: string[] = [...unsettled];
     const recorded = { ...((this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.hibernations ?? {}) };
     // Cancelled: the hibernations already submitted end as they end; no new ones.
     const fresh = this.cancelRequested(op.id) ? [] : onHost.filter((sb) => !recorded[sb.id]);
