@@ -639,7 +639,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     for (const k of kids.slice(1)) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: k.id }));
   }, 60_000);
 
-  it('snapshot_pinnedWhileTaken_staysPinnedOnceReady_andADeleteMeanwhileIsRefusedNotUndone', async () => {
+  it('snapshot_pinnedWhileTaken_staysPinnedOnceReady_andADeleteMeanwhileIsRefusedByTheCall_writingNothing', async () => {
     // A host whose snapshots take 600 ms.
     await ownHost('fake-p', 'pin', { FF_FAKE_SNAPSHOT_MS: '600' });
     const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-p' } }));
@@ -652,8 +652,11 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       return snId !== '' && (await store.getSnapshot(tenantId, snId))?.value.state === 'creating';
     }, 10_000, 10);
     await api.pinSnapshot({ tenantId, idempotencyKey: key(), snapshotId: snId });
-    const del = await wait(api, await api.deleteSnapshot({ tenantId, idempotencyKey: key(), snapshotId: snId }));
-    expect(del.state).toBe(OperationState.FAILED);
+    // Refused by the call itself, naming the field, with no operation recorded (one would have
+    // marked the snapshot deleting, refusing forks of it, until it failed).
+    const del = (await api.deleteSnapshot({ tenantId, idempotencyKey: key(), snapshotId: snId }).catch((x: unknown) => x)) as RpcError;
+    expect([del.code, del.field]).toEqual([Status.FAILED_PRECONDITION, 'snapshot_id']);
+    expect((await store.listOps({ activeOnly: false, tenantId })).some((v) => v.value.kind === 'delete_snapshot' && v.value.targetId === snId)).toBe(false);
     await ok(api, snap);
     expect((await store.getSnapshot(tenantId, snId))?.value).toMatchObject({ state: 'ready', pinned: true });
     await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));

@@ -453,7 +453,16 @@ export class Fleet {
   async deleteSnapshot(tenantId: string, key: string, id: string): Promise<OperationRec> {
     const prior = await this.existingOp(tenantId, key, { kinds: ['delete_snapshot'], targetId: id });
     if (prior) return prior;
-    await this.getSnapshot(tenantId, id);
+    // Refused here, writing nothing, when it cannot be deleted as it is: the operation would
+    // only fail, and while it marked the snapshot deleting, forks and restores of it would be
+    // refused. (The operation checks again: these can change until it runs.)
+    const sn = await this.getSnapshot(tenantId, id);
+    if (sn.state === 'creating') throw new WrongStateError('snapshot', id, 'creating', 'delete it once it is ready or failed', 'snapshot_id');
+    if (sn.pinned) throw new WrongStateError('snapshot', id, 'pinned', 'unpin it first', 'snapshot_id');
+    if (sn.state === 'ready' || sn.state === 'failed') {
+      const users = (await this.deps.store.listSandboxes(tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === id || b.hibernationSnapshotId === id));
+      if (users.length > 0) throw new WrongStateError('snapshot', id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`, 'snapshot_id');
+    }
     return this.submit(tenantId, key, 'delete_snapshot', id, {});
   }
 
