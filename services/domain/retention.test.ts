@@ -67,6 +67,16 @@ describe('planRetention', () => {
     expect(planRetention(snaps, [{ ...child, state: 'destroyed' }], 100 * MIN, NOTICE).announce.map((x) => x.snapshot.id)).toEqual(['s1']);
   });
 
+  it('announcedSnapshot_thatComesIntoUse_hasItsAnnouncementWithdrawn_soWhenFreeItGetsAFullNoticeAgain', () => {
+    const snaps = [snap('s1', 1, { keepLast: 1, expiryDueAt: 20 * MIN }), snap('s2', 2, { keepLast: 1 })];
+    const child = sandbox('sb-child', { sourceSnapshotId: 's1' });
+    expect(ids(planRetention(snaps, [child], 16 * MIN, NOTICE).withdraw)).toEqual(['s1']);
+    // Withdrawn, then free weeks later: announced anew, not deleted at once.
+    const freed = planRetention([{ ...snaps[0]!, expiryDueAt: null }, snaps[1]!], [{ ...child, state: 'destroyed' }], 30 * 24 * 60 * MIN, NOTICE);
+    expect(freed.expire).toEqual([]);
+    expect(freed.announce.map((a) => [a.snapshot.id, a.dueAt])).toEqual([['s1', 30 * 24 * 60 * MIN + NOTICE]]);
+  });
+
   it('ttlSnapshotFreedAfterItsTtl_getsTheFullNoticeFromWhenItIsFree', () => {
     // Its TTL (60 min) passed while a sandbox restored from it; it is free at 100 min.
     const s = snap('s1', 0, { retentionTtlMs: 60 * MIN });

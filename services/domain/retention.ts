@@ -16,8 +16,8 @@
 // at least `noticeMs` before the deletion, or at the TTL when that is later. A snapshot that
 // a live sandbox still restores from (its source) or hibernates in is never deleted, nor
 // announced: its notice starts when that sandbox is gone. An announced snapshot that is no longer due
-// (pinned meanwhile, retention changed, back inside the window) has its announcement
-// withdrawn.
+// (pinned meanwhile, retention changed, back inside the window) or that came into use has its
+// announcement withdrawn.
 import type { SandboxRec, SnapshotRec } from './records.ts';
 
 export interface RetentionPlan {
@@ -84,21 +84,22 @@ export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: read
       const of = sn.labels[HIBERNATION_LABEL];
       const goneAt = wantedGoneAt(sn, rank, of !== undefined && !live.has(of), now, noticeMs);
       if (goneAt === null || goneAt - noticeMs > now) return;
-      due.add(sn.id);
       const by = users.get(sn.id);
-      const announced = sn.expiryDueAt !== undefined && sn.expiryDueAt !== null;
       if (by) {
-        // Not announced while a live sandbox uses it: the notice starts once it is free.
+        // Not announced while a live sandbox uses it, and an announcement made before it came
+        // into use is withdrawn (not in `due`): the notice starts once it is free, in full.
         held.set(sn.id, by);
-        if (!announced) return;
+        return;
       }
+      due.add(sn.id);
+      const announced = sn.expiryDueAt !== undefined && sn.expiryDueAt !== null;
       if (!announced) {
         // A full notice, also for one whose TTL passed while a sandbox used it (or while no
         // leader ran): deleted at once it would get none.
         announce.push({ snapshot: sn, dueAt: Math.max(goneAt, now + noticeMs) });
         return;
       }
-      if (sn.expiryDueAt! > now || by) return;
+      if (sn.expiryDueAt! > now) return;
       expire.push(sn);
     });
   }
