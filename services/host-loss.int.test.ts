@@ -18,7 +18,7 @@ import type { FleetStore, StoreWrite } from './domain/ports.ts';
 import { withCommitAt } from './testkit/store-proxy.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import type { HostRec } from './domain/records.ts';
-import { sandboxRecord } from './testkit/records.ts';
+import { sandboxRecord, snapshotRecord } from './testkit/records.ts';
 
 /**
  * The store, but while `retried.armed`, the next commit that places a child again applies
@@ -363,6 +363,30 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
       store.close();
     }
   }, 120_000);
+
+  it('removeHost_withAHibernatedSandboxWhoseOnlyOtherCopyIsOnALostHost_isRefused', async () => {
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      const host = (id: string): HostRec => ({ id, state: 'lost', cordoned: false, draining: false, capacity: { vcpus: 8, memoryMib: 8192, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2', cpuModel: 'max', machine: 'microvm', peerAddress: '', linkBytesPerSecond: 0, labels: {}, registeredAt: 0, lastHeartbeatAt: 0, bootId: 'b' });
+      const sbId = 'sb-hibonlyaaaaaaaaaaaaa';
+      const snId = 'sn-hibonlyaaaaaaaaaaaaa';
+      expect(
+        await store.commit([
+          { kind: 'host', value: host('gone-a') },
+          { kind: 'host', value: host('gone-b') },
+          { kind: 'snapshot', value: snapshotRecord({ id: snId, tenantId, hostIds: ['gone-a', 'gone-b'], lineageId: sbId, sourceSandboxId: sbId }) },
+          { kind: 'sandbox', value: sandboxRecord({ id: sbId, tenantId, hostId: 'gone-a', lineageId: sbId, hostname: sbId, state: 'hibernated', hibernationSnapshotId: snId }) },
+        ]),
+      ).toBe(true);
+      // gone-b, the only other holder, is lost too: removing gone-a would leave the sandbox nothing to wake from.
+      const e = (await ts.api.removeHost({ hostId: 'gone-a' }).catch((x: unknown) => x)) as { code?: number; message?: string };
+      expect(e.code).toBe(9); // FAILED_PRECONDITION
+      expect(e.message).toContain(sbId);
+      expect(await store.getHost('gone-a')).toBeDefined();
+    } finally {
+      store.close();
+    }
+  }, 60_000);
 
   it('hostsThisLeaderNeverHeard_goLost_andALostHostsSandboxesLeftRunning_areMarkedLost', async () => {
     // What a leader finds after a failover or a restart: 'ghost' (recorded ready) died before

@@ -789,12 +789,14 @@ export class Fleet {
         throw new WrongStateError('host', hostId, live !== 'lost' ? `${live} (heard ${Math.round((this.deps.clock.now() - (heard?.heardAt ?? 0)) / 1000)} s ago)` : v.value.state, 'drain it, stop its agent, and remove it once it is lost');
       }
       const on = (await this.deps.store.listSandboxes(undefined)).map((x) => x.value).filter((sb) => sb.hostId === hostId);
-      // A hibernated sandbox needs its snapshot, not the host: one that another host holds a
-      // copy of (a drain without migrate makes that copy) wakes there.
+      // A hibernated sandbox needs its snapshot, not the host: one that another live host
+      // holds a copy of (a drain without migrate makes that copy) wakes there. A copy on a
+      // host that is itself lost (or removed) is no copy.
+      const alive = (h: string): boolean => h !== hostId && livenessOf(this.deps.heard.get(h)?.heardAt, this.deps.clock.now(), this.deps.liveness) !== 'lost';
       const busy: SandboxRec[] = [];
       for (const sb of on) {
         if (REMOVABLE_WITH.has(sb.state)) continue;
-        if (sb.state === 'hibernated' && sb.hibernationSnapshotId && (await this.deps.store.getSnapshot(sb.tenantId, sb.hibernationSnapshotId))?.value.hostIds.some((h) => h !== hostId)) continue;
+        if (sb.state === 'hibernated' && sb.hibernationSnapshotId && (await this.deps.store.getSnapshot(sb.tenantId, sb.hibernationSnapshotId))?.value.hostIds.some(alive)) continue;
         busy.push(sb);
       }
       if (busy.length > 0) {
