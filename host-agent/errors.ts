@@ -85,7 +85,7 @@ export class GuestAgentCommandError extends ForkfleetError {
 /** The guest's chmod of a file just written failed (WriteFile with a mode). */
 export class GuestChmodError extends ForkfleetError {
   constructor(path: string, mode: number, exitCode: number, stderr: string) {
-    super('failed_precondition', `chmod ${mode.toString(8)} ${path} in the guest failed (exit ${exitCode}): ${stderr.trim().slice(0, 200)}`, { retryable: false });
+    super('failed_precondition', `chmod ${mode.toString(8)} ${path} in the guest failed (exit ${exitCode}): ${stderr.trim().slice(0, 200)}`, { retryable: false, field: 'mode' });
   }
 }
 

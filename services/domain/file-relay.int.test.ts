@@ -80,4 +80,22 @@ describe('file relay to an agent without ranged files (real etcd, NATS)', () => 
     expect(requests).toHaveLength(1);
     expect(Number(requests[0]!.maxBytes)).toBeLessThanOrEqual(512 << 10);
   });
+
+  it('writeFileRefusals_nameItsHeaderFields_aSandboxNotRunning_andAModeTheGuestCouldNotSet_keepingTheHostsRetryableFlag', async () => {
+    const now = Date.now();
+    const base = (await store.getSandbox('t', 'sb-aaaaaaaaaaaaaaaaaaaa'))!.value;
+    await store.commit([{ kind: 'sandbox', value: { ...base, id: 'sb-pausedaaaaaaaaaaaaa', state: 'paused', runningSince: null, updatedAt: now }, expectRevision: 0 }]);
+    await expect(fleet.writeFile('t', 'sb-pausedaaaaaaaaaaaaa', '/tmp/f', 0o644, Buffer.from('x'))).rejects.toMatchObject({ kind: 'failed_precondition', field: 'header.sandbox_id' });
+    // A current agent whose guest refused the chmod: it names `mode`, and says not to retry.
+    heard.record(create(HeartbeatSchema, { hostId: 'new-1', seq: 1n, bootId: 'b', rangedFiles: true }), Date.now());
+    const sub = nc.subscribe(subjects.file('new-1'), {
+      callback: (_e, m) => m.respond(toBinary(HostFileResponseSchema, create(HostFileResponseSchema, { error: { kind: 'failed_precondition', message: 'chmod 4755 /tmp/f in the guest failed (exit 1)', field: 'mode', retryable: false } }))),
+    });
+    try {
+      await store.commit([{ kind: 'sandbox', value: { ...base, id: 'sb-newhostaaaaaaaaaaaa', hostId: 'new-1', updatedAt: now }, expectRevision: 0 }]);
+      await expect(fleet.writeFile('t', 'sb-newhostaaaaaaaaaaaa', '/tmp/f', 0o4755, Buffer.from('x'))).rejects.toMatchObject({ kind: 'failed_precondition', field: 'header.mode', retryable: false });
+    } finally {
+      sub.unsubscribe();
+    }
+  });
 });

@@ -591,7 +591,8 @@ export class Fleet {
    * caller only sees a slower first call. One still hibernating (its idle timeout just fired)
    * is waited for, then woken. The caller's `signal` ends the waits (CANCELLED).
    */
-  private async runningSandbox(tenantId: string, id: string, signal?: AbortSignal): Promise<SandboxRec> {
+  /** `field`: what a refusal names (WriteFile's sandbox id is in its header). */
+  private async runningSandbox(tenantId: string, id: string, signal?: AbortSignal, field = 'sandbox_id'): Promise<SandboxRec> {
     const cancelled = (): ForkfleetError => new ForkfleetError('cancelled', `the call was cancelled while sandbox ${id} was being woken`);
     let sb = await this.getSandbox(tenantId, id);
     if (sb.state === 'hibernating' && sb.opId) {
@@ -609,7 +610,7 @@ export class Fleet {
       if (done.state !== 'succeeded') throw new ForkfleetError('unavailable', `waking sandbox ${id} failed: ${done.error?.message ?? done.state}`, { retryable: true });
       sb = await this.getSandbox(tenantId, id);
     }
-    if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', 'sandbox_id');
+    if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', field);
     return sb;
   }
 
@@ -649,8 +650,8 @@ export class Fleet {
   /** One relayed file request; the host's error, if any, is thrown. */
   private async fileCall(hostId: string, req: Parameters<WorkBus['file']>[1]): Promise<Awaited<ReturnType<WorkBus['file']>>> {
     const res = await this.deps.bus.file(hostId, req, { timeoutMs: 30_000 });
-    // The guest's refusal of the path names it as the API does: WriteFile's path is in its header.
-    const field = res.error?.field === 'path' && req.op.case === 'write' ? 'header.path' : res.error?.field;
+    // The guest's refusal of the path (or the mode) names it as the API does: WriteFile's are in its header.
+    const field = (res.error?.field === 'path' || res.error?.field === 'mode') && req.op.case === 'write' ? `header.${res.error.field}` : res.error?.field;
     // The host's word on whether trying again can help (a full guest disk cannot) is kept.
     if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message, { ...(field ? { field } : {}), retryable: res.error.retryable });
     return res;
@@ -669,7 +670,7 @@ export class Fleet {
    * temporary file is removed (best effort).
    */
   async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array): Promise<number> {
-    const sb = await this.runningSandbox(tenantId, sandboxId);
+    const sb = await this.runningSandbox(tenantId, sandboxId, undefined, 'header.sandbox_id');
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
       // An older agent truncates on every write and ignores append and mode.
