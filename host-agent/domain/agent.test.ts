@@ -251,6 +251,26 @@ describe('Agent steps', () => {
     }
   });
 
+  it('execOrFileCall_forASandboxWhoseVmIsGone_isAFailedPreconditionOnSandboxId_notNotFound', async () => {
+    let onFile: ((req: unknown) => Promise<{ error?: { kind: string; field: string } }>) | undefined;
+    let onExec: ((req: unknown, emit: (o: { payload: { case: string; value: { kind: string; field: string } } }) => void) => Promise<void>) | undefined;
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined },
+      {},
+      { serveExec: (f) => ((onExec = f as never), () => undefined), serveFile: (f) => ((onFile = f as never), () => undefined), consumeWork: async () => async () => undefined, publishHeartbeat: () => undefined },
+    );
+    await agent.start();
+    try {
+      const res = await onFile!({ sandboxId: 'sb-gone', path: '/tmp/f', op: { case: 'read', value: { maxBytes: 1n, offset: 0n } } });
+      expect(res.error).toMatchObject({ kind: 'failed_precondition', field: 'sandbox_id' });
+      const out: Array<{ payload: { case: string; value: { kind: string; field: string } } }> = [];
+      await onExec!({ sandboxId: 'sb-gone', argv: ['true'], env: {}, cwd: '', stdin: new Uint8Array() }, (o) => void out.push(o));
+      expect(out.at(-1)?.payload).toMatchObject({ case: 'error', value: { kind: 'failed_precondition', field: 'sandbox_id' } });
+    } finally {
+      await agent.stop?.();
+    }
+  });
+
   it('heartbeat_afterLocalRestores_reportsItsSlotsAndTheMedianOfEachStepsFirstReadyChild', async () => {
     const beats: Heartbeat[] = [];
     let n = 0;

@@ -674,13 +674,24 @@ export class Agent {
     return vm;
   }
 
+  /**
+   * The VM of a sandbox an exec or file call names. Its record says it runs here (the
+   * scheduler checked), so a VM that is gone is not "no such sandbox" but a sandbox in the
+   * wrong state until the VM check records it lost: failed_precondition on sandbox_id.
+   */
+  private callVm(sandboxId: string): VmInfo {
+    const vm = this.deps.driver.get(sandboxId);
+    if (!vm || vm.state === 'destroyed') throw new ForkfleetError('failed_precondition', `sandbox ${sandboxId} has no VM on host ${this.deps.config.hostId} any more (it is being recorded lost)`, { field: 'sandbox_id' });
+    return vm;
+  }
+
   // ---------------------------------------------------------------- exec and files
 
   private async exec(req: HostExecRequest, emit: (out: HostExecOutput) => void, signal?: AbortSignal): Promise<void> {
     let seq = 0n;
     const out = (payload: HostExecOutput['payload']): void => emit({ $typeName: 'forkfleet.v1.HostExecOutput', seq: ++seq, payload });
     try {
-      const vm = this.vmOf(req.sandboxId);
+      const vm = this.callVm(req.sandboxId);
       this.touch(vm.vmId);
       const timeoutMs = req.timeout ? Number(req.timeout.seconds) * 1000 + Math.floor(req.timeout.nanos / 1e6) : 60_000;
       const [path, ...args] = req.cwd ? ['/bin/sh', '-c', 'cd "$0" && exec "$@"', req.cwd, ...req.argv] : req.argv;
@@ -712,7 +723,7 @@ export class Agent {
   private async file(req: HostFileRequest): Promise<HostFileResponse> {
     const res: HostFileResponse = { $typeName: 'forkfleet.v1.HostFileResponse', data: new Uint8Array(), bytesWritten: 0n, eof: false };
     try {
-      const vm = this.vmOf(req.sandboxId);
+      const vm = this.callVm(req.sandboxId);
       this.touch(vm.vmId);
       if (req.op.case === 'write') {
         const w = req.op.value;

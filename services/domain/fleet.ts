@@ -651,7 +651,7 @@ export class Fleet {
   private async fileCall(hostId: string, req: Parameters<WorkBus['file']>[1]): Promise<Awaited<ReturnType<WorkBus['file']>>> {
     const res = await this.deps.bus.file(hostId, req, { timeoutMs: 30_000 });
     // The guest's refusal of the path (or the mode) names it as the API does: WriteFile's are in its header.
-    const field = (res.error?.field === 'path' || res.error?.field === 'mode') && req.op.case === 'write' ? `header.${res.error.field}` : res.error?.field;
+    const field = (res.error?.field === 'path' || res.error?.field === 'mode' || res.error?.field === 'sandbox_id') && req.op.case === 'write' ? `header.${res.error.field}` : res.error?.field;
     // The host's word on whether trying again can help (a full guest disk cannot) is kept.
     if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message, { ...(field ? { field } : {}), retryable: res.error.retryable });
     return res;
