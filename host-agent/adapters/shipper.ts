@@ -82,6 +82,13 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * its VMM directory (the guest's whole memory) staying on disk for good.
    */
   private readonly sealedOnly = new Set<string>();
+  /**
+   * Snapshots whose manifest is stored here but some chunk is not (quarantined as corrupt,
+   * lost to an OS crash): reported as held but not complete, so that once the snapshot's
+   * record is deleted or gone the scheduler has them deleted here (reconcileHeldSnapshots);
+   * unreported, their manifest, their other chunks and their image stayed for good.
+   */
+  private readonly storedIncomplete = new Set<string>();
   /** Fetches obtain() returned before they were durable, until they are, by snapshot (durable()). */
   private readonly durables = new Map<string, Promise<void>>();
   /** Why the last such fetch of a snapshot could not be made durable (until it is, or removed). */
@@ -107,8 +114,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const gone = new Set(await this.deps.chunks.missing([...digestsOf.values()].flatMap((ds) => [...ds])));
     for (const [id, ds] of digestsOf) {
       const lacking = gone.size === 0 ? 0 : [...ds].filter((d) => gone.has(d)).length;
-      if (lacking === 0) this.complete.add(id);
-      else this.deps.log.warn({ snapshotId: id, chunks: lacking }, 'stored snapshot lacks chunks: not reported as held until they are fetched again');
+      if (lacking === 0) this.markComplete(id);
+      else this.storedIncomplete.add(id);
+      if (lacking > 0) this.deps.log.warn({ snapshotId: id, chunks: lacking }, 'stored snapshot lacks chunks: reported held but not complete until they are fetched again');
     }
     for (const id of await readdir(this.deps.driverSnapshotsDir).catch(() => [] as string[])) {
       const dir = join(this.deps.driverSnapshotsDir, id);
@@ -119,8 +127,13 @@ export class ChunkStoreShipper implements SnapshotShipper {
 
   held(): HeldSnapshot[] {
     const out = [...this.complete].map((snapshotId) => create(HeldSnapshotSchema, { snapshotId, complete: true }));
-    for (const snapshotId of this.sealedOnly) if (!this.complete.has(snapshotId)) out.push(create(HeldSnapshotSchema, { snapshotId, complete: false }));
+    for (const snapshotId of new Set([...this.sealedOnly, ...this.storedIncomplete])) if (!this.complete.has(snapshotId)) out.push(create(HeldSnapshotSchema, { snapshotId, complete: false }));
     return out;
+  }
+
+  private markComplete(snapshotId: string): void {
+    this.complete.add(snapshotId);
+    this.storedIncomplete.delete(snapshotId);
   }
 
   /**
@@ -195,7 +208,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     } finally {
       unpin(); // the manifest keeps the chunks from here (or nothing does: a failed put)
     }
-    this.complete.add(m.snapshotId);
+    this.markComplete(m.snapshotId);
     this.sealedOnly.delete(m.snapshotId);
     this.deps.log.info({ snapshotId: m.snapshotId, ...stats }, 'snapshot ingested');
     return signed;
@@ -224,6 +237,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
         // Stored, but a chunk is gone (quarantined, or lost to an OS crash): not a holder
         // until every chunk is here again, so the scheduler stops naming this host.
         this.complete.delete(snapshotId);
+        this.storedIncomplete.add(snapshotId);
         if (!fetch || fetch.sources.length === 0) {
           throw new ForkfleetError('not_found', `snapshot ${snapshotId} is incomplete on host ${this.deps.hostId} (${e.digests.length} chunk(s) corrupt or missing) and no source was named`, { cause: e });
         }
@@ -263,7 +277,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
         this.notDurable.delete(snapshotId);
         const settled: Promise<void> = durable.then(
           () => {
-            this.complete.add(snapshotId);
+            this.markComplete(snapshotId);
           },
           (e: unknown) => {
             // Logged by fetchSnapshot; durable() reports it, a later fetch replaces it.
@@ -291,7 +305,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       await writeFile(tmp, data, { mode: 0o444 });
       await rename(tmp, target);
     }
-    if (!fetchedManifest) this.complete.add(snapshotId);
+    if (!fetchedManifest) this.markComplete(snapshotId);
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
   }
 
@@ -412,6 +426,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
    */
   async remove(snapshotId: string): Promise<void> {
     this.complete.delete(snapshotId);
+    this.storedIncomplete.delete(snapshotId);
     this.sealedOnly.delete(snapshotId);
     this.notDurable.delete(snapshotId);
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
