@@ -823,6 +823,32 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.deleteSnapshot(s);
   });
 
+  it('snapshot_thatFailsWhileTheVmIsStopped_andWhoseContFailsToo_recordsTheVmPaused_soAResumeRunsItAgain', async () => {
+    await driver.fork(snap, [{ vmId: 'k7', hostname: 'k7' }]);
+    // Fails inside the RAM copy (the VM stopped), and every `cont` of the source fails from then on.
+    onSnapshotCopied = async ({ snapshotId, qmp }) => {
+      if (snapshotId !== 'snap-k7-bad') return;
+      const execute = qmp.execute.bind(qmp);
+      qmp.execute = (async (cmd: string, args?: Record<string, unknown>) => {
+        if (cmd === 'cont') throw new Error('cont refused (injected)');
+        return execute(cmd, args as never);
+      }) as typeof qmp.execute;
+      throw new Error('copy failed');
+    };
+    try {
+      await expect(driver.snapshot('k7', 'snap-k7-bad')).rejects.toThrow(/copy failed/);
+    } finally {
+      onSnapshotCopied = undefined;
+    }
+    expect(driver.get('k7')?.state).toBe('paused');
+    // The injected failure ends with the snapshot; a resume now runs the guest again.
+    const qmp = (driver as unknown as { vms: Map<string, { qmp: { execute: unknown } }> }).vms.get('k7')!.qmp;
+    delete (qmp as { execute?: unknown }).execute;
+    await driver.resume('k7');
+    expect(await sh('k7', 'echo alive')).toBe('alive');
+    await driver.destroy('k7');
+  });
+
   it('recover_whenKilledAfterACloneSnapshotsManifestBeforeVmJson_keepsTheVmOnItsNewLayer_andTheSnapshotsDiskUntouched', async () => {
     await driver.fork(snap, [{ vmId: 'k2', hostname: 'k2' }]);
     await sh('k2', 'echo one > /data/one && sync');

@@ -682,7 +682,14 @@ export class QemuVmmDriver implements VmmDriver {
         return { dir, manifest };
       } catch (e) {
         rec.log.error({ snapshotId, err: String(e) }, 'snapshot failed');
-        if (rec.info.state === 'snapshotting') this.setState(rec, rec.qmp.closed ? 'crashed' : before);
+        if (rec.info.state === 'snapshotting') {
+          // What QEMU says, not what it was before: a failed snapshot whose `cont` failed too
+          // leaves the guest stopped, and recording it running would make a resume a no-op.
+          let to: VmState = rec.qmp.closed ? 'crashed' : before;
+          if (to === 'running' && (await queryStatus(rec.qmp).catch(() => 'running')) !== 'running') to = 'paused';
+          if (to === 'paused' && before === 'running') rec.log.error({ snapshotId }, 'the VM stayed stopped after its failed snapshot: recorded paused (a resume runs it again)');
+          this.setState(rec, to);
+        }
         // A template VM that switched onto the snapshot runs from its files, which are
         // complete: sealed (the step still fails; a retry gets the snapshot). If even that
         // fails, `switching` stays in vm.json for the next snapshot or recover().
