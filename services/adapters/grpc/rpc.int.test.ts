@@ -163,6 +163,12 @@ describe('gRPC adapter: protobuf-es services on grpc-js', () => {
     expect(errorsSeen.some((x) => x instanceof Error && x.message === 'secret internal detail')).toBe(true);
   });
 
+  it('namedErrorOfKindInternal_isSentWithAGenericMessage_itsDetailOnlyLogged', async () => {
+    const e = (await client.echo({ message: 'x', failWith: 'internal' }).catch((x: unknown) => x)) as RpcError;
+    expect([e.code, e.kind, e.message]).toEqual([Status.INTERNAL, 'internal', 'internal error']);
+    expect(errorsSeen.some((x) => x instanceof Error && x.message === 'failed with internal')).toBe(true);
+  });
+
   it('deadline_whenServerIsSlow_failsWithDeadlineExceededAndCancelsHandler', async () => {
     const e = (await client.echo({ message: 'slow', delayMs: 2000 }, { timeoutMs: 100 }).catch((x: unknown) => x)) as RpcError;
     expect(e.code).toBe(Status.DEADLINE_EXCEEDED);

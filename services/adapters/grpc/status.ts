@@ -35,9 +35,10 @@ export interface GrpcStatusObject {
 }
 
 /**
- * Converts anything a handler threw into a status. Named errors keep their message;
- * anything else becomes INTERNAL with a generic message (the cause is logged by the caller,
- * never sent to clients).
+ * Converts anything a handler threw into a status. Named errors keep their message, except
+ * those of kind `internal` (a host's or the executor's unexpected failure, whose text can
+ * carry host paths, guest-agent output or Node errors); they and anything else become
+ * INTERNAL with a generic message (the cause is logged by the caller, never sent to clients).
  */
 export function toGrpcStatus(err: unknown): GrpcStatusObject {
   const metadata = new Metadata();
@@ -45,7 +46,7 @@ export function toGrpcStatus(err: unknown): GrpcStatusObject {
     metadata.set(META_KIND, err.kind);
     metadata.set(META_RETRYABLE, String(err.retryable));
     if (err.field !== undefined) metadata.set(META_FIELD, err.field);
-    return { code: KIND_TO_STATUS[err.kind], details: err.message, metadata };
+    return { code: KIND_TO_STATUS[err.kind], details: err.kind === 'internal' ? 'internal error' : err.message, metadata };
   }
   metadata.set(META_KIND, 'internal');
   metadata.set(META_RETRYABLE, 'false');
