@@ -3278,8 +3278,11 @@ export class Executor {
     }
     // The pass's host records go out group-committed (each keeps its own guard), not one
     // transaction per host; then each state change is acted on, one host at a time.
-    await Promise.all(writes.map(({ next, cur }) => this.commitGrouped([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }])));
-    for (const { next, cur } of writes) {
+    const landed = await Promise.all(writes.map(({ next, cur }) => this.commitGrouped([{ kind: 'host', value: next, expectRevision: cur?.modRevision ?? 0 }])));
+    for (const [i, { next, cur }] of writes.entries()) {
+      // A write that lost its guard (a cordon landed in the same moment, say) changed nothing:
+      // not acted on; the next pass, a second later, reads the record again and decides anew.
+      if (!landed[i]) continue;
       const state = next.state;
       if (cur && cur.value.state !== state) this.log.warn({ hostId: next.id, from: cur.value.state, to: state }, 'host state changed');
       // A new boot id: the agent restarted. Steps it had in hand died with it.
