@@ -2094,25 +2094,32 @@ export class Executor {
    * snapshot stays on the host (and on `replicas` more hosts), so the next call wakes it.
    * Re-runnable at every point: the snapshot and the VM stop are idempotent steps.
    */
-  private async runHibernate(op: OperationRec): Promise<void> {
+  private async runHibernate(op: OperationRec, tries = 0): Promise<void> {
     const input = op.input as { snapshotId: string; replicas?: number };
     // Likewise a second hibernate of a sandbox another one owns: it then finds it hibernated.
-    let sb = (await this.afterOtherOp(op, 'hibernating'))?.value;
+    const after = await this.afterOtherOp(op, 'hibernating');
+    let sb = after.v?.value;
     if (!sb) throw new NotFoundError('sandbox', op.targetId);
     if (sb.state === 'hibernated') return this.finish(op, { sandboxIds: [sb.id], snapshotId: sb.hibernationSnapshotId }, null);
-    if (sb.state === 'running' || sb.state === 'paused') {
+    if (sb.state === 'running' || sb.state === 'paused' || (sb.state === 'hibernating' && after.ended !== '')) {
       try {
         sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-          if (s.state === 'hibernating' && s.opId !== '' && s.opId !== op.id) throw new OwnedByOtherOpError(s.opId);
-          if (s.state === 'hibernating') return; // this op's own, from an earlier run of it
+          if (s.state === 'hibernating' && s.opId !== '' && s.opId !== op.id && s.opId !== after.ended) throw new OwnedByOtherOpError(s.opId);
+          if (s.state === 'hibernating') {
+            // Taken over from an operation that ended without settling it: its own now.
+            s.opId = op.id;
+            return;
+          }
+          // Running or paused but held by another operation (a drain moving it): refused.
+          if (s.opId !== '' && s.opId !== op.id) throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; hibernate it once that ends`);
           s.hibernatingFrom = s.state === 'paused' ? 'paused' : 'running';
           this.setState(s, 'hibernating', this.deps.clock.now());
           s.opId = op.id;
         });
       } catch (e) {
         // Another hibernate took it between the read and the write: this one waits for it.
-        if (!(e instanceof OwnedByOtherOpError)) throw e;
-        return this.runHibernate(op);
+        if (!(e instanceof OwnedByOtherOpError) || tries >= 3) throw e;
+        return this.runHibernate(op, tries + 1);
       }
     }
     if (sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
@@ -2129,9 +2136,16 @@ export class Executor {
     } catch (e) {
       // Back to what it was: its VM and booking are still there (a VM the stop step did end
       // after all is found missing by the VM check, which records it lost), running again if
-      // it was paused here.
-      if (paused) await this.step(op, 'resume-after-failure', sb.hostId, resumeVm(sb.id)).catch((r: unknown) => this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed; it stays paused'));
-      await this.failAndSettle(op, e, 'hibernating', (cur) => cur.hibernatingFrom ?? 'running');
+      // it was paused here. Not when the op runs again (a lost lead, a store outage): its next
+      // run goes on from the pause, which its journal answers without pausing again.
+      let resumed = !paused;
+      if (paused && this.active && !(e instanceof StoreUnavailableError) && !(e instanceof NotLeaderError)) {
+        resumed = await this.step(op, 'resume-after-failure', sb.hostId, resumeVm(sb.id)).then(
+          () => true,
+          (r: unknown) => (this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed; it stays paused'), false),
+        );
+      }
+      await this.failAndSettle(op, e, 'hibernating', (cur) => (resumed ? (cur.hibernatingFrom ?? 'running') : 'paused'));
       return;
     }
     try {
@@ -2183,24 +2197,25 @@ export class Executor {
    * host that fetches the snapshot. Capacity is booked with the placement; a failed wake
    * returns the sandbox to hibernated and releases it.
    */
-  private async runWake(op: OperationRec): Promise<void> {
+  private async runWake(op: OperationRec, tries = 0): Promise<void> {
     // A second wake (another idempotency key, an exec's wake) of a sandbox another wake owns
     // waits for that one, and then finds it running: one placement, one booking, one VM.
-    let v = await this.afterOtherOp(op, 'waking');
+    const after = await this.afterOtherOp(op, 'waking');
+    let v = after.v;
     if (!v) throw new NotFoundError('sandbox', op.targetId);
     let sb = v.value;
     if (sb.state === 'running') return this.finish(op, { sandboxIds: [sb.id] }, null);
-    if (sb.state === 'hibernated' || sb.state === 'lost') {
+    if (sb.state === 'hibernated' || sb.state === 'lost' || (sb.state === 'waking' && after.ended !== '')) {
       try {
         sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-          if (s.state === 'waking' && s.opId !== '' && s.opId !== op.id) throw new OwnedByOtherOpError(s.opId);
+          if (s.state === 'waking' && s.opId !== '' && s.opId !== op.id && s.opId !== after.ended) throw new OwnedByOtherOpError(s.opId);
           s.state = 'waking';
           s.opId = op.id;
         });
       } catch (e) {
         // Another wake took it between the read and the write: this one waits for it.
-        if (!(e instanceof OwnedByOtherOpError)) throw e;
-        return this.runWake(op);
+        if (!(e instanceof OwnedByOtherOpError) || tries >= 3) throw e;
+        return this.runWake(op, tries + 1);
       }
       v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     }
@@ -2262,15 +2277,20 @@ export class Executor {
    * operation's steps may take): the record as it then is, which may still be in `state` and
    * owned by it (the caller's own checks refuse it then).
    */
-  private async afterOtherOp(op: OperationRec, state: 'waking' | 'hibernating'): Promise<Versioned<SandboxRec> | undefined> {
+  private async afterOtherOp(op: OperationRec, state: 'waking' | 'hibernating'): Promise<{ v: Versioned<SandboxRec> | undefined; ended: string }> {
     let v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     const until = this.deps.clock.now() + this.deps.config.stepTimeoutMs * this.deps.config.stepAttempts;
-    while (v && v.value.state === state && v.value.opId !== '' && v.value.opId !== op.id && this.active && this.deps.clock.now() < until) {
+    const held = (): boolean => !!v && v.value.state === state && v.value.opId !== '' && v.value.opId !== op.id;
+    while (held() && this.active && this.deps.clock.now() < until) {
+      // An owner that ended without settling the sandbox (failed by an unexpected error) is
+      // waited for no longer: this op takes the sandbox over from it.
+      const owner = (await this.deps.store.getOp(op.tenantId, v!.value.opId))?.value;
+      if (!owner || isTerminal(owner.state)) return { v, ended: v!.value.opId };
       await new Promise((r) => setTimeout(r, 250));
       v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     }
-    if (v && v.value.state === state && v.value.opId !== '' && v.value.opId !== op.id) throw new WrongStateError('sandbox', v.value.id, v.value.state, `operation ${v.value.opId} is still at work on it; retry`);
-    return v;
+    if (held()) throw new WrongStateError('sandbox', v!.value.id, v!.value.state, `operation ${v!.value.opId} is still at work on it; retry`);
+    return { v, ended: '' };
   }
 
   private async runDestroy(op: OperationRec): Promise<void> {
@@ -3006,10 +3026,10 @@ export class Executor {
       }).catch((e: unknown) => {
         if (!(e instanceof MovedOnError)) this.log.warn({ err: e, sandboxId: sb.id }, 'could not end a migration\'s claim on its sandbox');
       });
-    // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
-    if (sb.state === 'running') await this.step(op, stepId('pause'), from, pauseVm(sb.id));
     let sn: SnapshotRec;
     try {
+      // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
+      if (sb.state === 'running') await this.step(op, stepId('pause'), from, pauseVm(sb.id));
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
       // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
       if (!m.toHostId) {
@@ -3042,9 +3062,14 @@ export class Executor {
       if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
       // Retired first: should the drain run again (a failover, a store outage later in it),
       // this sandbox is snapshotted anew, not restored from what it was before it ran again.
-      await record(retired(m));
-      await resumeSource();
-      await unclaim();
+      // The claim ends whatever else fails here: a claim left behind would keep every later
+      // operation and the VM check off the sandbox for good.
+      try {
+        await record(retired(m));
+        await resumeSource();
+      } finally {
+        await unclaim();
+      }
       throw e;
     }
     const to = m.toHostId!;
@@ -3062,10 +3087,13 @@ export class Executor {
       if (!this.active || e instanceof StoreUnavailableError) throw e;
       // Undo: release the booking, stop a copy the restore may have made after all (a step
       // that timed out here and finished there), let the source run again.
-      await this.unbookMigration(op, sb, to);
-      if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), stopVm(sb.id), 'could not stop the copy of a migration that failed');
-      await resumeSource();
-      await unclaim();
+      try {
+        await this.unbookMigration(op, sb, to);
+        if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), stopVm(sb.id), 'could not stop the copy of a migration that failed');
+        await resumeSource();
+      } finally {
+        await unclaim();
+      }
       throw e;
     }
     // 4. Switch the record and release the source's capacity in one transaction.
