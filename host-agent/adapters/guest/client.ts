@@ -208,8 +208,8 @@ export class GuestAgentClient {
   /**
    * Holds the channel while the guest's QEMU is replaced under it (a template snapshot swaps
    * the process; the guest, its qemu-ga and qemu-ga's table of running execs carry on in the
-   * replacement). Resolves once the command in progress has finished; commands queued from
-   * then on (a running exec's status polls, its kill) wait, without their timeouts running,
+   * replacement). Resolves once the commands queued before it are answered; commands queued
+   * from then on (a running exec's status polls, its kill) wait, without their timeouts running,
    * until the returned function is called. `release(path)` moves the channel to the
    * replacement's socket: the next command connects there and resyncs. `release()` keeps the
    * socket it had. Call it exactly once, on every path.

@@ -249,6 +249,9 @@ function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => vo
 /** VM ids of accelerator probes (resolveAccel): never adopted by recover(). */
 const PROBE_VM_PREFIX = 'kvmprobe-';
 
+/** How long a template snapshot waits for the guest-agent calls queued before it to be answered (GuestAgentClient.hold). */
+const HOLD_WAIT_MS = 10_000;
+
 export class QemuVmmDriver implements VmmDriver {
   private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir' | 'migrationViaUnix'>> &
     Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir' | 'migrationViaUnix'>;
@@ -694,8 +697,9 @@ export class QemuVmmDriver implements VmmDriver {
         // complete: sealed (the step still fails; a retry gets the snapshot). If even that
         // fails, `switching` stays in vm.json for the next snapshot or recover().
         await this.sealSwitched(rec).catch((c: unknown) => rec.log.error({ snapshotId, err: String(c) }, 'sealing the switched snapshot failed'));
-        // A replacement whose guest agent was not connected yet: its socket, for later calls.
-        if (!rec.agent && !rec.qmp.closed && rec.memPath.startsWith(`${dir}/`)) rec.agent = await this.openAgent(join(rec.info.workdir, `qga.${rec.gen}.sock`)).catch(() => undefined);
+        // A replacement whose guest agent was not connected yet, or a source whose channel was
+        // closed for a guest agent that did not let go of it: its socket, for later calls.
+        if (!rec.agent && !rec.qmp.closed) rec.agent = await this.openAgent(join(rec.info.workdir, `qga.${rec.gen}.sock`)).catch(() => undefined);
         // vm.json was rewritten for a template snapshot: it says what is true now.
         if (draft.method === 'shared-file') await this.persist(rec).catch(() => undefined);
         // The VM may depend on the directory (its memory file, or its disk layer's backing):
@@ -774,8 +778,18 @@ export class QemuVmmDriver implements VmmDriver {
     }
     // A running exec's status polls (and any other guest call) wait while the QEMU under the
     // guest is replaced, then go on through the replacement: the guest, its qemu-ga and
-    // qemu-ga's table of running execs carry on there. Released on every path below.
-    const release = await rec.agent?.hold();
+    // qemu-ga's table of running execs carry on there. Released on every path below. The
+    // channel is held once the calls queued on it are answered; a guest agent that keeps them
+    // longer than HOLD_WAIT_MS does not hold the snapshot up: the channel is closed instead
+    // (those calls fail, as before there was a hold) and a new one opened on the replacement.
+    const holding = rec.agent?.hold();
+    const release = holding ? await Promise.race([holding, new Promise<undefined>((r) => setTimeout(() => r(undefined), HOLD_WAIT_MS).unref())]) : undefined;
+    if (holding && !release) {
+      rec.log.warn({ snapshotId }, 'the guest agent kept its calls past the snapshot\'s wait: its channel is closed, and opened again on the replacement');
+      void holding.then((r) => r());
+      rec.agent?.close();
+      rec.agent = undefined;
+    }
     try {
       return await this.switchToReplacement(rec, repl, feedReplacement, { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, parent: draft.parentSnapshotId, undo }, (qga) => release?.(qga));
     } finally {
