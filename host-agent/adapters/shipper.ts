@@ -465,6 +465,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
       const inUse = await this.deps.driver.snapshotsInUse();
       const images = await this.deps.materialiser.prune((id) => inUse.has(id) || this.durables.has(id));
       const gc = await collectGarbage({ chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, clock: { now: () => new Date() }, graceMs: this.deps.gcGraceMs ?? 60_000, log: this.deps.log });
+      // A manifest that no longer decoded is gone: so is the snapshot, from what this host holds.
+      for (const id of gc.removedManifests) {
+        this.complete.delete(id);
+        this.storedIncomplete.delete(id);
+      }
       this.lastGc = gc;
       if (dirs.length || images.length) this.deps.log.info({ snapshotDirs: dirs, images }, 'deleted snapshots removed from disk');
       return gc;

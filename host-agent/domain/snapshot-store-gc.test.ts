@@ -87,7 +87,9 @@ describe('collectGarbage', () => {
     await expect(gc(async () => Promise.reject(Object.assign(new Error('EIO: i/o error'), { code: 'EIO' })))).rejects.toThrow(/EIO/);
     expect([deleted, stored.size]).toEqual([[], 1]);
     // Garbage bytes: the manifest goes and the sweep runs.
-    await gc(async () => ({ manifest: new Uint8Array([0xff, 0xff, 0xff]) }));
+    const r = await gc(async () => ({ manifest: new Uint8Array([0xff, 0xff, 0xff]) }));
     expect([deleted, stored.size]).toEqual([['sn-bad'], 0]);
+    // Named in the result, so the shipper stops reporting the snapshot held.
+    expect(r.removedManifests).toEqual(['sn-bad']);
   });
 });

@@ -56,6 +56,8 @@ export interface GcDeps {
 export interface GcResult extends SweepStats {
   readonly liveChunks: number;
   readonly manifests: number;
+  /** Manifests this run removed because they did not decode (the host no longer holds those snapshots). */
+  readonly removedManifests: readonly string[];
 }
 
 /**
@@ -68,6 +70,7 @@ export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
   // owners' unpins wait) until the sweep ends.
   const endSweep = deps.roots.beginSweep();
   const live = new Set<DigestHex>();
+  const removedManifests: string[] = [];
   let ids: string[];
   let stats: SweepStats;
   try {
@@ -87,6 +90,7 @@ export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
         // the snapshot's holders.
         deps.log?.error({ snapshotId: id, err: String(e) }, 'a stored manifest does not decode: removed');
         await deps.manifests.delete(id);
+        removedManifests.push(id);
         continue;
       }
       for (const d of digests) live.add(d);
@@ -96,7 +100,7 @@ export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
   } finally {
     endSweep();
   }
-  const result = { ...stats, liveChunks: live.size, manifests: ids.length };
+  const result = { ...stats, liveChunks: live.size, manifests: ids.length, removedManifests };
   deps.log?.info({ gc: result }, 'chunk gc done');
   return result;
 }
