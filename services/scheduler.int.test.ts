@@ -251,6 +251,19 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
     expect(full.code).not.toBe(Status.OK);
     expect(full.field).toBe('header.path');
     expect(await sh(api, sb!.id, 'cat /mnt/small/f; ls -A /mnt/small')).toEqual({ out: 'old\nf\n', code: 0 });
+    // As a one-piece write would: through a symbolic link (the link stays, its target is
+    // replaced), keeping an existing file's mode when none is given, and never into a directory.
+    expect(await sh(api, sb!.id, 'ln -s /tmp/big.bin /tmp/link && mkdir /tmp/adir && echo ok')).toEqual({ out: 'ok\n', code: 0 });
+    const rev = Buffer.from(data).reverse();
+    const revPieces = [0, 1, 2, 3].map((i) => ({ payload: { case: 'data' as const, value: rev.subarray(i * (768 << 10), (i + 1) * (768 << 10)) } }));
+    await api.writeFile([{ payload: { case: 'header' as const, value: { ...header, idempotencyKey: key(), path: '/tmp/link', mode: 0 } } }, ...revPieces]);
+    expect(await sh(api, sb!.id, '[ -L /tmp/link ] && stat -c %a:%s /tmp/big.bin')).toEqual({ out: `750:${data.length}\n`, code: 0 });
+    const target: Buffer[] = [];
+    for await (const r of api.readFile({ tenantId, sandboxId: sb!.id, path: '/tmp/big.bin' })) target.push(Buffer.from(r.data));
+    expect(Buffer.concat(target).equals(rev)).toBe(true);
+    const intoDir = (await api.writeFile([{ payload: { case: 'header' as const, value: { ...header, idempotencyKey: key(), path: '/tmp/adir' } } }, ...pieces]).catch((x: unknown) => x)) as RpcError;
+    expect([intoDir.code === Status.OK, intoDir.field]).toEqual([false, 'header.path']);
+    expect(await sh(api, sb!.id, 'ls -A /tmp/adir | wc -l')).toEqual({ out: '0\n', code: 0 });
     // A whole-file read in one answer (as a scheduler before ranged reads asks for it) is
     // over NATS' limit: the agent answers with an error instead of dying on the publish.
     const nc = await connect({ servers: nats.url });

@@ -169,6 +169,20 @@ function isRepeatOf(op: OperationRec, r: Repeat): boolean {
   return op.kind === 'fork' && (op.input as { hibernatedSandboxId?: string }).hibernatedSandboxId === r.targetId;
 }
 
+/**
+ * Renames WriteFile's temporary file ($1) over the path ($2) in the guest, as a one-piece write
+ * would have written it: a directory at the path is refused (mv would move the file into it),
+ * a symbolic link is written through (its target replaced, the link kept), and with mode 0
+ * ($3) a file that was there keeps its permission bits.
+ */
+const PUT_IN_PLACE = [
+  'p=$2',
+  'if [ -d "$p" ]; then rm -f "$1"; echo "$p: is a directory" >&2; exit 1; fi',
+  'if [ -L "$p" ]; then p=$(readlink -f "$p") || exit 1; fi',
+  'if [ "$3" = 0 ] && [ -e "$p" ]; then chmod "$(stat -c %a "$p")" "$1" || exit 1; fi',
+  'exec mv -f "$1" "$p"',
+].join('\n');
+
 export class Fleet {
   constructor(private readonly deps: FleetDeps) {}
 
@@ -688,7 +702,7 @@ export class Fleet {
         const last = off + piece >= data.length;
         written += await write(tmp, data.subarray(off, off + piece), off > 0, last);
       }
-      await this.guestCommand(sb.hostId, sandboxId, ['/bin/mv', '-f', tmp, path], 'header.path');
+      await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', PUT_IN_PLACE, 'ff-put', tmp, path, String(mode)], 'header.path');
     } catch (e) {
       await this.guestCommand(sb.hostId, sandboxId, ['/bin/rm', '-f', tmp], 'header.path').catch(() => undefined);
       // A failure in the temporary file is reported against the path the caller named.
