@@ -304,11 +304,12 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   }, 90_000);
 
   it('twoWakesOfOneHibernatedSandbox_underDifferentKeys_bothSucceed_withOneVmAndOneBooking', async () => {
-    // fake-w's restores take 1.5 s: the second wake arrives while the first one restores.
-    const host = await agents('fake-w', { FF_FAKE_RESTORE_MS_PER_VM: '1500' });
+    // fake-w's restores take 1.5 s: the second wake arrives while the first one restores. It
+    // is the only host with 16 vCPUs, so the wakes cannot go to a faster host.
+    const host = await agents('fake-w', { FF_FAKE_RESTORE_MS_PER_VM: '1500', FF_FAKE_VCPUS: '16' });
     try {
       await waitFor('fake-w registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-w' && x.state === HostState.READY), 20_000, 100);
-      const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-w' } })).id, timeout: { seconds: 30n } });
+      const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 16 }, placement: { hostId: 'fake-w' } })).id, timeout: { seconds: 30n } });
       expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
       const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
       const hib = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 0 })).id, timeout: { seconds: 30n } });

@@ -100,6 +100,11 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     name: `scheduler-${config.id}`,
     maxReconnectAttempts: -1,
     reconnectTimeWait: 250,
+    // A connection that goes silent without a reset (a partition) is noticed within ~10 s,
+    // well inside the host lost threshold, by the pings (nats.js's default is 2 min x 2):
+    // reconcileHosts holds lost transitions only while it knows the link is down.
+    pingInterval: 5_000,
+    maxPingOut: 2,
     // No stack captured per request (three Error objects per JetStream publish, the largest
     // cost of sending a host step); a timed-out request still fails with a named NatsError.
     noAsyncTraces: true,
