@@ -242,8 +242,7 @@ const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'pa
 /** After a failed hibernate, the idle rule waits this long before it tries again. */
 const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
 
-/** A record a reconciler listed changed before its guarded write: that write is skipped. */
-/** A lost sandbox's VM came back on a host that has since been booked full: it is not taken back (reclaimIfRoom). */
+/** A lost sandbox's VM came back on a host that has since been booked full: it is not taken back (capacityIfRoom). */
 class NoRoomToReclaimError extends Error {
   constructor(hostId: string, booked: ResourcesRec, capacity: ResourcesRec | undefined) {
     super(`host ${hostId} has no room to take it back (booked ${JSON.stringify(booked)} of ${capacity ? JSON.stringify(capacity) : 'an unknown capacity'})`);
@@ -260,6 +259,7 @@ class OwnedByOtherOpError extends Error {
 /** States a drain waits out before it lists what to move: booked on the host and on their way. */
 const DRAIN_WAITS_FOR: ReadonlySet<SandboxState> = new Set(['starting', 'waking', 'hibernating']);
 
+/** A record a reconciler listed changed before its guarded write: that write is skipped. */
 class MovedOnError extends Error {
   constructor(id: string, state: string, hostId: string) {
     super(`sandbox ${id} is ${state} on ${hostId || 'no host'} now`);
@@ -504,8 +504,8 @@ export class Executor {
   private term = 0;
   /** When this replica became leader (hosts it never heard from are silent since then). */
   private termStartedAt = 0;
-  /** When reconcileHosts began holding back lost transitions for want of a bus connection (logged once per spell). */
-  private heldLostSince: number | undefined;
+  /** reconcileHosts is holding back lost transitions for want of a bus connection (logged once per spell). */
+  private holdingLost = false;
   /** Counts sandbox index follows within a term: a broken follow's late events are ignored. */
   private sandboxGen = 0;
 
@@ -710,12 +710,12 @@ export class Executor {
     return true;
   }
 
-  /** A lost sandbox whose VM its own host reports alive again: back in that state, re-booked. */
   /**
    * A lost sandbox whose VM its host reports alive again is running (or paused) again, booked
    * again, but only if the host still has room for it: its bookings were released when it was
    * marked lost, and placements may have filled the host since (its record says ready before
-   * the reclaim runs). One that no longer fits stays lost and its VM is stopped, so capacity is never booked twice and no VM runs without a record placing it.
+   * the reclaim runs). One that no longer fits stays lost and its VM is stopped, so capacity
+   * is never booked twice and no VM runs without a record placing it.
    */
   private async vmBack(sb: SandboxRec, state: 'running' | 'paused'): Promise<void> {
     const r = await this.vmStateChange(sb, (s) => s.state === 'lost', state, '', 1);
@@ -2123,8 +2123,6 @@ export class Executor {
       }
     }
     if (sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
-    // keep_last 1: an older hibernation snapshot of the lineage is pruned once no live
-    // sandbox uses it (the current one is in use while the sandbox lives).
     // The VM is paused first and stays paused through the snapshot until it stops: a guest
     // that ran on after its snapshot (a running VM is resumed once the snapshot is taken)
     // would do work, and answer calls, that the hibernated sandbox then never had.
@@ -2132,6 +2130,8 @@ export class Executor {
     let sn: SnapshotRec;
     try {
       if (paused) await this.step(op, 'pause', sb.hostId, pauseVm(sb.id));
+      // keep_last 1 among this sandbox's hibernation snapshots: an older one is pruned once
+      // no live sandbox uses it (the current one is in use while the sandbox lives).
       sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { [HIBERNATION_LABEL]: sb.id } });
     } catch (e) {
       // Back to what it was: its VM and booking are still there (a VM the stop step did end
@@ -2272,6 +2272,11 @@ export class Executor {
     await this.finishRunning(op, sb, Executor.hookReport(woke, sb.id), hostId);
   }
 
+  /** Now plus the longest a host step may take with all its attempts: how long to wait for another operation's steps. */
+  private stepsDeadline(): number {
+    return this.deps.clock.now() + this.deps.config.stepTimeoutMs * this.deps.config.stepAttempts;
+  }
+
   /**
    * The sandbox, once no other operation holds it in `state` (polled, for at most what that
    * operation's steps may take): the record as it then is, which may still be in `state` and
@@ -2279,7 +2284,7 @@ export class Executor {
    */
   private async afterOtherOp(op: OperationRec, state: 'waking' | 'hibernating'): Promise<{ v: Versioned<SandboxRec> | undefined; ended: string }> {
     let v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
-    const until = this.deps.clock.now() + this.deps.config.stepTimeoutMs * this.deps.config.stepAttempts;
+    const until = this.stepsDeadline();
     const held = (): boolean => !!v && v.value.state === state && v.value.opId !== '' && v.value.opId !== op.id;
     while (held() && this.active && this.deps.clock.now() < until) {
       // An owner that ended without settling the sandbox (failed by an unexpected error) is
@@ -2299,7 +2304,7 @@ export class Executor {
     let sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     // A hibernate or wake in flight owns the VM: let it finish (it is bounded by its steps'
     // timeouts), then destroy what it left.
-    const until = this.deps.clock.now() + this.deps.config.stepTimeoutMs * this.deps.config.stepAttempts;
+    const until = this.stepsDeadline();
     while (sbv && (sbv.value.state === 'hibernating' || sbv.value.state === 'waking') && this.active && this.deps.clock.now() < until) {
       await new Promise((r) => setTimeout(r, 250));
       sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
@@ -2838,7 +2843,7 @@ export class Executor {
     // now, they would be skipped, and would then run on the drained host.
     let listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
     const settling = (): SandboxRec[] => listed.filter((sb) => sb.hostId === hostId && DRAIN_WAITS_FOR.has(sb.state));
-    const until = this.deps.clock.now() + this.deps.config.stepTimeoutMs * this.deps.config.stepAttempts;
+    const until = this.stepsDeadline();
     while (settling().length > 0 && this.active && this.deps.clock.now() < until) {
       await new Promise((r) => setTimeout(r, 1000));
       listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
@@ -3255,8 +3260,8 @@ export class Executor {
     // the connection has been back that long.
     const linkedMs = this.deps.bus.connectedForMs?.() ?? Number.POSITIVE_INFINITY;
     const mayLose = linkedMs > this.deps.config.liveness.lostAfterMs;
-    if (!mayLose && this.heldLostSince === undefined && linkedMs === 0) this.log.warn('not connected to NATS: no host is marked lost until the connection has been back for the lost threshold');
-    this.heldLostSince = mayLose ? undefined : (this.heldLostSince ?? now);
+    if (!mayLose && !this.holdingLost && linkedMs === 0) this.log.warn('not connected to NATS: no host is marked lost until the connection has been back for the lost threshold');
+    this.holdingLost = !mayLose;
     for (const heard of this.deps.heard.all()) {
       const hb = heard.hb;
       const cur = recs.get(hb.hostId);

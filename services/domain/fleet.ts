@@ -679,7 +679,7 @@ export class Fleet {
   /**
    * Writes the file in pieces that fit the relay. One piece replaces the file directly; more
    * go into a temporary file next to it (the first creates it, the rest append, the last sets
-   * `mode`, 0: the guest's default), which a guest `mv -f` then renames over `path`. So a
+   * `mode`, 0: the guest's default), which a guest script (PUT_IN_PLACE) then renames over `path`. So a
    * failure part-way (a full guest disk, a lost relay) leaves the old file as it was, and the
    * temporary file is removed (best effort).
    */

@@ -76,7 +76,7 @@ const EXEC_KILL = [KILL_TREE, 'kill_tree "$1"', '[ -e "${TMPDIR:-/tmp}/.ff-exec-
  * later agent on the same VM (after a crash or a restart) can tell the wrappers nobody polls
  * any more from its own. (A driver may name its own: GuestAgentClient.connect's `instance`.)
  */
-export const AGENT_INSTANCE = randomBytes(4).toString('hex');
+const AGENT_INSTANCE = randomBytes(4).toString('hex');
 
 /**
  * Run once a restarted agent has adopted a VM ($1 is the new agent's instance): the execs the
@@ -88,12 +88,13 @@ export const AGENT_INSTANCE = randomBytes(4).toString('hex');
  */
 const REAP_ORPHAN_EXECS = [
   KILL_TREE,
-  'wrapper() { case "$(tr \'\\000\' \' \' <"/proc/$1/cmdline" 2>/dev/null)" in *" ff-exec-"*) return 0;; esac; return 1; }',
+  'cmd_of() { tr \'\\000\' \' \' <"/proc/$1/cmdline" 2>/dev/null; }',
+  'wrapper() { case "$(cmd_of "$1")" in *" ff-exec-"*) return 0;; esac; return 1; }',
   'pid_of() { w_=${1##*/.ff-exec-}; w_=${w_%.*}; case "$w_" in ""|*[!0-9]*) w_=;; esac; }',
   'ended=',
   'for f in /tmp/.ff-exec-*.out; do',
   '  pid_of "$f"; [ -n "$w_" ] && [ -d "/proc/$w_" ] && wrapper "$w_" || continue',
-  '  case "$(tr \'\\000\' \' \' <"/proc/$w_/cmdline" 2>/dev/null)" in *" ff-exec-$1-"*) continue;; esac',
+  '  case "$(cmd_of "$w_")" in *" ff-exec-$1-"*) continue;; esac',
   '  kill_tree "$w_"; ended="$ended $w_"',
   'done',
   'n=0; while [ -n "$ended" ] && [ $n -lt 50 ]; do a_=; for w in $ended; do [ -d "/proc/$w" ] && a_=1; done; [ -z "$a_" ] && break; sleep 0.1; n=$((n+1)); done',
