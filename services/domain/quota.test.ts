@@ -111,5 +111,29 @@ describe('quotas', () => {
     await expect(fleetWith(512).resumeSandbox({ tenantId: 't', idempotencyKey: 'k', sandboxId: 'sb-hib' })).resolves.toMatchObject({ kind: 'wake' });
     expect(submitted).toBe(1);
   });
-});
 
+  it('forkOfALiveSandbox_whileSnapshotBytesAreAtQuota_isRefusedNamingIt_andAForkOfAStoredSnapshotIsNot', async () => {
+    // A fork of a live sandbox snapshots it first; the tenant's stored snapshots fill the quota.
+    const live = { id: 'sb-live', tenantId: 't', state: 'running', lineageId: 'ln', resources: { vcpus: 1, memoryMib: 128, diskMib: 0 }, opId: '' } as unknown as SandboxRec;
+    const stored = { id: 'sn-1', tenantId: 't', state: 'ready', lineageId: 'ln', storedBytes: 1000, vmConfig: { memoryMib: 128 } } as unknown as SnapshotRec;
+    let submitted = 0;
+    const store = {
+      getIdempotent: async () => undefined,
+      getSandbox: async () => ({ value: live, modRevision: 3 }),
+      getSnapshot: async () => ({ value: stored, modRevision: 3 }),
+      listSandboxes: async () => [{ value: live, modRevision: 3 }],
+      listSnapshots: async () => [{ value: stored, modRevision: 3 }],
+      listOps: async () => [],
+      commit: async () => {
+        submitted++;
+        return true;
+      },
+    } as unknown as FleetStore;
+    const fleet = new Fleet({ store, bus: {} as never, clock: { now: () => Date.now() }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => ({ snapshotBytes: 1000 }) });
+    const fork = { tenantId: 't', idempotencyKey: 'k', count: 2, labels: {}, placement: undefined } as never;
+    await expect(fleet.forkSandbox({ ...(fork as object), sandboxId: 'sb-live', snapshotId: '' } as never)).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.snapshot_bytes' });
+    expect(submitted).toBe(0);
+    await expect(fleet.forkSandbox({ ...(fork as object), sandboxId: '', snapshotId: 'sn-1' } as never)).resolves.toMatchObject({ kind: 'fork' });
+    expect(submitted).toBe(1);
+  });
+});

@@ -136,6 +136,8 @@ export function forkNeed(store: FleetStore, tenantId: string, source: { snapshot
     let mib = 0;
     if (source.snapshotId) mib = (await store.getSnapshot(tenantId, source.snapshotId))?.value.vmConfig?.memoryMib ?? 0;
     else if (source.sandboxId) mib = (await store.getSandbox(tenantId, source.sandboxId))?.value.resources.memoryMib ?? 0;
-    return { sandboxes: count, memoryMib: count * mib };
+    // A fork of a live sandbox takes a snapshot of it first: that needs room under the
+    // snapshot_bytes quota, as SnapshotSandbox does. A fork of a stored snapshot takes none.
+    return { sandboxes: count, memoryMib: count * mib, snapshot: !source.snapshotId && !!source.sandboxId };
   };
 }
