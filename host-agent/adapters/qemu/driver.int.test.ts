@@ -3,7 +3,7 @@
 import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import { createReadStream } from 'node:fs';
-import { copyFile, mkdtemp, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
+import { copyFile, mkdir, mkdtemp, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -979,6 +979,47 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
     // The channel freed, the first guest call syncs and is answered.
     expect(await sh('tpl', 'cat /dev/shm/marker', driver)).toBe('tmpfs-before-snapshot');
+  }, 60_000);
+
+  it('recover_whenVmJsonCannotBeRewritten_adoptsTheVmAndKeepsItsDisk', async () => {
+    // A full disk, say: adopt's rewrite of vm.json fails. vm.json already describes the VM,
+    // so it is adopted, not killed with its disk removed.
+    await driver.fork(snap, [{ vmId: 'ad1', hostname: 'ad1' }]);
+    await sh('ad1', 'echo kept > /data/ad1 && sync');
+    const blocked = join(root, 'vms', 'ad1', 'vm.json.tmp');
+    await mkdir(blocked);
+    try {
+      const report = await restartAgent();
+      expect(report.adopted).toContain('ad1');
+      expect(report.reaped).not.toContain('ad1');
+      expect(await sh('ad1', 'cat /data/ad1')).toBe('kept');
+    } finally {
+      await rm(blocked, { recursive: true, force: true });
+      await driver.destroy('ad1').catch(() => undefined);
+    }
+  });
+
+  it('recover_whenQmpDoesNotGreetAtFirst_triesAgainAndAdoptsTheVm', async () => {
+    // QEMU's QMP socket serves one client at a time: while this one holds it, the new agent's
+    // first connection gets no greeting and times out (5 s), as on a loaded host. The VM is
+    // adopted on a later try, not killed with its disk.
+    await driver.fork(snap, [{ vmId: 'ad2', hostname: 'ad2' }]);
+    driver.detach();
+    const sock = (await readdir(join(root, 'vms', 'ad2'))).find((f) => /^qmp\.\d+\.sock$/.test(f));
+    expect(sock).toBeDefined();
+    const blocker = net.connect(join(root, 'vms', 'ad2', sock!));
+    await new Promise<void>((resolve, reject) => blocker.once('connect', resolve).once('error', reject));
+    const release = setTimeout(() => blocker.destroy(), 5_500);
+    try {
+      const report = await restartAgent({ dead: true });
+      expect(report.adopted).toContain('ad2');
+      expect(report.reaped).not.toContain('ad2');
+      expect(driver.get('ad2')?.state).toBe('running');
+    } finally {
+      clearTimeout(release);
+      blocker.destroy();
+      await driver.destroy('ad2').catch(() => undefined);
+    }
   }, 60_000);
 
   it('recover_ofAnAcceleratorProbeTheAgentDiedIn_reapsIt', async () => {

@@ -14,6 +14,7 @@ import { access, chmod, copyFile, link, lstat, mkdir, open, readdir, readFile, r
 import { constants, createReadStream, createWriteStream } from 'node:fs';
 import net from 'node:net';
 import { setPriority } from 'node:os';
+import { setTimeout as sleep } from 'node:timers/promises';
 import { basename, dirname, join } from 'node:path';
 import type { Logger } from 'pino';
 import {
@@ -248,6 +249,9 @@ function phaseTimer(): { phases: Record<string, number>; mark: (k: string) => vo
 
 /** VM ids of accelerator probes (resolveAccel): never adopted by recover(). */
 const PROBE_VM_PREFIX = 'kvmprobe-';
+
+/** How often recover() tries to adopt a live VM before it reaps it (a second apart, then two). */
+const ADOPT_ATTEMPTS = 3;
 
 /** How long a template snapshot waits for the guest-agent calls queued before it to be answered (GuestAgentClient.hold). */
 const HOLD_WAIT_MS = 10_000;
@@ -1735,13 +1739,11 @@ export class QemuVmmDriver implements VmmDriver {
       const alive = pid > 0;
       // An accelerator probe the agent died in (resolveAccel) is nobody's VM: reaped.
       if (mode === 'adopt' && persisted && alive && !vmId.startsWith(PROBE_VM_PREFIX)) {
-        try {
-          const reaped = await this.adopt(persisted, pid);
+        const reaped = await this.adoptOrGiveUp(persisted, pid, workdir);
+        if (reaped !== false) {
           if (reaped) reaping.push(reaped);
           report.adopted.push(vmId);
           continue;
-        } catch (e) {
-          this.opts.logger.warn({ vmId, err: String(e) }, 'adopt failed; reaping');
         }
       }
       // No vm.json yet: it may be a claimed standby (incoming ones wait for their stream so),
@@ -1830,6 +1832,27 @@ export class QemuVmmDriver implements VmmDriver {
     return settled(p);
   }
 
+  /**
+   * adopt(), tried again while the QEMU lives: a QMP greeting or answer that timed out on a
+   * loaded host is no reason to kill a healthy VM and remove its disk. False once it is given
+   * up on (the caller reaps it).
+   */
+  private async adoptOrGiveUp(p: VmPersisted, pid: number, workdir: string): Promise<Promise<void> | undefined | false> {
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await this.adopt(p, pid);
+      } catch (e) {
+        const alive = (await this.livePid(workdir, p.gen, p.launchDir)) === pid;
+        if (!alive || attempt >= ADOPT_ATTEMPTS) {
+          this.opts.logger.warn({ vmId: p.info.vmId, err: String(e), attempt, alive }, 'adopt failed; reaping');
+          return false;
+        }
+        this.opts.logger.warn({ vmId: p.info.vmId, err: String(e), attempt }, 'adopt failed; trying again');
+        await sleep(attempt * 1000);
+      }
+    }
+  }
+
   /** Adopts a running VM; resolves with its guest's reaping of the execs the previous agent left (or undefined), which recover() awaits. */
   private async adopt(p: VmPersisted, pid: number): Promise<Promise<void> | undefined> {
     const log = this.opts.logger.child({ vmId: p.info.vmId });
@@ -1882,7 +1905,9 @@ export class QemuVmmDriver implements VmmDriver {
           },
         );
       }
-      await this.persist(rec);
+      // vm.json already describes this VM: a failed rewrite (a full disk) is no reason to
+      // kill it and remove its disk. The next state change writes it again.
+      await this.persist(rec).catch((e: unknown) => log.warn({ err: String(e) }, 'adopted VM: could not rewrite vm.json; the next state change writes it'));
       log.info({ pid, status }, 'vm adopted');
       // The previous agent's execs in this guest: nobody polls them, so nobody ends them at
       // their timeout; ended now, with the output files no one will read.

@@ -56,8 +56,15 @@ export class QmpClient {
   static async connect(path: string, timeoutMs = 5000, o: { fdPassing?: boolean } = {}): Promise<QmpClient> {
     const sock = o.fdPassing ? await connectFdPassing(path, timeoutMs) : await connectUnix(path, timeoutMs, () => new QmpTimeoutError(`connect ${path}`, timeoutMs));
     const c = new QmpClient(sock);
-    await c.greeting(timeoutMs);
-    await c.execute('qmp_capabilities', {}, timeoutMs);
+    try {
+      await c.greeting(timeoutMs);
+      await c.execute('qmp_capabilities', {}, timeoutMs);
+    } catch (e) {
+      // QEMU serves one client per monitor socket: a connection given up on but left open
+      // would be the one it serves next, and every later connect would wait behind it.
+      c.close();
+      throw e;
+    }
     return c;
   }
 
