@@ -22,6 +22,7 @@ import type { FleetStore, StoreWrite } from './domain/ports.ts';
 import { withCommitAt } from './testkit/store-proxy.ts';
 import { StoreUnavailableError } from './domain/errors.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
+import { FAIL_CREATE_HOSTNAME } from '../loadtest/fake-agent/driver.ts';
 import type { Client } from './adapters/grpc/rpc.ts';
 import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
@@ -39,7 +40,7 @@ const HOSTS = ['fake-1', 'fake-2', 'fake-3', 'fake-4'];
  * answer is lost or that etcd3 retries after it applied; or, with the answer lost, a commit
  * that marks a restored child running, or one that switches a migrated sandbox to its new host.
  */
-type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost' | 'switch-answer-lost' | 'snapshot-create-retried';
+type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost' | 'switch-answer-lost' | 'snapshot-create-retried' | 'failed-not-applied';
 
 const isSandbox = (w: StoreWrite, p: (sb: Extract<StoreWrite, { kind: 'sandbox' }>['value']) => boolean): boolean => w.kind === 'sandbox' && p(w.value);
 const placement = (w: StoreWrite): boolean => isSandbox(w, (sb) => sb.state === 'starting') && w.expectRevision !== undefined;
@@ -49,6 +50,7 @@ const targets: Record<Fault, (w: StoreWrite) => boolean> = {
   'running-answer-lost': (w) => isSandbox(w, (sb) => sb.state === 'running' && sb.sourceSnapshotId !== '' && sb.stateReason === ''),
   'switch-answer-lost': (w) => isSandbox(w, (sb) => sb.stateReason.startsWith('migrated from')),
   'snapshot-create-retried': (w) => w.kind === 'snapshot' && w.value.state === 'creating' && w.expectRevision === 0,
+  'failed-not-applied': (w) => isSandbox(w, (sb) => sb.state === 'failed'),
 };
 
 /** The store, but the next commit `armed.fault` names applies and then fails as it says. */
@@ -58,6 +60,8 @@ function faulty(store: FleetStore, armed: { fault?: Fault; hit: number }): Fleet
     if (!fault) return store.commitAt(writes, fence);
     armed.fault = undefined;
     armed.hit++;
+    // etcd was unreachable: nothing applied.
+    if (fault === 'failed-not-applied') throw new StoreUnavailableError('write', new Error('etcd unreachable (injected)'));
     const rev = await store.commitAt(writes, fence);
     expect(rev).toBeGreaterThan(0);
     // etcd applied it; the answer never arrived:
@@ -192,6 +196,17 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
     expect((await store.getSandbox(tenantId, id))?.value.state).toBe('running');
     await assertBookedOnce();
   }, 90_000);
+  it('create_whoseFailedRecordCannotBeWrittenAtFirst_endsWithTheSandboxFailedAndUnbooked_notLeftStarting', async () => {
+    // The host refuses the create; the write marking the sandbox failed meets an etcd outage.
+    armed.fault = 'failed-not-applied';
+    const hit = armed.hit;
+    const op = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, hostname: `${FAIL_CREATE_HOSTNAME}-1` }));
+    expect(armed.hit).toBe(hit + 1);
+    expect(op.state).toBe(OperationState.FAILED);
+    expect((await store.getSandbox(tenantId, op.targetId))?.value).toMatchObject({ state: 'failed', opId: '' });
+    await assertBookedOnce();
+  });
+
   it('sdkWait_whenEtcdRestartsUnderARunningFork_ridesOutTheOutage_andReturnsTheSucceededFork', async () => {
     // A host whose restores take 3 s: the fork is still running when etcd goes away.
     const slow = await startFakeAgents({ hosts: ['slow-1'], dataDir: join(dir, 'slow'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '16', FF_FAKE_RESTORE_MS_PER_VM: '3000' } });

@@ -32,6 +32,9 @@ export const FAKE_QEMU_VERSION = '7.2.0-fake';
 /** VMs whose hostname starts with this fail every snapshot (a fault for tests). */
 export const FAIL_SNAPSHOT_HOSTNAME = 'fake-fail-snapshot';
 
+/** VMs whose hostname starts with this fail to be created (a fault for tests). */
+export const FAIL_CREATE_HOSTNAME = 'fake-fail-create';
+
 const sleep = (ms: number): Promise<void> => (ms > 0 ? new Promise((r) => setTimeout(r, ms)) : Promise.resolve());
 
 export class FakeVmmDriver implements VmmDriver {
@@ -111,6 +114,7 @@ export class FakeVmmDriver implements VmmDriver {
 
   async create(spec: CreateVmSpec): Promise<VmInfo> {
     await sleep(this.latency.createMs);
+    if (spec.hostname?.startsWith(FAIL_CREATE_HOSTNAME)) throw new ForkfleetError('internal', `fake VM ${spec.vmId} cannot be created (hostname ${spec.hostname})`);
     return this.save({
       vmId: spec.vmId,
       state: 'running',

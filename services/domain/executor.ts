@@ -1229,12 +1229,14 @@ export class Executor {
     let freeResends = FREE_RESENDS;
     // Every send is numbered (HostWork.attempt, and so its JetStream message id: a re-send
     // with the id of the first would be dropped as a duplicate); `attempt` counts against
-    // FF_STEP_ATTEMPTS.
-    let sends = 0;
+    // FF_STEP_ATTEMPTS. The step's sends so far (an op run again in this process after the
+    // store failed under it sends the same step again) count on from the step log: numbered
+    // from 1 again, the new send would carry an earlier one's message id and be dropped.
     // The step's decision (which host does what) is already in etcd (the placement or the
     // sandbox record); the step log is written with the op's progress and final state, not per step.
     const log = this.stepLog.get(op.id) ?? {};
     this.stepLog.set(op.id, log);
+    let sends = log[stepId]?.attempt ?? 0;
     const action = actionName(work.case);
     /** Records the step's end; `attempt` there counts its sends. */
     const ended = (r: HostResultMsg | undefined, attempt = sends): void => {
@@ -1925,6 +1927,10 @@ export class Executor {
         deposed = true;
         return;
       }
+      // The store failed under the write (applied or not): the op runs again (run()) and
+      // finds the sandbox failed or still starting, instead of ending with it starting and
+      // booked, which nothing would ever move on.
+      if (err instanceof StoreUnavailableError) throw err;
       this.log.warn({ err, sandboxId: sb.id }, 'could not mark sandbox failed');
       // Whoever moved the record on (a destroy) releases its booking, or did: released here
       // only if the record is gone.
