@@ -23,6 +23,7 @@ import { execFile, spawn } from 'node:child_process';
 import { promisify } from 'node:util';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import type { NetworkPolicySpec } from '../../domain/vmm.ts';
+import { ownNetns } from './netns.ts';
 
 const run = promisify(execFile);
 
@@ -139,7 +140,7 @@ export class EgressManager {
    */
   async attach(pid: number, policy: NetworkPolicySpec): Promise<{ link: string; sandboxAddress: string }> {
     EgressManager.validate(policy);
-    await this.ensureAgentSide();
+    await Promise.all([this.ensureAgentSide(), ownNetns(pid)]);
     const n = await this.createLink(pid);
     const link = `${HOST_LINK_PREFIX}${n}`;
     const hostIp = ip4(this.pool.base + 4 * n + 1);

@@ -25,3 +25,21 @@ export function inNewNetns(binary: string, args: string[]): { command: string; a
 export async function netnsOf(pid: number | 'self'): Promise<string | undefined> {
   return readlink(`/proc/${pid}/ns/net`).catch(() => undefined);
 }
+
+/**
+ * Resolves once process `pid`, started by inNewNetns, is in a namespace other than this
+ * process's. The spawn returns before `unshare` has run: anything done in /proc/<pid>/ns/net
+ * before then (a veth peer, the sandbox's drop-everything nftables ruleset) would land in the
+ * agent's own namespace. Rejects if the process exits first, or after `timeoutMs`.
+ */
+export async function ownNetns(pid: number, timeoutMs = 10_000): Promise<string> {
+  const mine = await netnsOf('self');
+  const until = Date.now() + timeoutMs;
+  for (;;) {
+    const ns = await netnsOf(pid);
+    if (ns === undefined) throw new Error(`process ${pid} exited before it had a network namespace of its own`);
+    if (ns !== mine) return ns;
+    if (Date.now() > until) throw new Error(`process ${pid} still shares this process's network namespace after ${timeoutMs} ms`);
+    await new Promise((r) => setTimeout(r, 2));
+  }
+}
