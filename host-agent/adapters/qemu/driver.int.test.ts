@@ -8,7 +8,7 @@ import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { pino } from 'pino';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
 import type { GuestImage, LocalSnapshot, RecoveryReport, VmEvent } from '../../domain/vmm.ts';
@@ -694,8 +694,36 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(events).toContainEqual(expect.objectContaining({ type: 'crashed', vmId: 'victim', pid: vm?.pid }));
     expect(driver.get('victim')?.state).toBe('crashed');
     await expect(driver.exec('victim', { path: '/bin/true' })).rejects.toBeInstanceOf(VmCrashedError);
-    await driver.destroy('victim');
+    // Its PID may belong to another process by now: destroying it signals nothing.
+    const kill = vi.spyOn(process, 'kill');
+    try {
+      await driver.destroy('victim');
+      expect(kill.mock.calls.filter(([pid]) => pid === vm?.pid)).toEqual([]);
+    } finally {
+      kill.mockRestore();
+    }
     expect(driver.get('victim')).toBeUndefined();
+  });
+
+  it('snapshot_ofATemplateWhoseReplacementDiesAfterTheSourceStopped_recordsTheVmCrashed_andReportsIt', async () => {
+    await driver.create({ vmId: 'tc1', image, memoryMib: MEM, vcpus: 1, hostname: 'tc1' });
+    const events: VmEvent[] = [];
+    const off = driver.onEvent((e) => events.push(e));
+    // The replacement QEMU quits once armed: the source is stopped and killed, then the state
+    // load into the replacement fails. Neither QEMU is left.
+    onSnapshotStage = async (e) => {
+      if (e.snapshotId === 'snap-tc1' && e.stage === 'armed') await e.replacement.execute('quit').catch(() => undefined);
+    };
+    try {
+      await expect(driver.snapshot('tc1', 'snap-tc1')).rejects.toThrow();
+    } finally {
+      onSnapshotStage = undefined;
+      off();
+    }
+    expect(driver.get('tc1')?.state).toBe('crashed');
+    expect(events).toContainEqual(expect.objectContaining({ type: 'crashed', vmId: 'tc1' }));
+    await driver.destroy('tc1');
+    expect(driver.get('tc1')).toBeUndefined();
   });
 
   it('recover_whenReapingVmLeftByPreviousDriver_killsQemuAndRemovesSocketsAndFiles', async () => {

@@ -836,8 +836,15 @@ export class QemuVmmDriver implements VmmDriver {
         await undo();
         if (!keepPaused) await contAfterMigration(src).catch(() => undefined);
       } else {
-        rec.switching = undefined; // both QEMUs are gone: the VM crashed
+        // Both QEMUs are gone: the VM crashed. Recorded and reported so here, since the crash
+        // watch ignores the source's exit (expectExit). Waited for first: a dying QEMU with a
+        // large guest still holds its QMP socket open while it unmaps its RAM, and snapshot()
+        // would otherwise ask it for a status and record the VM running.
+        rec.switching = undefined;
         rec.agent?.close();
+        await rec.proc.exited;
+        if (canTransition(rec.info.state, 'crashed')) this.setState(rec, 'crashed');
+        this.emit({ type: 'crashed', vmId: rec.info.vmId, pid: rec.proc.pid, detail: `QEMU pid ${rec.proc.pid} was stopped for template snapshot ${snapshotId}, whose replacement failed: ${String(e)}` });
       }
       throw e;
     }

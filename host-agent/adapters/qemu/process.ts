@@ -13,6 +13,8 @@ export interface QemuProcess {
   child: ChildProcess | undefined;
   /** Resolves once the process is gone. */
   exited: Promise<void>;
+  /** True once `exited` has resolved: its PID may belong to another process by now. */
+  gone: boolean;
 }
 
 /**
@@ -29,12 +31,17 @@ export function spawnQemu(binary: string, args: string[], logPath: string, extra
   }
   if (child.pid === undefined) throw new Error(`spawn ${binary} failed`);
   child.unref();
-  const exited = new Promise<void>((resolve) => {
-    if (child.exitCode !== null || child.signalCode !== null) resolve();
-    else child.once('exit', () => resolve());
+  const p: QemuProcess = { pid: child.pid, child, exited: Promise.resolve(), gone: false };
+  p.exited = new Promise<void>((resolve) => {
+    const end = (): void => {
+      p.gone = true;
+      resolve();
+    };
+    if (child.exitCode !== null || child.signalCode !== null) end();
+    else child.once('exit', end);
   });
   child.on('error', () => undefined);
-  return { pid: child.pid, child, exited };
+  return p;
 }
 
 export function isAlive(pid: number): boolean {
@@ -48,16 +55,18 @@ export function isAlive(pid: number): boolean {
 
 /** For a process that is not our child: poll until it is gone. */
 export function adoptProcess(pid: number): QemuProcess {
-  const exited = new Promise<void>((resolve) => {
+  const p: QemuProcess = { pid, child: undefined, exited: Promise.resolve(), gone: false };
+  p.exited = new Promise<void>((resolve) => {
     const t = setInterval(() => {
       if (!isAlive(pid) || isZombie(pid)) {
         clearInterval(t);
+        p.gone = true;
         resolve();
       }
     }, 20);
     t.unref();
   });
-  return { pid, child: undefined, exited };
+  return p;
 }
 
 /** The process has exited: no such PID, or a zombie no one has reaped yet. */
@@ -141,6 +150,9 @@ export async function qemuVersion(binary: string): Promise<string> {
  * exit before its cleanup ran.
  */
 export async function killAndWait(p: QemuProcess): Promise<void> {
+  // One that exited already (a crashed VM destroyed later) is not signalled: its PID may
+  // have been given to an unrelated process since.
+  if (p.gone) return;
   const keep = setInterval(() => undefined, 50);
   try {
     killHard(p.pid);
