@@ -259,6 +259,32 @@ export class Fleet {
     }
   }
 
+  /**
+   * Runs `fn` (an admission and the submit that records what it admitted) after the tenant's
+   * earlier admissions on this replica have submitted, when the tenant has a sandbox or memory
+   * quota. Each check then counts what the ones before it recorded (the ledger reads at etcd's
+   * current revision), so concurrent creates and forks cannot all pass on the same usage and
+   * overshoot the quota many times over; across replicas the overshoot is at most one request
+   * per replica.
+   */
+  private inAdmissionOrder<T>(tenantId: string, fn: () => Promise<T>): Promise<T> {
+    const quota = this.deps.quotas?.(tenantId);
+    if (quota?.sandboxes === undefined && quota?.memoryMib === undefined) return fn();
+    const run = (this.admitting.get(tenantId) ?? Promise.resolve()).then(fn);
+    const tail = run.then(
+      () => undefined,
+      () => undefined,
+    );
+    this.admitting.set(tenantId, tail);
+    void tail.then(() => {
+      if (this.admitting.get(tenantId) === tail) this.admitting.delete(tenantId);
+    });
+    return run;
+  }
+
+  /** The last admission queued per tenant (inAdmissionOrder). */
+  private readonly admitting = new Map<string, Promise<void>>();
+
   /** A hibernated sandbox holds no memory: waking it takes its memory again, within the quota (a waking one counts already). */
   private async admitWake(tenantId: string, sb: SandboxRec): Promise<void> {
     if (sb.state === 'hibernated') await admit(this.deps, tenantId, { memoryMib: sb.resources.memoryMib });
@@ -272,8 +298,13 @@ export class Fleet {
     // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
     if (sn && sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be restored', 'snapshot_id');
     const resources = sn ? restoredResources(sn, input.resources, input.resourcesSet) : input.resources;
-    const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['create'] }, { sandboxes: 1, memoryMib: resources.memoryMib });
-    if (raced) return raced;
+    return this.inAdmissionOrder(input.tenantId, async () => {
+      const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['create'] }, { sandboxes: 1, memoryMib: resources.memoryMib });
+      return raced ?? this.submitCreate(input, resources);
+    });
+  }
+
+  private submitCreate(input: CreateInput, resources: SandboxRec['resources']): Promise<OperationRec> {
     const id = newId('sb');
     const now = this.deps.clock.now();
     const sb: SandboxRec = {
@@ -334,8 +365,13 @@ export class Fleet {
     const perChild = sandboxRecordBytes({ labels: input.labels, afterResume: input.afterResume ?? inheritedHooks ?? [] });
     const fit = Math.floor(PLACEMENT_TXN_MAX_BYTES / perChild);
     if (input.count > fit) throw new InvalidArgumentError('count', `at most ${fit} children with these labels and after_resume hooks (~${perChild} bytes in each child's record; a fork writes all its children in one transaction of at most ${PLACEMENT_TXN_MAX_BYTES} bytes)`);
-    const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId }, forkNeed(this.deps.store, input.tenantId, input, input.count));
-    if (raced) return raced;
+    return this.inAdmissionOrder(input.tenantId, async () => {
+      const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId }, forkNeed(this.deps.store, input.tenantId, input, input.count));
+      return raced ?? this.submitFork(input, lineageId);
+    });
+  }
+
+  private submitFork(input: ForkInput, lineageId: string): Promise<OperationRec> {
     const childIds = Array.from({ length: input.count }, () => newId('sb'));
     return this.submit(input.tenantId, input.idempotencyKey, 'fork', input.snapshotId || input.sandboxId, {
       snapshotId: input.snapshotId,

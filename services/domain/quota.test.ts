@@ -136,4 +136,44 @@ describe('quotas', () => {
     await expect(fleet.forkSandbox({ ...(fork as object), sandboxId: '', snapshotId: 'sn-1' } as never)).resolves.toMatchObject({ kind: 'fork' });
     expect(submitted).toBe(1);
   });
+
+  it('concurrentCreatesAndForks_ofOneTenant_admitOnlyWhatFitsTheQuota_notEachOnTheSameUsage', async () => {
+    // Ten creates and two forks of 2 at once, quota 5 sandboxes: each check must count what
+    // the ones before it recorded. (Every call used to read the same usage and pass.)
+    const sandboxes: SandboxRec[] = [];
+    const ops: OperationRec[] = [];
+    const source = { id: 'sn-1', tenantId: 't', state: 'ready', lineageId: 'ln', storedBytes: 0, vmConfig: { memoryMib: 128 } } as unknown as SnapshotRec;
+    const later = <T>(v: T): Promise<T> => new Promise((r) => setTimeout(() => r(v), 2));
+    const store = {
+      getIdempotent: async () => undefined,
+      getSnapshot: async () => later({ value: source, modRevision: 1 }),
+      listSandboxes: async () => later(sandboxes.map((value) => ({ value, modRevision: 1 }))),
+      listSnapshots: async () => later([]),
+      listOps: async () => later(ops.map((value) => ({ value, modRevision: 1 }))),
+      commit: async (writes: Array<{ kind: string; value: unknown }>) => {
+        await later(undefined);
+        for (const w of writes) {
+          if (w.kind === 'sandbox') sandboxes.push(w.value as SandboxRec);
+          if (w.kind === 'op') ops.push(w.value as OperationRec);
+        }
+        return true;
+      },
+    } as unknown as FleetStore;
+    const fleet = new Fleet({ store, bus: {} as never, clock: { now: () => Date.now() }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => ({ sandboxes: 5 }) });
+    const create = { tenantId: 't', image: 'tiny', snapshotId: '', resources: { vcpus: 1, memoryMib: 128, diskMib: 0 }, labels: {}, ttlMs: null, idleTimeoutMs: null, afterResume: [], allowEgress: false, allowCidrs: [], placement: {}, hostname: '' };
+    const fork = { tenantId: 't', snapshotId: 'sn-1', sandboxId: '', count: 2, labels: {}, placement: undefined };
+    const calls = [
+      ...Array.from({ length: 10 }, (_, i) => fleet.createSandbox({ ...create, idempotencyKey: `c${i}` } as never)),
+      ...Array.from({ length: 2 }, (_, i) => fleet.forkSandbox({ ...fork, idempotencyKey: `f${i}` } as never)),
+    ];
+    const settled = await Promise.allSettled(calls);
+    const admitted = settled.filter((r) => r.status === 'fulfilled').length;
+    const refused = settled.filter((r) => r.status === 'rejected').map((r) => (r as PromiseRejectedResult).reason as { field?: string });
+    expect(refused.every((e) => e.field === 'quotas.sandboxes')).toBe(true);
+    // What was admitted fits: pending creates count 1 each, open forks 2 each.
+    const counted = sandboxes.length + ops.filter((o) => o.kind === 'fork').length * 2;
+    expect(counted).toBeLessThanOrEqual(5);
+    expect(counted).toBeGreaterThanOrEqual(4);
+    expect(admitted).toBeGreaterThan(0);
+  });
 });

@@ -1,7 +1,8 @@
 // Per-tenant quotas, checked at admission (CreateSandbox, ForkSandbox, SnapshotSandbox,
 // HibernateSandbox, and the memory of a wake: explicit, or by a call to a hibernated sandbox) against what the tenant's records in the store add up to. A check is
-// a read, not a reservation: two admissions racing on the same tenant can both pass and
-// overshoot the quota by one request's worth. Forks recorded but not yet placed count with
+// a read, not a reservation: Fleet runs one tenant's create and fork admissions one at a
+// time per replica (inAdmissionOrder), so only replicas racing each other (one request each)
+// and concurrent wakes can overshoot. Forks recorded but not yet placed count with
 // their children, so a burst of fork calls cannot slip past the quota before placement.
 // Quotas come from the tokens file (services/auth). The usage comes from the replica's ledger
 // (quota-ledger.ts), which a watch keeps, or, when it cannot answer, from listing the records.
