@@ -71,6 +71,9 @@ describe('compileSchedulerConfig: API edge', () => {
     const c = compileSchedulerConfig({}, { ...tls, FF_GRPC_MAX_RECV: '512KiB', FF_MAX_STREAMS_PER_CREDENTIAL: '3', FF_RATE_PER_S: '0' });
     expect(c).toMatchObject({ maxRecvBytes: 512 * 1024, maxStreamsPerCredential: 3, ratePerSecond: 0 });
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_GRPC_MAX_RECV: '1KiB' }))).toBe('FF_GRPC_MAX_RECV');
+    expect(d.fileBufferBytes).toBe(512 * 1024 * 1024);
+    expect(compileSchedulerConfig({}, { ...tls, FF_FILE_BUFFER_MAX: '1GiB' }).fileBufferBytes).toBe(1024 * 1024 * 1024);
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_FILE_BUFFER_MAX: '32MiB' }))).toBe('FF_FILE_BUFFER_MAX');
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_MAX_STREAMS_PER_CREDENTIAL: '0' }))).toBe('FF_MAX_STREAMS_PER_CREDENTIAL');
     expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_RATE_BURST: 'x' }))).toBe('FF_RATE_BURST');
   });

@@ -292,6 +292,8 @@ export interface SchedulerConfig {
   readonly maxSendBytes: number;
   /** FF_MAX_STREAMS_PER_CREDENTIAL: concurrent streaming calls (exec, files, watch) per credential, at least 1. */
   readonly maxStreamsPerCredential: number;
+  /** FF_FILE_BUFFER_MAX: file bytes (WriteFile uploads, ReadFile answers) this replica holds at once, all callers together ('512MiB'). */
+  readonly fileBufferBytes: number;
   /** FF_RATE_PER_S: default per-tenant request rate (a tenant's `rate` in the tokens file overrides it), a decimal number such as 0.5; 0 disables ('' is refused). */
   readonly ratePerSecond: number;
   /** FF_RATE_BURST: default per-tenant burst, at least 1. */
@@ -349,6 +351,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   // Defaults sized so that an RL step passes unthrottled: fork(256) (the API cap), then one
   // exec stream per child, all at once.
   const [mst, maxStreams] = get('maxStreamsPerCredential', 'FF_MAX_STREAMS_PER_CREDENTIAL', '512');
+  const [fb, fileBuffer] = get('fileBufferBytes', 'FF_FILE_BUFFER_MAX', '512MiB');
   const [rp, ratePerS] = get('ratePerSecond', 'FF_RATE_PER_S', '200');
   const [rb, rateBurst] = get('rateBurst', 'FF_RATE_BURST', '600');
   const [en, expiryNotice] = get('expiryNoticeMs', 'FF_SNAPSHOT_EXPIRY_NOTICE', '10m');
@@ -395,6 +398,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     maxRecvBytes: parseBytes(mr, maxRecv),
     maxSendBytes: parseBytes(ms, maxSend),
     maxStreamsPerCredential: parseInteger(mst, maxStreams, 1),
+    fileBufferBytes: parseBytes(fb, fileBuffer),
     ratePerSecond: parseDecimal(rp, ratePerS, 0),
     rateBurst: parseInteger(rb, rateBurst, 1),
     expiryNoticeMs: parseDurationIn(en, expiryNotice, { min: 1000, zero: 'no notice: announced as it is deleted' }),
@@ -407,6 +411,8 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   };
   if (cfg.maxRecvBytes < 64 * 1024) throw new InvalidArgumentError(mr, 'must be at least 64KiB');
   if (cfg.maxSendBytes < 64 * 1024) throw new InvalidArgumentError(ms, 'must be at least 64KiB');
+  // Smaller, and a file of the API's largest size could never be read or written.
+  if (cfg.fileBufferBytes < 64 << 20) throw new InvalidArgumentError(fb, 'must be at least 64MiB (the largest file the API moves)');
   if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, `must be longer than FF_HOST_SUSPECT_AFTER (${suspect}), got ${JSON.stringify(lost)}`);
   if (!Number.isInteger(cfg.electionTtlSeconds)) throw new InvalidArgumentError(et, `must be a whole number of seconds, at least 1s, got ${JSON.stringify(electionTtl)}`);
   return Object.freeze(cfg);

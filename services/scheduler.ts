@@ -124,7 +124,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), usage, defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId), forkSnapshotTtlMs: config.forkSnapshotTtlMs, rateOf: (tenantId) => auth.rateOf(tenantId) });
   const grpc: RunningGrpcServer = await startGrpcServer({
     address: config.grpcAddr,
-    services: [fleetService({ fleet, store, clock })],
+    services: [fleetService({ fleet, store, clock, fileBufferBytes: config.fileBufferBytes })],
     credentials: fleetServerCredentials({ certPem: readFileSync(config.tlsCertPath), keyPem: readFileSync(config.tlsKeyPath) }),
     guard,
     channelOptions: { 'grpc.max_receive_message_length': config.maxRecvBytes, 'grpc.max_send_message_length': config.maxSendBytes },

@@ -56,6 +56,30 @@ export interface FleetServiceDeps {
   fleet: Fleet;
   store: FleetStore;
   clock: Clock;
+  /** File bytes held at once for WriteFile and ReadFile, all calls together (FF_FILE_BUFFER_MAX). */
+  fileBufferBytes?: number;
+}
+
+/**
+ * Bytes a replica may hold at once for file calls. A WriteFile is held whole until its last
+ * piece (it goes to the host as one message), a ReadFile until its caller has read it: without
+ * a bound, a few hundred callers could make a replica hold their files at once and run it out of
+ * memory for every tenant.
+ */
+export class ByteBudget {
+  private used = 0;
+  constructor(readonly limit: number) {}
+  /** Takes `n` bytes, or throws RESOURCE_EXHAUSTED (retryable, naming `field`) if they do not fit. */
+  take(n: number, field: string): void {
+    if (this.used + n > this.limit) throw new ForkfleetError('resource_exhausted', `this scheduler holds ${this.used} of its ${this.limit} bytes for file transfers (FF_FILE_BUFFER_MAX); retry shortly`, { retryable: true, field });
+    this.used += n;
+  }
+  give(n: number): void {
+    this.used = Math.max(0, this.used - n);
+  }
+  get inUse(): number {
+    return this.used;
+  }
 }
 
 /** Reads the records an operation's result refers to, for the response (a just-submitted sandbox op's target is at hand). */
@@ -78,6 +102,7 @@ function sandboxOpInput(req: { tenantId: string; idempotencyKey: string; sandbox
 
 export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
   const { fleet } = deps;
+  const files = new ByteBudget(deps.fileBufferBytes ?? 512 << 20);
   const op = (o: OperationRec) => opResponse(deps, o);
   // Served only behind a CallGuard (services/auth/guard.ts) that sets ctx.principal; a call
   // without one is refused (fail closed). A request's tenant is its tenant_id checked
@@ -166,33 +191,51 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       let header: { tenantId: string; sandboxId: string; path: string; mode: number } | undefined;
       const parts: Uint8Array[] = [];
       let size = 0;
-      for await (const r of reqs) {
-        if (r.payload.case === 'header') {
-          if (header) throw new InvalidArgumentError('header', 'sent twice');
-          const h = r.payload.value;
-          if (h.mode > 0o7777) throw new InvalidArgumentError('header.mode', 'permission bits: at most 07777 (0: the guest default)');
-          header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestFilePath(h.path, 'header.path'), mode: h.mode };
-          if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
-        } else if (r.payload.case === 'data') {
-          if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');
-          size += r.payload.value.length;
-          if (size > c.LIMITS.maxFileBytes) throw new InvalidArgumentError('data', `files are at most ${c.LIMITS.maxFileBytes} bytes`);
-          parts.push(r.payload.value);
-        } else {
-          throw new InvalidArgumentError('payload', 'set header or data');
+      let held = 0;
+      try {
+        for await (const r of reqs) {
+          if (r.payload.case === 'header') {
+            if (header) throw new InvalidArgumentError('header', 'sent twice');
+            const h = r.payload.value;
+            if (h.mode > 0o7777) throw new InvalidArgumentError('header.mode', 'permission bits: at most 07777 (0: the guest default)');
+            header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestFilePath(h.path, 'header.path'), mode: h.mode };
+            if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
+            // A sandbox that does not exist is refused now, before any data is held for it.
+            await fleet.getSandbox(header.tenantId, header.sandboxId);
+          } else if (r.payload.case === 'data') {
+            if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');
+            size += r.payload.value.length;
+            if (size > c.LIMITS.maxFileBytes) throw new InvalidArgumentError('data', `files are at most ${c.LIMITS.maxFileBytes} bytes`);
+            files.take(r.payload.value.length, 'data');
+            held += r.payload.value.length;
+            parts.push(r.payload.value);
+          } else {
+            throw new InvalidArgumentError('payload', 'set header or data');
+          }
         }
+        if (!header) throw new InvalidArgumentError('header', 'missing');
+        // The pieces go as soon as they are joined: the file is held once, not twice.
+        const whole = Buffer.concat(parts);
+        parts.length = 0;
+        const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, whole);
+        return { bytesWritten: BigInt(written) };
+      } finally {
+        files.give(held);
       }
-      if (!header) throw new InvalidArgumentError('header', 'missing');
-      const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, Buffer.concat(parts));
-      return { bytesWritten: BigInt(written) };
     },
     async *readFile(req: ReadFileRequest, ctx: CallContext) {
       const max = req.maxBytes === 0n ? c.LIMITS.maxFileBytes : Number(req.maxBytes);
       if (!(max > 0 && max <= c.LIMITS.maxFileBytes)) throw new InvalidArgumentError('max_bytes', `must be at most ${c.LIMITS.maxFileBytes}`);
       const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max);
-      const piece = 256 * 1024;
-      for (let off = 0; off < data.length; off += piece) yield { data: data.subarray(off, off + piece) };
-      if (data.length === 0) yield { data: new Uint8Array() };
+      // Held until the caller has read it all (or gone): refused when the replica holds too much.
+      files.take(data.length, 'max_bytes');
+      try {
+        const piece = 256 * 1024;
+        for (let off = 0; off < data.length; off += piece) yield { data: data.subarray(off, off + piece) };
+        if (data.length === 0) yield { data: new Uint8Array() };
+      } finally {
+        files.give(data.length);
+      }
     },
     async pauseSandbox(req: PauseSandboxRequest, ctx: CallContext) {
       return op(await fleet.pauseSandbox(sandboxOpInput(req, tenant(req.tenantId, ctx))));
