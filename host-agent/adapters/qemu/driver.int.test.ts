@@ -1075,6 +1075,26 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
   });
 
+  it('recover_ofAPausedVm_endsTheExecsTheDeadAgentLeftRunning_onceTheVmIsResumed', async () => {
+    await driver.fork(snap, [{ vmId: 'or1', hostname: 'or1' }]);
+    try {
+      const orphan = driver.exec('or1', { path: '/bin/sh', args: ['-c', 'echo $$ > /tmp/orphan.pid; exec sleep 300'], timeoutMs: 600_000 });
+      orphan.catch(() => undefined);
+      await waitFor('the orphan exec started', async () => (await sh('or1', 'cat /tmp/orphan.pid 2>/dev/null || true')) !== '', 10_000, 200);
+      const pid = await sh('or1', 'cat /tmp/orphan.pid');
+      // Paused when its agent dies (a drain's pause before its snapshot, say): the new agent
+      // cannot reach the guest at adopt.
+      await driver.pause('or1');
+      const report = await restartAgent();
+      expect(report.adopted).toContain('or1');
+      await expect(orphan).rejects.toThrow();
+      await driver.resume('or1');
+      await waitFor('the orphan exec ended', async () => (await sh('or1', `[ -d /proc/${pid} ] && echo running || echo ended`)) === 'ended', 20_000, 250);
+    } finally {
+      await driver.destroy('or1').catch(() => undefined);
+    }
+  });
+
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.
     const report = await restartAgent();

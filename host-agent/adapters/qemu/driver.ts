@@ -193,6 +193,8 @@ interface VmRecord extends VmPersisted {
   lock: Promise<unknown>;
   /** Wall-clock time of the last `stop` of a pause. */
   pausedAt?: number;
+  /** Adopted while paused or with a slow guest agent: the previous agent's execs are ended once the guest answers (reapOrphans). */
+  orphanExecsPending?: boolean;
   /**
    * How far the guest clock is known to be behind the host's: it stands still while the VM is
    * paused (VMM-NOTES gotcha 2). 0 after a boot or a clone hygiene; unknown (undefined) after
@@ -614,6 +616,7 @@ export class QemuVmmDriver implements VmmDriver {
       rec.clockBehindMs = behind;
       this.setState(rec, 'running');
       await this.persist(rec);
+      if (rec.orphanExecsPending) void this.reapOrphans(rec, 60_000);
       // The guest clock stood still while paused (VMM-NOTES gotcha 2). Once the pauses since
       // the last refresh add up to CLOCK_REFRESH_AFTER_MS, a resume sets the clock, reseeds the
       // RNG and re-asserts the identity (one ff-clone exec, the same as after a restore), in
@@ -1860,6 +1863,19 @@ export class QemuVmmDriver implements VmmDriver {
     }
   }
 
+  /** Ends the execs a previous agent left in the VM's guest (GuestAgentClient.reapOrphanExecs); never rejects. */
+  private reapOrphans(rec: VmRecord, timeoutMs: number): Promise<void> {
+    const agent = rec.agent;
+    if (!agent) return Promise.resolve();
+    return agent.reapOrphanExecs(timeoutMs).then(
+      (n) => {
+        rec.orphanExecsPending = undefined;
+        if (n > 0) rec.log.warn({ execs: n }, 'ended the execs the previous agent left running in the guest');
+      },
+      (e: unknown) => rec.log.warn({ err: String(e) }, 'could not end the execs the previous agent left in the guest'),
+    );
+  }
+
   /** Adopts a running VM; resolves with its guest's reaping of the execs the previous agent left (or undefined), which recover() awaits. */
   private async adopt(p: VmPersisted, pid: number): Promise<Promise<void> | undefined> {
     const log = this.opts.logger.child({ vmId: p.info.vmId });
@@ -1917,14 +1933,13 @@ export class QemuVmmDriver implements VmmDriver {
       await this.persist(rec).catch((e: unknown) => log.warn({ err: String(e) }, 'adopted VM: could not rewrite vm.json; the next state change writes it'));
       log.info({ pid, status }, 'vm adopted');
       // The previous agent's execs in this guest: nobody polls them, so nobody ends them at
-      // their timeout; ended now, with the output files no one will read.
-      const agent = rec.agent;
-      return answered
-        ? agent.reapOrphanExecs(15_000).then(
-            (n) => void (n > 0 && log.warn({ execs: n }, 'ended the execs the previous agent left running in the guest')),
-            (e: unknown) => log.warn({ err: String(e) }, 'could not end the execs the previous agent left in the guest'),
-          )
-        : undefined;
+      // their timeout; ended now, with the output files no one will read. A guest that did not
+      // answer yet is asked in the background (its channel syncs first); a paused one once it
+      // is resumed: they would otherwise run on with no timeout.
+      if (answered) return this.reapOrphans(rec, 15_000);
+      rec.orphanExecsPending = true;
+      if (status === 'running') void this.reapOrphans(rec, 120_000);
+      return undefined;
     } catch (e) {
       // Not adopted after all: the caller reaps it, and no record of it stays behind.
       rec.expectExit = true;
