@@ -858,6 +858,32 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-cancel-d', cordon: false });
   }, 90_000);
 
+  it('cancelOperation_ofADrain_whenTheLeaderDiesMidMigration_theStandbySeesThatMigrationThrough_leavingNoSandboxClaimedPausedOrBookedTwice', async () => {
+    await hostsSettled();
+    const { sandboxId } = await hostWithSandbox('fake-cancel-m', 'cancel-m', { FF_FAKE_SNAPSHOT_MS: '3000' });
+    const standby = await startReplica('s-cancel-m');
+    const alive = scheds.filter((x) => x.proc.child.exitCode === null && x.proc.child.signalCode === null && x !== standby);
+    const leader = (await Promise.all(alive.map(async (x) => ((await x.isLeader()) ? x : undefined)))).find(Boolean)!;
+    api.close();
+    api = standby.credentials.client(FleetService, standby.api);
+    const op = await api.drainHost({ idempotencyKey: key(), hostId: 'fake-cancel-m', migrate: true });
+    // Claimed and paused for its snapshot (3 s on this host) when the drain is cancelled and its leader dies.
+    await waitFor('the sandbox claimed for its migration', async () => (await store.getSandbox(tenantId, sandboxId))?.value.opId === op.id, 20_000, 10);
+    await api.cancelOperation({ tenantId: 'admin', operationId: op.id });
+    leader.proc.kill();
+    await leader.proc.exited;
+    const others = scheds.filter((x) => x !== leader && x.proc.child.exitCode === null && x.proc.child.signalCode === null);
+    await waitFor('a standby takes over', async () => (await Promise.all(others.map((x) => x.isLeader()))).some(Boolean), 10_000, 20);
+    const final = await wait(api, op, 'admin');
+    expect(OperationState[final.state]).toBe('CANCELLED');
+    const sb = (await store.getSandbox(tenantId, sandboxId))?.value;
+    expect(sb).toMatchObject({ state: 'running', opId: '' });
+    const vm = fakes.flatMap((f) => [...f.vms().values()].flat()).find((v) => v.sandboxId === sandboxId);
+    expect(vm?.state).toBe('running');
+    await assertConsistent();
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-cancel-m', cordon: false });
+  }, 90_000);
+
   it('cancelOperation_ofACreateWhileItBoots_destroysTheSandboxOnceItStarted_andLeavesNoVmOrBooking', async () => {
     await hostsSettled();
     await ownHost('fake-cancel-c', 'cancel-c', { FF_FAKE_CREATE_MS: '1500' });

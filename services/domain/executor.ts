@@ -2882,9 +2882,15 @@ export class Executor {
       const what = `cancelled by a CancelOperation call: moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}, copied no snapshot off${failures.length ? `; ${failures.join('; ')}` : ''}`;
       return this.finish(op, { sandboxIds: moved }, errorOf(new OperationCancelledError(what)), moved.length, this.drainEnded(op));
     };
+    // A sandbox an earlier run of this drain claimed (a failover mid-migration) goes first and
+    // is seen through even when the drain was cancelled meanwhile: its source VM may be paused
+    // and a host booked for it, which only its migration (or that migration's undo) settles.
+    onHost.sort((a, b) => Number(b.opId === op.id) - Number(a.opId === op.id));
     for (const sb of onHost) {
-      const stop = cancelled();
-      if (stop) return stop;
+      if (sb.opId !== op.id) {
+        const stop = cancelled();
+        if (stop) return stop;
+      }
       try {
         await this.migrate(op, sb);
         moved.push(sb.id);
@@ -3019,7 +3025,9 @@ export class Executor {
       if (!m!.wasPaused) await this.step(op, stepId('resume'), from, resumeVm(sb.id)).catch(() => undefined);
     };
     const h = this.cache.hosts.get(from)?.value;
-    if (!m.toHostId && (!h?.cordoned || !h.draining)) throw notDraining();
+    const undrained = !m.toHostId && (!h?.cordoned || !h.draining);
+    // One an earlier run claimed (and maybe paused) is undone below, not left claimed.
+    if (undrained && sb.opId !== op.id) throw notDraining();
     // 0. Claimed for the move (its record stays running or paused): a resume, a hibernate,
     //    the TTL and idle rules and the VM check leave a sandbox another op is at work on
     //    alone, so nothing runs the paused source on after its snapshot, work the switch
@@ -3035,10 +3043,14 @@ export class Executor {
         if (s.opId !== op.id) throw new MovedOnError(s.id, s.state, s.hostId);
         s.opId = '';
       }).catch((e: unknown) => {
+        // The store failed: the op runs again and ends the claim then (left behind, it would
+        // keep every later operation and the VM check off the sandbox for good).
+        if (e instanceof StoreUnavailableError) throw e;
         if (!(e instanceof MovedOnError)) this.log.warn({ err: e, sandboxId: sb.id }, 'could not end a migration\'s claim on its sandbox');
       });
     let sn: SnapshotRec;
     try {
+      if (undrained) throw notDraining();
       // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
       if (sb.state === 'running') await this.step(op, stepId('pause'), from, pauseVm(sb.id));
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
