@@ -14,6 +14,7 @@ import type { FleetStore } from './domain/ports.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
+import { NotLeaderError } from './domain/errors.ts';
 import { natsTlsOptions, nkeyConnectOptions } from './adapters/nats/auth.ts';
 import { startGrpcServer } from './adapters/grpc/server.ts';
 import { fleetServerCredentials } from './adapters/grpc/tls.ts';
@@ -199,6 +200,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   };
   const expired = new Counter({ name: 'forkfleet_records_expired_total', help: 'Records of destroyed or failed sandboxes, finished operations and deleted or failed snapshots deleted by the history retention (FF_RECORD_RETENTION), by kind.', labelNames: ['kind'], registers: [registry] });
   const election = new EtcdLeaderElection(store.etcd, config.id, config.electionTtlSeconds);
+  bus.setWorkFence(() => (election.isLeader() ? undefined : new NotLeaderError()));
   const executor = new Executor({
     store: seams.executorStore ? seams.executorStore(store) : store,
     fence: () => election.fence(),

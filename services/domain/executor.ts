@@ -874,7 +874,9 @@ export class Executor {
   private every(ms: number, what: string, pass: () => Promise<unknown>): void {
     let busy = false;
     const t = setInterval(() => {
-      if (busy) return;
+      // A replica whose lease ran out (stopped by the watchdog next) starts no pass: its
+      // submits and host work would act on a view the new leader may have changed.
+      if (busy || !this.leading()) return;
       busy = true;
       pass()
         .catch((e: unknown) => this.log.warn({ err: e }, `${what} failed`))

@@ -1,7 +1,8 @@
 import { describe, expect, it } from 'vitest';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { HostResultBatchSchema, HostResultSchema, HostWorkBatchSchema, HostWorkSchema } from '../../domain/messages.ts';
-import { ackAfter, frameBatch } from './batcher.ts';
+import { ackAfter, frameBatch, SubjectBatcher } from './batcher.ts';
+import type { JsPublisher } from './js-publisher.ts';
 
 describe('batches of host work and results', () => {
   it('frameBatch_ofEncodedItems_decodesAsTheBatchMessageWithTheSameItemsInOrder', () => {
@@ -23,5 +24,33 @@ describe('batches of host work and results', () => {
     expect(acks).toBe(0);
     ack();
     expect(acks).toBe(1);
+  });
+
+  it('subjectBatcher_whoseFenceRefusesWhileAnItemWaitsForThePubAckAhead_failsThatItem_andNeverPublishesIt', async () => {
+    // A deposed leader's step queued behind a message in flight: when that message's PubAck
+    // comes, the lease is gone, and the step must not reach the host.
+    const published: string[] = [];
+    let ackFirst: () => void = () => undefined;
+    const publisher = {
+      publish: (subject: string, _bytes: Uint8Array, o: { msgId?: string }) => {
+        published.push(o.msgId ?? '');
+        return published.length === 1 ? new Promise<void>((r) => (ackFirst = r)) : Promise.resolve();
+      },
+    } as unknown as JsPublisher;
+    let leading = true;
+    const batcher = new SubjectBatcher(publisher, {}, () => (leading ? undefined : new Error('not leading')));
+    const first = batcher.publish('ff.work.h1', new Uint8Array([1]), 'a');
+    await new Promise((r) => setImmediate(r));
+    const second = batcher.publish('ff.work.h1', new Uint8Array([2]), 'b');
+    second.catch(() => undefined);
+    leading = false;
+    ackFirst();
+    await first;
+    await expect(second).rejects.toThrow('not leading');
+    expect(published).toEqual(['a']);
+    // Leading again: sent as before.
+    leading = true;
+    await batcher.publish('ff.work.h1', new Uint8Array([3]), 'c');
+    expect(published).toEqual(['a', 'c']);
   });
 });

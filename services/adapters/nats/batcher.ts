@@ -67,9 +67,16 @@ export class SubjectBatcher {
   private scheduled = false;
 
   /** `headers`: set on every message this batcher sends, batch or single. */
+  /**
+   * `mayPublish`, when given, is asked just before each message goes out: false fails every
+   * item queued for the subject instead. An item waits here for the PubAck of the message
+   * ahead of it (up to seconds), so a check its caller made when it queued the item (a
+   * scheduler's lease) can be stale by the time it would be sent.
+   */
   constructor(
     private readonly publisher: JsPublisher,
     private readonly headers: Readonly<Record<string, string>> = {},
+    private readonly mayPublish?: () => Error | undefined,
   ) {}
 
   /**
@@ -104,6 +111,12 @@ export class SubjectBatcher {
     const st = this.subjects.get(subject);
     if (!st || st.inFlight) return;
     if (st.items.length === 0) {
+      this.subjects.delete(subject);
+      return;
+    }
+    const refused = this.mayPublish?.();
+    if (refused) {
+      for (const x of st.items.splice(0)) x.reject(refused);
       this.subjects.delete(subject);
       return;
     }

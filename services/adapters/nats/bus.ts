@@ -81,19 +81,31 @@ export class NatsWorkBus implements WorkBus {
   /** performance.now() of the last (re)connect; undefined while disconnected. */
   private connectedAt: number | undefined = performance.now();
 
+  /** Asked before host work is published: an error (no longer leading) fails the send instead. */
+  private workFence: (() => Error | undefined) | undefined;
+
   private constructor(
     private readonly nc: NatsConnection,
     private readonly jsm: JetStreamManager,
   ) {
     this.js = nc.jetstream();
     this.publisher = JsPublisher.of(nc);
-    this.batcher = new SubjectBatcher(this.publisher, WORK_HEADERS);
+    this.batcher = new SubjectBatcher(this.publisher, WORK_HEADERS, () => this.workFence?.());
     void (async () => {
       for await (const st of nc.status()) {
         if (st.type === 'disconnect') this.connectedAt = undefined;
         else if (st.type === 'reconnect') this.connectedAt = performance.now();
       }
     })().catch(() => undefined);
+  }
+
+  /**
+   * Host work goes out only while `fence` returns undefined (the scheduler: while it holds the
+   * leader lease), checked when each message is published, not when the step was queued: a
+   * deposed leader's queued step could otherwise reach a host after the new leader acted.
+   */
+  setWorkFence(fence: () => Error | undefined): void {
+    this.workFence = fence;
   }
 
   connectedForMs(): number {
@@ -133,8 +145,10 @@ export class NatsWorkBus implements WorkBus {
     const bytes = toBinary(HostWorkSchema, work);
     // Steps for the same host in the same turn go out as one message (batcher.ts), to hosts
     // that said in their heartbeats that they read batches.
-    if (this.batchHosts.has(hostId)) await this.batcher.publish(subjects.work(hostId), bytes, msgId);
-    else await this.publisher.publish(subjects.work(hostId), bytes, { msgId, headers: WORK_HEADERS });
+    if (this.batchHosts.has(hostId)) return this.batcher.publish(subjects.work(hostId), bytes, msgId);
+    const refused = this.workFence?.();
+    if (refused) throw refused;
+    await this.publisher.publish(subjects.work(hostId), bytes, { msgId, headers: WORK_HEADERS });
   }
 
   async consumeResults(onResult: (r: HostResultMsg, ack: () => void, fromHost: string) => void | Promise<void>): Promise<() => Promise<void>> {
