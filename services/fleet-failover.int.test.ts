@@ -23,7 +23,10 @@ import { STREAM_WORK, workConsumer } from './adapters/nats/subjects.ts';
 import { status as Status } from '@grpc/grpc-js';
 import type { RpcError } from './adapters/grpc/status.ts';
 import type { SandboxRec } from './domain/records.ts';
-import { FAIL_SNAPSHOT_HOSTNAME } from '../loadtest/fake-agent/driver.ts';
+import { FAIL_ONCE_HOSTNAME, FAIL_SNAPSHOT_HOSTNAME } from '../loadtest/fake-agent/driver.ts';
+import { NatsWorkBus } from './adapters/nats/bus.ts';
+import { create } from '@bufbuild/protobuf';
+import { HostWorkSchema } from './domain/messages.ts';
 
 type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
@@ -617,6 +620,29 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     for (const id of [bigId, sid, wid]) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
     await assertConsistent();
   }, 120_000);
+
+  it('create_whoseHostAnswersARetryableFailure_isGivenUpOnThere_soALaterCopyOfItsStepMakesNoVm', async () => {
+    await hostsSettled();
+    await ownHost('fake-once', 'once');
+    // The host's first create of this VM fails retryably (the agent does not journal that).
+    const op = await wait(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, hostname: `${FAIL_ONCE_HOSTNAME}-1`, placement: { hostId: 'fake-once' } }));
+    expect(op.state).toBe(OperationState.FAILED);
+    const sandboxId = op.targetId;
+    expect((await store.getSandbox(tenantId, sandboxId))?.value.state).toBe('failed');
+    // Another copy of the same step reaches the host later (a re-send queued behind the first,
+    // a redelivery): it must not make the VM of a sandbox recorded failed and unbooked.
+    const nc = await (await import('nats')).connect({ servers: nats.url });
+    try {
+      const bus = await NatsWorkBus.create(nc);
+      await sleep(500);
+      await bus.sendWork('fake-once', create(HostWorkSchema, { opId: op.id, stepId: 'create', attempt: 9, tenantId, work: { case: 'createVm', value: { vm: { sandboxId, hostname: `${FAIL_ONCE_HOSTNAME}-1`, resources: { vcpus: 1, memoryMib: 256n, diskMib: 0n } }, image: 'tiny' } as never } }));
+      await sleep(1500);
+    } finally {
+      await nc.close();
+    }
+    expect(fakes.flatMap((f) => f.vms().get('fake-once') ?? []).map((v) => v.sandboxId)).not.toContain(sandboxId);
+    await assertConsistent();
+  }, 60_000);
 
   it('fork_whoseChildIsDestroyedDuringItsRestore_runsTheOthers_andLeavesNoVmOfTheDestroyedOne', async () => {
     // Four children on a host of their own: its restore takes ~600 ms (150 ms per VM).

@@ -35,10 +35,15 @@ export const FAIL_SNAPSHOT_HOSTNAME = 'fake-fail-snapshot';
 /** VMs whose hostname starts with this fail to be created (a fault for tests). */
 export const FAIL_CREATE_HOSTNAME = 'fake-fail-create';
 
+/** VMs whose hostname starts with this fail their first create with a retryable error, and are made by the next (a fault for tests). */
+export const FAIL_ONCE_HOSTNAME = 'fake-fail-once';
+
 const sleep = (ms: number): Promise<void> => (ms > 0 ? new Promise((r) => setTimeout(r, ms)) : Promise.resolve());
 
 export class FakeVmmDriver implements VmmDriver {
   private readonly vms = new Map<string, VmInfo>();
+  /** VMs of FAIL_ONCE_HOSTNAME whose first create failed. */
+  private readonly failedOnce = new Set<string>();
   private readonly vmDir: string;
   private readonly snapDir: string;
   /**
@@ -115,6 +120,10 @@ export class FakeVmmDriver implements VmmDriver {
   async create(spec: CreateVmSpec): Promise<VmInfo> {
     await sleep(this.latency.createMs);
     if (spec.hostname?.startsWith(FAIL_CREATE_HOSTNAME)) throw new ForkfleetError('internal', `fake VM ${spec.vmId} cannot be created (hostname ${spec.hostname})`);
+    if (spec.hostname?.startsWith(FAIL_ONCE_HOSTNAME) && !this.failedOnce.has(spec.vmId)) {
+      this.failedOnce.add(spec.vmId);
+      throw new ForkfleetError('unavailable', `fake VM ${spec.vmId}: first create fails (hostname ${spec.hostname})`, { retryable: true });
+    }
     return this.save({
       vmId: spec.vmId,
       state: 'running',

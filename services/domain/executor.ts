@@ -242,6 +242,17 @@ const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'pa
 /** After a failed hibernate, the idle rule waits this long before it tries again. */
 const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
 
+/**
+ * A start that failed this way may still make its VM on its host: one not answered in time or
+ * whose host went silent; or one whose host answered a retryable failure, which the agent does
+ * not journal, so another copy of the same step (a re-send after an agent restart, a JetStream
+ * redelivery) would run it again. Such a start's failure is followed by a stop, which the agent
+ * also records as "given up", so a later copy is refused.
+ */
+function givenUpMayStillStart(e: unknown): boolean {
+  return e instanceof StepTimeoutError || e instanceof HostLostError || (e instanceof HostStepError && e.retryable);
+}
+
 /** A lost sandbox's VM came back on a host that has since been booked full: it is not taken back (capacityIfRoom). */
 class NoRoomToReclaimError extends Error {
   constructor(hostId: string, booked: ResourcesRec, capacity: ResourcesRec | undefined) {
@@ -1851,7 +1862,7 @@ export class Executor {
     // A restore that did not answer in time (or whose host went) may still start its VM: it
     // is told to stop it, and not to start it if it has not yet (the agent's gave-up list), as
     // a failed start is. The sandbox is hibernated again and its booking released.
-    if (booked && this.active && (e instanceof StepTimeoutError || e instanceof HostLostError)) {
+    if (booked && this.active && givenUpMayStillStart(e)) {
       void this.sendHostWork(booked.hostId, op.id, booked.sb.tenantId, `stop-unanswered/${booked.sb.id}`, stopVm(booked.sb.id), 'could not stop the VM of a wake given up on');
     }
     return r;
@@ -1938,7 +1949,7 @@ export class Executor {
       // only if the record is gone.
       if (!(await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => 'unknown' as const))) await this.releaseCapacity(hostId, sb.resources);
     });
-    if (hostId && !deposed && this.active && (e instanceof StepTimeoutError || e instanceof HostLostError)) {
+    if (hostId && !deposed && this.active && givenUpMayStillStart(e)) {
       void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start given up on');
     }
   }
