@@ -56,7 +56,20 @@ describe('file relay to an agent without ranged files (real etcd, NATS)', () => 
       createdAt: now, updatedAt: now, runningMsBefore: 0, runningSince: now, hibernationSnapshotId: '', opId: '',
     };
     await store.commit([{ kind: 'sandbox', value: sb, expectRevision: 0 }]);
+    // A current agent: ranged reads that say when they reached the end of the file.
+    heard.record(create(HeartbeatSchema, { hostId: 'new-2', seq: 1n, bootId: 'b', rangedFiles: true }), Date.now());
+    nc.subscribe(subjects.file('new-2'), {
+      callback: (_e, m) => {
+        const req = fromBinary(HostFileRequestSchema, m.data);
+        if (req.op.case !== 'read') return;
+        const from = Number(req.op.value.offset);
+        const data = ranged.data.subarray(from, from + Number(req.op.value.maxBytes));
+        m.respond(toBinary(HostFileResponseSchema, create(HostFileResponseSchema, { data, eof: from + data.length >= ranged.data.length })));
+      },
+    });
+    await store.commit([{ kind: 'sandbox', value: { ...sb, id: 'sb-rangedaaaaaaaaaaaaa', hostId: 'new-2' }, expectRevision: 0 }]);
   }, 60_000);
+  const ranged = { data: Buffer.alloc(0) };
 
   afterAll(async () => {
     await nc?.close();
@@ -79,6 +92,20 @@ describe('file relay to an agent without ranged files (real etcd, NATS)', () => 
     // One capped request (its answer fits a NATS message), not repeated copies of the first piece.
     expect(requests).toHaveLength(1);
     expect(Number(requests[0]!.maxBytes)).toBeLessThanOrEqual(512 << 10);
+  });
+
+  it('readFile_ofTheWholeFile_longerThanTheLimit_isRefusedNamingMaxBytes_notCutShort_whileAnAskedMaxBytesCutsIt', async () => {
+    const id = 'sb-rangedaaaaaaaaaaaaa';
+    ranged.data = Buffer.alloc(3 << 20, 5);
+    // Whole file asked (max_bytes 0), the limit 2 MiB here: refused, not 2 MiB of a 3 MiB file.
+    await expect(fleet.readFile('t', id, '/tmp/big', 2 << 20, true)).rejects.toMatchObject({ kind: 'failed_precondition', field: 'max_bytes' });
+    // A part asked for: that part.
+    expect((await fleet.readFile('t', id, '/tmp/big', 2 << 20, false)).length).toBe(2 << 20);
+    // A whole file of exactly the limit, and a short one, come back whole.
+    ranged.data = Buffer.alloc(2 << 20, 6);
+    expect(Buffer.from(await fleet.readFile('t', id, '/tmp/big', 2 << 20, true)).equals(ranged.data)).toBe(true);
+    ranged.data = Buffer.from('short');
+    expect(Buffer.from(await fleet.readFile('t', id, '/tmp/big', 2 << 20, true)).toString()).toBe('short');
   });
 
   it('writeFileRefusals_nameItsHeaderFields_aSandboxNotRunning_andAModeTheGuestCouldNotSet_keepingTheHostsRetryableFlag', async () => {

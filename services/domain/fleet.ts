@@ -764,7 +764,11 @@ export class Fleet {
   }
 
   /** Reads up to `maxBytes` of the file in ranged pieces that fit the relay, until its end. */
-  async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number): Promise<Uint8Array> {
+  /**
+   * At most `maxBytes` of the file. `whole`: the caller asked for the whole file (max_bytes 0),
+   * and `maxBytes` is the server's limit: a longer file is refused, not cut short.
+   */
+  async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number, whole = false): Promise<Uint8Array> {
     const sb = await this.runningSandbox(tenantId, sandboxId);
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
@@ -776,12 +780,21 @@ export class Fleet {
     }
     const parts: Uint8Array[] = [];
     let got = 0;
+    let ended = false;
     while (got < maxBytes) {
       const want = Math.min(piece, maxBytes - got);
       const res = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want), offset: BigInt(got) } } }));
       parts.push(res.data);
       got += res.data.length;
-      if (res.eof || res.data.length < want) break;
+      if (res.eof || res.data.length < want) {
+        ended = true;
+        break;
+      }
+    }
+    if (whole && !ended) {
+      // The limit reached with no end of file seen: one byte more says whether there is more.
+      const more = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: 1n, offset: BigInt(got) } } }));
+      if (more.data.length > 0) throw new ForkfleetError('failed_precondition', `${path} is larger than the ${maxBytes} bytes a ReadFile returns; read a part of it with max_bytes, or split it in the sandbox first`, { field: 'max_bytes' });
     }
     return parts.length === 1 ? parts[0]! : Buffer.concat(parts);
   }

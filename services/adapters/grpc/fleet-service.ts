@@ -226,7 +226,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     async *readFile(req: ReadFileRequest, ctx: CallContext) {
       const max = req.maxBytes === 0n ? c.LIMITS.maxFileBytes : Number(req.maxBytes);
       if (!(max > 0 && max <= c.LIMITS.maxFileBytes)) throw new InvalidArgumentError('max_bytes', `must be at most ${c.LIMITS.maxFileBytes}`);
-      const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max);
+      const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max, req.maxBytes === 0n);
       // Held until the caller has read it all (or gone): refused when the replica holds too much.
       files.take(data.length, 'max_bytes');
       try {

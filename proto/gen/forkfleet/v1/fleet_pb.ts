@@ -545,7 +545,8 @@ export type ReadFileRequest = Message<"forkfleet.v1.ReadFileRequest"> & {
   path: string;
 
   /**
-   * Read at most this many bytes; 0 means the whole file (up to the server's limit).
+   * Read at most this many bytes; 0 means the whole file, which must then fit the server's
+   * limit (64 MiB): a longer one is FAILED_PRECONDITION naming max_bytes, never cut short.
    *
    * @generated from field: uint64 max_bytes = 4;
    */
