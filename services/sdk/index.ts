@@ -442,14 +442,19 @@ export interface ExecStream extends AsyncIterable<ExecChunk> {
   result(): Promise<ExecResult>;
 }
 
-const sleep = (ms: number, signal?: AbortSignal): Promise<void> =>
+/** @internal Sleeps `ms`, or until `signal` aborts (rejecting with its reason); leaves no listener on the signal behind (exported for its test). */
+export const sleep = (ms: number, signal?: AbortSignal): Promise<void> =>
   new Promise((resolve, reject) => {
     if (signal?.aborted) return reject(signal.reason);
-    const t = setTimeout(resolve, ms);
-    signal?.addEventListener('abort', () => {
+    const onAbort = (): void => {
       clearTimeout(t);
-      reject(signal.reason);
-    }, { once: true });
+      reject(signal!.reason);
+    };
+    const t = setTimeout(() => {
+      signal?.removeEventListener('abort', onAbort);
+      resolve();
+    }, ms);
+    signal?.addEventListener('abort', onAbort, { once: true });
   });
 
 /** A new idempotency key: unique per logical call, reused across its retries. */
