@@ -115,8 +115,11 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(down.code).toBe(69);
     expect(down.stderr).toContain('npm run fleet:up');
 
-    const destroyed = await json<Array<{ id: string; state: string }>>(['sandbox', 'destroy', sb.id, ...fork.children.map((c) => c.id)]);
+    // One --idempotency-key for five sandboxes: each gets its own (K/<id>), and the command repeated does nothing twice.
+    const destroyArgs = ['--idempotency-key', `walk-${process.pid}`, 'sandbox', 'destroy', sb.id, ...fork.children.map((c) => c.id)];
+    const destroyed = await json<Array<{ id: string; state: string }>>(destroyArgs);
     expect(destroyed.map((d) => d.state)).toEqual(Array(5).fill('destroyed'));
+    expect((await json<Array<{ id: string; state: string }>>(destroyArgs)).map((d) => d.state)).toEqual(Array(5).fill('destroyed'));
     expect((await json<unknown[]>(['sandbox', 'ls'])).length).toBe(0);
 
     // What ran, newest first: the five destroys; on the first sandbox, its destroy, the fork of it and its create.

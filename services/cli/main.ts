@@ -160,14 +160,18 @@ function eventLine(e: EventInfo): string {
   return `${e.time ?? '-'}  ${e.revision}  ${e.type}  ${subject}${detail ? `  ${detail}` : ''}\n`;
 }
 
-/** Progress for long work on stderr (never on stdout, so --json stays parseable). */
-function progress(cmd: Command, label: string): CallOpts {
+/**
+ * Progress for long work on stderr (never on stdout, so --json stays parseable). `target`: the
+ * one a command naming several acts on here; its call gets --idempotency-key K as `K/<target>`,
+ * since the fleet ties a key to one request (one key for every target would refuse all but one).
+ */
+function progress(cmd: Command, label: string, target?: string): CallOpts {
   const g = globals(cmd);
   const started = Date.now();
   let last = '';
   const opts: CallOpts = {
     ...(g.timeout ? { timeoutMs: parseDuration(g.timeout) } : {}),
-    ...(g.idempotencyKey ? { idempotencyKey: g.idempotencyKey } : {}),
+    ...(g.idempotencyKey ? { idempotencyKey: target === undefined ? g.idempotencyKey : `${g.idempotencyKey}/${target}` } : {}),
     onProgress: (op: OperationInfo) => {
       if (g.json) return;
       const p = op.progress;
@@ -441,7 +445,8 @@ export function buildProgram(): Command {
         const ff = client(cmd);
         const done = await Promise.all(ids.map(async (id) => {
           const s = ff.sandbox(id);
-          await (name === 'pause' ? s.pause(progress(cmd, `${name} ${id}`)) : name === 'resume' ? s.resume(progress(cmd, `${name} ${id}`)) : name === 'hibernate' ? s.hibernate(progress(cmd, `${name} ${id}`)) : s.destroy(progress(cmd, `${name} ${id}`)));
+          const o = progress(cmd, `${name} ${id}`, ids.length > 1 ? id : undefined);
+          await (name === 'pause' ? s.pause(o) : name === 'resume' ? s.resume(o) : name === 'hibernate' ? s.hibernate(o) : s.destroy(o));
           return s.info ?? { id, state: name === 'destroy' ? 'destroyed' : 'unknown' };
         }));
         endProgress(cmd);
@@ -507,7 +512,7 @@ export function buildProgram(): Command {
     .description('delete snapshots')
     .argument('<snapshot...>')
     .action(async (ids: string[], _o: unknown, cmd: Command) => {
-      const ops = await Promise.all(ids.map((id) => client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`))));
+      const ops = await Promise.all(ids.map((id) => client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`, ids.length > 1 ? id : undefined))));
       endProgress(cmd);
       out(cmd, ops.map((op) => ({ snapshotId: op.targetId, operation: op.id, state: op.state })), () => ids.map((id) => `${id}  deleted\n`).join(''));
     });
