@@ -187,6 +187,29 @@ describe('gRPC adapter: protobuf-es services on grpc-js', () => {
     expect(cancelledOnServer).toContain('aborted');
   });
 
+  it('close_cancelsTheCallsInFlight_aSlowUnaryAndAnOpenBidiStream', async () => {
+    const own = createClient(EchoService, server.address);
+    const slow = own.echo({ message: 'closed-slow', delayMs: 5000 }).catch((x: unknown) => x);
+    // A stream whose requests never end: the server waits on it until the client goes.
+    let endRequests: () => void = () => undefined;
+    const requests = (async function* () {
+      yield { message: 'first' };
+      await new Promise<void>((r) => (endRequests = r));
+    })();
+    const stream = own.echoBidi(requests)[Symbol.asyncIterator]();
+    expect((await stream.next()).value).toMatchObject({ message: 'FIRST' });
+    const next = stream.next().catch((x: unknown) => x);
+    await new Promise((r) => setTimeout(r, 50));
+    const t0 = Date.now();
+    own.close();
+    expect(((await slow) as RpcError).code).toBe(Status.CANCELLED);
+    expect(((await next) as RpcError).code).toBe(Status.CANCELLED);
+    expect(Date.now() - t0).toBeLessThan(1000);
+    endRequests();
+    await new Promise((r) => setTimeout(r, 200));
+    expect(cancelledOnServer).toContain('closed-slow');
+  });
+
   it('health_reportsServingForTheService', async () => {
     const { service: healthService } = await import('grpc-health-check');
     const { makeGenericClientConstructor } = await import('@grpc/grpc-js');

@@ -370,7 +370,21 @@ export function createClient<S extends GenServiceMethods>(
   options: ClientOptions = {},
 ): Client<S> {
   const raw = new GrpcClient(address, credentials, options);
-  const client: Record<string, unknown> = { close: () => raw.close() };
+  // grpc-js's close() lets calls already started run on (a watch stream, a long wait would
+  // keep the process alive after close): they are cancelled here, as Client.close promises.
+  const live = new Set<{ cancel(): void }>();
+  const track = <C extends { cancel(): void; on(ev: 'status', f: () => void): unknown }>(call: C): C => {
+    live.add(call);
+    call.on('status', () => live.delete(call));
+    return call;
+  };
+  const client: Record<string, unknown> = {
+    close: () => {
+      for (const c of [...live]) c.cancel();
+      live.clear();
+      raw.close();
+    },
+  };
   for (const m of (service as DescService).methods) {
     const def = methodDefinition(m);
     const path = def.path;
@@ -380,18 +394,18 @@ export function createClient<S extends GenServiceMethods>(
           new Promise((resolve, reject) => {
             const { options: o, metadata } = grpcCallOptions(opts);
             let unbind = (): void => {};
-            const call = raw.makeUnaryRequest(path, def.requestSerialize, def.responseDeserialize, req, metadata, o, (err, res) => {
+            const call = track(raw.makeUnaryRequest(path, def.requestSerialize, def.responseDeserialize, req, metadata, o, (err, res) => {
               unbind();
               if (err) reject(fromServiceError(err));
               else resolve(res);
-            });
+            }));
             unbind = bindSignal(call, opts?.signal);
           });
         break;
       case 'server_streaming':
         client[m.localName] = (req: unknown, opts?: CallOptions) => {
           const { options: o, metadata } = grpcCallOptions(opts);
-          const call = raw.makeServerStreamRequest(path, def.requestSerialize, def.responseDeserialize, req, metadata, o);
+          const call = track(raw.makeServerStreamRequest(path, def.requestSerialize, def.responseDeserialize, req, metadata, o));
           // readAll's iterator reports errors; this keeps an error on a call that is never
           // iterated from becoming an unhandled 'error' event that kills the process.
           call.on('error', () => undefined);
@@ -403,11 +417,11 @@ export function createClient<S extends GenServiceMethods>(
           new Promise((resolve, reject) => {
             const { options: o, metadata } = grpcCallOptions(opts);
             let unbind = (): void => {};
-            const call = raw.makeClientStreamRequest(path, def.requestSerialize, def.responseDeserialize, metadata, o, (err, res) => {
+            const call = track(raw.makeClientStreamRequest(path, def.requestSerialize, def.responseDeserialize, metadata, o, (err, res) => {
               unbind();
               if (err) reject(fromServiceError(err));
               else resolve(res);
-            });
+            }));
             unbind = bindSignal(call, opts?.signal);
             pump(call, reqs).catch(reject);
           });
@@ -415,7 +429,7 @@ export function createClient<S extends GenServiceMethods>(
       case 'bidi_streaming':
         client[m.localName] = (reqs: AsyncIterable<unknown> | Iterable<unknown>, opts?: CallOptions) => {
           const { options: o, metadata } = grpcCallOptions(opts);
-          const call = raw.makeBidiStreamRequest(path, def.requestSerialize, def.responseDeserialize, metadata, o);
+          const call = track(raw.makeBidiStreamRequest(path, def.requestSerialize, def.responseDeserialize, metadata, o));
           call.on('error', () => undefined); // see server_streaming above
           // A failure producing requests cancels the call; the reader then sees CANCELLED.
           pump(call, reqs).catch(() => {});
