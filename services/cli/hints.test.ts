@@ -18,6 +18,11 @@ describe('CLI hints', () => {
     expect(hintFor({ kind: 'resource_exhausted', message: 'x', field: 'quotas.sandboxes' }, 'a:1')).toContain('quota');
     expect(hintFor({ kind: 'resource_exhausted', message: 'x', field: 'rate' }, 'a:1')).toContain('too many requests');
     expect(exitCodeFor({ kind: 'unavailable', message: 'x' })).toBe(69);
+    // Answered by the scheduler (a host or guest behind it failed): reachable, so not 69, and no 'is the fleet up?'.
+    const behind = { kind: 'unavailable', message: 'host h1 is not answering', answered: true };
+    expect(exitCodeFor(behind)).toBe(1);
+    expect(hintFor(behind, 'a:1')).not.toContain('fleet:up');
+    expect(hintFor(behind, 'a:1')).toContain('forkfleet hosts ls');
   });
   it('hintFor_anOperationThatFailedOnTheFleet_pointsAtItsSandboxesAndHosts_notAtTheConnection', () => {
     const lost = { kind: 'unavailable', message: 'operation op-1 (fork) failed: 4 of 6 children started; host h1 was lost', retryable: true, operation: true };

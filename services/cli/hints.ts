@@ -12,6 +12,8 @@ export interface ErrorLike {
    * OperationFailedError), so the API answered and the call itself did not fail.
    */
   operation?: boolean;
+  /** The scheduler answered with this error (RpcError.answered): it is reachable, whatever failed behind it. */
+  answered?: boolean;
 }
 
 /** An operation that failed on the fleet for a reason of the fleet's (a host lost, a step timed out). */
@@ -55,6 +57,8 @@ export function hintFor(e: ErrorLike, api: string): string {
       if (/certificate|ssl|tls|handshake/i.test(e.message)) return "the scheduler's TLS certificate is not trusted: set FF_CA to its CA (the local fleet's is <fleet dir>/pki/ca.crt) or use --credentials";
       // The scheduler answered, but etcd did not: work already submitted goes on once it is back.
       if (/fleet store is unavailable/.test(e.message)) return 'the scheduler cannot reach etcd just now (`forkfleet fleet status` shows the local fleet\'s); an operation it accepted goes on: retry in a few seconds, and see what already ran with `forkfleet operation ls`';
+      // Answered: a host or a guest behind the scheduler, not the fleet's API.
+      if (e.answered) return 'the scheduler answered, but something behind it did not (a host agent, or the sandbox\'s guest): retry in a few seconds, and see the hosts with `forkfleet hosts ls`';
       return `is the fleet up at ${api}? start one with \`npm run fleet:up\` (or \`forkfleet fleet up\`), or point --api / FF_API at a scheduler`;
     case 'deadline_exceeded':
       return 'the call took too long; the operation may still finish: check with `forkfleet sandbox ls`, or retry with a larger --timeout';
@@ -85,10 +89,10 @@ export function hintFor(e: ErrorLike, api: string): string {
   }
 }
 
-/** Exit codes: 0 ok, 1 API error, 2 usage / invalid argument, 69 unavailable (EX_UNAVAILABLE). */
+/** Exit codes: 0 ok, 1 API error, 2 usage / invalid argument, 69 the fleet's API unreachable (EX_UNAVAILABLE). */
 export function exitCodeFor(e: ErrorLike): number {
   if (e.kind === 'invalid_argument') return 2;
-  if (e.kind === 'unavailable' && !e.operation) return 69;
+  if (e.kind === 'unavailable' && !e.operation && !e.answered) return 69;
   return 1;
 }
 

@@ -5,7 +5,7 @@ import { spawn, spawnSync } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
-import { Forkfleet, ForkfleetError, OperationFailedError, parseDuration } from '../sdk/index.ts';
+import { Forkfleet, ForkfleetError, OperationFailedError, parseDuration, RpcError } from '../sdk/index.ts';
 import type { CallOpts, EventInfo, HostInfo, OperationInfo, OperationKindName, OperationStateName, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
 import { OPERATION_KINDS, OPERATION_STATES } from '../sdk/index.ts';
 import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
@@ -651,7 +651,7 @@ export function buildProgram(): Command {
 function describeError(e: unknown, api: string): { kind: string; message: string; field: string | undefined; retryable: boolean; hint: string; exitCode: number } {
   if (e instanceof ForkfleetError) {
     const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
-    const like = { ...base, operation: e instanceof OperationFailedError };
+    const like = { ...base, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered };
     return { ...base, hint: hintFor(like, api), exitCode: exitCodeFor(like) };
   }
   const message = e instanceof Error ? e.message : String(e);
