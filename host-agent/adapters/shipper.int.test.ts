@@ -127,6 +127,21 @@ describe('ChunkStoreShipper.obtain', () => {
     expect(restarted.held().map((h) => [h.snapshotId, h.complete])).toEqual([['s1', false]]);
     expect(await restarted.holds('s1')).toBe(false);
   });
+
+  it('obtain_fromACachedImage_whileAStoredChunkIsMissing_restoresButDoesNotReportTheSnapshotComplete', async () => {
+    const { chunks, shipper } = await receiver('R-cached');
+    // Materialised (the image is cached), then a chunk goes (quarantined for another snapshot
+    // that shares it, or lost): a restore from the cached image reads no chunk.
+    await shipper.obtain('s1', undefined, () => undefined);
+    rmSync(chunks.pathOf(s1Digests[0]!));
+    const { shipper: restarted } = await receiver('R-cached', { keepStore: true });
+    expect(restarted.held().map((h) => [h.snapshotId, h.complete])).toEqual([['s1', false]]);
+    const { local } = await restarted.obtain('s1', undefined, () => undefined);
+    expect(readFileSync(join(local.dir, 'memory')).equals(readFileSync(memPath))).toBe(true);
+    // Peers would be sent here for that chunk: not a holder until it is back.
+    expect(restarted.held().map((h) => [h.snapshotId, h.complete])).toEqual([['s1', false]]);
+    expect(await restarted.holds('s1')).toBe(false);
+  });
 });
 
 describe('ChunkStoreShipper.ingest', () => {

@@ -305,7 +305,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
       await writeFile(tmp, data, { mode: 0o444 });
       await rename(tmp, target);
     }
-    if (!fetchedManifest) this.markComplete(snapshotId);
+    // Held complete only with every chunk here: a cached image is materialised without reading
+    // one (a chunk lost since, or quarantined for another snapshot that shares it, would go
+    // unnoticed), and peers are sent here for chunks.
+    if (!fetchedManifest && (await this.deps.chunks.missing([...manifestDigests(manifest)])).length === 0) this.markComplete(snapshotId);
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
   }
 
