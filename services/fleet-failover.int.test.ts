@@ -23,7 +23,7 @@ import { STREAM_WORK, workConsumer } from './adapters/nats/subjects.ts';
 import { status as Status } from '@grpc/grpc-js';
 import type { RpcError } from './adapters/grpc/status.ts';
 import type { SandboxRec } from './domain/records.ts';
-import { FAIL_ONCE_HOSTNAME, FAIL_SNAPSHOT_HOSTNAME } from '../loadtest/fake-agent/driver.ts';
+import { FAIL_ONCE_FINAL_HOSTNAME, FAIL_ONCE_HOSTNAME, FAIL_SNAPSHOT_HOSTNAME } from '../loadtest/fake-agent/driver.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
 import { create } from '@bufbuild/protobuf';
 import { HostWorkSchema } from './domain/messages.ts';
@@ -621,11 +621,12 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 120_000);
 
-  it('create_whoseHostAnswersARetryableFailure_isGivenUpOnThere_soALaterCopyOfItsStepMakesNoVm', async () => {
+  for (const [how, prefix, hostId] of [['ARetryableFailure', FAIL_ONCE_HOSTNAME, 'fake-once'], ['AFinalFailure', FAIL_ONCE_FINAL_HOSTNAME, 'fake-once-final']] as const) it(`create_whoseHostAnswers${how}_isGivenUpOnThere_soALaterCopyOfItsStepMakesNoVm`, async () => {
     await hostsSettled();
-    await ownHost('fake-once', 'once');
-    // The host's first create of this VM fails retryably (the agent does not journal that).
-    const op = await wait(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, hostname: `${FAIL_ONCE_HOSTNAME}-1`, placement: { hostId: 'fake-once' } }));
+    await ownHost(hostId, hostId);
+    // The host's first create of this VM fails (a retryable failure is not journalled by the
+    // agent; a restore a restarted agent ran again keeps what its first run made).
+    const op = await wait(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, hostname: `${prefix}-1`, placement: { hostId } }));
     expect(op.state).toBe(OperationState.FAILED);
     const sandboxId = op.targetId;
     expect((await store.getSandbox(tenantId, sandboxId))?.value.state).toBe('failed');
@@ -635,12 +636,13 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     try {
       const bus = await NatsWorkBus.create(nc);
       await sleep(500);
-      await bus.sendWork('fake-once', create(HostWorkSchema, { opId: op.id, stepId: 'create', attempt: 9, tenantId, work: { case: 'createVm', value: { vm: { sandboxId, hostname: `${FAIL_ONCE_HOSTNAME}-1`, resources: { vcpus: 1, memoryMib: 256n, diskMib: 0n } }, image: 'tiny' } as never } }));
+      // A new op id: a final failure's step is answered from the journal, this one runs anew.
+      await bus.sendWork(hostId, create(HostWorkSchema, { opId: op.id, stepId: 'create-copy', attempt: 9, tenantId, work: { case: 'createVm', value: { vm: { sandboxId, hostname: `${prefix}-1`, resources: { vcpus: 1, memoryMib: 256n, diskMib: 0n } }, image: 'tiny' } as never } }));
       await sleep(1500);
     } finally {
       await nc.close();
     }
-    expect(fakes.flatMap((f) => f.vms().get('fake-once') ?? []).map((v) => v.sandboxId)).not.toContain(sandboxId);
+    expect(fakes.flatMap((f) => f.vms().get(hostId) ?? []).map((v) => v.sandboxId)).not.toContain(sandboxId);
     await assertConsistent();
   }, 60_000);
 

@@ -38,6 +38,9 @@ export const FAIL_CREATE_HOSTNAME = 'fake-fail-create';
 /** VMs whose hostname starts with this fail their first create with a retryable error, and are made by the next (a fault for tests). */
 export const FAIL_ONCE_HOSTNAME = 'fake-fail-once';
 
+/** As FAIL_ONCE_HOSTNAME, with an error that is not retryable (the agent journals it). */
+export const FAIL_ONCE_FINAL_HOSTNAME = 'fake-final-once';
+
 const sleep = (ms: number): Promise<void> => (ms > 0 ? new Promise((r) => setTimeout(r, ms)) : Promise.resolve());
 
 export class FakeVmmDriver implements VmmDriver {
@@ -120,9 +123,10 @@ export class FakeVmmDriver implements VmmDriver {
   async create(spec: CreateVmSpec): Promise<VmInfo> {
     await sleep(this.latency.createMs);
     if (spec.hostname?.startsWith(FAIL_CREATE_HOSTNAME)) throw new ForkfleetError('internal', `fake VM ${spec.vmId} cannot be created (hostname ${spec.hostname})`);
-    if (spec.hostname?.startsWith(FAIL_ONCE_HOSTNAME) && !this.failedOnce.has(spec.vmId)) {
+    const once = spec.hostname?.startsWith(FAIL_ONCE_HOSTNAME) ? 'unavailable' : spec.hostname?.startsWith(FAIL_ONCE_FINAL_HOSTNAME) ? 'internal' : undefined;
+    if (once && !this.failedOnce.has(spec.vmId)) {
       this.failedOnce.add(spec.vmId);
-      throw new ForkfleetError('unavailable', `fake VM ${spec.vmId}: first create fails (hostname ${spec.hostname})`, { retryable: true });
+      throw new ForkfleetError(once, `fake VM ${spec.vmId}: first create fails (hostname ${spec.hostname})`, { retryable: once === 'unavailable' });
     }
     return this.save({
       vmId: spec.vmId,

@@ -243,14 +243,16 @@ const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'pa
 const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
 
 /**
- * A start that failed this way may still make its VM on its host: one not answered in time or
- * whose host went silent; or one whose host answered a retryable failure, which the agent does
- * not journal, so another copy of the same step (a re-send after an agent restart, a JetStream
- * redelivery) would run it again. Such a start's failure is followed by a stop, which the agent
- * also records as "given up", so a later copy is refused.
+ * A start that failed this way may have, or may still make, a VM on its host: one not answered
+ * in time or whose host went silent; one whose host answered a retryable failure, which the
+ * agent does not journal, so another copy of the same step (a re-send after an agent restart, a
+ * JetStream redelivery) would run it again; or any failed restore step that a restarted agent
+ * ran again, which keeps the VMs the first run had made and restores only the rest. Such a
+ * start's failure is followed by a stop (a no-op where there is no VM), which the agent also
+ * records as "given up", so a later copy is refused.
  */
 function givenUpMayStillStart(e: unknown): boolean {
-  return e instanceof StepTimeoutError || e instanceof HostLostError || (e instanceof HostStepError && e.retryable);
+  return e instanceof StepTimeoutError || e instanceof HostLostError || e instanceof HostStepError;
 }
 
 /** A lost sandbox's VM came back on a host that has since been booked full: it is not taken back (capacityIfRoom). */
