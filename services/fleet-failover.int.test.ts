@@ -646,6 +646,28 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 60_000);
 
+  it('fork_whoseHostWasToldToGiveAChildUp_failsThatChild_andDoesNotRecordItRunningWithNoVm', async () => {
+    await hostsSettled();
+    const { sandboxId: sourceId } = await hostWithSandbox('fake-gaveup', 'gaveup', { FF_FAKE_SNAPSHOT_MS: '2000' });
+    const op = await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'sandboxId', value: sourceId }, count: 2, placement: { hostId: 'fake-gaveup' } });
+    const childIds = ((await store.getOp(tenantId, op.id))?.value.input as { childIds: string[] }).childIds;
+    // While the source is snapshotted, the host is told to give the first child up for this op
+    // (as it is when a child it was starting is placed elsewhere, then back on it).
+    const nc = await (await import('nats')).connect({ servers: nats.url });
+    try {
+      const bus = await NatsWorkBus.create(nc);
+      await bus.sendWork('fake-gaveup', create(HostWorkSchema, { opId: op.id, stepId: `stop-replaced/${childIds[0]}`, attempt: 1, tenantId, work: { case: 'destroyVm', value: { sandboxId: childIds[0]! } as never } }));
+    } finally {
+      await nc.close();
+    }
+    const final = await wait(api, op);
+    expect(final.state).toBe(OperationState.FAILED);
+    expect(final.error?.message).toContain('1 of 2');
+    expect((await store.getSandbox(tenantId, childIds[0]!))?.value.state).toBe('failed');
+    expect((await store.getSandbox(tenantId, childIds[1]!))?.value.state).toBe('running');
+    await assertConsistent();
+  }, 60_000);
+
   it('fork_whoseChildIsDestroyedDuringItsRestore_runsTheOthers_andLeavesNoVmOfTheDestroyedOne', async () => {
     // Four children on a host of their own: its restore takes ~600 ms (150 ms per VM).
     const slow = await ownHost('fake-s', 'slow', { FF_FAKE_RESTORE_MS_PER_VM: '150' });

@@ -2676,6 +2676,8 @@ export class Executor {
     const done = new Map<string, Promise<boolean>>();
     /** Hosts whose restore step failed (not what came after it: marking the children running). */
     const stepFailed = new Set<string>();
+    /** Children a host's answer did not list: it did not start them (it had been told to give them up). */
+    const notStarted: Array<{ hostId: string; children: Array<{ rec: SandboxRec; rev: number }>; error: unknown; stepFailed: boolean }> = [];
     const runHost = (hostId: string): Promise<boolean> => {
       const existingRun = done.get(hostId);
       if (existingRun) return existingRun;
@@ -2700,8 +2702,15 @@ export class Executor {
           stepFailed.add(hostId);
           throw e;
         }
-        await this.markRunning(mine.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
-        onRunning(mine.map((c) => c.rec.id));
+        // Only the children the host says it runs: one it had been told to stop for this op
+        // (a child placed there again after it was moved off) is skipped there, and recorded
+        // running it would be a sandbox with no VM.
+        const listed = new Set(restored.vms.map((v) => v.sandboxId));
+        const started = mine.filter((c) => listed.has(c.rec.id));
+        const skipped = mine.filter((c) => !listed.has(c.rec.id));
+        if (skipped.length > 0) notStarted.push({ hostId, children: skipped, error: new HostStepError(hostId, stepId, 'failed_precondition', `host ${hostId} did not start ${skipped.map((c) => c.rec.id).join(', ')} (it had been told to give ${skipped.length === 1 ? 'it' : 'them'} up)`, false), stepFailed: true });
+        if (started.length > 0) await this.markRunning(started.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
+        onRunning(started.map((c) => c.rec.id));
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld) await this.addHolder(op.tenantId, snapshotId, hostId);
         return true;
       })();
@@ -2710,7 +2719,7 @@ export class Executor {
     };
     const hosts = [...byHost.keys()];
     const outcomes = await Promise.allSettled(hosts.map((h) => runHost(h)));
-    return outcomes.flatMap((o, i) => (o.status === 'rejected' ? [{ hostId: hosts[i]!, children: byHost.get(hosts[i]!)!, error: o.reason as unknown, stepFailed: stepFailed.has(hosts[i]!) }] : []));
+    return [...outcomes.flatMap((o, i) => (o.status === 'rejected' ? [{ hostId: hosts[i]!, children: byHost.get(hosts[i]!)!, error: o.reason as unknown, stepFailed: stepFailed.has(hosts[i]!) }] : [])), ...notStarted];
   }
 
   /**
