@@ -40,7 +40,7 @@ const HOSTS = ['fake-1', 'fake-2', 'fake-3', 'fake-4'];
  * answer is lost or that etcd3 retries after it applied; or, with the answer lost, a commit
  * that marks a restored child running, or one that switches a migrated sandbox to its new host.
  */
-type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost' | 'switch-answer-lost' | 'snapshot-create-retried' | 'failed-not-applied';
+type Fault = 'answer-lost' | 'applied-then-retried' | 'running-answer-lost' | 'switch-answer-lost' | 'snapshot-create-retried' | 'failed-not-applied' | 'placed-then-snapshot-deleting';
 
 const isSandbox = (w: StoreWrite, p: (sb: Extract<StoreWrite, { kind: 'sandbox' }>['value']) => boolean): boolean => w.kind === 'sandbox' && p(w.value);
 const placement = (w: StoreWrite): boolean => isSandbox(w, (sb) => sb.state === 'starting') && w.expectRevision !== undefined;
@@ -51,6 +51,7 @@ const targets: Record<Fault, (w: StoreWrite) => boolean> = {
   'switch-answer-lost': (w) => isSandbox(w, (sb) => sb.stateReason.startsWith('migrated from')),
   'snapshot-create-retried': (w) => w.kind === 'snapshot' && w.value.state === 'creating' && w.expectRevision === 0,
   'failed-not-applied': (w) => isSandbox(w, (sb) => sb.state === 'failed'),
+  'placed-then-snapshot-deleting': (w) => isSandbox(w, (sb) => sb.state === 'running' && sb.sourceSnapshotId !== '' && sb.stateReason === ''),
 };
 
 /** The store, but the next commit `armed.fault` names applies and then fails as it says. */
@@ -62,6 +63,14 @@ function faulty(store: FleetStore, armed: { fault?: Fault; hit: number }): Fleet
     armed.hit++;
     // etcd was unreachable: nothing applied.
     if (fault === 'failed-not-applied') throw new StoreUnavailableError('write', new Error('etcd unreachable (injected)'));
+    // The children's restore answered, but marking them running meets an outage (nothing
+    // applied), and meanwhile a delete of their snapshot began (its record says deleting).
+    if (fault === 'placed-then-snapshot-deleting') {
+      const sbw = writes.find((w) => w.kind === 'sandbox');
+      const sn = sbw?.kind === 'sandbox' ? await store.getSnapshot(sbw.value.tenantId, sbw.value.sourceSnapshotId) : undefined;
+      if (sn) await store.commit([{ kind: 'snapshot', value: { ...sn.value, state: 'deleting' }, expectRevision: sn.modRevision }]);
+      throw new StoreUnavailableError('write', new Error('etcd unreachable (injected)'));
+    }
     const rev = await store.commitAt(writes, fence);
     expect(rev).toBeGreaterThan(0);
     // etcd applied it; the answer never arrived:
@@ -144,6 +153,24 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
       await assertBookedOnce();
     }, 90_000);
   }
+
+  it('fork_whoseSnapshotStartsDeletingWhileItIsRunAgainAfterAnOutage_startsItsPlacedChildren_notLeavesThemStarting', async () => {
+    armed.fault = 'placed-then-snapshot-deleting';
+    const hits = armed.hit;
+    try {
+      const op = await wait(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2 }));
+      expect(armed.hit).toBe(hits + 1);
+      expect(op.state, op.error?.message).toBe(OperationState.SUCCEEDED);
+      const ids = op.result.case === 'fork' ? op.result.value.children.map((c) => c.id) : [];
+      expect(ids).toHaveLength(2);
+      expect(await Promise.all(ids.map(async (id) => (await store.getSandbox(tenantId, id))?.value.state))).toEqual(['running', 'running']);
+      await assertBookedOnce();
+    } finally {
+      // The delete never ran: the shared snapshot is ready again for the other tests.
+      const sn = await store.getSnapshot(tenantId, snapshotId);
+      if (sn && sn.value.state !== 'ready') await store.commit([{ kind: 'snapshot', value: { ...sn.value, state: 'ready' }, expectRevision: sn.modRevision }]);
+    }
+  }, 90_000);
 
   it('snapshot_whoseRecordsCreateIsRetriedAfterItApplied_isTakenAndReady_notLeftCreating', async () => {
     const made = await wait(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }));

@@ -1698,7 +1698,9 @@ export class Executor {
       // The store's outcome is unknown: run() runs the op again (failing it would need the store too).
       if (e instanceof StoreUnavailableError) throw e;
       this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
-      await this.finish(op, null, errorOf(e), undefined, op.kind === 'drain' ? this.drainEnded(op) : undefined);
+      // A fork that placed its children keeps listing them (each in the state it ended in).
+      const placed = op.kind === 'fork' ? this.ops.get(op.id)?.value.result?.sandboxIds : undefined;
+      await this.finish(op, placed ? { sandboxIds: placed } : null, errorOf(e), undefined, op.kind === 'drain' ? this.drainEnded(op) : undefined);
     }
   }
 
@@ -1917,7 +1919,15 @@ export class Executor {
     }
   }
 
-  private async failSandbox(sb: SandboxRec, e: unknown): Promise<void> {
+  /** A placed fork that cannot go on: its children still starting fail (each stopped on its host, where a restore may have begun). */
+  private async failStartingChildren(op: OperationRec, e: unknown): Promise<void> {
+    for (const id of (this.ops.get(op.id)?.value ?? op).result?.sandboxIds ?? []) {
+      const v = await this.deps.store.getSandbox(op.tenantId, id);
+      if (v?.value.state === 'starting' && v.value.opId === op.id) await this.failSandbox(v.value, e, true);
+    }
+  }
+
+  private async failSandbox(sb: SandboxRec, e: unknown, stop = false): Promise<void> {
     const now = this.deps.clock.now();
     const message = e instanceof Error ? e.message : String(e);
     const hostId = sb.hostId;
@@ -1951,7 +1961,7 @@ export class Executor {
       // only if the record is gone.
       if (!(await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => 'unknown' as const))) await this.releaseCapacity(hostId, sb.resources);
     });
-    if (hostId && !deposed && this.active && givenUpMayStillStart(e)) {
+    if (hostId && !deposed && this.active && (stop || givenUpMayStillStart(e))) {
       void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start given up on');
     }
   }
@@ -2470,7 +2480,11 @@ export class Executor {
     // an earlier run started is finished first (below), so its record does not stay
     // `creating`; it stays, with its retention.
     if (!placedBefore && !input.forkSnapshotId) this.stopIfCancelled(op);
-    if (!snapshotId) {
+    if (!snapshotId && placedBefore && input.forkSnapshotId) {
+      // Its children are placed from that snapshot already (a re-run): it is not taken again,
+      // whatever its record says now.
+      snapshotId = input.forkSnapshotId;
+    } else if (!snapshotId) {
       const id = input.forkSnapshotId || newId('sn');
       if (!input.forkSnapshotId) {
         await this.updateOp(op.tenantId, op.id, (o) => {
@@ -2481,7 +2495,15 @@ export class Executor {
       snapshotId = (await this.snapshotOf(op, input.sandboxId, id, { retentionTtlMs: input.snapshotRetention?.ttlMs ?? null, keepLast: input.snapshotRetention?.keepLast ?? 0 })).id;
     }
     const snv = await this.readSnapshot(op.tenantId, snapshotId);
-    if (!snv || snv.value.state !== 'ready') throw new NotFoundError('snapshot', snapshotId);
+    // A re-run whose children are placed (they are booked, and `starting`) goes on while the
+    // snapshot's record is there in any state: a delete that began meanwhile finds them using
+    // it and keeps it. Gone (or failed), its children fail rather than stay starting for good.
+    const usable = snv && (snv.value.state === 'ready' || (placedBefore && snv.value.state !== 'deleted' && snv.value.state !== 'failed'));
+    if (!usable) {
+      const gone = new NotFoundError('snapshot', snapshotId);
+      if (placedBefore) await this.failStartingChildren(op, gone);
+      throw gone;
+    }
     const sn = snv.value;
     const source = sn.sourceSandboxId ? (await this.deps.store.getSandbox(op.tenantId, sn.sourceSandboxId))?.value : undefined;
     const resources: ResourcesRec = source?.resources ?? { vcpus: sn.vmConfig?.vcpus ?? 1, memoryMib: sn.vmConfig?.memoryMib ?? 256, diskMib: 1024 };
