@@ -221,6 +221,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
     if (failed !== undefined && !(await this.deps.manifests.get(snapshotId))) throw failed;
   }
 
+  lease(snapshotId: string, holder: string): { release(): void } {
+    return this.deps.roots.lease(snapshotId, holder);
+  }
+
   async obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }> {
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
     if (await exists(join(own, 'manifest.json'))) return { local: await this.deps.driver.openSnapshot(own), bytesFetched: 0 };

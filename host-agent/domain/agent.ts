@@ -90,6 +90,12 @@ export interface SnapshotShipper {
   storedBytes(): number;
   /** Restore by migration (ADR 0015), optional: is the snapshot on this host? */
   holds?(snapshotId: string): Promise<boolean>;
+  /**
+   * Keeps the snapshot's files (its materialised image) from GC until release: taken by a
+   * restore from before obtain() until its VMs run from them (the driver then counts them as
+   * users), since an image whose fetch is not durable yet is otherwise only kept while in use.
+   */
+  lease?(snapshotId: string, holder: string): { release(): void };
   /** Restore by migration: the verified manifest and the disk layer of a snapshot held elsewhere. */
   incomingSource?(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSnapshot>;
   /** Restore by migration: a source's stream, arriving on a connection to `listenHost`, handed to `load`. */
@@ -505,11 +511,16 @@ export class Agent {
           const held = shipper.holds ? await shipper.holds(snapshotId) : shipper.held().some((h) => h.snapshotId === snapshotId && h.complete);
           if (!held) result.snapshotNotHeld = true;
         } else {
-          const { local, bytesFetched } = await shipper.obtain(snapshotId, work.value.fetch, (done, total) =>
-            this.deps.bus.publishEvent(this.event(HostEventType.TRANSFER_PROGRESS, { snapshotId, opId: w.opId, bytesDone: BigInt(done), bytesTotal: BigInt(total) })),
-          );
-          result.bytesFetched = BigInt(bytesFetched);
-          if (clones.length) made = await driver.fork(local, clones);
+          const lease = shipper.lease?.(snapshotId, `restore/${w.opId}/${w.stepId}`);
+          try {
+            const { local, bytesFetched } = await shipper.obtain(snapshotId, work.value.fetch, (done, total) =>
+              this.deps.bus.publishEvent(this.event(HostEventType.TRANSFER_PROGRESS, { snapshotId, opId: w.opId, bytesDone: BigInt(done), bytesTotal: BigInt(total) })),
+            );
+            result.bytesFetched = BigInt(bytesFetched);
+            if (clones.length) made = await driver.fork(local, clones);
+          } finally {
+            lease?.release();
+          }
           if (made.length) this.recordRestore(Math.min(...made.map((v) => v.readyMs)));
         }
         // A VM an earlier delivery of this step made (the agent died before its result) gets

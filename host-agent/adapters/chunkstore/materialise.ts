@@ -243,8 +243,9 @@ export class Materialiser {
       // Stored since the list above (a fetch's manifest lands after its image)?
       if (await this.deps.manifests.get(id)) continue;
       // Checked again in the same turn as the rename below: a build or use that starts after
-      // it finds no image and makes a new one.
-      if (this.building.has(id) || inUse(id)) continue;
+      // it finds no image and makes a new one. A lease taken since the list above (a restore
+      // that is about to map the image) keeps it too.
+      if (this.building.has(id) || inUse(id) || this.deps.roots.holders(id).length > 0) continue;
       // Out of images/ in one rename first: a kill during the recursive rm must not leave a
       // partial image where a cache hit would take it for whole (images-tmp/ is wiped at start).
       const doomed = join(this.tmpDir, `pruned-${id}-${randomBytes(4).toString('hex')}`);

@@ -118,6 +118,22 @@ describe('content-addressed snapshot store', () => {
     await expect(s.mat.materialise('s1')).rejects.toBeInstanceOf(ManifestInvalidError);
   });
 
+  it('prune_keepsAnImageLeasedWhileItRuns_andRemovesItOnceTheLeaseIsReleased', async () => {
+    const s = setup('lease-prune');
+    const mem = join(dir, 'lease-prune.img');
+    image(mem, 2 * CS, { 0: textBytes(CS, 5) });
+    await s.ingest('s1', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }]);
+    await s.mat.materialise('s1');
+    // No manifest (a fetch not durable yet): the image stays only while something uses it.
+    await s.manifests.delete('s1');
+    // A restore leases it while the prune runs (after the prune listed what to keep).
+    let lease: { release(): void } | undefined;
+    expect(await s.mat.prune((id) => ((lease ??= s.roots.lease(id, 'restore/op-1')), false))).toEqual([]);
+    expect(readdirSync(join(s.root, 'images'))).toEqual(['s1']);
+    lease!.release();
+    expect(await s.mat.prune()).toEqual(['s1']);
+  });
+
   it('gc_afterDeletingSnapshot_freesExactlyTheChunksNothingElseReaches', async () => {
     const s = setup('gc');
     const base: Record<number, Buffer> = {};
