@@ -1,7 +1,7 @@
-import { describe, expect, it } from 'vitest';
+import { describe, expect, it, vi } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
-import { fleetViewInput, HeartbeatRegistry } from './fleet-view.ts';
+import { fleetViewInput, HeartbeatRegistry, livenessOf } from './fleet-view.ts';
 import type { HostRec, SnapshotRec } from './records.ts';
 
 const host = (id: string): HostRec => ({
@@ -68,5 +68,34 @@ describe('holdings in the view', () => {
     expect(heard.vm('a', 'sb-1')).toBeUndefined();
     expect(heard.holds('a', 'sn-1')).toBe(false);
     expect(heard.vm('nobody', 'sb-1')).toBeUndefined();
+  });
+});
+
+describe('liveness across wall clock steps', () => {
+  const cfg = { suspectAfterMs: 5_000, lostAfterMs: 15_000 };
+
+  it('livenessOf_aHostHeardJustNow_staysReadyWhenTheWallClockStepsAMinuteForward_andGoesLostWhenItIsSilentLongEnough_afterAnHourBack', () => {
+    const heard = new HeartbeatRegistry();
+    heard.record(create(HeartbeatSchema, { hostId: 'h', bootId: 'b' }), Date.now());
+    const wall = Date.now();
+    const mono = performance.now();
+    const dateNow = vi.spyOn(Date, 'now');
+    const perfNow = vi.spyOn(performance, 'now');
+    try {
+      // NTP steps the clock a minute forward; only a second has really passed.
+      dateNow.mockReturnValue(wall + 61_000);
+      perfNow.mockReturnValue(mono + 1_000);
+      expect(livenessOf(heard.get('h')?.heardAt, Date.now(), cfg)).toBe('ready');
+      // An hour back instead, and then 20 s of silence: lost, not ready for an hour.
+      dateNow.mockReturnValue(wall - 3_600_000 + 20_000);
+      perfNow.mockReturnValue(mono + 20_000);
+      expect(livenessOf(heard.get('h')?.heardAt, Date.now(), cfg)).toBe('lost');
+    } finally {
+      dateNow.mockRestore();
+      perfNow.mockRestore();
+    }
+    // With no step, the time heard is the time recorded, to the millisecond.
+    heard.record(create(HeartbeatSchema, { hostId: 'h2', bootId: 'b' }), 12_345);
+    expect(heard.get('h2')?.heardAt).toBe(12_345);
   });
 });

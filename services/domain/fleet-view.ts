@@ -14,10 +14,40 @@ export interface LivenessConfig {
 
 export interface HeardHost {
   hb: HeartbeatMsg;
-  /** Local receive time (ms). */
-  heardAt: number;
-  /** When this replica first heard the host's current boot id after another one (ms); 0 if it never saw it change. */
-  bootChangedAt: number;
+  /** Local receive time (ms), on the wall clock as it reads now (see HeartbeatRegistry). */
+  readonly heardAt: number;
+  /** When this replica first heard the host's current boot id after another one (ms, as heardAt); 0 if it never saw it change. */
+  readonly bootChangedAt: number;
+}
+
+/** How far the wall clock is ahead of the monotonic one: it changes only when the wall clock is stepped. */
+const wallOffset = (): number => Date.now() - performance.now();
+
+/**
+ * A heartbeat and when it was heard. The times are kept with the wall clock's offset from the
+ * monotonic clock at the time, and read back shifted by any step of the wall clock since
+ * (an NTP correction, an operator's `date -s`): ages taken against the wall clock's `now`
+ * stay true. Without this, a step forward of more than FF_HOST_LOST_AFTER marked every host
+ * lost at once, with all their sandboxes, and a step back kept dead hosts ready for as long.
+ */
+class Heard implements HeardHost {
+  private readonly offset = wallOffset();
+  constructor(
+    readonly hb: HeartbeatMsg,
+    private readonly at: number,
+    private readonly bootAt: number,
+  ) {}
+  get heardAt(): number {
+    return this.at + this.stepped();
+  }
+  get bootChangedAt(): number {
+    return this.bootAt === 0 ? 0 : this.bootAt + this.stepped();
+  }
+  /** The wall clock's steps since this was heard (ms); under a second is read jitter, not a step. */
+  private stepped(): number {
+    const d = wallOffset() - this.offset;
+    return Math.abs(d) < 1000 ? 0 : Math.round(d);
+  }
 }
 
 export function livenessOf(heardAt: number | undefined, now: number, cfg: LivenessConfig): HostState {
@@ -34,7 +64,7 @@ export class HeartbeatRegistry {
   record(hb: HeartbeatMsg, now: number): { isNew: boolean; restarted: boolean } {
     const prev = this.hosts.get(hb.hostId);
     const restarted = prev !== undefined && prev.hb.bootId !== hb.bootId;
-    this.hosts.set(hb.hostId, { hb, heardAt: now, bootChangedAt: restarted ? now : (prev?.bootChangedAt ?? 0) });
+    this.hosts.set(hb.hostId, new Heard(hb, now, restarted ? now : (prev?.bootChangedAt ?? 0)));
     return { isNew: prev === undefined, restarted };
   }
 
