@@ -681,6 +681,8 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const destroy = await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: gone });
     const f = await wait(api, fork);
     expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+    // Three started: the destroyed one is not counted.
+    expect(f.progress?.done).toBe(3);
     expect((await wait(api, destroy)).state).toBe(OperationState.SUCCEEDED);
     for (const k of kids.slice(1)) expect((await store.getSandbox(tenantId, k.id))?.value.state).toBe('running');
     expect((await store.getSandbox(tenantId, gone))?.value.state).toBe('destroyed');

@@ -1573,7 +1573,8 @@ export class Executor {
    * revisions the caller knows (group-committed with other hosts' batches); falls back to one
    * guarded update each after a conflict.
    */
-  private async markRunning(sbs: ReadonlyArray<{ rec: SandboxRec; rev: number }>): Promise<void> {
+  /** Marks the children running; resolves with the ids it did (not those that moved on meanwhile). */
+  private async markRunning(sbs: ReadonlyArray<{ rec: SandboxRec; rev: number }>): Promise<string[]> {
     const now = this.deps.clock.now();
     const writes: StoreWrite[] = sbs.map(({ rec, rev }) => {
       // A shallow copy: only top-level fields change (setState, opId, updatedAt).
@@ -1583,13 +1584,15 @@ export class Executor {
       next.updatedAt = now;
       return { kind: 'sandbox', value: next, expectRevision: rev };
     });
-    if (writes.length && (await this.commitGrouped(writes))) return;
+    if (writes.length && (await this.commitGrouped(writes))) return sbs.map((c) => c.rec.id);
+    const marked: string[] = [];
     for (const { rec } of sbs) {
       try {
         await this.updateSandbox(rec.tenantId, rec.id, (s) => {
           this.setState(s, 'running', now, rec.stateReason);
           s.opId = '';
         });
+        marked.push(rec.id);
       } catch (e) {
         if (!(e instanceof WrongStateError) && !(e instanceof NotFoundError)) throw e;
         // Moved on while its restore ran (destroyed by its user, failed by a timeout): the
@@ -1599,6 +1602,7 @@ export class Executor {
         void this.sendHostWork(rec.hostId, `moved-on-${rec.id}`, rec.tenantId, `stop/${rec.id}`, stopVm(rec.id), 'could not stop the VM of a child that moved on during its restore');
       }
     }
+    return marked;
   }
 
   private prefs(p: PlacementPrefs | undefined): PlacementRequest['preferences'] {
@@ -2731,8 +2735,8 @@ export class Executor {
         const started = mine.filter((c) => listed.has(c.rec.id));
         const skipped = mine.filter((c) => !listed.has(c.rec.id));
         if (skipped.length > 0) notStarted.push({ hostId, children: skipped, error: new HostStepError(hostId, stepId, 'failed_precondition', `host ${hostId} did not start ${skipped.map((c) => c.rec.id).join(', ')} (it had been told to give ${skipped.length === 1 ? 'it' : 'them'} up)`, false), stepFailed: true });
-        if (started.length > 0) await this.markRunning(started.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } })));
-        onRunning(started.map((c) => c.rec.id));
+        // Counted as started only if recorded running (not a child destroyed while it restored).
+        onRunning(started.length > 0 ? await this.markRunning(started.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } }))) : []);
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld) await this.addHolder(op.tenantId, snapshotId, hostId);
         return true;
       })();
