@@ -1,3 +1,5 @@
+import { ForkfleetError } from '../../../proto/errors.ts';
+
 /**
  * A push-driven async iterable: producers push, one consumer iterates. Used to feed
  * request streams (client and bidi calls) from code that reacts to responses, e.g. sending
@@ -74,6 +76,11 @@ export function readableItems<T>(stream: NodeJS.ReadableStream & NodeJS.EventEmi
   });
   stream.once('error', (e: unknown) => {
     if (!q.isEnded) q.fail(e);
+  });
+  // A call the client cancelled (or lost) is destroyed without 'end' or 'error': the reader
+  // would wait for ever, and whatever it holds (an upload's pieces) with it.
+  stream.once('close', () => {
+    if (!q.isEnded) q.fail(new ForkfleetError('cancelled', 'the client went away before the end of its stream'));
   });
   return {
     [Symbol.asyncIterator]() {

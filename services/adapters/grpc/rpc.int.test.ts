@@ -6,6 +6,7 @@ import type { EchoRequest } from '../../../proto/gen/forkfleet/testing/v1/echo_p
 import { ForkfleetError, InvalidArgumentError } from '../../../proto/errors.ts';
 import type { ErrorKind } from '../../../proto/errors.ts';
 import { createClient, register } from './rpc.ts';
+import { waitFor } from '../../testkit/proc.ts';
 import type { Client, CallContext } from './rpc.ts';
 import { AsyncQueue } from './queue.ts';
 import { RpcError } from './status.ts';
@@ -32,6 +33,7 @@ describe('gRPC adapter: protobuf-es services on grpc-js', () => {
   let server: RunningGrpcServer;
   let client: Client<(typeof EchoService)['method']>;
   const cancelledOnServer: string[] = [];
+  const clientStreamsSettled: string[] = [];
   const errorsSeen: unknown[] = [];
 
   beforeAll(async () => {
@@ -58,17 +60,28 @@ describe('gRPC adapter: protobuf-es services on grpc-js', () => {
           },
           async echoClientStream(reqs: AsyncIterable<EchoRequest>) {
             const parts: string[] = [];
-            for await (const r of reqs) {
-              maybeFail(r);
-              parts.push(r.message);
+            try {
+              for await (const r of reqs) {
+                maybeFail(r);
+                parts.push(r.message);
+              }
+            } finally {
+              // What a handler holds for the stream (an upload's pieces) is let go on every path.
+              clientStreamsSettled.push(parts.join('+'));
             }
             return { message: parts.join('+'), index: parts.length };
           },
           async *echoBidi(reqs: AsyncIterable<EchoRequest>) {
             let i = 0;
-            for await (const r of reqs) {
-              maybeFail(r);
-              yield { message: r.message.toUpperCase(), index: i++ };
+            const seen: string[] = [];
+            try {
+              for await (const r of reqs) {
+                maybeFail(r);
+                seen.push(r.message);
+                yield { message: r.message.toUpperCase(), index: i++ };
+              }
+            } finally {
+              clientStreamsSettled.push(seen.join('+'));
             }
           },
         }),
@@ -208,6 +221,37 @@ describe('gRPC adapter: protobuf-es services on grpc-js', () => {
     endRequests();
     await new Promise((r) => setTimeout(r, 200));
     expect(cancelledOnServer).toContain('closed-slow');
+  });
+
+  it('bidiStream_whoseClientGoesAwayMidStream_endsTheHandlersLoop_soItsFinallyRuns', async () => {
+    const ac = new AbortController();
+    let more: () => void = () => undefined;
+    const reqs = (async function* () {
+      yield { message: 'bidi-gone-1' };
+      await new Promise<void>((r) => (more = r));
+    })();
+    const it = client.echoBidi(reqs, { signal: ac.signal })[Symbol.asyncIterator]();
+    expect((await it.next()).value).toMatchObject({ message: 'BIDI-GONE-1' });
+    ac.abort();
+    await it.next().catch(() => undefined);
+    await waitFor('the handler let go', async () => clientStreamsSettled.includes('bidi-gone-1'), 5_000, 20);
+    more();
+  });
+
+  it('clientStream_whoseClientGoesAwayMidStream_endsTheHandlersLoop_soItsFinallyRuns', async () => {
+    const ac = new AbortController();
+    let more: () => void = () => undefined;
+    const reqs = (async function* () {
+      yield { message: 'gone-1' };
+      await new Promise<void>((r) => (more = r));
+      yield { message: 'never' };
+    })();
+    const call = client.echoClientStream(reqs, { signal: ac.signal }).catch((x: unknown) => x);
+    await new Promise((r) => setTimeout(r, 100));
+    ac.abort();
+    expect(((await call) as RpcError).code).toBe(Status.CANCELLED);
+    await waitFor('the handler let go', async () => clientStreamsSettled.includes('gone-1'), 5_000, 20);
+    more();
   });
 
   it('health_reportsServingForTheService', async () => {
