@@ -255,6 +255,9 @@ const PROBE_VM_PREFIX = 'kvmprobe-';
 /** How often recover() tries to adopt a live VM before it reaps it (a second apart, then two). */
 const ADOPT_ATTEMPTS = 3;
 
+/** VMs recover() adopts or reaps at once. */
+const RECOVER_CONCURRENCY = 4;
+
 /** How long a template snapshot waits for the guest-agent calls queued before it to be answered (GuestAgentClient.hold). */
 const HOLD_WAIT_MS = 10_000;
 
@@ -1732,8 +1735,10 @@ export class QemuVmmDriver implements VmmDriver {
     const report: RecoveryReport = { adopted: [], reaped: [] };
     /** Adopted guests ending the previous agent's execs, all at once: awaited before recover() returns, so no exec of ours overlaps them. */
     const reaping: Array<Promise<void>> = [];
-    for (const vmId of await readdir(this.vmsDir).catch(() => [] as string[])) {
-      if (this.vms.has(vmId)) continue;
+    // A few VMs at a time: one whose QMP is slow to answer may take its adopt's retries
+    // (adoptOrGiveUp, up to ~18 s), and the agent heartbeats only once recover() is done.
+    const queue = (await readdir(this.vmsDir).catch(() => [] as string[])).filter((vmId) => !this.vms.has(vmId));
+    const one = async (vmId: string): Promise<void> => {
       const workdir = join(this.vmsDir, vmId);
       let persisted = await readFile(join(workdir, 'vm.json'), 'utf8')
         .then((s) => JSON.parse(s) as VmPersisted)
@@ -1753,7 +1758,7 @@ export class QemuVmmDriver implements VmmDriver {
         if (reaped !== false) {
           if (reaped) reaping.push(reaped);
           report.adopted.push(vmId);
-          continue;
+          return;
         }
       }
       // No vm.json yet: it may be a claimed standby (incoming ones wait for their stream so),
@@ -1761,7 +1766,14 @@ export class QemuVmmDriver implements VmmDriver {
       await this.reapWorkdir(workdir, launched ?? this.standbyDir);
       if (launched) await rm(launched, { force: true });
       report.reaped.push(vmId);
-    }
+    };
+    await Promise.all(
+      Array.from({ length: Math.min(RECOVER_CONCURRENCY, queue.length) }, async () => {
+        for (let vmId = queue.shift(); vmId !== undefined; vmId = queue.shift()) await one(vmId);
+      }),
+    );
+    report.adopted.sort();
+    report.reaped.sort();
     // RAM files of VMs that are gone (ADR 0016); the pool keeps its filled free files.
     if (this.opts.ram) {
       const ramReaped = await (await this.ramPool())?.reap(new Set(this.vms.keys()));
@@ -1880,6 +1892,18 @@ export class QemuVmmDriver implements VmmDriver {
   private async adopt(p: VmPersisted, pid: number): Promise<Promise<void> | undefined> {
     const log = this.opts.logger.child({ vmId: p.info.vmId });
     const qmp = await QmpClient.connect(join(p.info.workdir, `qmp.${p.gen}.sock`));
+    // QEMU serves one monitor client at a time: a connection left open by a failed attempt
+    // would leave the next attempt (adoptOrGiveUp) without a greeting.
+    let registered = false;
+    try {
+      return await this.adoptOn(p, pid, qmp, log, () => (registered = true));
+    } catch (e) {
+      if (!registered) qmp.close();
+      throw e;
+    }
+  }
+
+  private async adoptOn(p: VmPersisted, pid: number, qmp: QmpClient, log: Logger, onRegistered: () => void): Promise<Promise<void> | undefined> {
     let status = await queryStatus(qmp);
     if (p.info.state === 'running' && status !== 'running') {
       // Stopped by an operation the previous agent died in (a snapshot's copy, a pause it had
@@ -1910,7 +1934,9 @@ export class QemuVmmDriver implements VmmDriver {
         log.warn({ recorded: p.diskPath, overlay: top }, 'VM wrote a disk overlay of an interrupted snapshot: merged it back into its layer');
       }
     }
-    const rec = this.register(p, adoptProcess(pid), qmp, log);
+    const proc = adoptProcess(pid);
+    const rec = this.register(p, proc, qmp, log);
+    onRegistered();
     try {
       rec.info.state = status === 'running' ? 'running' : 'paused';
       rec.agent = await this.openAgent(join(p.info.workdir, `qga.${p.gen}.sock`));
@@ -1941,9 +1967,10 @@ export class QemuVmmDriver implements VmmDriver {
       if (status === 'running') void this.reapOrphans(rec, 120_000);
       return undefined;
     } catch (e) {
-      // Not adopted after all: the caller reaps it, and no record of it stays behind.
+      // Not adopted after all: the caller tries again or reaps it, and no record of it stays behind.
       rec.expectExit = true;
       this.vms.delete(p.info.vmId);
+      proc.unwatch?.();
       rec.agent?.close();
       qmp.close();
       throw e;

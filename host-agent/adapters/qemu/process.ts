@@ -15,6 +15,8 @@ export interface QemuProcess {
   exited: Promise<void>;
   /** True once `exited` has resolved: its PID may belong to another process by now. */
   gone: boolean;
+  /** Stops watching an adopted process that is not kept after all (its poll timer); `exited` then never resolves. */
+  unwatch?: () => void;
 }
 
 /**
@@ -65,6 +67,7 @@ export function adoptProcess(pid: number): QemuProcess {
       }
     }, 20);
     t.unref();
+    p.unwatch = () => clearInterval(t);
   });
   return p;
 }
