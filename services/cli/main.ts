@@ -160,10 +160,19 @@ function eventLine(e: EventInfo): string {
   return `${e.time ?? '-'}  ${e.revision}  ${e.type}  ${subject}${detail ? `  ${detail}` : ''}\n`;
 }
 
+/** `K/<target>`, refused up front (naming the flag) when it would be longer than a key may be. */
+function perTargetKey(key: string, target: string): string {
+  const k = `${key}/${target}`;
+  if (k.length > 128) throw new ForkfleetError('invalid_argument', `--idempotency-key: at most ${127 - target.length} characters with this command (each target gets <key>/<id>, and a key is at most 128)`, { field: '--idempotency-key' });
+  return k;
+}
+
 /**
  * Progress for long work on stderr (never on stdout, so --json stays parseable). `target`: the
- * one a command naming several acts on here; its call gets --idempotency-key K as `K/<target>`,
- * since the fleet ties a key to one request (one key for every target would refuse all but one).
+ * one a command that can name several acts on here; its call gets --idempotency-key K as
+ * `K/<target>` (with one target too, so that repeating the command with fewer or more targets
+ * finds the same keys), since the fleet ties a key to one request: one key for every target
+ * would refuse all but one.
  */
 function progress(cmd: Command, label: string, target?: string): CallOpts {
   const g = globals(cmd);
@@ -171,7 +180,7 @@ function progress(cmd: Command, label: string, target?: string): CallOpts {
   let last = '';
   const opts: CallOpts = {
     ...(g.timeout ? { timeoutMs: parseDuration(g.timeout) } : {}),
-    ...(g.idempotencyKey ? { idempotencyKey: target === undefined ? g.idempotencyKey : `${g.idempotencyKey}/${target}` } : {}),
+    ...(g.idempotencyKey ? { idempotencyKey: target === undefined ? g.idempotencyKey : perTargetKey(g.idempotencyKey, target) } : {}),
     onProgress: (op: OperationInfo) => {
       if (g.json) return;
       const p = op.progress;
@@ -445,7 +454,7 @@ export function buildProgram(): Command {
         const ff = client(cmd);
         const done = await Promise.all(ids.map(async (id) => {
           const s = ff.sandbox(id);
-          const o = progress(cmd, `${name} ${id}`, ids.length > 1 ? id : undefined);
+          const o = progress(cmd, `${name} ${id}`, id);
           await (name === 'pause' ? s.pause(o) : name === 'resume' ? s.resume(o) : name === 'hibernate' ? s.hibernate(o) : s.destroy(o));
           return s.info ?? { id, state: name === 'destroy' ? 'destroyed' : 'unknown' };
         }));
@@ -512,7 +521,7 @@ export function buildProgram(): Command {
     .description('delete snapshots')
     .argument('<snapshot...>')
     .action(async (ids: string[], _o: unknown, cmd: Command) => {
-      const ops = await Promise.all(ids.map((id) => client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`, ids.length > 1 ? id : undefined))));
+      const ops = await Promise.all(ids.map((id) => client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`, id))));
       endProgress(cmd);
       out(cmd, ops.map((op) => ({ snapshotId: op.targetId, operation: op.id, state: op.state })), () => ids.map((id) => `${id}  deleted\n`).join(''));
     });

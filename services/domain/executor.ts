@@ -547,6 +547,7 @@ export class Executor {
     this.active = true;
     const term = ++this.term;
     this.termStartedAt = this.deps.clock.now();
+    this.deps.bus.newTerm?.();
     // stop() may come while this waits on NATS or etcd (the lease lapsed mid-start): from then
     // on nothing more is started in this term, and what it started afterwards stops at once
     // (addStop), so a replica that no longer leads runs no leader work.
@@ -1943,6 +1944,7 @@ export class Executor {
     // The stop goes out after the record's write commits: a deposed leader (its write fails
     // NotLeaderError) must not stop a VM the new leader has just started from the journal.
     let deposed = false;
+    let storeFailed: StoreUnavailableError | undefined;
     await this.updateSandbox(
       sb.tenantId,
       sb.id,
@@ -1958,8 +1960,12 @@ export class Executor {
       }
       // The store failed under the write (applied or not): the op runs again (run()) and
       // finds the sandbox failed or still starting, instead of ending with it starting and
-      // booked, which nothing would ever move on.
-      if (err instanceof StoreUnavailableError) throw err;
+      // booked, which nothing would ever move on. Thrown once the stop below is sent: a run
+      // again that finds the write applied sends none.
+      if (err instanceof StoreUnavailableError) {
+        storeFailed = err;
+        return;
+      }
       this.log.warn({ err, sandboxId: sb.id }, 'could not mark sandbox failed');
       // Whoever moved the record on (a destroy) releases its booking, or did: released here
       // only if the record is gone.
@@ -1968,6 +1974,7 @@ export class Executor {
     if (hostId && !deposed && this.active && (stop || givenUpMayStillStart(e))) {
       void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start given up on');
     }
+    if (storeFailed) throw storeFailed;
   }
 
   private async runSnapshot(op: OperationRec): Promise<void> {
@@ -3076,8 +3083,10 @@ export class Executor {
     };
     const h = this.cache.hosts.get(from)?.value;
     const undrained = !m.toHostId && (!h?.cordoned || !h.draining);
-    // One an earlier run claimed (and maybe paused) is undone below, not left claimed.
+    // One an earlier run claimed (and maybe paused) is undone below, not left claimed; so is
+    // one whose drain was cancelled before a host was booked for it (nothing to see through).
     if (undrained && sb.opId !== op.id) throw notDraining();
+    const cancelledUnbooked = !m.toHostId && this.cancelRequested(op.id);
     // 0. Claimed for the move (its record stays running or paused): a resume, a hibernate,
     //    the TTL and idle rules and the VM check leave a sandbox another op is at work on
     //    alone, so nothing runs the paused source on after its snapshot, work the switch
@@ -3101,6 +3110,7 @@ export class Executor {
     let sn: SnapshotRec;
     try {
       if (undrained) throw notDraining();
+      if (cancelledUnbooked) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'its migration had no host booked yet: undone');
       // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
       if (sb.state === 'running') await this.step(op, stepId('pause'), from, pauseVm(sb.id));
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);

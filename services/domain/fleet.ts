@@ -763,12 +763,13 @@ export class Fleet {
     throw new ForkfleetError('unavailable', `${argv[0]} in the guest: the relay ended without its exit`, { retryable: true });
   }
 
-  /** Reads up to `maxBytes` of the file in ranged pieces that fit the relay, until its end. */
   /**
+   * Reads up to `maxBytes` of the file in ranged pieces that fit the relay, until its end.
    * At most `maxBytes` of the file. `whole`: the caller asked for the whole file (max_bytes 0),
-   * and `maxBytes` is the server's limit: a longer file is refused, not cut short.
+   * and `maxBytes` is the server's limit: a longer file is refused, not cut short. `hold` is
+   * told of each piece before it is kept (it may refuse by throwing).
    */
-  async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number, whole = false): Promise<Uint8Array> {
+  async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number, whole = false, hold: (bytes: number) => void = () => undefined): Promise<Uint8Array> {
     const sb = await this.runningSandbox(tenantId, sandboxId);
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
@@ -776,6 +777,7 @@ export class Fleet {
       const want = Math.min(piece, maxBytes);
       const data = (await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want) } } }))).data;
       if (data.length === want && want < maxBytes) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'max_bytes' });
+      hold(data.length);
       return data;
     }
     const parts: Uint8Array[] = [];
@@ -784,6 +786,7 @@ export class Fleet {
     while (got < maxBytes) {
       const want = Math.min(piece, maxBytes - got);
       const res = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want), offset: BigInt(got) } } }));
+      hold(res.data.length);
       parts.push(res.data);
       got += res.data.length;
       if (res.eof || res.data.length < want) {

@@ -203,4 +203,6 @@ export interface WorkBus {
    * lost on that evidence. Optional: a bus that cannot tell counts as always connected.
    */
   connectedForMs?(): number;
+  /** A leader term begins: work message ids must not repeat those of an earlier term of this process. Optional. */
+  newTerm?(): void;
 }

@@ -1,8 +1,10 @@
 // Per-tenant quotas, checked at admission (CreateSandbox, ForkSandbox, SnapshotSandbox,
 // HibernateSandbox, and the memory of a wake: explicit, or by a call to a hibernated sandbox) against what the tenant's records in the store add up to. A check is
 // a read, not a reservation: Fleet runs one tenant's create and fork admissions one at a
-// time per replica (inAdmissionOrder), so only replicas racing each other (one request each)
-// and concurrent wakes can overshoot. Forks recorded but not yet placed count with
+// time per replica (inAdmissionOrder) when the tenant has a sandbox or memory quota, so those
+// overshoot only by replicas racing each other (one request each). Concurrent wakes, and the
+// snapshot_bytes check (a snapshot's size is not known until it is taken), can overshoot by
+// what is admitted at once. Forks recorded but not yet placed count with
 // their children, so a burst of fork calls cannot slip past the quota before placement.
 // Quotas come from the tokens file (services/auth). The usage comes from the replica's ledger
 // (quota-ledger.ts), which a watch keeps, or, when it cannot answer, from listing the records.

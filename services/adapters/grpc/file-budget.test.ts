@@ -88,7 +88,11 @@ describe('file calls within the replica budget', () => {
   });
 
   it('readFile_pastTheReplicasBudget_isRefusedRetryable_whileAnotherIsHeldByAReaderThatDoesNotRead', async () => {
-    const h = service({ readFile: async () => Buffer.alloc(40 * MiB) }, 64 * MiB);
+    // The fleet reads in pieces of 8 MiB and tells the service before it keeps each one.
+    const h = service({ readFile: async (_t: string, _s: string, _p: string, _m: number, _w: boolean, hold: (n: number) => void) => {
+      for (let i = 0; i < 5; i++) hold(8 * MiB);
+      return Buffer.alloc(40 * MiB);
+    } } as Partial<Fleet>, 64 * MiB);
     const req = create(ReadFileRequestSchema, { sandboxId: SB, path: '/tmp/f' });
     // A reader that takes one piece and then stops reading: its 40 MiB stay held.
     const slow = h.readFile(req, ctx)[Symbol.asyncIterator]();

@@ -226,15 +226,19 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     async *readFile(req: ReadFileRequest, ctx: CallContext) {
       const max = req.maxBytes === 0n ? c.LIMITS.maxFileBytes : Number(req.maxBytes);
       if (!(max > 0 && max <= c.LIMITS.maxFileBytes)) throw new InvalidArgumentError('max_bytes', `must be at most ${c.LIMITS.maxFileBytes}`);
-      const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max, req.maxBytes === 0n);
-      // Held until the caller has read it all (or gone): refused when the replica holds too much.
-      files.take(data.length, 'max_bytes');
+      // Held from the first piece read until the caller has read it all (or gone): refused,
+      // piece by piece, when the replica holds too much.
+      let held = 0;
       try {
+        const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max, req.maxBytes === 0n, (n) => {
+          files.take(n, 'max_bytes');
+          held += n;
+        });
         const piece = 256 * 1024;
         for (let off = 0; off < data.length; off += piece) yield { data: data.subarray(off, off + piece) };
         if (data.length === 0) yield { data: new Uint8Array() };
       } finally {
-        files.give(data.length);
+        files.give(held);
       }
     },
     async pauseSandbox(req: PauseSandboxRequest, ctx: CallContext) {

@@ -66,12 +66,12 @@ export class SubjectBatcher {
   private readonly due = new Set<string>();
   private scheduled = false;
 
-  /** `headers`: set on every message this batcher sends, batch or single. */
   /**
-   * `mayPublish`, when given, is asked just before each message goes out: false fails every
-   * item queued for the subject instead. An item waits here for the PubAck of the message
-   * ahead of it (up to seconds), so a check its caller made when it queued the item (a
-   * scheduler's lease) can be stale by the time it would be sent.
+   * `headers`: set on every message this batcher sends, batch or single. `mayPublish`, when
+   * given, is asked just before each message goes out: an error it returns fails every item
+   * queued for the subject instead. An item waits here for the PubAck of the message ahead of
+   * it (up to seconds), so a check its caller made when it queued the item (a scheduler's
+   * lease) can be stale by the time it would be sent.
    */
   constructor(
     private readonly publisher: JsPublisher,

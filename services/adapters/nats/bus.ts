@@ -76,7 +76,7 @@ export class NatsWorkBus implements WorkBus {
   /** Hosts whose last heartbeat said they read work batches (Heartbeat.reads_batches). */
   private readonly batchHosts = new Set<string>();
   private readonly subs: Subscription[] = [];
-  private readonly nonce = randomBytes(6).toString('hex');
+  private nonce = randomBytes(6).toString('hex');
 
   /** performance.now() of the last (re)connect; undefined while disconnected. */
   private connectedAt: number | undefined = performance.now();
@@ -106,6 +106,15 @@ export class NatsWorkBus implements WorkBus {
    */
   setWorkFence(fence: () => Error | undefined): void {
     this.workFence = fence;
+  }
+
+  /**
+   * A new sender nonce for work message ids: called when this scheduler starts a leader term.
+   * A replica that lost its lease and won it back within JetStream's duplicate window would
+   * otherwise send a step again under the id it had used before, and have it dropped.
+   */
+  newTerm(): void {
+    this.nonce = randomBytes(6).toString('hex');
   }
 
   connectedForMs(): number {
