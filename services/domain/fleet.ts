@@ -765,7 +765,7 @@ export class Fleet {
 
   /**
    * Reads up to `maxBytes` of the file in ranged pieces that fit the relay, until its end.
-   * At most `maxBytes` of the file. `whole`: the caller asked for the whole file (max_bytes 0),
+   * `whole`: the caller asked for the whole file (max_bytes 0),
    * and `maxBytes` is the server's limit: a longer file is refused, not cut short. `hold` is
    * told of each piece before it is kept (it may refuse by throwing).
    */
