@@ -211,6 +211,18 @@ describe('RamPool (real tmpfs)', () => {
     await expect(stat(pool.dir)).rejects.toThrow();
   });
 
+  it('open_afterAnAgentWithLargerLimits_removesTheFreeFilesOverThisOnesKeepAndSize_largestFirst', async () => {
+    const mount = join(base, 'g');
+    const pool = await RamPool.open(join(base, 'root-g'), { mount, keep: 3, maxMib: 1024, prefillMib: [2, 4, 8], logger });
+    mounted.push(mount);
+    await waitFor('three sizes filled', async () => pool?.size === 3, 20_000, 20);
+    // The agent is killed and starts again with a smaller pool: two files at most, 8 MiB in all.
+    const again = await RamPool.open(join(base, 'root-g'), { mount, keep: 2, maxMib: 8, logger });
+    expect(again?.size).toBe(2);
+    expect((await readdir(again!.dir)).map((f) => f.replace(/-[0-9a-f]+\.ram$/, '')).sort()).toEqual(['free-2', 'free-4']);
+    await again?.close();
+  });
+
   it('open_withPrefillSizes_fillsOneFileOfEachBeforeAnyRestoreAsks', async () => {
     const mount = join(base, 'f');
     const pool = await RamPool.open(join(base, 'root-f'), { mount, keep: 2, maxMib: 1024, prefillMib: [4, 2], logger });

@@ -123,12 +123,26 @@ export class RamPool {
         if (m) pool.freeOf(Number(m[1])).push(join(pool.dir, f));
         else if (f.startsWith('.fill-')) await rm(join(pool.dir, f), { force: true });
       }
+      // Left by an agent with other settings (a larger FF_RAM_POOL, a larger keep): only what
+      // fits this one's is kept. The rest would pin host RAM that nothing counts.
+      await pool.trim();
       pool.demand.push(...(o.prefillMib ?? []));
       pool.refill();
       return pool;
     } catch (e) {
       o.logger.warn({ mount: o.mount, err: String(e) }, 'RAM pool off: no huge-page tmpfs');
       return undefined;
+    }
+  }
+
+  /** Removes free files, the largest first, until they fit `keep` and `maxMib`. */
+  private async trim(): Promise<void> {
+    const total = (): number => [...this.free].reduce((n, [m, l]) => n + m * l.length, 0);
+    while (this.size > 0 && (this.size > this.o.keep || total() > this.o.maxMib)) {
+      const largest = Math.max(...[...this.free].filter(([, l]) => l.length > 0).map(([m]) => m));
+      const f = this.freeOf(largest).pop()!;
+      await rm(f, { force: true });
+      this.o.logger.info({ file: f, keep: this.o.keep, maxMib: this.o.maxMib }, 'RAM pool: a free file left by an earlier agent is over this one\'s limits: removed');
     }
   }
 
