@@ -125,6 +125,18 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     expect(fork.result.case === 'fork' ? fork.result.value.children.length : 0).toBe(2);
   }, 90_000);
 
+  it('forkOfASnapshot_afterItsSourceSandboxsRecordExpired_givesTheChildrenThatSandboxsDiskEgressAndHooks', async () => {
+    const made = await ok(await api.createSandbox({ tenantId, idempotencyKey: 'inh-src', source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1, diskMib: 2048n }, network: { allowEgress: true, allowCidrs: ['198.51.100.0/24'] }, lifecycle: { afterResume: [{ argv: ['/bin/true'] }] } }));
+    const srcId = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const snap = await snapshot(srcId, 'inh-snap');
+    await ok(await api.destroySandbox({ tenantId, idempotencyKey: 'inh-destroy', sandboxId: srcId }));
+    await waitFor('the source sandbox record expires', async () => (await store.getSandbox(tenantId, srcId)) === undefined, 30_000, 250);
+    const fork = await ok(await api.forkSandbox({ tenantId, idempotencyKey: 'inh-fork', source: { case: 'snapshotId', value: snap }, count: 1 }));
+    const child = (await store.getSandbox(tenantId, fork.result.case === 'fork' ? fork.result.value.children[0]!.id : ''))?.value;
+    expect(child).toMatchObject({ resources: { diskMib: 2048 }, allowEgress: true, allowCidrs: ['198.51.100.0/24'], image: 'tiny' });
+    expect(child?.afterResume?.map((h) => h.argv)).toEqual([['/bin/true']]);
+  }, 90_000);
+
   it('aHostThatStillHoldsASnapshotWhoseRecordIsGone_isToldToDeleteIt_andKeepsTheLiveOne', async () => {
     const src = await create('held-src');
     const [live, stale] = [await snapshot(src.sandboxId, 'held-live'), await snapshot(src.sandboxId, 'held-stale')];

@@ -2020,6 +2020,7 @@ export class Executor {
       labels: opts.labels ?? {},
       manifestSignature: '',
       manifestKeyId: '',
+      inherits: { resources: sb.resources, image: sb.image, idleTimeoutMs: sb.idleTimeoutMs, afterResume: sb.afterResume ?? [], allowEgress: sb.allowEgress, allowCidrs: sb.allowCidrs ?? [] },
     };
     let recRev = existing ? (existing.value.state === 'creating' ? existing.modRevision : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: existing.modRevision }])) : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
     if (!recRev) {
@@ -2516,7 +2517,9 @@ export class Executor {
       throw gone;
     }
     const sn = snv.value;
-    const source = sn.sourceSandboxId ? (await this.deps.store.getSandbox(op.tenantId, sn.sourceSandboxId))?.value : undefined;
+    // What the children inherit: copied into the snapshot's record when it was taken (the
+    // source sandbox's own record may be gone by now), else from that record.
+    const source = sn.inherits ?? (sn.sourceSandboxId ? (await this.deps.store.getSandbox(op.tenantId, sn.sourceSandboxId))?.value : undefined);
     const resources: ResourcesRec = source?.resources ?? { vcpus: sn.vmConfig?.vcpus ?? 1, memoryMib: sn.vmConfig?.memoryMib ?? 256, diskMib: 1024 };
 
     // 2. Placement, committed with the children's records and the op's plan in one

@@ -347,7 +347,7 @@ export class Fleet {
       // The children inherit the hooks of the sandbox the snapshot was taken of (runFork):
       // counted here, so a fork too large for one transaction is refused now, not failed
       // after it was accepted.
-      if (!input.afterResume && sn.sourceSandboxId) inheritedHooks = (await this.deps.store.getSandbox(input.tenantId, sn.sourceSandboxId))?.value.afterResume;
+      if (!input.afterResume) inheritedHooks = sn.inherits?.afterResume ?? (sn.sourceSandboxId ? (await this.deps.store.getSandbox(input.tenantId, sn.sourceSandboxId))?.value.afterResume : undefined);
     } else {
       const sb = await this.getSandbox(input.tenantId, input.sandboxId);
       // A hibernated sandbox is forked from its hibernation snapshot, without waking it.

@@ -144,6 +144,13 @@ export interface SnapshotRec {
    * bytes (from then on it never goes back); absent on records written before the field.
    */
   deletingFrom?: 'ready' | 'failed';
+  /**
+   * What a fork's children inherit from the sandbox the snapshot was taken of, copied when it
+   * was taken: that sandbox's record goes with the history retention once it is destroyed,
+   * and forks made later must still get its disk size, egress policy and hooks. Absent on
+   * records written before the field (a fork then reads the sandbox's record, if any).
+   */
+  inherits?: { resources: ResourcesRec; image: string; idleTimeoutMs: number | null; afterResume: HookRec[]; allowEgress: boolean; allowCidrs: string[] };
   /** Why a deleted snapshot was deleted: by a user call, or by retention. */
   deletedReason?: 'deleted' | 'expired';
   /**
