@@ -20,14 +20,21 @@ beforeAll(async () => {
 afterAll(async () => {
   // Every mount goes, also when a failed test left a fill writing into one ("target is busy"):
   // that one is detached (lazy unmount) and freed when the writer ends.
+  const failed: unknown[] = [];
   for (const m of mounted.reverse()) {
     try {
       execFileSync('umount', [m], { stdio: 'pipe' });
     } catch {
-      execFileSync('umount', ['-l', m]);
+      try {
+        execFileSync('umount', ['-l', m], { stdio: 'pipe' });
+      } catch (e) {
+        // Every other mount still goes; the failure is reported after.
+        failed.push(e);
+      }
     }
   }
   await rm(base, { recursive: true, force: true });
+  if (failed.length > 0) throw failed[0];
 });
 
 async function openPool(name: string, keep: number, o: { recycleWaitMs?: number } = {}): Promise<{ pool: RamPool; mount: string }> {
@@ -212,12 +219,12 @@ describe('RamPool (real tmpfs)', () => {
   });
 
   it('open_afterAnAgentWithLargerLimits_removesTheFreeFilesOverThisOnesKeepAndSize_largestFirst', async () => {
-    const mount = join(base, 'g');
-    const pool = await RamPool.open(join(base, 'root-g'), { mount, keep: 3, maxMib: 1024, prefillMib: [2, 4, 8], logger });
+    const mount = join(base, 'k');
+    const pool = await RamPool.open(join(base, 'root-k'), { mount, keep: 3, maxMib: 1024, prefillMib: [2, 4, 8], logger });
     mounted.push(mount);
     await waitFor('three sizes filled', async () => pool?.size === 3, 20_000, 20);
     // The agent is killed and starts again with a smaller pool: two files at most, 8 MiB in all.
-    const again = await RamPool.open(join(base, 'root-g'), { mount, keep: 2, maxMib: 8, logger });
+    const again = await RamPool.open(join(base, 'root-k'), { mount, keep: 2, maxMib: 8, logger });
     expect(again?.size).toBe(2);
     expect((await readdir(again!.dir)).map((f) => f.replace(/-[0-9a-f]+\.ram$/, '')).sort()).toEqual(['free-2', 'free-4']);
     await again?.close();
