@@ -311,8 +311,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
     }
     // Held complete only with every chunk here: a cached image is materialised without reading
     // one (a chunk lost since, or quarantined for another snapshot that shares it, would go
-    // unnoticed), and peers are sent here for chunks.
-    if (!fetchedManifest && (await this.deps.chunks.missing([...manifestDigests(manifest)])).length === 0) this.markComplete(snapshotId);
+    // unnoticed), and peers are sent here for chunks. Checked only when it would change what is
+    // reported, not on every restore of a snapshot held complete already.
+    if (!fetchedManifest && !this.complete.has(snapshotId) && (await this.deps.chunks.missing([...manifestDigests(manifest)])).length === 0) this.markComplete(snapshotId);
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
   }
 

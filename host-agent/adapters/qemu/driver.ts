@@ -1893,17 +1893,16 @@ export class QemuVmmDriver implements VmmDriver {
     const log = this.opts.logger.child({ vmId: p.info.vmId });
     const qmp = await QmpClient.connect(join(p.info.workdir, `qmp.${p.gen}.sock`));
     // QEMU serves one monitor client at a time: a connection left open by a failed attempt
-    // would leave the next attempt (adoptOrGiveUp) without a greeting.
-    let registered = false;
+    // would leave the next attempt (adoptOrGiveUp) without a greeting. (Closing twice is a no-op.)
     try {
-      return await this.adoptOn(p, pid, qmp, log, () => (registered = true));
+      return await this.adoptOn(p, pid, qmp, log);
     } catch (e) {
-      if (!registered) qmp.close();
+      qmp.close();
       throw e;
     }
   }
 
-  private async adoptOn(p: VmPersisted, pid: number, qmp: QmpClient, log: Logger, onRegistered: () => void): Promise<Promise<void> | undefined> {
+  private async adoptOn(p: VmPersisted, pid: number, qmp: QmpClient, log: Logger): Promise<Promise<void> | undefined> {
     let status = await queryStatus(qmp);
     if (p.info.state === 'running' && status !== 'running') {
       // Stopped by an operation the previous agent died in (a snapshot's copy, a pause it had
@@ -1936,7 +1935,6 @@ export class QemuVmmDriver implements VmmDriver {
     }
     const proc = adoptProcess(pid);
     const rec = this.register(p, proc, qmp, log);
-    onRegistered();
     try {
       rec.info.state = status === 'running' ? 'running' : 'paused';
       rec.agent = await this.openAgent(join(p.info.workdir, `qga.${p.gen}.sock`));
