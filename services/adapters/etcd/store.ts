@@ -304,8 +304,15 @@ export class EtcdFleetStore implements FleetStore {
     for (const w of writes) {
       if (w.expectRevision !== undefined) txn = txn.and(keyOf(w), 'Mod', '==', w.expectRevision);
     }
-    const changes = writes.filter((w) => valueOf(w) !== null);
-    const values = changes.map(valueOf) as Array<string | undefined>;
+    // Each value is serialised once: a fork's txn carries its children's whole records.
+    const changes: StoreWrite[] = [];
+    const values: Array<string | undefined> = [];
+    for (const w of writes) {
+      const v = valueOf(w);
+      if (v === null) continue;
+      changes.push(w);
+      values.push(v);
+    }
     const ops = changes.map((w, i) => {
       const v = values[i];
       return v === undefined ? ns.delete().key(keyOf(w)) : ns.put(keyOf(w)).value(v);
