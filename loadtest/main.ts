@@ -445,9 +445,12 @@ async function main(): Promise<void> {
   const { markdown, files } = renderReport(result);
   writeFileSync(join(cfg.report, 'report.md'), markdown);
   for (const [f, svg] of Object.entries(files)) writeFileSync(join(cfg.report, f), svg);
-  writeFileSync(join(cfg.report, 'result.json'), `${JSON.stringify(result, null, 2)}\n`);
-  if (cfg.json) writeFileSync(cfg.json, `${JSON.stringify(result, null, 2)}\n`);
-  for (const c of checks(result.scenarios)) log(`${c.what.padEnd(50)} ${c.target.padEnd(9)} ${c.value.padEnd(10)} ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'}`);
+  // The ratios against this run's own baselines go into the JSON too, not only into the report.
+  const ratios = checks(result.scenarios);
+  const withRatios = `${JSON.stringify({ ...result, checks: ratios }, null, 2)}\n`;
+  writeFileSync(join(cfg.report, 'result.json'), withRatios);
+  if (cfg.json) writeFileSync(cfg.json, withRatios);
+  for (const c of ratios) log(`${c.what.padEnd(50)} ${c.target.padEnd(9)} ${c.value.padEnd(10)} ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'}`);
   log(`report: ${join(cfg.report, 'report.md')}`);
   process.stdout.write(`${JSON.stringify({ env: result.env, scenarios: result.scenarios })}\n`);
 }

@@ -57,6 +57,8 @@ export interface Check {
   what: string;
   target: string;
   value: string;
+  /** `value` as a number (a ratio of p50s, or ms), null when a side is missing. */
+  measured: number | null;
   ok: boolean | undefined;
 }
 
@@ -70,13 +72,13 @@ export function checks(s: Record<string, ScenarioResult>): Check[] {
     const x = p50(a);
     const y = p50(b);
     const v = x !== undefined && y !== undefined && y > 0 ? x / y : undefined;
-    return { what, target, value: v === undefined ? 'n/a' : v.toFixed(2), ok: v === undefined ? undefined : v <= max };
+    return { what, target, value: v === undefined ? 'n/a' : v.toFixed(2), measured: v === undefined ? null : Number(v.toFixed(3)), ok: v === undefined ? undefined : v <= max };
   };
   const rp = p50('resume_paused');
   return [
     ratio('fork_cross_host_1 / fork_same_host_1 (p50)', 'fork_cross_host_1', 'fork_same_host_1', 2.0, '<= 2.0'),
     ratio('fork_same_host_1 / classic_restore (p50)', 'fork_same_host_1', 'classic_restore', 1 / 3, '<= 0.33'),
-    { what: 'resume_paused p50', target: '<= 50 ms', value: rp === undefined ? 'n/a' : `${rp} ms`, ok: rp === undefined ? undefined : rp <= 50 },
+    { what: 'resume_paused p50', target: '<= 50 ms', value: rp === undefined ? 'n/a' : `${rp} ms`, measured: rp ?? null, ok: rp === undefined ? undefined : rp <= 50 },
     ratio('resume_hibernated_warm / classic_restore (p50)', 'resume_hibernated_warm', 'classic_restore', 0.5, '<= 0.5'),
     ratio('fork_cross_host_1 / naive_full_copy (p50)', 'fork_cross_host_1', 'naive_full_copy', 0.999999, '< 1'),
     ratio('resume_hibernated_cold / naive_full_copy (p50)', 'resume_hibernated_cold', 'naive_full_copy', 0.999999, '< 1'),
