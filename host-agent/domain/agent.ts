@@ -712,6 +712,7 @@ export class Agent {
       const onOutput = (stream: 'stdout' | 'stderr', data: Buffer): void => {
         for (let o = 0; o < data.length; o += piece) out({ case: stream, value: data.subarray(o, o + piece) });
       };
+      const started = performance.now();
       const r = await this.deps.driver.exec(vm.vmId, {
         path: path!,
         args,
@@ -724,7 +725,7 @@ export class Agent {
       // A driver that does not stream returns the output with the exit.
       onOutput('stdout', r.stdout);
       onOutput('stderr', r.stderr);
-      out({ case: 'exit', value: { $typeName: 'forkfleet.v1.HostExecExit', exitCode: r.exitCode, signal: r.signal ?? 0, timedOut: r.timedOut ?? false, outputTruncated: r.outputTruncated ?? false } });
+      out({ case: 'exit', value: { $typeName: 'forkfleet.v1.HostExecExit', exitCode: r.exitCode, signal: r.signal ?? 0, timedOut: r.timedOut ?? false, outputTruncated: r.outputTruncated ?? false, durationMs: Math.round(performance.now() - started) } });
     } catch (e) {
       const info = errorInfo(e);
       out({ case: 'error', value: { $typeName: 'forkfleet.v1.ErrorInfo', ...info } });

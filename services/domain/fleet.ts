@@ -731,6 +731,7 @@ export class Fleet {
       Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path: to, op: { case: 'write', value: { data: part, mode: last ? mode : 0, append } } }))).bytesWritten);
     if (data.length <= piece) return write(path, data, false, true);
     const slash = path.lastIndexOf('/');
+    // WRITE_STAGING_NAME_BYTES (adapters/grpc/convert.ts) longer than the file's own name.
     const tmp = `${path.slice(0, slash + 1)}.${path.slice(slash + 1)}.ff-write-${randomBytes(6).toString('hex')}`;
     let written = 0;
     try {

@@ -164,6 +164,21 @@ describe('fields a record stores', () => {
     expect(() => guestFilePath('/tmp/')).toThrow(/^path: /);
   });
 
+  it('guestFilePath_withASegmentLongerThanAFileNameCanBe_isInvalidArgument_andAWrittenNameLeavesRoomForItsStagingName', () => {
+    expect(guestFilePath(`/tmp/${'a'.repeat(255)}`)).toHaveLength(260);
+    expect(() => guestFilePath(`/tmp/${'a'.repeat(256)}`)).toThrow(/^path: each path segment must be at most 255 bytes/);
+    expect(() => guestFilePath(`/${'é'.repeat(128)}/x`)).toThrow(/^path: each path segment/);
+    expect(guestFilePath(`/tmp/${'a'.repeat(232)}`, 'header.path', true)).toHaveLength(237);
+    expect(() => guestFilePath(`/tmp/${'a'.repeat(233)}`, 'header.path', true)).toThrow(/^header\.path: a file written through the API has a name of at most 232 bytes/);
+  });
+
+  it('labels_withAKeyOutsidePrintableAscii_nameItEscaped_andTheSchedulersOwnKeysOnlyFilter', () => {
+    // JSON's own escapes stay (\n), anything else outside printable ASCII becomes \uXXXX.
+    expect(() => labels({ 'é\n': 'x' })).toThrow(expect.objectContaining({ field: 'labels["\\u00e9\\n"]' }));
+    expect(() => labels({ 'forkfleet.io/hibernation': 'sb-x' })).toThrow(/^labels\[forkfleet\.io\/hibernation\]: keys starting forkfleet\.io\/ are the scheduler's own/);
+    expect(labels({ 'forkfleet.io/hibernation': 'sb-x' }, 'labels', true)).toEqual({ 'forkfleet.io/hibernation': 'sb-x' });
+  });
+
   it('allowCidrs_listedTwice_isInvalidArgumentNamingTheSecond', () => {
     expect(() => network({ allowEgress: true, allowCidrs: ['10.0.0.0/8', '192.0.2.0/24', '10.0.0.0/8'] } as never)).toThrow(/network\.allow_cidrs\[2\].*twice/);
   });

@@ -29,6 +29,7 @@ import type { HookRec, HostAllocRec, HostRec, OperationRec, ResourcesRec, Sandbo
 import { TENANT_ID_RE } from '../../domain/records.ts';
 import type { PlacementPrefs } from '../../domain/fleet.ts';
 import { runningMs } from '../../domain/fleet.ts';
+import { asciiOnly } from './status.ts';
 
 export const LIMITS = {
   maxForkCount: 256,
@@ -68,6 +69,11 @@ export function jsonBytes(v: unknown): number {
  * Whether `v` has a control character (C0, DEL or C1: U+009B starts a terminal escape as ESC [
  * does) or a line or paragraph separator: label values are text that dashboards and CLIs print.
  */
+/** A client-given key quoted for a field name, printable ASCII only (see asciiOnly). */
+function quotedKey(k: string): string {
+  return asciiOnly(JSON.stringify(k.slice(0, 64)));
+}
+
 function hasControl(v: string): boolean {
   for (let i = 0; i < v.length; i++) {
     const ch = v.charCodeAt(i);
@@ -181,11 +187,20 @@ export function page<T extends { id: string }>(all: readonly T[], pageSize: numb
   return { items: items.map((e) => e.x), nextPageToken: more ? Buffer.from(items[items.length - 1]!.k).toString('base64url') : '' };
 }
 
-export function labels(m: Record<string, string>, field = 'labels'): Record<string, string> {
+/** Label keys the scheduler sets itself (a hibernation snapshot's sandbox, a migration's snapshot) and acts on. */
+export const RESERVED_LABEL_PREFIX = 'forkfleet.io/';
+
+/**
+ * Labels to set (`filter` false) or to select by (`filter` true: a reserved key may be
+ * asked for, e.g. to list hibernation snapshots, but never set: retention would treat a
+ * user's snapshot labelled forkfleet.io/hibernation as a sandbox's hibernation image).
+ */
+export function labels(m: Record<string, string>, field = 'labels', filter = false): Record<string, string> {
   const entries = Object.entries(m);
   if (entries.length > LIMITS.maxLabels) throw new InvalidArgumentError(field, `at most ${LIMITS.maxLabels} labels`);
   for (const [k, v] of entries) {
-    if (!LABEL_KEY_RE.test(k)) throw new InvalidArgumentError(`${field}[${JSON.stringify(k.slice(0, 64))}]`, 'label keys are 1-63 characters of a-z, A-Z, 0-9, . _ / -');
+    if (!LABEL_KEY_RE.test(k)) throw new InvalidArgumentError(`${field}[${quotedKey(k)}]`, 'label keys are 1-63 characters of a-z, A-Z, 0-9, . _ / -');
+    if (!filter && k.startsWith(RESERVED_LABEL_PREFIX)) throw new InvalidArgumentError(`${field}[${k}]`, `keys starting ${RESERVED_LABEL_PREFIX} are the scheduler's own`);
     if (Buffer.byteLength(v) > 256) throw new InvalidArgumentError(`${field}[${k}]`, 'label values are at most 256 bytes');
     if (hasControl(v)) throw new InvalidArgumentError(`${field}[${k}]`, 'label values must not contain control characters');
   }
@@ -264,13 +279,26 @@ export function guestPath(v: string, field = 'path'): string {
   const segs = v.split('/').slice(1);
   if (segs.some((s) => s === '..' || s === '.')) throw new InvalidArgumentError(field, 'must not contain . or .. segments');
   if (v.length > 1 && segs.some((s) => s === '')) throw new InvalidArgumentError(field, 'must not contain empty segments');
+  if (segs.some((s) => Buffer.byteLength(s) > NAME_MAX)) throw new InvalidArgumentError(field, `each path segment must be at most ${NAME_MAX} bytes`);
   return v;
 }
 
+/** The longest file name Linux file systems take. */
+const NAME_MAX = 255;
+
+/**
+ * What WriteFile adds to a file's name while it stages it beside the file (`.NAME.ff-write-`
+ * and 12 hex digits, services/domain/fleet.ts): a name longer than NAME_MAX less this would
+ * fail in the guest, and only for a file large enough to be staged.
+ */
+export const WRITE_STAGING_NAME_BYTES = 23;
+
 /** A file in the guest (ReadFile, WriteFile): a guest path that names a file, not the root. */
-export function guestFilePath(v: string, field = 'path'): string {
+export function guestFilePath(v: string, field = 'path', writing = false): string {
   guestPath(v, field);
   if (v === '/') throw new InvalidArgumentError(field, 'must name a file, not a directory');
+  const name = v.slice(v.lastIndexOf('/') + 1);
+  if (writing && Buffer.byteLength(name) > NAME_MAX - WRITE_STAGING_NAME_BYTES) throw new InvalidArgumentError(field, `a file written through the API has a name of at most ${NAME_MAX - WRITE_STAGING_NAME_BYTES} bytes (it is staged beside itself under a longer one)`);
   return v;
 }
 
@@ -289,7 +317,7 @@ export function env(m: Record<string, string>, field = 'env'): Record<string, st
   const entries = Object.entries(m);
   if (entries.length > LIMITS.maxEnv) throw new InvalidArgumentError(field, `at most ${LIMITS.maxEnv} variables`);
   for (const [k, val] of entries) {
-    if (!/^[A-Za-z_][A-Za-z0-9_]{0,127}$/.test(k)) throw new InvalidArgumentError(`${field}[${JSON.stringify(k.slice(0, 64))}]`, 'must be a valid variable name');
+    if (!/^[A-Za-z_][A-Za-z0-9_]{0,127}$/.test(k)) throw new InvalidArgumentError(`${field}[${quotedKey(k)}]`, 'must be a valid variable name');
     if (val.includes('\0') || Buffer.byteLength(val) > LIMITS.maxArgBytes) throw new InvalidArgumentError(`${field}[${k}]`, 'value must be at most 4096 bytes without NUL');
   }
   return { ...m };
@@ -321,7 +349,8 @@ function ts(ms: number): Timestamp {
   return timestampFromMs(ms);
 }
 
-function dur(ms: number): MessageInitShape<typeof DurationSchema> {
+/** A Duration of milliseconds, for answers. */
+export function durationOfMs(ms: number): MessageInitShape<typeof DurationSchema> {
   return { seconds: BigInt(Math.floor(ms / 1000)), nanos: Math.round((ms % 1000) * 1e6) };
 }
 
@@ -343,13 +372,13 @@ export function toSandbox(sb: SandboxRec, now: number): Sandbox {
     hostname: sb.hostname,
     labels: sb.labels,
     lifecycle: {
-      ...(sb.ttlMs !== null ? { ttl: dur(sb.ttlMs) } : {}),
-      ...(sb.idleTimeoutMs !== null ? { idleTimeout: dur(sb.idleTimeoutMs) } : {}),
+      ...(sb.ttlMs !== null ? { ttl: durationOfMs(sb.ttlMs) } : {}),
+      ...(sb.idleTimeoutMs !== null ? { idleTimeout: durationOfMs(sb.idleTimeoutMs) } : {}),
     },
     network: { allowEgress: sb.allowEgress, allowCidrs: sb.allowCidrs ?? [] },
     createdAt: ts(sb.createdAt),
     updatedAt: ts(sb.updatedAt),
-    runningTime: dur(runningMs(sb, now)),
+    runningTime: durationOfMs(runningMs(sb, now)),
     hibernationSnapshotId: sb.hibernationSnapshotId,
   });
 }
@@ -381,7 +410,7 @@ export function toSnapshot(sn: SnapshotRec): Snapshot {
     lineageId: sn.lineageId,
     createdAt: ts(sn.createdAt),
     pinned: sn.pinned,
-    retention: { ...(sn.retentionTtlMs !== null ? { ttl: dur(sn.retentionTtlMs) } : {}), keepLast: sn.keepLast },
+    retention: { ...(sn.retentionTtlMs !== null ? { ttl: durationOfMs(sn.retentionTtlMs) } : {}), keepLast: sn.keepLast },
     ...expiresAt(sn),
     logicalBytes: BigInt(sn.logicalBytes),
     storedBytes: BigInt(sn.storedBytes),
@@ -516,8 +545,8 @@ export function toSteps(steps: OperationRec['steps']): OperationStep[] {
       attempt: s.attempt,
       ...(s.sentAt !== undefined ? { sentAt: ts(s.sentAt) } : {}),
       ...(s.endedAt !== undefined ? { finishedAt: ts(s.endedAt) } : {}),
-      ...(s.hostMs !== undefined ? { hostDuration: dur(s.hostMs) } : {}),
-      ...(s.pauseMs !== undefined ? { pause: dur(s.pauseMs) } : {}),
+      ...(s.hostMs !== undefined ? { hostDuration: durationOfMs(s.hostMs) } : {}),
+      ...(s.pauseMs !== undefined ? { pause: durationOfMs(s.pauseMs) } : {}),
       bytesFetched: BigInt(s.bytesFetched ?? 0),
       restoredByMigration: s.migrated ?? false,
     }));

@@ -31,6 +31,7 @@ import { join } from 'node:path';
 import type { Client } from './rpc.ts';
 import type { RpcError } from './status.ts';
 import { EventType, FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Locality } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
 import { sandboxRecord, snapshotRecord } from '../../testkit/records.ts';
 
 type Api = Client<(typeof FleetService)['method']>;
@@ -251,6 +252,14 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     // Scheduler-owned keys: "__ttl/<sandbox>" is the key of that sandbox's own TTL destroy.
     await refused(() => api.pauseSandbox({ tenantId: t, idempotencyKey: `__ttl/${sb('a')}`, sandboxId: sb('a') }), Status.INVALID_ARGUMENT, 'idempotency_key');
     await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k1', source: { case: 'image', value: 'tiny' }, labels: { a: 'x\u0007' } }), Status.INVALID_ARGUMENT, 'labels[a]');
+    // A key outside printable ASCII is named escaped: gRPC metadata carries only printable
+    // ASCII, and sending it raw threw inside the server's error path and ended the process.
+    await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k1u', source: { case: 'image', value: 'tiny' }, labels: { 'é\u007f': 'x' } }), Status.INVALID_ARGUMENT, 'labels["\\u00e9\\u007f"]');
+    await refused(async () => {
+      for await (const _ of api.exec({ tenantId: t, sandboxId: sb('a'), argv: ['true'], env: { Ä: '1' } })) void _;
+    }, Status.INVALID_ARGUMENT, 'env["\\u00c4"]');
+    // The scheduler's own label keys are not the client's to set (retention acts on them).
+    await refused(() => api.snapshotSandbox({ tenantId: t, idempotencyKey: 'k1r', sandboxId: sb('a'), labels: { 'forkfleet.io/hibernation': sb('a') } }), Status.INVALID_ARGUMENT, 'labels[forkfleet.io/hibernation]');
     // A snapshot still being written cannot be restored (as it cannot be forked).
     await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k2', source: { case: 'snapshotId', value: sn('c') } }), Status.FAILED_PRECONDITION, 'snapshot_id');
     // 256 children with ~3 KiB of labels each do not fit one placement transaction.
@@ -264,6 +273,8 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
       { kind: 'snapshot', value: snapshotRecord({ id: sn('k'), tenantId: t, sourceSandboxId: sb('k'), lineageId: sb('k') }) },
     ]);
     expect(await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k4h', source: { case: 'snapshotId', value: sn('k') }, count: 200 }), Status.INVALID_ARGUMENT, 'count')).toMatch(/at most \d+ children/);
+    // Locality is relative to a snapshot's holders: an image has none.
+    await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k4l', source: { case: 'image', value: 'tiny' }, placement: { locality: Locality.CROSS_HOST } }), Status.INVALID_ARGUMENT, 'placement.locality');
     // A placement pinned to a host the fleet does not have would fail only once placed.
     await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k4p', source: { case: 'image', value: 'tiny' }, placement: { hostId: 'no-such-host' } }), Status.INVALID_ARGUMENT, 'placement.host_id');
     await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k5', source: { case: 'sandboxId', value: sb('a') }, count: 4, placement: { hostId: 'h1', maxPerHost: 2 } }), Status.INVALID_ARGUMENT, 'placement.max_per_host');

@@ -121,6 +121,11 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     return true;
   };
   // Pinning a sandbox to a named host is for operators (tests, debugging a host), not tenants.
+  // Locality is relative to the hosts that hold a snapshot: a sandbox booted from an image has none.
+  const imagePlacement = (source: string | undefined, p: ReturnType<typeof c.placement>): ReturnType<typeof c.placement> => {
+    if (source === 'image' && p.locality !== 'ANY') throw new InvalidArgumentError('placement.locality', 'means where a snapshot is held; a sandbox booted from an image has none (leave it unset, or set placement.host_id)');
+    return p;
+  };
   const placementFor = (p: Parameters<typeof c.placement>[0], ctx: CallContext): ReturnType<typeof c.placement> => {
     const out = c.placement(p);
     if (out.hostId && !principal(ctx).admin) throw new PermissionDeniedError('placement.host_id needs an admin credential', 'placement.host_id');
@@ -145,7 +150,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           idleTimeoutMs: lc.idleTimeoutMs,
           afterResume: lc.afterResume,
           ...c.network(req.network),
-          placement: placementFor(req.placement, ctx),
+          placement: imagePlacement(req.source.case, placementFor(req.placement, ctx)),
           hostname: c.hostname(req.hostname),
         }),
       );
@@ -157,7 +162,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const after = c.pageToken(req.pageToken, c.SANDBOXES_BY_ID);
       const states = req.states.map((s, i) => c.sandboxState(s, `states[${i}]`));
       const hostId = req.hostId ? c.hostId(req.hostId) : '';
-      const all = await fleet.listSandboxes(allTenants(req, ctx, 'ListSandboxes') ? undefined : tenant(req.tenantId, ctx), states, c.labels(req.labels), hostId);
+      const all = await fleet.listSandboxes(allTenants(req, ctx, 'ListSandboxes') ? undefined : tenant(req.tenantId, ctx), states, c.labels(req.labels, 'labels', true), hostId);
       const { items, nextPageToken } = c.page(all, req.pageSize, after, c.SANDBOXES_BY_ID);
       return { sandboxes: items.map((s) => c.toSandbox(s, deps.clock.now())), nextPageToken };
     },
@@ -177,7 +182,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             yield { payload: { case: 'stderr' as const, value: out.payload.value } };
             break;
           case 'exit':
-            yield { payload: { case: 'exit' as const, value: { exitCode: out.payload.value.exitCode, signal: out.payload.value.signal, timedOut: out.payload.value.timedOut, outputTruncated: out.payload.value.outputTruncated } } };
+            yield { payload: { case: 'exit' as const, value: { exitCode: out.payload.value.exitCode, signal: out.payload.value.signal, timedOut: out.payload.value.timedOut, outputTruncated: out.payload.value.outputTruncated, duration: c.durationOfMs(out.payload.value.durationMs) } } };
             return;
           case 'error':
             // The host had the request: the command may have started (a guest channel that
@@ -198,7 +203,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             if (header) throw new InvalidArgumentError('header', 'sent twice');
             const h = r.payload.value;
             if (h.mode > 0o7777) throw new InvalidArgumentError('header.mode', 'permission bits: at most 07777 (0: the guest default)');
-            header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestFilePath(h.path, 'header.path'), mode: h.mode };
+            header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestFilePath(h.path, 'header.path', true), mode: h.mode };
             if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
             // A sandbox that does not exist is refused now, before any data is held for it.
             await fleet.getSandbox(header.tenantId, header.sandboxId);

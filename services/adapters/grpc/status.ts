@@ -35,6 +35,15 @@ export interface GrpcStatusObject {
 }
 
 /**
+ * `s` with every character outside printable ASCII as a \\uXXXX escape. gRPC metadata values
+ * are printable ASCII, and grpc-js throws while answering a call whose error field (which can
+ * quote a client's label or env key) has anything else.
+ */
+export function asciiOnly(s: string): string {
+  return s.replace(/[^\x20-\x7e]/g, (c) => `\\u${c.charCodeAt(0).toString(16).padStart(4, '0')}`);
+}
+
+/**
  * Converts anything a handler threw into a status. Named errors keep their message, except
  * those of kind `internal` (a host's or the executor's unexpected failure, whose text can
  * carry host paths, guest-agent output or Node errors); they and anything else become
@@ -45,7 +54,7 @@ export function toGrpcStatus(err: unknown): GrpcStatusObject {
   if (isForkfleetError(err)) {
     metadata.set(META_KIND, err.kind);
     metadata.set(META_RETRYABLE, String(err.retryable));
-    if (err.field !== undefined) metadata.set(META_FIELD, err.field);
+    if (err.field !== undefined) metadata.set(META_FIELD, asciiOnly(err.field));
     return { code: KIND_TO_STATUS[err.kind], details: err.kind === 'internal' ? 'internal error' : err.message, metadata };
   }
   metadata.set(META_KIND, 'internal');

@@ -56,6 +56,9 @@ export const ResourcesSchema: GenMessage<Resources> = /*@__PURE__*/
  */
 export type PlacementPreference = Message<"forkfleet.v1.PlacementPreference"> & {
   /**
+   * Relative to the hosts that hold the snapshot forked or restored: a CreateSandbox from an
+   * image, which has none, takes only ANY (or unset), else INVALID_ARGUMENT.
+   *
    * @generated from field: forkfleet.v1.Locality locality = 1;
    */
   locality: Locality;

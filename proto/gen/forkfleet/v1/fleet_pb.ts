@@ -418,6 +418,8 @@ export type ExecExit = Message<"forkfleet.v1.ExecExit"> & {
   timedOut: boolean;
 
   /**
+   * How long the command ran, from its start in the guest to its exit (not counting a wake).
+   *
    * @generated from field: google.protobuf.Duration duration = 4;
    */
   duration?: Duration | undefined;
