@@ -411,6 +411,8 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   };
   if (cfg.maxRecvBytes < 64 * 1024) throw new InvalidArgumentError(mr, 'must be at least 64KiB');
   if (cfg.maxSendBytes < 64 * 1024) throw new InvalidArgumentError(ms, 'must be at least 64KiB');
+  // Forkfleet's clients take answers up to 64 MiB (CLIENT_MAX_RECEIVE_BYTES, adapters/grpc/tls.ts).
+  if (cfg.maxSendBytes > 64 << 20) throw new InvalidArgumentError(ms, 'must be at most 64MiB (the largest answer the SDK and CLI take)');
   // Smaller, and a file of the API's largest size could never be read or written.
   if (cfg.fileBufferBytes < 64 << 20) throw new InvalidArgumentError(fb, 'must be at least 64MiB (the largest file the API moves)');
   if (!(cfg.lostAfterMs > cfg.suspectAfterMs)) throw new InvalidArgumentError(la, `must be longer than FF_HOST_SUSPECT_AFTER (${suspect}), got ${JSON.stringify(lost)}`);

@@ -26,6 +26,7 @@ import { createClient } from '../adapters/grpc/rpc.ts';
 import type { Client } from '../adapters/grpc/rpc.ts';
 import type { RpcError } from '../adapters/grpc/status.ts';
 import { Forkfleet } from '../sdk/index.ts';
+import { revokeTokens } from './tokens.ts';
 import { FleetService, OperationState, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 
@@ -307,6 +308,22 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     await waitFor('a stream slot is free again', async () => (await failure(a.watchEvents({}, { timeoutMs: 300 })))?.code === Status.DEADLINE_EXCEEDED, 10_000, 100);
     ac[1]!.abort();
     await open[1];
+  });
+
+  it('revokedToken_endsItsOpenStreamUnauthenticated_andIsRefusedFromThenOn_whileOtherStreamsGoOn', async () => {
+    const leaked = creds.mint({ tenant: 'tenant-a', name: 'leaked-ci' });
+    const c = client(leaked);
+    await waitFor('the new token is taken', async () => (await codeOf(c.listSandboxes({}))) === 'OK', 10_000, 100);
+    const other = new AbortController();
+    const otherEnded = failure(b.watchEvents({}, { signal: other.signal }));
+    const revokedEnd = failure(c.watchEvents({}, { timeoutMs: 30_000 }));
+    await new Promise((r) => setTimeout(r, 300));
+    expect(revokeTokens(creds.tokensFile, 'leaked-ci')).toHaveLength(1);
+    const e = await revokedEnd;
+    expect([e && Status[e.code], e?.message]).toEqual(['UNAUTHENTICATED', expect.stringMatching(/credential revoked/)]);
+    expect(await codeOf(c.listSandboxes({}))).toBe('UNAUTHENTICATED');
+    other.abort();
+    expect((await otherEnded)?.code).toBe(Status.CANCELLED);
   });
 
   it('placementOnANamedHost_isForAdminCredentialsOnly', async () => {

@@ -49,13 +49,23 @@ interface CredentialsFile {
   api?: string[];
 }
 
-export function readCredentialsFile(path: string): CredentialsFile | undefined {
+/**
+ * The credentials file at `path`. Missing or unreadable (e.g. not root): undefined for the
+ * local fleet's default file, an error naming `named` (--credentials, FF_CREDENTIALS) for a
+ * file the caller named: a typo there must not fall back to some other token.
+ */
+export function readCredentialsFile(path: string, named?: string): CredentialsFile | undefined {
   let text: string;
   try {
-    if (!existsSync(path)) return undefined;
+    if (!existsSync(path)) {
+      if (named) throw new InvalidArgumentError(named, `${path}: no such file`);
+      return undefined;
+    }
     text = readFileSync(path, 'utf8');
-  } catch {
-    return undefined; // unreadable (e.g. not root): as if absent
+  } catch (e) {
+    if (e instanceof InvalidArgumentError) throw e;
+    if (named) throw new InvalidArgumentError(named, `${path}: cannot read it: ${(e as Error).message}`);
+    return undefined;
   }
   try {
     const doc = JSON.parse(text) as CredentialsFile;
@@ -70,7 +80,7 @@ export function resolveClientCredentials(o: CredentialOptions = {}, env: NodeJS.
   // the local fleet's default file comes after them.
   const named = o.credentialsFile ?? env.FF_CREDENTIALS;
   const filePath = named ?? defaultCredentialsFile(env);
-  const file = o.token !== undefined && o.ca !== undefined ? undefined : readCredentialsFile(filePath);
+  const file = o.token !== undefined && o.ca !== undefined ? undefined : readCredentialsFile(filePath, o.credentialsFile !== undefined ? 'credentials' : env.FF_CREDENTIALS !== undefined ? 'FF_CREDENTIALS' : undefined);
   const pick = <T>(option: T | undefined, fromEnv: T | undefined, fromFile: T | undefined): [T | undefined, 'options' | 'env' | 'file' | 'none'] => {
     const order: Array<[T | undefined, 'options' | 'env' | 'file']> = named !== undefined ? [[option, 'options'], [fromFile, 'file'], [fromEnv, 'env']] : [[option, 'options'], [fromEnv, 'env'], [fromFile, 'file']];
     const hit = order.find(([v]) => v !== undefined);
@@ -79,5 +89,6 @@ export function resolveClientCredentials(o: CredentialOptions = {}, env: NodeJS.
   const [token, tokenFrom] = pick(o.token, env.FF_TOKEN, file?.token);
   const [ca, caFrom] = pick<string | Buffer>(o.ca, env.FF_CA, file?.ca);
   const source = tokenFrom === 'options' ? 'options' : tokenFrom === 'env' ? 'FF_TOKEN' : tokenFrom === 'file' ? filePath : 'none';
-  return { token: token || undefined, caPem: ca ? pem(ca, caFrom === 'options' ? 'ca' : caFrom === 'env' ? 'FF_CA' : filePath) : undefined, tenant: file?.tenant, api: file?.api, source };
+  // The file's tenant goes with the file's token: another token (FF_TOKEN) is another tenant's.
+  return { token: token || undefined, caPem: ca ? pem(ca, caFrom === 'options' ? 'ca' : caFrom === 'env' ? 'FF_CA' : filePath) : undefined, tenant: tokenFrom === 'file' ? file?.tenant : undefined, api: file?.api, source };
 }

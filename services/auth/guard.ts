@@ -17,10 +17,16 @@ export interface ApiGuardOptions {
   now?: () => number;
 }
 
+/** How often open streaming calls are checked against the tokens file while any is open. */
+export const REVOCATION_CHECK_MS = 1000;
+
 export class ApiGuard {
   private readonly rate: RateLimiter;
   private readonly streams: ConcurrencyLimiter;
   private readonly now: () => number;
+  /** The revoke callbacks of open streaming calls, by credential id. */
+  private readonly live = new Map<string, Set<(err: Error) => void>>();
+  private sweeper: NodeJS.Timeout | undefined;
 
   constructor(readonly auth: Authenticator, opts: ApiGuardOptions) {
     this.rate = new RateLimiter((tenant) => auth.rateOf(tenant));
@@ -28,7 +34,45 @@ export class ApiGuard {
     this.now = opts.now ?? Date.now;
   }
 
-  admit(call: { metadata: HeaderSource; streaming: boolean }): { principal: Principal; release?: () => void } {
+  /**
+   * A streaming call's credential removed from the tokens file while the call is open (an
+   * exec session, a watch) ends the call UNAUTHENTICATED within about REVOCATION_CHECK_MS: a
+   * revoked token must not keep reading a sandbox it was cut off from.
+   */
+  private watchRevocation(credentialId: string): { onRevoke: (cb: (err: Error) => void) => void; forget: () => void } {
+    let cb: ((err: Error) => void) | undefined;
+    const set = this.live.get(credentialId) ?? new Set();
+    this.live.set(credentialId, set);
+    const entry = (err: Error): void => cb?.(err);
+    set.add(entry);
+    this.sweeper ??= setInterval(() => this.sweep(), REVOCATION_CHECK_MS).unref();
+    return {
+      onRevoke: (f) => (cb = f),
+      forget: () => {
+        set.delete(entry);
+        if (set.size === 0 && this.live.get(credentialId) === set) this.live.delete(credentialId);
+        if (this.live.size === 0 && this.sweeper) {
+          clearInterval(this.sweeper);
+          this.sweeper = undefined;
+        }
+      },
+    };
+  }
+
+  private sweep(): void {
+    for (const [id, set] of this.live) {
+      if (this.auth.has(id)) continue;
+      this.live.delete(id);
+      const err = new UnauthenticatedError('credential revoked: its token is no longer in the tokens file');
+      for (const revoke of set) revoke(err);
+    }
+    if (this.live.size === 0 && this.sweeper) {
+      clearInterval(this.sweeper);
+      this.sweeper = undefined;
+    }
+  }
+
+  admit(call: { metadata: HeaderSource; streaming: boolean }): { principal: Principal; release?: () => void; onRevoke?: (cb: (err: Error) => void) => void } {
     const values = call.metadata.get('authorization');
     if (values.length > 1) throw new UnauthenticatedError('more than one authorization header');
     const header = values[0];
@@ -39,9 +83,17 @@ export class ApiGuard {
       throw new RateLimitedError(principal.tenantId, spec.perSecond, spec.burst, wait);
     }
     if (!call.streaming) return { principal };
-    const release = this.streams.acquire(principal.credentialId);
-    if (!release) throw new TooManyStreamsError(this.streams.max);
-    return { principal, release };
+    const free = this.streams.acquire(principal.credentialId);
+    if (!free) throw new TooManyStreamsError(this.streams.max);
+    const { onRevoke, forget } = this.watchRevocation(principal.credentialId);
+    return {
+      principal,
+      onRevoke,
+      release: () => {
+        forget();
+        free();
+      },
+    };
   }
 }
 

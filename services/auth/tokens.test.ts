@@ -1,9 +1,9 @@
-import { afterEach, beforeEach, describe, expect, it } from 'vitest';
+import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
 import { mkdtempSync, readFileSync, rmSync, statSync, utimesSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { tmpdir } from 'node:os';
-import { Authenticator, bearerOf, mintToken, parseTokensFile, sha256 } from './tokens.ts';
-import { ApiGuard, tenantFor, requireAdmin } from './guard.ts';
+import { Authenticator, bearerOf, credentialIdOf, listTokens, mintToken, parseTokensFile, revokeTokens, sha256 } from './tokens.ts';
+import { ApiGuard, REVOCATION_CHECK_MS, tenantFor, requireAdmin } from './guard.ts';
 import { resolveClientCredentials } from './client-credentials.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
@@ -88,6 +88,30 @@ describe('tokens file', () => {
     expect(auth.authenticate(`Bearer ${a}`).tenantId).toBe('acme');
   });
 
+  it('revokeTokens_byNameOrId_removesOnlyThose_andTheAuthenticatorRefusesThemAfterItsNextReload', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme', name: 'ci' });
+    const b = mintToken(file, { tenant: 'acme', name: 'laptop' });
+    const c = mintToken(file, { tenant: 'beta' });
+    let now = 0;
+    const auth = new Authenticator(file, undefined, () => now);
+    expect(listTokens(file)).toEqual([
+      { id: credentialIdOf(sha256(a)), tenant: 'acme', name: 'ci', admin: false },
+      { id: credentialIdOf(sha256(b)), tenant: 'acme', name: 'laptop', admin: false },
+      { id: credentialIdOf(sha256(c)), tenant: 'beta', name: '', admin: false },
+    ]);
+    expect(revokeTokens(file, 'ci').map((t) => t.name)).toEqual(['ci']);
+    expect(revokeTokens(file, credentialIdOf(sha256(c))).map((t) => t.tenant)).toEqual(['beta']);
+    expect(kindOf(() => revokeTokens(file, 'ci'))).toBe('not_found');
+    expect(kindOf(() => revokeTokens(file, ''))).toBe('not_found');
+    utimesSync(file, new Date(), new Date(Date.now() + 5000));
+    now = 2000;
+    expect(kindOf(() => auth.authenticate(`Bearer ${a}`))).toBe('unauthenticated');
+    expect(kindOf(() => auth.authenticate(`Bearer ${c}`))).toBe('unauthenticated');
+    expect(auth.authenticate(`Bearer ${b}`).tenantId).toBe('acme');
+    expect([auth.has(credentialIdOf(sha256(a))), auth.has(credentialIdOf(sha256(b)))]).toEqual([false, true]);
+  });
+
   it('bearerOf_acceptsOnlyTheBearerScheme', () => {
     expect(bearerOf('Bearer abc')).toBe('abc');
     expect(bearerOf('bearer abc')).toBeUndefined();
@@ -141,6 +165,34 @@ describe('ApiGuard and tenancy', () => {
     expect(guard.admit({ metadata: md(`Bearer ${a}`), streaming: true }).principal.tenantId).toBe('acme');
   });
 
+  it('admit_streamOfARevokedCredential_isEndedAtTheNextCheck_andOthersAndEndedStreamsAreLeftAlone', () => {
+    vi.useFakeTimers();
+    try {
+      const file = join(dir, 'tokens.json');
+      const a = mintToken(file, { tenant: 'acme', name: 'leaked' });
+      const b = mintToken(file, { tenant: 'acme' });
+      const guard = new ApiGuard(new Authenticator(file, undefined), { maxStreamsPerCredential: 4 });
+      const ended: string[] = [];
+      const open = (token: string, name: string): ReturnType<ApiGuard['admit']> => {
+        const s = guard.admit({ metadata: md(`Bearer ${token}`), streaming: true });
+        s.onRevoke!((err) => ended.push(`${name}: ${err.message}`));
+        return s;
+      };
+      open(a, 'a1');
+      open(b, 'b1');
+      open(a, 'a-closed').release!();
+      vi.advanceTimersByTime(REVOCATION_CHECK_MS * 2);
+      expect(ended).toEqual([]);
+      revokeTokens(file, 'leaked');
+      utimesSync(file, new Date(), new Date(Date.now() + 5000));
+      vi.advanceTimersByTime(REVOCATION_CHECK_MS * 2);
+      expect(ended).toEqual([expect.stringMatching(/^a1: credential revoked/)]);
+      expect(kindOf(() => guard.admit({ metadata: md(`Bearer ${a}`), streaming: true }))).toBe('unauthenticated');
+    } finally {
+      vi.useRealTimers();
+    }
+  });
+
   it('admit_withTwoAuthorizationHeaders_isUnauthenticated', () => {
     const file = join(dir, 'tokens.json');
     const a = mintToken(file, { tenant: 'acme' });
@@ -180,6 +232,12 @@ describe('client credentials', () => {
       expect(named).toMatchObject({ token: 'ff_file', source: join(dir, 'credentials.json') });
       expect(named.caPem?.toString()).toContain('file');
       expect(resolveClientCredentials({}, { FF_CREDENTIALS: join(dir, 'credentials.json'), FF_TOKEN: 'ff_env' }).token).toBe('ff_file');
+      // The fleet file's tenant goes with its token only: FF_TOKEN is some other tenant's.
+      expect(resolveClientCredentials({}, { FF_FLEET_DIR: dir, FF_TOKEN: 'ff_env' }).tenant).toBeUndefined();
+      // A named file that is not there is an error naming where it was named, not a silent
+      // fall back to FF_TOKEN; the fleet's default file may be absent.
+      expect(kindOf(() => resolveClientCredentials({ credentialsFile: join(dir, 'typo.json') }, { FF_TOKEN: 'ff_env' }))).toBe('invalid_argument:credentials');
+      expect(kindOf(() => resolveClientCredentials({}, { FF_CREDENTIALS: join(dir, 'typo.json'), FF_TOKEN: 'ff_env' }))).toBe('invalid_argument:FF_CREDENTIALS');
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

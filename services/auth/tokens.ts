@@ -11,7 +11,7 @@
 // changes, so a minted token works without a restart.
 import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
 import { existsSync, readFileSync, renameSync, statSync, writeFileSync } from 'node:fs';
-import { InvalidArgumentError } from '../../proto/errors.ts';
+import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
 import { parseDuration } from '../config.ts';
 import { UnauthenticatedError } from './errors.ts';
 import type { RateSpec } from './limits.ts';
@@ -49,6 +49,11 @@ const TOKEN_RE = /^ff_[A-Za-z0-9_-]{43}$/;
 
 export function sha256(token: string): Buffer {
   return createHash('sha256').update(token, 'utf8').digest();
+}
+
+/** The credential id of a token's digest: the first 12 hex digits of its SHA-256, shown by `forkfleet token ls`. */
+export function credentialIdOf(digest: Buffer): string {
+  return digest.subarray(0, 6).toString('hex');
 }
 
 export function newToken(): string {
@@ -188,7 +193,13 @@ export class Authenticator {
     // Compare against every entry in constant time per entry; no early exit on a match.
     for (const e of [...this.entries, ...this.ephemeral]) if (timingSafeEqual(e.digest, digest) && !found) found = e;
     if (!found) throw new UnauthenticatedError('unknown token');
-    return { tenantId: found.tenant, admin: found.admin, credentialId: found.digest.subarray(0, 6).toString('hex') };
+    return { tenantId: found.tenant, admin: found.admin, credentialId: credentialIdOf(found.digest) };
+  }
+
+  /** Whether a credential (by id) is still in the tokens file (re-read when it changed) or is an in-memory one. */
+  has(credentialId: string): boolean {
+    this.reload();
+    return [...this.entries, ...this.ephemeral].some((e) => credentialIdOf(e.digest) === credentialId);
   }
 
   quotaOf(tenantId: string): TenantQuota | undefined {
@@ -218,16 +229,53 @@ export interface MintOptions {
  * Appends a new token's digest to the tokens file (created mode 0600 when missing; replaced
  * atomically) and returns the token: the only time it exists in clear.
  */
-export function mintToken(path: string, o: MintOptions): string {
-  const token = newToken();
-  const raw = { tenant: o.tenant, token_sha256: sha256(token).toString('hex'), ...(o.admin ? { admin: true } : {}), ...(o.name ? { name: o.name } : {}), ...(o.quotas ? { quotas: o.quotas } : {}), ...(o.rate ? { rate: o.rate } : {}) };
-  const doc = existsSync(path) ? (JSON.parse(readFileSync(path, 'utf8')) as { tokens: unknown[] }) : { tokens: [] };
-  doc.tokens.push(raw);
+/** What `forkfleet token ls` shows of a tokens file entry (never the token, which is not stored). */
+export interface TokenListing {
+  id: string;
+  tenant: string;
+  name: string;
+  admin: boolean;
+}
+
+function listingOf(e: TokenEntry): TokenListing {
+  return { id: credentialIdOf(e.digest), tenant: e.tenant, name: e.name, admin: e.admin };
+}
+
+export function listTokens(path: string): TokenListing[] {
+  return parseTokensFile(readFileSync(path, 'utf8'), path).map(listingOf);
+}
+
+/**
+ * Removes from the tokens file every entry whose credential id (or longer digest prefix, at
+ * least 12 hex digits) or name is `which`, and returns them; none is NotFoundError. The file
+ * is replaced atomically; each scheduler refuses the removed tokens, and ends their open
+ * streaming calls, within about a second.
+ */
+export function revokeTokens(path: string, which: string): TokenListing[] {
+  const doc = JSON.parse(readFileSync(path, 'utf8')) as { tokens: unknown[] };
+  const entries = parseTokensFile(JSON.stringify(doc), path);
+  const hit = (e: TokenEntry): boolean => (/^[0-9a-f]{12,64}$/.test(which) && e.digest.toString('hex').startsWith(which)) || (e.name !== '' && e.name === which);
+  const gone = entries.filter(hit);
+  if (gone.length === 0) throw new ForkfleetError('not_found', `no token in ${path} has the id or name ${JSON.stringify(which)} (forkfleet token ls lists them)`);
+  writeTokensFile(path, { ...doc, tokens: doc.tokens.filter((_, i) => !hit(entries[i]!)) });
+  return gone.map(listingOf);
+}
+
+/** Writes a tokens file through a temporary file and a rename, after checking the scheduler would take it. */
+function writeTokensFile(path: string, doc: { tokens: unknown[] }): void {
   const text = `${JSON.stringify(doc, null, 2)}\n`;
   parseTokensFile(text, path); // never write a file the scheduler would refuse
   const tmp = `${path}.${process.pid}.tmp`;
   writeFileSync(tmp, text, { mode: 0o600 });
   renameSync(tmp, path);
+}
+
+export function mintToken(path: string, o: MintOptions): string {
+  const token = newToken();
+  const raw = { tenant: o.tenant, token_sha256: sha256(token).toString('hex'), ...(o.admin ? { admin: true } : {}), ...(o.name ? { name: o.name } : {}), ...(o.quotas ? { quotas: o.quotas } : {}), ...(o.rate ? { rate: o.rate } : {}) };
+  const doc = existsSync(path) ? (JSON.parse(readFileSync(path, 'utf8')) as { tokens: unknown[] }) : { tokens: [] };
+  doc.tokens.push(raw);
+  writeTokensFile(path, doc);
   if (!TOKEN_RE.test(token)) throw new Error('minted a malformed token');
   return token;
 }

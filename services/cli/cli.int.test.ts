@@ -69,9 +69,11 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     // exec streams output and passes the exit code through
     const ex = await cli(['sandbox', 'exec', sb.id, '--', 'sh', '-c', 'echo out; echo err >&2; exit 3']);
     expect(ex).toMatchObject({ code: 3, stdout: 'out\n', stderr: 'err\n' });
-    const exj = await cli(['--json', 'sandbox', 'exec', sb.id, '--', 'sh', '-c', 'echo hi; echo state > /tmp/s']);
+    const exj = await cli(['--json', 'sandbox', 'exec', sb.id, '--', 'sh', '-c', 'sleep 0.3; echo hi; echo state > /tmp/s']);
     expect(exj.code).toBe(0);
-    expect(JSON.parse(exj.stdout)).toMatchObject({ stdout: 'hi\n', exitCode: 0 });
+    // durationMs: the command's run time as its host timed it (the sleep at least).
+    expect(JSON.parse(exj.stdout)).toMatchObject({ stdout: 'hi\n', exitCode: 0, durationMs: expect.any(Number) });
+    expect(JSON.parse(exj.stdout).durationMs).toBeGreaterThanOrEqual(300);
 
     // fork 4: progress goes to stderr, the children as JSON to stdout
     const fk = await cli(['--json', 'sandbox', 'fork', sb.id, '4', '--ttl', '2h', '--idle-timeout', '0']);
@@ -114,6 +116,14 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     const down = await cli(['--api', '127.0.0.1:1', 'hosts', 'ls']);
     expect(down.code).toBe(69);
     expect(down.stderr).toContain('npm run fleet:up');
+
+    // Several targets, one of them missing: the other is still paused, the missing one is named
+    // on stderr and in its place in the output, and the exit code is its failure's.
+    const noSuch = `sb-${'a'.repeat(20)}`;
+    const mixed = await cli(['--json', 'sandbox', 'pause', noSuch, fork.children[0]!.id]);
+    expect(mixed.code, mixed.stderr).toBe(1);
+    expect((JSON.parse(mixed.stdout) as Array<{ id: string; state?: string; error?: { kind: string } }>).map((m) => [m.id, m.state ?? m.error?.kind])).toEqual([[noSuch, 'not_found'], [fork.children[0]!.id, 'paused']]);
+    expect(mixed.stderr).toContain(`forkfleet: ${noSuch}: not_found`);
 
     // One --idempotency-key for five sandboxes: each gets its own (K/<id>), and the command repeated does nothing twice.
     const destroyArgs = ['--idempotency-key', `walk-${process.pid}`, 'sandbox', 'destroy', sb.id, ...fork.children.map((c) => c.id)];

@@ -39,6 +39,8 @@ const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
   path: 'the guest path',
   'header.path': 'the guest path',
   idempotency_key: '--idempotency-key',
+  credentials: '--credentials (the file it names)',
+  FF_CREDENTIALS: 'FF_CREDENTIALS (the file it names)',
 };
 
 export function hintFor(e: ErrorLike, api: string): string {

@@ -5,7 +5,7 @@ import { spawn, spawnSync } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
-import { Forkfleet, ForkfleetError, OperationFailedError, parseDuration, RpcError } from '../sdk/index.ts';
+import { Forkfleet, ForkfleetError, newIdempotencyKey, OperationFailedError, operationIdOf, parseDuration, RpcError } from '../sdk/index.ts';
 import type { CallOpts, EventInfo, HostInfo, OperationInfo, OperationKindName, OperationStateName, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
 import { OPERATION_KINDS, OPERATION_STATES } from '../sdk/index.ts';
 import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
@@ -167,6 +167,18 @@ function perTargetKey(key: string, target: string): string {
   return k;
 }
 
+/** The idempotency key this invocation's mutating calls use when --idempotency-key gives none (made once). */
+let invocationKey: string | undefined;
+
+/**
+ * The key (or, per target, the base of the keys) of this invocation's mutating calls: the
+ * user's --idempotency-key, else one made for this run, which an error that may hide an
+ * accepted request shows, so that the command can be repeated without doing the work twice.
+ */
+function keyBase(g: Globals): string {
+  return g.idempotencyKey ?? (invocationKey ??= newIdempotencyKey('cli'));
+}
+
 /**
  * Progress for long work on stderr (never on stdout, so --json stays parseable). `target`: the
  * one a command that can name several acts on here; its call gets --idempotency-key K as
@@ -180,7 +192,7 @@ function progress(cmd: Command, label: string, target?: string): CallOpts {
   let last = '';
   const opts: CallOpts = {
     ...(g.timeout ? { timeoutMs: parseDuration(g.timeout) } : {}),
-    ...(g.idempotencyKey ? { idempotencyKey: target === undefined ? g.idempotencyKey : perTargetKey(g.idempotencyKey, target) } : {}),
+    idempotencyKey: target === undefined ? keyBase(g) : perTargetKey(keyBase(g), target),
     onProgress: (op: OperationInfo) => {
       if (g.json) return;
       const p = op.progress;
@@ -324,6 +336,7 @@ export function buildProgram(): Command {
 
   // ----- token
   const token = program.command('token').description('API credentials (bearer tokens, stored hashed)');
+  const tokensFileOf = (o: { tokensFile?: string }): string => o.tokensFile ?? process.env.FF_TOKENS_FILE ?? resolve(fleetDir({}), 'keys', 'tokens.json');
   token
     .command('mint')
     .description('add a token for --tenant to a tokens file (FF_TOKENS_FILE of the schedulers) and print it: the only time it is shown')
@@ -336,10 +349,10 @@ export function buildProgram(): Command {
     .option('--rate <per_s>', 'rate limit, requests per second', intArg('--rate', 1, 1_000_000))
     .option('--burst <n>', 'rate limit burst', intArg('--burst', 1, 1_000_000))
     .action(async (o: { tokensFile?: string; admin: boolean; name?: string; sandboxes?: number; memoryMib?: number; snapshotBytes?: number; rate?: number; burst?: number }, cmd: Command) => {
-      const { mintToken } = await import('../auth/tokens.ts');
+      const { mintToken, credentialIdOf, sha256 } = await import('../auth/tokens.ts');
       const g = globals(cmd);
       if (!g.tenant) throw new ForkfleetError('invalid_argument', '--tenant: name the tenant the token acts for', { field: '--tenant' });
-      const file = o.tokensFile ?? process.env.FF_TOKENS_FILE ?? resolve(fleetDir({}), 'keys', 'tokens.json');
+      const file = tokensFileOf(o);
       const quotas = { ...(o.sandboxes !== undefined ? { sandboxes: o.sandboxes } : {}), ...(o.memoryMib !== undefined ? { memory_mib: o.memoryMib } : {}), ...(o.snapshotBytes !== undefined ? { snapshot_bytes: o.snapshotBytes } : {}) };
       const t = mintToken(file, {
         tenant: g.tenant,
@@ -348,10 +361,31 @@ export function buildProgram(): Command {
         ...(Object.keys(quotas).length ? { quotas } : {}),
         ...(o.rate !== undefined ? { rate: { per_s: o.rate, ...(o.burst !== undefined ? { burst: o.burst } : {}) } } : {}),
       });
-      out(cmd, { tenant: g.tenant, admin: o.admin, token: t, tokensFile: file }, () => `${t}
+      out(cmd, { tenant: g.tenant, admin: o.admin, token: t, id: credentialIdOf(sha256(t)), tokensFile: file }, () => `${t}
 `);
       if (!g.json) process.stderr.write(`token for tenant ${g.tenant}${o.admin ? ' (admin)' : ''} added to ${file}; it is not stored in clear anywhere: keep it now (FF_TOKEN=...)
 `);
+    });
+
+  token
+    .command('ls')
+    .alias('list')
+    .description('list the tokens of a tokens file: id, tenant, name, admin (the tokens themselves are not stored)')
+    .option('--tokens-file <file>', 'tokens file (FF_TOKENS_FILE, else <fleet dir>/keys/tokens.json)')
+    .action(async (o: { tokensFile?: string }, cmd: Command) => {
+      const { listTokens } = await import('../auth/tokens.ts');
+      const list = listTokens(tokensFileOf(o));
+      out(cmd, list, () => table([['ID', 'TENANT', 'NAME', 'ADMIN'], ...list.map((t) => [t.id, t.tenant, t.name || '-', t.admin ? 'yes' : 'no'])]));
+    });
+  token
+    .command('revoke')
+    .description('remove tokens by id (from token ls) or by name: the schedulers refuse them, and end their open streams (exec, watch), within about a second')
+    .argument('<id-or-name>')
+    .option('--tokens-file <file>', 'tokens file (FF_TOKENS_FILE, else <fleet dir>/keys/tokens.json)')
+    .action(async (which: string, o: { tokensFile?: string }, cmd: Command) => {
+      const { revokeTokens } = await import('../auth/tokens.ts');
+      const gone = revokeTokens(tokensFileOf(o), which);
+      out(cmd, gone, () => gone.map((t) => `revoked ${t.id}  ${t.tenant}  ${t.name || '-'}\n`).join(''));
     });
 
   // ----- sandbox
@@ -404,11 +438,15 @@ export function buildProgram(): Command {
       const stdin = o.stdin ? readFileSync(0) : undefined;
       const stream = client(cmd).sandbox(id).exec(argv, { env: o.env ?? {}, ...(o.cwd ? { cwd: o.cwd } : {}), timeout: o.execTimeout, ...(stdin ? { stdin } : {}) });
       const res = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0, outputTruncated: false };
+      // --json: each stream decoded once, whole (a character split across two chunks stays whole).
+      const parts: Record<'stdout' | 'stderr', Uint8Array[]> = { stdout: [], stderr: [] };
       for await (const c of stream) {
         if (c.stream === 'exit') Object.assign(res, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
-        else if (g.json) res[c.stream] += Buffer.from(c.data).toString();
+        else if (g.json) parts[c.stream].push(c.data);
         else (c.stream === 'stdout' ? process.stdout : process.stderr).write(c.data);
       }
+      res.stdout = Buffer.concat(parts.stdout).toString();
+      res.stderr = Buffer.concat(parts.stderr).toString();
       if (g.json) process.stdout.write(`${JSON.stringify(res, null, 2)}\n`);
       else if (res.timedOut) process.stderr.write(`forkfleet: command timed out after ${o.execTimeout} (--exec-timeout)\n`);
       if (!g.json && res.outputTruncated) process.stderr.write('forkfleet: output truncated: stdout or stderr had more than an exec returns (64 MiB each); write it to a file in the sandbox and cp it out\n');
@@ -452,14 +490,13 @@ export function buildProgram(): Command {
       .argument('<sandbox...>')
       .action(async (ids: string[], _o: unknown, cmd: Command) => {
         const ff = client(cmd);
-        const done = await Promise.all(ids.map(async (id) => {
+        const done = await eachTarget(cmd, ids, async (id) => {
           const s = ff.sandbox(id);
           const o = progress(cmd, `${name} ${id}`, id);
           await (name === 'pause' ? s.pause(o) : name === 'resume' ? s.resume(o) : name === 'hibernate' ? s.hibernate(o) : s.destroy(o));
           return s.info ?? { id, state: name === 'destroy' ? 'destroyed' : 'unknown' };
-        }));
-        endProgress(cmd);
-        out(cmd, ids.length === 1 ? done[0] : done, () => done.map((s) => `${s.id}  ${s.state}\n`).join(''));
+        });
+        out(cmd, ids.length === 1 ? done[0] : done, () => done.map((s) => ('error' in s ? '' : `${s.id}  ${s.state}\n`)).join(''));
       });
   }
   sb.command('snapshot')
@@ -521,9 +558,11 @@ export function buildProgram(): Command {
     .description('delete snapshots')
     .argument('<snapshot...>')
     .action(async (ids: string[], _o: unknown, cmd: Command) => {
-      const ops = await Promise.all(ids.map((id) => client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`, id))));
-      endProgress(cmd);
-      out(cmd, ops.map((op) => ({ snapshotId: op.targetId, operation: op.id, state: op.state })), () => ids.map((id) => `${id}  deleted\n`).join(''));
+      const done = await eachTarget(cmd, ids, async (id) => {
+        const op = await client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`, id));
+        return { snapshotId: op.targetId, operation: op.id, state: op.state };
+      });
+      out(cmd, done, () => done.map((d) => ('error' in d ? '' : `${d.snapshotId}  deleted\n`)).join(''));
     });
 
   // ----- operations and events
@@ -542,7 +581,7 @@ export function buildProgram(): Command {
     .action(async (id: string, o: { wait?: boolean }, cmd: Command) => {
       const ff = client(cmd);
       let op = await ff.cancelOperation(id);
-      if (o.wait) op = await ff.wait(id).catch((e: unknown) => {
+      if (o.wait) op = await ff.wait(id, globals(cmd).timeout ? { timeoutMs: parseDuration(globals(cmd).timeout!) } : {}).catch((e: unknown) => {
         if (e instanceof OperationFailedError) return e.operation;
         throw e;
       });
@@ -657,11 +696,52 @@ export function buildProgram(): Command {
   return program;
 }
 
-function describeError(e: unknown, api: string): { kind: string; message: string; field: string | undefined; retryable: boolean; hint: string; exitCode: number } {
+/**
+ * Runs `act` on every target at once and waits for all of them: one target's failure neither
+ * hides nor cancels the others. A lone target's failure is thrown as is. With several, each
+ * failure is reported on stderr (and in --json output as `{ id, error }` in its place), the
+ * others' results are returned, and the exit code is the first failure's.
+ */
+async function eachTarget<T>(cmd: Command, ids: string[], act: (id: string) => Promise<T>): Promise<Array<T | { id: string; error: ReturnType<typeof describeError> }>> {
+  const settled = await Promise.allSettled(ids.map(act));
+  endProgress(cmd);
+  const failed = settled.flatMap((r) => (r.status === 'rejected' ? [r.reason as unknown] : []));
+  if (ids.length === 1 && failed.length === 1) throw failed[0];
+  const api = globals(cmd).api;
+  return settled.map((r, i) => {
+    if (r.status === 'fulfilled') return r.value;
+    const d = describeError(r.reason, api);
+    process.stderr.write(`forkfleet: ${ids[i]}: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
+    if (typeof process.exitCode !== 'number' || process.exitCode === 0) process.exitCode = d.exitCode;
+    return { id: ids[i]!, error: d };
+  });
+}
+
+interface DescribedError {
+  kind: string;
+  message: string;
+  field: string | undefined;
+  retryable: boolean;
+  hint: string;
+  exitCode: number;
+  /** The operation the fleet accepted before this error (it may still be running). */
+  operationId?: string;
+  /** The key to repeat the command with, when the error may hide a request the fleet accepted. */
+  idempotencyKey?: string;
+}
+
+function describeError(e: unknown, api: string, key = invocationKey): DescribedError {
   if (e instanceof ForkfleetError) {
     const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
     const like = { ...base, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered };
-    return { ...base, hint: hintFor(like, api), exitCode: exitCodeFor(like) };
+    const d: DescribedError = { ...base, hint: hintFor(like, api), exitCode: exitCodeFor(like) };
+    const operationId = like.operation ? undefined : operationIdOf(e);
+    // Accepted, then the wait for it failed (an outage, --timeout): follow it, do not submit again.
+    if (operationId) return { ...d, operationId, hint: `operation ${operationId} was accepted and goes on: follow it with \`forkfleet operation get ${operationId}\`; ${d.hint}` };
+    // No answer, or the scheduler's store did not answer: the request may have been applied.
+    const unsure = e instanceof RpcError && (!e.answered || e.kind === 'unavailable' || e.kind === 'deadline_exceeded');
+    if (unsure && key) return { ...d, idempotencyKey: key, hint: `${d.hint}; the fleet may have taken the request: repeat the command with --idempotency-key ${key} to do the work at most once` };
+    return d;
   }
   const message = e instanceof Error ? e.message : String(e);
   return { kind: 'internal', message, field: undefined, retryable: false, hint: 'this is a bug in the CLI or a local problem; the message above says what', exitCode: 1 };

@@ -322,6 +322,24 @@ export function execNeverStarted(e: unknown): boolean {
 const retryable = (e: unknown): boolean => e instanceof ForkfleetError && e.retryable && e.kind !== 'cancelled';
 
 /**
+ * This client's own deadline ran out before any answer: the request may or may not have
+ * reached the scheduler. Worth another attempt when it carries an idempotency key (the
+ * scheduler does the work once), never otherwise.
+ */
+const unansweredDeadline = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'deadline_exceeded';
+
+const operationOfError = new WeakMap<object, string>();
+
+/**
+ * The operation an error of `wait` (or of a call that submitted one and then waited) is
+ * about: it was accepted and may still be running, so follow it (`operation(id)`, `wait(id)`)
+ * rather than submitting the work again. Undefined when no operation had been accepted.
+ */
+export function operationIdOf(e: unknown): string | undefined {
+  return typeof e === 'object' && e !== null ? operationOfError.get(e) : undefined;
+}
+
+/**
  * How long a call is asked again while the scheduler answers UNAVAILABLE (retry), and how long
  * `wait` keeps polling through nothing but retryable errors, before either gives up.
  */
@@ -503,7 +521,7 @@ export class Forkfleet {
    * that a scheduler that answers UNAVAILABLE (its etcd or NATS is away, e.g. restarting) is
    * asked again for up to WAIT_OUTAGE_MS. A mutating call keeps its idempotency key throughout.
    */
-  async retry<T>(fn: (o: RpcCallOptions) => Promise<T>, opts: CallOpts = {}): Promise<T> {
+  async retry<T>(fn: (o: RpcCallOptions) => Promise<T>, opts: CallOpts = {}, keyed = false): Promise<T> {
     const { attempts, baseMs, maxMs } = this.retryOpts;
     let outageSince = 0;
     for (let attempt = 1; ; attempt++) {
@@ -513,7 +531,7 @@ export class Forkfleet {
         const outage = e instanceof RpcError && e.answered && e.kind === 'unavailable';
         if (outage) outageSince ||= Date.now();
         const spent = outage ? Date.now() - outageSince >= WAIT_OUTAGE_MS : attempt >= attempts;
-        if (!retryable(e) || spent || opts.signal?.aborted) throw e;
+        if (!(retryable(e) || (keyed && unansweredDeadline(e))) || spent || opts.signal?.aborted) throw e;
         await sleep(Math.random() * Math.min(maxMs, baseMs * 2 ** (attempt - 1)), opts.signal);
       }
     }
@@ -542,7 +560,8 @@ export class Forkfleet {
       const w = Math.max(1, Math.min(windowMs, left));
       let pb: PbOperation;
       try {
-        pb = await this.retry((o) => this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { ...o, timeoutMs: w + 10_000 }), { ...opts, timeoutMs: w + 10_000 });
+        // Retried by this loop (not by retry(), whose outage allowance would outlast `until`).
+        pb = await this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { timeoutMs: w + 10_000, ...(opts.signal ? { signal: opts.signal } : {}) });
       } catch (e) {
         failingSince ||= Date.now();
         if (!retryable(e) || opts.signal?.aborted || Date.now() - failingSince >= WAIT_OUTAGE_MS) throw e;
@@ -613,11 +632,20 @@ export class Forkfleet {
     };
   }
 
-  /** Submits a mutating call (one key for all attempts) and waits for its operation. */
+  /**
+   * Submits a mutating call (one key for all attempts, so an attempt whose answer was lost,
+   * even to this client's own deadline, is retried without doing the work twice) and waits
+   * for its operation. An error after the operation was accepted names it (operationIdOf).
+   */
   private async submit(call: (key: string, o: RpcCallOptions) => Promise<PbOperation>, opts: CallOpts): Promise<OperationInfo> {
     const key = this.key(opts);
-    const op = await this.retry((o) => call(key, o), { ...opts, timeoutMs: this.timeoutMs });
-    return this.wait(op.id, opts, op.tenantId || this.tenant);
+    const op = await this.retry((o) => call(key, o), { ...opts, timeoutMs: this.timeoutMs }, true);
+    try {
+      return await this.wait(op.id, opts, op.tenantId || this.tenant);
+    } catch (e) {
+      if (typeof e === 'object' && e !== null) operationOfError.set(e, op.id);
+      throw e;
+    }
   }
 
   // --- sandboxes
@@ -739,11 +767,11 @@ export class Forkfleet {
     get: async (snapshotId: string, opts: CallOpts = {}): Promise<SnapshotInfo> => toSnapshot(await this.retry((o) => this.rpc.getSnapshot({ tenantId: this.tenant, snapshotId }, o), opts)),
     pin: async (snapshotId: string, opts: CallOpts = {}): Promise<SnapshotInfo> => {
       const idempotencyKey = this.key(opts);
-      return toSnapshot(await this.retry((o) => this.rpc.pinSnapshot({ tenantId: this.tenant, idempotencyKey, snapshotId }, o), opts));
+      return toSnapshot(await this.retry((o) => this.rpc.pinSnapshot({ tenantId: this.tenant, idempotencyKey, snapshotId }, o), opts, true));
     },
     unpin: async (snapshotId: string, opts: CallOpts = {}): Promise<SnapshotInfo> => {
       const idempotencyKey = this.key(opts);
-      return toSnapshot(await this.retry((o) => this.rpc.unpinSnapshot({ tenantId: this.tenant, idempotencyKey, snapshotId }, o), opts));
+      return toSnapshot(await this.retry((o) => this.rpc.unpinSnapshot({ tenantId: this.tenant, idempotencyKey, snapshotId }, o), opts, true));
     },
     delete: async (snapshotId: string, opts: CallOpts = {}): Promise<OperationInfo> =>
       this.submit((idempotencyKey, o) => this.rpc.deleteSnapshot({ tenantId: this.tenant, idempotencyKey, snapshotId }, o), opts),
@@ -755,7 +783,7 @@ export class Forkfleet {
     list: async (opts: CallOpts = {}): Promise<HostInfo[]> => (await this.retry((o) => this.rpc.listHosts({}, o), opts)).hosts.map(toHost),
     cordon: async (hostId: string, cordon = true, opts: CallOpts = {}): Promise<HostInfo> => {
       const idempotencyKey = this.key(opts);
-      return toHost(await this.retry((o) => this.rpc.cordonHost({ idempotencyKey, hostId, cordon }, o), opts));
+      return toHost(await this.retry((o) => this.rpc.cordonHost({ idempotencyKey, hostId, cordon }, o), opts, true));
     },
     drain: async (hostId: string, migrate = false, opts: CallOpts = {}): Promise<OperationInfo> =>
       this.submit((idempotencyKey, o) => this.rpc.drainHost({ idempotencyKey, hostId, migrate }, o), opts),

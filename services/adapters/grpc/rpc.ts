@@ -54,9 +54,10 @@ export interface CallContext {
 /**
  * Runs before every handler of a guarded server (authentication, rate and stream limits).
  * Throws to refuse the call; `release` (for streaming calls) runs once when the call ends.
+ * `onRevoke` (streaming calls) registers what ends the call when its credential is revoked.
  */
 export interface CallGuard {
-  admit(call: { metadata: Metadata; method: string; streaming: boolean; peer: string }): { principal: Principal; release?: () => void };
+  admit(call: { metadata: Metadata; method: string; streaming: boolean; peer: string }): { principal: Principal; release?: () => void; onRevoke?: (cb: (err: Error) => void) => void };
 }
 
 export type Handler<M extends MethodShape> = M['methodKind'] extends 'unary'
@@ -167,13 +168,14 @@ type AnyServerCall =
   | ServerWritableStream<unknown, unknown>
   | ServerDuplexStream<unknown, unknown>;
 
-function contextOf(call: AnyServerCall, method: string, principal?: Principal): CallContext {
+function contextOf(call: AnyServerCall, method: string, principal?: Principal, revoked?: AbortSignal): CallContext {
   const ac = new AbortController();
   const abort = (): void => {
     if (!ac.signal.aborted) ac.abort(new Error(`${method}: cancelled by client`));
   };
   const emitter = call as unknown as NodeJS.EventEmitter;
   emitter.once('cancelled', abort);
+  revoked?.addEventListener('abort', () => ac.signal.aborted || ac.abort(revoked.reason), { once: true });
   const d = call.getDeadline();
   let deadline: Date | undefined;
   if (d instanceof Date) deadline = d;
@@ -208,8 +210,9 @@ async function writeAll(call: ServerWritableStream<unknown, unknown> | ServerDup
  * Admits a call through `guard`: the principal and a release that runs once, when the call
  * ends however it ends (finished, failed, cancelled, connection closed).
  */
-function admitCall(guard: CallGuard | undefined, call: AnyServerCall, method: string, streaming: boolean): { principal: Principal | undefined; release: () => void } {
-  if (!guard) return { principal: undefined, release: () => {} };
+function admitCall(guard: CallGuard | undefined, call: AnyServerCall, method: string, streaming: boolean): { principal: Principal | undefined; release: () => void; revoked: AbortSignal } {
+  const revoked = new AbortController();
+  if (!guard) return { principal: undefined, release: () => {}, revoked: revoked.signal };
   const a = guard.admit({ metadata: call.metadata, method, streaming, peer: call.getPeer() });
   let done = false;
   const release = (): void => {
@@ -220,7 +223,24 @@ function admitCall(guard: CallGuard | undefined, call: AnyServerCall, method: st
   const emitter = call as unknown as NodeJS.EventEmitter;
   emitter.once('cancelled', release);
   emitter.once('close', release);
-  return { principal: a.principal, release };
+  a.onRevoke?.((err) => revoked.abort(err));
+  return { principal: a.principal, release, revoked: revoked.signal };
+}
+
+/**
+ * Ends a streaming call with its credential's revocation error when the guard revokes it
+ * (the handler's context is aborted too, through `contextOf`'s `revoked`): `answer` fails
+ * the call, unless it has been answered already.
+ */
+function endOnRevoke(admitted: ReturnType<typeof admitCall>, answer: (err: unknown) => void): void {
+  admitted.revoked.addEventListener(
+    'abort',
+    () => {
+      admitted.release();
+      answer(admitted.revoked.reason);
+    },
+    { once: true },
+  );
 }
 
 /** Builds grpc-js handlers that run `impl`, map thrown errors once, and honour cancellation. */
@@ -263,15 +283,23 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         out[m.localName] = (call: ServerReadableStream<unknown, unknown>, cb: sendUnaryData<unknown>) => {
           const admitted = admitOr(call, true, (st) => cb(st));
           if (!admitted) return;
-          const ctx = contextOf(call, name, admitted.principal);
+          let answered = false;
+          const answer = (err: unknown, res?: unknown): void => {
+            if (answered) return;
+            answered = true;
+            if (err === null) cb(null, res);
+            else cb(fail(err));
+          };
+          endOnRevoke(admitted, answer);
+          const ctx = contextOf(call, name, admitted.principal, admitted.revoked);
           (fn(decodedItems(readableItems(call)), ctx) as Promise<unknown>).then(
             (res) => {
               admitted.release();
-              cb(null, res);
+              answer(null, res);
             },
             (err: unknown) => {
               admitted.release();
-              cb(fail(err));
+              answer(err);
             },
           );
         };
@@ -281,7 +309,8 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         out[m.localName] = (call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>) => {
           const admitted = admitOr(call, true, (st) => call.emit('error', st));
           if (!admitted) return;
-          const ctx = contextOf(call, name, admitted.principal);
+          endOnRevoke(admitted, (err) => call.emit('error', fail(err)));
+          const ctx = contextOf(call, name, admitted.principal, admitted.revoked);
           const input = m.methodKind === 'server_streaming' ? (call as ServerWritableStream<unknown, unknown>).request
               : decodedItems(readableItems(call as ServerDuplexStream<unknown, unknown>));
           if (input instanceof Undecodable) {

@@ -1,0 +1,65 @@
+// What the SDK does when a call gets no answer before its own deadline: a keyed (mutating)
+// call is asked again with the same idempotency key, a read is not; and an error after the
+// fleet accepted an operation names that operation. The typed gRPC client is replaced by a
+// fake of its interface: no server is involved.
+import { create } from '@bufbuild/protobuf';
+import { status as Status } from '@grpc/grpc-js';
+import { describe, expect, it } from 'vitest';
+import { RpcError } from '../adapters/grpc/status.ts';
+import { OperationKind, OperationSchema, OperationState, SandboxSchema, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Forkfleet, operationIdOf } from './index.ts';
+
+const OP = `op-${'a'.repeat(20)}`;
+const SB = `sb-${'b'.repeat(20)}`;
+const noAnswer = (): RpcError => new RpcError(Status.DEADLINE_EXCEEDED, 'deadline_exceeded', 'Deadline exceeded after 30.000s', false, undefined, undefined, false);
+const outage = (): RpcError => new RpcError(Status.UNAVAILABLE, 'unavailable', 'fleet store is unavailable', true, undefined, undefined, true);
+
+function client(rpc: Record<string, (req: Record<string, unknown>) => Promise<unknown>>): Forkfleet {
+  const ff = new Forkfleet({ address: '127.0.0.1:1', token: 'ff_test', ca: Buffer.from('-----BEGIN CERTIFICATE-----\n'), tenant: 't1', retry: { baseMs: 1, maxMs: 1 } });
+  ff.close();
+  (ff as unknown as { rpc: unknown }).rpc = rpc;
+  return ff;
+}
+
+describe('SDK retries of calls that got no answer', () => {
+  it('create_whoseFirstAttemptGotNoAnswerInTime_isAskedAgainWithTheSameKey_andReturnsTheSandbox', async () => {
+    const keys: unknown[] = [];
+    const ff = client({
+      createSandbox: async (req) => {
+        keys.push(req.idempotencyKey);
+        if (keys.length === 1) throw noAnswer();
+        return create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.CREATE, state: OperationState.RUNNING });
+      },
+      waitOperation: async () => create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.CREATE, state: OperationState.SUCCEEDED, result: { case: 'sandbox', value: create(SandboxSchema, { id: SB, tenantId: 't1', state: SandboxState.RUNNING }) } }),
+    });
+    const sb = await ff.create({ image: 'tiny' }, { idempotencyKey: 'k-1' });
+    expect(sb.id).toBe(SB);
+    expect(keys).toEqual(['k-1', 'k-1']);
+  });
+
+  it('read_thatGotNoAnswerInTime_isNotAskedAgain', async () => {
+    let calls = 0;
+    const ff = client({
+      getSandbox: async () => {
+        calls++;
+        throw noAnswer();
+      },
+    });
+    await expect(ff.get(SB)).rejects.toMatchObject({ kind: 'deadline_exceeded' });
+    expect(calls).toBe(1);
+  });
+
+  it('waitThatGivesUpOnAnAcceptedOperation_throwsAnErrorThatNamesTheOperation', async () => {
+    const ff = client({
+      createSandbox: async () => create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.CREATE, state: OperationState.RUNNING }),
+      waitOperation: async () => {
+        throw outage();
+      },
+    });
+    // The wait's own limit (timeoutMs) ends it before the outage allowance would.
+    const e = await ff.create({ image: 'tiny' }, { timeoutMs: 50 }).catch((x: unknown) => x);
+    expect(e).toMatchObject({ kind: expect.stringMatching(/unavailable|deadline_exceeded/) });
+    expect(operationIdOf(e)).toBe(OP);
+    expect(operationIdOf(noAnswer())).toBeUndefined();
+  });
+});
