@@ -313,6 +313,26 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(standbyPids.filter((p) => p !== vm?.pid).every(isAlive)).toBe(true);
   });
 
+  it('recover_ofAWorkdirWithoutVmJsonWhosePidFileNamesAVmClaimedFromAStandby_reapsTheWorkdir_andLeavesThatVmRunning', async () => {
+    // A dead QEMU's pid file, its pid since reused by the QEMU of another VM that was claimed
+    // from a standby (that QEMU's command line names standby/<id>/, as a claimed standby of
+    // this workdir's would): recover() must not kill it.
+    expect(await driver.warm(snap, 1)).toBe(1);
+    const [vm] = await driver.fork(snap, [{ vmId: 'w9', hostname: 'w9' }]);
+    const ghost = join(root, 'vms', 'ghost-w9');
+    try {
+      await mkdir(ghost, { recursive: true });
+      await writeFile(join(ghost, 'qemu.0.pid'), `${vm!.pid}\n`);
+      const report = await restartAgent();
+      expect([report.reaped.includes('ghost-w9'), report.adopted.includes('w9')]).toEqual([true, true]);
+      expect(isAlive(vm!.pid!)).toBe(true);
+      expect(await sh('w9', 'hostname')).toBe('w9');
+    } finally {
+      await rm(ghost, { recursive: true, force: true });
+      await driver.destroy('w9').catch(() => undefined);
+    }
+  });
+
   it('migrate_whenRestoredOnAnotherHostsDriver_directlyOrIntoAnIncomingStandby_vmHasSnapshotStateOwnIdentitySnapshotsAndLeavesNothing', async () => {
     // Another "host": a second driver with its own root, and its RAM pool on a huge-page tmpfs
     // of the test's own (ADR 0016); the stream crosses loopback TCP.
@@ -946,8 +966,19 @@ describe('QemuVmmDriver (real QEMU)', () => {
       expect(await sh('tp2', 'cat /dev/shm/mark /data/mark')).toBe('tp2\ntp2-disk');
       // 2. Killed once the source is gone and the replacement has the device state, vm.json
       //    still naming the source: the restarted agent moves the VM onto the replacement.
+      //    Its QMP socket held by another client at first (no greeting, as on a loaded host):
+      //    the settling is tried again, not given up with the VM killed and the snapshot swept.
       await dieAt('tp2', 'snap-tp2-loaded', 'loaded');
-      expect((await restartAgent({ dead: true })).adopted).toEqual(expect.arrayContaining(['tp2', 'tp3']));
+      const newest = (await readdir(join(root, 'vms', 'tp2'))).filter((f) => /^qmp\.\d+\.sock$/.test(f)).sort((a, b) => Number(b.split('.')[1]) - Number(a.split('.')[1]))[0]!;
+      const blocker = net.connect(join(root, 'vms', 'tp2', newest));
+      await new Promise<void>((resolve, reject) => blocker.once('connect', resolve).once('error', reject));
+      const release = setTimeout(() => blocker.destroy(), 5_500);
+      try {
+        expect((await restartAgent({ dead: true })).adopted).toEqual(expect.arrayContaining(['tp2', 'tp3']));
+      } finally {
+        clearTimeout(release);
+        blocker.destroy();
+      }
       await sealedAndRunning('tp2', 'snap-tp2-loaded');
       // 3. Killed after vm.json names the replacement, before the manifest.
       await dieAt('tp3', 'snap-tp3-switched', 'switched');

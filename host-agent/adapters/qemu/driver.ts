@@ -10,12 +10,12 @@
 // Invariant: a VM record exists exactly while its workdir exists; the pid files in a workdir
 // name every QEMU that may still run for it, so recover() can adopt or reap after a restart.
 import { createHash, randomBytes } from 'node:crypto';
-import { access, chmod, copyFile, link, lstat, mkdir, open, readdir, readFile, realpath, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
+import { access, chmod, copyFile, link, lstat, mkdir, open, readdir, readFile, readlink, realpath, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
 import { constants, createReadStream, createWriteStream } from 'node:fs';
 import net from 'node:net';
 import { setPriority } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
-import { basename, dirname, join } from 'node:path';
+import { basename, dirname, join, resolve as resolvePath } from 'node:path';
 import type { Logger } from 'pino';
 import {
   GuestChmodError,
@@ -1673,7 +1673,17 @@ export class QemuVmmDriver implements VmmDriver {
 
   private async isOurQemu(pid: number, workdir: string, launchDir?: string): Promise<boolean> {
     const cmd = await cmdlineOf(pid);
-    return !!cmd && cmd.some((a) => a.includes(`${workdir}/`) || (launchDir !== undefined && a.includes(`${launchDir}/`)));
+    if (!cmd) return false;
+    if (cmd.some((a) => a.includes(`${workdir}/`))) return true;
+    if (launchDir === undefined || !cmd.some((a) => a.includes(`${launchDir}/`))) return false;
+    if (launchDir !== this.standbyDir) return true;
+    // Any standby's QEMU (a workdir without vm.json, which may be a claimed standby's): not
+    // one whose standby name links to another VM's workdir. That is the QEMU of a VM claimed
+    // from it, which now has the pid a dead QEMU of this workdir left in its pid file.
+    const arg = cmd.find((a) => a.includes(`${launchDir}/`))!;
+    const sid = arg.slice(arg.indexOf(`${launchDir}/`) + launchDir.length + 1).split('/')[0]!;
+    const target = await readlink(join(this.standbyDir, sid)).catch(() => undefined);
+    return target === undefined || resolvePath(this.standbyDir, target) === workdir;
   }
 
   async snapshotsInUse(): Promise<Set<string>> {
@@ -1745,10 +1755,7 @@ export class QemuVmmDriver implements VmmDriver {
         .catch(() => undefined);
       const launched = persisted?.launchDir;
       if (mode === 'adopt' && persisted?.switching) {
-        persisted = await this.settleSwitch(persisted).catch((e: unknown) => {
-          this.opts.logger.warn({ vmId, err: String(e) }, 'could not settle an interrupted template snapshot; reaping');
-          return undefined;
-        });
+        persisted = await this.settleSwitchOrGiveUp(persisted);
       }
       const pid = persisted ? await this.livePid(workdir, persisted.gen, persisted.launchDir) : 0;
       const alive = pid > 0;
@@ -1859,18 +1866,35 @@ export class QemuVmmDriver implements VmmDriver {
    * loaded host is no reason to kill a healthy VM and remove its disk. False once it is given
    * up on (the caller reaps it).
    */
-  private async adoptOrGiveUp(p: VmPersisted, pid: number, workdir: string): Promise<Promise<void> | undefined | false> {
-    for (let attempt = 1; ; attempt++) {
+  private adoptOrGiveUp(p: VmPersisted, pid: number, workdir: string): Promise<Promise<void> | undefined | false> {
+    return this.whileAlive(p, 'adopt', () => this.adopt(p, pid), async () => (await this.livePid(workdir, p.gen, p.launchDir)) === pid);
+  }
+
+  /**
+   * settleSwitch(), tried again while a QEMU of the VM (either generation) lives, as adopt is:
+   * reaping after one QMP timeout would kill a replacement that has become the VM and sweep
+   * its complete snapshot. Undefined once it is given up on (the caller reaps).
+   */
+  private async settleSwitchOrGiveUp(p: VmPersisted): Promise<VmPersisted | undefined> {
+    const { workdir } = p.info;
+    const alive = async (): Promise<boolean> => (await this.livePid(workdir, p.gen, p.launchDir)) > 0 || (await this.livePid(workdir, p.switching!.gen, p.launchDir)) > 0;
+    const r = await this.whileAlive(p, 'settling an interrupted template snapshot', () => this.settleSwitch(p), alive);
+    return r === false ? undefined : r;
+  }
+
+  /** `attempt` until it succeeds, up to ADOPT_ATTEMPTS times while `alive`; false once given up on. */
+  private async whileAlive<T>(p: VmPersisted, what: string, attempt: () => Promise<T>, alive: () => Promise<boolean>): Promise<T | false> {
+    for (let n = 1; ; n++) {
       try {
-        return await this.adopt(p, pid);
+        return await attempt();
       } catch (e) {
-        const alive = (await this.livePid(workdir, p.gen, p.launchDir)) === pid;
-        if (!alive || attempt >= ADOPT_ATTEMPTS) {
-          this.opts.logger.warn({ vmId: p.info.vmId, err: String(e), attempt, alive }, 'adopt failed; reaping');
+        const lives = await alive();
+        if (!lives || n >= ADOPT_ATTEMPTS) {
+          this.opts.logger.warn({ vmId: p.info.vmId, err: String(e), attempt: n, alive: lives }, `${what} failed; reaping`);
           return false;
         }
-        this.opts.logger.warn({ vmId: p.info.vmId, err: String(e), attempt }, 'adopt failed; trying again');
-        await sleep(attempt * 1000);
+        this.opts.logger.warn({ vmId: p.info.vmId, err: String(e), attempt: n }, `${what} failed; trying again`);
+        await sleep(n * 1000);
       }
     }
   }
