@@ -113,9 +113,20 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     // A bad option of `fleet up` is refused before anything is installed or started.
     const badLink = await cli(['--json', 'fleet', 'up', '--link', 'fast', '--dir', join(tmpdir(), `ff-cli-never-${process.pid}`)]);
     expect([badLink.code, JSON.parse(badLink.stdout).error.field]).toEqual([2, '--link']);
+    // A usage error commander finds (a bad choice) is JSON on stdout too, and a bad --env names --env.
+    const badChoice = await cli(['--json', 'sandbox', 'fork', sb.id, '2', '--locality', 'nowhere']);
+    expect([badChoice.code, JSON.parse(badChoice.stdout).error.kind]).toEqual([2, 'invalid_argument']);
+    expect(JSON.parse((await cli(['--json', 'sandbox', 'exec', sb.id, '--env', 'FOO', '--', 'true'])).stdout).error.field).toBe('--env');
     const down = await cli(['--api', '127.0.0.1:1', 'hosts', 'ls']);
     expect(down.code).toBe(69);
     expect(down.stderr).toContain('npm run fleet:up');
+    expect(down.stderr).not.toContain('--idempotency-key');
+    // A change that got no answer may have been taken: the error says how to repeat it safely.
+    const downPause = await cli(['--json', '--api', '127.0.0.1:1', 'sandbox', 'pause', sb.id]);
+    expect(downPause.code).toBe(69);
+    const key = (JSON.parse(downPause.stdout) as { error: { idempotencyKey: string } }).error.idempotencyKey;
+    expect(key).toMatch(/^cli-/);
+    expect(downPause.stderr).toContain(`--idempotency-key ${key}`);
 
     // Several targets, one of them missing: the other is still paused, the missing one is named
     // on stderr and in its place in the output, and the exit code is its failure's.

@@ -191,7 +191,7 @@ function progress(cmd: Command, label: string, target?: string): CallOpts {
   const started = Date.now();
   let last = '';
   const opts: CallOpts = {
-    ...(g.timeout ? { timeoutMs: parseDuration(g.timeout) } : {}),
+    ...(g.timeout ? { timeoutMs: parseDuration(g.timeout, '--timeout') } : {}),
     idempotencyKey: target === undefined ? keyBase(g) : perTargetKey(keyBase(g), target),
     onProgress: (op: OperationInfo) => {
       if (g.json) return;
@@ -251,11 +251,15 @@ function intArg(name: string, min: number, max: number): (v: string) => number {
   };
 }
 
-function labelsArg(v: string, prev: Record<string, string> = {}): Record<string, string> {
-  const i = v.indexOf('=');
-  if (i <= 0) throw new ForkfleetError('invalid_argument', `--label: want key=value, got ${JSON.stringify(v)}`, { field: '--label' });
-  return { ...prev, [v.slice(0, i)]: v.slice(i + 1) };
+/** A repeatable key=value option (`flag` names it in errors). */
+function pairsArg(flag: string): (v: string, prev?: Record<string, string>) => Record<string, string> {
+  return (v, prev = {}) => {
+    const i = v.indexOf('=');
+    if (i <= 0) throw new ForkfleetError('invalid_argument', `${flag}: want key=value, got ${JSON.stringify(v)}`, { field: flag });
+    return { ...prev, [v.slice(0, i)]: v.slice(i + 1) };
+  };
 }
+const labelsArg = pairsArg('--label');
 
 export function buildProgram(): Command {
   const program = new Command('forkfleet')
@@ -429,7 +433,7 @@ export function buildProgram(): Command {
     .description('run a command in the guest, streaming its output; exits with its exit code')
     .argument('<sandbox>')
     .argument('<argv...>', 'command and arguments (put them after --)')
-    .option('--env <key=value>', 'environment variable (repeatable)', labelsArg)
+    .option('--env <key=value>', 'environment variable (repeatable)', pairsArg('--env'))
     .option('--cwd <dir>', 'working directory')
     .option('--exec-timeout <duration>', 'kill the command after this long', '60s')
     .option('--stdin', 'send this process\'s stdin to the command', false)
@@ -524,7 +528,7 @@ export function buildProgram(): Command {
     .option('--snapshot-keep-last <n>', 'forking a live sandbox: keep only the newest N snapshots of its lineage', intArg('--snapshot-keep-last', 1, 10_000))
     .action(async (source: string, count: number, o: { locality: 'any' | 'same_host' | 'cross_host'; spread?: 'pack' | 'spread'; maxPerHost?: number; label?: Record<string, string>; ttl?: string; idleTimeout?: string; snapshotTtl?: string; snapshotKeepLast?: number }, cmd: Command) => {
       const src = source.startsWith('sn-') ? { snapshotId: source } : { sandboxId: source };
-      const keep = o.snapshotTtl !== undefined && (o.snapshotTtl.trim() === '0' || parseDuration(o.snapshotTtl) === 0);
+      const keep = o.snapshotTtl !== undefined && (o.snapshotTtl.trim() === '0' || parseDuration(o.snapshotTtl, 'snapshot_retention.ttl') === 0);
       const snapshotRetention = o.snapshotTtl !== undefined || o.snapshotKeepLast !== undefined ? { ...(o.snapshotTtl !== undefined && !keep ? { ttl: o.snapshotTtl } : {}), ...(o.snapshotKeepLast ? { keepLast: o.snapshotKeepLast } : {}) } : undefined;
       const r = await client(cmd).fork(src, count, { locality: o.locality, ...(o.spread ? { spread: o.spread } : {}), ...(o.maxPerHost ? { maxPerHost: o.maxPerHost } : {}), labels: o.label ?? {}, ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.idleTimeout !== undefined ? { idleTimeout: o.idleTimeout } : {}), ...(snapshotRetention ? { snapshotRetention } : {}) }, progress(cmd, `fork x${count}`));
       endProgress(cmd);
@@ -581,7 +585,7 @@ export function buildProgram(): Command {
     .action(async (id: string, o: { wait?: boolean }, cmd: Command) => {
       const ff = client(cmd);
       let op = await ff.cancelOperation(id);
-      if (o.wait) op = await ff.wait(id, globals(cmd).timeout ? { timeoutMs: parseDuration(globals(cmd).timeout!) } : {}).catch((e: unknown) => {
+      if (o.wait) op = await ff.wait(id, globals(cmd).timeout ? { timeoutMs: parseDuration(globals(cmd).timeout!, '--timeout') } : {}).catch((e: unknown) => {
         if (e instanceof OperationFailedError) return e.operation;
         throw e;
       });
@@ -610,7 +614,7 @@ export function buildProgram(): Command {
       const ac = new AbortController();
       const stop = (): void => ac.abort();
       process.once('SIGINT', stop);
-      const timer = o.for ? setTimeout(stop, parseDuration(o.for)) : undefined;
+      const timer = o.for ? setTimeout(stop, parseDuration(o.for, '--for')) : undefined;
       const json = globals(cmd).json;
       let seen = 0;
       try {
@@ -728,6 +732,8 @@ interface DescribedError {
   operationId?: string;
   /** The key to repeat the command with, when the error may hide a request the fleet accepted. */
   idempotencyKey?: string;
+  /** A failed fork's children that started and were left running. */
+  children?: string[];
 }
 
 function describeError(e: unknown, api: string, key = invocationKey): DescribedError {
@@ -735,7 +741,13 @@ function describeError(e: unknown, api: string, key = invocationKey): DescribedE
     const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
     const like = { ...base, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered };
     const d: DescribedError = { ...base, hint: hintFor(like, api), exitCode: exitCodeFor(like) };
-    const operationId = like.operation ? undefined : operationIdOf(e);
+    // An operation that ran and failed: which one, and for a fork the children it left running
+    // (a partial fork keeps those that started; they count against the quota).
+    if (e instanceof OperationFailedError) {
+      const children = e.operation.fork?.children.map((c) => c.id) ?? [];
+      return { ...d, operationId: e.operation.id, ...(children.length ? { children } : {}), hint: `${d.hint}; details: \`forkfleet operation get ${e.operation.id}\`${children.length ? ` (${children.length} children were left running: ${children.join(' ')})` : ''}` };
+    }
+    const operationId = operationIdOf(e);
     // Accepted, then the wait for it failed (an outage, --timeout): follow it, do not submit again.
     if (operationId) return { ...d, operationId, hint: `operation ${operationId} was accepted and goes on: follow it with \`forkfleet operation get ${operationId}\`; ${d.hint}` };
     // No answer, or the scheduler's store did not answer: the request may have been applied.
@@ -753,11 +765,16 @@ export async function main(argv: string[]): Promise<number> {
     await program.parseAsync(argv, { from: 'user' });
     return typeof process.exitCode === 'number' ? process.exitCode : 0;
   } catch (e) {
-    if (e instanceof CommanderError) return e.exitCode === 0 ? 0 : 2;
     const json = argv.includes('--json');
+    if (e instanceof CommanderError) {
+      // Commander printed its own message on stderr; --json gets the error on stdout too.
+      if (json && e.exitCode !== 0) process.stdout.write(`${JSON.stringify({ error: { kind: 'invalid_argument', message: e.message.replace(/^error: /, ''), field: undefined, retryable: false, hint: 'forkfleet <command> --help', exitCode: 2 } })}\n`);
+      return e.exitCode === 0 ? 0 : 2;
+    }
     const api = (program.opts() as Globals).api;
     const d = describeError(e, api);
-    if (json) process.stdout.write(`${JSON.stringify({ error: d }, null, 2)}\n`);
+    // One line: a stream of --json events (forkfleet events) stays one JSON object per line.
+    if (json) process.stdout.write(`${JSON.stringify({ error: d })}\n`);
     process.stderr.write(`${isTty() ? '\n' : ''}forkfleet: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
     return d.exitCode;
   } finally {

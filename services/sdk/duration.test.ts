@@ -2,7 +2,7 @@
 import { describe, expect, it } from 'vitest';
 import { toBinary, create } from '@bufbuild/protobuf';
 import { DurationSchema } from '@bufbuild/protobuf/wkt';
-import { durationOf, parseDuration } from './index.ts';
+import { durationOf, Forkfleet, parseDuration } from './index.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
 describe('durationOf', () => {
@@ -27,5 +27,19 @@ describe('durationOf', () => {
       expect(e).toBeInstanceOf(ForkfleetError);
       expect(e).toMatchObject({ kind: 'invalid_argument', field: 'lifecycle.ttl' });
     }
+  });
+
+  it('aDurationThatDoesNotParse_isNamedByTheFieldItIsFor', () => {
+    expect(() => parseDuration('1d', 'lifecycle.ttl')).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'lifecycle.ttl', message: expect.stringMatching(/^lifecycle\.ttl: want a duration/) }));
+  });
+});
+
+describe('Forkfleet address', () => {
+  const make = (address: string): Forkfleet => new Forkfleet({ address, token: 'ff_x', ca: Buffer.from('-----BEGIN CERTIFICATE-----\n') });
+  it('aListOfSchedulers_mustBeIpAddressesOfOneFamily_andAListWithAHostNameIsRefusedNamingAddress', () => {
+    const ok = [make('127.0.0.1:1,127.0.0.2:1'), make('[::1]:1,[::2]:1'), make('api.example:17700')];
+    expect(ok.map((f) => f.address)).toEqual(['ipv4:127.0.0.1:1,127.0.0.2:1', 'ipv6:[::1]:1,[::2]:1', 'api.example:17700']);
+    for (const f of ok) f.close();
+    for (const bad of ['api1.example:17700,api2.example:17700', '127.0.0.1:1,[::1]:1']) expect(() => make(bad)).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'address' }));
   });
 });

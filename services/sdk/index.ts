@@ -357,12 +357,17 @@ export function durationOf(ms: number, field = 'duration'): { seconds: bigint; n
 }
 
 /** Parses '10s', '500ms', '2m', '1h', '0' or a number of milliseconds. */
-export function parseDuration(v: string | number): number {
+export function parseDuration(v: string | number, field = 'duration'): number {
   if (typeof v === 'number') return v;
   if (v.trim() === '0') return 0;
   const m = /^(\d+(?:\.\d+)?)(ms|s|m|h)$/.exec(v.trim());
-  if (!m) throw new ForkfleetError('invalid_argument', `want a duration like 500ms, 10s, 2m or 1h, got ${JSON.stringify(v)}`, { field: 'duration' });
+  if (!m) throw new ForkfleetError('invalid_argument', `${field}: want a duration like 500ms, 10s, 2m or 1h, got ${JSON.stringify(v)}`, { field });
   return Number(m[1]) * { ms: 1, s: 1000, m: 60_000, h: 3_600_000 }[m[2] as 'ms' | 's' | 'm' | 'h'];
+}
+
+/** A duration option (`'90s'` or ms) as a protobuf Duration; a bad one is refused naming `field`. */
+function durationIn(v: string | number, field: string): { seconds: bigint; nanos: number } {
+  return durationOf(parseDuration(v, field), field);
 }
 
 // ---------------------------------------------------------------- options
@@ -484,8 +489,12 @@ function target(address: string | string[]): string {
   const list = Array.isArray(address) ? address : address.split(',').map((a) => a.trim()).filter(Boolean);
   if (list.length === 0) throw new ForkfleetError('invalid_argument', 'address: want host:port', { field: 'address' });
   if (list.length === 1) return list[0]!;
-  // grpc-js resolves a comma list under the ipv4 scheme and picks the first that answers.
-  return `ipv4:${list.join(',')}`;
+  // grpc-js takes a list of addresses only as IP literals (the ipv4: or ipv6: scheme), and
+  // picks the first that answers; a list with a host name would fail every call UNAVAILABLE.
+  const v4 = list.every((a) => /^\d{1,3}(\.\d{1,3}){3}:\d+$/.test(a));
+  const v6 = list.every((a) => /^\[[0-9a-fA-F:.]+\]:\d+$/.test(a));
+  if (!v4 && !v6) throw new ForkfleetError('invalid_argument', `address: a list of schedulers must be IPv4 (a.b.c.d:port) or IPv6 ([addr]:port) addresses, all of one family; for host names give one name that resolves to every scheduler, got ${JSON.stringify(list.join(','))}`, { field: 'address' });
+  return `${v4 ? 'ipv4' : 'ipv6'}:${list.join(',')}`;
 }
 
 // ---------------------------------------------------------------- client
@@ -664,7 +673,7 @@ export class Forkfleet {
             labels: spec.labels ?? {},
             hostname: spec.hostname ?? '',
             ...(spec.ttl !== undefined || spec.idleTimeout !== undefined
-              ? { lifecycle: { ...(spec.ttl !== undefined ? { ttl: durationOf(parseDuration(spec.ttl), 'lifecycle.ttl') } : {}), ...(spec.idleTimeout !== undefined ? { idleTimeout: durationOf(parseDuration(spec.idleTimeout), 'lifecycle.idle_timeout') } : {}) } }
+              ? { lifecycle: { ...(spec.ttl !== undefined ? { ttl: durationIn(spec.ttl, 'lifecycle.ttl') } : {}), ...(spec.idleTimeout !== undefined ? { idleTimeout: durationIn(spec.idleTimeout, 'lifecycle.idle_timeout') } : {}) } }
               : {}),
             ...(spec.allowEgress !== undefined ? { network: { allowEgress: spec.allowEgress } } : {}),
             ...(spec.hostId ? { placement: { hostId: spec.hostId } } : {}),
@@ -718,9 +727,9 @@ export class Forkfleet {
             placement: { locality, spread, maxPerHost: fo.maxPerHost ?? 0 },
             labels: fo.labels ?? {},
             ...(fo.ttl !== undefined || fo.idleTimeout !== undefined
-              ? { lifecycle: { ...(fo.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.ttl), 'lifecycle.ttl') } : {}), ...(fo.idleTimeout !== undefined ? { idleTimeout: durationOf(parseDuration(fo.idleTimeout), 'lifecycle.idle_timeout') } : {}) } }
+              ? { lifecycle: { ...(fo.ttl !== undefined ? { ttl: durationIn(fo.ttl, 'lifecycle.ttl') } : {}), ...(fo.idleTimeout !== undefined ? { idleTimeout: durationIn(fo.idleTimeout, 'lifecycle.idle_timeout') } : {}) } }
               : {}),
-            ...(fo.snapshotRetention ? { snapshotRetention: { ...(fo.snapshotRetention.ttl !== undefined ? { ttl: durationOf(parseDuration(fo.snapshotRetention.ttl), 'snapshot_retention.ttl') } : {}), keepLast: fo.snapshotRetention.keepLast ?? 0 } } : {}),
+            ...(fo.snapshotRetention ? { snapshotRetention: { ...(fo.snapshotRetention.ttl !== undefined ? { ttl: durationIn(fo.snapshotRetention.ttl, 'snapshot_retention.ttl') } : {}), keepLast: fo.snapshotRetention.keepLast ?? 0 } } : {}),
           },
           o,
         ),
@@ -819,7 +828,7 @@ export class Forkfleet {
             pin: spec.pin ?? false,
             labels: spec.labels ?? {},
             ...(spec.ttl !== undefined || spec.keepLast !== undefined
-              ? { retention: { ...(spec.ttl !== undefined ? { ttl: durationOf(parseDuration(spec.ttl), 'retention.ttl') } : {}), keepLast: spec.keepLast ?? 0 } }
+              ? { retention: { ...(spec.ttl !== undefined ? { ttl: durationIn(spec.ttl, 'retention.ttl') } : {}), keepLast: spec.keepLast ?? 0 } }
               : {}),
           },
           o,
@@ -847,7 +856,7 @@ export class Forkfleet {
               env: eo.env ?? {},
               cwd: eo.cwd ?? '',
               stdin: typeof eo.stdin === 'string' ? Buffer.from(eo.stdin) : (eo.stdin ?? new Uint8Array()),
-              ...(eo.timeout !== undefined ? { timeout: durationOf(parseDuration(eo.timeout), 'timeout') } : {}),
+              ...(eo.timeout !== undefined ? { timeout: durationIn(eo.timeout, 'timeout') } : {}),
             },
             eo.signal ? { signal: eo.signal } : {},
           );
