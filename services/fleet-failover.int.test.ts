@@ -584,11 +584,13 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
 
   it('failedCreateHibernateAndWake_leaveTheSandboxInAStateItCanLeave_withItsBookingRight', async () => {
     // A create no host can take: the sandbox fails (it used to stay pending, counted by quota).
+    // Larger than any host has in all, it is not retryable (a client would retry forever).
     const big = await wait(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 64 } }));
     expect(big.state).toBe(OperationState.FAILED);
+    expect(big.error).toMatchObject({ kind: 'resource_exhausted', field: 'resources.vcpus', retryable: false });
     const bigId = big.targetId;
     expect((await store.getSandbox(tenantId, bigId))?.value).toMatchObject({ state: 'failed', opId: '' });
-    expect((await store.getSandbox(tenantId, bigId))?.value.stateReason).toMatch(/^create failed: no host can take this/);
+    expect((await store.getSandbox(tenantId, bigId))?.value.stateReason).toMatch(/^create failed: resources\.vcpus: 64 vCPUs is more than any host of the fleet has in all/);
 
     // A hibernate whose snapshot fails (the fake refuses it for this hostname), from paused:
     // back to paused (it used to stay hibernating, which hibernate, resume and destroy refuse).

@@ -19,6 +19,16 @@ export class NoCapacityError extends ForkfleetError {
   }
 }
 
+/**
+ * A sandbox larger than any host of the fleet, even empty: no retry can place it (a
+ * retryable NoCapacityError would have clients retry forever). `field` is the resource.
+ */
+export class LargerThanAnyHostError extends ForkfleetError {
+  constructor(field: string, asked: number, largest: number, unit: string) {
+    super('resource_exhausted', `${field}: ${asked} ${unit} is more than any host of the fleet has in all (the largest has ${largest} ${unit})`, { retryable: false, field });
+  }
+}
+
 export class ConflictError extends ForkfleetError {
   constructor(what: string) {
     super('aborted', `concurrent change to ${what}; retry`, { retryable: true });

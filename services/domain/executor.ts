@@ -17,9 +17,9 @@ import { HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
-import { ConflictError, HostLostError, HostStepError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
+import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
-import type { PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
+import type { FleetView, PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
 import { HIBERNATION_LABEL, planRetention } from './retention.ts';
@@ -251,6 +251,26 @@ const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
  * start's failure is followed by a stop (a no-op where there is no VM), which the agent also
  * records as "given up", so a later copy is refused.
  */
+/**
+ * A create asking for more of a resource than any host of the view has in all: it will never
+ * be placed. Undefined when some host could take it empty, or the fleet has no hosts yet.
+ * (Forks and restores are sized by their snapshot, which a host once ran.)
+ */
+function largerThanAnyHost(view: FleetView, req: PlacementRequest): LargerThanAnyHostError | undefined {
+  if (req.kind !== 'create' || view.hosts.length === 0) return undefined;
+  const dims = [
+    ['resources.vcpus', req.resources.vcpus, view.cols.capVcpus, 'vCPUs'],
+    ['resources.memory_mib', req.resources.memoryMib, view.cols.capMemoryMib, 'MiB of memory'],
+    ['resources.disk_mib', req.resources.diskMib, view.cols.capDiskMib, 'MiB of disk'],
+  ] as const;
+  for (const [field, asked, cap, unit] of dims) {
+    let largest = 0;
+    for (const c of cap) largest = Math.max(largest, c);
+    if (asked > largest) return new LargerThanAnyHostError(field, asked, largest, unit);
+  }
+  return undefined;
+}
+
 function givenUpMayStillStart(e: unknown): boolean {
   return e instanceof StepTimeoutError || e instanceof HostLostError || e instanceof HostStepError;
 }
@@ -1417,7 +1437,7 @@ export class Executor {
             const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight }));
             const req = job.request(view);
             const result = place(view, req, rngForRequest(`${job.op.id}/${attempt}`), this.deps.config.placement);
-            if (!result.ok) throw new NoCapacityError(result.explanation.summary);
+            if (!result.ok) throw largerThanAnyHost(view, req) ?? new NoCapacityError(result.explanation.summary);
             const { perChild, writes, opUpdate } = job.records(result);
             const perHost = new Map<string, number>();
             for (const p of result.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);

@@ -35,7 +35,9 @@ export type Resources = Message<"forkfleet.v1.Resources"> & {
   memoryMib: bigint;
 
   /**
-   * Writable disk (the sandbox's overlay) in MiB.
+   * Host disk reserved for the sandbox's writable overlay, in MiB: placement books it on the
+   * host. The guest's file systems keep the image's size; the overlay holds what the guest
+   * writes. More than any host has in all fails the create, not retryable.
    *
    * @generated from field: uint64 disk_mib = 3;
    */
