@@ -24,6 +24,16 @@ describe('decodeHeartbeat', () => {
     expect({ ...lazy, vms: [...lazy.vms] }).toEqual(fromBinary(HeartbeatSchema, bytes));
   });
 
+  it('decodeHeartbeat_withVmEntriesInterleavedWithOtherFields_stillEqualsAFullDecode', () => {
+    // Protobuf allows any field order; our encoder writes the list in one run, another may not.
+    const vmOnly = (i: number): Uint8Array => toBinary(HeartbeatSchema, create(HeartbeatSchema, { vms: [hb.vms[i]!] }));
+    const other = toBinary(HeartbeatSchema, create(HeartbeatSchema, { ...hb, vms: [] }));
+    const bytes = Buffer.concat([vmOnly(0), other.subarray(0, 4), vmOnly(1), other.subarray(4), vmOnly(2)]);
+    const lazy = decodeHeartbeat(bytes);
+    expect({ ...lazy, vms: [...lazy.vms] }).toEqual(fromBinary(HeartbeatSchema, bytes));
+    expect(lazy.vms.map((v) => v.sandboxId)).toEqual(['sb-0', 'sb-1', 'sb-2']);
+  });
+
   it('decodeHeartbeat_withoutVms_decodesAsUsual', () => {
     const bytes = toBinary(HeartbeatSchema, create(HeartbeatSchema, { ...hb, vms: [] }));
     expect(decodeHeartbeat(bytes)).toEqual(fromBinary(HeartbeatSchema, bytes));

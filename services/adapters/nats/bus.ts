@@ -48,17 +48,24 @@ const HEARTBEAT_VMS_FIELD = 8;
  */
 export function decodeHeartbeat(data: Uint8Array): HeartbeatMsg {
   const r = new BinaryReader(data);
-  const rest: Uint8Array[] = [];
-  const vms: Uint8Array[] = [];
+  // Runs of consecutive fields as [start, end) ranges: an encoder writes a repeated field's
+  // entries one after another (protobuf-es does), so the VM list is usually one range, taken
+  // without a copy, and the rest two (before and after it).
+  const rest: Array<[number, number]> = [];
+  const vms: Array<[number, number]> = [];
   while (r.pos < r.len) {
     const start = r.pos;
     const [fieldNo, wireType] = r.tag();
     r.skip(wireType, fieldNo);
-    (fieldNo === HEARTBEAT_VMS_FIELD ? vms : rest).push(data.subarray(start, r.pos));
+    const runs = fieldNo === HEARTBEAT_VMS_FIELD ? vms : rest;
+    const last = runs[runs.length - 1];
+    if (last && last[1] === start) last[1] = r.pos;
+    else runs.push([start, r.pos]);
   }
   if (vms.length === 0) return fromBinary(HeartbeatSchema, data);
-  const hb = fromBinary(HeartbeatSchema, Buffer.concat(rest));
-  const vmBytes = Buffer.concat(vms);
+  const bytesOf = (runs: Array<[number, number]>): Uint8Array => (runs.length === 1 ? data.subarray(runs[0]![0], runs[0]![1]) : Buffer.concat(runs.map(([a, b]) => data.subarray(a, b))));
+  const hb = fromBinary(HeartbeatSchema, bytesOf(rest));
+  const vmBytes = bytesOf(vms);
   let decoded: HeartbeatMsg['vms'] | undefined;
   Object.defineProperty(hb, 'vms', {
     enumerable: true,
