@@ -12,10 +12,13 @@ export interface HeaderSource {
 }
 
 export interface ApiGuardOptions {
-  /** Concurrent streaming calls (Exec, ReadFile, WriteFile, WatchEvents) per credential. */
+  /** Concurrent streaming calls (Exec, ReadFile, WriteFile, WatchEvents) per credential; long polls (WaitOperation) are capped at as many, counted apart. */
   maxStreamsPerCredential: number;
   now?: () => number;
 }
+
+/** Unary calls that may wait long for an answer (WaitOperation: up to its timeout, 60 s at most). */
+const LONG_POLLS: ReadonlySet<string> = new Set(['/forkfleet.v1.FleetService/WaitOperation']);
 
 /** How often open streaming calls are checked against the tokens file while any is open. */
 export const REVOCATION_CHECK_MS = 1000;
@@ -23,6 +26,7 @@ export const REVOCATION_CHECK_MS = 1000;
 export class ApiGuard {
   private readonly rate: RateLimiter;
   private readonly streams: ConcurrencyLimiter;
+  private readonly longPolls: ConcurrencyLimiter;
   private readonly now: () => number;
   /** The revoke callbacks of open streaming calls, by credential id. */
   private readonly live = new Map<string, Set<(err: Error) => void>>();
@@ -31,6 +35,7 @@ export class ApiGuard {
   constructor(readonly auth: Authenticator, opts: ApiGuardOptions) {
     this.rate = new RateLimiter((tenant) => auth.rateOf(tenant));
     this.streams = new ConcurrencyLimiter(opts.maxStreamsPerCredential);
+    this.longPolls = new ConcurrencyLimiter(opts.maxStreamsPerCredential);
     this.now = opts.now ?? Date.now;
   }
 
@@ -72,7 +77,7 @@ export class ApiGuard {
     }
   }
 
-  admit(call: { metadata: HeaderSource; streaming: boolean }): { principal: Principal; release?: () => void; onRevoke?: (cb: (err: Error) => void) => void } {
+  admit(call: { metadata: HeaderSource; streaming: boolean; method?: string }): { principal: Principal; release?: () => void; onRevoke?: (cb: (err: Error) => void) => void } {
     const values = call.metadata.get('authorization');
     if (values.length > 1) throw new UnauthenticatedError('more than one authorization header');
     const header = values[0];
@@ -82,7 +87,14 @@ export class ApiGuard {
       const spec = this.auth.rateOf(principal.tenantId)!;
       throw new RateLimitedError(principal.tenantId, spec.perSecond, spec.burst, wait);
     }
-    if (!call.streaming) return { principal };
+    // A long poll holds the server as a stream does: capped the same way, on its own count
+    // (a step that waits for 256 operations and runs 256 execs takes both in full).
+    if (!call.streaming) {
+      if (call.method === undefined || !LONG_POLLS.has(call.method)) return { principal };
+      const free = this.longPolls.acquire(principal.credentialId);
+      if (!free) throw new TooManyStreamsError(this.longPolls.max);
+      return { principal, release: free };
+    }
     const free = this.streams.acquire(principal.credentialId);
     if (!free) throw new TooManyStreamsError(this.streams.max);
     const { onRevoke, forget } = this.watchRevocation(principal.credentialId);

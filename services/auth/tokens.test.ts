@@ -193,6 +193,22 @@ describe('ApiGuard and tenancy', () => {
     }
   });
 
+  it('admit_waitOperationLongPolls_areCappedLikeStreamsOnTheirOwnCount_otherUnaryCallsAreNot', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme' });
+    const guard = new ApiGuard(new Authenticator(file, undefined), { maxStreamsPerCredential: 2 });
+    const wait = (): ReturnType<ApiGuard['admit']> => guard.admit({ metadata: md(`Bearer ${a}`), streaming: false, method: '/forkfleet.v1.FleetService/WaitOperation' });
+    const w1 = wait();
+    wait();
+    expect(kindOf(wait)).toBe('resource_exhausted:streams');
+    expect(guard.admit({ metadata: md(`Bearer ${a}`), streaming: false, method: '/forkfleet.v1.FleetService/GetOperation' }).release).toBeUndefined();
+    // Streams have their own count: both caps can be used in full at once.
+    guard.admit({ metadata: md(`Bearer ${a}`), streaming: true });
+    guard.admit({ metadata: md(`Bearer ${a}`), streaming: true });
+    w1.release!();
+    expect(wait().principal.tenantId).toBe('acme');
+  });
+
   it('admit_withTwoAuthorizationHeaders_isUnauthenticated', () => {
     const file = join(dir, 'tokens.json');
     const a = mintToken(file, { tenant: 'acme' });

@@ -270,12 +270,20 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
           if (!admitted) return;
           const ctx = contextOf(call, name, admitted.principal);
           if (call.request instanceof Undecodable) {
+            admitted.release();
             cb(fail(undecodableError(call.request)));
             return;
           }
+          // A long poll holds a stream slot (ApiGuard): given back once it is answered.
           (fn(call.request, ctx) as Promise<unknown>).then(
-            (res) => cb(null, res),
-            (err: unknown) => cb(fail(err)),
+            (res) => {
+              admitted.release();
+              cb(null, res);
+            },
+            (err: unknown) => {
+              admitted.release();
+              cb(fail(err));
+            },
           );
         };
         break;
