@@ -112,7 +112,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     ...(config.natsNkeyFile ? nkeyConnectOptions(config.natsNkeyFile) : {}),
     ...natsTlsOptions(natsTls),
   });
-  const bus = await NatsWorkBus.create(nc, config.natsStreamReplicas);
+  const bus = await NatsWorkBus.create(nc, config.natsStreamReplicas, log.child({ component: 'nats-bus' }));
   const heard = new HeartbeatRegistry();
   bus.onHeartbeat((hb) => heard.record(hb, clock.now()));
   const liveness = { suspectAfterMs: config.suspectAfterMs, lostAfterMs: config.lostAfterMs };

@@ -9,7 +9,7 @@ import { startNats } from '../../../services/testkit/nats.ts';
 import type { NatsServer } from '../../../services/testkit/nats.ts';
 import { NatsWorkBus } from '../../../services/adapters/nats/bus.ts';
 import { agentConnectOptions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
-import { STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
+import { STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { NatsAgentBus } from './agent-bus.ts';
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
 import { HeartbeatSchema, HostEventSchema, HostExecOutputSchema, HostFileRequestSchema, HostFileResponseSchema, HostExecRequestSchema, HostResultSchema, HostWorkSchema } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
@@ -235,6 +235,36 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     rmSync(join(nats.storeDir, 'jetstream', '$G', 'streams', STREAM_WORK, 'obs', workConsumer('host-a')), { recursive: true, force: true });
     await newAgentReceives('host-a', 'op-before-heal');
   });
+
+  it('streamsLost_underARunningSchedulerAndAgent_areMadeAgain_andWorkAndResultsFlowAgain', async () => {
+    // A nats-server that lost its JetStream store (or streams deleted by hand): the scheduler
+    // makes the streams and its results queue again, the agent its work queue, and a step
+    // sent again gets through, and its result back. Before, both waited forever.
+    const got: HostWorkMsg[] = [];
+    const stop = await busA.consumeWork(async (w, ctl) => {
+      got.push(w);
+      ctl.ack();
+      await busA.publishResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: 'host-a', attempt: w.attempt }));
+    });
+    try {
+      const jsm = await sched.jetstreamManager();
+      for (const stream of [STREAM_WORK, STREAM_RESULTS, STREAM_EVENTS]) await jsm.streams.delete(stream);
+      // As the executor does: a step whose send failed is sent again.
+      const until = Date.now() + 30_000;
+      for (;;) {
+        const sent = await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-after-streams-lost', stepId: 'create', attempt: 1 })).then(() => true, (e: unknown) => {
+          if (Date.now() > until) throw e;
+          return false;
+        });
+        if (sent) break;
+        await sleep(500);
+      }
+      await waitUntil('work after the streams came back', () => got.find((w) => w.opId === 'op-after-streams-lost'), 40_000);
+      await waitUntil('its result', () => results.find((r) => r.opId === 'op-after-streams-lost'), 40_000);
+    } finally {
+      await stop();
+    }
+  }, 90_000);
 
   it('exec_whenNoAgentServesTheHost_failsFastAsUnavailable', async () => {
     const t0 = Date.now();

@@ -1,7 +1,7 @@
 // AgentBus over NATS: a durable JetStream consumer of this host's work subject, results
 // and events published to JetStream, heartbeats on core NATS, exec and file request/reply.
-import { ConsumerEvents, ErrorCode } from 'nats';
-import type { ConsumerMessages, JetStreamClient, JetStreamManager, JsMsg, NatsConnection, NatsError, Subscription } from 'nats';
+import { ErrorCode } from 'nats';
+import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection, NatsError, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
 import type { AgentBus, WorkControl } from '../../domain/agent.ts';
@@ -21,11 +21,7 @@ import type { Heartbeat, HostEvent, HostExecOutput, HostExecRequest, HostFileReq
 import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
 import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
-
-/** How often a consuming agent checks that its work consumer still exists (consumeWork). */
-const QUEUE_CHECK_MS = 10_000;
-/** How long after its work queue went the agent makes it again (see consumeWork). */
-const RECREATE_AFTER_MS = 500;
+import { consumeDurable } from '../../../services/adapters/nats/durable-consumer.ts';
 
 async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
   const until = Date.now() + timeoutMs;
@@ -101,66 +97,26 @@ export class NatsAgentBus implements AgentBus {
         void p.finally(() => pending.delete(p));
       }
     };
-    const open = async (): Promise<ConsumerMessages> => (await this.js.consumers.get(STREAM_WORK, workConsumer(this.hostId))).consume({ max_messages: 16 });
-    let closed = false;
-    let messages = await open();
     // The durable consumer can be deleted under a running agent (RemoveHost of a host that
-    // only looked gone, e.g. across a partition). nats.js would only notice at its next
-    // missed-heartbeat reset (tens of seconds), and the server's "consumer deleted" answer
-    // reaches it only if a pull was waiting: the agent also checks every QUEUE_CHECK_MS that
-    // its consumer exists. Then it stops consuming, creates the consumer again and consumes
-    // anew. In that order: an old iterator still pulling when the new consumer exists could
-    // take a message and drop it when stopped (it would come back only after the ack wait).
-    // The leader registers the host again from its heartbeats.
-    const name = workConsumer(this.hostId);
-    const loop = (async () => {
-      while (!closed) {
-        const current = messages;
-        const gone = (why: string): void => {
-          this.log.warn({ why }, "this host's work queue is gone (the host was removed?): creating it again");
-          current.stop();
-        };
-        void (async () => {
-          for await (const st of await current.status()) {
-            if (st.type === ConsumerEvents.ConsumerDeleted || st.type === ConsumerEvents.ConsumerNotFound) return gone(st.type);
-          }
-        })().catch(() => undefined);
-        const check = setInterval(() => {
-          this.jsm.consumers.info(STREAM_WORK, name).then(
-            () => undefined,
-            (e: unknown) => {
-              if (/consumer not found/i.test((e as Error).message)) gone('consumer not found');
-            },
-          );
-        }, QUEUE_CHECK_MS);
-        check.unref();
-        try {
-          for await (const m of current) handle(m);
-        } finally {
-          clearInterval(check);
-        }
-        if (closed || this.nc.isClosed()) break;
-        // Not at once: the server answers "not found" before it has removed the old consumer's
-        // directory, and one made meanwhile can lose its own (ensureWorkConsumer).
-        await new Promise((r) => setTimeout(r, RECREATE_AFTER_MS));
-        for (let delay = 100; !closed && !this.nc.isClosed(); delay = Math.min(delay * 2, 5000)) {
-          try {
-            await ensureWorkConsumer(this.jsm, this.hostId);
-            messages = await open();
-            if (closed) await messages.close(); // closed while it opened
-            break;
-          } catch (e) {
-            this.log.warn({ err: e }, 'could not consume the work queue again; retrying');
-            await new Promise((r) => setTimeout(r, delay));
-          }
-        }
-      }
-    })();
-    return async () => {
-      closed = true;
-      await messages.close();
-      await loop.catch(() => undefined);
-    };
+    // only looked gone, e.g. across a partition), or lost with its stream (a nats-server that
+    // lost its store): it is made again, with the streams if this agent may make them (else
+    // it waits for the scheduler to), and consumed anew. The leader registers the host again
+    // from its heartbeats.
+    return consumeDurable({
+      nc: this.nc,
+      jsm: this.jsm,
+      js: this.js,
+      stream: STREAM_WORK,
+      consumer: workConsumer(this.hostId),
+      maxMessages: 16,
+      ensure: async () => {
+        await ensureStreams(this.jsm).catch(() => undefined); // no permission: the scheduler makes them
+        await ensureWorkConsumer(this.jsm, this.hostId);
+      },
+      onMessage: handle,
+      onGone: (why) => this.log.warn({ why }, "this host's work queue is gone (the host was removed, or the server lost its streams?): creating it again"),
+      onRetry: (e) => this.log.warn({ err: e }, 'could not consume the work queue again; retrying'),
+    });
   }
 
   async publishResult(r: HostResult): Promise<void> {

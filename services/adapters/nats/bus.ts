@@ -3,7 +3,8 @@
 // access as request/reply relays.
 import { randomBytes } from 'node:crypto';
 import { createInbox } from 'nats';
-import type { ConsumerMessages, JetStreamClient, JetStreamManager, NatsConnection, Subscription } from 'nats';
+import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection, Subscription } from 'nats';
+import type { Logger } from 'pino';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { BinaryReader } from '@bufbuild/protobuf/wire';
 import type { WorkBus } from '../../domain/ports.ts';
@@ -33,6 +34,7 @@ import { AsyncQueue } from '../grpc/queue.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, retryOnConsumerStoreRace, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
 import { JsPublisher } from './js-publisher.ts';
+import { consumeDurable } from './durable-consumer.ts';
 import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from './batcher.ts';
 
 /** On every work message: this scheduler reads result batches (hostwork.proto, "Batches"). */
@@ -94,6 +96,8 @@ export class NatsWorkBus implements WorkBus {
   private constructor(
     private readonly nc: NatsConnection,
     private readonly jsm: JetStreamManager,
+    private readonly streamReplicas: number,
+    private readonly log: Logger | undefined,
   ) {
     this.js = nc.jetstream();
     this.publisher = JsPublisher.of(nc);
@@ -129,11 +133,11 @@ export class NatsWorkBus implements WorkBus {
   }
 
   /** `streamReplicas`: copies of each JetStream stream (FF_NATS_STREAM_REPLICAS). */
-  static async create(nc: NatsConnection, streamReplicas = 1): Promise<NatsWorkBus> {
+  static async create(nc: NatsConnection, streamReplicas = 1, log?: Logger): Promise<NatsWorkBus> {
     const jsm = await nc.jetstreamManager();
     await ensureStreams(jsm, streamReplicas);
     await ensureResultsConsumer(jsm);
-    return new NatsWorkBus(nc, jsm);
+    return new NatsWorkBus(nc, jsm, streamReplicas, log);
   }
 
   async forgetHost(hostId: string): Promise<void> {
@@ -161,39 +165,78 @@ export class NatsWorkBus implements WorkBus {
     const bytes = toBinary(HostWorkSchema, work);
     // Steps for the same host in the same turn go out as one message (batcher.ts), to hosts
     // that said in their heartbeats that they read batches.
-    if (this.batchHosts.has(hostId)) return this.batcher.publish(subjects.work(hostId), bytes, msgId);
-    const refused = this.workFence?.();
-    if (refused) throw refused;
-    await this.publisher.publish(subjects.work(hostId), bytes, { msgId, headers: WORK_HEADERS });
+    try {
+      if (this.batchHosts.has(hostId)) {
+        await this.batcher.publish(subjects.work(hostId), bytes, msgId);
+      } else {
+        const refused = this.workFence?.();
+        if (refused) throw refused;
+        await this.publisher.publish(subjects.work(hostId), bytes, { msgId, headers: WORK_HEADERS });
+      }
+    } catch (e) {
+      // No stream takes the work subject (a nats-server that lost its store): made again, so
+      // the step's next send gets through.
+      if (/no stream takes this subject/.test(e instanceof Error ? e.message : '')) this.repairStreams();
+      throw e;
+    }
   }
 
+  private repairing = false;
+  private repairedAt = 0;
+
+  /** ensureStreams, at most once every 5 s, never twice at once; a failure is logged. */
+  private repairStreams(): void {
+    if (this.repairing || performance.now() - this.repairedAt < 5000) return;
+    this.repairing = true;
+    this.log?.warn('a JetStream stream is missing (did nats-server lose its store?): making the streams again');
+    ensureStreams(this.jsm, this.streamReplicas)
+      .catch((e: unknown) => this.log?.warn({ err: e }, 'could not make the JetStream streams again'))
+      .finally(() => {
+        this.repairing = false;
+        this.repairedAt = performance.now();
+      });
+  }
+
+  /**
+   * Consumes the results queue. A results consumer or stream that is lost (a nats-server that
+   * restarted without its store, a stream deleted by hand) is made again, with every stream,
+   * and consumed anew (durable-consumer.ts): otherwise no result would come back, and no step
+   * could be sent, until the scheduler restarted.
+   */
   async consumeResults(onResult: (r: HostResultMsg, ack: () => void, fromHost: string) => void | Promise<void>): Promise<() => Promise<void>> {
-    const consumer = await this.js.consumers.get(STREAM_RESULTS, RESULTS_CONSUMER);
-    const messages: ConsumerMessages = await consumer.consume({ max_messages: 256 });
     const prefix = subjects.result('');
-    const done = (async () => {
-      for await (const m of messages) {
-        let rs: HostResultMsg[];
-        try {
-          rs = isBatch(m) ? fromBinary(HostResultBatchSchema, m.data).items : [fromBinary(HostResultSchema, m.data)];
-        } catch {
-          m.term(); // undecodable: never redeliver
-          continue;
-        }
-        // The subject names the host that sent it (its NATS user may publish only there).
-        const fromHost = m.subject.startsWith(prefix) ? m.subject.slice(prefix.length) : '';
-        const ack = ackAfter(rs.length, () => m.ack());
-        try {
-          for (const r of rs) await onResult(r, ack, fromHost);
-        } catch {
-          m.nak(1000);
-        }
+    const handle = async (m: JsMsg): Promise<void> => {
+      let rs: HostResultMsg[];
+      try {
+        rs = isBatch(m) ? fromBinary(HostResultBatchSchema, m.data).items : [fromBinary(HostResultSchema, m.data)];
+      } catch {
+        m.term(); // undecodable: never redeliver
+        return;
       }
-    })();
-    return async () => {
-      await messages.close();
-      await done.catch(() => undefined);
+      // The subject names the host that sent it (its NATS user may publish only there).
+      const fromHost = m.subject.startsWith(prefix) ? m.subject.slice(prefix.length) : '';
+      const ack = ackAfter(rs.length, () => m.ack());
+      try {
+        for (const r of rs) await onResult(r, ack, fromHost);
+      } catch {
+        m.nak(1000);
+      }
     };
+    return consumeDurable({
+      nc: this.nc,
+      jsm: this.jsm,
+      js: this.js,
+      stream: STREAM_RESULTS,
+      consumer: RESULTS_CONSUMER,
+      maxMessages: 256,
+      ensure: async () => {
+        await ensureStreams(this.jsm, this.streamReplicas);
+        await ensureResultsConsumer(this.jsm);
+      },
+      onMessage: handle,
+      onGone: (why) => this.log?.warn({ why }, 'the results queue is gone (did nats-server lose its streams?): making the streams and the queue again'),
+      onRetry: (e) => this.log?.warn({ err: e }, 'could not consume the results queue again; retrying'),
+    });
   }
 
   onHeartbeat(cb: (hb: HeartbeatMsg) => void): () => void {

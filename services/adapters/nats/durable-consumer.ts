@@ -1,0 +1,98 @@
+// Consuming a durable JetStream consumer that may vanish under the consumer: deleted (a host
+// removed while its agent runs), or lost with its stream (nats-server restarted without its
+// store, a stream deleted by hand). nats.js alone would retry "consumer not found" forever.
+// Both the host agent's work queue and the scheduler's results queue go through this.
+import { ConsumerEvents } from 'nats';
+import type { ConsumerMessages, JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
+
+/** How often a consuming process checks that its consumer (and its stream) still exist. */
+export const QUEUE_CHECK_MS = 10_000;
+/** How long after its consumer went it is made again (see consumeDurable). */
+export const RECREATE_AFTER_MS = 500;
+
+export interface DurableConsumeOptions {
+  nc: NatsConnection;
+  jsm: JetStreamManager;
+  js: JetStreamClient;
+  stream: string;
+  consumer: string;
+  maxMessages: number;
+  /** Makes the stream(s) and the consumer again; idempotent. Retried with backoff while it fails. */
+  ensure: () => Promise<void>;
+  /** Each message, one at a time: the next is taken once this one's promise settles. */
+  onMessage: (m: JsMsg) => void | Promise<void>;
+  /** The consumer is gone (why), and is being made again. */
+  onGone: (why: string) => void;
+  /** A try to make it again failed (it is tried again). */
+  onRetry: (err: unknown) => void;
+  checkMs?: number;
+}
+
+/** A consumer or its stream is missing: what nats-server answers an info or a pull then. */
+export function isGone(e: unknown): boolean {
+  return /consumer not found|stream not found/i.test(e instanceof Error ? e.message : String(e));
+}
+
+/**
+ * Consumes `consumer` until the returned stop is called. When the consumer is deleted or not
+ * found (a status event, or a check every `checkMs`), it stops consuming, runs `ensure` (after
+ * RECREATE_AFTER_MS, then with backoff while it fails) and consumes anew. In that order: an old
+ * iterator still pulling when the new consumer exists could take a message and drop it when
+ * stopped (it would come back only after the ack wait).
+ */
+export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Promise<void>> {
+  const open = async (): Promise<ConsumerMessages> => (await o.js.consumers.get(o.stream, o.consumer)).consume({ max_messages: o.maxMessages });
+  let closed = false;
+  let messages = await open();
+  const loop = (async () => {
+    while (!closed) {
+      const current = messages;
+      let stopped = false;
+      const gone = (why: string): void => {
+        if (stopped) return;
+        stopped = true;
+        o.onGone(why);
+        current.stop();
+      };
+      void (async () => {
+        for await (const st of await current.status()) {
+          if (st.type === ConsumerEvents.ConsumerDeleted || st.type === ConsumerEvents.ConsumerNotFound) return gone(st.type);
+        }
+      })().catch(() => undefined);
+      const check = setInterval(() => {
+        o.jsm.consumers.info(o.stream, o.consumer).then(
+          () => undefined,
+          (e: unknown) => {
+            if (isGone(e)) gone((e as Error).message);
+          },
+        );
+      }, o.checkMs ?? QUEUE_CHECK_MS);
+      check.unref();
+      try {
+        for await (const m of current) await o.onMessage(m);
+      } finally {
+        clearInterval(check);
+      }
+      if (closed || o.nc.isClosed()) break;
+      // Not at once: the server answers "not found" before it has removed the old consumer's
+      // directory, and one made meanwhile can lose its own (ensureWorkConsumer).
+      await new Promise((r) => setTimeout(r, RECREATE_AFTER_MS));
+      for (let delay = 100; !closed && !o.nc.isClosed(); delay = Math.min(delay * 2, 5000)) {
+        try {
+          await o.ensure();
+          messages = await open();
+          if (closed) await messages.close(); // closed while it opened
+          break;
+        } catch (e) {
+          o.onRetry(e);
+          await new Promise((r) => setTimeout(r, delay));
+        }
+      }
+    }
+  })();
+  return async () => {
+    closed = true;
+    await messages.close();
+    await loop.catch(() => undefined);
+  };
+}
