@@ -693,6 +693,26 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     for (const k of kids.slice(1)) await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: k.id }));
   }, 60_000);
 
+  it('hibernationSnapshot_deletedWhileItsHibernateStopsTheVm_isRefusedAsInUse_andTheSandboxHibernatesInIt', async () => {
+    // A host whose VMs take 2 s to stop: the hibernation snapshot is ready, and no sandbox
+    // record names it yet, for that long.
+    await ownHost('fake-hib-del', 'hib-del', { FF_FAKE_DESTROY_MS: '2000' });
+    const c = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-hib-del' } }));
+    const sid = c.result.case === 'sandbox' ? c.result.value.id : '';
+    const hib = await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid });
+    const snId = ((await store.getOp(tenantId, hib.id))?.value.input as { snapshotId: string }).snapshotId;
+    await waitFor('the hibernation snapshot is ready', async () => (await store.getSnapshot(tenantId, snId))?.value.state === 'ready', 10_000, 10);
+    expect((await store.getSandbox(tenantId, sid))?.value.state).toBe('hibernating');
+    const del = (await api.deleteSnapshot({ tenantId, idempotencyKey: key(), snapshotId: snId }).catch((x: unknown) => x)) as RpcError;
+    expect([del.code, del.field, del.message]).toEqual([Status.FAILED_PRECONDITION, 'snapshot_id', expect.stringContaining(sid)]);
+    await ok(api, hib);
+    expect((await store.getSandbox(tenantId, sid))?.value).toMatchObject({ state: 'hibernated', hibernationSnapshotId: snId });
+    expect((await store.getSandbox(tenantId, sid))?.value.hibernatingTo).toBeUndefined();
+    expect((await store.getSnapshot(tenantId, snId))?.value.state).toBe('ready');
+    await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
+    await assertConsistent();
+  });
+
   it('snapshot_pinnedWhileTaken_staysPinnedOnceReady_andADeleteMeanwhileIsRefusedByTheCall_writingNothing', async () => {
     // A host whose snapshots take 600 ms.
     await ownHost('fake-p', 'pin', { FF_FAKE_SNAPSHOT_MS: '600' });

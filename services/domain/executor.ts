@@ -11,7 +11,7 @@ import { durationMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from './records.ts';
-import { canTransition, HOLDS_CAPACITY, isTerminal, PLACEMENT_TXN_MAX_BYTES, SANDBOX_RECORD_BASE_BYTES, sandboxRecordBytes } from './records.ts';
+import { canTransition, HOLDS_CAPACITY, isTerminal, PLACEMENT_TXN_MAX_BYTES, SANDBOX_RECORD_BASE_BYTES, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
@@ -251,6 +251,17 @@ const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
  * start's failure is followed by a stop (a no-op where there is no VM), which the agent also
  * records as "given up", so a later copy is refused.
  */
+/**
+ * The operation id of the stops sent to a host that came back: one per return (the
+ * heartbeat it came back with). An agent answers an (operation, step) it has done from its
+ * journal without doing it again, and JetStream drops a message id it saw in the last two
+ * minutes: with the same id for every return of a host that did not reboot, the stop of a
+ * sandbox's stale VM on its second return was answered "done" and the VM left running.
+ */
+export function reclaimOpId(hostId: string, hb: { bootId: string; seq: bigint }): string {
+  return `reclaim-${hostId}-${hb.bootId.slice(0, 8)}-${hb.seq}`;
+}
+
 /**
  * A create asking for more of a resource than any host of the view has in all: it will never
  * be placed. Undefined when some host could take it empty, or the fleet has no hosts yet.
@@ -1871,6 +1882,7 @@ export class Executor {
       next.opId = '';
       next.updatedAt = now;
       delete next.hibernatingFrom;
+      delete next.hibernatingTo;
       return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(also ? await also(v.value) : [])];
     });
     return false;
@@ -2171,11 +2183,14 @@ export class Executor {
           if (s.state === 'hibernating') {
             // Taken over from an operation that ended without settling it: its own now.
             s.opId = op.id;
+            s.hibernatingTo = input.snapshotId;
             return;
           }
           // Running or paused but held by another operation (a drain moving it): refused.
           if (s.opId !== '' && s.opId !== op.id) throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; hibernate it once that ends`);
           s.hibernatingFrom = s.state === 'paused' ? 'paused' : 'running';
+          // In use from now on: a delete of the snapshot, once it exists, is refused.
+          s.hibernatingTo = input.snapshotId;
           this.setState(s, 'hibernating', this.deps.clock.now());
           s.opId = op.id;
         });
@@ -2230,6 +2245,7 @@ export class Executor {
       sb.id,
       (s) => {
         s.hibernationSnapshotId = sn.id;
+        delete s.hibernatingTo;
         if (s.state === 'lost') return;
         this.setState(s, 'hibernated', this.deps.clock.now());
         s.opId = '';
@@ -2462,7 +2478,7 @@ export class Executor {
     // before any host deletes a byte, so a re-run after that never puts back a snapshot whose
     // bytes may be gone (a create that failed against the mark is a user it would find).
     if (sn.deletingFrom !== undefined) {
-      const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === sn.id || b.hibernationSnapshotId === sn.id));
+      const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => snapshotsUsedBy(b).includes(sn.id));
       if (users.length > 0) {
         // Back to the state it had: nothing was deleted yet.
         await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
@@ -3532,7 +3548,7 @@ export class Executor {
         // Guarded like reconcileVms' own reclaim, which may get there first: booked once.
         await this.vmBack(sb, vm.state === PbVmState.PAUSED ? 'paused' : 'running');
       } else if (!sb || sb.hostId !== hostId || sb.state === 'destroyed' || sb.state === 'failed' || sb.state === 'hibernated') {
-        await this.sendHostWork(hostId, `reclaim-${hostId}-${hb.bootId.slice(0, 8)}`, sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, stopVm(vm.sandboxId), 'could not stop a stale VM');
+        await this.sendHostWork(hostId, reclaimOpId(hostId, hb), sb?.tenantId ?? 'system', `stop/${vm.sandboxId}`, stopVm(vm.sandboxId), 'could not stop a stale VM');
         this.log.warn({ hostId, sandboxId: vm.sandboxId }, 'host returned with a VM whose sandbox lives elsewhere or is gone: stopping it');
       }
     }

@@ -6,7 +6,7 @@ import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.
 import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
-import { CANCELLABLE_KINDS, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxRecordBytes } from './records.ts';
+import { CANCELLABLE_KINDS, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
 import { ConflictError, NotFoundError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
@@ -510,7 +510,7 @@ export class Fleet {
     if (sn.state === 'creating') throw new WrongStateError('snapshot', id, 'creating', 'delete it once it is ready or failed', 'snapshot_id');
     if (sn.pinned) throw new WrongStateError('snapshot', id, 'pinned', 'unpin it first', 'snapshot_id');
     if (sn.state === 'ready' || sn.state === 'failed') {
-      const users = (await this.deps.store.listSandboxes(tenantId)).map((b) => b.value).filter((b) => b.state !== 'destroyed' && (b.sourceSnapshotId === id || b.hibernationSnapshotId === id));
+      const users = (await this.deps.store.listSandboxes(tenantId)).map((b) => b.value).filter((b) => snapshotsUsedBy(b).includes(id));
       if (users.length > 0) throw new WrongStateError('snapshot', id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`, 'snapshot_id');
     }
     return this.submit(tenantId, key, 'delete_snapshot', id, {});

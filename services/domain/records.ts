@@ -89,6 +89,11 @@ export interface SandboxRec {
   hibernationSnapshotId: string;
   /** While hibernating: the state it came from, which a failed hibernate returns it to. */
   hibernatingFrom?: 'running' | 'paused';
+  /**
+   * While hibernating (or lost in it): the snapshot it is being hibernated into, in use from
+   * before it exists until hibernationSnapshotId names it (snapshotsUsedBy).
+   */
+  hibernatingTo?: string;
   /** User steps run in the guest after every resume, wake and restore (before it is reported ready). */
   afterResume?: HookRec[];
   /** Operation that currently owns the sandbox (one at a time); empty when idle. */
@@ -276,4 +281,14 @@ export function sandboxRecordBytes(sb: Pick<SandboxRec, 'labels' | 'afterResume'
     return n;
   };
   return SANDBOX_RECORD_BASE_BYTES + size(sb.labels) + (sb.afterResume ? size(sb.afterResume) : 0);
+}
+
+/**
+ * The snapshots a sandbox needs: the one it was forked or restored from, the one it is
+ * hibernated in, and the one a hibernate is taking of it. A delete refuses them and retention
+ * keeps them while the sandbox lives. None for a destroyed sandbox.
+ */
+export function snapshotsUsedBy(sb: SandboxRec): string[] {
+  if (sb.state === 'destroyed') return [];
+  return [...new Set([sb.sourceSnapshotId, sb.hibernationSnapshotId, sb.hibernatingTo ?? ''])].filter((id) => id !== '');
 }

@@ -19,6 +19,7 @@
 // (pinned meanwhile, retention changed, back inside the window) or that came into use has its
 // announcement withdrawn.
 import type { SandboxRec, SnapshotRec } from './records.ts';
+import { snapshotsUsedBy } from './records.ts';
 
 export interface RetentionPlan {
   /** Announce (set expiryDueAt). */
@@ -56,8 +57,7 @@ export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: read
   for (const sb of sandboxes) {
     if (sb.state === 'destroyed') continue;
     live.add(sb.id);
-    for (const id of new Set([sb.sourceSnapshotId, sb.hibernationSnapshotId])) {
-      if (!id) continue;
+    for (const id of snapshotsUsedBy(sb)) {
       // Appended in place: thousands of children share one snapshot (a copy per user is quadratic).
       const list = users.get(id);
       if (list) list.push(sb.id);
