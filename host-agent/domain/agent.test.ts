@@ -8,8 +8,7 @@ import type { VmInfo, VmmDriver } from './vmm.ts';
 import { HostResultSchema, HostWorkSchema, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
-function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }): { agent: Agent; journal: MemoryJournal } {
-  const journal = new MemoryJournal();
+function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }, journal = new MemoryJournal()): { agent: Agent; journal: MemoryJournal } {
   const agent = new Agent({
     driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
     shipper: { held: () => [], storedBytes: () => 0, ...shipper } as SnapshotShipper,
@@ -228,6 +227,17 @@ describe('Agent steps', () => {
     // Another op's start of the same sandbox (a later wake here, say) is not affected.
     await agent.runStep(create(HostWorkSchema, { opId: 'op-b', stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }));
     expect([...vms.keys()].sort()).toEqual(['sb-1', 'sb-2']);
+  });
+
+  it('restoreOrCreate_ofAStartGivenUpOnBeforeTheAgentRestarted_isStillNotMade_byTheStopsJournalledResult', async () => {
+    const vms = new Map<string, VmInfo>();
+    const before = agentWith(mapDriver(vms), obtained);
+    expect((await before.agent.runStep(work('stop-unanswered/sb-4', { work: { case: 'destroyVm', value: { sandboxId: 'sb-4' } } }))).error).toBeUndefined();
+    // The agent restarts (its in-memory list is gone); a batch holding the start is delivered again.
+    const after = agentWith(mapDriver(vms), obtained, {}, undefined, before.journal);
+    expect((await after.agent.runStep(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-4' }, { sandboxId: 'sb-5' }] } } }))).error).toBeUndefined();
+    expect([...vms.keys()]).toEqual(['sb-5']);
+    expect((await after.agent.runStep(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-4' } } } }))).error?.message).toMatch(/gave up on starting sb-4/);
   });
 
   it('work_waitingForAStepSlot_isKeptAliveSoTheBusDoesNotDeliverItAgain', async () => {

@@ -190,7 +190,8 @@ export class Agent {
   /**
    * `${opId}/${sandboxId}` of starts the scheduler gave up on here (a stop-unanswered,
    * stop-moved-on or stop-replaced step ran): a create or restore of that op that comes after
-   * it (a redelivery after an agent restart) does not make that VM. In memory, bounded.
+   * it (a redelivery after an agent restart) does not make that VM. In memory, bounded; after
+   * a restart the stop steps' journalled results say the same (gaveUpOn).
    */
   private readonly gaveUp = new Set<string>();
   /** Keep-alives of delivered steps (running or waiting for a slot), cleared by stop(). */
@@ -441,13 +442,34 @@ export class Agent {
    * the scheduler stops a VM whose record moved on when the restore's result comes
    * (Executor.markRunning), or queues a stop of that op behind the restore (gaveUp).
    */
+  /**
+   * Whether the scheduler gave up on starting `sandboxId` in op `opId` here: in memory, or,
+   * after an agent restart, its stop step's journalled result (the stop was acked then, and
+   * will not come again to undo a start a redelivered batch would make).
+   */
+  private async gaveUpOn(opId: string, sandboxId: string): Promise<boolean> {
+    const key = `${opId}/${sandboxId}`;
+    if (this.gaveUp.has(key)) return true;
+    for (const kind of GAVE_UP_KINDS) {
+      if (!(await this.deps.journal.get(opId, `stop-${kind}/${sandboxId}`).catch(() => undefined))) continue;
+      this.rememberGaveUp(key);
+      return true;
+    }
+    return false;
+  }
+
+  private rememberGaveUp(key: string): void {
+    this.gaveUp.add(key);
+    if (this.gaveUp.size > GAVE_UP_MAX) this.gaveUp.delete(this.gaveUp.values().next().value as string);
+  }
+
   private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
     const { driver, shipper } = this.deps;
     const work = w.work;
     switch (work.case) {
       case 'createVm': {
         const s = this.spec(work.value.vm, 'create_vm.vm');
-        if (this.gaveUp.has(`${w.opId}/${s.sandboxId}`)) throw new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${s.sandboxId} here (op ${w.opId}): not started`);
+        if (await this.gaveUpOn(w.opId, s.sandboxId)) throw new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${s.sandboxId} here (op ${w.opId}): not started`);
         const existing = driver.get(s.sandboxId);
         if (existing && existing.state !== 'crashed' && existing.state !== 'destroyed') {
           result.vms = [this.vmStatus(existing)];
@@ -474,7 +496,7 @@ export class Agent {
         const missing: typeof specs = [];
         for (const s of specs) {
           // Given up on here (placed again elsewhere, say) before this step ran: not made.
-          if (this.gaveUp.has(`${w.opId}/${s.sandboxId}`)) continue;
+          if (await this.gaveUpOn(w.opId, s.sandboxId)) continue;
           const ex = driver.get(s.sandboxId);
           if (ex && ex.state !== 'crashed' && ex.state !== 'destroyed') have.push(ex);
           else {
@@ -571,10 +593,7 @@ export class Agent {
         return;
       }
       case 'destroyVm': {
-        if (GAVE_UP_STEP.test(w.stepId)) {
-          this.gaveUp.add(`${w.opId}/${work.value.sandboxId}`);
-          if (this.gaveUp.size > GAVE_UP_MAX) this.gaveUp.delete(this.gaveUp.values().next().value as string);
-        }
+        if (GAVE_UP_STEP.test(w.stepId)) this.rememberGaveUp(`${w.opId}/${work.value.sandboxId}`);
         await Promise.all(this.making.get(work.value.sandboxId) ?? []);
         if (driver.get(work.value.sandboxId)) await driver.destroy(work.value.sandboxId);
         return;
@@ -764,7 +783,8 @@ function makesOf(w: HostWork): string[] {
 }
 
 /** Stops by which the scheduler gives up on a start of the same op on this host (Executor). */
-const GAVE_UP_STEP = /^stop-(unanswered|moved-on|replaced)\//;
+const GAVE_UP_KINDS = ['unanswered', 'moved-on', 'replaced'] as const;
+const GAVE_UP_STEP = new RegExp(`^stop-(${GAVE_UP_KINDS.join('|')})/`);
 const GAVE_UP_MAX = 10_000;
 
 /**
