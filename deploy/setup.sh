@@ -42,8 +42,19 @@ if ((${#missing[@]})); then
     printf '#!/bin/sh\n%s\nexit 101\n' "$marker" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
     trap 'rm -f /usr/sbin/policy-rc.d' EXIT
   fi
+  # A run killed while dpkg worked leaves packages unpacked or half-configured, and apt then
+  # refuses to install anything until they are configured: finish that first.
+  dpkg --configure -a
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Forkfleet starts its own etcd, NATS and Prometheus; the Debian services these packages
+  # enable would start at the next boot (Prometheus listening on every interface). Disabled,
+  # only those this run installed (a machine's own etcd service is left alone).
+  if command -v systemctl >/dev/null; then
+    for unit in etcd:etcd-server nats-server:nats-server prometheus:prometheus; do
+      if [[ " ${missing[*]} " == *" ${unit#*:} "* ]]; then systemctl disable --now "${unit%%:*}" >/dev/null 2>&1 || true; fi
+    done
+  fi
 fi
 
 # npm dependencies: reinstall only when package-lock.json changed since the last install.
@@ -55,6 +66,8 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   # installed Node where it has them, instead of downloading them from outside the npm registry.
   node_prefix=$(dirname "$(dirname "$(command -v node)")")
   if [[ -z ${npm_config_nodedir:-} && -f $node_prefix/include/node/node_api.h ]]; then export npm_config_nodedir=$node_prefix; fi
-  npm ci --no-audit --no-fund --loglevel=error
+  # Native addons build from source (zstd-napi's prebuild-install would first try to download
+  # a binary from outside the npm registry).
+  npm_config_build_from_source=true npm ci --no-audit --no-fund --loglevel=error
   echo "$want" > "$stamp"
 fi

@@ -443,9 +443,9 @@ function makeNetwork(state: FleetState): void {
     sh('ip', ['netns', 'add', ns]);
     state.namespaces.push(ns);
     saveState(state);
-    sh('ip', ['link', 'add', ifHost, 'type', 'veth', 'peer', 'name', ifBridge]);
-    sh('ip', ['link', 'set', ifHost, 'netns', ns]);
-    sh('ip', ['link', 'set', ifBridge, 'netns', net]);
+    // Made in its namespaces at once: no end is ever left in the root namespace, where down()
+    // (which deletes the namespaces) would not find it.
+    sh('ip', ['link', 'add', ifHost, 'netns', ns, 'type', 'veth', 'peer', 'name', ifBridge, 'netns', net]);
     const address = `10.213.77.${10 + i}`;
     sh('ip', ['-n', ns, 'addr', 'add', `${address}/24`, 'dev', ifHost]);
     sh('ip', ['-n', ns, 'link', 'set', ifHost, 'up']);
@@ -697,9 +697,12 @@ export async function up(given: FleetOptions): Promise<FleetState> {
   const existing = readState(opts.dir);
   if (existing) {
     const alive = existing.procs.filter(procAlive);
-    if (alive.length > 0) throw new Error(`a fleet is already up in ${opts.dir} (since ${existing.startedAt}, ${alive.length} processes alive): run fleet:down first`);
+    // Up already, as asked: nothing to do (the Quick start's command may be run twice).
+    if (alive.length === existing.procs.length && alive.length > 0 && JSON.stringify(existing.options) === JSON.stringify(opts)) return existing;
+    if (alive.length === existing.procs.length && alive.length > 0) throw new Error(`a fleet with other options is up in ${opts.dir} (since ${existing.startedAt}): run fleet:down first`);
+    // Partly alive (an agent that crashed, say): taken down below, and started afresh.
   }
-  // A dead fleet's leftovers, or the logs of a failed up: cleared so this fleet starts afresh.
+  // A dead or partly dead fleet, or the logs of a failed up: cleared so this fleet starts afresh.
   if (owner === 'ours') await down(opts.dir);
   for (const ns of sh('ip', ['netns', 'list']).split('\n').map((l) => l.split(' ')[0])) {
     if (ns && ns.startsWith(`${opts.prefix}-`)) throw new Error(`network namespace ${ns} already exists; run fleet:down or delete it`);

@@ -173,7 +173,13 @@ export async function ensureImage(name: ImageName, opts: ImageOptions = {}): Pro
     try {
       const args = [join(here, r.script), tmp, kernelVersion, String(diskMib)];
       if (name === 'debian') args.push(await aptSourcesFile());
-      await run(...buildCommand(args), { maxBuffer: 64 << 20 });
+      // The scripts' temp files (mktemp, mmdebstrap's) go inside the build's own directory: a
+      // killed build (its EXIT traps never run) leaves nothing in /tmp, and
+      // removeAbandonedBuilds takes them with the rest.
+      const scratch = join(tmp, '.scratch');
+      await mkdir(scratch);
+      await run(...buildCommand(args), { maxBuffer: 64 << 20, env: { ...process.env, TMPDIR: scratch } });
+      await rm(scratch, { recursive: true, force: true });
       try {
         await rename(tmp, dir);
       } catch (e) {

@@ -4,7 +4,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { spawn } from 'node:child_process';
 import { join, resolve } from 'node:path';
 import { tmpdir } from 'node:os';
-import { defaultOptions, down, up } from '../../deploy/fleet/fleet.ts';
+import { defaultOptions, down, readState, up } from '../../deploy/fleet/fleet.ts';
 
 const DIR = '/var/lib/ffleet-ui';
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -36,6 +36,8 @@ async function json<T>(args: string[]): Promise<T> {
 
 describe('forkfleet CLI and SDK against a local fleet', () => {
   beforeAll(async () => {
+    // A fleet a killed earlier run left up (its processes are detached) is taken down first.
+    if (readState(DIR)) await down(DIR);
     await up(defaultOptions({ hosts: 2, dir: DIR, prefix: 'ffui', basePort: 20700 }));
   }, 180_000);
 

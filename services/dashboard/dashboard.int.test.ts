@@ -8,7 +8,7 @@ import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node
 import { join } from 'node:path';
 import { chromium } from 'playwright-core';
 import type { BrowserContext } from 'playwright-core';
-import { defaultOptions, down, up } from '../../deploy/fleet/fleet.ts';
+import { defaultOptions, down, readState, up } from '../../deploy/fleet/fleet.ts';
 import type { FleetState } from '../../deploy/fleet/fleet.ts';
 import { Forkfleet } from '../sdk/index.ts';
 import type { Sandbox } from '../sdk/index.ts';
@@ -33,6 +33,8 @@ describe('dashboard and metrics against a local fleet', () => {
 
   beforeAll(async () => {
     tmp = mkdtempSync('/tmp/ff-dash-');
+    // A fleet a killed earlier run left up (its processes are detached) is taken down first.
+    if (readState(DIR)) await down(DIR);
     fleet = await up(defaultOptions({ hosts: 2, dir: DIR, prefix: 'ffui', basePort: 20700 }));
     // The fleet's admin credential (credentials.json), acting for tenant 'dash'.
     const credentialsFile = join(DIR, 'credentials.json');
