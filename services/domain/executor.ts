@@ -243,22 +243,13 @@ const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'pa
 const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
 
 /**
- * A start that failed this way may have, or may still make, a VM on its host: one not answered
- * in time or whose host went silent; one whose host answered a retryable failure, which the
- * agent does not journal, so another copy of the same step (a re-send after an agent restart, a
- * JetStream redelivery) would run it again; or any failed restore step that a restarted agent
- * ran again, which keeps the VMs the first run had made and restores only the rest. Such a
- * start's failure is followed by a stop (a no-op where there is no VM), which the agent also
- * records as "given up", so a later copy is refused.
- */
-/**
  * The operation id of the stops sent to a host that came back: one per return (the
  * heartbeat it came back with). An agent answers an (operation, step) it has done from its
  * journal without doing it again, and JetStream drops a message id it saw in the last two
  * minutes: with the same id for every return of a host that did not reboot, the stop of a
  * sandbox's stale VM on its second return was answered "done" and the VM left running.
  */
-export function reclaimOpId(hostId: string, hb: { bootId: string; seq: bigint }): string {
+function reclaimOpId(hostId: string, hb: { bootId: string; seq: bigint }): string {
   return `reclaim-${hostId}-${hb.bootId.slice(0, 8)}-${hb.seq}`;
 }
 
@@ -282,6 +273,15 @@ function largerThanAnyHost(view: FleetView, req: PlacementRequest): LargerThanAn
   return undefined;
 }
 
+/**
+ * A start that failed this way may have, or may still make, a VM on its host: one not answered
+ * in time or whose host went silent; one whose host answered a retryable failure, which the
+ * agent does not journal, so another copy of the same step (a re-send after an agent restart, a
+ * JetStream redelivery) would run it again; or any failed restore step that a restarted agent
+ * ran again, which keeps the VMs the first run had made and restores only the rest. Such a
+ * start's failure is followed by a stop (a no-op where there is no VM), which the agent also
+ * records as "given up", so a later copy is refused.
+ */
 function givenUpMayStillStart(e: unknown): boolean {
   return e instanceof StepTimeoutError || e instanceof HostLostError || e instanceof HostStepError;
 }
