@@ -317,10 +317,11 @@ describe('QemuVmmDriver (real QEMU)', () => {
     // A dead QEMU's pid file, its pid since reused by the QEMU of another VM that was claimed
     // from a standby (that QEMU's command line names standby/<id>/, as a claimed standby of
     // this workdir's would): recover() must not kill it.
-    expect(await driver.warm(snap, 1)).toBe(1);
+    await driver.warm(snap, 1); // one standby (the test before may have left it warm already)
     const [vm] = await driver.fork(snap, [{ vmId: 'w9', hostname: 'w9' }]);
     const ghost = join(root, 'vms', 'ghost-w9');
     try {
+      expect((await cmdlineOf(vm!.pid!))?.some((a) => a.includes(`${join(root, 'standby')}/`))).toBe(true);
       await mkdir(ghost, { recursive: true });
       await writeFile(join(ghost, 'qemu.0.pid'), `${vm!.pid}\n`);
       const report = await restartAgent();
@@ -802,37 +803,42 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
-  it('recover_afterAgentKillMidCloneSnapshot_mergesTheNewLayerBack_resumesTheVm_andTheReRunAndLaterSnapshotsKeepEveryWrite', async () => {
-    await driver.fork(snap, [{ vmId: 'k1', hostname: 'k1' }]);
-    await sh('k1', 'echo one > /data/one && sync');
+  // Also for a VM claimed from a standby: QEMU knows its disk by the standby's directory name,
+  // and the merge named the layer by the workdir path ("Can't find ... in the backing chain"),
+  // so the VM was reaped.
+  for (const [how, k1, fromStandby] of [['', 'k1', false], ['_ofAVmClaimedFromAStandby', 'k1s', true]] as const) it(`recover_afterAgentKillMidCloneSnapshot${how}_mergesTheNewLayerBack_resumesTheVm_andTheReRunAndLaterSnapshotsKeepEveryWrite`, async () => {
+    if (fromStandby) await driver.warm(snap, 1);
+    const [vm] = await driver.fork(snap, [{ vmId: k1, hostname: k1 }]);
+    expect((await cmdlineOf(vm!.pid!))?.some((a) => a.includes(`${join(root, 'standby')}/`))).toBe(fromStandby);
+    await sh(k1, 'echo one > /data/one && sync');
     // The agent dies while a receiver snapshot copies the clone's RAM: after blockdev-snapshot
     // switched the VM onto its new disk layer (and stopped it), before vm.json said so.
     let died: () => void = () => undefined;
     const dead = new Promise<void>((r) => (died = r));
     onSnapshotCopied = async ({ snapshotId }) => {
-      if (snapshotId !== 'snap-k1-cut') return;
+      if (snapshotId !== `snap-${k1}-cut`) return;
       driver.detach();
       died();
       await new Promise(() => undefined); // a dead agent runs no more of the snapshot
     };
-    void driver.snapshot('k1', 'snap-k1-cut').catch(() => undefined);
+    void driver.snapshot(k1, `snap-${k1}-cut`).catch(() => undefined);
     await dead;
     onSnapshotCopied = undefined;
-    expect((await restartAgent({ dead: true })).adopted).toContain('k1');
+    expect((await restartAgent({ dead: true })).adopted).toContain(k1);
     // Running again (the killed snapshot had stopped it), on the layer it writes.
-    expect(driver.get('k1')?.state).toBe('running');
-    expect(await sh('k1', 'cat /data/one')).toBe('one');
-    await sh('k1', 'echo two > /data/two && sync');
+    expect(driver.get(k1)?.state).toBe('running');
+    expect(await sh(k1, 'cat /data/one')).toBe('one');
+    await sh(k1, 'echo two > /data/two && sync');
     // The redelivered step takes the killed snapshot again, and it holds every write; so
     // does a later one (its disk chain opens: the fork boots).
-    const again = await driver.snapshot('k1', 'snap-k1-cut');
-    await sh('k1', 'echo three > /data/three && sync');
-    const later = await driver.snapshot('k1', 'snap-k1-later');
+    const again = await driver.snapshot(k1, `snap-${k1}-cut`);
+    await sh(k1, 'echo three > /data/three && sync');
+    const later = await driver.snapshot(k1, `snap-${k1}-later`);
     await childrenSee([
-      { of: again, id: 'k1g', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two; test -e /data/three || echo no-three', out: 'one\ntwo\nno-three' },
-      { of: later, id: 'k1h', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two /data/three', out: 'one\ntwo\nthree' },
+      { of: again, id: `${k1}g`, script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two; test -e /data/three || echo no-three', out: 'one\ntwo\nno-three' },
+      { of: later, id: `${k1}h`, script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two /data/three', out: 'one\ntwo\nthree' },
     ]);
-    await driver.destroy('k1');
+    await driver.destroy(k1);
     await driver.deleteSnapshot(later);
     await driver.deleteSnapshot(again);
   });

@@ -2275,9 +2275,11 @@ async function reactivate(qmp: QmpClient, stayPaused: boolean): Promise<void> {
  * Merges the VM's active disk layer into the layer below it (`base`, by file name) and makes
  * that the active layer again: a live active block-commit, completed (the VM may run).
  */
-async function commitActiveLayer(qmp: QmpClient, base: string, jobId: string): Promise<void> {
+async function commitActiveLayer(qmp: QmpClient, basePath: string, jobId: string): Promise<void> {
   const mark = qmp.mark;
-  const topNode = (await qmp.execute<Array<{ device?: string; inserted?: { 'node-name'?: string } }>>('query-block')).find((b) => b.device === 'disk0')?.inserted?.['node-name'];
+  const block = (await qmp.execute<Array<{ device?: string; inserted?: { 'node-name'?: string; image?: ImageInfo } }>>('query-block')).find((b) => b.device === 'disk0')?.inserted;
+  const topNode = block?.['node-name'];
+  const base = await backingNameOf(block?.image, basePath);
   const ofJob = (e: QmpEvent): boolean => e.data.device === jobId || e.data.id === jobId;
   // An agent killed during this merge leaves the job running in QEMU: the next one takes it up.
   const running = (await qmp.execute<Array<{ device: string }>>('query-block-jobs')).some((j) => j.device === jobId);
@@ -2305,6 +2307,27 @@ async function commitActiveLayer(qmp: QmpClient, base: string, jobId: string): P
  * After blockdev-snapshot of an overlay added with its backing given at run time, QEMU names
  * the layer by a `json:{...}` descriptor: its `file.filename` is the file.
  */
+/** query-block's image chain: each image and the one below it. */
+interface ImageInfo {
+  filename?: string;
+  'backing-image'?: ImageInfo;
+}
+
+/**
+ * The name QEMU knows the layer at `path` by in the backing chain below `image`: block-commit
+ * finds its base by that name. A VM claimed from a standby opened its disk under the standby's
+ * directory name (a symlink to its workdir now), not the workdir path the record keeps; the
+ * record's path would not be found ("Can't find ... in the backing chain"). `path` itself
+ * when no layer of the chain resolves to it.
+ */
+async function backingNameOf(image: ImageInfo | undefined, path: string): Promise<string> {
+  const want = await realpath(path).catch(() => path);
+  for (let i = image?.['backing-image']; i; i = i['backing-image']) {
+    if (i.filename && !i.filename.startsWith('json:') && (await realpath(i.filename).catch(() => i.filename)) === want) return i.filename;
+  }
+  return path;
+}
+
 async function topDiskFile(qmp: QmpClient): Promise<string | undefined> {
   const blocks = await qmp.execute<Array<{ device?: string; inserted?: { file: string } }>>('query-block');
   const file = blocks.find((b) => b.device === 'disk0')?.inserted?.file;
