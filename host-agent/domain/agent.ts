@@ -450,12 +450,11 @@ export class Agent {
   private async gaveUpOn(opId: string, sandboxId: string): Promise<boolean> {
     const key = `${opId}/${sandboxId}`;
     if (this.gaveUp.has(key)) return true;
-    for (const kind of GAVE_UP_KINDS) {
-      if (!(await this.deps.journal.get(opId, `stop-${kind}/${sandboxId}`).catch(() => undefined))) continue;
-      this.rememberGaveUp(key);
-      return true;
-    }
-    return false;
+    // The three reads at once: a restore step checks each of its VMs, on the way to ready.
+    const found = await Promise.all(GAVE_UP_KINDS.map((kind) => this.deps.journal.get(opId, `stop-${kind}/${sandboxId}`).catch(() => undefined)));
+    if (!found.some(Boolean)) return false;
+    this.rememberGaveUp(key);
+    return true;
   }
 
   private rememberGaveUp(key: string): void {
@@ -494,9 +493,10 @@ export class Agent {
         const specs = vms.map((v, i) => this.spec(v, `restore_vms.vms[${i}]`));
         const have: VmInfo[] = [];
         const missing: typeof specs = [];
-        for (const s of specs) {
+        const givenUp = await Promise.all(specs.map((s) => this.gaveUpOn(w.opId, s.sandboxId)));
+        for (const [i, s] of specs.entries()) {
           // Given up on here (placed again elsewhere, say) before this step ran: not made.
-          if (await this.gaveUpOn(w.opId, s.sandboxId)) continue;
+          if (givenUp[i]) continue;
           const ex = driver.get(s.sandboxId);
           if (ex && ex.state !== 'crashed' && ex.state !== 'destroyed') have.push(ex);
           else {

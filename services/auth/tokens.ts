@@ -252,8 +252,9 @@ export function listTokens(path: string): TokenListing[] {
  * streaming calls, within about a second.
  */
 export function revokeTokens(path: string, which: string): TokenListing[] {
-  const doc = JSON.parse(readFileSync(path, 'utf8')) as { tokens: unknown[] };
-  const entries = parseTokensFile(JSON.stringify(doc), path);
+  const text = readFileSync(path, 'utf8');
+  const entries = parseTokensFile(text, path);
+  const doc = JSON.parse(text) as { tokens: unknown[] };
   const hit = (e: TokenEntry): boolean => (/^[0-9a-f]{12,64}$/.test(which) && e.digest.toString('hex').startsWith(which)) || (e.name !== '' && e.name === which);
   const gone = entries.filter(hit);
   if (gone.length === 0) throw new ForkfleetError('not_found', `no token in ${path} has the id or name ${JSON.stringify(which)} (forkfleet token ls lists them)`);
