@@ -122,6 +122,24 @@ export function childScore(d: Demand, cols: HostColumns, i: number, j: number, t
   return { transferMs, restoreMs, queueMs, loadMs, spreadMs, packMs, etaMs: transferMs + restoreMs + queueMs + loadMs + spreadMs + packMs };
 }
 
+/** The terms of childScore(...).etaMs after transferMs, in its order of addition (see etaAfter). */
+export type EtaTerms = readonly [restoreMs: number, queueMs: number, loadMs: number, spreadMs: number, packMs: number];
+
+/**
+ * The ETA terms that do not depend on when the bytes arrive: for a host still waiting for
+ * a source, computed once per decision and re-priced with etaAfter() as the transfer plan
+ * grows, instead of calling childEta() for every cold host after every opening.
+ */
+export function etaTerms(d: Demand, cols: HostColumns, i: number, j: number, spread: Spread, config: PlacementConfig): EtaTerms {
+  const s = childScore(d, cols, i, j, 0, spread, config);
+  return [s.restoreMs, s.queueMs, s.loadMs, s.spreadMs, s.packMs];
+}
+
+/** childEta(...) for the host whose etaTerms these are, equal bit for bit (same order of addition). */
+export function etaAfter(transferMs: number, t: EtaTerms): number {
+  return transferMs + t[0] + t[1] + t[2] + t[3] + t[4];
+}
+
 /** childScore(...).etaMs without allocating; same terms, same order of addition, so equal bit for bit. */
 export function childEta(d: Demand, cols: HostColumns, i: number, j: number, transferMs: number, spread: Spread, config: PlacementConfig): number {
   return (

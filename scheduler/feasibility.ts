@@ -65,15 +65,15 @@ export const transferCheck: Check = (i, ctx) => {
   return ctx.hasSource ? null : 'no_transfer_source';
 };
 
-/** Static checks, cheapest and most selective first. Resource room is checked after these. */
-export const STATIC_CHECKS: readonly Check[] = [pinCheck, hostStateCheck, cordonCheck, drainCheck, localityCheck, vmmCheck, transferCheck];
-
-/** Runs every check, then resource room for one child. Returns the candidate or the first failing reason. */
+/**
+ * Runs the static checks, cheapest and most selective first, then resource room for one
+ * child. Returns the candidate or the first failing reason. The checks are called by name,
+ * not looped over as a list: each call site then sees one function, which V8 inlines (a
+ * decision on 10,000 hosts runs this a few hundred times).
+ */
 export function evaluateHost(i: number, ctx: DecisionContext): Candidate | FilterReason {
-  for (const check of STATIC_CHECKS) {
-    const r = check(i, ctx);
-    if (r !== null) return r;
-  }
+  const r = pinCheck(i, ctx) ?? hostStateCheck(i, ctx) ?? cordonCheck(i, ctx) ?? drainCheck(i, ctx) ?? localityCheck(i, ctx) ?? vmmCheck(i, ctx) ?? transferCheck(i, ctx);
+  if (r !== null) return r;
   const snap = ctx.demand.snapshot;
   const holds = ctx.holderSet.has(i);
   const missing = missingBytes(snap, ctx.partial?.get(i) ?? 0, holds);

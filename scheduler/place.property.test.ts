@@ -284,4 +284,27 @@ describe('place() properties', () => {
       RUNS,
     );
   });
+
+  it('sampling the fleet (holders included) never over-commits, stays deterministic and never turns a placement into no capacity', () => {
+    // Threshold 1 and want = 1: every scenario is sampled, and more than 2 holders are sampled too.
+    const sampling = (s: Scenario): Scenario => ({ ...s, config: compilePlacementConfig({ maxFanOut: s.config.maxFanOut, samplingThreshold: 1, sampleK: 1, sampleFactor: 0 }) });
+    fc.assert(
+      fc.property(scenarioArb, (s0) => {
+        const s = sampling(s0);
+        const r = decide(s);
+        expect(r).toEqual(decide(s));
+        expect(r.ok).toBe(decide(s0).ok);
+        if (!r.ok) return;
+        const counts = new Map<string, number>();
+        for (const p of r.placements) counts.set(p.hostId, (counts.get(p.hostId) ?? 0) + 1);
+        for (const [id, c] of counts) {
+          const h = s.view.hosts[s.view.hostIndexById.get(id) ?? -1];
+          if (h === undefined) throw new Error(`placed on unknown host ${id}`);
+          expect(h.allocated.vcpus + c * s.snapshot.vmConfig.vcpus).toBeLessThanOrEqual(h.capacity.vcpus);
+          expect(h.state === 'ready' && !h.cordoned && !h.draining).toBe(true);
+        }
+      }),
+      RUNS,
+    );
+  });
 });

@@ -311,6 +311,16 @@ describe('determinism, sampling and validation', () => {
     expect(r.placements.every((p) => p.holdsSnapshot)).toBe(true);
   });
 
+  it('fork_ofASnapshotHeldByHalfALargeFleet_samplesItsHoldersToo_andPlacesEveryChildOnAHolder', () => {
+    const view = bigFleet(2000, 2); // 1000 holders
+    const r = ok(decide(view, forkRequest(8)));
+    expect(r.explanation.sampled).toBe(true);
+    expect(r.explanation.fallbackFullScan).toBe(false);
+    // 64 wanted holders (max(sampleK, 2 * count)) and 64 other hosts: not all 1000 holders.
+    expect(r.explanation.examined).toBeLessThan(200);
+    expect(r.placements.every((p) => p.holdsSnapshot)).toBe(true);
+  });
+
   it('fork_onLargeFleet_whenSampleFindsNoRoom_fallsBackToFullScan', () => {
     const hosts: HostInput[] = [];
     for (let i = 0; i < 1000; i++) hosts.push(hostInput(`h${i}`, { heldSnapshots: i === 0 ? ['snap-a'] : [], cordoned: i !== 0 && i !== 777 }));

@@ -8,7 +8,7 @@
 // from the rng argument (rngForRequest(request.id) to make a decision replayable).
 import { InvalidArgumentError } from '../proto/errors.ts';
 import { DEFAULT_PLACEMENT_CONFIG, type PlacementConfig } from './config.ts';
-import { childEta, childScore, demandOf, type Demand } from './cost.ts';
+import { childEta, childScore, demandOf, etaAfter, etaTerms, type Demand, type EtaTerms } from './cost.ts';
 import { canServe, SourcePool } from './transfer.ts';
 import { evaluateHost, type Candidate, type DecisionContext } from './feasibility.ts';
 import { buildExplanation, type Tally } from './explain.ts';
@@ -40,6 +40,10 @@ interface Slot {
   transferMs: number;
   /** ETA of the next child here; +Infinity once full. For an unopened slot, as if opened now. */
   nextEta: number;
+  /** An unopened slot's first-child ETA terms other than the transfer (priced once; see coldTerms). */
+  terms: EtaTerms | null;
+  /** An unopened slot's first-child ETA less its source's ready time, at least (see coldFloor). */
+  floor: number;
 }
 
 /** Total order used for every choice: ETA, then a seeded per-host tie key, then host index. */
@@ -67,10 +71,12 @@ class PlanBuilder {
   readonly placements: Placement[] = [];
   private pool: SourcePool | null = null;
 
+  /** `maxOpens`: at most this many slots will be opened (the children to place): the source pool needs no more holders. */
   constructor(
     private readonly ctx: DecisionContext,
     private readonly config: PlacementConfig,
     private readonly spread: Spread,
+    private readonly maxOpens: number,
   ) {}
 
   get demand(): Demand {
@@ -85,7 +91,7 @@ class PlanBuilder {
     if (this.pool === null) {
       const snap = this.ctx.demand.snapshot;
       if (snap === null) throw new Error('PlanBuilder: transfer without a snapshot');
-      this.pool = new SourcePool(snap.id, snap.totalBytes, this.config.maxFanOut, this.ctx.view, this.ctx.view.holders.get(snap.id) ?? []);
+      this.pool = new SourcePool(snap.id, snap.totalBytes, this.config.maxFanOut, this.ctx.view, this.ctx.view.holders.get(snap.id) ?? [], this.maxOpens);
     }
     return this.pool;
   }
@@ -99,6 +105,25 @@ class PlanBuilder {
   /** First-child ETA on a host that needs no bytes (same value open() then computes). */
   firstEtaWarm(c: Candidate): number {
     return childEta(this.ctx.demand, this.ctx.view.cols, c.index, 0, 0, this.spread, this.config);
+  }
+
+  /** The slot's first-child ETA terms after the transfer: previewing it is then etaAfter(arrival, terms). */
+  coldTerms(slot: Slot): EtaTerms {
+    return (slot.terms ??= etaTerms(this.ctx.demand, this.ctx.view.cols, slot.cand.index, 0, this.spread, this.config));
+  }
+
+  /**
+   * A cold slot's first-child ETA is never below (source's ready time) + this floor, whichever
+   * source serves it: its bytes cannot arrive faster than over its own downlink.
+   */
+  coldFloor(slot: Slot): number {
+    const t = this.coldTerms(slot);
+    return (slot.cand.missingBytes * 1000) / (this.ctx.view.cols.downlink[slot.cand.index] as number) + (t[0] + t[1] + t[2] + t[3] + t[4]);
+  }
+
+  /** When the source the next cold host would get holds the bytes; Infinity when none can serve. */
+  nextSourceReadyAt(): number {
+    return this.sources().nextReadyAtMs();
   }
 
   eta(slot: Slot, j: number): number {
@@ -199,7 +224,7 @@ function contextFor(view: FleetView, request: PlacementRequest, config: Placemen
 }
 
 function makeSlot(cand: Candidate, perHost: number, tie: number): Slot {
-  return { cand, cap: Math.min(cand.room, perHost), tie, placed: 0, opened: false, transferMs: 0, nextEta: Number.POSITIVE_INFINITY };
+  return { cand, cap: Math.min(cand.room, perHost), tie, placed: 0, opened: false, transferMs: 0, nextEta: Number.POSITIVE_INFINITY, terms: null, floor: 0 };
 }
 
 /**
@@ -236,6 +261,9 @@ function greedy(plan: PlanBuilder, cands: readonly Candidate[], count: number, p
     order.sort((a, b) => (eta0[a] as number) - (eta0[b] as number) || (ties[a] as number) - (ties[b] as number) || (warm[a] as Candidate).index - (warm[b] as Candidate).index);
     order.length = count;
   }
+  // Cold hosts in order of their ETA floor: a re-pricing pass stops at the first that cannot win.
+  for (const s of unopened) s.floor = plan.coldFloor(s);
+  unopened.sort((a, b) => a.floor - b.floor);
   const open = new MinHeap<Slot>(slotLess);
   for (const k of order) {
     const s = makeSlot(warm[k] as Candidate, perHost((warm[k] as Candidate).index), ties[k] as number);
@@ -247,13 +275,19 @@ function greedy(plan: PlanBuilder, cands: readonly Candidate[], count: number, p
   let coldDirty = true;
   for (let child = 0; child < count; child++) {
     if (coldDirty) {
-      // The pool changed (or this is the first pick): re-price every cold host as if opened now.
+      // The pool changed (or this is the first pick): re-price the cold hosts as if opened now
+      // (only the arrival changes: the other terms are priced once, and etaAfter equals eta(s, 0)),
+      // until a host's floor is above the best ETA found (a margin covers rounding: the floor
+      // adds the same numbers in another order).
       bestCold = null;
+      const readyAt = unopened.length > 0 ? plan.nextSourceReadyAt() : Number.POSITIVE_INFINITY;
       for (const s of unopened) {
+        if (readyAt === Number.POSITIVE_INFINITY) break;
+        if (bestCold !== null && readyAt + s.floor - bestCold.nextEta > 1e-9 * (Math.abs(bestCold.nextEta) + 1)) break;
         const arrival = plan.previewArrival(s);
         if (arrival === Number.POSITIVE_INFINITY) continue;
         s.transferMs = arrival;
-        s.nextEta = plan.eta(s, 0);
+        s.nextEta = etaAfter(arrival, plan.coldTerms(s));
         if (bestCold === null || slotLess(s, bestCold)) bestCold = s;
       }
       coldDirty = false;
@@ -305,20 +339,42 @@ function fullScan(ctx: DecisionContext): Examined {
 }
 
 /**
- * Power-of-k candidates: every full or partial holder of the snapshot, plus random hosts
- * until max(sampleK, sampleFactor * count) feasible ones are found or the draw budget is
- * spent. O(holders + k) instead of O(hosts).
+ * Examines every host in `list` when it has at most 2 * want, else random ones from it until
+ * `want` feasible are found or want * sampleAttemptsPerHost draws are spent.
+ */
+function examineSome(ctx: DecisionContext, list: readonly number[], want: number, config: PlacementConfig, rng: Rng, out: Examined): void {
+  if (list.length <= 2 * want) {
+    for (const i of list) examine(ctx, i, out);
+    return;
+  }
+  const drawn = new Set<number>();
+  let attempts = want * config.sampleAttemptsPerHost;
+  let found = 0;
+  while (found < want && attempts-- > 0) {
+    const k = rng.nextInt(list.length);
+    if (drawn.has(k)) continue;
+    drawn.add(k);
+    if (examine(ctx, list[k] as number, out)) found++;
+  }
+}
+
+/**
+ * Power-of-k candidates: the snapshot's full holders, then its partial holders (each set
+ * whole when it has at most 2 * want hosts, else a sample of `want` feasible ones), plus
+ * random other hosts until want = max(sampleK, sampleFactor * count) feasible ones are found
+ * or the draw budget is spent. O(k) instead of O(hosts): a snapshot held by 5% of 10,000
+ * hosts costs no more to place than one held by 100.
  */
 function sample(ctx: DecisionContext, count: number, config: PlacementConfig, rng: Rng): Examined {
   const out: Examined = { cands: [], tally: newTally() };
   const snap = ctx.demand.snapshot;
+  const want = Math.max(config.sampleK, Math.ceil(config.sampleFactor * count));
   if (snap !== null) {
-    for (const i of ctx.view.holders.get(snap.id) ?? []) examine(ctx, i, out);
-    for (const i of ctx.partial?.keys() ?? []) examine(ctx, i, out); // partial holders are never full holders
+    examineSome(ctx, ctx.view.holders.get(snap.id) ?? [], want, config, rng, out);
+    if (ctx.partial !== undefined) examineSome(ctx, [...ctx.partial.keys()], want, config, rng, out); // partial holders are never full holders
   }
   if (snap !== null && ctx.locality === 'SAME_HOST') return out;
   const n = ctx.view.hosts.length;
-  const want = Math.max(config.sampleK, Math.ceil(config.sampleFactor * count));
   let attempts = want * config.sampleAttemptsPerHost;
   let found = 0;
   const drawn = new Set<number>();
@@ -364,14 +420,14 @@ export function place(view: FleetView, request: PlacementRequest, rng: Rng, conf
   }
 
   const seed = rng.nextU32();
-  let plan = new PlanBuilder(ctx, config, spread);
+  let plan = new PlanBuilder(ctx, config, spread, count);
   greedy(plan, ex.cands, count, perHost, seed);
   let fallbackFullScan = false;
   if (sampled && plan.placements.length < count) {
     // The sample was too small or unlucky; a miss must not become a false "no capacity".
     fallbackFullScan = true;
     ex = fullScan(ctx);
-    plan = new PlanBuilder(ctx, config, spread);
+    plan = new PlanBuilder(ctx, config, spread, count);
     greedy(plan, ex.cands, count, perHost, seed);
   }
 
@@ -409,7 +465,7 @@ export function estimateAssignment(
 ): AssignmentEstimate {
   const c = contextFor(view, request, config);
   if (c === null) return { ok: false, hostId: '', reason: 'unknown_snapshot' };
-  const plan = new PlanBuilder(c.ctx, config, c.spread);
+  const plan = new PlanBuilder(c.ctx, config, c.spread, hostIds.length);
   const slots = new Map<string, Slot>();
   for (const id of hostIds) {
     let slot = slots.get(id);

@@ -27,6 +27,8 @@ interface Source {
   readonly wave: number;
   /** readyAtMs + (bytes assigned so far) / uplink: when the uplink has carried them all. */
   uplinkFreeAtMs: number;
+  /** The heap's order: when a full-size copy from here would be done (uplinkFreeAtMs + snapshot / uplink). */
+  key: number;
   served: number;
 }
 
@@ -41,6 +43,27 @@ export function canServe(cols: HostColumns, i: number): boolean {
   return cols.state[i] === 0 && (cols.uplink[i] as number) > 0;
 }
 
+/** Per view and snapshot: its holders that can serve, in the pool's order for a first copy (see servingOrder). */
+const servingOrders = new WeakMap<FleetView, Map<string, Int32Array>>();
+
+/**
+ * The snapshot's holders that can serve, by when a full copy from each would be done
+ * (snapshotBytes / uplink, then index): the heap's order before any transfer. Computed
+ * once per view and snapshot and shared by every decision on that view.
+ */
+function servingOrder(view: FleetView, snapshotId: string, snapshotBytes: number, holders: readonly number[]): Int32Array {
+  let byView = servingOrders.get(view);
+  if (byView === undefined) servingOrders.set(view, (byView = new Map()));
+  let order = byView.get(snapshotId);
+  if (order === undefined) {
+    const cols = view.cols;
+    const key = (i: number): number => (snapshotBytes * 1000) / (cols.uplink[i] as number);
+    order = Int32Array.from(holders.filter((i) => canServe(cols, i)).sort((a, b) => key(a) - key(b) || a - b));
+    byView.set(snapshotId, order);
+  }
+  return order;
+}
+
 export class SourcePool {
   private readonly heap: MinHeap<Source>;
   private readonly cols: HostColumns;
@@ -52,22 +75,28 @@ export class SourcePool {
     private readonly maxFanOut: number,
     private readonly view: FleetView,
     holders: readonly number[],
+    maxCommits: number,
   ) {
-    const cols = view.cols;
-    this.cols = cols;
-    const key = (s: Source): number => s.uplinkFreeAtMs + (this.snapshotBytes * 1000) / s.uplinkBytesPerS;
-    this.heap = new MinHeap<Source>((a, b) => {
-      const ka = key(a);
-      const kb = key(b);
-      return ka < kb || (ka === kb && a.index < b.index);
-    });
-    for (const i of holders) {
-      if (canServe(cols, i)) this.heap.push({ index: i, readyAtMs: 0, uplinkBytesPerS: cols.uplink[i] as number, wave: 0, uplinkFreeAtMs: 0, served: 0 });
-    }
+    this.cols = view.cols;
+    this.heap = new MinHeap<Source>((a, b) => a.key < b.key || (a.key === b.key && a.index < b.index));
+    // A holder not yet used keeps its first key, so holders are first used in servingOrder's
+    // order: `maxCommits` commits (and the estimates before each) use only its first maxCommits.
+    const order = servingOrder(view, snapshotId, snapshotBytes, holders);
+    for (let k = 0; k < Math.min(order.length, maxCommits); k++) this.heap.push(this.source(order[k] as number, 0, 0));
+  }
+
+  private source(index: number, readyAtMs: number, wave: number): Source {
+    const uplinkBytesPerS = this.cols.uplink[index] as number;
+    return { index, readyAtMs, uplinkBytesPerS, wave, uplinkFreeAtMs: readyAtMs, key: readyAtMs + (this.snapshotBytes * 1000) / uplinkBytesPerS, served: 0 };
   }
 
   get empty(): boolean {
     return this.heap.size === 0;
+  }
+
+  /** When the best source now (the one estimate() would use) holds the bytes; Infinity if there is none. */
+  nextReadyAtMs(): number {
+    return this.heap.peek()?.readyAtMs ?? Number.POSITIVE_INFINITY;
   }
 
   /** When `dest` would hold `bytes` if it were assigned to the best source now; null if there is no source. */
@@ -96,6 +125,7 @@ export class SourcePool {
     this.heap.pop();
     s.served++;
     s.uplinkFreeAtMs += (bytes * 1000) / s.uplinkBytesPerS;
+    s.key = s.uplinkFreeAtMs + (this.snapshotBytes * 1000) / s.uplinkBytesPerS;
     if (s.served < this.maxFanOut) this.heap.push(s);
     const t: Transfer = {
       snapshotId: this.snapshotId,
@@ -107,9 +137,7 @@ export class SourcePool {
       readyAtMs: est.readyAtMs,
     };
     this.transfers.push(t);
-    if (canServe(this.cols, dest)) {
-      this.heap.push({ index: dest, readyAtMs: est.readyAtMs, uplinkBytesPerS: this.cols.uplink[dest] as number, wave: t.wave, uplinkFreeAtMs: est.readyAtMs, served: 0 });
-    }
+    if (canServe(this.cols, dest)) this.heap.push(this.source(dest, est.readyAtMs, t.wave));
     return t;
   }
 }
