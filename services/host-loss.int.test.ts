@@ -332,6 +332,29 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     }
   }, 120_000);
 
+  it('hibernate_askingForMoreReplicasThanThereAreReadyHosts_succeeds_andItsMessageSaysHowManyCopiesWereMade', async () => {
+    // Every host but fake-a (and fake-v, where the sandbox runs) is cordoned: one copy can be made of three asked for.
+    const host = await agents('fake-v', { FF_FAKE_VCPUS: '16' });
+    const others = (await api.listHosts({})).hosts.filter((x) => x.id !== 'fake-a' && x.id !== 'fake-v' && !x.cordoned).map((x) => x.id);
+    try {
+      await waitFor('fake-v registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-v' && x.state === HostState.READY), 20_000, 100);
+      for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: true });
+      const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 16 }, placement: { hostId: 'fake-v' } })).id, timeout: { seconds: 30n } });
+      expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+      const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+      const hib = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 3 })).id, timeout: { seconds: 30n } });
+      expect(hib.state, hib.error?.message).toBe(OperationState.SUCCEEDED);
+      expect(hib.progress?.message).toMatch(/^hibernated; 1 of 3 replicas of snapshot sn-\S+ made \(1 other ready host\(s\)\)$/);
+      const snapshotId = (await api.getSandbox({ tenantId, sandboxId: sid })).hibernationSnapshotId;
+      expect([...(await api.getSnapshot({ tenantId, snapshotId })).hostIds].sort()).toEqual(['fake-a', 'fake-v']);
+      const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+      expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
+    } finally {
+      for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: false });
+      await host.stop();
+    }
+  }, 120_000);
+
   it('natsDownLongerThanTheLostThreshold_losesNoHostAndNoSandbox_andTheFleetWorksWhenItIsBack', async () => {
     const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } })).id, timeout: { seconds: 30n } });
     expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);

@@ -1189,9 +1189,17 @@ export class Executor {
 
   /**
    * Writes the op's final state; `extra` (see updateOp) commits in the same transaction, e.g.
-   * the sandbox state the op ends in, so the answer costs one write, not two.
+   * the sandbox state the op ends in, so the answer costs one write, not two. `doneMessage`
+   * is the progress message of a success (default "done").
    */
-  private async finish(op: OperationRec, result: OperationRec['result'], error: OperationError | null, progressDone?: number, extra?: (attempt: number) => Promise<StoreWrite[]>): Promise<void> {
+  private async finish(
+    op: OperationRec,
+    result: OperationRec['result'],
+    error: OperationError | null,
+    progressDone?: number,
+    extra?: (attempt: number) => Promise<StoreWrite[]>,
+    doneMessage = 'done',
+  ): Promise<void> {
     // Only the leader finishes operations: one that stepped down leaves them to the next.
     if (!this.active) return;
     let state: FinalOperationState = 'succeeded';
@@ -1207,7 +1215,7 @@ export class Executor {
         if (progressDone !== undefined) o.progress.done = progressDone;
         else if (!error) o.progress.done = o.progress.total;
         o.error = error;
-        o.progress.message = error ? error.message : 'done';
+        o.progress.message = error ? error.message : doneMessage;
       },
       extra,
     );
@@ -2254,20 +2262,30 @@ export class Executor {
       (_next, before) => (before.state === 'hibernating' ? this.capacity(sb.hostId, sb.resources, -1)() : Promise.resolve([])),
     );
     if (recorded.state === 'lost') throw new HostLostError(sb.hostId, `hibernating sandbox ${sb.id} (it is lost; snapshot ${sn.id}, taken before its VM stopped, is what restores it)`);
-    // Durability: copy the snapshot to more hosts, best effort (it is already safe on one).
-    const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
-    for (const h of others.slice(0, Math.min(input.replicas ?? 0, others.length))) {
+    // Durability: copy the snapshot to more hosts, best effort (it is already safe on one): a
+    // host that fails its copy is replaced by the next ready one, and the op's message says
+    // how many copies were made when that is fewer than asked for.
+    const wanted = input.replicas ?? 0;
+    const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && !h.draining && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
+    let made = 0;
+    let failed = 0;
+    for (const h of others) {
+      if (made >= wanted) break;
       try {
         const fetch = this.fetchPlan(sn, h.id, sb.hostId, false);
         if (fetch) {
           await this.step(op, `replicate/${h.id}`, h.id, { case: 'fetchSnapshot', value: fetch as never });
           await this.addHolder(sn.tenantId, sn.id, h.id);
         }
+        made++;
       } catch (e) {
+        failed++;
         this.log.warn({ err: e, snapshotId: sn.id, hostId: h.id }, 'hibernation replica failed');
       }
     }
-    await this.finish(op, { sandboxIds: [sb.id], snapshotId: sn.id }, null);
+    const short = made < wanted ? `hibernated; ${made} of ${wanted} replicas of snapshot ${sn.id} made (${others.length} other ready host(s)${failed ? `, ${failed} copy(ies) failed` : ''})` : undefined;
+    if (short) this.log.warn({ opId: op.id, snapshotId: sn.id, wanted, made, failed, candidates: others.length }, 'fewer hibernation replicas than asked for');
+    await this.finish(op, { sandboxIds: [sb.id], snapshotId: sn.id }, null, undefined, undefined, short);
   }
 
   /**

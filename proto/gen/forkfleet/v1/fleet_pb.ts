@@ -653,7 +653,10 @@ export type HibernateSandboxRequest = Message<"forkfleet.v1.HibernateSandboxRequ
   sandboxId: string;
 
   /**
-   * Also copy the hibernation snapshot to this many other hosts for durability.
+   * Also copy the hibernation snapshot to this many other hosts for durability. Best effort
+   * (the sandbox is hibernated once the snapshot is on its own host): only ready hosts that
+   * are neither cordoned nor draining take a copy, and when fewer copies were made than asked
+   * for, the succeeded operation's progress message says how many.
    *
    * @generated from field: uint32 replicas = 4;
    */
