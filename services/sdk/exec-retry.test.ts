@@ -4,7 +4,7 @@ import { status as Status } from '@grpc/grpc-js';
 import { describe, expect, it } from 'vitest';
 import { RpcError } from '../adapters/grpc/status.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
-import { execNeverStarted } from './index.ts';
+import { EXEC_CALL_SLACK_MS, execNeverStarted, Forkfleet } from './index.ts';
 
 describe('execNeverStarted', () => {
   it('retriesWhatTheSchedulerAnsweredRetryable_andCallsThatNeverReachedAScheduler_only', () => {
@@ -18,5 +18,28 @@ describe('execNeverStarted', () => {
     expect(execNeverStarted(new RpcError(Status.UNAVAILABLE, 'unavailable', 'Connection dropped', true, undefined, undefined, false))).toBe(false);
     expect(execNeverStarted(new RpcError(Status.CANCELLED, 'cancelled', 'cancelled', true, undefined, undefined, true))).toBe(false);
     expect(execNeverStarted(new ForkfleetError('unavailable', 'x', { retryable: true }))).toBe(false);
+  });
+});
+
+describe('exec call deadline', () => {
+  it('exec_carriesADeadlineOfItsCommandTimeoutPlusTheWakeSlack_soAHungSchedulerCannotHoldItForever', async () => {
+    const ff = new Forkfleet({ address: '127.0.0.1:1', token: 'ff_test', ca: Buffer.from('-----BEGIN CERTIFICATE-----\n'), tenant: 't1' });
+    ff.close();
+    const deadlines: number[] = [];
+    (ff as unknown as { rpc: unknown }).rpc = {
+      exec: (_req: unknown, opts: { deadline?: Date }) => {
+        deadlines.push(opts.deadline?.getTime() ?? Number.NaN);
+        return (async function* () {})();
+      },
+    };
+    const t0 = Date.now();
+    await ff.execStream('sb-x', ['true'], { timeout: '10s' }).result();
+    await ff.execStream('sb-x', ['true'], {}).result();
+    const t1 = Date.now();
+    expect(deadlines).toHaveLength(2);
+    expect(deadlines[0]).toBeGreaterThanOrEqual(t0 + 10_000 + EXEC_CALL_SLACK_MS);
+    expect(deadlines[0]).toBeLessThanOrEqual(t1 + 10_000 + EXEC_CALL_SLACK_MS);
+    // No timeout given: the server's default of 60 s.
+    expect(deadlines[1]).toBeGreaterThanOrEqual(t0 + 60_000 + EXEC_CALL_SLACK_MS);
   });
 });

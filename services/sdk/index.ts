@@ -443,10 +443,19 @@ export interface ExecOptions {
   env?: Record<string, string>;
   cwd?: string;
   stdin?: string | Uint8Array;
-  /** Kill the command after this long ('60s' by default on the server). */
+  /**
+   * Kill the command after this long ('60s' by default on the server). The call itself ends
+   * with deadline_exceeded if no exit has come EXEC_CALL_SLACK_MS (5.5 min: a hibernated
+   * sandbox is woken first) after that, e.g. its scheduler hangs with the stream open.
+   */
   timeout?: string | number;
   signal?: AbortSignal;
 }
+
+/** The server's exec timeout when none is given (ExecRequest.timeout). */
+const EXEC_DEFAULT_TIMEOUT_MS = 60_000;
+/** An exec call's deadline past its command's timeout: the scheduler's wait for a wake (300 s) plus 30 s. */
+export const EXEC_CALL_SLACK_MS = 330_000;
 
 export interface ExecResult {
   stdout: string;
@@ -844,6 +853,8 @@ export class Forkfleet {
     const idempotencyKey = newIdempotencyKey('exec');
     const ff = { rpc: this.rpc, tenant: this.tenant, retryOpts: this.retryOpts };
     async function* run(): AsyncGenerator<ExecChunk> {
+      // One deadline for the call and its retries.
+      const deadline = new Date(Date.now() + (eo.timeout !== undefined ? parseDuration(eo.timeout, 'timeout') : EXEC_DEFAULT_TIMEOUT_MS) + EXEC_CALL_SLACK_MS);
       for (let attempt = 1; ; attempt++) {
         let got = false;
         try {
@@ -858,7 +869,7 @@ export class Forkfleet {
               stdin: typeof eo.stdin === 'string' ? Buffer.from(eo.stdin) : (eo.stdin ?? new Uint8Array()),
               ...(eo.timeout !== undefined ? { timeout: durationIn(eo.timeout, 'timeout') } : {}),
             },
-            eo.signal ? { signal: eo.signal } : {},
+            { deadline, ...(eo.signal ? { signal: eo.signal } : {}) },
           );
           for await (const r of stream) {
             got = true;
