@@ -1,15 +1,16 @@
-// down() on staged fleet directories: no namespace, cgroup or RAM mount is named in these
-// states, so only the processes this file starts are signalled, and only files in its own
-// temporary directory are touched.
+// down() on staged fleet directories: no namespace or cgroup is named in these states, so
+// only the processes this file starts are signalled, and only files in its own temporary
+// directory are touched, besides the RAM mount points of the last test (under /run/forkfleet).
 import { spawn } from 'node:child_process';
 import type { ChildProcess } from 'node:child_process';
-import { existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
-import { claimableDir, defaultOptions, down, fleetDirOwnership, procAlive, qemuPidsByVm, readState, receiverPids, removeFleetEntries, standbyPids } from './fleet.ts';
+import { claimableDir, defaultOptions, down, fleetDirOwnership, foundFleet, procAlive, qemuPidsByVm, readState, receiverPids, removeFleetEntries, standbyPids } from './fleet.ts';
 import type { FleetState, ProcRecord } from './fleet.ts';
 import { identityOf, isSameProcess } from './proc-identity.ts';
+import { DEFAULT_RAM_MOUNT } from '../../host-agent/adapters/qemu/ram-pool.ts';
 
 let tmp: string;
 const started: ChildProcess[] = [];
@@ -173,5 +174,59 @@ describe('the fleet directory', () => {
     writeFileSync(join(dir, '.ffleet.json'), JSON.stringify({ fleet: 'forkfleet', createdDir: false }));
     await down(dir);
     expect(readdirSync(dir)).toEqual([]);
+  });
+});
+
+describe('up over a fleet recorded in its directory', () => {
+  it('upAgain_returnsAFinishedFleetWhoseProcessesLive_butRestartsOneThatNeverFinishedOrLostAProcess', async () => {
+    const dir = join(tmp, 'again');
+    const s = start('sleep', ['30']);
+    const state = stageFleet(dir, [record('relay-nats', s.pid, 'sleep', ['30'], identityOf(s.pid))]);
+    // An up killed before every host was ready left this: its processes run, it never finished.
+    expect(foundFleet(state, state.options)).toBe('restart');
+    const done = { ...state, complete: true };
+    expect(foundFleet(done, state.options)).toBe('up');
+    expect(foundFleet(done, { ...state.options, hosts: 2 })).toBe('other-options');
+    await down(dir);
+    await s.exited;
+    expect(foundFleet(done, state.options)).toBe('restart');
+  });
+});
+
+describe('down and RAM mount points', () => {
+  it('down_removesItsOwnRamMountPoint_butAnotherAgentsMountOnItsOwnDirectoryStays', async () => {
+    // An agent of another fleet, or one deployed on this machine, mounts its RAM tmpfs in its
+    // own mount namespace. Removing that directory from here would detach the mount there.
+    const others = [DEFAULT_RAM_MOUNT, '/run/forkfleet/ffothr/ram'];
+    // Removed after, deepest first, only if this test made them (another's mount point must stay).
+    const made = [...others, '/run/forkfleet/ffothr', '/run/forkfleet'].filter((d) => !existsSync(d)).sort((a, b) => b.length - a.length);
+    for (const d of others) mkdirSync(d, { recursive: true });
+    const holder = spawn('unshare', ['-m', '--propagation', 'private', 'sh', '-c', `${others.map((d) => `mount -t tmpfs none ${d}`).join(' && ')} && echo up && exec sleep 60`], { stdio: ['ignore', 'pipe', 'inherit'] });
+    started.push(holder);
+    const gone = new Promise<void>((r) => holder.once('exit', () => r()));
+    try {
+      await new Promise((r, j) => {
+        holder.stdout?.once('data', r);
+        holder.once('exit', (code) => j(new Error(`the mounting namespace exited (${code})`)));
+      });
+      const dir = join(tmp, 'ram');
+      const state = stageFleet(dir, []);
+      writeFileSync(join(dir, 'state.json'), JSON.stringify({ ...state, options: { ...state.options, prefix: 'fftst', agentEnv: {} } }));
+      mkdirSync('/run/forkfleet/fftst/ram', { recursive: true });
+      await down(dir);
+      const mounts = readFileSync(`/proc/${holder.pid}/mountinfo`, 'utf8');
+      for (const d of others) expect(mounts).toContain(` ${d} `);
+      expect(existsSync('/run/forkfleet/fftst')).toBe(false);
+    } finally {
+      holder.kill('SIGKILL');
+      await gone;
+      for (const d of made) {
+        try {
+          rmdirSync(d);
+        } catch {
+          /* not empty or gone */
+        }
+      }
+    }
   });
 });

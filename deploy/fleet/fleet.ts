@@ -114,6 +114,12 @@ export interface FleetState {
   trustedKey: string;
   /** The cgroup the agents put their guests in (ADR 0018), removed by down(); empty: none. */
   guestCgroup?: string;
+  /**
+   * Every host reported ready: up finished. An up killed midway (Ctrl-C, a dropped session)
+   * leaves its processes running without it, and the next up starts afresh instead of taking
+   * them for a fleet that is up.
+   */
+  complete?: boolean;
 }
 
 const DEFAULT_FLEET_DIR = '/var/lib/ffleet';
@@ -643,6 +649,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     FF_CAPACITY_MEMORY_MIB: String(state.options.hostMemoryMib),
     FF_HEARTBEAT_INTERVAL: '500ms',
     FF_GUEST_CGROUP: state.guestCgroup ?? '',
+    FF_RAM_MOUNT: fleetRamMount(state.options),
     // As the systemd unit sets it (and bench:transfer's endpoints run with it).
     UV_THREADPOOL_SIZE: process.env.UV_THREADPOOL_SIZE ?? '16',
     ...state.options.agentEnv,
@@ -671,6 +678,16 @@ async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<voi
 const BASE_PORT_RANGE = [1024, 65535 - 41] as const;
 
 /** Interface names of host `id`'s veth pair: its end in the host namespace, and the bridge's. */
+/**
+ * Where this fleet's agents mount their RAM tmpfs (FF_RAM_MOUNT): one directory per fleet,
+ * /run/forkfleet/<prefix>/ram, unless agentEnv names one. Each agent mounts it in its own
+ * mount namespace (ip netns exec), on this one directory: removing it (down) detaches every
+ * mount on it in every namespace, so fleets must never share it.
+ */
+function fleetRamMount(opts: FleetOptions): string {
+  return opts.agentEnv?.FF_RAM_MOUNT ?? join(dirname(DEFAULT_RAM_MOUNT), opts.prefix, 'ram');
+}
+
 function linkNames(prefix: string, id: string): { ifHost: string; ifBridge: string } {
   return { ifHost: `${prefix}${id}a`, ifBridge: `${prefix}${id}b` };
 }
@@ -690,17 +707,28 @@ export function validateOptions(opts: FleetOptions): void {
   linkBytesPerSecond(opts.link);
 }
 
+/**
+ * What up makes of the fleet recorded in its directory: `up` as asked (every process alive,
+ * the up finished, the same options), up with `other-options`, or to be taken down and started
+ * afresh (`restart`: a process gone, or an up that never finished).
+ */
+export function foundFleet(existing: FleetState, opts: FleetOptions): 'up' | 'other-options' | 'restart' {
+  if (existing.complete !== true || existing.procs.length === 0 || !existing.procs.every(procAlive)) return 'restart';
+  return JSON.stringify(existing.options) === JSON.stringify(opts) ? 'up' : 'other-options';
+}
+
 export async function up(given: FleetOptions): Promise<FleetState> {
   const opts: FleetOptions = { ...given, dir: fleetDir(given.dir) };
   validateOptions(opts);
   const owner = claimableDir(opts.dir);
   const existing = readState(opts.dir);
   if (existing) {
-    const alive = existing.procs.filter(procAlive);
+    const found = foundFleet(existing, opts);
     // Up already, as asked: nothing to do (the Quick start's command may be run twice).
-    if (alive.length === existing.procs.length && alive.length > 0 && JSON.stringify(existing.options) === JSON.stringify(opts)) return existing;
-    if (alive.length === existing.procs.length && alive.length > 0) throw new Error(`a fleet with other options is up in ${opts.dir} (since ${existing.startedAt}): run fleet:down first`);
-    // Partly alive (an agent that crashed, say): taken down below, and started afresh.
+    if (found === 'up') return existing;
+    if (found === 'other-options') throw new Error(`a fleet with other options is up in ${opts.dir} (since ${existing.startedAt}): run fleet:down first`);
+    // Partly alive (an agent that crashed, say), or an up that never finished: taken down
+    // below, and started afresh.
   }
   // A dead or partly dead fleet, or the logs of a failed up: cleared so this fleet starts afresh.
   if (owner === 'ours') await down(opts.dir);
@@ -746,6 +774,8 @@ export async function up(given: FleetOptions): Promise<FleetState> {
     await Promise.all(state.hosts.map((h) => startAgent(state, h)));
     saveState(state);
     await waitHostsReady(state, 60_000);
+    state.complete = true;
+    saveState(state);
     return state;
   } catch (e) {
     // The logs stay: the error names files in them, and they say why.
@@ -915,11 +945,13 @@ async function stopFleet(state: FleetState): Promise<void> {
       }
       // Agents mount their RAM tmpfs in their own mount namespace (gone with them); when one
       // was already mounted on the machine, their files are in it: remove them.
-      const ramMount = state.options.agentEnv?.FF_RAM_MOUNT ?? DEFAULT_RAM_MOUNT;
+      const ramMount = fleetRamMount(state.options);
       if (ramMount) {
         for (const h of state.hosts) rmSync(ramDirFor(ramMount, join(h.dataDir, 'vmm')), { recursive: true, force: true });
-        // The mount point the agents made (empty unless another fleet or a mount uses it).
-        for (const d of ramMount === DEFAULT_RAM_MOUNT ? [ramMount, dirname(ramMount)] : [ramMount]) {
+        // The mount point the agents made, when it is this fleet's own (/run/forkfleet/<prefix>/ram,
+        // then its parents while empty): a directory named in agentEnv may be anyone's mount.
+        const own = state.options.agentEnv?.FF_RAM_MOUNT === undefined;
+        for (const d of own ? [ramMount, dirname(ramMount), dirname(dirname(ramMount))] : [ramMount]) {
           try {
             rmdirSync(d);
           } catch {
@@ -933,15 +965,13 @@ async function stopFleet(state: FleetState): Promise<void> {
   if (state.guestCgroup) await removeGuestCgroup(state.guestCgroup);
 }
 
-/** down, or a failed up's cleanup (which keeps the logs). */
-async function teardown(dir: string, opts: { keepLogs?: boolean } = {}): Promise<void> {
+/** down, or a failed up's cleanup (which keeps the logs). False: no fleet (nor a failed up's logs) was in `dir`. */
+async function teardown(dir: string, opts: { keepLogs?: boolean } = {}): Promise<boolean> {
   const state = readState(dir);
   if (state) await stopFleet(state);
-  else if (!readMarker(dir)) {
-    process.stderr.write(`fleet: nothing to stop in ${dir}\n`);
-    return;
-  }
+  else if (!readMarker(dir)) return false;
   removeFleetEntries(dir, opts);
+  return true;
 }
 
 /**
@@ -949,8 +979,8 @@ async function teardown(dir: string, opts: { keepLogs?: boolean } = {}): Promise
  * is still that process), namespaces, cgroup, and its entries in the directory (never other
  * files there; the directory itself if `up` made it).
  */
-export async function down(dir: string): Promise<void> {
-  await teardown(fleetDir(dir));
+export async function down(dir: string): Promise<boolean> {
+  return teardown(fleetDir(dir));
 }
 
 export async function status(dir: string): Promise<{ state: FleetState; procs: Array<ProcRecord & { alive: boolean }>; hosts: unknown[] }> {
@@ -1118,8 +1148,8 @@ async function cli(argv: string[]): Promise<void> {
       ].join('\n'),
     );
   } else if (c.cmd === 'down') {
-    await down(c.dir);
-    process.stdout.write('fleet is down: its processes stopped, namespaces, links and files removed\n');
+    if (await down(c.dir)) process.stdout.write('fleet is down: its processes stopped, namespaces, links and files removed\n');
+    else process.stdout.write(`fleet: nothing to stop in ${fleetDir(c.dir)} (no fleet was started there)\n`);
   } else if (c.cmd === 'status') {
     const { dir } = c;
     const st = await status(dir);

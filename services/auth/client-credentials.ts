@@ -39,7 +39,7 @@ function pem(v: string | Buffer, field: string): Buffer {
 }
 
 export function defaultCredentialsFile(env: NodeJS.ProcessEnv = process.env): string {
-  return env.FF_CREDENTIALS ?? join(env.FF_FLEET_DIR ?? '/var/lib/ffleet', 'credentials.json');
+  return env.FF_CREDENTIALS ?? join(env.FF_FLEET_DIR || '/var/lib/ffleet', 'credentials.json');
 }
 
 interface CredentialsFile {

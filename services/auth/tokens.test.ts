@@ -4,7 +4,7 @@ import { join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { Authenticator, bearerOf, credentialIdOf, listTokens, mintToken, parseTokensFile, revokeTokens, sha256 } from './tokens.ts';
 import { ApiGuard, REVOCATION_CHECK_MS, tenantFor, requireAdmin } from './guard.ts';
-import { resolveClientCredentials } from './client-credentials.ts';
+import { defaultCredentialsFile, resolveClientCredentials } from './client-credentials.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
 const kindOf = (f: () => unknown): string | undefined => {
@@ -242,6 +242,8 @@ describe('client credentials', () => {
       expect(resolveClientCredentials({}, { FF_FLEET_DIR: dir, FF_TOKEN: 'ff_env' }).token).toBe('ff_env');
       expect(resolveClientCredentials({ token: 'ff_opt' }, { FF_FLEET_DIR: dir, FF_TOKEN: 'ff_env' }).token).toBe('ff_opt');
       expect(resolveClientCredentials({}, { FF_FLEET_DIR: join(dir, 'none') })).toMatchObject({ token: undefined, caPem: undefined });
+      // An empty FF_FLEET_DIR is the default directory (as fleet:up reads it), not the working directory.
+      expect(defaultCredentialsFile({ FF_FLEET_DIR: '' })).toBe('/var/lib/ffleet/credentials.json');
       // A file named on purpose wins over FF_TOKEN / FF_CA (an exported dev token must not
       // stand in for the admin file the command names).
       const named = resolveClientCredentials({ credentialsFile: join(dir, 'credentials.json') }, { FF_TOKEN: 'ff_env', FF_CA: join(dir, 'other.crt') });

@@ -104,7 +104,7 @@ export function exitCodeFor(e: ErrorLike): number {
 /** --api default: FF_API, else the local fleet's state.json, else 127.0.0.1:17700. */
 export function defaultApi(env: NodeJS.ProcessEnv = process.env): string {
   if (env.FF_API) return env.FF_API;
-  const dir = env.FF_FLEET_DIR ?? '/var/lib/ffleet';
+  const dir = env.FF_FLEET_DIR || '/var/lib/ffleet';
   const p = join(dir, 'state.json');
   if (existsSync(p)) {
     try {

@@ -275,7 +275,7 @@ export function buildProgram(): Command {
 
   // ----- fleet
   const fleet = program.command('fleet').description('the local multi-host fleet (deploy/fleet)');
-  const fleetDir = (o: { dir?: string }): string => o.dir ?? process.env.FF_FLEET_DIR ?? '/var/lib/ffleet';
+  const fleetDir = (o: { dir?: string }): string => o.dir ?? (process.env.FF_FLEET_DIR || '/var/lib/ffleet');
   fleet
     .command('up')
     .description('start a local fleet: etcd, NATS, 2 schedulers and N host agents in network namespaces')
@@ -309,8 +309,8 @@ export function buildProgram(): Command {
     .option('--dir <dir>', 'fleet directory (FF_FLEET_DIR)')
     .action(async (o: { dir?: string }, cmd: Command) => {
       const { down } = await import('../../deploy/fleet/fleet.ts');
-      await down(fleetDir(o));
-      out(cmd, { dir: fleetDir(o), down: true }, () => `fleet in ${fleetDir(o)} is down\n`);
+      const found = await down(fleetDir(o));
+      out(cmd, { dir: fleetDir(o), down: true, found }, () => (found ? `fleet in ${fleetDir(o)} is down\n` : `no fleet in ${fleetDir(o)}: nothing to stop\n`));
     });
   fleet
     .command('status')
