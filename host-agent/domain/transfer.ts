@@ -240,7 +240,13 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
                 },
                 (e: unknown) => {
                   storing.delete(d);
-                  if (!(e instanceof DigestMismatchError)) throw e;
+                  if (!(e instanceof DigestMismatchError)) {
+                    // A local failure (a write, the verify worker): the chunk is not stored, and
+                    // this source's retry or another source takes it up again, not given up on.
+                    if (pending.has(d)) queue.push(d);
+                    changed.notify();
+                    throw e;
+                  }
                   rep.rejected++;
                   report.rejected++;
                   exclude(d, src.id);

@@ -88,7 +88,9 @@ export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Prom
           let got = 0;
           while (got < len) {
             const { bytesRead } = await fh.read(buf, got, len - got, index * chunkSize + got);
-            if (bytesRead === 0) break;
+            // Shorter than it was at the start (changed under the ingest): the rest of `buf` is
+            // whatever memory held before, never to be hashed and stored as the snapshot.
+            if (bytesRead === 0) throw new Error(`${a.path} ended at byte ${index * chunkSize + got} while it was ingested (it was ${size} bytes)`);
             got += bytesRead;
           }
           if (isZero(buf)) {

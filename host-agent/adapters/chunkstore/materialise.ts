@@ -169,7 +169,12 @@ export class Materialiser {
         const l = places.get(digest);
         if (!l || written.has(digest)) return;
         written.add(digest);
-        await Promise.all(l.map((p) => writeSparse(p.fh.fd, plain, p.pos)));
+        try {
+          await Promise.all(l.map((p) => writeSparse(p.fh.fd, plain, p.pos)));
+        } catch (e) {
+          written.delete(digest); // not in the image: a second delivery writes it (else a hole of zeros)
+          throw e;
+        }
       };
       if (fill) {
         // The store may write a received chunk's bytes into the image itself (from its verify

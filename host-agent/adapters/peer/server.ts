@@ -164,7 +164,11 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
         if (ctx.signal.aborted) return;
         while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
           const digest = wants.shift() as DigestHex;
-          ahead.push({ digest, read: readForSend(digest) });
+          const read = readForSend(digest);
+          // Reads still ahead when the stream ends (an error, the caller gone) are never awaited:
+          // one failing then must not be an unhandled rejection, which ends the agent.
+          read.catch(() => undefined);
+          ahead.push({ digest, read });
         }
         const next = ahead.shift();
         if (next) {
