@@ -713,6 +713,42 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   });
 
+  it('hibernate_runAgainByANewLeaderAfterTheSandboxWasWokenMeanwhile_leavesItRunning_withItsVmAndOneBooking', async () => {
+    await hostsSettled();
+    // fake-hib-a runs the sandbox; fake-hib-r copies the replica in 8 s; every other host is
+    // cordoned so the copy goes there. The sandbox is recorded hibernated, woken on fake-hib-a
+    // while the copy runs, and then the leader dies: the standby runs the hibernate again.
+    const { sandboxId } = await hostWithSandbox('fake-hib-a', 'hib-a');
+    await ownHost('fake-hib-r', 'hib-r', { FF_FAKE_FETCH_MS: '8000' });
+    const others = (await api.listHosts({})).hosts.filter((h) => h.id !== 'fake-hib-a' && h.id !== 'fake-hib-r' && !h.cordoned).map((h) => h.id);
+    const standby = await startReplica('s-hib');
+    const alive = scheds.filter((x) => x.proc.child.exitCode === null && x.proc.child.signalCode === null && x !== standby);
+    const leader = (await Promise.all(alive.map(async (x) => ((await x.isLeader()) ? x : undefined)))).find(Boolean)!;
+    api.close();
+    api = standby.credentials.client(FleetService, standby.api);
+    try {
+      for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: true });
+      const hib = await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId, replicas: 1 });
+      await waitFor('the sandbox recorded hibernated while its replica is copied', async () => (await store.getSandbox(tenantId, sandboxId))?.value.state === 'hibernated', 20_000, 20);
+      await ok(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId }));
+      expect((await store.getOp(tenantId, hib.id))?.value.state).toBe('running');
+      leader.proc.kill();
+      await leader.proc.exited;
+      const rest = scheds.filter((x) => x !== leader && x.proc.child.exitCode === null && x.proc.child.signalCode === null);
+      await waitFor('a standby takes over', async () => (await Promise.all(rest.map((x) => x.isLeader()))).some(Boolean), 10_000, 20);
+      const final = await wait(api, hib);
+      expect(final.state, final.error?.message).toBe(OperationState.SUCCEEDED);
+      // Woken is woken: running, its VM running where the record says, booked once.
+      const sb = (await store.getSandbox(tenantId, sandboxId))?.value;
+      expect(sb).toMatchObject({ state: 'running', opId: '' });
+      const vm = fakes.flatMap((f) => [...f.vms().values()].flat()).find((v) => v.sandboxId === sandboxId);
+      expect(vm?.state).toBe('running');
+      await assertConsistent();
+    } finally {
+      for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: false });
+    }
+  }, 120_000);
+
   it('snapshot_pinnedWhileTaken_staysPinnedOnceReady_andADeleteMeanwhileIsRefusedByTheCall_writingNothing', async () => {
     // A host whose snapshots take 600 ms.
     await ownHost('fake-p', 'pin', { FF_FAKE_SNAPSHOT_MS: '600' });

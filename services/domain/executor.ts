@@ -2183,6 +2183,15 @@ export class Executor {
     const after = await this.afterOtherOp(op, 'hibernating');
     let sb = after.v?.value;
     if (!sb) throw new NotFoundError('sandbox', op.targetId);
+    // Run again after it had recorded the sandbox hibernated (a lost lead or a store outage
+    // while it copied replicas): its snapshot is ready and the sandbox left `hibernating`
+    // through this op. Its work is done, whatever happened since: a wake since then is not
+    // undone (its steps would be answered from the journal of the first run, without pausing
+    // or stopping the woken VM, and the sandbox recorded hibernated in the older snapshot).
+    if (sb.state === 'running' || sb.state === 'paused' || sb.state === 'hibernated') {
+      const own = await this.readSnapshot(op.tenantId, input.snapshotId);
+      if (own?.value.state === 'ready') return this.finish(op, { sandboxIds: [sb.id], snapshotId: input.snapshotId }, null);
+    }
     if (sb.state === 'hibernated') return this.finish(op, { sandboxIds: [sb.id], snapshotId: sb.hibernationSnapshotId }, null);
     if (sb.state === 'running' || sb.state === 'paused' || (sb.state === 'hibernating' && after.ended !== '')) {
       try {
