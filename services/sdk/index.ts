@@ -582,7 +582,9 @@ export class Forkfleet {
         pb = await this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { timeoutMs: w + 10_000, ...(opts.signal ? { signal: opts.signal } : {}) });
       } catch (e) {
         failingSince ||= Date.now();
-        if (!retryable(e) || opts.signal?.aborted || Date.now() - failingSince >= WAIT_OUTAGE_MS) throw e;
+        // Its own deadline with no answer (a scheduler that stalled, or a connection cut off
+        // that keepalive has not noticed yet) is an outage too: WaitOperation only reads.
+        if (!(retryable(e) || unansweredDeadline(e)) || opts.signal?.aborted || Date.now() - failingSince >= WAIT_OUTAGE_MS) throw e;
         await sleep(Math.min(1000, Math.max(0, until - Date.now())), opts.signal);
         continue;
       }

@@ -49,6 +49,20 @@ describe('SDK retries of calls that got no answer', () => {
     expect(calls).toBe(1);
   });
 
+  it('wait_whoseLongPollGotNoAnswerBeforeItsOwnDeadline_pollsAgain_andReturnsTheResult', async () => {
+    let polls = 0;
+    const ff = client({
+      createSandbox: async () => create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.CREATE, state: OperationState.RUNNING }),
+      waitOperation: async () => {
+        // The first poll went to a scheduler that stalled: no answer before the call's deadline.
+        if (++polls === 1) throw noAnswer();
+        return create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.CREATE, state: OperationState.SUCCEEDED, result: { case: 'sandbox', value: create(SandboxSchema, { id: SB, tenantId: 't1', state: SandboxState.RUNNING }) } });
+      },
+    });
+    expect((await ff.create({ image: 'tiny' })).id).toBe(SB);
+    expect(polls).toBe(2);
+  });
+
   it('waitThatGivesUpOnAnAcceptedOperation_throwsAnErrorThatNamesTheOperation', async () => {
     const ff = client({
       createSandbox: async () => create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.CREATE, state: OperationState.RUNNING }),
