@@ -749,6 +749,42 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     }
   }, 120_000);
 
+  it('drain_runAgainByANewLeaderAfterItsSandboxWasDestroyedMidMigration_releasesTheDestinationsBooking_andRemovesTheCopy', async () => {
+    await hostsSettled();
+    // fake-dr-a is drained; fake-dr-b, the only other uncordoned host, restores in 6 s. The
+    // sandbox is destroyed once a host is booked for it, and the leader dies while the copy
+    // is made: the standby runs the drain again.
+    const { sandboxId } = await hostWithSandbox('fake-dr-a', 'dr-a');
+    await ownHost('fake-dr-b', 'dr-b', { FF_FAKE_RESTORE_MS_PER_VM: '6000' });
+    const others = (await api.listHosts({})).hosts.filter((h) => h.id !== 'fake-dr-a' && h.id !== 'fake-dr-b' && !h.cordoned).map((h) => h.id);
+    const standby = await startReplica('s-dr');
+    const alive = scheds.filter((x) => x.proc.child.exitCode === null && x.proc.child.signalCode === null && x !== standby);
+    const leader = (await Promise.all(alive.map(async (x) => ((await x.isLeader()) ? x : undefined)))).find(Boolean)!;
+    api.close();
+    api = standby.credentials.client(FleetService, standby.api);
+    try {
+      for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: true });
+      const drain = await api.drainHost({ idempotencyKey: key(), hostId: 'fake-dr-a', migrate: true });
+      await waitFor('fake-dr-b booked for it', async () => {
+        const o = (await store.getOp('admin', drain.id))?.value;
+        return (o?.input as { migrations?: Record<string, { toHostId?: string }> } | undefined)?.migrations?.[sandboxId]?.toHostId === 'fake-dr-b';
+      }, 20_000, 5);
+      await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId }));
+      leader.proc.kill();
+      await leader.proc.exited;
+      const rest = scheds.filter((x) => x !== leader && x.proc.child.exitCode === null && x.proc.child.signalCode === null);
+      await waitFor('a standby takes over', async () => (await Promise.all(rest.map((x) => x.isLeader()))).some(Boolean), 10_000, 20);
+      const f = await wait(api, drain, 'admin');
+      expect(f.state).toBe(OperationState.FAILED);
+      expect(f.error?.message).toContain('moved on during its migration');
+      await waitFor('no VM of it anywhere', async () => !fakes.flatMap((x) => [...x.vms().values()]).some((vms) => vms.some((v) => v.sandboxId === sandboxId)), 20_000, 50);
+      // Nothing booked on fake-dr-b for the destroyed sandbox (assertConsistent counts every host's bookings).
+      await assertConsistent();
+    } finally {
+      for (const id of [...others, 'fake-dr-a']) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: false });
+    }
+  }, 120_000);
+
   it('snapshot_pinnedWhileTaken_staysPinnedOnceReady_andADeleteMeanwhileIsRefusedByTheCall_writingNothing', async () => {
     // A host whose snapshots take 600 ms.
     await ownHost('fake-p', 'pin', { FF_FAKE_SNAPSHOT_MS: '600' });

@@ -2999,6 +2999,22 @@ export class Executor {
       }
       moved.push(id);
     }
+    // A migration an earlier run booked a host for, whose sandbox has since left this host
+    // other than by the drain's switch (destroyed by its user, lost with this host): its
+    // booking on the destination is released and the copy its restore may make there is
+    // stopped. Skipped, both stayed for good (nothing else releases a migration's booking).
+    for (const [id, m] of Object.entries(recorded)) {
+      if (!m.toHostId || m.toHostId === hostId) continue;
+      const cur = listed.find((s) => s.id === id);
+      if (cur && (cur.hostId === m.toHostId || (cur.hostId === hostId && (cur.state === 'running' || cur.state === 'paused')))) continue;
+      if (!cur) {
+        this.log.warn({ opId: op.id, sandboxId: id, hostId: m.toHostId }, 'a migrated sandbox\'s record is gone: its booking on the destination cannot be priced and stays');
+        continue;
+      }
+      await this.unbookMigration(op, cur, m.toHostId);
+      await this.sendHostWork(m.toHostId, op.id, cur.tenantId, migrationStep(id, m, 'undo-dest'), stopVm(id), 'could not stop the copy of a migration whose sandbox moved on');
+      failures.push(`${id}: ${cur.state} on ${cur.hostId || 'no host'}: it moved on during its migration; the copy was removed`);
+    }
     // Cancelled: the migration under way ends as it ends; no further one, and no snapshot copied off.
     const cancelled = (): Promise<void> | undefined => {
       if (!this.cancelRequested(op.id)) return undefined;
