@@ -12,7 +12,7 @@ import { startFakeAgents } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
 import { startTestScheduler } from './testkit/scheduler.ts';
 import type { Fleet, TestScheduler } from './testkit/scheduler.ts';
-import { HostState, OperationState, SandboxState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { HostState, OperationState, SandboxState, SnapshotState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import type { FleetStore, StoreWrite } from './domain/ports.ts';
 import { withCommitAt } from './testkit/store-proxy.ts';
@@ -37,6 +37,19 @@ function retriedReplacement(store: FleetStore, retried: { armed: boolean; hit: n
   return withCommitAt(store, commitAt);
 }
 
+/** Once armed: the write that makes a snapshot ready lands, its answer is "lost", and the client's retry fails its guard (returns 0), as etcd3 does. */
+function retriedSnapshotReady(store: FleetStore, retried: { armed: boolean; hit: number }): FleetStore {
+  const isReady = (w: StoreWrite): boolean => w.kind === 'snapshot' && w.value.state === 'ready';
+  const commitAt: FleetStore['commitAt'] = async (writes, fence) => {
+    if (!retried.armed || !writes.some(isReady)) return store.commitAt(writes, fence);
+    retried.armed = false;
+    retried.hit++;
+    expect(await store.commitAt(writes, fence)).toBeGreaterThan(0);
+    return store.commitAt(writes, fence);
+  };
+  return withCommitAt(store, commitAt);
+}
+
 const tenantId = 't1';
 let keyN = 0;
 const key = (): string => `k-${Date.now()}-${keyN++}`;
@@ -52,13 +65,14 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   let agents: (hostId: string, env: Record<string, string>) => Promise<FakeAgentsProcess>;
   let sourceId = '';
   const retried = { armed: false, hit: 0 };
+  const readyRetried = { armed: false, hit: 0 };
   let dyingThird: FakeAgentsProcess | undefined;
   let dyingHib: FakeAgentsProcess | undefined;
   let replicaHost: FakeAgentsProcess | undefined;
   let slowSnapshots: FakeAgentsProcess | undefined;
 
   beforeAll(async () => {
-    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` }, seams: { executorStore: (st) => retriedReplacement(st, retried) } });
+    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` }, seams: { executorStore: (st) => retriedSnapshotReady(retriedReplacement(st, retried), readyRetried) } });
     api = ts.api;
     agents = (hostId, env) => startFakeAgents({ hosts: [hostId], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '8', ...env } });
     // fake-b takes a minute per restored VM: its fork step is still running when it dies.
@@ -354,6 +368,20 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
       await host.stop();
     }
   }, 120_000);
+
+  it('snapshot_whoseReadyWriteLandedButItsAnswerWasLost_succeeds_notChangedWhileItWasTaken', async () => {
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } })).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    readyRetried.armed = true;
+    const snap = await api.waitOperation({ tenantId, operationId: (await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+    expect(readyRetried.hit).toBe(1);
+    expect(snap.state, snap.error?.message).toBe(OperationState.SUCCEEDED);
+    const snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
+    expect((await api.getSnapshot({ tenantId, snapshotId })).state).toBe(SnapshotState.READY);
+    const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+    expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
+  }, 60_000);
 
   it('natsDownLongerThanTheLostThreshold_losesNoHostAndNoSandbox_andTheFleetWorksWhenItIsBack', async () => {
     const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } })).id, timeout: { seconds: 30n } });

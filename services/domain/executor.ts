@@ -2105,6 +2105,9 @@ export class Executor {
       // a snapshot deleted meanwhile is not brought back.
       const changed = (state: string): WrongStateError => new WrongStateError('snapshot', rec.id, state, 'it changed while it was taken');
       const done = await this.updateSnapshotRec(rec.tenantId, rec.id, (cur) => {
+        // Ready by this very write, whose answer was lost: etcd3 sent it again, and the retry
+        // failed its guard (the record moved on, to what it wrote). Done, not "changed".
+        if (cur.state === 'ready' && cur.manifestSignature === ready.manifestSignature && cur.hostIds.includes(sb.hostId)) return undefined;
         if (cur.state !== 'creating') throw changed(cur.state);
         return { ...cur, state: 'ready', hostIds: [sb.hostId], manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
       });
