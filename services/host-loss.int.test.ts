@@ -50,6 +50,17 @@ function retriedSnapshotReady(store: FleetStore, retried: { armed: boolean; hit:
   return withCommitAt(store, commitAt);
 }
 
+/** Once armed for a sandbox: the write that records it running throws an unexpected error (its op fails by runOnce's catch-all, unsettled). */
+function failingRunningWrite(store: FleetStore, trap: { sandboxId: string; hit: number }): FleetStore {
+  const commitAt: FleetStore['commitAt'] = async (writes, fence) => {
+    if (!trap.sandboxId || !writes.some((w) => w.kind === 'sandbox' && w.value.id === trap.sandboxId && w.value.state === 'running')) return store.commitAt(writes, fence);
+    trap.sandboxId = '';
+    trap.hit++;
+    throw new Error('injected: the write that ends the wake failed unexpectedly');
+  };
+  return withCommitAt(store, commitAt);
+}
+
 const tenantId = 't1';
 let keyN = 0;
 const key = (): string => `k-${Date.now()}-${keyN++}`;
@@ -66,13 +77,14 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   let sourceId = '';
   const retried = { armed: false, hit: 0 };
   const readyRetried = { armed: false, hit: 0 };
+  const runningTrap = { sandboxId: '', hit: 0 };
   let dyingThird: FakeAgentsProcess | undefined;
   let dyingHib: FakeAgentsProcess | undefined;
   let replicaHost: FakeAgentsProcess | undefined;
   let slowSnapshots: FakeAgentsProcess | undefined;
 
   beforeAll(async () => {
-    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` }, seams: { executorStore: (st) => retriedSnapshotReady(retriedReplacement(st, retried), readyRetried) } });
+    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` }, seams: { executorStore: (st) => failingRunningWrite(retriedSnapshotReady(retriedReplacement(st, retried), readyRetried), runningTrap) } });
     api = ts.api;
     agents = (hostId, env) => startFakeAgents({ hosts: [hostId], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '8', ...env } });
     // fake-b takes a minute per restored VM: its fork step is still running when it dies.
@@ -381,6 +393,28 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     expect((await api.getSnapshot({ tenantId, snapshotId })).state).toBe(SnapshotState.READY);
     const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
     expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
+  }, 60_000);
+
+  it('wake_takingOverFromAWakeThatFailedUnsettled_usesTheHostThatOneBooked_andBooksTheSandboxOnce', async () => {
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } })).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const hib = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 0 })).id, timeout: { seconds: 30n } });
+    expect(hib.state, hib.error?.message).toBe(OperationState.SUCCEEDED);
+    const booked = (): Promise<number> => api.listHosts({}).then((r) => r.hosts.reduce((n, h) => n + Number(h.allocated?.memoryMib ?? 0n), 0));
+    const before = await booked();
+    runningTrap.sandboxId = sid;
+    const first = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+    expect(runningTrap.hit).toBe(1);
+    expect(first.state).toBe(OperationState.FAILED);
+    // Left waking, its host booked by the failed wake; the next wake takes it over.
+    const second = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+    expect(second.state, second.error?.message).toBe(OperationState.SUCCEEDED);
+    expect((await api.getSandbox({ tenantId, sandboxId: sid })).state).toBe(SandboxState.RUNNING);
+    expect((await booked()) - before).toBe(256);
+    const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+    expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
+    expect(await booked()).toBe(before);
   }, 60_000);
 
   it('natsDownLongerThanTheLostThreshold_losesNoHostAndNoSandbox_andTheFleetWorksWhenItIsBack', async () => {

@@ -2314,13 +2314,29 @@ export class Executor {
     if (!v) throw new NotFoundError('sandbox', op.targetId);
     let sb = v.value;
     if (sb.state === 'running') return this.finish(op, { sandboxIds: [sb.id] }, null);
+    // Taken over from a wake that ended without settling the sandbox: the host it booked (and
+    // its source) become this op's, recorded with the claim, so this wake restores there or
+    // releases it; placing again would book a second host and leave the first booked for good.
+    let inherited: { bookedHost?: string; transferSource?: string } = {};
+    if (sb.state === 'waking' && after.ended !== '') {
+      const ended = (await this.deps.store.getOp(op.tenantId, after.ended))?.value.input as { bookedHost?: string; transferSource?: string } | undefined;
+      if (ended?.bookedHost && !(op.input as { bookedHost?: string }).bookedHost) inherited = { bookedHost: ended.bookedHost, ...(ended.transferSource ? { transferSource: ended.transferSource } : {}) };
+    }
     if (sb.state === 'hibernated' || sb.state === 'lost' || (sb.state === 'waking' && after.ended !== '')) {
       try {
-        sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        const claim = (s: SandboxRec): void => {
           if (s.state === 'waking' && s.opId !== '' && s.opId !== op.id && s.opId !== after.ended) throw new OwnedByOtherOpError(s.opId);
           s.state = 'waking';
           s.opId = op.id;
-        });
+        };
+        if (inherited.bookedHost) {
+          const write = this.sandboxWrite({ tenantId: sb.tenantId, id: sb.id }, claim);
+          const o = await this.updateOp(op.tenantId, op.id, (x) => Object.assign(x.input, inherited), write);
+          op = { ...op, input: o.input };
+          sb = (await this.deps.store.getSandbox(op.tenantId, op.targetId))?.value ?? sb;
+        } else {
+          sb = await this.updateSandbox(sb.tenantId, sb.id, claim);
+        }
       } catch (e) {
         // Another wake took it between the read and the write: this one waits for it.
         if (!(e instanceof OwnedByOtherOpError) || tries >= 3) throw e;
