@@ -40,7 +40,7 @@ const driver = {
 } as unknown as VmmDriver;
 
 /** A host that stored s1 (its chunks and signed manifest), restarted: the shipper loads what it holds. `keepStore`: its store as an earlier receiver(name) left it. */
-async function receiver(name: string, opts: { keepStore?: boolean } = {}) {
+async function receiver(name: string, opts: { keepStore?: boolean; driver?: VmmDriver } = {}) {
   const root = join(dir, name);
   if (!opts.keepStore) cpSync(join(dir, 'A', 'chunks'), join(root, 'chunks'), { recursive: true });
   const chunks = new FsChunkStore(root);
@@ -50,9 +50,9 @@ async function receiver(name: string, opts: { keepStore?: boolean } = {}) {
   const materialiser = new Materialiser({ root, chunks, manifests, roots, trust });
   const driverSnapshotsDir = join(root, 'vmm');
   mkdirSync(driverSnapshotsDir, { recursive: true });
-  const shipper = new ChunkStoreShipper({ hostId: 'hostR', driver, driverSnapshotsDir, chunks, manifests, materialiser, roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS });
+  const shipper = new ChunkStoreShipper({ hostId: 'hostR', driver: opts.driver ?? driver, driverSnapshotsDir, chunks, manifests, materialiser, roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS });
   await shipper.load();
-  return { chunks, shipper };
+  return { chunks, manifests, shipper, root };
 }
 
 function work(sources: Array<{ hostId: string; address: string }>) {
@@ -141,6 +141,22 @@ describe('ChunkStoreShipper.obtain', () => {
     // Peers would be sent here for that chunk: not a holder until it is back.
     expect(restarted.held().map((h) => [h.snapshotId, h.complete])).toEqual([['s1', false]]);
     expect(await restarted.holds('s1')).toBe(false);
+  });
+
+  it('gc_keepsAnImageWithoutManifestThatAVmUsesNow_evenWhenTheDriversInUseListIsOlder', async () => {
+    // The driver's in-use list is taken before the GC's scan, and says nothing uses s1; a VM
+    // restored from its image since (its lease released once it ran) uses it by then.
+    let vmUses = true;
+    const racing = { ...driver, snapshotsInUse: async () => new Set<string>(), vmsUse: (id: string) => vmUses && id === 's1' } as unknown as VmmDriver;
+    const { manifests, shipper, root } = await receiver('R-gc', { driver: racing });
+    await shipper.obtain('s1', undefined, () => undefined);
+    // No manifest (a fetch whose background save failed): only the VM keeps the image.
+    await manifests.delete('s1');
+    await shipper.collectGarbage();
+    expect(existsSync(join(root, 'images', 's1'))).toBe(true);
+    vmUses = false;
+    await shipper.collectGarbage();
+    expect(existsSync(join(root, 'images', 's1'))).toBe(false);
   });
 });
 

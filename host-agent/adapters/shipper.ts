@@ -471,7 +471,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       // Images of fetches whose manifest is not stored yet are in use too (a fork maps them
       // next): asked per image, just before it would go.
       const inUse = await this.deps.driver.snapshotsInUse();
-      const images = await this.deps.materialiser.prune((id) => inUse.has(id) || this.durables.has(id));
+      const images = await this.deps.materialiser.prune((id) => inUse.has(id) || this.durables.has(id) || this.deps.driver.vmsUse?.(id) === true);
       const gc = await collectGarbage({ chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, clock: { now: () => new Date() }, graceMs: this.deps.gcGraceMs ?? 60_000, log: this.deps.log });
       // A manifest that no longer decoded is gone: so is the snapshot, from what this host holds.
       for (const id of gc.removedManifests) {

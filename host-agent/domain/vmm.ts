@@ -248,6 +248,12 @@ export interface VmmDriver {
    * files must stay even after the snapshot is deleted.
    */
   snapshotsInUse(): Promise<Set<string>>;
+  /**
+   * Whether a VM here maps the snapshot's memory image or stands on its disk layer, now
+   * (synchronous: a GC asks it last, in the turn it removes the files; snapshotsInUse's answer
+   * may be older than a VM restored since).
+   */
+  vmsUse?(snapshotId: string): boolean;
   get(vmId: string): VmInfo | undefined;
   list(): VmInfo[];
   onEvent(listener: (e: VmEvent) => void): () => void;

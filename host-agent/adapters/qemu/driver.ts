@@ -1686,6 +1686,11 @@ export class QemuVmmDriver implements VmmDriver {
     return target === undefined || resolvePath(this.standbyDir, target) === workdir;
   }
 
+  vmsUse(snapshotId: string): boolean {
+    for (const v of this.vms.values()) if (v.info.state !== 'destroyed' && v.dependsOn.includes(snapshotId)) return true;
+    return false;
+  }
+
   async snapshotsInUse(): Promise<Set<string>> {
     const used = new Set<string>();
     for (const v of this.vms.values()) if (v.info.state !== 'destroyed') for (const id of v.dependsOn) used.add(id);
