@@ -59,6 +59,8 @@ export class Materialiser {
   private readonly imagesDir: string;
   private readonly tmpDir: string;
   private readonly building = new Map<string, Promise<MaterialisedSnapshot>>();
+  /** Images prune() is moving out of images/, by id: a build waits for that before it looks for a cached one. */
+  private readonly pruning = new Map<string, Promise<unknown>>();
   private readonly unsynced: DeferredSync;
 
   constructor(private readonly deps: MaterialiserDeps) {
@@ -130,6 +132,8 @@ export class Materialiser {
     const files: Record<string, string> = {};
     for (const a of manifest.artifacts) files[a.name] = join(final, fileName(a.name));
     let cached = false;
+    // Being pruned (decided before this build began): gone once the rename lands, not cached.
+    await this.pruning.get(snapshotId);
     try {
       await stat(final);
       cached = true;
@@ -254,11 +258,18 @@ export class Materialiser {
       // Out of images/ in one rename first: a kill during the recursive rm must not leave a
       // partial image where a cache hit would take it for whole (images-tmp/ is wiped at start).
       const doomed = join(this.tmpDir, `pruned-${id}-${randomBytes(4).toString('hex')}`);
+      // Registered in the turn of the check: a build that starts before the rename lands
+      // would otherwise find the image and return a directory about to vanish.
+      const moving = rename(join(this.imagesDir, id), doomed);
+      const settled = moving.catch(() => undefined);
+      this.pruning.set(id, settled);
       try {
-        await rename(join(this.imagesDir, id), doomed);
+        await moving;
       } catch (e) {
         if ((e as NodeJS.ErrnoException).code === 'ENOENT') continue; // gone meanwhile
         throw e;
+      } finally {
+        if (this.pruning.get(id) === settled) this.pruning.delete(id);
       }
       await rm(doomed, { recursive: true, force: true });
       removed.push(id);
