@@ -43,6 +43,7 @@ import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 import { ensurePeerCert } from '../pki/pki.ts';
 import { cmdlineOf, identityOf, isQemuIn, isSameProcess, runsLaunchedCommand } from './proc-identity.ts';
+import { InvalidArgumentError } from '../../proto/errors.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 const NODE = process.execPath;
@@ -333,7 +334,7 @@ function saveState(s: FleetState): void {
 /** Bytes per second of a tc rate such as "10gbit" or "500mbit". */
 export function linkBytesPerSecond(rate: string): number {
   const m = /^(\d+(?:\.\d+)?)(k|m|g)?bit$/i.exec(rate);
-  if (!m) throw new Error(`--link: want a rate like 10gbit, 1gbit or 500mbit, got ${JSON.stringify(rate)}`);
+  if (!m) throw new InvalidArgumentError('--link', `want a rate like 10gbit, 1gbit or 500mbit, got ${JSON.stringify(rate)}`);
   const mult = { k: 1e3, m: 1e6, g: 1e9 }[(m[2] ?? '').toLowerCase() as 'k' | 'm' | 'g'] ?? 1;
   return (Number(m[1]) * mult) / 8;
 }
@@ -675,7 +676,7 @@ async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<voi
 }
 
 /** The lowest and highest --base-port: the fleet listens on base-port .. base-port + 41. */
-const BASE_PORT_RANGE = [1024, 65535 - 41] as const;
+export const BASE_PORT_RANGE = [1024, 65535 - 41] as const;
 
 /** Interface names of host `id`'s veth pair: its end in the host namespace, and the bridge's. */
 /**
@@ -694,16 +695,16 @@ function linkNames(prefix: string, id: string): { ifHost: string; ifBridge: stri
 
 /** Checks options before anything is made; each error names the flag. */
 export function validateOptions(opts: FleetOptions): void {
-  if (!/^[a-z]{1,6}$/.test(opts.prefix)) throw new Error(`--prefix: 1-6 lowercase letters, got ${JSON.stringify(opts.prefix)}`);
+  if (!/^[a-z]{1,6}$/.test(opts.prefix)) throw new InvalidArgumentError('--prefix', `1-6 lowercase letters, got ${JSON.stringify(opts.prefix)}`);
   // An agent's egress firewall (host-agent/adapters/netns/egress.ts) drops all input from
   // links named ffe*, its sandboxes' veths; the fleet's own link in that namespace must not
   // match, or the agent is cut off from its peers.
   const clash = Array.from({ length: Math.max(1, opts.hosts) }, (_, i) => linkNames(opts.prefix, `h${i + 1}`).ifHost).find((n) => n.startsWith(HOST_LINK_PREFIX));
-  if (clash) throw new Error(`--prefix: ${JSON.stringify(opts.prefix)} names the hosts' links ${clash}..., and the agents' egress firewall drops every link named ${HOST_LINK_PREFIX}* (host-agent/adapters/netns/egress.ts): choose a prefix that does not start with ${HOST_LINK_PREFIX}`);
-  if (!(Number.isInteger(opts.hosts) && opts.hosts >= 1 && opts.hosts <= 32)) throw new Error(`--hosts: an integer 1..32, got ${opts.hosts}`);
-  if (opts.etcd !== 1 && opts.etcd !== 3) throw new Error(`--etcd: 1 or 3, got ${String(opts.etcd)}`);
-  if (!(Number.isInteger(opts.basePort) && opts.basePort >= BASE_PORT_RANGE[0] && opts.basePort <= BASE_PORT_RANGE[1])) throw new Error(`--base-port: an integer ${BASE_PORT_RANGE[0]}..${BASE_PORT_RANGE[1]} (the fleet listens on base-port .. base-port + 41), got ${opts.basePort}`);
-  if (!(Number.isInteger(opts.hostMemoryMib) && opts.hostMemoryMib >= 1)) throw new Error(`hostMemoryMib: a positive integer, got ${opts.hostMemoryMib}`);
+  if (clash) throw new InvalidArgumentError('--prefix', `${JSON.stringify(opts.prefix)} names the hosts' links ${clash}..., and the agents' egress firewall drops every link named ${HOST_LINK_PREFIX}* (host-agent/adapters/netns/egress.ts): choose a prefix that does not start with ${HOST_LINK_PREFIX}`);
+  if (!(Number.isInteger(opts.hosts) && opts.hosts >= 1 && opts.hosts <= 32)) throw new InvalidArgumentError('--hosts', `an integer 1..32, got ${opts.hosts}`);
+  if (opts.etcd !== 1 && opts.etcd !== 3) throw new InvalidArgumentError('--etcd', `1 or 3, got ${String(opts.etcd)}`);
+  if (!(Number.isInteger(opts.basePort) && opts.basePort >= BASE_PORT_RANGE[0] && opts.basePort <= BASE_PORT_RANGE[1])) throw new InvalidArgumentError('--base-port', `an integer ${BASE_PORT_RANGE[0]}..${BASE_PORT_RANGE[1]} (the fleet listens on base-port .. base-port + 41), got ${opts.basePort}`);
+  if (!(Number.isInteger(opts.hostMemoryMib) && opts.hostMemoryMib >= 1)) throw new InvalidArgumentError('hostMemoryMib', `a positive integer, got ${opts.hostMemoryMib}`);
   linkBytesPerSecond(opts.link);
 }
 

@@ -115,6 +115,10 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     // A bad option of `fleet up` is refused before anything is installed or started.
     const badLink = await cli(['--json', 'fleet', 'up', '--link', 'fast', '--dir', join(tmpdir(), `ff-cli-never-${process.pid}`)]);
     expect([badLink.code, JSON.parse(badLink.stdout).error.field]).toEqual([2, '--link']);
+    const badPrefix = await cli(['--json', 'fleet', 'up', '--prefix', 'Bad1', '--dir', join(tmpdir(), `ff-cli-never-${process.pid}`)]);
+    expect([badPrefix.code, JSON.parse(badPrefix.stdout).error.field]).toEqual([2, '--prefix']);
+    const badTls = await cli(['--json', 'fleet', 'up', '--peer-tls', 'maybe', '--dir', join(tmpdir(), `ff-cli-never-${process.pid}`)]);
+    expect([badTls.code, JSON.parse(badTls.stdout).error.field]).toEqual([2, '--peer-tls']);
     // A usage error commander finds (a bad choice) is JSON on stdout too, and a bad --env names --env.
     const badChoice = await cli(['--json', 'sandbox', 'fork', sb.id, '2', '--locality', 'nowhere']);
     expect([badChoice.code, JSON.parse(badChoice.stdout).error.kind]).toEqual([2, 'invalid_argument']);

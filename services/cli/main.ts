@@ -284,21 +284,20 @@ export function buildProgram(): Command {
     .option('--link <rate>', 'shaped link rate', '10gbit')
     .option('--dir <dir>', 'fleet directory (FF_FLEET_DIR)')
     .option('--prefix <p>', 'network namespace prefix')
-    .option('--base-port <port>', 'first port', intArg('--base-port', 1024, 65000))
-    .action(async (o: { hosts: number; etcd: number; link: string; dir?: string; prefix?: string; basePort?: number }, cmd: Command) => {
-      const { up, defaultOptions, linkBytesPerSecond } = await import('../../deploy/fleet/fleet.ts');
-      if (o.etcd !== 1 && o.etcd !== 3) throw new ForkfleetError('invalid_argument', '--etcd: 1 or 3', { field: '--etcd' });
-      try {
-        linkBytesPerSecond(o.link);
-      } catch (e) {
-        throw new ForkfleetError('invalid_argument', (e as Error).message, { field: '--link' });
-      }
+    .option('--base-port <port>', 'first port of the control plane (it listens on port .. port + 41)', intArg('--base-port', 1024, 65535 - 41))
+    .option('--peer-tls <on|off>', 'mutual TLS between the agents', 'on')
+    .action(async (o: { hosts: number; etcd: number; link: string; dir?: string; prefix?: string; basePort?: number; peerTls: string }, cmd: Command) => {
+      const { up, defaultOptions, validateOptions } = await import('../../deploy/fleet/fleet.ts');
+      if (o.peerTls !== 'on' && o.peerTls !== 'off') throw new ForkfleetError('invalid_argument', `--peer-tls: on or off, got ${JSON.stringify(o.peerTls)}`, { field: '--peer-tls' });
+      const opts = defaultOptions({ hosts: o.hosts, etcd: o.etcd as 1 | 3, link: o.link, dir: fleetDir(o), peerTls: o.peerTls === 'on', ...(o.prefix ? { prefix: o.prefix } : {}), ...(o.basePort ? { basePort: o.basePort } : {}) });
+      // Every option checked (naming its flag) before anything is installed or started.
+      validateOptions(opts);
       // As `npm run fleet:up`: the Debian packages the fleet runs on (etcd, NATS, QEMU, ...),
       // installed when missing (idempotent, under a second when nothing is). Its output goes
       // to stderr, so that --json output stays one document.
       const setup = spawnSync('bash', [resolve(ROOT, 'deploy', 'setup.sh')], { cwd: ROOT, stdio: ['ignore', 2, 2] });
       if (setup.status !== 0) throw new ForkfleetError('failed_precondition', `deploy/setup.sh failed (${setup.error?.message ?? `exit ${setup.status ?? setup.signal}`}): see its output above`);
-      const s = await up(defaultOptions({ hosts: o.hosts, etcd: o.etcd, link: o.link, dir: fleetDir(o), ...(o.prefix ? { prefix: o.prefix } : {}), ...(o.basePort ? { basePort: o.basePort } : {}) }));
+      const s = await up(opts);
       out(cmd, { dir: s.options.dir, api: s.apiAddresses, metrics: s.metricsAddresses, hosts: s.hosts.map((h) => ({ id: h.id, address: h.address })) }, () =>
         `fleet is up in ${s.options.dir}: ${s.hosts.length} hosts; API ${s.apiAddresses.join(', ')}; metrics ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}\n` +
         `next: forkfleet --api ${s.apiAddresses.join(',')} sandbox create --image tiny\n`);
