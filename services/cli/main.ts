@@ -179,6 +179,12 @@ function keyBase(g: Globals): string {
   return g.idempotencyKey ?? (invocationKey ??= newIdempotencyKey('cli'));
 }
 
+/** A file transfer's deadline: --timeout when given, else the SDK's (FILE_CALL_TIMEOUT_MS). */
+function fileCallOpts(cmd: Command): CallOpts {
+  const t = globals(cmd).timeout;
+  return t ? { timeoutMs: parseDuration(t, '--timeout') } : {};
+}
+
 /**
  * Progress for long work on stderr (never on stdout, so --json stays parseable). `target`: the
  * one a command that can name several acts on here; its call gets --idempotency-key K as
@@ -268,7 +274,7 @@ export function buildProgram(): Command {
     .addOption(new Option('--tenant <id>', 'tenant (only admin credentials may name another than their own)').default(process.env.FF_TENANT ?? '', "FF_TENANT, else the credential's tenant"))
     .option('--credentials <file>', 'JSON credentials file {token, ca, tenant} (FF_CREDENTIALS; default: the local fleet\'s credentials.json)')
     .option('--json', 'print one JSON document on stdout', false)
-    .option('--timeout <duration>', 'how long to wait for operations, e.g. 5m')
+    .option('--timeout <duration>', 'how long to wait for operations, e.g. 5m; also the deadline of a cp')
     .option('--idempotency-key <key>', 'reuse a key so that repeating this command does nothing twice')
     .showHelpAfterError()
     .exitOverride();
@@ -471,10 +477,10 @@ export function buildProgram(): Command {
       if (rd) {
         const data = src === '-' ? readFileSync(0) : readFileSync(src);
         if (!/^[0-7]{1,4}$/.test(o.mode)) throw new ForkfleetError('invalid_argument', `--mode: want octal permission bits such as 644 or 0755, got ${JSON.stringify(o.mode)}`, { field: 'header.mode' });
-        const n = await client(cmd).sandbox(rd.id).writeFile(rd.path, data, parseInt(o.mode, 8));
+        const n = await client(cmd).sandbox(rd.id).writeFile(rd.path, data, parseInt(o.mode, 8), fileCallOpts(cmd));
         out(cmd, { sandboxId: rd.id, path: rd.path, bytes: n }, () => `${n} bytes -> ${rd.id}:${rd.path}\n`);
       } else {
-        const data = await client(cmd).sandbox(rs!.id).readFile(rs!.path);
+        const data = await client(cmd).sandbox(rs!.id).readFile(rs!.path, fileCallOpts(cmd));
         if (dst === '-') process.stdout.write(data);
         else {
           writeFileSync(dst, data);

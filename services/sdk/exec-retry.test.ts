@@ -4,7 +4,7 @@ import { status as Status } from '@grpc/grpc-js';
 import { describe, expect, it } from 'vitest';
 import { RpcError } from '../adapters/grpc/status.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
-import { EXEC_CALL_SLACK_MS, execNeverStarted, Forkfleet } from './index.ts';
+import { EXEC_CALL_SLACK_MS, execNeverStarted, FILE_CALL_TIMEOUT_MS, Forkfleet } from './index.ts';
 
 describe('execNeverStarted', () => {
   it('retriesWhatTheSchedulerAnsweredRetryable_andCallsThatNeverReachedAScheduler_only', () => {
@@ -41,5 +41,30 @@ describe('exec call deadline', () => {
     expect(deadlines[0]).toBeLessThanOrEqual(t1 + 10_000 + EXEC_CALL_SLACK_MS);
     // No timeout given: the server's default of 60 s.
     expect(deadlines[1]).toBeGreaterThanOrEqual(t0 + 60_000 + EXEC_CALL_SLACK_MS);
+  });
+});
+
+describe('file transfer deadline', () => {
+  it('readAndWriteFile_allowFiveMinutesPerAttemptByDefault_orTheTimeoutGiven', async () => {
+    const ff = new Forkfleet({ address: '127.0.0.1:1', token: 'ff_test', ca: Buffer.from('-----BEGIN CERTIFICATE-----\n'), tenant: 't1' });
+    ff.close();
+    const seen: Array<number | undefined> = [];
+    (ff as unknown as { rpc: unknown }).rpc = {
+      writeFile: async (_reqs: unknown, opts: { timeoutMs?: number }) => {
+        seen.push(opts.timeoutMs);
+        return { bytesWritten: 2n };
+      },
+      readFile: (_req: unknown, opts: { timeoutMs?: number }) => {
+        seen.push(opts.timeoutMs);
+        return (async function* () {
+          yield { data: Buffer.from('hi') };
+        })();
+      },
+    };
+    const sb = ff.sandbox('sb-x');
+    await sb.writeFile('/tmp/a', 'hi');
+    expect((await sb.readFile('/tmp/a')).toString()).toBe('hi');
+    await sb.writeFile('/tmp/a', 'hi', 0o644, { timeoutMs: 1234 });
+    expect(seen).toEqual([FILE_CALL_TIMEOUT_MS, FILE_CALL_TIMEOUT_MS, 1234]);
   });
 });

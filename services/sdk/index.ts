@@ -452,6 +452,12 @@ export interface ExecOptions {
   signal?: AbortSignal;
 }
 
+/**
+ * A file transfer's deadline per attempt when the call gives none: the whole stream, up to
+ * 64 MiB through the guest agent, which takes far longer than a unary call's 30 s under TCG.
+ */
+export const FILE_CALL_TIMEOUT_MS = 300_000;
+
 /** The server's exec timeout when none is given (ExecRequest.timeout). */
 const EXEC_DEFAULT_TIMEOUT_MS = 60_000;
 /** An exec call's deadline past its command's timeout: the scheduler's wait for a wake (300 s) plus 30 s. */
@@ -946,7 +952,7 @@ export class Sandbox {
       { payload: { case: 'header', value: { tenantId: this.ff.tenant, idempotencyKey, sandboxId: this.id, path, mode } } },
     ];
     for (let i = 0; i < bytes.length; i += 256 * 1024) chunks.push({ payload: { case: 'data', value: bytes.subarray(i, i + 256 * 1024) } });
-    const r = await this.ff.retry((o) => this.ff.rpc.writeFile(chunks, o), opts);
+    const r = await this.ff.retry((o) => this.ff.rpc.writeFile(chunks, o), { ...opts, timeoutMs: opts.timeoutMs ?? FILE_CALL_TIMEOUT_MS });
     return Number(r.bytesWritten);
   }
 
@@ -955,7 +961,7 @@ export class Sandbox {
       const parts: Buffer[] = [];
       for await (const r of this.ff.rpc.readFile({ tenantId: this.ff.tenant, sandboxId: this.id, path, maxBytes: BigInt(opts.maxBytes ?? 0) }, o)) parts.push(Buffer.from(r.data));
       return Buffer.concat(parts);
-    }, opts);
+    }, { ...opts, timeoutMs: opts.timeoutMs ?? FILE_CALL_TIMEOUT_MS });
   }
 
   private async op(kind: 'pause' | 'resume' | 'hibernate' | 'destroy', opts: CallOpts, replicas = 0): Promise<Sandbox> {
