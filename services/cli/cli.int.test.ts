@@ -119,6 +119,9 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect([badPrefix.code, JSON.parse(badPrefix.stdout).error.field]).toEqual([2, '--prefix']);
     const badTls = await cli(['--json', 'fleet', 'up', '--peer-tls', 'maybe', '--dir', join(tmpdir(), `ff-cli-never-${process.pid}`)]);
     expect([badTls.code, JSON.parse(badTls.stdout).error.field]).toEqual([2, '--peer-tls']);
+    // A file copied to stdout is the output, so it is no JSON document: refused with --json.
+    const rawJson = await cli(['--json', 'sandbox', 'cp', `${sb.id}:/etc/hostname`, '-']);
+    expect([rawJson.code, JSON.parse(rawJson.stdout).error.field]).toEqual([2, '--json']);
     // A usage error commander finds (a bad choice) is JSON on stdout too, and a bad --env names --env.
     const badChoice = await cli(['--json', 'sandbox', 'fork', sb.id, '2', '--locality', 'nowhere']);
     expect([badChoice.code, JSON.parse(badChoice.stdout).error.kind]).toEqual([2, 'invalid_argument']);

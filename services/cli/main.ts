@@ -480,6 +480,8 @@ export function buildProgram(): Command {
         const n = await client(cmd).sandbox(rd.id).writeFile(rd.path, data, parseInt(o.mode, 8), fileCallOpts(cmd));
         out(cmd, { sandboxId: rd.id, path: rd.path, bytes: n }, () => `${n} bytes -> ${rd.id}:${rd.path}\n`);
       } else {
+        // The file's bytes are the output: not a JSON document, so not with --json.
+        if (dst === '-' && globals(cmd).json) throw new ForkfleetError('invalid_argument', 'cp: --json with DST - (stdout): the file\'s bytes would be the output; give a DST file to get a JSON report', { field: '--json' });
         const data = await client(cmd).sandbox(rs!.id).readFile(rs!.path, fileCallOpts(cmd));
         if (dst === '-') process.stdout.write(data);
         else {
