@@ -21,14 +21,14 @@ import type { HostRec } from './domain/records.ts';
 import { sandboxRecord, snapshotRecord } from './testkit/records.ts';
 
 /**
- * The store, but while `retried.armed`, the next commit that places a child again applies
- * and is then sent once more, as etcd3's retry policy does after a lost answer: the second
- * one conflicts, so the executor sees a failed placement that in fact landed.
+ * The store, but while `retried.armed`, the next commit with a write that `matches` (a child
+ * placed again, a snapshot made ready) applies and is then sent once more, as etcd3's retry
+ * policy does after a lost answer: the second one conflicts, so the executor sees a failed
+ * write that in fact landed.
  */
-function retriedReplacement(store: FleetStore, retried: { armed: boolean; hit: number }): FleetStore {
-  const isReplacement = (w: StoreWrite): boolean => w.kind === 'sandbox' && w.value.stateReason.startsWith('placed again');
+function retriedCommit(store: FleetStore, matches: (w: StoreWrite) => boolean, retried: { armed: boolean; hit: number }): FleetStore {
   const commitAt: FleetStore['commitAt'] = async (writes, fence) => {
-    if (!retried.armed || !writes.some(isReplacement)) return store.commitAt(writes, fence);
+    if (!retried.armed || !writes.some(matches)) return store.commitAt(writes, fence);
     retried.armed = false;
     retried.hit++;
     expect(await store.commitAt(writes, fence)).toBeGreaterThan(0);
@@ -37,18 +37,9 @@ function retriedReplacement(store: FleetStore, retried: { armed: boolean; hit: n
   return withCommitAt(store, commitAt);
 }
 
-/** Once armed: the write that makes a snapshot ready lands, its answer is "lost", and the client's retry fails its guard (returns 0), as etcd3 does. */
-function retriedSnapshotReady(store: FleetStore, retried: { armed: boolean; hit: number }): FleetStore {
-  const isReady = (w: StoreWrite): boolean => w.kind === 'snapshot' && w.value.state === 'ready';
-  const commitAt: FleetStore['commitAt'] = async (writes, fence) => {
-    if (!retried.armed || !writes.some(isReady)) return store.commitAt(writes, fence);
-    retried.armed = false;
-    retried.hit++;
-    expect(await store.commitAt(writes, fence)).toBeGreaterThan(0);
-    return store.commitAt(writes, fence);
-  };
-  return withCommitAt(store, commitAt);
-}
+const isReplacement = (w: StoreWrite): boolean => w.kind === 'sandbox' && w.value.stateReason.startsWith('placed again');
+/** The write that makes a snapshot ready (its answer "lost" in the same way). */
+const isSnapshotReady = (w: StoreWrite): boolean => w.kind === 'snapshot' && w.value.state === 'ready';
 
 /** Once armed for a sandbox: the write that records it running throws an unexpected error (its op fails by runOnce's catch-all, unsettled). */
 function failingRunningWrite(store: FleetStore, trap: { sandboxId: string; hit: number }): FleetStore {
@@ -84,7 +75,7 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   let slowSnapshots: FakeAgentsProcess | undefined;
 
   beforeAll(async () => {
-    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` }, seams: { executorStore: (st) => failingRunningWrite(retriedSnapshotReady(retriedReplacement(st, retried), readyRetried), runningTrap) } });
+    ts = await startTestScheduler({ prefix: 'ff-hostloss-', config: { suspectAfterMs: '1s', lostAfterMs: `${LOST_AFTER_MS}ms`, stepTimeoutMs: `${STEP_TIMEOUT_MS}ms` }, seams: { executorStore: (st) => failingRunningWrite(retriedCommit(retriedCommit(st, isReplacement, retried), isSnapshotReady, readyRetried), runningTrap) } });
     api = ts.api;
     agents = (hostId, env) => startFakeAgents({ hosts: [hostId], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_VCPUS: '8', ...env } });
     // fake-b takes a minute per restored VM: its fork step is still running when it dies.
@@ -102,6 +93,19 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     await slowSnapshots?.stop();
     await ts?.stop();
   }, 60_000);
+
+  /** Memory booked across the fleet, MiB. */
+  const booked = (): Promise<number> => api.listHosts({}).then((r) => r.hosts.reduce((n, h) => n + Number(h.allocated?.memoryMib ?? 0n), 0));
+
+  /** A sandbox made on fake-a and hibernated there, and the memory booked after that. */
+  async function hibernatedOnFakeA(): Promise<{ sid: string; before: number }> {
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } })).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const hib = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 0 })).id, timeout: { seconds: 30n } });
+    expect(hib.state, hib.error?.message).toBe(OperationState.SUCCEEDED);
+    return { sid, before: await booked() };
+  }
 
   it('forkWhoseHostDies_withNoRoomElsewhereUnderMaxPerHost_endsWhenTheHostIsLost_withItsOtherChildrenRunning_andTheLostOnesFailedAndUnbooked', async () => {
     const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } })).id, timeout: { seconds: 30n } });
@@ -396,13 +400,7 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   }, 60_000);
 
   it('wake_takingOverFromAWakeThatFailedUnsettled_usesTheHostThatOneBooked_andBooksTheSandboxOnce', async () => {
-    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } })).id, timeout: { seconds: 30n } });
-    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
-    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
-    const hib = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 0 })).id, timeout: { seconds: 30n } });
-    expect(hib.state, hib.error?.message).toBe(OperationState.SUCCEEDED);
-    const booked = (): Promise<number> => api.listHosts({}).then((r) => r.hosts.reduce((n, h) => n + Number(h.allocated?.memoryMib ?? 0n), 0));
-    const before = await booked();
+    const { sid, before } = await hibernatedOnFakeA();
     runningTrap.sandboxId = sid;
     const first = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
     expect(runningTrap.hit).toBe(1);
@@ -415,6 +413,20 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
     expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
     expect(await booked()).toBe(before);
+  }, 60_000);
+
+  it('destroy_ofASandboxWhoseWakeFailedUnsettled_releasesThatWakesBooking_andDestroysIt', async () => {
+    const { sid, before } = await hibernatedOnFakeA();
+    runningTrap.sandboxId = sid;
+    const wake = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+    expect(wake.state).toBe(OperationState.FAILED);
+    expect((await api.getSandbox({ tenantId, sandboxId: sid })).state).toBe(SandboxState.WAKING);
+    // Not "still busy" until the step timeout (two minutes here): its wake has ended.
+    const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } }, { timeoutMs: 40_000 });
+    expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
+    expect((await api.getSandbox({ tenantId, sandboxId: sid })).state).toBe(SandboxState.DESTROYED);
+    expect(await booked()).toBe(before);
+    await waitFor('its VM stopped', async () => !healthy.vms().get('fake-a')?.some((v) => v.sandboxId === sid), 10_000, 50);
   }, 60_000);
 
   it('natsDownLongerThanTheLostThreshold_losesNoHostAndNoSandbox_andTheFleetWorksWhenItIsBack', async () => {

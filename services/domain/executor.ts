@@ -2326,6 +2326,9 @@ export class Executor {
       try {
         const claim = (s: SandboxRec): void => {
           if (s.state === 'waking' && s.opId !== '' && s.opId !== op.id && s.opId !== after.ended) throw new OwnedByOtherOpError(s.opId);
+          // The ended wake's booking is this op's only while that wake still holds the sandbox
+          // (a destroy may have settled it meanwhile, releasing it): else read again.
+          if (inherited.bookedHost && !(s.state === 'waking' && s.opId === after.ended)) throw new OwnedByOtherOpError(s.opId || 'none');
           s.state = 'waking';
           s.opId = op.id;
         };
@@ -2423,6 +2426,34 @@ export class Executor {
     return { v, ended: '' };
   }
 
+  /**
+   * A wake that ended without settling its sandbox (failed by an unexpected error) left it
+   * `waking` and its chosen host booked: undone as that wake's own failure would have
+   * (settleWake): the booking released and the sandbox hibernated again in one write, and the
+   * host told to stop the VM the restore may have made, and not to start it.
+   */
+  private async settleEndedWake(sb: SandboxRec, ended: OperationRec | undefined): Promise<void> {
+    const endedId = sb.opId;
+    const bookedHost = (ended?.input as { bookedHost?: string } | undefined)?.bookedHost;
+    if (!ended) this.log.warn({ sandboxId: sb.id, opId: endedId }, 'the wake that holds this sandbox is gone: a host it may have booked cannot be known, and stays booked');
+    try {
+      await this.updateSandbox(
+        sb.tenantId,
+        sb.id,
+        (s) => {
+          if (s.state !== 'waking' || s.opId !== endedId) throw new MovedOnError(s.id, s.state, s.hostId);
+          this.setState(s, 'hibernated', this.deps.clock.now(), `its wake ${endedId} ended without settling it`);
+          s.opId = '';
+        },
+        (next) => (bookedHost ? this.capacity(bookedHost, next.resources, -1)() : []),
+      );
+    } catch (e) {
+      if (e instanceof MovedOnError) return; // taken over meanwhile (another wake): the caller reads it again
+      throw e;
+    }
+    if (bookedHost) void this.sendHostWork(bookedHost, endedId, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a wake that ended unsettled');
+  }
+
   private async runDestroy(op: OperationRec): Promise<void> {
     // Why, when this scheduler destroys it itself (a cancelled create or fork): kept as the state's reason.
     const reason = typeof op.input.reason === 'string' ? op.input.reason : '';
@@ -2431,6 +2462,15 @@ export class Executor {
     // timeouts), then destroy what it left.
     const until = this.stepsDeadline();
     while (sbv && (sbv.value.state === 'hibernating' || sbv.value.state === 'waking') && this.active && this.deps.clock.now() < until) {
+      if (sbv.value.state === 'waking' && sbv.value.opId !== '') {
+        const owner = (await this.deps.store.getOp(sbv.value.tenantId, sbv.value.opId))?.value;
+        // Its wake ended without settling it: waited for, it would keep it waking for good.
+        if (!owner || isTerminal(owner.state)) {
+          await this.settleEndedWake(sbv.value, owner);
+          sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+          continue;
+        }
+      }
       await new Promise((r) => setTimeout(r, 250));
       sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     }
