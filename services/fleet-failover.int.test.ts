@@ -721,21 +721,14 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const { sandboxId } = await hostWithSandbox('fake-hib-a', 'hib-a');
     await ownHost('fake-hib-r', 'hib-r', { FF_FAKE_FETCH_MS: '8000' });
     const others = (await api.listHosts({})).hosts.filter((h) => h.id !== 'fake-hib-a' && h.id !== 'fake-hib-r' && !h.cordoned).map((h) => h.id);
-    const standby = await startReplica('s-hib');
-    const alive = scheds.filter((x) => x.proc.child.exitCode === null && x.proc.child.signalCode === null && x !== standby);
-    const leader = (await Promise.all(alive.map(async (x) => ((await x.isLeader()) ? x : undefined)))).find(Boolean)!;
-    api.close();
-    api = standby.credentials.client(FleetService, standby.api);
+    const leader = await standbyTakesTheApi('s-hib');
     try {
       for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: true });
       const hib = await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId, replicas: 1 });
       await waitFor('the sandbox recorded hibernated while its replica is copied', async () => (await store.getSandbox(tenantId, sandboxId))?.value.state === 'hibernated', 20_000, 20);
       await ok(api, await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId }));
       expect((await store.getOp(tenantId, hib.id))?.value.state).toBe('running');
-      leader.proc.kill();
-      await leader.proc.exited;
-      const rest = scheds.filter((x) => x !== leader && x.proc.child.exitCode === null && x.proc.child.signalCode === null);
-      await waitFor('a standby takes over', async () => (await Promise.all(rest.map((x) => x.isLeader()))).some(Boolean), 10_000, 20);
+      await killLeader(leader);
       const final = await wait(api, hib);
       expect(final.state, final.error?.message).toBe(OperationState.SUCCEEDED);
       // Woken is woken: running, its VM running where the record says, booked once.
@@ -757,11 +750,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const { sandboxId } = await hostWithSandbox('fake-dr-a', 'dr-a');
     await ownHost('fake-dr-b', 'dr-b', { FF_FAKE_RESTORE_MS_PER_VM: '6000' });
     const others = (await api.listHosts({})).hosts.filter((h) => h.id !== 'fake-dr-a' && h.id !== 'fake-dr-b' && !h.cordoned).map((h) => h.id);
-    const standby = await startReplica('s-dr');
-    const alive = scheds.filter((x) => x.proc.child.exitCode === null && x.proc.child.signalCode === null && x !== standby);
-    const leader = (await Promise.all(alive.map(async (x) => ((await x.isLeader()) ? x : undefined)))).find(Boolean)!;
-    api.close();
-    api = standby.credentials.client(FleetService, standby.api);
+    const leader = await standbyTakesTheApi('s-dr');
     try {
       for (const id of others) await api.cordonHost({ idempotencyKey: key(), hostId: id, cordon: true });
       const drain = await api.drainHost({ idempotencyKey: key(), hostId: 'fake-dr-a', migrate: true });
@@ -770,10 +759,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
         return (o?.input as { migrations?: Record<string, { toHostId?: string }> } | undefined)?.migrations?.[sandboxId]?.toHostId === 'fake-dr-b';
       }, 20_000, 5);
       await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId }));
-      leader.proc.kill();
-      await leader.proc.exited;
-      const rest = scheds.filter((x) => x !== leader && x.proc.child.exitCode === null && x.proc.child.signalCode === null);
-      await waitFor('a standby takes over', async () => (await Promise.all(rest.map((x) => x.isLeader()))).some(Boolean), 10_000, 20);
+      await killLeader(leader);
       const f = await wait(api, drain, 'admin');
       expect(f.state).toBe(OperationState.FAILED);
       expect(f.error?.message).toContain('moved on during its migration');
@@ -939,6 +925,24 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       const lost = new Set(hosts.filter((h) => h.state === HostState.LOST).map((h) => h.id));
       return (await store.listSandboxes(undefined)).every((v) => !lost.has(v.value.hostId) || (v.value.state !== 'running' && v.value.state !== 'paused'));
     }, 60_000, 250);
+  }
+
+  /** A new standby replica `replicaId`, which the API now talks to; returns the leader (for killLeader). */
+  async function standbyTakesTheApi(replicaId: string): Promise<SchedulerProcess> {
+    const standby = await startReplica(replicaId);
+    const alive = scheds.filter((x) => x.proc.child.exitCode === null && x.proc.child.signalCode === null && x !== standby);
+    const leader = (await Promise.all(alive.map(async (x) => ((await x.isLeader()) ? x : undefined)))).find(Boolean)!;
+    api.close();
+    api = standby.credentials.client(FleetService, standby.api);
+    return leader;
+  }
+
+  /** Kills the leader and waits until another replica leads. */
+  async function killLeader(leader: SchedulerProcess): Promise<void> {
+    leader.proc.kill();
+    await leader.proc.exited;
+    const rest = scheds.filter((x) => x !== leader && x.proc.child.exitCode === null && x.proc.child.signalCode === null);
+    await waitFor('a standby takes over', async () => (await Promise.all(rest.map((x) => x.isLeader()))).some(Boolean), 10_000, 20);
   }
 
   /** A fork's or drain's CancelOperation, then its end: CANCELLED, with the error saying what it undid. */
