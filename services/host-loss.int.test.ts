@@ -17,6 +17,7 @@ import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import type { FleetStore, StoreWrite } from './domain/ports.ts';
 import { withCommitAt } from './testkit/store-proxy.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
+import { HOLDS_CAPACITY } from './domain/records.ts';
 import type { HostRec } from './domain/records.ts';
 import { sandboxRecord, snapshotRecord } from './testkit/records.ts';
 
@@ -94,17 +95,45 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     await ts?.stop();
   }, 60_000);
 
-  /** Memory booked across the fleet, MiB. */
-  const booked = (): Promise<number> => api.listHosts({}).then((r) => r.hosts.reduce((n, h) => n + Number(h.allocated?.memoryMib ?? 0n), 0));
+  /**
+   * The memory booked on `hostId` is that of the sandboxes that hold capacity there, as the
+   * store has them (an invariant every commit keeps: bookings move with state changes). Other
+   * tests' work changes fleet-wide totals meanwhile, so this is what the wake tests check.
+   */
+  async function bookedAsRecorded(hostId: string): Promise<void> {
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      const live = (await store.listSandboxes(undefined)).map((v) => v.value).filter((x) => x.hostId === hostId && HOLDS_CAPACITY.has(x.state));
+      expect((await store.getAlloc(hostId)).value.allocated.memoryMib, `memory booked on ${hostId}`).toBe(live.reduce((n, x) => n + x.resources.memoryMib, 0));
+    } finally {
+      store.close();
+    }
+  }
 
-  /** A sandbox made on fake-a and hibernated there, and the memory booked after that. */
-  async function hibernatedOnFakeA(): Promise<{ sid: string; before: number }> {
+  /** The host a wake booked (its op's recorded choice). */
+  async function bookedBy(opId: string): Promise<string> {
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      return ((await store.getOp(tenantId, opId))?.value.input as { bookedHost?: string } | undefined)?.bookedHost ?? '';
+    } finally {
+      store.close();
+    }
+  }
+
+  /** Destroys the sandbox (a failed test's too: fake-a has 8 vCPUs for every test here). */
+  async function destroyed(sid: string): Promise<void> {
+    const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } }, { timeoutMs: 40_000 });
+    expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
+  }
+
+  /** A sandbox made on fake-a and hibernated there. */
+  async function hibernatedOnFakeA(): Promise<{ sid: string }> {
     const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-a' } })).id, timeout: { seconds: 30n } });
     expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
     const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
     const hib = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 0 })).id, timeout: { seconds: 30n } });
     expect(hib.state, hib.error?.message).toBe(OperationState.SUCCEEDED);
-    return { sid, before: await booked() };
+    return { sid };
   }
 
   it('forkWhoseHostDies_withNoRoomElsewhereUnderMaxPerHost_endsWhenTheHostIsLost_withItsOtherChildrenRunning_andTheLostOnesFailedAndUnbooked', async () => {
@@ -400,33 +429,37 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
   }, 60_000);
 
   it('wake_takingOverFromAWakeThatFailedUnsettled_usesTheHostThatOneBooked_andBooksTheSandboxOnce', async () => {
-    const { sid, before } = await hibernatedOnFakeA();
-    runningTrap.sandboxId = sid;
-    const first = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
-    expect(runningTrap.hit).toBe(1);
-    expect(first.state).toBe(OperationState.FAILED);
-    // Left waking, its host booked by the failed wake; the next wake takes it over.
-    const second = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
-    expect(second.state, second.error?.message).toBe(OperationState.SUCCEEDED);
-    expect((await api.getSandbox({ tenantId, sandboxId: sid })).state).toBe(SandboxState.RUNNING);
-    expect((await booked()) - before).toBe(256);
-    const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
-    expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
-    expect(await booked()).toBe(before);
+    const { sid } = await hibernatedOnFakeA();
+    try {
+      runningTrap.sandboxId = sid;
+      const first = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+      expect(runningTrap.hit).toBe(1);
+      expect(first.state).toBe(OperationState.FAILED);
+      const firstHost = await bookedBy(first.id);
+      expect(firstHost).not.toBe('');
+      // Left waking, its host booked by the failed wake; the next wake takes it over.
+      const second = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
+      expect(second.state, second.error?.message).toBe(OperationState.SUCCEEDED);
+      const sb = await api.getSandbox({ tenantId, sandboxId: sid });
+      expect([sb.state, sb.hostId]).toEqual([SandboxState.RUNNING, firstHost]);
+      await bookedAsRecorded(firstHost);
+    } finally {
+      await destroyed(sid);
+    }
   }, 60_000);
 
   it('destroy_ofASandboxWhoseWakeFailedUnsettled_releasesThatWakesBooking_andDestroysIt', async () => {
-    const { sid, before } = await hibernatedOnFakeA();
+    const { sid } = await hibernatedOnFakeA();
     runningTrap.sandboxId = sid;
     const wake = await api.waitOperation({ tenantId, operationId: (await api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
     expect(wake.state).toBe(OperationState.FAILED);
+    const wakeHost = await bookedBy(wake.id);
     expect((await api.getSandbox({ tenantId, sandboxId: sid })).state).toBe(SandboxState.WAKING);
     // Not "still busy" until the step timeout (two minutes here): its wake has ended.
-    const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } }, { timeoutMs: 40_000 });
-    expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
+    await destroyed(sid);
     expect((await api.getSandbox({ tenantId, sandboxId: sid })).state).toBe(SandboxState.DESTROYED);
-    expect(await booked()).toBe(before);
-    await waitFor('its VM stopped', async () => !healthy.vms().get('fake-a')?.some((v) => v.sandboxId === sid), 10_000, 50);
+    await bookedAsRecorded(wakeHost);
+    await waitFor('its VM stopped', async () => !healthy.vms().get(wakeHost)?.some((v) => v.sandboxId === sid), 10_000, 50);
   }, 60_000);
 
   it('natsDownLongerThanTheLostThreshold_losesNoHostAndNoSandbox_andTheFleetWorksWhenItIsBack', async () => {
