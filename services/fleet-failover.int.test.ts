@@ -1086,5 +1086,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect((await fail(api.cancelOperation({ tenantId, operationId: 'op-aaaaaaaaaaaaaaaaaaaa' })))[0]).toBe(Status.NOT_FOUND);
     expect(await fail(api.cancelOperation({ tenantId, operationId: 'Not An Id' }))).toEqual([Status.INVALID_ARGUMENT, 'operation_id']);
     await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId }));
+    // An operation the sandbox's state does not allow names the sandbox as the field.
+    expect(await fail(api.pauseSandbox({ tenantId, idempotencyKey: key(), sandboxId }))).toEqual([Status.FAILED_PRECONDITION, 'sandbox_id']);
   }, 60_000);
 });

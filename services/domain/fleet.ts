@@ -402,7 +402,7 @@ export class Fleet {
     if (prior) return prior;
     const sb = await read;
     if (choose) [kind, allowed] = choose(sb);
-    if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`);
+    if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`, 'sandbox_id');
     if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
     if (kind === 'wake') await this.admitWake(input.tenantId, sb);
     const op = await this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], true);
