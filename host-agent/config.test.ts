@@ -14,6 +14,11 @@ describe('compileAgentConfig: guest CPU isolation', () => {
     expect(compileAgentConfig({ ...base, FF_GUEST_CGROUP: '' }).guestCgroup).toBeUndefined();
   });
 
+  it('hostId_namedLikeASandboxSnapshotOrOperation_isRefusedNamingFF_HOST_ID', () => {
+    for (const id of ['sb-1', 'sn-a', 'op-x']) expect(fieldOf(() => compileAgentConfig({ ...base, FF_HOST_ID: id }))).toBe('FF_HOST_ID');
+    expect(compileAgentConfig({ ...base, FF_HOST_ID: 'sbx-1' }).hostId).toBe('sbx-1');
+  });
+
   it('guestCgroup_whenPathEscapesOrWeightIsOutOfRange_namesTheVariable', () => {
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_GUEST_CGROUP: '../x' }))).toBe('FF_GUEST_CGROUP');
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_GUEST_CGROUP: 'a b' }))).toBe('FF_GUEST_CGROUP');

@@ -146,6 +146,8 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
   const duration = (name: string, dflt: string, bounds: Parameters<typeof parseDurationIn>[2]): number => parseDurationIn(name, e(name, dflt), bounds);
   const hostId = e('FF_HOST_ID', hostname().toLowerCase().replace(/[^a-z0-9-]/g, '-'));
   if (!/^[a-z0-9][a-z0-9-]{0,62}$/.test(hostId)) throw new InvalidArgumentError('FF_HOST_ID', 'must be 1-63 characters of a-z, 0-9 and -');
+  // The API tells ids apart by their prefix (ListOperations' target_id): a host is never named like a sandbox, snapshot or operation.
+  if (/^(sb|sn|op)-/.test(hostId)) throw new InvalidArgumentError('FF_HOST_ID', `must not start with sb-, sn- or op- (the prefixes of sandbox, snapshot and operation ids), got ${JSON.stringify(hostId)}`);
   const accel = e('FF_ACCEL', 'auto');
   if (accel !== 'kvm' && accel !== 'tcg' && accel !== 'auto') throw new InvalidArgumentError('FF_ACCEL', 'must be kvm, tcg or auto');
   const peerAddr = parseHostPort('FF_PEER_ADDR', e('FF_PEER_ADDR', '127.0.0.1:0'), true);
