@@ -676,9 +676,8 @@ async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<voi
 }
 
 /** The lowest and highest --base-port: the fleet listens on base-port .. base-port + 41. */
-export const BASE_PORT_RANGE = [1024, 65535 - 41] as const;
+const BASE_PORT_RANGE = [1024, 65535 - 41] as const;
 
-/** Interface names of host `id`'s veth pair: its end in the host namespace, and the bridge's. */
 /**
  * Where this fleet's agents mount their RAM tmpfs (FF_RAM_MOUNT): one directory per fleet,
  * /run/forkfleet/<prefix>/ram, unless agentEnv names one. Each agent mounts it in its own
@@ -689,6 +688,7 @@ function fleetRamMount(opts: FleetOptions): string {
   return opts.agentEnv?.FF_RAM_MOUNT ?? join(dirname(DEFAULT_RAM_MOUNT), opts.prefix, 'ram');
 }
 
+/** Interface names of host `id`'s veth pair: its end in the host namespace, and the bridge's. */
 function linkNames(prefix: string, id: string): { ifHost: string; ifBridge: string } {
   return { ifHost: `${prefix}${id}a`, ifBridge: `${prefix}${id}b` };
 }

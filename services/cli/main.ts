@@ -290,7 +290,7 @@ export function buildProgram(): Command {
     .option('--link <rate>', 'shaped link rate', '10gbit')
     .option('--dir <dir>', 'fleet directory (FF_FLEET_DIR)')
     .option('--prefix <p>', 'network namespace prefix')
-    .option('--base-port <port>', 'first port of the control plane (it listens on port .. port + 41)', intArg('--base-port', 1024, 65535 - 41))
+    .option('--base-port <port>', 'first port of the control plane (it listens on port .. port + 41)', intArg('--base-port', 1024, 65535 - 41)) // as deploy/fleet/fleet.ts's BASE_PORT_RANGE (imported lazily, below)
     .option('--peer-tls <on|off>', 'mutual TLS between the agents', 'on')
     .action(async (o: { hosts: number; etcd: number; link: string; dir?: string; prefix?: string; basePort?: number; peerTls: string }, cmd: Command) => {
       const { up, defaultOptions, validateOptions } = await import('../../deploy/fleet/fleet.ts');
