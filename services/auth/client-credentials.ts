@@ -38,8 +38,13 @@ function pem(v: string | Buffer, field: string): Buffer {
   }
 }
 
+/** The local fleet's directory, as clients find it: FF_FLEET_DIR, empty or unset meaning /var/lib/ffleet (as fleet:up reads it). */
+export function defaultFleetDir(env: NodeJS.ProcessEnv = process.env): string {
+  return env.FF_FLEET_DIR || '/var/lib/ffleet';
+}
+
 export function defaultCredentialsFile(env: NodeJS.ProcessEnv = process.env): string {
-  return env.FF_CREDENTIALS ?? join(env.FF_FLEET_DIR || '/var/lib/ffleet', 'credentials.json');
+  return env.FF_CREDENTIALS ?? join(defaultFleetDir(env), 'credentials.json');
 }
 
 interface CredentialsFile {

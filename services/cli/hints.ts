@@ -1,6 +1,7 @@
 // What to do next, for each error kind the API returns. Pure so that it can be unit-tested.
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { defaultFleetDir } from '../auth/client-credentials.ts';
 
 export interface ErrorLike {
   kind?: string;
@@ -104,8 +105,7 @@ export function exitCodeFor(e: ErrorLike): number {
 /** --api default: FF_API, else the local fleet's state.json, else 127.0.0.1:17700. */
 export function defaultApi(env: NodeJS.ProcessEnv = process.env): string {
   if (env.FF_API) return env.FF_API;
-  const dir = env.FF_FLEET_DIR || '/var/lib/ffleet';
-  const p = join(dir, 'state.json');
+  const p = join(defaultFleetDir(env), 'state.json');
   if (existsSync(p)) {
     try {
       const s = JSON.parse(readFileSync(p, 'utf8')) as { apiAddresses?: string[] };

@@ -10,6 +10,7 @@ import type { CallOpts, EventInfo, HostInfo, OperationInfo, OperationKindName, O
 import { OPERATION_KINDS, OPERATION_STATES } from '../sdk/index.ts';
 import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
 import { EVENT_TYPES } from '../domain/events.ts';
+import { defaultFleetDir } from '../auth/client-credentials.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 
@@ -281,7 +282,7 @@ export function buildProgram(): Command {
 
   // ----- fleet
   const fleet = program.command('fleet').description('the local multi-host fleet (deploy/fleet)');
-  const fleetDir = (o: { dir?: string }): string => o.dir ?? (process.env.FF_FLEET_DIR || '/var/lib/ffleet');
+  const fleetDir = (o: { dir?: string }): string => o.dir ?? defaultFleetDir();
   fleet
     .command('up')
     .description('start a local fleet: etcd, NATS, 2 schedulers and N host agents in network namespaces')

@@ -861,8 +861,9 @@ export class Forkfleet {
     const idempotencyKey = newIdempotencyKey('exec');
     const ff = { rpc: this.rpc, tenant: this.tenant, retryOpts: this.retryOpts };
     async function* run(): AsyncGenerator<ExecChunk> {
-      // One deadline for the call and its retries.
-      const deadline = new Date(Date.now() + (eo.timeout !== undefined ? parseDuration(eo.timeout, 'timeout') : EXEC_DEFAULT_TIMEOUT_MS) + EXEC_CALL_SLACK_MS);
+      // The command's timeout, parsed once; one deadline for the call and its retries.
+      const timeoutMs = eo.timeout !== undefined ? parseDuration(eo.timeout, 'timeout') : undefined;
+      const deadline = new Date(Date.now() + (timeoutMs ?? EXEC_DEFAULT_TIMEOUT_MS) + EXEC_CALL_SLACK_MS);
       for (let attempt = 1; ; attempt++) {
         let got = false;
         try {
@@ -875,7 +876,7 @@ export class Forkfleet {
               env: eo.env ?? {},
               cwd: eo.cwd ?? '',
               stdin: typeof eo.stdin === 'string' ? Buffer.from(eo.stdin) : (eo.stdin ?? new Uint8Array()),
-              ...(eo.timeout !== undefined ? { timeout: durationIn(eo.timeout, 'timeout') } : {}),
+              ...(timeoutMs !== undefined ? { timeout: durationOf(timeoutMs, 'timeout') } : {}),
             },
             { deadline, ...(eo.signal ? { signal: eo.signal } : {}) },
           );
