@@ -2,7 +2,7 @@
 // two scheduler replicas as separate processes and fake host agents (the real Agent over
 // the real NATS protocol, with simulated VMs: loadtest/fake-agent/).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { startEtcd } from './testkit/etcd.ts';
 import type { EtcdCluster } from './testkit/etcd.ts';
@@ -712,6 +712,44 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await ok(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }));
     await assertConsistent();
   });
+
+  it('work_ofADeposedLeadersTerm_reachingAHostAfterTheNewLeadersWork_isDropped_whileTheNewTermsWorkIsTaken', async () => {
+    await hostsSettled();
+    const hostId = 'fake-term';
+    /** The leader term the host's agent keeps (its journal's leader-term file: "<cluster> <term>"). */
+    const kept = (): { cluster: bigint; term: bigint } => {
+      const [cluster, term] = readFileSync(join(dir, 'term', hostId, 'journal', 'leader-term'), 'utf8').trim().split(' ').map(BigInt);
+      return { cluster: cluster!, term: term! };
+    };
+    const vmsOn = (): string[] => fakes.flatMap((f) => f.vms().get(hostId) ?? []).map((v) => v.sandboxId);
+    await hostWithSandbox(hostId, 'term');
+    const old = kept();
+    await killLeader(await standbyTakesTheApi('s-term'));
+    await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId } }));
+    const now = kept();
+    expect(now.cluster).toBe(old.cluster);
+    expect(now.term).toBeGreaterThan(old.term);
+    // The deposed leader's publish (its NATS client held it through a disconnect) reaches the
+    // host now, then one of the new term: the first makes no VM, the second does.
+    const createVm = (sandboxId: string): ReturnType<typeof create<typeof HostWorkSchema>>['work'] => ({ case: 'createVm', value: { vm: { sandboxId, hostname: sandboxId, resources: { vcpus: 1, memoryMib: 256n, diskMib: 0n } }, image: 'tiny' } as never });
+    const nc = await (await import('nats')).connect({ servers: nats.url });
+    try {
+      const bus = await NatsWorkBus.create(nc);
+      bus.newTerm(old);
+      await bus.sendWork(hostId, create(HostWorkSchema, { opId: 'op-deposed', stepId: 'create', attempt: 1, tenantId, work: createVm('sb-deposed00000000000') }));
+      bus.newTerm(now);
+      await bus.sendWork(hostId, create(HostWorkSchema, { opId: 'op-current', stepId: 'create', attempt: 1, tenantId, work: createVm('sb-current00000000000') }));
+      await waitFor("the new term's VM made", async () => vmsOn().includes('sb-current00000000000'), 10_000, 20);
+      expect(vmsOn()).not.toContain('sb-deposed00000000000');
+      // That VM has no record: stopped again, so the fleet stays consistent.
+      await bus.sendWork(hostId, create(HostWorkSchema, { opId: 'op-current', stepId: 'destroy', attempt: 1, tenantId, work: { case: 'destroyVm', value: { sandboxId: 'sb-current00000000000' } as never } }));
+      await waitFor("the new term's VM stopped", async () => !vmsOn().includes('sb-current00000000000'), 10_000, 20);
+    } finally {
+      await nc.close();
+    }
+    expect(vmsOn()).not.toContain('sb-deposed00000000000');
+    await assertConsistent();
+  }, 90_000);
 
   it('hibernate_runAgainByANewLeaderAfterTheSandboxWasWokenMeanwhile_leavesItRunning_withItsVmAndOneBooking', async () => {
     await hostsSettled();

@@ -183,6 +183,11 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       http: hostPort(m.address, p.natsMonitor),
       tls: natsListenerTls,
       jetstream: { store_dir: '/var/lib/nats/jetstream' },
+      // A snapshot step's result and a cross-host restore's work carry the snapshot's manifest
+      // (~48 bytes per 256 KiB chunk that is not zero): the default 1 MiB carries ~5 GiB of
+      // a VM's non-zero memory and disk, 8 MiB (NATS's recommended ceiling) ~40 GiB. A larger
+      // one fails its step at once, naming the limit (js-publisher.ts).
+      max_payload: 8 * 1024 * 1024,
       authorization: natsAuthorization(users),
     };
     if (inv.nats.length > 1) {

@@ -261,6 +261,106 @@ describe('Agent steps', () => {
     }
   });
 
+  it('work_ofAnOlderLeaderTermThanOneTaken_isAckedAndDroppedWithoutAResult_alsoAfterARestart_whileAnotherEtcdClustersTermIsTaken', async () => {
+    const journal = new MemoryJournal();
+    const destroyed: string[] = [];
+    const answered: string[] = [];
+    const startAgent = async () => {
+      let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+      const { agent } = agentWith(
+        { onEvent: () => () => undefined, get: (id: string) => ({ vmId: id, sandboxId: id }) as never, destroy: async (id: string) => void destroyed.push(id) },
+        {},
+        { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async (r) => void answered.push(r.stepId) },
+        undefined,
+        journal,
+      );
+      await agent.start();
+      /** Delivers a destroy of sb-<step> sent in `term` of etcd cluster `cluster`; whether it was acked. */
+      const deliver = async (step: string, term: bigint, cluster = 7n): Promise<boolean> => {
+        let acked = false;
+        await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), { ack: () => void (acked = true), working: () => undefined });
+        return acked;
+      };
+      return { agent, deliver };
+    };
+    const first = await startAgent();
+    expect(await first.deliver('a', 10n)).toBe(true);
+    expect(await first.deliver('b', 9n)).toBe(true); // acked, so JetStream does not deliver it again
+    expect(await first.deliver('c', 0n)).toBe(true); // no term: a scheduler that predates them
+    expect(destroyed).toEqual(['sb-a', 'sb-c']);
+    expect(answered).toEqual(['a', 'c']);
+    expect(journal.term).toEqual({ term: 10n, cluster: 7n });
+    await first.agent.stop();
+
+    const second = await startAgent();
+    expect(await second.deliver('d', 9n)).toBe(true);
+    expect(await second.deliver('e', 3n, 8n)).toBe(true); // etcd made anew: its revisions count from 1 again
+    expect(await second.deliver('f', 2n, 8n)).toBe(true);
+    expect(destroyed).toEqual(['sb-a', 'sb-c', 'sb-e']);
+    expect(answered).toEqual(['a', 'c', 'e']);
+    expect(journal.term).toEqual({ term: 3n, cluster: 8n });
+    await second.agent.stop();
+  });
+
+  it('step_whoseJournalCannotBeRead_isAnsweredRetryable_andMakesNoVm_evenWhenOnlyTheGaveUpCheckFails', async () => {
+    let created = 0;
+    const journal = new MemoryJournal();
+    const { agent } = agentWith({ create: async () => ((created++, { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 1 }) as never) }, {}, {}, undefined, journal);
+    const eio = (): Promise<never> => Promise.reject(new Error('EIO: i/o error, read'));
+    const get = journal.get.bind(journal);
+    journal.get = eio;
+    const all = await agent.runStep(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-1' } } } }));
+    expect([all.error?.kind, all.error?.retryable]).toEqual(['unavailable', true]);
+    // The step's own entry reads (none), the gave-up check's do not.
+    journal.get = (opId, stepId) => (stepId.startsWith('stop-') ? eio() : get(opId, stepId));
+    const check = await agent.runStep(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-1' } } } }));
+    expect([check.error?.kind, check.error?.retryable]).toEqual(['unavailable', true]);
+    expect(created).toBe(0);
+    expect(journal.results.size).toBe(0); // retryable: not journalled, so the retry runs it
+  });
+
+  it('stepResult_largerThanTheBusCarries_isReportedAsTheStepsFailureNamingWhy_andTheWorkAcked', async () => {
+    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    const sent: Array<{ stepId: string; error?: { kind: string; retryable: boolean; message: string } }> = [];
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined, get: () => ({ vmId: 'sb-1', sandboxId: 'sb-1' }) as never, destroy: async () => undefined },
+      {},
+      {
+        serveExec: () => () => undefined,
+        serveFile: () => () => undefined,
+        consumeWork: async (f) => ((onWork = f as never), async () => undefined),
+        publishHeartbeat: () => undefined,
+        publishResult: async (r) => {
+          if (!r.error) throw new ForkfleetError('resource_exhausted', '2000000 bytes is more than the NATS server\'s max_payload of 1048576 bytes');
+          sent.push({ stepId: r.stepId, error: r.error });
+        },
+      },
+    );
+    await agent.start();
+    let acked = false;
+    await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), { ack: () => void (acked = true), working: () => undefined });
+    expect(acked).toBe(true);
+    expect(sent).toEqual([{ stepId: 'destroy', error: expect.objectContaining({ kind: 'resource_exhausted', retryable: false, message: expect.stringContaining('max_payload of 1048576 bytes') }) }]);
+    await agent.stop();
+  });
+
+  it('copiesOfARunningStep_takeNoStepSlot_soOtherStepsStillRun', async () => {
+    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    let destroyed = false;
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined, get: (id: string) => (id === 'sb-9' ? ({ vmId: id, sandboxId: id } as never) : undefined), destroy: async () => void (destroyed = true) },
+      { obtain: () => new Promise<never>(() => undefined) },
+      { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async () => undefined },
+    );
+    await agent.start();
+    const ctl = { ack: () => undefined, working: () => undefined };
+    // A restore whose fetch does not end, and two more copies of it (re-sends of a slow step), with 3 slots.
+    for (let i = 0; i < 3; i++) void onWork!(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), ctl);
+    await Promise.race([onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-9' } } }), ctl), new Promise((r) => setTimeout(r, 2000))]);
+    expect(destroyed).toBe(true);
+    await agent.stop();
+  });
+
   it('execOrFileCall_forASandboxWhoseVmIsGone_isAFailedPreconditionOnSandboxId_notNotFound', async () => {
     let onFile: ((req: unknown) => Promise<{ error?: { kind: string; field: string } }>) | undefined;
     let onExec: ((req: unknown, emit: (o: { payload: { case: string; value: { kind: string; field: string } } }) => void) => Promise<void>) | undefined;

@@ -64,6 +64,20 @@ export interface Journal {
   put(opId: string, stepId: string, result: Uint8Array): Promise<void>;
   /** Drops the results of ops last written before `olderThanMs` (epoch ms); how many went. */
   prune?(olderThanMs: number): Promise<number>;
+  /**
+   * The newest leader term whose work this host took (HostWork.leader_term and
+   * leader_cluster), as kept by setLeaderTerm; undefined when none was. Optional: without
+   * both, the agent knows terms only since it started.
+   */
+  leaderTerm?(): Promise<LeaderTerm | undefined>;
+  /** Keeps `term` across restarts (called only with a newer term than the last). */
+  setLeaderTerm?(term: LeaderTerm): Promise<void>;
+}
+
+/** A scheduler leader's term: the revision of its election in the etcd cluster `cluster`. */
+export interface LeaderTerm {
+  readonly term: bigint;
+  readonly cluster: bigint;
 }
 
 /** A snapshot held elsewhere, ready for a restore by migration; `release` unpins its fetched disk chunks. */
@@ -167,6 +181,11 @@ const VM_STATE: Record<VmInfo['state'], PbVmState> = {
   destroyed: PbVmState.STOPPED,
 };
 
+/** A journal read that failed (a disk error): retryable, so the scheduler tries the step again. */
+function journalUnreadable(e: unknown): ForkfleetError {
+  return new ForkfleetError('unavailable', `the host's step journal is unreadable: ${e instanceof Error ? e.message : String(e)}`, { retryable: true, cause: e });
+}
+
 function errorInfo(e: unknown): { kind: string; message: string; retryable: boolean; field: string } {
   if (isForkfleetError(e)) return { kind: e.kind, message: e.message, retryable: e.retryable, field: e.field ?? '' };
   return { kind: 'internal', message: e instanceof Error ? e.message : String(e), retryable: false, field: '' };
@@ -198,6 +217,9 @@ export class Agent {
   private readonly keepAlives = new Set<ReturnType<typeof setInterval>>();
   /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
   private readonly activity = new Map<string, { busyAt: number; cpu: number | undefined; at: number }>();
+  /** The newest leader term whose work this agent took (takesTerm), and the write that keeps it. */
+  private leaderTerm: LeaderTerm | undefined;
+  private termKept: Promise<void> = Promise.resolve();
 
   constructor(private readonly deps: AgentDeps) {}
 
@@ -217,6 +239,11 @@ export class Agent {
     );
     this.stops.push(bus.serveExec((req, emit, signal) => this.exec(req, emit, signal)));
     this.stops.push(bus.serveFile((req) => this.file(req)));
+    // Before any work is taken: a deposed leader's step redelivered after a restart is dropped.
+    this.leaderTerm = await (this.deps.journal.leaderTerm?.() ?? Promise.resolve(undefined)).catch((e: unknown) => {
+      this.log.error({ err: e }, 'the newest leader term is unreadable; taking work of any term until a leader sends some');
+      return undefined;
+    });
     this.stops.push(await bus.consumeWork((w, ctl) => this.onWork(w, ctl)));
     this.heartbeat();
     const t = setInterval(() => this.heartbeat(), this.deps.config.heartbeatMs);
@@ -337,17 +364,63 @@ export class Agent {
 
   // ---------------------------------------------------------------- work
 
+  /**
+   * Whether a delivered step's leader term may act here (HostWork.leader_term). Work of an
+   * older term than this agent has taken comes from a deposed leader (publishes its NATS
+   * client held through a disconnect, or a step of its that was redelivered): dropped, with no
+   * result (the result stream is the new leader's, which may wait on the same step), since the
+   * new leader may have acted on this host since. The new leader sends again the steps of the
+   * operations it runs on; a dropped clean-up of the old term (a stop sent without waiting) is
+   * left to the stray-VM check (a VM with no record is stopped). Judged in delivery order, so a newer term is taken before any later delivery.
+   * Terms of another etcd cluster are not compared: work of a cluster other than the kept
+   * one's is taken, and its term kept (etcd was made anew and counts from 1 again).
+   */
+  private takesTerm(w: HostWork): boolean {
+    const kept = this.leaderTerm;
+    if (w.leaderTerm === 0n) return true;
+    if (kept && kept.cluster === w.leaderCluster) {
+      if (w.leaderTerm === kept.term) return true;
+      if (w.leaderTerm < kept.term) {
+        this.log.warn({ opId: w.opId, stepId: w.stepId, term: String(w.leaderTerm), newestTerm: String(kept.term) }, "work from a deposed leader's term dropped");
+        return false;
+      }
+    } else if (kept) {
+      this.log.warn({ cluster: String(w.leaderCluster), keptCluster: String(kept.cluster) }, 'work from another etcd cluster: its leader terms are taken from now on');
+    }
+    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster };
+    this.leaderTerm = term;
+    const keep = this.deps.journal.setLeaderTerm;
+    if (keep) this.termKept = this.termKept.then(() => keep.call(this.deps.journal, term)).catch((e: unknown) => this.log.error({ err: e, term: String(term.term) }, 'could not keep the newest leader term; a restart forgets it'));
+    return true;
+  }
+
   private onWork(w: HostWork, ctl: WorkControl): Promise<void> {
+    if (!this.takesTerm(w)) {
+      ctl.ack();
+      return Promise.resolve();
+    }
     return new Promise<void>((resolve) => {
       // From delivery on, also while the step waits for a slot: JetStream would otherwise
       // deliver a queued step again after its ack wait, and copies would pile up in the queue.
       const keepAlive = setInterval(() => ctl.working(), 5000);
       this.keepAlives.add(keepAlive);
+      const key = `${w.opId}/${w.stepId}`;
       const run = async (): Promise<void> => {
-        this.inflight++;
+        // Another copy of a step that is running (a scheduler's re-send of a slow step, a
+        // redelivery after a restart) waits for that run without a slot of its own: copies of
+        // a few slow restores would otherwise take every slot and starve unrelated steps.
+        const slot = !this.inProgress.has(key);
+        if (slot) this.inflight++;
         try {
           const result = await this.runStep(w);
-          await this.deps.bus.publishResult(result);
+          await this.deps.bus.publishResult(result).catch((e: unknown) => {
+            if (!isForkfleetError(e) || e.kind !== 'resource_exhausted') throw e;
+            // Larger than the bus carries (a snapshot's manifest of a very large VM): every
+            // redelivery would fail alike and the scheduler would wait out every attempt. Its
+            // failure is answered instead, saying why.
+            this.log.error({ err: e, opId: w.opId, stepId: w.stepId }, 'step result too large for the bus; reporting the step failed');
+            return this.deps.bus.publishResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: this.deps.config.hostId, attempt: w.attempt, error: { kind: 'resource_exhausted', message: `the step's result cannot be sent: ${e.message}`, retryable: false } }));
+          });
           ctl.ack();
         } catch (e) {
           // Publishing the result failed (bus down): leave the message unacked for redelivery.
@@ -355,14 +428,21 @@ export class Agent {
         } finally {
           clearInterval(keepAlive);
           this.keepAlives.delete(keepAlive);
-          this.inflight--;
           resolve();
-          this.queue.shift()?.().catch(() => undefined);
+          if (slot) {
+            this.inflight--;
+            this.startQueued();
+          }
         }
       };
-      if (this.inflight < this.deps.config.concurrency) void run();
+      if (this.inProgress.has(key) || this.inflight < this.deps.config.concurrency) void run();
       else this.queue.push(run);
     });
+  }
+
+  /** Starts queued steps while there are free slots (a queued copy of a running step takes none). */
+  private startQueued(): void {
+    while (this.queue.length > 0 && this.inflight < this.deps.config.concurrency) this.queue.shift()!().catch(() => undefined);
   }
 
   /** Runs a step once per (op, step): concurrent deliveries share one run, later ones read the journal. */
@@ -394,6 +474,9 @@ export class Agent {
   }
 
   private async runStepOnce(w: HostWork): Promise<HostResult> {
+    // The term is kept before the step acts: after a crash, what it did is not undone by a
+    // redelivered step of the term before.
+    await this.termKept;
     const { journal, clock } = this.deps;
     const log = this.log.child({ opId: w.opId, stepId: w.stepId });
     const started = clock.now();
@@ -403,9 +486,10 @@ export class Agent {
       read = await journal.get(w.opId, w.stepId);
     } catch (e) {
       // Answered, not left to redelivery (which would fail alike until JetStream drops it):
-      // the scheduler sees why, and retries a step it may retry.
+      // the scheduler sees why, and retries the step (retryable: a disk error may pass; a step
+      // answered final here would never run, a stop among them).
       log.error({ err: e }, 'step journal unreadable; step not run');
-      result.error = create(ErrorInfoSchema, errorInfo(e));
+      result.error = create(ErrorInfoSchema, errorInfo(journalUnreadable(e)));
       return result;
     }
     const prior = journalled(read, w);
@@ -451,7 +535,14 @@ export class Agent {
     const key = `${opId}/${sandboxId}`;
     if (this.gaveUp.has(key)) return true;
     // The three reads at once: a restore step checks each of its VMs, on the way to ready.
-    const found = await Promise.all(GAVE_UP_KINDS.map((kind) => this.deps.journal.get(opId, `stop-${kind}/${sandboxId}`).catch(() => undefined)));
+    // Unreadable is not "not given up": the VM would be started for a start that was given up on.
+    const found = await Promise.all(
+      GAVE_UP_KINDS.map((kind) =>
+        this.deps.journal.get(opId, `stop-${kind}/${sandboxId}`).catch((e: unknown) => {
+          throw journalUnreadable(e);
+        }),
+      ),
+    );
     if (!found.some(Boolean)) return false;
     this.rememberGaveUp(key);
     return true;

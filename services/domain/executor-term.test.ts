@@ -4,7 +4,7 @@
 // not named here answers at once with nothing.
 import { describe, expect, it } from 'vitest';
 import pino from 'pino';
-import { Executor } from './executor.ts';
+import { Executor, leaderTerm } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { NotLeaderError } from './errors.ts';
@@ -103,5 +103,13 @@ describe('Executor terms', () => {
     } finally {
       await ex.stop();
     }
+  });
+
+  it('leaderTerm_ofHostWork_isTheFencesCreateRevisionAndEtcdCluster_noneWithoutAFence_andOlderThanAnyForAFenceWhoseKeyWasGone', () => {
+    expect(leaderTerm({ key: 'k', createRevision: 4711, clusterId: '14841639068965178418' })).toEqual({ term: 4711n, cluster: 14841639068965178418n });
+    expect(leaderTerm(undefined)).toEqual({ term: 0n, cluster: 0n });
+    expect(leaderTerm({ key: 'k', createRevision: -1, clusterId: '7' })).toEqual({ term: 1n, cluster: 7n });
+    // A cluster id that is not a uint64 is none (the proto field could not carry it).
+    expect(leaderTerm({ key: 'k', createRevision: 9, clusterId: '99999999999999999999' })).toEqual({ term: 9n, cluster: 0n });
   });
 });

@@ -9,11 +9,11 @@
 import { create, fromBinary } from '@bufbuild/protobuf';
 import { durationMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
-import type { Clock, FleetChange, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } from './ports.ts';
+import type { Clock, FleetChange, FleetStore, LeaderFence, LeaderTerm, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from './records.ts';
 import { canTransition, HOLDS_CAPACITY, isTerminal, PLACEMENT_TXN_MAX_BYTES, SANDBOX_RECORD_BASE_BYTES, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
-import { HostWorkSchema, VmSpecSchema } from './messages.ts';
+import { HostResultSchema, HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
@@ -139,6 +139,18 @@ function addRes(a: ResourcesRec, b: ResourcesRec, sign: 1 | -1): ResourcesRec {
     memoryMib: Math.max(0, a.memoryMib + sign * b.memoryMib),
     diskMib: Math.max(0, a.diskMib + sign * b.diskMib),
   };
+}
+
+/**
+ * The term host work carries (HostWork.leader_term): the fence's create revision, which grows
+ * with every leader of one etcd cluster, and that cluster's id. None (0) without a fence; 1,
+ * older than any real term, for a fence whose key was already gone (no write passes it either).
+ */
+export function leaderTerm(fence: LeaderFence | undefined): LeaderTerm {
+  const id = fence?.clusterId && /^\d{1,20}$/.test(fence.clusterId) ? BigInt(fence.clusterId) : 0n;
+  const cluster = id <= 0xffff_ffff_ffff_ffffn ? id : 0n;
+  if (!fence) return { term: 0n, cluster };
+  return { term: fence.createRevision > 0 ? BigInt(fence.createRevision) : 1n, cluster };
 }
 
 function errorOf(e: unknown): OperationError {
@@ -578,7 +590,7 @@ export class Executor {
     this.active = true;
     const term = ++this.term;
     this.termStartedAt = this.deps.clock.now();
-    this.deps.bus.newTerm?.();
+    this.deps.bus.newTerm?.(leaderTerm(this.deps.fence?.()));
     // stop() may come while this waits on NATS or etcd (the lease lapsed mid-start): from then
     // on nothing more is started in this term, and what it started afterwards stops at once
     // (addStop), so a replica that no longer leads runs no leader work.
@@ -1346,6 +1358,12 @@ export class Executor {
           await this.deps.bus.sendWork(hostId, msg);
           break;
         } catch (e) {
+          if (e instanceof ForkfleetError && e.kind === 'resource_exhausted') {
+            // Larger than the bus carries (a very large snapshot's manifest): no send will get
+            // through, so the step fails now, saying why, instead of after every attempt.
+            this.waiters.get(key)?.resolve(create(HostResultSchema, { opId: op.id, stepId, hostId, attempt: sends, error: { kind: 'resource_exhausted', message: `the step cannot be sent to host ${hostId}: ${e.message}`, retryable: false } }));
+            break;
+          }
           this.log.warn({ err: e, opId: op.id, stepId, hostId, try: i + 1 }, 'sending work failed; retrying');
           await new Promise((r) => setTimeout(r, delay));
         }

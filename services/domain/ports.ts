@@ -54,6 +54,14 @@ export type StoreWrite =
 export interface LeaderFence {
   readonly key: string;
   readonly createRevision: number;
+  /** The id of the etcd cluster the revision is of (decimal), where known. */
+  readonly clusterId?: string;
+}
+
+/** What orders leaders for host agents (HostWork.leader_term / leader_cluster). */
+export interface LeaderTerm {
+  readonly term: bigint;
+  readonly cluster: bigint;
 }
 
 export interface FleetStore {
@@ -203,6 +211,9 @@ export interface WorkBus {
    * lost on that evidence. Optional: a bus that cannot tell counts as always connected.
    */
   connectedForMs?(): number;
-  /** A leader term begins: work message ids must not repeat those of an earlier term of this process. Optional. */
-  newTerm?(): void;
+  /**
+   * A leader term begins: work message ids must not repeat those of an earlier term of this
+   * process, and work carries `term` (agents drop work of older terms). Optional.
+   */
+  newTerm?(term: LeaderTerm): void;
 }

@@ -64,3 +64,19 @@ describe('journal prune', () => {
     expect(await j.get('op-b', 's1')).toEqual(new Uint8Array([2]));
   });
 });
+
+describe('journal leader term', () => {
+  it('fsJournal_leaderTerm_isNoneAtFirst_keptAcrossInstancesAndPrunes_andAFileHoldingNoTermIsAnError', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
+    dirs.push(dir);
+    expect(await new FsJournal(join(dir, 'not-made-yet')).leaderTerm()).toBeUndefined();
+    const j = new FsJournal(join(dir, 'j'));
+    await j.setLeaderTerm({ term: 18_446_744_073_709_551_615n, cluster: 14_841_639_068_965_178_418n });
+    await j.setLeaderTerm({ term: 42n, cluster: 14_841_639_068_965_178_418n });
+    await j.put('op-old', 'create', new Uint8Array([1]));
+    expect(await j.prune(Date.now() + 60_000)).toBe(1); // every op goes; the term stays
+    expect(await new FsJournal(join(dir, 'j')).leaderTerm()).toEqual({ term: 42n, cluster: 14_841_639_068_965_178_418n });
+    writeFileSync(join(dir, 'j', 'leader-term'), '42\n');
+    await expect(j.leaderTerm()).rejects.toThrow(/holds no leader term/);
+  });
+});

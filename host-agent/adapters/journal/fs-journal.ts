@@ -5,7 +5,8 @@
 import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { createHash } from 'node:crypto';
 import { join } from 'node:path';
-import type { Journal } from '../../domain/agent.ts';
+import type { Journal, LeaderTerm } from '../../domain/agent.ts';
+import { writeFileDurable } from '../durable.ts';
 
 const SAFE = /^[A-Za-z0-9_-]+$/;
 /** Longer op ids (the scheduler's own, e.g. a stray VM's stop names the host and the sandbox) go by a digest. */
@@ -48,6 +49,31 @@ export class FsJournal implements Journal {
     const tmp = `${p}.tmp-${process.pid}`;
     await writeFile(tmp, result);
     await rename(tmp, p);
+  }
+
+  /** The newest leader term (Journal.leaderTerm): a file beside the op directories, which prune leaves. */
+  private get termPath(): string {
+    return join(this.dir, 'leader-term');
+  }
+
+  /** `<cluster> <term>`, decimal. */
+  async leaderTerm(): Promise<LeaderTerm | undefined> {
+    let text: string;
+    try {
+      text = (await readFile(this.termPath, 'utf8')).trim();
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code === 'ENOENT') return undefined;
+      throw e;
+    }
+    const m = /^(\d{1,20}) (\d{1,20})$/.exec(text);
+    if (!m) throw new Error(`journal: ${this.termPath} holds no leader term: ${JSON.stringify(text.slice(0, 60))}`);
+    return { cluster: BigInt(m[1]!), term: BigInt(m[2]!) };
+  }
+
+  async setLeaderTerm(term: LeaderTerm): Promise<void> {
+    await mkdir(this.dir, { recursive: true });
+    // Durable: a term forgotten by an OS crash would let a deposed leader's redelivered step act.
+    await writeFileDurable(this.termPath, `${term.cluster} ${term.term}\n`);
   }
 
   private swept = false;

@@ -1,7 +1,7 @@
 // Step results kept in memory only: for agents that are never restarted (the fake agents of
 // bench:placement, FF_FAKE_STATE=memory) and for unit tests. A restart loses them, so a real
 // agent uses FsJournal.
-import type { Journal } from '../../domain/agent.ts';
+import type { Journal, LeaderTerm } from '../../domain/agent.ts';
 
 export class MemoryJournal implements Journal {
   /** By `<opId>/<stepId>`. */
@@ -18,6 +18,18 @@ export class MemoryJournal implements Journal {
     this.results.set(`${opId}/${stepId}`, result);
     this.lastAt.delete(opId);
     this.lastAt.set(opId, Date.now());
+    return Promise.resolve();
+  }
+
+  /** The newest leader term kept (setLeaderTerm). */
+  term: LeaderTerm | undefined;
+
+  leaderTerm(): Promise<LeaderTerm | undefined> {
+    return Promise.resolve(this.term);
+  }
+
+  setLeaderTerm(term: LeaderTerm): Promise<void> {
+    this.term = term;
     return Promise.resolve();
   }
 

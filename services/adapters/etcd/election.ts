@@ -101,8 +101,9 @@ export class EtcdLeaderElection implements LeaderElection {
           const key = await c.getCampaignKey();
           for (let attempt = 1; ; attempt++) {
             try {
-              const kv = (await this.client.get(key).exec()).kvs[0];
-              return { key, createRevision: kv ? Number(kv.create_revision) : -1 };
+              const res = await this.client.get(key).exec();
+              const kv = res.kvs[0];
+              return { key, createRevision: kv ? Number(kv.create_revision) : -1, clusterId: res.header.cluster_id };
             } catch (e) {
               if (attempt === 5 || ended) throw e;
               await new Promise((r) => setTimeout(r, 200 * attempt));

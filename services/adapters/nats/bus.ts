@@ -7,7 +7,7 @@ import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection, Subscrip
 import type { Logger } from 'pino';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { BinaryReader } from '@bufbuild/protobuf/wire';
-import type { WorkBus } from '../../domain/ports.ts';
+import type { LeaderTerm, WorkBus } from '../../domain/ports.ts';
 import {
   HeartbeatSchema,
   HostEventSchema,
@@ -93,6 +93,9 @@ export class NatsWorkBus implements WorkBus {
   /** Asked before host work is published: an error (no longer leading) fails the send instead. */
   private workFence: (() => Error | undefined) | undefined;
 
+  /** The leader term stamped on host work (newTerm); 0 before the first. */
+  private term: LeaderTerm = { term: 0n, cluster: 0n };
+
   private constructor(
     private readonly nc: NatsConnection,
     private readonly jsm: JetStreamManager,
@@ -123,9 +126,12 @@ export class NatsWorkBus implements WorkBus {
    * A new sender nonce for work message ids: called when this scheduler starts a leader term.
    * A replica that lost its lease and won it back within JetStream's duplicate window would
    * otherwise send a step again under the id it had used before, and have it dropped.
+   * `term` goes into every work message from now on: agents drop work of an older term than
+   * they have taken (HostWork.leader_term).
    */
-  newTerm(): void {
+  newTerm(term: LeaderTerm = { term: 0n, cluster: 0n }): void {
     this.nonce = randomBytes(6).toString('hex');
+    this.term = term;
   }
 
   connectedForMs(): number {
@@ -162,7 +168,8 @@ export class NatsWorkBus implements WorkBus {
     // The host is part of the id: JetStream dedups per stream, and FF_WORK takes every host's
     // subject (the same op and step can go to two hosts, e.g. a stale-snapshot delete).
     const msgId = `${hostId}/${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}`;
-    const bytes = toBinary(HostWorkSchema, work);
+    const { term, cluster } = this.term;
+    const bytes = toBinary(HostWorkSchema, term > 0n ? { ...work, leaderTerm: term, leaderCluster: cluster } : work);
     // Steps for the same host in the same turn go out as one message (batcher.ts), to hosts
     // that said in their heartbeats that they read batches.
     try {

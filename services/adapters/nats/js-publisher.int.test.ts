@@ -42,6 +42,11 @@ describe('JsPublisher', () => {
     await expect(JsPublisher.of(nc).publish('nostream.here', Buffer.from('x'))).rejects.toMatchObject({ kind: 'unavailable', message: expect.stringContaining('no responders') });
   });
 
+  it('publish_ofMoreThanTheServersMaxPayload_failsAsResourceExhaustedNamingBothSizes_notUnavailable', async () => {
+    const max = nc.info!.max_payload;
+    await expect(JsPublisher.of(nc).publish('t.big', new Uint8Array(max + 1))).rejects.toMatchObject({ kind: 'resource_exhausted', retryable: false, message: expect.stringContaining(`${max + 1} bytes is more than the NATS server's max_payload of ${max} bytes`) });
+  });
+
   it('publish_whenNoPubAckComes_failsAtItsDeadline_andClose_failsWhatWaits', async () => {
     // A plain subscriber answers nothing on this subject: no stream, but a responder exists.
     const mute = nc.subscribe('mute.>', { callback: () => undefined });

@@ -87,7 +87,9 @@ export class JsPublisher {
         this.nc.publish(subject, data, { reply: `${this.inbox}.${token}`, ...(h ? { headers: h } : {}) });
       } catch (e) {
         this.pending.delete(token);
-        reject(new ForkfleetError('unavailable', `JetStream publish to ${subject} failed: ${(e as Error).message}`, { cause: e }));
+        // Larger than the server takes: every retry would fail alike, so not "unavailable".
+        if ((e as { code?: string }).code === 'MAX_PAYLOAD_EXCEEDED') reject(new ForkfleetError('resource_exhausted', `JetStream publish to ${subject}: ${data.length} bytes is more than the NATS server's max_payload of ${this.nc.info?.max_payload ?? '?'} bytes`, { cause: e, retryable: false }));
+        else reject(new ForkfleetError('unavailable', `JetStream publish to ${subject} failed: ${(e as Error).message}`, { cause: e }));
       }
     });
   }
