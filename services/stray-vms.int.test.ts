@@ -16,6 +16,8 @@ import { subjects } from './adapters/nats/subjects.ts';
 import { HostWorkSchema } from './domain/messages.ts';
 import { OperationState } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { status as Status } from '@grpc/grpc-js';
+import type { RpcError } from './adapters/grpc/status.ts';
 
 const tenantId = 't1';
 let keyN = 0;
@@ -77,6 +79,19 @@ describe('stray VMs (real etcd, NATS, fake agents)', () => {
     expect(vmsOn('fake-1')).toEqual([liveId]);
     const rec = await api.getSandbox({ tenantId, sandboxId: liveId });
     expect(rec.hostId).toBe('fake-1');
+  }, 60_000);
+
+  it('exec_inASandboxWhoseVmIsGoneFromItsHost_isFailedPreconditionNamingSandboxId_asTheHostSaidIt', async () => {
+    const made = await ok(await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-1' } }));
+    const id = made.result.case === 'sandbox' ? made.result.value.id : '';
+    const gone = create(HostWorkSchema, { opId: `op-test-gone-${id}`, stepId: 'destroy', attempt: 1, tenantId, work: { case: 'destroyVm', value: { sandboxId: id } as never } });
+    await nc.jetstream().publish(subjects.work('fake-1'), toBinary(HostWorkSchema, gone), { msgID: `test/gone/${id}` });
+    await waitFor(`VM ${id} gone`, async () => !vmsOn('fake-1').includes(id), 10_000, 50);
+    const e = (await (async () => {
+      for await (const _ of api.exec({ tenantId, sandboxId: id, argv: ['true'] })) void _;
+    })().then(() => undefined, (x: unknown) => x)) as RpcError | undefined;
+    expect([e && Status[e.code], e?.field]).toEqual(['FAILED_PRECONDITION', 'sandbox_id']);
+    await ok(await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
   }, 60_000);
 
   it('aVmOfADestroyedSandbox_isStopped', async () => {

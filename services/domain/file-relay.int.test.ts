@@ -125,4 +125,22 @@ describe('file relay to an agent without ranged files (real etcd, NATS)', () => 
       sub.unsubscribe();
     }
   });
+
+  it('fileCalls_whoseCallHasEnded_writeNothing_andReadNoFurtherPiece', async () => {
+    const ended = new AbortController();
+    ended.abort();
+    requests.length = 0;
+    await expect(fleet.writeFile('t', 'sb-aaaaaaaaaaaaaaaaaaaa', '/tmp/f', 0o644, Buffer.from('x'), ended.signal)).rejects.toMatchObject({ kind: 'cancelled' });
+    expect(requests).toEqual([]);
+    // Ended after the first piece of a 3 MiB read: no second piece is asked for.
+    ranged.data = Buffer.alloc(3 << 20, 1);
+    const mid = new AbortController();
+    let pieces = 0;
+    const hold = (): void => {
+      pieces++;
+      mid.abort();
+    };
+    await expect(fleet.readFile('t', 'sb-rangedaaaaaaaaaaaaa', '/tmp/big', 3 << 20, false, hold, mid.signal)).rejects.toMatchObject({ kind: 'cancelled' });
+    expect(pieces).toBe(1);
+  });
 });

@@ -1,7 +1,7 @@
 // API use cases of the Fleet service. Any scheduler replica serves them: reads go to
 // etcd, mutations are recorded as pending operations (with their idempotency key) that the
 // leader's Executor carries out. Inputs arrive validated (adapters/grpc/convert.ts).
-import { randomBytes, randomFillSync } from 'node:crypto';
+import { createHash, randomBytes, randomFillSync } from 'node:crypto';
 import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
@@ -156,10 +156,15 @@ function restoredResources(sn: SnapshotRec, asked: ResourcesRec, set: CreateInpu
   return { ...asked, memoryMib: vm.memoryMib, vcpus: vm.vcpus };
 }
 
-/** What a repeat of an idempotency key asks for: one of these kinds of operation, on this target (when known before the operation exists). */
+/**
+ * What a repeat of an idempotency key asks for: one of these kinds of operation, on this
+ * target (when known before the operation exists), with these parameters (`digest`,
+ * requestDigest; when the caller has any).
+ */
 interface Repeat {
   kinds: readonly OperationKind[];
   targetId?: string;
+  digest?: string;
 }
 
 function isRepeatOf(op: OperationRec, r: Repeat): boolean {
@@ -167,6 +172,33 @@ function isRepeatOf(op: OperationRec, r: Repeat): boolean {
   if (r.targetId === undefined || op.targetId === r.targetId) return true;
   // A fork of a hibernated sandbox is a fork of its hibernation snapshot (forkSandbox).
   return op.kind === 'fork' && (op.input as { hibernatedSandboxId?: string }).hibernatedSandboxId === r.targetId;
+}
+
+/** JSON with every object's keys sorted (and undefined members left out), bigints as strings: equal for equal values. */
+function canonicalJson(v: unknown): string {
+  if (v === undefined || v === null) return 'null';
+  if (typeof v === 'bigint') return JSON.stringify(String(v));
+  if (v instanceof Uint8Array) return JSON.stringify(Buffer.from(v).toString('base64'));
+  if (Array.isArray(v)) return `[${v.map(canonicalJson).join(',')}]`;
+  if (typeof v === 'object') {
+    const o = v as Record<string, unknown>;
+    const members = Object.keys(o)
+      .filter((k) => o[k] !== undefined)
+      .sort()
+      .map((k) => `${JSON.stringify(k)}:${canonicalJson(o[k])}`);
+    return `{${members.join(',')}}`;
+  }
+  return JSON.stringify(v);
+}
+
+/**
+ * A digest of what a request asks for beside its kind and target (its validated input, less
+ * the tenant, key and target), kept on its operation (OperationRec.requestDigest): a repeat of
+ * the key that asks for something else (another fork count, a snapshot pinned this time) is
+ * refused instead of answered with an operation that did not do it.
+ */
+export function requestDigest(params: Record<string, unknown>): string {
+  return createHash('sha256').update(canonicalJson(params)).digest('base64url').slice(0, 22);
 }
 
 /**
@@ -198,6 +230,10 @@ export class Fleet {
     if (op && !isRepeatOf(op, repeat)) {
       throw new InvalidArgumentError('idempotency_key', `already used for another request (operation ${op.id}: ${op.kind.replace('_', ' ')} of ${op.targetId}); a different request needs a key of its own`);
     }
+    // Operations recorded before requests had digests are compared by kind and target only.
+    if (op && repeat.digest !== undefined && op.requestDigest !== undefined && op.requestDigest !== repeat.digest) {
+      throw new InvalidArgumentError('idempotency_key', `already used for a ${op.kind.replace('_', ' ')} of ${op.targetId} that asked for something else (operation ${op.id}); a request with other parameters needs a key of its own`);
+    }
     return op;
   }
 
@@ -210,10 +246,11 @@ export class Fleet {
    * Records a pending operation under its idempotency key, with any records it creates,
    * in one transaction. A repeat of the key returns the first operation unchanged.
    * `checked`: the caller has just looked the key up (the transaction's guard on the key
-   * still catches a repeat that raced it).
+   * still catches a repeat that raced it). `digest`: the request's (requestDigest), recorded.
    */
-  async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = [], checked = false): Promise<OperationRec> {
-    const repeat: Repeat = { kinds: [kind], targetId };
+  async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = [], o: { checked?: boolean; digest?: string } = {}): Promise<OperationRec> {
+    const checked = o.checked ?? false;
+    const repeat: Repeat = { kinds: [kind], targetId, ...(o.digest !== undefined ? { digest: o.digest } : {}) };
     const prior = checked ? undefined : await this.existingOp(tenantId, key, repeat);
     if (prior) return prior;
     const now = this.deps.clock.now();
@@ -231,6 +268,7 @@ export class Fleet {
       error: null,
       steps: {},
       idempotencyKey: key,
+      ...(o.digest !== undefined ? { requestDigest: o.digest } : {}),
     };
     const ok = await this.deps.store.commit([
       { kind: 'idem', tenantId, key, opId: op.id, expectRevision: 0 },
@@ -291,7 +329,9 @@ export class Fleet {
   }
 
   async createSandbox(input: CreateInput): Promise<OperationRec> {
-    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['create'] });
+    const { tenantId: _tenant, idempotencyKey: _key, ...asked } = input;
+    const digest = requestDigest(asked);
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['create'], digest });
     if (prior) return prior;
     await this.knownHost(input.placement);
     const sn = input.snapshotId ? await this.getSnapshot(input.tenantId, input.snapshotId) : undefined;
@@ -299,12 +339,12 @@ export class Fleet {
     if (sn && sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be restored', 'snapshot_id');
     const resources = sn ? restoredResources(sn, input.resources, input.resourcesSet) : input.resources;
     return this.inAdmissionOrder(input.tenantId, async () => {
-      const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['create'] }, { sandboxes: 1, memoryMib: resources.memoryMib });
-      return raced ?? this.submitCreate(input, resources);
+      const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['create'], digest }, { sandboxes: 1, memoryMib: resources.memoryMib });
+      return raced ?? this.submitCreate(input, resources, digest);
     });
   }
 
-  private submitCreate(input: CreateInput, resources: SandboxRec['resources']): Promise<OperationRec> {
+  private submitCreate(input: CreateInput, resources: SandboxRec['resources'], digest: string): Promise<OperationRec> {
     const id = newId('sb');
     const now = this.deps.clock.now();
     const sb: SandboxRec = {
@@ -331,11 +371,14 @@ export class Fleet {
       hibernationSnapshotId: '',
       opId: '',
     };
-    return this.submit(input.tenantId, input.idempotencyKey, 'create', id, { placement: input.placement }, [{ kind: 'sandbox', value: sb, expectRevision: 0 }], true);
+    return this.submit(input.tenantId, input.idempotencyKey, 'create', id, { placement: input.placement }, [{ kind: 'sandbox', value: sb, expectRevision: 0 }], { checked: true, digest });
   }
 
   async forkSandbox(input: ForkInput): Promise<OperationRec> {
-    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId });
+    // The source is the target (a hibernated sandbox's fork, rewritten below, keeps the digest).
+    const { tenantId: _tenant, idempotencyKey: _key, snapshotId: _sn, sandboxId: _sb, hibernatedSandboxId: _hib, ...asked } = input;
+    const digest = requestDigest(asked);
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId, digest });
     if (prior) return prior;
     await this.knownHost(input.placement);
     let lineageId: string;
@@ -366,12 +409,12 @@ export class Fleet {
     const fit = Math.floor(PLACEMENT_TXN_MAX_BYTES / perChild);
     if (input.count > fit) throw new InvalidArgumentError('count', `at most ${fit} children with these labels and after_resume hooks (~${perChild} bytes in each child's record; a fork writes all its children in one transaction of at most ${PLACEMENT_TXN_MAX_BYTES} bytes)`);
     return this.inAdmissionOrder(input.tenantId, async () => {
-      const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId }, forkNeed(this.deps.store, input.tenantId, input, input.count));
-      return raced ?? this.submitFork(input, lineageId);
+      const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId, digest }, forkNeed(this.deps.store, input.tenantId, input, input.count));
+      return raced ?? this.submitFork(input, lineageId, digest);
     });
   }
 
-  private submitFork(input: ForkInput, lineageId: string): Promise<OperationRec> {
+  private submitFork(input: ForkInput, lineageId: string, digest: string): Promise<OperationRec> {
     const childIds = Array.from({ length: input.count }, () => newId('sb'));
     return this.submit(input.tenantId, input.idempotencyKey, 'fork', input.snapshotId || input.sandboxId, {
       snapshotId: input.snapshotId,
@@ -386,7 +429,7 @@ export class Fleet {
       afterResume: input.afterResume,
       ...(input.hibernatedSandboxId ? { hibernatedSandboxId: input.hibernatedSandboxId } : {}),
       ...(input.sandboxId ? { snapshotRetention: input.snapshotRetention ?? { ttlMs: this.deps.forkSnapshotTtlMs || null, keepLast: 0 } } : {}),
-    }, [], true);
+    }, [], { checked: true, digest });
   }
 
   /**
@@ -398,14 +441,16 @@ export class Fleet {
     // A repeat of the key answers with its operation even when the sandbox is gone by now.
     const read = this.getSandbox(input.tenantId, input.sandboxId);
     read.catch(() => undefined);
-    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: kind === 'resume' ? ['resume', 'wake'] : [kind], targetId: input.sandboxId });
+    const { tenantId: _tenant, idempotencyKey: _key, sandboxId: _sb, ...asked } = input as SandboxOpInput & Record<string, unknown>;
+    const digest = requestDigest(asked);
+    const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: kind === 'resume' ? ['resume', 'wake'] : [kind], targetId: input.sandboxId, digest });
     if (prior) return prior;
     const sb = await read;
     if (choose) [kind, allowed] = choose(sb);
     if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`, 'sandbox_id');
     if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
     if (kind === 'wake') await this.admitWake(input.tenantId, sb);
-    const op = await this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], true);
+    const op = await this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], { checked: true, digest });
     this.readAtSubmit.set(op, sb);
     return op;
   }
@@ -488,7 +533,7 @@ export class Fleet {
 
   pinSnapshot(tenantId: string, id: string, pinned: boolean): Promise<SnapshotRec> {
     return this.updateSnapshot(tenantId, id, (s) => {
-      if (pinned && s.state === 'deleting') throw new WrongStateError('snapshot', id, 'deleting', 'it cannot be pinned any more');
+      if (pinned && s.state === 'deleting') throw new WrongStateError('snapshot', id, 'deleting', 'it cannot be pinned any more', 'snapshot_id');
       s.pinned = pinned;
     });
   }
@@ -719,8 +764,16 @@ export class Fleet {
    * failure part-way (a full guest disk, a lost relay) leaves the old file as it was, and the
    * temporary file is removed (best effort).
    */
-  async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array): Promise<number> {
-    const sb = await this.runningSandbox(tenantId, sandboxId, undefined, 'header.sandbox_id');
+  /**
+   * `signal`: the call's (cancelled, past its deadline, its credential revoked): a wake it
+   * waits for goes on, but nothing is written once it aborts (and a part written is removed).
+   */
+  async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array, signal?: AbortSignal): Promise<number> {
+    const sb = await this.runningSandbox(tenantId, sandboxId, signal, 'header.sandbox_id');
+    const gone = (): void => {
+      if (signal?.aborted) throw new ForkfleetError('cancelled', `the call ended before ${path} was written`);
+    };
+    gone();
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
       // An older agent truncates on every write and ignores append and mode.
@@ -736,9 +789,11 @@ export class Fleet {
     let written = 0;
     try {
       for (let off = 0; off < data.length; off += piece) {
+        gone();
         const last = off + piece >= data.length;
         written += await write(tmp, data.subarray(off, off + piece), off > 0, last);
       }
+      gone();
       await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', PUT_IN_PLACE, 'ff-put', tmp, path, String(mode)], 'header.path');
     } catch (e) {
       await this.guestCommand(sb.hostId, sandboxId, ['/bin/rm', '-f', tmp], 'header.path').catch(() => undefined);
@@ -770,8 +825,12 @@ export class Fleet {
    * and `maxBytes` is the server's limit: a longer file is refused, not cut short. `hold` is
    * told of each piece before it is kept (it may refuse by throwing).
    */
-  async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number, whole = false, hold: (bytes: number) => void = () => undefined): Promise<Uint8Array> {
-    const sb = await this.runningSandbox(tenantId, sandboxId);
+  /** `signal`: the call's; once it aborts no further piece is read. */
+  async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number, whole = false, hold: (bytes: number) => void = () => undefined, signal?: AbortSignal): Promise<Uint8Array> {
+    const sb = await this.runningSandbox(tenantId, sandboxId, signal);
+    const gone = (): void => {
+      if (signal?.aborted) throw new ForkfleetError('cancelled', `the call ended while ${path} was read`);
+    };
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
       // An older agent ignores the offset: one request, capped so that its answer fits.
@@ -785,6 +844,7 @@ export class Fleet {
     let got = 0;
     let ended = false;
     while (got < maxBytes) {
+      gone();
       const want = Math.min(piece, maxBytes - got);
       const res = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want), offset: BigInt(got) } } }));
       hold(res.data.length);
@@ -885,7 +945,8 @@ export class Fleet {
   }
 
   async drainHost(key: string, hostId: string, migrate: boolean): Promise<OperationRec> {
-    const prior = await this.existingOp('admin', key, { kinds: ['drain'], targetId: hostId });
+    const digest = requestDigest({ migrate });
+    const prior = await this.existingOp('admin', key, { kinds: ['drain'], targetId: hostId, digest });
     if (prior) return prior;
     // The cordon and the drain op commit together: a crash between them cannot leave a host
     // cordoned with nothing draining it. A conflict (the host record changed) re-reads.
@@ -894,7 +955,7 @@ export class Fleet {
       if (!v) throw new NotFoundError('host', hostId);
       const cordon: StoreWrite = { kind: 'host', value: { ...v.value, cordoned: true }, expectRevision: v.modRevision };
       try {
-        return await this.submit('admin', key, 'drain', hostId, { migrate }, [cordon], true);
+        return await this.submit('admin', key, 'drain', hostId, { migrate }, [cordon], { checked: true, digest });
       } catch (e) {
         if (!(e instanceof ForkfleetError && e.kind === 'aborted')) throw e;
       }

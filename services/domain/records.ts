@@ -248,6 +248,8 @@ export interface OperationRec {
   steps: Record<string, StepRec>;
   /** The idempotency key it was submitted with: deleted with the record when it expires (history.ts). */
   idempotencyKey?: string;
+  /** What the request asked for beside kind and target (fleet.ts requestDigest): a repeat of the key must ask the same. */
+  requestDigest?: string;
   /** CancelOperation asked it to stop: the leader ends it `cancelled` at its next safe point (executor.ts). */
   cancelRequested?: boolean;
 }

@@ -315,6 +315,34 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     expect(await revision(), 'a refused call wrote to etcd').toBe(before);
   });
 
+  it('idempotencyKey_usedAgainWithOtherParameters_isInvalidArgumentNamingIt_whileTheSameRequestAgainGetsTheFirstOperation', async () => {
+    const t = 'rekey-params';
+    const a = `sb-${'p'.repeat(20)}`;
+    await store.commit([{ kind: 'sandbox', value: sandboxRecord({ id: a, tenantId: t, lineageId: a }) }]);
+    const create = (memoryMib: bigint, labels: Record<string, string> = {}) => api.createSandbox({ tenantId: t, idempotencyKey: 'c', source: { case: 'image', value: 'tiny' }, resources: { memoryMib, vcpus: 1 }, labels }, opts);
+    const snapshot = (pin: boolean) => api.snapshotSandbox({ tenantId: t, idempotencyKey: 's', sandboxId: a, pin }, opts);
+    const fork = (count: number) => api.forkSandbox({ tenantId: t, idempotencyKey: 'f', source: { case: 'sandboxId', value: a }, count }, opts);
+    const hibernate = (replicas: number) => api.hibernateSandbox({ tenantId: t, idempotencyKey: 'h', sandboxId: a, replicas }, opts);
+    const cases: Array<[() => Promise<{ id: string }>, Array<() => Promise<unknown>>]> = [
+      [() => create(256n, { team: 'rl' }), [() => create(512n, { team: 'rl' }), () => create(256n, { team: 'eval' }), () => create(256n)]],
+      [() => snapshot(false), [() => snapshot(true)]],
+      [() => fork(1), [() => fork(64)]],
+      [() => hibernate(1), [() => hibernate(2)]],
+    ];
+    for (const [same, others] of cases) {
+      const first = await same();
+      expect((await same()).id).toBe(first.id);
+      const before = await revision();
+      for (const other of others) {
+        const e = (await other().then(() => undefined, (x: unknown) => x)) as RpcError | undefined;
+        expect([e && Status[e.code], e?.field]).toEqual([Status[Status.INVALID_ARGUMENT], 'idempotency_key']);
+        expect(e?.message).toContain(first.id);
+      }
+      expect(await revision(), 'a refused call wrote to etcd').toBe(before);
+      expect((await same()).id).toBe(first.id);
+    }
+  });
+
   it('rawBytes_thatAreNotAValidMessage_getInvalidArgumentAndServerStaysUp', async () => {
     const raw = new GrpcClient(server.address, fleetChannelCredentials({ caPem: creds.caPem, token: creds.adminToken }), fleetChannelOptions(server.address));
     const methods = ['CreateSandbox', 'ForkSandbox', 'GetSandbox', 'WaitOperation', 'CordonHost', 'Exec'];

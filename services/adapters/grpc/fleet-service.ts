@@ -188,7 +188,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             // The host had the request: the command may have started (a guest channel that
             // broke mid-run), and an Exec is not deduplicated, so a retry could run it twice.
             // Not retryable whatever the host's error says; the caller decides.
-            throw new ForkfleetError(out.payload.value.kind as ForkfleetError['kind'], out.payload.value.message, { retryable: false });
+            throw new ForkfleetError(out.payload.value.kind as ForkfleetError['kind'], out.payload.value.message, { retryable: false, ...(out.payload.value.field ? { field: out.payload.value.field } : {}) });
         }
       }
     },
@@ -222,7 +222,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         // The pieces go as soon as they are joined: the file is held once, not twice.
         const whole = Buffer.concat(parts);
         parts.length = 0;
-        const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, whole);
+        const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, whole, ctx.signal);
         return { bytesWritten: BigInt(written) };
       } finally {
         files.give(held);
@@ -238,7 +238,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max, req.maxBytes === 0n, (n) => {
           files.take(n, 'max_bytes');
           held += n;
-        });
+        }, ctx.signal);
         const piece = 256 * 1024;
         for (let off = 0; off < data.length; off += piece) yield { data: data.subarray(off, off + piece) };
         if (data.length === 0) yield { data: new Uint8Array() };
