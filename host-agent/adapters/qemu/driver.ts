@@ -213,6 +213,8 @@ const FF_CLONE_STEPS: Record<number, string> = {
 const VM_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$/;
 /** A resume refreshes the guest clock once the pauses since its last refresh add up to this. */
 const CLOCK_REFRESH_AFTER_MS = 200;
+/** How long a QEMU whose QMP closed unasked may take to be seen exiting before it is recorded crashed anyway (watch). */
+const CRASH_EXIT_WAIT_MS = 2000;
 const MIGRATION_TIMEOUT_MS = 120_000;
 /** Migration sources kept ready on a host, all snapshots together (ADR 0015). */
 const MIGRATION_SOURCES_MAX = 2;
@@ -519,16 +521,26 @@ export class QemuVmmDriver implements VmmDriver {
     }
   }
 
-  /** Crash detection: QMP closing when we did not ask QEMU to go is a crash. */
+  /**
+   * Crash detection: QMP closing when we did not ask QEMU to go is a crash. Recorded once the
+   * process is seen gone too (QMP can close before its exit is): a destroy of a crashed VM
+   * then signals nothing, so never a PID given to another process since. One that outlives
+   * its QMP by CRASH_EXIT_WAIT_MS counts as crashed all the same (a destroy kills it).
+   */
   private watch(rec: VmRecord): void {
     const { qmp, proc } = rec;
     qmp.onClosed(() => {
       if (rec.expectExit || rec.proc !== proc || this.vms.get(rec.info.vmId) !== rec) return;
-      const detail = `QEMU pid ${proc.pid} exited unexpectedly`;
-      rec.log.error({ pid: proc.pid }, 'vm crashed');
       rec.agent?.close();
-      if (canTransition(rec.info.state, 'crashed')) this.setState(rec, 'crashed');
-      this.emit({ type: 'crashed', vmId: rec.info.vmId, pid: proc.pid, detail });
+      let t: NodeJS.Timeout | undefined;
+      void Promise.race([proc.exited, new Promise<void>((r) => (t = setTimeout(r, CRASH_EXIT_WAIT_MS)))]).then(() => {
+        clearTimeout(t);
+        if (rec.expectExit || rec.proc !== proc || this.vms.get(rec.info.vmId) !== rec) return;
+        const detail = `QEMU pid ${proc.pid} exited unexpectedly`;
+        rec.log.error({ pid: proc.pid }, 'vm crashed');
+        if (canTransition(rec.info.state, 'crashed')) this.setState(rec, 'crashed');
+        this.emit({ type: 'crashed', vmId: rec.info.vmId, pid: proc.pid, detail });
+      });
     });
   }
 
