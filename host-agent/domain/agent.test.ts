@@ -212,6 +212,34 @@ describe('Agent steps', () => {
     expect([...vms.keys()]).toEqual([]);
   });
 
+  it('stopOfAStartGivenUp_endsTheVmThatStartMade_andALaterOpsRestoreOfTheSandboxMakesItsOwnAfterIt', async () => {
+    const vms = new Map<string, VmInfo>();
+    let forks = 0;
+    let destroys = 0;
+    let releaseFirst: () => void = () => undefined;
+    const firstFetched = new Promise<void>((r) => (releaseFirst = r));
+    const driver = mapDriver(vms);
+    const { agent } = agentWith(
+      { ...driver, fork: (s, clones) => (forks++, driver.fork!(s, clones)), destroy: (id) => (destroys++, driver.destroy!(id)) },
+      // The first wake's fetch is slow; the second's is at once.
+      { obtain: async (_id, fetch) => (fetch?.snapshotId === 'slow' ? await firstFetched : undefined, { local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) },
+    );
+    const restore = (opId: string, fetchId: string) => agent.runStep(create(HostWorkSchema, { opId, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }], fetch: { snapshotId: fetchId } } } }));
+    // Wake 1 restores slowly; the scheduler gives up on it (stop), then wakes the sandbox here again.
+    const w1 = restore('op-w1', 'slow');
+    await new Promise((r) => setTimeout(r, 10));
+    const stop = agent.runStep(create(HostWorkSchema, { opId: 'op-w1', stepId: 'stop-unanswered/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }));
+    const w2 = restore('op-w2', 'fast');
+    await new Promise((r) => setTimeout(r, 10));
+    releaseFirst();
+    await Promise.all([w1, stop]);
+    const second = await w2;
+    expect(second.error).toBeUndefined();
+    expect(second.vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    // Wake 1's VM made and stopped, wake 2's made after it and running.
+    expect([forks, destroys, [...vms.keys()]]).toEqual([2, 1, ['sb-1']]);
+  });
+
   it('restoreOrCreate_ofAStartTheSchedulerGaveUpOnHere_doesNotMakeThatVm', async () => {
     const vms = new Map<string, VmInfo>();
     const { agent } = agentWith(mapDriver(vms), obtained);

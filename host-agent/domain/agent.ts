@@ -206,6 +206,10 @@ export class Agent {
   private readonly inProgress = new Map<string, Promise<HostResult>>();
   /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
   private readonly making = new Map<string, Set<Promise<void>>>();
+  /** Sandboxes whose VM running destroy steps stop: each step's settling (runStep). */
+  private readonly stopping = new Map<string, Set<Promise<void>>>();
+  /** Per running step (`${opId}/${stepId}`): the steps delivered before it that it waits for before it acts on its VMs (runStep). */
+  private readonly after = new Map<string, Array<Promise<void>>>();
   /**
    * `${opId}/${sandboxId}` of starts the scheduler gave up on here (a stop-unanswered,
    * stop-moved-on or stop-replaced step ran): a create or restore of that op that comes after
@@ -450,27 +454,34 @@ export class Agent {
     const key = `${w.opId}/${w.stepId}`;
     const running = this.inProgress.get(key);
     if (running) return running;
-    const p = this.runStepOnce(w).finally(() => this.inProgress.delete(key));
+    // What this step waits for, by delivery order (steps start in it): a destroy waits for
+    // the starts of its sandbox delivered before it, and a start for the destroys before it.
+    // A stop of a start the scheduler gave up on then ends the VM that start made, not one a
+    // later op's start (a wake placed on this host again) found running and took for its own.
+    const makes = makesOf(w);
+    const stops = w.work.case === 'destroyVm' && w.work.value.sandboxId ? [w.work.value.sandboxId] : [];
+    const before = [...makes.flatMap((id) => [...(this.stopping.get(id) ?? [])]), ...stops.flatMap((id) => [...(this.making.get(id) ?? [])])];
+    if (before.length > 0) this.after.set(key, before);
+    const p = this.runStepOnce(w).finally(() => {
+      this.inProgress.delete(key);
+      this.after.delete(key);
+    });
     this.inProgress.set(key, p);
     // VMs this step makes are "being made" from now on, before its journal read: a destroy
-    // delivered after it (steps start in delivery order) waits for it, instead of finding no
-    // VM while this step still reads its journal, and the VM then running on with no record.
-    const makes = makesOf(w);
-    if (makes.length > 0) {
-      const settled = p.then(
-        () => undefined,
-        () => undefined,
-      );
-      for (const id of makes) this.making.set(id, new Set([...(this.making.get(id) ?? []), settled]));
-      void settled.then(() => {
-        for (const id of makes) {
-          const steps = this.making.get(id);
-          steps?.delete(settled);
-          if (steps?.size === 0) this.making.delete(id);
-        }
-      });
-    }
+    // delivered after it waits for it, instead of finding no VM while this step still reads
+    // its journal, and the VM then running on with no record.
+    const settled = p.then(
+      () => undefined,
+      () => undefined,
+    );
+    track(this.making, makes, settled);
+    track(this.stopping, stops, settled);
     return p;
+  }
+
+  /** Settles when the steps delivered before `w` that it must wait for have (runStep). */
+  private stepsBefore(w: HostWork): Promise<unknown> {
+    return Promise.all(this.after.get(`${w.opId}/${w.stepId}`) ?? []);
   }
 
   private async runStepOnce(w: HostWork): Promise<HostResult> {
@@ -519,9 +530,10 @@ export class Agent {
 
   /**
    * A step's work. VMs a step makes are "being made" while it runs (runStep): a destroy of
-   * one of them waits for every step making it (the scheduler can give up on a slow create
-   * or restore and destroy its sandbox while the VM is still starting; found missing, the VM
-   * would run on with no record). The wait is bounded by those steps, which the scheduler's
+   * one of them waits for every step making it that was delivered before it (the scheduler
+   * can give up on a slow create or restore and destroy its sandbox while the VM is still
+   * starting; found missing, the VM would run on with no record), and a start waits for the
+   * destroys of its sandbox delivered before it. The wait is bounded by those steps, which the scheduler's
    * step timeout (180 s by default, per attempt) outlasts. Should the agent die meanwhile,
    * the scheduler stops a VM whose record moved on when the restore's result comes
    * (Executor.markRunning), or queues a stop of that op behind the restore (gaveUp).
@@ -559,6 +571,7 @@ export class Agent {
     switch (work.case) {
       case 'createVm': {
         const s = this.spec(work.value.vm, 'create_vm.vm');
+        await this.stepsBefore(w);
         if (await this.gaveUpOn(w.opId, s.sandboxId)) throw new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${s.sandboxId} here (op ${w.opId}): not started`);
         const existing = driver.get(s.sandboxId);
         if (existing && existing.state !== 'crashed' && existing.state !== 'destroyed') {
@@ -584,6 +597,7 @@ export class Agent {
         const specs = vms.map((v, i) => this.spec(v, `restore_vms.vms[${i}]`));
         const have: VmInfo[] = [];
         const missing: typeof specs = [];
+        await this.stepsBefore(w);
         const givenUp = await Promise.all(specs.map((s) => this.gaveUpOn(w.opId, s.sandboxId)));
         for (const [i, s] of specs.entries()) {
           // Given up on here (placed again elsewhere, say) before this step ran: not made.
@@ -685,7 +699,7 @@ export class Agent {
       }
       case 'destroyVm': {
         if (GAVE_UP_STEP.test(w.stepId)) this.rememberGaveUp(`${w.opId}/${work.value.sandboxId}`);
-        await Promise.all(this.making.get(work.value.sandboxId) ?? []);
+        await this.stepsBefore(w);
         if (driver.get(work.value.sandboxId)) await driver.destroy(work.value.sandboxId);
         return;
       }
@@ -868,6 +882,19 @@ export class Agent {
 }
 
 /** Sandbox ids a create or restore step makes. */
+/** Adds `settled` to each id's set in `m`, and takes it out again (and an emptied set) once it settles. */
+function track(m: Map<string, Set<Promise<void>>>, ids: readonly string[], settled: Promise<void>): void {
+  if (ids.length === 0) return;
+  for (const id of ids) m.set(id, new Set([...(m.get(id) ?? []), settled]));
+  void settled.then(() => {
+    for (const id of ids) {
+      const steps = m.get(id);
+      steps?.delete(settled);
+      if (steps?.size === 0) m.delete(id);
+    }
+  });
+}
+
 function makesOf(w: HostWork): string[] {
   const work = w.work;
   return (work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : []).filter(Boolean);
