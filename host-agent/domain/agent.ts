@@ -374,10 +374,11 @@ export class Agent {
    * client held through a disconnect, or a step of its that was redelivered): dropped, with no
    * result (the result stream is the new leader's, which may wait on the same step), since the
    * new leader may have acted on this host since. The new leader sends again the steps of the
-   * operations it runs on; a dropped clean-up of the old term (a stop sent without waiting) is
-   * left to the stray-VM check (a VM with no record is stopped). Judged in delivery order, so a newer term is taken before any later delivery.
-   * Terms of another etcd cluster are not compared: work of a cluster other than the kept
-   * one's is taken, and its term kept (etcd was made anew and counts from 1 again).
+   * operations it runs on; a dropped clean-up of the old term (a stop sent without waiting)
+   * is left to the stray-VM check (a VM with no record is stopped). Judged in delivery order,
+   * so a newer term is taken before any later delivery. Terms of another etcd cluster are not
+   * compared: work of a cluster other than the kept one's is taken, and its term kept (etcd
+   * was made anew and counts from 1 again).
    */
   private takesTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
@@ -533,8 +534,8 @@ export class Agent {
    * one of them waits for every step making it that was delivered before it (the scheduler
    * can give up on a slow create or restore and destroy its sandbox while the VM is still
    * starting; found missing, the VM would run on with no record), and a start waits for the
-   * destroys of its sandbox delivered before it. The wait is bounded by those steps, which the scheduler's
-   * step timeout (180 s by default, per attempt) outlasts. Should the agent die meanwhile,
+   * destroys of its sandbox delivered before it. The wait is bounded by those steps, which
+   * the scheduler's step timeout (180 s by default, per attempt) outlasts. Should the agent die meanwhile,
    * the scheduler stops a VM whose record moved on when the restore's result comes
    * (Executor.markRunning), or queues a stop of that op behind the restore (gaveUp).
    */
@@ -881,7 +882,6 @@ export class Agent {
   }
 }
 
-/** Sandbox ids a create or restore step makes. */
 /** Adds `settled` to each id's set in `m`, and takes it out again (and an emptied set) once it settles. */
 function track(m: Map<string, Set<Promise<void>>>, ids: readonly string[], settled: Promise<void>): void {
   if (ids.length === 0) return;
@@ -895,6 +895,7 @@ function track(m: Map<string, Set<Promise<void>>>, ids: readonly string[], settl
   });
 }
 
+/** Sandbox ids a create or restore step makes. */
 function makesOf(w: HostWork): string[] {
   const work = w.work;
   return (work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : []).filter(Boolean);
