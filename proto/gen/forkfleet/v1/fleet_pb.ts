@@ -2418,7 +2418,8 @@ export const OperationStepStateSchema: GenEnum<OperationStepState> = /*@__PURE__
  * - Every call that returns an Operation takes an `idempotency_key` (1..128 printable ASCII
  *   characters, not starting with "__": those keys are the scheduler's own).
  *   Repeating it with the same key and tenant returns the first call's operation and does
- *   nothing again. Pin, Unpin, SetSnapshotRetention and CordonHost set a value: repeating
+ *   nothing again; the same key with another request (another kind, target or parameters)
+ *   is INVALID_ARGUMENT on idempotency_key. Pin, Unpin, SetSnapshotRetention and CordonHost set a value: repeating
  *   one sets the same value again (their key is checked, not recorded). Exec and WriteFile
  *   are not deduplicated: a repeated Exec runs its command again, a repeated WriteFile
  *   writes the same bytes again; their key is optional.
