@@ -25,7 +25,8 @@ describe('record and VM out of step (real etcd, NATS, a fake agent)', () => {
   beforeAll(async () => {
     ts = await startTestScheduler({ prefix: 'ff-vmstate-' });
     api = ts.api;
-    host = await startFakeAgents({ hosts: ['fake-v'], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir });
+    // Pauses and resumes take 300 ms: long enough for ops submitted together to overlap.
+    host = await startFakeAgents({ hosts: ['fake-v'], dataDir: join(ts.dir, 'fleet'), natsUrl: ts.nats.url, logDir: ts.dir, env: { FF_FAKE_PAUSE_MS: '300' } });
     await waitFor('host registered', async () => (await api.listHosts({})).hosts.length === 1, 20_000, 100);
   }, 120_000);
 
@@ -62,4 +63,20 @@ describe('record and VM out of step (real etcd, NATS, a fake agent)', () => {
     expect(again.state, again.error?.message).toBe(OperationState.SUCCEEDED);
     expect(vmState(sid)).toBe('paused');
   }, 120_000);
+
+  it('pausesAndResumesOfOneSandbox_submittedTogether_runOneAfterAnotherInTheirOrder_andTheRecordEndsAsTheVm', async () => {
+    const made = await api.waitOperation({ tenantId, operationId: (await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } })).id, timeout: { seconds: 30n } });
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    for (const last of ['resume', 'pause'] as const) {
+      const kinds = last === 'resume' ? (['pause', 'resume', 'pause', 'resume'] as const) : (['resume', 'pause', 'resume', 'pause'] as const);
+      const ops = [];
+      for (const k of kinds) ops.push(await (k === 'pause' ? api.pauseSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid }) : api.resumeSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })));
+      const done = await Promise.all(ops.map(async (o) => api.waitOperation({ tenantId, operationId: o.id, timeout: { seconds: 30n } })));
+      expect(done.map((d) => OperationState[d.state])).toEqual(['SUCCEEDED', 'SUCCEEDED', 'SUCCEEDED', 'SUCCEEDED']);
+      // Each ended after the one before it.
+      for (let i = 1; i < done.length; i++) expect(Number(done[i]!.updatedAt!.seconds) * 1e3 + done[i]!.updatedAt!.nanos / 1e6).toBeGreaterThanOrEqual(Number(done[i - 1]!.updatedAt!.seconds) * 1e3 + done[i - 1]!.updatedAt!.nanos / 1e6);
+      const want = last === 'resume' ? 'running' : 'paused';
+      expect([SandboxState[(await api.getSandbox({ tenantId, sandboxId: sid })).state].toLowerCase(), vmState(sid)]).toEqual([want, want]);
+    }
+  });
 });

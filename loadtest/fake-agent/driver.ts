@@ -23,6 +23,8 @@ export interface FakeLatencies {
   /** Fetching a snapshot this host does not hold. */
   fetchMs: number;
   destroyMs: number;
+  /** A pause or a resume (default 0). */
+  pauseMs?: number;
 }
 
 export const NO_LATENCY: FakeLatencies = { createMs: 0, restoreMsPerVm: 0, snapshotMs: 0, fetchMs: 0, destroyMs: 0 };
@@ -169,14 +171,14 @@ export class FakeVmmDriver implements VmmDriver {
     return Promise.resolve();
   }
 
-  pause(vmId: string): Promise<void> {
+  async pause(vmId: string): Promise<void> {
+    await sleep(this.latency.pauseMs ?? 0);
     this.save({ ...this.vm(vmId), state: 'paused' });
-    return Promise.resolve();
   }
 
-  resume(vmId: string): Promise<void> {
+  async resume(vmId: string): Promise<void> {
+    await sleep(this.latency.pauseMs ?? 0);
     this.save({ ...this.vm(vmId), state: 'running' });
-    return Promise.resolve();
   }
 
   async snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot> {

@@ -6,7 +6,7 @@
 // Environment: FF_FAKE_HOSTS (comma-separated host ids, or FF_FAKE_HOST_COUNT + FF_FAKE_HOST_PREFIX),
 // FF_DATA_DIR (one sub-directory per host), FF_HEARTBEAT_INTERVAL_MS (500),
 // FF_FAKE_VCPUS (64), FF_FAKE_MEMORY_MIB (262144), FF_FAKE_CREATE_MS, FF_FAKE_RESTORE_MS_PER_VM,
-// FF_FAKE_SNAPSHOT_MS, FF_FAKE_FETCH_MS, FF_FAKE_DESTROY_MS (all 0), FF_STEP_CONCURRENCY (16),
+// FF_FAKE_SNAPSHOT_MS, FF_FAKE_FETCH_MS, FF_FAKE_DESTROY_MS, FF_FAKE_PAUSE_MS (all 0), FF_STEP_CONCURRENCY (16),
 // FF_FAKE_STATE (files, the default: VMs and the step journal survive a restart; memory: they
 // do not, and a fake host does no file I/O),
 // FF_NATS_NKEY_FILE + FF_NATS_INBOX_PREFIX (NATS authorization; see hostGroupPermissions).
@@ -48,6 +48,7 @@ async function main(): Promise<void> {
     snapshotMs: num('FF_FAKE_SNAPSHOT_MS', 0),
     fetchMs: num('FF_FAKE_FETCH_MS', 0),
     destroyMs: num('FF_FAKE_DESTROY_MS', 0),
+    pauseMs: num('FF_FAKE_PAUSE_MS', 0),
   };
   const agents: FakeAgent[] = [];
   for (const hostId of hosts) {

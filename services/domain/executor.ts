@@ -519,6 +519,8 @@ export class Executor {
   private readonly placeQueue: PlaceJob[] = [];
   private placeRunning = false;
   private readonly running = new Map<string, Promise<void>>();
+  /** Per sandbox (`tenant/id`): the last pause or resume queued to run (maybeRun runs them one at a time). */
+  private readonly vmStateTurns = new Map<string, Promise<void>>();
   /**
    * Ops this leader finished, with the revision of their final write (the latest 10,000): a
    * watch event that arrives after the run ended carries an older, unfinished copy, which
@@ -625,8 +627,9 @@ export class Executor {
     // The writes of an op this leader runs that it committed itself are skipped undecoded
     // (commit keeps its copy at that revision). Another's (a CancelOperation from an API
     // replica) are taken: the op reads its cancel from the copy.
+    // Oldest first: operations that must run in order (maybeRun) are started in it.
     const listOps = async (): Promise<void> => {
-      for (const v of await this.deps.store.listOps({ activeOnly: false })) this.onOp(v);
+      for (const v of (await this.deps.store.listOps({ activeOnly: false })).sort((a, b) => a.value.createdAt - b.value.createdAt)) this.onOp(v);
     };
     const ownWrite = (id: string, rev: number): boolean => this.running.has(id) && Math.max(this.ops.get(id)?.modRevision ?? 0, this.finishedAt.get(id) ?? 0) >= rev;
     await this.keepWatching(term, 'operation', (onError) => this.deps.store.watchOps((op, rev) => this.onOp({ value: op, modRevision: rev }), { only: (_tenantId, id, rev) => !ownWrite(id, rev), onError }), listOps);
@@ -1030,15 +1033,23 @@ export class Executor {
     const cur = this.ops.get(op.id);
     if (!cur || cur.modRevision < modRevision) this.ops.set(op.id, { value: op, modRevision });
     if (this.running.has(op.id)) return;
-    const p = this.run(op.tenantId, op.id)
+    // Pauses and resumes of one sandbox run one after another, in the order they come (their
+    // creation order: the watch's, and a new leader lists them so). Run together, a resume
+    // that found the record still running would ask nothing of the VM while the pause before
+    // it paused it, and the pause's write would leave the record paused after the resume.
+    const turn = op.kind === 'pause' || op.kind === 'resume' ? `${op.tenantId}/${op.targetId}` : undefined;
+    const before = turn === undefined ? undefined : this.vmStateTurns.get(turn);
+    const p = (before ? before.then(() => this.run(op.tenantId, op.id)) : this.run(op.tenantId, op.id))
       .catch((e: unknown) => this.log.error({ err: e, opId: op.id }, 'operation runner crashed'))
       .finally(() => {
         this.running.delete(op.id);
         this.ops.delete(op.id);
         this.opChains.delete(op.id);
         this.stepLog.delete(op.id);
+        if (turn !== undefined && this.vmStateTurns.get(turn) === p) this.vmStateTurns.delete(turn);
       });
     this.running.set(op.id, p);
+    if (turn !== undefined) this.vmStateTurns.set(turn, p);
   }
 
   /** A sandbox record at a revision, unless the index already has a later one. */
