@@ -22,7 +22,7 @@ import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { FleetView, PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
-import { HIBERNATION_LABEL, planRetention } from './retention.ts';
+import { HIBERNATION_LABEL, PURPOSE_LABEL, planRetention } from './retention.ts';
 import { fleetGauges } from './fleet-gauges.ts';
 import type { FleetGauges } from './fleet-gauges.ts';
 import { commitPurge, EXPIRING_SNAPSHOT_STATES, expiredRecords, finishedOpOf } from './history.ts';
@@ -2655,7 +2655,8 @@ export class Executor {
           o.progress.message = 'snapshotting source';
         });
       }
-      snapshotId = (await this.snapshotOf(op, input.sandboxId, id, { retentionTtlMs: input.snapshotRetention?.ttlMs ?? null, keepLast: input.snapshotRetention?.keepLast ?? 0 })).id;
+      // Labelled: its keep_last counts only against other forks' snapshots (retention.ts).
+      snapshotId = (await this.snapshotOf(op, input.sandboxId, id, { retentionTtlMs: input.snapshotRetention?.ttlMs ?? null, keepLast: input.snapshotRetention?.keepLast ?? 0, labels: { [PURPOSE_LABEL]: 'fork' } })).id;
     }
     const snv = await this.readSnapshot(op.tenantId, snapshotId);
     // A re-run whose children are placed (they are booked, and `starting`) goes on while the
@@ -3283,7 +3284,7 @@ export class Executor {
       if (cancelledUnbooked) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'its migration had no host booked yet: undone');
       // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
       if (sb.state === 'running') await this.step(op, stepId('pause'), from, pauseVm(sb.id));
-      sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { 'forkfleet.io/purpose': 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
+      sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { [PURPOSE_LABEL]: 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
       // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
       if (!m.toHostId) {
         let chosen = '';

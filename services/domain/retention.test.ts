@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import fc from 'fast-check';
-import { HIBERNATION_LABEL, planRetention } from './retention.ts';
+import { HIBERNATION_LABEL, PURPOSE_LABEL, planRetention } from './retention.ts';
 import type { SandboxRec, SnapshotRec } from './records.ts';
 import { snapshotRecord } from '../testkit/records.ts';
 
@@ -108,6 +108,19 @@ describe('planRetention', () => {
     const more = [...snaps, snap('u3', 7, { keepLast: 2 }), snap('h2', 8, { keepLast: 1, labels: hib })];
     const woke = [sandbox('sb-1', { state: 'hibernated', hibernationSnapshotId: 'h2' })];
     expect(planRetention(more, woke, 10 * MIN, NOTICE).announce.map((a) => a.snapshot.id).sort()).toEqual(['h1', 'u1']);
+  });
+
+  it('forkSnapshotsWithKeepLast_countOnlyAgainstEachOther_soTheyNeverPushAUsersSnapshotOut', () => {
+    const fork = { [PURPOSE_LABEL]: 'fork' };
+    const snaps = [
+      snap('u1', 1, { keepLast: 3 }),
+      snap('u2', 2, { keepLast: 3 }),
+      snap('u3', 3, { keepLast: 3 }),
+      // Forks of the live sandbox since, capped with snapshot_retention { keep_last: 3 }.
+      ...[4, 5, 6, 7].map((m) => snap(`f${m}`, m, { keepLast: 3, labels: fork })),
+    ];
+    // The oldest fork snapshot goes; every user snapshot stays.
+    expect(planRetention(snaps, [], 10 * MIN, NOTICE).announce.map((a) => a.snapshot.id)).toEqual(['f4']);
   });
 
   it('hibernationSnapshot_ofASandboxThatIsGone_expiresWithFullNotice_whileOneOfALiveSandboxIsKept', () => {

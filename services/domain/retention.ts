@@ -5,7 +5,8 @@
 //   - keep_last = N > 0: expires once it is not among the newest N ready, unpinned
 //     snapshots of its lineage that carry a keep_last rule too, and are of its kind: a
 //     sandbox's hibernation snapshots (label forkfleet.io/hibernation) count only against
-//     each other, every other snapshot only against other such snapshots. So the snapshots
+//     each other, the snapshots of forks of a live sandbox (label forkfleet.io/purpose: fork)
+//     only against each other, every other snapshot only against other such snapshots. So the snapshots
 //     the system takes (hibernation, fork of a live sandbox, migration, which carry their own
 //     rules) and snapshots taken without keep_last never push a user's snapshot out of its
 //     window;
@@ -34,6 +35,9 @@ export interface RetentionPlan {
 
 /** The label that names the sandbox a hibernation snapshot belongs to. */
 export const HIBERNATION_LABEL = 'forkfleet.io/hibernation';
+
+/** The label that says why the system took a snapshot ('fork': of a live sandbox a fork started from; 'migration'). */
+export const PURPOSE_LABEL = 'forkfleet.io/purpose';
 
 /**
  * When retention wants `sn` gone, or null when it is kept. `rank` is its place among the
@@ -69,7 +73,9 @@ export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: read
     if (sn.state !== 'ready' || sn.pinned) continue;
     // Ranked only against the snapshots it is counted against; one without keep_last is alone.
     const of = sn.labels[HIBERNATION_LABEL];
-    const key = sn.keepLast > 0 ? `${sn.tenantId}/${sn.lineageId || sn.id}/${of === undefined ? 'user' : `hibernation/${of}`}` : `${sn.tenantId}/alone/${sn.id}`;
+    const purpose = sn.labels[PURPOSE_LABEL];
+    const kind = of !== undefined ? `hibernation/${of}` : purpose !== undefined ? `purpose/${purpose}` : 'user';
+    const key = sn.keepLast > 0 ? `${sn.tenantId}/${sn.lineageId || sn.id}/${kind}` : `${sn.tenantId}/alone/${sn.id}`;
     const list = lineages.get(key);
     if (list) list.push(sn);
     else lineages.set(key, [sn]);
