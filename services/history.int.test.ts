@@ -22,6 +22,7 @@ import { status as Status } from '@grpc/grpc-js';
 import { connect } from 'nats';
 import { subjects } from './adapters/nats/subjects.ts';
 import { decodeHeartbeat } from './adapters/nats/bus.ts';
+import type { OperationRec } from './domain/records.ts';
 
 type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
@@ -123,6 +124,42 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     // The leader goes on placing from the kept one.
     const fork = await ok(await api.forkSandbox({ tenantId, idempotencyKey: 'snap-fork', source: { case: 'snapshotId', value: keep }, count: 2 }));
     expect(fork.result.case === 'fork' ? fork.result.value.children.length : 0).toBe(2);
+  }, 90_000);
+
+  it('retentionsDelete_ofASnapshotNotAnnouncedAndDue_keepsIt_aNewRetentionClearsAnAnnouncement_andOneDueIsDeleted', async () => {
+    const src = await create('exp-src');
+    const snap = async (key: string, keepLast = 0): Promise<string> => {
+      const op = await ok(await api.snapshotSandbox({ tenantId, idempotencyKey: key, sandboxId: src.sandboxId, retention: { keepLast } }));
+      return op.result.case === 'snapshot' ? op.result.value.id : '';
+    };
+    const dueAt = async (id: string): Promise<number | null> => (await store.getSnapshot(tenantId, id))?.value.expiryDueAt ?? null;
+    /** The delete retention submits for a snapshot it planned gone (Executor: `__expire/<id>/<rev>`). */
+    const expire = async (sn: string, n: number): Promise<OperationRec> => {
+      const now = Date.now();
+      const id = `op-exp${String(n).padStart(17, '0')}`;
+      const op: OperationRec = { id, tenantId, kind: 'delete_snapshot', state: 'pending', createdAt: now, updatedAt: now, targetId: sn, input: { reason: 'expired' }, progress: { done: 0, total: 0, message: 'queued', bytesTransferred: 0 }, result: null, error: null, steps: {} };
+      expect(await store.commit([{ kind: 'op', value: op, expectRevision: 0 }])).toBe(true);
+      await waitFor(`op ${id} ends`, async () => ['succeeded', 'failed'].includes((await store.getOp(tenantId, id))?.value.state ?? ''), 20_000, 50);
+      return (await store.getOp(tenantId, id))!.value;
+    };
+    // Not announced (a retention set since cleared it, or a pass withdrew it): kept, and the op says so.
+    const lone = await snap('exp-lone');
+    const kept = await expire(lone, 1);
+    expect([kept.state, kept.progress.message]).toEqual(['succeeded', expect.stringContaining('kept')]);
+    expect((await store.getSnapshot(tenantId, lone))?.value.state).toBe('ready');
+    // keep_last 1 of two: the older is announced; a new rule clears that in the call itself.
+    const older = await snap('exp-old', 1);
+    await snap('exp-new', 1);
+    await waitFor('the older snapshot announced', async () => (await dueAt(older)) !== null, 20_000, 100);
+    await api.setSnapshotRetention({ tenantId, idempotencyKey: 'exp-ret', snapshotId: older, retention: { keepLast: 5 } });
+    expect(await dueAt(older)).toBeNull();
+    // Announced again, and due: deleted.
+    await api.setSnapshotRetention({ tenantId, idempotencyKey: 'exp-ret2', snapshotId: older, retention: { keepLast: 1 } });
+    await waitFor('the older snapshot announced again', async () => (await dueAt(older)) !== null, 20_000, 100);
+    const v = (await store.getSnapshot(tenantId, older))!;
+    expect(await store.commit([{ kind: 'snapshot', value: { ...v.value, expiryDueAt: Date.now() - 1000 }, expectRevision: v.modRevision }])).toBe(true);
+    expect((await expire(older, 2)).state).toBe('succeeded');
+    await waitFor('the older snapshot deleted', async () => (await store.getSnapshot(tenantId, older))?.value.state === 'deleted', 20_000, 100);
   }, 90_000);
 
   it('forkOfASnapshot_afterItsSourceSandboxsRecordExpired_givesTheChildrenThatSandboxsDiskEgressAndHooks', async () => {

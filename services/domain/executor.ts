@@ -2575,14 +2575,23 @@ export class Executor {
     if (v.value.state === 'deleted') return this.finish(op, { snapshotId: v.value.id }, null);
     const reason = (op.input as { reason?: string }).reason === 'expired' ? 'expired' : 'deleted';
     // `deleting` is written guarded by the revision the checks read: a pin, or a snapshot
-    // that became ready, in between makes them run again.
+    // that became ready, in between makes them run again. Retention's delete (planned from
+    // the leader's cache, perhaps by an earlier leader) goes on only while the record is
+    // still announced and due: a retention set since clears the announcement (SetSnapshotRetention),
+    // and a pass that found it no longer due (back in its window, say) withdrew it.
+    let kept = false;
     const sn = await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
       if (cur.state === 'deleted' || cur.state === 'deleting') return undefined;
       if (cur.state === 'creating') throw new WrongStateError('snapshot', cur.id, 'creating', 'delete it once it is ready or failed');
       if (cur.pinned) throw new WrongStateError('snapshot', cur.id, 'pinned', 'unpin it first');
+      if (reason === 'expired' && (cur.expiryDueAt === undefined || cur.expiryDueAt === null || cur.expiryDueAt > this.deps.clock.now())) {
+        kept = true;
+        return undefined;
+      }
       return { ...cur, state: 'deleting', deletingFrom: cur.state === 'failed' ? 'failed' : 'ready' };
     });
     if (!sn) throw new NotFoundError('snapshot', op.targetId);
+    if (kept) return this.finish(op, { snapshotId: sn.id }, null, undefined, undefined, 'kept: retention no longer wants it deleted (its expiry was withdrawn, or moved later)');
     if (sn.state === 'deleted') return this.finish(op, { snapshotId: sn.id }, null);
     // Nothing live loses its snapshot: a sandbox restored from it maps its memory image, a
     // hibernated one lives in it. They are looked for only once the mark is written: a

@@ -538,10 +538,15 @@ export class Fleet {
     });
   }
 
+  /**
+   * A new rule clears an expiry announced under the old one: the next retention pass
+   * announces it again, with a full notice, if the new rule wants it gone too.
+   */
   setRetention(tenantId: string, id: string, ttlMs: number | null, keepLast: number): Promise<SnapshotRec> {
     return this.updateSnapshot(tenantId, id, (s) => {
       s.retentionTtlMs = ttlMs;
       s.keepLast = keepLast;
+      if (s.state === 'ready') s.expiryDueAt = null;
     });
   }
 
