@@ -2588,7 +2588,7 @@ export class Executor {
         kept = true;
         return undefined;
       }
-      return { ...cur, state: 'deleting', deletingFrom: cur.state === 'failed' ? 'failed' : 'ready' };
+      return { ...cur, state: 'deleting', deletingFrom: cur.state === 'failed' ? 'failed' : 'ready', deletingBy: op.id };
     });
     if (!sn) throw new NotFoundError('snapshot', op.targetId);
     if (kept) return this.finish(op, { snapshotId: sn.id }, null, undefined, undefined, 'kept: retention no longer wants it deleted (its expiry was withdrawn, or moved later)');
@@ -2606,8 +2606,9 @@ export class Executor {
       if (users.length > 0) {
         // Back to the state it had: nothing was deleted yet.
         await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
-          if (cur.state !== 'deleting' || cur.deletingFrom === undefined) return undefined;
-          const { deletingFrom, ...rest } = cur;
+          // Only the mark it looked under: a later delete's mark is that delete's to undo.
+          if (cur.state !== 'deleting' || cur.deletingFrom === undefined || cur.deletingBy !== sn.deletingBy) return undefined;
+          const { deletingFrom, deletingBy: _by, ...rest } = cur;
           return { ...rest, state: deletingFrom };
         });
         throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
@@ -2616,6 +2617,9 @@ export class Executor {
         // Put back meanwhile by another delete that found users (then pinned or forked from,
         // perhaps): this delete's look is stale, and it must not go on to delete the bytes.
         if (cur.state !== 'deleting') throw new WrongStateError('snapshot', cur.id, cur.state, 'another delete found it in use and put it back while this one looked; retry');
+        // Marked again since (put back, forked from, marked by another delete): this look is
+        // stale too; the later mark's delete looks for itself.
+        if (cur.deletingFrom !== undefined && cur.deletingBy !== sn.deletingBy) throw new WrongStateError('snapshot', cur.id, cur.state, 'another delete marked it again while this one looked; retry');
         if (cur.deletingFrom === undefined) return undefined;
         const { deletingFrom: _gone, ...rest } = cur;
         return rest;

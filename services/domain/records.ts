@@ -150,6 +150,11 @@ export interface SnapshotRec {
    */
   deletingFrom?: 'ready' | 'failed';
   /**
+   * The delete operation whose mark `deletingFrom` is: a delete that looked for users under
+   * one mark does not undo or clear a later one. Absent on records written before the field.
+   */
+  deletingBy?: string;
+  /**
    * What a fork's children inherit from the sandbox the snapshot was taken of, copied when it
    * was taken: that sandbox's record goes with the history retention once it is destroyed,
    * and forks made later must still get its disk size, egress policy and hooks. Absent on
