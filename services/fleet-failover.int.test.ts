@@ -751,6 +751,20 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 90_000);
 
+  it('destroy_ofASandboxLeftHibernatingByAHibernateThatEnded_destroysIt_releasingItsBookingAndStoppingItsVm', async () => {
+    await hostsSettled();
+    const { sandboxId } = await hostWithSandbox('fake-hibend', 'hibend');
+    // What a hibernate that failed past its steps (its final write lost every retry, say)
+    // leaves: the record hibernating, held by an operation that ended (here: one that is gone).
+    const v = (await store.getSandbox(tenantId, sandboxId))!;
+    expect(await store.commit([{ kind: 'sandbox', value: { ...v.value, state: 'hibernating', opId: 'op-endedhibernate000000', hibernatingFrom: 'running', hibernatingTo: 'sn-endedhibernate000000' }, expectRevision: v.modRevision }])).toBe(true);
+    const d = await wait(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId }));
+    expect(d.state, d.error?.message).toBe(OperationState.SUCCEEDED);
+    expect((await store.getSandbox(tenantId, sandboxId))?.value.state).toBe('destroyed');
+    expect(fakes.flatMap((f) => f.vms().get('fake-hibend') ?? [])).toEqual([]);
+    await assertConsistent();
+  }, 90_000);
+
   it('hibernate_runAgainByANewLeaderAfterTheSandboxWasWokenMeanwhile_leavesItRunning_withItsVmAndOneBooking', async () => {
     await hostsSettled();
     // fake-hib-a runs the sandbox; fake-hib-r copies the replica in 8 s; every other host is

@@ -997,6 +997,8 @@ export class Executor {
     this.sandboxIndexReady = false;
     this.sandboxIndex.clear();
     this.strays.clear();
+    // Misses seen in an earlier term (by heartbeat seq) would make one miss in the next count as two.
+    this.vmMissing.clear();
     // Waiting runners would only time out: wake them so they end now; the next leader
     // re-runs their operations from etcd.
     for (const [k, w] of this.waiters) {
@@ -2351,7 +2353,9 @@ export class Executor {
       const ended = (await this.deps.store.getOp(op.tenantId, after.ended))?.value.input as { bookedHost?: string; transferSource?: string } | undefined;
       if (ended?.bookedHost && !(op.input as { bookedHost?: string }).bookedHost) inherited = { bookedHost: ended.bookedHost, ...(ended.transferSource ? { transferSource: ended.transferSource } : {}) };
     }
-    if (sb.state === 'hibernated' || sb.state === 'lost' || (sb.state === 'waking' && after.ended !== '')) {
+    // Not a lost one (only a wake left over from before its host was lost finds it so): its
+    // hibernation snapshot is older than the VM it ran since, which may come back with its host.
+    if (sb.state === 'hibernated' || (sb.state === 'waking' && after.ended !== '')) {
       try {
         const claim = (s: SandboxRec): void => {
           if (s.state === 'waking' && s.opId !== '' && s.opId !== op.id && s.opId !== after.ended) throw new OwnedByOtherOpError(s.opId);
@@ -2490,14 +2494,22 @@ export class Executor {
     // A hibernate or wake in flight owns the VM: let it finish (it is bounded by its steps'
     // timeouts), then destroy what it left.
     const until = this.stepsDeadline();
+    /** The hibernate that holds it ended without settling it (an error past its steps): destroyed as it is. */
+    let endedHibernate = '';
     while (sbv && (sbv.value.state === 'hibernating' || sbv.value.state === 'waking') && this.active && this.deps.clock.now() < until) {
-      if (sbv.value.state === 'waking' && sbv.value.opId !== '') {
+      if (sbv.value.opId !== '') {
         const owner = (await this.deps.store.getOp(sbv.value.tenantId, sbv.value.opId))?.value;
         // Its wake ended without settling it: waited for, it would keep it waking for good.
-        if (!owner || isTerminal(owner.state)) {
+        if (sbv.value.state === 'waking' && (!owner || isTerminal(owner.state))) {
           await this.settleEndedWake(sbv.value, owner);
           sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
           continue;
+        }
+        // Likewise a hibernate: nothing else would end it. It still holds its booking, and
+        // maybe its VM (stopped below; a stop of a VM that is gone does nothing).
+        if (sbv.value.state === 'hibernating' && (!owner || isTerminal(owner.state))) {
+          endedHibernate = sbv.value.opId;
+          break;
         }
       }
       await new Promise((r) => setTimeout(r, 250));
@@ -2505,7 +2517,7 @@ export class Executor {
     }
     if (!sbv) throw new NotFoundError('sandbox', op.targetId);
     const sb = sbv.value;
-    if (sb.state === 'hibernating' || sb.state === 'waking') throw new WrongStateError('sandbox', sb.id, sb.state, 'still busy after the step timeout; retry the destroy');
+    if ((sb.state === 'hibernating' && endedHibernate === '') || sb.state === 'waking') throw new WrongStateError('sandbox', sb.id, sb.state, 'still busy after the step timeout; retry the destroy');
     if (sb.state === 'destroyed') {
       // An earlier run of this op may have written `destroyed` (a failed or lost sandbox) and
       // stopped before it told the host (a store outage, a failover): told now (stopping a
@@ -2524,6 +2536,13 @@ export class Executor {
       let before: SandboxState = sb.state;
       cur = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
         before = s.state;
+        // Taken over meanwhile by a hibernate that runs (or a wake): not this destroy's to end now.
+        if ((s.state === 'hibernating' || s.state === 'waking') && !(s.state === 'hibernating' && s.opId === endedHibernate && endedHibernate !== '')) throw new WrongStateError('sandbox', s.id, s.state, 'another operation took it meanwhile; retry the destroy');
+        if (s.state === 'hibernating') {
+          delete s.hibernatingFrom;
+          delete s.hibernatingTo;
+          s.opId = '';
+        }
         if (HOLDS_CAPACITY.has(s.state)) return this.setState(s, 'destroying', this.deps.clock.now());
         this.setState(s, 'destroyed', this.deps.clock.now(), reason);
         s.opId = '';

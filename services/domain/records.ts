@@ -44,7 +44,7 @@ export const SANDBOX_TRANSITIONS: Readonly<Record<SandboxState, readonly Sandbox
   starting: ['running', 'failed', 'destroying'],
   running: ['paused', 'hibernating', 'destroying', 'failed', 'lost'],
   paused: ['running', 'hibernating', 'destroying', 'lost'],
-  hibernating: ['hibernated', 'running', 'failed', 'lost'],
+  hibernating: ['hibernated', 'running', 'failed', 'lost', 'destroying'],
   hibernated: ['waking', 'destroyed'],
   waking: ['running', 'failed', 'hibernated', 'destroying'],
   destroying: ['destroyed', 'failed'],
