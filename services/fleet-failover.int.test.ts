@@ -765,6 +765,18 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 90_000);
 
+  it('sandbox_leftDestroyingByADestroyThatEnded_isDestroyedByAnotherThatTheLeaderStarts_releasingItsBookingAndStoppingItsVm', async () => {
+    await hostsSettled();
+    const { sandboxId } = await hostWithSandbox('fake-desend', 'desend');
+    // What a destroy whose host step failed (or whose final write lost every retry) leaves:
+    // the record destroying, booked, its VM perhaps still there, named by an op that ended.
+    const v = (await store.getSandbox(tenantId, sandboxId))!;
+    expect(await store.commit([{ kind: 'sandbox', value: { ...v.value, state: 'destroying', opId: 'op-endeddestroy00000000' }, expectRevision: v.modRevision }])).toBe(true);
+    await waitFor('the sandbox destroyed', async () => (await store.getSandbox(tenantId, sandboxId))?.value.state === 'destroyed', 20_000, 100);
+    expect(fakes.flatMap((f) => f.vms().get('fake-desend') ?? [])).toEqual([]);
+    await assertConsistent();
+  }, 90_000);
+
   it('hibernate_runAgainByANewLeaderAfterTheSandboxWasWokenMeanwhile_leavesItRunning_withItsVmAndOneBooking', async () => {
     await hostsSettled();
     // fake-hib-a runs the sandbox; fake-hib-r copies the replica in 8 s; every other host is

@@ -2528,6 +2528,14 @@ export class Executor {
     // The record as the guarded write found it: host, resources and state may have changed
     // since the read above (a lost sandbox reclaimed, a pending one placed by its create).
     let cur = sb;
+    if (sb.state === 'destroying' && sb.opId !== op.id) {
+      // Another destroy's, which ended without finishing it (or one running: both stop the same
+      // VM and only the write that takes it from destroying releases its booking): this one's now.
+      cur = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        if (s.state === 'destroying') s.opId = op.id;
+      });
+      if (cur.state !== 'destroying') return this.finish(op, { sandboxIds: [cur.id] }, null);
+    }
     if (sb.state !== 'destroying') {
       // A sandbox with no booking (lost, hibernated, failed, pending) is destroyed in that one
       // write: `destroying` always means "VM and booking still there", so a re-run of this op
@@ -2543,7 +2551,12 @@ export class Executor {
           delete s.hibernatingTo;
           s.opId = '';
         }
-        if (HOLDS_CAPACITY.has(s.state)) return this.setState(s, 'destroying', this.deps.clock.now());
+        if (HOLDS_CAPACITY.has(s.state)) {
+          // Named, so that if this op ends without destroying it the lifecycle pass knows to
+          // start another (reconcileLifecycles).
+          s.opId = op.id;
+          return this.setState(s, 'destroying', this.deps.clock.now());
+        }
         this.setState(s, 'destroyed', this.deps.clock.now(), reason);
         s.opId = '';
       });
@@ -3645,6 +3658,18 @@ export class Executor {
     if (!submit) return;
     const now = this.deps.clock.now();
     for (const { value: sb } of sandboxes ?? (await this.deps.store.listSandboxes(undefined))) {
+      if (sb.state === 'destroying' && sb.opId && !this.running.has(sb.opId)) {
+        // Its destroy ended without destroying it (a host step that failed, a final write
+        // that lost every retry): nothing else looks at it again, and it holds its booking
+        // and maybe its VM. Another destroy goes on from there; one per ended destroy, so a
+        // host that keeps failing it is tried again once per step deadline.
+        const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
+        if (!owner || isTerminal(owner.state)) {
+          const why = (owner?.input as { reason?: unknown } | undefined)?.reason;
+          await submit(sb.tenantId, `__redestroy/${sb.opId}`, 'destroy', sb.id, typeof why === 'string' ? { reason: why } : {});
+        }
+        continue;
+      }
       if (sb.state !== 'running' || sb.opId) continue;
       const ran = sb.runningMsBefore + (sb.runningSince === null ? 0 : now - sb.runningSince);
       if (sb.ttlMs !== null && ran >= sb.ttlMs) {
