@@ -751,13 +751,18 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 90_000);
 
-  it('destroy_ofASandboxLeftHibernatingByAHibernateThatEnded_destroysIt_releasingItsBookingAndStoppingItsVm', async () => {
+  /** A running sandbox on a host of its own, its record then rewritten with `left` (what an op that ended unsettled leaves; the op here is one that is gone). */
+  async function leftByAnEndedOp(hostId: string, left: Partial<SandboxRec>): Promise<string> {
     await hostsSettled();
-    const { sandboxId } = await hostWithSandbox('fake-hibend', 'hibend');
-    // What a hibernate that failed past its steps (its final write lost every retry, say)
-    // leaves: the record hibernating, held by an operation that ended (here: one that is gone).
+    const { sandboxId } = await hostWithSandbox(hostId, hostId);
     const v = (await store.getSandbox(tenantId, sandboxId))!;
-    expect(await store.commit([{ kind: 'sandbox', value: { ...v.value, state: 'hibernating', opId: 'op-endedhibernate000000', hibernatingFrom: 'running', hibernatingTo: 'sn-endedhibernate000000' }, expectRevision: v.modRevision }])).toBe(true);
+    expect(await store.commit([{ kind: 'sandbox', value: { ...v.value, ...left }, expectRevision: v.modRevision }])).toBe(true);
+    return sandboxId;
+  }
+
+  it('destroy_ofASandboxLeftHibernatingByAHibernateThatEnded_destroysIt_releasingItsBookingAndStoppingItsVm', async () => {
+    // A hibernate that failed past its steps (its final write lost every retry, say).
+    const sandboxId = await leftByAnEndedOp('fake-hibend', { state: 'hibernating', opId: 'op-endedhibernate000000', hibernatingFrom: 'running', hibernatingTo: 'sn-endedhibernate000000' });
     const d = await wait(api, await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId }));
     expect(d.state, d.error?.message).toBe(OperationState.SUCCEEDED);
     expect((await store.getSandbox(tenantId, sandboxId))?.value.state).toBe('destroyed');
@@ -766,12 +771,9 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   }, 90_000);
 
   it('sandbox_leftDestroyingByADestroyThatEnded_isDestroyedByAnotherThatTheLeaderStarts_releasingItsBookingAndStoppingItsVm', async () => {
-    await hostsSettled();
-    const { sandboxId } = await hostWithSandbox('fake-desend', 'desend');
-    // What a destroy whose host step failed (or whose final write lost every retry) leaves:
-    // the record destroying, booked, its VM perhaps still there, named by an op that ended.
-    const v = (await store.getSandbox(tenantId, sandboxId))!;
-    expect(await store.commit([{ kind: 'sandbox', value: { ...v.value, state: 'destroying', opId: 'op-endeddestroy00000000' }, expectRevision: v.modRevision }])).toBe(true);
+    // A destroy whose host step failed (or whose final write lost every retry): booked, its
+    // VM perhaps still there.
+    const sandboxId = await leftByAnEndedOp('fake-desend', { state: 'destroying', opId: 'op-endeddestroy00000000' });
     await waitFor('the sandbox destroyed', async () => (await store.getSandbox(tenantId, sandboxId))?.value.state === 'destroyed', 20_000, 100);
     expect(fakes.flatMap((f) => f.vms().get('fake-desend') ?? [])).toEqual([]);
     await assertConsistent();
