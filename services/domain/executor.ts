@@ -2497,7 +2497,8 @@ export class Executor {
     /** The hibernate that holds it ended without settling it (an error past its steps): destroyed as it is. */
     let endedHibernate = '';
     while (sbv && (sbv.value.state === 'hibernating' || sbv.value.state === 'waking') && this.active && this.deps.clock.now() < until) {
-      if (sbv.value.opId !== '') {
+      // An owner this leader runs has not ended: its record is read only for one it does not.
+      if (sbv.value.opId !== '' && !this.running.has(sbv.value.opId)) {
         const owner = (await this.deps.store.getOp(sbv.value.tenantId, sbv.value.opId))?.value;
         // Its wake ended without settling it: waited for, it would keep it waking for good.
         if (sbv.value.state === 'waking' && (!owner || isTerminal(owner.state))) {

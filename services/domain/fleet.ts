@@ -201,6 +201,11 @@ export function requestDigest(params: Record<string, unknown>): string {
   return createHash('sha256').update(canonicalJson(params)).digest('base64url').slice(0, 22);
 }
 
+/** A file call whose call has ended (cancelled, past its deadline, its credential revoked) goes no further. */
+function throwIfEnded(signal: AbortSignal | undefined, message: string): void {
+  if (signal?.aborted) throw new ForkfleetError('cancelled', message);
+}
+
 /**
  * Renames WriteFile's temporary file ($1) over the path ($2) in the guest, as a one-piece write
  * would have written it: a directory at the path is refused (mv would move the file into it),
@@ -775,9 +780,7 @@ export class Fleet {
    */
   async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array, signal?: AbortSignal): Promise<number> {
     const sb = await this.runningSandbox(tenantId, sandboxId, signal, 'header.sandbox_id');
-    const gone = (): void => {
-      if (signal?.aborted) throw new ForkfleetError('cancelled', `the call ended before ${path} was written`);
-    };
+    const gone = (): void => throwIfEnded(signal, `the call ended before ${path} was written`);
     gone();
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
@@ -833,9 +836,7 @@ export class Fleet {
   /** `signal`: the call's; once it aborts no further piece is read. */
   async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number, whole = false, hold: (bytes: number) => void = () => undefined, signal?: AbortSignal): Promise<Uint8Array> {
     const sb = await this.runningSandbox(tenantId, sandboxId, signal);
-    const gone = (): void => {
-      if (signal?.aborted) throw new ForkfleetError('cancelled', `the call ended while ${path} was read`);
-    };
+    const gone = (): void => throwIfEnded(signal, `the call ended while ${path} was read`);
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
       // An older agent ignores the offset: one request, capped so that its answer fits.

@@ -6,10 +6,10 @@
 //     snapshots of its lineage that carry a keep_last rule too, and are of its kind: a
 //     sandbox's hibernation snapshots (label forkfleet.io/hibernation) count only against
 //     each other, the snapshots of forks of a live sandbox (label forkfleet.io/purpose: fork)
-//     only against each other, every other snapshot only against other such snapshots. So the snapshots
-//     the system takes (hibernation, fork of a live sandbox, migration, which carry their own
-//     rules) and snapshots taken without keep_last never push a user's snapshot out of its
-//     window;
+//     only against each other, every other snapshot only against other such snapshots. So
+//     the snapshots the system takes (hibernation, fork of a live sandbox, migration, which
+//     carry their own rules) and snapshots taken without keep_last never push a user's
+//     snapshot out of its window;
 //   - ttl: expires `ttl` after it was created;
 //   - a hibernation snapshot whose sandbox is gone (destroyed, or its record expired)
 //     expires: nothing wakes from it any more.
