@@ -255,6 +255,13 @@ const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'pa
 const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
 
 /**
+ * A lifecycle rule whose operation ended without acting on the sandbox (it failed before it
+ * took it: a store outage, another operation that took the sandbox first) submits another
+ * at most this often. Its key is the rule's own until then: repeated passes start nothing.
+ */
+export const LIFECYCLE_RETRY_MS = 60_000;
+
+/**
  * The operation id of the stops sent to a host that came back: one per return (the
  * heartbeat it came back with). An agent answers an (operation, step) it has done from its
  * journal without doing it again, and JetStream drops a message id it saw in the last two
@@ -3652,7 +3659,8 @@ export class Executor {
    * destroyed (paused and hibernated time never counts), and one idle for its
    * idle_timeout (no calls, guest CPU under the agent's threshold) is hibernated.
    * Each rule submits an operation under a key derived from the sandbox's state, so
-   * repeating the check never starts the same work twice.
+   * repeating the check never starts the same work twice (one that failed is started again
+   * once per LIFECYCLE_RETRY_MS: submitRule).
    */
   async reconcileLifecycles(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void> {
     const submit = this.deps.submit;
@@ -3674,7 +3682,7 @@ export class Executor {
       if (sb.state !== 'running' || sb.opId) continue;
       const ran = sb.runningMsBefore + (sb.runningSince === null ? 0 : now - sb.runningSince);
       if (sb.ttlMs !== null && ran >= sb.ttlMs) {
-        await submit(sb.tenantId, `__ttl/${sb.id}`, 'destroy', sb.id, { reason: 'ttl' });
+        await this.submitRule(sb, `__ttl/${sb.id}`, 'destroy', { reason: 'ttl' }, now);
         continue;
       }
       // A hibernate that failed (failAndSettle) is not tried again at once: the VM stays as
@@ -3684,9 +3692,22 @@ export class Executor {
         // Never more than it has been running since its last start, wake or resume: a host's
         // idle figure from before (an agent that kept a VM's last activity) does not count.
         const idleMs = Math.min(vm?.idle ? Number(vm.idle.seconds) * 1000 + Math.floor(vm.idle.nanos / 1e6) : 0, sb.runningSince === null ? 0 : now - sb.runningSince);
-        if (idleMs >= sb.idleTimeoutMs) await submit(sb.tenantId, `__idle/${sb.id}/${sb.runningSince ?? 0}`, 'hibernate', sb.id, { snapshotId: newId('sn'), replicas: 0, reason: 'idle' });
+        if (idleMs >= sb.idleTimeoutMs) await this.submitRule(sb, `__idle/${sb.id}/${sb.runningSince ?? 0}`, 'hibernate', { snapshotId: newId('sn'), replicas: 0, reason: 'idle' }, now);
       }
     }
+  }
+
+  /**
+   * Submits a lifecycle rule's operation for a sandbox the rule found running and free. The
+   * operation under the rule's key may have failed without taking the sandbox (it is still
+   * running with no operation, or the rule would not be here): then under a key of the
+   * current LIFECYCLE_RETRY_MS period, so a failure does not block the rule until the
+   * failed operation's record expires, and a rule that keeps failing starts one operation
+   * a period, not one a pass.
+   */
+  private async submitRule(sb: SandboxRec, key: string, kind: OperationRec['kind'], input: Record<string, unknown>, now: number): Promise<void> {
+    const first = await this.deps.submit!(sb.tenantId, key, kind, sb.id, input);
+    if (first.state === 'failed' || first.state === 'cancelled') await this.deps.submit!(sb.tenantId, `${key}/retry/${Math.floor(now / LIFECYCLE_RETRY_MS)}`, kind, sb.id, input);
   }
 
   /**

@@ -1,0 +1,87 @@
+// The leader's lifecycle rules (Executor.reconcileLifecycles) against a submit of our own
+// that records what the rules start. The store is a stub of our port: the rules get the
+// sandboxes handed in, and every store method answers at once with nothing.
+import { describe, expect, it } from 'vitest';
+import pino from 'pino';
+import { Executor, LIFECYCLE_RETRY_MS } from './executor.ts';
+import type { ExecutorDeps } from './executor.ts';
+import { HeartbeatRegistry } from './fleet-view.ts';
+import type { OperationRec, SandboxRec } from './records.ts';
+import { sandboxRecord } from '../testkit/records.ts';
+
+/** A port stub: the named methods, and for every other one an async function answering []. */
+function stub<T>(methods: Record<string, unknown>): T {
+  return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
+}
+
+/** An executor whose submit keeps one operation per key, in the state `ends(key)` gives it. */
+function rules(ends: (key: string) => OperationRec['state'], heard = new HeartbeatRegistry()): { ex: Executor; started: string[]; clock: { t: number } } {
+  const ops = new Map<string, OperationRec>();
+  const started: string[] = [];
+  const clock = { t: 1_000_000 };
+  const submit: NonNullable<ExecutorDeps['submit']> = async (tenantId, key, kind, targetId, input) => {
+    let op = ops.get(key);
+    if (!op) {
+      started.push(key);
+      op = { id: `op-${ops.size}`, tenantId, kind, state: ends(key), createdAt: clock.t, updatedAt: clock.t, targetId, input, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, idempotencyKey: key };
+      ops.set(key, op);
+    }
+    return op;
+  };
+  const ex = new Executor({
+    store: stub({}),
+    bus: stub({}),
+    clock: { now: () => clock.t },
+    log: pino({ level: 'silent' }),
+    heard,
+    signer: stub({}),
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
+    submit,
+  });
+  return { ex, started, clock };
+}
+
+const pass = (ex: Executor, sb: SandboxRec): Promise<void> => ex.reconcileLifecycles([{ value: sb, modRevision: 1 }]);
+
+describe('Lifecycle rules', () => {
+  it('ttlDestroyThatFailedBeforeTakingTheSandbox_isStartedAgainOncePerRetryPeriod_notBlockedUntilItsRecordExpires', async () => {
+    // Every destroy fails before it takes the sandbox (a store outage, say): it stays running.
+    const { ex, started, clock } = rules(() => 'failed');
+    const sb = sandboxRecord({ ttlMs: 5000, runningSince: clock.t - 6000 });
+    await pass(ex, sb);
+    expect(started).toEqual([`__ttl/sb-a`, `__ttl/sb-a/retry/${Math.floor(clock.t / LIFECYCLE_RETRY_MS)}`]);
+    // Passes within the same period start nothing more.
+    clock.t += 2000;
+    await pass(ex, sb);
+    expect(started).toHaveLength(2);
+    // The next period, one more.
+    clock.t += LIFECYCLE_RETRY_MS;
+    await pass(ex, sb);
+    expect(started).toHaveLength(3);
+    expect(started[2]).toBe(`__ttl/sb-a/retry/${Math.floor(clock.t / LIFECYCLE_RETRY_MS)}`);
+  });
+
+  it('ttlDestroyStillRunningOrSucceeded_startsNoOther', async () => {
+    for (const state of ['pending', 'running', 'succeeded'] as const) {
+      const { ex, started, clock } = rules(() => state);
+      const sb = sandboxRecord({ ttlMs: 5000, runningSince: clock.t - 6000 });
+      await pass(ex, sb);
+      clock.t += LIFECYCLE_RETRY_MS;
+      await pass(ex, sb);
+      expect(started).toEqual(['__ttl/sb-a']);
+    }
+  });
+
+  it('idleHibernateThatFailedBeforeTakingTheSandbox_isStartedAgainNextPeriod', async () => {
+    // The host reports the VM idle for a minute.
+    const heard = new HeartbeatRegistry();
+    heard.vm = () => ({ idle: { seconds: 60n, nanos: 0 } }) as ReturnType<HeartbeatRegistry['vm']>;
+    const { ex, started, clock } = rules(() => 'failed', heard);
+    const sb = sandboxRecord({ idleTimeoutMs: 5000, runningSince: clock.t - 60_000 });
+    await pass(ex, sb);
+    expect(started).toEqual([`__idle/sb-a/${sb.runningSince}`, `__idle/sb-a/${sb.runningSince}/retry/${Math.floor(clock.t / LIFECYCLE_RETRY_MS)}`]);
+    clock.t += LIFECYCLE_RETRY_MS;
+    await pass(ex, sb);
+    expect(started).toHaveLength(3);
+  });
+});
