@@ -391,7 +391,7 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     }
   }, 120_000);
 
-  it('hibernate_askingForMoreReplicasThanThereAreReadyHosts_succeeds_andItsMessageSaysHowManyCopiesWereMade', async () => {
+  it('hibernate_askingForMoreReplicasThanThereAreReadyHosts_succeeds_sayingHowManyCopiesWereMade_andAskedAgainOnceHibernated_copiesTheSnapshotItHas', async () => {
     // Every host but fake-a (and fake-v, where the sandbox runs) is cordoned: one copy can be made of three asked for.
     const host = await agents('fake-v', { FF_FAKE_VCPUS: '16' });
     const others = (await api.listHosts({})).hosts.filter((x) => x.id !== 'fake-a' && x.id !== 'fake-v' && !x.cordoned).map((x) => x.id);
@@ -406,6 +406,21 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
       expect(hib.progress?.message).toMatch(/^hibernated; 1 of 3 replicas of snapshot sn-\S+ made \(1 other ready host\(s\)\)$/);
       const snapshotId = (await api.getSandbox({ tenantId, sandboxId: sid })).hibernationSnapshotId;
       expect([...(await api.getSnapshot({ tenantId, snapshotId })).hostIds].sort()).toEqual(['fake-a', 'fake-v']);
+      // Hibernated already, asked again with another ready host up: that host gets a copy of
+      // the snapshot it has (the request's replicas were silently ignored).
+      const more = await agents('fake-w', {});
+      try {
+        await waitFor('fake-w registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-w' && x.state === HostState.READY), 20_000, 100);
+        const again = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 3 })).id, timeout: { seconds: 30n } });
+        expect(again.state, again.error?.message).toBe(OperationState.SUCCEEDED);
+        expect(again.progress?.message).toBe(`hibernated already; 2 of 3 replicas of snapshot ${snapshotId} made (2 other ready host(s))`);
+        expect([...(await api.getSnapshot({ tenantId, snapshotId })).hostIds].sort()).toEqual(['fake-a', 'fake-v', 'fake-w']);
+        // As many as it has: nothing to copy, nothing to report.
+        const enough = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 2 })).id, timeout: { seconds: 30n } });
+        expect(enough.progress?.message).toBe('done');
+      } finally {
+        await more.stop();
+      }
       const gone = await api.waitOperation({ tenantId, operationId: (await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: sid })).id, timeout: { seconds: 30n } });
       expect(gone.state, gone.error?.message).toBe(OperationState.SUCCEEDED);
     } finally {

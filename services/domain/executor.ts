@@ -2233,7 +2233,13 @@ export class Executor {
       const own = await this.readSnapshot(op.tenantId, input.snapshotId);
       if (own?.value.state === 'ready') return this.finish(op, { sandboxIds: [sb.id], snapshotId: input.snapshotId }, null);
     }
-    if (sb.state === 'hibernated') return this.finish(op, { sandboxIds: [sb.id], snapshotId: sb.hibernationSnapshotId }, null);
+    if (sb.state === 'hibernated') {
+      // Hibernated already: replicas asked for now are copies of the snapshot it has, made
+      // up to that many hosts besides the ones that hold it (the op says when fewer were made).
+      const held = (await this.readSnapshot(sb.tenantId, sb.hibernationSnapshotId))?.value;
+      const short = held && (input.replicas ?? 0) > 0 ? await this.replicate(op, held, input.replicas ?? 0, 'hibernated already') : undefined;
+      return this.finish(op, { sandboxIds: [sb.id], snapshotId: sb.hibernationSnapshotId }, null, undefined, undefined, short);
+    }
     if (sb.state === 'running' || sb.state === 'paused' || (sb.state === 'hibernating' && after.ended !== '')) {
       try {
         sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
@@ -2312,17 +2318,27 @@ export class Executor {
       (_next, before) => (before.state === 'hibernating' ? this.capacity(sb.hostId, sb.resources, -1)() : Promise.resolve([])),
     );
     if (recorded.state === 'lost') throw new HostLostError(sb.hostId, `hibernating sandbox ${sb.id} (it is lost; snapshot ${sn.id}, taken before its VM stopped, is what restores it)`);
-    // Durability: copy the snapshot to more hosts, best effort (it is already safe on one): a
-    // host that fails its copy is replaced by the next ready one, and the op's message says
-    // how many copies were made when that is fewer than asked for.
-    const wanted = input.replicas ?? 0;
-    const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== sb.hostId && !h.cordoned && !h.draining && livenessOf(this.deps.heard.get(h.id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready');
-    let made = 0;
+    const short = (input.replicas ?? 0) > 0 ? await this.replicate(op, sn, input.replicas ?? 0, 'hibernated') : undefined;
+    await this.finish(op, { sandboxIds: [sb.id], snapshotId: sn.id }, null, undefined, undefined, short);
+  }
+
+  /**
+   * Durability of a hibernation snapshot: copies it, best effort (it is safe on its holders
+   * already), until `wanted` hosts besides its first holder hold it. A host that fails its
+   * copy is replaced by the next ready one. Answers the op's message when fewer copies than
+   * asked for exist (`what` begins it), else undefined.
+   */
+  private async replicate(op: OperationRec, sn: SnapshotRec, wanted: number, what: string): Promise<string | undefined> {
+    const source = sn.hostIds[0] ?? '';
+    const ready = (id: string): boolean => livenessOf(this.deps.heard.get(id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready';
+    const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== source && !h.cordoned && !h.draining && ready(h.id));
+    let made = sn.hostIds.filter((h) => h !== source).length;
     let failed = 0;
     for (const h of others) {
       if (made >= wanted) break;
+      if (sn.hostIds.includes(h.id)) continue;
       try {
-        const fetch = this.fetchPlan(sn, h.id, sb.hostId, false);
+        const fetch = this.fetchPlan(sn, h.id, source, false);
         if (fetch) {
           await this.step(op, `replicate/${h.id}`, h.id, { case: 'fetchSnapshot', value: fetch as never });
           await this.addHolder(sn.tenantId, sn.id, h.id);
@@ -2333,9 +2349,9 @@ export class Executor {
         this.log.warn({ err: e, snapshotId: sn.id, hostId: h.id }, 'hibernation replica failed');
       }
     }
-    const short = made < wanted ? `hibernated; ${made} of ${wanted} replicas of snapshot ${sn.id} made (${others.length} other ready host(s)${failed ? `, ${failed} copy(ies) failed` : ''})` : undefined;
-    if (short) this.log.warn({ opId: op.id, snapshotId: sn.id, wanted, made, failed, candidates: others.length }, 'fewer hibernation replicas than asked for');
-    await this.finish(op, { sandboxIds: [sb.id], snapshotId: sn.id }, null, undefined, undefined, short);
+    if (made >= wanted) return undefined;
+    this.log.warn({ opId: op.id, snapshotId: sn.id, wanted, made, failed, candidates: others.length }, 'fewer hibernation replicas than asked for');
+    return `${what}; ${made} of ${wanted} replicas of snapshot ${sn.id} made (${others.length} other ready host(s)${failed ? `, ${failed} copy(ies) failed` : ''})`;
   }
 
   /**

@@ -390,7 +390,8 @@ export class QemuVmmDriver implements VmmDriver {
 
   async create(spec: CreateVmSpec): Promise<VmInfo> {
     validateId('vmId', spec.vmId);
-    if (spec.memoryMib < 64 || spec.memoryMib > 65536) throw new InvalidArgumentError('memoryMib', 'must be 64..65536');
+    // The API's range (services/adapters/grpc/convert.ts LIMITS): a sandbox it accepts is not refused here.
+    if (spec.memoryMib < 64 || spec.memoryMib > 262_144) throw new InvalidArgumentError('memoryMib', 'must be 64..262144');
     if (spec.vcpus < 1 || spec.vcpus > 64) throw new InvalidArgumentError('vcpus', 'must be 1..64');
     if (spec.network) EgressManager.validate(spec.network);
     const accel = await this.resolveAccel();

@@ -97,6 +97,17 @@ describe('lifecycle hooks', () => {
     expect(hook([])).toThrow(/lifecycle\.after_resume\[0\]\.argv/);
     expect(hook(['/bin/true'])().afterResume[0]!.argv).toEqual(['/bin/true']);
   });
+
+  it('afterResumeTimeouts_addingUpToMoreThanAMinute_isInvalidArgumentOnTheList_soNoResumeOrWakeOutlivesItsStep', () => {
+    const hooks = (...secs: Array<number | undefined>) => () =>
+      lifecycle({ $typeName: 'forkfleet.v1.Lifecycle', afterResume: secs.map((s) => ({ $typeName: 'forkfleet.v1.Hook', argv: ['/bin/true'], ...(s === undefined ? {} : { timeout: { seconds: BigInt(s), nanos: 0 } }) })) } as never);
+    expect(hooks(60)().afterResume[0]!.timeoutMs).toBe(60_000);
+    expect(hooks(undefined, undefined)().afterResume.map((h) => h.timeoutMs)).toEqual([30_000, 30_000]);
+    expect(hooks(61)).toThrow(/lifecycle\.after_resume\[0\]\.timeout/);
+    // Three unset ones are 90 s: too much together.
+    expect(hooks(undefined, undefined, undefined)).toThrow(/lifecycle\.after_resume: the hooks' timeouts add up to 90000 ms/);
+    expect(hooks(30, 20, 11)).toThrow(InvalidArgumentError);
+  });
 });
 
 describe('image', () => {

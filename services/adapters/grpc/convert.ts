@@ -52,6 +52,8 @@ export const LIMITS = {
   maxReplicas: 8,
   maxKeepLast: 10_000,
   maxHooks: 8,
+  /** The after_resume hooks' timeouts together, at most. */
+  maxHooksMs: 60_000,
   maxCidrs: 64,
   /** A sandbox's labels as stored (JSON), at most: every child of a fork carries a copy. */
   maxLabelBytes: 4096,
@@ -234,10 +236,14 @@ export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlM
   const afterResume = hooks.map((h, i) => {
     const f = `${field}.after_resume[${i}]`;
     // The same rules as Exec's argv (a hook is an exec after every resume).
-    return { argv: [...argv(h.argv, `${f}.argv`)], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: 10 * 60_000 }) ?? 30_000 };
+    return { argv: [...argv(h.argv, `${f}.argv`)], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: LIMITS.maxHooksMs }) ?? 30_000 };
   });
   const bytes = jsonBytes(afterResume);
   if (bytes > LIMITS.maxHookBytes) throw new InvalidArgumentError(`${field}.after_resume`, `at most ${LIMITS.maxHookBytes} bytes of hooks together (as JSON), got ${bytes}: put a longer script in a file in the guest and run that`);
+  // The hooks run inside the resume, wake or restore step, before the sandbox is running:
+  // together they must leave that step (and a call waiting on a wake) time of its own.
+  const totalMs = afterResume.reduce((t, h) => t + h.timeoutMs, 0);
+  if (totalMs > LIMITS.maxHooksMs) throw new InvalidArgumentError(`${field}.after_resume`, `the hooks' timeouts add up to ${totalMs} ms (30000 each when unset); at most ${LIMITS.maxHooksMs} ms together: they run inside every resume, wake and restore`);
   return {
     ttlMs: durationMs(l?.ttl, `${field}.ttl`, { min: 1000 }),
     idleTimeoutMs: idleTimeout(l?.idleTimeout, `${field}.idle_timeout`),

@@ -144,8 +144,8 @@ export type Lifecycle = Message<"forkfleet.v1.Lifecycle"> & {
    * Steps run in the guest, in order, after every resume, wake and restore (after the
    * clock, RNG and identity are fixed, before the sandbox is reported running), such as
    * refreshing credentials. A failing step does not stop the sandbox: its exit is recorded
-   * in the sandbox's state_reason. At most 8 steps, 8 KiB as JSON together: a longer
-   * script belongs in a file in the guest.
+   * in the sandbox's state_reason. At most 8 steps, 8 KiB as JSON together (a longer
+   * script belongs in a file in the guest), and 60 s of timeouts together.
    *
    * @generated from field: repeated forkfleet.v1.GuestHook after_resume = 3;
    */
@@ -171,7 +171,7 @@ export type GuestHook = Message<"forkfleet.v1.GuestHook"> & {
   argv: string[];
 
   /**
-   * Default 30 s.
+   * 100 ms..60 s. Default 30 s.
    *
    * @generated from field: google.protobuf.Duration timeout = 2;
    */

@@ -656,7 +656,8 @@ export type HibernateSandboxRequest = Message<"forkfleet.v1.HibernateSandboxRequ
    * Also copy the hibernation snapshot to this many other hosts for durability. Best effort
    * (the sandbox is hibernated once the snapshot is on its own host): only ready hosts that
    * are neither cordoned nor draining take a copy, and when fewer copies were made than asked
-   * for, the succeeded operation's progress message says how many.
+   * for, the succeeded operation's progress message says how many. On a sandbox hibernated
+   * already, its snapshot is copied until this many hosts besides its first holder hold it.
    *
    * @generated from field: uint32 replicas = 4;
    */
