@@ -238,13 +238,20 @@ describe('GuestAgentClient.hold', () => {
 });
 
 describe('pathError', () => {
-  it('guestRefusalsOfThePath_nameThePathField_withTheirKind_otherErrorsPassUnchanged', () => {
+  it('guestRefusalsOfThePath_nameThePathField_withTheirKind_anyOtherRefusalToOpenItToo_laterErrorsPassUnchanged', () => {
     const refused = (desc: string) => pathError('/x/y', new GuestAgentCommandError('guest-file-open', `GenericError: failed to open file '/x/y' (mode: 'r'): ${desc}`)) as ForkfleetError;
     expect([refused('No such file or directory').kind, refused('No such file or directory').field]).toEqual(['not_found', 'path']);
     expect(refused('Not a directory').kind).toBe('not_found');
     expect(refused('Is a directory').kind).toBe('invalid_argument');
     expect(refused('Permission denied').kind).toBe('failed_precondition');
     expect(refused('No space left on device').kind).toBe('resource_exhausted');
+    expect([refused('Too many levels of symbolic links').kind, refused('Too many levels of symbolic links').field]).toEqual(['invalid_argument', 'path']);
+    expect(refused('File too large').kind).toBe('invalid_argument');
+    expect(refused('Text file busy').kind).toBe('failed_precondition');
+    expect(refused('No such device or address').kind).toBe('failed_precondition');
+    // Any other refusal to open the path names it too, with the guest's reason.
+    const odd = refused('Invalid argument');
+    expect([odd.kind, odd.field, odd.message]).toEqual(['failed_precondition', 'path', '/x/y: the guest refuses to open it: Invalid argument (in the guest)']);
     const other = new GuestAgentCommandError('guest-file-read', 'GenericError: Input/output error');
     expect(pathError('/x/y', other)).toBe(other);
   });

@@ -715,5 +715,12 @@ export function pathError(path: string, e: unknown): unknown {
   if (/Permission denied|Read-only file system|Operation not permitted/i.test(m)) return at('failed_precondition', 'the guest refuses access');
   if (/No space left on device|Disk quota exceeded/i.test(m)) return at('resource_exhausted', 'the guest file system is full');
   if (/File name too long/i.test(m)) return at('invalid_argument', 'a name in it is too long');
+  if (/Too many levels of symbolic links/i.test(m)) return at('invalid_argument', 'its symbolic links loop');
+  if (/File too large/i.test(m)) return at('invalid_argument', 'the file would be larger than the guest file system allows');
+  if (/Text file busy|Device or resource busy/i.test(m)) return at('failed_precondition', 'the file is busy (a running program, or a mount point)');
+  if (/No such device or address|No such device/i.test(m)) return at('failed_precondition', 'a device or pipe nothing serves');
+  // Any other refusal to open the path (a /proc or /sys file, a socket): the caller's path,
+  // with the guest's words. Failures past the open (a read that fails mid-file) stay internal.
+  if (/failed to open file/i.test(m)) return at('failed_precondition', `the guest refuses to open it: ${m.replace(/^.*failed to open file '.*?'( \(mode: '\w+'\))?:?\s*/s, '').slice(0, 200) || 'no reason given'}`);
   return e;
 }

@@ -190,6 +190,12 @@ describe('fields a record stores', () => {
     expect(labels({ 'forkfleet.io/hibernation': 'sb-x' }, 'labels', true)).toEqual({ 'forkfleet.io/hibernation': 'sb-x' });
   });
 
+  it('labelOrEnvKey_tooLongToNameWhole_isNamedByItsMap_withItsLength_notCutToAnotherKey', () => {
+    expect(() => labels({ ['k'.repeat(100)]: 'x' })).toThrow(expect.objectContaining({ field: 'labels', message: expect.stringMatching(/^labels: a key of 100 characters: label keys are 1-63/) }));
+    expect(() => env({ ['V'.repeat(129)]: 'x' })).toThrow(expect.objectContaining({ field: 'env' }));
+    expect(() => env({ '1A': 'x' })).toThrow(expect.objectContaining({ field: 'env["1A"]' }));
+  });
+
   it('allowCidrs_listedTwice_isInvalidArgumentNamingTheSecond', () => {
     expect(() => network({ allowEgress: true, allowCidrs: ['10.0.0.0/8', '192.0.2.0/24', '10.0.0.0/8'] } as never)).toThrow(/network\.allow_cidrs\[2\].*twice/);
   });

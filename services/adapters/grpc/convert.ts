@@ -71,9 +71,14 @@ export function jsonBytes(v: unknown): number {
  * Whether `v` has a control character (C0, DEL or C1: U+009B starts a terminal escape as ESC [
  * does) or a line or paragraph separator: label values are text that dashboards and CLIs print.
  */
-/** A client-given key quoted for a field name, printable ASCII only (see asciiOnly). */
-function quotedKey(k: string): string {
-  return asciiOnly(JSON.stringify(k.slice(0, 64)));
+/**
+ * The field naming a client-given map key that is not a valid one: `field["key"]`, quoted in
+ * printable ASCII (see asciiOnly); a key too long to name whole is named by the map, and the
+ * error says its length (a cut-off key would name another key).
+ */
+function badKey(field: string, k: string, why: string): InvalidArgumentError {
+  if (k.length > 64) return new InvalidArgumentError(field, `a key of ${k.length} characters: ${why}`);
+  return new InvalidArgumentError(`${field}[${asciiOnly(JSON.stringify(k))}]`, why);
 }
 
 function hasControl(v: string): boolean {
@@ -201,7 +206,7 @@ export function labels(m: Record<string, string>, field = 'labels', filter = fal
   const entries = Object.entries(m);
   if (entries.length > LIMITS.maxLabels) throw new InvalidArgumentError(field, `at most ${LIMITS.maxLabels} labels`);
   for (const [k, v] of entries) {
-    if (!LABEL_KEY_RE.test(k)) throw new InvalidArgumentError(`${field}[${quotedKey(k)}]`, 'label keys are 1-63 characters of a-z, A-Z, 0-9, . _ / -');
+    if (!LABEL_KEY_RE.test(k)) throw badKey(field, k, 'label keys are 1-63 characters of a-z, A-Z, 0-9, . _ / -');
     if (!filter && k.startsWith(RESERVED_LABEL_PREFIX)) throw new InvalidArgumentError(`${field}[${k}]`, `keys starting ${RESERVED_LABEL_PREFIX} are the scheduler's own`);
     if (Buffer.byteLength(v) > 256) throw new InvalidArgumentError(`${field}[${k}]`, 'label values are at most 256 bytes');
     if (hasControl(v)) throw new InvalidArgumentError(`${field}[${k}]`, 'label values must not contain control characters');
@@ -323,7 +328,7 @@ export function env(m: Record<string, string>, field = 'env'): Record<string, st
   const entries = Object.entries(m);
   if (entries.length > LIMITS.maxEnv) throw new InvalidArgumentError(field, `at most ${LIMITS.maxEnv} variables`);
   for (const [k, val] of entries) {
-    if (!/^[A-Za-z_][A-Za-z0-9_]{0,127}$/.test(k)) throw new InvalidArgumentError(`${field}[${quotedKey(k)}]`, 'must be a valid variable name');
+    if (!/^[A-Za-z_][A-Za-z0-9_]{0,127}$/.test(k)) throw badKey(field, k, 'names are 1-128 characters of A-Z, a-z, 0-9 and _, not starting with a digit');
     if (val.includes('\0') || Buffer.byteLength(val) > LIMITS.maxArgBytes) throw new InvalidArgumentError(`${field}[${k}]`, 'value must be at most 4096 bytes without NUL');
   }
   return { ...m };

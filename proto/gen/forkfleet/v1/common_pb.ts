@@ -339,7 +339,8 @@ export enum Locality {
   SAME_HOST = 2,
 
   /**
-   * Prefer hosts that do not hold the snapshot (fan-out, durability).
+   * Only hosts that do not hold the snapshot yet (fan-out, durability, measuring a
+   * cross-host fork). With none feasible the operation fails, retryable (a host may join).
    *
    * @generated from enum value: LOCALITY_CROSS_HOST = 3;
    */

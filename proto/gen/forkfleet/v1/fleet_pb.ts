@@ -2417,7 +2417,7 @@ export const OperationStepStateSchema: GenEnum<OperationStepState> = /*@__PURE__
  * - Every resource belongs to a tenant. `tenant_id` on a request must match the caller's
  *   credentials (admins may name any tenant); another tenant's resource is NOT_FOUND.
  * - Every call that returns an Operation takes an `idempotency_key` (1..128 printable ASCII
- *   characters, not starting with "__": those keys are the scheduler's own).
+ *   characters, no spaces, not starting with "__": those keys are the scheduler's own).
  *   Repeating it with the same key and tenant returns the first call's operation and does
  *   nothing again; the same key with another request (another kind, target or parameters)
  *   is INVALID_ARGUMENT on idempotency_key. Pin, Unpin, SetSnapshotRetention and CordonHost set a value: repeating
