@@ -9,6 +9,7 @@ import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { NotLeaderError } from './errors.ts';
 import type { HostResultMsg } from './messages.ts';
+import { waitFor } from '../testkit/proc.ts';
 
 /** A port stub: the named methods, and for every other one an async function answering []. */
 function stub<T>(methods: Record<string, unknown>): T {
@@ -111,5 +112,42 @@ describe('Executor terms', () => {
     expect(leaderTerm({ key: 'k', createRevision: -1, clusterId: '7' })).toEqual({ term: 1n, cluster: 7n });
     // A cluster id that is not a uint64 is none (the proto field could not carry it).
     expect(leaderTerm({ key: 'k', createRevision: 9, clusterId: '99999999999999999999' })).toEqual({ term: 9n, cluster: 0n });
+  });
+
+  it('opWhoseRunnerCrashed_evenItsFailureUnrecordable_runsAgainLaterInTheSameTerm_andEnds', async () => {
+    // An op of a kind this scheduler does not run: it fails at once. Every write conflicts
+    // (20 tries each) until the runner has crashed, then lands.
+    const op = { id: 'op-x', tenantId: 't1', kind: 'bogus', state: 'running', createdAt: 0, updatedAt: 0, targetId: 'sb-x', input: {}, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} };
+    let crashed = false;
+    const written: string[] = [];
+    const log = pino({ level: 'error' }, { write: (line: string) => void (line.includes('operation runner crashed') && (crashed = true)) });
+    const store = stub<ExecutorDeps['store']>({
+      watchFleet: async () => () => undefined,
+      watchOps: async () => () => undefined,
+      followSandboxes: async () => () => undefined,
+      listOps: async () => [{ value: op, modRevision: 1 }],
+      getOp: async () => ({ value: op, modRevision: 1 }),
+      commitAt: async (writes: Array<{ kind: string; value?: { state?: string } }>) => {
+        if (!crashed) return 0;
+        for (const w of writes) if (w.kind === 'op') written.push(w.value!.state!);
+        return 2;
+      },
+    });
+    const ex = new Executor({
+      store,
+      bus: stub({ consumeResults: async () => async () => undefined }),
+      clock: { now: () => Date.now() },
+      log,
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18, crashedRerunMs: 50 },
+    });
+    await ex.start();
+    try {
+      await waitFor('the op written failed', async () => written.includes('failed'), 5000, 20);
+      expect(crashed).toBe(true);
+    } finally {
+      await ex.stop();
+    }
   });
 });

@@ -17,7 +17,7 @@ import { HostResultSchema, HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
-import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
+import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { FleetView, PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
@@ -69,6 +69,8 @@ export interface ExecutorConfig {
   heldSnapshotCheckMs?: number;
   /** How long a VM stays stray before it is stopped (reconcileStrayVms; FF_STRAY_VM_GRACE). 0 or absent: 2 x stepTimeoutMs x stepAttempts + 60 s. */
   strayVmGraceMs?: number;
+  /** How long after its runner crashed an op runs again (rerunLater). Absent: CRASHED_RERUN_MS. */
+  crashedRerunMs?: number;
 }
 
 /** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
@@ -350,6 +352,11 @@ const GROUP_COMMIT_MAX_WRITES = 100;
 /** Backoff of an op run again after the fleet store failed under it (run()). */
 const STORE_RETRY_FIRST_MS = 250;
 const STORE_RETRY_MAX_MS = 4000;
+/** Backoff cap while etcd is full (StoreFullError): an operator has to act, which takes minutes. */
+const STORE_FULL_RETRY_MAX_MS = 30_000;
+
+/** An op whose runner crashed (an error not even its failure could be recorded past) is run again this much later. */
+const CRASHED_RERUN_MS = 30_000;
 
 /** Adds what a host's answer says of a step's time and bytes to its entry in the op's step log. */
 function addHostReport(st: StepRec, r: HostResultMsg): void {
@@ -1036,6 +1043,28 @@ export class Executor {
     }
   }
 
+  /**
+   * An op whose runner crashed is still recorded active, and nothing else would start it
+   * again in this term (the watch delivers only changes; a new term lists every active op):
+   * read afresh and run again CRASHED_RERUN_MS later, as a new leader would run it.
+   */
+  private rerunLater(tenantId: string, opId: string): void {
+    const term = this.term;
+    const t = setTimeout(() => {
+      if (term !== this.term || !this.active) return;
+      this.deps.store.getOp(tenantId, opId).then(
+        (v) => {
+          if (v && term === this.term) this.maybeRun(v.value, v.modRevision);
+        },
+        (e: unknown) => {
+          this.log.warn({ err: e, opId }, 'could not read a crashed operation to run it again; trying later');
+          this.rerunLater(tenantId, opId);
+        },
+      );
+    }, this.deps.config.crashedRerunMs ?? CRASHED_RERUN_MS);
+    t.unref();
+  }
+
   private maybeRun(op: OperationRec, modRevision: number): void {
     if (!this.active || isTerminal(op.state)) return;
     if (modRevision <= (this.finishedAt.get(op.id) ?? 0)) return;
@@ -1048,14 +1077,19 @@ export class Executor {
     // it paused it, and the pause's write would leave the record paused after the resume.
     const turn = op.kind === 'pause' || op.kind === 'resume' ? `${op.tenantId}/${op.targetId}` : undefined;
     const before = turn === undefined ? undefined : this.vmStateTurns.get(turn);
+    let crashed = false;
     const p = (before ? before.then(() => this.run(op.tenantId, op.id)) : this.run(op.tenantId, op.id))
-      .catch((e: unknown) => this.log.error({ err: e, opId: op.id }, 'operation runner crashed'))
+      .catch((e: unknown) => {
+        crashed = true;
+        this.log.error({ err: e, opId: op.id, rerunInMs: this.deps.config.crashedRerunMs ?? CRASHED_RERUN_MS }, 'operation runner crashed; it runs again later');
+      })
       .finally(() => {
         this.running.delete(op.id);
         this.ops.delete(op.id);
         this.opChains.delete(op.id);
         this.stepLog.delete(op.id);
         if (turn !== undefined && this.vmStateTurns.get(turn) === p) this.vmStateTurns.delete(turn);
+        if (crashed) this.rerunLater(op.tenantId, op.id);
       });
     this.running.set(op.id, p);
     if (turn !== undefined) this.vmStateTurns.set(turn, p);
@@ -1704,9 +1738,12 @@ export class Executor {
       try {
         return await this.runOnce(tenantId, opId);
       } catch (e) {
-        if (!(e instanceof StoreUnavailableError) || !this.active) throw e;
+        // A full etcd reaches here only when even the op's failure could not be recorded
+        // (runOnce fails the op on it): it runs again too, more slowly, once an operator has
+        // made room. A write too large for etcd fails the op in runOnce and ends there.
+        if (!(e instanceof StoreUnavailableError || e instanceof StoreFullError) || !this.active) throw e;
         // Jittered, so the ops that waited out one outage do not all run again at once.
-        const delay = Math.round(Math.min(STORE_RETRY_MAX_MS, STORE_RETRY_FIRST_MS * 2 ** attempt) * (0.5 + Math.random() / 2));
+        const delay = Math.round(Math.min(e instanceof StoreFullError ? STORE_FULL_RETRY_MAX_MS : STORE_RETRY_MAX_MS, STORE_RETRY_FIRST_MS * 2 ** attempt) * (0.5 + Math.random() / 2));
         this.log.warn({ err: e, opId, attempt: attempt + 1, retryInMs: delay }, 'the fleet store failed under an operation; running it again');
         await this.pause(delay);
         if (!this.active) return;
@@ -3691,7 +3728,7 @@ export class Executor {
         const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
         if (!owner || isTerminal(owner.state)) {
           const why = (owner?.input as { reason?: unknown } | undefined)?.reason;
-          await submit(sb.tenantId, `__redestroy/${sb.opId}`, 'destroy', sb.id, typeof why === 'string' ? { reason: why } : {});
+          await this.submitRule(sb, `__redestroy/${sb.opId}`, 'destroy', typeof why === 'string' ? { reason: why } : {}, now);
         }
         continue;
       }
@@ -3714,9 +3751,9 @@ export class Executor {
   }
 
   /**
-   * Submits a lifecycle rule's operation for a sandbox the rule found running and free. The
-   * operation under the rule's key may have failed without taking the sandbox (it is still
-   * running with no operation, or the rule would not be here): then under a key of the
+   * Submits a lifecycle rule's operation for a sandbox the rule found as it acts on it (running
+   * and free; destroying, its destroy ended). The operation under the rule's key may have
+   * failed without taking the sandbox (it is still so, or the rule would not be here): then under a key of the
    * current LIFECYCLE_RETRY_MS period, so a failure does not block the rule until the
    * failed operation's record expires, and a rule that keeps failing starts one operation
    * a period, not one a pass.

@@ -15,7 +15,7 @@ function stub<T>(methods: Record<string, unknown>): T {
 }
 
 /** An executor whose submit keeps one operation per key, in the state `ends(key)` gives it. */
-function rules(ends: (key: string) => OperationRec['state'], heard = new HeartbeatRegistry()): { ex: Executor; started: string[]; clock: { t: number } } {
+function rules(ends: (key: string) => OperationRec['state'], heard = new HeartbeatRegistry(), store: Record<string, unknown> = {}): { ex: Executor; started: string[]; clock: { t: number } } {
   const ops = new Map<string, OperationRec>();
   const started: string[] = [];
   const clock = { t: 1_000_000 };
@@ -29,7 +29,7 @@ function rules(ends: (key: string) => OperationRec['state'], heard = new Heartbe
     return op;
   };
   const ex = new Executor({
-    store: stub({}),
+    store: stub(store),
     bus: stub({}),
     clock: { now: () => clock.t },
     log: pino({ level: 'silent' }),
@@ -80,6 +80,20 @@ describe('Lifecycle rules', () => {
     const sb = sandboxRecord({ idleTimeoutMs: 5000, runningSince: clock.t - 60_000 });
     await pass(ex, sb);
     expect(started).toEqual([`__idle/sb-a/${sb.runningSince}`, `__idle/sb-a/${sb.runningSince}/retry/${Math.floor(clock.t / LIFECYCLE_RETRY_MS)}`]);
+    clock.t += LIFECYCLE_RETRY_MS;
+    await pass(ex, sb);
+    expect(started).toHaveLength(3);
+  });
+
+  it('redestroyOfASandboxLeftDestroying_thatFailedBeforeTakingIt_isStartedAgainNextPeriod', async () => {
+    // The destroy that left it destroying has ended; each destroy started for it fails at once.
+    const ended = { value: { state: 'failed', input: { reason: 'ttl' } }, modRevision: 1 };
+    const { ex, started, clock } = rules(() => 'failed', new HeartbeatRegistry(), { getOp: async () => ended });
+    const sb = sandboxRecord({ state: 'destroying', opId: 'op-old' });
+    await pass(ex, sb);
+    expect(started).toEqual(['__redestroy/op-old', `__redestroy/op-old/retry/${Math.floor(clock.t / LIFECYCLE_RETRY_MS)}`]);
+    await pass(ex, sb);
+    expect(started).toHaveLength(2);
     clock.t += LIFECYCLE_RETRY_MS;
     await pass(ex, sb);
     expect(started).toHaveLength(3);
