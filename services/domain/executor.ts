@@ -1924,8 +1924,10 @@ export class Executor {
       const r = await this.step(op, 'create', sb.hostId, work);
       notHeld = r.restoredByMigration || r.snapshotNotHeld;
     } catch (e) {
-      // A store that failed under the step's preparation fails nothing: the op runs again.
-      if (this.active && !(e instanceof StoreUnavailableError)) await this.failSandbox(sb, e);
+      // A store that failed under the step's preparation fails nothing: the op runs again. A
+      // cancel before the step may follow a step an earlier run sent (a failover, or a store
+      // outage after it): its VM is stopped (a stop of a VM never made does nothing).
+      if (this.active && !(e instanceof StoreUnavailableError)) await this.failSandbox(sb, e, e instanceof OperationCancelledError);
       throw e;
     }
     if (fetched && !notHeld) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
@@ -2880,7 +2882,9 @@ export class Executor {
       if (!f.stepFailed) return;
       for (const c of f.children) {
         hostOf.delete(c.rec.id);
-        await this.failSandbox(c.rec, f.error);
+        // A cancel that kept a step from going out may follow one that went out in an earlier
+        // run of this op (a failover): its VMs may run. A stop of a VM never made does nothing.
+        await this.failSandbox(c.rec, f.error, f.error instanceof OperationCancelledError);
       }
     };
     let batch = children.filter((c) => c.rec.state === 'starting');
