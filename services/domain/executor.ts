@@ -3736,6 +3736,13 @@ export class Executor {
         }
         continue;
       }
+      if ((sb.state === 'starting' || sb.state === 'waking' || sb.state === 'hibernating') && sb.opId && !this.running.has(sb.opId)) {
+        // Its operation ended without moving it on (its last write failed while the op's own
+        // failure landed): nothing else looks at it again, and it holds its booking.
+        const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
+        if (!owner || isTerminal(owner.state)) await this.settleEndedOwner(sb, owner).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, opId: sb.opId }, 'could not settle a sandbox its operation left behind'));
+        continue;
+      }
       if (sb.state !== 'running' || sb.opId) continue;
       const ran = sb.runningMsBefore + (sb.runningSince === null ? 0 : now - sb.runningSince);
       if (sb.ttlMs !== null && ran >= sb.ttlMs) {
@@ -3755,8 +3762,40 @@ export class Executor {
   }
 
   /**
+   * A sandbox whose operation ended (or whose record expired) with it still in that op's
+   * transitional state. Starting: failed, its booking released and its VM (if the host made
+   * one) stopped. Waking: hibernated again (settleEndedWake). Hibernating: a hibernate of its
+   * own takes it over from where the ended one stopped (runHibernate) and finishes it.
+   */
+  private async settleEndedOwner(sb: SandboxRec, owner: OperationRec | undefined): Promise<void> {
+    const endedId = sb.opId;
+    this.log.warn({ sandboxId: sb.id, state: sb.state, opId: endedId, opState: owner?.state ?? 'gone' }, 'a sandbox\'s operation ended without settling it: settling it');
+    if (sb.state === 'waking') return this.settleEndedWake(sb, owner);
+    if (sb.state === 'hibernating') {
+      return this.submitRule(sb, `__rehibernate/${endedId}`, 'hibernate', { snapshotId: newId('sn'), replicas: 0, reason: 'settle' }, this.deps.clock.now());
+    }
+    const why = `its ${owner?.kind ?? 'operation'} ${endedId} ended (${owner?.state ?? 'its record is gone'}) without starting it`;
+    try {
+      await this.updateSandbox(
+        sb.tenantId,
+        sb.id,
+        (s) => {
+          if (s.state !== 'starting' || s.opId !== endedId) throw new MovedOnError(s.id, s.state, s.hostId);
+          this.setState(s, 'failed', this.deps.clock.now(), why);
+          s.opId = '';
+        },
+        (_next, before) => this.capacity(before.hostId, before.resources, -1)(),
+      );
+    } catch (e) {
+      if (e instanceof MovedOnError) return;
+      throw e;
+    }
+    if (sb.hostId) void this.sendHostWork(sb.hostId, endedId, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start whose operation ended');
+  }
+
+  /**
    * Submits a lifecycle rule's operation for a sandbox the rule found as it acts on it (running
-   * and free; destroying, its destroy ended). The operation under the rule's key may have
+   * and free; destroying or hibernating, its operation ended). The operation under the rule's key may have
    * failed without taking the sandbox (it is still so, or the rule would not be here): then under a key of the
    * current LIFECYCLE_RETRY_MS period, so a failure does not block the rule until the
    * failed operation's record expires, and a rule that keeps failing starts one operation

@@ -98,4 +98,40 @@ describe('Lifecycle rules', () => {
     await pass(ex, sb);
     expect(started).toHaveLength(3);
   });
+
+  it('sandboxLeftStartingByAnOpThatEnded_isFailedWithWhy_andItsBookingReleased_oneMovedOnMeanwhileIsLeft', async () => {
+    const ended = { value: { kind: 'create', state: 'failed', input: {} }, modRevision: 1 };
+    const starting = sandboxRecord({ state: 'starting', opId: 'op-old', hostId: 'h1', resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 } });
+    let current = starting;
+    const writes: Array<{ kind: string; value?: unknown }> = [];
+    const store = {
+      getOp: async () => ended,
+      getSandbox: async () => ({ value: current, modRevision: 5 }),
+      getAlloc: async () => ({ value: { hostId: 'h1', allocated: { vcpus: 3, memoryMib: 1024, diskMib: 4096 }, sandboxes: 3 }, modRevision: 4 }),
+      commitAt: async (w: typeof writes) => (writes.push(...w), 6),
+    };
+    const { ex } = rules(() => 'failed', new HeartbeatRegistry(), store);
+    await pass(ex, starting);
+    const sbw = writes.find((w) => w.kind === 'sandbox')?.value as SandboxRec;
+    expect(sbw).toMatchObject({ state: 'failed', opId: '' });
+    expect(sbw.stateReason).toMatch(/its create op-old ended \(failed\) without starting it/);
+    expect(writes.find((w) => w.kind === 'alloc')?.value).toMatchObject({ allocated: { vcpus: 2, memoryMib: 768, diskMib: 3072 }, sandboxes: 2 });
+    // Its record moved on (running, under another op) by the time the write reads it: left as it is.
+    writes.length = 0;
+    current = { ...starting, state: 'running', opId: '' };
+    await pass(ex, starting);
+    expect(writes).toEqual([]);
+  });
+
+  it('sandboxLeftHibernatingByAnOpThatEnded_getsAHibernateOfItsOwn_oneWhoseOpStillRunsIsLeft', async () => {
+    let state: OperationRec['state'] = 'failed';
+    const { ex, started } = rules(() => 'running', new HeartbeatRegistry(), { getOp: async () => ({ value: { kind: 'hibernate', state, input: {} }, modRevision: 1 }) });
+    const sb = sandboxRecord({ state: 'hibernating', opId: 'op-old' });
+    await pass(ex, sb);
+    expect(started).toEqual(['__rehibernate/op-old']);
+    state = 'running';
+    const other = rules(() => 'running', new HeartbeatRegistry(), { getOp: async () => ({ value: { kind: 'hibernate', state, input: {} }, modRevision: 1 }) });
+    await pass(other.ex, sb);
+    expect(other.started).toEqual([]);
+  });
 });
