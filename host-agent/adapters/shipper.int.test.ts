@@ -160,6 +160,23 @@ describe('ChunkStoreShipper.obtain', () => {
   });
 });
 
+describe('ChunkStoreShipper.remove', () => {
+  it('remove_whoseManifestDeleteFails_keepsReportingTheSnapshot_soTheSchedulerAsksAgain_andASecondRemoveDeletesIt', async () => {
+    const { manifests, shipper } = await receiver('R-remove-fails');
+    expect(shipper.held().map((h) => [h.snapshotId, h.complete])).toEqual([['s1', true]]);
+    const realDelete = manifests.delete.bind(manifests);
+    manifests.delete = async () => {
+      throw Object.assign(new Error('ENOSPC: no space left on device'), { code: 'ENOSPC' });
+    };
+    await expect(shipper.remove('s1')).rejects.toThrow(/ENOSPC/);
+    expect(shipper.held().map((h) => [h.snapshotId, h.complete])).toEqual([['s1', true]]);
+    manifests.delete = realDelete;
+    await shipper.remove('s1');
+    expect(shipper.held()).toEqual([]);
+    expect(await manifests.get('s1')).toBeUndefined();
+  });
+});
+
 describe('ChunkStoreShipper.ingest', () => {
   it('ingest_whenTheIngestFailsAfterFlatteningTheDisk_removesTheFlattenedDiskFromScratch_andReportsTheSnapshotHeldIncomplete', async () => {
     const root = join(dir, 'I');

@@ -433,15 +433,23 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * makes a later GC remove it once free (also after an agent restart).
    */
   async remove(snapshotId: string): Promise<void> {
-    this.complete.delete(snapshotId);
-    this.storedIncomplete.delete(snapshotId);
-    this.sealedOnly.delete(snapshotId);
+    // Forgotten first (no restore takes it up meanwhile); known again if the marker or the
+    // manifest's delete fails (a full disk, EIO): the host's heartbeats go on listing it, so
+    // the scheduler asks again, rather than its files staying unlisted until a restart.
+    const had = [this.complete, this.storedIncomplete, this.sealedOnly].filter((set) => set.delete(snapshotId));
+    const notDurable = this.notDurable.get(snapshotId);
     this.notDurable.delete(snapshotId);
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
-    // Durable before the manifest goes: a directory with neither marker nor manifest after a
-    // power loss would be reported as a snapshot never ingested, and deleted only later.
-    if (await exists(own)) await writeFileDurable(join(own, DELETED_MARKER), '');
-    await this.deps.manifests.delete(snapshotId);
+    try {
+      // Durable before the manifest goes: a directory with neither marker nor manifest after a
+      // power loss would be reported as a snapshot never ingested, and deleted only later.
+      if (await exists(own)) await writeFileDurable(join(own, DELETED_MARKER), '');
+      await this.deps.manifests.delete(snapshotId);
+    } catch (e) {
+      for (const set of had) set.add(snapshotId);
+      if (notDurable !== undefined) this.notDurable.set(snapshotId, notDurable);
+      throw e;
+    }
     await this.collectGarbage();
   }
 
