@@ -877,6 +877,37 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.deleteSnapshot(s);
   });
 
+  it('snapshot_ofACloneThatFailsAfterItsDiskSwitched_andWhoseMergeBackFailsToo_laterSnapshotsMergeItBackFirst_andKeepEveryWrite', async () => {
+    await driver.fork(snap, [{ vmId: 'k6', hostname: 'k6' }]);
+    await sh('k6', 'echo one > /data/one && sync');
+    // Fails inside the RAM copy, after blockdev-snapshot moved the VM onto its new layer, and
+    // its merge back is refused: the VM runs on, writing the new layer.
+    onSnapshotCopied = async ({ snapshotId, qmp }) => {
+      if (snapshotId !== 'snap-k6-bad') return;
+      const execute = qmp.execute.bind(qmp);
+      qmp.execute = (async (cmd: string, args?: Record<string, unknown>) => {
+        if (cmd === 'block-commit') throw new Error('block-commit refused (injected)');
+        return execute(cmd, args as never);
+      }) as typeof qmp.execute;
+      throw new Error('copy failed');
+    };
+    try {
+      await expect(driver.snapshot('k6', 'snap-k6-bad')).rejects.toThrow(/copy failed/);
+    } finally {
+      onSnapshotCopied = undefined;
+    }
+    expect(driver.get('k6')?.state).toBe('running');
+    const qmp = (driver as unknown as { vms: Map<string, { qmp: { execute: unknown } }> }).vms.get('k6')!.qmp;
+    delete (qmp as { execute?: unknown }).execute;
+    await sh('k6', 'echo two > /data/two && sync');
+    // The next snapshot freezes the layer the VM writes, not the one below it (which stopped
+    // changing at the failed attempt and has no `two`).
+    const s = await driver.snapshot('k6', 'snap-k6-good');
+    await childrenSee([{ of: s, id: 'k6g', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two', out: 'one\ntwo' }]);
+    await driver.destroy('k6');
+    await driver.deleteSnapshot(s);
+  });
+
   it('snapshot_thatFailsWhileTheVmIsStopped_andWhoseContFailsToo_recordsTheVmPaused_soAResumeRunsItAgain', async () => {
     await driver.fork(snap, [{ vmId: 'k7', hostname: 'k7' }]);
     // Fails inside the RAM copy (the VM stopped), and every `cont` of the source fails from then on.

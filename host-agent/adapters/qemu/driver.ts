@@ -937,6 +937,7 @@ export class QemuVmmDriver implements VmmDriver {
     // stopped copy slow (~1 s for 256 MiB here, ~70 ms with the file allocated).
     const live = !keepPaused && rec.info.accel === 'kvm';
     try {
+      await this.mergeBackStrayLayer(rec, snapshotId);
       // qemu-img would overwrite it, and it may be the VM's live layer (see the catch below).
       // One the VM does not write is what an attempt killed before its blockdev-snapshot left
       // (an adopted VM was put back on its real top layer): it goes, with its block node.
@@ -1009,8 +1010,11 @@ export class QemuVmmDriver implements VmmDriver {
       await rec.qmp.execute('migrate_cancel').catch(() => undefined);
       // A failure after blockdev-snapshot leaves the VM writing newDisk, whose header names its
       // backing (diskImg) in the snapshot directory that goes now: merged back into the layer
-      // below first. Until then diskImg stays.
-      let onNewDisk = !rec.qmp.closed && (await topDiskFile(rec.qmp).catch(() => undefined)) === newDisk;
+      // below first. Until then diskImg stays. A top layer QMP cannot tell counts as newDisk
+      // once diskImg is linked (newDisk over diskImg, a link to the old layer, holds the same
+      // bytes whichever of the two the VM writes).
+      const top = rec.qmp.closed ? undefined : await topDiskFile(rec.qmp).catch(() => null);
+      let onNewDisk = top === newDisk || (top === null && linked);
       if (linked && !rec.qmp.closed && !onNewDisk) await unlink(diskImg).catch(() => undefined);
       await rec.qmp.execute('blockdev-del', { 'node-name': overlayNode }).catch(() => undefined);
       if (onNewDisk) {
@@ -1023,6 +1027,8 @@ export class QemuVmmDriver implements VmmDriver {
           rec.log.error({ err: String(c) }, 'merging the overlay of a failed snapshot back failed: the VM keeps writing it');
         }
       }
+      // Still on newDisk (its merge failed): the VM's next snapshot merges it back first
+      // (mergeBackStrayLayer). QEMU keeps its backing open after the directory goes.
       if (!onNewDisk) await rm(newDisk, { force: true });
       if (!rec.qmp.closed && (await queryStatus(rec.qmp).catch(() => '')) !== 'running' && !keepPaused) {
         await contAfterMigration(rec.qmp).catch(() => undefined);
@@ -1030,6 +1036,25 @@ export class QemuVmmDriver implements VmmDriver {
       await rm(recvDir, { recursive: true, force: true });
       throw e;
     }
+  }
+
+  /**
+   * A clone snapshot that failed after its disk switch and could not merge the new layer back
+   * leaves the VM writing that layer while rec.diskPath names the one below, which stopped
+   * changing then: a snapshot that froze rec.diskPath would miss every write since. Merged
+   * back first (the blocker may be gone); if it still fails, the snapshot fails, naming it,
+   * rather than seal a stale disk.
+   */
+  private async mergeBackStrayLayer(rec: VmRecord, snapshotId: string): Promise<void> {
+    const top = await topDiskFile(rec.qmp);
+    if (!top || (await realpath(top).catch(() => top)) === (await realpath(rec.diskPath).catch(() => rec.diskPath))) return;
+    try {
+      await commitActiveLayer(rec.qmp, rec.diskPath, `ff-rollback-${snapshotId}`);
+    } catch (e) {
+      throw new VmmError(`the VM writes ${top}, the disk layer of a snapshot that failed, not its recorded layer ${rec.diskPath}; merging it back failed: ${String(e)}`);
+    }
+    await unlink(top).catch(() => undefined);
+    rec.log.warn({ recorded: rec.diskPath, overlay: top }, 'VM wrote the disk layer of a failed snapshot: merged it back into its layer');
   }
 
   private async removeGenFiles(workdir: string, gen: number): Promise<void> {
