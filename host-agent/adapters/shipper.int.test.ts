@@ -160,6 +160,21 @@ describe('ChunkStoreShipper.obtain', () => {
   });
 });
 
+describe('ChunkStoreShipper.collectGarbage', () => {
+  it('gc_listsASealedSnapshotNoStepReported_asHeldIncomplete_soTheSchedulerHasItDeleted', async () => {
+    const { shipper, root } = await receiver('R-sealed-unreported');
+    // A snapshot the driver sealed after the agent started, whose step then failed: never ingested.
+    const dir = join(root, 'vmm', 'orphan');
+    mkdirSync(dir, { recursive: true });
+    writeFileSync(join(dir, 'manifest.json'), JSON.stringify({ snapshotId: 'orphan' }));
+    // One still being written (no manifest yet) is not.
+    mkdirSync(join(root, 'vmm', 'half'), { recursive: true });
+    expect(shipper.held().map((h) => h.snapshotId)).toEqual(['s1']);
+    await shipper.collectGarbage();
+    expect(shipper.held().map((h) => [h.snapshotId, h.complete])).toEqual([['s1', true], ['orphan', false]]);
+  });
+});
+
 describe('ChunkStoreShipper.remove', () => {
   it('remove_whoseManifestDeleteFails_keepsReportingTheSnapshot_soTheSchedulerAsksAgain_andASecondRemoveDeletesIt', async () => {
     const { manifests, shipper } = await receiver('R-remove-fails');

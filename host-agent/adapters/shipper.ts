@@ -468,7 +468,17 @@ export class ChunkStoreShipper implements SnapshotShipper {
       const dirs: string[] = [];
       for (const id of await readdir(this.deps.driverSnapshotsDir).catch(() => [] as string[])) {
         const dir = join(this.deps.driverSnapshotsDir, id);
-        if (!(await exists(join(dir, DELETED_MARKER)))) continue;
+        if (!(await exists(join(dir, DELETED_MARKER)))) {
+          // Sealed by a snapshot whose step failed after (its VM crashed while the image was
+          // synced, say): never ingested, so nothing listed it. Listed now, as load() lists
+          // such a directory after a restart: the scheduler has a snapshot it does not keep
+          // deleted here, rather than its memory image staying until the agent restarts.
+          if (!this.complete.has(id) && !this.storedIncomplete.has(id) && !this.sealedOnly.has(id) && (await exists(join(dir, 'manifest.json')))) {
+            this.sealedOnly.add(id);
+            this.deps.log.info({ snapshotId: id }, 'a sealed snapshot no step reported is listed as held (incomplete)');
+          }
+          continue;
+        }
         try {
           await this.deps.driver.deleteSnapshot(await this.deps.driver.openSnapshot(dir));
           dirs.push(id);
