@@ -293,6 +293,9 @@ function toOperation(o: PbOperation): OperationInfo {
   return out;
 }
 
+/** A watch stream up at least this long before it broke was working: its break starts the retries afresh. */
+const WATCH_HEALTHY_MS = 10_000;
+
 function toEvent(e: PbEvent): EventInfo {
   return {
     revision: num(e.revision),
@@ -756,22 +759,47 @@ export class Forkfleet {
     return { snapshotId: op.fork?.snapshotId ?? '', children, operation: op };
   }
 
-  /** Lifecycle events of the tenant (or one sandbox), as they happen. Break out of the loop to stop. */
+  /**
+   * Lifecycle events of the tenant (or one sandbox), as they happen. Break out of the loop to
+   * stop. A stream that breaks is resumed without a gap or a repeat: one store revision can
+   * carry several events (a fork's children are written together), so it resumes after the
+   * last revision it saw whole and skips the events of the next one it yielded already.
+   * Before the first event of a watch from now (no afterRevision), a break cannot be resumed
+   * exactly: events between it and the reconnect are missed.
+   */
   async *watch(filter: { sandboxId?: string; types?: string[]; afterRevision?: number; signal?: AbortSignal } = {}): AsyncGenerator<EventInfo> {
     const types = (filter.types ?? []).map((t) => EventType[t.toUpperCase() as keyof typeof EventType]);
+    /** Every event up to this revision was yielded. */
     let after = filter.afterRevision ?? 0;
+    /** The revision of the last event yielded (maybe not all of its events yet), and those yielded of it. */
+    let current = after;
+    let yielded = new Set<string>();
     for (let attempt = 1; ; attempt++) {
+      const started = Date.now();
       try {
         for await (const e of this.rpc.watchEvents({ tenantId: this.tenant, sandboxId: filter.sandboxId ?? '', types, afterRevision: BigInt(after) }, filter.signal ? { signal: filter.signal } : {})) {
           attempt = 1;
           const ev = toEvent(e);
-          after = Math.max(after, ev.revision);
+          if (ev.revision <= after) continue;
+          const key = JSON.stringify([ev.type, ev.sandboxId, ev.snapshotId, ev.hostId, ev.operationId, ev.sandboxState, ev.message]);
+          if (ev.revision === current) {
+            if (yielded.has(key)) continue; // replayed after a break inside this revision
+          } else {
+            // A later revision: the one before it is whole.
+            after = Math.max(after, current);
+            current = ev.revision;
+            yielded = new Set();
+          }
+          yielded.add(key);
           yield ev;
         }
         return;
       } catch (e) {
-        // Resume after the last revision seen: the watch is restartable without gaps.
-        if (!(e instanceof ForkfleetError && e.retryable) || attempt >= this.retryOpts.attempts || filter.signal?.aborted) throw e;
+        if (!(e instanceof ForkfleetError && e.retryable) || filter.signal?.aborted) throw e;
+        // A stream that stayed up a while counts as working, events or not: only breaks in a
+        // row use up the attempts.
+        if (Date.now() - started >= WATCH_HEALTHY_MS) attempt = 1;
+        if (attempt >= this.retryOpts.attempts) throw e;
         await sleep(Math.min(this.retryOpts.maxMs, this.retryOpts.baseMs * 2 ** attempt), filter.signal);
       }
     }
