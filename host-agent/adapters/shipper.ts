@@ -444,6 +444,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
       // Durable before the manifest goes: a directory with neither marker nor manifest after a
       // power loss would be reported as a snapshot never ingested, and deleted only later.
       if (await exists(own)) await writeFileDurable(join(own, DELETED_MARKER), '');
+      // A GC meanwhile found the sealed directory before its marker, and listed it again.
+      this.sealedOnly.delete(snapshotId);
       await this.deps.manifests.delete(snapshotId);
     } catch (e) {
       for (const set of had) set.add(snapshotId);

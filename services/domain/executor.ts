@@ -535,6 +535,8 @@ export class Executor {
   private readonly running = new Map<string, Promise<void>>();
   /** Per sandbox (`tenant/id`): the last pause or resume queued to run (maybeRun runs them one at a time). */
   private readonly vmStateTurns = new Map<string, Promise<void>>();
+  /** `tenant/sandbox` -> creation time of the latest pause or resume of it started this term (rerunLater). */
+  private readonly vmStateLatest = new Map<string, number>();
   /**
    * Ops this leader finished, with the revision of their final write (the latest 10,000): a
    * watch event that arrives after the run ended carries an older, unfinished copy, which
@@ -1013,6 +1015,7 @@ export class Executor {
     this.strays.clear();
     // Misses seen in an earlier term (by heartbeat seq) would make one miss in the next count as two.
     this.vmMissing.clear();
+    this.vmStateLatest.clear();
     // Waiting runners would only time out: wake them so they end now; the next leader
     // re-runs their operations from etcd.
     for (const [k, w] of this.waiters) {
@@ -1054,7 +1057,18 @@ export class Executor {
       if (term !== this.term || !this.active) return;
       this.deps.store.getOp(tenantId, opId).then(
         (v) => {
-          if (v && term === this.term) this.maybeRun(v.value, v.modRevision);
+          if (!v || term !== this.term || isTerminal(v.value.state)) return;
+          const op = v.value;
+          // A pause or resume of a sandbox that a later one has run past meanwhile: run now, it
+          // would undo that one (pauses and resumes of a sandbox run in the order they came).
+          if ((op.kind === 'pause' || op.kind === 'resume') && (this.vmStateLatest.get(`${op.tenantId}/${op.targetId}`) ?? 0) > op.createdAt) {
+            void this.finish(op, null, { kind: 'aborted', message: `a later pause or resume of ${op.targetId} ran while this one was waiting to run again after its runner crashed; call it again if it is still wanted`, retryable: false }).catch((e: unknown) => {
+              this.log.warn({ err: e, opId }, 'could not end a superseded operation; trying later');
+              this.rerunLater(tenantId, opId);
+            });
+            return;
+          }
+          this.maybeRun(op, v.modRevision);
         },
         (e: unknown) => {
           this.log.warn({ err: e, opId }, 'could not read a crashed operation to run it again; trying later');
@@ -1077,6 +1091,7 @@ export class Executor {
     // it paused it, and the pause's write would leave the record paused after the resume.
     const turn = op.kind === 'pause' || op.kind === 'resume' ? `${op.tenantId}/${op.targetId}` : undefined;
     const before = turn === undefined ? undefined : this.vmStateTurns.get(turn);
+    if (turn !== undefined) this.vmStateLatest.set(turn, Math.max(this.vmStateLatest.get(turn) ?? 0, op.createdAt));
     let crashed = false;
     const p = (before ? before.then(() => this.run(op.tenantId, op.id)) : this.run(op.tenantId, op.id))
       .catch((e: unknown) => {
@@ -3763,25 +3778,44 @@ export class Executor {
 
   /**
    * A sandbox whose operation ended (or whose record expired) with it still in that op's
-   * transitional state. Starting: failed, its booking released and its VM (if the host made
-   * one) stopped. Waking: hibernated again (settleEndedWake). Hibernating: a hibernate of its
-   * own takes it over from where the ended one stopped (runHibernate) and finishes it.
+   * transitional state. Each case acts on the record as a guarded write finds it (the pass's
+   * copy may be stale). Starting: failed, its booking released and its VM (if the host made
+   * one) stopped. Waking: hibernated again (settleEndedWake). Hibernating with the ended
+   * hibernate's snapshot ready: hibernated from it (the VM has not run since it was taken),
+   * as that hibernate's last write would have, and its VM stopped; before the snapshot, a
+   * hibernate of its own takes it over (runHibernate) and finishes it.
    */
   private async settleEndedOwner(sb: SandboxRec, owner: OperationRec | undefined): Promise<void> {
     const endedId = sb.opId;
     this.log.warn({ sandboxId: sb.id, state: sb.state, opId: endedId, opState: owner?.state ?? 'gone' }, 'a sandbox\'s operation ended without settling it: settling it');
     if (sb.state === 'waking') return this.settleEndedWake(sb, owner);
+    let to: SandboxState = 'failed';
+    let why = `its ${owner?.kind ?? 'operation'} ${endedId} ended (${owner?.state ?? 'its record is gone'}) without starting it`;
+    let snapshotId = '';
     if (sb.state === 'hibernating') {
-      return this.submitRule(sb, `__rehibernate/${endedId}`, 'hibernate', { snapshotId: newId('sn'), replicas: 0, reason: 'settle' }, this.deps.clock.now());
+      const fresh = (await this.deps.store.getSandbox(sb.tenantId, sb.id))?.value;
+      if (fresh?.state !== 'hibernating' || fresh.opId !== endedId) return;
+      snapshotId = fresh.hibernatingTo ?? (owner?.input as { snapshotId?: unknown } | undefined)?.snapshotId?.toString() ?? '';
+      const snap = snapshotId ? (await this.readSnapshot(fresh.tenantId, snapshotId))?.value : undefined;
+      if (snap?.state !== 'ready') return this.submitRule(fresh, `__rehibernate/${endedId}`, 'hibernate', { snapshotId: newId('sn'), replicas: 0, reason: 'settle' }, this.deps.clock.now());
+      to = 'hibernated';
+      why = `its hibernate ${endedId} ended before recording it hibernated`;
     }
-    const why = `its ${owner?.kind ?? 'operation'} ${endedId} ended (${owner?.state ?? 'its record is gone'}) without starting it`;
+    const from = sb.state;
+    let hostId = '';
     try {
       await this.updateSandbox(
         sb.tenantId,
         sb.id,
         (s) => {
-          if (s.state !== 'starting' || s.opId !== endedId) throw new MovedOnError(s.id, s.state, s.hostId);
-          this.setState(s, 'failed', this.deps.clock.now(), why);
+          if (s.state !== from || s.opId !== endedId) throw new MovedOnError(s.id, s.state, s.hostId);
+          hostId = s.hostId;
+          if (to === 'hibernated') {
+            s.hibernationSnapshotId = snapshotId;
+            delete s.hibernatingTo;
+            delete s.hibernatingFrom;
+          }
+          this.setState(s, to, this.deps.clock.now(), why);
           s.opId = '';
         },
         (_next, before) => this.capacity(before.hostId, before.resources, -1)(),
@@ -3790,7 +3824,7 @@ export class Executor {
       if (e instanceof MovedOnError) return;
       throw e;
     }
-    if (sb.hostId) void this.sendHostWork(sb.hostId, endedId, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start whose operation ended');
+    if (hostId) void this.sendHostWork(hostId, endedId, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), `could not stop the VM of a sandbox its ${owner?.kind ?? 'operation'} left ${from}`);
   }
 
   /**

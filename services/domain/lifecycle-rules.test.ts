@@ -7,7 +7,7 @@ import { Executor, LIFECYCLE_RETRY_MS } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import type { OperationRec, SandboxRec } from './records.ts';
-import { sandboxRecord } from '../testkit/records.ts';
+import { sandboxRecord, snapshotRecord } from '../testkit/records.ts';
 
 /** A port stub: the named methods, and for every other one an async function answering []. */
 function stub<T>(methods: Record<string, unknown>): T {
@@ -123,15 +123,36 @@ describe('Lifecycle rules', () => {
     expect(writes).toEqual([]);
   });
 
-  it('sandboxLeftHibernatingByAnOpThatEnded_getsAHibernateOfItsOwn_oneWhoseOpStillRunsIsLeft', async () => {
+  it('sandboxLeftHibernatingByAnOpThatEndedBeforeItsSnapshot_getsAHibernateOfItsOwn_oneWhoseOpStillRunsIsLeft', async () => {
     let state: OperationRec['state'] = 'failed';
-    const { ex, started } = rules(() => 'running', new HeartbeatRegistry(), { getOp: async () => ({ value: { kind: 'hibernate', state, input: {} }, modRevision: 1 }) });
-    const sb = sandboxRecord({ state: 'hibernating', opId: 'op-old' });
+    const sb = sandboxRecord({ state: 'hibernating', opId: 'op-old', hibernatingTo: 'sn-x' });
+    const store = { getOp: async () => ({ value: { kind: 'hibernate', state, input: { snapshotId: 'sn-x' } }, modRevision: 1 }), getSandbox: async () => ({ value: sb, modRevision: 5 }), getSnapshot: async () => ({ value: snapshotRecord({ id: 'sn-x', state: 'creating' }), modRevision: 3 }) };
+    const { ex, started } = rules(() => 'running', new HeartbeatRegistry(), store);
     await pass(ex, sb);
     expect(started).toEqual(['__rehibernate/op-old']);
     state = 'running';
-    const other = rules(() => 'running', new HeartbeatRegistry(), { getOp: async () => ({ value: { kind: 'hibernate', state, input: {} }, modRevision: 1 }) });
+    const other = rules(() => 'running', new HeartbeatRegistry(), store);
     await pass(other.ex, sb);
     expect(other.started).toEqual([]);
+  });
+
+  it('sandboxLeftHibernatingByAnOpThatEndedAfterItsSnapshot_isHibernatedFromThatSnapshot_andItsBookingReleased', async () => {
+    const sb = sandboxRecord({ state: 'hibernating', opId: 'op-old', hibernatingTo: 'sn-x', hibernatingFrom: 'running' });
+    const writes: Array<{ kind: string; value?: unknown }> = [];
+    const store = {
+      getOp: async () => ({ value: { kind: 'hibernate', state: 'failed', input: { snapshotId: 'sn-x' } }, modRevision: 1 }),
+      getSandbox: async () => ({ value: sb, modRevision: 5 }),
+      getSnapshot: async () => ({ value: snapshotRecord({ id: 'sn-x', state: 'ready' }), modRevision: 3 }),
+      getAlloc: async () => ({ value: { hostId: 'h1', allocated: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, sandboxes: 1 }, modRevision: 4 }),
+      commitAt: async (w: typeof writes) => (writes.push(...w), 6),
+    };
+    const { ex, started } = rules(() => 'running', new HeartbeatRegistry(), store);
+    await pass(ex, sb);
+    // Not a new hibernate: that would pause a VM the ended one stopped, and drop its snapshot.
+    expect(started).toEqual([]);
+    const sbw = writes.find((w) => w.kind === 'sandbox')?.value as SandboxRec;
+    expect(sbw).toMatchObject({ state: 'hibernated', hibernationSnapshotId: 'sn-x', opId: '' });
+    expect(sbw.hibernatingTo).toBeUndefined();
+    expect(writes.find((w) => w.kind === 'alloc')?.value).toMatchObject({ allocated: { vcpus: 0, memoryMib: 0, diskMib: 0 }, sandboxes: 0 });
   });
 });

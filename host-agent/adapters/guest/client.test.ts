@@ -249,6 +249,8 @@ describe('pathError', () => {
     expect(refused('File too large').kind).toBe('invalid_argument');
     expect(refused('Text file busy').kind).toBe('failed_precondition');
     expect(refused('No such device or address').kind).toBe('failed_precondition');
+    // A guest short of a resource for a moment is no fault of the path: retryable.
+    expect([refused('Too many open files').kind, refused('Too many open files').retryable, refused('Too many open files').field]).toEqual(['unavailable', true, undefined]);
     // Any other refusal to open the path names it too, with the guest's reason.
     const odd = refused('Invalid argument');
     expect([odd.kind, odd.field, odd.message]).toEqual(['failed_precondition', 'path', '/x/y: the guest refuses to open it: Invalid argument (in the guest)']);

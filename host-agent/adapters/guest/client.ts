@@ -719,6 +719,8 @@ export function pathError(path: string, e: unknown): unknown {
   if (/File too large/i.test(m)) return at('invalid_argument', 'the file would be larger than the guest file system allows');
   if (/Text file busy|Device or resource busy/i.test(m)) return at('failed_precondition', 'the file is busy (a running program, or a mount point)');
   if (/No such device or address|No such device/i.test(m)) return at('failed_precondition', 'a device or pipe nothing serves');
+  // The guest short of a resource for a moment: no fault of the path, worth a retry.
+  if (/Too many open files|Cannot allocate memory|Resource temporarily unavailable|Interrupted system call/i.test(m)) return new ForkfleetError('unavailable', `${path}: the guest is short of a resource (${m.slice(0, 200)}); retry`, { retryable: true, cause: e });
   // Any other refusal to open the path (a /proc or /sys file, a socket): the caller's path,
   // with the guest's words. Failures past the open (a read that fails mid-file) stay internal.
   if (/failed to open file/i.test(m)) return at('failed_precondition', `the guest refuses to open it: ${m.replace(/^.*failed to open file '.*?'( \(mode: '\w+'\))?:?\s*/s, '').slice(0, 200) || 'no reason given'}`);

@@ -104,9 +104,11 @@ describe('lifecycle hooks', () => {
     expect(hooks(60)().afterResume[0]!.timeoutMs).toBe(60_000);
     expect(hooks(undefined, undefined)().afterResume.map((h) => h.timeoutMs)).toEqual([30_000, 30_000]);
     expect(hooks(61)).toThrow(/lifecycle\.after_resume\[0\]\.timeout/);
-    // Three unset ones are 90 s: too much together.
-    expect(hooks(undefined, undefined, undefined)).toThrow(/lifecycle\.after_resume: the hooks' timeouts add up to 90000 ms/);
-    expect(hooks(30, 20, 11)).toThrow(InvalidArgumentError);
+    // Unset ones share the budget when more than two: eight without timeouts stay valid.
+    expect(hooks(undefined, undefined, undefined)().afterResume.map((h) => h.timeoutMs)).toEqual([20_000, 20_000, 20_000]);
+    expect(hooks(...Array<undefined>(8).fill(undefined))().afterResume.every((h) => h.timeoutMs === 7500)).toBe(true);
+    expect(hooks(30, 20, 11)).toThrow(/lifecycle\.after_resume: the hooks' timeouts add up to 61000 ms/);
+    expect(hooks(50, undefined, undefined)).toThrow(InvalidArgumentError);
   });
 });
 

@@ -238,17 +238,20 @@ function idleTimeout(d: Duration | undefined, field: string): number | null {
 export function lifecycle(l: Lifecycle | undefined, field = 'lifecycle'): { ttlMs: number | null; idleTimeoutMs: number | null; afterResume: HookRec[] } {
   const hooks = l?.afterResume ?? [];
   if (hooks.length > LIMITS.maxHooks) throw new InvalidArgumentError(`${field}.after_resume`, `at most ${LIMITS.maxHooks} hooks`);
+  // Unset, a hook's timeout is 30 s, or its share of the budget when more hooks share it (so
+  // that up to 8 hooks without timeouts stay valid).
+  const dflt = Math.min(30_000, Math.floor(LIMITS.maxHooksMs / Math.max(1, hooks.length)));
   const afterResume = hooks.map((h, i) => {
     const f = `${field}.after_resume[${i}]`;
     // The same rules as Exec's argv (a hook is an exec after every resume).
-    return { argv: [...argv(h.argv, `${f}.argv`)], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: LIMITS.maxHooksMs }) ?? 30_000 };
+    return { argv: [...argv(h.argv, `${f}.argv`)], timeoutMs: durationMs(h.timeout, `${f}.timeout`, { min: 100, max: LIMITS.maxHooksMs }) ?? dflt };
   });
   const bytes = jsonBytes(afterResume);
   if (bytes > LIMITS.maxHookBytes) throw new InvalidArgumentError(`${field}.after_resume`, `at most ${LIMITS.maxHookBytes} bytes of hooks together (as JSON), got ${bytes}: put a longer script in a file in the guest and run that`);
   // The hooks run inside the resume, wake or restore step, before the sandbox is running:
   // together they must leave that step (and a call waiting on a wake) time of its own.
   const totalMs = afterResume.reduce((t, h) => t + h.timeoutMs, 0);
-  if (totalMs > LIMITS.maxHooksMs) throw new InvalidArgumentError(`${field}.after_resume`, `the hooks' timeouts add up to ${totalMs} ms (30000 each when unset); at most ${LIMITS.maxHooksMs} ms together: they run inside every resume, wake and restore`);
+  if (totalMs > LIMITS.maxHooksMs) throw new InvalidArgumentError(`${field}.after_resume`, `the hooks' timeouts add up to ${totalMs} ms (${dflt} each when unset); at most ${LIMITS.maxHooksMs} ms together: they run inside every resume, wake and restore`);
   return {
     ttlMs: durationMs(l?.ttl, `${field}.ttl`, { min: 1000 }),
     idleTimeoutMs: idleTimeout(l?.idleTimeout, `${field}.idle_timeout`),

@@ -171,7 +171,7 @@ export type GuestHook = Message<"forkfleet.v1.GuestHook"> & {
   argv: string[];
 
   /**
-   * 100 ms..60 s. Default 30 s.
+   * 100 ms..60 s. Default 30 s, or 60 s shared equally when more than two hooks are set.
    *
    * @generated from field: google.protobuf.Duration timeout = 2;
    */
