@@ -130,6 +130,9 @@ describe('compileAgentConfig: value rules', () => {
   it('gcIntervalAndJournalRetention_zeroTurnsThemOff_butUnderOneSecondIsRefused', () => {
     expect(compileAgentConfig({ ...base, FF_GC_INTERVAL: '0s', FF_JOURNAL_RETENTION: '0' })).toMatchObject({ gcIntervalMs: 0, journalRetentionMs: 0 });
     for (const name of ['FF_GC_INTERVAL', 'FF_JOURNAL_RETENTION']) for (const v of ['1ms', '500ms']) expect(fieldOf(() => compileAgentConfig({ ...base, [name]: v })), `${name}=${v}`).toBe(name);
+    // Shorter than the work stream keeps a message (24 h), a redelivered step could run twice.
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_JOURNAL_RETENTION: '23h' }))).toBe('FF_JOURNAL_RETENTION');
+    expect(compileAgentConfig({ ...base, FF_JOURNAL_RETENTION: '24h' }).journalRetentionMs).toBe(24 * 3_600_000);
   });
 
   it('incomingStandbyQuiet_zeroMeansAtOnce_andIsAccepted', () => {

@@ -72,7 +72,8 @@ export interface AgentProcessConfig {
   /**
    * FF_JOURNAL_RETENTION: step results (the idempotency journal) of ops last written longer
    * ago than this are deleted (default 48h: twice the work stream's 24 h message age, past any
-   * redelivery; 0 keeps them forever; else at least 1s).
+   * redelivery; 0 keeps them forever; else at least 24h: a step redelivered after its result
+   * was pruned would run again).
    */
   readonly journalRetentionMs: number;
   /**
@@ -191,7 +192,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       denyCidrs: e('FF_EGRESS_DENY_CIDRS', '').split(',').map((x) => x.trim()).filter(Boolean),
     },
     gcIntervalMs: duration('FF_GC_INTERVAL', '5m', { min: 1000, max: MAX_TIMER_MS, zero: 'never: only after snapshot deletes' }),
-    journalRetentionMs: duration('FF_JOURNAL_RETENTION', '48h', { min: 1000, zero: 'keep forever' }),
+    journalRetentionMs: duration('FF_JOURNAL_RETENTION', '48h', { min: 24 * 3_600_000, zero: 'keep forever' }),
     gcGraceMs: duration('FF_GC_GRACE', '60s', { min: 1000 }),
     standby: {
       max: int('FF_STANDBY_MAX', '8', 0, 1024),

@@ -347,6 +347,16 @@ describe('Agent steps', () => {
     expect(journal.results.size).toBe(0); // retryable: not journalled, so the retry runs it
   });
 
+  it('stop_whoseJournalCannotBeRead_runsAllTheSame_soAStopSentWithoutAWaiterIsNotLost', async () => {
+    const destroyed: string[] = [];
+    const journal = new MemoryJournal();
+    const { agent } = agentWith({ get: (id: string) => ({ vmId: id, sandboxId: id }) as never, destroy: async (id: string) => void destroyed.push(id) }, {}, {}, undefined, journal);
+    journal.get = (): Promise<never> => Promise.reject(new Error('EIO: i/o error, read'));
+    const r = await agent.runStep(work('stop-unanswered/sb-1', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }));
+    expect(r.error).toBeUndefined();
+    expect(destroyed).toEqual(['sb-1']);
+  });
+
   it('stepResult_largerThanTheBusCarries_isReportedAsTheStepsFailureNamingWhy_andTheWorkAcked', async () => {
     let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
     const sent: Array<{ stepId: string; error?: { kind: string; retryable: boolean; message: string } }> = [];

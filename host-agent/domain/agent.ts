@@ -497,12 +497,18 @@ export class Agent {
     try {
       read = await journal.get(w.opId, w.stepId);
     } catch (e) {
-      // Answered, not left to redelivery (which would fail alike until JetStream drops it):
-      // the scheduler sees why, and retries the step (retryable: a disk error may pass; a step
-      // answered final here would never run, a stop among them).
-      log.error({ err: e }, 'step journal unreadable; step not run');
-      result.error = create(ErrorInfoSchema, errorInfo(journalUnreadable(e)));
-      return result;
+      // A stop needs no journal to be safe to run again (it ends the VM if there is one), and
+      // is often sent without a waiter to retry it (a start given up on, a dead VM's clean-up):
+      // it runs.
+      if (w.work.case === 'destroyVm') log.error({ err: e }, 'step journal unreadable; running the stop all the same');
+      else {
+        // Answered, not left to redelivery (which would fail alike until JetStream drops it):
+        // the scheduler sees why, and retries the step (retryable: a disk error may pass; a step
+        // answered final here would never run).
+        log.error({ err: e }, 'step journal unreadable; step not run');
+        result.error = create(ErrorInfoSchema, errorInfo(journalUnreadable(e)));
+        return result;
+      }
     }
     const prior = journalled(read, w);
     if (prior) return prior;

@@ -55,6 +55,8 @@ export async function startFakeAgent(nc: NatsConnection, o: FakeAgentOptions, lo
       linkBytesPerSecond: o.linkBytesPerSecond ?? 1.25e9,
       heartbeatMs: o.heartbeatMs,
       concurrency: o.concurrency,
+      // As a real agent's default: its journal is pruned past any redelivery (long scale runs).
+      journalRetentionMs: 48 * 3_600_000,
     },
     qemuVersion: FAKE_QEMU_VERSION,
   });

@@ -151,6 +151,24 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     await stop();
   });
 
+  it('heartbeatOrEventForAnotherHost_onAHostsOwnSubject_isDropped_soOneHostCannotSpeakForAnother', async () => {
+    const events: string[] = [];
+    const stopEvents = bus.onHostEvent((e) => events.push(`${e.hostId}/${e.message}`));
+    try {
+      // host-a's credential may publish only on its own subjects, and does: naming host-b inside.
+      agentA.publish(subjects.heartbeat('host-a'), toBinary(HeartbeatSchema, create(HeartbeatSchema, { hostId: 'host-b', seq: 100n })));
+      agentA.publish(subjects.event('host-a'), toBinary(HostEventSchema, create(HostEventSchema, { hostId: 'host-b', message: 'forged' })));
+      agentA.publish(subjects.heartbeat('host-a'), toBinary(HeartbeatSchema, create(HeartbeatSchema, { hostId: 'host-a', seq: 101n })));
+      agentA.publish(subjects.event('host-a'), toBinary(HostEventSchema, create(HostEventSchema, { hostId: 'host-a', message: 'own' })));
+      await waitUntil('host-a heartbeat 101', () => heartbeats.find((h) => h.hostId === 'host-a' && h.seq === 101n));
+      await waitUntil('host-a event', () => events.find((e) => e === 'host-a/own'));
+      expect(heartbeats.filter((h) => h.hostId === 'host-b')).toEqual([]);
+      expect(events).toEqual(['host-a/own']);
+    } finally {
+      stopEvents();
+    }
+  });
+
   it('sendWork_manyStepsInOneTurn_goAsOneMessage_andEachResultComesBackFromItsHost', async () => {
     const jsm = await sched.jetstreamManager();
     const seq = async (stream: string): Promise<number> => (await jsm.streams.info(stream)).state.last_seq;

@@ -256,6 +256,9 @@ export class NatsWorkBus implements WorkBus {
         } catch {
           return; // malformed heartbeat: ignored
         }
+        // The subject names the host that sent it (an agent may publish only on its own):
+        // a heartbeat for another host would let one host mark another's VMs gone.
+        if (m.subject !== subjects.heartbeat(hb.hostId)) return void this.log?.warn({ subject: m.subject, hostId: hb.hostId }, 'dropped a heartbeat for another host than its subject names');
         if (hb.readsBatches) this.batchHosts.add(hb.hostId);
         else this.batchHosts.delete(hb.hostId);
         try {
@@ -274,7 +277,9 @@ export class NatsWorkBus implements WorkBus {
       callback: (err, m) => {
         if (err) return;
         try {
-          cb(fromBinary(HostEventSchema, m.data));
+          const e = fromBinary(HostEventSchema, m.data);
+          // Likewise: a host speaks only for itself.
+          if (m.subject === subjects.event(e.hostId)) cb(e);
         } catch {
           /* ignored */
         }
