@@ -408,13 +408,13 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
       expect([...(await api.getSnapshot({ tenantId, snapshotId })).hostIds].sort()).toEqual(['fake-a', 'fake-v']);
       // Hibernated already, asked again with another ready host up: that host gets a copy of
       // the snapshot it has (the request's replicas were silently ignored).
-      const more = await agents('fake-w', {});
+      const more = await agents('fake-rep', {});
       try {
-        await waitFor('fake-w registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-w' && x.state === HostState.READY), 20_000, 100);
+        await waitFor('fake-rep registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-rep' && x.state === HostState.READY), 20_000, 100);
         const again = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 3 })).id, timeout: { seconds: 30n } });
         expect(again.state, again.error?.message).toBe(OperationState.SUCCEEDED);
         expect(again.progress?.message).toBe(`hibernated already; 2 of 3 replicas of snapshot ${snapshotId} made (2 other ready host(s))`);
-        expect([...(await api.getSnapshot({ tenantId, snapshotId })).hostIds].sort()).toEqual(['fake-a', 'fake-v', 'fake-w']);
+        expect([...(await api.getSnapshot({ tenantId, snapshotId })).hostIds].sort()).toEqual(['fake-a', 'fake-rep', 'fake-v']);
         // As many as it has: nothing to copy, nothing to report.
         const enough = await api.waitOperation({ tenantId, operationId: (await api.hibernateSandbox({ tenantId, idempotencyKey: key(), sandboxId: sid, replicas: 2 })).id, timeout: { seconds: 30n } });
         expect(enough.progress?.message).toBe('done');
