@@ -411,11 +411,13 @@ export class FsManifestStore implements ManifestStore {
     this.tmpDir = join(root, 'tmp');
     mkdirSync(this.dir, { recursive: true });
     mkdirSync(this.tmpDir, { recursive: true });
-    // Left by a writer killed mid-put (its pid leads the name, tmpPathIn): never a manifest,
-    // the rename makes one. A live process's are left alone (a store sharing this root).
+    // Left by a writer killed mid-put (its pid and a nonce of its own lead the name, tmpPathIn):
+    // never a manifest, the rename makes one. Another live process's are left alone (a store
+    // sharing this root); a file with this process's pid but another nonce is an earlier
+    // process's that had the same pid (an agent that is PID 1 in its container every start).
     for (const f of readdirSync(this.tmpDir)) {
       const pid = Number(/^(\d+)\./.exec(f)?.[1] ?? 0);
-      if (f.endsWith('.tmp') && pid > 0 && pid !== process.pid && !isAlive(pid)) unlinkSync(join(this.tmpDir, f));
+      if (f.endsWith('.tmp') && pid > 0 && !f.startsWith(`${tmpPrefix}.`) && (pid === process.pid || !isAlive(pid))) unlinkSync(join(this.tmpDir, f));
     }
   }
 

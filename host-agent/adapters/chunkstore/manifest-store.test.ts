@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it } from 'vitest';
-import { spawnSync } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
 import { mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -11,14 +11,21 @@ afterEach(() => {
 });
 
 describe('FsManifestStore', () => {
-  it('open_removesTempFilesOfAKilledWriter_andLeavesALiveProcesssOnes', () => {
+  it('open_removesTempFilesOfAKilledWriter_evenOneThatHadThisProcesssPid_andLeavesALiveProcesssOnes', () => {
     const root = mkdtempSync(join(tmpdir(), 'ff-manifests-'));
     dirs.push(root);
     new FsManifestStore(root);
     const dead = spawnSync('true').pid; // exited: its pid names a writer that is gone
-    writeFileSync(join(root, 'tmp', `${dead}.abcd.1.tmp`), 'half a manifest');
-    writeFileSync(join(root, 'tmp', `${process.pid}.abcd.2.tmp`), 'being written');
-    new FsManifestStore(root);
-    expect(readdirSync(join(root, 'tmp'))).toEqual([`${process.pid}.abcd.2.tmp`]);
+    const live = spawn('sleep', ['30'], { stdio: 'ignore' });
+    try {
+      writeFileSync(join(root, 'tmp', `${dead}.abcd.1.tmp`), 'half a manifest');
+      writeFileSync(join(root, 'tmp', `${live.pid}.abcd.2.tmp`), 'being written');
+      // An earlier process with this same pid (an agent that is PID 1 in its container each start).
+      writeFileSync(join(root, 'tmp', `${process.pid}.abcd.3.tmp`), 'half a manifest');
+      new FsManifestStore(root);
+      expect(readdirSync(join(root, 'tmp'))).toEqual([`${live.pid}.abcd.2.tmp`]);
+    } finally {
+      live.kill();
+    }
   });
 });
