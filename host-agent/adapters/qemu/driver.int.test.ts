@@ -877,28 +877,39 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.deleteSnapshot(s);
   });
 
+  /**
+   * Snapshot `snap-<vm>-bad` of `vm` fails inside its RAM copy, and from then on the source's
+   * QMP refuses `cmd` (until stopRefusing).
+   */
+  const snapshotFailingInItsCopy = async (vm: string, cmd: string): Promise<void> => {
+    onSnapshotCopied = async ({ snapshotId, qmp }) => {
+      if (snapshotId !== `snap-${vm}-bad`) return;
+      const execute = qmp.execute.bind(qmp);
+      qmp.execute = (async (c: string, args?: Record<string, unknown>) => {
+        if (c === cmd) throw new Error(`${cmd} refused (injected)`);
+        return execute(c, args as never);
+      }) as typeof qmp.execute;
+      throw new Error('copy failed');
+    };
+    try {
+      await expect(driver.snapshot(vm, `snap-${vm}-bad`)).rejects.toThrow(/copy failed/);
+    } finally {
+      onSnapshotCopied = undefined;
+    }
+  };
+  const stopRefusing = (vm: string): void => {
+    const qmp = (driver as unknown as { vms: Map<string, { qmp: { execute: unknown } }> }).vms.get(vm)!.qmp;
+    delete (qmp as { execute?: unknown }).execute;
+  };
+
   it('snapshot_ofACloneThatFailsAfterItsDiskSwitched_andWhoseMergeBackFailsToo_laterSnapshotsMergeItBackFirst_andKeepEveryWrite', async () => {
     await driver.fork(snap, [{ vmId: 'k6', hostname: 'k6' }]);
     await sh('k6', 'echo one > /data/one && sync');
     // Fails inside the RAM copy, after blockdev-snapshot moved the VM onto its new layer, and
     // its merge back is refused: the VM runs on, writing the new layer.
-    onSnapshotCopied = async ({ snapshotId, qmp }) => {
-      if (snapshotId !== 'snap-k6-bad') return;
-      const execute = qmp.execute.bind(qmp);
-      qmp.execute = (async (cmd: string, args?: Record<string, unknown>) => {
-        if (cmd === 'block-commit') throw new Error('block-commit refused (injected)');
-        return execute(cmd, args as never);
-      }) as typeof qmp.execute;
-      throw new Error('copy failed');
-    };
-    try {
-      await expect(driver.snapshot('k6', 'snap-k6-bad')).rejects.toThrow(/copy failed/);
-    } finally {
-      onSnapshotCopied = undefined;
-    }
+    await snapshotFailingInItsCopy('k6', 'block-commit');
     expect(driver.get('k6')?.state).toBe('running');
-    const qmp = (driver as unknown as { vms: Map<string, { qmp: { execute: unknown } }> }).vms.get('k6')!.qmp;
-    delete (qmp as { execute?: unknown }).execute;
+    stopRefusing('k6');
     await sh('k6', 'echo two > /data/two && sync');
     // The next snapshot freezes the layer the VM writes, not the one below it (which stopped
     // changing at the failed attempt and has no `two`).
@@ -911,24 +922,10 @@ describe('QemuVmmDriver (real QEMU)', () => {
   it('snapshot_thatFailsWhileTheVmIsStopped_andWhoseContFailsToo_recordsTheVmPaused_soAResumeRunsItAgain', async () => {
     await driver.fork(snap, [{ vmId: 'k7', hostname: 'k7' }]);
     // Fails inside the RAM copy (the VM stopped), and every `cont` of the source fails from then on.
-    onSnapshotCopied = async ({ snapshotId, qmp }) => {
-      if (snapshotId !== 'snap-k7-bad') return;
-      const execute = qmp.execute.bind(qmp);
-      qmp.execute = (async (cmd: string, args?: Record<string, unknown>) => {
-        if (cmd === 'cont') throw new Error('cont refused (injected)');
-        return execute(cmd, args as never);
-      }) as typeof qmp.execute;
-      throw new Error('copy failed');
-    };
-    try {
-      await expect(driver.snapshot('k7', 'snap-k7-bad')).rejects.toThrow(/copy failed/);
-    } finally {
-      onSnapshotCopied = undefined;
-    }
+    await snapshotFailingInItsCopy('k7', 'cont');
     expect(driver.get('k7')?.state).toBe('paused');
     // The injected failure ends with the snapshot; a resume now runs the guest again.
-    const qmp = (driver as unknown as { vms: Map<string, { qmp: { execute: unknown } }> }).vms.get('k7')!.qmp;
-    delete (qmp as { execute?: unknown }).execute;
+    stopRefusing('k7');
     await driver.resume('k7');
     expect(await sh('k7', 'echo alive')).toBe('alive');
     await driver.destroy('k7');
