@@ -68,10 +68,6 @@ export function jsonBytes(v: unknown): number {
 }
 
 /**
- * Whether `v` has a control character (C0, DEL or C1: U+009B starts a terminal escape as ESC [
- * does) or a line or paragraph separator: label values are text that dashboards and CLIs print.
- */
-/**
  * The field naming a client-given map key that is not a valid one: `field["key"]`, quoted in
  * printable ASCII (see asciiOnly); a key too long to name whole is named by the map, and the
  * error says its length (a cut-off key would name another key).
@@ -81,6 +77,10 @@ function badKey(field: string, k: string, why: string): InvalidArgumentError {
   return new InvalidArgumentError(`${field}[${asciiOnly(JSON.stringify(k))}]`, why);
 }
 
+/**
+ * Whether `v` has a control character (C0, DEL or C1: U+009B starts a terminal escape as ESC [
+ * does) or a line or paragraph separator: label values are text that dashboards and CLIs print.
+ */
 function hasControl(v: string): boolean {
   for (let i = 0; i < v.length; i++) {
     const ch = v.charCodeAt(i);
