@@ -253,6 +253,9 @@ function resumeVm(sandboxId: string, afterResume: ReturnType<typeof hooksOf> = [
 /** States a sandbox on a lost host cannot keep (markHostLost). Not `starting`: its op's step fails it (failSandbox), releasing its booking. */
 const LOSABLE: ReadonlySet<SandboxState> = new Set<SandboxState>(['running', 'paused', 'hibernating', 'destroying']);
 
+/** States a sandbox's operation holds it in until it moves it on: if the op ends without doing so, the lifecycle pass settles it (settleEndedOwner). */
+const LEFT_BY_ENDED_OP: ReadonlySet<SandboxState> = new Set<SandboxState>(['destroying', 'starting', 'waking', 'hibernating']);
+
 /** After a failed hibernate, the idle rule waits this long before it tries again. */
 const IDLE_RETRY_AFTER_FAILURE_MS = 10 * 60_000;
 
@@ -3735,27 +3738,15 @@ export class Executor {
    * once per LIFECYCLE_RETRY_MS: submitRule).
    */
   async reconcileLifecycles(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void> {
-    const submit = this.deps.submit;
-    if (!submit) return;
+    if (!this.deps.submit) return;
     const now = this.deps.clock.now();
     for (const { value: sb } of sandboxes ?? (await this.deps.store.listSandboxes(undefined))) {
-      if (sb.state === 'destroying' && sb.opId && !this.running.has(sb.opId)) {
-        // Its destroy ended without destroying it (a host step that failed, a final write
-        // that lost every retry): nothing else looks at it again, and it holds its booking
-        // and maybe its VM. Another destroy goes on from there; one per ended destroy, so a
-        // host that keeps failing it is tried again once per step deadline.
+      if (LEFT_BY_ENDED_OP.has(sb.state) && sb.opId && !this.running.has(sb.opId)) {
+        // Its operation may have ended without moving it on (a host step that failed, a last
+        // write that failed while the op's own failure landed): nothing else looks at it
+        // again, and it holds its booking and maybe its VM.
         const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
-        if (!owner || isTerminal(owner.state)) {
-          const why = (owner?.input as { reason?: unknown } | undefined)?.reason;
-          await this.submitRule(sb, `__redestroy/${sb.opId}`, 'destroy', typeof why === 'string' ? { reason: why } : {}, now);
-        }
-        continue;
-      }
-      if ((sb.state === 'starting' || sb.state === 'waking' || sb.state === 'hibernating') && sb.opId && !this.running.has(sb.opId)) {
-        // Its operation ended without moving it on (its last write failed while the op's own
-        // failure landed): nothing else looks at it again, and it holds its booking.
-        const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
-        if (!owner || isTerminal(owner.state)) await this.settleEndedOwner(sb, owner).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, opId: sb.opId }, 'could not settle a sandbox its operation left behind'));
+        if (!owner || isTerminal(owner.state)) await this.settleEndedOwner(sb, owner, now).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, opId: sb.opId }, 'could not settle a sandbox its operation left behind'));
         continue;
       }
       if (sb.state !== 'running' || sb.opId) continue;
@@ -3779,14 +3770,19 @@ export class Executor {
   /**
    * A sandbox whose operation ended (or whose record expired) with it still in that op's
    * transitional state. Each case acts on the record as a guarded write finds it (the pass's
-   * copy may be stale). Starting: failed, its booking released and its VM (if the host made
-   * one) stopped. Waking: hibernated again (settleEndedWake). Hibernating with the ended
+   * copy may be stale). Destroying: another destroy goes on from there (one per ended
+   * destroy, so a host that keeps failing it is tried again once per step deadline).
+   * Starting: failed, its booking released and its VM (if the host made one) stopped. Waking: hibernated again (settleEndedWake). Hibernating with the ended
    * hibernate's snapshot ready: hibernated from it (the VM has not run since it was taken),
    * as that hibernate's last write would have, and its VM stopped; before the snapshot, a
    * hibernate of its own takes it over (runHibernate) and finishes it.
    */
-  private async settleEndedOwner(sb: SandboxRec, owner: OperationRec | undefined): Promise<void> {
+  private async settleEndedOwner(sb: SandboxRec, owner: OperationRec | undefined, now: number): Promise<void> {
     const endedId = sb.opId;
+    if (sb.state === 'destroying') {
+      const why = (owner?.input as { reason?: unknown } | undefined)?.reason;
+      return this.submitRule(sb, `__redestroy/${endedId}`, 'destroy', typeof why === 'string' ? { reason: why } : {}, now);
+    }
     this.log.warn({ sandboxId: sb.id, state: sb.state, opId: endedId, opState: owner?.state ?? 'gone' }, 'a sandbox\'s operation ended without settling it: settling it');
     if (sb.state === 'waking') return this.settleEndedWake(sb, owner);
     let to: SandboxState = 'failed';
@@ -3797,7 +3793,7 @@ export class Executor {
       if (fresh?.state !== 'hibernating' || fresh.opId !== endedId) return;
       snapshotId = fresh.hibernatingTo ?? (owner?.input as { snapshotId?: unknown } | undefined)?.snapshotId?.toString() ?? '';
       const snap = snapshotId ? (await this.readSnapshot(fresh.tenantId, snapshotId))?.value : undefined;
-      if (snap?.state !== 'ready') return this.submitRule(fresh, `__rehibernate/${endedId}`, 'hibernate', { snapshotId: newId('sn'), replicas: 0, reason: 'settle' }, this.deps.clock.now());
+      if (snap?.state !== 'ready') return this.submitRule(fresh, `__rehibernate/${endedId}`, 'hibernate', { snapshotId: newId('sn'), replicas: 0, reason: 'settle' }, now);
       to = 'hibernated';
       why = `its hibernate ${endedId} ended before recording it hibernated`;
     }
