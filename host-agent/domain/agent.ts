@@ -836,7 +836,7 @@ export class Agent {
       const vm = this.callVm(req.sandboxId);
       this.touch(vm.vmId);
       const timeoutMs = req.timeout ? Number(req.timeout.seconds) * 1000 + Math.floor(req.timeout.nanos / 1e6) : 60_000;
-      const [path, ...args] = req.cwd ? ['/bin/sh', '-c', 'cd "$0" && exec "$@"', req.cwd, ...req.argv] : req.argv;
+      const [path, ...args] = req.argv;
       // Output is passed on as the guest has it (a long command's while it runs), in pieces
       // that fit a NATS message.
       const piece = 512 * 1024;
@@ -848,6 +848,7 @@ export class Agent {
         path: path!,
         args,
         env: Object.entries(req.env).map(([k, v]) => `${k}=${v}`),
+        ...(req.cwd ? { cwd: req.cwd } : {}),
         ...(req.stdin.length ? { stdin: Buffer.from(req.stdin) } : {}),
         timeoutMs,
         onOutput,

@@ -77,6 +77,8 @@ export interface ExecRequest {
   path: string;
   args?: string[];
   env?: string[];
+  /** The guest directory to run in; one it cannot enter fails the exec, naming the field `cwd`. */
+  cwd?: string;
   stdin?: Buffer;
   timeoutMs?: number;
   /** Collect stdout/stderr (default true). Off saves the guest two pipes when only the exit status matters. */

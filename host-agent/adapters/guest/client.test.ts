@@ -6,7 +6,7 @@ import type { Server, Socket } from 'node:net';
 import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, leftStreams, pathError } from './client.ts';
+import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, cwdRefusal, leftStreams, pathError } from './client.ts';
 import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
 import type { ForkfleetError } from '../../../proto/errors.ts';
 
@@ -256,6 +256,18 @@ describe('pathError', () => {
     expect([odd.kind, odd.field, odd.message]).toEqual(['failed_precondition', 'path', '/x/y: the guest refuses to open it: Invalid argument (in the guest)']);
     const other = new GuestAgentCommandError('guest-file-read', 'GenericError: Input/output error');
     expect(pathError('/x/y', other)).toBe(other);
+  });
+});
+
+describe('cwdRefusal', () => {
+  it('namesCwd_onlyForTheWrappersLastLineWithThisCallsNonce', () => {
+    const zero = 'ff-exec-0123456789abcdef';
+    const e = cwdRefusal(Buffer.from(`\n${zero} cwd-denied\n`), zero, '/root');
+    expect([e?.kind, e?.field, e?.message]).toEqual(['failed_precondition', 'cwd', 'cwd: /root: the guest refuses to enter it (in the guest)']);
+    expect(cwdRefusal(Buffer.from(`\n${zero} cwd-missing\n`), zero, '/x')?.kind).toBe('not_found');
+    expect(cwdRefusal(Buffer.from(`\nff-exec-ffffffffffffffff cwd-missing\n`), zero, '/x')).toBeUndefined();
+    expect(cwdRefusal(Buffer.from(`\n${zero} cwd-missing\nmore\n`), zero, '/x')).toBeUndefined();
+    expect(cwdRefusal(Buffer.from(''), zero, '/x')).toBeUndefined();
   });
 });
 

@@ -21,9 +21,12 @@ export const EXEC_HANDED_BYTES = 1 << 20;
 export const EXEC_MAX_OUTPUT_BYTES = 64 << 20;
 
 /**
- * Runs "$@" with stdout and stderr in files, then copies them to its own (qemu-ga's pipes)
- * and exits with the program's status (GuestAgent.exec). A file longer than
- * EXEC_HANDED_BYTES is copied only that far and left in place; the wrapper then ends stderr
+ * Enters the directory $1 (unless it is empty), then runs the rest ("$@" after a shift) with
+ * stdout and stderr in files, copies them to its own (qemu-ga's pipes) and exits with the
+ * program's status (GuestAgent.exec). A directory it cannot enter ends it with status 125 and
+ * a last stderr line "$0 cwd-<why>" (missing, notdir or denied), before any file is made, so
+ * the host can tell a bad working directory from a program's own exit (cwdRefusal). A file
+ * longer than EXEC_HANDED_BYTES is copied only that far and left in place; the wrapper then ends stderr
  * with a line "$0 out err" naming what it left ($0 is `ff-exec-<nonce>`, a nonce of the call,
  * which the host takes off again). Where no file can be made (no writable TMPDIR or /tmp)
  * the program runs directly, as it would without the wrapper. Only the shell's own commands
@@ -31,6 +34,8 @@ export const EXEC_MAX_OUTPUT_BYTES = 64 << 20;
  * each process costs ~5-10 ms under TCG.
  */
 const EXEC_WRAPPER = [
+  'c=$1; shift',
+  'if [ -n "$c" ] && ! cd "$c" 2>/dev/null; then if [ ! -e "$c" ]; then c=missing; elif [ ! -d "$c" ]; then c=notdir; else c=denied; fi; printf \'\\n%s cwd-%s\\n\' "$0" "$c" >&2; exit 125; fi',
   'f="${TMPDIR:-/tmp}/.ff-exec-$$"',
   'if ! : 2>/dev/null >"$f.out"; then exec "$@"; fi',
   '"$@" >"$f.out" 2>"$f.err"',
@@ -364,9 +369,12 @@ export class GuestAgentClient {
     // The wrapper's $0: names its line about output it left (EXEC_WRAPPER), which no program
     // output can fake without knowing this call's nonce.
     const zero = `ff-exec-${this.instance}-${randomBytes(8).toString('hex')}`;
+    // Without capture there is no wrapper to say why a directory could not be entered.
     const args: Record<string, unknown> = capture
-      ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, zero, req.path, ...(req.args ?? [])], 'capture-output': true }
-      : { path: req.path, arg: req.args ?? [], 'capture-output': false };
+      ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, zero, req.cwd ?? '', req.path, ...(req.args ?? [])], 'capture-output': true }
+      : req.cwd
+        ? { path: '/bin/sh', arg: ['-c', 'cd "$0" && exec "$@"', req.cwd, req.path, ...(req.args ?? [])], 'capture-output': false }
+        : { path: req.path, arg: req.args ?? [], 'capture-output': false };
     if (req.env) args.env = req.env;
     if (req.stdin) args['input-data'] = req.stdin.toString('base64');
     const { pid } = await this.command<{ pid: number }>('guest-exec', args, timeoutMs);
@@ -391,6 +399,10 @@ export class GuestAgentClient {
           'err-truncated'?: boolean;
         }>('guest-exec-status', { pid }, 10_000);
         if (st.exited) {
+          if (req.cwd && st.exitcode === 125) {
+            const refused = cwdRefusal(Buffer.from(st['err-data'] ?? '', 'base64'), zero, req.cwd);
+            if (refused) throw refused;
+          }
           let stdout = Buffer.from(st['out-data'] ?? '', 'base64');
           const told = leftStreams(Buffer.from(st['err-data'] ?? '', 'base64'), zero);
           let stderr = told.stderr;
@@ -625,6 +637,21 @@ export function leftStreams(stderr: Buffer, zero: string): { stderr: Buffer; lef
   if (!/^ff-exec-[0-9a-f-]+( out)?( err)?$/.test(line) || line === zero) return { stderr, left: [] };
   const words = line.split(' ').slice(1);
   return { stderr: stderr.subarray(0, at), left: words.map((w) => (w === 'out' ? 'stdout' : 'stderr')) };
+}
+
+/**
+ * The error for a working directory EXEC_WRAPPER could not enter, from its last stderr line
+ * ("<zero> cwd-<why>", the call's nonce, which the program cannot know), or undefined when the
+ * exit was the program's own.
+ */
+export function cwdRefusal(stderr: Buffer, zero: string, cwd: string): ForkfleetError | undefined {
+  const last = stderr.toString('latin1').trimEnd().split('\n').pop() ?? '';
+  const why = last.startsWith(`${zero} cwd-`) ? last.slice(zero.length + 5) : '';
+  const at = (kind: ForkfleetError['kind'], text: string): ForkfleetError => new ForkfleetError(kind, `cwd: ${cwd}: ${text} (in the guest)`, { field: 'cwd' });
+  if (why === 'missing') return at('not_found', 'no such directory');
+  if (why === 'notdir') return at('not_found', 'not a directory');
+  if (why === 'denied') return at('failed_precondition', 'the guest refuses to enter it');
+  return undefined;
 }
 
 function tryParse(line: string): Record<string, unknown> | undefined {

@@ -21,6 +21,7 @@ import { devPeerTls } from '../../../deploy/pki/pki.ts';
 import { writeQemuTlsDir } from '../peer/tls.ts';
 import { findSocat, listenRelay } from '../peer/tls-relay.ts';
 import { netnsOf } from '../netns/netns.ts';
+import type { ForkfleetError } from '../../../proto/errors.ts';
 import { migrateOutThroughRelay } from '../peer/migrate.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
@@ -591,6 +592,21 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await sh('tpl', `kill -0 ${pid} && echo alive`)).toBe('alive');
     await sh('tpl', `kill ${pid}`);
     // The wrapper's files are gone (but those of the wrapper running this check, our parent).
+    expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
+  });
+
+  it('exec_withACwd_runsThere_andADirectoryItCannotEnter_failsNamingCwd_notAsTheProgramsExit', async () => {
+    expect((await driver.exec('tpl', { path: '/bin/pwd', cwd: '/etc' })).stdout.toString()).toBe('/etc\n');
+    // A program's own exit 125 with a line like the wrapper's is still the program's.
+    const own = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'echo "ff-exec-x cwd-missing" >&2; exit 125'], cwd: '/' });
+    expect([own.exitCode, own.stderr.toString()]).toEqual([125, 'ff-exec-x cwd-missing\n']);
+    const fails = async (cwd: string): Promise<ForkfleetError> => (await driver.exec('tpl', { path: '/bin/true', cwd }).then(() => undefined, (e: unknown) => e)) as ForkfleetError;
+    const missing = await fails('/no/such/dir');
+    expect([missing.kind, missing.field, missing.message]).toEqual(['not_found', 'cwd', 'cwd: /no/such/dir: no such directory (in the guest)']);
+    const file = await fails('/bin/sh');
+    expect([file.kind, file.field]).toEqual(['not_found', 'cwd']);
+    expect(file.message).toMatch(/not a directory/);
+    // No wrapper files are left by the refused ones.
     expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
   });
 

@@ -337,6 +337,10 @@ export type ExecRequest = Message<"forkfleet.v1.ExecRequest"> & {
   env: { [key: string]: string };
 
   /**
+   * The guest directory to run in (absolute); unset runs in the guest agent's. One the guest
+   * cannot enter fails the call naming cwd: NOT_FOUND when it does not exist or is not a
+   * directory, FAILED_PRECONDITION when the guest refuses it. The command does not run.
+   *
    * @generated from field: string cwd = 6;
    */
   cwd: string;
