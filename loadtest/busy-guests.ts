@@ -109,8 +109,21 @@ const report = (p: Phase): Record<string, unknown> => ({
 
 let parent: Sandbox | undefined;
 let kids: Sandbox[] = [];
+/** Every sandbox this run makes carries it, so a run stopped mid-fork (children not known yet) still finds them. */
+const LABEL = { loadtest: `busy-guests-${process.pid}-${Date.now()}` };
+let tidied: Promise<void> | undefined;
+const tidy = (): Promise<void> =>
+  (tidied ??= (async () => {
+    log('destroying what it made');
+    const made = await ff.list({ labels: LABEL }).catch(() => []);
+    const ids = new Set([...kids.map((k) => k.id), ...(parent ? [parent.id] : []), ...made.map((s) => s.id)]);
+    await Promise.allSettled([...ids].map((id) => ff.sandbox(id).destroy({ timeoutMs: 10 * 60_000 })));
+    ff.close();
+  })());
+// Ctrl-C or a kill: the spinning guests are destroyed all the same (they would skew every later run on the fleet).
+for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => void tidy().finally(() => process.exit(sig === 'SIGINT' ? 130 : 143)));
 try {
-  parent = await ff.create({ image: 'tiny', memoryMib: 256, labels: { loadtest: 'busy-guests' } });
+  parent = await ff.create({ image: 'tiny', memoryMib: 256, labels: LABEL });
   // Detached from the exec: the spinning loop outlives it, in the parent and in every child.
   const r = await parent.sh('setsid sh -c "while :; do :; done" </dev/null >/dev/null 2>&1 & echo ok');
   if (r.stdout.trim() !== 'ok') throw new Error(`could not start the busy loop: ${r.stderr}`);
@@ -119,7 +132,7 @@ try {
   await sample(baseline, performance.now() + 5000);
   log(`forking ${children} children (spread)`);
   const t0 = performance.now();
-  kids = await parent.fork(children, { spread: 'spread' }, { timeoutMs: 30 * 60_000 });
+  kids = await parent.fork(children, { spread: 'spread', labels: LABEL }, { timeoutMs: 30 * 60_000 });
   const forkMs = Math.round(performance.now() - t0);
   log(`forked in ${forkMs} ms; sampling for ${seconds} s with ${kids.length + 1} spinning guests`);
   const busy = newPhase();
@@ -135,7 +148,5 @@ try {
   process.stdout.write(text);
   if (values.json) writeFileSync(values.json, text);
 } finally {
-  log('destroying what it made');
-  await Promise.allSettled([...kids, ...(parent ? [parent] : [])].map((k) => k.destroy({ timeoutMs: 10 * 60_000 })));
-  ff.close();
+  await tidy();
 }

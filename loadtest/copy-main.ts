@@ -38,7 +38,8 @@ async function send(sock: Socket, files: string[]): Promise<void> {
     if (!sock.write(head)) await once(sock, 'drain');
     for await (const chunk of createReadStream(f, { highWaterMark: 1 << 20 })) if (!sock.write(chunk as Buffer)) await once(sock, 'drain');
   }
-  sock.end();
+  // The end marker (an empty name): a receiver that does not see it got a cut stream.
+  sock.end(Buffer.alloc(2));
 }
 
 async function serve(): Promise<void> {
@@ -65,6 +66,7 @@ async function recv(): Promise<void> {
   let left = 0n;
   let bytes = 0;
   const files: string[] = [];
+  let ended = false;
   for await (const chunk of sock) {
     buf = Buffer.concat([buf, chunk as Buffer]);
     bytes += (chunk as Buffer).length;
@@ -72,6 +74,11 @@ async function recv(): Promise<void> {
       if (!out) {
         if (buf.length < 2) break;
         const n = buf.readUInt16BE(0);
+        if (n === 0) {
+          ended = true;
+          buf = buf.subarray(2);
+          continue;
+        }
         if (buf.length < 2 + n + 8) break;
         const name = buf.subarray(2, 2 + n).toString();
         left = buf.readBigUInt64BE(2 + n);
@@ -96,6 +103,8 @@ async function recv(): Promise<void> {
       }
     }
   }
+  // A sender that died mid-stream closes it too: only a complete one is a sample.
+  if (!ended || out !== undefined || left !== 0n || buf.length > 0) throw new Error(`the stream was cut: ${files.length} file(s) begun, ${left} bytes of the last missing, end marker ${ended ? 'seen' : 'not seen'}`);
   process.stdout.write(`${JSON.stringify({ done: true, files, bytes, ms: performance.now() - t0 })}\n`);
   process.exit(0);
 }

@@ -200,6 +200,34 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
   let localP: Promise<LocalBaseline> | undefined;
   const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
   const cleanup: Array<() => Promise<void>> = [];
+  let driver: Driver | undefined;
+  /**
+   * Undoes the run, once: what it made through the API (what a failed sample left, and with
+   * --api the template and cordons on a fleet that stays up), the baselines, the fleet it
+   * started. Also on Ctrl-C or a kill, which would otherwise leave the fleet up (its processes
+   * are detached) for the next run to find and measure on.
+   */
+  let tornDown: Promise<void> | undefined;
+  const teardown = (): Promise<void> =>
+    (tornDown ??= (async () => {
+      // A fleet started here goes down whole; a given one keeps running, so it is tidied.
+      if (driver && !fleetMod) await driver.tidy().catch(() => undefined);
+      for (const c of cleanup.reverse()) await c().catch(() => undefined);
+      const prepared = local ?? (await localP?.catch(() => undefined));
+      if (prepared) await prepared.driver.close().catch(() => undefined);
+      if (fleetMod) {
+        log('bringing the fleet down');
+        await fleetMod.down(cfg.fleetDir);
+      }
+      rmSync(work, { recursive: true, force: true });
+      if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
+    })());
+  const onSignal = (sig: NodeJS.Signals): void => {
+    log(`${sig}: tearing down what this run made`);
+    void teardown().finally(() => process.exit(sig === 'SIGINT' ? 130 : 143));
+  };
+  process.once('SIGINT', onSignal);
+  process.once('SIGTERM', onSignal);
   try {
     // Fleet (or a given API) and the QEMU-level baseline guest are prepared in parallel: setup only, nothing is timed.
     if (selected('classic_restore') || selected('naive_full_copy')) {
@@ -222,8 +250,9 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     const api = connect(apiAddr, fleetMod ? join(cfg.fleetDir, 'credentials.json') : undefined);
     cleanup.push(async () => api.close());
     const d = new Driver(api, cfg.opTimeoutMs);
+    driver = d;
     // Setup steps (template boot, snapshots taken between samples) are not timed; give them longer.
-    const setup = new Driver(api, Math.max(cfg.opTimeoutMs, 240_000));
+    const setup = new Driver(api, Math.max(cfg.opTimeoutMs, 240_000), d.ledger);
     let hosts = await d.hosts();
     for (let i = 0; i < 100 && hosts.length < cfg.hosts && cfg.api === undefined; i++) {
       await new Promise((r) => setTimeout(r, 200));
@@ -231,7 +260,6 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     }
     const accel = hosts[0]?.accel ?? 'unknown';
     const overBudget = (): boolean => Date.now() - started > cfg.budgetMs;
-    const live = new Set<string>();
 
     async function scenario(name: string, samples: number, one: () => Promise<number[]>): Promise<void> {
       if (!selected(name)) return rec.skip(name, 'not selected (--only)');
@@ -298,6 +326,13 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       await scenario('fork_cross_host_4', Math.max(1, Math.ceil(cfg.samples / 2)), async () => kids(await d.fork((await fresh(hosts.length - 1)).id, 4, { locality: Locality.CROSS_HOST })));
     }
     await scenario('fork_fanout', Math.max(1, Math.ceil(cfg.samples / 2)), async () => kids(await d.fork((await fresh(hosts.length - 1)).id, cfg.fanout, { spread: Spread.SPREAD })));
+    // A host fetches only the chunks it lacks, and every snapshot here is of the same template:
+    // a host that fetched an earlier one holds most of a fresh one's chunks. What each sample
+    // moved says how cold its cross-host fork was (a restore by migration moves the whole RAM).
+    for (const name of ['fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout']) {
+      const moved = (rec.phases.get(name) ?? []).map((p) => (p.bytes_moved / 1048576).toFixed(1));
+      if (moved.length) notes.push(`${name}: MiB moved per sample: ${moved.join(', ')} (a snapshot of the template stores ${(Number(s0.storedBytes) / 1048576).toFixed(1)} MiB; less means the hosts held chunks of an earlier one).`);
+    }
 
     await scenario('restore_concurrent', Math.max(1, Math.ceil(cfg.samples / 2)), async () => {
       const r = await d.restoreConcurrent(s0.id, cfg.concurrency, cfg.guestMib);
@@ -311,7 +346,6 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     const hibernated = async (): Promise<{ id: string; host: string }> => {
       const { children } = await d.fork(s0.id, 1, { locality: Locality.SAME_HOST });
       const c = children[0]!;
-      live.add(c.id);
       try {
         await d.hibernate(c.id);
       } catch (e) {
@@ -325,12 +359,14 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       try {
         if (cold) await d.cordon(h.host, true);
         const ms = await d.resume(h.id);
-        if (cold && (await d.hostOf(h.id)) === h.host) throw new Error(`woke on its own (cordoned) host ${h.host}: not a cold wake`);
+        const on = await d.hostOf(h.id);
+        if (cold && on === h.host) throw new Error(`woke on its own (cordoned) host ${h.host}: not a cold wake`);
+        // A warm wake is placed on its snapshot's host only by preference: one that went to a peer was not warm.
+        if (!cold && on !== h.host) throw new Error(`woke on ${on}, not on ${h.host} where its snapshot is: not a warm wake`);
         return [ms];
       } finally {
         if (cold) await d.cordon(h.host, false).catch(() => undefined);
         await d.destroyAll([h.id]);
-        live.delete(h.id);
       }
     };
     for (const [name, cold] of [['resume_hibernated_warm', false], ['resume_hibernated_cold', true]] as const) {
@@ -359,13 +395,16 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
         const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990, ...(naiveTls ? { tls: naiveTls } : {}) } : { fromAddress: '127.0.0.1', port: 19795 });
         cleanup.push(naive.close);
         if (!(a && b)) notes.push('naive_full_copy: no fleet namespaces known (--api), so the copy ran over unshaped loopback.');
-        let copy = '';
+        const copies: Array<{ bytes: number; copyMs: number }> = [];
         await scenario('naive_full_copy', ratioSamples, async () => {
           const r = await naive.once();
-          copy = `naive_full_copy: copied ${(r.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) ${naiveTls ? 'over mutual TLS, as the fleet\'s peers, ' : ''}in ${Math.round(r.copyMs)} ms, then a classic restore.`;
+          copies.push(r);
           return [r.ms];
         });
-        if (copy) notes.push(copy);
+        if (copies.length) {
+          const ms = copies.map((c) => c.copyMs).sort((x, y) => x - y);
+          notes.push(`naive_full_copy: copied ${(copies[0]!.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) ${naiveTls ? 'over mutual TLS, as the fleet\'s peers, ' : ''}in ${Math.round(ms[(ms.length - 1) >> 1]!)} ms (median of ${ms.length}; ${Math.round(ms[0]!)}-${Math.round(ms[ms.length - 1]!)}), then a classic restore.`);
+        }
       } catch (e) {
         const why = `QEMU-level baseline failed: ${e instanceof Error ? e.message : String(e)}`;
         for (const n of ['classic_restore', 'naive_full_copy']) if (!rec.results[n]) rec.skip(n, why);
@@ -377,7 +416,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       await d.destroyAll([r.sb.id]);
       return [r.ms];
     });
-    await d.destroyAll([tpl.sb.id, ...live]);
+    await d.tidy();
     // A failed scenario (or --keep-logs): the fleet's process logs outlive the fleet (fleet:down deletes its directory).
     const failed = Object.entries(rec.results).filter(([, r]) => 'failed' in r).map(([n]) => n);
     if ((failed.length > 0 || cfg.keepLogs) && fleetMod) {
@@ -404,19 +443,14 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       phases,
     };
   } finally {
-    for (const c of cleanup.reverse()) await c().catch(() => undefined);
-    const prepared = local ?? (await localP?.catch(() => undefined));
-    if (prepared) await prepared.driver.close().catch(() => undefined);
-    if (fleetMod) {
-      log('bringing the fleet down');
-      await fleetMod.down(cfg.fleetDir);
-    }
-    rmSync(work, { recursive: true, force: true });
-    if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
+    await teardown();
+    process.off('SIGINT', onSignal);
+    process.off('SIGTERM', onSignal);
   }
 }
 
-async function main(): Promise<void> {
+/** Resolves with the exit status: 1 when a scenario failed (its figures are partial; the reports say which). */
+async function main(): Promise<number> {
   const { values } = parseArgs({
     options: {
       quick: { type: 'boolean' }, plan: { type: 'boolean' }, json: { type: 'string' }, report: { type: 'string' }, api: { type: 'string' },
@@ -437,7 +471,7 @@ async function main(): Promise<void> {
     });
     process.stdout.write(formatPlan(plan));
     if (values.json) writeFileSync(values.json, `${JSON.stringify(plan, null, 2)}\n`);
-    return;
+    return 0;
   }
   const cfg = compileConfig(values);
   const result = await runLoad(cfg);
@@ -452,11 +486,14 @@ async function main(): Promise<void> {
   if (cfg.json) writeFileSync(cfg.json, withRatios);
   for (const c of ratios) log(`${c.what.padEnd(50)} ${c.target.padEnd(9)} ${c.value.padEnd(10)} ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'}`);
   log(`report: ${join(cfg.report, 'report.md')}`);
-  process.stdout.write(`${JSON.stringify({ env: result.env, scenarios: result.scenarios })}\n`);
+  process.stdout.write(`${JSON.stringify({ env: result.env, scenarios: result.scenarios, checks: ratios })}\n`);
+  const failed = Object.entries(result.scenarios).filter(([, r]) => 'failed' in r).map(([n]) => n);
+  if (failed.length) log(`failed: ${failed.join(', ')} (exit 1)`);
+  return failed.length ? 1 : 0;
 }
 
 main().then(
-  () => process.exit(0),
+  (code) => process.exit(code),
   (e: unknown) => {
     process.stderr.write(`loadtest: ${e instanceof Error ? (e.stack ?? e.message) : String(e)}\n`);
     process.exit(1);

@@ -10,9 +10,12 @@ export interface OpPhases {
   op_ms: number;
   /** Recorded until its first host step was sent: queueing, placement, the live source's snapshot is not in it (it is a step). */
   to_first_step_ms: number;
-  /** The longest host step as its host measured it (a fork's hosts restore in parallel). */
+  /**
+   * The step that took longest from sent to answered (a fork's hosts restore in parallel: it
+   * is the one the operation waited for), as its host measured it.
+   */
   host_step_ms: number;
-  /** That step's time outside its host: NATS both ways and the leader. */
+  /** The same step's time outside its host: NATS both ways and the leader. */
   step_overhead_ms: number;
   /** After the API answered with the finished operation, until the last sandbox answered its exec (load test clock). */
   exec_after_op_ms: number;
@@ -31,7 +34,7 @@ export function phasesOf(op: Operation, execAfterOpMs: number): OpPhases | undef
   return {
     op_ms: timestampMs(op.updatedAt) - timestampMs(op.createdAt),
     to_first_step_ms: Math.min(...steps.map((s) => timestampMs(s.sentAt!))) - timestampMs(op.createdAt),
-    host_step_ms: Math.max(...steps.map(host)),
+    host_step_ms: host(longest),
     step_overhead_ms: took(longest) - host(longest),
     exec_after_op_ms: Math.round(execAfterOpMs * 10) / 10,
     bytes_moved: op.steps.reduce((n, s) => n + Number(s.bytesFetched), 0),

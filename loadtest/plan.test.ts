@@ -18,6 +18,12 @@ describe('capacity planner', () => {
     expect(m.sameHostMs).toEqual([180, 200, 260]);
   });
 
+  it('modelFrom_aFailedScenario_isNoData', () => {
+    const failedCross = modelFrom({ ...run, scenarios: { ...run.scenarios, fork_cross_host_1: { ...(run.scenarios.fork_cross_host_1 as object), failed: 'x' } as never } });
+    expect([failedCross.transferMsAtRun, failedCross.source]).toEqual([0, 'fork_same_host_1 samples; fork_cross_host_1 failed in that run, transfer assumed free']);
+    expect(() => modelFrom({ ...run, scenarios: { ...run.scenarios, fork_same_host_1: { ...(run.scenarios.fork_same_host_1 as object), failed: 'boom' } as never } })).toThrow(/it failed: boom/);
+  });
+
   it('modelFrom_withoutSameHostSamples_throws', () => {
     expect(() => modelFrom({ ...run, scenarios: {} })).toThrow(/fork_same_host_1/);
   });

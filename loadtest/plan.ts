@@ -14,7 +14,7 @@
 import { buildFleetView, place, xoshiro128ss } from '../scheduler/index.ts';
 import type { HostInput, SnapshotInput } from '../scheduler/index.ts';
 import type { RunResult } from './report.ts';
-import { isSummary } from './report.ts';
+import { isComplete } from './report.ts';
 
 export interface PlanOptions {
   forksPerSecond: number;
@@ -64,10 +64,11 @@ export interface Plan {
 export function modelFrom(run: RunResult): LatencyModel {
   const same = run.scenarios.fork_same_host_1;
   const cross = run.scenarios.fork_cross_host_1;
-  if (!isSummary(same)) throw new Error('--from: the run has no fork_same_host_1 samples');
+  if (!isComplete(same)) throw new Error(`--from: the run has no complete fork_same_host_1 (${same && 'failed' in same ? `it failed: ${same.failed}` : 'no samples'})`);
   const samples = run.samples?.fork_same_host_1?.length ? run.samples.fork_same_host_1 : [same.p50_ms];
-  const transfer = isSummary(cross) ? Math.max(0, cross.p50_ms - same.p50_ms) : 0;
-  return { sameHostMs: samples, transferMsAtRun: transfer, runLinkGbps: run.env.link_gbps, guestMib: run.env.guest_mib, source: isSummary(cross) ? 'fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50 as transfer' : 'fork_same_host_1 samples; no cross-host data, transfer assumed free' };
+  const transfer = isComplete(cross) ? Math.max(0, cross.p50_ms - same.p50_ms) : 0;
+  const noCross = cross && 'failed' in cross ? 'fork_cross_host_1 failed in that run' : 'no cross-host data';
+  return { sameHostMs: samples, transferMsAtRun: transfer, runLinkGbps: run.env.link_gbps, guestMib: run.env.guest_mib, source: isComplete(cross) ? 'fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50 as transfer' : `fork_same_host_1 samples; ${noCross}, transfer assumed free` };
 }
 
 function percentile(sorted: readonly number[], p: number): number {

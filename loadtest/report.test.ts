@@ -24,6 +24,14 @@ describe('report', () => {
     expect(c['resume_paused p50']?.ok).toBe(true);
   });
 
+  it('checks_ofAScenarioThatFailed_missTheTarget_insteadOfJudgingItsPartialSamples', () => {
+    const s = { ...base.scenarios, fork_cross_host_1: { n: 1, p50_ms: 110, p95_ms: 110, p99_ms: 110, max_ms: 110, failed: 'exec timed out' }, resume_paused: { n: 2, p50_ms: 10, p95_ms: 10, p99_ms: 10, max_ms: 10, failed: 'x' } };
+    const c = Object.fromEntries(checks(s).map((x) => [x.what, x]));
+    expect(c['fork_cross_host_1 / fork_same_host_1 (p50)']).toMatchObject({ value: 'failed: fork_cross_host_1', measured: null, ok: false });
+    expect(c['resume_paused p50']).toMatchObject({ value: 'failed: resume_paused', ok: false });
+    expect(c['fork_same_host_1 / classic_restore (p50)']?.ok).toBe(true);
+  });
+
   it('renderReport_writesEnvironmentTableAndEveryChart', () => {
     const { markdown, files } = renderReport(base);
     for (const s of ['| accel | tcg |', '| hosts | 3 |', '10 Gbit/s', '256 MiB, 64 MiB dirtied', 'abc1234', 'skipped: HibernateSandbox not supported', 'a note']) expect(markdown).toContain(s);

@@ -40,6 +40,11 @@ export function isSummary(r: ScenarioResult | undefined): r is LatencySummary {
   return r !== undefined && 'n' in r && r.n > 0;
 }
 
+/** A scenario that ran every sample it was given: the only kind a target is judged on (a failed one's samples are partial). */
+export function isComplete(r: ScenarioResult | undefined): r is LatencySummary {
+  return isSummary(r) && !('failed' in r);
+}
+
 export const CHART_GROUPS: ReadonlyArray<{ file: string; title: string; names: readonly string[] }> = [
   { file: 'cdf-fork.svg', title: 'Fork latency CDF: same host, cross host, fan-out', names: ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout'] },
   { file: 'cdf-resume.svg', title: 'Resume latency CDF', names: ['resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold'] },
@@ -62,23 +67,34 @@ export interface Check {
   ok: boolean | undefined;
 }
 
-/** The acceptance ratios of issue 7, from one run. `ok` is undefined when a side is missing. */
+/**
+ * The acceptance ratios of issue 7, from one run. `ok` is undefined when a side is missing
+ * (skipped, not run) and false when a side failed: its samples are partial, so no figure is
+ * taken from it.
+ */
 export function checks(s: Record<string, ScenarioResult>): Check[] {
   const p50 = (n: string): number | undefined => {
     const r = s[n];
-    return isSummary(r) ? r.p50_ms : undefined;
+    return isComplete(r) ? r.p50_ms : undefined;
+  };
+  const failedOf = (...names: string[]): Check | undefined => {
+    const f = names.filter((n) => { const r = s[n]; return r !== undefined && 'failed' in r; });
+    return f.length ? { what: '', target: '', value: `failed: ${f.join(', ')}`, measured: null, ok: false } : undefined;
   };
   const ratio = (what: string, a: string, b: string, max: number, target: string): Check => {
+    const failed = failedOf(a, b);
+    if (failed) return { ...failed, what, target };
     const x = p50(a);
     const y = p50(b);
     const v = x !== undefined && y !== undefined && y > 0 ? x / y : undefined;
     return { what, target, value: v === undefined ? 'n/a' : v.toFixed(2), measured: v === undefined ? null : Number(v.toFixed(3)), ok: v === undefined ? undefined : v <= max };
   };
   const rp = p50('resume_paused');
+  const rpFailed = failedOf('resume_paused');
   return [
     ratio('fork_cross_host_1 / fork_same_host_1 (p50)', 'fork_cross_host_1', 'fork_same_host_1', 2.0, '<= 2.0'),
     ratio('fork_same_host_1 / classic_restore (p50)', 'fork_same_host_1', 'classic_restore', 1 / 3, '<= 0.33'),
-    { what: 'resume_paused p50', target: '<= 50 ms', value: rp === undefined ? 'n/a' : `${rp} ms`, measured: rp ?? null, ok: rp === undefined ? undefined : rp <= 50 },
+    rpFailed ? { ...rpFailed, what: 'resume_paused p50', target: '<= 50 ms' } : { what: 'resume_paused p50', target: '<= 50 ms', value: rp === undefined ? 'n/a' : `${rp} ms`, measured: rp ?? null, ok: rp === undefined ? undefined : rp <= 50 },
     ratio('resume_hibernated_warm / classic_restore (p50)', 'resume_hibernated_warm', 'classic_restore', 0.5, '<= 0.5'),
     ratio('fork_cross_host_1 / naive_full_copy (p50)', 'fork_cross_host_1', 'naive_full_copy', 0.999999, '< 1'),
     ratio('resume_hibernated_cold / naive_full_copy (p50)', 'resume_hibernated_cold', 'naive_full_copy', 0.999999, '< 1'),

@@ -33,11 +33,18 @@ export function connect(addr: string, credentialsFile?: string): Api {
   return createClient(FleetService, addr, fleetChannelCredentials(creds), fleetChannelOptions(addr));
 }
 
+/** What a run has made and not yet undone: destroyed (and uncordoned) at its end, also after a failed sample or a Ctrl-C. */
+export interface Ledger {
+  sandboxes: Set<string>;
+  cordoned: Set<string>;
+}
+
 export class Driver {
   /** Takes the breakdown of each timed operation (fork, resume, restore) with its kind, when set. */
   phaseSink: ((kind: OperationKind, p: OpPhases) => void) | undefined;
 
-  constructor(readonly api: Api, readonly opTimeoutMs: number) {}
+  /** `ledger`: shared by the drivers of one run (one for timed calls, one for setup). */
+  constructor(readonly api: Api, readonly opTimeoutMs: number, readonly ledger: Ledger = { sandboxes: new Set(), cordoned: new Set() }) {}
 
   /** Hands the sink a timed op's breakdown: `opAt` when the API answered it done, `readyAt` when its last sandbox answered an exec. */
   private phases(op: Operation, opAt: number, readyAt: number): void {
@@ -67,6 +74,7 @@ export class Driver {
   async create(image: string, guestMib: number): Promise<Sandbox> {
     const op = await this.done(await this.api.createSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'image', value: image }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
     if (op.result.case !== 'sandbox') throw new Error('create returned no sandbox');
+    this.ledger.sandboxes.add(op.result.value.id);
     return op.result.value;
   }
 
@@ -94,20 +102,31 @@ export class Driver {
     const op = await this.done(await this.api.forkSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count, placement }));
     const opAt = performance.now();
     const children = op.result.case === 'fork' ? op.result.value.children : [];
-    if (children.length !== count) throw new Error(`fork returned ${children.length} children, asked for ${count}`);
-    const ms = await Promise.all(children.map(async (c) => (await this.exec(c.id, 'true'), performance.now() - t0)));
-    this.phases(op, opAt, t0 + Math.max(...ms));
-    return { children, ms };
+    for (const c of children) this.ledger.sandboxes.add(c.id);
+    try {
+      if (children.length !== count) throw new Error(`fork returned ${children.length} children, asked for ${count}`);
+      const ms = await Promise.all(children.map(async (c) => (await this.exec(c.id, 'true'), performance.now() - t0)));
+      this.phases(op, opAt, t0 + Math.max(...ms));
+      return { children, ms };
+    } catch (e) {
+      // A failed sample's children go now: they would run (and take CPU) under every later scenario.
+      await this.destroyAll(children.map((c) => c.id));
+      throw e;
+    }
   }
 
   /** CreateSandbox from a snapshot, k at once; each latency is call until exec answered. */
   async restoreConcurrent(snapshotId: string, k: number, guestMib: number): Promise<{ sandboxes: Sandbox[]; ms: number[] }> {
+    /** Every sandbox made, also one whose exec then failed. */
+    const made: string[] = [];
     const res = await Promise.allSettled(
       Array.from({ length: k }, async () => {
         const t0 = performance.now();
         const op = await this.done(await this.api.createSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
         const opAt = performance.now();
         if (op.result.case !== 'sandbox') throw new Error('restore returned no sandbox');
+        this.ledger.sandboxes.add(op.result.value.id);
+        made.push(op.result.value.id);
         await this.exec(op.result.value.id, 'true');
         this.phases(op, opAt, performance.now());
         return { sb: op.result.value, ms: performance.now() - t0 };
@@ -116,7 +135,7 @@ export class Driver {
     const ok = res.flatMap((r) => (r.status === 'fulfilled' ? [r.value] : []));
     const bad = res.find((r): r is PromiseRejectedResult => r.status === 'rejected');
     if (bad) {
-      await this.destroyAll(ok.map((o) => o.sb.id));
+      await this.destroyAll(made);
       throw bad.reason;
     }
     return { sandboxes: ok.map((o) => o.sb), ms: ok.map((o) => o.ms) };
@@ -146,17 +165,26 @@ export class Driver {
   }
 
   async cordon(hostId: string, cordon: boolean): Promise<void> {
+    if (cordon) this.ledger.cordoned.add(hostId);
     await this.api.cordonHost({ idempotencyKey: key(), hostId, cordon });
+    if (!cordon) this.ledger.cordoned.delete(hostId);
   }
 
   async destroyAll(ids: readonly string[]): Promise<void> {
     await Promise.all(ids.map(async (sandboxId) => {
       try {
         await this.done(await this.api.destroySandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+        this.ledger.sandboxes.delete(sandboxId);
       } catch {
-        /* best effort: the fleet is torn down at the end anyway */
+        /* best effort here; tidy() tries what is left again at the end */
       }
     }));
+  }
+
+  /** Undoes what the ledger holds: every sandbox made and not destroyed, every host cordoned and not uncordoned. */
+  async tidy(): Promise<void> {
+    await this.destroyAll([...this.ledger.sandboxes]);
+    await Promise.all([...this.ledger.cordoned].map((h) => this.cordon(h, false).catch(() => undefined)));
   }
 
   async hosts(): Promise<Array<{ id: string; accel: string; linkBytesPerSecond: number }>> {

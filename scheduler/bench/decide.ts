@@ -66,7 +66,7 @@ function measure(view: FleetView): Stats {
   const totalMs = performance.now() - t0;
   const cpu = process.cpuUsage(cpu0);
   times.sort();
-  const q = (p: number): number => Math.round((times[Math.min(DECISIONS - 1, Math.floor(p * DECISIONS))] ?? 0) * 1000);
+  const q = (p: number): number => Math.round((times[Math.max(0, Math.ceil(p * DECISIONS) - 1)] ?? 0) * 1000);
   return {
     per_s: Math.round((DECISIONS / totalMs) * 1000),
     p50_us: q(0.5),

@@ -27,7 +27,7 @@ const CALLS = Number(arg('calls', '50'));
 
 const pct = (xs: number[], p: number): number => {
   const s = [...xs].sort((a, b) => a - b);
-  return Number((s[Math.min(s.length - 1, Math.floor((p / 100) * s.length))] ?? 0).toFixed(2));
+  return Number((s[Math.max(0, Math.ceil((p / 100) * s.length) - 1)] ?? 0).toFixed(2));
 };
 
 function sandbox(tenantId: string, id: string, state: SandboxRec['state']): SandboxRec {
