@@ -362,6 +362,7 @@ export function buildProgram(): Command {
       const { mintToken, credentialIdOf, sha256 } = await import('../auth/tokens.ts');
       const g = globals(cmd);
       if (!g.tenant) throw new ForkfleetError('invalid_argument', '--tenant: name the tenant the token acts for', { field: '--tenant' });
+      if (o.burst !== undefined && o.rate === undefined) throw new ForkfleetError('invalid_argument', '--burst: a burst belongs to a rate limit; set --rate too', { field: '--burst' });
       const file = tokensFileOf(o);
       const quotas = { ...(o.sandboxes !== undefined ? { sandboxes: o.sandboxes } : {}), ...(o.memoryMib !== undefined ? { memory_mib: o.memoryMib } : {}), ...(o.snapshotBytes !== undefined ? { snapshot_bytes: o.snapshotBytes } : {}) };
       const t = mintToken(file, {
@@ -744,7 +745,7 @@ interface DescribedError {
   children?: string[];
 }
 
-function describeError(e: unknown, api: string, key = invocationKey): DescribedError {
+export function describeError(e: unknown, api: string, key = invocationKey): DescribedError {
   if (e instanceof ForkfleetError) {
     const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
     const like = { ...base, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered };
@@ -756,8 +757,9 @@ function describeError(e: unknown, api: string, key = invocationKey): DescribedE
       return { ...d, operationId: e.operation.id, ...(children.length ? { children } : {}), hint: `${d.hint}; details: \`forkfleet operation get ${e.operation.id}\`${children.length ? ` (${children.length} children were left running: ${children.join(' ')})` : ''}` };
     }
     const operationId = operationIdOf(e);
-    // Accepted, then the wait for it failed (an outage, --timeout): follow it, do not submit again.
-    if (operationId) return { ...d, operationId, hint: `operation ${operationId} was accepted and goes on: follow it with \`forkfleet operation get ${operationId}\`; ${d.hint}` };
+    // Accepted, then the wait for it failed (an outage, --timeout): follow it, do not submit
+    // again. Not the kind's own hint ("retry ..."): a repeat without the key submits a second one.
+    if (operationId) return { ...d, operationId, ...(key ? { idempotencyKey: key } : {}), hint: `operation ${operationId} was accepted and goes on: follow it with \`forkfleet operation get ${operationId}\`${key ? `, or wait for it again by repeating the command with --idempotency-key ${key} (without it, the command submits a second one)` : ''}` };
     // No answer, or the scheduler's store did not answer: the request may have been applied.
     const unsure = e instanceof RpcError && (!e.answered || e.kind === 'unavailable' || e.kind === 'deadline_exceeded');
     if (unsure && key) return { ...d, idempotencyKey: key, hint: `${d.hint}; the fleet may have taken the request: repeat the command with --idempotency-key ${key} to do the work at most once` };

@@ -391,9 +391,12 @@ export interface ForkfleetOptions {
    * tenant: the server resolves it). Only admin credentials may name another tenant.
    */
   tenant?: string;
-  /** Bearer token. Default FF_TOKEN, else the credentials file (services/auth/client-credentials.ts). */
+  /**
+   * Bearer token. Default: a credentials file named on purpose (credentialsFile, FF_CREDENTIALS),
+   * else FF_TOKEN, else the local fleet's credentials file (services/auth/client-credentials.ts).
+   */
   token?: string;
-  /** CA certificate to trust: a PEM file path or PEM text. Default FF_CA, else the credentials file, else the system roots. */
+  /** CA certificate to trust: a PEM file path or PEM text. Default as `token` (FF_CA in FF_TOKEN's place), else the system roots. */
   ca?: string | Buffer;
   /** JSON credentials file ({token, ca, tenant}). Default FF_CREDENTIALS, else <FF_FLEET_DIR or /var/lib/ffleet>/credentials.json. */
   credentialsFile?: string;
@@ -765,10 +768,13 @@ export class Forkfleet {
    * carry several events (a fork's children are written together), so it resumes after the
    * last revision it saw whole and skips the events of the next one it yielded already.
    * Before the first event of a watch from now (no afterRevision), a break cannot be resumed
-   * exactly: events between it and the reconnect are missed.
+   * exactly: events between it and the reconnect are missed. A resume point older than the
+   * store keeps (it compacts every FF_ETCD_COMPACT_INTERVAL, 5 min by default), as in a watch
+   * that saw no event for that long, fails FAILED_PRECONDITION on after_revision: read the
+   * current state, then watch again.
    */
   async *watch(filter: { sandboxId?: string; types?: string[]; afterRevision?: number; signal?: AbortSignal } = {}): AsyncGenerator<EventInfo> {
-    const types = (filter.types ?? []).map((t) => EventType[t.toUpperCase() as keyof typeof EventType]);
+    const types = (filter.types ?? []).map((t, i) => enumValue(EventType, t, `types[${i}]`));
     /** Every event up to this revision was yielded. */
     let after = filter.afterRevision ?? 0;
     /** The revision of the last event yielded (maybe not all of its events yet), and those yielded of it. */
@@ -785,8 +791,9 @@ export class Forkfleet {
           if (ev.revision === current) {
             if (yielded.has(key)) continue; // replayed after a break inside this revision
           } else {
-            // A later revision: the one before it is whole.
-            after = Math.max(after, current);
+            // A later revision: every event before it came first (the stream is in revision
+            // order), also in a watch from now whose first event this is.
+            after = Math.max(after, ev.revision - 1);
             current = ev.revision;
             yielded = new Set();
           }
@@ -843,7 +850,9 @@ export class Forkfleet {
       this.submit((idempotencyKey, o) => this.rpc.drainHost({ idempotencyKey, hostId, migrate }, o), opts),
     /** Removes a lost host (decommissioning); resolves with how many lost sandboxes were recorded on it. */
     remove: async (hostId: string, opts: CallOpts = {}): Promise<{ lostSandboxes: number }> => {
-      const r = await this.retry((o) => this.rpc.removeHost({ hostId }, o), opts);
+      // Once: RemoveHost carries no idempotency key, and a repeat of one that landed (its
+      // answer lost) is NOT_FOUND, which would hide that it worked.
+      const r = await this.rpc.removeHost({ hostId }, { timeoutMs: opts.timeoutMs ?? this.timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) });
       return { lostSandboxes: r.lostSandboxes };
     },
   };
@@ -999,7 +1008,9 @@ export class Sandbox {
     // `info` would still show the state from before the call.
     if (op.sandbox) this.info = op.sandbox;
     else if (kind === 'destroy') this.info = this.info ? { ...this.info, state: 'destroyed' } : undefined;
-    else this.info = await this.ff.get(this.id, opts);
+    // The read gets the client's per-call deadline (opts.timeoutMs is the operation's wait), and
+    // one that fails leaves `info` unset rather than failing an operation that succeeded.
+    else this.info = await this.ff.get(this.id, opts.signal ? { signal: opts.signal } : {}).catch(() => undefined);
     return this;
   }
 

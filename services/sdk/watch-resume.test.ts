@@ -40,6 +40,32 @@ describe('SDK watch across a broken stream', () => {
     expect(asked).toEqual([4n, 5n]);
   });
 
+  it('watchFromNow_breakAfterItsFirstEvent_resumesFromThatEventsRevision_notFromNowAgain', async () => {
+    const asked: bigint[] = [];
+    const ff = client(async function* (req) {
+      asked.push(req.afterRevision);
+      if (asked.length === 1) {
+        yield ev(9, 'sb-a');
+        throw broke();
+      }
+      yield ev(9, 'sb-a');
+      yield ev(10, 'sb-b'); // happened while the stream was down
+    });
+    const seen: string[] = [];
+    for await (const e of ff.watch()) seen.push(`${e.revision}:${e.sandboxId}`);
+    expect(seen).toEqual(['9:sb-a', '10:sb-b']);
+    expect(asked).toEqual([0n, 8n]);
+  });
+
+  it('anUnknownEventTypeName_isInvalidArgumentNamingTheField', async () => {
+    const ff = client(async function* () {
+      yield* [];
+    });
+    await expect(async () => {
+      for await (const e of ff.watch({ types: ['sandbox_state_changed', 'nope'] })) void e;
+    }).rejects.toMatchObject({ kind: 'invalid_argument', field: 'types[1]' });
+  });
+
   it('streamThatBreaksBeforeAnyEvent_moreTimesThanTheAttempts_fails', async () => {
     let calls = 0;
     const ff = client(async function* () {

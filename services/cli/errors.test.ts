@@ -1,0 +1,41 @@
+// What the CLI tells a user whose command failed: an accepted operation whose wait gave up
+// is followed or waited for again under its key, never submitted twice; a flag that does not
+// apply is refused naming it. The SDK's typed gRPC client is replaced by a fake of its
+// interface: no server is involved.
+import { create } from '@bufbuild/protobuf';
+import { status as Status } from '@grpc/grpc-js';
+import { afterEach, describe, expect, it, vi } from 'vitest';
+import { RpcError } from '../adapters/grpc/status.ts';
+import { OperationKind, OperationSchema, OperationState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Forkfleet } from '../sdk/index.ts';
+import { describeError, main } from './main.ts';
+
+const OP = `op-${'a'.repeat(20)}`;
+
+afterEach(() => void vi.restoreAllMocks());
+
+describe('CLI errors', () => {
+  it('anAcceptedOperationWhoseWaitGaveUp_saysFollowItOrRepeatWithTheKey_notABareRetry', async () => {
+    const ff = new Forkfleet({ address: '127.0.0.1:1', token: 'ff_test', ca: Buffer.from('-----BEGIN CERTIFICATE-----\n'), tenant: 't1', retry: { baseMs: 1, maxMs: 1 } });
+    ff.close();
+    (ff as unknown as { rpc: unknown }).rpc = {
+      createSandbox: async () => create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.CREATE, state: OperationState.RUNNING }),
+      waitOperation: async () => {
+        throw new RpcError(Status.DEADLINE_EXCEEDED, 'deadline_exceeded', 'Deadline exceeded', true, undefined, undefined, true);
+      },
+    };
+    const e = await ff.create({ image: 'tiny' }, { timeoutMs: 50 }).catch((x: unknown) => x);
+    const d = describeError(e, 'a:1', 'cli-k1');
+    expect(d).toMatchObject({ operationId: OP, idempotencyKey: 'cli-k1' });
+    expect(d.hint).toContain(`forkfleet operation get ${OP}`);
+    expect(d.hint).toContain('--idempotency-key cli-k1');
+    expect(d.hint).not.toMatch(/retry with a larger --timeout|retry in a few seconds/);
+  });
+
+  it('tokenMint_withBurstButNoRate_isRefusedNamingBurst', async () => {
+    const err: string[] = [];
+    vi.spyOn(process.stderr, 'write').mockImplementation((s) => (err.push(String(s)), true));
+    expect(await main(['token', 'mint', '--tenant', 't1', '--burst', '50', '--tokens-file', '/nonexistent-ff/tokens.json'])).toBe(2);
+    expect(err.join('')).toContain('--burst: a burst belongs to a rate limit');
+  });
+});
