@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# One run at a time: two (the Quick start's commands started together) would meet at dpkg's
+# lock, run npm ci into the same node_modules, and one's EXIT trap would remove the
+# policy-rc.d the other still relies on. The second waits for the first.
+lock=${FORKFLEET_SETUP_LOCK:-/run/lock/forkfleet-setup.lock}
+mkdir -p "$(dirname "$lock")" 2>/dev/null || true
+if exec 9>>"$lock" 2>/dev/null; then flock 9; fi
+
 APT_PACKAGES=(
   qemu-system-x86 qemu-utils qemu-guest-agent linux-image-amd64 busybox-static
   etcd-server etcd-client nats-server iproute2 zstd lz4 cpio kmod e2fsprogs xz-utils mmdebstrap chromium prometheus openssl
@@ -18,6 +25,9 @@ APT_PACKAGES=(
   g++ make python3
   # .ci/run checks that the generated code is current with git.
   git
+  # sysctl turns on IP forwarding for sandbox egress (host-agent/adapters/netns/egress.ts);
+  # minimal Debian installs lack it.
+  procps
 )
 
 missing=()
@@ -47,6 +57,8 @@ if ((${#missing[@]})); then
   dpkg --configure -a
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Installed: services may start again (the trap covers a run that fails before this).
+  if grep -qxsF "$marker" /usr/sbin/policy-rc.d; then rm -f /usr/sbin/policy-rc.d; fi
   # Forkfleet starts its own etcd, NATS and Prometheus; the Debian services these packages
   # enable would start at the next boot (Prometheus listening on every interface). Disabled,
   # only those this run installed (a machine's own etcd service is left alone).

@@ -70,6 +70,22 @@ describe('down stops only processes that are still the fleet\'s', () => {
     expect(existsSync(dir)).toBe(false);
   });
 
+  it('down_whileAnotherLiveProcessHoldsTheDirectorysLock_isRefusedNamingIt_andAStaleLockIsTakenOver', async () => {
+    const dir = join(tmp, 'locked');
+    const s = start('sleep', ['30']);
+    stageFleet(dir, [record('relay-nats', s.pid, 'sleep', ['30'], identityOf(s.pid))]);
+    const holder = start('sleep', ['30']);
+    writeFileSync(`${dir}.lock`, JSON.stringify({ pid: holder.pid, ...identityOf(holder.pid) }));
+    await expect(down(dir)).rejects.toThrow(new RegExp(`pid ${holder.pid}\\) is working on`));
+    expect(existsSync(join(dir, 'state.json'))).toBe(true);
+    // Its holder killed: the next down takes the lock over, and leaves none behind.
+    process.kill(holder.pid, 'SIGKILL');
+    await holder.exited;
+    await down(dir);
+    await s.exited;
+    expect([existsSync(dir), existsSync(`${dir}.lock`)]).toEqual([false, false]);
+  });
+
   it('pidFile_ofAReusedPid_isNotSignalled', async () => {
     // The recorded start time is not this process's: as after a reboot, its PID went to another.
     const dir = join(tmp, 'reused');

@@ -365,6 +365,28 @@ function waitPort(host: string, port: number, timeoutMs: number): Promise<void> 
   });
 }
 
+/**
+ * Refuses a port something already listens on (another fleet with the same --base-port, a
+ * machine's own etcd): the fleet's process would exit on EADDRINUSE while waitPort found the
+ * other one listening, and the fleet would run against that.
+ */
+async function assertPortsFree(what: string, ports: readonly number[]): Promise<void> {
+  for (const port of ports) {
+    const taken = await new Promise<boolean>((r) => {
+      const s = createConnection(port, '127.0.0.1');
+      s.once('connect', () => (s.destroy(), r(true)));
+      s.once('error', () => (s.destroy(), r(false)));
+    });
+    if (taken) throw new Error(`${what}: port ${port} on 127.0.0.1 is already in use (another fleet? choose --base-port)`);
+  }
+}
+
+/** waitPort for a process the fleet launched, which must still be the one listening (it did not exit). */
+async function waitListening(rec: ProcRecord, port: number, timeoutMs: number): Promise<void> {
+  await waitPort('127.0.0.1', port, timeoutMs);
+  if (!procAlive(rec)) throw new Error(`${rec.name} exited (see ${rec.log})`);
+}
+
 async function waitLog(path: string, needle: string, timeoutMs: number, rec: ProcRecord): Promise<void> {
   const until = Date.now() + timeoutMs;
   while (Date.now() < until) {
@@ -401,6 +423,10 @@ function launch(state: FleetState, rec: Omit<ProcRecord, 'pid' | 'log' | 'comman
  * started, waiting until it is ready. For fault tests and operators.
  */
 export async function restartProcess(dir: string, name: string): Promise<ProcRecord> {
+  return withDirLock(fleetDir(dir), () => restartLocked(dir, name));
+}
+
+async function restartLocked(dir: string, name: string): Promise<ProcRecord> {
   const state = readState(fleetDir(dir));
   const rec = state?.procs.find((p) => p.name === name);
   if (!state || !rec) throw new Error(`no process ${name} in the fleet at ${fleetDir(dir)}`);
@@ -437,9 +463,11 @@ function makeNetwork(state: FleetState): void {
   const { prefix, hosts, link } = state.options;
   const net = `${prefix}-net`;
   state.netnsBridge = net;
-  sh('ip', ['netns', 'add', net]);
+  // Recorded before it is made: a kill in between leaves a record down() can act on (deleting
+  // a namespace that was never made is a no-op there), not a namespace no one knows of.
   state.namespaces.push(net);
   saveState(state);
+  sh('ip', ['netns', 'add', net]);
   sh('ip', ['-n', net, 'link', 'add', 'br0', 'type', 'bridge']);
   sh('ip', ['-n', net, 'link', 'set', 'br0', 'up']);
   sh('ip', ['-n', net, 'link', 'set', 'lo', 'up']);
@@ -447,9 +475,9 @@ function makeNetwork(state: FleetState): void {
     const id = `h${i}`;
     const ns = `${prefix}-${id}`;
     const { ifHost, ifBridge } = linkNames(prefix, id);
-    sh('ip', ['netns', 'add', ns]);
     state.namespaces.push(ns);
     saveState(state);
+    sh('ip', ['netns', 'add', ns]);
     // Made in its namespaces at once: no end is ever left in the root namespace, where down()
     // (which deletes the namespaces) would not find it.
     sh('ip', ['link', 'add', ifHost, 'netns', ns, 'type', 'veth', 'peer', 'name', ifBridge, 'netns', net]);
@@ -481,19 +509,21 @@ async function startEtcd(state: FleetState): Promise<void> {
   const { etcd, basePort } = state.options;
   const members = Array.from({ length: etcd }, (_, i) => ({ name: `etcd-${i + 1}`, client: basePort + 20 + i, peer: basePort + 30 + i }));
   const initial = members.map((m) => `${m.name}=http://127.0.0.1:${m.peer}`).join(',');
+  await assertPortsFree('etcd', members.flatMap((m) => [m.client, m.peer]));
+  const recs: ProcRecord[] = [];
   for (const m of members) {
     const data = join(state.options.dir, 'etcd', m.name);
     mkdirSync(data, { recursive: true });
-    launch(state, { name: m.name, kind: 'etcd' }, 'etcd', [
+    recs.push(launch(state, { name: m.name, kind: 'etcd' }, 'etcd', [
       '--name', m.name, '--data-dir', data,
       '--listen-client-urls', `http://127.0.0.1:${m.client}`, '--advertise-client-urls', `http://127.0.0.1:${m.client}`,
       '--listen-peer-urls', `http://127.0.0.1:${m.peer}`, '--initial-advertise-peer-urls', `http://127.0.0.1:${m.peer}`,
       '--initial-cluster', initial, '--initial-cluster-state', 'new',
       '--heartbeat-interval', '10', '--election-timeout', '100', '--max-txn-ops', '1024', '--log-level', 'warn',
-    ]);
+    ]));
   }
   state.etcdEndpoints = members.map((m) => `http://127.0.0.1:${m.client}`);
-  for (const m of members) await waitPort('127.0.0.1', m.client, 15_000);
+  for (const [i, m] of members.entries()) await waitListening(recs[i]!, m.client, 15_000);
 }
 
 /** NATS secrets: hidden from the agents by a tmpfs in their mount namespace (startAgent). */
@@ -522,11 +552,12 @@ async function startNats(state: FleetState): Promise<void> {
   const store = join(state.options.dir, 'nats');
   mkdirSync(store, { recursive: true });
   const conf = makeNatsAuth(state);
+  await assertPortsFree('nats-server', [port, monitor]);
   // Its store as working directory: nats-server writes a lost consumer's meta.inf relative to it.
-  launch(state, { name: 'nats', kind: 'nats', cwd: store }, 'nats-server', ['-c', conf, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
+  const nats = launch(state, { name: 'nats', kind: 'nats', cwd: store }, 'nats-server', ['-c', conf, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
   state.natsUrl = `nats://127.0.0.1:${port}`;
   state.natsMonitor = `http://127.0.0.1:${monitor}`;
-  await waitPort('127.0.0.1', port, 10_000);
+  await waitListening(nats, port, 10_000);
   const sock = join(state.options.dir, 'nats.sock');
   const r = launch(state, { name: 'relay-nats', kind: 'relay' }, NODE, tsx('deploy/fleet/relay.ts', `unix:${sock}=tcp:127.0.0.1:${port}`));
   await waitLog(r.log, 'relay ready', 15_000, r);
@@ -663,11 +694,16 @@ async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<voi
   const { HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
   const api = await fleetApiClient(state.options.dir, state.apiAddresses[0]!);
   const until = Date.now() + timeoutMs;
+  /** The API's last refusal: a TLS or credential problem would otherwise look like hosts that never came. */
+  let lastError: unknown;
   try {
     for (;;) {
-      const hosts = await api.listHosts({}, { timeoutMs: 3000 }).then((r) => r.hosts, () => []);
+      const hosts = await api.listHosts({}, { timeoutMs: 3000 }).then(
+        (r) => ((lastError = undefined), r.hosts),
+        (e: unknown) => ((lastError = e), []),
+      );
       if (hosts.length === state.hosts.length && hosts.every((h) => h.state === HostState.READY)) return;
-      if (Date.now() > until) throw new Error(`only ${hosts.length} of ${state.hosts.length} hosts registered ready after ${timeoutMs} ms`);
+      if (Date.now() > until) throw new Error(`only ${hosts.length} of ${state.hosts.length} hosts registered ready after ${timeoutMs} ms${lastError ? `; the API's last answer: ${lastError instanceof Error ? lastError.message : String(lastError)}` : ''}`);
       await new Promise((r) => setTimeout(r, 200));
     }
   } finally {
@@ -718,7 +754,50 @@ export function foundFleet(existing: FleetState, opts: FleetOptions): 'up' | 'ot
   return JSON.stringify(existing.options) === JSON.stringify(opts) ? 'up' : 'other-options';
 }
 
+/** Fleet directories this process holds the lock of (withDirLock): up's own down runs under up's lock. */
+const heldDirs = new Set<string>();
+
+/**
+ * Runs `fn` holding `<dir>.lock` (beside the directory, which down removes): one up, down or
+ * restart per fleet directory at a time. A second one while the first works would find the
+ * fleet incomplete, take it down as a failed start and start its own, and the first, failing,
+ * would tear down what the second recorded. A lock whose holder is gone (killed) is taken over.
+ */
+async function withDirLock<T>(dir: string, fn: () => Promise<T>): Promise<T> {
+  if (heldDirs.has(dir)) return fn();
+  const path = `${dir}.lock`;
+  mkdirSync(dirname(path), { recursive: true });
+  for (let tries = 0; ; tries++) {
+    try {
+      writeFileSync(path, JSON.stringify({ pid: process.pid, ...identityOf(process.pid) }), { flag: 'wx' });
+      break;
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code !== 'EEXIST' || tries >= 3) throw e;
+      let holder: { pid: number; startTime: number; bootId: string } | undefined;
+      try {
+        holder = JSON.parse(readFileSync(path, 'utf8')) as typeof holder;
+      } catch {
+        holder = undefined; // half-written by a holder killed at once: stale
+      }
+      if (holder && isSameProcess(holder.pid, holder)) throw new Error(`another fleet up, down or restart (pid ${holder.pid}) is working on ${dir}: wait for it to finish`);
+      rmSync(path, { force: true });
+    }
+  }
+  heldDirs.add(dir);
+  try {
+    return await fn();
+  } finally {
+    heldDirs.delete(dir);
+    rmSync(path, { force: true });
+  }
+}
+
 export async function up(given: FleetOptions): Promise<FleetState> {
+  const dir = fleetDir(given.dir);
+  return withDirLock(dir, () => upLocked({ ...given, dir }));
+}
+
+async function upLocked(given: FleetOptions): Promise<FleetState> {
   const opts: FleetOptions = { ...given, dir: fleetDir(given.dir) };
   validateOptions(opts);
   const owner = claimableDir(opts.dir);
@@ -981,7 +1060,8 @@ async function teardown(dir: string, opts: { keepLogs?: boolean } = {}): Promise
  * files there; the directory itself if `up` made it).
  */
 export async function down(dir: string): Promise<boolean> {
-  return teardown(fleetDir(dir));
+  const d = fleetDir(dir);
+  return withDirLock(d, () => teardown(d));
 }
 
 export async function status(dir: string): Promise<{ state: FleetState; procs: Array<ProcRecord & { alive: boolean }>; hosts: unknown[] }> {

@@ -39,6 +39,12 @@ interface Recipe {
   packages: string[];
   defaultDiskMib: number;
   kernelArgs: string;
+  /**
+   * Host binaries the script copies with their shared-library closure (ldd): the libraries'
+   * contents are inputs too, so a security update of glib or libc builds the image again
+   * (the packages above name only the binary's own package).
+   */
+  closureOf?: string[];
 }
 
 // Kernel arguments for -M microvm under TCG (VMM-NOTES): the early TSC frequency avoids a
@@ -50,6 +56,7 @@ const RECIPES: Record<ImageName, Recipe> = {
     script: 'build-tiny.sh',
     inputs: ['ff-clone.b64', 'ff-reseed.b64'],
     packages: ['linux-image-amd64', 'busybox-static', 'qemu-guest-agent', 'e2fsprogs', 'qemu-utils'],
+    closureOf: ['/usr/sbin/qemu-ga'],
     defaultDiskMib: 64,
     kernelArgs: MICROVM_ARGS,
   },
@@ -102,9 +109,20 @@ export async function recipeHash(name: ImageName, opts: ImageOptions = {}): Prom
   h.update(await readFile(join(here, r.script)));
   for (const f of r.inputs) h.update(await readFile(join(here, f)));
   h.update(await packageVersions(r.packages));
+  for (const bin of r.closureOf ?? []) h.update(await closureDigest(bin));
   if (name === 'debian') h.update(await readFile(await aptSourcesFile()));
   h.update(JSON.stringify({ name, kernelVersion, diskMib, kernelArgs: r.kernelArgs }));
   return { hash: h.digest('hex').slice(0, 16), kernelVersion, diskMib };
+}
+
+/** Each library `bin` loads (as ldd resolves them, the build script copies them): path and content digest, one per line. */
+export async function closureDigest(bin: string): Promise<string> {
+  const { stdout } = await run('ldd', [bin]).catch((e: unknown) => {
+    throw new ImageBuildError(bin, `ldd ${bin} failed (is its package installed?)`, { cause: e });
+  });
+  const libs = [...new Set(stdout.match(/\/\S+/g) ?? [])].sort();
+  const lines = await Promise.all(libs.map(async (lib) => `${lib} ${createHash('sha256').update(await readFile(lib)).digest('hex')}`));
+  return `${lines.join('\n')}\n`;
 }
 
 /** The machine's own apt sources: the debian image's mirror argument (no host names in code). */
@@ -166,9 +184,12 @@ export async function ensureImage(name: ImageName, opts: ImageOptions = {}): Pro
   const { hash, kernelVersion, diskMib } = await recipeHash(name, opts);
   const root = join(opts.cacheDir ?? defaultCacheDir(), 'images');
   const dir = join(root, `${name}-${hash}`);
+  // Every time, not only before a build: a killed build's directory (~1 GiB for debian) would
+  // otherwise stay for good once its image was found cached (another builder won) or is never
+  // asked for again.
+  await removeAbandonedBuilds(root);
   if (!(await exists(join(dir, 'image.json')))) {
     await mkdir(root, { recursive: true });
-    await removeAbandonedBuilds(root);
     const tmp = await mkdtemp(join(root, `.${name}-${hash}.build-${process.pid}-`));
     try {
       const args = [join(here, r.script), tmp, kernelVersion, String(diskMib)];
