@@ -41,6 +41,25 @@ describe('fork', () => {
     expect(r.placements.every((p) => p.holdsSnapshot && p.score.transferMs === 0)).toBe(true);
   });
 
+  it('fork_whenSourcesAreScarce_opensAColdHostThatCanPassTheBytesOn_soAForkThatFitsIsPlaced', () => {
+    // One source (the holder; the other holder cannot upload) and maxFanOut 1: the cheapest
+    // cold host to open (mostly fetched already) cannot upload, so opening it first leaves the
+    // rest without a source: 12 of 13. Opening the empty host that can serve first places all.
+    const room = (children: number) => ({ vcpus: 2 * children, memoryMib: 65536, diskMib: 500_000 });
+    const noUplink = { bandwidthBytesPerS: 1.25e9, rxLoadBytesPerS: 0, txLoadBytesPerS: 1.25e9 };
+    const view = fleet([
+      hostInput('holder', { heldSnapshots: ['snap-a'], capacity: room(6) }),
+      hostInput('holder-busy', { heldSnapshots: ['snap-a'], cordoned: true, link: noUplink }),
+      hostInput('empty', { capacity: room(6) }),
+      hostInput('mostly-there', { partialSnapshots: { 'snap-a': 0.9 * GIB }, capacity: room(6), link: noUplink }),
+      hostInput('small', { partialSnapshots: { 'snap-a': 0.9 * GIB }, capacity: room(1) }),
+    ]);
+    const r = ok(decide(view, forkRequest(13), compilePlacementConfig({ maxFanOut: 1 })));
+    expect(r.placements).toHaveLength(13);
+    expect(perHost(r).holder).toBe(6);
+    expect(r.transferPlan?.transfers.find((t) => t.destinationHostId === 'empty')?.sourceHostId).toBe('holder');
+  });
+
   it('fork_whenHolderIsFull_spillsToColdHostWithTransferFromHolder', () => {
     const holder = hostInput('holder', { heldSnapshots: ['snap-a'], capacity: { vcpus: 4, memoryMib: 65536, diskMib: 500_000 } });
     const view = fleet([holder, hostInput('cold')]);

@@ -17,6 +17,7 @@ import type { Rng } from './rng.ts';
 import type {
   FilterReason,
   FleetView,
+  HostColumns,
   Placement,
   PlacementRequest,
   PlacementResult,
@@ -53,6 +54,14 @@ function slotLess(a: Slot, b: Slot): boolean {
   return a.cand.index < b.cand.index;
 }
 
+/** roomFirst's order of cold hosts (see greedy): one that can serve others, then more room, then slotLess. */
+function roomier(cols: HostColumns, a: Slot, b: Slot): boolean {
+  const sa = canServe(cols, a.cand.index);
+  if (sa !== canServe(cols, b.cand.index)) return sa;
+  if (a.cap !== b.cap) return a.cap > b.cap;
+  return slotLess(a, b);
+}
+
 /** Per-host tie key from the decision's seed: random across decisions, stable within one. */
 function tieKey(seed: number, index: number): number {
   let z = (seed ^ Math.imul(index + 1, 0x9e3779b1)) >>> 0;
@@ -81,6 +90,10 @@ class PlanBuilder {
 
   get demand(): Demand {
     return this.ctx.demand;
+  }
+
+  get cols(): HostColumns {
+    return this.ctx.view.cols;
   }
 
   needsTransfer(slot: Slot): boolean {
@@ -238,8 +251,15 @@ function makeSlot(cand: Candidate, perHost: number, tie: number): Slot {
  * Pruning (exact): only the `count` best warm hosts by first-child ETA can ever be chosen.
  * Before each of the `count` picks at most count-1 hosts have been touched, so one of those
  * best hosts still offers its first child, which orders before any pruned host's.
+ *
+ * `roomFirst`: the cold host to open next is one that can serve others in turn, then the one
+ * with the most room, then the best ETA. When sources are scarce (each serves maxFanOut
+ * hosts, and a host that cannot upload serves none), opening the cheapest cold host first can
+ * spend the last source on a host that cannot pass the bytes on, or has room for one child,
+ * while another goes without: a fork that fits fails as "no capacity". A host that serves
+ * never leaves fewer sources than it took. place() runs this pass only when the first fell short.
  */
-function greedy(plan: PlanBuilder, cands: readonly Candidate[], count: number, perHost: (index: number) => number, seed: number): void {
+function greedy(plan: PlanBuilder, cands: readonly Candidate[], count: number, perHost: (index: number) => number, seed: number, roomFirst = false): void {
   // Warm hosts: rank by first-child ETA without allocating, keep the best `count`.
   const warm: Candidate[] = [];
   const unopened: Slot[] = [];
@@ -283,12 +303,12 @@ function greedy(plan: PlanBuilder, cands: readonly Candidate[], count: number, p
       const readyAt = unopened.length > 0 ? plan.nextSourceReadyAt() : Number.POSITIVE_INFINITY;
       for (const s of unopened) {
         if (readyAt === Number.POSITIVE_INFINITY) break;
-        if (bestCold !== null && readyAt + s.floor - bestCold.nextEta > 1e-9 * (Math.abs(bestCold.nextEta) + 1)) break;
+        if (!roomFirst && bestCold !== null && readyAt + s.floor - bestCold.nextEta > 1e-9 * (Math.abs(bestCold.nextEta) + 1)) break;
         const arrival = plan.previewArrival(s);
         if (arrival === Number.POSITIVE_INFINITY) continue;
         s.transferMs = arrival;
         s.nextEta = etaAfter(arrival, plan.coldTerms(s));
-        if (bestCold === null || slotLess(s, bestCold)) bestCold = s;
+        if (bestCold === null || (roomFirst ? roomier(plan.cols, s, bestCold) : slotLess(s, bestCold))) bestCold = s;
       }
       coldDirty = false;
     }
@@ -429,6 +449,12 @@ export function place(view: FleetView, request: PlacementRequest, rng: Rng, conf
     ex = fullScan(ctx);
     plan = new PlanBuilder(ctx, config, spread, count);
     greedy(plan, ex.cands, count, perHost, seed);
+  }
+  if (plan.placements.length < count) {
+    // Short: maybe by spending scarce sources on small hosts (greedy's roomFirst).
+    const roomy = new PlanBuilder(ctx, config, spread, count);
+    greedy(roomy, ex.cands, count, perHost, seed, true);
+    if (roomy.placements.length > plan.placements.length) plan = roomy;
   }
 
   const ok = plan.placements.length === count;
