@@ -59,6 +59,7 @@ if ((${#missing[@]})); then
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # Installed: services may start again (the trap covers a run that fails before this).
   if grep -qxsF "$marker" /usr/sbin/policy-rc.d; then rm -f /usr/sbin/policy-rc.d; fi
+  trap - EXIT
   # Forkfleet starts its own etcd, NATS and Prometheus; the Debian services these packages
   # enable would start at the next boot (Prometheus listening on every interface). Disabled,
   # only those this run installed (a machine's own etcd service is left alone).

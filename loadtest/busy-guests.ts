@@ -20,6 +20,7 @@ import { cpus, loadavg } from 'node:os';
 import { Forkfleet } from '../services/sdk/index.ts';
 import type { Sandbox } from '../services/sdk/index.ts';
 import { LatencyHistogram } from './hist.ts';
+import { onInterrupt } from './interrupt.ts';
 
 const { values } = parseArgs({
   options: {
@@ -121,7 +122,7 @@ const tidy = (): Promise<void> =>
     ff.close();
   })());
 // Ctrl-C or a kill: the spinning guests are destroyed all the same (they would skew every later run on the fleet).
-for (const sig of ['SIGINT', 'SIGTERM'] as const) process.once(sig, () => void tidy().finally(() => process.exit(sig === 'SIGINT' ? 130 : 143)));
+onInterrupt(tidy, log);
 try {
   parent = await ff.create({ image: 'tiny', memoryMib: 256, labels: LABEL });
   // Detached from the exec: the spinning loop outlives it, in the parent and in every child.

@@ -16,6 +16,7 @@ import { join, resolve } from 'node:path';
 import { tmpdir } from 'node:os';
 import { pino } from 'pino';
 import { Histogram, Registry } from 'prom-client';
+import { onInterrupt } from './interrupt.ts';
 import { LatencyHistogram } from './hist.ts';
 import { Driver, Locality, OperationKind, Spread, connect, OpFailed } from './scenarios.ts';
 import { summarisePhases } from './phases.ts';
@@ -201,6 +202,8 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
   const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
   const cleanup: Array<() => Promise<void>> = [];
   let driver: Driver | undefined;
+  /** The fleet's start while it runs (teardown waits for it). */
+  let starting: Promise<unknown> | undefined;
   /**
    * Undoes the run, once: what it made through the API (what a failed sample left, and with
    * --api the template and cordons on a fleet that stays up), the baselines, the fleet it
@@ -216,18 +219,17 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       const prepared = local ?? (await localP?.catch(() => undefined));
       if (prepared) await prepared.driver.close().catch(() => undefined);
       if (fleetMod) {
+        // A start still running holds the fleet directory's lock: it finishes (or fails and
+        // cleans up after itself) first, then the fleet goes down whole.
+        if (starting) log('waiting for the fleet\'s start to finish, to take it down');
+        await starting?.catch(() => undefined);
         log('bringing the fleet down');
         await fleetMod.down(cfg.fleetDir);
       }
       rmSync(work, { recursive: true, force: true });
       if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
     })());
-  const onSignal = (sig: NodeJS.Signals): void => {
-    log(`${sig}: tearing down what this run made`);
-    void teardown().finally(() => process.exit(sig === 'SIGINT' ? 130 : 143));
-  };
-  process.once('SIGINT', onSignal);
-  process.once('SIGTERM', onSignal);
+  const offInterrupt = onInterrupt(teardown, log);
   try {
     // Fleet (or a given API) and the QEMU-level baseline guest are prepared in parallel: setup only, nothing is timed.
     if (selected('classic_restore') || selected('naive_full_copy')) {
@@ -240,7 +242,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       // Configured as an operator who knows the sandbox size would: agents keep RAM of that
       // size ready for restores by migration (ADR 0016).
       const agentEnv = { FF_RAM_POOL_MIB: String(cfg.guestMib) };
-      const st = await fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv, peerTls: cfg.peerTls }));
+      const st = await (starting = fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv, peerTls: cfg.peerTls })));
       notes.push(`fleet agents: FF_RAM_POOL_MIB=${cfg.guestMib} (RAM of the guest's size filled at agent start, ADR 0016).`);
       notes.push(`between agents: ${cfg.peerTls ? `mutual TLS (chunk transfers and migration streams encrypted, the latter ${migrationTlsNote()})` : 'plain text (--peer-tls off)'}.`);
       apiAddr = st.apiAddresses[0]!;
@@ -444,8 +446,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     };
   } finally {
     await teardown();
-    process.off('SIGINT', onSignal);
-    process.off('SIGTERM', onSignal);
+    offInterrupt();
   }
 }
 

@@ -29,12 +29,12 @@
 // loopback; agents reach NATS through a unix-socket relay, so no address exists outside
 // the fleet's own namespaces. Peer chunk transfers cross the shaped veth links.
 import { spawn, execFileSync } from 'node:child_process';
-import { closeSync, copyFileSync, existsSync, mkdirSync, openSync, readFileSync, readdirSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, copyFileSync, existsSync, linkSync, mkdirSync, openSync, readFileSync, readdirSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { createConnection } from 'node:net';
 import { dirname, join, resolve } from 'node:path';
 import { totalmem } from 'node:os';
 import { parseArgs } from 'node:util';
-import { createPublicKey, generateKeyPairSync } from 'node:crypto';
+import { createPublicKey, generateKeyPairSync, randomBytes } from 'node:crypto';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
 import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
@@ -459,15 +459,29 @@ function inNetns(ns: string, command: string, args: string[]): [string, string[]
   return ['ip', ['netns', 'exec', ns, command, ...args]];
 }
 
+/**
+ * Makes a network namespace, recorded first: a kill in between leaves a record down() acts on
+ * (deleting one never made is a no-op there), not a namespace no one knows of. One that could
+ * not be made (it exists: another fleet's, with the same prefix) comes out of the record
+ * again, so this fleet's cleanup does not delete it.
+ */
+function addNamespace(state: FleetState, name: string): void {
+  state.namespaces.push(name);
+  saveState(state);
+  try {
+    sh('ip', ['netns', 'add', name]);
+  } catch (e) {
+    state.namespaces = state.namespaces.filter((n) => n !== name);
+    saveState(state);
+    throw e;
+  }
+}
+
 function makeNetwork(state: FleetState): void {
   const { prefix, hosts, link } = state.options;
   const net = `${prefix}-net`;
   state.netnsBridge = net;
-  // Recorded before it is made: a kill in between leaves a record down() can act on (deleting
-  // a namespace that was never made is a no-op there), not a namespace no one knows of.
-  state.namespaces.push(net);
-  saveState(state);
-  sh('ip', ['netns', 'add', net]);
+  addNamespace(state, net);
   sh('ip', ['-n', net, 'link', 'add', 'br0', 'type', 'bridge']);
   sh('ip', ['-n', net, 'link', 'set', 'br0', 'up']);
   sh('ip', ['-n', net, 'link', 'set', 'lo', 'up']);
@@ -475,9 +489,7 @@ function makeNetwork(state: FleetState): void {
     const id = `h${i}`;
     const ns = `${prefix}-${id}`;
     const { ifHost, ifBridge } = linkNames(prefix, id);
-    state.namespaces.push(ns);
-    saveState(state);
-    sh('ip', ['netns', 'add', ns]);
+    addNamespace(state, ns);
     // Made in its namespaces at once: no end is ever left in the root namespace, where down()
     // (which deletes the namespaces) would not find it.
     sh('ip', ['link', 'add', ifHost, 'netns', ns, 'type', 'veth', 'peer', 'name', ifBridge, 'netns', net]);
@@ -754,41 +766,70 @@ export function foundFleet(existing: FleetState, opts: FleetOptions): 'up' | 'ot
   return JSON.stringify(existing.options) === JSON.stringify(opts) ? 'up' : 'other-options';
 }
 
-/** Fleet directories this process holds the lock of (withDirLock): up's own down runs under up's lock. */
-const heldDirs = new Set<string>();
+/** What a fleet directory's lock file holds: its holder, as procAlive identifies a process. */
+interface LockHolder {
+  pid: number;
+  startTime: number;
+  bootId: string;
+}
+
+function readHolderText(path: string): string | undefined {
+  try {
+    return readFileSync(path, 'utf8');
+  } catch {
+    return undefined;
+  }
+}
+
+function readHolder(path: string): LockHolder | undefined {
+  try {
+    return JSON.parse(readFileSync(path, 'utf8')) as LockHolder;
+  } catch {
+    return undefined;
+  }
+}
 
 /**
  * Runs `fn` holding `<dir>.lock` (beside the directory, which down removes): one up, down or
  * restart per fleet directory at a time. A second one while the first works would find the
  * fleet incomplete, take it down as a failed start and start its own, and the first, failing,
- * would tear down what the second recorded. A lock whose holder is gone (killed) is taken over.
+ * would tear down what the second recorded. The lock file appears whole (written aside, then
+ * linked into place, which fails if one exists); a lock whose holder is gone (killed) is
+ * taken over; the holder removes only its own.
  */
 async function withDirLock<T>(dir: string, fn: () => Promise<T>): Promise<T> {
-  if (heldDirs.has(dir)) return fn();
   const path = `${dir}.lock`;
   mkdirSync(dirname(path), { recursive: true });
-  for (let tries = 0; ; tries++) {
-    try {
-      writeFileSync(path, JSON.stringify({ pid: process.pid, ...identityOf(process.pid) }), { flag: 'wx' });
-      break;
-    } catch (e) {
-      if ((e as NodeJS.ErrnoException).code !== 'EEXIST' || tries >= 3) throw e;
-      let holder: { pid: number; startTime: number; bootId: string } | undefined;
+  const me: LockHolder = { pid: process.pid, ...identityOf(process.pid) };
+  const mine = JSON.stringify(me);
+  const aside = `${path}.${process.pid}.${randomBytes(4).toString('hex')}`;
+  writeFileSync(aside, mine);
+  try {
+    for (let tries = 0; ; tries++) {
       try {
-        holder = JSON.parse(readFileSync(path, 'utf8')) as typeof holder;
-      } catch {
-        holder = undefined; // half-written by a holder killed at once: stale
+        linkSync(aside, path);
+        break;
+      } catch (e) {
+        if ((e as NodeJS.ErrnoException).code !== 'EEXIST' || tries >= 3) throw e;
+        let held: string;
+        try {
+          held = readFileSync(path, 'utf8');
+        } catch {
+          continue; // released meanwhile: link again
+        }
+        const holder = readHolder(path);
+        if (holder && isSameProcess(holder.pid, holder)) throw new Error(`another fleet up, down or restart (pid ${holder.pid}${holder.pid === process.pid ? ', this process' : ''}) is working on ${dir}: wait for it to finish`);
+        // Stale: removed only while it is still the one judged stale (another taker may have replaced it).
+        if (readHolderText(path) === held) rmSync(path, { force: true });
       }
-      if (holder && isSameProcess(holder.pid, holder)) throw new Error(`another fleet up, down or restart (pid ${holder.pid}) is working on ${dir}: wait for it to finish`);
-      rmSync(path, { force: true });
     }
+  } finally {
+    rmSync(aside, { force: true });
   }
-  heldDirs.add(dir);
   try {
     return await fn();
   } finally {
-    heldDirs.delete(dir);
-    rmSync(path, { force: true });
+    if (readHolderText(path) === mine) rmSync(path, { force: true });
   }
 }
 
@@ -811,7 +852,8 @@ async function upLocked(given: FleetOptions): Promise<FleetState> {
     // below, and started afresh.
   }
   // A dead or partly dead fleet, or the logs of a failed up: cleared so this fleet starts afresh.
-  if (owner === 'ours') await down(opts.dir);
+  // (teardown, not down: this up holds the directory's lock.)
+  if (owner === 'ours') await teardown(opts.dir);
   for (const ns of sh('ip', ['netns', 'list']).split('\n').map((l) => l.split(' ')[0])) {
     if (ns && ns.startsWith(`${opts.prefix}-`)) throw new Error(`network namespace ${ns} already exists; run fleet:down or delete it`);
   }

@@ -77,7 +77,10 @@ export interface ExecRequest {
   path: string;
   args?: string[];
   env?: string[];
-  /** The guest directory to run in; one it cannot enter fails the exec, naming the field `cwd`. */
+  /**
+   * The guest directory to run in; one it cannot enter fails the exec, naming the field `cwd`
+   * (with captureOutput off there is no stderr to tell why: the shell's exit 2, as before).
+   */
   cwd?: string;
   stdin?: Buffer;
   timeoutMs?: number;

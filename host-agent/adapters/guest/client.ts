@@ -35,8 +35,10 @@ export const EXEC_MAX_OUTPUT_BYTES = 64 << 20;
  */
 const EXEC_WRAPPER = [
   'c=$1; shift',
-  'if [ -n "$c" ] && ! cd "$c" 2>/dev/null; then if [ ! -e "$c" ]; then c=missing; elif [ ! -d "$c" ]; then c=notdir; else c=denied; fi; printf \'\\n%s cwd-%s\\n\' "$0" "$c" >&2; exit 125; fi',
+  // Named before the cd: a relative TMPDIR means what it means to the host's file reads and EXEC_KILL.
   'f="${TMPDIR:-/tmp}/.ff-exec-$$"',
+  'case $f in /*) ;; *) f="$PWD/$f" ;; esac',
+  'if [ -n "$c" ] && ! cd "$c" 2>/dev/null; then if [ ! -e "$c" ]; then c=missing; elif [ ! -d "$c" ]; then c=notdir; else c=denied; fi; printf \'\\n%s cwd-%s\\n\' "$0" "$c" >&2; exit 125; fi',
   'if ! : 2>/dev/null >"$f.out"; then exec "$@"; fi',
   '"$@" >"$f.out" 2>"$f.err"',
   'r=$?',
