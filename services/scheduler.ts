@@ -80,6 +80,8 @@ export function schedulerMetrics(registry: Registry): { ops: Counter<'kind' | 'r
 /** Seams for tests in the same process: `executorStore` wraps the store the leader's executor writes through (fault injection). */
 export interface SchedulerSeams {
   executorStore?: (store: FleetStore) => FleetStore;
+  /** WatchEvents' progress marker interval (fleet-service.ts WATCH_PROGRESS_MS), shorter in tests. */
+  watchProgressMs?: number;
 }
 
 export async function startScheduler(config: SchedulerConfig, log: Logger, seams: SchedulerSeams = {}): Promise<SchedulerHandle> {
@@ -125,7 +127,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), usage, defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId), forkSnapshotTtlMs: config.forkSnapshotTtlMs, rateOf: (tenantId) => auth.rateOf(tenantId) });
   const grpc: RunningGrpcServer = await startGrpcServer({
     address: config.grpcAddr,
-    services: [fleetService({ fleet, store, clock, fileBufferBytes: config.fileBufferBytes })],
+    services: [fleetService({ fleet, store, clock, fileBufferBytes: config.fileBufferBytes, ...(seams.watchProgressMs ? { watchProgressMs: seams.watchProgressMs } : {}) })],
     credentials: fleetServerCredentials({ certPem: readFileSync(config.tlsCertPath), keyPem: readFileSync(config.tlsKeyPath) }),
     guard,
     channelOptions: { 'grpc.max_receive_message_length': config.maxRecvBytes, 'grpc.max_send_message_length': config.maxSendBytes },

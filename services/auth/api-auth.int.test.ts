@@ -27,7 +27,7 @@ import type { Client } from '../adapters/grpc/rpc.ts';
 import type { RpcError } from '../adapters/grpc/status.ts';
 import { Forkfleet } from '../sdk/index.ts';
 import { revokeTokens } from './tokens.ts';
-import { FleetService, OperationState, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { EventType, FleetService, OperationState, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 
 type Api = Client<(typeof FleetService)['method']>;
@@ -101,6 +101,8 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     sched = await startScheduler(
       compileSchedulerConfig({ grpcAddr: '127.0.0.1:0', etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath, maxStreamsPerCredential: '2', maxRecvBytes: '64KiB', metricsAddr: '127.0.0.1:0', ...creds.config }),
       pino({ level: 'warn' }),
+      // Progress markers after 0.3 s without events (30 s in a deployment).
+      { watchProgressMs: 300 },
     );
     await sched.leader;
     fakes = await startFakeAgents({ hosts: HOSTS, dataDir: join(dir, 'fleet'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '16' } });
@@ -377,6 +379,36 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
     const gone = await failure(life.watchEvents({ afterRevision: BigInt(from) }, { timeoutMs: 10_000 }));
     expect(gone?.code).toBe(Status.FAILED_PRECONDITION);
     expect(gone?.field).toBe('after_revision');
+  });
+
+  it('watchEvents_thatMatchesNothing_getsProgressMarkersAsTheStoreMovesOn_andOneIsAResumePointPastACompaction', async () => {
+    const life = client(tokens.life!);
+    const quiet = `sb-${'q'.repeat(20)}`;
+    const from = await store.revision();
+    const ac = new AbortController();
+    const markers: Array<{ type: EventType; revision: bigint }> = [];
+    const reading = (async () => {
+      try {
+        for await (const ev of life.watchEvents({ sandboxId: quiet }, { signal: ac.signal, timeoutMs: 30_000 })) {
+          markers.push({ type: ev.type, revision: ev.revision });
+          if (ev.revision > BigInt(from)) break;
+        }
+      } finally {
+        ac.abort();
+      }
+    })();
+    // Another tenant's work moves the store on; nothing of it is this watch's.
+    const made = await ok(a, await a.createSandbox({ idempotencyKey: key(), source: { case: 'image', value: 'tiny' } }));
+    await reading;
+    expect(markers.every((m) => m.type === EventType.UNSPECIFIED)).toBe(true);
+    const mark = markers.at(-1)!.revision;
+    expect(mark).toBeGreaterThan(BigInt(from));
+    // Compacted up to the marker: a watch resumed from it is accepted (it waits for events,
+    // here until its deadline), where one from before it is FAILED_PRECONDITION.
+    await store.compact(Number(mark));
+    expect(await codeOf(life.watchEvents({ sandboxId: quiet, afterRevision: mark }, { timeoutMs: 1500 }))).toBe('DEADLINE_EXCEEDED');
+    expect((await failure(life.watchEvents({ sandboxId: quiet, afterRevision: BigInt(from) }, { timeoutMs: 10_000 })))?.code).toBe(Status.FAILED_PRECONDITION);
+    await ok(a, await a.destroySandbox({ idempotencyKey: key(), sandboxId: made.result.case === 'sandbox' ? made.result.value.id : '' }));
   });
 
   it('sdkSandboxHandle_showsTheStateEachLifecycleCallLeftIt_hibernateIncluded', async () => {

@@ -114,9 +114,11 @@ export interface FleetStore {
   /**
    * Calls `onChange` for sandbox / snapshot / operation record changes (WatchEvents,
    * webhooks), each with the record's previous value. `fromRevision` replays changes from
-   * that store revision on (when the store still has them); default: after now.
+   * that store revision on (when the store still has them); default: after now. `onProgress`:
+   * a store revision every change up to which has been passed on (or was not a record change),
+   * after each batch of changes of any key and on the store's own progress notices.
    */
-  watchRecords(onChange: (change: RecordChange) => void, opts?: { fromRevision?: number; onError?: WatchBroke }): Promise<() => void>;
+  watchRecords(onChange: (change: RecordChange) => void, opts?: { fromRevision?: number; onError?: WatchBroke; onProgress?: (revision: number) => void }): Promise<() => void>;
   /**
    * Lists every sandbox, snapshot and operation record at one revision, then follows every
    * change under the store's prefix from the next revision on, in revision order (the quota

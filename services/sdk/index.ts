@@ -787,6 +787,14 @@ export class Forkfleet {
           attempt = 1;
           const ev = toEvent(e);
           if (ev.revision <= after) continue;
+          // A progress marker (no type): every event up to its revision came before it. Not
+          // an event; it moves the resume point, so a quiet watch does not fall behind what
+          // the store keeps.
+          if (ev.type === 'unspecified') {
+            after = current = ev.revision;
+            yielded = new Set();
+            continue;
+          }
           const key = JSON.stringify([ev.type, ev.sandboxId, ev.snapshotId, ev.hostId, ev.operationId, ev.sandboxState, ev.message]);
           if (ev.revision === current) {
             if (yielded.has(key)) continue; // replayed after a break inside this revision

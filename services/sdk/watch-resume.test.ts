@@ -57,6 +57,23 @@ describe('SDK watch across a broken stream', () => {
     expect(asked).toEqual([0n, 8n]);
   });
 
+  it('progressMarker_isNotYielded_andIsWhereABreakResumes', async () => {
+    const asked: bigint[] = [];
+    const ff = client(async function* (req) {
+      asked.push(req.afterRevision);
+      if (asked.length === 1) {
+        yield ev(5, 'sb-a');
+        yield create(EventSchema, { revision: 40n, tenantId: 't1' }); // nothing of this watch's up to 40
+        throw broke();
+      }
+      yield ev(41, 'sb-b');
+    });
+    const seen: string[] = [];
+    for await (const e of ff.watch({ afterRevision: 4 })) seen.push(`${e.revision}:${e.sandboxId}`);
+    expect(seen).toEqual(['5:sb-a', '41:sb-b']);
+    expect(asked).toEqual([4n, 40n]);
+  });
+
   it('anUnknownEventTypeName_isInvalidArgumentNamingTheField', async () => {
     const ff = client(async function* () {
       yield* [];

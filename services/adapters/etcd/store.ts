@@ -481,7 +481,7 @@ export class EtcdFleetStore implements FleetStore {
     };
   }
 
-  async watchRecords(onChange: (c: RecordChange) => void, opts: { fromRevision?: number; onError?: WatchBroke } = {}): Promise<() => void> {
+  async watchRecords(onChange: (c: RecordChange) => void, opts: { fromRevision?: number; onError?: WatchBroke; onProgress?: (revision: number) => void } = {}): Promise<() => void> {
     // One watcher over the whole prefix, so changes arrive in revision order across kinds
     // (the webhook cursor relies on it).
     const b = this.client.watch().prefix(PREFIX).withPreviousKV();
@@ -503,6 +503,12 @@ export class EtcdFleetStore implements FleetStore {
       const prev = previous && previous.value.length > 0 ? (decode<never>(previous).value as unknown) : undefined;
       onChange({ kind, value: d.value, revision: d.modRevision, ...(prev ? { prev } : {}) } as RecordChange);
     });
+    const onProgress = opts.onProgress;
+    // After the watcher's own 'data' listener has emitted the response's puts (it was added
+    // first): the stream is in revision order, so every change up to the response's last one
+    // has been passed on; a response without events is etcd's progress notice, whose header
+    // revision says the same.
+    if (onProgress) w.on('data', (res) => onProgress(res.events.length ? Math.max(...res.events.map((e) => Number(e.kv.mod_revision))) : Number(res.header.revision)));
     return () => cancel(w);
   }
 }

@@ -1,4 +1,5 @@
 // FleetService handlers: validate, convert, call the use case (CONVENTIONS.md §10).
+import { create } from '@bufbuild/protobuf';
 import { FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type {
   CordonHostRequest,
@@ -30,7 +31,7 @@ import type {
   WatchEventsRequest,
   WriteFileRequest,
 } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import { EventType } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { EventSchema, EventType } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { InvalidArgumentError, ForkfleetError } from '../../../proto/errors.ts';
 import type { Fleet } from '../../domain/fleet.ts';
 import type { Clock, FleetStore } from '../../domain/ports.ts';
@@ -49,6 +50,14 @@ import { PermissionDeniedError, UnauthenticatedError } from '../../auth/errors.t
  */
 const WATCH_EVENTS_MAX_QUEUED = 4096;
 
+/**
+ * A WatchEvents stream that sent nothing for this long gets a progress marker (an Event with
+ * only its revision set): every event of the watch up to that revision was sent. Without it a
+ * watch whose filter matches rarely keeps an old resume point, which the store compacts away
+ * (every 5 min by default): a stream that broke then could not be resumed.
+ */
+export const WATCH_PROGRESS_MS = 30_000;
+
 /** How long before a WaitOperation call's deadline it answers with the operation as it is. */
 const WAIT_ANSWER_MARGIN_MS = 500;
 
@@ -58,6 +67,8 @@ export interface FleetServiceDeps {
   clock: Clock;
   /** File bytes held at once for WriteFile and ReadFile, all calls together (FF_FILE_BUFFER_MAX). */
   fileBufferBytes?: number;
+  /** WATCH_PROGRESS_MS, for tests. */
+  watchProgressMs?: number;
 }
 
 /**
@@ -310,10 +321,22 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const after = Number(req.afterRevision);
       const q = new AsyncQueue<ReturnType<typeof c.toEvent>>();
       let stop: (() => void) | undefined;
-      /** The revision of the last event queued: the stream ends only between revisions, so a client resumes exactly. */
+      /** The revision of the last event (or progress marker) queued: the stream ends only between revisions, so a client resumes exactly. */
       let lastQueued = after;
+      /** The store revision the watch has gone past: every change up to it was looked at (other tenants' and kinds' too). */
+      let passed = after;
+      let queuedAt = Date.now();
+      const progressMs = deps.watchProgressMs ?? WATCH_PROGRESS_MS;
+      const progress = setInterval(() => {
+        if (q.isEnded) return void clearInterval(progress);
+        if (passed <= lastQueued || q.size > 0 || Date.now() - queuedAt < progressMs) return;
+        q.push(create(EventSchema, { revision: BigInt(passed), tenantId }));
+        lastQueued = passed;
+        queuedAt = Date.now();
+      }, Math.max(10, progressMs >> 1));
       // A resumed watch replays every change after `after` (from the store's history), then goes on.
       const broke = (e: unknown): void => {
+        clearInterval(progress);
         stop?.();
         if (q.isEnded) return;
         if (after > 0 && /compacted/i.test(e instanceof Error ? e.message : String(e))) q.fail(new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }));
@@ -342,13 +365,15 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             if (types.size && !types.has(ev.type)) continue;
             q.push(ev);
             lastQueued = ch.revision;
+            queuedAt = Date.now();
           }
-        }, { ...(after > 0 ? { fromRevision: after + 1 } : {}), onError: broke }))
+        }, { ...(after > 0 ? { fromRevision: after + 1 } : {}), onError: broke, onProgress: (rev) => void (passed = Math.max(passed, rev)) }))
         .then((s) => {
           stop = s;
           if (ctx.signal.aborted || q.isEnded) s();
         }, (e: unknown) => (e instanceof InvalidArgumentError ? q.fail(e) : broke(e)));
       ctx.signal.addEventListener('abort', () => {
+        clearInterval(progress);
         stop?.();
         q.end();
       });

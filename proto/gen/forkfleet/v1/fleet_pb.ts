@@ -936,6 +936,11 @@ export type WatchEventsRequest = Message<"forkfleet.v1.WatchEventsRequest"> & {
   /**
    * Resume: replay every event after this store revision (an Event's revision), then go on.
    * 0: from now. A revision etcd has compacted away is FAILED_PRECONDITION (field after_revision).
+   * A stream that has sent nothing for 30 s sends a progress marker when the store has moved
+   * on: an Event with type EVENT_TYPE_UNSPECIFIED and only revision (and tenant_id) set. Every
+   * event of the watch up to that revision was sent before it; it is the resume point to keep
+   * (a quiet watch's last event may be older than what the store still has). Not an event:
+   * clients skip it (the SDK does).
    *
    * @generated from field: int64 after_revision = 4;
    */
