@@ -22,7 +22,8 @@ function dial(e: End): Socket {
   return e.kind === 'unix' ? createConnection(e.path) : createConnection(e.port, e.host);
 }
 
-function relay(listen: End, to: End): void {
+/** Resolves once it listens (a port or socket it cannot take ends the process, saying why). */
+function relay(listen: End, to: End): Promise<void> {
   const server = createServer((client) => {
     const upstream = dial(to);
     client.setNoDelay(true);
@@ -40,15 +41,17 @@ function relay(listen: End, to: End): void {
     client.on('close', close);
     upstream.on('close', close);
   });
-  if (listen.kind === 'unix') {
-    rmSync(listen.path, { force: true });
-    server.listen(listen.path);
-  } else {
-    server.listen(listen.port, listen.host);
-  }
   server.on('error', (e) => {
     process.stderr.write(`relay: ${e.message}\n`);
     process.exit(1);
+  });
+  return new Promise((resolve) => {
+    if (listen.kind === 'unix') {
+      rmSync(listen.path, { force: true });
+      server.listen(listen.path, resolve);
+    } else {
+      server.listen(listen.port, listen.host, resolve);
+    }
   });
 }
 
@@ -57,10 +60,13 @@ if (pairs.length === 0) {
   process.stderr.write('usage: relay.ts LISTEN=TARGET ...\n');
   process.exit(2);
 }
+const listening: Array<Promise<void>> = [];
 for (const p of pairs) {
   const [l, t] = p.split('=');
   if (!l || !t) throw new Error(`relay: bad pair ${p}`);
-  relay(parse(l), parse(t));
+  listening.push(relay(parse(l), parse(t)));
 }
 process.on('SIGTERM', () => process.exit(0));
+// Only once every end listens: the fleet waits for this line before its agents connect.
+await Promise.all(listening);
 process.stdout.write('relay ready\n');
