@@ -229,7 +229,11 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       rmSync(work, { recursive: true, force: true });
       if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
     })());
-  const offInterrupt = onInterrupt(teardown, log);
+  let interrupted = false;
+  const offInterrupt = onInterrupt(async () => {
+    interrupted = true;
+    await teardown();
+  }, log);
   try {
     // Fleet (or a given API) and the QEMU-level baseline guest are prepared in parallel: setup only, nothing is timed.
     if (selected('classic_restore') || selected('naive_full_copy')) {
@@ -243,6 +247,8 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       // size ready for restores by migration (ADR 0016).
       const agentEnv = { FF_RAM_POOL_MIB: String(cfg.guestMib) };
       const st = await (starting = fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv, peerTls: cfg.peerTls })));
+      // Ctrl-C while it started: the teardown takes the fleet down; the run stops here.
+      if (interrupted) throw new Error('interrupted');
       notes.push(`fleet agents: FF_RAM_POOL_MIB=${cfg.guestMib} (RAM of the guest's size filled at agent start, ADR 0016).`);
       notes.push(`between agents: ${cfg.peerTls ? `mutual TLS (chunk transfers and migration streams encrypted, the latter ${migrationTlsNote()})` : 'plain text (--peer-tls off)'}.`);
       apiAddr = st.apiAddresses[0]!;

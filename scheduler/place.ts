@@ -54,6 +54,13 @@ function slotLess(a: Slot, b: Slot): boolean {
   return a.cand.index < b.cand.index;
 }
 
+/** Children the candidates could take, sources aside. */
+function roomFor(cands: readonly Candidate[], perHost: (index: number) => number): number {
+  let n = 0;
+  for (const c of cands) n += Math.max(0, Math.min(c.room, perHost(c.index)));
+  return n;
+}
+
 /** roomFirst's order of cold hosts (see greedy): one that can serve others, then more room, then slotLess. */
 function roomier(cols: HostColumns, a: Slot, b: Slot): boolean {
   const sa = canServe(cols, a.cand.index);
@@ -450,8 +457,10 @@ export function place(view: FleetView, request: PlacementRequest, rng: Rng, conf
     plan = new PlanBuilder(ctx, config, spread, count);
     greedy(plan, ex.cands, count, perHost, seed);
   }
-  if (plan.placements.length < count) {
-    // Short: maybe by spending scarce sources on small hosts (greedy's roomFirst).
+  if (plan.placements.length < count && roomFor(ex.cands, perHost) >= count) {
+    // Short, though the candidates have room: maybe by spending scarce sources on hosts that
+    // cannot pass the bytes on or take few children (greedy's roomFirst). Not when the room
+    // itself is short: no pass can place it, and this one prices every cold host per pick.
     const roomy = new PlanBuilder(ctx, config, spread, count);
     greedy(roomy, ex.cands, count, perHost, seed, true);
     if (roomy.placements.length > plan.placements.length) plan = roomy;

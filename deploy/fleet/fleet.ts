@@ -29,7 +29,7 @@
 // loopback; agents reach NATS through a unix-socket relay, so no address exists outside
 // the fleet's own namespaces. Peer chunk transfers cross the shaped veth links.
 import { spawn, execFileSync } from 'node:child_process';
-import { closeSync, copyFileSync, existsSync, linkSync, mkdirSync, openSync, readFileSync, readdirSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, copyFileSync, existsSync, linkSync, mkdirSync, openSync, readFileSync, readdirSync, renameSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { createConnection } from 'node:net';
 import { dirname, join, resolve } from 'node:path';
 import { totalmem } from 'node:os';
@@ -819,8 +819,23 @@ async function withDirLock<T>(dir: string, fn: () => Promise<T>): Promise<T> {
         }
         const holder = readHolder(path);
         if (holder && isSameProcess(holder.pid, holder)) throw new Error(`another fleet up, down or restart (pid ${holder.pid}${holder.pid === process.pid ? ', this process' : ''}) is working on ${dir}: wait for it to finish`);
-        // Stale: removed only while it is still the one judged stale (another taker may have replaced it).
-        if (readHolderText(path) === held) rmSync(path, { force: true });
+        // Stale: taken out of the way by a rename (atomic: of two takers, one moves it), then
+        // checked; a lock that was not the stale one (another taker's, linked in meanwhile)
+        // goes back.
+        const moved = `${aside}.stale`;
+        try {
+          renameSync(path, moved);
+        } catch {
+          continue; // gone meanwhile: link again
+        }
+        if (readHolderText(moved) !== held) {
+          try {
+            linkSync(moved, path);
+          } catch {
+            // a third one took the place: its lock stands, this one is stale to it in turn
+          }
+        }
+        rmSync(moved, { force: true });
       }
     }
   } finally {

@@ -787,10 +787,11 @@ export class Forkfleet {
           attempt = 1;
           const ev = toEvent(e);
           if (ev.revision <= after) continue;
-          // A progress marker (no type): every event up to its revision came before it. Not
+          // A progress marker (type 0, not a name: a type this SDK does not know also reads
+          // 'unspecified', and is an event): every event up to its revision came before it. Not
           // an event; it moves the resume point, so a quiet watch does not fall behind what
           // the store keeps.
-          if (ev.type === 'unspecified') {
+          if (e.type === EventType.UNSPECIFIED) {
             after = current = ev.revision;
             yielded = new Set();
             continue;

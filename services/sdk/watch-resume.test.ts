@@ -74,6 +74,16 @@ describe('SDK watch across a broken stream', () => {
     expect(asked).toEqual([4n, 40n]);
   });
 
+  it('anEventOfATypeThisSdkDoesNotKnow_isYielded_notTakenForAProgressMarker', async () => {
+    const ff = client(async function* () {
+      yield create(EventSchema, { revision: 7n, type: 99 as EventType, tenantId: 't1', sandboxId: 'sb-new' });
+      yield ev(7, 'sb-same-revision');
+    });
+    const seen: string[] = [];
+    for await (const e of ff.watch({ afterRevision: 6 })) seen.push(`${e.revision}:${e.sandboxId}`);
+    expect(seen).toEqual(['7:sb-new', '7:sb-same-revision']);
+  });
+
   it('anUnknownEventTypeName_isInvalidArgumentNamingTheField', async () => {
     const ff = client(async function* () {
       yield* [];

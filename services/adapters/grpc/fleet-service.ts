@@ -356,6 +356,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           // this replica's memory without bound: its stream ends at a revision boundary.
           if (ch.revision > lastQueued && q.size >= WATCH_EVENTS_MAX_QUEUED) {
             stop?.();
+            clearInterval(progress);
             q.fail(new ForkfleetError('resource_exhausted', `${q.size} events wait unread: read faster, or resume with after_revision ${lastQueued}`));
             return;
           }
@@ -371,7 +372,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         .then((s) => {
           stop = s;
           if (ctx.signal.aborted || q.isEnded) s();
-        }, (e: unknown) => (e instanceof InvalidArgumentError ? q.fail(e) : broke(e)));
+        }, (e: unknown) => (e instanceof InvalidArgumentError ? (clearInterval(progress), q.fail(e)) : broke(e)));
       ctx.signal.addEventListener('abort', () => {
         clearInterval(progress);
         stop?.();
