@@ -154,6 +154,9 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
   it('heartbeatOrEventForAnotherHost_onAHostsOwnSubject_isDropped_soOneHostCannotSpeakForAnother', async () => {
     const events: string[] = [];
     const stopEvents = bus.onHostEvent((e) => events.push(`${e.hostId}/${e.message}`));
+    // The subscription is registered on the server before host-a publishes (another
+    // connection): otherwise its events can reach the server first and go to no one.
+    await sched.flush();
     try {
       // host-a's credential may publish only on its own subjects, and does: naming host-b inside.
       agentA.publish(subjects.heartbeat('host-a'), toBinary(HeartbeatSchema, create(HeartbeatSchema, { hostId: 'host-b', seq: 100n })));
