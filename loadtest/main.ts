@@ -23,7 +23,7 @@ import { summarisePhases } from './phases.ts';
 import type { OpPhases, PhaseSummary } from './phases.ts';
 import { classicRestoreOnce, prepareLocalBaseline, startNaive } from './baselines.ts';
 import type { LocalBaseline } from './baselines.ts';
-import { checks, renderReport } from './report.ts';
+import { checks, failedNames, renderReport } from './report.ts';
 import type { RunResult, ScenarioResult } from './report.ts';
 import { formatPlan, planCapacity } from './plan.ts';
 import { findSocat } from '../host-agent/adapters/peer/tls-relay.ts';
@@ -426,7 +426,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     });
     await d.tidy();
     // A failed scenario (or --keep-logs): the fleet's process logs outlive the fleet (fleet:down deletes its directory).
-    const failed = Object.entries(rec.results).filter(([, r]) => 'failed' in r).map(([n]) => n);
+    const failed = failedNames(rec.results);
     if ((failed.length > 0 || cfg.keepLogs) && fleetMod) {
       const kept = join(cfg.report, 'fleet-logs');
       rmSync(kept, { recursive: true, force: true });
@@ -494,7 +494,7 @@ async function main(): Promise<number> {
   for (const c of ratios) log(`${c.what.padEnd(50)} ${c.target.padEnd(9)} ${c.value.padEnd(10)} ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'}`);
   log(`report: ${join(cfg.report, 'report.md')}`);
   process.stdout.write(`${JSON.stringify({ env: result.env, scenarios: result.scenarios, checks: ratios })}\n`);
-  const failed = Object.entries(result.scenarios).filter(([, r]) => 'failed' in r).map(([n]) => n);
+  const failed = failedNames(result.scenarios);
   if (failed.length) log(`failed: ${failed.join(', ')} (exit 1)`);
   return failed.length ? 1 : 0;
 }

@@ -40,6 +40,11 @@ export function isSummary(r: ScenarioResult | undefined): r is LatencySummary {
   return r !== undefined && 'n' in r && r.n > 0;
 }
 
+/** The scenarios that failed part-way (their samples are partial). */
+export function failedNames(s: Record<string, ScenarioResult | undefined>): string[] {
+  return Object.entries(s).flatMap(([n, r]) => (r !== undefined && 'failed' in r ? [n] : []));
+}
+
 /** A scenario that ran every sample it was given: the only kind a target is judged on (a failed one's samples are partial). */
 export function isComplete(r: ScenarioResult | undefined): r is LatencySummary {
   return isSummary(r) && !('failed' in r);
@@ -77,24 +82,23 @@ export function checks(s: Record<string, ScenarioResult>): Check[] {
     const r = s[n];
     return isComplete(r) ? r.p50_ms : undefined;
   };
-  const failedOf = (...names: string[]): Check | undefined => {
-    const f = names.filter((n) => { const r = s[n]; return r !== undefined && 'failed' in r; });
-    return f.length ? { what: '', target: '', value: `failed: ${f.join(', ')}`, measured: null, ok: false } : undefined;
+  const failedOf = (what: string, target: string, ...names: string[]): Check | undefined => {
+    const f = names.filter((n) => failedNames({ [n]: s[n] }).length > 0);
+    return f.length ? { what, target, value: `failed: ${f.join(', ')}`, measured: null, ok: false } : undefined;
   };
   const ratio = (what: string, a: string, b: string, max: number, target: string): Check => {
-    const failed = failedOf(a, b);
-    if (failed) return { ...failed, what, target };
+    const failed = failedOf(what, target, a, b);
+    if (failed) return failed;
     const x = p50(a);
     const y = p50(b);
     const v = x !== undefined && y !== undefined && y > 0 ? x / y : undefined;
     return { what, target, value: v === undefined ? 'n/a' : v.toFixed(2), measured: v === undefined ? null : Number(v.toFixed(3)), ok: v === undefined ? undefined : v <= max };
   };
   const rp = p50('resume_paused');
-  const rpFailed = failedOf('resume_paused');
   return [
     ratio('fork_cross_host_1 / fork_same_host_1 (p50)', 'fork_cross_host_1', 'fork_same_host_1', 2.0, '<= 2.0'),
     ratio('fork_same_host_1 / classic_restore (p50)', 'fork_same_host_1', 'classic_restore', 1 / 3, '<= 0.33'),
-    rpFailed ? { ...rpFailed, what: 'resume_paused p50', target: '<= 50 ms' } : { what: 'resume_paused p50', target: '<= 50 ms', value: rp === undefined ? 'n/a' : `${rp} ms`, measured: rp ?? null, ok: rp === undefined ? undefined : rp <= 50 },
+    failedOf('resume_paused p50', '<= 50 ms', 'resume_paused') ?? { what: 'resume_paused p50', target: '<= 50 ms', value: rp === undefined ? 'n/a' : `${rp} ms`, measured: rp ?? null, ok: rp === undefined ? undefined : rp <= 50 },
     ratio('resume_hibernated_warm / classic_restore (p50)', 'resume_hibernated_warm', 'classic_restore', 0.5, '<= 0.5'),
     ratio('fork_cross_host_1 / naive_full_copy (p50)', 'fork_cross_host_1', 'naive_full_copy', 0.999999, '< 1'),
     ratio('resume_hibernated_cold / naive_full_copy (p50)', 'resume_hibernated_cold', 'naive_full_copy', 0.999999, '< 1'),

@@ -346,23 +346,21 @@ function tbfArgs(rate: string): string[] {
   return ['root', 'tbf', 'rate', rate, 'burst', String(burst), 'latency', '5ms'];
 }
 
-function waitPort(host: string, port: number, timeoutMs: number): Promise<void> {
-  const until = Date.now() + timeoutMs;
-  return new Promise((resolvePromise, reject) => {
-    const attempt = (): void => {
-      const s = createConnection(port, host);
-      s.once('connect', () => {
-        s.destroy();
-        resolvePromise();
-      });
-      s.once('error', () => {
-        s.destroy();
-        if (Date.now() > until) reject(new Error(`nothing listens on ${host}:${port} after ${timeoutMs} ms`));
-        else setTimeout(attempt, 50);
-      });
-    };
-    attempt();
+/** Whether something accepts a TCP connection on host:port now. */
+function listens(host: string, port: number): Promise<boolean> {
+  return new Promise((resolvePromise) => {
+    const s = createConnection(port, host);
+    s.once('connect', () => (s.destroy(), resolvePromise(true)));
+    s.once('error', () => (s.destroy(), resolvePromise(false)));
   });
+}
+
+async function waitPort(host: string, port: number, timeoutMs: number): Promise<void> {
+  const until = Date.now() + timeoutMs;
+  while (!(await listens(host, port))) {
+    if (Date.now() > until) throw new Error(`nothing listens on ${host}:${port} after ${timeoutMs} ms`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
 }
 
 /**
@@ -372,12 +370,7 @@ function waitPort(host: string, port: number, timeoutMs: number): Promise<void> 
  */
 async function assertPortsFree(what: string, ports: readonly number[]): Promise<void> {
   for (const port of ports) {
-    const taken = await new Promise<boolean>((r) => {
-      const s = createConnection(port, '127.0.0.1');
-      s.once('connect', () => (s.destroy(), r(true)));
-      s.once('error', () => (s.destroy(), r(false)));
-    });
-    if (taken) throw new Error(`${what}: port ${port} on 127.0.0.1 is already in use (another fleet? choose --base-port)`);
+    if (await listens('127.0.0.1', port)) throw new Error(`${what}: port ${port} on 127.0.0.1 is already in use (another fleet? choose --base-port)`);
   }
 }
 
@@ -781,9 +774,9 @@ function readHolderText(path: string): string | undefined {
   }
 }
 
-function readHolder(path: string): LockHolder | undefined {
+function parseHolder(text: string): LockHolder | undefined {
   try {
-    return JSON.parse(readFileSync(path, 'utf8')) as LockHolder;
+    return JSON.parse(text) as LockHolder;
   } catch {
     return undefined;
   }
@@ -811,13 +804,9 @@ async function withDirLock<T>(dir: string, fn: () => Promise<T>): Promise<T> {
         break;
       } catch (e) {
         if ((e as NodeJS.ErrnoException).code !== 'EEXIST' || tries >= 3) throw e;
-        let held: string;
-        try {
-          held = readFileSync(path, 'utf8');
-        } catch {
-          continue; // released meanwhile: link again
-        }
-        const holder = readHolder(path);
+        const held = readHolderText(path);
+        if (held === undefined) continue; // released meanwhile: link again
+        const holder = parseHolder(held);
         if (holder && isSameProcess(holder.pid, holder)) throw new Error(`another fleet up, down or restart (pid ${holder.pid}${holder.pid === process.pid ? ', this process' : ''}) is working on ${dir}: wait for it to finish`);
         // Stale: taken out of the way by a rename (atomic: of two takers, one moves it), then
         // checked; a lock that was not the stale one (another taker's, linked in meanwhile)

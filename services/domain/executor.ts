@@ -3772,8 +3772,9 @@ export class Executor {
    * transitional state. Each case acts on the record as a guarded write finds it (the pass's
    * copy may be stale). Destroying: another destroy goes on from there (one per ended
    * destroy, so a host that keeps failing it is tried again once per step deadline).
-   * Starting: failed, its booking released and its VM (if the host made one) stopped. Waking: hibernated again (settleEndedWake). Hibernating with the ended
-   * hibernate's snapshot ready: hibernated from it (the VM has not run since it was taken),
+   * Starting: failed, its booking released and its VM (if the host made one) stopped.
+   * Waking: hibernated again (settleEndedWake). Hibernating with the ended hibernate's
+   * snapshot ready: hibernated from it (the VM has not run since it was taken),
    * as that hibernate's last write would have, and its VM stopped; before the snapshot, a
    * hibernate of its own takes it over (runHibernate) and finishes it.
    */

@@ -556,7 +556,7 @@ export class Forkfleet {
     let outageSince = 0;
     for (let attempt = 1; ; attempt++) {
       try {
-        return await fn({ timeoutMs: opts.timeoutMs ?? this.timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) });
+        return await fn(this.rpcOpts(opts));
       } catch (e) {
         const outage = e instanceof RpcError && e.answered && e.kind === 'unavailable';
         if (outage) outageSince ||= Date.now();
@@ -565,6 +565,11 @@ export class Forkfleet {
         await sleep(Math.random() * Math.min(maxMs, baseMs * 2 ** (attempt - 1)), opts.signal);
       }
     }
+  }
+
+  /** One call's options: its deadline (the client's per-call one unless given) and signal. */
+  private rpcOpts(opts: CallOpts): RpcCallOptions {
+    return { timeoutMs: opts.timeoutMs ?? this.timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) };
   }
 
   private key(opts: CallOpts): string {
@@ -861,7 +866,7 @@ export class Forkfleet {
     remove: async (hostId: string, opts: CallOpts = {}): Promise<{ lostSandboxes: number }> => {
       // Once: RemoveHost carries no idempotency key, and a repeat of one that landed (its
       // answer lost) is NOT_FOUND, which would hide that it worked.
-      const r = await this.rpc.removeHost({ hostId }, { timeoutMs: opts.timeoutMs ?? this.timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) });
+      const r = await this.rpc.removeHost({ hostId }, this.rpcOpts(opts));
       return { lostSandboxes: r.lostSandboxes };
     },
   };

@@ -26,8 +26,8 @@ export const EXEC_MAX_OUTPUT_BYTES = 64 << 20;
  * program's status (GuestAgent.exec). A directory it cannot enter ends it with status 125 and
  * a last stderr line "$0 cwd-<why>" (missing, notdir or denied), before any file is made, so
  * the host can tell a bad working directory from a program's own exit (cwdRefusal). A file
- * longer than EXEC_HANDED_BYTES is copied only that far and left in place; the wrapper then ends stderr
- * with a line "$0 out err" naming what it left ($0 is `ff-exec-<nonce>`, a nonce of the call,
+ * longer than EXEC_HANDED_BYTES is copied only that far and left in place; the wrapper then
+ * ends stderr with a line "$0 out err" naming what it left ($0 is `ff-exec-<nonce>`, a nonce of the call,
  * which the host takes off again). Where no file can be made (no writable TMPDIR or /tmp)
  * the program runs directly, as it would without the wrapper. Only the shell's own commands
  * and `rm` run for a program that writes nothing; `wc` and `cat` for each stream it wrote:
