@@ -905,6 +905,28 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       await quick.stop();
     }
   }, 180_000);
+  it('host_ofAThousandSandboxes_whenLost_marksThemLostAFewTransactionsAtATime_andReleasesItsWholeBooking', async () => {
+    const hostId = 'many-lost';
+    const many = await startFakeAgents({ hosts: [hostId], dataDir: join(dir, 'many-lost'), natsUrl: nats.url, logDir: dir, env: { FF_FAKE_VCPUS: '100000', FF_FAKE_MEMORY_MIB: '100000000', FF_FAKE_STATE: 'memory', FF_STEP_CONCURRENCY: '64' } });
+    try {
+      await waitFor(`${hostId} registered`, async () => (await api.listHosts({})).hosts.some((h) => h.id === hostId), 20_000, 100);
+      for (let i = 0; i < 4; i++) await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 250, placement: { hostId } }));
+      expect((await store.getAlloc(hostId)).value.sandboxes).toBe(1000);
+      many.proc.kill();
+      await many.proc.exited;
+      const onHost = async () => (await store.listSandboxes(tenantId)).filter((v) => v.value.hostId === hostId);
+      await waitFor('every sandbox of the lost host marked lost', async () => (await onHost()).every((v) => v.value.state === 'lost'), 60_000, 250);
+      const lost = await onHost();
+      expect(lost).toHaveLength(1000);
+      expect(new Set(lost.map((v) => v.value.stateReason))).toEqual(new Set([`host ${hostId} lost`]));
+      // Batches of 99 with the host's booking in one transaction each (11 for 1,000; a few more
+      // if a batch met a conflict and went one by one), not a transaction per sandbox.
+      expect(new Set(lost.map((v) => v.modRevision)).size).toBeLessThanOrEqual(20);
+      expect((await store.getAlloc(hostId)).value).toMatchObject({ sandboxes: 0, allocated: { vcpus: 0, memoryMib: 0, diskMib: 0 } });
+    } finally {
+      await many.stop();
+    }
+  }, 180_000);
   it('listOperations_newestFirst_filtersByStateKindAndTarget_pagesEveryOneOnce_andNamesABadField', async () => {
     const t = 'ops-list';
     const a = await ok(api, await api.createSandbox({ tenantId: t, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 } }), t);

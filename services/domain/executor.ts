@@ -352,6 +352,9 @@ const GONE_RECORDS_MAX = 100_000;
 /** Writes per group-committed transaction: etcd's default --max-txn-ops is 128 (compares count too, plus the seed compare). */
 const GROUP_COMMIT_MAX_WRITES = 100;
 
+/** Sandboxes of a lost host marked per transaction (markHostLost): with the host's booking, GROUP_COMMIT_MAX_WRITES writes. */
+const LOST_BATCH = GROUP_COMMIT_MAX_WRITES - 1;
+
 /** Backoff of an op run again after the fleet store failed under it (run()). */
 const STORE_RETRY_FIRST_MS = 250;
 const STORE_RETRY_MAX_MS = 4000;
@@ -3929,26 +3932,55 @@ export class Executor {
    */
   private async markHostLost(hostId: string, only?: readonly SandboxRec[]): Promise<void> {
     const now = this.deps.clock.now();
-    for (const sb of only ?? (await this.deps.store.listSandboxes(undefined)).map((v) => v.value)) {
-      if (sb.hostId !== hostId || !LOSABLE.has(sb.state)) continue;
-      await this.updateSandbox(
-        sb.tenantId,
-        sb.id,
-        (s) => {
-          if (s.hostId !== hostId || !LOSABLE.has(s.state)) throw new MovedOnError(s.id, s.state, s.hostId);
-          if (s.state === 'destroying') this.setState(s, 'destroyed', now, `host ${hostId} lost`);
-          else this.setState(s, 'lost', now, `host ${hostId} lost`);
-          // The op at work on it (a hibernate, a pause) can no longer finish: its later writes
-          // check the state. Left set, a VM that comes back with its host would be taken
-          // back as running but still look busy, and nothing would watch it again.
-          s.opId = '';
-          delete s.hibernatingFrom;
-        },
-        (_next, before) => this.capacity(hostId, before.resources, -1)(),
-      ).catch((e: unknown) => {
-        if (e instanceof MovedOnError) this.log.debug({ hostId, sandboxId: sb.id, err: e.message }, 'sandbox moved on before its host was marked lost');
-        else this.log.warn({ err: e, hostId, sandboxId: sb.id }, 'could not mark sandbox lost');
-      });
+    const lose = (s: SandboxRec): void => {
+      if (s.hostId !== hostId || !LOSABLE.has(s.state)) throw new MovedOnError(s.id, s.state, s.hostId);
+      if (s.state === 'destroying') this.setState(s, 'destroyed', now, `host ${hostId} lost`);
+      else this.setState(s, 'lost', now, `host ${hostId} lost`);
+      // The op at work on it (a hibernate, a pause) can no longer finish: its later writes
+      // check the state. Left set, a VM that comes back with its host would be taken
+      // back as running but still look busy, and nothing would watch it again.
+      s.opId = '';
+      delete s.hibernatingFrom;
+    };
+    const todo = (only ?? (await this.deps.store.listSandboxes(undefined)).map((v) => v.value)).filter((sb) => sb.hostId === hostId && LOSABLE.has(sb.state));
+    // A batch per transaction (with the host's booking, released once): a host of thousands
+    // of sandboxes is marked in seconds, and the host pass that waits for it moves on. A batch
+    // that conflicts (one of them changed meanwhile) is marked one by one.
+    for (let i = 0; i < todo.length; i += LOST_BATCH) {
+      const batch = todo.slice(i, i + LOST_BATCH);
+      const together = batch.length > 1 && (await this.markLostTogether(hostId, batch, lose, now).catch((e: unknown) => void this.log.warn({ err: e, hostId, sandboxes: batch.length }, 'could not mark a batch of sandboxes lost at once: one by one')));
+      if (together) continue;
+      for (const sb of batch) {
+        await this.updateSandbox(sb.tenantId, sb.id, lose, (_next, before) => this.capacity(hostId, before.resources, -1)()).catch((e: unknown) => {
+          if (e instanceof MovedOnError) this.log.debug({ hostId, sandboxId: sb.id, err: e.message }, 'sandbox moved on before its host was marked lost');
+          else this.log.warn({ err: e, hostId, sandboxId: sb.id }, 'could not mark sandbox lost');
+        });
+      }
     }
+  }
+
+  /**
+   * markHostLost for a batch in one guarded transaction: each sandbox as it reads now (one that
+   * moved on is left alone) and the host's booking less theirs. False when a guard failed.
+   */
+  private async markLostTogether(hostId: string, batch: readonly SandboxRec[], lose: (s: SandboxRec) => void, now: number): Promise<boolean> {
+    // Read in one turn: one read-only transaction (store.ts batches point reads).
+    const read = await Promise.all(batch.map((sb) => this.deps.store.getSandbox(sb.tenantId, sb.id)));
+    const writes: StoreWrite[] = [];
+    const released: ResourcesRec[] = [];
+    for (const v of read) {
+      if (!v || v.value.hostId !== hostId || !LOSABLE.has(v.value.state)) continue;
+      const next = structuredClone(v.value);
+      lose(next);
+      if (!canTransition(v.value.state, next.state)) return false;
+      next.updatedAt = now;
+      writes.push({ kind: 'sandbox', value: next, expectRevision: v.modRevision });
+      released.push(v.value.resources);
+    }
+    if (writes.length === 0) return true;
+    const a = await this.deps.store.getAlloc(hostId);
+    const allocated = released.reduce((acc, r) => addRes(acc, r, -1), a.value.allocated);
+    writes.push({ kind: 'alloc', value: { hostId, allocated, sandboxes: Math.max(0, a.value.sandboxes - released.length) }, expectRevision: a.modRevision });
+    return (await this.commit(writes)) > 0;
   }
 }
