@@ -58,4 +58,25 @@ describe('ingestSnapshot', () => {
       expect(ref.storedSize).toBe((await chunks.getEncoded(Buffer.from(ref.digest).toString('hex')))!.data.length);
     }
   });
+
+  it('ingest_whenAChunkFailsWhileLaterChunksAreRead_failsInsteadOfReturningAManifestThatNamesIt', async () => {
+    const store = new FsChunkStore(join(dir, 'store-eio'));
+    // The store fails the second chunk at once (EIO looking it up), while the ingest goes on
+    // reading the next ones: fewer chunks than the write concurrency, so nothing awaits that
+    // chunk's write until the artifact ends.
+    let lookups = 0;
+    const chunks = new Proxy(store, {
+      get: (target, key) =>
+        key === 'getEncoded'
+          ? async (...args: Parameters<FsChunkStore['getEncoded']>) => {
+              if (++lookups === 2) throw Object.assign(new Error('EIO: i/o error, read'), { code: 'EIO' });
+              return target.getEncoded(...args);
+            }
+          : (Reflect.get(target, key) as unknown),
+    });
+    const mem = join(dir, 'mem-eio.img');
+    writeFileSync(mem, Buffer.concat([textBytes(CS, 11), textBytes(CS, 12), randomBytesSeeded(CS, 13), textBytes(CS, 14)]));
+    const ingest = ingestSnapshot({ snapshotId: 's-eio', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }] }, { chunks, roots: new LiveRoots(), clock: systemClock, chunkSize: CS });
+    await expect(ingest).rejects.toThrow(/EIO/);
+  });
 });

@@ -82,49 +82,65 @@ export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Prom
         stats.logicalBytes += size;
         const refs: ChunkRef[] = [];
         const inflight = new Set<Promise<void>>();
-        for (let index = 0; index * chunkSize < size; index++) {
-          const len = Math.min(chunkSize, size - index * chunkSize);
-          const buf = Buffer.allocUnsafe(len);
-          let got = 0;
-          while (got < len) {
-            const { bytesRead } = await fh.read(buf, got, len - got, index * chunkSize + got);
-            // Shorter than it was at the start (changed under the ingest): the rest of `buf` is
-            // whatever memory held before, never to be hashed and stored as the snapshot.
-            if (bytesRead === 0) throw new Error(`${a.path} ended at byte ${index * chunkSize + got} while it was ingested (it was ${size} bytes)`);
-            got += bytesRead;
-          }
-          if (isZero(buf)) {
-            stats.zeroChunks++;
-            continue;
-          }
-          stats.nonZeroChunks++;
-          const digest = sha256Hex(buf);
-          // Pin before checking the store: GC cannot remove it between check and manifest write.
-          pinned.push(deps.roots.pin([digest]));
-          const ref = create(ChunkRefSchema, { index: BigInt(index), digest: Buffer.from(digest, 'hex'), size: len, storedSize: len });
-          refs.push(ref);
-          const p = (async () => {
-            // A chunk file renamed into place but not fsynced before an OS crash may be empty,
-            // cut short or torn, and sync() below skips it (not written by this run): reused only
-            // if it decodes to these bytes, else rewritten from them (ADR 0007, Durability).
-            const stored = await deps.chunks.getEncoded(digest);
-            if (stored && (await decodesTo(stored, buf))) {
-              stats.dedupChunks++;
-              ref.storedSize = stored.data.length;
-              await deps.chunks.touch(digest);
-              return;
+        // The first chunk write that failed: a write that fails while the loop reads (no one
+        // awaits it then) must still fail the ingest, or its ref goes into a manifest over a
+        // chunk that was never stored.
+        let failed: { err: unknown } | undefined;
+        try {
+          for (let index = 0; index * chunkSize < size; index++) {
+            if (failed) throw failed.err;
+            const len = Math.min(chunkSize, size - index * chunkSize);
+            const buf = Buffer.allocUnsafe(len);
+            let got = 0;
+            while (got < len) {
+              const { bytesRead } = await fh.read(buf, got, len - got, index * chunkSize + got);
+              // Shorter than it was at the start (changed under the ingest): the rest of `buf` is
+              // whatever memory held before, never to be hashed and stored as the snapshot.
+              if (bytesRead === 0) throw new Error(`${a.path} ended at byte ${index * chunkSize + got} while it was ingested (it was ${size} bytes)`);
+              got += bytesRead;
             }
-            const enc = await encodeChunk(buf, digest);
-            ref.storedSize = enc.data.length;
-            await deps.chunks.put(enc, { trusted: true });
-            stats.newChunks++;
-            stats.newStoredBytes += enc.data.length;
-          })();
-          inflight.add(p);
-          void p.finally(() => inflight.delete(p)).catch(() => {});
-          if (inflight.size >= concurrency) await Promise.race(inflight);
+            if (isZero(buf)) {
+              stats.zeroChunks++;
+              continue;
+            }
+            stats.nonZeroChunks++;
+            const digest = sha256Hex(buf);
+            // Pin before checking the store: GC cannot remove it between check and manifest write.
+            pinned.push(deps.roots.pin([digest]));
+            const ref = create(ChunkRefSchema, { index: BigInt(index), digest: Buffer.from(digest, 'hex'), size: len, storedSize: len });
+            refs.push(ref);
+            const p = (async () => {
+              // A chunk file renamed into place but not fsynced before an OS crash may be empty,
+              // cut short or torn, and sync() below skips it (not written by this run): reused only
+              // if it decodes to these bytes, else rewritten from them (ADR 0007, Durability).
+              const stored = await deps.chunks.getEncoded(digest);
+              if (stored && (await decodesTo(stored, buf))) {
+                stats.dedupChunks++;
+                ref.storedSize = stored.data.length;
+                await deps.chunks.touch(digest);
+                return;
+              }
+              const enc = await encodeChunk(buf, digest);
+              ref.storedSize = enc.data.length;
+              await deps.chunks.put(enc, { trusted: true });
+              stats.newChunks++;
+              stats.newStoredBytes += enc.data.length;
+            })();
+            inflight.add(p);
+            p.then(
+              () => void inflight.delete(p),
+              (e: unknown) => {
+                inflight.delete(p);
+                failed ??= { err: e };
+              },
+            );
+            if (inflight.size >= concurrency) await Promise.race(inflight).catch(() => undefined);
+          }
+        } finally {
+          // Every write settled before the ingest returns or throws: none runs on after it.
+          await Promise.allSettled(inflight);
         }
-        await Promise.all(inflight);
+        if (failed) throw failed.err;
         artifacts.push(create(ArtifactSchema, { kind: a.kind, name: a.name, size: BigInt(size), chunks: refs, backing: a.backing ?? '' }));
       } finally {
         await fh.close();
