@@ -163,7 +163,15 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       },
     });
     metricsServer = createServer((req, res) => {
-      if (dashboard?.(req, res)) return;
+      try {
+        if (dashboard?.(req, res)) return;
+      } catch (e) {
+        // A throw in a request listener would end the replica (the leader too).
+        log.warn({ err: e, url: req.url }, 'dashboard request failed');
+        if (!res.headersSent) res.writeHead(500);
+        res.end();
+        return;
+      }
       if (req.url !== '/metrics') {
         res.writeHead(404).end();
         return;

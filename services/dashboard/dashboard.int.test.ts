@@ -6,6 +6,7 @@ import { createServer } from 'node:http';
 import type { Server } from 'node:http';
 import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { connect } from 'node:net';
 import { chromium } from 'playwright-core';
 import type { BrowserContext } from 'playwright-core';
 import { defaultOptions, down, readState, up } from '../../deploy/fleet/fleet.ts';
@@ -113,6 +114,21 @@ describe('dashboard and metrics against a local fleet', () => {
     expect(((await ok.json()) as { hosts: Array<{ id: string }> }).hosts.map((h) => h.id)).toEqual(['h1', 'h2']);
     // The page itself carries no data and loads without a token.
     expect((await fetch(`http://${fleet.metricsAddresses[0]}/dashboard/`)).status).toBe(200);
+  });
+
+  it('requestWhoseTargetTheUrlParserRefuses_isAnswered404_andTheReplicaServesOn', async () => {
+    const addr = fleet.metricsAddresses[0]!;
+    const i = addr.lastIndexOf(':');
+    // Node's HTTP parser takes this request line; WHATWG URL refuses its port.
+    const answer = await new Promise<string>((resolve, reject) => {
+      const s = connect({ host: addr.slice(0, i), port: Number(addr.slice(i + 1)) }, () => s.write('GET http://x:99999/ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n'));
+      let got = '';
+      s.on('data', (d: Buffer) => (got += d.toString()));
+      s.on('end', () => resolve(got));
+      s.on('error', reject);
+    });
+    expect(answer).toMatch(/^HTTP\/1\.1 404/);
+    expect((await fetch(`http://${addr}/metrics`)).status).toBe(200);
   });
 
   it('schedulerMetrics_passPromtoolCheckMetrics_andTheLeaderReportsHostCapacityBookingAndSandboxes', async () => {

@@ -200,7 +200,14 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   }
 
   const handler = ((req: IncomingMessage, res: ServerResponse): boolean => {
-    const url = new URL(req.url ?? '/', 'http://x');
+    // Node's parser passes request targets the URL parser refuses (an absolute one with a bad
+    // port, say): such a request is not the dashboard's, and must not throw in the server.
+    let url: URL;
+    try {
+      url = new URL(req.url ?? '/', 'http://x');
+    } catch {
+      return false;
+    }
     const path = url.pathname;
     if (path !== base && !path.startsWith(`${base}/`)) return false;
     if (req.method !== 'GET' && req.method !== 'HEAD') {
