@@ -11,7 +11,7 @@ import type { Logger } from 'pino';
 import type { IncomingSnapshot, SnapshotShipper } from '../domain/agent.ts';
 import type { GuestImage, LocalSnapshot, MigrationStream, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
 import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
-import { manifestDigests } from '../domain/snapshot-store.ts';
+import { chunkSizes, manifestDigests } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
 import { verifyManifest, type TrustedKeys } from '../domain/tickets.ts';
 import { fetchChunks, fetchSnapshot } from '../domain/transfer.ts';
@@ -359,7 +359,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       const digests = new Set(disk.chunks.map((c) => Buffer.from(c.digest).toString('hex')));
       const unpin = this.deps.roots.pin(digests);
       try {
-        const report = await fetchChunks(digests, sources, this.deps.chunks, { log: this.deps.log });
+        const report = await fetchChunks(digests, sources, this.deps.chunks, { log: this.deps.log, sizes: chunkSizes([disk]) });
         return {
           manifest: meta<VmmSnapshotManifest>('manifest.json'),
           image: meta<GuestImage>('image.json'),

@@ -86,6 +86,13 @@ export function manifestDigests(m: SnapshotManifest): Set<DigestHex> {
   return out;
 }
 
+/** The plain size of every chunk the artifacts name (one digest is one content: one size). */
+export function chunkSizes(artifacts: ReadonlyArray<Pick<SnapshotManifest['artifacts'][number], 'chunks'>>): Map<DigestHex, number> {
+  const out = new Map<DigestHex, number>();
+  for (const a of artifacts) for (const c of a.chunks) out.set(Buffer.from(c.digest).toString('hex'), c.size);
+  return out;
+}
+
 /** Sum of stored (compressed) sizes of the distinct chunks in `m` that `have` lacks. */
 export function bytesMissing(m: SnapshotManifest, have: ReadonlySet<DigestHex>): number {
   const seen = new Set<DigestHex>();

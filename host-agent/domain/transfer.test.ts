@@ -75,4 +75,32 @@ describe('fetchChunks', () => {
     expect([...delivered].sort()).toEqual([...chunks.keys()].sort());
     expect(await store.missing(chunks.keys())).toEqual([]);
   });
+
+  it('chunkSentWithAnotherSizeThanTheManifests_isRejectedBeforeTheStoreSeesIt_andFetchedFromAnotherSource', async () => {
+    const chunks = new Map<DigestHex, EncodedChunk>();
+    for (let i = 1; i <= 3; i++) {
+      const c = await encodeChunk(Buffer.alloc(64 * 1024, i));
+      chunks.set(c.digest, c);
+    }
+    // Same bytes, but each claims 4 GiB of content: what a decode would allocate.
+    const lying = new Map([...chunks].map(([d, c]) => [d, { ...c, size: 0xffffffff }] as const));
+    const inner = new FsChunkStore(join(tmp, 'store-sizes'));
+    const seen: number[] = [];
+    const store = new Proxy(inner, {
+      get: (target, key) => {
+        const v = Reflect.get(target, key) as unknown;
+        if (key !== 'accept' && key !== 'acceptInto') return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+        return (c: EncodedChunk, ...rest: unknown[]) => {
+          seen.push(c.size);
+          return (v as (...a: unknown[]) => unknown).call(target, c, ...rest);
+        };
+      },
+    });
+    const sizes = new Map([...chunks].map(([d, c]) => [d, c.size] as const));
+    const report = await fetchChunks(chunks.keys(), [memorySource('liar', lying), memorySource('honest', chunks)], store, { sizes, backoffMs: 1, streamsPerSource: 1 });
+    expect(report.fetched).toBe(3);
+    expect(report.sources.find((s) => s.id === 'liar')?.rejected).toBeGreaterThan(0);
+    expect(seen.every((n) => n === 64 * 1024)).toBe(true);
+    expect(await inner.missing(chunks.keys())).toEqual([]);
+  });
 });

@@ -7,7 +7,7 @@
 import type { Logger } from 'pino';
 import type { SignedManifest, SnapshotManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, LiveRoots, ManifestStore } from './snapshot-store.ts';
-import { manifestDigests } from './snapshot-store.ts';
+import { chunkSizes, manifestDigests } from './snapshot-store.ts';
 import { ChunksUnavailableError, DigestMismatchError, ManifestInvalidError } from './transfer-errors.ts';
 import { isForkfleetError } from '../../proto/errors.ts';
 import { verifyManifest, type TrustedKeys } from './tickets.ts';
@@ -69,6 +69,12 @@ export interface FetchOptions {
   readonly backoffMs?: number;
   readonly signal?: AbortSignal;
   readonly log?: Logger;
+  /**
+   * The plain size the signed manifest gives each digest: a chunk a peer sends with another
+   * size is rejected as a corrupt one is, before the store allocates for it (the size a
+   * decode allocates is the one the chunk claims).
+   */
+  readonly sizes?: ReadonlyMap<DigestHex, number>;
 }
 
 export interface SourceReport {
@@ -215,6 +221,16 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
             } else {
               const d = ev.chunk.digest;
               if (!requested.delete(d)) continue;
+              const size = opts.sizes?.get(d);
+              if (size !== undefined && ev.chunk.size !== size) {
+                rep.rejected++;
+                report.rejected++;
+                exclude(d, src.id);
+                queue.push(d);
+                opts.log?.warn({ source: src.id, digest: d, size: ev.chunk.size, manifestSize: size }, 'rejected chunk: not the size the manifest gives it; fetching elsewhere');
+                changed.notify();
+                continue;
+              }
               storing.add(d);
               const chunk = ev.chunk;
               // The store may take `chunk.data` (hand it to a worker, detaching it).
@@ -350,7 +366,7 @@ export async function fetchSnapshot(
   try {
     let report: FetchReport | undefined;
     const fetch = async (onChunk?: ChunkSink): Promise<FetchReport> => {
-      report = await fetchChunks(digests, sources, deps.chunks, { ...opts, ...(onChunk ? { onChunk } : {}) });
+      report = await fetchChunks(digests, sources, deps.chunks, { ...opts, sizes: chunkSizes(manifest.artifacts), ...(onChunk ? { onChunk } : {}) });
       return report;
     };
     if (opts.around) await opts.around(manifest, fetch);
