@@ -203,18 +203,23 @@ export class Materialiser {
       // Whatever was not delivered comes from the local store.
       const rest = [...places.keys()].filter((d) => !written.has(d));
       let next = 0;
+      // The first failure stops every worker, and all of them have stopped before it is
+      // thrown: the handles are closed then, and a worker still writing by descriptor number
+      // could write into whatever file the next open() is given that number.
+      let failed: { err: unknown } | undefined;
       const worker = async (): Promise<void> => {
-        while (next < rest.length) {
+        while (next < rest.length && !failed) {
           const digest = rest[next++] as DigestHex;
           try {
             await put(digest, await this.deps.chunks.readVerified(digest));
           } catch (e) {
             if (e instanceof ChunkCorruptError) corrupt.push(...e.digests);
-            else throw e;
+            else failed ??= { err: e };
           }
         }
       };
       await Promise.all(Array.from({ length: this.deps.concurrency ?? 8 }, worker));
+      if (failed) throw failed.err;
       if (corrupt.length > 0) throw new ChunkCorruptError(corrupt);
       if (this.deps.syncInline) await Promise.all(handles.map((fh) => fh.sync()));
       // The memory image must never be written again (VMM-NOTES gotcha 3).

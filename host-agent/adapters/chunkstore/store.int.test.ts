@@ -106,6 +106,43 @@ describe('content-addressed snapshot store', () => {
     expect(readdirSync(join(s.root, 'images'))).toEqual([]);
   });
 
+  it('materialise_whenAStoredChunkCannotBeRead_failsOnlyAfterEveryImageWriteStopped', async () => {
+    const s = setup('eio');
+    const mem = join(dir, 'eio.img');
+    const blocks: Record<number, Buffer> = {};
+    for (let i = 0; i < 32; i++) blocks[i] = textBytes(CS, 100 + i);
+    image(mem, 32 * CS, blocks);
+    const { manifest } = await s.ingest('s1', [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }]);
+    const victim = Buffer.from(manifest.artifacts[0]!.chunks[0]!.digest).toString('hex');
+    // The first chunk fails at once (EIO); the others read slowly. Reads still running when
+    // materialise gives up would write by descriptor number into handles it has closed.
+    let active = 0;
+    const chunks = new Proxy(s.chunks, {
+      get: (target, key) => {
+        const v = Reflect.get(target, key) as unknown;
+        if (key !== 'readVerified') return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+        return async (digest: string) => {
+          if (digest === victim) throw Object.assign(new Error('EIO: i/o error, read'), { code: 'EIO' });
+          active++;
+          try {
+            await sleep(20);
+            return await target.readVerified(digest);
+          } finally {
+            active--;
+          }
+        };
+      },
+    });
+    const mat = new Materialiser({ root: s.root, chunks, manifests: s.manifests, roots: s.roots, trust: trusted });
+    let activeAtFailure = -1;
+    await expect(mat.materialise('s1').catch((e: unknown) => {
+      activeAtFailure = active;
+      throw e;
+    })).rejects.toThrow(/EIO/);
+    expect(activeAtFailure).toBe(0);
+    expect(readdirSync(join(s.root, 'images'))).toEqual([]);
+  });
+
   it('materialise_whenManifestTampered_refuses', async () => {
     const s = setup('tamper');
     const mem = join(dir, 'tamper.img');
