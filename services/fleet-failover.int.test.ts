@@ -445,6 +445,51 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     await assertConsistent();
   }, 60_000);
 
+  it('drain_ofASandboxResumedWhileTheDrainMovedAnother_movesItRunning_notAsTheListBeforeHadIt', async () => {
+    // Snapshots take 2 s here: the drain moves the first sandbox (its tenant sorts first) for
+    // that long before it reaches the second, which was paused when the drain listed it.
+    await ownHost('fake-stale', 'stale', { FF_FAKE_SNAPSHOT_MS: '2000' });
+    const make = async (t: string): Promise<string> => {
+      const c = await ok(api, await api.createSandbox({ tenantId: t, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-stale' } }), t);
+      return c.result.case === 'sandbox' ? c.result.value.id : '';
+    };
+    const first = await make('aa-stale');
+    const second = await make('zz-stale');
+    await ok(api, await api.pauseSandbox({ tenantId: 'zz-stale', idempotencyKey: key(), sandboxId: second }), 'zz-stale');
+    const drain = await api.drainHost({ idempotencyKey: key(), hostId: 'fake-stale', migrate: true });
+    await waitFor('the first sandbox claimed by the drain', async () => (await store.getSandbox('aa-stale', first))?.value.opId === drain.id, 10_000, 5);
+    // Not claimed yet: its user resumes it, and works in it from then on.
+    await ok(api, await api.resumeSandbox({ tenantId: 'zz-stale', idempotencyKey: key(), sandboxId: second }), 'zz-stale');
+    const f = await wait(api, drain, 'admin');
+    expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+    for (const [t, id] of [['aa-stale', first], ['zz-stale', second]] as const) {
+      const after = (await store.getSandbox(t, id))?.value;
+      expect([after?.state, after?.opId], id).toEqual(['running', '']);
+      expect(after?.hostId, id).not.toBe('fake-stale');
+    }
+    await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-stale', cordon: false });
+    await assertConsistent();
+  }, 90_000);
+
+  it('drain_whoseHostIsLostOnceTheSandboxSwitched_countsItMoved_thoughItsSourceVmCouldNotBeStopped', async () => {
+    // Stopping a VM takes 3 s on fake-gone: the host dies between the switch and that stop.
+    const { agents, sandboxId } = await hostWithSandbox('fake-gone', 'gone', { FF_FAKE_DESTROY_MS: '3000' });
+    const drain = await api.drainHost({ idempotencyKey: key(), hostId: 'fake-gone', migrate: true });
+    await waitFor('the sandbox switched to another host', async () => {
+      const h = (await store.getSandbox(tenantId, sandboxId))?.value.hostId;
+      return h !== undefined && h !== 'fake-gone';
+    }, 20_000, 5);
+    agents.proc.kill();
+    await agents.proc.exited;
+    fakes.splice(fakes.indexOf(agents), 1);
+    const f = await wait(api, drain, 'admin');
+    expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+    const after = (await store.getSandbox(tenantId, sandboxId))?.value;
+    expect(after?.state).toBe('running');
+    await hostsSettled();
+    await assertConsistent();
+  }, 90_000);
+
   it('drain_ofAHostWhereAForksChildIsStillStarting_waitsForIt_andMovesItToo', async () => {
     // Restores take 3 s on fake-z: the fork's child is still starting when the drain begins.
     const { sandboxId: srcId } = await hostWithSandbox('fake-z', 'startingdrain', { FF_FAKE_RESTORE_MS_PER_VM: '3000' });

@@ -3393,12 +3393,20 @@ export class Executor {
     //    the TTL and idle rules and the VM check leave a sandbox another op is at work on
     //    alone, so nothing runs the paused source on after its snapshot, work the switch
     //    would then throw away. The switch, or an undo, ends the claim.
-    await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+    const claimed = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
       if (s.opId === op.id) return;
       if (s.hostId !== from || (s.state !== 'running' && s.state !== 'paused')) throw new WrongStateError('sandbox', s.id, `${s.state} on ${s.hostId || 'no host'}`, 'it moved on before its migration began');
       if (s.opId !== '') throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; the drain moves it when run again`);
       s.opId = op.id;
     });
+    // Paused or running as the claimed record has it, not as the drain's list had it (its user
+    // may have resumed or paused it since, while the drain moved others): nothing changes it
+    // while it is claimed, and the move keeps it so (a record that says paused but a VM that
+    // ran on would lose the work done after the snapshot).
+    if (m.wasPaused !== (claimed.state === 'paused')) {
+      m = { ...m, wasPaused: claimed.state === 'paused' };
+      await record(m);
+    }
     const unclaim = (): Promise<unknown> =>
       this.updateSandbox(sb.tenantId, sb.id, (s) => {
         if (s.opId !== op.id) throw new MovedOnError(s.id, s.state, s.hostId);
@@ -3414,7 +3422,7 @@ export class Executor {
       if (undrained) throw notDraining();
       if (cancelledUnbooked) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'its migration had no host booked yet: undone');
       // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
-      if (sb.state === 'running') await this.step(op, stepId('pause'), from, pauseVm(sb.id));
+      if (!m.wasPaused) await this.step(op, stepId('pause'), from, pauseVm(sb.id));
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { [PURPOSE_LABEL]: 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
       // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
       if (!m.toHostId) {
@@ -3513,8 +3521,13 @@ export class Executor {
     // drain runs again from its record (the copy and its booking on `to` are recorded) and
     // switches then.
     if (!switched) throw new StoreUnavailableError(`switching sandbox ${sb.id} to ${to}`, new ConflictError(`sandbox ${sb.id} or the capacity of ${from} (kept changing)`));
-    // 5. The source VM is no longer the sandbox.
-    await this.step(op, stepId('destroy-source'), from, stopVm(sb.id));
+    // 5. The source VM is no longer the sandbox. The move is done whether or not it stops now:
+    //    one left behind (its host lost, the step timed out) is a stray VM, which
+    //    reconcileStrayVms stops, as for an earlier run's source above (runDrain).
+    await this.step(op, stepId('destroy-source'), from, stopVm(sb.id)).catch((e: unknown) => {
+      if (!this.active) throw e;
+      this.log.warn({ err: e, opId: op.id, sandboxId: sb.id, hostId: from }, 'could not stop the source VM of a sandbox the drain moved');
+    });
   }
 
   /**
