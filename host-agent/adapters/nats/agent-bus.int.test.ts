@@ -287,6 +287,31 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     }
   }, 90_000);
 
+  it('exec_whoseCallerDoesNotRead_failsResourceExhaustedOnceTooMuchOutputWaits_andTheCommandIsCancelled', async () => {
+    let cancelled = false;
+    const unserve = busA.serveExec(async (_req, emit, signal) => {
+      // 4 MiB of output, more than the 1 MiB the caller may leave unread.
+      for (let i = 1; i <= 16 && !signal.aborted; i++) {
+        emit(create(HostExecOutputSchema, { seq: BigInt(i), payload: { case: 'stdout', value: new Uint8Array(256 * 1024) } }));
+        await new Promise((r) => setTimeout(r, 10));
+      }
+      await new Promise<void>((r) => {
+        if (signal.aborted) return r();
+        signal.addEventListener('abort', () => r());
+        setTimeout(r, 5000);
+      });
+      cancelled = signal.aborted;
+    });
+    await agentA.flush();
+    const it = bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['yes'] }), { timeoutMs: 10_000, maxUnreadBytes: 1 << 20 })[Symbol.asyncIterator]();
+    await waitUntil('the command cancelled by the scheduler', () => cancelled || undefined);
+    const err = await (async () => {
+      for (;;) if ((await it.next()).done) return undefined;
+    })().catch((e: unknown) => e as { kind?: string; message: string });
+    expect(err?.kind).toBe('resource_exhausted');
+    unserve();
+  });
+
   it('exec_whenNoAgentServesTheHost_failsFastAsUnavailable', async () => {
     const t0 = Date.now();
     const err = await (async () => {

@@ -32,6 +32,12 @@ export class AsyncQueue<T> implements AsyncIterable<T> {
     for (const w of this.waiters.splice(0)) w.reject(error);
   }
 
+  /** As fail(), but what was pushed and not yet read is dropped: the consumer's next read throws. */
+  failNow(error: unknown): void {
+    this.items.length = 0;
+    this.fail(error);
+  }
+
   get isEnded(): boolean {
     return this.ended;
   }

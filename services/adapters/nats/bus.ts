@@ -40,6 +40,9 @@ import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from './batche
 /** On every work message: this scheduler reads result batches (hostwork.proto, "Batches"). */
 const WORK_HEADERS = { [RESULT_BATCH_HEADER]: '1' } as const;
 
+/** Exec output a replica holds for a caller that has not read it, per exec (NatsWorkBus.exec). */
+export const EXEC_UNREAD_MAX_BYTES = 16 << 20;
+
 /** Heartbeat field `repeated VmStatus vms` (proto/forkfleet/v1/hostwork.proto). */
 const HEARTBEAT_VMS_FIELD = 8;
 
@@ -289,11 +292,17 @@ export class NatsWorkBus implements WorkBus {
     return () => sub.unsubscribe();
   }
 
-  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal }): AsyncIterable<HostExecOutputMsg> {
+  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal; maxUnreadBytes?: number }): AsyncIterable<HostExecOutputMsg> {
     // Under the host's own exec-output subject: its NATS user may publish there and nowhere
     // else, so a long exec's output stream needs no response-permission window.
     const inbox = createInbox(subjects.execOut(hostId));
     const q = new AsyncQueue<HostExecOutputMsg>();
+    // Output that arrived and that the caller has not read yet (the host sends it without
+    // flow control): bounded, or a caller that never reads could make a replica hold all of
+    // a command's output, once for every exec it opens.
+    const maxUnread = opts.maxUnreadBytes ?? EXEC_UNREAD_MAX_BYTES;
+    let unread = 0;
+    const bytesOf = (o: HostExecOutputMsg): number => (o.payload.case === 'stdout' || o.payload.case === 'stderr' ? o.payload.value.length : 0);
     // The caller is gone before the exit: the host kills the command (HostExecCancel), so a
     // cancelled or abandoned exec leaves nothing running in the guest.
     const cancelOnHost = (): void => {
@@ -329,6 +338,13 @@ export class NatsWorkBus implements WorkBus {
           return;
         }
         const out = fromBinary(HostExecOutputSchema, m.data);
+        unread += bytesOf(out);
+        if (unread > maxUnread) {
+          finish();
+          q.failNow(new ForkfleetError('resource_exhausted', `exec output not read: more than ${maxUnread} bytes of it waited for the caller, so the command was stopped`, { retryable: false }));
+          cancelOnHost();
+          return;
+        }
         q.push(out);
         if (out.payload.case === 'exit' || out.payload.case === 'error') {
           finish();
@@ -344,7 +360,19 @@ export class NatsWorkBus implements WorkBus {
       }
     });
     this.nc.publish(subjects.exec(hostId), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, req)), { reply: inbox });
-    return q;
+    return {
+      [Symbol.asyncIterator]: () => {
+        const it = q[Symbol.asyncIterator]();
+        return {
+          next: async () => {
+            const r = await it.next();
+            if (!r.done) unread -= bytesOf(r.value);
+            return r;
+          },
+          return: () => it.return!(),
+        };
+      },
+    };
   }
 
   get maxPayload(): number {

@@ -2470,7 +2470,9 @@ export const FleetService: GenService<{
     output: typeof ListSandboxesResponseSchema;
   },
   /**
-   * Runs a command in the guest. Output is streamed; the last message carries the exit.
+   * Runs a command in the guest. Output is streamed; the last message carries the exit. A
+   * caller that leaves more than 16 MiB of output unread gets RESOURCE_EXHAUSTED, and the
+   * command is stopped.
    *
    * @generated from rpc forkfleet.v1.FleetService.Exec
    */
