@@ -103,4 +103,34 @@ describe('fetchChunks', () => {
     expect(seen.every((n) => n === 64 * 1024)).toBe(true);
     expect(await inner.missing(chunks.keys())).toEqual([]);
   });
+
+  it('sourceThatGoesSilentWithChunksAsked_isGivenUpOnAfterTheIdleTime_andAnotherSourceSuppliesThem', async () => {
+    const chunks = new Map<DigestHex, EncodedChunk>();
+    for (let i = 1; i <= 3; i++) {
+      const c = await encodeChunk(Buffer.alloc(64 * 1024, i));
+      chunks.set(c.digest, c);
+    }
+    // Takes every want and never answers: a peer cut off with the stream still open.
+    const silent: ChunkSource = {
+      id: 'silent',
+      getManifest: () => Promise.reject(new Error('not used')),
+      open() {
+        let stop: (() => void) | undefined;
+        return {
+          want() {},
+          events: {
+            [Symbol.asyncIterator]: () => ({ next: () => new Promise<IteratorResult<ChunkEvent>>((r) => (stop = () => r({ value: undefined, done: true }))) }),
+          },
+          close() {
+            stop?.();
+          },
+        };
+      },
+    };
+    const store = new FsChunkStore(join(tmp, 'store-silent'));
+    const report = await fetchChunks(chunks.keys(), [silent, memorySource('honest', chunks)], store, { idleMs: 200, backoffMs: 1, streamsPerSource: 1 });
+    expect(report.fetched).toBe(3);
+    expect(report.sources.find((s) => s.id === 'silent')?.lastError).toMatch(/sent nothing for 200 ms/);
+    expect(await store.missing(chunks.keys())).toEqual([]);
+  }, 10_000);
 });

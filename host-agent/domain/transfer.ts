@@ -75,6 +75,23 @@ export interface FetchOptions {
    * decode allocates is the one the chunk claims).
    */
   readonly sizes?: ReadonlyMap<DigestHex, number>;
+  /**
+   * A session with chunks asked and nothing from its source for this long (default 30 s) is
+   * given up on as failed: its chunks go back to the queue and the source is tried again. A
+   * peer that went silent (powered off, cut off) leaves no error on an idle stream.
+   */
+  readonly idleMs?: number;
+}
+
+/** fetchChunks' session that heard nothing from its source for `ms` with chunks asked. */
+export class SourceSilentError extends Error {
+  constructor(
+    readonly source: string,
+    ms: number,
+    asked: number,
+  ) {
+    super(`source ${source} sent nothing for ${ms} ms with ${asked} chunk(s) asked of it`);
+  }
 }
 
 export interface SourceReport {
@@ -124,12 +141,32 @@ function sleep(ms: number, signal?: AbortSignal): Promise<void> {
  * are stored; throws ChunksUnavailableError (retryable) when no live source can supply the rest
  * (the chunks that did arrive stay stored).
  */
+/** `it.next()`, or `silent()` thrown when it has not settled within `ms` (the next is left to settle, its outcome ignored). */
+async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Error): Promise<IteratorResult<T>> {
+  const next = it.next();
+  let timer: NodeJS.Timeout | undefined;
+  try {
+    return await Promise.race([
+      next,
+      new Promise<never>((_, reject) => {
+        timer = setTimeout(() => {
+          next.catch(() => undefined);
+          reject(silent());
+        }, ms);
+      }),
+    ]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonly ChunkSource[], store: ChunkStore, opts: FetchOptions = {}): Promise<FetchReport> {
   const t0 = performance.now();
   const window = opts.window ?? 64;
   const putConcurrency = opts.putConcurrency ?? 16;
   const maxAttempts = opts.maxAttempts ?? 3;
   const backoffMs = opts.backoffMs ?? 200;
+  const idleMs = opts.idleMs ?? 30_000;
   const pending = new Set(await store.missing(digests));
   const queue: DigestHex[] = [...pending];
   const excluded = new Map<DigestHex, Set<string>>();
@@ -209,7 +246,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
                 continue;
               }
             }
-            const r = await it.next();
+            const r = await nextWithin(it, idleMs, () => new SourceSilentError(src.id, idleMs, requested.size));
             if (r.done) throw new Error('peer ended the stream early');
             const ev = r.value;
             if (ev.kind === 'missing') {
