@@ -123,7 +123,7 @@ describe('WebhookDispatcher', () => {
     for (const c of cleanups.splice(0)) await c();
   });
 
-  async function dispatcherWith(failFirst: number, types: string[] = [], over: { retentionMs?: number; log?: MemoryLog; now?: () => number } = {}) {
+  async function dispatcherWith(failFirst: number, types: string[] = [], over: { retentionMs?: number; log?: MemoryLog; now?: () => number; targets?: (url: string) => object[] } = {}) {
     const rx = await receiver(failFirst);
     const log = over.log ?? new MemoryLog();
     // The store's history: a watch from a revision replays what came since, then follows.
@@ -148,7 +148,7 @@ describe('WebhookDispatcher', () => {
       poster: fetchPoster,
       clock: { now: over.now ?? (() => Date.now()) },
       log: pino({ level: 'silent' }),
-      targets: parseWebhookTargets('t', JSON.stringify([{ url: rx.url, secret: SECRET, types }])),
+      targets: parseWebhookTargets('t', JSON.stringify(over.targets?.(rx.url) ?? [{ url: rx.url, secret: SECRET, types }])),
       retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
       ...(over.retentionMs ? { retentionMs: over.retentionMs } : {}),
     });
@@ -237,6 +237,16 @@ describe('WebhookDispatcher', () => {
     for (const g of rx.got) expect(verifyWebhookSignature(SECRET, g.body, g.signature, Math.floor(Date.now() / 1000))).toBe(true);
     expect(JSON.parse(rx.got[0]!.body)).toMatchObject({ type: 'snapshot_created', snapshotId: 'sn-1', tenantId: 't1' });
     expect(log.cur).toBe(6);
+  });
+
+  it('twoTargetsWithOneUrl_anOperatorsAndATenants_eachDeliveryIsSignedWithItsOwnTargetsSecret', async () => {
+    const TENANT_SECRET = 'the-tenants-own-secret-0123';
+    const { rx, log, emit } = await dispatcherWith(0, [], { targets: (url) => [{ url, secret: SECRET }, { url, secret: TENANT_SECRET, tenant: 't1' }] });
+    emit(snapshotChange(7, undefined, {}));
+    await until(() => [...log.recs.values()].filter((r) => r.state === 'delivered').length === 2);
+    const now = Math.floor(Date.now() / 1000);
+    const bySecret = (secret: string) => rx.got.filter((g) => verifyWebhookSignature(secret, g.body, g.signature, now)).length;
+    expect([bySecret(SECRET), bySecret(TENANT_SECRET)]).toEqual([1, 1]);
   });
 
   it('receiverThatNeverAccepts_isMarkedFailedAfterTheLastAttempt', async () => {

@@ -320,7 +320,9 @@ export class WebhookDispatcher {
   }
 
   private async attempt(rec: DeliveryRec): Promise<void> {
-    const target = this.deps.targets.find((t) => t.url === rec.url && (!t.tenantId || t.tenantId === rec.tenantId));
+    // The target the delivery was made for (its id ends with that target's key): not the first
+    // with its URL, which may be another target's with another secret.
+    const target = this.deps.targets.find((t) => t.url === rec.url && rec.id.endsWith(`-${targetKey(t)}`));
     const now = this.deps.clock.now();
     const next: DeliveryRec = { ...rec, attempts: rec.attempts + 1, updatedAt: now };
     if (!target) {
