@@ -363,6 +363,9 @@ const STORE_FULL_RETRY_MAX_MS = 30_000;
 
 /** An op whose runner crashed (an error not even its failure could be recorded past) is run again this much later. */
 const CRASHED_RERUN_MS = 30_000;
+/** Executor.vmStateLatest: pruned of entries noted longer ago than this once it holds PRUNE_AT. */
+const VM_STATE_LATEST_KEEP_MS = 20 * CRASHED_RERUN_MS;
+const VM_STATE_LATEST_PRUNE_AT = 10_000;
 
 /** Adds what a host's answer says of a step's time and bytes to its entry in the op's step log. */
 function addHostReport(st: StepRec, r: HostResultMsg): void {
@@ -541,8 +544,14 @@ export class Executor {
   private readonly running = new Map<string, Promise<void>>();
   /** Per sandbox (`tenant/id`): the last pause or resume queued to run (maybeRun runs them one at a time). */
   private readonly vmStateTurns = new Map<string, Promise<void>>();
-  /** `tenant/sandbox` -> creation time of the latest pause or resume of it started this term (rerunLater). */
-  private readonly vmStateLatest = new Map<string, number>();
+  /**
+   * `tenant/sandbox` -> creation time of the latest pause or resume of it started this term
+   * (rerunLater), and when that was noted: entries older than VM_STATE_LATEST_KEEP_MS go once
+   * the map holds VM_STATE_LATEST_PRUNE_AT (a crashed op runs again CRASHED_RERUN_MS after its
+   * crash), or every sandbox ever paused or resumed in a long term would stay in it.
+   */
+  private readonly vmStateLatest = new Map<string, { createdAt: number; notedAt: number }>();
+  private vmStatePrunedAt = 0;
   /**
    * Ops this leader finished, with the revision of their final write (the latest 10,000): a
    * watch event that arrives after the run ended carries an older, unfinished copy, which
@@ -1067,7 +1076,7 @@ export class Executor {
           const op = v.value;
           // A pause or resume of a sandbox that a later one has run past meanwhile: run now, it
           // would undo that one (pauses and resumes of a sandbox run in the order they came).
-          if ((op.kind === 'pause' || op.kind === 'resume') && (this.vmStateLatest.get(`${op.tenantId}/${op.targetId}`) ?? 0) > op.createdAt) {
+          if ((op.kind === 'pause' || op.kind === 'resume') && (this.vmStateLatest.get(`${op.tenantId}/${op.targetId}`)?.createdAt ?? 0) > op.createdAt) {
             void this.finish(op, null, { kind: 'aborted', message: `a later pause or resume of ${op.targetId} ran while this one was waiting to run again after its runner crashed; call it again if it is still wanted`, retryable: false }).catch((e: unknown) => {
               this.log.warn({ err: e, opId }, 'could not end a superseded operation; trying later');
               this.rerunLater(tenantId, opId);
@@ -1097,7 +1106,7 @@ export class Executor {
     // it paused it, and the pause's write would leave the record paused after the resume.
     const turn = op.kind === 'pause' || op.kind === 'resume' ? `${op.tenantId}/${op.targetId}` : undefined;
     const before = turn === undefined ? undefined : this.vmStateTurns.get(turn);
-    if (turn !== undefined) this.vmStateLatest.set(turn, Math.max(this.vmStateLatest.get(turn) ?? 0, op.createdAt));
+    if (turn !== undefined) this.noteVmStateTurn(turn, op.createdAt);
     let crashed = false;
     const p = (before ? before.then(() => this.run(op.tenantId, op.id)) : this.run(op.tenantId, op.id))
       .catch((e: unknown) => {
@@ -1114,6 +1123,15 @@ export class Executor {
       });
     this.running.set(op.id, p);
     if (turn !== undefined) this.vmStateTurns.set(turn, p);
+  }
+
+  private noteVmStateTurn(turn: string, createdAt: number): void {
+    const now = performance.now();
+    this.vmStateLatest.set(turn, { createdAt: Math.max(this.vmStateLatest.get(turn)?.createdAt ?? 0, createdAt), notedAt: now });
+    // At most once a minute: a map of PRUNE_AT recent entries is not scanned on every call.
+    if (this.vmStateLatest.size < VM_STATE_LATEST_PRUNE_AT || now - this.vmStatePrunedAt < 60_000) return;
+    this.vmStatePrunedAt = now;
+    for (const [k, v] of this.vmStateLatest) if (now - v.notedAt > VM_STATE_LATEST_KEEP_MS) this.vmStateLatest.delete(k);
   }
 
   /** A sandbox record at a revision, unless the index already has a later one. */
