@@ -72,6 +72,24 @@ describe('operation lists', () => {
     expect(page(many, 500, '', NEWEST_OPERATION_FIRST).items).toHaveLength(100);
   });
 
+  it('pagesOfForks_endBeforeTheirChildrenPassTheBudget_holdOneForkAtLeast_andStillWalkEveryOperationOnce', () => {
+    const forks = Array.from({ length: 30 }, (_, i) => ({ id: `op-${'a'.repeat(19)}${'abcdefghijklmnopqrstuvwxyz234567'[i]}`, createdAt: 1_700_000_000_000 + i, result: { sandboxIds: Array.from({ length: 100 }, (_, j) => `sb-${j}`) } }) as OperationRec);
+    const budget = { weight: (o: OperationRec) => o.result?.sandboxIds?.length ?? 0, max: 1024 };
+    const sizes: number[] = [];
+    const seen: string[] = [];
+    let token = '';
+    do {
+      const p = page(forks, 0, pageToken(token, NEWEST_OPERATION_FIRST), NEWEST_OPERATION_FIRST, budget);
+      sizes.push(p.items.length);
+      seen.push(...p.items.map((x) => x.id));
+      token = p.nextPageToken;
+    } while (token);
+    expect(sizes).toEqual([10, 10, 10]);
+    expect(seen).toEqual([...forks].reverse().map((o) => o.id));
+    // One fork heavier than the whole budget still makes a page of its own.
+    expect(page(forks, 0, '', NEWEST_OPERATION_FIRST, { ...budget, max: 50 }).items).toHaveLength(1);
+  });
+
   it('aSandboxListToken_isNotAnOperationListToken_andTheOtherWayRound', () => {
     const opToken = page(ops, 1, '', NEWEST_OPERATION_FIRST).nextPageToken;
     expect(pageToken(opToken, NEWEST_OPERATION_FIRST)).toMatch(/^\d{15}\.op-/);

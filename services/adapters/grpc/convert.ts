@@ -185,10 +185,28 @@ export function pageToken(token: string, order: Pick<PageOrder<never>, 'pattern'
 }
 
 /** One page of `all` (sorted here by the order's key): items after `after`, at most `pageSize` (0: the order's max), and the token for the next page ('' at the end). */
-export function page<T extends { id: string }>(all: readonly T[], pageSize: number, after: string, order: PageOrder<NoInfer<T>>): { items: T[]; nextPageToken: string } {
-  const size = pageSize === 0 ? order.max : Math.min(pageSize, order.max);
+export function page<T extends { id: string }>(
+  all: readonly T[],
+  pageSize: number,
+  after: string,
+  order: PageOrder<NoInfer<T>>,
+  // What one item costs the answer (a fork operation answers with its children), and the most a
+  // page may cost: a page ends before the item that would pass it (it holds one item at least).
+  budget?: { weight: (x: NoInfer<T>) => number; max: number },
+): { items: T[]; nextPageToken: string } {
+  let size = pageSize === 0 ? order.max : Math.min(pageSize, order.max);
   const sorted = all.map((x) => ({ x, k: order.key(x) })).sort((a, b) => (a.k < b.k ? -1 : a.k > b.k ? 1 : 0));
   const from = after ? sorted.findIndex((e) => e.k > after) : 0;
+  if (budget && from >= 0) {
+    let spent = 0;
+    for (let i = from; i < Math.min(sorted.length, from + size); i++) {
+      spent += budget.weight(sorted[i]!.x);
+      if (spent > budget.max && i > from) {
+        size = i - from;
+        break;
+      }
+    }
+  }
   const items = from < 0 ? [] : sorted.slice(from, from + size);
   const more = from >= 0 && from + size < sorted.length;
   return { items: items.map((e) => e.x), nextPageToken: more ? Buffer.from(items[items.length - 1]!.k).toString('base64url') : '' };

@@ -77,6 +77,9 @@ export interface FleetServiceDeps {
  * a bound, a few hundred callers could make a replica hold their files at once and run it out of
  * memory for every tenant.
  */
+/** Sandboxes (fork children) the operations of one ListOperations page answer with, at most. */
+export const OPS_PAGE_MAX_SANDBOXES = 1024;
+
 export class ByteBudget {
   private used = 0;
   constructor(readonly limit: number) {}
@@ -456,7 +459,13 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         targetId: req.targetId ? c.operationTarget(req.targetId, 'target_id') : '',
       };
       const after = c.pageToken(req.pageToken, c.NEWEST_OPERATION_FIRST);
-      const { items, nextPageToken } = c.page(await fleet.listOperations(tenantId, filter), req.pageSize, after, c.NEWEST_OPERATION_FIRST);
+      // Each fork in the page answers with its children, each read from the store: a page holds
+      // at most OPS_PAGE_MAX_SANDBOXES of them (100 forks of 256 would be 25,600 reads and an
+      // answer over the send limit).
+      const { items, nextPageToken } = c.page(await fleet.listOperations(tenantId, filter), req.pageSize, after, c.NEWEST_OPERATION_FIRST, {
+        weight: (o) => o.result?.sandboxIds?.length ?? 0,
+        max: OPS_PAGE_MAX_SANDBOXES,
+      });
       return { operations: await Promise.all(items.map(op)), nextPageToken };
     },
     async cancelOperation(req: CancelOperationRequest, ctx: CallContext) {

@@ -1886,6 +1886,7 @@ export type ListOperationsRequest = Message<"forkfleet.v1.ListOperationsRequest"
 
   /**
    * At most this many, newest first (0 or over 100: 100); next_page_token is set when more remain.
+   * A page holds fewer when its forks' children would pass 1,024 (a fork answers with them).
    *
    * @generated from field: uint32 page_size = 5;
    */
