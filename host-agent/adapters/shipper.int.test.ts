@@ -40,17 +40,31 @@ const driver = {
 } as unknown as VmmDriver;
 
 /** A host that stored s1 (its chunks and signed manifest), restarted: the shipper loads what it holds. `keepStore`: its store as an earlier receiver(name) left it. */
-async function receiver(name: string, opts: { keepStore?: boolean; driver?: VmmDriver } = {}) {
+async function receiver(name: string, opts: { keepStore?: boolean; driver?: VmmDriver; gcGraceMs?: number; readDelayMs?: number } = {}) {
   const root = join(dir, name);
   if (!opts.keepStore) cpSync(join(dir, 'A', 'chunks'), join(root, 'chunks'), { recursive: true });
   const chunks = new FsChunkStore(root);
   const manifests = new FsManifestStore(root);
   await manifests.put('s1', signed);
   const roots = new LiveRoots();
-  const materialiser = new Materialiser({ root, chunks, manifests, roots, trust });
+  // `readDelayMs`: the image build reads each stored chunk that much later (a slow disk).
+  const delay = opts.readDelayMs;
+  const readSlowly = delay
+    ? new Proxy(chunks, {
+        get: (target, k) => {
+          const v = Reflect.get(target, k) as unknown;
+          if (k !== 'readVerified') return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+          return async (d: string) => {
+            await new Promise((r) => setTimeout(r, delay));
+            return target.readVerified(d);
+          };
+        },
+      })
+    : chunks;
+  const materialiser = new Materialiser({ root, chunks: readSlowly, manifests, roots, trust });
   const driverSnapshotsDir = join(root, 'vmm');
   mkdirSync(driverSnapshotsDir, { recursive: true });
-  const shipper = new ChunkStoreShipper({ hostId: 'hostR', driver: opts.driver ?? driver, driverSnapshotsDir, chunks, manifests, materialiser, roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS });
+  const shipper = new ChunkStoreShipper({ hostId: 'hostR', driver: opts.driver ?? driver, driverSnapshotsDir, chunks, manifests, materialiser, roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS, ...(opts.gcGraceMs !== undefined ? { gcGraceMs: opts.gcGraceMs } : {}) });
   await shipper.load();
   return { chunks, manifests, shipper, root };
 }
@@ -116,6 +130,22 @@ describe('ChunkStoreShipper.obtain', () => {
     await expect(shipper.obtain('s1', undefined, () => undefined)).rejects.toThrow(/no source/);
     await shipper.remove('s1');
     expect(shipper.held()).toEqual([]);
+  });
+
+  it('obtain_fromTheStoredManifest_whileTheSnapshotIsRemovedAndCollected_buildsItsImageFromChunksTheGcLeft', async () => {
+    // Chunk reads take 300 ms; the snapshot is removed (and its chunks collected, no grace)
+    // while the image is being built from them.
+    const { chunks, shipper } = await receiver('R-removed', { gcGraceMs: 0, readDelayMs: 300 });
+    const obtaining = shipper.obtain('s1', undefined, () => undefined);
+    await new Promise((r) => setTimeout(r, 50));
+    await shipper.remove('s1');
+    const { local } = await obtaining;
+    expect(readFileSync(join(local.dir, 'memory')).equals(readFileSync(memPath))).toBe(true);
+    // Not reported held again by the restore that outlived its delete.
+    expect(shipper.held()).toEqual([]);
+    // Collected once the build no longer needs them.
+    await shipper.collectGarbage();
+    expect(await chunks.missing(s1Digests)).toEqual(s1Digests);
   });
 
   it('load_afterARestart_reportsASnapshotWhoseStoredChunkIsMissing_asHeldButIncomplete', async () => {

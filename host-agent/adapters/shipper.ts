@@ -234,7 +234,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
     let fetchedManifest: SignedManifest | undefined;
     const stored = await this.deps.manifests.get(snapshotId);
     if (stored && stored.signature.length > 0) {
+      // Its chunks pinned while the image is built from them: a delete of the snapshot meanwhile
+      // (remove, and the GC after it) must not take chunks this build still reads.
+      let unpin: (() => void) | undefined;
       try {
+        unpin = this.deps.roots.pin(manifestDigests(verifyManifest(stored, this.deps.trust, snapshotId)));
         mat = await this.deps.materialiser.materialise(snapshotId);
       } catch (e) {
         if (!(e instanceof ChunkCorruptError || e instanceof ChunkMissingError)) throw e;
@@ -247,6 +251,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
         }
         // The fetch below asks the sources only for what the store lacks (ADR 0007).
         this.deps.log.warn({ snapshotId, chunks: e.digests.length, err: e.message }, 'stored snapshot lacks chunks: fetching them again');
+      } finally {
+        unpin?.();
       }
     }
     if (!mat) {
@@ -297,7 +303,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
       }
     }
     mat ??= await this.deps.materialiser.materialise(snapshotId);
-    const signed = fetchedManifest ?? (await this.deps.manifests.get(snapshotId));
+    // The manifest the image was built from (removed meanwhile, the image still stands).
+    const signed = fetchedManifest ?? stored ?? (await this.deps.manifests.get(snapshotId));
     if (!signed) throw new ForkfleetError('internal', `manifest of ${snapshotId} vanished`);
     const manifest = fromBinary(SnapshotManifestSchema, signed.manifest);
     for (const f of META_FILES) {
@@ -313,7 +320,15 @@ export class ChunkStoreShipper implements SnapshotShipper {
     // one (a chunk lost since, or quarantined for another snapshot that shares it, would go
     // unnoticed), and peers are sent here for chunks. Checked only when it would change what is
     // reported, not on every restore of a snapshot held complete already.
-    if (!fetchedManifest && !this.complete.has(snapshotId) && (await this.deps.chunks.missing([...manifestDigests(manifest)])).length === 0) this.markComplete(snapshotId);
+    // Not one removed while its image was built: its chunks were pinned, not held.
+    if (
+      !fetchedManifest &&
+      !this.complete.has(snapshotId) &&
+      (await this.deps.chunks.missing([...manifestDigests(manifest)])).length === 0 &&
+      (await this.deps.manifests.get(snapshotId)) !== undefined
+    ) {
+      this.markComplete(snapshotId);
+    }
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
   }
 
