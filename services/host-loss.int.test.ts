@@ -4,6 +4,7 @@
 // otherwise. Real etcd and nats-server, a scheduler replica in this process, fake host agent
 // processes (loadtest/fake-agent/); the one whose restores never finish in time is
 // SIGKILLed mid-fork.
+import { status as Status } from '@grpc/grpc-js';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { join } from 'node:path';
 import { readFileSync } from 'node:fs';
@@ -356,6 +357,39 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
       // ...and the sandbox stays lost, the host booked once.
       expect((await store.getSandbox(tenantId, sid))?.value.state).toBe('lost');
       expect((await store.getAlloc('fake-f')).value.allocated.vcpus).toBe(2);
+    } finally {
+      store.close();
+      if (restarted) await host.stop();
+    }
+  }, 90_000);
+
+  it('lostSandboxWhoseVmComesBack_afterItsTenantFilledItsQuotaMeanwhile_staysLost_andItsVmIsStopped', async () => {
+    const capped = 'capped';
+    ts.credentials.mint({ tenant: capped, quotas: { sandboxes: 1 } });
+    const create = (hostId?: string) =>
+      api.createSandbox({ tenantId: capped, idempotencyKey: key(), source: { case: 'image', value: 'tiny' }, resources: { memoryMib: 256n, vcpus: 1 }, ...(hostId ? { placement: { hostId } } : {}) });
+    const host = await agents('fake-qb', {});
+    let restarted = false;
+    await waitFor('fake-qb registered', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-qb' && x.state === HostState.READY), 20_000, 100);
+    const made = await api.waitOperation({ tenantId: capped, operationId: (await create('fake-qb')).id, timeout: { seconds: 30n } });
+    expect(made.state, made.error?.message).toBe(OperationState.SUCCEEDED);
+    const sid = made.result.case === 'sandbox' ? made.result.value.id : '';
+    // The quota is in force (the tokens file is read again at most once a second).
+    await waitFor('the quota in force', async () => (await create().then(() => false, (e: { code?: number }) => e.code === Status.RESOURCE_EXHAUSTED)), 10_000, 500);
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      host.proc.kill();
+      await waitFor('the sandbox lost with its host', async () => (await store.getSandbox(capped, sid))?.value.state === 'lost', LOST_AFTER_MS + 10_000, 200);
+      // A lost sandbox does not count: its tenant makes a replacement, which fills the quota.
+      const again = await api.waitOperation({ tenantId: capped, operationId: (await create()).id, timeout: { seconds: 30n } });
+      expect(again.state, again.error?.message).toBe(OperationState.SUCCEEDED);
+      await host.restart();
+      restarted = true;
+      await waitFor('fake-qb ready again', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-qb' && x.state === HostState.READY), 20_000, 100);
+      // The VM came back over the quota: it is stopped, and the sandbox stays lost.
+      await waitFor('the VM stopped', async () => !(host.vms().get('fake-qb') ?? []).some((v) => v.vmId === sid), 20_000, 200);
+      expect((await store.getSandbox(capped, sid))?.value.state).toBe('lost');
+      expect((await api.getTenantUsage({ tenantId: capped })).sandboxes).toBe(1);
     } finally {
       store.close();
       if (restarted) await host.stop();

@@ -225,6 +225,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     },
     config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs, migrateMaxChildren: config.migrateMaxChildren, recordRetentionMs: config.recordRetentionMs, heldSnapshotCheckMs: config.heldSnapshotCheckMs, strayVmGraceMs: config.strayVmGraceMs },
     submit: (tenantId, key, kind, targetId, input) => fleet.submit(tenantId, key, kind, targetId, input),
+    quotas: (tenantId) => auth.quotaOf(tenantId),
+    usage,
     onFinished: (kind, state, seconds) => {
       metrics.ops.inc({ kind, result: state });
       metrics.opSeconds.observe({ kind }, seconds);

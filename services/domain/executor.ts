@@ -7,6 +7,8 @@
 // non-terminal operation: committed placements are not redone, sent steps are re-sent
 // (the agent answers a repeat from its journal), and nothing is lost or duplicated.
 import { create, fromBinary } from '@bufbuild/protobuf';
+import { admit, QuotaExceededError } from './quota.ts';
+import type { QuotaOf, UsageSource } from './quota.ts';
 import { durationMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, LeaderFence, LeaderTerm, StoreWrite, Versioned, WorkBus } from './ports.ts';
@@ -111,6 +113,13 @@ export interface ExecutorDeps {
    * lost the lead without noticing yet neither sends work nor consumes the new leader's answers.
    */
   leading?: () => boolean;
+  /**
+   * Per-tenant quotas and where usage is read (quota.ts), for what the executor books on its
+   * own: a lost sandbox whose host comes back with its VM counts again, so it is taken back
+   * only within its tenant's quota. Absent: no quotas.
+   */
+  quotas?: QuotaOf;
+  usage?: UsageSource;
 }
 
 /**
@@ -809,6 +818,20 @@ export class Executor {
    * is never booked twice and no VM runs without a record placing it.
    */
   private async vmBack(sb: SandboxRec, state: 'running' | 'paused'): Promise<void> {
+    // Lost sandboxes do not count against their tenant's quota: replacements may have been
+    // created since. One that no longer fits is not taken back (its VM stops, as for no room).
+    const overQuota = await admit({ store: this.deps.store, quotas: this.deps.quotas, usage: this.deps.usage }, sb.tenantId, { sandboxes: 1, memoryMib: sb.resources.memoryMib }).then(
+      () => undefined,
+      (e: unknown) => {
+        if (e instanceof QuotaExceededError) return e;
+        throw e;
+      },
+    );
+    if (overQuota) {
+      this.log.warn({ sandboxId: sb.id, hostId: sb.hostId, tenantId: sb.tenantId, err: overQuota.message }, 'lost sandbox not reclaimed: its tenant is at its quota; stopping its VM');
+      await this.sendHostWork(sb.hostId, `over-quota-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, stopVm(sb.id), 'could not stop a VM that came back over its tenant\'s quota');
+      return;
+    }
     const r = await this.vmStateChange(sb, (s) => s.state === 'lost', state, '', 1);
     if (r === true) return void this.log.warn({ sandboxId: sb.id, hostId: sb.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
     if (!(r instanceof NoRoomToReclaimError)) return;
