@@ -183,7 +183,7 @@ describe('hibernate, wake and retention on a local fleet (2 hosts of 600 MiB, re
   }, 240_000);
 
   it('pausedAndHibernatedTime_doNotConsumeTheTtl_andAfterResumeHooksRunEveryTime', async () => {
-    const ttlS = 40;
+    const ttlS = 15;
     const f = await done(
       await api.forkSandbox({
         tenantId,
