@@ -50,13 +50,19 @@ function memorySource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>):
   };
 }
 
+/** Three 64 KiB chunks of different content, by digest. */
+async function threeChunks(): Promise<Map<DigestHex, EncodedChunk>> {
+  const chunks = new Map<DigestHex, EncodedChunk>();
+  for (let i = 1; i <= 3; i++) {
+    const c = await encodeChunk(Buffer.alloc(64 * 1024, i));
+    chunks.set(c.digest, c);
+  }
+  return chunks;
+}
+
 describe('fetchChunks', () => {
   it('chunkWhoseLocalWriteFailsOnce_isFetchedAgain_andTheFetchSucceeds', async () => {
-    const chunks = new Map<DigestHex, EncodedChunk>();
-    for (let i = 1; i <= 3; i++) {
-      const c = await encodeChunk(Buffer.alloc(64 * 1024, i));
-      chunks.set(c.digest, c);
-    }
+    const chunks = await threeChunks();
     const [, second] = [...chunks.keys()];
     const delivered: DigestHex[] = [];
     let failed = false;
@@ -77,11 +83,7 @@ describe('fetchChunks', () => {
   });
 
   it('chunkSentWithAnotherSizeThanTheManifests_isRejectedBeforeTheStoreSeesIt_andFetchedFromAnotherSource', async () => {
-    const chunks = new Map<DigestHex, EncodedChunk>();
-    for (let i = 1; i <= 3; i++) {
-      const c = await encodeChunk(Buffer.alloc(64 * 1024, i));
-      chunks.set(c.digest, c);
-    }
+    const chunks = await threeChunks();
     // Same bytes, but each claims 4 GiB of content: what a decode would allocate.
     const lying = new Map([...chunks].map(([d, c]) => [d, { ...c, size: 0xffffffff }] as const));
     const inner = new FsChunkStore(join(tmp, 'store-sizes'));
@@ -105,11 +107,7 @@ describe('fetchChunks', () => {
   });
 
   it('sourceThatGoesSilentWithChunksAsked_isGivenUpOnAfterTheIdleTime_andAnotherSourceSuppliesThem', async () => {
-    const chunks = new Map<DigestHex, EncodedChunk>();
-    for (let i = 1; i <= 3; i++) {
-      const c = await encodeChunk(Buffer.alloc(64 * 1024, i));
-      chunks.set(c.digest, c);
-    }
+    const chunks = await threeChunks();
     // Takes every want and never answers: a peer cut off with the stream still open.
     const silent: ChunkSource = {
       id: 'silent',
