@@ -150,7 +150,7 @@ async function main(): Promise<void> {
     images: (name) => ensureImage(name as ImageName),
     clock: { now: () => Date.now() },
     log,
-    config: { hostId: cfg.hostId, bootId: cfg.bootId, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, journalRetentionMs: cfg.journalRetentionMs, migrateMaxChildren: cfg.migrateMaxChildren },
+    config: { hostId: cfg.hostId, bootId: cfg.bootId, accel, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, journalRetentionMs: cfg.journalRetentionMs, migrateMaxChildren: cfg.migrateMaxChildren },
     qemuVersion: await driver.qemuVersion(),
   });
   await agent.start();

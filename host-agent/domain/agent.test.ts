@@ -4,11 +4,12 @@ import { pino } from 'pino';
 import { Agent, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
 import type { AgentBus, SnapshotShipper } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
-import type { VmInfo, VmmDriver } from './vmm.ts';
+import type { Accel, VmInfo, VmmDriver } from './vmm.ts';
+import { Accel as ProtoAccel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { HostResultSchema, HostWorkSchema, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
-function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }, journal = new MemoryJournal()): { agent: Agent; journal: MemoryJournal } {
+function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }, journal = new MemoryJournal(), accel: Accel = 'tcg'): { agent: Agent; journal: MemoryJournal } {
   const agent = new Agent({
     driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
     shipper: { held: () => [], storedBytes: () => 0, ...shipper } as SnapshotShipper,
@@ -17,7 +18,7 @@ function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper>
     images: () => Promise.reject(new Error('no images in this test')),
     clock,
     log: pino({ level: 'silent' }),
-    config: { hostId: 'h1', bootId: 'b', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
+    config: { hostId: 'h1', bootId: 'b', accel, capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
     qemuVersion: '7.2.0',
   });
   return { agent, journal };
@@ -417,6 +418,13 @@ describe('Agent steps', () => {
     } finally {
       await agent.stop?.();
     }
+  });
+
+  it('heartbeat_ofAKvmHostWithNoVm_saysKvmWithTheHostCpuModel_soKvmSnapshotsCanBePlacedThere', () => {
+    const beats: Heartbeat[] = [];
+    const { agent } = agentWith({ list: () => [] }, {}, { publishHeartbeat: (hb) => void beats.push(hb) }, undefined, undefined, 'kvm');
+    agent.heartbeat();
+    expect([beats[0]?.accel, beats[0]?.cpuModel]).toEqual([ProtoAccel.KVM, 'host']);
   });
 
   it('heartbeat_afterLocalRestores_reportsItsSlotsAndTheMedianOfEachStepsFirstReadyChild', async () => {

@@ -119,6 +119,11 @@ export interface SnapshotShipper {
 export interface AgentConfig {
   hostId: string;
   bootId: string;
+  /**
+   * The accelerator this host runs VMs with (the driver resolved it at start): what heartbeats
+   * report, with or without VMs, and what placement matches snapshots against.
+   */
+  accel: 'kvm' | 'tcg';
   capacity: { vcpus: number; memoryMib: number; diskMib: number };
   peerAddress: string;
   linkBytesPerSecond: number;
@@ -332,7 +337,9 @@ export class Agent {
     const vms = this.deps.driver.list().filter((v) => v.state !== 'destroyed');
     const allocated = vms.reduce((a, v) => ({ vcpus: a.vcpus + v.vcpus, memoryMib: a.memoryMib + v.memoryMib }), { vcpus: 0, memoryMib: 0 });
     this.seq += 1n;
-    const accel = vms[0]?.accel ?? 'tcg';
+    // The host's, not its first VM's: an empty KVM host reported TCG, and no KVM snapshot was
+    // placed on it.
+    const accel = cfg.accel;
     const statuses = vms.map((v) => ({ ...this.vmStatus(v), idle: durationFromMs(Math.round(this.idleMs(v))) }));
     // Activity of VMs that are gone: forgotten, so the map stays as large as the host's VMs.
     if (this.activity.size > vms.length) {

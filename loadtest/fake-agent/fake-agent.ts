@@ -50,6 +50,7 @@ export async function startFakeAgent(nc: NatsConnection, o: FakeAgentOptions, lo
     config: {
       hostId: o.hostId,
       bootId: randomUUID(),
+      accel: 'tcg', // as its fake VMs and snapshots say
       capacity: o.capacity,
       peerAddress: `127.0.0.1:1`, // never dialled: fake transfers are simulated
       linkBytesPerSecond: o.linkBytesPerSecond ?? 1.25e9,
