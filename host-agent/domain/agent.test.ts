@@ -420,6 +420,41 @@ describe('Agent steps', () => {
     }
   });
 
+  it('heartbeat_whileAnExecRunsInTheVm_reportsItNotIdle_andIdleOnlySinceTheExecEnded', async () => {
+    const beats: Heartbeat[] = [];
+    let now = 1_000;
+    let onExec: ((req: unknown, emit: (o: unknown) => void) => Promise<void>) | undefined;
+    let finishExec!: () => void;
+    const running = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0, readyMs: 1, vcpus: 1, memoryMib: 256 } as VmInfo;
+    const { agent } = agentWith(
+      {
+        list: () => [running],
+        get: () => running,
+        onEvent: () => () => undefined,
+        // A command that waits (sleep, a slow download): no guest CPU while it runs.
+        exec: () => new Promise((r) => (finishExec = () => r({ exitCode: 0, signal: 0, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0) }))),
+      },
+      {},
+      { serveExec: (f) => ((onExec = f as never), () => undefined), serveFile: () => () => undefined, consumeWork: async () => async () => undefined, publishHeartbeat: (hb) => void beats.push(hb) },
+      { now: () => now },
+    );
+    await agent.start();
+    try {
+      const idleS = (): bigint | undefined => beats.at(-1)!.vms.find((v) => v.sandboxId === 'sb-1')?.idle?.seconds;
+      const exec = onExec!({ sandboxId: 'sb-1', argv: ['/bin/sleep', '3600'], env: {}, cwd: '', stdin: new Uint8Array() }, () => undefined);
+      now += 600_000;
+      agent.heartbeat();
+      expect(idleS()).toBe(0n);
+      finishExec();
+      await exec;
+      now += 5_000;
+      agent.heartbeat();
+      expect(idleS()).toBe(5n);
+    } finally {
+      await agent.stop?.();
+    }
+  });
+
   it('heartbeat_ofAKvmHostWithNoVm_saysKvmWithTheHostCpuModel_soKvmSnapshotsCanBePlacedThere', () => {
     const beats: Heartbeat[] = [];
     const { agent } = agentWith({ list: () => [] }, {}, { publishHeartbeat: (hb) => void beats.push(hb) }, undefined, undefined, 'kvm');

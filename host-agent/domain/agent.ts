@@ -225,7 +225,7 @@ export class Agent {
   /** Keep-alives of delivered steps (running or waiting for a slot), cleared by stop(). */
   private readonly keepAlives = new Set<ReturnType<typeof setInterval>>();
   /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
-  private readonly activity = new Map<string, { busyAt: number; cpu: number | undefined; at: number }>();
+  private readonly activity = new Map<string, { busyAt: number; cpu: number | undefined; at: number; calls: number }>();
   /** The newest leader term whose work this agent took (takesTerm), and the write that keeps it. */
   private leaderTerm: LeaderTerm | undefined;
   private termKept: Promise<void> = Promise.resolve();
@@ -298,7 +298,24 @@ export class Agent {
     const a = this.activity.get(vmId);
     const now = this.deps.clock.now();
     if (a) a.busyAt = now;
-    else this.activity.set(vmId, { busyAt: now, cpu: undefined, at: now });
+    else this.activity.set(vmId, { busyAt: now, cpu: undefined, at: now, calls: 0 });
+  }
+
+  /**
+   * `fn`, an exec or file call into the VM, counted as activity for as long as it runs (a
+   * command that mostly waits uses no guest CPU) and at its end: a sandbox is never idle, and
+   * so never hibernated, during a call of its own.
+   */
+  private async inCall<T>(vmId: string, fn: () => Promise<T>): Promise<T> {
+    this.touch(vmId);
+    const a = this.activity.get(vmId)!;
+    a.calls++;
+    try {
+      return await fn();
+    } finally {
+      a.calls--;
+      this.touch(vmId);
+    }
   }
 
   /** Milliseconds the VM has been idle (no calls, guest CPU under the threshold). */
@@ -306,9 +323,10 @@ export class Agent {
     const now = this.deps.clock.now();
     let a = this.activity.get(v.vmId);
     if (!a) {
-      a = { busyAt: now, cpu: undefined, at: now };
+      a = { busyAt: now, cpu: undefined, at: now, calls: 0 };
       this.activity.set(v.vmId, a);
     }
+    if (a.calls > 0) a.busyAt = now;
     const cpu = this.deps.cpu?.(v.pid);
     if (cpu !== undefined && a.cpu !== undefined && now > a.at) {
       const fraction = (cpu - a.cpu) / ((now - a.at) / 1000);
@@ -841,7 +859,6 @@ export class Agent {
     const out = (payload: HostExecOutput['payload']): void => emit({ $typeName: 'forkfleet.v1.HostExecOutput', seq: ++seq, payload });
     try {
       const vm = this.callVm(req.sandboxId);
-      this.touch(vm.vmId);
       const timeoutMs = req.timeout ? Number(req.timeout.seconds) * 1000 + Math.floor(req.timeout.nanos / 1e6) : 60_000;
       const [path, ...args] = req.argv;
       // Output is passed on as the guest has it (a long command's while it runs), in pieces
@@ -851,16 +868,18 @@ export class Agent {
         for (let o = 0; o < data.length; o += piece) out({ case: stream, value: data.subarray(o, o + piece) });
       };
       const started = performance.now();
-      const r = await this.deps.driver.exec(vm.vmId, {
-        path: path!,
-        args,
-        env: Object.entries(req.env).map(([k, v]) => `${k}=${v}`),
-        ...(req.cwd ? { cwd: req.cwd } : {}),
-        ...(req.stdin.length ? { stdin: Buffer.from(req.stdin) } : {}),
-        timeoutMs,
-        onOutput,
-        ...(signal ? { signal } : {}),
-      });
+      const r = await this.inCall(vm.vmId, () =>
+        this.deps.driver.exec(vm.vmId, {
+          path: path!,
+          args,
+          env: Object.entries(req.env).map(([k, v]) => `${k}=${v}`),
+          ...(req.cwd ? { cwd: req.cwd } : {}),
+          ...(req.stdin.length ? { stdin: Buffer.from(req.stdin) } : {}),
+          timeoutMs,
+          onOutput,
+          ...(signal ? { signal } : {}),
+        }),
+      );
       // A driver that does not stream returns the output with the exit.
       onOutput('stdout', r.stdout);
       onOutput('stderr', r.stderr);
@@ -875,15 +894,15 @@ export class Agent {
     const res: HostFileResponse = { $typeName: 'forkfleet.v1.HostFileResponse', data: new Uint8Array(), bytesWritten: 0n, eof: false };
     try {
       const vm = this.callVm(req.sandboxId);
-      this.touch(vm.vmId);
       if (req.op.case === 'write') {
         const w = req.op.value;
-        await this.deps.driver.writeFile(vm.vmId, req.path, Buffer.from(w.data), { append: w.append, mode: w.mode });
+        await this.inCall(vm.vmId, () => this.deps.driver.writeFile(vm.vmId, req.path, Buffer.from(w.data), { append: w.append, mode: w.mode }));
         res.bytesWritten = BigInt(w.data.length);
       } else if (req.op.case === 'read') {
         // A ranged read: the scheduler asks for pieces that fit a NATS message (HostFileRequest).
         const max = Number(req.op.value.maxBytes);
-        const data = await this.deps.driver.readFile(vm.vmId, req.path, { offset: Number(req.op.value.offset), maxBytes: max });
+        const offset = Number(req.op.value.offset);
+        const data = await this.inCall(vm.vmId, () => this.deps.driver.readFile(vm.vmId, req.path, { offset, maxBytes: max }));
         res.data = max > 0 && data.length > max ? data.subarray(0, max) : data;
         res.eof = max === 0 || data.length < max;
       } else {
