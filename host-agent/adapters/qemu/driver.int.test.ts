@@ -284,6 +284,23 @@ describe('QemuVmmDriver (real QEMU)', () => {
     for (const s of snaps.reverse()) await driver.deleteSnapshot(s);
   });
 
+  it('snapshot_ofAPausedChild_twiceWhileItStaysPaused_succeedsBothTimes_andTheSecondRestoresAChildThatRuns', async () => {
+    // A paused clone's snapshot leaves its QEMU in postmigrate, which refuses another migration.
+    await driver.fork(snap, [{ vmId: 'still', hostname: 'still' }]);
+    await sh('still', 'echo before > /tmp/mark');
+    await driver.pause('still');
+    const first = await driver.snapshot('still', 'snap-still-1');
+    const second = await driver.snapshot('still', 'snap-still-2');
+    expect(driver.get('still')?.state).toBe('paused');
+    await driver.fork(second, [{ vmId: 'still-k' }]);
+    expect(await sh('still-k', 'cat /tmp/mark')).toBe('before');
+    await driver.destroy('still-k');
+    await driver.resume('still');
+    expect(await sh('still', 'cat /tmp/mark')).toBe('before');
+    await driver.destroy('still');
+    for (const s of [second, first]) await driver.deleteSnapshot(s);
+  });
+
   it('fork_whenStandbyWarm_childIsTheStandbyQemuWithSnapshotStateAndSnapshotsLikeAnyChild', async () => {
     expect(await driver.warm(snap, 2)).toBe(2);
     const standbyDir = join(root, 'standby');
