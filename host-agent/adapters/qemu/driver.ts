@@ -2227,10 +2227,19 @@ export async function migrateToFile(qmp: QmpClient, file: string, sockPath: stri
       const out = createWriteStream(file);
       conn.pipe(out);
       out.once('finish', () => resolve());
-      out.once('error', reject);
+      // A failed write (ENOSPC, EIO) ends the stream, so QEMU's migration fails at once
+      // instead of blocking on a socket nobody reads.
+      out.once('error', (e) => {
+        conn.destroy();
+        reject(e);
+      });
       conn.once('error', reject);
     });
   });
+  // Handled now: it may fail while the migration is still awaited (an unhandled rejection
+  // would end the agent); the write error is what is thrown then.
+  let writeError: unknown;
+  written.catch((e: unknown) => (writeError = e));
   await new Promise<void>((resolve, reject) => server.listen(sockPath, resolve).once('error', reject));
   try {
     const mark = qmp.mark;
@@ -2239,6 +2248,8 @@ export async function migrateToFile(qmp: QmpClient, file: string, sockPath: stri
     await Promise.all([stopped, started]);
     await waitMigration(qmp, 'completed', mark);
     await written;
+  } catch (e) {
+    throw writeError ?? e;
   } finally {
     server.close();
     await unlink(sockPath).catch(() => undefined);
@@ -2257,11 +2268,16 @@ export async function armIncoming(qmp: QmpClient, sockPath: string): Promise<(fi
   return async (file: string) => {
     const conn = net.createConnection(sockPath);
     conn.on('error', () => undefined);
-    createReadStream(file).pipe(conn);
+    const state = createReadStream(file);
+    // A read error (EIO) ends the stream, so the load fails at once; without a listener it
+    // would be an uncaught exception that ends the agent.
+    state.on('error', () => conn.destroy());
+    state.pipe(conn);
     try {
       await waitMigration(qmp, 'completed', mark);
     } finally {
       conn.destroy();
+      state.destroy();
       await unlink(sockPath).catch(() => undefined);
     }
   };
