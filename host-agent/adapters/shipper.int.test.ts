@@ -40,7 +40,7 @@ const driver = {
 } as unknown as VmmDriver;
 
 /** A host that stored s1 (its chunks and signed manifest), restarted: the shipper loads what it holds. `keepStore`: its store as an earlier receiver(name) left it. */
-async function receiver(name: string, opts: { keepStore?: boolean; driver?: VmmDriver; gcGraceMs?: number; readDelayMs?: number } = {}) {
+async function receiver(name: string, opts: { keepStore?: boolean; driver?: VmmDriver; gcGraceMs?: number; readDelayMs?: number; onRead?: () => void } = {}) {
   const root = join(dir, name);
   if (!opts.keepStore) cpSync(join(dir, 'A', 'chunks'), join(root, 'chunks'), { recursive: true });
   const chunks = new FsChunkStore(root);
@@ -55,6 +55,7 @@ async function receiver(name: string, opts: { keepStore?: boolean; driver?: VmmD
           const v = Reflect.get(target, k) as unknown;
           if (k !== 'readVerified') return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
           return async (d: string) => {
+            opts.onRead?.();
             await new Promise((r) => setTimeout(r, delay));
             return target.readVerified(d);
           };
@@ -135,11 +136,12 @@ describe('ChunkStoreShipper.obtain', () => {
   it('obtain_fromTheStoredManifest_whileTheSnapshotIsRemovedAndCollected_buildsItsImageFromChunksTheGcLeft', async () => {
     // Chunk reads take 300 ms; the snapshot is removed (and its chunks collected, no grace)
     // while the image is being built from them.
-    const { chunks, shipper } = await receiver('R-removed', { gcGraceMs: 0, readDelayMs: 300 });
-    const obtaining = shipper.obtain('s1', undefined, () => undefined);
-    await new Promise((r) => setTimeout(r, 50));
-    await shipper.remove('s1');
-    const { local } = await obtaining;
+    let removing: Promise<void> | undefined;
+    const r = await receiver('R-removed', { gcGraceMs: 0, readDelayMs: 300, onRead: () => void (removing ??= r.shipper.remove('s1')) });
+    const { chunks, shipper } = r;
+    // The delete starts as the build reads its first chunk.
+    const { local } = await shipper.obtain('s1', undefined, () => undefined);
+    await removing;
     expect(readFileSync(join(local.dir, 'memory')).equals(readFileSync(memPath))).toBe(true);
     // Not reported held again by the restore that outlived its delete.
     expect(shipper.held()).toEqual([]);

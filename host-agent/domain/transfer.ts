@@ -135,12 +135,6 @@ function sleep(ms: number, signal?: AbortSignal): Promise<void> {
   });
 }
 
-/**
- * Fetches `digests` (those not already stored) into `store` from `sources`. Sources work in
- * parallel off one shared queue, so a faster peer takes more. Resolves with a report when all
- * are stored; throws ChunksUnavailableError (retryable) when no live source can supply the rest
- * (the chunks that did arrive stay stored).
- */
 /** `it.next()`, or `silent()` thrown when it has not settled within `ms` (the next is left to settle, its outcome ignored). */
 async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Error): Promise<IteratorResult<T>> {
   const next = it.next();
@@ -160,6 +154,12 @@ async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Err
   }
 }
 
+/**
+ * Fetches `digests` (those not already stored) into `store` from `sources`. Sources work in
+ * parallel off one shared queue, so a faster peer takes more. Resolves with a report when all
+ * are stored; throws ChunksUnavailableError (retryable) when no live source can supply the rest
+ * (the chunks that did arrive stay stored).
+ */
 export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonly ChunkSource[], store: ChunkStore, opts: FetchOptions = {}): Promise<FetchReport> {
   const t0 = performance.now();
   const window = opts.window ?? 64;

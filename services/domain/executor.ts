@@ -372,8 +372,8 @@ const STORE_FULL_RETRY_MAX_MS = 30_000;
 
 /** An op whose runner crashed (an error not even its failure could be recorded past) is run again this much later. */
 const CRASHED_RERUN_MS = 30_000;
-/** Executor.vmStateLatest: pruned of entries noted longer ago than this once it holds PRUNE_AT. */
-const VM_STATE_LATEST_KEEP_MS = 20 * CRASHED_RERUN_MS;
+/** Executor.vmStateLatest: pruned, once it holds PRUNE_AT, of entries noted longer ago than this many crashed-op rerun delays. */
+const VM_STATE_LATEST_KEEP_RERUNS = 20;
 const VM_STATE_LATEST_PRUNE_AT = 10_000;
 
 /** Adds what a host's answer says of a step's time and bytes to its entry in the op's step log. */
@@ -555,12 +555,14 @@ export class Executor {
   private readonly vmStateTurns = new Map<string, Promise<void>>();
   /**
    * `tenant/sandbox` -> creation time of the latest pause or resume of it started this term
-   * (rerunLater), and when that was noted: entries older than VM_STATE_LATEST_KEEP_MS go once
+   * (rerunLater), and when that was noted: entries older than 20 rerun delays go once
    * the map holds VM_STATE_LATEST_PRUNE_AT (a crashed op runs again CRASHED_RERUN_MS after its
    * crash), or every sandbox ever paused or resumed in a long term would stay in it.
    */
   private readonly vmStateLatest = new Map<string, { createdAt: number; notedAt: number }>();
   private vmStatePrunedAt = 0;
+  /** `tenant/sandbox` of lost sandboxes being taken back now (vmBack: one at a time each). */
+  private readonly reclaiming = new Set<string>();
   /**
    * Ops this leader finished, with the revision of their final write (the latest 10,000): a
    * watch event that arrives after the run ended carries an older, unfinished copy, which
@@ -818,27 +820,42 @@ export class Executor {
    * is never booked twice and no VM runs without a record placing it.
    */
   private async vmBack(sb: SandboxRec, state: 'running' | 'paused'): Promise<void> {
-    // Lost sandboxes do not count against their tenant's quota: replacements may have been
-    // created since. One that no longer fits is not taken back (its VM stops, as for no room).
-    const overQuota = await admit({ store: this.deps.store, quotas: this.deps.quotas, usage: this.deps.usage }, sb.tenantId, { sandboxes: 1, memoryMib: sb.resources.memoryMib }).then(
-      () => undefined,
-      (e: unknown) => {
-        if (e instanceof QuotaExceededError) return e;
-        throw e;
-      },
-    );
-    if (overQuota) {
-      this.log.warn({ sandboxId: sb.id, hostId: sb.hostId, tenantId: sb.tenantId, err: overQuota.message }, 'lost sandbox not reclaimed: its tenant is at its quota; stopping its VM');
-      await this.sendHostWork(sb.hostId, `over-quota-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, stopVm(sb.id), 'could not stop a VM that came back over its tenant\'s quota');
-      return;
+    // The host pass (reclaimReturnedHost) and the VM pass (reconcileVms) may both find it, the
+    // first from an older list: one at a time, each from the record as it is now.
+    const key = `${sb.tenantId}/${sb.id}`;
+    if (this.reclaiming.has(key)) return;
+    this.reclaiming.add(key);
+    try {
+      const cur = (await this.deps.store.getSandbox(sb.tenantId, sb.id))?.value;
+      if (!cur || cur.state !== 'lost' || cur.hostId !== sb.hostId) return;
+      // Lost sandboxes do not count against their tenant's quota: replacements may have been
+      // created since. One that no longer fits is not taken back (its VM stops, as for no room).
+      const overQuota = await admit({ store: this.deps.store, quotas: this.deps.quotas, usage: this.deps.usage }, cur.tenantId, { sandboxes: 1, memoryMib: cur.resources.memoryMib }).then(
+        () => undefined,
+        (e: unknown) => {
+          if (e instanceof QuotaExceededError) return e;
+          throw e;
+        },
+      );
+      if (overQuota) {
+        this.log.warn({ sandboxId: cur.id, hostId: cur.hostId, tenantId: cur.tenantId, err: overQuota.message }, 'lost sandbox not reclaimed: its tenant is at its quota; stopping its VM');
+        await this.sendHostWork(cur.hostId, `over-quota-${cur.id}-${cur.updatedAt}`, cur.tenantId, `stop/${cur.id}`, stopVm(cur.id), 'could not stop a VM that came back over its tenant\'s quota');
+        return;
+      }
+      const r = await this.vmStateChange(cur, (s) => s.state === 'lost', state, '', 1);
+      if (r === true) return void this.log.warn({ sandboxId: cur.id, hostId: cur.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
+      if (!(r instanceof NoRoomToReclaimError)) return;
+      this.log.warn({ sandboxId: cur.id, hostId: cur.hostId, err: r.message }, 'lost sandbox not reclaimed: its host was booked full meanwhile; stopping its VM');
+      // The record is left as it is (lost, with its reason): the same op + step on every pass
+      // until the VM is gone, which the agent answers from its journal.
+      await this.sendHostWork(cur.hostId, `no-room-${cur.id}-${cur.updatedAt}`, cur.tenantId, `stop/${cur.id}`, stopVm(cur.id), 'could not stop a VM that came back to a full host');
+    } catch (e) {
+      // A failed read (the store, the quota ledger): the next pass tries again; the passes that
+      // call this go on with their other hosts and VMs.
+      this.log.warn({ err: e, sandboxId: sb.id, hostId: sb.hostId }, 'could not take a lost sandbox back; trying on the next pass');
+    } finally {
+      this.reclaiming.delete(key);
     }
-    const r = await this.vmStateChange(sb, (s) => s.state === 'lost', state, '', 1);
-    if (r === true) return void this.log.warn({ sandboxId: sb.id, hostId: sb.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
-    if (!(r instanceof NoRoomToReclaimError)) return;
-    this.log.warn({ sandboxId: sb.id, hostId: sb.hostId, err: r.message }, 'lost sandbox not reclaimed: its host was booked full meanwhile; stopping its VM');
-    // The record is left as it is (lost, with its reason): the same op + step on every pass
-    // until the VM is gone, which the agent answers from its journal.
-    await this.sendHostWork(sb.hostId, `no-room-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, stopVm(sb.id), 'could not stop a VM that came back to a full host');
   }
 
   /**
@@ -1154,7 +1171,8 @@ export class Executor {
     // At most once a minute: a map of PRUNE_AT recent entries is not scanned on every call.
     if (this.vmStateLatest.size < VM_STATE_LATEST_PRUNE_AT || now - this.vmStatePrunedAt < 60_000) return;
     this.vmStatePrunedAt = now;
-    for (const [k, v] of this.vmStateLatest) if (now - v.notedAt > VM_STATE_LATEST_KEEP_MS) this.vmStateLatest.delete(k);
+    const keepMs = VM_STATE_LATEST_KEEP_RERUNS * (this.deps.config.crashedRerunMs ?? CRASHED_RERUN_MS);
+    for (const [k, v] of this.vmStateLatest) if (now - v.notedAt > keepMs) this.vmStateLatest.delete(k);
   }
 
   /** A sandbox record at a revision, unless the index already has a later one. */

@@ -7,7 +7,7 @@ import { create, toBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { startNats } from '../../../services/testkit/nats.ts';
 import type { NatsServer } from '../../../services/testkit/nats.ts';
-import { NatsWorkBus } from '../../../services/adapters/nats/bus.ts';
+import { EXEC_UNREAD_MAX_BYTES, NatsWorkBus } from '../../../services/adapters/nats/bus.ts';
 import { agentConnectOptions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
 import { STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { NatsAgentBus } from './agent-bus.ts';
@@ -287,14 +287,15 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     }
   }, 90_000);
 
-  it('exec_whoseCallerDoesNotRead_failsResourceExhaustedOnceTooMuchOutputWaits_andTheCommandIsCancelled', async () => {
+  it('exec_whoseCallerDoesNotRead_failsResourceExhaustedOnceTooMuchOutputWaits_theCommandIsCancelled_andItsBytesAreReleased', async () => {
     let cancelled = false;
-    const unserve = busA.serveExec(async (_req, emit, signal) => {
-      // 4 MiB of output, more than the 1 MiB the caller may leave unread.
+    const unserve = busA.serveExec(async (req, emit, signal) => {
+      // 4 MiB of output, more than the 1 MiB this replica may hold unread (all calls together).
       for (let i = 1; i <= 16 && !signal.aborted; i++) {
         emit(create(HostExecOutputSchema, { seq: BigInt(i), payload: { case: 'stdout', value: new Uint8Array(256 * 1024) } }));
         await new Promise((r) => setTimeout(r, 10));
       }
+      if (req.argv[0] === 'cat') return void emit(create(HostExecOutputSchema, { seq: 17n, payload: { case: 'exit', value: { exitCode: 0 } } }));
       await new Promise<void>((r) => {
         if (signal.aborted) return r();
         signal.addEventListener('abort', () => r());
@@ -303,13 +304,22 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
       cancelled = signal.aborted;
     });
     await agentA.flush();
-    const it = bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['yes'] }), { timeoutMs: 10_000, maxUnreadBytes: 1 << 20 })[Symbol.asyncIterator]();
-    await waitUntil('the command cancelled by the scheduler', () => cancelled || undefined);
-    const err = await (async () => {
-      for (;;) if ((await it.next()).done) return undefined;
-    })().catch((e: unknown) => e as { kind?: string; message: string });
-    expect(err?.kind).toBe('resource_exhausted');
-    unserve();
+    bus.execUnreadMax = 1 << 20;
+    try {
+      const it = bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['yes'] }), { timeoutMs: 10_000 })[Symbol.asyncIterator]();
+      await waitUntil('the command cancelled by the scheduler', () => cancelled || undefined);
+      const err = await (async () => {
+        for (;;) if ((await it.next()).done) return undefined;
+      })().catch((e: unknown) => e as { kind?: string; message: string });
+      expect(err?.kind).toBe('resource_exhausted');
+      // What the failed call held is released: a caller that reads as output comes gets all 4 MiB.
+      let got = 0;
+      for await (const o of bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['cat'] }), { timeoutMs: 10_000 })) if (o.payload.case === 'stdout') got += o.payload.value.length;
+      expect(got).toBe(4 << 20);
+    } finally {
+      bus.execUnreadMax = EXEC_UNREAD_MAX_BYTES;
+      unserve();
+    }
   });
 
   it('exec_whenNoAgentServesTheHost_failsFastAsUnavailable', async () => {

@@ -71,15 +71,15 @@ export interface FleetServiceDeps {
   watchProgressMs?: number;
 }
 
+/** Sandboxes (fork children) the operations of one ListOperations page answer with, at most. */
+export const OPS_PAGE_MAX_SANDBOXES = 1024;
+
 /**
  * Bytes a replica may hold at once for file calls. A WriteFile is held whole until its last
  * piece (it goes to the host as one message), a ReadFile until its caller has read it: without
  * a bound, a few hundred callers could make a replica hold their files at once and run it out of
  * memory for every tenant.
  */
-/** Sandboxes (fork children) the operations of one ListOperations page answer with, at most. */
-export const OPS_PAGE_MAX_SANDBOXES = 1024;
-
 export class ByteBudget {
   private used = 0;
   constructor(readonly limit: number) {}

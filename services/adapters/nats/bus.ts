@@ -40,8 +40,12 @@ import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from './batche
 /** On every work message: this scheduler reads result batches (hostwork.proto, "Batches"). */
 const WORK_HEADERS = { [RESULT_BATCH_HEADER]: '1' } as const;
 
-/** Exec output a replica holds for a caller that has not read it, per exec (NatsWorkBus.exec). */
-export const EXEC_UNREAD_MAX_BYTES = 16 << 20;
+/**
+ * Exec output a replica holds that its callers have not read, all execs together
+ * (NatsWorkBus.exec): one exec may return up to 64 MiB of each stream, in bursts, to a caller
+ * on a slower link than the host's, so no single call is capped below that.
+ */
+export const EXEC_UNREAD_MAX_BYTES = 1 << 30;
 
 /** Heartbeat field `repeated VmStatus vms` (proto/forkfleet/v1/hostwork.proto). */
 const HEARTBEAT_VMS_FIELD = 8;
@@ -89,6 +93,10 @@ export class NatsWorkBus implements WorkBus {
   private readonly batchHosts = new Set<string>();
   private readonly subs: Subscription[] = [];
   private nonce = randomBytes(6).toString('hex');
+  /** Exec output received and not yet read by its callers, all execs together (exec()). */
+  private execUnread = 0;
+  /** The most of it this replica holds (EXEC_UNREAD_MAX_BYTES). */
+  execUnreadMax = EXEC_UNREAD_MAX_BYTES;
 
   /** performance.now() of the last (re)connect; undefined while disconnected. */
   private connectedAt: number | undefined = performance.now();
@@ -300,8 +308,14 @@ export class NatsWorkBus implements WorkBus {
     // Output that arrived and that the caller has not read yet (the host sends it without
     // flow control): bounded, or a caller that never reads could make a replica hold all of
     // a command's output, once for every exec it opens.
-    const maxUnread = opts.maxUnreadBytes ?? EXEC_UNREAD_MAX_BYTES;
+    const maxUnread = opts.maxUnreadBytes ?? Number.POSITIVE_INFINITY;
     let unread = 0;
+    const held = (n: number): void => {
+      unread += n;
+      this.execUnread += n;
+    };
+    // Dropped or never to be read (the call failed at the limit, or its caller stopped reading).
+    const release = (): void => held(-unread);
     const bytesOf = (o: HostExecOutputMsg): number => (o.payload.case === 'stdout' || o.payload.case === 'stderr' ? o.payload.value.length : 0);
     // The caller is gone before the exit: the host kills the command (HostExecCancel), so a
     // cancelled or abandoned exec leaves nothing running in the guest.
@@ -338,10 +352,12 @@ export class NatsWorkBus implements WorkBus {
           return;
         }
         const out = fromBinary(HostExecOutputSchema, m.data);
-        unread += bytesOf(out);
-        if (unread > maxUnread) {
+        held(bytesOf(out));
+        if (unread > maxUnread || this.execUnread > this.execUnreadMax) {
           finish();
-          q.failNow(new ForkfleetError('resource_exhausted', `exec output not read: more than ${maxUnread} bytes of it waited for the caller, so the command was stopped`, { retryable: false }));
+          const what = unread > maxUnread ? `more than ${maxUnread} bytes of its output` : `more than ${this.execUnreadMax} bytes of exec output, all calls together,`;
+          release();
+          q.failNow(new ForkfleetError('resource_exhausted', `exec output not read: ${what} waited on this scheduler for callers to read it, so the command was stopped`, { retryable: false }));
           cancelOnHost();
           return;
         }
@@ -366,10 +382,13 @@ export class NatsWorkBus implements WorkBus {
         return {
           next: async () => {
             const r = await it.next();
-            if (!r.done) unread -= bytesOf(r.value);
+            if (!r.done) held(-bytesOf(r.value));
             return r;
           },
-          return: () => it.return!(),
+          return: () => {
+            release();
+            return it.return!();
+          },
         };
       },
     };

@@ -2472,8 +2472,9 @@ export const FleetService: GenService<{
   },
   /**
    * Runs a command in the guest. Output is streamed; the last message carries the exit. A
-   * caller that leaves more than 16 MiB of output unread gets RESOURCE_EXHAUSTED, and the
-   * command is stopped.
+   * scheduler holds a bounded amount of output its callers have not read (all calls
+   * together): the call whose output passes it gets RESOURCE_EXHAUSTED, and its command is
+   * stopped.
    *
    * @generated from rpc forkfleet.v1.FleetService.Exec
    */
