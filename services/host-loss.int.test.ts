@@ -377,12 +377,14 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     // The quota is in force (the tokens file is read again at most once a second).
     await waitFor('the quota in force', async () => (await create().then(() => false, (e: { code?: number }) => e.code === Status.RESOURCE_EXHAUSTED)), 10_000, 500);
     const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    let replacement = '';
     try {
       host.proc.kill();
       await waitFor('the sandbox lost with its host', async () => (await store.getSandbox(capped, sid))?.value.state === 'lost', LOST_AFTER_MS + 10_000, 200);
       // A lost sandbox does not count: its tenant makes a replacement, which fills the quota.
       const again = await api.waitOperation({ tenantId: capped, operationId: (await create()).id, timeout: { seconds: 30n } });
       expect(again.state, again.error?.message).toBe(OperationState.SUCCEEDED);
+      replacement = again.result.case === 'sandbox' ? again.result.value.id : '';
       await host.restart();
       restarted = true;
       await waitFor('fake-qb ready again', async () => (await api.listHosts({})).hosts.some((x) => x.id === 'fake-qb' && x.state === HostState.READY), 20_000, 100);
@@ -393,6 +395,8 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     } finally {
       store.close();
       if (restarted) await host.stop();
+      // The replacement went to a shared host (fake-a has 8 vCPUs for every test here).
+      if (replacement) await api.waitOperation({ tenantId: capped, operationId: (await api.destroySandbox({ tenantId: capped, idempotencyKey: key(), sandboxId: replacement })).id, timeout: { seconds: 30n } });
     }
   }, 90_000);
 
