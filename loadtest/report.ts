@@ -83,7 +83,7 @@ export function checks(s: Record<string, ScenarioResult>): Check[] {
     return isComplete(r) ? r.p50_ms : undefined;
   };
   const failedOf = (what: string, target: string, ...names: string[]): Check | undefined => {
-    const f = names.filter((n) => failedNames({ [n]: s[n] }).length > 0);
+    const f = failedNames(Object.fromEntries(names.map((n) => [n, s[n]])));
     return f.length ? { what, target, value: `failed: ${f.join(', ')}`, measured: null, ok: false } : undefined;
   };
   const ratio = (what: string, a: string, b: string, max: number, target: string): Check => {

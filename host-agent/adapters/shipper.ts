@@ -371,10 +371,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
         if (!data) throw new ForkfleetError('failed_precondition', `manifest of ${snapshotId} lacks ${name}`);
         return JSON.parse(Buffer.from(data).toString('utf8')) as T;
       };
-      const digests = new Set(disk.chunks.map((c) => Buffer.from(c.digest).toString('hex')));
+      const sizes = chunkSizes([disk]);
+      const digests = new Set(sizes.keys());
       const unpin = this.deps.roots.pin(digests);
       try {
-        const report = await fetchChunks(digests, sources, this.deps.chunks, { log: this.deps.log, sizes: chunkSizes([disk]) });
+        const report = await fetchChunks(digests, sources, this.deps.chunks, { log: this.deps.log, sizes });
         return {
           manifest: meta<VmmSnapshotManifest>('manifest.json'),
           image: meta<GuestImage>('image.json'),

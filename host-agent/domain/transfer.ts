@@ -7,7 +7,7 @@
 import type { Logger } from 'pino';
 import type { SignedManifest, SnapshotManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, LiveRoots, ManifestStore } from './snapshot-store.ts';
-import { chunkSizes, manifestDigests } from './snapshot-store.ts';
+import { chunkSizes } from './snapshot-store.ts';
 import { ChunksUnavailableError, DigestMismatchError, ManifestInvalidError } from './transfer-errors.ts';
 import { isForkfleetError } from '../../proto/errors.ts';
 import { verifyManifest, type TrustedKeys } from './tickets.ts';
@@ -397,13 +397,15 @@ export async function fetchSnapshot(
   if (!signed) throw lastErr instanceof Error ? lastErr : new ManifestInvalidError('no source returned a manifest');
   const complete: SignedManifest = signed;
   const manifest = verifyManifest(complete, deps.trust, snapshotId);
-  const digests = manifestDigests(manifest);
+  // Each digest with the plain size the manifest gives it (checked against what peers send).
+  const sizes = chunkSizes(manifest.artifacts);
+  const digests = new Set(sizes.keys());
   const unpin = deps.roots.pin(digests);
   let durable: Promise<void> | undefined;
   try {
     let report: FetchReport | undefined;
     const fetch = async (onChunk?: ChunkSink): Promise<FetchReport> => {
-      report = await fetchChunks(digests, sources, deps.chunks, { ...opts, sizes: chunkSizes(manifest.artifacts), ...(onChunk ? { onChunk } : {}) });
+      report = await fetchChunks(digests, sources, deps.chunks, { ...opts, sizes, ...(onChunk ? { onChunk } : {}) });
       return report;
     };
     if (opts.around) await opts.around(manifest, fetch);

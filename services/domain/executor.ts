@@ -4020,7 +4020,7 @@ export class Executor {
     // that conflicts (one of them changed meanwhile) is marked one by one.
     for (let i = 0; i < todo.length; i += LOST_BATCH) {
       const batch = todo.slice(i, i + LOST_BATCH);
-      const together = batch.length > 1 && (await this.markLostTogether(hostId, batch, lose, now).catch((e: unknown) => void this.log.warn({ err: e, hostId, sandboxes: batch.length }, 'could not mark a batch of sandboxes lost at once: one by one')));
+      const together = batch.length > 1 && (await this.markLostTogether(hostId, batch, lose).catch((e: unknown) => void this.log.warn({ err: e, hostId, sandboxes: batch.length }, 'could not mark a batch of sandboxes lost at once: one by one')));
       if (together) continue;
       for (const sb of batch) {
         await this.updateSandbox(sb.tenantId, sb.id, lose, (_next, before) => this.capacity(hostId, before.resources, -1)()).catch((e: unknown) => {
@@ -4035,18 +4035,15 @@ export class Executor {
    * markHostLost for a batch in one guarded transaction: each sandbox as it reads now (one that
    * moved on is left alone) and the host's booking less theirs. False when a guard failed.
    */
-  private async markLostTogether(hostId: string, batch: readonly SandboxRec[], lose: (s: SandboxRec) => void, now: number): Promise<boolean> {
+  private async markLostTogether(hostId: string, batch: readonly SandboxRec[], lose: (s: SandboxRec) => void): Promise<boolean> {
     // Read in one turn: one read-only transaction (store.ts batches point reads).
     const read = await Promise.all(batch.map((sb) => this.deps.store.getSandbox(sb.tenantId, sb.id)));
     const writes: StoreWrite[] = [];
     const released: ResourcesRec[] = [];
     for (const v of read) {
       if (!v || v.value.hostId !== hostId || !LOSABLE.has(v.value.state)) continue;
-      const next = structuredClone(v.value);
-      lose(next);
-      if (!canTransition(v.value.state, next.state)) return false;
-      next.updatedAt = now;
-      writes.push({ kind: 'sandbox', value: next, expectRevision: v.modRevision });
+      // The write updateSandbox would make from this read (a transition it refuses throws: one by one then).
+      writes.push(...(await this.sandboxWrite(v.value, lose, v)(0)));
       released.push(v.value.resources);
     }
     if (writes.length === 0) return true;

@@ -835,9 +835,7 @@ export class QemuVmmDriver implements VmmDriver {
     const rmark = repl.qmp.mark;
     let sourceKilled = false;
     try {
-      // A paused source an earlier attempt migrated (and then failed) is in postmigrate, which
-      // refuses a migration: made active again first (see snapshotViaReceiver).
-      if (keepPaused && (await queryStatus(src)) === 'postmigrate') await reactivate(src, true);
+      if (keepPaused) await activateIfMigratedOut(src);
       // `stop` and `migrate` are pipelined: QMP runs them in order, one round trip.
       await migrateToFile(src, stateBin, join(rec.info.workdir, `mig-out.${rec.gen}.sock`), !keepPaused);
       // The source must never write the image again (VMM-NOTES gotcha 3): it dies before the
@@ -940,11 +938,7 @@ export class QemuVmmDriver implements VmmDriver {
     // stopped copy slow (~1 s for 256 MiB here, ~70 ms with the file allocated).
     const live = !keepPaused && rec.info.accel === 'kvm';
     try {
-      // A paused VM whose last snapshot (or an adopted one's) completed stays in postmigrate,
-      // its disk images inactive: QEMU refuses to migrate it again ("paused due to previous
-      // migration") and to commit its layers. Only cont makes them active: the guest runs for
-      // the moment between cont and stop (as a failed snapshot's merge-back already does).
-      if (keepPaused && (await queryStatus(rec.qmp)) === 'postmigrate') await reactivate(rec.qmp, true);
+      if (keepPaused) await activateIfMigratedOut(rec.qmp);
       await this.mergeBackStrayLayer(rec, snapshotId);
       // qemu-img would overwrite it, and it may be the VM's live layer (see the catch below).
       // One the VM does not write is what an attempt killed before its blockdev-snapshot left
@@ -2332,6 +2326,16 @@ async function writeJsonAtomic(path: string, value: unknown): Promise<void> {
  * completes, and only `cont` activates them (QEMU 7.2 has no command for it alone). The VM
  * is stopped again at once when it is to stay paused (it runs for one QMP round trip).
  */
+/**
+ * A paused VM whose last migration out completed (a snapshot of it, or an earlier attempt's)
+ * stays in postmigrate, its disk images inactive: QEMU refuses to migrate it again ("paused due
+ * to previous migration") and to commit its layers. Only cont makes them active: the guest runs
+ * for the moment between cont and stop (as a failed snapshot's merge-back already does).
+ */
+async function activateIfMigratedOut(qmp: QmpClient): Promise<void> {
+  if ((await queryStatus(qmp)) === 'postmigrate') await reactivate(qmp, true);
+}
+
 async function reactivate(qmp: QmpClient, stayPaused: boolean): Promise<void> {
   await qmp.execute('migrate_cancel').catch(() => undefined);
   await contAfterMigration(qmp);

@@ -72,7 +72,7 @@ export interface FleetServiceDeps {
 }
 
 /** Sandboxes (fork children) the operations of one ListOperations page answer with, at most. */
-export const OPS_PAGE_MAX_SANDBOXES = 1024;
+const OPS_PAGE_MAX_SANDBOXES = 1024;
 
 /**
  * Bytes a replica may hold at once for file calls. A WriteFile is held whole until its last

@@ -300,15 +300,14 @@ export class NatsWorkBus implements WorkBus {
     return () => sub.unsubscribe();
   }
 
-  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal; maxUnreadBytes?: number }): AsyncIterable<HostExecOutputMsg> {
+  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal }): AsyncIterable<HostExecOutputMsg> {
     // Under the host's own exec-output subject: its NATS user may publish there and nowhere
     // else, so a long exec's output stream needs no response-permission window.
     const inbox = createInbox(subjects.execOut(hostId));
     const q = new AsyncQueue<HostExecOutputMsg>();
     // Output that arrived and that the caller has not read yet (the host sends it without
-    // flow control): bounded, or a caller that never reads could make a replica hold all of
-    // a command's output, once for every exec it opens.
-    const maxUnread = opts.maxUnreadBytes ?? Number.POSITIVE_INFINITY;
+    // flow control): bounded for all calls together (execUnreadMax), or callers that never
+    // read could make a replica hold all of their commands' output.
     let unread = 0;
     const held = (n: number): void => {
       unread += n;
@@ -353,11 +352,10 @@ export class NatsWorkBus implements WorkBus {
         }
         const out = fromBinary(HostExecOutputSchema, m.data);
         held(bytesOf(out));
-        if (unread > maxUnread || this.execUnread > this.execUnreadMax) {
+        if (this.execUnread > this.execUnreadMax) {
           finish();
-          const what = unread > maxUnread ? `more than ${maxUnread} bytes of its output` : `more than ${this.execUnreadMax} bytes of exec output, all calls together,`;
           release();
-          q.failNow(new ForkfleetError('resource_exhausted', `exec output not read: ${what} waited on this scheduler for callers to read it, so the command was stopped`, { retryable: false }));
+          q.failNow(new ForkfleetError('resource_exhausted', `exec output not read: more than ${this.execUnreadMax} bytes of exec output, all calls together, waited on this scheduler for callers to read it, so the command was stopped`, { retryable: false }));
           cancelOnHost();
           return;
         }
