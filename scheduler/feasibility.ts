@@ -12,6 +12,8 @@ export interface DecisionContext {
   readonly locality: Locality;
   /** Index of the pinned host, or -1. */
   readonly pinnedIndex: number;
+  /** Indexes of the hosts the request avoids (preferences.avoidHostIds). */
+  readonly avoided: ReadonlySet<number>;
   /** Hosts holding the snapshot fully (empty for create). */
   readonly holderSet: ReadonlySet<number>;
   /** Bytes present on partial holders. */
@@ -43,7 +45,9 @@ export const hostStateCheck: Check = (i, ctx) => {
 };
 export const cordonCheck: Check = (i, ctx) => (ctx.view.cols.cordoned[i] === 1 ? 'cordoned' : null);
 export const drainCheck: Check = (i, ctx) => (ctx.view.cols.draining[i] === 1 ? 'draining' : null);
-export const pinCheck: Check = (i, ctx) => (ctx.pinnedIndex >= 0 && i !== ctx.pinnedIndex ? 'not_pinned' : null);
+/** pinnedIndex -2 (a host the view lacks) refuses every host, as place() does. */
+export const pinCheck: Check = (i, ctx) => (ctx.pinnedIndex !== -1 && i !== ctx.pinnedIndex ? 'not_pinned' : null);
+export const avoidCheck: Check = (i, ctx) => (ctx.avoided.size > 0 && ctx.avoided.has(i) ? 'avoided' : null);
 export const localityCheck: Check = (i, ctx) => {
   if (ctx.demand.snapshot === null || ctx.locality === 'ANY') return null;
   return (ctx.locality === 'SAME_HOST') === ctx.holderSet.has(i) ? null : 'locality';
@@ -72,7 +76,7 @@ export const transferCheck: Check = (i, ctx) => {
  * decision on 10,000 hosts runs this a few hundred times).
  */
 export function evaluateHost(i: number, ctx: DecisionContext): Candidate | FilterReason {
-  const r = pinCheck(i, ctx) ?? hostStateCheck(i, ctx) ?? cordonCheck(i, ctx) ?? drainCheck(i, ctx) ?? localityCheck(i, ctx) ?? vmmCheck(i, ctx) ?? transferCheck(i, ctx);
+  const r = pinCheck(i, ctx) ?? avoidCheck(i, ctx) ?? hostStateCheck(i, ctx) ?? cordonCheck(i, ctx) ?? drainCheck(i, ctx) ?? localityCheck(i, ctx) ?? vmmCheck(i, ctx) ?? transferCheck(i, ctx);
   if (r !== null) return r;
   const snap = ctx.demand.snapshot;
   const holds = ctx.holderSet.has(i);

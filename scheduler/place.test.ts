@@ -208,6 +208,25 @@ describe('fork', () => {
     expect(unknown.explanation.filtered.not_pinned).toBe(3);
   });
 
+  it('fork_avoidingHosts_placesElsewhereAndCountsThemAsAvoided_yetAnAvoidedHolderStillServes', () => {
+    // A fork's children placed again off a host that was lost and is back: never onto it.
+    const view = fleet([hostInput('back', { heldSnapshots: ['snap-a'] }), hostInput('b'), hostInput('c')]);
+    const r = ok(decide(view, forkRequest(2, { preferences: { avoidHostIds: ['back', 'unknown-host'], maxPerHost: 1 } })));
+    expect(perHost(r)).toEqual({ b: 1, c: 1 });
+    expect(r.explanation.filtered.avoided).toBe(1);
+    expect(r.transferPlan?.transfers.map((t) => t.sourceHostId)).toContain('back');
+    expect(estimateAssignment(view, forkRequest(1, { preferences: { avoidHostIds: ['back'] } }), ['back'])).toMatchObject({ ok: false, reason: 'avoided' });
+    const none = decide(view, forkRequest(1, { preferences: { avoidHostIds: ['back', 'b', 'c'] } }));
+    expect(none.ok).toBe(false);
+    expect(none.explanation.filtered.avoided).toBe(3);
+  });
+
+  it('estimateAssignment_pinnedToAnUnknownHost_refusesEveryHostAsPlaceDoes', () => {
+    const view = fleet([hostInput('h1', { heldSnapshots: ['snap-a'] })]);
+    expect(decide(view, forkRequest(1, { preferences: { pinnedHostId: 'nope' } })).ok).toBe(false);
+    expect(estimateAssignment(view, forkRequest(1, { preferences: { pinnedHostId: 'nope' } }), ['h1'])).toMatchObject({ ok: false, reason: 'not_pinned' });
+  });
+
   it('fork_neverUsesSuspectHolderAsSource_butCordonedHolderStillServes', () => {
     const suspect = fleet([hostInput('holder', { heldSnapshots: ['snap-a'], state: 'suspect' }), hostInput('cold')]);
     const r1 = decide(suspect, forkRequest(1));

@@ -231,6 +231,7 @@ function contextFor(view: FleetView, request: PlacementRequest, config: Placemen
     demand,
     locality: prefs.locality ?? 'ANY',
     pinnedIndex: pinnedId === undefined ? -1 : (view.hostIndexById.get(pinnedId) ?? -2),
+    avoided: prefs.avoidHostIds === undefined || prefs.avoidHostIds.length === 0 ? NO_HOSTS : new Set(prefs.avoidHostIds.flatMap((id) => view.hostIndexById.get(id) ?? [])),
     holderSet: snapshot === null ? NO_HOSTS : (view.holderSets.get(snapshot.id) ?? NO_HOSTS),
     partial: snapshot === null ? undefined : view.partialHolders.get(snapshot.id),
     hasSource: holderList.some((i) => canServe(view.cols, i)),

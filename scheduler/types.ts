@@ -174,6 +174,11 @@ export interface PlacementPreferences {
   readonly maxPerHost?: number;
   /** Only this host is a candidate. */
   readonly pinnedHostId?: string;
+  /**
+   * These hosts are not candidates: the ones a sandbox is being moved off (a fork's children
+   * placed again after the host starting them was lost, which may be back by then).
+   */
+  readonly avoidHostIds?: readonly string[];
 }
 
 interface RequestBase {
@@ -231,6 +236,7 @@ export type FilterReason =
   | 'cordoned'
   | 'draining'
   | 'not_pinned'
+  | 'avoided'
   | 'locality'
   | 'vmm_incompatible'
   | 'insufficient_vcpu'

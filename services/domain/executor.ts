@@ -1623,7 +1623,12 @@ export class Executor {
             // group writes (two operations on one sandbox) waits for the next group, where its
             // guard decides, as when placements ran one at a time.
             const jobKeys = [...writes.map(writeKey), ...(opUpdate ? [`op/${job.op.tenantId}/${job.op.id}`] : [])];
-            if (planned.length > 0 && (writeCount + size > PLACE_GROUP_MAX_WRITES || groupBytes + bytes > PLACEMENT_TXN_MAX_BYTES || jobKeys.some((k) => groupKeys.has(k)))) {
+            // Capacity records too: the group writes one per host it books (allocWrites below),
+            // so a job that writes one itself (a release off a lost host) and a job that books
+            // that host wait for different groups.
+            const booksReleased = [...perHost.keys()].some((h) => groupKeys.has(`alloc/${h}`));
+            const releasesBooked = jobKeys.some((k) => k.startsWith('alloc/') && touched.has(k.slice('alloc/'.length)));
+            if (planned.length > 0 && (writeCount + size > PLACE_GROUP_MAX_WRITES || groupBytes + bytes > PLACEMENT_TXN_MAX_BYTES || jobKeys.some((k) => groupKeys.has(k)) || booksReleased || releasesBooked)) {
               overflow.push(job); // decided again in the next group
               continue;
             }
@@ -3132,7 +3137,9 @@ export class Executor {
       const placed = await this.placeAndBook(
         op,
         { tenantId: op.tenantId, id: snapshotId },
-        () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: this.prefs(prefs) }),
+        // Never back onto a lost host (it may be back by the time this runs): it has been told
+        // to give these children up (stop-replaced below) and would skip their restore.
+        () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: { ...this.prefs(prefs), avoidHostIds: lostHosts } }),
         (res) => {
           made = res.placements.map((p) => {
             const v = fresh[p.childIndex]!;
