@@ -454,19 +454,24 @@ export class FleetCache {
   }
 
   async load(store: FleetStore): Promise<void> {
+    // The store's revision before the lists: a cached record written at or before it that the
+    // lists lack was deleted. (The newest listed record alone is no bound: an empty list, or a
+    // deleted record that was the newest of its kind, would stay cached for good, as would a
+    // record a replica leading again kept from its last term.)
+    const before = await store.revision();
     const [hosts, allocs, snaps] = await Promise.all([store.listHosts(), store.listAllocs(), store.listSnapshots(undefined)]);
     for (const value of hosts) this.apply({ kind: 'host', value });
     for (const value of allocs) this.apply({ kind: 'alloc', value });
     for (const value of snaps) this.apply({ kind: 'snapshot', value });
     // A relist (after a broken watch) also drops what was deleted meanwhile: a cached entry
-    // that the list lacks and that is older than the list's newest record is gone.
-    this.dropMissing('host', hosts.map((v) => [v.value.id, v.modRevision]));
-    this.dropMissing('alloc', allocs.map((v) => [v.value.hostId, v.modRevision]));
-    this.dropMissing('snapshot', snaps.map((v) => [`${v.value.tenantId}/${v.value.id}`, v.modRevision]));
+    // that the list lacks and that is older than the list is gone.
+    this.dropMissing('host', hosts.map((v) => [v.value.id, v.modRevision]), before);
+    this.dropMissing('alloc', allocs.map((v) => [v.value.hostId, v.modRevision]), before);
+    this.dropMissing('snapshot', snaps.map((v) => [`${v.value.tenantId}/${v.value.id}`, v.modRevision]), before);
   }
 
-  private dropMissing(kind: 'host' | 'alloc' | 'snapshot', listed: ReadonlyArray<readonly [string, number]>): void {
-    const rev = listed.reduce((m, [, r]) => Math.max(m, r), 0);
+  private dropMissing(kind: 'host' | 'alloc' | 'snapshot', listed: ReadonlyArray<readonly [string, number]>, before: number): void {
+    const rev = listed.reduce((m, [, r]) => Math.max(m, r), before);
     const keys = new Set(listed.map(([k]) => k));
     const m = this.mapOf(kind);
     for (const [k, v] of m) {

@@ -31,10 +31,23 @@ describe('FleetCache snapshots', () => {
     const c = new FleetCache();
     c.apply({ kind: 'snapshot', value: snap('sn-old', 'deleted', 5) });
     c.apply({ kind: 'snapshot', value: snap('sn-new', 'ready', 50) }); // written after the list was read
-    const store = { listHosts: async () => [], listAllocs: async () => [], listSnapshots: async () => [snap('sn-kept', 'ready', 20)] } as unknown as Parameters<FleetCache['load']>[0];
+    const store = { revision: async () => 20, listHosts: async () => [], listAllocs: async () => [], listSnapshots: async () => [snap('sn-kept', 'ready', 20)] } as unknown as Parameters<FleetCache['load']>[0];
     await c.load(store);
     expect(c.snapshot('t1', 'sn-old')).toBeUndefined();
     expect(c.snapshot('t1', 'sn-kept')?.modRevision).toBe(20);
     expect(c.snapshot('t1', 'sn-new')?.modRevision).toBe(50);
+  });
+
+  it('load_ofAnEmptyList_dropsCachedRecordsOlderThanTheStoresRevision_asALeaderAgainHasFromItsLastTerm', async () => {
+    // Deleted while another replica led (expired, then its record purged): nothing listed is
+    // newer than it, so only the store's revision tells that it is gone.
+    const c = new FleetCache();
+    c.apply({ kind: 'snapshot', value: snap('sn-x', 'ready', 30) });
+    c.apply({ kind: 'snapshot', value: snap('sn-y', 'ready', 35) });
+    const store = { revision: async () => 40, listHosts: async () => [], listAllocs: async () => [], listSnapshots: async () => [snap('sn-old', 'ready', 10)] } as unknown as Parameters<FleetCache['load']>[0];
+    await c.load(store);
+    expect(c.snapshot('t1', 'sn-x')).toBeUndefined();
+    expect(c.snapshot('t1', 'sn-y')).toBeUndefined();
+    expect(c.snapshot('t1', 'sn-old')?.modRevision).toBe(10);
   });
 });

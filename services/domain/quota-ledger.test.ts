@@ -53,6 +53,24 @@ describe('QuotaLedger', () => {
     expect(await l.usage('nobody')).toMatchObject({ sandboxes: 0, memoryMib: 0, snapshotBytes: 0 });
   });
 
+  it('usage_afterAStartWhoseWatchFailedAfterItsList_doesNotKeepTheSharesOfRecordsGoneSince', async () => {
+    const store = fakeStore([{ kind: 'sandbox', key: 't/a', value: sb('a', 'running', 256) }]);
+    store.followRecords = async (onChange, onRevision) => {
+      // The list is handed over, then the watch cannot be created (its revision compacted, say).
+      onChange({ kind: 'sandbox', key: 't/a', value: sb('a', 'running', 256) });
+      onRevision(store.current);
+      throw new Error('watch create failed');
+    };
+    const l = new QuotaLedger({ store });
+    expect(await l.usage('t')).toBeUndefined(); // the caller lists records itself
+    // Sandbox a was destroyed and its record expired before the next start.
+    store.followRecords = async (_onChange, onRevision) => {
+      onRevision(store.current);
+      return () => undefined;
+    };
+    expect(await l.usage('t')).toMatchObject({ sandboxes: 0, memoryMib: 0 });
+  });
+
   it('usage_followsStateChangesAndDeletes_withoutCountingARecordTwice', async () => {
     const store = fakeStore([{ kind: 'sandbox', key: 't/a', value: sb('a', 'running', 256) }]);
     const l = new QuotaLedger({ store });

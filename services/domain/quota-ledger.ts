@@ -113,7 +113,9 @@ export class QuotaLedger {
       return this.starting === s;
     } catch (e) {
       this.deps.log?.warn({ err: e }, 'the quota ledger could not start; admission lists records');
-      if (this.starting === s) this.starting = undefined;
+      // The list may have been taken in before the watch failed: the next start lists again,
+      // and a record gone by then must not keep the share this one gave it.
+      if (this.starting === s) this.stop();
       return false;
     }
   }
