@@ -407,6 +407,13 @@ describe('determinism, sampling and validation', () => {
     expect(() => fleet([hostInput('a'), hostInput('a')])).toThrow(InvalidArgumentError);
   });
 
+  it('buildFleetView_withANaNOrNegativeLinkFigure_throwsInvalidArgumentNamingIt', () => {
+    const link = { bandwidthBytesPerS: 1.25e9, rxLoadBytesPerS: 0, txLoadBytesPerS: 0 };
+    expect(() => fleet([hostInput('a', { link: { ...link, bandwidthBytesPerS: Number.NaN } })])).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'hosts[a].link.bandwidthBytesPerS' }));
+    expect(() => fleet([hostInput('a', { link: { ...link, rxLoadBytesPerS: -1 } })])).toThrow(expect.objectContaining({ field: 'hosts[a].link.rxLoadBytesPerS' }));
+    expect(() => fleet([hostInput('a', { link: { ...link, txLoadBytesPerS: undefined as unknown as number } })])).toThrow(expect.objectContaining({ field: 'hosts[a].link.txLoadBytesPerS' }));
+  });
+
   it('buildFleetView_withBadRestoreSlotsOrCost_throwsInvalidArgumentNamingTheHostsField', () => {
     for (const restoreSlots of [0, 1.5, -1]) {
       expect(() => fleet([hostInput('a', { restoreSlots })])).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'hosts[a].restoreSlots' }));

@@ -64,6 +64,10 @@ export function buildFleetView(input: FleetViewInput): FleetView {
     if (h.restoreCostMs !== undefined && !(Number.isFinite(h.restoreCostMs) && h.restoreCostMs >= 0)) {
       throw new InvalidArgumentError(`hosts[${h.id}].restoreCostMs`, `must be a finite number >= 0, got ${h.restoreCostMs}`);
     }
+    // A NaN here would pass every `<= 0` check and price hosts NaN, which no comparison orders.
+    for (const f of ['bandwidthBytesPerS', 'rxLoadBytesPerS', 'txLoadBytesPerS'] as const) {
+      if (!(Number.isFinite(h.link[f]) && h.link[f] >= 0)) throw new InvalidArgumentError(`hosts[${h.id}].link.${f}`, `must be a finite number >= 0, got ${h.link[f]}`);
+    }
     const key = vmmKey(h.vmm);
     let vmmProfile = profileByKey.get(key);
     if (vmmProfile === undefined) {

@@ -1604,15 +1604,23 @@ export class Executor {
           }
           try {
             let snapshotCheck: StoreWrite | undefined;
+            let viewSnapshots = snapshots;
             if (job.snapshot) {
               const { tenantId, id } = job.snapshot;
               const sv = await this.readSnapshot(tenantId, id);
               if (!sv || sv.value.state !== 'ready') throw new WrongStateError('snapshot', id, sv?.value.state ?? 'gone', 'only a ready snapshot can be restored', 'snapshot_id');
               snapshotCheck = { kind: 'check-snapshot', tenantId, id, expectRevision: sv.modRevision };
+              // Decided over the record just read (its commit is guarded by it), not the cache's
+              // copy, which may lag it or lack it: placed over that, a ready snapshot was
+              // "unknown", and the job failed as a retryable "no capacity".
+              viewSnapshots = [...snapshots.filter((x) => x.tenantId !== tenantId || x.id !== id), sv.value];
             }
-            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight }));
+            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight }));
             const req = job.request(view);
-            const result = place(view, req, rngForRequest(`${job.op.id}/${attempt}`), this.deps.config.placement);
+            // Seeded by the request's id (each migration of a drain has its own), as the library
+            // documents, so the first attempt's decision replays from its explanation.
+            const result = place(view, req, rngForRequest(attempt === 0 ? req.id : `${req.id}/${attempt}`), this.deps.config.placement);
+            if (!result.ok && result.reason === 'unknown_snapshot') throw new WrongStateError('snapshot', job.snapshot?.id ?? '', 'recorded without a VM configuration', 'it cannot be restored', 'snapshot_id');
             if (!result.ok) throw largerThanAnyHost(view, req) ?? new NoCapacityError(result.explanation.summary);
             const { perChild, writes, opUpdate } = job.records(result);
             const perHost = new Map<string, number>();

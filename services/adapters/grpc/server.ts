@@ -52,7 +52,15 @@ function reflectionPackage(services: readonly ServiceRegistration[]): Constructo
 }
 
 export async function startGrpcServer(opts: GrpcServerOptions): Promise<RunningGrpcServer> {
-  const server = new Server({ 'grpc.max_receive_message_length': 16 * 1024 * 1024, ...opts.channelOptions });
+  const server = new Server({
+    'grpc.max_receive_message_length': 16 * 1024 * 1024,
+    // A client that vanished without closing its connection (powered off, a NAT mapping gone)
+    // sends no cancel: without pings its streams (a WatchEvents' etcd watch, a slot of its
+    // credential's stream limit) stay until TCP gives up, ~15 min, or never on a quiet link.
+    'grpc.keepalive_time_ms': 30_000,
+    'grpc.keepalive_timeout_ms': 10_000,
+    ...opts.channelOptions,
+  });
   for (const reg of opts.services) {
     server.addService(reg.definition, grpcHandlers(reg, opts.onError, opts.guard) as never);
   }
