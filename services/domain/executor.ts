@@ -1053,15 +1053,32 @@ export class Executor {
       100_000,
     );
     if (plan.writes.length === 0) return { sandboxes: 0, ops: 0, snapshots: 0 };
-    await commitPurge({ commit: async (w) => (await this.commit([...w])) > 0 }, plan.writes);
+    // Counted as committed, not as planned: a record whose guard keeps failing is planned on
+    // every pass and would be counted on every pass.
+    const done = { sandboxes: 0, ops: 0, snapshots: 0 };
+    await commitPurge(
+      {
+        commit: async (w) => {
+          if ((await this.commit([...w])) === 0) return false;
+          for (const x of w) {
+            if (x.kind === 'delete-sandbox') done.sandboxes++;
+            else if (x.kind === 'delete-op') done.ops++;
+            else if (x.kind === 'delete-snapshot') done.snapshots++;
+          }
+          return true;
+        },
+      },
+      plan.writes,
+    );
     // A delete whose guard failed: the record changed; the watch brings its new copy back.
     for (const g of plan.writes) {
       const w = g[0]!;
       if (w.kind === 'delete-op') this.finishedOps.delete(`${w.tenantId}/${w.id}`);
     }
-    this.log.info({ sandboxes: plan.sandboxes, ops: plan.ops, snapshots: plan.snapshots, retentionMs: retention }, 'expired old records');
-    this.deps.onExpired?.(plan.sandboxes, plan.ops, plan.snapshots);
-    return { sandboxes: plan.sandboxes, ops: plan.ops, snapshots: plan.snapshots };
+    const notDeleted = plan.sandboxes + plan.ops + plan.snapshots - (done.sandboxes + done.ops + done.snapshots);
+    this.log.info({ ...done, ...(notDeleted > 0 ? { changedMeanwhile: notDeleted } : {}), retentionMs: retention }, 'expired old records');
+    this.deps.onExpired?.(done.sandboxes, done.ops, done.snapshots);
+    return done;
   }
 
   async stop(): Promise<void> {
