@@ -3963,11 +3963,21 @@ export class Executor {
     // its guarded write conflict until the next pass), not from listing every snapshot every 2 s.
     const [snaps, sbs] = await Promise.all([this.active ? [...this.cache.snapshots.values()] : this.deps.store.listSnapshots(undefined), sandboxes ?? this.deps.store.listSandboxes(undefined)]);
     const rev = new Map(snaps.map((v) => [v.value.id, v.modRevision]));
+    // Snapshots that running operations will place sandboxes from before any record of those
+    // names them (a fork of a live sandbox between its snapshot and its children). A delete's
+    // own operation names the snapshot it deletes: not a user.
+    const opUsers = new Map<string, string[]>();
+    for (const { value: o } of this.ops.values()) {
+      if (isTerminal(o.state) || o.kind === 'delete_snapshot' || o.result?.sandboxIds) continue;
+      const input = o.input as { snapshotId?: unknown; forkSnapshotId?: unknown } | null;
+      for (const id of [input?.snapshotId, input?.forkSnapshotId]) if (typeof id === 'string' && id) opUsers.set(id, [...(opUsers.get(id) ?? []), o.id]);
+    }
     const plan = planRetention(
       snaps.map((v) => v.value),
       sbs.map((v) => v.value),
       now,
       this.deps.config.expiryNoticeMs ?? 10 * 60_000,
+      opUsers,
     );
     for (const { snapshot, dueAt } of plan.announce) {
       if (await this.commit([{ kind: 'snapshot', value: { ...snapshot, expiryDueAt: dueAt }, expectRevision: rev.get(snapshot.id) ?? 0 }]))

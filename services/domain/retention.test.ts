@@ -49,6 +49,17 @@ describe('planRetention', () => {
     expect(ids(p.withdraw)).toEqual(['s1']);
   });
 
+  it('snapshotARunningForkIsAboutToPlaceFrom_isHeldLikeOneASandboxUses', () => {
+    // Fork A's snapshot s1 is ready, fork B's newer s2 pushes it out of keep_last 1, and A has
+    // not placed its children yet: no child record names s1.
+    const snaps = [snap('s1', 1, { keepLast: 1, expiryDueAt: 5 * MIN }), snap('s2', 2, { keepLast: 1 })];
+    const p = planRetention(snaps, [], 100 * MIN, NOTICE, new Map([['s1', ['op-fork-a']]]));
+    expect(p.expire).toEqual([]);
+    expect(p.announce).toEqual([]);
+    expect(p.held.get('s1')).toEqual(['op-fork-a']);
+    expect(ids(planRetention(snaps, [], 100 * MIN, NOTICE).expire)).toEqual(['s1']);
+  });
+
   it('snapshotALiveSandboxUses_isHeldUntilTheSandboxIsGone', () => {
     const snaps = [snap('s1', 1, { keepLast: 1, expiryDueAt: 5 * MIN }), snap('s2', 2, { keepLast: 1 })];
     const child = sandbox('sb-child', { sourceSnapshotId: 's1' });

@@ -55,8 +55,13 @@ function wantedGoneAt(sn: SnapshotRec, rank: number, orphan: boolean, now: numbe
   return Math.min(byTtl, byWindow);
 }
 
-export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: readonly SandboxRec[], now: number, noticeMs: number): RetentionPlan {
-  const users = new Map<string, string[]>();
+/**
+ * `opUsers`: snapshots that running operations are about to place sandboxes from, with the
+ * operations' ids (a fork's snapshot of a live sandbox has no child record yet between
+ * becoming ready and its children's placement); held like those sandboxes use.
+ */
+export function planRetention(snapshots: readonly SnapshotRec[], sandboxes: readonly SandboxRec[], now: number, noticeMs: number, opUsers: ReadonlyMap<string, readonly string[]> = new Map()): RetentionPlan {
+  const users = new Map<string, string[]>([...opUsers].map(([id, ops]) => [id, [...ops]]));
   const live = new Set<string>();
   for (const sb of sandboxes) {
     if (sb.state === 'destroyed') continue;
