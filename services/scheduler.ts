@@ -25,7 +25,7 @@ import { fleetService } from './adapters/grpc/fleet-service.ts';
 import { Fleet } from './domain/fleet.ts';
 import { Executor } from './domain/executor.ts';
 import { registerFleetGauges } from './fleet-metrics.ts';
-import { DEFAULT_RETRY, WebhookDispatcher } from './domain/webhooks.ts';
+import { compactionFloor, DEFAULT_RETRY, WebhookDispatcher } from './domain/webhooks.ts';
 import { EtcdDeliveryLog } from './adapters/etcd/webhook-log.ts';
 import { Compactor } from './domain/history.ts';
 import { QuotaLedger } from './domain/quota-ledger.ts';
@@ -249,6 +249,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   // Webhooks go out from the leader only (services/domain/webhooks.ts).
   const deliveries = new EtcdDeliveryLog(store.etcd);
   const webhookAttempts = new Counter({ name: 'forkfleet_webhook_attempts_total', help: 'Webhook delivery attempts, by outcome (delivered, retry, failed).', labelNames: ['result'], registers: [registry] });
+  const webhookLost = new Counter({ name: 'forkfleet_webhook_revisions_lost_total', help: 'etcd revisions whose webhook events were never recorded nor sent: etcd compacted them before the leader recorded them (an outside compaction, or a leader that ran without webhooks).', registers: [registry] });
+  const webhookStartFailures = new Counter({ name: 'forkfleet_webhook_start_failures_total', help: 'Starts of the leader\'s webhook dispatcher that failed (it tries again; the leader keeps leading).', registers: [registry] });
   const webhooks = new WebhookDispatcher({
     store,
     deliveries,
@@ -258,6 +260,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     targets: config.webhooks,
     retry: { ...DEFAULT_RETRY, baseDelayMs: config.webhookRetryBaseMs },
     onAttempt: (result) => webhookAttempts.inc({ result }),
+    onEventsLost: (revisions) => webhookLost.inc(revisions),
+    onStartFailed: () => webhookStartFailures.inc(),
     retentionMs: config.recordRetentionMs,
   });
 
@@ -266,15 +270,10 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const compactor = new Compactor(
     {
       store,
-      // The dispatcher replays from cursor + 1 after a restart: that revision must stay readable.
-      ...(config.webhooks.length > 0
-        ? {
-            floor: async () => {
-              const cursor = await deliveries.cursor();
-              return cursor > 0 ? cursor + 1 : undefined;
-            },
-          }
-        : {}),
+      // The dispatcher replays from cursor + 1 after a restart, with each change's previous
+      // value: the history from the cursor on must stay readable (compactionFloor). A cursor
+      // that an outside compaction passed holds nothing back (the dispatcher skips the loss).
+      ...(config.webhooks.length > 0 ? { floor: () => compactionFloor(deliveries), compactedPast: (rev: number) => deliveries.compactedPast(rev) } : {}),
       onCompacted: (rev) => compactedTo.set(rev),
       onHeldBack: (floor, wanted) => log.warn({ floor, wanted }, 'etcd compaction is held back by the webhook cursor (events not recorded for delivery): etcd keeps growing'),
       onError: (err) => log.warn({ err }, 'etcd compaction failed'),
@@ -308,6 +307,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       try {
         await executor.start();
         if (!current()) return;
+        // Does not reject: a dispatcher that cannot start (its delivery log unreadable) is logged,
+        // counted and tried again by itself; webhooks are not worth the leadership (webhooks.ts).
         await webhooks.start();
         if (!current()) return;
         compactor.start();

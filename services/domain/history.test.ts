@@ -142,6 +142,24 @@ describe('Compactor', () => {
     expect(f.compacted).toEqual([42]);
   });
 
+  it('tick_withAFloorThatEtcdCompactedPastAlready_compactsToTheTarget', async () => {
+    // The webhook cursor says 51, but etcd was compacted to 100 by someone else (its own
+    // auto-compaction, an operator, a leader without webhooks): compact(51) reports success
+    // and does nothing, so holding to that floor would stop compaction for good.
+    const f = fakeStore([500, 600]);
+    const c = new Compactor({ store: f.store, floor: async () => 51, compactedPast: async (r) => r < 100 }, 0);
+    await c.tick();
+    expect(await c.tick()).toBe(500);
+    expect(f.compacted).toEqual([500]);
+  });
+
+  it('tick_withAFloorStillReadable_holdsToIt', async () => {
+    const f = fakeStore([500, 600]);
+    const c = new Compactor({ store: f.store, floor: async () => 100, compactedPast: async (r) => r < 100 }, 0);
+    await c.tick();
+    expect(await c.tick()).toBe(100);
+  });
+
   it('tick_whenTheStoreFails_reportsTheErrorAndCompactsNothing', async () => {
     const errors: unknown[] = [];
     const c = new Compactor({ store: { revision: async () => 5, compact: async () => Promise.reject(new Error('etcd down')) }, onError: (e) => errors.push(e) }, 0);

@@ -10,7 +10,7 @@
 //   - compacts etcd every `compactEveryMs` down to the revision it read one interval earlier
 //     (at least one interval of history stays, as the Kubernetes API server does it), never
 //     past `floor()` (the webhook cursor: events not yet recorded for delivery stay
-//     replayable);
+//     replayable) unless that floor is compacted away already (nothing left to keep);
 //   - deletes the records of sandboxes that are destroyed or failed, and of operations that
 //     are finished, `retentionMs` after their last change. An operation's idempotency key
 //     goes with it: a retry of the same key within the retention window gets the same
@@ -120,6 +120,13 @@ export interface CompactorDeps {
   readonly store: Pick<FleetStore, 'revision' | 'compact'>;
   /** Compaction never goes past this revision (the webhook cursor); undefined: no floor. */
   readonly floor?: () => Promise<number | undefined>;
+  /**
+   * Whether the store's history at `revision` is compacted away already (a read there fails).
+   * A floor there keeps nothing readable, so it is ignored: etcd reports a compaction to an
+   * older revision as done, and such a floor (the cursor of a dispatcher that fell behind an
+   * outside compaction) would otherwise hold every compaction back for good.
+   */
+  readonly compactedPast?: (revision: number) => Promise<boolean>;
   readonly onCompacted?: (revision: number) => void;
   /** The floor has held compaction below the revision it would reach for more than an interval. */
   readonly onHeldBack?: (floor: number, wanted: number) => void;
@@ -172,7 +179,9 @@ export class Compactor {
       if (term !== this.term) return 0;
       this.previous = now;
       if (target <= 0) return 0;
-      const floor = this.deps.floor ? await this.deps.floor() : undefined;
+      let floor = this.deps.floor ? await this.deps.floor() : undefined;
+      if (term !== this.term) return 0;
+      if (floor !== undefined && floor < target && this.deps.compactedPast && (await this.deps.compactedPast(floor))) floor = undefined;
       if (term !== this.term) return 0;
       const to = floor === undefined ? target : Math.min(target, floor);
       // A floor that holds compaction back (webhook events not recorded) lets etcd grow: say so.

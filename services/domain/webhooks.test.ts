@@ -1,10 +1,10 @@
 import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
-import { afterEach, describe, expect, it } from 'vitest';
+import { afterEach, describe, expect, it, vi } from 'vitest';
 import pino from 'pino';
 import { backoffMs, DEFAULT_RETRY, parseWebhookTargets, signWebhook, verifyWebhookSignature, WebhookDispatcher } from './webhooks.ts';
 import type { DeliveryLog, DeliveryRec, DeliveryState } from './webhooks.ts';
-import type { RecordChange } from './ports.ts';
+import type { FleetStore, RecordChange } from './ports.ts';
 import type { SnapshotRec } from './records.ts';
 import { fetchPoster } from '../adapters/http/webhook-poster.ts';
 import { sandboxRecord } from '../testkit/records.ts';
@@ -16,6 +16,10 @@ class MemoryLog implements DeliveryLog {
   cur = 0;
   /** The next create throws (etcd unavailable), writing nothing. */
   failNextCreate = false;
+  /** So many next updates, and lists, throw (etcd unavailable). */
+  failUpdates = 0;
+  failLists = 0;
+  cursorWrites = 0;
   async get(id: string) {
     return this.recs.get(id);
   }
@@ -23,6 +27,7 @@ class MemoryLog implements DeliveryLog {
     return this.cur;
   }
   async setCursor(r: number) {
+    this.cursorWrites++;
     this.cur = r;
   }
   async create(rec: DeliveryRec) {
@@ -35,9 +40,17 @@ class MemoryLog implements DeliveryLog {
     return true;
   }
   async update(rec: DeliveryRec) {
+    if (this.failUpdates > 0) {
+      this.failUpdates--;
+      throw new Error('etcd unavailable');
+    }
     this.recs.set(rec.id, rec);
   }
   async list(f: { state?: DeliveryState }) {
+    if (this.failLists > 0) {
+      this.failLists--;
+      throw new Error('etcd unavailable');
+    }
     return [...this.recs.values()].filter((r) => !f.state || r.state === f.state);
   }
   async remove(ids: readonly string[]) {
@@ -135,6 +148,7 @@ describe('WebhookDispatcher', () => {
     };
     const d = new WebhookDispatcher({
       store: {
+        revision: async () => history.at(-1)?.revision ?? 0,
         watchRecords: async (cb, opts) => {
           const from = opts?.fromRevision;
           if (from !== undefined) for (const ch of history.filter((c) => c.revision >= from)) cb(ch);
@@ -177,6 +191,7 @@ describe('WebhookDispatcher', () => {
     let watches = 0;
     const d = new WebhookDispatcher({
       store: {
+        revision: async () => 0,
         watchRecords: async () => {
           watches++;
           return () => undefined;
@@ -309,5 +324,156 @@ describe('WebhookDispatcher', () => {
     emit(first);
     await until(() => log.recs.get(id)?.state === 'delivered');
     expect(rx.got.filter((g) => g.delivery === id)).toHaveLength(1);
+  });
+});
+
+/**
+ * A store of our own port: a watch from a revision replays what came since, then follows; one
+ * from a revision at or below `compactedThrough` is made and then cancelled, as etcd does.
+ */
+function fakeStore(opts: { compactedThrough?: number; revision?: number } = {}) {
+  const history: RecordChange[] = [];
+  let watching: ((ch: RecordChange) => void) | undefined;
+  let revision = opts.revision ?? 0;
+  const store: Pick<FleetStore, 'watchRecords' | 'revision'> = {
+    revision: async () => revision,
+    watchRecords: async (cb, o) => {
+      const from = o?.fromRevision;
+      if (from !== undefined && from <= (opts.compactedThrough ?? 0)) {
+        void Promise.resolve().then(() => o?.onError?.(new Error(`watch from revision ${from}: required revision has been compacted`)));
+        return () => undefined;
+      }
+      if (from !== undefined) for (const ch of history.filter((c) => c.revision >= from)) cb(ch);
+      watching = cb;
+      return () => {
+        if (watching === cb) watching = undefined;
+      };
+    },
+  };
+  const emit = (ch: RecordChange): void => {
+    history.push(ch);
+    revision = Math.max(revision, ch.revision);
+    watching?.(ch);
+  };
+  return { store, emit };
+}
+
+/** A poster of our own port: answers in turn (then 200), and counts the POSTs. */
+function fakePoster(answers: Array<number | Promise<number>> = []) {
+  const posts: string[] = [];
+  return {
+    posts,
+    post: async (_url: string, _body: string, headers: Record<string, string>) => {
+      posts.push(headers['forkfleet-delivery'] ?? '');
+      return answers.shift() ?? 200;
+    },
+  };
+}
+
+describe('WebhookDispatcher, with fakes of its ports', () => {
+  const stops: Array<() => Promise<void>> = [];
+  afterEach(async () => {
+    for (const s of stops.splice(0)) await s();
+    vi.useRealTimers();
+  });
+
+  function dispatcher(store: Pick<FleetStore, 'watchRecords' | 'revision'>, log: MemoryLog, poster: ReturnType<typeof fakePoster>, over: { types?: string[]; onEventsLost?: (n: number) => void; onStartFailed?: () => void } = {}) {
+    const d = new WebhookDispatcher({
+      store,
+      deliveries: log,
+      poster,
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      targets: parseWebhookTargets('t', JSON.stringify([{ url: 'http://hook.test/x', secret: SECRET, types: over.types ?? ['sandbox_created'] }])),
+      retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
+      ...(over.onEventsLost ? { onEventsLost: over.onEventsLost } : {}),
+      ...(over.onStartFailed ? { onStartFailed: over.onStartFailed } : {}),
+    });
+    stops.push(() => d.stop());
+    return d;
+  }
+
+  it('cursorThatEtcdCompactedPast_isMovedToTheCurrentRevision_theLossIsCounted_andLaterEventsAreDelivered', async () => {
+    // A leader that ran without webhooks (or etcd's own auto-compaction) compacted through 100;
+    // the cursor says 50. Following from 51 is cancelled every time.
+    const { store, emit } = fakeStore({ compactedThrough: 100, revision: 150 });
+    const log = new MemoryLog();
+    log.cur = 50;
+    const poster = fakePoster();
+    const lost: number[] = [];
+    await dispatcher(store, log, poster, { onEventsLost: (n) => lost.push(n) }).start();
+    await until(() => log.cur === 150, 3000);
+    expect(lost).toEqual([100]); // revisions 51..150
+    emit(sandboxCreated(200, 'sb-later'));
+    await until(() => poster.posts.length === 1, 3000);
+    await until(() => [...log.recs.values()].some((r) => r.revision === 200 && r.state === 'delivered'), 3000);
+  });
+
+  it('startWhoseLogCannotBeListed_doesNotReject_andStartsAgainLater', async () => {
+    vi.useFakeTimers();
+    const { store, emit } = fakeStore();
+    const log = new MemoryLog();
+    log.failLists = 1;
+    const poster = fakePoster();
+    let failed = 0;
+    const d = dispatcher(store, log, poster, { onStartFailed: () => failed++ });
+    await d.start();
+    expect(failed).toBe(1);
+    await vi.advanceTimersByTimeAsync(1000);
+    emit(sandboxCreated(5, 'sb-after-restart'));
+    await vi.advanceTimersByTimeAsync(100);
+    expect(poster.posts).toHaveLength(1);
+    expect([...log.recs.values()].map((r) => r.state)).toEqual(['delivered']);
+  });
+
+  it('attemptWhoseRecordWriteFails_isWrittenAgainWithBackoff_andRetriedUntilDelivered', async () => {
+    vi.useFakeTimers();
+    const { store, emit } = fakeStore();
+    const log = new MemoryLog();
+    const poster = fakePoster([500, 200]);
+    await dispatcher(store, log, poster).start();
+    // The first attempt's outcome (HTTP 500, retry) fails to be written once: an etcd blip.
+    log.failUpdates = 1;
+    emit(sandboxCreated(5, 'sb-blip'));
+    await vi.advanceTimersByTimeAsync(1000);
+    expect(poster.posts).toHaveLength(2);
+    expect([...log.recs.values()]).toMatchObject([{ state: 'delivered', attempts: 2, lastStatus: 200 }]);
+  });
+
+  it('reElectedWhileAPostIsInFlight_theEarlierTermsOutcomeIsDropped_oneRetryChainPerDelivery', async () => {
+    vi.useFakeTimers();
+    const { store, emit } = fakeStore();
+    const log = new MemoryLog();
+    let answer!: (status: number) => void;
+    const poster = fakePoster([new Promise<number>((r) => (answer = r))]);
+    const d = dispatcher(store, log, poster);
+    await d.start();
+    emit(sandboxCreated(5, 'sb-inflight'));
+    await vi.advanceTimersByTimeAsync(0);
+    expect(poster.posts).toHaveLength(1); // held
+    // Leadership lost and won again: the new term lists the pending record and delivers it.
+    await d.stop();
+    await d.start();
+    await vi.advanceTimersByTimeAsync(0);
+    expect(poster.posts).toHaveLength(2);
+    // The first term's POST answers at last, 500: no retry of it, and the record stays delivered.
+    answer(500);
+    await vi.advanceTimersByTimeAsync(500);
+    expect(poster.posts).toHaveLength(2);
+    expect([...log.recs.values()]).toMatchObject([{ state: 'delivered', attempts: 1 }]);
+  });
+
+  it('changesThatMatchNoTarget_writeTheCursorAtMostOncePerRevision_andItCatchesUpAfterABurst', async () => {
+    const { store, emit } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    const poster = fakePoster();
+    await dispatcher(store, log, poster, { types: ['snapshot_expired'] }).start();
+    // 1,000 changes over 10 revisions (transactions of 100 records), none for the one target.
+    for (let r = 101; r <= 110; r++) for (let i = 0; i < 100; i++) emit(sandboxCreated(r, `sb-${r}-${i}`));
+    // Every revision below the last is complete: the cursor gets there (after at most a second).
+    await until(() => log.cur === 109, 3000);
+    expect(log.cursorWrites).toBeLessThanOrEqual(10);
+    expect(poster.posts).toHaveLength(0);
   });
 });

@@ -124,7 +124,7 @@ export function parseWebhookTargets(field: string, json: string): WebhookTarget[
 }
 
 export interface WebhookDispatcherDeps {
-  store: Pick<FleetStore, 'watchRecords'>;
+  store: Pick<FleetStore, 'watchRecords' | 'revision'>;
   deliveries: DeliveryLog;
   poster: WebhookPoster;
   clock: Clock;
@@ -134,10 +134,45 @@ export interface WebhookDispatcherDeps {
   /** Observability: every finished attempt. */
   onAttempt?: (result: 'delivered' | 'retry' | 'failed') => void;
   /**
+   * Observability: etcd compacted away `revisions` store revisions before their events were
+   * recorded (they are skipped, and their events never sent).
+   */
+  onEventsLost?: (revisions: number) => void;
+  /** Observability: a start failed (it is tried again while the dispatcher runs). */
+  onStartFailed?: () => void;
+  /**
    * Delivered and failed delivery records are deleted this long after their last attempt
    * (FF_RECORD_RETENTION, ADR 0017); 0 or absent: kept forever.
    */
   retentionMs?: number;
+}
+
+/**
+ * The oldest store revision etcd compaction must keep while webhooks are configured: the
+ * cursor. A dispatcher replays from cursor + 1, and a change there is told apart from a
+ * create by its previous value, which etcd reads at the revision before it (cursor): compacted
+ * to cursor + 1, a sandbox destroyed there would come back as sandbox_created (ADR 0017).
+ * Undefined: no cursor yet, no floor.
+ */
+export async function compactionFloor(deliveries: Pick<DeliveryLog, 'cursor'>): Promise<number | undefined> {
+  const cursor = await deliveries.cursor();
+  return cursor > 0 ? cursor : undefined;
+}
+
+/** A change that matches no target moves the cursor at most this often (one etcd write each, ADR 0011). */
+const CURSOR_EVERY_MS = 1000;
+
+/** First retry of a start that failed; doubling up to START_RETRY_MAX_MS. */
+const START_RETRY_MS = 1000;
+const START_RETRY_MAX_MS = 60_000;
+
+/**
+ * The store reports a watch from a compacted revision with an error that says so (etcd's own
+ * "required revision has been compacted"; adapters/etcd/store.ts names it when etcd gives no
+ * reason).
+ */
+function isCompacted(e: unknown): boolean {
+  return /compacted/i.test(e instanceof Error ? e.message : String(e));
 }
 
 /**
@@ -171,47 +206,94 @@ export class WebhookDispatcher {
   private readonly owned = new Set<string>();
   /** The current watch (follow); changes of an older one are not recorded. */
   private generation = 0;
+  /** The cursor as last written (or read), and when it was written. */
+  private cursorWritten = 0;
+  private cursorWrittenAt = 0;
+  /** Every revision up to this one has its deliveries recorded (the cursor may lag behind it). */
+  private recorded = 0;
+  /** A later write of the cursor is due (a change that matched no target did not write it). */
+  private cursorLater: NodeJS.Timeout | undefined;
 
   constructor(private readonly deps: WebhookDispatcherDeps) {
     this.retry = deps.retry ?? DEFAULT_RETRY;
   }
 
-  /** On becoming leader: resume pending deliveries, then follow events from the cursor. */
+  /**
+   * On becoming leader: resume pending deliveries, then follow events from the cursor. A start
+   * that fails (etcd failed a read) does not reject: it is logged, counted and tried again
+   * until stop(). Webhooks are not worth the leadership: resigning would not mend etcd, every
+   * next leader would fail alike (say, a delivery log too large to read), and nothing is lost
+   * meanwhile, since compaction keeps the cursor's history (compactionFloor).
+   */
   async start(): Promise<void> {
     if (this.deps.targets.length === 0) return;
     this.active = true;
-    const run = ++this.runs;
+    await this.begin(++this.runs, START_RETRY_MS);
+  }
+
+  /**
+   * Counts start() and stop() calls, and starts tried again: a start that a stop overtook does
+   * nothing more, and an attempt begun in an earlier run keeps no result (the later run lists
+   * its record and attempts it itself).
+   */
+  private runs = 0;
+
+  private async begin(run: number, retryMs: number): Promise<void> {
     this.finished.clear();
     this.owned.clear();
-    const listed = await this.deps.deliveries.list({});
-    // stop() came while this listed (leadership lost mid-start): nothing is scheduled.
-    if (run !== this.runs) return;
-    for (const d of listed) {
-      if (d.state === 'pending') this.schedule(d, Math.max(0, d.nextAttemptAt - this.deps.clock.now()));
-      else this.noteFinished(d);
-    }
-    const retention = this.deps.retentionMs ?? 0;
-    if (retention > 0) {
-      const t = setInterval(() => {
-        this.chain = this.chain.then(async () => void (await this.expire())).catch((e: unknown) => this.deps.log.warn({ err: e }, 'expiring webhook delivery records failed'));
-      }, Math.min(30_000, Math.max(500, retention / 2)));
+    try {
+      const listed = await this.deps.deliveries.list({});
+      // stop() came while this listed (leadership lost mid-start): nothing is scheduled.
+      if (run !== this.runs) return;
+      for (const d of listed) {
+        if (d.state === 'pending') this.schedule(d, Math.max(0, d.nextAttemptAt - this.deps.clock.now()));
+        else this.noteFinished(d);
+      }
+      const retention = this.deps.retentionMs ?? 0;
+      if (retention > 0) {
+        const t = setInterval(() => {
+          this.chain = this.chain.then(async () => void (await this.expire())).catch((e: unknown) => this.deps.log.warn({ err: e }, 'expiring webhook delivery records failed'));
+        }, Math.min(30_000, Math.max(500, retention / 2)));
+        t.unref();
+        this.timers.add(t);
+      }
+      await this.follow();
+    } catch (e) {
+      if (run !== this.runs || !this.active) return;
+      this.deps.log.error({ err: e }, `the webhook dispatcher could not start; trying again in ${retryMs} ms`);
+      this.deps.onStartFailed?.();
+      // What this run began goes: its timers, its watch, and (a new run) its attempts' results.
+      const next = ++this.runs;
+      this.halt();
+      const t = setTimeout(() => {
+        this.timers.delete(t);
+        if (next === this.runs) void this.begin(next, Math.min(START_RETRY_MAX_MS, 2 * retryMs));
+      }, retryMs);
       t.unref();
       this.timers.add(t);
     }
-    await this.follow();
   }
 
-  /** Counts start() and stop() calls: a start that a stop overtook does nothing more. */
-  private runs = 0;
+  /** Stops the watch and every timer (deliveries, expiry, retries). */
+  private halt(): void {
+    this.generation++;
+    this.stopWatch?.();
+    this.stopWatch = undefined;
+    for (const t of this.timers) clearTimeout(t);
+    this.timers.clear();
+    this.cursorLater = undefined;
+  }
 
   /**
    * Follows record changes from the cursor on. A watch that etcd breaks off is followed again
    * from the cursor a second later, once what was already queued is recorded (the cursor is
-   * never compacted away: ADR 0017).
+   * never compacted away by the leader: ADR 0017). One that etcd cancels because its start was
+   * compacted anyway is moved past the loss (skipCompacted).
    */
   private async follow(failedAt?: number): Promise<void> {
     const cursor = await this.deps.deliveries.cursor();
     if (!this.active) return; // stopped meanwhile
+    this.cursorWritten = this.recorded = cursor;
     // No cursor yet (nothing recorded since the fleet began): a change whose record failed is
     // followed again from its own revision, not from now.
     const fromRevision = cursor > 0 ? cursor + 1 : failedAt;
@@ -222,9 +304,10 @@ export class WebhookDispatcher {
     const again = (e: unknown, what: string, at?: number): void => {
       if (!this.active || generation !== this.generation) return;
       this.generation++;
-      this.deps.log.warn({ err: e }, `${what}; following again from the cursor`);
       watch.stop?.();
       if (this.stopWatch === watch.stop) this.stopWatch = undefined;
+      if (at === undefined && fromRevision !== undefined && isCompacted(e)) return this.skipCompacted(fromRevision, e);
+      this.deps.log.warn({ err: e }, `${what}; following again from the cursor`);
       this.followAgain(at ?? failedAt);
     };
     const stop = await this.deps.store.watchRecords(
@@ -257,6 +340,32 @@ export class WebhookDispatcher {
     this.timers.add(t);
   }
 
+  /**
+   * etcd compacted the history from `from` on before its events were recorded (etcd's own
+   * --auto-compaction, an operator's compact, a leader that ran without webhooks). A watch
+   * from there is cancelled every time, so following again from the cursor would never record
+   * another event, and the cursor would hold the leader's compaction back for good. Those
+   * events are lost: say so (an error log and onEventsLost), move the cursor to the store's
+   * current revision and follow from there. etcd does not say which revision it compacted to,
+   * so the changes between that and now are skipped too.
+   */
+  private skipCompacted(from: number, e: unknown): void {
+    this.chain = this.chain
+      .then(async () => {
+        if (!this.active || this.stopWatch) return;
+        const now = await this.deps.store.revision();
+        if (!this.active || this.stopWatch) return;
+        this.deps.log.error({ err: e, fromRevision: from, toRevision: now }, 'etcd compacted the store history before its webhook events were recorded: the events of these revisions are lost; following from the current revision');
+        this.deps.onEventsLost?.(Math.max(0, now - from + 1));
+        await this.writeCursor(now);
+        await this.follow();
+      })
+      .catch((err: unknown) => {
+        this.deps.log.warn({ err }, 'following the events again failed; trying again');
+        if (this.active && !this.stopWatch) this.followAgain(undefined);
+      });
+  }
+
   /** Deletes the delivered and failed records whose last attempt is older than the retention. */
   async expire(): Promise<number> {
     const cutoff = this.deps.clock.now() - (this.deps.retentionMs ?? 0);
@@ -273,19 +382,18 @@ export class WebhookDispatcher {
   async stop(): Promise<void> {
     this.active = false;
     this.runs++;
-    this.generation++;
-    this.stopWatch?.();
-    for (const t of this.timers) clearTimeout(t);
-    this.timers.clear();
+    this.halt();
     await this.chain;
   }
 
   private async record(events: FleetEvent[], revision: number): Promise<void> {
     const now = this.deps.clock.now();
+    let matched = false;
     for (const ev of events) {
       for (const t of this.deps.targets) {
         if (t.tenantId && t.tenantId !== ev.tenantId) continue;
         if (t.types.length && !t.types.includes(ev.type)) continue;
+        matched = true;
         const id = deliveryId(ev, t);
         const body = JSON.stringify({ id, ...ev, time: new Date(ev.time).toISOString() });
         const rec: DeliveryRec = { id, url: t.url, tenantId: ev.tenantId, eventType: ev.type, revision: ev.revision, body, state: 'pending', attempts: 0, lastStatus: 0, lastError: '', createdAt: now, updatedAt: now, nextAttemptAt: now, deliveredAt: null };
@@ -301,7 +409,43 @@ export class WebhookDispatcher {
     }
     // Every revision below this one is complete (changes arrive in revision order); this
     // one may have more changes to come, so a restart replays it (creates are idempotent).
-    await this.deps.deliveries.setCursor(revision - 1);
+    const complete = revision - 1;
+    this.recorded = Math.max(this.recorded, complete);
+    // The cursor is there already: another change of this revision wrote it (a fork's
+    // children are one transaction), one write per revision.
+    if (complete <= this.cursorWritten) return;
+    // A change that matched no target has nothing to replay: it moves the cursor at most every
+    // CURSOR_EVERY_MS (a busy fleet made one etcd write per record change). A matching one
+    // writes it, so a new leader replays little.
+    if (matched || now - this.cursorWrittenAt >= CURSOR_EVERY_MS) await this.writeCursor(complete);
+    else this.writeCursorLater();
+  }
+
+  private async writeCursor(revision: number): Promise<void> {
+    this.recorded = Math.max(this.recorded, revision);
+    await this.deps.deliveries.setCursor(revision);
+    this.cursorWritten = Math.max(this.cursorWritten, revision);
+    this.cursorWrittenAt = this.deps.clock.now();
+  }
+
+  /**
+   * Writes the cursor CURSOR_EVERY_MS from now, as far as the changes recorded by then reach,
+   * so that the last changes of a burst do not leave it behind (it is the compaction floor).
+   * `recorded` only moves when a change's deliveries are all recorded, in revision order, so
+   * it is safe to write whichever watch recorded them.
+   */
+  private writeCursorLater(): void {
+    if (this.cursorLater) return;
+    const t = setTimeout(() => {
+      this.timers.delete(t);
+      if (this.cursorLater === t) this.cursorLater = undefined;
+      this.chain = this.chain
+        .then(() => (this.active && this.recorded > this.cursorWritten ? this.writeCursor(this.recorded) : undefined))
+        .catch((e: unknown) => this.deps.log.warn({ err: e }, 'writing the webhook cursor failed; the next change writes it'));
+    }, CURSOR_EVERY_MS);
+    t.unref();
+    this.timers.add(t);
+    this.cursorLater = t;
   }
 
   private noteFinished(rec: DeliveryRec): void {
@@ -310,16 +454,18 @@ export class WebhookDispatcher {
 
   private schedule(rec: DeliveryRec, delayMs: number): void {
     if (!this.active) return;
+    const run = this.runs;
     this.owned.add(rec.id);
     const t = setTimeout(() => {
       this.timers.delete(t);
-      void this.attempt(rec).catch((e: unknown) => this.deps.log.warn({ err: e, deliveryId: rec.id }, 'webhook attempt bookkeeping failed'));
-    }, delayMs);
+      if (run !== this.runs) return;
+      void this.attempt(rec, run).catch((e: unknown) => this.deps.log.warn({ err: e, deliveryId: rec.id }, 'webhook attempt bookkeeping failed'));
+    }, Math.max(0, delayMs));
     t.unref();
     this.timers.add(t);
   }
 
-  private async attempt(rec: DeliveryRec): Promise<void> {
+  private async attempt(rec: DeliveryRec, run: number): Promise<void> {
     // The target the delivery was made for (its id ends with that target's key): not the first
     // with its URL, which may be another target's with another secret.
     const target = this.deps.targets.find((t) => t.url === rec.url && rec.id.endsWith(`-${targetKey(t)}`));
@@ -327,9 +473,7 @@ export class WebhookDispatcher {
     const next: DeliveryRec = { ...rec, attempts: rec.attempts + 1, updatedAt: now };
     if (!target) {
       Object.assign(next, { state: 'failed', lastError: 'webhook no longer configured' });
-      await this.deps.deliveries.update(next);
-      this.owned.delete(next.id);
-      this.noteFinished(next);
+      await this.save(next, run);
       return;
     }
     const headers = {
@@ -346,7 +490,10 @@ export class WebhookDispatcher {
       next.lastStatus = 0;
       next.lastError = e instanceof Error ? e.message : String(e);
     }
-    if (!this.active) return; // a new leader retries it
+    // Stopped (a new leader retries it), or stopped and started again while this was in flight:
+    // that run listed the record and attempts it itself, and a second retry chain here would
+    // send it twice more and could write an older outcome over its own.
+    if (!this.active || run !== this.runs) return;
     if (!next.lastError) {
       next.state = 'delivered';
       next.deliveredAt = this.deps.clock.now();
@@ -359,7 +506,31 @@ export class WebhookDispatcher {
       next.nextAttemptAt = this.deps.clock.now() + backoffMs(next.attempts, this.retry);
       this.deps.onAttempt?.('retry');
     }
-    await this.deps.deliveries.update(next);
+    await this.save(next, run);
+  }
+
+  /**
+   * Records an attempt's outcome, then schedules the next attempt or notes the delivery
+   * finished. A write that fails (an etcd blip) is tried again with backoff, the outcome kept
+   * here meanwhile: else the delivery stayed owned with nothing scheduled, and was never
+   * retried while this leader led.
+   */
+  private async save(next: DeliveryRec, run: number, failures = 0): Promise<void> {
+    try {
+      await this.deps.deliveries.update(next);
+    } catch (e) {
+      if (run !== this.runs) return; // a later run (or leader) lists the record again
+      const delay = backoffMs(failures + 1, this.retry);
+      this.deps.log.warn({ err: e, deliveryId: next.id }, `recording a webhook attempt failed; writing it again in ${delay} ms`);
+      const t = setTimeout(() => {
+        this.timers.delete(t);
+        if (run === this.runs) void this.save(next, run, failures + 1).catch((err: unknown) => this.deps.log.warn({ err, deliveryId: next.id }, 'webhook attempt bookkeeping failed'));
+      }, delay);
+      t.unref();
+      this.timers.add(t);
+      return;
+    }
+    if (run !== this.runs) return;
     if (next.state === 'pending') this.schedule(next, next.nextAttemptAt - this.deps.clock.now());
     else {
       this.owned.delete(next.id);
