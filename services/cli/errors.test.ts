@@ -7,10 +7,29 @@ import { status as Status } from '@grpc/grpc-js';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { RpcError } from '../adapters/grpc/status.ts';
 import { OperationKind, OperationSchema, OperationState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import { Forkfleet } from '../sdk/index.ts';
+import { Forkfleet, OperationFailedError } from '../sdk/index.ts';
+import type { OperationInfo, SandboxInfo } from '../sdk/index.ts';
 import { describeError, main } from './main.ts';
 
 const OP = `op-${'a'.repeat(20)}`;
+
+/** A fork that ended `state`, listing its children in the states given (as GetOperation reads them now). */
+function forkThatEnded(state: 'failed' | 'cancelled', children: Array<[string, SandboxInfo['state']]>): OperationFailedError {
+  return new OperationFailedError({
+    id: OP,
+    tenantId: 't1',
+    kind: 'fork',
+    state,
+    targetId: 'sb-src',
+    progress: { done: 1, total: children.length, message: '', bytesTransferred: 0 },
+    createdAt: undefined,
+    updatedAt: undefined,
+    error: { kind: state === 'cancelled' ? 'cancelled' : 'unavailable', message: 'host h1 was lost', field: '', retryable: false },
+    cancelRequested: state === 'cancelled',
+    steps: [],
+    fork: { snapshotId: 'sn-1', summary: '', children: children.map(([id, st]) => ({ id, state: st }) as SandboxInfo) },
+  } satisfies OperationInfo);
+}
 
 afterEach(() => void vi.restoreAllMocks());
 
@@ -30,6 +49,26 @@ describe('CLI errors', () => {
     expect(d.hint).toContain(`forkfleet operation get ${OP}`);
     expect(d.hint).toContain('--idempotency-key cli-k1');
     expect(d.hint).not.toMatch(/retry with a larger --timeout|retry in a few seconds/);
+  });
+
+  it('aFailedFork_namesOnlyTheChildrenItLeft_notThoseThatFailedOrWereDestroyed', () => {
+    const e = forkThatEnded('failed', [['sb-run', 'running'], ['sb-fail', 'failed'], ['sb-gone', 'destroyed'], ['sb-going', 'destroying'], ['sb-lost', 'lost'], ['sb-hib', 'hibernated']]);
+    const d = describeError(e, 'a:1');
+    expect(d.children).toEqual(['sb-run', 'sb-hib']);
+    expect(d.hint).toContain('2 children were left');
+    expect(d.hint).not.toMatch(/sb-fail|sb-gone|sb-going|sb-lost/);
+    // None left: nothing said about children.
+    const none = describeError(forkThatEnded('failed', [['sb-fail', 'failed']]), 'a:1');
+    expect(none.children).toBeUndefined();
+    expect(none.hint).not.toContain('left');
+  });
+
+  it('aCancelledFork_saysNothingOfChildrenLeftRunning', () => {
+    // Caught by GetOperation while the cancel still destroys them: one not yet marked.
+    const d = describeError(forkThatEnded('cancelled', [['sb-a', 'destroying'], ['sb-b', 'running']]), 'a:1');
+    expect(d.children).toBeUndefined();
+    expect(d.hint).not.toMatch(/left|running/);
+    expect(d.hint).toContain('cancelled');
   });
 
   it('tokenMint_withBurstButNoRate_isRefusedNamingBurst', async () => {

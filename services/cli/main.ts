@@ -23,15 +23,35 @@ interface Globals {
   idempotencyKey?: string;
 }
 
-let clientCache: Forkfleet | undefined;
+/**
+ * What one invocation (one program from buildProgram, one main() call) holds: its client, the
+ * idempotency key its mutating calls share, and the exit code a command chose. Kept per
+ * program, so that a second main() in the same process (a test, a wrapper) starts afresh:
+ * not with the first one's closed client, key or exit code.
+ */
+interface Invocation {
+  client?: Forkfleet;
+  key?: string;
+  exitCode?: number;
+}
+const invocations = new WeakMap<Command, Invocation>();
+function invocation(cmd: Command): Invocation {
+  let root = cmd;
+  while (root.parent) root = root.parent;
+  let inv = invocations.get(root);
+  if (!inv) invocations.set(root, (inv = {}));
+  return inv;
+}
+
 function globals(cmd: Command): Globals {
   return cmd.optsWithGlobals() as Globals;
 }
 function client(cmd: Command): Forkfleet {
   const g = globals(cmd);
+  const inv = invocation(cmd);
   // TLS; token and CA from --credentials, FF_TOKEN / FF_CA, FF_CREDENTIALS or the local fleet's credentials.json.
-  clientCache ??= new Forkfleet({ address: g.api, ...(g.tenant ? { tenant: g.tenant } : {}), ...(g.credentials ? { credentialsFile: g.credentials } : {}) });
-  return clientCache;
+  inv.client ??= new Forkfleet({ address: g.api, ...(g.tenant ? { tenant: g.tenant } : {}), ...(g.credentials ? { credentialsFile: g.credentials } : {}) });
+  return inv.client;
 }
 
 const isTty = (): boolean => Boolean(process.stderr.isTTY);
@@ -168,22 +188,26 @@ function perTargetKey(key: string, target: string): string {
   return k;
 }
 
-/** The idempotency key this invocation's mutating calls use when --idempotency-key gives none (made once). */
-let invocationKey: string | undefined;
-
 /**
  * The key (or, per target, the base of the keys) of this invocation's mutating calls: the
- * user's --idempotency-key, else one made for this run, which an error that may hide an
+ * user's --idempotency-key, else one made for this run (once), which an error that may hide an
  * accepted request shows, so that the command can be repeated without doing the work twice.
  */
-function keyBase(g: Globals): string {
-  return g.idempotencyKey ?? (invocationKey ??= newIdempotencyKey('cli'));
+function keyBase(cmd: Command): string {
+  const inv = invocation(cmd);
+  return globals(cmd).idempotencyKey ?? (inv.key ??= newIdempotencyKey('cli'));
 }
 
-/** A file transfer's deadline: --timeout when given, else the SDK's (FILE_CALL_TIMEOUT_MS). */
+/**
+ * A file transfer's deadline: --timeout, for the whole transfer with its retries (the SDK's
+ * timeoutMs alone is per attempt, and a scheduler answering UNAVAILABLE is asked again for a
+ * minute); without it, the SDK's FILE_CALL_TIMEOUT_MS per attempt.
+ */
 function fileCallOpts(cmd: Command): CallOpts {
   const t = globals(cmd).timeout;
-  return t ? { timeoutMs: parseDuration(t, '--timeout') } : {};
+  if (!t) return {};
+  const ms = parseDuration(t, '--timeout');
+  return { timeoutMs: ms, deadline: new Date(Date.now() + ms) };
 }
 
 /**
@@ -199,7 +223,7 @@ function progress(cmd: Command, label: string, target?: string): CallOpts {
   let last = '';
   const opts: CallOpts = {
     ...(g.timeout ? { timeoutMs: parseDuration(g.timeout, '--timeout') } : {}),
-    idempotencyKey: target === undefined ? keyBase(g) : perTargetKey(keyBase(g), target),
+    idempotencyKey: target === undefined ? keyBase(cmd) : perTargetKey(keyBase(cmd), target),
     onProgress: (op: OperationInfo) => {
       if (g.json) return;
       const p = op.progress;
@@ -275,7 +299,7 @@ export function buildProgram(): Command {
     .addOption(new Option('--tenant <id>', 'tenant (only admin credentials may name another than their own)').default(process.env.FF_TENANT ?? '', "FF_TENANT, else the credential's tenant"))
     .option('--credentials <file>', 'JSON credentials file {token, ca, tenant} (FF_CREDENTIALS; default: the local fleet\'s credentials.json)')
     .option('--json', 'print one JSON document on stdout', false)
-    .option('--timeout <duration>', 'how long to wait for operations, e.g. 5m; also the deadline of a cp')
+    .option('--timeout <duration>', 'how long to wait for operations, e.g. 5m; also the deadline of a cp, retries included')
     .option('--idempotency-key <key>', 'reuse a key so that repeating this command does nothing twice')
     .showHelpAfterError()
     .exitOverride();
@@ -461,7 +485,7 @@ export function buildProgram(): Command {
       if (g.json) process.stdout.write(`${JSON.stringify(res, null, 2)}\n`);
       else if (res.timedOut) process.stderr.write(`forkfleet: command timed out after ${o.execTimeout} (--exec-timeout)\n`);
       if (!g.json && res.outputTruncated) process.stderr.write('forkfleet: output truncated: stdout or stderr had more than an exec returns (64 MiB each); write it to a file in the sandbox and cp it out\n');
-      process.exitCode = res.signal ? 128 + res.signal : res.exitCode < 0 ? 1 : res.exitCode;
+      invocation(cmd).exitCode = res.signal ? 128 + res.signal : res.exitCode < 0 ? 1 : res.exitCode;
     });
   sb.command('cp')
     .description('copy a file into or out of a sandbox: cp ./local SANDBOX:/path or cp SANDBOX:/path ./local (- for stdin/stdout)')
@@ -697,13 +721,13 @@ export function buildProgram(): Command {
     .description('run the load test (npm run loadtest -- ARGS)')
     .argument('[args...]')
     .allowUnknownOption()
-    .action(async (args: string[]) => {
+    .action(async (args: string[], _o: unknown, cmd: Command) => {
       const code = await new Promise<number>((res) => {
         const child = spawn('npm', ['run', 'loadtest', '--', ...args], { cwd: ROOT, stdio: 'inherit' });
         child.on('exit', (c, sig) => res(sig ? 1 : (c ?? 1)));
         child.on('error', () => res(1));
       });
-      process.exitCode = code;
+      invocation(cmd).exitCode = code;
     });
 
   return program;
@@ -721,11 +745,12 @@ async function eachTarget<T>(cmd: Command, ids: string[], act: (id: string) => P
   const failed = settled.flatMap((r) => (r.status === 'rejected' ? [r.reason as unknown] : []));
   if (ids.length === 1 && failed.length === 1) throw failed[0];
   const api = globals(cmd).api;
+  const inv = invocation(cmd);
   return settled.map((r, i) => {
     if (r.status === 'fulfilled') return r.value;
-    const d = describeError(r.reason, api);
+    const d = describeError(r.reason, api, inv.key);
     process.stderr.write(`forkfleet: ${ids[i]}: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
-    if (typeof process.exitCode !== 'number' || process.exitCode === 0) process.exitCode = d.exitCode;
+    if (!inv.exitCode) inv.exitCode = d.exitCode;
     return { id: ids[i]!, error: d };
   });
 }
@@ -741,20 +766,26 @@ interface DescribedError {
   operationId?: string;
   /** The key to repeat the command with, when the error may hide a request the fleet accepted. */
   idempotencyKey?: string;
-  /** A failed fork's children that started and were left running. */
+  /** A failed fork's children that are left (not failed or destroyed): they count against the quota until destroyed. */
   children?: string[];
 }
 
-export function describeError(e: unknown, api: string, key = invocationKey): DescribedError {
+/** Children of a failed fork that hold nothing (any more): the result lists each child it placed, in its state now. */
+const GONE: ReadonlySet<string> = new Set(['failed', 'destroying', 'destroyed', 'lost']);
+
+export function describeError(e: unknown, api: string, key?: string): DescribedError {
   if (e instanceof ForkfleetError) {
     const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
     const like = { ...base, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered };
     const d: DescribedError = { ...base, hint: hintFor(like, api), exitCode: exitCodeFor(like) };
-    // An operation that ran and failed: which one, and for a fork the children it left running
-    // (a partial fork keeps those that started; they count against the quota).
+    // An operation that ran and failed: which one, and for a fork the children it left (a
+    // partial fork keeps those that started; they count against the quota). A cancelled fork
+    // destroyed the ones that started, whatever state its result caught them in.
     if (e instanceof OperationFailedError) {
-      const children = e.operation.fork?.children.map((c) => c.id) ?? [];
-      return { ...d, operationId: e.operation.id, ...(children.length ? { children } : {}), hint: `${d.hint}; details: \`forkfleet operation get ${e.operation.id}\`${children.length ? ` (${children.length} children were left running: ${children.join(' ')})` : ''}` };
+      const left = e.operation.state === 'cancelled' ? [] : (e.operation.fork?.children ?? []).filter((c) => !GONE.has(c.state));
+      const children = left.map((c) => c.id);
+      const leftText = children.length ? ` (${children.length} ${children.length === 1 ? 'child was' : 'children were'} left, counting against the quota until destroyed: ${left.map((c) => `${c.id} ${c.state}`).join(', ')})` : '';
+      return { ...d, operationId: e.operation.id, ...(children.length ? { children } : {}), hint: `${d.hint}; details: \`forkfleet operation get ${e.operation.id}\`${leftText}` };
     }
     const operationId = operationIdOf(e);
     // Accepted, then the wait for it failed (an outage, --timeout): follow it, do not submit
@@ -771,24 +802,26 @@ export function describeError(e: unknown, api: string, key = invocationKey): Des
 
 export async function main(argv: string[]): Promise<number> {
   const program = buildProgram();
+  const inv = invocation(program);
   try {
     await program.parseAsync(argv, { from: 'user' });
-    return typeof process.exitCode === 'number' ? process.exitCode : 0;
+    return inv.exitCode ?? 0;
   } catch (e) {
-    const json = argv.includes('--json');
+    // As parsed: a `--json` after `--` is the guest command's (sandbox exec SB -- tool --json).
+    const json = (program.opts() as Globals).json === true;
     if (e instanceof CommanderError) {
       // Commander printed its own message on stderr; --json gets the error on stdout too.
       if (json && e.exitCode !== 0) process.stdout.write(`${JSON.stringify({ error: { kind: 'invalid_argument', message: e.message.replace(/^error: /, ''), field: undefined, retryable: false, hint: 'forkfleet <command> --help', exitCode: 2 } })}\n`);
       return e.exitCode === 0 ? 0 : 2;
     }
     const api = (program.opts() as Globals).api;
-    const d = describeError(e, api);
+    const d = describeError(e, api, inv.key);
     // One line: a stream of --json events (forkfleet events) stays one JSON object per line.
     if (json) process.stdout.write(`${JSON.stringify({ error: d })}\n`);
     process.stderr.write(`${isTty() ? '\n' : ''}forkfleet: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
     return d.exitCode;
   } finally {
-    clientCache?.close();
+    inv.client?.close();
   }
 }
 

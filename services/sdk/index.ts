@@ -324,6 +324,19 @@ export function execNeverStarted(e: unknown): boolean {
 /** Errors worth another attempt: the server marked them retryable (a cancel is not). */
 const retryable = (e: unknown): boolean => e instanceof ForkfleetError && e.retryable && e.kind !== 'cancelled';
 
+/** The tenant's rate limit refused the call (RateLimitedError on the server): it succeeds once the bucket has refilled. */
+const rateLimited = (e: unknown): boolean => e instanceof ForkfleetError && e.retryable && e.kind === 'resource_exhausted' && e.field === 'rate';
+
+/**
+ * How long the server said to wait before a retry, ms (0: it said nothing). A scheduler that
+ * sends no ff-retry-after-ms says it only in a rate limit's message ("retry in N ms").
+ */
+export function retryAfterOf(e: unknown): number {
+  if (e instanceof RpcError && e.retryAfterMs !== undefined) return e.retryAfterMs;
+  const m = rateLimited(e) ? /retry in (\d+(?:\.\d+)?) ms/.exec((e as Error).message) : null;
+  return m ? Number(m[1]) : 0;
+}
+
 /**
  * This client's own deadline ran out before any answer: the request may or may not have
  * reached the scheduler. Worth another attempt when it carries an idempotency key (the
@@ -347,6 +360,13 @@ export function operationIdOf(e: unknown): string | undefined {
  * `wait` keeps polling through nothing but retryable errors, before either gives up.
  */
 export const WAIT_OUTAGE_MS = 60_000;
+
+/**
+ * How long a call refused by the tenant's rate limit is asked again (each time after the wait
+ * the server names), past `attempts`: many calls at once (64 destroys under a rate of 10/s)
+ * all get through in turn rather than most failing after a few seconds of backoff.
+ */
+export const RATE_LIMIT_WAIT_MS = 60_000;
 
 /**
  * A protobuf Duration from milliseconds, whole nanoseconds (1.005 s is 1 s + 5,000,000 ns,
@@ -380,7 +400,27 @@ export interface RetryOptions {
   attempts: number;
   /** First backoff, doubled each attempt, with full jitter. Default 200 ms. */
   baseMs: number;
+  /** Longest backoff. Default 5000 ms. */
   maxMs: number;
+}
+
+const RETRY_DEFAULTS: Readonly<RetryOptions> = { attempts: 5, baseMs: 200, maxMs: 5000 };
+
+/**
+ * `retry` merged field by field over the defaults: a field given as undefined (usual without
+ * exactOptionalPropertyTypes) keeps its default instead of making the retries endless or the
+ * backoff NaN. A bad value is refused naming it.
+ */
+function retryOptions(r: Partial<RetryOptions> = {}): Readonly<RetryOptions> {
+  const out = { ...RETRY_DEFAULTS };
+  for (const k of Object.keys(RETRY_DEFAULTS) as Array<keyof RetryOptions>) {
+    const v: unknown = r[k];
+    if (v === undefined) continue;
+    const ok = typeof v === 'number' && Number.isFinite(v) && (k === 'attempts' ? Number.isInteger(v) && v >= 1 : v >= 0);
+    if (!ok) throw new ForkfleetError('invalid_argument', `retry.${k}: want ${k === 'attempts' ? 'a whole number of 1 or more' : 'a finite number of ms, 0 or more'}, got ${typeof v === 'number' ? v : JSON.stringify(v)}`, { field: `retry.${k}` });
+    out[k] = v as number;
+  }
+  return Object.freeze(out);
 }
 
 export interface ForkfleetOptions {
@@ -409,6 +449,12 @@ export interface CallOpts {
   signal?: AbortSignal;
   /** Per-attempt deadline; for operations, how long to wait for them to finish (default 10 min). */
   timeoutMs?: number;
+  /**
+   * When the whole call must be over, its retries included (`timeoutMs` is per attempt, and
+   * a scheduler that answers UNAVAILABLE is asked again for up to WAIT_OUTAGE_MS): each
+   * attempt's deadline is cut to it, no retry waits past it, and a wait for an operation ends at it.
+   */
+  deadline?: Date;
   /** Reuse a key of your own, e.g. to make a whole script restartable. */
   idempotencyKey?: string;
   /** Called whenever the operation's progress is polled (about once a second). */
@@ -526,7 +572,7 @@ export class Forkfleet {
   /** The raw typed gRPC client, for calls this SDK does not wrap. */
   readonly rpc: FleetClient;
   private readonly timeoutMs: number;
-  private readonly retryOpts: RetryOptions;
+  private readonly retryOpts: Readonly<RetryOptions>;
 
   constructor(opts: ForkfleetOptions) {
     const creds = resolveClientCredentials({
@@ -539,7 +585,7 @@ export class Forkfleet {
     // TLS always; the token rides on every call as "authorization: Bearer ...".
     this.rpc = createClient(FleetService, this.address, fleetChannelCredentials(creds), fleetChannelOptions(this.address));
     this.timeoutMs = opts.timeoutMs ?? 30_000;
-    this.retryOpts = { attempts: 5, baseMs: 200, maxMs: 5000, ...opts.retry };
+    this.retryOpts = retryOptions(opts.retry);
   }
 
   close(): void {
@@ -549,27 +595,43 @@ export class Forkfleet {
   /**
    * Runs `fn` until it succeeds, retrying only errors marked retryable: `attempts` times, except
    * that a scheduler that answers UNAVAILABLE (its etcd or NATS is away, e.g. restarting) is
-   * asked again for up to WAIT_OUTAGE_MS. A mutating call keeps its idempotency key throughout.
+   * asked again for up to WAIT_OUTAGE_MS, and a call refused by the rate limit for up to
+   * RATE_LIMIT_WAIT_MS, each time after the wait the server named. Never past `opts.deadline`.
+   * A mutating call keeps its idempotency key throughout.
    */
   async retry<T>(fn: (o: RpcCallOptions) => Promise<T>, opts: CallOpts = {}, keyed = false): Promise<T> {
     const { attempts, baseMs, maxMs } = this.retryOpts;
-    let outageSince = 0;
-    for (let attempt = 1; ; attempt++) {
+    const until = opts.deadline?.getTime() ?? Infinity;
+    // Each kind of trouble has an allowance of its own: a long outage or rate limit does not
+    // use up the attempts of the conflict (ABORTED) that may follow it, and one that ended
+    // (another error came) leaves the next one its whole time.
+    let failures = 0;
+    let outage = { since: 0, n: 0 };
+    let limited = { since: 0, n: 0 };
+    for (;;) {
       try {
-        return await fn(this.rpcOpts(opts));
+        return await fn(this.rpcOpts(opts, until));
       } catch (e) {
-        const outage = e instanceof RpcError && e.answered && e.kind === 'unavailable';
-        if (outage) outageSince ||= Date.now();
-        const spent = outage ? Date.now() - outageSince >= WAIT_OUTAGE_MS : attempt >= attempts;
-        if (!(retryable(e) || (keyed && unansweredDeadline(e))) || spent || opts.signal?.aborted) throw e;
-        await sleep(Math.random() * Math.min(maxMs, baseMs * 2 ** (attempt - 1)), opts.signal);
+        const now = Date.now();
+        const isOutage = e instanceof RpcError && e.answered && e.kind === 'unavailable';
+        const isLimited = !isOutage && rateLimited(e);
+        outage = isOutage ? { since: outage.since || now, n: outage.n + 1 } : { since: 0, n: 0 };
+        limited = isLimited ? { since: limited.since || now, n: limited.n + 1 } : { since: 0, n: 0 };
+        if (!isOutage && !isLimited) failures++;
+        if (!(retryable(e) || (keyed && unansweredDeadline(e))) || opts.signal?.aborted) throw e;
+        const n = isOutage ? outage.n : isLimited ? limited.n : failures;
+        const ms = retryAfterOf(e) + Math.random() * Math.min(maxMs, baseMs * 2 ** (n - 1));
+        const spent = isOutage ? now - outage.since >= WAIT_OUTAGE_MS : isLimited ? now + ms - limited.since > RATE_LIMIT_WAIT_MS : failures >= attempts;
+        if (spent || now + ms >= until) throw e;
+        await sleep(ms, opts.signal);
       }
     }
   }
 
-  /** One call's options: its deadline (the client's per-call one unless given) and signal. */
-  private rpcOpts(opts: CallOpts): RpcCallOptions {
-    return { timeoutMs: opts.timeoutMs ?? this.timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) };
+  /** One call's options: its deadline (the client's per-call one unless given, cut to `until`) and signal. */
+  private rpcOpts(opts: CallOpts, until = Infinity): RpcCallOptions {
+    const timeoutMs = Math.max(0, Math.min(opts.timeoutMs ?? this.timeoutMs, until - Date.now()));
+    return { timeoutMs, ...(opts.signal ? { signal: opts.signal } : {}) };
   }
 
   private key(opts: CallOpts): string {
@@ -582,7 +644,7 @@ export class Forkfleet {
    * the `admin` tenant's).
    */
   async wait(operationId: string, opts: CallOpts = {}, tenant = this.tenant): Promise<OperationInfo> {
-    const until = Date.now() + (opts.timeoutMs ?? 600_000);
+    const until = Math.min(Date.now() + (opts.timeoutMs ?? 600_000), opts.deadline?.getTime() ?? Infinity);
     // With a progress callback poll once a second; without, long-poll in 30 s windows.
     const windowMs = opts.onProgress ? 1000 : 30_000;
     // The operation goes on without this client: a scheduler or its store that is briefly
@@ -591,18 +653,21 @@ export class Forkfleet {
     let failingSince = 0;
     for (;;) {
       const left = until - Date.now();
-      if (left <= 0) throw new ForkfleetError('deadline_exceeded', `operation ${operationId} not done after ${opts.timeoutMs ?? 600_000} ms; follow it with GetOperation`, { retryable: false });
+      if (left <= 0) throw new ForkfleetError('deadline_exceeded', `operation ${operationId} not done ${opts.deadline && opts.deadline.getTime() === until ? `by ${opts.deadline.toISOString()}` : `after ${opts.timeoutMs ?? 600_000} ms`}; follow it with GetOperation`, { retryable: false });
       const w = Math.max(1, Math.min(windowMs, left));
       let pb: PbOperation;
       try {
         // Retried by this loop (not by retry(), whose outage allowance would outlast `until`).
         pb = await this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { timeoutMs: w + 10_000, ...(opts.signal ? { signal: opts.signal } : {}) });
       } catch (e) {
-        failingSince ||= Date.now();
+        // A poll the rate limit refused is no outage (the scheduler answered, and lets it
+        // through in turn): only the wait's own limit ends those, as it ends a slow operation.
+        const limited = rateLimited(e);
+        if (!limited) failingSince ||= Date.now();
         // Its own deadline with no answer (a scheduler that stalled, or a connection cut off
         // that keepalive has not noticed yet) is an outage too: WaitOperation only reads.
-        if (!(retryable(e) || unansweredDeadline(e)) || opts.signal?.aborted || Date.now() - failingSince >= WAIT_OUTAGE_MS) throw e;
-        await sleep(Math.min(1000, Math.max(0, until - Date.now())), opts.signal);
+        if (!(retryable(e) || unansweredDeadline(e)) || opts.signal?.aborted || (!limited && Date.now() - failingSince >= WAIT_OUTAGE_MS)) throw e;
+        await sleep(Math.min(Math.max(1000, retryAfterOf(e)), Math.max(0, until - Date.now())), opts.signal);
         continue;
       }
       failingSince = 0;
@@ -915,7 +980,10 @@ export class Forkfleet {
       // The command's timeout, parsed once; one deadline for the call and its retries.
       const timeoutMs = eo.timeout !== undefined ? parseDuration(eo.timeout, 'timeout') : undefined;
       const deadline = new Date(Date.now() + (timeoutMs ?? EXEC_DEFAULT_TIMEOUT_MS) + EXEC_CALL_SLACK_MS);
-      for (let attempt = 1; ; attempt++) {
+      // Refusals by the rate limit have a time allowance of their own, as in retry().
+      let limitedSince = 0;
+      let limitedN = 0;
+      for (let attempt = 1; ; ) {
         let got = false;
         try {
           const stream = ff.rpc.exec(
@@ -945,8 +1013,15 @@ export class Forkfleet {
           // command cannot have started, i.e. no output came and either the scheduler said so
           // (a retryable error it answered: the host's errors never are) or the call never
           // reached a scheduler. A call that broke off in flight may have started it.
-          if (got || !execNeverStarted(e) || attempt >= ff.retryOpts.attempts || eo.signal?.aborted) throw e;
-          await sleep(Math.random() * Math.min(ff.retryOpts.maxMs, ff.retryOpts.baseMs * 2 ** (attempt - 1)), eo.signal);
+          if (got || !execNeverStarted(e) || eo.signal?.aborted) throw e;
+          const now = Date.now();
+          const limited = rateLimited(e);
+          limitedSince = limited ? limitedSince || now : 0;
+          limitedN = limited ? limitedN + 1 : 0;
+          const ms = retryAfterOf(e) + Math.random() * Math.min(ff.retryOpts.maxMs, ff.retryOpts.baseMs * 2 ** ((limited ? limitedN : attempt) - 1));
+          if (limited ? now + ms - limitedSince > RATE_LIMIT_WAIT_MS : attempt++ >= ff.retryOpts.attempts) throw e;
+          if (now + ms >= deadline.getTime()) throw e;
+          await sleep(ms, eo.signal);
         }
       }
     }

@@ -27,6 +27,8 @@ const STATUS_TO_KIND = new Map<Status, ErrorKind>(
 export const META_KIND = 'ff-error-kind';
 export const META_FIELD = 'ff-error-field';
 export const META_RETRYABLE = 'ff-error-retryable';
+/** Whole ms after which a retry can succeed (a rate limit's RateLimitedError.retryAfterMs). */
+export const META_RETRY_AFTER = 'ff-retry-after-ms';
 
 export interface GrpcStatusObject {
   code: Status;
@@ -55,6 +57,10 @@ export function toGrpcStatus(err: unknown): GrpcStatusObject {
     metadata.set(META_KIND, err.kind);
     metadata.set(META_RETRYABLE, String(err.retryable));
     if (err.field !== undefined) metadata.set(META_FIELD, asciiOnly(err.field));
+    // An error that knows when a retry can succeed says so: a client that guesses with its
+    // own backoff gives up before a rate limit's bucket has refilled.
+    const after = (err as { retryAfterMs?: unknown }).retryAfterMs;
+    if (typeof after === 'number' && Number.isFinite(after) && after > 0) metadata.set(META_RETRY_AFTER, String(Math.ceil(after)));
     return { code: KIND_TO_STATUS[err.kind], details: err.kind === 'internal' ? 'internal error' : err.message, metadata };
   }
   metadata.set(META_KIND, 'internal');
@@ -70,10 +76,13 @@ export class RpcError extends ForkfleetError {
    * one grpc-js made because no server could be reached or the call broke off.
    */
   readonly answered: boolean;
-  constructor(code: Status, kind: ErrorKind, message: string, retryable: boolean, field: string | undefined, cause: unknown, answered = false) {
+  /** How long the server said to wait before a retry (META_RETRY_AFTER), ms; undefined when it said nothing. */
+  readonly retryAfterMs: number | undefined;
+  constructor(code: Status, kind: ErrorKind, message: string, retryable: boolean, field: string | undefined, cause: unknown, answered = false, retryAfterMs?: number) {
     super(kind, message, { retryable, ...(field === undefined ? {} : { field }), cause });
     this.code = code;
     this.answered = answered;
+    this.retryAfterMs = retryAfterMs;
   }
 }
 
@@ -89,5 +98,6 @@ export function fromServiceError(err: ServiceError): RpcError {
     kindFromMeta !== undefined && kindFromMeta in KIND_TO_STATUS ? kindFromMeta : (STATUS_TO_KIND.get(err.code) ?? 'internal');
   const retryableMeta = firstString(md, META_RETRYABLE);
   const retryable = retryableMeta === undefined ? kind === 'unavailable' || kind === 'aborted' : retryableMeta === 'true';
-  return new RpcError(err.code, kind, err.details || err.message, retryable, firstString(md, META_FIELD), err, kindFromMeta !== undefined);
+  const after = Number(firstString(md, META_RETRY_AFTER) ?? Number.NaN);
+  return new RpcError(err.code, kind, err.details || err.message, retryable, firstString(md, META_FIELD), err, kindFromMeta !== undefined, Number.isFinite(after) && after >= 0 ? after : undefined);
 }

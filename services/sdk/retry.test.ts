@@ -1,0 +1,201 @@
+// How long the SDK keeps asking: ordinary retryable errors get `attempts`, a scheduler that
+// answers UNAVAILABLE (an etcd restart) and the tenant's rate limit each get a time allowance
+// of their own, a rate-limited call waits at least as long as the server said, and a call's
+// `deadline` bounds it all. The typed gRPC client is replaced by a fake of its interface, and
+// the clock by vitest's fake timers: no server is involved, and no test waits in real time.
+import { create } from '@bufbuild/protobuf';
+import { status as Status } from '@grpc/grpc-js';
+import { afterEach, describe, expect, it, vi } from 'vitest';
+import { RpcError } from '../adapters/grpc/status.ts';
+import { OperationKind, OperationSchema, OperationState, SandboxSchema, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Forkfleet } from './index.ts';
+import type { RetryOptions } from './index.ts';
+
+const OP = `op-${'a'.repeat(20)}`;
+const SB = `sb-${'b'.repeat(20)}`;
+const outage = (): RpcError => new RpcError(Status.UNAVAILABLE, 'unavailable', 'fleet store is unavailable', true, undefined, undefined, true);
+const conflict = (): RpcError => new RpcError(Status.ABORTED, 'aborted', 'concurrent change; retry', true, undefined, undefined, true);
+const unreachable = (): RpcError => new RpcError(Status.UNAVAILABLE, 'unavailable', 'No connection established. Last error: connect ECONNREFUSED 127.0.0.1:1', true, undefined, undefined, false);
+/** As fromServiceError makes it from a RateLimitedError's status; `retryAfterMs` undefined: a scheduler that says it in the message only. */
+const rateLimited = (retryAfterMs: number | undefined): RpcError =>
+  new RpcError(Status.RESOURCE_EXHAUSTED, 'resource_exhausted', 'rate limit of tenant t1: 10 requests/s (burst 20); retry in 800 ms', true, 'rate', undefined, true, retryAfterMs);
+const running = (kind: OperationKind) => create(OperationSchema, { id: OP, tenantId: 't1', kind, state: OperationState.RUNNING });
+const succeeded = (kind: OperationKind) =>
+  create(OperationSchema, { id: OP, tenantId: 't1', kind, state: OperationState.SUCCEEDED, result: { case: 'sandbox', value: create(SandboxSchema, { id: SB, tenantId: 't1', state: kind === OperationKind.DESTROY ? SandboxState.DESTROYED : SandboxState.RUNNING }) } });
+
+function client(rpc: Record<string, unknown>, retry: Partial<RetryOptions> = { baseMs: 1, maxMs: 1 }): Forkfleet {
+  const ff = new Forkfleet({ address: '127.0.0.1:1', token: 'ff_test', ca: Buffer.from('-----BEGIN CERTIFICATE-----\n'), tenant: 't1', retry });
+  ff.close();
+  (ff as unknown as { rpc: unknown }).rpc = rpc;
+  return ff;
+}
+
+/** `p` settled, the fake clock run on as far as it needs (never past `limitMs` of it). */
+async function settle<T>(p: Promise<T>, limitMs = 600_000): Promise<{ value?: T; error?: unknown; tookMs: number }> {
+  const t0 = Date.now();
+  let done: { value?: T; error?: unknown } | undefined;
+  p.then((value) => (done = { value }), (error: unknown) => (done = { error }));
+  while (!done && Date.now() - t0 < limitMs) await vi.advanceTimersByTimeAsync(10);
+  return { ...done, tookMs: Date.now() - t0 };
+}
+
+afterEach(() => void vi.useRealTimers());
+
+describe('SDK retry allowances', () => {
+  it('create_whoseConflictComesAfterALongOutage_isStillRetried_andReturnsTheSandbox', async () => {
+    let calls = 0;
+    const ff = client({
+      createSandbox: async () => {
+        calls++;
+        if (calls <= 6) throw outage(); // etcd restarting: more answers than `attempts`
+        if (calls === 7) throw conflict();
+        return running(OperationKind.CREATE);
+      },
+      waitOperation: async () => succeeded(OperationKind.CREATE),
+    });
+    expect((await ff.create({ image: 'tiny' })).id).toBe(SB);
+    expect(calls).toBe(8);
+  });
+
+  it('aSecondOutageInOneCall_getsTheWholeOutageAllowance_notWhatTheFirstLeft', async () => {
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    let conflicted = false;
+    const ff = client(
+      {
+        createSandbox: async () => {
+          const at = Date.now() - t0;
+          // 50 s of outage, a conflict, then 50 s more of outage: each under WAIT_OUTAGE_MS (60 s).
+          if (at < 50_000) throw outage();
+          if (!conflicted) {
+            conflicted = true;
+            throw conflict();
+          }
+          if (at < 101_000) throw outage();
+          return running(OperationKind.CREATE);
+        },
+        waitOperation: async () => succeeded(OperationKind.CREATE),
+      },
+      { baseMs: 500, maxMs: 1000 },
+    );
+    const r = await settle(ff.create({ image: 'tiny' }));
+    expect(r.error).toBeUndefined();
+    expect(r.value?.id).toBe(SB);
+    expect(conflicted).toBe(true);
+  });
+
+  it('destroy_refusedByTheRateLimitForTwoSeconds_waitsWhatTheServerSaysEachTime_andSucceeds', async () => {
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    const asked: number[] = [];
+    const ff = client({
+      destroySandbox: async () => {
+        asked.push(Date.now() - t0);
+        if (Date.now() - t0 < 2_000) throw rateLimited(800);
+        return running(OperationKind.DESTROY);
+      },
+      waitOperation: async () => succeeded(OperationKind.DESTROY),
+    });
+    const r = await settle(ff.sandbox(SB).destroy());
+    expect(r.error).toBeUndefined();
+    expect(r.value?.info?.state).toBe('destroyed');
+    // Never sooner than the server's 800 ms after a refusal.
+    for (let i = 1; i < asked.length; i++) expect(asked[i]! - asked[i - 1]!).toBeGreaterThanOrEqual(800);
+  });
+
+  it('aWaitWhosePollsTheRateLimitRefusesForLongerThanTheOutageAllowance_goesOnUntilTheOperationEnds', async () => {
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    const ff = client({
+      destroySandbox: async () => running(OperationKind.DESTROY),
+      waitOperation: async () => {
+        // Refused for 70 s: longer than WAIT_OUTAGE_MS, which bounds polls that get no answer.
+        if (Date.now() - t0 < 70_000) throw rateLimited(800);
+        return succeeded(OperationKind.DESTROY);
+      },
+    });
+    const r = await settle(ff.sandbox(SB).destroy());
+    expect(r.error).toBeUndefined();
+    expect(r.value?.info?.state).toBe('destroyed');
+  });
+
+  it('aRateLimitSaidOnlyInTheMessage_isWaitedOutToo', async () => {
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    const ff = client({
+      destroySandbox: async () => {
+        if (Date.now() - t0 < 2_000) throw rateLimited(undefined);
+        return running(OperationKind.DESTROY);
+      },
+      waitOperation: async () => succeeded(OperationKind.DESTROY),
+    });
+    expect((await settle(ff.sandbox(SB).destroy())).error).toBeUndefined();
+  });
+
+  it('exec_refusedByTheRateLimitForTwoSeconds_isRetriedAfterTheServersWait_andRuns', async () => {
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    const ff = client({
+      exec: () =>
+        (async function* () {
+          if (Date.now() - t0 < 2_000) throw rateLimited(800);
+          yield { payload: { case: 'exit', value: { exitCode: 3, signal: 0, timedOut: false, outputTruncated: false } } };
+        })(),
+    });
+    const r = await settle(ff.sandbox(SB).sh('exit 3'));
+    expect(r.error).toBeUndefined();
+    expect(r.value?.exitCode).toBe(3);
+  });
+
+  it('readFile_withADeadline_givesUpAtIt_thoughTheSchedulerKeepsAnsweringUnavailable', async () => {
+    vi.useFakeTimers();
+    const timeouts: number[] = [];
+    const ff = client({
+      readFile: (_req: unknown, o: { timeoutMs: number }) => {
+        timeouts.push(o.timeoutMs);
+        return { [Symbol.asyncIterator]: () => ({ next: () => Promise.reject(outage()) }) };
+      },
+    }, { baseMs: 100, maxMs: 500 });
+    const r = await settle(ff.sandbox(SB).readFile('/etc/hostname', { timeoutMs: 2_000, deadline: new Date(Date.now() + 3_000) }));
+    expect(r.error).toMatchObject({ kind: 'unavailable' });
+    // The deadline, not the outage allowance (WAIT_OUTAGE_MS, 60 s), ended it.
+    expect(r.tookMs).toBeLessThanOrEqual(3_000);
+    expect(timeouts.length).toBeGreaterThan(1);
+    // No attempt was given longer than what was left of the deadline.
+    expect(timeouts.at(-1)!).toBeLessThan(2_000);
+  });
+
+  it('retryOptionsGivenAsUndefined_keepTheirDefaults_soRetriesStillEnd', async () => {
+    let calls = 0;
+    const ff = client(
+      {
+        getSandbox: async () => {
+          // A loop that does not end (the bug) is stopped here, and shows as 50 calls.
+          if (++calls >= 50) throw new RpcError(Status.INTERNAL, 'internal', 'stop', false, undefined, undefined, true);
+          throw unreachable();
+        },
+      },
+      { attempts: undefined, baseMs: undefined, maxMs: 1 },
+    );
+    await expect(ff.get(SB)).rejects.toMatchObject({ kind: 'unavailable' });
+    expect(calls).toBe(5);
+  });
+
+  it('badRetryOptions_areRefusedNamingTheOption', () => {
+    const make = (retry: Partial<RetryOptions>): unknown => {
+      try {
+        client({}, retry);
+        return undefined;
+      } catch (e) {
+        return e;
+      }
+    };
+    expect(make({ attempts: 0 })).toMatchObject({ kind: 'invalid_argument', field: 'retry.attempts' });
+    expect(make({ attempts: Infinity })).toMatchObject({ kind: 'invalid_argument', field: 'retry.attempts' });
+    expect(make({ attempts: 2.5 })).toMatchObject({ kind: 'invalid_argument', field: 'retry.attempts' });
+    expect(make({ baseMs: Number.NaN })).toMatchObject({ kind: 'invalid_argument', field: 'retry.baseMs', message: expect.stringContaining('retry.baseMs') });
+    expect(make({ maxMs: -1 })).toMatchObject({ kind: 'invalid_argument', field: 'retry.maxMs' });
+    expect(make({ maxMs: '5s' as unknown as number })).toMatchObject({ kind: 'invalid_argument', field: 'retry.maxMs' });
+    expect(make({ attempts: 3, baseMs: 0, maxMs: 0 })).toBeUndefined();
+  });
+});
