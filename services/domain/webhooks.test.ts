@@ -334,6 +334,7 @@ describe('WebhookDispatcher', () => {
 function fakeStore(opts: { compactedThrough?: number; revision?: number } = {}) {
   const history: RecordChange[] = [];
   let watching: ((ch: RecordChange) => void) | undefined;
+  let progress: ((revision: number) => void) | undefined;
   let revision = opts.revision ?? 0;
   const store: Pick<FleetStore, 'watchRecords' | 'revision'> = {
     revision: async () => revision,
@@ -345,6 +346,7 @@ function fakeStore(opts: { compactedThrough?: number; revision?: number } = {}) 
       }
       if (from !== undefined) for (const ch of history.filter((c) => c.revision >= from)) cb(ch);
       watching = cb;
+      progress = o?.onProgress;
       return () => {
         if (watching === cb) watching = undefined;
       };
@@ -355,7 +357,13 @@ function fakeStore(opts: { compactedThrough?: number; revision?: number } = {}) 
     revision = Math.max(revision, ch.revision);
     watching?.(ch);
   };
-  return { store, emit };
+  /** A write that is no record change (a host's heartbeat time, or the cursor's own write): only progress. */
+  const other = (): number => {
+    revision++;
+    progress?.(revision);
+    return revision;
+  };
+  return { store, emit, other };
 }
 
 /** A poster of our own port: answers in turn (then 200), and counts the POSTs. */
@@ -461,6 +469,31 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     await vi.advanceTimersByTimeAsync(500);
     expect(poster.posts).toHaveLength(2);
     expect([...log.recs.values()]).toMatchObject([{ state: 'delivered', attempts: 1 }]);
+  });
+
+  it('writesThatAreNoRecordChange_moveTheCursorToo_butItsOwnWriteDoesNotMoveItAgain', async () => {
+    // An idle fleet: only host records change (heartbeat times). The cursor is the compaction
+    // floor, so it must follow them, or etcd's history grows for good.
+    const { store, other } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    const cursorWrite = log.setCursor.bind(log);
+    // The cursor's own write is a store write too, reported as progress like any other.
+    log.setCursor = async (r: number) => {
+      await cursorWrite(r);
+      other();
+    };
+    await dispatcher(store, log, fakePoster(), { types: ['snapshot_expired'] }).start();
+    for (let i = 0; i < 5; i++) other();
+    await until(() => log.cur >= 105, 3000);
+    // Settled (a write left for later is made within a second), each cursor write is one
+    // revision past the value it wrote: nothing more follows.
+    await new Promise((r) => setTimeout(r, 1500));
+    const [writes, cur] = [log.cursorWrites, log.cur];
+    await new Promise((r) => setTimeout(r, 1500));
+    expect(log.cursorWrites).toBe(writes);
+    expect(log.cur).toBe(cur);
+    expect(writes).toBeLessThanOrEqual(3);
   });
 
   it('changesThatMatchNoTarget_writeTheCursorAtMostOncePerRevision_andItCatchesUpAfterABurst', async () => {

@@ -320,6 +320,13 @@ export class WebhookDispatcher {
       {
         ...(fromRevision !== undefined ? { fromRevision } : {}),
         onError: (e) => again(e, 'the event watch broke off'),
+        // Every change up to `p` has been passed on (host and alloc writes included, which
+        // make no event): once those queued are recorded, the cursor may move there. Without
+        // it, a fleet whose only writes were host heartbeats (every 10 s per host) kept the
+        // cursor, and so every compaction, where the last sandbox change left it.
+        onProgress: (p) => {
+          this.chain = this.chain.then(() => (generation === this.generation ? this.progressed(p) : undefined)).catch((e: unknown) => this.deps.log.warn({ err: e }, 'writing the webhook cursor failed; the next change writes it'));
+        },
       },
     );
     watch.stop = stop;
@@ -418,6 +425,18 @@ export class WebhookDispatcher {
     // CURSOR_EVERY_MS (a busy fleet made one etcd write per record change). A matching one
     // writes it, so a new leader replays little.
     if (matched || now - this.cursorWrittenAt >= CURSOR_EVERY_MS) await this.writeCursor(complete);
+    else this.writeCursorLater();
+  }
+
+  /**
+   * Every change up to store revision `p` is recorded. The cursor's own write is a change
+   * too, reported as progress one revision past the value written: that alone moves nothing,
+   * or each cursor write would be followed by another, once a second for good.
+   */
+  private async progressed(p: number): Promise<void> {
+    if (p <= this.cursorWritten + 1) return;
+    this.recorded = Math.max(this.recorded, p);
+    if (this.deps.clock.now() - this.cursorWrittenAt >= CURSOR_EVERY_MS) await this.writeCursor(p);
     else this.writeCursorLater();
   }
 
