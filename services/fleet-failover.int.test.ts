@@ -564,7 +564,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     const code = (p: Promise<unknown>): Promise<{ code?: number; field?: string; message?: string }> => p.then(() => ({}), (e: unknown) => e as { code: number; field?: string });
     // Refused while the host is heard from, for an unknown host, and for a malformed id.
     const live = await code(api.removeHost({ hostId: 'fake-x' }));
-    expect(live.code).toBe(Status.FAILED_PRECONDITION);
+    expect([live.code, live.field]).toEqual([Status.FAILED_PRECONDITION, 'host_id']);
     expect(live.message).toMatch(/ready .*stop its agent/);
     expect((await code(api.removeHost({ hostId: 'no-such-host' }))).code).toBe(Status.NOT_FOUND);
     const bad = await code(api.removeHost({ hostId: 'Bad Host!' }));

@@ -920,7 +920,7 @@ export class Fleet {
       const heard = this.deps.heard.get(hostId);
       const live = heard ? livenessOf(heard.heardAt, this.deps.clock.now(), this.deps.liveness) : 'lost';
       if (v.value.state !== 'lost' || live !== 'lost') {
-        throw new WrongStateError('host', hostId, live !== 'lost' ? `${live} (heard ${Math.round((this.deps.clock.now() - (heard?.heardAt ?? 0)) / 1000)} s ago)` : v.value.state, 'drain it, stop its agent, and remove it once it is lost');
+        throw new WrongStateError('host', hostId, live !== 'lost' ? `${live} (heard ${Math.round((this.deps.clock.now() - (heard?.heardAt ?? 0)) / 1000)} s ago)` : v.value.state, 'drain it, stop its agent, and remove it once it is lost', 'host_id');
       }
       const on = (await this.deps.store.listSandboxes(undefined)).map((x) => x.value).filter((sb) => sb.hostId === hostId);
       // A hibernated sandbox needs its snapshot, not the host: one that another live host
@@ -935,7 +935,7 @@ export class Fleet {
       }
       if (busy.length > 0) {
         const hibernated = busy.some((sb) => sb.state === 'hibernated');
-        throw new WrongStateError('host', hostId, `still recorded with ${busy.length} sandbox(es) (${busy.slice(0, 3).map((sb) => `${sb.id} ${sb.state}`).join(', ')})`, hibernated ? 'drain it (without --migrate) while its agent runs, so its hibernated sandboxes\' snapshots are copied to another host, or wake or destroy them; wait for the others to end' : 'wait until they are lost or destroyed');
+        throw new WrongStateError('host', hostId, `still recorded with ${busy.length} sandbox(es) (${busy.slice(0, 3).map((sb) => `${sb.id} ${sb.state}`).join(', ')})`, hibernated ? 'drain it (without --migrate) while its agent runs, so its hibernated sandboxes\' snapshots are copied to another host, or wake or destroy them; wait for the others to end' : 'wait until they are lost or destroyed', 'host_id');
       }
       const alloc = await this.deps.store.getAlloc(hostId);
       const writes: StoreWrite[] = [{ kind: 'delete-host', id: hostId, expectRevision: v.modRevision }];

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { durationMs, timestampMs } from '@bufbuild/protobuf/wkt';
-import { env, guestFilePath, idemKey, image, labels, lifecycle, LIMITS, network, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, SANDBOXES_BY_ID, SNAPSHOTS_BY_ID, toSnapshot, toSteps } from './convert.ts';
+import { enumFilter, env, guestFilePath, idemKey, image, labels, lifecycle, LIMITS, network, NEWEST_OPERATION_FIRST, operationKind, operationState, operationTarget, page, pageToken, SANDBOXES_BY_ID, SNAPSHOTS_BY_ID, toSnapshot, toSteps } from './convert.ts';
 import { OperationKind, OperationState, OperationStepState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { OperationRec } from '../../domain/records.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
@@ -234,5 +234,16 @@ describe('fields a record stores', () => {
 
   it('env_withTooManyVariables_isInvalidArgument', () => {
     expect(() => env(Object.fromEntries(Array.from({ length: LIMITS.maxEnv + 1 }, (_, i) => [`V${i}`, ''])))).toThrow(/^env: at most 256/);
+  });
+});
+
+describe('enumFilter', () => {
+  it('aValueGivenTwice_isRefusedNamingItsSecondPlace_soNoListIsLongerThanItsEnum', () => {
+    expect(enumFilter([OperationKind.FORK, OperationKind.CREATE], 'kinds', operationKind)).toEqual(['fork', 'create']);
+    expect(() => enumFilter([OperationKind.FORK, OperationKind.CREATE, OperationKind.FORK], 'kinds', operationKind)).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'kinds[2]' }));
+    // Four million of one value (a 4 MiB request) stop at the second, not after reading them all.
+    const many = new Array<OperationState>(4_000_000).fill(OperationState.RUNNING);
+    expect(() => enumFilter(many, 'states', operationState)).toThrow(expect.objectContaining({ field: 'states[1]' }));
+    expect(() => enumFilter([0 as OperationState], 'states', operationState)).toThrow(expect.objectContaining({ field: 'states[0]' }));
   });
 });

@@ -30,7 +30,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import type { Client } from './rpc.ts';
 import type { RpcError } from './status.ts';
-import { EventType, FleetService } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { EventType, FleetService, OperationKind, SandboxState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Locality } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
 import { sandboxRecord, snapshotRecord } from '../../testkit/records.ts';
 
@@ -280,6 +280,9 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k5', source: { case: 'sandboxId', value: sb('a') }, count: 4, placement: { hostId: 'h1', maxPerHost: 2 } }), Status.INVALID_ARGUMENT, 'placement.max_per_host');
     await refused(() => api.setSnapshotRetention({ tenantId: t, idempotencyKey: 'k6', snapshotId: sn('c') }), Status.INVALID_ARGUMENT, 'retention');
     await refused(() => api.listSandboxes({ tenantId: t, pageToken: Buffer.from(sn('c')).toString('base64url') }), Status.INVALID_ARGUMENT, 'page_token');
+    // A filter value given twice (a request of millions of them stalled the replica).
+    await refused(() => api.listSandboxes({ tenantId: t, states: [SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.RUNNING] }), Status.INVALID_ARGUMENT, 'states[2]');
+    await refused(() => api.listOperations({ tenantId: t, kinds: new Array<OperationKind>(50_000).fill(OperationKind.FORK) }), Status.INVALID_ARGUMENT, 'kinds[1]');
     // An exec too large for the relay names the part that is large.
     await refused(async () => {
       for await (const _ of api.exec({ tenantId: t, sandboxId: sb('a'), argv: ['true'], env: Object.fromEntries(Array.from({ length: 256 }, (_, i) => [`V${i}`, 'x'.repeat(4096)])) })) void _;

@@ -174,7 +174,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     },
     async listSandboxes(req: ListSandboxesRequest, ctx: CallContext) {
       const after = c.pageToken(req.pageToken, c.SANDBOXES_BY_ID);
-      const states = req.states.map((s, i) => c.sandboxState(s, `states[${i}]`));
+      const states = c.enumFilter(req.states, 'states', c.sandboxState);
       const hostId = req.hostId ? c.hostId(req.hostId) : '';
       const all = await fleet.listSandboxes(allTenants(req, ctx, 'ListSandboxes') ? undefined : tenant(req.tenantId, ctx), states, c.labels(req.labels, 'labels', true), hostId);
       const { items, nextPageToken } = c.page(all, req.pageSize, after, c.SANDBOXES_BY_ID);
@@ -314,10 +314,10 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     watchEvents(req: WatchEventsRequest, ctx: CallContext) {
       const tenantId = tenant(req.tenantId, ctx);
       const sandboxId = req.sandboxId ? c.id('sb', req.sandboxId, 'sandbox_id') : '';
-      req.types.forEach((t, i) => {
-        if (!(t in EventType) || t === EventType.UNSPECIFIED) throw new InvalidArgumentError(`types[${i}]`, `unknown event type ${t}`);
+      c.enumFilter(req.types, 'types', (t, field) => {
+        if (!(t in EventType) || t === EventType.UNSPECIFIED) throw new InvalidArgumentError(field, `unknown event type ${t}`);
         // Reserved in the proto: a filter for it would wait on a stream that never carries one.
-        if (t === EventType.HOST_STATE_CHANGED) throw new InvalidArgumentError(`types[${i}]`, 'HOST_STATE_CHANGED is never emitted to a tenant: ListHosts and the forkfleet_hosts metric carry host states');
+        if (t === EventType.HOST_STATE_CHANGED) throw new InvalidArgumentError(field, 'HOST_STATE_CHANGED is never emitted to a tenant: ListHosts and the forkfleet_hosts metric carry host states');
       });
       const types = new Set(req.types);
       if (req.afterRevision < 0n || req.afterRevision > BigInt(Number.MAX_SAFE_INTEGER)) throw new InvalidArgumentError('after_revision', 'a store revision (0: from now)');
@@ -414,7 +414,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     },
     async listHosts(req: ListHostsRequest, ctx: CallContext) {
       admin(ctx, 'ListHosts');
-      const states = req.states.map((s, i) => c.hostState(s, `states[${i}]`));
+      const states = c.enumFilter(req.states, 'states', c.hostState);
       return { hosts: (await fleet.listHosts(states)).map((h) => c.toHost(h.host, h.alloc, h.live)) };
     },
     async cordonHost(req: CordonHostRequest, ctx: CallContext) {
@@ -454,8 +454,8 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     async listOperations(req: ListOperationsRequest, ctx: CallContext) {
       const tenantId = allTenants(req, ctx, 'ListOperations') ? undefined : tenant(req.tenantId, ctx);
       const filter = {
-        states: req.states.map((s, i) => c.operationState(s, `states[${i}]`)),
-        kinds: req.kinds.map((k, i) => c.operationKind(k, `kinds[${i}]`)),
+        states: c.enumFilter(req.states, 'states', c.operationState),
+        kinds: c.enumFilter(req.kinds, 'kinds', c.operationKind),
         targetId: req.targetId ? c.operationTarget(req.targetId, 'target_id') : '',
       };
       const after = c.pageToken(req.pageToken, c.NEWEST_OPERATION_FIRST);
