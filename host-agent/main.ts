@@ -101,9 +101,17 @@ async function main(): Promise<void> {
   // Restore by migration, source side (ADR 0015): a paused clone of a snapshot held here migrates to the caller.
   // Through a TLS relay, QEMU streams to a unix socket here and the relay carries it to the
   // caller, whose certificate must name the host the call came from (its certificate's CN).
+  // Leased from before obtain() until the stream ends: a delete of the snapshot meanwhile keeps
+  // its files (VMM directory, image) until then, and a snapshot deleted before is not handed out.
+  let migrationsOut = 0;
   const migrate = async (snapshotId: string, target: { host: string; port: number; hostId: string }, signal: AbortSignal): Promise<{ bytes: number; ms: number }> => {
-    const { local } = await shipper.obtain(snapshotId, undefined, () => undefined);
-    return relay ? migrateOutThroughRelay(relay, target, (to) => driver.migrateOut(local, to, signal), signal) : driver.migrateOut(local, target, signal);
+    const lease = shipper.lease(snapshotId, `migrate-out/${target.hostId}/${++migrationsOut}`);
+    try {
+      const { local } = await shipper.obtain(snapshotId, undefined, () => undefined);
+      return await (relay ? migrateOutThroughRelay(relay, target, (to) => driver.migrateOut(local, to, signal), signal) : driver.migrateOut(local, target, signal));
+    } finally {
+      lease.release();
+    }
   };
   // With peer TLS, a caller is the host its certificate names (tls.ts), not what it says.
   const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate, ...(peerTls ? { callerHostId: certificateHostId } : {}) });

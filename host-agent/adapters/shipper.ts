@@ -65,6 +65,19 @@ export interface ShipperDeps {
 /** Marks a VMM snapshot directory whose snapshot was deleted while something still used it. */
 const DELETED_MARKER = '.deleted';
 
+/** One fetch of a snapshot (obtain), as remove() sees it. */
+interface FetchAttempt {
+  /** Set by remove(): the fetch must not store the manifest (or, stored already, it is deleted). */
+  removed: boolean;
+  /** The manifest put, once begun (settles, never rejects): remove() waits for it before it deletes. */
+  storing?: Promise<void>;
+}
+
+/** The fetch's manifest was not stored: the snapshot was deleted on this host while it was fetched. */
+function removedWhileFetched(snapshotId: string, hostId: string): ForkfleetError {
+  return new ForkfleetError('failed_precondition', `snapshot ${snapshotId} was deleted on host ${hostId} while it was being fetched: not kept`, { retryable: false });
+}
+
 async function exists(p: string): Promise<boolean> {
   return access(p).then(
     () => true,
@@ -93,6 +106,14 @@ export class ChunkStoreShipper implements SnapshotShipper {
   private readonly durables = new Map<string, Promise<void>>();
   /** Why the last such fetch of a snapshot could not be made durable (until it is, or removed). */
   private readonly notDurable = new Map<string, unknown>();
+  /**
+   * Fetches of a snapshot from before fetchSnapshot began until their manifest is stored or
+   * they failed, by snapshot. remove() marks them: a fetch removed meanwhile stores no
+   * manifest (it would bring the snapshot back after a delete that was reported done).
+   */
+  private readonly fetching = new Map<string, Set<FetchAttempt>>();
+  /** Deleted snapshots whose VMM directory a GC kept because a lease held it: a GC follows the last release. */
+  private readonly keptForLease = new Set<string>();
   private gcRun: Promise<unknown> = Promise.resolve();
   private lastGc: GcResult | undefined;
 
@@ -222,12 +243,23 @@ export class ChunkStoreShipper implements SnapshotShipper {
   }
 
   lease(snapshotId: string, holder: string): { release(): void } {
-    return this.deps.roots.lease(snapshotId, holder);
+    const lease = this.deps.roots.lease(snapshotId, holder);
+    return {
+      release: () => {
+        lease.release();
+        // Deleted while leased, its VMM directory kept for the lease: removed now if nothing
+        // else uses it (VMs forked from it do: then a later GC, once they are gone).
+        if (this.deps.roots.holders(snapshotId).length > 0 || !this.keptForLease.delete(snapshotId)) return;
+        void this.collectGarbage().catch((e: unknown) => this.deps.log.warn({ snapshotId, err: (e as Error).message }, 'gc after a deleted snapshot\'s lease was released failed'));
+      },
+    };
   }
 
   async obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }> {
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
-    if (await exists(join(own, 'manifest.json'))) return { local: await this.deps.driver.openSnapshot(own), bytesFetched: 0 };
+    // Not one deleted here (marked, kept only while something uses it): a GC may be removing
+    // it now. The caller's lease, taken before this check, keeps one marked after it.
+    if (await this.ownSealed(own)) return { local: await this.deps.driver.openSnapshot(own), bytesFetched: 0 };
 
     let bytesFetched = 0;
     let mat: MaterialisedSnapshot | undefined;
@@ -258,6 +290,17 @@ export class ChunkStoreShipper implements SnapshotShipper {
     if (!mat) {
       if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.deps.hostId} and no source was named`);
       const sources = this.sourcesOf(fetch);
+      // Known to remove() from here: a delete of the snapshot meanwhile (before obtain returns,
+      // or before the deferred manifest write below) wins, and the fetch stores no manifest.
+      const attempt: FetchAttempt = { removed: false };
+      let attempts = this.fetching.get(snapshotId);
+      if (!attempts) this.fetching.set(snapshotId, (attempts = new Set()));
+      attempts.add(attempt);
+      const forget = (): void => {
+        attempts.delete(attempt);
+        if (attempts.size === 0 && this.fetching.get(snapshotId) === attempts) this.fetching.delete(snapshotId);
+      };
+      let durableSet = false;
       try {
         // The manifest bytes come from a peer; the signature comes from the scheduler. It is
         // stored only after every chunk is (fetchSnapshot), so "manifest present" = complete.
@@ -269,7 +312,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
         const { report, durable, signed: got } = await fetchSnapshot(
           snapshotId,
           sources,
-          { chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, trust: this.deps.trust, log: this.deps.log },
+          { chunks: this.deps.chunks, manifests: this.manifestsFor(attempt), roots: this.deps.roots, trust: this.deps.trust, log: this.deps.log },
           {
             deferDurable: true,
             ...(signed ? { signed } : {}),
@@ -280,25 +323,32 @@ export class ChunkStoreShipper implements SnapshotShipper {
             },
           },
         );
-        this.deps.log.info({ snapshotId, fetch: { ...report, sources: report.sources.length }, totalMs: Math.round(performance.now() - t0) }, 'snapshot fetched and materialised');
-        bytesFetched = report.bytes ?? 0;
-        onProgress(bytesFetched, bytesFetched);
-        fetchedManifest = got;
         this.notDurable.delete(snapshotId);
-        const settled: Promise<void> = durable.then(
-          () => {
-            this.markComplete(snapshotId);
-          },
-          (e: unknown) => {
-            // Logged by fetchSnapshot; durable() reports it, a later fetch replaces it.
-            this.notDurable.set(snapshotId, e);
-          },
-        );
+        const settled: Promise<void> = durable
+          .then(
+            () => {
+              // Removed while its manifest was being stored: remove() deletes it (it waited
+              // for the put), so the snapshot is not held.
+              if (attempt.removed) this.notDurable.set(snapshotId, removedWhileFetched(snapshotId, this.deps.hostId));
+              else this.markComplete(snapshotId);
+            },
+            (e: unknown) => {
+              // Logged by fetchSnapshot; durable() reports it, a later fetch replaces it.
+              this.notDurable.set(snapshotId, e);
+            },
+          )
+          .finally(forget);
+        durableSet = true;
         this.durables.set(snapshotId, settled);
         void settled.then(() => {
           if (this.durables.get(snapshotId) === settled) this.durables.delete(snapshotId);
         });
+        this.deps.log.info({ snapshotId, fetch: { ...report, sources: report.sources.length }, totalMs: Math.round(performance.now() - t0) }, 'snapshot fetched and materialised');
+        bytesFetched = report.bytes ?? 0;
+        onProgress(bytesFetched, bytesFetched);
+        fetchedManifest = got;
       } finally {
+        if (!durableSet) forget();
         for (const s of sources) s.close();
       }
     }
@@ -332,6 +382,33 @@ export class ChunkStoreShipper implements SnapshotShipper {
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
   }
 
+  /** A VMM snapshot directory that is sealed (the VMM's manifest.json) and not deleted. */
+  private async ownSealed(dir: string): Promise<boolean> {
+    return (await exists(join(dir, 'manifest.json'))) && !(await exists(join(dir, DELETED_MARKER)));
+  }
+
+  /**
+   * The manifest store as one fetch writes to it: once remove() marked the fetch, its put is
+   * refused; a put that began before is remembered, for remove() to wait for and undo.
+   */
+  private manifestsFor(attempt: FetchAttempt): ManifestStore {
+    const store = this.deps.manifests;
+    return {
+      get: (id) => store.get(id),
+      list: () => store.list(),
+      delete: (id) => store.delete(id),
+      put: (id, signed) => {
+        if (attempt.removed) return Promise.reject(removedWhileFetched(id, this.deps.hostId));
+        const p = store.put(id, signed);
+        attempt.storing = p.then(
+          () => undefined,
+          () => undefined,
+        );
+        return p;
+      },
+    };
+  }
+
   /**
    * The manifest bytes (stored here, else from the first source that answers) under the
    * signature the scheduler put in `fetch` (verified by whoever uses it).
@@ -351,7 +428,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
   /** True when the snapshot is on this host: taken here, or every chunk and its manifest stored. */
   async holds(snapshotId: string): Promise<boolean> {
     if (this.complete.has(snapshotId)) return true;
-    return exists(join(this.deps.driverSnapshotsDir, snapshotId, 'manifest.json'));
+    return this.ownSealed(join(this.deps.driverSnapshotsDir, snapshotId));
   }
 
   /**
@@ -444,17 +521,27 @@ export class ChunkStoreShipper implements SnapshotShipper {
 
   /**
    * Deletes a snapshot from this host: its manifest at once (its chunks go at the GC that
-   * follows), its VMM directory as soon as nothing uses it. A VM restored from it, or a
-   * later snapshot's disk layer backed by it, keeps the directory; a `.deleted` marker
-   * makes a later GC remove it once free (also after an agent restart).
+   * follows), its VMM directory as soon as nothing uses it. A VM restored from it, a later
+   * snapshot's disk layer backed by it, or a lease (a restore between obtain() and its VMs
+   * running, a migration out) keeps the directory; a `.deleted` marker makes a later GC
+   * remove it once free (also after an agent restart). The delete is done all the same: the
+   * snapshot is no longer held here, and a restore no longer takes it up.
+   *
+   * A fetch of the snapshot under way stores no manifest after this, also one whose
+   * manifest write obtain() left to the background: the delete wins.
    */
   async remove(snapshotId: string): Promise<void> {
+    // Cleared before the fetches are marked: what a marked fetch reports (durable()) is set after.
+    const notDurable = this.notDurable.get(snapshotId);
+    this.notDurable.delete(snapshotId);
+    const fetches = [...(this.fetching.get(snapshotId) ?? [])];
+    for (const f of fetches) f.removed = true;
+    // A manifest put that began before the mark: finished first, then deleted below.
+    await Promise.all(fetches.map((f) => f.storing));
     // Forgotten first (no restore takes it up meanwhile); known again if the marker or the
     // manifest's delete fails (a full disk, EIO): the host's heartbeats go on listing it, so
     // the scheduler asks again, rather than its files staying unlisted until a restart.
     const had = [this.complete, this.storedIncomplete, this.sealedOnly].filter((set) => set.delete(snapshotId));
-    const notDurable = this.notDurable.get(snapshotId);
-    this.notDurable.delete(snapshotId);
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
     try {
       // Durable before the manifest goes: a directory with neither marker nor manifest after a
@@ -465,7 +552,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       await this.deps.manifests.delete(snapshotId);
     } catch (e) {
       for (const set of had) set.add(snapshotId);
-      if (notDurable !== undefined) this.notDurable.set(snapshotId, notDurable);
+      if (notDurable !== undefined && !this.notDurable.has(snapshotId)) this.notDurable.set(snapshotId, notDurable);
       throw e;
     }
     await this.collectGarbage();
@@ -497,6 +584,16 @@ export class ChunkStoreShipper implements SnapshotShipper {
           }
           continue;
         }
+        // Leased (a restore that obtain() gave this directory and whose VMs do not run from it
+        // yet, a migration out): kept, and removed by a GC after the last release. Checked after
+        // the marker was seen: a lease taken after this check is taken after the marker was
+        // written, and obtain() then does not hand the directory out.
+        if (this.deps.roots.holders(id).length > 0) {
+          this.keptForLease.add(id);
+          this.deps.log.debug({ snapshotId: id, holders: this.deps.roots.holders(id) }, 'deleted snapshot leased on this host; kept until released');
+          continue;
+        }
+        this.keptForLease.delete(id);
         try {
           await this.deps.driver.deleteSnapshot(await this.deps.driver.openSnapshot(dir));
           dirs.push(id);

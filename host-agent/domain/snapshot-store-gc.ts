@@ -61,9 +61,12 @@ export interface GcResult extends SweepStats {
 }
 
 /**
- * Mark from every stored manifest (leased snapshots keep their manifests: deleteSnapshot
- * refuses them), then sweep every chunk that is not marked, not pinned by an in-flight
- * ingest or transfer, and older than the grace period.
+ * Mark from every stored manifest, then sweep every chunk that is not marked, not pinned by
+ * an in-flight ingest or transfer, and older than the grace period. A lease keeps no chunk:
+ * the host's delete (ChunkStoreShipper.remove) removes a leased snapshot's manifest as well.
+ * What a lease keeps is the snapshot's files, its materialised image and its VMM directory
+ * (Materialiser.prune and the shipper's GC skip leased snapshots), which is what its holder
+ * reads; an image being built from chunks pins them itself.
  */
 export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
   // A manifest stored after the mark below is not in `live`: its chunks stay pinned (their
@@ -105,7 +108,12 @@ export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
   return result;
 }
 
-/** Deletes a snapshot's manifest unless a VM holds a lease on it. Its chunks go at the next GC. */
+/**
+ * Deletes a snapshot's manifest unless a lease is held on it (SnapshotLeasedError). Its chunks
+ * go at the next GC. Not what the agent's delete step runs: that is ChunkStoreShipper.remove,
+ * which deletes a leased snapshot too (the scheduler's delete is final) and only leaves its
+ * files until the lease is released.
+ */
 export async function deleteSnapshot(snapshotId: string, deps: Pick<GcDeps, 'manifests' | 'roots'>): Promise<void> {
   deps.roots.assertNotLeased(snapshotId);
   await deps.manifests.delete(snapshotId);

@@ -6,8 +6,11 @@
 //   that does not decode and hash to its name is never returned as valid.
 // - A manifest is stored only after every chunk it lists is stored, so "manifest present"
 //   means "snapshot complete on this host".
-// - A chunk is live while a stored manifest, a leased snapshot or an in-flight operation
-//   reaches it. GC deletes only chunks that are not live and are older than a grace period.
+// - A chunk is live while a stored manifest or an in-flight operation (a pin) reaches it.
+//   GC deletes only chunks that are not live and are older than a grace period.
+// - A lease keeps a snapshot's files (its materialised image, its VMM directory), not its
+//   chunks or its manifest: a delete of a leased snapshot removes the manifest at once and
+//   the files at a GC after the last lease is released.
 import type { Codec, SignedManifest, SnapshotManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { SnapshotLeasedError } from './transfer-errors.ts';
 
@@ -115,8 +118,9 @@ export interface Lease {
 }
 
 /**
- * Live roots that are not manifests: leases (a VM maps a materialised image) and pins
- * (an ingest or transfer is writing chunks that no manifest lists yet).
+ * Live roots that are not manifests: leases (a restore or migration out is about to use, or
+ * uses, a snapshot's files: its image or VMM directory) and pins (an ingest or transfer is
+ * writing chunks that no manifest lists yet).
  */
 export class LiveRoots {
   private readonly leases = new Map<string, Set<string>>();

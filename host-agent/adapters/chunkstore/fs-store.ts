@@ -22,7 +22,7 @@ import { decodeSignedManifest, encodeSignedManifest } from '../../domain/tickets
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
 import { acceptOffloaded } from './verify-pool.ts';
-import { writeSparse } from './sparse.ts';
+import { allSettledOrThrow, writeSparse } from './sparse.ts';
 import { encodeHeader, HEADER, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 import { isAlive } from '../qemu/process.ts';
@@ -181,7 +181,8 @@ export class FsChunkStore implements ChunkStore {
       return;
     }
     const plain = await this.accept(chunk);
-    await Promise.all(places.map((p) => writeSparse(p.fd, plain, p.pos)));
+    // Every place written (or failed) before this settles: the caller's image handles may close next.
+    await allSettledOrThrow(places.map((p) => writeSparse(p.fd, plain, p.pos)));
   }
 
   private async write(chunk: EncodedChunk): Promise<void> {

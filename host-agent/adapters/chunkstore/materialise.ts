@@ -27,7 +27,7 @@ import { ChunkCorruptError, ManifestNotFoundError } from '../../domain/transfer-
 import { verifyManifest, type TrustedKeys } from '../../domain/tickets.ts';
 import { type ImagePlaces } from './fs-store.ts';
 import { DeferredSync } from '../durable.ts';
-import { writeSparse } from './sparse.ts';
+import { allSettledOrThrow, writeSparse } from './sparse.ts';
 
 export interface MaterialisedSnapshot {
   readonly snapshotId: string;
@@ -174,7 +174,8 @@ export class Materialiser {
         if (!l || written.has(digest)) return;
         written.add(digest);
         try {
-          await Promise.all(l.map((p) => writeSparse(p.fh.fd, plain, p.pos)));
+          // Every place written (or failed) before this settles: the handles may close next.
+          await allSettledOrThrow(l.map((p) => writeSparse(p.fh.fd, plain, p.pos)));
         } catch (e) {
           written.delete(digest); // not in the image: a second delivery writes it (else a hole of zeros)
           throw e;

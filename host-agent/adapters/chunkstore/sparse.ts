@@ -40,10 +40,24 @@ function pwriteAll(fd: number, buf: Uint8Array, off: number, len: number, pos: n
   );
 }
 
-/** Writes `buf` at `pos` of `fd` (a hole so far), leaving its zero pages as holes. */
+/**
+ * Awaits every promise, then throws the first failure (in order). Promise.all would reject at
+ * the first failure while the other writes are still queued on the libuv pool: the caller may
+ * then close the file, and a write still to come lands on whatever file next gets that
+ * descriptor number.
+ */
+export async function allSettledOrThrow(ps: Iterable<Promise<unknown>>): Promise<void> {
+  const failed = (await Promise.allSettled(ps)).find((r): r is PromiseRejectedResult => r.status === 'rejected');
+  if (failed) throw failed.reason;
+}
+
+/**
+ * Writes `buf` at `pos` of `fd` (a hole so far), leaving its zero pages as holes. Settles
+ * only once every write has: the descriptor is raw, so none may outlive the call.
+ */
 export async function writeSparse(fd: number, buf: Uint8Array, pos: number): Promise<void> {
   const runs = nonZeroRuns(buf, ZERO_PAGE, PAGE);
   const writes: Array<Promise<void>> = [];
   for (let i = 0; i < runs.length; i += 2) writes.push(pwriteAll(fd, buf, runs[i]!, runs[i + 1]! - runs[i]!, pos + runs[i]!));
-  await Promise.all(writes);
+  await allSettledOrThrow(writes);
 }

@@ -1,8 +1,8 @@
 import { afterEach, describe, expect, it } from 'vitest';
-import { mkdtempSync, readdirSync, rmSync, utimesSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readdirSync, rmSync, utimesSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { FsJournal } from './fs-journal.ts';
+import { FsJournal, TEMP_SUFFIX } from './fs-journal.ts';
 import { MemoryJournal } from './memory-journal.ts';
 
 const dirs: string[] = [];
@@ -11,14 +11,12 @@ afterEach(() => {
 });
 
 describe('journal prune', () => {
-  it('fsJournal_prune_dropsOnlyOpsLastWrittenBeforeTheCutoff_andTempFilesOfAKilledWriter', async () => {
+  it('fsJournal_prune_dropsOnlyOpsLastWrittenBeforeTheCutoff', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
     dirs.push(dir);
     const j = new FsJournal(dir);
     await j.put('op-old', 'restore/h1', new Uint8Array([1]));
     await j.put('op-new', 'restore/h1', new Uint8Array([2]));
-    // A killed writer (another pid) left a temp file in an op that stays.
-    writeFileSync(join(dir, 'op-new', 'x.bin.tmp-999999'), 'half');
     const hourAgo = new Date(Date.now() - 3_600_000);
     utimesSync(join(dir, 'op-old'), hourAgo, hourAgo);
     expect(await j.prune(Date.now() - 60_000)).toBe(1);
@@ -29,6 +27,43 @@ describe('journal prune', () => {
     // A pruned op written again is journalled again (its directory is made anew).
     await j.put('op-old', 'restore/h1', new Uint8Array([3]));
     expect([...(await j.get('op-old', 'restore/h1'))!]).toEqual([3]);
+  });
+
+  it('fsJournal_whenOpened_removesTempFilesEarlierProcessesLeft_alsoOnesWithThisPid_withoutAnyPrune', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
+    dirs.push(dir);
+    mkdirSync(join(dir, 'op-a'));
+    mkdirSync(join(dir, 'op-b'));
+    writeFileSync(join(dir, 'op-a', 'x.bin'), 'kept: a result');
+    // A killed writer with another pid; one with this pid (an agent that is PID 1 in its
+    // container every start), in the old name and the new; and this process's own.
+    writeFileSync(join(dir, 'op-a', 'x.bin.tmp-999999'), 'half');
+    writeFileSync(join(dir, 'op-a', `y.bin.tmp-${process.pid}`), 'half');
+    writeFileSync(join(dir, 'op-b', `z.bin.tmp-${process.pid}.0123456789ab`), 'half');
+    writeFileSync(join(dir, 'op-b', `w.bin${TEMP_SUFFIX}`), 'this process is writing it');
+    writeFileSync(join(dir, 'leader-term'), '1 2\n');
+    // Journal retention 0: the agent never prunes. Opening the journal is enough.
+    const j = new FsJournal(dir);
+    await j.swept;
+    expect(readdirSync(join(dir, 'op-a'))).toEqual(['x.bin']);
+    expect(readdirSync(join(dir, 'op-b'))).toEqual([`w.bin${TEMP_SUFFIX}`]);
+    expect(await j.leaderTerm()).toEqual({ cluster: 1n, term: 2n });
+    // Its own temp files are named so that the next process removes them.
+    expect(TEMP_SUFFIX).toMatch(new RegExp(`^\\.tmp-${process.pid}\\.[0-9a-f]{12}$`));
+  });
+
+  it('fsJournal_putsWhileTheOpeningSweepRuns_areKept', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
+    dirs.push(dir);
+    for (let i = 0; i < 50; i++) {
+      mkdirSync(join(dir, `op-${i}`));
+      writeFileSync(join(dir, `op-${i}`, 'x.bin.tmp-999999'), 'half');
+    }
+    const j = new FsJournal(dir);
+    await Promise.all(Array.from({ length: 50 }, (_, i) => j.put(`op-${i}`, 'restore/h1', new Uint8Array([i]))));
+    await j.swept;
+    for (let i = 0; i < 50; i++) expect([...(await j.get(`op-${i}`, 'restore/h1'))!]).toEqual([i]);
+    for (let i = 0; i < 50; i++) expect(readdirSync(join(dir, `op-${i}`))).toHaveLength(1);
   });
 
   it('fsJournal_opIdsLongerThanAFileNameAllows_areJournalledAndPruned_andUnsafeOnesRefused', async () => {

@@ -2,8 +2,13 @@
 // temporary file and a rename so a crash never leaves a half-written result. `prune` drops
 // the results of ops that finished long ago (past any redelivery: the work stream keeps a
 // message at most 24 h), so the journal does not grow with every op the host ever ran.
+//
+// A temp file is `<step>.bin.tmp-<pid>.<nonce>`, the nonce drawn once per process: one a
+// killed writer left is removed when the journal opens (every temp without this process's
+// nonce), whatever the retention. The pid alone would not do: an agent that is PID 1 in its
+// container has the pid of every agent before it.
 import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
-import { createHash } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import type { Journal, LeaderTerm } from '../../domain/agent.ts';
 import { writeFileDurable } from '../durable.ts';
@@ -11,6 +16,11 @@ import { writeFileDurable } from '../durable.ts';
 const SAFE = /^[A-Za-z0-9_-]+$/;
 /** Longer op ids (the scheduler's own, e.g. a stray VM's stop names the host and the sandbox) go by a digest. */
 const MAX_NAME = 64;
+
+/** What this process's temp files end with (`.tmp-<pid>.<nonce>`); exported for tests. */
+export const TEMP_SUFFIX = `.tmp-${process.pid}.${randomBytes(6).toString('hex')}`;
+/** A journal temp file of any process: this version's names and the older `.tmp-<pid>`. */
+const TEMP = /\.tmp-\d+(\.[0-9a-f]+)?$/;
 
 /** An op's directory: its id, or for a long one a digest of it ('~' is in no op id). */
 function opDir(opId: string): string {
@@ -20,8 +30,16 @@ function opDir(opId: string): string {
 export class FsJournal implements Journal {
   /** Op directories this process made (only prune removes them), so a put skips the mkdir. */
   private readonly made = new Set<string>();
+  /**
+   * Settles once the temp files earlier processes left are removed (started at construction,
+   * in the background: nothing waits for it, since this process's own temps are never
+   * touched by it). Never rejects: a sweep that fails leaves only small files.
+   */
+  readonly swept: Promise<void>;
 
-  constructor(private readonly dir: string) {}
+  constructor(private readonly dir: string) {
+    this.swept = this.sweepTemps().catch(() => undefined);
+  }
 
   private path(opId: string, stepId: string): string {
     if (!SAFE.test(opId)) throw new Error(`journal: bad op id ${JSON.stringify(opId)}`);
@@ -46,7 +64,7 @@ export class FsJournal implements Journal {
       if (this.made.size >= 10_000) this.made.clear();
       this.made.add(dir);
     }
-    const tmp = `${p}.tmp-${process.pid}`;
+    const tmp = `${p}${TEMP_SUFFIX}`;
     await writeFile(tmp, result);
     await rename(tmp, p);
   }
@@ -76,17 +94,22 @@ export class FsJournal implements Journal {
     await writeFileDurable(this.termPath, `${term.cluster} ${term.term}\n`);
   }
 
-  private swept = false;
+  /** Removes every temp file in the op directories that this process did not make (TEMP_SUFFIX). */
+  private async sweepTemps(): Promise<void> {
+    for (const opId of await readdir(this.dir).catch(() => [] as string[])) {
+      const d = join(this.dir, opId);
+      for (const f of await readdir(d).catch(() => [] as string[])) {
+        if (TEMP.test(f) && !f.endsWith(TEMP_SUFFIX)) await rm(join(d, f), { force: true });
+      }
+    }
+  }
 
   /**
    * Removes every op whose results were last written before `olderThanMs` (epoch ms; the op
-   * directory's mtime). The first call also removes temp files that a killed writer (another
-   * process) left in the ops it keeps. Returns how many ops went.
+   * directory's mtime). Returns how many ops went.
    */
   async prune(olderThanMs: number): Promise<number> {
     let removed = 0;
-    const sweep = !this.swept;
-    this.swept = true;
     for (const opId of await readdir(this.dir).catch(() => [] as string[])) {
       const d = join(this.dir, opId);
       const st = await stat(d).catch(() => undefined);
@@ -95,11 +118,6 @@ export class FsJournal implements Journal {
         await rm(d, { recursive: true, force: true });
         this.made.delete(opId);
         removed++;
-      } else if (sweep) {
-        for (const f of await readdir(d).catch(() => [] as string[])) {
-          const m = /\.tmp-(\d+)$/.exec(f);
-          if (m && Number(m[1]) !== process.pid) await rm(join(d, f), { force: true });
-        }
       }
     }
     return removed;

@@ -1,0 +1,213 @@
+// ChunkStoreShipper's delete against what still uses the snapshot: a restore's lease, and a
+// fetch whose manifest write obtain() left to the background. Real chunk, manifest and image
+// stores in a temp directory; the VMM driver is a fake of our own port. No peer is asked for
+// anything: every chunk a fetch needs is already stored here.
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { rm } from 'node:fs/promises';
+import { join } from 'node:path';
+import { create } from '@bufbuild/protobuf';
+import { pino } from 'pino';
+import { ChunkStoreShipper } from './shipper.ts';
+import { FsChunkStore, FsManifestStore } from './chunkstore/fs-store.ts';
+import { ingestSnapshot } from './chunkstore/ingest.ts';
+import { Materialiser } from './chunkstore/materialise.ts';
+import { LiveRoots, systemClock, type ChunkStore, type ManifestStore } from '../domain/snapshot-store.ts';
+import { generateSigningKey, signManifest, signTicket, type SigningKey, type TrustedKeys } from '../domain/tickets.ts';
+import type { LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
+import { ArtifactKind, SignedManifestSchema, type SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { FetchSnapshotWorkSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { tempDir } from '../../services/testkit/proc.ts';
+
+const CS = 64 * 1024;
+const log = pino({ level: 'silent' });
+let dir: string;
+let key: SigningKey;
+let trust: TrustedKeys;
+
+beforeAll(() => {
+  dir = tempDir('ff-shipper-unit-');
+  ({ signing: key, trusted: trust } = generateSigningKey('k1'));
+});
+afterAll(() => rmSync(dir, { recursive: true, force: true }));
+
+/** A gate a test opens: `wait()` resolves once `open()` was called. */
+function gate(): { wait: () => Promise<void>; open: () => void; entered: Promise<void> } {
+  let open!: () => void;
+  let enter!: () => void;
+  const opened = new Promise<void>((r) => (open = r));
+  const entered = new Promise<void>((r) => (enter = r));
+  return {
+    wait: () => {
+      enter();
+      return opened;
+    },
+    open,
+    entered,
+  };
+}
+
+/**
+ * The driver as the shipper uses it: snapshot directories hold the VMM's manifest.json; a
+ * delete waits for `deleting` (when set) and removes the directory (no VM uses any).
+ */
+function fakeDriver(opts: { deleting?: () => Promise<void> } = {}): VmmDriver & { deleted: string[] } {
+  const deleted: string[] = [];
+  return {
+    deleted,
+    openSnapshot: async (d: string): Promise<LocalSnapshot> => ({ dir: d, manifest: JSON.parse(readFileSync(join(d, 'manifest.json'), 'utf8')) as VmmSnapshotManifest }),
+    deleteSnapshot: async (s: LocalSnapshot) => {
+      await opts.deleting?.();
+      await rm(s.dir, { recursive: true, force: true });
+      deleted.push(s.manifest.snapshotId);
+    },
+    snapshotsInUse: async () => new Set<string>(),
+    vmsUse: () => false,
+  } as unknown as VmmDriver & { deleted: string[] };
+}
+
+async function host(name: string, opts: { driver?: VmmDriver; chunks?: (c: FsChunkStore) => ChunkStore; manifests?: (m: FsManifestStore) => ManifestStore } = {}) {
+  const root = join(dir, name);
+  const store = new FsChunkStore(root, { offload: false });
+  const stored = new FsManifestStore(root);
+  const chunks = opts.chunks?.(store) ?? store;
+  const manifests = opts.manifests?.(stored) ?? stored;
+  const roots = new LiveRoots();
+  const materialiser = new Materialiser({ root, chunks: store, manifests: stored, trust, roots, syncInline: true });
+  const driverSnapshotsDir = join(root, 'vmm');
+  mkdirSync(driverSnapshotsDir, { recursive: true });
+  const driver = opts.driver ?? fakeDriver();
+  const shipper = new ChunkStoreShipper({ hostId: 'h1', driver, driverSnapshotsDir, chunks, manifests, materialiser, roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS });
+  return { root, store, stored, roots, driverSnapshotsDir, shipper };
+}
+
+/** A snapshot the VMM took here: its sealed directory. */
+function ownSnapshot(driverSnapshotsDir: string, snapshotId: string): string {
+  const own = join(driverSnapshotsDir, snapshotId);
+  mkdirSync(own, { recursive: true });
+  writeFileSync(join(own, 'memory'), 'guest memory');
+  writeFileSync(join(own, 'manifest.json'), JSON.stringify({ snapshotId }));
+  return own;
+}
+
+/**
+ * A snapshot held elsewhere whose chunks are all stored here already (the manifest bytes too,
+ * unsigned, as an ingest stores them): a fetch of it asks no peer for anything. The work
+ * carries the scheduler's signature.
+ */
+async function chunksHere(h: Awaited<ReturnType<typeof host>>, snapshotId: string) {
+  const mem = join(h.root, `${snapshotId}.mem`);
+  writeFileSync(mem, Buffer.concat([Buffer.alloc(CS, 1), Buffer.alloc(CS, 2)]));
+  const r = await ingestSnapshot({ snapshotId, tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }] }, { chunks: h.store, roots: new LiveRoots(), clock: systemClock, chunkSize: CS });
+  r.unpin();
+  r.manifest.metadata = { 'manifest.json': Buffer.from(JSON.stringify({ snapshotId })), 'image.json': Buffer.from('{}') };
+  const signed = signManifest(r.manifest, key);
+  await h.stored.put(snapshotId, create(SignedManifestSchema, { manifest: signed.manifest }));
+  const ticket = signTicket({ snapshotId, destinationHostId: 'h1', expiresAt: new Date(Date.now() + 60_000) }, key);
+  // An address nothing listens on: never dialled, as no chunk is missing.
+  return create(FetchSnapshotWorkSchema, { snapshotId, sources: [{ hostId: 'hA', address: '127.0.0.1:9' }], ticket, manifest: signed });
+}
+
+describe('ChunkStoreShipper.remove against a lease', () => {
+  it('remove_whileARestoreLeasesTheSnapshotsOwnDirectory_keepsItUntilTheLeaseIsReleased_andReportsTheDeleteDone', async () => {
+    const h = await host('leased-own');
+    const own = ownSnapshot(h.driverSnapshotsDir, 'sn-a');
+    await h.shipper.load();
+    // restoreVms: the lease, then obtain() gives the snapshot's own directory; its VMs do not
+    // map it yet (the driver would refuse to delete it then).
+    const lease = h.shipper.lease('sn-a', 'restore/op-1/restore');
+    const { local } = await h.shipper.obtain('sn-a', undefined, () => undefined);
+    expect(local.dir).toBe(own);
+    // A delete step of the same snapshot, running alongside: done, though the files stay.
+    await h.shipper.remove('sn-a');
+    expect(existsSync(join(own, 'memory'))).toBe(true);
+    await h.shipper.collectGarbage();
+    expect(existsSync(join(own, 'memory'))).toBe(true);
+    expect(h.shipper.held()).toEqual([]);
+    expect(await h.shipper.holds('sn-a')).toBe(false);
+    // Released: a GC follows by itself and removes the directory.
+    lease.release();
+    await vi.waitFor(() => expect(existsSync(own)).toBe(false));
+  });
+
+  it('obtain_ofASnapshotDeletedHereWhoseDirectoryAGcIsRemovingNow_doesNotHandTheDirectoryOut', async () => {
+    const deleting = gate();
+    const driver = fakeDriver({ deleting: deleting.wait });
+    const h = await host('deleting-own', { driver });
+    ownSnapshot(h.driverSnapshotsDir, 'sn-b');
+    await h.shipper.load();
+    const removed = h.shipper.remove('sn-b');
+    // The GC is deleting the directory (it found no lease); a restore leases and obtains now.
+    await deleting.entered;
+    const lease = h.shipper.lease('sn-b', 'restore/op-2/restore');
+    const got = h.shipper.obtain('sn-b', undefined, () => undefined);
+    deleting.open();
+    await expect(got).rejects.toThrow(/not on host h1/);
+    lease.release();
+    await removed;
+    expect(driver.deleted).toEqual(['sn-b']);
+  });
+});
+
+describe('ChunkStoreShipper.remove against a fetch whose manifest write is deferred', () => {
+  it('remove_afterObtainReturnedButBeforeTheManifestWasWritten_wins_theSnapshotIsNeitherStoredNorHeld', async () => {
+    const syncing = gate();
+    // The fetch's chunk fsyncs (before its manifest write) take until the gate opens.
+    const h = await host('deferred-before-put', {
+      chunks: (c) =>
+        new Proxy(c, {
+          get: (target, k) => {
+            const v = Reflect.get(target, k) as unknown;
+            if (k === 'sync') return async () => (await syncing.wait(), target.sync());
+            return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+          },
+        }),
+    });
+    const work = await chunksHere(h, 'sn-c');
+    await h.shipper.load();
+    const { local } = await h.shipper.obtain('sn-c', work, () => undefined);
+    expect(readFileSync(join(local.dir, 'memory')).length).toBe(2 * CS);
+    await syncing.entered;
+    await h.shipper.remove('sn-c');
+    syncing.open();
+    const durable = h.shipper.durable('sn-c');
+    await durable.catch(() => undefined);
+    // The background write did not bring the snapshot back: not stored, not held, and the
+    // restore that waits for it hears so (it reports the snapshot not held here).
+    expect(await h.stored.get('sn-c')).toBeUndefined();
+    expect(h.shipper.held()).toEqual([]);
+    expect(await h.shipper.holds('sn-c')).toBe(false);
+    await expect(durable).rejects.toThrow(/deleted on host h1 while it was being fetched/);
+  });
+
+  it('remove_whileTheFetchsManifestIsBeingWritten_waitsForTheWriteAndDeletesIt', async () => {
+    const putting = gate();
+    const h = await host('deferred-during-put', {
+      manifests: (m) => ({
+        get: (id) => m.get(id),
+        list: () => m.list(),
+        delete: (id) => m.delete(id),
+        put: async (id: string, s: SignedManifest) => {
+          await putting.wait();
+          await m.put(id, s);
+        },
+      }),
+    });
+    // Stored unsigned through the real store (the wrapper's put is the fetch's).
+    const work = await chunksHere(h, 'sn-d');
+    await h.shipper.load();
+    await h.shipper.obtain('sn-d', work, () => undefined);
+    await putting.entered;
+    let removeDone = false;
+    const removed = h.shipper.remove('sn-d').then(() => (removeDone = true));
+    await new Promise((r) => setTimeout(r, 50));
+    expect(removeDone).toBe(false); // waits for the put that began before it
+    putting.open();
+    await removed;
+    const durable = h.shipper.durable('sn-d');
+    await durable.catch(() => undefined);
+    expect(await h.stored.get('sn-d')).toBeUndefined();
+    expect(h.shipper.held()).toEqual([]);
+    await expect(durable).rejects.toThrow(/deleted on host h1 while it was being fetched/);
+  });
+});
