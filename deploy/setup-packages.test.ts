@@ -1,8 +1,12 @@
 // The README's "Host prerequisites" names the Debian packages deploy/setup.sh installs, so an
-// operator preparing hosts by hand (or auditing one) installs the same set.
-import { readFileSync } from 'node:fs';
+// operator preparing hosts by hand (or auditing one) installs the same set. Below: setup.sh's
+// own behaviour, with stubs for the system's commands.
+import { spawnSync } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import { copyFileSync, existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
-import { describe, expect, it } from 'vitest';
+import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 
 const ROOT = resolve(import.meta.dirname, '..');
 
@@ -26,5 +30,106 @@ describe('host prerequisites', () => {
     const readme = readmePackages(readFileSync(join(ROOT, 'README.md'), 'utf8'));
     expect(setup.length).toBeGreaterThan(10);
     expect([...readme].sort()).toEqual([...setup].sort());
+  });
+});
+
+// setup.sh itself, run as a copy in a scratch repository (its own package-lock.json and install
+// stamp, so npm ci never runs) with stubs first on PATH: dpkg-query, id and systemctl answer as
+// each test says, and npm, apt-get and dpkg fail loudly if reached. Nothing on the machine is
+// read or changed but the scratch directory.
+describe('setup.sh', () => {
+  let tmp: string;
+  beforeEach(() => {
+    tmp = mkdtempSync(join(tmpdir(), 'ff-setup-'));
+    mkdirSync(join(tmp, 'repo', 'deploy'), { recursive: true });
+    mkdirSync(join(tmp, 'repo', 'node_modules'));
+    mkdirSync(join(tmp, 'bin'));
+    copyFileSync(join(ROOT, 'deploy', 'setup.sh'), join(tmp, 'repo', 'deploy', 'setup.sh'));
+    writeFileSync(join(tmp, 'repo', 'package-lock.json'), '{}\n');
+    writeFileSync(join(tmp, 'repo', 'node_modules', '.forkfleet-lock.sha256'), `${createHash('sha256').update('{}\n').digest('hex')}\n`);
+    const stubs: Record<string, string> = {
+      // The package is the last argument; those in STUB_MISSING are not installed.
+      'dpkg-query': 'for a; do p=$a; done\ncase " $STUB_MISSING " in *" $p "*) echo "dpkg-query: no packages found matching $p" >&2; exit 1;; esac\nprintf "install ok installed"',
+      id: 'echo "$STUB_UID"',
+      // Every call logged; a unit is enabled, active, or fails to change as the STUB_ lists say.
+      systemctl: [
+        'echo "$*" >> "$STUB_LOG"',
+        'for a; do unit=$a; done',
+        'listed() { case " $1 " in *" $unit "*) return 0;; esac; return 1; }',
+        'case $1 in',
+        '  is-enabled) listed "$STUB_ENABLED" || exit 1;;',
+        '  is-active) listed "$STUB_ACTIVE" || { echo "System has not been booted with systemd as init system (PID 1)." >&2; exit 1; };;',
+        '  disable|stop) if listed "$STUB_FAIL"; then echo "Failed to $1 $unit.service: stub" >&2; exit 1; fi;;',
+        'esac',
+      ].join('\n'),
+      ...Object.fromEntries(['npm', 'apt-get', 'dpkg'].map((c) => [c, `echo "stub: ${c} must not run in this test" >&2; exit 97`])),
+    };
+    for (const [name, body] of Object.entries(stubs)) writeFileSync(join(tmp, 'bin', name), `#!/bin/sh\n${body}\n`, { mode: 0o755 });
+  });
+  afterEach(() => rmSync(tmp, { recursive: true, force: true }));
+
+  const pending = (): string => join(tmp, 'services-to-disable');
+  const systemctlCalls = (): string[] => (existsSync(join(tmp, 'systemctl.log')) ? readFileSync(join(tmp, 'systemctl.log'), 'utf8').split('\n').filter(Boolean) : []);
+  function runSetup(env: { STUB_MISSING?: string; STUB_UID?: string; STUB_ENABLED?: string; STUB_ACTIVE?: string; STUB_FAIL?: string }): { status: number | null; stderr: string } {
+    const r = spawnSync('bash', [join(tmp, 'repo', 'deploy', 'setup.sh')], {
+      encoding: 'utf8',
+      env: {
+        ...process.env,
+        PATH: `${join(tmp, 'bin')}:${process.env.PATH ?? '/usr/bin:/bin'}`,
+        FORKFLEET_SETUP_LOCK: join(tmp, 'setup.lock'),
+        FORKFLEET_SETUP_PENDING: pending(),
+        STUB_LOG: join(tmp, 'systemctl.log'),
+        STUB_MISSING: '',
+        STUB_UID: '0',
+        STUB_ENABLED: '',
+        STUB_ACTIVE: '',
+        STUB_FAIL: '',
+        ...env,
+      },
+    });
+    return { status: r.status, stderr: r.stderr };
+  }
+
+  it('setup_asNonRootWithPackagesMissing_namesThemOnStderr', () => {
+    // The lock's `exec 9>>lock 2>/dev/null` once sent all later errors to /dev/null.
+    const r = runSetup({ STUB_MISSING: 'socat prometheus', STUB_UID: '1000' });
+    expect(r.status).toBe(1);
+    expect(r.stderr).toContain('setup: missing Debian packages: prometheus socat; run as root or install them');
+  });
+
+  it('setup_afterARunThatStoppedBeforeDisablingTheServicesItInstalled_nextRunDisablesThem_andLeavesTheMachinesOwn', () => {
+    // A run killed (or failing) after noting these, before disabling them. etcd was not noted:
+    // the machine had its package (and maybe runs its service) before.
+    writeFileSync(pending(), 'prometheus:prometheus\nnats-server:nats-server\n');
+    const r = runSetup({ STUB_ENABLED: 'etcd nats-server prometheus', STUB_ACTIVE: 'prometheus' });
+    expect(r.stderr).toBe('');
+    expect(r.status).toBe(0);
+    const calls = systemctlCalls();
+    expect(calls).toEqual(expect.arrayContaining(['disable --quiet prometheus', 'stop prometheus', 'disable --quiet nats-server']));
+    // nats-server is not running (is-active fails, as where systemd does not run): not stopped.
+    expect(calls.filter((c) => /^(disable|stop) /.test(c)).sort()).toEqual(['disable --quiet nats-server', 'disable --quiet prometheus', 'stop prometheus']);
+    expect(existsSync(pending())).toBe(false);
+  });
+
+  it('setup_serviceThatFailsToDisable_staysNotedForTheNextRun_andSaysWhy', () => {
+    writeFileSync(pending(), 'etcd:etcd-server\nprometheus:prometheus\n');
+    const r = runSetup({ STUB_ENABLED: 'etcd prometheus', STUB_FAIL: 'etcd' });
+    expect(r.status).toBe(0);
+    expect(r.stderr).toContain('Failed to disable etcd.service: stub');
+    expect(r.stderr).toContain('setup: could not disable etcd; the next run tries again');
+    expect(readFileSync(pending(), 'utf8')).toBe('etcd:etcd-server\n');
+    // The next run, where it works, finishes the job.
+    expect(runSetup({ STUB_ENABLED: 'etcd' }).status).toBe(0);
+    expect(existsSync(pending())).toBe(false);
+    expect(systemctlCalls().filter((c) => c === 'disable --quiet etcd')).toHaveLength(2);
+  });
+
+  it('setup_asNonRootWithServicesNoted_keepsTheNote_andSaysSo', () => {
+    writeFileSync(pending(), 'prometheus:prometheus\n');
+    const r = runSetup({ STUB_UID: '1000', STUB_ENABLED: 'prometheus' });
+    expect(r.status).toBe(0);
+    expect(r.stderr).toContain('run it as root to disable them');
+    expect(readFileSync(pending(), 'utf8')).toBe('prometheus:prometheus\n');
+    expect(systemctlCalls()).toEqual([]);
   });
 });

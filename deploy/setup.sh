@@ -10,7 +10,9 @@ cd "$(dirname "$0")/.."
 # policy-rc.d the other still relies on. The second waits for the first.
 lock=${FORKFLEET_SETUP_LOCK:-/run/lock/forkfleet-setup.lock}
 mkdir -p "$(dirname "$lock")" 2>/dev/null || true
-if exec 9>>"$lock" 2>/dev/null; then flock 9; fi
+# The braces keep 2>/dev/null to this exec (a bare `exec ... 2>/dev/null` would send the rest
+# of the script's errors there too); without a writable lock file it runs unlocked.
+if { exec 9>>"$lock"; } 2>/dev/null; then flock 9; fi
 
 APT_PACKAGES=(
   qemu-system-x86 qemu-utils qemu-guest-agent linux-image-amd64 busybox-static
@@ -30,11 +32,50 @@ APT_PACKAGES=(
   procps
 )
 
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+
+# Forkfleet starts its own etcd, NATS and Prometheus; the Debian services these packages enable
+# would start at the next boot (Prometheus listening on every interface). Those this script
+# installs are disabled: noted (unit:package) in a file that outlives the run before installing,
+# so that a run killed or failing before it disables them leaves the note, and disabled, by this
+# run or the next, once installed. A machine's own services (their packages were there before)
+# are never noted; nor is one a rendered deployment runs (deploy/hosts: its drop-in) disabled.
+SERVICES=(etcd:etcd-server nats-server:nats-server prometheus:prometheus)
+pending=${FORKFLEET_SETUP_PENDING:-/var/lib/forkfleet-setup/services-to-disable}
+
+# Disables (and stops, where systemd runs them) the services noted in $pending. A line is
+# dropped once done; one that failed stays for the next run.
+disable_noted_services() {
+  [[ -s $pending ]] || return 0
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "setup: services this script installed are still enabled ($pending): run it as root to disable them" >&2
+    return 0
+  fi
+  if ! command -v systemctl >/dev/null; then rm -f "$pending"; return 0; fi # no systemd: nothing starts them
+  local left=() s unit ok
+  while IFS= read -r s; do
+    unit=${s%%:*}
+    # Not installed (removed since): noted anew if this script installs it again.
+    if [[ -z $s ]] || ! installed "${s#*:}"; then continue; fi
+    # Configured by a rendered deployment (deploy/hosts), which runs it: left alone.
+    if [[ -e /etc/systemd/system/$unit.service.d/forkfleet.conf ]]; then continue; fi
+    ok=1
+    if systemctl is-enabled --quiet "$unit" 2>/dev/null && ! systemctl disable --quiet "$unit"; then ok=0; fi
+    # is-active fails where systemd does not run (a container): then nothing runs it.
+    if systemctl is-active --quiet "$unit" 2>/dev/null && ! systemctl stop "$unit"; then ok=0; fi
+    if ((!ok)); then left+=("$s"); fi
+  done < <(sort -u "$pending")
+  if ((${#left[@]})); then
+    printf '%s\n' "${left[@]}" > "$pending"
+    echo "setup: could not disable ${left[*]%%:*}; the next run tries again" >&2
+  else
+    rm -f "$pending"
+  fi
+}
+
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
-  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
-    missing+=("$p")
-  fi
+  if ! installed "$p"; then missing+=("$p"); fi
 done
 if ((${#missing[@]})); then
   if [[ $(id -u) -ne 0 ]]; then
@@ -42,6 +83,11 @@ if ((${#missing[@]})); then
     exit 1
   fi
   echo "setup: installing Debian packages: ${missing[*]}"
+  for s in "${SERVICES[@]}"; do
+    if [[ " ${missing[*]} " == *" ${s#*:} "* ]]; then
+      mkdir -p "$(dirname "$pending")" && echo "$s" >> "$pending"
+    fi
+  done
   export DEBIAN_FRONTEND=noninteractive
   # Installing must not start services (there may be no init system here).
   # Only while installing: left behind, it would keep later upgrades from restarting services.
@@ -60,15 +106,9 @@ if ((${#missing[@]})); then
   # Installed: services may start again (the trap covers a run that fails before this).
   if grep -qxsF "$marker" /usr/sbin/policy-rc.d; then rm -f /usr/sbin/policy-rc.d; fi
   trap - EXIT
-  # Forkfleet starts its own etcd, NATS and Prometheus; the Debian services these packages
-  # enable would start at the next boot (Prometheus listening on every interface). Disabled,
-  # only those this run installed (a machine's own etcd service is left alone).
-  if command -v systemctl >/dev/null; then
-    for unit in etcd:etcd-server nats-server:nats-server prometheus:prometheus; do
-      if [[ " ${missing[*]} " == *" ${unit#*:} "* ]]; then systemctl disable --now "${unit%%:*}" >/dev/null 2>&1 || true; fi
-    done
-  fi
 fi
+# Every run: also those a killed or failed run noted.
+disable_noted_services
 
 # npm dependencies: reinstall only when package-lock.json changed since the last install.
 stamp=node_modules/.forkfleet-lock.sha256

@@ -1,6 +1,7 @@
+import { createServer } from 'node:net';
 import { resolve } from 'node:path';
 import { afterEach, describe, expect, it, vi } from 'vitest';
-import { defaultOptions, parseCli, USAGE, UsageError, validateOptions } from './fleet.ts';
+import { checkFleetPortsFree, defaultOptions, fleetPorts, parseCli, USAGE, UsageError, validateOptions } from './fleet.ts';
 
 afterEach(() => vi.unstubAllEnvs());
 
@@ -82,5 +83,26 @@ describe('--prefix and the agents\' egress firewall', () => {
 
   it('otherPrefixes_areAccepted', () => {
     for (const prefix of ['ffl', 'ff', 'f', 'ffx', 'ffh', 'effe']) expect(() => validateOptions(defaultOptions({ prefix, hostMemoryMib: 1024 }))).not.toThrow();
+  });
+});
+
+describe('the fleet\'s ports, checked before up makes anything', () => {
+  it('fleetPorts_areEveryListenerOfTheControlPlane_schedulersIncluded', () => {
+    const ports = fleetPorts({ basePort: 17700, etcd: 3 });
+    expect(ports.map((p) => p.port).sort((a, b) => a - b)).toEqual([17700, 17701, 17710, 17711, 17720, 17721, 17722, 17730, 17731, 17732, 17740, 17741]);
+    expect(ports.find((p) => p.port === 17711)?.what).toBe('scheduler-2 metrics');
+    expect(fleetPorts({ basePort: 17700, etcd: 1 })).toHaveLength(8);
+  });
+
+  it('checkFleetPortsFree_namesABusySchedulerPort', async () => {
+    // An ephemeral port on loopback (not the fleet's range), taken by this test.
+    const server = createServer();
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const port = (server.address() as { port: number }).port;
+    try {
+      await expect(checkFleetPortsFree({ basePort: port - 10, etcd: 1 })).rejects.toThrow(new RegExp(`ports already in use on 127\\.0\\.0\\.1: (.*, )?${port} \\(scheduler-1 metrics\\).*choose --base-port`));
+    } finally {
+      await new Promise((r) => server.close(r));
+    }
   });
 });

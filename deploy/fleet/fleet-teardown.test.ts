@@ -1,16 +1,18 @@
-// down() on staged fleet directories: no namespace or cgroup is named in these states, so
-// only the processes this file starts are signalled, and only files in its own temporary
-// directory are touched, besides the RAM mount points of the last test (under /run/forkfleet).
+// down() on staged fleet directories: no namespace is named in these states, so only the
+// processes this file starts are signalled, and only files in its own temporary directory are
+// touched, besides the RAM mount points of one test (under /run/forkfleet) and the cgroups
+// the guests-cgroup tests make (ff-test-*, removed after).
 import { spawn } from 'node:child_process';
 import type { ChildProcess } from 'node:child_process';
 import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
-import { claimableDir, defaultOptions, down, fleetDirOwnership, foundFleet, procAlive, qemuPidsByVm, readState, receiverPids, removeFleetEntries, standbyPids } from './fleet.ts';
+import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from 'vitest';
+import { claimableDir, defaultOptions, down, fleetDirOwnership, foundFleet, guestCgroupFor, ownsGuestCgroup, procAlive, qemuPidsByVm, readState, receiverPids, removeFleetEntries, standbyPids } from './fleet.ts';
 import type { FleetState, ProcRecord } from './fleet.ts';
 import { identityOf, isSameProcess } from './proc-identity.ts';
 import { DEFAULT_RAM_MOUNT } from '../../host-agent/adapters/qemu/ram-pool.ts';
+import { cpuHierarchy } from '../../host-agent/adapters/qemu/cgroup.ts';
 
 let tmp: string;
 const started: ChildProcess[] = [];
@@ -244,5 +246,98 @@ describe('down and RAM mount points', () => {
         }
       }
     }
+  });
+});
+
+/** Where guests cgroups go on this machine (as down() finds it), if this process may make one. */
+const CPU_BASE = await cpuHierarchy().then((h) => {
+  if (!h) return undefined;
+  try {
+    const probe = join(h.base, `ff-test-probe-${process.pid}`);
+    mkdirSync(probe);
+    rmdirSync(probe);
+    return h.base;
+  } catch {
+    return undefined;
+  }
+});
+
+describe('the guests cgroup', () => {
+  it('ownsGuestCgroup_followsTheRecord_andForAnOlderStateOnlyTheFleetsOwnGroup', () => {
+    const options = { prefix: 'ffl' };
+    expect(ownsGuestCgroup({ options, guestCgroup: 'forkfleet-guests', guestCgroupOwned: false })).toBe(false);
+    expect(ownsGuestCgroup({ options, guestCgroup: 'made/by-up', guestCgroupOwned: true })).toBe(true);
+    expect(ownsGuestCgroup({ options, guestCgroup: '', guestCgroupOwned: true })).toBe(false);
+    // state.json of an older fleet.ts: no record of who made it.
+    expect(ownsGuestCgroup({ options, guestCgroup: 'forkfleet-ffl-guests' })).toBe(true);
+    expect(ownsGuestCgroup({ options, guestCgroup: 'forkfleet-guests' })).toBe(false);
+  });
+
+  describe.skipIf(!CPU_BASE)('down() on a real cgroup', () => {
+    const made: string[] = [];
+    afterEach(async () => {
+      vi.unstubAllEnvs();
+      for (const c of started.splice(0)) {
+        if (c.exitCode === null && c.signalCode === null) {
+          c.kill('SIGKILL');
+          await new Promise((r) => c.once('exit', r));
+        }
+      }
+      for (const d of made.splice(0).reverse()) {
+        try {
+          rmdirSync(d);
+        } catch {
+          /* removed by the test */
+        }
+      }
+    });
+
+    /** A cgroup as another agent's (a deployed host's forkfleet-guests), with a process of this test in it. */
+    function groupWithMember(name: string): { dir: string; member: { pid: number; exited: Promise<void> } } {
+      const dir = join(CPU_BASE!, name);
+      mkdirSync(dir);
+      made.push(dir);
+      const member = start('sleep', ['30']);
+      writeFileSync(join(dir, 'cgroup.procs'), String(member.pid));
+      return { dir, member };
+    }
+
+    it('down_withAGuestsCgroupItDidNotMake_leavesItAndItsMembers', async () => {
+      const name = `ff-test-foreign-${process.pid}`;
+      const { dir, member } = groupWithMember(name);
+      const id = identityOf(member.pid);
+      const fleet = join(tmp, 'cg-foreign');
+      const state = stageFleet(fleet, []);
+      writeFileSync(join(fleet, 'state.json'), JSON.stringify({ ...state, guestCgroup: name, guestCgroupOwned: false }));
+      await down(fleet);
+      expect(isSameProcess(member.pid, id)).toBe(true);
+      expect(existsSync(dir)).toBe(true);
+    });
+
+    it('down_withItsOwnGuestsCgroup_killsWhatIsLeftInIt_andRemovesIt', async () => {
+      const name = `ff-test-own-${process.pid}`;
+      const { dir, member } = groupWithMember(name);
+      const fleet = join(tmp, 'cg-own');
+      const state = stageFleet(fleet, []);
+      writeFileSync(join(fleet, 'state.json'), JSON.stringify({ ...state, guestCgroup: name, guestCgroupOwned: true }));
+      await down(fleet);
+      await member.exited;
+      expect(existsSync(dir)).toBe(false);
+    });
+
+    it('guestCgroupFor_aGroupFF_GUEST_CGROUPNamesThatExists_isNotOwned_butOneItMakesIs', async () => {
+      const existing = `ff-test-existing-${process.pid}`;
+      mkdirSync(join(CPU_BASE!, existing));
+      made.push(join(CPU_BASE!, existing));
+      vi.stubEnv('FF_GUEST_CGROUP', existing);
+      expect(await guestCgroupFor({ prefix: 'ffl' })).toEqual({ path: existing, owned: false });
+      const fresh = `ff-test-fresh-${process.pid}`;
+      made.push(join(CPU_BASE!, fresh));
+      vi.stubEnv('FF_GUEST_CGROUP', fresh);
+      expect(await guestCgroupFor({ prefix: 'ffl' })).toEqual({ path: fresh, owned: true });
+      expect(existsSync(join(CPU_BASE!, fresh))).toBe(true);
+      vi.stubEnv('FF_GUEST_CGROUP', '');
+      expect(await guestCgroupFor({ prefix: 'ffl' })).toEqual({ path: '', owned: false });
+    });
   });
 });

@@ -8,6 +8,8 @@
 //   node --import tsx deploy/fleet/fleet.ts restart NAME
 //   node --import tsx deploy/fleet/fleet.ts down
 // (every flag: USAGE below, or --help)
+// An up that fails, or that Ctrl-C, SIGTERM or SIGHUP stops, removes what it started once its
+// steps in flight have settled, keeping logs/ (bringup.ts); stopped, it exits 130, 143 or 129.
 //
 // Layout (--dir or FF_FLEET_DIR, default /var/lib/ffleet; a new or empty directory, or one
 // holding a fleet: `down` removes exactly the entries below, and the directory if up made it):
@@ -44,6 +46,9 @@ import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv
 import { ensurePeerCert } from '../pki/pki.ts';
 import { cmdlineOf, identityOf, isQemuIn, isSameProcess, runsLaunchedCommand } from './proc-identity.ts';
 import { InvalidArgumentError } from '../../proto/errors.ts';
+import { allSteps, guardedStart, throwIfStopped } from './bringup.ts';
+import type { SignalSource, StartEnd } from './bringup.ts';
+import { FleetInterruptedError } from './errors.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 const NODE = process.execPath;
@@ -113,8 +118,16 @@ export interface FleetState {
   procs: ProcRecord[];
   signingKey: string;
   trustedKey: string;
-  /** The cgroup the agents put their guests in (ADR 0018), removed by down(); empty: none. */
+  /** The cgroup the agents put their guests in (ADR 0018); empty: none. */
   guestCgroup?: string;
+  /**
+   * Whether guestCgroup is this fleet's own, which down() removes, killing what is left in it:
+   * the fleet's per-prefix group, or one named by FF_GUEST_CGROUP that up made. One that existed
+   * (a deployed agent's forkfleet-guests, another fleet's) is left, and so are its members; the
+   * fleet's own QEMUs are stopped by their pid files either way. Absent (an older fleet.ts):
+   * only the per-prefix group counts as its own.
+   */
+  guestCgroupOwned?: boolean;
   /**
    * Every host reported ready: up finished. An up killed midway (Ctrl-C, a dropped session)
    * leaves its processes running without it, and the next up starts afresh instead of taking
@@ -355,9 +368,10 @@ function listens(host: string, port: number): Promise<boolean> {
   });
 }
 
-async function waitPort(host: string, port: number, timeoutMs: number): Promise<void> {
+async function waitPort(host: string, port: number, timeoutMs: number, abort?: AbortSignal): Promise<void> {
   const until = Date.now() + timeoutMs;
   while (!(await listens(host, port))) {
+    throwIfStopped(abort);
     if (Date.now() > until) throw new Error(`nothing listens on ${host}:${port} after ${timeoutMs} ms`);
     await new Promise((r) => setTimeout(r, 50));
   }
@@ -374,15 +388,47 @@ async function assertPortsFree(what: string, ports: readonly number[]): Promise<
   }
 }
 
+/**
+ * Every port the fleet's control plane listens on (the layout startEtcd, startNats and
+ * startSchedulers use), with what listens there.
+ */
+export function fleetPorts(opts: Pick<FleetOptions, 'basePort' | 'etcd'>): Array<{ port: number; what: string }> {
+  const b = opts.basePort;
+  const etcd = Array.from({ length: opts.etcd }, (_, i) => [
+    { port: b + 20 + i, what: `etcd-${i + 1} clients` },
+    { port: b + 30 + i, what: `etcd-${i + 1} peers` },
+  ]).flat();
+  return [
+    { port: b, what: 'scheduler-1 API' },
+    { port: b + 1, what: 'scheduler-2 API' },
+    { port: b + 10, what: 'scheduler-1 metrics' },
+    { port: b + 11, what: 'scheduler-2 metrics' },
+    ...etcd,
+    { port: b + 40, what: 'NATS clients' },
+    { port: b + 41, what: 'NATS monitoring' },
+  ];
+}
+
+/**
+ * Refuses, before up makes anything, a fleet whose ports are taken: every busy one is named
+ * (found later, its step would fail with etcd and NATS already started).
+ */
+export async function checkFleetPortsFree(opts: Pick<FleetOptions, 'basePort' | 'etcd'>): Promise<void> {
+  const busy: string[] = [];
+  for (const p of fleetPorts(opts)) if (await listens('127.0.0.1', p.port)) busy.push(`${p.port} (${p.what})`);
+  if (busy.length > 0) throw new Error(`ports already in use on 127.0.0.1: ${busy.join(', ')}; the fleet listens on ${opts.basePort}..${opts.basePort + 41} (another fleet? choose --base-port)`);
+}
+
 /** waitPort for a process the fleet launched, which must still be the one listening (it did not exit). */
-async function waitListening(rec: ProcRecord, port: number, timeoutMs: number): Promise<void> {
-  await waitPort('127.0.0.1', port, timeoutMs);
+async function waitListening(rec: ProcRecord, port: number, timeoutMs: number, abort: AbortSignal): Promise<void> {
+  await waitPort('127.0.0.1', port, timeoutMs, abort);
   if (!procAlive(rec)) throw new Error(`${rec.name} exited (see ${rec.log})`);
 }
 
-async function waitLog(path: string, needle: string, timeoutMs: number, rec: ProcRecord): Promise<void> {
+async function waitLog(path: string, needle: string, timeoutMs: number, rec: ProcRecord, abort: AbortSignal): Promise<void> {
   const until = Date.now() + timeoutMs;
   while (Date.now() < until) {
+    throwIfStopped(abort);
     if (existsSync(path) && readFileSync(path, 'utf8').includes(needle)) return;
     if (!procAlive(rec)) throw new Error(`process ${rec.pid} (${rec.name}) exited; see ${path}:\n${existsSync(path) ? readFileSync(path, 'utf8').slice(-1500) : ''}`);
     await new Promise((r) => setTimeout(r, 100));
@@ -403,7 +449,12 @@ function spawnDetached(log: string, command: string, args: string[], env: Record
   return { pid: child.pid, ...identityOf(child.pid) };
 }
 
-function launch(state: FleetState, rec: Omit<ProcRecord, 'pid' | 'log' | 'command' | 'args' | 'env'>, command: string, args: string[], env: Record<string, string> = {}): ProcRecord {
+/**
+ * Starts one of the fleet's processes and records it in state.json before anything else can
+ * run. Refused once the start is being stopped: the teardown may have read state.json already.
+ */
+export function launch(state: FleetState, abort: AbortSignal, rec: Omit<ProcRecord, 'pid' | 'log' | 'command' | 'args' | 'env'>, command: string, args: string[], env: Record<string, string> = {}): ProcRecord {
+  throwIfStopped(abort);
   const log = join(state.options.dir, 'logs', `${rec.name}.log`);
   const full: ProcRecord = { ...rec, ...spawnDetached(log, command, args, env, rec.cwd), log, command, args, env };
   state.procs.push(full);
@@ -510,7 +561,7 @@ function makeKeys(state: FleetState): void {
   writeFileSync(state.trustedKey, createPublicKey(privateKey).export({ type: 'spki', format: 'pem' }), { mode: 0o644 });
 }
 
-async function startEtcd(state: FleetState): Promise<void> {
+async function startEtcd(state: FleetState, abort: AbortSignal): Promise<void> {
   const { etcd, basePort } = state.options;
   const members = Array.from({ length: etcd }, (_, i) => ({ name: `etcd-${i + 1}`, client: basePort + 20 + i, peer: basePort + 30 + i }));
   const initial = members.map((m) => `${m.name}=http://127.0.0.1:${m.peer}`).join(',');
@@ -519,7 +570,7 @@ async function startEtcd(state: FleetState): Promise<void> {
   for (const m of members) {
     const data = join(state.options.dir, 'etcd', m.name);
     mkdirSync(data, { recursive: true });
-    recs.push(launch(state, { name: m.name, kind: 'etcd' }, 'etcd', [
+    recs.push(launch(state, abort, { name: m.name, kind: 'etcd' }, 'etcd', [
       '--name', m.name, '--data-dir', data,
       '--listen-client-urls', `http://127.0.0.1:${m.client}`, '--advertise-client-urls', `http://127.0.0.1:${m.client}`,
       '--listen-peer-urls', `http://127.0.0.1:${m.peer}`, '--initial-advertise-peer-urls', `http://127.0.0.1:${m.peer}`,
@@ -528,7 +579,7 @@ async function startEtcd(state: FleetState): Promise<void> {
     ]));
   }
   state.etcdEndpoints = members.map((m) => `http://127.0.0.1:${m.client}`);
-  for (const [i, m] of members.entries()) await waitListening(recs[i]!, m.client, 15_000);
+  for (const [i, m] of members.entries()) await waitListening(recs[i]!, m.client, 15_000, abort);
 }
 
 /** NATS secrets: hidden from the agents by a tmpfs in their mount namespace (startAgent). */
@@ -551,7 +602,7 @@ function makeNatsAuth(state: FleetState): string {
   return path;
 }
 
-async function startNats(state: FleetState): Promise<void> {
+async function startNats(state: FleetState, abort: AbortSignal): Promise<void> {
   const port = state.options.basePort + 40;
   const monitor = port + 1;
   const store = join(state.options.dir, 'nats');
@@ -559,20 +610,20 @@ async function startNats(state: FleetState): Promise<void> {
   const conf = makeNatsAuth(state);
   await assertPortsFree('nats-server', [port, monitor]);
   // Its store as working directory: nats-server writes a lost consumer's meta.inf relative to it.
-  const nats = launch(state, { name: 'nats', kind: 'nats', cwd: store }, 'nats-server', ['-c', conf, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
+  const nats = launch(state, abort, { name: 'nats', kind: 'nats', cwd: store }, 'nats-server', ['-c', conf, '-js', '-a', '127.0.0.1', '-p', String(port), '-m', String(monitor), '-sd', store]);
   state.natsUrl = `nats://127.0.0.1:${port}`;
   state.natsMonitor = `http://127.0.0.1:${monitor}`;
-  await waitListening(nats, port, 10_000);
+  await waitListening(nats, port, 10_000, abort);
   const sock = join(state.options.dir, 'nats.sock');
-  const r = launch(state, { name: 'relay-nats', kind: 'relay' }, NODE, tsx('deploy/fleet/relay.ts', `unix:${sock}=tcp:127.0.0.1:${port}`));
-  await waitLog(r.log, 'relay ready', 15_000, r);
+  const r = launch(state, abort, { name: 'relay-nats', kind: 'relay' }, NODE, tsx('deploy/fleet/relay.ts', `unix:${sock}=tcp:127.0.0.1:${port}`));
+  await waitLog(r.log, 'relay ready', 15_000, r, abort);
 }
 
-async function startSchedulers(state: FleetState): Promise<void> {
+async function startSchedulers(state: FleetState, abort: AbortSignal): Promise<void> {
   for (let i = 0; i < 2; i++) {
     const api = `127.0.0.1:${state.options.basePort + i}`;
     const metrics = `127.0.0.1:${state.options.basePort + 10 + i}`;
-    const p = launch(state, { name: `scheduler-${i + 1}`, kind: 'scheduler' }, NODE, tsx('services/main.ts'), {
+    const p = launch(state, abort, { name: `scheduler-${i + 1}`, kind: 'scheduler' }, NODE, tsx('services/main.ts'), {
       FF_SCHEDULER_ID: `scheduler-${i + 1}`,
       FF_GRPC_ADDR: api,
       FF_METRICS_ADDR: metrics,
@@ -585,7 +636,7 @@ async function startSchedulers(state: FleetState): Promise<void> {
       ...schedulerApiEnv(state.options.dir),
       ...state.options.schedulerEnv,
     });
-    await waitLog(p.log, '"ready":true', 60_000, p);
+    await waitLog(p.log, '"ready":true', 60_000, p, abort);
     state.apiAddresses.push(api);
     state.metricsAddresses.push(metrics);
     saveState(state);
@@ -612,17 +663,29 @@ export function cgroupMountCommands(mounts = readFileSync('/proc/self/mounts', '
   ];
 }
 
+/** The guests' cgroup a fleet makes for itself when FF_GUEST_CGROUP does not name one. */
+const ownGuestCgroup = (prefix: string): string => `forkfleet-${prefix}-guests`;
+
 /**
  * The guests' cgroup of a fleet's agents: FF_GUEST_CGROUP when set (empty: off), else one per
  * fleet. It is made here, as the agents will (so they reuse it); where that fails, guests run
- * without CPU isolation and this says why on stderr.
+ * without CPU isolation and this says why on stderr. owned: the fleet's to remove at down, as
+ * FleetState.guestCgroupOwned says (a group FF_GUEST_CGROUP names that existed already is not).
  */
-async function guestCgroupFor(opts: FleetOptions): Promise<string> {
-  const chosen = opts.agentEnv?.FF_GUEST_CGROUP ?? process.env.FF_GUEST_CGROUP ?? `forkfleet-${opts.prefix}-guests`;
-  if (!chosen) return '';
-  const why = cgroupMountCommands().length === 0 ? 'no cgroup hierarchy with the cpu controller' : await GuestCgroup.open({ path: chosen, cpuWeight: 100 }).then(() => '', (e: unknown) => (e as Error).message);
+export async function guestCgroupFor(opts: Pick<FleetOptions, 'prefix' | 'agentEnv'>): Promise<{ path: string; owned: boolean }> {
+  const named = opts.agentEnv?.FF_GUEST_CGROUP ?? process.env.FF_GUEST_CGROUP;
+  const chosen = named ?? ownGuestCgroup(opts.prefix);
+  if (!chosen) return { path: '', owned: false };
+  const h = cgroupMountCommands().length === 0 ? undefined : await cpuHierarchy();
+  const existed = h !== undefined && existsSync(join(h.base, chosen));
+  const why = !h ? 'no cgroup hierarchy with the cpu controller' : await GuestCgroup.open({ path: chosen, cpuWeight: 100 }).then(() => '', (e: unknown) => (e as Error).message);
   if (why) process.stderr.write(`fleet: guests run without CPU isolation (ADR 0018): ${why}\n`);
-  return why ? '' : chosen;
+  return why ? { path: '', owned: false } : { path: chosen, owned: named === undefined || !existed };
+}
+
+/** Whether down() removes the fleet's guests cgroup (FleetState.guestCgroupOwned). */
+export function ownsGuestCgroup(s: Pick<FleetState, 'guestCgroup' | 'guestCgroupOwned'> & { options: Pick<FleetOptions, 'prefix'> }): boolean {
+  return !!s.guestCgroup && (s.guestCgroupOwned ?? s.guestCgroup === ownGuestCgroup(s.options.prefix));
 }
 
 /** Where a host's peer TLS files are (makePeerCert writes them): the fleet's CA, its certificate and key. */
@@ -651,14 +714,14 @@ function makePeerCert(state: FleetState, h: HostRecord): Record<string, string> 
  * and only the agent's own directory is bound back, so an agent cannot read or write
  * another agent's files.
  */
-async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
+async function startAgent(state: FleetState, h: HostRecord, abort: AbortSignal): Promise<void> {
   const hostsDir = join(state.options.dir, 'hosts');
   const stash = join(state.options.dir, `.own-${h.id}`);
   mkdirSync(stash, { recursive: true });
   const peerTls = state.options.peerTls === false ? {} : makePeerCert(state, h);
   const sock = join(state.options.dir, 'nats.sock');
-  const relay = launch(state, { name: `relay-${h.id}`, kind: 'relay', host: h.id, netns: h.netns }, ...inNetns(h.netns, NODE, tsx('deploy/fleet/relay.ts', `tcp:127.0.0.1:4222=unix:${sock}`)));
-  await waitLog(relay.log, 'relay ready', 15_000, relay);
+  const relay = launch(state, abort, { name: `relay-${h.id}`, kind: 'relay', host: h.id, netns: h.netns }, ...inNetns(h.netns, NODE, tsx('deploy/fleet/relay.ts', `tcp:127.0.0.1:4222=unix:${sock}`)));
+  await waitLog(relay.log, 'relay ready', 15_000, relay, abort);
   const script = [
     'set -e',
     `mount --bind "${h.dataDir}" "${stash}"`,
@@ -671,7 +734,7 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     ...(state.guestCgroup ? cgroupMountCommands() : []),
     `exec "${NODE}" --import tsx "${join(ROOT, 'host-agent', 'main.ts')}"`,
   ].join('; ');
-  const p = launch(state, { name: `agent-${h.id}`, kind: 'agent', host: h.id, netns: h.netns }, ...inNetns(h.netns, 'sh', ['-c', script]), {
+  const p = launch(state, abort, { name: `agent-${h.id}`, kind: 'agent', host: h.id, netns: h.netns }, ...inNetns(h.netns, 'sh', ['-c', script]), {
     FF_HOST_ID: h.id,
     FF_DATA_DIR: h.dataDir,
     FF_NATS_URL: 'nats://127.0.0.1:4222',
@@ -691,11 +754,11 @@ async function startAgent(state: FleetState, h: HostRecord): Promise<void> {
     UV_THREADPOOL_SIZE: process.env.UV_THREADPOOL_SIZE ?? '16',
     ...state.options.agentEnv,
   });
-  await waitLog(p.log, '"ready":true', 120_000, p);
+  await waitLog(p.log, '"ready":true', 120_000, p, abort);
 }
 
 /** The fleet is up when the scheduler reports every host ready (registered from its heartbeats). */
-async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<void> {
+async function waitHostsReady(state: FleetState, timeoutMs: number, abort: AbortSignal): Promise<void> {
   const { HostState } = await import('../../proto/gen/forkfleet/v1/fleet_pb.ts');
   const api = await fleetApiClient(state.options.dir, state.apiAddresses[0]!);
   const until = Date.now() + timeoutMs;
@@ -703,6 +766,7 @@ async function waitHostsReady(state: FleetState, timeoutMs: number): Promise<voi
   let lastError: unknown;
   try {
     for (;;) {
+      throwIfStopped(abort);
       const hosts = await api.listHosts({}, { timeoutMs: 3000 }).then(
         (r) => ((lastError = undefined), r.hosts),
         (e: unknown) => ((lastError = e), []),
@@ -837,12 +901,20 @@ async function withDirLock<T>(dir: string, fn: () => Promise<T>): Promise<T> {
   }
 }
 
-export async function up(given: FleetOptions): Promise<FleetState> {
+/**
+ * Starts a fleet (or finds it up as asked). A start that fails, or that SIGINT, SIGTERM or
+ * SIGHUP stops, takes down what it made once its steps still in flight have settled
+ * (bringup.ts), keeping the logs; stopped by a signal, it throws a FleetInterruptedError
+ * (exitCode 130, 143 or 129). `signals`: where those come from.
+ */
+export async function up(given: FleetOptions, signals: SignalSource = process): Promise<FleetState> {
   const dir = fleetDir(given.dir);
-  return withDirLock(dir, () => upLocked({ ...given, dir }));
+  return withDirLock(dir, () => upLocked({ ...given, dir }, signals));
 }
 
-async function upLocked(given: FleetOptions): Promise<FleetState> {
+const messageOf = (e: unknown): string => (e instanceof Error ? e.message : String(e));
+
+async function upLocked(given: FleetOptions, signals: SignalSource): Promise<FleetState> {
   const opts: FleetOptions = { ...given, dir: fleetDir(given.dir) };
   validateOptions(opts);
   const owner = claimableDir(opts.dir);
@@ -855,61 +927,103 @@ async function upLocked(given: FleetOptions): Promise<FleetState> {
     // Partly alive (an agent that crashed, say), or an up that never finished: taken down
     // below, and started afresh.
   }
-  // A dead or partly dead fleet, or the logs of a failed up: cleared so this fleet starts afresh.
-  // (teardown, not down: this up holds the directory's lock.)
-  if (owner === 'ours') await teardown(opts.dir);
-  for (const ns of sh('ip', ['netns', 'list']).split('\n').map((l) => l.split(' ')[0])) {
-    if (ns && ns.startsWith(`${opts.prefix}-`)) throw new Error(`network namespace ${ns} already exists; run fleet:down or delete it`);
-  }
-  const createdDir = !existsSync(opts.dir);
-  mkdirSync(opts.dir, { recursive: true });
-  writeFileSync(join(opts.dir, MARKER), `${JSON.stringify({ fleet: 'forkfleet', createdDir } satisfies DirMarker)}\n`);
-  mkdirSync(join(opts.dir, 'logs'), { recursive: true });
-  const state: FleetState = {
-    version: 1,
-    startedAt: new Date().toISOString(),
-    options: opts,
-    apiAddresses: [],
-    metricsAddresses: [],
-    etcdEndpoints: [],
-    natsUrl: '',
-    natsMonitor: '',
-    netnsBridge: '',
-    namespaces: [],
-    hosts: [],
-    procs: [],
-    signingKey: join(opts.dir, 'keys', 'signing.pem'),
-    trustedKey: join(opts.dir, 'keys', 'signing.pem.pub'),
-    guestCgroup: await guestCgroupFor(opts),
+  const logs = join(opts.dir, 'logs');
+  const kept = `(the fleet's logs are kept in ${logs}; fleet:down removes them)`;
+  /** This start has marked the directory as the fleet's: from then on what it made is torn down if it does not finish. */
+  let marked = false;
+  const cleanup = async (end: StartEnd): Promise<void> => {
+    if (!marked) return;
+    if (end.signal === undefined) process.stderr.write(`fleet: start failed, cleaning up (the logs stay in ${logs}): ${messageOf(end.error)}\n`);
+    await teardown(opts.dir, { keepLogs: true }).catch((t: unknown) => void process.stderr.write(`fleet: cleaning up failed too: ${messageOf(t)}\n`));
   };
-  saveState(state);
+  const onSignal = (sig: string): void => {
+    // The terminal is gone: writes to it fail, and must not end the teardown.
+    if (sig === 'SIGHUP') for (const out of [process.stdout, process.stderr]) out.on('error', () => undefined);
+    process.stderr.write(`fleet: ${sig}: stopping the start, then stopping and removing what it started (the logs stay); ${sig} again ends fleet.ts at once (then npm run fleet:down)\n`);
+  };
   try {
-    const { ensureImage } = await import('../images/build.ts');
-    const step = (s: string): void => void process.stderr.write(`fleet: ${s}\n`);
-    step('guest image');
-    await ensureImage('tiny');
-    step(`network: ${opts.hosts} host namespaces on a bridge, links shaped to ${opts.link}`);
-    makeNetwork(state);
-    makeKeys(state);
-    makeApiCredentials(opts.dir);
-    step(`etcd (${opts.etcd} member${opts.etcd > 1 ? 's' : ''}) and NATS`);
-    await Promise.all([startEtcd(state), startNats(state)]);
-    step('2 scheduler replicas');
-    await startSchedulers(state);
-    step(`${opts.hosts} host agents`);
-    await Promise.all(state.hosts.map((h) => startAgent(state, h)));
-    saveState(state);
-    await waitHostsReady(state, 60_000);
-    state.complete = true;
-    saveState(state);
-    return state;
+    return await guardedStart(
+      async (abort) => {
+        // A dead or partly dead fleet, or the logs of a failed up: cleared so this fleet starts
+        // afresh. (teardown, not down: this up holds the directory's lock.)
+        if (owner === 'ours') await teardown(opts.dir);
+        throwIfStopped(abort);
+        for (const ns of sh('ip', ['netns', 'list']).split('\n').map((l) => l.split(' ')[0])) {
+          if (ns && ns.startsWith(`${opts.prefix}-`)) throw new Error(`network namespace ${ns} already exists; run fleet:down or delete it`);
+        }
+        await checkFleetPortsFree(opts);
+        throwIfStopped(abort);
+        const createdDir = !existsSync(opts.dir);
+        mkdirSync(opts.dir, { recursive: true });
+        writeFileSync(join(opts.dir, MARKER), `${JSON.stringify({ fleet: 'forkfleet', createdDir } satisfies DirMarker)}\n`);
+        marked = true;
+        mkdirSync(logs, { recursive: true });
+        const cgroup = await guestCgroupFor(opts);
+        const state: FleetState = {
+          version: 1,
+          startedAt: new Date().toISOString(),
+          options: opts,
+          apiAddresses: [],
+          metricsAddresses: [],
+          etcdEndpoints: [],
+          natsUrl: '',
+          natsMonitor: '',
+          netnsBridge: '',
+          namespaces: [],
+          hosts: [],
+          procs: [],
+          signingKey: join(opts.dir, 'keys', 'signing.pem'),
+          trustedKey: join(opts.dir, 'keys', 'signing.pem.pub'),
+          guestCgroup: cgroup.path,
+          guestCgroupOwned: cgroup.owned,
+        };
+        saveState(state);
+        return bringUp(state, abort);
+      },
+      cleanup,
+      { signals, onSignal },
+    );
   } catch (e) {
+    if (e instanceof FleetInterruptedError) {
+      const failing = e.cause === undefined ? '' : ` (it was failing: ${messageOf(e.cause)})`;
+      throw new FleetInterruptedError(e.signal, `start stopped by ${e.signal}${marked ? `: what it had started is stopped and removed${failing}\n${kept}` : failing}`, { cause: e });
+    }
+    if (!marked) throw e;
     // The logs stay: the error names files in them, and they say why.
-    const logs = join(opts.dir, 'logs');
-    process.stderr.write(`fleet: start failed, cleaning up (the logs stay in ${logs}): ${(e as Error).message}\n`);
-    await teardown(opts.dir, { keepLogs: true }).catch((t: unknown) => void process.stderr.write(`fleet: cleaning up failed too: ${(t as Error).message}\n`));
-    throw new Error(`${(e as Error).message}\n(the fleet's logs are kept in ${logs}; fleet:down removes them)`, { cause: e });
+    throw new Error(`${messageOf(e)}\n${kept}`, { cause: e });
   }
+}
+
+/**
+ * The start's steps, from the guest image to every host ready. Each refuses to begin once
+ * `abort` fires, and every wait ends then; upLocked's cleanup removes what they made.
+ */
+async function bringUp(state: FleetState, abort: AbortSignal): Promise<FleetState> {
+  const opts = state.options;
+  const { ensureImage } = await import('../images/build.ts');
+  const step = (s: string): void => {
+    throwIfStopped(abort);
+    process.stderr.write(`fleet: ${s}\n`);
+  };
+  step('guest image');
+  await ensureImage('tiny');
+  step(`network: ${opts.hosts} host namespaces on a bridge, links shaped to ${opts.link}`);
+  makeNetwork(state);
+  makeKeys(state);
+  makeApiCredentials(opts.dir);
+  step(`etcd (${opts.etcd} member${opts.etcd > 1 ? 's' : ''}) and NATS`);
+  // Side by side: one failing stops the other, and both settle before the cleanup reads state.json.
+  await allSteps(abort, [(a) => startEtcd(state, a), (a) => startNats(state, a)]);
+  step('2 scheduler replicas');
+  await startSchedulers(state, abort);
+  step(`${opts.hosts} host agents`);
+  await allSteps(abort, state.hosts.map((h) => (a: AbortSignal) => startAgent(state, h, a)));
+  saveState(state);
+  await waitHostsReady(state, 60_000, abort);
+  throwIfStopped(abort);
+  state.complete = true;
+  saveState(state);
+  return state;
 }
 
 /** A QEMU pid file, with the directories the QEMU it names must have been started in. */
@@ -1088,7 +1202,9 @@ async function stopFleet(state: FleetState): Promise<void> {
     }
   }
   for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });
-  if (state.guestCgroup) await removeGuestCgroup(state.guestCgroup);
+  // Another's group (FF_GUEST_CGROUP named one that existed) stays, with its members: this
+  // fleet's QEMUs in it were stopped above, by their pid files.
+  if (ownsGuestCgroup(state)) await removeGuestCgroup(state.guestCgroup!);
 }
 
 /** down, or a failed up's cleanup (which keeps the logs). False: no fleet (nor a failed up's logs) was in `dir`. */
@@ -1301,7 +1417,8 @@ if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename
     (e: unknown) => {
       process.stderr.write(`fleet: ${e instanceof Error ? e.message : String(e)}\n`);
       if (e instanceof UsageError) process.stderr.write(`\n${USAGE}`);
-      process.exit(e instanceof UsageError ? 2 : 1);
+      // Stopped by a signal (its start cleaned up): 128 + the signal's number, as a shell reports it.
+      process.exit(e instanceof UsageError ? 2 : e instanceof FleetInterruptedError ? e.exitCode : 1);
     },
   );
 }
