@@ -453,7 +453,10 @@ export class Fleet {
     const sb = await read;
     if (choose) [kind, allowed] = choose(sb);
     if (!allowed.includes(sb.state)) throw new WrongStateError('sandbox', sb.id, sb.state, `${kind} needs one of: ${allowed.join(', ')}`, 'sandbox_id');
-    if (kind === 'snapshot' || kind === 'hibernate') await admit(this.deps, input.tenantId, { snapshot: true });
+    // A hibernate of a hibernated sandbox takes no snapshot (it copies the one it has to more
+    // hosts, and copies count no stored bytes): a tenant at its snapshot_bytes quota may still
+    // make them, e.g. before a host is removed.
+    if (kind === 'snapshot' || (kind === 'hibernate' && sb.state !== 'hibernated')) await admit(this.deps, input.tenantId, { snapshot: true });
     if (kind === 'wake') await this.admitWake(input.tenantId, sb);
     const op = await this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], { checked: true, digest });
     this.readAtSubmit.set(op, sb);

@@ -137,6 +137,32 @@ describe('quotas', () => {
     expect(submitted).toBe(1);
   });
 
+  it('hibernateOfAHibernatedSandbox_whileSnapshotBytesAreAtQuota_isAdmitted_itOnlyCopiesTheSnapshotItHas', async () => {
+    const stored = { id: 'sn-h', tenantId: 't', state: 'ready', lineageId: 'ln', storedBytes: 1000, vmConfig: { memoryMib: 128 } } as unknown as SnapshotRec;
+    const sb = (state: SandboxRec['state']) => ({ id: 'sb-h', tenantId: 't', state, lineageId: 'ln', hibernationSnapshotId: 'sn-h', resources: { vcpus: 1, memoryMib: 128, diskMib: 0 }, opId: '' }) as unknown as SandboxRec;
+    let current = sb('hibernated');
+    let submitted = 0;
+    const store = {
+      getIdempotent: async () => undefined,
+      getSandbox: async () => ({ value: current, modRevision: 3 }),
+      getSnapshot: async () => ({ value: stored, modRevision: 3 }),
+      listSandboxes: async () => [{ value: current, modRevision: 3 }],
+      listSnapshots: async () => [{ value: stored, modRevision: 3 }],
+      listOps: async () => [],
+      commit: async () => {
+        submitted++;
+        return true;
+      },
+    } as unknown as FleetStore;
+    const fleet = new Fleet({ store, bus: {} as never, clock: { now: () => Date.now() }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => ({ snapshotBytes: 1000 }) });
+    await expect(fleet.hibernateSandbox({ tenantId: 't', idempotencyKey: 'k1', sandboxId: 'sb-h', replicas: 2 } as never)).resolves.toMatchObject({ kind: 'hibernate' });
+    expect(submitted).toBe(1);
+    // A running one would take a new snapshot: refused at the quota.
+    current = sb('running');
+    await expect(fleet.hibernateSandbox({ tenantId: 't', idempotencyKey: 'k2', sandboxId: 'sb-h', replicas: 0 } as never)).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.snapshot_bytes' });
+    expect(submitted).toBe(1);
+  });
+
   it('concurrentCreatesAndForks_ofOneTenant_admitOnlyWhatFitsTheQuota_notEachOnTheSameUsage', async () => {
     // Ten creates and two forks of 2 at once, quota 5 sandboxes: each check must count what
     // the ones before it recorded. (Every call used to read the same usage and pass.)
