@@ -16,6 +16,28 @@ const err = (f: () => void): { kind: string; field: string | undefined; message:
   }
 };
 
+/**
+ * A Fleet over a store of one sandbox (as `sandbox()` returns it now) and one stored snapshot,
+ * with a snapshot_bytes quota the snapshot fills; `submitted()`: operations recorded.
+ */
+function fleetOverOne(sandbox: () => SandboxRec, stored: SnapshotRec): { fleet: Fleet; submitted: () => number } {
+  let n = 0;
+  const store = {
+    getIdempotent: async () => undefined,
+    getSandbox: async () => ({ value: sandbox(), modRevision: 3 }),
+    getSnapshot: async () => ({ value: stored, modRevision: 3 }),
+    listSandboxes: async () => [{ value: sandbox(), modRevision: 3 }],
+    listSnapshots: async () => [{ value: stored, modRevision: 3 }],
+    listOps: async () => [],
+    commit: async () => {
+      n++;
+      return true;
+    },
+  } as unknown as FleetStore;
+  const fleet = new Fleet({ store, bus: {} as never, clock: { now: () => Date.now() }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => ({ snapshotBytes: 1000 }) });
+  return { fleet, submitted: () => n };
+}
+
 describe('quotas', () => {
   it('admit_countsChildrenOfForksNotYetPlaced', async () => {
     const running = { id: 'sb-a', tenantId: 't', state: 'running', resources: { vcpus: 1, memoryMib: 256, diskMib: 0 } } as unknown as SandboxRec;
@@ -116,51 +138,25 @@ describe('quotas', () => {
     // A fork of a live sandbox snapshots it first; the tenant's stored snapshots fill the quota.
     const live = { id: 'sb-live', tenantId: 't', state: 'running', lineageId: 'ln', resources: { vcpus: 1, memoryMib: 128, diskMib: 0 }, opId: '' } as unknown as SandboxRec;
     const stored = { id: 'sn-1', tenantId: 't', state: 'ready', lineageId: 'ln', storedBytes: 1000, vmConfig: { memoryMib: 128 } } as unknown as SnapshotRec;
-    let submitted = 0;
-    const store = {
-      getIdempotent: async () => undefined,
-      getSandbox: async () => ({ value: live, modRevision: 3 }),
-      getSnapshot: async () => ({ value: stored, modRevision: 3 }),
-      listSandboxes: async () => [{ value: live, modRevision: 3 }],
-      listSnapshots: async () => [{ value: stored, modRevision: 3 }],
-      listOps: async () => [],
-      commit: async () => {
-        submitted++;
-        return true;
-      },
-    } as unknown as FleetStore;
-    const fleet = new Fleet({ store, bus: {} as never, clock: { now: () => Date.now() }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => ({ snapshotBytes: 1000 }) });
+    const { fleet, submitted } = fleetOverOne(() => live, stored);
     const fork = { tenantId: 't', idempotencyKey: 'k', count: 2, labels: {}, placement: undefined } as never;
     await expect(fleet.forkSandbox({ ...(fork as object), sandboxId: 'sb-live', snapshotId: '' } as never)).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.snapshot_bytes' });
-    expect(submitted).toBe(0);
+    expect(submitted()).toBe(0);
     await expect(fleet.forkSandbox({ ...(fork as object), sandboxId: '', snapshotId: 'sn-1' } as never)).resolves.toMatchObject({ kind: 'fork' });
-    expect(submitted).toBe(1);
+    expect(submitted()).toBe(1);
   });
 
   it('hibernateOfAHibernatedSandbox_whileSnapshotBytesAreAtQuota_isAdmitted_itOnlyCopiesTheSnapshotItHas', async () => {
     const stored = { id: 'sn-h', tenantId: 't', state: 'ready', lineageId: 'ln', storedBytes: 1000, vmConfig: { memoryMib: 128 } } as unknown as SnapshotRec;
     const sb = (state: SandboxRec['state']) => ({ id: 'sb-h', tenantId: 't', state, lineageId: 'ln', hibernationSnapshotId: 'sn-h', resources: { vcpus: 1, memoryMib: 128, diskMib: 0 }, opId: '' }) as unknown as SandboxRec;
     let current = sb('hibernated');
-    let submitted = 0;
-    const store = {
-      getIdempotent: async () => undefined,
-      getSandbox: async () => ({ value: current, modRevision: 3 }),
-      getSnapshot: async () => ({ value: stored, modRevision: 3 }),
-      listSandboxes: async () => [{ value: current, modRevision: 3 }],
-      listSnapshots: async () => [{ value: stored, modRevision: 3 }],
-      listOps: async () => [],
-      commit: async () => {
-        submitted++;
-        return true;
-      },
-    } as unknown as FleetStore;
-    const fleet = new Fleet({ store, bus: {} as never, clock: { now: () => Date.now() }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => ({ snapshotBytes: 1000 }) });
+    const { fleet, submitted } = fleetOverOne(() => current, stored);
     await expect(fleet.hibernateSandbox({ tenantId: 't', idempotencyKey: 'k1', sandboxId: 'sb-h', replicas: 2 } as never)).resolves.toMatchObject({ kind: 'hibernate' });
-    expect(submitted).toBe(1);
+    expect(submitted()).toBe(1);
     // A running one would take a new snapshot: refused at the quota.
     current = sb('running');
     await expect(fleet.hibernateSandbox({ tenantId: 't', idempotencyKey: 'k2', sandboxId: 'sb-h', replicas: 0 } as never)).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.snapshot_bytes' });
-    expect(submitted).toBe(1);
+    expect(submitted()).toBe(1);
   });
 
   it('concurrentCreatesAndForks_ofOneTenant_admitOnlyWhatFitsTheQuota_notEachOnTheSameUsage', async () => {
