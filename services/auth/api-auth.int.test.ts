@@ -22,6 +22,7 @@ import { compileSchedulerConfig } from '../config.ts';
 import { startScheduler } from '../scheduler.ts';
 import type { SchedulerHandle } from '../scheduler.ts';
 import { EtcdFleetStore } from '../adapters/etcd/store.ts';
+import { sandboxRecord } from '../testkit/records.ts';
 import { createClient } from '../adapters/grpc/rpc.ts';
 import type { Client } from '../adapters/grpc/rpc.ts';
 import type { RpcError } from '../adapters/grpc/status.ts';
@@ -384,6 +385,8 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
   it('watchEvents_thatMatchesNothing_getsProgressMarkersAsTheStoreMovesOn_andOneIsAResumePointPastACompaction', async () => {
     const life = client(tokens.life!);
     const quiet = `sb-${'q'.repeat(20)}`;
+    // A sandbox of its own that nothing changes (a watch of one the tenant lacks is NOT_FOUND).
+    await store.commit([{ kind: 'sandbox', value: sandboxRecord({ id: quiet, tenantId: 'life', state: 'destroyed', hostId: '', lineageId: quiet }) }]);
     const from = await store.revision();
     const ac = new AbortController();
     const markers: Array<{ type: EventType; revision: bigint }> = [];

@@ -280,6 +280,22 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     await refused(() => api.forkSandbox({ tenantId: t, idempotencyKey: 'k5', source: { case: 'sandboxId', value: sb('a') }, count: 4, placement: { hostId: 'h1', maxPerHost: 2 } }), Status.INVALID_ARGUMENT, 'placement.max_per_host');
     await refused(() => api.setSnapshotRetention({ tenantId: t, idempotencyKey: 'k6', snapshotId: sn('c') }), Status.INVALID_ARGUMENT, 'retention');
     await refused(() => api.listSandboxes({ tenantId: t, pageToken: Buffer.from(sn('c')).toString('base64url') }), Status.INVALID_ARGUMENT, 'page_token');
+    // A WriteFile for a sandbox that cannot take it is refused at its header, before any data
+    // is pulled (it used to hold up to 64 MiB of the replica's file budget first).
+    await store.commit([{ kind: 'sandbox', value: sandboxRecord({ id: sb('p'), tenantId: t, state: 'paused', lineageId: sb('p') }) }]);
+    let dataPulled = false;
+    async function* pausedWrite(): AsyncGenerator<never> {
+      yield { payload: { case: 'header', value: { tenantId: t, sandboxId: sb('p'), path: '/tmp/x', mode: 0o644 } } } as never;
+      await new Promise((r) => setTimeout(r, 3000));
+      dataPulled = true;
+      yield { payload: { case: 'data', value: new Uint8Array(1024) } } as never;
+    }
+    await refused(() => api.writeFile(pausedWrite()), Status.FAILED_PRECONDITION, 'header.sandbox_id');
+    expect(dataPulled).toBe(false);
+    // A watch of a sandbox the tenant does not have would never send anything.
+    await refused(async () => {
+      for await (const _ of api.watchEvents({ tenantId: t, sandboxId: sb('z') })) void _;
+    }, Status.NOT_FOUND, 'sandbox_id');
     // A filter value given twice (a request of millions of them stalled the replica).
     await refused(() => api.listSandboxes({ tenantId: t, states: [SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.RUNNING] }), Status.INVALID_ARGUMENT, 'states[2]');
     await refused(() => api.listOperations({ tenantId: t, kinds: new Array<OperationKind>(50_000).fill(OperationKind.FORK) }), Status.INVALID_ARGUMENT, 'kinds[1]');

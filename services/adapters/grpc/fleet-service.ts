@@ -219,8 +219,9 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             if (h.mode > 0o7777) throw new InvalidArgumentError('header.mode', 'permission bits: at most 07777 (0: the guest default)');
             header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestFilePath(h.path, 'header.path', true), mode: h.mode };
             if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
-            // A sandbox that does not exist is refused now, before any data is held for it.
-            await fleet.getSandbox(header.tenantId, header.sandboxId);
+            // A sandbox that does not exist, or that will not run to take the file, is refused
+            // now, before any data is held for it.
+            await fleet.checkWritable(header.tenantId, header.sandboxId, 'header.sandbox_id');
           } else if (r.payload.case === 'data') {
             if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');
             size += r.payload.value.length;
@@ -350,6 +351,9 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const ahead = async (): Promise<void> => {
         const now = after > 0 ? await deps.store.revision() : 0;
         if (after > now) throw new InvalidArgumentError('after_revision', `revision ${after} is ahead of the store (at ${now}): it comes from another store, or one restored since`);
+        // A sandbox the tenant does not have (a typo, another tenant's id) would hold a stream
+        // slot for good with nothing ever to send. A resume may follow one whose record went.
+        if (sandboxId && after === 0 && !(await deps.store.getSandbox(tenantId, sandboxId))) throw new ForkfleetError('not_found', `sandbox ${sandboxId} not found`, { field: 'sandbox_id' });
       };
       void ahead()
         .then(() => deps.store.watchRecords((ch) => {
@@ -375,7 +379,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         .then((s) => {
           stop = s;
           if (ctx.signal.aborted || q.isEnded) s();
-        }, (e: unknown) => (e instanceof InvalidArgumentError ? (clearInterval(progress), q.fail(e)) : broke(e)));
+        }, (e: unknown) => (e instanceof InvalidArgumentError || (e instanceof ForkfleetError && e.kind === 'not_found') ? (clearInterval(progress), q.fail(e)) : broke(e)));
       ctx.signal.addEventListener('abort', () => {
         clearInterval(progress);
         stop?.();
