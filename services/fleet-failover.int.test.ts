@@ -513,11 +513,13 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   }, 90_000);
 
   it('host_whenSilent_becomesSuspectThenLost_itsSandboxesLost_andRestoreElsewhereFetchesFromSurvivingHolder', async () => {
-    // A sandbox and its snapshot on the doomed host; the snapshot also reaches fake-5.
+    // A sandbox and its snapshot on the doomed host; the snapshot also reaches fake-l5. Hosts of
+    // this test's own: the shared ones may be full by now (earlier tests pack them).
     const { agents: doomed, sandboxId: sbId } = await hostWithSandbox('fake-l', 'lost');
+    await Promise.all([ownHost('fake-l5', 'l5'), ownHost('fake-l6', 'l6')]);
     const sn = await ok(api, await api.snapshotSandbox({ tenantId, idempotencyKey: key(), sandboxId: sbId }));
     const snId = sn.result.case === 'snapshot' ? sn.result.value.id : '';
-    await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 1, placement: { hostId: 'fake-5', locality: Locality.CROSS_HOST } }));
+    await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, count: 1, placement: { hostId: 'fake-l5', locality: Locality.CROSS_HOST } }));
 
     doomed.proc.kill();
     const killed = Date.now();
@@ -534,9 +536,9 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
     expect((await store.getAlloc('fake-l')).value.sandboxes).toBe(0);
 
     // Restore from the surviving copy on a host that has never held it: it must fetch (sources + ticket + signature).
-    const r = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-6' } }));
-    expect(r.result.case === 'sandbox' && r.result.value.hostId).toBe('fake-6');
-    expect((await store.getSnapshot(tenantId, snId))?.value.hostIds).toContain('fake-6');
+    const r = await ok(api, await api.createSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snId }, resources: { memoryMib: 256n, vcpus: 1 }, placement: { hostId: 'fake-l6' } }));
+    expect(r.result.case === 'sandbox' && r.result.value.hostId).toBe('fake-l6');
+    expect((await store.getSnapshot(tenantId, snId))?.value.hostIds).toContain('fake-l6');
     await sleep(10);
     await assertConsistent();
   });
@@ -617,7 +619,9 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   }, 120_000);
 
   it('destroy_twiceAtOnceUnderDifferentKeys_destroysOnceAndReleasesTheBookingOnce', async () => {
-    const op = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 6, placement: { spread: Spread.SPREAD } }));
+    // On a host of its own: the test before fills the shared ones on purpose.
+    await ownHost('fake-twice', 'twice');
+    const op = await ok(api, await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 6, placement: { hostId: 'fake-twice' } }));
     const kids = op.result.case === 'fork' ? op.result.value.children : [];
     expect(kids).toHaveLength(6);
     // A user's destroy and a TTL's, say: two operations on the same sandbox at once.
