@@ -694,24 +694,25 @@ export class Fleet {
   }
 
   /**
-   * The sandbox, running. A hibernated one is woken first, transparently: concurrent calls
-   * share one wake operation (its idempotency key names the hibernation snapshot), so the
-   * caller only sees a slower first call. One still hibernating (its idle timeout just fired)
-   * is waited for, then woken. The caller's `signal` ends the waits (CANCELLED).
-   */
-  /**
    * Refuses now a sandbox runningSandbox would refuse once it has been given what to write
    * (WriteFile holds up to 64 MiB first): one that is not running and will not be by a wake
-   * (paused, destroyed, failed, lost, starting), or a hibernated one whose wake the tenant's
-   * memory quota refuses. A state it may leave meanwhile is decided again when the data is in.
+   * (paused, destroyed, failed, lost, starting, hibernating with no operation to wait for), or
+   * a hibernated one whose wake the tenant's memory quota refuses. A state it may leave
+   * meanwhile is decided again when the data is in.
    */
   async checkWritable(tenantId: string, id: string, field: string): Promise<void> {
     const sb = await this.getSandbox(tenantId, id);
     if (sb.state === 'hibernated') await this.admitWake(tenantId, sb);
-    else if (sb.state !== 'running' && sb.state !== 'hibernating' && sb.state !== 'waking') throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', field);
+    else if (sb.state !== 'running' && sb.state !== 'waking' && !(sb.state === 'hibernating' && sb.opId)) throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', field);
   }
 
-  /** `field`: what a refusal names (WriteFile's sandbox id is in its header). */
+  /**
+   * The sandbox, running. A hibernated one is woken first, transparently: concurrent calls
+   * share one wake operation (its idempotency key names the hibernation snapshot), so the
+   * caller only sees a slower first call. One still hibernating (its idle timeout just fired)
+   * is waited for, then woken. The caller's `signal` ends the waits (CANCELLED).
+   * `field`: what a refusal names (WriteFile's sandbox id is in its header).
+   */
   private async runningSandbox(tenantId: string, id: string, signal?: AbortSignal, field = 'sandbox_id'): Promise<SandboxRec> {
     const cancelled = (): ForkfleetError => new ForkfleetError('cancelled', `the call was cancelled while sandbox ${id} was being woken`);
     let sb = await this.getSandbox(tenantId, id);

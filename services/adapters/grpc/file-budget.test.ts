@@ -52,7 +52,7 @@ function upload(): { reqs: AsyncIterable<WriteFileRequest>; send: (r: WriteFileR
 
 describe('file calls within the replica budget', () => {
   it('writeFile_toASandboxThatDoesNotExist_isRefusedAtItsHeader_beforeAnyDataIsHeld', async () => {
-    const h = service({ getSandbox: async (_t: string, id: string) => Promise.reject(new NotFoundError('sandbox', id)) }, 64 * MiB);
+    const h = service({ checkWritable: async (_t: string, id: string) => Promise.reject(new NotFoundError('sandbox', id)) }, 64 * MiB);
     const u = upload();
     const call = h.writeFile(u.reqs, ctx);
     u.send(header());
@@ -62,7 +62,7 @@ describe('file calls within the replica budget', () => {
 
   it('writeFiles_pastTheReplicasBudget_areRefusedRetryable_andTheBudgetComesBackWhenTheyEnd', async () => {
     const written: number[] = [];
-    const h = service({ getSandbox: async () => ({}) as never, writeFile: async (_t: string, _s: string, _p: string, _m: number, b: Buffer) => (written.push(b.length), b.length) }, 64 * MiB);
+    const h = service({ checkWritable: async () => undefined, writeFile: async (_t: string, _s: string, _p: string, _m: number, b: Buffer) => (written.push(b.length), b.length) }, 64 * MiB);
     // One upload holds 40 MiB and stays open; a second one's 30 MiB do not fit beside it.
     const a = upload();
     const first = h.writeFile(a.reqs, ctx);
