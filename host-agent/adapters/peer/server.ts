@@ -134,12 +134,6 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
             const p = r.value.payload;
             if (p.case === 'credit') credit += p.value;
             else if (p.case === 'want') {
-              // The ticket bounds what may be asked, not only when the stream opened: a holder
-              // that keeps a stream open must not go on fetching once it has expired.
-              if (deps.clock.now().getTime() >= claims.expiresAt.getTime()) {
-                stats.refused++;
-                throw new TicketInvalidError(`expired at ${claims.expiresAt.toISOString()}`);
-              }
               // A receiver asks for each chunk it lacks once (again only after a 'missing');
               // more than this waiting is not a receiver, and each would cost a read.
               if (wants.length + p.value.digests.length > Math.max(1024, 2 * allowed.size)) throw new InvalidArgumentError('want.digests', `more than ${Math.max(1024, 2 * allowed.size)} chunks asked for and not yet sent`);
