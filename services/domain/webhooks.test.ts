@@ -335,6 +335,8 @@ function fakeStore(opts: { compactedThrough?: number; revision?: number } = {}) 
   const history: RecordChange[] = [];
   let watching: ((ch: RecordChange) => void) | undefined;
   let progress: ((revision: number) => void) | undefined;
+  let broke: ((e: unknown) => void) | undefined;
+  const froms: Array<number | undefined> = [];
   let revision = opts.revision ?? 0;
   const store: Pick<FleetStore, 'watchRecords' | 'revision'> = {
     revision: async () => revision,
@@ -347,6 +349,8 @@ function fakeStore(opts: { compactedThrough?: number; revision?: number } = {}) 
       if (from !== undefined) for (const ch of history.filter((c) => c.revision >= from)) cb(ch);
       watching = cb;
       progress = o?.onProgress;
+      broke = o?.onError;
+      froms.push(from);
       return () => {
         if (watching === cb) watching = undefined;
       };
@@ -363,7 +367,9 @@ function fakeStore(opts: { compactedThrough?: number; revision?: number } = {}) 
     progress?.(revision);
     return revision;
   };
-  return { store, emit, other };
+  /** etcd cancels the current watch (the store names it compacted when its start is, by now). */
+  const cancel = (e: unknown): void => broke?.(e);
+  return { store, emit, other, cancel, froms };
 }
 
 /** A poster of our own port: answers in turn (then 200), and counts the POSTs. */
@@ -494,6 +500,23 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     expect(log.cursorWrites).toBe(writes);
     expect(log.cur).toBe(cur);
     expect(writes).toBeLessThanOrEqual(3);
+  });
+
+  it('aWatchCancelledAfterItPassedChangesOn_followsAgainFromTheCursor_notSkippingToNowAsIfItsCursorWereCompacted', async () => {
+    // The leader compacts up to the cursor as it moves, so a watch that has run a while has its
+    // start compacted: a cancel then (etcd lost its leader, say) is reported "compacted" too.
+    const { store, other, cancel, froms } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    let lost = 0;
+    await dispatcher(store, log, fakePoster(), { types: ['snapshot_expired'], onEventsLost: (n) => (lost += n) }).start();
+    for (let i = 0; i < 3; i++) other();
+    await until(() => log.cur > 100, 3000);
+    const cursor = log.cur;
+    cancel(new Error('watch from revision 101: required revision has been compacted'));
+    await until(() => froms.length === 2, 3000);
+    expect(froms).toEqual([101, cursor + 1]);
+    expect(lost).toBe(0);
   });
 
   it('changesThatMatchNoTarget_writeTheCursorAtMostOncePerRevision_andItCatchesUpAfterABurst', async () => {

@@ -301,17 +301,25 @@ export class WebhookDispatcher {
     // record, the changes queued behind it must not move the cursor past the one that failed.
     const generation = ++this.generation;
     const watch: { stop?: () => void } = {};
+    /**
+     * Whether this watch passed anything on. The store reports any cancel of a watch whose start
+     * is compacted by now as "compacted", and a watch that has run a while has its start
+     * compacted by this leader (the floor follows the cursor): only one cancelled before it
+     * passed anything on was cancelled for its start, the others follow again from the cursor.
+     */
+    let delivered = false;
     const again = (e: unknown, what: string, at?: number): void => {
       if (!this.active || generation !== this.generation) return;
       this.generation++;
       watch.stop?.();
       if (this.stopWatch === watch.stop) this.stopWatch = undefined;
-      if (at === undefined && fromRevision !== undefined && isCompacted(e)) return this.skipCompacted(fromRevision, e);
+      if (at === undefined && fromRevision !== undefined && !delivered && isCompacted(e)) return this.skipCompacted(fromRevision, e);
       this.deps.log.warn({ err: e }, `${what}; following again from the cursor`);
       this.followAgain(at ?? failedAt);
     };
     const stop = await this.deps.store.watchRecords(
       (ch) => {
+        delivered = true;
         const events = eventsOf(ch, this.deps.clock.now());
         this.chain = this.chain
           .then(() => (generation === this.generation ? this.record(events, ch.revision) : undefined))
@@ -325,6 +333,7 @@ export class WebhookDispatcher {
         // it, a fleet whose only writes were host heartbeats (every 10 s per host) kept the
         // cursor, and so every compaction, where the last sandbox change left it.
         onProgress: (p) => {
+          delivered = true;
           this.chain = this.chain.then(() => (generation === this.generation ? this.progressed(p) : undefined)).catch((e: unknown) => this.deps.log.warn({ err: e }, 'writing the webhook cursor failed; the next change writes it'));
         },
       },
