@@ -98,7 +98,7 @@ const TRANSITIONAL = new Set(['pending', 'starting', 'waking']);
 export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   const base = (deps.basePath ?? '/dashboard').replace(/\/$/, '');
   const tenants = deps.tenants ?? (process.env.FF_DASHBOARD_TENANTS ?? 'default').split(',').map((t) => t.trim()).filter(Boolean);
-  const clients = new Map(tenants.map((t) => [t, new Forkfleet({ address: deps.api, tenant: t, timeoutMs: 3000, retry: { attempts: 1 }, ...(deps.token !== undefined ? { token: deps.token } : {}), ...(deps.ca !== undefined ? { ca: deps.ca } : {}) })]));
+  const clients = new Map(tenants.map((t) => [t, new Forkfleet({ address: deps.api, tenant: t, timeoutMs: 3000, retry: { attempts: 1, rateLimitWaitMs: 0 }, ...(deps.token !== undefined ? { token: deps.token } : {}), ...(deps.ca !== undefined ? { ca: deps.ca } : {}) })]));
   const first = clients.values().next().value as Forkfleet;
   const interval = deps.intervalMs ?? 1000;
   const events: EventInfo[] = [];

@@ -402,9 +402,14 @@ export interface RetryOptions {
   baseMs: number;
   /** Longest backoff. Default 5000 ms. */
   maxMs: number;
+  /**
+   * How long a call the tenant's rate limit refuses is asked again, past `attempts`. Default
+   * RATE_LIMIT_WAIT_MS; 0: as often as `attempts` allows (a client that must fail fast).
+   */
+  rateLimitWaitMs: number;
 }
 
-const RETRY_DEFAULTS: Readonly<RetryOptions> = { attempts: 5, baseMs: 200, maxMs: 5000 };
+const RETRY_DEFAULTS: Readonly<RetryOptions> = { attempts: 5, baseMs: 200, maxMs: 5000, rateLimitWaitMs: RATE_LIMIT_WAIT_MS };
 
 /**
  * `retry` merged field by field over the defaults: a field given as undefined (usual without
@@ -600,7 +605,7 @@ export class Forkfleet {
    * A mutating call keeps its idempotency key throughout.
    */
   async retry<T>(fn: (o: RpcCallOptions) => Promise<T>, opts: CallOpts = {}, keyed = false): Promise<T> {
-    const { attempts, baseMs, maxMs } = this.retryOpts;
+    const { attempts, baseMs, maxMs, rateLimitWaitMs } = this.retryOpts;
     const until = opts.deadline?.getTime() ?? Infinity;
     // Each kind of trouble has an allowance of its own: a long outage or rate limit does not
     // use up the attempts of the conflict (ABORTED) that may follow it, and one that ended
@@ -614,14 +619,15 @@ export class Forkfleet {
       } catch (e) {
         const now = Date.now();
         const isOutage = e instanceof RpcError && e.answered && e.kind === 'unavailable';
-        const isLimited = !isOutage && rateLimited(e);
+        // With no rate-limit allowance (rateLimitWaitMs 0), a refusal counts as any other failure.
+        const isLimited = !isOutage && rateLimitWaitMs > 0 && rateLimited(e);
         outage = isOutage ? { since: outage.since || now, n: outage.n + 1 } : { since: 0, n: 0 };
         limited = isLimited ? { since: limited.since || now, n: limited.n + 1 } : { since: 0, n: 0 };
         if (!isOutage && !isLimited) failures++;
         if (!(retryable(e) || (keyed && unansweredDeadline(e))) || opts.signal?.aborted) throw e;
         const n = isOutage ? outage.n : isLimited ? limited.n : failures;
         const ms = retryAfterOf(e) + Math.random() * Math.min(maxMs, baseMs * 2 ** (n - 1));
-        const spent = isOutage ? now - outage.since >= WAIT_OUTAGE_MS : isLimited ? now + ms - limited.since > RATE_LIMIT_WAIT_MS : failures >= attempts;
+        const spent = isOutage ? now - outage.since >= WAIT_OUTAGE_MS : isLimited ? now + ms - limited.since > rateLimitWaitMs : failures >= attempts;
         if (spent || now + ms >= until) throw e;
         await sleep(ms, opts.signal);
       }
@@ -1015,11 +1021,11 @@ export class Forkfleet {
           // reached a scheduler. A call that broke off in flight may have started it.
           if (got || !execNeverStarted(e) || eo.signal?.aborted) throw e;
           const now = Date.now();
-          const limited = rateLimited(e);
+          const limited = ff.retryOpts.rateLimitWaitMs > 0 && rateLimited(e);
           limitedSince = limited ? limitedSince || now : 0;
           limitedN = limited ? limitedN + 1 : 0;
           const ms = retryAfterOf(e) + Math.random() * Math.min(ff.retryOpts.maxMs, ff.retryOpts.baseMs * 2 ** ((limited ? limitedN : attempt) - 1));
-          if (limited ? now + ms - limitedSince > RATE_LIMIT_WAIT_MS : attempt++ >= ff.retryOpts.attempts) throw e;
+          if (limited ? now + ms - limitedSince > ff.retryOpts.rateLimitWaitMs : attempt++ >= ff.retryOpts.attempts) throw e;
           if (now + ms >= deadline.getTime()) throw e;
           await sleep(ms, eo.signal);
         }

@@ -103,6 +103,25 @@ describe('SDK retry allowances', () => {
     for (let i = 1; i < asked.length; i++) expect(asked[i]! - asked[i - 1]!).toBeGreaterThanOrEqual(800);
   });
 
+  it('aClientWithNoRateLimitAllowance_givesUpAfterItsAttempts_asTheDashboardMust', async () => {
+    // The dashboard polls with attempts 1 to fail fast: a minute of rate-limit retries would
+    // hang each poll.
+    vi.useFakeTimers();
+    let asked = 0;
+    const ff = client(
+      {
+        getSandbox: async () => {
+          asked++;
+          throw rateLimited(800);
+        },
+      },
+      { attempts: 1, rateLimitWaitMs: 0 },
+    );
+    const r = await settle(ff.sandbox(SB).refresh());
+    expect(r.error).toMatchObject({ kind: 'resource_exhausted', field: 'rate' });
+    expect(asked).toBe(1);
+  });
+
   it('aWaitWhosePollsTheRateLimitRefusesForLongerThanTheOutageAllowance_goesOnUntilTheOperationEnds', async () => {
     vi.useFakeTimers();
     const t0 = Date.now();
