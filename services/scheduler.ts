@@ -273,7 +273,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       // The dispatcher replays from cursor + 1 after a restart, with each change's previous
       // value: the history from the cursor on must stay readable (compactionFloor). A cursor
       // that an outside compaction passed holds nothing back (the dispatcher skips the loss).
-      ...(config.webhooks.length > 0 ? { floor: () => compactionFloor(deliveries), compactedPast: (rev: number) => deliveries.compactedPast(rev) } : {}),
+      ...(config.webhooks.length > 0 ? { floor: () => compactionFloor(deliveries), compactedPast: (rev: number) => store.compactedPast(rev) } : {}),
       onCompacted: (rev) => compactedTo.set(rev),
       onHeldBack: (floor, wanted) => log.warn({ floor, wanted }, 'etcd compaction is held back by the webhook cursor (events not recorded for delivery): etcd keeps growing'),
       onError: (err) => log.warn({ err }, 'etcd compaction failed'),

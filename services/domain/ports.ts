@@ -137,6 +137,15 @@ export interface FleetStore {
 }
 
 /**
+ * Whether an error of the store is one of a read or watch at a revision that compaction
+ * removed: etcd's "required revision has been compacted", which the store also uses when
+ * etcd cancels a watch without a reason and its start revision is gone.
+ */
+export function isCompacted(e: unknown): boolean {
+  return /compacted/i.test(e instanceof Error ? e.message : String(e));
+}
+
+/**
  * A watch broke off for good (etcd cancelled it, e.g. because the revision it would resume
  * from was compacted, ADR 0017): changes after it may be missed, so the caller lists again.
  */

@@ -12,6 +12,7 @@
 import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
 import type { Logger } from 'pino';
 import type { Clock, FleetStore } from './ports.ts';
+import { isCompacted } from './ports.ts';
 import { EVENT_TYPES, eventsOf } from './events.ts';
 import type { FleetEvent, FleetEventType } from './events.ts';
 import { InvalidArgumentError } from '../../proto/errors.ts';
@@ -165,15 +166,6 @@ const CURSOR_EVERY_MS = 1000;
 /** First retry of a start that failed; doubling up to START_RETRY_MAX_MS. */
 const START_RETRY_MS = 1000;
 const START_RETRY_MAX_MS = 60_000;
-
-/**
- * The store reports a watch from a compacted revision with an error that says so (etcd's own
- * "required revision has been compacted"; adapters/etcd/store.ts names it when etcd gives no
- * reason).
- */
-function isCompacted(e: unknown): boolean {
-  return /compacted/i.test(e instanceof Error ? e.message : String(e));
-}
 
 /**
  * A delivery's id: the event (revision, type and the record it is about: one transaction

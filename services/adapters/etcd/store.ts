@@ -6,6 +6,7 @@ import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError
 import type { IKeyValue, IWatchResponse, Watcher } from 'etcd3';
 import { WatchManager } from 'etcd3/lib/watch.js';
 import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, LeaderFence, RecordChange, SandboxChange, StoreWrite, Versioned, WatchBroke } from '../../domain/ports.ts';
+import { isCompacted } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
 import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
@@ -89,9 +90,33 @@ function storeError(what: string, e: unknown): unknown {
   return brokenCircuit || e instanceof GRPCUnavailableError || e instanceof GRPCDeadlineExceededError || e instanceof GRPCInternalError || e instanceof GRPCCancelledError ? new StoreUnavailableError(what, e) : e;
 }
 
-/** The error etcd gives for a read or watch at a revision that compaction removed. */
-function isCompacted(e: unknown): boolean {
-  return /compacted/i.test(e instanceof Error ? e.message : String(e));
+/**
+ * Every key under `prefix`, read in pages of `page` keys, all at one store revision (`at`, or
+ * the first page's), so the list is one consistent snapshot however long: one read of a large
+ * prefix fails past the client's 4 MiB answer limit. If the first page's revision is compacted
+ * away meanwhile, the list starts again (three times). Errors pass unchanged.
+ */
+export async function readPrefixAt(client: Etcd3, prefix: string, page: number, at?: string): Promise<{ kvs: IKeyValue[]; revision: string }> {
+  const end = Range.prefix(prefix).end;
+  for (let attempt = 0; ; attempt++) {
+    const kvs: IKeyValue[] = [];
+    let start = Buffer.from(prefix);
+    let rev: string | undefined = at;
+    try {
+      for (;;) {
+        const b = client.getAll().inRange(new Range(start, end)).limit(page);
+        const res = await (rev ? b.revision(rev) : b).exec();
+        kvs.push(...res.kvs);
+        const last = res.kvs[res.kvs.length - 1];
+        rev ??= res.header.revision;
+        if (!res.more || !last) return { kvs, revision: rev };
+        start = Buffer.concat([last.key, Buffer.from([0])]);
+      }
+    } catch (e) {
+      if (attempt < 3 && rev && !at && isCompacted(e)) continue;
+      throw e;
+    }
+  }
 }
 
 function decode<T>(kv: IKeyValue): Versioned<T> {
@@ -230,25 +255,11 @@ export class EtcdFleetStore implements FleetStore {
 
   /** getPrefix, with the store revision the list was read at (`at`: that revision, no retry). */
   private async getPrefixAt<T>(prefix: string, page = LIST_PAGE, at?: string): Promise<{ records: Versioned<T>[]; revision: string }> {
-    const end = Range.prefix(prefix).end;
-    for (let attempt = 0; ; attempt++) {
-      const out: Versioned<T>[] = [];
-      let start = Buffer.from(prefix);
-      let rev: string | undefined = at;
-      try {
-        for (;;) {
-          const b = this.client.getAll().inRange(new Range(start, end)).limit(page);
-          const res = await (rev ? b.revision(rev) : b).exec();
-          for (const kv of res.kvs) out.push(decode<T>(kv));
-          const last = res.kvs[res.kvs.length - 1];
-          rev ??= res.header.revision;
-          if (!res.more || !last) return { records: out, revision: rev };
-          start = Buffer.concat([last.key, Buffer.from([0])]);
-        }
-      } catch (e) {
-        if (attempt < 3 && rev && !at && isCompacted(e)) continue;
-        throw storeError('list', e);
-      }
+    try {
+      const { kvs, revision } = await readPrefixAt(this.client, prefix, page, at);
+      return { records: kvs.map((kv) => decode<T>(kv)), revision };
+    } catch (e) {
+      throw storeError('list', e);
     }
   }
 
@@ -396,7 +407,7 @@ export class EtcdFleetStore implements FleetStore {
   }
 
   /** Whether etcd no longer has revision `rev` (compaction removed it). */
-  private async compactedPast(rev: number): Promise<boolean> {
+  async compactedPast(rev: number): Promise<boolean> {
     try {
       await this.client.get(PREFIX + '__never__').revision(String(rev)).exec();
       return false;

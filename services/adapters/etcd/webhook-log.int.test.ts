@@ -108,7 +108,7 @@ describe('EtcdDeliveryLog and WebhookDispatcher (real etcd)', () => {
     await waitFor('the destroy recorded', async () => (await log.cursor()) === destroyedAt - 1, 10_000, 20);
     await first.stop();
     // The leader compacts as the scheduler wires it: never past compactionFloor.
-    const compactor = new Compactor({ store, floor: () => compactionFloor(log), compactedPast: (r) => log.compactedPast(r) }, 0);
+    const compactor = new Compactor({ store, floor: () => compactionFloor(log), compactedPast: (r) => store.compactedPast(r) }, 0);
     await compactor.tick();
     expect(await compactor.tick()).toBeGreaterThan(0);
     // A new leader replays from the cursor: the destroy still has its previous value.

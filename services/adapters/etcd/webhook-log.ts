@@ -2,10 +2,10 @@
 //   /ff/v1/webhooks/cursor            last store revision whose events are all recorded
 //   /ff/v1/webhooks/deliveries/<id>   DeliveryRec (id = revision-type-tenant-subject-target); delivered and
 //                                     failed ones are deleted after FF_RECORD_RETENTION
-import { Range } from 'etcd3';
 import type { Etcd3 } from 'etcd3';
 import type { DeliveryLog, DeliveryRec, DeliveryState } from '../../domain/webhooks.ts';
 import { PREFIX } from './keys.ts';
+import { readPrefixAt } from './store.ts';
 
 const CURSOR = `${PREFIX}webhooks/cursor`;
 const DELIVERIES = `${PREFIX}webhooks/deliveries/`;
@@ -15,11 +15,6 @@ const DELIVERIES = `${PREFIX}webhooks/deliveries/`;
  * leader could then never start its dispatcher.
  */
 const LIST_PAGE = 500;
-
-/** The error etcd gives for a read at a revision that compaction removed. */
-function isCompacted(e: unknown): boolean {
-  return /compacted/i.test(e instanceof Error ? e.message : String(e));
-}
 
 export class EtcdDeliveryLog implements DeliveryLog {
   constructor(private readonly client: Etcd3) {}
@@ -57,49 +52,12 @@ export class EtcdDeliveryLog implements DeliveryLog {
     }
   }
 
-  /**
-   * Read in pages of LIST_PAGE records (in key order), all at the revision of the first page, so
-   * the list is one consistent snapshot; if that revision is compacted away meanwhile, the list
-   * starts again.
-   */
+  /** Read in pages of LIST_PAGE records at one revision (readPrefixAt). */
   async list(filter: { state?: DeliveryState }): Promise<DeliveryRec[]> {
-    const end = Range.prefix(DELIVERIES).end;
-    for (let attempt = 0; ; attempt++) {
-      const out: DeliveryRec[] = [];
-      let start = Buffer.from(DELIVERIES);
-      let rev: string | undefined;
-      try {
-        for (;;) {
-          const b = this.client.getAll().inRange(new Range(start, end)).limit(LIST_PAGE);
-          const res = await (rev ? b.revision(rev) : b).exec();
-          for (const kv of res.kvs) {
-            const d = JSON.parse(kv.value.toString('utf8')) as DeliveryRec;
-            if (!filter.state || d.state === filter.state) out.push(d);
-          }
-          rev ??= res.header.revision;
-          const last = res.kvs[res.kvs.length - 1];
-          if (!res.more || !last) break;
-          start = Buffer.concat([last.key, Buffer.from([0])]);
-        }
-      } catch (e) {
-        if (attempt < 3 && rev && isCompacted(e)) continue;
-        throw e;
-      }
-      return out.sort((a, b) => a.revision - b.revision || (a.id < b.id ? -1 : 1));
-    }
-  }
-
-  /**
-   * Whether etcd's history at `revision` is compacted away (the leader's Compactor: a floor
-   * there keeps nothing).
-   */
-  async compactedPast(revision: number): Promise<boolean> {
-    try {
-      await this.client.get(CURSOR).revision(String(revision)).exec();
-      return false;
-    } catch (e) {
-      if (isCompacted(e)) return true;
-      throw e;
-    }
+    const { kvs } = await readPrefixAt(this.client, DELIVERIES, LIST_PAGE);
+    return kvs
+      .map((kv) => JSON.parse(kv.value.toString('utf8')) as DeliveryRec)
+      .filter((d) => !filter.state || d.state === filter.state)
+      .sort((a, b) => a.revision - b.revision || (a.id < b.id ? -1 : 1));
   }
 }

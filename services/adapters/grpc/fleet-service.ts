@@ -35,6 +35,7 @@ import { EventSchema, EventType } from '../../../proto/gen/forkfleet/v1/fleet_pb
 import { InvalidArgumentError, ForkfleetError } from '../../../proto/errors.ts';
 import type { Fleet } from '../../domain/fleet.ts';
 import type { Clock, FleetStore } from '../../domain/ports.ts';
+import { isCompacted } from '../../domain/ports.ts';
 import { eventsOf } from '../../domain/events.ts';
 import type { OperationRec } from '../../domain/records.ts';
 import { register } from './rpc.ts';
@@ -343,7 +344,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         clearInterval(progress);
         stop?.();
         if (q.isEnded) return;
-        if (after > 0 && /compacted/i.test(e instanceof Error ? e.message : String(e))) q.fail(new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }));
+        if (after > 0 && isCompacted(e)) q.fail(new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }));
         else q.fail(new ForkfleetError('unavailable', `the store's event stream broke off (${e instanceof Error ? e.message : String(e)}): resume with after_revision ${lastQueued}`, { cause: e }));
       };
       // A revision the store has not reached (one from another etcd cluster, or one restored
