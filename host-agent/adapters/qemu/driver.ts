@@ -2322,11 +2322,6 @@ async function writeJsonAtomic(path: string, value: unknown): Promise<void> {
 }
 
 /**
- * Makes a stopped VM's disk images writable again: QEMU inactivates them when a migration
- * completes, and only `cont` activates them (QEMU 7.2 has no command for it alone). The VM
- * is stopped again at once when it is to stay paused (it runs for one QMP round trip).
- */
-/**
  * A paused VM whose last migration out completed (a snapshot of it, or an earlier attempt's)
  * stays in postmigrate, its disk images inactive: QEMU refuses to migrate it again ("paused due
  * to previous migration") and to commit its layers. Only cont makes them active: the guest runs
@@ -2336,6 +2331,11 @@ async function activateIfMigratedOut(qmp: QmpClient): Promise<void> {
   if ((await queryStatus(qmp)) === 'postmigrate') await reactivate(qmp, true);
 }
 
+/**
+ * Makes a stopped VM's disk images writable again: QEMU inactivates them when a migration
+ * completes, and only `cont` activates them (QEMU 7.2 has no command for it alone). The VM
+ * is stopped again at once when it is to stay paused (it runs for one QMP round trip).
+ */
 async function reactivate(qmp: QmpClient, stayPaused: boolean): Promise<void> {
   await qmp.execute('migrate_cancel').catch(() => undefined);
   await contAfterMigration(qmp);
