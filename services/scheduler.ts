@@ -115,7 +115,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     ...natsTlsOptions(natsTls),
   });
   const bus = await NatsWorkBus.create(nc, config.natsStreamReplicas, log.child({ component: 'nats-bus' }));
-  const heard = new HeartbeatRegistry();
+  const heard = new HeartbeatRegistry((hostId, err) => log.warn({ hostId, err }, 'a heartbeat whose VM list does not decode: its VMs are not checked until a readable one'));
   bus.onHeartbeat((hb) => heard.record(hb, clock.now()));
   const liveness = { suspectAfterMs: config.suspectAfterMs, lostAfterMs: config.lostAfterMs };
 
@@ -167,7 +167,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
         if (dashboard?.(req, res)) return;
       } catch (e) {
         // A throw in a request listener would end the replica (the leader too).
-        log.warn({ err: e, url: req.url }, 'dashboard request failed');
+        log.warn({ err: e, path: req.url?.split('?')[0] }, 'dashboard request failed'); // not its query: it may carry the admin token
         if (!res.headersSent) res.writeHead(500);
         res.end();
         return;

@@ -223,8 +223,8 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
       res.writeHead(200, { 'content-type': 'text/html; charset=utf-8', 'cache-control': 'no-store' }).end(PAGE.replace('__BASE__', base));
       return true;
     }
+    const token = /^Bearer (\S+)$/.exec(req.headers.authorization ?? '')?.[1] ?? url.searchParams.get('token') ?? '';
     if (rest.startsWith('/api/') && deps.authorize) {
-      const token = /^Bearer (\S+)$/.exec(req.headers.authorization ?? '')?.[1] ?? url.searchParams.get('token') ?? '';
       if (!token || !deps.authorize(token)) {
         res.writeHead(401, { 'content-type': 'application/json', 'www-authenticate': 'Bearer' }).end(JSON.stringify({ error: 'an admin token is needed: open the dashboard as .../dashboard/#token=<admin token>' }));
         return true;
@@ -243,18 +243,25 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
       let busy = false;
       const push = (): void => {
         if (busy) return;
+        // Asked again on every push, as the API's guard does for its streams: a token revoked
+        // (taken out of the tokens file) while the page is open must not keep reading the fleet.
+        if (deps.authorize && !deps.authorize(token)) {
+          stop();
+          res.end();
+          return;
+        }
         busy = true;
         state()
           .then((s) => void res.write(`data: ${JSON.stringify(s)}\n\n`))
           .catch(() => undefined)
           .finally(() => (busy = false));
       };
-      push();
       const t = setInterval(push, interval);
       const stop = (): void => {
         clearInterval(t);
         streams.delete(res);
       };
+      push();
       req.on('close', stop);
       res.on('close', stop);
       return true;

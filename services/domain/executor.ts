@@ -732,6 +732,7 @@ export class Executor {
       const graceMs = Math.max(VM_CHECK_GRACE_MS, 2 * Number(heard.hb.interval?.seconds ?? 1n) * 1000);
       if (heard.heardAt < sb.updatedAt + graceMs) continue;
       const vm = this.deps.heard.vm(sb.hostId, sb.id);
+      if (vm === null) continue; // its host's last VM list did not decode: nothing to go by
       const alive = vm !== undefined && (vm.state === PbVmState.RUNNING || vm.state === PbVmState.PAUSED || vm.state === PbVmState.STARTING);
       if (sb.state === 'lost') {
         // A host coming back from lost is reclaimReturnedHost's (reconcileHosts) until its record says ready.
@@ -787,7 +788,7 @@ export class Executor {
     for (const h of this.deps.heard.all()) {
       const hostId = h.hb.hostId;
       if (livenessOf(h.heardAt, now, cfg.liveness) !== 'ready' || this.cache.hosts.get(hostId)?.value.state === 'lost') continue;
-      for (const vm of h.hb.vms) {
+      for (const vm of this.deps.heard.vms(hostId) ?? []) {
         if (this.term !== term || !this.active) return; // stepped down meanwhile: the next term starts its own clocks
         const sb = byId.get(vm.sandboxId);
         if (sb && sb.hostId === hostId && sb.state !== 'destroyed' && sb.state !== 'failed' && sb.state !== 'hibernated') continue;
@@ -1131,14 +1132,19 @@ export class Executor {
   private rerunLater(tenantId: string, opId: string): void {
     const term = this.term;
     const t = setTimeout(() => {
-      if (term !== this.term || !this.active) return;
+      // Not run again here: the crashed run's step log (kept for the rerun, maybeRun) goes.
+      const dropped = (): void => {
+        if (!this.running.has(opId)) this.stepLog.delete(opId);
+      };
+      if (term !== this.term || !this.active) return dropped();
       this.deps.store.getOp(tenantId, opId).then(
         (v) => {
-          if (!v || term !== this.term || isTerminal(v.value.state)) return;
+          if (!v || term !== this.term || isTerminal(v.value.state)) return dropped();
           const op = v.value;
           // A pause or resume of a sandbox that a later one has run past meanwhile: run now, it
           // would undo that one (pauses and resumes of a sandbox run in the order they came).
           if ((op.kind === 'pause' || op.kind === 'resume') && (this.vmStateLatest.get(`${op.tenantId}/${op.targetId}`)?.createdAt ?? 0) > op.createdAt) {
+            dropped();
             void this.finish(op, null, { kind: 'aborted', message: `a later pause or resume of ${op.targetId} ran while this one was waiting to run again after its runner crashed; call it again if it is still wanted`, retryable: false }).catch((e: unknown) => {
               this.log.warn({ err: e, opId }, 'could not end a superseded operation; trying later');
               this.rerunLater(tenantId, opId);
@@ -1179,7 +1185,11 @@ export class Executor {
         this.running.delete(op.id);
         this.ops.delete(op.id);
         this.opChains.delete(op.id);
-        this.stepLog.delete(op.id);
+        // A crashed runner's step log stays for its rerun (rerunLater), whose sends of a step
+        // count on from it: numbered from 1 again, a send would carry the message id of one
+        // this run made, and JetStream (which keeps ids for its duplicate window, minutes, past
+        // the rerun delay) would drop it, leaving the step to wait out its whole timeout.
+        if (!crashed) this.stepLog.delete(op.id);
         if (turn !== undefined && this.vmStateTurns.get(turn) === p) this.vmStateTurns.delete(turn);
         if (crashed) this.rerunLater(op.tenantId, op.id);
       });
@@ -1490,17 +1500,19 @@ export class Executor {
       }
       log[stepId] = { hostId, action, status: 'sent', attempt: sends + 1, sentAt: log[stepId]?.sentAt ?? this.deps.clock.now() };
       const result = new Promise<HostResultMsg | typeof HOST_LOST | typeof HOST_RESTARTED | undefined>((resolve) => {
-        const t = setTimeout(() => {
-          this.waiters.delete(key);
-          resolve(undefined);
-        }, timeoutMs);
-        this.waiters.set(key, {
+        const waiter: Waiter = {
           hostId,
           resolve: (r) => {
             clearTimeout(t);
             resolve(r);
           },
-        });
+        };
+        const t = setTimeout(() => {
+          // Only its own: a rerun of the op (its runner crashed while this waited) waits on the same key.
+          if (this.waiters.get(key) === waiter) this.waiters.delete(key);
+          resolve(undefined);
+        }, timeoutMs);
+        this.waiters.set(key, waiter);
       });
       const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt: ++sends, tenantId: op.tenantId, work });
       // A publish can fail while NATS is restarting or the connection is re-established:
@@ -3820,7 +3832,7 @@ export class Executor {
       }
       // A lost host back, or a new one that already runs VMs (a removed host whose agent
       // started again): its lost sandboxes are reclaimed and stray VMs stopped.
-      if (state === 'ready' && (cur?.value.state === 'lost' || (!cur && (this.deps.heard.get(next.id)?.hb.vms.length ?? 0) > 0))) await this.reclaimReturnedHost(next.id);
+      if (state === 'ready' && (cur?.value.state === 'lost' || (!cur && (this.deps.heard.vms(next.id)?.length ?? 0) > 0))) await this.reclaimReturnedHost(next.id);
     }
     // Marking a lost host's sandboxes happens on the pass that sees it go lost; one that did
     // not finish (a leader that died in between, a failed list or write) is done again here,
@@ -3999,9 +4011,10 @@ export class Executor {
    */
   private async reclaimReturnedHost(hostId: string): Promise<void> {
     const hb = this.deps.heard.get(hostId)?.hb;
-    if (!hb) return;
+    const vms = this.deps.heard.vms(hostId);
+    if (!hb || !vms) return;
     const byId = new Map((await this.deps.store.listSandboxes(undefined)).map((v) => [v.value.id, v.value]));
-    for (const vm of hb.vms) {
+    for (const vm of vms) {
       const sb = byId.get(vm.sandboxId);
       const alive = vm.state === PbVmState.RUNNING || vm.state === PbVmState.PAUSED;
       if (sb && sb.state === 'lost' && sb.hostId === hostId && alive) {

@@ -1,6 +1,7 @@
 import { describe, expect, it, vi } from 'vitest';
-import { create } from '@bufbuild/protobuf';
-import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { create, toBinary } from '@bufbuild/protobuf';
+import { HeartbeatSchema, VmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { decodeHeartbeat } from '../adapters/nats/bus.ts';
 import { fleetViewInput, HeartbeatRegistry, livenessOf } from './fleet-view.ts';
 import type { HostRec, SnapshotRec } from './records.ts';
 
@@ -97,5 +98,33 @@ describe('liveness across wall clock steps', () => {
     // With no step, the time heard is the time recorded, to the millisecond.
     heard.record(create(HeartbeatSchema, { hostId: 'h2', bootId: 'b' }), 12_345);
     expect(heard.get('h2')?.heardAt).toBe(12_345);
+  });
+});
+
+describe('a heartbeat whose VM list does not decode', () => {
+  // A heartbeat with one good VM entry, then an entry whose framing is sound (field 8, 3
+  // bytes) but whose inner message is cut off (field 1, a 5-byte string, 1 byte given):
+  // decodeHeartbeat takes it in and fails only when `vms` is read.
+  function malformedBeat(): Uint8Array {
+    const good = toBinary(HeartbeatSchema, create(HeartbeatSchema, { hostId: 'h1', bootId: 'b', vms: [{ sandboxId: 'sb-1', state: VmState.RUNNING }] }));
+    return Uint8Array.from([...good, 0x42, 0x03, 0x0a, 0x05, 0x61]);
+  }
+
+  it('vms_ofAHostWhoseLastVmListIsMalformed_isUnknownNotEmpty_andReportedOnce', () => {
+    const told: string[] = [];
+    const heard = new HeartbeatRegistry((hostId) => told.push(hostId));
+    heard.record(decodeHeartbeat(malformedBeat()), 1000);
+    heard.record(create(HeartbeatSchema, { hostId: 'h2', bootId: 'b', vms: [{ sandboxId: 'sb-2', state: VmState.RUNNING }] }), 1000);
+    expect(heard.vms('h1')).toBeUndefined();
+    expect(heard.vm('h1', 'sb-1')).toBeNull();
+    expect(heard.vm('h1', 'sb-1')).toBeNull();
+    expect(told).toEqual(['h1']);
+    // The other host's list is read as usual.
+    expect(heard.vm('h2', 'sb-2')?.state).toBe(VmState.RUNNING);
+    expect(heard.vm('h2', 'sb-9')).toBeUndefined();
+    // A readable beat from the host makes its list known again.
+    heard.record(create(HeartbeatSchema, { hostId: 'h1', bootId: 'b', vms: [] }), 2000);
+    expect(heard.vms('h1')).toEqual([]);
+    expect(heard.vm('h1', 'sb-1')).toBeUndefined();
   });
 });

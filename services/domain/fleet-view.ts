@@ -58,8 +58,13 @@ export function livenessOf(heardAt: number | undefined, now: number, cfg: Livene
   return 'ready';
 }
 
+type VmStatusMsg = HeartbeatMsg['vms'][number];
+
 export class HeartbeatRegistry {
   private readonly hosts = new Map<string, HeardHost>();
+
+  /** `onUnreadable`: told once per heartbeat whose VM list does not decode (see vms()). */
+  constructor(private readonly onUnreadable?: (hostId: string, err: unknown) => void) {}
 
   record(hb: HeartbeatMsg, now: number): { isNew: boolean; restarted: boolean } {
     const prev = this.hosts.get(hb.hostId);
@@ -80,14 +85,41 @@ export class HeartbeatRegistry {
   /**
    * A VM's status in the host's last heartbeat. Indexed once per heartbeat: the lifecycle
    * rules ask for every sandbox on a host, and a scan of the VM list each time was
-   * quadratic in the VMs per host.
+   * quadratic in the VMs per host. Null when that heartbeat's VM list does not decode (vms()).
    */
-  vm(hostId: string, sandboxId: string): HeartbeatMsg['vms'][number] | undefined {
+  vm(hostId: string, sandboxId: string): VmStatusMsg | undefined | null {
     const hb = this.hosts.get(hostId)?.hb;
     if (!hb) return undefined;
     let idx = vmIndex.get(hb);
-    if (!idx) vmIndex.set(hb, (idx = new Map(hb.vms.map((v) => [v.sandboxId, v]))));
-    return idx.get(sandboxId);
+    if (idx === undefined) {
+      const vms = this.vmsOf(hb);
+      vmIndex.set(hb, (idx = vms ? new Map(vms.map((v) => [v.sandboxId, v])) : null));
+    }
+    return idx === null ? null : idx.get(sandboxId);
+  }
+
+  /**
+   * The VMs the host's last heartbeat lists: undefined when it was not heard, or when that
+   * list does not decode. The bus decodes it only when read (decodeHeartbeat), after the
+   * beat was taken in, so a malformed one shows here; nothing may be decided from it (read as
+   * "no VMs", every sandbox of the host would look gone), and one host's bad beat must not
+   * throw out of a check that goes over the whole fleet. vm() answers null for it.
+   */
+  vms(hostId: string): readonly VmStatusMsg[] | undefined {
+    const hb = this.hosts.get(hostId)?.hb;
+    return hb ? this.vmsOf(hb) : undefined;
+  }
+
+  private vmsOf(hb: HeartbeatMsg): readonly VmStatusMsg[] | undefined {
+    try {
+      return hb.vms;
+    } catch (e) {
+      if (!unreadable.has(hb)) {
+        unreadable.add(hb);
+        this.onUnreadable?.(hb.hostId, e);
+      }
+      return undefined;
+    }
   }
 
   /** Whether the host's last heartbeat lists `snapshotId` as complete (indexed once per heartbeat). */
@@ -109,7 +141,8 @@ export class HeartbeatRegistry {
 }
 
 /** Per-heartbeat indexes (a heartbeat message is never changed once recorded). */
-const vmIndex = new WeakMap<HeartbeatMsg, Map<string, HeartbeatMsg['vms'][number]>>();
+const vmIndex = new WeakMap<HeartbeatMsg, Map<string, VmStatusMsg> | null>();
+const unreadable = new WeakSet<HeartbeatMsg>();
 const snapshotIndex = new WeakMap<HeartbeatMsg, Set<string>>();
 
 function completeSnapshots(hb: HeartbeatMsg): Set<string> {

@@ -350,7 +350,18 @@ export class NatsWorkBus implements WorkBus {
           q.fail(new ForkfleetError('unavailable', `host ${hostId} is not answering`));
           return;
         }
-        const out = fromBinary(HostExecOutputSchema, m.data);
+        // Decoded inside a try: this callback runs inside nats.js' read loop, and a throw out of
+        // it ends that loop, so one bad message would stop every reply, result and heartbeat
+        // this replica reads until the connection is found stale.
+        let out: HostExecOutputMsg;
+        try {
+          out = fromBinary(HostExecOutputSchema, m.data);
+        } catch (e) {
+          finish();
+          q.fail(new ForkfleetError('internal', `exec on host ${hostId}: its output did not decode`, { cause: e, retryable: false }));
+          cancelOnHost();
+          return;
+        }
         held(bytesOf(out));
         if (this.execUnread > this.execUnreadMax) {
           finish();

@@ -1,0 +1,60 @@
+// The scheduler's NATS bus against a real nats-server: what a host sends it cannot stop it
+// reading.
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { connect } from 'nats';
+import type { NatsConnection } from 'nats';
+import { create, toBinary } from '@bufbuild/protobuf';
+import { startNats } from '../../testkit/nats.ts';
+import type { NatsServer } from '../../testkit/nats.ts';
+import { HeartbeatSchema, HostExecRequestSchema } from '../../domain/messages.ts';
+import type { HeartbeatMsg } from '../../domain/messages.ts';
+import { NatsWorkBus } from './bus.ts';
+import { subjects } from './subjects.ts';
+
+let server: NatsServer;
+let schedNc: NatsConnection;
+let hostNc: NatsConnection;
+let bus: NatsWorkBus;
+
+beforeAll(async () => {
+  server = await startNats();
+  schedNc = await connect({ servers: server.url, noAsyncTraces: true });
+  hostNc = await connect({ servers: server.url, noAsyncTraces: true });
+  bus = await NatsWorkBus.create(schedNc);
+});
+
+afterAll(async () => {
+  bus?.close();
+  await schedNc?.close();
+  await hostNc?.close();
+  await server?.stop();
+});
+
+describe('NatsWorkBus', () => {
+  it('exec_whoseHostAnswersUndecodableOutput_failsThatExec_andTheBusKeepsReading', async () => {
+    // A host that answers an exec with bytes that are no HostExecOutput.
+    const sub = hostNc.subscribe(subjects.exec('h-bad'), {
+      callback: (_err, m) => {
+        if (m.reply) hostNc.publish(m.reply, Uint8Array.from([0x0a, 0x05, 0x61]));
+      },
+    });
+    await hostNc.flush();
+    const beats: HeartbeatMsg[] = [];
+    bus.onHeartbeat((hb) => beats.push(hb));
+
+    const read = async (): Promise<unknown> => {
+      for await (const _ of bus.exec('h-bad', create(HostExecRequestSchema, { sandboxId: 'sb-1', argv: ['true'] }), { timeoutMs: 5000 })) {
+        /* nothing comes */
+      }
+      return undefined;
+    };
+    await expect(read()).rejects.toMatchObject({ kind: 'internal', message: expect.stringMatching(/did not decode/) });
+
+    // The replica still hears a host after it: the bad message did not end its read loop.
+    hostNc.publish(subjects.heartbeat('h-ok'), toBinary(HeartbeatSchema, create(HeartbeatSchema, { hostId: 'h-ok', bootId: 'b' })));
+    const deadline = Date.now() + 3000;
+    while (beats.length === 0 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+    expect(beats.map((b) => b.hostId)).toEqual(['h-ok']);
+    sub.unsubscribe();
+  });
+});

@@ -1,0 +1,36 @@
+// The dashboard's event stream against tokens that change while it is open (no API behind
+// it: each push carries the state's error, which is all this test needs).
+import { createServer } from 'node:http';
+import type { AddressInfo } from 'node:net';
+import { afterEach, describe, expect, it } from 'vitest';
+import { dashboardHandler } from './handler.ts';
+
+const cleanups: Array<() => void> = [];
+afterEach(() => {
+  for (const c of cleanups.splice(0)) c();
+});
+
+describe('dashboard event stream', () => {
+  it('events_ofATokenRevokedWhileTheStreamIsOpen_endTheStream', async () => {
+    const allowed = new Set(['ff_admin']);
+    const handler = dashboardHandler({ api: '127.0.0.1:1', tenants: ['t'], token: 'ff_x', intervalMs: 50, authorize: (t) => allowed.has(t) });
+    const server = createServer((req, res) => void handler(req, res));
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    cleanups.push(() => {
+      handler.close();
+      server.closeAllConnections();
+      server.close();
+    });
+    const res = await fetch(`http://127.0.0.1:${(server.address() as AddressInfo).port}/dashboard/api/events`, { headers: { authorization: 'Bearer ff_admin' } });
+    expect(res.status).toBe(200);
+    const reader = res.body!.getReader();
+    const first = await reader.read();
+    expect(new TextDecoder().decode(first.value)).toMatch(/^data: /);
+    allowed.delete('ff_admin');
+    // The stream ends (reads come back done) instead of pushing the fleet on.
+    const ended = (async () => {
+      for (;;) if ((await reader.read()).done) return true;
+    })();
+    await expect(Promise.race([ended, new Promise((r) => setTimeout(() => r(false), 3000))])).resolves.toBe(true);
+  });
+});
