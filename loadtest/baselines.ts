@@ -4,9 +4,8 @@
 //     (host-agent/bench/vmm.ts): driver, migrateAndWait, incomingAndWait, OverlayFactory.
 //   naive_full_copy: a cross-host restore that first copies the whole saved memory stream
 //     and the disk over a TCP stream between two of the fleet's host namespaces (so at the
-//     fleet's shaped link rate; over mutual TLS with the hosts' peer certificates when the
-//     fleet's peers speak TLS, as its migration streams do), then does the classic restore
-//     from the copy.
+//     fleet's shaped link rate; over mutual TLS with the hosts' peer certificates exactly when
+//     the fleet's migration streams are encrypted), then does the classic restore from the copy.
 import { mkdir, rm, stat } from 'node:fs/promises';
 import { spawn } from 'node:child_process';
 import type { ChildProcess } from 'node:child_process';
@@ -17,7 +16,7 @@ import type { AccelSetting, LocalSnapshot } from '../host-agent/domain/vmm.ts';
 import type { QemuLaunch } from '../host-agent/adapters/qemu/cmdline.ts';
 import { QemuVmmDriver, saveFullRamStream } from '../host-agent/adapters/qemu/driver.ts';
 import { OverlayFactory } from '../host-agent/adapters/qemu/process.ts';
-import { classicRestore } from '../host-agent/bench/classic.ts';
+import { classicRestore, stopClassicRestores } from '../host-agent/bench/classic.ts';
 import { ensureImage } from '../deploy/images/build.ts';
 import { setupScript } from './workload.ts';
 
@@ -39,7 +38,8 @@ export interface LocalBaseline {
 /** Boots a guest with the template's setup, snapshots it, and saves a clone the classic way. */
 export async function prepareLocalBaseline(o: { root: string; accel: AccelSetting; guestMib: number; dirtyMib: number; logger: Logger }): Promise<LocalBaseline> {
   const image = await ensureImage('tiny');
-  const driver = new QemuVmmDriver({ root: o.root, accel: o.accel, logger: o.logger, probeImage: image, autoProbeDeadlineMs: 10_000 });
+  // No standbys: none may start (and share the CPUs) while the fleet's scenarios are measured.
+  const driver = new QemuVmmDriver({ root: o.root, accel: o.accel, logger: o.logger, probeImage: image, autoProbeDeadlineMs: 10_000, standby: { max: 0, perSnapshot: 0 } });
   try {
     return await prepare(driver, image, o);
   } catch (e) {
@@ -76,6 +76,16 @@ export async function classicRestoreOnce(b: LocalBaseline, file = b.classicFile,
   const r = await classicRestore({ launch: b.launch, file, dir: join(b.dir, `r${n}`), name: `lt-classic-${n}`, overlays: b.overlays, diskBacking, diskVirtualSize: b.snap.manifest.diskVirtualSize });
   await r.stop();
   return r.ms;
+}
+
+/**
+ * Stops the baselines' QEMUs: every classic restore still running (their QEMUs are detached and
+ * the driver does not know them; one is mid-restore when Ctrl-C lands in classic_restore or
+ * naive_full_copy), then the driver's VMs.
+ */
+export async function closeLocalBaseline(b: LocalBaseline | undefined): Promise<void> {
+  await stopClassicRestores();
+  await b?.driver.close();
 }
 
 function lines(child: ChildProcess): AsyncIterator<string> {

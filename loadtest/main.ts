@@ -21,11 +21,12 @@ import { LatencyHistogram } from './hist.ts';
 import { Driver, Locality, OperationKind, Spread, connect, OpFailed } from './scenarios.ts';
 import { summarisePhases } from './phases.ts';
 import type { OpPhases, PhaseSummary } from './phases.ts';
-import { classicRestoreOnce, prepareLocalBaseline, startNaive } from './baselines.ts';
+import { classicRestoreOnce, closeLocalBaseline, prepareLocalBaseline, startNaive } from './baselines.ts';
 import type { LocalBaseline } from './baselines.ts';
 import { checks, failedNames, renderReport } from './report.ts';
 import type { RunResult, ScenarioResult } from './report.ts';
 import { formatPlan, planCapacity } from './plan.ts';
+import { linkGbpsOf, migrationStreamsEncrypted } from './run-env.ts';
 import { findSocat } from '../host-agent/adapters/peer/tls-relay.ts';
 import type { Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type * as FleetModule from '../deploy/fleet/fleet.ts';
@@ -216,18 +217,21 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       // A fleet started here goes down whole; a given one keeps running, so it is tidied.
       if (driver && !fleetMod) await driver.tidy().catch(() => undefined);
       for (const c of cleanup.reverse()) await c().catch(() => undefined);
-      const prepared = local ?? (await localP?.catch(() => undefined));
-      if (prepared) await prepared.driver.close().catch(() => undefined);
-      if (fleetMod) {
-        // A start still running holds the fleet directory's lock: it finishes (or fails and
-        // cleans up after itself) first, then the fleet goes down whole.
-        if (starting) log('waiting for the fleet\'s start to finish, to take it down');
-        await starting?.catch(() => undefined);
-        log('bringing the fleet down');
-        await fleetMod.down(cfg.fleetDir);
+      // The baselines' QEMUs, a classic restore under way included (detached, unknown to the driver).
+      await closeLocalBaseline(local ?? (await localP?.catch(() => undefined))).catch(() => undefined);
+      try {
+        if (fleetMod) {
+          // A start still running holds the fleet directory's lock: it finishes (or fails and
+          // cleans up after itself) first, then the fleet goes down whole.
+          if (starting) log('waiting for the fleet\'s start to finish, to take it down');
+          await starting?.catch(() => undefined);
+          log('bringing the fleet down');
+          await fleetMod.down(cfg.fleetDir);
+        }
+      } finally {
+        rmSync(work, { recursive: true, force: true });
+        if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
       }
-      rmSync(work, { recursive: true, force: true });
-      if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
     })());
   let interrupted = false;
   const offInterrupt = onInterrupt(async () => {
@@ -394,12 +398,13 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
         notes.push(`QEMU-level baseline guest: accel ${local.accel}; its boot+setup (${Math.round(local.coldBootMs)} ms, below the API) is cold_boot sample 2.`);
         await scenario('classic_restore', ratioSamples, async () => [await classicRestoreOnce(local!)]);
         const [a, b] = fleetHosts;
-        // Between TLS peers, the copy is encrypted too (the peer certificates the fleet issued them).
+        // The copy is encrypted exactly when the fork's migration streams are (with the peer
+        // certificates the fleet issued its hosts): plain with --peer-tls off or FF_PEER_MIGRATION_TLS=off.
         const peerFiles = (h: { dataDir: string }): readonly [string, string, string] => {
           const f = fleetMod!.peerCertFiles(h);
           return [f.ca, f.cert, f.key];
         };
-        const naiveTls = a && b && fleetMod && cfg.peerTls ? { from: peerFiles(a), to: peerFiles(b) } : undefined;
+        const naiveTls = a && b && fleetMod && migrationStreamsEncrypted(cfg.peerTls) ? { from: peerFiles(a), to: peerFiles(b) } : undefined;
         const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990, ...(naiveTls ? { tls: naiveTls } : {}) } : { fromAddress: '127.0.0.1', port: 19795 });
         cleanup.push(naive.close);
         if (!(a && b)) notes.push('naive_full_copy: no fleet namespaces known (--api), so the copy ran over unshaped loopback.');
@@ -414,8 +419,13 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
           notes.push(`naive_full_copy: copied ${(copies[0]!.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) ${naiveTls ? 'over mutual TLS, as the fleet\'s peers, ' : ''}in ${Math.round(ms[(ms.length - 1) >> 1]!)} ms (median of ${ms.length}; ${Math.round(ms[0]!)}-${Math.round(ms[ms.length - 1]!)}), then a classic restore.`);
         }
       } catch (e) {
+        // A selected baseline that could not run failed (the run exits nonzero), it was not skipped.
         const why = `QEMU-level baseline failed: ${e instanceof Error ? e.message : String(e)}`;
-        for (const n of ['classic_restore', 'naive_full_copy']) if (!rec.results[n]) rec.skip(n, why);
+        for (const n of ['classic_restore', 'naive_full_copy']) {
+          if (rec.results[n]) continue;
+          if (selected(n)) rec.finish(n, why);
+          else rec.skip(n, 'not selected (--only)');
+        }
       }
     }
     // More cold boots if there is time left.
@@ -444,15 +454,21 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       if (p) phases[n] = p;
     }
     notes.push(`fork_fanout: ${cfg.fanout} children, placement.spread SPREAD; restore_concurrent: ${cfg.concurrency} CreateSandbox(snapshot_id) at once; run took ${Math.round((Date.now() - started) / 1000)} s.`);
+    // A fleet started here has --link on its links; a given one (--api) has what its hosts report.
+    const linkGbps = fleetMod ? cfg.linkGbps : linkGbpsOf(hosts);
+    if (!fleetMod) notes.push(`link: ${linkGbps === null ? 'unknown (the hosts report no link rate, or differing ones)' : `${linkGbps} Gbit/s, as the hosts report it`}; --link applies only to a fleet the load test starts.`);
     return {
-      env: { accel, hosts: hosts.length, link_gbps: cfg.linkGbps, guest_mib: cfg.guestMib, dirty_mib: cfg.dirtyMib, date: new Date().toISOString(), git_commit: gitCommit(), api: apiAddr, mode: cfg.quick ? 'quick' : 'full', notes },
+      env: { accel, hosts: hosts.length, link_gbps: linkGbps, guest_mib: cfg.guestMib, dirty_mib: cfg.dirtyMib, date: new Date().toISOString(), git_commit: gitCommit(), api: apiAddr, mode: cfg.quick ? 'quick' : 'full', notes },
       scenarios,
       samples,
       phases,
     };
   } finally {
-    await teardown();
-    offInterrupt();
+    try {
+      await teardown();
+    } finally {
+      offInterrupt();
+    }
   }
 }
 

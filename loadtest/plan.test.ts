@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { modelFrom, planCapacity, simulate } from './plan.ts';
+import { modelFrom, pickTemplate, planCapacity, simulate } from './plan.ts';
 import type { RunResult } from './report.ts';
 
 const run: RunResult = {
@@ -22,6 +22,10 @@ describe('capacity planner', () => {
     const failedCross = modelFrom({ ...run, scenarios: { ...run.scenarios, fork_cross_host_1: { ...(run.scenarios.fork_cross_host_1 as object), failed: 'x' } as never } });
     expect([failedCross.transferMsAtRun, failedCross.source]).toEqual([0, 'fork_same_host_1 samples; fork_cross_host_1 failed in that run, transfer assumed free']);
     expect(() => modelFrom({ ...run, scenarios: { ...run.scenarios, fork_same_host_1: { ...(run.scenarios.fork_same_host_1 as object), failed: 'boom' } as never } })).toThrow(/it failed: boom/);
+  });
+
+  it('modelFrom_aRunWithAnUnknownLinkRate_throws', () => {
+    expect(() => modelFrom({ ...run, env: { ...run.env, link_gbps: null } })).toThrow(/link rate is unknown/);
   });
 
   it('modelFrom_withoutSameHostSamples_throws', () => {
@@ -50,5 +54,17 @@ describe('capacity planner', () => {
     const fewer = simulate(plan.model, g10!.hosts! - 1, 10, plan.request);
     expect(fewer.p95Ms > 450 || fewer.unplaced > 0).toBe(true);
     if (g1?.hosts != null) expect(g1.hosts).toBeGreaterThanOrEqual(g10!.hosts!);
+  });
+
+  it('pickTemplate_reachesEveryTemplate_theFirstMostOften', () => {
+    const seen = new Map<number, number>();
+    for (let i = 0; i < 10_000; i++) {
+      const k = pickTemplate(5, i / 10_000);
+      seen.set(k, (seen.get(k) ?? 0) + 1);
+    }
+    expect([...seen.keys()].sort()).toEqual([0, 1, 2, 3, 4]);
+    expect(seen.get(0)!).toBeGreaterThan(seen.get(4)!);
+    expect(pickTemplate(5, 0.999999)).toBe(4);
+    expect(pickTemplate(1, 0.999999)).toBe(0);
   });
 });

@@ -68,12 +68,23 @@ export function modelFrom(run: RunResult): LatencyModel {
   const samples = run.samples?.fork_same_host_1?.length ? run.samples.fork_same_host_1 : [same.p50_ms];
   const transfer = isComplete(cross) ? Math.max(0, cross.p50_ms - same.p50_ms) : 0;
   const noCross = cross && 'failed' in cross ? 'fork_cross_host_1 failed in that run' : 'no cross-host data';
-  return { sameHostMs: samples, transferMsAtRun: transfer, runLinkGbps: run.env.link_gbps, guestMib: run.env.guest_mib, source: isComplete(cross) ? 'fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50 as transfer' : `fork_same_host_1 samples; ${noCross}, transfer assumed free` };
+  // The transfer part is scaled by the run's link rate (its hosts' reported one with --api).
+  const link = run.env.link_gbps;
+  if (link === null || !(link > 0)) throw new Error('--from: the run\'s link rate is unknown (its hosts reported none, or differing ones), so its transfer time cannot be scaled to other link rates');
+  return { sameHostMs: samples, transferMsAtRun: transfer, runLinkGbps: link, guestMib: run.env.guest_mib, source: isComplete(cross) ? 'fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50 as transfer' : `fork_same_host_1 samples; ${noCross}, transfer assumed free` };
 }
 
 function percentile(sorted: readonly number[], p: number): number {
   if (sorted.length === 0) return 0;
   return sorted[Math.min(sorted.length - 1, Math.ceil((p / 100) * sorted.length) - 1)] ?? 0;
+}
+
+/**
+ * Zipf-ish popularity: of `templates`, template k (0-based) with weight about 1/(k+1), for `u`
+ * uniform in [0, 1). (templates + 1) ** u is in [1, templates + 1): every template can be drawn.
+ */
+export function pickTemplate(templates: number, u: number): number {
+  return Math.max(0, Math.min(templates - 1, Math.floor((templates + 1) ** u) - 1));
 }
 
 /** One simulated run: `hosts` hosts at `linkGbps`. */
@@ -126,9 +137,7 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
       view = buildFleetView({ revision: req, observedAtMs: t, hosts: hs, snapshots: snaps });
       nextView = t + refresh;
     }
-    // Zipf-ish popularity: template k with weight 1/(k+1).
-    const k = Math.min(templates - 1, Math.floor(templates ** rng.nextFloat()) - 1);
-    const snapshotId = `tpl-${Math.max(0, k)}`;
+    const snapshotId = `tpl-${pickTemplate(templates, rng.nextFloat())}`;
     const r = place(view, { kind: 'fork', id: `sim-${req++}`, nowMs: t, snapshotId, count: n, overlayDiskMib: 64 }, xoshiro128ss(seed, req, 1, 2));
     if (!r.ok) {
       unplaced += n;

@@ -41,6 +41,12 @@ describe('report', () => {
     expect(markdown).not.toContain('Where the time went');
   });
 
+  it('renderReport_withAnUnknownLinkRate_saysSo', () => {
+    const { markdown, files } = renderReport({ ...base, env: { ...base.env, link_gbps: null } });
+    expect(markdown).toContain('| link | unknown (the hosts report no link rate, or differing ones) |');
+    expect(files['same-vs-cross.svg']).not.toContain('null');
+  });
+
   it('renderReport_withPhases_tablesWhereEachScenariosTimeWent', () => {
     const { markdown } = renderReport({ ...base, phases: { fork_cross_host_1: { n: 5, op_ms: 2400, to_first_step_ms: 12, host_step_ms: 2300, step_overhead_ms: 30, exec_after_op_ms: 150, bytes_moved: 180 * 1024 * 1024, migrated_samples: 5 } } });
     expect(markdown).toContain('## Where the time went (medians, ms)');

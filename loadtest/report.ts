@@ -7,7 +7,8 @@ import type { PhaseSummary } from './phases.ts';
 export interface RunEnv {
   accel: string;
   hosts: number;
-  link_gbps: number;
+  /** The hosts' link rate; null when unknown (a given fleet's hosts report none, or differing ones). */
+  link_gbps: number | null;
   guest_mib: number;
   dirty_mib: number;
   date: string;
@@ -128,7 +129,7 @@ export function renderReport(r: RunResult): { markdown: string; files: Record<st
   const files: Record<string, string> = {};
   for (const g of CHART_GROUPS) files[g.file] = renderCdf(g.title, g.names.map((name) => ({ name, samples: r.samples[name] ?? [] })));
   files['cdf-all.svg'] = renderCdf('Latency CDF, every scenario', Object.keys(r.scenarios).map((name) => ({ name, samples: r.samples[name] ?? [] })));
-  files['same-vs-cross.svg'] = renderBars(`Same host vs cross host at ${r.env.link_gbps} Gbit/s (ms)`, 'latency, ms', sameVsCrossBars(r.scenarios));
+  files['same-vs-cross.svg'] = renderBars(`Same host vs cross host at ${r.env.link_gbps ?? 'an unknown'} Gbit/s (ms)`, 'latency, ms', sameVsCrossBars(r.scenarios));
   const e = r.env;
   const md: string[] = [
     '# Forkfleet load test report',
@@ -137,7 +138,7 @@ export function renderReport(r: RunResult): { markdown: string; files: Record<st
     '| --- | --- |',
     `| accel | ${e.accel} |`,
     `| hosts | ${e.hosts} |`,
-    `| link | ${e.link_gbps} Gbit/s per host (tbf on veth) |`,
+    `| link | ${e.link_gbps === null ? 'unknown (the hosts report no link rate, or differing ones)' : `${e.link_gbps} Gbit/s per host (tbf on veth)`} |`,
     `| guest | ${e.guest_mib} MiB, ${e.dirty_mib} MiB dirtied + a long-running process |`,
     `| date | ${e.date} |`,
     `| git commit | ${e.git_commit} |`,

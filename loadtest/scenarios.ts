@@ -33,10 +33,26 @@ export function connect(addr: string, credentialsFile?: string): Api {
   return createClient(FleetService, addr, fleetChannelCredentials(creds), fleetChannelOptions(addr));
 }
 
+/**
+ * Label key of every sandbox a run creates (the value is the run's `Ledger.run`): tidy() finds by
+ * it what no answer named, such as the children of a fork under way at Ctrl-C.
+ */
+export const RUN_LABEL = 'loadtest-run';
+/** Label key of one create or fork call (the value is its idempotency key): what that call made, should it fail. */
+export const CALL_LABEL = 'loadtest-call';
+
 /** What a run has made and not yet undone: destroyed (and uncordoned) at its end, also after a failed sample or a Ctrl-C. */
 export interface Ledger {
+  /** The RUN_LABEL value of this run's sandboxes. */
+  run: string;
   sandboxes: Set<string>;
   cordoned: Set<string>;
+  /** Creates and forks under way (operation ids): tidy() cancels them. */
+  ops: Set<string>;
+}
+
+export function newLedger(): Ledger {
+  return { run: `lt-${process.pid}-${Date.now()}`, sandboxes: new Set(), cordoned: new Set(), ops: new Set() };
 }
 
 export class Driver {
@@ -44,7 +60,7 @@ export class Driver {
   phaseSink: ((kind: OperationKind, p: OpPhases) => void) | undefined;
 
   /** `ledger`: shared by the drivers of one run (one for timed calls, one for setup). */
-  constructor(readonly api: Api, readonly opTimeoutMs: number, readonly ledger: Ledger = { sandboxes: new Set(), cordoned: new Set() }) {}
+  constructor(readonly api: Api, readonly opTimeoutMs: number, readonly ledger: Ledger = newLedger()) {}
 
   /** Hands the sink a timed op's breakdown: `opAt` when the API answered it done, `readyAt` when its last sandbox answered an exec. */
   private phases(op: Operation, opAt: number, readyAt: number): void {
@@ -60,6 +76,51 @@ export class Driver {
     throw new OpFailed(`operation ${op.id} (${op.kind}) ${state}${msg ? `: ${msg}` : f.state === OperationState.RUNNING ? ` after ${this.opTimeoutMs} ms` : ''}`, /not supported|unimplemented/i.test(msg));
   }
 
+  /**
+   * Submits a create or fork (`submit` puts `call` into its request) and waits for it. One that
+   * did not succeed (it failed, was still running at the timeout, or was never answered) is
+   * cancelled and waited for, and whatever it made is destroyed now, found by its call label:
+   * no answer names those sandboxes, and they would run under every later scenario.
+   */
+  private async made(submit: (call: { idempotencyKey: string; labels: Record<string, string> }) => Promise<Operation>): Promise<Operation> {
+    const k = key();
+    let op: Operation | undefined;
+    try {
+      op = await submit({ idempotencyKey: k, labels: { [RUN_LABEL]: this.ledger.run, [CALL_LABEL]: k } });
+      this.ledger.ops.add(op.id);
+      return await this.done(op);
+    } catch (e) {
+      if (op) await this.cancel(op.id);
+      await this.destroyAll(await this.labelled({ [CALL_LABEL]: k }).catch(() => []));
+      throw e;
+    } finally {
+      if (op) this.ledger.ops.delete(op.id);
+    }
+  }
+
+  /** Cancels a create or fork under way and waits (a while) for it to end: a cancelled one destroys what it started. Best effort. */
+  private async cancel(operationId: string): Promise<void> {
+    const s = Math.ceil(Math.min(this.opTimeoutMs, 60_000) / 1000);
+    try {
+      await this.api.cancelOperation({ tenantId: TENANT, operationId });
+      await this.api.waitOperation({ tenantId: TENANT, operationId, timeout: { seconds: BigInt(s) } }, { timeoutMs: s * 1000 + 10_000 });
+    } catch {
+      /* it ended already (FAILED_PRECONDITION), or the API is gone: its sandboxes are found by their labels all the same */
+    }
+  }
+
+  /** Ids of the run's tenant's sandboxes (all but destroyed ones) that carry every label given. */
+  private async labelled(labels: Record<string, string>): Promise<string[]> {
+    const ids: string[] = [];
+    let pageToken = '';
+    do {
+      const r = await this.api.listSandboxes({ tenantId: TENANT, labels, pageToken });
+      ids.push(...r.sandboxes.map((s) => s.id));
+      pageToken = r.nextPageToken;
+    } while (pageToken);
+    return ids;
+  }
+
   async exec(sandboxId: string, script: string): Promise<string> {
     let out = '';
     let code = -1;
@@ -72,7 +133,7 @@ export class Driver {
   }
 
   async create(image: string, guestMib: number): Promise<Sandbox> {
-    const op = await this.done(await this.api.createSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'image', value: image }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
+    const op = await this.made((call) => this.api.createSandbox({ tenantId: TENANT, ...call, source: { case: 'image', value: image }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
     if (op.result.case !== 'sandbox') throw new Error('create returned no sandbox');
     this.ledger.sandboxes.add(op.result.value.id);
     return op.result.value;
@@ -99,7 +160,7 @@ export class Driver {
   /** fork(N); each child's latency is from the call until it answers an exec. */
   async fork(snapshotId: string, count: number, placement: { locality?: Locality; spread?: Spread }): Promise<{ children: Sandbox[]; ms: number[] }> {
     const t0 = performance.now();
-    const op = await this.done(await this.api.forkSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count, placement }));
+    const op = await this.made((call) => this.api.forkSandbox({ tenantId: TENANT, ...call, source: { case: 'snapshotId', value: snapshotId }, count, placement }));
     const opAt = performance.now();
     const children = op.result.case === 'fork' ? op.result.value.children : [];
     for (const c of children) this.ledger.sandboxes.add(c.id);
@@ -122,7 +183,7 @@ export class Driver {
     const res = await Promise.allSettled(
       Array.from({ length: k }, async () => {
         const t0 = performance.now();
-        const op = await this.done(await this.api.createSandbox({ tenantId: TENANT, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
+        const op = await this.made((call) => this.api.createSandbox({ tenantId: TENANT, ...call, source: { case: 'snapshotId', value: snapshotId }, resources: { memoryMib: BigInt(guestMib), vcpus: 1 } }));
         const opAt = performance.now();
         if (op.result.case !== 'sandbox') throw new Error('restore returned no sandbox');
         this.ledger.sandboxes.add(op.result.value.id);
@@ -181,9 +242,14 @@ export class Driver {
     }));
   }
 
-  /** Undoes what the ledger holds: every sandbox made and not destroyed, every host cordoned and not uncordoned. */
+  /**
+   * Undoes what the run made: every sandbox in the ledger or carrying the run's label (also what
+   * a create or fork under way made, which it cancels first), every host cordoned and not uncordoned.
+   */
   async tidy(): Promise<void> {
-    await this.destroyAll([...this.ledger.sandboxes]);
+    await Promise.all([...this.ledger.ops].map((id) => this.cancel(id)));
+    const labelled = await this.labelled({ [RUN_LABEL]: this.ledger.run }).catch(() => []);
+    await this.destroyAll([...new Set([...this.ledger.sandboxes, ...labelled])]);
     await Promise.all([...this.ledger.cordoned].map((h) => this.cordon(h, false).catch(() => undefined)));
   }
 

@@ -25,6 +25,20 @@ export interface ClassicRestoreSpec {
   diskVirtualSize: number;
 }
 
+/**
+ * The stop() of every VM classicRestore started and nobody stopped yet, from its spawn on: the
+ * QEMUs are detached and no VMM driver knows them, so a run stopped by Ctrl-C (mid-restore,
+ * before any caller holds the handle) stops them with stopClassicRestores().
+ */
+const live = new Set<() => Promise<void>>();
+let ending = false;
+
+/** Stops every classic-restore VM still running; from then on classicRestore starts none (the process is ending). */
+export async function stopClassicRestores(): Promise<void> {
+  ending = true;
+  await Promise.all([...live].map((stop) => stop()));
+}
+
 /** Restores one VM; ms from the start until it answered an exec. stop() kills it and removes its directory. */
 export async function classicRestore(s: ClassicRestoreSpec): Promise<{ ms: number; stop: () => Promise<void> }> {
   await mkdir(s.dir);
@@ -34,20 +48,26 @@ export async function classicRestore(s: ClassicRestoreSpec): Promise<{ ms: numbe
     qmpSocket: join(s.dir, 'qmp.sock'), agentSocket: join(s.dir, 'qga.sock'), pidFile: join(s.dir, 'pid'),
   };
   let proc: QemuProcess | undefined;
-  const stop = async (): Promise<void> => {
-    if (proc) await killAndWait(proc).catch(() => killHard(proc!.pid));
-    await rm(s.dir, { recursive: true, force: true });
-  };
+  // Once: stopClassicRestores() and the restore's own failure path may both call it.
+  let stopped: Promise<void> | undefined;
+  const stop = (): Promise<void> =>
+    (stopped ??= (async () => {
+      if (proc) await killAndWait(proc).catch(() => killHard(proc!.pid));
+      live.delete(stop);
+      await rm(s.dir, { recursive: true, force: true });
+    })());
   const t0 = performance.now();
   try {
     await s.overlays.create(s.diskBacking, disk, s.diskVirtualSize);
     const stream = await open(s.file, 'r');
     try {
+      if (ending) throw new Error('classic restore: not started, the process is ending (stopClassicRestores)');
       proc = spawnQemu('qemu-system-x86_64', qemuArgs(l), join(s.dir, 'qemu.log'), [stream.fd]);
+      live.add(stop);
     } finally {
       await stream.close();
     }
-    const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => true);
+    const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000, () => !proc!.gone);
     await Promise.all([setCaps(qmp, { events: true, 'x-ignore-shared': false }), incomingAndWait(qmp, 'fd:3')]);
     await qmp.execute('cont');
     const ga = await GuestAgentClient.connect(l.agentSocket);

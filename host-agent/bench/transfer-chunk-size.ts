@@ -2,6 +2,7 @@
 // Usage: node --import tsx host-agent/bench/transfer-chunk-size.ts [--content synthetic|guest]
 //   synthetic (default): transfer-image.ts's image and child;
 //   guest: a real booted guest's snapshot and its child's (transfer-guest.ts, as bench:transfer).
+// Ctrl-C or a kill: the guest's QEMUs and the run's directory are removed before it exits.
 import { createHash } from 'node:crypto';
 import { mkdtempSync, readFileSync, rmSync, openSync, writeSync, fsyncSync, closeSync, renameSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -10,12 +11,21 @@ import { compressSync as lz4c, uncompressSync as lz4d } from 'lz4-napi';
 import { compress as zc, decompress as zd } from 'zstd-napi';
 import { parseArgs } from 'node:util';
 import { writeMemoryImage, writeChildImage } from './transfer-image.ts';
-import { snapshotBootedGuest } from './transfer-guest.ts';
+import { closeBootedGuests, snapshotBootedGuest } from './transfer-guest.ts';
+import { onInterrupt } from '../../loadtest/interrupt.ts';
 import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 
 async function main(): Promise<void> {
   const { values } = parseArgs({ options: { content: { type: 'string', default: 'synthetic' } } });
   const dir = mkdtempSync(join(tmpdir(), 'ff-chunk-'));
+  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill (the finally then gets the same promise). */
+  let undone: Promise<void> | undefined;
+  const undo = (): Promise<void> =>
+    (undone ??= (async () => {
+      await closeBootedGuests().catch(() => undefined);
+      rmSync(dir, { recursive: true, force: true });
+    })());
+  const offInterrupt = onInterrupt(undo, (line) => process.stderr.write(`transfer-chunk-size: ${line}\n`));
   try {
     let mem = join(dir, 'mem.img');
     let child = join(dir, 'child.img');
@@ -32,6 +42,8 @@ async function main(): Promise<void> {
     const b = readFileSync(child);
     const results: Record<string, unknown>[] = [];
     for (const cs of [64 * 1024, 128 * 1024, 256 * 1024, 1024 * 1024]) {
+      // The measurements below are synchronous: between them a Ctrl-C gets its turn.
+      await new Promise((r) => setImmediate(r));
       const zero = Buffer.alloc(cs);
       const nz: Buffer[] = [];
       let t = performance.now();
@@ -93,7 +105,8 @@ async function main(): Promise<void> {
     }
     console.log(JSON.stringify(results, null, 1));
   } finally {
-    rmSync(dir, { recursive: true, force: true });
+    await undo();
+    offInterrupt();
   }
 }
 main().catch((e: unknown) => {

@@ -46,6 +46,14 @@ function artifacts(snap: LocalSnapshot, disk: string): BenchArtifact[] {
   ];
 }
 
+/** The drivers of snapshotBootedGuest calls under way (their QEMUs are detached). */
+const drivers = new Set<QemuVmmDriver>();
+
+/** Stops the VMs of every snapshotBootedGuest under way: a benchmark stopped by Ctrl-C would leave them running. */
+export async function closeBootedGuests(): Promise<void> {
+  await Promise.all([...drivers].map((d) => d.close()));
+}
+
 /**
  * Boots the guest under `dir`/vmm, takes s1 and s2 and stops every VM before returning; the
  * snapshot files stay under `dir`.
@@ -56,6 +64,7 @@ export async function snapshotBootedGuest(dir: string, log: (line: string) => vo
   const image = await ensureImage('tiny');
   const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
   const driver = new QemuVmmDriver({ root: join(dir, 'vmm'), accel: setting as AccelSetting, logger, probeImage: image, autoProbeDeadlineMs: 10_000, standby: { max: 0, perSnapshot: 0 } });
+  drivers.add(driver);
   try {
     const accel = await driver.resolveAccel();
     const tpl = await driver.create({ vmId: 'tpl', image, memoryMib: 256, vcpus: 1 });
@@ -86,6 +95,7 @@ export async function snapshotBootedGuest(dir: string, log: (line: string) => vo
     await run('qemu-img', ['convert', '-U', '-O', 'qcow2', '-B', imageDisk, '-F', 'qcow2', join(s2.dir, s2.manifest.files.disk), s2Disk]);
     return { s1: artifacts(s1, join(s1.dir, s1.manifest.files.disk)), s2: artifacts(s2, s2Disk), changedBytes: 16 * MiB, accel, bootMs: tpl.readyMs };
   } finally {
+    drivers.delete(driver);
     await driver.close();
   }
 }

@@ -30,9 +30,12 @@
 // link rate on its own and the receiver's requests and ACKs (`_reverse`) use the other one.
 // `speedup_vs_naive` is naive_copy_seconds / seconds (chunks stored); the naive copy's clock
 // also covers writing the whole file, so `speedup_ready_vs_naive` (image complete) is the
-// like-for-like one.
+// like-for-like one. A copy that received less than the files' size fails the run; with
+// --skip-naive the naive figures and speedups are null.
+// Ctrl-C or a kill: the namespaces, the processes in them, the guest's QEMUs and the run's
+// directory are removed before it exits (loadtest/interrupt.ts).
 import { parseArgs } from 'node:util';
-import { rmSync, writeFileSync } from 'node:fs';
+import { rmSync, statSync, writeFileSync } from 'node:fs';
 import { loadavg } from 'node:os';
 import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -43,7 +46,9 @@ import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { createFabric, endpointTlsArgs, readLog, type Fabric, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { tempDir, waitFor } from '../../services/testkit/proc.ts';
 import { writeChildImage } from './transfer-image.ts';
-import { snapshotBootedGuest, type BenchArtifact } from './transfer-guest.ts';
+import { closeBootedGuests, snapshotBootedGuest, type BenchArtifact } from './transfer-guest.ts';
+import { naiveCopied, speedup } from './naive-copy.ts';
+import { onInterrupt } from '../../loadtest/interrupt.ts';
 import { prepareSource, prepareWarmup, startDaemon, writeSyntheticSource } from './transfer-source.ts';
 import { ensureCa } from '../../deploy/pki/pki.ts';
 
@@ -82,11 +87,12 @@ interface Run {
   cold_goodput_gbps: number;
   cold_cpu_ms: number;
   cold_page_faults: number;
-  naive_copy_seconds: number;
-  naive_bytes_on_wire: number;
-  speedup_vs_naive: number;
-  speedup_ready_vs_naive: number;
-  cold_speedup_vs_naive: number;
+  /** The naive figures: null with --skip-naive. */
+  naive_copy_seconds: number | null;
+  naive_bytes_on_wire: number | null;
+  speedup_vs_naive: number | null;
+  speedup_ready_vs_naive: number | null;
+  cold_speedup_vs_naive: number | null;
   load_avg: [number, number];
 }
 
@@ -97,10 +103,22 @@ function wire(f: Fabric, hosts: readonly NsHost[]): number {
 async function main(): Promise<void> {
   const { values } = parseArgs({ options: { json: { type: 'string' }, rates: { type: 'string', default: '1,10' }, 'fsync-each': { type: 'boolean', default: false }, 'skip-naive': { type: 'boolean', default: false }, 'skip-cold': { type: 'boolean', default: false }, warmups: { type: 'string', default: '1' }, content: { type: 'string', default: 'guest' }, tls: { type: 'boolean', default: false } } });
   if (values.content !== 'guest' && values.content !== 'synthetic') throw new Error(`--content: "${values.content}" is neither guest nor synthetic`);
-  const dir = tempDir('ff-bench-transfer-');
-  const fabric = createFabric(2, 'ff-b');
   let daemon: ReturnType<typeof startDaemon> | undefined;
+  /** What the run made so far, for undo(). */
+  const made: { dir?: string; fabric?: Fabric } = {};
+  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill (the finally then gets the same promise). */
+  let undone: Promise<void> | undefined;
+  const undo = (): Promise<void> =>
+    (undone ??= (async () => {
+      await daemon?.stop().catch(() => undefined);
+      await closeBootedGuests().catch(() => undefined);
+      await made.fabric?.destroy();
+      if (made.dir) rmSync(made.dir, { recursive: true, force: true });
+    })());
+  const offInterrupt = onInterrupt(undo, (line) => process.stderr.write(`bench:transfer: ${line}\n`));
   try {
+    const dir = (made.dir = tempDir('ff-bench-transfer-'));
+    const fabric = (made.fabric = createFabric(2, 'ff-b'));
     const [h0, h1] = fabric.hosts as [NsHost, NsHost];
     let content: { s1: BenchArtifact[]; s2: BenchArtifact[]; changedBytes: number; image: string };
     if (values.content === 'guest') {
@@ -140,6 +158,8 @@ async function main(): Promise<void> {
     await waitFor('chunk server', async () => readLog(srvLog).includes('"listening"'), 20_000, 50);
     const naiveLog = join(dir, 'naive.log');
     const naive = fabric.spawn(h0, 'naive-server', [...NODE, 'naive-serve', '--listen', `${h0.address}:${port + 1}`, '--files', content.s1.map((a) => a.path).join(',')], naiveLog);
+    /** What the naive copy must receive: every file whole. */
+    const naiveBytes = content.s1.reduce((n, a) => n + statSync(a.path).size, 0);
     await waitFor('naive server', async () => readLog(naiveLog).includes('"listening"'), 20_000, 50);
 
     const ticketFor = (snapshotId: string): string =>
@@ -203,11 +223,11 @@ async function main(): Promise<void> {
       const coldRoot = join(dir, `dst-cold-${g}`);
       const cold = values['skip-cold'] ? { out: { seconds: 0, cpu_ms: 0, page_faults: 0 }, wire: 0, forward: 0 } : await coldFetch(coldRoot, 's1');
       const coldSeconds = Number(cold.out.seconds);
-      // Baseline: plain TCP stream of the whole memory file plus the disk.
+      // Baseline: plain TCP stream of the whole memory file plus the disk; every byte of them, or the run fails.
       const nb = wire(fabric, [h0, h1]);
-      const nr = values['skip-naive'] ? { stdout: '{"seconds":0}' } : await fabric.run(h1, [...NODE, 'naive-recv', '--connect', `${h0.address}:${port + 1}`, '--out', join(dir, `naive-${g}.bin`)], 300_000);
+      const naiveOut = values['skip-naive'] ? undefined : naiveCopied(await fabric.run(h1, [...NODE, 'naive-recv', '--connect', `${h0.address}:${port + 1}`, '--out', join(dir, `naive-${g}.bin`)], 300_000), naiveBytes);
       const nw = wire(fabric, [h0, h1]) - nb;
-      const naiveOut = JSON.parse(nr.stdout.trim().split('\n').pop() ?? '{}') as { seconds: number };
+      const naiveSeconds = naiveOut ? naiveOut.seconds : null;
       rmSync(join(dir, `naive-${g}.bin`), { force: true });
       runs.push({
         link_gbps: g,
@@ -230,11 +250,11 @@ async function main(): Promise<void> {
         cold_goodput_gbps: coldSeconds > 0 ? +((cold.forward * 8) / coldSeconds / 1e9).toFixed(3) : 0,
         cold_cpu_ms: Number(cold.out.cpu_ms),
         cold_page_faults: Number(cold.out.page_faults),
-        naive_copy_seconds: +naiveOut.seconds.toFixed(3),
-        naive_bytes_on_wire: nw,
-        speedup_vs_naive: +(naiveOut.seconds / seconds).toFixed(2),
-        speedup_ready_vs_naive: +(naiveOut.seconds / Number(out.ready_seconds)).toFixed(2),
-        cold_speedup_vs_naive: coldSeconds > 0 ? +(naiveOut.seconds / coldSeconds).toFixed(2) : 0,
+        naive_copy_seconds: naiveSeconds === null ? null : +naiveSeconds.toFixed(3),
+        naive_bytes_on_wire: naiveOut ? nw : null,
+        speedup_vs_naive: speedup(naiveSeconds, seconds),
+        speedup_ready_vs_naive: speedup(naiveSeconds, Number(out.ready_seconds)),
+        cold_speedup_vs_naive: speedup(naiveSeconds, coldSeconds > 0 ? coldSeconds : null),
         load_avg: [+load0.toFixed(2), +(loadavg()[0] ?? 0).toFixed(2)],
       });
       process.stderr.write(`run ${JSON.stringify(runs[runs.length - 1])}\n`);
@@ -255,9 +275,8 @@ async function main(): Promise<void> {
     if (values.json) writeFileSync(values.json, json + '\n');
     process.stdout.write(json + '\n');
   } finally {
-    await daemon?.stop().catch(() => undefined);
-    await fabric.destroy();
-    rmSync(dir, { recursive: true, force: true });
+    await undo();
+    offInterrupt();
   }
 }
 

@@ -7,6 +7,8 @@
 // child's QEMU inside the window. Both are reported; the targets are checked on `fork`.
 // N=1 figures (fork, fork_spawn, classic) are medians of 5 samples: a single ~0.3-1 s
 // measurement on a shared 2-core machine varied by 2x from run to run.
+// Ctrl-C or a kill: every QEMU it started (the driver's and the classic restores') and its
+// directory are removed before it exits (loadtest/interrupt.ts).
 import { mkdtemp, readdir, readFile, rm, writeFile, mkdir } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -16,7 +18,8 @@ import { ensureImage } from '../../deploy/images/build.ts';
 import type { AccelSetting, LocalSnapshot } from '../domain/vmm.ts';
 import { QemuVmmDriver, saveFullRamStream } from '../adapters/qemu/driver.ts';
 import { OverlayFactory } from '../adapters/qemu/process.ts';
-import { classicRestore } from './classic.ts';
+import { classicRestore, stopClassicRestores } from './classic.ts';
+import { onInterrupt } from '../../loadtest/interrupt.ts';
 
 const { values } = parseArgs({
   options: {
@@ -57,6 +60,19 @@ async function main(): Promise<void> {
   const root = await mkdtemp(join(tmpdir(), 'ffb-'));
   // perSnapshot 0: standbys only when the benchmark asks (warm), so none start inside a measured window.
   const driver = new QemuVmmDriver({ root, accel: values.accel as AccelSetting, logger, probeImage: image, autoProbeDeadlineMs: 10_000, standby: { max: 8, perSnapshot: 0 } });
+  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill (the finally then gets the same promise). */
+  let undone: Promise<void> | undefined;
+  const undo = (): Promise<void> =>
+    (undone ??= (async () => {
+      try {
+        // The classic restores' QEMUs are detached and unknown to the driver.
+        await stopClassicRestores();
+        await driver.close();
+      } finally {
+        await rm(root, { recursive: true, force: true });
+      }
+    })());
+  const offInterrupt = onInterrupt(undo, (line) => console.error(`bench:vmm: ${line}`));
   try {
     const accel = await driver.resolveAccel();
     const tpl = await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1 });
@@ -199,8 +215,8 @@ async function main(): Promise<void> {
     if (values.json) await writeFile(values.json, JSON.stringify(result, null, 2) + '\n');
     console.log(JSON.stringify(result));
   } finally {
-    await driver.close();
-    await rm(root, { recursive: true, force: true });
+    await undo();
+    offInterrupt();
   }
 }
 

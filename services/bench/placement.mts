@@ -28,12 +28,16 @@
 //                    (fork(count), then destroy every child) with etcd's database and key
 //                    count sampled every 2 s: whether etcd stays bounded (ADR 0017). Set
 //                    FF_RECORD_RETENTION / FF_ETCD_COMPACT_INTERVAL to shorten the run.
+// Ctrl-C or a kill: what it started (etcd, NATS, schedulers, fake agents) is stopped and its
+// directory removed (unless kept) before it exits (loadtest/interrupt.ts).
 import { execFileSync } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { loadavg } from 'node:os';
 import { startEtcd } from '../testkit/etcd.ts';
+import type { EtcdCluster } from '../testkit/etcd.ts';
 import { startNats } from '../testkit/nats.ts';
+import type { NatsServer } from '../testkit/nats.ts';
 import { procCpu, waitFor } from '../testkit/proc.ts';
 import { startFakeAgents, startSchedulerProcess } from '../testkit/fleet-procs.ts';
 import type { SchedulerProcess } from '../testkit/fleet-procs.ts';
@@ -41,6 +45,7 @@ import { loadSigningKey } from '../scheduler.ts';
 import { FleetService, OperationState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../../proto/gen/forkfleet/v1/common_pb.ts';
+import { onInterrupt } from '../../loadtest/interrupt.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 
@@ -78,10 +83,33 @@ const decide = NO_DECIDE
 
 // 2. Committed placements through the real scheduler.
 const dir = mkdtempSync('/tmp/ff-bench-');
-const [etcd, nats] = await Promise.all([startEtcd({ logDir: dir }), startNats({ logDir: dir })]);
+/** What the run started so far, for undo(); `starting`: etcd's and NATS's start while it runs. */
+const made: { etcd?: EtcdCluster; nats?: NatsServer; starting?: Promise<unknown> } = {};
 const scheds: SchedulerProcess[] = [];
 let fakes: Awaited<ReturnType<typeof startFakeAgents>> | undefined;
+/** Undoes the run, once: at its end, or first on Ctrl-C or a kill (the finally then gets the same promise). */
+let undone: Promise<void> | undefined;
+const undo = (): Promise<void> =>
+  (undone ??= (async () => {
+    // A start under way finishes first, so that what it starts is stopped too.
+    await made.starting?.catch(() => undefined);
+    await fakes?.stop().catch(() => undefined);
+    for (const s of scheds) await s.proc.stop().catch(() => undefined);
+    await made.nats?.stop().catch(() => undefined);
+    await made.etcd?.stop().catch(() => undefined);
+    if (KEEP_DIR) process.stderr.write(`bench: kept ${dir}\n`);
+    else rmSync(dir, { recursive: true, force: true });
+  })());
+const offInterrupt = onInterrupt(undo, (line) => process.stderr.write(`bench: ${line}\n`));
 try {
+  // Each is recorded as soon as it is up: should the other fail, undo() still stops it.
+  const starting = Promise.allSettled([startEtcd({ logDir: dir }).then((e) => (made.etcd = e)), startNats({ logDir: dir }).then((n) => (made.nats = n))]);
+  made.starting = starting;
+  const [etcdStarted, natsStarted] = await starting;
+  if (etcdStarted.status === 'rejected') throw etcdStarted.reason;
+  if (natsStarted.status === 'rejected') throw natsStarted.reason;
+  const etcd = etcdStarted.value;
+  const nats = natsStarted.value;
   const signingKeyPath = join(dir, 'signing.pem');
   loadSigningKey(signingKeyPath, 'scheduler-1');
   const env = { FF_LOG_LEVEL: arg('log-level', 'warn'), FF_STEP_TIMEOUT: '30s' };
@@ -187,10 +215,6 @@ try {
   process.stdout.write(text);
   if (jsonPath) writeFileSync(jsonPath, text);
 } finally {
-  await fakes?.stop();
-  for (const s of scheds) await s.proc.stop();
-  await nats.stop();
-  await etcd.stop();
-  if (KEEP_DIR) process.stderr.write(`bench: kept ${dir}\n`);
-  else rmSync(dir, { recursive: true, force: true });
+  await undo();
+  offInterrupt();
 }
