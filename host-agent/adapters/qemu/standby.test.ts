@@ -9,7 +9,7 @@ const log = pino({ level: 'silent' });
 const snap = (id: string): LocalSnapshot => ({ dir: `/s/${id}`, manifest: { snapshotId: id } as LocalSnapshot['manifest'] });
 
 /** A pool over fake launches (our own port): each launch waits for `release()` unless `instant`. */
-function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fail?: boolean } = {}) {
+function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fail?: boolean; failFrom?: number } = {}) {
   let n = 0;
   let now = 0;
   const launched: Standby[] = [];
@@ -18,7 +18,7 @@ function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fa
   const closers = new Map<string, () => void>();
   const launch = async (s: LocalSnapshot): Promise<Standby> => {
     if (!o.instant) await new Promise<void>((r) => pending.push(r));
-    if (o.fail) throw new Error('qemu did not start');
+    if (o.fail || (o.failFrom !== undefined && n + 1 >= o.failFrom)) throw new Error('qemu did not start');
     const id = `standby-${++n}`;
     const qmp = { onClosed: (f: () => void) => closers.set(id, f), close: () => undefined } as unknown as QmpClient;
     const sb: Standby = { id, snapshotId: s.manifest.snapshotId, workdir: `/w/${id}`, proc: { pid: 1000 + n } as QemuProcess, qmp, readyAt: now };
@@ -131,6 +131,18 @@ describe('StandbyPool', () => {
     const h = harness({}, { instant: true, fail: true });
     expect(await h.pool.warm(snap('a'), 3)).toBe(0);
     expect(h.pool.size).toBe(0);
+    await h.pool.close();
+  });
+
+  it('expiry_ofAStandbyWhoseSiblingFailedToStart_stillDiscardsIt', async () => {
+    vi.useFakeTimers();
+    const h = harness({ idleMs: 4000 }, { instant: true, failFrom: 2 });
+    expect(await h.pool.warm(snap('a'), 2)).toBe(1);
+    expect(h.pool.size).toBe(1);
+    h.advance(5000);
+    await vi.advanceTimersByTimeAsync(1000);
+    expect(h.pool.size).toBe(0);
+    expect(h.discarded).toEqual(['standby-1']);
     await h.pool.close();
   });
 

@@ -178,9 +178,14 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
         this.ready.set(id, list);
         this.log.debug({ snapshotId: id, standby: s.id, ready: list.length }, 'standby ready');
       } catch (e) {
-        // A snapshot that cannot be restored here is not retried in a loop.
+        // A snapshot that cannot be restored here is not retried in a loop. Its want stays for
+        // the standbys already ready (capped at them), so they still expire when the snapshot
+        // goes unused: without a want, expire() never saw them, and they held a QEMU, the
+        // snapshot's image and a slot of the host-wide max until the agent stopped.
         this.log.warn({ snapshotId: id, err: String(e) }, 'standby failed to start');
-        this.wants.delete(id);
+        const have = this.ready.get(id)?.length ?? 0;
+        if (this.wants.get(id) === next && have > 0) next.count = have;
+        else this.wants.delete(id);
       } finally {
         this.launching = undefined;
       }
