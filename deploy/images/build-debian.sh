@@ -5,16 +5,26 @@
 #                  switch_roots into it
 #   disk.qcow2     the root filesystem: ext4 made by mmdebstrap (bookworm minbase + python3, git,
 #                  qemu-guest-agent, ca-certificates), with /sbin/ff-init, ff-clone and ff-reseed
-#   image.json     what was built from what
-# Usage: build-debian.sh OUT KERNEL_VERSION DISK_MIB APT_SOURCES_FILE
+#   image.json     what was built from what (build.ts adds the disk's digest and the sizes)
+# Usage: FF_RECIPE_HASH=H build-debian.sh OUT KERNEL_VERSION DISK_MIB APT_SOURCES_FILE
 # The mirror is the machine's own apt sources file (APT_SOURCES_FILE), so no package host name
 # is written anywhere in the project. Needs root (mmdebstrap in root mode), mmdebstrap,
 # busybox-static, e2fsprogs (>= 1.47 for mkfs.ext4 -d), qemu-utils, cpio, xz-utils.
+# Reproducible as far as the mirror allows: given the same packages from the mirror, the
+# same recipe hash gives the same bytes (SOURCE_DATE_EPOCH for mmdebstrap, which then drops
+# its logs and machine-id, and for python's .pyc files; no copy of this host's resolv.conf;
+# the root disk made by mkext4.sh, as tiny's data disk). The package set is whatever the
+# mirror serves at build time, which the recipe hash does not cover: two hosts can build
+# different disks under one hash, and a snapshot's restore refuses a base disk whose digest
+# is not the one the snapshot was taken over (driver.ts).
 set -euo pipefail
+export LC_ALL=C SOURCE_DATE_EPOCH=1704067200
+umask 022
 out=$1
 kver=$2
 disk_mib=${3:-1024}
 sources=$4
+seed=${FF_RECIPE_HASH:?FF_RECIPE_HASH must be set (it seeds the root disk UUID)}
 here=$(cd "$(dirname "$0")" && pwd)
 [ -d "$out" ] || { echo "OUT must exist" >&2; exit 2; }
 [ -s "$sources" ] || { echo "apt sources file $sources missing" >&2; exit 2; }
@@ -36,6 +46,7 @@ mmdebstrap --quiet --mode=root --variant=minbase \
   --include=python3,git,qemu-guest-agent,ca-certificates \
   --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \
+  --customize-hook='rm -f "$1/etc/resolv.conf"' \
   bookworm "$rootfs" "$sources" >&2
 base64 -d "$here/ff-clone.b64" > "$rootfs/sbin/ff-clone"
 base64 -d "$here/ff-reseed.b64" > "$rootfs/sbin/ff-reseed"
@@ -119,11 +130,11 @@ mount --move /dev /newroot/dev
 exec switch_root /newroot /sbin/ff-init
 INIT
 chmod 0755 "$ird/init"
-(cd "$ird" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet -R 0:0) > "$out/initramfs.cpio"
+find "$ird" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
+(cd "$ird" && find . -print0 | sort -z | cpio --null -o -H newc --quiet --reproducible -R 0:0) > "$out/initramfs.cpio"
 
 # --- root disk: ext4 straight from the tree (mkfs.ext4 -d), stored as qcow2.
-truncate -s "${disk_mib}M" "$work/disk.raw"
-mkfs.ext4 -q -F -L ffroot -d "$rootfs" "$work/disk.raw"
+bash "$here/mkext4.sh" "$work/disk.raw" "$disk_mib" ffroot "$rootfs" "$seed"
 qemu-img convert -f raw -O qcow2 "$work/disk.raw" "$out/disk.qcow2"
 
 cat > "$out/image.json" <<J

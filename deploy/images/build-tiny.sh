@@ -3,14 +3,22 @@
 #   vmlinux        the Debian kernel as an uncompressed ELF (booted through its PVH entry)
 #   initramfs.cpio uncompressed newc cpio: busybox, virtio (incl. virtio_net)/ext4 modules, qemu-ga + ldd closure, /init
 #   disk.qcow2     a small ext4 data disk (qcow2) the guest mounts at /data
-#   image.json     what was built from what
-# Usage: build-tiny.sh OUT KERNEL_VERSION DISK_MIB
+#   image.json     what was built from what (build.ts adds the disk's digest and the sizes)
+# Usage: FF_RECIPE_HASH=H build-tiny.sh OUT KERNEL_VERSION DISK_MIB
 # Only Debian packages already on the machine are used (linux-image-amd64, busybox-static,
 # qemu-guest-agent, e2fsprogs, cpio, xz-utils, qemu-utils). Nothing is downloaded.
+# Reproducible: the same recipe hash gives the same bytes on every host (a snapshot's disk
+# layer, restored elsewhere, overlays that host's own build of disk.qcow2). Every time in
+# the image is SOURCE_DATE_EPOCH, the initramfs is cpio --reproducible, and the data disk is
+# made by mkext4.sh with FF_RECIPE_HASH as its seed.
 set -euo pipefail
+export LC_ALL=C SOURCE_DATE_EPOCH=1704067200
+umask 022
 out=$1
 kver=$2
 disk_mib=${3:-64}
+seed=${FF_RECIPE_HASH:?FF_RECIPE_HASH must be set (it seeds the data disk UUID)}
+here=$(cd "$(dirname "$0")" && pwd)
 [ -d "$out" ] || { echo "OUT must exist" >&2; exit 2; }
 
 # --- kernel: find the XZ stream inside the bzImage and decompress it (scripts/extract-vmlinux).
@@ -22,7 +30,8 @@ head -c 4 "$out/vmlinux" | grep -q $'\x7fELF' || { echo "vmlinux extraction fail
 
 # --- initramfs tree
 root=$(mktemp -d)
-trap 'rm -rf "$root"' EXIT
+disk_tree=$(mktemp -d)
+trap 'rm -rf "$root" "$disk_tree"' EXIT
 mkdir -p "$root"/{bin,sbin,usr/bin,usr/sbin,proc,sys,dev,run,tmp,data,etc,root,lib/modules,var/run}
 cp /bin/busybox "$root/bin/busybox"
 # Busybox applet links, created at build time so /init needs no --install.
@@ -66,11 +75,11 @@ done
 #   mov eax,2; lea rdi,[rip+31]; xor esi,esi; xor edx,edx; syscall       ; open
 #   mov edi,eax; mov eax,16; mov esi,0x5207; xor edx,edx; syscall         ; ioctl
 #   mov edi,eax; mov eax,60; syscall                                      ; exit
-base64 -d "$(dirname "$0")/ff-reseed.b64" > "$root/sbin/ff-reseed"
+base64 -d "$here/ff-reseed.b64" > "$root/sbin/ff-reseed"
 chmod 0755 "$root/sbin/ff-reseed"
 # ff-clone: all clone hygiene in one process (ADR 0009); assembled from ff-clone.S, stored as base64
 # so the build needs no assembler.
-base64 -d "$(dirname "$0")/ff-clone.b64" > "$root/sbin/ff-clone"
+base64 -d "$here/ff-clone.b64" > "$root/sbin/ff-clone"
 chmod 0755 "$root/sbin/ff-clone"
 
 cat > "$root/etc/passwd" <<'P'
@@ -126,13 +135,13 @@ while true; do sleep 3600; done
 INIT
 chmod 0755 "$root/init"
 
-(cd "$root" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet -R 0:0) > "$out/initramfs.cpio"
+find "$root" -exec touch -h -d "@$SOURCE_DATE_EPOCH" {} +
+(cd "$root" && find . -print0 | sort -z | cpio --null -o -H newc --quiet --reproducible -R 0:0) > "$out/initramfs.cpio"
 
 # --- data disk: ext4 with a marker file, stored as qcow2 (the base every VM overlays).
-mkdir -p "$root/.disk"
-echo "forkfleet tiny data disk" > "$root/.disk/README"
-truncate -s "${disk_mib}M" "$out/disk.raw"
-mkfs.ext4 -q -F -L ffdata -d "$root/.disk" "$out/disk.raw"
+echo "forkfleet tiny data disk" > "$disk_tree/README"
+chmod 0755 "$disk_tree"
+bash "$here/mkext4.sh" "$out/disk.raw" "$disk_mib" ffdata "$disk_tree" "$seed" root
 qemu-img convert -f raw -O qcow2 "$out/disk.raw" "$out/disk.qcow2"
 rm -f "$out/disk.raw"
 

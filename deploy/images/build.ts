@@ -3,20 +3,29 @@
 //   cache: $FORKFLEET_CACHE_DIR/images/<name>-<hash>/ (default /var/cache/forkfleet)
 //   CLI:   node --import tsx deploy/images/build.ts tiny|debian
 // A build runs in a temp dir next to the cache entry and is renamed into place, so a reader
-// never sees a half-built image and concurrent builders do not clash. The build's processes
+// never sees a half-built image and concurrent builders do not clash; its files and the dir
+// are fsynced before the rename (and the cache root after it), so a power loss leaves the
+// whole entry or none. A cache hit is checked cheaply (meta.ts checkImageDir: image.json
+// parses, its files exist with the sizes it records); an entry that fails it is built again.
+// Callers in one process asking for the same entry share one build. The build's processes
 // die with the process that started it (a PID namespace of their own, tied to it), and the
 // temp dir of a builder that was killed is removed by the next build.
+// Builds are reproducible (the scripts, mkext4.sh): the same recipe hash gives the same bytes
+// on every host, as far as the debian image's mirror allows. image.json records the base
+// disk's sha256, which snapshots carry (a host refuses to restore one over another disk).
 import { execFile } from 'node:child_process';
-import { createHash } from 'node:crypto';
-import { mkdir, mkdtemp, readdir, readFile, rename, rm, stat } from 'node:fs/promises';
+import { createHash, randomBytes } from 'node:crypto';
+import { mkdir, mkdtemp, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { ImageBuildError } from '../../host-agent/errors.ts';
+import { fsyncAll, fsyncPath } from '../../host-agent/adapters/durable.ts';
 import { isAlive } from '../../host-agent/adapters/qemu/process.ts';
 import { onPath, tiedToUs } from '../../host-agent/adapters/tied.ts';
 import type { GuestImage } from '../../host-agent/domain/vmm.ts';
 
+import { checkImageDir, fileSha256, IMAGE_META_FILE, type ImageMeta } from './meta.ts';
 import { IMAGE_NAMES, type ImageName } from './names.ts';
 
 const run = promisify(execFile);
@@ -54,7 +63,7 @@ const MICROVM_ARGS = 'console=ttyS0 tsc_early_khz=2000000 pci=off quiet';
 const RECIPES: Record<ImageName, Recipe> = {
   tiny: {
     script: 'build-tiny.sh',
-    inputs: ['ff-clone.b64', 'ff-reseed.b64'],
+    inputs: ['mkext4.sh', 'ff-clone.b64', 'ff-reseed.b64'],
     packages: ['linux-image-amd64', 'busybox-static', 'qemu-guest-agent', 'e2fsprogs', 'qemu-utils'],
     closureOf: ['/usr/sbin/qemu-ga'],
     defaultDiskMib: 64,
@@ -62,7 +71,7 @@ const RECIPES: Record<ImageName, Recipe> = {
   },
   debian: {
     script: 'build-debian.sh',
-    inputs: ['ff-clone.b64', 'ff-reseed.b64'],
+    inputs: ['mkext4.sh', 'ff-clone.b64', 'ff-reseed.b64'],
     packages: ['linux-image-amd64', 'busybox-static', 'mmdebstrap', 'e2fsprogs', 'qemu-utils'],
     defaultDiskMib: 1024,
     kernelArgs: MICROVM_ARGS,
@@ -178,61 +187,119 @@ export function buildCommand(args: readonly string[]): [string, string[]] {
   return tiedToUs('bash', args);
 }
 
-/** Return the cached image for `name`, building it first if its recipe changed. */
+/** Cache entries being checked or built by this process, by directory: one build per entry. */
+const inflight = new Map<string, Promise<GuestImage>>();
+
+/**
+ * Return the cached image for `name`, building it first if its recipe changed or its cache
+ * entry is not whole. Concurrent calls for the same entry share one build.
+ */
 export async function ensureImage(name: ImageName, opts: ImageOptions = {}): Promise<GuestImage> {
-  const r = RECIPES[name];
   const { hash, kernelVersion, diskMib } = await recipeHash(name, opts);
   const root = join(opts.cacheDir ?? defaultCacheDir(), 'images');
   const dir = join(root, `${name}-${hash}`);
+  let p = inflight.get(dir);
+  if (!p) {
+    const started = loadOrBuild(name, hash, kernelVersion, diskMib, root, dir);
+    p = started.finally(() => {
+      if (inflight.get(dir) === p) inflight.delete(dir);
+    });
+    inflight.set(dir, p);
+  }
+  // A copy each: one caller's changes are not another's.
+  return { ...(await p) };
+}
+
+async function loadOrBuild(name: ImageName, hash: string, kernelVersion: string, diskMib: number, root: string, dir: string): Promise<GuestImage> {
+  const r = RECIPES[name];
   // Every time, not only before a build: a killed build's directory (~1 GiB for debian) would
   // otherwise stay for good once its image was found cached (another builder won) or is never
   // asked for again.
   await removeAbandonedBuilds(root);
-  if (!(await exists(join(dir, 'image.json')))) {
-    await mkdir(root, { recursive: true });
-    const tmp = await mkdtemp(join(root, `.${name}-${hash}.build-${process.pid}-`));
-    try {
-      const args = [join(here, r.script), tmp, kernelVersion, String(diskMib)];
-      if (name === 'debian') args.push(await aptSourcesFile());
-      // The scripts' temp files (mktemp, mmdebstrap's) go inside the build's own directory: a
-      // killed build (its EXIT traps never run) leaves nothing in /tmp, and
-      // removeAbandonedBuilds takes them with the rest.
-      const scratch = join(tmp, '.scratch');
-      await mkdir(scratch);
-      await run(...buildCommand(args), { maxBuffer: 64 << 20, env: { ...process.env, TMPDIR: scratch } });
-      await rm(scratch, { recursive: true, force: true });
-      try {
-        await rename(tmp, dir);
-      } catch (e) {
-        // Another builder won the race; its result is equivalent.
-        if (!(await exists(join(dir, 'image.json')))) throw e;
-      }
-    } catch (e) {
-      const stderr = (e as { stderr?: string }).stderr ?? '';
-      throw new ImageBuildError(name, stderr.trim().split('\n').slice(-5).join(' | ') || String(e), { cause: e });
-    } finally {
-      await rm(tmp, { recursive: true, force: true });
-    }
+  let checked = await checkImageDir(dir);
+  if ('invalid' in checked) {
+    if (await exists(dir)) await discardEntry(root, dir, name, hash);
+    await build(name, hash, kernelVersion, diskMib, root, dir);
+    checked = await checkImageDir(dir);
+    if ('invalid' in checked) throw new ImageBuildError(name, `${dir} after the build: ${checked.invalid}`);
   }
-  const meta = JSON.parse(await readFile(join(dir, 'image.json'), 'utf8')) as {
-    kernel: string;
-    initrd: string;
-    disk: string;
-    readyMarker: string;
-    kernelArgs?: string;
-  };
-  const { stdout } = await run('qemu-img', ['info', '--output=json', join(dir, meta.disk)]);
-  const info = JSON.parse(stdout) as { 'virtual-size': number };
+  const meta = checked.meta;
   return {
     name,
     recipeHash: hash,
     kernel: join(dir, meta.kernel),
     initrd: join(dir, meta.initrd),
     disk: join(dir, meta.disk),
-    diskVirtualSize: info['virtual-size'],
+    diskVirtualSize: meta.diskVirtualSize,
+    diskSha256: meta.diskSha256,
     kernelArgs: meta.kernelArgs ? `${r.kernelArgs} ${meta.kernelArgs}` : r.kernelArgs,
     readyMarker: meta.readyMarker,
   };
+}
+
+/**
+ * Moves a cache entry that is not whole out of the way (under a temp dir's name, so a kill
+ * midway leaves it to removeAbandonedBuilds) and removes it. One that is whole by then
+ * (another process built it meanwhile) goes back.
+ */
+async function discardEntry(root: string, dir: string, name: string, hash: string): Promise<void> {
+  const aside = join(root, `.${name}-${hash}.build-${process.pid}-broken-${randomBytes(4).toString('hex')}`);
+  try {
+    await rename(dir, aside);
+  } catch (e) {
+    if ((e as NodeJS.ErrnoException).code === 'ENOENT') return; // gone already
+    throw new ImageBuildError(name, `cannot move the broken cache entry ${dir} aside`, { cause: e });
+  }
+  if (!('invalid' in (await checkImageDir(aside))) && (await rename(aside, dir).then(() => true, () => false))) return;
+  await rm(aside, { recursive: true, force: true });
+}
+
+/** Builds the entry in a temp dir and renames it into place, durably. */
+async function build(name: ImageName, hash: string, kernelVersion: string, diskMib: number, root: string, dir: string): Promise<void> {
+  const r = RECIPES[name];
+  await mkdir(root, { recursive: true });
+  const tmp = await mkdtemp(join(root, `.${name}-${hash}.build-${process.pid}-`));
+  try {
+    const args = [join(here, r.script), tmp, kernelVersion, String(diskMib)];
+    if (name === 'debian') args.push(await aptSourcesFile());
+    // The scripts' temp files (mktemp, mmdebstrap's) go inside the build's own directory: a
+    // killed build (its EXIT traps never run) leaves nothing in /tmp, and
+    // removeAbandonedBuilds takes them with the rest.
+    const scratch = join(tmp, '.scratch');
+    await mkdir(scratch);
+    // FF_RECIPE_HASH seeds what would otherwise be random (the file system's UUID).
+    await run(...buildCommand(args), { maxBuffer: 64 << 20, env: { ...process.env, TMPDIR: scratch, FF_RECIPE_HASH: hash } });
+    await rm(scratch, { recursive: true, force: true });
+    await completeMeta(tmp);
+    // Durable before it is published: a power loss must not leave the name with torn files.
+    const files = (await readdir(tmp, { recursive: true })).map((f) => join(tmp, f));
+    await fsyncAll([...files, join(tmp, '.')]);
+    try {
+      await rename(tmp, dir);
+    } catch (e) {
+      // Another builder won the race; its result is equivalent.
+      if ('invalid' in (await checkImageDir(dir))) throw e;
+    }
+    await fsyncPath(root);
+  } catch (e) {
+    const stderr = (e as { stderr?: string }).stderr ?? '';
+    throw new ImageBuildError(name, stderr.trim().split('\n').slice(-5).join(' | ') || String(e), { cause: e });
+  } finally {
+    await rm(tmp, { recursive: true, force: true });
+  }
+}
+
+/** Adds to the script's image.json what a cache hit checks and a snapshot records: sizes, the disk's digest and virtual size. */
+async function completeMeta(tmp: string): Promise<void> {
+  const path = join(tmp, IMAGE_META_FILE);
+  const script = JSON.parse(await readFile(path, 'utf8')) as Omit<ImageMeta, 'diskSha256' | 'diskVirtualSize' | 'sizes'>;
+  const sizes: Record<string, number> = {};
+  for (const f of [script.kernel, script.initrd, script.disk]) sizes[f] = (await stat(join(tmp, f))).size;
+  const disk = join(tmp, script.disk);
+  const { stdout } = await run('qemu-img', ['info', '--output=json', disk]);
+  const diskVirtualSize = (JSON.parse(stdout) as { 'virtual-size': number })['virtual-size'];
+  const meta: ImageMeta = { ...script, diskSha256: await fileSha256(disk), diskVirtualSize, sizes };
+  await writeFile(path, `${JSON.stringify(meta)}\n`);
 }
 
 if (process.argv[1] && fileURLToPath(import.meta.url) === process.argv[1]) {

@@ -17,6 +17,13 @@ export interface GuestImage {
   /** Base disk (qcow2) every VM of this image overlays; never written. */
   disk: string;
   diskVirtualSize: number;
+  /**
+   * sha256 (hex) of the base disk file as built (deploy/images/meta.ts). Builds are
+   * reproducible, but a host's build of the same recipe can still differ (the debian image's
+   * mirror): snapshots record it and restore only over a base disk with the same digest.
+   * Absent for images built before it was recorded.
+   */
+  diskSha256?: string;
   kernelArgs: string;
   readyMarker: string;
 }
@@ -141,7 +148,11 @@ export interface SnapshotManifest {
   sourceVmId: string;
   createdAt: string;
   config: VmConfigFingerprint;
-  image: { name: string; recipeHash: string; kernelArgs: string };
+  /**
+   * The image the snapshot's disk layer overlays. diskSha256 (GuestImage.diskSha256) is absent
+   * in manifests from before it was recorded; those are restored without the check.
+   */
+  image: { name: string; recipeHash: string; kernelArgs: string; diskSha256?: string };
   files: {
     /** Full guest RAM image; clones map it with share=off. Relative to the snapshot dir. */
     memory: string;

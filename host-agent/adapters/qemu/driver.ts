@@ -71,6 +71,7 @@ import { inNewNetns } from '../netns/netns.ts';
 import { fsyncAll, writeFileDurable } from '../durable.ts';
 import { EgressManager, type EgressOptions } from '../netns/egress.ts';
 import { DEFAULT_STANDBY_POLICY, StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
+import { recordedDiskSha256 } from '../../../deploy/images/meta.ts';
 import type { GuestCgroup } from './cgroup.ts';
 import {
   adoptProcess,
@@ -679,7 +680,7 @@ export class QemuVmmDriver implements VmmDriver {
         sourceVmId: vmId,
         createdAt: new Date(this.opts.clock.now()).toISOString(),
         config: fingerprint(rec.info.accel, rec.info.memoryMib, rec.info.vcpus, qemuVersion),
-        image: { name: rec.image.name, recipeHash: rec.image.recipeHash, kernelArgs: rec.kernelArgs },
+        image: { name: rec.image.name, recipeHash: rec.image.recipeHash, kernelArgs: rec.kernelArgs, ...(rec.image.diskSha256 ? { diskSha256: rec.image.diskSha256 } : {}) },
         files: { memory: 'mem.img', deviceState: 'state.bin', disk: 'disk.qcow2' },
         diskVirtualSize: rec.image.diskVirtualSize,
         method: rec.memShared ? 'shared-file' : 'receiver',
@@ -1090,6 +1091,7 @@ export class QemuVmmDriver implements VmmDriver {
     }
     if (new Set(children.map((c) => c.vmId)).size !== children.length) throw new InvalidArgumentError('children', 'duplicate vmId');
     await this.assertCompatible(snapshot);
+    if (snapshot.manifest.image.diskSha256) await assertSameBaseDisk(snapshot.manifest, await this.imageOf(snapshot), snapshot.dir);
     const results = await Promise.allSettled(children.map((c) => this.restoreOne(snapshot, c)));
     const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
     if (failed) {
@@ -1361,6 +1363,7 @@ export class QemuVmmDriver implements VmmDriver {
     if (c.network) EgressManager.validate(c.network);
     const m = src.manifest;
     await this.assertCompatible({ dir: '', manifest: m });
+    await assertSameBaseDisk(m, src.image, `incoming ${m.snapshotId}`);
     const t0 = this.opts.clock.now();
     const workdir = await this.makeWorkdir(c.vmId);
     const log = this.opts.logger.child({ vmId: c.vmId, snapshotId: m.snapshotId, migrated: true });
@@ -2297,6 +2300,23 @@ export async function incomingFromFile(qmp: QmpClient, file: string, sockPath: s
 
 function validateId(field: string, id: string): void {
   if (!VM_ID.test(id)) throw new InvalidArgumentError(field, 'must match [A-Za-z0-9][A-Za-z0-9_.-]{0,47}');
+}
+
+/**
+ * Refuses a snapshot whose disk layer was taken over another base disk than this host's copy
+ * of its image (`image.disk`, this host's cache entry for the recipe hash): the recipe hash
+ * names the recipe, not the bytes (the debian image's packages come from the mirror at build
+ * time), and a layer over other bytes reads as a corrupt file system. The same error as an
+ * image unknown here: this host cannot restore it. A manifest without a digest (taken before
+ * digests were recorded) is not checked.
+ */
+async function assertSameBaseDisk(m: SnapshotManifest, image: GuestImage, where: string): Promise<void> {
+  const want = m.image.diskSha256;
+  if (!want) return;
+  const here = await recordedDiskSha256(image.disk);
+  const name = `${m.image.name}-${m.image.recipeHash}`;
+  if (!here) throw new SnapshotNotFoundError(`${where} (image ${name} unknown here: no digest recorded for ${image.disk}; the snapshot's base disk has sha256 ${want})`);
+  if (here !== want) throw new SnapshotNotFoundError(`${where} (image ${name} here is another build: its base disk has sha256 ${here}, the snapshot was taken over sha256 ${want})`);
 }
 
 /**
