@@ -1095,8 +1095,11 @@ export class QemuVmmDriver implements VmmDriver {
     const results = await Promise.allSettled(children.map((c) => this.restoreOne(snapshot, c)));
     const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
     if (failed) {
-      // fork(N) is all or nothing.
-      await Promise.all(children.map((c) => this.destroy(c.vmId).catch(() => undefined)));
+      // fork(N) is all or nothing: the children it restored go. Only those: a child that failed
+      // undid its own part (restoreOne), and one that failed because its id was taken (a VM
+      // running, or another restore's workdir) made nothing, and destroy() would have killed
+      // and removed that other VM.
+      await Promise.all(children.filter((_, i) => results[i]!.status === 'fulfilled').map((c) => this.destroy(c.vmId).catch(() => undefined)));
       throw failed.reason;
     }
     this.standbys.demand(snapshot, children.length);
