@@ -217,8 +217,17 @@ async function loadOrBuild(name: ImageName, hash: string, kernelVersion: string,
   // asked for again.
   await removeAbandonedBuilds(root);
   let checked = await checkImageDir(dir);
+  // An entry there now but not whole when checked may be another process's build that was
+  // renamed into place in between: checked again before it is moved aside, and after (a whole
+  // one goes back), so that no caller rebuilds, or hides for a moment, an image just published.
+  if ('invalid' in checked && (await exists(dir))) {
+    checked = await checkImageDir(dir);
+    if ('invalid' in checked) {
+      await discardEntry(root, dir, name, hash);
+      checked = await checkImageDir(dir);
+    }
+  }
   if ('invalid' in checked) {
-    if (await exists(dir)) await discardEntry(root, dir, name, hash);
     await build(name, hash, kernelVersion, diskMib, root, dir);
     checked = await checkImageDir(dir);
     if ('invalid' in checked) throw new ImageBuildError(name, `${dir} after the build: ${checked.invalid}`);

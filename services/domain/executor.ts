@@ -1189,7 +1189,9 @@ export class Executor {
         // count on from it: numbered from 1 again, a send would carry the message id of one
         // this run made, and JetStream (which keeps ids for its duplicate window, minutes, past
         // the rerun delay) would drop it, leaving the step to wait out its whole timeout.
+        // Only the counts: a step's latency (onStepEnded) is timed from the rerun's own first send.
         if (!crashed) this.stepLog.delete(op.id);
+        else for (const st of Object.values(this.stepLog.get(op.id) ?? {})) delete st.sentAt;
         if (turn !== undefined && this.vmStateTurns.get(turn) === p) this.vmStateTurns.delete(turn);
         if (crashed) this.rerunLater(op.tenantId, op.id);
       });
