@@ -269,6 +269,14 @@ export class QemuVmmDriver implements VmmDriver {
     Pick<QemuDriverOptions, 'probeImage' | 'egress' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir' | 'migrationViaUnix'>;
   private egressManager: EgressManager | undefined;
   private readonly vms = new Map<string, VmRecord>();
+  /** Set by close(): no VM is made after it (makeWorkdir refuses). */
+  private closing = false;
+  /**
+   * Creates, forks and incoming restores under way: close() waits for them before it destroys
+   * the VMs, since a VM is registered only once its QEMU answers QMP. One spawned and not yet
+   * registered when close() listed the VMs was missed, and its detached QEMU outlived the process.
+   */
+  private readonly making = new Set<Promise<unknown>>();
   private readonly listeners = new Set<(e: VmEvent) => void>();
   private accelPromise: Promise<Accel> | undefined;
   private readonly overlays = new OverlayFactory();
@@ -389,7 +397,19 @@ export class QemuVmmDriver implements VmmDriver {
 
   // ---------------------------------------------------------------- create
 
-  async create(spec: CreateVmSpec): Promise<VmInfo> {
+  create(spec: CreateVmSpec): Promise<VmInfo> {
+    return this.whileOpen(this.createVm(spec));
+  }
+
+  /** Tracks a create, fork or incoming restore for close(). */
+  private whileOpen<T>(p: Promise<T>): Promise<T> {
+    this.making.add(p);
+    const done = (): void => void this.making.delete(p);
+    p.then(done, done);
+    return p;
+  }
+
+  private async createVm(spec: CreateVmSpec): Promise<VmInfo> {
     validateId('vmId', spec.vmId);
     // The API's range (services/adapters/grpc/convert.ts LIMITS): a sandbox it accepts is not refused here.
     if (spec.memoryMib < 64 || spec.memoryMib > 262_144) throw new InvalidArgumentError('memoryMib', 'must be 64..262144');
@@ -438,6 +458,7 @@ export class QemuVmmDriver implements VmmDriver {
 
   private async makeWorkdir(vmId: string): Promise<string> {
     const workdir = join(this.vmsDir, vmId);
+    if (this.closing) throw new VmmError(`${vmId}: not made, the VMM driver is closing`);
     if (this.vms.has(vmId)) throw new VmAlreadyExistsError(vmId);
     await mkdir(this.vmsDir, { recursive: true });
     try {
@@ -1083,7 +1104,11 @@ export class QemuVmmDriver implements VmmDriver {
     return this.fork(snapshot, [child]).then((r) => r[0] as VmInfo);
   }
 
-  async fork(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]> {
+  fork(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]> {
+    return this.whileOpen(this.forkNow(snapshot, children));
+  }
+
+  private async forkNow(snapshot: LocalSnapshot, children: CloneSpec[]): Promise<VmInfo[]> {
     if (children.length === 0) throw new InvalidArgumentError('children', 'at least one child');
     for (const [i, c] of children.entries()) {
       validateId(`children[${i}].vmId`, c.vmId);
@@ -1361,7 +1386,11 @@ export class QemuVmmDriver implements VmmDriver {
    * goes into a RAM pool file (ADR 0016; anonymous RAM without a pool), then the VM gets the
    * same clone hygiene as any restore.
    */
-  async prepareIncoming(src: IncomingSource, c: CloneSpec): Promise<IncomingVm> {
+  prepareIncoming(src: IncomingSource, c: CloneSpec): Promise<IncomingVm> {
+    return this.whileOpen(this.prepareIncomingNow(src, c));
+  }
+
+  private async prepareIncomingNow(src: IncomingSource, c: CloneSpec): Promise<IncomingVm> {
     validateId('vmId', c.vmId);
     if (c.network) EgressManager.validate(c.network);
     const m = src.manifest;
@@ -1784,6 +1813,8 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   async close(): Promise<void> {
+    this.closing = true;
+    await Promise.allSettled([...this.making]);
     await this.closeStandbys();
     await Promise.all([...this.vms.keys()].map((id) => this.destroy(id)));
     // Again, now that no VM file is left: removes the pool's directory.
