@@ -17,3 +17,14 @@ export function onInterrupt(undo: () => Promise<void>, log: (line: string) => vo
     process.off('SIGTERM', handler);
   };
 }
+
+/**
+ * A run's teardown, run once: on SIGINT or SIGTERM (onInterrupt) or by the run's own end,
+ * which calls `undo()` in its `finally` and gets the same promise if a signal came first,
+ * then `off()`.
+ */
+export function undoOnInterrupt(teardown: () => Promise<void>, log: (line: string) => void): { undo: () => Promise<void>; off: () => void } {
+  let undone: Promise<void> | undefined;
+  const undo = (): Promise<void> => (undone ??= teardown());
+  return { undo, off: onInterrupt(undo, log) };
+}

@@ -12,20 +12,17 @@ import { compress as zc, decompress as zd } from 'zstd-napi';
 import { parseArgs } from 'node:util';
 import { writeMemoryImage, writeChildImage } from './transfer-image.ts';
 import { closeBootedGuests, snapshotBootedGuest } from './transfer-guest.ts';
-import { onInterrupt } from '../../loadtest/interrupt.ts';
+import { undoOnInterrupt } from '../../loadtest/interrupt.ts';
 import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 
 async function main(): Promise<void> {
   const { values } = parseArgs({ options: { content: { type: 'string', default: 'synthetic' } } });
   const dir = mkdtempSync(join(tmpdir(), 'ff-chunk-'));
-  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill (the finally then gets the same promise). */
-  let undone: Promise<void> | undefined;
-  const undo = (): Promise<void> =>
-    (undone ??= (async () => {
-      await closeBootedGuests().catch(() => undefined);
-      rmSync(dir, { recursive: true, force: true });
-    })());
-  const offInterrupt = onInterrupt(undo, (line) => process.stderr.write(`transfer-chunk-size: ${line}\n`));
+  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill. */
+  const { undo, off: offInterrupt } = undoOnInterrupt(async () => {
+    await closeBootedGuests().catch(() => undefined);
+    rmSync(dir, { recursive: true, force: true });
+  }, (line) => process.stderr.write(`transfer-chunk-size: ${line}\n`));
   try {
     let mem = join(dir, 'mem.img');
     let child = join(dir, 'child.img');

@@ -48,7 +48,7 @@ import { tempDir, waitFor } from '../../services/testkit/proc.ts';
 import { writeChildImage } from './transfer-image.ts';
 import { closeBootedGuests, snapshotBootedGuest, type BenchArtifact } from './transfer-guest.ts';
 import { naiveCopied, speedup } from './naive-copy.ts';
-import { onInterrupt } from '../../loadtest/interrupt.ts';
+import { undoOnInterrupt } from '../../loadtest/interrupt.ts';
 import { prepareSource, prepareWarmup, startDaemon, writeSyntheticSource } from './transfer-source.ts';
 import { ensureCa } from '../../deploy/pki/pki.ts';
 
@@ -106,16 +106,13 @@ async function main(): Promise<void> {
   let daemon: ReturnType<typeof startDaemon> | undefined;
   /** What the run made so far, for undo(). */
   const made: { dir?: string; fabric?: Fabric } = {};
-  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill (the finally then gets the same promise). */
-  let undone: Promise<void> | undefined;
-  const undo = (): Promise<void> =>
-    (undone ??= (async () => {
-      await daemon?.stop().catch(() => undefined);
-      await closeBootedGuests().catch(() => undefined);
-      await made.fabric?.destroy();
-      if (made.dir) rmSync(made.dir, { recursive: true, force: true });
-    })());
-  const offInterrupt = onInterrupt(undo, (line) => process.stderr.write(`bench:transfer: ${line}\n`));
+  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill. */
+  const { undo, off: offInterrupt } = undoOnInterrupt(async () => {
+    await daemon?.stop().catch(() => undefined);
+    await closeBootedGuests().catch(() => undefined);
+    await made.fabric?.destroy();
+    if (made.dir) rmSync(made.dir, { recursive: true, force: true });
+  }, (line) => process.stderr.write(`bench:transfer: ${line}\n`));
   try {
     const dir = (made.dir = tempDir('ff-bench-transfer-'));
     const fabric = (made.fabric = createFabric(2, 'ff-b'));

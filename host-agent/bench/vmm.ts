@@ -19,7 +19,7 @@ import type { AccelSetting, LocalSnapshot } from '../domain/vmm.ts';
 import { QemuVmmDriver, saveFullRamStream } from '../adapters/qemu/driver.ts';
 import { OverlayFactory } from '../adapters/qemu/process.ts';
 import { classicRestore, stopClassicRestores } from './classic.ts';
-import { onInterrupt } from '../../loadtest/interrupt.ts';
+import { undoOnInterrupt } from '../../loadtest/interrupt.ts';
 
 const { values } = parseArgs({
   options: {
@@ -60,19 +60,16 @@ async function main(): Promise<void> {
   const root = await mkdtemp(join(tmpdir(), 'ffb-'));
   // perSnapshot 0: standbys only when the benchmark asks (warm), so none start inside a measured window.
   const driver = new QemuVmmDriver({ root, accel: values.accel as AccelSetting, logger, probeImage: image, autoProbeDeadlineMs: 10_000, standby: { max: 8, perSnapshot: 0 } });
-  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill (the finally then gets the same promise). */
-  let undone: Promise<void> | undefined;
-  const undo = (): Promise<void> =>
-    (undone ??= (async () => {
-      try {
-        // The classic restores' QEMUs are detached and unknown to the driver.
-        await stopClassicRestores();
-        await driver.close();
-      } finally {
-        await rm(root, { recursive: true, force: true });
-      }
-    })());
-  const offInterrupt = onInterrupt(undo, (line) => console.error(`bench:vmm: ${line}`));
+  /** Undoes the run, once: at its end, or first on Ctrl-C or a kill. */
+  const { undo, off: offInterrupt } = undoOnInterrupt(async () => {
+    try {
+      // The classic restores' QEMUs are detached and unknown to the driver.
+      await stopClassicRestores();
+      await driver.close();
+    } finally {
+      await rm(root, { recursive: true, force: true });
+    }
+  }, (line) => console.error(`bench:vmm: ${line}`));
   try {
     const accel = await driver.resolveAccel();
     const tpl = await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1 });

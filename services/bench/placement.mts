@@ -45,7 +45,7 @@ import { loadSigningKey } from '../scheduler.ts';
 import { FleetService, OperationState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Operation } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../../proto/gen/forkfleet/v1/common_pb.ts';
-import { onInterrupt } from '../../loadtest/interrupt.ts';
+import { undoOnInterrupt } from '../../loadtest/interrupt.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 
@@ -87,20 +87,17 @@ const dir = mkdtempSync('/tmp/ff-bench-');
 const made: { etcd?: EtcdCluster; nats?: NatsServer; starting?: Promise<unknown> } = {};
 const scheds: SchedulerProcess[] = [];
 let fakes: Awaited<ReturnType<typeof startFakeAgents>> | undefined;
-/** Undoes the run, once: at its end, or first on Ctrl-C or a kill (the finally then gets the same promise). */
-let undone: Promise<void> | undefined;
-const undo = (): Promise<void> =>
-  (undone ??= (async () => {
-    // A start under way finishes first, so that what it starts is stopped too.
-    await made.starting?.catch(() => undefined);
-    await fakes?.stop().catch(() => undefined);
-    for (const s of scheds) await s.proc.stop().catch(() => undefined);
-    await made.nats?.stop().catch(() => undefined);
-    await made.etcd?.stop().catch(() => undefined);
-    if (KEEP_DIR) process.stderr.write(`bench: kept ${dir}\n`);
-    else rmSync(dir, { recursive: true, force: true });
-  })());
-const offInterrupt = onInterrupt(undo, (line) => process.stderr.write(`bench: ${line}\n`));
+/** Undoes the run, once: at its end, or first on Ctrl-C or a kill. */
+const { undo, off: offInterrupt } = undoOnInterrupt(async () => {
+  // A start under way finishes first, so that what it starts is stopped too.
+  await made.starting?.catch(() => undefined);
+  await fakes?.stop().catch(() => undefined);
+  for (const s of scheds) await s.proc.stop().catch(() => undefined);
+  await made.nats?.stop().catch(() => undefined);
+  await made.etcd?.stop().catch(() => undefined);
+  if (KEEP_DIR) process.stderr.write(`bench: kept ${dir}\n`);
+  else rmSync(dir, { recursive: true, force: true });
+}, (line) => process.stderr.write(`bench: ${line}\n`));
 try {
   // Each is recorded as soon as it is up: should the other fail, undo() still stops it.
   const starting = Promise.allSettled([startEtcd({ logDir: dir }).then((e) => (made.etcd = e)), startNats({ logDir: dir }).then((n) => (made.nats = n))]);
