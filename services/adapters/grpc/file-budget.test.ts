@@ -2,7 +2,7 @@
 import { describe, expect, it } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { Metadata } from '@grpc/grpc-js';
-import { fleetService } from './fleet-service.ts';
+import { FilePieces, fleetService } from './fleet-service.ts';
 import type { CallContext } from './rpc.ts';
 import type { Fleet } from '../../domain/fleet.ts';
 import type { FleetStore } from '../../domain/ports.ts';
@@ -103,5 +103,52 @@ describe('file calls within the replica budget', () => {
     const again = h.readFile(req, ctx)[Symbol.asyncIterator]();
     expect((await again.next()).done).toBe(false);
     await again.return?.(undefined);
+  });
+
+  it('writeFiles_ofOneTenantWhoseUploadsStall_holdAtMostItsShare_soAnotherTenantsUploadStillFits', async () => {
+    const h = service({ checkWritable: async () => undefined, writeFile: async (_t: string, _s: string, _p: string, _m: number, b: Buffer) => b.length }, 256 * MiB);
+    const as = { ...ctx, principal: { tenantId: 'ta', admin: false, credentialId: 'ca' } } as CallContext;
+    const bs = { ...ctx, principal: { tenantId: 'tb', admin: false, credentialId: 'cb' } } as CallContext;
+    // Tenant a: two 64 MiB uploads that never end hold its share (half of 256 MiB).
+    const stalled = [upload(), upload()];
+    const calls = stalled.map((u) => h.writeFile(u.reqs, as));
+    for (const u of stalled) {
+      u.send(header());
+      u.send(data(64 * MiB));
+    }
+    await new Promise((r) => setTimeout(r, 10));
+    const more = upload();
+    const third = h.writeFile(more.reqs, as);
+    more.send(header());
+    more.send(data(1));
+    more.end();
+    await expect(third).rejects.toMatchObject({ kind: 'resource_exhausted', retryable: true, field: 'data', message: expect.stringContaining('tenant ta') });
+    // Tenant b's upload fits beside them.
+    const b = upload();
+    const other = h.writeFile(b.reqs, bs);
+    b.send(header());
+    b.send(data(64 * MiB));
+    b.end();
+    await expect(other).resolves.toEqual({ bytesWritten: BigInt(64 * MiB) });
+    for (const u of stalled) u.end();
+    await Promise.all(calls);
+  });
+
+  it('filePieces_ofManyTinyOrEmptyPieces_holdAFewBlocks_notAnArrayEach_andJoinToTheFile', () => {
+    const pieces = new FilePieces();
+    for (let i = 0; i < 200_000; i++) pieces.add(new Uint8Array(0));
+    expect(pieces.arrays).toBe(0);
+    for (let i = 0; i < 200_000; i++) pieces.add(Uint8Array.of(i & 0xff));
+    const big = new Uint8Array(100_000).fill(7);
+    pieces.add(big);
+    pieces.add(Uint8Array.of(1, 2, 3));
+    // 200,000 bytes in 64 KiB blocks (4), the large piece as it is (1), the last block (1).
+    expect(pieces.arrays).toBe(6);
+    const whole = pieces.join();
+    expect(whole.length).toBe(300_003);
+    expect(whole[0]).toBe(0);
+    expect(whole[199_999]).toBe(199_999 & 0xff);
+    expect(whole[200_000]).toBe(7);
+    expect([...whole.subarray(300_000)]).toEqual([1, 2, 3]);
   });
 });

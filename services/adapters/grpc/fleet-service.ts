@@ -79,21 +79,74 @@ const OPS_PAGE_MAX_SANDBOXES = 1024;
  * Bytes a replica may hold at once for file calls. A WriteFile is held whole until its last
  * piece (it goes to the host as one message), a ReadFile until its caller has read it: without
  * a bound, a few hundred callers could make a replica hold their files at once and run it out of
- * memory for every tenant.
+ * memory for every tenant. One tenant holds at most `tenantShare` of it (half, or one largest
+ * file if that is more): a tenant whose uploads stall, or whose reader stops reading, cannot
+ * keep every other tenant's file calls refused.
  */
 export class ByteBudget {
   private used = 0;
-  constructor(readonly limit: number) {}
-  /** Takes `n` bytes, or throws RESOURCE_EXHAUSTED (retryable, naming `field`) if they do not fit. */
-  take(n: number, field: string): void {
+  private readonly byTenant = new Map<string, number>();
+  readonly tenantShare: number;
+  constructor(readonly limit: number, largestFile = 0) {
+    this.tenantShare = Math.max(Math.floor(limit / 2), Math.min(limit, largestFile));
+  }
+  /** Takes `n` bytes for `tenant`, or throws RESOURCE_EXHAUSTED (retryable, naming `field`) if they do not fit. */
+  take(tenant: string, n: number, field: string): void {
+    const mine = this.byTenant.get(tenant) ?? 0;
+    if (mine + n > this.tenantShare) throw new ForkfleetError('resource_exhausted', `tenant ${tenant}'s file transfers hold ${mine} of the ${this.tenantShare} bytes one tenant may hold on this scheduler (half of FF_FILE_BUFFER_MAX); retry once they end`, { retryable: true, field });
     if (this.used + n > this.limit) throw new ForkfleetError('resource_exhausted', `this scheduler holds ${this.used} of its ${this.limit} bytes for file transfers (FF_FILE_BUFFER_MAX); retry shortly`, { retryable: true, field });
     this.used += n;
+    this.byTenant.set(tenant, mine + n);
   }
-  give(n: number): void {
+  give(tenant: string, n: number): void {
     this.used = Math.max(0, this.used - n);
+    const left = (this.byTenant.get(tenant) ?? 0) - n;
+    if (left > 0) this.byTenant.set(tenant, left);
+    else this.byTenant.delete(tenant);
   }
   get inUse(): number {
     return this.used;
+  }
+}
+
+/**
+ * A WriteFile's pieces, held until the last one. Pieces under BLOCK/4 are copied into shared
+ * blocks, empty ones dropped: kept one array each, a stream of millions of tiny or empty
+ * pieces cost ~100 bytes of heap per piece that the byte budget never saw (a 64 MiB file in
+ * one-byte pieces is gigabytes of heap).
+ */
+export class FilePieces {
+  static readonly BLOCK = 64 * 1024;
+  private readonly parts: Uint8Array[] = [];
+  private block: Uint8Array | undefined;
+  private fill = 0;
+  /** Arrays held (for tests): at most about size / (BLOCK/4) + 2. */
+  get arrays(): number {
+    return this.parts.length + (this.block ? 1 : 0);
+  }
+  add(piece: Uint8Array): void {
+    if (piece.length === 0) return;
+    if (piece.length >= FilePieces.BLOCK / 4) {
+      this.seal();
+      this.parts.push(piece);
+      return;
+    }
+    if (this.block && this.fill + piece.length > this.block.length) this.seal();
+    this.block ??= new Uint8Array(FilePieces.BLOCK);
+    this.block.set(piece, this.fill);
+    this.fill += piece.length;
+  }
+  /** The whole file; the pieces are let go. */
+  join(): Buffer {
+    this.seal();
+    const whole = Buffer.concat(this.parts);
+    this.parts.length = 0;
+    return whole;
+  }
+  private seal(): void {
+    if (this.block) this.parts.push(this.block.subarray(0, this.fill));
+    this.block = undefined;
+    this.fill = 0;
   }
 }
 
@@ -117,7 +170,7 @@ function sandboxOpInput(req: { tenantId: string; idempotencyKey: string; sandbox
 
 export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
   const { fleet } = deps;
-  const files = new ByteBudget(deps.fileBufferBytes ?? 512 << 20);
+  const files = new ByteBudget(deps.fileBufferBytes ?? 512 << 20, c.LIMITS.maxFileBytes);
   const op = (o: OperationRec) => opResponse(deps, o);
   // Served only behind a CallGuard (services/auth/guard.ts) that sets ctx.principal; a call
   // without one is refused (fail closed). A request's tenant is its tenant_id checked
@@ -209,7 +262,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     },
     async writeFile(reqs: AsyncIterable<WriteFileRequest>, ctx: CallContext) {
       let header: { tenantId: string; sandboxId: string; path: string; mode: number } | undefined;
-      const parts: Uint8Array[] = [];
+      const parts = new FilePieces();
       let size = 0;
       let held = 0;
       try {
@@ -227,21 +280,20 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');
             size += r.payload.value.length;
             if (size > c.LIMITS.maxFileBytes) throw new InvalidArgumentError('data', `files are at most ${c.LIMITS.maxFileBytes} bytes`);
-            files.take(r.payload.value.length, 'data');
+            files.take(header.tenantId, r.payload.value.length, 'data');
             held += r.payload.value.length;
-            parts.push(r.payload.value);
+            parts.add(r.payload.value);
           } else {
             throw new InvalidArgumentError('payload', 'set header or data');
           }
         }
         if (!header) throw new InvalidArgumentError('header', 'missing');
         // The pieces go as soon as they are joined: the file is held once, not twice.
-        const whole = Buffer.concat(parts);
-        parts.length = 0;
+        const whole = parts.join();
         const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, whole, ctx.signal);
         return { bytesWritten: BigInt(written) };
       } finally {
-        files.give(held);
+        if (header) files.give(header.tenantId, held);
       }
     },
     async *readFile(req: ReadFileRequest, ctx: CallContext) {
@@ -250,16 +302,17 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       // Held from the first piece read until the caller has read it all (or gone): refused,
       // piece by piece, when the replica holds too much.
       let held = 0;
+      const tenantId = tenant(req.tenantId, ctx);
       try {
-        const data = await fleet.readFile(tenant(req.tenantId, ctx), c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max, req.maxBytes === 0n, (n) => {
-          files.take(n, 'max_bytes');
+        const data = await fleet.readFile(tenantId, c.id('sb', req.sandboxId, 'sandbox_id'), c.guestFilePath(req.path), max, req.maxBytes === 0n, (n) => {
+          files.take(tenantId, n, 'max_bytes');
           held += n;
         }, ctx.signal);
         const piece = 256 * 1024;
         for (let off = 0; off < data.length; off += piece) yield { data: data.subarray(off, off + piece) };
         if (data.length === 0) yield { data: new Uint8Array() };
       } finally {
-        files.give(held);
+        files.give(tenantId, held);
       }
     },
     async pauseSandbox(req: PauseSandboxRequest, ctx: CallContext) {
@@ -345,7 +398,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         stop?.();
         if (q.isEnded) return;
         if (after > 0 && isCompacted(e)) q.fail(new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }));
-        else q.fail(new ForkfleetError('unavailable', `the store's event stream broke off (${e instanceof Error ? e.message : String(e)}): resume with after_revision ${lastQueued}`, { cause: e }));
+        else q.fail(new ForkfleetError('unavailable', `the store's event stream broke off: resume with after_revision ${lastQueued}`, { cause: e }));
       };
       // A revision the store has not reached (one from another etcd cluster, or one restored
       // from an older backup) would silently skip every event up to it.
