@@ -42,7 +42,8 @@ export class ConflictError extends ForkfleetError {
  */
 export class StoreUnavailableError extends ForkfleetError {
   constructor(what: string, cause: unknown) {
-    super('unavailable', `the fleet store is unavailable (${what}): ${cause instanceof Error ? cause.message : String(cause)}; retry`, { retryable: true, cause });
+    // The etcd client's text (member addresses, its internals) stays in `cause`, for the log.
+    super('unavailable', `the fleet store is unavailable (${what}); retry`, { retryable: true, cause });
   }
 }
 
@@ -67,14 +68,21 @@ export class NotLeaderError extends ForkfleetError {
 }
 
 export class HostStepError extends ForkfleetError {
+  /**
+   * The host's own text when the error is `internal` (an unexpected failure on the host: its
+   * text can carry host paths, QEMU or guest-agent output): kept for the operator (the
+   * operation record's `error.detail` and the scheduler's log), left out of `message`, which
+   * tenants read. Undefined for named errors, whose message says it all.
+   */
+  readonly detail: string | undefined;
   constructor(hostId: string, step: string, kind: string, message: string, retryable: boolean) {
+    const named = ['invalid_argument', 'not_found', 'failed_precondition', 'resource_exhausted', 'unavailable', 'deadline_exceeded'].includes(kind);
     super(
-      (['invalid_argument', 'not_found', 'failed_precondition', 'resource_exhausted', 'unavailable', 'deadline_exceeded', 'internal'].includes(kind)
-        ? kind
-        : 'internal') as ForkfleetError['kind'],
-      `host ${hostId}: ${step}: ${message}`,
+      (named ? kind : 'internal') as ForkfleetError['kind'],
+      named ? `host ${hostId}: ${step}: ${message}` : `host ${hostId}: ${step}: internal error on the host (its agent's log and the scheduler's have the cause)`,
       { retryable },
     );
+    this.detail = named ? undefined : `host ${hostId}: ${step}: ${message}`;
   }
 }
 

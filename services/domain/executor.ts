@@ -164,9 +164,17 @@ export function leaderTerm(fence: LeaderFence | undefined): LeaderTerm {
   return { term: fence.createRevision > 0 ? BigInt(fence.createRevision) : 1n, cluster };
 }
 
-function errorOf(e: unknown): OperationError {
-  if (isForkfleetError(e)) return { kind: e.kind, message: e.message, retryable: e.retryable, ...(e.field ? { field: e.field } : {}) };
-  return { kind: 'internal', message: e instanceof Error ? e.message : String(e), retryable: false };
+/**
+ * An operation's error as recorded. Named errors keep their message; an unexpected failure (an
+ * exception here, a host's internal error) says only that, its own text going to `detail`
+ * (OperationError): tenants read the message, in the operation and in sandbox state reasons.
+ */
+export function errorOf(e: unknown): OperationError {
+  if (isForkfleetError(e)) {
+    const detail = e instanceof HostStepError ? e.detail : undefined;
+    return { kind: e.kind, message: e.message, retryable: e.retryable, ...(e.field ? { field: e.field } : {}), ...(detail ? { detail } : {}) };
+  }
+  return { kind: 'internal', message: 'internal error in the scheduler (its log has the cause)', retryable: false, detail: e instanceof Error ? e.message : String(e) };
 }
 
 /** The explanation kept in the op record: its summary numbers, not per-host details (records stay small). */
@@ -1399,7 +1407,7 @@ export class Executor {
       },
       extra,
     );
-    this.log.info({ opId: op.id, kind: op.kind, ok: !error, error: error?.message }, 'operation finished');
+    this.log.info({ opId: op.id, kind: op.kind, ok: !error, error: error?.message, ...(error?.detail ? { detail: error.detail } : {}) }, 'operation finished');
     this.deps.onFinished?.(op.kind, state, (this.deps.clock.now() - op.createdAt) / 1000);
   }
 
@@ -2180,7 +2188,7 @@ export class Executor {
 
   private async failSandbox(sb: SandboxRec, e: unknown, stop = false): Promise<void> {
     const now = this.deps.clock.now();
-    const message = e instanceof Error ? e.message : String(e);
+    const message = errorOf(e).message;
     const hostId = sb.hostId;
     // A start that failed on its host holds no VM (the agent cleans up its own half-made VM in
     // the step), so its booking goes with the state change. One given up on here (no answer in

@@ -213,9 +213,16 @@ export type FinalOperationState = Exclude<OperationState, 'pending' | 'running'>
 
 export interface OperationError {
   kind: string;
+  /** What the API answers (Operation.error.message): never an unexpected failure's own text. */
   message: string;
   retryable: boolean;
   field?: string;
+  /**
+   * For the operator only (this record in etcd, the scheduler's log; no API field shows it): the
+   * text of an unexpected failure (a host's internal error, an exception in the scheduler),
+   * which can carry host paths, QEMU, etcd or guest-agent output.
+   */
+  detail?: string;
 }
 
 /** One host step of an op, as the leader saw it (Operation.steps). Times are ms since the epoch. */

@@ -2430,7 +2430,9 @@ export const OperationStepStateSchema: GenEnum<OperationStepState> = /*@__PURE__
  *   characters, no spaces, not starting with "__": those keys are the scheduler's own).
  *   Repeating it with the same key and tenant returns the first call's operation and does
  *   nothing again; the same key with another request (another kind, target or parameters)
- *   is INVALID_ARGUMENT on idempotency_key. Pin, Unpin, SetSnapshotRetention and CordonHost set a value: repeating
+ *   is INVALID_ARGUMENT on idempotency_key. A key is remembered as long as its operation's
+ *   record is kept: while the operation runs, and for FF_RECORD_RETENTION (1 h by default)
+ *   after it ended; a repeat after that is a new request. Pin, Unpin, SetSnapshotRetention and CordonHost set a value: repeating
  *   one sets the same value again (their key is checked, not recorded). Exec and WriteFile
  *   are not deduplicated: a repeated Exec runs its command again, a repeated WriteFile
  *   writes the same bytes again; their key is optional.

@@ -1,0 +1,45 @@
+// What tenants read of a failure: a named error's message; an unexpected one only as such,
+// its own text (host paths, QEMU or etcd output) kept for the operator.
+import { describe, expect, it } from 'vitest';
+import { HostStepError, StoreUnavailableError } from './errors.ts';
+import { errorOf } from './executor.ts';
+
+const RAW = "ENOENT: no such file or directory, open '/var/lib/ffleet/vms/sb-1/mem.img'";
+
+describe('error texts tenants read', () => {
+  it('hostStepError_ofAnInternalFailure_saysSoWithoutTheHostsText_andKeepsItAsDetail', () => {
+    const e = new HostStepError('h1', 'create', 'internal', RAW, false);
+    expect(e.kind).toBe('internal');
+    expect(e.message).toBe("host h1: create: internal error on the host (its agent's log and the scheduler's have the cause)");
+    expect(e.message).not.toContain('/var/lib');
+    expect(errorOf(e)).toEqual({ kind: 'internal', message: e.message, retryable: false, detail: `host h1: create: ${RAW}` });
+  });
+
+  it('hostStepError_ofAKindThatIsNotAProjectKind_isInternal_andHidesItsText', () => {
+    const e = new HostStepError('h1', 'fork/2', 'weird', RAW, true);
+    expect(e.kind).toBe('internal');
+    expect(e.message).not.toContain('ENOENT');
+  });
+
+  it('hostStepError_ofANamedKind_keepsTheHostsMessage', () => {
+    const e = new HostStepError('h1', 'create', 'resource_exhausted', 'no room for 4 vCPUs', true);
+    expect(e.message).toBe('host h1: create: no room for 4 vCPUs');
+    expect(errorOf(e)).toEqual({ kind: 'resource_exhausted', message: e.message, retryable: true });
+  });
+
+  it('errorOf_anExceptionThatIsNotAProjectError_recordsAGenericMessage_andTheTextAsDetail', () => {
+    expect(errorOf(new TypeError("Cannot read properties of undefined (reading 'hostId')"))).toEqual({
+      kind: 'internal',
+      message: 'internal error in the scheduler (its log has the cause)',
+      retryable: false,
+      detail: "Cannot read properties of undefined (reading 'hostId')",
+    });
+  });
+
+  it('storeUnavailable_saysWhatWasBeingDone_butNotTheEtcdClientsText', () => {
+    const e = new StoreUnavailableError('reading sandbox sb-1', new Error('14 UNAVAILABLE: connect ECONNREFUSED 10.0.0.5:2379'));
+    expect(e.message).toBe('the fleet store is unavailable (reading sandbox sb-1); retry');
+    expect(e.retryable).toBe(true);
+    expect((e.cause as Error).message).toContain('10.0.0.5:2379');
+  });
+});
