@@ -292,6 +292,8 @@ export interface SchedulerConfig {
   readonly maxSendBytes: number;
   /** FF_MAX_STREAMS_PER_CREDENTIAL: concurrent streaming calls (exec, files, watch) per credential, at least 1. */
   readonly maxStreamsPerCredential: number;
+  /** FF_MAX_WATCHES_PER_CREDENTIAL: WatchEvents streams open at once per credential (within the streams above), at least 1. */
+  readonly maxWatchesPerCredential: number;
   /** FF_FILE_BUFFER_MAX: file bytes (WriteFile uploads, ReadFile answers) this replica holds at once, all callers together ('512MiB'). */
   readonly fileBufferBytes: number;
   /** FF_RATE_PER_S: default per-tenant request rate (a tenant's `rate` in the tokens file overrides it), a decimal number such as 0.5; 0 disables ('' is refused). */
@@ -351,6 +353,9 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   // Defaults sized so that an RL step passes unthrottled: fork(256) (the API cap), then one
   // exec stream per child, all at once.
   const [mst, maxStreams] = get('maxStreamsPerCredential', 'FF_MAX_STREAMS_PER_CREDENTIAL', '512');
+  // Each watch reads every change in the fleet (its filter applies after): a handful per
+  // credential serve a client; hundreds would make every write cost a replica hundreds of decodes.
+  const [mw, maxWatches] = get('maxWatchesPerCredential', 'FF_MAX_WATCHES_PER_CREDENTIAL', '16');
   const [fb, fileBuffer] = get('fileBufferBytes', 'FF_FILE_BUFFER_MAX', '512MiB');
   const [rp, ratePerS] = get('ratePerSecond', 'FF_RATE_PER_S', '200');
   const [rb, rateBurst] = get('rateBurst', 'FF_RATE_BURST', '600');
@@ -398,6 +403,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     maxRecvBytes: parseBytes(mr, maxRecv),
     maxSendBytes: parseBytes(ms, maxSend),
     maxStreamsPerCredential: parseInteger(mst, maxStreams, 1),
+    maxWatchesPerCredential: parseInteger(mw, maxWatches, 1),
     fileBufferBytes: parseBytes(fb, fileBuffer),
     ratePerSecond: parseDecimal(rp, ratePerS, 0),
     rateBurst: parseInteger(rb, rateBurst, 1),

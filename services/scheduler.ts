@@ -121,7 +121,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
 
   // The API edge: TLS only, every call authenticated (services/auth), rate- and stream-limited.
   const auth = new Authenticator(config.tokensFile, config.ratePerSecond > 0 ? { perSecond: config.ratePerSecond, burst: config.rateBurst } : undefined);
-  const guard = new ApiGuard(auth, { maxStreamsPerCredential: config.maxStreamsPerCredential });
+  const guard = new ApiGuard(auth, { maxStreamsPerCredential: config.maxStreamsPerCredential, maxWatchesPerCredential: config.maxWatchesPerCredential });
   // Quota admission reads usage from a ledger a watch keeps (started by the first check that has a quota).
   const usage = new QuotaLedger({ store, log: log.child({ component: 'quota-ledger' }) });
   const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), usage, defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId), forkSnapshotTtlMs: config.forkSnapshotTtlMs, rateOf: (tenantId) => auth.rateOf(tenantId) });

@@ -27,7 +27,7 @@ export class RateLimitedError extends ForkfleetError {
 
 /** The credential already has its maximum of streaming calls open. Retryable once one ends. */
 export class TooManyStreamsError extends ForkfleetError {
-  constructor(max: number) {
-    super('resource_exhausted', `at most ${max} concurrent streaming calls per credential; close one first`, { retryable: true, field: 'streams' });
+  constructor(max: number, what = 'streaming calls') {
+    super('resource_exhausted', `at most ${max} concurrent ${what} per credential; close one first`, { retryable: true, field: 'streams' });
   }
 }

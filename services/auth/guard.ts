@@ -14,8 +14,17 @@ export interface HeaderSource {
 export interface ApiGuardOptions {
   /** Concurrent streaming calls (Exec, ReadFile, WriteFile, WatchEvents) per credential; long polls (WaitOperation) are capped at as many, counted apart. */
   maxStreamsPerCredential: number;
+  /**
+   * WatchEvents streams per credential, within the streams above (default 16). Each reads every
+   * change in the fleet before its filter: hundreds open would make every write cost the
+   * replica hundreds of decodes.
+   */
+  maxWatchesPerCredential?: number;
   now?: () => number;
 }
+
+/** Streaming calls that read every change in the fleet, capped apart (maxWatchesPerCredential). */
+const WATCHES: ReadonlySet<string> = new Set(['/forkfleet.v1.FleetService/WatchEvents']);
 
 /** Unary calls that may wait long for an answer (WaitOperation: up to its timeout, 60 s at most). */
 const LONG_POLLS: ReadonlySet<string> = new Set(['/forkfleet.v1.FleetService/WaitOperation']);
@@ -27,6 +36,7 @@ export class ApiGuard {
   private readonly rate: RateLimiter;
   private readonly streams: ConcurrencyLimiter;
   private readonly longPolls: ConcurrencyLimiter;
+  private readonly watches: ConcurrencyLimiter;
   private readonly now: () => number;
   /** The revoke callbacks of open streaming calls, by credential id. */
   private readonly live = new Map<string, Set<(err: Error) => void>>();
@@ -36,6 +46,7 @@ export class ApiGuard {
     this.rate = new RateLimiter((tenant) => auth.rateOf(tenant));
     this.streams = new ConcurrencyLimiter(opts.maxStreamsPerCredential);
     this.longPolls = new ConcurrencyLimiter(opts.maxStreamsPerCredential);
+    this.watches = new ConcurrencyLimiter(opts.maxWatchesPerCredential ?? 16);
     this.now = opts.now ?? Date.now;
   }
 
@@ -95,8 +106,14 @@ export class ApiGuard {
       if (!free) throw new TooManyStreamsError(this.longPolls.max);
       return { principal, release: free };
     }
+    const watch = call.method !== undefined && WATCHES.has(call.method);
+    const freeWatch = watch ? this.watches.acquire(principal.credentialId) : undefined;
+    if (watch && !freeWatch) throw new TooManyStreamsError(this.watches.max, 'event watches (FF_MAX_WATCHES_PER_CREDENTIAL)');
     const free = this.streams.acquire(principal.credentialId);
-    if (!free) throw new TooManyStreamsError(this.streams.max);
+    if (!free) {
+      freeWatch?.();
+      throw new TooManyStreamsError(this.streams.max);
+    }
     const { onRevoke, forget } = this.watchRevocation(principal.credentialId);
     return {
       principal,
@@ -104,6 +121,7 @@ export class ApiGuard {
       release: () => {
         forget();
         free();
+        freeWatch?.();
       },
     };
   }

@@ -209,6 +209,25 @@ describe('ApiGuard and tenancy', () => {
     expect(wait().principal.tenantId).toBe('acme');
   });
 
+  it('admit_watchEventsStreams_areCappedPerCredentialBelowTheStreamCap_andAFreedWatchOrARefusedOneLeavesOtherStreamsTheirRoom', () => {
+    const file = join(dir, 'tokens.json');
+    const a = mintToken(file, { tenant: 'acme' });
+    const guard = new ApiGuard(new Authenticator(file, undefined), { maxStreamsPerCredential: 4, maxWatchesPerCredential: 2 });
+    const watch = (): ReturnType<ApiGuard['admit']> => guard.admit({ metadata: md(`Bearer ${a}`), streaming: true, method: '/forkfleet.v1.FleetService/WatchEvents' });
+    const exec = (): ReturnType<ApiGuard['admit']> => guard.admit({ metadata: md(`Bearer ${a}`), streaming: true, method: '/forkfleet.v1.FleetService/Exec' });
+    const w1 = watch();
+    watch();
+    expect(kindOf(watch)).toBe('resource_exhausted:streams');
+    // The refused watch took no stream: two execs still fit beside the two watches.
+    exec();
+    exec();
+    expect(kindOf(exec)).toBe('resource_exhausted:streams');
+    w1.release!();
+    // A watch's release frees its stream too, so one more exec (or a watch) fits.
+    exec();
+    expect(kindOf(watch)).toBe('resource_exhausted:streams');
+  });
+
   it('admit_withTwoAuthorizationHeaders_isUnauthenticated', () => {
     const file = join(dir, 'tokens.json');
     const a = mintToken(file, { tenant: 'acme' });
