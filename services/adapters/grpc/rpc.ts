@@ -114,9 +114,19 @@ class Undecodable {
   constructor(readonly error: unknown) {}
 }
 
-function decodeRequest(m: DescMethod, b: Buffer): unknown {
+/**
+ * A request's bytes as grpc-js hands them over (requestDeserialize): parsed only once the call
+ * is admitted (decodeRequest), so an unauthenticated or rate-limited caller's body is never
+ * decoded (a 4 MiB body of packed zeros is a 4-million-element array).
+ */
+class Encoded {
+  constructor(readonly bytes: Buffer) {}
+}
+
+function decodeRequest(m: DescMethod, x: unknown): unknown {
+  if (!(x instanceof Encoded)) return x;
   try {
-    return fromBinary(m.input, b);
+    return fromBinary(m.input, x.bytes);
   } catch (e) {
     return new Undecodable(e);
   }
@@ -126,11 +136,12 @@ function undecodableError(u: Undecodable): InvalidArgumentError {
   return new InvalidArgumentError('request', `not a valid encoding: ${u.error instanceof Error ? u.error.message : String(u.error)}`);
 }
 
-/** Request stream items, failing the iteration on an undecodable message. */
-async function* decodedItems(items: AsyncIterable<unknown>): AsyncGenerator<unknown> {
+/** Request stream items, decoded as they are read, failing the iteration on an undecodable message. */
+async function* decodedItems(m: DescMethod, items: AsyncIterable<unknown>): AsyncGenerator<unknown> {
   for await (const item of items) {
-    if (item instanceof Undecodable) throw undecodableError(item);
-    yield item;
+    const decoded = decodeRequest(m, item);
+    if (decoded instanceof Undecodable) throw undecodableError(decoded);
+    yield decoded;
   }
 }
 
@@ -140,7 +151,7 @@ function methodDefinition(m: DescMethod): MethodDefinition<unknown, unknown> {
     requestStream: m.methodKind === 'client_streaming' || m.methodKind === 'bidi_streaming',
     responseStream: m.methodKind === 'server_streaming' || m.methodKind === 'bidi_streaming',
     requestSerialize: (v: unknown) => Buffer.from(toBinary(m.input, create(m.input, v as MessageInitShape<typeof m.input>))),
-    requestDeserialize: (b: Buffer) => decodeRequest(m, b),
+    requestDeserialize: (b: Buffer) => new Encoded(b),
     responseSerialize: (v: unknown) => Buffer.from(toBinary(m.output, create(m.output, v as MessageInitShape<typeof m.output>))),
     responseDeserialize: (b: Buffer) => fromBinary(m.output, b),
     originalName: m.localName,
@@ -269,13 +280,14 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
           const admitted = admitOr(call, false, (st) => cb(st));
           if (!admitted) return;
           const ctx = contextOf(call, name, admitted.principal);
-          if (call.request instanceof Undecodable) {
+          const request = decodeRequest(m, call.request);
+          if (request instanceof Undecodable) {
             admitted.release();
-            cb(fail(undecodableError(call.request)));
+            cb(fail(undecodableError(request)));
             return;
           }
           // A long poll holds a stream slot (ApiGuard): given back once it is answered.
-          (fn(call.request, ctx) as Promise<unknown>).then(
+          (fn(request, ctx) as Promise<unknown>).then(
             (res) => {
               admitted.release();
               cb(null, res);
@@ -300,7 +312,7 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
           };
           endOnRevoke(admitted, answer);
           const ctx = contextOf(call, name, admitted.principal, admitted.revoked);
-          (fn(decodedItems(readableItems(call)), ctx) as Promise<unknown>).then(
+          (fn(decodedItems(m, readableItems(call)), ctx) as Promise<unknown>).then(
             (res) => {
               admitted.release();
               answer(null, res);
@@ -319,8 +331,8 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
           if (!admitted) return;
           endOnRevoke(admitted, (err) => call.emit('error', fail(err)));
           const ctx = contextOf(call, name, admitted.principal, admitted.revoked);
-          const input = m.methodKind === 'server_streaming' ? (call as ServerWritableStream<unknown, unknown>).request
-              : decodedItems(readableItems(call as ServerDuplexStream<unknown, unknown>));
+          const input = m.methodKind === 'server_streaming' ? decodeRequest(m, (call as ServerWritableStream<unknown, unknown>).request)
+              : decodedItems(m, readableItems(call as ServerDuplexStream<unknown, unknown>));
           if (input instanceof Undecodable) {
             admitted.release();
             call.emit('error', fail(undecodableError(input)));
