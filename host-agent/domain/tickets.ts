@@ -76,7 +76,7 @@ export function verifyTicket(signed: SignedTicket | undefined, trust: TrustedKey
   }
   if (!t.expiresAt) throw new TicketInvalidError('no expiry');
   const expiresAt = timestampDate(t.expiresAt);
-  if (expiresAt.getTime() <= expect.now.getTime()) throw new TicketInvalidError(`expired at ${expiresAt.toISOString()}`);
+  assertTicketLive({ expiresAt }, expect.now);
   if (t.destinationHostId !== expect.destinationHostId) {
     throw new TicketInvalidError(`issued for host ${JSON.stringify(t.destinationHostId)}, presented by ${JSON.stringify(expect.destinationHostId)}`);
   }
@@ -84,6 +84,14 @@ export function verifyTicket(signed: SignedTicket | undefined, trust: TrustedKey
     throw new TicketInvalidError(`issued for snapshot ${JSON.stringify(t.snapshotId)}, not ${JSON.stringify(expect.snapshotId)}`);
   }
   return { ticketId: t.ticketId, snapshotId: t.snapshotId, destinationHostId: t.destinationHostId, expiresAt };
+}
+
+/**
+ * Throws TicketInvalidError once the ticket has expired at `now`. verifyTicket checks it when a
+ * call opens; a stream that outlives its ticket checks it again on each request it serves.
+ */
+export function assertTicketLive(claims: Pick<TicketClaims, 'expiresAt'>, now: Date): void {
+  if (claims.expiresAt.getTime() <= now.getTime()) throw new TicketInvalidError(`expired at ${claims.expiresAt.toISOString()}`);
 }
 
 export function signManifest(manifest: SnapshotManifest, key: SigningKey): SignedManifest {

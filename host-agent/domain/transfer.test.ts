@@ -1,13 +1,18 @@
 // fetchChunks with in-memory sources (fakes of ChunkSource, our interface) into a real
 // FsChunkStore in a temporary directory: what a receiver does when its own side fails.
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, rmSync, utimesSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { create } from '@bufbuild/protobuf';
+import { ArtifactKind, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { encodeChunk } from '../adapters/chunkstore/codec.ts';
-import { FsChunkStore } from '../adapters/chunkstore/fs-store.ts';
-import type { DigestHex, EncodedChunk } from './snapshot-store.ts';
-import { fetchChunks, type ChunkEvent, type ChunkSink, type ChunkSource } from './transfer.ts';
+import { FsChunkStore, FsManifestStore } from '../adapters/chunkstore/fs-store.ts';
+import { collectGarbage } from './snapshot-store-gc.ts';
+import { LiveRoots, systemClock, type DigestHex, type EncodedChunk } from './snapshot-store.ts';
+import { generateSigningKey, signManifest } from './tickets.ts';
+import { ChunksUnavailableError } from './transfer-errors.ts';
+import { fetchChunks, fetchSnapshot, type ChunkEvent, type ChunkSink, type ChunkSource } from './transfer.ts';
 
 let tmp: string;
 beforeAll(() => {
@@ -82,6 +87,38 @@ describe('fetchChunks', () => {
     expect(await store.missing(chunks.keys())).toEqual([]);
   });
 
+  it('chunkWhoseLocalWriteAlwaysFails_countsAsAnAttemptEachTime_andTheFetchFailsNamingTheWriteError', async () => {
+    const all = await threeChunks();
+    const [digest] = [...all.keys()];
+    const chunks = new Map([...all].filter(([d]) => d === digest));
+    let asked = 0;
+    const inner = memorySource('peer-1', chunks);
+    const source: ChunkSource = {
+      ...inner,
+      open(signal) {
+        const s = inner.open(signal);
+        return {
+          ...s,
+          want(ds) {
+            asked += ds.length;
+            s.want(ds);
+          },
+        };
+      },
+    };
+    // Every image write fails (a disk that keeps failing): a local failure, not the peer's.
+    const sink: ChunkSink = async () => {
+      throw Object.assign(new Error('EIO: i/o error, write'), { code: 'EIO' });
+    };
+    const store = new FsChunkStore(join(tmp, 'store-eio'));
+    const fetching = fetchChunks(chunks.keys(), [source], store, { onChunk: sink, backoffMs: 1, streamsPerSource: 1, maxAttempts: 3 });
+    const outcome = await Promise.race([fetching.then(() => 'resolved', (e: unknown) => e), new Promise((r) => setTimeout(() => r('still running'), 5_000))]);
+    expect(outcome).toBeInstanceOf(ChunksUnavailableError);
+    expect(String(outcome)).toMatch(/EIO/);
+    expect(asked).toBeGreaterThanOrEqual(1);
+    expect(asked).toBeLessThanOrEqual(3);
+  }, 10_000);
+
   it('chunkSentWithAnotherSizeThanTheManifests_isRejectedBeforeTheStoreSeesIt_andFetchedFromAnotherSource', async () => {
     const chunks = await threeChunks();
     // Same bytes, but each claims 4 GiB of content: what a decode would allocate.
@@ -131,4 +168,59 @@ describe('fetchChunks', () => {
     expect(report.sources.find((s) => s.id === 'silent')?.lastError).toMatch(/sent nothing for 200 ms/);
     expect(await store.missing(chunks.keys())).toEqual([]);
   }, 10_000);
+});
+
+describe('fetchSnapshot', () => {
+  it('fetchThatFailsAfterRunningLongerThanTheGcGrace_leavesTheChunksItReceived_forARetryToResumeFrom', async () => {
+    const chunks = await threeChunks();
+    const [first, second, third] = [...chunks.keys()] as [DigestHex, DigestHex, DigestHex];
+    const { signing, trusted } = generateSigningKey('k1');
+    const manifest = create(SnapshotManifestSchema, {
+      snapshotId: 'sn-1',
+      chunkSize: 64 * 1024,
+      artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', size: BigInt(3 * 64 * 1024), chunks: [...chunks.values()].map((c, i) => ({ index: BigInt(i), digest: Buffer.from(c.digest, 'hex'), size: c.size, storedSize: c.data.length })) }],
+    });
+    const root = join(tmp, 'store-gc');
+    const store = new FsChunkStore(root);
+    const manifests = new FsManifestStore(root);
+    const roots = new LiveRoots();
+    // Sends the first two chunks, then fails when it comes to the third. By then the fetch has
+    // run for two minutes: the files of the two it stored were written that long ago.
+    const failing: ChunkSource = {
+      id: 'failing',
+      getManifest: () => Promise.reject(new Error('not used')),
+      open() {
+        const queue: DigestHex[] = [];
+        let wake: (() => void) | undefined;
+        return {
+          want(digests) {
+            queue.push(...digests);
+            wake?.();
+          },
+          events: {
+            async *[Symbol.asyncIterator]() {
+              while (true) {
+                const d = queue.shift();
+                if (d === undefined) await new Promise<void>((r) => (wake = r));
+                else if (d !== third) {
+                  const c = chunks.get(d);
+                  if (c) yield { kind: 'chunk', chunk: { ...c, data: Uint8Array.from(c.data) } } satisfies ChunkEvent;
+                } else {
+                  while ((await store.missing([first, second])).length > 0) await new Promise((r) => setTimeout(r, 5));
+                  const twoMinutesAgo = new Date(Date.now() - 120_000);
+                  for (const c of [first, second]) utimesSync(store.pathOf(c), twoMinutesAgo, twoMinutesAgo);
+                  throw new Error('connection reset by peer');
+                }
+              }
+            },
+          },
+          close() {},
+        };
+      },
+    };
+    await expect(fetchSnapshot('sn-1', [failing], { chunks: store, manifests, roots, trust: trusted }, { signed: signManifest(manifest, signing), maxAttempts: 1, streamsPerSource: 1 })).rejects.toBeInstanceOf(ChunksUnavailableError);
+    // A GC right after the failure (grace 60 s) leaves what the fetch received; a retry asks only for the rest.
+    await collectGarbage({ chunks: store, manifests, roots, clock: systemClock, graceMs: 60_000 });
+    expect(await store.missing(chunks.keys())).toEqual([third]);
+  });
 });

@@ -64,7 +64,7 @@ export interface FetchOptions {
   readonly putConcurrency?: number;
   /** Parallel streams per source (default 2): keeps a link busy while one stream stalls. */
   readonly streamsPerSource?: number;
-  /** Reconnect attempts per source after a retryable failure. */
+  /** Reconnect attempts per source after a retryable failure (a chunk that could not be stored here is one). */
   readonly maxAttempts?: number;
   readonly backoffMs?: number;
   readonly signal?: AbortSignal;
@@ -91,6 +91,19 @@ export class SourceSilentError extends Error {
     asked: number,
   ) {
     super(`source ${source} sent nothing for ${ms} ms with ${asked} chunk(s) asked of it`);
+  }
+}
+
+/**
+ * fetchChunks received a chunk and could not store it here (a local write: ENOSPC, EIO): not
+ * the source's doing. Fails the session, which counts as an attempt of its source.
+ */
+export class ChunkNotStoredError extends Error {
+  constructor(
+    readonly digest: DigestHex,
+    cause: unknown,
+  ) {
+    super(`storing chunk ${digest.slice(0, 16)} on this host failed: ${cause instanceof Error ? cause.message : String(cause)}`, { cause });
   }
 }
 
@@ -135,20 +148,24 @@ function sleep(ms: number, signal?: AbortSignal): Promise<void> {
   });
 }
 
-/** `it.next()`, or `silent()` thrown when it has not settled within `ms` (the next is left to settle, its outcome ignored). */
-async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Error): Promise<IteratorResult<T>> {
+/**
+ * `it.next()`, or `silent()` thrown when it has not settled within `ms`, or what `stop`
+ * rejects with first (the next is left to settle, its outcome ignored).
+ */
+async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Error, stop: Promise<never>): Promise<IteratorResult<T>> {
   const next = it.next();
   let timer: NodeJS.Timeout | undefined;
   try {
     return await Promise.race([
       next,
       new Promise<never>((_, reject) => {
-        timer = setTimeout(() => {
-          next.catch(() => undefined);
-          reject(silent());
-        }, ms);
+        timer = setTimeout(() => reject(silent()), ms);
       }),
+      stop,
     ]);
+  } catch (e) {
+    next.catch(() => undefined);
+    throw e;
   } finally {
     clearTimeout(timer);
   }
@@ -158,7 +175,8 @@ async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Err
  * Fetches `digests` (those not already stored) into `store` from `sources`. Sources work in
  * parallel off one shared queue, so a faster peer takes more. Resolves with a report when all
  * are stored; throws ChunksUnavailableError (retryable) when no live source can supply the rest
- * (the chunks that did arrive stay stored).
+ * (the chunks that did arrive stay stored), also when storing them here kept failing (a full
+ * disk: its `cause` is then the ChunkNotStoredError, naming the write's error).
  */
 export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonly ChunkSource[], store: ChunkStore, opts: FetchOptions = {}): Promise<FetchReport> {
   const t0 = performance.now();
@@ -175,6 +193,8 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   const placer = opts.onChunk?.placer && canPlace(store) ? opts.onChunk.placer : undefined;
   let alive = sources.length;
   let idle = 0;
+  /** The last chunk a session could not store here (named in the error when the fetch fails). */
+  let localFailure: ChunkNotStoredError | undefined;
 
   const exclude = (d: DigestHex, id: string): void => {
     let s = excluded.get(d);
@@ -217,6 +237,12 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
           for (const d of more) requested.add(d);
           session.want(more);
         };
+        // A chunk received on this session that could not be stored here fails the session
+        // (as a source failure does: an attempt, then backoff), whatever the loop awaits then.
+        let notStored: ChunkNotStoredError | undefined;
+        let failNotStored: (e: ChunkNotStoredError) => void = () => undefined;
+        const stop = new Promise<never>((_, reject) => (failNotStored = reject));
+        stop.catch(() => undefined);
         const giveBack = (): void => {
           for (const d of [...requested, ...storing]) if (pending.has(d)) queue.push(d);
           requested.clear();
@@ -227,11 +253,12 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
           refill();
           const it = session.events[Symbol.asyncIterator]();
           while (pending.size > 0) {
+            if (notStored) throw notStored;
             if (requested.size === 0) {
               refill();
               if (requested.size === 0) {
                 if (puts.size > 0) {
-                  await Promise.race([changed.wait(), ...puts]);
+                  await Promise.race([changed.wait(), stop, ...puts]);
                   continue;
                 }
                 // Nothing we may take: wait for another source to give work back, or finish.
@@ -246,7 +273,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
                 continue;
               }
             }
-            const r = await nextWithin(it, idleMs, () => new SourceSilentError(src.id, idleMs, requested.size));
+            const r = await nextWithin(it, idleMs, () => new SourceSilentError(src.id, idleMs, requested.size), stop);
             if (r.done) throw new Error('peer ended the stream early');
             const ev = r.value;
             if (ev.kind === 'missing') {
@@ -296,9 +323,15 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
                   if (!(e instanceof DigestMismatchError)) {
                     // A local failure (a write, the verify worker): the chunk is not stored, and
                     // this source's retry or another source takes it up again, not given up on.
+                    // It fails this session (`stop`), so it counts as an attempt: a write that
+                    // always fails (a full disk) ends the fetch instead of fetching forever.
                     if (pending.has(d)) queue.push(d);
+                    if (!notStored) {
+                      notStored = new ChunkNotStoredError(d, e);
+                      failNotStored(notStored);
+                    }
                     changed.notify();
-                    throw e;
+                    return;
                   }
                   rep.rejected++;
                   report.rejected++;
@@ -310,7 +343,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
               );
               puts.add(p);
               void p.finally(() => puts.delete(p)).catch(() => {});
-              if (puts.size >= putConcurrency) await Promise.race(puts);
+              if (puts.size >= putConcurrency) await Promise.race([stop, ...puts]);
               refill();
             }
           }
@@ -323,7 +356,9 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
           giveBack();
           rep.failures++;
           rep.lastError = e instanceof Error ? e.message : String(e);
-          const retryable = isForkfleetError(e) ? e.retryable : true;
+          if (e instanceof ChunkNotStoredError) localFailure = e;
+          const cause = e instanceof ChunkNotStoredError ? e.cause : e;
+          const retryable = isForkfleetError(cause) ? cause.retryable : true;
           opts.log?.warn({ source: src.id, err: rep.lastError, attempt }, 'chunk source failed');
           if (!retryable || ++attempt >= maxAttempts) return;
           await sleep(backoffMs * attempt, opts.signal);
@@ -341,7 +376,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   report.ms = Math.round(performance.now() - t0);
   if (pending.size > 0) {
     const why = report.sources.map((s) => `${s.id}: ${s.lastError ?? `${s.missing} missing, ${s.rejected} rejected`}`).join('; ');
-    throw new ChunksUnavailableError([...pending], why || 'no sources');
+    throw new ChunksUnavailableError([...pending], why || 'no sources', localFailure ? { cause: localFailure } : {});
   }
   return report;
 }
@@ -371,9 +406,26 @@ export interface FetchSnapshotDeps {
 }
 
 /**
+ * What a fetch that did not complete leaves for a retry to resume from: every chunk of the
+ * snapshot stored here (received by it or by an earlier try) is touched, so a GC keeps it for
+ * its grace period from now. Its pin goes with the failure, and the chunks' own mtimes may be
+ * older than the grace (a fetch that ran longer). Never throws: the fetch's failure is the news.
+ */
+async function keepForRetry(chunks: ChunkStore, digests: ReadonlySet<DigestHex>, log?: Logger): Promise<void> {
+  try {
+    const missing = new Set(await chunks.missing(digests));
+    const stored = [...digests].filter((d) => !missing.has(d));
+    for (let i = 0; i < stored.length; i += 64) await Promise.all(stored.slice(i, i + 64).map((d) => chunks.touch(d)));
+  } catch (e) {
+    log?.warn({ err: (e as Error).message }, 'keeping the chunks of a failed fetch for a retry failed; the next GC may take them');
+  }
+}
+
+/**
  * Idempotent step: get and verify the signed manifest from the first source that answers,
  * fetch the missing chunks (pinned against GC while in flight), then store the manifest,
- * which marks the snapshot complete on this host.
+ * which marks the snapshot complete on this host. When it fails, the chunks it stored stay
+ * for a GC grace period from the failure (keepForRetry), so a retry fetches only the rest.
  */
 export async function fetchSnapshot(
   snapshotId: string,
@@ -400,7 +452,12 @@ export async function fetchSnapshot(
   // Each digest with the plain size the manifest gives it (checked against what peers send).
   const sizes = chunkSizes(manifest.artifacts);
   const digests = new Set(sizes.keys());
-  const unpin = deps.roots.pin(digests);
+  const pinned = deps.roots.pin(digests);
+  /** Unpins; first, unless the manifest was stored, keeps the chunks for a retry (pinned until then). */
+  const unpin = async (complete: boolean): Promise<void> => {
+    if (!complete) await keepForRetry(deps.chunks, digests, deps.log);
+    pinned();
+  };
   let durable: Promise<void> | undefined;
   try {
     let report: FetchReport | undefined;
@@ -414,17 +471,19 @@ export async function fetchSnapshot(
     // One batch of fsyncs for every chunk written, then the "complete" marker. Pinned until
     // the manifest (a root for GC) is stored.
     durable = (async () => {
+      let stored = false;
       try {
         await deps.chunks.sync();
         await deps.manifests.put(snapshotId, complete);
+        stored = true;
       } finally {
-        unpin();
+        await unpin(stored);
       }
     })();
     if (!opts.deferDurable) await durable;
     else durable.catch((e: unknown) => deps.log?.warn({ snapshotId, err: (e as Error).message }, 'storing fetched snapshot durably failed'));
     return { manifest, signed: complete, report, durable };
   } finally {
-    if (!durable) unpin();
+    if (!durable) await unpin(false);
   }
 }

@@ -12,6 +12,18 @@ export const HEADER = 16;
  */
 export const DIRECT_ALIGN = 4096;
 
+/**
+ * The most stored (encoded) bytes a chunk of `size` plain bytes can take: zstd's worst case
+ * (ZSTD_compressBound: size + size/256 + at most 64) and lz4's (size + size/255 + 16, after
+ * lz4-napi's 4-byte length prefix) both fit; uncompressed data is `size` itself. Received data
+ * longer than this is rejected unread (a DigestMismatchError): zstd skips skippable frames, so a
+ * valid frame padded with megabytes of them decodes to the right bytes and digest, and would
+ * be stored and served on as it came.
+ */
+export function maxStoredSize(size: number): number {
+  return size + (size >>> 7) + 128;
+}
+
 /** The header of a chunk file holding `c` (a buffer of its own: it may be sent to a worker). */
 export function encodeHeader(c: { readonly codec: Codec; readonly size: number; readonly data: Uint8Array }): Buffer {
   const h = Buffer.alloc(HEADER);

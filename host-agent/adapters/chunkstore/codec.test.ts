@@ -35,10 +35,26 @@ describe('chunk codec', () => {
   it('decodeChunk_whenZstdFrameClaimsAnotherSize_throwsDigestMismatchWithoutDecoding', async () => {
     const enc = await encodeChunk(textBytes(262144, 6));
     // The same data declared as a smaller chunk: the frame's content size no longer matches.
-    await expect(decodeChunk({ ...enc, size: 4096 })).rejects.toThrow(/frame content size/);
+    await expect(decodeChunk({ ...enc, size: 262144 - 4096 })).rejects.toThrow(/frame content size/);
+    // Much smaller: more data than any encoding of that size takes, refused before zstd looks.
+    await expect(decodeChunk({ ...enc, size: 4096 })).rejects.toThrow(/at most/);
     // A frame that holds more than the chunk's size cannot overrun the output buffer either.
     const big = await encodeChunk(textBytes(1 << 20, 7));
     await expect(decodeChunk({ ...big, size: 262144 })).rejects.toBeInstanceOf(DigestMismatchError);
+  });
+
+  it('decodeChunk_ofAZstdFramePaddedWithSkippableFrames_throwsDigestMismatch', async () => {
+    const plain = textBytes(262144, 9);
+    const enc = await encodeChunk(plain);
+    // Skippable frames (magic 0x184D2A50, u32 LE length) after the frame decode to nothing:
+    // same plain bytes, same digest, but far more data than the chunk's size allows.
+    const skippable = Buffer.alloc(8 + (1 << 20));
+    skippable.writeUInt32LE(0x184d2a50, 0);
+    skippable.writeUInt32LE(1 << 20, 4);
+    await expect(decodeChunk({ ...enc, data: Buffer.concat([enc.data, skippable]) })).rejects.toBeInstanceOf(DigestMismatchError);
+    // Uncompressed data is exactly the chunk's size; lz4 at its worst fits the bound too.
+    const random = randomBytesSeeded(262144, 10);
+    expect((await decodeChunk({ digest: sha256Hex(random), codec: Codec.LZ4, size: random.length, data: lz4Compress(random) })).equals(random)).toBe(true);
   });
 
   it('decodeChunk_whenBytesFlipped_throwsDigestMismatch', async () => {

@@ -8,6 +8,7 @@ import type { EncodedChunk } from '../../domain/snapshot-store.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { compressOffloaded } from './verify-pool.ts';
 import { zstdDecompressSync } from './zstd.ts';
+import { maxStoredSize } from './chunk-file.ts';
 
 export const DEFAULT_CHUNK_SIZE = 256 * 1024;
 
@@ -34,11 +35,18 @@ export async function encodeChunk(plain: Buffer, digest?: string): Promise<Encod
   return { digest: d, codec: Codec.NONE, size: plain.length, data: plain };
 }
 
+/** Throws DigestMismatchError when `chunk.data` is longer than any encoding of its plain size (chunk-file.ts maxStoredSize). */
+export function checkStoredSize(chunk: Pick<EncodedChunk, 'digest' | 'size' | 'data'>): void {
+  const max = maxStoredSize(chunk.size);
+  if (chunk.data.length > max) throw new DigestMismatchError(chunk.digest, `${chunk.data.length} bytes of data for ${chunk.size} plain bytes (at most ${max})`);
+}
+
 /**
  * Decodes and checks length and digest. Throws DigestMismatchError. Given `known`, bytes that
  * hash to the digest, compares with them instead of hashing.
  */
 export async function decodeChunk(chunk: EncodedChunk, known?: Buffer): Promise<Buffer> {
+  checkStoredSize(chunk);
   let plain: Buffer;
   switch (chunk.codec) {
     case Codec.NONE:

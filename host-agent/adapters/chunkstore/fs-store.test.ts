@@ -6,10 +6,10 @@ import { closeSync, existsSync, mkdirSync, openSync, readdirSync, readFileSync, 
 import { join } from 'node:path';
 import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './fs-store.ts';
 import { encodeChunk } from './codec.ts';
-import { ChunkCorruptError } from '../../domain/transfer-errors.ts';
+import { ChunkCorruptError, DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { markOwned } from './buffers.ts';
 import { create } from '@bufbuild/protobuf';
-import { SignedManifestSchema } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { Codec, SignedManifestSchema } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
 import type * as Durable from '../durable.ts';
 import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
@@ -55,6 +55,32 @@ describe('FsChunkStore', () => {
     await store.accept(empty!);
     expect(await store.missing([empty!.digest, short!.digest, whole!.digest])).toEqual([short!.digest]);
     expect((await store.readVerified(empty!.digest)).equals(textBytes(CS, 1))).toBe(true);
+  });
+
+  it('accept_ofAValidZstdFrameFollowedByMegabytesOfSkippableFrames_isRejectedAsADigestMismatch_andStoresNothing', async () => {
+    const store = new FsChunkStore(join(dir, 'bloated'));
+    const plain = textBytes(CS, 8);
+    const enc = await encodeChunk(plain);
+    expect(enc.codec).toBe(Codec.ZSTD);
+    // A skippable frame (magic 0x184D2A50, u32 LE length): zstd decodes past it to the same
+    // plain bytes and digest, so only the size of the data gives it away.
+    const skippable = Buffer.alloc(8 + 8 * 1024 * 1024);
+    skippable.writeUInt32LE(0x184d2a50, 0);
+    skippable.writeUInt32LE(8 * 1024 * 1024, 4);
+    const bloated = () => {
+      const data = new Uint8Array(enc.data.length + skippable.length);
+      data.set(enc.data, 0);
+      data.set(skippable, enc.data.length);
+      return { ...enc, data };
+    };
+    // Verified here, and on a verify worker (a received chunk's buffer is owned).
+    await expect(store.accept(bloated())).rejects.toBeInstanceOf(DigestMismatchError);
+    const owned = bloated();
+    markOwned(owned.data);
+    await expect(store.accept(owned)).rejects.toBeInstanceOf(DigestMismatchError);
+    expect(await store.has(enc.digest)).toBe(false);
+    // The chunk as it was encoded still goes in.
+    expect((await store.accept(enc)).equals(plain)).toBe(true);
   });
 
   it('readVerified_ofACorruptFileAFetchReplacedMeanwhile_keepsTheVerifiedCopy', async () => {

@@ -13,7 +13,8 @@
 // message: grpc-js allocates one buffer per message). Anything else is verified inline by
 // the caller, as before. After a transfer the caller's `data` view is detached (length 0).
 //
-// The guarantees do not change: the digest is checked before the temp file is written, a
+// The guarantees do not change: the digest (and that the data is no longer than its plain
+// size allows: chunk-file.ts maxStoredSize) is checked before the temp file is written, a
 // mismatch is a DigestMismatchError (the caller rejects the chunk and fetches it elsewhere),
 // and a kill -9 leaves at most a temp file (the store removes those when it opens).
 import { Worker } from 'node:worker_threads';
@@ -22,7 +23,7 @@ import { availableParallelism } from 'node:os';
 import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { PAGE, nonZeroRuns } from './sparse.ts';
-import { DIRECT_ALIGN, encodeHeader } from './chunk-file.ts';
+import { DIRECT_ALIGN, encodeHeader, maxStoredSize } from './chunk-file.ts';
 import { ZSTD_BINDING_PATH, ZSTD_LEVEL, zstdDecodeExact } from './zstd.ts';
 
 export interface OffloadedAccept {
@@ -263,6 +264,9 @@ function pick(): Slot {
  * `c.data` must be owned (`isOwned`): it is detached.
  */
 export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer | undefined> {
+  // Longer than any encoding of its size (padded with zstd skippable frames, say): rejected
+  // here, as decodeChunk does (codec.ts), before it costs the worker a copy.
+  if (c.data.length > maxStoredSize(c.size)) return Promise.reject(new DigestMismatchError(c.digest, `${c.data.length} bytes of data for ${c.size} plain bytes (at most ${maxStoredSize(c.size)})`));
   const slot = pick();
   const id = seq++;
   return new Promise<Buffer | undefined>((resolve, reject) => {

@@ -1,6 +1,8 @@
 // ChunkTransferService: how a host agent serves snapshot chunks to its peers. Thin gRPC
 // handlers: check the ticket, convert, read the store. Every call needs a ticket the
 // scheduler signed for this snapshot and for the calling host; otherwise nothing is served.
+// A FetchChunks stream serves nothing after its ticket's expiry: each want and each chunk
+// sent checks it again (permission_denied), not only the open.
 //
 // The caller's host id comes from `callerHostId(ctx)`. The default reads the `ff-host-id`
 // metadata; with mutual TLS (FF_PEER_*) the agent takes it from the caller's certificate
@@ -16,7 +18,7 @@ import { ForkfleetError, InvalidArgumentError } from '../../../proto/errors.ts';
 import type { ChunkStore, Clock, DigestHex, EncodedChunk, ManifestStore } from '../../domain/snapshot-store.ts';
 import { manifestDigests } from '../../domain/snapshot-store.ts';
 import { ManifestNotFoundError, TicketInvalidError } from '../../domain/transfer-errors.ts';
-import { decodeManifestUnverified, verifyTicket, type TrustedKeys } from '../../domain/tickets.ts';
+import { assertTicketLive, decodeManifestUnverified, verifyTicket, type TrustedKeys } from '../../domain/tickets.ts';
 import { hostOfAddress } from '../../domain/agent.ts';
 import { serializeResponse, type WireResponse } from './wire.ts';
 
@@ -127,6 +129,21 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       let ended = false;
       let failure: unknown;
       const changed = new Notifier();
+      // The ticket is checked again on each want and before each chunk is sent: a stream opened
+      // before its ticket's expiry serves nothing after it.
+      let expired = false;
+      const live = (): void => {
+        try {
+          assertTicketLive(claims, deps.clock.now());
+        } catch (e) {
+          if (!expired) {
+            expired = true;
+            stats.refused++;
+            deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId, err: (e as Error).message }, 'chunk stream ended: ticket expired');
+          }
+          throw e;
+        }
+      };
 
       void (async () => {
         try {
@@ -134,6 +151,7 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
             const p = r.value.payload;
             if (p.case === 'credit') credit += p.value;
             else if (p.case === 'want') {
+              live();
               // A receiver asks for each chunk it lacks once (again only after a 'missing');
               // more than this waiting is not a receiver, and each would cost a read.
               if (wants.length + p.value.digests.length > Math.max(1024, 2 * allowed.size)) throw new InvalidArgumentError('want.digests', `more than ${Math.max(1024, 2 * allowed.size)} chunks asked for and not yet sent`);
@@ -162,6 +180,7 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       while (true) {
         if (failure !== undefined && !ended) throw failure;
         if (ctx.signal.aborted) return;
+        if (ahead.length > 0 || wants.length > 0) live();
         while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
           const digest = wants.shift() as DigestHex;
           const read = readForSend(digest);
