@@ -11,7 +11,7 @@ import { UnauthenticatedError } from '../../auth/errors.ts';
 import { FleetService, ListSandboxesRequestSchema, SandboxState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 
 vi.mock('@bufbuild/protobuf', async (importOriginal) => {
-  const orig = await importOriginal<typeof import('@bufbuild/protobuf')>();
+  const orig = await importOriginal<typeof protobuf>();
   return { ...orig, fromBinary: vi.fn(orig.fromBinary) };
 });
 
