@@ -169,13 +169,28 @@ async function main(): Promise<void> {
     if (stopping) return;
     stopping = true;
     log.info({ sig }, 'stopping: VMs are left running for the next agent to adopt');
+    // Every part is closed even if one before it fails (each failure logged); the exit status says whether all closed cleanly.
+    let clean = true;
+    const close = async (what: string, f: () => Promise<unknown>): Promise<void> => {
+      try {
+        await f();
+      } catch (err) {
+        clean = false;
+        log.error({ err }, `stopping: closing the ${what} failed`);
+      }
+    };
     void (async () => {
-      await agent.stop();
-      await driver.closeStandbys();
-      await peerServer.close(500);
-      await nc.close().catch(() => undefined);
-      process.exit(0);
-    })();
+      // The agent waits for its running steps first (at most its shutdown grace): they need NATS to report.
+      await close('agent', () => agent.stop());
+      await close('standby VMs', () => driver.closeStandbys());
+      await close('peer server', () => peerServer.close(500));
+      await close('NATS connection', () => nc.close());
+    })()
+      .catch((err: unknown) => {
+        clean = false;
+        log.error({ err }, 'stopping failed');
+      })
+      .finally(() => process.exit(clean ? 0 : 1));
   };
   process.on('SIGTERM', () => stop('SIGTERM'));
   process.on('SIGINT', () => stop('SIGINT'));

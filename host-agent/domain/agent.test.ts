@@ -2,14 +2,15 @@ import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { Agent, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
-import type { AgentBus, SnapshotShipper } from './agent.ts';
+import type { AgentBus, AgentConfig, SnapshotShipper } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { Accel, VmInfo, VmmDriver } from './vmm.ts';
 import { Accel as ProtoAccel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { HostResultSchema, HostWorkSchema, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
-function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }, journal = new MemoryJournal(), accel: Accel = 'tcg'): { agent: Agent; journal: MemoryJournal } {
+/** `config` overrides the test's: 3 step slots, and steps still running after 100 ms do not hold up stop(). */
+function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }, journal = new MemoryJournal(), accel: Accel = 'tcg', config: Partial<AgentConfig> = {}): { agent: Agent; journal: MemoryJournal } {
   const agent = new Agent({
     driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
     shipper: { held: () => [], storedBytes: () => 0, ...shipper } as SnapshotShipper,
@@ -18,7 +19,7 @@ function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper>
     images: () => Promise.reject(new Error('no images in this test')),
     clock,
     log: pino({ level: 'silent' }),
-    config: { hostId: 'h1', bootId: 'b', accel, capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
+    config: { hostId: 'h1', bootId: 'b', accel, capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3, shutdownGraceMs: 100, ...config },
     qemuVersion: '7.2.0',
   });
   return { agent, journal };
@@ -135,6 +136,51 @@ describe('Agent steps', () => {
     expect(r.error).toBeUndefined();
     expect(execs).toEqual(['/bin/slow', '/bin/next']);
     expect(r.vms[0]?.reason).toBe('after_resume[0] /bin/slow timed out after 2000 ms and was killed');
+  });
+
+  it('resume_redeliveredAfterItsHooksRan_butBeforeItsResultWasJournalled_doesNotRunThemAgain_andAnswersTheirReport', async () => {
+    const execs: string[] = [];
+    const vm = { vmId: 'sb-r', sandboxId: 'sb-r', state: 'running', pid: 1, readyMs: 1 } as VmInfo;
+    const { agent, journal } = agentWith({
+      get: (id) => (id === 'sb-r' ? vm : undefined),
+      exec: async (_id, req) => (execs.push(req.path), { exitCode: 1, signal: null, stdout: Buffer.alloc(0), stderr: Buffer.from('token stale') }),
+    });
+    const step = work('resume', { work: { case: 'resumeVm', value: { sandboxId: 'sb-r', afterResume: [{ argv: ['/bin/refresh'] }] } } });
+    const first = await agent.runStep(step);
+    expect(first.vms[0]?.reason).toBe('after_resume[0] /bin/refresh exited 1: token stale');
+    // The agent died after the hooks, before the step's result was journalled: delivered again.
+    journal.results.delete('op-a/resume');
+    const again = await agent.runStep(step);
+    expect(execs).toEqual(['/bin/refresh']);
+    expect(again.error).toBeUndefined();
+    expect(again.vms[0]?.reason).toBe(first.vms[0]?.reason);
+  });
+
+  it('restoreOrResume_whoseHookRecordCannotBeWrittenOrRead_isAnsweredRetryable_andNotJournalledAsFinal', async () => {
+    const vms = new Map<string, VmInfo>();
+    const execs: string[] = [];
+    const journal = new MemoryJournal();
+    const put = journal.put.bind(journal);
+    const get = journal.get.bind(journal);
+    const eio = (): Promise<never> => Promise.reject(new Error('EIO: i/o error'));
+    journal.put = (opId, stepId, b) => (stepId.includes('#hooks/') ? eio() : put(opId, stepId, b));
+    journal.get = (opId, stepId) => (stepId.includes('#hooks/') ? eio() : get(opId, stepId));
+    const { agent } = agentWith({ ...mapDriver(vms), exec: async (_id, req) => (execs.push(req.path), { exitCode: 0, signal: null, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0) }) }, obtained, {}, undefined, journal);
+    const hook = [{ argv: ['/bin/refresh'] }];
+    const restore = work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1', afterResume: hook }] } } });
+    const r = await agent.runStep(restore);
+    expect([r.error?.kind, r.error?.retryable]).toEqual(['unavailable', true]);
+    expect(journal.results.has('op-a/restore/h1')).toBe(false); // so the scheduler's retry runs it
+    // The retry finds the VM; that it made it earlier cannot be read: retryable again, not answered without its hooks.
+    journal.get = (opId, stepId) => (stepId.includes('#hooks/') || stepId.endsWith('#making') ? eio() : get(opId, stepId));
+    const again = await agent.runStep(restore);
+    expect([again.error?.kind, again.error?.retryable]).toEqual(['unavailable', true]);
+    journal.get = (opId, stepId) => (stepId.includes('#hooks/') ? eio() : get(opId, stepId));
+    // A resume whose record of hooks run cannot be read does not run them blind.
+    const resumed = await agent.runStep(work('resume', { work: { case: 'resumeVm', value: { sandboxId: 'sb-1', afterResume: hook } } }));
+    expect([resumed.error?.kind, resumed.error?.retryable]).toEqual(['unavailable', true]);
+    expect(journal.results.has('op-a/resume')).toBe(false);
+    expect(execs).toEqual(['/bin/refresh']); // the restore's only
   });
 
   it('restore_redeliveredWithEveryVmPresent_fetchesNothing_andSaysWhetherTheSnapshotIsHeldHere', async () => {
@@ -269,6 +315,70 @@ describe('Agent steps', () => {
     expect((await after.agent.runStep(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-4' } } } }))).error?.message).toMatch(/gave up on starting sb-4/);
   });
 
+  /** Wake `opId`'s restore of sb-1, and wake op-w1's stop given up on it (the scheduler's settleWake). */
+  const wake = (opId: string) => create(HostWorkSchema, { opId, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+  const stopW1 = create(HostWorkSchema, { opId: 'op-w1', stepId: 'stop-unanswered/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } });
+
+  it('stopOfAStartGivenUp_redeliveredAfterAnAgentRestart_leavesRunningTheVmALaterOpsStartMadeMeanwhile', async () => {
+    const vms = new Map<string, VmInfo>();
+    const journal = new MemoryJournal();
+    // Wake 1 restores slowly; the scheduler gives up on it (its stop waits for the restore) and
+    // wakes the sandbox here again (wake 2 waits for the stop). Then the agent is killed.
+    const before = agentWith(mapDriver(vms), { obtain: () => new Promise<never>(() => undefined) }, {}, undefined, journal);
+    void before.agent.runStep(wake('op-w1'));
+    await new Promise((r) => setTimeout(r, 5));
+    void before.agent.runStep(stopW1);
+    void before.agent.runStep(wake('op-w2'));
+    await new Promise((r) => setTimeout(r, 5));
+    expect(vms.size).toBe(0);
+    // A fresh agent stands in for the restarted one. Wake 2 is re-sent at once and makes the
+    // VM; wake 1's restore and stop come back only after the bus's ack wait.
+    const after = agentWith(mapDriver(vms), obtained, {}, undefined, journal);
+    expect((await after.agent.runStep(wake('op-w2'))).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    expect((await after.agent.runStep(wake('op-w1'))).vms).toEqual([]); // given up on: neither made nor taken
+    expect((await after.agent.runStep(stopW1)).error).toBeUndefined();
+    expect([...vms.keys()]).toEqual(['sb-1']);
+  });
+
+  it('stopOfAStartGivenUp_redeliveredAfterAnAgentRestart_leavesRunningTheVmALaterOpsStartTookOver', async () => {
+    const vms = new Map<string, VmInfo>();
+    const journal = new MemoryJournal();
+    let forks = 0;
+    const driver = mapDriver(vms);
+    const counted = { ...driver, fork: (s: never, clones: never) => (forks++, driver.fork!(s, clones)) } as Partial<VmmDriver>;
+    // Wake 1 made the VM, but its step had not finished (its fetch not yet durable) when the
+    // agent was killed, with its stop and wake 2 waiting behind it.
+    const before = agentWith(counted, { ...obtained, durable: () => new Promise<never>(() => undefined) }, {}, undefined, journal);
+    void before.agent.runStep(wake('op-w1'));
+    await new Promise((r) => setTimeout(r, 5));
+    void before.agent.runStep(stopW1);
+    void before.agent.runStep(wake('op-w2'));
+    await new Promise((r) => setTimeout(r, 5));
+    expect([...vms.keys()]).toEqual(['sb-1']);
+    // Wake 2, re-sent at once, finds it running and takes it; wake 1's steps come back after.
+    const after = agentWith(counted, obtained, {}, undefined, journal);
+    expect((await after.agent.runStep(wake('op-w2'))).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    expect((await after.agent.runStep(wake('op-w1'))).vms).toEqual([]);
+    expect((await after.agent.runStep(stopW1)).error).toBeUndefined();
+    expect([forks, [...vms.keys()]]).toEqual([1, ['sb-1']]);
+  });
+
+  it('stopOfAStartGivenUp_whoseSandboxsVmAnEarlierOpMade_endsIt_alsoAfterARestart_asDoesAnOrdinaryDestroy', async () => {
+    const vms = new Map<string, VmInfo>();
+    const journal = new MemoryJournal();
+    const first = agentWith(mapDriver(vms), obtained, {}, undefined, journal);
+    expect((await first.agent.runStep(wake('op-c'))).error).toBeUndefined();
+    // An op that ended without settling the sandbox (a hibernate, say) gives it up: the VM
+    // there when its stop came is the one to end, whoever made it.
+    const after = agentWith(mapDriver(vms), obtained, {}, undefined, journal);
+    expect((await after.agent.runStep(create(HostWorkSchema, { opId: 'op-h', stepId: 'stop-unanswered/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
+    expect([...vms.keys()]).toEqual([]);
+    // A user's destroy ends the VM whichever op made it.
+    expect((await after.agent.runStep(wake('op-w2'))).error).toBeUndefined();
+    expect((await after.agent.runStep(create(HostWorkSchema, { opId: 'op-d', stepId: 'destroy', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
+    expect([...vms.keys()]).toEqual([]);
+  });
+
   it('work_waitingForAStepSlot_isKeptAliveSoTheBusDoesNotDeliverItAgain', async () => {
     vi.useFakeTimers();
     try {
@@ -284,7 +394,10 @@ describe('Agent steps', () => {
       for (let i = 0; i < 4; i++)  void onWork!(work(`restore/${i}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), { ack: () => undefined, working: () => void alive[i]!++ });
       await vi.advanceTimersByTimeAsync(11_000);
       expect(alive[3]).toBeGreaterThanOrEqual(2);
-      await agent.stop?.();
+      // The restores never end: stop() waits out its grace for them.
+      const stopped = agent.stop();
+      await vi.advanceTimersByTimeAsync(100);
+      await stopped;
     } finally {
       vi.useRealTimers();
     }
@@ -398,6 +511,106 @@ describe('Agent steps', () => {
     await Promise.race([onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-9' } } }), ctl), new Promise((r) => setTimeout(r, 2000))]);
     expect(destroyed).toBe(true);
     await agent.stop();
+  });
+
+  it('stop_startsNoQueuedStepOnceCalled_andResolvesOnlyOnceTheRunningStepsHaveFinished', async () => {
+    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    const fetched: Array<() => void> = [];
+    const asked: string[] = [];
+    const answered: string[] = [];
+    let created = 0;
+    const { agent } = agentWith(
+      {
+        onEvent: () => () => undefined,
+        get: (id) => void asked.push(id),
+        fork: async (_s, clones) => clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo),
+        create: async () => (created++, { vmId: 'sb-q', sandboxId: 'sb-q', state: 'running', pid: 1 } as VmInfo),
+      },
+      { obtain: () => new Promise((r) => fetched.push(() => r({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }))) },
+      {
+        serveExec: () => () => undefined,
+        serveFile: () => () => undefined,
+        // Ending the bus's consumer takes a while.
+        consumeWork: async (f) => ((onWork = f as never), () => new Promise<void>((r) => setTimeout(r, 20))),
+        publishHeartbeat: () => undefined,
+        publishResult: async (r) => void answered.push(r.stepId),
+      },
+      undefined,
+      undefined,
+      undefined,
+      { shutdownGraceMs: 5_000 },
+    );
+    await agent.start();
+    const ctl = { ack: () => undefined, working: () => undefined };
+    // Three restores whose fetches wait fill the three slots; a create waits for one.
+    for (let i = 0; i < 3; i++) void onWork!(work(`restore/${i}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), ctl);
+    let queuedAcked = false;
+    const queued = onWork!(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-q' } } } }), { ack: () => void (queuedAcked = true), working: () => undefined });
+    await new Promise((r) => setTimeout(r, 10));
+    expect(fetched.length).toBe(3);
+    let stopped = false;
+    const stopping = agent.stop().then(() => void (stopped = true));
+    fetched[0]!(); // a slot frees while the consumer is still ending
+    await new Promise((r) => setTimeout(r, 50));
+    expect(answered).toEqual(['restore/0']);
+    expect(stopped).toBe(false);
+    fetched[1]!();
+    fetched[2]!();
+    await stopping;
+    expect(answered.sort()).toEqual(['restore/0', 'restore/1', 'restore/2']);
+    // The create never ran: dropped unacked (the bus delivers it again, to the next agent).
+    expect([created, asked.includes('sb-q'), queuedAcked]).toEqual([0, false, false]);
+    expect(await Promise.race([queued.then(() => 'settled'), new Promise((r) => setTimeout(() => r('pending'), 50))])).toBe('settled');
+    // Work delivered while it stops is not taken.
+    await onWork!(work('create-2', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-q' } } } }), ctl);
+    expect(asked.includes('sb-q')).toBe(false);
+  });
+
+  it('stop_whenAPartOfTheAgentFailsToStop_stillStopsTheOthers_andRejectsNamingIt', async () => {
+    const stopped: string[] = [];
+    const { agent } = agentWith(
+      { onEvent: () => () => void stopped.push('events') },
+      {},
+      {
+        serveExec: () => () => void stopped.push('exec'),
+        serveFile: () => () => {
+          throw new Error('file relay: connection closed');
+        },
+        consumeWork: async () => async () => void stopped.push('work'),
+        publishHeartbeat: () => undefined,
+      },
+    );
+    await agent.start();
+    await expect(agent.stop()).rejects.toThrow(/file relay: connection closed/);
+    expect(stopped).toEqual(['work', 'exec', 'events']);
+  });
+
+  it('heartbeat_thatTheBusRefuses_isLogged_andTheAgentStartsAndBeatsOn_insteadOfEnding', async () => {
+    vi.useFakeTimers();
+    try {
+      let beats = 0;
+      const { agent } = agentWith(
+        { onEvent: () => () => undefined },
+        {},
+        {
+          serveExec: () => () => undefined,
+          serveFile: () => () => undefined,
+          consumeWork: async () => async () => undefined,
+          // nats.js throws from publish: over max_payload, or the connection closed.
+          publishHeartbeat: () => {
+            beats++;
+            throw Object.assign(new Error('MAX_PAYLOAD_EXCEEDED'), { code: 'MAX_PAYLOAD_EXCEEDED' });
+          },
+        },
+      );
+      await agent.start();
+      expect(beats).toBe(1);
+      await vi.advanceTimersByTimeAsync(3_000); // heartbeatMs 1000
+      expect(beats).toBe(4);
+      await agent.stop();
+    } finally {
+      vi.useRealTimers();
+    }
   });
 
   it('execOrFileCall_forASandboxWhoseVmIsGone_isAFailedPreconditionOnSandboxId_notNotFound', async () => {

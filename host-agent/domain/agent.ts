@@ -45,6 +45,7 @@ export function hostOfAddress(address: string): string {
 export interface AgentBus {
   consumeWork(onWork: (w: HostWork, ctl: WorkControl) => Promise<void>): Promise<() => Promise<void>>;
   publishResult(r: HostResult): Promise<void>;
+  /** May throw (NATS refuses it: a closed connection, a message over max_payload): the agent logs it and beats on. */
   publishHeartbeat(hb: Heartbeat): void;
   publishEvent(e: HostEvent): void;
   /** `signal` aborts when the exec's caller is gone (HostExecCancel): the command is killed. */
@@ -140,6 +141,14 @@ export interface AgentConfig {
    * 0: never). Larger steps fetch once and fork locally.
    */
   migrateMaxChildren?: number;
+  /**
+   * How long stop() waits for the steps still running to finish (their results sent) before
+   * it stops all the same; a step left then is delivered again to the next agent, which
+   * measures before it acts. Default 25 s: under the 30 s a container runtime or systemd
+   * commonly allows between SIGTERM and SIGKILL. (Not yet read from the environment by
+   * config.ts; main.ts passes none.)
+   */
+  shutdownGraceMs?: number;
 }
 
 /** Resident memory of a process in bytes, or undefined when it is gone. */
@@ -191,13 +200,28 @@ function journalUnreadable(e: unknown): ForkfleetError {
   return new ForkfleetError('unavailable', `the host's step journal is unreadable: ${e instanceof Error ? e.message : String(e)}`, { retryable: true, cause: e });
 }
 
+/** A journal write a step cannot go on without that failed (a disk error): retryable, as journalUnreadable. */
+function journalUnwritable(e: unknown): ForkfleetError {
+  return new ForkfleetError('unavailable', `the host's step journal cannot be written: ${e instanceof Error ? e.message : String(e)}`, { retryable: true, cause: e });
+}
+
 function errorInfo(e: unknown): { kind: string; message: string; retryable: boolean; field: string } {
   if (isForkfleetError(e)) return { kind: e.kind, message: e.message, retryable: e.retryable, field: e.field ?? '' };
   return { kind: 'internal', message: e instanceof Error ? e.message : String(e), retryable: false, field: '' };
 }
 
 export class Agent {
+  /** What start() set up, undone by stop() in reverse (the work consumer apart: stopConsuming). */
   private readonly stops: Array<() => void | Promise<void>> = [];
+  /** Ends the delivery of work (the bus's consumer); the first thing stop() undoes. */
+  private stopConsuming: (() => Promise<void>) | undefined;
+  /** Set by stop(): no step is taken or started any more (onWork, startQueued). */
+  private closed = false;
+  private closing: Promise<void> | undefined;
+  /** Settling of each step run that holds a slot or shares one (onWork), for stop() to wait for. */
+  private readonly running = new Set<Promise<void>>();
+  /** Heartbeats that could not go out (beat): whether the last one did not, and how many since the last logged. */
+  private readonly heartbeatFailures = { failing: false, unlogged: 0, loggedAt: Number.NEGATIVE_INFINITY };
   private inflight = 0;
   private seq = 0n;
   /**
@@ -207,7 +231,8 @@ export class Agent {
    * queue.
    */
   private readonly restoreSamples: Array<{ ms: number; at: number }> = [];
-  private readonly queue: Array<() => Promise<void>> = [];
+  /** Delivered steps waiting for a slot: `run` starts one, `drop` lets it go unacked (stop()). */
+  private readonly queue: Array<{ run: () => Promise<void>; drop: () => void }> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
   /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
   private readonly making = new Map<string, Set<Promise<void>>>();
@@ -217,11 +242,25 @@ export class Agent {
   private readonly after = new Map<string, Array<Promise<void>>>();
   /**
    * `${opId}/${sandboxId}` of starts the scheduler gave up on here (a stop-unanswered,
-   * stop-moved-on or stop-replaced step ran): a create or restore of that op that comes after
-   * it (a redelivery after an agent restart) does not make that VM. In memory, bounded; after
-   * a restart the stop steps' journalled results say the same (gaveUpOn).
+   * stop-moved-on or stop-replaced step was delivered): a create or restore of that op that
+   * comes after it (a redelivery after an agent restart) does not make that VM. In memory,
+   * bounded; after a restart the stops' `#given-up` records (written on delivery) and
+   * journalled results say the same (gaveUpOn).
    */
   private readonly gaveUp = new Set<string>();
+  /**
+   * Per sandbox: the op whose create or restore made its VM here or last found it running and
+   * took it (claim). Also kept in the journal (ownerOf), so that it outlives a restart; in
+   * memory, bounded (one evicted is read from the journal again).
+   */
+  private readonly owners = new Map<string, string>();
+  /**
+   * Per given-up stop being delivered (`${opId}/${stepId}`): the owner its sandbox's VM had
+   * when it came (noteGiveUp), which the stop may end; cleared when its run settles.
+   */
+  private readonly giveUps = new Map<string, Promise<string | undefined>>();
+  /** Per sandbox: a give-up being noted, which a claim waits for (so the note sees the owner before it). */
+  private readonly noting = new Map<string, Promise<unknown>>();
   /** Keep-alives of delivered steps (running or waiting for a slot), cleared by stop(). */
   private readonly keepAlives = new Set<ReturnType<typeof setInterval>>();
   /** Per VM: when it was last busy (a call, or CPU over the threshold), and the last CPU reading. */
@@ -253,9 +292,9 @@ export class Agent {
       this.log.error({ err: e }, 'the newest leader term is unreadable; taking work of any term until a leader sends some');
       return undefined;
     });
-    this.stops.push(await bus.consumeWork((w, ctl) => this.onWork(w, ctl)));
-    this.heartbeat();
-    const t = setInterval(() => this.heartbeat(), this.deps.config.heartbeatMs);
+    this.stopConsuming = await bus.consumeWork((w, ctl) => this.onWork(w, ctl));
+    this.beat();
+    const t = setInterval(() => this.beat(), this.deps.config.heartbeatMs);
     this.stops.push(() => clearInterval(t));
     const keepMs = this.deps.config.journalRetentionMs ?? 0;
     if (keepMs > 0 && this.deps.journal.prune) {
@@ -277,12 +316,46 @@ export class Agent {
     }
   }
 
-  async stop(): Promise<void> {
-    for (const s of this.stops.splice(0).reverse()) await s();
-    // Steps still waiting for a slot are dropped unacked: the bus delivers them again.
-    this.queue.length = 0;
+  /**
+   * Stops taking work at once (steps waiting for a slot are dropped unacked: the bus delivers
+   * them again, to the next agent), ends the delivery of work, waits for the steps still
+   * running to finish (at most shutdownGraceMs), then undoes the rest of start(): every part,
+   * even if one fails to stop. Rejects once all ran if any failed, naming them. VMs are left
+   * running (the next agent adopts them).
+   */
+  stop(): Promise<void> {
+    this.closing ??= this.shutdown();
+    return this.closing;
+  }
+
+  private async shutdown(): Promise<void> {
+    this.closed = true;
+    for (const q of this.queue.splice(0)) q.drop();
+    const failures: unknown[] = [];
+    const attempt = async (s: () => void | Promise<void>): Promise<void> => {
+      try {
+        await s();
+      } catch (e) {
+        failures.push(e);
+        this.log.error({ err: e }, 'stopping: a part of the agent did not stop cleanly');
+      }
+    };
+    const consuming = this.stopConsuming;
+    this.stopConsuming = undefined;
+    if (consuming) await attempt(consuming);
+    if (this.running.size > 0) {
+      const graceMs = this.deps.config.shutdownGraceMs ?? 25_000;
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const graceOver = new Promise<boolean>((r) => (timer = setTimeout(() => r(false), graceMs)));
+      const settled = await Promise.race([Promise.all(this.running).then(() => true), graceOver]);
+      clearTimeout(timer);
+      if (!settled) this.log.warn({ steps: this.running.size, graceMs }, 'stopping with steps still running: they are delivered again to the next agent');
+    }
+    for (const s of this.stops.splice(0).reverse()) await attempt(s);
     for (const t of this.keepAlives) clearInterval(t);
     this.keepAlives.clear();
+    this.giveUps.clear(); // of stops dropped from the queue
+    if (failures.length > 0) throw new AggregateError(failures, `${failures.length} part(s) of the agent did not stop cleanly: ${failures.map((e) => (e instanceof Error ? e.message : String(e))).join('; ')}`);
   }
 
   private event(type: HostEventType, fields: Partial<Pick<HostEvent, 'sandboxId' | 'snapshotId' | 'opId' | 'message'>> & { bytesDone?: bigint; bytesTotal?: bigint }): HostEvent {
@@ -348,6 +421,30 @@ export class Agent {
     while (this.restoreSamples.length && this.restoreSamples[0]!.at < since) this.restoreSamples.shift();
     const s = this.restoreSamples.map((x) => x.ms).sort((a, b) => a - b);
     return s.length ? Math.round(s[Math.floor((s.length - 1) / 2)]!) : 0;
+  }
+
+  /**
+   * A heartbeat that cannot go out (the bus refused it, or reading the host's state failed)
+   * is logged, at most once a minute with how many failed, and the next one comes as usual:
+   * thrown from start() it would end the agent, and from the interval crash it.
+   */
+  private beat(): void {
+    const f = this.heartbeatFailures;
+    try {
+      this.heartbeat();
+      if (f.failing) this.log.info({ notLogged: f.unlogged }, 'heartbeats are sent again');
+      f.failing = false;
+      f.unlogged = 0;
+    } catch (e) {
+      f.failing = true;
+      f.unlogged++;
+      const now = this.deps.clock.now();
+      if (now - f.loggedAt >= 60_000) {
+        this.log.error({ err: e, failed: f.unlogged }, 'heartbeat not sent');
+        f.loggedAt = now;
+        f.unlogged = 0;
+      }
+    }
   }
 
   heartbeat(): void {
@@ -425,15 +522,24 @@ export class Agent {
   }
 
   private onWork(w: HostWork, ctl: WorkControl): Promise<void> {
+    // Stopping: not taken, not acked (the bus delivers it again, to the next agent).
+    if (this.closed) return Promise.resolve();
     if (!this.takesTerm(w)) {
       ctl.ack();
       return Promise.resolve();
     }
+    // On delivery, also of a stop that must wait for a slot: see noteGiveUp.
+    void this.noteGiveUp(w);
     return new Promise<void>((resolve) => {
       // From delivery on, also while the step waits for a slot: JetStream would otherwise
       // deliver a queued step again after its ack wait, and copies would pile up in the queue.
       const keepAlive = setInterval(() => ctl.working(), 5000);
       this.keepAlives.add(keepAlive);
+      const done = (): void => {
+        clearInterval(keepAlive);
+        this.keepAlives.delete(keepAlive);
+        resolve();
+      };
       const key = `${w.opId}/${w.stepId}`;
       const run = async (): Promise<void> => {
         // Another copy of a step that is running (a scheduler's re-send of a slow step, a
@@ -456,23 +562,28 @@ export class Agent {
           // Publishing the result failed (bus down): leave the message unacked for redelivery.
           this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not report step result; it will be redelivered');
         } finally {
-          clearInterval(keepAlive);
-          this.keepAlives.delete(keepAlive);
-          resolve();
+          done();
           if (slot) {
             this.inflight--;
             this.startQueued();
           }
         }
       };
-      if (this.inProgress.has(key) || this.inflight < this.deps.config.concurrency) void run();
-      else this.queue.push(run);
+      if (this.inProgress.has(key) || this.inflight < this.deps.config.concurrency) this.begin(run);
+      else this.queue.push({ run, drop: done });
     });
   }
 
-  /** Starts queued steps while there are free slots (a queued copy of a running step takes none). */
+  /** Runs a delivered step, kept among the running ones until it settles (stop() waits for them). */
+  private begin(run: () => Promise<void>): void {
+    const p = run().catch(() => undefined);
+    this.running.add(p);
+    void p.then(() => this.running.delete(p));
+  }
+
+  /** Starts queued steps while there are free slots (a queued copy of a running step takes none); none once stopping. */
   private startQueued(): void {
-    while (this.queue.length > 0 && this.inflight < this.deps.config.concurrency) this.queue.shift()!().catch(() => undefined);
+    while (!this.closed && this.queue.length > 0 && this.inflight < this.deps.config.concurrency) this.begin(this.queue.shift()!.run);
   }
 
   /** Runs a step once per (op, step): concurrent deliveries share one run, later ones read the journal. */
@@ -480,6 +591,7 @@ export class Agent {
     const key = `${w.opId}/${w.stepId}`;
     const running = this.inProgress.get(key);
     if (running) return running;
+    this.noteGiveUp(w);
     // What this step waits for, by delivery order (steps start in it): a destroy waits for
     // the starts of its sandbox delivered before it, and a start for the destroys before it.
     // A stop of a start the scheduler gave up on then ends the VM that start made, not one a
@@ -491,6 +603,7 @@ export class Agent {
     const p = this.runStepOnce(w).finally(() => {
       this.inProgress.delete(key);
       this.after.delete(key);
+      this.giveUps.delete(key);
     });
     this.inProgress.set(key, p);
     // VMs this step makes are "being made" from now on, before its journal read: a destroy
@@ -578,18 +691,105 @@ export class Agent {
   private async gaveUpOn(opId: string, sandboxId: string): Promise<boolean> {
     const key = `${opId}/${sandboxId}`;
     if (this.gaveUp.has(key)) return true;
-    // The three reads at once: a restore step checks each of its VMs, on the way to ready.
-    // Unreadable is not "not given up": the VM would be started for a start that was given up on.
-    const found = await Promise.all(
-      GAVE_UP_KINDS.map((kind) =>
-        this.deps.journal.get(opId, `stop-${kind}/${sandboxId}`).catch((e: unknown) => {
-          throw journalUnreadable(e);
-        }),
-      ),
-    );
+    // The reads at once: a restore step checks each of its VMs, on the way to ready. A stop's
+    // delivery record (noteGiveUp) counts as well as its result: delivered before the agent
+    // died, it may not have run yet. Unreadable is not "not given up": the VM would be
+    // started for a start that was given up on.
+    const found = await Promise.all(GAVE_UP_KINDS.flatMap((kind) => [`stop-${kind}/${sandboxId}`, `stop-${kind}/${sandboxId}${GIVEN_UP}`]).map((step) => this.journalGet(opId, step)));
     if (!found.some(Boolean)) return false;
     this.rememberGaveUp(key);
     return true;
+  }
+
+  /**
+   * Notes a stop by which the scheduler gives up on a start of its op here (GAVE_UP_STEP) as
+   * it is delivered, before it waits for a slot or for the steps before it: a start of that
+   * op coming after it makes no VM of the sandbox (gaveUp), and the owner the sandbox's VM has
+   * now (ownerOf) is kept in `<step>#given-up`, where it outlives an agent restart. The stop
+   * then ends the VM only if that owner or the stop's own op still has it: one a later op's
+   * start made or took meanwhile is not its to end (a wake placed here again, re-sent at once
+   * after an agent restart, while this stop, delivered before the restart, comes back only
+   * after the bus's ack wait). What the first delivery noted counts. Resolves with that owner
+   * (undefined: none known); never rejects (a journal that fails leaves none known, and the
+   * stop ends the VM as before owners were kept). Undefined for other steps.
+   */
+  private noteGiveUp(w: HostWork): Promise<string | undefined> | undefined {
+    if (w.work.case !== 'destroyVm' || !w.work.value.sandboxId || !GAVE_UP_STEP.test(w.stepId)) return undefined;
+    const key = `${w.opId}/${w.stepId}`;
+    const noted = this.giveUps.get(key);
+    if (noted) return noted;
+    const sandboxId = w.work.value.sandboxId;
+    this.rememberGaveUp(`${w.opId}/${sandboxId}`);
+    const { journal } = this.deps;
+    const record = `${w.stepId}${GIVEN_UP}`;
+    // Read now, in delivery order: a start delivered after this stop claims only once the note is done.
+    const known = this.owners.has(sandboxId);
+    const ownerNow = this.owners.get(sandboxId);
+    const p = (async (): Promise<string | undefined> => {
+      const earlier = givenUpRecord(await journal.get(w.opId, record).catch(() => undefined));
+      if (earlier) return earlier.owner;
+      const owner = known ? ownerNow : await this.ownerOf(sandboxId);
+      await journal.put(w.opId, record, Buffer.from(JSON.stringify({ owner: owner ?? null }), 'utf8')).catch((e: unknown) => this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not journal the delivery of a stop; after a restart it may end a VM a later op took'));
+      return owner;
+    })();
+    this.giveUps.set(key, p);
+    this.noting.set(sandboxId, p);
+    void p.then(() => {
+      if (this.noting.get(sandboxId) === p) this.noting.delete(sandboxId);
+    });
+    return p;
+  }
+
+  /** The op that made or last took the sandbox's VM here (owners, else the journal); undefined when none is known or it is unreadable. */
+  private async ownerOf(sandboxId: string): Promise<string | undefined> {
+    const known = this.owners.get(sandboxId);
+    if (known !== undefined) return known;
+    const b = await this.deps.journal.get(ownerRecord(sandboxId), 'owner').catch((e: unknown) => {
+      this.log.warn({ err: e, sandboxId }, "the owner of a sandbox's VM is unreadable: taken as unknown");
+      return undefined;
+    });
+    if (!b?.length) return undefined;
+    const owner = Buffer.from(b).toString('utf8');
+    if (!this.owners.has(sandboxId)) this.setOwner(sandboxId, owner);
+    return this.owners.get(sandboxId);
+  }
+
+  /**
+   * Records `opId` as the owner of the sandbox's VM, which its create or restore made or found
+   * running here and took (reported as its own), in memory and in the journal, before the
+   * step's result goes out. After a give-up of that sandbox being noted (noteGiveUp), so the
+   * note has the owner from before. A journal that cannot be written is logged: the owner is
+   * then unknown after a restart, and a given-up stop ends the VM as before owners were kept.
+   */
+  private async claim(sandboxId: string, opId: string, log: Logger): Promise<void> {
+    await this.noting.get(sandboxId);
+    if (this.owners.get(sandboxId) === opId) return;
+    this.setOwner(sandboxId, opId);
+    await this.deps.journal.put(ownerRecord(sandboxId), 'owner', Buffer.from(opId, 'utf8')).catch((e: unknown) => log.warn({ err: e, sandboxId }, "could not journal the owner of a sandbox's VM"));
+  }
+
+  private setOwner(sandboxId: string, opId: string): void {
+    this.owners.delete(sandboxId);
+    this.owners.set(sandboxId, opId);
+    if (this.owners.size > GAVE_UP_MAX) this.owners.delete(this.owners.keys().next().value as string);
+  }
+
+  /** A journal read a step cannot go on without: a failure is retryable (journalUnreadable), so the step is not answered final. */
+  private async journalGet(opId: string, stepId: string): Promise<Uint8Array | undefined> {
+    try {
+      return await this.deps.journal.get(opId, stepId);
+    } catch (e) {
+      throw journalUnreadable(e);
+    }
+  }
+
+  /** A journal write a step cannot go on without: a failure is retryable (journalUnwritable). */
+  private async journalPut(opId: string, stepId: string, bytes: Uint8Array): Promise<void> {
+    try {
+      await this.deps.journal.put(opId, stepId, bytes);
+    } catch (e) {
+      throw journalUnwritable(e);
+    }
   }
 
   private rememberGaveUp(key: string): void {
@@ -607,12 +807,15 @@ export class Agent {
         if (await this.gaveUpOn(w.opId, s.sandboxId)) throw new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${s.sandboxId} here (op ${w.opId}): not started`);
         const existing = driver.get(s.sandboxId);
         if (existing && existing.state !== 'crashed' && existing.state !== 'destroyed') {
+          // Found running (this op's own, made before the agent died; or another op's): this op's from now on.
+          await this.claim(s.sandboxId, w.opId, log);
           result.vms = [this.vmStatus(existing)];
           return;
         }
         if (existing) await driver.destroy(s.sandboxId);
         const image = await this.deps.images(work.value.image || 'tiny');
         const vm = await driver.create({ vmId: s.sandboxId, image, memoryMib: s.memoryMib, vcpus: s.vcpus, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) });
+        await this.claim(s.sandboxId, w.opId, log);
         this.touch(vm.vmId);
         result.vms = [this.vmStatus(vm)];
         return;
@@ -645,17 +848,11 @@ export class Agent {
         // VMs with hooks that this step is about to make, recorded first: a redelivery after a
         // crash runs the hooks on those it finds, and only on those (not on a VM another op made).
         const making = `${w.stepId}#making`;
-        const madeBefore = new Set<string>(
-          have.length
-            ? await this.deps.journal
-                .get(w.opId, making)
-                .then((b) => (b?.length ? (JSON.parse(Buffer.from(b).toString('utf8')) as string[]) : []))
-                .catch(() => [] as string[]) // unreadable or torn: none recorded
-            : [],
-        );
+        // Unreadable is a retryable failure (the hooks of a VM made before would be skipped); torn: none recorded.
+        const madeBefore = new Set<string>(have.length ? makingRecord(await this.journalGet(w.opId, making)) : []);
         const hooks = new Map(vms.map((v) => [v.sandboxId, v.afterResume]));
         const hooked = clones.filter((c) => (hooks.get(c.vmId)?.length ?? 0) > 0).map((c) => c.vmId);
-        if (hooked.length) await this.deps.journal.put(w.opId, making, Buffer.from(JSON.stringify([...new Set([...madeBefore, ...hooked])])));
+        if (hooked.length) await this.journalPut(w.opId, making, Buffer.from(JSON.stringify([...new Set([...madeBefore, ...hooked])])));
         let made: VmInfo[] = [];
         const migrated = clones.length ? await this.restoreByMigration(snapshotId, work.value.fetch, clones, log) : undefined;
         if (migrated) {
@@ -682,20 +879,14 @@ export class Agent {
           }
           if (made.length) this.recordRestore(Math.min(...made.map((v) => v.readyMs)));
         }
+        // Made or found running (and reported) by this op: its own from now on, also for a
+        // given-up stop of an earlier op coming after (noteGiveUp).
+        await Promise.all([...have, ...made].map((v) => this.claim(v.vmId, w.opId, log)));
         // A VM an earlier delivery of this step made (the agent died before its result) gets
         // its hooks now unless that delivery recorded them run: at least once.
         const reports = new Map(
           await Promise.all(
-            [...made, ...have.filter((v) => madeBefore.has(v.vmId))].map(async (v) => {
-              const list = hooks.get(v.vmId) ?? [];
-              if (list.length === 0) return [v.vmId, ''] as const;
-              const hookKey = `${w.stepId}#hooks/${v.vmId}`;
-              const ran = made.includes(v) ? undefined : await this.deps.journal.get(w.opId, hookKey);
-              if (ran) return [v.vmId, Buffer.from(ran).toString('utf8')] as const;
-              const report = await this.runHooks(v.vmId, list, log);
-              await this.deps.journal.put(w.opId, hookKey, Buffer.from(report, 'utf8'));
-              return [v.vmId, report] as const;
-            }),
+            [...made, ...have.filter((v) => madeBefore.has(v.vmId))].map(async (v) => [v.vmId, await this.hooksOnce(w, v.vmId, hooks.get(v.vmId) ?? [], log, made.includes(v))] as const),
           ),
         );
         // The scheduler records this host as a holder of a snapshot it fetched: only once that
@@ -725,14 +916,27 @@ export class Agent {
         if (vm.state !== 'running') await driver.resume(vm.vmId);
         // Idle time counts from the resume, not from before the pause.
         this.touch(vm.vmId);
-        const reason = await this.runHooks(vm.vmId, work.value.afterResume, log);
+        // A redelivery (the agent died after the hooks, before the result) does not run them again.
+        const reason = await this.hooksOnce(w, vm.vmId, work.value.afterResume, log, false);
         result.vms = [{ ...this.vmStatus(this.vmOf(vm.vmId)), reason }];
         return;
       }
       case 'destroyVm': {
-        if (GAVE_UP_STEP.test(w.stepId)) this.rememberGaveUp(`${w.opId}/${work.value.sandboxId}`);
+        const { sandboxId } = work.value;
+        const noted = this.noteGiveUp(w);
+        const ownerThen = noted ? await noted : undefined;
         await this.stepsBefore(w);
-        if (driver.get(work.value.sandboxId)) await driver.destroy(work.value.sandboxId);
+        if (!driver.get(sandboxId)) return;
+        if (noted) {
+          // A stop given up on a start ends the VM that start made (or the one there when it
+          // came), not one a later op's start made or took since: that op reported it running.
+          const owner = await this.ownerOf(sandboxId);
+          if (owner !== undefined && owner !== w.opId && owner !== ownerThen) {
+            log.info({ sandboxId, owner }, "stop of a start given up on: the sandbox's VM is a later op's, left running");
+            return;
+          }
+        }
+        await driver.destroy(sandboxId);
         return;
       }
       case 'deleteSnapshot': {
@@ -810,6 +1014,24 @@ export class Agent {
     } finally {
       (await srcP.catch(() => undefined))?.release();
     }
+  }
+
+  /**
+   * The user's after_resume hooks of a restore or resume step on a VM, run once per step: the
+   * report is journalled (`<step>#hooks/<vm>`), and a redelivery of the step (the agent died
+   * after the hooks, before its result) answers with it instead of running them again.
+   * `fresh`: the VM was made by this very run, so no earlier run can have run them. A journal
+   * that fails is a retryable failure of the step (not answered final): the scheduler tries it
+   * again.
+   */
+  private async hooksOnce(w: HostWork, vmId: string, hooks: readonly GuestHook[], log: Logger, fresh: boolean): Promise<string> {
+    if (hooks.length === 0) return '';
+    const key = `${w.stepId}#hooks/${vmId}`;
+    const ran = fresh ? undefined : await this.journalGet(w.opId, key);
+    if (ran) return Buffer.from(ran).toString('utf8');
+    const report = await this.runHooks(vmId, hooks, log);
+    await this.journalPut(w.opId, key, Buffer.from(report, 'utf8'));
+    return report;
   }
 
   /**
@@ -938,6 +1160,35 @@ function makesOf(w: HostWork): string[] {
 const GAVE_UP_KINDS = ['unanswered', 'moved-on', 'replaced'] as const;
 const GAVE_UP_STEP = new RegExp(`^stop-(${GAVE_UP_KINDS.join('|')})/`);
 const GAVE_UP_MAX = 10_000;
+/** Suffix of a given-up stop's delivery record (noteGiveUp): `{"owner": <op id> | null}`. */
+const GIVEN_UP = '#given-up';
+
+/** The journal "op" keeping the owner of a sandbox's VM (Agent.claim): one per sandbox, so prune drops it once not written for the retention. */
+function ownerRecord(sandboxId: string): string {
+  return `vm-owner_${Buffer.from(sandboxId, 'utf8').toString('base64url')}`;
+}
+
+/** The VMs with hooks a restore step recorded it was making (`<step>#making`); none when there is no record or it is torn. */
+function makingRecord(bytes: Uint8Array | undefined): string[] {
+  if (!bytes?.length) return [];
+  try {
+    const ids: unknown = JSON.parse(Buffer.from(bytes).toString('utf8'));
+    return Array.isArray(ids) ? ids.filter((id): id is string => typeof id === 'string') : [];
+  } catch {
+    return [];
+  }
+}
+
+/** A given-up stop's delivery record, or undefined when there is none or it is torn. */
+function givenUpRecord(bytes: Uint8Array | undefined): { owner: string | undefined } | undefined {
+  if (!bytes?.length) return undefined;
+  try {
+    const r = JSON.parse(Buffer.from(bytes).toString('utf8')) as { owner?: unknown };
+    return { owner: typeof r.owner === 'string' ? r.owner : undefined };
+  } catch {
+    return undefined;
+  }
+}
 
 /**
  * A journalled result of this step, or undefined: an empty or undecodable entry (a write an
