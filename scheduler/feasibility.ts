@@ -106,19 +106,23 @@ export function compareVersions(a: string, b: string): number {
 
 /**
  * A snapshot restores on a host when: same accel (a KVM snapshot's CPU state does not load
- * under TCG and vice versa), the host supports its machine type and CPU model, and the
- * host's QEMU is the same major version and not older (migration streams load forward
- * within a versioned machine type, not backward). A create checks only what it asks for.
+ * under TCG and vice versa), the host supports its machine type and CPU model, the host's
+ * QEMU is the same major version and not older (migration streams load forward within a
+ * versioned machine type, not backward), and the host's build of the snapshot's image, if it
+ * has one, has the same base disk (the disk layer overlays those exact bytes). A host that
+ * has not built the image yet builds it for the restore. A create checks only what it asks for.
  */
 export function vmmCompatible(host: HostVmm, snapshot: SnapshotView | null, req: VmmRequirement | undefined): boolean {
   if (snapshot !== null) {
     const vm = snapshot.vmConfig;
+    const built = vm.baseImage && host.images?.[vm.baseImage.key];
     return (
       host.accel === vm.accel &&
       host.machines.includes(vm.machine) &&
       host.cpuModels.includes(vm.cpuModel) &&
       parseVersion(host.qemuVersion)[0] === parseVersion(vm.qemuVersion)[0] &&
-      compareVersions(host.qemuVersion, vm.qemuVersion) >= 0
+      compareVersions(host.qemuVersion, vm.qemuVersion) >= 0 &&
+      (!built || built === vm.baseImage!.diskSha256)
     );
   }
   if (req === undefined) return true;

@@ -2,7 +2,7 @@ import { describe, expect, it } from 'vitest';
 import { InvalidArgumentError } from '../proto/errors.ts';
 import { compilePlacementConfig, DEFAULT_PLACEMENT_CONFIG } from './config.ts';
 import { NoCapacityError, placementError } from './errors.ts';
-import { forkRequest, GIB, hostInput, MIB, snapshotInput } from './fixtures.ts';
+import { forkRequest, GIB, hostInput, KVM_82, MIB, snapshotInput } from './fixtures.ts';
 import { estimateAssignment, place } from './place.ts';
 import { rngForRequest } from './rng.ts';
 import { buildFleetView } from './view.ts';
@@ -308,6 +308,25 @@ describe('restore and create', () => {
     expect(r.placements).toHaveLength(1);
     expect(r.explanation.filtered).toEqual({ vmm_incompatible: 3 });
     expect(r.explanation.feasible).toBe(2);
+  });
+
+  it('fork_ofASnapshotTakenOverOneBuildOfItsImage_leavesOutHostsWhoseBuildDiffers_evenOneHoldingIt_butNotHostsThatSayNothing', () => {
+    const snap = snapshotInput('snap-a', { vmConfig: { ...snapshotInput().vmConfig, baseImage: { key: 'tiny-e250dbfa', diskSha256: 'aaaa' } } });
+    const view = fleet(
+      [
+        hostInput('same-build', { vmm: { ...KVM_82, images: { 'tiny-e250dbfa': 'aaaa' } } }),
+        hostInput('other-build', { vmm: { ...KVM_82, images: { 'tiny-e250dbfa': 'bbbb' } }, heldSnapshots: ['snap-a'] }),
+        hostInput('other-recipe-only', { vmm: { ...KVM_82, images: { 'tiny-0123abcd': 'cccc' } } }),
+        hostInput('says-nothing'),
+      ],
+      [snap],
+    );
+    const r = ok(decide(view, forkRequest(8)));
+    // The holder cannot restore it: its children go where the snapshot must be sent, from it.
+    expect(perHost(r)['other-build']).toBeUndefined();
+    expect(r.explanation.filtered).toEqual({ vmm_incompatible: 1 });
+    expect(r.explanation.feasible).toBe(3);
+    expect(r.transferPlan?.transfers.every((t) => t.sourceHostId === 'other-build')).toBe(true);
   });
 
   it('create_bootsOnLeastCostFeasibleHostWithoutTransfer', () => {

@@ -24,6 +24,11 @@ export interface HostVmm {
   /** CPU models this host can expose, e.g. ["host", "Skylake-Server-v4"]. */
   readonly cpuModels: readonly string[];
   readonly accel: Accel;
+  /**
+   * The guest images this host has built: `<name>-<recipeHash>` -> sha256 of the base disk.
+   * Undefined when the host does not say (nothing is known, nothing is left out).
+   */
+  readonly images?: Readonly<Record<string, string>>;
 }
 
 /** Network link of a host. Loads are what is already in flight, outside the plan being made. */
@@ -80,6 +85,12 @@ export interface VmConfig {
   readonly accel: Accel;
   readonly vcpus: number;
   readonly memoryMib: number;
+  /**
+   * The image build the snapshot's disk layer overlays: `key` is `<name>-<recipeHash>`,
+   * `diskSha256` its base disk's digest on the source host. A host whose build of that image
+   * has another digest cannot restore it (its file system would read as corrupt).
+   */
+  readonly baseImage?: { readonly key: string; readonly diskSha256: string };
 }
 
 export interface SnapshotInput {

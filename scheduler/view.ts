@@ -5,7 +5,8 @@ import { InvalidArgumentError } from '../proto/errors.ts';
 import type { FleetView, FleetViewInput, HostColumns, HostInput, HostView, HostVmm, SnapshotView } from './types.ts';
 
 function vmmKey(v: HostVmm): string {
-  return `${v.accel}|${v.qemuVersion}|${[...v.machines].sort().join(',')}|${[...v.cpuModels].sort().join(',')}`;
+  const images = v.images ? Object.entries(v.images).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0)).map(([k, d]) => `${k}=${d}`).join(',') : '?';
+  return `${v.accel}|${v.qemuVersion}|${[...v.machines].sort().join(',')}|${[...v.cpuModels].sort().join(',')}|${images}`;
 }
 
 function checkResources(field: string, r: HostInput['capacity']): void {

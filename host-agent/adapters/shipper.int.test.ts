@@ -4,7 +4,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { cpSync, existsSync, mkdirSync, readFileSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
 import { join } from 'node:path';
-import { create } from '@bufbuild/protobuf';
+import { create, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { ChunkStoreShipper } from './shipper.ts';
 import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './chunkstore/fs-store.ts';
@@ -14,7 +14,7 @@ import { chunkTransferService } from './peer/server.ts';
 import { LiveRoots, systemClock } from '../domain/snapshot-store.ts';
 import { generateSigningKey, signManifest, signTicket, type SigningKey, type TrustedKeys } from '../domain/tickets.ts';
 import type { LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
-import { ArtifactKind } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { ArtifactKind, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { FetchSnapshotWorkSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { startGrpcServer, type RunningGrpcServer } from '../../services/adapters/grpc/server.ts';
@@ -225,6 +225,40 @@ describe('ChunkStoreShipper.remove', () => {
 });
 
 describe('ChunkStoreShipper.ingest', () => {
+  it('ingest_recordsTheImagesRecipeAndItsBaseDisksDigest_inTheManifestsVmConfig_forPlacementToMatchHostsBuilds', async () => {
+    const root = join(dir, 'D');
+    const snap = join(root, 'vmm', 'd1');
+    mkdirSync(snap, { recursive: true });
+    const base = join(root, 'base.qcow2');
+    execFileSync('qemu-img', ['create', '-q', '-f', 'qcow2', base, '4M']);
+    execFileSync('qemu-img', ['create', '-q', '-f', 'qcow2', '-b', base, '-F', 'qcow2', join(snap, 'disk.qcow2')]);
+    writeFileSync(join(snap, 'image.json'), JSON.stringify({ disk: base }));
+    writeFileSync(join(snap, 'manifest.json'), '{}');
+    writeFileSync(join(snap, 'memory'), randomBytesSeeded(2 * CS, 31));
+    writeFileSync(join(snap, 'state'), textBytes(CS, 32));
+    const diskSha256 = 'ab'.repeat(32);
+    const manifest = {
+      schema: 1,
+      snapshotId: 'd1',
+      parentSnapshotId: null,
+      sourceVmId: 'vm-1',
+      createdAt: new Date().toISOString(),
+      config: { machineType: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '8', accel: 'tcg', cpuModel: 'max' },
+      image: { name: 'tiny', recipeHash: 'e250dbfa', kernelArgs: '', diskSha256 },
+      files: { memory: 'memory', deviceState: 'state', disk: 'disk.qcow2' },
+      diskVirtualSize: 4 << 20,
+      method: 'shared-file',
+      sourcePauseMs: 0,
+    } satisfies VmmSnapshotManifest;
+    const chunks = new FsChunkStore(root);
+    const manifests = new FsManifestStore(root);
+    const roots = new LiveRoots();
+    const shipper = new ChunkStoreShipper({ hostId: 'hostD', driver, driverSnapshotsDir: join(root, 'vmm'), chunks, manifests, materialiser: new Materialiser({ root, chunks, manifests, roots, trust }), roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS });
+    const signed = await shipper.ingest({ dir: snap, manifest });
+    const vc = fromBinary(SnapshotManifestSchema, signed.manifest).vmConfig;
+    expect([vc?.image, vc?.imageDigest, vc?.imageDiskSha256]).toEqual(['tiny', 'e250dbfa', diskSha256]);
+  });
+
   it('ingest_whenTheIngestFailsAfterFlatteningTheDisk_removesTheFlattenedDiskFromScratch_andReportsTheSnapshotHeldIncomplete', async () => {
     const root = join(dir, 'I');
     const snap = join(root, 'vmm', 'x1');

@@ -207,6 +207,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
           cpuModel: m.config.cpuModel,
           image: m.image.name,
           imageDigest: m.image.recipeHash,
+          imageDiskSha256: m.image.diskSha256 ?? '',
         },
         artifacts: [
           { kind: ArtifactKind.MEMORY, name: m.files.memory, path: join(local.dir, m.files.memory) },

@@ -769,4 +769,33 @@ describe('Agent steps', () => {
     agent.heartbeat();
     expect(beats.at(-1)!.restoreCostMs).toBe(100);
   });
+
+  it('restore_ofASnapshotWhoseImageThisHostHasNotBuilt_buildsItFirst_onceOnly_andHeartbeatsListTheBuilds', async () => {
+    const asked: string[] = [];
+    const order: string[] = [];
+    const beats: Heartbeat[] = [];
+    const agent = new Agent({
+      driver: { get: () => undefined, list: () => [], fork: async (_s: unknown, clones: Array<{ vmId: string }>) => (order.push('fork'), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) } as unknown as VmmDriver,
+      shipper: { held: () => [], storedBytes: () => 0, obtain: async () => ({ local: { dir: '/x', manifest: { image: { name: 'debian', recipeHash: 'r1', kernelArgs: '' } } } as never, bytesFetched: 0 }) } as unknown as SnapshotShipper,
+      bus: { publishHeartbeat: (hb: Heartbeat) => void beats.push(hb) } as unknown as AgentBus,
+      journal: new MemoryJournal(),
+      images: async (name: string) => {
+        asked.push(name);
+        order.push(`image ${name}`);
+        return { name, recipeHash: 'r1', diskSha256: `sha-of-${name}`, kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' };
+      },
+      clock: { now: () => 1_000 },
+      log: pino({ level: 'silent' }),
+      config: { hostId: 'h1', bootId: 'b', accel: 'tcg', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
+      qemuVersion: '7.2.0',
+    });
+    const restore = (n: number) => agent.runStep(create(HostWorkSchema, { opId: `op-${n}`, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-d', vms: [{ sandboxId: `sb-${n}` }] } } }));
+    expect((await restore(1)).error).toBeUndefined();
+    expect((await restore(2)).error).toBeUndefined();
+    // Built before the first restore, and not looked for again.
+    expect(order).toEqual(['image debian', 'fork', 'fork']);
+    agent.heartbeat();
+    expect(beats.at(-1)!.images.map((i) => [i.name, i.recipeHash, i.diskSha256])).toEqual([['debian', 'r1', 'sha-of-debian']]);
+    expect(asked).toEqual(['debian']);
+  });
 });

@@ -2304,6 +2304,8 @@ export class Executor {
             accel: vc.accel === Accel.KVM ? 'kvm' : 'tcg',
             cpuModel: vc.cpuModel,
             image: vc.image,
+            ...(vc.imageDigest ? { imageRecipeHash: vc.imageDigest } : {}),
+            ...(vc.imageDiskSha256 ? { imageDiskSha256: vc.imageDiskSha256 } : {}),
           };
         }
         let logical = 0;

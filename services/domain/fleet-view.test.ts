@@ -59,6 +59,24 @@ describe('holdings in the view', () => {
     expect(hosts.map((h) => [h.id, [...h.heldSnapshots].sort()])).toEqual([['a', ['sn-1']], ['b', ['sn-2']]]);
   });
 
+  it('imageBuilds_comeFromEachHostsLastHeartbeat_andASnapshotsBaseDiskFromItsRecord_forPlacementToMatch', () => {
+    const heard = new HeartbeatRegistry();
+    // Through the bus's decoder, as the leader reads it (the VM list is split off and decoded lazily).
+    const beat = create(HeartbeatSchema, { hostId: 'a', bootId: 'b', vms: [{ sandboxId: 'sb-1', state: VmState.RUNNING }], images: [{ name: 'tiny', recipeHash: 'e250dbfa', diskSha256: 'aaaa' }, { name: 'debian', recipeHash: '', diskSha256: 'dddd' }] });
+    heard.record(decodeHeartbeat(toBinary(HeartbeatSchema, beat)), 1_000);
+    heard.record(create(HeartbeatSchema, { hostId: 'b', bootId: 'b' }), 1_000);
+    const vmConfig = { machine: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '7.2.0', accel: 'tcg', cpuModel: 'max', image: 'tiny' };
+    const view = fleetViewInput({
+      hosts: [host('a'), host('b')], allocs: new Map(), heard,
+      snapshots: [{ ...snap('sn-new', []), vmConfig: { ...vmConfig, imageRecipeHash: 'e250dbfa', imageDiskSha256: 'aaaa' } } as SnapshotRec, { ...snap('sn-old', []), vmConfig } as SnapshotRec],
+      revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144,
+    });
+    // An entry without a recipe hash names no build; a host that says nothing has no images.
+    expect(view.hosts.map((h) => [h.id, h.vmm.images])).toEqual([['a', { 'tiny-e250dbfa': 'aaaa' }], ['b', undefined]]);
+    // A snapshot recorded before the digests were: no base image to match.
+    expect(view.snapshots.map((s) => [s.id, s.vmConfig.baseImage])).toEqual([['sn-new', { key: 'tiny-e250dbfa', diskSha256: 'aaaa' }], ['sn-old', undefined]]);
+  });
+
   it('registry_vmAndHolds_lookUpTheLastHeartbeat', () => {
     const heard = new HeartbeatRegistry();
     heard.record(create(HeartbeatSchema, { hostId: 'a', bootId: 'b', vms: [{ sandboxId: 'sb-1', pid: 7 }], snapshots: [{ snapshotId: 'sn-1', complete: true }] }), 1_000);

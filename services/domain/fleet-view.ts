@@ -144,6 +144,23 @@ export class HeartbeatRegistry {
 const vmIndex = new WeakMap<HeartbeatMsg, Map<string, VmStatusMsg> | null>();
 const unreadable = new WeakSet<HeartbeatMsg>();
 const snapshotIndex = new WeakMap<HeartbeatMsg, Set<string>>();
+const imageIndex = new WeakMap<HeartbeatMsg, Readonly<Record<string, string>>>();
+
+/**
+ * The images a heartbeat says its host has built, `<name>-<recipeHash>` -> base disk sha256
+ * (HostVmm.images); undefined for an agent that says nothing (none built, or one that
+ * predates the field): nothing is known then.
+ */
+export function builtImages(hb: HeartbeatMsg): Readonly<Record<string, string>> | undefined {
+  if (hb.images.length === 0) return undefined;
+  let m = imageIndex.get(hb);
+  if (!m) {
+    const out: Record<string, string> = {};
+    for (const i of hb.images) if (i.name && i.recipeHash && i.diskSha256) out[`${i.name}-${i.recipeHash}`] = i.diskSha256;
+    imageIndex.set(hb, (m = out));
+  }
+  return m;
+}
 
 function completeSnapshots(hb: HeartbeatMsg): Set<string> {
   let set = snapshotIndex.get(hb);
@@ -207,7 +224,7 @@ export function fleetViewInput(args: {
       // The host's measured restore time and its slots price its queue (scheduler/README.md).
       ...(heard && heard.hb.restoreCostMs > 0 && heard.hb.restoreSlots > 0 ? { restoreCostMs: heard.hb.restoreCostMs, restoreSlots: heard.hb.restoreSlots } : {}),
       link: { bandwidthBytesPerS: Math.max(1, h.linkBytesPerSecond), rxLoadBytesPerS: 0, txLoadBytesPerS: 0 },
-      vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel },
+      vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel, ...(heard && builtImages(heard.hb) ? { images: builtImages(heard.hb) } : {}) },
       heldSnapshots: [...held],
     };
   });
@@ -219,7 +236,15 @@ export function fleetViewInput(args: {
         id: s.id,
         totalBytes: Math.max(s.storedBytes, 1),
         chunkBytes: args.chunkBytes,
-        vmConfig: { qemuVersion: vc.qemuVersion, machine: vc.machine, cpuModel: vc.cpuModel, accel: vc.accel, vcpus: vc.vcpus, memoryMib: vc.memoryMib },
+        vmConfig: {
+          qemuVersion: vc.qemuVersion,
+          machine: vc.machine,
+          cpuModel: vc.cpuModel,
+          accel: vc.accel,
+          vcpus: vc.vcpus,
+          memoryMib: vc.memoryMib,
+          ...(vc.imageRecipeHash && vc.imageDiskSha256 ? { baseImage: { key: `${vc.image}-${vc.imageRecipeHash}`, diskSha256: vc.imageDiskSha256 } } : {}),
+        },
       };
     });
   return { revision: args.revision, observedAtMs: args.now, hosts, snapshots };

@@ -132,6 +132,9 @@ export interface SnapshotRec {
     accel: 'kvm' | 'tcg';
     cpuModel: string;
     image: string;
+    /** The image's recipe hash and its base disk's sha256 on the source host (VmConfig.image_digest, image_disk_sha256); absent on records written before them. */
+    imageRecipeHash?: string;
+    imageDiskSha256?: string;
   } | null;
   labels: Record<string, string>;
   /** Scheduler signature (base64) over the manifest bytes the source host produced; restores verify it. */

@@ -473,6 +473,8 @@ export function toSnapshot(sn: SnapshotRec): Snapshot {
             accel: sn.vmConfig.accel === 'kvm' ? Accel.KVM : Accel.TCG,
             cpuModel: sn.vmConfig.cpuModel,
             image: sn.vmConfig.image,
+            imageDigest: sn.vmConfig.imageRecipeHash ?? '',
+            imageDiskSha256: sn.vmConfig.imageDiskSha256 ?? '',
           },
         }
       : {}),
