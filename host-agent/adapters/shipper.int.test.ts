@@ -224,6 +224,23 @@ describe('ChunkStoreShipper.remove', () => {
   });
 });
 
+/** A VMM snapshot manifest of a 256 MiB guest whose files are `memory`, `state` and `disk.qcow2` in its directory. */
+function vmmManifest(snapshotId: string, image: VmmSnapshotManifest['image']): VmmSnapshotManifest {
+  return {
+    schema: 1,
+    snapshotId,
+    parentSnapshotId: null,
+    sourceVmId: 'vm-1',
+    createdAt: new Date().toISOString(),
+    config: { machineType: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '8', accel: 'tcg', cpuModel: 'max' },
+    image,
+    files: { memory: 'memory', deviceState: 'state', disk: 'disk.qcow2' },
+    diskVirtualSize: 4 << 20,
+    method: 'shared-file',
+    sourcePauseMs: 0,
+  };
+}
+
 describe('ChunkStoreShipper.ingest', () => {
   it('ingest_recordsTheImagesRecipeAndItsBaseDisksDigest_inTheManifestsVmConfig_forPlacementToMatchHostsBuilds', async () => {
     const root = join(dir, 'D');
@@ -237,19 +254,7 @@ describe('ChunkStoreShipper.ingest', () => {
     writeFileSync(join(snap, 'memory'), randomBytesSeeded(2 * CS, 31));
     writeFileSync(join(snap, 'state'), textBytes(CS, 32));
     const diskSha256 = 'ab'.repeat(32);
-    const manifest = {
-      schema: 1,
-      snapshotId: 'd1',
-      parentSnapshotId: null,
-      sourceVmId: 'vm-1',
-      createdAt: new Date().toISOString(),
-      config: { machineType: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '8', accel: 'tcg', cpuModel: 'max' },
-      image: { name: 'tiny', recipeHash: 'e250dbfa', kernelArgs: '', diskSha256 },
-      files: { memory: 'memory', deviceState: 'state', disk: 'disk.qcow2' },
-      diskVirtualSize: 4 << 20,
-      method: 'shared-file',
-      sourcePauseMs: 0,
-    } satisfies VmmSnapshotManifest;
+    const manifest = vmmManifest('d1', { name: 'tiny', recipeHash: 'e250dbfa', kernelArgs: '', diskSha256 });
     const chunks = new FsChunkStore(root);
     const manifests = new FsManifestStore(root);
     const roots = new LiveRoots();
@@ -271,20 +276,8 @@ describe('ChunkStoreShipper.ingest', () => {
     execFileSync('qemu-img', ['create', '-q', '-f', 'qcow2', '-b', parent, '-F', 'qcow2', join(snap, 'disk.qcow2')]);
     writeFileSync(join(snap, 'image.json'), JSON.stringify({ disk: base }));
     writeFileSync(join(snap, 'manifest.json'), '{}');
-    const manifest = {
-      schema: 1,
-      snapshotId: 'x1',
-      parentSnapshotId: null,
-      sourceVmId: 'vm-1',
-      createdAt: new Date().toISOString(),
-      config: { machineType: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '8', accel: 'tcg', cpuModel: 'max' },
-      image: { name: 'tiny', recipeHash: 'h', kernelArgs: '' },
-      // No memory file: the ingest fails after the disk was flattened.
-      files: { memory: 'memory', deviceState: 'state', disk: 'disk.qcow2' },
-      diskVirtualSize: 4 << 20,
-      method: 'shared-file',
-      sourcePauseMs: 0,
-    } satisfies VmmSnapshotManifest;
+    // No memory file in its directory: the ingest fails after the disk was flattened.
+    const manifest = vmmManifest('x1', { name: 'tiny', recipeHash: 'h', kernelArgs: '' });
     const chunks = new FsChunkStore(root);
     const manifests = new FsManifestStore(root);
     const roots = new LiveRoots();
