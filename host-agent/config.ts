@@ -92,6 +92,12 @@ export interface AgentProcessConfig {
    */
   readonly migrateMaxChildren: number;
   /**
+   * FF_SHUTDOWN_GRACE: on SIGTERM, how long the agent waits for the steps still running to
+   * finish (their results sent) before it exits; a step left is delivered again to the next
+   * agent. Under the 30 s systemd allows (TimeoutStopSec), with room for the rest of shutdown.
+   */
+  readonly shutdownGraceMs: number;
+  /**
    * FF_PEER_MIGRATION_TLS (on|relay|qemu|off, default on): with peer TLS (FF_PEER_*), how
    * migration streams are encrypted (ADR 0015, "TLS relays"):
    * - relay: QEMU streams plain text to a unix socket and a socat process per stream carries it
@@ -201,6 +207,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
       incomingQuietMs: duration('FF_INCOMING_STANDBY_QUIET', '3s', { min: 0, max: MAX_TIMER_MS }),
     },
     migrateMaxChildren: int('FF_MIGRATE_MAX_CHILDREN', '2', 0, 64),
+    shutdownGraceMs: duration('FF_SHUTDOWN_GRACE', '20s', { min: 0, max: MAX_TIMER_MS }),
     peerMigrationTls: migrationTls(e('FF_PEER_MIGRATION_TLS', 'on')),
     ram: ramMount ? { mount: ramMount, ...ramPool } : undefined,
     guestCgroup: guestPath ? { path: guestPath, cpuWeight, required: env.FF_GUEST_CGROUP !== undefined } : undefined,

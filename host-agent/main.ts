@@ -24,7 +24,7 @@ import { findSocat } from './adapters/peer/tls-relay.ts';
 import { migrateOutThroughRelay } from './adapters/peer/migrate.ts';
 import { LiveRoots } from './domain/snapshot-store.ts';
 import { startGrpcServer } from '../services/adapters/grpc/server.ts';
-import { ensureImage } from '../deploy/images/build.ts';
+import { cachedImages, ensureImage, recipeHash } from '../deploy/images/build.ts';
 import type { ImageName } from '../deploy/images/build.ts';
 
 /** Page size of x86-64 Linux, the only platform the agent runs on. */
@@ -156,9 +156,11 @@ async function main(): Promise<void> {
     bus,
     journal: new FsJournal(join(cfg.dataDir, 'journal')),
     images: (name) => ensureImage(name as ImageName),
+    imageRecipe: async (name) => (await recipeHash(name as ImageName)).hash,
+    cachedImages: () => cachedImages(),
     clock: { now: () => Date.now() },
     log,
-    config: { hostId: cfg.hostId, bootId: cfg.bootId, accel, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, journalRetentionMs: cfg.journalRetentionMs, migrateMaxChildren: cfg.migrateMaxChildren },
+    config: { hostId: cfg.hostId, bootId: cfg.bootId, accel, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, journalRetentionMs: cfg.journalRetentionMs, migrateMaxChildren: cfg.migrateMaxChildren, shutdownGraceMs: cfg.shutdownGraceMs },
     qemuVersion: await driver.qemuVersion(),
   });
   await agent.start();

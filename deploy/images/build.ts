@@ -187,6 +187,23 @@ export function buildCommand(args: readonly string[]): [string, string[]] {
   return tiedToUs('bash', args);
 }
 
+/**
+ * The builds in the image cache that look whole (checkImageDir: image.json and its files'
+ * sizes; not hashed): name, recipe hash and base disk sha256 of each `<name>-<hash>` entry. A
+ * host agent lists them in its heartbeats from its start (Heartbeat.images).
+ */
+export async function cachedImages(opts: Pick<ImageOptions, 'cacheDir'> = {}): Promise<Array<{ name: string; recipeHash: string; diskSha256: string }>> {
+  const root = join(opts.cacheDir ?? defaultCacheDir(), 'images');
+  const out: Array<{ name: string; recipeHash: string; diskSha256: string }> = [];
+  for (const entry of await readdir(root).catch(() => [] as string[])) {
+    const m = /^([a-z]+)-([0-9a-f]+)$/.exec(entry);
+    if (!m || !(IMAGE_NAMES as readonly string[]).includes(m[1]!)) continue;
+    const checked = await checkImageDir(join(root, entry));
+    if ('meta' in checked) out.push({ name: m[1]!, recipeHash: m[2]!, diskSha256: checked.meta.diskSha256 });
+  }
+  return out;
+}
+
 /** Cache entries being checked or built by this process, by directory: one build per entry. */
 const inflight = new Map<string, Promise<GuestImage>>();
 

@@ -7,7 +7,7 @@ import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, tr
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
-import { ensureImage } from './build.ts';
+import { cachedImages, ensureImage } from './build.ts';
 import { checkImageDir, fileSha256 } from './meta.ts';
 
 const dir = mkdtempSync(join(tmpdir(), 'ff-image-cache-'));
@@ -53,7 +53,7 @@ describe('image cache entries', () => {
   });
 
   it(
-    'ensureImage_whenTheCachedDiskIsTruncatedOrImageJsonTorn_buildsTheEntryAgain_andKeepsAWholeOne',
+    'ensureImage_whenTheCachedDiskIsTruncatedOrImageJsonTorn_buildsTheEntryAgain_andKeepsAWholeOne_andCachedImagesListsOnlyWholeEntries',
     async () => {
       const cacheDir = join(dir, 'rebuild');
       const first = await ensureImage('tiny', { cacheDir });
@@ -66,8 +66,12 @@ describe('image cache entries', () => {
       expect((await ensureImage('tiny', { cacheDir })).disk).toBe(first.disk);
       expect(statSync(first.disk).ino).toBe(ino);
 
+      // What an agent lists in its heartbeats from its start.
+      expect(await cachedImages({ cacheDir })).toEqual([{ name: 'tiny', recipeHash: first.recipeHash, diskSha256: digest }]);
+
       // What a power loss before the data reached the disk can leave: the name, short files.
       truncateSync(first.disk, 4096);
+      expect(await cachedImages({ cacheDir })).toEqual([]);
       const again = await ensureImage('tiny', { cacheDir });
       expect(again.disk).toBe(first.disk);
       expect(statSync(again.disk).size).toBe(size);

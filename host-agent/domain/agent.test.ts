@@ -513,7 +513,7 @@ describe('Agent steps', () => {
     await agent.stop();
   });
 
-  it('stop_startsNoQueuedStepOnceCalled_andResolvesOnlyOnceTheRunningStepsHaveFinished', async () => {
+  it('stop_startsNoQueuedStepOnceCalled_sendsNoMoreHeartbeats_andResolvesOnlyOnceTheRunningStepsHaveFinished', async () => {
     let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
     const fetched: Array<() => void> = [];
     const asked: string[] = [];
@@ -532,14 +532,15 @@ describe('Agent steps', () => {
         serveFile: () => () => undefined,
         // Ending the bus's consumer takes a while.
         consumeWork: async (f) => ((onWork = f as never), () => new Promise<void>((r) => setTimeout(r, 20))),
-        publishHeartbeat: () => undefined,
+        publishHeartbeat: () => void beats++,
         publishResult: async (r) => void answered.push(r.stepId),
       },
       undefined,
       undefined,
       undefined,
-      { shutdownGraceMs: 5_000 },
+      { shutdownGraceMs: 5_000, heartbeatMs: 10 },
     );
+    let beats = 0;
     await agent.start();
     const ctl = { ack: () => undefined, working: () => undefined };
     // Three restores whose fetches wait fill the three slots; a create waits for one.
@@ -550,10 +551,13 @@ describe('Agent steps', () => {
     expect(fetched.length).toBe(3);
     let stopped = false;
     const stopping = agent.stop().then(() => void (stopped = true));
+    const beatsAtStop = beats;
     fetched[0]!(); // a slot frees while the consumer is still ending
     await new Promise((r) => setTimeout(r, 50));
     expect(answered).toEqual(['restore/0']);
     expect(stopped).toBe(false);
+    // Silent while the running steps finish: the scheduler stops placing work here.
+    expect(beats).toBe(beatsAtStop);
     fetched[1]!();
     fetched[2]!();
     await stopping;
@@ -797,5 +801,26 @@ describe('Agent steps', () => {
     agent.heartbeat();
     expect(beats.at(-1)!.images.map((i) => [i.name, i.recipeHash, i.diskSha256])).toEqual([['debian', 'r1', 'sha-of-debian']]);
     expect(asked).toEqual(['debian']);
+  });
+
+  it('restore_ofASnapshotWhoseImageRecipeThisHostDoesNotHave_buildsNothing_andLooksOnlyOnce', async () => {
+    const asked: string[] = [];
+    const recipes: string[] = [];
+    const agent = new Agent({
+      driver: { get: () => undefined, list: () => [], fork: async (_s: unknown, clones: Array<{ vmId: string }>) => clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo) } as unknown as VmmDriver,
+      shipper: { held: () => [], storedBytes: () => 0, obtain: async () => ({ local: { dir: '/x', manifest: { image: { name: 'debian', recipeHash: 'theirs', kernelArgs: '' } } } as never, bytesFetched: 0 }) } as unknown as SnapshotShipper,
+      bus: {} as AgentBus,
+      journal: new MemoryJournal(),
+      images: async (name: string) => (asked.push(name), { name, recipeHash: 'ours', diskSha256: 'x', kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' }),
+      imageRecipe: async (name: string) => (recipes.push(name), 'ours'),
+      clock: { now: () => 1_000 },
+      log: pino({ level: 'silent' }),
+      config: { hostId: 'h1', bootId: 'b', accel: 'tcg', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
+      qemuVersion: '7.2.0',
+    });
+    for (const n of [1, 2, 3]) await agent.runStep(create(HostWorkSchema, { opId: `op-${n}`, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-d', vms: [{ sandboxId: `sb-${n}` }] } } }));
+    // Another recipe here (another kernel, other packages): a build would not be the snapshot's image.
+    expect(asked).toEqual([]);
+    expect(recipes).toEqual(['debian']);
   });
 });

@@ -144,9 +144,8 @@ export interface AgentConfig {
   /**
    * How long stop() waits for the steps still running to finish (their results sent) before
    * it stops all the same; a step left then is delivered again to the next agent, which
-   * measures before it acts. Default 25 s: under the 30 s a container runtime or systemd
-   * commonly allows between SIGTERM and SIGKILL. (Not yet read from the environment by
-   * config.ts; main.ts passes none.)
+   * measures before it acts. Default 20 s (FF_SHUTDOWN_GRACE): under the 30 s a container
+   * runtime or systemd commonly allows between SIGTERM and SIGKILL, with room for the rest.
    */
   shutdownGraceMs?: number;
 }
@@ -169,6 +168,10 @@ export interface AgentDeps {
   bus: AgentBus;
   journal: Journal;
   images: (name: string) => Promise<GuestImage>;
+  /** This host's recipe hash for an image name (cheaper than `images`: nothing built). Absent: not checked. */
+  imageRecipe?: (name: string) => Promise<string>;
+  /** The builds already in this host's image cache, listed in heartbeats from the start. Absent: none known until built. */
+  cachedImages?: () => Promise<ReadonlyArray<{ name: string; recipeHash: string; diskSha256: string }>>;
   clock: Clock;
   log: Logger;
   config: AgentConfig;
@@ -228,6 +231,10 @@ export class Agent {
    * snapshot whose image is here needs no look at the cache (~100 ms) first (baseImageFor).
    */
   private readonly built = new Map<string, { name: string; recipeHash: string; diskSha256: string }>();
+  /** Per `<name>-<recipeHash>` a snapshot overlays: the look for (or build of) it under way or done (baseImageFor). */
+  private readonly baseImages = new Map<string, Promise<void>>();
+  /** The heartbeat interval, ended first when stopping (shutdown). */
+  private heartbeatTimer: ReturnType<typeof setInterval> | undefined;
   private inflight = 0;
   private seq = 0n;
   /**
@@ -299,11 +306,15 @@ export class Agent {
       return undefined;
     });
     this.stopConsuming = await bus.consumeWork((w, ctl) => this.onWork(w, ctl));
-    // The default image, built (or found) in the background: heartbeats list it, and a
-    // restore here does not wait for its build.
-    void this.image(DEFAULT_IMAGE).catch((e: unknown) => this.log.warn({ err: e, image: DEFAULT_IMAGE }, 'the default guest image is not ready here; a create or restore builds it'));
+    // The builds in the image cache, then the default image built (or found), in the
+    // background: heartbeats list them, and a restore here does not wait for that build.
+    void (async () => {
+      for (const i of (await this.deps.cachedImages?.()) ?? []) this.built.set(`${i.name}-${i.recipeHash}`, { ...i });
+      await this.image(DEFAULT_IMAGE);
+    })().catch((e: unknown) => this.log.warn({ err: e, image: DEFAULT_IMAGE }, 'the default guest image is not ready here; a create or restore builds it'));
     this.beat();
     const t = setInterval(() => this.beat(), this.deps.config.heartbeatMs);
+    this.heartbeatTimer = t;
     this.stops.push(() => clearInterval(t));
     const keepMs = this.deps.config.journalRetentionMs ?? 0;
     if (keepMs > 0 && this.deps.journal.prune) {
@@ -339,6 +350,9 @@ export class Agent {
 
   private async shutdown(): Promise<void> {
     this.closed = true;
+    // Silent from now on: the scheduler soon counts the host suspect and places nothing more
+    // here while the running steps finish.
+    clearInterval(this.heartbeatTimer);
     for (const q of this.queue.splice(0)) q.drop();
     const failures: unknown[] = [];
     const attempt = async (s: () => void | Promise<void>): Promise<void> => {
@@ -353,7 +367,7 @@ export class Agent {
     this.stopConsuming = undefined;
     if (consuming) await attempt(consuming);
     if (this.running.size > 0) {
-      const graceMs = this.deps.config.shutdownGraceMs ?? 25_000;
+      const graceMs = this.deps.config.shutdownGraceMs ?? 20_000;
       let timer: ReturnType<typeof setTimeout> | undefined;
       const graceOver = new Promise<boolean>((r) => (timer = setTimeout(() => r(false), graceMs)));
       const settled = await Promise.race([Promise.all(this.running).then(() => true), graceOver]);
@@ -735,7 +749,11 @@ export class Agent {
     // Read now, in delivery order: a start delivered after this stop claims only once the note is done.
     const known = this.owners.has(sandboxId);
     const ownerNow = this.owners.get(sandboxId);
+    // After any note of this sandbox under way (another op's stop): a claim waits for the last
+    // note only, so notes go one after another.
+    const before = this.noting.get(sandboxId);
     const p = (async (): Promise<string | undefined> => {
+      await before?.catch(() => undefined);
       const earlier = givenUpRecord(await journal.get(w.opId, record).catch(() => undefined));
       if (earlier) return earlier.owner;
       const owner = known ? ownerNow : await this.ownerOf(sandboxId);
@@ -1044,10 +1062,30 @@ export class Agent {
    * logged: the driver then refuses the restore naming what is missing, as it refuses a build
    * whose base disk differs from the snapshot's (another recipe here, say).
    */
-  private async baseImageFor(m: { image?: { name: string; recipeHash: string } }, log: Logger): Promise<void> {
+  private baseImageFor(m: { image?: { name: string; recipeHash: string } }, log: Logger): Promise<void> {
     const want = m.image;
-    if (!want?.name || this.built.has(`${want.name}-${want.recipeHash}`)) return;
-    await this.image(want.name).catch((e: unknown) => log.warn({ err: e, image: `${want.name}-${want.recipeHash}` }, 'could not build the image a snapshot was taken from'));
+    const key = `${want?.name}-${want?.recipeHash}`;
+    if (!want?.name || this.built.has(key)) return Promise.resolve();
+    let p = this.baseImages.get(key);
+    if (!p) {
+      // One look per image at a time, and once per agent for an image this host cannot build
+      // (another recipe: another kernel or other package versions here). A failed build is
+      // tried again by the next restore.
+      p = (async () => {
+        const here = await this.deps.imageRecipe?.(want.name);
+        if (here !== undefined && here !== want.recipeHash) {
+          log.warn({ image: key, recipeHere: here }, "this host's recipe for the image a snapshot was taken from differs: not built (the restore is refused)");
+          return;
+        }
+        await this.image(want.name);
+        if (!this.built.has(key)) log.warn({ image: key }, 'the image built here is not the one a snapshot was taken from');
+      })().catch((e: unknown) => {
+        this.baseImages.delete(key);
+        log.warn({ err: e, image: key }, 'could not build the image a snapshot was taken from');
+      });
+      this.baseImages.set(key, p);
+    }
+    return p;
   }
 
   /**

@@ -58,6 +58,8 @@ export async function startFakeAgent(nc: NatsConnection, o: FakeAgentOptions, lo
       concurrency: o.concurrency,
       // As a real agent's default: its journal is pruned past any redelivery (long scale runs).
       journalRetentionMs: 48 * 3_600_000,
+      // Its steps are simulated: a stop waits briefly for them (tests stop fake hosts mid-step).
+      shutdownGraceMs: 1000,
     },
     qemuVersion: FAKE_QEMU_VERSION,
   });

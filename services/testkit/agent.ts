@@ -57,6 +57,8 @@ export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
     FF_RAM_MOUNT: ramMount,
     // No guests cgroup (ADR 0018): it would outlive the test; cgroup.int and the fleet e2e cover it.
     FF_GUEST_CGROUP: '',
+    // Tests stop agents mid-step on purpose: a short wait for running steps (the default is 20 s).
+    FF_SHUTDOWN_GRACE: '2s',
     ...o.env,
   };
   const launch = (): ManagedProcess => {
