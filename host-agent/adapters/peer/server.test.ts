@@ -12,7 +12,7 @@ import { manifestDigests } from '../../domain/snapshot-store.ts';
 import { TicketInvalidError } from '../../domain/transfer-errors.ts';
 import { decodeManifestUnverified, generateSigningKey, signTicket } from '../../domain/tickets.ts';
 import { storeHoldingS1 } from './migrate-testkit.ts';
-import { chunkTransferService } from './server.ts';
+import { chunkTransferService, STREAM_GRACE_MS } from './server.ts';
 
 let dir: string;
 beforeAll(() => {
@@ -81,24 +81,28 @@ function expectExpired(end: unknown): void {
 }
 
 describe('ChunkTransferService.fetchChunks', () => {
-  it('fetchChunks_whenTheTicketExpiresWhileTheStreamIsOpen_refusesTheNextWant_withPermissionDenied', async () => {
+  it('fetchChunks_ofAStreamOpenedInTime_servesPastTheTicketsExpiryForTheGrace_thenRefusesTheNextWant_withPermissionDenied', async () => {
     const s = await openStream(8);
     try {
       // Before the expiry: served.
       s.want();
       expect((await s.out.next()).value?.payload.case).toBe('chunk');
-      // Past it, on the same stream: the next want is refused and nothing is sent.
+      // Past the expiry but within the grace (a long transfer): still served.
       s.at(61_000);
       s.want();
+      expect((await s.out.next()).value?.payload.case).toBe('chunk');
+      // Past the grace, on the same stream: the next want is refused and nothing is sent.
+      s.at(61_000 + STREAM_GRACE_MS);
+      s.want();
       expectExpired(await s.next());
-      expect(s.stats.chunksServed).toBe(1);
+      expect(s.stats.chunksServed).toBe(2);
       expect(s.stats.refused).toBe(1);
     } finally {
       s.close();
     }
   });
 
-  it('fetchChunks_wantsAskedBeforeTheExpiry_areNotServedAfterIt', async () => {
+  it('fetchChunks_wantsAskedBeforeTheExpiry_areNotServedAfterItsGrace', async () => {
     // Asked in time, but no credit to send them until after the expiry.
     const s = await openStream(0);
     try {
@@ -106,7 +110,7 @@ describe('ChunkTransferService.fetchChunks', () => {
       s.want();
       const first = s.next();
       await new Promise((r) => setTimeout(r, 20));
-      s.at(61_000);
+      s.at(61_000 + STREAM_GRACE_MS);
       s.credit(2);
       expectExpired(await first);
       expect(s.stats.chunksServed).toBe(0);

@@ -1,8 +1,8 @@
 // ChunkTransferService: how a host agent serves snapshot chunks to its peers. Thin gRPC
 // handlers: check the ticket, convert, read the store. Every call needs a ticket the
 // scheduler signed for this snapshot and for the calling host; otherwise nothing is served.
-// A FetchChunks stream serves nothing after its ticket's expiry: each want and each chunk
-// sent checks it again (permission_denied), not only the open.
+// A FetchChunks stream opened in time serves nothing later than STREAM_GRACE_MS past its
+// ticket's expiry: each want and each chunk sent checks it again (permission_denied).
 //
 // The caller's host id comes from `callerHostId(ctx)`. The default reads the `ff-host-id`
 // metadata; with mutual TLS (FF_PEER_*) the agent takes it from the caller's certificate
@@ -55,6 +55,14 @@ export function peerHost(peer: string): string | undefined {
   const host = hostOfAddress(peer.replace(/^ipv[46]:/, ''));
   return isIP(host) ? plainAddress(host) : undefined;
 }
+
+/**
+ * How long past its ticket's expiry a FetchChunks stream opened in time is still served. The
+ * scheduler signs a step's ticket once (10 minutes) and re-sends the step with it, so a
+ * transfer under way when the ticket expires goes on; a stream kept open with the ticket
+ * (a leaked one, say) ends within this.
+ */
+export const STREAM_GRACE_MS = 10 * 60_000;
 
 /** An IPv4-mapped IPv6 address ("::ffff:10.0.0.2") as the IPv4 address; others unchanged. */
 export function plainAddress(ip: string): string {
@@ -130,11 +138,11 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       let failure: unknown;
       const changed = new Notifier();
       // The ticket is checked again on each want and before each chunk is sent: a stream opened
-      // before its ticket's expiry serves nothing after it.
+      // before its ticket's expiry serves nothing STREAM_GRACE_MS after it.
       let expired = false;
       const live = (): void => {
         try {
-          assertTicketLive(claims, deps.clock.now());
+          assertTicketLive(claims, new Date(deps.clock.now().getTime() - STREAM_GRACE_MS));
         } catch (e) {
           if (!expired) {
             expired = true;
