@@ -3,7 +3,7 @@
 // host and the per-decision context; none depends on other hosts or on the plan so far,
 // except resource room, which the planner tracks per child (see place.ts).
 import { roomFor, missingBytes, type Demand } from './cost.ts';
-import type { FilterReason, FleetView, HostView, HostVmm, Locality, SnapshotView, VmmRequirement } from './types.ts';
+import type { FilterReason, FleetView, HostView, HostVmm, Locality, SnapshotView, VmConfig, VmmRequirement } from './types.ts';
 
 /** Per-decision facts shared by every check. Built once per place() call. */
 export interface DecisionContext {
@@ -61,8 +61,21 @@ export const vmmCheck: Check = (i, ctx) => {
     c = ok ? 1 : 2;
     ctx.compat[p] = c;
   }
-  return c === 1 ? null : 'vmm_incompatible';
+  if (c !== 1) return 'vmm_incompatible';
+  // The host's own build of the snapshot's image (profiles leave images out: builds differ per host).
+  const base = ctx.demand.snapshot?.vmConfig.baseImage;
+  return base && !sameBaseImage(ctx.view.hosts[i]!.vmm, base) ? 'vmm_incompatible' : null;
 };
+
+/**
+ * Whether the host can restore over the base disk a snapshot's layer overlays: its build of
+ * the image has that disk's digest, or it has not built the image (its agent builds it for
+ * the restore) or does not say (an agent that predates HostVmm.images).
+ */
+export function sameBaseImage(host: HostVmm, base: NonNullable<VmConfig['baseImage']>): boolean {
+  const built = host.images?.[base.key];
+  return !built || built === base.diskSha256;
+}
 export const transferCheck: Check = (i, ctx) => {
   if (ctx.demand.snapshot === null || ctx.holderSet.has(i)) return null;
   if ((ctx.view.cols.downlink[i] as number) <= 0) return 'no_inbound_bandwidth';
@@ -106,23 +119,21 @@ export function compareVersions(a: string, b: string): number {
 
 /**
  * A snapshot restores on a host when: same accel (a KVM snapshot's CPU state does not load
- * under TCG and vice versa), the host supports its machine type and CPU model, the host's
+ * under TCG and vice versa), the host supports its machine type and CPU model, and the host's
  * QEMU is the same major version and not older (migration streams load forward within a
- * versioned machine type, not backward), and the host's build of the snapshot's image, if it
- * has one, has the same base disk (the disk layer overlays those exact bytes). A host that
- * has not built the image yet builds it for the restore. A create checks only what it asks for.
+ * versioned machine type, not backward). Also its build of the snapshot's image must have the
+ * base disk the snapshot overlays: sameBaseImage, per host (vmmCheck), not part of the shared
+ * profile this judges. A create checks only what it asks for.
  */
 export function vmmCompatible(host: HostVmm, snapshot: SnapshotView | null, req: VmmRequirement | undefined): boolean {
   if (snapshot !== null) {
     const vm = snapshot.vmConfig;
-    const built = vm.baseImage && host.images?.[vm.baseImage.key];
     return (
       host.accel === vm.accel &&
       host.machines.includes(vm.machine) &&
       host.cpuModels.includes(vm.cpuModel) &&
       parseVersion(host.qemuVersion)[0] === parseVersion(vm.qemuVersion)[0] &&
-      compareVersions(host.qemuVersion, vm.qemuVersion) >= 0 &&
-      (!built || built === vm.baseImage!.diskSha256)
+      compareVersions(host.qemuVersion, vm.qemuVersion) >= 0
     );
   }
   if (req === undefined) return true;

@@ -4,5 +4,5 @@ export { place, estimateAssignment, MAX_FORK_COUNT, type AssignmentEstimate } fr
 export { buildFleetView } from './view.ts';
 export { rngForRequest, xoshiro128ss, type Rng } from './rng.ts';
 export { DEFAULT_PLACEMENT_CONFIG, compilePlacementConfig, type PlacementConfig } from './config.ts';
-export { vmmCompatible, compareVersions } from './feasibility.ts';
+export { vmmCompatible, sameBaseImage, compareVersions } from './feasibility.ts';
 export { NoCapacityError, UnknownSnapshotError, placementError } from './errors.ts';

@@ -4,9 +4,9 @@
 import { InvalidArgumentError } from '../proto/errors.ts';
 import type { FleetView, FleetViewInput, HostColumns, HostInput, HostView, HostVmm, SnapshotView } from './types.ts';
 
+/** The profile hosts share (images apart: builds differ per host, and vmmCheck looks at them per host). */
 function vmmKey(v: HostVmm): string {
-  const images = v.images ? Object.entries(v.images).sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0)).map(([k, d]) => `${k}=${d}`).join(',') : '?';
-  return `${v.accel}|${v.qemuVersion}|${[...v.machines].sort().join(',')}|${[...v.cpuModels].sort().join(',')}|${images}`;
+  return `${v.accel}|${v.qemuVersion}|${[...v.machines].sort().join(',')}|${[...v.cpuModels].sort().join(',')}`;
 }
 
 function checkResources(field: string, r: HostInput['capacity']): void {
