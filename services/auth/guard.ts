@@ -15,9 +15,9 @@ export interface ApiGuardOptions {
   /** Concurrent streaming calls (Exec, ReadFile, WriteFile, WatchEvents) per credential; long polls (WaitOperation) are capped at as many, counted apart. */
   maxStreamsPerCredential: number;
   /**
-   * WatchEvents streams per credential, within the streams above (default 16). Each reads every
-   * change in the fleet before its filter: hundreds open would make every write cost the
-   * replica hundreds of decodes.
+   * WatchEvents streams per tenant credential, within the streams above (default 16; admin
+   * credentials are not capped). Each reads every change in the fleet before its filter:
+   * hundreds open would make every write cost the replica hundreds of decodes.
    */
   maxWatchesPerCredential?: number;
   now?: () => number;
@@ -106,7 +106,8 @@ export class ApiGuard {
       if (!free) throw new TooManyStreamsError(this.longPolls.max);
       return { principal, release: free };
     }
-    const watch = call.method !== undefined && WATCHES.has(call.method);
+    // Admin credentials (operators, the dashboard's one watch per tenant) are not capped.
+    const watch = !principal.admin && call.method !== undefined && WATCHES.has(call.method);
     const freeWatch = watch ? this.watches.acquire(principal.credentialId) : undefined;
     if (watch && !freeWatch) throw new TooManyStreamsError(this.watches.max, 'event watches (FF_MAX_WATCHES_PER_CREDENTIAL)');
     const free = this.streams.acquire(principal.credentialId);

@@ -212,6 +212,7 @@ describe('ApiGuard and tenancy', () => {
   it('admit_watchEventsStreams_areCappedPerCredentialBelowTheStreamCap_andAFreedWatchOrARefusedOneLeavesOtherStreamsTheirRoom', () => {
     const file = join(dir, 'tokens.json');
     const a = mintToken(file, { tenant: 'acme' });
+    const ops = mintToken(file, { tenant: 'ops', admin: true });
     const guard = new ApiGuard(new Authenticator(file, undefined), { maxStreamsPerCredential: 4, maxWatchesPerCredential: 2 });
     const watch = (): ReturnType<ApiGuard['admit']> => guard.admit({ metadata: md(`Bearer ${a}`), streaming: true, method: '/forkfleet.v1.FleetService/WatchEvents' });
     const exec = (): ReturnType<ApiGuard['admit']> => guard.admit({ metadata: md(`Bearer ${a}`), streaming: true, method: '/forkfleet.v1.FleetService/Exec' });
@@ -226,6 +227,8 @@ describe('ApiGuard and tenancy', () => {
     // A watch's release frees its stream too, so one more exec (or a watch) fits.
     exec();
     expect(kindOf(watch)).toBe('resource_exhausted:streams');
+    // An admin credential (the dashboard watches once per tenant) is not capped.
+    for (let i = 0; i < 4; i++) guard.admit({ metadata: md(`Bearer ${ops}`), streaming: true, method: '/forkfleet.v1.FleetService/WatchEvents' });
   });
 
   it('admit_withTwoAuthorizationHeaders_isUnauthenticated', () => {

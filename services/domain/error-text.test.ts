@@ -21,6 +21,12 @@ describe('error texts tenants read', () => {
     expect(e.message).not.toContain('ENOENT');
   });
 
+  it('hostStepError_ofANamedKindTheSchedulerTakesAsInternal_keepsTheHostsMessage', () => {
+    const e = new HostStepError('h1', 'restore/h1', 'permission_denied', 'ticket expired at 2026-12-05T10:00:00.000Z', false);
+    expect(e.kind).toBe('internal');
+    expect(e.message).toBe('host h1: restore/h1: ticket expired at 2026-12-05T10:00:00.000Z');
+  });
+
   it('hostStepError_ofANamedKind_keepsTheHostsMessage', () => {
     const e = new HostStepError('h1', 'create', 'resource_exhausted', 'no room for 4 vCPUs', true);
     expect(e.message).toBe('host h1: create: no room for 4 vCPUs');

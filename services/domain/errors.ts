@@ -67,6 +67,9 @@ export class NotLeaderError extends ForkfleetError {
   }
 }
 
+/** Every error kind of the project (proto/errors.ts ErrorKind). */
+const NAMED_KINDS: ReadonlySet<string> = new Set(['invalid_argument', 'not_found', 'already_exists', 'failed_precondition', 'resource_exhausted', 'aborted', 'unavailable', 'deadline_exceeded', 'unauthenticated', 'permission_denied', 'cancelled', 'internal'] satisfies ForkfleetError['kind'][]);
+
 export class HostStepError extends ForkfleetError {
   /**
    * The host's own text when the error is `internal` (an unexpected failure on the host: its
@@ -76,9 +79,14 @@ export class HostStepError extends ForkfleetError {
    */
   readonly detail: string | undefined;
   constructor(hostId: string, step: string, kind: string, message: string, retryable: boolean) {
-    const named = ['invalid_argument', 'not_found', 'failed_precondition', 'resource_exhausted', 'unavailable', 'deadline_exceeded'].includes(kind);
+    // The kinds a host's failure keeps; others (a ticket the peer refused, permission_denied,
+    // say) are the host's problem, not the caller's request: internal, their text kept.
+    const kept = ['invalid_argument', 'not_found', 'failed_precondition', 'resource_exhausted', 'unavailable', 'deadline_exceeded'].includes(kind);
+    // A named error's text says what went wrong; an unexpected one's (kind internal, or none
+    // the project knows) may carry host paths or QEMU output.
+    const named = kind !== 'internal' && NAMED_KINDS.has(kind);
     super(
-      (named ? kind : 'internal') as ForkfleetError['kind'],
+      (kept ? kind : 'internal') as ForkfleetError['kind'],
       named ? `host ${hostId}: ${step}: ${message}` : `host ${hostId}: ${step}: internal error on the host (its agent's log and the scheduler's have the cause)`,
       { retryable },
     );

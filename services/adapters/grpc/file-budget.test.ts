@@ -151,4 +151,16 @@ describe('file calls within the replica budget', () => {
     expect(whole[200_000]).toBe(7);
     expect([...whole.subarray(300_000)]).toEqual([1, 2, 3]);
   });
+
+  it('filePieces_ofOneBytePiecesTakingTurnsWithLargeOnes_holdAboutTheBytesTheyCount_notABlockPerSmallPiece', () => {
+    const pieces = new FilePieces();
+    for (let i = 0; i < 100; i++) {
+      pieces.add(Uint8Array.of(i));
+      pieces.add(new Uint8Array(FilePieces.BLOCK / 4));
+    }
+    // Each one-byte piece sealed into an array of its own size, not a view of a 64 KiB block.
+    const held = (pieces as unknown as { parts: Uint8Array[] }).parts.reduce((n, p) => n + p.buffer.byteLength, 0);
+    expect(held).toBeLessThan(2 * 100 * (1 + FilePieces.BLOCK / 4));
+    expect(pieces.join().length).toBe(100 * (1 + FilePieces.BLOCK / 4));
+  });
 });

@@ -113,7 +113,8 @@ export class ByteBudget {
  * A WriteFile's pieces, held until the last one. Pieces under BLOCK/4 are copied into shared
  * blocks, empty ones dropped: kept one array each, a stream of millions of tiny or empty
  * pieces cost ~100 bytes of heap per piece that the byte budget never saw (a 64 MiB file in
- * one-byte pieces is gigabytes of heap).
+ * one-byte pieces is gigabytes of heap). A block sealed less than half full is copied to its
+ * size, so small and large pieces taking turns hold at most about twice what they count.
  */
 export class FilePieces {
   static readonly BLOCK = 64 * 1024;
@@ -143,8 +144,9 @@ export class FilePieces {
     this.parts.length = 0;
     return whole;
   }
+  /** Keeps the filled part of the block: a copy when it is less than half (a view would keep all 64 KiB alive for a few bytes). */
   private seal(): void {
-    if (this.block) this.parts.push(this.block.subarray(0, this.fill));
+    if (this.block && this.fill > 0) this.parts.push(this.fill < FilePieces.BLOCK / 2 ? this.block.slice(0, this.fill) : this.block.subarray(0, this.fill));
     this.block = undefined;
     this.fill = 0;
   }
