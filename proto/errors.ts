@@ -4,19 +4,30 @@
 //
 // Each package keeps its own errors.ts of named subclasses; this file holds only the base.
 
-export type ErrorKind =
-  | 'invalid_argument' // bad input; `field` names the offending field
-  | 'not_found'
-  | 'already_exists'
-  | 'failed_precondition' // valid request, wrong state (e.g. exec on a destroyed sandbox)
-  | 'resource_exhausted' // no capacity, quota or rate limit
-  | 'aborted' // optimistic-concurrency conflict; the caller may re-read and retry
-  | 'unavailable' // transient: a peer, host or dependency is down
-  | 'deadline_exceeded'
-  | 'unauthenticated'
-  | 'permission_denied'
-  | 'cancelled'
-  | 'internal';
+/** Every error kind, as the API's ErrorInfo.kind and the gRPC status mapping know them. */
+export const ERROR_KINDS = [
+  'invalid_argument', // bad input; `field` names the offending field
+  'not_found',
+  'already_exists',
+  'failed_precondition', // valid request, wrong state (e.g. exec on a destroyed sandbox)
+  'resource_exhausted', // no capacity, quota or rate limit
+  'aborted', // optimistic-concurrency conflict; the caller may re-read and retry
+  'unavailable', // transient: a peer, host or dependency is down
+  'deadline_exceeded',
+  'unauthenticated',
+  'permission_denied',
+  'cancelled',
+  'internal',
+] as const;
+
+export type ErrorKind = (typeof ERROR_KINDS)[number];
+
+const KINDS: ReadonlySet<string> = new Set(ERROR_KINDS);
+
+/** Whether `kind` (a string off the wire) is one of ERROR_KINDS. */
+export function isErrorKind(kind: string): kind is ErrorKind {
+  return KINDS.has(kind);
+}
 
 export interface ForkfleetErrorOptions {
   cause?: unknown;

@@ -1064,8 +1064,9 @@ export class Agent {
    */
   private baseImageFor(m: { image?: { name: string; recipeHash: string } }, log: Logger): Promise<void> {
     const want = m.image;
-    const key = `${want?.name}-${want?.recipeHash}`;
-    if (!want?.name || this.built.has(key)) return Promise.resolve();
+    if (!want?.name) return Promise.resolve();
+    const key = `${want.name}-${want.recipeHash}`;
+    if (this.built.has(key)) return Promise.resolve();
     let p = this.baseImages.get(key);
     if (!p) {
       // One look per image at a time, and once per agent for an image this host cannot build

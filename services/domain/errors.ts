@@ -1,5 +1,5 @@
 // Named errors of the scheduler service (CONVENTIONS.md §5). Kinds map to gRPC codes at the edge.
-import { ForkfleetError } from '../../proto/errors.ts';
+import { ForkfleetError, isErrorKind } from '../../proto/errors.ts';
 
 export class NotFoundError extends ForkfleetError {
   constructor(what: 'sandbox' | 'snapshot' | 'operation' | 'host', id: string) {
@@ -67,9 +67,6 @@ export class NotLeaderError extends ForkfleetError {
   }
 }
 
-/** Every error kind of the project (proto/errors.ts ErrorKind). */
-const NAMED_KINDS: ReadonlySet<string> = new Set(['invalid_argument', 'not_found', 'already_exists', 'failed_precondition', 'resource_exhausted', 'aborted', 'unavailable', 'deadline_exceeded', 'unauthenticated', 'permission_denied', 'cancelled', 'internal'] satisfies ForkfleetError['kind'][]);
-
 export class HostStepError extends ForkfleetError {
   /**
    * The host's own text when the error is `internal` (an unexpected failure on the host: its
@@ -84,7 +81,7 @@ export class HostStepError extends ForkfleetError {
     const kept = ['invalid_argument', 'not_found', 'failed_precondition', 'resource_exhausted', 'unavailable', 'deadline_exceeded'].includes(kind);
     // A named error's text says what went wrong; an unexpected one's (kind internal, or none
     // the project knows) may carry host paths or QEMU output.
-    const named = kind !== 'internal' && NAMED_KINDS.has(kind);
+    const named = kind !== 'internal' && isErrorKind(kind);
     super(
       (kept ? kind : 'internal') as ForkfleetError['kind'],
       named ? `host ${hostId}: ${step}: ${message}` : `host ${hostId}: ${step}: internal error on the host (its agent's log and the scheduler's have the cause)`,
