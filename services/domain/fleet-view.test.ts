@@ -21,12 +21,20 @@ function input(ownInflight?: Map<string, number>) {
 }
 
 describe('fleetViewInput', () => {
-  it('hosts_thatReportRestoreCostAndSlots_carryThemAndOthersFallBackToTheDefaults', () => {
+  it('hosts_thatReportRestoreCostAndSlots_carryThem_andOneThatMeasuredNoneYetIsPricedAtTheFleetsMedian', () => {
     const [measured, fresh] = input();
     expect(measured).toMatchObject({ restoreCostMs: 320, restoreSlots: 4, inflightOps: 2 });
-    // No restore measured yet: placement uses its configured defaults for this host.
-    expect(fresh?.restoreCostMs).toBeUndefined();
-    expect(fresh?.restoreSlots).toBeUndefined();
+    // No restore measured here yet: priced like the fleet's measured hosts, not at the
+    // configured default (which undercut every measured host on TCG: wakes went cold).
+    expect(fresh).toMatchObject({ restoreCostMs: 320, restoreSlots: 4 });
+  });
+
+  it('hosts_inAFleetThatMeasuredNoRestoreYet_fallBackToTheConfiguredDefaults', () => {
+    const heard = new HeartbeatRegistry();
+    heard.record(create(HeartbeatSchema, { hostId: 'a', bootId: 'b', restoreSlots: 4, restoreCostMs: 0 }), 1_000);
+    const [a] = fleetViewInput({ hosts: [host('a')], allocs: new Map(), heard, snapshots: [], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144 }).hosts;
+    expect(a?.restoreCostMs).toBeUndefined();
+    expect(a?.restoreSlots).toBeUndefined();
   });
 
   it('hostRecordedLost_staysLostInTheView_evenWithFreshHeartbeats_untilItsRecordIsReady', () => {

@@ -199,6 +199,17 @@ export function fleetViewInput(args: {
       else recorded.set(h, [s.id]);
     }
   }
+  // A host that has not restored anything yet is priced like the fleet's measured hosts (the
+  // median of their restore_cost_ms), not at config.restoreCostMs: a static default below
+  // what this fleet's restores take (TCG: ~250 ms against 150) made every unmeasured host look
+  // cheaper than a warm holder, and a wake or fork went cold, moving the snapshot, for nothing.
+  const measured: number[] = [];
+  for (const h of args.hosts) {
+    const hb = args.heard.get(h.id)?.hb;
+    if (hb && hb.restoreCostMs > 0 && hb.restoreSlots > 0) measured.push(hb.restoreCostMs);
+  }
+  measured.sort((a, b) => a - b);
+  const fleetRestoreMs = measured.length ? measured[(measured.length - 1) >> 1] : undefined;
   const hosts: HostInput[] = args.hosts.map((h) => {
     const heard = args.heard.get(h.id);
     const alloc = args.allocs.get(h.id);
@@ -222,7 +233,7 @@ export function fleetViewInput(args: {
       allocated: alloc?.allocated ?? { vcpus: 0, memoryMib: 0, diskMib: 0 },
       inflightOps: Math.max(heard?.hb.inflightOps ?? 0, args.ownInflight?.get(h.id) ?? 0),
       // The host's measured restore time and its slots price its queue (scheduler/README.md).
-      ...(heard && heard.hb.restoreCostMs > 0 && heard.hb.restoreSlots > 0 ? { restoreCostMs: heard.hb.restoreCostMs, restoreSlots: heard.hb.restoreSlots } : {}),
+      ...(heard && heard.hb.restoreSlots > 0 && (heard.hb.restoreCostMs > 0 || fleetRestoreMs !== undefined) ? { restoreCostMs: heard.hb.restoreCostMs > 0 ? heard.hb.restoreCostMs : fleetRestoreMs, restoreSlots: heard.hb.restoreSlots } : {}),
       link: { bandwidthBytesPerS: Math.max(1, h.linkBytesPerSecond), rxLoadBytesPerS: 0, txLoadBytesPerS: 0 },
       vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel, ...(heard && builtImages(heard.hb) ? { images: builtImages(heard.hb) } : {}) },
       heldSnapshots: [...held],
