@@ -220,7 +220,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     log: log.child({ component: 'executor' }),
     heard,
     signer: {
-      ticket: (snapshotId, destinationHostId) => signTicket({ snapshotId, destinationHostId, expiresAt: new Date(clock.now() + 10 * 60_000) }, signing),
+      ticket: (snapshotId, destinationHostId, allowMigration) => signTicket({ snapshotId, destinationHostId, expiresAt: new Date(clock.now() + 10 * 60_000), allowMigration }, signing),
       manifest: (bytes) => ({ signature: sign(null, bytes, signing.privateKey), keyId: signing.keyId }),
     },
     config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs, migrateMaxChildren: config.migrateMaxChildren, recordRetentionMs: config.recordRetentionMs, heldSnapshotCheckMs: config.heldSnapshotCheckMs, strayVmGraceMs: config.strayVmGraceMs },

@@ -24,6 +24,8 @@ export interface TicketClaims {
   readonly snapshotId: string;
   readonly destinationHostId: string;
   readonly expiresAt: Date;
+  /** The destination may restore by migration (MigrateSnapshot), not only fetch chunks. */
+  readonly allowMigration: boolean;
 }
 
 export function generateSigningKey(keyId: string): { signing: SigningKey; trusted: TrustedKeys } {
@@ -31,7 +33,7 @@ export function generateSigningKey(keyId: string): { signing: SigningKey; truste
   return { signing: { keyId, privateKey }, trusted: new Map([[keyId, publicKey]]) };
 }
 
-export function signTicket(claims: Omit<TicketClaims, 'ticketId'> & { ticketId?: string }, key: SigningKey): SignedTicket {
+export function signTicket(claims: Omit<TicketClaims, 'ticketId' | 'allowMigration'> & { ticketId?: string; allowMigration?: boolean }, key: SigningKey): SignedTicket {
   const ticket = toBinary(
     TransferTicketSchema,
     create(TransferTicketSchema, {
@@ -39,6 +41,7 @@ export function signTicket(claims: Omit<TicketClaims, 'ticketId'> & { ticketId?:
       destinationHostId: claims.destinationHostId,
       expiresAt: timestampFromDate(claims.expiresAt),
       ticketId: claims.ticketId ?? randomUUID(),
+      allowMigration: claims.allowMigration ?? false,
     }),
   );
   return create(SignedTicketSchema, { ticket, signature: sign(null, ticket, key.privateKey), keyId: key.keyId });
@@ -83,7 +86,7 @@ export function verifyTicket(signed: SignedTicket | undefined, trust: TrustedKey
   if (expect.snapshotId !== undefined && t.snapshotId !== expect.snapshotId) {
     throw new TicketInvalidError(`issued for snapshot ${JSON.stringify(t.snapshotId)}, not ${JSON.stringify(expect.snapshotId)}`);
   }
-  return { ticketId: t.ticketId, snapshotId: t.snapshotId, destinationHostId: t.destinationHostId, expiresAt };
+  return { ticketId: t.ticketId, snapshotId: t.snapshotId, destinationHostId: t.destinationHostId, expiresAt, allowMigration: t.allowMigration };
 }
 
 /**

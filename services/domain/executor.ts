@@ -77,8 +77,8 @@ export interface ExecutorConfig {
 
 /** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
 export interface Signer {
-  /** A ticket for one destination to fetch one snapshot. */
-  ticket(snapshotId: string, destinationHostId: string): SignedTicket;
+  /** A ticket for one destination to fetch one snapshot, and with `allowMigration` to restore it by migration from a holder. */
+  ticket(snapshotId: string, destinationHostId: string, allowMigration: boolean): SignedTicket;
   /** A signature over a manifest's exact bytes. */
   manifest(bytes: Uint8Array): { signature: Uint8Array; keyId: string };
 }
@@ -1766,7 +1766,7 @@ export class Executor {
     return {
       snapshotId: sn.id,
       sources: sources.map((h) => ({ hostId: h, address: this.cache.hosts.get(h)?.value.peerAddress ?? '' })),
-      ticket: this.deps.signer.ticket(sn.id, hostId),
+      ticket: this.deps.signer.ticket(sn.id, hostId, migrate),
       manifest: { signature: Buffer.from(sn.manifestSignature, 'base64'), keyId: sn.manifestKeyId },
       allowMigration: migrate,
     };

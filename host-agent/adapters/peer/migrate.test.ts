@@ -33,7 +33,7 @@ async function fakeMigrate(_snapshotId: string, target: { host: string; port: nu
   return { bytes: 20, ms: 1 };
 }
 
-const ticket = (dest: string, k = key) => signTicket({ snapshotId: 's1', destinationHostId: dest, expiresAt: new Date(Date.now() + 60_000) }, k);
+const ticket = (dest: string, k = key, allowMigration = true) => signTicket({ snapshotId: 's1', destinationHostId: dest, expiresAt: new Date(Date.now() + 60_000), allowMigration }, k);
 
 /** What QEMU does with a stream: reads an accepted connection, or listens on the relay's unix socket and reads the first. */
 async function readAll(stream: MigrationStream): Promise<string> {
@@ -88,6 +88,19 @@ describe('MigrateSnapshot', () => {
     for (const t of [ticket('hostR', stranger), ticket('someOtherHost')]) {
       await expect(migrateFrom({ sourceAddress: withMigrate.address, ticket: t, hostId: 'hostR', listenHost: '127.0.0.1' }, load)).rejects.toMatchObject({ kind: expect.stringMatching(/permission_denied|unauthenticated/) });
     }
+    expect(loaded).toBe(false);
+    expect(targets.length).toBe(calls);
+  });
+
+  it('migrateSnapshot_withAFetchOnlyTicket_isPermissionDenied_andTheSourceStartsNoMigration', async () => {
+    // A drain's copy or a fan-out relay gets a ticket to fetch only: its destination must end
+    // up holding the snapshot, and the source must not start a QEMU for it.
+    let loaded = false;
+    const calls = targets.length;
+    await expect(migrateFrom({ sourceAddress: withMigrate.address, ticket: ticket('hostR', key, false), hostId: 'hostR', listenHost: '127.0.0.1' }, async (c) => ((loaded = true), readAll(c)))).rejects.toMatchObject({
+      kind: 'permission_denied',
+      message: expect.stringContaining('not migration'),
+    });
     expect(loaded).toBe(false);
     expect(targets.length).toBe(calls);
   });

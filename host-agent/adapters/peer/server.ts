@@ -113,6 +113,13 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
 
     async migrateSnapshot(req, ctx) {
       const { claims } = await authorise(req.ticket, ctx);
+      // Only a ticket the scheduler signed for migration starts a QEMU here: a fetch-only one
+      // (a drain's copy or a fan-out relay, which must end up holding the snapshot) is refused.
+      if (!claims.allowMigration) {
+        stats.refused++;
+        deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId }, 'migration refused: the ticket allows fetching only');
+        throw new TicketInvalidError('the ticket allows fetching chunks only, not migration');
+      }
       if (!deps.migrate) throw new ForkfleetError('failed_precondition', 'this host does not migrate snapshots out; fetch the chunks');
       if (!Number.isInteger(req.port) || req.port < 1 || req.port > 65535) throw new InvalidArgumentError('port', 'must be 1..65535');
       // The stream goes only to the address the call came from: a ticket holder cannot aim it elsewhere.

@@ -77,7 +77,7 @@ async function sendStream(to: { unixPath: string }): Promise<{ bytes: number; ms
   return { bytes: payload.length, ms: 1 };
 }
 
-const ticket = (dest: string) => signTicket({ snapshotId: 's1', destinationHostId: dest, expiresAt: new Date(Date.now() + 60_000) }, key);
+const ticket = (dest: string) => signTicket({ snapshotId: 's1', destinationHostId: dest, expiresAt: new Date(Date.now() + 60_000), allowMigration: true }, key);
 
 describe.skipIf(!socat)('TLS relays for migration streams', () => {
   beforeAll(async () => {
