@@ -11,8 +11,10 @@ import { EXEC_UNREAD_MAX_BYTES, NatsWorkBus } from '../../../services/adapters/n
 import { agentConnectOptions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
 import { STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { NatsAgentBus } from './agent-bus.ts';
+import { BATCH_HEADER } from '../../../services/adapters/nats/batcher.ts';
+import { headers as natsHeaders } from 'nats';
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
-import { HeartbeatSchema, HostEventSchema, HostExecOutputSchema, HostFileRequestSchema, HostFileResponseSchema, HostExecRequestSchema, HostResultSchema, HostWorkSchema } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { HeartbeatSchema, HostEventSchema, HostExecOutputSchema, HostFileRequestSchema, HostFileResponseSchema, HostExecRequestSchema, HostResultSchema, HostWorkBatchSchema, HostWorkSchema } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostResultMsg, HeartbeatMsg, HostWorkMsg } from '../../../services/domain/messages.ts';
 
 import { startAgent, type AgentProcess } from '../../../services/testkit/agent.ts';
@@ -226,6 +228,40 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     busA.publishHeartbeat(create(HeartbeatSchema, { hostId: 'host-a', seq: 10n }));
     await waitUntil('host-a heartbeat 10', () => heartbeats.find((h) => h.hostId === 'host-a' && h.seq === 10n));
     await stop();
+  });
+
+  it('workBatch_whoseStepsEachKeepItAlive_sendsOneInProgressAckPerMessage_notOnePerStep', async () => {
+    // 16 steps in one message, each keeping it alive as the agent does (every 5 s per step):
+    // one +WPI per message and interval, not 16.
+    const acks: string[] = [];
+    const ackSub = sched.subscribe(`$JS.ACK.${STREAM_WORK}.>`, { callback: (_e, m) => acks.push(new TextDecoder().decode(m.data)) });
+    await sched.flush();
+    let steps = 0;
+    let release!: () => void;
+    const released = new Promise<void>((r) => (release = r));
+    const stop = await busA.consumeWork(async (w, ctl) => {
+      if (!w.opId.startsWith('op-wpi-')) return void ctl.ack();
+      steps++;
+      for (let i = 0; i < 3; i++) ctl.working();
+      await released;
+      ctl.ack();
+    });
+    try {
+      const items = Array.from({ length: 16 }, (_, i) => create(HostWorkSchema, { opId: `op-wpi-${i}`, stepId: 'create', attempt: 1 }));
+      const h = natsHeaders();
+      h.set(BATCH_HEADER, '1');
+      await sched.jetstream().publish(subjects.work('host-a'), toBinary(HostWorkBatchSchema, create(HostWorkBatchSchema, { items })), { headers: h });
+      await waitUntil('every step delivered', () => (steps === 16 ? true : undefined));
+      await sched.flush();
+      await sleep(200);
+      expect(acks.filter((a) => a.startsWith('+WPI'))).toHaveLength(1);
+      release();
+      await waitUntil('the batch acked', () => (acks.some((a) => a.startsWith('+ACK')) ? true : undefined));
+    } finally {
+      release();
+      ackSub.unsubscribe();
+      await stop();
+    }
   });
 
   it('workQueue_deletedUnderARunningAgent_isCreatedAgainAndWorkFlows', async () => {

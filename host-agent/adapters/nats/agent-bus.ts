@@ -40,6 +40,12 @@ async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise
   }
 }
 
+/**
+ * In-progress acks of one work message go out at most this often (the work consumer's ack wait
+ * is WORK_ACK_WAIT_MS, 30 s; the agent calls working() for each of its steps every 5 s).
+ */
+export const WORKING_MIN_INTERVAL_MS = 2_000;
+
 export class NatsAgentBus implements AgentBus {
   private readonly js: JetStreamClient;
   private readonly publisher: JsPublisher;
@@ -88,7 +94,16 @@ export class NatsAgentBus implements AgentBus {
         return;
       }
       // A batch is acked when every step in it is (each step acks when its result is out).
-      const ctl: WorkControl = { ack: ackAfter(ws.length, () => m.ack()), working: () => m.working() };
+      // Every step of a batch keeps the one message alive (agent.ts, every 5 s): at most one
+      // in-progress ack per message per WORKING_MIN_INTERVAL_MS goes out, not one per step.
+      let lastWorking = Number.NEGATIVE_INFINITY;
+      const working = (): void => {
+        const now = performance.now();
+        if (now - lastWorking < WORKING_MIN_INTERVAL_MS) return;
+        lastWorking = now;
+        m.working();
+      };
+      const ctl: WorkControl = { ack: ackAfter(ws.length, () => m.ack()), working };
       // A scheduler that reads result batches says so on its work (hostwork.proto, "Batches").
       if (m.headers?.get(RESULT_BATCH_HEADER) === '1') for (const w of ws) this.markBatchable(`${w.opId}/${w.stepId}`);
       for (const w of ws) {

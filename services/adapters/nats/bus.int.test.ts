@@ -6,10 +6,10 @@ import type { NatsConnection } from 'nats';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { startNats } from '../../testkit/nats.ts';
 import type { NatsServer } from '../../testkit/nats.ts';
-import { HeartbeatSchema, HostExecRequestSchema } from '../../domain/messages.ts';
-import type { HeartbeatMsg } from '../../domain/messages.ts';
+import { HeartbeatSchema, HostExecRequestSchema, HostResultSchema } from '../../domain/messages.ts';
+import type { HeartbeatMsg, HostResultMsg } from '../../domain/messages.ts';
 import { NatsWorkBus } from './bus.ts';
-import { subjects } from './subjects.ts';
+import { STREAM_RESULTS, subjects } from './subjects.ts';
 
 let server: NatsServer;
 let schedNc: NatsConnection;
@@ -56,5 +56,25 @@ describe('NatsWorkBus', () => {
     while (beats.length === 0 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
     expect(beats.map((b) => b.hostId)).toEqual(['h-ok']);
     sub.unsubscribe();
+  });
+
+  it('consumeResults_whenTheResultsStreamWasLostBeforeItStarts_makesItAgain_andResultsArrive', async () => {
+    // A leader that starts after nats-server lost its store (or the stream was deleted) while
+    // no replica consumed: it used to fail "stream not found" on every start, on every replica.
+    const jsm = await schedNc.jetstreamManager();
+    await jsm.streams.delete(STREAM_RESULTS);
+    const got: HostResultMsg[] = [];
+    const stop = await bus.consumeResults((r, ack) => {
+      got.push(r);
+      ack();
+    });
+    try {
+      await hostNc.jetstream().publish(subjects.result('h-r'), toBinary(HostResultSchema, create(HostResultSchema, { opId: 'op-after-loss', stepId: 'create', hostId: 'h-r', attempt: 1 })));
+      const deadline = Date.now() + 10_000;
+      while (got.length === 0 && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+      expect(got.map((r) => r.opId)).toEqual(['op-after-loss']);
+    } finally {
+      await stop();
+    }
   });
 });

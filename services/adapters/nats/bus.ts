@@ -227,8 +227,11 @@ export class NatsWorkBus implements WorkBus {
       let rs: HostResultMsg[];
       try {
         rs = isBatch(m) ? fromBinary(HostResultBatchSchema, m.data).items : [fromBinary(HostResultSchema, m.data)];
-      } catch {
-        m.term(); // undecodable: never redeliver
+      } catch (e) {
+        // Undecodable: never redelivered. Said, with where it came from: the steps it answered
+        // wait out their timeouts, and a host sending such results needs looking at.
+        this.log?.warn({ err: e, subject: m.subject, seq: m.seq, bytes: m.data.length }, 'undecodable result message dropped');
+        m.term();
         return;
       }
       // The subject names the host that sent it (its NATS user may publish only there).

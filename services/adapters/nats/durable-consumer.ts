@@ -43,7 +43,19 @@ export function isGone(e: unknown): boolean {
 export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Promise<void>> {
   const open = async (): Promise<ConsumerMessages> => (await o.js.consumers.get(o.stream, o.consumer)).consume({ max_messages: o.maxMessages });
   let closed = false;
-  let messages = await open();
+  let messages: ConsumerMessages;
+  try {
+    messages = await open();
+  } catch (e) {
+    // Gone before the first pull (a nats-server that lost its store while no one consumed, a
+    // leader starting after the stream was deleted): made once more here, else every start
+    // would fail the same way. Anything else, or a second failure, is the caller's to retry.
+    if (!isGone(e)) throw e;
+    o.onGone((e as Error).message);
+    await new Promise((r) => setTimeout(r, RECREATE_AFTER_MS));
+    await o.ensure();
+    messages = await open();
+  }
   const loop = (async () => {
     while (!closed) {
       const current = messages;
@@ -70,6 +82,11 @@ export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Pr
       check.unref();
       try {
         for await (const m of current) await o.onMessage(m);
+      } catch (e) {
+        // nats.js ends the iterator with an error on some pull failures (a 400 answer, a
+        // permissions violation). Consumed anew as when the consumer went: otherwise this loop
+        // would end here, unhandled, and nothing would be taken from the queue again.
+        if (!closed) gone(`consuming failed: ${e instanceof Error ? e.message : String(e)}`);
       } finally {
         clearInterval(check);
       }

@@ -1,5 +1,5 @@
 // JetStream publishes through one shared reply subscription, against a real nats-server.
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { connect, RetentionPolicy } from 'nats';
 import type { NatsConnection } from 'nats';
 import { startNats } from '../../testkit/nats.ts';
@@ -59,6 +59,23 @@ describe('JsPublisher', () => {
     await expect(waiting).rejects.toMatchObject({ kind: 'unavailable' });
     await expect(p.publish('t.after', Buffer.from('x'))).rejects.toMatchObject({ kind: 'unavailable' });
     mute.unsubscribe();
+  });
+
+  it('publish_whenNoPubAckComes_failsAtItsDeadline_evenIfTheWallClockStepsBack', async () => {
+    const mute = nc.subscribe('mute.>', { callback: () => undefined });
+    const p = new JsPublisher(nc, { timeoutMs: 300 });
+    const wall = Date.now.bind(Date);
+    try {
+      const waiting = p.publish('mute.c', Buffer.from('x'));
+      // An NTP correction of an hour backwards right after the publish.
+      vi.spyOn(Date, 'now').mockImplementation(() => wall() - 3_600_000);
+      const outcome = await Promise.race([waiting.then(() => 'acked', (e: { kind?: string }) => e.kind), new Promise((r) => setTimeout(() => r('still pending after 3 s'), 3000))]);
+      expect(outcome).toBe('deadline_exceeded');
+    } finally {
+      vi.restoreAllMocks();
+      p.close();
+      mute.unsubscribe();
+    }
   });
 
   it('of_sameConnection_givesOnePublisher', () => {

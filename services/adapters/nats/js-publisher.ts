@@ -63,7 +63,9 @@ export class JsPublisher {
     this.timeoutMs = opts.timeoutMs ?? DEFAULT_TIMEOUT_MS;
     this.inbox = createInbox(opts.inboxPrefix);
     this.sub = nc.subscribe(`${this.inbox}.*`, { callback: (err, m) => this.onReply(err, m) });
-    this.sweeper = setInterval(() => this.expire(Date.now()), 250);
+    // Deadlines on the monotonic clock: a wall clock stepped back (an NTP correction) would keep a
+    // publish whose PubAck was lost pending that much longer, and every send queued behind it.
+    this.sweeper = setInterval(() => this.expire(performance.now()), 250);
     this.sweeper.unref();
   }
 
@@ -76,7 +78,7 @@ export class JsPublisher {
     if (this.closed) return Promise.reject(new ForkfleetError('unavailable', `JetStream publish to ${subject}: the publisher is closed`));
     const token = (this.seq++).toString(36);
     return new Promise<PubAck>((resolve, reject) => {
-      this.pending.set(token, { subject, deadline: Date.now() + this.timeoutMs, resolve, reject });
+      this.pending.set(token, { subject, deadline: performance.now() + this.timeoutMs, resolve, reject });
       let h: ReturnType<typeof natsHeaders> | undefined;
       if (opts.msgId || opts.headers) {
         h = natsHeaders();
