@@ -409,6 +409,11 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       expect(after.get(s.id)?.hostId).not.toBe('fake-4');
     }
     expect(main.vms().get('fake-4')).toEqual([]);
+    // Each move is marked switched in the drain's record: a re-run goes by that, not by where
+    // the sandbox is by then (executor-drain.test.ts).
+    const rec = (await store.listOps({ activeOnly: false })).find((o) => o.value.id === final.id)?.value;
+    const migrations = (rec?.input as { migrations?: Record<string, { switched?: boolean }> } | undefined)?.migrations ?? {};
+    expect(before.map((s) => migrations[s.id]?.switched)).toEqual(before.map(() => true));
     await api.cordonHost({ idempotencyKey: key(), hostId: 'fake-4', cordon: false });
     await assertConsistent();
   });

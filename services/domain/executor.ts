@@ -40,7 +40,11 @@ const MIGRATE_MAX_HOSTS = 4;
 const FORK_REPLACEMENTS = 2;
 
 /** A fork's children placed again (op input `replaced`): how often, and by which placement (its name). */
-type Replacements = Record<string, { times: number; by: string }>;
+/** Fork children placed again: how often, by which placement, and the hosts they were taken off (never placed back there). */
+type Replacements = Record<string, { times: number; by: string; from?: string[] }>;
+function replacedAgain(before: Replacements[string] | undefined, by: string, from: string): Replacements[string] {
+  return { times: (before?.times ?? 0) + 1, by, from: [...new Set([...(before?.from ?? []), from])] };
+}
 /** How often the leader checks sandboxes against their hosts' heartbeats (reconcileVms). */
 const VM_CHECK_MS = 2000;
 /** Heartbeats received this soon after a sandbox's last change may not list its VM yet (or two heartbeat intervals, if longer). */
@@ -198,6 +202,12 @@ interface PlaceJob {
   snapshot: { tenantId: string; id: string } | undefined;
   request: (view: ReturnType<typeof buildFleetView>) => PlacementRequest;
   records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void };
+  /**
+   * Before the job is planned again after its commit conflicted: re-reads the records its
+   * writes are guarded by (a child destroyed meanwhile), so that the retry is not doomed to
+   * the same conflict. Throws when the job has nothing left to place.
+   */
+  refresh?: () => Promise<void>;
   resolve: (p: Placed) => void;
   reject: (e: unknown) => void;
 }
@@ -536,6 +546,12 @@ interface MigrationRec {
   wasPaused: boolean;
   /** 0 (or absent) for the first attempt. */
   attempt?: number;
+  /**
+   * The sandbox's record was switched to toHostId (in the transaction that switched it): the
+   * move is done and its booking there is the sandbox's own, whatever the sandbox does next (a
+   * hibernation releases it, a wake books elsewhere). A re-run never releases it again.
+   */
+  switched?: boolean;
 }
 
 /**
@@ -1227,6 +1243,11 @@ export class Executor {
    * at the new revision (so records given to commit are never changed afterwards).
    */
   private async commit(writes: StoreWrite[]): Promise<number> {
+    // Stopped (stepping down, shutting down): nothing more is written, though the election key
+    // still stands until the replica resigns. A runner that stop() woke (its step "timed out")
+    // would otherwise record an outcome it never saw, e.g. a sandbox hibernated whose VM stop
+    // was never sent; the next leader runs the op again from what etcd says.
+    if (!this.active) throw new NotLeaderError();
     const rev = await this.deps.store.commitAt(writes, this.deps.fence?.());
     if (rev > 0) {
       for (const w of writes) {
@@ -1584,9 +1605,9 @@ export class Executor {
    * ones that queue up while a commit is in flight are decided together (each seeing what
    * the earlier ones booked, exactly as one after another) and committed in one transaction.
    */
-  private placeAndBook(op: OperationRec, snapshot: PlaceJob['snapshot'], request: PlaceJob['request'], records: PlaceJob['records']): Promise<Placed> {
+  private placeAndBook(op: OperationRec, snapshot: PlaceJob['snapshot'], request: PlaceJob['request'], records: PlaceJob['records'], refresh?: PlaceJob['refresh']): Promise<Placed> {
     return new Promise<Placed>((resolve, reject) => {
-      this.placeQueue.push({ op, snapshot, request, records, resolve, reject });
+      this.placeQueue.push({ op, snapshot, request, records, resolve, reject, ...(refresh ? { refresh } : {}) });
       if (!this.placeRunning) void this.runPlacements();
     });
   }
@@ -1736,7 +1757,19 @@ export class Executor {
           for (const p of planned) await this.placeGroup([p.job]);
           return;
         }
-        pending = planned.map((p) => p.job);
+        // A job's own records may be what changed: it re-reads them first (a job with nothing
+        // left to place ends here). A store failure fails the group, below.
+        const again: PlaceJob[] = [];
+        for (const p of planned) {
+          try {
+            await p.job.refresh?.();
+            again.push(p.job);
+          } catch (e) {
+            if (e instanceof StoreUnavailableError) throw e;
+            p.job.reject(e);
+          }
+        }
+        pending = again;
       }
       for (const job of pending) job.reject(new ConflictError('host capacity (too many concurrent placements)'));
     } catch (e) {
@@ -2344,16 +2377,22 @@ export class Executor {
    * after that (and a host would be told to delete what is about to be ready).
    */
   private async markSnapshotFailed(rec: SnapshotRec): Promise<void> {
+    let last: unknown;
     for (let i = 0; i < 5 && this.active; i++) {
       try {
         await this.updateSnapshotRec(rec.tenantId, rec.id, (cur) => (cur.state === 'creating' ? { ...cur, state: 'failed', endedAt: this.deps.clock.now() } : undefined));
         return;
       } catch (w) {
         if (w instanceof NotLeaderError) return;
+        last = w;
         this.log.warn({ err: w, snapshotId: rec.id }, 'could not mark a snapshot failed');
         await new Promise((r) => setTimeout(r, 200));
       }
     }
+    // Not marked (the store was out longer than the tries): the op must not end on the
+    // caller's error, or nothing would ever finish this creating record. As a store failure,
+    // the op runs again (run()), and its re-run takes the snapshot up again or marks it failed.
+    if (this.active) throw last instanceof StoreUnavailableError ? last : new StoreUnavailableError(`marking snapshot ${rec.id} failed`, last);
   }
 
   private async runPauseResume(op: OperationRec): Promise<void> {
@@ -3176,16 +3215,18 @@ export class Executor {
     replaced: Replacements,
   ): Promise<{ children: Array<{ rec: SandboxRec; rev: number }>; transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> } | undefined> {
     // Only records still as the restore left them: starting, on the lost host, for this op.
-    const fresh = (await Promise.all(stranded.map((c) => this.deps.store.getSandbox(op.tenantId, c.rec.id)))).filter(
-      (v, i): v is Versioned<SandboxRec> => v !== undefined && v.value.state === 'starting' && v.value.hostId === stranded[i]!.rec.hostId && v.value.opId === op.id,
-    );
+    const stillStranded = async (of: readonly SandboxRec[]): Promise<Array<Versioned<SandboxRec>>> =>
+      (await Promise.all(of.map((c) => this.deps.store.getSandbox(op.tenantId, c.id)))).filter(
+        (v, i): v is Versioned<SandboxRec> => v !== undefined && v.value.state === 'starting' && v.value.hostId === of[i]!.hostId && v.value.opId === op.id,
+      );
+    let fresh = await stillStranded(stranded.map((c) => c.rec));
     if (fresh.length === 0) return undefined;
     const lostHosts = [...new Set(fresh.map((v) => v.value.hostId))];
     this.log.warn({ opId: op.id, lostHosts, children: fresh.length }, 'placing children again: the host starting them was lost');
     const now = this.deps.clock.now();
     // Names this placement in the op record and in the step ids of its restores.
     const by = `again-${newId('op').slice(3, 11)}`;
-    let made: Array<{ rec: SandboxRec; rev: number }> = [];
+    let made: Array<{ rec: SandboxRec; rev: number; from: string }> = [];
     let plan: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> = [];
     try {
       const placed = await this.placeAndBook(
@@ -3193,16 +3234,18 @@ export class Executor {
         { tenantId: op.tenantId, id: snapshotId },
         // Never back onto a lost host (it may be back by the time this runs): it has been told
         // to give these children up (stop-replaced below) and would skip their restore.
-        () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: { ...this.prefs(prefs), avoidHostIds: lostHosts } }),
+        // Nor onto a host an earlier placement took one of them off: back, it was told then to
+        // give that child up too.
+        () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: { ...this.prefs(prefs), avoidHostIds: [...new Set([...lostHosts, ...fresh.flatMap((v) => replaced[v.value.id]?.from ?? [])])] } }),
         (res) => {
           made = res.placements.map((p) => {
             const v = fresh[p.childIndex]!;
-            return { rec: { ...v.value, hostId: p.hostId, stateReason: `placed again: host ${v.value.hostId} was lost`, updatedAt: now }, rev: v.modRevision };
+            return { rec: { ...v.value, hostId: p.hostId, stateReason: `placed again: host ${v.value.hostId} was lost`, updatedAt: now }, rev: v.modRevision, from: v.value.hostId };
           });
           plan = (res.transferPlan?.transfers ?? []).map((t) => ({ sourceHostId: t.sourceHostId, destinationHostId: t.destinationHostId, wave: t.wave }));
           // The lost hosts' booking for these children, taken off as the cache has it (a stale
           // revision conflicts and the group is planned again on a reloaded cache).
-          const release: StoreWrite[] = lostHosts.map((h) => {
+          const release: StoreWrite[] = [...new Set(fresh.map((v) => v.value.hostId))].map((h) => {
             const a = this.cache.allocs.get(h);
             const n = fresh.filter((v) => v.value.hostId === h).length;
             let allocated = a?.value.allocated ?? ZERO;
@@ -3216,13 +3259,19 @@ export class Executor {
             opUpdate: (o) => {
               const inp = o.input as { transfers?: typeof plan; replaced?: Replacements };
               inp.transfers = [...(inp.transfers ?? []).filter((t) => !dests.has(t.destinationHostId)), ...plan];
-              inp.replaced = { ...inp.replaced, ...Object.fromEntries(made.map((m) => [m.rec.id, { times: (inp.replaced?.[m.rec.id]?.times ?? 0) + 1, by }])) };
+              inp.replaced = { ...inp.replaced, ...Object.fromEntries(made.map((m) => [m.rec.id, replacedAgain(inp.replaced?.[m.rec.id], by, m.from)])) };
               o.progress.message = `placing ${made.length} children again: host ${lostHosts.join(', ')} was lost`;
             },
           };
         },
+        // A child changed meanwhile (destroyed by its user, say) fails the guard on its record
+        // every time: the others are placed again without it.
+        async () => {
+          fresh = await stillStranded(fresh.map((v) => v.value));
+          if (fresh.length === 0) throw new WrongStateError('fork', op.id, 'its stranded children moved on', 'none is left to place again');
+        },
       );
-      for (const m of made) replaced[m.rec.id] = { times: (replaced[m.rec.id]?.times ?? 0) + 1, by };
+      for (const m of made) replaced[m.rec.id] = replacedAgain(replaced[m.rec.id], by, m.from);
       // The lost host may only be away: back, its agent would run the restore still queued for
       // it and start a second VM of each child. A stop of this op, queued behind that restore,
       // ends any it made, and one that arrives first makes the agent skip them (agent.ts).
@@ -3327,8 +3376,11 @@ export class Executor {
     // agent answers a repeated step from its journal).
     const recorded = (this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.migrations ?? {};
     let earlier = 0;
+    // Switched: marked so since the switch marks it; a record from before that, when the
+    // sandbox is still where it was moved to.
+    const wasSwitched = (id: string, m: MigrationRec): boolean => m.switched === true || listed.find((s) => s.id === id)?.hostId === m.toHostId;
     for (const [id, m] of Object.entries(recorded)) {
-      if (!m.toHostId || m.toHostId === hostId || listed.find((s) => s.id === id)?.hostId !== m.toHostId) continue;
+      if (!m.toHostId || m.toHostId === hostId || !wasSwitched(id, m)) continue;
       earlier++;
       try {
         await this.step(op, migrationStep(id, m, 'destroy-source'), hostId, stopVm(id));
@@ -3343,10 +3395,13 @@ export class Executor {
     // other than by the drain's switch (destroyed by its user, lost with this host): its
     // booking on the destination is released and the copy its restore may make there is
     // stopped. Skipped, both stayed for good (nothing else releases a migration's booking).
+    // Not one that switched: a sandbox moved off by this drain may since have hibernated (its
+    // booking on the destination released) and woken elsewhere; releasing "the migration's
+    // booking" then would release capacity a second time.
     for (const [id, m] of Object.entries(recorded)) {
-      if (!m.toHostId || m.toHostId === hostId) continue;
+      if (!m.toHostId || m.toHostId === hostId || wasSwitched(id, m)) continue;
       const cur = listed.find((s) => s.id === id);
-      if (cur && (cur.hostId === m.toHostId || (cur.hostId === hostId && (cur.state === 'running' || cur.state === 'paused')))) continue;
+      if (cur && cur.hostId === hostId && (cur.state === 'running' || cur.state === 'paused')) continue;
       if (!cur) {
         this.log.warn({ opId: op.id, sandboxId: id, hostId: m.toHostId }, 'a migrated sandbox\'s record is gone: its booking on the destination cannot be priced and stays');
         continue;
@@ -3609,38 +3664,54 @@ export class Executor {
       }
       throw e;
     }
-    // 4. Switch the record and release the source's capacity in one transaction.
-    let switched = false;
-    for (let i = 0; i < 20 && !switched; i++) {
-      const [v, a] = await Promise.all([this.deps.store.getSandbox(sb.tenantId, sb.id), this.deps.store.getAlloc(from)]);
-      if (!v) throw new NotFoundError('sandbox', sb.id);
-      if (v.value.hostId === to) {
-        switched = true;
-        break;
-      }
-      if (v.value.hostId !== from || !['running', 'paused', 'lost'].includes(v.value.state)) {
+    // 4. Switch the record, release the source's capacity and mark the migration switched, in
+    //    one transaction (a re-run goes by that mark, not by where the sandbox is by then).
+    let movedOn: SandboxRec | undefined;
+    try {
+      await this.updateOp(
+        op.tenantId,
+        op.id,
+        (o) => {
+          const inp = o.input as unknown as DrainInput;
+          const mm = inp.migrations?.[sb.id];
+          if (mm) inp.migrations = { ...inp.migrations, [sb.id]: { ...mm, switched: true } };
+        },
+        async () => {
+          const [v, a] = await Promise.all([this.deps.store.getSandbox(sb.tenantId, sb.id), this.deps.store.getAlloc(from)]);
+          if (!v) throw new NotFoundError('sandbox', sb.id);
+          // Switched already (a write whose answer was lost): only the mark is written.
+          if (v.value.hostId === to) return [];
+          if (v.value.hostId !== from || !['running', 'paused', 'lost'].includes(v.value.state)) {
+            movedOn = v.value;
+            throw new WrongStateError('sandbox', sb.id, `${v.value.state} on ${v.value.hostId || 'no host'}`, 'it moved on during its migration; the copy was removed');
+          }
+          const next = structuredClone(v.value);
+          next.hostId = to;
+          if (next.opId === op.id) next.opId = '';
+          this.setState(next, m.wasPaused ? 'paused' : 'running', this.deps.clock.now(), `migrated from ${from}`);
+          next.updatedAt = this.deps.clock.now();
+          // A source VM that died meanwhile made the sandbox lost and released its capacity there
+          // already (reconcileVms): the restored copy on `to` is the sandbox; nothing more to release.
+          const release = v.value.state !== 'lost';
+          const alloc: HostAllocRec = { hostId: from, allocated: addRes(a.value.allocated, sb.resources, -1), sandboxes: Math.max(0, a.value.sandboxes - 1) };
+          return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(release ? [{ kind: 'alloc', value: alloc, expectRevision: a.modRevision } as StoreWrite] : [])];
+        },
+      );
+    } catch (e) {
+      if (movedOn) {
         // Moved on while it was copied (destroyed by its user or its TTL, say): the copy on
         // `to` is not the sandbox. Its booking goes and its VM is stopped.
         if (!this.active) throw new NotLeaderError();
         await this.unbookMigration(op, sb, to);
-        await this.step(op, stepId('destroy-dest'), to, stopVm(sb.id)).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
-        throw new WrongStateError('sandbox', sb.id, `${v.value.state} on ${v.value.hostId || 'no host'}`, 'it moved on during its migration; the copy was removed');
+        await this.step(op, stepId('destroy-dest'), to, stopVm(sb.id)).catch((err: unknown) => this.log.warn({ err, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
+        throw e;
       }
-      const next = structuredClone(v.value);
-      next.hostId = to;
-      if (next.opId === op.id) next.opId = '';
-      this.setState(next, m.wasPaused ? 'paused' : 'running', this.deps.clock.now(), `migrated from ${from}`);
-      next.updatedAt = this.deps.clock.now();
-      // A source VM that died meanwhile made the sandbox lost and released its capacity there
-      // already (reconcileVms): the restored copy on `to` is the sandbox; nothing more to release.
-      const release = v.value.state !== 'lost';
-      const alloc: HostAllocRec = { hostId: from, allocated: addRes(a.value.allocated, sb.resources, -1), sandboxes: Math.max(0, a.value.sandboxes - 1) };
-      switched = (await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(release ? [{ kind: 'alloc', value: alloc, expectRevision: a.modRevision } as StoreWrite] : [])])) > 0;
+      // Still on `from` after every try: its VM there is the sandbox, so it is not stopped. The
+      // drain runs again from its record (the copy and its booking on `to` are recorded) and
+      // switches then.
+      if (e instanceof ConflictError) throw new StoreUnavailableError(`switching sandbox ${sb.id} to ${to}`, new ConflictError(`sandbox ${sb.id}, the capacity of ${from} or the drain's record (kept changing)`));
+      throw e;
     }
-    // Still on `from` after every try: its VM there is the sandbox, so it is not stopped. The
-    // drain runs again from its record (the copy and its booking on `to` are recorded) and
-    // switches then.
-    if (!switched) throw new StoreUnavailableError(`switching sandbox ${sb.id} to ${to}`, new ConflictError(`sandbox ${sb.id} or the capacity of ${from} (kept changing)`));
     // 5. The source VM is no longer the sandbox. The move is done whether or not it stops now:
     //    one left behind (its host lost, the step timed out) is a stray VM, which
     //    reconcileStrayVms stops, as for an earlier run's source above (runDrain).

@@ -38,6 +38,8 @@ function rules(ends: (key: string) => OperationRec['state'], heard = new Heartbe
     config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
     submit,
   });
+  // As a leader's (start() sets it): a stopped executor writes nothing.
+  (ex as unknown as { active: boolean }).active = true;
   return { ex, started, clock };
 }
 

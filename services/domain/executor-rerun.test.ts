@@ -1,0 +1,194 @@
+// What an operation that runs again (a failover, a store outage) finds: a drain that had moved
+// a sandbox off its host (the move is done, whatever the sandbox did since), a snapshot that
+// could not be marked failed (the op must run again, not end). The Executor against stub ports
+// of our own (every store method not named answers at once with nothing).
+import { describe, expect, it } from 'vitest';
+import pino from 'pino';
+import { Executor } from './executor.ts';
+import type { ExecutorDeps } from './executor.ts';
+import { HeartbeatRegistry } from './fleet-view.ts';
+import { create } from '@bufbuild/protobuf';
+import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
+import { NotLeaderError, StoreUnavailableError } from './errors.ts';
+import type { StoreWrite } from './ports.ts';
+
+function stub<T>(methods: Record<string, unknown>): T {
+  return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
+}
+
+const res = { vcpus: 2, memoryMib: 512, diskMib: 1024 };
+const sandbox = (id: string, hostId: string, state: SandboxRec['state']): SandboxRec =>
+  ({ id, tenantId: 't', state, stateReason: '', hostId, resources: res, image: 'tiny', sourceSnapshotId: '', lineageId: 'l', hostname: id, labels: {}, ttlMs: null, idleTimeoutMs: null, allowEgress: false, createdAt: 1, updatedAt: 1, runningMsBefore: 0, runningSince: 1, hibernationSnapshotId: '', opId: '' }) as unknown as SandboxRec;
+
+/** Runs drain op-d1 of host F again, its record saying `migrations`, with the sandboxes `listed`; returns every write committed. */
+async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[]): Promise<StoreWrite[]> {
+  const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+  let rev = 10;
+  const writes: StoreWrite[] = [];
+  const store = stub<ExecutorDeps['store']>({
+    getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 }),
+    listSandboxes: async () => listed.map((value) => ({ value, modRevision: 20 })),
+    getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
+    getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 8, memoryMib: 4096, diskMib: 8192 }, sandboxes: 4 }, modRevision: 30 }),
+    commitAt: async (w: StoreWrite[]) => {
+      writes.push(...w);
+      return ++rev;
+    },
+  });
+  const ex = new Executor({
+    store,
+    bus: stub({ sendWork: async () => undefined }),
+    clock: { now: () => Date.now() },
+    log: pino({ level: 'silent' }),
+    heard: new HeartbeatRegistry(),
+    signer: stub({}),
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+  });
+  const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
+  inner.active = true;
+  inner.ops.set(op.id, { value: op, modRevision: rev });
+  await inner.runDrain(op).catch(() => undefined);
+  return writes;
+}
+
+describe('Executor drain, run again', () => {
+  it('aSandboxItMovedThatSinceHibernatedAndWokeElsewhere_releasesNothingOnTheHostItWasMovedTo', async () => {
+    // S1 was moved F -> T (switched), then hibernated on T (its booking there released) and
+    // woken on U. The old re-run saw it "not on T" and released T's booking a second time.
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false, switched: true } }, [sandbox('S1', 'U', 'running')]);
+    expect(writes.filter((w) => w.kind === 'alloc').map((w) => (w as Extract<StoreWrite, { kind: 'alloc' }>).value.hostId)).toEqual([]);
+    const ops = writes.filter((w): w is Extract<StoreWrite, { kind: 'op' }> => w.kind === 'op');
+    expect(ops.at(-1)?.value.error ?? null).toBeNull();
+  });
+
+  it('aMigrationThatNeverSwitched_whoseSandboxWasDestroyedMeanwhile_releasesItsBookingOnTheDestinationOnce', async () => {
+    const writes = await drainAgain({ S2: { snapshotId: 'sn-2', toHostId: 'T', wasPaused: false } }, [sandbox('S2', '', 'destroyed')]);
+    const allocs = writes.filter((w): w is Extract<StoreWrite, { kind: 'alloc' }> => w.kind === 'alloc');
+    expect(allocs.map((w) => [w.value.hostId, w.value.allocated.vcpus])).toEqual([['T', 6]]);
+  });
+});
+
+describe('Executor snapshot that will not become ready', () => {
+  it('whenTheStoreStaysOutWhileItIsMarkedFailed_failsAsAStoreFailure_soTheOpRunsAgainInsteadOfEndingWithTheRecordCreating', async () => {
+    const rec = { id: 'sn-1', tenantId: 't', state: 'creating' } as unknown as SnapshotRec;
+    const ex = new Executor({
+      store: stub<ExecutorDeps['store']>({
+        getSnapshot: async () => {
+          throw new StoreUnavailableError('read', new Error('etcd down'));
+        },
+      }),
+      bus: stub({}),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+    });
+    const inner = ex as unknown as { active: boolean; markSnapshotFailed(rec: SnapshotRec): Promise<void> };
+    inner.active = true;
+    await expect(inner.markSnapshotFailed(rec)).rejects.toBeInstanceOf(StoreUnavailableError);
+  });
+});
+
+describe('Executor stopped', () => {
+  it('writesNothingOnceStopped_thoughTheElectionKeyStillStands_soARunnerItWokeCannotRecordWhatItNeverSaw', async () => {
+    // stop() wakes runners waiting on host steps (as timed out); one that went on to record
+    // its outcome (a hibernate whose VM stop was never sent, recorded hibernated) used to commit.
+    let commits = 0;
+    const ex = new Executor({
+      store: stub<ExecutorDeps['store']>({ watchFleet: async () => () => undefined, watchOps: async () => () => undefined, followSandboxes: async () => () => undefined, commitAt: async () => ++commits }),
+      bus: stub({ consumeResults: async () => async () => undefined }),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+    });
+    await ex.start();
+    await ex.stop();
+    const before = commits;
+    const inner = ex as unknown as { commit(writes: StoreWrite[]): Promise<number> };
+    await expect(inner.commit([{ kind: 'alloc', value: { hostId: 'h1', allocated: res, sandboxes: 1 }, expectRevision: 1 }])).rejects.toBeInstanceOf(NotLeaderError);
+    expect(commits).toBe(before);
+  });
+});
+
+describe('Executor fork children placed again', () => {
+  const now = 1_000_000;
+  const host = (id: string, state: HostRec['state']): HostRec => ({ id, state, cordoned: false, draining: false, capacity: { vcpus: 16, memoryMib: 16_384, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0', cpuModel: 'max', machine: 'microvm', peerAddress: '10.0.0.1:7000', linkBytesPerSecond: 1.25e9, labels: {}, registeredAt: 0, lastHeartbeatAt: now, bootId: 'b' });
+
+  /**
+   * replaceChildren of fork op-fork's children `ids`, starting on lost host `gone`, in a fleet of
+   * `hosts` (ready) where `holders` hold the snapshot; `changeFirst`'s record changes right after
+   * it is first read. Returns where they went, what was committed and how often the cache reloaded.
+   */
+  async function placeAgain(o: { ids: string[]; hosts: string[]; holders: string[]; replaced?: Record<string, unknown>; changeFirst?: string }): Promise<{ again: string[] | undefined; placed: string[]; loads: number }> {
+    const child = (id: string): SandboxRec => ({ ...sandbox(id, 'gone', 'starting'), opId: 'op-fork' });
+    const records = new Map<string, { value: SandboxRec; modRevision: number }>(o.ids.map((id) => [id, { value: child(id), modRevision: 7 }]));
+    const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: o.holders, storedBytes: 1 << 30, logicalBytes: 1 << 30, labels: {}, vmConfig: { machine: 'microvm', memoryMib: 512, vcpus: 2, devices: [], qemuVersion: '7.2.0', accel: 'tcg', cpuModel: 'max', image: 'tiny' } } as unknown as SnapshotRec;
+    const op = { id: 'op-fork', tenantId: 't', kind: 'fork', state: 'running', input: { replaced: o.replaced ?? {} }, progress: { done: 0, total: 3, message: '', bytesTransferred: 0 }, steps: {} } as unknown as OperationRec;
+    let reads = 0;
+    let loads = 0;
+    const placed: string[] = [];
+    const store = stub<ExecutorDeps['store']>({
+      getSandbox: async (_t: string, id: string) => {
+        const r = records.get(id);
+        // Destroyed by its user right after its first read.
+        if (id === o.changeFirst && reads++ === 0) records.set(id, { value: { ...r!.value, state: 'destroyed', hostId: '', opId: '' }, modRevision: 9 });
+        return r;
+      },
+      getSnapshot: async () => ({ value: snap, modRevision: 3 }),
+      getOp: async () => ({ value: structuredClone(op), modRevision: 4 }),
+      commitAt: async (writes: StoreWrite[]) => {
+        for (const w of writes) if (w.kind === 'sandbox' && w.expectRevision !== records.get(w.value.id)?.modRevision) return 0;
+        for (const w of writes) if (w.kind === 'sandbox') placed.push(`${w.value.id}@${w.value.hostId}`);
+        return 20;
+      },
+    });
+    const heard = new HeartbeatRegistry();
+    for (const h of [...o.hosts, 'gone']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, snapshots: o.holders.includes(h) ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
+    const ex = new Executor({
+      store,
+      bus: stub({ sendWork: async () => undefined }),
+      clock: { now: () => now },
+      log: pino({ level: 'silent' }),
+      heard,
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+    });
+    const inner = ex as unknown as {
+      active: boolean;
+      cache: { apply(c: unknown): void; load(): Promise<void> };
+      replaceChildren(op: OperationRec, snapshotId: string, resources: SandboxRec['resources'], prefs: undefined, stranded: Array<{ rec: SandboxRec; rev: number }>, siblings: ReadonlyMap<string, number>, replaced: Record<string, unknown>): Promise<{ children: Array<{ rec: SandboxRec }> } | undefined>;
+    };
+    inner.active = true;
+    for (const h of o.hosts) inner.cache.apply({ kind: 'host', value: { value: host(h, 'ready'), modRevision: 1 } });
+    inner.cache.apply({ kind: 'host', value: { value: host('gone', 'lost'), modRevision: 1 } });
+    inner.cache.apply({ kind: 'alloc', value: { value: { hostId: 'gone', allocated: { vcpus: 6, memoryMib: 1536, diskMib: 3072 }, sandboxes: 3 }, modRevision: 2 } });
+    inner.cache.apply({ kind: 'snapshot', value: { value: snap, modRevision: 3 } });
+    // A reload after a conflict (counted) leaves the cache as set up here.
+    inner.cache.load = async () => {
+      loads++;
+    };
+    const again = await inner.replaceChildren(op, 'sn-1', res, undefined, [...records.values()].map((r) => ({ rec: r.value, rev: r.modRevision })), new Map(), { ...(o.replaced ?? {}) });
+    return { again: again?.children.map((c) => `${c.rec.id}@${c.rec.hostId}`).sort(), placed: placed.sort(), loads };
+  }
+
+  it('oneOfThemChangedMeanwhile_theOthersArePlacedAgainWithoutIt_afterOneConflict_notFailedAfterTenReloads', async () => {
+    // X1..X3 were starting on `gone` (lost). Before the placement commits, X1 is destroyed:
+    // its guard fails every attempt made with the revision read first.
+    const r = await placeAgain({ ids: ['X1', 'X2', 'X3'], hosts: ['live'], holders: ['live'], changeFirst: 'X1' });
+    expect(r.again).toEqual(['X2@live', 'X3@live']);
+    expect(r.placed).toEqual(['X2@live', 'X3@live']);
+    expect(r.loads).toBeLessThanOrEqual(2);
+  });
+
+  it('aChildPlacedAgainBefore_isNeverPlacedBackOnTheHostItWasFirstTakenOff_thoughThatHostHoldsTheSnapshot', async () => {
+    // X was taken off `old` once (told there to give it up), then `gone` was lost too.
+    const r = await placeAgain({ ids: ['X'], hosts: ['old', 'other'], holders: ['old'], replaced: { X: { times: 1, by: 'again-1', from: ['old'] } } });
+    expect(r.again).toEqual(['X@other']);
+    // Without that record, `old` (which holds the snapshot) is where it goes.
+    expect((await placeAgain({ ids: ['X'], hosts: ['old', 'other'], holders: ['old'] })).again).toEqual(['X@old']);
+  });
+});
