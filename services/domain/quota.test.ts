@@ -60,6 +60,27 @@ describe('quotas', () => {
     await expect(admit({ store: store([{ ...fork('op-2', false), tenantId: 'u' }]), quotas }, 't', { sandboxes: 4 })).resolves.toBeUndefined();
   });
 
+  it('admit_whenAForksPlacementCommitsBetweenItsListReads_countsItsChildrenOnce', async () => {
+    // The listings are read at different revisions: the fork's op may say unplaced while the
+    // sandbox list already has its children, or say placed while the list does not have them
+    // yet. Either way its 3 children count once: 1 running + 3 + 1 asked = 5 fits, 2 do not.
+    const running = { id: 'sb-a', tenantId: 't', state: 'running', resources: { vcpus: 1, memoryMib: 256, diskMib: 0 } } as unknown as SandboxRec;
+    const kids = ['c1', 'c2', 'c3'].map((id) => ({ ...running, id, state: 'starting' }) as SandboxRec);
+    const fork = (placed: boolean) => ({ id: 'op-1', tenantId: 't', kind: 'fork', state: 'running', input: { sandboxId: 'sb-a', snapshotId: '', count: 3, childIds: kids.map((k) => k.id) }, result: placed ? { sandboxIds: kids.map((k) => k.id) } : null }) as unknown as OperationRec;
+    const store = (op: OperationRec, listed: SandboxRec[]) =>
+      ({
+        listSandboxes: async () => listed.map((value) => ({ value, modRevision: 1 })),
+        listSnapshots: async () => [],
+        listOps: async () => [{ value: op, modRevision: 1 }],
+        getSandbox: async () => ({ value: running, modRevision: 1 }),
+      }) as unknown as FleetStore;
+    const quotas = () => ({ sandboxes: 5 });
+    for (const [op, listed] of [[fork(false), [running, ...kids]], [fork(true), [running]]] as const) {
+      await expect(admit({ store: store(op, [...listed]), quotas }, 't', { sandboxes: 1 })).resolves.toBeUndefined();
+      await expect(admit({ store: store(op, [...listed]), quotas }, 't', { sandboxes: 2 })).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.sandboxes' });
+    }
+  });
+
   it('usageOf_countsLiveSandboxes_memoryOnlyOfThoseHoldingCapacity_andStoredSnapshotBytes', () => {
     const u = usageOf(
       [sb('running', 256), sb('pending', 128), sb('hibernated', 512), sb('destroyed', 1024), sb('failed', 64), sb('lost', 64), sb('paused', 100)],

@@ -9,7 +9,7 @@
 // Quotas come from the tokens file (services/auth). The usage comes from the replica's ledger
 // (quota-ledger.ts), which a watch keeps, or, when it cannot answer, from listing the records.
 import type { FleetStore } from './ports.ts';
-import type { SandboxRec, SandboxState, SnapshotRec } from './records.ts';
+import type { OperationRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { HOLDS_CAPACITY } from './records.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
@@ -109,26 +109,29 @@ export async function tenantUsage(deps: { store: FleetStore; usage?: UsageSource
   return listedUsage(deps.store, tenantId, o.snapshots);
 }
 
-/** The tenant's usage read from its records (and every open operation), with forks not yet placed. */
+/**
+ * The tenant's usage read from its records (and every open operation), with forks not yet
+ * placed. The lists are read at different revisions, so the open forks are read first and
+ * each counts the children the sandbox list, read after, lacks: a placement that commits in
+ * between is then counted once (as records), never twice or not at all.
+ */
 async function listedUsage(store: FleetStore, tenantId: string, snapshots: boolean): Promise<TenantUsage> {
-  const [sbs, sns, pending] = await Promise.all([
-    store.listSandboxes(tenantId),
-    snapshots ? store.listSnapshots(tenantId) : Promise.resolve([]),
-    pendingForks(store, tenantId),
-  ]);
+  const forks = (await store.listOps({ activeOnly: true, tenantId })).map((v) => v.value).filter((o) => o.kind === 'fork');
+  const [sbs, sns] = await Promise.all([store.listSandboxes(tenantId), snapshots ? store.listSnapshots(tenantId) : Promise.resolve([])]);
   const usage = usageOf(sbs.map((v) => v.value), sns.map((v) => v.value));
   // Children of forks not yet placed have no records yet, but they are coming.
+  const pending = await pendingForks(store, tenantId, forks, new Set(sbs.map((v) => v.value.id)));
   usage.sandboxes += pending.sandboxes ?? 0;
   usage.memoryMib += pending.memoryMib ?? 0;
   return usage;
 }
 
-/** What the tenant's forks that are recorded but not yet placed will add. */
-async function pendingForks(store: FleetStore, tenantId: string): Promise<QuotaNeed> {
-  const open = (await store.listOps({ activeOnly: true, tenantId })).map((v) => v.value).filter((o) => o.kind === 'fork' && !o.result?.sandboxIds);
-  const needs = await Promise.all(open.map((o) => {
-    const i = o.input as { snapshotId?: string; sandboxId?: string; count?: number };
-    return forkNeed(store, tenantId, { snapshotId: i.snapshotId ?? '', sandboxId: i.sandboxId ?? '' }, i.count ?? 0)();
+/** What the tenant's open forks will add: each child with no record among `listed` (all of a fork's, when its op names none). */
+async function pendingForks(store: FleetStore, tenantId: string, forks: readonly OperationRec[], listed: ReadonlySet<string>): Promise<QuotaNeed> {
+  const needs = await Promise.all(forks.map((o) => {
+    const i = o.input as { snapshotId?: string; sandboxId?: string; count?: number; childIds?: string[] };
+    const coming = i.childIds ? i.childIds.filter((id) => !listed.has(id)).length : o.result?.sandboxIds ? 0 : (i.count ?? 0);
+    return coming === 0 ? Promise.resolve({ sandboxes: 0, memoryMib: 0 }) : forkNeed(store, tenantId, { snapshotId: i.snapshotId ?? '', sandboxId: i.sandboxId ?? '' }, coming)();
   }));
   return needs.reduce<{ sandboxes: number; memoryMib: number }>((a, x) => ({ sandboxes: a.sandboxes + (x.sandboxes ?? 0), memoryMib: a.memoryMib + (x.memoryMib ?? 0) }), { sandboxes: 0, memoryMib: 0 });
 }
