@@ -107,7 +107,10 @@ async function differingPages(dump: string, image: string): Promise<number[]> {
   return out;
 }
 
-const COUNTER = "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' </dev/null >/dev/null 2>&1 &";
+// Written to a temporary file and renamed: `echo > /tmp/counter` truncates first, and a read
+// (or a snapshot) between the truncate and the write saw an empty file, i.e. counter 0 (a CI
+// run failed on it with a busy guest under TCG).
+const COUNTER = "setsid sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter.t; mv /tmp/counter.t /tmp/counter; sleep 0.2; done' </dev/null >/dev/null 2>&1 &";
 
 const newDriver = (): QemuVmmDriver => new QemuVmmDriver({ root, accel: 'tcg', logger, standby: NO_REFILL, snapshotCopied: (e) => onSnapshotCopied?.(e) ?? Promise.resolve(), snapshotStage: (e) => onSnapshotStage?.(e) ?? Promise.resolve() });
 
@@ -282,6 +285,32 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
     await driver.destroy('busy');
     for (const s of snaps.reverse()) await driver.deleteSnapshot(s);
+  });
+
+  it('snapshot_ofAChildWhoseSealFails_isSealedByItsRetry_andOneNeverSealedGoesWithItsVm', async () => {
+    // The RAM and disk are copied, then writing image.json fails (a directory in its temp
+    // file's place stands in for ENOSPC or EIO). The VM's disk layer is backed by that
+    // directory now, so it stays; a retry of the same snapshot found it with no manifest, for
+    // good, and a destroyed VM left it behind until the agent restarted.
+    await driver.fork(snap, [{ vmId: 'us1', hostname: 'us1' }, { vmId: 'us2', hostname: 'us2' }]);
+    onSnapshotCopied = async ({ snapshotId }) => {
+      if (snapshotId.startsWith('snap-us')) await mkdir(join(root, 'snapshots', snapshotId, 'image.json.tmp'));
+    };
+    try {
+      for (const vm of ['us1', 'us2']) await expect(driver.snapshot(vm, `snap-${vm}`)).rejects.toThrow(/EISDIR/);
+    } finally {
+      onSnapshotCopied = undefined;
+    }
+    expect(driver.get('us1')?.state).toBe('running');
+    await rm(join(root, 'snapshots', 'snap-us1', 'image.json.tmp'), { recursive: true });
+    const again = await driver.snapshot('us1', 'snap-us1');
+    expect(again.manifest.snapshotId).toBe('snap-us1');
+    await driver.fork(again, [{ vmId: 'us1-k' }]);
+    expect(await sh('us1-k', 'echo up')).toBe('up');
+    await driver.destroy('us2');
+    await expect(stat(join(root, 'snapshots', 'snap-us2'))).rejects.toMatchObject({ code: 'ENOENT' });
+    for (const vm of ['us1-k', 'us1']) await driver.destroy(vm);
+    await driver.deleteSnapshot(again);
   });
 
   it('snapshot_ofAPausedChild_twiceWhileItStaysPaused_succeedsBothTimes_andTheSecondRestoresAChildThatRuns', async () => {

@@ -182,6 +182,13 @@ interface VmPersisted {
    * replacement does.
    */
   switching?: { gen: number; memPath: string; diskPath: string; state: 'running' | 'paused'; manifest: SnapshotManifest };
+  /**
+   * A receiver snapshot whose files are complete (the VM's disk layer is backed by it) but whose
+   * seal failed (ENOSPC, EIO): sealed before the VM's next snapshot, a retry of this one
+   * included, which would otherwise find its directory and no manifest for good; removed with
+   * the VM if still unsealed.
+   */
+  unsealed?: SnapshotManifest;
 }
 
 interface VmRecord extends VmPersisted {
@@ -681,6 +688,7 @@ export class QemuVmmDriver implements VmmDriver {
       // then: its files are complete (the VM runs from them); sealed before anything else, so
       // that this one (maybe its retry) does not build on an unsealed parent.
       await this.sealSwitched(rec);
+      await this.sealUnsealed(rec);
       const qemuVersion = await this.qemuVersion();
       const dir = join(this.snapshotsDir, snapshotId);
       await mkdir(this.snapshotsDir, { recursive: true });
@@ -707,12 +715,15 @@ export class QemuVmmDriver implements VmmDriver {
         method: rec.memShared ? 'shared-file' : 'receiver',
         sourcePauseMs: 0,
       };
+      /** Set once a receiver snapshot's files are complete and only its seal is left. */
+      let sealing: SnapshotManifest | undefined;
       try {
         const result = rec.memShared
           ? await this.snapshotSharedFile(rec, dir, draft, before === 'paused' ? 'paused' : 'running')
           : await this.snapshotViaReceiver(rec, dir, snapshotId, before === 'paused');
         const manifest: SnapshotManifest = { ...draft, parentSnapshotId: result.parent, sourcePauseMs: result.pauseMs };
         if (!rec.dependsOn.includes(snapshotId)) rec.dependsOn = [snapshotId, ...rec.dependsOn];
+        if (draft.method === 'receiver') sealing = manifest;
         const sealStart = performance.now();
         await sealSnapshot(dir, rec.image, manifest);
         const sealMs = Math.round(performance.now() - sealStart);
@@ -745,14 +756,27 @@ export class QemuVmmDriver implements VmmDriver {
         // A replacement whose guest agent was not connected yet, or a source whose channel was
         // closed for a guest agent that did not let go of it: its socket, for later calls.
         if (!rec.agent && !rec.qmp.closed) rec.agent = await this.openAgent(join(rec.info.workdir, `qga.${rec.gen}.sock`)).catch(() => undefined);
+        // Complete but not sealed: kept as such (vm.json), so the next snapshot of this VM, a
+        // retry of this one first, seals it, and a destroy removes it.
+        if (sealing && rec.dependsOn.includes(snapshotId)) rec.unsealed = sealing;
         // vm.json was rewritten for a template snapshot: it says what is true now.
-        if (draft.method === 'shared-file') await this.persist(rec).catch(() => undefined);
+        if (draft.method === 'shared-file' || rec.unsealed) await this.persist(rec).catch(() => undefined);
         // The VM may depend on the directory (its memory file, or its disk layer's backing):
         // then it stays, named in the VM's dependsOn.
         if (!rec.dependsOn.includes(snapshotId)) await rm(dir, { recursive: true, force: true });
         throw e;
       }
     });
+  }
+
+  /** Seals the receiver snapshot whose seal failed, if one is left (VmPersisted.unsealed). */
+  private async sealUnsealed(rec: VmRecord): Promise<void> {
+    const m = rec.unsealed;
+    if (!m) return;
+    const dir = join(this.snapshotsDir, m.snapshotId);
+    if (!(await stat(join(dir, 'manifest.json')).then(() => true, () => false))) await sealSnapshot(dir, rec.image, m);
+    rec.unsealed = undefined;
+    await this.persist(rec);
   }
 
   /** Seals the template snapshot the VM switched onto, if one is left unsealed (VmPersisted.switching). */
@@ -1719,6 +1743,10 @@ export class QemuVmmDriver implements VmmDriver {
       rec.qmp.close();
       await this.reapWorkdir(rec.info.workdir, rec.launchDir);
       if (rec.launchDir) await rm(rec.launchDir, { force: true });
+      // A snapshot of it that was never sealed serves nothing else (no manifest: no fork, no
+      // fetch, no GC sees it): it goes with the VM, not at the next agent start.
+      const unsealed = rec.unsealed && join(this.snapshotsDir, rec.unsealed.snapshotId);
+      if (unsealed && !(await stat(join(unsealed, 'manifest.json')).then(() => true, () => false))) await rm(unsealed, { recursive: true, force: true });
       this.vms.delete(vmId);
       this.setState(rec, 'destroyed');
       rec.log.info('vm destroyed');
@@ -2143,6 +2171,7 @@ export class QemuVmmDriver implements VmmDriver {
       ...(rec.network ? { network: rec.network } : {}),
       ...(rec.launchDir ? { launchDir: rec.launchDir } : {}),
       ...(rec.switching ? { switching: rec.switching } : {}),
+      ...(rec.unsealed ? { unsealed: rec.unsealed } : {}),
     };
     await writeJsonAtomic(join(rec.info.workdir, 'vm.json'), p);
   }
