@@ -10,11 +10,24 @@ import { HeartbeatRegistry } from './fleet-view.ts';
 import { create } from '@bufbuild/protobuf';
 import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
-import { NotLeaderError, StoreUnavailableError } from './errors.ts';
+import { NotLeaderError, StoreFullError, StoreUnavailableError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
 
 function stub<T>(methods: Record<string, unknown>): T {
   return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
+}
+
+/** An Executor over stub ports: the methods given, every other one answering nothing. */
+function executorOver(store: Record<string, unknown>, o: { bus?: Record<string, unknown>; heard?: HeartbeatRegistry; now?: () => number } = {}): Executor {
+  return new Executor({
+    store: stub<ExecutorDeps['store']>(store),
+    bus: stub<ExecutorDeps['bus']>(o.bus ?? {}),
+    clock: { now: o.now ?? (() => Date.now()) },
+    log: pino({ level: 'silent' }),
+    heard: o.heard ?? new HeartbeatRegistry(),
+    signer: stub({}),
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+  });
 }
 
 const res = { vcpus: 2, memoryMib: 512, diskMib: 1024 };
@@ -22,11 +35,11 @@ const sandbox = (id: string, hostId: string, state: SandboxRec['state']): Sandbo
   ({ id, tenantId: 't', state, stateReason: '', hostId, resources: res, image: 'tiny', sourceSnapshotId: '', lineageId: 'l', hostname: id, labels: {}, ttlMs: null, idleTimeoutMs: null, allowEgress: false, createdAt: 1, updatedAt: 1, runningMsBefore: 0, runningSince: 1, hibernationSnapshotId: '', opId: '' }) as unknown as SandboxRec;
 
 /** Runs drain op-d1 of host F again, its record saying `migrations`, with the sandboxes `listed`; returns every write committed. */
-async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[]): Promise<StoreWrite[]> {
+async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[], sent: string[] = []): Promise<StoreWrite[]> {
   const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
   let rev = 10;
   const writes: StoreWrite[] = [];
-  const store = stub<ExecutorDeps['store']>({
+  const store = {
     getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 }),
     listSandboxes: async () => listed.map((value) => ({ value, modRevision: 20 })),
     getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
@@ -35,16 +48,11 @@ async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRe
       writes.push(...w);
       return ++rev;
     },
-  });
-  const ex = new Executor({
-    store,
-    bus: stub({ sendWork: async () => undefined }),
-    clock: { now: () => Date.now() },
-    log: pino({ level: 'silent' }),
-    heard: new HeartbeatRegistry(),
-    signer: stub({}),
-    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
-  });
+  };
+  const sendWork = async (hostId: string, w: { stepId: string }): Promise<void> => {
+    sent.push(`${w.stepId}@${hostId}`);
+  };
+  const ex = executorOver(store, { bus: { sendWork } });
   const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
   inner.active = true;
   inner.ops.set(op.id, { value: op, modRevision: rev });
@@ -62,6 +70,14 @@ describe('Executor drain, run again', () => {
     expect(ops.at(-1)?.value.error ?? null).toBeNull();
   });
 
+  it('aSandboxItMovedThatIsBackOnTheDrainedHostSince_keepsItsVmThere_noSourceStopIsSent', async () => {
+    // Moved F -> T, the host uncordoned meanwhile, the sandbox woken on F again: its VM on F is
+    // the sandbox now. The other one, still on T, gets its source VM on F stopped.
+    const sent: string[] = [];
+    await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false, switched: true }, S3: { snapshotId: 'sn-3', toHostId: 'T', wasPaused: false, switched: true } }, [sandbox('S1', 'F', 'running'), sandbox('S3', 'T', 'running')], sent);
+    expect(sent.filter((st) => st.endsWith('@F'))).toEqual([expect.stringContaining('S3')]);
+  });
+
   it('aMigrationThatNeverSwitched_whoseSandboxWasDestroyedMeanwhile_releasesItsBookingOnTheDestinationOnce', async () => {
     const writes = await drainAgain({ S2: { snapshotId: 'sn-2', toHostId: 'T', wasPaused: false } }, [sandbox('S2', '', 'destroyed')]);
     const allocs = writes.filter((w): w is Extract<StoreWrite, { kind: 'alloc' }> => w.kind === 'alloc');
@@ -70,24 +86,25 @@ describe('Executor drain, run again', () => {
 });
 
 describe('Executor snapshot that will not become ready', () => {
-  it('whenTheStoreStaysOutWhileItIsMarkedFailed_failsAsAStoreFailure_soTheOpRunsAgainInsteadOfEndingWithTheRecordCreating', async () => {
-    const rec = { id: 'sn-1', tenantId: 't', state: 'creating' } as unknown as SnapshotRec;
-    const ex = new Executor({
-      store: stub<ExecutorDeps['store']>({
-        getSnapshot: async () => {
-          throw new StoreUnavailableError('read', new Error('etcd down'));
-        },
-      }),
-      bus: stub({}),
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+  /** markSnapshotFailed against a store whose every read of the snapshot throws `err()`: its rejection, or 'resolved'. */
+  const marking = async (err: () => Error): Promise<unknown> => {
+    const ex = executorOver({
+      getSnapshot: async () => {
+        throw err();
+      },
     });
     const inner = ex as unknown as { active: boolean; markSnapshotFailed(rec: SnapshotRec): Promise<void> };
     inner.active = true;
-    await expect(inner.markSnapshotFailed(rec)).rejects.toBeInstanceOf(StoreUnavailableError);
+    return inner.markSnapshotFailed({ id: 'sn-1', tenantId: 't', state: 'creating' } as unknown as SnapshotRec).then(() => 'resolved', (e: unknown) => e);
+  };
+
+  it('whenTheStoreStaysOutWhileItIsMarkedFailed_failsAsAStoreFailure_soTheOpRunsAgainInsteadOfEndingWithTheRecordCreating', async () => {
+    expect(await marking(() => new StoreUnavailableError('read', new Error('etcd down')))).toBeInstanceOf(StoreUnavailableError);
+  });
+
+  it('aFullStore_keepsItsOwnErrorAndSlowerRetry_andAnErrorThatIsNoStoreFailure_endsTheOpOnTheCallersError', async () => {
+    expect(await marking(() => new StoreFullError('snapshot sn-1', new Error('etcdserver: mvcc: database space exceeded')))).toBeInstanceOf(StoreFullError);
+    expect(await marking(() => new Error('undecodable record'))).toBe('resolved');
   });
 });
 
@@ -96,21 +113,30 @@ describe('Executor stopped', () => {
     // stop() wakes runners waiting on host steps (as timed out); one that went on to record
     // its outcome (a hibernate whose VM stop was never sent, recorded hibernated) used to commit.
     let commits = 0;
-    const ex = new Executor({
-      store: stub<ExecutorDeps['store']>({ watchFleet: async () => () => undefined, watchOps: async () => () => undefined, followSandboxes: async () => () => undefined, commitAt: async () => ++commits }),
-      bus: stub({ consumeResults: async () => async () => undefined }),
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
-    });
+    const ex = executorOver({ watchFleet: async () => () => undefined, watchOps: async () => () => undefined, followSandboxes: async () => () => undefined, commitAt: async () => ++commits }, { bus: { consumeResults: async () => async () => undefined } });
     await ex.start();
     await ex.stop();
     const before = commits;
     const inner = ex as unknown as { commit(writes: StoreWrite[]): Promise<number> };
     await expect(inner.commit([{ kind: 'alloc', value: { hostId: 'h1', allocated: res, sandboxes: 1 }, expectRevision: 1 }])).rejects.toBeInstanceOf(NotLeaderError);
     expect(commits).toBe(before);
+  });
+
+  it('leadingAgain_stillRefusesTheWritesOfARunnerOfItsEarlierTerm', async () => {
+    let commits = 0;
+    const ex = executorOver({ watchFleet: async () => () => undefined, watchOps: async () => () => undefined, followSandboxes: async () => () => undefined, commitAt: async () => ++commits }, { bus: { consumeResults: async () => async () => undefined } });
+    const inner = ex as unknown as { term: number; runnerTerm: { run<T>(t: number, f: () => T): T }; commit(writes: StoreWrite[]): Promise<number> };
+    const write: StoreWrite[] = [{ kind: 'alloc', value: { hostId: 'h1', allocated: res, sandboxes: 1 }, expectRevision: 1 }];
+    await ex.start();
+    const first = inner.term;
+    await ex.stop();
+    await ex.start();
+    try {
+      await expect(inner.runnerTerm.run(first, () => inner.commit(write))).rejects.toBeInstanceOf(NotLeaderError);
+      expect(await inner.runnerTerm.run(inner.term, () => inner.commit(write))).toBeGreaterThan(0);
+    } finally {
+      await ex.stop();
+    }
   });
 });
 
@@ -131,7 +157,7 @@ describe('Executor fork children placed again', () => {
     let reads = 0;
     let loads = 0;
     const placed: string[] = [];
-    const store = stub<ExecutorDeps['store']>({
+    const store = {
       getSandbox: async (_t: string, id: string) => {
         const r = records.get(id);
         // Destroyed by its user right after its first read.
@@ -145,18 +171,10 @@ describe('Executor fork children placed again', () => {
         for (const w of writes) if (w.kind === 'sandbox') placed.push(`${w.value.id}@${w.value.hostId}`);
         return 20;
       },
-    });
+    };
     const heard = new HeartbeatRegistry();
     for (const h of [...o.hosts, 'gone']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, snapshots: o.holders.includes(h) ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
-    const ex = new Executor({
-      store,
-      bus: stub({ sendWork: async () => undefined }),
-      clock: { now: () => now },
-      log: pino({ level: 'silent' }),
-      heard,
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
-    });
+    const ex = executorOver(store, { bus: { sendWork: async () => undefined }, heard, now: () => now });
     const inner = ex as unknown as {
       active: boolean;
       cache: { apply(c: unknown): void; load(): Promise<void> };

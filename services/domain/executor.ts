@@ -6,6 +6,7 @@
 // idempotent on the agents (keyed by op id + step id). A new leader re-runs every
 // non-terminal operation: committed placements are not redone, sent steps are re-sent
 // (the agent answers a repeat from its journal), and nothing is lost or duplicated.
+import { AsyncLocalStorage } from 'node:async_hooks';
 import { create, fromBinary } from '@bufbuild/protobuf';
 import { admit, QuotaExceededError } from './quota.ts';
 import type { QuotaOf, UsageSource } from './quota.ts';
@@ -631,6 +632,8 @@ export class Executor {
   private readonly strays = new Map<string, number>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
+  /** The term an operation runner was started in (maybeRun): commit() refuses a runner of an earlier term. */
+  private readonly runnerTerm = new AsyncLocalStorage<number>();
   /** When this replica became leader (hosts it never heard from are silent since then). */
   private termStartedAt = 0;
   /** reconcileHosts is holding back lost transitions for want of a bus connection (logged once per spell). */
@@ -1200,7 +1203,9 @@ export class Executor {
     const before = turn === undefined ? undefined : this.vmStateTurns.get(turn);
     if (turn !== undefined) this.noteVmStateTurn(turn, op.createdAt);
     let crashed = false;
-    const p = (before ? before.then(() => this.run(op.tenantId, op.id)) : this.run(op.tenantId, op.id))
+    const term = this.term;
+    const runOp = (): Promise<void> => this.runnerTerm.run(term, () => this.run(op.tenantId, op.id));
+    const p = (before ? before.then(runOp) : runOp())
       .catch((e: unknown) => {
         crashed = true;
         this.log.error({ err: e, opId: op.id, rerunInMs: this.deps.config.crashedRerunMs ?? CRASHED_RERUN_MS }, 'operation runner crashed; it runs again later');
@@ -1247,7 +1252,10 @@ export class Executor {
     // still stands until the replica resigns. A runner that stop() woke (its step "timed out")
     // would otherwise record an outcome it never saw, e.g. a sandbox hibernated whose VM stop
     // was never sent; the next leader runs the op again from what etcd says.
-    if (!this.active) throw new NotLeaderError();
+    // So is a runner of an earlier term of this replica (stop() waits 2 s for runners, and the
+    // replica may lead again while one of them still waits on the store).
+    const runnerTerm = this.runnerTerm.getStore();
+    if (!this.active || (runnerTerm !== undefined && runnerTerm !== this.term)) throw new NotLeaderError();
     const rev = await this.deps.store.commitAt(writes, this.deps.fence?.());
     if (rev > 0) {
       for (const w of writes) {
@@ -2392,7 +2400,10 @@ export class Executor {
     // Not marked (the store was out longer than the tries): the op must not end on the
     // caller's error, or nothing would ever finish this creating record. As a store failure,
     // the op runs again (run()), and its re-run takes the snapshot up again or marks it failed.
-    if (this.active) throw last instanceof StoreUnavailableError ? last : new StoreUnavailableError(`marking snapshot ${rec.id} failed`, last);
+    // A full store keeps its own (slower) retry; any other error ends the op on the caller's.
+    if (!this.active) return;
+    if (last instanceof StoreUnavailableError || last instanceof StoreFullError) throw last;
+    if (last instanceof ConflictError) throw new StoreUnavailableError(`marking snapshot ${rec.id} failed`, last);
   }
 
   private async runPauseResume(op: OperationRec): Promise<void> {
@@ -3382,6 +3393,10 @@ export class Executor {
     for (const [id, m] of Object.entries(recorded)) {
       if (!m.toHostId || m.toHostId === hostId || !wasSwitched(id, m)) continue;
       earlier++;
+      moved.push(id);
+      // Back on this host since (uncordoned meanwhile, then woken here): its VM here is the
+      // sandbox now, not the source the move left behind.
+      if (listed.find((s) => s.id === id)?.hostId === hostId) continue;
       try {
         await this.step(op, migrationStep(id, m, 'destroy-source'), hostId, stopVm(id));
       } catch (e) {
@@ -3389,7 +3404,6 @@ export class Executor {
         // (reconcileStrayVms stops it).
         this.log.warn({ err: e, opId: op.id, sandboxId: id, hostId }, 'could not stop the source VM of a sandbox an earlier run of this drain moved');
       }
-      moved.push(id);
     }
     // A migration an earlier run booked a host for, whose sandbox has since left this host
     // other than by the drain's switch (destroyed by its user, lost with this host): its
@@ -3668,14 +3682,10 @@ export class Executor {
     //    one transaction (a re-run goes by that mark, not by where the sandbox is by then).
     let movedOn: SandboxRec | undefined;
     try {
-      await this.updateOp(
-        op.tenantId,
-        op.id,
-        (o) => {
-          const inp = o.input as unknown as DrainInput;
-          const mm = inp.migrations?.[sb.id];
-          if (mm) inp.migrations = { ...inp.migrations, [sb.id]: { ...mm, switched: true } };
-        },
+      await this.updateMigration(
+        op,
+        sb.id,
+        (mm) => ({ ...mm, switched: true }),
         async () => {
           const [v, a] = await Promise.all([this.deps.store.getSandbox(sb.tenantId, sb.id), this.deps.store.getAlloc(from)]);
           if (!v) throw new NotFoundError('sandbox', sb.id);
@@ -3726,16 +3736,21 @@ export class Executor {
    * re-run then books again instead of restoring onto a host with no booking.
    */
   private async unbookMigration(op: OperationRec, sb: SandboxRec, to: string): Promise<void> {
-    await this.updateOp(
+    // Undone: retired, so a re-run of the drain makes a new attempt (a new snapshot).
+    await this.updateMigration(op, sb.id, retired, this.capacity(to, sb.resources, -1));
+  }
+
+  /** Changes the drain's record of `sandboxId`'s migration (when it has one), with `extra`'s writes in the same transaction. */
+  private updateMigration(op: OperationRec, sandboxId: string, change: (m: MigrationRec) => MigrationRec, extra?: (attempt: number) => Promise<StoreWrite[]>): Promise<OperationRec> {
+    return this.updateOp(
       op.tenantId,
       op.id,
       (o) => {
         const inp = o.input as unknown as DrainInput;
-        // Undone: retired, so a re-run of the drain makes a new attempt (a new snapshot).
-        const mm = inp.migrations?.[sb.id];
-        if (mm) inp.migrations = { ...inp.migrations, [sb.id]: retired(mm) };
+        const mm = inp.migrations?.[sandboxId];
+        if (mm) inp.migrations = { ...inp.migrations, [sandboxId]: change(mm) };
       },
-      this.capacity(to, sb.resources, -1),
+      extra,
     );
   }
 

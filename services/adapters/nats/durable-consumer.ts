@@ -56,10 +56,15 @@ export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Pr
     await o.ensure();
     messages = await open();
   }
+  // Consecutive rounds that failed consuming before a message came (a pull the server keeps
+  // refusing): each waits twice as long before the consumer is made again, up to 30 s.
+  let failedRounds = 0;
   const loop = (async () => {
     while (!closed) {
       const current = messages;
       let stopped = false;
+      let received = false;
+      let failed = false;
       const gone = (why: string): void => {
         if (stopped) return;
         stopped = true;
@@ -81,19 +86,24 @@ export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Pr
       }, o.checkMs ?? QUEUE_CHECK_MS);
       check.unref();
       try {
-        for await (const m of current) await o.onMessage(m);
+        for await (const m of current) {
+          received = true;
+          await o.onMessage(m);
+        }
       } catch (e) {
         // nats.js ends the iterator with an error on some pull failures (a 400 answer, a
         // permissions violation). Consumed anew as when the consumer went: otherwise this loop
         // would end here, unhandled, and nothing would be taken from the queue again.
+        failed = true;
         if (!closed) gone(`consuming failed: ${e instanceof Error ? e.message : String(e)}`);
       } finally {
         clearInterval(check);
       }
       if (closed || o.nc.isClosed()) break;
+      failedRounds = failed && !received ? failedRounds + 1 : 0;
       // Not at once: the server answers "not found" before it has removed the old consumer's
       // directory, and one made meanwhile can lose its own (ensureWorkConsumer).
-      await new Promise((r) => setTimeout(r, RECREATE_AFTER_MS));
+      await new Promise((r) => setTimeout(r, Math.min(RECREATE_AFTER_MS * 2 ** failedRounds, 30_000)));
       for (let delay = 100; !closed && !o.nc.isClosed(); delay = Math.min(delay * 2, 5000)) {
         try {
           await o.ensure();
