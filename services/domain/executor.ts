@@ -40,8 +40,7 @@ const MIGRATE_MAX_HOSTS = 4;
 /** How many times a fork's child is placed again after the host starting it was lost. */
 const FORK_REPLACEMENTS = 2;
 
-/** A fork's children placed again (op input `replaced`): how often, and by which placement (its name). */
-/** Fork children placed again: how often, by which placement, and the hosts they were taken off (never placed back there). */
+/** A fork's children placed again (op input `replaced`): how often, by which placement (its name), and the hosts they were taken off (never placed back there). */
 type Replacements = Record<string, { times: number; by: string; from?: string[] }>;
 function replacedAgain(before: Replacements[string] | undefined, by: string, from: string): Replacements[string] {
   return { times: (before?.times ?? 0) + 1, by, from: [...new Set([...(before?.from ?? []), from])] };
@@ -1616,7 +1615,8 @@ export class Executor {
   private placeAndBook(op: OperationRec, snapshot: PlaceJob['snapshot'], request: PlaceJob['request'], records: PlaceJob['records'], refresh?: PlaceJob['refresh']): Promise<Placed> {
     return new Promise<Placed>((resolve, reject) => {
       this.placeQueue.push({ op, snapshot, request, records, resolve, reject, ...(refresh ? { refresh } : {}) });
-      if (!this.placeRunning) void this.runPlacements();
+      // Outside the caller's runner term: the loop serves every runner's jobs, of later terms too.
+      if (!this.placeRunning) void this.runnerTerm.exit(() => this.runPlacements());
     });
   }
 
@@ -1826,7 +1826,7 @@ export class Executor {
   private commitGrouped(writes: StoreWrite[]): Promise<number> {
     return new Promise<number>((resolve, reject) => {
       this.groupQueue.push({ writes, resolve, reject });
-      if (!this.groupFlushing) void this.flushGroups();
+      if (!this.groupFlushing) void this.runnerTerm.exit(() => this.flushGroups());
     });
   }
 
