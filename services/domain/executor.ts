@@ -382,6 +382,9 @@ const GROUP_COMMIT_MAX_WRITES = 100;
 /** Sandboxes of a lost host marked per transaction (markHostLost): with the host's booking, GROUP_COMMIT_MAX_WRITES writes. */
 const LOST_BATCH = GROUP_COMMIT_MAX_WRITES - 1;
 
+/** Fetches smaller than this do not count towards a host's measured fetch rate (noteFetchRate). */
+const FETCH_RATE_MIN_BYTES = 16 * 1024 * 1024;
+
 /** Backoff of an op run again after the fleet store failed under it (run()). */
 const STORE_RETRY_FIRST_MS = 250;
 const STORE_RETRY_MAX_MS = 4000;
@@ -631,6 +634,12 @@ export class Executor {
   private readonly strays = new Map<string, number>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
+  /**
+   * Bytes per second each host got when it last fetched a snapshot for a restore (bytes over
+   * the step's whole host time, restore included; a moving average): placement prices a
+   * transfer by what hosts get, not by their links' rate (fleetViewInput).
+   */
+  private readonly fetchRates = new Map<string, number>();
   /** The term an operation runner was started in (maybeRun): commit() refuses a runner of an earlier term. */
   private readonly runnerTerm = new AsyncLocalStorage<number>();
   /** When this replica became leader (hosts it never heard from are silent since then). */
@@ -1516,6 +1525,7 @@ export class Executor {
       const sentAt = log[stepId]?.sentAt;
       if (sentAt !== undefined) st.sentAt = sentAt;
       if (r) addHostReport(st, r);
+      if (r && !r.error && st.bytesFetched && st.hostMs) this.noteFetchRate(hostId, st.bytesFetched, st.hostMs);
       log[stepId] = st;
       this.deps.onStepEnded?.(action, st.status === 'done' ? 'succeeded' : 'failed', st.sentAt !== undefined ? (now - st.sentAt) / 1000 : undefined, st.hostMs !== undefined ? st.hostMs / 1000 : undefined);
     };
@@ -1612,6 +1622,14 @@ export class Executor {
    * ones that queue up while a commit is in flight are decided together (each seeing what
    * the earlier ones booked, exactly as one after another) and committed in one transaction.
    */
+  private noteFetchRate(hostId: string, bytes: number, hostMs: number): void {
+    // A small fetch (most chunks there already) says more about the restore than the transfer.
+    if (bytes < FETCH_RATE_MIN_BYTES) return;
+    const rate = (bytes * 1000) / Math.max(1, hostMs);
+    const before = this.fetchRates.get(hostId);
+    this.fetchRates.set(hostId, before === undefined ? rate : (before + rate) / 2);
+  }
+
   private placeAndBook(op: OperationRec, snapshot: PlaceJob['snapshot'], request: PlaceJob['request'], records: PlaceJob['records'], refresh?: PlaceJob['refresh']): Promise<Placed> {
     return new Promise<Placed>((resolve, reject) => {
       this.placeQueue.push({ op, snapshot, request, records, resolve, reject, ...(refresh ? { refresh } : {}) });
@@ -1683,7 +1701,7 @@ export class Executor {
               // "unknown", and the job failed as a retryable "no capacity".
               viewSnapshots = [...snapshots.filter((x) => x.tenantId !== tenantId || x.id !== id), sv.value];
             }
-            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight }));
+            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight, fetchRates: this.fetchRates }));
             const req = job.request(view);
             // Seeded by the request's id (each migration of a drain has its own), as the library
             // documents, so the first attempt's decision replays from its explanation.

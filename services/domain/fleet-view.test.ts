@@ -37,6 +37,18 @@ describe('fleetViewInput', () => {
     expect(a?.restoreSlots).toBeUndefined();
   });
 
+  it('bandwidth_isWhatHostsGotFetching_notTheLinksRate_andAHostThatFetchedNothingYetGetsTheFleetsMedian', () => {
+    const heard = new HeartbeatRegistry();
+    const view = (fetchRates?: Map<string, number>) =>
+      fleetViewInput({ hosts: [host('a'), host('b'), host('c')], allocs: new Map(), heard, snapshots: [], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144, ...(fetchRates ? { fetchRates } : {}) }).hosts.map((h) => h.link.bandwidthBytesPerS);
+    // Nothing fetched yet anywhere: the links' rate (1.25e9).
+    expect(view()).toEqual([1.25e9, 1.25e9, 1.25e9]);
+    // A fetch over a 10 Gbit/s link moved ~100 MB/s: priced at that, and c (no fetch yet) at the median.
+    expect(view(new Map([['a', 1e8], ['b', 3e8]]))).toEqual([1e8, 3e8, 1e8]);
+    // Never above the link's rate.
+    expect(view(new Map([['a', 5e9]]))).toEqual([1.25e9, 1.25e9, 1.25e9]);
+  });
+
   it('hostRecordedLost_staysLostInTheView_evenWithFreshHeartbeats_untilItsRecordIsReady', () => {
     const heard = new HeartbeatRegistry();
     heard.record(create(HeartbeatSchema, { hostId: 'back', bootId: 'b2' }), 1_000);

@@ -186,6 +186,14 @@ export function fleetViewInput(args: {
    * once, a heartbeat only up to a second later.
    */
   ownInflight?: ReadonlyMap<string, number>;
+  /**
+   * Bytes per second hosts got fetching a snapshot for a restore (Executor.noteFetchRate). A
+   * host's bandwidth is the lower of its link's rate and this, or, not measured yet, the
+   * fleet's median of it: on a link of 10 Gbit/s a fetch here moves ~100 MB/s (CPU-bound
+   * TLS, migration, decode), and priced at the link's rate, moving a snapshot looked nearly
+   * free, so a wake went to a cold host over its warm holder.
+   */
+  fetchRates?: ReadonlyMap<string, number>;
 }): FleetViewInput {
   // Which of `snapshots` each host holds, by its record or its last heartbeat: one pass over
   // the snapshots' holders, then an indexed lookup per host and snapshot (not every host
@@ -210,6 +218,8 @@ export function fleetViewInput(args: {
   }
   measured.sort((a, b) => a - b);
   const fleetRestoreMs = measured.length ? measured[(measured.length - 1) >> 1] : undefined;
+  const rates = [...(args.fetchRates?.values() ?? [])].filter((r) => r > 0).sort((a, b) => a - b);
+  const fleetFetchRate = rates.length ? rates[(rates.length - 1) >> 1]! : Number.POSITIVE_INFINITY;
   const hosts: HostInput[] = args.hosts.map((h) => {
     const heard = args.heard.get(h.id);
     const alloc = args.allocs.get(h.id);
@@ -234,7 +244,7 @@ export function fleetViewInput(args: {
       inflightOps: Math.max(heard?.hb.inflightOps ?? 0, args.ownInflight?.get(h.id) ?? 0),
       // The host's measured restore time and its slots price its queue (scheduler/README.md).
       ...(heard && heard.hb.restoreSlots > 0 && (heard.hb.restoreCostMs > 0 || fleetRestoreMs !== undefined) ? { restoreCostMs: heard.hb.restoreCostMs > 0 ? heard.hb.restoreCostMs : fleetRestoreMs, restoreSlots: heard.hb.restoreSlots } : {}),
-      link: { bandwidthBytesPerS: Math.max(1, h.linkBytesPerSecond), rxLoadBytesPerS: 0, txLoadBytesPerS: 0 },
+      link: { bandwidthBytesPerS: Math.max(1, Math.min(h.linkBytesPerSecond, args.fetchRates?.get(h.id) ?? fleetFetchRate)), rxLoadBytesPerS: 0, txLoadBytesPerS: 0 },
       vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel, ...(heard && builtImages(heard.hb) ? { images: builtImages(heard.hb) } : {}) },
       heldSnapshots: [...held],
     };
