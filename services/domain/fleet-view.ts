@@ -169,6 +169,13 @@ function completeSnapshots(hb: HeartbeatMsg): Set<string> {
 }
 
 /** Builds the placement library's input from etcd records plus heartbeats. */
+/** The lower median of `values` (the smaller middle one of an even count); undefined when empty. */
+function lowerMedian(values: number[]): number | undefined {
+  if (values.length === 0) return undefined;
+  values.sort((a, b) => a - b);
+  return values[(values.length - 1) >> 1];
+}
+
 export function fleetViewInput(args: {
   hosts: readonly HostRec[];
   allocs: ReadonlyMap<string, HostAllocRec>;
@@ -216,10 +223,8 @@ export function fleetViewInput(args: {
     const hb = args.heard.get(h.id)?.hb;
     if (hb && hb.restoreCostMs > 0 && hb.restoreSlots > 0) measured.push(hb.restoreCostMs);
   }
-  measured.sort((a, b) => a - b);
-  const fleetRestoreMs = measured.length ? measured[(measured.length - 1) >> 1] : undefined;
-  const rates = [...(args.fetchRates?.values() ?? [])].filter((r) => r > 0).sort((a, b) => a - b);
-  const fleetFetchRate = rates.length ? rates[(rates.length - 1) >> 1]! : Number.POSITIVE_INFINITY;
+  const fleetRestoreMs = lowerMedian(measured);
+  const fleetFetchRate = lowerMedian([...(args.fetchRates?.values() ?? [])].filter((r) => r > 0)) ?? Number.POSITIVE_INFINITY;
   const hosts: HostInput[] = args.hosts.map((h) => {
     const heard = args.heard.get(h.id);
     const alloc = args.allocs.get(h.id);

@@ -680,7 +680,7 @@ export class QemuVmmDriver implements VmmDriver {
     // Taken before (a redelivered step): returned as it is, also when its VM is gone since
     // (the step's ingest still has to run on it).
     const done = join(this.snapshotsDir, snapshotId);
-    if (await stat(join(done, 'manifest.json')).then(() => true, () => false)) return this.openSnapshot(done);
+    if (await isSealed(done)) return this.openSnapshot(done);
     return this.locked(vmId, async (rec) => {
       const before = rec.info.state;
       if (before !== 'running' && before !== 'paused') throw new InvalidVmStateError(vmId, before, 'snapshot');
@@ -774,7 +774,7 @@ export class QemuVmmDriver implements VmmDriver {
     const m = rec.unsealed;
     if (!m) return;
     const dir = join(this.snapshotsDir, m.snapshotId);
-    if (!(await stat(join(dir, 'manifest.json')).then(() => true, () => false))) await sealSnapshot(dir, rec.image, m);
+    await ensureSealed(dir, rec.image, m);
     rec.unsealed = undefined;
     await this.persist(rec);
   }
@@ -784,7 +784,7 @@ export class QemuVmmDriver implements VmmDriver {
     const sw = rec.switching;
     if (!sw || sw.gen !== rec.gen) return;
     const dir = join(this.snapshotsDir, sw.manifest.snapshotId);
-    if (!(await stat(join(dir, 'manifest.json')).then(() => true, () => false))) await sealSnapshot(dir, rec.image, sw.manifest);
+    await ensureSealed(dir, rec.image, sw.manifest);
     rec.switching = undefined;
     await this.persist(rec);
   }
@@ -1746,7 +1746,7 @@ export class QemuVmmDriver implements VmmDriver {
       // A snapshot of it that was never sealed serves nothing else (no manifest: no fork, no
       // fetch, no GC sees it): it goes with the VM, not at the next agent start.
       const unsealed = rec.unsealed && join(this.snapshotsDir, rec.unsealed.snapshotId);
-      if (unsealed && !(await stat(join(unsealed, 'manifest.json')).then(() => true, () => false))) await rm(unsealed, { recursive: true, force: true });
+      if (unsealed && !(await isSealed(unsealed))) await rm(unsealed, { recursive: true, force: true });
       this.vms.delete(vmId);
       this.setState(rec, 'destroyed');
       rec.log.info('vm destroyed');
@@ -1911,7 +1911,7 @@ export class QemuVmmDriver implements VmmDriver {
     for (const snap of await readdir(this.snapshotsDir).catch(() => [] as string[])) {
       const dir = join(this.snapshotsDir, snap);
       await this.reapWorkdir(join(dir, '.recv'));
-      const complete = await stat(join(dir, 'manifest.json')).then(() => true, () => false);
+      const complete = await isSealed(dir);
       if (!complete && ![...this.vms.values()].some((v) => v.memPath.startsWith(`${dir}/`) || v.dependsOn.includes(snap))) {
         await rm(dir, { recursive: true, force: true });
         report.reaped.push(`snapshot:${snap}`);
@@ -1966,7 +1966,7 @@ export class QemuVmmDriver implements VmmDriver {
       // state's last writes may never have reached the disk. Reaped, the directory swept.
       return undefined;
     }
-    if (!(await stat(join(dir, 'manifest.json')).then(() => true, () => false))) await sealSnapshot(dir, p.image, sw.manifest);
+    await ensureSealed(dir, p.image, sw.manifest);
     log.warn('agent died in a template snapshot after the VM switched onto it: snapshot sealed');
     return settled(p);
   }
@@ -2056,7 +2056,7 @@ export class QemuVmmDriver implements VmmDriver {
       // (its disk is the recorded layer, hard-linked): the VM stays on the new layer, as the
       // snapshot's end would have recorded. Merging down would write into the snapshot's disk.
       const of = /^disk\.(.+)\.qcow2$/.exec(basename(top))?.[1];
-      if (of && (await stat(join(this.snapshotsDir, of, 'manifest.json')).then(() => true, () => false))) {
+      if (of && (await isSealed(join(this.snapshotsDir, of)))) {
         log.warn({ recorded: p.diskPath, snapshotId: of }, 'VM was recorded before its finished snapshot: now on that snapshot\'s new layer');
         p = { ...p, diskPath: top, dependsOn: p.dependsOn.includes(of) ? p.dependsOn : [of, ...p.dependsOn] };
       } else {
@@ -2390,6 +2390,16 @@ async function assertSameBaseDisk(m: SnapshotManifest, image: GuestImage, where:
  * snapshot here (256 MiB guest); publishing first and syncing in the background
  * (DeferredSync) measured the same totals (227-235 ms), so it is done inline.
  */
+/** Whether the snapshot directory is sealed: its manifest, written last, is there. */
+function isSealed(dir: string): Promise<boolean> {
+  return stat(join(dir, 'manifest.json')).then(() => true, () => false);
+}
+
+/** Seals the snapshot unless it is sealed already (a seal that failed earlier, done now). */
+async function ensureSealed(dir: string, image: GuestImage, manifest: SnapshotManifest): Promise<void> {
+  if (!(await isSealed(dir))) await sealSnapshot(dir, image, manifest);
+}
+
 async function sealSnapshot(dir: string, image: GuestImage, manifest: SnapshotManifest): Promise<void> {
   await writeJsonAtomic(join(dir, 'image.json'), image);
   const files = ['mem.img', 'state.bin', 'disk.qcow2', 'image.json'].map((f) => join(dir, f));
