@@ -18,8 +18,8 @@ import { canTransition, HOLDS_CAPACITY, isTerminal, PLACEMENT_TXN_MAX_BYTES, SAN
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostResultSchema, HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
-import { fleetViewInput, livenessOf } from './fleet-view.ts';
-import type { LivenessConfig , HeartbeatRegistry} from './fleet-view.ts';
+import { FetchRates, fleetViewInput, livenessOf } from './fleet-view.ts';
+import type { LivenessConfig, HeartbeatRegistry } from './fleet-view.ts';
 import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
 import type { FleetView, PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
@@ -635,11 +635,11 @@ export class Executor {
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
   private term = 0;
   /**
-   * Bytes per second each host got when it last fetched a snapshot for a restore (bytes over
-   * the step's whole host time, restore included; a moving average): placement prices a
-   * transfer by what hosts get, not by their links' rate (fleetViewInput).
+   * Bytes per second hosts got on their last fetches of a snapshot for a restore (bytes over
+   * the step's whole host time, restore included; over the last 10 minutes): placement prices
+   * a transfer by what hosts get, not by their links' rate (fleetViewInput).
    */
-  private readonly fetchRates = new Map<string, number>();
+  private readonly fetchRates = new FetchRates();
   /** The term an operation runner was started in (maybeRun): commit() refuses a runner of an earlier term. */
   private readonly runnerTerm = new AsyncLocalStorage<number>();
   /** When this replica became leader (hosts it never heard from are silent since then). */
@@ -1615,6 +1615,12 @@ export class Executor {
 
   // ---------------------------------------------------------------- placement
 
+  private noteFetchRate(hostId: string, bytes: number, hostMs: number): void {
+    // A small fetch (most chunks there already) says more about the restore than the transfer.
+    if (bytes < FETCH_RATE_MIN_BYTES) return;
+    this.fetchRates.note(hostId, (bytes * 1000) / Math.max(1, hostMs), this.deps.clock.now());
+  }
+
   /**
    * Decides a placement over the leader's cache and commits it, with the capacity it books
    * and the records it creates (and the op's own update, when given), in one transaction
@@ -1622,14 +1628,6 @@ export class Executor {
    * ones that queue up while a commit is in flight are decided together (each seeing what
    * the earlier ones booked, exactly as one after another) and committed in one transaction.
    */
-  private noteFetchRate(hostId: string, bytes: number, hostMs: number): void {
-    // A small fetch (most chunks there already) says more about the restore than the transfer.
-    if (bytes < FETCH_RATE_MIN_BYTES) return;
-    const rate = (bytes * 1000) / Math.max(1, hostMs);
-    const before = this.fetchRates.get(hostId);
-    this.fetchRates.set(hostId, before === undefined ? rate : (before + rate) / 2);
-  }
-
   private placeAndBook(op: OperationRec, snapshot: PlaceJob['snapshot'], request: PlaceJob['request'], records: PlaceJob['records'], refresh?: PlaceJob['refresh']): Promise<Placed> {
     return new Promise<Placed>((resolve, reject) => {
       this.placeQueue.push({ op, snapshot, request, records, resolve, reject, ...(refresh ? { refresh } : {}) });
@@ -1701,7 +1699,7 @@ export class Executor {
               // "unknown", and the job failed as a retryable "no capacity".
               viewSnapshots = [...snapshots.filter((x) => x.tenantId !== tenantId || x.id !== id), sv.value];
             }
-            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight, fetchRates: this.fetchRates }));
+            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight, fetchRates: this.fetchRates.current(now) }));
             const req = job.request(view);
             // Seeded by the request's id (each migration of a drain has its own), as the library
             // documents, so the first attempt's decision replays from its explanation.

@@ -2,7 +2,7 @@ import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { HeartbeatSchema, VmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { decodeHeartbeat } from '../adapters/nats/bus.ts';
-import { fleetViewInput, HeartbeatRegistry, livenessOf } from './fleet-view.ts';
+import { FETCH_RATE_WINDOW_MS, FetchRates, fleetViewInput, HeartbeatRegistry, livenessOf } from './fleet-view.ts';
 import type { HostRec, SnapshotRec } from './records.ts';
 
 const host = (id: string): HostRec => ({
@@ -47,6 +47,23 @@ describe('fleetViewInput', () => {
     expect(view(new Map([['a', 1e8], ['b', 3e8]]))).toEqual([1e8, 3e8, 1e8]);
     // Never above the link's rate.
     expect(view(new Map([['a', 5e9]]))).toEqual([1.25e9, 1.25e9, 1.25e9]);
+  });
+
+  it('fetchRates_areTheMedianOfAHostsRecentFetches_andFetchesOlderThanTheWindowNoLongerPriceIt', () => {
+    const rates = new FetchRates();
+    rates.note('a', 2e7, 0); // one slow fetch
+    rates.note('b', 1e8, 0);
+    expect(rates.current(1_000)).toEqual(new Map([['a', 2e7], ['b', 1e8]]));
+    // a stays priced at its slow fetch while placement avoids it, but only for the window.
+    rates.note('b', 3e8, FETCH_RATE_WINDOW_MS);
+    rates.note('b', 2e8, FETCH_RATE_WINDOW_MS);
+    expect(rates.current(FETCH_RATE_WINDOW_MS)).toEqual(new Map([['a', 2e7], ['b', 2e8]]));
+    expect(rates.current(FETCH_RATE_WINDOW_MS + 1)).toEqual(new Map([['b', 2e8]])); // the lower median of 3e8 and 2e8
+    // A host gone from the fleet drops out too, and with nothing left the links' rate prices fetches again.
+    expect(rates.current(2 * FETCH_RATE_WINDOW_MS + 1)).toEqual(new Map());
+    rates.note('c', Number.NaN, 0);
+    rates.note('c', 0, 0);
+    expect(rates.current(0)).toEqual(new Map());
   });
 
   it('hostRecordedLost_staysLostInTheView_evenWithFreshHeartbeats_untilItsRecordIsReady', () => {

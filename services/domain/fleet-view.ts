@@ -168,7 +168,6 @@ function completeSnapshots(hb: HeartbeatMsg): Set<string> {
   return set;
 }
 
-/** Builds the placement library's input from etcd records plus heartbeats. */
 /** The lower median of `values` (the smaller middle one of an even count); undefined when empty. */
 function lowerMedian(values: number[]): number | undefined {
   if (values.length === 0) return undefined;
@@ -176,6 +175,42 @@ function lowerMedian(values: number[]): number | undefined {
   return values[(values.length - 1) >> 1];
 }
 
+/** Samples older than this no longer price a host's fetches (as restore_cost_ms, ADR 0006). */
+export const FETCH_RATE_WINDOW_MS = 10 * 60_000;
+/** Samples kept per host: its last few fetches. */
+const FETCH_RATE_SAMPLES = 8;
+
+/**
+ * Bytes per second each host got on its last fetches of a snapshot for a restore, over the
+ * last FETCH_RATE_WINDOW_MS. A host's rate is the median of its samples in the window. Old
+ * samples drop out: a host that placement avoided after one slow fetch gets no new samples,
+ * and would otherwise keep that price for good; a host that left the fleet is forgotten.
+ */
+export class FetchRates {
+  private readonly byHost = new Map<string, { at: number; rate: number }[]>();
+
+  note(hostId: string, bytesPerS: number, now: number): void {
+    if (!(bytesPerS > 0) || !Number.isFinite(bytesPerS)) return;
+    let samples = this.byHost.get(hostId);
+    if (!samples) this.byHost.set(hostId, (samples = []));
+    samples.push({ at: now, rate: bytesPerS });
+    if (samples.length > FETCH_RATE_SAMPLES) samples.shift();
+  }
+
+  /** Each host's rate now; hosts with no sample in the window are left out (and forgotten). */
+  current(now: number): Map<string, number> {
+    const out = new Map<string, number>();
+    for (const [hostId, samples] of this.byHost) {
+      const live = samples.filter((s) => now - s.at <= FETCH_RATE_WINDOW_MS);
+      if (live.length === 0) { this.byHost.delete(hostId); continue; }
+      if (live.length < samples.length) this.byHost.set(hostId, live);
+      out.set(hostId, lowerMedian(live.map((s) => s.rate)) as number);
+    }
+    return out;
+  }
+}
+
+/** Builds the placement library's input from etcd records plus heartbeats. */
 export function fleetViewInput(args: {
   hosts: readonly HostRec[];
   allocs: ReadonlyMap<string, HostAllocRec>;
