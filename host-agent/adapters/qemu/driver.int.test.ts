@@ -13,7 +13,7 @@ import { ensureImage } from '../../../deploy/images/build.ts';
 import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
 import type { GuestImage, LocalSnapshot, RecoveryReport, VmEvent } from '../../domain/vmm.ts';
 import { waitFor } from '../../../services/testkit/proc.ts';
-import type { QmpClient } from '../qmp/client.ts';
+import { QmpClient } from '../qmp/client.ts';
 import { QemuVmmDriver } from './driver.ts';
 import { ramDirFor, tmpfsOptions } from './ram-pool.ts';
 import { cmdlineOf, isAlive, killHard } from './process.ts';
@@ -868,24 +868,59 @@ describe('QemuVmmDriver (real QEMU)', () => {
   // Also for a VM claimed from a standby: QEMU knows its disk by the standby's directory name,
   // and the merge named the layer by the workdir path ("Can't find ... in the backing chain"),
   // so the VM was reaped.
+  /**
+   * The agent dies while snapshot `snapshotId` of clone `vm` copies its RAM: after
+   * blockdev-snapshot switched the VM onto its new disk layer (and stopped it), before
+   * vm.json said so.
+   */
+  const agentDiesInSnapshotCopy = async (vm: string, snapshotId: string): Promise<void> => {
+    let died: () => void = () => undefined;
+    const dead = new Promise<void>((r) => (died = r));
+    onSnapshotCopied = async (at) => {
+      if (at.snapshotId !== snapshotId) return;
+      driver.detach();
+      died();
+      await new Promise(() => undefined); // a dead agent runs no more of the snapshot
+    };
+    void driver.snapshot(vm, snapshotId).catch(() => undefined);
+    await dead;
+    onSnapshotCopied = undefined;
+  };
+
+  it('recover_afterAgentKillMidCloneSnapshot_whenMergingTheNewLayerBackFails_adoptsTheVmOnIt_andItsNextSnapshotMergesItAndKeepsEveryWrite', async () => {
+    await driver.fork(snap, [{ vmId: 'k8', hostname: 'k8' }]);
+    await sh('k8', 'echo one > /data/one && sync');
+    await agentDiesInSnapshotCopy('k8', 'snap-k8-cut');
+    // The new agent's merge back is refused (as a full disk would fail it). It used to throw
+    // out of the adoption, three times, and the healthy VM was killed and its disk removed.
+    const execute = QmpClient.prototype.execute;
+    const refused = vi.spyOn(QmpClient.prototype, 'execute').mockImplementation(function (this: QmpClient, cmd, args, timeoutMs) {
+      if (cmd === 'block-commit') return Promise.reject(new Error('block-commit refused (injected)'));
+      return execute.call(this, cmd, args, timeoutMs) as never;
+    });
+    let report: RecoveryReport;
+    try {
+      report = await restartAgent({ dead: true });
+    } finally {
+      refused.mockRestore();
+    }
+    expect(report.adopted).toContain('k8');
+    expect(driver.get('k8')?.state).toBe('running');
+    expect(await sh('k8', 'cat /data/one')).toBe('one');
+    await sh('k8', 'echo two > /data/two && sync');
+    // The next snapshot merges the layer back first, and freezes a disk with every write.
+    const s = await driver.snapshot('k8', 'snap-k8-good');
+    await childrenSee([{ of: s, id: 'k8g', script: 'echo 3 > /proc/sys/vm/drop_caches; cat /data/one /data/two', out: 'one\ntwo' }]);
+    await driver.destroy('k8');
+    await driver.deleteSnapshot(s);
+  });
+
   for (const [how, k1, fromStandby] of [['', 'k1', false], ['_ofAVmClaimedFromAStandby', 'k1s', true]] as const) it(`recover_afterAgentKillMidCloneSnapshot${how}_mergesTheNewLayerBack_resumesTheVm_andTheReRunAndLaterSnapshotsKeepEveryWrite`, async () => {
     if (fromStandby) await driver.warm(snap, 1);
     const [vm] = await driver.fork(snap, [{ vmId: k1, hostname: k1 }]);
     expect((await cmdlineOf(vm!.pid!))?.some((a) => a.includes(`${join(root, 'standby')}/`))).toBe(fromStandby);
     await sh(k1, 'echo one > /data/one && sync');
-    // The agent dies while a receiver snapshot copies the clone's RAM: after blockdev-snapshot
-    // switched the VM onto its new disk layer (and stopped it), before vm.json said so.
-    let died: () => void = () => undefined;
-    const dead = new Promise<void>((r) => (died = r));
-    onSnapshotCopied = async ({ snapshotId }) => {
-      if (snapshotId !== `snap-${k1}-cut`) return;
-      driver.detach();
-      died();
-      await new Promise(() => undefined); // a dead agent runs no more of the snapshot
-    };
-    void driver.snapshot(k1, `snap-${k1}-cut`).catch(() => undefined);
-    await dead;
-    onSnapshotCopied = undefined;
+    await agentDiesInSnapshotCopy(k1, `snap-${k1}-cut`);
     expect((await restartAgent({ dead: true })).adopted).toContain(k1);
     // Running again (the killed snapshot had stopped it), on the layer it writes.
     expect(driver.get(k1)?.state).toBe('running');

@@ -2060,11 +2060,19 @@ export class QemuVmmDriver implements VmmDriver {
         log.warn({ recorded: p.diskPath, snapshotId: of }, 'VM was recorded before its finished snapshot: now on that snapshot\'s new layer');
         p = { ...p, diskPath: top, dependsOn: p.dependsOn.includes(of) ? p.dependsOn : [of, ...p.dependsOn] };
       } else {
-        // A paused VM's images may still be inactive (a migration stopped it): writable first.
-        if (status !== 'running') await reactivate(qmp, true);
-        await commitActiveLayer(qmp, p.diskPath, `ff-rollback-${p.info.vmId}`);
-        await unlink(top).catch(() => undefined);
-        log.warn({ recorded: p.diskPath, overlay: top }, 'VM wrote a disk overlay of an interrupted snapshot: merged it back into its layer');
+        try {
+          // A paused VM's images may still be inactive (a migration stopped it): writable first.
+          if (status !== 'running') await reactivate(qmp, true);
+          await commitActiveLayer(qmp, p.diskPath, `ff-rollback-${p.info.vmId}`);
+          await unlink(top).catch(() => undefined);
+          log.warn({ recorded: p.diskPath, overlay: top }, 'VM wrote a disk overlay of an interrupted snapshot: merged it back into its layer');
+        } catch (e) {
+          // A merge that fails (a full disk, a slow job) is no reason to kill a VM that QMP just
+          // answered and remove its disk: adopted on the overlay it writes (QEMU keeps its
+          // backing open after the unfinished snapshot's directory goes), and its next snapshot
+          // merges it back first (mergeBackStrayLayer), or fails naming it.
+          log.warn({ recorded: p.diskPath, overlay: top, err: String(e) }, 'VM writes a disk overlay of an interrupted snapshot and merging it back failed: adopted on it; its next snapshot merges it back first');
+        }
       }
     }
     const proc = adoptProcess(pid);
