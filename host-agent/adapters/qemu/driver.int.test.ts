@@ -89,7 +89,7 @@ async function allFiles(dir: string): Promise<string[]> {
 
 /** Set by a test to look at a receiver snapshot's source while it is stopped after the copy. */
 let onSnapshotCopied: ((e: { snapshotId: string; qmp: QmpClient }) => Promise<void>) | undefined;
-let onSnapshotStage: ((e: { snapshotId: string; stage: 'armed' | 'loaded' | 'switched'; replacement: QmpClient }) => Promise<void>) | undefined;
+let onSnapshotStage: ((e: { snapshotId: string; stage: 'armed' | 'saved' | 'loaded' | 'switched'; replacement: QmpClient }) => Promise<void>) | undefined;
 
 /**
  * The 4 KiB pages (by guest-physical page number) in which a dump of guest-physical memory
@@ -1048,7 +1048,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
   it('recover_afterAgentKillInATemplateSnapshot_undoesItBeforeTheSourceStops_sealsItOnceTheReplacementRuns', async () => {
     const qemusOf = async (vmId: string): Promise<number> => (await Promise.all((await ourProcesses()).map(async (pid) => (await cmdlineOf(pid))?.some((a) => a.includes(`/vms/${vmId}/`))))).filter(Boolean).length;
     /** Runs a template snapshot until `stage`, where the agent dies. */
-    const dieAt = async (vmId: string, snapshotId: string, stage: 'armed' | 'loaded' | 'switched'): Promise<void> => {
+    const dieAt = async (vmId: string, snapshotId: string, stage: 'armed' | 'saved' | 'loaded' | 'switched'): Promise<void> => {
       let died: () => void = () => undefined;
       const dead = new Promise<void>((r) => (died = r));
       onSnapshotStage = async (e) => {
@@ -1109,6 +1109,14 @@ describe('QemuVmmDriver (real QEMU)', () => {
       await dieAt('tp3', 'snap-tp3-switched', 'switched');
       expect((await restartAgent({ dead: true })).adopted).toEqual(expect.arrayContaining(['tp3', 'tp4']));
       await sealedAndRunning('tp3', 'snap-tp3-switched');
+      // 3b. Killed once the source saved its state and was killed, before the replacement
+      //     loaded it: the only QEMU left waits for a state the snapshot holds whole. It gets
+      //     it; the VM was reaped here before, lost, with its snapshot swept.
+      await driver.create({ vmId: 'tp5', image, memoryMib: MEM, vcpus: 1, hostname: 'tp5' });
+      await sh('tp5', 'echo tp5 > /dev/shm/mark && echo tp5-disk > /data/mark && sync');
+      await dieAt('tp5', 'snap-tp5-saved', 'saved');
+      expect((await restartAgent({ dead: true })).adopted).toEqual(expect.arrayContaining(['tp4', 'tp5']));
+      await sealedAndRunning('tp5', 'snap-tp5-saved');
       // 4. Not killed: failing after the switch (a guest agent that does not come back, say).
       //    The step fails, but the VM runs from the snapshot's files: they are sealed.
       onSnapshotStage = async (e) => {

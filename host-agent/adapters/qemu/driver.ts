@@ -112,13 +112,14 @@ export interface QemuDriverOptions {
   snapshotCopied?: (e: { vmId: string; snapshotId: string; qmp: QmpClient }) => Promise<void>;
   /**
    * Called during a template snapshot (the VM's own share=on file becomes the image) at its
-   * recovery points: `armed` (replacement QEMU ready, source untouched), `loaded` (source
+   * recovery points: `armed` (replacement QEMU ready, source untouched), `saved` (device state
+   * saved, source killed, the replacement still waiting for the state), `loaded` (source
    * killed, the replacement has the device state, vm.json still names the source) and
    * `switched` (vm.json names the replacement, no manifest yet). Tests kill the agent there
    * (closing `replacement`, the QMP connection `detach` does not know of yet, as a dying
    * process would: QEMU serves one QMP client at a time).
    */
-  snapshotStage?: (e: { vmId: string; snapshotId: string; stage: 'armed' | 'loaded' | 'switched'; replacement: QmpClient }) => Promise<void>;
+  snapshotStage?: (e: { vmId: string; snapshotId: string; stage: 'armed' | 'saved' | 'loaded' | 'switched'; replacement: QmpClient }) => Promise<void>;
   /** Egress for VMs whose network policy allows it (adapters/netns/egress.ts). */
   egress?: EgressOptions;
   /** Paused, pre-loaded QEMUs that forks claim (standby.ts, ADR 0014). Default DEFAULT_STANDBY_POLICY. */
@@ -890,6 +891,7 @@ export class QemuVmmDriver implements VmmDriver {
       rec.expectExit = true;
       sourceKilled = true;
       killHard(rec.proc.pid);
+      await this.opts.snapshotStage?.({ vmId: rec.info.vmId, snapshotId, stage: 'saved', replacement: repl.qmp });
       await feedReplacement(stateBin);
       if (!keepPaused) await repl.qmp.execute('cont');
       await rec.proc.exited;
@@ -1933,8 +1935,9 @@ export class QemuVmmDriver implements VmmDriver {
    * failure path would (replacement killed, memory file renamed back, new layer removed; the
    * directory, without a manifest, goes with recover()'s sweep). If only the replacement runs
    * and has loaded the device state, it is the VM: the record moves onto it, and the snapshot,
-   * whose files are complete, is sealed. Otherwise (no QEMU, or a replacement still waiting
-   * for the state) there is nothing to adopt: undefined, and the workdir is reaped.
+   * whose files are complete, is sealed. A replacement still waiting for the state is given
+   * the snapshot's state file first. Otherwise (no QEMU, or a state that does not load) there
+   * is nothing to adopt: undefined, and the workdir is reaped.
    */
   private async settleSwitch(p: VmPersisted): Promise<VmPersisted | undefined> {
     const sw = p.switching!;
@@ -1956,7 +1959,23 @@ export class QemuVmmDriver implements VmmDriver {
       }
       if (!newPid) return undefined;
       const qmp = await QmpClient.connect(join(workdir, `qmp.${sw.gen}.sock`));
-      const status = await queryStatus(qmp).finally(() => qmp.close());
+      let status: string;
+      try {
+        status = await queryStatus(qmp);
+        const sock = join(workdir, `mig-in.${sw.gen}.sock`);
+        if (status === 'inmigrate' && (await stat(sock).then((st) => st.isSocket(), () => false))) {
+          // The agent died after it had saved the device state and killed the source, before
+          // the replacement (armed, listening) loaded it. The source is gone for good; the
+          // snapshot's state file is whole (the source is killed only once its save completed),
+          // so the replacement loads it now. A state file that is not whole fails the load,
+          // and the VM is reaped as before.
+          await feedIncoming(qmp, sock, join(dir, 'state.bin'), qmp.mark);
+          log.warn('agent died in a template snapshot between the source\'s save and the replacement\'s load: loaded now');
+          status = await queryStatus(qmp);
+        }
+      } finally {
+        qmp.close();
+      }
       if (status !== 'running' && status !== 'paused') return undefined; // never got the device state
       await unlink(p.diskPath).catch(() => undefined); // hard-linked as the snapshot's disk
       await this.removeGenFiles(workdir, p.gen);
@@ -2333,22 +2352,25 @@ export async function armIncoming(qmp: QmpClient, sockPath: string): Promise<(fi
   await unlink(sockPath).catch(() => undefined);
   const mark = qmp.mark;
   await qmp.execute('migrate-incoming', { uri: `unix:${sockPath}` });
-  return async (file: string) => {
-    const conn = net.createConnection(sockPath);
-    conn.on('error', () => undefined);
-    const state = createReadStream(file);
-    // A read error (EIO) ends the stream, so the load fails at once; without a listener it
-    // would be an uncaught exception that ends the agent.
-    state.on('error', () => conn.destroy());
-    state.pipe(conn);
-    try {
-      await waitMigration(qmp, 'completed', mark);
-    } finally {
-      conn.destroy();
-      state.destroy();
-      await unlink(sockPath).catch(() => undefined);
-    }
-  };
+  return (file: string) => feedIncoming(qmp, sockPath, file, mark);
+}
+
+/** Streams `file` into the incoming migration QEMU listens for on `sockPath` (armIncoming) and waits for its load. */
+async function feedIncoming(qmp: QmpClient, sockPath: string, file: string, mark: number): Promise<void> {
+  const conn = net.createConnection(sockPath);
+  conn.on('error', () => undefined);
+  const state = createReadStream(file);
+  // A read error (EIO) ends the stream, so the load fails at once; without a listener it
+  // would be an uncaught exception that ends the agent.
+  state.on('error', () => conn.destroy());
+  state.pipe(conn);
+  try {
+    await waitMigration(qmp, 'completed', mark);
+  } finally {
+    conn.destroy();
+    state.destroy();
+    await unlink(sockPath).catch(() => undefined);
+  }
 }
 
 /** Sets the nice value of every thread of `pid` (nice is per thread on Linux); twice, in case one was being created meanwhile. */
