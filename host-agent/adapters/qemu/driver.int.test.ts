@@ -1259,6 +1259,31 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
+  it('recover_ofAVmMigratingOutWhenTheAgentDied_cancelsTheMigration_soTheAdoptedVmKeepsRunning', async () => {
+    await driver.fork(snap, [{ vmId: 'k9', hostname: 'k9' }]);
+    await sh('k9', 'echo one > /dev/shm/one');
+    driver.detach();
+    // What a dead agent's live migration out leaves (a KVM snapshot's RAM copy, a move to
+    // another host): the VM runs while QEMU streams its RAM, slowly, to a peer that stays.
+    const sock = (await readdir(join(root, 'vms', 'k9'))).find((f) => /^qmp\.\d+\.sock$/.test(f))!;
+    const qmp = await QmpClient.connect(join(root, 'vms', 'k9', sock));
+    try {
+      await qmp.execute('migrate-set-parameters', { 'max-bandwidth': 8 << 20 });
+      await qmp.execute('migrate', { uri: 'exec:cat > /dev/null' });
+      await waitFor('the migration to run', async () => (await qmp.execute<{ status: string }>('query-migrate')).status === 'active', 5000);
+    } finally {
+      qmp.close();
+    }
+    expect((await restartAgent({ dead: true })).adopted).toContain('k9');
+    const adopted = (driver as unknown as { vms: Map<string, { qmp: QmpClient }> }).vms.get('k9')!.qmp;
+    expect((await adopted.execute<{ status: string }>('query-migrate')).status).toBe('cancelled');
+    // Left running, the migration would complete and stop the VM recorded as running.
+    await new Promise((r) => setTimeout(r, 3000));
+    expect((await adopted.execute<{ status: string }>('query-status')).status).toBe('running');
+    expect(await sh('k9', 'cat /dev/shm/one')).toBe('one');
+    await driver.destroy('k9');
+  });
+
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
     // Simulate an agent crash: forget everything without killing QEMU.
     const report = await restartAgent();

@@ -2056,6 +2056,11 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   private async adoptOn(p: VmPersisted, pid: number, qmp: QmpClient, log: Logger): Promise<Promise<void> | undefined> {
+    // A migration out that the previous agent started (a snapshot's RAM copy, a move to another
+    // host; under KVM the VM runs while it copies) belongs to a step that died with that agent:
+    // cancelled, or it would complete and stop the VM adopted here as running. The redelivered
+    // step starts its own.
+    if (await cancelMigrationOut(qmp)) log.warn('adopted VM was migrating out for the previous agent: migration cancelled');
     let status = await queryStatus(qmp);
     if (p.info.state === 'running' && status !== 'running') {
       // Stopped by an operation the previous agent died in (a snapshot's copy, a pause it had
@@ -2452,6 +2457,21 @@ async function writeJsonAtomic(path: string, value: unknown): Promise<void> {
  */
 async function activateIfMigratedOut(qmp: QmpClient): Promise<void> {
   if ((await queryStatus(qmp)) === 'postmigrate') await reactivate(qmp, true);
+}
+
+/** Migration states in which a migration is over (query-migrate); absent when none ever ran. */
+const MIGRATION_OVER = new Set(['none', 'completed', 'failed', 'cancelled']);
+
+/** Cancels the VM's migration out if one is under way and waits until it is over; true if there was one. */
+async function cancelMigrationOut(qmp: QmpClient, timeoutMs = 10_000): Promise<boolean> {
+  const statusNow = async (): Promise<string> => (await qmp.execute<{ status?: string }>('query-migrate')).status ?? 'none';
+  if (MIGRATION_OVER.has(await statusNow())) return false;
+  await qmp.execute('migrate_cancel');
+  for (const end = Date.now() + timeoutMs; !MIGRATION_OVER.has(await statusNow()); ) {
+    if (Date.now() > end) throw new VmmError(`migration out not cancelled after ${timeoutMs} ms`);
+    await sleep(20);
+  }
+  return true;
 }
 
 /**
