@@ -507,7 +507,13 @@ export class ChunkStoreShipper implements SnapshotShipper {
       await fh.truncate(Number(a.size));
       for (const c of a.chunks) {
         const plain = await this.deps.chunks.readVerified(Buffer.from(c.digest).toString('hex'));
-        await fh.write(plain, 0, plain.length, Number(c.index) * chunkSize);
+        // A short write (a nearly full disk) reports fewer bytes, no error: the rest is written
+        // again, which then fails with ENOSPC, rather than leave zeros in the artifact.
+        for (let done = 0; done < plain.length; ) {
+          const { bytesWritten } = await fh.write(plain, done, plain.length - done, Number(c.index) * chunkSize + done);
+          if (bytesWritten <= 0) throw Object.assign(new Error(`no bytes written to ${path}`), { code: 'ENOSPC' });
+          done += bytesWritten;
+        }
       }
     } finally {
       await fh.close();

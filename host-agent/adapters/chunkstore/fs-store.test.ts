@@ -3,6 +3,7 @@
 // helpers (our own, ../durable.ts) are wrapped to record what they were asked to sync.
 import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest';
 import { closeSync, existsSync, mkdirSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { execFileSync } from 'node:child_process';
 import { join } from 'node:path';
 import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './fs-store.ts';
 import { encodeChunk } from './codec.ts';
@@ -129,6 +130,19 @@ describe('FsChunkStore', () => {
     expect(await store.has(c.digest)).toBe(true);
     await store.sync();
     expect(synced).toContain(store.pathOf(c.digest));
+  });
+
+  it('put_whenTheFileSystemTakesOnlyPartOfTheChunk_failsWithItsError_andLeavesNoChunkAndNoTempFile', () => {
+    // A file size limit cuts the write short without an error, as a nearly full disk does:
+    // the chunk used to be renamed into place truncated and stored as present.
+    const root = join(dir, 'short-write');
+    const fixture = join(import.meta.dirname, 'short-write.fixture.ts');
+    const out = execFileSync('bash', ['-c', 'ulimit -f 128 && exec "$0" --import tsx "$1" "$2"', process.execPath, fixture, root], { encoding: 'utf8' });
+    const r = JSON.parse(out) as { put: string; digest: string; missing: string[] };
+    expect(r.put).toBe('failed: EFBIG');
+    expect(r.missing).toEqual([r.digest]);
+    expect(existsSync(new FsChunkStore(root).pathOf(r.digest))).toBe(false);
+    expect(readdirSync(join(root, 'tmp'))).toEqual([]);
   });
 
   it('put_whenTheRenameFails_leavesNoTempFile', async () => {

@@ -47,13 +47,34 @@ function tmpPathIn(tmpDir: string): string {
   return join(tmpDir, `${tmpPrefix}.${tmpSeq++}.tmp`);
 }
 
+/** `parts` without their first `n` bytes. */
+function afterBytes(parts: readonly Uint8Array[], n: number): Uint8Array[] {
+  const out: Uint8Array[] = [];
+  for (const p of parts) {
+    if (n >= p.length) {
+      n -= p.length;
+      continue;
+    }
+    out.push(n > 0 ? p.subarray(n) : p);
+    n = 0;
+  }
+  return out;
+}
+
 async function writeFileVia(tmpDir: string, final: string, parts: readonly Uint8Array[], fsync: boolean): Promise<void> {
   const tmp = tmpPathIn(tmpDir);
   const fh = await open(tmp, 'w');
   try {
     try {
-      // One writev syscall for header + data.
-      await fh.writev(parts as Uint8Array[]);
+      // One writev syscall for header + data, as a rule. A short write (the disk or a quota
+      // nearly full, a file size limit) reports fewer bytes and no error: the rest is written
+      // again, which then fails with the error itself (ENOSPC, EFBIG). Renamed into place cut
+      // short, a chunk or manifest would pass for stored.
+      for (let rest = parts.filter((p) => p.length > 0); rest.length > 0; ) {
+        const { bytesWritten } = await fh.writev(rest as Uint8Array[]);
+        if (bytesWritten <= 0) throw Object.assign(new Error(`no bytes written to ${tmp}`), { code: 'ENOSPC' });
+        rest = afterBytes(rest, bytesWritten);
+      }
       if (fsync) await fh.sync();
     } finally {
       await fh.close();
