@@ -16,12 +16,15 @@ export function sha256Hex(data: Uint8Array): string {
   return createHash('sha256').update(data).digest('hex');
 }
 
-/** True when every byte is zero (memcmp against a shared zero buffer). */
-const zeroBuffers = new Map<number, Buffer>();
+/**
+ * True when every byte is zero (memcmp against a shared zero buffer). One buffer, of the
+ * largest length asked about, not one per length: the last chunk of a file (a device state,
+ * whose size varies) may have any length, and one buffer each grew without bound.
+ */
+let zeros = Buffer.alloc(0);
 export function isZero(buf: Buffer): boolean {
-  let z = zeroBuffers.get(buf.length);
-  if (!z) zeroBuffers.set(buf.length, (z = Buffer.alloc(buf.length)));
-  return buf.equals(z);
+  if (buf.length > zeros.length) zeros = Buffer.alloc(buf.length);
+  return buf.equals(zeros.subarray(0, buf.length));
 }
 
 /**
