@@ -1,7 +1,7 @@
 // The dashboard's event stream against tokens that change while it is open (no API behind
 // it: each push carries the state's error, which is all this test needs).
-import { createServer } from 'node:http';
-import type { AddressInfo } from 'node:net';
+import { createServer, type ServerResponse } from 'node:http';
+import { connect, type AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import { dashboardHandler } from './handler.ts';
 
@@ -32,5 +32,29 @@ describe('dashboard event stream', () => {
       for (;;) if ((await reader.read()).done) return true;
     })();
     await expect(Promise.race([ended, new Promise((r) => setTimeout(() => r(false), 3000))])).resolves.toBe(true);
+  });
+
+  it('events_toAClientThatStopsReading_areNotBufferedWithoutBound', async () => {
+    // A 1 MiB state (a long metrics error stands in for a large fleet) every 20 ms.
+    const handler = dashboardHandler({ api: '127.0.0.1:1', tenants: ['t'], intervalMs: 20, metrics: () => Promise.reject(new Error('x'.repeat(1 << 20))) });
+    let stream: ServerResponse | undefined;
+    const server = createServer((req, res) => {
+      stream = res;
+      void handler(req, res);
+    });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const client = connect((server.address() as AddressInfo).port, '127.0.0.1');
+    cleanups.push(() => {
+      client.destroy();
+      handler.close();
+      server.closeAllConnections();
+      server.close();
+    });
+    client.write('GET /dashboard/api/events HTTP/1.1\r\nhost: x\r\n\r\n');
+    client.pause(); // and never reads
+    await new Promise((r) => setTimeout(r, 1500));
+    expect(stream).toBeDefined();
+    // ~75 pushes of 1 MiB were buffered for this client before; now at most the one it stalled on.
+    expect(stream!.writableLength).toBeLessThan(4 << 20);
   });
 });

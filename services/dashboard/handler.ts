@@ -242,7 +242,10 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
       streams.add(res);
       let busy = false;
       const push = (): void => {
-        if (busy) return;
+        // A client that stops reading (a laptop asleep, a half-open link) would have every
+        // push buffered here, without bound: skipped until it has taken the last one. Each
+        // push is the whole state, so a skipped one loses nothing.
+        if (busy || res.writableNeedDrain) return;
         // Asked again on every push, as the API's guard does for its streams: a token revoked
         // (taken out of the tokens file) while the page is open must not keep reading the fleet.
         if (deps.authorize && !deps.authorize(token)) {
