@@ -124,6 +124,11 @@ describe('webhook signatures', () => {
     expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"0123456789abcdef","tenant":""}]')).toThrow(/FF_WEBHOOKS\[0\]\.tenant/);
     expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x","secret":"0123456789abcdef","types":"sandbox_created"}]')).toThrow(/FF_WEBHOOKS\[0\]\.types/);
     expect(() => parseWebhookTargets('FF_WEBHOOKS', '["http://x"]')).toThrow(/FF_WEBHOOKS\[0\]/);
+    // URLs fetch refuses, or whose credentials would land in each failed delivery's error.
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://[::1","secret":"0123456789abcdef"}]')).toThrow(/FF_WEBHOOKS\[0\]\.url/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://user:pw@x/h","secret":"0123456789abcdef"}]')).toThrow(/FF_WEBHOOKS\[0\]\.url: must not carry a user name or password/);
+    // Two targets of one url and tenant would share their deliveries (and one secret).
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef","types":["sandbox_created"]},{"url":"http://x/h","secret":"fedcba9876543210","types":["sandbox_destroyed"]}]')).toThrow(/FF_WEBHOOKS\[1\]: has the url and tenant of FF_WEBHOOKS\[0\]/);
     expect(parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef","tenant":"t1","types":["snapshot_expired"]}]')).toEqual([
       { url: 'http://x/h', secret: '0123456789abcdef', tenantId: 't1', types: ['snapshot_expired'] },
     ]);
@@ -421,6 +426,74 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     emit(sandboxCreated(200, 'sb-later'));
     await until(() => poster.posts.length === 1, 3000);
     await until(() => [...log.recs.values()].some((r) => r.revision === 200 && r.state === 'delivered'), 3000);
+  });
+
+  it('deliveryADeposedLeaderRecordsAfterTheNewLeaderListedTheLog_andCursorMovedPastIt_isStillAttempted', async () => {
+    // The record the deposed leader writes: made by a dispatcher of its own, for revision 6.
+    const before = fakeStore();
+    const theirs = new MemoryLog();
+    await dispatcher(before.store, theirs, fakePoster([500, 500, 500, 500])).start();
+    before.emit(sandboxCreated(6, 'sb-behind'));
+    await until(() => theirs.recs.size === 1);
+    const rec = { ...[...theirs.recs.values()][0]!, state: 'pending' as const, nextAttemptAt: 0 };
+    // This leader's store has seen revision 6; the log's cursor is at 4 when it starts. While
+    // it lists the log, the deposed leader writes the pending delivery and moves the cursor to 6.
+    const { store, emit } = fakeStore();
+    emit(sandboxCreated(6, 'sb-behind'));
+    const log = new MemoryLog();
+    log.cur = 4;
+    const list = log.list.bind(log);
+    log.list = async (f) => {
+      const listed = await list(f);
+      log.recs.set(rec.id, rec);
+      log.cur = 6;
+      return listed;
+    };
+    const poster = fakePoster();
+    await dispatcher(store, log, poster).start();
+    // Followed from the cursor it read before the list (5), the event is replayed and the
+    // delivery found there is attempted; from 7, nothing would ever attempt it.
+    await until(() => log.recs.get(rec.id)?.state === 'delivered', 3000);
+    expect(poster.posts).toEqual([rec.id]);
+  });
+
+  it('stopAndStartWhileFollowReadsTheCursor_leaveOneWatchOpen_andNoneOnceStopped', async () => {
+    const { store } = fakeStore();
+    let open = 0;
+    const counted: typeof store = {
+      revision: store.revision,
+      watchRecords: async (cb, o) => {
+        const stop = await store.watchRecords(cb, o);
+        open++;
+        let stopped = false;
+        return () => {
+          if (!stopped) open--;
+          stopped = true;
+          stop();
+        };
+      },
+    };
+    // Leadership lost and won again while the first start reads the cursor (an etcd blip).
+    const log = new MemoryLog();
+    let release!: () => void;
+    const held = new Promise<void>((r) => (release = r));
+    const cursor = log.cursor.bind(log);
+    let reads = 0;
+    log.cursor = async () => {
+      if (reads++ === 0) await held;
+      return cursor();
+    };
+    const d = dispatcher(counted, log, fakePoster());
+    const first = d.start();
+    await new Promise((r) => setTimeout(r, 20));
+    await d.stop();
+    await d.start();
+    release();
+    await first;
+    await new Promise((r) => setTimeout(r, 50));
+    expect(open).toBe(1);
+    await d.stop();
+    expect(open).toBe(0);
   });
 
   it('startWhoseLogCannotBeListed_doesNotReject_andStartsAgainLater', async () => {

@@ -106,13 +106,23 @@ export function parseWebhookTargets(field: string, json: string): WebhookTarget[
     throw new InvalidArgumentError(field, `must be JSON: ${(e as Error).message}`);
   }
   if (!Array.isArray(raw)) throw new InvalidArgumentError(field, 'must be a JSON array of {url, secret, tenant?, types?}');
+  const seen = new Map<string, number>();
   return raw.map((r: unknown, i) => {
     if (typeof r !== 'object' || r === null || Array.isArray(r)) throw new InvalidArgumentError(`${field}[${i}]`, 'must be an object {url, secret, tenant?, types?}');
     const o = r as Record<string, unknown>;
     // A misspelt key (`tenant_id`) must not leave `tenant` unset: that means every tenant's events.
     for (const k of Object.keys(o)) if (!TARGET_KEYS.has(k)) throw new InvalidArgumentError(`${field}[${i}].${k}`, 'unknown key; the keys are url, secret, tenant, types');
     const url = typeof o.url === 'string' ? o.url : '';
-    if (!/^https?:\/\/[^\s]+$/.test(url)) throw new InvalidArgumentError(`${field}[${i}].url`, 'must be an http(s) URL');
+    // Parsed as fetch will parse it: one it refuses (`http://[::1`) failed every delivery, and
+    // credentials in it were written into each failed delivery's error in etcd.
+    let parsed: URL | undefined;
+    try {
+      parsed = /^https?:\/\/[^\s]+$/.test(url) ? new URL(url) : undefined;
+    } catch {
+      parsed = undefined;
+    }
+    if (!parsed) throw new InvalidArgumentError(`${field}[${i}].url`, 'must be an http(s) URL');
+    if (parsed.username || parsed.password) throw new InvalidArgumentError(`${field}[${i}].url`, 'must not carry a user name or password: deliveries are signed with the secret');
     const secret = typeof o.secret === 'string' ? o.secret : '';
     if (secret.length < 16) throw new InvalidArgumentError(`${field}[${i}].secret`, 'must be at least 16 characters');
     if (o.types !== undefined && !Array.isArray(o.types)) throw new InvalidArgumentError(`${field}[${i}].types`, `must be an array of event types (absent: all); one of ${EVENT_TYPES.join(', ')}`);
@@ -120,7 +130,13 @@ export function parseWebhookTargets(field: string, json: string): WebhookTarget[
     for (const t of types) if (!(EVENT_TYPES as readonly unknown[]).includes(t)) throw new InvalidArgumentError(`${field}[${i}].types`, `unknown event type ${JSON.stringify(t)}; one of ${EVENT_TYPES.join(', ')}`);
     // Absent: an operator's hook, every tenant's events. Present: one tenant id.
     if (o.tenant !== undefined && (typeof o.tenant !== 'string' || !TENANT_ID_RE.test(o.tenant))) throw new InvalidArgumentError(`${field}[${i}].tenant`, 'must be a tenant id (absent: every tenant\'s events, an operator\'s hook)');
-    return { url, secret, tenantId: (o.tenant as string | undefined) ?? '', types: types as FleetEventType[] };
+    const tenantId = (o.tenant as string | undefined) ?? '';
+    // A delivery's id names the target by url and tenant (targetKey): two targets alike there
+    // would share deliveries, one signed with the other's secret, or one of them never sent.
+    const key = `${url}\0${tenantId}`;
+    if (seen.has(key)) throw new InvalidArgumentError(`${field}[${i}]`, `has the url and tenant of ${field}[${seen.get(key)}]: give one target its types instead`);
+    seen.set(key, i);
+    return { url, secret, tenantId, types: types as FleetEventType[] };
   });
 }
 
@@ -234,6 +250,13 @@ export class WebhookDispatcher {
     this.finished.clear();
     this.owned.clear();
     try {
+      // The cursor is read before the log is listed, not after: a deposed leader that still
+      // records a delivery after this list and then moves the cursor past its event would have
+      // this leader follow from beyond it, and the pending delivery would have no one to
+      // attempt it. From the cursor read first, its event is replayed, and record() takes up
+      // the delivery found there.
+      const cursor = await this.deps.deliveries.cursor();
+      if (run !== this.runs) return;
       const listed = await this.deps.deliveries.list({});
       // stop() came while this listed (leadership lost mid-start): nothing is scheduled.
       if (run !== this.runs) return;
@@ -249,7 +272,7 @@ export class WebhookDispatcher {
         t.unref();
         this.timers.add(t);
       }
-      await this.follow();
+      await this.follow(undefined, cursor);
     } catch (e) {
       if (run !== this.runs || !this.active) return;
       this.deps.log.error({ err: e }, `the webhook dispatcher could not start; trying again in ${retryMs} ms`);
@@ -282,9 +305,11 @@ export class WebhookDispatcher {
    * never compacted away by the leader: ADR 0017). One that etcd cancels because its start was
    * compacted anyway is moved past the loss (skipCompacted).
    */
-  private async follow(failedAt?: number): Promise<void> {
-    const cursor = await this.deps.deliveries.cursor();
-    if (!this.active) return; // stopped meanwhile
+  private async follow(failedAt?: number, cursorRead?: number): Promise<void> {
+    const run = this.runs;
+    const cursor = cursorRead ?? (await this.deps.deliveries.cursor());
+    // Stopped meanwhile, or stopped and started again: the later run follows on its own.
+    if (!this.active || run !== this.runs) return;
     this.cursorWritten = this.recorded = cursor;
     // No cursor yet (nothing recorded since the fleet began): a change whose record failed is
     // followed again from its own revision, not from now.
@@ -331,8 +356,12 @@ export class WebhookDispatcher {
       },
     );
     watch.stop = stop;
-    if (generation === this.generation && this.active) this.stopWatch = stop;
-    else stop();
+    if (generation === this.generation && this.active && run === this.runs) {
+      // A watch of an earlier generation still open (a follow that overtook it) is followed no
+      // more: it goes, not left open for the process's life.
+      if (this.stopWatch !== stop) this.stopWatch?.();
+      this.stopWatch = stop;
+    } else stop();
   }
 
   /** Follows again from the cursor a second from now, and again after each failure. */
