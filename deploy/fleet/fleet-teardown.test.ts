@@ -196,17 +196,24 @@ describe('the fleet directory', () => {
 });
 
 describe('up over a fleet recorded in its directory', () => {
-  it('upAgain_returnsAFinishedFleetWhoseProcessesLive_butRestartsOneThatNeverFinishedOrLostAProcess', async () => {
+  it('upAgain_returnsAFinishedFleetWhoseProcessesLive_refusesOneMissingAProcess_andRestartsOneThatNeverFinishedOrHasNoneLeft', async () => {
     const dir = join(tmp, 'again');
     const s = start('sleep', ['30']);
-    const state = stageFleet(dir, [record('relay-nats', s.pid, 'sleep', ['30'], identityOf(s.pid))]);
+    const t = start('sleep', ['30']);
+    const state = stageFleet(dir, [record('relay-nats', s.pid, 'sleep', ['30'], identityOf(s.pid)), record('agent-h1', t.pid, 'sleep', ['30'], identityOf(t.pid))]);
     // An up killed before every host was ready left this: its processes run, it never finished.
     expect(foundFleet(state, state.options)).toBe('restart');
     const done = { ...state, complete: true };
     expect(foundFleet(done, state.options)).toBe('up');
     expect(foundFleet(done, { ...state.options, hosts: 2 })).toBe('other-options');
+    // One process killed (the README's kill -9 of an agent): the fleet and its sandboxes are
+    // there; up used to take it all down and start a new one without a word.
+    process.kill(t.pid, 'SIGKILL');
+    await t.exited;
+    expect(foundFleet(done, state.options)).toBe('partly-down');
     await down(dir);
     await s.exited;
+    // None left (after a reboot): started afresh.
     expect(foundFleet(done, state.options)).toBe('restart');
   });
 });

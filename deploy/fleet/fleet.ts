@@ -815,11 +815,16 @@ export function validateOptions(opts: FleetOptions): void {
 
 /**
  * What up makes of the fleet recorded in its directory: `up` as asked (every process alive,
- * the up finished, the same options), up with `other-options`, or to be taken down and started
- * afresh (`restart`: a process gone, or an up that never finished).
+ * the up finished, the same options), up with `other-options`, `partly-down` (the up finished,
+ * some processes run and some do not: an agent that crashed or was killed), or to be taken
+ * down and started afresh (`restart`: an up that never finished, or no process left, as after
+ * a reboot).
  */
-export function foundFleet(existing: FleetState, opts: FleetOptions): 'up' | 'other-options' | 'restart' {
-  if (existing.complete !== true || existing.procs.length === 0 || !existing.procs.every(procAlive)) return 'restart';
+export function foundFleet(existing: FleetState, opts: FleetOptions): 'up' | 'other-options' | 'partly-down' | 'restart' {
+  if (existing.complete !== true || existing.procs.length === 0) return 'restart';
+  const alive = existing.procs.filter(procAlive).length;
+  if (alive === 0) return 'restart';
+  if (alive < existing.procs.length) return 'partly-down';
   return JSON.stringify(existing.options) === JSON.stringify(opts) ? 'up' : 'other-options';
 }
 
@@ -924,8 +929,17 @@ async function upLocked(given: FleetOptions, signals: SignalSource): Promise<Fle
     // Up already, as asked: nothing to do (the Quick start's command may be run twice).
     if (found === 'up') return existing;
     if (found === 'other-options') throw new Error(`a fleet with other options is up in ${opts.dir} (since ${existing.startedAt}): run fleet:down first`);
-    // Partly alive (an agent that crashed, say), or an up that never finished: taken down
-    // below, and started afresh.
+    // Partly alive (an agent that crashed or was killed): its sandboxes and snapshots are
+    // there, so it is not wiped for a new one without being asked. Started afresh only when
+    // no process is left (after a reboot) or the up never finished.
+    if (found === 'partly-down') {
+      const dead = existing.procs.filter((p) => !procAlive(p));
+      const dirFlag = opts.dir === resolve(DEFAULT_FLEET_DIR) ? '' : ` --dir ${opts.dir}`;
+      throw new Error(
+        `the fleet in ${opts.dir} (up since ${existing.startedAt}) has processes that are not running: ${dead.map((p) => `${p.name} (pid ${p.pid})`).join(', ')}. ` +
+          `Start one again with \`npm run fleet:restart -- ${dead[0]!.name}${dirFlag}\`, or take the fleet down with \`npm run fleet:down${dirFlag ? ` --${dirFlag}` : ''}\` (its sandboxes and snapshots go) and run fleet:up again`,
+      );
+    }
   }
   const logs = join(opts.dir, 'logs');
   const kept = `(the fleet's logs are kept in ${logs}; fleet:down removes them)`;
