@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# Node.js 20.19 or later (package.json's engines): older 20.x lack import.meta.dirname (until
+# 20.11), which the fleet and the agents use, and the test runner's vite needs 20.19.
+if ! node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a === 20 && b >= 19) ? 0 : 1)'; then
+  echo "setup: Forkfleet needs Node.js 20.19 or later; this is $(node -v 2>/dev/null || echo 'no node')" >&2
+  exit 1
+fi
+
 # One run at a time: two (the Quick start's commands started together) would meet at dpkg's
 # lock, run npm ci into the same node_modules, and one's EXIT trap would remove the
 # policy-rc.d the other still relies on. The second waits for the first.
@@ -32,7 +39,8 @@ APT_PACKAGES=(
   procps
 )
 
-installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'install ok installed'; }
+# Installed, whatever was asked of it: a package on hold reads `hold ok installed`.
+installed() { [[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]; }
 
 # Forkfleet starts its own etcd, NATS and Prometheus; the Debian services these packages enable
 # would start at the next boot (Prometheus listening on every interface). Those this script
