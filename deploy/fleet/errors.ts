@@ -29,3 +29,10 @@ export class StartStoppedError extends ForkfleetError {
     super('cancelled', 'the fleet\'s start is being stopped', { retryable: true, ...options });
   }
 }
+
+/** No fleet recorded in the directory a command was given (status, restart). */
+export class NoFleetError extends ForkfleetError {
+  constructor(message: string, options: ForkfleetErrorOptions = {}) {
+    super('failed_precondition', message, options);
+  }
+}

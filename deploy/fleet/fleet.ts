@@ -48,7 +48,8 @@ import { cmdlineOf, identityOf, isQemuIn, isSameProcess, runsLaunchedCommand } f
 import { InvalidArgumentError } from '../../proto/errors.ts';
 import { allSteps, guardedStart, throwIfStopped } from './bringup.ts';
 import type { SignalSource, StartEnd } from './bringup.ts';
-import { FleetInterruptedError } from './errors.ts';
+import { enterUserCwd } from '../user-cwd.ts';
+import { FleetInterruptedError, NoFleetError } from './errors.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 const NODE = process.execPath;
@@ -1245,7 +1246,7 @@ export async function status(dir: string): Promise<{ state: FleetState; procs: A
   const state = readState(dir);
   if (!state) {
     const failed = readMarker(dir) && existsSync(join(dir, 'logs')) ? ` (the logs of a start that failed are in ${join(dir, 'logs')})` : '';
-    throw new Error(`no fleet in ${dir}${failed}: start one with npm run fleet:up`);
+    throw new NoFleetError(`no fleet in ${dir}${failed}: start one with npm run fleet:up`);
   }
   const procs = state.procs.map((p) => ({ ...p, alive: procAlive(p) }));
   let hosts: unknown[] = [];
@@ -1426,6 +1427,7 @@ async function cli(argv: string[]): Promise<void> {
 }
 
 if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename)) {
+  enterUserCwd(['fleet:up', 'fleet:status', 'fleet:restart', 'fleet:down']);
   cli(process.argv.slice(2)).then(
     () => process.exit(0),
     (e: unknown) => {

@@ -40,8 +40,11 @@ import { mintToken } from '../../services/auth/tokens.ts';
 import { ensureCa, ensureCert, ensureServerCert, type CertUse } from '../pki/pki.ts';
 import { peerCertificateCn } from '../../host-agent/adapters/peer/peer-identity.ts';
 import { hostPort, parseInventory, type Inventory } from './inventory.ts';
+import { enterUserCwd } from '../user-cwd.ts';
 
 const UNITS = resolve(import.meta.dirname, 'units');
+/** The repository this renders from, on the operator's workstation (INSTALL.md's last step runs its CLI). */
+const REPO = resolve(import.meta.dirname, '..', '..');
 
 /** PEM of a certificate and its private key. */
 export interface CertPair {
@@ -320,7 +323,8 @@ function installGuide(inv: Inventory, apis: string): string {
     `5. NATS servers (${of(inv.nats)}): \`chown root:nats /etc/nats-server.conf && systemctl daemon-reload && systemctl enable nats-server && systemctl restart nats-server\`.`,
     `6. Schedulers (${of(inv.schedulers)}): \`systemctl daemon-reload && systemctl enable --now forkfleet-scheduler\`.`,
     `7. Hosts (${of(inv.hosts)}): \`systemctl daemon-reload && systemctl enable --now forkfleet-agent\`.`,
-    `8. From your workstation: \`FF_CREDENTIALS=$PWD/credentials.json FF_API=${apis} npm run forkfleet -- hosts ls\`.`,
+    `8. From your workstation, in this directory: \`FF_CREDENTIALS=$PWD/credentials.json FF_API=${apis} npm --prefix ${REPO} run forkfleet -- hosts ls\``,
+    `   (\`--prefix\`: the repository you rendered from; npm runs scripts there).`,
     '',
     'Render again after adding hosts or schedulers: the secrets are kept, so only the new machines\' files',
     'and the NATS configs (one user per host) change; copy those and `systemctl reload nats-server`. The etcd',
@@ -429,6 +433,7 @@ export function render(inv: Inventory, out: string): string[] {
 }
 
 if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename)) {
+  enterUserCwd(['deploy:render']);
   const { values } = parseArgs({ options: { inventory: { type: 'string' }, out: { type: 'string' } } });
   if (!values.inventory || !values.out) {
     process.stderr.write('usage: npm run deploy:render -- --inventory FILE.json --out DIR\n');

@@ -338,7 +338,10 @@ if (process.argv[1] && fileURLToPath(import.meta.url) === process.argv[1]) {
   ensureImage(name).then(
     (img) => console.log(JSON.stringify({ ...img, ms: Date.now() - t0 }, null, 2)),
     (e: unknown) => {
-      console.error(e);
+      // The message and its causes, not a stack: what failed (a package, a download, mmdebstrap).
+      const lines: string[] = [];
+      for (let c: unknown = e; c !== undefined && lines.length < 5; c = c instanceof Error ? c.cause : undefined) lines.push(c instanceof Error ? c.message : String(c));
+      process.stderr.write(`images:build ${name}: ${lines.join('\n  caused by: ')}\n`);
       process.exit(1);
     },
   );

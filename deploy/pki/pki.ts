@@ -147,6 +147,10 @@ if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename
     process.exit(2);
   }
   const sans = rest.flatMap((a, i) => (rest[i - 1] === '--san' ? [a] : []));
-  const p = ensureDevPki(dir, sans);
-  process.stdout.write(`${JSON.stringify(p)}\n`);
+  try {
+    process.stdout.write(`${JSON.stringify(ensureDevPki(dir, sans))}\n`);
+  } catch (e) {
+    process.stderr.write(`pki.ts: ${e instanceof Error ? e.message : String(e)}\n`);
+    process.exit(1);
+  }
 }

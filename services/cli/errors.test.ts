@@ -71,6 +71,17 @@ describe('CLI errors', () => {
     expect(d.hint).toContain('cancelled');
   });
 
+  it('aLocalFileThatIsMissing_orADirectoryWithNoFleet_isAFailedPrecondition_withAHint_notACliBug', async () => {
+    const err: string[] = [];
+    vi.spyOn(process.stderr, 'write').mockImplementation((s) => (err.push(String(s)), true));
+    expect(await main(['token', 'ls', '--tokens-file', '/nonexistent-ff/tokens.json'])).toBe(1);
+    expect(await main(['fleet', 'status', '--dir', '/nonexistent-ff/fleet'])).toBe(1);
+    const text = err.join('');
+    expect(text).not.toContain('a bug in the CLI');
+    expect(text).toMatch(/failed_precondition: .*\/nonexistent-ff\/tokens\.json[^]*hint: a local file or directory/);
+    expect(text).toMatch(/failed_precondition: no fleet in \/nonexistent-ff\/fleet[^]*hint: start one with `npm run fleet:up`/);
+  });
+
   it('tokenMint_withBurstButNoRate_isRefusedNamingBurst', async () => {
     const err: string[] = [];
     vi.spyOn(process.stderr, 'write').mockImplementation((s) => (err.push(String(s)), true));

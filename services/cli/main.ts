@@ -10,6 +10,7 @@ import type { CallOpts, EventInfo, HostInfo, OperationInfo, OperationKindName, O
 import { OPERATION_KINDS, OPERATION_STATES } from '../sdk/index.ts';
 import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
 import { EVENT_TYPES } from '../domain/events.ts';
+import { enterUserCwd } from '../../deploy/user-cwd.ts';
 import { defaultFleetDir } from '../auth/client-credentials.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -773,6 +774,9 @@ interface DescribedError {
 /** Children of a failed fork that hold nothing (any more): the result lists each child it placed, in its state now. */
 const GONE: ReadonlySet<string> = new Set(['failed', 'destroying', 'destroyed', 'lost']);
 
+/** File system errors of the local files a command names (describeError). */
+const LOCAL_FILE_ERRORS = new Set(['ENOENT', 'EACCES', 'EPERM', 'EISDIR', 'ENOTDIR', 'ELOOP', 'ENAMETOOLONG', 'EROFS', 'ENOSPC']);
+
 export function describeError(e: unknown, api: string, key?: string): DescribedError {
   if (e instanceof ForkfleetError) {
     const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
@@ -797,6 +801,10 @@ export function describeError(e: unknown, api: string, key?: string): DescribedE
     return d;
   }
   const message = e instanceof Error ? e.message : String(e);
+  // Not the fleet's answer: a local file or directory the command was given (sandbox cp's
+  // source, --credentials, --tokens-file) that is missing or not readable.
+  const code = (e as NodeJS.ErrnoException | undefined)?.code;
+  if (typeof code === 'string' && LOCAL_FILE_ERRORS.has(code)) return { kind: 'failed_precondition', message, field: undefined, retryable: false, hint: `a local file or directory: check the path and its permissions (a relative path is from ${process.cwd()})`, exitCode: 1 };
   return { kind: 'internal', message, field: undefined, retryable: false, hint: 'this is a bug in the CLI or a local problem; the message above says what', exitCode: 1 };
 }
 
@@ -826,5 +834,6 @@ export async function main(argv: string[]): Promise<number> {
 }
 
 if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename)) {
+  enterUserCwd(['forkfleet']);
   main(process.argv.slice(2)).then((code) => process.exit(code));
 }
