@@ -64,8 +64,8 @@ export function registerFleetGauges(registry: Registry, source: () => FleetGauge
   gauge('forkfleet_tenant_sandboxes', "A tenant's sandbox records by state (destroyed and failed ones until FF_RECORD_RETENTION deletes them).", ['tenant', 'state'], (g, s) => {
     for (const [tenant, t] of s.tenants ?? []) for (const [state, n] of t.sandboxes) g.set({ tenant, state }, n);
   });
-  perTenant('forkfleet_tenant_vcpus_booked', "vCPUs booked by a tenant's sandboxes that hold capacity (a hibernated one books none).", (t) => t.vcpus);
-  perTenant('forkfleet_tenant_memory_booked_bytes', "Memory booked by a tenant's sandboxes that hold capacity (a hibernated one books none).", (t) => t.memoryBytes);
+  perTenant('forkfleet_tenant_vcpus_booked', "vCPUs booked by a tenant's sandboxes that hold capacity or are waking (a hibernated one books none).", (t) => t.vcpus);
+  perTenant('forkfleet_tenant_memory_booked_bytes', "Memory booked by a tenant's sandboxes that hold capacity or are waking (a hibernated one books none).", (t) => t.memoryBytes);
   perTenant('forkfleet_tenant_snapshot_stored_bytes', "A tenant's ready snapshots' stored sizes, summed (hibernation snapshots included).", (t) => t.snapshotStoredBytes);
   gauge('forkfleet_snapshot_stored_bytes', "Ready snapshots' stored (compressed) sizes, summed; a chunk shared between snapshots counts in each, so the hosts' chunk stores hold less.", [], (g, s) => g.set(s.snapshotStoredBytes));
 }

@@ -67,13 +67,14 @@ describe('fleetGauges', () => {
       heard: { get: () => undefined },
       now: 0,
       liveness,
-      sandboxes: [sb('a', 'running', 2, 512), sb('a', 'paused'), sb('a', 'hibernated', 4, 4096), sb('a', 'destroyed', 8, 8192), sb('b', 'starting'), sb('b', 'failed')],
+      sandboxes: [sb('a', 'running', 2, 512), sb('a', 'paused'), sb('a', 'hibernated', 4, 4096), sb('a', 'destroyed', 8, 8192), sb('b', 'starting'), sb('b', 'failed'), sb('b', 'waking', 2, 1024)],
       snapshots: [sn('a', 'ready', 100), sn('a', 'creating', 5), sn('c', 'ready', 70)],
     };
     const g = fleetGauges(input);
     // A hibernated or destroyed sandbox books nothing: only storage for its snapshot.
     expect(g.tenants!.get('a')).toEqual({ sandboxes: new Map([['running', 1], ['paused', 1], ['hibernated', 1], ['destroyed', 1]]), vcpus: 3, memoryBytes: 768 * MIB, snapshotStoredBytes: 100 });
-    expect(g.tenants!.get('b')).toMatchObject({ vcpus: 1, memoryBytes: 256 * MIB, snapshotStoredBytes: 0 });
+    // A waking one is booked on its host from its placement on, through its restore.
+    expect(g.tenants!.get('b')).toMatchObject({ vcpus: 3, memoryBytes: 1280 * MIB, snapshotStoredBytes: 0 });
     // A tenant with snapshots and no sandboxes still shows its storage.
     expect(g.tenants!.get('c')).toEqual({ sandboxes: new Map(), vcpus: 0, memoryBytes: 0, snapshotStoredBytes: 70 });
     // No sandbox index yet: no tenant figures at all (not zeros).

@@ -57,6 +57,14 @@ export interface FleetGaugeInput {
 
 const bytes = (r: { vcpus: number; memoryMib: number; diskMib: number } | undefined): HostGauges['capacity'] => ({ vcpus: r?.vcpus ?? 0, memoryBytes: (r?.memoryMib ?? 0) * MIB, diskBytes: (r?.diskMib ?? 0) * MIB });
 
+/**
+ * Sandbox states whose capacity a tenant's booked gauges count: those that hold a VM, and a
+ * waking one, booked on its host from its placement (milliseconds after the wake claims it)
+ * through its restore, which takes seconds: left out, a fleet waking sandboxes showed their
+ * tenant's booking drop and come back.
+ */
+const BOOKED: ReadonlySet<SandboxRec['state']> = new Set([...HOLDS_CAPACITY, 'waking']);
+
 /** The gauges of the fleet `i` describes. A host's state is as ListHosts shows it: from its heartbeats when heard, else its record's. */
 export function fleetGauges(i: FleetGaugeInput): FleetGauges {
   const hosts = new Map<string, HostGauges>();
@@ -88,7 +96,7 @@ export function fleetGauges(i: FleetGaugeInput): FleetGauges {
       sandboxes.set(s.state, (sandboxes.get(s.state) ?? 0) + 1);
       const t = tenant(s.tenantId);
       t.sandboxes.set(s.state, (t.sandboxes.get(s.state) ?? 0) + 1);
-      if (HOLDS_CAPACITY.has(s.state)) {
+      if (BOOKED.has(s.state)) {
         t.vcpus += s.resources.vcpus;
         t.memoryBytes += s.resources.memoryMib * MIB;
       }
