@@ -37,11 +37,36 @@ describe('Agent steps', () => {
     expect(journal.results.size).toBe(1); // a non-retryable failure is final and journalled
   });
 
-  it('step_whenRetryableFailure_isNotJournalledSoRedeliveryTriesAgain', async () => {
-    const { agent, journal } = agentWith({}, { obtain: () => Promise.reject(new ForkfleetError('unavailable', 'peer down')) });
-    const r = await agent.runStep(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }));
-    expect(r.error?.retryable).toBe(true);
-    expect(journal.results.size).toBe(0);
+  it('step_whenRetryableFailure_answersTheSameSendDeliveredAgainFromTheJournal_andRunsTheSchedulersRetry', async () => {
+    let obtains = 0;
+    let up = false;
+    const { agent } = agentWith({}, {
+      obtain: () => {
+        obtains++;
+        return up ? Promise.reject(new ForkfleetError('not_found', 'snapshot sn-x is gone')) : Promise.reject(new ForkfleetError('unavailable', 'peer down'));
+      },
+    });
+    const restore = (attempt: number, leaderTerm = 5n) => work('restore/h1', { attempt, leaderTerm, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+    const r = await agent.runStep(restore(1));
+    expect([r.error?.kind, r.error?.retryable]).toEqual(['unavailable', true]);
+    up = true;
+    // The same message again (its batch was not acked yet, or its ack was lost): the scheduler
+    // has its answer and may have placed the sandbox elsewhere since; the restore is not run again.
+    const again = await agent.runStep(restore(1));
+    expect(toBinary(HostResultSchema, again)).toEqual(toBinary(HostResultSchema, r));
+    expect(obtains).toBe(1);
+    // The scheduler's retry is a new send (its next attempt, or a new leader's): it runs.
+    expect((await agent.runStep(restore(2))).error?.kind).toBe('not_found');
+    expect(obtains).toBe(2);
+  });
+
+  it('step_whenRetryableFailureOfALeaderBefore_isRunAgainForTheNewLeadersSendOfTheSameAttempt', async () => {
+    let obtains = 0;
+    const { agent } = agentWith({}, { obtain: () => (obtains++, Promise.reject(new ForkfleetError('unavailable', 'peer down'))) });
+    const restore = (leaderTerm: bigint) => work('restore/h1', { attempt: 1, leaderTerm, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+    await agent.runStep(restore(5n));
+    await agent.runStep(restore(6n));
+    expect(obtains).toBe(2);
   });
 
   it('step_whenRedelivered_answersFromTheJournalWithoutActingAgain', async () => {
@@ -170,16 +195,16 @@ describe('Agent steps', () => {
     const restore = work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1', afterResume: hook }] } } });
     const r = await agent.runStep(restore);
     expect([r.error?.kind, r.error?.retryable]).toEqual(['unavailable', true]);
-    expect(journal.results.has('op-a/restore/h1')).toBe(false); // so the scheduler's retry runs it
+    // Journalled for this send only, so the scheduler's retry (its next attempt) runs it.
+    expect(journal.results.has('op-a/restore/h1')).toBe(true);
     // The retry finds the VM; that it made it earlier cannot be read: retryable again, not answered without its hooks.
     journal.get = (opId, stepId) => (stepId.includes('#hooks/') || stepId.endsWith('#making') ? eio() : get(opId, stepId));
-    const again = await agent.runStep(restore);
+    const again = await agent.runStep({ ...restore, attempt: 2 });
     expect([again.error?.kind, again.error?.retryable]).toEqual(['unavailable', true]);
     journal.get = (opId, stepId) => (stepId.includes('#hooks/') ? eio() : get(opId, stepId));
     // A resume whose record of hooks run cannot be read does not run them blind.
     const resumed = await agent.runStep(work('resume', { work: { case: 'resumeVm', value: { sandboxId: 'sb-1', afterResume: hook } } }));
     expect([resumed.error?.kind, resumed.error?.retryable]).toEqual(['unavailable', true]);
-    expect(journal.results.has('op-a/resume')).toBe(false);
     expect(execs).toEqual(['/bin/refresh']); // the restore's only
   });
 
@@ -455,10 +480,9 @@ describe('Agent steps', () => {
     expect([all.error?.kind, all.error?.retryable]).toEqual(['unavailable', true]);
     // The step's own entry reads (none), the gave-up check's do not.
     journal.get = (opId, stepId) => (stepId.startsWith('stop-') ? eio() : get(opId, stepId));
-    const check = await agent.runStep(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-1' } } } }));
+    const check = await agent.runStep(work('create', { attempt: 2, work: { case: 'createVm', value: { vm: { sandboxId: 'sb-1' } } } }));
     expect([check.error?.kind, check.error?.retryable]).toEqual(['unavailable', true]);
     expect(created).toBe(0);
-    expect(journal.results.size).toBe(0); // retryable: not journalled, so the retry runs it
   });
 
   it('stop_whoseJournalCannotBeRead_runsAllTheSame_soAStopSentWithoutAWaiterIsNotLost', async () => {

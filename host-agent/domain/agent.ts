@@ -682,11 +682,16 @@ export class Agent {
       result.error = create(ErrorInfoSchema, errorInfo(e));
     }
     result.duration = durationFromMs(Math.round(clock.now() - started));
-    // Failures that may succeed on a retry are not journalled, so a redelivery tries again.
-    // A journal that cannot be written (disk full) does not hide what the step did: the
-    // result goes out all the same (a redelivery would then run the step again, and every
-    // step checks what is already there first).
-    if (!result.error || !result.error.retryable) await journal.put(w.opId, w.stepId, toBinary(HostResultSchema, result)).catch((e: unknown) => log.error({ err: e }, 'could not journal the step result; reporting it anyway'));
+    // A failure that may succeed on a retry is journalled for this send only (its attempt and
+    // leader term): the scheduler's retry is a new send and runs the step again, while the
+    // same message delivered again (a batch acked only once all its steps were, an ack that
+    // was lost) gets the same answer. Run again, a restore answered failed, whose sandbox the
+    // scheduler then placed elsewhere, made a second VM of it here; a pause, a paused VM
+    // recorded running. A journal that cannot be written (disk full) does not hide what the
+    // step did: the result goes out all the same (a redelivery would then run the step again,
+    // and every step checks what is already there first).
+    const entry = result.error?.retryable ? retryableEntry(w, result) : toBinary(HostResultSchema, result);
+    await journal.put(w.opId, w.stepId, entry).catch((e: unknown) => log.error({ err: e }, 'could not journal the step result; reporting it anyway'));
     log.info({ ok: !result.error, ms: clock.now() - started }, 'step finished');
     return result;
   }
@@ -1265,15 +1270,34 @@ function givenUpRecord(bytes: Uint8Array | undefined): { owner: string | undefin
   }
 }
 
+/** Starts a journal entry of a retryable failure, which answers only the send it came from (retryableEntry). */
+const RETRYABLE_ENTRY = Buffer.from('ff-retryable-1\n', 'utf8');
+
+/** A retryable failure's journal entry: RETRYABLE_ENTRY, the send's leader term (8 bytes, big-endian), the result (whose attempt is the send's). */
+function retryableEntry(w: HostWork, result: HostResult): Uint8Array {
+  const term = Buffer.alloc(8);
+  term.writeBigUInt64BE(w.leaderTerm);
+  return Buffer.concat([RETRYABLE_ENTRY, term, toBinary(HostResultSchema, result)]);
+}
+
 /**
  * A journalled result of this step, or undefined: an empty or undecodable entry (a write an
  * OS crash cut short; the journal does not fsync) or one of another step counts as none, and
- * the step runs again.
+ * the step runs again; so does a retryable failure of another send (another attempt or
+ * leader term: the scheduler's retry).
  */
 function journalled(bytes: Uint8Array | undefined, w: HostWork): HostResult | undefined {
   if (!bytes || bytes.length === 0) return undefined;
   try {
-    const r = fromBinary(HostResultSchema, bytes);
+    const buf = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    let body = buf;
+    if (buf.subarray(0, RETRYABLE_ENTRY.length).equals(RETRYABLE_ENTRY)) {
+      if (buf.length < RETRYABLE_ENTRY.length + 8 || buf.readBigUInt64BE(RETRYABLE_ENTRY.length) !== w.leaderTerm) return undefined;
+      body = buf.subarray(RETRYABLE_ENTRY.length + 8);
+      const r = fromBinary(HostResultSchema, body);
+      return r.opId === w.opId && r.stepId === w.stepId && r.attempt === w.attempt && r.error?.retryable ? r : undefined;
+    }
+    const r = fromBinary(HostResultSchema, body);
     return r.opId === w.opId && r.stepId === w.stepId ? r : undefined;
   } catch {
     return undefined;
