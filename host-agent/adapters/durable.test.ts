@@ -2,7 +2,7 @@ import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { DeferredSync } from './durable.ts';
+import { DeferredSync, writeFileDurable } from './durable.ts';
 
 describe('DeferredSync', () => {
   let root: string;
@@ -73,5 +73,20 @@ describe('DeferredSync', () => {
 
   it('recover_withNoMarkerDirectory_findsNothing', () => {
     expect(new DeferredSync(markers).recover(dirOf, () => undefined)).toEqual([]);
+  });
+});
+
+describe('writeFileDurable', () => {
+  it('writesOfOnePathAtOnce_allSucceed_andTheLastOneIsWhatTheFileHolds', async () => {
+    const root = mkdtempSync(join(tmpdir(), 'ffwd-'));
+    try {
+      const path = join(root, 'state');
+      // They shared one temp file: one's rename found it gone (ENOENT) and failed.
+      await Promise.all(Array.from({ length: 20 }, (_, i) => writeFileDurable(path, `write ${i}`)));
+      expect(readFileSync(path, 'utf8')).toBe('write 19');
+      expect(readdirSync(root)).toEqual(['state']);
+    } finally {
+      rmSync(root, { recursive: true, force: true });
+    }
   });
 });

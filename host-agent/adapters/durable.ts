@@ -37,8 +37,29 @@ export async function fsyncAll(paths: Iterable<string>, concurrency = 16): Promi
   }
 }
 
-/** Writes `path` so that after a crash of the process or the OS it holds `data` or its old content. */
-export async function writeFileDurable(path: string, data: string | Uint8Array, mode = 0o644): Promise<void> {
+/** Writes of writeFileDurable under way, by path. */
+const writing = new Map<string, Promise<void>>();
+
+/**
+ * Writes `path` so that after a crash of the process or the OS it holds `data` or its old
+ * content. Writes of one path in this process go one after another: they share the temp file
+ * `<path>.tmp` (whose fixed name a later write replaces), and two at once wrote it together
+ * and one's rename failed with ENOENT (two deletes of one snapshot failed one of them).
+ */
+export function writeFileDurable(path: string, data: string | Uint8Array, mode = 0o644): Promise<void> {
+  const p = (writing.get(path) ?? Promise.resolve()).then(
+    () => writeFileDurableNow(path, data, mode),
+    () => writeFileDurableNow(path, data, mode),
+  );
+  writing.set(path, p);
+  const done = (): void => {
+    if (writing.get(path) === p) writing.delete(path);
+  };
+  p.then(done, done);
+  return p;
+}
+
+async function writeFileDurableNow(path: string, data: string | Uint8Array, mode: number): Promise<void> {
   const tmp = `${path}.tmp`;
   const fh = await open(tmp, 'w', mode);
   try {
