@@ -17,7 +17,7 @@ import { fleetChannelCredentials, fleetChannelOptions } from '../adapters/grpc/t
 import { resolveClientCredentials } from '../auth/client-credentials.ts';
 import type { CallOptions as RpcCallOptions, Client } from '../adapters/grpc/rpc.ts';
 import { RpcError } from '../adapters/grpc/status.ts';
-import { ForkfleetError } from '../../proto/errors.ts';
+import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
 import type { ErrorKind } from '../../proto/errors.ts';
 import { EventType, FleetService, HostState, OperationKind, OperationState, OperationStepState, SandboxState, SnapshotState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type {
@@ -813,8 +813,12 @@ export class Forkfleet {
   /** N copy-on-write children of a snapshot or of a live sandbox (snapshotted first). */
   async fork(source: { snapshotId: string } | { sandboxId: string }, count: number, fo: ForkOptions = {}, opts: CallOpts = {}): Promise<{ snapshotId: string; children: Sandbox[]; operation: OperationInfo }> {
     const src = 'snapshotId' in source ? { case: 'snapshotId' as const, value: source.snapshotId } : { case: 'sandboxId' as const, value: source.sandboxId };
-    const locality = { any: Locality.ANY, same_host: Locality.SAME_HOST, cross_host: Locality.CROSS_HOST }[fo.locality ?? 'any'];
-    const spread = fo.spread ? { pack: Spread.PACK, spread: Spread.SPREAD }[fo.spread] : Spread.UNSPECIFIED;
+    const locality = ({ any: Locality.ANY, same_host: Locality.SAME_HOST, cross_host: Locality.CROSS_HOST } as Record<string, Locality>)[fo.locality ?? 'any'];
+    const spread = fo.spread ? ({ pack: Spread.PACK, spread: Spread.SPREAD } as Record<string, Spread>)[fo.spread] : Spread.UNSPECIFIED;
+    // A misspelt value from JavaScript (no types to catch it) was sent as UNSPECIFIED, which
+    // the fleet takes as ANY / PACK: refused here, naming it.
+    if (locality === undefined) throw new InvalidArgumentError('locality', `${JSON.stringify(fo.locality)} is not one of any, same_host, cross_host`);
+    if (spread === undefined) throw new InvalidArgumentError('spread', `${JSON.stringify(fo.spread)} is not one of pack, spread`);
     const op = await this.submit(
       (idempotencyKey, o) =>
         this.rpc.forkSandbox(

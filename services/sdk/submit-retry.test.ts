@@ -37,6 +37,15 @@ describe('SDK retries of calls that got no answer', () => {
     expect(keys).toEqual(['k-1', 'k-1']);
   });
 
+  it('fork_withAMisspeltLocalityOrSpread_isRefusedNamingIt_andSendsNothing', async () => {
+    let sent = 0;
+    const ff = client({ forkSandbox: async () => (sent++, create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.FORK, state: OperationState.RUNNING })) });
+    // From JavaScript, no types catch these; they went out as UNSPECIFIED (taken as any / pack).
+    await expect(ff.fork({ snapshotId: 'sn-1' }, 2, { locality: 'crosshost' as never })).rejects.toMatchObject({ kind: 'invalid_argument', field: 'locality' });
+    await expect(ff.fork({ snapshotId: 'sn-1' }, 2, { spread: 'spreaded' as never })).rejects.toMatchObject({ kind: 'invalid_argument', field: 'spread' });
+    expect(sent).toBe(0);
+  });
+
   it('read_thatGotNoAnswerInTime_isNotAskedAgain', async () => {
     let calls = 0;
     const ff = client({
