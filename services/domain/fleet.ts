@@ -548,7 +548,10 @@ export class Fleet {
 
   /**
    * A new rule clears an expiry announced under the old one: the next retention pass
-   * announces it again, with a full notice, if the new rule wants it gone too.
+   * announces it again, with a full notice, if the new rule wants it gone too. The same rule
+   * set again (a retry after a lost answer, a client that syncs its rules) changes nothing:
+   * it cleared the expiry too, and one repeated within each notice period kept the snapshot
+   * for good.
    */
   setRetention(tenantId: string, id: string, ttlMs: number | null, keepLast: number): Promise<SnapshotRec> {
     return this.updateSnapshot(tenantId, id, (s) => {
@@ -760,7 +763,7 @@ export class Fleet {
     const sb = await this.runningSandbox(input.tenantId, input.sandboxId, signal);
     // Gone while the sandbox was woken: the command is not sent at all.
     if (signal?.aborted) throw new ForkfleetError('cancelled', 'exec cancelled before it was sent');
-    yield* this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, ...(signal ? { signal } : {}) });
+    yield* this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, owner: input.tenantId, ...(signal ? { signal } : {}) });
   }
 
   /** Bytes of file data per relayed request or answer: what fits a NATS message (at most 512 KiB). */

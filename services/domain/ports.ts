@@ -211,8 +211,11 @@ export interface WorkBus {
   consumeResults(onResult: (r: HostResultMsg, ack: () => void, fromHost: string) => void | Promise<void>): Promise<() => Promise<void>>;
   onHeartbeat(cb: (hb: HeartbeatMsg) => void): () => void;
   onHostEvent(cb: (e: HostEventMsg) => void): () => void;
-  /** Relays an exec to a host; yields output pieces, the last being the exit or an error. */
-  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal }): AsyncIterable<HostExecOutputMsg>;
+  /**
+   * Relays an exec to a host; yields output pieces, the last being the exit or an error.
+   * `owner` (a tenant id): output its callers have not read is bounded per owner too.
+   */
+  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal; owner?: string }): AsyncIterable<HostExecOutputMsg>;
   file(hostId: string, req: HostFileRequestMsg, opts: { timeoutMs: number }): Promise<HostFileResponseMsg>;
   /** The largest message the bus carries, bytes (NATS max_payload): relayed requests and answers must fit. */
   readonly maxPayload: number;

@@ -358,6 +358,47 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     }
   });
 
+  it('exec_ofATenantWhoseOwnCallsHoldUnreadOutput_isNotRefused_theCallsOfTheTenantHoldingItAre', async () => {
+    // argv[0]: KiB of output, in 64 KiB pieces, then the exit.
+    let running = 0;
+    const unserve = busA.serveExec(async (req, emit, signal) => {
+      running++;
+      const pieces = Number(req.argv[0]) / 64;
+      for (let i = 1; i <= pieces && !signal.aborted; i++) {
+        emit(create(HostExecOutputSchema, { seq: BigInt(i), payload: { case: 'stdout', value: new Uint8Array(64 * 1024) } }));
+        await new Promise((r) => setTimeout(r, 5));
+      }
+      if (!signal.aborted) emit(create(HostExecOutputSchema, { seq: BigInt(pieces + 1), payload: { case: 'exit', value: { exitCode: 0 } } }));
+      running--;
+    });
+    await agentA.flush();
+    bus.execUnreadMax = 1 << 20;
+    try {
+      // Tenant a runs a command whose 1000 KiB of output it never reads (the stream stays open):
+      // under the 1 MiB a replica holds, but more than the half one tenant may hold.
+      const a = bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['1000'] }), { timeoutMs: 10_000, owner: 'a' })[Symbol.asyncIterator]();
+      await waitUntil('the command of tenant a to end', () => (running === 0 ? true : undefined));
+      await sleep(200);
+      // Tenant b's exec gets all of its output. It used to fail at its first piece: tenant
+      // a's unread output had filled what the replica holds for every tenant.
+      let got = 0;
+      let exit: number | undefined;
+      for await (const o of bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['256'] }), { timeoutMs: 10_000, owner: 'b' })) {
+        if (o.payload.case === 'stdout') got += o.payload.value.length;
+        if (o.payload.case === 'exit') exit = o.payload.value.exitCode;
+      }
+      expect({ got, exit }).toEqual({ got: 256 * 1024, exit: 0 });
+      // Tenant a's call is the one refused, naming its tenant.
+      const err = await (async () => {
+        for (;;) if ((await a.next()).done) return undefined;
+      })().catch((e: unknown) => e as { kind?: string; message: string });
+      expect(err).toMatchObject({ kind: 'resource_exhausted', message: expect.stringContaining("tenant a's exec output") });
+    } finally {
+      bus.execUnreadMax = EXEC_UNREAD_MAX_BYTES;
+      unserve();
+    }
+  });
+
   it('exec_whenNoAgentServesTheHost_failsFastAsUnavailable', async () => {
     const t0 = Date.now();
     const err = await (async () => {

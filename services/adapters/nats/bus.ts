@@ -95,7 +95,9 @@ export class NatsWorkBus implements WorkBus {
   private nonce = randomBytes(6).toString('hex');
   /** Exec output received and not yet read by its callers, all execs together (exec()). */
   private execUnread = 0;
-  /** The most of it this replica holds (EXEC_UNREAD_MAX_BYTES). */
+  /** The same, by the owner each exec() names (a tenant). */
+  private readonly execUnreadBy = new Map<string, number>();
+  /** The most of it this replica holds (EXEC_UNREAD_MAX_BYTES); one owner holds at most half. */
   execUnreadMax = EXEC_UNREAD_MAX_BYTES;
 
   /** performance.now() of the last (re)connect; undefined while disconnected. */
@@ -303,18 +305,25 @@ export class NatsWorkBus implements WorkBus {
     return () => sub.unsubscribe();
   }
 
-  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal }): AsyncIterable<HostExecOutputMsg> {
+  exec(hostId: string, req: HostExecRequestMsg, opts: { timeoutMs: number; signal?: AbortSignal; owner?: string }): AsyncIterable<HostExecOutputMsg> {
     // Under the host's own exec-output subject: its NATS user may publish there and nowhere
     // else, so a long exec's output stream needs no response-permission window.
     const inbox = createInbox(subjects.execOut(hostId));
     const q = new AsyncQueue<HostExecOutputMsg>();
     // Output that arrived and that the caller has not read yet (the host sends it without
     // flow control): bounded for all calls together (execUnreadMax), or callers that never
-    // read could make a replica hold all of their commands' output.
+    // read could make a replica hold all of their commands' output; and per owner (a tenant)
+    // to half of that, or one tenant's unread calls (finished commands whose streams it keeps
+    // open) could hold it all, and every other tenant's exec would fail at its first output.
+    const owner = opts.owner ?? '';
+    const ownerMax = Math.floor(this.execUnreadMax / 2);
     let unread = 0;
     const held = (n: number): void => {
       unread += n;
       this.execUnread += n;
+      const mine = (this.execUnreadBy.get(owner) ?? 0) + n;
+      if (mine > 0) this.execUnreadBy.set(owner, mine);
+      else this.execUnreadBy.delete(owner);
     };
     // Dropped or never to be read (the call failed at the limit, or its caller stopped reading).
     const release = (): void => held(-unread);
@@ -365,11 +374,14 @@ export class NatsWorkBus implements WorkBus {
           cancelOnHost();
           return;
         }
-        held(bytesOf(out));
-        if (this.execUnread > this.execUnreadMax) {
+        const bytes = bytesOf(out);
+        held(bytes);
+        // Only output counts against the bounds: an exit (no bytes) always gets through.
+        const over = bytes === 0 ? undefined : (this.execUnreadBy.get(owner) ?? 0) > ownerMax ? `more than ${ownerMax} bytes of ${owner ? `tenant ${owner}'s` : 'this scheduler\'s own'} exec output (half of what it may hold)` : this.execUnread > this.execUnreadMax ? `more than ${this.execUnreadMax} bytes of exec output, all calls together,` : undefined;
+        if (over) {
           finish();
           release();
-          q.failNow(new ForkfleetError('resource_exhausted', `exec output not read: more than ${this.execUnreadMax} bytes of exec output, all calls together, waited on this scheduler for callers to read it, so the command was stopped`, { retryable: false }));
+          q.failNow(new ForkfleetError('resource_exhausted', `exec output not read: ${over} waited on this scheduler for callers to read it, so the command was stopped`, { retryable: false }));
           cancelOnHost();
           return;
         }
