@@ -126,7 +126,7 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     expect(fork.result.case === 'fork' ? fork.result.value.children.length : 0).toBe(2);
   }, 90_000);
 
-  it('retentionsDelete_ofASnapshotNotAnnouncedAndDue_keepsIt_aNewRetentionClearsAnAnnouncement_andOneDueIsDeleted', async () => {
+  it('retentionsDelete_ofASnapshotNotAnnouncedAndDue_keepsIt_aNewRetentionClearsAnAnnouncement_theSameOneSetAgainKeepsIt_andOneDueIsDeleted', async () => {
     const src = await create('exp-src');
     const snap = async (key: string, keepLast = 0): Promise<string> => {
       const op = await ok(await api.snapshotSandbox({ tenantId, idempotencyKey: key, sandboxId: src.sandboxId, retention: { keepLast } }));
@@ -156,6 +156,11 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     // Announced again, and due: deleted.
     await api.setSnapshotRetention({ tenantId, idempotencyKey: 'exp-ret2', snapshotId: older, retention: { keepLast: 1 } });
     await waitFor('the older snapshot announced again', async () => (await dueAt(older)) !== null, 20_000, 100);
+    // The same rule set again (a retry after a lost answer, a client that syncs its rules)
+    // keeps the announcement: clearing it postponed the deletion by a whole notice each time.
+    const announced = await dueAt(older);
+    await api.setSnapshotRetention({ tenantId, idempotencyKey: 'exp-ret3', snapshotId: older, retention: { keepLast: 1 } });
+    expect(await dueAt(older)).toBe(announced);
     const v = (await store.getSnapshot(tenantId, older))!;
     expect(await store.commit([{ kind: 'snapshot', value: { ...v.value, expiryDueAt: Date.now() - 1000 }, expectRevision: v.modRevision }])).toBe(true);
     expect((await expire(older, 2)).state).toBe('succeeded');

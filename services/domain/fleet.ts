@@ -555,9 +555,10 @@ export class Fleet {
    */
   setRetention(tenantId: string, id: string, ttlMs: number | null, keepLast: number): Promise<SnapshotRec> {
     return this.updateSnapshot(tenantId, id, (s) => {
+      const same = s.retentionTtlMs === ttlMs && s.keepLast === keepLast;
       s.retentionTtlMs = ttlMs;
       s.keepLast = keepLast;
-      if (s.state === 'ready') s.expiryDueAt = null;
+      if (s.state === 'ready' && !same) s.expiryDueAt = null;
     });
   }
 
