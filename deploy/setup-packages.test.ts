@@ -49,7 +49,7 @@ describe('setup.sh', () => {
     writeFileSync(join(tmp, 'repo', 'node_modules', '.forkfleet-lock.sha256'), `${createHash('sha256').update('{}\n').digest('hex')}\n`);
     const stubs: Record<string, string> = {
       // The package is the last argument; those in STUB_MISSING are not installed.
-      'dpkg-query': 'for a; do p=$a; done\ncase " $STUB_MISSING " in *" $p "*) echo "dpkg-query: no packages found matching $p" >&2; exit 1;; esac\nprintf "installed"',
+      'dpkg-query': 'for a; do p=$a; done\ncase " $STUB_MISSING " in *" $p "*) echo "dpkg-query: no packages found matching $p" >&2; exit 1;; esac\nprintf "installed\\n"',
       id: 'echo "$STUB_UID"',
       // Every call logged; a unit is enabled, active, or fails to change as the STUB_ lists say.
       systemctl: [

@@ -5,10 +5,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Node.js 20.19 or later (package.json's engines): older 20.x lack import.meta.dirname (until
-# 20.11), which the fleet and the agents use, and the test runner's vite needs 20.19.
-if ! node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a === 20 && b >= 19) ? 0 : 1)'; then
-  echo "setup: Forkfleet needs Node.js 20.19 or later; this is $(node -v 2>/dev/null || echo 'no node')" >&2
+# Node.js 20.19+ or 22.12+ (package.json's engines, the test runner's vite's own): older 20.x
+# lack import.meta.dirname (until 20.11), which the fleet and the agents use.
+if ! node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit((a === 20 && b >= 19) || (a === 22 && b >= 12) || a > 22 ? 0 : 1)'; then
+  echo "setup: Forkfleet needs Node.js 20.19 or later 20.x, or 22.12 or later; this is $(node -v 2>/dev/null || echo 'no node')" >&2
   exit 1
 fi
 
@@ -40,7 +40,8 @@ APT_PACKAGES=(
 )
 
 # Installed, whatever was asked of it: a package on hold reads `hold ok installed`.
-installed() { [[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]; }
+# One line per installed architecture (a multi-arch package has several).
+installed() { dpkg-query -W -f='${db:Status-Status}\n' "$1" 2>/dev/null | grep -qx installed; }
 
 # Forkfleet starts its own etcd, NATS and Prometheus; the Debian services these packages enable
 # would start at the next boot (Prometheus listening on every interface). Those this script

@@ -29,6 +29,7 @@ import { formatPlan, planCapacity } from './plan.ts';
 import { linkGbpsOf, migrationStreamsEncrypted } from './run-env.ts';
 import { findSocat } from '../host-agent/adapters/peer/tls-relay.ts';
 import type { Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { FleetPartlyDownError } from '../deploy/fleet/errors.ts';
 import type * as FleetModule from '../deploy/fleet/fleet.ts';
 
 type FleetMod = typeof FleetModule;
@@ -250,7 +251,16 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       // Configured as an operator who knows the sandbox size would: agents keep RAM of that
       // size ready for restores by migration (ADR 0016).
       const agentEnv = { FF_RAM_POOL_MIB: String(cfg.guestMib) };
-      const st = await (starting = fleetMod.up(fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv, peerTls: cfg.peerTls })));
+      const fleetOpts = fleetMod.defaultOptions({ hosts: cfg.hosts, link: cfg.link, dir: cfg.fleetDir, prefix: cfg.prefix, basePort: cfg.basePort, agentEnv, peerTls: cfg.peerTls });
+      const fm = fleetMod;
+      const st = await (starting = fm.up(fleetOpts).catch(async (e: unknown) => {
+        // The load test's own fleet, left by a run that was killed, with a process down since:
+        // up no longer wipes such a fleet unasked; this directory is the load test's, so it does.
+        if (!(e instanceof FleetPartlyDownError)) throw e;
+        log(`${e.message}: a fleet an earlier load test left; taking it down and starting afresh`);
+        await fm.down(cfg.fleetDir);
+        return fm.up(fleetOpts);
+      }));
       // Ctrl-C while it started: the teardown takes the fleet down; the run stops here.
       if (interrupted) throw new Error('interrupted');
       notes.push(`fleet agents: FF_RAM_POOL_MIB=${cfg.guestMib} (RAM of the guest's size filled at agent start, ADR 0016).`);

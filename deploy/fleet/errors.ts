@@ -36,3 +36,10 @@ export class NoFleetError extends ForkfleetError {
     super('failed_precondition', message, options);
   }
 }
+
+/** up over a finished fleet some of whose processes are not running (foundFleet 'partly-down'). */
+export class FleetPartlyDownError extends ForkfleetError {
+  constructor(message: string, options: ForkfleetErrorOptions = {}) {
+    super('failed_precondition', message, options);
+  }
+}

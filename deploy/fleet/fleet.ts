@@ -49,7 +49,7 @@ import { InvalidArgumentError } from '../../proto/errors.ts';
 import { allSteps, guardedStart, throwIfStopped } from './bringup.ts';
 import type { SignalSource, StartEnd } from './bringup.ts';
 import { enterUserCwd } from '../user-cwd.ts';
-import { FleetInterruptedError, NoFleetError } from './errors.ts';
+import { FleetInterruptedError, FleetPartlyDownError, NoFleetError } from './errors.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
 const NODE = process.execPath;
@@ -936,7 +936,7 @@ async function upLocked(given: FleetOptions, signals: SignalSource): Promise<Fle
     if (found === 'partly-down') {
       const dead = existing.procs.filter((p) => !procAlive(p));
       const dirFlag = opts.dir === resolve(DEFAULT_FLEET_DIR) ? '' : ` --dir ${opts.dir}`;
-      throw new Error(
+      throw new FleetPartlyDownError(
         `the fleet in ${opts.dir} (up since ${existing.startedAt}) has processes that are not running: ${dead.map((p) => `${p.name} (pid ${p.pid})`).join(', ')}. ` +
           `Start one again with \`npm run fleet:restart -- ${dead[0]!.name}${dirFlag}\`, or take the fleet down with \`npm run fleet:down${dirFlag ? ` --${dirFlag}` : ''}\` (its sandboxes and snapshots go) and run fleet:up again`,
       );

@@ -4,7 +4,7 @@
 //   {
 //     "name": "prod",                                    cluster name: etcd token, NATS cluster
 //     "installDir": "/opt/forkfleet",                    where the repository is checked out on every machine
-//     "node": "/usr/bin/node",                           Node.js 20.19 or later on every machine (optional; e.g. /usr/local/bin/node)
+//     "node": "/usr/bin/node",                           Node.js 20.19+ (or 22.12+) on every machine (optional; e.g. /usr/local/bin/node)
 //     "etcd":       [{ "name": "etcd-1", "address": "10.0.0.11" }, ...],     1, 3 or 5 members
 //     "nats":       [{ "name": "nats-1", "address": "10.0.0.11" }, ...],     1 or 3+ servers (JetStream)
 //     "schedulers": [{ "name": "sched-1", "address": "10.0.0.11", "dns": ["api.forkfleet.internal"] }, ...],

@@ -313,7 +313,7 @@ function installGuide(inv: Inventory, apis: string): string {
     '',
     'Rendered by `deploy/hosts/render.ts`. The README section "Deploying on real hosts" explains the layout, ports and prerequisites.',
     '',
-    '1. On every machine, as root: Debian 12 with Node.js 20.19 or later and npm; the repository checked out at',
+    '1. On every machine, as root: Debian 12 with Node.js 20.19+ (or 22.12+) and npm; the repository checked out at',
     `   \`${inv.installDir}\`; then \`bash ${inv.installDir}/deploy/setup.sh\` (Debian packages and npm dependencies).`,
     '2. Turn off the services a machine does not run (setup.sh installs them all, and Debian enables them):',
     ...unused,

@@ -78,6 +78,7 @@ export function hintFor(e: ErrorLike, api: string): string {
       return 'the call took too long; the operation may still finish: check with `forkfleet sandbox ls`, or retry with a larger --timeout';
     case 'failed_precondition': {
       // The local fleet's commands, pointed at a directory with no fleet in it.
+      if (/has processes that are not running/.test(e.message)) return 'start the process named again (`npm run fleet:restart -- NAME`; `npm run fleet:status` lists them), or take the fleet down (`npm run fleet:down`) and bring it up afresh';
       if (/^no fleet in /.test(e.message)) return 'start one with `npm run fleet:up` (or `forkfleet fleet up`), or point --dir (FF_FLEET_DIR) at the fleet\'s directory';
       // "sandbox sb-... is paused; it must be running": say how to get it there.
       const paused = /sandbox (sb-[A-Za-z0-9_-]+) is paused/.exec(e.message);

@@ -327,8 +327,8 @@ function largerThanAnyHost(view: FleetView, req: PlacementRequest): LargerThanAn
 /**
  * A start that failed this way may have, or may still make, a VM on its host: one not answered
  * in time or whose host went silent; one whose host answered a retryable failure, which the
- * agent does not journal, so another copy of the same step (a re-send after an agent restart, a
- * JetStream redelivery) would run it again; or any failed restore step that a restarted agent
+ * agent journals for that send only, so another send of the same step (a re-send after an agent
+ * restart, a new leader's) would run it again; or any failed restore step that a restarted agent
  * ran again, which keeps the VMs the first run had made and restores only the rest. Such a
  * start's failure is followed by a stop (a no-op where there is no VM), which the agent also
  * records as "given up", so a later copy is refused.
@@ -604,6 +604,8 @@ export class Executor {
   private readonly waiters = new Map<string, Waiter>();
   /** Results that arrived before anyone waited for them (e.g. right after a failover). */
   private readonly early = new Map<string, { result: HostResultMsg; fromHost: string }>();
+  /** Sends so far of each step sent without waiting for its answer (sendHostWork), by op + step; the oldest 10,000. */
+  private readonly hostWorkSends = new Map<string, number>();
   /** Host steps sent and not yet finished, per host: placement counts them at once (fleetViewInput's ownInflight). */
   private readonly stepsInFlight = new Map<string, number>();
   private stops: Array<() => void | Promise<void>> = [];
@@ -888,7 +890,8 @@ export class Executor {
       if (!(r instanceof NoRoomToReclaimError)) return;
       this.log.warn({ sandboxId: cur.id, hostId: cur.hostId, err: r.message }, 'lost sandbox not reclaimed: its host was booked full meanwhile; stopping its VM');
       // The record is left as it is (lost, with its reason): the same op + step on every pass
-      // until the VM is gone, which the agent answers from its journal.
+      // until the VM is gone, which the agent answers from its journal once it has stopped it
+      // (each pass's send is a new attempt: a retryable failure is journalled for its send only).
       await this.sendHostWork(cur.hostId, `no-room-${cur.id}-${cur.updatedAt}`, cur.tenantId, `stop/${cur.id}`, stopVm(cur.id), 'could not stop a VM that came back to a full host');
     } catch (e) {
       // A failed read (the store, the quota ledger): the next pass tries again; the passes that
@@ -930,7 +933,16 @@ export class Executor {
    * seconds): such a stop is sent once, and a lost one leaves a VM running with no record.
    */
   private async sendHostWork(hostId: string, opId: string, tenantId: string, stepId: string, work: HostWorkMsg['work'], failed: string): Promise<void> {
-    const msg = create(HostWorkSchema, { opId, stepId, attempt: 1, tenantId, work });
+    // Each call is a new attempt: a pass that sends the same op + step again (a stop of a VM
+    // that came back to a full host, until it is gone) gets a final answer from the agent's
+    // journal, but a retryable failure the agent journalled answers only the send it failed
+    // (agent.ts), so the next pass's stop runs again.
+    const key = stepKey(opId, stepId);
+    const attempt = (this.hostWorkSends.get(key) ?? 0) + 1;
+    this.hostWorkSends.delete(key);
+    this.hostWorkSends.set(key, attempt);
+    if (this.hostWorkSends.size > 10_000) this.hostWorkSends.delete(this.hostWorkSends.keys().next().value as string);
+    const msg = create(HostWorkSchema, { opId, stepId, attempt, tenantId, work });
     for (let i = 0; ; i++) {
       if (!this.leading()) return void this.log.warn({ hostId, opId, stepId }, `${failed}: no longer leading`);
       try {

@@ -128,7 +128,10 @@ describe('webhook signatures', () => {
     expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://[::1","secret":"0123456789abcdef"}]')).toThrow(/FF_WEBHOOKS\[0\]\.url/);
     expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://user:pw@x/h","secret":"0123456789abcdef"}]')).toThrow(/FF_WEBHOOKS\[0\]\.url: must not carry a user name or password/);
     // Two targets of one url and tenant would share their deliveries (and one secret).
-    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef","types":["sandbox_created"]},{"url":"http://x/h","secret":"fedcba9876543210","types":["sandbox_destroyed"]}]')).toThrow(/FF_WEBHOOKS\[1\]: has the url and tenant of FF_WEBHOOKS\[0\]/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef","types":["sandbox_created"]},{"url":"http://x/h","secret":"fedcba9876543210","types":["sandbox_created","sandbox_destroyed"]}]')).toThrow(/FF_WEBHOOKS\[1\]: has the url and tenant of FF_WEBHOOKS\[0\]/);
+    expect(() => parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef"},{"url":"http://x/h","secret":"fedcba9876543210","types":["sandbox_destroyed"]}]')).toThrow(/FF_WEBHOOKS\[1\]: has the url and tenant of FF_WEBHOOKS\[0\]/);
+    // Types that do not overlap: each event goes to the one target of its type.
+    expect(parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef","types":["sandbox_created"]},{"url":"http://x/h","secret":"fedcba9876543210","types":["sandbox_destroyed"]}]')).toHaveLength(2);
     expect(parseWebhookTargets('FF_WEBHOOKS', '[{"url":"http://x/h","secret":"0123456789abcdef","tenant":"t1","types":["snapshot_expired"]}]')).toEqual([
       { url: 'http://x/h', secret: '0123456789abcdef', tenantId: 't1', types: ['snapshot_expired'] },
     ]);
@@ -267,6 +270,17 @@ describe('WebhookDispatcher', () => {
     const now = Math.floor(Date.now() / 1000);
     const bySecret = (secret: string) => rx.got.filter((g) => verifyWebhookSignature(secret, g.body, g.signature, now)).length;
     expect([bySecret(SECRET), bySecret(TENANT_SECRET)]).toEqual([1, 1]);
+  });
+
+  it('twoTargetsWithOneUrlAndTenant_ofDifferentTypes_eachDeliveryIsSignedWithTheSecretOfItsTypesTarget', async () => {
+    const OTHER = 'the-other-targets-secret-0123';
+    const { rx, log, emit } = await dispatcherWith(0, [], { targets: (url) => [{ url, secret: SECRET, types: ['sandbox_created'] }, { url, secret: OTHER, types: ['snapshot_created'] }] });
+    emit(sandboxCreated(7, 'sb-typed'));
+    emit(snapshotChange(8, undefined, {}));
+    await until(() => [...log.recs.values()].filter((r) => r.state === 'delivered').length === 2);
+    const now = Math.floor(Date.now() / 1000);
+    const typeSignedWith = (secret: string) => rx.got.filter((g) => verifyWebhookSignature(secret, g.body, g.signature, now)).map((g) => (JSON.parse(g.body) as { type: string }).type);
+    expect([typeSignedWith(SECRET), typeSignedWith(OTHER)]).toEqual([['sandbox_created'], ['snapshot_created']]);
   });
 
   it('receiverThatNeverAccepts_isMarkedFailedAfterTheLastAttempt', async () => {

@@ -106,7 +106,7 @@ export function parseWebhookTargets(field: string, json: string): WebhookTarget[
     throw new InvalidArgumentError(field, `must be JSON: ${(e as Error).message}`);
   }
   if (!Array.isArray(raw)) throw new InvalidArgumentError(field, 'must be a JSON array of {url, secret, tenant?, types?}');
-  const seen = new Map<string, number>();
+  const seen = new Map<string, Array<{ index: number; types: unknown[] }>>();
   return raw.map((r: unknown, i) => {
     if (typeof r !== 'object' || r === null || Array.isArray(r)) throw new InvalidArgumentError(`${field}[${i}]`, 'must be an object {url, secret, tenant?, types?}');
     const o = r as Record<string, unknown>;
@@ -131,11 +131,13 @@ export function parseWebhookTargets(field: string, json: string): WebhookTarget[
     // Absent: an operator's hook, every tenant's events. Present: one tenant id.
     if (o.tenant !== undefined && (typeof o.tenant !== 'string' || !TENANT_ID_RE.test(o.tenant))) throw new InvalidArgumentError(`${field}[${i}].tenant`, 'must be a tenant id (absent: every tenant\'s events, an operator\'s hook)');
     const tenantId = (o.tenant as string | undefined) ?? '';
-    // A delivery's id names the target by url and tenant (targetKey): two targets alike there
-    // would share deliveries, one signed with the other's secret, or one of them never sent.
+    // A delivery's id names the target by url and tenant (targetKey) and the event's type: two
+    // targets alike there whose types overlap (no types: all) would share deliveries, one
+    // signed with the other's secret, the other never sent.
     const key = `${url}\0${tenantId}`;
-    if (seen.has(key)) throw new InvalidArgumentError(`${field}[${i}]`, `has the url and tenant of ${field}[${seen.get(key)}]: give one target its types instead`);
-    seen.set(key, i);
+    const earlier = (seen.get(key) ?? []).find((e) => e.types.length === 0 || types.length === 0 || e.types.some((t) => types.includes(t)));
+    if (earlier) throw new InvalidArgumentError(`${field}[${i}]`, `has the url and tenant of ${field}[${earlier.index}], and events of the same types: give one target those types instead`);
+    seen.set(key, [...(seen.get(key) ?? []), { index: i, types }]);
     return { url, secret, tenantId, types: types as FleetEventType[] };
   });
 }
@@ -517,7 +519,9 @@ export class WebhookDispatcher {
   private async attempt(rec: DeliveryRec, run: number): Promise<void> {
     // The target the delivery was made for (its id ends with that target's key): not the first
     // with its URL, which may be another target's with another secret.
-    const target = this.deps.targets.find((t) => t.url === rec.url && rec.id.endsWith(`-${targetKey(t)}`));
+    // Targets of one url and tenant have types that do not overlap (parseWebhookTargets): the
+    // event's type picks the one.
+    const target = this.deps.targets.find((t) => t.url === rec.url && rec.id.endsWith(`-${targetKey(t)}`) && (t.types.length === 0 || t.types.includes(rec.eventType)));
     const now = this.deps.clock.now();
     const next: DeliveryRec = { ...rec, attempts: rec.attempts + 1, updatedAt: now };
     if (!target) {

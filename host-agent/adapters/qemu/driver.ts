@@ -2094,7 +2094,10 @@ export class QemuVmmDriver implements VmmDriver {
           // A merge that fails (a full disk, a slow job) is no reason to kill a VM that QMP just
           // answered and remove its disk: adopted on the overlay it writes (QEMU keeps its
           // backing open after the unfinished snapshot's directory goes), and its next snapshot
-          // merges it back first (mergeBackStrayLayer), or fails naming it.
+          // merges it back first (mergeBackStrayLayer), or fails naming it. A job still running
+          // (not ready in time) is cancelled: left, it holds the disk, and that merge's own job
+          // would be refused on every snapshot.
+          await cancelBlockJob(qmp, `ff-rollback-${p.info.vmId}`).catch((c: unknown) => log.warn({ err: String(c) }, 'could not cancel the merge job'));
           log.warn({ recorded: p.diskPath, overlay: top, err: String(e) }, 'VM writes a disk overlay of an interrupted snapshot and merging it back failed: adopted on it; its next snapshot merges it back first');
         }
       }
@@ -2457,6 +2460,17 @@ async function writeJsonAtomic(path: string, value: unknown): Promise<void> {
  */
 async function activateIfMigratedOut(qmp: QmpClient): Promise<void> {
   if ((await queryStatus(qmp)) === 'postmigrate') await reactivate(qmp, true);
+}
+
+/** Cancels block job `jobId` if it runs, and waits until it is gone. */
+async function cancelBlockJob(qmp: QmpClient, jobId: string, timeoutMs = 10_000): Promise<void> {
+  const runs = async (): Promise<boolean> => (await qmp.execute<Array<{ device: string }>>('query-block-jobs')).some((j) => j.device === jobId);
+  if (!(await runs())) return;
+  await qmp.execute('block-job-cancel', { device: jobId, force: true });
+  for (const end = Date.now() + timeoutMs; await runs(); ) {
+    if (Date.now() > end) throw new VmmError(`block job ${jobId} not cancelled after ${timeoutMs} ms`);
+    await sleep(20);
+  }
 }
 
 /** Migration states in which a migration is over (query-migrate); absent when none ever ran. */
