@@ -30,6 +30,7 @@ import type { FetchSnapshotWork, HeldSnapshot } from '../../proto/gen/forkfleet/
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 import { writeFileDurable } from './durable.ts';
+import { writeSparse } from './chunkstore/sparse.ts';
 import { runTied } from './tied.ts';
 
 const run = promisify(execFile);
@@ -507,13 +508,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
       await fh.truncate(Number(a.size));
       for (const c of a.chunks) {
         const plain = await this.deps.chunks.readVerified(Buffer.from(c.digest).toString('hex'));
-        // A short write (a nearly full disk) reports fewer bytes, no error: the rest is written
-        // again, which then fails with ENOSPC, rather than leave zeros in the artifact.
-        for (let done = 0; done < plain.length; ) {
-          const { bytesWritten } = await fh.write(plain, done, plain.length - done, Number(c.index) * chunkSize + done);
-          if (bytesWritten <= 0) throw Object.assign(new Error(`no bytes written to ${path}`), { code: 'ENOSPC' });
-          done += bytesWritten;
-        }
+        // As materialised images are written: zero pages stay holes, and a short write (a nearly
+        // full disk reports fewer bytes, no error) fails the artifact rather than leave zeros in it.
+        await writeSparse(fh.fd, plain, Number(c.index) * chunkSize);
       }
     } finally {
       await fh.close();

@@ -1290,14 +1290,12 @@ function journalled(bytes: Uint8Array | undefined, w: HostWork): HostResult | un
   if (!bytes || bytes.length === 0) return undefined;
   try {
     const buf = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
-    let body = buf;
     if (buf.subarray(0, RETRYABLE_ENTRY.length).equals(RETRYABLE_ENTRY)) {
       if (buf.length < RETRYABLE_ENTRY.length + 8 || buf.readBigUInt64BE(RETRYABLE_ENTRY.length) !== w.leaderTerm) return undefined;
-      body = buf.subarray(RETRYABLE_ENTRY.length + 8);
-      const r = fromBinary(HostResultSchema, body);
-      return r.opId === w.opId && r.stepId === w.stepId && r.attempt === w.attempt && r.error?.retryable ? r : undefined;
+      const r = fromBinary(HostResultSchema, buf.subarray(RETRYABLE_ENTRY.length + 8));
+      return r.opId === w.opId && r.stepId === w.stepId && r.attempt === w.attempt ? r : undefined;
     }
-    const r = fromBinary(HostResultSchema, body);
+    const r = fromBinary(HostResultSchema, buf);
     return r.opId === w.opId && r.stepId === w.stepId ? r : undefined;
   } catch {
     return undefined;

@@ -2462,30 +2462,33 @@ async function activateIfMigratedOut(qmp: QmpClient): Promise<void> {
   if ((await queryStatus(qmp)) === 'postmigrate') await reactivate(qmp, true);
 }
 
-/** Cancels block job `jobId` if it runs, and waits until it is gone. */
-async function cancelBlockJob(qmp: QmpClient, jobId: string, timeoutMs = 10_000): Promise<void> {
-  const runs = async (): Promise<boolean> => (await qmp.execute<Array<{ device: string }>>('query-block-jobs')).some((j) => j.device === jobId);
-  if (!(await runs())) return;
-  await qmp.execute('block-job-cancel', { device: jobId, force: true });
-  for (const end = Date.now() + timeoutMs; await runs(); ) {
-    if (Date.now() > end) throw new VmmError(`block job ${jobId} not cancelled after ${timeoutMs} ms`);
+/**
+ * Cancels what `busy` asks about with `cancel` if it is under way, and waits until it is not;
+ * true if it was. Throws naming `what` if it is still under way after `timeoutMs`.
+ */
+async function cancelAndWait(busy: () => Promise<boolean>, cancel: () => Promise<unknown>, what: string, timeoutMs = 10_000): Promise<boolean> {
+  if (!(await busy())) return false;
+  await cancel();
+  for (const end = Date.now() + timeoutMs; await busy(); ) {
+    if (Date.now() > end) throw new VmmError(`${what} not cancelled after ${timeoutMs} ms`);
     await sleep(20);
   }
+  return true;
+}
+
+/** Cancels block job `jobId` if it runs, and waits until it is gone. */
+function cancelBlockJob(qmp: QmpClient, jobId: string): Promise<boolean> {
+  const runs = async (): Promise<boolean> => (await qmp.execute<Array<{ device: string }>>('query-block-jobs')).some((j) => j.device === jobId);
+  return cancelAndWait(runs, () => qmp.execute('block-job-cancel', { device: jobId, force: true }), `block job ${jobId}`);
 }
 
 /** Migration states in which a migration is over (query-migrate); absent when none ever ran. */
 const MIGRATION_OVER = new Set(['none', 'completed', 'failed', 'cancelled']);
 
 /** Cancels the VM's migration out if one is under way and waits until it is over; true if there was one. */
-async function cancelMigrationOut(qmp: QmpClient, timeoutMs = 10_000): Promise<boolean> {
-  const statusNow = async (): Promise<string> => (await qmp.execute<{ status?: string }>('query-migrate')).status ?? 'none';
-  if (MIGRATION_OVER.has(await statusNow())) return false;
-  await qmp.execute('migrate_cancel');
-  for (const end = Date.now() + timeoutMs; !MIGRATION_OVER.has(await statusNow()); ) {
-    if (Date.now() > end) throw new VmmError(`migration out not cancelled after ${timeoutMs} ms`);
-    await sleep(20);
-  }
-  return true;
+function cancelMigrationOut(qmp: QmpClient): Promise<boolean> {
+  const underWay = async (): Promise<boolean> => !MIGRATION_OVER.has((await qmp.execute<{ status?: string }>('query-migrate')).status ?? 'none');
+  return cancelAndWait(underWay, () => qmp.execute('migrate_cancel'), 'migration out');
 }
 
 /**
