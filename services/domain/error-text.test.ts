@@ -1,7 +1,9 @@
 // What tenants read of a failure: a named error's message; an unexpected one only as such,
 // its own text (host paths, QEMU or etcd output) kept for the operator.
 import { describe, expect, it } from 'vitest';
-import { HostStepError, StoreUnavailableError } from './errors.ts';
+import { HostStepError, RelayedHostError, StoreUnavailableError } from './errors.ts';
+import { toGrpcStatus } from '../adapters/grpc/status.ts';
+import { status as Status } from '@grpc/grpc-js';
 import { errorOf } from './executor.ts';
 
 const RAW = "ENOENT: no such file or directory, open '/var/lib/ffleet/vms/sb-1/mem.img'";
@@ -31,6 +33,24 @@ describe('error texts tenants read', () => {
     const e = new HostStepError('h1', 'create', 'resource_exhausted', 'no room for 4 vCPUs', true);
     expect(e.message).toBe('host h1: create: no room for 4 vCPUs');
     expect(errorOf(e)).toEqual({ kind: 'resource_exhausted', message: e.message, retryable: true });
+  });
+
+  it('relayedHostError_ofTheGuestsRefusal_keepsKindFieldAndText', () => {
+    const e = new RelayedHostError('invalid_argument', 'not a regular file: /etc', { retryable: false, field: 'path' });
+    expect([e.kind, e.field, e.message]).toEqual(['invalid_argument', 'path', 'not a regular file: /etc']);
+    expect(toGrpcStatus(e).code).toBe(Status.INVALID_ARGUMENT);
+  });
+
+  it('relayedHostError_ofAKindThisSchedulerDoesNotKnow_answersInternalWithoutTheHostsText', () => {
+    // A newer agent's kind has no status code: answered as it came, the status had none.
+    const e = new RelayedHostError('quota_exceeded', RAW, { retryable: true, field: 'path' });
+    expect([e.kind, e.field]).toEqual(['internal', undefined]);
+    const st = toGrpcStatus(e);
+    expect([st.code, st.details]).toEqual([Status.INTERNAL, 'internal error']);
+  });
+
+  it('relayedHostError_ofTheHostsAuthenticationKinds_isInternal_notTheCallersCredential', () => {
+    for (const kind of ['permission_denied', 'unauthenticated']) expect(new RelayedHostError(kind, 'ticket expired', { retryable: false }).kind).toBe('internal');
   });
 
   it('errorOf_anExceptionThatIsNotAProjectError_recordsAGenericMessage_andTheTextAsDetail', () => {

@@ -91,6 +91,20 @@ export class HostStepError extends ForkfleetError {
   }
 }
 
+/**
+ * A host's answer to a relayed call (Exec, ReadFile, WriteFile) that failed. The guest's own
+ * refusals (a path, a full disk, a command that timed out) keep their kind, text and field. A
+ * kind this scheduler does not know (a newer agent's) has no status code to answer with, and
+ * the host's authentication kinds are about the host, not the caller's credential: both are
+ * `internal`, whose text tenants never read (toGrpcStatus).
+ */
+export class RelayedHostError extends ForkfleetError {
+  constructor(kind: string, message: string, opts: { retryable: boolean; field?: string }) {
+    const kept = isErrorKind(kind) && kind !== 'unauthenticated' && kind !== 'permission_denied';
+    super(kept ? kind : 'internal', message, { retryable: opts.retryable, ...(kept && opts.field ? { field: opts.field } : {}) });
+  }
+}
+
 /** The host a step went to was marked lost (its heartbeats stopped) before it answered. */
 export class HostLostError extends ForkfleetError {
   constructor(hostId: string, step: string) {

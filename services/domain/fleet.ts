@@ -7,7 +7,7 @@ import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, Opera
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
 import { CANCELLABLE_KINDS, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
-import { ConflictError, NotFoundError, WrongStateError } from './errors.ts';
+import { ConflictError, NotFoundError, RelayedHostError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
 import { create, toBinary } from '@bufbuild/protobuf';
@@ -778,7 +778,7 @@ export class Fleet {
     // The guest's refusal of the path (or the mode) names it as the API does: WriteFile's are in its header.
     const field = (res.error?.field === 'path' || res.error?.field === 'mode' || res.error?.field === 'sandbox_id') && req.op.case === 'write' ? `header.${res.error.field}` : res.error?.field;
     // The host's word on whether trying again can help (a full guest disk cannot) is kept.
-    if (res.error) throw new ForkfleetError(res.error.kind as ForkfleetError['kind'], res.error.message, { ...(field ? { field } : {}), retryable: res.error.retryable });
+    if (res.error) throw new RelayedHostError(res.error.kind, res.error.message, { ...(field ? { field } : {}), retryable: res.error.retryable });
     return res;
   }
 

@@ -44,6 +44,7 @@ import { AsyncQueue } from './queue.ts';
 import * as c from './convert.ts';
 import { requireAdmin, tenantFor } from '../../auth/guard.ts';
 import { PermissionDeniedError, UnauthenticatedError } from '../../auth/errors.ts';
+import { RelayedHostError } from '../../domain/errors.ts';
 
 /**
  * Events a WatchEvents stream holds for a client that does not read them (flow control holds
@@ -258,7 +259,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             // The host had the request: the command may have started (a guest channel that
             // broke mid-run), and an Exec is not deduplicated, so a retry could run it twice.
             // Not retryable whatever the host's error says; the caller decides.
-            throw new ForkfleetError(out.payload.value.kind as ForkfleetError['kind'], out.payload.value.message, { retryable: false, ...(out.payload.value.field ? { field: out.payload.value.field } : {}) });
+            throw new RelayedHostError(out.payload.value.kind, out.payload.value.message, { retryable: false, ...(out.payload.value.field ? { field: out.payload.value.field } : {}) });
         }
       }
     },
