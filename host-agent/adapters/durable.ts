@@ -37,8 +37,23 @@ export async function fsyncAll(paths: Iterable<string>, concurrency = 16): Promi
   }
 }
 
+/**
+ * Runs `fn` once every earlier call with the same `key` in `queues` has settled (whether it
+ * failed or not): calls of one key go one after another, calls of different keys run at once.
+ * An entry leaves `queues` when its key's last call settles.
+ */
+export function oneAtATime<T>(queues: Map<string, Promise<unknown>>, key: string, fn: () => Promise<T>): Promise<T> {
+  const p = (queues.get(key) ?? Promise.resolve()).then(fn, fn);
+  queues.set(key, p);
+  const done = (): void => {
+    if (queues.get(key) === p) queues.delete(key);
+  };
+  p.then(done, done);
+  return p;
+}
+
 /** Writes of writeFileDurable under way, by path. */
-const writing = new Map<string, Promise<void>>();
+const writing = new Map<string, Promise<unknown>>();
 
 /**
  * Writes `path` so that after a crash of the process or the OS it holds `data` or its old
@@ -47,16 +62,7 @@ const writing = new Map<string, Promise<void>>();
  * and one's rename failed with ENOENT (two deletes of one snapshot failed one of them).
  */
 export function writeFileDurable(path: string, data: string | Uint8Array, mode = 0o644): Promise<void> {
-  const p = (writing.get(path) ?? Promise.resolve()).then(
-    () => writeFileDurableNow(path, data, mode),
-    () => writeFileDurableNow(path, data, mode),
-  );
-  writing.set(path, p);
-  const done = (): void => {
-    if (writing.get(path) === p) writing.delete(path);
-  };
-  p.then(done, done);
-  return p;
+  return oneAtATime(writing, path, () => writeFileDurableNow(path, data, mode));
 }
 
 async function writeFileDurableNow(path: string, data: string | Uint8Array, mode: number): Promise<void> {

@@ -1,9 +1,17 @@
-import { afterEach, describe, expect, it } from 'vitest';
+import { afterEach, describe, expect, it, vi } from 'vitest';
 import { mkdirSync, mkdtempSync, readdirSync, rmSync, utimesSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { FsJournal, TEMP_SUFFIX } from './fs-journal.ts';
 import { MemoryJournal } from './memory-journal.ts';
+import type * as FsPromises from 'node:fs/promises';
+
+/** Runs before the journal's next rm (then clears itself): a put arriving while prune removes. */
+let beforeRm: (() => Promise<void>) | undefined;
+vi.mock('node:fs/promises', async (importOriginal) => {
+  const fs = await importOriginal<typeof FsPromises>();
+  return { ...fs, rm: async (...args: Parameters<typeof fs.rm>) => (await beforeRm?.(), fs.rm(...args)) };
+});
 
 const dirs: string[] = [];
 afterEach(() => {
@@ -27,6 +35,26 @@ describe('journal prune', () => {
     // A pruned op written again is journalled again (its directory is made anew).
     await j.put('op-old', 'restore/h1', new Uint8Array([3]));
     expect([...(await j.get('op-old', 'restore/h1'))!]).toEqual([3]);
+  });
+
+  it('fsJournal_aPutToAnOldOpWhilePruneRemovesIt_isKept', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
+    dirs.push(dir);
+    const j = new FsJournal(dir);
+    // An op last written long ago (a sandbox's VM owner record) is written again just as a
+    // prune has found it old and is about to remove it: the new result must survive.
+    await j.put('op-a', 'claim', new Uint8Array([1]));
+    const dayAgo = new Date(Date.now() - 86_400_000);
+    utimesSync(join(dir, 'op-a'), dayAgo, dayAgo);
+    let put: Promise<void> | undefined;
+    beforeRm = async () => {
+      beforeRm = undefined;
+      put = j.put('op-a', 'claim', new Uint8Array([2]));
+      await new Promise((r) => setTimeout(r, 50));
+    };
+    await j.prune(Date.now() - 60_000);
+    await put;
+    expect([...((await j.get('op-a', 'claim')) ?? [])]).toEqual([2]);
   });
 
   it('fsJournal_whenOpened_removesTempFilesEarlierProcessesLeft_alsoOnesWithThisPid_withoutAnyPrune', async () => {

@@ -11,7 +11,7 @@ import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/p
 import { createHash, randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import type { Journal, LeaderTerm } from '../../domain/agent.ts';
-import { writeFileDurable } from '../durable.ts';
+import { oneAtATime, writeFileDurable } from '../durable.ts';
 
 const SAFE = /^[A-Za-z0-9_-]+$/;
 /** Longer op ids (the scheduler's own, e.g. a stray VM's stop names the host and the sandbox) go by a digest. */
@@ -30,6 +30,12 @@ function opDir(opId: string): string {
 export class FsJournal implements Journal {
   /** Op directories this process made (only prune removes them), so a put skips the mkdir. */
   private readonly made = new Set<string>();
+  /**
+   * Puts and prune's removal, by op directory, one after another: a prune that read an op's
+   * old mtime and then removed its directory could take a result a put had just written there
+   * (a lost result runs its step again when the work is redelivered), or make the put fail.
+   */
+  private readonly busy = new Map<string, Promise<unknown>>();
   /**
    * Settles once the temp files earlier processes left are removed (started at construction,
    * in the background: nothing waits for it, since this process's own temps are never
@@ -56,17 +62,19 @@ export class FsJournal implements Journal {
     }
   }
 
-  async put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
+  put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
     const p = this.path(opId, stepId);
     const dir = opDir(opId);
-    if (!this.made.has(dir)) {
-      await mkdir(join(this.dir, dir), { recursive: true });
-      if (this.made.size >= 10_000) this.made.clear();
-      this.made.add(dir);
-    }
-    const tmp = `${p}${TEMP_SUFFIX}`;
-    await writeFile(tmp, result);
-    await rename(tmp, p);
+    return oneAtATime(this.busy, dir, async () => {
+      if (!this.made.has(dir)) {
+        await mkdir(join(this.dir, dir), { recursive: true });
+        if (this.made.size >= 10_000) this.made.clear();
+        this.made.add(dir);
+      }
+      const tmp = `${p}${TEMP_SUFFIX}`;
+      await writeFile(tmp, result);
+      await rename(tmp, p);
+    });
   }
 
   /** The newest leader term (Journal.leaderTerm): a file beside the op directories, which prune leaves. */
@@ -112,13 +120,15 @@ export class FsJournal implements Journal {
     let removed = 0;
     for (const opId of await readdir(this.dir).catch(() => [] as string[])) {
       const d = join(this.dir, opId);
-      const st = await stat(d).catch(() => undefined);
-      if (!st?.isDirectory()) continue;
-      if (st.mtimeMs < olderThanMs) {
+      // Read and removed with no put of the op in between (busy).
+      const gone = await oneAtATime(this.busy, opId, async () => {
+        const st = await stat(d).catch(() => undefined);
+        if (!st?.isDirectory() || st.mtimeMs >= olderThanMs) return false;
         await rm(d, { recursive: true, force: true });
         this.made.delete(opId);
-        removed++;
-      }
+        return true;
+      });
+      if (gone) removed++;
     }
     return removed;
   }
