@@ -6,7 +6,7 @@ import type { Socket } from 'node:net';
 import { startEtcd } from '../../testkit/etcd.ts';
 import type { EtcdCluster } from '../../testkit/etcd.ts';
 import { sleep, waitFor } from '../../testkit/proc.ts';
-import { EtcdFleetStore } from './store.ts';
+import { ETCD_CALL_DEADLINE_MS, EtcdFleetStore } from './store.ts';
 import type { StoreWrite } from '../../domain/ports.ts';
 import type { OperationRec, SandboxRec } from '../../domain/records.ts';
 import { QuotaLedger } from '../../domain/quota-ledger.ts';
@@ -289,6 +289,45 @@ describe('EtcdFleetStore', () => {
     } finally {
       s.close();
       await small.stop();
+    }
+  }, 60_000);
+
+  it('aWatchResumingFromAnOldRevision_andAListPage_overTheDefault4MiBMessage_deliverEveryRecord', async () => {
+    // 40 records of ~120 KiB (hooks and labels at the API's caps make records of ~14 KiB; the
+    // same bytes in fewer keys keep the test short), one revision each: a watch from before
+    // them gets them all in one etcd answer (~9.6 MiB with the previous values), and the list
+    // in one page. grpc-js's default receive limit is 4 MiB.
+    const fat = (i: number, v: number): SandboxRec => ({ ...sandbox('fat', `sb-fat${i}`), labels: { pad: String(v).repeat(120_000) } });
+    const from = await store.revision();
+    for (let i = 0; i < 40; i++) await store.commit([{ kind: 'sandbox', value: fat(i, 1) }]);
+    for (let i = 0; i < 40; i++) await store.commit([{ kind: 'sandbox', value: fat(i, 2) }]);
+    const seen: number[] = [];
+    let broke: unknown;
+    const stop = await store.watchRecords((c) => void (c.kind === 'sandbox' && c.value.tenantId === 'fat' && seen.push(c.revision)), { fromRevision: from + 1, onError: (e) => void (broke = e) });
+    try {
+      await waitFor('every change of the 80 writes', async () => seen.length >= 80 || broke !== undefined, 20_000, 50);
+      expect(broke).toBeUndefined();
+      expect(seen).toHaveLength(80);
+    } finally {
+      stop();
+    }
+    expect((await store.listSandboxes('fat')).map((v) => v.value.labels.pad?.[0])).toEqual(Array(40).fill('2'));
+  }, 60_000);
+
+  it('aCallToAMemberThatWentSilent_failsRetryably_withinTheCallDeadline', async () => {
+    // A member powered off or cut off sends no reset: the call used to wait until TCP gave up.
+    const relay = await freezableRelay(etcd.endpoints[0]!);
+    const s = EtcdFleetStore.connect([relay.url]);
+    try {
+      await s.getSandbox('t', 'warm-up');
+      relay.freeze();
+      const t0 = Date.now();
+      expect(await s.getSandbox('t', 'sb').catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
+      // etcd3 makes a call up to 4 times (its retry policy) before it fails.
+      expect(Date.now() - t0).toBeLessThan(4 * ETCD_CALL_DEADLINE_MS + 3000);
+    } finally {
+      s.close();
+      await relay.close();
     }
   }, 60_000);
 

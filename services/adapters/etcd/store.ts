@@ -14,10 +14,9 @@ import { NotLeaderError, StoreFullError, StoreUnavailableError } from '../../dom
 import type { TlsClientPem } from '../../config.ts';
 
 /**
- * Keys per page when listing a prefix. One range response must stay under the client's
- * 4 MiB gRPC receive limit (a whole fleet's sandboxes do not: 6,000 records already exceed
- * it, and the failing calls then open the client's circuit breaker for every other call).
- * Records stay under 2 KiB, except a fork's op (up to ~40 KiB with its step log).
+ * Keys per page when listing a prefix: bounds what one range response holds in memory (records
+ * stay under 2 KiB, up to ~14 KiB with the largest hooks and labels the API takes; a fork's op
+ * up to ~40 KiB with its step log). The client takes messages of any size (ETCD_CHANNEL).
  */
 const LIST_PAGE = 500;
 const LIST_PAGE_OPS = 50;
@@ -174,6 +173,36 @@ function valueOf(w: StoreWrite): string | undefined | null {
   }
 }
 
+/**
+ * The etcd client's channel settings.
+ * - Receive limit: grpc-js refuses any message over 4 MiB by default, and etcd sends a watch
+ *   that resumes from an older revision up to 1,000 revisions' events in one message (with
+ *   every key's previous value): a webhook dispatcher or a WatchEvents resuming behind a busy
+ *   fleet got RESOURCE_EXHAUSTED, which ends the one watch stream every watcher of the client
+ *   shares, and the same resume failed the same way again, for ever (holding compaction back
+ *   at its cursor). A list page of large records (hooks, labels) could exceed it too, and the
+ *   leader's start failed on every replica. The limit is Go clientv3's (math.MaxInt32).
+ * - Keepalive pings (only while calls are open; etcd's --grpc-keepalive-min-time is 5 s): a
+ *   member powered off or cut off sends no reset, and without pings the calls on it (a
+ *   standby's wait for the leader's key to go, a lease grant) hung until TCP gave up.
+ */
+const ETCD_CHANNEL = {
+  'grpc.max_receive_message_length': 2 ** 31 - 1,
+  'grpc.keepalive_time_ms': 10_000,
+  'grpc.keepalive_timeout_ms': 5_000,
+};
+
+/**
+ * Each attempt of a unary etcd call ends after this (etcdctl's --command-timeout); etcd3 makes
+ * up to 4 attempts, each to another member where there is one. Streams (watches, lease
+ * keep-alives) have no deadline.
+ */
+export const ETCD_CALL_DEADLINE_MS = 5_000;
+
+function etcdCallOptions(ctx: { isStream: boolean }): { deadline?: number } {
+  return ctx.isStream ? {} : { deadline: Date.now() + ETCD_CALL_DEADLINE_MS };
+}
+
 export class EtcdFleetStore implements FleetStore {
   constructor(private readonly client: Etcd3) {}
 
@@ -187,13 +216,13 @@ export class EtcdFleetStore implements FleetStore {
    */
   static connect(endpoints: string[], tls?: TlsClientPem, serverName = ''): EtcdFleetStore {
     const credentials = tls ? { rootCertificate: tls.ca ?? Buffer.from(rootCertificates.join('\n')), ...(tls.cert && tls.key ? { certChain: tls.cert, privateKey: tls.key } : {}) } : undefined;
-    const grpcOptions = tls && serverName ? { grpcOptions: { 'grpc.ssl_target_name_override': serverName } } : {};
+    const grpcOptions = { grpcOptions: { ...ETCD_CHANNEL, ...(tls && serverName ? { 'grpc.ssl_target_name_override': serverName } : {}) } };
     // etcd3 puts a circuit breaker on each member: after 3 failures in a row it fails every call
     // to that member for 5 s, so that calls go to the others. With one member there are no
     // others, and the breaker only kept the fleet failing ~2.9 s after etcd was back (a
     // restart); without it, the first read after etcd is healthy again succeeds.
     const faultHandling = endpoints.length === 1 ? { faultHandling: { host: () => noop } } : {};
-    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, ...(credentials ? { credentials } : {}), ...grpcOptions, ...faultHandling }));
+    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, defaultCallOptions: etcdCallOptions, ...(credentials ? { credentials } : {}), ...grpcOptions, ...faultHandling }));
   }
 
   get etcd(): Etcd3 {
