@@ -328,6 +328,15 @@ const retryable = (e: unknown): boolean => e instanceof ForkfleetError && e.retr
 const rateLimited = (e: unknown): boolean => e instanceof ForkfleetError && e.retryable && e.kind === 'resource_exhausted' && e.field === 'rate';
 
 /**
+ * Refusals that pass once other calls end, none of them this call's fault: the rate limit, and
+ * the scheduler's bounds on what it holds at once (file bytes: `data`, `max_bytes`; streams
+ * per credential: `streams`). Many calls at once (a file written to 64 children) meet them
+ * as a matter of course, and each gets through in turn within RATE_LIMIT_WAIT_MS.
+ */
+const BUSY_FIELDS: ReadonlySet<string> = new Set(['rate', 'data', 'max_bytes', 'streams']);
+const heldBack = (e: unknown): boolean => e instanceof ForkfleetError && e.retryable && e.kind === 'resource_exhausted' && BUSY_FIELDS.has(e.field ?? '');
+
+/**
  * How long the server said to wait before a retry, ms (0: it said nothing). A scheduler that
  * sends no ff-retry-after-ms says it only in a rate limit's message ("retry in N ms").
  */
@@ -362,9 +371,10 @@ export function operationIdOf(e: unknown): string | undefined {
 export const WAIT_OUTAGE_MS = 60_000;
 
 /**
- * How long a call refused by the tenant's rate limit is asked again (each time after the wait
- * the server names), past `attempts`: many calls at once (64 destroys under a rate of 10/s)
- * all get through in turn rather than most failing after a few seconds of backoff.
+ * How long a call refused by the tenant's rate limit (or held back by a bound of the
+ * scheduler's, see heldBack) is asked again (each time after the wait the server names),
+ * past `attempts`: many calls at once (64 destroys under a rate of 10/s, a file written to 64
+ * children) all get through in turn rather than most failing after a few seconds of backoff.
  */
 export const RATE_LIMIT_WAIT_MS = 60_000;
 
@@ -403,7 +413,8 @@ export interface RetryOptions {
   /** Longest backoff. Default 5000 ms. */
   maxMs: number;
   /**
-   * How long a call the tenant's rate limit refuses is asked again, past `attempts`. Default
+   * How long a call the tenant's rate limit refuses (or a bound of the scheduler's holds back:
+   * file bytes, streams per credential) is asked again, past `attempts`. Default
    * RATE_LIMIT_WAIT_MS; 0: as often as `attempts` allows (a client that must fail fast).
    */
   rateLimitWaitMs: number;
@@ -620,7 +631,7 @@ export class Forkfleet {
         const now = Date.now();
         const isOutage = e instanceof RpcError && e.answered && e.kind === 'unavailable';
         // With no rate-limit allowance (rateLimitWaitMs 0), a refusal counts as any other failure.
-        const isLimited = !isOutage && rateLimitWaitMs > 0 && rateLimited(e);
+        const isLimited = !isOutage && rateLimitWaitMs > 0 && heldBack(e);
         outage = isOutage ? { since: outage.since || now, n: outage.n + 1 } : { since: 0, n: 0 };
         limited = isLimited ? { since: limited.since || now, n: limited.n + 1 } : { since: 0, n: 0 };
         if (!isOutage && !isLimited) failures++;
@@ -860,6 +871,8 @@ export class Forkfleet {
     /** The revision of the last event yielded (maybe not all of its events yet), and those yielded of it. */
     let current = after;
     let yielded = new Set<string>();
+    /** When the refusals in a row that heldBack() names began (0: the last break was not one). */
+    let heldSince = 0;
     for (let attempt = 1; ; attempt++) {
       const started = Date.now();
       try {
@@ -895,8 +908,13 @@ export class Forkfleet {
         // A stream that stayed up a while counts as working, events or not: only breaks in a
         // row use up the attempts.
         if (Date.now() - started >= WATCH_HEALTHY_MS) attempt = 1;
-        if (attempt >= this.retryOpts.attempts) throw e;
-        await sleep(Math.min(this.retryOpts.maxMs, this.retryOpts.baseMs * 2 ** attempt), filter.signal);
+        // Refused for now (the credential's watches at their cap, the rate limit): asked again
+        // for up to rateLimitWaitMs, not counted against the attempts.
+        const limited = this.retryOpts.rateLimitWaitMs > 0 && heldBack(e);
+        heldSince = limited ? heldSince || Date.now() : 0;
+        if (limited ? Date.now() - heldSince > this.retryOpts.rateLimitWaitMs : attempt >= this.retryOpts.attempts) throw e;
+        await sleep(retryAfterOf(e) + Math.min(this.retryOpts.maxMs, this.retryOpts.baseMs * 2 ** attempt), filter.signal);
+        if (limited) attempt--;
       }
     }
   }
@@ -1025,7 +1043,7 @@ export class Forkfleet {
           // reached a scheduler. A call that broke off in flight may have started it.
           if (got || !execNeverStarted(e) || eo.signal?.aborted) throw e;
           const now = Date.now();
-          const limited = ff.retryOpts.rateLimitWaitMs > 0 && rateLimited(e);
+          const limited = ff.retryOpts.rateLimitWaitMs > 0 && heldBack(e);
           limitedSince = limited ? limitedSince || now : 0;
           limitedN = limited ? limitedN + 1 : 0;
           const ms = retryAfterOf(e) + Math.random() * Math.min(ff.retryOpts.maxMs, ff.retryOpts.baseMs * 2 ** ((limited ? limitedN : attempt) - 1));

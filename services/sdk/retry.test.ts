@@ -1,5 +1,6 @@
 // How long the SDK keeps asking: ordinary retryable errors get `attempts`, a scheduler that
-// answers UNAVAILABLE (an etcd restart) and the tenant's rate limit each get a time allowance
+// answers UNAVAILABLE (an etcd restart) and the tenant's rate limit (or a bound of the scheduler's on
+// file bytes or streams held at once) each get a time allowance
 // of their own, a rate-limited call waits at least as long as the server said, and a call's
 // `deadline` bounds it all. The typed gRPC client is replaced by a fake of its interface, and
 // the clock by vitest's fake timers: no server is involved, and no test waits in real time.
@@ -164,6 +165,64 @@ describe('SDK retry allowances', () => {
     const r = await settle(ff.sandbox(SB).sh('exit 3'));
     expect(r.error).toBeUndefined();
     expect(r.value?.exitCode).toBe(3);
+  });
+
+  it('writeFile_heldBackByTheSchedulersFileBudgetForTenSeconds_isAskedAgainUntilItFits_notJustItsAttempts', async () => {
+    // 64 children each given a file at once: the scheduler holds at most so many bytes for
+    // file calls and refuses the rest (retryable, field data) until earlier ones end.
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    let asked = 0;
+    const ff = client(
+      {
+        writeFile: async () => {
+          asked++;
+          if (Date.now() - t0 < 10_000) throw new RpcError(Status.RESOURCE_EXHAUSTED, 'resource_exhausted', 'this scheduler holds 536870912 of its 536870912 bytes for file transfers (FF_FILE_BUFFER_MAX); retry shortly', true, 'data', undefined, true);
+          return { bytesWritten: 5n };
+        },
+      },
+      { baseMs: 200, maxMs: 1000 },
+    );
+    const r = await settle(ff.sandbox(SB).writeFile('/tmp/x', 'hello'));
+    expect(r.error).toBeUndefined();
+    expect(r.value).toBe(5);
+    expect(asked).toBeGreaterThan(5);
+  });
+
+  it('watch_refusedAtTheCredentialsStreamCapForTenSeconds_isAskedAgain_thenYields', async () => {
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    const ff = client(
+      {
+        watchEvents: () =>
+          (async function* () {
+            if (Date.now() - t0 < 10_000) throw new RpcError(Status.RESOURCE_EXHAUSTED, 'resource_exhausted', 'at most 16 concurrent event watches per credential; close one first', true, 'streams', undefined, true);
+            yield { revision: 7n, type: 1, sandboxId: SB, operationId: '', at: undefined, detail: {} };
+          })(),
+      },
+      { baseMs: 200, maxMs: 1000 },
+    );
+    const first = async () => {
+      for await (const ev of ff.watch()) return ev;
+      return undefined;
+    };
+    const r = await settle(first());
+    expect(r.error).toBeUndefined();
+    expect(r.value?.revision).toBe(7);
+  });
+
+  it('aRefusalForAQuota_isNotAskedAgain', async () => {
+    vi.useFakeTimers();
+    let asked = 0;
+    const ff = client({
+      writeFile: async () => {
+        asked++;
+        throw new RpcError(Status.RESOURCE_EXHAUSTED, 'resource_exhausted', 'quota sandboxes of tenant t1 exceeded', false, 'quotas.sandboxes', undefined, true);
+      },
+    });
+    const r = await settle(ff.sandbox(SB).writeFile('/tmp/x', 'hello'));
+    expect(r.error).toMatchObject({ field: 'quotas.sandboxes' });
+    expect(asked).toBe(1);
   });
 
   it('readFile_withADeadline_givesUpAtIt_thoughTheSchedulerKeepsAnsweringUnavailable', async () => {
