@@ -364,6 +364,24 @@ export function operationIdOf(e: unknown): string | undefined {
   return typeof e === 'object' && e !== null ? operationOfError.get(e) : undefined;
 }
 
+const keyOfError = new WeakMap<object, string>();
+
+/**
+ * The idempotency key a failed mutating call (create, fork, pause, ...) was sent with, also
+ * when no answer came before it ended (its `signal` aborted, its deadline passed, the
+ * scheduler could not be reached): the scheduler may have accepted it. Submitting the same
+ * call again with `{ idempotencyKey }` answers that operation if it was accepted (then follow
+ * or cancel it: `operation(id)`, `cancelOperation(id)`) and submits it otherwise.
+ */
+export function idempotencyKeyOf(e: unknown): string | undefined {
+  return typeof e === 'object' && e !== null ? keyOfError.get(e) : undefined;
+}
+
+/** A thrown value an id can be attached to: an abort's reason may be a string or a number. */
+function asError(e: unknown): object {
+  return typeof e === 'object' && e !== null ? e : new ForkfleetError('cancelled', `cancelled: ${String(e)}`, { cause: e });
+}
+
 /**
  * How long a call is asked again while the scheduler answers UNAVAILABLE (retry), and how long
  * `wait` keeps polling through nothing but retryable errors, before either gives up.
@@ -758,12 +776,16 @@ export class Forkfleet {
    */
   private async submit(call: (key: string, o: RpcCallOptions) => Promise<PbOperation>, opts: CallOpts): Promise<OperationInfo> {
     const key = this.key(opts);
-    const op = await this.retry((o) => call(key, o), { ...opts, timeoutMs: this.timeoutMs }, true);
+    let opId: string | undefined;
     try {
+      const op = await this.retry((o) => call(key, o), { ...opts, timeoutMs: this.timeoutMs }, true);
+      opId = op.id;
       return await this.wait(op.id, opts, op.tenantId || this.tenant);
     } catch (e) {
-      if (typeof e === 'object' && e !== null) operationOfError.set(e, op.id);
-      throw e;
+      const err = asError(e);
+      keyOfError.set(err, key);
+      if (opId) operationOfError.set(err, opId);
+      throw err;
     }
   }
 

@@ -1,20 +1,21 @@
 // What the SDK does when a call gets no answer before its own deadline: a keyed (mutating)
 // call is asked again with the same idempotency key, a read is not; and an error after the
-// fleet accepted an operation names that operation. The typed gRPC client is replaced by a
+// fleet accepted an operation names that operation, and every error of a mutating call names
+// its idempotency key (also one aborted before any answer). The typed gRPC client is replaced by a
 // fake of its interface: no server is involved.
 import { create } from '@bufbuild/protobuf';
 import { status as Status } from '@grpc/grpc-js';
 import { describe, expect, it } from 'vitest';
 import { RpcError } from '../adapters/grpc/status.ts';
 import { OperationKind, OperationSchema, OperationState, SandboxSchema, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
-import { Forkfleet, operationIdOf } from './index.ts';
+import { Forkfleet, idempotencyKeyOf, operationIdOf } from './index.ts';
 
 const OP = `op-${'a'.repeat(20)}`;
 const SB = `sb-${'b'.repeat(20)}`;
 const noAnswer = (): RpcError => new RpcError(Status.DEADLINE_EXCEEDED, 'deadline_exceeded', 'Deadline exceeded after 30.000s', false, undefined, undefined, false);
 const outage = (): RpcError => new RpcError(Status.UNAVAILABLE, 'unavailable', 'fleet store is unavailable', true, undefined, undefined, true);
 
-function client(rpc: Record<string, (req: Record<string, unknown>) => Promise<unknown>>): Forkfleet {
+function client(rpc: Record<string, (req: Record<string, unknown>, o?: { signal?: AbortSignal }) => Promise<unknown>>): Forkfleet {
   const ff = new Forkfleet({ address: '127.0.0.1:1', token: 'ff_test', ca: Buffer.from('-----BEGIN CERTIFICATE-----\n'), tenant: 't1', retry: { baseMs: 1, maxMs: 1 } });
   ff.close();
   (ff as unknown as { rpc: unknown }).rpc = rpc;
@@ -84,5 +85,37 @@ describe('SDK retries of calls that got no answer', () => {
     expect(e).toMatchObject({ kind: expect.stringMatching(/unavailable|deadline_exceeded/) });
     expect(operationIdOf(e)).toBe(OP);
     expect(operationIdOf(noAnswer())).toBeUndefined();
+  });
+  it('create_abortedBeforeAnyAnswer_throwsAnErrorCarryingTheKeyItWasSentWith_soItCanBeFoundAgain', async () => {
+    // The scheduler may have accepted it: the caller re-submits with the key to learn the
+    // operation (and cancel it), instead of leaving 64 children running unseen.
+    const keys: unknown[] = [];
+    const ff = client({
+      createSandbox: (req, o) => {
+        keys.push(req.idempotencyKey);
+        return new Promise((_, reject) => o?.signal?.addEventListener('abort', () => reject(new RpcError(Status.CANCELLED, 'cancelled', 'Cancelled on client', false, undefined, undefined, false))));
+      },
+    });
+    const ac = new AbortController();
+    const p = ff.create({ image: 'tiny' }, { signal: ac.signal }).catch((x: unknown) => x);
+    setTimeout(() => ac.abort(), 20);
+    const e = await p;
+    expect(keys).toHaveLength(1);
+    expect(idempotencyKeyOf(e)).toBe(keys[0]);
+    expect(operationIdOf(e)).toBeUndefined();
+  });
+
+  it('wait_abortedWithAStringReason_throwsAnErrorNamingTheOperationAndKey', async () => {
+    const ff = client({
+      createSandbox: async () => create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.CREATE, state: OperationState.RUNNING }),
+      waitOperation: (_req, o) => new Promise((_, reject) => o?.signal?.addEventListener('abort', () => reject(o.signal!.reason))),
+    });
+    const ac = new AbortController();
+    const p = ff.create({ image: 'tiny' }, { signal: ac.signal, idempotencyKey: 'episode-7' }).catch((x: unknown) => x);
+    setTimeout(() => ac.abort('episode timeout'), 20);
+    const e = await p;
+    expect(e).toMatchObject({ kind: 'cancelled' });
+    expect(operationIdOf(e)).toBe(OP);
+    expect(idempotencyKeyOf(e)).toBe('episode-7');
   });
 });
