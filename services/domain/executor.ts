@@ -1054,7 +1054,12 @@ export class Executor {
     void (async () => stop())().catch((e: unknown) => this.log.warn({ err: e }, 'stopping what a start that was stopped meanwhile had begun failed'));
   }
 
-  /** Runs `pass` every `ms` while leading, never two at once; a failed pass is logged. */
+  /**
+   * Runs `pass` every `ms` while leading, never two at once; a failed pass is logged. A pass
+   * commits only in the term it started in (runnerTerm, as op runners): one that stop() left
+   * waiting on the store, resumed after this replica leads again, would otherwise write what
+   * it decided from the earlier term's view under the new term's fence.
+   */
   private every(ms: number, what: string, pass: () => Promise<unknown>): void {
     let busy = false;
     const t = setInterval(() => {
@@ -1062,7 +1067,8 @@ export class Executor {
       // submits and host work would act on a view the new leader may have changed.
       if (busy || !this.leading()) return;
       busy = true;
-      pass()
+      this.runnerTerm
+        .run(this.term, pass)
         .catch((e: unknown) => this.log.warn({ err: e }, `${what} failed`))
         .finally(() => (busy = false));
     }, ms);
