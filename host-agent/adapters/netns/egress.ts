@@ -104,7 +104,14 @@ export class EgressManager {
     return exec(c, a, input);
   }
 
-  /** Forwarding and the agent-side table, once per manager (idempotent, atomic replace). */
+  /**
+   * Forwarding and the agent-side table, once per manager (idempotent, atomic replace).
+   * Into a sandbox's link goes nothing but replies to what the sandbox opened: without that,
+   * any machine on the host's network that routes the pool through the host reached into
+   * sandbox namespaces past allow_cidrs. (Forwarding between the host's other networks is
+   * left to the host's own firewall: a rule here that dropped it would also break a container
+   * runtime started after the agent.)
+   */
   private ensureAgentSide(): Promise<void> {
     this.agentSetup ??= (async () => {
       await this.agent('sysctl', ['-q', '-w', 'net.ipv4.ip_forward=1']);
@@ -120,6 +127,8 @@ export class EgressManager {
         '  chain forward {',
         '    type filter hook forward priority 0; policy accept;',
         `    iifname "${HOST_LINK_PREFIX}*" oifname "${HOST_LINK_PREFIX}*" drop`,
+        `    oifname "${HOST_LINK_PREFIX}*" ct state established,related accept`,
+        `    oifname "${HOST_LINK_PREFIX}*" drop`,
         ...deny,
         '  }',
         '  chain post {',
@@ -132,6 +141,12 @@ export class EgressManager {
     })();
     this.agentSetup.catch(() => (this.agentSetup = undefined));
     return this.agentSetup;
+  }
+
+  /** Applies the agent-side table again (replacing what is there), e.g. for adopted sandboxes. */
+  applyAgentSide(): Promise<void> {
+    this.agentSetup = undefined;
+    return this.ensureAgentSide();
   }
 
   /**

@@ -54,10 +54,11 @@ async function ip(...args: string[]): Promise<string> {
   return (await run('ip', args)).stdout;
 }
 
-/** Listeners inside namespace `ns` (a node process, stopped by PID in afterAll). */
-async function nsListeners(ns: string, specs: Array<[string, string]>): Promise<void> {
+/** Listeners inside namespace `ns` (a name, or a QEMU's pid), a node process stopped by PID in afterAll; its pid. */
+async function nsListeners(ns: string | number, specs: Array<[string, string]>): Promise<number> {
   const code = `const net=require('node:net');const specs=JSON.parse(process.argv[1]);let n=0;for(const [host,name] of specs){net.createServer((s)=>s.end('FF-REACHED '+name+'\\n')).listen(${EG_PORT},host,()=>{if(++n===specs.length)console.log('ready')})}`;
-  const child = spawn('ip', ['netns', 'exec', ns, process.execPath, '-e', code, JSON.stringify(specs)], { stdio: ['ignore', 'pipe', 'inherit'] });
+  const enter = typeof ns === 'number' ? ['nsenter', `--net=/proc/${ns}/ns/net`, '--'] : ['ip', 'netns', 'exec', ns];
+  const child = spawn(enter[0]!, [...enter.slice(1), process.execPath, '-e', code, JSON.stringify(specs)], { stdio: ['ignore', 'pipe', 'inherit'] });
   if (child.pid) helperPids.push(child.pid);
   await new Promise<void>((resolve, reject) => {
     const t = setTimeout(() => reject(new Error(`listeners in ${ns} not ready`)), 10_000);
@@ -69,6 +70,7 @@ async function nsListeners(ns: string, specs: Array<[string, string]>): Promise<
     });
     child.on('exit', (c) => reject(new Error(`listeners in ${ns} exited ${c}`)));
   });
+  return child.pid!;
 }
 
 async function makeEgressFixture(): Promise<void> {
@@ -297,6 +299,27 @@ describe('sandbox egress by policy (veth + NAT into a namespace this test made)'
     expect((await probe('eg2', '100.96.0.2', 7001)).verdict).not.toBe('reached');
   });
 
+  it('egress_aMachineThatRoutesThePoolThroughTheHost_cannotOpenAConnectionIntoASandboxNamespace', async () => {
+    // "The outside" routes the link pool through the agent's namespace, as any machine on a
+    // host's network can: only replies to what the sandbox opened may go in.
+    const vm = driver.list().find((v) => v.vmId === 'eg1')!;
+    const addr = /inet (\d+\.\d+\.\d+\.\d+)\//.exec((await run('nsenter', [`--net=/proc/${vm.pid}/ns/net`, '--', 'ip', '-o', '-4', 'addr', 'show', 'dev', 'eth0'])).stdout)?.[1];
+    expect(addr).toMatch(/^100\.96\./);
+    // Stopped at the end: it would keep the namespace (and its link) after the sandbox goes.
+    const listenerPid = await nsListeners(vm.pid, [['0.0.0.0', 'sandbox-namespace']]);
+    await ip('-n', UP, 'route', 'add', '100.96.0.0/16', 'via', '198.18.0.1');
+    try {
+      const code = `const s=require('node:net').connect(${EG_PORT},process.argv[1]);s.on('data',(d)=>{process.stdout.write(d);process.exit(0)});s.on('error',(e)=>{console.log(e.code);process.exit(0)});setTimeout(()=>{console.log('timeout');process.exit(0)},3000)`;
+      const got = (await run('ip', ['netns', 'exec', UP, process.execPath, '-e', code, addr!])).stdout;
+      expect(got).not.toContain('FF-REACHED');
+      // The sandbox's own connections out still work (replies go in).
+      expect((await probe('eg1', '198.18.0.2', EG_PORT)).verdict).toBe('reached');
+    } finally {
+      await ip('-n', UP, 'route', 'del', '100.96.0.0/16', 'via', '198.18.0.1').catch(() => undefined);
+      killHard(listenerPid);
+    }
+  });
+
   it('egress_whenBootedTemplateSnapshotted_replacementProcessGetsItsOwnNamespaceAndThePolicy', async () => {
     // A booted VM's snapshot replaces its QEMU process (a new generation): the new process has a
     // new namespace and link, with the same policy; the old link went with the old process.
@@ -349,6 +372,9 @@ describe('agent restart', () => {
     // This agent restarts: sb1 is adopted with the same process and namespace, still isolated.
     const pid = driver.get('sb1')!.pid;
     const ns = await netnsOf(pid);
+    // Meanwhile the host's firewall was reloaded (flush ruleset): the agent-side rules are gone
+    // until the next agent puts them back for the egress VMs it adopts (the template).
+    await run('ip', ['netns', 'exec', AG, 'nft', 'delete', 'table', 'ip', 'ff_egress']);
     driver.detach();
     const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, egress: { agentNetns: `/run/netns/${AG}`, denyCidrs: ['198.18.0.3/32'] } });
     const report = await restarted.recover('adopt');
@@ -356,6 +382,7 @@ describe('agent restart', () => {
     expect(report.adopted).toContain('sb1');
     expect(driver.get('sb1')!.pid).toBe(pid);
     expect(await netnsOf(pid)).toBe(ns);
+    expect((await run('ip', ['netns', 'exec', AG, 'nft', 'list', 'tables'])).stdout).toContain('table ip ff_egress');
     expect((await probe('sb1', SLIRP_HOST, schedulerPort)).verdict).not.toBe('reached');
     expect((await sh('sb1', 'cat /sys/class/net/eth0/operstate')).out).toBe('up');
   });

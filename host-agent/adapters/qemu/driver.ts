@@ -1919,6 +1919,12 @@ export class QemuVmmDriver implements VmmDriver {
         report.reaped.push(`snapshot:${snap}`);
       }
     }
+    // Adopted VMs with egress get this agent's agent-side rules (a changed deny list, or a
+    // firewall reload that flushed them), not only the next new egress VM.
+    if ([...this.vms.values()].some((v) => v.network?.allowEgress)) {
+      this.egressManager ??= new EgressManager(this.opts.egress);
+      await this.egressManager.applyAgentSide().catch((e: unknown) => this.opts.logger.error({ err: e }, 'egress rules of the agent side could not be applied for adopted sandboxes'));
+    }
     await Promise.all(reaping);
     return report;
   }
