@@ -439,4 +439,12 @@ describe('determinism, sampling and validation', () => {
     }
     expect(() => fleet([hostInput('a', { restoreCostMs: Number.NaN })])).toThrow(expect.objectContaining({ field: 'hosts[a].restoreCostMs' }));
   });
+
+  it('buildFleetView_withNaNOrNegativeInflightOps_orASnapshotOfNoVcpusOrNaNMemory_throwsNamingTheField', () => {
+    // Each used to be placed: NaN ETAs, children past a host's memory, 50 children on 2 vCPUs.
+    for (const inflightOps of [Number.NaN, -1000]) expect(() => fleet([hostInput('a', { inflightOps })])).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'hosts[a].inflightOps' }));
+    const vm = snapshotInput().vmConfig;
+    expect(() => fleet([hostInput('a')], [snapshotInput('snap-a', { vmConfig: { ...vm, vcpus: 0 } })])).toThrow(expect.objectContaining({ field: 'snapshots[snap-a].vmConfig.vcpus' }));
+    expect(() => fleet([hostInput('a')], [snapshotInput('snap-a', { vmConfig: { ...vm, memoryMib: Number.NaN } })])).toThrow(expect.objectContaining({ field: 'snapshots[snap-a].vmConfig.memoryMib' }));
+  });
 });

@@ -51,6 +51,9 @@ export function buildFleetView(input: FleetViewInput): FleetView {
   for (const s of input.snapshots) {
     if (snapshots.has(s.id)) throw new InvalidArgumentError('snapshots.id', `duplicate snapshot ${s.id}`);
     if (!(s.totalBytes >= 0) || !(s.chunkBytes > 0)) throw new InvalidArgumentError(`snapshots[${s.id}]`, 'totalBytes must be >= 0 and chunkBytes > 0');
+    // What every child of it takes: NaN memory passes every `< 1` room check, 0 vCPUs fit without end.
+    if (!(Number.isInteger(s.vmConfig.vcpus) && s.vmConfig.vcpus >= 1)) throw new InvalidArgumentError(`snapshots[${s.id}].vmConfig.vcpus`, `must be an integer >= 1, got ${s.vmConfig.vcpus}`);
+    if (!(Number.isFinite(s.vmConfig.memoryMib) && s.vmConfig.memoryMib > 0)) throw new InvalidArgumentError(`snapshots[${s.id}].vmConfig.memoryMib`, `must be a finite number > 0, got ${s.vmConfig.memoryMib}`);
     snapshots.set(s.id, s);
   }
 
@@ -62,6 +65,7 @@ export function buildFleetView(input: FleetViewInput): FleetView {
     if (h.restoreSlots !== undefined && !(Number.isInteger(h.restoreSlots) && h.restoreSlots >= 1)) {
       throw new InvalidArgumentError(`hosts[${h.id}].restoreSlots`, `must be an integer >= 1, got ${h.restoreSlots}`);
     }
+    if (!(Number.isFinite(h.inflightOps) && h.inflightOps >= 0)) throw new InvalidArgumentError(`hosts[${h.id}].inflightOps`, `must be a finite number >= 0, got ${h.inflightOps}`);
     if (h.restoreCostMs !== undefined && !(Number.isFinite(h.restoreCostMs) && h.restoreCostMs >= 0)) {
       throw new InvalidArgumentError(`hosts[${h.id}].restoreCostMs`, `must be a finite number >= 0, got ${h.restoreCostMs}`);
     }

@@ -4,6 +4,7 @@ import { HeartbeatSchema, VmState } from '../../proto/gen/forkfleet/v1/hostwork_
 import { decodeHeartbeat } from '../adapters/nats/bus.ts';
 import { FETCH_RATE_WINDOW_MS, FetchRates, fleetViewInput, HeartbeatRegistry, livenessOf } from './fleet-view.ts';
 import type { HostRec, SnapshotRec } from './records.ts';
+import { buildFleetView } from '../../scheduler/index.ts';
 
 const host = (id: string): HostRec => ({
   id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 8, memoryMib: 8192, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0',
@@ -94,6 +95,17 @@ describe('holdings in the view', () => {
     }).hosts;
     // a: sn-1 complete by heartbeat (sn-2 only partial, sn-other not in the view); b: sn-2 by its record.
     expect(hosts.map((h) => [h.id, [...h.heldSnapshots].sort()])).toEqual([['a', ['sn-1']], ['b', ['sn-2']]]);
+  });
+
+  it('aSnapshotRecordPlacementWouldRefuse_isLeftOutOfTheView_andTheRestArePlaceable', () => {
+    const vm = { qemuVersion: '7.2.0', machine: 'microvm', cpuModel: 'max', accel: 'tcg', vcpus: 1, memoryMib: 256, image: 'tiny' };
+    const rec = (id: string, over: object) => ({ id, tenantId: 't', state: 'ready', hostIds: ['a'], storedBytes: 1, vmConfig: { ...vm, ...over } }) as unknown as SnapshotRec;
+    const v = fleetViewInput({
+      hosts: [host('a')], allocs: new Map(), heard: new HeartbeatRegistry(), snapshots: [rec('ok', {}), rec('no-cpu', { vcpus: 0 }), rec('nan', { memoryMib: Number.NaN })], revision: 1, now: 1_000,
+      liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144,
+    });
+    expect(v.snapshots.map((s) => s.id)).toEqual(['ok']);
+    expect(() => buildFleetView(v)).not.toThrow();
   });
 
   it('imageBuilds_comeFromEachHostsLastHeartbeat_andASnapshotsBaseDiskFromItsRecord_forPlacementToMatch', () => {

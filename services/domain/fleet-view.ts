@@ -290,7 +290,9 @@ export function fleetViewInput(args: {
     };
   });
   const snapshots: SnapshotInput[] = args.snapshots
-    .filter((s) => s.state === 'ready' && s.vmConfig !== null)
+    // One record that buildFleetView would refuse (no vCPUs, memory not a number: none the
+    // agents write) is left out, not let fail every placement of the fleet.
+    .filter((s) => s.state === 'ready' && s.vmConfig !== null && Number.isInteger(s.vmConfig.vcpus) && s.vmConfig.vcpus >= 1 && Number.isFinite(s.vmConfig.memoryMib) && s.vmConfig.memoryMib > 0)
     .map((s) => {
       const vc = s.vmConfig!;
       return {
