@@ -3,6 +3,7 @@ import fc from 'fast-check';
 import { describe, expect, it } from 'vitest';
 import { compilePlacementConfig, type PlacementConfig } from './config.ts';
 import { GIB, KVM_82, MIB } from './fixtures.ts';
+import { missingBytes } from './cost.ts';
 import { estimateAssignment, place } from './place.ts';
 import { rngForRequest } from './rng.ts';
 import { buildFleetView } from './view.ts';
@@ -171,7 +172,7 @@ describe('place() properties', () => {
     );
   });
 
-  it('caps fan-out and gives every cold destination a source that holds the snapshot or receives it earlier', () => {
+  it('caps fan-out; every destination lacking bytes gets exactly one transfer of them, from a source that holds the snapshot or receives it earlier, no faster than either link', () => {
     fc.assert(
       fc.property(scenarioArb, (s) => {
         const r = decide(s);
@@ -193,11 +194,19 @@ describe('place() properties', () => {
             expect(srcReady).toBeDefined(); // received earlier in the tree
             expect(srcReady ?? Infinity).toBeLessThanOrEqual(t.startMs + EPS);
           }
+          // Never faster than the slower of the source's uplink and the destination's downlink.
+          const dst = s.view.hostIndexById.get(t.destinationHostId) ?? -1;
+          const rate = Math.min(s.view.cols.uplink[s.view.hostIndexById.get(t.sourceHostId) ?? -1] ?? NaN, s.view.cols.downlink[dst] ?? NaN);
+          expect(t.readyAtMs).toBeGreaterThanOrEqual(t.startMs + (t.bytes * 1000) / rate - EPS);
+          expect(t.bytes).toBe(missingBytes(s.view.snapshots.get('snap-a') ?? null, s.view.partialHolders.get('snap-a')?.get(dst) ?? 0, false));
           readyAt.set(t.destinationHostId, t.readyAtMs);
         }
         for (const p of r.placements) {
-          if (p.holdsSnapshot || p.score.transferMs === 0) continue;
-          expect(readyAt.get(p.hostId)).toBe(p.score.transferMs);
+          if (p.holdsSnapshot) continue;
+          // A host that lacks bytes gets them by exactly one transfer, which its ETA counts.
+          const missing = missingBytes(s.view.snapshots.get('snap-a') ?? null, s.view.partialHolders.get('snap-a')?.get(s.view.hostIndexById.get(p.hostId) ?? -1) ?? 0, false);
+          expect(readyAt.has(p.hostId)).toBe(missing > 0);
+          if (missing > 0) expect(readyAt.get(p.hostId)).toBe(p.score.transferMs);
         }
       }),
       RUNS,
