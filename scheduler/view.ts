@@ -2,7 +2,7 @@
 // step, done once per etcd read; decisions on large fleets then touch only the snapshot's
 // holders plus a sample (see place.ts).
 import { InvalidArgumentError } from '../proto/errors.ts';
-import type { FleetView, FleetViewInput, HostColumns, HostInput, HostView, HostVmm, SnapshotView } from './types.ts';
+import type { FleetView, FleetViewInput, HostColumns, HostInput, HostView, HostVmm, SnapshotView, VmConfig } from './types.ts';
 
 /** The profile hosts share (images apart: builds differ per host, and vmmCheck looks at them per host). */
 function vmmKey(v: HostVmm): string {
@@ -13,6 +13,13 @@ function checkResources(field: string, r: HostInput['capacity']): void {
   for (const k of ['vcpus', 'memoryMib', 'diskMib'] as const) {
     if (!Number.isFinite(r[k]) || r[k] < 0) throw new InvalidArgumentError(`${field}.${k}`, `must be a finite number >= 0, got ${r[k]}`);
   }
+}
+
+/** The field of a snapshot's VM configuration that buildFleetView refuses, if any. */
+export function vmConfigFault(vm: Pick<VmConfig, 'vcpus' | 'memoryMib'>): 'vcpus' | 'memoryMib' | undefined {
+  if (!(Number.isInteger(vm.vcpus) && vm.vcpus >= 1)) return 'vcpus';
+  if (!(Number.isFinite(vm.memoryMib) && vm.memoryMib > 0)) return 'memoryMib';
+  return undefined;
 }
 
 /**
@@ -52,8 +59,8 @@ export function buildFleetView(input: FleetViewInput): FleetView {
     if (snapshots.has(s.id)) throw new InvalidArgumentError('snapshots.id', `duplicate snapshot ${s.id}`);
     if (!(s.totalBytes >= 0) || !(s.chunkBytes > 0)) throw new InvalidArgumentError(`snapshots[${s.id}]`, 'totalBytes must be >= 0 and chunkBytes > 0');
     // What every child of it takes: NaN memory passes every `< 1` room check, 0 vCPUs fit without end.
-    if (!(Number.isInteger(s.vmConfig.vcpus) && s.vmConfig.vcpus >= 1)) throw new InvalidArgumentError(`snapshots[${s.id}].vmConfig.vcpus`, `must be an integer >= 1, got ${s.vmConfig.vcpus}`);
-    if (!(Number.isFinite(s.vmConfig.memoryMib) && s.vmConfig.memoryMib > 0)) throw new InvalidArgumentError(`snapshots[${s.id}].vmConfig.memoryMib`, `must be a finite number > 0, got ${s.vmConfig.memoryMib}`);
+    const bad = vmConfigFault(s.vmConfig);
+    if (bad) throw new InvalidArgumentError(`snapshots[${s.id}].vmConfig.${bad}`, `must be ${bad === 'vcpus' ? 'an integer >= 1' : 'a finite number > 0'}, got ${s.vmConfig[bad]}`);
     snapshots.set(s.id, s);
   }
 

@@ -147,7 +147,7 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       ETCD_INITIAL_CLUSTER: initialCluster,
       ETCD_INITIAL_CLUSTER_STATE: 'new',
       ETCD_INITIAL_CLUSTER_TOKEN: `forkfleet-${inv.name}`,
-      // A fork of 256 children is one transaction of ~520 operations (services/adapters/etcd/keys.ts).
+      // A fork of 256 children spread over 256 hosts is one transaction of ~772 compares (services/README.md).
       ETCD_MAX_TXN_OPS: '1024',
       // ~1.2 KiB per child created within FF_RECORD_RETENTION, plus the live fleet (ADR 0017).
       ETCD_QUOTA_BACKEND_BYTES: String(8 * 2 ** 30),

@@ -4,6 +4,7 @@
 import type { HeartbeatMsg } from './messages.ts';
 import type { HostAllocRec, HostRec, HostState, SnapshotRec } from './records.ts';
 import type { FleetViewInput, HostInput, SnapshotInput } from '../../scheduler/index.ts';
+import { vmConfigFault } from '../../scheduler/index.ts';
 
 export interface LivenessConfig {
   /** Heartbeats older than this make a host suspect. */
@@ -292,7 +293,7 @@ export function fleetViewInput(args: {
   const snapshots: SnapshotInput[] = args.snapshots
     // One record that buildFleetView would refuse (no vCPUs, memory not a number: none the
     // agents write) is left out, not let fail every placement of the fleet.
-    .filter((s) => s.state === 'ready' && s.vmConfig !== null && Number.isInteger(s.vmConfig.vcpus) && s.vmConfig.vcpus >= 1 && Number.isFinite(s.vmConfig.memoryMib) && s.vmConfig.memoryMib > 0)
+    .filter((s) => s.state === 'ready' && s.vmConfig !== null && vmConfigFault(s.vmConfig) === undefined)
     .map((s) => {
       const vc = s.vmConfig!;
       return {

@@ -838,7 +838,7 @@ export class Fleet {
     let stderr = '';
     for await (const m of this.deps.bus.exec(hostId, req, { timeoutMs: 40_000 })) {
       if (m.payload.case === 'stderr') stderr += Buffer.from(m.payload.value).toString('utf8');
-      else if (m.payload.case === 'error') throw new ForkfleetError(m.payload.value.kind as ForkfleetError['kind'], m.payload.value.message, { retryable: m.payload.value.retryable });
+      else if (m.payload.case === 'error') throw new RelayedHostError(m.payload.value.kind, m.payload.value.message, { retryable: m.payload.value.retryable });
       else if (m.payload.case === 'exit') {
         if (m.payload.value.exitCode !== 0 || m.payload.value.timedOut) throw new ForkfleetError('failed_precondition', `${argv[0]} in the guest failed (exit ${m.payload.value.exitCode}${m.payload.value.timedOut ? ', timed out' : ''}): ${stderr.trim()}`, { field });
         return;

@@ -377,9 +377,15 @@ export function idempotencyKeyOf(e: unknown): string | undefined {
   return typeof e === 'object' && e !== null ? keyOfError.get(e) : undefined;
 }
 
-/** A thrown value an id can be attached to: an abort's reason may be a string or a number. */
-function asError(e: unknown): object {
-  return typeof e === 'object' && e !== null ? e : new ForkfleetError('cancelled', `cancelled: ${String(e)}`, { cause: e });
+/**
+ * A thrown value this call's ids can be attached to: an abort's reason may be a string or a
+ * number, and an object reason is the signal's, shared by every call it aborts (64 forks
+ * under one episode's signal): each call gets an error of its own, the reason as its cause.
+ */
+function asError(e: unknown, signal: AbortSignal | undefined): object {
+  const shared = signal?.aborted === true && e === signal.reason;
+  if (typeof e === 'object' && e !== null && !shared) return e;
+  return new ForkfleetError('cancelled', `cancelled: ${e instanceof Error ? e.message : String(e)}`, { cause: e });
 }
 
 /**
@@ -782,7 +788,7 @@ export class Forkfleet {
       opId = op.id;
       return await this.wait(op.id, opts, op.tenantId || this.tenant);
     } catch (e) {
-      const err = asError(e);
+      const err = asError(e, opts.signal);
       keyOfError.set(err, key);
       if (opId) operationOfError.set(err, opId);
       throw err;

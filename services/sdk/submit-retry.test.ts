@@ -118,4 +118,19 @@ describe('SDK retries of calls that got no answer', () => {
     expect(operationIdOf(e)).toBe(OP);
     expect(idempotencyKeyOf(e)).toBe('episode-7');
   });
+  it('creates_abortedTogetherByOneSignalWhileWaitingOutRefusals_eachThrowTheirOwnErrorWithTheirOwnKey', async () => {
+    // The signal's reason is one object: attached to it, every call's key was the last one's.
+    const ff = client({
+      createSandbox: async () => {
+        throw new RpcError(Status.RESOURCE_EXHAUSTED, 'resource_exhausted', 'rate limit of tenant t1: 1 requests/s (burst 1); retry in 10000 ms', true, 'rate', undefined, true, 10_000);
+      },
+    });
+    const ac = new AbortController();
+    const calls = ['k0', 'k1', 'k2'].map((k) => ff.create({ image: 'tiny' }, { signal: ac.signal, idempotencyKey: k }).catch((x: unknown) => x));
+    setTimeout(() => ac.abort(), 50);
+    const errors = await Promise.all(calls);
+    expect(errors.map((e) => idempotencyKeyOf(e))).toEqual(['k0', 'k1', 'k2']);
+    expect(new Set(errors).size).toBe(3);
+    for (const e of errors) expect(e).toMatchObject({ kind: 'cancelled' });
+  });
 });

@@ -62,7 +62,7 @@ export class FsJournal implements Journal {
     }
   }
 
-  put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
+  async put(opId: string, stepId: string, result: Uint8Array): Promise<void> {
     const p = this.path(opId, stepId);
     const dir = opDir(opId);
     return oneAtATime(this.busy, dir, async () => {

@@ -7,7 +7,8 @@
 //   /ff/v1/snapshots/<tenant>/<snapId>    SnapshotRec   (manifest stays on holding hosts)
 //   /ff/v1/ops/<tenant>/<opId>            OperationRec
 //   /ff/v1/idem/<tenant>/<sha256(key)>    opId          idempotency keys
-//   /ff/v1/election/                      scheduler leader election (etcd3 Election)
+//   election//ff/v1/election/<lease>       scheduler leader election (etcd3 Election puts its own
+//                                         `election/` first: outside /ff/v1/, see services/README.md)
 //
 // A fork of N children writes N sandbox records, the op and the touched alloc records in
 // one transaction; with records of ~1 KiB, N = 256 stays far below etcd's 1.5 MiB request

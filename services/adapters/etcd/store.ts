@@ -91,8 +91,8 @@ function storeError(what: string, e: unknown): unknown {
 
 /**
  * Every key under `prefix`, read in pages of `page` keys, all at one store revision (`at`, or
- * the first page's), so the list is one consistent snapshot however long: one read of a large
- * prefix fails past the client's 4 MiB answer limit. If the first page's revision is compacted
+ * the first page's), so the list is one consistent snapshot however long, and no one answer
+ * holds a whole large prefix in memory at once. If the first page's revision is compacted
  * away meanwhile, the list starts again (three times). Errors pass unchanged.
  */
 export async function readPrefixAt(client: Etcd3, prefix: string, page: number, at?: string): Promise<{ kvs: IKeyValue[]; revision: string }> {
@@ -193,15 +193,14 @@ const ETCD_CHANNEL = {
 };
 
 /**
- * Each attempt of a unary etcd call ends after this (etcdctl's --command-timeout); etcd3 makes
- * up to 4 attempts, each to another member where there is one. Streams (watches, lease
- * keep-alives) have no deadline.
+ * Each attempt of a unary etcd call ends after this: longer than etcd's own request timeout
+ * (5 s + 2 x its election timeout, ~7 s by default), so a slow but live member answers itself,
+ * and a member that went silent (no reset ever comes; keepalive covers calls on an open
+ * connection, not one that never finishes its handshake) fails the call. etcd3 makes up to 4
+ * attempts, each to another member where there is one. Streams (watches, lease keep-alives)
+ * have no deadline.
  */
-export const ETCD_CALL_DEADLINE_MS = 5_000;
-
-function etcdCallOptions(ctx: { isStream: boolean }): { deadline?: number } {
-  return ctx.isStream ? {} : { deadline: Date.now() + ETCD_CALL_DEADLINE_MS };
-}
+const ETCD_CALL_DEADLINE_MS = 10_000;
 
 export class EtcdFleetStore implements FleetStore {
   constructor(private readonly client: Etcd3) {}
@@ -212,9 +211,10 @@ export class EtcdFleetStore implements FleetStore {
    * member with client-certificate authentication asks for. Without it: plain text, or TLS
    * against the system roots when the endpoints are https:// (etcd3's own choice). `serverName`
    * (with `tls`): the name the members' certificates are checked against and sent as the TLS
-   * server name, instead of each endpoint's host.
+   * server name, instead of each endpoint's host. `callDeadlineMs`: each unary call attempt's
+   * deadline (ETCD_CALL_DEADLINE_MS; tests shorten it).
    */
-  static connect(endpoints: string[], tls?: TlsClientPem, serverName = ''): EtcdFleetStore {
+  static connect(endpoints: string[], tls?: TlsClientPem, serverName = '', callDeadlineMs = ETCD_CALL_DEADLINE_MS): EtcdFleetStore {
     const credentials = tls ? { rootCertificate: tls.ca ?? Buffer.from(rootCertificates.join('\n')), ...(tls.cert && tls.key ? { certChain: tls.cert, privateKey: tls.key } : {}) } : undefined;
     const grpcOptions = { grpcOptions: { ...ETCD_CHANNEL, ...(tls && serverName ? { 'grpc.ssl_target_name_override': serverName } : {}) } };
     // etcd3 puts a circuit breaker on each member: after 3 failures in a row it fails every call
@@ -222,7 +222,7 @@ export class EtcdFleetStore implements FleetStore {
     // others, and the breaker only kept the fleet failing ~2.9 s after etcd was back (a
     // restart); without it, the first read after etcd is healthy again succeeds.
     const faultHandling = endpoints.length === 1 ? { faultHandling: { host: () => noop } } : {};
-    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, defaultCallOptions: etcdCallOptions, ...(credentials ? { credentials } : {}), ...grpcOptions, ...faultHandling }));
+    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, defaultCallOptions: (ctx: { isStream: boolean }) => (ctx.isStream ? {} : { deadline: Date.now() + callDeadlineMs }), ...(credentials ? { credentials } : {}), ...grpcOptions, ...faultHandling }));
   }
 
   get etcd(): Etcd3 {
