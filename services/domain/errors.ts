@@ -96,7 +96,9 @@ export class HostStepError extends ForkfleetError {
  * refusals (a path, a full disk, a command that timed out) keep their kind, text and field. A
  * kind this scheduler does not know (a newer agent's) has no status code to answer with, and
  * the host's authentication kinds are about the host, not the caller's credential: both are
- * `internal`, whose text tenants never read (toGrpcStatus).
+ * `internal`, whose text tenants never read (toGrpcStatus). It keeps more kinds than
+ * HostStepError: a relayed call's answer is about the caller's own request, a step's failure
+ * about the scheduler's work.
  */
 export class RelayedHostError extends ForkfleetError {
   constructor(kind: string, message: string, opts: { retryable: boolean; field?: string }) {

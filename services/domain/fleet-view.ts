@@ -3,8 +3,7 @@
 // booked capacity). Liveness is derived from heartbeat age.
 import type { HeartbeatMsg } from './messages.ts';
 import type { HostAllocRec, HostRec, HostState, SnapshotRec } from './records.ts';
-import type { FleetViewInput, HostInput, SnapshotInput } from '../../scheduler/index.ts';
-import { vmConfigFault } from '../../scheduler/index.ts';
+import { vmConfigFault, type FleetViewInput, type HostInput, type SnapshotInput } from '../../scheduler/index.ts';
 
 export interface LivenessConfig {
   /** Heartbeats older than this make a host suspect. */

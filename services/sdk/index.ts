@@ -353,7 +353,8 @@ export function retryAfterOf(e: unknown): number {
  */
 const unansweredDeadline = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'deadline_exceeded';
 
-const operationOfError = new WeakMap<object, string>();
+/** What an error of a call that submitted an operation names (submit): its key, and its operation once accepted. */
+const submittedBy = new WeakMap<object, { key: string; opId?: string }>();
 
 /**
  * The operation an error of `wait` (or of a call that submitted one and then waited) is
@@ -361,10 +362,8 @@ const operationOfError = new WeakMap<object, string>();
  * rather than submitting the work again. Undefined when no operation had been accepted.
  */
 export function operationIdOf(e: unknown): string | undefined {
-  return typeof e === 'object' && e !== null ? operationOfError.get(e) : undefined;
+  return typeof e === 'object' && e !== null ? submittedBy.get(e)?.opId : undefined;
 }
-
-const keyOfError = new WeakMap<object, string>();
 
 /**
  * The idempotency key a failed mutating call (create, fork, pause, ...) was sent with, also
@@ -374,7 +373,7 @@ const keyOfError = new WeakMap<object, string>();
  * or cancel it: `operation(id)`, `cancelOperation(id)`) and submits it otherwise.
  */
 export function idempotencyKeyOf(e: unknown): string | undefined {
-  return typeof e === 'object' && e !== null ? keyOfError.get(e) : undefined;
+  return typeof e === 'object' && e !== null ? submittedBy.get(e)?.key : undefined;
 }
 
 /**
@@ -789,8 +788,7 @@ export class Forkfleet {
       return await this.wait(op.id, opts, op.tenantId || this.tenant);
     } catch (e) {
       const err = asError(e, opts.signal);
-      keyOfError.set(err, key);
-      if (opId) operationOfError.set(err, opId);
+      submittedBy.set(err, opId ? { key, opId } : { key });
       throw err;
     }
   }
