@@ -50,3 +50,14 @@ describe('qemuArgs: the guest NIC', () => {
     expect(a).toContain('virtio-net-device,netdev=net0,mac=52:54:00:12:34:56');
   });
 });
+
+describe('qemuArgs: the seccomp sandbox', () => {
+  it('args_everyVm_runsUnderSeccomp_thatDeniesSpawningPrivilegeAndSchedulingChanges', () => {
+    for (const l of [launch, { ...launch, incoming: false, memShared: true }, { ...launch, accel: 'kvm' as const, egress: true }]) {
+      const a = qemuArgs(l);
+      const opts = (a[a.indexOf('-sandbox') + 1] ?? '').split(',');
+      expect(opts[0]).toBe('on');
+      expect(opts).toEqual(expect.arrayContaining(['spawn=deny', 'elevateprivileges=deny', 'resourcecontrol=deny', 'obsolete=deny']));
+    }
+  });
+});

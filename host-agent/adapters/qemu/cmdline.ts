@@ -30,6 +30,15 @@ export const DEVICES: readonly string[] = [
  */
 export const GUEST_MAC = '52:54:00:12:34:56';
 
+/**
+ * QEMU's seccomp filter (what libvirt asks for by default): the guest runs an agent's untrusted
+ * code, and a guest that breaks into QEMU must not start processes (`spawn`: the kernel kills
+ * QEMU on fork or exec, so the driver never uses `exec:` migration URIs), change its user, or
+ * change scheduling (`resourcecontrol`: the agent renices standbys from outside). It is applied
+ * before the guest runs, so it holds for every VM the driver starts.
+ */
+export const SECCOMP_SANDBOX = 'on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny';
+
 export function cpuModel(accel: Accel): string {
   return accel === 'kvm' ? 'host' : 'max';
 }
@@ -121,6 +130,7 @@ export function qemuArgs(l: QemuLaunch): string[] {
     '-device', `virtio-net-device,netdev=net0,mac=${GUEST_MAC}`,
     '-qmp', `unix:${l.qmpSocket},server=on,wait=off`,
     '-pidfile', l.pidFile,
+    '-sandbox', SECCOMP_SANDBOX,
   ];
   if (l.incoming) args.push('-incoming', 'defer');
   if (l.startPaused) args.push('-S');

@@ -8,7 +8,7 @@ import net from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { pino } from 'pino';
-import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
 import type { GuestImage, LocalSnapshot, RecoveryReport, VmEvent } from '../../domain/vmm.ts';
@@ -788,6 +788,19 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(driver.get('victim')).toBeUndefined();
   });
 
+  it('qemu_thatTriesToStartAProcess_isKilledByItsSeccompSandbox_andTheVmIsReportedCrashed', async () => {
+    // What a guest that broke into QEMU would do next; `exec:` makes QEMU fork and run a shell.
+    const [vm] = await driver.fork(snap, [{ vmId: 'spawner' }]);
+    const marker = join(root, 'spawned-by-qemu');
+    await driver.qmpOf('spawner').execute('migrate', { uri: `exec:touch ${marker}` }).catch(() => undefined);
+    const t0 = Date.now();
+    while (driver.get('spawner')?.state !== 'crashed' && Date.now() - t0 < 5000) await new Promise((r) => setTimeout(r, 20));
+    expect(driver.get('spawner')?.state).toBe('crashed');
+    expect(await stat(marker).then(() => true, () => false)).toBe(false);
+    expect(isAlive(vm?.pid ?? 0)).toBe(false);
+    await driver.destroy('spawner');
+  });
+
   it('snapshot_ofATemplateWhoseReplacementDiesAfterTheSourceStopped_recordsTheVmCrashed_andReportsIt', async () => {
     await driver.create({ vmId: 'tc1', image, memoryMib: MEM, vcpus: 1, hostname: 'tc1' });
     const events: VmEvent[] = [];
@@ -1267,9 +1280,13 @@ describe('QemuVmmDriver (real QEMU)', () => {
     // another host): the VM runs while QEMU streams its RAM, slowly, to a peer that stays.
     const sock = (await readdir(join(root, 'vms', 'k9'))).find((f) => /^qmp\.\d+\.sock$/.test(f))!;
     const qmp = await QmpClient.connect(join(root, 'vms', 'k9', sock));
+    const peer = net.createServer((c) => c.on('error', () => undefined).resume());
+    const peerSock = join(root, 'k9-peer.sock');
+    await new Promise<void>((resolve) => peer.listen(peerSock, resolve));
+    onTestFinished(() => void peer.close());
     try {
       await qmp.execute('migrate-set-parameters', { 'max-bandwidth': 8 << 20 });
-      await qmp.execute('migrate', { uri: 'exec:cat > /dev/null' });
+      await qmp.execute('migrate', { uri: `unix:${peerSock}` });
       await waitFor('the migration to run', async () => (await qmp.execute<{ status: string }>('query-migrate')).status === 'active', 5000);
     } finally {
       qmp.close();

@@ -2285,8 +2285,8 @@ export async function saveFullRamStream(driver: QemuVmmDriver, snap: LocalSnapsh
   await driver.fork(snap, [{ vmId: 'classic-src' }]);
   const q = driver.qmpOf('classic-src');
   await setCaps(q, { events: true, 'x-ignore-shared': false });
-  await q.execute('stop');
-  await migrateAndWait(q, `exec:cat > ${file}`);
+  // Through a socket the driver serves: QEMU may not spawn `exec:cat` (its seccomp sandbox).
+  await migrateToFile(q, file, join(dirname(file), 'classic-save.sock'), true);
   const launch = driver.launchOf('classic-src');
   await driver.destroy('classic-src');
   return launch;
