@@ -98,7 +98,8 @@ export class HostStepError extends ForkfleetError {
  * the host's authentication kinds are about the host, not the caller's credential: both are
  * `internal`, whose text tenants never read (toGrpcStatus). It keeps more kinds than
  * HostStepError: a relayed call's answer is about the caller's own request, a step's failure
- * about the scheduler's work.
+ * about the scheduler's work. The same holds for the failed wake such a call started for a
+ * hibernated sandbox (fleet.ts, wakeFailure).
  */
 export class RelayedHostError extends ForkfleetError {
   constructor(kind: string, message: string, opts: { retryable: boolean; field?: string }) {

@@ -202,6 +202,19 @@ export function requestDigest(params: Record<string, unknown>): string {
 }
 
 /** A file call whose call has ended (cancelled, past its deadline, its credential revoked) goes no further. */
+/**
+ * What a call that woke sandbox `id` answers when the wake `op` did not succeed: the wake's own
+ * kind and retryability (its snapshot gone is NOT_FOUND, for good; no host with room is retried),
+ * naming the caller's `field`. A retryable answer to a wake that can never succeed made every
+ * retry start one more wake (a failed wake puts the sandbox back, with a new key). Kinds a
+ * caller must not see from a relay (unauthenticated, permission denied) become internal.
+ */
+function wakeFailure(id: string, op: OperationRec, field: string): ForkfleetError {
+  if (!isTerminal(op.state)) return new ForkfleetError('unavailable', `waking sandbox ${id} takes longer than expected (operation ${op.id} is ${op.state}); retry`, { retryable: true });
+  if (op.state !== 'failed' || !op.error) return new ForkfleetError('unavailable', `waking sandbox ${id} ended ${op.state}; retry`, { retryable: true });
+  return new RelayedHostError(op.error.kind, `waking sandbox ${id} failed: ${op.error.message}`, { retryable: op.error.retryable, field });
+}
+
 function throwIfEnded(signal: AbortSignal | undefined, message: string): void {
   if (signal?.aborted) throw new ForkfleetError('cancelled', message);
 }
@@ -724,6 +737,7 @@ export class Fleet {
       await this.waitOperation(tenantId, sb.opId, 300_000, signal);
       if (signal?.aborted) throw cancelled();
       sb = await this.getSandbox(tenantId, id);
+      if (sb.state === 'hibernating') throw new ForkfleetError('unavailable', `sandbox ${id} is still being hibernated; retry`, { retryable: true });
     }
     if (sb.state === 'hibernated' || sb.state === 'waking') {
       // While waking, the record names the wake in progress; while hibernated, the key is
@@ -732,7 +746,7 @@ export class Fleet {
       const opId = sb.state === 'waking' && sb.opId ? sb.opId : (await this.submit(tenantId, `__wake/${sb.id}/${sb.updatedAt}`, 'wake', sb.id, {})).id;
       const done = await this.waitOperation(tenantId, opId, 300_000, signal);
       if (signal?.aborted) throw cancelled();
-      if (done.state !== 'succeeded') throw new ForkfleetError('unavailable', `waking sandbox ${id} failed: ${done.error?.message ?? done.state}`, { retryable: true });
+      if (done.state !== 'succeeded') throw wakeFailure(id, done, field);
       sb = await this.getSandbox(tenantId, id);
     }
     if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', field);
