@@ -73,6 +73,12 @@ describe('compileAgentConfig: value rules', () => {
     expect(c.capacity.diskMib).toBe(100 * 1024);
   });
 
+  it('chunkBytes_aboveWhatOnePeerMessageCarries_isRefusedNamingTheVariable', () => {
+    expect(compileAgentConfig({ ...base, FF_CHUNK_BYTES: String(4 << 20) }).chunkBytes).toBe(4 << 20);
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_CHUNK_BYTES: String((4 << 20) + 1) }))).toBe('FF_CHUNK_BYTES');
+    expect(fieldOf(() => compileAgentConfig({ ...base, FF_CHUNK_BYTES: String(64 << 20) }))).toBe('FF_CHUNK_BYTES');
+  });
+
   it('standbyMax_empty_isRefusedNamingTheVariable', () => {
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_STANDBY_MAX: '' }))).toBe('FF_STANDBY_MAX');
     expect(compileAgentConfig({ ...base, FF_STANDBY_MAX: '0' }).standby.max).toBe(0);

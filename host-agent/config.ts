@@ -6,7 +6,7 @@ import { cpus, hostname, totalmem } from 'node:os';
 import { isIPv4 } from 'node:net';
 import { randomUUID } from 'node:crypto';
 import { InvalidArgumentError } from '../proto/errors.ts';
-import { MAX_TIMER_MS, natsServers, natsTls, parseDurationIn, parseHostPort, parseInteger, parseLogLevel, parseRequired, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
+import { MAX_CHUNK_BYTES, MAX_TIMER_MS, natsServers, natsTls, parseDurationIn, parseHostPort, parseInteger, parseLogLevel, parseRequired, tlsClientFiles, type TlsClientFiles } from '../services/config.ts';
 import type { AccelSetting } from './domain/vmm.ts';
 import { parseCidr } from './adapters/netns/egress.ts';
 import { DEFAULT_RAM_MOUNT } from './adapters/qemu/ram-pool.ts';
@@ -55,7 +55,7 @@ export interface AgentProcessConfig {
   readonly heartbeatMs: number;
   /** FF_STEP_CONCURRENCY: 1-64. */
   readonly concurrency: number;
-  /** FF_CHUNK_BYTES: 4096 to 64 MiB. */
+  /** FF_CHUNK_BYTES: 4096 to 4 MiB (MAX_CHUNK_BYTES). */
   readonly chunkBytes: number;
   /** FF_LOG_LEVEL: a pino level (services/config.ts LOG_LEVELS). */
   readonly logLevel: string;
@@ -191,7 +191,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
     // 0 (or a few ms) would heartbeat about every millisecond: setInterval runs 0 as 1 ms.
     heartbeatMs: duration('FF_HEARTBEAT_INTERVAL', '1s', { min: 100, max: MAX_TIMER_MS }),
     concurrency: int('FF_STEP_CONCURRENCY', '4', 1, 64),
-    chunkBytes: int('FF_CHUNK_BYTES', String(256 * 1024), 4096, 64 << 20),
+    chunkBytes: int('FF_CHUNK_BYTES', String(256 * 1024), 4096, MAX_CHUNK_BYTES),
     logLevel: parseLogLevel('FF_LOG_LEVEL', e('FF_LOG_LEVEL', 'info')),
     egress: {
       pool: e('FF_EGRESS_POOL', '100.96.0.0/16'),

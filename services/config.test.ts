@@ -138,8 +138,8 @@ describe('compileSchedulerConfig: value rules', () => {
   });
 
   it('chunkBytes_isBoundedAsTheAgentsSetting', () => {
-    expect(compileSchedulerConfig({}, { ...tls, FF_CHUNK_BYTES: String(64 << 20) }).chunkBytes).toBe(64 << 20);
-    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_CHUNK_BYTES: String((64 << 20) + 1) }))).toBe('FF_CHUNK_BYTES');
+    expect(compileSchedulerConfig({}, { ...tls, FF_CHUNK_BYTES: String(4 << 20) }).chunkBytes).toBe(4 << 20);
+    expect(fieldOf(() => compileSchedulerConfig({}, { ...tls, FF_CHUNK_BYTES: String((4 << 20) + 1) }))).toBe('FF_CHUNK_BYTES');
   });
 
   it('ratePerSecond_isADecimalNumber_zeroTurnsTheDefaultLimitOff_hexExponentOrPaddingIsRefused', () => {

@@ -33,6 +33,14 @@ export function parseDuration(field: string, v: string): number {
  * The longest delay Node.js timers take (2^31-1 ms, about 24.8 days): setTimeout and
  * setInterval run a longer one after 1 ms. The bound of every duration that sets a timer.
  */
+/**
+ * The largest FF_CHUNK_BYTES (agents and scheduler). A chunk travels host to host as one gRPC
+ * message, which a peer accepts up to 16 MiB (peer/client.ts; an incompressible chunk is stored
+ * and sent whole), and a source reads up to 16 chunks ahead per stream: 4 MiB keeps both well
+ * inside (64 MiB chunks could never be fetched, and held 1 GiB per stream).
+ */
+export const MAX_CHUNK_BYTES = 4 << 20;
+
 export const MAX_TIMER_MS = 2 ** 31 - 1;
 
 /** '1s', '100ms', '5m': `ms` as a duration setting is written. */
@@ -264,7 +272,7 @@ export interface SchedulerConfig {
   readonly metricsAddr: string;
   /** FF_LOG_LEVEL: a pino level (LOG_LEVELS). */
   readonly logLevel: string;
-  /** FF_CHUNK_BYTES: chunk size of the snapshot store (for transfer estimates), 4096 to 64 MiB as the agents'. */
+  /** FF_CHUNK_BYTES: chunk size of the snapshot store (for transfer estimates), 4096 to MAX_CHUNK_BYTES as the agents'. */
   readonly chunkBytes: number;
   /**
    * FF_MIGRATE_MAX_CHILDREN: in a small fork spread, a host with at most this many children
@@ -393,7 +401,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     signingKeyPath: keyPath,
     metricsAddr: metricsAddr ? parseHostPort(ma, metricsAddr, true) : '',
     logLevel: parseLogLevel(ll, logLevel),
-    chunkBytes: parseInteger(cb, chunk, 4096, 64 << 20),
+    chunkBytes: parseInteger(cb, chunk, 4096, MAX_CHUNK_BYTES),
     migrateMaxChildren: parseInteger(mm, migrateMax, 0, 64),
     electionTtlSeconds: parseDurationIn(et, electionTtl, { min: 1000, max: MAX_TIMER_MS }) / 1000,
     tlsCertPath: tlsCert,

@@ -4,6 +4,7 @@
 import { afterAll, beforeAll, beforeEach, describe, expect, it, vi } from 'vitest';
 import { closeSync, existsSync, mkdirSync, openSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { execFileSync } from 'node:child_process';
+import { open } from 'node:fs/promises';
 import { join } from 'node:path';
 import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './fs-store.ts';
 import { encodeChunk } from './codec.ts';
@@ -84,6 +85,20 @@ describe('FsChunkStore', () => {
     expect((await store.accept(enc)).equals(plain)).toBe(true);
   });
 
+  it('accept_ofAChunkWhoseCodecIsNoneWeKnow_isRejectedAsADigestMismatch_onEitherPath_andStoresNothing', async () => {
+    // A peer's codec is any varint: one past a byte once failed the owned path's header write
+    // (a RangeError, blamed on this host's disk, so the same source was asked again).
+    const store = new FsChunkStore(join(dir, 'codec'));
+    const enc = await encodeChunk(textBytes(CS, 12));
+    for (const codec of [0, 4, 255, 256, 2 ** 31]) {
+      await expect(store.accept({ ...enc, codec: codec as Codec })).rejects.toBeInstanceOf(DigestMismatchError);
+      const owned = { ...enc, codec: codec as Codec, data: Uint8Array.from(enc.data) };
+      markOwned(owned.data);
+      await expect(store.accept(owned)).rejects.toBeInstanceOf(DigestMismatchError);
+    }
+    expect(await store.has(enc.digest)).toBe(false);
+  });
+
   it('readVerified_ofACorruptFileAFetchReplacedMeanwhile_keepsTheVerifiedCopy', async () => {
     // The read sees the corrupt file; before the store removes it, a fetch renames a verified
     // copy into place (and counts it stored). Only the corrupt bytes may go.
@@ -101,6 +116,30 @@ describe('FsChunkStore', () => {
     await expect(store.readVerified(good.digest)).rejects.toBeInstanceOf(ChunkCorruptError);
     expect(await store.missing([good.digest])).toEqual([]);
     expect((await FsChunkStore.prototype.readVerified.call(store, good.digest)).equals(textBytes(CS, 9))).toBe(true);
+  });
+
+  it('readVerified_ofAChunkLargerThanAnyReadSoFar_whileAnotherReadRaisesTheReadSize_returnsItWhole', async () => {
+    // FF_CHUNK_BYTES above the default: the first reads after a start outgrow the store's read
+    // size, and the first to learn a file's size raises it while others are still reading.
+    const plain = randomBytesSeeded(1 << 20, 41);
+    const c = await encodeChunk(plain);
+    const store = new FsChunkStore(join(dir, 'read-size'));
+    await store.put(c);
+    const probe = await open(store.pathOf(c.digest), 'r');
+    const fileHandle = Object.getPrototypeOf(probe) as { read: (...a: unknown[]) => Promise<{ bytesRead: number }> };
+    await probe.close();
+    const realRead = fileHandle.read;
+    const read = vi.spyOn(fileHandle, 'read').mockImplementationOnce(async function (this: unknown, ...a: unknown[]) {
+      const r = await realRead.apply(this, a);
+      (store as unknown as { readHint: number }).readHint += 4 << 20; // another read's fallback, done meanwhile
+      return r;
+    });
+    try {
+      expect((await store.readVerified(c.digest)).equals(plain)).toBe(true);
+      expect(read).toHaveBeenCalled();
+    } finally {
+      read.mockRestore();
+    }
   });
 
   it('readVerified_ofACorruptFile_removesItAndLeavesNothingAside', async () => {

@@ -308,11 +308,14 @@ export class FsChunkStore implements ChunkStore {
   private async readChunkFile(path: string, pooled = false): Promise<Buffer> {
     const fh = await open(path, 'r');
     try {
-      const size = READ_HEADROOM + this.readHint;
+      // Read once: another read may raise readHint while this one waits, and a file that
+      // filled this read's buffer would then pass for whole.
+      const hint = this.readHint;
+      const size = READ_HEADROOM + hint;
       let buf = pooled ? this.readPool.pop() : undefined;
       if (!buf || buf.length !== size) buf = Buffer.allocUnsafeSlow(size);
-      const { bytesRead } = await fh.read(buf, READ_HEADROOM, this.readHint, 0);
-      if (bytesRead < this.readHint) {
+      const { bytesRead } = await fh.read(buf, READ_HEADROOM, hint, 0);
+      if (bytesRead < hint) {
         // A buffer of this read alone: a serializer may write its message header into the
         // bytes before the chunk's data (READ_HEADROOM + the chunk header) instead of
         // copying the data (buffers.ts).

@@ -20,7 +20,7 @@
 import { Worker } from 'node:worker_threads';
 import { createRequire } from 'node:module';
 import { availableParallelism } from 'node:os';
-import type { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { Codec } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { PAGE, nonZeroRuns } from './sparse.ts';
 import { DIRECT_ALIGN, encodeHeader, maxStoredSize } from './chunk-file.ts';
@@ -267,6 +267,8 @@ export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer | undefined>
   // Longer than any encoding of its size (padded with zstd skippable frames, say): rejected
   // here, as decodeChunk does (codec.ts), before it costs the worker a copy.
   if (c.data.length > maxStoredSize(c.size)) return Promise.reject(new DigestMismatchError(c.digest, `${c.data.length} bytes of data for ${c.size} plain bytes (at most ${maxStoredSize(c.size)})`));
+  // A peer's codec is any varint; one past a byte cannot even go in the chunk file's header.
+  if (c.codec !== Codec.NONE && c.codec !== Codec.LZ4 && c.codec !== Codec.ZSTD) return Promise.reject(new DigestMismatchError(c.digest, `unsupported codec ${c.codec}`));
   const slot = pick();
   const id = seq++;
   return new Promise<Buffer | undefined>((resolve, reject) => {
