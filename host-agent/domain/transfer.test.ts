@@ -170,6 +170,45 @@ describe('fetchChunks', () => {
   }, 10_000);
 });
 
+describe('fetchChunks: a source that answers what it was not asked', () => {
+  it('sourceThatKeepsAnsweringDigestsNobodyAsked_isGivenUp_andAnotherSourceSuppliesWhatItWasAsked', async () => {
+    const chunks = await threeChunks();
+    // Never answers a want; says "missing" for a digest nobody asked every 10 ms (within the
+    // idle time, so the silence timer alone never fires).
+    const babbler: ChunkSource = {
+      id: 'babbler',
+      getManifest: () => Promise.reject(new Error('not used')),
+      open() {
+        let closed = false;
+        let wake: (() => void) | undefined;
+        return {
+          want() {},
+          events: {
+            async *[Symbol.asyncIterator]() {
+              while (!closed) {
+                await new Promise<void>((r) => {
+                  wake = r;
+                  setTimeout(r, 10);
+                });
+                if (!closed) yield { kind: 'missing', digest: 'f'.repeat(64) as DigestHex };
+              }
+            },
+          },
+          close() {
+            closed = true;
+            wake?.();
+          },
+        };
+      },
+    };
+    const store = new FsChunkStore(join(tmp, 'store-babbler'));
+    const report = await fetchChunks(chunks.keys(), [babbler, memorySource('honest', chunks)], store, { idleMs: 200, backoffMs: 1, streamsPerSource: 1, window: 8 });
+    expect(report.fetched).toBe(3);
+    expect(report.sources.find((s) => s.id === 'babbler')?.lastError).toMatch(/not asked for/);
+    expect(await store.missing(chunks.keys())).toEqual([]);
+  }, 10_000);
+});
+
 describe('fetchSnapshot', () => {
   it('fetchThatFailsAfterRunningLongerThanTheGcGrace_leavesTheChunksItReceived_forARetryToResumeFrom', async () => {
     const chunks = await threeChunks();

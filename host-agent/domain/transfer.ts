@@ -83,6 +83,20 @@ export interface FetchOptions {
   readonly idleMs?: number;
 }
 
+/**
+ * fetchChunks' session whose source sent more answers to digests it was not asked for (or was
+ * asked once and answered already) than it has chunks asked of it at once: each one restarted
+ * the silence timer, so such a peer held the chunks it was asked for, and the fetch, for ever.
+ */
+export class SourceStrayError extends Error {
+  constructor(
+    readonly source: string,
+    strays: number,
+  ) {
+    super(`source ${source} sent ${strays} chunks or refusals for digests it was not asked for`);
+  }
+}
+
 /** fetchChunks' session that heard nothing from its source for `ms` with chunks asked. */
 export class SourceSilentError extends Error {
   constructor(
@@ -231,6 +245,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
         const storing = new Set<DigestHex>();
         const session = src.open(opts.signal);
         const puts = new Set<Promise<void>>();
+        let strays = 0;
         const refill = (): void => {
           const more = take(src.id, window - requested.size);
           if (more.length === 0) return;
@@ -276,15 +291,17 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
             const r = await nextWithin(it, idleMs, () => new SourceSilentError(src.id, idleMs, requested.size), stop);
             if (r.done) throw new Error('peer ended the stream early');
             const ev = r.value;
+            const d = ev.kind === 'missing' ? ev.digest : ev.chunk.digest;
+            if (!requested.delete(d)) {
+              if (++strays > window) throw new SourceStrayError(src.id, strays);
+              continue;
+            }
             if (ev.kind === 'missing') {
-              if (!requested.delete(ev.digest)) continue;
               rep.missing++;
-              exclude(ev.digest, src.id);
-              queue.push(ev.digest);
+              exclude(d, src.id);
+              queue.push(d);
               changed.notify();
             } else {
-              const d = ev.chunk.digest;
-              if (!requested.delete(d)) continue;
               const size = opts.sizes?.get(d);
               if (size !== undefined && ev.chunk.size !== size) {
                 rep.rejected++;

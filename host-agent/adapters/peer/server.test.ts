@@ -8,8 +8,9 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import type { FetchChunksRequest } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import type { CallContext } from '../../../services/adapters/grpc/rpc.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
-import { manifestDigests } from '../../domain/snapshot-store.ts';
+import { manifestDigests, type ChunkStore } from '../../domain/snapshot-store.ts';
 import { TicketInvalidError } from '../../domain/transfer-errors.ts';
+import { ForkfleetError } from '../../../proto/errors.ts';
 import { decodeManifestUnverified, generateSigningKey, signTicket } from '../../domain/tickets.ts';
 import { storeHoldingS1 } from './migrate-testkit.ts';
 import { chunkTransferService, STREAM_GRACE_MS } from './server.ts';
@@ -46,7 +47,7 @@ function callContext(signal: AbortSignal): CallContext {
 }
 
 /** A FetchChunks stream on a store holding s1, opened at t0 with a ticket for 60 s; `at` moves the clock. */
-async function openStream(credit: number) {
+async function openStream(credit: number, o: { chunks?: (real: ChunkStore) => ChunkStore; openWithinMs?: number; noOpen?: boolean } = {}) {
   const { signing, trusted } = generateSigningKey('k1');
   const deps = await storeHoldingS1(mkdtempSync(join(dir, 's-')), signing);
   const signed = await deps.manifests.get('s1');
@@ -55,12 +56,12 @@ async function openStream(credit: number) {
   if (!digest) throw new Error('s1 has no chunks');
   const t0 = new Date('2026-01-01T00:00:00Z');
   let now = t0;
-  const { registration, stats } = chunkTransferService({ ...deps, trust: trusted, clock: { now: () => now }, callerHostId: () => 'hostR' });
+  const { registration, stats } = chunkTransferService({ ...deps, chunks: o.chunks?.(deps.chunks) ?? deps.chunks, trust: trusted, clock: { now: () => now }, callerHostId: () => 'hostR', ...(o.openWithinMs ? { openWithinMs: o.openWithinMs } : {}) });
   const fetchChunks = registration.handlers.fetchChunks as unknown as (reqs: AsyncIterable<FetchChunksRequest>, ctx: CallContext) => AsyncIterable<{ payload: { case: string } }>;
   const stop = new AbortController();
   const q = requestQueue();
   const ticket = signTicket({ snapshotId: 's1', destinationHostId: 'hostR', expiresAt: new Date(t0.getTime() + 60_000) }, signing);
-  q.push({ case: 'open', value: { ticket, credit } as never });
+  if (!o.noOpen) q.push({ case: 'open', value: { ticket, credit } as never });
   const out = fetchChunks(q.reqs, callContext(stop.signal))[Symbol.asyncIterator]();
   return {
     stats,
@@ -97,6 +98,34 @@ describe('ChunkTransferService.fetchChunks', () => {
       expectExpired(await s.next());
       expect(s.stats.chunksServed).toBe(2);
       expect(s.stats.refused).toBe(1);
+    } finally {
+      s.close();
+    }
+  });
+
+  it('fetchChunks_ofAStreamThatSendsNoOpenMessage_endsItWithInvalidArgument_afterTheOpenTime', async () => {
+    const s = await openStream(8, { noOpen: true, openWithinMs: 100 });
+    try {
+      const end = await s.next();
+      expect(end).toBeInstanceOf(ForkfleetError);
+      expect(end).toMatchObject({ kind: 'invalid_argument', field: 'payload' });
+    } finally {
+      s.close();
+    }
+  });
+
+  it('fetchChunks_whoseChunkReadFailsOnTheSource_endsTheStreamRetryably_soTheReceiverTriesThisSourceAgain', async () => {
+    const s = await openStream(8, {
+      chunks: (real) =>
+        new Proxy(real, {
+          get: (t, k) => (k === 'getEncodedForSend' || k === 'getEncoded' ? () => Promise.reject(Object.assign(new Error('EMFILE: too many open files'), { code: 'EMFILE' })) : Reflect.get(t, k, t)),
+        }),
+    });
+    try {
+      s.want();
+      const end = await s.next();
+      expect(end).toBeInstanceOf(ForkfleetError);
+      expect(end).toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/EMFILE/) });
     } finally {
       s.close();
     }

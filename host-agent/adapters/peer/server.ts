@@ -33,6 +33,11 @@ export interface ChunkServerDeps {
   readonly callerHostId?: (ctx: CallContext) => string;
   /** Chunk reads started ahead of sending (bounded by the caller's credit; default 16). */
   readonly prefetch?: number;
+  /**
+   * How long a FetchChunks stream may take to send its first (open) message (default 30 s):
+   * until then nobody has shown a ticket, and a stream that sends nothing would stay open.
+   */
+  readonly openWithinMs?: number;
   /** Observes every chunk served (metrics, tests). */
   readonly onServed?: (digest: DigestHex, bytes: number) => void;
   /**
@@ -134,7 +139,12 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
 
     async *fetchChunks(reqs: AsyncIterable<FetchChunksRequest>, ctx: CallContext): AsyncIterable<Response> {
       const it = reqs[Symbol.asyncIterator]();
-      const first = await it.next();
+      const openWithinMs = deps.openWithinMs ?? 30_000;
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const first = await Promise.race([
+        it.next(),
+        new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new InvalidArgumentError('payload', `no open message within ${openWithinMs} ms`)), openWithinMs))),
+      ]).finally(() => clearTimeout(timer));
       if (first.done || first.value.payload.case !== 'open') throw new InvalidArgumentError('payload', 'the first message must be open');
       const open = first.value.payload.value;
       const { claims, signed } = await authorise(open.ticket, ctx);
@@ -206,7 +216,13 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
         }
         const next = ahead.shift();
         if (next) {
-          const c = await next.read;
+          // A read that failed here (EIO, EMFILE) may pass: the receiver tries this source
+          // again (an internal error would make it give the source up at once).
+          const c = await next.read.catch((e: unknown) => {
+            if (e instanceof ForkfleetError) throw e;
+            deps.log?.warn({ peer: ctx.peer, digest: next.digest, err: (e as Error).message }, 'reading a chunk to send failed');
+            throw new ForkfleetError('unavailable', `reading chunk ${next.digest.slice(0, 16)} on the source failed: ${(e as Error).message}`, { retryable: true });
+          });
           if (!c) {
             yield { payload: { case: 'missing', value: Buffer.from(next.digest, 'hex') } };
             continue;
