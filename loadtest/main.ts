@@ -153,9 +153,9 @@ class Recorder {
     p.observe(ms / 1000);
   }
 
-  finish(name: string, failed?: string): void {
+  finish(name: string, failed?: string, truncated?: string): void {
     const s = this.hists.get(name)?.summary() ?? { n: 0, p50_ms: 0, p95_ms: 0, p99_ms: 0, max_ms: 0 };
-    this.results[name] = failed ? { ...s, failed } : s;
+    this.results[name] = failed ? { ...s, failed } : truncated ? { ...s, truncated } : s;
     log(`${name}: ${JSON.stringify(this.results[name])}`);
   }
 
@@ -294,14 +294,16 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
         else rec.phases.set(name, [p]);
       };
       try {
+        let truncated: string | undefined;
         for (let i = 0; i < samples; i++) {
           if (i > 0 && (Date.now() - t0 > cfg.durationMs || overBudget())) {
-            notes.push(`${name}: stopped after ${i} of ${samples} samples (time budget)`);
+            truncated = `${i} of ${samples} samples`;
+            notes.push(`${name}: stopped after ${truncated} (time budget); no target is judged on it`);
             break;
           }
           for (const ms of await one()) rec.record(name, ms);
         }
-        rec.finish(name);
+        rec.finish(name, undefined, truncated);
       } catch (e) {
         rec.finish(name, e instanceof Error ? e.message : String(e));
       } finally {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { modelFrom, pickTemplate, planCapacity, simulate } from './plan.ts';
+import { crossHostExtraMs, modelFrom, pickTemplate, planCapacity, simulate } from './plan.ts';
 import type { RunResult } from './report.ts';
 
 const run: RunResult = {
@@ -18,10 +18,28 @@ describe('capacity planner', () => {
     expect(m.sameHostMs).toEqual([180, 200, 260]);
   });
 
-  it('modelFrom_aFailedScenario_isNoData', () => {
-    const failedCross = modelFrom({ ...run, scenarios: { ...run.scenarios, fork_cross_host_1: { ...(run.scenarios.fork_cross_host_1 as object), failed: 'x' } as never } });
-    expect([failedCross.transferMsAtRun, failedCross.source]).toEqual([0, 'fork_same_host_1 samples; fork_cross_host_1 failed in that run, transfer assumed free']);
+  it('modelFrom_aFailedOrStoppedScenario_isNoData_andAPlanWithoutCrossHostDataIsRefused', () => {
+    // Taken as free, a cross-host fork would make the plan optimistic.
+    expect(() => modelFrom({ ...run, scenarios: { ...run.scenarios, fork_cross_host_1: { ...(run.scenarios.fork_cross_host_1 as object), failed: 'x' } as never } })).toThrow(/no complete fork_cross_host_1 \(it failed: x\)/);
+    expect(() => modelFrom({ ...run, scenarios: { ...run.scenarios, fork_cross_host_1: { ...(run.scenarios.fork_cross_host_1 as object), truncated: '1 of 5 samples' } as never } })).toThrow(/stopped early: 1 of 5/);
+    expect(() => modelFrom({ ...run, scenarios: { fork_same_host_1: run.scenarios.fork_same_host_1! } })).toThrow(/no complete fork_cross_host_1 \(no samples\)/);
     expect(() => modelFrom({ ...run, scenarios: { ...run.scenarios, fork_same_host_1: { ...(run.scenarios.fork_same_host_1 as object), failed: 'boom' } as never } })).toThrow(/it failed: boom/);
+  });
+
+  it('simulate_scalesOnlyTheWireTimeOfACrossHostFork_withTheLinkRate', () => {
+    // 1 second more than same host at 10 Gbit/s, of which 125 MB moved: 100 ms on the wire.
+    const withBytes: RunResult = {
+      ...run,
+      scenarios: { ...run.scenarios, fork_cross_host_1: { n: 3, p50_ms: 1200, p95_ms: 1300, p99_ms: 1300, max_ms: 1300 } },
+      phases: { fork_cross_host_1: { n: 3, op_ms: 0, to_first_step_ms: 0, host_step_ms: 0, step_overhead_ms: 0, exec_after_op_ms: 0, bytes_moved: 125e6, migrated_samples: 3 } },
+    };
+    const m = modelFrom(withBytes);
+    expect([m.transferMsAtRun, m.wireMsAtRun]).toEqual([1000, 100]);
+    expect(crossHostExtraMs(m, 10)).toBe(1000);
+    expect(crossHostExtraMs(m, 1)).toBe(900 + 1000);
+    expect(crossHostExtraMs(m, 100)).toBeCloseTo(900 + 10, 6);
+    // A run without bytes moved: all of it scales, as before.
+    expect(crossHostExtraMs(modelFrom(run), 1)).toBe(1000);
   });
 
   it('modelFrom_aRunWithAnUnknownLinkRate_throws', () => {

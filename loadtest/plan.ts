@@ -3,9 +3,10 @@
 // (scheduler/ place()) picks hosts from a fleet view refreshed every `viewRefreshMs` of
 // simulated time, and each child's time to ready is drawn from a measured run:
 //   - on a host holding the snapshot: a fork_same_host_1 sample;
-//   - on a host that lacks it: a fork_same_host_1 sample + the measured transfer part
-//     (fork_cross_host_1 p50 - fork_same_host_1 p50) scaled by run link rate / simulated link
-//     rate, and the host then holds the snapshot;
+//   - on a host that lacks it: a fork_same_host_1 sample + the measured cross-host part
+//     (fork_cross_host_1 p50 - fork_same_host_1 p50), and the host then holds the snapshot.
+//     Of that part only the wire time (the bytes a cross-host fork moved, at the run's link
+//     rate) scales with the simulated link rate; the rest (migration, TLS, CPU) stays as measured;
 //   - plus queueing: a host restores at most `slotsPerHost` children at once.
 // Hosts report what agents report: their restore time (the model's same-host median) and
 // their slots, which price a host's queue in place(); and the placements made since the last
@@ -37,8 +38,10 @@ export interface PlanOptions {
 
 export interface LatencyModel {
   sameHostMs: readonly number[];
-  /** Transfer part of a cross-host fork at the run's link rate, ms. */
+  /** What a cross-host fork took beyond a same-host one (p50s), at the run's link rate, ms. */
   transferMsAtRun: number;
+  /** The part of transferMsAtRun that is wire time (bytes moved / run link rate): it scales with the link. */
+  wireMsAtRun: number;
   runLinkGbps: number;
   guestMib: number;
   source: string;
@@ -65,13 +68,20 @@ export function modelFrom(run: RunResult): LatencyModel {
   const same = run.scenarios.fork_same_host_1;
   const cross = run.scenarios.fork_cross_host_1;
   if (!isComplete(same)) throw new Error(`--from: the run has no complete fork_same_host_1 (${same && 'failed' in same ? `it failed: ${same.failed}` : 'no samples'})`);
+  // Without it a cross-host fork has no price: a plan that took it as free would be optimistic.
+  if (!isComplete(cross)) throw new Error(`--from: the run has no complete fork_cross_host_1 (${cross && 'failed' in cross ? `it failed: ${cross.failed}` : cross && 'truncated' in cross ? `stopped early: ${cross.truncated}` : 'no samples'}), so a fork on a host lacking the snapshot cannot be priced`);
   const samples = run.samples?.fork_same_host_1?.length ? run.samples.fork_same_host_1 : [same.p50_ms];
-  const transfer = isComplete(cross) ? Math.max(0, cross.p50_ms - same.p50_ms) : 0;
-  const noCross = cross && 'failed' in cross ? 'fork_cross_host_1 failed in that run' : 'no cross-host data';
-  // The transfer part is scaled by the run's link rate (its hosts' reported one with --api).
+  const transfer = Math.max(0, cross.p50_ms - same.p50_ms);
+  // The wire part is scaled by the run's link rate (its hosts' reported one with --api).
   const link = run.env.link_gbps;
   if (link === null || !(link > 0)) throw new Error('--from: the run\'s link rate is unknown (its hosts reported none, or differing ones), so its transfer time cannot be scaled to other link rates');
-  return { sameHostMs: samples, transferMsAtRun: transfer, runLinkGbps: link, guestMib: run.env.guest_mib, source: isComplete(cross) ? 'fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50 as transfer' : `fork_same_host_1 samples; ${noCross}, transfer assumed free` };
+  const moved = run.phases?.fork_cross_host_1?.bytes_moved;
+  const wire = moved !== undefined && moved > 0 ? Math.min(transfer, ((moved * 8) / (link * 1e9)) * 1000) : transfer;
+  const source =
+    moved !== undefined && moved > 0
+      ? `fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50, of which ${(moved / 1048576).toFixed(1)} MiB moved at the link rate scale with it`
+      : 'fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50, all of it scaled with the link rate (the run has no bytes moved)';
+  return { sameHostMs: samples, transferMsAtRun: transfer, wireMsAtRun: wire, runLinkGbps: link, guestMib: run.env.guest_mib, source };
 }
 
 function percentile(sorted: readonly number[], p: number): number {
@@ -87,6 +97,11 @@ export function pickTemplate(templates: number, u: number): number {
   return Math.max(0, Math.min(templates - 1, Math.floor((templates + 1) ** u) - 1));
 }
 
+/** What a fork on a host lacking the snapshot takes beyond one on a holder, at `linkGbps`: only the wire time scales. */
+export function crossHostExtraMs(model: LatencyModel, linkGbps: number): number {
+  return model.transferMsAtRun - model.wireMsAtRun + model.wireMsAtRun * (model.runLinkGbps / linkGbps);
+}
+
 /** One simulated run: `hosts` hosts at `linkGbps`. */
 export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o: PlanOptions): SimOutcome {
   const seed = o.seed ?? 7;
@@ -99,7 +114,7 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
   const memCap = o.hostMemoryMib ?? 65536;
   const refresh = o.viewRefreshMs ?? 20;
   const bw = (linkGbps * 1e9) / 8;
-  const transferMs = model.transferMsAtRun * (model.runLinkGbps / linkGbps);
+  const transferMs = crossHostExtraMs(model, linkGbps);
   const ids = Array.from({ length: hosts }, (_, i) => `h${i}`);
   const held: Array<Set<string>> = ids.map(() => new Set());
   const slotFree: number[][] = ids.map(() => Array.from({ length: slots }, () => 0));
@@ -108,9 +123,9 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
   /** Finish times of every child queued or restoring on each host (place()'s inflightOps). */
   const finishes: number[][] = ids.map(() => []);
   // Each template starts on one host (where its parent ran). Its size, as place() sees it, is
-  // what the measured transfer part moves at the run's link rate, so place() prices a copy
-  // as the simulation charges it (bytes / link rate), at every simulated link rate.
-  const effectiveBytes = Math.max(1, (model.transferMsAtRun / 1000) * ((model.runLinkGbps * 1e9) / 8));
+  // what moves in the time the simulation charges a copy at this link rate, so place() prices
+  // a copy (bytes / link rate) as the simulation charges it.
+  const effectiveBytes = Math.max(1, (transferMs / 1000) * bw);
   const snaps: SnapshotInput[] = Array.from({ length: templates }, (_, i) => ({
     id: `tpl-${i}`, totalBytes: effectiveBytes, chunkBytes: 4 * 1048576,
     vmConfig: { qemuVersion: '8.2.0', machine: 'microvm', cpuModel: 'host', accel: 'kvm', vcpus: 1, memoryMib: model.guestMib },
@@ -208,7 +223,7 @@ export function formatPlan(p: Plan): string {
   const r = p.request;
   const lines = [
     `Capacity plan: ${r.forksPerSecond} forks/s x ${r.childrenPerFork ?? 1} children, p95 <= ${r.p95TargetMs} ms (slots/host ${r.slotsPerHost ?? 8}, ${r.templates ?? 50} templates, ${r.simulatedSeconds ?? 20} s simulated)`,
-    `model: ${p.model.source}; same-host median ${percentile([...p.model.sameHostMs].sort((a, b) => a - b), 50)} ms, transfer ${Math.round(p.model.transferMsAtRun)} ms at ${p.model.runLinkGbps} Gbit/s`,
+    `model: ${p.model.source}; same-host median ${percentile([...p.model.sameHostMs].sort((a, b) => a - b), 50)} ms, cross-host extra ${Math.round(p.model.transferMsAtRun)} ms at ${p.model.runLinkGbps} Gbit/s (${Math.round(p.model.wireMsAtRun)} ms of it wire time)`,
     '',
     'link Gbit/s   hosts     p50 ms   p95 ms   cross-host fraction',
     ...p.answers.map((a) => `${String(a.linkGbps).padEnd(12)} ${String(a.hosts ?? `> ${r.maxHosts ?? 8192}`).padEnd(9)} ${String(a.outcome?.p50Ms ?? '-').padEnd(8)} ${String(a.outcome?.p95Ms ?? '-').padEnd(8)} ${a.outcome?.crossHostFraction ?? '-'}`),

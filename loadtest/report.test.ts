@@ -32,6 +32,15 @@ describe('report', () => {
     expect(c['fork_same_host_1 / classic_restore (p50)']?.ok).toBe(true);
   });
 
+  it('checks_ofAScenarioTheTimeBudgetStopped_areUndecided_notJudgedOnItsFewSamples', () => {
+    // One cold sample of the baseline would make the fork look 6x faster than it is.
+    const s = { ...base.scenarios, classic_restore: { n: 1, p50_ms: 888, p95_ms: 888, p99_ms: 888, max_ms: 888, truncated: '1 of 5 samples' } };
+    const c = Object.fromEntries(checks(s).map((x) => [x.what, x]));
+    expect(c['fork_same_host_1 / classic_restore (p50)']).toMatchObject({ value: 'stopped early (time budget): classic_restore', measured: null, ok: undefined });
+    expect(c['fork_cross_host_1 / fork_same_host_1 (p50)']?.ok).toBe(true);
+    expect(renderReport({ ...base, scenarios: s }).markdown).toContain('| classic_restore | 1 (stopped by the time budget: 1 of 5 samples) |');
+  });
+
   it('renderReport_writesEnvironmentTableAndEveryChart', () => {
     const { markdown, files } = renderReport(base);
     for (const s of ['| accel | tcg |', '| hosts | 3 |', '10 Gbit/s', '256 MiB, 64 MiB dirtied', 'abc1234', 'skipped: HibernateSandbox not supported', 'a note']) expect(markdown).toContain(s);

@@ -18,7 +18,8 @@ export interface RunEnv {
   notes: string[];
 }
 
-export type ScenarioResult = LatencySummary | { skipped: string } | (LatencySummary & { failed: string });
+/** `truncated`: the time budget stopped it before all its samples ("3 of 5 samples"). */
+export type ScenarioResult = LatencySummary | { skipped: string } | (LatencySummary & { failed: string }) | (LatencySummary & { truncated: string });
 
 export interface RunResult {
   env: RunEnv;
@@ -46,9 +47,17 @@ export function failedNames(s: Record<string, ScenarioResult | undefined>): stri
   return Object.entries(s).flatMap(([n, r]) => (r !== undefined && 'failed' in r ? [n] : []));
 }
 
-/** A scenario that ran every sample it was given: the only kind a target is judged on (a failed one's samples are partial). */
+/** The scenarios the time budget stopped early (their samples are fewer than planned). */
+export function truncatedNames(s: Record<string, ScenarioResult | undefined>): string[] {
+  return Object.entries(s).flatMap(([n, r]) => (r !== undefined && 'truncated' in r ? [n] : []));
+}
+
+/**
+ * A scenario that ran every sample it was given: the only kind a target is judged on (a failed
+ * one's samples are partial; one the time budget stopped may hold a single, cold sample).
+ */
 export function isComplete(r: ScenarioResult | undefined): r is LatencySummary {
-  return isSummary(r) && !('failed' in r);
+  return isSummary(r) && !('failed' in r) && !('truncated' in r);
 }
 
 export const CHART_GROUPS: ReadonlyArray<{ file: string; title: string; names: readonly string[] }> = [
@@ -60,7 +69,7 @@ export const CHART_GROUPS: ReadonlyArray<{ file: string; title: string; names: r
 function cell(r: ScenarioResult | undefined): string {
   if (r === undefined) return '| not run | | | | |';
   if ('skipped' in r) return `| skipped: ${r.skipped.replace(/\|/g, '/')} | | | | |`;
-  const fail = 'failed' in r ? ` (failed after ${r.n}: ${r.failed.replace(/\|/g, '/').slice(0, 160)})` : '';
+  const fail = 'failed' in r ? ` (failed after ${r.n}: ${r.failed.replace(/\|/g, '/').slice(0, 160)})` : 'truncated' in r ? ` (stopped by the time budget: ${r.truncated})` : '';
   return `| ${r.n}${fail} | ${r.p50_ms} | ${r.p95_ms} | ${r.p99_ms} | ${r.max_ms} |`;
 }
 
@@ -75,8 +84,8 @@ export interface Check {
 
 /**
  * The acceptance ratios of issue 7, from one run. `ok` is undefined when a side is missing
- * (skipped, not run) and false when a side failed: its samples are partial, so no figure is
- * taken from it.
+ * (skipped, not run, or stopped early by the time budget: too few samples to judge) and false
+ * when a side failed: its samples are partial, so no figure is taken from it.
  */
 export function checks(s: Record<string, ScenarioResult>): Check[] {
   const p50 = (n: string): number | undefined => {
@@ -84,8 +93,11 @@ export function checks(s: Record<string, ScenarioResult>): Check[] {
     return isComplete(r) ? r.p50_ms : undefined;
   };
   const failedOf = (what: string, target: string, ...names: string[]): Check | undefined => {
-    const f = failedNames(Object.fromEntries(names.map((n) => [n, s[n]])));
-    return f.length ? { what, target, value: `failed: ${f.join(', ')}`, measured: null, ok: false } : undefined;
+    const sides = Object.fromEntries(names.map((n) => [n, s[n]]));
+    const f = failedNames(sides);
+    if (f.length) return { what, target, value: `failed: ${f.join(', ')}`, measured: null, ok: false };
+    const t = truncatedNames(sides);
+    return t.length ? { what, target, value: `stopped early (time budget): ${t.join(', ')}`, measured: null, ok: undefined } : undefined;
   };
   const ratio = (what: string, a: string, b: string, max: number, target: string): Check => {
     const failed = failedOf(what, target, a, b);
@@ -150,6 +162,8 @@ export function renderReport(r: RunResult): { markdown: string; files: Record<st
     'load-test process on the same machine (see docs/adr/0010-loadtest-method.md).',
     '',
     '## Latency per scenario (ms, HDR histogram)',
+    '',
+    'p95 and p99 are nearest-rank: below 20 samples p95 is the max, below 100 samples p99 is.',
     '',
     '| scenario | n | p50 | p95 | p99 | max |',
     '| --- | --- | --- | --- | --- | --- |',
