@@ -37,6 +37,31 @@ describe('Agent steps', () => {
     expect(journal.results.size).toBe(1); // a non-retryable failure is final and journalled
   });
 
+  it('step_thatMeetsAFullDiskOrAnIoError_isAnsweredRetryable_andTheSchedulersRetryRunsIt_whileAnUnknownErrorIsFinal', async () => {
+    const sys = (code: string) => Object.assign(new Error(`${code}: write /var/lib/forkfleet/chunks/ab/x.tmp`), { code });
+    let fail: Error = sys('ENOSPC');
+    let obtains = 0;
+    const { agent } = agentWith({}, {
+      obtain: () => {
+        obtains++;
+        return Promise.reject(fail);
+      },
+    });
+    const restore = (stepId: string, attempt: number) => work(stepId, { attempt, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+    expect((await agent.runStep(restore('restore/a', 1))).error).toMatchObject({ kind: 'resource_exhausted', retryable: true });
+    fail = sys('EIO');
+    expect((await agent.runStep(restore('restore/a', 2))).error).toMatchObject({ kind: 'unavailable', retryable: true });
+    fail = new ForkfleetError('not_found', 'snapshot sn-x is gone'); // GC freed the disk; the snapshot is gone meanwhile
+    expect((await agent.runStep(restore('restore/a', 3))).error?.kind).toBe('not_found');
+    expect(obtains).toBe(3);
+    // An error of no known kind is final: the retry gets the same answer, and nothing runs again.
+    fail = new TypeError('a bug');
+    expect((await agent.runStep(restore('restore/b', 1))).error).toMatchObject({ kind: 'internal', retryable: false });
+    fail = sys('ENOSPC');
+    expect((await agent.runStep(restore('restore/b', 2))).error).toMatchObject({ kind: 'internal', retryable: false });
+    expect(obtains).toBe(4);
+  });
+
   it('step_whenRetryableFailure_answersTheSameSendDeliveredAgainFromTheJournal_andRunsTheSchedulersRetry', async () => {
     let obtains = 0;
     let up = false;

@@ -208,9 +208,32 @@ function journalUnwritable(e: unknown): ForkfleetError {
   return new ForkfleetError('unavailable', `the host's step journal cannot be written: ${e instanceof Error ? e.message : String(e)}`, { retryable: true, cause: e });
 }
 
+/**
+ * System errors a step can meet that pass (GC frees the disk, other steps close their files):
+ * answered retryable, so they are journalled for that send only and the scheduler's retry runs
+ * the step again. As `internal` they were final: a wake or snapshot that met a full disk for a
+ * moment failed for good, and every later send of it got the same answer.
+ */
+const PASSING_ERRNO: Readonly<Record<string, 'resource_exhausted' | 'unavailable'>> = {
+  ENOSPC: 'resource_exhausted',
+  EDQUOT: 'resource_exhausted',
+  EMFILE: 'resource_exhausted',
+  ENFILE: 'resource_exhausted',
+  ENOMEM: 'resource_exhausted',
+  EAGAIN: 'unavailable',
+  EBUSY: 'unavailable',
+  EIO: 'unavailable',
+};
+
 function errorInfo(e: unknown): { kind: string; message: string; retryable: boolean; field: string } {
   if (isForkfleetError(e)) return { kind: e.kind, message: e.message, retryable: e.retryable, field: e.field ?? '' };
-  return { kind: 'internal', message: e instanceof Error ? e.message : String(e), retryable: false, field: '' };
+  const message = e instanceof Error ? e.message : String(e);
+  const code = (e as { code?: unknown } | null)?.code;
+  const passing = typeof code === 'string' ? PASSING_ERRNO[code] : undefined;
+  // Its own text names host paths, and a named kind's text reaches tenants (HostStepError): the
+  // code alone goes out; the step's log line has the whole error.
+  if (passing) return { kind: passing, message: `a system call failed with ${code} on the host; it may pass (a retry runs the step again)`, retryable: true, field: '' };
+  return { kind: 'internal', message, retryable: false, field: '' };
 }
 
 export class Agent {
