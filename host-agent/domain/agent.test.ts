@@ -1,6 +1,7 @@
 import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
+import { timestampFromMs } from '@bufbuild/protobuf/wkt';
 import { Agent, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
 import type { AgentBus, AgentConfig, SnapshotShipper } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
@@ -559,6 +560,49 @@ describe('Agent steps', () => {
     for (let i = 0; i < 3; i++) void onWork!(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), ctl);
     await Promise.race([onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-9' } } }), ctl), new Promise((r) => setTimeout(r, 2000))]);
     expect(destroyed).toBe(true);
+    await agent.stop();
+  });
+
+  it('stepsThatHang_areAnsweredRetryableAtTheirDeadline_freeingTheirSlots_whileTheirRunGoesOn_andTheNextSendGetsItsResult', async () => {
+    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    const results: Array<{ stepId: string; attempt: number; kind: string | undefined }> = [];
+    let release: (e: Error) => void = () => undefined;
+    const hung = new Promise<never>((_, reject) => (release = reject));
+    hung.catch(() => undefined);
+    let obtains = 0;
+    let destroyed = false;
+    const now = { now: () => Date.now() };
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined, get: (id: string) => (id === 'sb-9' ? ({ vmId: id, sandboxId: id } as never) : undefined), destroy: async () => void (destroyed = true) },
+      { obtain: () => (obtains++, hung) },
+      {
+        serveExec: () => () => undefined,
+        serveFile: () => () => undefined,
+        consumeWork: async (f) => ((onWork = f as never), async () => undefined),
+        publishHeartbeat: () => undefined,
+        publishResult: async (r) => void results.push({ stepId: r.stepId, attempt: r.attempt, kind: r.error?.kind }),
+      },
+      now,
+      undefined,
+      'tcg',
+      { stepDeadlineFloorMs: 10 },
+    );
+    await agent.start();
+    const ctl = { ack: () => undefined, working: () => undefined };
+    const due = (ms: number) => timestampFromMs(Date.now() + ms);
+    // Three restores whose fetch hangs take every slot (concurrency 3).
+    const hanging = [0, 1, 2].map((i) => onWork!(work(`restore/${i}`, { deadline: due(100), work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), ctl));
+    await Promise.race([Promise.all(hanging), new Promise((r) => setTimeout(r, 3000))]);
+    expect(results.map((r) => r.kind)).toEqual(['deadline_exceeded', 'deadline_exceeded', 'deadline_exceeded']);
+    // Their slots are free: an unrelated destroy runs.
+    await Promise.race([onWork!(work('destroy', { deadline: due(1000), work: { case: 'destroyVm', value: { sandboxId: 'sb-9' } } }), ctl), new Promise((r) => setTimeout(r, 2000))]);
+    expect(destroyed).toBe(true);
+    // The scheduler's retry of the first waits for its run, which answers it once it ends; the fetch ran once.
+    const retry = onWork!(work('restore/0', { attempt: 2, deadline: due(5000), work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-0' }] } } }), ctl);
+    release(new ForkfleetError('not_found', 'snapshot sn-x is gone'));
+    await retry;
+    expect(results.at(-1)).toMatchObject({ stepId: 'restore/0', kind: 'not_found' });
+    expect(obtains).toBe(3);
     await agent.stop();
   });
 

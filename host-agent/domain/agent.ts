@@ -6,7 +6,7 @@
 // interrupted by a crash is measured again (does the VM or snapshot already exist?) before
 // anything is done, so a retry neither duplicates nor loses a VM.
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
-import { durationFromMs } from '@bufbuild/protobuf/wkt';
+import { durationFromMs, timestampMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock, NetworkPolicySpec, IncomingSource, CloneSpec, MigrationStream } from './vmm.ts';
 import {
@@ -148,6 +148,12 @@ export interface AgentConfig {
    * runtime or systemd commonly allows between SIGTERM and SIGKILL, with room for the rest.
    */
   shutdownGraceMs?: number;
+  /**
+   * The least time a step is given before its deadline answers it (HostWork.deadline, set by
+   * the scheduler to when it stops waiting for that send): a host clock behind the
+   * scheduler's would otherwise answer every step late before it could run. Default 10 s.
+   */
+  stepDeadlineFloorMs?: number;
 }
 
 /** Resident memory of a process in bytes, or undefined when it is gone. */
@@ -633,11 +639,35 @@ export class Agent {
     while (!this.closed && this.queue.length > 0 && this.inflight < this.deps.config.concurrency) this.begin(this.queue.shift()!.run);
   }
 
-  /** Runs a step once per (op, step): concurrent deliveries share one run, later ones read the journal. */
+  /**
+   * Runs a step once per (op, step): concurrent deliveries share one run, later ones read the
+   * journal. A send is answered by its deadline (HostWork.deadline) at the latest: a step whose
+   * work hangs (an image build, a disk that does not answer) answers deadline_exceeded,
+   * retryable, and frees its slot, while its run goes on; the scheduler's retry, a new send,
+   * waits for that same run (and its VMs stay "being made" until it ends, so a destroy of them
+   * still waits for it). Without a deadline, a hung step held its slot, and the steps that
+   * waited for it theirs, for ever.
+   */
   runStep(w: HostWork): Promise<HostResult> {
+    return this.byDeadline(w, this.inProgress.get(`${w.opId}/${w.stepId}`) ?? this.startStep(w));
+  }
+
+  private byDeadline(w: HostWork, run: Promise<HostResult>): Promise<HostResult> {
+    if (!w.deadline) return run;
+    const ms = Math.max(this.deps.config.stepDeadlineFloorMs ?? 10_000, timestampMs(w.deadline) - this.deps.clock.now());
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<HostResult>((resolve) => {
+      timer = setTimeout(() => {
+        this.log.warn({ opId: w.opId, stepId: w.stepId, attempt: w.attempt, ms }, 'step still running at its deadline; answered so, and it goes on');
+        const error = create(ErrorInfoSchema, { kind: 'deadline_exceeded', message: `the step was still running after ${ms} ms, its deadline; it goes on, and the next attempt waits for it`, retryable: true });
+        resolve(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: this.deps.config.hostId, attempt: w.attempt, error }));
+      }, ms);
+    });
+    return Promise.race([run, late]).finally(() => clearTimeout(timer));
+  }
+
+  private startStep(w: HostWork): Promise<HostResult> {
     const key = `${w.opId}/${w.stepId}`;
-    const running = this.inProgress.get(key);
-    if (running) return running;
     this.noteGiveUp(w);
     // What this step waits for, by delivery order (steps start in it): a destroy waits for
     // the starts of its sandbox delivered before it, and a start for the destroys before it.

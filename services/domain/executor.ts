@@ -10,7 +10,7 @@ import { AsyncLocalStorage } from 'node:async_hooks';
 import { create, fromBinary } from '@bufbuild/protobuf';
 import { admit, QuotaExceededError } from './quota.ts';
 import type { QuotaOf, UsageSource } from './quota.ts';
-import { durationMs } from '@bufbuild/protobuf/wkt';
+import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, LeaderFence, LeaderTerm, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from './records.ts';
@@ -942,7 +942,8 @@ export class Executor {
     this.hostWorkSends.delete(key);
     this.hostWorkSends.set(key, attempt);
     if (this.hostWorkSends.size > 10_000) this.hostWorkSends.delete(this.hostWorkSends.keys().next().value as string);
-    const msg = create(HostWorkSchema, { opId, stepId, attempt, tenantId, work });
+    // Nobody waits for its answer, but the agent frees the step's slot by this deadline should it hang.
+    const msg = create(HostWorkSchema, { opId, stepId, attempt, tenantId, work, deadline: timestampFromMs(this.deps.clock.now() + this.deps.config.stepTimeoutMs) });
     for (let i = 0; ; i++) {
       if (!this.leading()) return void this.log.warn({ hostId, opId, stepId }, `${failed}: no longer leading`);
       try {
@@ -1580,7 +1581,8 @@ export class Executor {
         }, timeoutMs);
         this.waiters.set(key, waiter);
       });
-      const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt: ++sends, tenantId: op.tenantId, work });
+      // The agent answers by the time this send stops being waited for, also when the step hangs there.
+      const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt: ++sends, tenantId: op.tenantId, work, deadline: timestampFromMs(this.deps.clock.now() + timeoutMs) });
       // A publish can fail while NATS is restarting or the connection is re-established:
       // retry it with backoff rather than waiting out the whole step timeout. Sent alone, the
       // retry has the same message id and JetStream drops it if the failed publish was in fact

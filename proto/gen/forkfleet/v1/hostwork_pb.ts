@@ -44,6 +44,10 @@ export type HostWork = Message<"forkfleet.v1.HostWork"> & {
   attempt: number;
 
   /**
+   * When the sender stops waiting for this send's answer. A step still running then is
+   * answered DEADLINE_EXCEEDED (retryable) and its run goes on; the next send of the step
+   * waits for that run. Unset: no deadline.
+   *
    * @generated from field: google.protobuf.Timestamp deadline = 4;
    */
   deadline?: Timestamp | undefined;
