@@ -606,6 +606,19 @@ describe('Agent steps', () => {
     await agent.stop();
   });
 
+  it('stop_whoseWorkConsumerDoesNotStop_endsWithinTheGraceAllTheSame', async () => {
+    // The consumer waits on NATS (a backoff, a reconnect): the grace counts from the stop, not from after it.
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined },
+      {},
+      { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async () => () => new Promise<void>(() => undefined), publishHeartbeat: () => undefined, publishResult: async () => undefined },
+    );
+    await agent.start();
+    const t0 = Date.now();
+    await agent.stop();
+    expect(Date.now() - t0).toBeLessThan(2000);
+  });
+
   it('stop_startsNoQueuedStepOnceCalled_sendsNoMoreHeartbeats_andResolvesOnlyOnceTheRunningStepsHaveFinished', async () => {
     let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
     const fetched: Array<() => void> = [];

@@ -394,14 +394,20 @@ export class Agent {
     };
     const consuming = this.stopConsuming;
     this.stopConsuming = undefined;
-    if (consuming) await attempt(consuming);
-    if (this.running.size > 0) {
-      const graceMs = this.deps.config.shutdownGraceMs ?? 20_000;
-      let timer: ReturnType<typeof setTimeout> | undefined;
-      const graceOver = new Promise<boolean>((r) => (timer = setTimeout(() => r(false), graceMs)));
-      const settled = await Promise.race([Promise.all(this.running).then(() => true), graceOver]);
+    // One grace for the whole stop, from its start: the consumer's stop (which can wait on
+    // NATS) and the running steps share it, so the agent ends within the grace and is not
+    // killed by its supervisor half-way.
+    const graceMs = this.deps.config.shutdownGraceMs ?? 20_000;
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const graceOver = new Promise<boolean>((r) => (timer = setTimeout(() => r(false), graceMs)));
+    try {
+      if (consuming && !(await Promise.race([attempt(consuming).then(() => true), graceOver]))) this.log.warn({ graceMs }, 'stopping: the work consumer did not stop within the grace');
+      if (this.running.size > 0) {
+        const settled = await Promise.race([Promise.all(this.running).then(() => true), graceOver]);
+        if (!settled) this.log.warn({ steps: this.running.size, graceMs }, 'stopping with steps still running: they are delivered again to the next agent');
+      }
+    } finally {
       clearTimeout(timer);
-      if (!settled) this.log.warn({ steps: this.running.size, graceMs }, 'stopping with steps still running: they are delivered again to the next agent');
     }
     for (const s of this.stops.splice(0).reverse()) await attempt(s);
     for (const t of this.keepAlives) clearInterval(t);

@@ -43,6 +43,19 @@ export function isGone(e: unknown): boolean {
 export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Promise<void>> {
   const open = async (): Promise<ConsumerMessages> => (await o.js.consumers.get(o.stream, o.consumer)).consume({ max_messages: o.maxMessages });
   let closed = false;
+  // The loop's waits end at once when the consumer is stopped: a stop during a 30 s backoff
+  // (the agent's SIGTERM, say) would otherwise wait it out.
+  const wakers = new Set<() => void>();
+  const pause = (ms: number): Promise<void> =>
+    new Promise<void>((resolve) => {
+      const wake = (): void => {
+        clearTimeout(t);
+        wakers.delete(wake);
+        resolve();
+      };
+      const t = setTimeout(wake, ms);
+      wakers.add(wake);
+    });
   let messages: ConsumerMessages;
   try {
     messages = await open();
@@ -103,7 +116,7 @@ export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Pr
       failedRounds = failed && !received ? failedRounds + 1 : 0;
       // Not at once: the server answers "not found" before it has removed the old consumer's
       // directory, and one made meanwhile can lose its own (ensureWorkConsumer).
-      await new Promise((r) => setTimeout(r, Math.min(RECREATE_AFTER_MS * 2 ** failedRounds, 30_000)));
+      await pause(Math.min(RECREATE_AFTER_MS * 2 ** failedRounds, 30_000));
       for (let delay = 100; !closed && !o.nc.isClosed(); delay = Math.min(delay * 2, 5000)) {
         try {
           await o.ensure();
@@ -112,13 +125,14 @@ export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Pr
           break;
         } catch (e) {
           o.onRetry(e);
-          await new Promise((r) => setTimeout(r, delay));
+          await pause(delay);
         }
       }
     }
   })();
   return async () => {
     closed = true;
+    for (const wake of [...wakers]) wake();
     await messages.close();
     await loop.catch(() => undefined);
   };
