@@ -18,7 +18,7 @@ import { canTransition, HOLDS_CAPACITY, isTerminal, PLACEMENT_TXN_MAX_BYTES, SAN
 import type { HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostResultSchema, HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
-import { FetchRates, fleetViewInput, livenessOf } from './fleet-view.ts';
+import { FetchRates, LinkLoads, fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig, HeartbeatRegistry } from './fleet-view.ts';
 import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
@@ -642,6 +642,8 @@ export class Executor {
    * a transfer by what hosts get, not by their links' rate (fleetViewInput).
    */
   private readonly fetchRates = new FetchRates();
+  /** Transfers of committed placements still running by their plan: link load for the next decisions. */
+  private readonly linkLoads = new LinkLoads();
   /** The term an operation runner was started in (maybeRun): commit() refuses a runner of an earlier term. */
   private readonly runnerTerm = new AsyncLocalStorage<number>();
   /** When this replica became leader (hosts it never heard from are silent since then). */
@@ -1701,6 +1703,8 @@ export class Executor {
         let groupBytes = 0;
         const groupKeys = new Set<string>();
         const overflow: PlaceJob[] = [];
+        // The link load of this group's plans, taken back if the group does not commit.
+        const groupLinkUse: Array<ReturnType<LinkLoads['add']>> = [];
         for (const job of pending) {
           if (overflow.length > 0) {
             overflow.push(job);
@@ -1719,7 +1723,7 @@ export class Executor {
               // "unknown", and the job failed as a retryable "no capacity".
               viewSnapshots = [...snapshots.filter((x) => x.tenantId !== tenantId || x.id !== id), sv.value];
             }
-            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight, fetchRates: this.fetchRates.current(now) }));
+            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight, fetchRates: this.fetchRates.current(now), linkLoads: this.linkLoads.current(now) }));
             const req = job.request(view);
             // Seeded by the request's id (each migration of a drain has its own), as the library
             // documents, so the first attempt's decision replays from its explanation.
@@ -1773,6 +1777,8 @@ export class Executor {
             }
             if (snapshotCheck) snapshotChecks.set(writeKey(snapshotCheck), snapshotCheck);
             planned.push({ job, result, writes: [...writes, ...opWrites] });
+            // Later jobs of the group, and later groups, see its copies on the links.
+            groupLinkUse.push(this.linkLoads.add(result.transferPlan?.transfers ?? [], now));
             writeCount += size;
             groupBytes += bytes;
           } catch (e) {
@@ -1786,11 +1792,15 @@ export class Executor {
         // One write per touched host's capacity, guarded by the alloc revision this plan read.
         const allocWrites: StoreWrite[] = [...touched].map((hostId) => ({ kind: 'alloc', value: allocs.get(hostId)!, expectRevision: allocRevs.get(hostId) ?? 0 }));
         const hostChecks: StoreWrite[] = [...touched].map((id) => ({ kind: 'check-host', id, expectRevision: hostRevs.get(id) ?? 0 }));
-        const rev = await this.commit([...allocWrites, ...hostChecks, ...snapshotChecks.values(), ...planned.flatMap((p) => p.writes)]);
+        const rev = await this.commit([...allocWrites, ...hostChecks, ...snapshotChecks.values(), ...planned.flatMap((p) => p.writes)]).catch((e: unknown) => {
+          for (const u of groupLinkUse) this.linkLoads.remove(u);
+          throw e;
+        });
         if (rev) {
           for (const p of planned) p.job.resolve({ result: p.result, revision: rev });
           return;
         }
+        for (const u of groupLinkUse) this.linkLoads.remove(u);
         this.log.debug({ opIds: planned.map((p) => p.job.op.id), attempt }, 'placement commit conflicted; re-planning');
         if (planned.length > 1) {
           // The conflict may be one job's own guard (a record its caller read that changed

@@ -2,9 +2,10 @@ import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { HeartbeatSchema, VmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { decodeHeartbeat } from '../adapters/nats/bus.ts';
-import { FETCH_RATE_WINDOW_MS, FetchRates, fleetViewInput, HeartbeatRegistry, livenessOf } from './fleet-view.ts';
+import { FETCH_RATE_WINDOW_MS, FetchRates, fleetViewInput, HeartbeatRegistry, LinkLoads, livenessOf } from './fleet-view.ts';
 import type { HostRec, SnapshotRec } from './records.ts';
-import { buildFleetView } from '../../scheduler/index.ts';
+import { buildFleetView, place, xoshiro128ss } from '../../scheduler/index.ts';
+import { snapshotRecord } from '../testkit/records.ts';
 
 const host = (id: string): HostRec => ({
   id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 8, memoryMib: 8192, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0',
@@ -65,6 +66,34 @@ describe('fleetViewInput', () => {
     rates.note('c', Number.NaN, 0);
     rates.note('c', 0, 0);
     expect(rates.current(0)).toEqual(new Map());
+  });
+
+  it('linkLoads_ofPlannedTransfers_takeTheirRateOfBothLinksUntilTheirPlannedEnd_andATakenBackPlanNone', () => {
+    const loads = new LinkLoads();
+    // 100 MB in 1 s from h1 to a, decided at t = 1000; and one to b, not committed.
+    loads.add([{ sourceHostId: 'h1', destinationHostId: 'a', bytes: 1e8, startMs: 0, readyAtMs: 1000 }], 1000);
+    const lost = loads.add([{ sourceHostId: 'h1', destinationHostId: 'b', bytes: 5e7, startMs: 500, readyAtMs: 1000 }], 1000);
+    expect(loads.current(1500)).toEqual(new Map([['h1', { rx: 0, tx: 2e8 }], ['a', { rx: 1e8, tx: 0 }], ['b', { rx: 1e8, tx: 0 }]]));
+    loads.remove(lost);
+    expect(loads.current(1500)).toEqual(new Map([['h1', { rx: 0, tx: 1e8 }], ['a', { rx: 1e8, tx: 0 }]]));
+    expect(loads.current(2000)).toEqual(new Map());
+  });
+
+  it('aHoldersUplinkTakenByAnEarlierPlansCopies_isSeenAsLoad_soTheNextCopyComesFromTheOtherHolder', () => {
+    const heard = new HeartbeatRegistry();
+    for (const id of ['h1', 'h2', 'c']) heard.record(create(HeartbeatSchema, { hostId: id, bootId: 'b', restoreSlots: 4, restoreCostMs: 300 }), 1_000);
+    const sn = snapshotRecord({ id: 'sn-a', hostIds: ['h1', 'h2'], storedBytes: 256 << 20, vmConfig: { machine: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '7.2.0', accel: 'tcg', cpuModel: 'max', image: 'tiny' } });
+    const sourceOfCopy = (linkLoads?: Map<string, { rx: number; tx: number }>): string | undefined => {
+      const v = fleetViewInput({ hosts: [host('h1'), host('h2'), host('c')], allocs: new Map(), heard, snapshots: [sn], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144, ...(linkLoads ? { linkLoads } : {}) });
+      // The 90% cap: a link never looks wholly taken.
+      for (const h of v.hosts) expect(h.link.txLoadBytesPerS).toBeLessThanOrEqual(0.9 * h.link.bandwidthBytesPerS);
+      const r = place(buildFleetView(v), { kind: 'fork', id: 'op-x', nowMs: 1_000, snapshotId: 'sn-a', count: 1, overlayDiskMib: 0, preferences: { locality: 'CROSS_HOST' } }, xoshiro128ss(1, 2, 3, 4));
+      return r.ok ? r.transferPlan?.transfers[0]?.sourceHostId : undefined;
+    };
+    const idle = sourceOfCopy();
+    const other = idle === 'h1' ? 'h2' : 'h1';
+    expect(idle).toBeDefined();
+    expect(sourceOfCopy(new Map([[idle!, { rx: 0, tx: 2e9 }]]))).toBe(other);
   });
 
   it('hostRecordedLost_staysLostInTheView_evenWithFreshHeartbeats_untilItsRecordIsReady', () => {

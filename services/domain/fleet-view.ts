@@ -210,6 +210,63 @@ export class FetchRates {
   }
 }
 
+/** A planned transfer's link use, as LinkLoads keeps it. */
+interface LinkUse {
+  readonly src: string;
+  readonly dst: string;
+  /** Bytes per second it takes of the source's uplink and the destination's downlink. */
+  readonly rate: number;
+  /** When it is planned to end (ms, the scheduler's clock). */
+  readonly until: number;
+}
+
+/**
+ * The transfers this leader planned and expects still to run: each takes its planned rate of
+ * its source's uplink and its destination's downlink until its planned end. Placement sees
+ * them as link load (HostLink rx/txLoadBytesPerS): two forks decided a moment apart both saw
+ * the one holder's uplink idle, and planned their copies from it at its full rate.
+ */
+export class LinkLoads {
+  private uses: LinkUse[] = [];
+
+  /** Adds the transfers of a plan decided at `now` (their times are from then); returns them, for `remove`. */
+  add(transfers: ReadonlyArray<{ sourceHostId: string; destinationHostId: string; bytes: number; startMs: number; readyAtMs: number }>, now: number): readonly LinkUse[] {
+    const added: LinkUse[] = [];
+    for (const t of transfers) {
+      const ms = t.readyAtMs - t.startMs;
+      if (!(t.bytes > 0) || !(ms > 0) || !Number.isFinite(ms)) continue;
+      added.push({ src: t.sourceHostId, dst: t.destinationHostId, rate: (t.bytes * 1000) / ms, until: now + t.readyAtMs });
+    }
+    this.uses.push(...added);
+    return added;
+  }
+
+  /** Takes back transfers `add` returned (their plan was not committed). */
+  remove(added: readonly LinkUse[]): void {
+    const gone = new Set(added);
+    this.uses = this.uses.filter((u) => !gone.has(u));
+  }
+
+  /** Per host, the bytes per second its planned transfers take inbound (rx) and outbound (tx) now; ended ones are forgotten. */
+  current(now: number): Map<string, { rx: number; tx: number }> {
+    this.uses = this.uses.filter((u) => u.until > now);
+    const out = new Map<string, { rx: number; tx: number }>();
+    const at = (id: string): { rx: number; tx: number } => {
+      let l = out.get(id);
+      if (!l) out.set(id, (l = { rx: 0, tx: 0 }));
+      return l;
+    };
+    for (const u of this.uses) {
+      at(u.src).tx += u.rate;
+      at(u.dst).rx += u.rate;
+    }
+    return out;
+  }
+}
+
+/** The most of a link planned transfers count as taken: a link never looks wholly taken (its transfers may end early). */
+const MAX_LINK_LOAD = 0.9;
+
 /** Builds the placement library's input from etcd records plus heartbeats. */
 export function fleetViewInput(args: {
   hosts: readonly HostRec[];
@@ -236,6 +293,8 @@ export function fleetViewInput(args: {
    * free, so a wake went to a cold host over its warm holder.
    */
   fetchRates?: ReadonlyMap<string, number>;
+  /** Link load of the transfers this leader planned that still run (LinkLoads.current). */
+  linkLoads?: ReadonlyMap<string, { rx: number; tx: number }>;
 }): FleetViewInput {
   // Which of `snapshots` each host holds, by its record or its last heartbeat: one pass over
   // the snapshots' holders, then an indexed lookup per host and snapshot (not every host
@@ -267,6 +326,8 @@ export function fleetViewInput(args: {
     // second of its heartbeats returning, reclaiming what it had): a step sent to it before
     // that fails at once as sent to a lost host.
     const state = h.state === 'lost' ? 'lost' : livenessOf(heard?.heardAt, args.now, args.liveness);
+    const bandwidth = Math.max(1, Math.min(h.linkBytesPerSecond, args.fetchRates?.get(h.id) ?? fleetFetchRate));
+    const load = args.linkLoads?.get(h.id);
     const held = new Set<string>(recorded.get(h.id));
     if (heard) {
       // The smaller side drives the intersection of the host's heard holdings and the view's snapshots.
@@ -284,7 +345,7 @@ export function fleetViewInput(args: {
       inflightOps: Math.max(heard?.hb.inflightOps ?? 0, args.ownInflight?.get(h.id) ?? 0),
       // The host's measured restore time and its slots price its queue (scheduler/README.md).
       ...(heard && heard.hb.restoreSlots > 0 && (heard.hb.restoreCostMs > 0 || fleetRestoreMs !== undefined) ? { restoreCostMs: heard.hb.restoreCostMs > 0 ? heard.hb.restoreCostMs : fleetRestoreMs, restoreSlots: heard.hb.restoreSlots } : {}),
-      link: { bandwidthBytesPerS: Math.max(1, Math.min(h.linkBytesPerSecond, args.fetchRates?.get(h.id) ?? fleetFetchRate)), rxLoadBytesPerS: 0, txLoadBytesPerS: 0 },
+      link: { bandwidthBytesPerS: bandwidth, rxLoadBytesPerS: Math.min(load?.rx ?? 0, MAX_LINK_LOAD * bandwidth), txLoadBytesPerS: Math.min(load?.tx ?? 0, MAX_LINK_LOAD * bandwidth) },
       vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel, ...(heard && builtImages(heard.hb) ? { images: builtImages(heard.hb) } : {}) },
       heldSnapshots: [...held],
     };
