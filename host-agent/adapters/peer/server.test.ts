@@ -47,7 +47,7 @@ function callContext(signal: AbortSignal): CallContext {
 }
 
 /** A FetchChunks stream on a store holding s1, opened at t0 with a ticket for 60 s; `at` moves the clock. */
-async function openStream(credit: number, o: { chunks?: (real: ChunkStore) => ChunkStore; openWithinMs?: number; noOpen?: boolean } = {}) {
+async function openStream(credit: number, o: { chunks?: (real: ChunkStore) => ChunkStore; openWithinMs?: number; noOpen?: boolean; streamGraceMs?: number } = {}) {
   const { signing, trusted } = generateSigningKey('k1');
   const deps = await storeHoldingS1(mkdtempSync(join(dir, 's-')), signing);
   const signed = await deps.manifests.get('s1');
@@ -56,7 +56,7 @@ async function openStream(credit: number, o: { chunks?: (real: ChunkStore) => Ch
   if (!digest) throw new Error('s1 has no chunks');
   const t0 = new Date('2026-01-01T00:00:00Z');
   let now = t0;
-  const { registration, stats } = chunkTransferService({ ...deps, chunks: o.chunks?.(deps.chunks) ?? deps.chunks, trust: trusted, clock: { now: () => now }, callerHostId: () => 'hostR', ...(o.openWithinMs ? { openWithinMs: o.openWithinMs } : {}) });
+  const { registration, stats } = chunkTransferService({ ...deps, chunks: o.chunks?.(deps.chunks) ?? deps.chunks, trust: trusted, clock: { now: () => now }, callerHostId: () => 'hostR', ...(o.openWithinMs ? { openWithinMs: o.openWithinMs } : {}), ...(o.streamGraceMs ? { streamGraceMs: o.streamGraceMs } : {}) });
   const fetchChunks = registration.handlers.fetchChunks as unknown as (reqs: AsyncIterable<FetchChunksRequest>, ctx: CallContext) => AsyncIterable<{ payload: { case: string } }>;
   const stop = new AbortController();
   const q = requestQueue();
@@ -126,6 +126,19 @@ describe('ChunkTransferService.fetchChunks', () => {
       const end = await s.next();
       expect(end).toBeInstanceOf(ForkfleetError);
       expect(end).toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/EMFILE/) });
+    } finally {
+      s.close();
+    }
+  });
+
+  it('fetchChunks_ofAStreamThatAsksForNothingMore_endsItWithPermissionDenied_onceTheGraceAfterItsTicketsExpiryIsOver', async () => {
+    const s = await openStream(8, { streamGraceMs: 50 });
+    try {
+      s.at(59_990); // opened 10 ms before the ticket's expiry
+      const end = s.next();
+      await new Promise((r) => setTimeout(r, 100));
+      s.at(61_000); // its grace is over; the stream sent nothing since its open
+      expectExpired(await end);
     } finally {
       s.close();
     }

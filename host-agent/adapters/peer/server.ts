@@ -2,7 +2,8 @@
 // handlers: check the ticket, convert, read the store. Every call needs a ticket the
 // scheduler signed for this snapshot and for the calling host; otherwise nothing is served.
 // A FetchChunks stream opened in time serves nothing later than STREAM_GRACE_MS past its
-// ticket's expiry: each want and each chunk sent checks it again (permission_denied).
+// ticket's expiry: each want and each chunk sent checks it again, and a quiet stream ends
+// then too (permission_denied). Its open message must come within openWithinMs (30 s).
 //
 // The caller's host id comes from `callerHostId(ctx)`. The default reads the `ff-host-id`
 // metadata; with mutual TLS (FF_PEER_*) the agent takes it from the caller's certificate
@@ -15,6 +16,7 @@ import { register } from '../../../services/adapters/grpc/rpc.ts';
 import type { CallContext, ServiceRegistration } from '../../../services/adapters/grpc/rpc.ts';
 import { isIP } from 'node:net';
 import { ForkfleetError, InvalidArgumentError } from '../../../proto/errors.ts';
+import { MAX_TIMER_MS } from '../../../services/config.ts';
 import type { ChunkStore, Clock, DigestHex, EncodedChunk, ManifestStore } from '../../domain/snapshot-store.ts';
 import { manifestDigests } from '../../domain/snapshot-store.ts';
 import { ManifestNotFoundError, TicketInvalidError } from '../../domain/transfer-errors.ts';
@@ -38,6 +40,8 @@ export interface ChunkServerDeps {
    * until then nobody has shown a ticket, and a stream that sends nothing would stay open.
    */
   readonly openWithinMs?: number;
+  /** STREAM_GRACE_MS unless set (tests). */
+  readonly streamGraceMs?: number;
   /** Observes every chunk served (metrics, tests). */
   readonly onServed?: (digest: DigestHex, bytes: number) => void;
   /**
@@ -157,9 +161,10 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       // The ticket is checked again on each want and before each chunk is sent: a stream opened
       // before its ticket's expiry serves nothing STREAM_GRACE_MS after it.
       let expired = false;
+      const graceMs = deps.streamGraceMs ?? STREAM_GRACE_MS;
       const live = (): void => {
         try {
-          assertTicketLive(claims, new Date(deps.clock.now().getTime() - STREAM_GRACE_MS));
+          assertTicketLive(claims, new Date(deps.clock.now().getTime() - graceMs));
         } catch (e) {
           if (!expired) {
             expired = true;
@@ -169,6 +174,22 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
           throw e;
         }
       };
+
+      // And when it is quiet: a stream that asks for nothing more would stay open past the
+      // grace (HTTP/2 pings keep it), holding the ticket's snapshot readable for ever.
+      let expiry: ReturnType<typeof setTimeout> | undefined;
+      const checkExpiry = (): void => {
+        try {
+          live();
+        } catch (e) {
+          failure ??= e;
+          changed.notify();
+          return;
+        }
+        const ms = claims.expiresAt.getTime() + graceMs - deps.clock.now().getTime();
+        expiry = setTimeout(checkExpiry, Math.min(MAX_TIMER_MS, Math.max(0, ms) + 1));
+      };
+      checkExpiry();
 
       void (async () => {
         try {
@@ -202,45 +223,49 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       })();
 
       const ahead: Array<{ digest: DigestHex; read: Promise<EncodedChunk | undefined> }> = [];
-      while (true) {
-        if (failure !== undefined && !ended) throw failure;
-        if (ctx.signal.aborted) return;
-        if (ahead.length > 0 || wants.length > 0) live();
-        while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
-          const digest = wants.shift() as DigestHex;
-          const read = readForSend(digest);
-          // Reads still ahead when the stream ends (an error, the caller gone) are never awaited:
-          // one failing then must not be an unhandled rejection, which ends the agent.
-          read.catch(() => undefined);
-          ahead.push({ digest, read });
-        }
-        const next = ahead.shift();
-        if (next) {
-          // A read that failed here (EIO, EMFILE) may pass: the receiver tries this source
-          // again (an internal error would make it give the source up at once).
-          const c = await next.read.catch((e: unknown) => {
-            if (e instanceof ForkfleetError) throw e;
-            deps.log?.warn({ peer: ctx.peer, digest: next.digest, err: (e as Error).message }, 'reading a chunk to send failed');
-            throw new ForkfleetError('unavailable', `reading chunk ${next.digest.slice(0, 16)} on the source failed: ${(e as Error).message}`, { retryable: true });
-          });
-          if (!c) {
-            yield { payload: { case: 'missing', value: Buffer.from(next.digest, 'hex') } };
+      try {
+        while (true) {
+          if (failure !== undefined && !ended) throw failure;
+          if (ctx.signal.aborted) return;
+          if (ahead.length > 0 || wants.length > 0) live();
+          while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
+            const digest = wants.shift() as DigestHex;
+            const read = readForSend(digest);
+            // Reads still ahead when the stream ends (an error, the caller gone) are never awaited:
+            // one failing then must not be an unhandled rejection, which ends the agent.
+            read.catch(() => undefined);
+            ahead.push({ digest, read });
+          }
+          const next = ahead.shift();
+          if (next) {
+            // A read that failed here (EIO, EMFILE) may pass: the receiver tries this source
+            // again (an internal error would make it give the source up at once).
+            const c = await next.read.catch((e: unknown) => {
+              if (e instanceof ForkfleetError) throw e;
+              deps.log?.warn({ peer: ctx.peer, digest: next.digest, err: (e as Error).message }, 'reading a chunk to send failed');
+              throw new ForkfleetError('unavailable', `reading chunk ${next.digest.slice(0, 16)} on the source failed: ${(e as Error).message}`, { retryable: true });
+            });
+            if (!c) {
+              yield { payload: { case: 'missing', value: Buffer.from(next.digest, 'hex') } };
+              continue;
+            }
+            credit--;
+            stats.chunksServed++;
+            stats.bytesServed += c.data.length;
+            deps.onServed?.(c.digest, c.data.length);
+            // `data` is a view of a (pooled) read buffer; serializeResponse writes the message
+            // header in front of it, grpc-js copies it once and the buffer goes back to the pool.
+            yield { payload: { case: 'chunk', value: { digest: Buffer.from(c.digest, 'hex'), codec: c.codec, size: c.size, data: c.data } } };
             continue;
           }
-          credit--;
-          stats.chunksServed++;
-          stats.bytesServed += c.data.length;
-          deps.onServed?.(c.digest, c.data.length);
-          // `data` is a view of a (pooled) read buffer; serializeResponse writes the message
-          // header in front of it, grpc-js copies it once and the buffer goes back to the pool.
-          yield { payload: { case: 'chunk', value: { digest: Buffer.from(c.digest, 'hex'), codec: c.codec, size: c.size, data: c.data } } };
-          continue;
+          if ((ended || failure !== undefined) && wants.length === 0) {
+            if (failure !== undefined) throw failure;
+            return;
+          }
+          await changed.wait();
         }
-        if ((ended || failure !== undefined) && wants.length === 0) {
-          if (failure !== undefined) throw failure;
-          return;
-        }
-        await changed.wait();
+      } finally {
+        clearTimeout(expiry);
       }
     },
   });
