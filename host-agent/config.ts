@@ -92,9 +92,10 @@ export interface AgentProcessConfig {
    */
   readonly migrateMaxChildren: number;
   /**
-   * FF_SHUTDOWN_GRACE: on SIGTERM, how long the agent waits for the steps still running to
-   * finish (their results sent) before it exits; a step left is delivered again to the next
-   * agent. Under the 30 s systemd allows (TimeoutStopSec), with room for the rest of shutdown.
+   * FF_SHUTDOWN_GRACE: on SIGTERM, how long (from the signal) the agent waits for its work
+   * consumer to stop and the steps still running to finish (their results sent) before it
+   * exits; a step left is delivered again to the next agent. Under the 30 s systemd allows
+   * (TimeoutStopSec), with room for the rest of shutdown.
    */
   readonly shutdownGraceMs: number;
   /**

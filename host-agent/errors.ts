@@ -143,3 +143,38 @@ export class HostSetupError extends ForkfleetError {
     super('failed_precondition', message, { retryable: false, ...options });
   }
 }
+
+/**
+ * System errors that pass (GC frees the disk, other work closes its files, a disk answers
+ * again), by errno code, with the kind they are answered as.
+ */
+const PASSING_ERRNO: Readonly<Record<string, 'resource_exhausted' | 'unavailable'>> = {
+  ENOSPC: 'resource_exhausted',
+  EDQUOT: 'resource_exhausted',
+  EMFILE: 'resource_exhausted',
+  ENFILE: 'resource_exhausted',
+  ENOMEM: 'resource_exhausted',
+  EAGAIN: 'unavailable',
+  EBUSY: 'unavailable',
+  EIO: 'unavailable',
+};
+
+/**
+ * `what` failed with a system error that may pass: retryable, so a host step meeting it is
+ * journalled for that send only and the scheduler's retry runs it again, and a peer's fetch
+ * tries the source again. Its message names the errno code only: the error's own text names
+ * host paths, and a named kind's text reaches tenants.
+ */
+export class PassingSystemError extends ForkfleetError {
+  constructor(what: string, code: string, kind: 'resource_exhausted' | 'unavailable', cause: unknown) {
+    super(kind, `${what} failed with ${code} on the host; it may pass (a retry runs it again)`, { retryable: true, cause });
+  }
+}
+
+/** `e` as a PassingSystemError when it is a system error of a code that passes (not a ForkfleetError); else undefined. */
+export function passingSystemError(e: unknown, what: string): PassingSystemError | undefined {
+  if (e instanceof ForkfleetError) return undefined;
+  const code = (e as { code?: unknown } | null)?.code;
+  const kind = typeof code === 'string' ? PASSING_ERRNO[code] : undefined;
+  return kind && typeof code === 'string' ? new PassingSystemError(what, code, kind, e) : undefined;
+}

@@ -30,10 +30,6 @@ export function parseDuration(field: string, v: string): number {
 }
 
 /**
- * The longest delay Node.js timers take (2^31-1 ms, about 24.8 days): setTimeout and
- * setInterval run a longer one after 1 ms. The bound of every duration that sets a timer.
- */
-/**
  * The largest FF_CHUNK_BYTES (agents and scheduler). A chunk travels host to host as one gRPC
  * message, which a peer accepts up to 16 MiB (peer/client.ts; an incompressible chunk is stored
  * and sent whole), and a source reads up to 16 chunks ahead per stream: 4 MiB keeps both well
@@ -41,6 +37,10 @@ export function parseDuration(field: string, v: string): number {
  */
 export const MAX_CHUNK_BYTES = 4 << 20;
 
+/**
+ * The longest delay Node.js timers take (2^31-1 ms, about 24.8 days): setTimeout and
+ * setInterval run a longer one after 1 ms. The bound of every duration that sets a timer.
+ */
 export const MAX_TIMER_MS = 2 ** 31 - 1;
 
 /** '1s', '100ms', '5m': `ms` as a duration setting is written. */
@@ -254,7 +254,7 @@ export interface SchedulerConfig {
   readonly suspectAfterMs: number;
   /** FF_HOST_LOST_AFTER: heartbeat age that makes a host lost (longer than FF_HOST_SUSPECT_AFTER). */
   readonly lostAfterMs: number;
-  /** FF_STEP_TIMEOUT: how long one host step may run before it is re-sent (at least 1s). */
+  /** FF_STEP_TIMEOUT: how long one host step may run before it is re-sent (at least 1s); each send's HostWork.deadline is a little before it. */
   readonly stepTimeoutMs: number;
   /** FF_STEP_ATTEMPTS: 1-20. */
   readonly stepAttempts: number;

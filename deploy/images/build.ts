@@ -204,10 +204,10 @@ export async function cachedImages(opts: Pick<ImageOptions, 'cacheDir'> = {}): P
   return out;
 }
 
-/** Cache entries being checked or built by this process, by directory: one build per entry. */
 /** Longest an image build may take (a Debian image from a slow mirror takes minutes). */
 const BUILD_TIMEOUT_MS = 30 * 60_000;
 
+/** Cache entries being checked or built by this process, by directory: one build per entry. */
 const inflight = new Map<string, Promise<GuestImage>>();
 
 /**
@@ -298,8 +298,10 @@ async function build(name: ImageName, hash: string, kernelVersion: string, diskM
     await mkdir(scratch);
     // FF_RECIPE_HASH seeds what would otherwise be random (the file system's UUID).
     // Bounded: a stalled package mirror or a disk that stops answering would otherwise hold
-    // every step that waits for this image (they share the build) for ever.
-    await run(...buildCommand(args), { maxBuffer: 64 << 20, timeout: BUILD_TIMEOUT_MS, env: { ...process.env, TMPDIR: scratch, FF_RECIPE_HASH: hash } });
+    // every step that waits for this image (they share the build) for ever. SIGKILL: as root
+    // the build runs under `unshare --fork --kill-child`, which ignores SIGTERM while it waits,
+    // and killed, takes its PID namespace (the whole build) with it.
+    await run(...buildCommand(args), { maxBuffer: 64 << 20, timeout: BUILD_TIMEOUT_MS, killSignal: 'SIGKILL', env: { ...process.env, TMPDIR: scratch, FF_RECIPE_HASH: hash } });
     await rm(scratch, { recursive: true, force: true });
     await completeMeta(tmp);
     // Durable before it is published: a power loss must not leave the name with torn files.

@@ -34,6 +34,8 @@ import { Accel, ErrorInfoSchema } from '../../proto/gen/forkfleet/v1/common_pb.t
 import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { GuestHook } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
+import { passingSystemError } from '../errors.ts';
+import { MAX_TIMER_MS } from '../../services/config.ts';
 
 /** `host` of a "host:port" or "[v6]:port" address. */
 export function hostOfAddress(address: string): string {
@@ -214,32 +216,13 @@ function journalUnwritable(e: unknown): ForkfleetError {
   return new ForkfleetError('unavailable', `the host's step journal cannot be written: ${e instanceof Error ? e.message : String(e)}`, { retryable: true, cause: e });
 }
 
-/**
- * System errors a step can meet that pass (GC frees the disk, other steps close their files):
- * answered retryable, so they are journalled for that send only and the scheduler's retry runs
- * the step again. As `internal` they were final: a wake or snapshot that met a full disk for a
- * moment failed for good, and every later send of it got the same answer.
- */
-const PASSING_ERRNO: Readonly<Record<string, 'resource_exhausted' | 'unavailable'>> = {
-  ENOSPC: 'resource_exhausted',
-  EDQUOT: 'resource_exhausted',
-  EMFILE: 'resource_exhausted',
-  ENFILE: 'resource_exhausted',
-  ENOMEM: 'resource_exhausted',
-  EAGAIN: 'unavailable',
-  EBUSY: 'unavailable',
-  EIO: 'unavailable',
-};
-
 function errorInfo(e: unknown): { kind: string; message: string; retryable: boolean; field: string } {
   if (isForkfleetError(e)) return { kind: e.kind, message: e.message, retryable: e.retryable, field: e.field ?? '' };
-  const message = e instanceof Error ? e.message : String(e);
-  const code = (e as { code?: unknown } | null)?.code;
-  const passing = typeof code === 'string' ? PASSING_ERRNO[code] : undefined;
-  // Its own text names host paths, and a named kind's text reaches tenants (HostStepError): the
-  // code alone goes out; the step's log line has the whole error.
-  if (passing) return { kind: passing, message: `a system call failed with ${code} on the host; it may pass (a retry runs the step again)`, retryable: true, field: '' };
-  return { kind: 'internal', message, retryable: false, field: '' };
+  // A full disk, too many open files, an I/O error: retryable (as `internal` it was final, and
+  // every later send of the step got the same failure). The step's log line has the whole error.
+  const passing = passingSystemError(e, 'a system call of the step');
+  if (passing) return errorInfo(passing);
+  return { kind: 'internal', message: e instanceof Error ? e.message : String(e), retryable: false, field: '' };
 }
 
 export class Agent {
@@ -252,6 +235,8 @@ export class Agent {
   private closing: Promise<void> | undefined;
   /** Settling of each step run that holds a slot or shares one (onWork), for stop() to wait for. */
   private readonly running = new Set<Promise<void>>();
+  /** Every step run not yet settled, answered or not (one answered at its deadline runs on): stop() waits for them too. */
+  private readonly stepRuns = new Set<Promise<unknown>>();
   /** Heartbeats that could not go out (beat): whether the last one did not, and how many since the last logged. */
   private readonly heartbeatFailures = { failing: false, unlogged: 0, loggedAt: Number.NEGATIVE_INFINITY };
   /**
@@ -402,9 +387,10 @@ export class Agent {
     const graceOver = new Promise<boolean>((r) => (timer = setTimeout(() => r(false), graceMs)));
     try {
       if (consuming && !(await Promise.race([attempt(consuming).then(() => true), graceOver]))) this.log.warn({ graceMs }, 'stopping: the work consumer did not stop within the grace');
-      if (this.running.size > 0) {
-        const settled = await Promise.race([Promise.all(this.running).then(() => true), graceOver]);
-        if (!settled) this.log.warn({ steps: this.running.size, graceMs }, 'stopping with steps still running: they are delivered again to the next agent');
+      // The deliveries being handled, and the step runs answered at their deadline that run on.
+      if (this.running.size > 0 || this.stepRuns.size > 0) {
+        const settled = await Promise.race([Promise.all([...this.running, ...this.stepRuns]).then(() => true), graceOver]);
+        if (!settled) this.log.warn({ steps: this.running.size, runs: this.stepRuns.size, graceMs }, 'stopping with steps still running: they are delivered again to the next agent');
       }
     } finally {
       clearTimeout(timer);
@@ -660,7 +646,8 @@ export class Agent {
 
   private byDeadline(w: HostWork, run: Promise<HostResult>): Promise<HostResult> {
     if (!w.deadline) return run;
-    const ms = Math.max(this.deps.config.stepDeadlineFloorMs ?? 10_000, timestampMs(w.deadline) - this.deps.clock.now());
+    // At most a timer's range: a deadline past it (a clock weeks behind) would fire at once.
+    const ms = Math.min(MAX_TIMER_MS, Math.max(this.deps.config.stepDeadlineFloorMs ?? 10_000, timestampMs(w.deadline) - this.deps.clock.now()));
     let timer: ReturnType<typeof setTimeout> | undefined;
     const late = new Promise<HostResult>((resolve) => {
       timer = setTimeout(() => {
@@ -689,6 +676,9 @@ export class Agent {
       this.giveUps.delete(key);
     });
     this.inProgress.set(key, p);
+    const run = p.catch(() => undefined);
+    this.stepRuns.add(run);
+    void run.then(() => this.stepRuns.delete(run));
     // VMs this step makes are "being made" from now on, before its journal read: a destroy
     // delivered after it waits for it, instead of finding no VM while this step still reads
     // its journal, and the VM then running on with no record.

@@ -221,6 +221,14 @@ type Placed = { result: Extract<PlacementResult, { ok: true }>; revision: number
  * single job larger than the cap still goes alone, as before.
  */
 const PLACE_GROUP_MAX_JOBS = 16;
+
+/** The agent's answer to a send still running at its HostWork.deadline (agent.ts runStep): not the step's result. */
+function isDeadlineAnswer(r: HostResultMsg): boolean {
+  return r.error?.kind === 'deadline_exceeded' && r.error.retryable;
+}
+
+/** How much sooner than a send's wait here ends its HostWork.deadline is (at most a tenth of the wait). */
+const DEADLINE_MARGIN_MS = 5000;
 const PLACE_GROUP_MAX_WRITES = 500;
 
 /** Record bytes a job's writes put, estimated: its sandbox records by their labels and hooks, anything else as a small record. */
@@ -1554,12 +1562,13 @@ export class Executor {
       const early = this.early.get(key);
       if (early) {
         this.early.delete(key);
-        if (early.fromHost === hostId) {
+        if (isDeadlineAnswer(early.result)) {
+          // A send's answer at its deadline (below): the step still ran then; this send asks again.
+        } else if (early.fromHost === hostId) {
           // An answer to a send of an earlier leader (this one may not have sent it yet).
           ended(early.result, Math.max(1, sends));
           return this.checkResult(early.result, hostId, stepId);
-        }
-        this.log.warn({ opId: op.id, stepId, hostId, fromHost: early.fromHost }, 'dropped a step result from a host the step was not sent to');
+        } else this.log.warn({ opId: op.id, stepId, hostId, fromHost: early.fromHost }, 'dropped a step result from a host the step was not sent to');
       }
       // A lost host will not answer: fail now, not after every attempt's timeout. (A host
       // that becomes lost while the step waits wakes the waiter: failStepsOn.)
@@ -1583,8 +1592,10 @@ export class Executor {
         }, timeoutMs);
         this.waiters.set(key, waiter);
       });
-      // The agent answers by the time this send stops being waited for, also when the step hangs there.
-      const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt: ++sends, tenantId: op.tenantId, work, deadline: timestampFromMs(this.deps.clock.now() + timeoutMs) });
+      // The agent answers by a little before this send stops being waited for, also when the
+      // step hangs there (deadline_exceeded, below): the answer then ends this send's wait, not
+      // the next one's.
+      const msg = create(HostWorkSchema, { opId: op.id, stepId, attempt: ++sends, tenantId: op.tenantId, work, deadline: timestampFromMs(this.deps.clock.now() + timeoutMs - Math.min(DEADLINE_MARGIN_MS, timeoutMs / 10)) });
       // A publish can fail while NATS is restarting or the connection is re-established:
       // retry it with backoff rather than waiting out the whole step timeout. Sent alone, the
       // retry has the same message id and JetStream drops it if the failed publish was in fact
@@ -1618,6 +1629,14 @@ export class Executor {
         // answers a step it finished from its journal, so nothing is done twice).
         this.log.info({ opId: op.id, stepId, hostId, attempt }, 'host agent restarted during a step; re-sending it');
         if (freeResends-- > 0) attempt--;
+        continue;
+      }
+      if (r && isDeadlineAnswer(r)) {
+        // The agent's answer at a send's deadline: the step still runs there (agent.ts
+        // runStep), as after a timeout here. Sent again, the new send waits for that run. One
+        // of an earlier send (late, or redelivered after the agent restarted) counts no attempt.
+        this.log.warn({ opId: op.id, stepId, hostId, attempt, answered: r.attempt }, 'host step still running at its deadline; re-sending');
+        if (r.attempt !== sends && freeResends-- > 0) attempt--;
         continue;
       }
       if (r) {

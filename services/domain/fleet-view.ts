@@ -210,6 +210,9 @@ export class FetchRates {
   }
 }
 
+/** How long a planned copy counts as link load at most (LinkLoads). */
+const LINK_LOAD_MAX_MS = 10 * 60_000;
+
 /** A planned transfer's link use, as LinkLoads keeps it. */
 interface LinkUse {
   readonly src: string;
@@ -235,7 +238,8 @@ export class LinkLoads {
     for (const t of transfers) {
       const ms = t.readyAtMs - t.startMs;
       if (!(t.bytes > 0) || !(ms > 0) || !Number.isFinite(ms)) continue;
-      added.push({ src: t.sourceHostId, dst: t.destinationHostId, rate: (t.bytes * 1000) / ms, until: now + t.readyAtMs });
+      // At most LINK_LOAD_MAX_MS: a copy planned over a link priced near nothing would count for days.
+      added.push({ src: t.sourceHostId, dst: t.destinationHostId, rate: (t.bytes * 1000) / ms, until: now + Math.min(t.readyAtMs, LINK_LOAD_MAX_MS) });
     }
     this.uses.push(...added);
     return added;

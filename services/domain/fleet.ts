@@ -201,7 +201,6 @@ export function requestDigest(params: Record<string, unknown>): string {
   return createHash('sha256').update(canonicalJson(params)).digest('base64url').slice(0, 22);
 }
 
-/** A file call whose call has ended (cancelled, past its deadline, its credential revoked) goes no further. */
 /**
  * What a call that woke sandbox `id` answers when the wake `op` did not succeed: the wake's own
  * kind and retryability (its snapshot gone is NOT_FOUND, for good; no host with room is retried),
@@ -215,6 +214,7 @@ function wakeFailure(id: string, op: OperationRec, field: string): ForkfleetErro
   return new RelayedHostError(op.error.kind, `waking sandbox ${id} failed: ${op.error.message}`, { retryable: op.error.retryable, field });
 }
 
+/** A file call whose call has ended (cancelled, past its deadline, its credential revoked) goes no further. */
 function throwIfEnded(signal: AbortSignal | undefined, message: string): void {
   if (signal?.aborted) throw new ForkfleetError('cancelled', message);
 }

@@ -118,14 +118,16 @@ describe('ChunkTransferService.fetchChunks', () => {
     const s = await openStream(8, {
       chunks: (real) =>
         new Proxy(real, {
-          get: (t, k) => (k === 'getEncodedForSend' || k === 'getEncoded' ? () => Promise.reject(Object.assign(new Error('EMFILE: too many open files'), { code: 'EMFILE' })) : Reflect.get(t, k, t)),
+          get: (t, k) => (k === 'getEncodedForSend' || k === 'getEncoded' ? () => Promise.reject(Object.assign(new Error("EMFILE: too many open files, open '/var/lib/forkfleet/chunks/ab/abcd'"), { code: 'EMFILE' })) : Reflect.get(t, k, t)),
         }),
     });
     try {
       s.want();
       const end = await s.next();
       expect(end).toBeInstanceOf(ForkfleetError);
-      expect(end).toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/EMFILE/) });
+      expect(end).toMatchObject({ kind: 'resource_exhausted', retryable: true, message: expect.stringMatching(/EMFILE/) });
+      // The code only: the error's own text names the source host's paths.
+      expect((end as Error).message).not.toMatch(/\/var\/lib/);
     } finally {
       s.close();
     }

@@ -20,6 +20,7 @@ import { MAX_TIMER_MS } from '../../../services/config.ts';
 import type { ChunkStore, Clock, DigestHex, EncodedChunk, ManifestStore } from '../../domain/snapshot-store.ts';
 import { manifestDigests } from '../../domain/snapshot-store.ts';
 import { ManifestNotFoundError, TicketInvalidError } from '../../domain/transfer-errors.ts';
+import { passingSystemError } from '../../errors.ts';
 import { assertTicketLive, decodeManifestUnverified, verifyTicket, type TrustedKeys } from '../../domain/tickets.ts';
 import { hostOfAddress } from '../../domain/agent.ts';
 import { serializeResponse, type WireResponse } from './wire.ts';
@@ -238,12 +239,11 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
           }
           const next = ahead.shift();
           if (next) {
-            // A read that failed here (EIO, EMFILE) may pass: the receiver tries this source
-            // again (an internal error would make it give the source up at once).
+            // A read that failed here with an error that may pass (EIO, EMFILE) is retryable:
+            // the receiver tries this source again (an internal error makes it give it up).
             const c = await next.read.catch((e: unknown) => {
-              if (e instanceof ForkfleetError) throw e;
               deps.log?.warn({ peer: ctx.peer, digest: next.digest, err: (e as Error).message }, 'reading a chunk to send failed');
-              throw new ForkfleetError('unavailable', `reading chunk ${next.digest.slice(0, 16)} on the source failed: ${(e as Error).message}`, { retryable: true });
+              throw passingSystemError(e, `reading chunk ${next.digest.slice(0, 16)}`) ?? e;
             });
             if (!c) {
               yield { payload: { case: 'missing', value: Buffer.from(next.digest, 'hex') } };
