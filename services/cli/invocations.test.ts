@@ -1,7 +1,7 @@
 // main() run more than once in one process (a test, a wrapper) starts each run afresh: its own
 // client, idempotency key and exit code. No server is involved: the API address is a closed
 // port, which the CLI reports as unreachable.
-import { mkdtempSync } from 'node:fs';
+import { mkdtempSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
@@ -9,11 +9,18 @@ import { main } from './main.ts';
 
 const API = '127.0.0.1:1';
 let out: string[] = [];
+/** Each test's temporary directories, removed after it. */
+const dirs: string[] = [];
+const tempDir = (): string => {
+  const d = mkdtempSync(join(tmpdir(), 'ff-cli-'));
+  dirs.push(d);
+  return d;
+};
 
 beforeEach(() => {
   out = [];
   // No credentials of the machine's (a local fleet's) are used: TLS with the system roots, no token.
-  vi.stubEnv('FF_FLEET_DIR', mkdtempSync(join(tmpdir(), 'ff-cli-')));
+  vi.stubEnv('FF_FLEET_DIR', tempDir());
   vi.stubEnv('FF_CREDENTIALS', undefined);
   vi.stubEnv('FF_TOKEN', undefined);
   vi.stubEnv('FF_CA', undefined);
@@ -24,6 +31,7 @@ afterEach(() => {
   vi.restoreAllMocks();
   vi.unstubAllEnvs();
   process.exitCode = undefined;
+  for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true });
 });
 
 /** The `error` of the --json document main printed last. */
@@ -48,7 +56,7 @@ describe('CLI main run twice in one process', () => {
   it('anExitCodeLeftInTheProcess_doesNotBecomeTheNextRunsCode', async () => {
     // As an earlier `sandbox exec` whose command exited 3 used to leave it.
     process.exitCode = 3;
-    const tokens = join(mkdtempSync(join(tmpdir(), 'ff-cli-')), 'tokens.json');
+    const tokens = join(tempDir(), 'tokens.json');
     expect(await main(['--tenant', 't1', 'token', 'mint', '--tokens-file', tokens])).toBe(0);
   });
 
