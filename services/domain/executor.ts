@@ -221,6 +221,7 @@ type Placed = { result: Extract<PlacementResult, { ok: true }>; revision: number
  * single job larger than the cap still goes alone, as before.
  */
 const PLACE_GROUP_MAX_JOBS = 16;
+const PLACE_GROUP_MAX_WRITES = 500;
 
 /** The agent's answer to a send still running at its HostWork.deadline (agent.ts runStep): not the step's result. */
 function isDeadlineAnswer(r: HostResultMsg): boolean {
@@ -229,7 +230,6 @@ function isDeadlineAnswer(r: HostResultMsg): boolean {
 
 /** How much sooner than a send's wait here ends its HostWork.deadline is (at most a tenth of the wait). */
 const DEADLINE_MARGIN_MS = 5000;
-const PLACE_GROUP_MAX_WRITES = 500;
 
 /** Record bytes a job's writes put, estimated: its sandbox records by their labels and hooks, anything else as a small record. */
 function writeBytes(writes: readonly StoreWrite[]): number {
