@@ -235,8 +235,6 @@ export class Agent {
   private closing: Promise<void> | undefined;
   /** Settling of each step run that holds a slot or shares one (onWork), for stop() to wait for. */
   private readonly running = new Set<Promise<void>>();
-  /** Every step run not yet settled, answered or not (one answered at its deadline runs on): stop() waits for them too. */
-  private readonly stepRuns = new Set<Promise<unknown>>();
   /** Heartbeats that could not go out (beat): whether the last one did not, and how many since the last logged. */
   private readonly heartbeatFailures = { failing: false, unlogged: 0, loggedAt: Number.NEGATIVE_INFINITY };
   /**
@@ -387,10 +385,12 @@ export class Agent {
     const graceOver = new Promise<boolean>((r) => (timer = setTimeout(() => r(false), graceMs)));
     try {
       if (consuming && !(await Promise.race([attempt(consuming).then(() => true), graceOver]))) this.log.warn({ graceMs }, 'stopping: the work consumer did not stop within the grace');
-      // The deliveries being handled, and the step runs answered at their deadline that run on.
-      if (this.running.size > 0 || this.stepRuns.size > 0) {
-        const settled = await Promise.race([Promise.all([...this.running, ...this.stepRuns]).then(() => true), graceOver]);
-        if (!settled) this.log.warn({ steps: this.running.size, runs: this.stepRuns.size, graceMs }, 'stopping with steps still running: they are delivered again to the next agent');
+      // The deliveries being handled, and the step runs (inProgress), also those answered at
+      // their deadline that run on.
+      if (this.running.size > 0 || this.inProgress.size > 0) {
+        const runs = [...this.inProgress.values()].map((p) => p.catch(() => undefined));
+        const settled = await Promise.race([Promise.all([...this.running, ...runs]).then(() => true), graceOver]);
+        if (!settled) this.log.warn({ steps: this.running.size, runs: this.inProgress.size, graceMs }, 'stopping with steps still running: they are delivered again to the next agent');
       }
     } finally {
       clearTimeout(timer);
@@ -676,9 +676,6 @@ export class Agent {
       this.giveUps.delete(key);
     });
     this.inProgress.set(key, p);
-    const run = p.catch(() => undefined);
-    this.stepRuns.add(run);
-    void run.then(() => this.stepRuns.delete(run));
     // VMs this step makes are "being made" from now on, before its journal read: a destroy
     // delivered after it waits for it, instead of finding no VM while this step still reads
     // its journal, and the VM then running on with no record.

@@ -2,6 +2,7 @@
 // removed while its agent runs), or lost with its stream (nats-server restarted without its
 // store, a stream deleted by hand). nats.js alone would retry "consumer not found" forever.
 // Both the host agent's work queue and the scheduler's results queue go through this.
+import { setTimeout as sleep } from 'node:timers/promises';
 import { ConsumerEvents } from 'nats';
 import type { ConsumerMessages, JetStreamClient, JetStreamManager, JsMsg, NatsConnection } from 'nats';
 
@@ -45,17 +46,8 @@ export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Pr
   let closed = false;
   // The loop's waits end at once when the consumer is stopped: a stop during a 30 s backoff
   // (the agent's SIGTERM, say) would otherwise wait it out.
-  const wakers = new Set<() => void>();
-  const pause = (ms: number): Promise<void> =>
-    new Promise<void>((resolve) => {
-      const wake = (): void => {
-        clearTimeout(t);
-        wakers.delete(wake);
-        resolve();
-      };
-      const t = setTimeout(wake, ms);
-      wakers.add(wake);
-    });
+  const stopping = new AbortController();
+  const pause = (ms: number): Promise<void> => sleep(ms, undefined, { signal: stopping.signal }).catch(() => undefined);
   let messages: ConsumerMessages;
   try {
     messages = await open();
@@ -132,7 +124,7 @@ export async function consumeDurable(o: DurableConsumeOptions): Promise<() => Pr
   })();
   return async () => {
     closed = true;
-    for (const wake of [...wakers]) wake();
+    stopping.abort();
     await messages.close();
     await loop.catch(() => undefined);
   };
