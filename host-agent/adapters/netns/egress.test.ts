@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { ALWAYS_DENIED, parseCidr, sandboxRuleset } from './egress.ts';
+import { ALWAYS_DENIED, exec, parseCidr, sandboxRuleset } from './egress.ts';
 import { inNewNetns } from './netns.ts';
 
 describe('egress helpers', () => {
@@ -28,5 +28,19 @@ describe('egress helpers', () => {
   });
   it('inNewNetns_execsTheBinaryThroughUnshare', () => {
     expect(inNewNetns('qemu', ['-m', '1'])).toEqual({ command: 'unshare', args: ['--net', '--', 'qemu', '-m', '1'] });
+  });
+});
+
+describe('egress commands', () => {
+  it('exec_whenTheCommandHangs_killsItAndFailsAfterTheTimeout', async () => {
+    const t0 = Date.now();
+    await expect(exec('sleep', ['30'], undefined, 300)).rejects.toThrow(/sleep 30: killed after 300 ms/);
+    await expect(exec('sleep', ['30'], 'input', 300)).rejects.toThrow(/sleep 30: killed after 300 ms/);
+    expect(Date.now() - t0).toBeLessThan(10_000);
+  });
+  it('exec_whenTheCommandFails_namesItAndItsStderr', async () => {
+    await expect(exec('sh', ['-c', 'echo nope >&2; exit 3'])).rejects.toThrow(/sh -c .*: nope/);
+    await expect(exec('sh', ['-c', 'cat >/dev/null; echo bad >&2; exit 2'], 'x')).rejects.toThrow(/exit 2: bad/);
+    await expect(exec('sh', ['-c', 'cat'], 'hello')).resolves.toBe('hello');
   });
 });

@@ -27,6 +27,13 @@ import { ownNetns } from './netns.ts';
 
 const run = promisify(execFile);
 
+/**
+ * How long one `ip`/`nft`/`nsenter` call may take before it is killed (SIGKILL) and the step
+ * fails. They take milliseconds; one stuck on a kernel lock would otherwise hold the agent's
+ * egress lock, and with it every later sandbox with egress, for ever.
+ */
+export const COMMAND_TIMEOUT_MS = 30_000;
+
 export interface EgressOptions {
   /** The namespace holding the host ends and the NAT (a path such as /run/netns/x); default: the agent's own. */
   agentNetns?: string;
@@ -206,23 +213,30 @@ export class EgressManager {
   }
 }
 
-function exec(cmd: string, args: string[], input?: string): Promise<string> {
+/** Runs `cmd args` (with `input` on its stdin), its stdout; killed after `timeoutMs`. */
+export function exec(cmd: string, args: string[], input?: string, timeoutMs = COMMAND_TIMEOUT_MS): Promise<string> {
+  const what = `${cmd} ${args.join(' ')}`;
   if (input === undefined) {
-    return run(cmd, args, { encoding: 'utf8' }).then(
+    return run(cmd, args, { encoding: 'utf8', timeout: timeoutMs, killSignal: 'SIGKILL' }).then(
       (r) => r.stdout,
       (e: unknown) => {
-        throw new Error(`${cmd} ${args.join(' ')}: ${((e as { stderr?: string }).stderr ?? String(e)).trim()}`, { cause: e });
+        const killed = (e as { killed?: boolean }).killed === true;
+        throw new Error(killed ? `${what}: killed after ${timeoutMs} ms` : `${what}: ${((e as { stderr?: string }).stderr ?? String(e)).trim()}`, { cause: e });
       },
     );
   }
   return new Promise((resolve, reject) => {
-    const p = spawn(cmd, args, { stdio: ['pipe', 'pipe', 'pipe'] });
+    const p = spawn(cmd, args, { stdio: ['pipe', 'pipe', 'pipe'], timeout: timeoutMs, killSignal: 'SIGKILL' });
     let out = '';
     let err = '';
     p.stdout.on('data', (d: Buffer) => (out += d.toString()));
     p.stderr.on('data', (d: Buffer) => (err += d.toString()));
+    p.stdin.on('error', () => undefined); // a command that exits without reading its input; 'close' reports it
     p.on('error', reject);
-    p.on('close', (code) => (code === 0 ? resolve(out) : reject(new Error(`${cmd} ${args.join(' ')}: exit ${code}: ${err.trim()}`))));
+    p.on('close', (code, signal) => {
+      if (code === 0) resolve(out);
+      else reject(new Error(p.killed && signal === 'SIGKILL' ? `${what}: killed after ${timeoutMs} ms` : `${what}: exit ${code ?? signal}: ${err.trim()}`));
+    });
     p.stdin.end(input);
   });
 }
