@@ -51,7 +51,9 @@ function client(cmd: Command): Forkfleet {
   const g = globals(cmd);
   const inv = invocation(cmd);
   // TLS; token and CA from --credentials, FF_TOKEN / FF_CA, FF_CREDENTIALS or the local fleet's credentials.json.
-  inv.client ??= new Forkfleet({ address: g.api, ...(g.tenant ? { tenant: g.tenant } : {}), ...(g.credentials ? { credentialsFile: g.credentials } : {}) });
+  // A fleet that cannot be reached fails the command after the attempts (~3 s, exit 69, with the
+  // key to repeat it), not after the SDK's WAIT_UNREACHABLE_MS: a person is waiting.
+  inv.client ??= new Forkfleet({ address: g.api, retry: { unreachableWaitMs: 0 }, ...(g.tenant ? { tenant: g.tenant } : {}), ...(g.credentials ? { credentialsFile: g.credentials } : {}) });
   return inv.client;
 }
 

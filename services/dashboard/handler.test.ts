@@ -57,4 +57,26 @@ describe('dashboard event stream', () => {
     // ~75 pushes of 1 MiB were buffered for this client before; now at most the one it stalled on.
     expect(stream!.writableLength).toBeLessThan(4 << 20);
   });
+
+  it('state_whileACollectIsStillRunning_sharesIt_insteadOfStartingAnother', async () => {
+    // A scheduler slow to answer: the metrics read never ends. Before, every /api/state (and
+    // every stream's push) past the cache's 500 ms started one more collect beside it.
+    let started = 0;
+    const handler = dashboardHandler({ api: '127.0.0.1:1', tenants: ['t'], intervalMs: 20, metrics: () => (started++, new Promise<string>(() => undefined)) });
+    const server = createServer((req, res) => void handler(req, res));
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    const gone = new AbortController();
+    cleanups.push(() => {
+      gone.abort();
+      handler.close();
+      server.closeAllConnections();
+      server.close();
+    });
+    const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/dashboard/api/state`;
+    for (let i = 0; i < 4; i++) {
+      fetch(url, { signal: gone.signal }).catch(() => undefined);
+      await new Promise((r) => setTimeout(r, 300));
+    }
+    expect(started).toBe(1);
+  });
 });

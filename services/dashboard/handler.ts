@@ -98,7 +98,7 @@ const TRANSITIONAL = new Set(['pending', 'starting', 'waking']);
 export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   const base = (deps.basePath ?? '/dashboard').replace(/\/$/, '');
   const tenants = deps.tenants ?? (process.env.FF_DASHBOARD_TENANTS ?? 'default').split(',').map((t) => t.trim()).filter(Boolean);
-  const clients = new Map(tenants.map((t) => [t, new Forkfleet({ address: deps.api, tenant: t, timeoutMs: 3000, retry: { attempts: 1, rateLimitWaitMs: 0 }, ...(deps.token !== undefined ? { token: deps.token } : {}), ...(deps.ca !== undefined ? { ca: deps.ca } : {}) })]));
+  const clients = new Map(tenants.map((t) => [t, new Forkfleet({ address: deps.api, tenant: t, timeoutMs: 3000, retry: { attempts: 1, rateLimitWaitMs: 0, outageWaitMs: 0, unreachableWaitMs: 0 }, ...(deps.token !== undefined ? { token: deps.token } : {}), ...(deps.ca !== undefined ? { ca: deps.ca } : {}) })]));
   const first = clients.values().next().value as Forkfleet;
   const interval = deps.intervalMs ?? 1000;
   const events: EventInfo[] = [];
@@ -106,7 +106,7 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   const watchers = new AbortController();
   const streams = new Set<ServerResponse>();
   let watching = false;
-  let cache: { at: number; p: Promise<DashboardState> } | undefined;
+  let cache: { at: number; p: Promise<DashboardState>; done: boolean } | undefined;
 
   function startWatches(): void {
     if (watching) return;
@@ -195,7 +195,16 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   function state(): Promise<DashboardState> {
     startWatches();
     const now = Date.now();
-    if (!cache || now - cache.at > Math.min(500, interval / 2)) cache = { at: now, p: collect() };
+    // A collect still running is shared however old it is: each stream's push and each
+    // /api/state starting one more beside it would pile calls onto a scheduler slow to answer.
+    if (!cache || (cache.done && now - cache.at > Math.min(500, interval / 2))) {
+      const c = { at: now, p: collect(), done: false };
+      void c.p.then(
+        () => (c.done = true),
+        () => (c.done = true),
+      );
+      cache = c;
+    }
     return cache.p;
   }
 

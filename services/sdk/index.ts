@@ -353,6 +353,49 @@ export function retryAfterOf(e: unknown): number {
  */
 const unansweredDeadline = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'deadline_exceeded';
 
+/**
+ * No scheduler could be reached (the call never got an answer: connection refused or reset,
+ * e.g. while one restarts), as opposed to one that answered UNAVAILABLE. A failed TLS handshake
+ * is left out: waiting does not mend a wrong CA.
+ */
+const unreachable = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'unavailable' && !/certificate|ssl|tls|altname|handshake/i.test(e.message);
+
+/**
+ * One call's retries: how long to wait before asking again, or that it is time to give up.
+ * Ordinary retryable errors get `attempts`; three kinds of trouble get a time allowance of
+ * their own instead (RetryOptions): a scheduler that answers UNAVAILABLE (outageWaitMs), none
+ * reachable (unreachableWaitMs), and a refusal by the rate limit or one of the scheduler's
+ * bounds (heldBack: rateLimitWaitMs, counting the wait ahead). A spell of one kind that ends
+ * (another error came) leaves the next its whole time, and does not use up the attempts of
+ * the conflict (ABORTED) that may follow it. An allowance of 0 makes its kind count against
+ * `attempts`. Backoff is exponential with full jitter, plus the wait the server named.
+ */
+class Backoff {
+  private spell: { kind: 'outage' | 'unreachable' | 'limited'; since: number; n: number } | undefined;
+  private failures = 0;
+
+  constructor(private readonly o: Readonly<RetryOptions>) {}
+
+  /** The ms to wait after `e` before asking again; undefined once its allowance (or the attempts) is spent. Call only for errors worth retrying. */
+  next(e: unknown, now = Date.now()): number | undefined {
+    const o = this.o;
+    const kind =
+      o.outageWaitMs > 0 && e instanceof RpcError && e.answered && e.kind === 'unavailable' ? 'outage' : o.unreachableWaitMs > 0 && unreachable(e) ? 'unreachable' : o.rateLimitWaitMs > 0 && heldBack(e) ? 'limited' : undefined;
+    this.spell = kind ? (this.spell?.kind === kind ? { ...this.spell, n: this.spell.n + 1 } : { kind, since: now, n: 1 }) : undefined;
+    if (!kind) this.failures++;
+    const ms = retryAfterOf(e) + Math.random() * Math.min(o.maxMs, o.baseMs * 2 ** ((this.spell?.n ?? this.failures) - 1));
+    const sp = this.spell;
+    const spent = !sp ? this.failures >= o.attempts : sp.kind === 'limited' ? now + ms - sp.since > o.rateLimitWaitMs : now - sp.since >= (sp.kind === 'outage' ? o.outageWaitMs : o.unreachableWaitMs);
+    return spent ? undefined : ms;
+  }
+
+  /** Starts over (a stream that stayed up a while: the breaks before it no longer count). */
+  reset(): void {
+    this.spell = undefined;
+    this.failures = 0;
+  }
+}
+
 /** What an error of a call that submitted an operation names (submit): its key, and its operation once accepted. */
 const submittedBy = new WeakMap<object, { key: string; opId?: string }>();
 
@@ -394,6 +437,14 @@ function asError(e: unknown, signal: AbortSignal | undefined): object {
 export const WAIT_OUTAGE_MS = 60_000;
 
 /**
+ * How long a call is asked again while no scheduler can be reached at all (connection refused
+ * or reset: a scheduler restarting opens its port only once it has its etcd and NATS), past
+ * `attempts`. A TLS failure (a wrong CA, an expired certificate) is no restart: it gets
+ * `attempts` only.
+ */
+export const WAIT_UNREACHABLE_MS = 30_000;
+
+/**
  * How long a call refused by the tenant's rate limit (or held back by a bound of the
  * scheduler's, see heldBack) is asked again (each time after the wait the server names),
  * past `attempts`: many calls at once (64 destroys under a rate of 10/s, a file written to 64
@@ -421,6 +472,18 @@ export function parseDuration(v: string | number, field = 'duration'): number {
   return Number(m[1]) * { ms: 1, s: 1000, m: 60_000, h: 3_600_000 }[m[2] as 'ms' | 's' | 'm' | 'h'];
 }
 
+/**
+ * A whole-number option (`undefined`: 0, the field's default) checked before it is sent: a
+ * fraction, NaN or a negative number from JavaScript would fail to encode (grpc-js reports that
+ * as INTERNAL, naming nothing) or be wrapped. Refused naming `field`.
+ */
+function wholeIn(v: number | undefined, field: string, max = Number.MAX_SAFE_INTEGER): number {
+  if (v === undefined) return 0;
+  if (typeof v !== 'number' || !Number.isInteger(v) || v < 0 || v > max) throw new InvalidArgumentError(field, `want a whole number from 0 to ${max}, got ${typeof v === 'number' ? v : JSON.stringify(v)}`);
+  return v;
+}
+const UINT32_MAX = 0xffff_ffff;
+
 /** A duration option (`'90s'` or ms) as a protobuf Duration; a bad one is refused naming `field`. */
 function durationIn(v: string | number, field: string): { seconds: bigint; nanos: number } {
   return durationOf(parseDuration(v, field), field);
@@ -441,9 +504,19 @@ export interface RetryOptions {
    * RATE_LIMIT_WAIT_MS; 0: as often as `attempts` allows (a client that must fail fast).
    */
   rateLimitWaitMs: number;
+  /**
+   * How long a call is asked again, past `attempts`, while the scheduler answers UNAVAILABLE
+   * (its etcd or NATS is away). Default WAIT_OUTAGE_MS; 0: as often as `attempts` allows.
+   */
+  outageWaitMs: number;
+  /**
+   * How long a call is asked again, past `attempts`, while no scheduler can be reached (e.g.
+   * one restarting). Default WAIT_UNREACHABLE_MS; 0: as often as `attempts` allows.
+   */
+  unreachableWaitMs: number;
 }
 
-const RETRY_DEFAULTS: Readonly<RetryOptions> = { attempts: 5, baseMs: 200, maxMs: 5000, rateLimitWaitMs: RATE_LIMIT_WAIT_MS };
+const RETRY_DEFAULTS: Readonly<RetryOptions> = { attempts: 5, baseMs: 200, maxMs: 5000, rateLimitWaitMs: RATE_LIMIT_WAIT_MS, outageWaitMs: WAIT_OUTAGE_MS, unreachableWaitMs: WAIT_UNREACHABLE_MS };
 
 /**
  * `retry` merged field by field over the defaults: a field given as undefined (usual without
@@ -634,35 +707,22 @@ export class Forkfleet {
   /**
    * Runs `fn` until it succeeds, retrying only errors marked retryable: `attempts` times, except
    * that a scheduler that answers UNAVAILABLE (its etcd or NATS is away, e.g. restarting) is
-   * asked again for up to WAIT_OUTAGE_MS, and a call refused by the rate limit for up to
-   * RATE_LIMIT_WAIT_MS, each time after the wait the server named. Never past `opts.deadline`.
-   * A mutating call keeps its idempotency key throughout.
+   * asked again for up to `outageWaitMs`, one that cannot be reached for up to
+   * `unreachableWaitMs`, and a call refused by the rate limit for up to `rateLimitWaitMs`, each
+   * time after the wait the server named. Never past `opts.deadline`. A mutating call keeps its
+   * idempotency key throughout.
    */
   async retry<T>(fn: (o: RpcCallOptions) => Promise<T>, opts: CallOpts = {}, keyed = false): Promise<T> {
-    const { attempts, baseMs, maxMs, rateLimitWaitMs } = this.retryOpts;
     const until = opts.deadline?.getTime() ?? Infinity;
-    // Each kind of trouble has an allowance of its own: a long outage or rate limit does not
-    // use up the attempts of the conflict (ABORTED) that may follow it, and one that ended
-    // (another error came) leaves the next one its whole time.
-    let failures = 0;
-    let outage = { since: 0, n: 0 };
-    let limited = { since: 0, n: 0 };
+    const backoff = new Backoff(this.retryOpts);
     for (;;) {
       try {
         return await fn(this.rpcOpts(opts, until));
       } catch (e) {
-        const now = Date.now();
-        const isOutage = e instanceof RpcError && e.answered && e.kind === 'unavailable';
-        // With no rate-limit allowance (rateLimitWaitMs 0), a refusal counts as any other failure.
-        const isLimited = !isOutage && rateLimitWaitMs > 0 && heldBack(e);
-        outage = isOutage ? { since: outage.since || now, n: outage.n + 1 } : { since: 0, n: 0 };
-        limited = isLimited ? { since: limited.since || now, n: limited.n + 1 } : { since: 0, n: 0 };
-        if (!isOutage && !isLimited) failures++;
         if (!(retryable(e) || (keyed && unansweredDeadline(e))) || opts.signal?.aborted) throw e;
-        const n = isOutage ? outage.n : isLimited ? limited.n : failures;
-        const ms = retryAfterOf(e) + Math.random() * Math.min(maxMs, baseMs * 2 ** (n - 1));
-        const spent = isOutage ? now - outage.since >= WAIT_OUTAGE_MS : isLimited ? now + ms - limited.since > rateLimitWaitMs : failures >= attempts;
-        if (spent || now + ms >= until) throw e;
+        const now = Date.now();
+        const ms = backoff.next(e, now);
+        if (ms === undefined || now + ms >= until) throw e;
         await sleep(ms, opts.signal);
       }
     }
@@ -742,6 +802,7 @@ export class Forkfleet {
   async listOperations(filter: { states?: OperationStateName[]; kinds?: OperationKindName[]; targetId?: string; limit?: number; allTenants?: boolean } = {}, opts: CallOpts = {}, tenant = this.tenant): Promise<OperationInfo[]> {
     const states = (filter.states ?? []).map((s, i) => enumValue(OperationState, s, `states[${i}]`));
     const kinds = (filter.kinds ?? []).map((k, i) => enumValue(OperationKind, k, `kinds[${i}]`));
+    if (filter.limit !== undefined && !(typeof filter.limit === 'number' && filter.limit >= 0)) throw new InvalidArgumentError('limit', `want a number of 0 or more, got ${String(filter.limit)}`);
     const limit = Math.floor(filter.limit ?? Infinity);
     const out: OperationInfo[] = [];
     if (limit <= 0) return out;
@@ -805,7 +866,7 @@ export class Forkfleet {
             tenantId: this.tenant,
             idempotencyKey,
             source,
-            resources: { vcpus: spec.vcpus ?? 0, memoryMib: BigInt(spec.memoryMib ?? 0), diskMib: BigInt(spec.diskMib ?? 0) },
+            resources: { vcpus: wholeIn(spec.vcpus, 'resources.vcpus', UINT32_MAX), memoryMib: BigInt(wholeIn(spec.memoryMib, 'resources.memory_mib')), diskMib: BigInt(wholeIn(spec.diskMib, 'resources.disk_mib')) },
             labels: spec.labels ?? {},
             hostname: spec.hostname ?? '',
             ...(spec.ttl !== undefined || spec.idleTimeout !== undefined
@@ -863,13 +924,13 @@ export class Forkfleet {
             tenantId: this.tenant,
             idempotencyKey,
             source: src,
-            count,
-            placement: { locality, spread, maxPerHost: fo.maxPerHost ?? 0 },
+            count: wholeIn(count, 'count', UINT32_MAX),
+            placement: { locality, spread, maxPerHost: wholeIn(fo.maxPerHost, 'placement.max_per_host', UINT32_MAX) },
             labels: fo.labels ?? {},
             ...(fo.ttl !== undefined || fo.idleTimeout !== undefined
               ? { lifecycle: { ...(fo.ttl !== undefined ? { ttl: durationIn(fo.ttl, 'lifecycle.ttl') } : {}), ...(fo.idleTimeout !== undefined ? { idleTimeout: durationIn(fo.idleTimeout, 'lifecycle.idle_timeout') } : {}) } }
               : {}),
-            ...(fo.snapshotRetention ? { snapshotRetention: { ...(fo.snapshotRetention.ttl !== undefined ? { ttl: durationIn(fo.snapshotRetention.ttl, 'snapshot_retention.ttl') } : {}), keepLast: fo.snapshotRetention.keepLast ?? 0 } } : {}),
+            ...(fo.snapshotRetention ? { snapshotRetention: { ...(fo.snapshotRetention.ttl !== undefined ? { ttl: durationIn(fo.snapshotRetention.ttl, 'snapshot_retention.ttl') } : {}), keepLast: wholeIn(fo.snapshotRetention.keepLast, 'snapshot_retention.keep_last', UINT32_MAX) } } : {}),
           },
           o,
         ),
@@ -893,17 +954,16 @@ export class Forkfleet {
   async *watch(filter: { sandboxId?: string; types?: string[]; afterRevision?: number; signal?: AbortSignal } = {}): AsyncGenerator<EventInfo> {
     const types = (filter.types ?? []).map((t, i) => enumValue(EventType, t, `types[${i}]`));
     /** Every event up to this revision was yielded. */
-    let after = filter.afterRevision ?? 0;
+    let after = wholeIn(filter.afterRevision, 'after_revision');
     /** The revision of the last event yielded (maybe not all of its events yet), and those yielded of it. */
     let current = after;
     let yielded = new Set<string>();
-    /** When the refusals in a row that heldBack() names began (0: the last break was not one). */
-    let heldSince = 0;
-    for (let attempt = 1; ; attempt++) {
+    const backoff = new Backoff(this.retryOpts);
+    for (;;) {
       const started = Date.now();
       try {
         for await (const e of this.rpc.watchEvents({ tenantId: this.tenant, sandboxId: filter.sandboxId ?? '', types, afterRevision: BigInt(after) }, filter.signal ? { signal: filter.signal } : {})) {
-          attempt = 1;
+          backoff.reset();
           const ev = toEvent(e);
           if (ev.revision <= after) continue;
           // A progress marker (type 0, not a name: a type this SDK does not know also reads
@@ -932,15 +992,12 @@ export class Forkfleet {
       } catch (e) {
         if (!(e instanceof ForkfleetError && e.retryable) || filter.signal?.aborted) throw e;
         // A stream that stayed up a while counts as working, events or not: only breaks in a
-        // row use up the attempts.
-        if (Date.now() - started >= WATCH_HEALTHY_MS) attempt = 1;
-        // Refused for now (the credential's watches at their cap, the rate limit): asked again
-        // for up to rateLimitWaitMs, not counted against the attempts.
-        const limited = this.retryOpts.rateLimitWaitMs > 0 && heldBack(e);
-        heldSince = limited ? heldSince || Date.now() : 0;
-        if (limited ? Date.now() - heldSince > this.retryOpts.rateLimitWaitMs : attempt >= this.retryOpts.attempts) throw e;
-        await sleep(retryAfterOf(e) + Math.min(this.retryOpts.maxMs, this.retryOpts.baseMs * 2 ** attempt), filter.signal);
-        if (limited) attempt--;
+        // row use up the attempts (and the allowances: a restarting scheduler, the credential's
+        // watches at their cap).
+        if (Date.now() - started >= WATCH_HEALTHY_MS) backoff.reset();
+        const ms = backoff.next(e);
+        if (ms === undefined) throw e;
+        await sleep(ms, filter.signal);
       }
     }
   }
@@ -1015,7 +1072,7 @@ export class Forkfleet {
             pin: spec.pin ?? false,
             labels: spec.labels ?? {},
             ...(spec.ttl !== undefined || spec.keepLast !== undefined
-              ? { retention: { ...(spec.ttl !== undefined ? { ttl: durationIn(spec.ttl, 'retention.ttl') } : {}), keepLast: spec.keepLast ?? 0 } }
+              ? { retention: { ...(spec.ttl !== undefined ? { ttl: durationIn(spec.ttl, 'retention.ttl') } : {}), keepLast: wholeIn(spec.keepLast, 'retention.keep_last', UINT32_MAX) } }
               : {}),
           },
           o,
@@ -1034,10 +1091,9 @@ export class Forkfleet {
       // The command's timeout, parsed once; one deadline for the call and its retries.
       const timeoutMs = eo.timeout !== undefined ? parseDuration(eo.timeout, 'timeout') : undefined;
       const deadline = new Date(Date.now() + (timeoutMs ?? EXEC_DEFAULT_TIMEOUT_MS) + EXEC_CALL_SLACK_MS);
-      // Refusals by the rate limit have a time allowance of their own, as in retry().
-      let limitedSince = 0;
-      let limitedN = 0;
-      for (let attempt = 1; ; ) {
+      // The same allowances as retry().
+      const backoff = new Backoff(ff.retryOpts);
+      for (;;) {
         let got = false;
         try {
           const stream = ff.rpc.exec(
@@ -1069,12 +1125,8 @@ export class Forkfleet {
           // reached a scheduler. A call that broke off in flight may have started it.
           if (got || !execNeverStarted(e) || eo.signal?.aborted) throw e;
           const now = Date.now();
-          const limited = ff.retryOpts.rateLimitWaitMs > 0 && heldBack(e);
-          limitedSince = limited ? limitedSince || now : 0;
-          limitedN = limited ? limitedN + 1 : 0;
-          const ms = retryAfterOf(e) + Math.random() * Math.min(ff.retryOpts.maxMs, ff.retryOpts.baseMs * 2 ** ((limited ? limitedN : attempt) - 1));
-          if (limited ? now + ms - limitedSince > ff.retryOpts.rateLimitWaitMs : attempt++ >= ff.retryOpts.attempts) throw e;
-          if (now + ms >= deadline.getTime()) throw e;
+          const ms = backoff.next(e, now);
+          if (ms === undefined || now + ms >= deadline.getTime()) throw e;
           await sleep(ms, eo.signal);
         }
       }
@@ -1140,7 +1192,7 @@ export class Sandbox {
   async readFile(path: string, opts: CallOpts & { maxBytes?: number } = {}): Promise<Buffer> {
     return this.ff.retry(async (o) => {
       const parts: Buffer[] = [];
-      for await (const r of this.ff.rpc.readFile({ tenantId: this.ff.tenant, sandboxId: this.id, path, maxBytes: BigInt(opts.maxBytes ?? 0) }, o)) parts.push(Buffer.from(r.data));
+      for await (const r of this.ff.rpc.readFile({ tenantId: this.ff.tenant, sandboxId: this.id, path, maxBytes: BigInt(wholeIn(opts.maxBytes, 'max_bytes')) }, o)) parts.push(Buffer.from(r.data));
       return Buffer.concat(parts);
     }, { ...opts, timeoutMs: opts.timeoutMs ?? FILE_CALL_TIMEOUT_MS });
   }

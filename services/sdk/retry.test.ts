@@ -250,13 +250,86 @@ describe('SDK retry allowances', () => {
         getSandbox: async () => {
           // A loop that does not end (the bug) is stopped here, and shows as 50 calls.
           if (++calls >= 50) throw new RpcError(Status.INTERNAL, 'internal', 'stop', false, undefined, undefined, true);
-          throw unreachable();
+          throw conflict();
         },
       },
       { attempts: undefined, baseMs: undefined, maxMs: 1 },
     );
+    await expect(ff.get(SB)).rejects.toMatchObject({ kind: 'aborted' });
+    expect(calls).toBe(5);
+  });
+
+  it('create_whileTheSchedulerRestartsForTenSeconds_connectionRefused_isAskedAgainAndReturnsTheSandbox', async () => {
+    // A restarting scheduler opens its port only once it has etcd and NATS: until then every
+    // call is refused before any answer. Its attempts alone (5, ~1.5 s) would end the script.
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    let calls = 0;
+    const ff = client(
+      {
+        createSandbox: async () => {
+          calls++;
+          if (Date.now() - t0 < 10_000) throw unreachable();
+          return running(OperationKind.CREATE);
+        },
+        waitOperation: async () => succeeded(OperationKind.CREATE),
+      },
+      { baseMs: 200, maxMs: 1000 },
+    );
+    const r = await settle(ff.create({ image: 'tiny' }));
+    expect(r.error).toBeUndefined();
+    expect(r.value?.id).toBe(SB);
+    expect(calls).toBeGreaterThan(5);
+  });
+
+  it('aSchedulerUnreachableForLongerThanItsAllowance_isGivenUpAfterIt', async () => {
+    vi.useFakeTimers();
+    const ff = client({ getSandbox: async () => Promise.reject(unreachable()) }, { baseMs: 200, maxMs: 1000, unreachableWaitMs: 5_000 });
+    const r = await settle(ff.get(SB));
+    expect(r.error).toMatchObject({ kind: 'unavailable' });
+    expect(r.tookMs).toBeGreaterThanOrEqual(5_000);
+    expect(r.tookMs).toBeLessThan(7_000);
+  });
+
+  it('aTlsHandshakeThatFails_isNotWaitedOut_onlyItsAttempts', async () => {
+    // A wrong CA does not mend with time: the caller hears of it after the attempts.
+    let calls = 0;
+    const tls = (): RpcError => new RpcError(Status.UNAVAILABLE, 'unavailable', 'No connection established. Last error: Error: self-signed certificate in certificate chain', true, undefined, undefined, false);
+    const ff = client({ getSandbox: async () => (calls++, Promise.reject(tls())) });
     await expect(ff.get(SB)).rejects.toMatchObject({ kind: 'unavailable' });
     expect(calls).toBe(5);
+  });
+
+  it('aClientWithNoOutageAllowances_givesUpAfterItsAttempts_whetherTheSchedulerAnswersUnavailableOrCannotBeReached', async () => {
+    // The dashboard's polls must fail fast through an etcd restart, not hang for a minute.
+    for (const err of [outage, unreachable]) {
+      let calls = 0;
+      const ff = client({ getSandbox: async () => (calls++, Promise.reject(err())) }, { attempts: 2, baseMs: 1, maxMs: 1, outageWaitMs: 0, unreachableWaitMs: 0 });
+      await expect(ff.get(SB)).rejects.toMatchObject({ kind: 'unavailable' });
+      expect(calls, err.name).toBe(2);
+    }
+  });
+
+  it('watch_whileTheSchedulerRestartsForTenSeconds_isAskedAgain_thenYields', async () => {
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    const ff = client(
+      {
+        watchEvents: () =>
+          (async function* () {
+            if (Date.now() - t0 < 10_000) throw unreachable();
+            yield { revision: 7n, type: 1, sandboxId: SB, operationId: '', at: undefined, detail: {} };
+          })(),
+      },
+      { baseMs: 200, maxMs: 1000 },
+    );
+    const first = async () => {
+      for await (const ev of ff.watch()) return ev;
+      return undefined;
+    };
+    const r = await settle(first());
+    expect(r.error).toBeUndefined();
+    expect(r.value?.revision).toBe(7);
   });
 
   it('badRetryOptions_areRefusedNamingTheOption', () => {
