@@ -32,6 +32,13 @@ export class InvalidVmStateError extends ForkfleetError {
   }
 }
 
+/** A guest call (exec, file) that waited its time for a snapshot of the VM to end: it may pass. */
+export class VmStillSnapshottingError extends ForkfleetError {
+  constructor(vmId: string, waitedMs: number, operation: string) {
+    super('unavailable', `vm ${vmId} is still being snapshotted after ${waitedMs} ms; cannot ${operation} yet`, { retryable: true });
+  }
+}
+
 /** QEMU did not start, did not reach its ready marker, or refused a command. */
 export class VmmError extends ForkfleetError {
   constructor(message: string, options: ForkfleetErrorOptions = {}) {

@@ -220,7 +220,15 @@ describe('QemuVmmDriver (real QEMU)', () => {
   it('snapshot_whenForkedChildSnapshotted_branchOfBranchRestoresAndChildContinues', async () => {
     // c0 is a clone (share=off); its snapshot goes through a receiver.
     await sh('c0', 'echo branch-data > /dev/shm/branch && echo branch-disk > /data/branch && sync');
-    const s2 = await driver.snapshot('c0', 'snap-c0');
+    const snapping = driver.snapshot('c0', 'snap-c0');
+    // A guest call while the snapshot holds the VM (its sandbox stays RUNNING) waits for it,
+    // instead of failing for good with "vm c0 is snapshotting".
+    const until = Date.now() + 10_000;
+    while (driver.get('c0')?.state !== 'snapshotting' && Date.now() < until) await new Promise((r) => setTimeout(r, 5));
+    expect(driver.get('c0')?.state).toBe('snapshotting');
+    const during = sh('c0', 'echo during');
+    const s2 = await snapping;
+    expect(await during).toBe('during');
     expect(s2.manifest.method).toBe('receiver');
     expect(s2.manifest.parentSnapshotId).toBe('snap-tpl');
     // The source continues and can write after its snapshot.

@@ -28,6 +28,7 @@ import {
   VmAlreadyExistsError,
   VmBootTimeoutError,
   VmCrashedError,
+  VmStillSnapshottingError,
   VmmError,
   VmNotFoundError,
   CloneHygieneError,
@@ -271,6 +272,8 @@ const RECOVER_CONCURRENCY = 4;
 
 /** How long a template snapshot waits for the guest-agent calls queued before it to be answered (GuestAgentClient.hold). */
 const HOLD_WAIT_MS = 10_000;
+/** How long a guest call (exec, file) waits for a snapshot of its VM to end (running()). */
+const SNAPSHOT_WAIT_MS = 60_000;
 
 export class QemuVmmDriver implements VmmDriver {
   private readonly opts: Required<Omit<QemuDriverOptions, 'probeImage' | 'egress' | 'standby' | 'ram' | 'snapshotCopied' | 'snapshotStage' | 'guestCgroup' | 'migrationTlsDir' | 'migrationViaUnix'>> &
@@ -614,23 +617,49 @@ export class QemuVmmDriver implements VmmDriver {
     return rec.agent;
   }
 
-  private running(vmId: string, op: string): VmRecord {
-    const rec = this.mustGet(vmId);
+  /**
+   * The VM's record once it runs. A snapshot holds the VM for seconds (RAM copied, disk
+   * switched) while its sandbox stays RUNNING: a guest call meanwhile waits for it (at most
+   * SNAPSHOT_WAIT_MS, then unavailable, retryable) instead of failing for good.
+   */
+  private async running(vmId: string, op: string): Promise<VmRecord> {
+    let rec = this.mustGet(vmId);
+    if (rec.info.state === 'snapshotting') {
+      await this.whileIn(rec, 'snapshotting', SNAPSHOT_WAIT_MS);
+      rec = this.mustGet(vmId);
+      if (rec.info.state === 'snapshotting') throw new VmStillSnapshottingError(vmId, SNAPSHOT_WAIT_MS, op);
+    }
     if (rec.info.state === 'crashed') throw new VmCrashedError(vmId, 'QEMU is gone');
     if (rec.info.state !== 'running') throw new InvalidVmStateError(vmId, rec.info.state, op);
     return rec;
   }
 
+  /** Resolves once `rec` leaves `state` (at once if it is not in it), or after `ms`. */
+  private whileIn(rec: VmRecord, state: VmState, ms: number): Promise<void> {
+    return new Promise((resolve) => {
+      if (rec.info.state !== state) return resolve();
+      const done = (): void => {
+        clearTimeout(t);
+        off();
+        resolve();
+      };
+      const t = setTimeout(done, ms);
+      const off = this.onEvent((e) => {
+        if (e.type === 'state' && e.vmId === rec.info.vmId && e.from === state) done();
+      });
+    });
+  }
+
   async exec(vmId: string, req: ExecRequest): Promise<ExecResult> {
-    return this.agentOf(this.running(vmId, 'exec')).exec(req);
+    return this.agentOf(await this.running(vmId, 'exec')).exec(req);
   }
 
   async readFile(vmId: string, path: string, range: FileRange = {}): Promise<Buffer> {
-    return this.agentOf(this.running(vmId, 'read a file')).readFile(path, range);
+    return this.agentOf(await this.running(vmId, 'read a file')).readFile(path, range);
   }
 
   async writeFile(vmId: string, path: string, data: Buffer, opts: FileWriteOptions = {}): Promise<void> {
-    const agent = this.agentOf(this.running(vmId, 'write a file'));
+    const agent = this.agentOf(await this.running(vmId, 'write a file'));
     await agent.writeFile(path, data, { append: opts.append ?? false });
     if (!opts.mode) return;
     // qemu-ga opens files with its own default mode and has no chmod: the guest's chmod sets it.

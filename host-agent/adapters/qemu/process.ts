@@ -4,6 +4,7 @@ import { spawn, execFile, type ChildProcess } from 'node:child_process';
 import { openSync, closeSync, readFileSync } from 'node:fs';
 import { readFile, writeFile } from 'node:fs/promises';
 import { promisify } from 'node:util';
+import { ForkfleetError } from '../../../proto/errors.ts';
 
 const run = promisify(execFile);
 
@@ -31,7 +32,10 @@ export function spawnQemu(binary: string, args: string[], logPath: string, extra
   } finally {
     closeSync(fd);
   }
-  if (child.pid === undefined) throw new Error(`spawn ${binary} failed`);
+  // A spawn that fails (EMFILE, EAGAIN, ENOENT) emits 'error' on the next tick: without a
+  // listener by then, that is an uncaught exception and the whole agent exits.
+  child.on('error', () => undefined);
+  if (child.pid === undefined) throw new ForkfleetError('unavailable', `could not start ${binary} (out of processes or file descriptors on the host, or the binary is missing)`, { retryable: true });
   child.unref();
   const p: QemuProcess = { pid: child.pid, child, exited: Promise.resolve(), gone: false };
   p.exited = new Promise<void>((resolve) => {
@@ -42,7 +46,6 @@ export function spawnQemu(binary: string, args: string[], logPath: string, extra
     if (child.exitCode !== null || child.signalCode !== null) end();
     else child.once('exit', end);
   });
-  child.on('error', () => undefined);
   return p;
 }
 

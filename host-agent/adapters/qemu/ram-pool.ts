@@ -286,9 +286,13 @@ export class RamPool {
       const end = (code: number | null): void => {
         if (ended) return;
         ended = true;
-        void this.filled(path, mib, n, code, Date.now() - t0).then(resolve);
+        // Settles whatever filled() meets (a failed rename or rm): close() and take({waitForFill}) wait on it.
+        void this.filled(path, mib, n, code, Date.now() - t0).then(resolve, (e: unknown) => {
+          this.o.logger.warn({ mib, err: String(e) }, 'RAM pool fill failed');
+          resolve();
+        });
       };
-      child.once('error', () => end(null));
+      child.on('error', () => end(null));
       child.once('close', end);
     });
     this.filling = { child, path, mib, done };

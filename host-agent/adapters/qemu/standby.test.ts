@@ -9,7 +9,7 @@ const log = pino({ level: 'silent' });
 const snap = (id: string): LocalSnapshot => ({ dir: `/s/${id}`, manifest: { snapshotId: id } as LocalSnapshot['manifest'] });
 
 /** A pool over fake launches (our own port): each launch waits for `release()` unless `instant`. */
-function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fail?: boolean; failFrom?: number } = {}) {
+function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fail?: boolean; failFrom?: number; discardFails?: boolean } = {}) {
   let n = 0;
   let now = 0;
   const launched: Standby[] = [];
@@ -25,7 +25,14 @@ function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fa
     launched.push(sb);
     return sb;
   };
-  const pool = new StandbyPool({ max: 8, perSnapshot: 2, idleMs: 60_000, incomingQuietMs: 3000, ...policy }, launch, async (s) => void discarded.push(s.id), log, { now: () => now });
+  const pool = new StandbyPool({ max: 8, perSnapshot: 2, idleMs: 60_000, incomingQuietMs: 3000, ...policy }, launch,
+    async (s) => {
+      discarded.push(s.id);
+      if (o.discardFails) throw Object.assign(new Error('EIO: i/o error, rm'), { code: 'EIO' });
+    },
+    log,
+    { now: () => now },
+  );
   const release = async (): Promise<void> => {
     pending.shift()?.();
     await new Promise((r) => setImmediate(r));
@@ -155,5 +162,25 @@ describe('StandbyPool', () => {
     expect(h.pool.size).toBe(0);
     expect(h.discarded.sort()).toEqual(['standby-1', 'standby-2']);
     await h.pool.close();
+  });
+
+  it('aRemovalThatFails_whenItsQemuExitsOrItExpires_isLogged_notAnUnhandledRejection', async () => {
+    // An unhandled rejection ends the agent (and every step it runs).
+    vi.useFakeTimers();
+    const unhandled: unknown[] = [];
+    const onUnhandled = (e: unknown): void => void unhandled.push(e);
+    process.on('unhandledRejection', onUnhandled);
+    try {
+      const h = harness({ idleMs: 4000 }, { instant: true, discardFails: true });
+      await h.pool.warm(snap('a'), 2);
+      h.closers.get('standby-1')?.(); // exits on its own
+      h.advance(5000);
+      await vi.advanceTimersByTimeAsync(1000); // the other expires
+      await vi.advanceTimersByTimeAsync(10);
+      expect(h.discarded.sort()).toEqual(['standby-1', 'standby-2']);
+      expect(unhandled).toEqual([]);
+    } finally {
+      process.off('unhandledRejection', onUnhandled);
+    }
   });
 });

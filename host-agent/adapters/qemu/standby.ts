@@ -73,7 +73,8 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
     private readonly log: Logger,
     private readonly clock: Clock,
   ) {
-    this.timer = setInterval(() => void this.expire(), Math.max(1000, Math.min(60_000, policy.idleMs / 4)));
+    // A failed removal (EIO, EBUSY) is logged: a rejection nobody handles would end the agent.
+    this.timer = setInterval(() => void this.expire().catch((e: unknown) => this.log.warn({ err: String(e) }, 'removing idle standbys failed')), Math.max(1000, Math.min(60_000, policy.idleMs / 4)));
     this.timer.unref();
   }
 
@@ -113,7 +114,7 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
    */
   demand(snapshot: T, n: number): void {
     if (this.policy.perSnapshot <= 0) return;
-    void this.warm(snapshot, Math.min(n, this.policy.perSnapshot));
+    void this.warm(snapshot, Math.min(n, this.policy.perSnapshot)).catch((e: unknown) => this.log.warn({ snapshotId: snapshot.manifest.snapshotId, err: String(e) }, 'warming standbys failed'));
   }
 
   /**
@@ -204,7 +205,7 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
     if (list && i >= 0) {
       list.splice(i, 1);
       this.log.warn({ snapshotId: s.snapshotId, standby: s.id, pid: s.proc.pid }, 'standby QEMU exited');
-      void this.discard(s);
+      void this.discard(s).catch((e: unknown) => this.log.warn({ standby: s.id, err: String(e) }, 'removing an exited standby failed'));
     }
   }
 
