@@ -2,7 +2,7 @@
 // own standing in for the fleet's: a "launch" refuses once the start is stopped, as fleet.ts's
 // does, and records what it started, as state.json does. Also fleet.ts's real launch().
 import { EventEmitter } from 'node:events';
-import { existsSync, mkdtempSync, rmSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { setTimeout as delay } from 'node:timers/promises';
@@ -182,5 +182,53 @@ describe('fleet.ts launch', () => {
     expect(state.procs).toEqual([]);
     expect(existsSync(join(tmp, 'state.json'))).toBe(false);
     expect(existsSync(join(tmp, 'logs', 'etcd-1.log'))).toBe(false);
+  });
+
+  const stateIn = (dir: string): FleetState => ({
+    version: 1, startedAt: '', options: defaultOptions({ dir, hosts: 1, hostMemoryMib: 1024 }), apiAddresses: [], metricsAddresses: [], etcdEndpoints: [], natsUrl: '', natsMonitor: '',
+    netnsBridge: '', namespaces: [], hosts: [], procs: [], signingKey: '', trustedKey: '',
+  });
+  /** PIDs of live processes whose command line holds `mark`. */
+  const running = (mark: string): number[] =>
+    readdirSync('/proc')
+      .filter((d) => /^\d+$/.test(d))
+      .filter((d) => {
+        try {
+          return readFileSync(`/proc/${d}/cmdline`, 'utf8').includes(mark);
+        } catch {
+          return false;
+        }
+      })
+      .map(Number);
+
+  it('launch_whoseStateCannotBeSaved_killsTheProcessItStarted_andThrows', async () => {
+    // Nothing would stop a process that state.json does not name: the start's cleanup reads it.
+    const dir = mkdtempSync(join(tmp, 'unsaved-'));
+    mkdirSync(join(dir, 'logs'));
+    mkdirSync(join(dir, 'state.json.tmp')); // the save's write fails (EISDIR)
+    const state = stateIn(dir);
+    const mark = `${process.pid}.${Date.now() % 100000}`;
+    expect(() => launch(state, new AbortController().signal, { name: 'etcd-1', kind: 'etcd' }, 'sh', ['-c', `sleep 30; echo ${mark}`])).toThrow(/EISDIR/);
+    expect(state.procs).toEqual([]);
+    const until = Date.now() + 5000;
+    while (running(mark).length > 0 && Date.now() < until) await delay(20);
+    expect(running(mark)).toEqual([]);
+  });
+
+  it('launch_ofACommandThatCannotStart_throws_andNothingEndsThisProcess', async () => {
+    const dir = mkdtempSync(join(tmp, 'nostart-'));
+    mkdirSync(join(dir, 'logs'));
+    const state = stateIn(dir);
+    const uncaught: unknown[] = [];
+    const onUncaught = (e: unknown): void => void uncaught.push(e);
+    process.on('uncaughtException', onUncaught);
+    try {
+      expect(() => launch(state, new AbortController().signal, { name: 'nats', kind: 'nats' }, join(dir, 'no-such-command'), [])).toThrow(/could not start/);
+      await delay(50); // the failed spawn's 'error' comes on a later tick
+      expect(uncaught).toEqual([]);
+      expect(state.procs).toEqual([]);
+    } finally {
+      process.off('uncaughtException', onUncaught);
+    }
   });
 });

@@ -342,7 +342,27 @@ export function removeFleetEntries(dir: string, opts: { keepLogs?: boolean } = {
 function saveState(s: FleetState): void {
   const p = statePath(s.options.dir);
   writeFileSync(`${p}.tmp`, JSON.stringify(s, null, 2));
-  execFileSync('mv', ['-f', `${p}.tmp`, p]);
+  // In this process: a `mv` child shares the terminal's process group, and a Ctrl-C then
+  // killed it between a spawn and its record.
+  renameSync(`${p}.tmp`, p);
+}
+
+/**
+ * Saves the state that now records `proc`, a process just started; if that fails, the process
+ * (its whole group: it was started detached, as a group leader) is killed before the error
+ * goes on. A process state.json does not name is one no teardown would stop.
+ */
+function saveStarted(s: FleetState, proc: { pid: number }): void {
+  try {
+    saveState(s);
+  } catch (e) {
+    try {
+      process.kill(-proc.pid, 'SIGKILL');
+    } catch {
+      /* gone already */
+    }
+    throw e;
+  }
 }
 
 /** Bytes per second of a tc rate such as "10gbit" or "500mbit". */
@@ -443,10 +463,17 @@ async function waitLog(path: string, needle: string, timeoutMs: number, rec: Pro
  */
 function spawnDetached(log: string, command: string, args: string[], env: Record<string, string>, cwd = ROOT): { pid: number; startTime: number; bootId: string } {
   const fd = openSync(log, 'a');
-  const child = spawn(command, args, { detached: true, stdio: ['ignore', fd, fd], env: { ...process.env, ...env }, cwd });
-  closeSync(fd);
+  let child: ReturnType<typeof spawn>;
+  try {
+    child = spawn(command, args, { detached: true, stdio: ['ignore', fd, fd], env: { ...process.env, ...env }, cwd });
+  } finally {
+    closeSync(fd);
+  }
+  // A spawn that fails (ENOENT, EAGAIN) emits 'error' on the next tick: unheard, that ended
+  // fleet.ts before its cleanup stopped what it had started.
+  child.on('error', () => undefined);
   child.unref();
-  if (child.pid === undefined) throw new Error(`could not start ${command}`);
+  if (child.pid === undefined) throw new Error(`could not start ${command} (not installed? run deploy/setup.sh)`);
   return { pid: child.pid, ...identityOf(child.pid) };
 }
 
@@ -459,7 +486,12 @@ export function launch(state: FleetState, abort: AbortSignal, rec: Omit<ProcReco
   const log = join(state.options.dir, 'logs', `${rec.name}.log`);
   const full: ProcRecord = { ...rec, ...spawnDetached(log, command, args, env, rec.cwd), log, command, args, env };
   state.procs.push(full);
-  saveState(state);
+  try {
+    saveStarted(state, full);
+  } catch (e) {
+    state.procs.pop();
+    throw e;
+  }
   return full;
 }
 
@@ -477,7 +509,7 @@ async function restartLocked(dir: string, name: string): Promise<ProcRecord> {
   if (!state || !rec) throw new Error(`no process ${name} in the fleet at ${fleetDir(dir)}`);
   await stopRecorded(rec, 8000);
   Object.assign(rec, spawnDetached(rec.log, rec.command, rec.args, rec.env, rec.cwd));
-  saveState(state);
+  saveStarted(state, rec);
   if (rec.kind === 'agent' || rec.kind === 'scheduler') {
     const lines = readFileSync(rec.log, 'utf8').split('\n').length;
     const until = Date.now() + 120_000;
