@@ -326,7 +326,16 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.fork(snap, [{ vmId: 'still', hostname: 'still' }]);
     await sh('still', 'echo before > /tmp/mark');
     await driver.pause('still');
-    const first = await driver.snapshot('still', 'snap-still-1');
+    // A resume whose `cont` timed out in the driver but ran in QEMU later: the VM runs while
+    // recorded paused. Its snapshot stops it again before anything is copied.
+    const qmp = driver.qmpOf('still');
+    await qmp.execute('cont');
+    const sent: string[] = [];
+    const execute = qmp.execute.bind(qmp);
+    qmp.execute = ((c: string, args?: Record<string, unknown>) => (sent.push(c), execute(c, args))) as typeof qmp.execute;
+    const first = await driver.snapshot('still', 'snap-still-1').finally(() => (qmp.execute = execute));
+    expect(sent.indexOf('stop')).toBeGreaterThanOrEqual(0);
+    expect(sent.indexOf('stop')).toBeLessThan(sent.findIndex((c) => c.startsWith('blockdev-snapshot') || c === 'migrate'));
     const second = await driver.snapshot('still', 'snap-still-2');
     expect(driver.get('still')?.state).toBe('paused');
     await driver.fork(second, [{ vmId: 'still-k' }]);

@@ -714,6 +714,13 @@ export class QemuVmmDriver implements VmmDriver {
     return this.locked(vmId, async (rec) => {
       const before = rec.info.state;
       if (before !== 'running' && before !== 'paused') throw new InvalidVmStateError(vmId, before, 'snapshot');
+      // Recorded paused, but a `cont` that timed out may have run after all: a snapshot that
+      // trusted the record would copy a running guest's RAM after freezing its disk (a child
+      // that panics, and no error). Stopped again first, as the record says it is.
+      if (before === 'paused' && (await queryStatus(rec.qmp)) === 'running') {
+        rec.log.warn({ snapshotId }, 'the VM ran though it is recorded paused (a resume that timed out?): stopped before its snapshot');
+        await rec.qmp.execute('stop');
+      }
       // A template snapshot that failed after the VM switched onto it and could not be sealed
       // then: its files are complete (the VM runs from them); sealed before anything else, so
       // that this one (maybe its retry) does not build on an unsealed parent.
