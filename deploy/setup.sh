@@ -82,6 +82,13 @@ disable_noted_services() {
   fi
 }
 
+# The policy-rc.d an install below puts in place carries this marker line. One that a run
+# killed after its install left (the lock is ours, so no other run is installing now) is
+# removed on every run, not only on one that installs something: left behind, it would keep
+# the machine's later upgrades from restarting services.
+marker='# forkfleet setup.sh: removed when it ends'
+if [[ $(id -u) -eq 0 ]] && grep -qxsF "$marker" /usr/sbin/policy-rc.d; then rm -f /usr/sbin/policy-rc.d; fi
+
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   if ! installed "$p"; then missing+=("$p"); fi
@@ -100,9 +107,7 @@ if ((${#missing[@]})); then
   export DEBIAN_FRONTEND=noninteractive
   # Installing must not start services (there may be no init system here).
   # Only while installing: left behind, it would keep later upgrades from restarting services.
-  # Ours carries a marker line, so one a killed run left is recognised and replaced (and
-  # removed) by the next run; someone else's is left alone.
-  marker='# forkfleet setup.sh: removed when it ends'
+  # Ours carries the marker line (above); someone else's is left alone.
   if [[ ! -e /usr/sbin/policy-rc.d ]] || grep -qxF "$marker" /usr/sbin/policy-rc.d; then
     printf '#!/bin/sh\n%s\nexit 101\n' "$marker" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
     trap 'rm -f /usr/sbin/policy-rc.d' EXIT

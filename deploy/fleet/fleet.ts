@@ -234,6 +234,15 @@ async function stopProcess(what: string, pid: number, ours: () => boolean, grace
 }
 
 /** Stops one of the fleet's recorded processes, if its PID is still that process. */
+/**
+ * How long an agent has to stop after SIGTERM before it is killed: longer than its own
+ * FF_SHUTDOWN_GRACE (20 s), within which it lets its running steps end; killed sooner, a QEMU
+ * it was starting (before its pid file) could escape down's sweep.
+ */
+const AGENT_STOP_GRACE_MS = 25_000;
+/** The same for the other processes. */
+const STOP_GRACE_MS = 8000;
+
 function stopRecorded(rec: ProcRecord, graceMs: number): Promise<void> {
   return stopProcess(rec.name, rec.pid, () => procAlive(rec), graceMs);
 }
@@ -507,7 +516,7 @@ async function restartLocked(dir: string, name: string): Promise<ProcRecord> {
   const state = readState(fleetDir(dir));
   const rec = state?.procs.find((p) => p.name === name);
   if (!state || !rec) throw new Error(`no process ${name} in the fleet at ${fleetDir(dir)}`);
-  await stopRecorded(rec, 8000);
+  await stopRecorded(rec, rec.kind === 'agent' ? AGENT_STOP_GRACE_MS : STOP_GRACE_MS);
   Object.assign(rec, spawnDetached(rec.log, rec.command, rec.args, rec.env, rec.cwd));
   saveStarted(state, rec);
   if (rec.kind === 'agent' || rec.kind === 'scheduler') {
@@ -1217,7 +1226,7 @@ async function stopFleet(state: FleetState): Promise<void> {
     const procs = state.procs.filter((p) => p.kind === kind);
     // etcd members one at a time (all at once makes the last one hang).
     if (kind === 'etcd') for (const p of procs) await stopRecorded(p, 5000);
-    else await Promise.all(procs.map((p) => stopRecorded(p, 8000)));
+    else await Promise.all(procs.map((p) => stopRecorded(p, kind === 'agent' ? AGENT_STOP_GRACE_MS : STOP_GRACE_MS)));
     if (kind === 'agent') {
       // Agents leave VMs running for a restarted agent to adopt; down ends them too, and any
       // standby or snapshot receiver a killed agent left. Each PID only while it is still the
