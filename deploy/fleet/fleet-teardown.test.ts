@@ -8,7 +8,7 @@ import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmdirSyn
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from 'vitest';
-import { claimableDir, defaultOptions, down, fleetDirOwnership, foundFleet, guestCgroupFor, ownsGuestCgroup, procAlive, qemuPidsByVm, readState, receiverPids, removeFleetEntries, standbyPids } from './fleet.ts';
+import { claimableDir, defaultOptions, down, fleetDirOwnership, foundFleet, fromEarlierBoot, guestCgroupFor, ownsGuestCgroup, procAlive, qemuPidsByVm, readState, receiverPids, removeFleetEntries, standbyPids } from './fleet.ts';
 import type { FleetState, ProcRecord } from './fleet.ts';
 import { identityOf, isSameProcess } from './proc-identity.ts';
 import { DEFAULT_RAM_MOUNT } from '../../host-agent/adapters/qemu/ram-pool.ts';
@@ -270,6 +270,16 @@ const CPU_BASE = await cpuHierarchy().then((h) => {
 });
 
 describe('the guests cgroup', () => {
+  it('fromEarlierBoot_followsTheStatesBoot_orForAnOlderStateItsProcesses', () => {
+    const p = (bootId?: string): ProcRecord => ({ ...record('p', 1, 'x', []), ...(bootId !== undefined ? { bootId } : {}) });
+    expect(fromEarlierBoot({ bootId: 'a', procs: [] }, 'a')).toBe(false);
+    expect(fromEarlierBoot({ bootId: 'a', procs: [] }, 'b')).toBe(true);
+    expect(fromEarlierBoot({ procs: [p(), p('a')] }, 'b')).toBe(true);
+    expect(fromEarlierBoot({ procs: [p('a')] }, 'a')).toBe(false);
+    // Nothing says which boot: torn down as before.
+    expect(fromEarlierBoot({ procs: [p()] }, 'b')).toBe(false);
+  });
+
   it('ownsGuestCgroup_followsTheRecord_andForAnOlderStateOnlyTheFleetsOwnGroup', () => {
     const options = { prefix: 'ffl' };
     expect(ownsGuestCgroup({ options, guestCgroup: 'forkfleet-guests', guestCgroupOwned: false })).toBe(false);
@@ -330,6 +340,21 @@ describe('the guests cgroup', () => {
       await down(fleet);
       await member.exited;
       expect(existsSync(dir)).toBe(false);
+    });
+
+    it('down_ofAFleetStartedBeforeAReboot_leavesTheGroupOfItsNameAndItsMembers_whichAreAnotherFleetsNow', async () => {
+      // After a reboot the fleet's own group is gone; one of the same name is a fleet's started
+      // since with the same prefix. Its directory is still cleared.
+      const name = `ff-test-reboot-${process.pid}`;
+      const { dir, member } = groupWithMember(name);
+      const id = identityOf(member.pid);
+      const fleet = join(tmp, 'cg-reboot');
+      const state = stageFleet(fleet, []);
+      writeFileSync(join(fleet, 'state.json'), JSON.stringify({ ...state, guestCgroup: name, guestCgroupOwned: true, bootId: '00000000-0000-0000-0000-000000000000' }));
+      await down(fleet);
+      expect(isSameProcess(member.pid, id)).toBe(true);
+      expect(existsSync(dir)).toBe(true);
+      expect(existsSync(join(fleet, 'state.json'))).toBe(false);
     });
 
     it('guestCgroupFor_aGroupFF_GUEST_CGROUPNamesThatExists_isNotOwned_butOneItMakesIs', async () => {

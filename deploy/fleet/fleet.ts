@@ -44,7 +44,7 @@ import { HOST_LINK_PREFIX } from '../../host-agent/adapters/netns/egress.ts';
 import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 import { ensurePeerCert } from '../pki/pki.ts';
-import { cmdlineOf, identityOf, isQemuIn, isSameProcess, runsLaunchedCommand } from './proc-identity.ts';
+import { bootId, cmdlineOf, identityOf, isQemuIn, isSameProcess, runsLaunchedCommand } from './proc-identity.ts';
 import { InvalidArgumentError } from '../../proto/errors.ts';
 import { allSteps, guardedStart, throwIfStopped } from './bringup.ts';
 import type { SignalSource, StartEnd } from './bringup.ts';
@@ -135,6 +135,13 @@ export interface FleetState {
    * them for a fleet that is up.
    */
   complete?: boolean;
+  /**
+   * The boot the fleet was started in (/proc/sys/kernel/random/boot_id). After a reboot its
+   * namespaces, cgroup and RAM mounts are gone, and the names may be another fleet's by now
+   * (one started since with the same prefix): a teardown then leaves them alone. Absent (an
+   * older fleet.ts): the boot of its processes.
+   */
+  bootId?: string;
 }
 
 const DEFAULT_FLEET_DIR = '/var/lib/ffleet';
@@ -1018,6 +1025,7 @@ async function upLocked(given: FleetOptions, signals: SignalSource): Promise<Fle
         const state: FleetState = {
           version: 1,
           startedAt: new Date().toISOString(),
+          bootId: bootId(),
           options: opts,
           apiAddresses: [],
           metricsAddresses: [],
@@ -1220,7 +1228,16 @@ export function killCgroup(dir: string): boolean {
 }
 
 /** Stops the fleet's processes and removes its namespaces and cgroup. */
+/** Whether the fleet was started in an earlier boot than this one (FleetState.bootId). */
+export function fromEarlierBoot(state: Pick<FleetState, 'bootId' | 'procs'>, now = bootId()): boolean {
+  const then = state.bootId ?? state.procs.find((p) => p.bootId)?.bootId;
+  return then !== undefined && then !== '' && then !== now;
+}
+
 async function stopFleet(state: FleetState): Promise<void> {
+  // Started before a reboot: none of its processes, namespaces, cgroup or mounts exist now,
+  // and a namespace or cgroup of the same name is another fleet's. Only its files go.
+  if (fromEarlierBoot(state)) return;
   const order: ProcRecord['kind'][] = ['agent', 'scheduler', 'relay', 'nats', 'etcd'];
   for (const kind of order) {
     const procs = state.procs.filter((p) => p.kind === kind);
