@@ -2,7 +2,7 @@ import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import pino from 'pino';
-import { backoffMs, DEFAULT_RETRY, parseWebhookTargets, signWebhook, verifyWebhookSignature, WebhookDispatcher } from './webhooks.ts';
+import { backoffMs, DEFAULT_RETRY, MAX_POSTS_PER_URL, MAX_QUEUED_CHANGES, parseWebhookTargets, signWebhook, verifyWebhookSignature, WebhookDispatcher } from './webhooks.ts';
 import type { DeliveryLog, DeliveryRec, DeliveryState } from './webhooks.ts';
 import type { FleetStore, RecordChange } from './ports.ts';
 import type { SnapshotRec } from './records.ts';
@@ -388,7 +388,7 @@ function fakeStore(opts: { compactedThrough?: number; revision?: number } = {}) 
   };
   /** etcd cancels the current watch (the store names it compacted when its start is, by now). */
   const cancel = (e: unknown): void => broke?.(e);
-  return { store, emit, other, cancel, froms };
+  return { store, emit, other, cancel, froms, isWatching: () => watching !== undefined };
 }
 
 /** A poster of our own port: answers in turn (then 200), and counts the POSTs. */
@@ -618,5 +618,52 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     await until(() => log.cur === 109, 3000);
     expect(log.cursorWrites).toBeLessThanOrEqual(10);
     expect(poster.posts).toHaveLength(0);
+  });
+
+  it('aBacklogPastMaxQueuedChanges_dropsTheWatch_recordsWhatWasQueued_thenFollowsFromTheCursor_andMakesEveryDeliveryOnce', async () => {
+    const { store, emit, froms, isWatching } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    // The fleet changes faster than deliveries are recorded: creates wait until released.
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
+    const create = log.create.bind(log);
+    log.create = async (rec) => (await gate, create(rec));
+    const poster = fakePoster();
+    await dispatcher(store, log, poster).start();
+    const n = MAX_QUEUED_CHANGES + 500;
+    for (let i = 0; i < n; i++) emit(sandboxCreated(101 + i, `sb-${i}`));
+    // Before, all n waited in memory and the watch went on passing more.
+    expect(isWatching()).toBe(false);
+    release();
+    await until(() => poster.posts.length === n, 15_000);
+    expect(new Set(poster.posts).size).toBe(n);
+    expect(log.recs.size).toBe(n);
+    expect(froms.length).toBeGreaterThanOrEqual(2);
+    expect(isWatching()).toBe(true);
+  }, 30_000);
+
+  it('manyDeliveriesAtOnce_postAtMostMaxPostsPerUrlAtATime_andAllArrive', async () => {
+    const { store, emit } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    let inFlight = 0;
+    let most = 0;
+    const posts: string[] = [];
+    const poster = {
+      posts,
+      post: async (_url: string, _body: string, headers: Record<string, string>) => {
+        most = Math.max(most, ++inFlight);
+        await new Promise((r) => setTimeout(r, 5));
+        inFlight--;
+        posts.push(headers['forkfleet-delivery'] ?? '');
+        return 200;
+      },
+    };
+    await dispatcher(store, log, poster).start();
+    // A fork(100): one transaction, 100 children.
+    for (let i = 0; i < 100; i++) emit(sandboxCreated(101, `sb-${i}`));
+    await until(() => posts.length === 100, 10_000);
+    expect(most).toBe(MAX_POSTS_PER_URL);
   });
 });

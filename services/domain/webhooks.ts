@@ -181,6 +181,17 @@ export async function compactionFloor(deliveries: Pick<DeliveryLog, 'cursor'>): 
 /** A change that matches no target moves the cursor at most this often (one etcd write each, ADR 0011). */
 const CURSOR_EVERY_MS = 1000;
 
+/**
+ * Record changes passed on by the watch and not yet recorded, at most: past it the watch is
+ * dropped and followed again from the cursor (which moves only past recorded revisions), so a
+ * fleet that changes faster than deliveries are recorded (a fork(256) is 513 events per
+ * target) does not queue its changes here without bound, and etcd stops sending them.
+ */
+export const MAX_QUEUED_CHANGES = 1000;
+
+/** POSTs in flight to one URL, at most: the others wait their turn (a fork(256) made 513 at once, and as many again on each retry round while the receiver was down). */
+export const MAX_POSTS_PER_URL = 16;
+
 /** First retry of a start that failed; doubling up to START_RETRY_MAX_MS. */
 const START_RETRY_MS = 1000;
 const START_RETRY_MAX_MS = 60_000;
@@ -214,6 +225,8 @@ export class WebhookDispatcher {
   private readonly finished = new Map<string, number>();
   /** Pending deliveries this leader has scheduled or is attempting. */
   private readonly owned = new Set<string>();
+  /** POSTs in flight to each URL and those waiting for one of its slots (posting). */
+  private readonly posts = new Map<string, { inFlight: number; waiting: Array<() => void> }>();
   /** The current watch (follow); changes of an older one are not recorded. */
   private generation = 0;
   /** The cursor as last written (or read), and when it was written. */
@@ -327,6 +340,10 @@ export class WebhookDispatcher {
      * passed anything on was cancelled for its start, the others follow again from the cursor.
      */
     let delivered = false;
+    /** Revisions of the changes passed on and not recorded yet, oldest first (MAX_QUEUED_CHANGES). */
+    const queued: number[] = [];
+    /** Dropped changes for a backlog past MAX_QUEUED_CHANGES: passes on nothing more. */
+    let backlogged = false;
     const again = (e: unknown, what: string, at?: number): void => {
       if (!this.active || generation !== this.generation) return;
       this.generation++;
@@ -339,10 +356,24 @@ export class WebhookDispatcher {
     const stop = await this.deps.store.watchRecords(
       (ch) => {
         delivered = true;
+        if (generation !== this.generation || backlogged) return;
+        if (queued.length >= MAX_QUEUED_CHANGES) {
+          // This watch goes; the changes queued are still recorded (moving the cursor), and
+          // the ones after them, from this one on, are followed again from the cursor once
+          // they are. Nothing of this watch moves the cursor past this change any more.
+          backlogged = true;
+          watch.stop?.();
+          if (this.stopWatch === watch.stop) this.stopWatch = undefined;
+          this.deps.log.warn({ queued: queued.length, revision: ch.revision }, 'webhook deliveries are recorded slower than the fleet changes; following again from the cursor once those queued are recorded');
+          this.followAgain(queued[0]);
+          return;
+        }
+        queued.push(ch.revision);
         const events = eventsOf(ch, this.deps.clock.now());
         this.chain = this.chain
           .then(() => (generation === this.generation ? this.record(events, ch.revision) : undefined))
-          .catch((e: unknown) => again(e, 'recording webhook deliveries failed', ch.revision));
+          .catch((e: unknown) => again(e, 'recording webhook deliveries failed', ch.revision))
+          .finally(() => void queued.shift());
       },
       {
         ...(fromRevision !== undefined ? { fromRevision } : {}),
@@ -353,12 +384,13 @@ export class WebhookDispatcher {
         // cursor, and so every compaction, where the last sandbox change left it.
         onProgress: (p) => {
           delivered = true;
+          if (backlogged) return; // past a change this watch dropped
           this.chain = this.chain.then(() => (generation === this.generation ? this.progressed(p) : undefined)).catch((e: unknown) => this.deps.log.warn({ err: e }, 'writing the webhook cursor failed; the next change writes it'));
         },
       },
     );
     watch.stop = stop;
-    if (generation === this.generation && this.active && run === this.runs) {
+    if (generation === this.generation && this.active && run === this.runs && !backlogged) {
       // A watch of an earlier generation still open (a follow that overtook it) is followed no
       // more: it goes, not left open for the process's life.
       if (this.stopWatch !== stop) this.stopWatch?.();
@@ -537,7 +569,7 @@ export class WebhookDispatcher {
       'forkfleet-signature': signWebhook(target.secret, rec.body, Math.floor(now / 1000)),
     };
     try {
-      next.lastStatus = await this.deps.poster.post(rec.url, rec.body, headers, this.retry.timeoutMs);
+      next.lastStatus = await this.posting(rec.url, () => this.deps.poster.post(rec.url, rec.body, headers, this.retry.timeoutMs));
       next.lastError = next.lastStatus >= 200 && next.lastStatus < 300 ? '' : `HTTP ${next.lastStatus}`;
     } catch (e) {
       next.lastStatus = 0;
@@ -560,6 +592,22 @@ export class WebhookDispatcher {
       this.deps.onAttempt?.('retry');
     }
     await this.save(next, run);
+  }
+
+  /** Runs `post` once fewer than MAX_POSTS_PER_URL POSTs to `url` are in flight, in turn. */
+  private async posting<T>(url: string, post: () => Promise<T>): Promise<T> {
+    let slot = this.posts.get(url);
+    if (!slot) this.posts.set(url, (slot = { inFlight: 0, waiting: [] }));
+    if (slot.inFlight >= MAX_POSTS_PER_URL) await new Promise<void>((r) => slot.waiting.push(r));
+    else slot.inFlight++;
+    try {
+      return await post();
+    } finally {
+      // The slot goes to the next waiting POST as it is; with none, it is freed.
+      const next = slot.waiting.shift();
+      if (next) next();
+      else if (--slot.inFlight === 0) this.posts.delete(url);
+    }
   }
 
   /**
