@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { cgroupMountCommands } from './fleet.ts';
+import { spawnSync } from 'node:child_process';
+import { cgroupMountCommands, shQuote } from './fleet.ts';
 
 // /proc/self/mounts lines as the three layouts print them.
 const V2 = 'cgroup2 /sys/fs/cgroup cgroup2 rw,nosuid,nodev,noexec,relatime,nsdelegate,memory_recursiveprot 0 0\n';
@@ -12,19 +13,28 @@ describe('cgroupMountCommands (an agent namespace sees the cpu hierarchy)', () =
   });
 
   it('onCgroupV1_mountsTheCpuControllerWhereTheMachineHasIt', () => {
-    expect(cgroupMountCommands(V1)).toEqual(['mount -t tmpfs -o size=64k,mode=0755 ff-cgroup /sys/fs/cgroup', 'mkdir -p "/sys/fs/cgroup/cpu"', 'mount -t cgroup -o cpu cgroup "/sys/fs/cgroup/cpu"']);
+    expect(cgroupMountCommands(V1)).toEqual(['mount -t tmpfs -o size=64k,mode=0755 ff-cgroup /sys/fs/cgroup', "mkdir -p '/sys/fs/cgroup/cpu'", "mount -t cgroup -o cpu cgroup '/sys/fs/cgroup/cpu'"]);
   });
 
   it('onCoMountedCpuAndCpuacct_mountsBothAndLinksCpu', () => {
     expect(cgroupMountCommands(V1_COMOUNTED)).toEqual([
       'mount -t tmpfs -o size=64k,mode=0755 ff-cgroup /sys/fs/cgroup',
-      'mkdir -p "/sys/fs/cgroup/cpu,cpuacct"',
-      'mount -t cgroup -o cpu,cpuacct cgroup "/sys/fs/cgroup/cpu,cpuacct"',
-      'ln -s "/sys/fs/cgroup/cpu,cpuacct" /sys/fs/cgroup/cpu',
+      "mkdir -p '/sys/fs/cgroup/cpu,cpuacct'",
+      "mount -t cgroup -o cpu,cpuacct cgroup '/sys/fs/cgroup/cpu,cpuacct'",
+      "ln -s '/sys/fs/cgroup/cpu,cpuacct' /sys/fs/cgroup/cpu",
     ]);
   });
 
   it('withoutACpuHierarchy_mountsNothing', () => {
     expect(cgroupMountCommands('proc /proc proc rw 0 0\n')).toEqual([]);
+  });
+});
+
+describe('shQuote (paths in the agent\'s sh -c script)', () => {
+  it('aPathWithShellCharacters_reachesTheCommandAsOneWordUnchanged', () => {
+    for (const p of ['/srv/f$x', '/a b/c', "/it's", '/q"uote', '/back`tick`', '/bs\\n', '/$(touch /tmp/nope)']) {
+      const r = spawnSync('sh', ['-c', `printf %s ${shQuote(p)}`], { encoding: 'utf8' });
+      expect(r.stdout).toBe(p);
+    }
   });
 });

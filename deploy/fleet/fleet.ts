@@ -697,6 +697,11 @@ async function startSchedulers(state: FleetState, abort: AbortSignal): Promise<v
  * place inside an agent's mount namespace: `ip netns exec` mounts a fresh /sys there, without
  * /sys/fs/cgroup's mounts, and the agent's guests join a cgroup of that hierarchy (ADR 0018).
  */
+/** `s` as one word of a POSIX shell command line, whatever it holds ($, `, ", \\, spaces). */
+export function shQuote(s: string): string {
+  return `'${s.replace(/'/g, `'\\''`)}'`;
+}
+
 export function cgroupMountCommands(mounts = readFileSync('/proc/self/mounts', 'utf8')): string[] {
   const rows = mounts.split('\n').map((l) => l.split(' '));
   if (rows.some((m) => m[1] === '/sys/fs/cgroup' && m[2] === 'cgroup2')) return ['mount -t cgroup2 cgroup2 /sys/fs/cgroup'];
@@ -705,10 +710,10 @@ export function cgroupMountCommands(mounts = readFileSync('/proc/self/mounts', '
   const controllers = (cpu[3] ?? '').split(',').filter((o) => o === 'cpu' || o === 'cpuacct').join(',');
   return [
     'mount -t tmpfs -o size=64k,mode=0755 ff-cgroup /sys/fs/cgroup',
-    `mkdir -p "${cpu[1]}"`,
-    `mount -t cgroup -o ${controllers} cgroup "${cpu[1]}"`,
+    `mkdir -p ${shQuote(cpu[1])}`,
+    `mount -t cgroup -o ${controllers} cgroup ${shQuote(cpu[1])}`,
     // Co-mounted hierarchies are reached as /sys/fs/cgroup/cpu too (a symlink on Debian).
-    ...(cpu[1] === '/sys/fs/cgroup/cpu' ? [] : ['ln -s "' + cpu[1] + '" /sys/fs/cgroup/cpu']),
+    ...(cpu[1] === '/sys/fs/cgroup/cpu' ? [] : [`ln -s ${shQuote(cpu[1])} /sys/fs/cgroup/cpu`]),
   ];
 }
 
@@ -773,15 +778,16 @@ async function startAgent(state: FleetState, h: HostRecord, abort: AbortSignal):
   await waitLog(relay.log, 'relay ready', 15_000, relay, abort);
   const script = [
     'set -e',
-    `mount --bind "${h.dataDir}" "${stash}"`,
-    `mount -t tmpfs -o size=1m,mode=0755 ff-hosts "${hostsDir}"`,
-    `mount -t tmpfs -o size=1m,mode=0700 ff-nats-keys "${natsKeysDir(state)}"`,
+    // Every path quoted as one word: a --dir (or checkout) with $, ` or " in its name.
+    `mount --bind ${shQuote(h.dataDir)} ${shQuote(stash)}`,
+    `mount -t tmpfs -o size=1m,mode=0755 ff-hosts ${shQuote(hostsDir)}`,
+    `mount -t tmpfs -o size=1m,mode=0700 ff-nats-keys ${shQuote(natsKeysDir(state))}`,
     // The dev CA's key and the API's key are not the agent's either (it has the CA's certificate).
-    `mount -t tmpfs -o size=1m,mode=0700 ff-pki "${apiCredentialPaths(state.options.dir).pki}"`,
-    `mkdir -p "${h.dataDir}"`,
-    `mount --move "${stash}" "${h.dataDir}"`,
+    `mount -t tmpfs -o size=1m,mode=0700 ff-pki ${shQuote(apiCredentialPaths(state.options.dir).pki)}`,
+    `mkdir -p ${shQuote(h.dataDir)}`,
+    `mount --move ${shQuote(stash)} ${shQuote(h.dataDir)}`,
     ...(state.guestCgroup ? cgroupMountCommands() : []),
-    `exec "${NODE}" --import tsx "${join(ROOT, 'host-agent', 'main.ts')}"`,
+    `exec ${shQuote(NODE)} --import tsx ${shQuote(join(ROOT, 'host-agent', 'main.ts'))}`,
   ].join('; ');
   const p = launch(state, abort, { name: `agent-${h.id}`, kind: 'agent', host: h.id, netns: h.netns }, ...inNetns(h.netns, 'sh', ['-c', script]), {
     FF_HOST_ID: h.id,
