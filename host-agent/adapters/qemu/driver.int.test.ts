@@ -818,6 +818,26 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await driver.destroy('spawner');
   });
 
+  it('snapshot_ofATemplateWhoseSealFailsAndItsRetryToo_keepsTheVmRunning_andTheUnsealedSnapshotGoesWithTheVm', async () => {
+    // The VM switched onto the snapshot's files; writing image.json then fails (a directory in
+    // its temp file's place stands in for ENOSPC), and again in the retry. Its files (a whole
+    // memory image) served nothing and were left behind until the agent restarted.
+    await driver.create({ vmId: 'ts1', image, memoryMib: MEM, vcpus: 1, hostname: 'ts1' });
+    const dir = join(root, 'snapshots', 'snap-ts1');
+    onSnapshotStage = async (e) => {
+      if (e.snapshotId === 'snap-ts1' && e.stage === 'switched') await mkdir(join(dir, 'image.json.tmp'));
+    };
+    try {
+      await expect(driver.snapshot('ts1', 'snap-ts1')).rejects.toThrow(/EISDIR/);
+    } finally {
+      onSnapshotStage = undefined;
+    }
+    expect(driver.get('ts1')?.state).toBe('running');
+    expect(await sh('ts1', 'echo up')).toBe('up');
+    await driver.destroy('ts1');
+    await expect(stat(dir)).rejects.toMatchObject({ code: 'ENOENT' });
+  });
+
   it('snapshot_ofATemplateWhoseReplacementDiesAfterTheSourceStopped_recordsTheVmCrashed_andReportsIt', async () => {
     await driver.create({ vmId: 'tc1', image, memoryMib: MEM, vcpus: 1, hostname: 'tc1' });
     const events: VmEvent[] = [];

@@ -1783,8 +1783,11 @@ export class QemuVmmDriver implements VmmDriver {
       if (rec.launchDir) await rm(rec.launchDir, { force: true });
       // A snapshot of it that was never sealed serves nothing else (no manifest: no fork, no
       // fetch, no GC sees it): it goes with the VM, not at the next agent start.
-      const unsealed = rec.unsealed && join(this.snapshotsDir, rec.unsealed.snapshotId);
-      if (unsealed && !(await isSealed(unsealed))) await rm(unsealed, { recursive: true, force: true });
+      // So does a template snapshot the VM switched onto and that could not be sealed since.
+      for (const id of [rec.unsealed?.snapshotId, rec.switching?.manifest.snapshotId]) {
+        const unsealed = id && join(this.snapshotsDir, id);
+        if (unsealed && !(await isSealed(unsealed))) await rm(unsealed, { recursive: true, force: true });
+      }
       this.vms.delete(vmId);
       this.setState(rec, 'destroyed');
       rec.log.info('vm destroyed');
