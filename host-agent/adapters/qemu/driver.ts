@@ -37,6 +37,7 @@ import {
   QmpCommandError,
 } from '../../errors.ts';
 import { diffFingerprint } from '../../domain/compat.ts';
+import { ForkfleetError } from '../../../proto/errors.ts';
 import { canTransition } from '../../domain/lifecycle.ts';
 import {
   systemClock,
@@ -226,6 +227,8 @@ const CLOCK_REFRESH_AFTER_MS = 200;
 /** How long a QEMU whose QMP closed unasked may take to be seen exiting before it is recorded crashed anyway (watch). */
 const CRASH_EXIT_WAIT_MS = 2000;
 const MIGRATION_TIMEOUT_MS = 120_000;
+/** How long a stopping agent waits for its migrations out to end (closeStandbys). */
+const MIGRATION_CLOSE_WAIT_MS = 10_000;
 /** Migration sources kept ready on a host, all snapshots together (ADR 0015). */
 const MIGRATION_SOURCES_MAX = 2;
 /** Migration destinations kept ready on a host, all configurations together (ADR 0015). */
@@ -282,6 +285,10 @@ export class QemuVmmDriver implements VmmDriver {
   private readonly vms = new Map<string, VmRecord>();
   /** Set by close(): no VM is made after it (makeWorkdir refuses). */
   private closing = false;
+  /** Set by closeStandbys: no migration source starts any more. */
+  private sourcesClosed = false;
+  /** migrateOut calls running (closeStandbys waits for them). */
+  private readonly migratingOut = new Set<Promise<unknown>>();
   /**
    * Creates, forks and incoming restores under way: close() waits for them before it destroys
    * the VMs, since a VM is registered only once its QEMU answers QMP. One spawned and not yet
@@ -955,7 +962,10 @@ export class QemuVmmDriver implements VmmDriver {
     // ---- end of pause window
     await this.opts.snapshotStage?.({ vmId: rec.info.vmId, snapshotId, stage: 'loaded', replacement: repl.qmp });
     const stopEv = src.eventsSince(mark).find((e) => e.event === 'STOP');
-    const resumeEv = keepPaused ? undefined : await repl.qmp.waitEvent('RESUME', 5000, () => true, rmark);
+    // From here the replacement runs the guest: nothing may fail before the record names it
+    // (a throw left the record on the dead source, the VM recorded crashed, the snapshot's
+    // directory removed under the running replacement). The RESUME only measures the pause.
+    const resumeEv = keepPaused ? undefined : await repl.qmp.waitEvent('RESUME', 5000, () => true, rmark).catch(() => undefined);
     const pauseMs = stopEv && resumeEv ? resumeEv.timestampMs - stopEv.timestampMs : 0;
     if (stopEv) {
       const rel = (evs: QmpEvent[]): string[] => evs.map((e) => `${e.event}${e.data.status ? `:${String(e.data.status)}` : ''}+${(e.timestampMs - stopEv.timestampMs).toFixed(1)}`);
@@ -963,7 +973,7 @@ export class QemuVmmDriver implements VmmDriver {
     }
 
     const oldGen = rec.gen;
-    await unlink(rec.diskPath);
+    const oldDisk = rec.diskPath;
     src.close();
     moveAgent(join(rec.info.workdir, `qga.${newGen}.sock`));
     rec.proc = repl.proc;
@@ -981,6 +991,9 @@ export class QemuVmmDriver implements VmmDriver {
     // vm.json names the replacement before anything else happens (still `switching`: the
     // manifest is not written yet).
     await this.persist(rec);
+    // The source's disk, hard-linked as the snapshot's: the VM's name for it goes (recover()
+    // and destroy remove it too, should this fail).
+    await unlink(oldDisk).catch((e: unknown) => rec.log.warn({ err: String(e) }, 'removing the template\'s old disk name failed'));
     await this.opts.snapshotStage?.({ vmId: rec.info.vmId, snapshotId, stage: 'switched', replacement: repl.qmp });
     await this.removeGenFiles(rec.info.workdir, oldGen);
     if (!rec.agent) {
@@ -1383,6 +1396,13 @@ export class QemuVmmDriver implements VmmDriver {
    * VMs' RAM files stay with the VMs.
    */
   async closeStandbys(): Promise<void> {
+    // Migrations out still streaming end first (their source QEMUs, claimed from a pool, are
+    // in none), for at most MIGRATION_CLOSE_WAIT_MS; one still going then is reaped by the
+    // next agent's recover().
+    this.sourcesClosed = true;
+    let t: NodeJS.Timeout | undefined;
+    await Promise.race([Promise.allSettled([...this.migratingOut]), new Promise((r) => (t = setTimeout(r, MIGRATION_CLOSE_WAIT_MS)))]);
+    clearTimeout(t);
     // The pool closes last: discarding an incoming standby gives its RAM file back to it.
     await Promise.all([this.standbys.close(), this.sources.close(), this.incoming.close()]);
     await this.ramPoolOpened?.then((p) => p?.close());
@@ -1398,7 +1418,18 @@ export class QemuVmmDriver implements VmmDriver {
    * other host, or with migrationViaUnix (a TLS relay carries the stream) in one of its own;
    * the guest's vCPUs never start in it. The snapshot's files are only read.
    */
-  async migrateOut(snapshot: LocalSnapshot, target: MigrationTarget, signal?: AbortSignal): Promise<MigrateOutReport> {
+  migrateOut(snapshot: LocalSnapshot, target: MigrationTarget, signal?: AbortSignal): Promise<MigrateOutReport> {
+    // A stopping agent starts no source QEMU (closeStandbys waits for those running): one
+    // started after the pools closed outlived the agent.
+    if (this.sourcesClosed) return Promise.reject(new ForkfleetError('unavailable', 'this host agent is stopping: it starts no migration source now', { retryable: true }));
+    const p = this.migrateOutNow(snapshot, target, signal);
+    this.migratingOut.add(p);
+    const done = (): void => void this.migratingOut.delete(p);
+    p.then(done, done);
+    return p;
+  }
+
+  private async migrateOutNow(snapshot: LocalSnapshot, target: MigrationTarget, signal?: AbortSignal): Promise<MigrateOutReport> {
     const t0 = performance.now();
     signal?.throwIfAborted();
     if ('host' in target && this.opts.migrationViaUnix) throw new VmmError('migration sources have no network here (migrationViaUnix): stream to a unix socket');
