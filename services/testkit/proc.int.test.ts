@@ -1,5 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { readFileSync } from 'node:fs';
+import { spawnSync } from 'node:child_process';
+import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { ExitedBeforeReadyError, freePort, spawnManaged, tempDir, waitReady } from './proc.ts';
 
@@ -32,5 +33,26 @@ describe('process harness', () => {
     expect(err).not.toBeInstanceOf(ExitedBeforeReadyError);
     expect(String(err)).toMatch(/timed out after 500 ms waiting for mute ready; mute's log ends:\nstill starting/);
     await proc.stop();
+  });
+
+  it('watchdog_whenTheTestProcessDiesWithoutStoppingItsServer_killsTheServerAndRemovesItsDirectory', async () => {
+    // A test process that starts a server and exits at once, as an interrupted run does.
+    const dir = tempDir('ff-proc-');
+    const code = `const { spawnManaged } = await import(${JSON.stringify(join(import.meta.dirname, 'proc.ts'))}); const p = spawnManaged({ name: 'orphan', command: 'sleep', args: ['300'], dir: ${JSON.stringify(dir)} }); console.log(p.pid); process.exit(0);`;
+    const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', code], { encoding: 'utf8', cwd: join(import.meta.dirname, '..', '..') });
+    const pid = Number(r.stdout.trim());
+    expect(pid, r.stderr).toBeGreaterThan(0);
+    const alive = (): boolean => {
+      try {
+        process.kill(pid, 0);
+        return true;
+      } catch {
+        return false;
+      }
+    };
+    const until = Date.now() + 10_000;
+    while ((alive() || existsSync(dir)) && Date.now() < until) await new Promise((res) => setTimeout(res, 100));
+    expect(alive()).toBe(false);
+    expect(existsSync(dir)).toBe(false);
   });
 });

@@ -216,10 +216,16 @@ export function spawnManaged(opts: SpawnManagedOptions): ManagedProcess {
   child.once('error', () => {});
 
   let watchdogPid: number | undefined;
+  let wd: ChildProcess | undefined;
   if (opts.watchdog ?? true) {
-    // $1 = our pid, $2 = server pid, $3 = dir to remove (may be empty).
-    const script = 'while kill -0 "$1" 2>/dev/null && kill -0 "$2" 2>/dev/null; do sleep 1; done; if kill -0 "$2" 2>/dev/null; then kill -9 "$2"; sleep 0.2; [ -n "$3" ] && rm -rf "$3"; fi';
-    const wd = spawn('sh', ['-c', script, 'ff-watchdog', String(process.pid), String(pid), opts.dir ?? ''], {
+    // $1 = our pid, $2 = server pid, $3 = dir to remove (may be empty). The server is known by
+    // its start time (field 22 of /proc/<pid>/stat) too: once it has exited and been reaped,
+    // its PID may be another process's, which must not be killed (nor the directory removed).
+    const script =
+      'st() { awk \'{print $22}\' "/proc/$2/stat" 2>/dev/null; }; s0=$(st "$@"); [ -n "$s0" ] || exit 0; ' +
+      'ours() { [ "$(st "$@")" = "$s0" ]; }; ' +
+      'while kill -0 "$1" 2>/dev/null && ours "$@"; do sleep 1; done; if ours "$@"; then kill -9 "$2"; sleep 0.2; [ -n "$3" ] && rm -rf "$3"; fi';
+    wd = spawn('sh', ['-c', script, 'ff-watchdog', String(process.pid), String(pid), opts.dir ?? ''], {
       detached: true,
       stdio: 'ignore',
     });
@@ -236,6 +242,8 @@ export function spawnManaged(opts: SpawnManagedOptions): ManagedProcess {
     logPath: opts.logPath,
     exited,
     kill() {
+      // Only while it is our unreaped child: a reaped PID may be another process's by now.
+      if (child.exitCode !== null || child.signalCode !== null) return;
       try {
         process.kill(pid, 'SIGKILL');
       } catch {
@@ -260,7 +268,8 @@ export function spawnManaged(opts: SpawnManagedOptions): ManagedProcess {
           await exited;
           clearTimeout(t);
         }
-        if (watchdogPid !== undefined) {
+        // The watchdog ends on its own once the server is gone: killed only while it runs.
+        if (watchdogPid !== undefined && wd?.exitCode === null && wd.signalCode === null) {
           try {
             process.kill(watchdogPid, 'SIGKILL');
           } catch {
