@@ -9,6 +9,8 @@ import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { NotLeaderError } from './errors.ts';
 import type { HostResultMsg } from './messages.ts';
+import type { OperationRec } from './records.ts';
+import { sandboxRecord } from '../testkit/records.ts';
 import { waitFor } from '../testkit/proc.ts';
 
 /** A port stub: the named methods, and for every other one an async function answering []. */
@@ -150,4 +152,56 @@ describe('Executor terms', () => {
       await ex.stop();
     }
   });
+
+  it('anOpWhoseEarlierTermRunnerOutlivedStop_isRunAgainWhenThatRunnerEnds_inTheNewTerm', async () => {
+    // The runner waits on etcd longer than stop() waits for it (2 s); the replica leads again
+    // meanwhile, and its listing skips the op (still running here). Before, once the old
+    // runner ended (its commit refused: an earlier term), nothing ran the op until the next
+    // change of leader.
+    const op: OperationRec = {
+      id: 'op-destroy-1', tenantId: 't1', kind: 'destroy', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'sb-1', input: {},
+      progress: { done: 0, total: 1, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {},
+    };
+    let releaseFirstRead!: () => void;
+    const firstRead = new Promise<void>((r) => (releaseFirstRead = r));
+    let reads = 0;
+    const committed: Array<Record<string, unknown>> = [];
+    const store = stub<ExecutorDeps['store']>({
+      watchFleet: async () => () => undefined,
+      watchOps: async () => () => undefined,
+      followSandboxes: async () => () => undefined,
+      listOps: async () => [{ value: op, modRevision: 2 }],
+      getOp: async () => ({ value: op, modRevision: 2 }),
+      getSandbox: async () => {
+        if (++reads === 1) await firstRead;
+        return { value: sandboxRecord({ id: 'sb-1', tenantId: 't1', state: 'destroyed' }), modRevision: 3 };
+      },
+      commitAt: async (writes: Array<{ kind: string; value: Record<string, unknown> }>) => {
+        for (const w of writes) if (w.kind === 'op') committed.push(w.value);
+        return 10;
+      },
+    });
+    const ex = new Executor({
+      store,
+      bus: stub({ consumeResults: async () => async () => undefined }),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18, heldSnapshotCheckMs: 60_000 },
+      submit: async () => {
+        throw new Error('not in this test');
+      },
+    });
+    try {
+      await ex.start();
+      await waitFor('the runner reading the sandbox', async () => reads === 1, 5000);
+      await ex.stop(); // gives up on the runner after 2 s
+      await ex.start();
+      releaseFirstRead();
+      await waitFor('the op written succeeded', async () => committed.some((o) => o.id === op.id && o.state === 'succeeded'), 5000);
+    } finally {
+      await ex.stop();
+    }
+  }, 20_000);
 });

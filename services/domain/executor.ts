@@ -208,6 +208,8 @@ interface PlaceJob {
    * the same conflict. Throws when the job has nothing left to place.
    */
   refresh?: () => Promise<void>;
+  /** The term of the runner that asked (runnerTerm): a job of an earlier term is refused, not booked. */
+  term: number | undefined;
   resolve: (p: Placed) => void;
   reject: (e: unknown) => void;
 }
@@ -621,7 +623,7 @@ export class Executor {
   private readonly sleepers = new Set<() => void>();
   private active = false;
   /** Batches waiting for the next group commit (commitGrouped). */
-  private readonly groupQueue: Array<{ writes: StoreWrite[]; resolve: (rev: number) => void; reject: (e: unknown) => void }> = [];
+  private readonly groupQueue: Array<{ writes: StoreWrite[]; term: number | undefined; resolve: (rev: number) => void; reject: (e: unknown) => void }> = [];
   private groupFlushing = false;
   /** Hosts waiting to be recorded as holders, per `<tenant>/<snapshot>` (addHolder). */
   private readonly holderQueue = new Map<string, { hosts: Set<string>; done: Array<{ settle: (error: unknown) => void }> }>();
@@ -1051,6 +1053,17 @@ export class Executor {
     else first();
   }
 
+  /**
+   * Throws NotLeaderError when stopped, or in a runner of an earlier term: stop() waits only
+   * 2 s for runners, and this replica may lead again while one still waits on the store. Such
+   * a runner must neither write, nor book (placeAndBook), nor send a step; the new term runs
+   * its op again once it ends (maybeRun).
+   */
+  private assertCurrentRunner(): void {
+    const runnerTerm = this.runnerTerm.getStore();
+    if (!this.active || (runnerTerm !== undefined && runnerTerm !== this.term)) throw new NotLeaderError();
+  }
+
   /** Executing (started, not stopped) and still holding the lease (ExecutorDeps.leading). */
   private leading(): boolean {
     return this.active && (this.deps.leading?.() ?? true);
@@ -1193,6 +1206,20 @@ export class Executor {
    * again in this term (the watch delivers only changes; a new term lists every active op):
    * read afresh and run again CRASHED_RERUN_MS later, as a new leader would run it.
    */
+  /** Reads the op and runs it in this term (unless it ended); a failed read tries again later (rerunLater). */
+  private runAgain(tenantId: string, opId: string): void {
+    const term = this.term;
+    this.deps.store.getOp(tenantId, opId).then(
+      (v) => {
+        if (v && term === this.term && !isTerminal(v.value.state)) this.maybeRun(v.value, v.modRevision);
+      },
+      (e: unknown) => {
+        this.log.warn({ err: e, opId }, 'could not read an operation an earlier term was running; trying later');
+        this.rerunLater(tenantId, opId);
+      },
+    );
+  }
+
   private rerunLater(tenantId: string, opId: string): void {
     const term = this.term;
     const t = setTimeout(() => {
@@ -1260,6 +1287,10 @@ export class Executor {
         else for (const st of Object.values(this.stepLog.get(op.id) ?? {})) delete st.sentAt;
         if (turn !== undefined && this.vmStateTurns.get(turn) === p) this.vmStateTurns.delete(turn);
         if (crashed) this.rerunLater(op.tenantId, op.id);
+        // A runner of an earlier term that outlived its stop() while this replica leads again:
+        // the new term's listing skipped the op (still running here then), and nothing else
+        // would run it until the next change of leader.
+        else if (term !== this.term && this.active) this.runAgain(op.tenantId, op.id);
       });
     this.running.set(op.id, p);
     if (turn !== undefined) this.vmStateTurns.set(turn, p);
@@ -1291,8 +1322,7 @@ export class Executor {
     // was never sent; the next leader runs the op again from what etcd says.
     // So is a runner of an earlier term of this replica (stop() waits 2 s for runners, and the
     // replica may lead again while one of them still waits on the store).
-    const runnerTerm = this.runnerTerm.getStore();
-    if (!this.active || (runnerTerm !== undefined && runnerTerm !== this.term)) throw new NotLeaderError();
+    this.assertCurrentRunner();
     const rev = await this.deps.store.commitAt(writes, this.deps.fence?.());
     if (rev > 0) {
       for (const w of writes) {
@@ -1559,6 +1589,7 @@ export class Executor {
       this.deps.onStepEnded?.(action, st.status === 'done' ? 'succeeded' : 'failed', st.sentAt !== undefined ? (now - st.sentAt) / 1000 : undefined, st.hostMs !== undefined ? st.hostMs / 1000 : undefined);
     };
     for (let attempt = 1; attempt <= this.deps.config.stepAttempts; attempt++) {
+      this.assertCurrentRunner();
       const early = this.early.get(key);
       if (early) {
         this.early.delete(key);
@@ -1671,7 +1702,7 @@ export class Executor {
    */
   private placeAndBook(op: OperationRec, snapshot: PlaceJob['snapshot'], request: PlaceJob['request'], records: PlaceJob['records'], refresh?: PlaceJob['refresh']): Promise<Placed> {
     return new Promise<Placed>((resolve, reject) => {
-      this.placeQueue.push({ op, snapshot, request, records, resolve, reject, ...(refresh ? { refresh } : {}) });
+      this.placeQueue.push({ op, snapshot, request, records, term: this.runnerTerm.getStore(), resolve, reject, ...(refresh ? { refresh } : {}) });
       // Outside the caller's runner term: the loop serves every runner's jobs, of later terms too.
       if (!this.placeRunning) void this.runnerTerm.exit(() => this.runPlacements());
     });
@@ -1680,7 +1711,14 @@ export class Executor {
   private async runPlacements(): Promise<void> {
     this.placeRunning = true;
     try {
-      while (this.placeQueue.length > 0) await this.placeGroup(this.placeQueue.splice(0, PLACE_GROUP_MAX_JOBS));
+      while (this.placeQueue.length > 0) {
+        const jobs = this.placeQueue.splice(0, PLACE_GROUP_MAX_JOBS).filter((j) => {
+          if (j.term === undefined || j.term === this.term) return true;
+          j.reject(new NotLeaderError());
+          return false;
+        });
+        if (jobs.length > 0) await this.placeGroup(jobs);
+      }
     } finally {
       this.placeRunning = false;
     }
@@ -1890,7 +1928,7 @@ export class Executor {
    */
   private commitGrouped(writes: StoreWrite[]): Promise<number> {
     return new Promise<number>((resolve, reject) => {
-      this.groupQueue.push({ writes, resolve, reject });
+      this.groupQueue.push({ writes, term: this.runnerTerm.getStore(), resolve, reject });
       if (!this.groupFlushing) void this.runnerTerm.exit(() => this.flushGroups());
     });
   }
@@ -1903,9 +1941,16 @@ export class Executor {
         let n = 0;
         while (this.groupQueue.length > 0 && (batch.length === 0 || n + this.groupQueue[0]!.writes.length <= GROUP_COMMIT_MAX_WRITES)) {
           const b = this.groupQueue.shift()!;
+          // A batch of a runner of an earlier term writes nothing (commit's own check cannot
+          // see it: the flush runs outside every runner's term).
+          if (b.term !== undefined && b.term !== this.term) {
+            b.reject(new NotLeaderError());
+            continue;
+          }
           batch.push(b);
           n += b.writes.length;
         }
+        if (batch.length === 0) continue;
         try {
           const rev = batch.length === 1 ? 0 : await this.commit(batch.flatMap((b) => b.writes));
           if (rev) {
