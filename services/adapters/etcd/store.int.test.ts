@@ -258,7 +258,8 @@ describe('EtcdFleetStore', () => {
   it('readsAndWrites_whenEtcdIsDown_failWithARetryableStoreUnavailableError', async () => {
     // The API answers UNAVAILABLE (retryable) for these, not INTERNAL.
     const gone = await startEtcd();
-    const s = EtcdFleetStore.connect(gone.endpoints);
+    const deadlineMs = 2000; // ETCD_CALL_DEADLINE_MS, shortened for the test
+    const s = EtcdFleetStore.connect(gone.endpoints, undefined, '', deadlineMs);
     try {
       await s.getSandbox('t', 'warm-up');
       await gone.stop();
@@ -267,6 +268,13 @@ describe('EtcdFleetStore', () => {
       expect((read as StoreUnavailableError).retryable).toBe(true);
       expect(await s.commitAt([{ kind: 'sandbox', value: sandbox('t', 'sb'), expectRevision: 0 }]).catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
       expect(await s.listSandboxes('t').catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
+      // Quota admission reads the revision: a raw etcd error there answered INTERNAL.
+      expect(await s.revision().catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
+      // A new watch waited for etcd for ever (etcd3 only reconnects): a WaitOperation hung.
+      const t0 = Date.now();
+      expect(await s.watchOps(() => undefined).catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
+      expect(await s.watchFleet(() => undefined).catch((e: unknown) => e)).toBeInstanceOf(StoreUnavailableError);
+      expect(Date.now() - t0).toBeLessThan(2 * deadlineMs + 3000);
     } finally {
       s.close();
       await gone.stop();

@@ -3,7 +3,8 @@
 import { rootCertificates } from 'node:tls';
 import { noop } from 'cockatiel';
 import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError, GRPCResourceExhastedError, GRPCUnavailableError, Range } from 'etcd3';
-import type { IKeyValue, IWatchResponse, Watcher } from 'etcd3';
+import type { IKeyValue, IWatchResponse, Watcher, WatchBuilder } from 'etcd3';
+import { once } from 'node:events';
 import { WatchManager } from 'etcd3/lib/watch.js';
 import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, LeaderFence, RecordChange, SandboxChange, StoreWrite, Versioned, WatchBroke } from '../../domain/ports.ts';
 import { isCompacted } from '../../domain/ports.ts';
@@ -75,6 +76,44 @@ function cancel(w: Watcher): void {
   if (cancelled.has(w)) return;
   cancelled.add(w);
   void w.cancel();
+}
+
+/**
+ * Watchers of `builders` once etcd has confirmed each. etcd3's create() waits for that for ever
+ * (an unreachable etcd only makes its stream reconnect, never an 'error'): a caller, e.g. an
+ * API call's first WaitOperation or quota admission, hung until etcd came back. Given up on
+ * after `ms`, the watchers opened so far cancelled, as StoreUnavailableError (retryable).
+ */
+async function openWatches(builders: readonly WatchBuilder[], ms: number): Promise<Watcher[]> {
+  const watchers = builders.map((b) => b.watcher());
+  const ac = new AbortController();
+  let t: NodeJS.Timeout | undefined;
+  const given = new Promise<never>((_, reject) => {
+    t = setTimeout(() => reject(new StoreUnavailableError('watch', new Error(`etcd did not open a watch within ${ms} ms`))), ms);
+  });
+  // An 'error' of one watcher while the others open (once() stops listening to it when it is
+  // connected) would have no listener, which ends the process: held here, and thrown.
+  const errors: unknown[] = [];
+  const onError = watchers.map((w) => (e: unknown): void => {
+    cancelled.add(w); // etcd dropped it: no cancel request for it (cancel)
+    errors.push(e);
+  });
+  watchers.forEach((w, i) => w.on('error', onError[i]!));
+  try {
+    // events.once rejects on the watcher's 'error' (etcd refused it) and lets go at the abort.
+    const opened = watchers.map((w) => once(w, 'connected', { signal: ac.signal }));
+    for (const o of opened) o.catch(() => undefined); // settled after the race when given up on
+    await Promise.race([Promise.all(opened), given]);
+    if (errors.length > 0) throw errors[0];
+    return watchers;
+  } catch (e) {
+    for (const w of watchers) cancel(w);
+    throw storeError('watch', e);
+  } finally {
+    clearTimeout(t);
+    ac.abort();
+    watchers.forEach((w, i) => w.off('error', onError[i]!));
+  }
 }
 
 /**
@@ -203,7 +242,16 @@ const ETCD_CHANNEL = {
 const ETCD_CALL_DEADLINE_MS = 10_000;
 
 export class EtcdFleetStore implements FleetStore {
-  constructor(private readonly client: Etcd3) {}
+  /** `watchOpenMs`: how long a new watch may wait for etcd (openWatches). */
+  constructor(
+    private readonly client: Etcd3,
+    private readonly watchOpenMs = ETCD_CALL_DEADLINE_MS,
+  ) {}
+
+  /** One watcher, once etcd has it (openWatches). */
+  private async openWatch(b: WatchBuilder): Promise<Watcher> {
+    return (await openWatches([b], this.watchOpenMs))[0]!;
+  }
 
   /**
    * A client of these endpoints. With `tls` it speaks TLS: the members are verified against
@@ -222,7 +270,7 @@ export class EtcdFleetStore implements FleetStore {
     // others, and the breaker only kept the fleet failing ~2.9 s after etcd was back (a
     // restart); without it, the first read after etcd is healthy again succeeds.
     const faultHandling = endpoints.length === 1 ? { faultHandling: { host: () => noop } } : {};
-    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, defaultCallOptions: (ctx: { isStream: boolean }) => (ctx.isStream ? {} : { deadline: Date.now() + callDeadlineMs }), ...(credentials ? { credentials } : {}), ...grpcOptions, ...faultHandling }));
+    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, defaultCallOptions: (ctx: { isStream: boolean }) => (ctx.isStream ? {} : { deadline: Date.now() + callDeadlineMs }), ...(credentials ? { credentials } : {}), ...grpcOptions, ...faultHandling }), callDeadlineMs);
   }
 
   get etcd(): Etcd3 {
@@ -416,7 +464,7 @@ export class EtcdFleetStore implements FleetStore {
     });
     onRevision(revision);
     // Every key under the prefix, so every revision made by the fleet is seen (onRevision).
-    const w = await this.client.watch().prefix(PREFIX).startRevision(String(revision + 1)).create();
+    const w = await this.openWatch(this.client.watch().prefix(PREFIX).startRevision(String(revision + 1)));
     const change = (kv: IKeyValue, deleted: boolean): void => {
       const key = kv.key.toString('utf8');
       const k = kinds.find(([p]) => key.startsWith(p));
@@ -447,7 +495,13 @@ export class EtcdFleetStore implements FleetStore {
 
   async revision(): Promise<number> {
     // A read of a key that never exists: the answer's header carries the store revision.
-    return Number((await this.client.get(PREFIX + '__never__').exec()).header.revision);
+    // Classified as every other read: quota admission asks for it, and a raw etcd error
+    // there answered INTERNAL (not retried) during an etcd blip.
+    try {
+      return Number((await this.client.get(PREFIX + '__never__').exec()).header.revision);
+    } catch (e) {
+      throw storeError('read', e);
+    }
   }
 
   async compact(revision: number): Promise<void> {
@@ -456,13 +510,13 @@ export class EtcdFleetStore implements FleetStore {
     } catch (e) {
       // Compacted already (by us, another replica or etcd's own auto-compaction): done.
       if (isCompacted(e)) return;
-      throw e;
+      throw storeError('compact', e);
     }
   }
 
   async watchOps(onOp: (op: OperationRec, modRevision: number) => void, opts: { only?: (tenantId: string, id: string, modRevision: number) => boolean; onError?: WatchBroke } = {}): Promise<() => void> {
     const prefix = keys.ops();
-    const w = await this.client.watch().prefix(prefix).create();
+    const w = await this.openWatch(this.client.watch().prefix(prefix));
     onBroken(w, opts.onError);
     const only = opts.only;
     w.on('put', (kv) => {
@@ -483,7 +537,7 @@ export class EtcdFleetStore implements FleetStore {
     const { records, revision } = await this.getPrefixAt<SandboxRec>(prefix);
     for (const value of records) onChange({ kind: 'put', value });
     // From the revision after the list's: no change is missed or seen twice.
-    const w = await this.client.watch().prefix(prefix).startRevision(String(Number(revision) + 1)).create();
+    const w = await this.openWatch(this.client.watch().prefix(prefix).startRevision(String(Number(revision) + 1)));
     // etcd cancelled the watch (e.g. its start revision was compacted): changes may be missed from here on.
     onBroken(w, onError);
     const known = opts.known;
@@ -502,7 +556,7 @@ export class EtcdFleetStore implements FleetStore {
 
   async watchFleet(onChange: (c: FleetChange) => void, opts: { known?: (kind: FleetChange['kind'], key: string, modRevision: number) => boolean; onError?: WatchBroke } = {}): Promise<() => void> {
     const prefixes = [keys.hosts(), keys.allocs(), keys.snapshots()] as const;
-    const watchers = await Promise.all(prefixes.map((p) => this.client.watch().prefix(p).create()));
+    const watchers = await openWatches(prefixes.map((p) => this.client.watch().prefix(p)), this.watchOpenMs);
     for (const w of watchers) onBroken(w, opts.onError);
     const kinds = ['host', 'alloc', 'snapshot'] as const;
     const known = opts.known;
@@ -525,7 +579,7 @@ export class EtcdFleetStore implements FleetStore {
     // One watcher over the whole prefix, so changes arrive in revision order across kinds
     // (the webhook cursor relies on it).
     const b = this.client.watch().prefix(PREFIX).withPreviousKV();
-    const w = await (opts.fromRevision ? b.startRevision(String(opts.fromRevision)) : b).create();
+    const w = await this.openWatch(opts.fromRevision ? b.startRevision(String(opts.fromRevision)) : b);
     const from = opts.fromRevision;
     // etcd cancels a watch from a compacted revision with an empty reason: a read at that
     // revision says whether that was why, so the caller can tell (isCompacted) and say so.
