@@ -1060,8 +1060,13 @@ export class Executor {
    * its op again once it ends (maybeRun).
    */
   private assertCurrentRunner(): void {
+    if (!this.currentRunner()) throw new NotLeaderError();
+  }
+
+  /** Whether running, and not in a runner of an earlier term (assertCurrentRunner). */
+  private currentRunner(): boolean {
     const runnerTerm = this.runnerTerm.getStore();
-    if (!this.active || (runnerTerm !== undefined && runnerTerm !== this.term)) throw new NotLeaderError();
+    return this.active && (runnerTerm === undefined || runnerTerm === this.term);
   }
 
   /** Executing (started, not stopped) and still holding the lease (ExecutorDeps.leading). */
@@ -1633,7 +1638,8 @@ export class Executor {
       // stored; sent in a batch (batcher.ts) it may not, and the agent dedups by op + step.
       let settled = false;
       void result.then(() => (settled = true));
-      for (let i = 0, delay = 250; !settled && this.leading(); i++, delay = Math.min(delay * 2, 2000)) {
+      // (Not from a runner of an earlier term: a re-send would carry this term's stamp.)
+      for (let i = 0, delay = 250; !settled && this.leading() && this.currentRunner(); i++, delay = Math.min(delay * 2, 2000)) {
         try {
           await this.deps.bus.sendWork(hostId, msg);
           break;

@@ -53,4 +53,29 @@ describe('batches of host work and results', () => {
     await batcher.publish('ff.work.h1', new Uint8Array([3]), 'c');
     expect(published).toEqual(['a', 'c']);
   });
+
+  it('subjectBatcher_failAll_whileAnItemWaitsForThePubAckAhead_failsIt_andItIsNeverPublished_thoughTheFenceSaysYes', async () => {
+    // The replica lost its lease and won it back before the PubAck ahead came: the fence says
+    // yes again, but the queued step was decided (and stamped) by the earlier term.
+    const published: string[] = [];
+    let ackFirst: () => void = () => undefined;
+    const publisher = {
+      publish: (_subject: string, _bytes: Uint8Array, o: { msgId?: string }) => {
+        published.push(o.msgId ?? '');
+        return published.length === 1 ? new Promise<void>((r) => (ackFirst = r)) : Promise.resolve();
+      },
+    } as unknown as JsPublisher;
+    const batcher = new SubjectBatcher(publisher, {}, () => undefined);
+    const first = batcher.publish('ff.work.h1', new Uint8Array([1]), 'a');
+    await new Promise((r) => setImmediate(r));
+    const second = batcher.publish('ff.work.h1', new Uint8Array([2]), 'b');
+    second.catch(() => undefined);
+    batcher.failAll(new Error('an earlier term'));
+    ackFirst();
+    await first;
+    await expect(second).rejects.toThrow('an earlier term');
+    expect(published).toEqual(['a']);
+    await batcher.publish('ff.work.h1', new Uint8Array([3]), 'c');
+    expect(published).toEqual(['a', 'c']);
+  });
 });

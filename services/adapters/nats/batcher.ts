@@ -100,6 +100,19 @@ export class SubjectBatcher {
     });
   }
 
+  /**
+   * Fails every item still queued (not the messages in flight) with `e`: a scheduler starting
+   * a new leader term drops what the earlier term queued, which would go out once the PubAck
+   * ahead of it came, with the earlier term's stamp and after the fence said yes again.
+   */
+  failAll(e: unknown): void {
+    for (const [subject, st] of this.subjects) {
+      for (const x of st.items.splice(0)) x.reject(e);
+      if (!st.inFlight) this.subjects.delete(subject);
+    }
+    this.due.clear();
+  }
+
   private flush(): void {
     this.scheduled = false;
     const due = [...this.due];

@@ -143,6 +143,8 @@ export class NatsWorkBus implements WorkBus {
    * they have taken (HostWork.leader_term).
    */
   newTerm(term: LeaderTerm = { term: 0n, cluster: 0n }): void {
+    // Work an earlier term queued behind a PubAck is not sent in this one.
+    this.batcher.failAll(new ForkfleetError('unavailable', 'host work queued in an earlier leader term is not sent', { retryable: true }));
     this.nonce = randomBytes(6).toString('hex');
     this.term = term;
   }
