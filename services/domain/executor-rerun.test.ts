@@ -108,6 +108,26 @@ describe('Executor snapshot that will not become ready', () => {
   });
 });
 
+describe('A hibernate run again', () => {
+  it('whoseSandboxWasLostSinceItsFirstRunBeganTheSnapshot_marksThatSnapshotFailed_notLeftCreatingForGood', async () => {
+    // The first run wrote the snapshot's record (creating) and sent its step; the leader failed
+    // over, and the host was declared lost meanwhile. The re-run refused the lost sandbox and
+    // left the record creating: no op would end it, and it could neither expire nor be deleted.
+    const op = { id: 'op-h1', tenantId: 't', kind: 'hibernate', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'sb-1', input: { snapshotId: 'sn-h1' }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    const snapshot = { id: 'sn-h1', tenantId: 't', state: 'creating' } as unknown as SnapshotRec;
+    const writes: StoreWrite[] = [];
+    const ex = executorOver({
+      getSandbox: async () => ({ value: sandbox('sb-1', 'h1', 'lost'), modRevision: 7 }),
+      getSnapshot: async () => ({ value: snapshot, modRevision: 8 }),
+      commitAt: async (w: StoreWrite[]) => (writes.push(...w), 9),
+    });
+    const inner = ex as unknown as { active: boolean; runHibernate(op: OperationRec): Promise<void> };
+    inner.active = true;
+    await expect(inner.runHibernate(op)).rejects.toThrow(/only a running or paused sandbox can hibernate/);
+    expect(writes.map((w) => [w.kind, (w.value as { id?: string; state?: string }).id, (w.value as { state?: string }).state])).toEqual([['snapshot', 'sn-h1', 'failed']]);
+  });
+});
+
 describe('Executor stopped', () => {
   it('writesNothingOnceStopped_thoughTheElectionKeyStillStands_soARunnerItWokeCannotRecordWhatItNeverSaw', async () => {
     // stop() wakes runners waiting on host steps (as timed out); one that went on to record

@@ -2608,7 +2608,14 @@ export class Executor {
         return this.runHibernate(op, tries + 1);
       }
     }
-    if (sb.state !== 'hibernating') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
+    if (sb.state !== 'hibernating') {
+      // A re-run (a new leader) whose first run began the snapshot (its record creating), the
+      // sandbox moved on since (its host lost, say): nothing else would end that record, which
+      // could then neither expire nor be deleted (as snapshotOf does for the other kinds).
+      const own = await this.deps.store.getSnapshot(op.tenantId, input.snapshotId);
+      if (own?.value.state === 'creating') await this.markSnapshotFailed(own.value);
+      throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can hibernate');
+    }
     // The VM is paused first and stays paused through the snapshot until it stops: a guest
     // that ran on after its snapshot (a running VM is resumed once the snapshot is taken)
     // would do work, and answer calls, that the hibernated sandbox then never had.
