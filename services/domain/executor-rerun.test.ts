@@ -108,6 +108,21 @@ describe('Executor snapshot that will not become ready', () => {
   });
 });
 
+describe('A drain run again', () => {
+  it('ofAHostTheAdminUncordonedMeanwhile_stops_andDoesNotCordonItBack', async () => {
+    const op = { id: 'op-d2', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    const writes: StoreWrite[] = [];
+    const ex = executorOver({
+      getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: false, draining: false, capacity: res }, modRevision: 5 }),
+      commitAt: async (w: StoreWrite[]) => (writes.push(...w), 9),
+    });
+    const inner = ex as unknown as { active: boolean; runDrain(op: OperationRec): Promise<void> };
+    inner.active = true;
+    await expect(inner.runDrain(op)).rejects.toThrow(/uncordoned during its drain/);
+    expect(writes.filter((w) => w.kind === 'host')).toEqual([]);
+  });
+});
+
 describe('A hibernate run again', () => {
   it('whoseSandboxWasLostSinceItsFirstRunBeganTheSnapshot_marksThatSnapshotFailed_notLeftCreatingForGood', async () => {
     // The first run wrote the snapshot's record (creating) and sent its step; the leader failed
@@ -124,7 +139,7 @@ describe('A hibernate run again', () => {
     const inner = ex as unknown as { active: boolean; runHibernate(op: OperationRec): Promise<void> };
     inner.active = true;
     await expect(inner.runHibernate(op)).rejects.toThrow(/only a running or paused sandbox can hibernate/);
-    expect(writes.map((w) => [w.kind, (w.value as { id?: string; state?: string }).id, (w.value as { state?: string }).state])).toEqual([['snapshot', 'sn-h1', 'failed']]);
+    expect(writes.map((w) => [w.kind, ...('value' in w ? [(w.value as { id: string }).id, (w.value as { state: string }).state] : [])])).toEqual([['snapshot', 'sn-h1', 'failed']]);
   });
 });
 

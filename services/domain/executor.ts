@@ -3488,6 +3488,10 @@ export class Executor {
       const h = await this.deps.store.getHost(hostId);
       if (!h) throw new NotFoundError('host', hostId);
       if (h.value.cordoned && h.value.draining) break;
+      // The drain was asked with the cordon (DrainHost writes both): a host not cordoned now was
+      // uncordoned since, and a run of the drain (again, after a failover) must not cordon it
+      // back over the admin.
+      if (!h.value.cordoned) throw new WrongStateError('host', hostId, 'not draining', 'it was uncordoned during its drain: the drain stops');
       if (await this.commit([{ kind: 'host', value: { ...h.value, cordoned: true, draining: true }, expectRevision: h.modRevision }])) break;
     }
     // Sandboxes booked here before the cordon that are still on their way (a fork's children
