@@ -123,6 +123,27 @@ describe('A drain run again', () => {
   });
 });
 
+describe('A drain', () => {
+  it('ofAHostASandboxCameOntoWhileItRan_namesIt_insteadOfReportingTheHostDrained', async () => {
+    // Another drain had booked F for X before F's cordon, and switched X onto F meanwhile.
+    const op = { id: 'op-d3', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    let lists = 0;
+    const writes: StoreWrite[] = [];
+    const ex = executorOver({
+      getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 }),
+      listSandboxes: async () => (++lists === 1 ? [] : [{ value: sandbox('X', 'F', 'running'), modRevision: 20 }]),
+      getOp: async () => ({ value: structuredClone(op), modRevision: 10 }),
+      commitAt: async (w: StoreWrite[]) => (writes.push(...w), 11),
+    });
+    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
+    inner.active = true;
+    inner.ops.set(op.id, { value: op, modRevision: 10 });
+    await inner.runDrain(op);
+    const final = writes.flatMap((w) => (w.kind === 'op' ? [w.value as OperationRec] : [])).at(-1);
+    expect(final?.error?.message).toMatch(/X: came onto F during the drain/);
+  });
+});
+
 describe('A hibernate run again', () => {
   it('whoseSandboxWasLostSinceItsFirstRunBeganTheSnapshot_marksThatSnapshotFailed_notLeftCreatingForGood', async () => {
     // The first run wrote the snapshot's record (creating) and sent its step; the leader failed

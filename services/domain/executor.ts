@@ -3578,6 +3578,13 @@ export class Executor {
     }
     const stop = cancelled();
     if (stop) return stop;
+    // A sandbox that came onto this host during the drain (another drain's migration that had
+    // booked it here before this host's cordon, and switched since) was not moved by this run:
+    // named, so the drain does not report the host drained while it runs there.
+    const seen = new Set([...onHost.map((sb) => sb.id), ...moved]);
+    for (const { value: sb } of await this.deps.store.listSandboxes(undefined)) {
+      if (sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused') && !seen.has(sb.id)) failures.push(`${sb.id}: came onto ${hostId} during the drain; drain it again`);
+    }
     const uncopied = await this.copySnapshotsOff(op, hostId);
     if (failures.length || uncopied.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${[...failures, ...uncopied].join('; ')}`, retryable: true }, undefined, this.drainEnded(op));
     await this.finish(op, { sandboxIds: moved }, null, moved.length, this.drainEnded(op));
