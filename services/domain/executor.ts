@@ -1206,11 +1206,6 @@ export class Executor {
     }
   }
 
-  /**
-   * An op whose runner crashed is still recorded active, and nothing else would start it
-   * again in this term (the watch delivers only changes; a new term lists every active op):
-   * read afresh and run again CRASHED_RERUN_MS later, as a new leader would run it.
-   */
   /** Reads the op and runs it in this term (unless it ended); a failed read tries again later (rerunLater). */
   private runAgain(tenantId: string, opId: string): void {
     const term = this.term;
@@ -1225,6 +1220,11 @@ export class Executor {
     );
   }
 
+  /**
+   * An op whose runner crashed is still recorded active, and nothing else would start it
+   * again in this term (the watch delivers only changes; a new term lists every active op):
+   * read afresh and run again CRASHED_RERUN_MS later, as a new leader would run it.
+   */
   private rerunLater(tenantId: string, opId: string): void {
     const term = this.term;
     const t = setTimeout(() => {
