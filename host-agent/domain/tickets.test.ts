@@ -1,6 +1,8 @@
 import { describe, expect, it } from 'vitest';
-import { create } from '@bufbuild/protobuf';
+import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { VmConfigSchema } from '../../proto/gen/forkfleet/v1/common_pb.ts';
+import { TransferTicketSchema } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { generateSigningKey, signManifest, signTicket, verifyManifest, verifyTicket } from './tickets.ts';
 import { ManifestInvalidError, TicketInvalidError } from './transfer-errors.ts';
 
@@ -25,6 +27,17 @@ describe('transfer tickets', () => {
       const t = Uint8Array.from(valid.ticket);
       t[t.length - 1] = (t[t.length - 1] ?? 0) ^ 1;
       return verifyTicket({ ...valid, ticket: t }, trusted, { now, destinationHostId: 'h2' });
+    }],
+    ['a signed manifest whose bytes decode as a ticket', () => {
+      // The same key signs manifests: a host could send bytes that are a ticket (fields 1-4)
+      // plus manifest-only fields (6, 7) as its snapshot's manifest. Signed, they must not pass.
+      // An expiry whose Timestamp bytes are valid UTF-8 (as the manifest's parent_snapshot_id, field 3): 2029-07-30.
+      const ticket = toBinary(TransferTicketSchema, create(TransferTicketSchema, { snapshotId: 's1', destinationHostId: 'h2', expiresAt: { seconds: 1880129602n, nanos: 0 }, ticketId: 't' }));
+      const extra = toBinary(SnapshotManifestSchema, create(SnapshotManifestSchema, { vmConfig: create(VmConfigSchema, { machine: 'microvm', memoryMib: 256n, vcpus: 1 }), chunkSize: 262144 }));
+      const bytes = new Uint8Array([...ticket, ...extra]);
+      expect(fromBinary(SnapshotManifestSchema, bytes).vmConfig?.memoryMib).toBe(256n); // it is a usable manifest too
+      const m = signManifest(fromBinary(SnapshotManifestSchema, bytes), signing);
+      return verifyTicket({ $typeName: 'forkfleet.v1.SignedTicket', ticket: bytes, signature: m.signature, keyId: m.keyId }, trusted, { now, destinationHostId: 'h2' });
     }],
     ['signed by another key', () => {
       const other = generateSigningKey('k1').signing;

@@ -77,6 +77,9 @@ export function verifyTicket(signed: SignedTicket | undefined, trust: TrustedKey
   } catch (e) {
     throw new TicketInvalidError('undecodable ticket', { cause: e });
   }
+  // The same key signs manifests, whose bytes may decode as a ticket: one carrying fields no
+  // ticket has (a manifest's VM config, chunk size) is no ticket the scheduler issued.
+  if ((t.$unknown?.length ?? 0) > 0) throw new TicketInvalidError('fields no ticket has');
   if (!t.expiresAt) throw new TicketInvalidError('no expiry');
   const expiresAt = timestampDate(t.expiresAt);
   assertTicketLive({ expiresAt }, expect.now);

@@ -7,7 +7,8 @@ import pino from 'pino';
 import { Executor } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
-import { create } from '@bufbuild/protobuf';
+import { create, toBinary } from '@bufbuild/protobuf';
+import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
 import { NotLeaderError, StoreFullError, StoreUnavailableError } from './errors.ts';
@@ -141,6 +142,37 @@ describe('A drain', () => {
     await inner.runDrain(op);
     const final = writes.flatMap((w) => (w.kind === 'op' ? [w.value as OperationRec] : [])).at(-1);
     expect(final?.error?.message).toMatch(/X: came onto F during the drain/);
+  });
+});
+
+describe('A snapshot step', () => {
+  it('whoseHostAnswersTheManifestOfAnotherSnapshot_isNotSigned_andTheSnapshotFails', async () => {
+    // The key that signs manifests signs tickets too: bytes a host chose (a ticket for another
+    // tenant's snapshot, which decodes as a manifest) must not come back signed.
+    const signed: Uint8Array[] = [];
+    const writes: StoreWrite[] = [];
+    let rev = 3;
+    const ex = new Executor({
+      store: stub<ExecutorDeps['store']>({
+        getSandbox: async () => ({ value: sandbox('sb-1', 'h1', 'running'), modRevision: 2 }),
+        getSnapshot: async () => (writes.length ? { value: writes.filter((w) => w.kind === 'snapshot').at(-1)!.value, modRevision: rev } : undefined),
+        commitAt: async (w: StoreWrite[]) => (writes.push(...w), ++rev),
+      }),
+      bus: stub<ExecutorDeps['bus']>({}),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: { ticket: () => undefined as never, manifest: (b: Uint8Array) => (signed.push(b), { signature: new Uint8Array(64), keyId: 'k1' }) },
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+    });
+    const other = toBinary(SnapshotManifestSchema, create(SnapshotManifestSchema, { snapshotId: 'sn-victim', tenantId: 'h2' }));
+    const inner = ex as unknown as { active: boolean; step: () => Promise<unknown>; snapshotOf(op: OperationRec, sandboxId: string, snapshotId: string, opts: object): Promise<unknown> };
+    inner.active = true;
+    inner.step = async () => ({ manifest: { manifest: other }, vms: [] });
+    const op = { id: 'op-s1', tenantId: 't', kind: 'snapshot', state: 'running', targetId: 'sb-1', input: {} } as unknown as OperationRec;
+    await expect(inner.snapshotOf(op, 'sb-1', 'sn-mine', {})).rejects.toThrow(/with the manifest of "sn-victim"/);
+    expect(signed).toEqual([]);
+    expect(writes.filter((w) => w.kind === 'snapshot').map((w) => (w as { value: SnapshotRec }).value.state).at(-1)).toBe('failed');
   });
 });
 

@@ -2446,10 +2446,13 @@ export class Executor {
       const r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
       const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
       if (r.manifest && r.manifest.manifest.length > 0) {
+        // Signed only as this snapshot's manifest: the key signs tickets too, and bytes a host
+        // chose (a ticket for another tenant's snapshot, say) must not come back signed.
+        const m = fromBinary(SnapshotManifestSchema, r.manifest.manifest);
+        if (m.snapshotId !== snapshotId || (m.tenantId !== '' && m.tenantId !== tenantId)) throw new ForkfleetError('internal', `host ${sb.hostId} answered the snapshot step of ${snapshotId} with the manifest of ${JSON.stringify(m.snapshotId)} (tenant ${JSON.stringify(m.tenantId)})`, { retryable: false });
         const sig = this.deps.signer.manifest(r.manifest.manifest);
         ready.manifestSignature = Buffer.from(sig.signature).toString('base64');
         ready.manifestKeyId = sig.keyId;
-        const m = fromBinary(SnapshotManifestSchema, r.manifest.manifest);
         const vc = m.vmConfig;
         if (vc) {
           ready.vmConfig = {
