@@ -481,7 +481,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const ticket = fetch.ticket;
     if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
     let lastErr: unknown = new ForkfleetError('unavailable', `no source with an address for ${fetch.snapshotId}`);
-    for (const s of fetch.sources.filter((x) => x.address)) {
+    // Only from sources the scheduler recorded as holders (PeerSource.may_migrate): a stream
+    // is loaded as it comes, unverified.
+    for (const s of fetch.sources.filter((x) => x.address && x.mayMigrate)) {
       let started = false;
       try {
         if (signal?.aborted) throw signal.reason;

@@ -176,6 +176,25 @@ describe('A snapshot step', () => {
   });
 });
 
+describe('A fetch plan', () => {
+  it('letsAMigrationComeOnlyFromARecordedHolder_notFromAHostThatOnlySaysInItsHeartbeatThatItHoldsTheSnapshot', () => {
+    // A host's heartbeat claim is enough for chunks (each verified against the signed
+    // manifest) but not for a migration stream, which the destination loads unverified.
+    const now = Date.now();
+    const heard = new HeartbeatRegistry();
+    for (const h of ['B', 'X']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', snapshots: h === 'X' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
+    const ex = executorOver({}, { heard, now: () => now });
+    const sn = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['B'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    const signer = { ticket: () => ({}) };
+    (ex as unknown as { deps: { signer: unknown } }).deps.signer = signer;
+    const plan = (ex as unknown as { fetchPlan(sn: SnapshotRec, hostId: string, planned?: string, migrate?: boolean): { sources: Array<{ hostId: string; mayMigrate: boolean }> } }).fetchPlan(sn, 'C', 'X', true);
+    expect(plan.sources.map((x) => [x.hostId, x.mayMigrate])).toEqual([
+      ['X', false],
+      ['B', true],
+    ]);
+  });
+});
+
 describe('A hibernate run again', () => {
   it('whoseSandboxWasLostSinceItsFirstRunBeganTheSnapshot_marksThatSnapshotFailed_notLeftCreatingForGood', async () => {
     // The first run wrote the snapshot's record (creating) and sent its step; the leader failed

@@ -1915,7 +1915,10 @@ export class Executor {
     if (sources.length === 0) throw new WrongStateError('snapshot', sn.id, 'held by no host', `host ${hostId} cannot fetch it`);
     return {
       snapshotId: sn.id,
-      sources: sources.map((h) => ({ hostId: h, address: this.cache.hosts.get(h)?.value.peerAddress ?? '' })),
+      // A migration (unverifiable RAM and device state) only from a holder the scheduler
+      // recorded, never from one that merely says so in its heartbeat: that one could stream a
+      // VM of its own making as the snapshot (chunks are verified, a migration stream is not).
+      sources: sources.map((h) => ({ hostId: h, address: this.cache.hosts.get(h)?.value.peerAddress ?? '', mayMigrate: migrate && sn.hostIds.includes(h) })),
       ticket: this.deps.signer.ticket(sn.id, hostId, migrate),
       manifest: { signature: Buffer.from(sn.manifestSignature, 'base64'), keyId: sn.manifestKeyId },
       allowMigration: migrate,
