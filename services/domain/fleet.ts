@@ -343,7 +343,9 @@ export class Fleet {
 
   /** A hibernated sandbox holds no memory: waking it takes its memory again, within the quota (a waking one counts already). */
   private async admitWake(tenantId: string, sb: SandboxRec): Promise<void> {
-    if (sb.state === 'hibernated') await admit(this.deps, tenantId, { memoryMib: sb.resources.memoryMib });
+    // Its own recorded wake (a second caller of a transparent wake, sharing the first's) is not
+    // counted on top of what it asks for.
+    if (sb.state === 'hibernated') await admit(this.deps, tenantId, { memoryMib: sb.resources.memoryMib }, sb.id);
   }
 
   async createSandbox(input: CreateInput): Promise<OperationRec> {

@@ -99,6 +99,30 @@ describe('QuotaLedger', () => {
     expect(await l.usage('t')).toMatchObject({ pendingSandboxes: 0, pendingMemoryMib: 0 });
   });
 
+  it('usage_countsAWakeRecordedButNotStarted_atItsSandboxsMemory_onceAndNotForTheWakeBeingAdmitted', async () => {
+    // ResumeSandbox(H) records a wake; H stays hibernated (holding no memory) until the leader
+    // starts it. A create right after it must see the memory the wake is about to take.
+    const store = fakeStore([
+      { kind: 'sandbox', key: 't/a', value: sb('a', 'running', 512) },
+      { kind: 'sandbox', key: 't/h', value: sb('h', 'hibernated', 512) },
+    ]);
+    const l = new QuotaLedger({ store });
+    expect(await l.usage('t')).toMatchObject({ memoryMib: 512, pendingMemoryMib: 0 });
+    const wake = (id: string, state: OperationRec['state']): FollowedRecord => ({ kind: 'op', key: `t/${id}`, value: { id, tenantId: 't', kind: 'wake', state, targetId: 'h', input: {}, result: null } as unknown as OperationRec });
+    store.write(wake('op-w1', 'pending'));
+    store.write(wake('op-w2', 'pending')); // a second wake of the same sandbox counts once
+    expect(await l.usage('t')).toMatchObject({ memoryMib: 512, pendingMemoryMib: 512 });
+    // The admission of a wake of h itself does not count h's recorded wake on top.
+    expect(await l.usage('t', 'h')).toMatchObject({ pendingMemoryMib: 0 });
+    // Started: the sandbox holds its memory itself (waking), and the wake adds nothing more.
+    store.write({ kind: 'sandbox', key: 't/h', value: sb('h', 'waking', 512) });
+    expect(await l.usage('t')).toMatchObject({ memoryMib: 1024, pendingMemoryMib: 0 });
+    store.write(wake('op-w1', 'succeeded'));
+    store.write(wake('op-w2', 'failed'));
+    store.write({ kind: 'sandbox', key: 't/h', value: sb('h', 'hibernated', 512) });
+    expect(await l.usage('t')).toMatchObject({ memoryMib: 512, pendingMemoryMib: 0 });
+  });
+
   it('usage_waitsUntilTheWatchHasDeliveredEtcdsCurrentRevision', async () => {
     const store = fakeStore([]);
     const l = new QuotaLedger({ store });

@@ -45,6 +45,8 @@ export class QuotaLedger {
   private readonly sandboxes = new Map<string, { tenantId: string; counted: boolean; memoryMib: number; resourcesMib: number }>();
   private readonly snapshots = new Map<string, { tenantId: string; bytes: number; memoryMib: number }>();
   private readonly forks = new Map<string, PendingFork>();
+  /** Wakes recorded and not ended, by op key: their sandbox's record, `<tenant>/<id>`. */
+  private readonly wakes = new Map<string, string>();
   /** Every change up to this store revision is applied. */
   private revision = 0;
   private waiters: Array<{ revision: number; resolve: () => void }> = [];
@@ -63,7 +65,7 @@ export class QuotaLedger {
    * The tenant's usage as of now (every write committed before the call), or undefined when
    * the ledger cannot say in time: the caller then reads the records itself.
    */
-  async usage(tenantId: string): Promise<LedgerUsage | undefined> {
+  async usage(tenantId: string, exceptWakeOf?: string): Promise<LedgerUsage | undefined> {
     if (!(await this.started())) return undefined;
     const target = await this.deps.store.revision();
     if (!(await this.reached(target))) return undefined;
@@ -75,6 +77,16 @@ export class QuotaLedger {
       pendingSandboxes += f.count;
       const mib = f.snapshotKey ? (this.snapshots.get(f.snapshotKey)?.memoryMib ?? 0) : (this.sandboxes.get(f.sandboxKey)?.resourcesMib ?? 0);
       pendingMemoryMib += f.count * mib;
+    }
+    // A wake recorded but not yet started (its sandbox still hibernated, holding no memory)
+    // takes the sandbox's memory again: counted from now, once per sandbox, so a call right
+    // after a ResumeSandbox does not pass on the memory the wake is about to take.
+    const waking = new Set<string>();
+    for (const key of this.wakes.values()) {
+      const s = this.sandboxes.get(key);
+      if (!s || s.tenantId !== tenantId || s.memoryMib > 0 || !s.counted || waking.has(key) || key === `${tenantId}/${exceptWakeOf}`) continue;
+      waking.add(key);
+      pendingMemoryMib += s.resourcesMib;
     }
     return { ...t, pendingSandboxes, pendingMemoryMib };
   }
@@ -125,6 +137,7 @@ export class QuotaLedger {
     this.sandboxes.clear();
     this.snapshots.clear();
     this.forks.clear();
+    this.wakes.clear();
     this.revision = 0;
     for (const w of this.waiters.splice(0)) w.resolve();
   }
@@ -194,6 +207,8 @@ export class QuotaLedger {
       const pending = c.value ? pendingForkOf(c.value) : undefined;
       if (pending) this.forks.set(c.key, pending);
       else this.forks.delete(c.key);
+      if (c.value?.kind === 'wake' && !isTerminal(c.value.state)) this.wakes.set(c.key, `${c.value.tenantId}/${c.value.targetId}`);
+      else this.wakes.delete(c.key);
     }
   }
 }

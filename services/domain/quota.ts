@@ -79,17 +79,18 @@ export function checkQuota(tenantId: string, quota: TenantQuota, usage: TenantUs
 
 /** Per-tenant usage kept up to date (quota-ledger.ts); undefined when it cannot answer now. */
 export interface UsageSource {
-  usage(tenantId: string): Promise<(TenantUsage & { pendingSandboxes: number; pendingMemoryMib: number }) | undefined>;
+  /** `exceptWakeOf`: a sandbox whose recorded wake is not counted (the wake being admitted itself). */
+  usage(tenantId: string, exceptWakeOf?: string): Promise<(TenantUsage & { pendingSandboxes: number; pendingMemoryMib: number }) | undefined>;
 }
 
 /**
  * Checks `need` against the tenant's quota; nothing to do without one. The usage comes from
  * the ledger when there is one and it can answer, else from the tenant's records.
  */
-export async function admit(deps: { store: FleetStore; quotas?: QuotaOf | undefined; usage?: UsageSource | undefined }, tenantId: string, need: QuotaNeed | (() => Promise<QuotaNeed>)): Promise<void> {
+export async function admit(deps: { store: FleetStore; quotas?: QuotaOf | undefined; usage?: UsageSource | undefined }, tenantId: string, need: QuotaNeed | (() => Promise<QuotaNeed>), exceptWakeOf?: string): Promise<void> {
   const quota = deps.quotas?.(tenantId);
   if (!quota || (quota.sandboxes === undefined && quota.memoryMib === undefined && quota.snapshotBytes === undefined)) return;
-  const [usage, n] = await Promise.all([tenantUsage(deps, tenantId, { snapshots: quota.snapshotBytes !== undefined }), typeof need === 'function' ? need() : Promise.resolve(need)]);
+  const [usage, n] = await Promise.all([tenantUsage(deps, tenantId, { snapshots: quota.snapshotBytes !== undefined, ...(exceptWakeOf ? { exceptWakeOf } : {}) }), typeof need === 'function' ? need() : Promise.resolve(need)]);
   return checkQuota(tenantId, quota, usage, n);
 }
 
@@ -98,15 +99,15 @@ export async function admit(deps: { store: FleetStore; quotas?: QuotaOf | undefi
  * from the ledger when it can answer, else from the tenant's records. `snapshots: false`
  * leaves snapshot bytes out of a listing (0) when no quota needs them.
  */
-export async function tenantUsage(deps: { store: FleetStore; usage?: UsageSource | undefined }, tenantId: string, o: { snapshots: boolean } = { snapshots: true }): Promise<TenantUsage> {
-  const fromLedger = await deps.usage?.usage(tenantId);
+export async function tenantUsage(deps: { store: FleetStore; usage?: UsageSource | undefined }, tenantId: string, o: { snapshots: boolean; exceptWakeOf?: string } = { snapshots: true }): Promise<TenantUsage> {
+  const fromLedger = await deps.usage?.usage(tenantId, o.exceptWakeOf);
   if (fromLedger) {
     const { pendingSandboxes, pendingMemoryMib, ...usage } = fromLedger;
     usage.sandboxes += pendingSandboxes;
     usage.memoryMib += pendingMemoryMib;
     return usage;
   }
-  return listedUsage(deps.store, tenantId, o.snapshots);
+  return listedUsage(deps.store, tenantId, o.snapshots, o.exceptWakeOf);
 }
 
 /**
@@ -115,10 +116,14 @@ export async function tenantUsage(deps: { store: FleetStore; usage?: UsageSource
  * each counts the children the sandbox list, read after, lacks: a placement that commits in
  * between is then counted once (as records), never twice or not at all.
  */
-async function listedUsage(store: FleetStore, tenantId: string, snapshots: boolean): Promise<TenantUsage> {
-  const forks = (await store.listOps({ activeOnly: true, tenantId })).map((v) => v.value).filter((o) => o.kind === 'fork');
+async function listedUsage(store: FleetStore, tenantId: string, snapshots: boolean, exceptWakeOf?: string): Promise<TenantUsage> {
+  const open = (await store.listOps({ activeOnly: true, tenantId })).map((v) => v.value);
+  const forks = open.filter((o) => o.kind === 'fork');
   const [sbs, sns] = await Promise.all([store.listSandboxes(tenantId), snapshots ? store.listSnapshots(tenantId) : Promise.resolve([])]);
   const usage = usageOf(sbs.map((v) => v.value), sns.map((v) => v.value));
+  // A wake not yet started (its sandbox still hibernated) takes the sandbox's memory again.
+  const waking = new Set(open.filter((o) => o.kind === 'wake' && o.targetId !== exceptWakeOf).map((o) => o.targetId));
+  for (const { value: s } of sbs) if (waking.has(s.id) && s.state === 'hibernated') usage.memoryMib += s.resources.memoryMib;
   // Children of forks not yet placed have no records yet, but they are coming.
   const pending = await pendingForks(store, tenantId, forks, new Set(sbs.map((v) => v.value.id)));
   usage.sandboxes += pending.sandboxes ?? 0;
