@@ -1117,7 +1117,9 @@ export class Executor {
    * nothing, and a retry of that key could never submit.
    */
   private noteFinished(f: FinishedOp): void {
-    if (f.idempotencyKey) this.finishedOps.set(`${f.tenantId}/${f.id}`, f);
+    // Kept for expireHistory only: with retention off (records kept for good) nothing reads
+    // them, and the map grew by every finished op for as long as this replica led.
+    if (f.idempotencyKey && (this.deps.config.recordRetentionMs ?? 0) > 0) this.finishedOps.set(`${f.tenantId}/${f.id}`, f);
   }
 
   /**
