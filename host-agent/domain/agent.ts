@@ -1048,7 +1048,8 @@ export class Agent {
   private async restoreByMigration(snapshotId: string, fetch: FetchSnapshotWork | undefined, clones: CloneSpec[], log: Logger): Promise<{ vms: VmInfo[]; bytes: number } | undefined> {
     const { driver, shipper } = this.deps;
     const max = this.deps.config.migrateMaxChildren ?? 2;
-    if (!fetch?.allowMigration || !fetch.ticket || clones.length > max || !fetch.sources.some((s) => s.address)) return undefined;
+    // Only from a source the scheduler recorded as a holder (PeerSource.may_migrate).
+    if (!fetch?.allowMigration || !fetch.ticket || clones.length > max || !fetch.sources.some((s) => s.address && s.mayMigrate)) return undefined;
     if (!driver.prepareIncoming || !shipper.incomingSource || !shipper.migrateFrom || !shipper.holds) return undefined;
     if (await shipper.holds(snapshotId)) return undefined;
     const prepare = driver.prepareIncoming.bind(driver);

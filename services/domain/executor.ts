@@ -3498,8 +3498,10 @@ export class Executor {
       if (h.value.cordoned && h.value.draining) break;
       // The drain was asked with the cordon (DrainHost writes both): a host not cordoned now was
       // uncordoned since, and a run of the drain (again, after a failover) must not cordon it
-      // back over the admin.
-      if (!h.value.cordoned) throw new WrongStateError('host', hostId, 'not draining', 'it was uncordoned during its drain: the drain stops');
+      // back over the admin. It still settles what an earlier run began (a migration it
+      // booked, a sandbox it claimed and paused): migrate() finishes or undoes those, and
+      // refuses the others (not draining).
+      if (!h.value.cordoned) break;
       if (await this.commit([{ kind: 'host', value: { ...h.value, cordoned: true, draining: true }, expectRevision: h.modRevision }])) break;
     }
     // Sandboxes booked here before the cordon that are still on their way (a fork's children

@@ -666,4 +666,31 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     await until(() => posts.length === 100, 10_000);
     expect(most).toBe(MAX_POSTS_PER_URL);
   });
+
+  it('postsWaitingForASlotWhenTheLeaderStops_areNotSent_byTheRunThatStopped', async () => {
+    // The next leader lists the same pending deliveries and sends them: a deposed leader that
+    // went on sending its backlog as slots freed sent every one twice.
+    const { store, emit } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
+    const posts: string[] = [];
+    const poster = {
+      posts,
+      post: async (_url: string, _body: string, headers: Record<string, string>) => {
+        posts.push(headers['forkfleet-delivery'] ?? '');
+        await gate;
+        return 200;
+      },
+    };
+    const d = dispatcher(store, log, poster);
+    await d.start();
+    for (let i = 0; i < 40; i++) emit(sandboxCreated(101, `sb-${i}`));
+    await until(() => posts.length === MAX_POSTS_PER_URL, 5000);
+    await d.stop();
+    release();
+    await new Promise((r) => setTimeout(r, 200));
+    expect(posts).toHaveLength(MAX_POSTS_PER_URL);
+  });
 });

@@ -569,7 +569,10 @@ export class WebhookDispatcher {
       'forkfleet-signature': signWebhook(target.secret, rec.body, Math.floor(now / 1000)),
     };
     try {
-      next.lastStatus = await this.posting(rec.url, () => this.deps.poster.post(rec.url, rec.body, headers, this.retry.timeoutMs));
+      const status = await this.posting(rec.url, run, () => this.deps.poster.post(rec.url, rec.body, headers, this.retry.timeoutMs));
+      // Stopped (or stopped and started again) while it waited for a slot: not sent by this run.
+      if (status === undefined) return;
+      next.lastStatus = status;
       next.lastError = next.lastStatus >= 200 && next.lastStatus < 300 ? '' : `HTTP ${next.lastStatus}`;
     } catch (e) {
       next.lastStatus = 0;
@@ -594,13 +597,18 @@ export class WebhookDispatcher {
     await this.save(next, run);
   }
 
-  /** Runs `post` once fewer than MAX_POSTS_PER_URL POSTs to `url` are in flight, in turn. */
-  private async posting<T>(url: string, post: () => Promise<T>): Promise<T> {
+  /**
+   * Runs `post` once fewer than MAX_POSTS_PER_URL POSTs to `url` are in flight, in turn; undefined
+   * (not sent) when run `run` has ended by the time its turn comes: a deposed leader would send
+   * its whole backlog, which the next leader sends too.
+   */
+  private async posting<T>(url: string, run: number, post: () => Promise<T>): Promise<T | undefined> {
     let slot = this.posts.get(url);
     if (!slot) this.posts.set(url, (slot = { inFlight: 0, waiting: [] }));
     if (slot.inFlight >= MAX_POSTS_PER_URL) await new Promise<void>((r) => slot.waiting.push(r));
     else slot.inFlight++;
     try {
+      if (!this.active || run !== this.runs) return undefined;
       return await post();
     } finally {
       // The slot goes to the next waiting POST as it is; with none, it is freed.

@@ -107,7 +107,12 @@ async function openWatches(builders: readonly WatchBuilder[], ms: number): Promi
     if (errors.length > 0) throw errors[0];
     return watchers;
   } catch (e) {
-    for (const w of watchers) cancel(w);
+    for (const w of watchers) {
+      // Given up on: an answer etcd still sends it (a create refused late, say) is an 'error'
+      // with nobody left to hear it, which would end the process.
+      w.on('error', () => undefined);
+      cancel(w);
+    }
     throw storeError('watch', e);
   } finally {
     clearTimeout(t);
