@@ -249,6 +249,7 @@ async function stopProcess(what: string, pid: number, ours: () => boolean, grace
 const AGENT_STOP_GRACE_MS = 25_000;
 /** The same for the other processes. */
 const STOP_GRACE_MS = 8000;
+const stopGraceOf = (kind: ProcRecord['kind']): number => (kind === 'agent' ? AGENT_STOP_GRACE_MS : STOP_GRACE_MS);
 
 function stopRecorded(rec: ProcRecord, graceMs: number): Promise<void> {
   return stopProcess(rec.name, rec.pid, () => procAlive(rec), graceMs);
@@ -523,7 +524,7 @@ async function restartLocked(dir: string, name: string): Promise<ProcRecord> {
   const state = readState(fleetDir(dir));
   const rec = state?.procs.find((p) => p.name === name);
   if (!state || !rec) throw new Error(`no process ${name} in the fleet at ${fleetDir(dir)}`);
-  await stopRecorded(rec, rec.kind === 'agent' ? AGENT_STOP_GRACE_MS : STOP_GRACE_MS);
+  await stopRecorded(rec, stopGraceOf(rec.kind));
   Object.assign(rec, spawnDetached(rec.log, rec.command, rec.args, rec.env, rec.cwd));
   saveStarted(state, rec);
   if (rec.kind === 'agent' || rec.kind === 'scheduler') {
@@ -1249,7 +1250,7 @@ async function stopFleet(state: FleetState): Promise<void> {
     const procs = state.procs.filter((p) => p.kind === kind);
     // etcd members one at a time (all at once makes the last one hang).
     if (kind === 'etcd') for (const p of procs) await stopRecorded(p, 5000);
-    else await Promise.all(procs.map((p) => stopRecorded(p, kind === 'agent' ? AGENT_STOP_GRACE_MS : STOP_GRACE_MS)));
+    else await Promise.all(procs.map((p) => stopRecorded(p, stopGraceOf(kind))));
     if (kind === 'agent') {
       // Agents leave VMs running for a restarted agent to adopt; down ends them too, and any
       // standby or snapshot receiver a killed agent left. Each PID only while it is still the

@@ -8,7 +8,7 @@ import { access, mkdir, open, readdir, readFile, rename, rm, writeFile } from 'n
 import { join } from 'node:path';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import type { Logger } from 'pino';
-import type { IncomingSnapshot, SnapshotShipper } from '../domain/agent.ts';
+import { migrationSources, type IncomingSnapshot, type SnapshotShipper } from '../domain/agent.ts';
 import type { GuestImage, LocalSnapshot, MigrationStream, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
 import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
 import { chunkSizes, manifestDigests } from '../domain/snapshot-store.ts';
@@ -481,9 +481,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const ticket = fetch.ticket;
     if (!ticket) throw new ForkfleetError('invalid_argument', 'fetch.ticket: missing', { field: 'fetch.ticket' });
     let lastErr: unknown = new ForkfleetError('unavailable', `no source with an address for ${fetch.snapshotId}`);
-    // Only from sources the scheduler recorded as holders (PeerSource.may_migrate): a stream
-    // is loaded as it comes, unverified.
-    for (const s of fetch.sources.filter((x) => x.address && x.mayMigrate)) {
+    for (const s of migrationSources(fetch)) {
       let started = false;
       try {
         if (signal?.aborted) throw signal.reason;

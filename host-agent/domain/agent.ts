@@ -225,6 +225,15 @@ function errorInfo(e: unknown): { kind: string; message: string; retryable: bool
   return { kind: 'internal', message: e instanceof Error ? e.message : String(e), retryable: false, field: '' };
 }
 
+/**
+ * The sources a restore may migrate from: reachable ones the scheduler recorded as holders
+ * (PeerSource.may_migrate). A stream is loaded as it comes, unverified; a host that only says
+ * it holds the snapshot serves verified chunks, never a migration.
+ */
+export function migrationSources(fetch: FetchSnapshotWork): FetchSnapshotWork['sources'] {
+  return fetch.sources.filter((s) => s.address && s.mayMigrate);
+}
+
 export class Agent {
   /** What start() set up, undone by stop() in reverse (the work consumer apart: stopConsuming). */
   private readonly stops: Array<() => void | Promise<void>> = [];
@@ -1048,8 +1057,7 @@ export class Agent {
   private async restoreByMigration(snapshotId: string, fetch: FetchSnapshotWork | undefined, clones: CloneSpec[], log: Logger): Promise<{ vms: VmInfo[]; bytes: number } | undefined> {
     const { driver, shipper } = this.deps;
     const max = this.deps.config.migrateMaxChildren ?? 2;
-    // Only from a source the scheduler recorded as a holder (PeerSource.may_migrate).
-    if (!fetch?.allowMigration || !fetch.ticket || clones.length > max || !fetch.sources.some((s) => s.address && s.mayMigrate)) return undefined;
+    if (!fetch?.allowMigration || !fetch.ticket || clones.length > max || migrationSources(fetch).length === 0) return undefined;
     if (!driver.prepareIncoming || !shipper.incomingSource || !shipper.migrateFrom || !shipper.holds) return undefined;
     if (await shipper.holds(snapshotId)) return undefined;
     const prepare = driver.prepareIncoming.bind(driver);

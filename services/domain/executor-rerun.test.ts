@@ -109,19 +109,26 @@ describe('Executor snapshot that will not become ready', () => {
   });
 });
 
+/** Runs drain op `id` of host F (recording no migrations) over stub ports; returns every write committed. */
+async function drainOnce(id: string, host: { cordoned: boolean; draining: boolean }, listSandboxes: () => Promise<Array<{ value: SandboxRec; modRevision: number }>> = async () => []): Promise<StoreWrite[]> {
+  const op = { id, tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+  const writes: StoreWrite[] = [];
+  const ex = executorOver({
+    getHost: async (hostId: string) => ({ value: { id: hostId, state: 'ready', ...host, capacity: res }, modRevision: 5 }),
+    listSandboxes,
+    getOp: async () => ({ value: structuredClone(op), modRevision: 10 }),
+    commitAt: async (w: StoreWrite[]) => (writes.push(...w), 11),
+  });
+  const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
+  inner.active = true;
+  inner.ops.set(op.id, { value: op, modRevision: 10 });
+  await inner.runDrain(op);
+  return writes;
+}
+
 describe('A drain run again', () => {
   it('ofAHostTheAdminUncordonedMeanwhile_doesNotCordonItBack', async () => {
-    const op = { id: 'op-d2', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
-    const writes: StoreWrite[] = [];
-    const ex = executorOver({
-      getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: false, draining: false, capacity: res }, modRevision: 5 }),
-      getOp: async () => ({ value: structuredClone(op), modRevision: 10 }),
-      commitAt: async (w: StoreWrite[]) => (writes.push(...w), 11),
-    });
-    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
-    inner.active = true;
-    inner.ops.set(op.id, { value: op, modRevision: 10 });
-    await inner.runDrain(op);
+    const writes = await drainOnce('op-d2', { cordoned: false, draining: false });
     expect(writes.filter((w) => w.kind === 'host' && (w.value as { cordoned: boolean }).cordoned)).toEqual([]);
   });
 });
@@ -129,19 +136,8 @@ describe('A drain run again', () => {
 describe('A drain', () => {
   it('ofAHostASandboxCameOntoWhileItRan_namesIt_insteadOfReportingTheHostDrained', async () => {
     // Another drain had booked F for X before F's cordon, and switched X onto F meanwhile.
-    const op = { id: 'op-d3', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
     let lists = 0;
-    const writes: StoreWrite[] = [];
-    const ex = executorOver({
-      getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 }),
-      listSandboxes: async () => (++lists === 1 ? [] : [{ value: sandbox('X', 'F', 'running'), modRevision: 20 }]),
-      getOp: async () => ({ value: structuredClone(op), modRevision: 10 }),
-      commitAt: async (w: StoreWrite[]) => (writes.push(...w), 11),
-    });
-    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
-    inner.active = true;
-    inner.ops.set(op.id, { value: op, modRevision: 10 });
-    await inner.runDrain(op);
+    const writes = await drainOnce('op-d3', { cordoned: true, draining: true }, async () => (++lists === 1 ? [] : [{ value: sandbox('X', 'F', 'running'), modRevision: 20 }]));
     const final = writes.flatMap((w) => (w.kind === 'op' ? [w.value as OperationRec] : [])).at(-1);
     expect(final?.error?.message).toMatch(/X: came onto F during the drain/);
   });
