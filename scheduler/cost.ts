@@ -2,7 +2,8 @@
 // host per snapshot) and its estimated time to ready on that host.
 //
 // Memory of c children of snapshot S on host h:
-//   c * ceil(S.memoryMib * privateMemoryFraction)  +  (S's image resident on h ? 0 : S.memoryMib)
+//   min(c * S.memoryMib,  c * ceil(S.memoryMib * privateMemoryFraction) + (S's image resident on h ? 0 : S.memoryMib))
+// (never more than c separate guests: a lone restore needs what its create did)
 // Disk: c * overlayDiskMib + MiB of chunks h lacks (fetched into its chunk cache).
 // A create has no sharing: c * memoryMib, c * diskMib.
 import type { PlacementConfig } from './config.ts';
@@ -60,10 +61,21 @@ export function missingBytes(snapshot: SnapshotView | null, present: number, hol
   return Math.min(snapshot.totalBytes, Math.ceil(missing / snapshot.chunkBytes) * snapshot.chunkBytes);
 }
 
-/** Memory c children need on host i (c >= 1). */
+/**
+ * Memory c children need on host i (c >= 1): their private pages plus the shared image, but
+ * never more than c whole guests. Each child's private pages are at most its guest's memory
+ * and the image's page cache is clean (reclaimable), which is how a create of the same guest
+ * is charged: so a lone restore needs memoryMib, as its create did, and a sandbox that was
+ * created on the largest host can always be woken or moved back onto one like it.
+ */
 export function memoryFor(d: Demand, i: number, c: number): number {
-  const image = d.imageMib > 0 && !d.resident.has(i) ? d.imageMib : 0;
-  return c * d.privateMemoryMib + image;
+  const shared = c * d.privateMemoryMib + imageFor(d, i);
+  return d.imageMib > 0 ? Math.min(c * d.imageMib, shared) : shared;
+}
+
+/** The image memory host i pays once for this snapshot's children (0 where resident, and for create). */
+function imageFor(d: Demand, i: number): number {
+  return d.imageMib > 0 && !d.resident.has(i) ? d.imageMib : 0;
 }
 
 export function diskFor(d: Demand, missing: number, c: number): number {
@@ -79,7 +91,10 @@ export type ResourceShortfall = 'insufficient_vcpu' | 'insufficient_memory' | 'i
 export function roomFor(d: Demand, cols: HostColumns, i: number, missing: number): number | ResourceShortfall {
   const cpu = countThatFits((cols.capVcpus[i] as number) - (cols.allocVcpus[i] as number), 0, d.vcpus);
   if (cpu < 1) return 'insufficient_vcpu';
-  const mem = countThatFits((cols.capMemoryMib[i] as number) - (cols.allocMemoryMib[i] as number), memoryFor(d, i, 1) - d.privateMemoryMib, d.privateMemoryMib);
+  const freeMemory = (cols.capMemoryMib[i] as number) - (cols.allocMemoryMib[i] as number);
+  // memoryFor is the smaller of two lines in c: c fit when either line fits.
+  let mem = countThatFits(freeMemory, imageFor(d, i), d.privateMemoryMib);
+  if (d.imageMib > 0) mem = Math.max(mem, countThatFits(freeMemory, 0, d.imageMib));
   if (mem < 1) return 'insufficient_memory';
   const disk = countThatFits((cols.capDiskMib[i] as number) - (cols.allocDiskMib[i] as number), Math.ceil(missing / MIB), d.overlayDiskMib);
   if (disk < 1) return 'insufficient_disk';

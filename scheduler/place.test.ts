@@ -280,7 +280,7 @@ describe('no capacity', () => {
   it('place_whenResourcesShort_namesTheResource', () => {
     const view = fleet([
       hostInput('cpu', { heldSnapshots: ['snap-a'], allocated: { vcpus: 31, memoryMib: 0, diskMib: 0 } }),
-      hostInput('mem', { heldSnapshots: ['snap-a'], capacity: { vcpus: 32, memoryMib: 300, diskMib: 500_000 } }),
+      hostInput('mem', { heldSnapshots: ['snap-a'], capacity: { vcpus: 32, memoryMib: 200, diskMib: 500_000 } }),
       hostInput('disk', { heldSnapshots: ['snap-a'], capacity: { vcpus: 32, memoryMib: 65536, diskMib: 100 } }),
     ]);
     expect(decide(view, forkRequest(1)).explanation.filtered).toEqual({ insufficient_vcpu: 1, insufficient_memory: 1, insufficient_disk: 1 });
@@ -308,6 +308,17 @@ describe('restore and create', () => {
     expect(r.placements).toHaveLength(1);
     expect(r.explanation.filtered).toEqual({ vmm_incompatible: 3 });
     expect(r.explanation.feasible).toBe(2);
+  });
+
+  it('restore_ofAGuestAsLargeAsAHostsWholeMemory_fitsThere_asItsCreateDid_whileTwoForkedChildrenNeedTheImageAndTwoPrivateShares', () => {
+    // The default snapshot's guest has 256 MiB: a lone child needs 256 (not 256 + 48), two
+    // children of one fork need 256 + 2 x 48 = 352 (not 2 x 256).
+    const whole = fleet([hostInput('exact', { heldSnapshots: ['snap-a'], capacity: { vcpus: 32, memoryMib: 256, diskMib: 500_000 } })]);
+    expect(ok(decide(whole, restore)).placements).toEqual([expect.objectContaining({ hostId: 'exact' })]);
+    expect(decide(fleet([hostInput('short', { heldSnapshots: ['snap-a'], capacity: { vcpus: 32, memoryMib: 255, diskMib: 500_000 } })]), restore).explanation.filtered).toEqual({ insufficient_memory: 1 });
+    const two = fleet([hostInput('two', { heldSnapshots: ['snap-a'], capacity: { vcpus: 32, memoryMib: 352, diskMib: 500_000 } })]);
+    expect(perHost(ok(decide(two, forkRequest(2))))).toEqual({ two: 2 });
+    expect(decide(two, forkRequest(3)).ok).toBe(false);
   });
 
   it('fork_ofASnapshotTakenOverOneBuildOfItsImage_leavesOutHostsWhoseBuildDiffers_evenOneHoldingIt_butNotHostsThatSayNothing', () => {
