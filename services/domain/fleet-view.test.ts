@@ -109,6 +109,23 @@ describe('fleetViewInput', () => {
     expect(measured?.inflightOps).toBe(2); // the heartbeat already counts the leader's step
     expect(fresh?.inflightOps).toBe(3); // sent since the host's last heartbeat
   });
+
+  it('decision_isTheSameWhateverOrderTheCacheListsItsHosts_soReplicasAndAReplayAfterARestartAgree', () => {
+    const heard = new HeartbeatRegistry();
+    const ids = ['h1', 'h2', 'h3', 'h4', 'h5', 'h6'];
+    for (const id of ids) heard.record(create(HeartbeatSchema, { hostId: id, bootId: 'b', restoreSlots: 4, restoreCostMs: 300 }), 1_000);
+    // Identical holders: the choice among them is the seed's tie-break alone.
+    const sn = snapshotRecord({ id: 'sn-a', hostIds: ids, storedBytes: 256 << 20, vmConfig: { machine: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '7.2.0', accel: 'tcg', cpuModel: 'max', image: 'tiny' } });
+    const chosen = (order: string[]): string[] => {
+      const v = fleetViewInput({ hosts: order.map(host), allocs: new Map(), heard, snapshots: [sn], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144 });
+      const r = place(buildFleetView(v), { kind: 'fork', id: 'op-same', nowMs: 1_000, snapshotId: 'sn-a', count: 2, overlayDiskMib: 0, preferences: { locality: 'SAME_HOST', spread: 'SPREAD' } }, xoshiro128ss(1, 2, 3, 4));
+      return r.ok ? r.placements.map((p) => p.hostId) : [];
+    };
+    const registered = chosen(ids);
+    expect(registered).toHaveLength(2);
+    expect(chosen([...ids].reverse())).toEqual(registered);
+    expect(chosen(['h4', 'h1', 'h6', 'h3', 'h5', 'h2'])).toEqual(registered);
+  });
 });
 
 describe('holdings in the view', () => {

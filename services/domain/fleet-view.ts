@@ -272,6 +272,20 @@ export class LinkLoads {
 const MAX_LINK_LOAD = 0.9;
 
 /** Builds the placement library's input from etcd records plus heartbeats. */
+/**
+ * The hosts in id order. The library breaks ties and samples by a host's place in the view:
+ * in the cache's order (registration order on a long-running leader, key order after a load
+ * or a failover) the same decision came out differently on two replicas, and a decision did
+ * not replay from its explanation after a restart. Sorted only when not already (a loaded
+ * cache is).
+ */
+function byId(hosts: readonly HostRec[]): readonly HostRec[] {
+  for (let i = 1; i < hosts.length; i++) {
+    if ((hosts[i - 1] as HostRec).id > (hosts[i] as HostRec).id) return [...hosts].sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0));
+  }
+  return hosts;
+}
+
 export function fleetViewInput(args: {
   hosts: readonly HostRec[];
   allocs: ReadonlyMap<string, HostAllocRec>;
@@ -323,7 +337,7 @@ export function fleetViewInput(args: {
   }
   const fleetRestoreMs = lowerMedian(measured);
   const fleetFetchRate = lowerMedian([...(args.fetchRates?.values() ?? [])].filter((r) => r > 0)) ?? Number.POSITIVE_INFINITY;
-  const hosts: HostInput[] = args.hosts.map((h) => {
+  const hosts: HostInput[] = byId(args.hosts).map((h) => {
     const heard = args.heard.get(h.id);
     const alloc = args.allocs.get(h.id);
     // A host recorded lost stays lost here until the host pass takes it back (within a
