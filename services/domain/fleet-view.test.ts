@@ -110,6 +110,24 @@ describe('fleetViewInput', () => {
     expect(fresh?.inflightOps).toBe(3); // sent since the host's last heartbeat
   });
 
+  it('diskTakenByAHostsChunkStore_countsAsAllocated_soASnapshotItMustFetchGoesWhereItFits', () => {
+    const heard = new HeartbeatRegistry();
+    const GIB = 1n << 30n;
+    // Both have 10 GiB to book and nothing booked; 'filled' holds 9 GiB of chunks fetched before.
+    heard.record(create(HeartbeatSchema, { hostId: 'filled', bootId: 'b', restoreSlots: 4, restoreCostMs: 300, chunkStoreBytes: 9n * GIB + 1n }), 1_000);
+    heard.record(create(HeartbeatSchema, { hostId: 'room', bootId: 'b', restoreSlots: 4, restoreCostMs: 300 }), 1_000);
+    heard.record(create(HeartbeatSchema, { hostId: 'holder', bootId: 'b', restoreSlots: 4, restoreCostMs: 300 }), 1_000);
+    const disk = (id: string): HostRec => ({ ...host(id), capacity: { vcpus: 8, memoryMib: 8192, diskMib: 10_240 }, cordoned: id === 'holder' });
+    const sn = snapshotRecord({ id: 'sn-a', hostIds: ['holder'], storedBytes: 2 * 1024 ** 3, vmConfig: { machine: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '7.2.0', accel: 'tcg', cpuModel: 'max', image: 'tiny' } });
+    const v = fleetViewInput({ hosts: ['filled', 'room', 'holder'].map(disk), allocs: new Map([['filled', { hostId: 'filled', allocated: { vcpus: 1, memoryMib: 256, diskMib: 100 }, sandboxes: 1 }]]), heard, snapshots: [sn], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144 });
+    expect(v.hosts.find((h) => h.id === 'filled')?.allocated).toEqual({ vcpus: 1, memoryMib: 256, diskMib: 100 + 9 * 1024 + 1 });
+    expect(v.hosts.find((h) => h.id === 'room')?.allocated.diskMib).toBe(0);
+    for (let i = 0; i < 8; i++) {
+      const r = place(buildFleetView(v), { kind: 'restore', id: `op-wake-${i}`, nowMs: 1_000, snapshotId: 'sn-a', overlayDiskMib: 100 }, xoshiro128ss(i, 2, 3, 4));
+      expect(r.ok && r.placements.map((p) => p.hostId)).toEqual(['room']);
+    }
+  });
+
   it('decision_isTheSameWhateverOrderTheCacheListsItsHosts_soReplicasAndAReplayAfterARestartAgree', () => {
     const heard = new HeartbeatRegistry();
     const ids = ['h1', 'h2', 'h3', 'h4', 'h5', 'h6'];
