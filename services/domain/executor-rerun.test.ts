@@ -175,21 +175,30 @@ describe('A snapshot step', () => {
 });
 
 describe('A fetch plan', () => {
-  it('letsAMigrationComeOnlyFromARecordedHolder_notFromAHostThatOnlySaysInItsHeartbeatThatItHoldsTheSnapshot', () => {
-    // A host's heartbeat claim is enough for chunks (each verified against the signed
-    // manifest) but not for a migration stream, which the destination loads unverified.
+  it('letsAMigrationComeOnlyFromTheHostThatTookTheSnapshot_notFromAHostThatCopiedItNorOneThatOnlySaysItHoldsIt', () => {
+    // A host's heartbeat claim, or a copy it fetched (a relay, a drain's copy, a wake
+    // replica), is enough for chunks (each verified against the signed manifest) but not for
+    // a migration stream, which the destination loads unverified.
     const now = Date.now();
     const heard = new HeartbeatRegistry();
-    for (const h of ['B', 'X']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', snapshots: h === 'X' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
+    for (const h of ['B', 'R', 'X']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', snapshots: h === 'X' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
     const ex = executorOver({}, { heard, now: () => now });
-    const sn = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['B'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
     const signer = { ticket: () => ({}) };
     (ex as unknown as { deps: { signer: unknown } }).deps.signer = signer;
-    const plan = (ex as unknown as { fetchPlan(sn: SnapshotRec, hostId: string, planned?: string, migrate?: boolean): { sources: Array<{ hostId: string; mayMigrate: boolean }> } }).fetchPlan(sn, 'C', 'X', true);
-    expect(plan.sources.map((x) => [x.hostId, x.mayMigrate])).toEqual([
+    const plan = (sn: SnapshotRec) => (ex as unknown as { fetchPlan(sn: SnapshotRec, hostId: string, planned?: string, migrate?: boolean): { sources: Array<{ hostId: string; mayMigrate: boolean }> } }).fetchPlan(sn, 'C', 'X', true).sources.map((x) => [x.hostId, x.mayMigrate]);
+    const sn = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['B', 'R'], takenOn: 'B', manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    expect(plan(sn)).toEqual([
       ['X', false],
       ['B', true],
+      ['R', false],
     ]);
+    // The host that took it no longer holds it, or a record from before the field: none.
+    expect(plan({ ...sn, hostIds: ['R'] })).toEqual([
+      ['X', false],
+      ['R', false],
+    ]);
+    const { takenOn: _, ...older } = sn;
+    expect(plan(older as SnapshotRec).every(([, may]) => may === false)).toBe(true);
   });
 });
 

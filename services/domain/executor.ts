@@ -1900,10 +1900,7 @@ export class Executor {
   /**
    * What a host that lacks a snapshot needs to fetch it: its sources (the planned source
    * first, then every other holder that is not lost), a ticket for this destination and the
-   * scheduler's manifest signature. Undefined when the host already holds the snapshot.
-   */
-  /**
-   * How `hostId` gets snapshot `sn` for a restore, or undefined when it holds it. `migrate`:
+   * scheduler's manifest signature; undefined when the host already holds it. `migrate`:
    * the host may restore by migration from a source instead (ADR 0015) and then does not hold
    * the snapshot afterwards; off where it must hold it (a drain, a fan-out relay).
    */
@@ -1917,10 +1914,12 @@ export class Executor {
     if (sources.length === 0) throw new WrongStateError('snapshot', sn.id, 'held by no host', `host ${hostId} cannot fetch it`);
     return {
       snapshotId: sn.id,
-      // A migration (unverifiable RAM and device state) only from a holder the scheduler
-      // recorded, never from one that merely says so in its heartbeat: that one could stream a
-      // VM of its own making as the snapshot (chunks are verified, a migration stream is not).
-      sources: sources.map((h) => ({ hostId: h, address: this.cache.hosts.get(h)?.value.peerAddress ?? '', mayMigrate: migrate && sn.hostIds.includes(h) })),
+      // A migration (unverifiable RAM and device state) only from the host that took the
+      // snapshot, while it is recorded holding it: never from one that merely says so in its
+      // heartbeat, nor from one that copied it (a relay, a drain's copy, a wake replica). Each
+      // could stream a VM of its own making as the snapshot (chunks are verified, a migration
+      // stream is not); the host that took it ran the guest it was taken of anyway.
+      sources: sources.map((h) => ({ hostId: h, address: this.cache.hosts.get(h)?.value.peerAddress ?? '', mayMigrate: migrate && h === sn.takenOn && sn.hostIds.includes(h) })),
       ticket: this.deps.signer.ticket(sn.id, hostId, migrate),
       manifest: { signature: Buffer.from(sn.manifestSignature, 'base64'), keyId: sn.manifestKeyId },
       allowMigration: migrate,
@@ -2449,7 +2448,7 @@ export class Executor {
     }
     try {
       const r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
-      const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId] };
+      const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId], takenOn: sb.hostId };
       if (r.manifest && r.manifest.manifest.length > 0) {
         // Signed only as this snapshot's manifest: the key signs tickets too, and bytes a host
         // chose (a ticket for another tenant's snapshot, say) must not come back signed.
@@ -2490,7 +2489,7 @@ export class Executor {
         // failed its guard (the record moved on, to what it wrote). Done, not "changed".
         if (cur.state === 'ready' && cur.manifestSignature === ready.manifestSignature && cur.hostIds.includes(sb.hostId)) return undefined;
         if (cur.state !== 'creating') throw changed(cur.state);
-        return { ...cur, state: 'ready', hostIds: [sb.hostId], manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
+        return { ...cur, state: 'ready', hostIds: [sb.hostId], takenOn: sb.hostId, manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
       });
       if (!done) throw changed('gone');
       return done;

@@ -123,6 +123,12 @@ export interface SnapshotRec {
   storedBytes: number;
   /** Hosts that hold every chunk. */
   hostIds: string[];
+  /**
+   * The host that took the snapshot: the only one a restore may migrate from (ADR 0015; a
+   * migration stream is loaded unverified, and any other holder got its copy from elsewhere).
+   * Absent on records written before the field: no host is migrated from.
+   */
+  takenOn?: string;
   vmConfig: {
     machine: string;
     memoryMib: number;

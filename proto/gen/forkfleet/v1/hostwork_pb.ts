@@ -360,10 +360,10 @@ export type PeerSource = Message<"forkfleet.v1.PeerSource"> & {
   address: string;
 
   /**
-   * A migration may come from this source (allow_migration): the scheduler recorded it as a
-   * holder (it took the snapshot, or fetched it with every chunk verified). A host that only
-   * says it holds the snapshot (its heartbeat) serves chunks, each verified against the
-   * signed manifest, but never a migration stream, which the destination cannot verify.
+   * A migration may come from this source (allow_migration): it is the host that took the
+   * snapshot, and the scheduler records it as a holder. Any other source (a host that only
+   * says it holds the snapshot, or one that copied it) serves chunks, each verified against
+   * the signed manifest, but never a migration stream, which the destination cannot verify.
    *
    * @generated from field: bool may_migrate = 3;
    */
