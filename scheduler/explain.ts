@@ -47,7 +47,11 @@ export function buildExplanation(x: ExplanationInput): Explanation {
   else if (placed === x.requested) {
     summary = `${what}: placed ${placed} on ${chosen.length} host(s), ${chosen.filter((c) => c.holdsSnapshot).length} holding the snapshot; makespan ${makespanMs.toFixed(0)} ms`;
   } else {
-    summary = `${what}: no capacity, could place ${placed} of ${x.requested}; ${x.feasible} feasible of ${x.tally.examined} examined (${reasons || 'none filtered'})`;
+    // Feasible hosts that a per-host cap leaves short are filtered by nothing: say the cap.
+    const cap = x.request.preferences?.maxPerHost;
+    const siblings = x.request.kind === 'fork' && (x.request.siblingsPerHost?.size ?? 0) > 0;
+    const capped = cap !== undefined ? `; at most ${cap} per host${siblings ? ", the fork's children already placed counted" : ''}` : '';
+    summary = `${what}: no capacity, could place ${placed} of ${x.requested}; ${x.feasible} feasible of ${x.tally.examined} examined (${reasons || 'none filtered'})${capped}`;
   }
   return {
     requestId: x.request.id,

@@ -277,6 +277,14 @@ describe('no capacity', () => {
     expect(r.explanation).toMatchObject({ requested: 5, placed: 3 });
   });
 
+  it('place_whenAPerHostCapLeavesFeasibleHostsShort_saysSoInTheSummary', () => {
+    const view = fleet([hostInput('h1', { heldSnapshots: ['snap-a'] }), hostInput('h2', { heldSnapshots: ['snap-a'] }), hostInput('h3', { heldSnapshots: ['snap-a'] })]);
+    const r = decide(view, forkRequest(5, { preferences: { maxPerHost: 1 } }));
+    expect(r.explanation.summary).toMatch(/could place 3 of 5; 3 feasible of 3 examined \(none filtered\); at most 1 per host$/);
+    const again = decide(view, forkRequest(4, { siblingsPerHost: new Map([['h1', 1]]), preferences: { maxPerHost: 1 } }));
+    expect(again.explanation.summary).toMatch(/could place 2 of 4; .* at most 1 per host, the fork's children already placed counted$/);
+  });
+
   it('place_whenResourcesShort_namesTheResource', () => {
     const view = fleet([
       hostInput('cpu', { heldSnapshots: ['snap-a'], allocated: { vcpus: 31, memoryMib: 0, diskMib: 0 } }),
