@@ -324,3 +324,24 @@ describe('Executor fork children placed again', () => {
     expect((await placeAgain({ ids: ['X'], hosts: ['old', 'other'], holders: ['old'] })).again).toEqual(['X@old']);
   });
 });
+
+describe('A sandbox failed after its record expired', () => {
+  it('releasesNoBooking_becauseTheDestroyOrFailureThatEndedItReleasedItsOwn', async () => {
+    // Records are deleted only by the history expiry, of destroyed or failed sandboxes, whose
+    // ending released their booking; releasing again took it off sandboxes booked since.
+    const writes: StoreWrite[] = [];
+    const store = {
+      getSandbox: async () => undefined,
+      getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 8, memoryMib: 4096, diskMib: 8192 }, sandboxes: 4 }, modRevision: 30 }),
+      commitAt: async (w: StoreWrite[]) => {
+        writes.push(...w);
+        return 40;
+      },
+    };
+    const ex = executorOver(store, { bus: { sendWork: async () => undefined } });
+    const inner = ex as unknown as { active: boolean; failSandbox(sb: SandboxRec, e: unknown, stop?: boolean): Promise<void> };
+    inner.active = true;
+    await inner.failSandbox(sandbox('sb-gone', 'H', 'starting'), new Error('restore failed'));
+    expect(writes.filter((w) => w.kind === 'alloc')).toEqual([]);
+  });
+});

@@ -1470,14 +1470,6 @@ export class Executor {
     sb.stateReason = reason;
   }
 
-  /** Releases the capacity a sandbox booked on its host (guarded read-modify-write). */
-  private async releaseCapacity(hostId: string, res: ResourcesRec): Promise<void> {
-    if (!hostId) return;
-    const write = this.capacity(hostId, res, -1);
-    for (let i = 0; i < 20; i++) if (await this.commit(await write())) return;
-    throw new ConflictError(`capacity of host ${hostId}`);
-  }
-
   /**
    * Writes the op's final state; `extra` (see updateOp) commits in the same transaction, e.g.
    * the sandbox state the op ends in, so the answer costs one write, not two. `doneMessage`
@@ -2381,10 +2373,11 @@ export class Executor {
         storeFailed = err;
         return;
       }
+      // Whoever moved the record on (a destroy) releases its booking, or did. A record that is
+      // gone was ended (destroyed or failed, which released it) and then expired by the history
+      // retention, the only delete of sandbox records: nothing is released here (a release
+      // here took the booking off sandboxes placed on the host since).
       this.log.warn({ err, sandboxId: sb.id }, 'could not mark sandbox failed');
-      // Whoever moved the record on (a destroy) releases its booking, or did: released here
-      // only if the record is gone.
-      if (!(await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => 'unknown' as const))) await this.releaseCapacity(hostId, sb.resources);
     });
     if (hostId && !deposed && this.active && (stop || givenUpMayStillStart(e))) {
       void this.sendHostWork(hostId, sb.opId || `failed-${sb.id}`, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a start given up on');
