@@ -10,10 +10,11 @@
 // they store a manifest, the "complete" marker). A kill -9 of the writer leaves either no
 // file or a complete one (the page cache survives a process crash); an OS crash can leave
 // a torn or empty chunk file, but reads used for restores decode and hash (readVerified),
-// so a damaged file never passes as valid. See docs/adr/0007-chunk-format.md.
+// so a damaged file never passes as valid. A chunk file whose fsync failed is removed, never
+// fsynced again (see `lost`). See docs/adr/0007-chunk-format.md.
 import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
 import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
-import { dirname, join } from 'node:path';
+import { basename, dirname, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, ManifestStore, SweepStats } from '../../domain/snapshot-store.ts';
@@ -118,6 +119,18 @@ export class FsChunkStore implements ChunkStore {
   private readonly offloaded = new Set<Promise<unknown>>();
   /** The last `sync()` called (settled either way): the next one runs after it. */
   private syncing: Promise<unknown> = Promise.resolve();
+  /**
+   * Chunk files removed because their fsync failed, by path: the error, when, and whether a
+   * new file was renamed there since. Linux reports a writeback error to one fsync only: the
+   * next fsync of the file returns 0 though its data never reached the disk, and the page
+   * cache serves it whole until it is evicted (then the old blocks). So such a file is never
+   * fsynced again: removed, it reads as missing and an ingest or fetch writes it anew (a new
+   * file, which the next sync fsyncs). A caller may have found it present before the removal
+   * and call sync() after it (to store a manifest naming it): so every sync() fails while any
+   * path is listed here. A path leaves the list once a new file there was fsynced, or when a
+   * GC finds nothing needs the chunk (sweep: callers pin a chunk before they look for it).
+   */
+  private readonly lost = new Map<string, { err: unknown; at: number; rewritten: boolean }>();
 
   constructor(root: string, opts: FsChunkStoreOptions = {}) {
     this.root = root;
@@ -210,7 +223,17 @@ export class FsChunkStore implements ChunkStore {
     // No existence check: a rename over an existing chunk replaces it with identical content.
     const final = this.pathOf(chunk.digest);
     await writeFileVia(this.tmpDir, final, [encodeHeader(chunk), chunk.data], this.fsyncEach);
+    this.renamed(final);
+  }
+
+  /**
+   * A new chunk file renamed to `final` (or maybe: a worker that failed): fsynced by the next
+   * sync(), which finds a lost one there again (sync checks it is there).
+   */
+  private renamed(final: string): void {
     this.unsynced.add(final);
+    const l = this.lost.get(final);
+    if (l) l.rewritten = true;
   }
 
   /**
@@ -223,11 +246,11 @@ export class FsChunkStore implements ChunkStore {
   private trackOffloaded<T>(p: Promise<T>, final: string): Promise<T> {
     const tracked = p.then(
       (r) => {
-        this.unsynced.add(final);
+        this.renamed(final);
         return r;
       },
       (e: unknown) => {
-        if (!(e instanceof DigestMismatchError)) this.unsynced.add(final);
+        if (!(e instanceof DigestMismatchError)) this.renamed(final);
         throw e;
       },
     );
@@ -240,7 +263,9 @@ export class FsChunkStore implements ChunkStore {
   /**
    * Makes every chunk stored before this call durable, including those another caller's
    * sync is fsyncing right now and those a verify worker is still storing: a caller may
-   * store a manifest over chunks it found already present (ADR 0007, Durability).
+   * store a manifest over chunks it found already present (ADR 0007, Durability). Fails with
+   * the error of a fsync that failed, and then (ChunkMissingError, retryable) while a chunk
+   * that fsync removed was not written again (see `lost`).
    */
   sync(): Promise<void> {
     // One after another, each after the worker accepts in flight at its call.
@@ -249,12 +274,27 @@ export class FsChunkStore implements ChunkStore {
       await Promise.all(accepting);
       const batch = this.unsynced;
       this.unsynced = new Set();
+      // Lost files written again (still there now): found once this batch is fsynced.
+      const found = [...batch].filter((p) => this.lost.get(p)?.rewritten && statSync(p, { throwIfNoEntry: false }));
       try {
         await fsyncAll(batch);
       } catch (e) {
-        for (const p of batch) this.unsynced.add(p);
+        // Which file failed is not known (the directories' fsyncs too): none is trusted. Removed
+        // in this turn, together with the listing; a file renamed in since goes too (listed).
+        for (const p of batch) {
+          this.lost.set(p, { err: e, at: Date.now(), rewritten: false });
+          try {
+            unlinkSync(p);
+          } catch {
+            // Gone already, or not removable (a read-only file system): listed all the same,
+            // so no sync passes until a new file is renamed there and fsynced.
+          }
+        }
         throw e;
       }
+      for (const p of found) this.lost.delete(p);
+      const lost = [...this.lost];
+      if (lost.length > 0) throw new ChunkMissingError(lost.map(([p]) => basename(p)), { cause: lost[0]?.[1].err });
     });
     this.syncing = run.catch(() => undefined);
     return run;
@@ -391,7 +431,9 @@ export class FsChunkStore implements ChunkStore {
       const dir = join(this.chunksDir, sub);
       for (const name of await readdir(dir)) {
         if (!HEX64.test(name)) continue;
-        scanned++;
+        // Before the check: most chunks are live, and a big store's sweep of a directory must not
+        // hold the event loop throughout.
+        if (++scanned % 512 === 0) await new Promise<void>((r) => setImmediate(r));
         const p = join(dir, name);
         // Check and unlink synchronously: no other JS runs between them, so a digest that
         // concurrent code pinned (or a manifest that was marked) is never removed.
@@ -407,9 +449,11 @@ export class FsChunkStore implements ChunkStore {
         } catch (e) {
           if (!isNotFound(e)) throw e;
         }
-        if (scanned % 512 === 0) await new Promise<void>((r) => setImmediate(r));
       }
     }
+    // A chunk lost to a failed fsync (sync) that no manifest names and nothing pins: no caller
+    // can have found it present and still store a manifest over it (each pins first).
+    for (const [p, l] of this.lost) if (!isLive(basename(p), l.at)) this.lost.delete(p);
     return { scanned, deleted, freedBytes, keptBytes };
   }
 
