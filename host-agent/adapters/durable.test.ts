@@ -1,8 +1,22 @@
-import { afterEach, beforeEach, describe, expect, it } from 'vitest';
+import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
 import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import type * as FsPromises from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { DeferredSync, writeFileDurable } from './durable.ts';
+
+/** Paths whose next fsync fails (EIO). As on Linux, the error is reported once: the fsync after it returns 0. */
+const failOnce = vi.hoisted(() => new Set<string>());
+vi.mock('node:fs/promises', async (importOriginal) => {
+  const real = await importOriginal<typeof FsPromises>();
+  const open = async (...a: Parameters<typeof real.open>): ReturnType<typeof real.open> => {
+    const fh = await real.open(...a);
+    const path = String(a[0]);
+    if (failOnce.delete(path)) fh.sync = () => Promise.reject(Object.assign(new Error(`EIO: i/o error, fsync '${path}'`), { code: 'EIO' }));
+    return fh;
+  };
+  return { ...real, open, default: { ...real, open } };
+});
 
 describe('DeferredSync', () => {
   let root: string;
@@ -16,6 +30,7 @@ describe('DeferredSync', () => {
   beforeEach(() => {
     root = mkdtempSync(join(tmpdir(), 'ffds-'));
     markers = join(root, 'unsynced');
+    failOnce.clear();
   });
   afterEach(() => rmSync(root, { recursive: true, force: true }));
 
@@ -71,6 +86,36 @@ describe('DeferredSync', () => {
     expect(['torn', 'fresh', 'done'].map((id) => existsSync(dirOf(id)))).toEqual([false, true, true]);
   });
 
+  it('later_whenTheBackgroundFsyncFails_discardsTheDirectory_soNoLaterRecoverTakesItForDurable', async () => {
+    // The marker stayed, and recover() in the same boot fsynced the files again: 0 this time
+    // (the writeback error is reported once), the marker went and the image passed as durable.
+    const s = new DeferredSync(markers, undefined, 'boot-1');
+    await s.mark('a');
+    publish('a');
+    failOnce.add(join(dirOf('a'), 'f'));
+    s.later('a', dirOf('a'), () => rmSync(dirOf('a'), { recursive: true, force: true }));
+    await s.flush();
+    expect(existsSync(dirOf('a'))).toBe(false);
+    const restarted = new DeferredSync(markers, undefined, 'boot-1');
+    restarted.recover(dirOf, (id) => rmSync(dirOf(id), { recursive: true, force: true }));
+    await restarted.flush();
+    expect(existsSync(dirOf('a'))).toBe(false);
+    expect(readdirSync(markers)).toEqual([]);
+  });
+
+  it('later_whenTheBackgroundFsyncFailsAndNothingDiscards_leavesAMarkerThatRecoverDiscardsInTheSameBoot', async () => {
+    const s = new DeferredSync(markers, undefined, 'boot-1');
+    await s.mark('a');
+    publish('a');
+    failOnce.add(join(dirOf('a'), 'f'));
+    s.later('a', dirOf('a'));
+    await s.flush();
+    const discarded: string[] = [];
+    const restarted = new DeferredSync(markers, undefined, 'boot-1');
+    expect(restarted.recover(dirOf, (id) => discarded.push(id))).toEqual(['a']);
+    expect(discarded).toEqual(['a']);
+  });
+
   it('recover_withNoMarkerDirectory_findsNothing', () => {
     expect(new DeferredSync(markers).recover(dirOf, () => undefined)).toEqual([]);
   });
@@ -85,6 +130,23 @@ describe('writeFileDurable', () => {
       await Promise.all(Array.from({ length: 20 }, (_, i) => writeFileDurable(path, `write ${i}`)));
       expect(readFileSync(path, 'utf8')).toBe('write 19');
       expect(readdirSync(root)).toEqual(['state']);
+    } finally {
+      rmSync(root, { recursive: true, force: true });
+    }
+  });
+
+  it('writeFileDurable_whenTheRenameOrTheFsyncFails_leavesNoTempFile', async () => {
+    const root = mkdtempSync(join(tmpdir(), 'ffwd-'));
+    try {
+      const path = join(root, 'state');
+      // A directory where the file goes: the rename fails (EISDIR); so does a fsync (EIO).
+      mkdirSync(join(path, 'x'), { recursive: true });
+      await expect(writeFileDurable(path, 'a')).rejects.toThrow();
+      expect(readdirSync(root)).toEqual(['state']);
+      rmSync(path, { recursive: true });
+      failOnce.add(`${path}.tmp`);
+      await expect(writeFileDurable(path, 'b')).rejects.toThrow(/EIO/);
+      expect(readdirSync(root)).toEqual([]);
     } finally {
       rmSync(root, { recursive: true, force: true });
     }

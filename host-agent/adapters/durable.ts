@@ -69,12 +69,18 @@ async function writeFileDurableNow(path: string, data: string | Uint8Array, mode
   const tmp = `${path}.tmp`;
   const fh = await open(tmp, 'w', mode);
   try {
-    await fh.writeFile(data);
-    await fh.sync();
-  } finally {
-    await fh.close();
+    try {
+      await fh.writeFile(data);
+      await fh.sync();
+    } finally {
+      await fh.close();
+    }
+    await rename(tmp, path);
+  } catch (e) {
+    // No temp file left behind by a failed write (a full disk), as chunk-store writes leave none.
+    await unlink(tmp).catch(() => undefined);
+    throw e;
   }
-  await rename(tmp, path);
   await fsyncPath(dirname(path));
 }
 
@@ -93,7 +99,8 @@ function bootId(): string {
  * `<markerDir>/<id>` holding the boot id is made durable before the directory is published
  * (`mark`) and removed once a background fsync of the directory finished (`later`). At start
  * (`recover`), a marker of this boot means "still in the page cache": synced again; a marker
- * of another boot means the directory may be torn: the caller discards it.
+ * of another boot means the directory may be torn: the caller discards it. A background fsync
+ * that fails discards the directory at once (see `later`).
  */
 export class DeferredSync {
   private readonly syncing = new Set<Promise<void>>();
@@ -116,9 +123,17 @@ export class DeferredSync {
     await fsyncAll([marker]);
   }
 
-  /** After it is published: fsyncs every file in `dir` and `dir` itself in the background, then drops the marker. */
-  later(id: string, dir: string): void {
+  /**
+   * After it is published: fsyncs every file in `dir` and `dir` itself in the background, then
+   * drops the marker. When that fsync fails, `discard` removes the directory (its readers get
+   * it from the page cache, then, evicted, from blocks that may never have been written) and
+   * the marker goes: a fsync reports a writeback error only once, so a second one (recover()
+   * in this boot) would return 0 and the directory would pass for durable. Without `discard`,
+   * or when it fails, the marker is made one no boot matches: recover() discards the directory.
+   */
+  later(id: string, dir: string, discard?: () => void | Promise<void>): void {
     const mine = this.marks.get(id);
+    const marker = join(this.markerDir, id);
     const p = (async () => {
       const files = await readdir(dir).catch((e: unknown) => {
         if ((e as NodeJS.ErrnoException).code === 'ENOENT') return [] as string[]; // removed since: nothing to make durable
@@ -128,18 +143,34 @@ export class DeferredSync {
       // Marked again meanwhile (the directory removed and rebuilt): that mark's fsync drops it.
       if (this.marks.get(id) !== mine) return;
       this.marks.delete(id);
-      await unlink(join(this.markerDir, id)).catch(() => undefined);
-    })().catch((e: unknown) => {
-      // The marker stays: after an OS crash the directory is discarded. Nothing else to do.
-      this.log?.warn({ id, err: (e as Error).message }, 'background fsync failed');
+      await unlink(marker).catch(() => undefined);
+    })().catch(async (e: unknown) => {
+      try {
+        if (!discard) throw e;
+        // Whatever is there now, also a newer build's (which files failed is not known).
+        await discard();
+        this.log?.warn({ id, err: (e as Error).message }, 'background fsync failed: directory discarded');
+      } catch (err) {
+        this.log?.error({ id, err: (e as Error).message, discard: err === e ? undefined : (err as Error).message }, 'background fsync failed: directory discarded at the next start');
+        await writeFile(marker, 'fsync failed')
+          .then(() => fsyncAll([marker]))
+          .catch(() => undefined);
+        return;
+      }
+      // A newer mark's own fsync drops the marker (it finds nothing now).
+      const now = this.marks.get(id);
+      if (now !== undefined && now !== mine) return;
+      this.marks.delete(id);
+      await unlink(marker).catch(() => undefined);
     });
     this.syncing.add(p);
     void p.finally(() => this.syncing.delete(p));
   }
 
   /**
-   * At start: ids marked in this boot are synced again (`dirOf`); for ids marked in another
-   * boot, `discard` runs (it removes the directory), then the marker goes. Returns those ids.
+   * At start: ids marked in this boot are synced again (`dirOf`; discarded if that fails, see
+   * `later`); for ids marked in another boot, `discard` runs (it removes the directory), then
+   * the marker goes. Returns those ids.
    */
   recover(dirOf: (id: string) => string, discard: (id: string) => void): string[] {
     const torn: string[] = [];
@@ -157,7 +188,7 @@ export class DeferredSync {
         /* unreadable marker: another boot's */
       }
       if (boot === this.boot) {
-        this.later(id, dirOf(id));
+        this.later(id, dirOf(id), () => discard(id));
       } else {
         discard(id);
         rmSync(join(this.markerDir, id), { force: true });

@@ -13,8 +13,9 @@
 // the page cache, which a process crash keeps). A marker `images-unsynced/<id>` holding the
 // kernel boot id is made durable first and removed once a background fsync of the image
 // finished. After an OS crash (different boot id) an image with a marker is discarded and
-// rebuilt from verified chunks, so a torn image is never restored.
-import { mkdirSync, readdirSync, rmSync } from 'node:fs';
+// rebuilt from verified chunks, so a torn image is never restored. An image whose background
+// fsync failed is discarded at once (rebuilt on demand): fsync reports the error only once.
+import { mkdirSync, readdirSync, renameSync, rmSync } from 'node:fs';
 import { open, rename, rm, stat, mkdir, writeFile } from 'node:fs/promises';
 import type { FileHandle } from 'node:fs/promises';
 import { join } from 'node:path';
@@ -74,8 +75,24 @@ export class Materialiser {
     this.unsynced = new DeferredSync(join(deps.root, 'images-unsynced'), deps.log);
     this.unsynced.recover(
       (id) => join(this.imagesDir, id),
-      (id) => rmSync(join(this.imagesDir, id), { recursive: true, force: true }),
+      (id) => this.discard(id),
     );
+  }
+
+  /**
+   * Removes an image that may be torn or whose fsync failed (rebuilt on demand). Out of
+   * images/ in one rename first, as prune() does, and synchronously: no build in between
+   * takes a half-removed image for cached.
+   */
+  private discard(id: string): void {
+    const doomed = join(this.tmpDir, `discarded-${id}-${randomBytes(4).toString('hex')}`);
+    try {
+      renameSync(join(this.imagesDir, id), doomed);
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code === 'ENOENT') return;
+      throw e;
+    }
+    rmSync(doomed, { recursive: true, force: true });
   }
 
   /** Resolves when every background image fsync started so far has finished. */
@@ -235,7 +252,7 @@ export class Materialiser {
         await rm(tmp, { recursive: true, force: true });
         return { snapshotId, dir: final, files, built: false, ms: Math.round(performance.now() - t0) };
       }
-      if (!this.deps.syncInline) this.unsynced.later(snapshotId, final);
+      if (!this.deps.syncInline) this.unsynced.later(snapshotId, final, () => this.discard(snapshotId));
     } catch (e) {
       await Promise.allSettled(handles.map((fh) => fh.close()));
       await rm(tmp, { recursive: true, force: true });
