@@ -3,7 +3,7 @@
 // stores in a temp directory; the VMM driver is a fake of our own port. No peer is asked for
 // anything: every chunk a fetch needs is already stored here.
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
-import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { create } from '@bufbuild/protobuf';
@@ -209,5 +209,68 @@ describe('ChunkStoreShipper.remove against a fetch whose manifest write is defer
     expect(await h.stored.get('sn-d')).toBeUndefined();
     expect(h.shipper.held()).toEqual([]);
     await expect(durable).rejects.toThrow(/deleted on host h1 while it was being fetched/);
+  });
+});
+
+describe('ChunkStoreShipper.replicate', () => {
+  it('replicate_ofASnapshotHeldElsewhere_storesItHeldComplete_andBuildsNoImage_untilARestoreHere', async () => {
+    // The fetchSnapshot step (a replica, a drain) built the whole memory image and disk layer,
+    // which no VM here used and which stayed (uncounted) until the snapshot was deleted.
+    const h = await host('replicate');
+    const work = await chunksHere(h, 'sn-r');
+    const { bytesFetched } = await h.shipper.replicate('sn-r', work);
+    await h.shipper.durable('sn-r');
+    expect(bytesFetched).toBe(0);
+    expect((await h.stored.get('sn-r'))?.signature.length).toBeGreaterThan(0);
+    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-r', complete: true })]);
+    expect(readdirSync(join(h.root, 'images'))).toEqual([]);
+    // A restore here builds the image then, from the stored manifest.
+    const { local } = await h.shipper.obtain('sn-r', undefined, () => undefined);
+    expect(readFileSync(join(local.dir, 'memory')).length).toBe(2 * CS);
+  });
+});
+
+describe('ChunkStoreShipper.obtain against a delete', () => {
+  it('obtain_whenTheStoredManifestIsRemovedBeforeItsImageIsBuilt_fetchesFromTheSourcesNamed', async () => {
+    // The image build read the manifest again, found none (ManifestNotFoundError, final) and
+    // the restore failed for good though sources were named.
+    let reads = 0;
+    const h = await host('removed-before-build', {
+      manifests: (m) => ({
+        get: async (id) => {
+          const got = await m.get(id);
+          if (reads++ === 0) await m.delete(id); // remove() of the snapshot, right after obtain read it
+          return got;
+        },
+        list: () => m.list(),
+        delete: (id) => m.delete(id),
+        put: (id, s) => m.put(id, s),
+      }),
+    });
+    const work = await chunksHere(h, 'sn-e');
+    await h.stored.put('sn-e', work.manifest!);
+    const { local } = await h.shipper.obtain('sn-e', work, () => undefined);
+    expect(readFileSync(join(local.dir, 'memory')).length).toBe(2 * CS);
+    await h.shipper.durable('sn-e');
+    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-e', complete: true })]);
+  });
+
+  it('obtain_whenTheStoredManifestIsRemovedBeforeItsImageIsBuilt_andNoSourceIsNamed_saysTheSnapshotIsNotHere', async () => {
+    let reads = 0;
+    const h = await host('removed-before-build-no-source', {
+      manifests: (m) => ({
+        get: async (id) => {
+          const got = await m.get(id);
+          if (reads++ === 0) await m.delete(id);
+          return got;
+        },
+        list: () => m.list(),
+        delete: (id) => m.delete(id),
+        put: (id, s) => m.put(id, s),
+      }),
+    });
+    const work = await chunksHere(h, 'sn-f');
+    await h.stored.put('sn-f', work.manifest!);
+    await expect(h.shipper.obtain('sn-f', undefined, () => undefined)).rejects.toThrow(/not on host h1 and no source was named/);
   });
 });

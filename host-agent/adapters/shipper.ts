@@ -14,8 +14,8 @@ import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
 import { chunkSizes, manifestDigests } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
 import { verifyManifest, type TrustedKeys } from '../domain/tickets.ts';
-import { fetchChunks, fetchSnapshot } from '../domain/transfer.ts';
-import { ChunkCorruptError, ChunkMissingError } from '../domain/transfer-errors.ts';
+import { fetchChunks, fetchSnapshot, type FetchSnapshotOptions } from '../domain/transfer.ts';
+import { ChunkCorruptError, ChunkMissingError, ManifestNotFoundError } from '../domain/transfer-errors.ts';
 import { collectGarbage } from '../domain/snapshot-store-gc.ts';
 import type { GcResult } from '../domain/snapshot-store-gc.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
@@ -275,84 +275,32 @@ export class ChunkStoreShipper implements SnapshotShipper {
         unpin = this.deps.roots.pin(manifestDigests(verifyManifest(stored, this.deps.trust, snapshotId)));
         mat = await this.deps.materialiser.materialise(snapshotId);
       } catch (e) {
-        if (!(e instanceof ChunkCorruptError || e instanceof ChunkMissingError)) throw e;
-        // Stored, but a chunk is gone (quarantined, or lost to an OS crash): not a holder
-        // until every chunk is here again, so the scheduler stops naming this host.
-        this.complete.delete(snapshotId);
-        this.storedIncomplete.add(snapshotId);
-        if (!fetch || fetch.sources.length === 0) {
-          throw new ForkfleetError('not_found', `snapshot ${snapshotId} is incomplete on host ${this.deps.hostId} (${e.digests.length} chunk(s) corrupt or missing) and no source was named`, { cause: e });
+        if (e instanceof ManifestNotFoundError) {
+          // Deleted here since it was read (remove): fetched from the sources named, if any, as
+          // if it had never been stored (below).
+          this.deps.log.info({ snapshotId }, 'stored manifest removed before its image was built: fetching the snapshot');
+        } else {
+          if (!(e instanceof ChunkCorruptError || e instanceof ChunkMissingError)) throw e;
+          // Stored, but a chunk is gone (quarantined, or lost to an OS crash): not a holder
+          // until every chunk is here again, so the scheduler stops naming this host.
+          this.complete.delete(snapshotId);
+          this.storedIncomplete.add(snapshotId);
+          if (!fetch || fetch.sources.length === 0) {
+            throw new ForkfleetError('not_found', `snapshot ${snapshotId} is incomplete on host ${this.deps.hostId} (${e.digests.length} chunk(s) corrupt or missing) and no source was named`, { cause: e });
+          }
+          // The fetch below asks the sources only for what the store lacks (ADR 0007).
+          this.deps.log.warn({ snapshotId, chunks: e.digests.length, err: e.message }, 'stored snapshot lacks chunks: fetching them again');
         }
-        // The fetch below asks the sources only for what the store lacks (ADR 0007).
-        this.deps.log.warn({ snapshotId, chunks: e.digests.length, err: e.message }, 'stored snapshot lacks chunks: fetching them again');
       } finally {
         unpin?.();
       }
     }
     if (!mat) {
-      if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.deps.hostId} and no source was named`);
-      const sources = this.sourcesOf(fetch);
-      // Known to remove() from here: a delete of the snapshot meanwhile (before obtain returns,
-      // or before the deferred manifest write below) wins, and the fetch stores no manifest.
-      const attempt: FetchAttempt = { removed: false };
-      let attempts = this.fetching.get(snapshotId);
-      if (!attempts) this.fetching.set(snapshotId, (attempts = new Set()));
-      attempts.add(attempt);
-      const forget = (): void => {
-        attempts.delete(attempt);
-        if (attempts.size === 0 && this.fetching.get(snapshotId) === attempts) this.fetching.delete(snapshotId);
-      };
-      let durableSet = false;
-      try {
-        // The manifest bytes come from a peer; the signature comes from the scheduler. It is
-        // stored only after every chunk is (fetchSnapshot), so "manifest present" = complete.
-        const t0 = performance.now();
-        const signed = fetch.manifest && fetch.manifest.signature.length > 0 ? await this.signedBySchedulerFrom(snapshotId, fetch, sources, stored) : undefined;
-        // The image is written while chunks arrive; chunks already here are copied after.
-        // The fork needs the image, not the durable "complete" marker: the chunk fsyncs and
-        // the manifest put finish in the background (the snapshot is reported held after).
-        const { report, durable, signed: got } = await fetchSnapshot(
-          snapshotId,
-          sources,
-          { chunks: this.deps.chunks, manifests: this.manifestsFor(attempt), roots: this.deps.roots, trust: this.deps.trust, log: this.deps.log },
-          {
-            deferDurable: true,
-            ...(signed ? { signed } : {}),
-            around: async (manifest, run) => {
-              mat = await this.deps.materialiser.materialiseWhile(snapshotId, manifest, async (sink) => {
-                await run(sink);
-              });
-            },
-          },
-        );
-        this.notDurable.delete(snapshotId);
-        const settled: Promise<void> = durable
-          .then(
-            () => {
-              // Removed while its manifest was being stored: remove() deletes it (it waited
-              // for the put), so the snapshot is not held.
-              if (attempt.removed) this.notDurable.set(snapshotId, removedWhileFetched(snapshotId, this.deps.hostId));
-              else this.markComplete(snapshotId);
-            },
-            (e: unknown) => {
-              // Logged by fetchSnapshot; durable() reports it, a later fetch replaces it.
-              this.notDurable.set(snapshotId, e);
-            },
-          )
-          .finally(forget);
-        durableSet = true;
-        this.durables.set(snapshotId, settled);
-        void settled.then(() => {
-          if (this.durables.get(snapshotId) === settled) this.durables.delete(snapshotId);
-        });
-        this.deps.log.info({ snapshotId, fetch: { ...report, sources: report.sources.length }, totalMs: Math.round(performance.now() - t0) }, 'snapshot fetched and materialised');
-        bytesFetched = report.bytes ?? 0;
-        onProgress(bytesFetched, bytesFetched);
-        fetchedManifest = got;
-      } finally {
-        if (!durableSet) forget();
-        for (const s of sources) s.close();
-      }
+      const got = await this.fetchFrom(snapshotId, fetch, stored, true);
+      mat = got.mat;
+      bytesFetched = got.bytesFetched;
+      onProgress(bytesFetched, bytesFetched);
+      fetchedManifest = got.signed;
     }
     mat ??= await this.deps.materialiser.materialise(snapshotId);
     // The manifest the image was built from (removed meanwhile, the image still stands).
@@ -382,6 +330,87 @@ export class ChunkStoreShipper implements SnapshotShipper {
       this.markComplete(snapshotId);
     }
     return { local: await this.deps.driver.openSnapshot(mat.dir), bytesFetched };
+  }
+
+  /**
+   * A replica or a drain (the fetchSnapshot step): what the store lacks of the snapshot is
+   * fetched and verified, and its manifest stored, but no image is built. No VM restores from
+   * it here now, and an image (the whole memory uncompressed, and the disk layer) would stay
+   * until the snapshot is deleted (Materialiser.prune keeps an image whose manifest is
+   * stored), its disk uncounted. A restore here builds it then (obtain). Run again, it finds
+   * what is stored and fetches only what is missing. The manifest is stored in the
+   * background, as for obtain: `durable()` waits for it.
+   */
+  async replicate(snapshotId: string, fetch: FetchSnapshotWork): Promise<{ bytesFetched: number }> {
+    if (await this.ownSealed(join(this.deps.driverSnapshotsDir, snapshotId))) return { bytesFetched: 0 };
+    const { bytesFetched } = await this.fetchFrom(snapshotId, fetch, await this.deps.manifests.get(snapshotId), false);
+    return { bytesFetched };
+  }
+
+  /**
+   * Fetches from `fetch`'s sources what the store lacks of the snapshot, with `build` into its
+   * image too. Returns once every chunk is stored; `durable()` waits for the rest.
+   */
+  private async fetchFrom(snapshotId: string, fetch: FetchSnapshotWork | undefined, stored: SignedManifest | undefined, build: boolean): Promise<{ mat: MaterialisedSnapshot | undefined; bytesFetched: number; signed: SignedManifest }> {
+    if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.deps.hostId} and no source was named`);
+    const sources = this.sourcesOf(fetch);
+    // Known to remove() from here: a delete of the snapshot meanwhile (before obtain returns,
+    // or before the deferred manifest write below) wins, and the fetch stores no manifest.
+    const attempt: FetchAttempt = { removed: false };
+    let attempts = this.fetching.get(snapshotId);
+    if (!attempts) this.fetching.set(snapshotId, (attempts = new Set()));
+    attempts.add(attempt);
+    const forget = (): void => {
+      attempts.delete(attempt);
+      if (attempts.size === 0 && this.fetching.get(snapshotId) === attempts) this.fetching.delete(snapshotId);
+    };
+    let durableSet = false;
+    try {
+      // The manifest bytes come from a peer; the signature comes from the scheduler. It is
+      // stored only after every chunk is (fetchSnapshot), so "manifest present" = complete.
+      const t0 = performance.now();
+      const signed = fetch.manifest && fetch.manifest.signature.length > 0 ? await this.signedBySchedulerFrom(snapshotId, fetch, sources, stored) : undefined;
+      // With `build`, the image is written while chunks arrive; chunks already here are copied
+      // after. The fork needs the image, not the durable "complete" marker: the chunk fsyncs and
+      // the manifest put finish in the background (the snapshot is reported held after).
+      let mat: MaterialisedSnapshot | undefined;
+      const around: FetchSnapshotOptions['around'] = async (manifest, run) => {
+        mat = await this.deps.materialiser.materialiseWhile(snapshotId, manifest, async (sink) => {
+          await run(sink);
+        });
+      };
+      const { report, durable, signed: got } = await fetchSnapshot(
+        snapshotId,
+        sources,
+        { chunks: this.deps.chunks, manifests: this.manifestsFor(attempt), roots: this.deps.roots, trust: this.deps.trust, log: this.deps.log },
+        { deferDurable: true, ...(signed ? { signed } : {}), ...(build ? { around } : {}) },
+      );
+      this.notDurable.delete(snapshotId);
+      const settled: Promise<void> = durable
+        .then(
+          () => {
+            // Removed while its manifest was being stored: remove() deletes it (it waited
+            // for the put), so the snapshot is not held.
+            if (attempt.removed) this.notDurable.set(snapshotId, removedWhileFetched(snapshotId, this.deps.hostId));
+            else this.markComplete(snapshotId);
+          },
+          (e: unknown) => {
+            // Logged by fetchSnapshot; durable() reports it, a later fetch replaces it.
+            this.notDurable.set(snapshotId, e);
+          },
+        )
+        .finally(forget);
+      durableSet = true;
+      this.durables.set(snapshotId, settled);
+      void settled.then(() => {
+        if (this.durables.get(snapshotId) === settled) this.durables.delete(snapshotId);
+      });
+      this.deps.log.info({ snapshotId, fetch: { ...report, sources: report.sources.length }, totalMs: Math.round(performance.now() - t0) }, build ? 'snapshot fetched and materialised' : 'snapshot fetched');
+      return { mat, bytesFetched: report.bytes ?? 0, signed: got };
+    } finally {
+      if (!durableSet) forget();
+      for (const s of sources) s.close();
+    }
   }
 
   /** A VMM snapshot directory that is sealed (the VMM's manifest.json) and not deleted. */

@@ -92,6 +92,8 @@ export interface SnapshotShipper {
   ingest(local: LocalSnapshot): Promise<SignedManifest>;
   /** The local snapshot directory, fetching missing chunks from peers and materialising first when needed. */
   obtain(snapshotId: string, fetch: FetchSnapshotWork | undefined, onProgress: (done: number, total: number) => void): Promise<{ local: LocalSnapshot; bytesFetched: number }>;
+  /** A replica or a drain: fetches missing chunks from peers and stores the snapshot, building no image (a restore here builds it). */
+  replicate?(snapshotId: string, fetch: FetchSnapshotWork): Promise<{ bytesFetched: number }>;
   /**
    * Resolves once a fetch that `obtain` returned before it was durable (chunks fsynced,
    * manifest stored: the host then holds the snapshot, also after a crash) is; rejects if that
@@ -1034,7 +1036,10 @@ export class Agent {
         return;
       }
       case 'fetchSnapshot': {
-        const { bytesFetched } = await shipper.obtain(work.value.snapshotId, work.value, () => undefined);
+        // A replica or a drain: no VM restores from it here now, so no image is built (replicate).
+        // Named no source, it must be here already: obtain checks that, as it always did.
+        const replicate = shipper.replicate && work.value.sources.length > 0 ? shipper.replicate.bind(shipper) : undefined;
+        const { bytesFetched } = replicate ? await replicate(work.value.snapshotId, work.value) : await shipper.obtain(work.value.snapshotId, work.value, () => undefined);
         // A replica counts once it survives a crash; a failure to store it may pass on a retry.
         await shipper.durable?.(work.value.snapshotId).catch((e: unknown) => {
           throw e instanceof ForkfleetError ? e : new ForkfleetError('unavailable', `storing snapshot ${work.value.snapshotId} durably failed: ${e instanceof Error ? e.message : String(e)}`, { cause: e });
