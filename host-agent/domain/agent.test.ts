@@ -1,7 +1,7 @@
 import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
-import { timestampFromMs } from '@bufbuild/protobuf/wkt';
+import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
 import { Agent, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
 import type { AgentBus, AgentConfig, SnapshotShipper } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
@@ -139,6 +139,20 @@ describe('Agent steps', () => {
     expect(r.vms.map((v) => v.sandboxId)).toEqual(['sb-r2']);
     expect((await ok).snapshotNotHeld).toBe(false);
     expect(journal.results.has('op-a/r2')).toBe(true);
+  });
+
+  it('restore_thatFetchedTheSnapshot_saysHowLongTheFetchTook_apartFromTheStepsWholeTimeWithItsRestores', async () => {
+    const { agent } = agentWith(
+      { fork: async (_s, clones) => (await new Promise((r) => setTimeout(r, 80)), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) },
+      { obtain: async () => (await new Promise((r) => setTimeout(r, 20)), { local: { dir: '/x', manifest: {} } as never, bytesFetched: 10 }) },
+      {},
+      { now: () => Date.now() },
+    );
+    const r = await agent.runStep(work('r1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r1' }] } } }));
+    expect(r.bytesFetched).toBe(10n);
+    const fetchMs = durationMs(r.fetch!);
+    expect(fetchMs).toBeGreaterThanOrEqual(15);
+    expect(durationMs(r.duration!) - fetchMs).toBeGreaterThanOrEqual(70);
   });
 
   it('step_whoseJournalEntryIsEmpty_asAnOsCrashCanLeaveIt_runsAgain', async () => {

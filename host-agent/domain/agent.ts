@@ -959,10 +959,12 @@ export class Agent {
         } else {
           const lease = shipper.lease?.(snapshotId, `restore/${w.opId}/${w.stepId}`);
           try {
+            const f0 = this.deps.clock.now();
             const { local, bytesFetched } = await shipper.obtain(snapshotId, work.value.fetch, (done, total) =>
               this.deps.bus.publishEvent(this.event(HostEventType.TRANSFER_PROGRESS, { snapshotId, opId: w.opId, bytesDone: BigInt(done), bytesTotal: BigInt(total) })),
             );
             result.bytesFetched = BigInt(bytesFetched);
+            if (bytesFetched > 0) result.fetch = durationFromMs(Math.round(this.deps.clock.now() - f0));
             await this.baseImageFor(local.manifest, log);
             if (clones.length) made = await driver.fork(local, clones);
           } finally {

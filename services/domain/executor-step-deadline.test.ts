@@ -5,6 +5,7 @@
 import { describe, expect, it } from 'vitest';
 import pino from 'pino';
 import { create } from '@bufbuild/protobuf';
+import { durationFromMs } from '@bufbuild/protobuf/wkt';
 import { Executor } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
@@ -16,14 +17,14 @@ function stub<T>(methods: Record<string, unknown>): T {
 }
 
 /** Runs one pause step on host h1 whose sends the host answers with `answer(send)`; returns the step's outcome and the sends. */
-async function stepAnswered(answer: (w: HostWork) => { kind?: string; attempt?: number } | undefined, attempts = 3): Promise<{ outcome: unknown; sends: HostWork[] }> {
+async function stepAnswered(answer: (w: HostWork) => { kind?: string; attempt?: number; extra?: object } | undefined, attempts = 3): Promise<{ outcome: unknown; sends: HostWork[]; ex: Executor }> {
   const sends: HostWork[] = [];
   const ref: { ex?: Executor } = {};
   const sendWork = async (_hostId: string, w: HostWork): Promise<void> => {
     sends.push(w);
     const a = answer(w);
     if (!a) return;
-    const r = create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: 'h1', attempt: a.attempt ?? w.attempt, ...(a.kind ? { error: { kind: a.kind, message: `${a.kind} (test)`, retryable: true } } : {}) });
+    const r = create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: 'h1', attempt: a.attempt ?? w.attempt, ...a.extra, ...(a.kind ? { error: { kind: a.kind, message: `${a.kind} (test)`, retryable: true } } : {}) });
     setTimeout(() => ref.ex?.onResult(r, 'h1'), 5);
   };
   const ex = new Executor({
@@ -43,7 +44,7 @@ async function stepAnswered(answer: (w: HostWork) => { kind?: string; attempt?: 
     (r) => r,
     (e: unknown) => e,
   );
-  return { outcome, sends };
+  return { outcome, sends, ex };
 }
 
 describe('Executor host step answered at its deadline', () => {
@@ -69,5 +70,19 @@ describe('Executor host step answered at its deadline', () => {
     expect(outcome).toMatchObject({ kind: 'deadline_exceeded' });
     expect((outcome as Error).message).toMatch(/did not finish/);
     expect(sends).toHaveLength(3);
+  });
+});
+
+describe('A host step that fetched a snapshot', () => {
+  it('pricesTheHostsFetchRateOverTheFetchAlone_notOverTheWholeStepWithItsRestores', async () => {
+    const MIB = 1024 * 1024;
+    const rate = async (extra: object): Promise<number | undefined> => {
+      const { ex } = await stepAnswered(() => ({ extra: { bytesFetched: BigInt(80 * MIB), duration: durationFromMs(2000), ...extra } }));
+      return (ex as unknown as { fetchRates: { current(now: number): ReadonlyMap<string, number> } }).fetchRates.current(Date.now()).get('h1');
+    };
+    // 80 MiB fetched in 500 ms of a 2 s step (the rest restored its VMs): 160 MiB/s.
+    expect(await rate({ fetch: durationFromMs(500) })).toBeCloseTo(160 * MIB, -3);
+    // An agent that does not say: over the whole step, as before.
+    expect(await rate({})).toBeCloseTo(40 * MIB, -3);
   });
 });
