@@ -228,9 +228,9 @@ function errorInfo(e: unknown): { kind: string; message: string; retryable: bool
 }
 
 /**
- * The sources a restore may migrate from: reachable ones the scheduler recorded as holders
- * (PeerSource.may_migrate). A stream is loaded as it comes, unverified; a host that only says
- * it holds the snapshot serves verified chunks, never a migration.
+ * The sources a restore may migrate from: reachable ones the scheduler marks so
+ * (PeerSource.may_migrate: the host that took the snapshot). A stream is loaded as it comes,
+ * unverified; any other source serves verified chunks, never a migration.
  */
 export function migrationSources(fetch: FetchSnapshotWork): FetchSnapshotWork['sources'] {
   return fetch.sources.filter((s) => s.address && s.mayMigrate);
