@@ -15,7 +15,7 @@ import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
 import { NotLeaderError } from './domain/errors.ts';
-import { natsTlsOptions, nkeyConnectOptions } from './adapters/nats/auth.ts';
+import { LINK_CHECK, natsTlsOptions, nkeyConnectOptions } from './adapters/nats/auth.ts';
 import { startGrpcServer } from './adapters/grpc/server.ts';
 import { fleetServerCredentials } from './adapters/grpc/tls.ts';
 import { Authenticator } from './auth/tokens.ts';
@@ -103,11 +103,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     name: `scheduler-${config.id}`,
     maxReconnectAttempts: -1,
     reconnectTimeWait: 250,
-    // A connection that goes silent without a reset (a partition) is noticed within ~10 s,
-    // well inside the host lost threshold, by the pings (nats.js's default is 2 min x 2):
-    // reconcileHosts holds lost transitions only while it knows the link is down.
-    pingInterval: 5_000,
-    maxPingOut: 2,
+    // A silent link noticed within ~10 s (reconcileHosts holds lost transitions only while
+    // it knows the link is down).
+    ...LINK_CHECK,
     // No stack captured per request (three Error objects per JetStream publish, the largest
     // cost of sending a host step); a timed-out request still fails with a named NatsError.
     noAsyncTraces: true,

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import type { PeerCertificate } from 'node:tls';
-import { hostGroupPermissions, hostPermissions, natsServerAuthConfig, natsTlsOptions } from './auth.ts';
+import { agentConnectOptions, hostGroupPermissions, hostPermissions, natsServerAuthConfig, natsTlsOptions } from './auth.ts';
 
 describe('NATS permissions', () => {
   it('hostPermissions_namesOnlyItsOwnSubjectsAndConsumer', () => {
@@ -34,5 +34,14 @@ describe('NATS permissions', () => {
     // Without a socket to tell the address: Node's own check of the name, which fails closed for IP-only certificates.
     expect(opts.checkServerIdentity.call(undefined, 'localhost', certFor('IP Address:10.0.0.2'))).toBeInstanceOf(Error);
     expect(opts.checkServerIdentity.call({ servername: 'nats.example' }, 'nats.example', certFor('DNS:nats.example'))).toBeUndefined();
+  });
+});
+
+describe('An agent connection', () => {
+  it('pingsItsServerEvery5sAndGivesUpAfter2Unanswered_soALinkThatWentSilentIsNoticedWellInsideTheHostLostThreshold', () => {
+    const o = agentConnectOptions('host-a', undefined);
+    expect(o).toMatchObject({ pingInterval: 5_000, maxPingOut: 2, inboxPrefix: expect.stringContaining('host-a') });
+    // Within the default FF_HOST_LOST_AFTER (30 s): (maxPingOut + 1) pings.
+    expect(o.pingInterval! * (o.maxPingOut! + 1)).toBeLessThan(30_000);
   });
 });

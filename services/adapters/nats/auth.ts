@@ -146,9 +146,19 @@ function checkDialedServer(this: { servername?: string; host?: string; socket?: 
 }
 
 /**
- * What a host agent passes to `connect()`: its own inbox prefix (its permissions allow only
- * that) and, when a seed file is configured, NKey authentication.
+ * How the scheduler's and the agents' connections notice a link that went silent without a
+ * reset (a partition, a NATS node gone): within ~10 s by pings, well inside the host-lost
+ * threshold (nats.js's default is 2 min x 2). The scheduler holds lost transitions only while
+ * it knows its link is down; an agent whose link died unnoticed kept publishing heartbeats,
+ * results and exec output into the dead socket (buffered in memory) for minutes, while the
+ * scheduler, hearing nothing, lost the host and every sandbox on it.
  */
-export function agentConnectOptions(hostId: string, seedFile: string | undefined): Pick<ConnectionOptions, 'authenticator' | 'inboxPrefix'> {
-  return { inboxPrefix: agentInboxPrefix(hostId), ...(seedFile ? nkeyConnectOptions(seedFile) : {}) };
+export const LINK_CHECK = { pingInterval: 5_000, maxPingOut: 2 } as const satisfies Pick<ConnectionOptions, 'pingInterval' | 'maxPingOut'>;
+
+/**
+ * What a host agent passes to `connect()`: its own inbox prefix (its permissions allow only
+ * that) and, when a seed file is configured, NKey authentication; the link check.
+ */
+export function agentConnectOptions(hostId: string, seedFile: string | undefined): Pick<ConnectionOptions, 'authenticator' | 'inboxPrefix' | 'pingInterval' | 'maxPingOut'> {
+  return { inboxPrefix: agentInboxPrefix(hostId), ...LINK_CHECK, ...(seedFile ? nkeyConnectOptions(seedFile) : {}) };
 }
