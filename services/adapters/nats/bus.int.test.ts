@@ -58,6 +58,23 @@ describe('NatsWorkBus', () => {
     sub.unsubscribe();
   });
 
+  it('exec_onAClosedConnection_failsUnavailable_andItsTimeoutDoesNotCrashTheProcess', async () => {
+    // A replica whose connection is closed (or draining, at shutdown) cannot subscribe for
+    // the reply: the call fails there, and no timer is left to fire on what was never made.
+    const nc = await connect({ servers: server.url, noAsyncTraces: true });
+    const closedBus = await NatsWorkBus.create(nc);
+    await nc.close();
+    const read = async (): Promise<unknown> => {
+      for await (const _ of closedBus.exec('h-closed', create(HostExecRequestSchema, { sandboxId: 'sb-1', argv: ['true'] }), { timeoutMs: 50 })) {
+        /* nothing comes */
+      }
+      return undefined;
+    };
+    await expect(read()).rejects.toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/exec relay to host h-closed failed/) });
+    // Past the exec's timeout: a timer left armed would throw here, outside any caller.
+    await new Promise((r) => setTimeout(r, 200));
+  });
+
   it('consumeResults_whenTheResultsStreamWasLostBeforeItStarts_makesItAgain_andResultsArrive', async () => {
     // A leader that starts after nats-server lost its store (or the stream was deleted) while
     // no replica consumed: it used to fail "stream not found" on every start, on every replica.

@@ -339,18 +339,15 @@ export class NatsWorkBus implements WorkBus {
         // A closed connection: the host's own timeout for the command still applies.
       }
     };
-    const timer = setTimeout(() => {
-      // After the request went out: the command may have run, so not retryable (Exec is not
-      // deduplicated). Only "no responders" below says it never reached the host.
-      q.fail(new ForkfleetError('deadline_exceeded', `exec on host ${hostId} timed out after ${opts.timeoutMs} ms`, { retryable: false }));
-      sub.unsubscribe();
-      cancelOnHost();
-    }, opts.timeoutMs);
+    // Armed once the request went out (a closed or draining connection refuses the reply
+    // subscription, and the publish).
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    let sub: Subscription | undefined;
     const finish = (): void => {
       clearTimeout(timer);
-      sub.unsubscribe();
+      sub?.unsubscribe();
     };
-    const sub = this.nc.subscribe(inbox, {
+    const subscribe = (): Subscription => this.nc.subscribe(inbox, {
       callback: (err, m) => {
         if (q.isEnded) return;
         if (err) {
@@ -394,6 +391,22 @@ export class NatsWorkBus implements WorkBus {
         }
       },
     });
+    try {
+      sub = subscribe();
+      this.nc.publish(subjects.exec(hostId), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, req)), { reply: inbox });
+      timer = setTimeout(() => {
+        // After the request went out: the command may have run, so not retryable (Exec is not
+        // deduplicated). Only "no responders" above says it never reached the host.
+        q.fail(new ForkfleetError('deadline_exceeded', `exec on host ${hostId} timed out after ${opts.timeoutMs} ms`, { retryable: false }));
+        sub?.unsubscribe();
+        cancelOnHost();
+      }, opts.timeoutMs);
+    } catch (e) {
+      // The connection is closed or draining: the request did not go out.
+      finish();
+      q.fail(new ForkfleetError('unavailable', `exec relay to host ${hostId} failed: ${(e as Error).message}`, { cause: e }));
+      return q;
+    }
     opts.signal?.addEventListener('abort', () => {
       if (!q.isEnded) {
         finish();
@@ -401,7 +414,6 @@ export class NatsWorkBus implements WorkBus {
         cancelOnHost();
       }
     });
-    this.nc.publish(subjects.exec(hostId), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, req)), { reply: inbox });
     return {
       [Symbol.asyncIterator]: () => {
         const it = q[Symbol.asyncIterator]();
