@@ -26,10 +26,10 @@ export interface ApiGuardOptions {
 /** Streaming calls that read every change in the fleet, capped apart (maxWatchesPerCredential). */
 const WATCHES: ReadonlySet<string> = new Set(['/forkfleet.v1.FleetService/WatchEvents']);
 
-/** Unary calls that may wait long for an answer (WaitOperation: up to its timeout, 60 s at most). */
+/** Unary calls that may wait long for an answer (WaitOperation: up to its timeout, 10 minutes at most). */
 const LONG_POLLS: ReadonlySet<string> = new Set(['/forkfleet.v1.FleetService/WaitOperation']);
 
-/** How often open streaming calls are checked against the tokens file while any is open. */
+/** How often open streaming calls and long polls are checked against the tokens file while any is open. */
 export const REVOCATION_CHECK_MS = 1000;
 
 export class ApiGuard {
@@ -38,7 +38,7 @@ export class ApiGuard {
   private readonly longPolls: ConcurrencyLimiter;
   private readonly watches: ConcurrencyLimiter;
   private readonly now: () => number;
-  /** The revoke callbacks of open streaming calls, by credential id. */
+  /** The revoke callbacks of open streaming calls and long polls, by credential id. */
   private readonly live = new Map<string, Set<(err: Error) => void>>();
   private sweeper: NodeJS.Timeout | undefined;
 
@@ -52,8 +52,8 @@ export class ApiGuard {
 
   /**
    * A streaming call's credential removed from the tokens file while the call is open (an
-   * exec session, a watch) ends the call UNAUTHENTICATED within about REVOCATION_CHECK_MS: a
-   * revoked token must not keep reading a sandbox it was cut off from.
+   * exec session, a watch, a long poll) ends the call UNAUTHENTICATED within about
+   * REVOCATION_CHECK_MS: a revoked token must not keep reading a sandbox it was cut off from.
    */
   private watchRevocation(credentialId: string): { onRevoke: (cb: (err: Error) => void) => void; forget: () => void } {
     let cb: ((err: Error) => void) | undefined;
@@ -104,7 +104,16 @@ export class ApiGuard {
       if (call.method === undefined || !LONG_POLLS.has(call.method)) return { principal };
       const free = this.longPolls.acquire(principal.credentialId);
       if (!free) throw new TooManyStreamsError(this.longPolls.max);
-      return { principal, release: free };
+      // Ended by a revocation too: a WaitOperation may wait up to 10 minutes.
+      const { onRevoke, forget } = this.watchRevocation(principal.credentialId);
+      return {
+        principal,
+        onRevoke,
+        release: () => {
+          forget();
+          free();
+        },
+      };
     }
     // Admin credentials (operators, the dashboard's one watch per tenant) are not capped.
     const watch = !principal.admin && call.method !== undefined && WATCHES.has(call.method);

@@ -209,6 +209,30 @@ describe('ApiGuard and tenancy', () => {
     expect(wait().principal.tenantId).toBe('acme');
   });
 
+  it('admit_waitOperationLongPollOfARevokedCredential_isEndedAtTheNextCheck_andOneAnsweredIsLeftAlone', () => {
+    vi.useFakeTimers();
+    try {
+      const file = join(dir, 'tokens.json');
+      const a = mintToken(file, { tenant: 'acme', name: 'leaked' });
+      const guard = new ApiGuard(new Authenticator(file, undefined), { maxStreamsPerCredential: 4 });
+      const ended: string[] = [];
+      const wait = (name: string): ReturnType<ApiGuard['admit']> => {
+        const w = guard.admit({ metadata: md(`Bearer ${a}`), streaming: false, method: '/forkfleet.v1.FleetService/WaitOperation' });
+        // A WaitOperation may wait 10 minutes: its call is ended like a stream's.
+        w.onRevoke!((err) => ended.push(`${name}: ${err.message}`));
+        return w;
+      };
+      wait('w1');
+      wait('w-answered').release!();
+      revokeTokens(file, 'leaked');
+      utimesSync(file, new Date(), new Date(Date.now() + 5000));
+      vi.advanceTimersByTime(REVOCATION_CHECK_MS * 2);
+      expect(ended).toEqual([expect.stringMatching(/^w1: credential revoked/)]);
+    } finally {
+      vi.useRealTimers();
+    }
+  });
+
   it('admit_watchEventsStreams_areCappedPerCredentialBelowTheStreamCap_andAFreedWatchOrARefusedOneLeavesOtherStreamsTheirRoom', () => {
     const file = join(dir, 'tokens.json');
     const a = mintToken(file, { tenant: 'acme' });

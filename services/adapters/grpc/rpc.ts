@@ -54,7 +54,7 @@ export interface CallContext {
 /**
  * Runs before every handler of a guarded server (authentication, rate and stream limits).
  * Throws to refuse the call; `release` (for streaming calls) runs once when the call ends.
- * `onRevoke` (streaming calls) registers what ends the call when its credential is revoked.
+ * `onRevoke` (streaming calls and long polls) registers what ends the call when its credential is revoked.
  */
 export interface CallGuard {
   admit(call: { metadata: Metadata; method: string; streaming: boolean; peer: string }): { principal: Principal; release?: () => void; onRevoke?: (cb: (err: Error) => void) => void };
@@ -179,9 +179,18 @@ type AnyServerCall =
   | ServerWritableStream<unknown, unknown>
   | ServerDuplexStream<unknown, unknown>;
 
-function contextOf(call: AnyServerCall, method: string, principal?: Principal, revoked?: AbortSignal): CallContext {
+/**
+ * The handler's context, and `done`: called when the handler has settled. The deadline's timer
+ * is cleared then, or when the call ends first (grpc-js emits 'cancelled' after every status
+ * too); it would otherwise hold the call's context until the client's deadline (hours, for
+ * some clients) after the call was answered.
+ */
+function contextOf(call: AnyServerCall, method: string, principal?: Principal, revoked?: AbortSignal): { ctx: CallContext; done: () => void } {
   const ac = new AbortController();
+  let t: NodeJS.Timeout | undefined;
+  const done = (): void => clearTimeout(t);
   const abort = (): void => {
+    done();
     if (!ac.signal.aborted) ac.abort(new Error(`${method}: cancelled by client`));
   };
   const emitter = call as unknown as NodeJS.EventEmitter;
@@ -193,23 +202,57 @@ function contextOf(call: AnyServerCall, method: string, principal?: Principal, r
   else if (typeof d === 'number' && Number.isFinite(d)) deadline = new Date(d);
   if (deadline) {
     const ms = deadline.getTime() - Date.now();
-    const t = setTimeout(abort, Math.max(0, ms));
+    t = setTimeout(abort, Math.max(0, ms));
     t.unref();
-    emitter.once('finish', () => clearTimeout(t));
   }
-  return { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method, principal, peerCertificate: () => call.getAuthContext().sslPeerCertificate };
+  const ctx = { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method, principal, peerCertificate: () => call.getAuthContext().sslPeerCertificate };
+  return { ctx, done };
+}
+
+/**
+ * Bytes of a streaming call's messages written and not yet sent (their write not done: the
+ * client's HTTP/2 window is full) past which writeAll reads no more from the handler. grpc-js's
+ * send buffer counts messages, not bytes (write() returns false at 16 of them): 16 Exec output
+ * pieces of 512 KiB each would wait there, let go by the bus's count of unread output
+ * (EXEC_UNREAD_MAX_BYTES), for each call whose client does not read.
+ */
+const UNSENT_MAX_BYTES = 1 << 20;
+
+/**
+ * About the bytes a message takes on the wire: its bytes and string fields, a few levels down
+ * (a oneof's payload, a chunk's data), which are what make one large. Not the encoding itself:
+ * a service may serialize its own way (the peer chunk server), and only when grpc-js sends.
+ */
+function approxBytes(v: unknown, depth = 0): number {
+  if (typeof v === 'string') return v.length;
+  if (v instanceof Uint8Array) return v.byteLength;
+  if (typeof v !== 'object' || v === null || depth >= 4) return 0;
+  let n = 0;
+  for (const x of Array.isArray(v) ? (v as unknown[]) : Object.values(v)) n += approxBytes(x, depth + 1);
+  return n;
 }
 
 async function writeAll(call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>, out: AsyncIterable<unknown>, signal: AbortSignal): Promise<void> {
+  let unsent = 0;
+  let wake: (() => void) | undefined;
   for await (const msg of out) {
     if (signal.aborted) return;
-    if (!call.write(msg)) {
+    const bytes = approxBytes(msg);
+    unsent += bytes;
+    call.write(msg, () => {
+      unsent -= bytes;
+      wake?.();
+    });
+    while (call.writableNeedDrain || unsent > UNSENT_MAX_BYTES) {
+      if (signal.aborted) return;
       await new Promise<void>((resolve) => {
         const done = (): void => {
+          wake = undefined;
           call.off('drain', done);
           signal.removeEventListener('abort', done);
           resolve();
         };
+        wake = done;
         call.on('drain', done);
         signal.addEventListener('abort', done);
       });
@@ -239,9 +282,9 @@ function admitCall(guard: CallGuard | undefined, call: AnyServerCall, method: st
 }
 
 /**
- * Ends a streaming call with its credential's revocation error when the guard revokes it
- * (the handler's context is aborted too, through `contextOf`'s `revoked`): `answer` fails
- * the call, unless it has been answered already.
+ * Ends a streaming call or a long poll with its credential's revocation error when the guard
+ * revokes it (the handler's context is aborted too, through `contextOf`'s `revoked`): `answer`
+ * fails the call, unless it has been answered already.
  */
 function endOnRevoke(admitted: ReturnType<typeof admitCall>, answer: (err: unknown) => void): void {
   admitted.revoked.addEventListener(
@@ -252,6 +295,17 @@ function endOnRevoke(admitted: ReturnType<typeof admitCall>, answer: (err: unkno
     },
     { once: true },
   );
+}
+
+/** A call with a single answer: `cb` runs once, for whichever of the handler and a revocation answers first. */
+function answerOnce(cb: sendUnaryData<unknown>, fail: (err: unknown) => ReturnType<typeof toGrpcStatus>): (err: unknown, res?: unknown) => void {
+  let answered = false;
+  return (err, res) => {
+    if (answered) return;
+    answered = true;
+    if (err === null) cb(null, res);
+    else cb(fail(err));
+  };
 }
 
 /** Builds grpc-js handlers that run `impl`, map thrown errors once, and honour cancellation. */
@@ -279,22 +333,28 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         out[m.localName] = (call: ServerUnaryCall<unknown, unknown>, cb: sendUnaryData<unknown>) => {
           const admitted = admitOr(call, false, (st) => cb(st));
           if (!admitted) return;
-          const ctx = contextOf(call, name, admitted.principal);
+          const answer = answerOnce(cb, fail);
+          // A long poll (ApiGuard) is ended by its credential's revocation, as a stream is.
+          endOnRevoke(admitted, answer);
+          const { ctx, done } = contextOf(call, name, admitted.principal, admitted.revoked);
           const request = decodeRequest(m, call.request);
           if (request instanceof Undecodable) {
+            done();
             admitted.release();
-            cb(fail(undecodableError(request)));
+            answer(undecodableError(request));
             return;
           }
           // A long poll holds a stream slot (ApiGuard): given back once it is answered.
           (fn(request, ctx) as Promise<unknown>).then(
             (res) => {
+              done();
               admitted.release();
-              cb(null, res);
+              answer(null, res);
             },
             (err: unknown) => {
+              done();
               admitted.release();
-              cb(fail(err));
+              answer(err);
             },
           );
         };
@@ -303,21 +363,17 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         out[m.localName] = (call: ServerReadableStream<unknown, unknown>, cb: sendUnaryData<unknown>) => {
           const admitted = admitOr(call, true, (st) => cb(st));
           if (!admitted) return;
-          let answered = false;
-          const answer = (err: unknown, res?: unknown): void => {
-            if (answered) return;
-            answered = true;
-            if (err === null) cb(null, res);
-            else cb(fail(err));
-          };
+          const answer = answerOnce(cb, fail);
           endOnRevoke(admitted, answer);
-          const ctx = contextOf(call, name, admitted.principal, admitted.revoked);
+          const { ctx, done } = contextOf(call, name, admitted.principal, admitted.revoked);
           (fn(decodedItems(m, readableItems(call)), ctx) as Promise<unknown>).then(
             (res) => {
+              done();
               admitted.release();
               answer(null, res);
             },
             (err: unknown) => {
+              done();
               admitted.release();
               answer(err);
             },
@@ -330,10 +386,11 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
           const admitted = admitOr(call, true, (st) => call.emit('error', st));
           if (!admitted) return;
           endOnRevoke(admitted, (err) => call.emit('error', fail(err)));
-          const ctx = contextOf(call, name, admitted.principal, admitted.revoked);
+          const { ctx, done } = contextOf(call, name, admitted.principal, admitted.revoked);
           const input = m.methodKind === 'server_streaming' ? decodeRequest(m, (call as ServerWritableStream<unknown, unknown>).request)
               : decodedItems(m, readableItems(call as ServerDuplexStream<unknown, unknown>));
           if (input instanceof Undecodable) {
+            done();
             admitted.release();
             call.emit('error', fail(undecodableError(input)));
             return;
@@ -342,16 +399,19 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
           try {
             iterable = fn(input, ctx) as AsyncIterable<unknown>;
           } catch (err) {
+            done();
             admitted.release();
             call.emit('error', fail(err));
             return;
           }
           writeAll(call, iterable, ctx.signal).then(
             () => {
+              done();
               admitted.release();
               if (!ctx.signal.aborted) call.end();
             },
             (err: unknown) => {
+              done();
               admitted.release();
               if (!ctx.signal.aborted) call.emit('error', fail(err));
             },
