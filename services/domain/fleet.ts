@@ -798,9 +798,15 @@ export class Fleet {
     return res;
   }
 
-  /** A host whose agent predates ranged files (no Heartbeat.ranged_files) gets one message per file. */
+  /**
+   * A host whose agent predates ranged files (no Heartbeat.ranged_files) gets one message per
+   * file. A host this replica has not heard yet (it just started, or the host's heartbeats do
+   * not reach it) is not taken for one: its call is UNAVAILABLE, to be retried.
+   */
   private ranged(hostId: string): boolean {
-    return this.deps.heard.get(hostId)?.hb.rangedFiles === true;
+    const heard = this.deps.heard.get(hostId);
+    if (!heard) throw new ForkfleetError('unavailable', `host ${hostId} has not been heard from by this scheduler yet; retry shortly`, { retryable: true });
+    return heard.hb.rangedFiles === true;
   }
 
   /**
@@ -820,9 +826,9 @@ export class Fleet {
     gone();
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
-      // An older agent truncates on every write and ignores append and mode.
+      // An older agent truncates on every write and ignores append; `mode` is sent all the same.
       if (data.length > piece) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'data' });
-      return Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data } } }))).bytesWritten);
+      return Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data, mode } } }))).bytesWritten);
     }
     const write = async (to: string, part: Uint8Array, append: boolean, last: boolean): Promise<number> =>
       Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path: to, op: { case: 'write', value: { data: part, mode: last ? mode : 0, append } } }))).bytesWritten);

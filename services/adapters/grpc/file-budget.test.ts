@@ -87,6 +87,30 @@ describe('file calls within the replica budget', () => {
     expect(written).toEqual([40 * MiB, 30 * MiB]);
   });
 
+  it('writeFile_whoseHeaderCheckIsSlow_takesTheDataThatComesMeanwhileFromTheBudget_andRefusesWhatDoesNotFitBeforeTheCheckEnds', async () => {
+    // The header's check reads etcd, which can take seconds: meanwhile the client sends on.
+    const checks: Array<() => void> = [];
+    const h = service({ checkWritable: () => new Promise<void>((r) => checks.push(r)), writeFile: async (_t: string, _s: string, _p: string, _m: number, b: Buffer) => b.length }, 32 * MiB);
+    const a = upload();
+    const first = h.writeFile(a.reqs, ctx);
+    a.send(header());
+    a.send(data(12 * MiB));
+    a.send(data(12 * MiB));
+    a.end();
+    await new Promise((r) => setTimeout(r, 10));
+    // A second upload of the same tenant, while the first's check still waits: its data does
+    // not fit beside what the first holds, and it is told so before either check ends.
+    const b = upload();
+    const second = h.writeFile(b.reqs, ctx);
+    b.send(header());
+    b.send(data(12 * MiB));
+    const early = await Promise.race([second.then(() => 'written', (e: unknown) => e), new Promise((r) => setTimeout(() => r('still waiting for its check'), 500))]);
+    expect(early).toMatchObject({ kind: 'resource_exhausted', retryable: true, field: 'data' });
+    // The first, once checked, is written whole.
+    for (const ok of checks) ok();
+    await expect(first).resolves.toEqual({ bytesWritten: BigInt(24 * MiB) });
+  });
+
   it('readFile_pastTheReplicasBudget_isRefusedRetryable_whileAnotherIsHeldByAReaderThatDoesNotRead', async () => {
     // The fleet reads in pieces of 8 MiB and tells the service before it keeps each one.
     const h = service({ readFile: async (_t: string, _s: string, _p: string, _m: number, _w: boolean, hold: (n: number) => void) => {

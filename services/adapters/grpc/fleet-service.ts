@@ -153,6 +153,16 @@ export class FilePieces {
   }
 }
 
+/** The iterator's next item; or, once `stop` aborts, its reason (a read still pending is left to the call's end). */
+function nextUnless<T>(it: AsyncIterator<T>, stop: AbortSignal): Promise<IteratorResult<T>> {
+  if (stop.aborted) return Promise.reject(stop.reason as Error);
+  return new Promise((resolve, reject) => {
+    const onStop = (): void => reject(stop.reason as Error);
+    stop.addEventListener('abort', onStop, { once: true });
+    it.next().then(resolve, reject).finally(() => stop.removeEventListener('abort', onStop));
+  });
+}
+
 /** Reads the records an operation's result refers to, for the response (a just-submitted sandbox op's target is at hand). */
 async function opResponse(deps: FleetServiceDeps, op: OperationRec): ReturnType<typeof c.toOperation> extends infer T ? Promise<T> : never {
   const ids = op.result?.sandboxIds ?? (op.kind !== 'fork' && op.targetId.startsWith('sb-') ? [op.targetId] : []);
@@ -268,8 +278,16 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const parts = new FilePieces();
       let size = 0;
       let held = 0;
+      // The header's check reads etcd (seconds, when it is slow): data is read on meanwhile and
+      // taken from the budget as it comes. Left unread, it would wait in the call's buffers
+      // (dozens of messages of up to FF_GRPC_MAX_RECV each), held by the replica but counted
+      // nowhere. A refusal ends the call at once, the stream still open.
+      let checked: Promise<void> = Promise.resolve();
+      const refused = new AbortController();
+      const it = reqs[Symbol.asyncIterator]();
       try {
-        for await (const r of reqs) {
+        for (let next = await nextUnless(it, refused.signal); !next.done; next = await nextUnless(it, refused.signal)) {
+          const r = next.value;
           if (r.payload.case === 'header') {
             if (header) throw new InvalidArgumentError('header', 'sent twice');
             const h = r.payload.value;
@@ -277,8 +295,9 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             header = { tenantId: tenant(h.tenantId, ctx, 'header.tenant_id'), sandboxId: c.id('sb', h.sandboxId, 'header.sandbox_id'), path: c.guestFilePath(h.path, 'header.path', true), mode: h.mode };
             if (h.idempotencyKey) c.idemKey(h.idempotencyKey, 'header.idempotency_key');
             // A sandbox that does not exist, or that will not run to take the file, is refused
-            // now, before any data is held for it.
-            await fleet.checkWritable(header.tenantId, header.sandboxId, 'header.sandbox_id');
+            // as soon as this says so, whatever data has come by then.
+            checked = fleet.checkWritable(header.tenantId, header.sandboxId, 'header.sandbox_id');
+            checked.catch((e: unknown) => refused.abort(e));
           } else if (r.payload.case === 'data') {
             if (!header) throw new InvalidArgumentError('header', 'the first message must be the header');
             size += r.payload.value.length;
@@ -291,11 +310,14 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           }
         }
         if (!header) throw new InvalidArgumentError('header', 'missing');
+        await checked;
         // The pieces go as soon as they are joined: the file is held once, not twice.
         const whole = parts.join();
         const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, whole, ctx.signal);
         return { bytesWritten: BigInt(written) };
       } finally {
+        // As a for-await does: the request stream is let go (a read still pending ends with the call).
+        void it.return?.().catch(() => undefined);
         if (header) files.give(header.tenantId, held);
       }
     },
