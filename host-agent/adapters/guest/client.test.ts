@@ -163,6 +163,32 @@ describe('GuestAgentClient with an untrusted guest', () => {
     expect(r.stdout.toString()).toBe('a');
   });
 
+  it('exec_whoseTimeoutIsShorterThanItsStart_waitsForThePid_andKillsTheProgramAsTimedOut_notLeavingItRunning', async () => {
+    // A start answered after 60 ms, an exec timeout of 10 ms: the start failed late before,
+    // and the program it started ran on with no one to kill it.
+    const kills: string[] = [];
+    const g = await fakeGuest({
+      answer: (req) => {
+        if (req.execute === 'guest-exec') {
+          const arg = (req.arguments?.arg as string[] | undefined) ?? [];
+          if (arg[2] === 'ff-kill') {
+            kills.push(arg[3] ?? '');
+            return { reply: { pid: 50 } };
+          }
+          return { delayMs: 60, reply: { pid: 42 } };
+        }
+        if (req.execute === 'guest-exec-status') return { reply: req.arguments?.pid === 42 && kills.length === 0 ? { exited: false } : { exited: true, signal: 9 } };
+        return undefined;
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    const r = await c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 10 });
+    expect(r).toMatchObject({ timedOut: true, signal: 9 });
+    expect(kills[0]).toBe('42');
+  });
+
   it('sync_ofAGuestWhoseParserHoldsHalfARequest_flushesItFirst_soTheFirstSyncParses', async () => {
     // A snapshot taken while a write was half sent replays that half into every clone's qemu-ga.
     const g = await fakeGuest({ seed: '{"execute": "guest-file-write", "arguments": {"handle": 1, "buf-b64": "QUFB' });

@@ -114,6 +114,15 @@ const REAP_ORPHAN_EXECS = [
 ].join('\n');
 
 /** How long a killed program has to exit (and its output to be copied out) before exec gives up on it. */
+/**
+ * How long an exec's start (guest-exec, answered with the pid) may take, whatever the exec's
+ * own timeout. The start given only the exec's timeout (down to 1 ms from the API, while a
+ * start takes 15-25 ms under TCG) failed late and left the program running with no one to
+ * time it out or kill it; given this, the program started late is timed out and killed by
+ * the poll loop, against the exec's own deadline.
+ */
+const EXEC_START_MIN_MS = 10_000;
+
 const EXEC_KILL_GRACE_MS = 5000;
 /** How often the kill is sent again while the killed program has not exited. */
 const EXEC_KILL_AGAIN_MS = 1000;
@@ -379,7 +388,7 @@ export class GuestAgentClient {
         : { path: req.path, arg: req.args ?? [], 'capture-output': false };
     if (req.env) args.env = req.env;
     if (req.stdin) args['input-data'] = req.stdin.toString('base64');
-    const { pid } = await this.command<{ pid: number }>('guest-exec', args, timeoutMs);
+    const { pid } = await this.command<{ pid: number }>('guest-exec', args, Math.max(timeoutMs, EXEC_START_MIN_MS));
     const started = Date.now();
     let delay = 2;
     let killedAt: number | undefined;
