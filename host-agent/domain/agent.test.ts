@@ -468,6 +468,42 @@ describe('Agent steps', () => {
     }
   });
 
+  it('stop_heartbeatsOnSayingItIsStopping_whileItsStepsFinish_andGoesSilentOnlyOnceTheyHave', async () => {
+    vi.useFakeTimers();
+    try {
+      let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+      const beats: boolean[] = [];
+      let fetched: () => void = () => undefined;
+      const { agent } = agentWith(
+        { onEvent: () => () => undefined, fork: async (_s, clones) => clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo) },
+        { obtain: () => new Promise((r) => (fetched = () => r({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }))) },
+        { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: (hb) => void beats.push(hb.stopping), publishResult: async () => undefined },
+        undefined,
+        undefined,
+        undefined,
+        { shutdownGraceMs: 20_000 },
+      );
+      await agent.start();
+      void onWork!(work('restore/1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), { ack: () => undefined, working: () => undefined });
+      await vi.advanceTimersByTimeAsync(10);
+      expect(beats.every((b) => b === false)).toBe(true);
+      const stopped = agent.stop();
+      await vi.advanceTimersByTimeAsync(5_000);
+      // Not silent while the restore runs on: 1 at once and ~1 a second, each saying "stopping".
+      const during = beats.slice(beats.lastIndexOf(false) + 1);
+      expect(during.length).toBeGreaterThanOrEqual(5);
+      expect(during.every((b) => b === true)).toBe(true);
+      fetched();
+      await vi.advanceTimersByTimeAsync(10);
+      await stopped;
+      const n = beats.length;
+      await vi.advanceTimersByTimeAsync(5_000);
+      expect(beats.length).toBe(n);
+    } finally {
+      vi.useRealTimers();
+    }
+  });
+
   it('work_ofAnOlderLeaderTermThanOneTaken_isAckedAndDroppedWithoutAResult_alsoAfterARestart_whileAnotherEtcdClustersTermIsTaken', async () => {
     const journal = new MemoryJournal();
     const destroyed: string[] = [];
@@ -633,7 +669,7 @@ describe('Agent steps', () => {
     expect(Date.now() - t0).toBeLessThan(2000);
   });
 
-  it('stop_startsNoQueuedStepOnceCalled_sendsNoMoreHeartbeats_andResolvesOnlyOnceTheRunningStepsHaveFinished', async () => {
+  it('stop_startsNoQueuedStepOnceCalled_heartbeatsOnAsStopping_andResolvesOnlyOnceTheRunningStepsHaveFinished', async () => {
     let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
     const fetched: Array<() => void> = [];
     const asked: string[] = [];
@@ -652,7 +688,7 @@ describe('Agent steps', () => {
         serveFile: () => () => undefined,
         // Ending the bus's consumer takes a while.
         consumeWork: async (f) => ((onWork = f as never), () => new Promise<void>((r) => setTimeout(r, 20))),
-        publishHeartbeat: () => void beats++,
+        publishHeartbeat: (hb) => void (beats++, hb.stopping && stoppingBeats++),
         publishResult: async (r) => void answered.push(r.stepId),
       },
       undefined,
@@ -661,6 +697,7 @@ describe('Agent steps', () => {
       { shutdownGraceMs: 5_000, heartbeatMs: 10 },
     );
     let beats = 0;
+    let stoppingBeats = 0;
     await agent.start();
     const ctl = { ack: () => undefined, working: () => undefined };
     // Three restores whose fetches wait fill the three slots; a create waits for one.
@@ -670,17 +707,22 @@ describe('Agent steps', () => {
     await new Promise((r) => setTimeout(r, 10));
     expect(fetched.length).toBe(3);
     let stopped = false;
-    const stopping = agent.stop().then(() => void (stopped = true));
     const beatsAtStop = beats;
+    const stopping = agent.stop().then(() => void (stopped = true));
     fetched[0]!(); // a slot frees while the consumer is still ending
     await new Promise((r) => setTimeout(r, 50));
     expect(answered).toEqual(['restore/0']);
     expect(stopped).toBe(false);
-    // Silent while the running steps finish: the scheduler stops placing work here.
-    expect(beats).toBe(beatsAtStop);
+    // Heartbeats on, saying it stops, while the running steps finish: the scheduler places
+    // no work here and does not take the host for lost.
+    expect(beats).toBeGreaterThan(beatsAtStop);
+    expect(stoppingBeats).toBe(beats - beatsAtStop);
     fetched[1]!();
     fetched[2]!();
     await stopping;
+    const beatsAtEnd = beats;
+    await new Promise((r) => setTimeout(r, 30));
+    expect(beats).toBe(beatsAtEnd);
     expect(answered.sort()).toEqual(['restore/0', 'restore/1', 'restore/2']);
     // The create never ran: dropped unacked (the bus delivers it again, to the next agent).
     expect([created, asked.includes('sb-q'), queuedAcked]).toEqual([0, false, false]);

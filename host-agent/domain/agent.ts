@@ -373,9 +373,11 @@ export class Agent {
 
   private async shutdown(): Promise<void> {
     this.closed = true;
-    // Silent from now on: the scheduler soon counts the host suspect and places nothing more
-    // here while the running steps finish.
-    clearInterval(this.heartbeatTimer);
+    // Heartbeats go on, saying the host is stopping (placement leaves it out) while the running
+    // steps finish: silent from the start of the grace (20 s) to the next agent's first
+    // heartbeat, a restart came close to the 30 s after which the host and all its sandboxes
+    // are lost. The next agent has the whole threshold from the last of these.
+    this.beat();
     for (const q of this.queue.splice(0)) q.drop();
     const failures: unknown[] = [];
     const attempt = async (s: () => void | Promise<void>): Promise<void> => {
@@ -405,6 +407,7 @@ export class Agent {
       }
     } finally {
       clearTimeout(timer);
+      clearInterval(this.heartbeatTimer);
     }
     for (const s of this.stops.splice(0).reverse()) await attempt(s);
     for (const t of this.keepAlives) clearInterval(t);
@@ -539,6 +542,7 @@ export class Agent {
         restoreSlots: cfg.concurrency,
         restoreCostMs: this.restoreCostMs(),
         images: [...this.built.values()],
+        stopping: this.closed,
         interval: { nanos: (cfg.heartbeatMs % 1000) * 1e6, seconds: BigInt(Math.floor(cfg.heartbeatMs / 1000)) },
       }),
     );

@@ -104,6 +104,17 @@ describe('fleetViewInput', () => {
     expect(view('ready')).toBe('ready');
   });
 
+  it('hostWhoseAgentSaysItIsStopping_isSuspectInTheView_soNothingIsPlacedThere_thoughHeardJustNow', () => {
+    const heard = new HeartbeatRegistry();
+    heard.record(create(HeartbeatSchema, { hostId: 'stopping', bootId: 'b', stopping: true }), 1_000);
+    heard.record(create(HeartbeatSchema, { hostId: 'up', bootId: 'b' }), 1_000);
+    const v = fleetViewInput({ hosts: [host('stopping'), host('up')], allocs: new Map(), heard, snapshots: [], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144 });
+    expect(v.hosts.map((h) => [h.id, h.state])).toEqual([['stopping', 'suspect'], ['up', 'ready']]);
+    // Silent past the threshold it is lost all the same.
+    const later = fleetViewInput({ hosts: [host('stopping')], allocs: new Map(), heard, snapshots: [], revision: 1, now: 20_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144 });
+    expect(later.hosts[0]?.state).toBe('lost');
+  });
+
   it('inflightOps_isTheLargerOfTheHeartbeatsAndTheLeadersOwnStepsInFlight', () => {
     const [measured, fresh] = input(new Map([['measured', 1], ['new', 3]]));
     expect(measured?.inflightOps).toBe(2); // the heartbeat already counts the leader's step

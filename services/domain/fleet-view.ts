@@ -357,7 +357,9 @@ export function fleetViewInput(args: {
     // A host recorded lost stays lost here until the host pass takes it back (within a
     // second of its heartbeats returning, reclaiming what it had): a step sent to it before
     // that fails at once as sent to a lost host.
-    const state = h.state === 'lost' ? 'lost' : livenessOf(heard?.heardAt, args.now, args.liveness);
+    const live = h.state === 'lost' ? 'lost' : livenessOf(heard?.heardAt, args.now, args.liveness);
+    // An agent that is stopping heartbeats on while its steps finish: nothing new goes there.
+    const state = live === 'ready' && heard?.hb.stopping ? 'suspect' : live;
     const bandwidth = Math.max(1, Math.min(h.linkBytesPerSecond, args.fetchRates?.get(h.id) ?? fleetFetchRate));
     const load = args.linkLoads?.get(h.id);
     const held = new Set<string>(recorded.get(h.id));
