@@ -86,6 +86,30 @@ describe('Agent steps', () => {
     expect(obtains).toBe(2);
   });
 
+  it('step_whoseRunASecondSendShared_andEndedInARetryableFailure_answersEitherSendDeliveredAgainFromTheJournal_withoutRunningAgain', async () => {
+    let obtains = 0;
+    let fail: () => void = () => undefined;
+    const { agent } = agentWith({}, { obtain: () => (++obtains === 1 ? new Promise((_, reject) => (fail = () => reject(new ForkfleetError('unavailable', 'peer down')))) : Promise.reject(new ForkfleetError('unavailable', 'peer down'))) });
+    const restore = (attempt: number) => work('restore/h1', { attempt, leaderTerm: 5n, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+    // Send 1 runs; the scheduler's send 2 (after send 1's deadline) shares that run.
+    const first = agent.runStep(restore(1));
+    await new Promise((r) => setTimeout(r, 10));
+    const second = agent.runStep(restore(2));
+    await new Promise((r) => setTimeout(r, 10));
+    fail();
+    expect((await first).error?.retryable).toBe(true);
+    expect((await second).error?.retryable).toBe(true);
+    // Either message delivered again (unacked) is answered from the journal: no second run, no
+    // second VM of a sandbox the scheduler may have placed elsewhere since.
+    const again2 = await agent.runStep(restore(2));
+    const again1 = await agent.runStep(restore(1));
+    expect([again1.error?.kind, again1.attempt, again2.error?.kind, again2.attempt]).toEqual(['unavailable', 1, 'unavailable', 2]);
+    expect(obtains).toBe(1);
+    // The scheduler's next send runs.
+    await agent.runStep(restore(3));
+    expect(obtains).toBe(2);
+  });
+
   it('step_whenRetryableFailureOfALeaderBefore_isRunAgainForTheNewLeadersSendOfTheSameAttempt', async () => {
     let obtains = 0;
     const { agent } = agentWith({}, { obtain: () => (obtains++, Promise.reject(new ForkfleetError('unavailable', 'peer down'))) });

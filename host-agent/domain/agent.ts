@@ -270,6 +270,8 @@ export class Agent {
   /** Delivered steps waiting for a slot: `run` starts one, `drop` lets it go unacked (stop()). */
   private readonly queue: Array<{ run: () => Promise<void>; drop: () => void }> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
+  /** Journal rewrites adding a copy's send to its step's retryable entry, one at a time per step (sharedBy). */
+  private readonly sharing = new Map<string, Promise<void>>();
   /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
   private readonly making = new Map<string, Set<Promise<void>>>();
   /** Sandboxes whose VM running destroy steps stop: each step's settling (runStep). */
@@ -656,7 +658,31 @@ export class Agent {
    * waited for it theirs, for ever.
    */
   runStep(w: HostWork): Promise<HostResult> {
-    return this.byDeadline(w, this.inProgress.get(`${w.opId}/${w.stepId}`) ?? this.startStep(w));
+    const shared = this.inProgress.get(`${w.opId}/${w.stepId}`);
+    return this.byDeadline(w, shared ? shared.then((r) => this.sharedBy(w, r)) : this.startStep(w));
+  }
+
+  /**
+   * A copy of a step that shared another send's run (a re-send at its deadline, a redelivery):
+   * a retryable failure is journalled for the send that started the run only, so this copy,
+   * delivered again (unacked: its batch not done, its ack lost, an agent restart), would run
+   * the step again, a second VM of a sandbox the scheduler may have placed elsewhere since.
+   * Its send is added to the entry. Entries of one step are rewritten one at a time.
+   */
+  private sharedBy(w: HostWork, r: HostResult): Promise<HostResult> {
+    if (!r.error?.retryable) return Promise.resolve(r);
+    const key = `${w.opId}/${w.stepId}`;
+    const next = (this.sharing.get(key) ?? Promise.resolve()).then(async () => {
+      const bytes = await this.deps.journal.get(w.opId, w.stepId);
+      const entry = bytes && withSend(bytes, w);
+      if (entry) await this.deps.journal.put(w.opId, w.stepId, entry);
+    });
+    const settled = next.catch((e: unknown) => this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not journal a copy of a step that shared its run; a redelivery of it runs the step again'));
+    this.sharing.set(key, settled);
+    return settled.then(() => {
+      if (this.sharing.get(key) === settled) this.sharing.delete(key);
+      return r;
+    });
   }
 
   private byDeadline(w: HostWork, run: Promise<HostResult>): Promise<HostResult> {
@@ -1338,12 +1364,50 @@ function givenUpRecord(bytes: Uint8Array | undefined): { owner: string | undefin
 
 /** Starts a journal entry of a retryable failure, which answers only the send it came from (retryableEntry). */
 const RETRYABLE_ENTRY = Buffer.from('ff-retryable-1\n', 'utf8');
+/** Starts one that answers several sends: those that shared the run (Agent.sharedBy). */
+const RETRYABLE_SENDS_ENTRY = Buffer.from('ff-retryable-2\n', 'utf8');
 
 /** A retryable failure's journal entry: RETRYABLE_ENTRY, the send's leader term (8 bytes, big-endian), the result (whose attempt is the send's). */
 function retryableEntry(w: HostWork, result: HostResult): Uint8Array {
   const term = Buffer.alloc(8);
   term.writeBigUInt64BE(w.leaderTerm);
   return Buffer.concat([RETRYABLE_ENTRY, term, toBinary(HostResultSchema, result)]);
+}
+
+/** The sends a retryable entry answers, and its result; undefined for any other entry. */
+function retryableSends(buf: Buffer): { sends: Array<{ term: bigint; attempt: number }>; result: HostResult } | undefined {
+  if (buf.subarray(0, RETRYABLE_ENTRY.length).equals(RETRYABLE_ENTRY)) {
+    if (buf.length < RETRYABLE_ENTRY.length + 8) return undefined;
+    const result = fromBinary(HostResultSchema, buf.subarray(RETRYABLE_ENTRY.length + 8));
+    return { sends: [{ term: buf.readBigUInt64BE(RETRYABLE_ENTRY.length), attempt: result.attempt }], result };
+  }
+  if (buf.subarray(0, RETRYABLE_SENDS_ENTRY.length).equals(RETRYABLE_SENDS_ENTRY)) {
+    // RETRYABLE_SENDS_ENTRY, the count (4 bytes), each send's term (8) and attempt (4), the result.
+    let at = RETRYABLE_SENDS_ENTRY.length;
+    if (buf.length < at + 4) return undefined;
+    const n = buf.readUInt32BE(at);
+    at += 4;
+    if (buf.length < at + n * 12) return undefined;
+    const sends: Array<{ term: bigint; attempt: number }> = [];
+    for (let i = 0; i < n; i++, at += 12) sends.push({ term: buf.readBigUInt64BE(at), attempt: buf.readUInt32BE(at + 8) });
+    return { sends, result: fromBinary(HostResultSchema, buf.subarray(at)) };
+  }
+  return undefined;
+}
+
+/** `bytes`, a retryable entry, answering send `w` too; undefined when it is no such entry or answers it already. */
+function withSend(bytes: Uint8Array, w: HostWork): Uint8Array | undefined {
+  const parsed = retryableSends(Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength));
+  if (!parsed || parsed.result.opId !== w.opId || parsed.result.stepId !== w.stepId) return undefined;
+  if (parsed.sends.some((x) => x.term === w.leaderTerm && x.attempt === w.attempt)) return undefined;
+  const sends = [...parsed.sends, { term: w.leaderTerm, attempt: w.attempt }];
+  const head = Buffer.alloc(4 + sends.length * 12);
+  head.writeUInt32BE(sends.length, 0);
+  sends.forEach((x, i) => {
+    head.writeBigUInt64BE(x.term, 4 + i * 12);
+    head.writeUInt32BE(x.attempt, 12 + i * 12);
+  });
+  return Buffer.concat([RETRYABLE_SENDS_ENTRY, head, toBinary(HostResultSchema, parsed.result)]);
 }
 
 /**
@@ -1356,11 +1420,14 @@ function journalled(bytes: Uint8Array | undefined, w: HostWork): HostResult | un
   if (!bytes || bytes.length === 0) return undefined;
   try {
     const buf = Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
-    if (buf.subarray(0, RETRYABLE_ENTRY.length).equals(RETRYABLE_ENTRY)) {
-      if (buf.length < RETRYABLE_ENTRY.length + 8 || buf.readBigUInt64BE(RETRYABLE_ENTRY.length) !== w.leaderTerm) return undefined;
-      const r = fromBinary(HostResultSchema, buf.subarray(RETRYABLE_ENTRY.length + 8));
-      return r.opId === w.opId && r.stepId === w.stepId && r.attempt === w.attempt ? r : undefined;
+    const retryable = retryableSends(buf);
+    if (retryable) {
+      const { sends, result: r } = retryable;
+      if (r.opId !== w.opId || r.stepId !== w.stepId || !sends.some((x) => x.term === w.leaderTerm && x.attempt === w.attempt)) return undefined;
+      r.attempt = w.attempt;
+      return r;
     }
+    if (buf.subarray(0, RETRYABLE_ENTRY.length).equals(RETRYABLE_ENTRY) || buf.subarray(0, RETRYABLE_SENDS_ENTRY.length).equals(RETRYABLE_SENDS_ENTRY)) return undefined;
     const r = fromBinary(HostResultSchema, buf);
     return r.opId === w.opId && r.stepId === w.stepId ? r : undefined;
   } catch {
