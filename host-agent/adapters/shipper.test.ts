@@ -231,6 +231,21 @@ describe('ChunkStoreShipper.replicate', () => {
 });
 
 describe('ChunkStoreShipper.obtain against a delete', () => {
+  it('obtain_thatFindsAChunkCorrupt_holdsNoOtherSnapshotSharingThatChunkCompleteEither', async () => {
+    const h = await host('shared-chunk-corrupt');
+    // Same content: sn-g and sn-h share both chunks.
+    for (const id of ['sn-g', 'sn-h']) await h.stored.put(id, (await chunksHere(h, id)).manifest!);
+    await h.shipper.load();
+    expect(h.shipper.held().map((x) => [x.snapshotId, x.complete]).sort()).toEqual([['sn-g', true], ['sn-h', true]]);
+    const chunkDir = join(h.root, 'chunks');
+    const files = readdirSync(chunkDir, { recursive: true, withFileTypes: true }).filter((e) => e.isFile() && /^[0-9a-f]{64}$/.test(e.name));
+    expect(files.length).toBe(2);
+    const f = join(files[0]!.parentPath, files[0]!.name);
+    writeFileSync(f, Buffer.alloc(readFileSync(f).length, 0x5a));
+    await expect(h.shipper.obtain('sn-g', undefined, () => undefined)).rejects.toThrow(/incomplete on host h1/);
+    expect(h.shipper.held().map((x) => [x.snapshotId, x.complete]).sort()).toEqual([['sn-g', false], ['sn-h', false]]);
+  });
+
   it('obtain_whenTheStoredManifestIsRemovedBeforeItsImageIsBuilt_fetchesFromTheSourcesNamed', async () => {
     // The image build read the manifest again, found none (ManifestNotFoundError, final) and
     // the restore failed for good though sources were named.

@@ -153,6 +153,26 @@ export class ChunkStoreShipper implements SnapshotShipper {
     return out;
   }
 
+  /**
+   * Every other snapshot held complete whose manifest names one of `digests` (chunks found
+   * corrupt or missing, for the snapshot `but`) is held complete no more: snapshots share
+   * chunks, and one that stayed "complete" kept peers sent here for chunks it lacked, its
+   * only holder reported holding it. It becomes complete again as the first one did (a
+   * restore here that finds every chunk, a fetch). Manifests are read only on such a finding.
+   */
+  private async incompleteWith(digests: readonly string[], but: string): Promise<void> {
+    const lost = new Set(digests);
+    for (const id of [...this.complete]) {
+      if (id === but) continue;
+      const stored = await this.deps.manifests.get(id).catch(() => undefined);
+      if (!stored) continue;
+      const named = [...manifestDigests(fromBinary(SnapshotManifestSchema, stored.manifest))].filter((d) => lost.has(d)).length;
+      if (named === 0 || !this.complete.delete(id)) continue;
+      this.storedIncomplete.add(id);
+      this.deps.log.warn({ snapshotId: id, chunks: named, foundBy: but }, 'stored snapshot shares chunks found corrupt or missing: reported held but not complete until they are fetched again');
+    }
+  }
+
   private markComplete(snapshotId: string): void {
     this.complete.add(snapshotId);
     this.storedIncomplete.delete(snapshotId);
@@ -285,6 +305,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
           // until every chunk is here again, so the scheduler stops naming this host.
           this.complete.delete(snapshotId);
           this.storedIncomplete.add(snapshotId);
+          await this.incompleteWith(e.digests, snapshotId);
           if (!fetch || fetch.sources.length === 0) {
             throw new ForkfleetError('not_found', `snapshot ${snapshotId} is incomplete on host ${this.deps.hostId} (${e.digests.length} chunk(s) corrupt or missing) and no source was named`, { cause: e });
           }
