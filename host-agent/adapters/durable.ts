@@ -8,6 +8,21 @@ import { mkdir, open, readdir, rename, unlink, writeFile } from 'node:fs/promise
 import { dirname, join } from 'node:path';
 import type { Logger } from 'pino';
 
+/**
+ * fsync itself failed (a writeback error), as opposed to opening the file for it (EMFILE,
+ * ENOMEM...): Linux reports a writeback error to one fsync only, so the file's data must be
+ * taken as lost; an open that failed lost nothing and may be tried again.
+ */
+export class FsyncFailedError extends Error {
+  constructor(
+    readonly path: string,
+    options: { cause: unknown },
+  ) {
+    super(`fsync of ${path} failed: ${options.cause instanceof Error ? options.cause.message : String(options.cause)}`, options);
+    this.name = 'FsyncFailedError';
+  }
+}
+
 /** fsync of one file or directory (a directory: the names in it); a path gone since is skipped. */
 export async function fsyncPath(p: string): Promise<void> {
   let fh;
@@ -18,7 +33,9 @@ export async function fsyncPath(p: string): Promise<void> {
     throw e;
   }
   try {
-    await fh.sync();
+    await fh.sync().catch((e: unknown) => {
+      throw new FsyncFailedError(p, { cause: e });
+    });
   } finally {
     await fh.close();
   }

@@ -59,8 +59,10 @@ export interface ChunkStore {
   /**
    * Makes every chunk stored so far durable (one batch of fsyncs). Run it before storing a
    * manifest: "manifest present" must survive an OS crash only together with its chunks.
+   * `needs`: the chunks that manifest names; it fails (retryable) if one of them was lost to
+   * an earlier failed fsync and not written again (without `needs`: if any was).
    */
-  sync(): Promise<void>;
+  sync(needs?: Iterable<DigestHex>): Promise<void>;
   /** The stored bytes, unverified (for serving peers; the receiver verifies). */
   getEncoded(digest: DigestHex): Promise<EncodedChunk | undefined>;
   /** Decoded and verified content; a corrupt file is removed and ChunkCorruptError thrown. */

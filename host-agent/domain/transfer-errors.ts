@@ -28,6 +28,18 @@ export class ChunkMissingError extends ForkfleetError {
   }
 }
 
+/**
+ * Chunks a manifest about to be stored names were lost to a failed fsync here (removed, never
+ * fsynced again): retryable, a retry writes them anew.
+ */
+export class ChunkLostError extends ForkfleetError {
+  readonly digests: readonly string[];
+  constructor(digests: readonly string[], options: ForkfleetErrorOptions = {}) {
+    super('unavailable', `${digests.length} chunk(s) were lost to a failed fsync on this host (first ${digests[0]?.slice(0, 16) ?? '-'}); a retry writes them again`, { retryable: true, ...options });
+    this.digests = digests;
+  }
+}
+
 /** No source could deliver these chunks (all failed, lacked them or sent corrupt data). */
 export class ChunksUnavailableError extends ForkfleetError {
   readonly digests: readonly string[];

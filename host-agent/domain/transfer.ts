@@ -490,7 +490,7 @@ export async function fetchSnapshot(
     durable = (async () => {
       let stored = false;
       try {
-        await deps.chunks.sync();
+        await deps.chunks.sync(digests);
         await deps.manifests.put(snapshotId, complete);
         stored = true;
       } finally {

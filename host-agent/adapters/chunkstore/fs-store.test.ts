@@ -8,7 +8,7 @@ import { open } from 'node:fs/promises';
 import { join } from 'node:path';
 import { FsChunkStore, FsManifestStore, overwriteChunkFile } from './fs-store.ts';
 import { encodeChunk } from './codec.ts';
-import { ChunkCorruptError, ChunkMissingError, DigestMismatchError } from '../../domain/transfer-errors.ts';
+import { ChunkCorruptError, ChunkLostError, DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { markOwned } from './buffers.ts';
 import { create } from '@bufbuild/protobuf';
 import { Codec, SignedManifestSchema } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
@@ -19,6 +19,8 @@ import { randomBytesSeeded, textBytes } from '../../bench/transfer-image.ts';
 const synced = vi.hoisted(() => [] as string[]);
 /** Paths whose next fsync fails (EIO). As on Linux, the error is reported once: the fsync after it returns 0. */
 const failOnce = vi.hoisted(() => new Set<string>());
+/** Paths whose next open for an fsync fails (EMFILE): nothing was written back or lost. */
+const openFailsOnce = vi.hoisted(() => new Set<string>());
 vi.mock('../durable.ts', async (importOriginal) => {
   const real = await importOriginal<typeof Durable>();
   return {
@@ -30,8 +32,10 @@ vi.mock('../durable.ts', async (importOriginal) => {
     fsyncAll: async (paths: Iterable<string>, concurrency?: number) => {
       const list = [...paths];
       synced.push(...list);
+      const unopened = list.filter((p) => openFailsOnce.delete(p));
+      if (unopened.length > 0) throw Object.assign(new Error(`EMFILE: too many open files, open '${unopened[0]}'`), { code: 'EMFILE' });
       const failing = list.filter((p) => failOnce.delete(p));
-      if (failing.length > 0) throw Object.assign(new Error(`EIO: i/o error, fsync '${failing[0]}'`), { code: 'EIO' });
+      if (failing.length > 0) throw new real.FsyncFailedError(failing[0]!, { cause: Object.assign(new Error('EIO: i/o error, fsync'), { code: 'EIO' }) });
       await real.fsyncAll(list, concurrency);
     },
   };
@@ -47,6 +51,7 @@ afterAll(() => rmSync(dir, { recursive: true, force: true }));
 beforeEach(() => {
   synced.length = 0;
   failOnce.clear();
+  openFailsOnce.clear();
 });
 
 describe('FsChunkStore', () => {
@@ -176,7 +181,7 @@ describe('FsChunkStore', () => {
     expect(synced).toContain(store.pathOf(c.digest));
   });
 
-  it('sync_whenAChunksFsyncFails_removesTheChunk_andNoSyncPassesUntilItIsWrittenAgain', async () => {
+  it('sync_whenAChunksFsyncFails_removesTheChunk_andNoSyncThatNeedsItPassesUntilItIsWrittenAgain_whileOthersDo', async () => {
     // An ingest's sync fails; its retry found the chunk present (read from the page cache) and
     // the fsync of the same file again returned 0: a manifest was stored over a chunk never on disk.
     const store = new FsChunkStore(join(dir, 'fsync-fails'), { offload: false });
@@ -186,7 +191,13 @@ describe('FsChunkStore', () => {
     await expect(store.sync()).rejects.toThrow(/EIO/);
     expect(await store.missing([c.digest])).toEqual([c.digest]);
     expect(await store.getEncoded(c.digest)).toBeUndefined();
-    await expect(store.sync()).rejects.toBeInstanceOf(ChunkMissingError);
+    await expect(store.sync([c.digest])).rejects.toBeInstanceOf(ChunkLostError);
+    await expect(store.sync()).rejects.toBeInstanceOf(ChunkLostError);
+    // A sync for a manifest that does not name it passes: one failed fsync stopped every
+    // snapshot and fetch of the host before.
+    const other = await encodeChunk(textBytes(CS, 24));
+    await store.put(other);
+    await store.sync([other.digest]);
     // Written again (a new file), then fsynced: durable, and syncs pass again.
     await store.put(c);
     synced.length = 0;
@@ -206,8 +217,22 @@ describe('FsChunkStore', () => {
     await store.put(b!);
     const second = store.sync();
     await expect(first).rejects.toThrow();
-    await expect(second).rejects.toBeInstanceOf(ChunkMissingError);
+    await expect(second).rejects.toBeInstanceOf(ChunkLostError);
     expect(await store.missing([a!.digest, b!.digest])).toEqual([a!.digest]);
+  });
+
+  it('sync_whoseOpenForAnFsyncFails_losesNothing_andTheNextSyncFsyncsTheChunk', async () => {
+    // EMFILE, ENOMEM: no writeback error happened, the file is whole; taken for a loss, a busy
+    // agent's every chunk of that batch was removed.
+    const store = new FsChunkStore(join(dir, 'fsync-open-fails'), { offload: false });
+    const c = await encodeChunk(textBytes(CS, 25));
+    await store.put(c);
+    openFailsOnce.add(store.pathOf(c.digest));
+    await expect(store.sync([c.digest])).rejects.toThrow(/EMFILE/);
+    expect(await store.missing([c.digest])).toEqual([]);
+    synced.length = 0;
+    await store.sync([c.digest]);
+    expect(synced).toContain(store.pathOf(c.digest));
   });
 
   it('sweep_ofAChunkLostToAFailedFsyncThatNothingNeeds_letsSyncsPassAgain', async () => {
@@ -218,7 +243,7 @@ describe('FsChunkStore', () => {
     await expect(store.sync()).rejects.toThrow();
     // Pinned (a fetch that may have found it present and will sync): still lost.
     await store.sweep(() => true);
-    await expect(store.sync()).rejects.toBeInstanceOf(ChunkMissingError);
+    await expect(store.sync()).rejects.toBeInstanceOf(ChunkLostError);
     await store.sweep((d) => d !== c.digest);
     await store.sync();
   });

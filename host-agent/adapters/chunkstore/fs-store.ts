@@ -18,7 +18,7 @@ import { basename, dirname, join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, ManifestStore, SweepStats } from '../../domain/snapshot-store.ts';
-import { ChunkCorruptError, ChunkMissingError, DigestMismatchError } from '../../domain/transfer-errors.ts';
+import { ChunkCorruptError, ChunkLostError, ChunkMissingError, DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { decodeSignedManifest, encodeSignedManifest } from '../../domain/tickets.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
@@ -27,7 +27,7 @@ import { allSettledOrThrow, writeSparse } from './sparse.ts';
 import { encodeHeader, HEADER, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 import { isAlive } from '../qemu/process.ts';
-import { fsyncAll, fsyncPath } from '../durable.ts';
+import { FsyncFailedError, fsyncAll, fsyncPath } from '../durable.ts';
 
 /** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
 const READ_HEADROOM = 48;
@@ -126,11 +126,11 @@ export class FsChunkStore implements ChunkStore {
    * cache serves it whole until it is evicted (then the old blocks). So such a file is never
    * fsynced again: removed, it reads as missing and an ingest or fetch writes it anew (a new
    * file, which the next sync fsyncs). A caller may have found it present before the removal
-   * and call sync() after it (to store a manifest naming it): so every sync() fails while any
-   * path is listed here. A path leaves the list once a new file there was fsynced, or when a
+   * and call sync() after it (to store a manifest naming it): so a sync() that needs a chunk
+   * listed here fails. A path leaves the list once a new file there was fsynced, or when a
    * GC finds nothing needs the chunk (sweep: callers pin a chunk before they look for it).
    */
-  private readonly lost = new Map<string, { err: unknown; at: number; rewritten: boolean }>();
+  private readonly lost = new Map<string, { err: unknown; rewritten: boolean }>();
 
   constructor(root: string, opts: FsChunkStoreOptions = {}) {
     this.root = root;
@@ -264,10 +264,10 @@ export class FsChunkStore implements ChunkStore {
    * Makes every chunk stored before this call durable, including those another caller's
    * sync is fsyncing right now and those a verify worker is still storing: a caller may
    * store a manifest over chunks it found already present (ADR 0007, Durability). Fails with
-   * the error of a fsync that failed, and then (ChunkMissingError, retryable) while a chunk
-   * that fsync removed was not written again (see `lost`).
+   * the error of a fsync that failed, and then (ChunkLostError, retryable) while a chunk of
+   * `needs` that fsync removed was not written again (see `lost`; without `needs`, any).
    */
-  sync(): Promise<void> {
+  sync(needs?: Iterable<DigestHex>): Promise<void> {
     // One after another, each after the worker accepts in flight at its call.
     const accepting = [...this.offloaded];
     const run = this.syncing.then(async () => {
@@ -279,22 +279,32 @@ export class FsChunkStore implements ChunkStore {
       try {
         await fsyncAll(batch);
       } catch (e) {
+        if (!(e instanceof FsyncFailedError)) {
+          // Opening a file for its fsync failed (EMFILE, ENOMEM): nothing was lost, the next
+          // sync fsyncs the batch.
+          for (const p of batch) this.unsynced.add(p);
+          throw e;
+        }
         // Which file failed is not known (the directories' fsyncs too): none is trusted. Removed
         // in this turn, together with the listing; a file renamed in since goes too (listed).
         for (const p of batch) {
-          this.lost.set(p, { err: e, at: Date.now(), rewritten: false });
+          this.lost.set(p, { err: e, rewritten: false });
           try {
             unlinkSync(p);
           } catch {
             // Gone already, or not removable (a read-only file system): listed all the same,
-            // so no sync passes until a new file is renamed there and fsynced.
+            // so no sync that needs it passes until a new file is renamed there and fsynced.
           }
         }
         throw e;
       }
       for (const p of found) this.lost.delete(p);
-      const lost = [...this.lost];
-      if (lost.length > 0) throw new ChunkMissingError(lost.map(([p]) => basename(p)), { cause: lost[0]?.[1].err });
+      if (this.lost.size === 0) return;
+      // Only the caller's own chunks matter: a manifest over a chunk it found present before
+      // the removal. Failing every sync of the host instead stopped every snapshot and fetch
+      // there until a GC, or for good while a stored manifest still named the chunk.
+      const lost = needs === undefined ? [...this.lost.keys()] : [...new Set(needs)].map((d) => this.pathOf(d)).filter((p) => this.lost.has(p));
+      if (lost.length > 0) throw new ChunkLostError(lost.map((p) => basename(p)), { cause: this.lost.get(lost[0] as string)?.err });
     });
     this.syncing = run.catch(() => undefined);
     return run;
@@ -452,8 +462,9 @@ export class FsChunkStore implements ChunkStore {
       }
     }
     // A chunk lost to a failed fsync (sync) that no manifest names and nothing pins: no caller
-    // can have found it present and still store a manifest over it (each pins first).
-    for (const [p, l] of this.lost) if (!isLive(basename(p), l.at)) this.lost.delete(p);
+    // can have found it present and still store a manifest over it (each pins first). Judged
+    // without the grace of new files (mtime 0): it is no file, and its loss is not new data.
+    for (const p of this.lost.keys()) if (!isLive(basename(p), 0)) this.lost.delete(p);
     return { scanned, deleted, freedBytes, keptBytes };
   }
 

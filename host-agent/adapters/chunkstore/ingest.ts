@@ -148,7 +148,7 @@ export async function ingestSnapshot(input: IngestInput, deps: IngestDeps): Prom
     }
     // Chunks were written without per-file fsync: make them durable before the caller
     // stores the manifest (the "complete" marker).
-    await deps.chunks.sync();
+    await deps.chunks.sync(artifacts.flatMap((a) => a.chunks.map((c) => Buffer.from(c.digest).toString('hex'))));
     const manifest = create(SnapshotManifestSchema, {
       snapshotId: input.snapshotId,
       tenantId: input.tenantId,
