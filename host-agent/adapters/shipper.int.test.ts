@@ -242,7 +242,7 @@ function vmmManifest(snapshotId: string, image: VmmSnapshotManifest['image']): V
 }
 
 describe('ChunkStoreShipper.ingest', () => {
-  it('ingest_recordsTheImagesRecipeAndItsBaseDisksDigest_inTheManifestsVmConfig_forPlacementToMatchHostsBuilds', async () => {
+  it('ingest_recordsTheImagesRecipeAndItsBaseDisksDigest_inTheManifestsVmConfig_forPlacementToMatchHostsBuilds_andCountsItsChunksInTheStoredBytesAtOnce', async () => {
     const root = join(dir, 'D');
     const snap = join(root, 'vmm', 'd1');
     mkdirSync(snap, { recursive: true });
@@ -259,9 +259,13 @@ describe('ChunkStoreShipper.ingest', () => {
     const manifests = new FsManifestStore(root);
     const roots = new LiveRoots();
     const shipper = new ChunkStoreShipper({ hostId: 'hostD', driver, driverSnapshotsDir: join(root, 'vmm'), chunks, manifests, materialiser: new Materialiser({ root, chunks, manifests, roots, trust }), roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS });
+    expect(shipper.storedBytes()).toBe(0);
     const signed = await shipper.ingest({ dir: snap, manifest });
     const vc = fromBinary(SnapshotManifestSchema, signed.manifest).vmConfig;
     expect([vc?.image, vc?.imageDigest, vc?.imageDiskSha256]).toEqual(['tiny', 'e250dbfa', diskSha256]);
+    // Counted at once (heartbeats report it; placement takes it as disk in use), not only
+    // after the next GC, minutes later: 2 chunks of random memory store at least their size.
+    expect(shipper.storedBytes()).toBeGreaterThanOrEqual(2 * CS);
   });
 
   it('ingest_whenTheIngestFailsAfterFlatteningTheDisk_removesTheFlattenedDiskFromScratch_andReportsTheSnapshotHeldIncomplete', async () => {

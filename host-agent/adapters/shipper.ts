@@ -117,6 +117,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
   private readonly keptForLease = new Set<string>();
   private gcRun: Promise<unknown> = Promise.resolve();
   private lastGc: GcResult | undefined;
+  /** Chunk bytes stored since the last GC counted them (ingests' new chunks, fetches' bytes): storedBytes(). */
+  private storedSinceGc = 0;
 
   constructor(private readonly deps: ShipperDeps) {}
 
@@ -254,6 +256,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     this.markComplete(m.snapshotId);
     this.sealedOnly.delete(m.snapshotId);
     this.deps.log.info({ snapshotId: m.snapshotId, ...stats }, 'snapshot ingested');
+    this.storedSinceGc += stats.newStoredBytes;
     return signed;
   }
 
@@ -427,6 +430,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
         if (this.durables.get(snapshotId) === settled) this.durables.delete(snapshotId);
       });
       this.deps.log.info({ snapshotId, fetch: { ...report, sources: report.sources.length }, totalMs: Math.round(performance.now() - t0) }, build ? 'snapshot fetched and materialised' : 'snapshot fetched');
+      this.storedSinceGc += report.bytes ?? 0;
       return { mat, bytesFetched: report.bytes ?? 0, signed: got };
     } finally {
       if (!durableSet) forget();
@@ -612,9 +616,12 @@ export class ChunkStoreShipper implements SnapshotShipper {
     await this.collectGarbage();
   }
 
-  /** Bytes the chunk store held after the last GC. */
+  /**
+   * Bytes the chunk store holds: what the last GC counted, and what ingests and fetches stored
+   * since (the GC runs every few minutes, and placement counts this as the host's disk in use).
+   */
   storedBytes(): number {
-    return this.lastGc?.keptBytes ?? 0;
+    return (this.lastGc?.keptBytes ?? 0) + this.storedSinceGc;
   }
 
   /**
@@ -659,6 +666,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       // next): asked per image, just before it would go.
       const inUse = await this.deps.driver.snapshotsInUse();
       const images = await this.deps.materialiser.prune((id) => inUse.has(id) || this.durables.has(id) || this.deps.driver.vmsUse?.(id) === true);
+      const since = this.storedSinceGc;
       const gc = await collectGarbage({ chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, clock: { now: () => new Date() }, graceMs: this.deps.gcGraceMs ?? 60_000, log: this.deps.log });
       // A manifest that no longer decoded is gone: so is the snapshot, from what this host holds.
       for (const id of gc.removedManifests) {
@@ -666,6 +674,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
         this.storedIncomplete.delete(id);
       }
       this.lastGc = gc;
+      // What the sweep counted; what was stored while it ran may not be in it (counted again: over, not under).
+      this.storedSinceGc -= Math.min(since, this.storedSinceGc);
       if (dirs.length || images.length) this.deps.log.info({ snapshotDirs: dirs, images }, 'deleted snapshots removed from disk');
       return gc;
     };
