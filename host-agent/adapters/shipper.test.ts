@@ -246,7 +246,7 @@ describe('ChunkStoreShipper.obtain against a delete', () => {
     expect(h.shipper.held().map((x) => [x.snapshotId, x.complete]).sort()).toEqual([['sn-g', false], ['sn-h', false]]);
   });
 
-  it('obtain_whenTheStoredManifestIsRemovedBeforeItsImageIsBuilt_fetchesFromTheSourcesNamed', async () => {
+  it('obtain_whenTheStoredManifestIsRemovedBeforeItsImageIsBuilt_fetchesFromTheSourcesNamedForThisRestore_butDoesNotHoldItAgain', async () => {
     // The image build read the manifest again, found none (ManifestNotFoundError, final) and
     // the restore failed for good though sources were named.
     let reads = 0;
@@ -266,8 +266,10 @@ describe('ChunkStoreShipper.obtain against a delete', () => {
     await h.stored.put('sn-e', work.manifest!);
     const { local } = await h.shipper.obtain('sn-e', work, () => undefined);
     expect(readFileSync(join(local.dir, 'memory')).length).toBe(2 * CS);
-    await h.shipper.durable('sn-e');
-    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-e', complete: true })]);
+    // The delete finished first: the snapshot is not stored, nor held, here again.
+    await expect(h.shipper.durable('sn-e')).rejects.toThrow();
+    expect(await h.stored.get('sn-e')).toBeUndefined();
+    expect(h.shipper.held().filter((x) => x.snapshotId === 'sn-e' && x.complete)).toEqual([]);
   });
 
   it('obtain_whenTheStoredManifestIsRemovedBeforeItsImageIsBuilt_andNoSourceIsNamed_saysTheSnapshotIsNotHere', async () => {

@@ -290,6 +290,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     let mat: MaterialisedSnapshot | undefined;
     let fetchedManifest: SignedManifest | undefined;
     const stored = await this.deps.manifests.get(snapshotId);
+    let removedMeanwhile = false;
     if (stored && stored.signature.length > 0) {
       // Its chunks pinned while the image is built from them: a delete of the snapshot meanwhile
       // (remove, and the GC after it) must not take chunks this build still reads.
@@ -299,9 +300,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
         mat = await this.deps.materialiser.materialise(snapshotId);
       } catch (e) {
         if (e instanceof ManifestNotFoundError) {
-          // Deleted here since it was read (remove): fetched from the sources named, if any, as
-          // if it had never been stored (below).
-          this.deps.log.info({ snapshotId }, 'stored manifest removed before its image was built: fetching the snapshot');
+          // Deleted here since it was read (remove): fetched from the sources named, if any, for
+          // this restore, but not stored again (not held here), as a fetch that remove() marks.
+          this.deps.log.info({ snapshotId }, 'stored manifest removed before its image was built: fetching the snapshot for this restore');
+          removedMeanwhile = true;
         } else {
           if (!(e instanceof ChunkCorruptError || e instanceof ChunkMissingError)) throw e;
           // Stored, but a chunk is gone (quarantined, or lost to an OS crash): not a holder
@@ -320,7 +322,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       }
     }
     if (!mat) {
-      const got = await this.fetchFrom(snapshotId, fetch, stored, true);
+      const got = await this.fetchFrom(snapshotId, fetch, stored, true, removedMeanwhile);
       mat = got.mat;
       bytesFetched = got.bytesFetched;
       onProgress(bytesFetched, bytesFetched);
@@ -373,14 +375,16 @@ export class ChunkStoreShipper implements SnapshotShipper {
 
   /**
    * Fetches from `fetch`'s sources what the store lacks of the snapshot, with `build` into its
-   * image too. Returns once every chunk is stored; `durable()` waits for the rest.
+   * image too. Returns once every chunk is stored; `durable()` waits for the rest. `removed`:
+   * a delete here won already (obtain found the stored manifest gone), so the fetch serves the
+   * restore at hand and stores no manifest, as one that remove() marks.
    */
-  private async fetchFrom(snapshotId: string, fetch: FetchSnapshotWork | undefined, stored: SignedManifest | undefined, build: boolean): Promise<{ mat: MaterialisedSnapshot | undefined; bytesFetched: number; signed: SignedManifest }> {
+  private async fetchFrom(snapshotId: string, fetch: FetchSnapshotWork | undefined, stored: SignedManifest | undefined, build: boolean, removed = false): Promise<{ mat: MaterialisedSnapshot | undefined; bytesFetched: number; signed: SignedManifest }> {
     if (!fetch || fetch.sources.length === 0) throw new ForkfleetError('not_found', `snapshot ${snapshotId} is not on host ${this.deps.hostId} and no source was named`);
     const sources = this.sourcesOf(fetch);
     // Known to remove() from here: a delete of the snapshot meanwhile (before obtain returns,
     // or before the deferred manifest write below) wins, and the fetch stores no manifest.
-    const attempt: FetchAttempt = { removed: false };
+    const attempt: FetchAttempt = { removed };
     let attempts = this.fetching.get(snapshotId);
     if (!attempts) this.fetching.set(snapshotId, (attempts = new Set()));
     attempts.add(attempt);
