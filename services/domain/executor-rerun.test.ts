@@ -345,3 +345,15 @@ describe('A sandbox failed after its record expired', () => {
     expect(writes.filter((w) => w.kind === 'alloc')).toEqual([]);
   });
 });
+
+describe('A host that takes new work (replica and drain-copy targets)', () => {
+  it('isOneHeardLately_whoseAgentIsNotStopping', () => {
+    const now = Date.now();
+    const heard = new HeartbeatRegistry();
+    heard.record(create(HeartbeatSchema, { hostId: 'up', bootId: 'b' }), now);
+    heard.record(create(HeartbeatSchema, { hostId: 'stopping', bootId: 'b', stopping: true }), now);
+    heard.record(create(HeartbeatSchema, { hostId: 'silent', bootId: 'b' }), now - 60_000);
+    const ex = executorOver({}, { heard, now: () => now }) as unknown as { takesWork(hostId: string, now: number): boolean };
+    expect(['up', 'stopping', 'silent', 'never'].map((h) => ex.takesWork(h, now))).toEqual([true, false, false, false]);
+  });
+});

@@ -1684,6 +1684,15 @@ export class Executor {
     throw new StepTimeoutError(hostId, stepId, timeoutMs * this.deps.config.stepAttempts);
   }
 
+  /**
+   * A host that takes new work now: heard lately, and its agent not stopping (it heartbeats on
+   * through its shutdown grace, taking nothing: a copy sent there waited for the next agent).
+   */
+  private takesWork(hostId: string, now: number): boolean {
+    const heard = this.deps.heard.get(hostId);
+    return livenessOf(heard?.heardAt, now, this.deps.config.liveness) === 'ready' && heard?.hb.stopping !== true;
+  }
+
   private checkResult(r: HostResultMsg, hostId: string, stepId: string): HostResultMsg {
     if (r.error) throw new HostStepError(hostId, stepId, r.error.kind, r.error.message, r.error.retryable);
     return r;
@@ -2685,8 +2694,8 @@ export class Executor {
    */
   private async replicate(op: OperationRec, sn: SnapshotRec, wanted: number, what: string): Promise<string | undefined> {
     const source = sn.hostIds[0] ?? '';
-    const ready = (id: string): boolean => livenessOf(this.deps.heard.get(id)?.heardAt, this.deps.clock.now(), this.deps.config.liveness) === 'ready';
-    const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== source && !h.cordoned && !h.draining && ready(h.id));
+    const now = this.deps.clock.now();
+    const others = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== source && !h.cordoned && !h.draining && this.takesWork(h.id, now));
     let made = sn.hostIds.filter((h) => h !== source).length;
     let failed = 0;
     for (const h of others) {
@@ -3668,7 +3677,7 @@ export class Executor {
     const failures: string[] = [];
     const now = this.deps.clock.now();
     const live = (h: string): boolean => this.cache.hosts.has(h) && this.cache.hosts.get(h)?.value.state !== 'lost' && livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) !== 'lost';
-    const targets = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== hostId && !h.cordoned && !h.draining && h.state === 'ready' && livenessOf(this.deps.heard.get(h.id)?.heardAt, now, this.deps.config.liveness) === 'ready');
+    const targets = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== hostId && !h.cordoned && !h.draining && h.state === 'ready' && this.takesWork(h.id, now));
     const only = (snapshots ?? (await this.deps.store.listSnapshots(undefined)).map((v) => v.value)).filter((sn) => sn.state === 'ready' && sn.hostIds.includes(hostId) && !sn.hostIds.some((h) => h !== hostId && live(h)));
     let copied = 0;
     for (const sn of only) {
