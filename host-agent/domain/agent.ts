@@ -270,7 +270,7 @@ export class Agent {
   /** Delivered steps waiting for a slot: `run` starts one, `drop` lets it go unacked (stop()). */
   private readonly queue: Array<{ run: () => Promise<void>; drop: () => void }> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
-  /** Journal rewrites adding a copy's send to its step's retryable entry, one at a time per step (sharedBy). */
+  /** Writes of a step's journal entry, one at a time per step (journalInTurn). */
   private readonly sharing = new Map<string, Promise<void>>();
   /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
   private readonly making = new Map<string, Set<Promise<void>>>();
@@ -671,18 +671,28 @@ export class Agent {
    */
   private sharedBy(w: HostWork, r: HostResult): Promise<HostResult> {
     if (!r.error?.retryable) return Promise.resolve(r);
-    const key = `${w.opId}/${w.stepId}`;
-    const next = (this.sharing.get(key) ?? Promise.resolve()).then(async () => {
+    return this.journalInTurn(w, async () => {
       const bytes = await this.deps.journal.get(w.opId, w.stepId);
       const entry = bytes && withSend(bytes, w);
       if (entry) await this.deps.journal.put(w.opId, w.stepId, entry);
-    });
-    const settled = next.catch((e: unknown) => this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not journal a copy of a step that shared its run; a redelivery of it runs the step again'));
+    })
+      .catch((e: unknown) => this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not journal a copy of a step that shared its run; a redelivery of it runs the step again'))
+      .then(() => r);
+  }
+
+  /**
+   * Runs a write of a step's journal entry after the ones before it of the same step: a copy's
+   * read-modify-write (sharedBy) must not put back an entry a later run of the step replaced.
+   */
+  private journalInTurn(w: HostWork, write: () => Promise<void>): Promise<void> {
+    const key = `${w.opId}/${w.stepId}`;
+    const done = (this.sharing.get(key) ?? Promise.resolve()).then(write);
+    const settled = done.catch(() => undefined);
     this.sharing.set(key, settled);
-    return settled.then(() => {
+    void settled.then(() => {
       if (this.sharing.get(key) === settled) this.sharing.delete(key);
-      return r;
     });
+    return done;
   }
 
   private byDeadline(w: HostWork, run: Promise<HostResult>): Promise<HostResult> {
@@ -778,7 +788,7 @@ export class Agent {
     // step did: the result goes out all the same (a redelivery would then run the step again,
     // and every step checks what is already there first).
     const entry = result.error?.retryable ? retryableEntry(w, result) : toBinary(HostResultSchema, result);
-    await journal.put(w.opId, w.stepId, entry).catch((e: unknown) => log.error({ err: e }, 'could not journal the step result; reporting it anyway'));
+    await this.journalInTurn(w, () => journal.put(w.opId, w.stepId, entry)).catch((e: unknown) => log.error({ err: e }, 'could not journal the step result; reporting it anyway'));
     log.info({ ok: !result.error, ms: clock.now() - started }, 'step finished');
     return result;
   }
