@@ -113,7 +113,6 @@ const REAP_ORPHAN_EXECS = [
   'set -- $ended; echo $#',
 ].join('\n');
 
-/** How long a killed program has to exit (and its output to be copied out) before exec gives up on it. */
 /**
  * How long an exec's start (guest-exec, answered with the pid) may take, whatever the exec's
  * own timeout. The start given only the exec's timeout (down to 1 ms from the API, while a
@@ -123,6 +122,7 @@ const REAP_ORPHAN_EXECS = [
  */
 const EXEC_START_MIN_MS = 10_000;
 
+/** How long a killed program has to exit (and its output to be copied out) before exec gives up on it. */
 const EXEC_KILL_GRACE_MS = 5000;
 /** How often the kill is sent again while the killed program has not exited. */
 const EXEC_KILL_AGAIN_MS = 1000;

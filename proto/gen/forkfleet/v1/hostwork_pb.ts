@@ -561,9 +561,10 @@ export type HostResult = Message<"forkfleet.v1.HostResult"> & {
   snapshotNotHeld: boolean;
 
   /**
-   * How long the step took to get bytes_fetched (the fetch, or the migration's stream): the
-   * host's fetch rate is bytes_fetched over it, not over `duration`, which also counts the
-   * restore of every VM of the step. Absent from agents that predate it.
+   * How long the step's fetch of bytes_fetched took: the host's fetch rate is bytes_fetched
+   * over it, not over `duration`, which also counts the restore of every VM of the step.
+   * Absent for a restore by migration (its stream is the restore) and from agents that
+   * predate it: the rate is then taken over `duration`.
    *
    * @generated from field: google.protobuf.Duration fetch = 13;
    */
