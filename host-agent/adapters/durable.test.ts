@@ -1,22 +1,11 @@
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
 import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import type * as FsPromises from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { DeferredSync, writeFileDurable } from './durable.ts';
+import { failOnce } from './fsync-fault.ts';
 
-/** Paths whose next fsync fails (EIO). As on Linux, the error is reported once: the fsync after it returns 0. */
-const failOnce = vi.hoisted(() => new Set<string>());
-vi.mock('node:fs/promises', async (importOriginal) => {
-  const real = await importOriginal<typeof FsPromises>();
-  const open = async (...a: Parameters<typeof real.open>): ReturnType<typeof real.open> => {
-    const fh = await real.open(...a);
-    const path = String(a[0]);
-    if (failOnce.delete(path)) fh.sync = () => Promise.reject(Object.assign(new Error(`EIO: i/o error, fsync '${path}'`), { code: 'EIO' }));
-    return fh;
-  };
-  return { ...real, open, default: { ...real, open } };
-});
+vi.mock('node:fs/promises', async (real) => (await import('./fsync-fault.ts')).failingFsync(await real()));
 
 describe('DeferredSync', () => {
   let root: string;

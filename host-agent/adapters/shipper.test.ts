@@ -81,6 +81,21 @@ async function host(name: string, opts: { driver?: VmmDriver; chunks?: (c: FsChu
   return { root, store, stored, roots, driverSnapshotsDir, shipper };
 }
 
+/** A manifest store whose first read also removes what it read: remove() of the snapshot, right after obtain read it. */
+function removedOnFirstRead(m: FsManifestStore): ManifestStore {
+  let reads = 0;
+  return {
+    get: async (id) => {
+      const got = await m.get(id);
+      if (reads++ === 0) await m.delete(id);
+      return got;
+    },
+    list: () => m.list(),
+    delete: (id) => m.delete(id),
+    put: (id, s) => m.put(id, s),
+  };
+}
+
 /** A snapshot the VMM took here: its sealed directory. */
 function ownSnapshot(driverSnapshotsDir: string, snapshotId: string): string {
   const own = join(driverSnapshotsDir, snapshotId);
@@ -249,19 +264,7 @@ describe('ChunkStoreShipper.obtain against a delete', () => {
   it('obtain_whenTheStoredManifestIsRemovedBeforeItsImageIsBuilt_fetchesFromTheSourcesNamedForThisRestore_butDoesNotHoldItAgain', async () => {
     // The image build read the manifest again, found none (ManifestNotFoundError, final) and
     // the restore failed for good though sources were named.
-    let reads = 0;
-    const h = await host('removed-before-build', {
-      manifests: (m) => ({
-        get: async (id) => {
-          const got = await m.get(id);
-          if (reads++ === 0) await m.delete(id); // remove() of the snapshot, right after obtain read it
-          return got;
-        },
-        list: () => m.list(),
-        delete: (id) => m.delete(id),
-        put: (id, s) => m.put(id, s),
-      }),
-    });
+    const h = await host('removed-before-build', { manifests: removedOnFirstRead });
     const work = await chunksHere(h, 'sn-e');
     await h.stored.put('sn-e', work.manifest!);
     const { local } = await h.shipper.obtain('sn-e', work, () => undefined);
@@ -273,19 +276,7 @@ describe('ChunkStoreShipper.obtain against a delete', () => {
   });
 
   it('obtain_whenTheStoredManifestIsRemovedBeforeItsImageIsBuilt_andNoSourceIsNamed_saysTheSnapshotIsNotHere', async () => {
-    let reads = 0;
-    const h = await host('removed-before-build-no-source', {
-      manifests: (m) => ({
-        get: async (id) => {
-          const got = await m.get(id);
-          if (reads++ === 0) await m.delete(id);
-          return got;
-        },
-        list: () => m.list(),
-        delete: (id) => m.delete(id),
-        put: (id, s) => m.put(id, s),
-      }),
-    });
+    const h = await host('removed-before-build-no-source', { manifests: removedOnFirstRead });
     const work = await chunksHere(h, 'sn-f');
     await h.stored.put('sn-f', work.manifest!);
     await expect(h.shipper.obtain('sn-f', undefined, () => undefined)).rejects.toThrow(/not on host h1 and no source was named/);

@@ -55,6 +55,19 @@ export class ApiGuard {
    * exec session, a watch, a long poll) ends the call UNAUTHENTICATED within about
    * REVOCATION_CHECK_MS: a revoked token must not keep reading a sandbox it was cut off from.
    */
+  /** An admitted call ended by its credential's revocation; its release gives back `frees` and stops watching. */
+  private revocable(principal: Principal, ...frees: Array<(() => void) | undefined>): { principal: Principal; onRevoke: (cb: (err: Error) => void) => void; release: () => void } {
+    const { onRevoke, forget } = this.watchRevocation(principal.credentialId);
+    return {
+      principal,
+      onRevoke,
+      release: () => {
+        forget();
+        for (const f of frees) f?.();
+      },
+    };
+  }
+
   private watchRevocation(credentialId: string): { onRevoke: (cb: (err: Error) => void) => void; forget: () => void } {
     let cb: ((err: Error) => void) | undefined;
     const set = this.live.get(credentialId) ?? new Set();
@@ -105,15 +118,7 @@ export class ApiGuard {
       const free = this.longPolls.acquire(principal.credentialId);
       if (!free) throw new TooManyStreamsError(this.longPolls.max);
       // Ended by a revocation too: a WaitOperation may wait up to 10 minutes.
-      const { onRevoke, forget } = this.watchRevocation(principal.credentialId);
-      return {
-        principal,
-        onRevoke,
-        release: () => {
-          forget();
-          free();
-        },
-      };
+      return this.revocable(principal, free);
     }
     // Admin credentials (operators, the dashboard's one watch per tenant) are not capped.
     const watch = !principal.admin && call.method !== undefined && WATCHES.has(call.method);
@@ -124,16 +129,7 @@ export class ApiGuard {
       freeWatch?.();
       throw new TooManyStreamsError(this.streams.max);
     }
-    const { onRevoke, forget } = this.watchRevocation(principal.credentialId);
-    return {
-      principal,
-      onRevoke,
-      release: () => {
-        forget();
-        free();
-        freeWatch?.();
-      },
-    };
+    return this.revocable(principal, free, freeWatch);
   }
 }
 

@@ -3,7 +3,6 @@
 // a writeback error once: a second fsync of the same file returns 0.
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { existsSync, readdirSync, rmSync } from 'node:fs';
-import type * as FsPromises from 'node:fs/promises';
 import { join } from 'node:path';
 import { create } from '@bufbuild/protobuf';
 import { FsChunkStore, FsManifestStore } from './fs-store.ts';
@@ -13,18 +12,9 @@ import { LiveRoots } from '../../domain/snapshot-store.ts';
 import { ArtifactKind, SnapshotManifestSchema } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
 import { textBytes } from '../../bench/transfer-image.ts';
+import { failOnce } from '../fsync-fault.ts';
 
-const failOnce = vi.hoisted(() => new Set<string>());
-vi.mock('node:fs/promises', async (importOriginal) => {
-  const real = await importOriginal<typeof FsPromises>();
-  const open = async (...a: Parameters<typeof real.open>): ReturnType<typeof real.open> => {
-    const fh = await real.open(...a);
-    const path = String(a[0]);
-    if (failOnce.delete(path)) fh.sync = () => Promise.reject(Object.assign(new Error(`EIO: i/o error, fsync '${path}'`), { code: 'EIO' }));
-    return fh;
-  };
-  return { ...real, open, default: { ...real, open } };
-});
+vi.mock('node:fs/promises', async (real) => (await import('../fsync-fault.ts')).failingFsync(await real()));
 
 const CS = 64 * 1024;
 let dir: string;
