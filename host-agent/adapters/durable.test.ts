@@ -2,8 +2,9 @@ import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
 import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { DeferredSync, writeFileDurable } from './durable.ts';
-import { failOnce } from './fsync-fault.ts';
+import { DeferredSync, FsyncOpenError, fsyncAll, writeFileDurable } from './durable.ts';
+import { failOnce, openFailsOnce } from './fsync-fault.ts';
+import { passingSystemError } from '../errors.ts';
 
 vi.mock('node:fs/promises', async (real) => (await import('./fsync-fault.ts')).failingFsync(await real()));
 
@@ -136,6 +137,29 @@ describe('writeFileDurable', () => {
       failOnce.add(`${path}.tmp`);
       await expect(writeFileDurable(path, 'b')).rejects.toThrow(/EIO/);
       expect(readdirSync(root)).toEqual([]);
+    } finally {
+      rmSync(root, { recursive: true, force: true });
+    }
+  });
+});
+
+describe('fsyncAll', () => {
+  it('whenOneFileCannotBeOpenedAndAnothersFsyncFails_throwsTheFsyncsError_whichAStepAnswersRetryable', async () => {
+    // The first error alone (an open's EMFILE) hid another worker's writeback error: the chunk
+    // store took nothing for lost and fsynced the file again, which then returned 0.
+    const root = mkdtempSync(join(tmpdir(), 'ff-fsyncall-'));
+    try {
+      const [a, b] = ['a', 'b'].map((n) => join(root, n));
+      for (const f of [a!, b!]) writeFileSync(f, f);
+      openFailsOnce.add(a!);
+      failOnce.add(b!);
+      const err = await fsyncAll([a!, b!]).then(() => undefined, (e: unknown) => e);
+      expect(err).not.toBeInstanceOf(FsyncOpenError);
+      expect((err as { code?: string }).code).toBe('EIO');
+      // Answered as its errno: retryable, the host path left out.
+      expect(passingSystemError(err, 'storing chunks')).toMatchObject({ kind: 'unavailable', retryable: true });
+      openFailsOnce.add(a!);
+      await expect(fsyncAll([a!])).rejects.toBeInstanceOf(FsyncOpenError);
     } finally {
       rmSync(root, { recursive: true, force: true });
     }

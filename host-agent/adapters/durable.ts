@@ -9,17 +9,23 @@ import { dirname, join } from 'node:path';
 import type { Logger } from 'pino';
 
 /**
- * fsync itself failed (a writeback error), as opposed to opening the file for it (EMFILE,
- * ENOMEM...): Linux reports a writeback error to one fsync only, so the file's data must be
- * taken as lost; an open that failed lost nothing and may be tried again.
+ * Opening a file for its fsync failed (EMFILE, ENFILE, ENOMEM...): nothing was written back,
+ * so nothing was lost, and a later fsync of the file is as good as this one would have been.
+ * Any other failure of fsyncPath/fsyncAll (the fsync itself, or the close after it: NFS
+ * reports writeback errors there) must be taken as a loss: Linux reports a writeback error
+ * once, and the next fsync of the file returns 0 though its data never reached the disk.
+ * Carries the errno `code`, so a step that meets it is answered as the errno would be.
  */
-export class FsyncFailedError extends Error {
+export class FsyncOpenError extends Error {
+  readonly code: string | undefined;
   constructor(
     readonly path: string,
     options: { cause: unknown },
   ) {
-    super(`fsync of ${path} failed: ${options.cause instanceof Error ? options.cause.message : String(options.cause)}`, options);
-    this.name = 'FsyncFailedError';
+    const code = (options.cause as { code?: unknown } | null)?.code;
+    super(`opening a file for its fsync failed${typeof code === 'string' ? ` (${code})` : ''}`, options);
+    this.name = 'FsyncOpenError';
+    this.code = typeof code === 'string' ? code : undefined;
   }
 }
 
@@ -30,28 +36,35 @@ export async function fsyncPath(p: string): Promise<void> {
     fh = await open(p, 'r');
   } catch (e) {
     if ((e as NodeJS.ErrnoException).code === 'ENOENT') return; // removed since: nothing to make durable
-    throw e;
+    throw new FsyncOpenError(p, { cause: e });
   }
   try {
-    await fh.sync().catch((e: unknown) => {
-      throw new FsyncFailedError(p, { cause: e });
-    });
-  } finally {
-    await fh.close();
+    await fh.sync();
+  } catch (e) {
+    // The fsync's error, not a close error after it.
+    await fh.close().catch(() => undefined);
+    throw e;
   }
+  await fh.close();
 }
 
-/** fsyncs `paths` (files, then the directories that hold them) with bounded concurrency. */
+/**
+ * fsyncs `paths` (files, then the directories that hold them) with bounded concurrency. Every
+ * path is tried; when some failed, throws a loss (any error but FsyncOpenError) before an
+ * open failure: the first error alone could hide another worker's writeback error.
+ */
 export async function fsyncAll(paths: Iterable<string>, concurrency = 16): Promise<void> {
   const files = [...paths];
   const dirs = [...new Set(files.map((f) => dirname(f)))];
+  const errors: unknown[] = [];
   for (const list of [files, dirs]) {
     let next = 0;
     const worker = async (): Promise<void> => {
-      while (next < list.length) await fsyncPath(list[next++] as string);
+      while (next < list.length) await fsyncPath(list[next++] as string).catch((e: unknown) => void errors.push(e));
     };
     await Promise.all(Array.from({ length: Math.min(concurrency, list.length) }, worker));
   }
+  if (errors.length > 0) throw errors.find((e) => !(e instanceof FsyncOpenError)) ?? errors[0];
 }
 
 /**

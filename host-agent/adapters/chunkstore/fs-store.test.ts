@@ -33,9 +33,9 @@ vi.mock('../durable.ts', async (importOriginal) => {
       const list = [...paths];
       synced.push(...list);
       const unopened = list.filter((p) => openFailsOnce.delete(p));
-      if (unopened.length > 0) throw Object.assign(new Error(`EMFILE: too many open files, open '${unopened[0]}'`), { code: 'EMFILE' });
+      if (unopened.length > 0) throw new real.FsyncOpenError(unopened[0]!, { cause: Object.assign(new Error(`EMFILE: too many open files, open '${unopened[0]}'`), { code: 'EMFILE' }) });
       const failing = list.filter((p) => failOnce.delete(p));
-      if (failing.length > 0) throw new real.FsyncFailedError(failing[0]!, { cause: Object.assign(new Error('EIO: i/o error, fsync'), { code: 'EIO' }) });
+      if (failing.length > 0) throw Object.assign(new Error(`EIO: i/o error, fsync '${failing[0]}'`), { code: 'EIO' });
       await real.fsyncAll(list, concurrency);
     },
   };

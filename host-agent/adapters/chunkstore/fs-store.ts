@@ -27,7 +27,7 @@ import { allSettledOrThrow, writeSparse } from './sparse.ts';
 import { encodeHeader, HEADER, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
 import { isAlive } from '../qemu/process.ts';
-import { FsyncFailedError, fsyncAll, fsyncPath } from '../durable.ts';
+import { FsyncOpenError, fsyncAll, fsyncPath } from '../durable.ts';
 
 /** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
 const READ_HEADROOM = 48;
@@ -279,9 +279,9 @@ export class FsChunkStore implements ChunkStore {
       try {
         await fsyncAll(batch);
       } catch (e) {
-        if (!(e instanceof FsyncFailedError)) {
-          // Opening a file for its fsync failed (EMFILE, ENOMEM): nothing was lost, the next
-          // sync fsyncs the batch.
+        if (e instanceof FsyncOpenError) {
+          // Opening a file for its fsync failed (EMFILE, ENOMEM), and no fsync did: nothing was
+          // lost, the next sync fsyncs the batch.
           for (const p of batch) this.unsynced.add(p);
           throw e;
         }
