@@ -246,7 +246,7 @@ describe('ChunkStoreShipper.replicate', () => {
 });
 
 describe('ChunkStoreShipper.obtain against a delete', () => {
-  it('obtain_thatFindsAChunkCorrupt_holdsNoOtherSnapshotSharingThatChunkCompleteEither', async () => {
+  it('obtain_thatFindsAChunkCorrupt_andCannotFetchItBack_holdsNoOtherSnapshotSharingThatChunkCompleteEither', async () => {
     const h = await host('shared-chunk-corrupt');
     // Same content: sn-g and sn-h share both chunks.
     for (const id of ['sn-g', 'sn-h']) await h.stored.put(id, (await chunksHere(h, id)).manifest!);

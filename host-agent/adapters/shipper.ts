@@ -157,10 +157,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
 
   /**
    * Every other snapshot held complete whose manifest names one of `digests` (chunks found
-   * corrupt or missing, for the snapshot `but`) is held complete no more: snapshots share
-   * chunks, and one that stayed "complete" kept peers sent here for chunks it lacked, its
-   * only holder reported holding it. It becomes complete again as the first one did (a
-   * restore here that finds every chunk, a fetch). Manifests are read only on such a finding.
+   * corrupt or missing for the snapshot `but`, and not fetched back) is held complete no more:
+   * snapshots share chunks, and one that stayed "complete" kept peers sent here for chunks it
+   * lacked, its only holder reported holding it. It becomes complete again as the first one
+   * does (a restore here that finds every chunk, a fetch; an agent restart checks them all).
+   * Manifests are read only on such a finding.
    */
   private async incompleteWith(digests: readonly string[], but: string): Promise<void> {
     const lost = new Set(digests);
@@ -168,7 +169,12 @@ export class ChunkStoreShipper implements SnapshotShipper {
       if (id === but) continue;
       const stored = await this.deps.manifests.get(id).catch(() => undefined);
       if (!stored) continue;
-      const named = [...manifestDigests(fromBinary(SnapshotManifestSchema, stored.manifest))].filter((d) => lost.has(d)).length;
+      let named: number;
+      try {
+        named = [...manifestDigests(fromBinary(SnapshotManifestSchema, stored.manifest))].filter((d) => lost.has(d)).length;
+      } catch {
+        continue; // a manifest that does not decode: the GC removes it
+      }
       if (named === 0 || !this.complete.delete(id)) continue;
       this.storedIncomplete.add(id);
       this.deps.log.warn({ snapshotId: id, chunks: named, foundBy: but }, 'stored snapshot shares chunks found corrupt or missing: reported held but not complete until they are fetched again');
@@ -291,6 +297,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
     let fetchedManifest: SignedManifest | undefined;
     const stored = await this.deps.manifests.get(snapshotId);
     let removedMeanwhile = false;
+    /** Chunks the stored copy was found to lack: other snapshots naming them lack them too, unless the fetch below brings them back. */
+    let lacking: readonly string[] | undefined;
     if (stored && stored.signature.length > 0) {
       // Its chunks pinned while the image is built from them: a delete of the snapshot meanwhile
       // (remove, and the GC after it) must not take chunks this build still reads.
@@ -310,8 +318,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
           // until every chunk is here again, so the scheduler stops naming this host.
           this.complete.delete(snapshotId);
           this.storedIncomplete.add(snapshotId);
-          await this.incompleteWith(e.digests, snapshotId);
+          lacking = e.digests;
           if (!fetch || fetch.sources.length === 0) {
+            await this.incompleteWith(lacking, snapshotId);
             throw new ForkfleetError('not_found', `snapshot ${snapshotId} is incomplete on host ${this.deps.hostId} (${e.digests.length} chunk(s) corrupt or missing) and no source was named`, { cause: e });
           }
           // The fetch below asks the sources only for what the store lacks (ADR 0007).
@@ -322,7 +331,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
       }
     }
     if (!mat) {
-      const got = await this.fetchFrom(snapshotId, fetch, stored, true, removedMeanwhile);
+      const got = await this.fetchFrom(snapshotId, fetch, stored, true, removedMeanwhile).catch(async (e: unknown) => {
+        if (lacking) await this.incompleteWith(lacking, snapshotId);
+        throw e;
+      });
       mat = got.mat;
       bytesFetched = got.bytesFetched;
       onProgress(bytesFetched, bytesFetched);
@@ -513,6 +525,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       const unpin = this.deps.roots.pin(digests);
       try {
         const report = await fetchChunks(digests, sources, this.deps.chunks, { log: this.deps.log, sizes });
+        this.storedSinceGc += report.bytes ?? 0;
         return {
           manifest: meta<VmmSnapshotManifest>('manifest.json'),
           image: meta<GuestImage>('image.json'),

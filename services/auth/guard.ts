@@ -50,11 +50,6 @@ export class ApiGuard {
     this.now = opts.now ?? Date.now;
   }
 
-  /**
-   * A streaming call's credential removed from the tokens file while the call is open (an
-   * exec session, a watch, a long poll) ends the call UNAUTHENTICATED within about
-   * REVOCATION_CHECK_MS: a revoked token must not keep reading a sandbox it was cut off from.
-   */
   /** An admitted call ended by its credential's revocation; its release gives back `frees` and stops watching. */
   private revocable(principal: Principal, ...frees: Array<(() => void) | undefined>): { principal: Principal; onRevoke: (cb: (err: Error) => void) => void; release: () => void } {
     const { onRevoke, forget } = this.watchRevocation(principal.credentialId);
@@ -68,6 +63,11 @@ export class ApiGuard {
     };
   }
 
+  /**
+   * A streaming call's credential removed from the tokens file while the call is open (an
+   * exec session, a watch, a long poll) ends the call UNAUTHENTICATED within about
+   * REVOCATION_CHECK_MS: a revoked token must not keep reading a sandbox it was cut off from.
+   */
   private watchRevocation(credentialId: string): { onRevoke: (cb: (err: Error) => void) => void; forget: () => void } {
     let cb: ((err: Error) => void) | undefined;
     const set = this.live.get(credentialId) ?? new Set();
