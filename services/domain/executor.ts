@@ -456,11 +456,27 @@ export class FleetCache {
    * flight) is not taken back in. Bounded: the oldest go first.
    */
   private readonly gone = new Map<string, number>();
+  /** The hosts' ids in order (hostsById), until a host comes or goes. */
+  private hostOrder: string[] | undefined;
+
+  /**
+   * The cached hosts in id order, as placement decides over them (fleetViewInput): sorted
+   * again only when a host came or went, not per decision (a leader's map is in registration
+   * order).
+   */
+  hostsById(): Array<Versioned<HostRec>> {
+    this.hostOrder ??= [...this.hosts.keys()].sort();
+    return this.hostOrder.flatMap((id) => this.hosts.get(id) ?? []);
+  }
 
   apply(c: FleetChange): void {
     switch (c.kind) {
-      case 'host':
-        return this.put('host', this.hosts, c.value.value.id, c.value);
+      case 'host': {
+        const known = this.hosts.has(c.value.value.id);
+        this.put('host', this.hosts, c.value.value.id, c.value);
+        if (!known && this.hosts.has(c.value.value.id)) this.hostOrder = undefined;
+        return;
+      }
       case 'alloc':
         return this.put('alloc', this.allocs, c.value.value.hostId, c.value);
       case 'snapshot':
@@ -468,7 +484,10 @@ export class FleetCache {
       case 'gone': {
         const m: Map<string, Versioned<unknown>> = this.mapOf(c.of);
         const cur = m.get(c.key);
-        if (cur && cur.modRevision < c.revision) m.delete(c.key);
+        if (cur && cur.modRevision < c.revision) {
+          m.delete(c.key);
+          if (c.of === 'host') this.hostOrder = undefined;
+        }
         this.remember(`${c.of}/${c.key}`, c.revision);
         return;
       }
@@ -508,6 +527,7 @@ export class FleetCache {
     for (const [k, v] of m) {
       if (keys.has(k) || v.modRevision > rev) continue;
       m.delete(k);
+      if (kind === 'host') this.hostOrder = undefined;
       // Remembered at the copy's own revision: a late copy of it stays out, a newer write gets in.
       this.remember(`${kind}/${k}`, v.modRevision);
     }
@@ -1747,7 +1767,7 @@ export class Executor {
         // After a conflict the cache may lag the store: refresh it before re-planning.
         if (attempt > 0) await this.cache.load(this.deps.store);
         const now = this.deps.clock.now();
-        const hosts = [...this.cache.hosts.values()];
+        const hosts = this.cache.hostsById();
         const revision = Math.max(0, ...hosts.map((h) => h.modRevision), ...[...this.cache.allocs.values()].map((a) => a.modRevision));
         // Booked capacity as this group plans it: each job sees what the earlier ones booked.
         const allocs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.value]));

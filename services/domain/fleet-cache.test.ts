@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { FleetCache } from './executor.ts';
 import type { Versioned } from './ports.ts';
-import type { SnapshotRec } from './records.ts';
+import type { HostRec, SnapshotRec } from './records.ts';
 
 const snap = (id: string, state: SnapshotRec['state'], modRevision: number): Versioned<SnapshotRec> => ({ value: { id, tenantId: 't1', state } as SnapshotRec, modRevision });
 
@@ -49,5 +49,21 @@ describe('FleetCache snapshots', () => {
     expect(c.snapshot('t1', 'sn-x')).toBeUndefined();
     expect(c.snapshot('t1', 'sn-y')).toBeUndefined();
     expect(c.snapshot('t1', 'sn-old')?.modRevision).toBe(10);
+  });
+});
+
+describe('FleetCache hosts', () => {
+  const host = (id: string, modRevision: number): Versioned<HostRec> => ({ value: { id, state: 'ready' } as HostRec, modRevision });
+
+  it('hostsById_listsTheHostsInIdOrder_whateverOrderTheyRegisteredIn_andFollowsHostsThatComeAndGo', () => {
+    const c = new FleetCache();
+    for (const [id, rev] of [['h3', 1], ['h1', 2], ['h2', 3]] as const) c.apply({ kind: 'host', value: host(id, rev) });
+    expect(c.hostsById().map((h) => h.value.id)).toEqual(['h1', 'h2', 'h3']);
+    // A host's record written again: its new revision, in its place.
+    c.apply({ kind: 'host', value: host('h2', 9) });
+    expect(c.hostsById().map((h) => [h.value.id, h.modRevision])).toEqual([['h1', 2], ['h2', 9], ['h3', 1]]);
+    c.apply({ kind: 'host', value: host('h0', 10) });
+    c.apply({ kind: 'gone', of: 'host', key: 'h3', revision: 11 });
+    expect(c.hostsById().map((h) => h.value.id)).toEqual(['h0', 'h1', 'h2']);
   });
 });

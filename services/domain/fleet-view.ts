@@ -276,8 +276,8 @@ const MAX_LINK_LOAD = 0.9;
  * The hosts in id order. The library breaks ties and samples by a host's place in the view:
  * in the cache's order (registration order on a long-running leader, key order after a load
  * or a failover) the same decision came out differently on two replicas, and a decision did
- * not replay from its explanation after a restart. Sorted only when not already (a loaded
- * cache is).
+ * not replay from its explanation after a restart. Sorted only when not already (the leader
+ * passes FleetCache.hostsById(), sorted once per host that comes or goes).
  */
 function byId(hosts: readonly HostRec[]): readonly HostRec[] {
   for (let i = 1; i < hosts.length; i++) {
