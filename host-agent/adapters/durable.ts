@@ -7,6 +7,7 @@ import { readdirSync, readFileSync, rmSync } from 'node:fs';
 import { mkdir, open, readdir, rename, unlink, writeFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
 import type { Logger } from 'pino';
+import { oneAtATime } from '../domain/one-at-a-time.ts';
 
 /**
  * Opening a file for its fsync failed (EMFILE, ENFILE, ENOMEM...): nothing was written back,
@@ -65,21 +66,6 @@ export async function fsyncAll(paths: Iterable<string>, concurrency = 16): Promi
     await Promise.all(Array.from({ length: Math.min(concurrency, list.length) }, worker));
   }
   if (errors.length > 0) throw errors.find((e) => !(e instanceof FsyncOpenError)) ?? errors[0];
-}
-
-/**
- * Runs `fn` once every earlier call with the same `key` in `queues` has settled (whether it
- * failed or not): calls of one key go one after another, calls of different keys run at once.
- * An entry leaves `queues` when its key's last call settles.
- */
-export function oneAtATime<T>(queues: Map<string, Promise<unknown>>, key: string, fn: () => Promise<T>): Promise<T> {
-  const p = (queues.get(key) ?? Promise.resolve()).then(fn, fn);
-  queues.set(key, p);
-  const done = (): void => {
-    if (queues.get(key) === p) queues.delete(key);
-  };
-  p.then(done, done);
-  return p;
 }
 
 /** Writes of writeFileDurable under way, by path. */

@@ -35,6 +35,7 @@ import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts
 import type { GuestHook } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
 import { passingSystemError } from '../errors.ts';
+import { oneAtATime } from './one-at-a-time.ts';
 import { MAX_TIMER_MS } from '../../services/config.ts';
 
 /** `host` of a "host:port" or "[v6]:port" address. */
@@ -271,7 +272,7 @@ export class Agent {
   private readonly queue: Array<{ run: () => Promise<void>; drop: () => void }> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
   /** Writes of a step's journal entry, one at a time per step (journalInTurn). */
-  private readonly sharing = new Map<string, Promise<void>>();
+  private readonly sharing = new Map<string, Promise<unknown>>();
   /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
   private readonly making = new Map<string, Set<Promise<void>>>();
   /** Sandboxes whose VM running destroy steps stop: each step's settling (runStep). */
@@ -685,14 +686,7 @@ export class Agent {
    * read-modify-write (sharedBy) must not put back an entry a later run of the step replaced.
    */
   private journalInTurn(w: HostWork, write: () => Promise<void>): Promise<void> {
-    const key = `${w.opId}/${w.stepId}`;
-    const done = (this.sharing.get(key) ?? Promise.resolve()).then(write);
-    const settled = done.catch(() => undefined);
-    this.sharing.set(key, settled);
-    void settled.then(() => {
-      if (this.sharing.get(key) === settled) this.sharing.delete(key);
-    });
-    return done;
+    return oneAtATime(this.sharing, `${w.opId}/${w.stepId}`, write);
   }
 
   private byDeadline(w: HostWork, run: Promise<HostResult>): Promise<HostResult> {

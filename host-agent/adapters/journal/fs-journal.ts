@@ -11,7 +11,8 @@ import { mkdir, readdir, readFile, rename, rm, stat, writeFile } from 'node:fs/p
 import { createHash, randomBytes } from 'node:crypto';
 import { join } from 'node:path';
 import type { Journal, LeaderTerm } from '../../domain/agent.ts';
-import { oneAtATime, writeFileDurable } from '../durable.ts';
+import { writeFileDurable } from '../durable.ts';
+import { oneAtATime } from '../../domain/one-at-a-time.ts';
 
 const SAFE = /^[A-Za-z0-9_-]+$/;
 /** Longer op ids (the scheduler's own, e.g. a stray VM's stop names the host and the sandbox) go by a digest. */
