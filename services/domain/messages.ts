@@ -22,6 +22,7 @@ export {
   HostEventSchema,
   HostExecRequestSchema,
   HostExecCancelSchema,
+  HostExecAliveSchema,
   HostExecOutputSchema,
   HostFileRequestSchema,
   HostFileResponseSchema,

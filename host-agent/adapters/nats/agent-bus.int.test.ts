@@ -1,9 +1,10 @@
 // Control-plane isolation (issue #9): host agents authenticate to a real nats-server with their
 // own NKey and may use only their own subjects; the scheduler user has full rights.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { AckPolicy, connect, ErrorCode } from 'nats';
+import { AckPolicy, connect, createInbox, ErrorCode } from 'nats';
 import type { NatsConnection, NatsError } from 'nats';
 import { create, toBinary } from '@bufbuild/protobuf';
+import { durationFromMs } from '@bufbuild/protobuf/wkt';
 import { pino } from 'pino';
 import { startNats } from '../../../services/testkit/nats.ts';
 import type { NatsServer } from '../../../services/testkit/nats.ts';
@@ -411,6 +412,75 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     expect(Date.now() - t0).toBeLessThan(5000);
   });
 
+  /** Serves execs that run until aborted or `runMs` passed; says which ended how. */
+  const serveUntilAborted = (runMs: number): { ended: Map<string, 'killed' | 'exited'>; stop: () => void } => {
+    const ended = new Map<string, 'killed' | 'exited'>();
+    const stop = busA.serveExec(async (req, emit, signal) => {
+      await new Promise<void>((r) => {
+        const t = setTimeout(r, runMs);
+        signal.addEventListener('abort', () => {
+          clearTimeout(t);
+          r();
+        });
+      });
+      ended.set(req.argv[0]!, signal.aborted ? 'killed' : 'exited');
+      if (!signal.aborted) emit(create(HostExecOutputSchema, { seq: 1n, payload: { case: 'exit', value: { exitCode: 0 } } }));
+    });
+    return { ended, stop };
+  };
+
+  it('exec_whoseCallerIsGoneWithoutACancel_isKilledOnceThreeKeepaliveIntervalsPassUnnamed_anExecWithoutKeepaliveRunsOn', async () => {
+    // A scheduler replica that dies (or loses NATS) sends no cancel: the command used to run
+    // on to its timeout, up to an hour, with nobody to read its output.
+    const { ended, stop } = serveUntilAborted(1500);
+    await agentA.flush();
+    try {
+      const t0 = performance.now();
+      const send = (name: string, keepaliveMs?: number): void =>
+        sched.publish(subjects.exec('host-a'), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, { sandboxId: 's', argv: [name], ...(keepaliveMs ? { keepalive: durationFromMs(keepaliveMs) } : {}) })), { reply: createInbox(subjects.execOut('host-a')) });
+      send('leased', 100);
+      send('old-scheduler'); // no keepalive asked: ends at its exit, as before
+      await waitUntil('the leased command killed', () => ended.get('leased'));
+      const killedAfter = performance.now() - t0;
+      expect(ended.get('leased')).toBe('killed');
+      expect(killedAfter).toBeGreaterThanOrEqual(290);
+      expect(killedAfter).toBeLessThan(1400);
+      await waitUntil('the other command to end', () => ended.get('old-scheduler'));
+      expect(ended.get('old-scheduler')).toBe('exited');
+    } finally {
+      stop();
+    }
+  });
+
+  it('exec_whoseCallerWaits_isNamedEveryKeepalive_andRunsPastThreeIntervalsToItsExit', async () => {
+    const { ended, stop } = serveUntilAborted(800);
+    await agentA.flush();
+    bus.execKeepaliveMs = 100;
+    try {
+      const outs: string[] = [];
+      for await (const o of bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['long'] }), { timeoutMs: 10_000 })) outs.push(o.payload.case ?? '');
+      expect(outs).toEqual(['exit']);
+      expect(ended.get('long')).toBe('exited');
+    } finally {
+      bus.execKeepaliveMs = 5000;
+      stop();
+    }
+  });
+
+  it('exec_whoseCallerStopsReadingBeforeTheExit_isCancelledOnTheHost', async () => {
+    const { ended, stop } = serveUntilAborted(5000);
+    await agentA.flush();
+    try {
+      const it = bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['abandoned'] }), { timeoutMs: 10_000 })[Symbol.asyncIterator]();
+      await sleep(200);
+      await it.return!();
+      await waitUntil('the abandoned command killed', () => ended.get('abandoned'), 3000);
+      expect(ended.get('abandoned')).toBe('killed');
+    } finally {
+      stop();
+    }
+  });
+
   it('publishAsOtherHost_whenAgentAPublishesHostBSubjects_isRefused', async () => {
     const seen = violations(agentA);
     agentA.publish(subjects.heartbeat('host-b'), toBinary(HeartbeatSchema, create(HeartbeatSchema, { hostId: 'host-b', seq: 99n })));
@@ -446,7 +516,7 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
         agentA.subscribe(subject, { callback: (err) => resolve(err ?? undefined) });
         setTimeout(() => resolve(undefined), 3000);
       });
-    for (const s of [subjects.exec('host-b'), subjects.execCancel('host-b'), subjects.file('host-b'), subjects.work('host-b'), subjects.allResults, '_INBOX.>', '>']) {
+    for (const s of [subjects.exec('host-b'), subjects.execCancel('host-b'), subjects.execAlive('host-b'), subjects.file('host-b'), subjects.work('host-b'), subjects.allResults, '_INBOX.>', '>']) {
       expect((await subErr(s))?.code, s).toBe(ErrorCode.PermissionsViolation);
     }
     // Host B's durable consumer: not readable, not pullable; no consumer of B's work can be made.

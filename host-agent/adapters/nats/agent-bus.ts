@@ -3,11 +3,13 @@
 import { ErrorCode } from 'nats';
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection, NatsError, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
+import { durationMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { AgentBus, WorkControl } from '../../domain/agent.ts';
 import {
   HeartbeatSchema,
   HostEventSchema,
+  HostExecAliveSchema,
   HostExecCancelSchema,
   HostExecOutputSchema,
   HostExecRequestSchema,
@@ -22,6 +24,11 @@ import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREA
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
 import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
 import { consumeDurable } from '../../../services/adapters/nats/durable-consumer.ts';
+
+/** HostExecRequest.keepalive intervals without a HostExecAlive after which an exec's command is killed. */
+export const EXEC_KEEPALIVE_MISSES = 3;
+/** The shortest keepalive interval an agent takes (a shorter one is read as this). */
+const EXEC_KEEPALIVE_MIN_MS = 50;
 
 async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
   const until = Date.now() + timeoutMs;
@@ -178,8 +185,9 @@ export class NatsAgentBus implements AgentBus {
 
   serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void, signal: AbortSignal) => Promise<void>): () => void {
     // Execs in progress by their reply subject (unique per call), aborted by a HostExecCancel
-    // from the scheduler (only it may publish there: auth.ts).
-    const running = new Map<string, AbortController>();
+    // from the scheduler (only it may publish there: auth.ts), or when a caller that asked for
+    // keepalives (HostExecRequest.keepalive) has not named the exec for 3 of its intervals.
+    const running = new Map<string, { ac: AbortController; heard: number }>();
     const sub = this.nc.subscribe(subjects.exec(this.hostId), {
       callback: (err, m) => {
         if (err || !m.reply) return;
@@ -192,10 +200,26 @@ export class NatsAgentBus implements AgentBus {
           return;
         }
         const ac = new AbortController();
-        running.set(reply, ac);
+        const session = { ac, heard: performance.now() };
+        running.set(reply, session);
+        const keepaliveMs = req.keepalive ? Math.max(EXEC_KEEPALIVE_MIN_MS, durationMs(req.keepalive)) : 0;
+        let lease: ReturnType<typeof setTimeout> | undefined;
+        const checkLease = (): void => {
+          const silentMs = performance.now() - session.heard;
+          if (silentMs < EXEC_KEEPALIVE_MISSES * keepaliveMs) {
+            lease = setTimeout(checkLease, EXEC_KEEPALIVE_MISSES * keepaliveMs - silentMs);
+            return;
+          }
+          this.log.warn({ replySubject: reply, sandboxId: req.sandboxId, silentMs: Math.round(silentMs) }, 'exec caller gone (no keepalive names it): killing the command');
+          ac.abort();
+        };
+        if (keepaliveMs > 0) lease = setTimeout(checkLease, EXEC_KEEPALIVE_MISSES * keepaliveMs);
         void handler(req, (out) => this.reply(reply, toBinary(HostExecOutputSchema, out), () => toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: out.seq, payload: { case: 'error', value: { kind: 'internal', message: 'an exec output piece did not fit a NATS message' } } }))), ac.signal)
           .catch((e: unknown) => this.log.warn({ err: e }, 'exec relay failed'))
-          .finally(() => running.delete(reply));
+          .finally(() => {
+            clearTimeout(lease);
+            running.delete(reply);
+          });
       },
     });
     const cancels = this.nc.subscribe(subjects.execCancel(this.hostId), {
@@ -203,7 +227,7 @@ export class NatsAgentBus implements AgentBus {
         if (err) return;
         try {
           const replySubject = fromBinary(HostExecCancelSchema, m.data).replySubject;
-          const ac = running.get(replySubject);
+          const ac = running.get(replySubject)?.ac;
           if (!ac) return; // it has exited already
           this.log.info({ replySubject }, 'exec cancelled by its caller: killing the command');
           ac.abort();
@@ -212,10 +236,25 @@ export class NatsAgentBus implements AgentBus {
         }
       },
     });
-    this.subs.push(sub, cancels);
+    const alive = this.nc.subscribe(subjects.execAlive(this.hostId), {
+      callback: (err, m) => {
+        if (err) return;
+        try {
+          const now = performance.now();
+          for (const r of fromBinary(HostExecAliveSchema, m.data).replySubjects) {
+            const session = running.get(r);
+            if (session) session.heard = now;
+          }
+        } catch (e) {
+          this.log.warn({ err: e }, 'undecodable exec keepalive ignored');
+        }
+      },
+    });
+    this.subs.push(sub, cancels, alive);
     return () => {
       sub.unsubscribe();
       cancels.unsubscribe();
+      alive.unsubscribe();
     };
   }
 

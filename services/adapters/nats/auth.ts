@@ -15,7 +15,8 @@
 //                  the server lost its store: ensureWorkConsumer; its work stays in the stream)
 //              $JS.ACK.FF_WORK.agent-<h>.>                          (ack / in-progress its work)
 //              one reply to each request it received, within 2 min (allow_responses: file relay)
-//   subscribe  ff.exec.<h>  ff.execcancel.<h>  ff.file.<h>          (its relays, exec cancels)
+//   subscribe  ff.exec.<h>  ff.execcancel.<h>  ff.execalive.<h>    (its relays, exec cancels and
+//              ff.file.<h>                                           keepalives)
 //              _INBOX_<h>.>                                          (its own inbox)
 // Agents never create streams (the scheduler does; an agent waits for them) and cannot
 // create, read or pull another host's consumer. Anything else is a permissions violation.
@@ -54,7 +55,7 @@ export function hostPermissions(hostId: string): NatsPermissions {
         `$JS.ACK.${STREAM_WORK}.${c}.>`,
       ],
     },
-    subscribe: { allow: [subjects.exec(hostId), subjects.execCancel(hostId), subjects.file(hostId), `${agentInboxPrefix(hostId)}.>`] },
+    subscribe: { allow: [subjects.exec(hostId), subjects.execCancel(hostId), subjects.execAlive(hostId), subjects.file(hostId), `${agentInboxPrefix(hostId)}.>`] },
     allow_responses: { ...RESPONSE_WINDOW },
   };
 }

@@ -7,10 +7,12 @@ import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection, Subscrip
 import type { Logger } from 'pino';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { BinaryReader } from '@bufbuild/protobuf/wire';
+import { durationFromMs } from '@bufbuild/protobuf/wkt';
 import type { LeaderTerm, WorkBus } from '../../domain/ports.ts';
 import {
   HeartbeatSchema,
   HostEventSchema,
+  HostExecAliveSchema,
   HostExecCancelSchema,
   HostExecOutputSchema,
   HostExecRequestSchema,
@@ -46,6 +48,17 @@ const WORK_HEADERS = { [RESULT_BATCH_HEADER]: '1' } as const;
  * on a slower link than the host's, so no single call is capped below that.
  */
 export const EXEC_UNREAD_MAX_BYTES = 1 << 30;
+
+/**
+ * How often a replica names, per host, the execs whose output it still waits for
+ * (HostExecAlive; HostExecRequest.keepalive): a host kills a command its caller has not named
+ * for 3 of these, so the commands of a replica that died or lost NATS end within ~15 s instead
+ * of running on to their timeout (up to an hour) with nobody to read them.
+ */
+export const EXEC_KEEPALIVE_MS = 5000;
+
+/** Reply subjects per HostExecAlive message (~60 bytes each: well under any NATS max payload). */
+const EXEC_ALIVE_PER_MESSAGE = 1000;
 
 /** Heartbeat field `repeated VmStatus vms` (proto/forkfleet/v1/hostwork.proto). */
 const HEARTBEAT_VMS_FIELD = 8;
@@ -99,6 +112,11 @@ export class NatsWorkBus implements WorkBus {
   private readonly execUnreadBy = new Map<string, number>();
   /** The most of it this replica holds (EXEC_UNREAD_MAX_BYTES); one owner holds at most half. */
   execUnreadMax = EXEC_UNREAD_MAX_BYTES;
+  /** HostExecRequest.keepalive of the execs this replica sends (EXEC_KEEPALIVE_MS; tests shorten it). */
+  execKeepaliveMs = EXEC_KEEPALIVE_MS;
+  /** Reply subjects of the execs waiting for output, by host: named in HostExecAlive every execKeepaliveMs. */
+  private readonly execsWaiting = new Map<string, Set<string>>();
+  private aliveTimer: ReturnType<typeof setInterval> | undefined;
 
   /** performance.now() of the last (re)connect; undefined while disconnected. */
   private connectedAt: number | undefined = performance.now();
@@ -343,9 +361,14 @@ export class NatsWorkBus implements WorkBus {
     // subscription, and the publish).
     let timer: ReturnType<typeof setTimeout> | undefined;
     let sub: Subscription | undefined;
+    let waiting = false;
+    /** The host sent the exit (or an error): nothing runs there for this call any more. */
+    let answered = false;
     const finish = (): void => {
       clearTimeout(timer);
       sub?.unsubscribe();
+      if (waiting) this.stopWaiting(hostId, inbox);
+      waiting = false;
     };
     const subscribe = (): Subscription => this.nc.subscribe(inbox, {
       callback: (err, m) => {
@@ -386,6 +409,7 @@ export class NatsWorkBus implements WorkBus {
         }
         q.push(out);
         if (out.payload.case === 'exit' || out.payload.case === 'error') {
+          answered = true;
           finish();
           q.end();
         }
@@ -393,12 +417,15 @@ export class NatsWorkBus implements WorkBus {
     });
     try {
       sub = subscribe();
-      this.nc.publish(subjects.exec(hostId), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, req)), { reply: inbox });
+      const keepaliveMs = this.execKeepaliveMs;
+      this.nc.publish(subjects.exec(hostId), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, { ...req, keepalive: durationFromMs(keepaliveMs) })), { reply: inbox });
+      this.startWaiting(hostId, inbox, keepaliveMs);
+      waiting = true;
       timer = setTimeout(() => {
         // After the request went out: the command may have run, so not retryable (Exec is not
         // deduplicated). Only "no responders" above says it never reached the host.
         q.fail(new ForkfleetError('deadline_exceeded', `exec on host ${hostId} timed out after ${opts.timeoutMs} ms`, { retryable: false }));
-        sub?.unsubscribe();
+        finish();
         cancelOnHost();
       }, opts.timeoutMs);
     } catch (e) {
@@ -425,11 +452,52 @@ export class NatsWorkBus implements WorkBus {
           },
           return: () => {
             release();
+            // The caller stopped reading before the exit: as a cancel, the command ends.
+            if (!answered && !q.isEnded) {
+              finish();
+              cancelOnHost();
+            }
             return it.return!();
           },
         };
       },
     };
+  }
+
+  /** Names this exec in the host's HostExecAlive from now on (execKeepaliveMs apart). */
+  private startWaiting(hostId: string, inbox: string, everyMs: number): void {
+    let set = this.execsWaiting.get(hostId);
+    if (set === undefined) this.execsWaiting.set(hostId, (set = new Set()));
+    set.add(inbox);
+    if (this.aliveTimer !== undefined) return;
+    this.aliveTimer = setInterval(() => this.sendAlive(), everyMs);
+    // Not what keeps a process alive: the exec's own timer and subscription are.
+    this.aliveTimer.unref?.();
+  }
+
+  private stopWaiting(hostId: string, inbox: string): void {
+    const set = this.execsWaiting.get(hostId);
+    if (!set?.delete(inbox) || set.size > 0) return;
+    this.execsWaiting.delete(hostId);
+    if (this.execsWaiting.size === 0) {
+      clearInterval(this.aliveTimer);
+      this.aliveTimer = undefined;
+    }
+  }
+
+  private sendAlive(): void {
+    for (const [hostId, set] of this.execsWaiting) {
+      const all = [...set];
+      for (let i = 0; i < all.length; i += EXEC_ALIVE_PER_MESSAGE) {
+        try {
+          this.nc.publish(subjects.execAlive(hostId), toBinary(HostExecAliveSchema, create(HostExecAliveSchema, { replySubjects: all.slice(i, i + EXEC_ALIVE_PER_MESSAGE) })));
+        } catch {
+          // A closed connection: the execs fail on their own (no output reaches this replica),
+          // and the host ends their commands once they go unnamed.
+          return;
+        }
+      }
+    }
   }
 
   get maxPayload(): number {
@@ -448,5 +516,7 @@ export class NatsWorkBus implements WorkBus {
 
   close(): void {
     for (const s of this.subs) s.unsubscribe();
+    clearInterval(this.aliveTimer);
+    this.aliveTimer = undefined;
   }
 }

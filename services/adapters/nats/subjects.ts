@@ -14,6 +14,8 @@ export const subjects = {
   execOut: (hostId: string) => `ff.execout.${hostId}`,
   /** HostExecCancel: the caller of an exec on this host is gone; the host kills the command. */
   execCancel: (hostId: string) => `ff.execcancel.${hostId}`,
+  /** HostExecAlive: the execs on this host whose caller still waits (HostExecRequest.keepalive). */
+  execAlive: (hostId: string) => `ff.execalive.${hostId}`,
   allHeartbeats: 'ff.heartbeat.*',
   allEvents: 'ff.event.*',
   allResults: 'ff.result.*',
