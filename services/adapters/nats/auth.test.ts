@@ -10,11 +10,11 @@ describe('NATS permissions', () => {
     expect(all.filter((s) => s.includes('h2'))).toEqual([]);
     expect(p.publish.allow).toContain('$JS.API.CONSUMER.CREATE.FF_WORK.agent-h1.ff.work.h1');
     expect(p.publish.allow.some((s) => s.includes('DURABLE.CREATE') || s.includes('STREAM.CREATE') || s.startsWith('ff.work.'))).toBe(false);
-    expect(p.subscribe.allow).toEqual(['ff.exec.h1', 'ff.execcancel.h1', 'ff.file.h1', '_INBOX_h1.>']);
+    expect(p.subscribe.allow).toEqual(['ff.exec.h1', 'ff.execcancel.h1', 'ff.execalive.h1', 'ff.file.h1', '_INBOX_h1.>']);
   });
   it('hostGroupPermissions_isTheUnionWithOneInbox', () => {
     const p = hostGroupPermissions(['f-1', 'f-2'], '_INBOX_fakes');
-    expect(p.subscribe.allow).toEqual(['ff.exec.f-1', 'ff.execcancel.f-1', 'ff.file.f-1', 'ff.exec.f-2', 'ff.execcancel.f-2', 'ff.file.f-2', '_INBOX_fakes.>']);
+    expect(p.subscribe.allow).toEqual(['ff.exec.f-1', 'ff.execcancel.f-1', 'ff.execalive.f-1', 'ff.file.f-1', 'ff.exec.f-2', 'ff.execcancel.f-2', 'ff.execalive.f-2', 'ff.file.f-2', '_INBOX_fakes.>']);
     expect(p.publish.allow).toContain('ff.result.f-2');
   });
   it('natsServerAuthConfig_schedulerHasNoPermissionBlock', () => {
