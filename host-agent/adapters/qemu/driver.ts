@@ -11,7 +11,7 @@
 // name every QEMU that may still run for it, so recover() can adopt or reap after a restart.
 import { createHash, randomBytes } from 'node:crypto';
 import { access, chmod, copyFile, link, lstat, mkdir, open, readdir, readFile, readlink, realpath, rename, rm, stat, symlink, unlink, writeFile } from 'node:fs/promises';
-import { constants, createReadStream, createWriteStream } from 'node:fs';
+import { constants, createReadStream, createWriteStream, writeFileSync } from 'node:fs';
 import net from 'node:net';
 import { setPriority } from 'node:os';
 import { setTimeout as sleep } from 'node:timers/promises';
@@ -540,6 +540,15 @@ export class QemuVmmDriver implements VmmDriver {
     const qemu = l.niceness ? { command: 'nice', args: ['-n', String(l.niceness), this.opts.qemuBinary, ...qemuArgs(l)] } : { command: this.opts.qemuBinary, args: qemuArgs(l) };
     const cmd = l.netns === 'new' ? inNewNetns(qemu.command, qemu.args) : qemu;
     const proc = spawnQemu(cmd.command, cmd.args, logPath, extraFds);
+    // The pid file at once, not only when QEMU writes it (-pidfile, once it has started up): an
+    // agent killed in between left a QEMU that no pid file named, which its next start could
+    // not find to reap (recover reaps by pid file). Same content as QEMU's own; its -pidfile
+    // takes an existing unlocked file.
+    try {
+      writeFileSync(l.pidFile, `${proc.pid}\n`);
+    } catch (err) {
+      this.opts.logger.warn({ err, pid: proc.pid, pidFile: l.pidFile }, 'could not write the pid file of a new QEMU: an agent killed before QEMU writes it leaves that QEMU unreaped');
+    }
     // Into the guests' cgroup before it has done much: all its threads move with it, and the
     // ones it starts later are born there. A VM outside still works, only unisolated.
     await this.opts.guestCgroup?.add(proc.pid).catch((err: unknown) => this.opts.logger.warn({ err, pid: proc.pid, cgroup: this.opts.guestCgroup?.dir }, 'QEMU could not join the guests cgroup: it runs unisolated'));
