@@ -56,7 +56,7 @@ async function main(): Promise<void> {
   if (guestCgroup) log.info({ cgroup: guestCgroup.dir, version: guestCgroup.version, cpuWeight: guestCgroup.cpuWeight }, 'guests run in their own cgroup');
 
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
-  if (cfg.egress.denyCidrs.length === 0) log.warn('FF_EGRESS_DENY_CIDRS is empty: a sandbox allowed egress can reach etcd, the schedulers and other hosts\' peer ports on other machines; set it to their networks');
+  if (cfg.egress.denyCidrs.length === 0) log.warn('FF_EGRESS_DENY_CIDRS is empty: a sandbox allowed egress is refused the subnets this host is on, but can reach etcd, the schedulers and other hosts\' peer ports on networks further away; set it to their networks');
   const driver = new QemuVmmDriver({ root: join(cfg.dataDir, 'vmm'), accel: cfg.accel, logger: log.child({ component: 'vmm' }), egress: { pool: cfg.egress.pool, denyCidrs: sandboxDenyCidrs(cfg) }, standby: cfg.standby, ...(cfg.ram ? { ram: cfg.ram } : {}), ...(guestCgroup ? { guestCgroup } : {}),
     // Migration streams to and from other hosts (ADR 0015) speak the same mutual TLS as the peer service.
     ...(migrationTlsDir ? { migrationTlsDir } : {}),

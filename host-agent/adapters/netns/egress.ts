@@ -6,21 +6,31 @@
 //
 //   guest eth0 10.0.2.15 -> slirp (QEMU's sockets, sandbox netns)
 //     sandbox netns: eth0 <pool+4n+2>/30, default via <pool+4n+1>; nftables output chain:
-//       drop 127/8, 169.254/16, the pool, every address of the agent namespace, denyCidrs;
+//       drop 127/8, 169.254/16, the pool, every subnet the agent namespace is connected to
+//       (the host's LAN: etcd, other hosts' peer ports) and its own addresses, denyCidrs;
 //       accept allow_cidrs (empty: any); drop everything else (IPv6 included)
 //     agent netns:   ffe<n> <pool+4n+1>/30; nftables table ip ff_egress:
 //       input   iifname "ffe*" drop              (nothing in the agent's namespace: etcd, NATS,
 //                                                  scheduler, peer ports, the agent itself)
-//       forward iifname "ffe*" oifname "ffe*" drop (sandbox to sandbox)
+//       forward iifname != "ffe*" oifname != "ffe*" drop (only if the agent turned
+//                                                  ip_forward on: the host routed nothing before)
+//               iifname "ffe*" oifname "ffe*" drop (sandbox to sandbox)
 //               iifname "ffe*" ip daddr <denyCidrs> drop (the control plane on other machines)
 //       postrouting ip saddr <pool> oifname != "ffe*" masquerade
 //
 // The sandbox-side filter is authoritative and sits where the guest cannot touch it (outside
 // the VM); the agent-side rules are a second layer. The veth dies with the sandbox namespace,
-// i.e. with the QEMU process, so destroy, crash and agent restart leave no link behind; the
-// link index is the lowest ffe<n> not present, found by listing links (no state to recover).
+// i.e. with the QEMU process, so destroy, crash and agent restart leave no link behind. Link
+// indexes go round: the next ffe<n> not present after the last one this manager handed out
+// (after the highest present when it starts), so a freed /30 is reused as late as the pool
+// allows: the agent namespace's conntrack entries of a gone sandbox's flows (masquerade,
+// established TCP lives for days) outlive its link, and a late reply to one is forwarded to
+// whoever holds that address next. (Deleting them needs conntrack-tools or netlink; neither
+// is installed by deploy/setup.sh nor reachable from Node without a native module.)
 import { execFile, spawn } from 'node:child_process';
+import { readFile } from 'node:fs/promises';
 import { promisify } from 'node:util';
+import type { Logger } from 'pino';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import type { NetworkPolicySpec } from '../../domain/vmm.ts';
 import { ownNetns } from './netns.ts';
@@ -41,6 +51,10 @@ export interface EgressOptions {
   pool?: string;
   /** Never reachable from a sandbox, whatever its allow_cidrs (e.g. etcd, NATS, schedulers elsewhere). */
   denyCidrs?: string[];
+  /** The resolv.conf whose nameservers egress sandboxes may ask on port 53 (default /etc/resolv.conf; dnsResolvers). */
+  resolvConf?: string;
+  /** Where the manager says what it changed on the host (e.g. that it turned IP forwarding on). */
+  logger?: Pick<Logger, 'info' | 'warn'>;
 }
 
 interface Cidr {
@@ -60,6 +74,17 @@ export function parseCidr(field: string, s: string): Cidr {
   return { base: (addr & mask) >>> 0, len };
 }
 
+/**
+ * A CIDR of a sandbox's allow_cidrs, as strict as the API (services/adapters/grpc/convert.ts
+ * IPV4_CIDR): a prefix length is required, no leading zeros, no blanks.
+ */
+const STRICT_IPV4_CIDR = /^(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(\.(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}\/(3[0-2]|[12]?\d)$/;
+
+export function parseAllowCidr(field: string, s: string): Cidr {
+  if (!STRICT_IPV4_CIDR.test(s)) throw new InvalidArgumentError(field, `must be an IPv4 CIDR such as 203.0.113.0/24, got ${JSON.stringify(s.slice(0, 64))}`);
+  return parseCidr(field, s);
+}
+
 const ip4 = (n: number): string => [n >>> 24, (n >>> 16) & 255, (n >>> 8) & 255, n & 255].join('.');
 const cidrText = (c: Cidr): string => `${ip4(c.base)}/${c.len}`;
 
@@ -70,13 +95,67 @@ const cidrText = (c: Cidr): string => `${ip4(c.base)}/${c.len}`;
  */
 export const ALWAYS_DENIED = ['127.0.0.0/8', '169.254.0.0/16', '100.100.100.200/32', '0.0.0.0/8', '224.0.0.0/4'];
 export const HOST_LINK_PREFIX = 'ffe';
+/** Marks the agent-side rule that keeps forwarding to the sandbox links, found again by a restarted agent. */
+export const FORWARD_GUARD_COMMENT = 'ff: ip_forward was off, only sandbox links are forwarded';
+
+/**
+ * What a sandbox may never reach in the agent's namespace, from `ip -o -4 addr show` there:
+ * every subnet it is connected to, as its network address (a host's LAN holds etcd and the
+ * other hosts' peer ports), and for a point-to-point address the local address and the
+ * peer's prefix. Pure; exported for unit tests.
+ */
+export function agentNetworks(ipAddrShow: string): string[] {
+  const out = new Set<string>();
+  for (const l of ipAddrShow.split('\n')) {
+    const m = /\binet (\d+\.\d+\.\d+\.\d+)(?:\/(\d+))?(?: peer (\d+\.\d+\.\d+\.\d+)(?:\/(\d+))?)?/.exec(l);
+    if (!m) continue;
+    if (m[3] === undefined) {
+      out.add(cidrText(parseCidr('agent address', `${m[1]}/${m[2] ?? '32'}`)));
+    } else {
+      out.add(`${m[1]}/32`);
+      out.add(cidrText(parseCidr('agent address', `${m[3]}/${m[4] ?? '32'}`)));
+    }
+  }
+  return [...out];
+}
+
+const inCidr = (ip: string, c: Cidr): boolean => {
+  const n = parseCidr('address', `${ip}/32`).base;
+  const mask = c.len === 0 ? 0 : (~0 << (32 - c.len)) >>> 0;
+  return ((n & mask) >>> 0) === c.base;
+};
+
+/**
+ * The resolvers an egress sandbox may ask on port 53 although the deny list covers them (pure;
+ * exported for unit tests): the IPv4 nameservers of the host's resolv.conf, which slirp
+ * forwards the guest's DNS to. A resolver on the host's LAN (a cloud VPC's, a router's) is
+ * inside the agent's subnets, which are denied; without this, egress sandboxes there could
+ * resolve no name. Not one the operator denied (FF_EGRESS_DENY_CIDRS) or that is always
+ * denied (loopback, link-local: unreachable from a sandbox namespace anyway), and, for a
+ * sandbox with an allow list, only one inside it.
+ */
+export function dnsResolvers(resolvConf: string, opts: { denied: string[]; allow: string[] }): string[] {
+  const out = new Set<string>();
+  const never = opts.denied.map((c) => parseCidr('denied', c));
+  const allow = opts.allow.map((c) => parseCidr('allow', c));
+  for (const l of resolvConf.split('\n')) {
+    const m = /^\s*nameserver\s+(\d+\.\d+\.\d+\.\d+)\s*(?:#.*)?$/.exec(l);
+    if (!m || !STRICT_IPV4_CIDR.test(`${m[1]}/32`)) continue;
+    const ip = m[1]!;
+    if (never.some((c) => inCidr(ip, c))) continue;
+    if (allow.length > 0 && !allow.some((c) => inCidr(ip, c))) continue;
+    out.add(ip);
+  }
+  return [...out];
+}
 
 /** The nftables ruleset of a sandbox namespace (pure; exported for unit tests). */
-export function sandboxRuleset(allow: string[], deny: string[]): string {
+export function sandboxRuleset(allow: string[], deny: string[], resolvers: string[] = []): string {
   const lines = [
     'table inet ff_egress {',
     '  chain out {',
     '    type filter hook output priority 0; policy drop;',
+    ...resolvers.flatMap((r) => [`    ip daddr ${r} udp dport 53 accept`, `    ip daddr ${r} tcp dport 53 accept`]),
     ...deny.map((c) => `    ip daddr ${c} drop`),
     ...(allow.length === 0 ? ['    meta nfproto ipv4 accept'] : allow.map((c) => `    ip daddr ${c} accept`)),
     '  }',
@@ -90,6 +169,8 @@ export class EgressManager {
   private readonly deny: Cidr[];
   private lock: Promise<unknown> = Promise.resolve();
   private agentSetup: Promise<void> | undefined;
+  /** The link index handed out last (undefined: none yet; the first goes after the highest present). */
+  private lastLink: number | undefined;
 
   constructor(private readonly opts: EgressOptions = {}) {
     this.pool = parseCidr('egress.pool', opts.pool ?? '100.96.0.0/16');
@@ -99,7 +180,7 @@ export class EgressManager {
 
   /** Validates a policy's CIDRs (the step fails before any QEMU starts). */
   static validate(policy: NetworkPolicySpec): void {
-    for (const c of policy.allowCidrs) parseCidr('network.allowCidrs', c);
+    policy.allowCidrs.forEach((c, i) => parseAllowCidr(`network.allow_cidrs[${i}]`, c));
   }
 
   private inAgentNs(cmd: string, args: string[]): [string, string[]] {
@@ -115,13 +196,22 @@ export class EgressManager {
    * Forwarding and the agent-side table, once per manager (idempotent, atomic replace).
    * Into a sandbox's link goes nothing but replies to what the sandbox opened: without that,
    * any machine on the host's network that routes the pool through the host reached into
-   * sandbox namespaces past allow_cidrs. (Forwarding between the host's other networks is
-   * left to the host's own firewall: a rule here that dropped it would also break a container
-   * runtime started after the agent.)
+   * sandbox namespaces past allow_cidrs.
+   *
+   * Forwarding between the host's other networks: when ip_forward was on before, it is left to
+   * the host's own firewall (a container runtime's, say). When it was off, the agent turns it
+   * on for the sandboxes only: the forward chain drops what goes neither from nor to a sandbox
+   * link, so the host does not start routing between its other interfaces. That rule is marked
+   * (FORWARD_GUARD_COMMENT) and kept by a restarted agent, which finds forwarding on. (A
+   * container runtime started later on such a host has its forwarded traffic dropped too: turn
+   * forwarding on in the host's sysctl.d instead.) The table is in place before forwarding is
+   * turned on, so a failure between the two leaves forwarding off, and a retry sees it off.
    */
   private ensureAgentSide(): Promise<void> {
     this.agentSetup ??= (async () => {
-      await this.agent('sysctl', ['-q', '-w', 'net.ipv4.ip_forward=1']);
+      const wasOn = (await this.agent('sysctl', ['-n', 'net.ipv4.ip_forward'])).trim() === '1';
+      const previous = wasOn ? await this.agent('nft', ['list', 'table', 'ip', 'ff_egress']).catch(() => '') : '';
+      const guard = !wasOn || previous.includes(FORWARD_GUARD_COMMENT);
       const deny = this.deny.map((c) => `    iifname "${HOST_LINK_PREFIX}*" ip daddr ${cidrText(c)} drop`);
       await this.agent('nft', ['-f', '-'], [
         'table ip ff_egress {}',
@@ -133,6 +223,7 @@ export class EgressManager {
         '  }',
         '  chain forward {',
         '    type filter hook forward priority 0; policy accept;',
+        ...(guard ? [`    iifname != "${HOST_LINK_PREFIX}*" oifname != "${HOST_LINK_PREFIX}*" drop comment "${FORWARD_GUARD_COMMENT}"`] : []),
         `    iifname "${HOST_LINK_PREFIX}*" oifname "${HOST_LINK_PREFIX}*" drop`,
         `    oifname "${HOST_LINK_PREFIX}*" ct state established,related accept`,
         `    oifname "${HOST_LINK_PREFIX}*" drop`,
@@ -145,6 +236,13 @@ export class EgressManager {
         '}',
         '',
       ].join('\n'));
+      if (!wasOn) {
+        await this.agent('sysctl', ['-q', '-w', 'net.ipv4.ip_forward=1']);
+        this.opts.logger?.warn(
+          { agentNetns: this.opts.agentNetns ?? 'own' },
+          'turned net.ipv4.ip_forward on for sandbox egress (it was off); table ip ff_egress forwards nothing but traffic from and to the sandbox links',
+        );
+      }
     })();
     this.agentSetup.catch(() => (this.agentSetup = undefined));
     return this.agentSetup;
@@ -169,23 +267,28 @@ export class EgressManager {
     const sbIp = ip4(this.pool.base + 4 * n + 2);
     await this.agent('ip', ['addr', 'add', `${hostIp}/30`, 'dev', link]);
     await this.agent('ip', ['link', 'set', link, 'up']);
-    const agentAddrs = (await this.agent('ip', ['-o', '-4', 'addr', 'show']))
-      .split('\n')
-      .map((l) => /inet (\d+\.\d+\.\d+\.\d+)\//.exec(l)?.[1])
-      .filter((a): a is string => !!a)
-      .map((a) => `${a}/32`);
-    const deny = [...ALWAYS_DENIED, cidrText(this.pool), ...agentAddrs, ...this.deny.map(cidrText)];
-    const allow = policy.allowCidrs.map((c) => cidrText(parseCidr('network.allowCidrs', c)));
+    // Every subnet of the agent's namespace, not only its addresses: with no FF_EGRESS_DENY_CIDRS
+    // the sandbox reached every other machine on the host's LAN. Its own /30 is in the pool,
+    // dropped too: the output chain sees the destination of what slirp sends, never the
+    // gateway it goes through (which is ARP, outside table inet).
+    const agentNets = agentNetworks(await this.agent('ip', ['-o', '-4', 'addr', 'show']));
+    const deny = [...new Set([...ALWAYS_DENIED, cidrText(this.pool), ...agentNets, ...this.deny.map(cidrText)])];
+    const allow = policy.allowCidrs.map((c, i) => cidrText(parseAllowCidr(`network.allow_cidrs[${i}]`, c)));
     const sb = (cmd: string, args: string[], input?: string): Promise<string> => exec('nsenter', [`--net=/proc/${pid}/ns/net`, '--', cmd, ...args], input);
     // The filter first, so the link is never up without it.
-    await sb('nft', ['-f', '-'], sandboxRuleset(allow, deny));
+    // DNS to the host's resolvers, which may sit on a denied subnet (dnsResolvers).
+    const resolvers = dnsResolvers(await readFile(this.opts.resolvConf ?? '/etc/resolv.conf', 'utf8').catch(() => ''), { denied: [...ALWAYS_DENIED, cidrText(this.pool), ...this.deny.map(cidrText)], allow });
+    await sb('nft', ['-f', '-'], sandboxRuleset(allow, deny, resolvers));
     await sb('ip', ['addr', 'add', `${sbIp}/30`, 'dev', 'eth0']);
     await sb('ip', ['link', 'set', 'eth0', 'up']);
     await sb('ip', ['route', 'add', 'default', 'via', hostIp]);
     return { link, sandboxAddress: sbIp };
   }
 
-  /** The lowest free ffe<n>, created as a veth whose peer (eth0) is in `pid`'s namespace. */
+  /**
+   * The next free ffe<n> after the last one handed out (round, so a freed /30 is reused as late
+   * as possible: see the header), created as a veth whose peer (eth0) is in `pid`'s namespace.
+   */
   private createLink(pid: number): Promise<number> {
     const next = this.lock.then(async () => {
       const max = 2 ** (32 - this.pool.len) / 4;
@@ -194,12 +297,16 @@ export class EgressManager {
           .split('\n')
           .map((l) => new RegExp(`^\\d+: ${HOST_LINK_PREFIX}(\\d+)[@:]`).exec(l)?.[1])
           .filter((x): x is string => !!x)
-          .map(Number),
+          .map(Number)
+          .filter((n) => n < max),
       );
-      for (let n = 0; n < max; n++) {
+      const last = this.lastLink ?? (used.size ? Math.max(...used) : -1);
+      for (let i = 1; i <= max; i++) {
+        const n = (last + i) % max;
         if (used.has(n)) continue;
         try {
           await this.agent('ip', ['link', 'add', `${HOST_LINK_PREFIX}${n}`, 'type', 'veth', 'peer', 'name', 'eth0', 'netns', String(pid)]);
+          this.lastLink = n;
           return n;
         } catch (e) {
           if (/exists/i.test(String((e as Error).message))) continue; // another agent took it

@@ -38,9 +38,11 @@ let peerPort = 0;
 
 // Egress fixture, all in namespaces this test creates (nothing changes in the root namespace):
 //   AG = the "agent's namespace" (where the driver puts the host ends and the NAT), with
-//        198.18.0.1/24 on its uplink and a control-plane stand-in listening on every address;
-//   UP = "the outside": 198.18.0.2 (allowed), 198.18.0.3 (allowed range, but in the driver's
-//        deny list), 198.19.0.1 (outside allow_cidrs), each with a listener.
+//        198.51.100.1/24 (the host's LAN) and 198.18.0.1/32 on its uplink, default via
+//        198.51.100.2, and a control-plane stand-in listening on every address;
+//   UP = the LAN's router, 198.51.100.2 (another machine on the host's LAN, with a listener),
+//        and beyond it "the outside": 198.18.0.2 (allowed), 198.18.0.3 (allowed range, but in
+//        the driver's deny list), 198.19.0.1 (outside allow_cidrs), each with a listener.
 const tag = Math.random().toString(36).slice(2, 7);
 const AG = `ffit-ag-${tag}`;
 const UP = `ffit-up-${tag}`;
@@ -80,13 +82,23 @@ async function makeEgressFixture(): Promise<void> {
     await ip('-n', ns, 'link', 'set', 'lo', 'up');
   }
   await ip('-n', AG, 'link', 'add', 'up0', 'type', 'veth', 'peer', 'name', 'up1', 'netns', UP);
-  await ip('-n', AG, 'addr', 'add', '198.18.0.1/24', 'dev', 'up0');
+  await ip('-n', AG, 'addr', 'add', '198.51.100.1/24', 'dev', 'up0');
+  await ip('-n', AG, 'addr', 'add', '198.18.0.1/32', 'dev', 'up0');
   await ip('-n', AG, 'link', 'set', 'up0', 'up');
-  await ip('-n', AG, 'route', 'add', 'default', 'via', '198.18.0.2');
-  for (const a of ['198.18.0.2/24', '198.18.0.3/24', '198.19.0.1/24']) await ip('-n', UP, 'addr', 'add', a, 'dev', 'up1');
+  await ip('-n', AG, 'route', 'add', 'default', 'via', '198.51.100.2');
+  for (const a of ['198.51.100.2/24', '198.18.0.2/24', '198.18.0.3/24', '198.19.0.1/24']) await ip('-n', UP, 'addr', 'add', a, 'dev', 'up1');
   await ip('-n', UP, 'link', 'set', 'up1', 'up');
-  await nsListeners(UP, [['198.18.0.2', 'allowed'], ['198.18.0.3', 'denied-by-agent'], ['198.19.0.1', 'outside-allow-list']]);
+  await nsListeners(UP, [['198.51.100.2', 'lan-neighbour'], ['198.18.0.2', 'allowed'], ['198.18.0.3', 'denied-by-agent'], ['198.19.0.1', 'outside-allow-list']]);
   await nsListeners(AG, [['0.0.0.0', 'agent-namespace']]);
+}
+
+/** The sandbox end of a VM's egress link and its gateway (the host end), read in its namespace. */
+async function linkOf(vmId: string): Promise<{ address: string; gateway: string }> {
+  const inside = (...args: string[]): Promise<string> => run('nsenter', [`--net=/proc/${driver.get(vmId)!.pid}/ns/net`, '--', 'ip', ...args]).then((r) => r.stdout);
+  const address = /inet (\d+\.\d+\.\d+\.\d+)\//.exec(await inside('-o', '-4', 'addr', 'show', 'dev', 'eth0'))?.[1];
+  const gateway = /default via (\d+\.\d+\.\d+\.\d+)/.exec(await inside('-4', 'route', 'show', 'default'))?.[1];
+  if (!address || !gateway) throw new Error(`${vmId} has no egress link`);
+  return { address, gateway };
 }
 
 async function sh(vmId: string, script: string, timeoutMs = 30_000): Promise<{ code: number; out: string; err: string }> {
@@ -264,8 +276,10 @@ describe('sandbox egress by policy (veth + NAT into a namespace this test made)'
     const [vm] = await driver.fork(snap, [{ vmId: 'eg1', sandboxId: 'eg1', network: allowedOnly }]);
     expect(vm?.state).toBe('running');
     const verdicts: Record<string, string> = {};
-    for (const host of ['198.18.0.2', '198.18.0.3', '198.19.0.1', '198.18.0.1', '100.96.0.1', SLIRP_HOST]) {
-      verdicts[host] = (await probe('eg1', host, EG_PORT)).verdict === 'reached' ? 'reached' : 'unreachable';
+    const { gateway } = await linkOf('eg1');
+    expect(gateway).toMatch(/^100\.96\./);
+    for (const host of ['198.18.0.2', '198.18.0.3', '198.19.0.1', '198.18.0.1', '198.51.100.2', gateway, SLIRP_HOST]) {
+      verdicts[host === gateway ? 'own gateway' : host] = (await probe('eg1', host, EG_PORT)).verdict === 'reached' ? 'reached' : 'unreachable';
     }
     const etcdPort = Number(new URL(etcd.endpoints[0]!).port);
     for (const [name, port] of [['etcd', etcdPort], ['nats', nats.port], ['scheduler', schedulerPort], ['peer', peerPort]] as const) {
@@ -276,7 +290,8 @@ describe('sandbox egress by policy (veth + NAT into a namespace this test made)'
       '198.18.0.3': 'unreachable', // in allow_cidrs, but on the driver's deny list (control plane elsewhere)
       '198.19.0.1': 'unreachable', // not in allow_cidrs
       '198.18.0.1': 'unreachable', // the agent's own namespace, although in allow_cidrs
-      '100.96.0.1': 'unreachable', // the host end of its own link
+      '198.51.100.2': 'unreachable', // another machine on the agent namespace's LAN
+      'own gateway': 'unreachable', // the host end of its own link
       [SLIRP_HOST]: 'unreachable',
       [`etcd@${SLIRP_HOST}`]: 'unreachable',
       [`nats@${SLIRP_HOST}`]: 'unreachable',
@@ -293,29 +308,32 @@ describe('sandbox egress by policy (veth + NAT into a namespace this test made)'
     expect((await probe('eg2', '198.18.0.2', EG_PORT)).verdict).toBe('reached');
     expect((await probe('eg2', '198.18.0.3', EG_PORT)).verdict).not.toBe('reached');
     expect((await probe('eg2', '198.18.0.1', EG_PORT)).verdict).not.toBe('reached');
+    // Another machine on the agent namespace's LAN (etcd, another host's peer port), although
+    // FF_EGRESS_DENY_CIDRS does not name it: the agent's connected subnets are refused whole.
+    expect((await probe('eg2', '198.51.100.2', EG_PORT)).verdict).not.toBe('reached');
     // eg1's end of its link (nothing listens in a sandbox namespace, so this shows no more than
     // that the address leads nowhere; the agent-side forward rule is the second layer).
     await sh('eg1', `(while true; do echo FF-REACHED eg1 | nc -l -p 7001; done) >/dev/null 2>&1 &`);
-    expect((await probe('eg2', '100.96.0.2', 7001)).verdict).not.toBe('reached');
+    expect((await probe('eg2', (await linkOf('eg1')).address, 7001)).verdict).not.toBe('reached');
   });
 
   it('egress_aMachineThatRoutesThePoolThroughTheHost_cannotOpenAConnectionIntoASandboxNamespace', async () => {
     // "The outside" routes the link pool through the agent's namespace, as any machine on a
     // host's network can: only replies to what the sandbox opened may go in.
     const vm = driver.list().find((v) => v.vmId === 'eg1')!;
-    const addr = /inet (\d+\.\d+\.\d+\.\d+)\//.exec((await run('nsenter', [`--net=/proc/${vm.pid}/ns/net`, '--', 'ip', '-o', '-4', 'addr', 'show', 'dev', 'eth0'])).stdout)?.[1];
+    const addr = (await linkOf('eg1')).address;
     expect(addr).toMatch(/^100\.96\./);
     // Stopped at the end: it would keep the namespace (and its link) after the sandbox goes.
     const listenerPid = await nsListeners(vm.pid, [['0.0.0.0', 'sandbox-namespace']]);
-    await ip('-n', UP, 'route', 'add', '100.96.0.0/16', 'via', '198.18.0.1');
+    await ip('-n', UP, 'route', 'add', '100.96.0.0/16', 'via', '198.51.100.1');
     try {
       const code = `const s=require('node:net').connect(${EG_PORT},process.argv[1]);s.on('data',(d)=>{process.stdout.write(d);process.exit(0)});s.on('error',(e)=>{console.log(e.code);process.exit(0)});setTimeout(()=>{console.log('timeout');process.exit(0)},3000)`;
-      const got = (await run('ip', ['netns', 'exec', UP, process.execPath, '-e', code, addr!])).stdout;
+      const got = (await run('ip', ['netns', 'exec', UP, process.execPath, '-e', code, addr])).stdout;
       expect(got).not.toContain('FF-REACHED');
       // The sandbox's own connections out still work (replies go in).
       expect((await probe('eg1', '198.18.0.2', EG_PORT)).verdict).toBe('reached');
     } finally {
-      await ip('-n', UP, 'route', 'del', '100.96.0.0/16', 'via', '198.18.0.1').catch(() => undefined);
+      await ip('-n', UP, 'route', 'del', '100.96.0.0/16', 'via', '198.51.100.1').catch(() => undefined);
       killHard(listenerPid);
     }
   });

@@ -558,7 +558,7 @@ export class QemuVmmDriver implements VmmDriver {
       // Egress: link the new namespace out before the guest can run (a boot starts at once, but
       // its NIC is up only seconds later; a restore runs only after `cont`).
       if (l.egress && network?.allowEgress && !l.startPaused) {
-        this.egressManager ??= new EgressManager(this.opts.egress);
+        this.egressManager ??= new EgressManager({ logger: this.opts.logger.child({ component: 'egress' }), ...this.opts.egress });
         await this.egressManager.attach(proc.pid, network);
       }
       // QEMU answers QMP once its RAM is set up: a preallocated file takes ~4 ms per MiB here.
@@ -2001,7 +2001,7 @@ export class QemuVmmDriver implements VmmDriver {
     // Adopted VMs with egress get this agent's agent-side rules (a changed deny list, or a
     // firewall reload that flushed them), not only the next new egress VM.
     if ([...this.vms.values()].some((v) => v.network?.allowEgress)) {
-      this.egressManager ??= new EgressManager(this.opts.egress);
+      this.egressManager ??= new EgressManager({ logger: this.opts.logger.child({ component: 'egress' }), ...this.opts.egress });
       await this.egressManager.applyAgentSide().catch((e: unknown) => this.opts.logger.error({ err: e }, 'egress rules of the agent side could not be applied for adopted sandboxes'));
     }
     await Promise.all(reaping);
