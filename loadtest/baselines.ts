@@ -98,8 +98,9 @@ async function nextJson(it: AsyncIterator<string>, what: string): Promise<Record
   return JSON.parse(r.value) as Record<string, unknown>;
 }
 
+/** SIGTERM to the child's PID, resolved once it has exited (at once if it already has, by a code or a signal). */
 function stop(child: ChildProcess): Promise<void> {
-  if (child.exitCode !== null || child.pid === undefined) return Promise.resolve();
+  if (child.exitCode !== null || child.signalCode !== null || child.pid === undefined) return Promise.resolve();
   const gone = new Promise<void>((r) => child.once('exit', () => r()));
   child.kill('SIGTERM');
   return gone;
@@ -121,11 +122,23 @@ function nodeIn(netns: string | undefined, args: string[]): ChildProcess {
   return spawn(bin!, rest, { stdio: ['pipe', 'pipe', 'inherit'], cwd: ROOT });
 }
 
-/** Starts the sender (not timed). Returns a function that runs one timed copy + classic restore. */
-export async function startNaive(b: LocalBaseline, path: CopyPath): Promise<{ once: () => Promise<{ ms: number; copyMs: number; bytes: number }>; close: () => Promise<void> }> {
+/**
+ * Starts the sender (not timed). Returns a function that runs one timed copy + classic restore.
+ * `register` gets the sender's stop right after its spawn (synchronously, before the first
+ * await), so a teardown in the window before it listens stops it too; the sender is also
+ * stopped when it fails to start. The returned `close` is the same stop (safe twice).
+ */
+export async function startNaive(b: LocalBaseline, path: CopyPath, register: (stop: () => Promise<void>) => void): Promise<{ once: () => Promise<{ ms: number; copyMs: number; bytes: number }>; close: () => Promise<void> }> {
   const disk = join(b.snap.dir, 'disk.qcow2');
   const server = nodeIn(path.fromNetns, ['serve', '--listen', `${path.fromAddress}:${path.port}`, '--files', `${b.classicFile},${disk}`, ...(path.tls ? ['--tls', path.tls.from.join(',')] : [])]);
-  await nextJson(lines(server), 'naive copy server');
+  const close = (): Promise<void> => stop(server);
+  register(close);
+  try {
+    await nextJson(lines(server), 'naive copy server');
+  } catch (e) {
+    await close();
+    throw e;
+  }
   let k = 0;
   return {
     once: async () => {
@@ -149,6 +162,6 @@ export async function startNaive(b: LocalBaseline, path: CopyPath): Promise<{ on
         await rm(out, { recursive: true, force: true });
       }
     },
-    close: () => stop(server),
+    close,
   };
 }

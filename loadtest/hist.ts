@@ -3,7 +3,7 @@
 import { build } from 'hdr-histogram-js';
 import type { Histogram } from 'hdr-histogram-js';
 
-/** What the JSON reports per scenario. Invariant: n > 0 implies p50 <= p95 <= p99 <= max. */
+/** What the JSON reports per scenario with samples. Invariant: n > 0 and p50 <= p95 <= p99 <= max. */
 export interface LatencySummary {
   n: number;
   p50_ms: number;
@@ -11,6 +11,19 @@ export interface LatencySummary {
   p99_ms: number;
   max_ms: number;
 }
+
+/** A scenario without a sample (one that failed at its first): no figure, rather than 0 ms, which reads as fast. */
+export interface NoSamples {
+  n: 0;
+  p50_ms: null;
+  p95_ms: null;
+  p99_ms: null;
+  max_ms: null;
+}
+
+export type SampleSummary = LatencySummary | NoSamples;
+
+export const NO_SAMPLES: Readonly<NoSamples> = Object.freeze({ n: 0, p50_ms: null, p95_ms: null, p99_ms: null, max_ms: null });
 
 export class LatencyHistogram {
   private readonly h: Histogram = build({ bitBucketSize: 64, lowestDiscernibleValue: 1, highestTrackableValue: 3_600_000_000, numberOfSignificantValueDigits: 3, useWebAssembly: false });
@@ -23,16 +36,16 @@ export class LatencyHistogram {
     this.h.recordValue(Math.max(1, Math.round(ms * 1000)));
   }
 
-  summary(): LatencySummary {
+  summary(): SampleSummary {
     return summarise(this.h, this.samples);
   }
 }
 
 const r1 = (x: number): number => Math.round(x * 10) / 10;
 
-function summarise(h: Histogram, samples: readonly number[]): LatencySummary {
+function summarise(h: Histogram, samples: readonly number[]): SampleSummary {
   const n = samples.length;
-  if (n === 0) return { n: 0, p50_ms: 0, p95_ms: 0, p99_ms: 0, max_ms: 0 };
+  if (n === 0) return { ...NO_SAMPLES };
   const at = (p: number): number => r1(h.getValueAtPercentile(p) / 1000);
   // HDR rounds up inside its bucket; the exact max is known, so no percentile may exceed it.
   const max = r1(Math.max(...samples));

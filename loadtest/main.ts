@@ -16,15 +16,15 @@ import { join, resolve } from 'node:path';
 import { tmpdir } from 'node:os';
 import { pino } from 'pino';
 import { Histogram, Registry } from 'prom-client';
-import { onInterrupt } from './interrupt.ts';
-import { LatencyHistogram } from './hist.ts';
-import { Driver, Locality, OperationKind, Spread, connect, OpFailed } from './scenarios.ts';
+import { RunStopped, stopThenUndo } from './interrupt.ts';
+import { LatencyHistogram, NO_SAMPLES } from './hist.ts';
+import { Driver, Locality, OperationKind, Spread, childrenPerHost, connect, newLedger, OpFailed } from './scenarios.ts';
 import { summarisePhases } from './phases.ts';
 import type { OpPhases, PhaseSummary } from './phases.ts';
 import { classicRestoreOnce, closeLocalBaseline, prepareLocalBaseline, startNaive } from './baselines.ts';
 import type { LocalBaseline } from './baselines.ts';
-import { checks, failedNames, renderReport } from './report.ts';
-import type { RunResult, ScenarioResult } from './report.ts';
+import { SCHEMA_VERSION, checks, failedNames, renderReport } from './report.ts';
+import type { Leftovers, RunResult, ScenarioResult } from './report.ts';
 import { formatPlan, planCapacity } from './plan.ts';
 import { linkGbpsOf, migrationStreamsEncrypted } from './run-env.ts';
 import { findSocat } from '../host-agent/adapters/peer/tls-relay.ts';
@@ -153,8 +153,8 @@ class Recorder {
     p.observe(ms / 1000);
   }
 
-  finish(name: string, failed?: string, truncated?: string): void {
-    const s = this.hists.get(name)?.summary() ?? { n: 0, p50_ms: 0, p95_ms: 0, p99_ms: 0, max_ms: 0 };
+  finish(name: string, failed?: string, truncated?: string, left: Leftovers = {}): void {
+    const s = { ...(this.hists.get(name)?.summary() ?? NO_SAMPLES), ...left };
     this.results[name] = failed ? { ...s, failed } : truncated ? { ...s, truncated } : s;
     log(`${name}: ${JSON.stringify(this.results[name])}`);
   }
@@ -210,35 +210,33 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
    * Undoes the run, once: what it made through the API (what a failed sample left, and with
    * --api the template and cordons on a fleet that stays up), the baselines, the fleet it
    * started. Also on Ctrl-C or a kill, which would otherwise leave the fleet up (its processes
-   * are detached) for the next run to find and measure on.
+   * are detached) for the next run to find and measure on. On those it first stops the run and
+   * waits for its code to unwind (RunStop.undo): a sample still going would fork or cordon
+   * behind tidy()'s back, and with --api that would stay on the shared fleet.
    */
-  let tornDown: Promise<void> | undefined;
-  const teardown = (): Promise<void> =>
-    (tornDown ??= (async () => {
-      // A fleet started here goes down whole; a given one keeps running, so it is tidied.
-      if (driver && !fleetMod) await driver.tidy().catch(() => undefined);
-      for (const c of cleanup.reverse()) await c().catch(() => undefined);
-      // The baselines' QEMUs, a classic restore under way included (detached, unknown to the driver).
-      await closeLocalBaseline(local ?? (await localP?.catch(() => undefined))).catch(() => undefined);
-      try {
-        if (fleetMod) {
-          // A start still running holds the fleet directory's lock: it finishes (or fails and
-          // cleans up after itself) first, then the fleet goes down whole.
-          if (starting) log('waiting for the fleet\'s start to finish, to take it down');
-          await starting?.catch(() => undefined);
-          log('bringing the fleet down');
-          await fleetMod.down(cfg.fleetDir);
-        }
-      } finally {
-        rmSync(work, { recursive: true, force: true });
-        if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
+  const teardown = async (): Promise<void> => {
+    // A fleet started here goes down whole; a given one keeps running, so it is tidied.
+    if (driver && !fleetMod) await driver.tidy().catch(() => undefined);
+    for (const c of cleanup.reverse()) await c().catch(() => undefined);
+    // The baselines' QEMUs, a classic restore under way included (detached, unknown to the driver).
+    await closeLocalBaseline(local ?? (await localP?.catch(() => undefined))).catch(() => undefined);
+    try {
+      if (fleetMod) {
+        // A start still running holds the fleet directory's lock: it finishes (or fails and
+        // cleans up after itself) first, then the fleet goes down whole.
+        if (starting) log('waiting for the fleet\'s start to finish, to take it down');
+        await starting?.catch(() => undefined);
+        log('bringing the fleet down');
+        await fleetMod.down(cfg.fleetDir);
       }
-    })());
-  let interrupted = false;
-  const offInterrupt = onInterrupt(async () => {
-    interrupted = true;
-    await teardown();
-  }, log);
+    } finally {
+      rmSync(work, { recursive: true, force: true });
+      if (metrics) await new Promise((r) => metrics!.close(() => r(undefined)));
+    }
+  };
+  const run = stopThenUndo(teardown, log);
+  /** Shared by the run's drivers: what tidy() undoes, and the stop every create, fork and cordon checks. */
+  const ledger = newLedger(run.signal);
   try {
     // Fleet (or a given API) and the QEMU-level baseline guest are prepared in parallel: setup only, nothing is timed.
     if (selected('classic_restore') || selected('naive_full_copy')) {
@@ -262,7 +260,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
         return fm.up(fleetOpts);
       }));
       // Ctrl-C while it started: the teardown takes the fleet down; the run stops here.
-      if (interrupted) throw new Error('interrupted');
+      run.check('fleet start');
       notes.push(`fleet agents: FF_RAM_POOL_MIB=${cfg.guestMib} (RAM of the guest's size filled at agent start, ADR 0016).`);
       notes.push(`between agents: ${cfg.peerTls ? `mutual TLS (chunk transfers and migration streams encrypted, the latter ${migrationTlsNote()})` : 'plain text (--peer-tls off)'}.`);
       apiAddr = st.apiAddresses[0]!;
@@ -271,20 +269,38 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     // A fleet started here: its admin credential; a given --api: FF_TOKEN / FF_CA / FF_CREDENTIALS.
     const api = connect(apiAddr, fleetMod ? join(cfg.fleetDir, 'credentials.json') : undefined);
     cleanup.push(async () => api.close());
-    const d = new Driver(api, cfg.opTimeoutMs);
+    const d = new Driver(api, cfg.opTimeoutMs, ledger);
     driver = d;
     // Setup steps (template boot, snapshots taken between samples) are not timed; give them longer.
-    const setup = new Driver(api, Math.max(cfg.opTimeoutMs, 240_000), d.ledger);
+    const setup = new Driver(api, Math.max(cfg.opTimeoutMs, 240_000), ledger);
     let hosts = await d.hosts();
     for (let i = 0; i < 100 && hosts.length < cfg.hosts && cfg.api === undefined; i++) {
       await new Promise((r) => setTimeout(r, 200));
       hosts = await d.hosts();
     }
-    const accel = hosts[0]?.accel ?? 'unknown';
+    const accels = new Set(hosts.map((h) => h.accel));
+    const accel = accels.size > 1 ? 'mixed' : (hosts[0]?.accel ?? 'unknown');
     const overBudget = (): boolean => Date.now() - started > cfg.budgetMs;
 
+    /** Notes the sandboxes a scenario could not destroy (those undestroyed now that were not at its start). */
+    const undestroyedNote = (name: string, before: ReadonlySet<string>): Leftovers => {
+      const mine = [...ledger.undestroyed].filter(([id]) => !before.has(id));
+      if (mine.length === 0) return {};
+      notes.push(`${name}: ${mine.length} sandbox(es) could not be destroyed (tried twice): ${mine.map(([id, why]) => `${id} (${why.slice(0, 120)})`).join(', ')}; the scenarios after it ran beside them (tried again before each, and at the end).`);
+      return { destroy_failures: mine.length };
+    };
+
+    /**
+     * Runs a scenario's samples. Stops at once (throwing RunStopped, so the run unwinds) when the
+     * run is stopping: checked before the scenario, before each sample, and after a failed one.
+     */
     async function scenario(name: string, samples: number, one: () => Promise<number[]>): Promise<void> {
+      run.check(name);
       if (!selected(name)) return rec.skip(name, 'not selected (--only)');
+      // What earlier scenarios could not destroy gets one more try; what is still there, this one runs beside.
+      if (ledger.undestroyed.size) await d.destroyAll([...ledger.undestroyed.keys()]);
+      const left: Leftovers = ledger.undestroyed.size ? { leftover_sandboxes: ledger.undestroyed.size } : {};
+      const undestroyedBefore = new Set(ledger.undestroyed.keys());
       const t0 = Date.now();
       const kinds = timedKind(name);
       d.phaseSink = (kind, p) => {
@@ -301,11 +317,13 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
             notes.push(`${name}: stopped after ${truncated} (time budget); no target is judged on it`);
             break;
           }
+          run.check(name);
           for (const ms of await one()) rec.record(name, ms);
         }
-        rec.finish(name, undefined, truncated);
+        rec.finish(name, undefined, truncated, { ...left, ...undestroyedNote(name, undestroyedBefore) });
       } catch (e) {
-        rec.finish(name, e instanceof Error ? e.message : String(e));
+        if (e instanceof RunStopped || run.signal.aborted) throw e instanceof RunStopped ? e : new RunStopped(name);
+        rec.finish(name, e instanceof Error ? e.message : String(e), undefined, { ...left, ...undestroyedNote(name, undestroyedBefore) });
       } finally {
         d.phaseSink = undefined;
       }
@@ -327,7 +345,13 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     // The scenarios whose p50s the issue's ratios compare take at least 5 samples: with 3, the
     // p50 is the middle one, and single samples swing by hundreds of ms on a shared machine.
     const ratioSamples = Math.max(cfg.samples, 5);
-    for (const n of [1, 4, 8]) await scenario(`fork_same_host_${n}`, n === 1 ? ratioSamples : Math.max(1, Math.ceil(cfg.samples / (n / 2))), async () => kids(await d.fork(s0.id, n, { locality: Locality.SAME_HOST })));
+    // Every child must land on a host that held the snapshot just before the fork (read untimed).
+    for (const n of [1, 4, 8]) {
+      await scenario(`fork_same_host_${n}`, n === 1 ? ratioSamples : Math.max(1, Math.ceil(cfg.samples / (n / 2))), async () => {
+        const holders = (await d.getSnapshot(s0.id)).hostIds;
+        return kids(await d.fork(s0.id, n, { locality: Locality.SAME_HOST }, { holders, on: 'holder' }));
+      });
+    }
 
     // A sample takes ~0.1 s, and single samples swing by tens of ms on a shared machine (the
     // first follows fork_same_host_8's teardown): with 15, one or two slow samples barely move the p50.
@@ -346,10 +370,25 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     if (hosts.length < 2) {
       for (const n of ['fork_cross_host_1', 'fork_cross_host_4']) rec.skip(n, 'needs at least 2 hosts');
     } else {
-      await scenario('fork_cross_host_1', ratioSamples, async () => kids(await d.fork((await fresh(1)).id, 1, { locality: Locality.CROSS_HOST })));
-      await scenario('fork_cross_host_4', Math.max(1, Math.ceil(cfg.samples / 2)), async () => kids(await d.fork((await fresh(hosts.length - 1)).id, 4, { locality: Locality.CROSS_HOST })));
+      // Every child must land on a host that did not hold the snapshot just before the fork.
+      const crossFork = async (need: number, n: number): Promise<number[]> => {
+        const s = await fresh(need);
+        return kids(await d.fork(s.id, n, { locality: Locality.CROSS_HOST }, { holders: s.hostIds, on: 'non-holder' }));
+      };
+      await scenario('fork_cross_host_1', ratioSamples, () => crossFork(1, 1));
+      await scenario('fork_cross_host_4', Math.max(1, Math.ceil(cfg.samples / 2)), () => crossFork(hosts.length - 1, 4));
     }
-    await scenario('fork_fanout', Math.max(1, Math.ceil(cfg.samples / 2)), async () => kids(await d.fork((await fresh(hosts.length - 1)).id, cfg.fanout, { spread: Spread.SPREAD })));
+    // SPREAD is a preference, not a limit (common.proto; scheduler/cost.ts adds 50 ms per
+    // sibling on a host): children may share a host when that is clearly faster, so no sample
+    // fails on where they went. Where they went is noted.
+    const spreads: string[] = [];
+    await scenario('fork_fanout', Math.max(1, Math.ceil(cfg.samples / 2)), async () => {
+      const s = await fresh(hosts.length - 1);
+      const r = await d.fork(s.id, cfg.fanout, { spread: Spread.SPREAD });
+      spreads.push(childrenPerHost(r.children, s.hostIds));
+      return kids(r);
+    });
+    if (spreads.length) notes.push(`fork_fanout: children per host in each sample (SPREAD prefers distinct hosts but does not require them): ${spreads.map((x) => `[${x}]`).join('; ')}.`);
     // A host fetches only the chunks it lacks, and every snapshot here is of the same template:
     // a host that fetched an earlier one holds most of a fresh one's chunks. What each sample
     // moved says how cold its cross-host fork was (a restore by migration moves the whole RAM).
@@ -366,33 +405,12 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
 
     // Hibernate + wake. Warm: the hibernation snapshot is on the host. Cold: its host is
     // cordoned, so the wake must land on a host that fetches the snapshot from a peer.
+    // The child is destroyed on every path, one whose hibernate failed included (Driver.wakeHibernated).
     let hibernateUnsupported: string | undefined;
-    const hibernated = async (): Promise<{ id: string; host: string }> => {
-      const { children } = await d.fork(s0.id, 1, { locality: Locality.SAME_HOST });
-      const c = children[0]!;
-      try {
-        await d.hibernate(c.id);
-      } catch (e) {
-        if (e instanceof OpFailed && e.notSupported) hibernateUnsupported = `HibernateSandbox not supported by this fleet: ${e.message}`;
-        throw e;
-      }
-      return { id: c.id, host: c.hostId };
+    const onHibernateError = (e: unknown): void => {
+      if (e instanceof OpFailed && e.notSupported) hibernateUnsupported = `HibernateSandbox not supported by this fleet: ${e.message}`;
     };
-    const wake = async (cold: boolean): Promise<number[]> => {
-      const h = await hibernated();
-      try {
-        if (cold) await d.cordon(h.host, true);
-        const ms = await d.resume(h.id);
-        const on = await d.hostOf(h.id);
-        if (cold && on === h.host) throw new Error(`woke on its own (cordoned) host ${h.host}: not a cold wake`);
-        // A warm wake is placed on its snapshot's host only by preference: one that went to a peer was not warm.
-        if (!cold && on !== h.host) throw new Error(`woke on ${on}, not on ${h.host} where its snapshot is: not a warm wake`);
-        return [ms];
-      } finally {
-        if (cold) await d.cordon(h.host, false).catch(() => undefined);
-        await d.destroyAll([h.id]);
-      }
-    };
+    const wake = async (cold: boolean): Promise<number[]> => [await d.wakeHibernated(s0.id, cold, onHibernateError)];
     for (const [name, cold] of [['resume_hibernated_warm', false], ['resume_hibernated_cold', true]] as const) {
       if (hibernateUnsupported) rec.skip(name, hibernateUnsupported);
       else if (cold && hosts.length < 2) rec.skip(name, 'needs at least 2 hosts');
@@ -406,6 +424,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     if (localP) {
       try {
         local = await localP;
+        run.check('QEMU-level baselines');
         if (selected('cold_boot')) rec.record('cold_boot', local.coldBootMs);
         notes.push(`QEMU-level baseline guest: accel ${local.accel}; its boot+setup (${Math.round(local.coldBootMs)} ms, below the API) is cold_boot sample 2.`);
         await scenario('classic_restore', ratioSamples, async () => [await classicRestoreOnce(local!)]);
@@ -417,8 +436,9 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
           return [f.ca, f.cert, f.key];
         };
         const naiveTls = a && b && fleetMod && migrationStreamsEncrypted(cfg.peerTls) ? { from: peerFiles(a), to: peerFiles(b) } : undefined;
-        const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990, ...(naiveTls ? { tls: naiveTls } : {}) } : { fromAddress: '127.0.0.1', port: 19795 });
-        cleanup.push(naive.close);
+        // The copy server's stop is in the clean-up list from its spawn on, not from its "listening":
+        // a Ctrl-C in between would leave it running in the fleet host's namespace.
+        const naive = await startNaive(local, a && b ? { fromNetns: a.netns, toNetns: b.netns, fromAddress: a.address, port: 7990, ...(naiveTls ? { tls: naiveTls } : {}) } : { fromAddress: '127.0.0.1', port: 19795 }, (stop) => cleanup.push(stop));
         if (!(a && b)) notes.push('naive_full_copy: no fleet namespaces known (--api), so the copy ran over unshaped loopback.');
         const copies: Array<{ bytes: number; copyMs: number }> = [];
         await scenario('naive_full_copy', ratioSamples, async () => {
@@ -431,6 +451,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
           notes.push(`naive_full_copy: copied ${(copies[0]!.bytes / 1048576).toFixed(1)} MiB (full-RAM save stream + disk layer) ${naiveTls ? 'over mutual TLS, as the fleet\'s peers, ' : ''}in ${Math.round(ms[(ms.length - 1) >> 1]!)} ms (median of ${ms.length}; ${Math.round(ms[0]!)}-${Math.round(ms[ms.length - 1]!)}), then a classic restore.`);
         }
       } catch (e) {
+        if (e instanceof RunStopped) throw e;
         // A selected baseline that could not run failed (the run exits nonzero), it was not skipped.
         const why = `QEMU-level baseline failed: ${e instanceof Error ? e.message : String(e)}`;
         for (const n of ['classic_restore', 'naive_full_copy']) {
@@ -447,6 +468,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       return [r.ms];
     });
     await d.tidy();
+    if (ledger.undestroyed.size) notes.push(`${ledger.undestroyed.size} sandbox(es) could not be destroyed even at the end (tidy): ${[...ledger.undestroyed.keys()].join(', ')}; they are still on the fleet.`);
     // A failed scenario (or --keep-logs): the fleet's process logs outlive the fleet (fleet:down deletes its directory).
     const failed = failedNames(rec.results);
     if ((failed.length > 0 || cfg.keepLogs) && fleetMod) {
@@ -470,16 +492,19 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     const linkGbps = fleetMod ? cfg.linkGbps : linkGbpsOf(hosts);
     if (!fleetMod) notes.push(`link: ${linkGbps === null ? 'unknown (the hosts report no link rate, or differing ones)' : `${linkGbps} Gbit/s, as the hosts report it`}; --link applies only to a fleet the load test starts.`);
     return {
-      env: { accel, hosts: hosts.length, link_gbps: linkGbps, guest_mib: cfg.guestMib, dirty_mib: cfg.dirtyMib, date: new Date().toISOString(), git_commit: gitCommit(), api: apiAddr, mode: cfg.quick ? 'quick' : 'full', notes },
+      schema_version: SCHEMA_VERSION,
+      env: { accel, ...(local ? { baseline_accel: local.accel } : {}), hosts: hosts.length, link_gbps: linkGbps, guest_mib: cfg.guestMib, dirty_mib: cfg.dirtyMib, date: new Date().toISOString(), git_commit: gitCommit(), api: apiAddr, mode: cfg.quick ? 'quick' : 'full', notes },
       scenarios,
       samples,
       phases,
     };
   } finally {
+    // First: a teardown started by a signal waits for this (the run's code has unwound).
+    run.loopEnded();
     try {
-      await teardown();
+      await run.undo();
     } finally {
-      offInterrupt();
+      run.off();
     }
   }
 }
@@ -515,13 +540,13 @@ async function main(): Promise<number> {
   writeFileSync(join(cfg.report, 'report.md'), markdown);
   for (const [f, svg] of Object.entries(files)) writeFileSync(join(cfg.report, f), svg);
   // The ratios against this run's own baselines go into the JSON too, not only into the report.
-  const ratios = checks(result.scenarios);
+  const ratios = checks(result.scenarios, result.env);
   const withRatios = `${JSON.stringify({ ...result, checks: ratios }, null, 2)}\n`;
   writeFileSync(join(cfg.report, 'result.json'), withRatios);
   if (cfg.json) writeFileSync(cfg.json, withRatios);
   for (const c of ratios) log(`${c.what.padEnd(50)} ${c.target.padEnd(9)} ${c.value.padEnd(10)} ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'}`);
   log(`report: ${join(cfg.report, 'report.md')}`);
-  process.stdout.write(`${JSON.stringify({ env: result.env, scenarios: result.scenarios, checks: ratios })}\n`);
+  process.stdout.write(`${JSON.stringify({ schema_version: result.schema_version, env: result.env, scenarios: result.scenarios, checks: ratios })}\n`);
   const failed = failedNames(result.scenarios);
   if (failed.length) log(`failed: ${failed.join(', ')} (exit 1)`);
   return failed.length ? 1 : 0;

@@ -42,6 +42,12 @@ describe('capacity planner', () => {
     expect(crossHostExtraMs(modelFrom(run), 1)).toBe(1000);
   });
 
+  it('modelFrom_aScenarioWithoutSamples_isNoData_notAZeroMsFork', () => {
+    const none = { n: 0 as const, p50_ms: null, p95_ms: null, p99_ms: null, max_ms: null, failed: 'exec timed out' };
+    expect(() => modelFrom({ ...run, schema_version: 2, scenarios: { ...run.scenarios, fork_cross_host_1: none } })).toThrow(/no complete fork_cross_host_1 \(it failed: exec timed out\)/);
+    expect(() => modelFrom({ ...run, schema_version: 3 })).toThrow(/schema_version 3 is newer/);
+  });
+
   it('modelFrom_aRunWithAnUnknownLinkRate_throws', () => {
     expect(() => modelFrom({ ...run, env: { ...run.env, link_gbps: null } })).toThrow(/link rate is unknown/);
   });

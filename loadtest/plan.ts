@@ -15,7 +15,7 @@
 import { buildFleetView, place, xoshiro128ss } from '../scheduler/index.ts';
 import type { HostInput, SnapshotInput } from '../scheduler/index.ts';
 import type { RunResult } from './report.ts';
-import { isComplete } from './report.ts';
+import { SCHEMA_VERSION, isComplete } from './report.ts';
 
 export interface PlanOptions {
   forksPerSecond: number;
@@ -65,6 +65,8 @@ export interface Plan {
 }
 
 export function modelFrom(run: RunResult): LatencyModel {
+  // Versions 1 and 2 read alike here (a scenario without samples is no data in both: isComplete needs n > 0).
+  if ((run.schema_version ?? 1) > SCHEMA_VERSION) throw new Error(`--from: the run's schema_version ${run.schema_version} is newer than this planner reads (${SCHEMA_VERSION})`);
   const same = run.scenarios.fork_same_host_1;
   const cross = run.scenarios.fork_cross_host_1;
   if (!isComplete(same)) throw new Error(`--from: the run has no complete fork_same_host_1 (${same && 'failed' in same ? `it failed: ${same.failed}` : 'no samples'})`);

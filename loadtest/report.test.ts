@@ -62,3 +62,37 @@ describe('report', () => {
     expect(markdown).toContain('| fork_cross_host_1 | 5 | 2400 | 12 | 2300 | 30 | 150 | 180.0 | 5 |');
   });
 });
+
+describe('report: scenarios without samples, leftovers and accel', () => {
+  it('renderReport_aScenarioThatFailedAtItsFirstSample_showsNoFigures_notZeroMs', () => {
+    const s = { ...base.scenarios, fork_cross_host_1: { n: 0, p50_ms: null, p95_ms: null, p99_ms: null, max_ms: null, failed: 'exec timed out' } } as RunResult['scenarios'];
+    const { markdown, files } = renderReport({ ...base, scenarios: s });
+    expect(markdown).toContain('| fork_cross_host_1 | 0 (failed after 0: exec timed out) | - | - | - | - |');
+    expect(markdown).not.toMatch(/\| null \|/);
+    expect(files['same-vs-cross.svg']).not.toContain('cross host p50');
+    expect(Object.fromEntries(checks(s).map((x) => [x.what, x]))['fork_cross_host_1 / fork_same_host_1 (p50)']).toMatchObject({ measured: null, ok: false });
+  });
+
+  it('renderReport_aScenarioThatLeftSandboxesBehind_saysSo', () => {
+    const s = { ...base.scenarios, fork_same_host_1: { n: 3, p50_ms: 100, p95_ms: 120, p99_ms: 120, max_ms: 120, destroy_failures: 2 }, classic_restore: { n: 3, p50_ms: 600, p95_ms: 700, p99_ms: 700, max_ms: 700, leftover_sandboxes: 2 } };
+    const { markdown } = renderReport({ ...base, scenarios: s });
+    expect(markdown).toContain('| fork_same_host_1 | 3 (2 not destroyed) | 100 |');
+    expect(markdown).toContain('| classic_restore | 3 (ran beside 2 left over) | 600 |');
+  });
+
+  it('checks_againstABaselineOnAnotherAccel_areNotEvaluated_andSayWhy', () => {
+    const c = Object.fromEntries(checks(base.scenarios, { accel: 'kvm', baseline_accel: 'tcg' }).map((x) => [x.what, x]));
+    for (const w of ['fork_same_host_1 / classic_restore (p50)', 'fork_cross_host_1 / naive_full_copy (p50)']) expect(c[w]).toMatchObject({ value: 'not evaluated: fleet accel kvm, baseline accel tcg', measured: null, ok: undefined });
+    // A ratio of two fleet scenarios is judged as ever.
+    expect(c['fork_cross_host_1 / fork_same_host_1 (p50)']?.ok).toBe(true);
+    const same = Object.fromEntries(checks(base.scenarios, { accel: 'tcg', baseline_accel: 'tcg' }).map((x) => [x.what, x]));
+    expect(same['fork_same_host_1 / classic_restore (p50)']).toMatchObject({ value: '0.17', ok: true });
+    const unknown = Object.fromEntries(checks(base.scenarios, { accel: 'tcg' }).map((x) => [x.what, x]));
+    expect(unknown['fork_same_host_1 / classic_restore (p50)']).toMatchObject({ value: "not evaluated: the baseline's accel is unknown", ok: undefined });
+  });
+
+  it('renderReport_judgesTheBaselineRatiosWithTheRunsAccels', () => {
+    const { markdown } = renderReport({ ...base, env: { ...base.env, accel: 'kvm', baseline_accel: 'tcg' } });
+    expect(markdown).toContain('| fork_same_host_1 / classic_restore (p50) | <= 0.33 | not evaluated: fleet accel kvm, baseline accel tcg | no data |');
+  });
+});

@@ -1,11 +1,17 @@
 // Markdown report with SVG charts, from a run's result. Pure: returns strings.
 import { renderBars, renderCdf } from './svg.ts';
 import type { BarGroup } from './svg.ts';
-import type { LatencySummary } from './hist.ts';
+import type { LatencySummary, SampleSummary } from './hist.ts';
 import type { PhaseSummary } from './phases.ts';
 
+/** The version of the result JSON's layout (ADR 0010 lists its fields); a file without one is version 1. */
+export const SCHEMA_VERSION = 2;
+
 export interface RunEnv {
+  /** The fleet's hosts' accel (kvm or tcg; "mixed" when they differ, "unknown" without hosts). */
   accel: string;
+  /** The QEMU-level baselines' accel; absent when they did not start. Ratios to them need it equal to `accel`. */
+  baseline_accel?: string;
   hosts: number;
   /** The hosts' link rate; null when unknown (a given fleet's hosts report none, or differing ones). */
   link_gbps: number | null;
@@ -18,10 +24,25 @@ export interface RunEnv {
   notes: string[];
 }
 
-/** `truncated`: the time budget stopped it before all its samples ("3 of 5 samples"). */
-export type ScenarioResult = LatencySummary | { skipped: string } | (LatencySummary & { failed: string }) | (LatencySummary & { truncated: string });
+/**
+ * What a scenario left behind: `destroy_failures`, its sandboxes that could not be destroyed
+ * (tried twice); `leftover_sandboxes`, sandboxes of earlier scenarios still on the fleet when
+ * it started (its samples ran beside them). Each only when above 0.
+ */
+export interface Leftovers {
+  destroy_failures?: number;
+  leftover_sandboxes?: number;
+}
+
+/**
+ * `truncated`: the time budget stopped it before all its samples ("3 of 5 samples"). With
+ * n = 0 (it failed at its first sample) the percentiles are null.
+ */
+export type ScenarioResult = (SampleSummary & Leftovers) | { skipped: string } | (SampleSummary & Leftovers & { failed: string }) | (SampleSummary & Leftovers & { truncated: string });
 
 export interface RunResult {
+  /** SCHEMA_VERSION when written; absent in a version-1 file. */
+  schema_version?: number;
   env: RunEnv;
   scenarios: Record<string, ScenarioResult>;
   samples: Record<string, number[]>;
@@ -66,11 +87,15 @@ export const CHART_GROUPS: ReadonlyArray<{ file: string; title: string; names: r
   { file: 'cdf-restore.svg', title: 'Restore latency CDF against baselines', names: ['fork_same_host_1', 'fork_cross_host_1', 'restore_concurrent', 'classic_restore', 'naive_full_copy', 'cold_boot'] },
 ];
 
+/** A percentile for the table: "-" when there is no sample (never 0 ms). */
+const ms = (v: number | null): string => (v === null ? '-' : String(v));
+
 function cell(r: ScenarioResult | undefined): string {
   if (r === undefined) return '| not run | | | | |';
   if ('skipped' in r) return `| skipped: ${r.skipped.replace(/\|/g, '/')} | | | | |`;
   const fail = 'failed' in r ? ` (failed after ${r.n}: ${r.failed.replace(/\|/g, '/').slice(0, 160)})` : 'truncated' in r ? ` (stopped by the time budget: ${r.truncated})` : '';
-  return `| ${r.n}${fail} | ${r.p50_ms} | ${r.p95_ms} | ${r.p99_ms} | ${r.max_ms} |`;
+  const left = [r.destroy_failures ? `${r.destroy_failures} not destroyed` : '', r.leftover_sandboxes ? `ran beside ${r.leftover_sandboxes} left over` : ''].filter(Boolean).join('; ');
+  return `| ${r.n}${fail}${left ? ` (${left})` : ''} | ${ms(r.p50_ms)} | ${ms(r.p95_ms)} | ${ms(r.p99_ms)} | ${ms(r.max_ms)} |`;
 }
 
 export interface Check {
@@ -82,12 +107,17 @@ export interface Check {
   ok: boolean | undefined;
 }
 
+/** The scenarios measured at the QEMU level in the load-test process, on the baseline guest's accel. */
+const BASELINES: ReadonlySet<string> = new Set(['classic_restore', 'naive_full_copy']);
+
 /**
  * The acceptance ratios of issue 7, from one run. `ok` is undefined when a side is missing
  * (skipped, not run, or stopped early by the time budget: too few samples to judge) and false
- * when a side failed: its samples are partial, so no figure is taken from it.
+ * when a side failed: its samples are partial, so no figure is taken from it. A ratio to a
+ * baseline is not evaluated (`ok` undefined, the reason in `value`) unless `env` shows the
+ * baseline ran on the fleet's accel: a KVM fork against a TCG restore compares nothing.
  */
-export function checks(s: Record<string, ScenarioResult>): Check[] {
+export function checks(s: Record<string, ScenarioResult>, env?: Pick<RunEnv, 'accel' | 'baseline_accel'>): Check[] {
   const p50 = (n: string): number | undefined => {
     const r = s[n];
     return isComplete(r) ? r.p50_ms : undefined;
@@ -102,6 +132,10 @@ export function checks(s: Record<string, ScenarioResult>): Check[] {
   const ratio = (what: string, a: string, b: string, max: number, target: string): Check => {
     const failed = failedOf(what, target, a, b);
     if (failed) return failed;
+    if (BASELINES.has(b) && isComplete(s[b]) && env?.baseline_accel !== env?.accel) {
+      const why = env?.baseline_accel === undefined ? 'the baseline\'s accel is unknown' : `fleet accel ${env.accel}, baseline accel ${env.baseline_accel}`;
+      return { what, target, value: `not evaluated: ${why}`, measured: null, ok: undefined };
+    }
     const x = p50(a);
     const y = p50(b);
     const v = x !== undefined && y !== undefined && y > 0 ? x / y : undefined;
@@ -173,7 +207,7 @@ export function renderReport(r: RunResult): { markdown: string; files: Record<st
     '',
     '| check | target | measured | |',
     '| --- | --- | --- | --- |',
-    ...checks(r.scenarios).map((c) => `| ${c.what} | ${c.target} | ${c.value} | ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'} |`),
+    ...checks(r.scenarios, r.env).map((c) => `| ${c.what} | ${c.target} | ${c.value} | ${c.ok === undefined ? 'no data' : c.ok ? 'ok' : 'MISS'} |`),
     '',
     ...(r.phases && Object.keys(r.phases).length
       ? [

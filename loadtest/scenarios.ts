@@ -10,6 +10,7 @@ import { Locality, Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { setupScript } from './workload.ts';
 import { phasesOf } from './phases.ts';
 import type { OpPhases } from './phases.ts';
+import { RunStopped } from './interrupt.ts';
 
 export type Api = Client<(typeof FleetService)['method']>;
 export const TENANT = 'loadtest';
@@ -49,10 +50,44 @@ export interface Ledger {
   cordoned: Set<string>;
   /** Creates and forks under way (operation ids): tidy() cancels them. */
   ops: Set<string>;
+  /**
+   * Sandboxes whose destroy failed twice (id to the last error): still on the fleet, taking its
+   * CPU under the samples that follow. A later destroy that succeeds removes one. A subset of `sandboxes`.
+   */
+  undestroyed: Map<string, string>;
+  /**
+   * Aborted when the run stops (Ctrl-C): no create, fork or host cordon starts after it, and
+   * waits for operations and execs end at once. Clean-up (cancel, destroy, uncordon) ignores it.
+   */
+  signal: AbortSignal | undefined;
 }
 
-export function newLedger(): Ledger {
-  return { run: `lt-${process.pid}-${Date.now()}`, sandboxes: new Set(), cordoned: new Set(), ops: new Set() };
+export function newLedger(signal?: AbortSignal): Ledger {
+  return { run: `lt-${process.pid}-${Date.now()}`, sandboxes: new Set(), cordoned: new Set(), ops: new Set(), undestroyed: new Map(), signal };
+}
+
+/** Where a fork's children must be, relative to the hosts that held its snapshot just before it. */
+export interface PlacementWant {
+  /** Snapshot.host_ids read before the fork. */
+  holders: readonly string[];
+  /** `holder`: LOCALITY_SAME_HOST; `non-holder`: LOCALITY_CROSS_HOST. */
+  on: 'holder' | 'non-holder';
+}
+
+/** Why the children are not where `want` says (undefined when they all are): a sample placed so measures something else. */
+export function misplaced(want: PlacementWant, children: ReadonlyArray<{ id: string; hostId: string }>): string | undefined {
+  const held = new Set(want.holders);
+  const bad = children.filter((c) => held.has(c.hostId) !== (want.on === 'holder'));
+  if (bad.length === 0) return undefined;
+  const where = want.on === 'holder' ? 'a host that did not hold' : 'a host that already held';
+  return `fork placed ${bad.length} of ${children.length} children on ${where} the snapshot (${bad.map((c) => `${c.id} on ${c.hostId || 'no host'}`).join(', ')}; holders before the fork: ${want.holders.join(', ') || 'none'})`;
+}
+
+/** Children per host, holders of the snapshot marked: "h1 2 (holder), h2 2, h3 2". */
+export function childrenPerHost(children: ReadonlyArray<{ hostId: string }>, holders: readonly string[]): string {
+  const n = new Map<string, number>();
+  for (const c of children) n.set(c.hostId, (n.get(c.hostId) ?? 0) + 1);
+  return [...n].sort(([a], [b]) => a.localeCompare(b)).map(([h, k]) => `${h || 'no host'} ${k}${holders.includes(h) ? ' (holder)' : ''}`).join(', ');
 }
 
 export class Driver {
@@ -62,14 +97,27 @@ export class Driver {
   /** `ledger`: shared by the drivers of one run (one for timed calls, one for setup). */
   constructor(readonly api: Api, readonly opTimeoutMs: number, readonly ledger: Ledger = newLedger()) {}
 
+  /** Throws RunStopped once the run stops: what would start something (a create, fork or cordon) checks first. */
+  private check(what: string): void {
+    if (this.ledger.signal?.aborted) throw new RunStopped(what);
+  }
+
   /** Hands the sink a timed op's breakdown: `opAt` when the API answered it done, `readyAt` when its last sandbox answered an exec. */
   private phases(op: Operation, opAt: number, readyAt: number): void {
     const p = this.phaseSink && phasesOf(op, readyAt - opAt);
     if (p) this.phaseSink!(op.kind, p);
   }
 
-  async done(op: Operation): Promise<Operation> {
-    const f = await this.api.waitOperation({ tenantId: TENANT, operationId: op.id, timeout: { seconds: BigInt(Math.ceil(this.opTimeoutMs / 1000)) } }, { timeoutMs: this.opTimeoutMs + 10_000 });
+  /** Waits for `op`; `abortable`: a stop of the run ends the wait at once (RunStopped), the operation goes on. */
+  async done(op: Operation, abortable = true): Promise<Operation> {
+    const signal = abortable ? this.ledger.signal : undefined;
+    let f: Operation;
+    try {
+      f = await this.api.waitOperation({ tenantId: TENANT, operationId: op.id, timeout: { seconds: BigInt(Math.ceil(this.opTimeoutMs / 1000)) } }, { timeoutMs: this.opTimeoutMs + 10_000, ...(signal ? { signal } : {}) });
+    } catch (e) {
+      if (signal?.aborted) throw new RunStopped(`waiting for operation ${op.id}`);
+      throw e;
+    }
     if (f.state === OperationState.SUCCEEDED) return f;
     const msg = f.error?.message ?? '';
     const state = OperationState[f.state] ?? String(f.state);
@@ -83,11 +131,14 @@ export class Driver {
    * no answer names those sandboxes, and they would run under every later scenario.
    */
   private async made(submit: (call: { idempotencyKey: string; labels: Record<string, string> }) => Promise<Operation>): Promise<Operation> {
+    this.check('create or fork');
     const k = key();
     let op: Operation | undefined;
     try {
       op = await submit({ idempotencyKey: k, labels: { [RUN_LABEL]: this.ledger.run, [CALL_LABEL]: k } });
       this.ledger.ops.add(op.id);
+      // Stopped while it was submitted: the teardown may have listed the run's sandboxes already.
+      this.check('create or fork');
       return await this.done(op);
     } catch (e) {
       if (op) await this.cancel(op.id);
@@ -124,9 +175,15 @@ export class Driver {
   async exec(sandboxId: string, script: string): Promise<string> {
     let out = '';
     let code = -1;
-    for await (const r of this.api.exec({ tenantId: TENANT, idempotencyKey: key(), sandboxId, argv: ['/bin/sh', '-c', script], timeout: { seconds: 300n } }, { timeoutMs: 310_000 })) {
-      if (r.payload.case === 'stdout') out += Buffer.from(r.payload.value).toString();
-      if (r.payload.case === 'exit') code = r.payload.value.exitCode;
+    const signal = this.ledger.signal;
+    try {
+      for await (const r of this.api.exec({ tenantId: TENANT, idempotencyKey: key(), sandboxId, argv: ['/bin/sh', '-c', script], timeout: { seconds: 300n } }, { timeoutMs: 310_000, ...(signal ? { signal } : {}) })) {
+        if (r.payload.case === 'stdout') out += Buffer.from(r.payload.value).toString();
+        if (r.payload.case === 'exit') code = r.payload.value.exitCode;
+      }
+    } catch (e) {
+      if (signal?.aborted) throw new RunStopped(`exec in ${sandboxId}`);
+      throw e;
     }
     if (code !== 0) throw new Error(`exec in ${sandboxId} exited ${code}`);
     return out;
@@ -157,8 +214,11 @@ export class Driver {
     return this.api.getSnapshot({ tenantId: TENANT, snapshotId });
   }
 
-  /** fork(N); each child's latency is from the call until it answers an exec. */
-  async fork(snapshotId: string, count: number, placement: { locality?: Locality; spread?: Spread }): Promise<{ children: Sandbox[]; ms: number[] }> {
+  /**
+   * fork(N); each child's latency is from the call until it answers an exec. `where`: the
+   * children must be on (or off) the snapshot's holders, else the sample fails (its children destroyed).
+   */
+  async fork(snapshotId: string, count: number, placement: { locality?: Locality; spread?: Spread }, where?: PlacementWant): Promise<{ children: Sandbox[]; ms: number[] }> {
     const t0 = performance.now();
     const op = await this.made((call) => this.api.forkSandbox({ tenantId: TENANT, ...call, source: { case: 'snapshotId', value: snapshotId }, count, placement }));
     const opAt = performance.now();
@@ -166,6 +226,8 @@ export class Driver {
     for (const c of children) this.ledger.sandboxes.add(c.id);
     try {
       if (children.length !== count) throw new Error(`fork returned ${children.length} children, asked for ${count}`);
+      const wrong = where && misplaced(where, children);
+      if (wrong) throw new Error(wrong);
       const ms = await Promise.all(children.map(async (c) => (await this.exec(c.id, 'true'), performance.now() - t0)));
       this.phases(op, opAt, t0 + Math.max(...ms));
       return { children, ms };
@@ -225,21 +287,78 @@ export class Driver {
     return (await this.api.getSandbox({ tenantId: TENANT, sandboxId })).hostId;
   }
 
+  /** A cordon refuses once the run stops (RunStopped); an uncordon (clean-up) always goes ahead. */
   async cordon(hostId: string, cordon: boolean): Promise<void> {
+    if (cordon) this.check(`cordon ${hostId}`);
     if (cordon) this.ledger.cordoned.add(hostId);
     await this.api.cordonHost({ idempotencyKey: key(), hostId, cordon });
     if (!cordon) this.ledger.cordoned.delete(hostId);
   }
 
+  /**
+   * Destroys each sandbox, trying a failed one once more. One that fails twice stays on the
+   * fleet: it goes into the ledger's `undestroyed`, for the caller to report, and tidy() tries
+   * it again at the end. Never throws; a stop of the run does not cut it short.
+   */
   async destroyAll(ids: readonly string[]): Promise<void> {
+    const once = async (sandboxId: string): Promise<void> => {
+      try {
+        await this.done(await this.api.destroySandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }), false);
+      } catch (e) {
+        // Gone already (a cancelled fork destroys what it made): nothing is left running.
+        if ((e as { kind?: unknown }).kind !== 'not_found') throw e;
+      }
+    };
     await Promise.all(ids.map(async (sandboxId) => {
       try {
-        await this.done(await this.api.destroySandbox({ tenantId: TENANT, idempotencyKey: key(), sandboxId }));
+        await once(sandboxId).catch(() => once(sandboxId));
         this.ledger.sandboxes.delete(sandboxId);
-      } catch {
-        /* best effort here; tidy() tries what is left again at the end */
+        this.ledger.undestroyed.delete(sandboxId);
+      } catch (e) {
+        this.ledger.undestroyed.set(sandboxId, e instanceof Error ? e.message : String(e));
       }
     }));
+  }
+
+  /**
+   * A same-host child of `snapshotId`, hibernated (not timed: a wake's setup). A child whose
+   * hibernate fails is destroyed before the error is thrown (`onHibernateError` sees it first).
+   */
+  async hibernatedChild(snapshotId: string, onHibernateError?: (e: unknown) => void): Promise<{ id: string; host: string }> {
+    const { children } = await this.fork(snapshotId, 1, { locality: Locality.SAME_HOST });
+    const c = children[0]!;
+    try {
+      await this.hibernate(c.id);
+    } catch (e) {
+      onHibernateError?.(e);
+      await this.destroyAll([c.id]);
+      throw e;
+    }
+    return { id: c.id, host: c.hostId };
+  }
+
+  /**
+   * Wakes a hibernated child of `snapshotId`; ms from ResumeSandbox until it answers an exec.
+   * Warm: on its own host, where its snapshot is. Cold: its host cordoned first, so it must
+   * wake on a peer that fetches the snapshot; a wake that stays put is an error, not a sample.
+   * The child is destroyed (and its host uncordoned) on every path.
+   */
+  async wakeHibernated(snapshotId: string, cold: boolean, onHibernateError?: (e: unknown) => void): Promise<number> {
+    const h = await this.hibernatedChild(snapshotId, onHibernateError);
+    try {
+      if (cold) await this.cordon(h.host, true);
+      const ms = await this.resume(h.id);
+      const on = await this.hostOf(h.id);
+      if (cold && on === h.host) throw new Error(`woke on its own (cordoned) host ${h.host}: not a cold wake`);
+      // A warm wake is placed on its snapshot's host only by preference: one that went to a peer was not warm.
+      if (!cold && on !== h.host) throw new Error(`woke on ${on}, not on ${h.host} where its snapshot is: not a warm wake`);
+      return ms;
+    } finally {
+      // Only a cordon this run asked for (the ledger has it from before the call): on a shared
+      // fleet (--api) the host may have been cordoned by someone else, if ours was refused.
+      if (cold && this.ledger.cordoned.has(h.host)) await this.cordon(h.host, false).catch(() => undefined);
+      await this.destroyAll([h.id]);
+    }
   }
 
   /**
