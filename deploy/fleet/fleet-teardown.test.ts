@@ -88,6 +88,33 @@ describe('down stops only processes that are still the fleet\'s', () => {
     expect([existsSync(dir), existsSync(`${dir}.lock`)]).toEqual([false, false]);
   });
 
+  it('down_removesTheAsideAndStaleLockFilesOfAKilledLocker_butNotThoseOfOneStillRunning', async () => {
+    const dir = join(tmp, 'lock-leftovers');
+    stageFleet(dir, []);
+    const gone = start('true', []);
+    await gone.exited;
+    const live = start('sleep', ['30']);
+    const files = {
+      // Killed inside withDirLock: its lock written aside, and a stale lock it had moved out of the way.
+      goneAside: `${dir}.lock.${gone.pid}.0123abcd`,
+      goneStale: `${dir}.lock.${gone.pid}.0123abcd.stale`,
+      // Killed while writing its aside file: only its PID (in the name) tells.
+      goneEmpty: `${dir}.lock.${gone.pid}.89abcdef`,
+      liveAside: `${dir}.lock.${live.pid}.4567cdef`,
+      liveStale: `${dir}.lock.${live.pid}.4567cdef.stale`,
+      other: `${dir}.lock.notes`,
+    };
+    writeFileSync(files.goneAside, JSON.stringify({ pid: gone.pid, startTime: 1, bootId: '' }));
+    writeFileSync(files.goneStale, JSON.stringify({ pid: live.pid, ...identityOf(live.pid) }));
+    writeFileSync(files.goneEmpty, '');
+    writeFileSync(files.liveAside, JSON.stringify({ pid: live.pid, ...identityOf(live.pid) }));
+    writeFileSync(files.liveStale, '{}');
+    writeFileSync(files.other, 'x');
+    await down(dir);
+    expect(Object.fromEntries(Object.entries(files).map(([k, f]) => [k, existsSync(f)]))).toEqual({ goneAside: false, goneStale: false, goneEmpty: false, liveAside: true, liveStale: true, other: true });
+    for (const f of [files.liveAside, files.liveStale, files.other]) rmSync(f);
+  });
+
   it('pidFile_ofAReusedPid_isNotSignalled', async () => {
     // The recorded start time is not this process's: as after a reboot, its PID went to another.
     const dir = join(tmp, 'reused');
@@ -355,6 +382,25 @@ describe('the guests cgroup', () => {
       expect(isSameProcess(member.pid, id)).toBe(true);
       expect(existsSync(dir)).toBe(true);
       expect(existsSync(join(fleet, 'state.json'))).toBe(false);
+    });
+
+    it('guestCgroupFor_recordsTheGroupBeforeMakingIt_soDownAfterAnUpKilledThenRemovesIt', async () => {
+      const name = `ff-test-recorded-${process.pid}`;
+      made.push(join(CPU_BASE!, name));
+      vi.stubEnv('FF_GUEST_CGROUP', name);
+      const fleet = join(tmp, 'cg-recorded');
+      const state = stageFleet(fleet, []);
+      // As up does: state.json names the group before it exists, and the up is killed once it does.
+      const recorded: Array<{ path: string; owned: boolean; existed: boolean }> = [];
+      const got = await guestCgroupFor({ prefix: 'ffl' }, (planned) => {
+        recorded.push({ ...planned, existed: existsSync(join(CPU_BASE!, name)) });
+        writeFileSync(join(fleet, 'state.json'), JSON.stringify({ ...state, guestCgroup: planned.path, guestCgroupOwned: planned.owned }));
+      });
+      expect(recorded).toEqual([{ path: name, owned: true, existed: false }]);
+      expect(got).toEqual({ path: name, owned: true });
+      expect(existsSync(join(CPU_BASE!, name))).toBe(true);
+      await down(fleet);
+      expect(existsSync(join(CPU_BASE!, name))).toBe(false);
     });
 
     it('guestCgroupFor_aGroupFF_GUEST_CGROUPNamesThatExists_isNotOwned_butOneItMakesIs', async () => {

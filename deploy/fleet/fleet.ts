@@ -16,7 +16,8 @@
 //   .ffleet.json          marks the directory as the fleet's (kept, with logs/, by a failed up)
 //   state.json            every process (by PID and start time), namespace and address this fleet made
 //   logs/<process>.log
-//   keys/signing.pem(.pub) the schedulers' Ed25519 key; agents trust the .pub
+//   keys/signing.pem(.pub) the schedulers' Ed25519 key; agents trust a copy of the .pub
+//                         (hosts/<id>/trusted.pem)
 //   pki/, keys/tokens.json, credentials.json (admin), dev-credentials.json (tenant dev):
 //                         the API's TLS and tokens (deploy/fleet/api-credentials.ts)
 //   etcd/<member>/, nats/  control-plane data
@@ -25,6 +26,8 @@
 //   hosts/<hostId>/       one agent's data (VMs, snapshots, chunks, journal)
 //   nats.sock             the NATS relay socket agents reach from their namespaces
 //   .own-<hostId>/        where an agent's mount namespace moves its own directory from
+// An agent sees only its own hosts/<id>/ of these, besides the marker, state.json and nats.sock
+// (agentMountCommands).
 //
 // Network: namespace <prefix>-net holds bridge br0 (no address); namespace <prefix>-<host>
 // holds eth0 = 10.213.77.<10+i>/24. The control plane listens on the root namespace's
@@ -33,7 +36,7 @@
 import { spawn, execFileSync } from 'node:child_process';
 import { closeSync, copyFileSync, existsSync, linkSync, mkdirSync, openSync, readFileSync, readdirSync, renameSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { createConnection } from 'node:net';
-import { dirname, join, resolve } from 'node:path';
+import { basename, dirname, join, resolve } from 'node:path';
 import { totalmem } from 'node:os';
 import { parseArgs } from 'node:util';
 import { createPublicKey, generateKeyPairSync, randomBytes } from 'node:crypto';
@@ -298,7 +301,7 @@ function readMarker(dir: string): DirMarker | undefined {
  * What the fleet puts at the top of its directory (the layout above), and so all that `down`
  * removes: never anything else that is there.
  */
-const FLEET_ENTRIES = new Set([MARKER, 'state.json', 'state.json.tmp', 'logs', 'keys', 'pki', 'credentials.json', 'dev-credentials.json', 'etcd', 'nats', 'nats-keys', 'nats.sock', 'hosts']);
+export const FLEET_ENTRIES: ReadonlySet<string> = new Set([MARKER, 'state.json', 'state.json.tmp', 'logs', 'keys', 'pki', 'credentials.json', 'dev-credentials.json', 'etcd', 'nats', 'nats-keys', 'nats.sock', 'hosts']);
 const isFleetEntry = (name: string): boolean => FLEET_ENTRIES.has(name) || /^\.own-h\d+$/.test(name);
 
 /**
@@ -726,16 +729,30 @@ const ownGuestCgroup = (prefix: string): string => `forkfleet-${prefix}-guests`;
  * fleet. It is made here, as the agents will (so they reuse it); where that fails, guests run
  * without CPU isolation and this says why on stderr. owned: the fleet's to remove at down, as
  * FleetState.guestCgroupOwned says (a group FF_GUEST_CGROUP names that existed already is not).
+ * `record` is called with what it is about to make, before it makes it: up saves it in
+ * state.json first, so a `down` after an up killed right then still removes the group.
  */
-export async function guestCgroupFor(opts: Pick<FleetOptions, 'prefix' | 'agentEnv'>): Promise<{ path: string; owned: boolean }> {
+export async function guestCgroupFor(opts: Pick<FleetOptions, 'prefix' | 'agentEnv'>, record: (planned: { path: string; owned: boolean }) => void = () => undefined): Promise<{ path: string; owned: boolean }> {
   const named = opts.agentEnv?.FF_GUEST_CGROUP ?? process.env.FF_GUEST_CGROUP;
   const chosen = named ?? ownGuestCgroup(opts.prefix);
   if (!chosen) return { path: '', owned: false };
   const h = cgroupMountCommands().length === 0 ? undefined : await cpuHierarchy();
   const existed = h !== undefined && existsSync(join(h.base, chosen));
+  const owned = named === undefined || !existed;
+  if (h) record({ path: chosen, owned });
   const why = !h ? 'no cgroup hierarchy with the cpu controller' : await GuestCgroup.open({ path: chosen, cpuWeight: 100 }).then(() => '', (e: unknown) => (e as Error).message);
-  if (why) process.stderr.write(`fleet: guests run without CPU isolation (ADR 0018): ${why}\n`);
-  return why ? { path: '', owned: false } : { path: chosen, owned: named === undefined || !existed };
+  if (why) {
+    // Made, then failed (its weight not written): no fleet will remove it later.
+    if (h && !existed) {
+      try {
+        rmdirSync(join(h.base, chosen));
+      } catch {
+        /* not made */
+      }
+    }
+    process.stderr.write(`fleet: guests run without CPU isolation (ADR 0018): ${why}\n`);
+  }
+  return why ? { path: '', owned: false } : { path: chosen, owned };
 }
 
 /** Whether down() removes the fleet's guests cgroup (FleetState.guestCgroupOwned). */
@@ -764,33 +781,49 @@ function makePeerCert(state: FleetState, h: HostRecord): Record<string, string> 
 }
 
 /**
- * The agent runs in its host's network namespace. `ip netns exec` also gives it a mount
- * namespace of its own; there the fleet's hosts/ directory is covered by an empty tmpfs
- * and only the agent's own directory is bound back, so an agent cannot read or write
- * another agent's files.
+ * What an agent's mount namespace hides of the fleet directory (startAgent): every entry of
+ * FLEET_ENTRIES but these, which hold no secret: the directory's marker, state.json (PIDs,
+ * paths and options; rewritten by rename, which a mount over it would not survive), and the
+ * NATS relay's socket (a connection through it still needs the host's NKey).
  */
-async function startAgent(state: FleetState, h: HostRecord, abort: AbortSignal): Promise<void> {
-  const hostsDir = join(state.options.dir, 'hosts');
-  const stash = join(state.options.dir, `.own-${h.id}`);
-  mkdirSync(stash, { recursive: true });
-  const peerTls = state.options.peerTls === false ? {} : makePeerCert(state, h);
-  const sock = join(state.options.dir, 'nats.sock');
-  const relay = launch(state, abort, { name: `relay-${h.id}`, kind: 'relay', host: h.id, netns: h.netns }, ...inNetns(h.netns, NODE, tsx('deploy/fleet/relay.ts', `tcp:127.0.0.1:4222=unix:${sock}`)));
-  await waitLog(relay.log, 'relay ready', 15_000, relay, abort);
-  const script = [
-    'set -e',
-    // Every path quoted as one word: a --dir (or checkout) with $, ` or " in its name.
-    `mount --bind ${shQuote(h.dataDir)} ${shQuote(stash)}`,
-    `mount -t tmpfs -o size=1m,mode=0755 ff-hosts ${shQuote(hostsDir)}`,
-    `mount -t tmpfs -o size=1m,mode=0700 ff-nats-keys ${shQuote(natsKeysDir(state))}`,
-    // The dev CA's key and the API's key are not the agent's either (it has the CA's certificate).
-    `mount -t tmpfs -o size=1m,mode=0700 ff-pki ${shQuote(apiCredentialPaths(state.options.dir).pki)}`,
-    `mkdir -p ${shQuote(h.dataDir)}`,
-    `mount --move ${shQuote(stash)} ${shQuote(h.dataDir)}`,
-    ...(state.guestCgroup ? cgroupMountCommands() : []),
-    `exec ${shQuote(NODE)} --import tsx ${shQuote(join(ROOT, 'host-agent', 'main.ts'))}`,
-  ].join('; ');
-  const p = launch(state, abort, { name: `agent-${h.id}`, kind: 'agent', host: h.id, netns: h.netns }, ...inNetns(h.netns, 'sh', ['-c', script]), {
+export const AGENT_VISIBLE_ENTRIES: ReadonlySet<string> = new Set([MARKER, 'state.json', 'state.json.tmp', 'nats.sock']);
+/** Directories covered by an empty tmpfs (hosts/: the agent's own directory is bound back into it). */
+export const AGENT_HIDDEN_DIRS: readonly string[] = ['hosts', 'keys', 'pki', 'etcd', 'nats', 'nats-keys', 'logs'];
+/** Files covered by /dev/null: the admin's and tenant dev's API tokens. */
+export const AGENT_HIDDEN_FILES: readonly string[] = ['credentials.json', 'dev-credentials.json'];
+
+/**
+ * Shell commands that, in an agent's fresh mount namespace, hide the fleet directory `dir`
+ * from it but for its own data directory (moved back from `stash`, where it is bound first):
+ * the schedulers' signing key (keys/signing.pem), the dev CA's and the API's keys (pki/), the
+ * NATS config and seeds, etcd's and NATS's data, every process's logs, the API tokens and
+ * other agents' directories. The agent reads only files in its own directory (agentEnv).
+ * An entry not there yet is skipped. (The agent is root and could unmount them: this keeps
+ * a bug or a compromised guest-facing path from reading what is not the agent's, as the
+ * deployed agent has none of it on its machine; it is not a boundary against root.)
+ */
+export function agentMountCommands(dir: string, dataDir: string, stash: string): string[] {
+  // Every path quoted as one word: a --dir (or checkout) with $, ` or " in its name.
+  const q = (name: string): string => shQuote(join(dir, name));
+  return [
+    `mount --bind ${shQuote(dataDir)} ${shQuote(stash)}`,
+    ...AGENT_HIDDEN_DIRS.map((d) => `[ ! -d ${q(d)} ] || mount -t tmpfs -o size=1m,mode=${d === 'hosts' ? '0755' : '0700'} ff-${d} ${q(d)}`),
+    ...AGENT_HIDDEN_FILES.map((f) => `[ ! -e ${q(f)} ] || mount --bind /dev/null ${q(f)}`),
+    `mkdir -p ${shQuote(dataDir)}`,
+    `mount --move ${shQuote(stash)} ${shQuote(dataDir)}`,
+  ];
+}
+
+/** The copy of the schedulers' public key an agent trusts (FF_TRUSTED_KEY): in its own directory, since keys/ is hidden from it. */
+export const agentTrustedKey = (h: Pick<HostRecord, 'dataDir'>): string => join(h.dataDir, 'trusted.pem');
+
+/**
+ * An agent's environment. Every file it names is in the host's own data directory, the only
+ * part of the fleet directory the agent sees (agentMountCommands), or outside the fleet
+ * directory (the RAM mount).
+ */
+export function agentEnv(state: FleetState, h: HostRecord, peerTls: Record<string, string>): Record<string, string> {
+  return {
     FF_HOST_ID: h.id,
     FF_DATA_DIR: h.dataDir,
     FF_NATS_URL: 'nats://127.0.0.1:4222',
@@ -799,7 +832,7 @@ async function startAgent(state: FleetState, h: HostRecord, abort: AbortSignal):
     FF_EGRESS_DENY_CIDRS: '10.213.77.0/24',
     FF_PEER_ADDR: `${h.address}:7800`,
     ...peerTls,
-    FF_TRUSTED_KEY: state.trustedKey,
+    FF_TRUSTED_KEY: agentTrustedKey(h),
     FF_ACCEL: process.env.FF_ACCEL ?? 'auto',
     FF_LINK_BYTES_PER_SECOND: String(Math.round(linkBytesPerSecond(state.options.link))),
     FF_CAPACITY_MEMORY_MIB: String(state.options.hostMemoryMib),
@@ -809,7 +842,31 @@ async function startAgent(state: FleetState, h: HostRecord, abort: AbortSignal):
     // As the systemd unit sets it (and bench:transfer's endpoints run with it).
     UV_THREADPOOL_SIZE: process.env.UV_THREADPOOL_SIZE ?? '16',
     ...state.options.agentEnv,
-  });
+  };
+}
+
+/**
+ * The agent runs in its host's network namespace. `ip netns exec` also gives it a mount
+ * namespace of its own; there the fleet directory is hidden from it but for its own
+ * directory (agentMountCommands), so an agent cannot read or write another agent's files,
+ * nor the control plane's keys and data.
+ */
+async function startAgent(state: FleetState, h: HostRecord, abort: AbortSignal): Promise<void> {
+  const stash = join(state.options.dir, `.own-${h.id}`);
+  mkdirSync(stash, { recursive: true });
+  const peerTls = state.options.peerTls === false ? {} : makePeerCert(state, h);
+  mkdirSync(h.dataDir, { recursive: true });
+  copyFileSync(state.trustedKey, agentTrustedKey(h));
+  const sock = join(state.options.dir, 'nats.sock');
+  const relay = launch(state, abort, { name: `relay-${h.id}`, kind: 'relay', host: h.id, netns: h.netns }, ...inNetns(h.netns, NODE, tsx('deploy/fleet/relay.ts', `tcp:127.0.0.1:4222=unix:${sock}`)));
+  await waitLog(relay.log, 'relay ready', 15_000, relay, abort);
+  const script = [
+    'set -e',
+    ...agentMountCommands(state.options.dir, h.dataDir, stash),
+    ...(state.guestCgroup ? cgroupMountCommands() : []),
+    `exec ${shQuote(NODE)} --import tsx ${shQuote(join(ROOT, 'host-agent', 'main.ts'))}`,
+  ].join('; ');
+  const p = launch(state, abort, { name: `agent-${h.id}`, kind: 'agent', host: h.id, netns: h.netns }, ...inNetns(h.netns, 'sh', ['-c', script]), agentEnv(state, h, peerTls));
   await waitLog(p.log, '"ready":true', 120_000, p, abort);
 }
 
@@ -908,6 +965,41 @@ function parseHolder(text: string): LockHolder | undefined {
 }
 
 /**
+ * Removes the files a withDirLock killed midway left beside the lock `path`: its own lock
+ * written aside (`<path>.<pid>.<8 hex>`, holding its writer's identity) and a stale lock it had
+ * moved out of the way (that name + `.stale`), once their writer is gone: judged by the identity
+ * in the aside file, or where that cannot be read, by whether the PID runs at all (a reused PID
+ * keeps them; they are small and the next run after it removes them).
+ */
+function removeStaleLockFiles(path: string): void {
+  const prefix = `${basename(path)}.`;
+  let names: string[];
+  try {
+    names = readdirSync(dirname(path));
+  } catch {
+    return;
+  }
+  for (const name of names) {
+    const m = name.startsWith(prefix) ? /^(\d+)\.[0-9a-f]{8}(?:\.stale)?$/.exec(name.slice(prefix.length)) : null;
+    if (!m) continue;
+    const pid = Number(m[1]);
+    const writer = parseHolder(readHolderText(join(dirname(path), name.replace(/\.stale$/, ''))) ?? '');
+    const gone = writer && writer.pid === pid ? !isSameProcess(pid, writer) : !pidRuns(pid);
+    if (gone) rmSync(join(dirname(path), name), { force: true });
+  }
+}
+
+/** Whether any process has this PID (signal 0: EPERM means one does). */
+function pidRuns(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'EPERM';
+  }
+}
+
+/**
  * Runs `fn` holding `<dir>.lock` (beside the directory, which down removes): one up, down or
  * restart per fleet directory at a time. A second one while the first works would find the
  * fleet incomplete, take it down as a failed start and start its own, and the first, failing,
@@ -918,6 +1010,7 @@ function parseHolder(text: string): LockHolder | undefined {
 async function withDirLock<T>(dir: string, fn: () => Promise<T>): Promise<T> {
   const path = `${dir}.lock`;
   mkdirSync(dirname(path), { recursive: true });
+  removeStaleLockFiles(path);
   const me: LockHolder = { pid: process.pid, ...identityOf(process.pid) };
   const mine = JSON.stringify(me);
   const aside = `${path}.${process.pid}.${randomBytes(4).toString('hex')}`;
@@ -1028,7 +1121,6 @@ async function upLocked(given: FleetOptions, signals: SignalSource): Promise<Fle
         writeFileSync(join(opts.dir, MARKER), `${JSON.stringify({ fleet: 'forkfleet', createdDir } satisfies DirMarker)}\n`);
         marked = true;
         mkdirSync(logs, { recursive: true });
-        const cgroup = await guestCgroupFor(opts);
         const state: FleetState = {
           version: 1,
           startedAt: new Date().toISOString(),
@@ -1045,9 +1137,18 @@ async function upLocked(given: FleetOptions, signals: SignalSource): Promise<Fle
           procs: [],
           signingKey: join(opts.dir, 'keys', 'signing.pem'),
           trustedKey: join(opts.dir, 'keys', 'signing.pem.pub'),
-          guestCgroup: cgroup.path,
-          guestCgroupOwned: cgroup.owned,
+          guestCgroup: '',
+          guestCgroupOwned: false,
         };
+        // The group is in state.json before it exists: an up killed in between leaves nothing
+        // that down does not find.
+        const cgroup = await guestCgroupFor(opts, (planned) => {
+          state.guestCgroup = planned.path;
+          state.guestCgroupOwned = planned.owned;
+          saveState(state);
+        });
+        state.guestCgroup = cgroup.path;
+        state.guestCgroupOwned = cgroup.owned;
         saveState(state);
         return bringUp(state, abort);
       },

@@ -154,6 +154,51 @@ describe('renderFiles', () => {
     expect(conf.authorization.users.find((u) => u.nkey === 'PUB-scheduler')?.permissions).toBeUndefined();
   });
 
+  /** A unit file's directives: "Section.Key" -> every value given, in order (an empty one resets the list, as systemd does). */
+  const directives = (text: string): Map<string, string[]> => {
+    const out = new Map<string, string[]>();
+    let section = '';
+    for (const line of text.split('\n')) {
+      const sec = /^\[(\w+)\]$/.exec(line);
+      if (sec) section = sec[1]!;
+      const kv = /^(\w+)=(.*)$/.exec(line);
+      if (!kv) continue;
+      const key = `${section}.${kv[1]!}`;
+      out.set(key, kv[2] === '' ? [] : [...(out.get(key) ?? []), kv[2]!]);
+    }
+    return out;
+  };
+
+  it('renderFiles_natsConfig_isGivenBackToGroupNatsAtEveryStartAndReload_sinceEachCopyMakesItRootRoot', () => {
+    expect(files.find((f) => f.path === 'machines/cp-1/etc/nats-server.conf')?.mode).toBe(0o640);
+    const d = directives(file('machines/cp-1/etc/systemd/system/nats-server.service.d/forkfleet.conf'));
+    const chown = '+/bin/chown root:nats /etc/nats-server.conf';
+    expect(d.get('Service.ExecStartPre')).toEqual([chown]);
+    // Debian's ExecReload (kill -s HUP) replaced: the group first, then the signal.
+    expect(d.get('Service.ExecReload')).toEqual([chown, '/bin/kill -s HUP $MAINPID']);
+    // INSTALL.md: the copy is the same tar every time, and a re-render's reload follows a daemon-reload (a changed drop-in).
+    const install = file('INSTALL.md');
+    expect(install).not.toMatch(/chown/);
+    expect(install).toContain('copy those as in step 3, then on the NATS servers\n`systemctl daemon-reload && systemctl reload nats-server`');
+  });
+
+  it('renderFiles_controlPlaneUnits_waitForTheNetwork_andRestartWithoutGivingUp', () => {
+    for (const [unitFile, restart] of [['etcd.service.d/forkfleet.conf', 'on-failure'], ['nats-server.service.d/forkfleet.conf', 'always']] as const) {
+      const d = directives(file(`machines/cp-2/etc/systemd/system/${unitFile}`));
+      expect([unitFile, d.get('Unit.After'), d.get('Unit.Wants'), d.get('Service.Restart'), d.get('Service.RestartSec')]).toEqual([unitFile, ['network-online.target'], ['network-online.target'], [restart], ['2s']]);
+    }
+    // A cold boot of the whole cluster: the schedulers and agents exit until etcd and NATS are
+    // up, and systemd must not mark them failed after its default 5 starts in 10 s.
+    const sched = directives(file('machines/cp-1/etc/systemd/system/forkfleet-scheduler.service'));
+    const agent = directives(file('machines/kvm-01/etc/systemd/system/forkfleet-agent.service'));
+    for (const d of [sched, agent]) {
+      expect(d.get('Unit.StartLimitIntervalSec')).toEqual(['0']);
+      expect(d.get('Service.Restart')).toEqual(['always']);
+    }
+    expect(sched.get('Unit.After')?.join(' ').split(' ')).toEqual(expect.arrayContaining(['network-online.target', 'etcd.service', 'nats-server.service']));
+    expect(agent.get('Unit.After')?.join(' ').split(' ')).toEqual(expect.arrayContaining(['network-online.target', 'nats-server.service']));
+  });
+
   it('renderFiles_unitsNameTheInstallDirectoryAndNode', () => {
     expect(file('machines/cp-1/etc/systemd/system/forkfleet-scheduler.service')).toContain('ExecStart=/usr/bin/node --import tsx /opt/forkfleet/services/main.ts');
     expect(file('machines/kvm-01/etc/systemd/system/forkfleet-agent.service')).toMatch(/^KillMode=process$/m);

@@ -64,7 +64,8 @@ const RECIPES: Record<ImageName, Recipe> = {
   tiny: {
     script: 'build-tiny.sh',
     inputs: ['mkext4.sh', 'ff-clone.b64', 'ff-reseed.b64'],
-    packages: ['linux-image-amd64', 'busybox-static', 'qemu-guest-agent', 'e2fsprogs', 'qemu-utils'],
+    // cpio writes the initramfs: its version is part of the image's bytes.
+    packages: ['linux-image-amd64', 'busybox-static', 'qemu-guest-agent', 'e2fsprogs', 'qemu-utils', 'cpio'],
     closureOf: ['/usr/sbin/qemu-ga'],
     defaultDiskMib: 64,
     kernelArgs: MICROVM_ARGS,
@@ -72,11 +73,16 @@ const RECIPES: Record<ImageName, Recipe> = {
   debian: {
     script: 'build-debian.sh',
     inputs: ['mkext4.sh', 'ff-clone.b64', 'ff-reseed.b64'],
-    packages: ['linux-image-amd64', 'busybox-static', 'mmdebstrap', 'e2fsprogs', 'qemu-utils'],
+    packages: ['linux-image-amd64', 'busybox-static', 'mmdebstrap', 'e2fsprogs', 'qemu-utils', 'cpio'],
     defaultDiskMib: 1024,
     kernelArgs: MICROVM_ARGS,
   },
 };
+
+/** The Debian packages whose versions are in an image's recipe hash, and its build script. */
+export function recipeInputs(name: ImageName): { script: string; packages: readonly string[] } {
+  return { script: RECIPES[name].script, packages: RECIPES[name].packages };
+}
 
 export function defaultCacheDir(): string {
   return process.env.FORKFLEET_CACHE_DIR ?? '/var/cache/forkfleet';

@@ -1,7 +1,10 @@
 // The tiny image's recipe hash covers the shared libraries build-tiny.sh copies with qemu-ga
 // (ldd's closure), so an update of one of them (libc, glib) builds the image again.
+import { readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
-import { closureDigest } from './build.ts';
+import { closureDigest, recipeInputs } from './build.ts';
+import { IMAGE_NAMES } from './names.ts';
 
 describe('image recipe inputs', () => {
   it('closureDigest_ofQemuGa_namesEachLibraryItLoads_withItsContentDigest', async () => {
@@ -10,6 +13,15 @@ describe('image recipe inputs', () => {
     for (const l of lines) expect(l).toMatch(/^\/\S+ [0-9a-f]{64}$/);
     // The same closure digests the same: the hash is stable between runs.
     expect(await closureDigest('/usr/sbin/qemu-ga')).toBe(lines.join('\n') + '\n');
+  });
+
+  it.each(IMAGE_NAMES)('recipe %s_namesThePackageOfEachToolThatWritesTheImagesBytes', (name) => {
+    const { script, packages } = recipeInputs(name);
+    const text = readFileSync(join(import.meta.dirname, script), 'utf8');
+    // A new version of one of these can change the image, so its version is in the recipe hash.
+    const tools: Array<[RegExp, string]> = [[/\bcpio --null -o\b/, 'cpio'], [/\bmkext4\.sh\b/, 'e2fsprogs'], [/\bqemu-img convert\b/, 'qemu-utils'], [/\/bin\/busybox\b/, 'busybox-static']];
+    for (const [call, pkg] of tools) if (call.test(text)) expect([name, pkg, packages.includes(pkg)]).toEqual([name, pkg, true]);
+    expect(text).toMatch(/\bcpio --null -o\b/);
   });
 
   it('closureDigest_ofAMissingBinary_failsNamingIt', async () => {
