@@ -72,12 +72,40 @@ export function readCredentialsFile(path: string, named?: string): CredentialsFi
     if (named) throw new InvalidArgumentError(named, `${path}: cannot read it: ${(e as Error).message}`);
     return undefined;
   }
+  let doc: CredentialsFile;
   try {
-    const doc = JSON.parse(text) as CredentialsFile;
-    return { ...doc, ...(doc.ca ? { ca: isAbsolute(doc.ca) ? doc.ca : join(dirname(path), doc.ca) } : {}) };
+    doc = JSON.parse(text) as CredentialsFile;
   } catch (e) {
-    throw new InvalidArgumentError('FF_CREDENTIALS', `${path}: not JSON: ${(e as Error).message}`);
+    // Never JSON.parse's message: it quotes the text around the fault, which is the token.
+    throw new InvalidArgumentError(named ?? 'FF_CREDENTIALS', `${path}: not valid JSON${whereInText(text, e)}`);
   }
+  if (typeof doc !== 'object' || doc === null || Array.isArray(doc)) throw new InvalidArgumentError(named ?? 'FF_CREDENTIALS', `${path}: want a JSON object {"token", "ca", "tenant"}`);
+  return { ...doc, ...(doc.ca ? { ca: isAbsolute(doc.ca) ? doc.ca : join(dirname(path), doc.ca) } : {}) };
+}
+
+/**
+ * Where in `text` a JSON.parse error is, as " (line L, column C)", when it can be told: V8 says
+ * " at position N", or the end of the input, or quotes the text around an unexpected token
+ * (`Unexpected token 'f', ..."ten chars before, ten after"...`: the quote is found in the text,
+ * and only the position reported). '' otherwise. Never any of the text itself.
+ */
+export function whereInText(text: string, e: unknown): string {
+  const message = e instanceof Error ? e.message : '';
+  const at = /at position (\d+)/.exec(message);
+  let pos = at ? Number(at[1]) : /end of (JSON )?input/i.test(message) ? text.length : undefined;
+  const quoted = pos === undefined ? /^Unexpected token '([^]+?)', \.\.\."([^]*)"(?:\.\.\.)? is not valid JSON$/.exec(message) : null;
+  if (quoted) {
+    // The quote starts ten characters before the token (V8's JsonParser context), and must
+    // be found once in the text, with the token where it says.
+    const i = text.indexOf(quoted[2]!);
+    const p = i + 10;
+    if (i >= 0 && text.indexOf(quoted[2]!, i + 1) < 0 && text.startsWith(quoted[1]!, p)) pos = p;
+  }
+  if (pos === undefined) return '';
+  const before = text.slice(0, pos);
+  const line = before.split('\n').length;
+  const column = pos - before.lastIndexOf('\n');
+  return ` (line ${line}, column ${column})`;
 }
 
 export function resolveClientCredentials(o: CredentialOptions = {}, env: NodeJS.ProcessEnv = process.env): ClientCredentials {

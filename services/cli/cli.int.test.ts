@@ -131,9 +131,10 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(down.stderr).toContain('npm run fleet:up');
     expect(down.stderr).not.toContain('--idempotency-key');
     // A change that got no answer may have been taken: the error says how to repeat it safely.
+    // (A command that takes several ids prints an array, with one id too.)
     const downPause = await cli(['--json', '--api', '127.0.0.1:1', 'sandbox', 'pause', sb.id]);
     expect(downPause.code).toBe(69);
-    const key = (JSON.parse(downPause.stdout) as { error: { idempotencyKey: string } }).error.idempotencyKey;
+    const key = (JSON.parse(downPause.stdout) as Array<{ id: string; error: { idempotencyKey: string } }>)[0]!.error.idempotencyKey;
     expect(key).toMatch(/^cli-/);
     expect(downPause.stderr).toContain(`--idempotency-key ${key}`);
 

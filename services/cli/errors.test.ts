@@ -45,7 +45,8 @@ describe('CLI errors', () => {
     };
     const e = await ff.create({ image: 'tiny' }, { timeoutMs: 50 }).catch((x: unknown) => x);
     const d = describeError(e, 'a:1', 'cli-k1');
-    expect(d).toMatchObject({ operationId: OP, idempotencyKey: 'cli-k1' });
+    // Accepted, outcome unknown: 75, not the 69 of a fleet that took nothing, nor a plain API error's 1.
+    expect(d).toMatchObject({ operationId: OP, idempotencyKey: 'cli-k1', exitCode: 75 });
     expect(d.hint).toContain(`forkfleet operation get ${OP}`);
     expect(d.hint).toContain('--idempotency-key cli-k1');
     expect(d.hint).not.toMatch(/retry with a larger --timeout|retry in a few seconds/);

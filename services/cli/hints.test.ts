@@ -44,6 +44,16 @@ describe('CLI hints', () => {
     expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'snapshot_retention.ttl' }, 'a:1')).toContain('--snapshot-ttl');
     expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'lifecycle.idle_timeout' }, 'a:1')).toContain('--idle-timeout');
   });
+  it('hintFor_aFieldOfTheClisOwn_namesTheFlagItself', () => {
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: '--idempotency-key' }, 'a:1')).toBe('check --idempotency-key');
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: '--memory' }, 'a:1')).toBe('check --memory');
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'lineage_x' }, 'a:1')).toBe('check field lineage_x');
+  });
+  it('exitCodeFor_acceptedWorkWhoseOutcomeIsUnknown_is75_evenWhenTheFleetIsUnreachable', () => {
+    expect(exitCodeFor({ kind: 'unavailable', message: 'x', accepted: true })).toBe(75);
+    expect(exitCodeFor({ kind: 'deadline_exceeded', message: 'x', accepted: true })).toBe(75);
+    expect(exitCodeFor({ kind: 'unavailable', message: 'x' })).toBe(69);
+  });
   it('defaultApi_prefersFF_API_thenTheLocalFleet_thenTheDefaultPort', () => {
     expect(defaultApi({ FF_API: 'h:1' })).toBe('h:1');
     expect(defaultApi({ FF_FLEET_DIR: '/nonexistent-ffui' })).toBe('127.0.0.1:17700');

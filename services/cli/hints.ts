@@ -15,6 +15,11 @@ export interface ErrorLike {
   operation?: boolean;
   /** The scheduler answered with this error (RpcError.answered): it is reachable, whatever failed behind it. */
   answered?: boolean;
+  /**
+   * The fleet took the work (it accepted the operation, or the exec's command started) and
+   * only its outcome is unknown: the wait for it, or the exec's stream, failed.
+   */
+  accepted?: boolean;
 }
 
 /** An operation that failed on the fleet for a reason of the fleet's (a host lost, a step timed out). */
@@ -37,8 +42,6 @@ const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
   'snapshot_retention.ttl': '--snapshot-ttl (at least 1s)',
   'snapshot_retention.keep_last': '--snapshot-keep-last',
   timeout: '--exec-timeout (at most 1h)',
-  '--timeout': '--timeout',
-  '--for': '--for',
   'retention.ttl': '--ttl',
   path: 'the guest path',
   'header.path': 'the guest path',
@@ -62,7 +65,8 @@ export function hintFor(e: ErrorLike, api: string): string {
   }
   switch (e.kind) {
     case 'invalid_argument': {
-      const flag = e.field ? (FLAG_OF_FIELD[e.field] ?? `field ${e.field}`) : undefined;
+      // A field of the CLI's own (`--memory`, `--idempotency-key`) is the flag itself.
+      const flag = e.field ? (FLAG_OF_FIELD[e.field] ?? (e.field.startsWith('--') ? e.field : `field ${e.field}`)) : undefined;
       return flag ? `check ${flag}` : 'check the arguments (forkfleet <command> --help)';
     }
     case 'not_found':
@@ -106,11 +110,29 @@ export function hintFor(e: ErrorLike, api: string): string {
   }
 }
 
-/** Exit codes: 0 ok, 1 API error, 2 usage / invalid argument, 69 the fleet's API unreachable (EX_UNAVAILABLE). */
+/**
+ * The CLI's exit codes (services/cli/README.md lists them; `sandbox exec` passes the guest
+ * command's through instead when it has one).
+ */
+export const EXIT = {
+  ok: 0,
+  /** The API refused the call, an operation failed, or a local error. */
+  error: 1,
+  /** Bad arguments (the message names the flag). */
+  usage: 2,
+  /** The fleet's API could not be reached (EX_UNAVAILABLE): nothing was taken. */
+  unavailable: 69,
+  /** Accepted or started, outcome unknown (EX_TEMPFAIL): an operation whose wait failed, an exec whose stream broke off. */
+  unknownOutcome: 75,
+  /** Interrupted (SIGINT, 128 + 2). */
+  interrupted: 130,
+} as const;
+
 export function exitCodeFor(e: ErrorLike): number {
-  if (e.kind === 'invalid_argument') return 2;
-  if (e.kind === 'unavailable' && !e.operation && !e.answered) return 69;
-  return 1;
+  if (e.accepted) return EXIT.unknownOutcome;
+  if (e.kind === 'invalid_argument') return EXIT.usage;
+  if (e.kind === 'unavailable' && !e.operation && !e.answered) return EXIT.unavailable;
+  return EXIT.error;
 }
 
 /** --api default: FF_API, else the local fleet's state.json, else 127.0.0.1:17700. */

@@ -5,10 +5,10 @@ import { spawn, spawnSync } from 'node:child_process';
 import { readFileSync, writeFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
-import { Forkfleet, ForkfleetError, newIdempotencyKey, OperationFailedError, operationIdOf, parseDuration, RpcError } from '../sdk/index.ts';
-import type { CallOpts, EventInfo, HostInfo, OperationInfo, OperationKindName, OperationStateName, SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
-import { OPERATION_KINDS, OPERATION_STATES } from '../sdk/index.ts';
-import { defaultApi, exitCodeFor, hintFor } from './hints.ts';
+import { execNeverStarted, Forkfleet, ForkfleetError, newIdempotencyKey, OperationFailedError, operationIdOf, parseDuration, RpcError } from '../sdk/index.ts';
+import type { CallOpts, EventInfo, HostInfo, OperationInfo, OperationKindName, OperationStateName, SandboxInfo, SandboxStateName, SnapshotInfo } from '../sdk/index.ts';
+import { OPERATION_KINDS, OPERATION_STATES, SANDBOX_STATES } from '../sdk/index.ts';
+import { defaultApi, EXIT, exitCodeFor, hintFor } from './hints.ts';
 import { EVENT_TYPES } from '../domain/events.ts';
 import { enterUserCwd } from '../../deploy/user-cwd.ts';
 import { defaultFleetDir } from '../auth/client-credentials.ts';
@@ -34,13 +34,27 @@ interface Invocation {
   client?: Forkfleet;
   key?: string;
   exitCode?: number;
+  /** The operations this run waits on now (an interrupt names them): their label, key, and id once accepted. */
+  waits: Set<Waiting>;
+  /** What SIGINT does while `waits` is not empty (main sets it); otherwise SIGINT is left as it is. */
+  onInterrupt?: () => void;
+  /** A progress line is drawn on the terminal (stderr), not yet ended with a newline. */
+  progressDrawn?: boolean;
+  /** --json: what an exec printed before its stream broke off (the error document carries it). */
+  execOutput?: { stdout: string; stderr: string };
+}
+interface Waiting {
+  label: string;
+  /** The key it was submitted with (a wait on an operation named by id has none). */
+  key?: string;
+  opId?: string;
 }
 const invocations = new WeakMap<Command, Invocation>();
 function invocation(cmd: Command): Invocation {
   let root = cmd;
   while (root.parent) root = root.parent;
   let inv = invocations.get(root);
-  if (!inv) invocations.set(root, (inv = {}));
+  if (!inv) invocations.set(root, (inv = { waits: new Set() }));
   return inv;
 }
 
@@ -62,6 +76,26 @@ const isTty = (): boolean => Boolean(process.stderr.isTTY);
 function out(cmd: Command, data: unknown, human: () => string): void {
   if (globals(cmd).json) process.stdout.write(`${JSON.stringify(data, null, 2)}\n`);
   else process.stdout.write(human());
+}
+
+/**
+ * Writes `data` and, when the stream's buffer is full (a slow reader of a pipe), waits until
+ * it has drained (or the stream failed or closed): streamed output (exec, events) is held
+ * back at its source, not buffered here without bound.
+ */
+export async function writeOut(s: NodeJS.WritableStream, data: string | Uint8Array): Promise<void> {
+  if (s.write(data)) return;
+  await new Promise<void>((res) => {
+    const done = (): void => {
+      s.off('drain', done);
+      s.off('error', done);
+      s.off('close', done);
+      res();
+    };
+    s.once('drain', done);
+    s.once('error', done);
+    s.once('close', done);
+  });
 }
 
 function fmtBytes(n: number): string {
@@ -214,38 +248,76 @@ function fileCallOpts(cmd: Command): CallOpts {
 }
 
 /**
- * Progress for long work on stderr (never on stdout, so --json stays parseable). `target`: the
- * one a command that can name several acts on here; its call gets --idempotency-key K as
+ * The options of a call that submits an operation and waits for it. `target`: the one a
+ * command that can name several acts on here; its call gets --idempotency-key K as
  * `K/<target>` (with one target too, so that repeating the command with fewer or more targets
  * finds the same keys), since the fleet ties a key to one request: one key for every target
- * would refuse all but one.
+ * would refuse all but one. `show`: report progress on stderr (never on stdout, so --json stays
+ * parseable); without --json only, since the SDK polls once a second for it instead of
+ * long-polling, and not for a command given several targets (their lines would overwrite
+ * each other, and 64 targets would make 64 calls a second).
  */
-function progress(cmd: Command, label: string, target?: string): CallOpts {
+function progress(cmd: Command, label: string, target?: string, show = true): CallOpts {
   const g = globals(cmd);
   const started = Date.now();
   let last = '';
   const opts: CallOpts = {
     ...(g.timeout ? { timeoutMs: parseDuration(g.timeout, '--timeout') } : {}),
     idempotencyKey: target === undefined ? keyBase(cmd) : perTargetKey(keyBase(cmd), target),
-    onProgress: (op: OperationInfo) => {
-      if (g.json) return;
-      const p = op.progress;
-      const parts = [`${label}: ${op.state}`];
-      if (p.total > 0) parts.push(`${p.done}/${p.total} ${op.kind === 'fork' ? 'children ready' : 'done'}`);
-      if (p.bytesTransferred > 0) parts.push(`${fmtBytes(p.bytesTransferred)} transferred`);
-      if (p.message) parts.push(p.message);
-      const key = parts.join(' · ');
-      const line = `${key} · ${((Date.now() - started) / 1000).toFixed(1)}s`;
-      // On a terminal, redraw one line every poll; otherwise print a line only when something changed.
-      if (isTty()) process.stderr.write(`\r\x1b[2K${line}`);
-      else if (key !== last) process.stderr.write(`${line}\n`);
-      last = key;
-    },
+  };
+  if (!show || g.json) return opts;
+  opts.onProgress = (op: OperationInfo) => {
+    const p = op.progress;
+    const parts = [`${label}: ${op.state}`];
+    if (p.total > 0) parts.push(`${p.done}/${p.total} ${op.kind === 'fork' ? 'children ready' : 'done'}`);
+    if (p.bytesTransferred > 0) parts.push(`${fmtBytes(p.bytesTransferred)} transferred`);
+    if (p.message) parts.push(p.message);
+    const key = parts.join(' · ');
+    const line = `${key} · ${((Date.now() - started) / 1000).toFixed(1)}s`;
+    // On a terminal, redraw one line every poll; otherwise print a line only when something changed.
+    if (isTty()) {
+      process.stderr.write(`\r\x1b[2K${line}`);
+      invocation(cmd).progressDrawn = true;
+    } else if (key !== last) process.stderr.write(`${line}\n`);
+    last = key;
   };
   return opts;
 }
+
+/**
+ * Runs `call` (one that submits an operation and waits for it, with progress(cmd, label,
+ * target, show)'s options), keeping it in this run's waits while it runs: an interrupt names
+ * its operation (or its key, before the fleet's answer came).
+ */
+async function waitingOn<T>(cmd: Command, label: string, target: string | undefined, show: boolean, call: (o: CallOpts) => Promise<T>): Promise<T> {
+  const o = progress(cmd, label, target, show);
+  const w: Waiting = { label, ...(o.idempotencyKey ? { key: o.idempotencyKey } : {}) };
+  const done = waiting(cmd, w);
+  try {
+    return await call({ ...o, onAccepted: (op) => void (w.opId = op.id) });
+  } finally {
+    done();
+  }
+}
+
+/**
+ * Adds `w` to this run's waits, with the run's SIGINT handler on while there are any (an
+ * interrupt then names them); returns its removal. Outside waits SIGINT keeps its default (a
+ * blocking read of stdin, `exec --stdin`, stays interruptible).
+ */
+function waiting(cmd: Command, w: Waiting): () => void {
+  const inv = invocation(cmd);
+  inv.waits.add(w);
+  if (inv.waits.size === 1 && inv.onInterrupt) process.on('SIGINT', inv.onInterrupt);
+  return () => {
+    if (inv.waits.delete(w) && inv.waits.size === 0 && inv.onInterrupt) process.off('SIGINT', inv.onInterrupt);
+  };
+}
+/** Ends the progress line drawn on a terminal, if one was. */
 function endProgress(cmd: Command): void {
-  if (!globals(cmd).json && isTty()) process.stderr.write('\n');
+  const inv = invocation(cmd);
+  if (inv.progressDrawn) process.stderr.write('\n');
+  inv.progressDrawn = false;
 }
 
 function sandboxRows(list: SandboxInfo[]): string[][] {
@@ -298,7 +370,7 @@ const labelsArg = pairsArg('--label');
 export function buildProgram(): Command {
   const program = new Command('forkfleet')
     .description('Forkfleet: fork, snapshot and run AI-agent sandboxes on a fleet of QEMU microVMs')
-    .addOption(new Option('--api <host:port>', 'scheduler API address (comma-separate several)').default(defaultApi(), 'FF_API, the local fleet, or 127.0.0.1:17700'))
+    .addOption(new Option('--api <host:port>', 'scheduler API address; several (comma-separated) must be IP addresses, a.b.c.d:port or [v6]:port').default(defaultApi(), 'FF_API, the local fleet, or 127.0.0.1:17700'))
     .addOption(new Option('--tenant <id>', 'tenant (only admin credentials may name another than their own)').default(process.env.FF_TENANT ?? '', "FF_TENANT, else the credential's tenant"))
     .option('--credentials <file>', 'JSON credentials file {token, ca, tenant} (FF_CREDENTIALS; default: the local fleet\'s credentials.json)')
     .option('--json', 'print one JSON document on stdout', false)
@@ -439,21 +511,22 @@ export function buildProgram(): Command {
     .option('--host <id>', 'place on this host')
     .option('--label <key=value>', 'label (repeatable)', labelsArg)
     .action(async (o: { image: string; fromSnapshot?: string; memory?: number; vcpus?: number; ttl?: string; idleTimeout?: string; host?: string; label?: Record<string, string> }, cmd: Command) => {
-      const s = await client(cmd).create(
+      const ff = client(cmd);
+      const s = await waitingOn(cmd, 'create', undefined, true, (w) => ff.create(
         { ...(o.fromSnapshot ? { snapshotId: o.fromSnapshot } : { image: o.image }), ...(o.memory ? { memoryMib: o.memory } : {}), ...(o.vcpus ? { vcpus: o.vcpus } : {}), ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.idleTimeout !== undefined ? { idleTimeout: o.idleTimeout } : {}), ...(o.host ? { hostId: o.host } : {}), labels: o.label ?? {} },
-        progress(cmd, 'create'),
-      );
+        w,
+      ));
       endProgress(cmd);
       out(cmd, s.info, () => `${s.id}  ${s.info?.state} on ${s.info?.hostId}\nnext: forkfleet sandbox exec ${s.id} -- uname -a\n`);
     });
   sb.command('ls').alias('list')
     .description('list sandboxes (all but destroyed)')
-    .option('--state <state...>', 'only these states')
+    .addOption(new Option('--state <state...>', 'only these states').choices(SANDBOX_STATES))
     .option('--label <key=value>', 'label selector (repeatable)', labelsArg)
     .option('--host <id>', 'only those on this host (e.g. before draining it)')
     .option('--all-tenants', 'every tenant\'s, with a TENANT column (admin)')
-    .action(async (o: { state?: string[]; label?: Record<string, string>; host?: string; allTenants?: boolean }, cmd: Command) => {
-      const list = await client(cmd).list({ ...(o.state ? { states: o.state as SandboxInfo['state'][] } : {}), ...(o.label ? { labels: o.label } : {}), ...(o.host ? { hostId: o.host } : {}), ...(o.allTenants ? { allTenants: true } : {}) });
+    .action(async (o: { state?: SandboxStateName[]; label?: Record<string, string>; host?: string; allTenants?: boolean }, cmd: Command) => {
+      const list = await client(cmd).list({ ...(o.state ? { states: o.state } : {}), ...(o.label ? { labels: o.label } : {}), ...(o.host ? { hostId: o.host } : {}), ...(o.allTenants ? { allTenants: true } : {}) });
       out(cmd, list, () => (list.length ? table(withTenant(sandboxRows(list), list, o.allTenants)) : 'no sandboxes; create one with `forkfleet sandbox create`\n'));
     });
   sb.command('get').alias('show')
@@ -478,10 +551,28 @@ export function buildProgram(): Command {
       const res = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0, outputTruncated: false };
       // --json: each stream decoded once, whole (a character split across two chunks stays whole).
       const parts: Record<'stdout' | 'stderr', Uint8Array[]> = { stdout: [], stderr: [] };
-      for await (const c of stream) {
-        if (c.stream === 'exit') Object.assign(res, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
-        else if (g.json) parts[c.stream].push(c.data);
-        else (c.stream === 'stdout' ? process.stdout : process.stderr).write(c.data);
+      let output = false;
+      let exited = false;
+      try {
+        for await (const c of stream) {
+          if (c.stream === 'exit') {
+            exited = true;
+            Object.assign(res, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
+          } else {
+            output = true;
+            if (g.json) parts[c.stream].push(c.data);
+            // A slow reader of our stdout holds the stream back, rather than this process buffering it.
+            else await writeOut(c.stream === 'stdout' ? process.stdout : process.stderr, c.data);
+          }
+        }
+      } catch (e) {
+        // Broke off after the command may have started: its outcome is unknown (exit 75), and
+        // --json keeps what it printed until then.
+        if (!exited && execMayHaveRun(e, output)) {
+          startedExecs.add(e as object);
+          if (g.json) invocation(cmd).execOutput = { stdout: Buffer.concat(parts.stdout).toString(), stderr: Buffer.concat(parts.stderr).toString() };
+        }
+        throw e;
       }
       res.stdout = Buffer.concat(parts.stdout).toString();
       res.stderr = Buffer.concat(parts.stderr).toString();
@@ -532,11 +623,11 @@ export function buildProgram(): Command {
         const ff = client(cmd);
         const done = await eachTarget(cmd, ids, async (id) => {
           const s = ff.sandbox(id);
-          const o = progress(cmd, `${name} ${id}`, id);
-          await (name === 'pause' ? s.pause(o) : name === 'resume' ? s.resume(o) : name === 'hibernate' ? s.hibernate(o) : s.destroy(o));
+          await waitingOn(cmd, `${name} ${id}`, id, ids.length === 1, (o) => (name === 'pause' ? s.pause(o) : name === 'resume' ? s.resume(o) : name === 'hibernate' ? s.hibernate(o) : s.destroy(o)));
           return s.info ?? { id, state: name === 'destroy' ? 'destroyed' : 'unknown' };
         });
-        out(cmd, ids.length === 1 ? done[0] : done, () => done.map((s) => ('error' in s ? '' : `${s.id}  ${s.state}\n`)).join(''));
+        // An array, one element per id in order, however many ids (README: --json output).
+        out(cmd, done, () => done.map((s) => ('error' in s ? '' : `${s.id}  ${s.state}\n`)).join(''));
       });
   }
   sb.command('snapshot')
@@ -546,7 +637,8 @@ export function buildProgram(): Command {
     .option('--ttl <duration>', 'retention TTL')
     .option('--label <key=value>', 'label (repeatable)', labelsArg)
     .action(async (id: string, o: { pin: boolean; ttl?: string; label?: Record<string, string> }, cmd: Command) => {
-      const sn = await client(cmd).sandbox(id).snapshot({ pin: o.pin, ...(o.ttl ? { ttl: o.ttl } : {}), labels: o.label ?? {} }, progress(cmd, 'snapshot'));
+      const s = client(cmd).sandbox(id);
+      const sn = await waitingOn(cmd, 'snapshot', undefined, true, (w) => s.snapshot({ pin: o.pin, ...(o.ttl ? { ttl: o.ttl } : {}), labels: o.label ?? {} }, w));
       endProgress(cmd);
       out(cmd, sn, () => `${sn.id}  ${sn.state} on ${sn.hostIds.join(',')}  ${fmtBytes(sn.storedBytes)} stored\nnext: forkfleet sandbox fork ${sn.id} 4\n`);
     });
@@ -566,7 +658,8 @@ export function buildProgram(): Command {
       const src = source.startsWith('sn-') ? { snapshotId: source } : { sandboxId: source };
       const keep = o.snapshotTtl !== undefined && (o.snapshotTtl.trim() === '0' || parseDuration(o.snapshotTtl, 'snapshot_retention.ttl') === 0);
       const snapshotRetention = o.snapshotTtl !== undefined || o.snapshotKeepLast !== undefined ? { ...(o.snapshotTtl !== undefined && !keep ? { ttl: o.snapshotTtl } : {}), ...(o.snapshotKeepLast ? { keepLast: o.snapshotKeepLast } : {}) } : undefined;
-      const r = await client(cmd).fork(src, count, { locality: o.locality, ...(o.spread ? { spread: o.spread } : {}), ...(o.maxPerHost ? { maxPerHost: o.maxPerHost } : {}), labels: o.label ?? {}, ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.idleTimeout !== undefined ? { idleTimeout: o.idleTimeout } : {}), ...(snapshotRetention ? { snapshotRetention } : {}) }, progress(cmd, `fork x${count}`));
+      const ff = client(cmd);
+      const r = await waitingOn(cmd, `fork x${count}`, undefined, true, (w) => ff.fork(src, count, { locality: o.locality, ...(o.spread ? { spread: o.spread } : {}), ...(o.maxPerHost ? { maxPerHost: o.maxPerHost } : {}), labels: o.label ?? {}, ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.idleTimeout !== undefined ? { idleTimeout: o.idleTimeout } : {}), ...(snapshotRetention ? { snapshotRetention } : {}) }, w));
       endProgress(cmd);
       const children = r.children.map((c) => c.info!);
       out(cmd, { snapshotId: r.snapshotId, children, placement: r.operation.fork?.summary ?? '' }, () =>
@@ -598,8 +691,9 @@ export function buildProgram(): Command {
     .description('delete snapshots')
     .argument('<snapshot...>')
     .action(async (ids: string[], _o: unknown, cmd: Command) => {
+      const ff = client(cmd);
       const done = await eachTarget(cmd, ids, async (id) => {
-        const op = await client(cmd).snapshots.delete(id, progress(cmd, `rm ${id}`, id));
+        const op = await waitingOn(cmd, `rm ${id}`, id, ids.length === 1, (o) => ff.snapshots.delete(id, o));
         return { snapshotId: op.targetId, operation: op.id, state: op.state };
       });
       out(cmd, done, () => done.map((d) => ('error' in d ? '' : `${d.snapshotId}  deleted\n`)).join(''));
@@ -621,10 +715,13 @@ export function buildProgram(): Command {
     .action(async (id: string, o: { wait?: boolean }, cmd: Command) => {
       const ff = client(cmd);
       let op = await ff.cancelOperation(id);
-      if (o.wait) op = await ff.wait(id, globals(cmd).timeout ? { timeoutMs: parseDuration(globals(cmd).timeout!, '--timeout') } : {}).catch((e: unknown) => {
-        if (e instanceof OperationFailedError) return e.operation;
-        throw e;
-      });
+      if (o.wait) {
+        const done = waiting(cmd, { label: `cancel ${id}`, opId: id });
+        op = await ff.wait(id, globals(cmd).timeout ? { timeoutMs: parseDuration(globals(cmd).timeout!, '--timeout') } : {}).catch((e: unknown) => {
+          if (e instanceof OperationFailedError) return e.operation;
+          throw e;
+        }).finally(done);
+      }
       out(cmd, op, () => operationFields(op));
     });
   op.command('ls').alias('list')
@@ -655,7 +752,7 @@ export function buildProgram(): Command {
       let seen = 0;
       try {
         for await (const e of client(cmd).watch({ ...(o.sandbox ? { sandboxId: o.sandbox } : {}), ...(o.type ? { types: o.type } : {}), ...(o.after ? { afterRevision: o.after } : {}), signal: ac.signal })) {
-          process.stdout.write(json ? `${JSON.stringify(e)}\n` : eventLine(e));
+          await writeOut(process.stdout, json ? `${JSON.stringify(e)}\n` : eventLine(e));
           if (o.count && ++seen >= o.count) break;
         }
       } catch (e) {
@@ -705,7 +802,8 @@ export function buildProgram(): Command {
     .argument('<host>')
     .option('--migrate', 'move running sandboxes to other hosts instead of hibernating them (without it, each is hibernated and its snapshot copied to another host, where it wakes)', false)
     .action(async (id: string, o: { migrate: boolean }, cmd: Command) => {
-      const op = await client(cmd).hosts.drain(id, o.migrate, progress(cmd, `drain ${id}`));
+      const ff = client(cmd);
+      const op = await waitingOn(cmd, `drain ${id}`, undefined, true, (w) => ff.hosts.drain(id, o.migrate, w));
       endProgress(cmd);
       out(cmd, op, () => `${id} drained: ${op.progress.done} sandbox(es) ${o.migrate ? 'moved to other hosts' : 'hibernated, their snapshots copied to other hosts'}\n`);
     });
@@ -738,30 +836,30 @@ export function buildProgram(): Command {
 
 /**
  * Runs `act` on every target at once and waits for all of them: one target's failure neither
- * hides nor cancels the others. A lone target's failure is thrown as is. With several, each
- * failure is reported on stderr (and in --json output as `{ id, error }` in its place), the
- * others' results are returned, and the exit code is the first failure's.
+ * hides nor cancels the others. Each failure (a lone target's too) is reported on stderr
+ * (and in --json output as `{ id, error }` in its place: the output is one array, one element
+ * per id, however many ids), the others' results are returned, and the exit code is the
+ * first failure's.
  */
-async function eachTarget<T>(cmd: Command, ids: string[], act: (id: string) => Promise<T>): Promise<Array<T | { id: string; error: ReturnType<typeof describeError> }>> {
+async function eachTarget<T>(cmd: Command, ids: string[], act: (id: string) => Promise<T>): Promise<Array<T | { id: string; error: DescribedError }>> {
   const settled = await Promise.allSettled(ids.map(act));
   endProgress(cmd);
-  const failed = settled.flatMap((r) => (r.status === 'rejected' ? [r.reason as unknown] : []));
-  if (ids.length === 1 && failed.length === 1) throw failed[0];
-  const api = globals(cmd).api;
+  const g = globals(cmd);
   const inv = invocation(cmd);
   return settled.map((r, i) => {
     if (r.status === 'fulfilled') return r.value;
-    const d = describeError(r.reason, api, inv.key);
+    const d = describeError(r.reason, g.api, g.idempotencyKey ?? inv.key);
     process.stderr.write(`forkfleet: ${ids[i]}: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
     if (!inv.exitCode) inv.exitCode = d.exitCode;
     return { id: ids[i]!, error: d };
   });
 }
 
-interface DescribedError {
+export interface DescribedError {
   kind: string;
   message: string;
-  field: string | undefined;
+  /** The flag or request field at fault; null when none is named (present in --json output either way). */
+  field: string | null;
   retryable: boolean;
   hint: string;
   exitCode: number;
@@ -773,6 +871,28 @@ interface DescribedError {
   children?: string[];
 }
 
+/**
+ * Exec errors (of `sandbox exec`) after which the command may have run: describeError gives
+ * them exit 75 (outcome unknown) and says so, not "is the fleet up?".
+ */
+const startedExecs = new WeakSet<object>();
+
+/** Kinds of the fleet's own failure (a host lost, a deadline), as opposed to a refusal of the request. */
+const FLEET_FAILURES: ReadonlySet<string> = new Set(['unavailable', 'deadline_exceeded', 'internal', 'aborted']);
+
+/**
+ * Whether an exec that failed with `e` may have run its command: output had come, or the call
+ * broke off (no answer: the connection dropped, the deadline passed; or the fleet failed
+ * behind the scheduler, e.g. its host lost) rather than being refused or never reaching a
+ * scheduler (execNeverStarted).
+ */
+function execMayHaveRun(e: unknown, gotOutput: boolean): boolean {
+  if (typeof e !== 'object' || e === null) return false;
+  if (gotOutput) return true;
+  if (execNeverStarted(e)) return false;
+  return e instanceof RpcError && (!e.answered || FLEET_FAILURES.has(e.kind));
+}
+
 /** Children of a failed fork that hold nothing (any more): the result lists each child it placed, in its state now. */
 const GONE: ReadonlySet<string> = new Set(['failed', 'destroying', 'destroyed', 'lost']);
 
@@ -781,9 +901,13 @@ const LOCAL_FILE_ERRORS = new Set(['ENOENT', 'EACCES', 'EPERM', 'EISDIR', 'ENOTD
 
 export function describeError(e: unknown, api: string, key?: string): DescribedError {
   if (e instanceof ForkfleetError) {
-    const base = { kind: e.kind, message: e.message, field: e.field, retryable: e.retryable };
-    const like = { ...base, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered };
+    const base = { kind: e.kind, message: e.message, field: e.field ?? null, retryable: e.retryable };
+    const operationId = e instanceof OperationFailedError ? undefined : operationIdOf(e);
+    const started = startedExecs.has(e);
+    // Accepted (an operation whose wait failed) or started (an exec that broke off): exit 75.
+    const like = { ...base, field: e.field, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered, accepted: operationId !== undefined || started };
     const d: DescribedError = { ...base, hint: hintFor(like, api), exitCode: exitCodeFor(like) };
+    if (started) return { ...d, hint: 'the command had started when its stream broke off: it may have run on, or to its end, with no exit seen; check what it does before running it again (exec runs again each time)' };
     // An operation that ran and failed: which one, and for a fork the children it left (a
     // partial fork keeps those that started; they count against the quota). A cancelled fork
     // destroyed the ones that started, whatever state its result caught them in.
@@ -793,7 +917,6 @@ export function describeError(e: unknown, api: string, key?: string): DescribedE
       const leftText = children.length ? ` (${children.length} ${children.length === 1 ? 'child was' : 'children were'} left, counting against the quota until destroyed: ${left.map((c) => `${c.id} ${c.state}`).join(', ')})` : '';
       return { ...d, operationId: e.operation.id, ...(children.length ? { children } : {}), hint: `${d.hint}; details: \`forkfleet operation get ${e.operation.id}\`${leftText}` };
     }
-    const operationId = operationIdOf(e);
     // Accepted, then the wait for it failed (an outage, --timeout): follow it, do not submit
     // again. Not the kind's own hint ("retry ..."): a repeat without the key submits a second one.
     if (operationId) return { ...d, operationId, ...(key ? { idempotencyKey: key } : {}), hint: `operation ${operationId} was accepted and goes on: follow it with \`forkfleet operation get ${operationId}\`${key ? `, or wait for it again by repeating the command with --idempotency-key ${key} (without it, the command submits a second one)` : ''}` };
@@ -806,36 +929,94 @@ export function describeError(e: unknown, api: string, key?: string): DescribedE
   // Not the fleet's answer: a local file or directory the command was given (sandbox cp's
   // source, --credentials, --tokens-file) that is missing or not readable.
   const code = (e as NodeJS.ErrnoException | undefined)?.code;
-  if (typeof code === 'string' && LOCAL_FILE_ERRORS.has(code)) return { kind: 'failed_precondition', message, field: undefined, retryable: false, hint: `a local file or directory: check the path and its permissions (a relative path is from ${process.cwd()})`, exitCode: 1 };
-  return { kind: 'internal', message, field: undefined, retryable: false, hint: 'this is a bug in the CLI or a local problem; the message above says what', exitCode: 1 };
+  if (typeof code === 'string' && LOCAL_FILE_ERRORS.has(code)) return { kind: 'failed_precondition', message, field: null, retryable: false, hint: `a local file or directory: check the path and its permissions (a relative path is from ${process.cwd()})`, exitCode: EXIT.error };
+  return { kind: 'internal', message, field: null, retryable: false, hint: 'this is a bug in the CLI or a local problem; the message above says what', exitCode: EXIT.error };
 }
 
-export async function main(argv: string[]): Promise<number> {
+/**
+ * What an interrupt (Ctrl-C) leaves on stderr: each operation this run was waiting on, which
+ * goes on without it (its id, how to follow and stop it), or, before the fleet's answer came,
+ * the key to repeat the command with. '' when it was waiting on none.
+ */
+function interruptNotice(waits: Iterable<{ label: string; key?: string; opId?: string }>, key: string | undefined): string {
+  const list = [...waits];
+  if (list.length === 0) return '';
+  const lines = list.map((w) =>
+    w.opId
+      ? `  ${w.label}: operation ${w.opId} goes on: follow it with \`forkfleet operation get ${w.opId}\` (a create, fork or drain stops with \`forkfleet operation cancel ${w.opId}\`)\n`
+      : `  ${w.label}: no answer yet: the fleet may have taken it${w.key ? ` (idempotency key ${w.key})` : ''}\n`,
+  );
+  const again = key && list.some((w) => w.key) ? `  to wait for ${list.length === 1 ? 'it' : 'them'} again without doing the work twice, repeat the command with --idempotency-key ${key}\n` : '';
+  return `forkfleet: interrupted while waiting; not stopped on the fleet:\n${lines.join('')}${again}`;
+}
+
+/**
+ * Sets the exit code and exits once stdout and stderr have been written out: a pipe's writes
+ * are asynchronous, and process.exit() at once would cut them short (a file copied to stdout
+ * past the pipe's 64 KiB). Exits then even if some handle lingers.
+ */
+function exitWhenFlushed(code: number): void {
+  process.exitCode = code;
+  let left = 2;
+  const done = (): void => {
+    if (--left === 0) process.exit(code);
+  };
+  for (const s of [process.stdout, process.stderr]) {
+    if (s.destroyed || !s.writable) done();
+    else s.write('', () => done());
+  }
+}
+
+/**
+ * Runs one command line; resolves with its exit code (services/cli/README.md, "Exit codes").
+ * `exit`: how an interrupt (SIGINT) while waiting on operations ends the process, after
+ * saying what it leaves running.
+ */
+export async function main(argv: string[], exit: (code: number) => void = exitWhenFlushed): Promise<number> {
   const program = buildProgram();
   const inv = invocation(program);
+  // Ctrl-C while waiting on operations (waiting()): they go on without us; say which, then exit 130.
+  const onSigint = (): void => {
+    if (inv.progressDrawn) process.stderr.write('\n');
+    const g = program.opts() as Globals;
+    process.stderr.write(interruptNotice(inv.waits, g.idempotencyKey ?? inv.key));
+    exit(EXIT.interrupted);
+  };
+  inv.onInterrupt = onSigint;
   try {
     await program.parseAsync(argv, { from: 'user' });
-    return inv.exitCode ?? 0;
+    return inv.exitCode ?? EXIT.ok;
   } catch (e) {
     // As parsed: a `--json` after `--` is the guest command's (sandbox exec SB -- tool --json).
-    const json = (program.opts() as Globals).json === true;
+    const g = program.opts() as Globals;
+    const json = g.json === true;
     if (e instanceof CommanderError) {
       // Commander printed its own message on stderr; --json gets the error on stdout too.
-      if (json && e.exitCode !== 0) process.stdout.write(`${JSON.stringify({ error: { kind: 'invalid_argument', message: e.message.replace(/^error: /, ''), field: undefined, retryable: false, hint: 'forkfleet <command> --help', exitCode: 2 } })}\n`);
-      return e.exitCode === 0 ? 0 : 2;
+      if (json && e.exitCode !== 0) process.stdout.write(`${JSON.stringify({ error: { kind: 'invalid_argument', message: e.message.replace(/^error: /, ''), field: null, retryable: false, hint: 'forkfleet <command> --help', exitCode: EXIT.usage } })}\n`);
+      return e.exitCode === 0 ? EXIT.ok : EXIT.usage;
     }
-    const api = (program.opts() as Globals).api;
-    const d = describeError(e, api, inv.key);
+    const d = describeError(e, g.api, g.idempotencyKey ?? inv.key);
     // One line: a stream of --json events (forkfleet events) stays one JSON object per line.
-    if (json) process.stdout.write(`${JSON.stringify({ error: d })}\n`);
-    process.stderr.write(`${isTty() ? '\n' : ''}forkfleet: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
+    // An exec that broke off: what it printed until then, too.
+    if (json) process.stdout.write(`${JSON.stringify({ error: d, ...inv.execOutput })}\n`);
+    process.stderr.write(`${inv.progressDrawn ? '\n' : ''}forkfleet: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
     return d.exitCode;
   } finally {
+    process.off('SIGINT', onSigint);
     inv.client?.close();
   }
 }
 
 if (process.argv[1] && resolve(process.argv[1]) === resolve(import.meta.filename)) {
   enterUserCwd(['forkfleet']);
-  main(process.argv.slice(2)).then((code) => process.exit(code));
+  // The reader of our output went away (`| head`): stop at once, as a tool killed by SIGPIPE
+  // would (the shell's 141), not with an unhandled error; an exec's output is not needed.
+  process.stdout.on('error', (e: NodeJS.ErrnoException) => {
+    if (e.code !== 'EPIPE') throw e;
+    process.exit(128 + 13);
+  });
+  // Nowhere left to report anything: go on without it.
+  process.stderr.on('error', () => {});
+  // Not process.exit() at once: that cuts piped output short (exitWhenFlushed).
+  void main(process.argv.slice(2)).then(exitWhenFlushed);
 }

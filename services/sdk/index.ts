@@ -4,7 +4,8 @@
 //
 //   const ff = new Forkfleet({ address: '127.0.0.1:17700' });   // TLS; token and CA from FF_TOKEN / FF_CA or the fleet's credentials.json
 //   const sb = await ff.create({ image: 'tiny' });
-//   for await (const chunk of sb.exec(['sh', '-c', 'echo hi'])) process.stdout.write(chunk.data);
+//   for await (const chunk of sb.exec(['sh', '-c', 'echo hi'])) process.stdout.write(chunk.data);   // lazy: runs when iterated
+//   const { stdout } = await sb.run(['uname', '-a']);
 //   const kids = await sb.fork(8);
 //   await Promise.all(kids.map((k) => k.destroy()));
 //
@@ -36,7 +37,9 @@ type FleetClient = Client<(typeof FleetService)['method']>;
 
 // ---------------------------------------------------------------- plain data types
 
-export type SandboxStateName = 'pending' | 'starting' | 'running' | 'paused' | 'hibernating' | 'hibernated' | 'waking' | 'destroying' | 'destroyed' | 'failed' | 'lost' | 'unspecified';
+/** What list() can filter by. */
+export const SANDBOX_STATES = ['pending', 'starting', 'running', 'paused', 'hibernating', 'hibernated', 'waking', 'destroying', 'destroyed', 'failed', 'lost'] as const;
+export type SandboxStateName = (typeof SANDBOX_STATES)[number] | 'unspecified';
 export type SnapshotStateName = 'creating' | 'ready' | 'deleting' | 'deleted' | 'failed' | 'unspecified';
 export type OperationStateName = (typeof OPERATION_STATES)[number] | 'unspecified';
 /** What listOperations can filter by. */
@@ -536,7 +539,12 @@ function retryOptions(r: Partial<RetryOptions> = {}): Readonly<RetryOptions> {
 }
 
 export interface ForkfleetOptions {
-  /** host:port of a scheduler replica, or several (the client fails over between them). */
+  /**
+   * host:port of a scheduler replica, or several (an array, or comma-separated; the client
+   * fails over between them). Several must be IP literals of one family, '10.0.0.1:17700' or
+   * '[fd00::1]:17700' (a host name in a list is refused): for names, give one name that
+   * resolves to every scheduler.
+   */
   address: string | string[];
   /**
    * Default FF_TENANT, else the credentials file's tenant, else '' (the credential's own
@@ -569,8 +577,18 @@ export interface CallOpts {
   deadline?: Date;
   /** Reuse a key of your own, e.g. to make a whole script restartable. */
   idempotencyKey?: string;
-  /** Called whenever the operation's progress is polled (about once a second). */
+  /**
+   * Called whenever the operation's progress is polled: about once a second. Without it the
+   * wait long-polls in 30 s windows (one call per 30 s instead of one per second): leave it
+   * out when nothing shows the progress.
+   */
   onProgress?: (op: OperationInfo) => void;
+  /**
+   * Called once the fleet has accepted the operation, before the wait for it: its id, to
+   * follow (`operation(id)`, `wait(id)`) or cancel (`cancelOperation(id)`) it if the wait is
+   * abandoned (the process interrupted). An error it throws is ignored.
+   */
+  onAccepted?: (op: OperationInfo) => void;
 }
 
 export interface CreateOptions {
@@ -638,10 +656,34 @@ export interface ExecResult {
   outputTruncated: boolean;
 }
 
-/** An exec in progress: iterate it for output; the last chunk is the exit. */
+/**
+ * An exec, started lazily: nothing is sent to the fleet until it is iterated or result() is
+ * called (`sb.exec(['touch', '/x'])` alone runs nothing; `await sb.run([...])` does). Iterate
+ * it for output; the last chunk is the exit. It runs once: iterate it or call result(), once.
+ */
 export interface ExecStream extends AsyncIterable<ExecChunk> {
-  /** Collects everything and resolves with the result. Do not also iterate. */
+  /**
+   * Runs it, collects everything and resolves with the result. Do not also iterate. When the
+   * call fails after output came (the host lost, the connection dropped, the deadline passed),
+   * the error carries what came before it: execOutputOf(e).
+   */
   result(): Promise<ExecResult>;
+}
+
+/** What an exec printed before its call failed (ExecStream.result()). */
+export interface ExecPartialOutput {
+  stdout: string;
+  stderr: string;
+}
+const partialOutputOf = new WeakMap<object, ExecPartialOutput>();
+
+/**
+ * The output an exec's result() had collected when its call failed part-way (the host lost,
+ * the connection dropped, its deadline): the command may have run on, or to its end, with no
+ * exit seen. Undefined for any other error, or one thrown before any output came.
+ */
+export function execOutputOf(e: unknown): ExecPartialOutput | undefined {
+  return typeof e === 'object' && e !== null ? partialOutputOf.get(e) : undefined;
 }
 
 /** @internal Sleeps `ms`, or until `signal` aborts (rejecting with its reason); leaves no listener on the signal behind (exported for its test). */
@@ -846,6 +888,13 @@ export class Forkfleet {
     try {
       const op = await this.retry((o) => call(key, o), { ...opts, timeoutMs: this.timeoutMs }, true);
       opId = op.id;
+      if (opts.onAccepted) {
+        try {
+          opts.onAccepted(toOperation(op));
+        } catch {
+          // The caller's bookkeeping: it does not fail the call.
+        }
+      }
       return await this.wait(op.id, opts, op.tenantId || this.tenant);
     } catch (e) {
       const err = asError(e, opts.signal);
@@ -1138,10 +1187,16 @@ export class Forkfleet {
         const out: Buffer[] = [];
         const err: Buffer[] = [];
         const r: ExecResult = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0, outputTruncated: false };
-        for await (const c of it) {
-          if (c.stream === 'stdout') out.push(Buffer.from(c.data));
-          else if (c.stream === 'stderr') err.push(Buffer.from(c.data));
-          else if (c.stream === 'exit') Object.assign(r, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
+        try {
+          for await (const c of it) {
+            if (c.stream === 'stdout') out.push(Buffer.from(c.data));
+            else if (c.stream === 'stderr') err.push(Buffer.from(c.data));
+            else if (c.stream === 'exit') Object.assign(r, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
+          }
+        } catch (e) {
+          // Output came, then the call failed: keep it with the error (execOutputOf).
+          if ((out.length > 0 || err.length > 0) && typeof e === 'object' && e !== null) partialOutputOf.set(e, { stdout: Buffer.concat(out).toString(), stderr: Buffer.concat(err).toString() });
+          throw e;
         }
         r.stdout = Buffer.concat(out).toString();
         r.stderr = Buffer.concat(err).toString();
@@ -1168,14 +1223,22 @@ export class Sandbox {
     return this.info;
   }
 
-  /** Runs argv in the guest; iterate for live output, or call .result(). */
+  /**
+   * argv in the guest, as a stream started lazily: nothing runs until it is iterated (live
+   * output) or its result() is called. To run a command and wait for it, use run().
+   */
   exec(argv: string[], opts: ExecOptions = {}): ExecStream {
     return this.ff.execStream(this.id, argv, opts);
   }
 
+  /** Runs argv in the guest now and collects its output (exec(argv).result()). */
+  run(argv: string[], opts: ExecOptions = {}): Promise<ExecResult> {
+    return this.exec(argv, opts).result();
+  }
+
   /** Runs a shell script and collects its output. */
   sh(script: string, opts: ExecOptions = {}): Promise<ExecResult> {
-    return this.exec(['/bin/sh', '-c', script], opts).result();
+    return this.run(['/bin/sh', '-c', script], opts);
   }
 
   async writeFile(path: string, data: string | Uint8Array, mode = 0o644, opts: CallOpts = {}): Promise<number> {

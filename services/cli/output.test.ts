@@ -1,0 +1,215 @@
+// What the CLI prints and exits with around the fleet's answers: --json shapes, progress only
+// when shown, an exec that breaks off, output held back for a slow reader, Ctrl-C while
+// waiting. The SDK's calls are replaced by spies: no server is involved.
+import { spawn } from 'node:child_process';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join, resolve } from 'node:path';
+import { Writable } from 'node:stream';
+import { status as Status } from '@grpc/grpc-js';
+import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
+import { RpcError } from '../adapters/grpc/status.ts';
+import { Forkfleet, Sandbox } from '../sdk/index.ts';
+import type { CallOpts, ExecChunk, ExecStream, OperationInfo } from '../sdk/index.ts';
+import { main, writeOut } from './main.ts';
+
+const API = '127.0.0.1:1';
+const ROOT = resolve(import.meta.dirname, '..', '..');
+let out: string[] = [];
+let err: string[] = [];
+const dirs: string[] = [];
+const tempDir = (): string => {
+  const d = mkdtempSync(join(tmpdir(), 'ff-cli-out-'));
+  dirs.push(d);
+  return d;
+};
+
+beforeEach(() => {
+  out = [];
+  err = [];
+  vi.stubEnv('FF_FLEET_DIR', tempDir());
+  vi.stubEnv('FF_CREDENTIALS', undefined);
+  vi.stubEnv('FF_TOKEN', undefined);
+  vi.stubEnv('FF_CA', undefined);
+  vi.spyOn(process.stdout, 'write').mockImplementation((s) => (out.push(String(s)), true));
+  vi.spyOn(process.stderr, 'write').mockImplementation((s) => (err.push(String(s)), true));
+});
+afterEach(() => {
+  vi.restoreAllMocks();
+  vi.unstubAllEnvs();
+  process.exitCode = undefined;
+  for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true });
+});
+
+const tick = (ms = 10): Promise<void> => new Promise((r) => setTimeout(r, ms));
+
+/** An exec stream that yields `chunks`, then throws `fail` if given; `pulled` counts the chunks taken. */
+function fakeExec(chunks: ExecChunk[], fail?: unknown): ExecStream & { pulled: number } {
+  const s = {
+    pulled: 0,
+    async *[Symbol.asyncIterator](): AsyncGenerator<ExecChunk> {
+      for (const c of chunks) {
+        s.pulled++;
+        yield c;
+      }
+      if (fail) throw fail;
+    },
+    result: () => Promise.reject(new Error('not used')),
+  };
+  return s;
+}
+const stdoutChunk = (t: string): ExecChunk => ({ stream: 'stdout', data: Buffer.from(t) });
+const exitChunk: ExecChunk = { stream: 'exit', exitCode: 0, signal: 0, timedOut: false, durationMs: 5, outputTruncated: false };
+const dropped = (): RpcError => new RpcError(Status.UNAVAILABLE, 'unavailable', 'Connection dropped', true, undefined, undefined, false);
+
+describe('--json shapes', () => {
+  it('sandboxDestroy_printsAnArray_forOneIdAsForSeveral_andAFailureInItsPlace', async () => {
+    vi.spyOn(Sandbox.prototype, 'destroy').mockImplementation(async function (this: Sandbox) {
+      if (this.id === 'sb-missing') throw new RpcError(Status.NOT_FOUND, 'not_found', 'sandbox sb-missing not found', false, undefined, undefined, true);
+      return this;
+    });
+    expect(await main(['--api', API, '--json', 'sandbox', 'destroy', 'sb-one'])).toBe(0);
+    expect(JSON.parse(out.join(''))).toEqual([{ id: 'sb-one', state: 'destroyed' }]);
+    out = [];
+    expect(await main(['--api', API, '--json', 'sandbox', 'destroy', 'sb-missing'])).toBe(1);
+    const [failed] = JSON.parse(out.join('')) as Array<{ id: string; error: Record<string, unknown> }>;
+    expect(failed).toMatchObject({ id: 'sb-missing', error: { kind: 'not_found', exitCode: 1 } });
+    // Listed in the README as present: null when no field is named.
+    expect(failed!.error).toHaveProperty('field', null);
+  });
+
+  it('sandboxLs_aStateThatDoesNotExist_isRefusedNamingTheFlag_withFieldNullInJson', async () => {
+    expect(await main(['--api', API, '--json', 'sandbox', 'ls', '--state', 'runing'])).toBe(2);
+    const text = err.join('');
+    expect(text).toContain('--state');
+    expect(text).not.toContain('states[0]');
+    // A usage error's document has every field the README lists, `field` null when none is named.
+    expect((JSON.parse(out.at(-1)!) as { error: Record<string, unknown> }).error).toEqual(expect.objectContaining({ kind: 'invalid_argument', field: null, exitCode: 2 }));
+  });
+});
+
+describe('progress', () => {
+  it('isAskedOfTheSdk_onlyWhenItIsShown_notWithJsonNorForSeveralIds', async () => {
+    const seen: Array<CallOpts | undefined> = [];
+    vi.spyOn(Sandbox.prototype, 'destroy').mockImplementation(async function (this: Sandbox, o?: CallOpts) {
+      seen.push(o);
+      return this;
+    });
+    await main(['--api', API, '--json', 'sandbox', 'destroy', 'sb-1']);
+    await main(['--api', API, 'sandbox', 'destroy', 'sb-1', 'sb-2', 'sb-3']);
+    expect(seen).toHaveLength(4);
+    expect(seen.every((o) => o?.onProgress === undefined)).toBe(true);
+    // One id, no --json: shown (one call a second is worth it).
+    await main(['--api', API, 'sandbox', 'destroy', 'sb-1']);
+    expect(seen[4]?.onProgress).toBeTypeOf('function');
+  });
+});
+
+describe('sandbox exec', () => {
+  it('aStreamThatBreaksOffAfterOutput_exits75_andJsonKeepsTheOutputSoFar', async () => {
+    vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
+      const sb = new Sandbox(this, id);
+      sb.exec = () => fakeExec([stdoutChunk('half '), stdoutChunk('done\n')], dropped());
+      return sb;
+    });
+    expect(await main(['--api', API, '--json', 'sandbox', 'exec', 'sb-x', '--', 'work'])).toBe(75);
+    const doc = JSON.parse(out.at(-1)!) as { error: { kind: string; exitCode: number; hint: string }; stdout: string; stderr: string };
+    expect(doc).toMatchObject({ stdout: 'half done\n', stderr: '', error: { kind: 'unavailable', exitCode: 75 } });
+    expect(doc.error.hint).toContain('may have run');
+    expect(doc.error.hint).not.toContain('fleet:up');
+  });
+
+  it('aCallThatNeverReachedAScheduler_staysUnreachable69', async () => {
+    vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
+      const sb = new Sandbox(this, id);
+      sb.exec = () => fakeExec([], new RpcError(Status.UNAVAILABLE, 'unavailable', 'No connection established. Last error: connect ECONNREFUSED', true, undefined, undefined, false));
+      return sb;
+    });
+    expect(await main(['--api', API, '--json', 'sandbox', 'exec', 'sb-x', '--', 'work'])).toBe(69);
+    expect(JSON.parse(out.at(-1)!)).not.toHaveProperty('stdout');
+  });
+
+  it('aSlowReader_holdsTheStreamBack_untilStdoutDrains', async () => {
+    const stream = fakeExec([stdoutChunk('a'), stdoutChunk('b'), exitChunk]);
+    vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
+      const sb = new Sandbox(this, id);
+      sb.exec = () => stream;
+      return sb;
+    });
+    // stdout's buffer is full after every write (a pipe whose reader is slow).
+    vi.mocked(process.stdout.write).mockImplementation((s) => (out.push(String(s)), false));
+    const done = main(['--api', API, 'sandbox', 'exec', 'sb-x', '--', 'yes']);
+    await tick();
+    expect(stream.pulled).toBe(1);
+    process.stdout.emit('drain');
+    await tick();
+    expect(stream.pulled).toBe(2);
+    process.stdout.emit('drain');
+    expect(await done).toBe(0);
+    expect(out.join('')).toBe('ab');
+  });
+});
+
+describe('writeOut', () => {
+  it('resolvesAtOnce_whenTheBufferHasRoom_andAfterDrain_whenItIsFull', async () => {
+    let release!: () => void;
+    const sink = new Writable({ highWaterMark: 4, write: (_c, _e, cb) => void (release = () => cb()) });
+    await writeOut(sink, 'ab'); // under the mark: no wait
+    let resolved = false;
+    const p = writeOut(sink, 'cdef').then(() => void (resolved = true));
+    await tick();
+    expect(resolved).toBe(false);
+    release(); // 'ab' written; 'cdef' goes on
+    await tick();
+    release();
+    await p;
+    expect(resolved).toBe(true);
+  });
+});
+
+describe('interrupted while waiting', () => {
+  it('ctrlC_duringAFork_namesItsOperationAndKey_andExits130', async () => {
+    const OP = `op-${'c'.repeat(20)}`;
+    let release!: () => void;
+    vi.spyOn(Forkfleet.prototype, 'fork').mockImplementation(async (_src, _n, _fo, o?: CallOpts) => {
+      o?.onAccepted?.({ id: OP } as OperationInfo);
+      await new Promise<void>((r) => (release = r));
+      throw new Error('interrupted');
+    });
+    const before = process.listeners('SIGINT');
+    const exit = vi.fn();
+    const done = main(['--api', API, 'sandbox', 'fork', 'sb-src', '4'], exit);
+    await tick();
+    const added = process.listeners('SIGINT').filter((l) => !before.includes(l));
+    expect(added).toHaveLength(1);
+    added[0]!('SIGINT');
+    expect(exit).toHaveBeenCalledWith(130);
+    const text = err.join('');
+    expect(text).toContain(`operation ${OP} goes on`);
+    expect(text).toContain(`forkfleet operation cancel ${OP}`);
+    expect(text).toMatch(/--idempotency-key cli-\S+/);
+    release();
+    await done;
+    // Not waiting any more: SIGINT is left as it was.
+    expect(process.listeners('SIGINT')).toEqual(before);
+  });
+});
+
+describe('piped output', () => {
+  it('jsonOutputPastThePipesBuffer_isWrittenWhole_beforeTheProcessExits', async () => {
+    // ~450 KB of `token ls --json`, more than a pipe holds (64 KiB): no fleet needed.
+    const file = join(tempDir(), 'tokens.json');
+    const tokens = Array.from({ length: 3000 }, (_, i) => ({ tenant: `tenant-${i}`, token_sha256: i.toString(16).padStart(64, '0'), name: `a-long-enough-name-for-this-token-${i}` }));
+    writeFileSync(file, JSON.stringify({ tokens }));
+    const r = await new Promise<{ code: number | null; stdout: Buffer }>((res, rej) => {
+      const p = spawn(process.execPath, ['--import', 'tsx', 'services/cli/main.ts', '--json', 'token', 'ls', '--tokens-file', file], { cwd: ROOT, stdio: ['ignore', 'pipe', 'ignore'] });
+      const parts: Buffer[] = [];
+      p.stdout.on('data', (d: Buffer) => parts.push(d));
+      p.on('error', rej);
+      p.on('close', (code) => res({ code, stdout: Buffer.concat(parts) }));
+    });
+    expect(r.code).toBe(0);
+    expect(r.stdout.length).toBeGreaterThan(256 * 1024);
+    expect((JSON.parse(r.stdout.toString()) as unknown[]).length).toBe(3000);
+  });
+});
