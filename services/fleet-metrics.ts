@@ -8,12 +8,18 @@ import type { FleetGauges, HostGauges, TenantGauges } from './domain/fleet-gauge
 
 const HOST_STATES = ['ready', 'suspect', 'lost'] as const;
 
-/** Registers the gauges on `registry`; `source` is asked at most once a second (scrapes in between share its answer). */
-export function registerFleetGauges(registry: Registry, source: () => FleetGauges | undefined): void {
-  let cached: { at: number; value: FleetGauges | undefined } | undefined;
+/**
+ * Registers the gauges on `registry`; `source` is asked at most once a second (scrapes in
+ * between share its answer) and once more whenever `term` changes: a figure computed while
+ * leading is not served after leadership ended, nor one of an earlier term in a later one.
+ * `term`: a value that changes when leadership is won or lost (the scheduler's term count).
+ */
+export function registerFleetGauges(registry: Registry, source: () => FleetGauges | undefined, term: () => unknown = () => undefined): void {
+  let cached: { at: number; term: unknown; value: FleetGauges | undefined } | undefined;
   const current = (): FleetGauges | undefined => {
     const now = Date.now();
-    if (!cached || now - cached.at >= 1000) cached = { at: now, value: source() };
+    const t = term();
+    if (!cached || now - cached.at >= 1000 || cached.term !== t) cached = { at: now, term: t, value: source() };
     return cached.value;
   };
   const gauge = <L extends string>(name: string, help: string, labelNames: readonly L[], fill: (g: Gauge<L>, s: FleetGauges) => void): void => {

@@ -16,7 +16,7 @@ import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
 import { NotLeaderError } from './domain/errors.ts';
 import { LINK_CHECK, natsTlsOptions, nkeyConnectOptions } from './adapters/nats/auth.ts';
-import { startGrpcServer } from './adapters/grpc/server.ts';
+import { followReadiness, startGrpcServer } from './adapters/grpc/server.ts';
 import { fleetServerCredentials } from './adapters/grpc/tls.ts';
 import { Authenticator } from './auth/tokens.ts';
 import { ApiGuard } from './auth/guard.ts';
@@ -60,8 +60,18 @@ export function loadSigningKey(path: string, keyId: string): SigningKey {
   return { keyId, privateKey };
 }
 
-/** Seconds: a same-host fork's restore on KVM (tens of ms) up to a migration or fetch of a large snapshot. */
-const STEP_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60];
+/**
+ * Seconds: a same-host fork's restore on KVM (tens of ms) up to a migration or fetch of a
+ * large snapshot, and a step that runs out FF_STEP_TIMEOUT (180 s by default).
+ */
+export const STEP_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 180];
+/** Seconds, submit to finish: a same-host fork on KVM takes tens of ms, a drain or a large migration minutes. */
+export const OPERATION_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 180];
+
+/** The Fleet API's health (grpc.health.v1) is checked this often: NOT_SERVING while etcd or NATS is out of reach. */
+const READINESS_EVERY_MS = 1000;
+/** A readiness check (an etcd read) unanswered for this long has failed. */
+const READINESS_TIMEOUT_MS = 2000;
 
 export function schedulerMetrics(registry: Registry): { ops: Counter<'kind' | 'result'>; opSeconds: Histogram<'kind'>; leader: Gauge } {
   return {
@@ -70,7 +80,7 @@ export function schedulerMetrics(registry: Registry): { ops: Counter<'kind' | 'r
       name: 'forkfleet_operation_duration_seconds',
       help: 'Time from an operation being recorded to it finishing, by kind.',
       labelNames: ['kind'],
-      buckets: [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 180],
+      buckets: OPERATION_BUCKETS,
       registers: [registry],
     }),
     leader: new Gauge({ name: 'forkfleet_scheduler_is_leader', help: '1 when this replica is the leader.', registers: [registry] }),
@@ -133,6 +143,22 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     onError: (err, method) => (isForkfleetError(err) && err.kind !== 'internal' ? log.debug({ err: err.message, kind: err.kind, method }, 'request refused') : log.error({ err, method }, 'request failed')),
   });
   log.info({ address: grpc.address }, 'Fleet API listening');
+  // Every API call reads or writes etcd, and exec, files and host work go over NATS: while
+  // either is out of reach the health service answers NOT_SERVING, so probes and load
+  // balancers send calls to replicas that can answer them. One etcd read in flight at a time.
+  let etcdProbe: Promise<boolean> | undefined;
+  const readiness = followReadiness(
+    grpc,
+    [
+      { name: 'etcd', ready: () => (etcdProbe ??= store.revision().then(() => true, () => false).finally(() => (etcdProbe = undefined))) },
+      { name: 'nats', ready: () => bus.connectedForMs() > 0 },
+    ],
+    {
+      everyMs: READINESS_EVERY_MS,
+      timeoutMs: READINESS_TIMEOUT_MS,
+      onChange: (serving, failing) => (serving ? log.info('etcd and NATS reachable again: health SERVING') : log.warn({ failing }, 'cannot serve (out of reach): health NOT_SERVING')),
+    },
+  );
 
   let metricsServer: HttpServer | undefined;
   let dashboard: DashboardHandler | undefined;
@@ -242,7 +268,12 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     },
   });
 
-  registerFleetGauges(registry, () => executor.gauges());
+  // Counts terms of leadership here: a start still waiting when its term ended (onLost ran
+  // meanwhile) starts nothing more; executor and webhooks end what they began after their stop().
+  // The fleet gauges' memo and the compacted revision are of one term.
+  let leaderTerm = 0;
+  let closing = false;
+  registerFleetGauges(registry, () => executor.gauges(), () => (closing ? -1 : leaderTerm));
 
   // Webhooks go out from the leader only (services/domain/webhooks.ts).
   const deliveries = new EtcdDeliveryLog(store.etcd);
@@ -264,7 +295,18 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   });
 
   // etcd history is compacted by the leader (domain/history.ts), never past the webhook cursor.
-  const compactedTo = new Gauge({ name: 'forkfleet_etcd_compacted_revision', help: 'The etcd revision the leader last compacted history to.', registers: [registry] });
+  // Reported by the leader only, and only a figure of its current term: a replica that lost
+  // the lead would export its last figure for good (others report 0, as before a compaction).
+  let compacted: { revision: number; term: number } | undefined;
+  new Gauge({
+    name: 'forkfleet_etcd_compacted_revision',
+    help: 'The etcd revision the leader last compacted history to (0 on other replicas).',
+    registers: [registry],
+    collect() {
+      this.reset();
+      if (compacted && compacted.term === leaderTerm && !closing && election.isLeader()) this.set(compacted.revision);
+    },
+  });
   const compactor = new Compactor(
     {
       store,
@@ -272,14 +314,16 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       // value: the history from the cursor on must stay readable (compactionFloor). A cursor
       // that an outside compaction passed holds nothing back (the dispatcher skips the loss).
       ...(config.webhooks.length > 0 ? { floor: () => compactionFloor(deliveries), compactedPast: (rev: number) => store.compactedPast(rev) } : {}),
-      onCompacted: (rev) => compactedTo.set(rev),
+      // A compaction that ends after its term (compactor.stop() does not wait for it) is not this term's.
+      onCompacted: (rev) => {
+        if (election.isLeader()) compacted = { revision: rev, term: leaderTerm };
+      },
       onHeldBack: (floor, wanted) => log.warn({ floor, wanted }, 'etcd compaction is held back by the webhook cursor (events not recorded for delivery): etcd keeps growing'),
       onError: (err) => log.warn({ err }, 'etcd compaction failed'),
     },
     config.etcdCompactIntervalMs,
   );
 
-  let closing = false;
   // Leadership lost (lease lapsed, e.g. a stalled event loop): stop executing at once, then
   // campaign again as a standby. Whoever leads next re-runs every open operation from etcd.
   // A campaign that fails (etcd unreachable, say) is tried again: a replica never stops
@@ -292,9 +336,6 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       if (closing) throw err;
       return standFor();
     });
-  // Counts terms of leadership here: a start still waiting when its term ended (onLost ran
-  // meanwhile) starts nothing more; executor and webhooks end what they began after their stop().
-  let leaderTerm = 0;
   const campaign = (): Promise<void> =>
     standFor().then(async () => {
       if (closing) return;
@@ -316,6 +357,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
         // would hold the lease and run nothing, and no standby would take over: it steps
         // down and stands again, and whoever wins starts afresh.
         log.error({ err }, 'leader could not start; resigning and campaigning again');
+        leaderTerm++; // this term's figures are not reported any more
         metrics.leader.set(0);
         compactor.stop();
         await Promise.all([executor.stop(), webhooks.stop()]).catch(() => undefined);
@@ -346,6 +388,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     leader,
     async close() {
       closing = true;
+      // Probes and load balancers hear it first, while the leader's work winds down.
+      readiness.stop();
+      grpc.setServing('NOT_SERVING');
       compactor.stop();
       usage.stop();
       await Promise.all([executor.stop(), webhooks.stop()]);

@@ -9,7 +9,8 @@ import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { NotLeaderError } from './errors.ts';
 import type { HostResultMsg } from './messages.ts';
-import type { OperationRec } from './records.ts';
+import type { HostRec, OperationRec } from './records.ts';
+import type { Versioned } from './ports.ts';
 import { sandboxRecord } from '../testkit/records.ts';
 import { waitFor } from '../testkit/proc.ts';
 
@@ -204,4 +205,60 @@ describe('Executor terms', () => {
       await ex.stop();
     }
   }, 20_000);
+
+  it('gauges_reportNothingUntilTheTermHasLoadedTheFleet_neitherZeroHostsOfAFirstTermNorAnEarlierTermsFigures', async () => {
+    const host = (id: string): HostRec => ({ id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 8, memoryMib: 4096, diskMib: 10_000 } }) as HostRec;
+    let hosts: Array<Versioned<HostRec>> = [{ value: host('a'), modRevision: 1 }];
+    let release!: () => void;
+    let listed = false;
+    const gate = (): void => {
+      listed = false;
+      const p = new Promise<void>((r) => (release = r));
+      store.listHosts = async () => {
+        listed = true;
+        await p;
+        return hosts;
+      };
+    };
+    const store = stub<ExecutorDeps['store']>({
+      watchFleet: async () => () => undefined,
+      watchOps: async () => () => undefined,
+      followSandboxes: async () => () => undefined,
+      revision: async () => 5,
+      listHosts: async () => hosts,
+    });
+    const ex = new Executor({
+      store,
+      bus: stub({ consumeResults: async () => async () => undefined }),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
+    });
+    try {
+      // A first term, its fleet still being listed: no figures (not 0 ready hosts).
+      gate();
+      let starting = ex.start();
+      await waitFor('hosts listed', async () => listed, 5000, 5);
+      expect(ex.gauges()).toBeUndefined();
+      release();
+      await starting;
+      expect([...ex.gauges()!.hosts.keys()]).toEqual(['a']);
+      await ex.stop();
+      expect(ex.gauges()).toBeUndefined();
+      // Leading again after host a was removed: not the last term's figures while it lists.
+      hosts = [];
+      gate();
+      starting = ex.start();
+      await waitFor('hosts listed again', async () => listed, 5000, 5);
+      expect(ex.gauges()).toBeUndefined();
+      release();
+      await starting;
+      expect([...ex.gauges()!.hosts.keys()]).toEqual([]);
+    } finally {
+      release();
+      await ex.stop();
+    }
+  });
 });

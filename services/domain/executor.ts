@@ -689,9 +689,16 @@ export class Executor {
     return this.deps.log;
   }
 
-  /** The fleet's gauges from this leader's caches (fleet-gauges.ts); undefined while it does not lead. */
+  /**
+   * The term (this.term) whose start() has loaded the fleet cache: the gauges report only then.
+   * Before, the cache is empty (a first term: 0 ready hosts, an alert during a failover) or
+   * holds an earlier term's records. A later term (stop() counts one) no longer matches it.
+   */
+  private gaugesTerm: number | undefined;
+
+  /** The fleet's gauges from this leader's caches (fleet-gauges.ts); undefined while it does not lead or has not loaded them yet in this term. */
   gauges(): FleetGauges | undefined {
-    if (!this.active) return undefined;
+    if (!this.active || this.gaugesTerm !== this.term) return undefined;
     return fleetGauges({
       hosts: [...this.cache.hosts.values()].map((v) => v.value),
       allocs: new Map([...this.cache.allocs].map(([k, v]) => [k, v.value])),
@@ -740,6 +747,7 @@ export class Executor {
     if (!current()) return;
     await this.cache.load(this.deps.store);
     if (!current()) return;
+    this.gaugesTerm = term;
     // The writes of an op this leader runs that it committed itself are skipped undecoded
     // (commit keeps its copy at that revision). Another's (a CancelOperation from an API
     // replica) are taken: the op reads its cancel from the copy.

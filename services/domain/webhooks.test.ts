@@ -2,8 +2,8 @@ import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import pino from 'pino';
-import { backoffMs, DEFAULT_RETRY, MAX_POSTS_PER_URL, MAX_QUEUED_CHANGES, parseWebhookTargets, signWebhook, verifyWebhookSignature, WebhookDispatcher } from './webhooks.ts';
-import type { DeliveryLog, DeliveryRec, DeliveryState } from './webhooks.ts';
+import { backoffMs, DEFAULT_RETRY, MAX_POSTS_PER_URL, MAX_QUEUED_CHANGES, parseWebhookTargets, signWebhook, verifyWebhookSignature, WebhookDispatcher, withoutWebhookUrl } from './webhooks.ts';
+import type { DeliveryLog, DeliveryRec, DeliveryState, WebhookPoster } from './webhooks.ts';
 import type { FleetStore, RecordChange } from './ports.ts';
 import type { SnapshotRec } from './records.ts';
 import { fetchPoster } from '../adapters/http/webhook-poster.ts';
@@ -144,7 +144,7 @@ describe('WebhookDispatcher', () => {
     for (const c of cleanups.splice(0)) await c();
   });
 
-  async function dispatcherWith(failFirst: number, types: string[] = [], over: { retentionMs?: number; log?: MemoryLog; now?: () => number; targets?: (url: string) => object[] } = {}) {
+  async function dispatcherWith(failFirst: number, types: string[] = [], over: { retentionMs?: number; log?: MemoryLog; now?: () => number; targets?: (url: string) => object[]; poster?: WebhookPoster; logger?: pino.Logger } = {}) {
     const rx = await receiver(failFirst);
     const log = over.log ?? new MemoryLog();
     // The store's history: a watch from a revision replays what came since, then follows.
@@ -167,9 +167,9 @@ describe('WebhookDispatcher', () => {
         },
       },
       deliveries: log,
-      poster: fetchPoster,
+      poster: over.poster ?? fetchPoster,
       clock: { now: over.now ?? (() => Date.now()) },
-      log: pino({ level: 'silent' }),
+      log: over.logger ?? pino({ level: 'silent' }),
       targets: parseWebhookTargets('t', JSON.stringify(over.targets?.(rx.url) ?? [{ url: rx.url, secret: SECRET, types }])),
       retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
       ...(over.retentionMs ? { retentionMs: over.retentionMs } : {}),
@@ -289,6 +289,36 @@ describe('WebhookDispatcher', () => {
     await until(() => [...log.recs.values()].some((r) => r.state === 'failed'));
     expect([...log.recs.values()][0]).toMatchObject({ attempts: 4, lastStatus: 503, lastError: 'HTTP 503' });
     expect(rx.got).toHaveLength(4);
+  });
+
+  it('deliveryThatFailsForGood_logsOnlyTheTargetsOrigin_andNoErrorTextKeepsItsSecretPathOrQuery', async () => {
+    // Slack-style: the path is the credential; so is a ?token=.
+    const url = 'http://127.0.0.1:9/services/T0001/B0002/XXXXsecretXXXX?token=s3cr3t-t0ken';
+    const lines: string[] = [];
+    const logger = pino({ level: 'warn' }, { write: (l: string) => void lines.push(l) });
+    let attempt = 0;
+    // A poster whose errors quote the URL, whole or its path.
+    const poster: WebhookPoster = {
+      post: async (u) => {
+        attempt++;
+        const p = new URL(u);
+        throw new Error(attempt % 2 ? `POST ${u} failed: connect ECONNREFUSED` : `no route to ${p.pathname}${p.search}`);
+      },
+    };
+    const { log, emit } = await dispatcherWith(0, [], { targets: () => [{ url, secret: SECRET }], poster, logger });
+    emit(snapshotChange(9, undefined, {}));
+    await until(() => [...log.recs.values()].some((r) => r.state === 'failed'));
+    const rec = [...log.recs.values()][0]!;
+    expect(rec.lastError).toBe('no route to /…');
+    const failed = lines.find((l) => l.includes('failed for good'))!;
+    expect(JSON.parse(failed)).toMatchObject({ origin: 'http://127.0.0.1:9', deliveryId: rec.id, lastError: 'no route to /…' });
+    for (const text of [...lines, ...[...log.recs.values()].map((r) => r.lastError)]) {
+      expect(text).not.toContain('XXXXsecretXXXX');
+      expect(text).not.toContain('s3cr3t-t0ken');
+    }
+    expect(withoutWebhookUrl(`POST ${url} failed`, url)).toBe('POST http://127.0.0.1:9/… failed');
+    // A short path is no secret, and scrubbing it would mangle other words.
+    expect(withoutWebhookUrl('POST http://h/x failed at /x/y', 'http://h/x')).toBe('POST http://h/… failed at /x/y');
   });
 
   it('expiringAndExpired_areSentOnceAtTheirTransition', async () => {

@@ -211,6 +211,37 @@ function targetKey(t: WebhookTarget): string {
   return createHash('sha256').update(t.url).update('\0').update(t.tenantId).digest('hex').slice(0, 12);
 }
 
+/**
+ * A target URL as logs may name it: scheme://host:port only. Its path and query may be the
+ * credential (Slack-style hooks, `?token=`), which must not reach the logs.
+ */
+export function webhookOrigin(url: string): string {
+  try {
+    return new URL(url).origin;
+  } catch {
+    return '(not a URL)';
+  }
+}
+
+/** `text` (a poster's error message, say) with the target URL, or its path and query, replaced by the origin and an ellipsis. */
+export function withoutWebhookUrl(text: string, url: string): string {
+  const forms = new Set([url]);
+  let origin = '';
+  try {
+    const u = new URL(url);
+    origin = u.origin;
+    forms.add(u.href);
+    // A path or query too short to be a secret is left alone (it would mangle other words).
+    for (const part of [`${u.pathname}${u.search}`, u.search]) if (part.length >= 8) forms.add(part);
+  } catch {
+    // Targets are parsed at start-up (parseWebhookTargets): only the URL as given to scrub.
+  }
+  let out = text;
+  // Longest first: the whole URL before its path alone.
+  for (const f of [...forms].sort((a, b) => b.length - a.length)) out = out.split(f).join(f.startsWith('/') || f.startsWith('?') ? '/…' : `${origin}/…`);
+  return out;
+}
+
 export class WebhookDispatcher {
   private stopWatch: (() => void) | undefined;
   private readonly timers = new Set<NodeJS.Timeout>();
@@ -576,7 +607,8 @@ export class WebhookDispatcher {
       next.lastError = next.lastStatus >= 200 && next.lastStatus < 300 ? '' : `HTTP ${next.lastStatus}`;
     } catch (e) {
       next.lastStatus = 0;
-      next.lastError = e instanceof Error ? e.message : String(e);
+      // The message may quote the URL (a poster's own, or a fetch error's cause), and the record is read back and logged.
+      next.lastError = withoutWebhookUrl(e instanceof Error ? e.message : String(e), rec.url);
     }
     // Stopped (a new leader retries it), or stopped and started again while this was in flight:
     // that run listed the record and attempts it itself, and a second retry chain here would
@@ -589,7 +621,8 @@ export class WebhookDispatcher {
     } else if (next.attempts >= this.retry.maxAttempts) {
       next.state = 'failed';
       this.deps.onAttempt?.('failed');
-      this.deps.log.warn({ deliveryId: rec.id, url: rec.url, attempts: next.attempts, lastError: next.lastError }, 'webhook delivery failed for good');
+      // The origin only (the path may be the credential); the delivery id ends with the target's key.
+      this.deps.log.warn({ deliveryId: rec.id, origin: webhookOrigin(rec.url), target: targetKey(target), attempts: next.attempts, lastError: next.lastError }, 'webhook delivery failed for good');
     } else {
       next.nextAttemptAt = this.deps.clock.now() + backoffMs(next.attempts, this.retry);
       this.deps.onAttempt?.('retry');

@@ -30,9 +30,87 @@ export interface RunningGrpcServer {
   /** host:port clients dial. */
   readonly address: string;
   readonly health: HealthImplementation;
+  /** Every service's health status (and the server's, ''); ignored once close() began. */
   setServing(status: ServingStatus): void;
-  /** Graceful shutdown, forced after `graceMs`. */
+  /** NOT_SERVING at once (health watchers and probes hear it first), then a graceful shutdown, forced after `graceMs`. */
   close(graceMs?: number): Promise<void>;
+}
+
+/** A condition a replica needs to answer calls: etcd reachable, NATS connected. */
+export interface ReadinessCheck {
+  readonly name: string;
+  /** Whether it holds now; a rejection, or no answer within the timeout, counts as no. */
+  ready(): boolean | Promise<boolean>;
+}
+
+export interface ReadinessOptions {
+  /** Pause between two rounds of checks. */
+  readonly everyMs: number;
+  /** How long a check may take to answer before it counts as failed. */
+  readonly timeoutMs: number;
+  /** Told each time the status changes (from SERVING, the server's status at its start): `failing` names the checks that failed. */
+  readonly onChange?: (serving: boolean, failing: readonly string[]) => void;
+}
+
+export interface Readiness {
+  /** One round now (rounds never overlap: this one waits for a running round, then runs); resolves with whether all checks passed. */
+  check(): Promise<boolean>;
+  stop(): void;
+}
+
+async function passes(c: ReadinessCheck, timeoutMs: number): Promise<boolean> {
+  let t: NodeJS.Timeout | undefined;
+  try {
+    return await Promise.race([
+      Promise.resolve().then(() => c.ready()),
+      new Promise<boolean>((resolve) => {
+        t = setTimeout(() => resolve(false), timeoutMs);
+      }),
+    ]);
+  } catch {
+    return false;
+  } finally {
+    clearTimeout(t);
+  }
+}
+
+/**
+ * Keeps a server's health status in step with `checks`, all asked every `everyMs` (the
+ * first round at once): NOT_SERVING while any fails, so probes and load balancers
+ * (grpc_health_probe, Envoy's and grpc-js's health checking) send calls to replicas that can
+ * answer them; SERVING again once all pass. A replica cut off from etcd would answer every
+ * call UNAVAILABLE while it reported SERVING.
+ */
+export function followReadiness(server: Pick<RunningGrpcServer, 'setServing'>, checks: readonly ReadinessCheck[], opts: ReadinessOptions): Readiness {
+  let stopped = false;
+  let serving = true; // as startGrpcServer starts it
+  let timer: NodeJS.Timeout | undefined;
+  let round: Promise<boolean> = Promise.resolve(true);
+  const runRound = async (): Promise<boolean> => {
+    const results = await Promise.all(checks.map((c) => passes(c, opts.timeoutMs)));
+    const failing = checks.filter((_, i) => !results[i]).map((c) => c.name);
+    const now = failing.length === 0;
+    if (!stopped && now !== serving) {
+      serving = now;
+      server.setServing(now ? 'SERVING' : 'NOT_SERVING');
+      opts.onChange?.(now, failing);
+    }
+    return now;
+  };
+  const check = (): Promise<boolean> => (round = round.then(runRound, runRound));
+  const schedule = (): void => {
+    if (stopped) return;
+    timer = setTimeout(() => void check().finally(schedule), opts.everyMs);
+    timer.unref();
+  };
+  void check().finally(schedule);
+  return {
+    check,
+    stop() {
+      stopped = true;
+      clearTimeout(timer);
+    },
+  };
 }
 
 function collectFiles(file: DescFile, into: Map<string, DescFile>): void {
@@ -74,15 +152,23 @@ export async function startGrpcServer(opts: GrpcServerOptions): Promise<RunningG
     server.bindAsync(opts.address, opts.credentials ?? ServerCredentials.createInsecure(), (err, p) => (err ? reject(err) : resolve(p)));
   });
   const host = opts.address.slice(0, opts.address.lastIndexOf(':'));
+  let closing = false;
+  const setAll = (status: ServingStatus): void => {
+    for (const name of Object.keys(statusMap)) health.setStatus(name, status);
+  };
   return {
     server,
     port,
     address: `${host}:${port}`,
     health,
     setServing(status) {
-      for (const name of Object.keys(statusMap)) health.setStatus(name, status);
+      if (!closing) setAll(status);
     },
     close(graceMs = 2000) {
+      // Health watchers (Watch streams) hear NOT_SERVING before the server's GOAWAY, and a
+      // Check during the shutdown answers it, so no new calls are routed here.
+      closing = true;
+      setAll('NOT_SERVING');
       return new Promise<void>((resolve) => {
         const force = setTimeout(() => {
           server.forceShutdown();
