@@ -73,6 +73,13 @@ describe('compileAgentConfig: value rules', () => {
     expect(c.capacity.diskMib).toBe(100 * 1024);
   });
 
+  it('metricsAddr_unsetIsOff_hostPortServes_andAnythingElseNamesTheVariable', () => {
+    expect(compileAgentConfig(base).metricsAddr).toBe('');
+    expect(compileAgentConfig({ ...base, FF_METRICS_ADDR: '10.0.0.5:17711' }).metricsAddr).toBe('10.0.0.5:17711');
+    expect(compileAgentConfig({ ...base, FF_METRICS_ADDR: '127.0.0.1:0' }).metricsAddr).toBe('127.0.0.1:0');
+    for (const bad of ['17711', '10.0.0.5', '10.0.0.5:99999', ':80']) expect(fieldOf(() => compileAgentConfig({ ...base, FF_METRICS_ADDR: bad })), bad).toBe('FF_METRICS_ADDR');
+  });
+
   it('chunkBytes_aboveWhatOnePeerMessageCarries_isRefusedNamingTheVariable', () => {
     expect(compileAgentConfig({ ...base, FF_CHUNK_BYTES: String(4 << 20) }).chunkBytes).toBe(4 << 20);
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_CHUNK_BYTES: String((4 << 20) + 1) }))).toBe('FF_CHUNK_BYTES');

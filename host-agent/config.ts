@@ -60,6 +60,12 @@ export interface AgentProcessConfig {
   /** FF_LOG_LEVEL: a pino level (services/config.ts LOG_LEVELS). */
   readonly logLevel: string;
   /**
+   * FF_METRICS_ADDR: Prometheus /metrics of this agent (host:port; port 0 picks a free one):
+   * its steps, heartbeat failures and the host's state as its heartbeats report it
+   * (adapters/metrics.ts). Empty (the default): not served.
+   */
+  readonly metricsAddr: string;
+  /**
    * Sandboxes whose policy allows egress (host-agent/adapters/netns/egress.ts):
    * FF_EGRESS_POOL, link addresses (one /30 per sandbox, default 100.96.0.0/16);
    * FF_EGRESS_DENY_CIDRS, comma-separated CIDRs no sandbox may reach whatever its policy:
@@ -194,6 +200,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
     concurrency: int('FF_STEP_CONCURRENCY', '4', 1, 64),
     chunkBytes: int('FF_CHUNK_BYTES', String(256 * 1024), 4096, MAX_CHUNK_BYTES),
     logLevel: parseLogLevel('FF_LOG_LEVEL', e('FF_LOG_LEVEL', 'info')),
+    metricsAddr: e('FF_METRICS_ADDR', '') === '' ? '' : parseHostPort('FF_METRICS_ADDR', e('FF_METRICS_ADDR', ''), true),
     egress: {
       pool: e('FF_EGRESS_POOL', '100.96.0.0/16'),
       denyCidrs: e('FF_EGRESS_DENY_CIDRS', '').split(',').map((x) => x.trim()).filter(Boolean),

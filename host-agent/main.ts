@@ -24,6 +24,7 @@ import { findSocat } from './adapters/peer/tls-relay.ts';
 import { migrateOutThroughRelay } from './adapters/peer/migrate.ts';
 import { LiveRoots } from './domain/snapshot-store.ts';
 import { startGrpcServer } from '../services/adapters/grpc/server.ts';
+import { PromAgentMetrics, serveMetrics } from './adapters/metrics.ts';
 import { cachedImages, ensureImage, recipeHash } from '../deploy/images/build.ts';
 import type { ImageName } from '../deploy/images/build.ts';
 
@@ -148,6 +149,10 @@ async function main(): Promise<void> {
       return undefined;
     }
   };
+  // Prometheus /metrics of this agent (FF_METRICS_ADDR), served from before its first heartbeat.
+  const metrics = cfg.metricsAddr ? new PromAgentMetrics() : undefined;
+  const metricsServer = metrics ? await serveMetrics(metrics.registry, cfg.metricsAddr) : undefined;
+  if (metricsServer) log.info({ address: metricsServer.address }, 'agent metrics at /metrics');
   const agent = new Agent({
     driver,
     cpu,
@@ -162,9 +167,10 @@ async function main(): Promise<void> {
     log,
     config: { hostId: cfg.hostId, bootId: cfg.bootId, accel, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, journalRetentionMs: cfg.journalRetentionMs, migrateMaxChildren: cfg.migrateMaxChildren, shutdownGraceMs: cfg.shutdownGraceMs },
     qemuVersion: await driver.qemuVersion(),
+    ...(metrics ? { metrics } : {}),
   });
   await agent.start();
-  process.stdout.write(`${JSON.stringify({ ready: true, hostId: cfg.hostId, peer: peerAddress, accel })}\n`);
+  process.stdout.write(`${JSON.stringify({ ready: true, hostId: cfg.hostId, peer: peerAddress, accel, ...(metricsServer ? { metrics: metricsServer.address } : {}) })}\n`);
 
   let stopping = false;
   const stop = (sig: string): void => {
@@ -187,6 +193,8 @@ async function main(): Promise<void> {
       await close('standby VMs', () => driver.closeStandbys());
       await close('peer server', () => peerServer.close(500));
       await close('NATS connection', () => nc.close());
+      // A scraper's kept-alive connection would hold close() until it idles out.
+      if (metricsServer) await close('metrics server', () => new Promise((r) => (metricsServer.server.close(r), metricsServer.server.closeAllConnections())));
     })()
       .catch((err: unknown) => {
         clean = false;

@@ -831,6 +831,8 @@ export function agentEnv(state: FleetState, h: HostRecord, peerTls: Record<strin
     // Sandboxes allowed egress never reach the fleet network (other agents' peer ports).
     FF_EGRESS_DENY_CIDRS: '10.213.77.0/24',
     FF_PEER_ADDR: `${h.address}:7800`,
+    // Its /metrics in its namespace (a rendered deployment's port), reachable from the fleet's bridge.
+    FF_METRICS_ADDR: `${h.address}:17711`,
     ...peerTls,
     FF_TRUSTED_KEY: agentTrustedKey(h),
     FF_ACCEL: process.env.FF_ACCEL ?? 'auto',

@@ -148,6 +148,8 @@ describe('renderFiles', () => {
     const agent = file('machines/kvm-03/etc/forkfleet/agent.env');
     expect(agent).toMatch(/^FF_NATS_URL=tls:\/\/10\.0\.0\.11:4222,tls:\/\/10\.0\.0\.12:4222,tls:\/\/10\.0\.0\.13:4222$/m);
     expect(agent).toMatch(/^FF_NATS_KEY=\/etc\/forkfleet\/agent\/nats\.key$/m);
+    // Its own /metrics, on its address, beside a scheduler's on the same machine.
+    expect(agent).toMatch(/^FF_METRICS_ADDR=\d+\.\d+\.\d+\.\d+:17711$/m);
     expect(file('machines/kvm-03/etc/forkfleet/agent/ca.crt')).toBe('CA\n');
     const host = conf.authorization.users.find((u) => u.nkey === 'PUB-host-kvm-03');
     expect(host?.permissions?.publish.allow).toContain('ff.result.kvm-03');

@@ -32,11 +32,13 @@ export interface Ports {
   readonly api: number;
   /** Schedulers' /metrics and dashboard. */
   readonly metrics: number;
+  /** Host agents' /metrics. */
+  readonly agentMetrics: number;
   /** Host agents' peer ChunkTransfer service. */
   readonly peer: number;
 }
 
-export const DEFAULT_PORTS: Ports = Object.freeze({ etcdClient: 2379, etcdPeer: 2380, natsClient: 4222, natsCluster: 6222, natsMonitor: 8222, api: 17700, metrics: 17710, peer: 7800 });
+export const DEFAULT_PORTS: Ports = Object.freeze({ etcdClient: 2379, etcdPeer: 2380, natsClient: 4222, natsCluster: 6222, natsMonitor: 8222, api: 17700, metrics: 17710, agentMetrics: 17711, peer: 7800 });
 
 export interface Member {
   readonly name: string;

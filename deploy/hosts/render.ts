@@ -266,6 +266,7 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       FF_NATS_KEY: '/etc/forkfleet/agent/nats.key',
       FF_TRUSTED_KEY: '/etc/forkfleet/agent/trusted.pem',
       FF_PEER_ADDR: hostPort(h.address, p.peer),
+      FF_METRICS_ADDR: hostPort(h.address, p.agentMetrics),
       FF_PEER_CA: '/etc/forkfleet/agent/ca.crt',
       FF_PEER_CERT: '/etc/forkfleet/agent/peer.crt',
       FF_PEER_KEY: '/etc/forkfleet/agent/peer.key',

@@ -3,7 +3,7 @@ import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
 import { Agent, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
-import type { AgentBus, AgentConfig, SnapshotShipper } from './agent.ts';
+import type { AgentBus, AgentConfig, AgentDeps, SnapshotShipper } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { Accel, VmInfo, VmmDriver } from './vmm.ts';
 import { Accel as ProtoAccel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
@@ -11,7 +11,7 @@ import { HostResultSchema, HostWorkSchema, type Heartbeat } from '../../proto/ge
 import { ForkfleetError } from '../../proto/errors.ts';
 
 /** `config` overrides the test's: 3 step slots, and steps still running after 100 ms do not hold up stop(). */
-function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }, journal = new MemoryJournal(), accel: Accel = 'tcg', config: Partial<AgentConfig> = {}): { agent: Agent; journal: MemoryJournal } {
+function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }, journal = new MemoryJournal(), accel: Accel = 'tcg', config: Partial<AgentConfig> = {}, extra: Partial<AgentDeps> = {}): { agent: Agent; journal: MemoryJournal } {
   const agent = new Agent({
     driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
     shipper: { held: () => [], storedBytes: () => 0, ...shipper } as SnapshotShipper,
@@ -22,6 +22,7 @@ function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper>
     log: pino({ level: 'silent' }),
     config: { hostId: 'h1', bootId: 'b', accel, capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3, shutdownGraceMs: 100, ...config },
     qemuVersion: '7.2.0',
+    ...extra,
   });
   return { agent, journal };
 }
@@ -36,6 +37,30 @@ describe('Agent steps', () => {
     expect(back.error?.kind).toBe('not_found');
     expect(back.error?.message).toContain('sn-x');
     expect(journal.results.size).toBe(1); // a non-retryable failure is final and journalled
+  });
+
+  it('metrics_hearEveryStepTheAgentRuns_notOneAnsweredAgainFromItsJournal_andEveryHeartbeatItSends', async () => {
+    const steps: Array<[string, string | undefined]> = [];
+    const beats: Heartbeat[] = [];
+    const sent: Heartbeat[] = [];
+    let t = 1_000;
+    const { agent } = agentWith({}, { obtain: () => ((t += 40), Promise.reject(new ForkfleetError('not_found', 'snapshot sn-x is gone'))) }, { publishHeartbeat: (hb) => void sent.push(hb) }, { now: () => t }, undefined, 'tcg', {}, {
+      metrics: {
+        step: (kind, err, ms) => {
+          steps.push([kind, err]);
+          expect(ms).toBe(40);
+        },
+        heartbeat: (hb) => void beats.push(hb),
+        heartbeatFailed: () => undefined,
+      },
+    });
+    const restore = work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+    await agent.runStep(restore);
+    await agent.runStep(restore); // delivered again: answered from the journal
+    expect(steps).toEqual([['restoreVms', 'not_found']]);
+    agent.heartbeat();
+    expect(beats).toHaveLength(1);
+    expect(beats[0]).toBe(sent[0]);
   });
 
   it('step_thatMeetsAFullDiskOrAnIoError_isAnsweredRetryable_andTheSchedulersRetryRunsIt_whileAnUnknownErrorIsFinal', async () => {

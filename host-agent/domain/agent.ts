@@ -187,6 +187,18 @@ export interface AgentDeps {
   log: Logger;
   config: AgentConfig;
   qemuVersion: string;
+  /** What the agent reports to its metrics (adapters/metrics.ts). Absent: nothing. */
+  metrics?: AgentMetrics;
+}
+
+/** The agent's own figures, for an operator's monitoring (adapters/metrics.ts exports them). */
+export interface AgentMetrics {
+  /** Every heartbeat the agent builds: the host's state as it reports it to the schedulers. */
+  heartbeat(hb: Heartbeat): void;
+  /** A heartbeat that could not be built or sent. */
+  heartbeatFailed(): void;
+  /** A step this agent ran (not one answered again from its journal): its kind, its error kind if it failed, and how long it took. */
+  step(kind: string, errorKind: string | undefined, ms: number): void;
 }
 
 /** Local restores the heartbeat's restore_cost_ms is the median of. */
@@ -497,6 +509,7 @@ export class Agent {
       f.failing = false;
       f.unlogged = 0;
     } catch (e) {
+      this.deps.metrics?.heartbeatFailed();
       f.failing = true;
       f.unlogged++;
       const now = this.deps.clock.now();
@@ -522,33 +535,33 @@ export class Agent {
       const live = new Set(vms.map((v) => v.vmId));
       for (const id of this.activity.keys()) if (!live.has(id)) this.activity.delete(id);
     }
-    this.deps.bus.publishHeartbeat(
-      create(HeartbeatSchema, {
-        hostId: cfg.hostId,
-        seq: this.seq,
-        bootId: cfg.bootId,
-        time: { seconds: BigInt(Math.floor(this.deps.clock.now() / 1000)) },
-        capacity: { vcpus: cfg.capacity.vcpus, memoryMib: BigInt(cfg.capacity.memoryMib), diskMib: BigInt(cfg.capacity.diskMib) },
-        allocated: { vcpus: allocated.vcpus, memoryMib: BigInt(allocated.memoryMib) },
-        vms: statuses,
-        // What this host's VMs really use (resident memory), beside what is booked.
-        memoryUsedBytes: statuses.reduce((a, v) => a + v.rssBytes, 0n),
-        chunkStoreBytes: BigInt(this.deps.shipper.storedBytes()),
-        snapshots: this.deps.shipper.held(),
-        accel: accel === 'kvm' ? Accel.KVM : Accel.TCG,
-        qemuVersion: this.deps.qemuVersion,
-        cpuModel: accel === 'kvm' ? 'host' : 'max',
-        machine: 'microvm',
-        peerAddress: cfg.peerAddress,
-        linkBytesPerSecond: BigInt(cfg.linkBytesPerSecond),
-        inflightOps: this.inflight,
-        restoreSlots: cfg.concurrency,
-        restoreCostMs: this.restoreCostMs(),
-        images: [...this.built.values()],
-        stopping: this.closed,
-        interval: { nanos: (cfg.heartbeatMs % 1000) * 1e6, seconds: BigInt(Math.floor(cfg.heartbeatMs / 1000)) },
-      }),
-    );
+    const hb = create(HeartbeatSchema, {
+      hostId: cfg.hostId,
+      seq: this.seq,
+      bootId: cfg.bootId,
+      time: { seconds: BigInt(Math.floor(this.deps.clock.now() / 1000)) },
+      capacity: { vcpus: cfg.capacity.vcpus, memoryMib: BigInt(cfg.capacity.memoryMib), diskMib: BigInt(cfg.capacity.diskMib) },
+      allocated: { vcpus: allocated.vcpus, memoryMib: BigInt(allocated.memoryMib) },
+      vms: statuses,
+      // What this host's VMs really use (resident memory), beside what is booked.
+      memoryUsedBytes: statuses.reduce((a, v) => a + v.rssBytes, 0n),
+      chunkStoreBytes: BigInt(this.deps.shipper.storedBytes()),
+      snapshots: this.deps.shipper.held(),
+      accel: accel === 'kvm' ? Accel.KVM : Accel.TCG,
+      qemuVersion: this.deps.qemuVersion,
+      cpuModel: accel === 'kvm' ? 'host' : 'max',
+      machine: 'microvm',
+      peerAddress: cfg.peerAddress,
+      linkBytesPerSecond: BigInt(cfg.linkBytesPerSecond),
+      inflightOps: this.inflight,
+      restoreSlots: cfg.concurrency,
+      restoreCostMs: this.restoreCostMs(),
+      images: [...this.built.values()],
+      stopping: this.closed,
+      interval: { nanos: (cfg.heartbeatMs % 1000) * 1e6, seconds: BigInt(Math.floor(cfg.heartbeatMs / 1000)) },
+    });
+    this.deps.metrics?.heartbeat(hb);
+    this.deps.bus.publishHeartbeat(hb);
   }
 
   // ---------------------------------------------------------------- work
@@ -773,6 +786,7 @@ export class Agent {
       result.error = create(ErrorInfoSchema, errorInfo(e));
     }
     result.duration = durationFromMs(Math.round(clock.now() - started));
+    this.deps.metrics?.step(w.work.case ?? 'none', result.error?.kind, clock.now() - started);
     // A failure that may succeed on a retry is journalled for this send only (its attempt and
     // leader term): the scheduler's retry is a new send and runs the step again, while the
     // same message delivered again (a batch acked only once all its steps were, an ack that
