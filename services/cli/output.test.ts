@@ -119,10 +119,13 @@ describe('sandbox exec', () => {
     expect(doc.error.hint).not.toContain('fleet:up');
   });
 
-  it('aCallThatNeverReachedAScheduler_staysUnreachable69', async () => {
+  it.each([
+    ['refused', 'No connection established. Last error: connect ECONNREFUSED'],
+    ['a name that does not resolve', 'Name resolution failed for target dns:typo:17700'],
+  ])('aCallThatNeverReachedAScheduler_staysUnreachable69: %s', async (_why, message) => {
     vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
       const sb = new Sandbox(this, id);
-      sb.exec = () => fakeExec([], new RpcError(Status.UNAVAILABLE, 'unavailable', 'No connection established. Last error: connect ECONNREFUSED', true, undefined, undefined, false));
+      sb.exec = () => fakeExec([], new RpcError(Status.UNAVAILABLE, 'unavailable', message, true, undefined, undefined, false));
       return sb;
     });
     expect(await main(['--api', API, '--json', 'sandbox', 'exec', 'sb-x', '--', 'work'])).toBe(69);

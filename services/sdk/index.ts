@@ -321,7 +321,8 @@ function toEvent(e: PbEvent): EventInfo {
 export function execNeverStarted(e: unknown): boolean {
   if (!(e instanceof RpcError)) return false;
   if (e.answered) return e.retryable && e.kind !== 'cancelled';
-  return e.kind === 'unavailable' && /No connection established/i.test(e.message);
+  // No connection to any scheduler: refused, unreachable, or its name does not resolve.
+  return e.kind === 'unavailable' && /No connection established|Name resolution failed/i.test(e.message);
 }
 
 /** Errors worth another attempt: the server marked them retryable (a cancel is not). */
