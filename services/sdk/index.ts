@@ -995,11 +995,13 @@ export class Forkfleet {
    * stop. A stream that breaks is resumed without a gap or a repeat: one store revision can
    * carry several events (a fork's children are written together), so it resumes after the
    * last revision it saw whole and skips the events of the next one it yielded already.
-   * Before the first event of a watch from now (no afterRevision), a break cannot be resumed
-   * exactly: events between it and the reconnect are missed. A resume point older than the
-   * store keeps (it compacts every FF_ETCD_COMPACT_INTERVAL, 5 min by default), as in a watch
-   * that saw no event for that long, fails FAILED_PRECONDITION on after_revision: read the
-   * current state, then watch again.
+   * A watch from now (no afterRevision) starts with a progress marker at the store's revision
+   * then, so a break even before its first event resumes exactly (a scheduler older than that
+   * sends none: events between such a break and the reconnect are missed). A resume point
+   * the store no longer has (it compacts every FF_ETCD_COMPACT_INTERVAL, 5 min by default;
+   * the server needs that revision itself, where the previous values of the changes after it
+   * are read) fails FAILED_PRECONDITION on after_revision: read the current state, then watch
+   * again.
    */
   async *watch(filter: { sandboxId?: string; types?: string[]; afterRevision?: number; signal?: AbortSignal } = {}): AsyncGenerator<EventInfo> {
     const types = (filter.types ?? []).map((t, i) => enumValue(EventType, t, `types[${i}]`));
@@ -1030,7 +1032,9 @@ export class Forkfleet {
             if (yielded.has(key)) continue; // replayed after a break inside this revision
           } else {
             // A later revision: every event before it came first (the stream is in revision
-            // order), also in a watch from now whose first event this is.
+            // order), also in a watch from now whose first event this is. ev.revision - 1, not
+            // the last revision yielded (`current`): both resume without a gap, and the server
+            // refuses a resume point compaction has removed, so the newer one lasts longer.
             after = Math.max(after, ev.revision - 1);
             current = ev.revision;
             yielded = new Set();

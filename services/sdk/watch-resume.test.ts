@@ -57,6 +57,22 @@ describe('SDK watch across a broken stream', () => {
     expect(asked).toEqual([0n, 8n]);
   });
 
+  it('watchFromNow_breakBeforeItsFirstEvent_resumesFromTheMarkerTheServerSentFirst', async () => {
+    const asked: bigint[] = [];
+    const ff = client(async function* (req) {
+      asked.push(req.afterRevision);
+      if (asked.length === 1) {
+        yield create(EventSchema, { revision: 30n, tenantId: 't1' }); // the store's revision as the watch began
+        throw broke();
+      }
+      yield ev(31, 'sb-a'); // happened while the stream was down
+    });
+    const seen: string[] = [];
+    for await (const e of ff.watch()) seen.push(`${e.revision}:${e.sandboxId}`);
+    expect(seen).toEqual(['31:sb-a']);
+    expect(asked).toEqual([0n, 30n]);
+  });
+
   it('progressMarker_isNotYielded_andIsWhereABreakResumes', async () => {
     const asked: bigint[] = [];
     const ff = client(async function* (req) {

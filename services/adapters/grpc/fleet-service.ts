@@ -404,61 +404,105 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const after = Number(req.afterRevision);
       const q = new AsyncQueue<ReturnType<typeof c.toEvent>>();
       let stop: (() => void) | undefined;
+      /**
+       * The store revision the stream replays after: `after`, or for a watch from now the store's
+       * revision when it began, sent at once as a progress marker (below).
+       */
+      let from = after;
       /** The revision of the last event (or progress marker) queued: the stream ends only between revisions, so a client resumes exactly. */
       let lastQueued = after;
       /** The store revision the watch has gone past: every change up to it was looked at (other tenants' and kinds' too). */
       let passed = after;
+      /**
+       * Whether the store's watch passed anything on (a change of any key, or its progress). A
+       * cancel reported as "compacted" is about the watch's start only before that: one that has
+       * run a while is cancelled so when compaction overtakes it, and then the last revision
+       * queued may still be a good resume point (the webhook dispatcher tells them apart alike).
+       */
+      let delivered = false;
       let queuedAt = Date.now();
       const progressMs = deps.watchProgressMs ?? WATCH_PROGRESS_MS;
+      const mark = (revision: number): void => {
+        q.push(create(EventSchema, { revision: BigInt(revision), tenantId }));
+        lastQueued = revision;
+        queuedAt = Date.now();
+      };
       const progress = setInterval(() => {
         if (q.isEnded) return void clearInterval(progress);
         if (passed <= lastQueued || q.size > 0 || Date.now() - queuedAt < progressMs) return;
-        q.push(create(EventSchema, { revision: BigInt(passed), tenantId }));
-        lastQueued = passed;
-        queuedAt = Date.now();
+        mark(passed);
       }, Math.max(10, progressMs >> 1));
       // A resumed watch replays every change after `after` (from the store's history), then goes on.
       const broke = (e: unknown): void => {
         clearInterval(progress);
         stop?.();
         if (q.isEnded) return;
-        if (after > 0 && isCompacted(e)) q.fail(new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }));
+        if (after > 0 && !delivered && isCompacted(e)) q.fail(new ForkfleetError('failed_precondition', `revision ${after} is compacted away: read the current state, then watch from now (after_revision 0)`, { field: 'after_revision' }));
         else q.fail(new ForkfleetError('unavailable', `the store's event stream broke off: resume with after_revision ${lastQueued}`, { cause: e }));
       };
-      // A revision the store has not reached (one from another etcd cluster, or one restored
-      // from an older backup) would silently skip every event up to it.
-      const ahead = async (): Promise<void> => {
-        const now = after > 0 ? await deps.store.revision() : 0;
+      const start = async (): Promise<void> => {
+        const now = await deps.store.revision();
+        // A revision the store has not reached (one from another etcd cluster, or one restored
+        // from an older backup) would silently skip every event up to it.
         if (after > now) throw new InvalidArgumentError('after_revision', `revision ${after} is ahead of the store (at ${now}): it comes from another store, or one restored since`);
         // A sandbox the tenant does not have (a typo, another tenant's id) would hold a stream
         // slot for good with nothing ever to send. A resume may follow one whose record went.
         if (sandboxId && after === 0 && !(await deps.store.getSandbox(tenantId, sandboxId))) throw new ForkfleetError('not_found', `sandbox ${sandboxId} not found`, { field: 'sandbox_id' });
+        // From now is from the store's revision now, told to the client at once: a stream that
+        // breaks before its first event then resumes from there, not from "now" again (which
+        // lost what happened while it was down).
+        if (after === 0 && now > 0 && !q.isEnded) {
+          from = passed = now;
+          mark(now);
+        }
       };
-      void ahead()
-        .then(() => deps.store.watchRecords((ch) => {
-          // The call ended (cancelled, or failed below): etcd may still deliver until its cancel lands.
-          if (q.isEnded || ch.value.tenantId !== tenantId || ch.revision <= after) return;
-          // A client that does not read (HTTP/2 flow control holds the writes) must not grow
-          // this replica's memory without bound: its stream ends at a revision boundary.
-          if (ch.revision > lastQueued && q.size >= WATCH_EVENTS_MAX_QUEUED) {
-            stop?.();
-            clearInterval(progress);
-            q.fail(new ForkfleetError('resource_exhausted', `${q.size} events wait unread: read faster, or resume with after_revision ${lastQueued}`));
-            return;
-          }
-          for (const e of eventsOf(ch, deps.clock.now())) {
-            const ev = c.toEvent(e);
-            if (sandboxId && ev.sandboxId !== sandboxId) continue;
-            if (types.size && !types.has(ev.type)) continue;
-            q.push(ev);
-            lastQueued = ch.revision;
-            queuedAt = Date.now();
-          }
-        }, { ...(after > 0 ? { fromRevision: after + 1 } : {}), onError: broke, onProgress: (rev) => void (passed = Math.max(passed, rev)) }))
-        .then((s) => {
-          stop = s;
-          if (ctx.signal.aborted || q.isEnded) s();
-        }, (e: unknown) => (e instanceof InvalidArgumentError || (e instanceof ForkfleetError && e.kind === 'not_found') ? (clearInterval(progress), q.fail(e)) : broke(e)));
+      void start()
+        .then(() =>
+          // From `from` itself, not the revision after it, and its changes skipped: etcd tells a
+          // change from a create by the previous value it reads at the revision before the
+          // change, so replaying the changes after `from` needs `from` still in the store's
+          // history. A watch from a compacted revision is cancelled ("compacted", below); one
+          // from the revision after it opened, and a sandbox destroyed there came out as
+          // sandbox_created (ADR 0017).
+          deps.store.watchRecords(
+            (ch) => {
+              delivered = true;
+              // The call ended (cancelled, or failed below): etcd may still deliver until its cancel lands.
+              if (q.isEnded || ch.value.tenantId !== tenantId || ch.revision <= from) return;
+              // A client that does not read (HTTP/2 flow control holds the writes) must not grow
+              // this replica's memory without bound: its stream ends at a revision boundary.
+              if (ch.revision > lastQueued && q.size >= WATCH_EVENTS_MAX_QUEUED) {
+                stop?.();
+                clearInterval(progress);
+                q.fail(new ForkfleetError('resource_exhausted', `${q.size} events wait unread: read faster, or resume with after_revision ${lastQueued}`));
+                return;
+              }
+              for (const e of eventsOf(ch, deps.clock.now())) {
+                const ev = c.toEvent(e);
+                if (sandboxId && ev.sandboxId !== sandboxId) continue;
+                if (types.size && !types.has(ev.type)) continue;
+                q.push(ev);
+                lastQueued = ch.revision;
+                queuedAt = Date.now();
+              }
+            },
+            {
+              ...(from > 0 ? { fromRevision: from } : {}),
+              onError: broke,
+              onProgress: (rev) => {
+                delivered = true;
+                passed = Math.max(passed, rev);
+              },
+            },
+          ),
+        )
+        .then(
+          (s) => {
+            stop = s;
+            if (ctx.signal.aborted || q.isEnded) s();
+          },
+          (e: unknown) => (e instanceof InvalidArgumentError || (e instanceof ForkfleetError && e.kind === 'not_found') ? (clearInterval(progress), q.fail(e)) : broke(e)),
+        );
       ctx.signal.addEventListener('abort', () => {
         clearInterval(progress);
         stop?.();
