@@ -3,6 +3,7 @@
 import { rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../adapters/nats/auth.ts';
+import type { NatsPermissions } from '../adapters/nats/auth.ts';
 import { freePort, onFreshPorts, spawnManaged, tempDir, waitReady } from './proc.ts';
 import type { ManagedProcess } from './proc.ts';
 
@@ -35,7 +36,8 @@ async function ready(monitorPort: number): Promise<boolean> {
 export async function startNats(opts: {
   binary?: string;
   logDir?: string;
-  auth?: { hosts: string[] };
+  /** `permissions`: a host user's rights (default hostPermissions; tests give an older config's). */
+  auth?: { hosts: string[]; permissions?: (hostId: string) => NatsPermissions };
   /** Where ports come from (default freePort); tests use it to hand out a taken one. */
   pickPort?: () => Promise<number>;
 } = {}): Promise<NatsServer> {
@@ -48,7 +50,7 @@ export async function startNats(opts: {
     const sched = createNkeyFile(join(dir, 'scheduler.nk'));
     const hosts = new Map(opts.auth.hosts.map((h) => [h, createNkeyFile(join(dir, `host-${h}.nk`))]));
     const conf = join(dir, 'auth.conf');
-    writeFileSync(conf, natsServerAuthConfig([{ nkey: sched.publicKey }, ...[...hosts].map(([h, c]) => ({ nkey: c.publicKey, permissions: hostPermissions(h) }))]), { mode: 0o600 });
+    writeFileSync(conf, natsServerAuthConfig([{ nkey: sched.publicKey }, ...[...hosts].map(([h, c]) => ({ nkey: c.publicKey, permissions: (opts.auth!.permissions ?? hostPermissions)(h) }))]), { mode: 0o600 });
     confArgs.push('-c', conf);
     auth = {
       schedulerSeedFile: sched.seedFile,

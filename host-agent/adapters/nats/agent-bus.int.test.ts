@@ -9,7 +9,7 @@ import { pino } from 'pino';
 import { startNats } from '../../../services/testkit/nats.ts';
 import type { NatsServer } from '../../../services/testkit/nats.ts';
 import { EXEC_UNREAD_MAX_BYTES, NatsWorkBus } from '../../../services/adapters/nats/bus.ts';
-import { agentConnectOptions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
+import { agentConnectOptions, hostPermissions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
 import { STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { NatsAgentBus } from './agent-bus.ts';
 import { BATCH_HEADER } from '../../../services/adapters/nats/batcher.ts';
@@ -452,10 +452,45 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
     }
   });
 
+  it('exec_onAHostWhoseNatsConfigPredatesKeepalives_isNotKilledForTheirSilence_andTheAgentSaysWhy', async () => {
+    // Agents upgraded before the NATS config was rendered again: their user may not subscribe to
+    // ff.execalive.<host>, so no keepalive ever arrives; commands must not all die at 3 intervals.
+    const old = await startNats({ auth: { hosts: ['host-old'], permissions: (h) => ({ ...hostPermissions(h), subscribe: { allow: hostPermissions(h).subscribe.allow.filter((x) => x !== subjects.execAlive(h)) } }) } });
+    const said: string[] = [];
+    const oldLog = pino({ level: 'error' }, { write: (x: string) => void said.push(x) });
+    const sch = await connect({ servers: old.url, ...nkeyConnectOptions(old.auth!.schedulerSeedFile) });
+    const oldBus = await NatsWorkBus.create(sch);
+    const ag = await connect({ servers: old.url, ...agentConnectOptions('host-old', old.auth!.hostSeedFile('host-old')) });
+    try {
+      const agBus = await NatsAgentBus.create(ag, 'host-old', oldLog, { streamWaitMs: 5000 });
+      let ended: string | undefined;
+      agBus.serveExec(async (_req, emit, signal) => {
+        await new Promise<void>((r) => {
+          const t = setTimeout(r, 1200);
+          signal.addEventListener('abort', () => (clearTimeout(t), r()));
+        });
+        ended = signal.aborted ? 'killed' : 'exited';
+        if (!signal.aborted) emit(create(HostExecOutputSchema, { seq: 1n, payload: { case: 'exit', value: { exitCode: 0 } } }));
+      });
+      await ag.flush();
+      oldBus.execKeepaliveMs = 100;
+      const outs: string[] = [];
+      for await (const o of oldBus.exec('host-old', create(HostExecRequestSchema, { sandboxId: 's', argv: ['long'] }), { timeoutMs: 10_000 })) outs.push(o.payload.case ?? '');
+      expect({ outs, ended }).toEqual({ outs: ['exit'], ended: 'exited' });
+      expect(said.join('')).toMatch(/exec keepalives cannot be received/);
+      oldBus.close();
+    } finally {
+      await ag.close().catch(() => undefined);
+      await sch.close().catch(() => undefined);
+      await old.stop();
+    }
+  });
+
   it('exec_whoseCallerWaits_isNamedEveryKeepalive_andRunsPastThreeIntervalsToItsExit', async () => {
-    const { ended, stop } = serveUntilAborted(800);
+    // Runs for 5 keepalive intervals (its lease is 3), with room for a stalled event loop on a busy machine.
+    const { ended, stop } = serveUntilAborted(2500);
     await agentA.flush();
-    bus.execKeepaliveMs = 100;
+    bus.execKeepaliveMs = 500;
     try {
       const outs: string[] = [];
       for await (const o of bus.exec('host-a', create(HostExecRequestSchema, { sandboxId: 's', argv: ['long'] }), { timeoutMs: 10_000 })) outs.push(o.payload.case ?? '');

@@ -188,6 +188,22 @@ export class NatsAgentBus implements AgentBus {
     // from the scheduler (only it may publish there: auth.ts), or when a caller that asked for
     // keepalives (HostExecRequest.keepalive) has not named the exec for 3 of its intervals.
     const running = new Map<string, { ac: AbortController; heard: number }>();
+    // Keepalives cannot be heard while this agent's own connection is down, nor at all when the
+    // server refuses their subscription (a NATS config rendered before ff.execalive.<host>
+    // existed): no command is killed for their silence then. A reconnect counts as hearing
+    // every exec, so one that its caller still waits for survives the agent's own outage.
+    let linkDown = false;
+    let aliveRefused = false;
+    void (async () => {
+      for await (const st of this.nc.status()) {
+        if (st.type === 'disconnect') linkDown = true;
+        else if (st.type === 'reconnect') {
+          linkDown = false;
+          const now = performance.now();
+          for (const session of running.values()) session.heard = now;
+        }
+      }
+    })().catch(() => undefined);
     const sub = this.nc.subscribe(subjects.exec(this.hostId), {
       callback: (err, m) => {
         if (err || !m.reply) return;
@@ -205,6 +221,8 @@ export class NatsAgentBus implements AgentBus {
         const keepaliveMs = req.keepalive ? Math.max(EXEC_KEEPALIVE_MIN_MS, durationMs(req.keepalive)) : 0;
         let lease: ReturnType<typeof setTimeout> | undefined;
         const checkLease = (): void => {
+          if (aliveRefused) return;
+          if (linkDown) session.heard = performance.now();
           const silentMs = performance.now() - session.heard;
           if (silentMs < EXEC_KEEPALIVE_MISSES * keepaliveMs) {
             lease = setTimeout(checkLease, EXEC_KEEPALIVE_MISSES * keepaliveMs - silentMs);
@@ -238,7 +256,11 @@ export class NatsAgentBus implements AgentBus {
     });
     const alive = this.nc.subscribe(subjects.execAlive(this.hostId), {
       callback: (err, m) => {
-        if (err) return;
+        if (err) {
+          if (!aliveRefused) this.log.error({ err, subject: subjects.execAlive(this.hostId) }, "exec keepalives cannot be received (render the NATS config again and reload NATS: this host's user may not subscribe to them): commands are not ended when their caller goes silent");
+          aliveRefused = true;
+          return;
+        }
         try {
           const now = performance.now();
           for (const r of fromBinary(HostExecAliveSchema, m.data).replySubjects) {

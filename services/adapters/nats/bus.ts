@@ -117,6 +117,8 @@ export class NatsWorkBus implements WorkBus {
   /** Reply subjects of the execs waiting for output, by host: named in HostExecAlive every execKeepaliveMs. */
   private readonly execsWaiting = new Map<string, Set<string>>();
   private aliveTimer: ReturnType<typeof setInterval> | undefined;
+  /** The interval aliveTimer runs at: the shortest keepalive of the execs waiting when it was set. */
+  private aliveEveryMs = Number.POSITIVE_INFINITY;
 
   /** performance.now() of the last (re)connect; undefined while disconnected. */
   private connectedAt: number | undefined = performance.now();
@@ -469,7 +471,10 @@ export class NatsWorkBus implements WorkBus {
     let set = this.execsWaiting.get(hostId);
     if (set === undefined) this.execsWaiting.set(hostId, (set = new Set()));
     set.add(inbox);
-    if (this.aliveTimer !== undefined) return;
+    // One timer for all: set again when an exec asks for a shorter keepalive than it runs at.
+    if (this.aliveTimer !== undefined && everyMs >= this.aliveEveryMs) return;
+    clearInterval(this.aliveTimer);
+    this.aliveEveryMs = everyMs;
     this.aliveTimer = setInterval(() => this.sendAlive(), everyMs);
     // Not what keeps a process alive: the exec's own timer and subscription are.
     this.aliveTimer.unref?.();
@@ -482,6 +487,7 @@ export class NatsWorkBus implements WorkBus {
     if (this.execsWaiting.size === 0) {
       clearInterval(this.aliveTimer);
       this.aliveTimer = undefined;
+      this.aliveEveryMs = Number.POSITIVE_INFINITY;
     }
   }
 
