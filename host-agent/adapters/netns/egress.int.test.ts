@@ -28,6 +28,7 @@ const made: string[] = [];
 const pids: number[] = [];
 const logs: string[] = [];
 const logger = pino({ level: 'info' }, { write: (s: string) => void logs.push(s) });
+const FORWARD_MARKER = `/run/forkfleet/ip-forward-by-agent.${AG}`;
 const opts = { agentNetns: `/run/netns/${AG}`, logger };
 
 async function ip(...args: string[]): Promise<string> {
@@ -99,6 +100,7 @@ beforeAll(async () => {
 });
 
 afterAll(async () => {
+  rmSync(FORWARD_MARKER, { force: true });
   for (const pid of pids) if (isAlive(pid)) killHard(pid);
   for (const ns of made) {
     if (ns.startsWith('dir:')) rmSync(ns.slice(4), { recursive: true, force: true });
@@ -123,8 +125,18 @@ describe('egress (EgressManager, real namespaces)', () => {
     expect(logs.join('')).not.toMatch(/ip_forward/);
   });
 
+  it('forwarding_turnedOnByTheAgent_keepsItsGuardAfterAFirewallReloadFlushedTheTable_andAnAgentRestart', async () => {
+    await inNs(AG, 'nft', 'delete', 'table', 'ip', 'ff_egress');
+    expect(await reach(fromNs(LAN), '10.77.0.2')).toBe('FF-REACHED other-network');
+    await new EgressManager(opts).applyAgentSide();
+    expect(await inNs(AG, 'nft', 'list', 'table', 'ip', 'ff_egress')).toContain(FORWARD_GUARD_COMMENT);
+    expect(await reach(fromNs(LAN), '10.77.0.2')).not.toContain('FF-REACHED');
+  });
+
   it('forwarding_whenItWasOnBefore_theHostsRoutingIsLeftAlone', async () => {
-    // Forwarding on, and no table of ours that says we turned it on (a firewall reload flushed it).
+    // Forwarding on, no table of ours that says we turned it on, and no record of it (the host
+    // turned it on itself).
+    rmSync(FORWARD_MARKER, { force: true });
     await inNs(AG, 'nft', 'delete', 'table', 'ip', 'ff_egress');
     await new EgressManager(opts).applyAgentSide();
     expect(await inNs(AG, 'nft', 'list', 'table', 'ip', 'ff_egress')).not.toContain(FORWARD_GUARD_COMMENT);
@@ -184,5 +196,12 @@ describe('egress (EgressManager, real namespaces)', () => {
     const index = (l: string): number => Number(l.slice(3));
     expect(index(c.link)).toBe(index(b.link) + 1);
     expect(c.sandboxAddress).not.toBe(a.sandboxAddress);
+  });
+
+  it('attach_theAgentEndOfALinkHasNoIpv6Address', async () => {
+    const sb = sandbox();
+    const { link } = await new EgressManager(opts).attach(sb, { allowEgress: true, allowCidrs: [] });
+    expect((await inNs(AG, 'sysctl', '-n', `net.ipv6.conf.${link}.disable_ipv6`)).trim()).toBe('1');
+    expect(await ip('-n', AG, '-6', '-o', 'addr', 'show', 'dev', link)).toBe('');
   });
 });

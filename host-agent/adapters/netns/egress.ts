@@ -28,7 +28,8 @@
 // whoever holds that address next. (Deleting them needs conntrack-tools or netlink; neither
 // is installed by deploy/setup.sh nor reachable from Node without a native module.)
 import { execFile, spawn } from 'node:child_process';
-import { readFile } from 'node:fs/promises';
+import { mkdir, readFile, stat, writeFile } from 'node:fs/promises';
+import { basename, dirname } from 'node:path';
 import { promisify } from 'node:util';
 import type { Logger } from 'pino';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
@@ -51,6 +52,8 @@ export interface EgressOptions {
   pool?: string;
   /** Never reachable from a sandbox, whatever its allow_cidrs (e.g. etcd, NATS, schedulers elsewhere). */
   denyCidrs?: string[];
+  /** Where the agent records that it turned ip_forward on (default under /run, cleared by a reboot as the sysctl is). */
+  forwardMarker?: string;
   /** The resolv.conf whose nameservers egress sandboxes may ask on port 53 (default /etc/resolv.conf; dnsResolvers). */
   resolvConf?: string;
   /** Where the manager says what it changed on the host (e.g. that it turned IP forwarding on). */
@@ -202,16 +205,26 @@ export class EgressManager {
    * the host's own firewall (a container runtime's, say). When it was off, the agent turns it
    * on for the sandboxes only: the forward chain drops what goes neither from nor to a sandbox
    * link, so the host does not start routing between its other interfaces. That rule is marked
-   * (FORWARD_GUARD_COMMENT) and kept by a restarted agent, which finds forwarding on. (A
+   * (FORWARD_GUARD_COMMENT) and kept by a restarted agent, which finds forwarding on; and the
+   * agent records that it turned forwarding on (forwardMarker, on /run), so its guard comes back
+   * after a firewall reload flushed the table too. (A
    * container runtime started later on such a host has its forwarded traffic dropped too: turn
    * forwarding on in the host's sysctl.d instead.) The table is in place before forwarding is
    * turned on, so a failure between the two leaves forwarding off, and a retry sees it off.
    */
+  /** Says that this agent turned ip_forward on in its namespace since boot (ensureAgentSide): on /run, a tmpfs. */
+  private forwardMarker(): string {
+    return this.opts.forwardMarker ?? `/run/forkfleet/ip-forward-by-agent${this.opts.agentNetns ? `.${basename(this.opts.agentNetns)}` : ''}`;
+  }
+
   private ensureAgentSide(): Promise<void> {
     this.agentSetup ??= (async () => {
       const wasOn = (await this.agent('sysctl', ['-n', 'net.ipv4.ip_forward'])).trim() === '1';
       const previous = wasOn ? await this.agent('nft', ['list', 'table', 'ip', 'ff_egress']).catch(() => '') : '';
-      const guard = !wasOn || previous.includes(FORWARD_GUARD_COMMENT);
+      // The agent turned it on since boot (the marker is on a tmpfs: a reboot clears it with the
+      // sysctl), though a firewall reload has flushed the table and its guard since.
+      const marker = this.forwardMarker();
+      const guard = !wasOn || previous.includes(FORWARD_GUARD_COMMENT) || (await stat(marker).then(() => true, () => false));
       const deny = this.deny.map((c) => `    iifname "${HOST_LINK_PREFIX}*" ip daddr ${cidrText(c)} drop`);
       await this.agent('nft', ['-f', '-'], [
         'table ip ff_egress {}',
@@ -237,6 +250,9 @@ export class EgressManager {
         '',
       ].join('\n'));
       if (!wasOn) {
+        await mkdir(dirname(marker), { recursive: true })
+          .then(() => writeFile(marker, `net.ipv4.ip_forward was 0; turned on by the Forkfleet agent for sandbox links only (${new Date().toISOString()})\n`))
+          .catch((err: unknown) => this.opts.logger?.warn({ err, marker }, 'could not record that the agent turned ip_forward on: after a firewall reload, a restarted agent will not restore its guard'));
         await this.agent('sysctl', ['-q', '-w', 'net.ipv4.ip_forward=1']);
         this.opts.logger?.warn(
           { agentNetns: this.opts.agentNetns ?? 'own' },
@@ -266,6 +282,10 @@ export class EgressManager {
     const hostIp = ip4(this.pool.base + 4 * n + 1);
     const sbIp = ip4(this.pool.base + 4 * n + 2);
     await this.agent('ip', ['addr', 'add', `${hostIp}/30`, 'dev', link]);
+    // No IPv6 on the link (before it is up, so it never gets a link-local address): table ip
+    // ff_egress filters IPv4 only, and an fe80:: address would let a sandbox namespace that lost
+    // its own filter reach the agent's [::] listeners (etcd, NATS, sshd) over it.
+    await this.agent('sysctl', ['-q', '-w', `net.ipv6.conf.${link}.disable_ipv6=1`]);
     await this.agent('ip', ['link', 'set', link, 'up']);
     // Every subnet of the agent's namespace, not only its addresses: with no FF_EGRESS_DENY_CIDRS
     // the sandbox reached every other machine on the host's LAN. Its own /30 is in the pool,

@@ -104,7 +104,9 @@ export type NetworkPolicy = Message<"forkfleet.v1.NetworkPolicy"> & {
   allowEgress: boolean;
 
   /**
-   * CIDRs reachable when egress is allowed; empty means any.
+   * CIDRs reachable when egress is allowed; empty means any. Never reachable, whatever this
+   * says: the subnets the sandbox's host is on (but for DNS to its resolvers), the networks the
+   * operator denies (FF_EGRESS_DENY_CIDRS), loopback, link-local and cloud metadata addresses.
    *
    * @generated from field: repeated string allow_cidrs = 2;
    */
