@@ -108,6 +108,10 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const signing = loadSigningKey(config.signingKeyPath, 'scheduler-1');
 
   const store = EtcdFleetStore.connect([...config.etcdEndpoints], etcdTls, config.etcdServerName);
+  // A fork spread wide commits up to 1024 writes at once: an etcd left at its default
+  // --max-txn-ops (128) fails those (StoreLimitError, naming the flag). Said at start, not at
+  // the first wide fork; the scheduler still starts (etcd may be out of reach just now).
+  void store.checkTxnOps().catch((err: unknown) => log.error({ err }, 'etcd check at start-up failed: it must run with --max-txn-ops 1024 (services/README.md)'));
   const nc: NatsConnection = await connect({
     servers: natsServers('FF_NATS_URL', config.natsUrl),
     name: `scheduler-${config.id}`,
@@ -276,7 +280,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   registerFleetGauges(registry, () => executor.gauges(), () => (closing ? -1 : leaderTerm));
 
   // Webhooks go out from the leader only (services/domain/webhooks.ts).
-  const deliveries = new EtcdDeliveryLog(store.etcd);
+  // Fenced by the leader's election key, as the executor's writes: a deposed leader's late
+  // (retried) write can neither move the cursor back nor rewrite a delivery record.
+  const deliveries = new EtcdDeliveryLog(store.etcd, { fence: () => election.fence() });
   const webhookAttempts = new Counter({ name: 'forkfleet_webhook_attempts_total', help: 'Webhook delivery attempts, by outcome (delivered, retry, failed).', labelNames: ['result'], registers: [registry] });
   const webhookLost = new Counter({ name: 'forkfleet_webhook_revisions_lost_total', help: 'etcd revisions whose webhook events were never recorded nor sent: etcd compacted them before the leader recorded them (an outside compaction, or a leader that ran without webhooks).', registers: [registry] });
   const webhookStartFailures = new Counter({ name: 'forkfleet_webhook_start_failures_total', help: 'Starts of the leader\'s webhook dispatcher that failed (it tries again; the leader keeps leading).', registers: [registry] });

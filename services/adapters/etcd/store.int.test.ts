@@ -15,6 +15,7 @@ import type { DeliveryRec } from '../../domain/webhooks.ts';
 import { usageOf } from '../../domain/quota.ts';
 import { EtcdLeaderElection } from './election.ts';
 import { NotLeaderError, StoreFullError, StoreUnavailableError } from '../../domain/errors.ts';
+import { StoreDuplicateKeyError, StoreLimitError } from './errors.ts';
 import { sandboxRecord } from '../../testkit/records.ts';
 
 /**
@@ -433,5 +434,31 @@ describe('EtcdFleetStore', () => {
     await sleep(200);
     expect(seen).toEqual(['op-a']);
     stop();
+  }, 30_000);
+
+  it('commit_overEtcdsLimits_failsAsANamedErrorThatIsNotRetryable_andWritesNothing', async () => {
+    const rec = (id: string, pad = 0): StoreWrite => ({ kind: 'sandbox', value: sandboxRecord({ id, tenantId: 'lim', lineageId: id, hostname: id, labels: pad ? { pad: 'x'.repeat(pad) } : {}, afterResume: [], allowCidrs: [] }) });
+    // Over --max-txn-ops (1024 here, as in the fleet): 1,100 writes of ~0.7 KiB.
+    const many = await store.commit(Array.from({ length: 1100 }, (_, i) => rec(`sb-${i}`))).catch((e: unknown) => e);
+    expect(many).toBeInstanceOf(StoreLimitError);
+    expect(many).toMatchObject({ kind: 'failed_precondition', retryable: false, limit: '--max-txn-ops' });
+    // Over --max-request-bytes (1.5 MiB): etcd's own refusal, and, past it by more than 512 KiB,
+    // etcd's gRPC server's (RESOURCE_EXHAUSTED, which etcd3 took for a full store).
+    for (const pad of [1_700_000, 2_600_000]) {
+      const big = await store.commit([rec('sb-big', pad)]).catch((e: unknown) => e);
+      expect(big).toBeInstanceOf(StoreLimitError);
+      expect(big).toMatchObject({ kind: 'failed_precondition', retryable: false, limit: '--max-request-bytes' });
+    }
+    const twice = await store.commit([rec('sb-twice'), rec('sb-twice')]).catch((e: unknown) => e);
+    expect(twice).toBeInstanceOf(StoreDuplicateKeyError);
+    expect(twice).toMatchObject({ kind: 'internal', retryable: false });
+    expect(await store.listSandboxes('lim')).toEqual([]);
+    // The store still answers (no member's circuit opened by the refusals).
+    expect(await store.commit([rec('sb-after')])).toBe(true);
+  }, 60_000);
+
+  it('checkTxnOps_passesAtEtcdsLimit_andNamesTheFlagPastIt', async () => {
+    await store.checkTxnOps(1024); // the harness's --max-txn-ops, as the fleet's
+    await expect(store.checkTxnOps(1025)).rejects.toMatchObject({ name: 'StoreLimitError', kind: 'failed_precondition', limit: '--max-txn-ops' });
   }, 30_000);
 });

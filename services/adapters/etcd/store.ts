@@ -1,8 +1,12 @@
 // FleetStore over etcd (etcd3 client). Every guarded write compares the key's mod
 // revision it read; a batch is one transaction.
 import { rootCertificates } from 'node:tls';
-import { noop } from 'cockatiel';
-import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError, GRPCResourceExhastedError, GRPCUnavailableError, Range } from 'etcd3';
+import { circuitBreaker, ConsecutiveBreaker, handleWhen, noop, retry } from 'cockatiel';
+import type { IPolicy } from 'cockatiel';
+import { InterceptingCall } from '@grpc/grpc-js';
+import type { CallOptions, Interceptor } from '@grpc/grpc-js';
+import { Etcd3, GRPCCancelledError, GRPCDeadlineExceededError, GRPCInternalError, GRPCResourceExhastedError, GRPCUnavailableError, isRecoverableError, Range } from 'etcd3';
+import type { CallContext } from 'etcd3';
 import type { IKeyValue, IWatchResponse, Watcher, WatchBuilder } from 'etcd3';
 import { once } from 'node:events';
 import { WatchManager } from 'etcd3/lib/watch.js';
@@ -13,6 +17,7 @@ import { isTerminal } from '../../domain/records.ts';
 import { keys, PREFIX } from './keys.ts';
 import { NotLeaderError, StoreFullError, StoreUnavailableError } from '../../domain/errors.ts';
 import type { TlsClientPem } from '../../config.ts';
+import { StoreDuplicateKeyError, StoreLimitError } from './errors.ts';
 
 /**
  * Keys per page when listing a prefix: bounds what one range response holds in memory (records
@@ -122,13 +127,34 @@ async function openWatches(builders: readonly WatchBuilder[], ms: number): Promi
 }
 
 /**
+ * The etcd limit a refused request is over, told by etcd's message: no retry gets it through.
+ * - "etcdserver: too many operations in txn request" (INVALID_ARGUMENT): over --max-txn-ops.
+ * - "etcdserver: request is too large" (INVALID_ARGUMENT): over --max-request-bytes.
+ * - "grpc: received message larger than max (N vs. M)" (RESOURCE_EXHAUSTED): etcd's gRPC
+ *   server refuses a message over --max-request-bytes + 512 KiB before etcd sees it.
+ * - "etcdserver: duplicate key given in txn request" (INVALID_ARGUMENT): two writes of one key.
+ */
+function refusal(e: unknown): '--max-txn-ops' | '--max-request-bytes' | 'duplicate-key' | undefined {
+  const msg = e instanceof Error ? e.message : '';
+  if (msg.includes('too many operations in txn request')) return '--max-txn-ops';
+  if (msg.includes('request is too large') || /received message (after decompression )?larger than max/.test(msg)) return '--max-request-bytes';
+  if (msg.includes('duplicate key given in txn request')) return 'duplicate-key';
+  return undefined;
+}
+
+/**
  * etcd's "not now" errors (a member gone, no raft leader, a request that timed out) as a
- * named, retryable error: the API answers UNAVAILABLE, not INTERNAL, and clients retry. Others
+ * named, retryable error: the API answers UNAVAILABLE, not INTERNAL, and clients retry. A
+ * request over one of etcd's limits (refusal) as a named error that is not retryable. Others
  * pass unchanged (compaction is told apart by its message, isCompacted).
  */
 function storeError(what: string, e: unknown): unknown {
   // etcd3's circuit breakers (cockatiel) refuse calls to members that failed just before.
   const brokenCircuit = typeof e === 'object' && e !== null && (e as { isBrokenCircuitError?: unknown }).isBrokenCircuitError === true;
+  const refused = refusal(e);
+  if (refused === 'duplicate-key') return new StoreDuplicateKeyError(what, e);
+  if (refused) return new StoreLimitError(what, refused, e);
+  // Over etcd's request rate (too many requests) or its space quota (StoreFullError tells which).
   if (e instanceof GRPCResourceExhastedError) return new StoreFullError(what, e);
   return brokenCircuit || e instanceof GRPCUnavailableError || e instanceof GRPCDeadlineExceededError || e instanceof GRPCInternalError || e instanceof GRPCCancelledError ? new StoreUnavailableError(what, e) : e;
 }
@@ -246,6 +272,61 @@ const ETCD_CHANNEL = {
  */
 const ETCD_CALL_DEADLINE_MS = 10_000;
 
+/**
+ * etcd's require-leader metadata (`hasleader: true`, Go clientv3's WithRequireLeader, which
+ * etcdctl and Kubernetes set on their watches). A member that lost its raft leader (cut off
+ * from the others of a 3-member cluster) refuses a new watch that carries it, and ends an open
+ * one (UNAVAILABLE, "etcdserver: no leader") once it has had no leader for 3 election
+ * timeouts. Without it such a member keeps a watch stream open and silent for as long as it
+ * has no leader, answering keepalive pings: nothing looked broken, and e.g. the leader's op
+ * watch never saw the ops submitted through replicas on the other members. etcd3 reports the
+ * stream's end as 'disconnected' to each of its watchers (onBroken: the callers list again and
+ * watch again) and opens the stream again with backoff, each time on a member picked at random
+ * (the one without a leader refuses it at once while it has none).
+ * A call interceptor given in the Watch calls' own options (etcdCallOptions): etcd3 names the
+ * service there, so no other call carries the metadata (services/adapters/etcd/store.test.ts
+ * checks both on the wire).
+ */
+const requireLeader: Interceptor = (options, nextCall) =>
+  new InterceptingCall(nextCall(options), {
+    start(metadata, listener, next) {
+      // A copy: with etcd authentication, etcd3 hands every call the same metadata object.
+      const md = metadata.clone();
+      md.set('hasleader', 'true');
+      next(md, listener);
+    },
+  });
+
+/**
+ * Each etcd call's options: a Watch stream requires a leader (requireLeader); other streams
+ * (lease keep-alives) have no deadline; a unary call has `callDeadlineMs` per attempt.
+ */
+export function etcdCallOptions(callDeadlineMs: number): (ctx: CallContext) => CallOptions {
+  return (ctx) => (ctx.service === 'Watch' ? { interceptors: [requireLeader] } : ctx.isStream ? {} : { deadline: Date.now() + callDeadlineMs });
+}
+
+/**
+ * Which failures etcd3's fault handling takes as the member's (retried elsewhere, counted by
+ * the member's circuit breaker): its own choice (isRecoverableError), less a request over an
+ * etcd limit (refusal). etcd3 takes every RESOURCE_EXHAUSTED as transient, so a request over
+ * --max-request-bytes was sent 4 times, and counted against the member's breaker each time.
+ */
+const memberFault = handleWhen((e) => typeof e === 'object' && e !== null && isRecoverableError(e) && refusal(e) === undefined);
+
+/**
+ * etcd3's fault handling (its defaults, with memberFault). A circuit breaker on each member:
+ * after 3 failures in a row it fails every call to that member for 5 s, so that calls go to
+ * the others. With one member there are no others, and the breaker only kept the fleet
+ * failing ~2.9 s after etcd was back (a restart); without it, the first read after etcd is
+ * healthy again succeeds.
+ */
+function faultHandling(members: number): { global: IPolicy; host: () => IPolicy } {
+  return {
+    global: retry(memberFault, { maxAttempts: 3 }),
+    host: members === 1 ? () => noop : () => circuitBreaker(memberFault, { halfOpenAfter: 5000, breaker: new ConsecutiveBreaker(3) }),
+  };
+}
+
 export class EtcdFleetStore implements FleetStore {
   /** `watchOpenMs`: how long a new watch may wait for etcd (openWatches). */
   constructor(
@@ -270,16 +351,27 @@ export class EtcdFleetStore implements FleetStore {
   static connect(endpoints: string[], tls?: TlsClientPem, serverName = '', callDeadlineMs = ETCD_CALL_DEADLINE_MS): EtcdFleetStore {
     const credentials = tls ? { rootCertificate: tls.ca ?? Buffer.from(rootCertificates.join('\n')), ...(tls.cert && tls.key ? { certChain: tls.cert, privateKey: tls.key } : {}) } : undefined;
     const grpcOptions = { grpcOptions: { ...ETCD_CHANNEL, ...(tls && serverName ? { 'grpc.ssl_target_name_override': serverName } : {}) } };
-    // etcd3 puts a circuit breaker on each member: after 3 failures in a row it fails every call
-    // to that member for 5 s, so that calls go to the others. With one member there are no
-    // others, and the breaker only kept the fleet failing ~2.9 s after etcd was back (a
-    // restart); without it, the first read after etcd is healthy again succeeds.
-    const faultHandling = endpoints.length === 1 ? { faultHandling: { host: () => noop } } : {};
-    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, defaultCallOptions: (ctx: { isStream: boolean }) => (ctx.isStream ? {} : { deadline: Date.now() + callDeadlineMs }), ...(credentials ? { credentials } : {}), ...grpcOptions, ...faultHandling }), callDeadlineMs);
+    return new EtcdFleetStore(new Etcd3({ hosts: endpoints, dialTimeout: 3000, defaultCallOptions: etcdCallOptions(callDeadlineMs), ...(credentials ? { credentials } : {}), ...grpcOptions, faultHandling: faultHandling(endpoints.length) }), callDeadlineMs);
   }
 
   get etcd(): Etcd3 {
     return this.client;
+  }
+
+  /**
+   * Fails with StoreLimitError when etcd's --max-txn-ops is under `ops` (a fork's placement
+   * needs up to ~N + 2 x hosts + 4, services/README.md): for a start-up check, so that an etcd
+   * left at its default of 128 is named at once, not by the first wide fork. One read-only
+   * transaction of `ops` reads of a key that never exists (etcd counts a transaction's
+   * compares and each branch's operations apart: this fills the then branch).
+   */
+  async checkTxnOps(ops = 1024): Promise<void> {
+    const never = PREFIX + '__never__';
+    try {
+      await this.client.if(never, 'Version', '==', 0).then(...Array.from({ length: ops }, () => this.client.get(never))).commit();
+    } catch (e) {
+      throw storeError('start-up check of --max-txn-ops', e);
+    }
   }
 
   close(): void {

@@ -13,6 +13,8 @@ import { PREFIX } from './keys.ts';
 import { compactionFloor, parseWebhookTargets, WebhookDispatcher } from '../../domain/webhooks.ts';
 import type { DeliveryRec, WebhookPoster } from '../../domain/webhooks.ts';
 import { Compactor } from '../../domain/history.ts';
+import { NotLeaderError } from '../../domain/errors.ts';
+import { EtcdLeaderElection } from './election.ts';
 
 const DELIVERIES = `${PREFIX}webhooks/deliveries/`;
 
@@ -124,4 +126,62 @@ describe('EtcdDeliveryLog and WebhookDispatcher (real etcd)', () => {
       await next.stop();
     }
   }, 60_000);
+
+  const delivery = (id: string, over: Partial<DeliveryRec> = {}): DeliveryRec => ({ id, url: 'http://hook.test/x', tenantId: 't1', eventType: 'sandbox_created', revision: 1, body: '{}', state: 'pending', attempts: 0, lastStatus: 0, lastError: '', createdAt: 0, updatedAt: 0, nextAttemptAt: 0, deliveredAt: null, ...over });
+
+  it('setCursor_neverMovesTheCursorBack_soADeposedLeadersLateWriteLeavesItAndTheCompactionFloor', async () => {
+    const at = await store.revision();
+    // A deposed leader's log that read the cursor before the new leader moved it, and one
+    // that never read it: both write an older revision late.
+    const stale = new EtcdDeliveryLog(store.etcd);
+    await stale.cursor();
+    await log.setCursor(at);
+    await stale.setCursor(at - 1);
+    await new EtcdDeliveryLog(store.etcd).setCursor(at - 2);
+    expect(await log.cursor()).toBe(at);
+    expect(await compactionFloor(log)).toBe(at);
+    // Forward still moves it, from any of them.
+    await stale.setCursor(at + 1);
+    expect(await log.cursor()).toBe(at + 1);
+    await log.setCursor(at + 2);
+    expect(await new EtcdDeliveryLog(store.etcd).cursor()).toBe(at + 2);
+  }, 30_000);
+
+  it('update_neverWritesOverAFinishedRecord_norWithAnEarlierAttempt_norBringsBackARemovedOne', async () => {
+    const id = 'guarded-1';
+    expect(await log.create(delivery(id))).toBe(true);
+    await log.update(delivery(id, { attempts: 2, lastError: 'HTTP 503', nextAttemptAt: 5 }));
+    // The first attempt's outcome, late.
+    await log.update(delivery(id, { attempts: 1, lastError: 'HTTP 502', nextAttemptAt: 2 }));
+    expect(await log.get(id)).toMatchObject({ state: 'pending', attempts: 2, lastError: 'HTTP 503' });
+    await log.update(delivery(id, { attempts: 3, state: 'delivered', lastStatus: 204, deliveredAt: 7 }));
+    // A deposed leader's outcome of the same attempt, late: the delivery stays delivered.
+    await log.update(delivery(id, { attempts: 3, lastError: 'HTTP 503', nextAttemptAt: 9 }));
+    expect(await log.get(id)).toMatchObject({ state: 'delivered', attempts: 3, deliveredAt: 7 });
+    // Retention deleted the finished record: a late write does not bring it back.
+    await log.remove([id]);
+    await log.update(delivery(id, { attempts: 4, lastError: 'HTTP 503' }));
+    expect(await log.get(id)).toBeUndefined();
+  }, 30_000);
+
+  it('writes_withTheFenceOfALeadershipThatEnded_failAsNotLeader_andChangeNothing', async () => {
+    const election = new EtcdLeaderElection(store.etcd, 'webhook-log-test', 2);
+    await election.campaign();
+    const fenced = new EtcdDeliveryLog(store.etcd, { fence: () => election.fence() });
+    const at = await fenced.cursor();
+    expect(await fenced.create(delivery('fenced-1'))).toBe(true);
+    expect(await fenced.create(delivery('fenced-1'))).toBe(false);
+    await fenced.update(delivery('fenced-1', { attempts: 1, lastError: 'HTTP 503' }));
+    await fenced.setCursor(at + 1);
+    expect(await log.cursor()).toBe(at + 1);
+    await election.resign();
+    await expect(fenced.create(delivery('fenced-2'))).rejects.toBeInstanceOf(NotLeaderError);
+    await expect(fenced.create(delivery('fenced-1'))).rejects.toBeInstanceOf(NotLeaderError);
+    await expect(fenced.update(delivery('fenced-1', { attempts: 2, state: 'delivered' }))).rejects.toBeInstanceOf(NotLeaderError);
+    await expect(fenced.setCursor(at + 5)).rejects.toBeInstanceOf(NotLeaderError);
+    await expect(fenced.remove(['fenced-1'])).rejects.toBeInstanceOf(NotLeaderError);
+    expect(await log.get('fenced-2')).toBeUndefined();
+    expect(await log.get('fenced-1')).toMatchObject({ state: 'pending', attempts: 1 });
+    expect(await log.cursor()).toBe(at + 1);
+  }, 30_000);
 });
