@@ -2,7 +2,7 @@
 // One template VM is booted for the file and everything forks from its snapshot.
 import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { createReadStream } from 'node:fs';
+import { createReadStream, readFileSync } from 'node:fs';
 import { copyFile, mkdir, mkdtemp, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import net from 'node:net';
 import { tmpdir } from 'node:os';
@@ -1340,6 +1340,18 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect((await adopted.execute<{ status: string }>('query-status')).status).toBe('running');
     expect(await sh('k9', 'cat /dev/shm/one')).toBe('one');
     await driver.destroy('k9');
+  });
+
+  it('qemu_runsWithoutTheCapabilitiesAGuestThatBrokeIntoItCouldUseAgainstTheHost', async () => {
+    const pid = driver.get('tpl')!.pid;
+    const caps = (line: string): bigint => BigInt(`0x${(readFileSync(`/proc/${pid}/status`, 'utf8').split('\n').find((l) => l.startsWith(line)) ?? '').split(/\s+/)[1]}`);
+    // Bits of linux/capability.h: CAP_NET_ADMIN 12, CAP_NET_RAW 13, CAP_SYS_MODULE 16, CAP_SYS_RAWIO 17, CAP_SYS_PTRACE 19, CAP_SYS_ADMIN 21.
+    for (const bit of [12n, 13n, 16n, 17n, 19n, 21n]) {
+      expect((caps('CapEff:') >> bit) & 1n, `CapEff bit ${bit}`).toBe(0n);
+      expect((caps('CapBnd:') >> bit) & 1n, `CapBnd bit ${bit}`).toBe(0n);
+    }
+    // Still root, with what it needs of root's (its files, /dev/kvm).
+    expect(readFileSync(`/proc/${pid}/status`, 'utf8')).toMatch(/^Uid:\s+0\s/m);
   });
 
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {

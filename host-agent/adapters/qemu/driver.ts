@@ -538,7 +538,11 @@ export class QemuVmmDriver implements VmmDriver {
     // Every QEMU the driver starts (boot, restore, snapshot replacement, receiver) runs in a new,
     // empty network namespace of its own (adapters/netns): the guest NIC reaches nothing.
     const qemu = l.niceness ? { command: 'nice', args: ['-n', String(l.niceness), this.opts.qemuBinary, ...qemuArgs(l)] } : { command: this.opts.qemuBinary, args: qemuArgs(l) };
-    const cmd = l.netns === 'new' ? inNewNetns(qemu.command, qemu.args) : qemu;
+    // QEMU still runs as root, but without the capabilities a guest that broke into it could
+    // use against the host (withoutHostCaps): `unshare` makes its namespace first, then setpriv
+    // drops them for good (the same process: its pid stays QEMU's).
+    const capped = withoutHostCaps(qemu.command, qemu.args);
+    const cmd = l.netns === 'new' ? inNewNetns(capped.command, capped.args) : capped;
     const proc = spawnQemu(cmd.command, cmd.args, logPath, extraFds);
     // The pid file at once, not only when QEMU writes it (-pidfile, once it has started up): an
     // agent killed in between left a QEMU that no pid file named, which its next start could
@@ -2650,4 +2654,18 @@ async function topDiskFile(qmp: QmpClient): Promise<string | undefined> {
   if (!file?.startsWith('json:')) return file;
   const desc = JSON.parse(file.slice('json:'.length)) as { file?: { filename?: string } };
   return desc.file?.filename;
+}
+
+/**
+ * Capabilities a QEMU never needs (its network is slirp in a namespace the agent links; its
+ * files are opened as root by path; the agent does cgroups, links and namespaces) and that a
+ * guest that broke into QEMU could use against the host: reconfigure networks and firewalls
+ * (its namespace's filter is what keeps an egress sandbox off the host's networks), mount,
+ * load modules, trace or read other processes' memory, raw I/O. Dropped from the bounding set
+ * before QEMU is exec'd, so QEMU's process has none of them and cannot get them back.
+ */
+export const QEMU_DROPPED_CAPS = ['net_admin', 'net_raw', 'sys_admin', 'sys_module', 'sys_ptrace', 'sys_rawio', 'sys_boot', 'sys_time', 'mknod', 'audit_control', 'mac_admin', 'mac_override', 'syslog'] as const;
+
+export function withoutHostCaps(command: string, args: string[]): { command: string; args: string[] } {
+  return { command: 'setpriv', args: ['--bounding-set', QEMU_DROPPED_CAPS.map((c) => `-${c}`).join(','), '--', command, ...args] };
 }
