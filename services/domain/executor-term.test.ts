@@ -19,6 +19,27 @@ function stub<T>(methods: Record<string, unknown>): T {
   return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
 }
 
+/** Operations the executor would submit itself: none in these tests. */
+const NO_SUBMIT: Partial<ExecutorDeps> = {
+  submit: async () => {
+    throw new Error('not in this test');
+  },
+};
+
+/** An executor over `store` with these tests' quiet defaults: `bus` (default: consumes no results), `config` added to the base one, `extra` deps. */
+function executorOf(store: ExecutorDeps['store'], o: { bus?: ExecutorDeps['bus']; log?: ExecutorDeps['log']; config?: Partial<ExecutorDeps['config']>; extra?: Partial<ExecutorDeps> } = {}): Executor {
+  return new Executor({
+    store,
+    bus: o.bus ?? stub({ consumeResults: async () => async () => undefined }),
+    clock: { now: () => Date.now() },
+    log: o.log ?? pino({ level: 'silent' }),
+    heard: new HeartbeatRegistry(),
+    signer: stub({}),
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18, ...o.config },
+    ...o.extra,
+  });
+}
+
 describe('Executor terms', () => {
   it('stopWhileStartListsOperations_leavesNoWatchNoConsumerAndNoPeriodicPass', async () => {
     let releaseOps!: () => void;
@@ -52,18 +73,7 @@ describe('Executor terms', () => {
         return async () => void open.delete('results');
       },
     });
-    const ex = new Executor({
-      store,
-      bus,
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18, heldSnapshotCheckMs: 100 },
-      submit: async () => {
-        throw new Error('not in this test');
-      },
-    });
+    const ex = executorOf(store, { bus, config: { heldSnapshotCheckMs: 100 }, extra: NO_SUBMIT });
     const starting = ex.start();
     await new Promise((r) => setTimeout(r, 50));
     await ex.stop();
@@ -79,20 +89,14 @@ describe('Executor terms', () => {
   it('resultFromAHost_whileTheLeaseHasRunOut_isNotTaken_soItGoesToWhoeverLeads', async () => {
     let leading = true;
     let onResult: ((r: HostResultMsg, ack: () => void, fromHost: string) => void | Promise<void>) | undefined;
-    const ex = new Executor({
-      store: stub({ watchFleet: async () => () => undefined, watchOps: async () => () => undefined, followSandboxes: async () => () => undefined }),
+    const ex = executorOf(stub({ watchFleet: async () => () => undefined, watchOps: async () => () => undefined, followSandboxes: async () => () => undefined }), {
       bus: stub({
         consumeResults: async (cb: typeof onResult) => {
           onResult = cb;
           return async () => undefined;
         },
       }),
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
-      leading: () => leading,
+      extra: { leading: () => leading },
     });
     await ex.start();
     try {
@@ -136,15 +140,7 @@ describe('Executor terms', () => {
         return 2;
       },
     });
-    const ex = new Executor({
-      store,
-      bus: stub({ consumeResults: async () => async () => undefined }),
-      clock: { now: () => Date.now() },
-      log,
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18, crashedRerunMs: 50 },
-    });
+    const ex = executorOf(store, { log, config: { crashedRerunMs: 50 } });
     await ex.start();
     try {
       await waitFor('the op written failed', async () => written.includes('failed'), 5000, 20);
@@ -182,18 +178,7 @@ describe('Executor terms', () => {
         return 10;
       },
     });
-    const ex = new Executor({
-      store,
-      bus: stub({ consumeResults: async () => async () => undefined }),
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18, heldSnapshotCheckMs: 60_000 },
-      submit: async () => {
-        throw new Error('not in this test');
-      },
-    });
+    const ex = executorOf(store, { config: { heldSnapshotCheckMs: 60_000 }, extra: NO_SUBMIT });
     try {
       await ex.start();
       await waitFor('the runner reading the sandbox', async () => reads === 1, 5000);
@@ -227,15 +212,7 @@ describe('Executor terms', () => {
       revision: async () => 5,
       listHosts: async () => hosts,
     });
-    const ex = new Executor({
-      store,
-      bus: stub({ consumeResults: async () => async () => undefined }),
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
-    });
+    const ex = executorOf(store);
     try {
       // A first term, its fleet still being listed: no figures (not 0 ready hosts).
       gate();
