@@ -25,8 +25,14 @@ import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
 import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
 import { consumeDurable } from '../../../services/adapters/nats/durable-consumer.ts';
 
-/** HostExecRequest.keepalive intervals without a HostExecAlive after which an exec's command is killed. */
-export const EXEC_KEEPALIVE_MISSES = 3;
+/**
+ * HostExecRequest.keepalive intervals without a HostExecAlive after which an exec's command is
+ * killed: 4 x 5 s, longer than a silent link takes to be noticed (LINK_CHECK's 2 missed pings 5 s
+ * apart), after which the lease waits for the reconnect.
+ */
+export const EXEC_KEEPALIVE_MISSES = 4;
+/** How soon a refused keepalive subscription is asked for again. */
+const ALIVE_RETRY_MS = 60_000;
 /** The shortest keepalive interval an agent takes (a shorter one is read as this). */
 const EXEC_KEEPALIVE_MIN_MS = 50;
 
@@ -186,7 +192,7 @@ export class NatsAgentBus implements AgentBus {
   serveExec(handler: (req: HostExecRequest, emit: (out: HostExecOutput) => void, signal: AbortSignal) => Promise<void>): () => void {
     // Execs in progress by their reply subject (unique per call), aborted by a HostExecCancel
     // from the scheduler (only it may publish there: auth.ts), or when a caller that asked for
-    // keepalives (HostExecRequest.keepalive) has not named the exec for 3 of its intervals.
+    // keepalives (HostExecRequest.keepalive) has not named the exec for EXEC_KEEPALIVE_MISSES intervals.
     const running = new Map<string, { ac: AbortController; heard: number }>();
     // Keepalives cannot be heard while this agent's own connection is down, nor at all when the
     // server refuses their subscription (a NATS config rendered before ff.execalive.<host>
@@ -194,13 +200,24 @@ export class NatsAgentBus implements AgentBus {
     // every exec, so one that its caller still waits for survives the agent's own outage.
     let linkDown = false;
     let aliveRefused = false;
+    let served = true;
+    /** listenAlive, below (the status loop starts first). */
+    let relisten = (): void => undefined;
+    /** Every exec counts as heard now (a reconnect; keepalives listened to again). */
+    const heardAll = (): void => {
+      const now = performance.now();
+      for (const session of running.values()) session.heard = now;
+    };
+    const status = this.nc.status();
     void (async () => {
-      for await (const st of this.nc.status()) {
+      for await (const st of status) {
         if (st.type === 'disconnect') linkDown = true;
         else if (st.type === 'reconnect') {
           linkDown = false;
-          const now = performance.now();
-          for (const session of running.values()) session.heard = now;
+          heardAll();
+          // A refused keepalive subscription is gone for good (nats.js drops it): asked again
+          // on each reconnect (a NATS reload with a config rendered since, say).
+          if (aliveRefused && served) relisten();
         }
       }
     })().catch(() => undefined);
@@ -254,29 +271,47 @@ export class NatsAgentBus implements AgentBus {
         }
       },
     });
-    const alive = this.nc.subscribe(subjects.execAlive(this.hostId), {
-      callback: (err, m) => {
-        if (err) {
-          if (!aliveRefused) this.log.error({ err, subject: subjects.execAlive(this.hostId) }, "exec keepalives cannot be received (render the NATS config again and reload NATS: this host's user may not subscribe to them): commands are not ended when their caller goes silent");
-          aliveRefused = true;
-          return;
-        }
-        try {
-          const now = performance.now();
-          for (const r of fromBinary(HostExecAliveSchema, m.data).replySubjects) {
-            const session = running.get(r);
-            if (session) session.heard = now;
+    let alive: Subscription | undefined;
+    let retryAlive: ReturnType<typeof setTimeout> | undefined;
+    const listenAlive = (): void => {
+      clearTimeout(retryAlive);
+      alive?.unsubscribe();
+      // Taken as listened to until the server says otherwise (a refusal comes within a round
+      // trip): every exec counts as heard from here, so none is killed for the gap before.
+      if (aliveRefused) heardAll();
+      aliveRefused = false;
+      alive = this.nc.subscribe(subjects.execAlive(this.hostId), {
+        callback: (err, m) => {
+          if (err) {
+            if (!aliveRefused) this.log.error({ err, subject: subjects.execAlive(this.hostId) }, "exec keepalives cannot be received (render the NATS config again and reload NATS: this host's user may not subscribe to them; asked again every minute): commands are not ended when their caller goes silent");
+            aliveRefused = true;
+            // nats.js drops a refused subscription: asked again in a while, and on a reconnect.
+            retryAlive = setTimeout(() => served && listenAlive(), ALIVE_RETRY_MS);
+            retryAlive.unref?.();
+            return;
           }
-        } catch (e) {
-          this.log.warn({ err: e }, 'undecodable exec keepalive ignored');
-        }
-      },
-    });
-    this.subs.push(sub, cancels, alive);
+          try {
+            const now = performance.now();
+            for (const r of fromBinary(HostExecAliveSchema, m.data).replySubjects) {
+              const session = running.get(r);
+              if (session) session.heard = now;
+            }
+          } catch (e) {
+            this.log.warn({ err: e }, 'undecodable exec keepalive ignored');
+          }
+        },
+      });
+    };
+    relisten = listenAlive;
+    listenAlive();
+    this.subs.push(sub, cancels);
     return () => {
+      served = false;
+      clearTimeout(retryAlive);
+      (status as { stop?: () => void }).stop?.();
       sub.unsubscribe();
       cancels.unsubscribe();
-      alive.unsubscribe();
+      alive?.unsubscribe();
     };
   }
 

@@ -52,7 +52,7 @@ export const EXEC_UNREAD_MAX_BYTES = 1 << 30;
 /**
  * How often a replica names, per host, the execs whose output it still waits for
  * (HostExecAlive; HostExecRequest.keepalive): a host kills a command its caller has not named
- * for 3 of these, so the commands of a replica that died or lost NATS end within ~15 s instead
+ * for 4 of these, so the commands of a replica that died or lost NATS end within ~20 s instead
  * of running on to their timeout (up to an hour) with nobody to read them.
  */
 export const EXEC_KEEPALIVE_MS = 5000;

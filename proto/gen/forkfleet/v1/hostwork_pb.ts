@@ -945,7 +945,7 @@ export type HostExecRequest = Message<"forkfleet.v1.HostExecRequest"> & {
 
   /**
    * The caller names this exec in a HostExecAlive at least this often while it waits for the
-   * output. A host kills a command whose exec no HostExecAlive named for 3 intervals, as at
+   * output. A host kills a command whose exec no HostExecAlive named for 4 intervals, as at
    * its timeout: its caller is gone without a cancel (a scheduler replica that died or lost
    * its NATS connection). Unset: the command ends only at its exit, timeout or a cancel
    * (schedulers from before this field).
