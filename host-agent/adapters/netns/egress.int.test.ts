@@ -9,7 +9,7 @@
 //       port) with a listener, and 203.0.113.10 ("the internet", beyond the router) with one;
 //   OTH the other network: 10.77.0.2 with a listener, default via 10.77.0.1.
 import { execFile, spawn } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
@@ -28,7 +28,8 @@ const made: string[] = [];
 const pids: number[] = [];
 const logs: string[] = [];
 const logger = pino({ level: 'info' }, { write: (s: string) => void logs.push(s) });
-const FORWARD_MARKER = `/run/forkfleet/ip-forward-by-agent.${AG}`;
+/** Where the agent records that it turned ip_forward on in AG (by AG's inode; known once AG exists). */
+let FORWARD_MARKER = '';
 const opts = { agentNetns: `/run/netns/${AG}`, logger };
 
 async function ip(...args: string[]): Promise<string> {
@@ -92,6 +93,7 @@ beforeAll(async () => {
   await ip('-n', OTH, 'link', 'set', 'o1', 'up');
   await ip('-n', OTH, 'route', 'add', 'default', 'via', '10.77.0.1');
   await inNs(AG, 'sysctl', '-q', '-w', 'net.ipv4.ip_forward=0');
+  FORWARD_MARKER = `/run/forkfleet/ip-forward-by-agent.${statSync(`/run/netns/${AG}`).ino}`;
   await listeners(LAN, [['198.51.100.7', 'lan-machine'], ['203.0.113.10', 'internet']]);
   await listeners(OTH, [['10.77.0.2', 'other-network']]);
   // The host's resolver, on its LAN (a cloud VPC's or a router's): DNS on 53, something else on PORT.
@@ -100,7 +102,7 @@ beforeAll(async () => {
 });
 
 afterAll(async () => {
-  rmSync(FORWARD_MARKER, { force: true });
+  if (FORWARD_MARKER) rmSync(FORWARD_MARKER, { force: true });
   for (const pid of pids) if (isAlive(pid)) killHard(pid);
   for (const ns of made) {
     if (ns.startsWith('dir:')) rmSync(ns.slice(4), { recursive: true, force: true });

@@ -29,7 +29,7 @@
 // is installed by deploy/setup.sh nor reachable from Node without a native module.)
 import { execFile, spawn } from 'node:child_process';
 import { mkdir, readFile, stat, writeFile } from 'node:fs/promises';
-import { basename, dirname } from 'node:path';
+import { dirname } from 'node:path';
 import { promisify } from 'node:util';
 import type { Logger } from 'pino';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
@@ -213,8 +213,12 @@ export class EgressManager {
    * turned on, so a failure between the two leaves forwarding off, and a retry sees it off.
    */
   /** Says that this agent turned ip_forward on in its namespace since boot (ensureAgentSide): on /run, a tmpfs. */
-  private forwardMarker(): string {
-    return this.opts.forwardMarker ?? `/run/forkfleet/ip-forward-by-agent${this.opts.agentNetns ? `.${basename(this.opts.agentNetns)}` : ''}`;
+  private async forwardMarker(): Promise<string> {
+    if (this.opts.forwardMarker) return this.opts.forwardMarker;
+    // By the namespace's inode (/run is the machine's, and agents of a local fleet each have a
+    // namespace of their own).
+    const ns = await stat(this.opts.agentNetns ?? '/proc/self/ns/net').then((st) => String(st.ino), () => 'unknown');
+    return `/run/forkfleet/ip-forward-by-agent.${ns}`;
   }
 
   private ensureAgentSide(): Promise<void> {
@@ -223,7 +227,7 @@ export class EgressManager {
       const previous = wasOn ? await this.agent('nft', ['list', 'table', 'ip', 'ff_egress']).catch(() => '') : '';
       // The agent turned it on since boot (the marker is on a tmpfs: a reboot clears it with the
       // sysctl), though a firewall reload has flushed the table and its guard since.
-      const marker = this.forwardMarker();
+      const marker = await this.forwardMarker();
       const guard = !wasOn || previous.includes(FORWARD_GUARD_COMMENT) || (await stat(marker).then(() => true, () => false));
       const deny = this.deny.map((c) => `    iifname "${HOST_LINK_PREFIX}*" ip daddr ${cidrText(c)} drop`);
       await this.agent('nft', ['-f', '-'], [
@@ -250,10 +254,10 @@ export class EgressManager {
         '',
       ].join('\n'));
       if (!wasOn) {
+        await this.agent('sysctl', ['-q', '-w', 'net.ipv4.ip_forward=1']);
         await mkdir(dirname(marker), { recursive: true })
           .then(() => writeFile(marker, `net.ipv4.ip_forward was 0; turned on by the Forkfleet agent for sandbox links only (${new Date().toISOString()})\n`))
           .catch((err: unknown) => this.opts.logger?.warn({ err, marker }, 'could not record that the agent turned ip_forward on: after a firewall reload, a restarted agent will not restore its guard'));
-        await this.agent('sysctl', ['-q', '-w', 'net.ipv4.ip_forward=1']);
         this.opts.logger?.warn(
           { agentNetns: this.opts.agentNetns ?? 'own' },
           'turned net.ipv4.ip_forward on for sandbox egress (it was off); table ip ff_egress forwards nothing but traffic from and to the sandbox links',
@@ -285,7 +289,8 @@ export class EgressManager {
     // No IPv6 on the link (before it is up, so it never gets a link-local address): table ip
     // ff_egress filters IPv4 only, and an fe80:: address would let a sandbox namespace that lost
     // its own filter reach the agent's [::] listeners (etcd, NATS, sshd) over it.
-    await this.agent('sysctl', ['-q', '-w', `net.ipv6.conf.${link}.disable_ipv6=1`]);
+    // (-e: a kernel booted without IPv6 has no such key, and nothing to disable.)
+    await this.agent('sysctl', ['-e', '-q', '-w', `net.ipv6.conf.${link}.disable_ipv6=1`]);
     await this.agent('ip', ['link', 'set', link, 'up']);
     // Every subnet of the agent's namespace, not only its addresses: with no FF_EGRESS_DENY_CIDRS
     // the sandbox reached every other machine on the host's LAN. Its own /30 is in the pool,

@@ -2667,5 +2667,7 @@ async function topDiskFile(qmp: QmpClient): Promise<string | undefined> {
 export const QEMU_DROPPED_CAPS = ['net_admin', 'net_raw', 'sys_admin', 'sys_module', 'sys_ptrace', 'sys_rawio', 'sys_boot', 'sys_time', 'mknod', 'audit_control', 'mac_admin', 'mac_override', 'syslog'] as const;
 
 export function withoutHostCaps(command: string, args: string[]): { command: string; args: string[] } {
-  return { command: 'setpriv', args: ['--bounding-set', QEMU_DROPPED_CAPS.map((c) => `-${c}`).join(','), '--', command, ...args] };
+  // --inh-caps too: an agent started with inheritable (or ambient) capabilities would hand them
+  // to QEMU past the bounding set; clearing the inheritable set clears the ambient one.
+  return { command: 'setpriv', args: ['--inh-caps=-all', '--bounding-set', QEMU_DROPPED_CAPS.map((c) => `-${c}`).join(','), '--', command, ...args] };
 }
