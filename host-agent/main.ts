@@ -151,7 +151,7 @@ async function main(): Promise<void> {
   };
   // Prometheus /metrics of this agent (FF_METRICS_ADDR), served from before its first heartbeat.
   const metrics = cfg.metricsAddr ? new PromAgentMetrics() : undefined;
-  const metricsServer = metrics ? await serveMetrics(metrics.registry, cfg.metricsAddr) : undefined;
+  const metricsServer = metrics ? await serveMetrics(metrics.registry, cfg.metricsAddr, (err) => log.warn({ err }, 'agent metrics server error')) : undefined;
   if (metricsServer) log.info({ address: metricsServer.address }, 'agent metrics at /metrics');
   const agent = new Agent({
     driver,

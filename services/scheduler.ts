@@ -12,6 +12,7 @@ import { Registry, Counter, Histogram, Gauge, collectDefaultMetrics } from 'prom
 import { natsServers, readTlsClientFiles, type SchedulerConfig } from './config.ts';
 import type { FleetStore } from './domain/ports.ts';
 import { EtcdFleetStore } from './adapters/etcd/store.ts';
+import { StoreLimitError } from './adapters/etcd/errors.ts';
 import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
 import { NotLeaderError } from './domain/errors.ts';
@@ -111,7 +112,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   // A fork spread wide commits up to 1024 writes at once: an etcd left at its default
   // --max-txn-ops (128) fails those (StoreLimitError, naming the flag). Said at start, not at
   // the first wide fork; the scheduler still starts (etcd may be out of reach just now).
-  void store.checkTxnOps().catch((err: unknown) => log.error({ err }, 'etcd check at start-up failed: it must run with --max-txn-ops 1024 (services/README.md)'));
+  void store.checkTxnOps().catch((err: unknown) =>
+    err instanceof StoreLimitError ? log.error({ err }, 'etcd refuses a transaction of 1024 operations: run it with --max-txn-ops 1024 (services/README.md), or wide forks fail') : log.warn({ err }, 'could not check etcd\'s --max-txn-ops at start-up (etcd out of reach?)'),
+  );
   const nc: NatsConnection = await connect({
     servers: natsServers('FF_NATS_URL', config.natsUrl),
     name: `scheduler-${config.id}`,

@@ -225,7 +225,8 @@ describe('hibernate, wake and retention on a local fleet (2 hosts of 600 MiB, re
     const ctl = new AbortController();
     const watching = (async () => {
       try {
-        for await (const e of api.watchEvents({ tenantId, types: [EventType.SNAPSHOT_EXPIRING, EventType.SNAPSHOT_EXPIRED] }, { signal: ctl.signal })) events.push(e);
+        // Not the progress markers (type UNSPECIFIED; a watch from now starts with one).
+        for await (const e of api.watchEvents({ tenantId, types: [EventType.SNAPSHOT_EXPIRING, EventType.SNAPSHOT_EXPIRED] }, { signal: ctl.signal })) if (e.type !== EventType.UNSPECIFIED) events.push(e);
       } catch {
         /* cancelled */
       }

@@ -90,9 +90,9 @@ export class PromAgentMetrics implements AgentMetrics {
 
 /**
  * Serves `registry` at GET /metrics on `address` (host:port; port 0 picks one). Resolves
- * with the server and the address it listens on.
+ * with the server and the address it listens on; `onError` hears what goes wrong after.
  */
-export async function serveMetrics(registry: Registry, address: string): Promise<{ server: Server; address: string }> {
+export async function serveMetrics(registry: Registry, address: string, onError: (err: Error) => void = () => undefined): Promise<{ server: Server; address: string }> {
   const i = address.lastIndexOf(':');
   const host = address.slice(0, i);
   const port = Number(address.slice(i + 1));
@@ -113,6 +113,9 @@ export async function serveMetrics(registry: Registry, address: string): Promise
       resolve();
     });
   });
+  // Later errors (an accept failing with EMFILE on a host full of QEMUs): told, not thrown
+  // (an 'error' event nobody listens to would end the agent).
+  server.on('error', onError);
   const a = server.address();
   return { server, address: typeof a === 'object' && a ? `${host}:${a.port}` : address };
 }
