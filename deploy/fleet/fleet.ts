@@ -34,7 +34,7 @@
 // loopback; agents reach NATS through a unix-socket relay, so no address exists outside
 // the fleet's own namespaces. Peer chunk transfers cross the shaped veth links.
 import { spawn, execFileSync } from 'node:child_process';
-import { closeSync, copyFileSync, existsSync, linkSync, mkdirSync, openSync, readFileSync, readdirSync, renameSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, copyFileSync, existsSync, linkSync, mkdirSync, openSync, readFileSync, readdirSync, renameSync, rmdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { createConnection } from 'node:net';
 import { basename, dirname, join, resolve } from 'node:path';
 import { totalmem } from 'node:os';
@@ -43,7 +43,7 @@ import { createPublicKey, generateKeyPairSync, randomBytes } from 'node:crypto';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
 import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
-import { HOST_LINK_PREFIX } from '../../host-agent/adapters/netns/egress.ts';
+import { forwardMarkerOf, HOST_LINK_PREFIX } from '../../host-agent/adapters/netns/egress.ts';
 import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 import { ensurePeerCert } from '../pki/pki.ts';
@@ -1384,7 +1384,21 @@ async function stopFleet(state: FleetState): Promise<void> {
       }
     }
   }
-  for (const ns of [...state.namespaces].reverse()) sh('ip', ['netns', 'del', ns], { allowFail: true });
+  for (const ns of [...state.namespaces].reverse()) {
+    // What an agent recorded of its namespace under /run (egress.ts: it turned ip_forward on
+    // there), keyed by the namespace's inode: gone with the namespace.
+    try {
+      rmSync(forwardMarkerOf(statSync(`/run/netns/${ns}`).ino), { force: true });
+    } catch {
+      /* no such namespace (any more) */
+    }
+    sh('ip', ['netns', 'del', ns], { allowFail: true });
+  }
+  try {
+    rmdirSync(dirname(forwardMarkerOf(0))); // when no other agent's marker is left in it
+  } catch {
+    /* not empty, or not there */
+  }
   // Another's group (FF_GUEST_CGROUP named one that existed) stays, with its members: this
   // fleet's QEMUs in it were stopped above, by their pid files.
   if (ownsGuestCgroup(state)) await removeGuestCgroup(state.guestCgroup!);

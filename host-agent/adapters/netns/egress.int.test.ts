@@ -9,14 +9,14 @@
 //       port) with a listener, and 203.0.113.10 ("the internet", beyond the router) with one;
 //   OTH the other network: 10.77.0.2 with a listener, default via 10.77.0.1.
 import { execFile, spawn } from 'node:child_process';
-import { mkdtempSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, rmdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { dirname, join } from 'node:path';
 import { promisify } from 'node:util';
 import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { isAlive, killHard } from '../qemu/process.ts';
-import { EgressManager, FORWARD_GUARD_COMMENT } from './egress.ts';
+import { EgressManager, FORWARD_GUARD_COMMENT, forwardMarkerOf } from './egress.ts';
 
 const run = promisify(execFile);
 const tag = Math.random().toString(36).slice(2, 7);
@@ -93,7 +93,7 @@ beforeAll(async () => {
   await ip('-n', OTH, 'link', 'set', 'o1', 'up');
   await ip('-n', OTH, 'route', 'add', 'default', 'via', '10.77.0.1');
   await inNs(AG, 'sysctl', '-q', '-w', 'net.ipv4.ip_forward=0');
-  FORWARD_MARKER = `/run/forkfleet/ip-forward-by-agent.${statSync(`/run/netns/${AG}`).ino}`;
+  FORWARD_MARKER = forwardMarkerOf(statSync(`/run/netns/${AG}`).ino);
   await listeners(LAN, [['198.51.100.7', 'lan-machine'], ['203.0.113.10', 'internet']]);
   await listeners(OTH, [['10.77.0.2', 'other-network']]);
   // The host's resolver, on its LAN (a cloud VPC's or a router's): DNS on 53, something else on PORT.
@@ -102,7 +102,11 @@ beforeAll(async () => {
 });
 
 afterAll(async () => {
-  if (FORWARD_MARKER) rmSync(FORWARD_MARKER, { force: true });
+  if (FORWARD_MARKER) {
+    rmSync(FORWARD_MARKER, { force: true });
+    // Its directory too, unless another agent's marker is in it.
+    if (readdirSync(dirname(FORWARD_MARKER)).length === 0) rmdirSync(dirname(FORWARD_MARKER));
+  }
   for (const pid of pids) if (isAlive(pid)) killHard(pid);
   for (const ns of made) {
     if (ns.startsWith('dir:')) rmSync(ns.slice(4), { recursive: true, force: true });

@@ -98,6 +98,8 @@ const cidrText = (c: Cidr): string => `${ip4(c.base)}/${c.len}`;
  */
 export const ALWAYS_DENIED = ['127.0.0.0/8', '169.254.0.0/16', '100.100.100.200/32', '0.0.0.0/8', '224.0.0.0/4'];
 export const HOST_LINK_PREFIX = 'ffe';
+/** Where an agent records that it turned ip_forward on in the network namespace of inode `nsInode` (on /run, a tmpfs: a reboot clears it, as the sysctl). */
+export const forwardMarkerOf = (nsInode: number | string): string => `/run/forkfleet/ip-forward-by-agent.${nsInode}`;
 /** Marks the agent-side rule that keeps forwarding to the sandbox links, found again by a restarted agent. */
 export const FORWARD_GUARD_COMMENT = 'ff: ip_forward was off, only sandbox links are forwarded';
 
@@ -217,8 +219,7 @@ export class EgressManager {
     if (this.opts.forwardMarker) return this.opts.forwardMarker;
     // By the namespace's inode (/run is the machine's, and agents of a local fleet each have a
     // namespace of their own).
-    const ns = await stat(this.opts.agentNetns ?? '/proc/self/ns/net').then((st) => String(st.ino), () => 'unknown');
-    return `/run/forkfleet/ip-forward-by-agent.${ns}`;
+    return forwardMarkerOf(await stat(this.opts.agentNetns ?? '/proc/self/ns/net').then((st) => String(st.ino), () => 'unknown'));
   }
 
   private ensureAgentSide(): Promise<void> {

@@ -148,6 +148,9 @@ function hostRead(host: string, port: number): Promise<string> {
   });
 }
 
+/** Where the agents of this test record that they turned ip_forward on in AG: in the test's directory, not the machine's /run. */
+const forwardMarker = (): string => join(root, 'ip-forward-by-agent');
+
 function hostAddresses(): string[] {
   return Object.values(networkInterfaces())
     .flat()
@@ -163,7 +166,7 @@ beforeAll(async () => {
   await makeEgressFixture();
   const image = await ensureImage('tiny');
   root = await mkdtemp(join(tmpdir(), 'ffn-'));
-  driver = new QemuVmmDriver({ root, accel: 'tcg', logger, egress: { agentNetns: `/run/netns/${AG}`, denyCidrs: ['198.18.0.3/32'] } });
+  driver = new QemuVmmDriver({ root, accel: 'tcg', logger, egress: { agentNetns: `/run/netns/${AG}`, denyCidrs: ['198.18.0.3/32'], forwardMarker: forwardMarker() } });
   // The template may have egress (allow 198.18.0.0/24): its snapshot replaces its QEMU process,
   // so the replacement must get a namespace and link of its own. Its clones get their own policy.
   const tpl = await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1, hostname: 'tpl', network: TEMPLATE_POLICY });
@@ -371,7 +374,7 @@ describe('agent restart', () => {
     // A previous agent (own root) left an egress sandbox behind; the next one reaps it.
     const other = await mkdtemp(join(tmpdir(), 'ffn-r-'));
     try {
-      const egress = { agentNetns: `/run/netns/${AG}` };
+      const egress = { agentNetns: `/run/netns/${AG}`, forwardMarker: forwardMarker() };
       const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger, egress });
       const [vm] = await previous.fork(snap, [{ vmId: 'orphan', network: { allowEgress: true, allowCidrs: [] } }]);
       const ns = (await netnsOf(vm!.pid))!;
@@ -394,7 +397,7 @@ describe('agent restart', () => {
     // until the next agent puts them back for the egress VMs it adopts (the template).
     await run('ip', ['netns', 'exec', AG, 'nft', 'delete', 'table', 'ip', 'ff_egress']);
     driver.detach();
-    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, egress: { agentNetns: `/run/netns/${AG}`, denyCidrs: ['198.18.0.3/32'] } });
+    const restarted = new QemuVmmDriver({ root, accel: 'tcg', logger, egress: { agentNetns: `/run/netns/${AG}`, denyCidrs: ['198.18.0.3/32'], forwardMarker: forwardMarker() } });
     const report = await restarted.recover('adopt');
     driver = restarted;
     expect(report.adopted).toContain('sb1');
