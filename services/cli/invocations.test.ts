@@ -1,38 +1,13 @@
 // main() run more than once in one process (a test, a wrapper) starts each run afresh: its own
 // client, idempotency key and exit code. No server is involved: the API address is a closed
 // port, which the CLI reports as unreachable.
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { main } from './main.ts';
+import { isolatedCli } from './test-env.ts';
 
 const API = '127.0.0.1:1';
-let out: string[] = [];
-/** Each test's temporary directories, removed after it. */
-const dirs: string[] = [];
-const tempDir = (): string => {
-  const d = mkdtempSync(join(tmpdir(), 'ff-cli-'));
-  dirs.push(d);
-  return d;
-};
-
-beforeEach(() => {
-  out = [];
-  // No credentials of the machine's (a local fleet's) are used: TLS with the system roots, no token.
-  vi.stubEnv('FF_FLEET_DIR', tempDir());
-  vi.stubEnv('FF_CREDENTIALS', undefined);
-  vi.stubEnv('FF_TOKEN', undefined);
-  vi.stubEnv('FF_CA', undefined);
-  vi.spyOn(process.stdout, 'write').mockImplementation((s) => (out.push(String(s)), true));
-  vi.spyOn(process.stderr, 'write').mockImplementation(() => true);
-});
-afterEach(() => {
-  vi.restoreAllMocks();
-  vi.unstubAllEnvs();
-  process.exitCode = undefined;
-  for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true });
-});
+const { out, tempDir } = isolatedCli('ff-cli-');
 
 /** The `error` of the --json document main printed last. */
 const lastJsonError = (): { kind: string; exitCode: number; idempotencyKey?: string } => (JSON.parse(out.at(-1)!) as { error: { kind: string; exitCode: number; idempotencyKey?: string } }).error;

@@ -2,44 +2,20 @@
 // when shown, an exec that breaks off, output held back for a slow reader, Ctrl-C while
 // waiting. The SDK's calls are replaced by spies: no server is involved.
 import { spawn } from 'node:child_process';
-import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { Writable } from 'node:stream';
 import { status as Status } from '@grpc/grpc-js';
-import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
+import { describe, expect, it, vi } from 'vitest';
 import { RpcError } from '../adapters/grpc/status.ts';
 import { Forkfleet, Sandbox } from '../sdk/index.ts';
 import type { CallOpts, ExecChunk, ExecStream, OperationInfo } from '../sdk/index.ts';
 import { main, writeOut } from './main.ts';
+import { isolatedCli } from './test-env.ts';
 
 const API = '127.0.0.1:1';
 const ROOT = resolve(import.meta.dirname, '..', '..');
-let out: string[] = [];
-let err: string[] = [];
-const dirs: string[] = [];
-const tempDir = (): string => {
-  const d = mkdtempSync(join(tmpdir(), 'ff-cli-out-'));
-  dirs.push(d);
-  return d;
-};
-
-beforeEach(() => {
-  out = [];
-  err = [];
-  vi.stubEnv('FF_FLEET_DIR', tempDir());
-  vi.stubEnv('FF_CREDENTIALS', undefined);
-  vi.stubEnv('FF_TOKEN', undefined);
-  vi.stubEnv('FF_CA', undefined);
-  vi.spyOn(process.stdout, 'write').mockImplementation((s) => (out.push(String(s)), true));
-  vi.spyOn(process.stderr, 'write').mockImplementation((s) => (err.push(String(s)), true));
-});
-afterEach(() => {
-  vi.restoreAllMocks();
-  vi.unstubAllEnvs();
-  process.exitCode = undefined;
-  for (const d of dirs.splice(0)) rmSync(d, { recursive: true, force: true });
-});
+const { out, err, tempDir } = isolatedCli('ff-cli-out-');
 
 const tick = (ms = 10): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
@@ -70,7 +46,7 @@ describe('--json shapes', () => {
     });
     expect(await main(['--api', API, '--json', 'sandbox', 'destroy', 'sb-one'])).toBe(0);
     expect(JSON.parse(out.join(''))).toEqual([{ id: 'sb-one', state: 'destroyed' }]);
-    out = [];
+    out.length = 0;
     expect(await main(['--api', API, '--json', 'sandbox', 'destroy', 'sb-missing'])).toBe(1);
     const [failed] = JSON.parse(out.join('')) as Array<{ id: string; error: Record<string, unknown> }>;
     expect(failed).toMatchObject({ id: 'sb-missing', error: { kind: 'not_found', exitCode: 1 } });
