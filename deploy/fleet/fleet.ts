@@ -986,18 +986,8 @@ function removeStaleLockFiles(path: string): void {
     if (!m) continue;
     const pid = Number(m[1]);
     const writer = parseHolder(readHolderText(join(dirname(path), name.replace(/\.stale$/, ''))) ?? '');
-    const gone = writer && writer.pid === pid ? !isSameProcess(pid, writer) : !pidRuns(pid);
+    const gone = writer && writer.pid === pid ? !isSameProcess(pid, writer) : !pidAlive(pid);
     if (gone) rmSync(join(dirname(path), name), { force: true });
-  }
-}
-
-/** Whether any process has this PID (signal 0: EPERM means one does). */
-function pidRuns(pid: number): boolean {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === 'EPERM';
   }
 }
 
