@@ -4,6 +4,7 @@ import { ErrorCode } from 'nats';
 import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection, NatsError, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { durationMs } from '@bufbuild/protobuf/wkt';
+import type { Duration } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { AgentBus, WorkControl } from '../../domain/agent.ts';
 import {
@@ -24,6 +25,7 @@ import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREA
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
 import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
 import { consumeDurable } from '../../../services/adapters/nats/durable-consumer.ts';
+import { MAX_TIMER_MS } from '../../../services/config.ts';
 
 /**
  * HostExecRequest.keepalive intervals without a HostExecAlive after which an exec's command is
@@ -35,6 +37,18 @@ export const EXEC_KEEPALIVE_MISSES = 4;
 const ALIVE_RETRY_MS = 60_000;
 /** The shortest keepalive interval an agent takes (a shorter one is read as this). */
 const EXEC_KEEPALIVE_MIN_MS = 50;
+
+/**
+ * The keepalive interval an exec's lease runs on, in ms (0: no lease): the request's, at least
+ * EXEC_KEEPALIVE_MIN_MS, and at most what a timer can wait for EXEC_KEEPALIVE_MISSES of them
+ * (Node fires a longer setTimeout after 1 ms, which re-armed the lease check every millisecond).
+ */
+export function execKeepaliveMs(keepalive: Duration | undefined): number {
+  if (!keepalive) return 0;
+  const ms = durationMs(keepalive);
+  if (!(ms > 0)) return 0;
+  return Math.min(Math.floor(MAX_TIMER_MS / EXEC_KEEPALIVE_MISSES), Math.max(EXEC_KEEPALIVE_MIN_MS, ms));
+}
 
 async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise<void> {
   const until = Date.now() + timeoutMs;
@@ -235,7 +249,7 @@ export class NatsAgentBus implements AgentBus {
         const ac = new AbortController();
         const session = { ac, heard: performance.now() };
         running.set(reply, session);
-        const keepaliveMs = req.keepalive ? Math.max(EXEC_KEEPALIVE_MIN_MS, durationMs(req.keepalive)) : 0;
+        const keepaliveMs = execKeepaliveMs(req.keepalive);
         let lease: ReturnType<typeof setTimeout> | undefined;
         const checkLease = (): void => {
           if (aliveRefused) return;
