@@ -9,6 +9,8 @@ import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { NotLeaderError } from './errors.ts';
 import type { HostResultMsg } from './messages.ts';
+import { HostResultSchema } from './messages.ts';
+import { create, toBinary } from '@bufbuild/protobuf';
 import type { HostRec, OperationRec } from './records.ts';
 import type { Versioned } from './ports.ts';
 import { sandboxRecord } from '../testkit/records.ts';
@@ -100,7 +102,7 @@ describe('Executor terms', () => {
     });
     await ex.start();
     try {
-      const r = { opId: 'op-1', stepId: 's1' } as HostResultMsg;
+      const r = create(HostResultSchema, { opId: 'op-1', stepId: 's1' });
       let acks = 0;
       leading = false;
       expect(() => onResult!(r, () => acks++, 'h1')).toThrow(NotLeaderError);
@@ -111,6 +113,26 @@ describe('Executor terms', () => {
     } finally {
       await ex.stop();
     }
+  });
+
+  it('resultsNobodyWaitsFor_areKeptAsCopiesOfTheirOwn_andNoMoreThan64MiBOfThem', async () => {
+    const ex = executorOf(stub({}));
+    // 1 MiB manifests, each a view into a larger received buffer (as a batch's items are).
+    const big = (i: number): HostResultMsg => {
+      const received = new Uint8Array(2 << 20);
+      return create(HostResultSchema, { opId: `op-${i}`, stepId: 's', manifest: { manifest: received.subarray(0, 1 << 20), signature: new Uint8Array(64), keyId: 'k' } });
+    };
+    const first = big(0);
+    ex.onResult(first, 'h1');
+    for (let i = 1; i < 100; i++) ex.onResult(big(i), 'h1');
+    const held = ex as unknown as { early: Map<string, { result: HostResultMsg }>; earlyBytes: number };
+    expect(held.earlyBytes).toBeLessThanOrEqual(64 << 20);
+    expect(held.early.size).toBeLessThan(100);
+    // The newest are the ones kept, and none holds on to the buffer it was received in.
+    const newest = [...held.early.values()].at(-1)!.result;
+    expect(newest.opId).toBe('op-99');
+    expect(newest.manifest!.manifest.buffer.byteLength).toBe(toBinary(HostResultSchema, newest).length);
+    expect(held.early.has('op-0/s')).toBe(false);
   });
 
   it('leaderTerm_ofHostWork_isTheFencesCreateRevisionAndEtcdCluster_noneWithoutAFence_andOlderThanAnyForAFenceWhoseKeyWasGone', () => {

@@ -7,7 +7,7 @@
 // non-terminal operation: committed placements are not redone, sent steps are re-sent
 // (the agent answers a repeat from its journal), and nothing is lost or duplicated.
 import { AsyncLocalStorage } from 'node:async_hooks';
-import { create, fromBinary } from '@bufbuild/protobuf';
+import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { admit, QuotaExceededError } from './quota.ts';
 import type { QuotaOf, UsageSource } from './quota.ts';
 import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
@@ -385,6 +385,10 @@ const NOT_HELD_GRACE_MS = 5000;
 
 /** Deletes the leader's cache remembers (FleetCache.gone). */
 const GONE_RECORDS_MAX = 100_000;
+/** Results kept for a step nobody waits for yet (Executor.early): at most this many... */
+const EARLY_RESULTS_MAX = 10_000;
+/** ...and at most this many bytes of them (a result carries up to a NATS message's 1 MiB). */
+const EARLY_RESULTS_MAX_BYTES = 64 * 1024 * 1024;
 
 /** Writes per group-committed transaction: etcd's default --max-txn-ops is 128 (compares count too, plus the seed compare). */
 const GROUP_COMMIT_MAX_WRITES = 100;
@@ -632,8 +636,13 @@ export class Executor {
    */
   private readonly finishedAt = new Map<string, number>();
   private readonly waiters = new Map<string, Waiter>();
-  /** Results that arrived before anyone waited for them (e.g. right after a failover). */
-  private readonly early = new Map<string, { result: HostResultMsg; fromHost: string }>();
+  /**
+   * Results that arrived before anyone waited for them (e.g. right after a failover), each in a
+   * copy of its own (a received result's bytes are views of its NATS message, which may be a
+   * batch): the latest EARLY_RESULTS_MAX, and no more than EARLY_RESULTS_MAX_BYTES of them.
+   */
+  private readonly early = new Map<string, { result: HostResultMsg; fromHost: string; bytes: number }>();
+  private earlyBytes = 0;
   /** Sends so far of each step sent without waiting for its answer (sendHostWork), by op + step; the oldest 10,000. */
   private readonly hostWorkSends = new Map<string, number>();
   /** Host steps sent and not yet finished, per host: placement counts them at once (fleetViewInput's ownInflight). */
@@ -1230,10 +1239,24 @@ export class Executor {
     if (w) {
       this.waiters.delete(key);
       w.resolve(r);
+    } else if (this.hostWorkSends.has(key)) {
+      // The answer to a clean-up this leader sent without waiting (sendHostWork): nobody reads it.
     } else {
-      this.early.set(key, { result: r, fromHost });
-      if (this.early.size > 10_000) this.early.delete(this.early.keys().next().value as string);
+      const encoded = toBinary(HostResultSchema, r);
+      this.takeEarly(key);
+      this.early.set(key, { result: fromBinary(HostResultSchema, encoded), fromHost, bytes: encoded.length });
+      this.earlyBytes += encoded.length;
+      while (this.early.size > EARLY_RESULTS_MAX || this.earlyBytes > EARLY_RESULTS_MAX_BYTES) this.takeEarly(this.early.keys().next().value as string);
     }
+  }
+
+  /** Removes and returns the early result kept under `key`. */
+  private takeEarly(key: string): { result: HostResultMsg; fromHost: string } | undefined {
+    const e = this.early.get(key);
+    if (!e) return undefined;
+    this.early.delete(key);
+    this.earlyBytes -= e.bytes;
+    return e;
   }
 
   /** Reads the op and runs it in this term (unless it ended); a failed read tries again later (rerunLater). */
@@ -1621,9 +1644,8 @@ export class Executor {
     };
     for (let attempt = 1; attempt <= this.deps.config.stepAttempts; attempt++) {
       this.assertCurrentRunner();
-      const early = this.early.get(key);
+      const early = this.takeEarly(key);
       if (early) {
-        this.early.delete(key);
         if (isDeadlineAnswer(early.result)) {
           // A send's answer at its deadline (below): the step still ran then; this send asks again.
         } else if (early.fromHost === hostId) {
