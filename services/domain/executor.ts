@@ -49,6 +49,28 @@ function replacedAgain(before: Replacements[string] | undefined, by: string, fro
 const VM_CHECK_MS = 2000;
 /** Heartbeats received this soon after a sandbox's last change may not list its VM yet (or two heartbeat intervals, if longer). */
 const VM_CHECK_GRACE_MS = 3000;
+/**
+ * The longest heartbeat interval (Heartbeat.interval) the VM check believes: a host that says
+ * more would switch the check off for its VMs (two intervals are its grace), and one whose
+ * beats come that rarely is lost between them anyway (FF_HOST_LOST_AFTER, 30 s by default).
+ */
+const HEARTBEAT_INTERVAL_MAX_MS = 60_000;
+/**
+ * The longest text of a host's (an after_resume hook's report) that a sandbox's state_reason
+ * carries: tenants read it in the API and in events; the scheduler's log has it whole.
+ */
+const HOST_REASON_MAX_CHARS = 200;
+
+/**
+ * A host's text as a tenant may read it (hostReasonForTenant): controls and line or paragraph
+ * separators (a terminal escape, a forged line) become a space, format characters (bidi
+ * overrides, zero-width characters) go, and it is cut to HOST_REASON_MAX_CHARS characters.
+ */
+function hostReasonForTenant(text: string): string {
+  const clean = text.replace(/[\p{Cc}\p{Zl}\p{Zp}]+/gu, ' ').replace(/\p{Cf}/gu, '').trim();
+  const chars = [...clean];
+  return chars.length <= HOST_REASON_MAX_CHARS ? clean : `${chars.slice(0, HOST_REASON_MAX_CHARS - 1).join('').trimEnd()}\u2026`;
+}
 
 export interface ExecutorConfig {
   liveness: LivenessConfig;
@@ -411,10 +433,31 @@ const CRASHED_RERUN_MS = 30_000;
 const VM_STATE_LATEST_KEEP_RERUNS = 20;
 const VM_STATE_LATEST_PRUNE_AT = 10_000;
 
+/** The most a valid Duration holds (google/protobuf/duration.proto: about 10,000 years). */
+const DURATION_MAX_SECONDS = 315_576_000_000n;
+
+/**
+ * A time a host's answer reports (HostResult.duration, pause, fetch), in ms; undefined when
+ * absent, negative or not a valid Duration (nanos out of range, or of the other sign), which a
+ * host cannot have measured: taken, it was served as an invalid Duration in
+ * OperationStep.host_duration, and a negative fetch time priced the host's link as boundless.
+ */
+function hostReportedMs(d: HostResultMsg['duration']): number | undefined {
+  if (!d || d.seconds < 0n || d.seconds > DURATION_MAX_SECONDS || d.nanos < 0 || d.nanos > 999_999_999) return undefined;
+  return Math.round(durationMs(d));
+}
+
+/** Whether a host's answer reports a time that is there but not one (hostReportedMs). */
+function hasBadTime(r: HostResultMsg): boolean {
+  return [r.duration, r.pause, r.fetch].some((d) => d !== undefined && hostReportedMs(d) === undefined);
+}
+
 /** Adds what a host's answer says of a step's time and bytes to its entry in the op's step log. */
 function addHostReport(st: StepRec, r: HostResultMsg): void {
-  if (r.duration) st.hostMs = Math.round(durationMs(r.duration));
-  if (r.pause) st.pauseMs = Math.round(durationMs(r.pause));
+  const hostMs = hostReportedMs(r.duration);
+  if (hostMs !== undefined) st.hostMs = hostMs;
+  const pauseMs = hostReportedMs(r.pause);
+  if (pauseMs !== undefined) st.pauseMs = pauseMs;
   if (r.bytesFetched > 0n) st.bytesFetched = Number(r.bytesFetched);
   if (r.restoredByMigration) st.migrated = true;
 }
@@ -671,6 +714,8 @@ export class Executor {
   private readonly notHeldSince = new Map<string, number>();
   /** Sandboxes whose VM their host's heartbeat did not list: `<tenant>/<id>` -> that heartbeat (reconcileVms). */
   private readonly vmMissing = new Map<string, { bootId: string; seq: bigint }>();
+  /** What warnOnce has logged, by `<host>/<what>`: one entry per host and kind of odd report. */
+  private readonly warned = new Set<string>();
   /** `host/sandbox` -> when reconcileStrayVms first saw that VM stray (this term). */
   private readonly strays = new Map<string, number>();
   /** Counts start() and stop(): a watch started in an earlier term of leadership is ignored. */
@@ -796,6 +841,21 @@ export class Executor {
     });
   }
 
+  /** Logs `msg` the first time `key` (`<host>/<what>`) comes up in this process, never again. */
+  private warnOnce(key: string, fields: Record<string, unknown>, msg: string): void {
+    if (this.warned.has(key)) return;
+    this.warned.add(key);
+    this.log.warn(fields, msg);
+  }
+
+  /** A host's heartbeat interval as the VM check takes it: 1 s unset, at most HEARTBEAT_INTERVAL_MAX_MS. */
+  private heartbeatIntervalMs(hostId: string, interval: { seconds: bigint } | undefined): number {
+    const ms = Number(interval?.seconds ?? 1n) * 1000;
+    if (ms <= HEARTBEAT_INTERVAL_MAX_MS) return ms;
+    this.warnOnce(`${hostId}/interval`, { hostId, intervalSeconds: String(interval?.seconds) }, `a host says it heartbeats less often than every ${HEARTBEAT_INTERVAL_MAX_MS / 1000} s; its VMs are checked as if it were that (logged once per host)`);
+    return HEARTBEAT_INTERVAL_MAX_MS;
+  }
+
   /**
    * Sandboxes against their hosts' heartbeats, so no VM disappears without a record of it: a
    * running or paused sandbox (no operation at work on it) whose VM its live host reports
@@ -815,7 +875,7 @@ export class Executor {
       if (!watched || !sb.hostId) continue;
       const heard = this.deps.heard.get(sb.hostId);
       if (!heard || livenessOf(heard.heardAt, now, this.deps.config.liveness) !== 'ready') continue;
-      const graceMs = Math.max(VM_CHECK_GRACE_MS, 2 * Number(heard.hb.interval?.seconds ?? 1n) * 1000);
+      const graceMs = Math.max(VM_CHECK_GRACE_MS, 2 * this.heartbeatIntervalMs(sb.hostId, heard.hb.interval));
       if (heard.heardAt < sb.updatedAt + graceMs) continue;
       const vm = this.deps.heard.vm(sb.hostId, sb.id);
       if (vm === null) continue; // its host's last VM list did not decode: nothing to go by
@@ -827,10 +887,13 @@ export class Executor {
       }
       if (alive) continue;
       if (vm) {
-        const reason = `its VM ${vm.state === PbVmState.CRASHED ? 'crashed' : 'stopped'} on host ${sb.hostId}${vm.reason ? `: ${vm.reason}` : ''}`;
+        // The host's own account of the death (QEMU's or its driver's text: host paths, its
+        // internals) is the operator's, logged, not the tenant's, as a host's internal error is
+        // (HostStepError).
+        const reason = `its VM ${vm.state === PbVmState.CRASHED ? 'crashed' : 'stopped'} on host ${sb.hostId}${vm.reason ? " (its host's account of it is in the scheduler's log)" : ''}`;
         // The host still keeps the dead VM's directory, network namespace and record: gone with it.
         // One op per death (the agent answers a repeated op + step from its journal).
-        if (await this.vmGone(sb, reason)) await this.sendHostWork(sb.hostId, `vm-gone-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, stopVm(sb.id), 'could not clean up a dead VM');
+        if (await this.vmGone(sb, reason, vm.reason)) await this.sendHostWork(sb.hostId, `vm-gone-${sb.id}-${sb.updatedAt}`, sb.tenantId, `stop/${sb.id}`, stopVm(sb.id), 'could not clean up a dead VM');
         continue;
       }
       // Gone from one heartbeat: wait for the next one to say the same.
@@ -896,11 +959,14 @@ export class Executor {
     for (const k of this.strays.keys()) if (!seen.has(k)) this.strays.delete(k);
   }
 
-  /** A sandbox whose VM is gone: lost, capacity released; false if an operation took it up meanwhile. */
-  private async vmGone(sb: SandboxRec, reason: string): Promise<boolean> {
+  /**
+   * A sandbox whose VM is gone: lost, capacity released; false if an operation took it up
+   * meanwhile. `hostReason`: what the host said of it (VmStatus.reason), for the log only.
+   */
+  private async vmGone(sb: SandboxRec, reason: string, hostReason = ''): Promise<boolean> {
     if ((await this.vmStateChange(sb, (s) => (s.state === 'running' || s.state === 'paused') && !s.opId, 'lost', reason, -1)) !== true) return false;
     this.vmMissing.delete(`${sb.tenantId}/${sb.id}`);
-    this.log.warn({ sandboxId: sb.id, tenantId: sb.tenantId, hostId: sb.hostId, reason }, 'sandbox lost: its VM is gone');
+    this.log.warn({ sandboxId: sb.id, tenantId: sb.tenantId, hostId: sb.hostId, reason, ...(hostReason ? { hostReason } : {}) }, 'sandbox lost: its VM is gone');
     return true;
   }
 
@@ -1634,10 +1700,11 @@ export class Executor {
       const sentAt = log[stepId]?.sentAt;
       if (sentAt !== undefined) st.sentAt = sentAt;
       if (r) addHostReport(st, r);
+      if (r && hasBadTime(r)) this.warnOnce(`${hostId}/times`, { hostId, opId: op.id, stepId, duration: r.duration, pause: r.pause, fetch: r.fetch }, 'a host reported a negative or invalid step time; such times are ignored (logged once per host)');
       // Over the fetch alone where the host says how long it took (the step's whole time also
       // counts the restore of each of its VMs: the more children, the slower the host's link
       // looked, for 10 minutes).
-      const fetchMs = r?.fetch ? Math.round(durationMs(r.fetch)) : st.hostMs;
+      const fetchMs = hostReportedMs(r?.fetch) ?? st.hostMs;
       if (r && !r.error && st.bytesFetched && fetchMs) this.noteFetchRate(hostId, st.bytesFetched, fetchMs);
       log[stepId] = st;
       this.deps.onStepEnded?.(action, st.status === 'done' ? 'succeeded' : 'failed', st.sentAt !== undefined ? (now - st.sentAt) / 1000 : undefined, st.hostMs !== undefined ? st.hostMs / 1000 : undefined);
@@ -2190,8 +2257,12 @@ export class Executor {
    * The stateReason a restore or resume leaves: the agent's report of a failed
    * after_resume hook (the sandbox runs regardless), else empty.
    */
-  private static hookReport(r: HostResultMsg | undefined, sandboxId: string): string {
-    return r?.vms.find((v) => v.sandboxId === sandboxId)?.reason ?? '';
+  private hookReport(r: HostResultMsg | undefined, sandboxId: string): string {
+    const report = r?.vms.find((v) => v.sandboxId === sandboxId)?.reason ?? '';
+    if (!report) return '';
+    // Whole in the log; in the state reason, as a tenant may read a host's text.
+    this.log.warn({ sandboxId, hostId: r?.hostId, opId: r?.opId, report }, 'after_resume hook failed');
+    return hostReasonForTenant(report);
   }
 
   private async runCreate(op: OperationRec): Promise<void> {
@@ -2597,6 +2668,7 @@ export class Executor {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
       const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id, hooksOf(sb)));
       const now = this.deps.clock.now();
+      const report = op.kind === 'resume' ? this.hookReport(r, sb.id) : '';
       return this.finish(
         op,
         { sandboxIds: [sb.id] },
@@ -2607,7 +2679,7 @@ export class Executor {
           (s) => {
             // A hibernate that took it meanwhile owns it now (its record is re-read on a conflict).
             if ((s.state !== 'running' && s.state !== 'paused') || (s.opId !== '' && s.opId !== op.id)) throw new WrongStateError('sandbox', s.id, s.state, `${op.kind} lost the race to another operation (${s.opId || 'none'})`);
-            this.setState(s, target, now, op.kind === 'resume' ? Executor.hookReport(r, sb.id) : '');
+            this.setState(s, target, now, report);
           },
           sbv,
         ),
@@ -2867,7 +2939,7 @@ export class Executor {
       return;
     }
     if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld) await this.addHolder(sb.tenantId, snapshotId, hostId);
-    await this.finishRunning(op, sb, Executor.hookReport(woke, sb.id), hostId);
+    await this.finishRunning(op, sb, this.hookReport(woke, sb.id), hostId);
   }
 
   /** Now plus the longest a host step may take with all its attempts: how long to wait for another operation's steps. */
@@ -3383,7 +3455,7 @@ export class Executor {
         const skipped = mine.filter((c) => !listed.has(c.rec.id));
         if (skipped.length > 0) notStarted.push({ hostId, children: skipped, error: new HostStepError(hostId, stepId, 'failed_precondition', `host ${hostId} did not start ${skipped.map((c) => c.rec.id).join(', ')} (it had been told to give ${skipped.length === 1 ? 'it' : 'them'} up)`, false), stepFailed: true });
         // Counted as started only if recorded running (not a child destroyed while it restored).
-        onRunning(started.length > 0 ? await this.markRunning(started.map((c) => ({ ...c, rec: { ...c.rec, stateReason: Executor.hookReport(restored, c.rec.id) } }))) : []);
+        onRunning(started.length > 0 ? await this.markRunning(started.map((c) => ({ ...c, rec: { ...c.rec, stateReason: this.hookReport(restored, c.rec.id) } }))) : []);
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld) await this.addHolder(op.tenantId, snapshotId, hostId);
         return true;
       })();
