@@ -58,8 +58,11 @@ export interface CreateInput {
   image: string;
   snapshotId: string;
   resources: ResourcesRec;
-  /** Which of `resources` the caller set (the rest are defaults): a restore takes its snapshot's VM size. */
-  resourcesSet?: { vcpus: boolean; memoryMib: boolean };
+  /**
+   * Which of `resources` the caller set (the rest are defaults): a restore takes its snapshot's
+   * VM size and, unless set, its sandbox's disk. `diskMib` absent: not set.
+   */
+  resourcesSet?: { vcpus: boolean; memoryMib: boolean; diskMib?: boolean };
   labels: Record<string, string>;
   ttlMs: number | null;
   idleTimeoutMs: number | null;
@@ -146,14 +149,23 @@ export function runningMs(sb: SandboxRec, now: number): number {
 /**
  * A restore's size: the snapshot's VM has its memory and vCPUs already, so they are what is
  * booked (and counted against quotas). A size the caller set that differs is refused, naming
- * the field; the writable disk stays the caller's.
+ * the field. The writable disk is the snapshot's sandbox's (`inheritedDiskMib`, as a fork
+ * child's is), or more when the caller asks: the restored overlay sits on the snapshot's disk,
+ * which cannot shrink, so less is refused. (Disk is a booking only: the agent sizes no overlay
+ * by it, so a larger one reserves more of the host's disk for what the guest writes, as on a
+ * create from an image.) Unknown (a snapshot recorded before `inherits`, its sandbox's record
+ * gone), the caller's disk is taken.
  */
-function restoredResources(sn: SnapshotRec, asked: ResourcesRec, set: CreateInput['resourcesSet']): ResourcesRec {
+function restoredResources(sn: SnapshotRec, asked: ResourcesRec, set: CreateInput['resourcesSet'], inheritedDiskMib: number | undefined): ResourcesRec {
   const vm = sn.vmConfig;
-  if (!vm) return asked;
-  if (set?.memoryMib && asked.memoryMib !== vm.memoryMib) throw new InvalidArgumentError('resources.memory_mib', `a restore of ${sn.id} has its VM's ${vm.memoryMib} MiB; leave it unset or ask for that`);
-  if (set?.vcpus && asked.vcpus !== vm.vcpus) throw new InvalidArgumentError('resources.vcpus', `a restore of ${sn.id} has its VM's ${vm.vcpus} vCPUs; leave it unset or ask for that`);
-  return { ...asked, memoryMib: vm.memoryMib, vcpus: vm.vcpus };
+  if (vm && set?.memoryMib && asked.memoryMib !== vm.memoryMib) throw new InvalidArgumentError('resources.memory_mib', `a restore of ${sn.id} has its VM's ${vm.memoryMib} MiB; leave it unset or ask for that`);
+  if (vm && set?.vcpus && asked.vcpus !== vm.vcpus) throw new InvalidArgumentError('resources.vcpus', `a restore of ${sn.id} has its VM's ${vm.vcpus} vCPUs; leave it unset or ask for that`);
+  let diskMib = asked.diskMib;
+  if (inheritedDiskMib !== undefined) {
+    if (!set?.diskMib) diskMib = inheritedDiskMib;
+    else if (asked.diskMib < inheritedDiskMib) throw new InvalidArgumentError('resources.disk_mib', `a restore of ${sn.id} has its sandbox's ${inheritedDiskMib} MiB of disk, which cannot shrink under the snapshot; leave it unset or ask for ${inheritedDiskMib} MiB or more`);
+  }
+  return vm ? { ...asked, memoryMib: vm.memoryMib, vcpus: vm.vcpus, diskMib } : { ...asked, diskMib };
 }
 
 /**
@@ -357,7 +369,10 @@ export class Fleet {
     const sn = input.snapshotId ? await this.getSnapshot(input.tenantId, input.snapshotId) : undefined;
     // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
     if (sn && sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be restored', 'snapshot_id');
-    const resources = sn ? restoredResources(sn, input.resources, input.resourcesSet) : input.resources;
+    // The disk of the sandbox the snapshot was taken of, as a fork child inherits it (runFork):
+    // copied into the snapshot's record, else from that sandbox's record if it is still there.
+    const inheritedDiskMib = sn ? (sn.inherits?.resources.diskMib ?? (sn.sourceSandboxId ? (await this.deps.store.getSandbox(input.tenantId, sn.sourceSandboxId))?.value.resources.diskMib : undefined)) : undefined;
+    const resources = sn ? restoredResources(sn, input.resources, input.resourcesSet, inheritedDiskMib) : input.resources;
     return this.inAdmissionOrder(input.tenantId, async () => {
       const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['create'], digest }, { sandboxes: 1, memoryMib: resources.memoryMib });
       return raced ?? this.submitCreate(input, resources, digest);

@@ -168,10 +168,21 @@ describe('fields a record stores', () => {
   });
 
   it('labels_withControlCharacters_isInvalidArgumentNamingTheLabel', () => {
-    expect(() => labels({ team: 'a\u0000b' })).toThrow(/labels\[team\].*control/);
+    expect(() => labels({ team: 'a\u0000b' })).toThrow(/^labels\["team"\]: .*control/);
     expect(labels({ team: 'rl-ablation ü' })).toEqual({ team: 'rl-ablation ü' });
     // C1 controls (U+009B is a terminal's CSI, as ESC [ is) and the line separators too.
-    for (const v of ['x\u009b31m', 'a\u0085b', 'a\u2028b']) expect(() => labels({ team: v })).toThrow(/labels\[team\].*control/);
+    for (const v of ['x\u009b31m', 'a\u0085b', 'a\u2028b']) expect(() => labels({ team: v })).toThrow(/^labels\["team"\]: .*control/);
+  });
+
+  it('labelValues_withBidiControlsZeroWidthOrOtherFormatCharacters_areInvalidArgumentNamingTheLabelAndTheCharacter', () => {
+    // U+202E shows "exe.txt" as "txt.exe"; U+200B makes "prod" a value that only looks like it; and the rest of Cf.
+    const bad = ['\u202Aa', 'a\u202E', '\u2066x', 'x\u2069', 'pr\u200Bod', 'a\u200Fb', '\uFEFFv', 'a\u00ADb', 'a\u2060b', 'a\u{E0001}b'];
+    for (const v of bad) expect(() => labels({ team: v }), JSON.stringify(v)).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'labels["team"]' }));
+    expect(() => labels({ team: 'pr\u200Bod' })).toThrow(/U\+200B at \[2\]/);
+    // On every call that sets labels, and for a selector alike (one helper).
+    expect(() => labels({ team: 'a\u202E' }, 'labels', true)).toThrow(expect.objectContaining({ field: 'labels["team"]' }));
+    // Letters, marks and symbols of any script are fine.
+    for (const v of ['Ünïcødé', '日本語', 'emoji 🚀', 'e\u0301']) expect(labels({ team: v })).toEqual({ team: v });
   });
 
   it('idleTimeout_underASecondButNotZero_isInvalidArgument_notTruncatedToDisabled', () => {
@@ -206,8 +217,35 @@ describe('fields a record stores', () => {
   it('labels_withAKeyOutsidePrintableAscii_nameItEscaped_andTheSchedulersOwnKeysOnlyFilter', () => {
     // JSON's own escapes stay (\n), anything else outside printable ASCII becomes \uXXXX.
     expect(() => labels({ 'é\n': 'x' })).toThrow(expect.objectContaining({ field: 'labels["\\u00e9\\n"]' }));
-    expect(() => labels({ 'forkfleet.io/hibernation': 'sb-x' })).toThrow(/^labels\[forkfleet\.io\/hibernation\]: keys starting forkfleet\.io\/ are the scheduler's own/);
+    expect(() => labels({ 'forkfleet.io/hibernation': 'sb-x' })).toThrow(/^labels\["forkfleet\.io\/hibernation"\]: keys starting forkfleet\.io\/ \(in any case\) are the scheduler's own/);
     expect(labels({ 'forkfleet.io/hibernation': 'sb-x' }, 'labels', true)).toEqual({ 'forkfleet.io/hibernation': 'sb-x' });
+  });
+
+  it('reservedLabelPrefix_inAnyCase_isTheSchedulers', () => {
+    for (const k of ['Forkfleet.io/hibernation', 'FORKFLEET.IO/purpose', 'ForkFleet.Io/x']) {
+      expect(() => labels({ [k]: 'x' }), k).toThrow(expect.objectContaining({ field: `labels[${JSON.stringify(k)}]`, message: expect.stringMatching(/scheduler's own/) }));
+      expect(labels({ [k]: 'x' }, 'labels', true)).toEqual({ [k]: 'x' });
+    }
+    expect(labels({ 'forkfleet.iox/a': 'x', 'my.forkfleet.io/a': 'y' })).toEqual({ 'forkfleet.iox/a': 'x', 'my.forkfleet.io/a': 'y' });
+  });
+
+  it('mapEntries_areNamedOneWay_theKeyQuoted_whetherTheKeyOrTheValueIsBad', () => {
+    // A bad key and a bad value of an entry name it alike.
+    expect(() => labels({ 'a b': 'x' })).toThrow(expect.objectContaining({ field: 'labels["a b"]' }));
+    expect(() => labels({ team: 'v'.repeat(257) })).toThrow(expect.objectContaining({ field: 'labels["team"]' }));
+    expect(() => labels({ team: 'a\u0007' })).toThrow(expect.objectContaining({ field: 'labels["team"]' }));
+    expect(() => labels({ 'forkfleet.io/x': 'y' })).toThrow(expect.objectContaining({ field: 'labels["forkfleet.io/x"]' }));
+    expect(() => env({ '1A': 'x' })).toThrow(expect.objectContaining({ field: 'env["1A"]' }));
+    expect(() => env({ PATH: 'a\0b' })).toThrow(expect.objectContaining({ field: 'env["PATH"]' }));
+  });
+
+  it('labelKey_startingWithPunctuation_isInvalidArgument_andTheErrorSaysKeysStartWithALetterOrDigit', () => {
+    for (const k of ['.a', '_a', '/a', '-a']) expect(() => labels({ [k]: 'x' }), k).toThrow(/label keys are 1-63 characters of a-z, A-Z, 0-9, \. _ \/ -, starting with a letter or digit/);
+    expect(labels({ 'a._/-': 'x', '9z': 'y' })).toEqual({ 'a._/-': 'x', '9z': 'y' });
+  });
+
+  it('execEnvValues_keepFormatAndControlCharacters_theyAreBytesTheGuestGets', () => {
+    expect(env({ PS1: '\u001b[1m$ \u202E', ZW: 'a\u200Bb' })).toEqual({ PS1: '\u001b[1m$ \u202E', ZW: 'a\u200Bb' });
   });
 
   it('labelOrEnvKey_tooLongToNameWhole_isNamedByItsMap_withItsLength_notCutToAnotherKey', () => {
@@ -218,6 +256,19 @@ describe('fields a record stores', () => {
 
   it('allowCidrs_listedTwice_isInvalidArgumentNamingTheSecond', () => {
     expect(() => network({ allowEgress: true, allowCidrs: ['10.0.0.0/8', '192.0.2.0/24', '10.0.0.0/8'] } as never)).toThrow(/network\.allow_cidrs\[2\].*twice/);
+  });
+
+  it('allowCidrs_withHostBitsSet_isInvalidArgumentNamingItAndTheNetworkMeant', () => {
+    const cidrs = (...allowCidrs: string[]) => network({ allowEgress: true, allowCidrs } as never).allowCidrs;
+    // The agent would allow all of 10.0.0.0/8 for 10.1.2.3/8: both were accepted as two entries.
+    expect(() => cidrs('10.0.0.0/8', '10.1.2.3/8')).toThrow(expect.objectContaining({ field: 'network.allow_cidrs[1]', message: 'network.allow_cidrs[1]: 10.1.2.3/8 has host bits set; did you mean 10.0.0.0/8?' }));
+    expect(() => cidrs('203.0.113.7/24')).toThrow(/allow_cidrs\[0\]: 203\.0\.113\.7\/24 has host bits set; did you mean 203\.0\.113\.0\/24\?/);
+    expect(() => cidrs('255.255.255.255/0')).toThrow(/did you mean 0\.0\.0\.0\/0\?/);
+    expect(() => cidrs('192.0.2.129/25')).toThrow(/did you mean 192\.0\.2\.128\/25\?/);
+    // Networks as written, and any address as a /32.
+    expect(cidrs('0.0.0.0/0', '10.0.0.0/8', '192.0.2.128/25', '198.51.100.7/32', '255.255.255.255/32')).toEqual(['0.0.0.0/0', '10.0.0.0/8', '192.0.2.128/25', '198.51.100.7/32', '255.255.255.255/32']);
+    // The same network at another length is another entry.
+    expect(cidrs('10.0.0.0/8', '10.0.0.0/16')).toEqual(['10.0.0.0/8', '10.0.0.0/16']);
   });
 
   it('labels_overTheByteBudget_isInvalidArgument', () => {

@@ -68,25 +68,41 @@ export function jsonBytes(v: unknown): number {
 }
 
 /**
- * The field naming a client-given map key that is not a valid one: `field["key"]`, quoted in
- * printable ASCII (see asciiOnly); a key too long to name whole is named by the map, and the
- * error says its length (a cut-off key would name another key).
+ * The field naming one entry of a client-given map (labels, env), for an error about its key
+ * or its value alike: `field["key"]`, the key quoted as JSON in printable ASCII (see asciiOnly),
+ * so that any key, valid or not, is named one way and unambiguously.
  */
-function badKey(field: string, k: string, why: string): InvalidArgumentError {
-  if (k.length > 64) return new InvalidArgumentError(field, `a key of ${k.length} characters: ${why}`);
-  return new InvalidArgumentError(`${field}[${asciiOnly(JSON.stringify(k))}]`, why);
+function mapEntry(field: string, k: string): string {
+  return `${field}[${asciiOnly(JSON.stringify(k))}]`;
 }
 
 /**
- * Whether `v` has a control character (C0, DEL or C1: U+009B starts a terminal escape as ESC [
- * does) or a line or paragraph separator: label values are text that dashboards and CLIs print.
+ * The error for a client-given map key that is not a valid one, naming it (mapEntry); a key too
+ * long to name whole is named by the map, and the error says its length (a cut-off key would
+ * name another key).
  */
-function hasControl(v: string): boolean {
-  for (let i = 0; i < v.length; i++) {
-    const ch = v.charCodeAt(i);
-    if (ch < 0x20 || (ch >= 0x7f && ch <= 0x9f) || ch === 0x2028 || ch === 0x2029) return true;
-  }
-  return false;
+function badKey(field: string, k: string, why: string): InvalidArgumentError {
+  if (k.length > 64) return new InvalidArgumentError(field, `a key of ${k.length} characters: ${why}`);
+  return new InvalidArgumentError(mapEntry(field, k), why);
+}
+
+/**
+ * Characters text that people read must not have: controls (C0, DEL and C1: U+009B starts a
+ * terminal escape as ESC [ does), line and paragraph separators, and format characters
+ * (Unicode category Cf: bidi overrides and isolates U+202A-U+202E and U+2066-U+2069, which
+ * make a dashboard or CLI show the text reordered; zero-width characters U+200B-U+200F and
+ * U+FEFF, which make two values that look alike differ; soft hyphens and the like).
+ */
+const NOT_SHOWN_AS_IS = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]/u;
+
+/**
+ * Where `v` has a character of NOT_SHOWN_AS_IS, said as "U+XXXX at [i]" (i counts UTF-16 code
+ * units, as JavaScript does), or undefined. Label values are text that dashboards and CLIs print.
+ */
+function controlIn(v: string): string | undefined {
+  const m = NOT_SHOWN_AS_IS.exec(v);
+  if (!m) return undefined;
+  return `U+${m[0].codePointAt(0)!.toString(16).toUpperCase().padStart(4, '0')} at [${m.index}]`;
 }
 
 const KEY_RE = /^[\x21-\x7e]{1,128}$/;
@@ -224,10 +240,12 @@ export function labels(m: Record<string, string>, field = 'labels', filter = fal
   const entries = Object.entries(m);
   if (entries.length > LIMITS.maxLabels) throw new InvalidArgumentError(field, `at most ${LIMITS.maxLabels} labels`);
   for (const [k, v] of entries) {
-    if (!LABEL_KEY_RE.test(k)) throw badKey(field, k, 'label keys are 1-63 characters of a-z, A-Z, 0-9, . _ / -');
-    if (!filter && k.startsWith(RESERVED_LABEL_PREFIX)) throw new InvalidArgumentError(`${field}[${k}]`, `keys starting ${RESERVED_LABEL_PREFIX} are the scheduler's own`);
-    if (Buffer.byteLength(v) > 256) throw new InvalidArgumentError(`${field}[${k}]`, 'label values are at most 256 bytes');
-    if (hasControl(v)) throw new InvalidArgumentError(`${field}[${k}]`, 'label values must not contain control characters');
+    if (!LABEL_KEY_RE.test(k)) throw badKey(field, k, 'label keys are 1-63 characters of a-z, A-Z, 0-9, . _ / -, starting with a letter or digit');
+    // In any case: Forkfleet.io/hibernation is no key of a user's either (it reads as the scheduler's).
+    if (!filter && k.toLowerCase().startsWith(RESERVED_LABEL_PREFIX)) throw new InvalidArgumentError(mapEntry(field, k), `keys starting ${RESERVED_LABEL_PREFIX} (in any case) are the scheduler's own`);
+    if (Buffer.byteLength(v) > 256) throw new InvalidArgumentError(mapEntry(field, k), 'label values are at most 256 bytes');
+    const bad = controlIn(v);
+    if (bad) throw new InvalidArgumentError(mapEntry(field, k), `label values must not contain control, format (bidi, zero-width) or separator characters: ${bad}`);
   }
   const bytes = jsonBytes(m);
   if (bytes > LIMITS.maxLabelBytes) throw new InvalidArgumentError(field, `at most ${LIMITS.maxLabelBytes} bytes of keys and values together (as JSON), got ${bytes}`);
@@ -283,9 +301,21 @@ const IPV4_CIDR = /^(25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(\.(25[0-5]|2[0-4]\d|1\d\d|
 export function network(n: NetworkPolicy | undefined, field = 'network'): { allowEgress: boolean; allowCidrs: string[] } {
   const cidrs = n?.allowCidrs ?? [];
   if (cidrs.length > LIMITS.maxCidrs) throw new InvalidArgumentError(`${field}.allow_cidrs`, `at most ${LIMITS.maxCidrs} entries`);
+  // A network's address with host bits set is refused, not masked: the agent would allow the
+  // whole network (10.1.2.3/8 is 10.0.0.0/8 to nftables), which its writer may not have meant.
+  // Every entry is then a network in one spelling, and a duplicate is one of the same value.
+  const seen = new Map<string, number>();
   cidrs.forEach((c, i) => {
     if (!IPV4_CIDR.test(c)) throw new InvalidArgumentError(`${field}.allow_cidrs[${i}]`, `must be an IPv4 CIDR such as 203.0.113.0/24, got ${JSON.stringify(c.slice(0, 64))}`);
-    if (cidrs.indexOf(c) !== i) throw new InvalidArgumentError(`${field}.allow_cidrs[${i}]`, `${c} is listed twice (first at [${cidrs.indexOf(c)}])`);
+    const [addr, bits] = c.split('/') as [string, string];
+    const value = addr.split('.').reduce((a, o) => a * 256 + Number(o), 0);
+    const size = 2 ** (32 - Number(bits));
+    const network = value - (value % size);
+    const canonical = `${[24, 16, 8, 0].map((sh) => Math.floor(network / 2 ** sh) % 256).join('.')}/${Number(bits)}`;
+    if (network !== value) throw new InvalidArgumentError(`${field}.allow_cidrs[${i}]`, `${c} has host bits set; did you mean ${canonical}?`);
+    const first = seen.get(canonical);
+    if (first !== undefined) throw new InvalidArgumentError(`${field}.allow_cidrs[${i}]`, `${c} is listed twice (first at [${first}])`);
+    seen.set(canonical, i);
   });
   if (cidrs.length && !n?.allowEgress) throw new InvalidArgumentError(`${field}.allow_cidrs`, 'needs allow_egress: egress is off unless allowed');
   return { allowEgress: n?.allowEgress ?? false, allowCidrs: [...cidrs] };
@@ -348,9 +378,11 @@ export function argv(v: string[], field = 'argv'): string[] {
 export function env(m: Record<string, string>, field = 'env'): Record<string, string> {
   const entries = Object.entries(m);
   if (entries.length > LIMITS.maxEnv) throw new InvalidArgumentError(field, `at most ${LIMITS.maxEnv} variables`);
+  // Values are bytes the guest's command gets, not text shown to people: only NUL, which an
+  // environment entry cannot hold, is refused (as in argv).
   for (const [k, val] of entries) {
     if (!/^[A-Za-z_][A-Za-z0-9_]{0,127}$/.test(k)) throw badKey(field, k, 'names are 1-128 characters of A-Z, a-z, 0-9 and _, not starting with a digit');
-    if (val.includes('\0') || Buffer.byteLength(val) > LIMITS.maxArgBytes) throw new InvalidArgumentError(`${field}[${k}]`, 'value must be at most 4096 bytes without NUL');
+    if (val.includes('\0') || Buffer.byteLength(val) > LIMITS.maxArgBytes) throw new InvalidArgumentError(mapEntry(field, k), 'value must be at most 4096 bytes without NUL');
   }
   return { ...m };
 }

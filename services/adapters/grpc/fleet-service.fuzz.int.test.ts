@@ -251,7 +251,7 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     const big = Object.fromEntries(Array.from({ length: 12 }, (_, i) => [`k${i}`, 'v'.repeat(250)]));
     // Scheduler-owned keys: "__ttl/<sandbox>" is the key of that sandbox's own TTL destroy.
     await refused(() => api.pauseSandbox({ tenantId: t, idempotencyKey: `__ttl/${sb('a')}`, sandboxId: sb('a') }), Status.INVALID_ARGUMENT, 'idempotency_key');
-    await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k1', source: { case: 'image', value: 'tiny' }, labels: { a: 'x\u0007' } }), Status.INVALID_ARGUMENT, 'labels[a]');
+    await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k1', source: { case: 'image', value: 'tiny' }, labels: { a: 'x\u0007' } }), Status.INVALID_ARGUMENT, 'labels["a"]');
     // A key outside printable ASCII is named escaped: gRPC metadata carries only printable
     // ASCII, and sending it raw threw inside the server's error path and ended the process.
     await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k1u', source: { case: 'image', value: 'tiny' }, labels: { 'é\u007f': 'x' } }), Status.INVALID_ARGUMENT, 'labels["\\u00e9\\u007f"]');
@@ -259,7 +259,7 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
       for await (const _ of api.exec({ tenantId: t, sandboxId: sb('a'), argv: ['true'], env: { Ä: '1' } })) void _;
     }, Status.INVALID_ARGUMENT, 'env["\\u00c4"]');
     // The scheduler's own label keys are not the client's to set (retention acts on them).
-    await refused(() => api.snapshotSandbox({ tenantId: t, idempotencyKey: 'k1r', sandboxId: sb('a'), labels: { 'forkfleet.io/hibernation': sb('a') } }), Status.INVALID_ARGUMENT, 'labels[forkfleet.io/hibernation]');
+    await refused(() => api.snapshotSandbox({ tenantId: t, idempotencyKey: 'k1r', sandboxId: sb('a'), labels: { 'forkfleet.io/hibernation': sb('a') } }), Status.INVALID_ARGUMENT, 'labels["forkfleet.io/hibernation"]');
     // A snapshot still being written cannot be restored (as it cannot be forked).
     await refused(() => api.createSandbox({ tenantId: t, idempotencyKey: 'k2', source: { case: 'snapshotId', value: sn('c') } }), Status.FAILED_PRECONDITION, 'snapshot_id');
     // 256 children with ~3 KiB of labels each do not fit one placement transaction.

@@ -32,6 +32,7 @@ import type {
   WriteFileRequest,
 } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { EventSchema, EventType } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { Spread } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
 import { InvalidArgumentError, ForkfleetError } from '../../../proto/errors.ts';
 import type { Fleet } from '../../domain/fleet.ts';
 import type { Clock, FleetStore } from '../../domain/ports.ts';
@@ -207,6 +208,11 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     if (source === 'image' && p.locality !== 'ANY') throw new InvalidArgumentError('placement.locality', 'means where a snapshot is held; a sandbox booted from an image has none (leave it unset, or set placement.host_id)');
     return p;
   };
+  // A create places one sandbox: spread and max_per_host say how a fork's children share hosts.
+  const createPlacement = (p: CreateSandboxRequest['placement']): void => {
+    if ((p?.spread ?? Spread.UNSPECIFIED) !== Spread.UNSPECIFIED) throw new InvalidArgumentError('placement.spread', 'only for a fork (how its children share hosts); a create places one sandbox: leave it unset');
+    if ((p?.maxPerHost ?? 0) !== 0) throw new InvalidArgumentError('placement.max_per_host', 'only for a fork (how many of its children one host may take); a create places one sandbox: leave it unset');
+  };
   const placementFor = (p: Parameters<typeof c.placement>[0], ctx: CallContext): ReturnType<typeof c.placement> => {
     const out = c.placement(p);
     if (out.hostId && !principal(ctx).admin) throw new PermissionDeniedError('placement.host_id needs an admin credential', 'placement.host_id');
@@ -218,6 +224,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const key = c.idemKey(req.idempotencyKey);
       if (req.source.case === undefined) throw new InvalidArgumentError('source', 'set image or snapshot_id');
       const lc = c.lifecycle(req.lifecycle);
+      createPlacement(req.placement);
       return op(
         await fleet.createSandbox({
           tenantId,
@@ -225,7 +232,8 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           image: req.source.case === 'image' ? c.image(req.source.value) : '',
           snapshotId: req.source.case === 'snapshotId' ? c.id('sn', req.source.value, 'snapshot_id') : '',
           resources: c.resources(req.resources),
-          resourcesSet: { vcpus: (req.resources?.vcpus ?? 0) !== 0, memoryMib: (req.resources?.memoryMib ?? 0n) !== 0n },
+          // diskMib only when set: the request digest of a create without it stays as it was.
+          resourcesSet: { vcpus: (req.resources?.vcpus ?? 0) !== 0, memoryMib: (req.resources?.memoryMib ?? 0n) !== 0n, ...((req.resources?.diskMib ?? 0n) !== 0n ? { diskMib: true } : {}) },
           labels: c.labels(req.labels),
           ttlMs: lc.ttlMs,
           idleTimeoutMs: lc.idleTimeoutMs,

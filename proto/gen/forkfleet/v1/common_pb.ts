@@ -37,7 +37,9 @@ export type Resources = Message<"forkfleet.v1.Resources"> & {
   /**
    * Host disk reserved for the sandbox's writable overlay, in MiB: placement books it on the
    * host. The guest's file systems keep the image's size; the overlay holds what the guest
-   * writes. More than any host has in all fails the create, not retryable.
+   * writes. More than any host has in all fails the create, not retryable. A fork child has
+   * the disk of the sandbox its snapshot was taken of; a restore has that unless it asks for
+   * more (booked only: the guest's file systems do not grow with it); less is INVALID_ARGUMENT.
    *
    * @generated from field: uint64 disk_mib = 3;
    */
@@ -66,12 +68,15 @@ export type PlacementPreference = Message<"forkfleet.v1.PlacementPreference"> & 
   locality: Locality;
 
   /**
+   * A fork's only (CreateSandbox: leave it unset, else INVALID_ARGUMENT).
+   *
    * @generated from field: forkfleet.v1.Spread spread = 2;
    */
   spread: Spread;
 
   /**
-   * At most this many children per host; 0 means no cap.
+   * At most this many children per host; 0 means no cap. A fork's only (CreateSandbox: leave
+   * it unset, else INVALID_ARGUMENT).
    *
    * @generated from field: uint32 max_per_host = 3;
    */
@@ -107,6 +112,8 @@ export type NetworkPolicy = Message<"forkfleet.v1.NetworkPolicy"> & {
    * CIDRs reachable when egress is allowed; empty means any. Never reachable, whatever this
    * says: the subnets the sandbox's host is on (but for DNS to its resolvers), the networks the
    * operator denies (FF_EGRESS_DENY_CIDRS), loopback, link-local and cloud metadata addresses.
+   * IPv4 networks (a.b.c.d/n), each once: one with host bits set (10.1.2.3/8) is
+   * INVALID_ARGUMENT naming it and the network meant (10.0.0.0/8).
    *
    * @generated from field: repeated string allow_cidrs = 2;
    */

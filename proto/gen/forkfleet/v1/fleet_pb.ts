@@ -36,7 +36,9 @@ export type Sandbox = Message<"forkfleet.v1.Sandbox"> & {
   state: SandboxState;
 
   /**
-   * Why it is in this state (failure reason, "host lost", ...).
+   * Why it is in this state (failure reason, "host lost", ...). A failed after_resume hook's
+   * report is cut to 200 characters, without control or format characters; a host's own text
+   * on why a VM died is in the scheduler's log, not here.
    *
    * @generated from field: string state_reason = 4;
    */
@@ -160,7 +162,10 @@ export type CreateSandboxRequest = Message<"forkfleet.v1.CreateSandboxRequest"> 
 
   /**
    * A restore (snapshot_id) has its snapshot's memory and vCPUs: leave them unset (or ask for
-   * exactly those; another value is INVALID_ARGUMENT). Unset for an image: 1 vCPU, 256 MiB.
+   * exactly those; another value is INVALID_ARGUMENT). Its disk_mib unset is that of the
+   * sandbox the snapshot was taken of (as a fork child's is); less is INVALID_ARGUMENT (the
+   * disk cannot shrink under the snapshot), more is booked (see Resources.disk_mib). Unset for
+   * an image: 1 vCPU, 256 MiB, 1024 MiB of disk.
    *
    * @generated from field: forkfleet.v1.Resources resources = 5;
    */
@@ -182,6 +187,9 @@ export type CreateSandboxRequest = Message<"forkfleet.v1.CreateSandboxRequest"> 
   network?: NetworkPolicy | undefined;
 
   /**
+   * placement.spread and placement.max_per_host are for a fork's children: set on a create,
+   * they are INVALID_ARGUMENT.
+   *
    * @generated from field: forkfleet.v1.PlacementPreference placement = 9;
    */
   placement?: PlacementPreference | undefined;
@@ -2437,9 +2445,14 @@ export const OperationStepStateSchema: GenEnum<OperationStepState> = /*@__PURE__
  *   are not deduplicated: a repeated Exec runs its command again, a repeated WriteFile
  *   writes the same bytes again; their key is optional.
  * - Long-running calls return an Operation at once; GetOperation / WaitOperation follow it.
- * - A bad field is INVALID_ARGUMENT and the message names the field.
- * - Labels: at most 64, keys of 1-63 characters (a-z, A-Z, 0-9, . _ / -), values of at most
- *   256 bytes without control characters, 4 KiB as JSON together. Every child of a fork
+ * - A bad field is INVALID_ARGUMENT and the message names the field; an entry of a map (labels,
+ *   env) is named by its key quoted as JSON, whether its key or its value is bad:
+ *   `labels["team"]`, `env["PATH"]`.
+ * - Labels: at most 64, keys of 1-63 characters (a-z, A-Z, 0-9, . _ / -) starting with a letter
+ *   or digit, values of at most 256 bytes without control, format or separator characters
+ *   (Unicode Cc, Cf, Zl, Zp: C0 and C1 controls, bidi controls, zero-width characters, U+FEFF),
+ *   4 KiB as JSON together. Keys starting forkfleet.io/, in any case, are the scheduler's own:
+ *   they may be selected by, not set. Every child of a fork
  *   carries its labels and hooks, and a fork writes all its children in one transaction
  *   (1 MB of records): with large labels or hooks, fewer children fit (INVALID_ARGUMENT count).
  *
