@@ -70,7 +70,7 @@ import { QmpClient, type QmpEvent } from '../qmp/client.ts';
 import { fingerprint, qemuArgs, SERIAL_CHARDEV, SERIAL_RING_BYTES, type QemuLaunch } from './cmdline.ts';
 import { RamPool, ramDirFor, ramFileOf } from './ram-pool.ts';
 import { inNewNetns } from '../netns/netns.ts';
-import { fsyncAll, writeFileDurable } from '../durable.ts';
+import { FsyncOpenError, fsyncAll, writeFileDurable } from '../durable.ts';
 import { EgressManager, type EgressOptions } from '../netns/egress.ts';
 import { DEFAULT_STANDBY_POLICY, StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
 import { recordedDiskSha256 } from '../../../deploy/images/meta.ts';
@@ -756,6 +756,8 @@ export class QemuVmmDriver implements VmmDriver {
         if ((e as NodeJS.ErrnoException).code === 'EEXIST') return this.openSnapshot(dir);
         throw e;
       }
+      // A new directory: a failed seal of one removed from here before is not this one's.
+      sealFailed.delete(dir);
       this.setState(rec, 'snapshotting');
       // All the manifest says but the pause is known before the snapshot starts (a template
       // snapshot records it in vm.json, for recover()).
@@ -808,13 +810,16 @@ export class QemuVmmDriver implements VmmDriver {
         }
         // A template VM that switched onto the snapshot runs from its files, which are
         // complete: sealed (the step still fails; a retry gets the snapshot). If even that
-        // fails, `switching` stays in vm.json for the next snapshot or recover().
+        // fails, `switching` stays in vm.json for the next snapshot or recover(). Not when the
+        // seal's fsync failed: that snapshot is never sealed (sealSnapshot refuses it, and so
+        // does every later try: the next snapshot of this VM, recover()).
         await this.sealSwitched(rec).catch((c: unknown) => rec.log.error({ snapshotId, err: String(c) }, 'sealing the switched snapshot failed'));
         // A replacement whose guest agent was not connected yet, or a source whose channel was
         // closed for a guest agent that did not let go of it: its socket, for later calls.
         if (!rec.agent && !rec.qmp.closed) rec.agent = await this.openAgent(join(rec.info.workdir, `qga.${rec.gen}.sock`)).catch(() => undefined);
         // Complete but not sealed: kept as such (vm.json), so the next snapshot of this VM, a
-        // retry of this one first, seals it, and a destroy removes it.
+        // retry of this one first, seals it, and a destroy removes it. One whose seal's fsync
+        // failed is refused there (never sealed), so the VM's next snapshot fails, naming it.
         if (sealing && rec.dependsOn.includes(snapshotId)) rec.unsealed = sealing;
         // vm.json was rewritten for a template snapshot: it says what is true now.
         if (draft.method === 'shared-file' || rec.unsealed) await this.persist(rec).catch(() => undefined);
@@ -2074,6 +2079,14 @@ export class QemuVmmDriver implements VmmDriver {
       // state's last writes may never have reached the disk. Reaped, the directory swept.
       return undefined;
     }
+    if (await sealFailedAt(dir)) {
+      // The previous agent's seal fsync failed: never sealed (a second fsync returns 0). The VM
+      // runs from it and is adopted with `switching` left, so that its next snapshot fails
+      // naming it (sealSwitched) and a destroy removes the directory; retried here, the seal
+      // would fail every attempt and the VM be reaped.
+      log.error('agent died in a template snapshot whose seal fsync had failed: snapshot left unsealed for good');
+      return { ...settled(p), switching: sw };
+    }
     await ensureSealed(dir, p.image, sw.manifest);
     log.warn('agent died in a template snapshot after the VM switched onto it: snapshot sealed');
     return settled(p);
@@ -2527,11 +2540,54 @@ async function ensureSealed(dir: string, image: GuestImage, manifest: SnapshotMa
   if (!(await isSealed(dir))) await sealSnapshot(dir, image, manifest);
 }
 
+/**
+ * In a snapshot directory whose files' fsync failed: it is never sealed (ADR 0007, "A failed
+ * fsync is never retried"). Linux reports a writeback error to one fsync only, so a second
+ * seal's fsync returned 0 and wrote manifest.json over a mem.img whose data never reached the
+ * disk (the page cache serves it whole until it is evicted). Not made durable: after an OS
+ * crash no QEMU runs from the directory, and recover() sweeps it (it has no manifest).
+ */
+const SEAL_FAILED = 'seal-failed';
+/** Directories whose seal's fsync failed in this process (should writing SEAL_FAILED have failed too). */
+const sealFailed = new Set<string>();
+
+/**
+ * Whether a seal of `dir` failed for good (its files' fsync failed). Such a directory stays
+ * while its VM runs from it (its memory file, its disk layer's backing) and goes with the VM
+ * (destroy) or, once no VM needs it, with recover()'s sweep of unsealed directories.
+ */
+async function sealFailedAt(dir: string): Promise<boolean> {
+  return sealFailed.has(dir) || (await stat(join(dir, SEAL_FAILED)).then(() => true, () => false));
+}
+
+function snapshotNotDurable(id: string, cause?: unknown): VmmError {
+  const why = cause === undefined ? '' : ` (${String((cause as Error).message ?? cause)})`;
+  return new VmmError(
+    `snapshot ${id}: the fsync of its files failed${why}: their data may never have reached the disk, so it is never sealed (a second fsync would pass without writing it); the VM that runs from it cannot be snapshotted again (destroy it)`,
+    { cause, retryable: false },
+  );
+}
+
 async function sealSnapshot(dir: string, image: GuestImage, manifest: SnapshotManifest): Promise<void> {
+  if (await sealFailedAt(dir)) throw snapshotNotDurable(manifest.snapshotId);
   await writeJsonAtomic(join(dir, 'image.json'), image);
   const files = ['mem.img', 'state.bin', 'disk.qcow2', 'image.json'].map((f) => join(dir, f));
   for (const f of files) await chmod(f, 0o444);
-  await fsyncAll(files);
+  try {
+    await fsyncAll(files);
+  } catch (e) {
+    // Opening a file for its fsync failed (EMFILE): nothing was written back, a later seal may
+    // fsync them. Any other failure may have lost data: the directory is marked at once (a
+    // kill before the mark would leave recover() a directory it seals).
+    if (e instanceof FsyncOpenError) throw e;
+    sealFailed.add(dir);
+    try {
+      writeFileSync(join(dir, SEAL_FAILED), `${String((e as Error).message ?? e)}\n`);
+    } catch {
+      // Refused in this process all the same (sealFailed); a later process would not know.
+    }
+    throw snapshotNotDurable(manifest.snapshotId, e);
+  }
   await writeFileDurable(join(dir, 'manifest.json'), JSON.stringify(manifest, null, 2), 0o444);
 }
 
