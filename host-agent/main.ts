@@ -2,7 +2,6 @@
 // the NATS bus into an Agent. Configuration: FF_* environment variables (config.ts).
 import { createPublicKey } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import { execFileSync } from 'node:child_process';
 import { mkdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { connect } from 'nats';
@@ -74,8 +73,11 @@ async function main(): Promise<void> {
   const chunks = new FsChunkStore(join(cfg.dataDir, 'chunks'));
   // Chunks a killed agent wrote are in the page cache, not yet on disk, and this process's
   // sync() covers only its own writes: ingest and fetches count such chunks as present (and
-  // store manifests over them). One file-system sync at start makes them durable first.
-  execFileSync('sync', ['-f', join(cfg.dataDir, 'chunks')]);
+  // store manifests over them). One file-system sync at start makes them durable first. When
+  // it fails, the chunk files whose data never reached the disk are found and removed: exiting
+  // instead left them to the next start, whose sync returned 0 (the error is reported once).
+  const startSync = await chunks.syncAtStart();
+  if (startSync.syncFailed || startSync.removed.length > 0) log.error({ syncFailed: startSync.syncFailed, removedChunks: startSync.removed.length }, 'a start-up sync of the chunk store failed: every chunk file was fsynced on its own, and those whose fsync failed were removed (fetched or ingested again)');
   const manifests = new FsManifestStore(join(cfg.dataDir, 'manifests'));
   const materialiser = new Materialiser({ root: join(cfg.dataDir, 'images'), chunks, manifests, trust, roots, log });
   // Flattened disk layers made while ingesting (shipper.portableDisk): removed once ingested,

@@ -5,8 +5,20 @@ import { join } from 'node:path';
 import { DeferredSync, FsyncOpenError, fsyncAll, writeFileDurable } from './durable.ts';
 import { failOnce, openFailsOnce } from './fsync-fault.ts';
 import { passingSystemError } from '../errors.ts';
+import type { Logger } from 'pino';
+import type * as NodeFs from 'node:fs';
 
 vi.mock('node:fs/promises', async (real) => (await import('./fsync-fault.ts')).failingFsync(await real()));
+/** While set, the kernel's boot id cannot be read (a container without /proc). */
+const bootIdUnreadable = vi.hoisted(() => ({ on: false }));
+vi.mock('node:fs', async (importOriginal) => {
+  const real = await importOriginal<typeof NodeFs>();
+  const readFileSync = ((p: unknown, ...a: unknown[]) => {
+    if (bootIdUnreadable.on && p === '/proc/sys/kernel/random/boot_id') throw Object.assign(new Error(`ENOENT: no such file or directory, open '${p}'`), { code: 'ENOENT' });
+    return (real.readFileSync as (...x: unknown[]) => unknown)(p, ...a);
+  }) as typeof real.readFileSync;
+  return { ...real, readFileSync, default: { ...real, readFileSync } };
+});
 
 describe('DeferredSync', () => {
   let root: string;
@@ -104,6 +116,30 @@ describe('DeferredSync', () => {
     const restarted = new DeferredSync(markers, undefined, 'boot-1');
     expect(restarted.recover(dirOf, (id) => discarded.push(id))).toEqual(['a']);
     expect(discarded).toEqual(['a']);
+  });
+
+  it('recover_whenTheBootIdCannotBeRead_discardsWhatEarlierProcessesMarked_andSaysSoOnce', () => {
+    // The fallback was the constant 'unknown': every boot matched the markers left before a
+    // reboot, and images never fsynced before an OS crash were trusted.
+    mkdirSync(markers, { recursive: true });
+    writeFileSync(join(markers, 'old'), 'unknown'); // an earlier version's fallback
+    writeFileSync(join(markers, 'other'), 'unknown-2f1d6c0e-0000-4000-8000-000000000000'); // another process's
+    for (const id of ['old', 'other']) publish(id);
+    bootIdUnreadable.on = true;
+    try {
+      const warn = vi.fn();
+      const log = { warn } as unknown as Logger;
+      const s = new DeferredSync(markers, log);
+      const again = new DeferredSync(markers, log);
+      expect(s.boot).not.toBe('unknown');
+      expect(again.boot).toBe(s.boot); // one value per process: its own markers match
+      expect(warn).toHaveBeenCalledTimes(1);
+      const discarded: string[] = [];
+      expect(s.recover(dirOf, (id) => discarded.push(id)).sort()).toEqual(['old', 'other']);
+      expect(discarded.sort()).toEqual(['old', 'other']);
+    } finally {
+      bootIdUnreadable.on = false;
+    }
   });
 
   it('recover_withNoMarkerDirectory_findsNothing', () => {

@@ -3,6 +3,7 @@
 // before their fsync and made durable in the background (DeferredSync). A rename
 // alone is atomic against a process kill, not against a power loss: without the fsyncs the
 // new name can survive with no data behind it.
+import { randomUUID } from 'node:crypto';
 import { readdirSync, readFileSync, rmSync } from 'node:fs';
 import { mkdir, open, readdir, rename, unlink, writeFile } from 'node:fs/promises';
 import { dirname, join } from 'node:path';
@@ -100,13 +101,34 @@ async function writeFileDurableNow(path: string, data: string | Uint8Array, mode
   await fsyncPath(dirname(path));
 }
 
-/** The kernel's boot id: it changes when the OS restarts (a crash included). */
-function bootId(): string {
+/** This process's stand-in for an unreadable boot id (see bootId). */
+let unknownBoot: string | undefined;
+
+/**
+ * The kernel's boot id: it changes when the OS restarts (a crash included). When it cannot be
+ * read (no /proc), a random value of this process, which no marker of another process
+ * matches: a constant matched every marker left before a reboot, and images never fsynced
+ * before an OS crash were trusted. Markers of earlier processes then always count as another
+ * boot's (their directories are discarded and rebuilt). Logged once per process.
+ */
+function bootId(log?: Logger): string {
+  const path = '/proc/sys/kernel/random/boot_id';
+  let id = '';
+  let err: unknown;
   try {
-    return readFileSync('/proc/sys/kernel/random/boot_id', 'utf8').trim();
-  } catch {
-    return 'unknown';
+    id = readFileSync(path, 'utf8').trim();
+  } catch (e) {
+    err = e;
   }
+  if (id !== '') return id;
+  if (unknownBoot === undefined) {
+    unknownBoot = `unknown-${randomUUID()}`;
+    const why = err === undefined ? 'it is empty' : String((err as Error).message ?? err);
+    const msg = `the boot id (${path}) cannot be read (${why}): directories marked unsynced by an earlier process are discarded at start, as after an OS crash`;
+    if (log) log.warn({ bootId: unknownBoot }, msg);
+    else process.emitWarning(msg);
+  }
+  return unknownBoot;
 }
 
 /**
@@ -127,7 +149,7 @@ export class DeferredSync {
   constructor(
     private readonly markerDir: string,
     private readonly log?: Logger,
-    readonly boot = bootId(),
+    readonly boot = bootId(log),
   ) {}
 
   /** Before `id`'s directory is published. Written in place: a torn marker reads as another boot's. */

@@ -110,7 +110,7 @@ describe('FsChunkStore', () => {
   });
 
   it('readVerified_ofACorruptFileAFetchReplacedMeanwhile_keepsTheVerifiedCopy', async () => {
-    // The read sees the corrupt file; before the store removes it, a fetch renames a verified
+    // The read sees the corrupt file; before the store removes it, a fetch places a verified
     // copy into place (and counts it stored). Only the corrupt bytes may go.
     const good = await encodeChunk(textBytes(CS, 9));
     class Racing extends FsChunkStore {
@@ -205,6 +205,49 @@ describe('FsChunkStore', () => {
     expect(synced).toContain(store.pathOf(c.digest));
     expect((await store.readVerified(c.digest)).equals(textBytes(CS, 20))).toBe(true);
     await store.sync();
+  });
+
+  // Fetch A stored chunk d, synced it and stored its manifest. Fetch B's copy of d was renamed
+  // over it; B's sync then failed (a writeback error of its own batch) and removed every file
+  // of that batch, d included, which A's complete snapshot needs.
+  for (const offload of [false, true]) {
+    it(`sync_whoseFsyncFails_afterASecondCopyOfADurableChunkWasPut${offload ? 'OnAVerifyWorker' : ''}_keepsThatChunk`, async () => {
+      const root = join(dir, `second-copy-${offload}`);
+      const store = new FsChunkStore(root, { offload });
+      const [d, e] = await Promise.all([30, 31].map((i) => encodeChunk(randomBytesSeeded(CS, i + (offload ? 10 : 0)))));
+      await store.put(d!);
+      await store.sync([d!.digest]); // A: durable; its manifest is stored now
+      // B: a copy of d (a received buffer goes to a verify worker) and a chunk of its own.
+      const copy = { ...d!, data: Uint8Array.from(d!.data) };
+      if (offload) markOwned(copy.data);
+      await store.accept(copy);
+      await store.accept(e!);
+      failOnce.add(store.pathOf(e!.digest));
+      await expect(store.sync([d!.digest, e!.digest])).rejects.toThrow(/EIO/);
+      expect(await store.missing([d!.digest, e!.digest])).toEqual([e!.digest]);
+      expect((await store.readVerified(d!.digest)).equals(randomBytesSeeded(CS, 30 + (offload ? 10 : 0)))).toBe(true);
+      expect(readdirSync(join(root, 'tmp'))).toEqual([]);
+    });
+  }
+
+  it('accept_onAWorker_overAChunkFileWithAWholeHeaderAndTornData_replacesIt', async () => {
+    // An OS crash before its sync: the header made it to disk, the data did not. A chunk file
+    // that is there is kept only if it is valid; this one is replaced by the verified copy.
+    const root = join(dir, 'torn-replaced');
+    const store = new FsChunkStore(root);
+    const c = await encodeChunk(randomBytesSeeded(CS, 33));
+    await store.put(c);
+    const file = readFileSync(store.pathOf(c.digest));
+    await overwriteChunkFile(store, c.digest, Buffer.concat([file.subarray(0, 16), Buffer.alloc(file.length - 16)]));
+    const copy = { ...c, data: Uint8Array.from(c.data) };
+    markOwned(copy.data);
+    await store.accept(copy);
+    expect((await store.readVerified(c.digest)).equals(randomBytesSeeded(CS, 33))).toBe(true);
+    expect(readdirSync(join(root, 'tmp'))).toEqual([]);
+    // Made by this process: the next sync fsyncs it.
+    synced.length = 0;
+    await store.sync([c.digest]);
+    expect(synced).toContain(store.pathOf(c.digest));
   });
 
   it('sync_calledWhileAnotherSyncsFsyncFails_failsToo_forItsCallerMayHaveFoundTheChunkPresent', async () => {

@@ -3,18 +3,21 @@
 // Layout under `root`:
 //   chunks/ab/abcdef...      one file per chunk: 16-byte header + stored data
 //   manifests/<id>.manifest  SignedManifest bytes
-//   tmp/                     temp files; renamed into place
+//   tmp/                     temp files; linked (chunks) or renamed (manifests) into place
 //
-// A chunk file is written to tmp/ and renamed into place *without* fsync; `sync()` later
-// makes every chunk written since the last sync durable in one batch (callers sync before
-// they store a manifest, the "complete" marker). A kill -9 of the writer leaves either no
+// A chunk file is written to tmp/ and linked into place *without* fsync, never over a chunk
+// file that is there and valid (see `place`); `sync()` later makes every chunk file this
+// process placed since the last sync durable in one batch (callers sync before they store a
+// manifest, the "complete" marker). A kill -9 of the writer leaves either no
 // file or a complete one (the page cache survives a process crash); an OS crash can leave
 // a torn or empty chunk file, but reads used for restores decode and hash (readVerified),
 // so a damaged file never passes as valid. A chunk file whose fsync failed is removed, never
 // fsynced again (see `lost`). See docs/adr/0007-chunk-format.md.
 import { mkdirSync, readdirSync, statSync, unlinkSync } from 'node:fs';
-import { open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
+import { link, open, readFile, rename, rm, stat, unlink, utimes, writeFile, readdir } from 'node:fs/promises';
 import { basename, dirname, join } from 'node:path';
+import { execFile } from 'node:child_process';
+import { promisify } from 'node:util';
 import { randomBytes } from 'node:crypto';
 import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, ManifestStore, SweepStats } from '../../domain/snapshot-store.ts';
@@ -22,7 +25,7 @@ import { ChunkCorruptError, ChunkLostError, ChunkMissingError, DigestMismatchErr
 import { decodeSignedManifest, encodeSignedManifest } from '../../domain/tickets.ts';
 import { InvalidArgumentError } from '../../../proto/errors.ts';
 import { decodeChunk } from './codec.ts';
-import { acceptOffloaded } from './verify-pool.ts';
+import { acceptOffloaded, type OffloadedFile, type OffloadedResult } from './verify-pool.ts';
 import { allSettledOrThrow, writeSparse } from './sparse.ts';
 import { encodeHeader, HEADER, parseChunkFile } from './chunk-file.ts';
 import { isOwned, markHeadroom, markRecyclable } from './buffers.ts';
@@ -32,6 +35,9 @@ import { FsyncOpenError, fsyncAll, fsyncPath } from '../durable.ts';
 /** Spare bytes before each chunk file read (room for a gRPC message header; see getEncoded). */
 const READ_HEADROOM = 48;
 const HEX64 = /^[0-9a-f]{64}$/;
+/** In the store's root while a failed start-up sync's check of every chunk file is not done (syncAtStart). */
+const START_SYNC_FAILED = 'start-sync-failed';
+const execFileAsync = promisify(execFile);
 
 function checkDigest(d: string): void {
   if (!HEX64.test(d)) throw new InvalidArgumentError('digest', 'must be 64 lowercase hex characters');
@@ -62,8 +68,12 @@ function afterBytes(parts: readonly Uint8Array[], n: number): Uint8Array[] {
   return out;
 }
 
-async function writeFileVia(tmpDir: string, final: string, parts: readonly Uint8Array[], fsync: boolean): Promise<void> {
-  const tmp = tmpPathIn(tmpDir);
+function errnoOf(e: unknown): string | undefined {
+  return (e as NodeJS.ErrnoException).code;
+}
+
+/** Writes `parts` to the new file `tmp` (removed again if that fails). */
+async function writeTemp(tmp: string, parts: readonly Uint8Array[], fsync: boolean): Promise<void> {
   const fh = await open(tmp, 'w');
   try {
     try {
@@ -80,9 +90,20 @@ async function writeFileVia(tmpDir: string, final: string, parts: readonly Uint8
     } finally {
       await fh.close();
     }
-    await rename(tmp, final);
   } catch (e) {
     // Temp files are only cleared when a store opens: retries after ENOSPC would pile them up.
+    await unlink(tmp).catch(() => undefined);
+    throw e;
+  }
+}
+
+/** Writes `final` through a temp file renamed over it (a manifest: a new one replaces the old). */
+async function writeFileVia(tmpDir: string, final: string, parts: readonly Uint8Array[], fsync: boolean): Promise<void> {
+  const tmp = tmpPathIn(tmpDir);
+  await writeTemp(tmp, parts, fsync);
+  try {
+    await rename(tmp, final);
+  } catch (e) {
     await unlink(tmp).catch(() => undefined);
     throw e;
   }
@@ -93,7 +114,7 @@ export type ImagePlaces = ReadonlyArray<{ readonly fd: number; readonly pos: num
 
 export interface FsChunkStoreOptions {
   /**
-   * fsync each chunk before its rename (default false): slow (~5 ms a chunk here). Without
+   * fsync each chunk before it is placed (default false): slow (~5 ms a chunk here). Without
    * it, chunks become durable at the next `sync()`, which callers run before storing a
    * manifest.
    */
@@ -113,15 +134,19 @@ export class FsChunkStore implements ChunkStore {
   private readonly tmpDir: string;
   private readonly fsyncEach: boolean;
   private readonly offload: boolean;
-  /** Chunk files renamed into place since the last `sync()`. */
+  /**
+   * Chunk files this process placed (made) since the last `sync()`: only those. A file that
+   * was there already is never replaced while valid (`place`), so a sync whose fsync fails
+   * removes only files of its own batch, never a durable chunk a stored manifest needs.
+   */
   private unsynced = new Set<string>();
-  /** Chunks a verify worker is storing now: renamed there, counted in `unsynced` once it answers. */
+  /** Chunks a verify worker is storing now: placed there, counted in `unsynced` once it answers. */
   private readonly offloaded = new Set<Promise<unknown>>();
   /** The last `sync()` called (settled either way): the next one runs after it. */
   private syncing: Promise<unknown> = Promise.resolve();
   /**
    * Chunk files removed because their fsync failed, by path: the error, when, and whether a
-   * new file was renamed there since. Linux reports a writeback error to one fsync only: the
+   * new file was placed there since. Linux reports a writeback error to one fsync only: the
    * next fsync of the file returns 0 though its data never reached the disk, and the page
    * cache serves it whole until it is evicted (then the old blocks). So such a file is never
    * fsynced again: removed, it reads as missing and an ingest or fetch writes it anew (a new
@@ -163,10 +188,10 @@ export class FsChunkStore implements ChunkStore {
    * stat(2) of each chunk file, synchronously in batches of 128 (a few ms each) with the
    * event loop free in between: one libuv pool round trip per digest cost 30-500 ms for a
    * 600-chunk snapshot here, on the transfer's critical path. A file too short to hold a
-   * header (an OS crash before its sync) counts as missing and stays until a fetch renames a
-   * verified copy over it: removing it here could remove that copy instead, had a verify
-   * worker renamed it into place since the stat. A longer torn one is found when it is read
-   * (readVerified).
+   * header (an OS crash before its sync) counts as missing and stays until a fetch places a
+   * verified copy there (`place` moves it aside first): removing it here could remove that
+   * copy instead, had a verify worker placed it since the stat. A longer torn one is found
+   * when it is read (readVerified).
    */
   async missing(digests: Iterable<DigestHex>): Promise<DigestHex[]> {
     const uniq = [...new Set(digests)];
@@ -193,8 +218,7 @@ export class FsChunkStore implements ChunkStore {
     if (this.offload && isOwned(chunk.data)) {
       // Verified (decode + SHA-256) before the temp file is written, on a worker; `chunk.data`
       // is detached by this call. See verify-pool.ts.
-      const final = this.pathOf(chunk.digest);
-      const plain = await this.trackOffloaded(acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach }), final);
+      const plain = await this.trackOffloaded(chunk.digest, (tmp, final) => acceptOffloaded({ ...chunk, tmp, final, fsync: this.fsyncEach }));
       return plain as Buffer;
     }
     const plain = await decodeChunk(chunk);
@@ -210,8 +234,7 @@ export class FsChunkStore implements ChunkStore {
   async acceptInto(chunk: EncodedChunk, places: ImagePlaces): Promise<void> {
     checkDigest(chunk.digest);
     if (this.offload && isOwned(chunk.data)) {
-      const final = this.pathOf(chunk.digest);
-      await this.trackOffloaded(acceptOffloaded({ ...chunk, tmp: tmpPathIn(this.tmpDir), final, fsync: this.fsyncEach, places }), final);
+      await this.trackOffloaded(chunk.digest, (tmp, final) => acceptOffloaded({ ...chunk, tmp, final, fsync: this.fsyncEach, places }));
       return;
     }
     const plain = await this.accept(chunk);
@@ -220,17 +243,87 @@ export class FsChunkStore implements ChunkStore {
   }
 
   private async write(chunk: EncodedChunk): Promise<void> {
-    // No existence check: a rename over an existing chunk replaces it with identical content.
     const final = this.pathOf(chunk.digest);
-    await writeFileVia(this.tmpDir, final, [encodeHeader(chunk), chunk.data], this.fsyncEach);
-    this.renamed(final);
+    const tmp = tmpPathIn(this.tmpDir);
+    await writeTemp(tmp, [encodeHeader(chunk), chunk.data], this.fsyncEach);
+    if (await this.place(tmp, final, chunk.digest)) this.made(final);
   }
 
   /**
-   * A new chunk file renamed to `final` (or maybe: a worker that failed): fsynced by the next
-   * sync(), which finds a lost one there again (sync checks it is there).
+   * Puts the verified chunk file `tmp` at `final` with link(2), which never replaces a file
+   * there, then removes the name `tmp`. rename(2) replaced one: a second copy renamed over a
+   * chunk whose manifest was stored (durable), and whose sync then failed, removed that
+   * chunk (sync removes its batch's files). Only a file there that is not a valid chunk (torn
+   * by an OS crash before its sync) is replaced: moved aside and checked again first, as
+   * quarantine does. True when `tmp` went in (a file this process made, which the next sync
+   * fsyncs); false when a valid chunk file was there: kept (durable, or made by this process
+   * and fsynced by the sync that lists it). `tmp` is removed either way.
+   *
+   * Cost: link + unlink of the temp name is one syscall more than a rename, and both do the
+   * same two directory updates; Node has no renameat2(RENAME_NOREPLACE), and a stat before a
+   * rename costs the same syscall and could still replace a file placed in between.
    */
-  private renamed(final: string): void {
+  private async place(tmp: string, final: string, digest: DigestHex): Promise<boolean> {
+    try {
+      for (;;) {
+        try {
+          await link(tmp, final);
+          return true;
+        } catch (e) {
+          if (errnoOf(e) !== 'EEXIST') throw e;
+        }
+        if (await this.holdsValid(final, digest)) return false;
+        // Then linked again: a valid copy another caller put there since the check is found so.
+        await this.setAside(final, digest);
+      }
+    } finally {
+      await unlink(tmp).catch(() => undefined);
+    }
+  }
+
+  /** Whether `path` holds a whole chunk file whose data decodes to the content of `digest`. */
+  private async holdsValid(path: string, digest: DigestHex): Promise<boolean> {
+    let buf: Buffer;
+    try {
+      buf = await readFile(path);
+    } catch (e) {
+      if (isNotFound(e)) return false;
+      throw e;
+    }
+    const f = parseChunkFile(buf);
+    return f !== undefined && (await decodeChunk({ digest, ...f }).then(() => true, () => false));
+  }
+
+  /**
+   * Removes the chunk file at `path`, found invalid. Not by path: a verified copy may have been
+   * placed there since it was read, and that copy counts as stored. So the file is moved aside
+   * first and checked again there; a copy that verifies is linked back (unless another file
+   * was placed there meanwhile: never over one).
+   */
+  private async setAside(path: string, digest: DigestHex): Promise<void> {
+    const aside = tmpPathIn(this.tmpDir);
+    try {
+      await rename(path, aside);
+    } catch (e) {
+      if (isNotFound(e)) return;
+      throw e;
+    }
+    try {
+      if (await this.holdsValid(aside, digest)) {
+        await link(aside, path).catch((e: unknown) => {
+          if (errnoOf(e) !== 'EEXIST') throw e;
+        });
+      }
+    } finally {
+      await unlink(aside).catch(() => undefined);
+    }
+  }
+
+  /**
+   * A chunk file this process made at `final` (or maybe: a worker that died): fsynced by the
+   * next sync(), which finds a lost one there again (sync checks it is there).
+   */
+  private made(final: string): void {
     this.unsynced.add(final);
     const l = this.lost.get(final);
     if (l) l.rewritten = true;
@@ -239,18 +332,26 @@ export class FsChunkStore implements ChunkStore {
   /**
    * A worker's accept: its file is in place before the worker answers, so until then a
    * concurrent `has()` can find it while `unsynced` does not list it yet; sync() waits for it.
-   * A failure after the rename (an image write, the worker exiting) leaves the file in place,
-   * so it is listed then too; only a digest mismatch is known to write nothing (sync skips a
-   * listed file that is not there).
+   * The worker says where it left the file (verify-pool.ts `OffloadedFile`): linked at `final`
+   * (listed, also when an image write failed after), not written (a digest mismatch), or a
+   * valid temp file left because a file was at `final` already (placed here, as `write` does).
+   * A worker that died may have linked its file: listed (sync skips a listed file that is not
+   * there).
    */
-  private trackOffloaded<T>(p: Promise<T>, final: string): Promise<T> {
-    const tracked = p.then(
-      (r) => {
-        this.renamed(final);
-        return r;
+  private trackOffloaded(digest: DigestHex, start: (tmp: string, final: string) => Promise<OffloadedResult>): Promise<Buffer | undefined> {
+    const tmp = tmpPathIn(this.tmpDir);
+    const final = this.pathOf(digest);
+    const settle = async (file: OffloadedFile | undefined): Promise<void> => {
+      if (file === 'new' || file === undefined) this.made(final);
+      else if (file === 'exists' && (await this.place(tmp, final, digest))) this.made(final);
+    };
+    const tracked = start(tmp, final).then(
+      async (r) => {
+        await settle(r.file);
+        return r.plain;
       },
-      (e: unknown) => {
-        if (!(e instanceof DigestMismatchError)) this.renamed(final);
+      async (e: unknown) => {
+        if (!(e instanceof DigestMismatchError)) await settle((e as { file?: OffloadedFile }).file).catch(() => undefined);
         throw e;
       },
     );
@@ -286,14 +387,16 @@ export class FsChunkStore implements ChunkStore {
           throw e;
         }
         // Which file failed is not known (the directories' fsyncs too): none is trusted. Removed
-        // in this turn, together with the listing; a file renamed in since goes too (listed).
+        // in this turn, together with the listing; a file placed since goes too (listed). Only
+        // files this process made are listed (`place` never replaces a valid chunk file), so
+        // no durable chunk that a stored manifest needs goes with them.
         for (const p of batch) {
           this.lost.set(p, { err: e, rewritten: false });
           try {
             unlinkSync(p);
           } catch {
             // Gone already, or not removable (a read-only file system): listed all the same,
-            // so no sync that needs it passes until a new file is renamed there and fsynced.
+            // so no sync that needs it passes until a new file is placed there and fsynced.
           }
         }
         throw e;
@@ -404,25 +507,61 @@ export class FsChunkStore implements ChunkStore {
     }
   }
 
-  /**
-   * Removes a chunk file that failed verification. Not by path: a fetch may have renamed a
-   * verified copy over it since it was read, and that copy counts as stored. So the file is
-   * moved aside first and checked again there; a copy that verifies goes back (over anything
-   * renamed in since: the same content).
-   */
+  /** Removes a chunk file that failed verification (see setAside: a verified copy placed since stays). */
   private async quarantine(digest: DigestHex): Promise<void> {
-    const path = this.pathOf(digest);
-    const aside = tmpPathIn(this.tmpDir);
+    await this.setAside(this.pathOf(digest), digest);
+  }
+
+  /**
+   * At start, before anything uses the store: makes durable the chunk files a previous process
+   * wrote and never synced (killed: the page cache kept them, its list of them went with it;
+   * this process's sync() covers only its own files, while ingest and fetches count such files
+   * present and store manifests over them). `syncfs` syncs the file system (`sync -f`).
+   *
+   * When that fails, which files lost data is not known, and a later start's sync returns 0
+   * (the file system reports a writeback error once). So a marker is written, then every chunk
+   * file is fsynced on its own: a file keeps its own writeback error apart from the file
+   * system's (Linux, errseq), and reports it to the first fsync of that file even after
+   * syncfs reported it. A file whose fsync fails lost data: removed (read as missing, fetched
+   * or ingested again; a stored manifest naming it is incomplete). The marker goes once every
+   * file was checked, so a start that finds it (the check was cut short) checks again. An
+   * inode evicted since its error took the error with it: its stale content is found only
+   * when read (readVerified).
+   */
+  async syncAtStart(syncfs: () => Promise<unknown> = () => execFileAsync('sync', ['-f', this.root])): Promise<{ syncFailed: boolean; removed: DigestHex[] }> {
+    const marker = join(this.root, START_SYNC_FAILED);
+    let syncFailed = false;
     try {
-      await rename(path, aside);
+      await syncfs();
+      if (!statSync(marker, { throwIfNoEntry: false })) return { syncFailed, removed: [] };
     } catch (e) {
-      if (isNotFound(e)) return;
-      throw e;
+      if (errnoOf(e) === 'ENOENT') throw e; // no `sync` program: nothing was synced or checked
+      syncFailed = true;
+      // Not fsynced: it matters while the page cache lives (after an OS crash the errors are gone).
+      await writeFile(marker, `${String((e as Error).message ?? e)}\n`).catch(() => undefined);
     }
-    const f = parseChunkFile(await readFile(aside));
-    const good = f !== undefined && (await decodeChunk({ digest, ...f }).then(() => true, () => false));
-    if (good) await rename(aside, path);
-    else await unlink(aside);
+    const files: string[] = [];
+    for (const sub of await readdir(this.chunksDir)) for (const n of await readdir(join(this.chunksDir, sub))) if (HEX64.test(n)) files.push(join(this.chunksDir, sub, n));
+    const removed: DigestHex[] = [];
+    let unopened: unknown;
+    let next = 0;
+    const check = async (): Promise<void> => {
+      for (let p = files[next++]; p !== undefined; p = files[next++]) {
+        const path = p;
+        await fsyncPath(path).catch(async (e: unknown) => {
+          if (e instanceof FsyncOpenError) {
+            unopened ??= e; // not checked: the marker stays
+            return;
+          }
+          removed.push(basename(path));
+          await unlink(path).catch(() => undefined);
+        });
+      }
+    };
+    await Promise.all(Array.from({ length: Math.min(16, files.length) }, check));
+    if (unopened !== undefined) throw unopened;
+    await rm(marker, { force: true });
+    return { syncFailed, removed };
   }
 
   async touch(digest: DigestHex): Promise<void> {

@@ -1,8 +1,10 @@
 // Receiving a chunk off the main thread: decode (zstd, or lz4 from older stores), SHA-256,
-// compare, then write the chunk file (temp + rename) on a small pool of worker threads. The
-// agent's event loop then only parses gRPC frames and schedules; the per-chunk CPU (hash,
-// decode, four fs syscalls) runs on the second core. The same workers zstd-compress chunks
-// for ingest (`compressOffloaded`). See docs/adr/0008-peer-chunk-transfer.md (issue 4 targets). With
+// compare, then write the chunk file (temp, then link(2) into place and unlink of the temp
+// name: never over a file there, see FsChunkStore.place) on a small pool of worker threads.
+// The agent's event loop then only parses gRPC frames and schedules; the per-chunk CPU (hash,
+// decode, five fs syscalls: open, write, close, link, unlink) runs on the second core. The
+// same workers zstd-compress chunks for ingest (`compressOffloaded`). See
+// docs/adr/0008-peer-chunk-transfer.md (issue 4 targets). With
 // `places` (FsChunkStore.acceptInto: a fetch that materialises an image) the worker also
 // writes the plain bytes into the image, asynchronously on the libuv pool, and they never
 // come back to the main thread (ADR 0008, "Warm receiver").
@@ -25,6 +27,19 @@ import { DigestMismatchError } from '../../domain/transfer-errors.ts';
 import { PAGE, nonZeroRuns } from './sparse.ts';
 import { DIRECT_ALIGN, encodeHeader, maxStoredSize } from './chunk-file.ts';
 import { ZSTD_BINDING_PATH, ZSTD_LEVEL, zstdDecodeExact } from './zstd.ts';
+
+/**
+ * Where a worker's accept left the chunk file: 'new', linked at `final` (a file of this
+ * process); 'exists', a file was at `final` already, and the verified temp file `tmp` is left
+ * for the caller (FsChunkStore.place: kept if valid, else replaced); 'none', nothing written.
+ */
+export type OffloadedFile = 'new' | 'exists' | 'none';
+
+export interface OffloadedResult {
+  /** The plain bytes; undefined when they were written at `places` instead. */
+  readonly plain: Buffer | undefined;
+  readonly file: Exclude<OffloadedFile, 'none'>;
+}
 
 export interface OffloadedAccept {
   readonly digest: string;
@@ -128,6 +143,8 @@ parentPort.on('message', (m) => {
     }
   }
   let plain;
+  // Where the chunk file went (OffloadedFile).
+  let file = 'new';
   // A decode buffer that stays in this worker (image path): back to the pool when done with.
   let own;
   const answer = (r) => {
@@ -169,25 +186,32 @@ parentPort.on('message', (m) => {
         fs.closeSync(fd);
       }
     }
-    fs.renameSync(m.tmp, m.final);
+    // Never over a file there (a durable chunk another fetch stored): the caller decides.
+    try {
+      fs.linkSync(m.tmp, m.final);
+    } catch (e) {
+      if (!(e && e.code === 'EEXIST')) throw e;
+      file = 'exists';
+    }
+    if (file === 'new') try { fs.unlinkSync(m.tmp); } catch {} // in place; a temp left goes when the store opens
   } catch (e) {
     try { fs.unlinkSync(m.tmp); } catch {}
-    return answer({ id: m.id, error: String(e && e.message || e), code: e && e.code });
+    return answer({ id: m.id, error: String(e && e.message || e), code: e && e.code, file: 'none' });
   }
   if (m.places && m.places.length > 0) {
     // Image writes on the libuv pool; this thread goes on with the next chunk meanwhile.
     // Only the non-zero pages are written: the image is sparse (sparse.ts).
     const runs = nonZeroRuns(plain, ZERO_PAGE, PAGE);
     let left = m.places.length * (runs.length / 2);
-    if (left === 0) return answer({ id: m.id, placed: true });
+    if (left === 0) return answer({ id: m.id, placed: true, file });
     let failed;
     const done = (e, n, len) => {
       if (!failed && (e || n !== len)) failed = e || new Error('short image write: ' + n + ' of ' + len + ' bytes');
       if (--left > 0) return;
       // Every write is done: the kernel has copied the bytes.
       if (own) givePlain(own);
-      if (failed) parentPort.postMessage({ id: m.id, error: 'writing image: ' + String(failed.message || failed), code: failed.code });
-      else parentPort.postMessage({ id: m.id, placed: true });
+      if (failed) parentPort.postMessage({ id: m.id, error: 'writing image: ' + String(failed.message || failed), code: failed.code, file });
+      else parentPort.postMessage({ id: m.id, placed: true, file });
     };
     for (const p of m.places) {
       for (let i = 0; i < runs.length; i += 2) {
@@ -198,7 +222,7 @@ parentPort.on('message', (m) => {
     return;
   }
   const transfer = plain.buffer === m.data.buffer ? [m.data.buffer] : [plain.buffer, m.data.buffer];
-  parentPort.postMessage({ id: m.id, plain }, transfer);
+  parentPort.postMessage({ id: m.id, plain, file }, transfer);
 });
 `;
 
@@ -210,11 +234,12 @@ interface Reply {
   mismatch?: string;
   error?: string;
   code?: string;
+  file?: OffloadedFile;
 }
 
 interface Slot {
   worker: Worker;
-  pending: Map<number, { digest: string; resolve: (b: Buffer | undefined) => void; reject: (e: unknown) => void }>;
+  pending: Map<number, { digest: string; resolve: (r: Reply) => void; reject: (e: unknown) => void }>;
 }
 
 let slots: Slot[] | undefined;
@@ -237,11 +262,10 @@ function spawn(): Slot {
     if (!p) return;
     slot.pending.delete(r.id);
     if (slot.pending.size === 0) worker.unref();
-    if (r.plain) p.resolve(Buffer.from(r.plain.buffer, r.plain.byteOffset, r.plain.byteLength));
-    else if (r.compressed) p.resolve(Buffer.from(r.compressed.buffer, r.compressed.byteOffset, r.compressed.byteLength));
-    else if (r.placed) p.resolve(undefined);
+    if (r.plain || r.compressed || r.placed) p.resolve(r);
     else if (r.mismatch !== undefined) p.reject(new DigestMismatchError(p.digest, r.mismatch));
-    else p.reject(Object.assign(new Error(`${p.digest ? `storing chunk ${p.digest.slice(0, 16)}` : 'chunk worker'}: ${r.error ?? 'unknown error'}`), { code: r.code }));
+    // `file`: where the chunk file was left (OffloadedFile); a worker that died says nothing.
+    else p.reject(Object.assign(new Error(`${p.digest ? `storing chunk ${p.digest.slice(0, 16)}` : 'chunk worker'}: ${r.error ?? 'unknown error'}`), { code: r.code, file: r.file }));
   });
   return slot;
 }
@@ -259,11 +283,12 @@ function pick(): Slot {
 }
 
 /**
- * Verifies `c` and writes its chunk file on a worker thread; resolves with the plain bytes,
- * or with undefined once they are written at `c.places` too (when given).
+ * Verifies `c` and writes its chunk file on a worker thread; resolves with the plain bytes
+ * (undefined once they are written at `c.places` too, when given) and where the chunk file
+ * went (`file`). A failure carries `file` too, unless the worker died.
  * `c.data` must be owned (`isOwned`): it is detached.
  */
-export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer | undefined> {
+export function acceptOffloaded(c: OffloadedAccept): Promise<OffloadedResult> {
   // Longer than any encoding of its size (padded with zstd skippable frames, say): rejected
   // here, as decodeChunk does (codec.ts), before it costs the worker a copy.
   if (c.data.length > maxStoredSize(c.size)) return Promise.reject(new DigestMismatchError(c.digest, `${c.data.length} bytes of data for ${c.size} plain bytes (at most ${maxStoredSize(c.size)})`));
@@ -271,8 +296,9 @@ export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer | undefined>
   if (c.codec !== Codec.NONE && c.codec !== Codec.LZ4 && c.codec !== Codec.ZSTD) return Promise.reject(new DigestMismatchError(c.digest, `unsupported codec ${c.codec}`));
   const slot = pick();
   const id = seq++;
-  return new Promise<Buffer | undefined>((resolve, reject) => {
-    slot.pending.set(id, { digest: c.digest, resolve, reject });
+  return new Promise<OffloadedResult>((resolve, reject) => {
+    const done = (r: Reply): void => resolve({ plain: r.plain && Buffer.from(r.plain.buffer, r.plain.byteOffset, r.plain.byteLength), file: r.file === 'exists' ? 'exists' : 'new' });
+    slot.pending.set(id, { digest: c.digest, resolve: done, reject });
     if (slot.pending.size === 1) slot.worker.ref();
     try {
       // The header is made before `data` is detached (transferred).
@@ -281,7 +307,7 @@ export function acceptOffloaded(c: OffloadedAccept): Promise<Buffer | undefined>
     } catch (e) {
       slot.pending.delete(id);
       if (slot.pending.size === 0) slot.worker.unref();
-      reject(e);
+      reject(Object.assign(e as Error, { file: 'none' }));
     }
   });
 }
@@ -291,7 +317,7 @@ export function compressOffloaded(plain: Uint8Array): Promise<Buffer> {
   const slot = pick();
   const id = seq++;
   return new Promise<Buffer>((resolve, reject) => {
-    slot.pending.set(id, { digest: '', resolve: (b) => resolve(b as Buffer), reject });
+    slot.pending.set(id, { digest: '', resolve: (r) => resolve(Buffer.from(r.compressed!.buffer, r.compressed!.byteOffset, r.compressed!.byteLength)), reject });
     if (slot.pending.size === 1) slot.worker.ref();
     try {
       // Structured clone copies a view's whole ArrayBuffer: a slice of a bigger one goes alone.
