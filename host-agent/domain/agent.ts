@@ -1234,9 +1234,11 @@ export class Agent {
       if (!path) continue;
       const timeoutMs = h.timeout ? Number(h.timeout.seconds) * 1000 + Math.floor(h.timeout.nanos / 1e6) : 30_000;
       try {
-        const r = await this.deps.driver.exec(vmId, { path, args, timeoutMs });
+        // Only the start of stderr is reported: the guest sends no more than that, so a hook that
+        // writes megabytes costs no agent memory, for any number of VMs at once.
+        const r = await this.deps.driver.exec(vmId, { path, args, timeoutMs, maxOutputBytes: HOOK_OUTPUT_BYTES });
         if (r.timedOut) failures.push(`after_resume[${i}] ${path} timed out after ${timeoutMs} ms and was killed`);
-        else if (r.exitCode !== 0) failures.push(`after_resume[${i}] ${path} exited ${r.exitCode}: ${r.stderr.toString('utf8').trim().slice(0, 200)}`);
+        else if (r.exitCode !== 0) failures.push(`after_resume[${i}] ${path} exited ${r.exitCode}: ${r.stderr.subarray(0, HOOK_OUTPUT_BYTES).toString('utf8').trim().slice(0, 200)}`);
       } catch (e) {
         failures.push(`after_resume[${i}] ${path} failed: ${e instanceof Error ? e.message : String(e)}`);
       }
@@ -1269,6 +1271,8 @@ export class Agent {
     const out = (payload: HostExecOutput['payload']): void => emit({ $typeName: 'forkfleet.v1.HostExecOutput', seq: ++seq, payload });
     try {
       const vm = this.callVm(req.sandboxId);
+      // A caller gone already (HostExecCancel before the command got here): it is not started.
+      if (signal?.aborted) throw new ForkfleetError('cancelled', 'the exec was cancelled before its command started; it did not run');
       const timeoutMs = req.timeout ? Number(req.timeout.seconds) * 1000 + Math.floor(req.timeout.nanos / 1e6) : 60_000;
       const [path, ...args] = req.argv;
       // Output is passed on as the guest has it (a long command's while it runs), in pieces
@@ -1282,7 +1286,8 @@ export class Agent {
         this.deps.driver.exec(vm.vmId, {
           path: path!,
           args,
-          env: Object.entries(req.env).map(([k, v]) => `${k}=${v}`),
+          // Added to the guest's environment; none given: the guest's own (PATH, HOME) as it is.
+          ...(Object.keys(req.env).length ? { env: Object.entries(req.env).map(([k, v]) => `${k}=${v}`) } : {}),
           ...(req.cwd ? { cwd: req.cwd } : {}),
           ...(req.stdin.length ? { stdin: Buffer.from(req.stdin) } : {}),
           timeoutMs,
@@ -1343,6 +1348,9 @@ function makesOf(w: HostWork): string[] {
   const work = w.work;
   return (work.case === 'createVm' ? [work.value.vm?.sandboxId ?? ''] : work.case === 'restoreVms' ? work.value.vms.map((v) => v.sandboxId) : []).filter(Boolean);
 }
+
+/** The most of each stream an after_resume hook's exec reads from the guest: its failure report keeps 200 characters of stderr. */
+const HOOK_OUTPUT_BYTES = 4096;
 
 /** Stops by which the scheduler gives up on a start of the same op on this host (Executor). */
 /** The image a create that names none boots, and the one an agent makes sure of when it starts. */

@@ -83,6 +83,7 @@ export interface VmInfo {
 export interface ExecRequest {
   path: string;
   args?: string[];
+  /** NAME=VALUE entries added to the guest's environment (its PATH, HOME stay unless named). */
   env?: string[];
   /**
    * The guest directory to run in; one it cannot enter fails the exec, naming the field `cwd`
@@ -101,6 +102,12 @@ export interface ExecRequest {
   onOutput?: (stream: 'stdout' | 'stderr', data: Buffer) => void;
   /** Aborting kills the program and everything it started, as at its timeout; the result then says `cancelled`. */
   signal?: AbortSignal;
+  /**
+   * The most of each stream read from the guest and returned (or passed to onOutput); past it
+   * the result says outputTruncated. Default and ceiling: 64 MiB. A caller that keeps a line
+   * of a failure (an after_resume hook) spares the guest and the agent the rest.
+   */
+  maxOutputBytes?: number;
 }
 
 export interface FileRange {
@@ -115,7 +122,9 @@ export interface FileWriteOptions {
 }
 
 export interface ExecResult {
+  /** -1 when a signal ended the program (or it never started: `cancelled`). */
   exitCode: number;
+  /** The signal that ended the program (a wrapped program's exit 128+N reads as signal N too: GuestAgentClient.exec). */
   signal: number | null;
   stdout: Buffer;
   stderr: Buffer;

@@ -3,8 +3,9 @@
 import { afterEach, describe, expect, it } from 'vitest';
 import { createServer } from 'node:net';
 import type { Server, Socket } from 'node:net';
-import { mkdtempSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { spawn, spawnSync } from 'node:child_process';
+import { closeSync, mkdtempSync, openSync, readSync, rmSync } from 'node:fs';
+import { constants, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, cwdRefusal, leftStreams, pathError } from './client.ts';
 import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
@@ -14,9 +15,16 @@ interface FakeGuestOptions {
   /** Replaces the answer to guest-ping. */
   onPing?: (sock: Socket) => void;
   /** Answers to other commands (in order, as qemu-ga answers: after `delayMs`, the ones before it first). */
-  answer?: (req: { execute: string; arguments?: Record<string, unknown> }) => { delayMs?: number; reply: unknown } | undefined;
+  answer?: (req: { execute: string; arguments?: Record<string, unknown> }) => { delayMs?: number; reply?: unknown; error?: string } | undefined;
   /** Bytes each new connection's parser holds already (half a request a snapshot replayed). */
   seed?: string;
+  /**
+   * While true, requests (syncs too) are held unanswered, and answered in order once it is
+   * false again: a paused guest's qemu-ga, or a starved one's.
+   */
+  silent?: () => boolean;
+  /** Requests it reads and never answers (a lost one). */
+  drop?: (req: { execute: string; arguments?: Record<string, unknown> }) => boolean;
 }
 
 /**
@@ -38,6 +46,27 @@ async function fakeGuest(o: FakeGuestOptions | ((sock: Socket) => void) = {}): P
     const send = (delayMs: number, line: string | Buffer): void => {
       inOrder = inOrder.then(() => new Promise((r) => setTimeout(r, delayMs))).then(() => void (sock.destroyed || sock.write(line)));
     };
+    const handle = (req: { execute: string; arguments?: Record<string, unknown> }): void => {
+      if (req.execute === 'guest-sync-delimited') send(0, Buffer.concat([Buffer.from([0xff]), Buffer.from(`${JSON.stringify({ return: req.arguments?.id })}\n`)]));
+      else if (req.execute === 'guest-ping' && opts.onPing) opts.onPing(sock);
+      else if (req.execute === 'guest-ping') send(0, '{"return": {}}\n');
+      else {
+        const a = opts.answer?.(req);
+        if (a) send(a.delayMs ?? 0, `${JSON.stringify(a.error !== undefined ? { error: { class: 'GenericError', desc: a.error } } : { return: a.reply })}\n`);
+      }
+    };
+    const held: Array<Parameters<typeof handle>[0]> = [];
+    let waking: ReturnType<typeof setInterval> | undefined;
+    const hold = (req: Parameters<typeof handle>[0]): void => {
+      held.push(req);
+      waking ??= setInterval(() => {
+        if (opts.silent?.() || sock.destroyed) return;
+        clearInterval(waking);
+        waking = undefined;
+        for (const r of held.splice(0)) handle(r);
+      }, 10);
+    };
+    sock.on('close', () => clearInterval(waking));
     sock.on('data', (d) => {
       pending += d.toString('latin1');
       const ff = pending.lastIndexOf('\xff');
@@ -54,13 +83,9 @@ async function fakeGuest(o: FakeGuestOptions | ((sock: Socket) => void) = {}): P
           send(0, '{"error": {"class": "GenericError", "desc": "JSON parse error"}}\n');
           continue;
         }
-        if (req.execute === 'guest-sync-delimited') send(0, Buffer.concat([Buffer.from([0xff]), Buffer.from(`${JSON.stringify({ return: req.arguments?.id })}\n`)]));
-        else if (req.execute === 'guest-ping' && opts.onPing) opts.onPing(sock);
-        else if (req.execute === 'guest-ping') send(0, '{"return": {}}\n');
-        else {
-          const a = opts.answer?.(req);
-          if (a) send(a.delayMs ?? 0, `${JSON.stringify({ return: a.reply })}\n`);
-        }
+        if (opts.drop?.(req)) continue;
+        if (opts.silent?.() || held.length) hold(req);
+        else handle(req);
       }
     });
   });
@@ -306,5 +331,298 @@ describe('leftStreams', () => {
     const fake = Buffer.from('x\nff-exec-ffffffffffffffff out\n');
     expect(leftStreams(fake, zero)).toEqual({ stderr: fake, left: [] });
     expect(leftStreams(Buffer.from('plain\n'), zero)).toEqual({ stderr: Buffer.from('plain\n'), left: [] });
+  });
+});
+
+type GuestRequest = { execute: string; arguments?: Record<string, unknown> };
+
+/**
+ * A qemu-ga 7.2 whose guest is this machine: guest-exec runs the program here (`/bin/sh` as
+ * `shell`: dash, or busybox's), with qemu-ga's environment (this process's) unless the request
+ * gives one, which replaces it as qemu-ga's does; a captured program is reported exited once
+ * it has exited and its pipes have closed, with its exit status or the signal that ended it.
+ * guest-file-* read real files. `log` holds every request; `handed` the most of each stream
+ * one status answer handed over (decoded bytes).
+ */
+async function shellGuest(shell: string[]): Promise<Awaited<ReturnType<typeof fakeGuest>> & { log: GuestRequest[]; handed: () => { stdout: number; stderr: number } }> {
+  const log: GuestRequest[] = [];
+  const runs = new Map<number, { done: boolean; code: number | null; signal: NodeJS.Signals | null; out: Buffer[]; err: Buffer[] }>();
+  const files = new Map<number, { fd: number; pos: number }>();
+  let handles = 1;
+  const handed = { stdout: 0, stderr: 0 };
+  const g = await fakeGuest({
+    answer: (req) => {
+      log.push(req);
+      const a = req.arguments ?? {};
+      if (req.execute === 'guest-exec') {
+        const arg = (a.arg as string[] | undefined) ?? [];
+        const [cmd, ...rest] = a.path === '/bin/sh' ? [...shell, ...arg] : [a.path as string, ...arg];
+        const env = a.env ? Object.fromEntries((a.env as string[]).map((e) => [e.slice(0, e.indexOf('=')), e.slice(e.indexOf('=') + 1)])) : process.env;
+        const capture = a['capture-output'] === true;
+        const input = a['input-data'] as string | undefined;
+        const child = spawn(cmd!, rest, { env, stdio: [input ? 'pipe' : 'ignore', capture ? 'pipe' : 'ignore', capture ? 'pipe' : 'ignore'] });
+        const run = { done: false, code: null as number | null, signal: null as NodeJS.Signals | null, out: [] as Buffer[], err: [] as Buffer[] };
+        child.stdout?.on('data', (d: Buffer) => run.out.push(d));
+        child.stderr?.on('data', (d: Buffer) => run.err.push(d));
+        if (input) child.stdin?.end(Buffer.from(input, 'base64'));
+        child.on('close', (code, signal) => Object.assign(run, { done: true, code, signal }));
+        runs.set(child.pid!, run);
+        return { reply: { pid: child.pid } };
+      }
+      if (req.execute === 'guest-exec-status') {
+        const run = runs.get(a.pid as number);
+        if (!run) return { error: `Invalid parameter 'pid'` };
+        if (!run.done) return { reply: { exited: false } };
+        runs.delete(a.pid as number);
+        const out = Buffer.concat(run.out);
+        const err = Buffer.concat(run.err);
+        handed.stdout = Math.max(handed.stdout, out.length);
+        handed.stderr = Math.max(handed.stderr, err.length);
+        return { reply: { exited: true, ...(run.signal ? { signal: constants.signals[run.signal] } : { exitcode: run.code }), 'out-data': out.toString('base64'), 'err-data': err.toString('base64') } };
+      }
+      if (req.execute === 'guest-file-open') {
+        try {
+          const h = handles++;
+          files.set(h, { fd: openSync(a.path as string, 'r'), pos: 0 });
+          return { reply: h };
+        } catch (e) {
+          return { error: `failed to open file '${String(a.path)}': ${(e as Error).message}` };
+        }
+      }
+      const f = files.get(a.handle as number);
+      if (!f) return req.execute.startsWith('guest-file-') ? { error: 'invalid handle' } : undefined;
+      if (req.execute === 'guest-file-seek') {
+        f.pos = a.offset as number;
+        return { reply: { position: f.pos, eof: false } };
+      }
+      if (req.execute === 'guest-file-read') {
+        const buf = Buffer.alloc(a.count as number);
+        const n = readSync(f.fd, buf, 0, buf.length, f.pos);
+        f.pos += n;
+        return { reply: { count: n, 'buf-b64': buf.subarray(0, n).toString('base64'), eof: n < buf.length } };
+      }
+      if (req.execute === 'guest-file-close') {
+        closeSync(f.fd);
+        files.delete(a.handle as number);
+        return { reply: {} };
+      }
+      return undefined;
+    },
+  });
+  return { ...g, log, handed: () => ({ ...handed }) };
+}
+
+const busybox = spawnSync('busybox', ['sh', '-c', 'exit 0']).status === 0;
+const shells: Array<[string, string[]]> = [['dash (/bin/sh)', ['/bin/sh']], ...(busybox ? [['busybox sh', ['busybox', 'sh']] as [string, string[]]] : [])];
+
+describe.each(shells)('GuestAgentClient.exec, the wrapper under %s', (_name, shell) => {
+  const cleanups: Array<() => Promise<void> | void> = [];
+  afterEach(async () => {
+    for (const c of cleanups.splice(0)) await c();
+  });
+  const connect = async (): Promise<{ c: GuestAgentClient; g: Awaited<ReturnType<typeof shellGuest>> }> => {
+    const g = await shellGuest(shell);
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    return { c, g };
+  };
+
+  it('exec_ofAProgramEndedByASignal_reportsThatSignal_notExit128PlusIt_withoutTheShellsNoteInItsStderr_whileANormalExitKeepsItsStatus', async () => {
+    const { c } = await connect();
+    const term = await c.exec({ path: '/bin/sh', args: ['-c', 'echo out; echo err >&2; kill -TERM $$'] });
+    expect(term).toMatchObject({ exitCode: -1, signal: 15 });
+    expect([term.stdout.toString(), term.stderr.toString()]).toEqual(['out\n', 'err\n']);
+    const three = await c.exec({ path: '/bin/sh', args: ['-c', 'echo err >&2; exit 3'] });
+    expect(three).toMatchObject({ exitCode: 3, signal: null });
+    expect(three.stderr.toString()).toBe('err\n');
+    // Killed at its timeout: signal 9, and only what the program wrote (no "Killed").
+    const slow = await c.exec({ path: '/bin/sh', args: ['-c', 'printf abc >&2; exec sleep 30'], timeoutMs: 300 });
+    expect(slow).toMatchObject({ timedOut: true, exitCode: -1, signal: 9 });
+    expect(slow.stderr.toString()).toBe('abc');
+  });
+
+  it('exec_withoutVariablesOrWithNone_runsInTheGuestsEnvironment_andGivenVariablesAreAddedToIt_withoutBreakingTheWrapper', async () => {
+    const { c } = await connect();
+    const show = ['-c', 'printf "%s|%s|%s" "$HOME" "$FOO" "$PATH"'];
+    const inherited = `${process.env.HOME}||${process.env.PATH}`;
+    expect((await c.exec({ path: '/bin/sh', args: show })).stdout.toString()).toBe(inherited);
+    // What the agent sends for an API exec without env: the guest's own, not an empty one.
+    expect((await c.exec({ path: '/bin/sh', args: show, env: [] })).stdout.toString()).toBe(inherited);
+    expect((await c.exec({ path: '/bin/sh', args: show, env: ['FOO=a b $x'] })).stdout.toString()).toBe(`${process.env.HOME}|a b $x|${process.env.PATH}`);
+    // A PATH of the caller's is the program's; the wrapper still copies its output (wc, cat) out.
+    const own = await c.exec({ path: '/bin/sh', args: show, env: ['PATH=/nowhere'] });
+    expect([own.exitCode, own.stdout.toString(), own.stderr.toString()]).toEqual([0, `${process.env.HOME}||/nowhere`, '']);
+    // Without capture too.
+    const dir = mkdtempSync(join(tmpdir(), 'ff-env-'));
+    cleanups.push(() => rmSync(dir, { recursive: true, force: true }));
+    const r = await c.exec({ path: '/bin/sh', args: ['-c', 'printf "%s|%s" "$HOME" "$FOO" > out; exit 4'], env: ['FOO=1'], cwd: dir, captureOutput: false });
+    expect(r.exitCode).toBe(4);
+    expect(spawnSync('cat', [join(dir, 'out')]).stdout.toString()).toBe(`${process.env.HOME}|1`);
+  });
+
+  it('exec_whoseCallerWantsLittleOutput_isHandedNoMoreThanThatByTheGuest_andSaysTruncated', async () => {
+    const { c, g } = await connect();
+    const r = await c.exec({ path: '/bin/sh', args: ['-c', 'head -c 3000000 /dev/zero | tr "\\000" a; head -c 5000 /dev/zero >&2; exit 1'], maxOutputBytes: 100 } as Parameters<GuestAgentClient['exec']>[0]);
+    expect(r).toMatchObject({ exitCode: 1, outputTruncated: true });
+    expect([r.stdout.toString(), r.stderr.length]).toEqual(['a'.repeat(100), 100]);
+    // The guest copied out no more either (stderr: and the wrapper's line naming what it left).
+    expect(g.handed().stdout).toBe(100);
+    expect(g.handed().stderr).toBeLessThan(200);
+  });
+
+  it('exec_withLiveOutputPastTheCap_passesNoMoreThanTheCapOfEachStream_andSaysTruncated', async () => {
+    const { c, g } = await connect();
+    const passed = { stdout: 0, stderr: 0 };
+    const cap = 3 << 20;
+    // 5 MiB at once, then a wait: read live (1 MiB a read), past the cap.
+    const r = await c.exec({ path: '/bin/sh', args: ['-c', 'head -c 5242880 /dev/zero; head -c 10 /dev/zero >&2; sleep 2'], onOutput: (s, d) => void (passed[s] += d.length), maxOutputBytes: cap } as Parameters<GuestAgentClient['exec']>[0]);
+    expect(r).toMatchObject({ exitCode: 0, outputTruncated: true });
+    expect(passed).toEqual({ stdout: cap, stderr: 10 });
+    // Every read asked for something: none past the cap, none for a negative count.
+    const counts = g.log.filter((q) => q.execute === 'guest-file-read').map((q) => q.arguments?.count as number);
+    expect(counts.length).toBeGreaterThan(0);
+    expect(Math.min(...counts)).toBeGreaterThan(0);
+  });
+});
+
+describe('GuestAgentClient.exec when the guest does not answer, or the caller cancels', () => {
+  const cleanups: Array<() => Promise<void> | void> = [];
+  afterEach(async () => {
+    for (const c of cleanups.splice(0)) await c();
+  });
+  const timing = { startMinMs: 600, pollTimeoutMs: 200, killGraceMs: 300, killAgainMs: 100, endLaterMaxWaitMs: 200 };
+  const until = async (ok: () => boolean, ms = 5000): Promise<void> => {
+    const end = Date.now() + ms;
+    while (!ok()) {
+      if (Date.now() > end) throw new Error('condition not met in time');
+      await new Promise((r) => setTimeout(r, 20));
+    }
+  };
+  /** A guest that runs one program, pid 42, until it is killed (ff-kill), and the kills and other execs it was sent. */
+  const programGuest = async (o: { silent?: () => boolean; drop?: FakeGuestOptions['drop']; found?: string } = {}) => {
+    const kills: string[] = [];
+    const execs: string[][] = [];
+    let killed = false;
+    const g = await fakeGuest({
+      silent: o.silent,
+      drop: o.drop,
+      answer: (req) => {
+        if (req.execute === 'guest-exec') {
+          const arg = (req.arguments?.arg as string[] | undefined) ?? [];
+          execs.push(arg);
+          if (arg[2] === 'ff-kill') {
+            kills.push(arg[3] ?? '');
+            killed = true;
+            return { reply: { pid: 50 } };
+          }
+          if (arg[2] === 'ff-end') return { reply: { pid: 60 } };
+          return { reply: { pid: 42 } };
+        }
+        if (req.execute === 'guest-exec-status') {
+          if (req.arguments?.pid === 60) return { reply: { exited: true, exitcode: 0, 'out-data': Buffer.from(o.found ?? '').toString('base64') } };
+          return { reply: req.arguments?.pid === 42 && !killed ? { exited: false } : { exited: true, signal: 9 } };
+        }
+        return undefined;
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path, 5000, undefined, timing);
+    cleanups.push(() => c.close());
+    await c.sync(1000);
+    return { c, kills, execs };
+  };
+
+  it('exec_whoseStatusPollsGoUnanswered_keepsSupervisingIt_andKillsItAtItsDeadline_beforeAnsweringTimedOut', async () => {
+    let polls = 0;
+    // The second and third polls are never answered (each waits out its timeout).
+    const { c, kills } = await programGuest({ drop: (req) => req.execute === 'guest-exec-status' && req.arguments?.pid === 42 && [2, 3].includes(++polls) });
+    const r = await c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 500 });
+    expect(r).toMatchObject({ timedOut: true, signal: 9 });
+    expect(kills[0]).toBe('42');
+    expect(polls).toBeGreaterThan(3);
+  });
+
+  it('exec_whoseGuestPausesLongerThanAPollWaits_isStillCancelled_andItsProgramKilled_onceTheGuestAnswersAgain', async () => {
+    let silent = false;
+    const { c, kills } = await programGuest({ silent: () => silent });
+    const ac = new AbortController();
+    const run = c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 60_000, signal: ac.signal });
+    await new Promise((r) => setTimeout(r, 50));
+    silent = true; // PauseSandbox: several polls' timeouts
+    await new Promise((r) => setTimeout(r, 700));
+    ac.abort();
+    silent = false;
+    expect(await run).toMatchObject({ cancelled: true, signal: 9 });
+    expect(kills[0]).toBe('42');
+  });
+
+  it('exec_whoseGuestStopsAnswering_rejectsOnlyAfterItsDeadlineAndAKill_sayingSo_andKillsTheProgramOnceTheGuestAnswersAgain', async () => {
+    let silent = false;
+    const { c, kills } = await programGuest({ silent: () => silent });
+    const run = c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 300 });
+    await new Promise((r) => setTimeout(r, 50));
+    silent = true;
+    const started = Date.now();
+    await expect(run).rejects.toThrow(/timed out and killed .*has not answered/);
+    expect(Date.now() - started).toBeGreaterThanOrEqual(250);
+    expect(kills).toEqual([]); // nothing got through
+    silent = false;
+    await until(() => kills.includes('42'));
+  });
+
+  it('exec_cancelledBeforeItsStartIsSent_doesNotStartTheProgram_evenWhenItWaitedForTheChannel', async () => {
+    const g = await fakeGuest({
+      answer: (req) =>
+        req.execute === 'guest-exec' ? { reply: { pid: 42 } } : req.execute === 'guest-exec-status' ? { reply: { exited: true, exitcode: 0 } } : req.execute === 'guest-file-open' ? { delayMs: 300, reply: 1 } : undefined,
+    });
+    cleanups.push(g.close);
+    const execs: string[] = [];
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    await c.sync(1000);
+    // Every start that reaches the guest.
+    g.sockets[0]!.on('data', (d: Buffer) => void (d.includes('"guest-exec"') && execs.push(d.toString())));
+    const gone = new AbortController();
+    gone.abort();
+    expect(await c.exec({ path: '/bin/touch', args: ['/tmp/x'], signal: gone.signal })).toMatchObject({ cancelled: true, exitCode: -1 });
+    // Queued behind a slow command, cancelled while it waits.
+    const slow = c.command('guest-file-open', { path: '/slow', mode: 'r' }, 5000);
+    const ac = new AbortController();
+    const run = c.exec({ path: '/bin/touch', args: ['/tmp/x'], signal: ac.signal });
+    setTimeout(() => ac.abort(), 100);
+    expect(await run).toMatchObject({ cancelled: true, exitCode: -1 });
+    await slow;
+    await c.ping(1000);
+    expect(execs).toEqual([]);
+  });
+
+  it('exec_cancelledWhileTheGuestDoesNotAnswerItsStart_answersCancelledPromptly_andKillsWhatTheStartStartedOnceTheGuestAnswers', async () => {
+    let silent = false;
+    const { c, kills } = await programGuest({ silent: () => silent });
+    silent = true;
+    const ac = new AbortController();
+    const started = Date.now();
+    const run = c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 60_000, signal: ac.signal });
+    setTimeout(() => ac.abort(), 100);
+    expect(await run).toMatchObject({ cancelled: true, exitCode: -1 });
+    expect(Date.now() - started).toBeLessThan(2000);
+    expect(kills).toEqual([]);
+    // The guest runs the start and answers it late: what it started is killed then.
+    silent = false;
+    await until(() => kills.includes('42'));
+  });
+
+  it('exec_whoseStartIsNotAnsweredInTime_rejects_andWhatItStartsOnceTheGuestAnswersIsFoundByItsNonceAndKilled', async () => {
+    let silent = false;
+    const { c, kills, execs } = await programGuest({ silent: () => silent, found: '42\n' });
+    silent = true;
+    await expect(c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 100 })).rejects.toBeInstanceOf(GuestAgentTimeoutError);
+    silent = false;
+    await until(() => kills.includes('42'));
+    // Found by the $0 of the start that was never answered, as a wrapper's (EXEC_END_NAMED).
+    const zero = execs.find((a) => a[1]?.endsWith('# ff-exec-wrapper-end'))?.[2];
+    expect(zero).toMatch(/^ff-exec-/);
+    expect(execs.find((a) => a[2] === 'ff-end')?.[3]).toBe(zero);
   });
 });

@@ -4,7 +4,7 @@
 // fresh id) before first use, after every restore, and after any timeout.
 import { randomBytes, randomInt } from 'node:crypto';
 import type net from 'node:net';
-import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
+import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError, InvalidArgumentError } from '../../errors.ts';
 import type { ExecRequest, ExecResult } from '../../domain/vmm.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { connectUnix } from '../unix-connect.ts';
@@ -21,37 +21,75 @@ export const EXEC_HANDED_BYTES = 1 << 20;
 export const EXEC_MAX_OUTPUT_BYTES = 64 << 20;
 
 /**
- * Enters the directory $1 (unless it is empty), then runs the rest ("$@" after a shift) with
- * stdout and stderr in files, copies them to its own (qemu-ga's pipes) and exits with the
- * program's status (GuestAgent.exec). A directory it cannot enter ends it with status 125 and
- * a last stderr line "$0 cwd-<why>" (missing, notdir or denied), before any file is made, so
- * the host can tell a bad working directory from a program's own exit (cwdRefusal). A file
- * longer than EXEC_HANDED_BYTES is copied only that far and left in place; the wrapper then
- * ends stderr with a line "$0 out err" naming what it left ($0 is `ff-exec-<nonce>`, a nonce of the call,
- * which the host takes off again). Where no file can be made (no writable TMPDIR or /tmp)
- * the program runs directly, as it would without the wrapper. Only the shell's own commands
- * and `rm` run for a program that writes nothing; `wc` and `cat` for each stream it wrote:
- * each process costs ~5-10 ms under TCG.
+ * The wrapper's last line: how EXEC_END_NAMED tells a wrapper (its $0 follows this in its
+ * command line) from any other process that has the call's nonce among its arguments.
+ */
+const WRAPPER_TAIL = '# ff-exec-wrapper-end';
+
+/**
+ * Arguments: $1 the most of each stream to hand qemu-ga (h), $2 the directory to run in
+ * (empty: qemu-ga's), $3 how many of the following arguments are NAME=VALUE variables to
+ * export (added to the environment the guest gives qemu-ga's programs, not replacing it), then
+ * the program and its arguments ("$@" after those). Runs the program with stdout and stderr in
+ * files, copies them to its own (qemu-ga's pipes) and ends as the program did (GuestAgent.exec).
+ * A directory it cannot enter ends it with status 125 and a last stderr line "$0 cwd-<why>"
+ * (missing, notdir or denied), before any file is made, so the host can tell a bad working
+ * directory from a program's own exit (cwdRefusal). A file longer than h is copied only that
+ * far and left in place; the wrapper then ends stderr with a line "$0 out err" naming what it
+ * left ($0 is `ff-exec-<instance>-<nonce>`, a nonce of the call, which the host takes off
+ * again). Where no file can be made (no writable TMPDIR or /tmp) the program runs directly, as
+ * it would without the wrapper. Only the shell's own commands and `rm` run for a program that
+ * writes nothing; `wc` and `cat` for each stream it wrote: each process costs ~5-10 ms under
+ * TCG.
+ *
+ * A program ended by a signal: the shell only says 128+N, so after its clean-up the wrapper
+ * ends itself by the same signal (with core dumps off: the program's own core file stays the
+ * one there), and qemu-ga reports the signal as it does for a program run without the wrapper.
+ * A shell cannot tell that from a program's own `exit 128+N`, which is reported as signal N
+ * too (the stop signals excepted: a shell never waits out a stopped child). What the shell
+ * itself writes while the program runs (bash's "Killed") goes nowhere, not into the
+ * program's stderr.
  */
 const EXEC_WRAPPER = [
-  'c=$1; shift',
+  'h=$1; c=$2; n=$3; shift 3',
+  // The files' directory: the TMPDIR among the variables (the last one), else the shell's.
   // Named before the cd: a relative TMPDIR means what it means to the host's file reads and EXEC_KILL.
-  'f="${TMPDIR:-/tmp}/.ff-exec-$$"',
+  't=${TMPDIR:-/tmp}; i=0; for a; do [ $i -lt "$n" ] || break; case $a in TMPDIR=*) t=${a#TMPDIR=}; t=${t:-/tmp};; esac; i=$((i+1)); done',
+  'f="$t/.ff-exec-$$"',
   'case $f in /*) ;; *) f="$PWD/$f" ;; esac',
   'if [ -n "$c" ] && ! cd "$c" 2>/dev/null; then if [ ! -e "$c" ]; then c=missing; elif [ ! -d "$c" ]; then c=notdir; else c=denied; fi; printf \'\\n%s cwd-%s\\n\' "$0" "$c" >&2; exit 125; fi',
-  'if ! : 2>/dev/null >"$f.out"; then exec "$@"; fi',
-  '"$@" >"$f.out" 2>"$f.err"',
+  // The variables are the program's only (a PATH of the caller's must not hide the wrapper's
+  // wc or cat). `export` is a special builtin: a name the shell refuses would end the shell
+  // (the host checks names first).
+  'if ! : 2>/dev/null >"$f.out"; then while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done; exec "$@"; fi',
+  // The shell notes a child's death by a signal ("Segmentation fault") on its own stderr, and
+  // dash and busybox do so with a simple command's redirections still in place (the
+  // program's stderr file) or a subshell's already undone: its stderr is /dev/null meanwhile,
+  // and the program a subshell that becomes it (fd 3, the saved stderr, closed).
+  'exec 3>&2 2>/dev/null',
+  '( while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done; exec "$@" >"$f.out" 2>"$f.err" 3>&- )',
   'r=$?',
+  'exec 2>&3 3>&-',
   'k=',
-  `if [ -s "$f.out" ]; then if [ "$(wc -c <"$f.out")" -gt ${EXEC_HANDED_BYTES} ]; then k=" out"; head -c ${EXEC_HANDED_BYTES} "$f.out"; else cat "$f.out"; fi; fi`,
-  `if [ -s "$f.err" ]; then if [ "$(wc -c <"$f.err")" -gt ${EXEC_HANDED_BYTES} ]; then k="$k err"; head -c ${EXEC_HANDED_BYTES} "$f.err" >&2; else cat "$f.err" >&2; fi; fi`,
+  'if [ -s "$f.out" ]; then if [ "$(wc -c <"$f.out")" -gt "$h" ]; then k=" out"; head -c "$h" "$f.out"; else cat "$f.out"; fi; fi',
+  'if [ -s "$f.err" ]; then if [ "$(wc -c <"$f.err")" -gt "$h" ]; then k="$k err"; head -c "$h" "$f.err" >&2; else cat "$f.err" >&2; fi; fi',
   'set --',
   'case "$k" in *out*) ;; *) set -- "$f.out";; esac',
   'case "$k" in *err*) ;; *) set -- "$@" "$f.err";; esac',
   '[ $# -eq 0 ] || rm -f "$@"',
   '[ -z "$k" ] || printf \'\\n%s%s\\n\' "$0" "$k" >&2',
+  'if [ "$r" -gt 128 ] && [ "$r" -le 192 ]; then case "$(kill -l "$r" 2>/dev/null)" in STOP|TSTP|TTIN|TTOU|"") ;; *) ulimit -c 0 2>/dev/null; kill -$((r - 128)) $$ 2>/dev/null;; esac; fi',
   'exit $r',
+  WRAPPER_TAIL,
 ].join('\n');
+
+/**
+ * Runs a program without capture, for a call with a directory or variables ($1 the directory,
+ * empty for qemu-ga's; $2 how many NAME=VALUE follow; then the program): the program replaces
+ * the shell, so qemu-ga watches it itself. A directory it cannot enter ends it with the
+ * shell's status (there is no stderr to say why).
+ */
+const EXEC_DIRECT = ['c=$1; n=$2; shift 2', 'while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done', '[ -z "$c" ] || cd "$c" || exit', 'exec "$@"'].join('\n');
 
 /**
  * Sh function `kill_tree P`: kills every process under P (found through /proc with the shell's
@@ -72,11 +110,26 @@ const KILL_TREE = [
 ].join('\n');
 
 /**
- * Kills what the wrapper runs ($1 is the wrapper's pid): its child, the program, and every
- * process under it. The wrapper itself lives on to copy out what the program wrote; a program
- * that runs without one is $1 itself.
+ * Kills what the wrapper runs ($1 is the wrapper's pid, $2 its stdout file): its child, the
+ * program, and every process under it. The wrapper itself lives on to copy out what the
+ * program wrote; a program that runs without one (no file) is $1 itself.
  */
-const EXEC_KILL = [KILL_TREE, 'kill_tree "$1"', '[ -e "${TMPDIR:-/tmp}/.ff-exec-$1.out" ] || kill -KILL "$1" 2>/dev/null', 'exit 0'].join('\n');
+const EXEC_KILL = [KILL_TREE, 'kill_tree "$1"', '[ -e "$2" ] || kill -KILL "$1" 2>/dev/null', 'exit 0'].join('\n');
+
+/**
+ * For a start whose answer never came ($1 is the call's $0, $2 the wrappers' file directory):
+ * finds the wrapper by its $0 (EXEC_WRAPPER's WRAPPER_TAIL precedes it in its command line,
+ * and nothing else's), kills what it runs as EXEC_KILL does, and prints its pid.
+ */
+const EXEC_END_NAMED = [
+  KILL_TREE,
+  'for w in /proc/[0-9]*; do',
+  `  case "$(tr '\\000' ' ' <"$w/cmdline" 2>/dev/null)" in *"${WRAPPER_TAIL} $1 "*) ;; *) continue;; esac`,
+  '  w=${w#/proc/}; kill_tree "$w"',
+  '  [ -e "$2/.ff-exec-$w.out" ] || kill -KILL "$w" 2>/dev/null',
+  '  echo "$w"',
+  'done',
+].join('\n');
 
 /**
  * Names this agent process's exec wrappers ($0 is `ff-exec-<instance>-<nonce>`), so that a
@@ -114,18 +167,94 @@ const REAP_ORPHAN_EXECS = [
 ].join('\n');
 
 /**
- * How long an exec's start (guest-exec, answered with the pid) may take, whatever the exec's
- * own timeout. The start given only the exec's timeout (down to 1 ms from the API, while a
- * start takes 15-25 ms under TCG) failed late and left the program running with no one to
- * time it out or kill it; given this, the program started late is timed out and killed by
- * the poll loop, against the exec's own deadline.
+ * The times an exec's supervision runs on (GuestAgentClient.connect's `timing` replaces them;
+ * tests shorten them).
  */
-const EXEC_START_MIN_MS = 10_000;
+export interface ExecTimings {
+  /**
+   * How long an exec's start (guest-exec, answered with the pid) may take, whatever the exec's
+   * own timeout. The start given only the exec's timeout (down to 1 ms from the API, while a
+   * start takes 15-25 ms under TCG) failed late and left the program running with no one to
+   * time it out or kill it; given this, the program started late is timed out and killed by
+   * the poll loop, against the exec's own deadline.
+   */
+  startMinMs: number;
+  /** How long one status poll of a running exec, or a kill, waits for its answer. */
+  pollTimeoutMs: number;
+  /**
+   * How long a killed program has to be seen to exit (and its output to be copied out) before
+   * exec gives up on it and answers its caller with an error; the kill goes on (endLater).
+   */
+  killGraceMs: number;
+  /** How often the kill is sent again while the killed program has not exited. */
+  killAgainMs: number;
+  /** The longest wait between tries of ending an exec given up on, while the guest does not answer (endLater). */
+  endLaterMaxWaitMs: number;
+}
 
-/** How long a killed program has to exit (and its output to be copied out) before exec gives up on it. */
-const EXEC_KILL_GRACE_MS = 5000;
-/** How often the kill is sent again while the killed program has not exited. */
-const EXEC_KILL_AGAIN_MS = 1000;
+export const EXEC_TIMINGS: Readonly<ExecTimings> = Object.freeze({ startMinMs: 10_000, pollTimeoutMs: 10_000, killGraceMs: 5000, killAgainMs: 1000, endLaterMaxWaitMs: 30_000 });
+
+type ExecStatus = {
+  exited: boolean;
+  exitcode?: number;
+  signal?: number;
+  'out-data'?: string;
+  'err-data'?: string;
+  'out-truncated'?: boolean;
+  'err-truncated'?: boolean;
+};
+
+/** What endLater needs of an exec its caller no longer waits for. */
+interface Abandoned {
+  /** The wrapper's $0 (EXEC_WRAPPER), by which a start never answered is found. */
+  zero: string;
+  capture: boolean;
+  env: readonly string[] | undefined;
+  /** Known once the start was answered. */
+  pid?: number;
+  /** Live-output handles still open. */
+  handles?: number[];
+  /** Kills and removals started, whose records qemu-ga keeps until asked. */
+  helpers?: number[];
+}
+
+/** A command not sent because its caller's signal aborted while it waited for the channel. */
+class NotSentError extends Error {}
+
+/** NAME=VALUE entries an exec exports: names a shell takes (the wrapper's `export`), as the API's are. */
+function exportsOf(env: readonly string[] | undefined): string[] {
+  const v = env ?? [];
+  v.forEach((e, i) => {
+    if (!/^[A-Za-z_][A-Za-z0-9_]*=/.test(e)) throw new InvalidArgumentError(`env[${i}]`, 'must be NAME=VALUE, NAME of A-Z, a-z, 0-9 and _, not starting with a digit');
+    if (e.includes('\0')) throw new InvalidArgumentError(`env[${i}]`, 'must not contain NUL');
+  });
+  return [...v];
+}
+
+/**
+ * What guest-exec is given for `req` (`zero` the wrapper's $0, `max` the most of each stream
+ * returned): the program under EXEC_WRAPPER with output captured; without capture, directly
+ * or, for a directory or variables, under EXEC_DIRECT. qemu-ga's own `env` is never set: it
+ * would replace the guest's environment (PATH, HOME) instead of adding to it.
+ */
+function guestExecArgs(req: ExecRequest, zero: string, max = EXEC_MAX_OUTPUT_BYTES): { path: string; arg: string[]; 'capture-output': boolean; 'input-data'?: string } {
+  const env = exportsOf(req.env);
+  const run = [req.cwd ?? '', String(env.length), ...env, req.path, ...(req.args ?? [])];
+  const args: { path: string; arg: string[]; 'capture-output': boolean; 'input-data'?: string } =
+    (req.captureOutput ?? true)
+      ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, zero, String(Math.min(EXEC_HANDED_BYTES, max)), ...run], 'capture-output': true }
+      : req.cwd || env.length
+        ? { path: '/bin/sh', arg: ['-c', EXEC_DIRECT, 'ff-run', ...run], 'capture-output': false }
+        : { path: req.path, arg: req.args ?? [], 'capture-output': false };
+  if (req.stdin) args['input-data'] = req.stdin.toString('base64');
+  return args;
+}
+
+const sleep = (ms: number, unref = false): Promise<void> =>
+  new Promise((r) => {
+    const t = setTimeout(r, ms);
+    if (unref) t.unref();
+  });
 
 /**
  * With `onOutput`, a program still running after this long has its output files read while
@@ -167,6 +296,7 @@ export class GuestAgentClient {
     sock: net.Socket,
     /** Names the wrappers of this client's execs (AGENT_INSTANCE). */
     private readonly instance: string,
+    private readonly timing: Readonly<ExecTimings>,
   ) {
     this.attach(sock);
   }
@@ -212,9 +342,9 @@ export class GuestAgentClient {
     });
   }
 
-  static async connect(path: string, timeoutMs = 5000, instance = AGENT_INSTANCE): Promise<GuestAgentClient> {
+  static async connect(path: string, timeoutMs = 5000, instance = AGENT_INSTANCE, timing: Partial<ExecTimings> = {}): Promise<GuestAgentClient> {
     if (!/^[0-9a-f]+$/.test(instance)) throw new Error(`guest agent client: instance must be lower-case hex, got ${JSON.stringify(instance)}`);
-    return new GuestAgentClient(path, await openSocket(path, timeoutMs), instance);
+    return new GuestAgentClient(path, await openSocket(path, timeoutMs), instance, Object.freeze({ ...EXEC_TIMINGS, ...timing }));
   }
 
   close(): void {
@@ -325,18 +455,24 @@ export class GuestAgentClient {
     }
   }
 
-  /** One command, answered in order. A timeout leaves the channel unsynced; the next call resyncs. */
-  command<T = unknown>(execute: string, args?: Record<string, unknown>, timeoutMs = 10_000): Promise<T> {
-    return this.commandRaw<T>(execute, JSON.stringify(args === undefined ? { execute } : { execute, arguments: args }), timeoutMs);
+  /**
+   * One command, answered in order. A timeout leaves the channel unsynced; the next call
+   * resyncs. With `unless`, a command whose signal aborted while it waited for the channel is
+   * not sent (NotSentError).
+   */
+  command<T = unknown>(execute: string, args?: Record<string, unknown>, timeoutMs = 10_000, unless?: AbortSignal): Promise<T> {
+    return this.commandRaw<T>(execute, JSON.stringify(args === undefined ? { execute } : { execute, arguments: args }), timeoutMs, unless);
   }
 
-  private commandRaw<T>(execute: string, json: string, timeoutMs: number): Promise<T> {
+  private commandRaw<T>(execute: string, json: string, timeoutMs: number, unless?: AbortSignal): Promise<T> {
     return this.serial(async () => {
       // Checked once this command holds the channel, not when it was queued: a command ahead
       // of it may have timed out meanwhile, and its late answer would be taken for this one's.
+      if (unless?.aborted) throw new NotSentError(execute);
       await this.reopenIfLost();
       if (!this.synced) await this.syncNow(timeoutMs);
       this.throwIfClosed();
+      if (unless?.aborted) throw new NotSentError(execute);
       this.sock.write(json + '\n');
       try {
         while (true) {
@@ -363,117 +499,230 @@ export class GuestAgentClient {
   }
 
   /**
-   * Run a program; resolves with exit code, stdout and stderr once it has exited. Past
-   * `timeoutMs` the program is killed and the result says `timedOut`, with what it wrote;
-   * when `signal` aborts first, the same, and it says `cancelled`.
+   * Run a program; resolves with its exit code (or the signal that ended it), stdout and
+   * stderr once it has exited. Past `timeoutMs` the program is killed and the result says
+   * `timedOut`, with what it wrote; when `signal` aborts first, the same, and it says
+   * `cancelled`. Aborted before the start was sent, the program is not started (exit code -1,
+   * `cancelled`). Each stream returns at most `maxOutputBytes` (EXEC_MAX_OUTPUT_BYTES), live
+   * or not; past it the result says `outputTruncated`. `env` adds to the guest's environment.
    *
    * With output captured, the program runs under EXEC_WRAPPER: qemu-ga reports a process
    * exited only once its output pipes close, so a command that leaves a process behind
    * (`server &`, `nohup ... &`) would otherwise never finish. The wrapper gives the program
    * files for stdout and stderr instead of qemu-ga's pipes and copies them out when it exits;
    * what the program left running goes on, writing into files no one reads.
+   *
+   * A guest that does not answer for a while (a paused VM, a guest starved of CPU) does not
+   * end the supervision: an unanswered status poll is followed by the next, and the deadline
+   * and the cancel still kill the program. A killed program not seen to exit within
+   * killGraceMs of its kill (a kill tried at least once) makes exec reject with a
+   * GuestAgentTimeoutError that says so, and the program is ended in the background once the
+   * guest answers again (endLater), as is what a start answered too late started.
    */
   async exec(req: ExecRequest): Promise<ExecResult> {
     const timeoutMs = req.timeoutMs ?? 30_000;
     const end = Date.now() + timeoutMs;
     const capture = req.captureOutput ?? true;
+    const max = req.maxOutputBytes !== undefined && Number.isFinite(req.maxOutputBytes) ? Math.max(0, Math.min(EXEC_MAX_OUTPUT_BYTES, Math.floor(req.maxOutputBytes))) : EXEC_MAX_OUTPUT_BYTES;
     // The wrapper's $0: names its line about output it left (EXEC_WRAPPER), which no program
     // output can fake without knowing this call's nonce.
     const zero = `ff-exec-${this.instance}-${randomBytes(8).toString('hex')}`;
-    // Without capture there is no wrapper to say why a directory could not be entered.
-    const args: Record<string, unknown> = capture
-      ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, zero, req.cwd ?? '', req.path, ...(req.args ?? [])], 'capture-output': true }
-      : req.cwd
-        ? { path: '/bin/sh', arg: ['-c', 'cd "$0" && exec "$@"', req.cwd, req.path, ...(req.args ?? [])], 'capture-output': false }
-        : { path: req.path, arg: req.args ?? [], 'capture-output': false };
-    if (req.env) args.env = req.env;
-    if (req.stdin) args['input-data'] = req.stdin.toString('base64');
-    const { pid } = await this.command<{ pid: number }>('guest-exec', args, Math.max(timeoutMs, EXEC_START_MIN_MS));
+    const args = guestExecArgs(req, zero, max);
+    const notStarted: ExecResult = { exitCode: -1, signal: null, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0), cancelled: true };
+    // A caller gone before the start: nothing runs.
+    if (req.signal?.aborted) return notStarted;
+    const abandoned: Abandoned = { zero, capture, env: req.env };
+    const pid = await this.startExec(args, Math.max(timeoutMs, this.timing.startMinMs), req.signal, abandoned);
+    if (pid === undefined) return notStarted;
+    const t = this.timing;
     const started = Date.now();
     let delay = 2;
     let killedAt: number | undefined;
     let lastKill = 0;
+    let kills = 0;
+    /** Since when the guest has left the polls unanswered (undefined: it answered the last). */
+    let silentSince: number | undefined;
     let why: { timedOut: true } | { cancelled: true } | undefined;
     /** Helpers started (kills, the output files' removal): qemu-ga keeps each one's record until its status is asked for. */
     const helpers: number[] = [];
-    const live = capture && req.onOutput ? new LiveOutput(this, wrapperFiles(pid, req.env), req.onOutput) : undefined;
+    let gaveUp = false;
+    const files = wrapperFiles(pid, req.env);
+    const live = capture && req.onOutput ? new LiveOutput(this, files, req.onOutput, max, t.pollTimeoutMs) : undefined;
     try {
       while (true) {
         // Each poll gets its own timeout: the deadline is the loop's to enforce.
-        const st = await this.command<{
-          exited: boolean;
-          exitcode?: number;
-          signal?: number;
-          'out-data'?: string;
-          'err-data'?: string;
-          'out-truncated'?: boolean;
-          'err-truncated'?: boolean;
-        }>('guest-exec-status', { pid }, 10_000);
-        if (st.exited) {
+        let st: ExecStatus | undefined;
+        try {
+          st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
+          silentSince = undefined;
+        } catch (e) {
+          // Unanswered is not an end: the program may still run, and is still timed out and
+          // cancelled (the guest may be paused, or starved of CPU under TCG).
+          if (!(e instanceof GuestAgentTimeoutError)) throw e;
+          silentSince ??= Date.now() - t.pollTimeoutMs;
+        }
+        if (st?.exited) {
           if (req.cwd && st.exitcode === 125) {
             const refused = cwdRefusal(Buffer.from(st['err-data'] ?? '', 'base64'), zero, req.cwd);
             if (refused) throw refused;
           }
-          let stdout = Buffer.from(st['out-data'] ?? '', 'base64');
           const told = leftStreams(Buffer.from(st['err-data'] ?? '', 'base64'), zero);
-          let stderr = told.stderr;
-          let truncated = st['out-truncated'] === true || st['err-truncated'] === true;
-          // What qemu-ga was handed of each stream, and the rest from the files the wrapper left.
-          const handed = { stdout: stdout.length, stderr: stderr.length };
-          const parts: { stdout: Buffer[]; stderr: Buffer[] } = { stdout: [stdout], stderr: [stderr] };
+          // What qemu-ga was handed of each stream (more than `max` only from a program the
+          // wrapper ran directly), and the rest from the files the wrapper left.
+          const handed = { stdout: Buffer.from(st['out-data'] ?? '', 'base64'), stderr: told.stderr };
+          let truncated = st['out-truncated'] === true || st['err-truncated'] === true || handed.stdout.length > max || handed.stderr.length > max;
+          const parts: { stdout: Buffer[]; stderr: Buffer[] } = { stdout: [handed.stdout.subarray(0, max)], stderr: [handed.stderr.subarray(0, max)] };
           // (Without capture there is no output, and nothing for onOutput.)
           if (live) {
-            live.finish(stdout, stderr);
+            live.finish(handed.stdout, handed.stderr);
             parts.stdout = [];
             parts.stderr = [];
           }
           if (told.left.length) {
-            const files = wrapperFiles(pid, req.env);
             for (const stream of told.left) {
-              const from = Math.max(handed[stream], live?.passed(stream) ?? 0);
-              const rest = await this.readLeftOutput(files[stream], from, EXEC_MAX_OUTPUT_BYTES - from, (piece) => (live ? req.onOutput?.(stream, piece) : parts[stream].push(piece)));
+              const from = Math.max(handed[stream].length, live?.passed(stream) ?? 0);
+              const rest = await this.readLeftOutput(files[stream], from, Math.max(0, max - from), (piece) => (live ? req.onOutput?.(stream, piece) : parts[stream].push(piece)));
               truncated ||= !rest.complete;
             }
-            const rm = await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...told.left.map((x) => files[x])], 'capture-output': false }, 10_000).catch(() => undefined);
+            const rm = await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...told.left.map((x) => files[x])], 'capture-output': false }, t.pollTimeoutMs).catch(() => undefined);
             if (rm) helpers.push(rm.pid);
           }
-          if (!live) {
-            stdout = Buffer.concat(parts.stdout);
-            stderr = Buffer.concat(parts.stderr);
-          } else stdout = stderr = Buffer.alloc(0);
+          const stdout = live ? Buffer.alloc(0) : Buffer.concat(parts.stdout);
+          const stderr = live ? Buffer.alloc(0) : Buffer.concat(parts.stderr);
           return { exitCode: st.exitcode ?? -1, signal: st.signal ?? null, stdout, stderr, ...why, ...(truncated ? { outputTruncated: true } : {}) };
         }
         const now = Date.now();
-        if (live && now - started >= LIVE_AFTER_MS) await live.poll(now);
+        if (st && live && now - started >= LIVE_AFTER_MS) await live.poll(now);
         if (why === undefined && (now >= end || req.signal?.aborted)) {
           why = now >= end ? { timedOut: true } : { cancelled: true };
           killedAt = now;
         }
-        if (killedAt !== undefined && now - killedAt >= EXEC_KILL_GRACE_MS) {
-          throw new GuestAgentTimeoutError(`guest-exec ${req.path} (killed after ${now - started} ms, still not exited)`, timeoutMs + EXEC_KILL_GRACE_MS);
+        if (killedAt !== undefined && kills > 0 && now - killedAt >= t.killGraceMs) {
+          // The caller is answered; the kill goes on without it until the program is seen to exit.
+          gaveUp = true;
+          this.endLater({ ...abandoned, pid, handles: live?.release() ?? [], helpers });
+          const state = silentSince === undefined ? 'still not exited; the kill goes on' : `the guest agent has not answered for ${now - silentSince} ms; it is killed again once it answers`;
+          const ended = why && 'cancelled' in why ? 'cancelled' : 'timed out';
+          throw new GuestAgentTimeoutError(`guest-exec ${req.path} (${ended} and killed after ${now - started} ms, ${state})`, now - started);
         }
-        if (killedAt !== undefined && now - lastKill >= EXEC_KILL_AGAIN_MS) {
+        if (killedAt !== undefined && now - lastKill >= t.killAgainMs) {
           // Kill the program (the wrapper then copies out what it wrote and exits) or, without
           // the wrapper, the process itself. Again while it has not exited: a kill that came
           // before the wrapper started the program found nothing to kill.
           lastKill = now;
-          const kill = capture
-            ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid)], 'capture-output': false, ...(req.env ? { env: req.env } : {}) }
-            : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
-          const k = await this.command<{ pid: number }>('guest-exec', kill, 10_000).catch(() => undefined);
+          kills++;
+          const k = await this.command<{ pid: number }>('guest-exec', killArgs(pid, capture, files), t.pollTimeoutMs).catch(() => undefined);
           if (k) helpers.push(k.pid);
         }
-        await new Promise((r) => setTimeout(r, delay));
+        // An unanswered poll has waited its timeout already.
+        if (st) await sleep(delay);
         // The next poll comes after a fifth of the time waited so far (2..100 ms): an exit is
         // noticed at most ~20% late, and a slow exec (many clones sharing the CPU under TCG) is
         // not slowed further by a stream of polls, each of which costs the guest CPU (ADR 0009).
         delay = Math.min(100, Math.max(2, (Date.now() - started) / 5));
       }
     } finally {
-      // Closed on every way out: qemu-ga keeps an open handle until it is closed.
-      await live?.close();
-      // Asked once: a helper that has exited (they take milliseconds) is forgotten by qemu-ga.
-      for (const h of helpers) await this.command('guest-exec-status', { pid: h }, 10_000).catch(() => undefined);
+      if (!gaveUp) {
+        // Closed on every way out: qemu-ga keeps an open handle until it is closed.
+        await live?.close();
+        // Asked once: a helper that has exited (they take milliseconds) is forgotten by qemu-ga.
+        for (const h of helpers) await this.command('guest-exec-status', { pid: h }, t.pollTimeoutMs).catch(() => undefined);
+      }
+    }
+  }
+
+  /**
+   * Sends an exec's start (guest-exec) and resolves with the pid. Resolves undefined when
+   * `signal` aborted before the start was sent (nothing runs), or when the start was not
+   * answered within killGraceMs of the abort (what it starts is ended by endLater). A start
+   * not answered within `timeoutMs` rejects, and what it may start once the guest answers
+   * again (qemu-ga reads the request then) is ended by endLater too.
+   */
+  private async startExec(args: Record<string, unknown>, timeoutMs: number, signal: AbortSignal | undefined, abandoned: Abandoned): Promise<number | undefined> {
+    const start = this.command<{ pid: number }>('guest-exec', args, timeoutMs, signal);
+    const unanswered = (e: unknown): void => {
+      if (e instanceof GuestAgentTimeoutError) this.endLater(abandoned);
+    };
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    let waitNoLonger: (v: undefined) => void = () => undefined;
+    const cancelled = new Promise<undefined>((r) => (waitNoLonger = r));
+    const onAbort = (): void => void (timer = setTimeout(() => waitNoLonger(undefined), this.timing.killGraceMs));
+    signal?.addEventListener('abort', onAbort, { once: true });
+    try {
+      const r = await Promise.race([start, cancelled]);
+      if (r !== undefined) return r.pid;
+      // The caller is gone and the guest slow to answer: it is answered now, the start later.
+      start.then(({ pid }) => this.endLater({ ...abandoned, pid }), unanswered);
+      return undefined;
+    } catch (e) {
+      if (e instanceof NotSentError) return undefined;
+      unanswered(e);
+      throw e;
+    } finally {
+      signal?.removeEventListener('abort', onAbort);
+      clearTimeout(timer);
+    }
+  }
+
+  /**
+   * Ends, in the background, an exec its caller no longer waits for (exec gave up on it, or
+   * its start was answered too late): the kill is sent until qemu-ga says the program exited
+   * (a start never answered is first found by its nonce, EXEC_END_NAMED), its status is taken
+   * (qemu-ga keeps an exited program's record and output until then), the files its wrapper
+   * left are removed, and handles and helpers' records are closed. Tries until done, while the
+   * channel is open and each failure is a timeout, waiting ever longer between tries (up to
+   * endLaterMaxWaitMs) while the guest does not answer.
+   */
+  private endLater(x: Abandoned): void {
+    const t = this.timing;
+    const handles = [...(x.handles ?? [])];
+    const helpers = [...(x.helpers ?? [])];
+    let pids = x.pid === undefined ? undefined : [x.pid];
+    const files = (pid: number): { stdout: string; stderr: string } => wrapperFiles(pid, x.env);
+    const run = async (): Promise<void> => {
+      let wait = t.killAgainMs;
+      while (!this.shut) {
+        try {
+          while (handles.length) {
+            await this.command('guest-file-close', { handle: handles[0] }, t.pollTimeoutMs).catch((e: unknown) => {
+              if (e instanceof GuestAgentTimeoutError) throw e;
+            });
+            handles.shift();
+          }
+          pids ??= x.capture ? await this.findWrappers(x.zero, wrapperDir(x.env)) : [];
+          for (const pid of pids) {
+            const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
+            if (st.exited) {
+              pids = pids.filter((p) => p !== pid);
+              const left = leftStreams(Buffer.from(st['err-data'] ?? '', 'base64'), x.zero).left.map((s) => files(pid)[s]);
+              if (left.length) helpers.push((await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...left], 'capture-output': false }, t.pollTimeoutMs)).pid);
+            } else {
+              helpers.push((await this.command<{ pid: number }>('guest-exec', killArgs(pid, x.capture, files(pid)), t.pollTimeoutMs)).pid);
+            }
+          }
+          if (pids.length === 0) break;
+        } catch (e) {
+          // Closed for good (the VM is gone) or refused (qemu-ga does not know the pid): nothing left to end.
+          if (!(e instanceof GuestAgentTimeoutError)) break;
+        }
+        await sleep(wait, true);
+        wait = Math.min(2 * wait, t.endLaterMaxWaitMs);
+      }
+      for (const h of helpers) await this.command('guest-exec-status', { pid: h }, t.pollTimeoutMs).catch(() => undefined);
+    };
+    void run().catch(() => undefined);
+  }
+
+  /** The pids of the wrappers whose $0 is `zero` (their programs killed: EXEC_END_NAMED). */
+  private async findWrappers(zero: string, dir: string): Promise<number[]> {
+    const t = this.timing;
+    const { pid } = await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', EXEC_END_NAMED, 'ff-end', zero, dir], 'capture-output': true }, t.pollTimeoutMs);
+    const end = Date.now() + t.pollTimeoutMs;
+    while (true) {
+      const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
+      if (st.exited) return (Buffer.from(st['out-data'] ?? '', 'base64').toString('latin1').match(/\d+/g) ?? []).map(Number);
+      if (Date.now() >= end) throw new GuestAgentTimeoutError(`search for the exec ${zero}`, t.pollTimeoutMs);
+      await sleep(20);
     }
   }
 
@@ -674,55 +923,95 @@ function tryParse(line: string): Record<string, unknown> | undefined {
   }
 }
 
+/** Where the wrappers put their output files: the TMPDIR the exec's variables give, or /tmp. */
+function wrapperDir(env: readonly string[] | undefined): string {
+  return env?.findLast((e) => e.startsWith('TMPDIR='))?.slice(7) || '/tmp';
+}
+
 /** The wrapper's output files for the wrapper with this pid, under the TMPDIR its environment gives it. */
 function wrapperFiles(pid: number, env: readonly string[] | undefined): { stdout: string; stderr: string } {
-  const tmp = env ? (env.find((e) => e.startsWith('TMPDIR='))?.slice(7) || '/tmp') : '/tmp';
+  const tmp = wrapperDir(env);
   return { stdout: `${tmp}/.ff-exec-${pid}.out`, stderr: `${tmp}/.ff-exec-${pid}.err` };
+}
+
+/** The guest-exec that kills the program of the exec with this pid (EXEC_KILL), or, run without the wrapper, the process itself. */
+function killArgs(pid: number, capture: boolean, files: { stdout: string }): Record<string, unknown> {
+  return capture
+    ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid), files.stdout], 'capture-output': false }
+    : { path: '/bin/sh', arg: ['-c', 'kill -KILL "$1"', 'ff-kill', String(pid)], 'capture-output': false };
 }
 
 /**
  * Reads a running program's output files (EXEC_WRAPPER's) through guest-file-read and passes
- * what is new to onOutput; at exit, passes what qemu-ga returns past the bytes already passed
- * (qemu-ga's output is the files' content). A file it cannot open (the wrapper ran the
- * program directly, or the file is gone) is simply not read early.
+ * what is new to onOutput, at most `max` bytes of each stream; at exit, passes what qemu-ga
+ * returns past the bytes already passed (qemu-ga's output is the files' content), up to `max`
+ * too. A file it cannot open (the wrapper ran the program directly, or the file is gone) is
+ * simply not read early.
  */
 class LiveOutput {
   private readonly sent = { stdout: 0, stderr: 0 };
   private readonly handles: { stdout?: number | null; stderr?: number | null } = {};
   private readonly openFailures = { stdout: 0, stderr: 0 };
+  /**
+   * A read whose answer was lost (timed out) may still have moved the handle's position in
+   * the guest: the next read seeks back to what was passed first, so no byte is skipped.
+   */
+  private readonly unsure = { stdout: false, stderr: false };
   private lastReadAt = 0;
 
   constructor(
     private readonly agent: GuestAgentClient,
     private readonly files: { stdout: string; stderr: string },
     private readonly onOutput: (stream: 'stdout' | 'stderr', data: Buffer) => void,
+    private readonly max: number,
+    private readonly timeoutMs: number,
   ) {}
 
   async poll(now: number): Promise<void> {
     if (now - this.lastReadAt < LIVE_READ_EVERY_MS) return;
     this.lastReadAt = now;
     for (const stream of ['stdout', 'stderr'] as const) {
-      if (this.handles[stream] === undefined) {
-        // Tried on a few polls (the shell may not have made the file yet), then given up on.
-        const h = await this.agent.command<number>('guest-file-open', { path: this.files[stream], mode: 'r' }, 10_000).catch(() => undefined);
-        this.handles[stream] = h ?? (++this.openFailures[stream] >= 3 ? null : undefined);
-      }
-      const handle = this.handles[stream];
-      if (handle === null || handle === undefined) continue;
-      const r = await this.agent.command<{ count: number; 'buf-b64': string }>('guest-file-read', { handle, count: 1 << 20 }, 10_000).catch(() => undefined);
-      if (r && r.count > 0) {
-        this.sent[stream] += r.count;
-        this.onOutput(stream, Buffer.from(r['buf-b64'], 'base64'));
+      // At the cap nothing more is read: the exit's read of what is left says whether there was more.
+      const want = Math.min(1 << 20, this.max - this.sent[stream]);
+      if (want <= 0) continue;
+      try {
+        if (this.handles[stream] === undefined) {
+          // Tried on a few polls (the shell may not have made the file yet), then given up on.
+          const h = await this.agent.command<number>('guest-file-open', { path: this.files[stream], mode: 'r' }, this.timeoutMs).catch((e: unknown) => {
+            if (e instanceof GuestAgentTimeoutError) throw e;
+            return undefined;
+          });
+          this.handles[stream] = h ?? (++this.openFailures[stream] >= 3 ? null : undefined);
+        }
+        const handle = this.handles[stream];
+        if (handle === null || handle === undefined) continue;
+        if (this.unsure[stream]) {
+          await this.agent.command('guest-file-seek', { handle, offset: this.sent[stream], whence: 'set' }, this.timeoutMs);
+          this.unsure[stream] = false;
+        }
+        this.unsure[stream] = true;
+        const r = await this.agent.command<{ count: number; 'buf-b64': string }>('guest-file-read', { handle, count: want }, this.timeoutMs);
+        this.unsure[stream] = false;
+        // What was decoded counts, never more than asked for.
+        const got = Buffer.from(r['buf-b64'], 'base64').subarray(0, want);
+        if (got.length > 0) {
+          this.sent[stream] += got.length;
+          this.onOutput(stream, got);
+        }
+      } catch (e) {
+        // Unanswered: the rest of this poll would wait as long again for nothing.
+        if (e instanceof GuestAgentTimeoutError) return;
       }
     }
   }
 
-  /** At exit, with each stream's whole output (qemu-ga's): only what was not passed yet goes out. */
+  /** At exit, with each stream's whole output (qemu-ga's): only what was not passed yet goes out, up to the cap. */
   finish(stdout: Buffer, stderr: Buffer): void {
-    if (stdout.length > this.sent.stdout) this.onOutput('stdout', stdout.subarray(this.sent.stdout));
-    if (stderr.length > this.sent.stderr) this.onOutput('stderr', stderr.subarray(this.sent.stderr));
-    this.sent.stdout = Math.max(this.sent.stdout, stdout.length);
-    this.sent.stderr = Math.max(this.sent.stderr, stderr.length);
+    for (const [stream, all] of [['stdout', stdout], ['stderr', stderr]] as const) {
+      const upTo = Math.min(all.length, this.max);
+      if (upTo > this.sent[stream]) this.onOutput(stream, all.subarray(this.sent[stream], upTo));
+      this.sent[stream] = Math.max(this.sent[stream], upTo);
+    }
   }
 
   /** Bytes of `stream` passed to onOutput so far. */
@@ -730,12 +1019,15 @@ class LiveOutput {
     return this.sent[stream];
   }
 
+  /** The handles still open, for someone else to close: this no longer reads. */
+  release(): number[] {
+    const open = [this.handles.stdout, this.handles.stderr].filter((h): h is number => typeof h === 'number');
+    this.handles.stdout = this.handles.stderr = null;
+    return open;
+  }
+
   async close(): Promise<void> {
-    for (const stream of ['stdout', 'stderr'] as const) {
-      const handle = this.handles[stream];
-      if (typeof handle === 'number') await this.agent.command('guest-file-close', { handle }, 10_000).catch(() => undefined);
-      this.handles[stream] = null;
-    }
+    for (const handle of this.release()) await this.agent.command('guest-file-close', { handle }, this.timeoutMs).catch(() => undefined);
   }
 }
 
