@@ -252,6 +252,20 @@ describe('Agent steps', () => {
     expect(r.vms[0]?.reason).toBe('after_resume[0] /bin/slow timed out after 2000 ms and was killed');
   });
 
+  it('resume_whoseHookDiesOfASignalOrCannotRun_reportsTheSignal_andOnlyTheKindOfTheHostsError', async () => {
+    const vm = { vmId: 'sb-s', sandboxId: 'sb-s', state: 'running', pid: 1, readyMs: 1 } as VmInfo;
+    const { agent } = agentWith({
+      get: (id) => (id === 'sb-s' ? vm : undefined),
+      exec: async (_id, req) => {
+        if (req.path === '/bin/crash') return { exitCode: -1, signal: 11, stdout: Buffer.alloc(0), stderr: Buffer.from('bad pointer') };
+        throw new ForkfleetError('unavailable', 'guest agent socket /var/lib/forkfleet/vms/sb-s/qga.sock did not answer');
+      },
+    });
+    const r = await agent.runStep(work('resume', { work: { case: 'resumeVm', value: { sandboxId: 'sb-s', afterResume: [{ argv: ['/bin/crash'] }, { argv: ['/bin/next'] }] } } }));
+    expect(r.error).toBeUndefined();
+    expect(r.vms[0]?.reason).toBe('after_resume[0] /bin/crash was ended by signal 11: bad pointer; after_resume[1] /bin/next could not be run (unavailable error on its host)');
+  });
+
   it('resume_redeliveredAfterItsHooksRan_butBeforeItsResultWasJournalled_doesNotRunThemAgain_andAnswersTheirReport', async () => {
     const execs: string[] = [];
     const vm = { vmId: 'sb-r', sandboxId: 'sb-r', state: 'running', pid: 1, readyMs: 1 } as VmInfo;

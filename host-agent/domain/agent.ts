@@ -1237,10 +1237,15 @@ export class Agent {
         // Only the start of stderr is reported: the guest sends no more than that, so a hook that
         // writes megabytes costs no agent memory, for any number of VMs at once.
         const r = await this.deps.driver.exec(vmId, { path, args, timeoutMs, maxOutputBytes: HOOK_OUTPUT_BYTES });
+        const stderr = (): string => r.stderr.subarray(0, HOOK_OUTPUT_BYTES).toString('utf8').trim().slice(0, 200);
         if (r.timedOut) failures.push(`after_resume[${i}] ${path} timed out after ${timeoutMs} ms and was killed`);
-        else if (r.exitCode !== 0) failures.push(`after_resume[${i}] ${path} exited ${r.exitCode}: ${r.stderr.subarray(0, HOOK_OUTPUT_BYTES).toString('utf8').trim().slice(0, 200)}`);
+        else if (r.signal !== null) failures.push(`after_resume[${i}] ${path} was ended by signal ${r.signal}: ${stderr()}`);
+        else if (r.exitCode !== 0) failures.push(`after_resume[${i}] ${path} exited ${r.exitCode}: ${stderr()}`);
       } catch (e) {
-        failures.push(`after_resume[${i}] ${path} failed: ${e instanceof Error ? e.message : String(e)}`);
+        // The report reaches the sandbox's owner: the error's kind only (its text is this host's:
+        // socket paths, its internals), whole in this host's log.
+        log.warn({ sandboxId: vmId, hook: i, err: e }, 'after_resume hook could not be run');
+        failures.push(`after_resume[${i}] ${path} could not be run (${isForkfleetError(e) ? e.kind : 'internal'} error on its host)`);
       }
     }
     if (failures.length) log.warn({ sandboxId: vmId, failures }, 'after_resume hook failed');
