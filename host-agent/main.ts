@@ -117,7 +117,11 @@ async function main(): Promise<void> {
     }
   };
   // With peer TLS, a caller is the host its certificate names (tls.ts), not what it says.
-  const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate, ...(peerTls ? { callerHostId: certificateHostId } : {}) });
+  // A peer runs up to FF_STEP_CONCURRENCY steps at once (fleets share the setting), each with
+  // 2 streams to a source, plus a migration's disk fetch and reconnects whose old stream is
+  // still closing: 4 per step + 1, at least the server's default 16.
+  const maxStreamsPerCaller = Math.max(16, 4 * (cfg.concurrency + 1));
+  const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate, maxStreamsPerCaller, ...(peerTls ? { callerHostId: certificateHostId } : {}) });
   const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], credentials: peerServerCredentials(peerTls), onError: (err) => log.debug({ err }, 'peer request failed') });
   const peerAddress = cfg.peerAdvertise || peerServer.address;
 

@@ -1,19 +1,27 @@
-// ChunkTransferService's FetchChunks handler called directly (no gRPC), over a real chunk
-// store holding `s1`, with a clock the test moves: what a stream does when its ticket expires
-// while it is open.
-import { mkdtempSync, rmSync } from 'node:fs';
+// ChunkTransferService's handlers called directly (no gRPC), over a real chunk store holding
+// `s1`, with a clock the test moves: what a stream does when its ticket expires while it is
+// open, what a caller with too many calls open gets, what a failed manifest read answers. And
+// over real gRPC, with a plain node:http2 client: a stream whose client stops reading.
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { randomBytes } from 'node:crypto';
+import http2 from 'node:http2';
 import { join } from 'node:path';
 import { Metadata } from '@grpc/grpc-js';
+import { create, toBinary } from '@bufbuild/protobuf';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import type { FetchChunksRequest } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
+import { FetchChunksRequestSchema, type FetchChunksRequest, type SignedTicket } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
+import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { CallContext } from '../../../services/adapters/grpc/rpc.ts';
+import { startGrpcServer } from '../../../services/adapters/grpc/server.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
-import { manifestDigests, type ChunkStore } from '../../domain/snapshot-store.ts';
+import { FsChunkStore, FsManifestStore } from '../chunkstore/fs-store.ts';
+import { ingestSnapshot } from '../chunkstore/ingest.ts';
+import { LiveRoots, manifestDigests, systemClock, type ChunkStore, type ManifestStore } from '../../domain/snapshot-store.ts';
 import { TicketInvalidError } from '../../domain/transfer-errors.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
-import { decodeManifestUnverified, generateSigningKey, signTicket } from '../../domain/tickets.ts';
+import { decodeManifestUnverified, generateSigningKey, signManifest, signTicket } from '../../domain/tickets.ts';
 import { storeHoldingS1 } from './migrate-testkit.ts';
-import { chunkTransferService, STREAM_GRACE_MS } from './server.ts';
+import { CallerBusyError, chunkTransferService, HOST_ID_METADATA, STREAM_GRACE_MS, type ChunkServerDeps } from './server.ts';
 
 let dir: string;
 beforeAll(() => {
@@ -42,8 +50,10 @@ function requestQueue(): { reqs: AsyncIterable<FetchChunksRequest>; push(r: Fetc
   };
 }
 
-function callContext(signal: AbortSignal): CallContext {
-  return { signal, deadline: undefined, metadata: new Metadata(), peer: '127.0.0.1:5123', method: '/forkfleet.v1.ChunkTransferService/FetchChunks', principal: undefined, peerCertificate: () => undefined };
+function callContext(signal: AbortSignal, callerHostId?: string): CallContext {
+  const metadata = new Metadata();
+  if (callerHostId) metadata.set(HOST_ID_METADATA, callerHostId);
+  return { signal, deadline: undefined, metadata, peer: '127.0.0.1:5123', method: '/forkfleet.v1.ChunkTransferService/FetchChunks', principal: undefined, peerCertificate: () => undefined };
 }
 
 /** A FetchChunks stream on a store holding s1, opened at t0 with a ticket for 60 s; `at` moves the clock. */
@@ -162,4 +172,166 @@ describe('ChunkTransferService.fetchChunks', () => {
       s.close();
     }
   });
+});
+
+/** A service over a store holding s1 (the caller's host id read from its metadata, as by default), and tickets for s1. */
+async function serviceOverS1(o: Partial<Omit<ChunkServerDeps, 'manifests'>> & { manifests?: (real: ManifestStore) => ManifestStore } = {}) {
+  const { signing, trusted } = generateSigningKey('k1');
+  const deps = await storeHoldingS1(mkdtempSync(join(dir, 's-')), signing);
+  const signed = await deps.manifests.get('s1');
+  if (!signed) throw new Error('no manifest for s1');
+  const [digest] = [...manifestDigests(decodeManifestUnverified(signed))];
+  if (!digest) throw new Error('s1 has no chunks');
+  const { manifests: wrap, ...rest } = o;
+  const { registration, stats } = chunkTransferService({ ...deps, trust: trusted, clock: systemClock, ...rest, manifests: wrap?.(deps.manifests) ?? deps.manifests });
+  const handlers = registration.handlers as unknown as {
+    getManifest(req: { ticket: SignedTicket }, ctx: CallContext): Promise<unknown>;
+    migrateSnapshot(req: { ticket: SignedTicket; port: number }, ctx: CallContext): Promise<unknown>;
+    fetchChunks(reqs: AsyncIterable<FetchChunksRequest>, ctx: CallContext): AsyncIterable<{ payload: { case: string } }>;
+  };
+  const ticket = (dest: string, allowMigration = false) => signTicket({ snapshotId: 's1', destinationHostId: dest, expiresAt: new Date(Date.now() + 60_000), allowMigration }, signing);
+  /** A FetchChunks stream of `caller`, opened (credit 8): `want` asks for s1's first chunk. */
+  const stream = (caller: string) => {
+    const stop = new AbortController();
+    const q = requestQueue();
+    q.push({ case: 'open', value: { ticket: ticket(caller), credit: 8 } as never });
+    const out = handlers.fetchChunks(q.reqs, callContext(stop.signal, caller))[Symbol.asyncIterator]();
+    return {
+      out,
+      want: () => q.push({ case: 'want', value: { digests: [Buffer.from(digest, 'hex')] } as never }),
+      next: () => out.next().then((r) => r, (e: unknown) => e),
+      /** Cancels the call, and lets the handler see it (grpc-js asks for the next message at once). */
+      close: async () => {
+        stop.abort();
+        await out.next().catch(() => undefined);
+      },
+    };
+  };
+  return { stats, handlers, ticket, stream };
+}
+
+describe('ChunkTransferService: calls open per caller host', () => {
+  it('migrateSnapshot_pastTheCallersCapOfOpenMigrations_isResourceExhaustedAndRetryable_whileOtherCallersAreServed', async () => {
+    let started = 0;
+    let finish: () => void = () => undefined;
+    const finished = new Promise<void>((r) => (finish = r));
+    const s = await serviceOverS1({
+      maxMigrationsPerCaller: 2,
+      migrate: async () => {
+        started++;
+        await finished;
+        return { bytes: 1, ms: 1 };
+      },
+    });
+    const call = (caller: string) => s.handlers.migrateSnapshot({ ticket: s.ticket(caller, true), port: 4000 }, callContext(new AbortController().signal, caller));
+    const open = [call('hostR'), call('hostR')];
+    while (started < 2) await new Promise((r) => setTimeout(r, 5));
+    await expect(call('hostR')).rejects.toMatchObject({ kind: 'resource_exhausted', retryable: true, message: expect.stringContaining('hostR') });
+    // Another host's call is served: the cap is per caller.
+    const other = call('hostQ');
+    await new Promise((r) => setTimeout(r, 20));
+    expect(started).toBe(3);
+    expect(s.stats.busy).toBe(1);
+    expect(s.stats.refused).toBe(0);
+    finish();
+    await Promise.all([...open, other]);
+    // Ended calls give their places back.
+    await expect(call('hostR')).resolves.toMatchObject({ millis: 1 });
+  });
+
+  it('fetchChunks_pastTheCallersCapOfOpenStreams_isResourceExhaustedAndRetryable_andAStreamThatEndedGivesItsPlaceBack', async () => {
+    const s = await serviceOverS1({ maxStreamsPerCaller: 3 });
+    const open = [s.stream('hostR'), s.stream('hostR'), s.stream('hostR')];
+    // Each is being served.
+    for (const st of open) {
+      st.want();
+      expect((await st.out.next()).value?.payload.case).toBe('chunk');
+    }
+    const over = s.stream('hostR');
+    const refused = await over.next();
+    expect(refused).toBeInstanceOf(CallerBusyError);
+    expect(refused).toMatchObject({ kind: 'resource_exhausted', retryable: true });
+    // Another host is served meanwhile.
+    const other = s.stream('hostQ');
+    other.want();
+    expect((await other.out.next()).value?.payload.case).toBe('chunk');
+    // One ends (its client cancelled): a new one of the same host is served.
+    await open[0]?.close();
+    const again = s.stream('hostR');
+    again.want();
+    expect((await again.out.next()).value?.payload.case).toBe('chunk');
+    for (const st of [...open.slice(1), other, again]) await st.close();
+  });
+});
+
+describe('ChunkTransferService: a manifest read that fails on the source', () => {
+  const eio = (real: ManifestStore): ManifestStore => ({
+    ...real,
+    get: () => Promise.reject(Object.assign(new Error("EIO: i/o error, open '/var/lib/forkfleet/manifests/s1'"), { code: 'EIO' })),
+  });
+
+  it('getManifest_whoseManifestReadFailsWithAPassingError_isRetryableUnavailable_andNotCountedRefused', async () => {
+    const s = await serviceOverS1({ manifests: eio });
+    const err = await s.handlers.getManifest({ ticket: s.ticket('hostR') }, callContext(new AbortController().signal, 'hostR')).then(() => undefined, (e: unknown) => e);
+    expect(err).toBeInstanceOf(ForkfleetError);
+    expect(err).toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/EIO/) });
+    // The code only: the error's own text names the source host's paths.
+    expect((err as Error).message).not.toMatch(/\/var\/lib/);
+    expect(s.stats.refused).toBe(0);
+  });
+
+  it('fetchChunks_whoseManifestReadFailsWithAPassingError_endsRetryably_andIsNotCountedRefused', async () => {
+    const s = await serviceOverS1({ manifests: eio });
+    const st = s.stream('hostR');
+    const end = await st.next();
+    expect(end).toMatchObject({ kind: 'unavailable', retryable: true });
+    expect(s.stats.refused).toBe(0);
+  });
+});
+
+/** One gRPC message (length-prefixed) of a FetchChunks request, as a client writes it. */
+function grpcFrame(payload: FetchChunksRequest['payload']): Buffer {
+  const msg = Buffer.from(toBinary(FetchChunksRequestSchema, create(FetchChunksRequestSchema, { payload } as never)));
+  const head = Buffer.alloc(5);
+  head.writeUInt32BE(msg.length, 1);
+  return Buffer.concat([head, msg]);
+}
+
+describe('ChunkTransferService.fetchChunks over gRPC', () => {
+  it('fetchChunks_whoseClientStopsReading_isEndedWithinSecondsOfItsTicketsGrace_insteadOfHeldOpenForEver', async () => {
+    // Chunks that do not compress (4 MiB of random bytes), asked for far past what the client's
+    // 64 KiB window takes: the server's writes wait on a client that never reads.
+    const { signing, trusted } = generateSigningKey('k1');
+    const root = mkdtempSync(join(dir, 'noread-'));
+    writeFileSync(join(root, 'mem.img'), randomBytes(4 << 20));
+    const chunks = new FsChunkStore(join(root, 'A'));
+    const manifests = new FsManifestStore(join(root, 'A'));
+    const s1 = await ingestSnapshot({ snapshotId: 's1', tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: join(root, 'mem.img') }] }, { chunks, roots: new LiveRoots(), clock: systemClock });
+    await manifests.put('s1', signManifest(s1.manifest, signing));
+    s1.unpin();
+    const digests = [...manifestDigests(s1.manifest)];
+    const graceMs = 200;
+    const { registration, stats } = chunkTransferService({ chunks, manifests, trust: trusted, clock: systemClock, streamGraceMs: graceMs });
+    const server = await startGrpcServer({ address: '127.0.0.1:0', services: [registration] });
+    const session = http2.connect(`http://${server.address}`, { settings: { initialWindowSize: 65_535 } });
+    session.on('error', () => undefined);
+    try {
+      const expiresAt = Date.now() + 300;
+      const ticket = signTicket({ snapshotId: 's1', destinationHostId: 'hostR', expiresAt: new Date(expiresAt) }, signing);
+      const st = session.request({ ':method': 'POST', ':path': '/forkfleet.v1.ChunkTransferService/FetchChunks', 'content-type': 'application/grpc', te: 'trailers', [HOST_ID_METADATA]: 'hostR' });
+      st.on('error', () => undefined);
+      const closed = new Promise<number>((r) => st.once('close', () => r(Date.now())));
+      st.pause(); // never reads: never gives the window back
+      st.write(grpcFrame({ case: 'open', value: { ticket, credit: 100_000 } as never }));
+      st.write(grpcFrame({ case: 'want', value: { digests: Array.from({ length: 1000 }, (_, i) => Buffer.from(digests[i % digests.length] as string, 'hex')) } as never }));
+      const graceOver = expiresAt + graceMs;
+      const end = await Promise.race([closed, new Promise<undefined>((r) => setTimeout(() => r(undefined), graceOver + 4_000 - Date.now()))]);
+      expect(end, 'the stream was still open 4 s after its ticket\'s grace').toBeDefined();
+      expect((end as number) - graceOver).toBeLessThan(2_500);
+      expect(stats.refused).toBe(1);
+    } finally {
+      session.destroy();
+      await server.close(100);
+    }
+  }, 15_000);
 });

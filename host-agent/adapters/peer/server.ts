@@ -3,7 +3,12 @@
 // scheduler signed for this snapshot and for the calling host; otherwise nothing is served.
 // A FetchChunks stream opened in time serves nothing later than STREAM_GRACE_MS past its
 // ticket's expiry: each want and each chunk sent checks it again, and a quiet stream ends
-// then too (permission_denied). Its open message must come within openWithinMs (30 s).
+// then too (permission_denied), also when its client has stopped reading (ctx.end: the
+// handler is then paused at a `yield`). Its open message must come within openWithinMs (30 s).
+//
+// Each caller host has at most maxMigrationsPerCaller MigrateSnapshot calls (each may start a
+// QEMU here) and maxStreamsPerCaller FetchChunks streams served at once; past that a call
+// fails resource_exhausted (retryable).
 //
 // The caller's host id comes from `callerHostId(ctx)`. The default reads the `ff-host-id`
 // metadata; with mutual TLS (FF_PEER_*) the agent takes it from the caller's certificate
@@ -43,6 +48,22 @@ export interface ChunkServerDeps {
   readonly openWithinMs?: number;
   /** STREAM_GRACE_MS unless set (tests). */
   readonly streamGraceMs?: number;
+  /**
+   * MigrateSnapshot calls served at once per caller host (default 4). A destination migrates
+   * at most FF_MIGRATE_MAX_CHILDREN (2) VMs of one restore step at once, all from the source
+   * that took the snapshot: 4 is two such steps at once. A call over it is refused
+   * (resource_exhausted, retryable): the destination tries its next source or fetches.
+   */
+  readonly maxMigrationsPerCaller?: number;
+  /**
+   * FetchChunks streams served at once per caller host (default 16). A receiver opens
+   * streamsPerSource (2) per source per fetch, and runs at most FF_STEP_CONCURRENCY (default
+   * 4) steps at once, each with one fetch (a restore by migration's disk layer is one more):
+   * 8 to 10 at the defaults; 16 leaves room for a stream whose end the server has not seen yet
+   * when its receiver reconnects. A stream over it is refused (resource_exhausted,
+   * retryable): the receiver's other streams go on, and it tries this one again.
+   */
+  readonly maxStreamsPerCaller?: number;
   /** Observes every chunk served (metrics, tests). */
   readonly onServed?: (digest: DigestHex, bytes: number) => void;
   /**
@@ -56,6 +77,39 @@ export interface ChunkServerStats {
   chunksServed: number;
   bytesServed: number;
   refused: number;
+  /** Calls refused because their caller had as many open as it may (CallerBusyError). */
+  busy: number;
+}
+
+/** A caller host has as many calls of a kind open here as it may: retry once one has ended. */
+export class CallerBusyError extends ForkfleetError {
+  constructor(callerHostId: string, what: string, max: number) {
+    super('resource_exhausted', `host ${JSON.stringify(callerHostId)} has ${max} ${what} open on this host, the most it may; retry once one has ended`, { retryable: true });
+  }
+}
+
+/** Calls of one kind open per caller host, at most `max` each. */
+class PerCaller {
+  private readonly open = new Map<string, number>();
+  constructor(
+    private readonly max: number,
+    private readonly what: string,
+  ) {}
+
+  /** Counts a call of `caller` (throws CallerBusyError when it has `max` open); returns its release. */
+  take(caller: string): () => void {
+    const n = this.open.get(caller) ?? 0;
+    if (n >= this.max) throw new CallerBusyError(caller, this.what, this.max);
+    this.open.set(caller, n + 1);
+    let released = false;
+    return () => {
+      if (released) return;
+      released = true;
+      const left = (this.open.get(caller) ?? 1) - 1;
+      if (left <= 0) this.open.delete(caller);
+      else this.open.set(caller, left);
+    };
+  }
 }
 
 type Response = MessageInitShape<typeof FetchChunksResponseSchema>;
@@ -95,24 +149,47 @@ class Notifier {
 }
 
 export function chunkTransferService(deps: ChunkServerDeps): { registration: ServiceRegistration; stats: ChunkServerStats } {
-  const stats: ChunkServerStats = { chunksServed: 0, bytesServed: 0, refused: 0 };
+  const stats: ChunkServerStats = { chunksServed: 0, bytesServed: 0, refused: 0, busy: 0 };
   const caller = deps.callerHostId ?? defaultCallerHostId;
   const prefetch = deps.prefetch ?? 16;
   // FsChunkStore reads into pooled buffers that serializeResponse recycles (buffers.ts).
   const forSend = (deps.chunks as Partial<{ getEncodedForSend(d: DigestHex): Promise<EncodedChunk | undefined> }>).getEncodedForSend;
   const readForSend = forSend ? forSend.bind(deps.chunks) : (d: DigestHex) => deps.chunks.getEncoded(d);
 
-  const authorise = async (ticket: Parameters<typeof verifyTicket>[0], ctx: CallContext) => {
+  const migrations = new PerCaller(deps.maxMigrationsPerCaller ?? 4, 'snapshot migrations');
+  const streams = new PerCaller(deps.maxStreamsPerCaller ?? 16, 'chunk streams');
+  const takeSlot = (slots: PerCaller, ctx: CallContext): (() => void) => {
     try {
-      const claims = verifyTicket(ticket, deps.trust, { now: deps.clock.now(), destinationHostId: caller(ctx) });
-      const signed = await deps.manifests.get(claims.snapshotId);
-      if (!signed) throw new ManifestNotFoundError(claims.snapshotId);
-      return { claims, signed };
+      return slots.take(caller(ctx));
     } catch (e) {
-      stats.refused++;
-      deps.log?.warn({ peer: ctx.peer, err: (e as Error).message }, 'chunk transfer refused');
+      stats.busy++;
+      deps.log?.warn({ peer: ctx.peer, callerHostId: caller(ctx), err: (e as Error).message }, 'peer call refused: its caller has too many open');
       throw e;
     }
+  };
+
+  const refuse = (e: unknown, ctx: CallContext): never => {
+    stats.refused++;
+    deps.log?.warn({ peer: ctx.peer, err: (e as Error).message }, 'chunk transfer refused');
+    throw e;
+  };
+
+  const authorise = async (ticket: Parameters<typeof verifyTicket>[0], ctx: CallContext) => {
+    let claims: ReturnType<typeof verifyTicket>;
+    try {
+      claims = verifyTicket(ticket, deps.trust, { now: deps.clock.now(), destinationHostId: caller(ctx) });
+    } catch (e) {
+      return refuse(e, ctx);
+    }
+    // This host failing to read its own manifest (EIO, EMFILE) refuses nothing: one that may
+    // pass is retryable, as a failed chunk read is, so the receiver tries this source again
+    // (an internal error makes it give the source up).
+    const signed = await deps.manifests.get(claims.snapshotId).catch((e: unknown) => {
+      deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId, err: (e as Error).message }, 'reading a manifest to serve failed');
+      throw passingSystemError(e, `reading the manifest of ${claims.snapshotId}`) ?? e;
+    });
+    if (!signed) return refuse(new ManifestNotFoundError(claims.snapshotId), ctx);
+    return { claims, signed };
   };
 
   const registration = register(ChunkTransferService, {
@@ -130,16 +207,22 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
         deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId }, 'migration refused: the ticket allows fetching only');
         throw new TicketInvalidError('the ticket allows fetching chunks only, not migration');
       }
-      if (!deps.migrate) throw new ForkfleetError('failed_precondition', 'this host does not migrate snapshots out; fetch the chunks');
+      const migrate = deps.migrate;
+      if (!migrate) throw new ForkfleetError('failed_precondition', 'this host does not migrate snapshots out; fetch the chunks');
       if (!Number.isInteger(req.port) || req.port < 1 || req.port > 65535) throw new InvalidArgumentError('port', 'must be 1..65535');
       // The stream goes only to the address the call came from: a ticket holder cannot aim it elsewhere.
       const host = peerHost(ctx.peer);
       if (!host) throw new ForkfleetError('failed_precondition', `cannot tell the caller's address from ${ctx.peer}`);
-      // hostId: the caller the ticket was checked against (with peer TLS, its certificate's CN).
-      // The caller's cancel (it gave up waiting) stops the stream.
-      const r = await deps.migrate(claims.snapshotId, { host, port: req.port, hostId: caller(ctx) }, ctx.signal);
-      deps.log?.info({ snapshotId: claims.snapshotId, to: `${host}:${req.port}`, bytes: r.bytes, ms: r.ms }, 'snapshot migrated to a peer');
-      return { bytes: BigInt(r.bytes), millis: r.ms };
+      const release = takeSlot(migrations, ctx);
+      try {
+        // hostId: the caller the ticket was checked against (with peer TLS, its certificate's CN).
+        // The caller's cancel (it gave up waiting) stops the stream.
+        const r = await migrate(claims.snapshotId, { host, port: req.port, hostId: caller(ctx) }, ctx.signal);
+        deps.log?.info({ snapshotId: claims.snapshotId, to: `${host}:${req.port}`, bytes: r.bytes, ms: r.ms }, 'snapshot migrated to a peer');
+        return { bytes: BigInt(r.bytes), millis: r.ms };
+      } finally {
+        release();
+      }
     },
 
     async *fetchChunks(reqs: AsyncIterable<FetchChunksRequest>, ctx: CallContext): AsyncIterable<Response> {
@@ -153,122 +236,143 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       if (first.done || first.value.payload.case !== 'open') throw new InvalidArgumentError('payload', 'the first message must be open');
       const open = first.value.payload.value;
       const { claims, signed } = await authorise(open.ticket, ctx);
-      const allowed = manifestDigests(decodeManifestUnverified(signed));
-      let credit = open.credit;
-      const wants: DigestHex[] = [];
-      let ended = false;
-      let failure: unknown;
-      const changed = new Notifier();
-      // The ticket is checked again on each want and before each chunk is sent: a stream opened
-      // before its ticket's expiry serves nothing STREAM_GRACE_MS after it.
-      let expired = false;
-      const graceMs = deps.streamGraceMs ?? STREAM_GRACE_MS;
-      const live = (): void => {
-        try {
-          assertTicketLive(claims, new Date(deps.clock.now().getTime() - graceMs));
-        } catch (e) {
-          if (!expired) {
-            expired = true;
-            stats.refused++;
-            deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId, err: (e as Error).message }, 'chunk stream ended: ticket expired');
-          }
-          throw e;
-        }
-      };
-
-      // And when it is quiet: a stream that asks for nothing more would stay open past the
-      // grace (HTTP/2 pings keep it), holding the ticket's snapshot readable for ever.
-      let expiry: ReturnType<typeof setTimeout> | undefined;
-      const checkExpiry = (): void => {
-        try {
-          live();
-        } catch (e) {
-          failure ??= e;
-          changed.notify();
-          return;
-        }
-        const ms = claims.expiresAt.getTime() + graceMs - deps.clock.now().getTime();
-        expiry = setTimeout(checkExpiry, Math.min(MAX_TIMER_MS, Math.max(0, ms) + 1));
-      };
-      checkExpiry();
-
-      void (async () => {
-        try {
-          for (let r = await it.next(); !r.done; r = await it.next()) {
-            const p = r.value.payload;
-            if (p.case === 'credit') credit += p.value;
-            else if (p.case === 'want') {
-              live();
-              // A receiver asks for each chunk it lacks once (again only after a 'missing');
-              // more than this waiting is not a receiver, and each would cost a read.
-              if (wants.length + p.value.digests.length > Math.max(1024, 2 * allowed.size)) throw new InvalidArgumentError('want.digests', `more than ${Math.max(1024, 2 * allowed.size)} chunks asked for and not yet sent`);
-              p.value.digests.forEach((b, i) => {
-                if (b.length !== 32) throw new InvalidArgumentError(`want.digests[${i}]`, `a SHA-256 digest is 32 bytes, got ${b.length}`);
-              });
-              for (const b of p.value.digests) {
-                const d = Buffer.from(b).toString('hex');
-                if (!allowed.has(d)) {
-                  stats.refused++;
-                  throw new TicketInvalidError(`chunk ${d.slice(0, 16)} is not part of snapshot ${claims.snapshotId}`);
-                }
-                wants.push(d);
-              }
-            } else if (p.case === 'open') throw new InvalidArgumentError('payload', 'open sent twice');
-            changed.notify();
-          }
-          ended = true;
-        } catch (e) {
-          failure = e;
-        }
-        changed.notify();
-      })();
-
-      const ahead: Array<{ digest: DigestHex; read: Promise<EncodedChunk | undefined> }> = [];
+      const release = takeSlot(streams, ctx);
       try {
-        while (true) {
-          if (failure !== undefined && !ended) throw failure;
-          if (ctx.signal.aborted) return;
-          if (ahead.length > 0 || wants.length > 0) live();
-          while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
-            const digest = wants.shift() as DigestHex;
-            const read = readForSend(digest);
-            // Reads still ahead when the stream ends (an error, the caller gone) are never awaited:
-            // one failing then must not be an unhandled rejection, which ends the agent.
-            read.catch(() => undefined);
-            ahead.push({ digest, read });
-          }
-          const next = ahead.shift();
-          if (next) {
-            // A read that failed here with an error that may pass (EIO, EMFILE) is retryable:
-            // the receiver tries this source again (an internal error makes it give it up).
-            const c = await next.read.catch((e: unknown) => {
-              deps.log?.warn({ peer: ctx.peer, digest: next.digest, err: (e as Error).message }, 'reading a chunk to send failed');
-              throw passingSystemError(e, `reading chunk ${next.digest.slice(0, 16)}`) ?? e;
-            });
-            if (!c) {
-              yield { payload: { case: 'missing', value: Buffer.from(next.digest, 'hex') } };
-              continue;
-            }
-            credit--;
-            stats.chunksServed++;
-            stats.bytesServed += c.data.length;
-            deps.onServed?.(c.digest, c.data.length);
-            // `data` is a view of a (pooled) read buffer; serializeResponse writes the message
-            // header in front of it, grpc-js copies it once and the buffer goes back to the pool.
-            yield { payload: { case: 'chunk', value: { digest: Buffer.from(c.digest, 'hex'), codec: c.codec, size: c.size, data: c.data } } };
-            continue;
-          }
-          if ((ended || failure !== undefined) && wants.length === 0) {
-            if (failure !== undefined) throw failure;
-            return;
-          }
-          await changed.wait();
-        }
+        yield* serve(it, claims, signed, open.credit, ctx);
       } finally {
-        clearTimeout(expiry);
+        release();
       }
     },
   });
+
+  /** A FetchChunks stream once its open message was authorised: the wants it reads, the chunks it sends. */
+  async function* serve(it: AsyncIterator<FetchChunksRequest>, claims: ReturnType<typeof verifyTicket>, signed: NonNullable<Awaited<ReturnType<ManifestStore['get']>>>, openCredit: number, ctx: CallContext): AsyncGenerator<Response> {
+    const allowed = manifestDigests(decodeManifestUnverified(signed));
+    let credit = openCredit;
+    const wants: DigestHex[] = [];
+    let ended = false;
+    let failure: unknown;
+    const changed = new Notifier();
+    // A stream that fails (its ticket's grace over, a bad request) ends at once, also while
+    // the handler waits at a `yield` for a client that takes nothing (ctx.end): the checks
+    // below run only when it is resumed, which such a client never does.
+    const fail = (e: unknown): void => {
+      failure ??= e;
+      changed.notify();
+      ctx.end?.(e);
+    };
+    // A cancelled call wakes the loop below, which then ends (and gives back its caller's slot).
+    const onAbort = (): void => changed.notify();
+    ctx.signal.addEventListener('abort', onAbort, { once: true });
+    // The ticket is checked again on each want and before each chunk is sent: a stream opened
+    // before its ticket's expiry serves nothing STREAM_GRACE_MS after it.
+    let expired = false;
+    const graceMs = deps.streamGraceMs ?? STREAM_GRACE_MS;
+    const live = (): void => {
+      try {
+        assertTicketLive(claims, new Date(deps.clock.now().getTime() - graceMs));
+      } catch (e) {
+        if (!expired) {
+          expired = true;
+          stats.refused++;
+          deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId, err: (e as Error).message }, 'chunk stream ended: ticket expired');
+        }
+        throw e;
+      }
+    };
+
+    // And when it is quiet: a stream that asks for nothing more would stay open past the
+    // grace (HTTP/2 pings keep it), holding the ticket's snapshot readable for ever.
+    let expiry: ReturnType<typeof setTimeout> | undefined;
+    const checkExpiry = (): void => {
+      try {
+        live();
+      } catch (e) {
+        fail(e);
+        return;
+      }
+      const ms = claims.expiresAt.getTime() + graceMs - deps.clock.now().getTime();
+      expiry = setTimeout(checkExpiry, Math.min(MAX_TIMER_MS, Math.max(0, ms) + 1));
+    };
+    checkExpiry();
+
+    void (async () => {
+      try {
+        for (let r = await it.next(); !r.done; r = await it.next()) {
+          const p = r.value.payload;
+          if (p.case === 'credit') credit += p.value;
+          else if (p.case === 'want') {
+            live();
+            // A receiver asks for each chunk it lacks once (again only after a 'missing');
+            // more than this waiting is not a receiver, and each would cost a read.
+            if (wants.length + p.value.digests.length > Math.max(1024, 2 * allowed.size)) throw new InvalidArgumentError('want.digests', `more than ${Math.max(1024, 2 * allowed.size)} chunks asked for and not yet sent`);
+            p.value.digests.forEach((b, i) => {
+              if (b.length !== 32) throw new InvalidArgumentError(`want.digests[${i}]`, `a SHA-256 digest is 32 bytes, got ${b.length}`);
+            });
+            for (const b of p.value.digests) {
+              const d = Buffer.from(b).toString('hex');
+              if (!allowed.has(d)) {
+                stats.refused++;
+                throw new TicketInvalidError(`chunk ${d.slice(0, 16)} is not part of snapshot ${claims.snapshotId}`);
+              }
+              wants.push(d);
+            }
+          } else if (p.case === 'open') throw new InvalidArgumentError('payload', 'open sent twice');
+          changed.notify();
+        }
+        ended = true;
+        changed.notify();
+      } catch (e) {
+        fail(e);
+      }
+    })();
+
+    const ahead: Array<{ digest: DigestHex; read: Promise<EncodedChunk | undefined> }> = [];
+    try {
+      while (true) {
+        if (failure !== undefined && !ended) throw failure;
+        if (ctx.signal.aborted) return;
+        if (ahead.length > 0 || wants.length > 0) live();
+        while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
+          const digest = wants.shift() as DigestHex;
+          const read = readForSend(digest);
+          // Reads still ahead when the stream ends (an error, the caller gone) are never awaited:
+          // one failing then must not be an unhandled rejection, which ends the agent.
+          read.catch(() => undefined);
+          ahead.push({ digest, read });
+        }
+        const next = ahead.shift();
+        if (next) {
+          // A read that failed here with an error that may pass (EIO, EMFILE) is retryable:
+          // the receiver tries this source again (an internal error makes it give it up).
+          const c = await next.read.catch((e: unknown) => {
+            deps.log?.warn({ peer: ctx.peer, digest: next.digest, err: (e as Error).message }, 'reading a chunk to send failed');
+            throw passingSystemError(e, `reading chunk ${next.digest.slice(0, 16)}`) ?? e;
+          });
+          if (!c) {
+            yield { payload: { case: 'missing', value: Buffer.from(next.digest, 'hex') } };
+            continue;
+          }
+          credit--;
+          stats.chunksServed++;
+          stats.bytesServed += c.data.length;
+          deps.onServed?.(c.digest, c.data.length);
+          // `data` is a view of a (pooled) read buffer; serializeResponse writes the message
+          // header in front of it, grpc-js copies it once and the buffer goes back to the pool.
+          yield { payload: { case: 'chunk', value: { digest: Buffer.from(c.digest, 'hex'), codec: c.codec, size: c.size, data: c.data } } };
+          continue;
+        }
+        if ((ended || failure !== undefined) && wants.length === 0) {
+          if (failure !== undefined) throw failure;
+          return;
+        }
+        await changed.wait();
+      }
+    } finally {
+      clearTimeout(expiry);
+      ctx.signal.removeEventListener('abort', onAbort);
+    }
+  }
   // The hot message skips the generic create + toBinary + Buffer.from path (three copies of
   // each chunk) for a byte-compatible hand-written encoder (one copy): see wire.ts.
   const fetchDef = registration.definition.fetchChunks;

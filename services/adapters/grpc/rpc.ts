@@ -2,6 +2,7 @@
 // serialise with toBinary/fromBinary, route by `/${service.typeName}/${method.name}`, and
 // present the four call kinds as promises and async iterables, with deadlines and
 // cancellation. Generated types stop here and in the per-service convert.ts files.
+import { constants as http2Constants } from 'node:http2';
 import { Client as GrpcClient, Metadata, credentials as grpcCredentials } from '@grpc/grpc-js';
 import type {
   CallOptions as GrpcCallOptions,
@@ -49,6 +50,15 @@ export interface CallContext {
    * field: grpc-js builds the certificate object anew on each ask, and most handlers never do.
    */
   peerCertificate(): PeerCertificate | undefined;
+  /**
+   * Streaming calls only (undefined on unary ones): ends the call now with `err` as its status,
+   * also while its writes wait for a client that takes nothing (its HTTP/2 window full: the
+   * handler is then paused at a `yield`, and no check of its own runs). The handler's iteration
+   * is returned at that `yield` (its finally blocks run); a handler waiting on anything else
+   * must stop itself as well. A status the client does not take either is followed by a reset
+   * (failStreaming).
+   */
+  readonly end?: (err: unknown) => void;
 }
 
 /**
@@ -183,10 +193,12 @@ type AnyServerCall =
  * The handler's context, and `done`: called when the handler has settled. The deadline's timer
  * is cleared then, or when the call ends first (grpc-js emits 'cancelled' after every status
  * too); it would otherwise hold the call's context until the client's deadline (hours, for
- * some clients) after the call was answered.
+ * some clients) after the call was answered. `ended`: aborted by the context's `end` (a
+ * streaming call's; never aborted for a unary one).
  */
-function contextOf(call: AnyServerCall, method: string, principal?: Principal, revoked?: AbortSignal): { ctx: CallContext; done: () => void } {
+function contextOf(call: AnyServerCall, method: string, principal?: Principal, revoked?: AbortSignal, streaming = false): { ctx: CallContext; done: () => void; ended: AbortSignal } {
   const ac = new AbortController();
+  const endAc = new AbortController();
   let t: NodeJS.Timeout | undefined;
   const done = (): void => clearTimeout(t);
   const abort = (): void => {
@@ -205,8 +217,23 @@ function contextOf(call: AnyServerCall, method: string, principal?: Principal, r
     t = setTimeout(abort, Math.max(0, ms));
     t.unref();
   }
-  const ctx = { signal: ac.signal, deadline, metadata: call.metadata, peer: call.getPeer(), method, principal, peerCertificate: () => call.getAuthContext().sslPeerCertificate };
-  return { ctx, done };
+  const ctx: CallContext = {
+    signal: ac.signal,
+    deadline,
+    metadata: call.metadata,
+    peer: call.getPeer(),
+    method,
+    principal,
+    peerCertificate: () => call.getAuthContext().sslPeerCertificate,
+    ...(streaming
+      ? {
+          end: (err: unknown): void => {
+            if (!endAc.signal.aborted) endAc.abort(err);
+          },
+        }
+      : {}),
+  };
+  return { ctx, done, ended: endAc.signal };
 }
 
 /**
@@ -232,32 +259,108 @@ function approxBytes(v: unknown, depth = 0): number {
   return n;
 }
 
-async function writeAll(call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>, out: AsyncIterable<unknown>, signal: AbortSignal): Promise<void> {
+/**
+ * Writes what the handler yields, as the client takes it. Stops (and returns) once the call is
+ * cancelled; throws `ended`'s reason once the handler ended the call (ctx.end), also while it
+ * waits for the client's window. `progress.writes` counts the writes the client took.
+ */
+async function writeAll(
+  call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>,
+  out: AsyncIterable<unknown>,
+  signal: AbortSignal,
+  ended: AbortSignal,
+  progress: { writes: number },
+): Promise<void> {
   let unsent = 0;
   let wake: (() => void) | undefined;
   for await (const msg of out) {
     if (signal.aborted) return;
+    if (ended.aborted) throw ended.reason;
     const bytes = approxBytes(msg);
     unsent += bytes;
     call.write(msg, () => {
       unsent -= bytes;
+      progress.writes++;
       wake?.();
     });
     while (call.writableNeedDrain || unsent > UNSENT_MAX_BYTES) {
       if (signal.aborted) return;
+      if (ended.aborted) throw ended.reason;
       await new Promise<void>((resolve) => {
         const done = (): void => {
           wake = undefined;
           call.off('drain', done);
           signal.removeEventListener('abort', done);
+          ended.removeEventListener('abort', done);
           resolve();
         };
         wake = done;
         call.on('drain', done);
         signal.addEventListener('abort', done);
+        ended.addEventListener('abort', done);
       });
     }
   }
+  if (ended.aborted && !signal.aborted) throw ended.reason;
+}
+
+/**
+ * How long a streaming call answered with an error may go without the client taking one of its
+ * messages before its HTTP/2 stream is reset. The status goes out after the messages written
+ * before it, which a client that does not read (its window full) never takes: the call, its
+ * stream and those messages (up to UNSENT_MAX_BYTES and grpc-js's 16) stayed for as long as
+ * the connection did, pinged alive. A client that reads on, however slowly, gets the status.
+ */
+const STALLED_STATUS_MS = 1_000;
+
+/**
+ * Answers a streaming call with `status` (after the messages written before it) and resets its
+ * stream when the client takes none of them for STALLED_STATUS_MS (resetStream), so a client
+ * that stopped reading cannot keep the call.
+ */
+function failStreaming(call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>, status: ReturnType<typeof toGrpcStatus>, progress: { writes: number }): void {
+  call.emit('error', status);
+  // grpc-js sets `cancelled` (and emits 'cancelled') once the status went out, or the call is gone.
+  if (call.cancelled) return;
+  let seen = progress.writes;
+  const t = setInterval(() => {
+    if (call.cancelled) {
+      clearInterval(t);
+      return;
+    }
+    if (progress.writes !== seen) {
+      seen = progress.writes;
+      return;
+    }
+    clearInterval(t);
+    resetStream(call);
+  }, STALLED_STATUS_MS);
+  t.unref();
+  (call as unknown as NodeJS.EventEmitter).once('cancelled', () => clearInterval(t));
+}
+
+/** Duck type of node:http2's ServerHttp2Stream (the module does not export the class). */
+function isHttp2Stream(s: unknown): s is { closed: boolean; close(code?: number): void } {
+  return typeof s === 'object' && s !== null && typeof (s as { close?: unknown }).close === 'function' && 'rstCode' in s && 'sentTrailers' in s;
+}
+
+/**
+ * Resets a server call's HTTP/2 stream (RST_STREAM CANCEL; grpc-js then cancels the call, which
+ * frees its messages). grpc-js has no API for it: its call object keeps the stream at
+ * `call.call(.nextCall)*.stream` (1.10 to 1.14). Not found there (another grpc-js), the call
+ * is destroyed instead: its queued messages go, its stream stays until the connection does.
+ */
+function resetStream(call: AnyServerCall): void {
+  let c: unknown = (call as unknown as { call?: unknown }).call;
+  for (let i = 0; i < 8 && typeof c === 'object' && c !== null; i++) {
+    const s = (c as { stream?: unknown }).stream;
+    if (isHttp2Stream(s)) {
+      if (!s.closed) s.close(http2Constants.NGHTTP2_CANCEL);
+      return;
+    }
+    c = (c as { nextCall?: unknown }).nextCall;
+  }
+  (call as unknown as { destroy(): void }).destroy();
 }
 
 /**
@@ -385,8 +488,9 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         out[m.localName] = (call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>) => {
           const admitted = admitOr(call, true, (st) => call.emit('error', st));
           if (!admitted) return;
-          endOnRevoke(admitted, (err) => call.emit('error', fail(err)));
-          const { ctx, done } = contextOf(call, name, admitted.principal, admitted.revoked);
+          const progress = { writes: 0 };
+          endOnRevoke(admitted, (err) => failStreaming(call, fail(err), progress));
+          const { ctx, done, ended } = contextOf(call, name, admitted.principal, admitted.revoked, true);
           const input = m.methodKind === 'server_streaming' ? decodeRequest(m, (call as ServerWritableStream<unknown, unknown>).request)
               : decodedItems(m, readableItems(call as ServerDuplexStream<unknown, unknown>));
           if (input instanceof Undecodable) {
@@ -404,7 +508,7 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
             call.emit('error', fail(err));
             return;
           }
-          writeAll(call, iterable, ctx.signal).then(
+          writeAll(call, iterable, ctx.signal, ended, progress).then(
             () => {
               done();
               admitted.release();
@@ -413,7 +517,7 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
             (err: unknown) => {
               done();
               admitted.release();
-              if (!ctx.signal.aborted) call.emit('error', fail(err));
+              if (!ctx.signal.aborted) failStreaming(call, fail(err), progress);
             },
           );
         };
