@@ -18,6 +18,8 @@ import type { LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver 
 import { ArtifactKind, SignedManifestSchema, type SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { FetchSnapshotWorkSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { tempDir } from '../../services/testkit/proc.ts';
+import { startGrpcServer, type RunningGrpcServer } from '../../services/adapters/grpc/server.ts';
+import { chunkTransferService } from './peer/server.ts';
 
 const CS = 64 * 1024;
 const log = pino({ level: 'silent' });
@@ -280,5 +282,35 @@ describe('ChunkStoreShipper.obtain against a delete', () => {
     const work = await chunksHere(h, 'sn-f');
     await h.stored.put('sn-f', work.manifest!);
     await expect(h.shipper.obtain('sn-f', undefined, () => undefined)).rejects.toThrow(/not on host h1 and no source was named/);
+  });
+});
+
+describe('ChunkStoreShipper: the manifest bytes from the sources', () => {
+  /** A peer's ChunkTransferService whose manifest store answers `manifestBytes` for every snapshot (chunks: none). */
+  async function peerAnswering(name: string, manifestBytes: Uint8Array): Promise<RunningGrpcServer> {
+    const root = join(dir, name);
+    const manifests: ManifestStore = { get: async () => create(SignedManifestSchema, { manifest: manifestBytes }), put: async () => undefined, delete: async () => undefined, list: async () => [] };
+    const svc = chunkTransferService({ chunks: new FsChunkStore(root), manifests, trust, clock: systemClock });
+    return startGrpcServer({ address: '127.0.0.1:0', services: [svc.registration] });
+  }
+
+  it('replicate_whoseFirstSourceAnswersBytesTheSchedulersSignatureDoesNotVerify_takesTheNextSourcesBytes_andHoldsTheSnapshot', async () => {
+    const h = await host('manifest-liar');
+    // The chunks are here, the manifest is not: it comes from a source, under the scheduler's signature.
+    const work = await chunksHere(h, 'sn-l');
+    await h.stored.delete('sn-l');
+    const honestBytes = work.manifest!.manifest;
+    const liar = await peerAnswering('peer-liar', Buffer.concat([honestBytes, Buffer.from([0x08, 0x01])]));
+    const honest = await peerAnswering('peer-honest', honestBytes);
+    try {
+      const fromBoth = create(FetchSnapshotWorkSchema, { snapshotId: 'sn-l', ticket: work.ticket, manifest: work.manifest, sources: [{ hostId: 'liar', address: liar.address }, { hostId: 'honest', address: honest.address }] });
+      await h.shipper.replicate('sn-l', fromBoth);
+      await h.shipper.durable('sn-l');
+      expect(Buffer.from((await h.stored.get('sn-l'))!.manifest)).toEqual(Buffer.from(honestBytes));
+      expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-l', complete: true })]);
+    } finally {
+      await liar.close(100);
+      await honest.close(100);
+    }
   });
 });

@@ -14,8 +14,8 @@ import type { ChunkStore, ManifestStore } from '../domain/snapshot-store.ts';
 import { chunkSizes, manifestDigests } from '../domain/snapshot-store.ts';
 import type { LiveRoots } from '../domain/snapshot-store.ts';
 import { verifyManifest, type TrustedKeys } from '../domain/tickets.ts';
-import { fetchChunks, fetchSnapshot, type FetchSnapshotOptions } from '../domain/transfer.ts';
-import { ChunkCorruptError, ChunkMissingError, ManifestNotFoundError } from '../domain/transfer-errors.ts';
+import { fetchChunks, fetchSnapshot, verifiedManifestFrom, type FetchSnapshotOptions, type ManifestSource } from '../domain/transfer.ts';
+import { ChunkCorruptError, ChunkMissingError, ManifestInvalidError, ManifestNotFoundError } from '../domain/transfer-errors.ts';
 import { collectGarbage } from '../domain/snapshot-store-gc.ts';
 import type { GcResult } from '../domain/snapshot-store-gc.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
@@ -24,7 +24,7 @@ import { PeerChunkSource } from './peer/client.ts';
 import { migrateFrom, type MigrationRelaySettings } from './peer/migrate.ts';
 import type { PeerTls } from './peer/tls.ts';
 import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
-import type { Artifact, SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import type { Artifact, SignedManifest, SnapshotManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { HeldSnapshotSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { FetchSnapshotWork, HeldSnapshot } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
@@ -409,7 +409,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       // The manifest bytes come from a peer; the signature comes from the scheduler. It is
       // stored only after every chunk is (fetchSnapshot), so "manifest present" = complete.
       const t0 = performance.now();
-      const signed = fetch.manifest && fetch.manifest.signature.length > 0 ? await this.signedBySchedulerFrom(snapshotId, fetch, sources, stored) : undefined;
+      const signed = fetch.manifest && fetch.manifest.signature.length > 0 ? (await this.signedBySchedulerFrom(snapshotId, fetch, sources, stored)).signed : undefined;
       // With `build`, the image is written while chunks arrive; chunks already here are copied
       // after. The fork needs the image, not the durable "complete" marker: the chunk fsyncs and
       // the manifest put finish in the background (the snapshot is reported held after).
@@ -482,19 +482,27 @@ export class ChunkStoreShipper implements SnapshotShipper {
   }
 
   /**
-   * The manifest bytes (stored here, else from the first source that answers) under the
-   * signature the scheduler put in `fetch` (verified by whoever uses it).
+   * The manifest bytes under the signature the scheduler put in `fetch`, verified: the bytes
+   * stored here, else those of the first source whose bytes the signature verifies. A source
+   * whose bytes do not verify is logged and the next asked (verifiedManifestFrom): the first
+   * answer used to be taken, and a bad one failed the restore though another source held the
+   * snapshot. None that verifies: ManifestInvalidError when every source answered, else
+   * unavailable (retryable), as when none answered.
    */
-  private async signedBySchedulerFrom(snapshotId: string, fetch: FetchSnapshotWork, sources: readonly PeerChunkSource[], stored?: SignedManifest): Promise<SignedManifest> {
+  private async signedBySchedulerFrom(snapshotId: string, fetch: FetchSnapshotWork, sources: readonly PeerChunkSource[], stored?: SignedManifest): Promise<{ signed: SignedManifest; manifest: SnapshotManifest }> {
     const sig = fetch.manifest;
     if (!sig || sig.signature.length === 0) throw new ForkfleetError('invalid_argument', 'fetch.manifest: missing signature', { field: 'fetch.manifest' });
-    let bytes: Uint8Array | undefined = stored?.manifest;
-    for (const s of sources) {
-      if (bytes && bytes.length) break;
-      bytes = (await s.getManifest().catch(() => undefined))?.manifest;
+    const underSig = (bytes: Uint8Array): SignedManifest => create(SignedManifestSchema, { manifest: bytes, signature: sig.signature, keyId: sig.keyId });
+    const candidates: ManifestSource[] = [
+      ...(stored && stored.manifest.length > 0 ? [{ id: `${this.deps.hostId} (stored here)`, getManifest: async () => underSig(stored.manifest) }] : []),
+      ...sources.map((s) => ({ id: s.id, getManifest: async (signal?: AbortSignal) => underSig((await s.getManifest(signal)).manifest) })),
+    ];
+    try {
+      return await verifiedManifestFrom(snapshotId, candidates, this.deps.trust, { log: this.deps.log });
+    } catch (e) {
+      if (e instanceof ManifestInvalidError) throw e;
+      throw new ForkfleetError('unavailable', `no source returned the manifest of ${snapshotId}`, { cause: e });
     }
-    if (!bytes || bytes.length === 0) throw new ForkfleetError('unavailable', `no source returned the manifest of ${snapshotId}`);
-    return create(SignedManifestSchema, { manifest: bytes, signature: sig.signature, keyId: sig.keyId });
   }
 
   /** True when the snapshot is on this host: taken here, or every chunk and its manifest stored. */
@@ -512,7 +520,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
   async incomingSource(snapshotId: string, fetch: FetchSnapshotWork): Promise<IncomingSnapshot> {
     const sources = this.sourcesOf(fetch);
     try {
-      const manifest = verifyManifest(await this.signedBySchedulerFrom(snapshotId, fetch, sources, await this.deps.manifests.get(snapshotId)), this.deps.trust, snapshotId);
+      const { manifest } = await this.signedBySchedulerFrom(snapshotId, fetch, sources, await this.deps.manifests.get(snapshotId));
       const disk = manifest.artifacts.find((a) => a.kind === ArtifactKind.DISK_LAYER);
       if (!disk) throw new ForkfleetError('failed_precondition', `snapshot ${snapshotId} has no disk layer`);
       const meta = <T>(name: (typeof META_FILES)[number]): T => {

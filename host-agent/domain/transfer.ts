@@ -8,7 +8,7 @@ import type { Logger } from 'pino';
 import type { SignedManifest, SnapshotManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, LiveRoots, ManifestStore } from './snapshot-store.ts';
 import { chunkSizes } from './snapshot-store.ts';
-import { ChunksUnavailableError, DigestMismatchError, ManifestInvalidError } from './transfer-errors.ts';
+import { ChunkCorruptError, ChunkMissingError, ChunksUnavailableError, DigestMismatchError, ManifestInvalidError } from './transfer-errors.ts';
 import { isForkfleetError } from '../../proto/errors.ts';
 import { verifyManifest, type TrustedKeys } from './tickets.ts';
 
@@ -22,10 +22,14 @@ export interface ChunkSession {
   close(): void;
 }
 
-/** A peer that can serve one snapshot (the ticket is bound when the source is made). */
-export interface ChunkSource {
+/** Where a snapshot's signed manifest can be asked for (a peer; the shipper adds its own store). */
+export interface ManifestSource {
   readonly id: string;
   getManifest(signal?: AbortSignal): Promise<SignedManifest>;
+}
+
+/** A peer that can serve one snapshot (the ticket is bound when the source is made). */
+export interface ChunkSource extends ManifestSource {
   open(signal?: AbortSignal): ChunkSession;
 }
 
@@ -163,6 +167,109 @@ function sleep(ms: number, signal?: AbortSignal): Promise<void> {
 }
 
 /**
+ * fetchChunks' digests waiting to be asked for, in order: one list that every source reads
+ * from a cursor of its own (one per source id, shared by its sessions). Behind a source's
+ * cursor every entry was taken, is no longer wanted, or is excluded for that source (an
+ * exclusion is for good), so no source looks at an entry twice: a take costs O(1) amortised
+ * per entry and source. Scanning from the front of one array and splicing taken entries out
+ * cost O(n) per take, O(n^2) per fetch (6 s of main thread for 64k chunks), and a source
+ * rescanned every digest excluded for it at each take. Same order as that array: requeued
+ * digests go to the end; a source takes the first entries it may, in order. Taken entries are
+ * cleared in place; the list is compacted once they are most of it.
+ */
+export class DigestQueue {
+  private slots: Array<DigestHex | undefined>;
+  /** Cleared entries in `slots`. */
+  private holes = 0;
+  /** Each source id's cursor: an index into `slots`. */
+  private readonly cursors = new Map<string, number>();
+  /** Entries take() looked at, in all (its cost, for tests). */
+  visited = 0;
+
+  constructor(digests: Iterable<DigestHex>) {
+    this.slots = [...digests];
+  }
+
+  push(d: DigestHex): void {
+    this.slots.push(d);
+  }
+
+  /**
+   * Up to `max` digests for source `id`, in order: the first entries that are still `wanted`
+   * and not `excludedFor` it. Entries no longer wanted are dropped; excluded ones stay for the
+   * other sources.
+   */
+  take(id: string, max: number, wanted: (d: DigestHex) => boolean, excludedFor: (d: DigestHex) => boolean): DigestHex[] {
+    const out: DigestHex[] = [];
+    let i = this.cursors.get(id) ?? 0;
+    for (; i < this.slots.length && out.length < max; i++) {
+      this.visited++;
+      const d = this.slots[i];
+      if (d === undefined) continue;
+      if (wanted(d)) {
+        if (excludedFor(d)) continue;
+        out.push(d);
+      }
+      this.slots[i] = undefined;
+      this.holes++;
+    }
+    this.cursors.set(id, i);
+    if (this.holes > 1024 && this.holes * 2 > this.slots.length) this.compact();
+    return out;
+  }
+
+  /** Drops the cleared entries, moving each cursor to where its entry went. */
+  private compact(): void {
+    const byIndex = [...this.cursors].sort((a, b) => a[1] - b[1]);
+    const kept: DigestHex[] = [];
+    let c = 0;
+    for (let i = 0; i <= this.slots.length; i++) {
+      for (; c < byIndex.length && (byIndex[c] as [string, number])[1] === i; c++) this.cursors.set((byIndex[c] as [string, number])[0], kept.length);
+      const d = this.slots[i];
+      if (d !== undefined) kept.push(d);
+    }
+    this.slots = kept;
+    this.holes = 0;
+  }
+}
+
+/**
+ * The manifest of `snapshotId` from the first of `sources` whose answer verifies (the
+ * signature, and that it is that snapshot's). A source whose manifest does not verify is
+ * logged by id and the next one asked: the first source's bytes used to be taken on trust, and
+ * a bad one failed the whole fetch (ManifestInvalidError, not retryable) while another source
+ * held a good one. Throws only when none gives a valid one: the last failure to answer when a
+ * source did not answer (a retry may reach it), else ManifestInvalidError naming each reason.
+ */
+export async function verifiedManifestFrom(
+  snapshotId: string,
+  sources: readonly ManifestSource[],
+  trust: TrustedKeys,
+  opts: { readonly signal?: AbortSignal | undefined; readonly log?: Logger | undefined } = {},
+): Promise<{ signed: SignedManifest; manifest: SnapshotManifest; source: string }> {
+  let unanswered: unknown;
+  const invalid: string[] = [];
+  for (const s of sources) {
+    let signed: SignedManifest;
+    try {
+      signed = await s.getManifest(opts.signal);
+    } catch (e) {
+      unanswered = e;
+      opts.log?.warn({ source: s.id, snapshotId, err: (e as Error).message }, 'GetManifest failed');
+      continue;
+    }
+    try {
+      return { signed, manifest: verifyManifest(signed, trust, snapshotId), source: s.id };
+    } catch (e) {
+      invalid.push(`${s.id}: ${(e as Error).message}`);
+      opts.log?.warn({ source: s.id, snapshotId, err: (e as Error).message }, "a source's manifest does not verify: asking the next source");
+    }
+  }
+  if (unanswered !== undefined) throw unanswered instanceof Error ? unanswered : new Error(String(unanswered));
+  throw new ManifestInvalidError(invalid.length > 0 ? `no source gave a valid manifest of ${snapshotId} (${invalid.join('; ')})` : 'no source returned a manifest');
+}
+
+/**
  * `it.next()`, or `silent()` thrown when it has not settled within `ms`, or what `stop`
  * rejects with first (the next is left to settle, its outcome ignored).
  */
@@ -200,7 +307,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   const backoffMs = opts.backoffMs ?? 200;
   const idleMs = opts.idleMs ?? 30_000;
   const pending = new Set(await store.missing(digests));
-  const queue: DigestHex[] = [...pending];
+  const queue = new DigestQueue(pending);
   const excluded = new Map<DigestHex, Set<string>>();
   const report: FetchReport = { requested: pending.size, fetched: 0, bytes: 0, rejected: 0, sources: [], ms: 0 };
   const changed = new Notifier();
@@ -216,23 +323,8 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
     s.add(id);
   };
 
-  const take = (id: string, max: number): DigestHex[] => {
-    const out: DigestHex[] = [];
-    for (let i = 0; i < queue.length && out.length < max; ) {
-      const d = queue[i] as DigestHex;
-      if (!pending.has(d)) {
-        queue.splice(i, 1);
-        continue;
-      }
-      if (excluded.get(d)?.has(id)) {
-        i++;
-        continue;
-      }
-      queue.splice(i, 1);
-      out.push(d);
-    }
-    return out;
-  };
+  const wanted = (d: DigestHex): boolean => pending.has(d);
+  const take = (id: string, max: number): DigestHex[] => queue.take(id, max, wanted, (d) => excluded.get(d)?.has(id) === true);
 
   const runSource = async (src: ChunkSource): Promise<void> => {
     const rep: SourceReport = { id: src.id, chunks: 0, bytes: 0, rejected: 0, missing: 0, failures: 0 };
@@ -403,7 +495,9 @@ export interface FetchSnapshotOptions extends FetchOptions {
   readonly signed?: SignedManifest;
   /**
    * Runs the chunk fetch. Lets the caller wrap it, e.g. to materialise the image while
-   * chunks arrive. It must call `fetch` exactly once.
+   * chunks arrive. It must call `fetch` exactly once, and read back verified (readVerified)
+   * the chunks that were stored before (the Materialiser does, as it copies them into the
+   * image): without `around`, fetchSnapshot verifies those itself before it fetches.
    */
   readonly around?: (manifest: SnapshotManifest, fetch: (onChunk?: ChunkSink) => Promise<FetchReport>) => Promise<void>;
   /**
@@ -439,7 +533,40 @@ async function keepForRetry(chunks: ChunkStore, digests: ReadonlySet<DigestHex>,
 }
 
 /**
- * Idempotent step: get and verify the signed manifest from the first source that answers,
+ * Reads back (verified) each chunk of `digests` that is stored here already, for a fetch that
+ * builds no image (a replica, a drain): it would store the manifest, "complete", over them
+ * without reading one, and a chunk file torn by an OS crash (an earlier write never synced;
+ * `missing()` counts a file with a whole header as present) would stay named by it. A chunk
+ * that fails the read is removed by it (quarantined, ChunkCorruptError), so the fetch that
+ * follows gets it like a missing one. Returns how many were found so.
+ */
+async function verifyStored(snapshotId: string, chunks: ChunkStore, digests: ReadonlySet<DigestHex>, signal?: AbortSignal, log?: Logger): Promise<number> {
+  const absent = new Set(await chunks.missing(digests));
+  const stored = [...digests].filter((d) => !absent.has(d));
+  let bad = 0;
+  let next = 0;
+  let failed = false;
+  const reader = async (): Promise<void> => {
+    for (let d = stored[next++]; d !== undefined && !failed && !signal?.aborted; d = stored[next++]) {
+      try {
+        await chunks.readVerified(d);
+      } catch (e) {
+        // Another failure (EIO) fails the fetch: its readers stop too.
+        if (!(e instanceof ChunkCorruptError || e instanceof ChunkMissingError)) {
+          failed = true;
+          throw e;
+        }
+        bad++;
+      }
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(8, stored.length) }, reader));
+  if (bad > 0) log?.warn({ snapshotId, chunks: bad, of: stored.length }, 'chunks stored here failed verification (removed): fetching them');
+  return bad;
+}
+
+/**
+ * Idempotent step: get the signed manifest from the first source whose manifest verifies,
  * fetch the missing chunks (pinned against GC while in flight), then store the manifest,
  * which marks the snapshot complete on this host. When it fails, the chunks it stored stay
  * for a GC grace period from the failure (keepForRetry), so a retry fetches only the rest.
@@ -450,22 +577,10 @@ export async function fetchSnapshot(
   deps: FetchSnapshotDeps,
   opts: FetchSnapshotOptions = {},
 ): Promise<{ manifest: SnapshotManifest; signed: SignedManifest; report: FetchReport; durable: Promise<void> }> {
-  let signed = opts.signed ?? (await deps.manifests.get(snapshotId));
-  let lastErr: unknown;
-  if (!signed) {
-    for (const s of sources) {
-      try {
-        signed = await s.getManifest(opts.signal);
-        break;
-      } catch (e) {
-        lastErr = e;
-        deps.log?.warn({ source: s.id, err: (e as Error).message }, 'GetManifest failed');
-      }
-    }
-  }
-  if (!signed) throw lastErr instanceof Error ? lastErr : new ManifestInvalidError('no source returned a manifest');
-  const complete: SignedManifest = signed;
-  const manifest = verifyManifest(complete, deps.trust, snapshotId);
+  const given = opts.signed ?? (await deps.manifests.get(snapshotId));
+  const { signed: complete, manifest } = given
+    ? { signed: given, manifest: verifyManifest(given, deps.trust, snapshotId) }
+    : await verifiedManifestFrom(snapshotId, sources, deps.trust, { signal: opts.signal, log: deps.log });
   // Each digest with the plain size the manifest gives it (checked against what peers send).
   const sizes = chunkSizes(manifest.artifacts);
   const digests = new Set(sizes.keys());
@@ -483,7 +598,11 @@ export async function fetchSnapshot(
       return report;
     };
     if (opts.around) await opts.around(manifest, fetch);
-    else await fetch();
+    else {
+      // No image is built: nothing else reads the chunks that were here already.
+      await verifyStored(snapshotId, deps.chunks, digests, opts.signal, deps.log);
+      await fetch();
+    }
     if (!report) throw new Error('fetchSnapshot: around() did not run the fetch');
     // One batch of fsyncs for every chunk written, then the "complete" marker. Pinned until
     // the manifest (a root for GC) is stored.
