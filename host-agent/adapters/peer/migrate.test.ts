@@ -77,6 +77,20 @@ describe('MigrateSnapshot', () => {
     expect(targets.at(-1)?.host).toBe('127.0.0.1');
   });
 
+  it('migrateFrom_aSourceAdvertisedByHostName_takesItsConnectionFromAnAddressTheNameResolvesTo', async () => {
+    // FF_PEER_ADVERTISE may name a host: the source's connection comes from one of its addresses.
+    const port = withMigrate.address.split(':').at(-1);
+    const r = await migrateFrom({ sourceAddress: `localhost:${port}`, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1', connectTimeoutMs: 3_000 }, readAll);
+    expect(r.result).toBe('the-migration-stream');
+    expect(r.bytes).toBe(20);
+  });
+
+  it('migrateFrom_aSourceWhoseHostNameDoesNotResolve_failsRetryablyBeforeAskingIt_soTheCallerTriesTheNext', async () => {
+    const calls = targets.length;
+    await expect(migrateFrom({ sourceAddress: 'no-such-host.invalid:5000', ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1' }, readAll)).rejects.toMatchObject({ kind: 'unavailable', retryable: true });
+    expect(targets.length).toBe(calls);
+  });
+
   it('migrateFrom_withoutValidTicket_isRefusedAndLoadNeverRuns', async () => {
     const stranger = generateSigningKey('k1').signing;
     let loaded = false;

@@ -3,6 +3,7 @@
 // connect to it. The accepted connection is handed on unread: the destination's QEMU reads
 // the stream itself, so the bytes never pass through this process.
 import net from 'node:net';
+import { lookup } from 'node:dns/promises';
 import { randomBytes } from 'node:crypto';
 import { mkdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
@@ -132,9 +133,31 @@ interface Inbound {
   close(): Promise<void>;
 }
 
+/**
+ * The addresses of `host`: itself when it is an IP address, else every address a lookup gives
+ * (FF_PEER_ADVERTISE may name a host; a connection from it comes from one of its addresses,
+ * and compared with the name it never matched, so every restore by migration from such a
+ * source waited out the connect timeout and fell back to a fetch). Restricted to `family`
+ * when given. A name that does not resolve fails retryably: the caller moves on to its next
+ * source.
+ */
+async function addressesOf(host: string, what: string, family?: 4 | 6): Promise<string[]> {
+  const plain = plainAddress(host);
+  if (net.isIP(plain)) return [plain];
+  let found: Array<{ address: string; family: number }>;
+  try {
+    found = await lookup(host, { all: true, verbatim: true });
+  } catch (e) {
+    throw new ForkfleetError('unavailable', `${what} ${JSON.stringify(host)} does not resolve: ${(e as Error).message}`, { retryable: true, cause: e });
+  }
+  const out = [...new Set(found.filter((a) => family === undefined || a.family === family).map((a) => plainAddress(a.address)))];
+  if (out.length === 0) throw new ForkfleetError('unavailable', `${what} ${JSON.stringify(host)} has no IPv${family ?? ''} address`, { retryable: true });
+  return out;
+}
+
 /** A one-shot listener that hands the source's connection on, unread (QEMU reads it itself). */
 async function listenOnce(o: MigrateFromOptions, connectMs: number): Promise<Inbound> {
-  const sourceHost = plainAddress(hostOfAddress(o.sourceAddress));
+  const sourceHosts = new Set(await addressesOf(hostOfAddress(o.sourceAddress), 'migration source host'));
   const server = net.createServer({ pauseOnConnect: true });
   await new Promise<void>((resolve, reject) => {
     server.once('error', reject);
@@ -151,7 +174,7 @@ async function listenOnce(o: MigrateFromOptions, connectMs: number): Promise<Inb
   });
   const arrived = new Promise<net.Socket>((resolve) => {
     server.on('connection', (c) => {
-      if (!c.remoteAddress || plainAddress(c.remoteAddress) !== sourceHost) {
+      if (!c.remoteAddress || !sourceHosts.has(plainAddress(c.remoteAddress))) {
         c.destroy();
         return;
       }
@@ -178,8 +201,15 @@ async function listenOnce(o: MigrateFromOptions, connectMs: number): Promise<Inb
 async function relayOnce(o: MigrateFromOptions, r: NonNullable<MigrateFromOptions['relay']>, connectMs: number, timeoutMs: number): Promise<Inbound> {
   const unixPath = join(r.socketDir, `in-${randomBytes(6).toString('hex')}.sock`);
   await mkdir(r.socketDir, { recursive: true, mode: 0o700 });
+  // socat takes IP addresses only: names (FF_PEER_ADVERTISE may be one) are looked up here. Its
+  // range takes one address: the source's first of the family this end listens on (the
+  // source's certificate is what proves it; the range only narrows who may try).
+  const [bindHost] = await addressesOf(o.listenHost, "this host's peer address");
+  if (bindHost === undefined) throw new ForkfleetError('unavailable', `no address to listen on for ${o.listenHost}`, { retryable: true });
+  const [fromHost] = await addressesOf(hostOfAddress(o.sourceAddress), 'migration source host', net.isIP(bindHost) === 6 ? 6 : 4);
+  if (fromHost === undefined) throw new ForkfleetError('unavailable', `no address for ${o.sourceAddress}`, { retryable: true });
   // The stream waits in the relay until this host's QEMU listens, for as long as the exchange may take.
-  const relay = await listenRelay({ socat: r.socat, tlsDir: r.tlsDir, unixPath, peerHostId: r.sourceHostId, acceptTimeoutMs: connectMs, unixWaitMs: timeoutMs, bindHost: o.listenHost, fromHost: plainAddress(hostOfAddress(o.sourceAddress)) });
+  const relay = await listenRelay({ socat: r.socat, tlsDir: r.tlsDir, unixPath, peerHostId: r.sourceHostId, acceptTimeoutMs: connectMs, unixWaitMs: timeoutMs, bindHost, fromHost });
   const late = (): Error => new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect as host ${r.sourceHostId} within ${connectMs} ms`, { retryable: true });
   // socat's accept-timeout starts again after each refused connection, and its TLS handshake
   // has none: the source has connectMs from here to prove who it is, whatever socat does.
