@@ -179,10 +179,12 @@ describe('fields a record stores', () => {
     const bad = ['\u202Aa', 'a\u202E', '\u2066x', 'x\u2069', 'pr\u200Bod', 'a\u200Fb', '\uFEFFv', 'a\u00ADb', 'a\u2060b', 'a\u{E0001}b'];
     for (const v of bad) expect(() => labels({ team: v }), JSON.stringify(v)).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: 'labels["team"]' }));
     expect(() => labels({ team: 'pr\u200Bod' })).toThrow(/U\+200B at \[2\]/);
-    // On every call that sets labels, and for a selector alike (one helper).
-    expect(() => labels({ team: 'a\u202E' }, 'labels', true)).toThrow(expect.objectContaining({ field: 'labels["team"]' }));
-    // Letters, marks and symbols of any script are fine.
-    for (const v of ['Ünïcødé', '日本語', 'emoji 🚀', 'e\u0301']) expect(labels({ team: v })).toEqual({ team: v });
+    // A selector refuses controls, but may name a value stored before format characters were refused.
+    expect(() => labels({ team: 'a\u001b' }, 'labels', true)).toThrow(expect.objectContaining({ field: 'labels["team"]' }));
+    expect(labels({ team: 'a\u202E' }, 'labels', true)).toEqual({ team: 'a\u202E' });
+    // Letters, marks and symbols of any script are fine, and so are the zero-width non-joiner
+    // and joiner that Persian words and emoji sequences need.
+    for (const v of ['Ünïcødé', '日本語', 'emoji 🚀', 'e\u0301', 'می\u200Cخواهم', '👩\u200D💻']) expect(labels({ team: v })).toEqual({ team: v });
   });
 
   it('idleTimeout_underASecondButNotZero_isInvalidArgument_notTruncatedToDisabled', () => {

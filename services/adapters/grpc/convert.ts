@@ -90,17 +90,21 @@ function badKey(field: string, k: string, why: string): InvalidArgumentError {
  * Characters text that people read must not have: controls (C0, DEL and C1: U+009B starts a
  * terminal escape as ESC [ does), line and paragraph separators, and format characters
  * (Unicode category Cf: bidi overrides and isolates U+202A-U+202E and U+2066-U+2069, which
- * make a dashboard or CLI show the text reordered; zero-width characters U+200B-U+200F and
- * U+FEFF, which make two values that look alike differ; soft hyphens and the like).
+ * make a dashboard or CLI show the text reordered; zero-width characters such as U+200B,
+ * U+2060 and U+FEFF, which make two values that look alike differ; soft hyphens and the
+ * like), except the zero-width non-joiner and joiner (U+200C, U+200D): Persian and Indic
+ * words and emoji sequences need them.
  */
-const NOT_SHOWN_AS_IS = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]/u;
+const NOT_SHOWN_AS_IS = /[\p{Cc}\p{Zl}\p{Zp}]|(?![\u200c\u200d])\p{Cf}/u;
+/** What a label selector's value may not have: controls and separators (it may name values stored before format characters were refused). */
+const CONTROL_OR_SEPARATOR = /[\p{Cc}\p{Zl}\p{Zp}]/u;
 
 /**
- * Where `v` has a character of NOT_SHOWN_AS_IS, said as "U+XXXX at [i]" (i counts UTF-16 code
- * units, as JavaScript does), or undefined. Label values are text that dashboards and CLIs print.
+ * Where `v` has a character of `re`, said as "U+XXXX at [i]" (i counts UTF-16 code units, as
+ * JavaScript does), or undefined. Label values are text that dashboards and CLIs print.
  */
-function controlIn(v: string): string | undefined {
-  const m = NOT_SHOWN_AS_IS.exec(v);
+function controlIn(v: string, re: RegExp = NOT_SHOWN_AS_IS): string | undefined {
+  const m = re.exec(v);
   if (!m) return undefined;
   return `U+${m[0].codePointAt(0)!.toString(16).toUpperCase().padStart(4, '0')} at [${m.index}]`;
 }
@@ -244,7 +248,7 @@ export function labels(m: Record<string, string>, field = 'labels', filter = fal
     // In any case: Forkfleet.io/hibernation is no key of a user's either (it reads as the scheduler's).
     if (!filter && k.toLowerCase().startsWith(RESERVED_LABEL_PREFIX)) throw new InvalidArgumentError(mapEntry(field, k), `keys starting ${RESERVED_LABEL_PREFIX} (in any case) are the scheduler's own`);
     if (Buffer.byteLength(v) > 256) throw new InvalidArgumentError(mapEntry(field, k), 'label values are at most 256 bytes');
-    const bad = controlIn(v);
+    const bad = controlIn(v, filter ? CONTROL_OR_SEPARATOR : NOT_SHOWN_AS_IS);
     if (bad) throw new InvalidArgumentError(mapEntry(field, k), `label values must not contain control, format (bidi, zero-width) or separator characters: ${bad}`);
   }
   const bytes = jsonBytes(m);

@@ -413,12 +413,16 @@ export const ExecResponseSchema: GenMessage<ExecResponse> = /*@__PURE__*/
  */
 export type ExecExit = Message<"forkfleet.v1.ExecExit"> & {
   /**
+   * The command's exit status; -1 when a signal ended it.
+   *
    * @generated from field: int32 exit_code = 1;
    */
   exitCode: number;
 
   /**
-   * Set when the command was ended by a signal.
+   * Set when the command was ended by a signal (a timed-out or cancelled command: 9). A
+   * command's own exit with a status of 129-192 reads as signal status-128 too (the guest's
+   * shell, which runs it, cannot tell them apart), except for the stop signals.
    *
    * @generated from field: int32 signal = 2;
    */
@@ -2450,8 +2454,9 @@ export const OperationStepStateSchema: GenEnum<OperationStepState> = /*@__PURE__
  *   `labels["team"]`, `env["PATH"]`.
  * - Labels: at most 64, keys of 1-63 characters (a-z, A-Z, 0-9, . _ / -) starting with a letter
  *   or digit, values of at most 256 bytes without control, format or separator characters
- *   (Unicode Cc, Cf, Zl, Zp: C0 and C1 controls, bidi controls, zero-width characters, U+FEFF),
- *   4 KiB as JSON together. Keys starting forkfleet.io/, in any case, are the scheduler's own:
+ *   (Unicode Cc, Cf, Zl, Zp: C0 and C1 controls, bidi controls, zero-width characters, U+FEFF;
+ *   the zero-width non-joiner and joiner U+200C and U+200D are allowed: words and emoji need
+ *   them), 4 KiB as JSON together; a selector's values refuse controls and separators only. Keys starting forkfleet.io/, in any case, are the scheduler's own:
  *   they may be selected by, not set. Every child of a fork
  *   carries its labels and hooks, and a fork writes all its children in one transaction
  *   (1 MB of records): with large labels or hooks, fewer children fit (INVALID_ARGUMENT count).
