@@ -4,11 +4,14 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { createServer } from 'node:net';
 import type { Server, Socket } from 'node:net';
 import { spawn, spawnSync } from 'node:child_process';
-import { closeSync, mkdtempSync, openSync, readSync, rmSync } from 'node:fs';
+import { randomBytes } from 'node:crypto';
+import { closeSync, mkdtempSync, openSync, readFileSync, readSync, readdirSync, rmSync } from 'node:fs';
 import { constants, tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, cwdRefusal, leftStreams, pathError } from './client.ts';
+import { GuestAgentClient, MAX_PENDING_REPLY_BYTES, RESERVED_ENV_PREFIXES, cwdRefusal, leftStreams, pathError } from './client.ts';
+import type { ExecTimings } from './client.ts';
 import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError } from '../../errors.ts';
+import { env as apiEnv } from '../../../services/adapters/grpc/convert.ts';
 import type { ForkfleetError } from '../../../proto/errors.ts';
 
 interface FakeGuestOptions {
@@ -336,16 +339,30 @@ describe('leftStreams', () => {
 
 type GuestRequest = { execute: string; arguments?: Record<string, unknown> };
 
+interface ShellGuestOptions {
+  /** qemu-ga's environment for a request that gives none (default: this process's). */
+  env?: NodeJS.ProcessEnv;
+  /**
+   * For a guest-exec whose arguments it returns something for: runs that (the arguments, or
+   * others in their place) and never answers the request (an answer lost).
+   */
+  lose?: (arg: string[]) => string[] | undefined;
+}
+
 /**
  * A qemu-ga 7.2 whose guest is this machine: guest-exec runs the program here (`/bin/sh` as
- * `shell`: dash, or busybox's), with qemu-ga's environment (this process's) unless the request
- * gives one, which replaces it as qemu-ga's does; a captured program is reported exited once
- * it has exited and its pipes have closed, with its exit status or the signal that ended it.
- * guest-file-* read real files. `log` holds every request; `handed` the most of each stream
- * one status answer handed over (decoded bytes).
+ * `shell`: dash, or busybox's), with qemu-ga's environment (this process's, whose initial one
+ * is what /proc/$PPID/environ shows its programs) unless the request gives one, which replaces
+ * it as qemu-ga's does; a captured program is reported exited once it has exited and its pipes
+ * have closed, with its exit status or the signal that ended it. guest-file-* read real files.
+ * `log` holds every request; `handed` the most of each stream one status answer handed over
+ * (decoded bytes); `started` the pids it started. Closed, it kills the process groups it
+ * started that still run a second on (a test that fails leaves nothing running).
  */
-async function shellGuest(shell: string[]): Promise<Awaited<ReturnType<typeof fakeGuest>> & { log: GuestRequest[]; handed: () => { stdout: number; stderr: number } }> {
+async function shellGuest(shell: string[], o: ShellGuestOptions = {}): Promise<Awaited<ReturnType<typeof fakeGuest>> & { log: GuestRequest[]; handed: () => { stdout: number; stderr: number }; started: number[]; recorded: (pid: number) => boolean }> {
   const log: GuestRequest[] = [];
+  const started: number[] = [];
+  const alive = new Set<number>();
   const runs = new Map<number, { done: boolean; code: number | null; signal: NodeJS.Signals | null; out: Buffer[]; err: Buffer[] }>();
   const files = new Map<number, { fd: number; pos: number }>();
   let handles = 1;
@@ -355,19 +372,24 @@ async function shellGuest(shell: string[]): Promise<Awaited<ReturnType<typeof fa
       log.push(req);
       const a = req.arguments ?? {};
       if (req.execute === 'guest-exec') {
-        const arg = (a.arg as string[] | undefined) ?? [];
+        const given = (a.arg as string[] | undefined) ?? [];
+        const lost = o.lose?.(given);
+        const arg = lost ?? given;
         const [cmd, ...rest] = a.path === '/bin/sh' ? [...shell, ...arg] : [a.path as string, ...arg];
-        const env = a.env ? Object.fromEntries((a.env as string[]).map((e) => [e.slice(0, e.indexOf('=')), e.slice(e.indexOf('=') + 1)])) : process.env;
+        const env = a.env ? Object.fromEntries((a.env as string[]).map((e) => [e.slice(0, e.indexOf('=')), e.slice(e.indexOf('=') + 1)])) : (o.env ?? process.env);
         const capture = a['capture-output'] === true;
         const input = a['input-data'] as string | undefined;
-        const child = spawn(cmd!, rest, { env, stdio: [input ? 'pipe' : 'ignore', capture ? 'pipe' : 'ignore', capture ? 'pipe' : 'ignore'] });
+        const child = spawn(cmd!, rest, { env, detached: true, stdio: [input ? 'pipe' : 'ignore', capture ? 'pipe' : 'ignore', capture ? 'pipe' : 'ignore'] });
+        started.push(child.pid!);
+        alive.add(child.pid!);
+        child.on('exit', () => alive.delete(child.pid!));
         const run = { done: false, code: null as number | null, signal: null as NodeJS.Signals | null, out: [] as Buffer[], err: [] as Buffer[] };
         child.stdout?.on('data', (d: Buffer) => run.out.push(d));
         child.stderr?.on('data', (d: Buffer) => run.err.push(d));
         if (input) child.stdin?.end(Buffer.from(input, 'base64'));
         child.on('close', (code, signal) => Object.assign(run, { done: true, code, signal }));
         runs.set(child.pid!, run);
-        return { reply: { pid: child.pid } };
+        return lost ? undefined : { reply: { pid: child.pid } };
       }
       if (req.execute === 'guest-exec-status') {
         const run = runs.get(a.pid as number);
@@ -409,7 +431,19 @@ async function shellGuest(shell: string[]): Promise<Awaited<ReturnType<typeof fa
       return undefined;
     },
   });
-  return { ...g, log, handed: () => ({ ...handed }) };
+  const close = async (): Promise<void> => {
+    // What is still running a second on (a helper's rm takes milliseconds) is a test's leftover.
+    for (const end = Date.now() + 1000; alive.size && Date.now() < end; ) await new Promise((r) => setTimeout(r, 20));
+    for (const pid of alive) {
+      try {
+        process.kill(-pid, 'SIGKILL');
+      } catch {
+        // gone
+      }
+    }
+    await g.close();
+  };
+  return { ...g, close, log, handed: () => ({ ...handed }), started, recorded: (pid) => runs.has(pid) };
 }
 
 const busybox = spawnSync('busybox', ['sh', '-c', 'exit 0']).status === 0;
@@ -420,10 +454,10 @@ describe.each(shells)('GuestAgentClient.exec, the wrapper under %s', (_name, she
   afterEach(async () => {
     for (const c of cleanups.splice(0)) await c();
   });
-  const connect = async (): Promise<{ c: GuestAgentClient; g: Awaited<ReturnType<typeof shellGuest>> }> => {
-    const g = await shellGuest(shell);
+  const connect = async (o: ShellGuestOptions & { timing?: Partial<ExecTimings> } = {}): Promise<{ c: GuestAgentClient; g: Awaited<ReturnType<typeof shellGuest>> }> => {
+    const g = await shellGuest(shell, o);
     cleanups.push(g.close);
-    const c = await GuestAgentClient.connect(g.path);
+    const c = await GuestAgentClient.connect(g.path, 5000, undefined, o.timing);
     cleanups.push(() => c.close());
     return { c, g };
   };
@@ -484,6 +518,107 @@ describe.each(shells)('GuestAgentClient.exec, the wrapper under %s', (_name, she
     expect(counts.length).toBeGreaterThan(0);
     expect(Math.min(...counts)).toBeGreaterThan(0);
   });
+
+  it('exec_withASecretInItsVariables_neverPutsItInACommandLine_andTheProgramSeesItBesideTheGuestsPathAndHome', async () => {
+    const { c, g } = await connect();
+    const secret = `s3cret-${randomBytes(8).toString('hex')}`;
+    const cmdlines: string[] = [];
+    let running = true;
+    // What `ps` shows any guest user, all along the program's run: every process's command line.
+    const watch = (async () => {
+      while (running) {
+        for (const d of readdirSync('/proc').filter((x) => /^\d+$/.test(x))) {
+          try {
+            cmdlines.push(readFileSync(`/proc/${d}/cmdline`, 'latin1'));
+          } catch {
+            // gone
+          }
+        }
+        await new Promise((r) => setTimeout(r, 50));
+      }
+    })();
+    const show = ['-c', 'sleep 0.6; printf "%s|%s|%s|%s" "$API_KEY" "${FFE_API_KEY-none}" "$HOME" "$PATH"'];
+    const r = await c.exec({ path: '/bin/sh', args: show, env: ['API_KEY=' + secret] });
+    const dir = mkdtempSync(join(tmpdir(), 'ff-env-'));
+    cleanups.push(() => rmSync(dir, { recursive: true, force: true }));
+    const direct = await c.exec({ path: '/bin/sh', args: ['-c', 'sleep 0.6; printf "%s|%s" "$API_KEY" "$HOME" > out'], env: ['API_KEY=' + secret], cwd: dir, captureOutput: false });
+    running = false;
+    await watch;
+    expect([r.exitCode, r.stdout.toString(), r.stderr.toString()]).toEqual([0, `${secret}|none|${process.env.HOME}|${process.env.PATH}`, '']);
+    expect([direct.exitCode, readFileSync(join(dir, 'out'), 'utf8')]).toEqual([0, `${secret}|${process.env.HOME}`]);
+    // The wrapper was seen running (its nonce's line), and no command line ever held the secret.
+    expect(cmdlines.some((l) => l.includes('# ff-exec-wrapper-end'))).toBe(true);
+    expect(cmdlines.filter((l) => l.includes(secret))).toEqual([]);
+    // Nor any argument the guest was given: only qemu-ga's env carries it.
+    const starts = g.log.filter((q) => q.execute === 'guest-exec');
+    expect(starts.filter((q) => JSON.stringify(q.arguments?.arg).includes(secret))).toEqual([]);
+    expect(starts.slice(0, 2).map((q) => q.arguments?.env)).toEqual([[`FFE_API_KEY=${secret}`], [`FFE_API_KEY=${secret}`]]);
+  });
+
+  it('exec_withVariablesNamedAsTheWrappersOwnOnceWere_givesEachToTheProgram_andTheWrapperWorksAsWithout', async () => {
+    const { c } = await connect();
+    const names = ['n', 'f', 'c', 'h', 't', 'i', 'a', 'r', 'k'];
+    const env = names.map((x) => `${x}=${x === 'n' ? '7' : x === 'f' ? '/nonexistent/x' : x === 'h' ? '1' : `v-${x}`}`);
+    const print = names.map((x) => `"$${x}"`).join(' ');
+    const r = await c.exec({ path: '/bin/sh', args: ['-c', `printf '%s,' ${print}; echo err >&2; exit 3`], env });
+    expect([r.exitCode, r.stdout.toString(), r.stderr.toString()]).toEqual([3, '7,/nonexistent/x,v-c,1,v-t,v-i,v-a,v-r,v-k,', 'err\n']);
+    // Without capture (EXEC_DIRECT's own were c and n), in a directory.
+    const dir = mkdtempSync(join(tmpdir(), 'ff-env-'));
+    cleanups.push(() => rmSync(dir, { recursive: true, force: true }));
+    const d = await c.exec({ path: '/bin/sh', args: ['-c', `printf '%s,' ${print} > out`], env, cwd: dir, captureOutput: false });
+    expect([d.exitCode, readFileSync(join(dir, 'out'), 'utf8')]).toEqual([0, '7,/nonexistent/x,v-c,1,v-t,v-i,v-a,v-r,v-k,']);
+  });
+
+  it('exec_whoseTmpdirCannotBeWritten_runsTheProgramDirectly_insteadOfEndingTheWrapper', async () => {
+    const { c } = await connect();
+    const r = await c.exec({ path: '/bin/sh', args: ['-c', 'echo out; echo err >&2; printf "%s" "$TMPDIR"; exit 4'], env: ['TMPDIR=/nonexistent'] });
+    expect([r.exitCode, r.stdout.toString(), r.stderr.toString()]).toEqual([4, 'out\n/nonexistent', 'err\n']);
+  });
+
+  it('exec_withoutACallersTmpdir_keepsItsFilesInTmp_notInQemuGasTmpdir_whereTheHostReadsWhatWasLeft', async () => {
+    // qemu-ga's own TMPDIR elsewhere: the host reads what the wrapper left in /tmp (wrapperDir).
+    const qgaTmp = mkdtempSync(join(tmpdir(), 'ff-qga-tmp-'));
+    cleanups.push(() => rmSync(qgaTmp, { recursive: true, force: true }));
+    const { c } = await connect({ env: { ...process.env, TMPDIR: qgaTmp } });
+    // 1.5 MiB: past what the wrapper hands qemu-ga (EXEC_HANDED_BYTES), the rest left in a file.
+    const r = await c.exec({ path: '/bin/sh', args: ['-c', 'head -c 1572864 /dev/zero; printf "%s" "$TMPDIR" >&2'] });
+    expect([r.exitCode, r.stdout.length, r.outputTruncated, r.stderr.toString()]).toEqual([0, 1572864, undefined, qgaTmp]);
+    expect(readdirSync(qgaTmp)).toEqual([]);
+  });
+
+  it('exec_whoseProgramStopsTheWrapper_isKilledAtItsDeadline_andAnswered_theWrapperContinued', async () => {
+    const { c, g } = await connect({ timing: { killGraceMs: 1500 } });
+    const r = await c.exec({ path: '/bin/sh', args: ['-c', 'echo started; kill -STOP $PPID; exec sleep 30'], timeoutMs: 300 });
+    expect(r).toMatchObject({ timedOut: true, signal: 9 });
+    expect(r.stdout.toString()).toBe('started\n');
+    expect(g.recorded(g.started[0]!)).toBe(false);
+  });
+
+  it('exec_givenAVariableWithAReservedName_isRefused_namingTheEntry', async () => {
+    const { c, g } = await connect();
+    for (const p of RESERVED_ENV_PREFIXES) {
+      await expect(c.exec({ path: '/bin/true', env: ['A=1', `${p}n=1`] })).rejects.toMatchObject({ kind: 'invalid_argument', field: `env["${p}n"]` });
+    }
+    expect(g.log.filter((q) => q.execute === 'guest-exec')).toEqual([]);
+  });
+
+  it('exec_whoseStartIsNeverAnswered_findsTheWrapperByItsNonce_notItsForksWithTheSameCommandLine_andTakesItsRecord', async () => {
+    // The start is run but not answered; in the wrapper's place, a shell with its command line
+    // whose subshell (a fork that runs on, with that same command line) outlives the search.
+    const { c, g } = await connect({
+      timing: { startMinMs: 300, pollTimeoutMs: 1000, killAgainMs: 100, endLaterMaxWaitMs: 200 },
+      lose: (arg) => (arg[1]?.endsWith('# ff-exec-wrapper-end') ? ['-c', '( sleep 30; : )\n# ff-exec-wrapper-end', ...arg.slice(2)] : undefined),
+    });
+    await expect(c.exec({ path: '/bin/sleep', args: ['30'], timeoutMs: 100 })).rejects.toBeInstanceOf(GuestAgentTimeoutError);
+    const wrapper = g.started[0]!;
+    const deadline = Date.now() + 10_000;
+    while (g.recorded(wrapper) && Date.now() < deadline) await new Promise((r) => setTimeout(r, 50));
+    // Ended, its record taken, and no status asked of a pid qemu-ga never started.
+    expect(g.recorded(wrapper)).toBe(false);
+    const asked = g.log.filter((q) => q.execute === 'guest-exec-status').map((q) => q.arguments?.pid as number);
+    expect(asked).toContain(wrapper);
+    expect(asked.filter((p) => !g.started.includes(p))).toEqual([]);
+  });
 });
 
 describe('GuestAgentClient.exec when the guest does not answer, or the caller cancels', () => {
@@ -499,10 +634,18 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
       await new Promise((r) => setTimeout(r, 20));
     }
   };
-  /** A guest that runs one program, pid 42, until it is killed (ff-kill), and the kills and other execs it was sent. */
-  const programGuest = async (o: { silent?: () => boolean; drop?: FakeGuestOptions['drop']; found?: string } = {}) => {
+  /**
+   * A guest that runs one program, pid 42, until it is killed (ff-kill; never, if `immortal`),
+   * and the kills and other execs it was sent. Each kill is a helper with a pid of its own
+   * (1000 on), whose record qemu-ga keeps (`records`) until its status is asked for; pids in
+   * `unknown` are refused as qemu-ga refuses a pid it does not know.
+   */
+  const programGuest = async (o: { silent?: () => boolean; drop?: FakeGuestOptions['drop']; found?: string; unknown?: number[]; immortal?: boolean; timing?: Partial<ExecTimings>; log?: Parameters<typeof GuestAgentClient.connect>[4] } = {}) => {
     const kills: string[] = [];
     const execs: string[][] = [];
+    const records = new Set<number>();
+    const statuses: number[] = [];
+    let helper = 1000;
     let killed = false;
     const g = await fakeGuest({
       silent: o.silent,
@@ -513,24 +656,29 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
           execs.push(arg);
           if (arg[2] === 'ff-kill') {
             kills.push(arg[3] ?? '');
-            killed = true;
-            return { reply: { pid: 50 } };
+            killed = !o.immortal;
+            records.add(helper);
+            return { reply: { pid: helper++ } };
           }
           if (arg[2] === 'ff-end') return { reply: { pid: 60 } };
           return { reply: { pid: 42 } };
         }
         if (req.execute === 'guest-exec-status') {
-          if (req.arguments?.pid === 60) return { reply: { exited: true, exitcode: 0, 'out-data': Buffer.from(o.found ?? '').toString('base64') } };
-          return { reply: req.arguments?.pid === 42 && !killed ? { exited: false } : { exited: true, signal: 9 } };
+          const pid = req.arguments?.pid as number;
+          statuses.push(pid);
+          if (o.unknown?.includes(pid)) return { error: "Invalid parameter 'pid'" };
+          if (records.delete(pid)) return { reply: { exited: true, exitcode: 0 } };
+          if (pid === 60) return { reply: { exited: true, exitcode: 0, 'out-data': Buffer.from(o.found ?? '').toString('base64') } };
+          return { reply: pid === 42 && !killed ? { exited: false } : { exited: true, signal: 9 } };
         }
         return undefined;
       },
     });
     cleanups.push(g.close);
-    const c = await GuestAgentClient.connect(g.path, 5000, undefined, timing);
+    const c = await GuestAgentClient.connect(g.path, 5000, undefined, { ...timing, ...o.timing }, o.log);
     cleanups.push(() => c.close());
     await c.sync(1000);
-    return { c, kills, execs };
+    return { c, kills, execs, records, statuses };
   };
 
   it('exec_whoseStatusPollsGoUnanswered_keepsSupervisingIt_andKillsItAtItsDeadline_beforeAnsweringTimedOut', async () => {
@@ -624,5 +772,78 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
     const zero = execs.find((a) => a[1]?.endsWith('# ff-exec-wrapper-end'))?.[2];
     expect(zero).toMatch(/^ff-exec-/);
     expect(execs.find((a) => a[2] === 'ff-end')?.[3]).toBe(zero);
+  });
+  it('endLater_givenPidsOfWhichQemuGaKnowsOnlySome_dropsTheUnknownOnes_andStillKillsTheWrapper', async () => {
+    let silent = false;
+    // The search names a pid qemu-ga refuses (77) before the wrapper's.
+    const { c, kills, statuses } = await programGuest({ silent: () => silent, found: '77\n42\n', unknown: [77] });
+    silent = true;
+    await expect(c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 100 })).rejects.toBeInstanceOf(GuestAgentTimeoutError);
+    silent = false;
+    await until(() => kills.includes('42'));
+    await until(() => statuses.filter((p) => p === 42).length >= 2); // and its end seen
+    expect(statuses.filter((p) => p === 77)).toHaveLength(1);
+  });
+
+  it('endLater_ofAProgramNoKillEnds_stopsTryingAfterItsBound_andLogsIt', async () => {
+    const warned: Array<{ obj: unknown; msg: string }> = [];
+    const log = { warn: (obj: unknown, msg: string) => void warned.push({ obj, msg }) } as unknown as Parameters<typeof GuestAgentClient.connect>[4];
+    const { c, kills } = await programGuest({ immortal: true, timing: { endLaterGiveUpMs: 800 }, log });
+    await expect(c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 100 })).rejects.toThrow(/timed out and killed/);
+    await until(() => warned.length > 0);
+    const sent = kills.length;
+    expect(sent).toBeGreaterThan(2);
+    await new Promise((r) => setTimeout(r, 700)); // over 3 of its longest waits
+    expect(kills).toHaveLength(sent);
+    expect(warned).toHaveLength(1);
+    expect(warned[0]?.obj).toMatchObject({ pids: [42] });
+    expect(warned[0]?.msg).toMatch(/stopped trying to end an exec/);
+  });
+
+  it('endLater_takesTheStatusOfEachKillItStarts_whileItGoesOn_soQemuGaDoesNotPileUpTheirRecords', async () => {
+    const { c, kills, records } = await programGuest({ immortal: true, timing: { endLaterGiveUpMs: 5000 } });
+    await expect(c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 100 })).rejects.toThrow(/timed out and killed/);
+    await until(() => kills.length >= 6);
+    // The last kill's record at most: every earlier one was asked for on a later try.
+    expect(records.size).toBeLessThanOrEqual(1);
+  });
+
+  it('exec_withLiveOutputWhoseFileOpenGoesUnanswered_opensThatFileNoMore_andItsOutputStillComesAtExit', async () => {
+    const opens: string[] = [];
+    let exitAt = Infinity;
+    const g = await fakeGuest({
+      answer: (req) => {
+        const path = String(req.arguments?.path);
+        if (req.execute === 'guest-exec') {
+          exitAt = Date.now() + 2000;
+          return { reply: { pid: 42 } };
+        }
+        if (req.execute === 'guest-exec-status') return { reply: Date.now() < exitAt ? { exited: false } : { exited: true, exitcode: 0, 'out-data': Buffer.from('all of it').toString('base64') } };
+        if (req.execute === 'guest-file-open') {
+          opens.push(path);
+          // The stdout file's open is answered after the client gave up on it (its handle never learnt).
+          return path.endsWith('.out') ? { delayMs: 400, reply: opens.length } : { error: `failed to open file '${path}' (mode: 'r'): No such file or directory` };
+        }
+        if (req.execute === 'guest-file-close') return { reply: {} };
+        return undefined;
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path, 5000, undefined, timing);
+    cleanups.push(() => c.close());
+    const got: string[] = [];
+    const r = await c.exec({ path: '/bin/x', timeoutMs: 10_000, onOutput: (s, d) => void got.push(`${s}:${d.toString()}`) });
+    expect(r.exitCode).toBe(0);
+    expect(opens.filter((p) => p.endsWith('.out'))).toHaveLength(1);
+    expect(got).toEqual(['stdout:all of it']);
+  });
+});
+
+describe('RESERVED_ENV_PREFIXES', () => {
+  it('namesTheExecWrapperReserves_areRefusedAtTheApiToo_namingTheEntry', () => {
+    expect(RESERVED_ENV_PREFIXES.length).toBeGreaterThan(0);
+    for (const p of RESERVED_ENV_PREFIXES) expect(() => apiEnv({ PATH: '/bin', [`${p}X`]: '1' })).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: `env["${p}X"]` }));
+    // Names are case-sensitive in a shell: only the prefixes as they are.
+    expect(apiEnv({ ffe_x: '1', _FF_x: '2' })).toEqual({ ffe_x: '1', _FF_x: '2' });
   });
 });

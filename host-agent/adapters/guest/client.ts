@@ -4,6 +4,7 @@
 // fresh id) before first use, after every restore, and after any timeout.
 import { randomBytes, randomInt } from 'node:crypto';
 import type net from 'node:net';
+import type { Logger } from 'pino';
 import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError, InvalidArgumentError } from '../../errors.ts';
 import type { ExecRequest, ExecResult } from '../../domain/vmm.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
@@ -21,26 +22,82 @@ export const EXEC_HANDED_BYTES = 1 << 20;
 export const EXEC_MAX_OUTPUT_BYTES = 64 << 20;
 
 /**
+ * How a caller's variables reach the program. Their values travel only in environments (each
+ * process's /proc/<pid>/environ is readable by its owner only), never in a command line (any
+ * guest user reads /proc/<pid>/cmdline, ps shows it): qemu-ga's `env` carries each one as
+ * FFE_<NAME>=VALUE, and the wrapper's arguments name them (names are no secret). qemu-ga 7.2's
+ * `env` replaces the environment (no PATH, no HOME), so a wrapper given variables first takes
+ * back the guest's own from its parent's, qemu-ga's, initial environment (RESTORE_BASE): the
+ * wrapper and its wc, cat, head and rm run as they would without variables. Then, in the
+ * process that becomes the program, each NAME is exported from FFE_NAME and FFE_NAME unset
+ * (EXPORT_NAMES). Without variables qemu-ga's `env` is not set and none of this runs.
+ *
+ * Hence the prefixes of the names the wrappers keep for themselves: `_ff_` their own variables
+ * (EXEC_WRAPPER's, EXEC_DIRECT's), `FFE_` a caller's variable on its way in. A caller's
+ * variable may not be named so: refused here (exportsOf) and at the API
+ * (services/adapters/grpc/convert.ts env()).
+ */
+export const RESERVED_ENV_PREFIXES: readonly string[] = Object.freeze(['_ff_', 'FFE_']);
+
+/** RESTORE_BASE's stand-in for a newline inside a value of qemu-ga's environment (`tr` makes one). */
+const SOH = '\u0001';
+
+/**
+ * Sh function `_ff_base`: exports each NAME=VALUE of /proc/$PPID/environ (qemu-ga's initial
+ * environment: NUL-separated, read through `tr`, one process) whose NAME a shell takes and is
+ * not a reserved one (RESERVED_ENV_PREFIXES); an entry whose value holds a newline (a line
+ * that may not be an entry of its own) is left out, as is one the shell cannot hold. PWD is
+ * the shell's own (as it makes it at its start; qemu-ga's may be stale). Nothing is
+ * evaluated: `export "NAME=VALUE"` takes the value as it is.
+ */
+const RESTORE_BASE = [
+  '_ff_base() {',
+  '  while IFS= read -r _ff_e; do',
+  '    _ff_k=${_ff_e%%=*}',
+  '    case $_ff_k in "$_ff_e"|""|[0-9]*|*[!A-Za-z0-9_]*|FFE_*|_ff_*) continue;; esac',
+  `    case $_ff_e in *"${SOH}"*) continue;; PWD=*) export PWD; continue;; esac`,
+  '    export "$_ff_e"',
+  '  done <<_ff_EOF',
+  `$(tr '\\000\\n' '\\n\\001' 2>/dev/null <"/proc/$PPID/environ")`,
+  '_ff_EOF',
+  '}',
+].join('\n');
+
+/**
+ * Exports the caller's variables: "$1".."$_ff_n" name them, FFE_<NAME> holds each one's value
+ * (and is unset), the names are shifted off. The names are of [A-Za-z_][A-Za-z0-9_]* only
+ * (exportsOf checks them), so the eval runs nothing but the export and the unset.
+ */
+const EXPORT_NAMES = 'while [ "$_ff_n" -gt 0 ]; do eval "export $1=\\"\\$FFE_$1\\"; unset FFE_$1"; shift; _ff_n=$((_ff_n-1)); done';
+
+/**
  * The wrapper's last line: how EXEC_END_NAMED tells a wrapper (its $0 follows this in its
  * command line) from any other process that has the call's nonce among its arguments.
  */
 const WRAPPER_TAIL = '# ff-exec-wrapper-end';
 
 /**
- * Arguments: $1 the most of each stream to hand qemu-ga (h), $2 the directory to run in
- * (empty: qemu-ga's), $3 how many of the following arguments are NAME=VALUE variables to
- * export (added to the environment the guest gives qemu-ga's programs, not replacing it), then
- * the program and its arguments ("$@" after those). Runs the program with stdout and stderr in
- * files, copies them to its own (qemu-ga's pipes) and ends as the program did (GuestAgent.exec).
- * A directory it cannot enter ends it with status 125 and a last stderr line "$0 cwd-<why>"
- * (missing, notdir or denied), before any file is made, so the host can tell a bad working
- * directory from a program's own exit (cwdRefusal). A file longer than h is copied only that
- * far and left in place; the wrapper then ends stderr with a line "$0 out err" naming what it
- * left ($0 is `ff-exec-<instance>-<nonce>`, a nonce of the call, which the host takes off
- * again). Where no file can be made (no writable TMPDIR or /tmp) the program runs directly, as
- * it would without the wrapper. Only the shell's own commands and `rm` run for a program that
- * writes nothing; `wc` and `cat` for each stream it wrote: each process costs ~5-10 ms under
- * TCG.
+ * Arguments: $1 the most of each stream to hand qemu-ga, $2 the directory to run in (empty:
+ * qemu-ga's), $3 how many caller variables follow, then their NAMES (values in FFE_<NAME>:
+ * see RESERVED_ENV_PREFIXES), then the program and its arguments ("$@" after those). The
+ * variables are added to the environment the guest gives qemu-ga's programs, not replacing it.
+ * Runs the program with stdout and stderr in files, copies them to its own (qemu-ga's pipes)
+ * and ends as the program did (GuestAgent.exec). The files are in the caller's TMPDIR if the
+ * caller's variables have one (an empty one: /tmp), else in /tmp, never a TMPDIR of qemu-ga's:
+ * the host names them by the same rule (wrapperDir). A directory it cannot enter ends it with
+ * status 125 and a last stderr line "$0 cwd-<why>" (missing, notdir or denied), before any
+ * file is made, so the host can tell a bad working directory from a program's own exit
+ * (cwdRefusal). A file longer than the most to hand is copied only that far and left in place;
+ * the wrapper then ends stderr with a line "$0 out err" naming what it left ($0 is
+ * `ff-exec-<instance>-<nonce>`, a nonce of the call, which the host takes off again). Where no
+ * file can be made (no writable directory) the program runs directly, as it would without the
+ * wrapper. Only the shell's own commands and `rm` run for a program that writes nothing (and
+ * `tr` given variables); `wc` and `cat` for each stream it wrote: each process costs ~5-10 ms
+ * under TCG.
+ *
+ * The wrapper's own variables are named _ff_* and the caller's are exported only in the
+ * subshell that becomes the program, after its output is redirected: a caller's `f` or `n`
+ * changes nothing of the wrapper's.
  *
  * A program ended by a signal: the shell only says 128+N, so after its clean-up the wrapper
  * ends itself by the same signal (with core dumps off: the program's own core file stays the
@@ -51,45 +108,48 @@ const WRAPPER_TAIL = '# ff-exec-wrapper-end';
  * program's stderr.
  */
 const EXEC_WRAPPER = [
-  'h=$1; c=$2; n=$3; shift 3',
-  // The files' directory: the TMPDIR among the variables (the last one), else the shell's.
-  // Named before the cd: a relative TMPDIR means what it means to the host's file reads and EXEC_KILL.
-  't=${TMPDIR:-/tmp}; i=0; for a; do [ $i -lt "$n" ] || break; case $a in TMPDIR=*) t=${a#TMPDIR=}; t=${t:-/tmp};; esac; i=$((i+1)); done',
-  'f="$t/.ff-exec-$$"',
-  'case $f in /*) ;; *) f="$PWD/$f" ;; esac',
-  'if [ -n "$c" ] && ! cd "$c" 2>/dev/null; then if [ ! -e "$c" ]; then c=missing; elif [ ! -d "$c" ]; then c=notdir; else c=denied; fi; printf \'\\n%s cwd-%s\\n\' "$0" "$c" >&2; exit 125; fi',
-  // The variables are the program's only (a PATH of the caller's must not hide the wrapper's
-  // wc or cat). `export` is a special builtin: a name the shell refuses would end the shell
-  // (the host checks names first).
-  'if ! : 2>/dev/null >"$f.out"; then while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done; exec "$@"; fi',
+  '_ff_h=$1; _ff_c=$2; _ff_n=$3; shift 3',
+  RESTORE_BASE,
+  // qemu-ga's `env` is set only with variables: FFE_TMPDIR is then the caller's, if any. Named
+  // before the cd: a relative TMPDIR means what it means to the host's file reads and EXEC_KILL.
+  '_ff_t=/tmp; if [ "$_ff_n" -gt 0 ]; then _ff_t=${FFE_TMPDIR:-/tmp}; _ff_base; fi',
+  '_ff_f="$_ff_t/.ff-exec-$$"',
+  'case $_ff_f in /*) ;; *) _ff_f="$PWD/$_ff_f" ;; esac',
+  'if [ -n "$_ff_c" ] && ! cd "$_ff_c" 2>/dev/null; then if [ ! -e "$_ff_c" ]; then _ff_c=missing; elif [ ! -d "$_ff_c" ]; then _ff_c=notdir; else _ff_c=denied; fi; printf \'\\n%s cwd-%s\\n\' "$0" "$_ff_c" >&2; exit 125; fi',
+  // `true`, not `:`: a redirection that fails on a special builtin (`:`) ends a non-interactive
+  // shell (dash with 2, busybox with 1, nothing said), and the program would never run.
+  `if ! true 2>/dev/null >"$_ff_f.out"; then ${EXPORT_NAMES}; exec "$@"; fi`,
   // The shell notes a child's death by a signal ("Segmentation fault") on its own stderr, and
   // dash and busybox do so with a simple command's redirections still in place (the
   // program's stderr file) or a subshell's already undone: its stderr is /dev/null meanwhile,
-  // and the program a subshell that becomes it (fd 3, the saved stderr, closed).
+  // and the program a subshell that becomes it (fd 3, the saved stderr, closed). The
+  // subshell redirects first: no variable of the caller's is exported yet.
   'exec 3>&2 2>/dev/null',
-  '( while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done; exec "$@" >"$f.out" 2>"$f.err" 3>&- )',
-  'r=$?',
+  `( exec >"$_ff_f.out" 2>"$_ff_f.err" 3>&-; ${EXPORT_NAMES}; exec "$@" )`,
+  '_ff_r=$?',
   'exec 2>&3 3>&-',
-  'k=',
-  'if [ -s "$f.out" ]; then if [ "$(wc -c <"$f.out")" -gt "$h" ]; then k=" out"; head -c "$h" "$f.out"; else cat "$f.out"; fi; fi',
-  'if [ -s "$f.err" ]; then if [ "$(wc -c <"$f.err")" -gt "$h" ]; then k="$k err"; head -c "$h" "$f.err" >&2; else cat "$f.err" >&2; fi; fi',
+  '_ff_k=',
+  'if [ -s "$_ff_f.out" ]; then if [ "$(wc -c <"$_ff_f.out")" -gt "$_ff_h" ]; then _ff_k=" out"; head -c "$_ff_h" "$_ff_f.out"; else cat "$_ff_f.out"; fi; fi',
+  'if [ -s "$_ff_f.err" ]; then if [ "$(wc -c <"$_ff_f.err")" -gt "$_ff_h" ]; then _ff_k="$_ff_k err"; head -c "$_ff_h" "$_ff_f.err" >&2; else cat "$_ff_f.err" >&2; fi; fi',
   'set --',
-  'case "$k" in *out*) ;; *) set -- "$f.out";; esac',
-  'case "$k" in *err*) ;; *) set -- "$@" "$f.err";; esac',
+  'case "$_ff_k" in *out*) ;; *) set -- "$_ff_f.out";; esac',
+  'case "$_ff_k" in *err*) ;; *) set -- "$@" "$_ff_f.err";; esac',
   '[ $# -eq 0 ] || rm -f "$@"',
-  '[ -z "$k" ] || printf \'\\n%s%s\\n\' "$0" "$k" >&2',
-  'if [ "$r" -gt 128 ] && [ "$r" -le 192 ]; then case "$(kill -l "$r" 2>/dev/null)" in STOP|TSTP|TTIN|TTOU|"") ;; *) ulimit -c 0 2>/dev/null; kill -$((r - 128)) $$ 2>/dev/null;; esac; fi',
-  'exit $r',
+  '[ -z "$_ff_k" ] || printf \'\\n%s%s\\n\' "$0" "$_ff_k" >&2',
+  'if [ "$_ff_r" -gt 128 ] && [ "$_ff_r" -le 192 ]; then case "$(kill -l "$_ff_r" 2>/dev/null)" in STOP|TSTP|TTIN|TTOU|"") ;; *) ulimit -c 0 2>/dev/null; kill -$((_ff_r - 128)) $$ 2>/dev/null;; esac; fi',
+  'exit $_ff_r',
   WRAPPER_TAIL,
 ].join('\n');
 
 /**
  * Runs a program without capture, for a call with a directory or variables ($1 the directory,
- * empty for qemu-ga's; $2 how many NAME=VALUE follow; then the program): the program replaces
- * the shell, so qemu-ga watches it itself. A directory it cannot enter ends it with the
- * shell's status (there is no stderr to say why).
+ * empty for qemu-ga's; $2 how many caller variables follow, then their names, as
+ * EXEC_WRAPPER's; then the program): the program replaces the shell, so qemu-ga watches it
+ * itself. A directory it cannot enter ends it with the shell's status (there is no stderr to
+ * say why). The directory is entered before the caller's variables are exported (their CDPATH
+ * does not apply).
  */
-const EXEC_DIRECT = ['c=$1; n=$2; shift 2', 'while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done', '[ -z "$c" ] || cd "$c" || exit', 'exec "$@"'].join('\n');
+const EXEC_DIRECT = ['_ff_c=$1; _ff_n=$2; shift 2', RESTORE_BASE, '[ "$_ff_n" -eq 0 ] || _ff_base', '[ -z "$_ff_c" ] || cd "$_ff_c" || exit', EXPORT_NAMES, 'exec "$@"'].join('\n');
 
 /**
  * Sh function `kill_tree P`: kills every process under P (found through /proc with the shell's
@@ -111,21 +171,33 @@ const KILL_TREE = [
 
 /**
  * Kills what the wrapper runs ($1 is the wrapper's pid, $2 its stdout file): its child, the
- * program, and every process under it. The wrapper itself lives on to copy out what the
- * program wrote; a program that runs without one (no file) is $1 itself.
+ * program, and every process under it, then continues the wrapper (a program may have stopped
+ * it, `kill -STOP $PPID`: stopped, it would never copy out and exit). The wrapper itself lives
+ * on to copy out what the program wrote; a program that runs without one (no file) is $1
+ * itself.
  */
-const EXEC_KILL = [KILL_TREE, 'kill_tree "$1"', '[ -e "$2" ] || kill -KILL "$1" 2>/dev/null', 'exit 0'].join('\n');
+const EXEC_KILL = [KILL_TREE, 'kill_tree "$1"', 'kill -CONT "$1" 2>/dev/null', '[ -e "$2" ] || kill -KILL "$1" 2>/dev/null', 'exit 0'].join('\n');
 
 /**
  * For a start whose answer never came ($1 is the call's $0, $2 the wrappers' file directory):
  * finds the wrapper by its $0 (EXEC_WRAPPER's WRAPPER_TAIL precedes it in its command line,
- * and nothing else's), kills what it runs as EXEC_KILL does, and prints its pid.
+ * and nothing else's), kills what it runs and continues it as EXEC_KILL does, and prints its
+ * pid. The wrapper's forks that have not exec'd anything (the subshell before it becomes the
+ * program, a `$(wc ...)`) have its command line too: a match whose parent matches is one of
+ * those, not a wrapper (all are matched first, then sorted out, before anything is killed).
  */
 const EXEC_END_NAMED = [
   KILL_TREE,
+  'm=" "; e=',
   'for w in /proc/[0-9]*; do',
   `  case "$(tr '\\000' ' ' <"$w/cmdline" 2>/dev/null)" in *"${WRAPPER_TAIL} $1 "*) ;; *) continue;; esac`,
-  '  w=${w#/proc/}; kill_tree "$w"',
+  '  p=; while read -r k v; do if [ "$k" = PPid: ]; then p=$v; break; fi; done 2>/dev/null <"$w/status"',
+  '  w=${w#/proc/}; m="$m$w "; e="$e $w:$p"',
+  'done',
+  'for w in $e; do',
+  '  p=${w#*:}; w=${w%:*}',
+  '  case "$m" in *" $p "*) continue;; esac',
+  '  kill_tree "$w"; kill -CONT "$w" 2>/dev/null',
   '  [ -e "$2/.ff-exec-$w.out" ] || kill -KILL "$w" 2>/dev/null',
   '  echo "$w"',
   'done',
@@ -142,9 +214,9 @@ const AGENT_INSTANCE = randomBytes(4).toString('hex');
  * Run once a restarted agent has adopted a VM ($1 is the new agent's instance): the execs the
  * previous agent ran (wrappers in /tmp whose $0 names another instance) can no longer be
  * answered or timed out by anyone, so their programs are killed as a timeout would have, their
- * wrappers exit, and the output files of wrappers that are gone are removed (also the ones a
- * wrapper left for a reader that died). Prints how many execs it ended. (A wrapper given
- * another TMPDIR in its environment is not found.)
+ * wrappers (continued, if stopped) exit, and the output files of wrappers that are gone are
+ * removed (also the ones a wrapper left for a reader that died). Prints how many execs it
+ * ended. (A wrapper whose caller gave another TMPDIR is not found.)
  */
 const REAP_ORPHAN_EXECS = [
   KILL_TREE,
@@ -155,7 +227,7 @@ const REAP_ORPHAN_EXECS = [
   'for f in /tmp/.ff-exec-*.out; do',
   '  pid_of "$f"; [ -n "$w_" ] && [ -d "/proc/$w_" ] && wrapper "$w_" || continue',
   '  case "$(cmd_of "$w_")" in *" ff-exec-$1-"*) continue;; esac',
-  '  kill_tree "$w_"; ended="$ended $w_"',
+  '  kill_tree "$w_"; kill -CONT "$w_" 2>/dev/null; ended="$ended $w_"',
   'done',
   'n=0; while [ -n "$ended" ] && [ $n -lt 50 ]; do a_=; for w in $ended; do [ -d "/proc/$w" ] && a_=1; done; [ -z "$a_" ] && break; sleep 0.1; n=$((n+1)); done',
   'for f in /tmp/.ff-exec-*.out /tmp/.ff-exec-*.err; do',
@@ -190,9 +262,14 @@ export interface ExecTimings {
   killAgainMs: number;
   /** The longest wait between tries of ending an exec given up on, while the guest does not answer (endLater). */
   endLaterMaxWaitMs: number;
+  /**
+   * How long endLater tries to end an exec given up on before it stops trying (and logs it):
+   * a guest that never answers again, or a program no kill ends, is not tried for good.
+   */
+  endLaterGiveUpMs: number;
 }
 
-export const EXEC_TIMINGS: Readonly<ExecTimings> = Object.freeze({ startMinMs: 10_000, pollTimeoutMs: 10_000, killGraceMs: 5000, killAgainMs: 1000, endLaterMaxWaitMs: 30_000 });
+export const EXEC_TIMINGS: Readonly<ExecTimings> = Object.freeze({ startMinMs: 10_000, pollTimeoutMs: 10_000, killGraceMs: 5000, killAgainMs: 1000, endLaterMaxWaitMs: 30_000, endLaterGiveUpMs: 10 * 60_000 });
 
 type ExecStatus = {
   exited: boolean;
@@ -221,30 +298,43 @@ interface Abandoned {
 /** A command not sent because its caller's signal aborted while it waited for the channel. */
 class NotSentError extends Error {}
 
-/** NAME=VALUE entries an exec exports: names a shell takes (the wrapper's `export`), as the API's are. */
-function exportsOf(env: readonly string[] | undefined): string[] {
-  const v = env ?? [];
-  v.forEach((e, i) => {
+/**
+ * The caller's NAME=VALUE entries as the wrappers take them (RESERVED_ENV_PREFIXES): `names`
+ * for their arguments, `env` (FFE_NAME=VALUE) for qemu-ga's `env`. Names are ones a shell
+ * takes (the wrappers export and eval them), as the API's are, and not reserved ones; a name
+ * given twice has its last value.
+ */
+function exportsOf(env: readonly string[] | undefined): { names: string[]; env: string[] } {
+  const values = new Map<string, string>();
+  (env ?? []).forEach((e, i) => {
     if (!/^[A-Za-z_][A-Za-z0-9_]*=/.test(e)) throw new InvalidArgumentError(`env[${i}]`, 'must be NAME=VALUE, NAME of A-Z, a-z, 0-9 and _, not starting with a digit');
     if (e.includes('\0')) throw new InvalidArgumentError(`env[${i}]`, 'must not contain NUL');
+    const name = e.slice(0, e.indexOf('='));
+    if (RESERVED_ENV_PREFIXES.some((p) => name.startsWith(p))) throw new InvalidArgumentError(`env[${JSON.stringify(name)}]`, `names starting ${RESERVED_ENV_PREFIXES.join(' or ')} are reserved for the guest exec wrapper`);
+    values.delete(name);
+    values.set(name, e.slice(name.length + 1));
   });
-  return [...v];
+  return { names: [...values.keys()], env: [...values].map(([k, v]) => `FFE_${k}=${v}`) };
 }
+
+type GuestExecArgs = { path: string; arg: string[]; env?: string[]; 'capture-output': boolean; 'input-data'?: string };
 
 /**
  * What guest-exec is given for `req` (`zero` the wrapper's $0, `max` the most of each stream
  * returned): the program under EXEC_WRAPPER with output captured; without capture, directly
- * or, for a directory or variables, under EXEC_DIRECT. qemu-ga's own `env` is never set: it
- * would replace the guest's environment (PATH, HOME) instead of adding to it.
+ * or, for a directory or variables, under EXEC_DIRECT. qemu-ga's own `env` is set only with
+ * variables, and then holds only them, as FFE_NAME=VALUE (it replaces the guest's environment,
+ * which the wrappers take back: RESERVED_ENV_PREFIXES); no value is ever in an argument.
  */
-function guestExecArgs(req: ExecRequest, zero: string, max = EXEC_MAX_OUTPUT_BYTES): { path: string; arg: string[]; 'capture-output': boolean; 'input-data'?: string } {
-  const env = exportsOf(req.env);
-  const run = [req.cwd ?? '', String(env.length), ...env, req.path, ...(req.args ?? [])];
-  const args: { path: string; arg: string[]; 'capture-output': boolean; 'input-data'?: string } =
+function guestExecArgs(req: ExecRequest, zero: string, max = EXEC_MAX_OUTPUT_BYTES): GuestExecArgs {
+  const vars = exportsOf(req.env);
+  const run = [req.cwd ?? '', String(vars.names.length), ...vars.names, req.path, ...(req.args ?? [])];
+  const env = vars.names.length ? { env: vars.env } : {};
+  const args: GuestExecArgs =
     (req.captureOutput ?? true)
-      ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, zero, String(Math.min(EXEC_HANDED_BYTES, max)), ...run], 'capture-output': true }
-      : req.cwd || env.length
-        ? { path: '/bin/sh', arg: ['-c', EXEC_DIRECT, 'ff-run', ...run], 'capture-output': false }
+      ? { path: '/bin/sh', arg: ['-c', EXEC_WRAPPER, zero, String(Math.min(EXEC_HANDED_BYTES, max)), ...run], ...env, 'capture-output': true }
+      : req.cwd || vars.names.length
+        ? { path: '/bin/sh', arg: ['-c', EXEC_DIRECT, 'ff-run', ...run], ...env, 'capture-output': false }
         : { path: req.path, arg: req.args ?? [], 'capture-output': false };
   if (req.stdin) args['input-data'] = req.stdin.toString('base64');
   return args;
@@ -297,6 +387,8 @@ export class GuestAgentClient {
     /** Names the wrappers of this client's execs (AGENT_INSTANCE). */
     private readonly instance: string,
     private readonly timing: Readonly<ExecTimings>,
+    /** Says when endLater stops trying to end an exec (nothing else is logged here). */
+    private readonly log: Pick<Logger, 'warn'> | undefined,
   ) {
     this.attach(sock);
   }
@@ -342,9 +434,9 @@ export class GuestAgentClient {
     });
   }
 
-  static async connect(path: string, timeoutMs = 5000, instance = AGENT_INSTANCE, timing: Partial<ExecTimings> = {}): Promise<GuestAgentClient> {
+  static async connect(path: string, timeoutMs = 5000, instance = AGENT_INSTANCE, timing: Partial<ExecTimings> = {}, log?: Pick<Logger, 'warn'>): Promise<GuestAgentClient> {
     if (!/^[0-9a-f]+$/.test(instance)) throw new Error(`guest agent client: instance must be lower-case hex, got ${JSON.stringify(instance)}`);
-    return new GuestAgentClient(path, await openSocket(path, timeoutMs), instance, Object.freeze({ ...EXEC_TIMINGS, ...timing }));
+    return new GuestAgentClient(path, await openSocket(path, timeoutMs), instance, Object.freeze({ ...EXEC_TIMINGS, ...timing }), log);
   }
 
   close(): void {
@@ -504,7 +596,8 @@ export class GuestAgentClient {
    * `timedOut`, with what it wrote; when `signal` aborts first, the same, and it says
    * `cancelled`. Aborted before the start was sent, the program is not started (exit code -1,
    * `cancelled`). Each stream returns at most `maxOutputBytes` (EXEC_MAX_OUTPUT_BYTES), live
-   * or not; past it the result says `outputTruncated`. `env` adds to the guest's environment.
+   * or not; past it the result says `outputTruncated`. `env` adds to the guest's environment;
+   * its values are never in a command line in the guest (RESERVED_ENV_PREFIXES).
    *
    * With output captured, the program runs under EXEC_WRAPPER: qemu-ga reports a process
    * exited only once its output pipes close, so a command that leaves a process behind
@@ -669,9 +762,12 @@ export class GuestAgentClient {
    * its start was answered too late): the kill is sent until qemu-ga says the program exited
    * (a start never answered is first found by its nonce, EXEC_END_NAMED), its status is taken
    * (qemu-ga keeps an exited program's record and output until then), the files its wrapper
-   * left are removed, and handles and helpers' records are closed. Tries until done, while the
-   * channel is open and each failure is a timeout, waiting ever longer between tries (up to
-   * endLaterMaxWaitMs) while the guest does not answer.
+   * left are removed, and handles are closed. The helpers it starts (kills, removals; and
+   * those exec started) have their statuses taken on each try, so their records do not pile
+   * up in qemu-ga. A pid qemu-ga does not know (it was restarted, or its record was taken) is
+   * dropped. Tries while the channel is open and each failure is a timeout (or a helper's start
+   * refused), waiting ever longer between tries (up to endLaterMaxWaitMs), for at most
+   * endLaterGiveUpMs; then it stops and logs what it left.
    */
   private endLater(x: Abandoned): void {
     const t = this.timing;
@@ -679,50 +775,91 @@ export class GuestAgentClient {
     const helpers = [...(x.helpers ?? [])];
     let pids = x.pid === undefined ? undefined : [x.pid];
     const files = (pid: number): { stdout: string; stderr: string } => wrapperFiles(pid, x.env);
+    /** The guest refused the handle or pid (it does not know it): nothing more to do for that one. */
+    const refused = (e: unknown): void => {
+      if (!(e instanceof GuestAgentCommandError)) throw e;
+    };
+    const started = Date.now();
     const run = async (): Promise<void> => {
       let wait = t.killAgainMs;
+      let tries = 0;
       while (!this.shut) {
+        tries++;
         try {
           while (handles.length) {
-            await this.command('guest-file-close', { handle: handles[0] }, t.pollTimeoutMs).catch((e: unknown) => {
-              if (e instanceof GuestAgentTimeoutError) throw e;
-            });
+            await this.command('guest-file-close', { handle: handles[0] }, t.pollTimeoutMs).catch(refused);
             handles.shift();
           }
-          pids ??= x.capture ? await this.findWrappers(x.zero, wrapperDir(x.env)) : [];
-          for (const pid of pids) {
-            const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
+          await this.takeStatuses(helpers);
+          pids ??= x.capture ? await this.findWrappers(x.zero, wrapperDir(x.env), helpers) : [];
+          for (const pid of [...pids]) {
+            const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs).catch((e: unknown) => void refused(e));
+            if (!st || st.exited) pids = pids.filter((p) => p !== pid);
+            if (!st) continue;
             if (st.exited) {
-              pids = pids.filter((p) => p !== pid);
               const left = leftStreams(Buffer.from(st['err-data'] ?? '', 'base64'), x.zero).left.map((s) => files(pid)[s]);
               if (left.length) helpers.push((await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...left], 'capture-output': false }, t.pollTimeoutMs)).pid);
             } else {
               helpers.push((await this.command<{ pid: number }>('guest-exec', killArgs(pid, x.capture, files(pid)), t.pollTimeoutMs)).pid);
             }
           }
-          if (pids.length === 0) break;
+          if (pids.length === 0) {
+            // Asked once more: the helpers just started take milliseconds.
+            await sleep(Math.min(100, t.killAgainMs), true);
+            await this.takeStatuses(helpers);
+            if (helpers.length === 0) return;
+          }
         } catch (e) {
-          // Closed for good (the VM is gone) or refused (qemu-ga does not know the pid): nothing left to end.
-          if (!(e instanceof GuestAgentTimeoutError)) break;
+          // Unanswered, or a helper's start refused (a guest short of memory for a moment): tried
+          // again. Anything else is a channel closed for good (the VM is gone): nothing left to end.
+          if (!(e instanceof GuestAgentTimeoutError || e instanceof GuestAgentCommandError)) return;
+        }
+        if (Date.now() - started >= t.endLaterGiveUpMs) {
+          const left = { exec: x.zero, pids: pids ?? 'not found yet', helpers, handles, tries };
+          this.log?.warn(left, `guest exec: stopped trying to end an exec its caller left, after ${Date.now() - started} ms (the guest did not answer, or its program did not exit)`);
+          return;
         }
         await sleep(wait, true);
         wait = Math.min(2 * wait, t.endLaterMaxWaitMs);
       }
-      for (const h of helpers) await this.command('guest-exec-status', { pid: h }, t.pollTimeoutMs).catch(() => undefined);
     };
     void run().catch(() => undefined);
   }
 
-  /** The pids of the wrappers whose $0 is `zero` (their programs killed: EXEC_END_NAMED). */
-  private async findWrappers(zero: string, dir: string): Promise<number[]> {
+  /**
+   * Takes the status of each helper of `helpers` and leaves there only those still running
+   * (an exited one's record is gone from qemu-ga once asked; one qemu-ga does not know is
+   * dropped). A status left unanswered rejects, with the rest still in `helpers`.
+   */
+  private async takeStatuses(helpers: number[]): Promise<void> {
+    for (let i = 0; i < helpers.length; ) {
+      const st = await this.command<ExecStatus>('guest-exec-status', { pid: helpers[i] }, this.timing.pollTimeoutMs).catch((e: unknown) => {
+        if (e instanceof GuestAgentCommandError) return undefined;
+        throw e;
+      });
+      if (st && !st.exited) i++;
+      else helpers.splice(i, 1);
+    }
+  }
+
+  /**
+   * The pids of the wrappers whose $0 is `zero` (their programs killed: EXEC_END_NAMED). A
+   * search whose end is not seen in time is added to `helpers`, for its record to be taken.
+   */
+  private async findWrappers(zero: string, dir: string, helpers: number[]): Promise<number[]> {
     const t = this.timing;
     const { pid } = await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', EXEC_END_NAMED, 'ff-end', zero, dir], 'capture-output': true }, t.pollTimeoutMs);
     const end = Date.now() + t.pollTimeoutMs;
-    while (true) {
-      const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
-      if (st.exited) return (Buffer.from(st['out-data'] ?? '', 'base64').toString('latin1').match(/\d+/g) ?? []).map(Number);
-      if (Date.now() >= end) throw new GuestAgentTimeoutError(`search for the exec ${zero}`, t.pollTimeoutMs);
-      await sleep(20);
+    try {
+      while (true) {
+        const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
+        if (st.exited) return (Buffer.from(st['out-data'] ?? '', 'base64').toString('latin1').match(/\d+/g) ?? []).map(Number);
+        if (Date.now() >= end) throw new GuestAgentTimeoutError(`search for the exec ${zero}`, t.pollTimeoutMs);
+        await sleep(20);
+      }
+    } catch (e) {
+      if (e instanceof GuestAgentTimeoutError) helpers.push(pid);
+      throw e;
     }
   }
 
@@ -923,12 +1060,15 @@ function tryParse(line: string): Record<string, unknown> | undefined {
   }
 }
 
-/** Where the wrappers put their output files: the TMPDIR the exec's variables give, or /tmp. */
+/**
+ * Where the wrappers put their output files: the TMPDIR the caller's variables give (the last
+ * one; an empty one is /tmp), else /tmp, never qemu-ga's own TMPDIR (EXEC_WRAPPER's rule).
+ */
 function wrapperDir(env: readonly string[] | undefined): string {
   return env?.findLast((e) => e.startsWith('TMPDIR='))?.slice(7) || '/tmp';
 }
 
-/** The wrapper's output files for the wrapper with this pid, under the TMPDIR its environment gives it. */
+/** The wrapper's output files for the wrapper with this pid (wrapperDir). */
 function wrapperFiles(pid: number, env: readonly string[] | undefined): { stdout: string; stderr: string } {
   const tmp = wrapperDir(env);
   return { stdout: `${tmp}/.ff-exec-${pid}.out`, stderr: `${tmp}/.ff-exec-${pid}.err` };
@@ -945,8 +1085,8 @@ function killArgs(pid: number, capture: boolean, files: { stdout: string }): Rec
  * Reads a running program's output files (EXEC_WRAPPER's) through guest-file-read and passes
  * what is new to onOutput, at most `max` bytes of each stream; at exit, passes what qemu-ga
  * returns past the bytes already passed (qemu-ga's output is the files' content), up to `max`
- * too. A file it cannot open (the wrapper ran the program directly, or the file is gone) is
- * simply not read early.
+ * too. A file it cannot open (the wrapper ran the program directly, or the file is gone), or
+ * whose open went unanswered, is simply not read early.
  */
 class LiveOutput {
   private readonly sent = { stdout: 0, stderr: 0 };
@@ -977,8 +1117,14 @@ class LiveOutput {
       try {
         if (this.handles[stream] === undefined) {
           // Tried on a few polls (the shell may not have made the file yet), then given up on.
+          // An open left unanswered may still have opened the file in the guest, under a handle
+          // never learnt (and so never closed): the stream is not read live again, lest each
+          // poll leak one more (the rest comes at exit, as without live reads).
           const h = await this.agent.command<number>('guest-file-open', { path: this.files[stream], mode: 'r' }, this.timeoutMs).catch((e: unknown) => {
-            if (e instanceof GuestAgentTimeoutError) throw e;
+            if (e instanceof GuestAgentTimeoutError) {
+              this.handles[stream] = null;
+              throw e;
+            }
             return undefined;
           });
           this.handles[stream] = h ?? (++this.openFailures[stream] >= 3 ? null : undefined);

@@ -673,6 +673,15 @@ describe('QemuVmmDriver (real QEMU)', () => {
     expect(await sh('tpl', 'ls -a /tmp | grep ff-exec | grep -v "ff-exec-$PPID[.]" | wc -l')).toBe('0');
   });
 
+  it('exec_inTheGuest_addsGivenVariablesToItsEnvironment_outOfEveryCommandLine_andReportsASignalDeathAsTheSignal', async () => {
+    // The guest's own PATH stays; a name like the wrapper's own works; the value is in no argv.
+    const env = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'printf "%s|%s|%s|" "$FF_SECRET" "$n" "${PATH:+path}"; cat /proc/[0-9]*/cmdline 2>/dev/null | tr "\\000" " " | grep -c s3cr3t-v4lu[e]'], env: ['FF_SECRET=s3cr3t-v4lue', 'n=7'] });
+    expect(env.stdout.toString()).toBe('s3cr3t-v4lue|7|path|0\n');
+    const killed = await driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'kill -TERM $$'] });
+    expect([killed.signal, killed.exitCode, killed.stderr.toString()]).toEqual([15, -1, '']);
+    expect((await driver.exec('tpl', { path: '/bin/sh', args: ['-c', 'exit 3'] })).exitCode).toBe(3);
+  });
+
   it('exec_withOnOutput_passesALongCommandsOutputWhileItRuns_andEveryByteOnceInOrder', async () => {
     const got: Array<{ stream: string; text: string; at: number }> = [];
     const onOutput = (stream: string, data: Buffer): void => void got.push({ stream, text: data.toString(), at: Date.now() });

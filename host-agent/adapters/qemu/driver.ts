@@ -600,7 +600,7 @@ export class QemuVmmDriver implements VmmDriver {
 
   /** A guest-agent channel whose exec wrappers carry this driver's instance (see GuestAgentClient.reapOrphanExecs). */
   private openAgent(path: string): Promise<GuestAgentClient> {
-    return GuestAgentClient.connect(path, 5000, this.agentInstance);
+    return GuestAgentClient.connect(path, 5000, this.agentInstance, {}, this.opts.logger);
   }
 
   private async connectAgent(rec: VmRecord, deadlineMs: number, attemptMs = 1000): Promise<GuestAgentClient> {

@@ -285,6 +285,12 @@ describe('fields a record stores', () => {
     expect(() => lifecycle({ afterResume: [hook, hook, hook] } as never)).toThrow(/lifecycle\.after_resume: at most 8192 bytes/);
   });
 
+  it('env_namesWithTheExecWrappersReservedPrefixes_areInvalidArgumentNamingTheEntry', () => {
+    for (const k of ['_ff_n', 'FFE_TOKEN']) expect(() => env({ [k]: 'x' })).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: `env["${k}"]` }));
+    // Names like the wrapper's own short ones are the caller's to use.
+    expect(env({ n: '7', f: '/x', ffe_lower: '1' })).toEqual({ n: '7', f: '/x', ffe_lower: '1' });
+  });
+
   it('env_withTooManyVariables_isInvalidArgument', () => {
     expect(() => env(Object.fromEntries(Array.from({ length: LIMITS.maxEnv + 1 }, (_, i) => [`V${i}`, ''])))).toThrow(/^env: at most 256/);
   });

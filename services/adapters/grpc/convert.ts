@@ -386,6 +386,8 @@ export function env(m: Record<string, string>, field = 'env'): Record<string, st
   // environment entry cannot hold, is refused (as in argv).
   for (const [k, val] of entries) {
     if (!/^[A-Za-z_][A-Za-z0-9_]{0,127}$/.test(k)) throw badKey(field, k, 'names are 1-128 characters of A-Z, a-z, 0-9 and _, not starting with a digit');
+    // The guest exec wrapper's own names (host-agent/adapters/guest/client.ts RESERVED_ENV_PREFIXES): the agent would refuse them too, later.
+    if (k.startsWith('_ff_') || k.startsWith('FFE_')) throw badKey(field, k, 'names starting _ff_ or FFE_ are reserved for the guest exec wrapper');
     if (val.includes('\0') || Buffer.byteLength(val) > LIMITS.maxArgBytes) throw new InvalidArgumentError(mapEntry(field, k), 'value must be at most 4096 bytes without NUL');
   }
   return { ...m };
