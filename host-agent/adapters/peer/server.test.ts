@@ -56,14 +56,20 @@ function callContext(signal: AbortSignal, callerHostId?: string): CallContext {
   return { signal, deadline: undefined, metadata, peer: '127.0.0.1:5123', method: '/forkfleet.v1.ChunkTransferService/FetchChunks', principal: undefined, peerCertificate: () => undefined };
 }
 
-/** A FetchChunks stream on a store holding s1, opened at t0 with a ticket for 60 s; `at` moves the clock. */
-async function openStream(credit: number, o: { chunks?: (real: ChunkStore) => ChunkStore; openWithinMs?: number; noOpen?: boolean; streamGraceMs?: number } = {}) {
+/** A new store holding s1 under a new signing key 'k1', and one of s1's chunk digests. */
+async function s1Fixture() {
   const { signing, trusted } = generateSigningKey('k1');
   const deps = await storeHoldingS1(mkdtempSync(join(dir, 's-')), signing);
   const signed = await deps.manifests.get('s1');
   if (!signed) throw new Error('no manifest for s1');
   const [digest] = [...manifestDigests(decodeManifestUnverified(signed))];
   if (!digest) throw new Error('s1 has no chunks');
+  return { signing, trusted, deps, digest };
+}
+
+/** A FetchChunks stream on a store holding s1, opened at t0 with a ticket for 60 s; `at` moves the clock. */
+async function openStream(credit: number, o: { chunks?: (real: ChunkStore) => ChunkStore; openWithinMs?: number; noOpen?: boolean; streamGraceMs?: number } = {}) {
+  const { signing, trusted, deps, digest } = await s1Fixture();
   const t0 = new Date('2026-01-01T00:00:00Z');
   let now = t0;
   const { registration, stats } = chunkTransferService({ ...deps, chunks: o.chunks?.(deps.chunks) ?? deps.chunks, trust: trusted, clock: { now: () => now }, callerHostId: () => 'hostR', ...(o.openWithinMs ? { openWithinMs: o.openWithinMs } : {}), ...(o.streamGraceMs ? { streamGraceMs: o.streamGraceMs } : {}) });
@@ -176,12 +182,7 @@ describe('ChunkTransferService.fetchChunks', () => {
 
 /** A service over a store holding s1 (the caller's host id read from its metadata, as by default), and tickets for s1. */
 async function serviceOverS1(o: Partial<Omit<ChunkServerDeps, 'manifests'>> & { manifests?: (real: ManifestStore) => ManifestStore } = {}) {
-  const { signing, trusted } = generateSigningKey('k1');
-  const deps = await storeHoldingS1(mkdtempSync(join(dir, 's-')), signing);
-  const signed = await deps.manifests.get('s1');
-  if (!signed) throw new Error('no manifest for s1');
-  const [digest] = [...manifestDigests(decodeManifestUnverified(signed))];
-  if (!digest) throw new Error('s1 has no chunks');
+  const { signing, trusted, deps, digest } = await s1Fixture();
   const { manifests: wrap, ...rest } = o;
   const { registration, stats } = chunkTransferService({ ...deps, trust: trusted, clock: systemClock, ...rest, manifests: wrap?.(deps.manifests) ?? deps.manifests });
   const handlers = registration.handlers as unknown as {

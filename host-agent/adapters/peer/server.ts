@@ -29,6 +29,7 @@ import { passingSystemError } from '../../errors.ts';
 import { assertTicketLive, decodeManifestUnverified, verifyTicket, type TrustedKeys } from '../../domain/tickets.ts';
 import { hostOfAddress } from '../../domain/agent.ts';
 import { serializeResponse, type WireResponse } from './wire.ts';
+import { ConcurrencyLimiter } from '../../../services/auth/limits.ts';
 
 export const HOST_ID_METADATA = 'ff-host-id';
 
@@ -88,30 +89,6 @@ export class CallerBusyError extends ForkfleetError {
   }
 }
 
-/** Calls of one kind open per caller host, at most `max` each. */
-class PerCaller {
-  private readonly open = new Map<string, number>();
-  constructor(
-    private readonly max: number,
-    private readonly what: string,
-  ) {}
-
-  /** Counts a call of `caller` (throws CallerBusyError when it has `max` open); returns its release. */
-  take(caller: string): () => void {
-    const n = this.open.get(caller) ?? 0;
-    if (n >= this.max) throw new CallerBusyError(caller, this.what, this.max);
-    this.open.set(caller, n + 1);
-    let released = false;
-    return () => {
-      if (released) return;
-      released = true;
-      const left = (this.open.get(caller) ?? 1) - 1;
-      if (left <= 0) this.open.delete(caller);
-      else this.open.set(caller, left);
-    };
-  }
-}
-
 type Response = MessageInitShape<typeof FetchChunksResponseSchema>;
 
 /** The IP address in a grpc-js peer string ("10.0.0.2:5123", "[fd00::2]:5123", "ipv4:..."). */
@@ -156,16 +133,18 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
   const forSend = (deps.chunks as Partial<{ getEncodedForSend(d: DigestHex): Promise<EncodedChunk | undefined> }>).getEncodedForSend;
   const readForSend = forSend ? forSend.bind(deps.chunks) : (d: DigestHex) => deps.chunks.getEncoded(d);
 
-  const migrations = new PerCaller(deps.maxMigrationsPerCaller ?? 4, 'snapshot migrations');
-  const streams = new PerCaller(deps.maxStreamsPerCaller ?? 16, 'chunk streams');
-  const takeSlot = (slots: PerCaller, ctx: CallContext): (() => void) => {
-    try {
-      return slots.take(caller(ctx));
-    } catch (e) {
-      stats.busy++;
-      deps.log?.warn({ peer: ctx.peer, callerHostId: caller(ctx), err: (e as Error).message }, 'peer call refused: its caller has too many open');
-      throw e;
-    }
+  // Calls of one kind open per caller host (ConcurrencyLimiter: at most `max` each).
+  const migrations = { what: 'snapshot migrations', open: new ConcurrencyLimiter(deps.maxMigrationsPerCaller ?? 4) };
+  const streams = { what: 'chunk streams', open: new ConcurrencyLimiter(deps.maxStreamsPerCaller ?? 16) };
+  /** Counts a call of ctx's caller in `slots` (CallerBusyError when it has its most open); returns its release. */
+  const takeSlot = (slots: { what: string; open: ConcurrencyLimiter }, ctx: CallContext): (() => void) => {
+    const host = caller(ctx);
+    const release = slots.open.acquire(host);
+    if (release) return release;
+    const e = new CallerBusyError(host, slots.what, slots.open.max);
+    stats.busy++;
+    deps.log?.warn({ peer: ctx.peer, callerHostId: host, err: e.message }, 'peer call refused: its caller has too many open');
+    throw e;
   };
 
   const refuse = (e: unknown, ctx: CallContext): never => {
