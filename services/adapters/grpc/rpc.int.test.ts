@@ -281,3 +281,48 @@ describe('gRPC adapter: protobuf-es services on grpc-js', () => {
     expect(JSON.parse(call.stdout)).toEqual({ message: 'via buf' });
   });
 });
+
+describe('a server stream that ends in an error while its client reads slowly', () => {
+  it('handlerError_afterMessagesASlowClientHasYetToRead_reachesItAsTheStatus_notAsAReset', async () => {
+    // 20 messages of 60 KB, more than the client takes in ahead of its reads (its HTTP/2
+    // window and its stream's buffer, ~10 of them here), then the handler's error; the client
+    // takes its first 2 2.5 s apart, slower than rpc.ts's reset of a stalled ended call.
+    const server = await startGrpcServer({
+      address: '127.0.0.1:0',
+      services: [
+        register(EchoService, {
+          async echo() {
+            return {};
+          },
+          async *echoServerStream(req: EchoRequest) {
+            for (let i = 0; i < req.repeat; i++) yield { message: req.message, index: i };
+            throw new ForkfleetError('resource_exhausted', 'events wait unread: resume from where you read');
+          },
+          async echoClientStream() {
+            return {};
+          },
+          async *echoBidi() {},
+        }),
+      ],
+    });
+    const slow = createClient(EchoService, server.address);
+    try {
+      const got: number[] = [];
+      const err = await (async () => {
+        for await (const m of slow.echoServerStream({ message: 'x'.repeat(60_000), repeat: 20 })) {
+          got.push(m.index);
+          if (got.length <= 2) await new Promise((r) => setTimeout(r, 2500));
+        }
+      })().catch((e: unknown) => e);
+      // Read in order past the slow ones; a grpc-js client hands over the status when it
+      // arrives, so the last messages it had not yet taken in may be missing (a WatchEvents
+      // client resumes from the revision it read: nothing is lost to it).
+      expect(got.length).toBeGreaterThan(2);
+      expect(got).toEqual([...Array(got.length).keys()]);
+      expect(err).toMatchObject({ kind: 'resource_exhausted', retryable: true });
+    } finally {
+      slow.close();
+      await server.close();
+    }
+  }, 30_000);
+});

@@ -305,11 +305,13 @@ async function writeAll(
 }
 
 /**
- * How long a streaming call answered with an error may go without the client taking one of its
- * messages before its HTTP/2 stream is reset. The status goes out after the messages written
- * before it, which a client that does not read (its window full) never takes: the call, its
- * stream and those messages (up to UNSENT_MAX_BYTES and grpc-js's 16) stayed for as long as
- * the connection did, pinged alive. A client that reads on, however slowly, gets the status.
+ * How long a streaming call that was ended (ctx.end, a revoked credential) may go without the
+ * client taking one of its messages before its HTTP/2 stream is reset. The status goes out
+ * after the messages written before it, which a client that does not read (its window full)
+ * never takes: the call, its stream and those messages (up to UNSENT_MAX_BYTES and grpc-js's
+ * 16) stayed for as long as the connection did, pinged alive. Progress is counted in whole
+ * messages: a client that reads less than one a second is reset too (it gets CANCELLED, not
+ * the status). A handler's own error is never followed by a reset.
  */
 const STALLED_STATUS_MS = 1_000;
 
@@ -517,7 +519,13 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
             (err: unknown) => {
               done();
               admitted.release();
-              if (!ctx.signal.aborted) failStreaming(call, fail(err), progress);
+              if (ctx.signal.aborted) return;
+              // Ended by the handler (ctx.end: a stream it gives up on, such as a ticket past its
+              // grace): reset should the client not take the status. A handler's own error goes
+              // as any status does, after what the client has yet to read: a slow reader (a
+              // WatchEvents client behind, told resource_exhausted to resume) must get it whole.
+              if (ended.aborted) failStreaming(call, fail(err), progress);
+              else call.emit('error', fail(err));
             },
           );
         };
