@@ -356,6 +356,25 @@ describe('fetchSnapshot: chunks stored here before the fetch', () => {
     for (const d of chunks.keys()) expect((await store.readVerified(d)).length).toBe(64 * 1024);
   });
 
+  it('fetchSnapshotWithoutAnImage_ofASnapshotCompleteHereAlready_readsNoneOfItsChunksBack', async () => {
+    // A replica step delivered again: its chunks were synced before its manifest was stored.
+    const chunks = await randomChunks();
+    const { signing, trusted } = generateSigningKey('k1');
+    const { store: inner, manifests, roots } = storesIn('store-again');
+    const signed = signManifest(manifestOf('sn-a', chunks), signing);
+    await fetchSnapshot('sn-a', [memorySource('peer', chunks)], { chunks: inner, manifests, roots, trust: trusted }, { signed, streamsPerSource: 1 });
+    let verifiedReads = 0;
+    const store = new Proxy(inner, {
+      get: (t, k) => {
+        const v = Reflect.get(t, k) as unknown;
+        if (k === 'readVerified') verifiedReads++;
+        return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(t) : v;
+      },
+    });
+    await fetchSnapshot('sn-a', [memorySource('peer', chunks)], { chunks: store, manifests, roots, trust: trusted }, { signed, streamsPerSource: 1 });
+    expect(verifiedReads).toBe(0);
+  });
+
   it('fetchSnapshotAroundAnImageBuild_readsNoChunkStoredBefore_leavingThatToTheImageBuild', async () => {
     // A restore's image build (the Materialiser) reads the chunks stored before, verified, as
     // it copies them: fetchSnapshot reading them too would read each twice.

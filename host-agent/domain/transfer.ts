@@ -599,8 +599,10 @@ export async function fetchSnapshot(
     };
     if (opts.around) await opts.around(manifest, fetch);
     else {
-      // No image is built: nothing else reads the chunks that were here already.
-      await verifyStored(snapshotId, deps.chunks, digests, opts.signal, deps.log);
+      // No image is built: nothing else reads the chunks that were here already. Unless the
+      // snapshot was complete here before (its manifest stored after its chunks were synced: a
+      // step delivered again), whose chunks no crash can have torn.
+      if (!(await deps.manifests.get(snapshotId))) await verifyStored(snapshotId, deps.chunks, digests, opts.signal, deps.log);
       await fetch();
     }
     if (!report) throw new Error('fetchSnapshot: around() did not run the fetch');
