@@ -66,6 +66,19 @@ async function threeChunks(): Promise<Map<DigestHex, EncodedChunk>> {
   return chunks;
 }
 
+/** `inner`, counting its readVerified calls. */
+function countingVerifiedReads(inner: ChunkStore): { store: ChunkStore; verifiedReads: () => number } {
+  let n = 0;
+  const store = new Proxy(inner, {
+    get: (t, k) => {
+      const v = Reflect.get(t, k) as unknown;
+      if (k === 'readVerified') n++;
+      return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(t) : v;
+    },
+  });
+  return { store, verifiedReads: () => n };
+}
+
 describe('fetchChunks', () => {
   it('chunkWhoseLocalWriteFailsOnce_isFetchedAgain_andTheFetchSucceeds', async () => {
     const chunks = await threeChunks();
@@ -363,16 +376,9 @@ describe('fetchSnapshot: chunks stored here before the fetch', () => {
     const { store: inner, manifests, roots } = storesIn('store-again');
     const signed = signManifest(manifestOf('sn-a', chunks), signing);
     await fetchSnapshot('sn-a', [memorySource('peer', chunks)], { chunks: inner, manifests, roots, trust: trusted }, { signed, streamsPerSource: 1 });
-    let verifiedReads = 0;
-    const store = new Proxy(inner, {
-      get: (t, k) => {
-        const v = Reflect.get(t, k) as unknown;
-        if (k === 'readVerified') verifiedReads++;
-        return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(t) : v;
-      },
-    });
+    const { store, verifiedReads } = countingVerifiedReads(inner);
     await fetchSnapshot('sn-a', [memorySource('peer', chunks)], { chunks: store, manifests, roots, trust: trusted }, { signed, streamsPerSource: 1 });
-    expect(verifiedReads).toBe(0);
+    expect(verifiedReads()).toBe(0);
   });
 
   it('fetchSnapshotAroundAnImageBuild_readsNoChunkStoredBefore_leavingThatToTheImageBuild', async () => {
@@ -383,16 +389,9 @@ describe('fetchSnapshot: chunks stored here before the fetch', () => {
     const { signing, trusted } = generateSigningKey('k1');
     const { store: inner, manifests, roots } = storesIn('store-around');
     await inner.put(chunks.get(here) as EncodedChunk);
-    let verifiedReads = 0;
-    const store = new Proxy(inner, {
-      get: (t, k) => {
-        const v = Reflect.get(t, k) as unknown;
-        if (k === 'readVerified') verifiedReads++;
-        return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(t) : v;
-      },
-    });
+    const { store, verifiedReads } = countingVerifiedReads(inner);
     await fetchSnapshot('sn-a', [memorySource('peer', chunks)], { chunks: store, manifests, roots, trust: trusted }, { signed: signManifest(manifestOf('sn-a', chunks), signing), streamsPerSource: 1, around: async (_m, fetch) => void (await fetch()) });
-    expect(verifiedReads).toBe(0);
+    expect(verifiedReads()).toBe(0);
     expect(await manifests.get('sn-a')).toBeDefined();
   });
 });
