@@ -409,7 +409,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       // The manifest bytes come from a peer; the signature comes from the scheduler. It is
       // stored only after every chunk is (fetchSnapshot), so "manifest present" = complete.
       const t0 = performance.now();
-      const signed = fetch.manifest && fetch.manifest.signature.length > 0 ? (await this.signedBySchedulerFrom(snapshotId, fetch, sources, stored)).signed : undefined;
+      const given = fetch.manifest && fetch.manifest.signature.length > 0 ? await this.signedBySchedulerFrom(snapshotId, fetch, sources, stored) : undefined;
       // With `build`, the image is written while chunks arrive; chunks already here are copied
       // after. The fork needs the image, not the durable "complete" marker: the chunk fsyncs and
       // the manifest put finish in the background (the snapshot is reported held after).
@@ -423,7 +423,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
         snapshotId,
         sources,
         { chunks: this.deps.chunks, manifests: this.manifestsFor(attempt), roots: this.deps.roots, trust: this.deps.trust, log: this.deps.log },
-        { deferDurable: true, ...(signed ? { signed } : {}), ...(build ? { around } : {}) },
+        { deferDurable: true, ...(given ? { signed: given.signed, verified: given.manifest } : {}), ...(build ? { around } : {}) },
       );
       this.notDurable.delete(snapshotId);
       const settled: Promise<void> = durable

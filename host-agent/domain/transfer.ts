@@ -493,6 +493,8 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
 export interface FetchSnapshotOptions extends FetchOptions {
   /** The signed manifest when the caller already has it (else asked of the sources). */
   readonly signed?: SignedManifest;
+  /** `signed`'s manifest when the caller verified it already (verifiedManifestFrom): not verified again. */
+  readonly verified?: SnapshotManifest;
   /**
    * Runs the chunk fetch. Lets the caller wrap it, e.g. to materialise the image while
    * chunks arrive. It must call `fetch` exactly once, and read back verified (readVerified)
@@ -579,7 +581,7 @@ export async function fetchSnapshot(
 ): Promise<{ manifest: SnapshotManifest; signed: SignedManifest; report: FetchReport; durable: Promise<void> }> {
   const given = opts.signed ?? (await deps.manifests.get(snapshotId));
   const { signed: complete, manifest } = given
-    ? { signed: given, manifest: verifyManifest(given, deps.trust, snapshotId) }
+    ? { signed: given, manifest: opts.signed && opts.verified ? opts.verified : verifyManifest(given, deps.trust, snapshotId) }
     : await verifiedManifestFrom(snapshotId, sources, deps.trust, { signal: opts.signal, log: deps.log });
   // Each digest with the plain size the manifest gives it (checked against what peers send).
   const sizes = chunkSizes(manifest.artifacts);
