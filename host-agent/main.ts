@@ -2,7 +2,7 @@
 // the NATS bus into an Agent. Configuration: FF_* environment variables (config.ts).
 import { createPublicKey } from 'node:crypto';
 import { readFileSync } from 'node:fs';
-import { mkdir, rm } from 'node:fs/promises';
+import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { connect } from 'nats';
 import { pino } from 'pino';
@@ -19,6 +19,7 @@ import { Materialiser } from './adapters/chunkstore/materialise.ts';
 import { chunkTransferService } from './adapters/peer/server.ts';
 import { certificateHostId, peerServerCredentials, readPeerTls, writeQemuTlsDir } from './adapters/peer/tls.ts';
 import { ChunkStoreShipper } from './adapters/shipper.ts';
+import { ensurePrivateDataDir } from './adapters/data-dir.ts';
 import { findSocat } from './adapters/peer/tls-relay.ts';
 import { migrateOutThroughRelay } from './adapters/peer/migrate.ts';
 import { LiveRoots } from './domain/snapshot-store.ts';
@@ -37,7 +38,8 @@ async function main(): Promise<void> {
   // Read before anything starts: a TLS file that cannot be read fails start-up naming its variable.
   const natsTlsPem = cfg.natsTls ? readTlsClientFiles(cfg.natsTls) : undefined;
   const peerTls = readPeerTls(cfg.peerTls);
-  await mkdir(cfg.dataDir, { recursive: true });
+  // Root's alone: it holds every tenant's snapshot chunks (an older agent made it 0755).
+  if (await ensurePrivateDataDir(cfg.dataDir)) log.warn({ dataDir: cfg.dataDir }, 'the data directory was readable by other users: made it 0700');
   // How migration streams between hosts are encrypted (config.ts peerMigrationTls, ADR 0015).
   const socat = peerTls && (cfg.peerMigrationTls === 'on' || cfg.peerMigrationTls === 'relay') ? findSocat() : undefined;
   if (peerTls && cfg.peerMigrationTls === 'relay' && !socat) throw new Error('FF_PEER_MIGRATION_TLS=relay needs socat (apt-get install socat)');

@@ -68,6 +68,96 @@ describe('inventory', () => {
     }
     expect(hostPort('10.0.0.1', 2379)).toBe('10.0.0.1:2379');
   });
+
+  type Entry = Record<string, unknown>;
+  const role = (j: Record<string, unknown>, r: string): Entry[] => j[r] as Entry[];
+
+  it.each([
+    // One process's two ports: its second listener cannot bind, and systemd restarts it for ever.
+    ['ports.api', { api: 17710 }],
+    ['ports.metrics', { metrics: 17700 }],
+    ['ports.etcdPeer', { etcdPeer: 2379 }],
+    ['ports.natsMonitor', { natsMonitor: 6222 }],
+    ['ports.peer', { peer: 17711 }],
+    // Two roles on one address (cp-1 runs etcd, NATS and a scheduler on 10.0.0.11).
+    ['ports.natsClient', { natsClient: 2380 }],
+    ['ports.metrics', { metrics: 8222 }],
+  ])('parseInventory_withTwoPortsBoundOnOneAddressEqual_refusesNamingThePortItSets %s', (field, ports) => {
+    const j = example();
+    j.ports = ports;
+    expect(fieldOf(() => parseInventory(j))).toBe(field);
+  });
+
+  it('parseInventory_withASchedulerAndAHostAgentOnOneAddress_refusesTheirMetricsOnOnePort', () => {
+    const j = example();
+    Object.assign(role(j, 'hosts')[0]!, { address: '10.0.0.11', machine: 'cp-1' });
+    // With the default ports they live side by side (17710 and 17711).
+    expect(parseInventory(j).hosts[0]?.machine).toBe('cp-1');
+    expect(fieldOf(() => parseInventory({ ...j, ports: { agentMetrics: 17710 } }))).toBe('ports.agentMetrics');
+    expect(() => parseInventory({ ...j, ports: { agentMetrics: 17710 } })).toThrow(/ports\.metrics.*schedulers\[0\] and hosts\[0\] both listen on it at 10\.0\.0\.11/);
+    // The same port on different addresses is no collision.
+    expect(fieldOf(() => parseInventory({ ...example(), ports: { agentMetrics: 17710 } }))).toBeUndefined();
+  });
+
+  it('parseInventory_withOneNatsServer_letsItsUnboundClusterPortEqualAnother', () => {
+    const j = example();
+    j.nats = role(j, 'nats').slice(0, 1);
+    j.ports = { natsCluster: 4222 };
+    expect(parseInventory(j).ports.natsCluster).toBe(4222);
+  });
+
+  it('parseInventory_withTwoHostsOnOneAddress_refusesNamingTheSecond', () => {
+    const j = example();
+    role(j, 'hosts')[1]!.address = '10.0.1.21';
+    expect(fieldOf(() => parseInventory(j))).toBe('hosts[1].address');
+  });
+
+  it('parseInventory_withOneAddressOnTwoMachinesAcrossRoles_refusesNamingTheLatersMachine', () => {
+    const named = example();
+    role(named, 'hosts')[0]!.address = '10.0.0.11'; // etcd[0]'s, machine cp-1; this one says kvm-01
+    expect(fieldOf(() => parseInventory(named))).toBe('hosts[0].machine');
+    const byDefault = example();
+    delete role(byDefault, 'schedulers')[0]!.machine; // machine 10.0.0.11, where etcd[0] says cp-1
+    expect(fieldOf(() => parseInventory(byDefault))).toBe('schedulers[0].machine');
+    expect(() => parseInventory(byDefault)).toThrow(/etcd\[0\] on the same address 10\.0\.0\.11 is on machine "cp-1"/);
+  });
+
+  it.each([
+    ['installDir', '/home/ops/forkfleet'],
+    ['installDir', '/root/forkfleet'],
+    ['installDir', '/opt/../home/forkfleet'],
+    ['node', '/root/.nvm/versions/node/v20.19.0/bin/node'],
+    ['node', '/run/user/1000/fnm/node'],
+    ['node', '/home'],
+  ])('parseInventory_withAUnitPathWhereProtectHomeHidesIt_refusesSayingWhy %s %s', (key, path) => {
+    const j = { ...example(), [key]: path };
+    expect(fieldOf(() => parseInventory(j))).toBe(key);
+    expect(() => parseInventory(j)).toThrow(/ProtectHome/);
+  });
+
+  it('parseInventory_withAUnitPathBesideTheProtectedOnes_takesIt', () => {
+    const inv = parseInventory({ ...example(), installDir: '/homes/forkfleet', node: '/run/node/bin/node' });
+    expect([inv.installDir, inv.node]).toEqual(['/homes/forkfleet', '/run/node/bin/node']);
+  });
+
+  it.each([
+    ['nodes', (j: Record<string, unknown>) => (j.nodes = '/usr/local/bin/node')],
+    ['hosts[2].memoryMB', (j: Record<string, unknown>) => (role(j, 'hosts')[2]!.memoryMB = 480000)],
+    ['hosts[0].linkgbps', (j: Record<string, unknown>) => (role(j, 'hosts')[0]!.linkgbps = 100)],
+    ['etcd[1].adress', (j: Record<string, unknown>) => (role(j, 'etcd')[1]!.adress = '10.0.0.12')],
+    ['nats[0].dns', (j: Record<string, unknown>) => (role(j, 'nats')[0]!.dns = ['nats.internal'])],
+    ['schedulers[1].dnsNames', (j: Record<string, unknown>) => (role(j, 'schedulers')[1]!.dnsNames = ['api.internal'])],
+  ])('parseInventory_withAnUnknownKey_refusesNamingIt %s', (field, spoil) => {
+    const j = example();
+    spoil(j);
+    expect(fieldOf(() => parseInventory(j))).toBe(field);
+  });
+
+  it('parseInventory_withAMiscasedKey_suggestsTheKnownOne', () => {
+    const j = example();
+    role(j, 'hosts')[2]!.memoryMIB = 1024;
+    expect(() => parseInventory(j)).toThrow(/hosts\[2\]\.memoryMIB: .*did you mean memoryMib\?/);
+  });
 });
 
 describe('renderFiles', () => {
@@ -199,6 +289,13 @@ describe('renderFiles', () => {
     }
     expect(sched.get('Unit.After')?.join(' ').split(' ')).toEqual(expect.arrayContaining(['network-online.target', 'etcd.service', 'nats-server.service']));
     expect(agent.get('Unit.After')?.join(' ').split(' ')).toEqual(expect.arrayContaining(['network-online.target', 'nats-server.service']));
+  });
+
+  it('renderFiles_agentUnit_createsFilesOwnerOnly_soTenantsSnapshotChunksAreNotWorldReadable', () => {
+    // FF_DATA_DIR (/var/lib/forkfleet) holds every tenant's memory and disk chunks, made by the
+    // agent and its QEMUs (root both): nothing there for other local users.
+    const agent = directives(file('machines/kvm-01/etc/systemd/system/forkfleet-agent.service'));
+    expect(agent.get('Service.UMask')).toEqual(['0077']);
   });
 
   it('renderFiles_unitsNameTheInstallDirectoryAndNode', () => {
