@@ -3,7 +3,8 @@
 import { createServer, type ServerResponse } from 'node:http';
 import { connect, type AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
-import { dashboardHandler } from './handler.ts';
+import type { SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
+import { dashboardHandler, fleetLists, SHOWN_ROWS } from './handler.ts';
 
 const cleanups: Array<() => void> = [];
 afterEach(() => {
@@ -78,5 +79,30 @@ describe('dashboard event stream', () => {
       await new Promise((r) => setTimeout(r, 300));
     }
     expect(started).toBe(1);
+  });
+});
+
+describe('dashboard state of a large fleet', () => {
+  const sandbox = (i: number, state: 'running' | 'starting', hostId: string, sourceSnapshotId: string): SandboxInfo => ({ id: `sb-${i}`, state, hostId, sourceSnapshotId }) as SandboxInfo;
+  const snapshot = (i: number, hostIds: string[]): SnapshotInfo => ({ id: `sn-${i}`, hostIds }) as SnapshotInfo;
+
+  it('fleetLists_ofMoreSandboxesAndSnapshotsThanThePageLists_sendsOnlyTheRowsItLists_andCountsThemAll', () => {
+    // 150 running, then 100 starting on h-1 from sn-0, which only h-0 holds: all past the rows shown.
+    const sandboxes = [...Array.from({ length: 150 }, (_, i) => sandbox(i, 'running', 'h-0', '')), ...Array.from({ length: 100 }, (_, i) => sandbox(150 + i, 'starting', 'h-1', 'sn-0'))];
+    const snapshots = Array.from({ length: 250 }, (_, i) => snapshot(i, ['h-0']));
+    const st = fleetLists(sandboxes, snapshots);
+    expect(SHOWN_ROWS).toBe(100);
+    expect(st.sandboxes).toEqual(sandboxes.slice(0, SHOWN_ROWS));
+    expect(st.snapshots).toEqual(snapshots.slice(0, SHOWN_ROWS));
+    expect(st.totals).toEqual({ sandboxes: 250, snapshots: 250 });
+    expect(st.byState).toEqual({ running: 150, starting: 100 });
+    // Transfers come from every sandbox, not only the rows sent.
+    expect(st.transfers).toHaveLength(100);
+    expect(st.transfers[0]).toMatchObject({ kind: 'inflight', snapshotId: 'sn-0', toHostId: 'h-1', fromHostIds: ['h-0'], sandboxId: 'sb-150' });
+  });
+
+  it('fleetLists_ofAFleetThePageListsWhole_sendsItAll', () => {
+    const st = fleetLists([sandbox(0, 'running', 'h-0', '')], [snapshot(0, ['h-0'])]);
+    expect([st.sandboxes.length, st.snapshots.length, st.totals]).toEqual([1, 1, { sandboxes: 1, snapshots: 1 }]);
   });
 });

@@ -57,9 +57,13 @@ export interface DashboardState {
   error: string | undefined;
   hosts: HostInfo[];
   tenants: string[];
+  /** The first SHOWN_ROWS of the fleet's sandboxes: what the page lists. */
   sandboxes: SandboxInfo[];
+  /** Over every sandbox of the fleet, as are `totals` and the in-flight transfers. */
   byState: Record<string, number>;
+  /** The first SHOWN_ROWS of the fleet's snapshots. */
   snapshots: SnapshotInfo[];
+  totals: { sandboxes: number; snapshots: number };
   transfers: Transfer[];
   events: EventInfo[];
   latency: Record<string, { histogram: HistogramData; p50: number | undefined; p95: number | undefined; p99: number | undefined }>;
@@ -94,6 +98,30 @@ export function metricsFromUrls(urls: string[]): () => Promise<string[]> {
 
 const PAGE = readFileSync(new URL('./page.html', import.meta.url), 'utf8');
 const TRANSITIONAL = new Set(['pending', 'starting', 'waking']);
+
+/**
+ * Rows of sandboxes and of snapshots the page lists (page.html): only those are sent. Every
+ * state went to every open page each second, the whole fleet's lists in each.
+ */
+export const SHOWN_ROWS = 100;
+
+/**
+ * The fleet's lists as the page gets them: counts and in-flight transfers over every sandbox
+ * and snapshot, the lists themselves cut to the SHOWN_ROWS the page lists. Pure.
+ */
+export function fleetLists(sandboxes: readonly SandboxInfo[], snapshots: readonly SnapshotInfo[]): Pick<DashboardState, 'sandboxes' | 'snapshots' | 'byState' | 'totals' | 'transfers'> {
+  const byState: Record<string, number> = {};
+  for (const s of sandboxes) byState[s.state] = (byState[s.state] ?? 0) + 1;
+  // In flight: a sandbox coming up from a snapshot its host does not hold yet is fetching it.
+  const transfers: Transfer[] = [];
+  const snaps = new Map(snapshots.map((s) => [s.id, s]));
+  for (const s of sandboxes) {
+    if (!TRANSITIONAL.has(s.state) || !s.sourceSnapshotId) continue;
+    const sn = snaps.get(s.sourceSnapshotId);
+    if (sn && !sn.hostIds.includes(s.hostId)) transfers.push({ kind: 'inflight', snapshotId: sn.id, toHostId: s.hostId, fromHostIds: sn.hostIds, sandboxId: s.id, operationId: '', bytes: 0, at: undefined });
+  }
+  return { sandboxes: sandboxes.slice(0, SHOWN_ROWS), snapshots: snapshots.slice(0, SHOWN_ROWS), byState, totals: { sandboxes: sandboxes.length, snapshots: snapshots.length }, transfers };
+}
 
 export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   const base = (deps.basePath ?? '/dashboard').replace(/\/$/, '');
@@ -151,6 +179,7 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
       sandboxes: [],
       byState: {},
       snapshots: [],
+      totals: { sandboxes: 0, snapshots: 0 },
       transfers: [],
       events: [...events],
       latency: {},
@@ -164,18 +193,9 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
         Promise.all([...clients.values()].map(async (ff) => ({ sandboxes: await ff.list(), snapshots: await ff.snapshots.list() }))),
       ]);
       st.hosts = hosts.sort((a, b) => a.id.localeCompare(b.id));
-      st.sandboxes = per.flatMap((p) => p.sandboxes);
-      st.snapshots = per.flatMap((p) => p.snapshots);
+      Object.assign(st, fleetLists(per.flatMap((p) => p.sandboxes), per.flatMap((p) => p.snapshots)));
     } catch (e) {
       st.error = e instanceof Error ? e.message : String(e);
-    }
-    for (const s of st.sandboxes) st.byState[s.state] = (st.byState[s.state] ?? 0) + 1;
-    // In flight: a sandbox coming up from a snapshot its host does not hold yet is fetching it.
-    const snaps = new Map(st.snapshots.map((s) => [s.id, s]));
-    for (const s of st.sandboxes) {
-      if (!TRANSITIONAL.has(s.state) || !s.sourceSnapshotId) continue;
-      const sn = snaps.get(s.sourceSnapshotId);
-      if (sn && !sn.hostIds.includes(s.hostId)) st.transfers.push({ kind: 'inflight', snapshotId: sn.id, toHostId: s.hostId, fromHostIds: sn.hostIds, sandboxId: s.id, operationId: '', bytes: 0, at: undefined });
     }
     st.transfers.push(...doneTransfers);
     if (deps.metrics) {
