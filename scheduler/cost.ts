@@ -1,9 +1,11 @@
 // The cost model: what one child needs from a host (memory counts shared pages once per
 // host per snapshot) and its estimated time to ready on that host.
 //
-// Memory of c children of snapshot S on host h:
-//   min(c * S.memoryMib,  c * ceil(S.memoryMib * privateMemoryFraction) + (S's image resident on h ? 0 : S.memoryMib))
-// (never more than c separate guests: a lone restore needs what its create did)
+// Memory of c children of snapshot S on host h, where n children of S are booked already as
+// shares of its image (HostInput.imageShares; a fork only):
+//   F(n + c) - F(n),  F(k) = k = 0 ? 0 : min(k * S.memoryMib, k * p + S.memoryMib),  p = ceil(S.memoryMib * privateMemoryFraction)
+// (never more than c separate guests: a lone restore needs what its create did; with n = 0 this
+// is min(c * memoryMib, c * p + memoryMib)). Where S's image is resident (residentImages): c * p.
 // Disk: c * overlayDiskMib + MiB of chunks h lacks (fetched into its chunk cache).
 // A create has no sharing: c * memoryMib, c * diskMib.
 import type { PlacementConfig } from './config.ts';
@@ -22,11 +24,11 @@ export interface Demand {
   readonly imageMib: number;
   readonly overlayDiskMib: number;
   readonly snapshot: SnapshotView | null;
-  /** Hosts where the snapshot's image is already resident (pay no image). */
-  readonly resident: ReadonlySet<number>;
+  /** Host index -> children of the snapshot booked there as shares of its image (Infinity: resident, the image is paid). */
+  readonly shares: ReadonlyMap<number, number>;
 }
 
-const NONE: ReadonlySet<number> = new Set();
+const NONE: ReadonlyMap<number, number> = new Map();
 
 export function demandOf(view: FleetView, request: PlacementRequest, snapshot: SnapshotView | null, config: PlacementConfig): Demand {
   if (request.kind === 'create') {
@@ -38,7 +40,7 @@ export function demandOf(view: FleetView, request: PlacementRequest, snapshot: S
       imageMib: 0,
       overlayDiskMib: request.resources.diskMib,
       snapshot: null,
-      resident: NONE,
+      shares: NONE,
     };
   }
   if (snapshot === null) throw new Error('demandOf: fork/restore needs its snapshot');
@@ -50,7 +52,7 @@ export function demandOf(view: FleetView, request: PlacementRequest, snapshot: S
     imageMib: snapshot.vmConfig.memoryMib,
     overlayDiskMib: request.overlayDiskMib,
     snapshot,
-    resident: view.residentHosts.get(snapshot.id) ?? NONE,
+    shares: view.residentHosts.get(snapshot.id) ?? NONE,
   };
 }
 
@@ -69,13 +71,23 @@ export function missingBytes(snapshot: SnapshotView | null, present: number, hol
  * created on the largest host can always be woken or moved back onto one like it.
  */
 export function memoryFor(d: Demand, i: number, c: number): number {
-  const shared = c * d.privateMemoryMib + imageFor(d, i);
-  return d.imageMib > 0 ? Math.min(c * d.imageMib, shared) : shared;
+  if (d.imageMib <= 0) return c * d.privateMemoryMib;
+  const [full, shared] = imageLines(d, i);
+  return Math.min(full + c * d.imageMib, shared + c * d.privateMemoryMib);
 }
 
-/** The image memory host i pays once for this snapshot's children (0 where resident, and for create). */
-function imageFor(d: Demand, i: number): number {
-  return d.imageMib > 0 && !d.resident.has(i) ? d.imageMib : 0;
+/**
+ * memoryFor(d, i, c) is the smaller of two lines in c: [fixed part of c whole guests, fixed part
+ * of c private shares], F(n + c) - F(n) written out. For n = 0: [0, the image]; resident: the
+ * whole-guest line never applies, and the image is paid.
+ */
+function imageLines(d: Demand, i: number): readonly [number, number] {
+  let n = d.shares.get(i) ?? 0;
+  // Only a fork's children are booked as shares; a restore books a whole guest (resident apart).
+  if (d.kind !== 'fork' && n !== Number.POSITIVE_INFINITY) n = 0;
+  if (n === Number.POSITIVE_INFINITY) return [Number.POSITIVE_INFINITY, 0];
+  const fn = n === 0 ? 0 : Math.min(n * d.imageMib, n * d.privateMemoryMib + d.imageMib);
+  return [n * d.imageMib - fn, n * d.privateMemoryMib + d.imageMib - fn];
 }
 
 export function diskFor(d: Demand, missing: number, c: number): number {
@@ -93,8 +105,11 @@ export function roomFor(d: Demand, cols: HostColumns, i: number, missing: number
   if (cpu < 1) return 'insufficient_vcpu';
   const freeMemory = (cols.capMemoryMib[i] as number) - (cols.allocMemoryMib[i] as number);
   // memoryFor is the smaller of two lines in c: c fit when either line fits.
-  let mem = countThatFits(freeMemory, imageFor(d, i), d.privateMemoryMib);
-  if (d.imageMib > 0) mem = Math.max(mem, countThatFits(freeMemory, 0, d.imageMib));
+  let mem: number;
+  if (d.imageMib > 0) {
+    const [full, shared] = imageLines(d, i);
+    mem = Math.max(countThatFits(freeMemory, shared, d.privateMemoryMib), countThatFits(freeMemory, full, d.imageMib));
+  } else mem = countThatFits(freeMemory, 0, d.privateMemoryMib);
   if (mem < 1) return 'insufficient_memory';
   const disk = countThatFits((cols.capDiskMib[i] as number) - (cols.allocDiskMib[i] as number), Math.ceil(missing / MIB), d.overlayDiskMib);
   if (disk < 1) return 'insufficient_disk';

@@ -45,6 +45,7 @@ const hostArb = (i: number): fc.Arbitrary<HostInput> =>
       hold: fc.constantFrom('full', 'full', 'none', 'none', 'partial'),
       partialFrac: fc.double({ min: 0.01, max: 0.99, noNaN: true }),
       resident: fc.boolean(),
+      shares: fc.constantFrom(0, 0, 1, 2, 5),
       restoreCostMs: fc.option(fc.integer({ min: 50, max: 600 }), { nil: undefined }),
       restoreSlots: fc.option(fc.integer({ min: 1, max: 8 }), { nil: undefined }),
     })
@@ -61,6 +62,7 @@ const hostArb = (i: number): fc.Arbitrary<HostInput> =>
       heldSnapshots: r.hold === 'full' ? ['snap-a'] : [],
       partialSnapshots: r.hold === 'partial' ? { 'snap-a': Math.floor(r.partialFrac * GIB) } : undefined,
       residentImages: r.hold === 'full' && r.resident ? ['snap-a'] : [],
+      imageShares: r.hold === 'full' && !r.resident && r.shares > 0 ? { 'snap-a': r.shares } : undefined,
       restoreCostMs: r.restoreCostMs,
       restoreSlots: r.restoreSlots,
     }));
@@ -130,10 +132,14 @@ describe('place() properties', () => {
           const holds = h.heldSnapshots.includes('snap-a');
           const present = h.partialSnapshots?.['snap-a'] ?? 0;
           const missing = holds ? 0 : Math.ceil((s.snapshot.totalBytes - present) / s.snapshot.chunkBytes) * s.snapshot.chunkBytes;
-          const image = h.residentImages?.includes('snap-a') ? 0 : vm.memoryMib;
+          const priv = Math.ceil(vm.memoryMib * (48 / 256));
+          // n children of the image booked together: never more than n whole guests (a lone
+          // child needs its guest's memory, as a create), else the image once plus n private sets.
+          const together = (n: number): number => (n === 0 ? 0 : Math.min(n * vm.memoryMib, n * priv + vm.memoryMib));
+          const n = h.imageShares?.['snap-a'] ?? 0;
+          const memory = h.residentImages?.includes('snap-a') ? c * priv : together(n + c) - together(n);
           expect(h.allocated.vcpus + c * vm.vcpus).toBeLessThanOrEqual(h.capacity.vcpus);
-          // Never more than c whole guests (a lone child needs its guest's memory, as a create).
-          expect(h.allocated.memoryMib + Math.min(c * vm.memoryMib, c * Math.ceil(vm.memoryMib * (48 / 256)) + image)).toBeLessThanOrEqual(h.capacity.memoryMib);
+          expect(h.allocated.memoryMib + memory).toBeLessThanOrEqual(h.capacity.memoryMib);
           expect(h.allocated.diskMib + c * s.request.overlayDiskMib + Math.ceil(Math.min(missing, s.snapshot.totalBytes) / MIB)).toBeLessThanOrEqual(h.capacity.diskMib);
           expect(h.state).toBe('ready');
           expect(h.cordoned || h.draining).toBe(false);

@@ -147,6 +147,25 @@ describe('fork', () => {
     expect(perHost(decide(fleet([host]), forkRequest(10)))).toEqual({ holder: 10 });
   });
 
+  it('fork_whenChildrenOfTheImageAreBookedThere_chargesWhatMoreChildrenAddToTheirSharedBooking', () => {
+    // Two children booked as shares: 256 + 2 * 48 of memory. Each more one adds 48.
+    const booked = memoryForChildren(2);
+    const host = (free: number): ReturnType<typeof hostInput> =>
+      hostInput('holder', { heldSnapshots: ['snap-a'], imageShares: { 'snap-a': 2 }, allocated: { vcpus: 0, memoryMib: booked, diskMib: 0 }, capacity: { vcpus: 64, memoryMib: booked + free, diskMib: 500_000 } });
+    expect(perHost(decide(fleet([host(5 * 48)]), forkRequest(5)))).toEqual({ holder: 5 });
+    expect(decide(fleet([host(5 * 48 - 1)]), forkRequest(5)).ok).toBe(false);
+    // One child booked alone holds a whole guest (256): the second adds 2 * 48 (256 + 2 * 48 in all).
+    const one = hostInput('holder', { heldSnapshots: ['snap-a'], imageShares: { 'snap-a': 1 }, allocated: { vcpus: 0, memoryMib: 256, diskMib: 0 }, capacity: { vcpus: 64, memoryMib: 256 + 2 * 48, diskMib: 500_000 } });
+    expect(perHost(decide(fleet([one]), forkRequest(1)))).toEqual({ holder: 1 });
+    expect(decide(fleet([{ ...one, capacity: { ...one.capacity, memoryMib: 256 + 2 * 48 - 1 } }]), forkRequest(1)).ok).toBe(false);
+  });
+
+  it('restore_whenForkChildrenShareTheImageThere_stillNeedsAWholeGuest', () => {
+    const host = hostInput('holder', { heldSnapshots: ['snap-a'], imageShares: { 'snap-a': 4 }, allocated: { vcpus: 0, memoryMib: memoryForChildren(4), diskMib: 0 }, capacity: { vcpus: 64, memoryMib: memoryForChildren(4) + 255, diskMib: 500_000 } });
+    expect(decide(fleet([host]), { kind: 'restore', id: 'r1', nowMs: 0, snapshotId: 'snap-a', overlayDiskMib: 1024 }).ok).toBe(false);
+    expect(decide(fleet([{ ...host, capacity: { ...host.capacity, memoryMib: memoryForChildren(4) + 256 } }]), { kind: 'restore', id: 'r1', nowMs: 0, snapshotId: 'snap-a', overlayDiskMib: 1024 }).ok).toBe(true);
+  });
+
   it('fork_onPartialHolder_fetchesOnlyMissingChunks', () => {
     const view = fleet([
       hostInput('holder', { heldSnapshots: ['snap-a'], capacity: { vcpus: 0, memoryMib: 0, diskMib: 0 } }),

@@ -67,6 +67,14 @@ export interface HostInput {
    * that snapshot here cost only their private working set.
    */
   readonly residentImages?: readonly string[];
+  /**
+   * Fork children already booked here as shares of a snapshot's memory image: snapshot id ->
+   * how many (services/domain/image-shares.ts). n such children book
+   * min(n * memoryMib, n * privateMemoryMib + memoryMib) together, so c more cost the difference
+   * that c makes to that (a fork only; a create or restore books a whole guest). A snapshot
+   * also in residentImages is priced as resident.
+   */
+  readonly imageShares?: Readonly<Record<string, number>>;
   /** Measured restore cost on this host; falls back to config.restoreCostMs. */
   readonly restoreCostMs?: number;
   /**
@@ -161,8 +169,11 @@ export interface FleetView {
   /** snapshot id -> indexes of hosts holding it fully, ascending. Invariant: subset of hosts, no duplicates. */
   readonly holders: ReadonlyMap<string, readonly number[]>;
   readonly cols: HostColumns;
-  /** snapshot id -> indexes of hosts where its memory image is resident (see HostInput.residentImages). */
-  readonly residentHosts: ReadonlyMap<string, ReadonlySet<number>>;
+  /**
+   * snapshot id -> host index -> fork children booked there as shares of its image
+   * (HostInput.imageShares); Infinity where it is resident (HostInput.residentImages).
+   */
+  readonly residentHosts: ReadonlyMap<string, ReadonlyMap<number, number>>;
   /** Same as holders, as sets, for O(1) membership. */
   readonly holderSets: ReadonlyMap<string, ReadonlySet<number>>;
   /** snapshot id -> host index -> bytes present (partial holders only; full holders are not listed). */

@@ -34,7 +34,7 @@ export function buildFleetView(input: FleetViewInput): FleetView {
   const holders = new Map<string, number[]>();
   const partialHolders = new Map<string, Map<number, number>>();
   const snapshots = new Map<string, SnapshotView>();
-  const residentHosts = new Map<string, Set<number>>();
+  const residentHosts = new Map<string, Map<number, number>>();
   const n = input.hosts.length;
   const f64 = (): Float64Array => new Float64Array(n);
   const cols: HostColumns = {
@@ -99,11 +99,13 @@ export function buildFleetView(input: FleetViewInput): FleetView {
       if (m === undefined) partialHolders.set(sid, (m = new Map()));
       m.set(index, bytes);
     }
-    for (const sid of h.residentImages ?? []) {
-      let set = residentHosts.get(sid);
-      if (set === undefined) residentHosts.set(sid, (set = new Set()));
-      set.add(index);
-    }
+    const shares = (sid: string): Map<number, number> => {
+      let m = residentHosts.get(sid);
+      if (m === undefined) residentHosts.set(sid, (m = new Map()));
+      return m;
+    };
+    for (const [sid, n] of Object.entries(h.imageShares ?? {})) if (Number.isInteger(n) && n > 0) shares(sid).set(index, n);
+    for (const sid of h.residentImages ?? []) shares(sid).set(index, Number.POSITIVE_INFINITY);
     cols.state[index] = h.state === 'ready' ? 0 : h.state === 'suspect' ? 1 : 2;
     cols.cordoned[index] = h.cordoned ? 1 : 0;
     cols.draining[index] = h.draining ? 1 : 0;

@@ -27,6 +27,8 @@ import { FAIL_ONCE_FINAL_HOSTNAME, FAIL_ONCE_HOSTNAME, FAIL_SNAPSHOT_HOSTNAME } 
 import { NatsWorkBus } from './adapters/nats/bus.ts';
 import { create } from '@bufbuild/protobuf';
 import { HostWorkSchema } from './domain/messages.ts';
+import { bookedFor } from './domain/image-shares.ts';
+import { DEFAULT_PLACEMENT_CONFIG } from '../scheduler/index.ts';
 
 type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
@@ -76,7 +78,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
       const mine = live.filter((s) => s.hostId === a.value.hostId);
       expect(a.value.sandboxes, `alloc count of ${a.value.hostId}`).toBe(mine.length);
       expect(a.value.allocated.vcpus, `vcpus booked on ${a.value.hostId}`).toBe(mine.reduce((n, s) => n + s.resources.vcpus, 0));
-      expect(a.value.allocated.memoryMib, `memory booked on ${a.value.hostId}`).toBe(mine.reduce((n, s) => n + s.resources.memoryMib, 0));
+      expect(a.value.allocated.memoryMib, `memory booked on ${a.value.hostId}`).toBe(bookedFor(a.value.hostId, mine, DEFAULT_PLACEMENT_CONFIG.privateMemoryFraction).allocated.memoryMib);
     }
     expect((await store.listOps({ activeOnly: true })).map((o) => `${o.value.kind} ${o.value.id} ${o.value.state}`)).toEqual([]);
   }

@@ -21,6 +21,8 @@ import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import { HOLDS_CAPACITY } from './domain/records.ts';
 import type { HostRec } from './domain/records.ts';
 import { sandboxRecord, snapshotRecord } from './testkit/records.ts';
+import { bookedFor } from './domain/image-shares.ts';
+import { DEFAULT_PLACEMENT_CONFIG } from '../scheduler/index.ts';
 
 /**
  * The store, but while `retried.armed`, the next commit with a write that `matches` (a child
@@ -105,7 +107,7 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     const store = EtcdFleetStore.connect(ts.etcd.endpoints);
     try {
       const live = (await store.listSandboxes(undefined)).map((v) => v.value).filter((x) => x.hostId === hostId && HOLDS_CAPACITY.has(x.state));
-      expect((await store.getAlloc(hostId)).value.allocated.memoryMib, `memory booked on ${hostId}`).toBe(live.reduce((n, x) => n + x.resources.memoryMib, 0));
+      expect((await store.getAlloc(hostId)).value.allocated.memoryMib, `memory booked on ${hostId}`).toBe(bookedFor(hostId, live, DEFAULT_PLACEMENT_CONFIG.privateMemoryFraction).allocated.memoryMib);
     } finally {
       store.close();
     }

@@ -140,6 +140,35 @@ describe('placement groups (real etcd, NATS, a fake agent)', () => {
     return snap.result.case === 'snapshot' ? snap.result.value.id : '';
   };
 
+  it('forkChildrenOnTheHostHoldingTheSnapshot_bookOneImagePlusTheirPrivatePages_andGiveBackExactlyThatWhenDestroyed', async () => {
+    const snapshotId = await snapshotOnA();
+    const store = EtcdFleetStore.connect(ts.etcd.endpoints);
+    try {
+      const memoryOnA = async (): Promise<number> => (await store.getAlloc('fake-a')).value.allocated.memoryMib;
+      const before = await memoryOnA();
+      const fork = async (count: number): Promise<string[]> => {
+        const f = await wait(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count, placement: { hostId: 'fake-a' } }));
+        expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+        return f.result.case === 'fork' ? f.result.value.children.map((c) => c.id) : [];
+      };
+      // 256 MiB guests: the image once plus ceil(256 * 48 / 256) = 48 MiB each, not 8 x 256.
+      const first = await fork(8);
+      expect(await memoryOnA()).toBe(before + 256 + 8 * 48);
+      expect((await store.getAlloc('fake-a')).value.images?.[snapshotId]?.children).toBe(8);
+      // More children of the same image add their private pages only.
+      const second = await fork(4);
+      expect(await memoryOnA()).toBe(before + 256 + 12 * 48);
+      for (const id of [...first, ...second]) {
+        const d = await wait(await api.destroySandbox({ tenantId, idempotencyKey: key(), sandboxId: id }));
+        expect(d.state, d.error?.message).toBe(OperationState.SUCCEEDED);
+      }
+      expect(await memoryOnA()).toBe(before);
+      expect((await store.getAlloc('fake-a')).value.images?.[snapshotId]).toBeUndefined();
+    } finally {
+      store.close();
+    }
+  }, 120_000);
+
   it('forkDecidedBeforeItsSnapshotWasDeleted_fails_withNoChildOfTheDeletedSnapshot', async () => {
     const snapshotId = await snapshotOnA();
     // The fork is decided (from a ready snapshot); the snapshot is deleted, to the end, before

@@ -28,6 +28,8 @@ import { FleetService, OperationState } from '../proto/gen/forkfleet/v1/fleet_pb
 import type { Operation } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Spread } from '../proto/gen/forkfleet/v1/common_pb.ts';
 import { Forkfleet } from './sdk/index.ts';
+import { bookedFor } from './domain/image-shares.ts';
+import { DEFAULT_PLACEMENT_CONFIG } from '../scheduler/index.ts';
 
 type Fleet = Client<(typeof FleetService)['method']>;
 const tenantId = 't1';
@@ -103,7 +105,7 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
     for (const a of await store.listAllocs()) {
       const mine = live.filter((s) => s.hostId === a.value.hostId);
       expect(a.value.sandboxes, `sandboxes booked on ${a.value.hostId}`).toBe(mine.length);
-      expect(a.value.allocated.memoryMib, `memory booked on ${a.value.hostId}`).toBe(mine.reduce((n, s) => n + s.resources.memoryMib, 0));
+      expect(a.value.allocated.memoryMib, `memory booked on ${a.value.hostId}`).toBe(bookedFor(a.value.hostId, mine, DEFAULT_PLACEMENT_CONFIG.privateMemoryFraction).allocated.memoryMib);
     }
     expect((await store.listOps({ activeOnly: true })).map((o) => `${o.value.kind} ${o.value.id} ${o.value.state}`)).toEqual([]);
   }

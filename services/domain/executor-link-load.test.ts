@@ -40,7 +40,7 @@ function executor(commits: () => number): { place: (opId: string) => Promise<str
   const inner = ex as unknown as {
     active: boolean;
     cache: { apply(c: unknown): void; load(): Promise<void> };
-    placeAndBook(op: OperationRec, snapshot: { tenantId: string; id: string }, request: (view: unknown) => PlacementRequest, records: () => { perChild: { vcpus: number; memoryMib: number; diskMib: number }; writes: [] }): Promise<{ result: Extract<PlacementResult, { ok: true }> }>;
+    placeAndBook(op: OperationRec, snapshot: { tenantId: string; id: string }, request: (view: unknown) => PlacementRequest, records: () => { perChild: { res: { vcpus: number; memoryMib: number; diskMib: number } }; writes: [] }): Promise<{ result: Extract<PlacementResult, { ok: true }> }>;
   };
   inner.active = true;
   for (const h of ['h1', 'h2', 'c1', 'c2', 'c3']) inner.cache.apply({ kind: 'host', value: { value: host(h), modRevision: 1 } });
@@ -49,7 +49,7 @@ function executor(commits: () => number): { place: (opId: string) => Promise<str
   return {
     place: async (opId) => {
       const op = { id: opId, tenantId: 't', kind: 'fork' } as OperationRec;
-      const { result } = await inner.placeAndBook(op, { tenantId: 't', id: 'sn-1' }, () => ({ kind: 'fork', id: opId, nowMs: now, snapshotId: 'sn-1', count: 1, overlayDiskMib: 0, preferences: { locality: 'CROSS_HOST' } }), () => ({ perChild: { vcpus: 1, memoryMib: 256, diskMib: 0 }, writes: [] }));
+      const { result } = await inner.placeAndBook(op, { tenantId: 't', id: 'sn-1' }, () => ({ kind: 'fork', id: opId, nowMs: now, snapshotId: 'sn-1', count: 1, overlayDiskMib: 0, preferences: { locality: 'CROSS_HOST' } }), () => ({ perChild: { res: { vcpus: 1, memoryMib: 256, diskMib: 0 } }, writes: [] }));
       return result.transferPlan?.transfers[0]?.sourceHostId ?? '';
     },
   };

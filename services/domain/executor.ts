@@ -21,7 +21,9 @@ import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.t
 import { FetchRates, LinkLoads, fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig, HeartbeatRegistry } from './fleet-view.ts';
 import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
-import { buildFleetView, place, rngForRequest } from '../../scheduler/index.ts';
+import { buildFleetView, DEFAULT_PLACEMENT_CONFIG, place, rngForRequest } from '../../scheduler/index.ts';
+import { applyBooking, bookingOf } from './image-shares.ts';
+import type { Booking } from './image-shares.ts';
 import type { FleetView, PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
@@ -170,12 +172,13 @@ function hooksOf(sb: SandboxRec): Array<{ argv: string[]; timeout: { seconds: bi
 
 const ZERO: ResourcesRec = { vcpus: 0, memoryMib: 0, diskMib: 0 };
 
-function addRes(a: ResourcesRec, b: ResourcesRec, sign: 1 | -1): ResourcesRec {
-  return {
-    vcpus: Math.max(0, a.vcpus + sign * b.vcpus),
-    memoryMib: Math.max(0, a.memoryMib + sign * b.memoryMib),
-    diskMib: Math.max(0, a.diskMib + sign * b.diskMib),
-  };
+/**
+ * Hosts of a fork's placement whose children book a share of the snapshot's memory image: those
+ * that hold the snapshot, which restore from their local image (copy-on-write). A host that
+ * fetches may restore by migration (ADR 0015), each child with memory of its own: whole guests.
+ */
+function sharesOn(res: Extract<PlacementResult, { ok: true }>): ReadonlySet<string> {
+  return new Set(res.placements.filter((p) => p.holdsSnapshot).map((p) => p.hostId));
 }
 
 /**
@@ -223,7 +226,8 @@ interface PlaceJob {
   /** The snapshot the placement restores from, if any: the view holds only the group's snapshots. */
   snapshot: { tenantId: string; id: string } | undefined;
   request: (view: ReturnType<typeof buildFleetView>) => PlacementRequest;
-  records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: ResourcesRec; writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void };
+  /** perChild: what each child books on its host (a function of the host: a fork child on a holder books a share of the image). */
+  records: (result: Extract<PlacementResult, { ok: true }>) => { perChild: Booking | ((hostId: string) => Booking); writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void };
   /**
    * Before the job is planned again after its commit conflicted: re-reads the records its
    * writes are guarded by (a child destroyed meanwhile), so that the retry is not doomed to
@@ -1032,7 +1036,7 @@ export class Executor {
           if (!still(s) || s.hostId !== sb.hostId) throw new ConflictError(`sandbox ${sb.id} changed`);
           this.setState(s, state, now, reason);
         },
-        sign === 1 ? this.capacityIfRoom(sb.hostId, sb.resources) : this.capacity(sb.hostId, sb.resources, sign),
+        (_next, before) => (sign === 1 ? this.capacityIfRoom(sb.hostId, bookingOf(before)) : this.capacity(sb.hostId, bookingOf(before), sign))(),
       );
       return true;
     } catch (e) {
@@ -1550,13 +1554,17 @@ export class Executor {
    * the alloc's revision: passed as `updateSandbox`'s extra so the state change and the booking
    * commit together, and no reader or crash ever sees one without the other.
    */
-  private capacity(hostId: string, res: ResourcesRec, sign: 1 | -1): () => Promise<StoreWrite[]> {
+  private capacity(hostId: string, booking: Booking, sign: 1 | -1): () => Promise<StoreWrite[]> {
     return async () => {
       if (!hostId) return [];
       const a = await this.deps.store.getAlloc(hostId);
-      const next: HostAllocRec = { hostId, allocated: addRes(a.value.allocated, res, sign), sandboxes: Math.max(0, a.value.sandboxes + sign) };
-      return [{ kind: 'alloc', value: next, expectRevision: a.modRevision }];
+      return [{ kind: 'alloc', value: applyBooking(a.value, booking, sign, this.privateMemoryFraction), expectRevision: a.modRevision }];
     };
+  }
+
+  /** Private pages of a fork child as a fraction of its memory (PlacementConfig): what its share of an image books. */
+  private get privateMemoryFraction(): number {
+    return (this.deps.config.placement ?? DEFAULT_PLACEMENT_CONFIG).privateMemoryFraction;
   }
 
   /**
@@ -1564,13 +1572,13 @@ export class Executor {
    * throws NoRoomToReclaimError when what the host has booked plus `res` exceeds its
    * capacity (its record, as the guarded write reads it) in any resource.
    */
-  private capacityIfRoom(hostId: string, res: ResourcesRec): () => Promise<StoreWrite[]> {
-    const book = this.capacity(hostId, res, 1);
+  private capacityIfRoom(hostId: string, booking: Booking): () => Promise<StoreWrite[]> {
+    const book = this.capacity(hostId, booking, 1);
     return async () => {
       const writes = await book();
       const alloc = writes.find((w) => w.kind === 'alloc');
       const cap = (await this.deps.store.getHost(hostId))?.value.capacity;
-      const booked = alloc ? (alloc.value as HostAllocRec).allocated : res;
+      const booked = alloc ? (alloc.value as HostAllocRec).allocated : booking.res;
       if (!cap || booked.vcpus > cap.vcpus || booked.memoryMib > cap.memoryMib || booked.diskMib > cap.diskMib) throw new NoRoomToReclaimError(hostId, booked, cap);
       return writes;
     };
@@ -1955,10 +1963,10 @@ export class Executor {
             }
             // Book capacity on every chosen host.
             for (const [hostId, n] of perHost) {
-              const base = allocs.get(hostId) ?? { hostId, allocated: ZERO, sandboxes: 0 };
-              let allocated = base.allocated;
-              for (let i = 0; i < n; i++) allocated = addRes(allocated, perChild, 1);
-              allocs.set(hostId, { hostId, allocated, sandboxes: base.sandboxes + n });
+              let alloc = allocs.get(hostId) ?? { hostId, allocated: ZERO, sandboxes: 0 };
+              const booking = typeof perChild === 'function' ? perChild(hostId) : perChild;
+              for (let i = 0; i < n; i++) alloc = applyBooking(alloc, booking, 1, this.privateMemoryFraction);
+              allocs.set(hostId, alloc);
               inflight.set(hostId, (inflight.get(hostId) ?? 0) + 1);
               touched.add(hostId);
             }
@@ -2290,7 +2298,7 @@ export class Executor {
           sb = next;
           const source = res.transferPlan?.transfers.find((t) => t.destinationHostId === next.hostId)?.sourceHostId;
           return {
-            perChild: sb.resources,
+            perChild: { res: sb.resources },
             writes: [{ kind: 'sandbox', value: next, expectRevision: sandboxRev }],
             opUpdate: (o) => {
               o.result = { explanation: compactExplanation(res.explanation) };
@@ -2407,7 +2415,7 @@ export class Executor {
     const r = await this.failAndSettle(op, e, 'waking', () => 'hibernated', async (sb) => {
       const hostId = ((await this.deps.store.getOp(op.tenantId, op.id))?.value.input as { bookedHost?: string } | undefined)?.bookedHost;
       booked = hostId ? { hostId, sb } : undefined;
-      return hostId ? this.capacity(hostId, sb.resources, -1)() : [];
+      return hostId ? this.capacity(hostId, bookingOf(sb), -1)() : [];
     });
     // A restore that did not answer in time (or whose host went) may still start its VM: it
     // is told to stop it, and not to start it if it has not yet (the agent's gave-up list), as
@@ -2493,7 +2501,7 @@ export class Executor {
         this.setState(s, 'failed', now, message);
         s.opId = '';
       },
-      this.capacity(hostId, sb.resources, -1),
+      (_next, before) => this.capacity(hostId, bookingOf(before), -1)(),
     ).catch(async (err: unknown) => {
       if (err instanceof NotLeaderError) {
         deposed = true;
@@ -2801,7 +2809,7 @@ export class Executor {
         s.opId = '';
         delete s.hibernatingFrom;
       },
-      (_next, before) => (before.state === 'hibernating' ? this.capacity(sb.hostId, sb.resources, -1)() : Promise.resolve([])),
+      (_next, before) => (before.state === 'hibernating' ? this.capacity(sb.hostId, bookingOf(before), -1)() : Promise.resolve([])),
     );
     if (recorded.state === 'lost') throw new HostLostError(sb.hostId, `hibernating sandbox ${sb.id} (it is lost; snapshot ${sn.id}, taken before its VM stopped, is what restores it)`);
     const short = (input.replicas ?? 0) > 0 ? await this.replicate(op, sn, input.replicas ?? 0, 'hibernated') : undefined;
@@ -2912,8 +2920,10 @@ export class Executor {
           next.updatedAt = this.deps.clock.now();
           sb = next;
           const source = res.transferPlan?.transfers.find((t) => t.destinationHostId === hostId)?.sourceHostId;
+          // A wake restores the sandbox's own hibernation snapshot: a whole guest, not a share.
+          delete next.imageShare;
           return {
-            perChild: before.resources,
+            perChild: { res: before.resources },
             writes: [{ kind: 'sandbox', value: next, expectRevision: rev }],
             opUpdate: (o) => {
               (o.input as { bookedHost?: string }).bookedHost = hostId;
@@ -2987,7 +2997,7 @@ export class Executor {
           this.setState(s, 'hibernated', this.deps.clock.now(), `its wake ${endedId} ended without settling it`);
           s.opId = '';
         },
-        (next) => (bookedHost ? this.capacity(bookedHost, next.resources, -1)() : []),
+        (_next, before) => (bookedHost ? this.capacity(bookedHost, bookingOf(before), -1)() : []),
       );
     } catch (e) {
       if (e instanceof MovedOnError) return; // taken over meanwhile (another wake): the caller reads it again
@@ -3078,7 +3088,7 @@ export class Executor {
         return this.finish(op, { sandboxIds: [cur.id] }, null);
       }
     }
-    const { hostId, resources } = cur;
+    const { hostId } = cur;
     if (hostId && this.cache.hosts.get(hostId)?.value.state === 'lost') {
       // Its host is lost: no answer will come. The VM went with the host, or is stopped when
       // the host returns (the queued step, and reclaimReturnedHost for a destroyed sandbox).
@@ -3106,7 +3116,7 @@ export class Executor {
         undefined,
         // Only what this write takes from `destroying` is released: a concurrent destroy that
         // finished first, or a failing start that released when it wrote `failed`, did it.
-        async (_next, prev) => (prev.state === 'destroying' ? this.capacity(hostId, resources, -1)() : []),
+        async (_next, prev) => (prev.state === 'destroying' ? this.capacity(hostId, bookingOf(prev), -1)() : []),
       ),
     );
   }
@@ -3243,6 +3253,7 @@ export class Executor {
         { tenantId: op.tenantId, id: snapshotId },
         () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: input.count, overlayDiskMib: resources.diskMib, preferences: this.prefs(input.placement) }),
         (res) => {
+          const share = sharesOn(res);
           made = res.placements.map((p) => {
             const id = input.childIds[p.childIndex]!;
             return {
@@ -3268,11 +3279,12 @@ export class Executor {
               runningSince: null,
               hibernationSnapshotId: '',
               opId: op.id,
+              ...(share.has(p.hostId) ? { imageShare: snapshotId } : {}),
             } satisfies SandboxRec;
           });
           const plan = (res.transferPlan?.transfers ?? []).map((t) => ({ sourceHostId: t.sourceHostId, destinationHostId: t.destinationHostId, wave: t.wave }));
           return {
-            perChild: resources,
+            perChild: (hostId) => (share.has(hostId) ? { res: resources, imageShare: snapshotId } : { res: resources }),
             writes: made.map((sb) => ({ kind: 'sandbox', value: sb, expectRevision: 0 }) as StoreWrite),
             opUpdate: (o) => {
               (o.input as { transfers?: unknown }).transfers = plan;
@@ -3416,7 +3428,9 @@ export class Executor {
     // from the holders would overload their uplinks.
     const migrateMax = this.deps.config.migrateMaxChildren ?? 2;
     const lacking = new Set(transfers.map((t) => t.destinationHostId));
-    const migrates = (h: string): boolean => lacking.size <= MIGRATE_MAX_HOSTS && lacking.has(h) && (byHost.get(h)?.length ?? 0) <= migrateMax;
+    // Never where the children are booked as shares of the image (placed on a holder, which
+    // restores from its local copy): migrated, each would hold memory of its own.
+    const migrates = (h: string): boolean => lacking.size <= MIGRATE_MAX_HOSTS && lacking.has(h) && (byHost.get(h)?.length ?? 0) <= migrateMax && !(byHost.get(h) ?? []).some((c) => c.rec.imageShare);
     const sourceOf = new Map(transfers.filter((t) => !migrates(t.destinationHostId) && !migrates(t.sourceHostId)).map((t) => [t.destinationHostId, t.sourceHostId]));
     const done = new Map<string, Promise<boolean>>();
     /** Hosts whose restore step failed (not what came after it: marking the children running). */
@@ -3507,23 +3521,26 @@ export class Executor {
         // give that child up too.
         () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: { ...this.prefs(prefs), avoidHostIds: [...new Set([...lostHosts, ...fresh.flatMap((v) => replaced[v.value.id]?.from ?? [])])] } }),
         (res) => {
+          const share = sharesOn(res);
           made = res.placements.map((p) => {
             const v = fresh[p.childIndex]!;
-            return { rec: { ...v.value, hostId: p.hostId, stateReason: `placed again: host ${v.value.hostId} was lost`, updatedAt: now }, rev: v.modRevision, from: v.value.hostId };
+            const rec: SandboxRec = { ...v.value, hostId: p.hostId, stateReason: `placed again: host ${v.value.hostId} was lost`, updatedAt: now };
+            if (share.has(p.hostId)) rec.imageShare = snapshotId;
+            else delete rec.imageShare;
+            return { rec, rev: v.modRevision, from: v.value.hostId };
           });
           plan = (res.transferPlan?.transfers ?? []).map((t) => ({ sourceHostId: t.sourceHostId, destinationHostId: t.destinationHostId, wave: t.wave }));
           // The lost hosts' booking for these children, taken off as the cache has it (a stale
           // revision conflicts and the group is planned again on a reloaded cache).
           const release: StoreWrite[] = [...new Set(fresh.map((v) => v.value.hostId))].map((h) => {
             const a = this.cache.allocs.get(h);
-            const n = fresh.filter((v) => v.value.hostId === h).length;
-            let allocated = a?.value.allocated ?? ZERO;
-            for (let i = 0; i < n; i++) allocated = addRes(allocated, resources, -1);
-            return { kind: 'alloc', value: { hostId: h, allocated, sandboxes: Math.max(0, (a?.value.sandboxes ?? 0) - n) }, expectRevision: a?.modRevision ?? 0 };
+            let alloc: HostAllocRec = a?.value ?? { hostId: h, allocated: ZERO, sandboxes: 0 };
+            for (const v of fresh) if (v.value.hostId === h) alloc = applyBooking(alloc, bookingOf(v.value), -1, this.privateMemoryFraction);
+            return { kind: 'alloc', value: alloc, expectRevision: a?.modRevision ?? 0 };
           });
           const dests = new Set(plan.map((t) => t.destinationHostId));
           return {
-            perChild: resources,
+            perChild: (hostId) => (share.has(hostId) ? { res: resources, imageShare: snapshotId } : { res: resources }),
             writes: [...made.map((m) => ({ kind: 'sandbox', value: m.rec, expectRevision: m.rev }) as StoreWrite), ...release],
             opUpdate: (o) => {
               const inp = o.input as { transfers?: typeof plan; replaced?: Replacements };
@@ -3898,7 +3915,7 @@ export class Executor {
             if (chosen === from) throw notDraining();
             const mm = { ...m!, toHostId: chosen };
             return {
-              perChild: sb.resources,
+              perChild: { res: sb.resources },
               writes: [],
               opUpdate: (o) => {
                 const inp = o.input as unknown as DrainInput;
@@ -3974,7 +3991,9 @@ export class Executor {
           // A source VM that died meanwhile made the sandbox lost and released its capacity there
           // already (reconcileVms): the restored copy on `to` is the sandbox; nothing more to release.
           const release = v.value.state !== 'lost';
-          const alloc: HostAllocRec = { hostId: from, allocated: addRes(a.value.allocated, sb.resources, -1), sandboxes: Math.max(0, a.value.sandboxes - 1) };
+          // Booked on `to` as a whole guest (its placement above): it maps no image there.
+          delete next.imageShare;
+          const alloc = applyBooking(a.value, bookingOf(v.value), -1, this.privateMemoryFraction);
           return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(release ? [{ kind: 'alloc', value: alloc, expectRevision: a.modRevision } as StoreWrite] : [])];
         },
       );
@@ -4008,7 +4027,7 @@ export class Executor {
    */
   private async unbookMigration(op: OperationRec, sb: SandboxRec, to: string): Promise<void> {
     // Undone: retired, so a re-run of the drain makes a new attempt (a new snapshot).
-    await this.updateMigration(op, sb.id, retired, this.capacity(to, sb.resources, -1));
+    await this.updateMigration(op, sb.id, retired, this.capacity(to, { res: sb.resources }, -1));
   }
 
   /** Changes the drain's record of `sandboxId`'s migration (when it has one), with `extra`'s writes in the same transaction. */
@@ -4308,7 +4327,7 @@ export class Executor {
           this.setState(s, to, this.deps.clock.now(), why);
           s.opId = '';
         },
-        (_next, before) => this.capacity(before.hostId, before.resources, -1)(),
+        (_next, before) => this.capacity(before.hostId, bookingOf(before), -1)(),
       );
     } catch (e) {
       if (e instanceof MovedOnError) return;
@@ -4452,7 +4471,7 @@ export class Executor {
       const together = batch.length > 1 && (await this.markLostTogether(hostId, batch, lose).catch((e: unknown) => void this.log.warn({ err: e, hostId, sandboxes: batch.length }, 'could not mark a batch of sandboxes lost at once: one by one')));
       if (together) continue;
       for (const sb of batch) {
-        await this.updateSandbox(sb.tenantId, sb.id, lose, (_next, before) => this.capacity(hostId, before.resources, -1)()).catch((e: unknown) => {
+        await this.updateSandbox(sb.tenantId, sb.id, lose, (_next, before) => this.capacity(hostId, bookingOf(before), -1)()).catch((e: unknown) => {
           if (e instanceof MovedOnError) this.log.debug({ hostId, sandboxId: sb.id, err: e.message }, 'sandbox moved on before its host was marked lost');
           else this.log.warn({ err: e, hostId, sandboxId: sb.id }, 'could not mark sandbox lost');
         });
@@ -4468,17 +4487,17 @@ export class Executor {
     // Read in one turn: one read-only transaction (store.ts batches point reads).
     const read = await Promise.all(batch.map((sb) => this.deps.store.getSandbox(sb.tenantId, sb.id)));
     const writes: StoreWrite[] = [];
-    const released: ResourcesRec[] = [];
+    const released: SandboxRec[] = [];
     for (const v of read) {
       if (!v || v.value.hostId !== hostId || !LOSABLE.has(v.value.state)) continue;
       // The write updateSandbox would make from this read (a transition it refuses throws: one by one then).
       writes.push(...(await this.sandboxWrite(v.value, lose, v)(0)));
-      released.push(v.value.resources);
+      released.push(v.value);
     }
     if (writes.length === 0) return true;
     const a = await this.deps.store.getAlloc(hostId);
-    const allocated = released.reduce((acc, r) => addRes(acc, r, -1), a.value.allocated);
-    writes.push({ kind: 'alloc', value: { hostId, allocated, sandboxes: Math.max(0, a.value.sandboxes - released.length) }, expectRevision: a.modRevision });
+    const alloc = released.reduce((acc, sb) => applyBooking(acc, bookingOf(sb), -1, this.privateMemoryFraction), a.value);
+    writes.push({ kind: 'alloc', value: alloc, expectRevision: a.modRevision });
     return (await this.commit(writes)) > 0;
   }
 }

@@ -4,6 +4,7 @@
 import type { HeartbeatMsg } from './messages.ts';
 import type { HostAllocRec, HostRec, HostState, SnapshotRec } from './records.ts';
 import { vmConfigFault, type FleetViewInput, type HostInput, type SnapshotInput } from '../../scheduler/index.ts';
+import { imageSharesOf } from './image-shares.ts';
 
 export interface LivenessConfig {
   /** Heartbeats older than this make a host suspect. */
@@ -363,6 +364,7 @@ export function fleetViewInput(args: {
     const bandwidth = Math.max(1, Math.min(h.linkBytesPerSecond, args.fetchRates?.get(h.id) ?? fleetFetchRate));
     const load = args.linkLoads?.get(h.id);
     const held = new Set<string>(recorded.get(h.id));
+    const shares = imageSharesOf(alloc);
     if (heard) {
       // The smaller side drives the intersection of the host's heard holdings and the view's snapshots.
       const hs = completeSnapshots(heard.hb);
@@ -382,6 +384,7 @@ export function fleetViewInput(args: {
       link: { bandwidthBytesPerS: bandwidth, rxLoadBytesPerS: Math.min(load?.rx ?? 0, MAX_LINK_LOAD * bandwidth), txLoadBytesPerS: Math.min(load?.tx ?? 0, MAX_LINK_LOAD * bandwidth) },
       vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel, ...(heard && builtImages(heard.hb) ? { images: builtImages(heard.hb) } : {}) },
       heldSnapshots: [...held],
+      ...(shares ? { imageShares: shares } : {}),
     };
   });
   const snapshots: SnapshotInput[] = args.snapshots

@@ -98,6 +98,15 @@ export interface SandboxRec {
   afterResume?: HookRec[];
   /** Operation that currently owns the sandbox (one at a time); empty when idle. */
   opId: string;
+  /**
+   * A fork child placed on a host that held this snapshot: its VM maps the snapshot's memory
+   * image copy-on-write there, and its memory is booked as a share of that image
+   * (HostAllocRec.images, image-shares.ts), not whole. It keeps mapping it after a snapshot of
+   * it (ADR 0003: the copy is made by a receiver; the VM goes on) and while paused. Cleared
+   * when it is booked whole: moved to another host by a drain, woken from hibernation, or
+   * placed again on a host that fetches the snapshot.
+   */
+  imageShare?: string;
 }
 
 /** A user step run in the guest, e.g. refreshing credentials after a wake. */
@@ -206,8 +215,21 @@ export interface HostRec {
  */
 export interface HostAllocRec {
   hostId: string;
+  /** Includes the memory of `images` (image-shares.ts: what n children of one image book). */
   allocated: ResourcesRec;
   sandboxes: number;
+  /** Snapshot id -> the fork children booked here that share its memory image (absent: none). */
+  images?: Record<string, ImageShareRec>;
+}
+
+/** Fork children of one snapshot on one host: they book sharedMemoryMib(this, children) of memory together. */
+export interface ImageShareRec {
+  /** Capacity-holding sandboxes on the host whose SandboxRec.imageShare names this snapshot (>= 1). */
+  children: number;
+  /** The guest memory of each, and the image's size. */
+  memoryMib: number;
+  /** Memory each books privately (ceil(memoryMib * privateMemoryFraction) when first booked). */
+  privateMib: number;
 }
 
 export type OperationKind = 'create' | 'pause' | 'resume' | 'hibernate' | 'wake' | 'snapshot' | 'fork' | 'destroy' | 'delete_snapshot' | 'drain';
