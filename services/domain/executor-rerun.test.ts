@@ -357,3 +357,92 @@ describe('A host that takes new work (replica and drain-copy targets)', () => {
     expect(['up', 'stopping', 'silent', 'never'].map((h) => ex.takesWork(h, now))).toEqual([true, false, false, false]);
   });
 });
+
+describe('Executor drain, snapshots only drained hosts hold', () => {
+  it('twoHostsDrainedThatHoldASnapshotBetweenThem_eachCopiesItToAHostThatStays', async () => {
+    const now = Date.now();
+    const heard = new HeartbeatRegistry();
+    for (const h of ['F', 'G', 'R']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b' }), now);
+    const sn = { id: 'sn-user', tenantId: 't', state: 'ready', hostIds: ['F', 'G'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    let rev = 1;
+    const ex = executorOver({ getSnapshot: async () => ({ value: structuredClone(sn), modRevision: rev }), commitAt: async () => ++rev }, { heard, now: () => now });
+    const host = (id: string, drained: boolean): HostRec => ({ id, state: 'ready', cordoned: drained, draining: drained, capacity: res, peerAddress: `${id}:1` }) as unknown as HostRec;
+    const inner = ex as unknown as { active: boolean; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string) => Promise<unknown>; copySnapshotsOff(op: OperationRec, hostId: string, s: SnapshotRec[]): Promise<string[]> };
+    for (const [id, d] of [['F', true], ['G', true], ['R', false]] as const) inner.cache.hosts.set(id, { value: host(id, d), modRevision: 1 });
+    const steps: string[] = [];
+    inner.active = true;
+    inner.step = async (_op, id) => (steps.push(id), {});
+    const op = { id: 'op-d', tenantId: 'admin' } as unknown as OperationRec;
+    expect(await inner.copySnapshotsOff(op, 'F', [sn])).toEqual([]);
+    expect(await inner.copySnapshotsOff(op, 'G', [sn])).toEqual([]);
+    expect(steps).toEqual(['replicate/sn-user/R', 'replicate/sn-user/R']);
+  });
+});
+
+describe('Executor host pass', () => {
+  it('oneLostHostWhoseSandboxesCannotBeMarked_doesNotStopTheOtherLostHostsStepsFailing', async () => {
+    let now = 1_000_000;
+    const heard = new HeartbeatRegistry();
+    for (const h of ['A', 'B']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b' }), now);
+    let rev = 1;
+    const ex = executorOver({ commitAt: async () => ++rev }, { heard, now: () => now, bus: { connectedForMs: () => Number.POSITIVE_INFINITY } });
+    const inner = ex as unknown as { active: boolean; cache: { hosts: Map<string, unknown> }; markHostLost: (h: string) => Promise<void>; failStepsOn: (h: string) => void };
+    for (const id of ['A', 'B']) inner.cache.hosts.set(id, { value: { id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 0, memoryMib: 0, diskMib: 0 }, bootId: 'b', peerAddress: '', labels: {}, registeredAt: 1, lastHeartbeatAt: now }, modRevision: 1 });
+    inner.active = true;
+    const failed: string[] = [];
+    inner.markHostLost = async (h) => {
+      if (h === 'A') throw new StoreUnavailableError('listing sandboxes', new Error('blip'));
+    };
+    inner.failStepsOn = (h) => void failed.push(h);
+    now += 20_000; // both silent past FF_HOST_LOST_AFTER (15 s here)
+    await ex.reconcileHosts();
+    expect(failed.sort()).toEqual(['A', 'B']);
+  });
+});
+
+describe('Executor drain without migrate', () => {
+  /** Runs drain op-d of host F (no migrate) over a host record and the sandboxes each list returns; the op's last write and the hibernations submitted. */
+  async function hibernatingDrain(host: { cordoned: boolean; draining: boolean }, lists: (n: number) => SandboxRec[]): Promise<{ final: OperationRec | undefined; submitted: string[] }> {
+    const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: false }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    const writes: StoreWrite[] = [];
+    const submitted: string[] = [];
+    let n = 0;
+    let rev = 10;
+    const ex = new Executor({
+      store: stub<ExecutorDeps['store']>({
+        getHost: async (id: string) => ({ value: { id, state: 'ready', ...host, capacity: res }, modRevision: 5 }),
+        listSandboxes: async () => lists(++n).map((value) => ({ value, modRevision: 20 })),
+        listSnapshots: async () => [{ value: { id: 'sn-h', tenantId: 't', state: 'creating', hostIds: ['F'] }, modRevision: 3 }],
+        getOp: async (_t: string, id: string) => (id === op.id ? { value: structuredClone(op), modRevision: rev } : { value: { id, state: 'succeeded' }, modRevision: 1 }),
+        commitAt: async (w: StoreWrite[]) => (writes.push(...w), ++rev),
+      }),
+      bus: stub<ExecutorDeps['bus']>({}),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+      submit: async (_t, key, kind, targetId) => (submitted.push(`${kind}:${targetId}`), { id: `op-${key}`, state: 'pending' }) as unknown as OperationRec,
+    });
+    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
+    inner.active = true;
+    inner.ops.set(op.id, { value: op, modRevision: rev });
+    await inner.runDrain(op);
+    return { final: writes.flatMap((w) => (w.kind === 'op' ? [w.value] : [])).at(-1), submitted };
+  }
+
+  it('aSandboxThatCameOntoTheHostDuringTheDrain_isNamed_theHostIsNotReportedDrained', async () => {
+    const { final, submitted } = await hibernatingDrain({ cordoned: true, draining: true }, (n) =>
+      n === 1 ? [sandbox('S1', 'F', 'running')] : [{ ...sandbox('S1', 'F', 'hibernated'), hibernationSnapshotId: 'sn-h' }, sandbox('X', 'F', 'running')],
+    );
+    expect(submitted).toEqual(['hibernate:S1']);
+    expect(final?.state).toBe('failed');
+    expect(final?.error?.message).toContain('X: came onto F during the drain');
+  });
+
+  it('ofAHostTheAdminUncordonedBeforeItRan_hibernatesNothing_andNamesWhatStays', async () => {
+    const { final, submitted } = await hibernatingDrain({ cordoned: false, draining: false }, () => [sandbox('S1', 'F', 'running')]);
+    expect(submitted).toEqual([]);
+    expect(final?.error?.message).toContain('S1: not hibernated: F was uncordoned during the drain');
+  });
+});

@@ -3770,8 +3770,12 @@ export class Executor {
     if (!this.deps.submit) throw new ForkfleetError('internal', 'this scheduler cannot submit operations: a drain without migrate needs it');
     const failures: string[] = [...unsettled];
     const recorded = { ...((this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.hibernations ?? {}) };
-    // Cancelled: the hibernations already submitted end as they end; no new ones.
-    const fresh = this.cancelRequested(op.id) ? [] : onHost.filter((sb) => !recorded[sb.id]);
+    // Cancelled: the hibernations already submitted end as they end; no new ones. Nor on a host
+    // the admin uncordoned since (a run again after a failover): its sandboxes stay, named.
+    const host = (await this.deps.store.getHost(hostId))?.value;
+    const uncordoned = !host?.cordoned;
+    const fresh = this.cancelRequested(op.id) || uncordoned ? [] : onHost.filter((sb) => !recorded[sb.id]);
+    if (uncordoned) for (const sb of onHost) if (!recorded[sb.id]) failures.push(`${sb.id}: not hibernated: ${hostId} was uncordoned during the drain`);
     if (fresh.length > 0) {
       // Recorded before submitting: a re-run (failover) waits for these, not new ones.
       const keyed = Object.fromEntries(fresh.map((sb) => [sb.id, [sb.tenantId, `__drain/${op.id}/${sb.id}`] as [string, string]]));
@@ -3799,6 +3803,10 @@ export class Executor {
     const recordedSnapshots = new Set(snapshots.map((sn) => `${sn.tenantId}/${sn.id}`));
     for (const sb of (await this.deps.store.listSandboxes(undefined)).map((v) => v.value)) {
       if (sb.hostId === hostId && sb.state === 'hibernated' && !recordedSnapshots.has(`${sb.tenantId}/${sb.hibernationSnapshotId}`)) failures.push(`${sb.id}: its hibernation snapshot ${sb.hibernationSnapshotId || '(none)'} is gone`);
+      // One that came onto the host meanwhile (another drain's migration booked here before the
+      // cordon, a lost sandbox taken back when its host returned) was not hibernated by this run:
+      // named, so the drain does not report the host drained while it runs there.
+      if (sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused') && !recorded[sb.id] && !uncordoned) failures.push(`${sb.id}: came onto ${hostId} during the drain; drain it again`);
     }
     failures.push(...(await this.copySnapshotsOff(op, hostId, snapshots)));
     const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
@@ -3817,7 +3825,11 @@ export class Executor {
     const now = this.deps.clock.now();
     const live = (h: string): boolean => this.cache.hosts.has(h) && this.cache.hosts.get(h)?.value.state !== 'lost' && livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) !== 'lost';
     const targets = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== hostId && !h.cordoned && !h.draining && h.state === 'ready' && this.takesWork(h.id, now));
-    const only = (snapshots ?? (await this.deps.store.listSnapshots(undefined)).map((v) => v.value)).filter((sn) => sn.state === 'ready' && sn.hostIds.includes(hostId) && !sn.hostIds.some((h) => h !== hostId && live(h)));
+    // A copy on a cordoned or draining host does not count: that host may be on its way out
+    // too (two hosts drained that hold a snapshot between them each left it to the other, and
+    // removing both lost it).
+    const keeps = (h: string): boolean => live(h) && !this.cache.hosts.get(h)?.value.cordoned && !this.cache.hosts.get(h)?.value.draining;
+    const only = (snapshots ?? (await this.deps.store.listSnapshots(undefined)).map((v) => v.value)).filter((sn) => sn.state === 'ready' && sn.hostIds.includes(hostId) && !sn.hostIds.some((h) => h !== hostId && keeps(h)));
     let copied = 0;
     for (const sn of only) {
       const to = targets[copied % Math.max(1, targets.length)];
@@ -4209,18 +4221,26 @@ export class Executor {
       if (cur && cur.value.state !== state) this.log.warn({ hostId: next.id, from: cur.value.state, to: state }, 'host state changed');
       // A new boot id: the agent restarted. Steps it had in hand died with it.
       if (cur && state === 'ready' && cur.value.bootId !== next.bootId) this.resendStepsOn(next.id);
-      if (state === 'lost' && cur?.value.state !== 'lost') {
-        // Its sandboxes first (a destroy whose step then fails finds its sandbox destroyed);
-        // the steps fail even if that write fails: the next pass sees the host lost already.
-        try {
-          await this.markHostLost(next.id);
-        } finally {
-          this.failStepsOn(next.id);
+      // One host's follow-up failing (a store blip under its list) leaves the other hosts'
+      // to run: their records changed in this pass, and the next pass does not act on them
+      // again (a rack lost at once made every host after the first wait out step timeouts).
+      try {
+        if (state === 'lost' && cur?.value.state !== 'lost') {
+          // Its sandboxes first (a destroy whose step then fails finds its sandbox destroyed);
+          // the steps fail even if that write fails: the next pass sees the host lost already.
+          try {
+            await this.markHostLost(next.id);
+          } finally {
+            this.failStepsOn(next.id);
+          }
         }
+        // A lost host back, or a new one that already runs VMs (a removed host whose agent
+        // started again): its lost sandboxes are reclaimed and stray VMs stopped.
+        if (state === 'ready' && (cur?.value.state === 'lost' || (!cur && (this.deps.heard.vms(next.id)?.length ?? 0) > 0))) await this.reclaimReturnedHost(next.id);
+      } catch (e) {
+        if (e instanceof NotLeaderError || !this.active) throw e;
+        this.log.warn({ err: e, hostId: next.id, state }, 'could not act on a host\'s change of state; the other hosts\' go on');
       }
-      // A lost host back, or a new one that already runs VMs (a removed host whose agent
-      // started again): its lost sandboxes are reclaimed and stray VMs stopped.
-      if (state === 'ready' && (cur?.value.state === 'lost' || (!cur && (this.deps.heard.vms(next.id)?.length ?? 0) > 0))) await this.reclaimReturnedHost(next.id);
     }
     // Marking a lost host's sandboxes happens on the pass that sees it go lost; one that did
     // not finish (a leader that died in between, a failed list or write) is done again here,
