@@ -49,6 +49,37 @@ describe('CLI hints', () => {
     expect(hintFor({ kind: 'invalid_argument', message: 'x', field: '--memory' }, 'a:1')).toBe('check --memory');
     expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'lineage_x' }, 'a:1')).toBe('check field lineage_x');
   });
+  it('hintFor_aMapEntrysField_namesTheFlagOfItsMap', () => {
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'env["FFE_X"]' }, 'a:1')).toBe('check --env');
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'labels["team"]' }, 'a:1')).toBe('check --label');
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'argv[0]' }, 'a:1')).toBe('check the command after --');
+    // Unknown: the field as the server named it, entry and all.
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'other["k"]' }, 'a:1')).toBe('check field other["k"]');
+  });
+  it('hintFor_aWorkingDirectoryThatIsNotThere_namesCwd_notSandboxLs', () => {
+    const h = hintFor({ kind: 'not_found', message: 'cwd: /nope: no such directory (in the guest)', field: 'cwd' }, 'a:1');
+    expect(h).toContain('--cwd');
+    expect(h).not.toContain('sandbox ls');
+    expect(hintFor({ kind: 'failed_precondition', message: 'cwd: /root: the guest refuses to enter it (in the guest)', field: 'cwd' }, 'a:1')).toBe('check --cwd');
+    // A sandbox that is not there: still the list.
+    expect(hintFor({ kind: 'not_found', message: 'sandbox sb-1 not found', field: 'sandbox_id' }, 'a:1')).toContain('forkfleet sandbox ls');
+  });
+  it('hintFor_aRevisionCompactedAway_namesAfter', () => {
+    const h = hintFor({ kind: 'failed_precondition', message: 'revision 5 is compacted away: read the current state, then watch from now (after_revision 0)', field: 'after_revision' }, 'a:1');
+    expect(h).toContain('--after');
+    expect(h).not.toContain('wrong state');
+    expect(hintFor({ kind: 'invalid_argument', message: 'x', field: 'after_revision' }, 'a:1')).toBe('check --after');
+  });
+  it('hintFor_execOutputNotRead_isAboutTheReader_notCapacity', () => {
+    const h = hintFor({ kind: 'resource_exhausted', message: 'exec output not read: more than 33554432 bytes of tenant t1\'s exec output (half of what it may hold) waited on this scheduler for callers to read it, so the command was stopped' }, 'a:1');
+    expect(h).toContain('sandbox cp');
+    expect(h).not.toMatch(/no capacity|add hosts/);
+    expect(hintFor({ kind: 'resource_exhausted', message: '4096 events wait unread: read faster, or resume with after_revision 9' }, 'a:1')).toContain('--after');
+  });
+  it('hintFor_alreadyExists_offersANewIdempotencyKey_onlyToACommandThatSendsOne', () => {
+    expect(hintFor({ kind: 'already_exists', message: 'x', keyed: true }, 'a:1')).toContain('--idempotency-key');
+    expect(hintFor({ kind: 'already_exists', message: 'x' }, 'a:1')).not.toContain('--idempotency-key');
+  });
   it('exitCodeFor_acceptedWorkWhoseOutcomeIsUnknown_is75_evenWhenTheFleetIsUnreachable', () => {
     expect(exitCodeFor({ kind: 'unavailable', message: 'x', accepted: true })).toBe(75);
     expect(exitCodeFor({ kind: 'deadline_exceeded', message: 'x', accepted: true })).toBe(75);

@@ -20,6 +20,8 @@ export interface ErrorLike {
    * only its outcome is unknown: the wait for it, or the exec's stream, failed.
    */
   accepted?: boolean;
+  /** The command sent an idempotency key (--idempotency-key counts): exec, cp and reads send none, so advice about the key is for the others only. */
+  keyed?: boolean;
 }
 
 /** An operation that failed on the fleet for a reason of the fleet's (a host lost, a step timed out). */
@@ -48,6 +50,9 @@ const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
   'header.mode': '--mode',
   cwd: '--cwd',
   env: '--env',
+  labels: '--label',
+  after_revision: '--after',
+  token: 'the token (FF_TOKEN, or "token" in the credentials file): no spaces, line endings or other control characters',
   'placement.max_per_host': '--max-per-host',
   'placement.spread': '--spread',
   'placement.host_id': '--host',
@@ -58,6 +63,18 @@ const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
   FF_CREDENTIALS: 'FF_CREDENTIALS (the file it names)',
 };
 
+/** Fields that name what a call acts on: not found, it is the id (or the tenant) to check, with `ls`. */
+const ID_FIELDS: ReadonlySet<string> = new Set(['tenant_id', 'sandbox_id', 'snapshot_id', 'host_id', 'operation_id', 'lineage_id']);
+
+/**
+ * The flag or argument that sets `field`: a map entry's (`env["FFE_X"]`, `labels["team"]`) or a
+ * list element's (`argv[0]`) is its map's or list's. A field of the CLI's own (`--memory`) is
+ * the flag itself. Undefined when it is neither.
+ */
+function flagOf(field: string): string | undefined {
+  return FLAG_OF_FIELD[field.replace(/\[.*\]$/, '')] ?? (field.startsWith('--') ? field : undefined);
+}
+
 export function hintFor(e: ErrorLike, api: string): string {
   if (e.operation && FLEET_KINDS.has(e.kind ?? '')) {
     const again = e.retryable ? 'running the command again may succeed' : 'running it again will likely fail the same way';
@@ -65,12 +82,15 @@ export function hintFor(e: ErrorLike, api: string): string {
   }
   switch (e.kind) {
     case 'invalid_argument': {
-      // A field of the CLI's own (`--memory`, `--idempotency-key`) is the flag itself.
-      const flag = e.field ? (FLAG_OF_FIELD[e.field] ?? (e.field.startsWith('--') ? e.field : `field ${e.field}`)) : undefined;
+      const flag = e.field ? (flagOf(e.field) ?? `field ${e.field}`) : undefined;
       return flag ? `check ${flag}` : 'check the arguments (forkfleet <command> --help)';
     }
-    case 'not_found':
+    case 'not_found': {
+      // Not an id but something a flag names (--cwd, a guest path): `ls` would not show it.
+      const flag = e.field && !ID_FIELDS.has(e.field) ? flagOf(e.field) : undefined;
+      if (flag) return `check ${flag}: what it names is not there${e.field === 'cwd' || /path/.test(e.field ?? '') ? ' in the sandbox' : ''}`;
       return 'list what exists with `forkfleet sandbox ls` (or `forkfleet snapshot ls`, `forkfleet hosts ls`); ids are per tenant, so check --tenant too';
+    }
     case 'unavailable':
       if (/certificate|ssl|tls|handshake/i.test(e.message)) return "the scheduler's TLS certificate is not trusted: set FF_CA to its CA (the local fleet's is <fleet dir>/pki/ca.crt) or use --credentials";
       // The scheduler answered, but etcd did not: work already submitted goes on once it is back.
@@ -81,6 +101,11 @@ export function hintFor(e: ErrorLike, api: string): string {
     case 'deadline_exceeded':
       return 'the call took too long; the operation may still finish: check with `forkfleet sandbox ls`, or retry with a larger --timeout';
     case 'failed_precondition': {
+      // A revision to resume events from that the store no longer keeps (compacted away).
+      if (e.field === 'after_revision') return 'the store no longer keeps events that old: see the current state (`forkfleet sandbox ls`), then follow from now without --after (or with a later revision)';
+      // A flag's value in the wrong state (--cwd the guest refuses to enter), not the sandbox's.
+      const flag = e.field && !ID_FIELDS.has(e.field) ? flagOf(e.field) : undefined;
+      if (flag) return `check ${flag}`;
       // The local fleet's commands, pointed at a directory with no fleet in it.
       if (/has processes that are not running/.test(e.message)) return 'start the process named again (`npm run fleet:restart -- NAME`; `npm run fleet:status` lists them), or take the fleet down (`npm run fleet:down`) and bring it up afresh';
       if (/^no fleet in /.test(e.message)) return 'start one with `npm run fleet:up` (or `forkfleet fleet up`), or point --dir (FF_FLEET_DIR) at the fleet\'s directory';
@@ -93,9 +118,13 @@ export function hintFor(e: ErrorLike, api: string): string {
       if (e.field?.startsWith('quotas.')) return "your tenant's quota is used up: destroy sandboxes (`forkfleet sandbox destroy`) or delete snapshots, or ask an admin for a larger quota";
       if (e.field === 'rate') return 'too many requests for your tenant; wait a moment and run the command again';
       if (e.field === 'streams') return 'too many exec/file/watch streams open with this credential; let some finish';
+      // Output or events that came faster than this client read them (a slow reader of its
+      // output, e.g. a pipe): no capacity is missing.
+      if (!e.field && /exec output not read/.test(e.message)) return "the command's output came faster than it was read (whatever reads this command's output was slow), so the fleet stopped the command: write a large output to a file in the sandbox and copy it out with `forkfleet sandbox cp`";
+      if (!e.field && /events wait unread/.test(e.message)) return 'events came faster than they were read: read them faster, and follow again with --after the revision the message names';
       return 'no capacity: free some with `forkfleet sandbox destroy`, ask for less (--memory), or add hosts; see `forkfleet hosts ls`';
     case 'already_exists':
-      return 'it exists already; reuse it, or pass a new --idempotency-key';
+      return e.keyed ? 'it exists already; reuse it, or pass a new --idempotency-key' : 'it exists already; reuse it';
     case 'aborted':
       return 'a concurrent change conflicted; run the command again';
     case 'unauthenticated':

@@ -42,6 +42,13 @@ interface Invocation {
   progressDrawn?: boolean;
   /** --json: what an exec printed before its stream broke off (the error document carries it). */
   execOutput?: { stdout: string; stderr: string };
+  /**
+   * The key (or base of the per-target keys) this run's mutating calls were sent with: the one
+   * an error or an interrupt offers to repeat the command with. Unset for a command that sends
+   * none (exec, cp, reads), --idempotency-key or not: repeating it with the key does not make
+   * it run at most once.
+   */
+  keySent?: string;
 }
 interface Waiting {
   label: string;
@@ -232,7 +239,7 @@ function perTargetKey(key: string, target: string): string {
  */
 function keyBase(cmd: Command): string {
   const inv = invocation(cmd);
-  return globals(cmd).idempotencyKey ?? (inv.key ??= newIdempotencyKey('cli'));
+  return (inv.keySent = globals(cmd).idempotencyKey ?? (inv.key ??= newIdempotencyKey('cli')));
 }
 
 /**
@@ -349,10 +356,15 @@ function hostRows(list: HostInfo[]): string[][] {
   ];
 }
 
+/**
+ * A whole-number flag (or argument) from `min` to `max`, in decimal digits only (a minus sign
+ * only where `min` is negative): Number() would also take `1e2`, `0x100`, `0b11` or ` 5 `.
+ */
 function intArg(name: string, min: number, max: number): (v: string) => number {
+  const digits = min < 0 ? /^-?\d+$/ : /^\d+$/;
   return (v: string) => {
-    const n = Number(v);
-    if (!Number.isInteger(n) || n < min || n > max) throw new ForkfleetError('invalid_argument', `${name}: want an integer ${min}..${max}, got ${JSON.stringify(v)}`, { field: name });
+    const n = digits.test(v) ? Number(v) : NaN;
+    if (!Number.isSafeInteger(n) || n < min || n > max) throw new ForkfleetError('invalid_argument', `${name}: want a whole number ${min}..${max} in decimal digits, got ${JSON.stringify(v)}`, { field: name });
     return n;
   };
 }
@@ -540,7 +552,7 @@ export function buildProgram(): Command {
     .description('run a command in the guest, streaming its output; exits with its exit code')
     .argument('<sandbox>')
     .argument('<argv...>', 'command and arguments (put them after --)')
-    .option('--env <key=value>', 'environment variable (repeatable)', pairsArg('--env'))
+    .option('--env <key=value>', 'environment variable, added to the guest\'s own environment (repeatable); names starting _ff_ or FFE_ are refused', pairsArg('--env'))
     .option('--cwd <dir>', 'working directory')
     .option('--exec-timeout <duration>', 'kill the command after this long', '60s')
     .option('--stdin', 'send this process\'s stdin to the command', false)
@@ -566,13 +578,20 @@ export function buildProgram(): Command {
           }
         }
       } catch (e) {
-        // Broke off after the command may have started: its outcome is unknown (exit 75), and
-        // --json keeps what it printed until then.
-        if (!exited && execMayHaveRun(e, output)) {
-          startedExecs.add(e as object);
-          if (g.json) invocation(cmd).execOutput = { stdout: Buffer.concat(parts.stdout).toString(), stderr: Buffer.concat(parts.stderr).toString() };
+        // The exit came, then the stream failed (the connection dropped as it ended): the
+        // command's outcome is known, so the CLI exits with its code; the failure is a warning.
+        if (exited) {
+          const d = describeError(e, g.api);
+          process.stderr.write(`forkfleet: warning: the command's exit came, then its stream failed (${d.kind}: ${d.message}); exiting with the command's status\n`);
+        } else {
+          // Broke off after the command may have started: its outcome is unknown (exit 75), and
+          // --json keeps what it printed until then.
+          if (execMayHaveRun(e, output)) {
+            startedExecs.add(e as object);
+            if (g.json) invocation(cmd).execOutput = { stdout: Buffer.concat(parts.stdout).toString(), stderr: Buffer.concat(parts.stderr).toString() };
+          }
+          throw e;
         }
-        throw e;
       }
       res.stdout = Buffer.concat(parts.stdout).toString();
       res.stderr = Buffer.concat(parts.stderr).toString();
@@ -680,9 +699,10 @@ export function buildProgram(): Command {
       .description(name === 'pin' ? 'keep a snapshot regardless of retention' : 'let retention delete it again')
       .argument('<snapshot>')
       .action(async (id: string, _o: unknown, cmd: Command) => {
-        const g = globals(cmd);
         const ff = client(cmd);
-        const opts = g.idempotencyKey ? { idempotencyKey: g.idempotencyKey } : {};
+        const key = globals(cmd).idempotencyKey;
+        if (key) invocation(cmd).keySent = key;
+        const opts = key ? { idempotencyKey: key } : {};
         const s = name === 'pin' ? await ff.snapshots.pin(id, opts) : await ff.snapshots.unpin(id, opts);
         out(cmd, s, () => `${s.id}  pinned=${s.pinned}\n`);
       });
@@ -848,7 +868,7 @@ async function eachTarget<T>(cmd: Command, ids: string[], act: (id: string) => P
   const inv = invocation(cmd);
   return settled.map((r, i) => {
     if (r.status === 'fulfilled') return r.value;
-    const d = describeError(r.reason, g.api, g.idempotencyKey ?? inv.key);
+    const d = describeError(r.reason, g.api, inv.keySent);
     process.stderr.write(`forkfleet: ${ids[i]}: ${d.kind}: ${d.message}\n  hint: ${d.hint}\n`);
     if (!inv.exitCode) inv.exitCode = d.exitCode;
     return { id: ids[i]!, error: d };
@@ -899,13 +919,14 @@ const GONE: ReadonlySet<string> = new Set(['failed', 'destroying', 'destroyed', 
 /** File system errors of the local files a command names (describeError). */
 const LOCAL_FILE_ERRORS = new Set(['ENOENT', 'EACCES', 'EPERM', 'EISDIR', 'ENOTDIR', 'ELOOP', 'ENAMETOOLONG', 'EROFS', 'ENOSPC']);
 
+/** `key`: the idempotency key the command sent (Invocation.keySent); undefined when it sent none (exec, cp, reads). */
 export function describeError(e: unknown, api: string, key?: string): DescribedError {
   if (e instanceof ForkfleetError) {
     const base = { kind: e.kind, message: e.message, field: e.field ?? null, retryable: e.retryable };
     const operationId = e instanceof OperationFailedError ? undefined : operationIdOf(e);
     const started = startedExecs.has(e);
     // Accepted (an operation whose wait failed) or started (an exec that broke off): exit 75.
-    const like = { ...base, field: e.field, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered, accepted: operationId !== undefined || started };
+    const like = { ...base, field: e.field, operation: e instanceof OperationFailedError, answered: e instanceof RpcError && e.answered, accepted: operationId !== undefined || started, keyed: key !== undefined };
     const d: DescribedError = { ...base, hint: hintFor(like, api), exitCode: exitCodeFor(like) };
     if (started) return { ...d, hint: 'the command had started when its stream broke off: it may have run on, or to its end, with no exit seen; check what it does before running it again (exec runs again each time)' };
     // An operation that ran and failed: which one, and for a fork the children it left (a
@@ -978,8 +999,7 @@ export async function main(argv: string[], exit: (code: number) => void = exitWh
   // Ctrl-C while waiting on operations (waiting()): they go on without us; say which, then exit 130.
   const onSigint = (): void => {
     if (inv.progressDrawn) process.stderr.write('\n');
-    const g = program.opts() as Globals;
-    process.stderr.write(interruptNotice(inv.waits, g.idempotencyKey ?? inv.key));
+    process.stderr.write(interruptNotice(inv.waits, inv.keySent));
     exit(EXIT.interrupted);
   };
   inv.onInterrupt = onSigint;
@@ -995,7 +1015,7 @@ export async function main(argv: string[], exit: (code: number) => void = exitWh
       if (json && e.exitCode !== 0) process.stdout.write(`${JSON.stringify({ error: { kind: 'invalid_argument', message: e.message.replace(/^error: /, ''), field: null, retryable: false, hint: 'forkfleet <command> --help', exitCode: EXIT.usage } })}\n`);
       return e.exitCode === 0 ? EXIT.ok : EXIT.usage;
     }
-    const d = describeError(e, g.api, g.idempotencyKey ?? inv.key);
+    const d = describeError(e, g.api, inv.keySent);
     // One line: a stream of --json events (forkfleet events) stays one JSON object per line.
     // An exec that broke off: what it printed until then, too.
     if (json) process.stdout.write(`${JSON.stringify({ error: d, ...inv.execOutput })}\n`);

@@ -108,6 +108,24 @@ describe('sandbox exec', () => {
     expect(JSON.parse(out.at(-1)!)).not.toHaveProperty('stdout');
   });
 
+  it('aStreamThatFailsAfterTheExitCame_exitsWithTheCommandsCode_andWarnsOnStderr', async () => {
+    vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
+      const sb = new Sandbox(this, id);
+      sb.exec = () => fakeExec([stdoutChunk('done\n'), { ...exitChunk, exitCode: 3 }], dropped());
+      return sb;
+    });
+    expect(await main(['--api', API, 'sandbox', 'exec', 'sb-x', '--', 'work'])).toBe(3);
+    expect(out.join('')).toBe('done\n');
+    expect(err.join('')).toMatch(/warning: .*stream failed \(unavailable: Connection dropped\)/);
+    expect(err.join('')).not.toContain('hint:');
+    // --json: the command's result, not an error document.
+    out.length = 0;
+    expect(await main(['--api', API, '--json', 'sandbox', 'exec', 'sb-x', '--', 'work'])).toBe(3);
+    const doc = JSON.parse(out.join('')) as Record<string, unknown>;
+    expect(doc).toMatchObject({ stdout: 'done\n', exitCode: 3 });
+    expect(doc).not.toHaveProperty('error');
+  });
+
   it('aSlowReader_holdsTheStreamBack_untilStdoutDrains', async () => {
     const stream = fakeExec([stdoutChunk('a'), stdoutChunk('b'), exitChunk]);
     vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
@@ -190,5 +208,55 @@ describe('piped output', () => {
     expect(r.code).toBe(0);
     expect(r.stdout.length).toBeGreaterThan(256 * 1024);
     expect((JSON.parse(r.stdout.toString()) as unknown[]).length).toBe(3000);
+  });
+});
+
+describe('the idempotency key in errors', () => {
+  const unreachable = (): RpcError => new RpcError(Status.UNAVAILABLE, 'unavailable', 'No connection established. Last error: connect ECONNREFUSED', true, undefined, undefined, false);
+
+  it('execAndCp_sendNoKey_soTheirErrorsNeverOfferToRepeatWithOne_whilePauseDoes', async () => {
+    vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
+      const sb = new Sandbox(this, id);
+      sb.exec = () => fakeExec([], unreachable());
+      return sb;
+    });
+    vi.spyOn(Sandbox.prototype, 'readFile').mockRejectedValue(unreachable());
+    vi.spyOn(Sandbox.prototype, 'pause').mockRejectedValue(unreachable());
+    const jsonError = (): Record<string, unknown> => (JSON.parse(out.at(-1)!) as { error: Record<string, unknown> }).error;
+    for (const args of [['sandbox', 'exec', 'sb-x', '--', 'work'], ['sandbox', 'cp', 'sb-x:/etc/hostname', join(tempDir(), 'h')]]) {
+      err.length = 0;
+      expect(await main(['--api', API, '--json', '--idempotency-key', 'k-1', ...args])).toBe(69);
+      expect(err.join(''), args[1]).not.toContain('--idempotency-key');
+      expect(jsonError(), args[1]).not.toHaveProperty('idempotencyKey');
+    }
+    // A command that sends the key: offered.
+    err.length = 0;
+    expect(await main(['--api', API, '--idempotency-key', 'k-1', 'sandbox', 'pause', 'sb-x'])).toBe(69);
+    expect(err.join('')).toContain('--idempotency-key k-1');
+  });
+});
+
+describe('the token', () => {
+  it('aTokenWithACarriageReturn_isRefusedNamingToken_andNeverPrinted', async () => {
+    vi.stubEnv('FF_TOKEN', 'ff_SECRET123\r');
+    expect(await main(['--api', API, '--json', 'sandbox', 'get', 'sb-x'])).toBe(2);
+    expect(out.join('') + err.join('')).not.toContain('SECRET');
+    expect(JSON.parse(out.at(-1)!)).toMatchObject({ error: { kind: 'invalid_argument', field: 'token' } });
+    expect(err.join('')).toContain('hint: check the token');
+  });
+});
+
+describe('whole-number flags', () => {
+  it.each([['1e2'], ['0x10'], ['0b11'], [' 5'], ['5.0'], ['-1']])('aValueThatIsNotDecimalDigits_isRefusedNamingTheFlag: %s', async (v) => {
+    const list = vi.spyOn(Forkfleet.prototype, 'listOperations').mockResolvedValue([]);
+    expect(await main(['--api', API, '--json', 'operation', 'ls', '--limit', v])).toBe(2);
+    expect(list).not.toHaveBeenCalled();
+    expect(JSON.parse(out.at(-1)!)).toMatchObject({ error: { kind: 'invalid_argument', field: '--limit' } });
+  });
+
+  it('decimalDigits_areTaken', async () => {
+    const list = vi.spyOn(Forkfleet.prototype, 'listOperations').mockResolvedValue([]);
+    expect(await main(['--api', API, '--json', 'operation', 'ls', '--limit', '016'])).toBe(0);
+    expect(list.mock.calls[0]?.[0]).toMatchObject({ limit: 16 });
   });
 });

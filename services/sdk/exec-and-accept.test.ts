@@ -33,6 +33,18 @@ describe('exec', () => {
     expect(execOutputOf(e)).toEqual({ stdout: 'step 1 done\n', stderr: 'warn\n' });
   });
 
+  it('result_whenTheStreamFailsAfterTheExitCame_resolvesWithTheCommandsResult', async () => {
+    const ff = fakeClient({
+      exec: () =>
+        (async function* () {
+          yield { payload: { case: 'stdout', value: Buffer.from('done\n') } };
+          yield { payload: { case: 'exit', value: { exitCode: 3, signal: 0, timedOut: false, outputTruncated: false } } };
+          throw dropped();
+        })(),
+    });
+    await expect(ff.sandbox('sb-x').run(['work'])).resolves.toMatchObject({ stdout: 'done\n', exitCode: 3, signal: 0 });
+  });
+
   it('result_whenItFailsBeforeAnyOutput_hasNoPartialOutput', async () => {
     const ff = fakeClient({
       exec: () => ({

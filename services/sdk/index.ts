@@ -4,7 +4,10 @@
 //
 //   const ff = new Forkfleet({ address: '127.0.0.1:17700' });   // TLS; token and CA from FF_TOKEN / FF_CA or the fleet's credentials.json
 //   const sb = await ff.create({ image: 'tiny' });
-//   for await (const chunk of sb.exec(['sh', '-c', 'echo hi'])) process.stdout.write(chunk.data);   // lazy: runs when iterated
+//   for await (const chunk of sb.exec(['sh', '-c', 'echo hi; exit 3'])) {   // lazy: runs when iterated
+//     if (chunk.stream === 'exit') console.log('exit', chunk.exitCode);     // the last chunk: no data
+//     else process.stdout.write(chunk.data);                               // stdout / stderr, live
+//   }
 //   const { stdout } = await sb.run(['uname', '-a']);
 //   const kids = await sb.fork(8);
 //   await Promise.all(kids.map((k) => k.destroy()));
@@ -366,16 +369,21 @@ const unreachable = (e: unknown): boolean => e instanceof RpcError && !e.answere
 
 /**
  * One call's retries: how long to wait before asking again, or that it is time to give up.
- * Ordinary retryable errors get `attempts`; three kinds of trouble get a time allowance of
- * their own instead (RetryOptions): a scheduler that answers UNAVAILABLE (outageWaitMs), none
- * reachable (unreachableWaitMs), and a refusal by the rate limit or one of the scheduler's
- * bounds (heldBack: rateLimitWaitMs, counting the wait ahead). A spell of one kind that ends
- * (another error came) leaves the next its whole time, and does not use up the attempts of
- * the conflict (ABORTED) that may follow it. An allowance of 0 makes its kind count against
- * `attempts`. Backoff is exponential with full jitter, plus the wait the server named.
+ * Ordinary retryable errors get `attempts`; three kinds of trouble get a time allowance
+ * instead (RetryOptions): a scheduler that answers UNAVAILABLE (outageWaitMs), none reachable
+ * (unreachableWaitMs), and a refusal by the rate limit or one of the scheduler's bounds
+ * (heldBack: rateLimitWaitMs, counting the wait ahead). A spell of such trouble is one, whichever
+ * of the three kinds come and in whatever order (a scheduler restarting is unreachable, then
+ * answers UNAVAILABLE, then unreachable again): its allowance runs from its first error, the
+ * largest of those of the kinds seen in it, and its backoff grows throughout. A spell ends
+ * only with another error (an ordinary one, which counts against `attempts`, so spells cannot
+ * follow one another without end): the next spell gets its whole allowance, and does not use
+ * up the attempts of the conflict (ABORTED) that may come between. An allowance of 0 makes its
+ * kind count against `attempts`. Backoff is exponential with full jitter, plus the wait the
+ * server named.
  */
 class Backoff {
-  private spell: { kind: 'outage' | 'unreachable' | 'limited'; since: number; n: number } | undefined;
+  private spell: { since: number; n: number; allowanceMs: number } | undefined;
   private failures = 0;
 
   constructor(private readonly o: Readonly<RetryOptions>) {}
@@ -385,11 +393,17 @@ class Backoff {
     const o = this.o;
     const kind =
       o.outageWaitMs > 0 && e instanceof RpcError && e.answered && e.kind === 'unavailable' ? 'outage' : o.unreachableWaitMs > 0 && unreachable(e) ? 'unreachable' : o.rateLimitWaitMs > 0 && heldBack(e) ? 'limited' : undefined;
-    this.spell = kind ? (this.spell?.kind === kind ? { ...this.spell, n: this.spell.n + 1 } : { kind, since: now, n: 1 }) : undefined;
-    if (!kind) this.failures++;
-    const ms = retryAfterOf(e) + Math.random() * Math.min(o.maxMs, o.baseMs * 2 ** ((this.spell?.n ?? this.failures) - 1));
+    if (kind) {
+      const allowanceMs = kind === 'outage' ? o.outageWaitMs : kind === 'unreachable' ? o.unreachableWaitMs : o.rateLimitWaitMs;
+      this.spell = this.spell ? { since: this.spell.since, n: this.spell.n + 1, allowanceMs: Math.max(this.spell.allowanceMs, allowanceMs) } : { since: now, n: 1, allowanceMs };
+    } else {
+      this.spell = undefined;
+      this.failures++;
+    }
+    const ms = retryAfterOf(e) + Math.random() * Math.min(o.maxMs, o.baseMs * 2 ** Math.min(30, (this.spell?.n ?? this.failures) - 1));
     const sp = this.spell;
-    const spent = !sp ? this.failures >= o.attempts : sp.kind === 'limited' ? now + ms - sp.since > o.rateLimitWaitMs : now - sp.since >= (sp.kind === 'outage' ? o.outageWaitMs : o.unreachableWaitMs);
+    // A refusal counts the wait ahead (the server named it: asking sooner is refused again).
+    const spent = !sp ? this.failures >= o.attempts : kind === 'limited' ? now + ms - sp.since > sp.allowanceMs : now - sp.since >= sp.allowanceMs;
     return spent ? undefined : ms;
   }
 
@@ -623,6 +637,12 @@ export interface ForkOptions {
 }
 
 export interface ExecOptions {
+  /**
+   * Variables ADDED to the guest's own environment (PATH, HOME, ... stay, unless named here):
+   * names of 1-128 characters of A-Z, a-z, 0-9 and _, not starting with a digit. Names
+   * starting `_ff_` or `FFE_` are the guest exec wrapper's and are refused (invalid_argument,
+   * field `env["NAME"]`).
+   */
   env?: Record<string, string>;
   cwd?: string;
   stdin?: string | Uint8Array;
@@ -719,6 +739,20 @@ function target(address: string | string[]): string {
   return `${v4 ? 'ipv4' : 'ipv6'}:${list.join(',')}`;
 }
 
+/**
+ * Refuses a token a request header cannot carry (a space, a control character such as the
+ * trailing \r of a file with CRLF line endings, a non-ASCII character): grpc-js would fail
+ * every call with a message that quotes the whole header, token included. The error names
+ * `token` and where it came from (`source`: options, FF_TOKEN or the credentials file), never
+ * the token itself.
+ */
+function checkToken(token: unknown, source: string): void {
+  if (token === undefined) return;
+  if (typeof token === 'string' && /^[\x21-\x7e]+$/.test(token)) return;
+  const from = source === 'options' ? 'the token option' : source === 'FF_TOKEN' ? 'FF_TOKEN' : `"token" in ${source}`;
+  throw new InvalidArgumentError('token', `${from} is not a token a request header can carry: want printable ASCII without spaces or control characters (a line ending from a file with CRLF lines, \\r, is a common cause)${typeof token === 'string' ? '' : `, got a ${typeof token}`}`);
+}
+
 // ---------------------------------------------------------------- client
 
 export class Forkfleet {
@@ -735,6 +769,7 @@ export class Forkfleet {
       ...(opts.ca !== undefined ? { ca: opts.ca } : {}),
       ...(opts.credentialsFile !== undefined ? { credentialsFile: opts.credentialsFile } : {}),
     });
+    checkToken(creds.token, creds.source);
     this.tenant = opts.tenant ?? process.env.FF_TENANT ?? creds.tenant ?? '';
     this.address = target(opts.address);
     // TLS always; the token rides on every call as "authorization: Bearer ...".
@@ -752,8 +787,9 @@ export class Forkfleet {
    * that a scheduler that answers UNAVAILABLE (its etcd or NATS is away, e.g. restarting) is
    * asked again for up to `outageWaitMs`, one that cannot be reached for up to
    * `unreachableWaitMs`, and a call refused by the rate limit for up to `rateLimitWaitMs`, each
-   * time after the wait the server named. Never past `opts.deadline`. A mutating call keeps its
-   * idempotency key throughout.
+   * time after the wait the server named; such errors in a row, of whichever of these kinds,
+   * share one allowance from the first of them (the largest of their kinds'). Never past
+   * `opts.deadline`. A mutating call keeps its idempotency key throughout.
    */
   async retry<T>(fn: (o: RpcCallOptions) => Promise<T>, opts: CallOpts = {}, keyed = false): Promise<T> {
     const until = opts.deadline?.getTime() ?? Infinity;
@@ -803,9 +839,10 @@ export class Forkfleet {
         // Retried by this loop (not by retry(), whose outage allowance would outlast `until`).
         pb = await this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { timeoutMs: w + 10_000, ...(opts.signal ? { signal: opts.signal } : {}) });
       } catch (e) {
-        // A poll the rate limit refused is no outage (the scheduler answered, and lets it
-        // through in turn): only the wait's own limit ends those, as it ends a slow operation.
-        const limited = rateLimited(e);
+        // A poll the rate limit (or a bound of the scheduler's: the credential's streams at
+        // their cap) refused is no outage (the scheduler answered, and lets it through in
+        // turn): only the wait's own limit ends those, as it ends a slow operation.
+        const limited = heldBack(e);
         if (!limited) failingSince ||= Date.now();
         // Its own deadline with no answer (a scheduler that stalled, or a connection cut off
         // that keepalive has not noticed yet) is an outage too: WaitOperation only reads.
@@ -1096,7 +1133,7 @@ export class Forkfleet {
     remove: async (hostId: string, opts: CallOpts = {}): Promise<{ lostSandboxes: number }> => {
       // Once: RemoveHost carries no idempotency key, and a repeat of one that landed (its
       // answer lost) is NOT_FOUND, which would hide that it worked.
-      const r = await this.rpc.removeHost({ hostId }, this.rpcOpts(opts));
+      const r = await this.rpc.removeHost({ hostId }, this.rpcOpts(opts, opts.deadline?.getTime()));
       return { lostSandboxes: r.lostSandboxes };
     },
   };
@@ -1192,16 +1229,24 @@ export class Forkfleet {
         const out: Buffer[] = [];
         const err: Buffer[] = [];
         const r: ExecResult = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0, outputTruncated: false };
+        let exited = false;
         try {
           for await (const c of it) {
             if (c.stream === 'stdout') out.push(Buffer.from(c.data));
             else if (c.stream === 'stderr') err.push(Buffer.from(c.data));
-            else if (c.stream === 'exit') Object.assign(r, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
+            else if (c.stream === 'exit') {
+              exited = true;
+              Object.assign(r, { exitCode: c.exitCode, signal: c.signal, timedOut: c.timedOut, durationMs: c.durationMs, outputTruncated: c.outputTruncated });
+            }
           }
         } catch (e) {
-          // Output came, then the call failed: keep it with the error (execOutputOf).
-          if ((out.length > 0 || err.length > 0) && typeof e === 'object' && e !== null) partialOutputOf.set(e, { stdout: Buffer.concat(out).toString(), stderr: Buffer.concat(err).toString() });
-          throw e;
+          // The exit came, then the call failed (the connection dropped as it ended): the
+          // command's result is whole (the exit is the stream's last message), so it is returned.
+          if (!exited) {
+            // Output came, then the call failed: keep it with the error (execOutputOf).
+            if ((out.length > 0 || err.length > 0) && typeof e === 'object' && e !== null) partialOutputOf.set(e, { stdout: Buffer.concat(out).toString(), stderr: Buffer.concat(err).toString() });
+            throw e;
+          }
         }
         r.stdout = Buffer.concat(out).toString();
         r.stderr = Buffer.concat(err).toString();
@@ -1273,7 +1318,8 @@ export class Sandbox {
     else if (kind === 'destroy') this.info = this.info ? { ...this.info, state: 'destroyed' } : undefined;
     // The read gets the client's per-call deadline (opts.timeoutMs is the operation's wait), and
     // one that fails leaves `info` unset rather than failing an operation that succeeded.
-    else this.info = await this.ff.get(this.id, opts.signal ? { signal: opts.signal } : {}).catch(() => undefined);
+    // The call's `deadline` bounds the read too (its retries through an outage included).
+    else this.info = await this.ff.get(this.id, { ...(opts.signal ? { signal: opts.signal } : {}), ...(opts.deadline ? { deadline: opts.deadline } : {}) }).catch(() => undefined);
     return this;
   }
 

@@ -8,7 +8,7 @@ import { create } from '@bufbuild/protobuf';
 import { status as Status } from '@grpc/grpc-js';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { RpcError } from '../adapters/grpc/status.ts';
-import { OperationKind, OperationSchema, OperationState, SandboxSchema, SandboxState } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
+import { OperationKind, OperationSchema, OperationState, SandboxSchema, SandboxState, SnapshotSchema } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Forkfleet } from './index.ts';
 import type { RetryOptions } from './index.ts';
 
@@ -337,5 +337,103 @@ describe('SDK retry allowances', () => {
     expect(make({ maxMs: -1 })).toMatchObject({ kind: 'invalid_argument', field: 'retry.maxMs' });
     expect(make({ maxMs: '5s' as unknown as number })).toMatchObject({ kind: 'invalid_argument', field: 'retry.maxMs' });
     expect(make({ attempts: 3, baseMs: 0, maxMs: 0 })).toBeUndefined();
+  });
+});
+
+describe('SDK retry allowances of kinds that alternate', () => {
+  afterEach(() => void vi.restoreAllMocks());
+
+  it('anOutageAndAnUnreachableSchedulerThatAlternate_shareOneAllowance_andAreGivenUpWithinTheLargest', async () => {
+    // A scheduler restarting over and over: refused, then answering UNAVAILABLE, then refused...
+    vi.useFakeTimers();
+    let calls = 0;
+    const ff = client({ getSandbox: async () => Promise.reject(++calls % 2 ? outage() : unreachable()) }, { baseMs: 200, maxMs: 1000 });
+    const r = await settle(ff.get(SB), 200_000);
+    expect(r.error).toMatchObject({ kind: 'unavailable' });
+    // WAIT_OUTAGE_MS (60 s), the larger of the two allowances, counted from the first error
+    // (plus at most one backoff, maxMs, begun inside it).
+    expect(r.tookMs).toBeGreaterThanOrEqual(30_000);
+    expect(r.tookMs).toBeLessThanOrEqual(61_100);
+  });
+
+  it('anOutageAndRateLimitRefusalsThatAlternate_growTheBackoffAcrossKinds_andAreGivenUpWithinTheAllowance', async () => {
+    vi.useFakeTimers();
+    vi.spyOn(Math, 'random').mockReturnValue(0.999); // the jitter's whole range: the backoff as it grows
+    const t0 = Date.now();
+    const asked: number[] = [];
+    const ff = client(
+      {
+        getSandbox: async () => {
+          asked.push(Date.now() - t0);
+          throw asked.length % 2 ? outage() : rateLimited(100);
+        },
+      },
+      { baseMs: 100, maxMs: 5000 },
+    );
+    const r = await settle(ff.get(SB), 200_000);
+    expect(r.error).toMatchObject({ kind: expect.stringMatching(/unavailable|resource_exhausted/) });
+    // The allowance (60 s) from the first error, plus at most one backoff (maxMs) begun inside it.
+    expect(r.tookMs).toBeLessThanOrEqual(65_100);
+    const gaps = asked.slice(1).map((t, i) => t - asked[i]!);
+    // Doubled on every error whatever its kind, up to maxMs: not restarted at baseMs by each change of kind.
+    expect(Math.max(...gaps)).toBeGreaterThanOrEqual(4_000);
+    expect(asked.length).toBeLessThan(30);
+  });
+});
+
+describe('SDK waits and deadlines', () => {
+  it('aWaitWhosePollsAreRefusedAtTheCredentialsStreamCapForLongerThanTheOutageAllowance_goesOnUntilTheOperationEnds', async () => {
+    // Many waits at once (the credential's streams at their cap) are held back, not an outage:
+    // the SDK README promises them the rate limit's treatment.
+    vi.useFakeTimers();
+    const t0 = Date.now();
+    let polls = 0;
+    const ff = client({
+      createSandbox: async () => running(OperationKind.CREATE),
+      waitOperation: async () => {
+        polls++;
+        if (Date.now() - t0 < 90_000) throw new RpcError(Status.RESOURCE_EXHAUSTED, 'resource_exhausted', 'at most 512 concurrent streaming calls per credential; close one first', true, 'streams', undefined, true);
+        return succeeded(OperationKind.CREATE);
+      },
+    });
+    const r = await settle(ff.create({ image: 'tiny' }, { timeoutMs: 600_000 }));
+    expect(r.error).toBeUndefined();
+    expect(r.value?.id).toBe(SB);
+    expect(polls).toBeGreaterThan(60);
+  });
+
+  it('hibernate_withADeadline_endsByIt_thoughTheReadOfTheSandboxAfterItMeetsAnOutage', async () => {
+    vi.useFakeTimers();
+    let reads = 0;
+    const ff = client(
+      {
+        hibernateSandbox: async () => running(OperationKind.HIBERNATE),
+        waitOperation: async () => create(OperationSchema, { id: OP, tenantId: 't1', kind: OperationKind.HIBERNATE, state: OperationState.SUCCEEDED, result: { case: 'snapshot', value: create(SnapshotSchema, { id: 'sn-1' }) } }),
+        getSandbox: async () => {
+          reads++;
+          throw outage();
+        },
+      },
+      { baseMs: 100, maxMs: 500 },
+    );
+    const r = await settle(ff.sandbox(SB).hibernate({ deadline: new Date(Date.now() + 2_000) }));
+    // The hibernation succeeded: the read that failed leaves `info` unset, within the deadline.
+    expect(r.error).toBeUndefined();
+    expect(r.value?.info).toBeUndefined();
+    expect(reads).toBeGreaterThan(1);
+    expect(r.tookMs).toBeLessThanOrEqual(2_000);
+  });
+
+  it('hostsRemove_withADeadline_givesItsCallNoLongerThanWhatIsLeftOfIt', async () => {
+    let seen: { timeoutMs?: number } | undefined;
+    const ff = client({
+      removeHost: async (_req: unknown, o: { timeoutMs?: number }) => {
+        seen = o;
+        return { lostSandboxes: 2 };
+      },
+    });
+    expect(await ff.hosts.remove('h1', { deadline: new Date(Date.now() + 500) })).toEqual({ lostSandboxes: 2 });
+    expect(seen?.timeoutMs).toBeGreaterThan(0);
+    expect(seen?.timeoutMs).toBeLessThanOrEqual(500);
   });
 });
