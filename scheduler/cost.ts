@@ -1,11 +1,12 @@
 // The cost model: what one child needs from a host (memory counts shared pages once per
 // host per snapshot) and its estimated time to ready on that host.
 //
-// Memory of c children of snapshot S on host h, where n children of S are booked already as
-// shares of its image (HostInput.imageShares; a fork only):
+// Memory of c children of a fork of snapshot S on a host h that holds S, where n children of S
+// are booked already as shares of its image (HostInput.imageShares):
 //   F(n + c) - F(n),  F(k) = k = 0 ? 0 : min(k * S.memoryMib, k * p + S.memoryMib),  p = ceil(S.memoryMib * privateMemoryFraction)
 // (never more than c separate guests: a lone restore needs what its create did; with n = 0 this
 // is min(c * memoryMib, c * p + memoryMib)). Where S's image is resident (residentImages): c * p.
+// On a host that lacks S, and for a restore: c * memoryMib (n = 0 for a restore).
 // Disk: c * overlayDiskMib + MiB of chunks h lacks (fetched into its chunk cache).
 // A create has no sharing: c * memoryMib, c * diskMib.
 import type { PlacementConfig } from './config.ts';
@@ -26,9 +27,12 @@ export interface Demand {
   readonly snapshot: SnapshotView | null;
   /** Host index -> children of the snapshot booked there as shares of its image (Infinity: resident, the image is paid). */
   readonly shares: ReadonlyMap<number, number>;
+  /** Hosts holding the snapshot: a fork's children share its image only there (elsewhere each is a whole guest). */
+  readonly holders: ReadonlySet<number>;
 }
 
 const NONE: ReadonlyMap<number, number> = new Map();
+const NO_HOSTS: ReadonlySet<number> = new Set();
 
 export function demandOf(view: FleetView, request: PlacementRequest, snapshot: SnapshotView | null, config: PlacementConfig): Demand {
   if (request.kind === 'create') {
@@ -41,6 +45,7 @@ export function demandOf(view: FleetView, request: PlacementRequest, snapshot: S
       overlayDiskMib: request.resources.diskMib,
       snapshot: null,
       shares: NONE,
+      holders: NO_HOSTS,
     };
   }
   if (snapshot === null) throw new Error('demandOf: fork/restore needs its snapshot');
@@ -53,6 +58,7 @@ export function demandOf(view: FleetView, request: PlacementRequest, snapshot: S
     overlayDiskMib: request.overlayDiskMib,
     snapshot,
     shares: view.residentHosts.get(snapshot.id) ?? NONE,
+    holders: view.holderSets.get(snapshot.id) ?? NO_HOSTS,
   };
 }
 
@@ -83,9 +89,12 @@ export function memoryFor(d: Demand, i: number, c: number): number {
  */
 function imageLines(d: Demand, i: number): readonly [number, number] {
   let n = d.shares.get(i) ?? 0;
-  // Only a fork's children are booked as shares; a restore books a whole guest (resident apart).
-  if (d.kind !== 'fork' && n !== Number.POSITIVE_INFINITY) n = 0;
   if (n === Number.POSITIVE_INFINITY) return [Number.POSITIVE_INFINITY, 0];
+  // A fork's children share the image only on a host that holds it (the service books them so:
+  // one that fetches may restore each by migration, with RAM of its own); elsewhere, and for
+  // any restore, a child is a whole guest's memory (for a lone restore, F(1) is that too).
+  if (d.kind === 'fork' && !d.holders.has(i)) return [0, Number.POSITIVE_INFINITY];
+  if (d.kind !== 'fork') n = 0;
   const fn = n === 0 ? 0 : Math.min(n * d.imageMib, n * d.privateMemoryMib + d.imageMib);
   return [n * d.imageMib - fn, n * d.privateMemoryMib + d.imageMib - fn];
 }

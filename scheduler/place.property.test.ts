@@ -62,7 +62,8 @@ const hostArb = (i: number): fc.Arbitrary<HostInput> =>
       heldSnapshots: r.hold === 'full' ? ['snap-a'] : [],
       partialSnapshots: r.hold === 'partial' ? { 'snap-a': Math.floor(r.partialFrac * GIB) } : undefined,
       residentImages: r.hold === 'full' && r.resident ? ['snap-a'] : [],
-      imageShares: r.hold === 'full' && !r.resident && r.shares > 0 ? { 'snap-a': r.shares } : undefined,
+      // Shares on any host: one dropped from the holders keeps the children booked there.
+      imageShares: !(r.hold === 'full' && r.resident) && r.shares > 0 ? { 'snap-a': r.shares } : undefined,
       restoreCostMs: r.restoreCostMs,
       restoreSlots: r.restoreSlots,
     }));
@@ -118,7 +119,7 @@ const RUNS = { numRuns: Number(process.env.FC_RUNS ?? 300) };
 const EPS = 1e-6;
 
 describe('place() properties', () => {
-  it('never over-commits a host, counting one shared image per host and the chunks it must fetch', () => {
+  it('never over-commits a host as the service books it: one shared image per holder, whole guests where it fetches, and the chunks it must fetch', () => {
     fc.assert(
       fc.property(scenarioArb, (s) => {
         const r = decide(s);
@@ -132,12 +133,14 @@ describe('place() properties', () => {
           const holds = h.heldSnapshots.includes('snap-a');
           const present = h.partialSnapshots?.['snap-a'] ?? 0;
           const missing = holds ? 0 : Math.ceil((s.snapshot.totalBytes - present) / s.snapshot.chunkBytes) * s.snapshot.chunkBytes;
+          // What the service books (services/domain/image-shares.ts): on a holder, the children
+          // share the image, n of them booking never more than n whole guests (a lone child
+          // needs its guest's memory, as a create), else the image once plus n private sets;
+          // on a host that fetches the snapshot, each child is a whole guest.
           const priv = Math.ceil(vm.memoryMib * (48 / 256));
-          // n children of the image booked together: never more than n whole guests (a lone
-          // child needs its guest's memory, as a create), else the image once plus n private sets.
           const together = (n: number): number => (n === 0 ? 0 : Math.min(n * vm.memoryMib, n * priv + vm.memoryMib));
           const n = h.imageShares?.['snap-a'] ?? 0;
-          const memory = h.residentImages?.includes('snap-a') ? c * priv : together(n + c) - together(n);
+          const memory = !holds ? c * vm.memoryMib : h.residentImages?.includes('snap-a') ? c * priv : together(n + c) - together(n);
           expect(h.allocated.vcpus + c * vm.vcpus).toBeLessThanOrEqual(h.capacity.vcpus);
           expect(h.allocated.memoryMib + memory).toBeLessThanOrEqual(h.capacity.memoryMib);
           expect(h.allocated.diskMib + c * s.request.overlayDiskMib + Math.ceil(Math.min(missing, s.snapshot.totalBytes) / MIB)).toBeLessThanOrEqual(h.capacity.diskMib);

@@ -260,6 +260,11 @@ function isDeadlineAnswer(r: HostResultMsg): boolean {
 const DEADLINE_MARGIN_MS = 5000;
 
 /** Record bytes a job's writes put, estimated: its sandbox records by their labels and hooks, anything else as a small record. */
+/** A capacity record's JSON, at most, once a placement has added one image to it. */
+function allocRecordBytes(a: HostAllocRec | undefined): number {
+  return 200 + (a?.images ? JSON.stringify(a.images).length : 0) + 48;
+}
+
 function writeBytes(writes: readonly StoreWrite[]): number {
   let n = 0;
   for (const w of writes) n += w.kind === 'sandbox' ? sandboxRecordBytes(w.value) : SANDBOX_RECORD_BASE_BYTES;
@@ -1928,10 +1933,14 @@ export class Executor {
             const { perChild, writes, opUpdate } = job.records(result);
             const perHost = new Map<string, number>();
             for (const p of result.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);
-            const newHosts = [...perHost.keys()].filter((h) => !touched.has(h)).length;
+            const fresh = [...perHost.keys()].filter((h) => !touched.has(h));
+            const newHosts = fresh.length;
             // Each new host adds its capacity write and its record's guard.
             const size = writes.length + 2 * newHosts + (opUpdate ? 1 : 0);
-            const bytes = writeBytes(writes);
+            // And its capacity record's bytes: one count per image shared there (images), which
+            // on a host running children of many snapshots is no longer a few dozen bytes.
+            let bytes = writeBytes(writes);
+            for (const h of fresh) bytes += allocRecordBytes(allocs.get(h));
             // The API refuses forks whose children cannot fit one transaction; one whose
             // inherited hooks make it too large anyway fails here, before it books anything.
             if (bytes > PLACEMENT_TXN_MAX_BYTES) throw new InvalidArgumentError('count', `this placement writes ~${bytes} bytes of records (${writes.length} writes) in one transaction; at most ${PLACEMENT_TXN_MAX_BYTES} fit: fewer children, or smaller labels and after_resume hooks`);

@@ -4,7 +4,6 @@
 import type { HeartbeatMsg } from './messages.ts';
 import type { HostAllocRec, HostRec, HostState, SnapshotRec } from './records.ts';
 import { vmConfigFault, type FleetViewInput, type HostInput, type SnapshotInput } from '../../scheduler/index.ts';
-import { imageSharesOf } from './image-shares.ts';
 
 export interface LivenessConfig {
   /** Heartbeats older than this make a host suspect. */
@@ -364,7 +363,8 @@ export function fleetViewInput(args: {
     const bandwidth = Math.max(1, Math.min(h.linkBytesPerSecond, args.fetchRates?.get(h.id) ?? fleetFetchRate));
     const load = args.linkLoads?.get(h.id);
     const held = new Set<string>(recorded.get(h.id));
-    const shares = imageSharesOf(alloc);
+    // Children booked as shares of each image here (image-shares.ts): placement prices more of them by the count.
+    const shares = alloc?.images && Object.keys(alloc.images).length > 0 ? alloc.images : undefined;
     if (heard) {
       // The smaller side drives the intersection of the host's heard holdings and the view's snapshots.
       const hs = completeSnapshots(heard.hb);

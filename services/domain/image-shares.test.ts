@@ -1,5 +1,5 @@
 import { describe, expect, it } from 'vitest';
-import { applyBooking, bookedFor, bookingOf, imageSharesOf, sharedMemoryMib } from './image-shares.ts';
+import { applyBooking, bookedFor, bookingOf, sharedMemoryMib } from './image-shares.ts';
 import type { HostAllocRec } from './records.ts';
 
 const FRACTION = 48 / 256;
@@ -19,8 +19,8 @@ describe('image shares', () => {
     const eight = times(empty, 8, 1);
     expect(eight.allocated).toEqual({ vcpus: 8, memoryMib: 256 + 8 * 48, diskMib: 8 * 1024 });
     expect(eight.sandboxes).toBe(8);
-    expect(eight.images).toEqual({ 'sn-a': { children: 8, memoryMib: 256, privateMib: 48 } });
-    expect(sharedMemoryMib({ memoryMib: 256, privateMib: 48 }, 8)).toBe(256 + 8 * 48);
+    expect(eight.images).toEqual({ 'sn-a': 8 });
+    expect(sharedMemoryMib(256, FRACTION, 8)).toBe(256 + 8 * 48);
   });
 
   it('releasingEveryChild_inAnyOrderWithOtherSandboxes_returnsTheAllocToWhatItWas', () => {
@@ -34,12 +34,15 @@ describe('image shares', () => {
     expect(a.images).toBeUndefined();
   });
 
-  it('aShareTheAllocDoesNotList_isReleasedAsTheWholeMemoryItWasBookedAsBefore', () => {
-    // Booked by a leader that booked whole guests: the record names no image.
-    const old: HostAllocRec = { hostId: 'h', allocated: { vcpus: 2, memoryMib: 512, diskMib: 2048 }, sandboxes: 2 };
-    const a = applyBooking(old, child, -1, FRACTION);
-    expect(a.allocated).toEqual({ vcpus: 1, memoryMib: 256, diskMib: 1024 });
-    expect(a.images).toBeUndefined();
+  it('aShareTheAllocDoesNotList_givesBackItsPrivatePagesOnly_neverMemoryBookedForOthers', () => {
+    // Eight children booked as shares (640 MiB) and a 512 MiB guest; then a scheduler of an
+    // earlier version rewrote the record without `images`, keeping what they book.
+    const eight = applyBooking(times(empty, 8, 1), { res: { vcpus: 1, memoryMib: 512, diskMib: 0 } }, 1, FRACTION);
+    const rewritten: HostAllocRec = { hostId: 'h', allocated: eight.allocated, sandboxes: eight.sandboxes };
+    const after = times(rewritten, 8, -1);
+    // 512 stays booked for the other guest, and the image's 256 with it (over, not under).
+    expect(after.allocated.memoryMib).toBe(512 + 256);
+    expect(after.allocated.vcpus).toBe(1);
   });
 
   it('bookedFor_givesWhatTheSameBookingsOneByOneGive_andPlacementSeesTheCounts', () => {
@@ -48,15 +51,7 @@ describe('image shares', () => {
     for (const s of sandboxes) a = applyBooking(a, bookingOf(s), 1, FRACTION);
     expect(bookedFor('h', sandboxes, FRACTION)).toEqual(a);
     expect(a.allocated.memoryMib).toBe(256 + 2 * 48 + 256 + 256);
-    expect(imageSharesOf(a)).toEqual({ 'sn-a': 2, 'sn-c': 1 });
-    expect(imageSharesOf(empty)).toBeUndefined();
+    expect(a.images).toEqual({ 'sn-a': 2, 'sn-c': 1 });
   });
 
-  it('theSizesAChildWasBookedWith_areTheOnesItsReleaseUses_evenIfTheFractionChangedSince', () => {
-    const a = times(empty, 3, 1);
-    // A scheduler restarted with another privateMemoryFraction releases what was booked.
-    let b = a;
-    for (let i = 0; i < 3; i++) b = applyBooking(b, child, -1, 0.5);
-    expect(b.allocated.memoryMib).toBe(0);
-  });
 });

@@ -218,18 +218,13 @@ export interface HostAllocRec {
   /** Includes the memory of `images` (image-shares.ts: what n children of one image book). */
   allocated: ResourcesRec;
   sandboxes: number;
-  /** Snapshot id -> the fork children booked here that share its memory image (absent: none). */
-  images?: Record<string, ImageShareRec>;
-}
-
-/** Fork children of one snapshot on one host: they book sharedMemoryMib(this, children) of memory together. */
-export interface ImageShareRec {
-  /** Capacity-holding sandboxes on the host whose SandboxRec.imageShare names this snapshot (>= 1). */
-  children: number;
-  /** The guest memory of each, and the image's size. */
-  memoryMib: number;
-  /** Memory each books privately (ceil(memoryMib * privateMemoryFraction) when first booked). */
-  privateMib: number;
+  /**
+   * Snapshot id -> how many fork children booked here share its memory image (>= 1; absent:
+   * none). Their memory, sharedMemoryMib(memoryMib, privateMemoryFraction, n) of each child's
+   * memoryMib, is in `allocated` (image-shares.ts). Kept to one number per snapshot: the record
+   * is written with every placement on the host.
+   */
+  images?: Record<string, number>;
 }
 
 export type OperationKind = 'create' | 'pause' | 'resume' | 'hibernate' | 'wake' | 'snapshot' | 'fork' | 'destroy' | 'delete_snapshot' | 'drain';
