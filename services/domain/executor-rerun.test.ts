@@ -9,9 +9,9 @@ import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
-import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { HeartbeatSchema, HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
-import { NotLeaderError, StoreFullError, StoreUnavailableError } from './errors.ts';
+import { NotLeaderError, OperationCancelledError, StoreFullError, StoreUnavailableError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
 
 function stub<T>(methods: Record<string, unknown>): T {
@@ -168,7 +168,7 @@ describe('A snapshot step', () => {
     inner.active = true;
     inner.step = async () => ({ manifest: { manifest: other }, vms: [] });
     const op = { id: 'op-s1', tenantId: 't', kind: 'snapshot', state: 'running', targetId: 'sb-1', input: {} } as unknown as OperationRec;
-    await expect(inner.snapshotOf(op, 'sb-1', 'sn-mine', {})).rejects.toThrow(/with the manifest of "sn-victim"/);
+    await expect(inner.snapshotOf(op, 'sb-1', 'sn-mine', {})).rejects.toThrow(/with the manifest of another snapshot \("sn-victim"\)/);
     expect(signed).toEqual([]);
     expect(writes.filter((w) => w.kind === 'snapshot').map((w) => (w as { value: SnapshotRec }).value.state).at(-1)).toBe('failed');
   });
@@ -444,5 +444,253 @@ describe('Executor drain without migrate', () => {
     const { final, submitted } = await hibernatingDrain({ cordoned: false, draining: false }, () => [sandbox('S1', 'F', 'running')]);
     expect(submitted).toEqual([]);
     expect(final?.error?.message).toContain('S1: not hibernated: F was uncordoned during the drain');
+  });
+});
+
+describe('Executor drain, run again after its host was lost and came back', () => {
+  it('aMigrationBookedBeforeTheLoss_whoseSandboxWasTakenBackUnclaimed_isUndone_notRestoredFromItsOldSnapshot', async () => {
+    // S1's migration F -> T had booked T and taken sn-1; F was lost (ending the drain's claim)
+    // and came back, and S1 was taken back, unclaimed: its user may have resumed it since.
+    const sent: string[] = [];
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [{ ...sandbox('S1', 'F', 'paused'), opId: '' }], sent);
+    const allocs = writes.filter((w): w is Extract<StoreWrite, { kind: 'alloc' }> => w.kind === 'alloc');
+    expect(allocs.map((w) => [w.value.hostId, w.value.allocated.vcpus])).toEqual([['T', 6]]);
+    expect(sent).toContainEqual(expect.stringMatching(/^.*S1.*undo-dest.*@T$/));
+    // The attempt is retired: a new one takes a snapshot of its own.
+    const ops = writes.filter((w): w is Extract<StoreWrite, { kind: 'op' }> => w.kind === 'op');
+    const migrations = ops.map((w) => (w.value.input as { migrations?: Record<string, { snapshotId: string; toHostId?: string }> }).migrations?.['S1']);
+    expect(migrations.some((m) => m !== undefined && m.snapshotId === '' && m.toHostId === undefined)).toBe(true);
+  });
+});
+
+describe('Executor drain, its host lost and back during a migration', () => {
+  it('theSwitch_ofASandboxTakenBackUnclaimedWhileItsCopyWasRestored_removesTheCopy_andKeepsTheSourceVm', async () => {
+    const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: { S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    let rev = 10;
+    let sb: SandboxRec = { ...sandbox('S1', 'F', 'running'), opId: '' };
+    const sn = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['F', 'T'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    const store = {
+      getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
+      getSandbox: async () => ({ value: structuredClone(sb), modRevision: rev }),
+      getSnapshot: async () => ({ value: sn, modRevision: 3 }),
+      getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 8, memoryMib: 4096, diskMib: 8192 }, sandboxes: 4 }, modRevision: 30 }),
+      commitAt: async (w: StoreWrite[]) => {
+        for (const x of w) if (x.kind === 'sandbox') sb = x.value;
+        return ++rev;
+      },
+    };
+    const steps: string[] = [];
+    const ex = executorOver(store);
+    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; migrate(op: OperationRec, sb: SandboxRec): Promise<void> };
+    inner.active = true;
+    inner.ops.set(op.id, { value: op, modRevision: rev });
+    inner.cache.hosts.set('F', { value: { id: 'F', state: 'ready', cordoned: true, draining: true }, modRevision: 1 });
+    inner.step = async (_op, id, hostId) => {
+      steps.push(`${id}@${hostId}`);
+      // While the copy is restored on T, F is lost (the claim ends) and comes back: the VM is
+      // taken back as it runs, unclaimed, and its user goes on using it.
+      if (id.endsWith('/restore')) sb = { ...sb, state: 'running', opId: '' };
+      return { vms: [{ sandboxId: 'S1' }] };
+    };
+    await expect(inner.migrate(op, sb)).rejects.toThrow(/moved on during its migration/);
+    expect(sb.hostId).toBe('F');
+    expect(steps).toContain('migrate/S1/destroy-dest@T');
+    expect(steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
+  });
+
+  it('theSwitch_ontoADestinationLostAfterItsRestoreAnswered_isUndone_theSourceRunsOnUnclaimed', async () => {
+    const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: { S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    let rev = 10;
+    let sb: SandboxRec = { ...sandbox('S1', 'F', 'running'), opId: '' };
+    const sn = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['F', 'T'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    const allocs: string[] = [];
+    const store = {
+      getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
+      getSandbox: async () => ({ value: structuredClone(sb), modRevision: rev }),
+      getSnapshot: async () => ({ value: sn, modRevision: 3 }),
+      getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 8, memoryMib: 4096, diskMib: 8192 }, sandboxes: 4 }, modRevision: 30 }),
+      commitAt: async (w: StoreWrite[]) => {
+        for (const x of w) if (x.kind === 'sandbox') sb = x.value;
+        for (const x of w) if (x.kind === 'alloc') allocs.push(x.value.hostId);
+        return ++rev;
+      },
+    };
+    const steps: string[] = [];
+    const ex = executorOver(store, { bus: { sendWork: async (hostId: string, w: { stepId: string }) => void steps.push(`${w.stepId}@${hostId}`) } });
+    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; migrate(op: OperationRec, sb: SandboxRec): Promise<void> };
+    inner.active = true;
+    inner.ops.set(op.id, { value: op, modRevision: rev });
+    inner.cache.hosts.set('F', { value: { id: 'F', state: 'ready', cordoned: true, draining: true }, modRevision: 1 });
+    inner.step = async (_op, id, hostId) => {
+      steps.push(`${id}@${hostId}`);
+      // The restore answered; then T's heartbeats stop and it is marked lost.
+      if (id.endsWith('/restore')) inner.cache.hosts.set('T', { value: { id: 'T', state: 'lost', cordoned: false, draining: false }, modRevision: 2 });
+      return { vms: [{ sandboxId: 'S1' }] };
+    };
+    await expect(inner.migrate(op, sb)).rejects.toThrow(/host T was lost/);
+    expect(sb.hostId).toBe('F');
+    expect(sb.opId).toBe('');
+    expect(allocs).toEqual(['T']); // the booking on T released; F's kept
+    expect(steps).toContain('migrate/S1/resume@F');
+    expect(steps).toContain('migrate/S1/undo-dest@T');
+    expect(steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
+  });
+});
+
+describe('Executor operation errors', () => {
+  it('anInternalErrorsText_goesToDetail_theRecordsMessageIsTheGenericOne', async () => {
+    const { errorOf } = await import('./executor.ts');
+    const { ForkfleetError } = await import('../../proto/errors.ts');
+    const e = errorOf(new ForkfleetError('internal', 'host h answered with the manifest of another snapshot ("sn-b")', { retryable: false }));
+    expect(e).toEqual({ kind: 'internal', message: 'internal error in the scheduler (its log has the cause)', retryable: false, detail: 'host h answered with the manifest of another snapshot ("sn-b")' });
+    const { StepTimeoutError } = await import('./errors.ts');
+    const t = new StepTimeoutError('h', 'restore', 5);
+    expect(errorOf(t).message).toBe(t.message);
+  });
+});
+
+describe('Executor fork cancelled while queued for placement', () => {
+  const now = 1_000_000;
+const host = (id: string): HostRec => ({ id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 16, memoryMib: 16_384, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0', cpuModel: 'max', machine: 'microvm', peerAddress: '10.0.0.1:7000', linkBytesPerSecond: 1.25e8, labels: {}, registeredAt: 0, lastHeartbeatAt: now, bootId: 'b' });
+const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['h1'], storedBytes: 256 << 20, logicalBytes: 256 << 20, labels: {}, vmConfig: { machine: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '7.2.0', accel: 'tcg', cpuModel: 'max', image: 'tiny' }, inherits: { resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, image: 'tiny', idleTimeoutMs: null, afterResume: [], allowEgress: false, allowCidrs: [] } } as unknown as SnapshotRec;
+
+  it('aForkCancelledWhileItsPlacementCommits_placesNoChild_andBooksNothing', async () => {
+  const op = { id: 'op-f', tenantId: 't', kind: 'fork', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'src', input: { snapshotId: 'sn-1', sandboxId: 'src', count: 2, childIds: ['c1', 'c2'], lineageId: 'l' }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+  let opRec = { value: structuredClone(op), modRevision: 4 };
+  const sbs = new Map<string, { value: SandboxRec; modRevision: number }>();
+  let rev = 10;
+  const writes: StoreWrite[] = [];
+  const sent: string[] = [];
+  let first = true;
+  const ref: { inner?: { ops: Map<string, unknown> } } = {};
+  const store = {
+    getSnapshot: async () => ({ value: snap, modRevision: 3 }),
+    getOp: async () => structuredClone(opRec),
+    getSandbox: async (_t: string, id: string) => sbs.get(id),
+    getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 2, memoryMib: 512, diskMib: 2048 }, sandboxes: 2 }, modRevision: 30 }),
+    commitAt: async (w: StoreWrite[]) => {
+      const opW = w.find((x) => x.kind === 'op') as Extract<StoreWrite, { kind: 'op' }> | undefined;
+      if (first && opW && w.some((x) => x.kind === 'sandbox')) {
+        // The user's CancelOperation landed just before the placement commit: its op guard fails.
+        first = false;
+        opRec = { value: { ...structuredClone(opRec.value), cancelRequested: true } as OperationRec, modRevision: 5 };
+        ref.inner!.ops.set(op.id, structuredClone(opRec)); // as the op watch delivers it
+        return 0;
+      }
+      if (opW && opW.expectRevision !== opRec.modRevision) return 0;
+      rev++;
+      writes.push(...w);
+      for (const x of w) if (x.kind === 'sandbox') sbs.set(x.value.id, { value: x.value, modRevision: rev });
+      if (opW) opRec = { value: opW.value, modRevision: rev };
+      return rev;
+    },
+  };
+  const heard = new HeartbeatRegistry();
+  heard.record(create(HeartbeatSchema, { hostId: 'h1', bootId: 'b', restoreSlots: 4, snapshots: [{ snapshotId: 'sn-1', complete: true }] }), now);
+  const ex = new Executor({
+    store: stub<ExecutorDeps['store']>(store),
+    bus: stub<ExecutorDeps['bus']>({ sendWork: async (h: string, w: { stepId: string }) => void sent.push(`${w.stepId}@${h}`) }),
+    clock: { now: () => now },
+    log: pino({ level: 'silent' }),
+    heard,
+    signer: stub({}),
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+  });
+  const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; running: Map<string, unknown>; cache: { apply(c: unknown): void; load: () => Promise<void> }; runFork(op: OperationRec): Promise<void> };
+  ref.inner = inner;
+  inner.active = true;
+  inner.cache.apply({ kind: 'host', value: { value: host('h1'), modRevision: 1 } });
+  inner.cache.apply({ kind: 'snapshot', value: { value: snap, modRevision: 3 } });
+  inner.cache.load = async () => undefined;
+  inner.ops.set(op.id, structuredClone(opRec));
+  inner.running.set(op.id, Promise.resolve());
+  const err = await inner.runFork(op).then(() => undefined, (e: unknown) => e);
+  const sbWrites = writes.filter((w) => w.kind === 'sandbox');
+    expect(err).toBeInstanceOf(OperationCancelledError);
+    expect(sbWrites).toEqual([]);
+    expect(writes.filter((w) => w.kind === 'alloc')).toEqual([]);
+    expect(sent).toEqual([]);
+  });
+});
+
+describe('Executor restore round', () => {
+  it('ofAPlanWhoseHostsNameEachOtherAsSources_sendsOneRestorePerHostAndEnds', async () => {
+    const now = Date.now();
+    const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['H'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    const sends: string[] = [];
+    const heard = new HeartbeatRegistry();
+    for (const h of ['H', 'X', 'Y']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, snapshots: h === 'H' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
+    const ex = new Executor({
+      store: stub<ExecutorDeps['store']>({ getSnapshot: async () => ({ value: snap, modRevision: 3 }) }),
+      bus: stub<ExecutorDeps['bus']>({ sendWork: async (h: string, w: { stepId: string }) => void sends.push(`${w.stepId}@${h}`) }),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard,
+      signer: stub({ ticket: () => ({}) }),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 50, stepAttempts: 1, chunkBytes: 1 << 18 },
+    });
+    const inner = ex as unknown as { active: boolean; restoreRound(...a: unknown[]): Promise<Array<{ hostId: string }>> };
+    inner.active = true;
+    const kid = (id: string, hostId: string): { rec: SandboxRec; rev: number } => ({ rec: { id, tenantId: 't', hostId, resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, hostname: id, allowEgress: false, afterResume: [] } as unknown as SandboxRec, rev: 1 });
+    const batch = ['X', 'Y'].flatMap((h) => [1, 2, 3].map((i) => kid(`${h.toLowerCase()}${i}`, h)));
+    const op = { id: 'op-f', tenantId: 't', kind: 'fork' } as OperationRec;
+    // X -> Y from a first placement, Y -> X from a placement again after a host loss.
+    const failed = await inner.restoreRound(op, 'sn-1', snap, batch, [{ sourceHostId: 'X', destinationHostId: 'Y', wave: 2 }, { sourceHostId: 'Y', destinationHostId: 'X', wave: 1 }], 'again-1', () => undefined);
+    // No host answers here: each step times out once; what matters is one send per host, and an end.
+    expect(sends.sort()).toEqual(['restore/X/again-1@X', 'restore/Y/again-1@Y']);
+    expect(failed.map((f) => f.hostId).sort()).toEqual(['X', 'Y']);
+  });
+});
+
+describe('Executor fork run again', () => {
+  const now = 1_000_000;
+  const host = (id: string, state: HostRec['state']): HostRec => ({ id, state, cordoned: false, draining: false, capacity: { vcpus: 16, memoryMib: 16_384, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0', cpuModel: 'max', machine: 'microvm', peerAddress: '10.0.0.1:7000', linkBytesPerSecond: 1.25e8, labels: {}, registeredAt: 0, lastHeartbeatAt: now, bootId: 'b' });
+const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['live'], storedBytes: 256 << 20, logicalBytes: 256 << 20, labels: {}, vmConfig: { machine: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '7.2.0', accel: 'tcg', cpuModel: 'max', image: 'tiny' }, inherits: { resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, image: 'tiny', idleTimeoutMs: null, afterResume: [], allowEgress: false, allowCidrs: [] } } as unknown as SnapshotRec;
+
+  it('runAgainAfterItsChildrenWerePlacedAgain_tellsTheHostsTheyWereTakenOffToGiveThemUpAgain', async () => {
+  const op = { id: 'op-f', tenantId: 't', kind: 'fork', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'src', input: { snapshotId: 'sn-1', sandboxId: 'src', count: 1, childIds: ['X'], lineageId: 'l', transfers: [], replaced: { X: { times: 1, by: 'again-1', from: ['gone'] } } }, progress: { done: 0, total: 1, message: '', bytesTransferred: 0 }, result: { sandboxIds: ['X'], snapshotId: 'sn-1' }, error: null, steps: {} } as unknown as OperationRec;
+  let opRec = { value: structuredClone(op), modRevision: 40 };
+  const x: SandboxRec = { id: 'X', tenantId: 't', state: 'starting', stateReason: 'placed again', hostId: 'live', resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, image: 'tiny', sourceSnapshotId: 'sn-1', lineageId: 'l', hostname: 'X', labels: {}, ttlMs: null, idleTimeoutMs: null, allowEgress: false, createdAt: 1, updatedAt: 1, runningMsBefore: 0, runningSince: null, hibernationSnapshotId: '', opId: 'op-f' } as unknown as SandboxRec;
+  const sbs = new Map([[ 'X', { value: x, modRevision: 40 } ]]);
+  let rev = 50;
+  const sent: string[] = [];
+  const ref: { ex?: Executor } = {};
+  const store = {
+    getSnapshot: async () => ({ value: snap, modRevision: 3 }),
+    getOp: async () => structuredClone(opRec),
+    getSandbox: async (_t: string, id: string) => sbs.get(id),
+    commitAt: async (w: StoreWrite[]) => {
+      rev++;
+      for (const s of w) if (s.kind === 'sandbox') sbs.set(s.value.id, { value: s.value, modRevision: rev });
+      for (const s of w) if (s.kind === 'op') opRec = { value: s.value, modRevision: rev };
+      return rev;
+    },
+  };
+  const heard = new HeartbeatRegistry();
+  heard.record(create(HeartbeatSchema, { hostId: 'live', bootId: 'b', restoreSlots: 4, snapshots: [{ snapshotId: 'sn-1', complete: true }] }), now);
+  const sendWork = async (h: string, w: { opId: string; stepId: string; attempt: number }) => {
+    sent.push(`${w.stepId}@${h}`);
+    if (w.stepId.startsWith('restore/')) setTimeout(() => ref.ex!.onResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: h, attempt: w.attempt, vms: [{ sandboxId: 'X' }] as never }), h), 5);
+  };
+  const ex = new Executor({
+    store: stub<ExecutorDeps['store']>(store),
+    bus: stub<ExecutorDeps['bus']>({ sendWork }),
+    clock: { now: () => now },
+    log: pino({ level: 'silent' }),
+    heard,
+    signer: stub({}),
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
+  });
+  ref.ex = ex;
+  const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; running: Map<string, unknown>; cache: { apply(c: unknown): void }; runFork(op: OperationRec): Promise<void> };
+  inner.active = true;
+  inner.cache.apply({ kind: 'host', value: { value: host('live', 'ready'), modRevision: 1 } });
+  inner.cache.apply({ kind: 'host', value: { value: host('gone', 'lost'), modRevision: 1 } });
+  inner.cache.apply({ kind: 'snapshot', value: { value: snap, modRevision: 3 } });
+  inner.ops.set(op.id, structuredClone(opRec));
+  inner.running.set(op.id, Promise.resolve());
+  await inner.runFork(structuredClone(op));
+    expect(sent).toContain('stop-replaced/X@gone');
+    expect(sbs.get('X')!.value.state).toBe('running');
   });
 });

@@ -199,6 +199,11 @@ export function leaderTerm(fence: LeaderFence | undefined): LeaderTerm {
  * (OperationError): tenants read the message, in the operation and in sandbox state reasons.
  */
 export function errorOf(e: unknown): OperationError {
+  // An internal error's text is the scheduler's (a host's answer it could not use, say): kept in
+  // `detail`, which the API does not return (the record and the log keep it), as the synchronous
+  // path (status.ts) keeps it from the caller; its message is the generic one. A HostStepError's
+  // message is written for tenants already (its host's text is in its detail).
+  if (isForkfleetError(e) && e.kind === 'internal' && !(e instanceof HostStepError)) return { kind: 'internal', message: 'internal error in the scheduler (its log has the cause)', retryable: e.retryable, detail: e.message };
   if (isForkfleetError(e)) {
     const detail = e instanceof HostStepError ? e.detail : undefined;
     return { kind: e.kind, message: e.message, retryable: e.retryable, ...(e.field ? { field: e.field } : {}), ...(detail ? { detail } : {}) };
@@ -1965,6 +1970,10 @@ export class Executor {
               await this.opChains.get(job.op.id)?.catch(() => undefined);
               const cur = (attempt === 0 ? this.ops.get(job.op.id) : undefined) ?? (await this.deps.store.getOp(job.op.tenantId, job.op.id));
               if (!cur) throw new NotFoundError('operation', job.op.id);
+              // Cancelled while it waited for its placement (or on the re-read after a conflict
+              // with the cancel's own write): nothing is placed or booked. Not a fork placing
+              // children again after a host loss: its restore round fails them, as cancelled.
+              if (cur.value.cancelRequested && !cur.value.result?.sandboxIds) throw new OperationCancelledError();
               const next = structuredClone(cur.value);
               opUpdate(next);
               next.updatedAt = now;
@@ -2597,7 +2606,7 @@ export class Executor {
         // Signed only as this snapshot's manifest: the key signs tickets too, and bytes a host
         // chose (a ticket for another tenant's snapshot, say) must not come back signed.
         const m = fromBinary(SnapshotManifestSchema, r.manifest.manifest);
-        if (m.snapshotId !== snapshotId || (m.tenantId !== '' && m.tenantId !== tenantId)) throw new ForkfleetError('internal', `host ${sb.hostId} answered the snapshot step of ${snapshotId} with the manifest of ${JSON.stringify(m.snapshotId)} (tenant ${JSON.stringify(m.tenantId)})`, { retryable: false });
+        if (m.snapshotId !== snapshotId || (m.tenantId !== '' && m.tenantId !== tenantId)) throw new ForkfleetError('internal', `host ${sb.hostId} answered the snapshot step of ${snapshotId} with the manifest of another snapshot (${JSON.stringify(m.snapshotId)})`, { retryable: false });
         const sig = this.deps.signer.manifest(r.manifest.manifest);
         ready.manifestSignature = Buffer.from(sig.signature).toString('base64');
         ready.manifestKeyId = sig.keyId;
@@ -3322,6 +3331,16 @@ export class Executor {
     //    to FORK_REPLACEMENTS times each: a fork of 64 whose host dies mid-way still ends
     //    with 64 children when the fleet has room for them.
     const replaced: Replacements = { ...((this.ops.get(op.id)?.value ?? opNow).input as { replaced?: Replacements }).replaced };
+    // A run again (a failover, a store failure) after children were placed again: the hosts they
+    // were taken off are told to give them up once more. The first run sent that after its
+    // commit, and may have died (or lost the commit's answer) before it did: a host that came
+    // back would then run its queued restore and start a second VM of the child.
+    for (const c of children) {
+      if (c.rec.state !== 'starting') continue;
+      for (const from of replaced[c.rec.id]?.from ?? []) {
+        if (from !== c.rec.hostId) void this.sendHostWork(from, op.id, op.tenantId, `stop-replaced/${c.rec.id}`, stopVm(c.rec.id), 'could not tell a lost host to stop a child placed again elsewhere');
+      }
+    }
     /**
      * Children that started (a VM was made for them): a cancelled fork destroys them. A re-run
      * after a failover counts those it finds past `starting` (its cancel may have been
@@ -3441,6 +3460,20 @@ export class Executor {
     // restores from its local copy): migrated, each would hold memory of its own.
     const migrates = (h: string): boolean => lacking.size <= MIGRATE_MAX_HOSTS && lacking.has(h) && (byHost.get(h)?.length ?? 0) <= migrateMax && !(byHost.get(h) ?? []).some((c) => c.rec.imageShare);
     const sourceOf = new Map(transfers.filter((t) => !migrates(t.destinationHostId) && !migrates(t.sourceHostId)).map((t) => [t.destinationHostId, t.sourceHostId]));
+    // Plans made at different times (a placement again after a host loss, merged into the op's
+    // transfers) may name each other as sources, X from Y and Y from X: each would wait for the
+    // other for good (and runHost recursed until the stack overflowed). A host on such a cycle
+    // fetches from whichever holders there are instead of waiting.
+    for (const h of [...sourceOf.keys()]) {
+      const seen = new Set<string>();
+      for (let cur = sourceOf.get(h); cur !== undefined && !seen.has(cur); cur = sourceOf.get(cur)) {
+        if (cur === h) {
+          sourceOf.delete(h);
+          break;
+        }
+        seen.add(cur);
+      }
+    }
     const done = new Map<string, Promise<boolean>>();
     /** Hosts whose restore step failed (not what came after it: marking the children running). */
     const stepFailed = new Set<string>();
@@ -3553,7 +3586,9 @@ export class Executor {
             writes: [...made.map((m) => ({ kind: 'sandbox', value: m.rec, expectRevision: m.rev }) as StoreWrite), ...release],
             opUpdate: (o) => {
               const inp = o.input as { transfers?: typeof plan; replaced?: Replacements };
-              inp.transfers = [...(inp.transfers ?? []).filter((t) => !dests.has(t.destinationHostId)), ...plan];
+              // Earlier transfers into a new destination, or out of one (it may have restored by
+              // migration, holding nothing to serve) or out of a lost host, are dropped.
+              inp.transfers = [...(inp.transfers ?? []).filter((t) => !dests.has(t.destinationHostId) && !dests.has(t.sourceHostId) && !lostHosts.includes(t.sourceHostId)), ...plan];
               inp.replaced = { ...inp.replaced, ...Object.fromEntries(made.map((m) => [m.rec.id, replacedAgain(inp.replaced?.[m.rec.id], by, m.from)])) };
               o.progress.message = `placing ${made.length} children again: host ${lostHosts.join(', ')} was lost`;
             },
@@ -3601,7 +3636,9 @@ export class Executor {
       this.holderQueue.set(k, q);
       q.hosts.add(hostId);
       q.done.push({ settle: (e) => (e === undefined ? resolve() : reject(e)) });
-      if (!this.holderFlushing.has(k)) void this.flushHolders(tenantId, snapshotId);
+      // Outside the caller's runner term (as flushGroups): a flush begun by a runner of an earlier
+      // term would fail every host queued behind it, this term's forks' too, as not leader.
+      if (!this.holderFlushing.has(k)) void this.runnerTerm.exit(() => this.flushHolders(tenantId, snapshotId));
     });
   }
 
@@ -3705,7 +3742,17 @@ export class Executor {
     for (const [id, m] of Object.entries(recorded)) {
       if (!m.toHostId || m.toHostId === hostId || wasSwitched(id, m)) continue;
       const cur = listed.find((s) => s.id === id);
-      if (cur && cur.hostId === hostId && (cur.state === 'running' || cur.state === 'paused')) continue;
+      if (cur && cur.hostId === hostId && (cur.state === 'running' || cur.state === 'paused')) {
+        // Still here and still claimed: the migration is seen through below. Here but no longer
+        // claimed: this host was lost (which ends every claim) and came back, and the sandbox was
+        // taken back and may have run on since the migration's snapshot. Restoring that snapshot
+        // would throw its work away: the attempt is undone (booking released, copy stopped,
+        // retired) and the sandbox migrated anew below, with a snapshot of its own.
+        if (cur.opId === op.id) continue;
+        await this.unbookMigration(op, cur, m.toHostId);
+        await this.sendHostWork(m.toHostId, op.id, cur.tenantId, migrationStep(id, m, 'undo-dest'), stopVm(id), 'could not stop the copy of a migration whose sandbox was taken back by its returning host');
+        continue;
+      }
       if (!cur) {
         this.log.warn({ opId: op.id, sandboxId: id, hostId: m.toHostId }, 'a migrated sandbox\'s record is gone: its booking on the destination cannot be priced and stays');
         continue;
@@ -3990,6 +4037,7 @@ export class Executor {
     // 4. Switch the record, release the source's capacity and mark the migration switched, in
     //    one transaction (a re-run goes by that mark, not by where the sandbox is by then).
     let movedOn: SandboxRec | undefined;
+    let destinationLost = false;
     try {
       await this.updateMigration(
         op,
@@ -4000,9 +4048,19 @@ export class Executor {
           if (!v) throw new NotFoundError('sandbox', sb.id);
           // Switched already (a write whose answer was lost): only the mark is written.
           if (v.value.hostId === to) return [];
-          if (v.value.hostId !== from || !['running', 'paused', 'lost'].includes(v.value.state)) {
+          // Running or paused here but no longer claimed: this host was lost (ending the claim)
+          // and came back with the VM, which was taken back and may have run on since the
+          // snapshot the copy was restored from. The copy is not the sandbox.
+          if (v.value.hostId !== from || !['running', 'paused', 'lost'].includes(v.value.state) || (v.value.state !== 'lost' && v.value.opId !== op.id)) {
             movedOn = v.value;
             throw new WrongStateError('sandbox', sb.id, `${v.value.state} on ${v.value.hostId || 'no host'}`, 'it moved on during its migration; the copy was removed');
+          }
+          // The destination lost since its restore answered: the copy went with it, and the
+          // source VM (on a live host) is the sandbox still. Undone below, not switched onto a
+          // lost host (and the source then destroyed).
+          if (this.cache.hosts.get(to)?.value.state === 'lost') {
+            destinationLost = true;
+            throw new HostLostError(to, `the copy of sandbox ${sb.id}: the migration is undone`);
           }
           const next = structuredClone(v.value);
           next.hostId = to;
@@ -4025,6 +4083,19 @@ export class Executor {
         if (!this.active) throw new NotLeaderError();
         await this.unbookMigration(op, sb, to);
         await this.step(op, stepId('destroy-dest'), to, stopVm(sb.id)).catch((err: unknown) => this.log.warn({ err, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
+        throw e;
+      }
+      if (destinationLost) {
+        if (!this.active) throw new NotLeaderError();
+        // As a failed restore is undone: booking released, the copy told to stop (queued for
+        // the lost host, should it come back), the source run again, the claim ended.
+        try {
+          await this.unbookMigration(op, sb, to);
+          await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), stopVm(sb.id), 'could not stop the copy of a migration whose destination was lost');
+          await resumeSource();
+        } finally {
+          await unclaim();
+        }
         throw e;
       }
       // Still on `from` after every try: its VM there is the sandbox, so it is not stopped. The
