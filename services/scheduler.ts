@@ -17,7 +17,7 @@ import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
 import { NotLeaderError } from './domain/errors.ts';
 import { LINK_CHECK, natsTlsOptions, nkeyConnectOptions } from './adapters/nats/auth.ts';
-import { followReadiness, startGrpcServer } from './adapters/grpc/server.ts';
+import { followReadiness, MAX_CONCURRENT_STREAMS, startGrpcServer } from './adapters/grpc/server.ts';
 import { fleetServerCredentials } from './adapters/grpc/tls.ts';
 import { Authenticator } from './auth/tokens.ts';
 import { ApiGuard } from './auth/guard.ts';
@@ -145,7 +145,13 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     services: [fleetService({ fleet, store, clock, fileBufferBytes: config.fileBufferBytes, ...(seams.watchProgressMs ? { watchProgressMs: seams.watchProgressMs } : {}) })],
     credentials: fleetServerCredentials({ certPem: readFileSync(config.tlsCertPath), keyPem: readFileSync(config.tlsKeyPath) }),
     guard,
-    channelOptions: { 'grpc.max_receive_message_length': config.maxRecvBytes, 'grpc.max_send_message_length': config.maxSendBytes },
+    channelOptions: {
+      'grpc.max_receive_message_length': config.maxRecvBytes,
+      'grpc.max_send_message_length': config.maxSendBytes,
+      // Calls open at once per connection: room for one client's streams and long polls, each
+      // capped at FF_MAX_STREAMS_PER_CREDENTIAL, and its unary calls beside them.
+      'grpc.max_concurrent_streams': Math.max(MAX_CONCURRENT_STREAMS, 2 * config.maxStreamsPerCredential + 64),
+    },
     // Client mistakes are the client's news, not ours: only unexpected errors are loud.
     onError: (err, method) => (isForkfleetError(err) && err.kind !== 'internal' ? log.debug({ err: err.message, kind: err.kind, method }, 'request refused') : log.error({ err, method }, 'request failed')),
   });

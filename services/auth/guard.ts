@@ -38,8 +38,8 @@ export class ApiGuard {
   private readonly longPolls: ConcurrencyLimiter;
   private readonly watches: ConcurrencyLimiter;
   private readonly now: () => number;
-  /** The revoke callbacks of open streaming calls and long polls, by credential id. */
-  private readonly live = new Map<string, Set<(err: Error) => void>>();
+  /** The open streaming calls and long polls, by credential id: the principal each was admitted as, and what revokes it. */
+  private readonly live = new Map<string, Set<{ principal: Principal; revoke: (err: Error) => void }>>();
   private sweeper: NodeJS.Timeout | undefined;
 
   constructor(readonly auth: Authenticator, opts: ApiGuardOptions) {
@@ -52,7 +52,7 @@ export class ApiGuard {
 
   /** An admitted call ended by its credential's revocation; its release gives back `frees` and stops watching. */
   private revocable(principal: Principal, ...frees: Array<(() => void) | undefined>): { principal: Principal; onRevoke: (cb: (err: Error) => void) => void; release: () => void } {
-    const { onRevoke, forget } = this.watchRevocation(principal.credentialId);
+    const { onRevoke, forget } = this.watchRevocation(principal);
     return {
       principal,
       onRevoke,
@@ -67,12 +67,15 @@ export class ApiGuard {
    * A streaming call's credential removed from the tokens file while the call is open (an
    * exec session, a watch, a long poll) ends the call UNAUTHENTICATED within about
    * REVOCATION_CHECK_MS: a revoked token must not keep reading a sandbox it was cut off from.
+   * So does an entry edited to another `tenant`, or whose `admin` was taken away or given: the
+   * entry keeps its credential id, and the call must not go on as the principal it was admitted as.
    */
-  private watchRevocation(credentialId: string): { onRevoke: (cb: (err: Error) => void) => void; forget: () => void } {
+  private watchRevocation(principal: Principal): { onRevoke: (cb: (err: Error) => void) => void; forget: () => void } {
+    const credentialId = principal.credentialId;
     let cb: ((err: Error) => void) | undefined;
     const set = this.live.get(credentialId) ?? new Set();
     this.live.set(credentialId, set);
-    const entry = (err: Error): void => cb?.(err);
+    const entry = { principal, revoke: (err: Error): void => cb?.(err) };
     set.add(entry);
     this.sweeper ??= setInterval(() => this.sweep(), REVOCATION_CHECK_MS).unref();
     return {
@@ -90,10 +93,21 @@ export class ApiGuard {
 
   private sweep(): void {
     for (const [id, set] of this.live) {
-      if (this.auth.has(id)) continue;
-      this.live.delete(id);
-      const err = new UnauthenticatedError('credential revoked: its token is no longer in the tokens file');
-      for (const revoke of set) revoke(err);
+      const now = this.auth.principalOf(id);
+      if (!now) {
+        this.live.delete(id);
+        const err = new UnauthenticatedError('credential revoked: its token is no longer in the tokens file');
+        for (const { revoke } of set) revoke(err);
+        continue;
+      }
+      for (const entry of set) {
+        const was = entry.principal;
+        if (was.tenantId === now.tenantId && was.admin === now.admin) continue;
+        set.delete(entry);
+        const what = was.tenantId !== now.tenantId ? `its tenant is now ${now.tenantId}, not ${was.tenantId}` : now.admin ? 'it is an admin credential now' : 'it is no longer an admin credential';
+        entry.revoke(new UnauthenticatedError(`credential changed in the tokens file since the call was admitted: ${what}; call again`));
+      }
+      if (set.size === 0) this.live.delete(id);
     }
     if (this.live.size === 0 && this.sweeper) {
       clearInterval(this.sweeper);

@@ -193,6 +193,48 @@ describe('ApiGuard and tenancy', () => {
     }
   });
 
+  it('admit_streamsAndLongPollsOfACredentialWhoseTenantOrAdminFlagIsEdited_areEndedAtTheNextCheck_andCallsAdmittedAsItIsNowAreLeftAlone', () => {
+    vi.useFakeTimers();
+    try {
+      const file = join(dir, 'tokens.json');
+      const ops = mintToken(file, { tenant: 'ops', admin: true, name: 'ops' });
+      const ci = mintToken(file, { tenant: 'acme', name: 'ci' });
+      const other = mintToken(file, { tenant: 'acme', name: 'other' });
+      const guard = new ApiGuard(new Authenticator(file, undefined), { maxStreamsPerCredential: 8 });
+      const ended: string[] = [];
+      const open = (token: string, name: string, method?: string): ReturnType<ApiGuard['admit']> => {
+        const s = guard.admit({ metadata: md(`Bearer ${token}`), streaming: method === undefined, ...(method ? { method } : {}) });
+        s.onRevoke!((err) => ended.push(`${name}: ${err.message}`));
+        return s;
+      };
+      open(ops, 'ops-watch');
+      open(ops, 'ops-wait', '/forkfleet.v1.FleetService/WaitOperation');
+      open(ci, 'ci-watch');
+      open(other, 'other-watch');
+      // The entries keep their token (and so their credential id): ops loses admin, ci moves to another tenant.
+      const doc = JSON.parse(readFileSync(file, 'utf8')) as { tokens: Array<Record<string, unknown>> };
+      for (const t of doc.tokens) {
+        if (t.name === 'ops') delete t.admin;
+        if (t.name === 'ci') t.tenant = 'beta';
+      }
+      writeFileSync(file, JSON.stringify(doc));
+      utimesSync(file, new Date(), new Date(Date.now() + 5000));
+      vi.advanceTimersByTime(REVOCATION_CHECK_MS * 2);
+      expect(ended.sort()).toEqual([
+        expect.stringMatching(/^ci-watch: credential changed .*tenant is now beta, not acme/),
+        expect.stringMatching(/^ops-wait: credential changed .*no longer an admin credential/),
+        expect.stringMatching(/^ops-watch: credential changed .*no longer an admin credential/),
+      ]);
+      // A stream admitted as the entry is now is left alone by later checks.
+      open(ci, 'ci-again');
+      vi.advanceTimersByTime(REVOCATION_CHECK_MS * 2);
+      expect(ended).toHaveLength(3);
+      expect(guard.admit({ metadata: md(`Bearer ${ci}`), streaming: true }).principal).toMatchObject({ tenantId: 'beta', admin: false });
+    } finally {
+      vi.useRealTimers();
+    }
+  });
+
   it('admit_waitOperationLongPolls_areCappedLikeStreamsOnTheirOwnCount_otherUnaryCallsAreNot', () => {
     const file = join(dir, 'tokens.json');
     const a = mintToken(file, { tenant: 'acme' });

@@ -198,8 +198,18 @@ export class Authenticator {
 
   /** Whether a credential (by id) is still in the tokens file (re-read when it changed) or is an in-memory one. */
   has(credentialId: string): boolean {
+    return this.principalOf(credentialId) !== undefined;
+  }
+
+  /**
+   * The principal a credential (by id) resolves to now, as authenticate would resolve its token
+   * (the first entry with its digest), the tokens file re-read when it changed; undefined when
+   * it is gone. An entry keeps its id when its `tenant` or `admin` is edited.
+   */
+  principalOf(credentialId: string): Principal | undefined {
     this.reload();
-    return [...this.entries, ...this.ephemeral].some((e) => credentialIdOf(e.digest) === credentialId);
+    const found = [...this.entries, ...this.ephemeral].find((e) => credentialIdOf(e.digest) === credentialId);
+    return found && { tenantId: found.tenant, admin: found.admin, credentialId };
   }
 
   quotaOf(tenantId: string): TenantQuota | undefined {

@@ -2,7 +2,7 @@ import { createServer } from 'node:http';
 import type { AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import pino from 'pino';
-import { backoffMs, DEFAULT_RETRY, MAX_POSTS_PER_URL, MAX_QUEUED_CHANGES, parseWebhookTargets, signWebhook, verifyWebhookSignature, WebhookDispatcher, withoutWebhookUrl } from './webhooks.ts';
+import { backoffMs, DEFAULT_RETRY, MAX_PENDING_PER_TARGET, MAX_POSTS_PER_URL, MAX_QUEUED_CHANGES, parseWebhookTargets, signWebhook, verifyWebhookSignature, WebhookDispatcher, withoutWebhookUrl } from './webhooks.ts';
 import type { DeliveryLog, DeliveryRec, DeliveryState, WebhookPoster } from './webhooks.ts';
 import type { FleetStore, RecordChange } from './ports.ts';
 import type { SnapshotRec } from './records.ts';
@@ -696,6 +696,59 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     await until(() => posts.length === 100, 10_000);
     expect(most).toBe(MAX_POSTS_PER_URL);
   });
+
+  it('receiverThatHoldsEveryPost_keepsAtMostMaxPendingPerTargetPending_theRestAreRecordedFailedBacklogFullUnsent_andNewOnesArePendingOnceItHasRoom', async () => {
+    const { store, emit } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    // The receiver holds every POST (until the test lets them go); posts that wait for a slot are not sent.
+    const held: Array<(status: number) => void> = [];
+    let holding = true;
+    const posts: string[] = [];
+    const poster = {
+      posts,
+      post: (_url: string, _body: string, headers: Record<string, string>) => {
+        posts.push(headers['forkfleet-delivery'] ?? '');
+        return holding ? new Promise<number>((r) => held.push(r)) : Promise.resolve(200);
+      },
+    };
+    const failed: number[] = [];
+    const d = new WebhookDispatcher({
+      store,
+      deliveries: log,
+      poster,
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      targets: parseWebhookTargets('t', JSON.stringify([{ url: 'http://hook.test/x', secret: SECRET, types: ['sandbox_created'] }])),
+      retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
+      onAttempt: (r) => r === 'failed' && failed.push(1),
+    });
+    stops.push(() => d.stop());
+    await d.start();
+    const n = 5 * MAX_PENDING_PER_TARGET;
+    // In batches below MAX_QUEUED_CHANGES, each recorded before the next (the cursor reaches it).
+    for (let i = 0; i < n; i += 500) {
+      for (let j = i; j < i + 500; j++) emit(sandboxCreated(101 + j, `sb-${j}`));
+      await until(() => log.cur >= 100 + i + 499, 10_000);
+    }
+    const byState = (state: DeliveryState): DeliveryRec[] => [...log.recs.values()].filter((r) => r.state === state);
+    expect(log.recs.size).toBe(n);
+    expect(byState('pending')).toHaveLength(MAX_PENDING_PER_TARGET);
+    const full = byState('failed');
+    expect(full).toHaveLength(n - MAX_PENDING_PER_TARGET);
+    expect(full.every((r) => r.attempts === 0 && /^backlog full/.test(r.lastError))).toBe(true);
+    expect(failed).toHaveLength(n - MAX_PENDING_PER_TARGET);
+    // Only the first deliveries are pending (those past the cap were never attempted), and MAX_POSTS_PER_URL are in flight.
+    expect(new Set(full.map((r) => r.id)).has(posts[0]!)).toBe(false);
+    expect(posts).toHaveLength(MAX_POSTS_PER_URL);
+    // The receiver answers again: the backlog drains, and a new event is delivered, not failed.
+    holding = false;
+    for (const r of held.splice(0)) r(200);
+    await until(() => byState('pending').length === 0, 20_000);
+    emit(sandboxCreated(101 + n, 'sb-after'));
+    await until(() => [...log.recs.values()].some((r) => r.revision === 101 + n && r.state === 'delivered'), 5000);
+    expect(byState('delivered')).toHaveLength(MAX_PENDING_PER_TARGET + 1);
+  }, 60_000);
 
   it('postsWaitingForASlotWhenTheLeaderStops_areNotSent_byTheRunThatStopped', async () => {
     // The next leader lists the same pending deliveries and sends them: a deposed leader that

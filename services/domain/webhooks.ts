@@ -192,6 +192,17 @@ export const MAX_QUEUED_CHANGES = 1000;
 /** POSTs in flight to one URL, at most: the others wait their turn (a fork(256) made 513 at once, and as many again on each retry round while the receiver was down). */
 export const MAX_POSTS_PER_URL = 16;
 
+/**
+ * Pending deliveries of one target this leader holds, at most. Past it, a new delivery is
+ * recorded `failed` at once, never attempted, its lastError 'backlog full' (and counted as a
+ * failed attempt). A receiver that holds each POST for the timeout (or a fleet that changes
+ * faster than it answers) let pending records, each with its event's body, pile up in etcd
+ * and in the leader's heap without bound, until etcd's quota stopped every tenant's writes.
+ * Failed records expire with FF_RECORD_RETENTION like any other. It also bounds the POSTs
+ * waiting for a slot of a URL (posting): each is one of its targets' pending deliveries.
+ */
+export const MAX_PENDING_PER_TARGET = 10_000;
+
 /** First retry of a start that failed; doubling up to START_RETRY_MAX_MS. */
 const START_RETRY_MS = 1000;
 const START_RETRY_MAX_MS = 60_000;
@@ -209,6 +220,11 @@ function deliveryId(ev: FleetEvent, t: WebhookTarget): string {
 
 function targetKey(t: WebhookTarget): string {
   return createHash('sha256').update(t.url).update('\0').update(t.tenantId).digest('hex').slice(0, 12);
+}
+
+/** The targetKey a delivery id ends with (deliveryId). */
+function targetKeyOf(deliveryId: string): string {
+  return deliveryId.slice(deliveryId.lastIndexOf('-') + 1);
 }
 
 /**
@@ -256,8 +272,19 @@ export class WebhookDispatcher {
   private readonly finished = new Map<string, number>();
   /** Pending deliveries this leader has scheduled or is attempting. */
   private readonly owned = new Set<string>();
-  /** POSTs in flight to each URL and those waiting for one of its slots (posting). */
-  private readonly posts = new Map<string, { inFlight: number; waiting: Array<() => void> }>();
+  /**
+   * How many of `owned` are each target's (by targetKey, which ends a delivery's id): at most
+   * MAX_PENDING_PER_TARGET, but for pending records a start found in the log.
+   */
+  private readonly pendingOf = new Map<string, number>();
+  /** Targets whose backlog is full, told once until it has room again. */
+  private readonly full = new Set<string>();
+  /**
+   * POSTs in flight to each URL and those waiting for one of its slots (posting), each told
+   * whether to go. Each waiting one is a pending delivery of the current run (halt() turns the
+   * others away): at most MAX_PENDING_PER_TARGET per target of the URL.
+   */
+  private readonly posts = new Map<string, { inFlight: number; waiting: Array<(go: boolean) => void> }>();
   /** The current watch (follow); changes of an older one are not recorded. */
   private generation = 0;
   /** The cursor as last written (or read), and when it was written. */
@@ -295,6 +322,8 @@ export class WebhookDispatcher {
   private async begin(run: number, retryMs: number): Promise<void> {
     this.finished.clear();
     this.owned.clear();
+    this.pendingOf.clear();
+    this.full.clear();
     try {
       // The cursor is read before the log is listed, not after: a deposed leader that still
       // records a delivery after this list and then moves the cursor past its event would have
@@ -343,6 +372,9 @@ export class WebhookDispatcher {
     for (const t of this.timers) clearTimeout(t);
     this.timers.clear();
     this.cursorLater = undefined;
+    // POSTs waiting for a slot are of the run that ended (each would be skipped at its turn):
+    // turned away now, so re-elections while a receiver hangs do not stack their backlogs here.
+    for (const slot of this.posts.values()) for (const go of slot.waiting.splice(0)) go(false);
   }
 
   /**
@@ -499,8 +531,23 @@ export class WebhookDispatcher {
         const id = deliveryId(ev, t);
         const body = JSON.stringify({ id, ...ev, time: new Date(ev.time).toISOString() });
         const rec: DeliveryRec = { id, url: t.url, tenantId: ev.tenantId, eventType: ev.type, revision: ev.revision, body, state: 'pending', attempts: 0, lastStatus: 0, lastError: '', createdAt: now, updatedAt: now, nextAttemptAt: now, deliveredAt: null };
-        if (await this.deps.deliveries.create(rec)) this.schedule(rec, 0);
-        else if (!this.owned.has(id) && !this.finished.has(id)) {
+        // Past the target's backlog, recorded failed at once (MAX_PENDING_PER_TARGET). A
+        // replayed event whose delivery this leader holds already is no new one.
+        const key = targetKey(t);
+        const backlog = this.pendingOf.get(key) ?? 0;
+        const full = backlog >= MAX_PENDING_PER_TARGET && !this.owned.has(id);
+        if (full) Object.assign(rec, { state: 'failed', lastError: `backlog full: ${backlog} deliveries to this target are pending (at most ${MAX_PENDING_PER_TARGET}); not attempted` });
+        if (await this.deps.deliveries.create(rec)) {
+          if (!full) this.schedule(rec, 0);
+          else {
+            this.noteFinished(rec);
+            this.deps.onAttempt?.('failed');
+            if (!this.full.has(key)) {
+              this.full.add(key);
+              this.deps.log.warn({ origin: webhookOrigin(t.url), target: key, pending: backlog }, 'a webhook target has a full backlog of pending deliveries: new ones are recorded failed, unsent, until it has room');
+            }
+          }
+        } else if (!this.owned.has(id) && !this.finished.has(id)) {
           // Written, but not by a create this leader saw succeed (its answer was lost, or a
           // deposed leader wrote it after this one listed the log): nobody here would retry it.
           const there = await this.deps.deliveries.get(id);
@@ -569,7 +616,11 @@ export class WebhookDispatcher {
   private schedule(rec: DeliveryRec, delayMs: number): void {
     if (!this.active) return;
     const run = this.runs;
-    this.owned.add(rec.id);
+    if (!this.owned.has(rec.id)) {
+      this.owned.add(rec.id);
+      const key = targetKeyOf(rec.id);
+      this.pendingOf.set(key, (this.pendingOf.get(key) ?? 0) + 1);
+    }
     const t = setTimeout(() => {
       this.timers.delete(t);
       if (run !== this.runs) return;
@@ -638,15 +689,17 @@ export class WebhookDispatcher {
   private async posting<T>(url: string, run: number, post: () => Promise<T>): Promise<T | undefined> {
     let slot = this.posts.get(url);
     if (!slot) this.posts.set(url, (slot = { inFlight: 0, waiting: [] }));
-    if (slot.inFlight >= MAX_POSTS_PER_URL) await new Promise<void>((r) => slot.waiting.push(r));
-    else slot.inFlight++;
+    if (slot.inFlight >= MAX_POSTS_PER_URL) {
+      // Turned away (halt): its run ended, and it holds no slot.
+      if (!(await new Promise<boolean>((r) => slot.waiting.push(r)))) return undefined;
+    } else slot.inFlight++;
     try {
       if (!this.active || run !== this.runs) return undefined;
       return await post();
     } finally {
       // The slot goes to the next waiting POST as it is; with none, it is freed.
       const next = slot.waiting.shift();
-      if (next) next();
+      if (next) next(true);
       else if (--slot.inFlight === 0) this.posts.delete(url);
     }
   }
@@ -675,8 +728,18 @@ export class WebhookDispatcher {
     if (run !== this.runs) return;
     if (next.state === 'pending') this.schedule(next, next.nextAttemptAt - this.deps.clock.now());
     else {
-      this.owned.delete(next.id);
+      this.disown(next.id);
       this.noteFinished(next);
     }
+  }
+
+  /** A delivery this leader held is finished: one fewer pending for its target. */
+  private disown(id: string): void {
+    if (!this.owned.delete(id)) return;
+    const key = targetKeyOf(id);
+    const n = (this.pendingOf.get(key) ?? 1) - 1;
+    if (n > 0) this.pendingOf.set(key, n);
+    else this.pendingOf.delete(key);
+    if (n < MAX_PENDING_PER_TARGET && this.full.delete(key)) this.deps.log.info({ target: key, pending: n }, 'webhook target has room for pending deliveries again');
   }
 }

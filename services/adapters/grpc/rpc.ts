@@ -3,7 +3,7 @@
 // present the four call kinds as promises and async iterables, with deadlines and
 // cancellation. Generated types stop here and in the per-service convert.ts files.
 import { constants as http2Constants } from 'node:http2';
-import { Client as GrpcClient, Metadata, credentials as grpcCredentials } from '@grpc/grpc-js';
+import { Client as GrpcClient, Metadata, ServerInterceptingCall, credentials as grpcCredentials } from '@grpc/grpc-js';
 import type {
   CallOptions as GrpcCallOptions,
   ChannelCredentials,
@@ -13,6 +13,7 @@ import type {
   ClientWritableStream,
   MethodDefinition,
   ServerDuplexStream,
+  ServerInterceptor,
   ServerReadableStream,
   ServerUnaryCall,
   ServerWritableStream,
@@ -111,7 +112,7 @@ export interface ServiceRegistration {
 
 export type ErrorHook = (err: unknown, method: string) => void;
 
-function methodPath(m: DescMethod): string {
+export function methodPath(m: DescMethod): string {
   return `/${m.parent.typeName}/${m.name}`;
 }
 
@@ -365,25 +366,98 @@ function resetStream(call: AnyServerCall): void {
   (call as unknown as { destroy(): void }).destroy();
 }
 
-/**
- * Admits a call through `guard`: the principal and a release that runs once, when the call
- * ends however it ends (finished, failed, cancelled, connection closed).
- */
-function admitCall(guard: CallGuard | undefined, call: AnyServerCall, method: string, streaming: boolean): { principal: Principal | undefined; release: () => void; revoked: AbortSignal } {
+/** A call the guard admitted: who calls, what gives back what it holds (once), and its revocation. */
+interface Admission {
+  principal: Principal | undefined;
+  release: () => void;
+  revoked: AbortSignal;
+}
+
+/** The guard's verdict as an Admission: a release that runs once, and a signal aborted by a revocation. */
+function admissionOf(a: ReturnType<CallGuard['admit']>): Admission {
   const revoked = new AbortController();
-  if (!guard) return { principal: undefined, release: () => {}, revoked: revoked.signal };
-  const a = guard.admit({ metadata: call.metadata, method, streaming, peer: call.getPeer() });
   let done = false;
   const release = (): void => {
     if (done) return;
     done = true;
     a.release?.();
   };
-  const emitter = call as unknown as NodeJS.EventEmitter;
-  emitter.once('cancelled', release);
-  emitter.once('close', release);
   a.onRevoke?.((err) => revoked.abort(err));
   return { principal: a.principal, release, revoked: revoked.signal };
+}
+
+/**
+ * Calls admitted by guardInterceptor from their headers, by the metadata grpc-js then hands
+ * their handler (the same object), until the handler takes them (admitCall).
+ */
+const admittedFromHeaders = new WeakMap<Metadata, Admission>();
+
+/**
+ * Admits each call of `paths` through `guard` from its headers, before any of its messages is
+ * read: grpc-js runs a unary or server-streaming handler only once the whole request arrived
+ * (up to grpc.max_receive_message_length), so a guard run there let any caller, credentials or
+ * none, have the server buffer that much per stream first. A refused call is answered with the
+ * guard's status at once, its messages never read; an admitted one goes on to its handler,
+ * which takes the admission (admitCall). Its release runs when the call ends, however it ends:
+ * also when its handler never runs (a client gone mid-request). A credential revoked before the
+ * handler took the call (a request still arriving) ends it here.
+ */
+export function guardInterceptor(guard: CallGuard, paths: ReadonlySet<string>, onError: ErrorHook = () => {}): ServerInterceptor {
+  return (method, call) => {
+    if (!paths.has(method.path)) return new ServerInterceptingCall(call);
+    const streaming = method.requestStream || method.responseStream;
+    const fail = (err: unknown): ReturnType<typeof toGrpcStatus> => {
+      onError(err, method.path);
+      return toGrpcStatus(err);
+    };
+    let admitted: Admission | undefined;
+    return new ServerInterceptingCall(call, {
+      start: (next) =>
+        next({
+          onReceiveMetadata: (metadata, pass) => {
+            let a: Admission;
+            try {
+              a = admissionOf(guard.admit({ metadata, method: method.path, streaming, peer: call.getPeer() }));
+            } catch (err) {
+              call.sendStatus(fail(err));
+              return;
+            }
+            admitted = a;
+            a.revoked.addEventListener(
+              'abort',
+              () => {
+                if (admittedFromHeaders.get(metadata) !== a) return; // its handler has it, and ends it
+                admittedFromHeaders.delete(metadata);
+                a.release();
+                call.sendStatus(fail(a.revoked.reason));
+              },
+              { once: true },
+            );
+            admittedFromHeaders.set(metadata, a);
+            pass(metadata);
+          },
+          // grpc-js tells every end of a call here: its status sent, a reset, the connection gone.
+          onCancel: () => admitted?.release(),
+        }),
+    });
+  };
+}
+
+/**
+ * Admits a call: the admission guardInterceptor made from its headers, or else (a server
+ * without the interceptor) `guard`'s verdict now. Its release runs once, when the call ends
+ * however it ends (finished, failed, cancelled, connection closed).
+ */
+function admitCall(guard: CallGuard | undefined, call: AnyServerCall, method: string, streaming: boolean): Admission {
+  // One in the map is not revoked: a revocation takes it out (guardInterceptor).
+  let a = admittedFromHeaders.get(call.metadata);
+  if (a) admittedFromHeaders.delete(call.metadata);
+  else if (!guard) return { principal: undefined, release: () => {}, revoked: new AbortController().signal };
+  else a = admissionOf(guard.admit({ metadata: call.metadata, method, streaming, peer: call.getPeer() }));
+  const emitter = call as unknown as NodeJS.EventEmitter;
+  emitter.once('cancelled', a.release);
+  emitter.once('close', a.release);
+  return a;
 }
 
 /**

@@ -8,7 +8,7 @@ import { ReflectionService } from '@grpc/reflection';
 import { toBinary } from '@bufbuild/protobuf';
 import type { DescFile } from '@bufbuild/protobuf';
 import { FileDescriptorProtoSchema } from '@bufbuild/protobuf/wkt';
-import { grpcHandlers } from './rpc.ts';
+import { grpcHandlers, guardInterceptor, methodPath } from './rpc.ts';
 import type { CallGuard, ErrorHook, ServiceRegistration } from './rpc.ts';
 
 export interface GrpcServerOptions {
@@ -17,7 +17,7 @@ export interface GrpcServerOptions {
   services: readonly ServiceRegistration[];
   /** Insecure when omitted (peer transfer, in-process tests); the Fleet API always passes TLS. */
   credentials?: ServerCredentials;
-  /** Admits every call of `services` (not health or reflection, which stay open). */
+  /** Admits every call of `services` from its headers, before its messages are read (guardInterceptor); not health or reflection, which stay open. */
   guard?: CallGuard;
   /** Called with every error a handler threw, before it is mapped to a status. */
   onError?: ErrorHook;
@@ -129,15 +129,27 @@ function reflectionPackage(services: readonly ServiceRegistration[]): Constructo
   return pkg as unknown as ConstructorParameters<typeof ReflectionService>[0];
 }
 
+/**
+ * HTTP/2 streams (calls) open at once on one connection, at most (SETTINGS_MAX_CONCURRENT_STREAMS;
+ * a client queues those past it). Without it a connection could open as many as it liked, each
+ * holding a request of up to grpc.max_receive_message_length.
+ */
+export const MAX_CONCURRENT_STREAMS = 1000;
+
 export async function startGrpcServer(opts: GrpcServerOptions): Promise<RunningGrpcServer> {
+  // The guard admits the calls of `services` from their headers (guardInterceptor), before
+  // their messages are read; health and reflection stay open.
+  const guarded = new Set(opts.services.flatMap((reg) => reg.service.methods.map(methodPath)));
   const server = new Server({
     'grpc.max_receive_message_length': 16 * 1024 * 1024,
+    'grpc.max_concurrent_streams': MAX_CONCURRENT_STREAMS,
     // A client that vanished without closing its connection (powered off, a NAT mapping gone)
     // sends no cancel: without pings its streams (a WatchEvents' etcd watch, a slot of its
     // credential's stream limit) stay until TCP gives up, ~15 min, or never on a quiet link.
     'grpc.keepalive_time_ms': 30_000,
     'grpc.keepalive_timeout_ms': 10_000,
     ...opts.channelOptions,
+    ...(opts.guard ? { interceptors: [guardInterceptor(opts.guard, guarded, opts.onError)] } : {}),
   });
   for (const reg of opts.services) {
     server.addService(reg.definition, grpcHandlers(reg, opts.onError, opts.guard) as never);
