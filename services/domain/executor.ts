@@ -1970,10 +1970,11 @@ export class Executor {
               await this.opChains.get(job.op.id)?.catch(() => undefined);
               const cur = (attempt === 0 ? this.ops.get(job.op.id) : undefined) ?? (await this.deps.store.getOp(job.op.tenantId, job.op.id));
               if (!cur) throw new NotFoundError('operation', job.op.id);
-              // Cancelled while it waited for its placement (or on the re-read after a conflict
-              // with the cancel's own write): nothing is placed or booked. Not a fork placing
-              // children again after a host loss: its restore round fails them, as cancelled.
-              if (cur.value.cancelRequested && !cur.value.result?.sandboxIds) throw new OperationCancelledError();
+              // A fork or create cancelled while it waited for its placement (or on the re-read
+              // after a conflict with the cancel's own write): nothing is placed or booked. Not a
+              // fork placing children again after a host loss (its restore round fails them, as
+              // cancelled), nor a drain's migration under way (a cancel lets it end as it ends).
+              if (cur.value.cancelRequested && (cur.value.kind === 'fork' || cur.value.kind === 'create') && !cur.value.result?.sandboxIds) throw new OperationCancelledError();
               const next = structuredClone(cur.value);
               opUpdate(next);
               next.updatedAt = now;
