@@ -7,7 +7,7 @@
 // LoadCredential lines as systemd makes them. etcd and NATS speak TLS only, with client
 // certificates. The systemd units pass `systemd-analyze verify`.
 import { spawnSync } from 'node:child_process';
-import { copyFileSync, mkdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { copyFileSync, mkdirSync, readFileSync, rmSync, statSync, symlinkSync, writeFileSync } from 'node:fs';
 import { get as httpsGet } from 'node:https';
 import { connect as tcpConnect } from 'node:net';
 import { join, resolve } from 'node:path';
@@ -68,9 +68,13 @@ beforeAll(async () => {
   out = join(dir, 'out');
   // Every member of a role uses the same port on its own address, as on real machines.
   const [etcdClient, etcdPeer, natsClient, natsCluster, natsMonitor, api, metrics] = await Promise.all(Array.from({ length: 7 }, () => freePort()));
+  // The checkout through a link of this test's: one under /home, which the scheduler's unit
+  // cannot see (ProtectHome), is refused as an installDir, though these processes run from it.
+  const installDir = join(dir, 'install');
+  symlinkSync(ROOT, installDir);
   inv = parseInventory({
     name: 'itest',
-    installDir: ROOT,
+    installDir,
     etcd: [1, 2, 3].map((i) => ({ name: `etcd-${i}`, address: `127.0.0.${10 + i}`, machine: `cp-${i}` })),
     nats: [1, 2, 3].map((i) => ({ name: `nats-${i}`, address: `127.0.0.${20 + i}`, machine: `cp-${i}` })),
     schedulers: [1, 2].map((i) => ({ name: `sched-${i}`, address: `127.0.0.${30 + i}`, machine: `cp-${i}` })),

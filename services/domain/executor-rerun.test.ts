@@ -456,6 +456,8 @@ describe('Executor drain, run again after its host was lost and came back', () =
     const allocs = writes.filter((w): w is Extract<StoreWrite, { kind: 'alloc' }> => w.kind === 'alloc');
     expect(allocs.map((w) => [w.value.hostId, w.value.allocated.vcpus])).toEqual([['T', 6]]);
     expect(sent).toContainEqual(expect.stringMatching(/^.*S1.*undo-dest.*@T$/));
+    // Paused by that migration (it ran when claimed), taken back paused: told to run again.
+    expect(sent).toContainEqual(expect.stringMatching(/^.*S1.*resume-taken-back.*@F$/));
     // The attempt is retired: a new one takes a snapshot of its own.
     const ops = writes.filter((w): w is Extract<StoreWrite, { kind: 'op' }> => w.kind === 'op');
     const migrations = ops.map((w) => (w.value.input as { migrations?: Record<string, { snapshotId: string; toHostId?: string }> }).migrations?.['S1']);
@@ -496,6 +498,42 @@ describe('Executor drain, its host lost and back during a migration', () => {
     expect(sb.hostId).toBe('F');
     expect(steps).toContain('migrate/S1/destroy-dest@T');
     expect(steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
+  });
+
+  it('theSwitch_ofASandboxTakenBackPausedAsTheMigrationLeftIt_removesTheCopy_andRunsTheSourceAgain', async () => {
+    const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: { S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    let rev = 10;
+    let sb: SandboxRec = { ...sandbox('S1', 'F', 'running'), opId: '' };
+    const sn = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['F', 'T'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    const store = {
+      getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
+      getSandbox: async () => ({ value: structuredClone(sb), modRevision: rev }),
+      getSnapshot: async () => ({ value: sn, modRevision: 3 }),
+      getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 8, memoryMib: 4096, diskMib: 8192 }, sandboxes: 4 }, modRevision: 30 }),
+      commitAt: async (w: StoreWrite[]) => {
+        for (const x of w) if (x.kind === 'sandbox') sb = x.value;
+        return ++rev;
+      },
+    };
+    const steps: string[] = [];
+    const ex = executorOver(store);
+    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; migrate(op: OperationRec, sb: SandboxRec): Promise<void> };
+    inner.active = true;
+    inner.ops.set(op.id, { value: op, modRevision: rev });
+    inner.cache.hosts.set('F', { value: { id: 'F', state: 'ready', cordoned: true, draining: true }, modRevision: 1 });
+    inner.step = async (_op, id, hostId) => {
+      steps.push(`${id}@${hostId}`);
+      // While the copy is restored on T, F is lost (the claim ends) and comes back: the VM is
+      // taken back as it runs, unclaimed, and its user goes on using it.
+      if (id.endsWith('/restore')) sb = { ...sb, state: 'paused', opId: '' };
+      return { vms: [{ sandboxId: 'S1' }] };
+    };
+    await expect(inner.migrate(op, sb)).rejects.toThrow(/moved on during its migration/);
+    expect(sb.hostId).toBe('F');
+    expect(steps).toContain('migrate/S1/destroy-dest@T');
+    expect(steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
+    expect(steps).toContain('migrate/S1/resume-taken-back@F');
+    expect(sb).toMatchObject({ state: 'running', opId: '' });
   });
 
   it('theSwitch_ontoADestinationLostAfterItsRestoreAnswered_isUndone_theSourceRunsOnUnclaimed', async () => {

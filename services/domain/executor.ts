@@ -1942,13 +1942,17 @@ export class Executor {
             const newHosts = fresh.length;
             // Each new host adds its capacity write and its record's guard.
             const size = writes.length + 2 * newHosts + (opUpdate ? 1 : 0);
-            // And its capacity record's bytes: one count per image shared there (images), which
-            // on a host running children of many snapshots is no longer a few dozen bytes.
-            let bytes = writeBytes(writes);
-            for (const h of fresh) bytes += allocRecordBytes(allocs.get(h));
+            const recordBytes = writeBytes(writes);
             // The API refuses forks whose children cannot fit one transaction; one whose
             // inherited hooks make it too large anyway fails here, before it books anything.
-            if (bytes > PLACEMENT_TXN_MAX_BYTES) throw new InvalidArgumentError('count', `this placement writes ~${bytes} bytes of records (${writes.length} writes) in one transaction; at most ${PLACEMENT_TXN_MAX_BYTES} fit: fewer children, or smaller labels and after_resume hooks`);
+            // (Its records alone, as the API counts them: the capacity records fit in the room
+            // PLACEMENT_TXN_MAX_BYTES leaves below etcd's request limit.)
+            if (recordBytes > PLACEMENT_TXN_MAX_BYTES) throw new InvalidArgumentError('count', `this placement writes ~${recordBytes} bytes of records (${writes.length} writes) in one transaction; at most ${PLACEMENT_TXN_MAX_BYTES} fit: fewer children, or smaller labels and after_resume hooks`);
+            // A group of placements counts its hosts' capacity records too: one count per image
+            // shared there (images), which on a host running children of many snapshots is no
+            // longer a few dozen bytes.
+            let bytes = recordBytes;
+            for (const h of fresh) bytes += allocRecordBytes(allocs.get(h));
             // A transaction writes a key once: a job that writes a record an earlier job of the
             // group writes (two operations on one sandbox) waits for the next group, where its
             // guard decides, as when placements ran one at a time.
@@ -3752,6 +3756,9 @@ export class Executor {
         if (cur.opId === op.id) continue;
         await this.unbookMigration(op, cur, m.toHostId);
         await this.sendHostWork(m.toHostId, op.id, cur.tenantId, migrationStep(id, m, 'undo-dest'), stopVm(id), 'could not stop the copy of a migration whose sandbox was taken back by its returning host');
+        // Paused by the migration, taken back so: running again (and migrated as running).
+        // (The next attempt goes by the record it claims: running.)
+        if (!m.wasPaused) await this.resumeTakenBack(op, cur, migrationStep(id, m, 'resume-taken-back'));
         continue;
       }
       if (!cur) {
@@ -4084,6 +4091,8 @@ export class Executor {
         if (!this.active) throw new NotLeaderError();
         await this.unbookMigration(op, sb, to);
         await this.step(op, stepId('destroy-dest'), to, stopVm(sb.id)).catch((err: unknown) => this.log.warn({ err, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
+        // Taken back by its returning host paused, as this migration had paused it: running again.
+        if (!m.wasPaused) await this.resumeTakenBack(op, movedOn, stepId('resume-taken-back'));
         throw e;
       }
       if (destinationLost) {
@@ -4112,6 +4121,26 @@ export class Executor {
       if (!this.active) throw e;
       this.log.warn({ err: e, opId: op.id, sandboxId: sb.id, hostId: from }, 'could not stop the source VM of a sandbox the drain moved');
     });
+  }
+
+  /**
+   * A sandbox a migration had paused (it ran when claimed), taken back paused and unclaimed by
+   * its returning host (a host loss ends every claim) while that migration is undone: its VM
+   * is resumed and its record made running again, as its user left it. Best effort (logged):
+   * one that changed meanwhile (its user paused, resumed or destroyed it) is left as it is.
+   */
+  private async resumeTakenBack(op: OperationRec, sb: SandboxRec, stepId: string): Promise<void> {
+    if (sb.state !== 'paused' || sb.opId !== '' || !sb.hostId) return;
+    try {
+      await this.step(op, stepId, sb.hostId, resumeVm(sb.id));
+      await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        if (s.hostId !== sb.hostId || s.state !== 'paused' || s.opId !== '') throw new MovedOnError(s.id, s.state, s.hostId);
+        this.setState(s, 'running', this.deps.clock.now(), 'running again: a migration that had paused it was undone');
+      });
+    } catch (e) {
+      if (e instanceof NotLeaderError || !this.active) throw e;
+      if (!(e instanceof MovedOnError)) this.log.warn({ err: e, opId: op.id, sandboxId: sb.id }, 'could not resume a sandbox a migration had paused, taken back paused by its returning host');
+    }
   }
 
   /**

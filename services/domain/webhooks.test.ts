@@ -736,7 +736,7 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     expect(byState('pending')).toHaveLength(MAX_PENDING_PER_TARGET);
     const full = byState('failed');
     expect(full).toHaveLength(n - MAX_PENDING_PER_TARGET);
-    expect(full.every((r) => r.attempts === 0 && /^backlog full/.test(r.lastError))).toBe(true);
+    expect(full.every((r) => r.attempts === 0 && /^backlog full/.test(r.lastError) && r.body === '')).toBe(true);
     expect(failed).toHaveLength(n - MAX_PENDING_PER_TARGET);
     // Only the first deliveries are pending (those past the cap were never attempted), and MAX_POSTS_PER_URL are in flight.
     expect(new Set(full.map((r) => r.id)).has(posts[0]!)).toBe(false);

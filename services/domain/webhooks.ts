@@ -536,7 +536,8 @@ export class WebhookDispatcher {
         const key = targetKey(t);
         const backlog = this.pendingOf.get(key) ?? 0;
         const full = backlog >= MAX_PENDING_PER_TARGET && !this.owned.has(id);
-        if (full) Object.assign(rec, { state: 'failed', lastError: `backlog full: ${backlog} deliveries to this target are pending (at most ${MAX_PENDING_PER_TARGET}); not attempted` });
+        // Without its body: it is never sent, and the record only says what was not.
+        if (full) Object.assign(rec, { state: 'failed', body: '', lastError: `backlog full: ${backlog} deliveries to this target are pending (at most ${MAX_PENDING_PER_TARGET}); not attempted` });
         if (await this.deps.deliveries.create(rec)) {
           if (!full) this.schedule(rec, 0);
           else {
