@@ -466,77 +466,13 @@ describe('Executor drain, run again after its host was lost and came back', () =
 });
 
 describe('Executor drain, its host lost and back during a migration', () => {
-  it('theSwitch_ofASandboxTakenBackUnclaimedWhileItsCopyWasRestored_removesTheCopy_andKeepsTheSourceVm', async () => {
-    const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: { S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
-    let rev = 10;
-    let sb: SandboxRec = { ...sandbox('S1', 'F', 'running'), opId: '' };
-    const sn = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['F', 'T'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
-    const store = {
-      getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
-      getSandbox: async () => ({ value: structuredClone(sb), modRevision: rev }),
-      getSnapshot: async () => ({ value: sn, modRevision: 3 }),
-      getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 8, memoryMib: 4096, diskMib: 8192 }, sandboxes: 4 }, modRevision: 30 }),
-      commitAt: async (w: StoreWrite[]) => {
-        for (const x of w) if (x.kind === 'sandbox') sb = x.value;
-        return ++rev;
-      },
-    };
-    const steps: string[] = [];
-    const ex = executorOver(store);
-    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; migrate(op: OperationRec, sb: SandboxRec): Promise<void> };
-    inner.active = true;
-    inner.ops.set(op.id, { value: op, modRevision: rev });
-    inner.cache.hosts.set('F', { value: { id: 'F', state: 'ready', cordoned: true, draining: true }, modRevision: 1 });
-    inner.step = async (_op, id, hostId) => {
-      steps.push(`${id}@${hostId}`);
-      // While the copy is restored on T, F is lost (the claim ends) and comes back: the VM is
-      // taken back as it runs, unclaimed, and its user goes on using it.
-      if (id.endsWith('/restore')) sb = { ...sb, state: 'running', opId: '' };
-      return { vms: [{ sandboxId: 'S1' }] };
-    };
-    await expect(inner.migrate(op, sb)).rejects.toThrow(/moved on during its migration/);
-    expect(sb.hostId).toBe('F');
-    expect(steps).toContain('migrate/S1/destroy-dest@T');
-    expect(steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
-  });
-
-  it('theSwitch_ofASandboxTakenBackPausedAsTheMigrationLeftIt_removesTheCopy_andRunsTheSourceAgain', async () => {
-    const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: { S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
-    let rev = 10;
-    let sb: SandboxRec = { ...sandbox('S1', 'F', 'running'), opId: '' };
-    const sn = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['F', 'T'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
-    const store = {
-      getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
-      getSandbox: async () => ({ value: structuredClone(sb), modRevision: rev }),
-      getSnapshot: async () => ({ value: sn, modRevision: 3 }),
-      getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 8, memoryMib: 4096, diskMib: 8192 }, sandboxes: 4 }, modRevision: 30 }),
-      commitAt: async (w: StoreWrite[]) => {
-        for (const x of w) if (x.kind === 'sandbox') sb = x.value;
-        return ++rev;
-      },
-    };
-    const steps: string[] = [];
-    const ex = executorOver(store);
-    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; migrate(op: OperationRec, sb: SandboxRec): Promise<void> };
-    inner.active = true;
-    inner.ops.set(op.id, { value: op, modRevision: rev });
-    inner.cache.hosts.set('F', { value: { id: 'F', state: 'ready', cordoned: true, draining: true }, modRevision: 1 });
-    inner.step = async (_op, id, hostId) => {
-      steps.push(`${id}@${hostId}`);
-      // While the copy is restored on T, F is lost (the claim ends) and comes back: the VM is
-      // taken back as it runs, unclaimed, and its user goes on using it.
-      if (id.endsWith('/restore')) sb = { ...sb, state: 'paused', opId: '' };
-      return { vms: [{ sandboxId: 'S1' }] };
-    };
-    await expect(inner.migrate(op, sb)).rejects.toThrow(/moved on during its migration/);
-    expect(sb.hostId).toBe('F');
-    expect(steps).toContain('migrate/S1/destroy-dest@T');
-    expect(steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
-    expect(steps).toContain('migrate/S1/resume-taken-back@F');
-    expect(sb).toMatchObject({ state: 'running', opId: '' });
-  });
-
-  it('theSwitch_ontoADestinationLostAfterItsRestoreAnswered_isUndone_theSourceRunsOnUnclaimed', async () => {
+  /**
+   * Runs migrate() of S1 (running on F, claimed by drain op-d1, its copy to restore on T, its
+   * snapshot ready), calling `onRestore` when the restore step on T is sent; every step answers
+   * at once. What the sandbox record became, the steps sent (and host work), the hosts whose
+   * capacity was written, and how migrate() ended.
+   */
+  async function migrateWhile(onRestore: (ctx: { setSandbox: (f: (sb: SandboxRec) => SandboxRec) => void; setHost: (id: string, state: string) => void }) => void): Promise<{ sb: SandboxRec; steps: string[]; allocs: string[]; outcome: unknown }> {
     const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: { S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
     let rev = 10;
     let sb: SandboxRec = { ...sandbox('S1', 'F', 'running'), opId: '' };
@@ -558,20 +494,48 @@ describe('Executor drain, its host lost and back during a migration', () => {
     const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; migrate(op: OperationRec, sb: SandboxRec): Promise<void> };
     inner.active = true;
     inner.ops.set(op.id, { value: op, modRevision: rev });
-    inner.cache.hosts.set('F', { value: { id: 'F', state: 'ready', cordoned: true, draining: true }, modRevision: 1 });
+    const setHost = (id: string, state: string): void => void inner.cache.hosts.set(id, { value: { id, state, cordoned: id === 'F', draining: id === 'F' }, modRevision: 2 });
+    setHost('F', 'ready');
     inner.step = async (_op, id, hostId) => {
       steps.push(`${id}@${hostId}`);
-      // The restore answered; then T's heartbeats stop and it is marked lost.
-      if (id.endsWith('/restore')) inner.cache.hosts.set('T', { value: { id: 'T', state: 'lost', cordoned: false, draining: false }, modRevision: 2 });
+      if (id.endsWith('/restore')) onRestore({ setSandbox: (f) => (sb = f(sb)), setHost });
       return { vms: [{ sandboxId: 'S1' }] };
     };
-    await expect(inner.migrate(op, sb)).rejects.toThrow(/host T was lost/);
-    expect(sb.hostId).toBe('F');
-    expect(sb.opId).toBe('');
-    expect(allocs).toEqual(['T']); // the booking on T released; F's kept
-    expect(steps).toContain('migrate/S1/resume@F');
-    expect(steps).toContain('migrate/S1/undo-dest@T');
-    expect(steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
+    const outcome = await inner.migrate(op, sb).then(
+      () => 'switched',
+      (e: unknown) => e,
+    );
+    return { sb, steps, allocs, outcome };
+  }
+
+  it('theSwitch_ofASandboxTakenBackUnclaimedWhileItsCopyWasRestored_removesTheCopy_andKeepsTheSourceVm', async () => {
+    // While the copy is restored on T, F is lost (the claim ends) and comes back: the VM is
+    // taken back as it runs, unclaimed, and its user goes on using it.
+    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'running', opId: '' })));
+    expect(String(r.outcome)).toMatch(/moved on during its migration/);
+    expect(r.sb.hostId).toBe('F');
+    expect(r.steps).toContain('migrate/S1/destroy-dest@T');
+    expect(r.steps.filter((s) => s.includes('destroy-source') || s.includes('resume-taken-back'))).toEqual([]);
+  });
+
+  it('theSwitch_ofASandboxTakenBackPausedAsTheMigrationLeftIt_removesTheCopy_andRunsTheSourceAgain', async () => {
+    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'paused', opId: '' })));
+    expect(String(r.outcome)).toMatch(/moved on during its migration/);
+    expect(r.steps).toContain('migrate/S1/destroy-dest@T');
+    expect(r.steps).toContain('migrate/S1/resume-taken-back@F');
+    expect(r.steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
+    expect(r.sb).toMatchObject({ hostId: 'F', state: 'running', opId: '' });
+  });
+
+  it('theSwitch_ontoADestinationLostAfterItsRestoreAnswered_isUndone_theSourceRunsOnUnclaimed', async () => {
+    // The restore answered; then T's heartbeats stop and it is marked lost.
+    const r = await migrateWhile(({ setHost }) => setHost('T', 'lost'));
+    expect(String(r.outcome)).toMatch(/host T was lost/);
+    expect(r.sb).toMatchObject({ hostId: 'F', opId: '' });
+    expect(r.allocs).toEqual(['T']); // the booking on T released; F's kept
+    expect(r.steps).toContain('migrate/S1/resume@F');
+    expect(r.steps).toContain('migrate/S1/undo-dest@T');
+    expect(r.steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
   });
 });
 
