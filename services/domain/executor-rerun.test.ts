@@ -696,3 +696,39 @@ const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['live'], sto
     expect(sbs.get('X')!.value.state).toBe('running');
   });
 });
+
+describe('Executor host step', () => {
+  it('aRetryableFailureOfAnEarlierSendComingLate_doesNotEndTheWait_theLatestSendsAnswerDoes', async () => {
+    const sends: number[] = [];
+    const ref: { ex?: Executor } = {};
+    const answer = (w: { opId: string; stepId: string }, attempt: number, error?: { kind: string; message: string; retryable: boolean }): void =>
+      ref.ex!.onResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: 'h1', attempt, ...(error ? { error } : {}) }), 'h1');
+    const sendWork = async (_h: string, w: { opId: string; stepId: string; attempt: number }): Promise<void> => {
+      sends.push(w.attempt);
+      // Send 1 is not answered in time; send 2 is running when send 1's retryable failure
+      // arrives late, and then succeeds.
+      if (w.attempt === 2) {
+        setTimeout(() => answer(w, 1, { kind: 'unavailable', message: 'the chunk store was busy', retryable: true }), 5);
+        setTimeout(() => answer(w, 2), 40);
+      }
+    };
+    const ex = new Executor({
+      store: stub<ExecutorDeps['store']>({}),
+      bus: stub<ExecutorDeps['bus']>({ sendWork }),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 2, chunkBytes: 1 << 18 },
+    });
+    ref.ex = ex;
+    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; step(op: OperationRec, stepId: string, hostId: string, work: unknown): Promise<{ error?: unknown }> };
+    inner.active = true;
+    const op = { id: 'op-s', tenantId: 't', kind: 'pause', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'sb-1', input: {}, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    inner.ops.set(op.id, { value: op, modRevision: 1 });
+    // Two attempts of 100 ms: send 1 times out, send 2 is the last one counted.
+    const r = await inner.step(op, 'pause', 'h1', { case: 'pauseVm', value: { sandboxId: 'sb-1' } });
+    expect(r.error).toBeUndefined();
+    expect(sends.slice(0, 2)).toEqual([1, 2]);
+  });
+});

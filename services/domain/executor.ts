@@ -1809,6 +1809,15 @@ export class Executor {
         if (r.attempt !== sends && freeResends-- > 0) attempt--;
         continue;
       }
+      if (r && r.error?.retryable && r.attempt !== sends) {
+        // A retryable failure of an earlier send (late, or redelivered): the agent journals
+        // those for their own send only, so this send may still succeed there. Not the step's
+        // answer: sent again (the agent's run of it, if any, answers the new send), with no
+        // attempt counted, as for a deadline answer.
+        this.log.warn({ opId: op.id, stepId, hostId, attempt, answered: r.attempt, kind: r.error.kind }, 'a retryable failure of an earlier send of a host step came late; waiting for the latest send');
+        if (freeResends-- > 0) attempt--;
+        continue;
+      }
       if (r) {
         ended(r);
         return this.checkResult(r, hostId, stepId);
