@@ -19,7 +19,7 @@ function stub<T>(methods: Record<string, unknown>): T {
 }
 
 /** An Executor over stub ports: the methods given, every other one answering nothing. */
-function executorOver(store: Record<string, unknown>, o: { bus?: Record<string, unknown>; heard?: HeartbeatRegistry; now?: () => number } = {}): Executor {
+function executorOver(store: Record<string, unknown>, o: { bus?: Record<string, unknown>; heard?: HeartbeatRegistry; now?: () => number; stepAttempts?: number } = {}): Executor {
   return new Executor({
     store: stub<ExecutorDeps['store']>(store),
     bus: stub<ExecutorDeps['bus']>(o.bus ?? {}),
@@ -27,7 +27,7 @@ function executorOver(store: Record<string, unknown>, o: { bus?: Record<string, 
     log: pino({ level: 'silent' }),
     heard: o.heard ?? new HeartbeatRegistry(),
     signer: stub({}),
-    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: o.stepAttempts ?? 1, chunkBytes: 1 << 18 },
   });
 }
 
@@ -712,15 +712,7 @@ describe('Executor host step', () => {
         setTimeout(() => answer(w, 2), 40);
       }
     };
-    const ex = new Executor({
-      store: stub<ExecutorDeps['store']>({}),
-      bus: stub<ExecutorDeps['bus']>({ sendWork }),
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 100, stepAttempts: 2, chunkBytes: 1 << 18 },
-    });
+    const ex = executorOver({}, { bus: { sendWork }, stepAttempts: 2 });
     ref.ex = ex;
     const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; step(op: OperationRec, stepId: string, hostId: string, work: unknown): Promise<{ error?: unknown }> };
     inner.active = true;
