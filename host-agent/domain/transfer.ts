@@ -604,7 +604,9 @@ export async function fetchSnapshot(
       // No image is built: nothing else reads the chunks that were here already. Unless the
       // snapshot was complete here before (its manifest stored after its chunks were synced: a
       // step delivered again), whose chunks no crash can have torn.
-      if (!(await deps.manifests.get(snapshotId))) await verifyStored(snapshotId, deps.chunks, digests, opts.signal, deps.log);
+      // (Without opts.signed, `given` is that stored manifest, read above.)
+      const storedBefore = opts.signed ? await deps.manifests.get(snapshotId) : given;
+      if (!storedBefore) await verifyStored(snapshotId, deps.chunks, digests, opts.signal, deps.log);
       await fetch();
     }
     if (!report) throw new Error('fetchSnapshot: around() did not run the fetch');

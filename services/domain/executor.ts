@@ -173,12 +173,17 @@ function hooksOf(sb: SandboxRec): Array<{ argv: string[]; timeout: { seconds: bi
 const ZERO: ResourcesRec = { vcpus: 0, memoryMib: 0, diskMib: 0 };
 
 /**
- * Hosts of a fork's placement whose children book a share of the snapshot's memory image: those
- * that hold the snapshot, which restore from their local image (copy-on-write). A host that
- * fetches may restore by migration (ADR 0015), each child with memory of its own: whole guests.
+ * What a fork's children of `snapshotId` book on each host of its placement: a share of the
+ * snapshot's memory image on a host that holds it (it restores from its local image,
+ * copy-on-write), a whole guest elsewhere (a host that fetches may restore by migration, ADR
+ * 0015, each child with memory of its own). `imageShare` is what the child's record says.
  */
-function sharesOn(res: Extract<PlacementResult, { ok: true }>): ReadonlySet<string> {
-  return new Set(res.placements.filter((p) => p.holdsSnapshot).map((p) => p.hostId));
+function forkBookings(res: Extract<PlacementResult, { ok: true }>, snapshotId: string, resources: ResourcesRec): { imageShare: (hostId: string) => string | undefined; booking: (hostId: string) => Booking } {
+  const holders = new Set(res.placements.filter((p) => p.holdsSnapshot).map((p) => p.hostId));
+  return {
+    imageShare: (hostId) => (holders.has(hostId) ? snapshotId : undefined),
+    booking: (hostId) => (holders.has(hostId) ? { res: resources, imageShare: snapshotId } : { res: resources }),
+  };
 }
 
 /**
@@ -265,15 +270,15 @@ function isDeadlineAnswer(r: HostResultMsg): boolean {
 const DEADLINE_MARGIN_MS = 5000;
 
 /** Record bytes a job's writes put, estimated: its sandbox records by their labels and hooks, anything else as a small record. */
-/** A capacity record's JSON, at most, once a placement has added one image to it. */
-function allocRecordBytes(a: HostAllocRec | undefined): number {
-  return 200 + (a?.images ? JSON.stringify(a.images).length : 0) + 48;
-}
-
 function writeBytes(writes: readonly StoreWrite[]): number {
   let n = 0;
   for (const w of writes) n += w.kind === 'sandbox' ? sandboxRecordBytes(w.value) : SANDBOX_RECORD_BASE_BYTES;
   return n;
+}
+
+/** A capacity record's JSON, at most, once a placement has added one image to it. */
+function allocRecordBytes(a: HostAllocRec | undefined): number {
+  return 200 + (a?.images ? JSON.stringify(a.images).length : 0) + 48;
 }
 
 /** The store key a write touches (its kind and id), to keep one transaction from writing a key twice. */
@@ -3285,9 +3290,10 @@ export class Executor {
         { tenantId: op.tenantId, id: snapshotId },
         () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: input.count, overlayDiskMib: resources.diskMib, preferences: this.prefs(input.placement) }),
         (res) => {
-          const share = sharesOn(res);
+          const shares = forkBookings(res, snapshotId, resources);
           made = res.placements.map((p) => {
             const id = input.childIds[p.childIndex]!;
+            const imageShare = shares.imageShare(p.hostId);
             return {
               id,
               tenantId: op.tenantId,
@@ -3311,12 +3317,12 @@ export class Executor {
               runningSince: null,
               hibernationSnapshotId: '',
               opId: op.id,
-              ...(share.has(p.hostId) ? { imageShare: snapshotId } : {}),
+              ...(imageShare ? { imageShare } : {}),
             } satisfies SandboxRec;
           });
           const plan = (res.transferPlan?.transfers ?? []).map((t) => ({ sourceHostId: t.sourceHostId, destinationHostId: t.destinationHostId, wave: t.wave }));
           return {
-            perChild: (hostId) => (share.has(hostId) ? { res: resources, imageShare: snapshotId } : { res: resources }),
+            perChild: shares.booking,
             writes: made.map((sb) => ({ kind: 'sandbox', value: sb, expectRevision: 0 }) as StoreWrite),
             opUpdate: (o) => {
               (o.input as { transfers?: unknown }).transfers = plan;
@@ -3577,11 +3583,12 @@ export class Executor {
         // give that child up too.
         () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: { ...this.prefs(prefs), avoidHostIds: [...new Set([...lostHosts, ...fresh.flatMap((v) => replaced[v.value.id]?.from ?? [])])] } }),
         (res) => {
-          const share = sharesOn(res);
+          const shares = forkBookings(res, snapshotId, resources);
           made = res.placements.map((p) => {
             const v = fresh[p.childIndex]!;
             const rec: SandboxRec = { ...v.value, hostId: p.hostId, stateReason: `placed again: host ${v.value.hostId} was lost`, updatedAt: now };
-            if (share.has(p.hostId)) rec.imageShare = snapshotId;
+            const imageShare = shares.imageShare(p.hostId);
+            if (imageShare) rec.imageShare = imageShare;
             else delete rec.imageShare;
             return { rec, rev: v.modRevision, from: v.value.hostId };
           });
@@ -3596,7 +3603,7 @@ export class Executor {
           });
           const dests = new Set(plan.map((t) => t.destinationHostId));
           return {
-            perChild: (hostId) => (share.has(hostId) ? { res: resources, imageShare: snapshotId } : { res: resources }),
+            perChild: shares.booking,
             writes: [...made.map((m) => ({ kind: 'sandbox', value: m.rec, expectRevision: m.rev }) as StoreWrite), ...release],
             opUpdate: (o) => {
               const inp = o.input as { transfers?: typeof plan; replaced?: Replacements };
@@ -3763,8 +3770,7 @@ export class Executor {
         // would throw its work away: the attempt is undone (booking released, copy stopped,
         // retired) and the sandbox migrated anew below, with a snapshot of its own.
         if (cur.opId === op.id) continue;
-        await this.unbookMigration(op, cur, m.toHostId);
-        await this.sendHostWork(m.toHostId, op.id, cur.tenantId, migrationStep(id, m, 'undo-dest'), stopVm(id), 'could not stop the copy of a migration whose sandbox was taken back by its returning host');
+        await this.undoMigrationCopy(op, cur, m.toHostId, migrationStep(id, m, 'undo-dest'), 'could not stop the copy of a migration whose sandbox was taken back by its returning host');
         // Paused by the migration, taken back so: running again (and migrated as running).
         // (The next attempt goes by the record it claims: running.)
         if (!m.wasPaused) await this.resumeTakenBack(op, cur, migrationStep(id, m, 'resume-taken-back'));
@@ -3774,8 +3780,7 @@ export class Executor {
         this.log.warn({ opId: op.id, sandboxId: id, hostId: m.toHostId }, 'a migrated sandbox\'s record is gone: its booking on the destination cannot be priced and stays');
         continue;
       }
-      await this.unbookMigration(op, cur, m.toHostId);
-      await this.sendHostWork(m.toHostId, op.id, cur.tenantId, migrationStep(id, m, 'undo-dest'), stopVm(id), 'could not stop the copy of a migration whose sandbox moved on');
+      await this.undoMigrationCopy(op, cur, m.toHostId, migrationStep(id, m, 'undo-dest'), 'could not stop the copy of a migration whose sandbox moved on');
       failures.push(`${id}: ${cur.state} on ${cur.hostId || 'no host'}: it moved on during its migration; the copy was removed`);
     }
     // Cancelled: the migration under way ends as it ends; no further one, and no snapshot copied off.
@@ -4043,8 +4048,7 @@ export class Executor {
       // Undo: release the booking, stop a copy the restore may have made after all (a step
       // that timed out here and finished there), let the source run again.
       try {
-        await this.unbookMigration(op, sb, to);
-        if (to !== from) await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), stopVm(sb.id), 'could not stop the copy of a migration that failed');
+        await this.undoMigrationCopy(op, sb, to, stepId('undo-dest'), 'could not stop the copy of a migration that failed');
         await resumeSource();
       } finally {
         await unclaim();
@@ -4109,8 +4113,7 @@ export class Executor {
         // As a failed restore is undone: booking released, the copy told to stop (queued for
         // the lost host, should it come back), the source run again, the claim ended.
         try {
-          await this.unbookMigration(op, sb, to);
-          await this.sendHostWork(to, op.id, sb.tenantId, stepId('undo-dest'), stopVm(sb.id), 'could not stop the copy of a migration whose destination was lost');
+          await this.undoMigrationCopy(op, sb, to, stepId('undo-dest'), 'could not stop the copy of a migration whose destination was lost');
           await resumeSource();
         } finally {
           await unclaim();
@@ -4150,6 +4153,16 @@ export class Executor {
       if (e instanceof NotLeaderError || !this.active) throw e;
       if (!(e instanceof MovedOnError)) this.log.warn({ err: e, opId: op.id, sandboxId: sb.id }, 'could not resume a sandbox a migration had paused, taken back paused by its returning host');
     }
+  }
+
+  /**
+   * A migration's copy undone: its booking on `to` released and the attempt retired
+   * (unbookMigration), and `to` told to stop the copy its restore may have made (queued: `to`
+   * may be away; not where the sandbox itself is).
+   */
+  private async undoMigrationCopy(op: OperationRec, sb: SandboxRec, to: string, stepId: string, why: string): Promise<void> {
+    await this.unbookMigration(op, sb, to);
+    if (to !== sb.hostId) await this.sendHostWork(to, op.id, sb.tenantId, stepId, stopVm(sb.id), why);
   }
 
   /**

@@ -440,7 +440,7 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     vi.useRealTimers();
   });
 
-  function dispatcher(store: Pick<FleetStore, 'watchRecords' | 'revision'>, log: MemoryLog, poster: ReturnType<typeof fakePoster>, over: { types?: string[]; onEventsLost?: (n: number) => void; onStartFailed?: () => void } = {}) {
+  function dispatcher(store: Pick<FleetStore, 'watchRecords' | 'revision'>, log: MemoryLog, poster: WebhookPoster, over: { types?: string[]; onEventsLost?: (n: number) => void; onStartFailed?: () => void; onAttempt?: (result: 'delivered' | 'retry' | 'failed') => void } = {}) {
     const d = new WebhookDispatcher({
       store,
       deliveries: log,
@@ -451,6 +451,7 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
       retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
       ...(over.onEventsLost ? { onEventsLost: over.onEventsLost } : {}),
       ...(over.onStartFailed ? { onStartFailed: over.onStartFailed } : {}),
+      ...(over.onAttempt ? { onAttempt: over.onAttempt } : {}),
     });
     stops.push(() => d.stop());
     return d;
@@ -713,18 +714,7 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
       },
     };
     const failed: number[] = [];
-    const d = new WebhookDispatcher({
-      store,
-      deliveries: log,
-      poster,
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      targets: parseWebhookTargets('t', JSON.stringify([{ url: 'http://hook.test/x', secret: SECRET, types: ['sandbox_created'] }])),
-      retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
-      onAttempt: (r) => r === 'failed' && failed.push(1),
-    });
-    stops.push(() => d.stop());
-    await d.start();
+    await dispatcher(store, log, poster, { onAttempt: (r) => void (r === 'failed' && failed.push(1)) }).start();
     const n = 5 * MAX_PENDING_PER_TARGET;
     // In batches below MAX_QUEUED_CHANGES, each recorded before the next (the cursor reaches it).
     for (let i = 0; i < n; i += 500) {
