@@ -81,12 +81,12 @@ interface Run {
   /** Receiver CPU (user+sys, all threads) and minor page faults during the warm fetch. */
   cpu_ms: number;
   page_faults: number;
-  /** The same transfer into a fresh receiver process (the method before: cold JIT and heap). */
-  cold_seconds: number;
-  cold_bytes_on_wire: number;
-  cold_goodput_gbps: number;
-  cold_cpu_ms: number;
-  cold_page_faults: number;
+  /** The same transfer into a fresh receiver process (the method before: cold JIT and heap); null with --skip-cold. */
+  cold_seconds: number | null;
+  cold_bytes_on_wire: number | null;
+  cold_goodput_gbps: number | null;
+  cold_cpu_ms: number | null;
+  cold_page_faults: number | null;
   /** The naive figures: null with --skip-naive. */
   naive_copy_seconds: number | null;
   naive_bytes_on_wire: number | null;
@@ -195,7 +195,7 @@ async function main(): Promise<void> {
     const logical = Number(s1.stats.logicalBytes);
     const nonzero = s1.manifest.artifacts.reduce((s, a) => s + a.chunks.reduce((t, c) => t + c.size, 0), 0);
     const runs: Run[] = [];
-    let diff: { changed_bytes: number; bytes_on_wire: number; chunks_fetched: number; seconds: number } | undefined;
+    let diff: { link_gbps: number; changed_bytes: number; bytes_on_wire: number; chunks_fetched: number; seconds: number } | undefined;
     for (const g of (values.rates ?? '1,10').split(',').map(Number)) {
       const rate = `${g}gbit`;
       const burst = g >= 10 ? '4mb' : '256kb';
@@ -209,17 +209,18 @@ async function main(): Promise<void> {
       const rep = out.report as { fetched: number; requested: number };
       if (rep.fetched !== s1Digests.size || rep.requested !== s1Digests.size) throw new Error(`warm fetch fetched ${rep.fetched} of ${s1Digests.size} chunks (${rep.requested} requested): deduplicated`);
       process.stderr.write(`fetch ${JSON.stringify({ report: out.report, phases: out.phases, cpu_ms: out.cpu_ms, page_faults: out.page_faults })}\n`);
-      if (g === 1) {
-        // Diff: the receiver has s1; the child changed 16 MiB.
+      if (diff === undefined) {
+        // Diff, on the first rate's link (whatever --rates holds): the receiver has s1; the child changed 16 MiB.
         const dd = await warmFetch(join(dir, `dst-${g}`), 's2');
         const drep = dd.out.report as { fetched: number };
-        diff = { changed_bytes: changed, bytes_on_wire: dd.wire, chunks_fetched: drep.fetched, seconds: +Number(dd.out.seconds).toFixed(3) };
+        diff = { link_gbps: g, changed_bytes: changed, bytes_on_wire: dd.wire, chunks_fetched: drep.fetched, seconds: +Number(dd.out.seconds).toFixed(3) };
         process.stderr.write(`diff ${JSON.stringify(diff)}\n`);
       }
       // The same transfer into a fresh process (and a fresh root).
       const coldRoot = join(dir, `dst-cold-${g}`);
-      const cold = values['skip-cold'] ? { out: { seconds: 0, cpu_ms: 0, page_faults: 0 }, wire: 0, forward: 0 } : await coldFetch(coldRoot, 's1');
-      const coldSeconds = Number(cold.out.seconds);
+      // --skip-cold: the cold_* fields are null (not run), never 0 (which would read as instant).
+      const cold = values['skip-cold'] ? undefined : await coldFetch(coldRoot, 's1');
+      const coldSeconds = cold ? Number(cold.out.seconds) : null;
       // Baseline: plain TCP stream of the whole memory file plus the disk; every byte of them, or the run fails.
       const nb = wire(fabric, [h0, h1]);
       const naiveOut = values['skip-naive'] ? undefined : naiveCopied(await fabric.run(h1, [...NODE, 'naive-recv', '--connect', `${h0.address}:${port + 1}`, '--out', join(dir, `naive-${g}.bin`)], 300_000), naiveBytes);
@@ -242,16 +243,16 @@ async function main(): Promise<void> {
         chunks_total: s1Digests.size,
         cpu_ms: Number(out.cpu_ms),
         page_faults: Number(out.page_faults),
-        cold_seconds: +coldSeconds.toFixed(3),
-        cold_bytes_on_wire: cold.wire,
-        cold_goodput_gbps: coldSeconds > 0 ? +((cold.forward * 8) / coldSeconds / 1e9).toFixed(3) : 0,
-        cold_cpu_ms: Number(cold.out.cpu_ms),
-        cold_page_faults: Number(cold.out.page_faults),
+        cold_seconds: coldSeconds === null ? null : +coldSeconds.toFixed(3),
+        cold_bytes_on_wire: cold ? cold.wire : null,
+        cold_goodput_gbps: cold && coldSeconds! > 0 ? +((cold.forward * 8) / coldSeconds! / 1e9).toFixed(3) : null,
+        cold_cpu_ms: cold ? Number(cold.out.cpu_ms) : null,
+        cold_page_faults: cold ? Number(cold.out.page_faults) : null,
         naive_copy_seconds: naiveSeconds === null ? null : +naiveSeconds.toFixed(3),
         naive_bytes_on_wire: naiveOut ? nw : null,
         speedup_vs_naive: speedup(naiveSeconds, seconds),
         speedup_ready_vs_naive: speedup(naiveSeconds, Number(out.ready_seconds)),
-        cold_speedup_vs_naive: speedup(naiveSeconds, coldSeconds > 0 ? coldSeconds : null),
+        cold_speedup_vs_naive: speedup(naiveSeconds, coldSeconds !== null && coldSeconds > 0 ? coldSeconds : null),
         load_avg: [+load0.toFixed(2), +(loadavg()[0] ?? 0).toFixed(2)],
       });
       process.stderr.write(`run ${JSON.stringify(runs[runs.length - 1])}\n`);
