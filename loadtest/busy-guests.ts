@@ -116,10 +116,33 @@ let tidied: Promise<void> | undefined;
 const tidy = (): Promise<void> =>
   (tidied ??= (async () => {
     log('destroying what it made');
-    const made = await ff.list({ labels: LABEL }).catch(() => []);
-    const ids = new Set([...kids.map((k) => k.id), ...(parent ? [parent.id] : []), ...made.map((s) => s.id)]);
-    await Promise.allSettled([...ids].map((id) => ff.sandbox(id).destroy({ timeoutMs: 10 * 60_000 })));
+    // A fork stopped by Ctrl-C may still be committing children after a lookup: look again
+    // until a lookup finds nothing more (three rounds at most). Whatever could not be
+    // destroyed, or looked up, is named and the run exits nonzero: those guests would spin on
+    // and skew every later run on the fleet.
+    let ids = new Set([...kids.map((k) => k.id), ...(parent ? [parent.id] : [])]);
+    const gone = new Set<string>();
+    const failed = new Map<string, string>();
+    for (let round = 0; round < 3; round++) {
+      const made = await ff.list({ labels: LABEL }).then(
+        (list) => list.map((s) => s.id),
+        (e: unknown) => {
+          failed.set(`(list by label ${LABEL.loadtest})`, e instanceof Error ? e.message : String(e));
+          return [];
+        },
+      );
+      for (const id of made) ids.add(id);
+      const todo = [...ids].filter((id) => !gone.has(id) && !failed.has(id));
+      if (todo.length === 0) break;
+      const results = await Promise.allSettled(todo.map((id) => ff.sandbox(id).destroy({ timeoutMs: 10 * 60_000 })));
+      results.forEach((r, i) => (r.status === 'fulfilled' ? gone.add(todo[i]!) : failed.set(todo[i]!, r.reason instanceof Error ? r.reason.message : String(r.reason))));
+      ids = new Set();
+    }
     ff.close();
+    if (failed.size > 0) {
+      for (const [id, why] of failed) log(`not destroyed: ${id}: ${why}`);
+      process.exitCode = 1;
+    }
   })());
 // Ctrl-C or a kill: the spinning guests are destroyed all the same (they would skew every later run on the fleet).
 onInterrupt(tidy, log);
