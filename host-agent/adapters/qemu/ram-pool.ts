@@ -91,6 +91,12 @@ export class RamPool {
   /** 'free' (mib): a free file of that size was added (filled or given back). */
   private readonly arrivals = new EventEmitter();
   private closed = false;
+  /**
+   * Free files on their way in (a recycle's or a fill's rename under way), counted by roomFor
+   * as if they were in `free` already: room is taken when it is checked, before the await, so
+   * VMs destroyed together cannot all find the same room free and keep more than the limits.
+   */
+  private readonly adding = { files: 0, mib: 0 };
 
   private constructor(
     readonly dir: string,
@@ -146,11 +152,29 @@ export class RamPool {
     }
   }
 
-  /** Whether one more free file of `mib` stays within `keep` and `maxMib`. */
+  /** Whether one more free file of `mib` stays within `keep` and `maxMib` (counting those being added). */
   private roomFor(mib: number): boolean {
-    let total = 0;
+    let total = this.adding.mib;
     for (const [m, l] of this.free) total += m * l.length;
-    return this.size < this.o.keep && total + mib <= this.o.maxMib;
+    return this.size + this.adding.files < this.o.keep && total + mib <= this.o.maxMib;
+  }
+
+  /**
+   * Renames `from` to the free file `to` (of `mib`) and adds it to the pool; false if the rename
+   * failed. The caller has checked roomFor in the same synchronous step: the room is held from
+   * there until the file is in `free` (or the rename failed).
+   */
+  private async addFree(from: string, to: string, mib: number): Promise<boolean> {
+    this.adding.files++;
+    this.adding.mib += mib;
+    const ok = await rename(from, to).then(() => true, () => false);
+    this.adding.files--;
+    this.adding.mib -= mib;
+    if (ok) {
+      this.freeOf(mib).push(to);
+      this.arrivals.emit('free', mib);
+    }
+    return ok;
   }
 
   /** Filled files ready now, all sizes. */
@@ -225,11 +249,7 @@ export class RamPool {
     const mib = st.size / 1048576;
     if (!this.closed && Number.isInteger(mib) && mib > 0 && this.roomFor(mib)) {
       const free = join(this.dir, `free-${mib}-${randomBytes(6).toString('hex')}.ram`);
-      if (await rename(path, free).then(() => true, () => false)) {
-        this.freeOf(mib).push(free);
-        this.arrivals.emit('free', mib);
-        return;
-      }
+      if (await this.addFree(path, free, mib)) return;
     }
     await rm(path, { force: true });
   }
@@ -311,9 +331,7 @@ export class RamPool {
       return;
     }
     const free = join(this.dir, `free-${mib}-${n}.ram`);
-    if (await rename(path, free).then(() => true, () => false)) {
-      this.freeOf(mib).push(free);
-      this.arrivals.emit('free', mib);
+    if (await this.addFree(path, free, mib)) {
       this.o.logger.debug({ mib, ms, ready: this.size }, 'RAM pool file filled');
     }
     this.refill();
