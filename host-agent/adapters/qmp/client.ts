@@ -73,7 +73,9 @@ export class QmpClient {
     const end = Date.now() + deadlineMs;
     let last: unknown;
     while (Date.now() < end) {
-      if (!isAlive()) throw new ChannelClosedError(`QMP ${path} (QEMU exited before it listened)`, { cause: last });
+      // A connection closed before the greeting (QEMU failed to start and is exiting) is tried
+      // again until the process is seen gone: the caller then reports QEMU's own error (its log).
+      if (!isAlive()) throw new ChannelClosedError(`QMP ${path} (QEMU exited before it answered)`, { cause: last });
       try {
         return await QmpClient.connect(path, Math.max(100, end - Date.now()), o);
       } catch (e) {
@@ -84,13 +86,25 @@ export class QmpClient {
     throw new QmpTimeoutError(`connect ${path}`, deadlineMs);
   }
 
-  private greetingWaiter: ((v: unknown) => void) | undefined;
+  private greetingWaiter: { resolve: () => void; reject: (e: Error) => void } | undefined;
+  /**
+   * Settles on the greeting, the timeout, or the connection closing (handleClose): QEMU makes
+   * its QMP socket before it opens drives, memory backends and the kernel, and one that fails
+   * at those exits. Waiting out the timeout then (10 s and more per GiB for a receiver) would
+   * only delay the error.
+   */
   private greeting(timeoutMs: number): Promise<void> {
     return new Promise((resolve, reject) => {
       const t = setTimeout(() => reject(new QmpTimeoutError('greeting', timeoutMs)), timeoutMs);
-      this.greetingWaiter = () => {
-        clearTimeout(t);
-        resolve();
+      this.greetingWaiter = {
+        resolve: () => {
+          clearTimeout(t);
+          resolve();
+        },
+        reject: (e) => {
+          clearTimeout(t);
+          reject(e);
+        },
       };
     });
   }
@@ -200,6 +214,7 @@ export class QmpClient {
       p.reject(this.closedError);
     }
     this.pending.clear();
+    this.greetingWaiter?.reject(this.closedError);
     this.emitter.emit('closed', this.closedError);
   }
 
@@ -219,7 +234,7 @@ export class QmpClient {
 
   private onMessage(msg: Record<string, unknown>): void {
     if ('QMP' in msg) {
-      this.greetingWaiter?.(msg);
+      this.greetingWaiter?.resolve();
       return;
     }
     if (typeof msg.event === 'string') {
