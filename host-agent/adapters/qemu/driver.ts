@@ -758,6 +758,12 @@ export class QemuVmmDriver implements VmmDriver {
       }
       // A new directory: a failed seal of one removed from here before is not this one's.
       sealFailed.delete(dir);
+      // QEMU may have exited during the awaits above (the crash watcher recorded it): the VM's
+      // state says so (VmCrashedError), and the directory, which nothing names yet, goes.
+      if (rec.info.state !== before) {
+        await rm(dir, { recursive: true, force: true });
+        this.assertState(rec, before, 'snapshot');
+      }
       this.setState(rec, 'snapshotting');
       // All the manifest says but the pause is known before the snapshot starts (a template
       // snapshot records it in vm.json, for recover()).
@@ -785,9 +791,14 @@ export class QemuVmmDriver implements VmmDriver {
         if (draft.method === 'receiver') sealing = manifest;
         const sealStart = performance.now();
         await sealSnapshot(dir, rec.image, manifest);
+        // Sealed: complete and valid from here on, whatever happens to the VM. Not recorded as
+        // unsealed should what follows fail (a destroy removes an unsealed one's directory).
+        sealing = undefined;
         const sealMs = Math.round(performance.now() - sealStart);
         rec.switching = undefined;
-        this.setState(rec, before);
+        // A VM whose QEMU exited meanwhile (the crash watcher recorded it crashed) stays crashed;
+        // its snapshot is returned all the same.
+        if (rec.info.state === 'snapshotting') this.setState(rec, before);
         await this.persist(rec);
         rec.log.info({ snapshotId, method: manifest.method, pauseMs: result.pauseMs, sealMs }, 'snapshot taken');
         // A snapshot is usually restored or forked soon (a fork, a wake from hibernation).
@@ -1175,7 +1186,7 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   private async removeGenFiles(workdir: string, gen: number): Promise<void> {
-    for (const f of [`qmp.${gen}.sock`, `qga.${gen}.sock`, `qemu.${gen}.pid`, `qemu.${gen}.log`, `mem.${gen}.img`]) {
+    for (const f of [`qmp.${gen}.sock`, `qga.${gen}.sock`, `mig-in.${gen}.sock`, `qemu.${gen}.pid`, `qemu.${gen}.log`, `mem.${gen}.img`]) {
       await unlink(join(workdir, f)).catch(() => undefined);
     }
   }
