@@ -7,7 +7,7 @@ import type { AgentBus, AgentConfig, AgentDeps, SnapshotShipper } from './agent.
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { Accel, VmInfo, VmmDriver } from './vmm.ts';
 import { Accel as ProtoAccel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
-import { HostResultSchema, HostWorkSchema, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { HostResultSchema, HostWorkSchema, VmState as PbVmState, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
 /** `config` overrides the test's: 3 step slots, and steps still running after 100 ms do not hold up stop(). */
@@ -124,6 +124,9 @@ describe('Agent steps', () => {
     fail();
     expect((await first).error?.retryable).toBe(true);
     expect((await second).error?.retryable).toBe(true);
+    // Each answer carries its own send's attempt: the scheduler takes a retryable failure of
+    // attempt 1 for a late answer to its first send, and waits on for the second's.
+    expect([(await first).attempt, (await second).attempt]).toEqual([1, 2]);
     // Either message delivered again (unacked) is answered from the journal: no second run, no
     // second VM of a sandbox the scheduler may have placed elsewhere since.
     const again2 = await agent.runStep(restore(2));
@@ -215,7 +218,7 @@ describe('Agent steps', () => {
 
   it('restore_redeliveredAfterTheAgentDiedBeforeItsHooksRan_runsThemOnTheVmItFinds_butNotTwiceOnceRecorded', async () => {
     const execs: string[] = [];
-    const vm = { vmId: 'sb-h', sandboxId: 'sb-h', state: 'running', pid: 1, readyMs: 1 } as VmInfo;
+    const vm = { vmId: 'sb-h', sandboxId: 'sb-h', state: 'running', pid: 1, readyMs: 1, baseSnapshotId: 'sn-x' } as VmInfo;
     const { agent, journal } = agentWith(
       { get: (id) => (id === 'sb-h' ? vm : undefined), exec: async (id, req) => (execs.push(`${id} ${req.path}`), { exitCode: 0, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0) }) as never },
       { obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) },
@@ -312,7 +315,7 @@ describe('Agent steps', () => {
   });
 
   it('restore_redeliveredWithEveryVmPresent_fetchesNothing_andSaysWhetherTheSnapshotIsHeldHere', async () => {
-    const vm = { vmId: 'sb-m', sandboxId: 'sb-m', state: 'running', pid: 1, readyMs: 1 } as VmInfo;
+    const vm = { vmId: 'sb-m', sandboxId: 'sb-m', state: 'running', pid: 1, readyMs: 1, baseSnapshotId: 'sn-x' } as VmInfo;
     let obtains = 0;
     let held = false;
     const { agent } = agentWith(
@@ -441,6 +444,8 @@ describe('Agent steps', () => {
     expect((await after.agent.runStep(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-4' }, { sandboxId: 'sb-5' }] } } }))).error).toBeUndefined();
     expect([...vms.keys()]).toEqual(['sb-5']);
     expect((await after.agent.runStep(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-4' } } } }))).error?.message).toMatch(/gave up on starting sb-4/);
+    // A restore of that sandbox alone fails as the create does: a wake records its sandbox running from any success.
+    expect((await after.agent.runStep(work('wake', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-4' }] } } }))).error).toMatchObject({ kind: 'failed_precondition', retryable: false });
   });
 
   /** Wake `opId`'s restore of sb-1, and wake op-w1's stop given up on it (the scheduler's settleWake). */
@@ -468,7 +473,7 @@ describe('Agent steps', () => {
     expect([...vms.keys()]).toEqual(['sb-1']);
   });
 
-  it('stopOfAStartGivenUp_redeliveredAfterAnAgentRestart_leavesRunningTheVmALaterOpsStartTookOver', async () => {
+  it('stopOfAStartGivenUp_redeliveredAfterAnAgentRestart_leavesRunningTheVmALaterOpsStartMadeInPlaceOfTheOneItFound', async () => {
     const vms = new Map<string, VmInfo>();
     const journal = new MemoryJournal();
     let forks = 0;
@@ -483,12 +488,13 @@ describe('Agent steps', () => {
     void before.agent.runStep(wake('op-w2'));
     await new Promise((r) => setTimeout(r, 5));
     expect([...vms.keys()]).toEqual(['sb-1']);
-    // Wake 2, re-sent at once, finds it running and takes it; wake 1's steps come back after.
+    // Wake 2, re-sent at once, finds it running: wake 1's, not its own (its after_resume hooks
+    // never ran there), so it is ended and wake 2 makes its own. Wake 1's steps come back after.
     const after = agentWith(counted, obtained, {}, undefined, journal);
     expect((await after.agent.runStep(wake('op-w2'))).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
     expect((await after.agent.runStep(wake('op-w1'))).vms).toEqual([]);
     expect((await after.agent.runStep(stopW1)).error).toBeUndefined();
-    expect([forks, [...vms.keys()]]).toEqual([1, ['sb-1']]);
+    expect([forks, [...vms.keys()]]).toEqual([2, ['sb-1']]);
   });
 
   it('stopOfAStartGivenUp_whoseSandboxsVmAnEarlierOpMade_endsIt_alsoAfterARestart_asDoesAnOrdinaryDestroy', async () => {
@@ -505,6 +511,170 @@ describe('Agent steps', () => {
     expect((await after.agent.runStep(wake('op-w2'))).error).toBeUndefined();
     expect((await after.agent.runStep(create(HostWorkSchema, { opId: 'op-d', stepId: 'destroy', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
     expect([...vms.keys()]).toEqual([]);
+  });
+
+  /** A driver over `vms` (mapDriver) that counts forks and records the after_resume hooks it runs. */
+  const hookedDriver = (vms: Map<string, VmInfo>, counts: { forks: number; execs: string[] }): Partial<VmmDriver> => {
+    const driver = mapDriver(vms);
+    return {
+      ...driver,
+      fork: (s, clones) => (counts.forks++, driver.fork!(s, clones)),
+      exec: async (id, req) => (counts.execs.push(`${id} ${req.path}`), { exitCode: 0, signal: null, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0) }),
+    };
+  };
+  /** Op `opId`'s wake of sb-1 from `snapshotId`, with an after_resume hook. */
+  const hookedWake = (opId: string, snapshotId = 'sn-h') => create(HostWorkSchema, { opId, stepId: 'wake/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId, vms: [{ sandboxId: 'sb-1', afterResume: [{ argv: ['/bin/refresh'] }] }] } } });
+
+  it('wake_ofASandboxWhoseStaleVmIsStillHere_pausedOrAnEarlierOps_endsIt_andRestoresAFreshOne_runningItsHooks', async () => {
+    const vms = new Map<string, VmInfo>();
+    const counts = { forks: 0, execs: [] as string[] };
+    const { agent } = agentWith(hookedDriver(vms, counts), obtained);
+    // A hibernate paused sb-1 and took sn-h of it (the VM maps it since), but its stop, and the
+    // stop sent again, never ran; the sandbox is woken on this host.
+    vms.set('sb-1', { vmId: 'sb-1', sandboxId: 'sb-1', state: 'paused', pid: 1, readyMs: 1, baseSnapshotId: 'sn-h' } as VmInfo);
+    const r = await agent.runStep(hookedWake('op-w1'));
+    expect(r.error).toBeUndefined();
+    expect(r.vms.map((v) => [v.sandboxId, v.state])).toEqual([['sb-1', PbVmState.RUNNING]]);
+    expect(counts).toEqual({ forks: 1, execs: ['sb-1 /bin/refresh'] });
+    // Wake 1's VM, running, is still here when the next wake comes (its stop not run yet): not
+    // that wake's own, so not handed to it without its restore and its hooks.
+    const next = await agent.runStep(hookedWake('op-w2'));
+    expect(next.vms.map((v) => [v.sandboxId, v.state])).toEqual([['sb-1', PbVmState.RUNNING]]);
+    expect(counts).toEqual({ forks: 2, execs: ['sb-1 /bin/refresh', 'sb-1 /bin/refresh'] });
+  });
+
+  it('start_redeliveredAfterAnAgentRestart_reportsTheVmItFinds_onlyIfItRunsAndIsItsOwn_orWithNoOwnerKnownWasMadeFromItsSnapshot', async () => {
+    const vms = new Map<string, VmInfo>();
+    const counts = { forks: 0, execs: [] as string[] };
+    // No owner recorded (the agent died before the restore's claim was journalled): a running
+    // VM made from the step's snapshot is the one it made, and is reported, not made again.
+    vms.set('sb-1', { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 1, readyMs: 1, baseSnapshotId: 'sn-h' } as VmInfo);
+    const adopted = agentWith(hookedDriver(vms, counts), obtained);
+    expect((await adopted.agent.runStep(hookedWake('op-w1'))).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    expect(counts.forks).toBe(0);
+    // One made from another snapshot (a drain's source left behind) is not: restored anew.
+    vms.set('sb-1', { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 1, readyMs: 1, baseSnapshotId: 'sn-drain' } as VmInfo);
+    const leftover = agentWith(hookedDriver(vms, counts), obtained);
+    expect((await leftover.agent.runStep(hookedWake('op-w1'))).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    expect(counts).toEqual({ forks: 1, execs: ['sb-1 /bin/refresh'] });
+  });
+
+  it('startAnsweredFromItsJournal_afterTheSchedulerGaveItsSandboxUpHere_doesNotReportItRunning_alsoAfterAnAgentRestart', async () => {
+    const vms = new Map<string, VmInfo>();
+    const journal = new MemoryJournal();
+    const image = { name: 'tiny', recipeHash: 'r', kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' };
+    const driver = { ...mapDriver(vms), create: async (spec: { vmId: string }) => (vms.set(spec.vmId, { vmId: spec.vmId, sandboxId: spec.vmId, state: 'running', pid: 0, readyMs: 1 } as VmInfo), vms.get(spec.vmId)!) } as Partial<VmmDriver>;
+    const agentOver = () => agentWith(driver, obtained, {}, undefined, journal, 'tcg', {}, { images: async () => image }).agent;
+    const agent = agentOver();
+    const restore = (attempt: number) => work('restore/h1', { attempt, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+    const createVm = (attempt: number) => work('create', { attempt, work: { case: 'createVm', value: { vm: { sandboxId: 'sb-2' } } } });
+    const stop = (sandboxId: string) => work(`stop-unanswered/${sandboxId}`, { work: { case: 'destroyVm', value: { sandboxId } } });
+    expect((await agent.runStep(restore(1))).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    expect((await agent.runStep(createVm(1))).vms.map((v) => v.sandboxId)).toEqual(['sb-2']);
+    // Their answers did not reach the scheduler in time: it gives both up here (the stops end
+    // the VMs), and the op, run again, sends its steps again.
+    expect((await agent.runStep(stop('sb-1'))).error).toBeUndefined();
+    expect((await agent.runStep(stop('sb-2'))).error).toBeUndefined();
+    expect(vms.size).toBe(0);
+    for (const a of [agent, agentOver()]) {
+      const restored = await a.runStep(restore(2));
+      expect([restored.vms, restored.error?.kind, restored.error?.retryable]).toEqual([[], 'failed_precondition', false]);
+      const created = await a.runStep(createVm(2));
+      expect([created.vms, created.error?.kind]).toEqual([[], 'failed_precondition']);
+    }
+  });
+
+  it('copyOfAStartSharingItsRun_whenTheSchedulerGaveItsSandboxUpMeanwhile_doesNotReportItRunning', async () => {
+    const vms = new Map<string, VmInfo>();
+    let fetched: () => void = () => undefined;
+    const { agent } = agentWith(mapDriver(vms), { obtain: () => new Promise((r) => (fetched = () => r({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }))) });
+    const restore = (attempt: number) => work('restore/h1', { attempt, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+    // The restore runs past its deadlines; the scheduler gives sb-1 up here, runs the op again,
+    // and its send shares the run still going.
+    const first = agent.runStep(restore(1));
+    await new Promise((r) => setTimeout(r, 10));
+    const stopped = agent.runStep(work('stop-unanswered/sb-1', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }));
+    const second = agent.runStep(restore(2));
+    await new Promise((r) => setTimeout(r, 10));
+    fetched();
+    for (const r of [await first, await second]) expect([r.vms, r.error?.kind]).toEqual([[], 'failed_precondition']);
+    expect((await second).attempt).toBe(2);
+    expect((await stopped).error).toBeUndefined();
+    expect(vms.size).toBe(0);
+  });
+
+  it('stopSentWithNoWaiter_redeliveredAfterAnAgentRestart_leavesRunningTheVmALaterOpsStartMadeMeanwhile', async () => {
+    const vms = new Map<string, VmInfo>();
+    const journal = new MemoryJournal();
+    // As stopOfAStartGivenUp_redeliveredAfterAnAgentRestart_leavesRunningTheVmALaterOpsStartMadeMeanwhile,
+    // with a stop the scheduler sends with no waiter (a hibernated sandbox's stop sent again).
+    const stopAgain = create(HostWorkSchema, { opId: 'op-h-stop-again', stepId: 'stop/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } });
+    const before = agentWith(mapDriver(vms), { obtain: () => new Promise<never>(() => undefined) }, {}, undefined, journal);
+    void before.agent.runStep(wake('op-w1'));
+    await new Promise((r) => setTimeout(r, 5));
+    void before.agent.runStep(stopAgain);
+    void before.agent.runStep(wake('op-w2'));
+    await new Promise((r) => setTimeout(r, 5));
+    expect(vms.size).toBe(0);
+    const after = agentWith(mapDriver(vms), obtained, {}, undefined, journal);
+    expect((await after.agent.runStep(wake('op-w2'))).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    expect((await after.agent.runStep(stopAgain)).error).toBeUndefined();
+    expect([...vms.keys()]).toEqual(['sb-1']);
+  });
+
+  it('stopSentWithNoWaiter_whileAStartOfItsSandboxDeliveredBeforeItRuns_endsTheVmThatStartMakes_alsoAfterAnAgentRestart', async () => {
+    const vms = new Map<string, VmInfo>();
+    const journal = new MemoryJournal();
+    let fetched: () => void = () => undefined;
+    // A child moved on during its restore (op-f): the scheduler stops its VM, which the
+    // restore is still making.
+    const movedOn = create(HostWorkSchema, { opId: 'moved-on-sb-1', stepId: 'stop/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } });
+    const first = agentWith(mapDriver(vms), { obtain: () => new Promise((r) => (fetched = () => r({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }))) }, {}, undefined, journal);
+    const restore = first.agent.runStep(wake('op-f'));
+    await new Promise((r) => setTimeout(r, 5));
+    const stop = first.agent.runStep(movedOn);
+    fetched();
+    expect((await restore).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    expect((await stop).error).toBeUndefined();
+    expect(vms.size).toBe(0);
+    // The same, the agent killed before either finished: both come back after its restart.
+    const movedOn2 = create(HostWorkSchema, { ...movedOn, opId: 'moved-on-sb-1-2' });
+    const before = agentWith(mapDriver(vms), { obtain: () => new Promise<never>(() => undefined) }, {}, undefined, journal);
+    void before.agent.runStep(wake('op-f2'));
+    await new Promise((r) => setTimeout(r, 5));
+    void before.agent.runStep(movedOn2);
+    await new Promise((r) => setTimeout(r, 5));
+    const after = agentWith(mapDriver(vms), obtained, {}, undefined, journal);
+    expect((await after.agent.runStep(wake('op-f2'))).vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
+    expect((await after.agent.runStep(movedOn2)).error).toBeUndefined();
+    expect(vms.size).toBe(0);
+  });
+
+  it('stopSentWithNoWaiter_deliveredWhileAStartOfItsSandboxWaitsForASlot_endsTheVmThatStartMakes', async () => {
+    const vms = new Map<string, VmInfo>();
+    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    let fetched: () => void = () => undefined;
+    let obtains = 0;
+    const { agent } = agentWith(
+      { ...mapDriver(vms), onEvent: () => () => undefined },
+      // The first restore's fetch waits, holding the only slot; the others' are at once.
+      { obtain: () => (obtains++ === 0 ? new Promise((r) => (fetched = () => r({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }))) : obtained.obtain()) },
+      { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async () => undefined },
+      undefined,
+      undefined,
+      undefined,
+      { concurrency: 1 },
+    );
+    await agent.start();
+    const ctl = { ack: () => undefined, working: () => undefined };
+    const busy = onWork!(work('restore/other', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-9' }] } } }), ctl);
+    const restore = onWork!(wake('op-f'), ctl);
+    const stop = onWork!(create(HostWorkSchema, { opId: 'moved-on-sb-1', stepId: 'stop/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), ctl);
+    await new Promise((r) => setTimeout(r, 10));
+    fetched();
+    await Promise.all([busy, restore, stop]);
+    expect([...vms.keys()]).toEqual(['sb-9']);
+    await agent.stop();
   });
 
   it('work_waitingForAStepSlot_isKeptAliveSoTheBusDoesNotDeliverItAgain', async () => {

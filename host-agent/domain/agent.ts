@@ -280,13 +280,13 @@ export class Agent {
    * queue.
    */
   private readonly restoreSamples: Array<{ ms: number; at: number }> = [];
-  /** Delivered steps waiting for a slot: `run` starts one, `drop` lets it go unacked (stop()). */
-  private readonly queue: Array<{ run: () => Promise<void>; drop: () => void }> = [];
+  /** Delivered steps waiting for a slot: `run` starts one, `drop` lets it go unacked (stop()); `w`, for noteStop. */
+  private readonly queue: Array<{ w: HostWork; run: () => Promise<void>; drop: () => void }> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
   /** Writes of a step's journal entry, one at a time per step (journalInTurn). */
   private readonly sharing = new Map<string, Promise<unknown>>();
-  /** Sandboxes whose VM running create or restore steps make: each step's settling (act). */
-  private readonly making = new Map<string, Set<Promise<void>>>();
+  /** Sandboxes whose VM running create or restore steps make: each step's op and settling (act). */
+  private readonly making = new Map<string, Set<{ opId: string; settled: Promise<void> }>>();
   /** Sandboxes whose VM running destroy steps stop: each step's settling (runStep). */
   private readonly stopping = new Map<string, Set<Promise<void>>>();
   /** Per running step (`${opId}/${stepId}`): the steps delivered before it that it waits for before it acts on its VMs (runStep). */
@@ -306,11 +306,11 @@ export class Agent {
    */
   private readonly owners = new Map<string, string>();
   /**
-   * Per given-up stop being delivered (`${opId}/${stepId}`): the owner its sandbox's VM had
-   * when it came (noteGiveUp), which the stop may end; cleared when its run settles.
+   * Per guarded stop being delivered (`${opId}/${stepId}`): the owners of its sandbox's VM it
+   * may end, as they were when it came (noteStop); cleared when its run settles.
    */
-  private readonly giveUps = new Map<string, Promise<string | undefined>>();
-  /** Per sandbox: a give-up being noted, which a claim waits for (so the note sees the owner before it). */
+  private readonly stopNotes = new Map<string, Promise<StopNote>>();
+  /** Per sandbox: a stop being noted, which a claim waits for (so the note sees the owner before it). */
   private readonly noting = new Map<string, Promise<unknown>>();
   /** Keep-alives of delivered steps (running or waiting for a slot), cleared by stop(). */
   private readonly keepAlives = new Set<ReturnType<typeof setInterval>>();
@@ -427,7 +427,7 @@ export class Agent {
     for (const s of this.stops.splice(0).reverse()) await attempt(s);
     for (const t of this.keepAlives) clearInterval(t);
     this.keepAlives.clear();
-    this.giveUps.clear(); // of stops dropped from the queue
+    this.stopNotes.clear(); // of stops dropped from the queue
     if (failures.length > 0) throw new AggregateError(failures, `${failures.length} part(s) of the agent did not stop cleanly: ${failures.map((e) => (e instanceof Error ? e.message : String(e))).join('; ')}`);
   }
 
@@ -604,8 +604,8 @@ export class Agent {
       ctl.ack();
       return Promise.resolve();
     }
-    // On delivery, also of a stop that must wait for a slot: see noteGiveUp.
-    void this.noteGiveUp(w);
+    // On delivery, also of a stop that must wait for a slot: see noteStop.
+    void this.noteStop(w);
     return new Promise<void>((resolve) => {
       // From delivery on, also while the step waits for a slot: JetStream would otherwise
       // deliver a queued step again after its ack wait, and copies would pile up in the queue.
@@ -646,7 +646,7 @@ export class Agent {
         }
       };
       if (this.inProgress.has(key) || this.inflight < this.deps.config.concurrency) this.begin(run);
-      else this.queue.push({ run, drop: done });
+      else this.queue.push({ w, run, drop: done });
     });
   }
 
@@ -673,7 +673,29 @@ export class Agent {
    */
   runStep(w: HostWork): Promise<HostResult> {
     const shared = this.inProgress.get(`${w.opId}/${w.stepId}`);
-    return this.byDeadline(w, shared ? shared.then((r) => this.sharedBy(w, r)) : this.startStep(w));
+    const run = shared ? shared.then((r) => this.sharedBy(w, r)) : this.startStep(w);
+    return this.byDeadline(w, run.then((r) => this.answerTo(w, r)));
+  }
+
+  /**
+   * `r` as the answer to send `w`. It carries w's attempt, not that of the send whose run or
+   * journal entry it is (a copy that shared a run, a re-send answered from the journal): the
+   * scheduler takes a retryable failure of another attempt for a late answer to an earlier
+   * send, and waits on for one that never comes. And a start does not report running a
+   * sandbox the scheduler has given up on here (gaveUp) since its run checked: the stop that
+   * gave it up ends that VM (after the run) or has ended it, and a send of the start answered
+   * from that run or its journal entry (the op run again) had the sandbox recorded running
+   * with no VM. Such a sandbox is left out, as a run after the give-up leaves it out; a start
+   * whose every sandbox was given up fails (final), since a create or a wake records its
+   * sandbox running from any success.
+   */
+  private answerTo(w: HostWork, r: HostResult): HostResult {
+    const makes = makesOf(w);
+    const out = new Set(makes.filter((id) => this.gaveUp.has(`${w.opId}/${id}`)));
+    if (r.error || out.size === 0) return r.attempt === w.attempt ? r : { ...r, attempt: w.attempt };
+    if (out.size < makes.length) return { ...r, attempt: w.attempt, vms: r.vms.filter((v) => !out.has(v.sandboxId)) };
+    const error = create(ErrorInfoSchema, errorInfo(gaveUpError(w.opId, makes)));
+    return create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: this.deps.config.hostId, attempt: w.attempt, error });
   }
 
   /**
@@ -719,19 +741,19 @@ export class Agent {
 
   private startStep(w: HostWork): Promise<HostResult> {
     const key = `${w.opId}/${w.stepId}`;
-    this.noteGiveUp(w);
+    void this.noteStop(w);
     // What this step waits for, by delivery order (steps start in it): a destroy waits for
     // the starts of its sandbox delivered before it, and a start for the destroys before it.
     // A stop of a start the scheduler gave up on then ends the VM that start made, not one a
     // later op's start (a wake placed on this host again) found running and took for its own.
     const makes = makesOf(w);
     const stops = w.work.case === 'destroyVm' && w.work.value.sandboxId ? [w.work.value.sandboxId] : [];
-    const before = [...makes.flatMap((id) => [...(this.stopping.get(id) ?? [])]), ...stops.flatMap((id) => [...(this.making.get(id) ?? [])])];
+    const before = [...makes.flatMap((id) => [...(this.stopping.get(id) ?? [])]), ...stops.flatMap((id) => [...(this.making.get(id) ?? [])].map((m) => m.settled))];
     if (before.length > 0) this.after.set(key, before);
     const p = this.runStepOnce(w).finally(() => {
       this.inProgress.delete(key);
       this.after.delete(key);
-      this.giveUps.delete(key);
+      this.stopNotes.delete(key);
     });
     this.inProgress.set(key, p);
     // VMs this step makes are "being made" from now on, before its journal read: a destroy
@@ -741,8 +763,8 @@ export class Agent {
       () => undefined,
       () => undefined,
     );
-    track(this.making, makes, settled);
-    track(this.stopping, stops, settled);
+    track(this.making, makes, { opId: w.opId, settled }, settled);
+    track(this.stopping, stops, settled, settled);
     return p;
   }
 
@@ -777,7 +799,20 @@ export class Agent {
       }
     }
     const prior = journalled(read, w);
-    if (prior) return prior;
+    if (prior) {
+      // A give-up of this start's sandboxes that came before an agent restart is known from the
+      // journal only: read into memory (gaveUpOn), so that the answer leaves them out (answerTo).
+      if (!prior.error) {
+        try {
+          await Promise.all(makesOf(w).map((id) => this.gaveUpOn(w.opId, id)));
+        } catch (e) {
+          log.error({ err: e }, 'step journal unreadable; journalled result not answered');
+          result.error = create(ErrorInfoSchema, errorInfo(e));
+          return result;
+        }
+      }
+      return prior;
+    }
     try {
       log.info({ work: w.work.case }, 'step started');
       await this.act(w, result, log);
@@ -826,56 +861,71 @@ export class Agent {
     const key = `${opId}/${sandboxId}`;
     if (this.gaveUp.has(key)) return true;
     // The reads at once: a restore step checks each of its VMs, on the way to ready. A stop's
-    // delivery record (noteGiveUp) counts as well as its result: delivered before the agent
+    // delivery record (noteStop) counts as well as its result: delivered before the agent
     // died, it may not have run yet. Unreadable is not "not given up": the VM would be
     // started for a start that was given up on.
-    const found = await Promise.all(GAVE_UP_KINDS.flatMap((kind) => [`stop-${kind}/${sandboxId}`, `stop-${kind}/${sandboxId}${GIVEN_UP}`]).map((step) => this.journalGet(opId, step)));
+    const found = await Promise.all(GAVE_UP_KINDS.flatMap((kind) => [`stop-${kind}/${sandboxId}`, `stop-${kind}/${sandboxId}${STOP_NOTED}`]).map((step) => this.journalGet(opId, step)));
     if (!found.some(Boolean)) return false;
     this.rememberGaveUp(key);
     return true;
   }
 
   /**
-   * Notes a stop by which the scheduler gives up on a start of its op here (GAVE_UP_STEP) as
-   * it is delivered, before it waits for a slot or for the steps before it: a start of that
-   * op coming after it makes no VM of the sandbox (gaveUp), and the owner the sandbox's VM has
-   * now (ownerOf) is kept in `<step>#given-up`, where it outlives an agent restart. The stop
-   * then ends the VM only if that owner or the stop's own op still has it: one a later op's
-   * start made or took meanwhile is not its to end (a wake placed here again, re-sent at once
-   * after an agent restart, while this stop, delivered before the restart, comes back only
-   * after the bus's ack wait). What the first delivery noted counts. Resolves with that owner
-   * (undefined: none known); never rejects (a journal that fails leaves none known, and the
-   * stop ends the VM as before owners were kept). Undefined for other steps.
+   * Notes a guarded stop as it is delivered, before it waits for a slot or for the steps
+   * before it: one by which the scheduler gives up on a start of its op here (GAVE_UP_STEP),
+   * or one it sends with no waiter (UNWAITED_STOP_STEP: a hibernated sandbox's stop sent
+   * again, a stray's, a lost VM's back on its host). A start of a given-up op coming after it
+   * makes no VM of the sandbox (gaveUp). The owner the sandbox's VM has now (ownerOf) is kept
+   * in `<step>#given-up`, where it outlives an agent restart, and for a stop with no waiter
+   * the ops of the starts of the sandbox delivered before it (running, or waiting for a slot):
+   * it waits for those, and the VM one of them makes (a child's that moved on during its
+   * restore) is the one it was sent for. The stop then ends the VM only if one of those, or
+   * its own op, still has it: one a later op's start made or took meanwhile is not its to end
+   * (a wake placed here again, re-sent at once after an agent restart, while this stop,
+   * delivered before the restart, comes back only after the bus's ack wait). What the first
+   * delivery noted counts. Never rejects (a journal that fails leaves no owner known, and the
+   * stop ends the VM as before owners were kept). Undefined for other steps (a user's
+   * destroy, a drain's: they end whatever VM is there).
    */
-  private noteGiveUp(w: HostWork): Promise<string | undefined> | undefined {
-    if (w.work.case !== 'destroyVm' || !w.work.value.sandboxId || !GAVE_UP_STEP.test(w.stepId)) return undefined;
+  private noteStop(w: HostWork): Promise<StopNote> | undefined {
+    if (w.work.case !== 'destroyVm' || !w.work.value.sandboxId) return undefined;
+    const givingUp = GAVE_UP_STEP.test(w.stepId);
+    if (!givingUp && !UNWAITED_STOP_STEP.test(w.stepId)) return undefined;
     const key = `${w.opId}/${w.stepId}`;
-    const noted = this.giveUps.get(key);
+    const noted = this.stopNotes.get(key);
     if (noted) return noted;
     const sandboxId = w.work.value.sandboxId;
-    this.rememberGaveUp(`${w.opId}/${sandboxId}`);
+    if (givingUp) this.rememberGaveUp(`${w.opId}/${sandboxId}`);
     const { journal } = this.deps;
-    const record = `${w.stepId}${GIVEN_UP}`;
+    const record = `${w.stepId}${STOP_NOTED}`;
     // Read now, in delivery order: a start delivered after this stop claims only once the note is done.
     const known = this.owners.has(sandboxId);
     const ownerNow = this.owners.get(sandboxId);
+    const starts = givingUp ? [] : this.startsOf(sandboxId);
     // After any note of this sandbox under way (another op's stop): a claim waits for the last
     // note only, so notes go one after another.
     const before = this.noting.get(sandboxId);
-    const p = (async (): Promise<string | undefined> => {
+    const p = (async (): Promise<StopNote> => {
       await before?.catch(() => undefined);
-      const earlier = givenUpRecord(await journal.get(w.opId, record).catch(() => undefined));
-      if (earlier) return earlier.owner;
+      const earlier = stopRecord(await journal.get(w.opId, record).catch(() => undefined));
+      if (earlier) return earlier;
       const owner = known ? ownerNow : await this.ownerOf(sandboxId);
-      await journal.put(w.opId, record, Buffer.from(JSON.stringify({ owner: owner ?? null }), 'utf8')).catch((e: unknown) => this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not journal the delivery of a stop; after a restart it may end a VM a later op took'));
-      return owner;
+      await journal.put(w.opId, record, Buffer.from(JSON.stringify({ owner: owner ?? null, ...(starts.length ? { starts } : {}) }), 'utf8')).catch((e: unknown) => this.log.warn({ err: e, opId: w.opId, stepId: w.stepId }, 'could not journal the delivery of a stop; after a restart it may end a VM a later op took'));
+      return { owner, starts };
     })();
-    this.giveUps.set(key, p);
+    this.stopNotes.set(key, p);
     this.noting.set(sandboxId, p);
     void p.then(() => {
       if (this.noting.get(sandboxId) === p) this.noting.delete(sandboxId);
     });
     return p;
+  }
+
+  /** Ops of the starts of `sandboxId` delivered and not settled: running (making) or waiting for a slot (queue). */
+  private startsOf(sandboxId: string): string[] {
+    const running = [...(this.making.get(sandboxId) ?? [])].map((m) => m.opId);
+    const queued = this.queue.filter((q) => makesOf(q.w).includes(sandboxId)).map((q) => q.w.opId);
+    return [...new Set([...running, ...queued])];
   }
 
   /** The op that made or last took the sandbox's VM here (owners, else the journal); undefined when none is known or it is unreadable. */
@@ -895,7 +945,7 @@ export class Agent {
   /**
    * Records `opId` as the owner of the sandbox's VM, which its create or restore made or found
    * running here and took (reported as its own), in memory and in the journal, before the
-   * step's result goes out. After a give-up of that sandbox being noted (noteGiveUp), so the
+   * step's result goes out. After a stop of that sandbox being noted (noteStop), so the
    * note has the owner from before. A journal that cannot be written is logged: the owner is
    * then unknown after a restart, and a given-up stop ends the VM as before owners were kept.
    */
@@ -935,6 +985,29 @@ export class Agent {
     if (this.gaveUp.size > GAVE_UP_MAX) this.gaveUp.delete(this.gaveUp.values().next().value as string);
   }
 
+  /**
+   * Whether a VM a create or restore of op `opId` finds for its sandbox is the one it makes,
+   * made by an earlier run of this op (the agent died before its result, and adopted the VM
+   * after its restart; a re-send), which is reported rather than made again: only a running
+   * one that this op made or took (claim), or, with no owner known (its claim not journalled
+   * before the agent died), a running one made from `base` (the step's snapshot; null: a
+   * create's image). Any other is stale and is not this op's to report: a hibernated
+   * sandbox's VM, paused, whose stop failed; a drain's source left behind; the VM of a start
+   * the scheduler gave up on, another op's. Reported, the sandbox would be recorded running
+   * from it, with none of the step's snapshot and none of its after_resume hooks run.
+   */
+  private async ownVm(vm: VmInfo, sandboxId: string, opId: string, base: string | null): Promise<boolean> {
+    if (vm.state !== 'running') return false;
+    const owner = await this.ownerOf(sandboxId);
+    return owner === undefined ? vm.baseSnapshotId === base : owner === opId;
+  }
+
+  /** Ends a VM a start found for its sandbox that is not its own (ownVm): the start makes the sandbox's VM anew. */
+  private async destroyStale(vm: VmInfo, sandboxId: string, log: Logger): Promise<void> {
+    if (vm.state !== 'crashed' && vm.state !== 'destroyed') log.warn({ sandboxId, state: vm.state, baseSnapshotId: vm.baseSnapshotId }, "a start found a VM of its sandbox that is not its own: ended, and the VM made anew");
+    await this.deps.driver.destroy(sandboxId);
+  }
+
   private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
     const { driver, shipper } = this.deps;
     const work = w.work;
@@ -942,15 +1015,15 @@ export class Agent {
       case 'createVm': {
         const s = this.spec(work.value.vm, 'create_vm.vm');
         await this.stepsBefore(w);
-        if (await this.gaveUpOn(w.opId, s.sandboxId)) throw new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${s.sandboxId} here (op ${w.opId}): not started`);
+        if (await this.gaveUpOn(w.opId, s.sandboxId)) throw gaveUpError(w.opId, [s.sandboxId]);
         const existing = driver.get(s.sandboxId);
-        if (existing && existing.state !== 'crashed' && existing.state !== 'destroyed') {
-          // Found running (this op's own, made before the agent died; or another op's): this op's from now on.
+        if (existing && (await this.ownVm(existing, s.sandboxId, w.opId, null))) {
+          // Found running, this op's own (made before the agent died): reported, not made again.
           await this.claim(s.sandboxId, w.opId, log);
           result.vms = [this.vmStatus(existing)];
           return;
         }
-        if (existing) await driver.destroy(s.sandboxId);
+        if (existing) await this.destroyStale(existing, s.sandboxId, log);
         const image = await this.image(work.value.image || DEFAULT_IMAGE);
         const vm = await driver.create({ vmId: s.sandboxId, image, memoryMib: s.memoryMib, vcpus: s.vcpus, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) });
         await this.claim(s.sandboxId, w.opId, log);
@@ -972,13 +1045,15 @@ export class Agent {
         const missing: typeof specs = [];
         await this.stepsBefore(w);
         const givenUp = await Promise.all(specs.map((s) => this.gaveUpOn(w.opId, s.sandboxId)));
+        // Every one given up on: failed, as a create is (a wake records its sandbox running from any success).
+        if (specs.length > 0 && givenUp.every(Boolean)) throw gaveUpError(w.opId, specs.map((s) => s.sandboxId));
         for (const [i, s] of specs.entries()) {
           // Given up on here (placed again elsewhere, say) before this step ran: not made.
           if (givenUp[i]) continue;
           const ex = driver.get(s.sandboxId);
-          if (ex && ex.state !== 'crashed' && ex.state !== 'destroyed') have.push(ex);
+          if (ex && (await this.ownVm(ex, s.sandboxId, w.opId, snapshotId))) have.push(ex);
           else {
-            if (ex) await driver.destroy(s.sandboxId);
+            if (ex) await this.destroyStale(ex, s.sandboxId, log);
             missing.push(s);
           }
         }
@@ -1021,7 +1096,7 @@ export class Agent {
           if (made.length) this.recordRestore(Math.min(...made.map((v) => v.readyMs)));
         }
         // Made or found running (and reported) by this op: its own from now on, also for a
-        // given-up stop of an earlier op coming after (noteGiveUp).
+        // guarded stop of an earlier op coming after (noteStop).
         await Promise.all([...have, ...made].map((v) => this.claim(v.vmId, w.opId, log)));
         // A VM an earlier delivery of this step made (the agent died before its result) gets
         // its hooks now unless that delivery recorded them run: at least once.
@@ -1064,16 +1139,17 @@ export class Agent {
       }
       case 'destroyVm': {
         const { sandboxId } = work.value;
-        const noted = this.noteGiveUp(w);
-        const ownerThen = noted ? await noted : undefined;
+        const noted = this.noteStop(w);
+        const then = noted ? await noted : undefined;
         await this.stepsBefore(w);
         if (!driver.get(sandboxId)) return;
-        if (noted) {
-          // A stop given up on a start ends the VM that start made (or the one there when it
-          // came), not one a later op's start made or took since: that op reported it running.
+        if (then) {
+          // A guarded stop ends the VM it was sent for: its own op's start's, the one there when
+          // it came, or the one a start delivered before it made; not one a later op's start
+          // made or took since: that op reported it running.
           const owner = await this.ownerOf(sandboxId);
-          if (owner !== undefined && owner !== w.opId && owner !== ownerThen) {
-            log.info({ sandboxId, owner }, "stop of a start given up on: the sandbox's VM is a later op's, left running");
+          if (owner !== undefined && owner !== w.opId && owner !== then.owner && !then.starts.includes(owner)) {
+            log.info({ sandboxId, owner }, "stop of a VM a later op's start made or took since it was sent: left running");
             return;
           }
         }
@@ -1335,14 +1411,14 @@ export class Agent {
   }
 }
 
-/** Adds `settled` to each id's set in `m`, and takes it out again (and an emptied set) once it settles. */
-function track(m: Map<string, Set<Promise<void>>>, ids: readonly string[], settled: Promise<void>): void {
+/** Adds `entry` to each id's set in `m`, and takes it out again (and an emptied set) once `settled` settles. */
+function track<T>(m: Map<string, Set<T>>, ids: readonly string[], entry: T, settled: Promise<void>): void {
   if (ids.length === 0) return;
-  for (const id of ids) m.set(id, new Set([...(m.get(id) ?? []), settled]));
+  for (const id of ids) m.set(id, new Set([...(m.get(id) ?? []), entry]));
   void settled.then(() => {
     for (const id of ids) {
       const steps = m.get(id);
-      steps?.delete(settled);
+      steps?.delete(entry);
       if (steps?.size === 0) m.delete(id);
     }
   });
@@ -1357,14 +1433,35 @@ function makesOf(w: HostWork): string[] {
 /** The most of each stream an after_resume hook's exec reads from the guest: its failure report keeps 200 characters of stderr. */
 const HOOK_OUTPUT_BYTES = 4096;
 
-/** Stops by which the scheduler gives up on a start of the same op on this host (Executor). */
 /** The image a create that names none boots, and the one an agent makes sure of when it starts. */
 const DEFAULT_IMAGE = 'tiny';
+/** Stops by which the scheduler gives up on a start of the same op on this host (Executor). */
 const GAVE_UP_KINDS = ['unanswered', 'moved-on', 'replaced'] as const;
 const GAVE_UP_STEP = new RegExp(`^stop-(${GAVE_UP_KINDS.join('|')})/`);
+/**
+ * Stops the scheduler sends with no waiter under an op of their own (`<op>-stop-again`,
+ * `stray-…`, `moved-on-…`, `over-quota-…`, `no-room-…`, `vm-gone-…`, `reclaim-…`): meant for
+ * the VM there when they are sent, not one a later op makes (noteStop). A user's destroy is
+ * `destroy…`, and ends whatever VM is there.
+ */
+const UNWAITED_STOP_STEP = /^stop\//;
 const GAVE_UP_MAX = 10_000;
-/** Suffix of a given-up stop's delivery record (noteGiveUp): `{"owner": <op id> | null}`. */
-const GIVEN_UP = '#given-up';
+/**
+ * Suffix of a guarded stop's delivery record (noteStop): `{"owner": <op id> | null, "starts"?:
+ * [<op id>]}`. Named when only give-ups had one (records an agent before wrote are read).
+ */
+const STOP_NOTED = '#given-up';
+
+/** What a guarded stop noted on delivery (noteStop): the owner its sandbox's VM had (undefined: none known), and the ops of the starts of it delivered before. */
+interface StopNote {
+  owner: string | undefined;
+  starts: string[];
+}
+
+/** The failure of a start of sandboxes the scheduler gave up on here (gaveUpOn). */
+function gaveUpError(opId: string, sandboxIds: readonly string[]): ForkfleetError {
+  return new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${sandboxIds.join(', ')} here (op ${opId}): not started, or stopped`);
+}
 
 /** The journal "op" keeping the owner of a sandbox's VM (Agent.claim): one per sandbox, so prune drops it once not written for the retention. */
 function ownerRecord(sandboxId: string): string {
@@ -1382,12 +1479,13 @@ function makingRecord(bytes: Uint8Array | undefined): string[] {
   }
 }
 
-/** A given-up stop's delivery record, or undefined when there is none or it is torn. */
-function givenUpRecord(bytes: Uint8Array | undefined): { owner: string | undefined } | undefined {
+/** A guarded stop's delivery record, or undefined when there is none or it is torn. */
+function stopRecord(bytes: Uint8Array | undefined): StopNote | undefined {
   if (!bytes?.length) return undefined;
   try {
-    const r = JSON.parse(Buffer.from(bytes).toString('utf8')) as { owner?: unknown };
-    return { owner: typeof r.owner === 'string' ? r.owner : undefined };
+    const r = JSON.parse(Buffer.from(bytes).toString('utf8')) as { owner?: unknown; starts?: unknown };
+    const starts = Array.isArray(r.starts) ? r.starts.filter((id): id is string => typeof id === 'string') : [];
+    return { owner: typeof r.owner === 'string' ? r.owner : undefined, starts };
   } catch {
     return undefined;
   }
