@@ -8,9 +8,29 @@ import type * as FsPromises from 'node:fs/promises';
 
 /** Runs before the journal's next rm (then clears itself): a put arriving while prune removes. */
 let beforeRm: (() => Promise<void>) | undefined;
+/** The journal's next writeFile writes half its data, then fails with this error (a full disk); cleared once used. */
+let writeFails: Error | undefined;
+/** The journal's next rename fails with this error (an I/O error); cleared once used. */
+let renameFails: Error | undefined;
 vi.mock('node:fs/promises', async (importOriginal) => {
   const fs = await importOriginal<typeof FsPromises>();
-  return { ...fs, rm: async (...args: Parameters<typeof fs.rm>) => (await beforeRm?.(), fs.rm(...args)) };
+  return {
+    ...fs,
+    rm: async (...args: Parameters<typeof fs.rm>) => (await beforeRm?.(), fs.rm(...args)),
+    writeFile: async (...args: Parameters<typeof fs.writeFile>) => {
+      const e = writeFails;
+      if (!e) return fs.writeFile(...args);
+      writeFails = undefined;
+      await fs.writeFile(args[0], (args[1] as Uint8Array).subarray(0, 1));
+      throw e;
+    },
+    rename: async (...args: Parameters<typeof fs.rename>) => {
+      const e = renameFails;
+      if (!e) return fs.rename(...args);
+      renameFails = undefined;
+      throw e;
+    },
+  };
 });
 
 const dirs: string[] = [];
@@ -113,6 +133,23 @@ describe('journal prune', () => {
     await j.put(long, 'again', new Uint8Array([1]));
     expect([...(await j.get(long, 'again'))!]).toEqual([1]);
     await expect(j.get('../etc', 's')).rejects.toThrow(/bad op id/);
+  });
+
+  it('fsJournal_putWhoseWriteOrRenameFails_rejectsWithThatError_andLeavesNoTempFile', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
+    dirs.push(dir);
+    const j = new FsJournal(dir);
+    await j.put('op-a', 'restore/h1', new Uint8Array([1, 2]));
+    const enospc = Object.assign(new Error('ENOSPC: no space left on device, write'), { code: 'ENOSPC' });
+    writeFails = enospc;
+    await expect(j.put('op-a', 'restore/h2', new Uint8Array([3, 4]))).rejects.toBe(enospc);
+    const eio = Object.assign(new Error('EIO: i/o error, rename'), { code: 'EIO' });
+    renameFails = eio;
+    await expect(j.put('op-a', 'restore/h1', new Uint8Array([5, 6]))).rejects.toBe(eio);
+    // Only the result written before: no partial temp file waits for the next agent start.
+    expect(readdirSync(join(dir, 'op-a'))).toEqual([`${Buffer.from('restore/h1').toString('base64url')}.bin`]);
+    expect([...(await j.get('op-a', 'restore/h1'))!]).toEqual([1, 2]);
+    expect(await j.get('op-a', 'restore/h2')).toBeUndefined();
   });
 
   it('memoryJournal_prune_dropsTheOldestOpsOnly', async () => {

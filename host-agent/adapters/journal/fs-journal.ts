@@ -73,8 +73,16 @@ export class FsJournal implements Journal {
         this.made.add(dir);
       }
       const tmp = `${p}${TEMP_SUFFIX}`;
-      await writeFile(tmp, result);
-      await rename(tmp, p);
+      try {
+        await writeFile(tmp, result);
+        await rename(tmp, p);
+      } catch (e) {
+        // A write or rename that failed (a full disk, an I/O error) leaves no temp file behind
+        // (as writeFileDurable): left, it stayed until the next agent start, and on a full disk
+        // every failed put added one.
+        await rm(tmp, { force: true }).catch(() => undefined);
+        throw e;
+      }
     });
   }
 
