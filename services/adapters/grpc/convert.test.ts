@@ -21,6 +21,11 @@ describe('toSnapshot expires_at', () => {
     expect(toSnapshot({ ...base, keepLast: 0 }).expiresAt).toBeUndefined();
     expect(toSnapshot({ ...base, expiryDueAt: null }).expiresAt).toBeUndefined();
   });
+
+  it('pinned_isUnset_evenWithATtlOrAnAnnouncementFromBeforeThePin', () => {
+    expect(toSnapshot({ ...base, pinned: true, keepLast: 0, retentionTtlMs: 60_000 }).expiresAt).toBeUndefined();
+    expect(toSnapshot({ ...base, pinned: true, expiryDueAt: 2_000_000 }).expiresAt).toBeUndefined();
+  });
 });
 
 describe('list pages', () => {

@@ -478,9 +478,12 @@ const SN_STATE: Record<SnapshotRec['state'], PbSnapshotState> = {
 
 /**
  * When retention will delete the snapshot: the announced time once it is expiring (keep_last
- * or TTL, ADR 0011), else its TTL's end; unset when neither applies.
+ * or TTL, ADR 0011), else its TTL's end; unset when neither applies, and for a pinned one
+ * (never deleted by retention; an announcement made before the pin stays in the record until
+ * the next pass withdraws it).
  */
 function expiresAt(sn: SnapshotRec): { expiresAt?: Timestamp } {
+  if (sn.pinned) return {};
   if (sn.expiryDueAt !== undefined && sn.expiryDueAt !== null) return { expiresAt: ts(sn.expiryDueAt) };
   return sn.retentionTtlMs !== null ? { expiresAt: ts(sn.createdAt + sn.retentionTtlMs) } : {};
 }

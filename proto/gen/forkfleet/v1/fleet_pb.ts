@@ -1017,7 +1017,8 @@ export type Snapshot = Message<"forkfleet.v1.Snapshot"> & {
 
   /**
    * When retention will delete it: the announced time once it is expiring (keep_last or
-   * ttl; a SNAPSHOT_EXPIRING event was sent), else the end of its ttl; unset if neither.
+   * ttl; a SNAPSHOT_EXPIRING event was sent), else the end of its ttl; unset if neither, and
+   * unset while it is pinned.
    *
    * @generated from field: google.protobuf.Timestamp expires_at = 10;
    */
