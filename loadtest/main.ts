@@ -31,6 +31,7 @@ import { findSocat } from '../host-agent/adapters/peer/tls-relay.ts';
 import type { Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { FleetPartlyDownError } from '../deploy/fleet/errors.ts';
 import type * as FleetModule from '../deploy/fleet/fleet.ts';
+import { waitForQuietCpu } from './quiet.ts';
 
 type FleetMod = typeof FleetModule;
 
@@ -81,6 +82,8 @@ export interface LoadtestConfig {
 }
 
 /** Every scenario, in the order of the JSON and the report. */
+/** The quiet CPU each scenario waits for (loadtest/quiet.ts). */
+const QUIET = { busyBelow: 0.5, windowMs: 500, maxMs: 8000 } as const;
 const SCENARIOS = ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout', 'resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold', 'restore_concurrent', 'cold_boot', 'classic_restore', 'naive_full_copy'] as const;
 
 function parseOnly(v: string | undefined): ReadonlySet<string> | undefined {
@@ -290,6 +293,8 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       return { destroy_failures: mine.length };
     };
 
+    /** Per scenario: how long it waited for a quiet CPU before its first sample. */
+    const settled: string[] = [];
     /**
      * Runs a scenario's samples. Stops at once (throwing RunStopped, so the run unwinds) when the
      * run is stopping: checked before the scenario, before each sample, and after a failed one.
@@ -301,6 +306,11 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       if (ledger.undestroyed.size) await d.destroyAll([...ledger.undestroyed.keys()]);
       const left: Leftovers = ledger.undestroyed.size ? { leftover_sandboxes: ledger.undestroyed.size } : {};
       const undestroyedBefore = new Set(ledger.undestroyed.keys());
+      // Every scenario, fleet or baseline, starts on a CPU that the previous one's background
+      // work (standby launches, RAM pool refills) has left (loadtest/quiet.ts).
+      const settle = await waitForQuietCpu(QUIET);
+      settled.push(`${name} ${settle.waitedMs} ms${settle.quiet ? '' : ` (gave up, ${Math.round(settle.busy * 100)}% busy)`}`);
+      run.check(name);
       const t0 = Date.now();
       const kinds = timedKind(name);
       d.phaseSink = (kind, p) => {
@@ -487,6 +497,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       const p = summarisePhases(rec.phases.get(n) ?? []);
       if (p) phases[n] = p;
     }
+    if (settled.length) notes.push(`before its first sample each scenario waited for a quiet CPU (a ${QUIET.windowMs} ms window under ${QUIET.busyBelow * 100}% busy, at most ${QUIET.maxMs / 1000} s): ${settled.join(', ')}.`);
     notes.push(`fork_fanout: ${cfg.fanout} children, placement.spread SPREAD; restore_concurrent: ${cfg.concurrency} CreateSandbox(snapshot_id) at once; run took ${Math.round((Date.now() - started) / 1000)} s.`);
     // A fleet started here has --link on its links; a given one (--api) has what its hosts report.
     const linkGbps = fleetMod ? cfg.linkGbps : linkGbpsOf(hosts);
