@@ -27,6 +27,7 @@ function forkThatEnded(state: 'failed' | 'cancelled', children: Array<[string, S
     error: { kind: state === 'cancelled' ? 'cancelled' : 'unavailable', message: 'host h1 was lost', field: '', retryable: false },
     cancelRequested: state === 'cancelled',
     steps: [],
+    stepsOmitted: 0,
     fork: { snapshotId: 'sn-1', summary: '', children: children.map(([id, st]) => ({ id, state: st }) as SandboxInfo) },
   } satisfies OperationInfo);
 }

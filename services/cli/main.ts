@@ -209,7 +209,8 @@ function stepsTable(op: OperationInfo): string {
       notes,
     ];
   });
-  return `\nsteps (sent: after the operation was created; took: until the scheduler had the answer; on host: as the host measured it)\n${table([['STEP', 'HOST', 'ACTION', 'STATE', 'SENT', 'TOOK', 'ON HOST', 'NOTES'], ...rows])}`;
+  const omitted = op.stepsOmitted > 0 ? ` (${op.stepsOmitted} earlier steps, ended, not kept)` : '';
+  return `\nsteps${omitted} (sent: after the operation was created; took: until the scheduler had the answer; on host: as the host measured it)\n${table([['STEP', 'HOST', 'ACTION', 'STATE', 'SENT', 'TOOK', 'ON HOST', 'NOTES'], ...rows])}`;
 }
 
 /** TIME  REVISION  TYPE  SUBJECT  details: the subject is the snapshot for snapshot events, else the sandbox (or host). */

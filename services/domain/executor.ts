@@ -23,6 +23,7 @@ import type { LivenessConfig, HeartbeatRegistry } from './fleet-view.ts';
 import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, DEFAULT_PLACEMENT_CONFIG, place, rngForRequest } from '../../scheduler/index.ts';
 import { applyBooking, bookingOf } from './image-shares.ts';
+import { capSteps, STEPS_KEPT } from './step-log.ts';
 import type { Booking } from './image-shares.ts';
 import type { FleetView, PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
@@ -675,6 +676,8 @@ export class Executor {
   private readonly opChains = new Map<string, Promise<unknown>>();
   /** Host steps per op, kept in memory and written once with the op's final state. */
   private readonly stepLog = new Map<string, OperationRec['steps']>();
+  /** Per op in stepLog: the ended steps its record no longer keeps (step-log.ts capSteps). */
+  private readonly stepsOmitted = new Map<string, Set<string>>();
   /** Placements waiting: decided one group at a time, never two groups at once (no self-inflicted conflicts). */
   private readonly placeQueue: PlaceJob[] = [];
   private placeRunning = false;
@@ -1368,7 +1371,10 @@ export class Executor {
     const t = setTimeout(() => {
       // Not run again here: the crashed run's step log (kept for the rerun, maybeRun) goes.
       const dropped = (): void => {
-        if (!this.running.has(opId)) this.stepLog.delete(opId);
+        if (!this.running.has(opId)) {
+          this.stepLog.delete(opId);
+          this.stepsOmitted.delete(opId);
+        }
       };
       if (term !== this.term || !this.active) return dropped();
       this.deps.store.getOp(tenantId, opId).then(
@@ -1426,8 +1432,10 @@ export class Executor {
         // this run made, and JetStream (which keeps ids for its duplicate window, minutes, past
         // the rerun delay) would drop it, leaving the step to wait out its whole timeout.
         // Only the counts: a step's latency (onStepEnded) is timed from the rerun's own first send.
-        if (!crashed) this.stepLog.delete(op.id);
-        else for (const st of Object.values(this.stepLog.get(op.id) ?? {})) delete st.sentAt;
+        if (!crashed) {
+          this.stepLog.delete(op.id);
+          this.stepsOmitted.delete(op.id);
+        } else for (const st of Object.values(this.stepLog.get(op.id) ?? {})) delete st.sentAt;
         if (turn !== undefined && this.vmStateTurns.get(turn) === p) this.vmStateTurns.delete(turn);
         if (crashed) this.rerunLater(op.tenantId, op.id);
         // A runner of an earlier term that outlived its stop() while this replica leads again:
@@ -1518,6 +1526,12 @@ export class Executor {
       if (isTerminal(v.value.state) && !isTerminal(next.state)) throw new WrongStateError('operation', id, v.value.state, 'it has ended');
       // Every write of a running op carries its step log (at most once a second for progress).
       for (const [stepId, st] of Object.entries(this.stepLog.get(id) ?? {})) next.steps[stepId] = mergeStep(next.steps[stepId], st);
+      // The record keeps the latest ended steps only (an op with thousands of steps stays small).
+      if (Object.keys(next.steps).length > STEPS_KEPT) {
+        const omitted = this.stepsOmitted.get(id) ?? new Set<string>();
+        this.stepsOmitted.set(id, omitted);
+        capSteps(next, omitted);
+      }
       next.updatedAt = this.deps.clock.now();
       const more = extra ? await extra(i) : [];
       if (await this.commit([{ kind: 'op', value: next, expectRevision: v.modRevision }, ...more])) return next;

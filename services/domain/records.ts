@@ -284,6 +284,8 @@ export interface OperationRec {
   error: OperationError | null;
   /** Host steps dispatched: stepId -> host, status and timings (written with progress and the final state). */
   steps: Record<string, StepRec>;
+  /** Ended steps dropped from `steps` (the earliest first) to keep the record small (step-log.ts capSteps). */
+  stepsOmitted?: number;
   /** The idempotency key it was submitted with: deleted with the record when it expires (history.ts). */
   idempotencyKey?: string;
   /** What the request asked for beside kind and target (fleet.ts requestDigest): a repeat of the key must ask the same. */

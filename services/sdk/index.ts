@@ -163,6 +163,8 @@ export interface OperationInfo {
   cancelRequested: boolean;
   /** Its host steps, in the order they were sent: complete once it has ended (while it runs, as of its last progress write). */
   steps: OperationStepInfo[];
+  /** Ended steps left out of `steps` (the earliest first) in an operation with very many. */
+  stepsOmitted: number;
   sandbox?: SandboxInfo;
   snapshot?: SnapshotInfo;
   fork?: { snapshotId: string; children: SandboxInfo[]; summary: string };
@@ -292,6 +294,7 @@ function toOperation(o: PbOperation): OperationInfo {
       bytesFetched: num(st.bytesFetched),
       restoredByMigration: st.restoredByMigration,
     })),
+    stepsOmitted: o.stepsOmitted,
   };
   if (o.result.case === 'sandbox') out.sandbox = toSandbox(o.result.value);
   else if (o.result.case === 'snapshot') out.snapshot = toSnapshot(o.result.value);

@@ -617,6 +617,7 @@ export function toOperation(op: OperationRec, objs: OpResultObjects, now: number
     ...(op.error ? { error: { kind: op.error.kind, message: op.error.message, retryable: op.error.retryable, field: op.error.field ?? '' } } : {}),
     cancelRequested: op.cancelRequested ?? false,
     steps: toSteps(op.steps),
+    stepsOmitted: op.stepsOmitted ?? 0,
   });
 }
 
