@@ -2,6 +2,7 @@
 // (rpc.ts), given calls shaped as grpc-js hands them to a handler.
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { EventEmitter } from 'node:events';
+import { constants as http2Constants } from 'node:http2';
 import { Readable, Writable } from 'node:stream';
 import { create, toBinary } from '@bufbuild/protobuf';
 import type { MessageInitShape } from '@bufbuild/protobuf';
@@ -9,6 +10,7 @@ import { Metadata, status as Status } from '@grpc/grpc-js';
 import { grpcHandlers, register } from './rpc.ts';
 import type { CallContext, CallGuard } from './rpc.ts';
 import { UnauthenticatedError } from '../../auth/errors.ts';
+import { ForkfleetError } from '../../../proto/errors.ts';
 import { EchoRequestSchema, EchoService } from '../../../proto/gen/forkfleet/testing/v1/echo_pb.ts';
 import type { EchoRequest } from '../../../proto/gen/forkfleet/testing/v1/echo_pb.ts';
 
@@ -78,6 +80,164 @@ describe('a server stream whose client does not read', () => {
     for (const send of unsent.splice(0)) send();
     await finished;
     expect([pulled, written]).toEqual([40, 40]);
+  });
+});
+
+/**
+ * grpc-js's call for a server stream (ServerWritableStreamImpl over its HTTP/2 stream), whose
+ * client takes a message only when the test says (`take`): an object-mode Writable whose writes
+ * are done once HTTP/2 has sent them, which it does not while the client's window is full; an
+ * 'error' is the call's status, sent after those messages (grpc-js's 'error' listener ends the
+ * call and the status goes in _final), after which, or after a reset of its HTTP/2 stream
+ * (kept where grpc-js keeps it, `call.call.stream`), grpc-js cancels the call.
+ */
+function http2Call() {
+  const unsent: Array<() => void> = [];
+  const seen: { answered: Answer | undefined; sent: Answer | undefined; rstCode: number | undefined; taken: number } = { answered: undefined, sent: undefined, rstCode: undefined, taken: 0 };
+  let status: Answer = { code: Status.OK, details: 'OK' };
+  const stream = {
+    closed: false,
+    rstCode: undefined as number | undefined,
+    sentTrailers: undefined,
+    close(code: number) {
+      stream.closed = true;
+      seen.rstCode = stream.rstCode = code;
+      cancelled();
+    },
+  };
+  const call = Object.assign(
+    new Writable({
+      objectMode: true,
+      write(_chunk, _enc, cb: () => void) {
+        unsent.push(() => {
+          seen.taken++;
+          cb();
+        });
+      },
+      final(cb: () => void) {
+        cb();
+        seen.sent = status;
+        cancelled();
+      },
+    }),
+    { request: request({}), ...surface(Infinity), cancelled: false, call: { stream } },
+  );
+  const cancelled = (): void => {
+    if (call.cancelled) return;
+    call.cancelled = true;
+    call.emit('cancelled', 'cancelled');
+    call.destroy();
+  };
+  call.on('error', (st: Answer) => {
+    seen.answered = st;
+    status = st;
+    call.end();
+  });
+  // grpc-js's Writable hands HTTP/2 one message at a time: the next once the one before is done.
+  const take = (n: number): void => {
+    for (let i = 0; i < n; i++) unsent.shift()?.();
+  };
+  return { call, seen, take };
+}
+
+/** A guard that admits every call and counts the releases of their admissions. */
+function countingGuard(): { guard: CallGuard; released: () => number } {
+  let released = 0;
+  return { guard: { admit: () => ({ principal: { tenantId: 't1', admin: false, credentialId: 'c1' }, release: () => void released++ }) }, released: () => released };
+}
+
+describe('a server stream whose client stops reading', () => {
+  it('serverStream_whoseClientStopsReading_whileItsHandlerWouldFail_isAnsweredResourceExhaustedAfterTheStallBound_itsSlotGivenBack_andItsStreamReset', async () => {
+    vi.useFakeTimers();
+    const { guard, released } = countingGuard();
+    let signal: AbortSignal | undefined;
+    let returned = false;
+    const h = echo(
+      {
+        // As WatchEvents: more than grpc-js's 16 messages it buffers, then its own failure (its
+        // queue gave up), which writeAll, waiting for the client's window, never pulls.
+        async *echoServerStream(_req: EchoRequest, ctx: CallContext) {
+          signal = ctx.signal;
+          try {
+            for (let i = 0; i < 40; i++) yield { message: 'event', index: i };
+            throw new ForkfleetError('resource_exhausted', '4096 events wait unread');
+          } finally {
+            returned = true;
+          }
+        },
+      },
+      guard,
+    );
+    const { call, seen, take } = http2Call();
+    h.echoServerStream!(call);
+    await vi.advanceTimersByTimeAsync(0);
+    take(3);
+    await vi.advanceTimersByTimeAsync(59_000);
+    // Before the bound: the call waits for its client.
+    expect({ released: released(), answered: seen.answered, rstCode: seen.rstCode }).toEqual({ released: 0, answered: undefined, rstCode: undefined });
+    await vi.advanceTimersByTimeAsync(1_000);
+    // The client took nothing for 60 s: the call is answered, its slot given back, its handler ended.
+    expect(seen.answered).toMatchObject({ code: Status.RESOURCE_EXHAUSTED, details: expect.stringMatching(/took none of this stream's messages/) });
+    expect(released()).toBe(1);
+    expect(signal?.aborted).toBe(true);
+    expect(returned).toBe(true);
+    // Nor does it take the status: the stream is reset (gRPC clients report RESOURCE_EXHAUSTED).
+    await vi.advanceTimersByTimeAsync(1_000);
+    expect(seen.rstCode).toBe(http2Constants.NGHTTP2_ENHANCE_YOUR_CALM);
+    expect(call.cancelled).toBe(true);
+    expect([seen.taken, seen.sent, released()]).toEqual([3, undefined, 1]);
+  });
+
+  it('serverStream_whoseHandlerFailsBehindMessagesItsClientDoesNotTake_isResetOnceTheClientTookNoneForTheStallBound', async () => {
+    vi.useFakeTimers();
+    const { guard, released } = countingGuard();
+    const h = echo(
+      {
+        async *echoServerStream() {
+          yield { message: 'a', index: 0 };
+          yield { message: 'b', index: 1 };
+          throw new ForkfleetError('unavailable', "the store's event stream broke off");
+        },
+      },
+      guard,
+    );
+    const { call, seen } = http2Call();
+    h.echoServerStream!(call);
+    await vi.advanceTimersByTimeAsync(59_000);
+    // Answered with the handler's error, queued behind the 2 messages; its slot given back.
+    expect(seen.answered).toMatchObject({ code: Status.UNAVAILABLE });
+    expect([released(), seen.rstCode, call.cancelled]).toEqual([1, undefined, false]);
+    await vi.advanceTimersByTimeAsync(1_000);
+    expect(seen.rstCode).toBe(http2Constants.NGHTTP2_ENHANCE_YOUR_CALM);
+    expect(call.cancelled).toBe(true);
+  });
+
+  it('serverStream_whoseClientReadsSlowlyButTakesAMessageWithinEachStallBound_getsEveryMessageAndTheHandlersErrorWhole', async () => {
+    vi.useFakeTimers();
+    const { guard, released } = countingGuard();
+    let aborted: boolean | undefined;
+    const h = echo(
+      {
+        async *echoServerStream(_req: EchoRequest, ctx: CallContext) {
+          for (let i = 0; i < 40; i++) yield { message: 'event', index: i };
+          aborted = ctx.signal.aborted;
+          throw new ForkfleetError('resource_exhausted', '4096 events wait unread: resume with after_revision 7');
+        },
+      },
+      guard,
+    );
+    const { call, seen, take } = http2Call();
+    h.echoServerStream!(call);
+    // One message every 50 s: 40 minutes for the 40, each within the 60 s bound.
+    for (let i = 0; i < 40; i++) {
+      await vi.advanceTimersByTimeAsync(50_000);
+      expect(seen.rstCode).toBeUndefined();
+      take(1);
+    }
+    await vi.advanceTimersByTimeAsync(0);
+    expect(seen.taken).toBe(40);
+    expect(seen.sent).toMatchObject({ code: Status.RESOURCE_EXHAUSTED, details: expect.stringMatching(/after_revision 7/) });
+    expect([seen.rstCode, aborted, released()]).toEqual([undefined, false, 1]);
   });
 });
 

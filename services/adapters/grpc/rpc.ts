@@ -26,7 +26,7 @@ import type { DescMethod, DescService, MessageInitShape, MessageShape } from '@b
 import type { GenService, GenServiceMethods } from '@bufbuild/protobuf/codegenv2';
 import { fromServiceError, toGrpcStatus } from './status.ts';
 import { readableItems } from './queue.ts';
-import { InvalidArgumentError } from '../../../proto/errors.ts';
+import { ForkfleetError, InvalidArgumentError } from '../../../proto/errors.ts';
 import type { Principal } from '../../auth/tokens.ts';
 import type { PeerCertificate } from 'node:tls';
 
@@ -38,7 +38,11 @@ type OutInit<M extends MethodShape> = MessageInitShape<M['output']>;
 
 /** What a handler knows about its call. */
 export interface CallContext {
-  /** Aborted when the client cancels, disconnects or its deadline passes. */
+  /**
+   * Aborted when the client cancels, disconnects or its deadline passes; on a streaming call
+   * also when its client took none of its messages for STREAM_STALL_MS (a client that stopped
+   * reading): the call is answered RESOURCE_EXHAUSTED then, and this is the reason.
+   */
   readonly signal: AbortSignal;
   readonly deadline: Date | undefined;
   readonly metadata: Metadata;
@@ -195,13 +199,18 @@ type AnyServerCall =
  * is cleared then, or when the call ends first (grpc-js emits 'cancelled' after every status
  * too); it would otherwise hold the call's context until the client's deadline (hours, for
  * some clients) after the call was answered. `ended`: aborted by the context's `end` (a
- * streaming call's; never aborted for a unary one).
+ * streaming call's; never aborted for a unary one). `cancel`: aborts the context's signal with
+ * `reason` (a call the server ends itself: a client that stopped reading).
  */
-function contextOf(call: AnyServerCall, method: string, principal?: Principal, revoked?: AbortSignal, streaming = false): { ctx: CallContext; done: () => void; ended: AbortSignal } {
+function contextOf(call: AnyServerCall, method: string, principal?: Principal, revoked?: AbortSignal, streaming = false): { ctx: CallContext; done: () => void; ended: AbortSignal; cancel: (reason: unknown) => void } {
   const ac = new AbortController();
   const endAc = new AbortController();
   let t: NodeJS.Timeout | undefined;
   const done = (): void => clearTimeout(t);
+  const cancel = (reason: unknown): void => {
+    done();
+    if (!ac.signal.aborted) ac.abort(reason);
+  };
   const abort = (): void => {
     done();
     if (!ac.signal.aborted) ac.abort(new Error(`${method}: cancelled by client`));
@@ -234,7 +243,7 @@ function contextOf(call: AnyServerCall, method: string, principal?: Principal, r
         }
       : {}),
   };
-  return { ctx, done, ended: endAc.signal };
+  return { ctx, done, ended: endAc.signal, cancel };
 }
 
 /**
@@ -261,16 +270,107 @@ function approxBytes(v: unknown, depth = 0): number {
 }
 
 /**
+ * How long a streaming call's client may take none of its messages, while some wait for it,
+ * before the call is ended (ClientProgress): answered RESOURCE_EXHAUSTED, its handler's signal
+ * aborted and its iteration returned, its guard slot given back, and its HTTP/2 stream reset
+ * (RST_STREAM ENHANCE_YOUR_CALM, which gRPC clients report as RESOURCE_EXHAUSTED) should the
+ * client not take that status within STALLED_STATUS_MS either. A client that stopped reading
+ * but stays connected (its HTTP/2 library answers pings) otherwise kept the call for good: its
+ * stream, its guard slot (a tenant has 16 watch streams), what its handler holds for it (a
+ * WatchEvents queue of up to 4,096 events, whose own RESOURCE_EXHAUSTED waited behind messages
+ * the client never took) and up to UNSENT_MAX_BYTES unsent. A call answered already (its end,
+ * or its handler's error, waiting behind what the client has yet to take) is reset after as long
+ * without progress. A slow reader that takes a message within each such period is never cut off
+ * (progress is counted in whole messages: a single message must go within it).
+ */
+const STREAM_STALL_MS = 60_000;
+
+/**
+ * How long a streaming call that was ended (ctx.end, a revoked credential) or stalled may go
+ * without the client taking one of its messages before its HTTP/2 stream is reset. The status
+ * goes out after the messages written before it, which a client that does not read (its window
+ * full) never takes: the call, its stream and those messages (up to UNSENT_MAX_BYTES and
+ * grpc-js's 16) stayed for as long as the connection did, pinged alive. Progress is counted in
+ * whole messages: a client that reads less than one a second is reset too (it gets CANCELLED,
+ * or RESOURCE_EXHAUSTED after a stall, not the status). A handler's own error, or its end, is
+ * reset only after STREAM_STALL_MS without progress: a slow reader (a WatchEvents client behind,
+ * told resource_exhausted to resume) must get it whole.
+ */
+const STALLED_STATUS_MS = 1_000;
+
+/**
+ * What the client of a streaming call has taken of its messages (a write is done once HTTP/2
+ * has sent it, which it does not while the client's window is full), and the watch that calls
+ * `stalled` once the client has taken none of them for `bound` ms while some wait:
+ * STREAM_STALL_MS, or STALLED_STATUS_MS from `hasten` on. One timer, armed only while messages
+ * wait, re-armed at most once per bound however many messages go; `stop` (the call is over)
+ * clears it.
+ */
+class ClientProgress {
+  /** Messages written and not yet taken. */
+  private waiting = 0;
+  /** When the client last took a message, or when the first of those waiting was written. */
+  private since = 0;
+  private bound = STREAM_STALL_MS;
+  private timer: NodeJS.Timeout | undefined;
+
+  constructor(
+    private readonly call: { readonly cancelled: boolean },
+    private readonly stalled: () => void,
+  ) {}
+
+  /** A message was handed to grpc-js. */
+  written(): void {
+    if (this.waiting++ === 0) this.since = Date.now();
+    if (!this.timer) this.arm();
+  }
+
+  /** The client took a message (its write is done). */
+  taken(): void {
+    this.waiting = Math.max(0, this.waiting - 1);
+    this.since = Date.now();
+  }
+
+  /** From now on the client must take a message within STALLED_STATUS_MS. */
+  hasten(): void {
+    this.bound = STALLED_STATUS_MS;
+    this.since = Date.now();
+    this.arm();
+  }
+
+  stop(): void {
+    clearTimeout(this.timer);
+    this.timer = undefined;
+  }
+
+  private arm(): void {
+    this.stop();
+    // grpc-js sets `cancelled` (and emits 'cancelled') once the status went out, or the call is gone.
+    if (this.waiting === 0 || this.call.cancelled) return;
+    this.timer = setTimeout(() => this.check(), Math.max(0, this.since + this.bound - Date.now()));
+    this.timer.unref();
+  }
+
+  private check(): void {
+    this.timer = undefined;
+    if (this.waiting === 0 || this.call.cancelled) return;
+    if (Date.now() - this.since < this.bound) this.arm();
+    else this.stalled();
+  }
+}
+
+/**
  * Writes what the handler yields, as the client takes it. Stops (and returns) once the call is
- * cancelled; throws `ended`'s reason once the handler ended the call (ctx.end), also while it
- * waits for the client's window. `progress.writes` counts the writes the client took.
+ * cancelled (its signal aborted: also when `progress` found the client stalled); throws
+ * `ended`'s reason once the handler ended the call (ctx.end), also while it waits for the
+ * client's window. `progress` is told of each write handed over and each the client took.
  */
 async function writeAll(
   call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>,
   out: AsyncIterable<unknown>,
   signal: AbortSignal,
   ended: AbortSignal,
-  progress: { writes: number },
+  progress: ClientProgress,
 ): Promise<void> {
   let unsent = 0;
   let wake: (() => void) | undefined;
@@ -279,9 +379,10 @@ async function writeAll(
     if (ended.aborted) throw ended.reason;
     const bytes = approxBytes(msg);
     unsent += bytes;
+    progress.written();
     call.write(msg, () => {
       unsent -= bytes;
-      progress.writes++;
+      progress.taken();
       wake?.();
     });
     while (call.writableNeedDrain || unsent > UNSENT_MAX_BYTES) {
@@ -305,60 +406,24 @@ async function writeAll(
   if (ended.aborted && !signal.aborted) throw ended.reason;
 }
 
-/**
- * How long a streaming call that was ended (ctx.end, a revoked credential) may go without the
- * client taking one of its messages before its HTTP/2 stream is reset. The status goes out
- * after the messages written before it, which a client that does not read (its window full)
- * never takes: the call, its stream and those messages (up to UNSENT_MAX_BYTES and grpc-js's
- * 16) stayed for as long as the connection did, pinged alive. Progress is counted in whole
- * messages: a client that reads less than one a second is reset too (it gets CANCELLED, not
- * the status). A handler's own error is never followed by a reset.
- */
-const STALLED_STATUS_MS = 1_000;
-
-/**
- * Answers a streaming call with `status` (after the messages written before it) and resets its
- * stream when the client takes none of them for STALLED_STATUS_MS (resetStream), so a client
- * that stopped reading cannot keep the call.
- */
-function failStreaming(call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>, status: ReturnType<typeof toGrpcStatus>, progress: { writes: number }): void {
-  call.emit('error', status);
-  // grpc-js sets `cancelled` (and emits 'cancelled') once the status went out, or the call is gone.
-  if (call.cancelled) return;
-  let seen = progress.writes;
-  const t = setInterval(() => {
-    if (call.cancelled) {
-      clearInterval(t);
-      return;
-    }
-    if (progress.writes !== seen) {
-      seen = progress.writes;
-      return;
-    }
-    clearInterval(t);
-    resetStream(call);
-  }, STALLED_STATUS_MS);
-  t.unref();
-  (call as unknown as NodeJS.EventEmitter).once('cancelled', () => clearInterval(t));
-}
-
 /** Duck type of node:http2's ServerHttp2Stream (the module does not export the class). */
 function isHttp2Stream(s: unknown): s is { closed: boolean; close(code?: number): void } {
   return typeof s === 'object' && s !== null && typeof (s as { close?: unknown }).close === 'function' && 'rstCode' in s && 'sentTrailers' in s;
 }
 
 /**
- * Resets a server call's HTTP/2 stream (RST_STREAM CANCEL; grpc-js then cancels the call, which
- * frees its messages). grpc-js has no API for it: its call object keeps the stream at
- * `call.call(.nextCall)*.stream` (1.10 to 1.14). Not found there (another grpc-js), the call
- * is destroyed instead: its queued messages go, its stream stays until the connection does.
+ * Resets a server call's HTTP/2 stream (RST_STREAM `code`, CANCEL unless told; grpc-js then
+ * cancels the call, which frees its messages). grpc-js has no API for it: its call object keeps
+ * the stream at `call.call(.nextCall)*.stream` (1.10 to 1.14). Not found there (another
+ * grpc-js), the call is destroyed instead: its queued messages go, its stream stays until the
+ * connection does.
  */
-function resetStream(call: AnyServerCall): void {
+function resetStream(call: AnyServerCall, code: number = http2Constants.NGHTTP2_CANCEL): void {
   let c: unknown = (call as unknown as { call?: unknown }).call;
   for (let i = 0; i < 8 && typeof c === 'object' && c !== null; i++) {
     const s = (c as { stream?: unknown }).stream;
     if (isHttp2Stream(s)) {
-      if (!s.closed) s.close(http2Constants.NGHTTP2_CANCEL);
+      if (!s.closed) s.close(code);
       return;
     }
     c = (c as { nextCall?: unknown }).nextCall;
@@ -564,15 +629,49 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
         out[m.localName] = (call: ServerWritableStream<unknown, unknown> | ServerDuplexStream<unknown, unknown>) => {
           const admitted = admitOr(call, true, (st) => call.emit('error', st));
           if (!admitted) return;
-          const progress = { writes: 0 };
-          endOnRevoke(admitted, (err) => failStreaming(call, fail(err), progress));
-          const { ctx, done, ended } = contextOf(call, name, admitted.principal, admitted.revoked, true);
+          let answered = false;
+          // The reset that follows a status the client does not take: CANCEL for a call ended by
+          // its handler or its credential (ADR 0008), ENHANCE_YOUR_CALM for a client that stopped
+          // reading (its gRPC library reports RESOURCE_EXHAUSTED).
+          let resetCode: number = http2Constants.NGHTTP2_ENHANCE_YOUR_CALM;
+          // Answers the call once: its end (err undefined) or err's status, either after what the
+          // client has yet to take. `soon`: reset should the client take none of that within
+          // STALLED_STATUS_MS (else within STREAM_STALL_MS, `progress`).
+          const answer = (err: unknown, soon: boolean): void => {
+            if (!answered) {
+              answered = true;
+              if (err === undefined) call.end();
+              else call.emit('error', fail(err));
+            }
+            if (soon) progress.hasten();
+          };
+          const progress = new ClientProgress(call, () => {
+            if (answered) {
+              resetStream(call, resetCode);
+              return;
+            }
+            // A client that stopped reading: nothing of the handler's can reach it, its own
+            // failure included (queued behind the messages the client does not take, or not even
+            // pulled: writeAll waits for the client's window). The call ends now.
+            const err = new ForkfleetError('resource_exhausted', `${name}: the client took none of this stream's messages for ${STREAM_STALL_MS / 1000}s: read them as they come, then call again`);
+            answer(err, true);
+            admitted.release();
+            cancel(err);
+          });
+          const emitter = call as unknown as NodeJS.EventEmitter;
+          emitter.once('cancelled', () => progress.stop());
+          emitter.once('close', () => progress.stop());
+          endOnRevoke(admitted, (err) => {
+            resetCode = http2Constants.NGHTTP2_CANCEL;
+            answer(err, true);
+          });
+          const { ctx, done, ended, cancel } = contextOf(call, name, admitted.principal, admitted.revoked, true);
           const input = m.methodKind === 'server_streaming' ? decodeRequest(m, (call as ServerWritableStream<unknown, unknown>).request)
               : decodedItems(m, readableItems(call as ServerDuplexStream<unknown, unknown>));
           if (input instanceof Undecodable) {
             done();
             admitted.release();
-            call.emit('error', fail(undecodableError(input)));
+            answer(undecodableError(input), false);
             return;
           }
           let iterable: AsyncIterable<unknown>;
@@ -581,25 +680,26 @@ export function grpcHandlers(reg: ServiceRegistration, onError: ErrorHook = () =
           } catch (err) {
             done();
             admitted.release();
-            call.emit('error', fail(err));
+            answer(err, false);
             return;
           }
           writeAll(call, iterable, ctx.signal, ended, progress).then(
             () => {
               done();
               admitted.release();
-              if (!ctx.signal.aborted) call.end();
+              if (!ctx.signal.aborted) answer(undefined, false);
             },
             (err: unknown) => {
               done();
               admitted.release();
               if (ctx.signal.aborted) return;
               // Ended by the handler (ctx.end: a stream it gives up on, such as a ticket past its
-              // grace): reset should the client not take the status. A handler's own error goes
-              // as any status does, after what the client has yet to read: a slow reader (a
-              // WatchEvents client behind, told resource_exhausted to resume) must get it whole.
-              if (ended.aborted) failStreaming(call, fail(err), progress);
-              else call.emit('error', fail(err));
+              // grace): reset should the client not take the status within STALLED_STATUS_MS. A
+              // handler's own error goes as any status does, after what the client has yet to
+              // read: a slow reader (a WatchEvents client behind, told resource_exhausted to
+              // resume) must get it whole; one that takes nothing for STREAM_STALL_MS is reset.
+              if (ended.aborted) resetCode = http2Constants.NGHTTP2_CANCEL;
+              answer(err, ended.aborted);
             },
           );
         };
