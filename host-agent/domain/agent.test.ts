@@ -368,10 +368,11 @@ describe('Agent steps', () => {
   /** A driver whose VMs are a map: fork makes every clone at once, destroy removes one. */
   const mapDriver = (vms: Map<string, VmInfo>): Partial<VmmDriver> => ({
     get: (id) => vms.get(id),
-    fork: async (_s, clones) => clones.map((c) => (vms.set(c.vmId, { vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 } as VmInfo), vms.get(c.vmId)!)),
+    // Made from the snapshot's manifest, as the QEMU driver records it (VmInfo.baseSnapshotId).
+    fork: async (s, clones) => clones.map((c) => (vms.set(c.vmId, { vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1, baseSnapshotId: (s as { manifest?: { snapshotId?: string } }).manifest?.snapshotId ?? null } as VmInfo), vms.get(c.vmId)!)),
     destroy: async (id) => void vms.delete(id),
   });
-  const obtained = { obtain: async () => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }) };
+  const obtained = { obtain: async (snapshotId: string) => ({ local: { dir: '/x', manifest: { snapshotId } } as never, bytesFetched: 0 }) };
 
   it('destroy_deliveredRightAfterARestoreOfItsSandbox_waitsForIt_evenWhileTheRestoreStillReadsItsJournal', async () => {
     const vms = new Map<string, VmInfo>();
@@ -543,6 +544,21 @@ describe('Agent steps', () => {
     expect(counts).toEqual({ forks: 2, execs: ['sb-1 /bin/refresh', 'sb-1 /bin/refresh'] });
   });
 
+  it('restoreOfAnOp_findingTheVmItsOwnEarlierStepMadeFromAnotherSnapshot_endsIt_andRestoresFromItsOwnSnapshot', async () => {
+    // A drain's migration of sb-1 tried again from a newer snapshot of the source (sn-2) on
+    // the host where its first attempt (from sn-1, same op) left a VM its stop has not ended
+    // yet: that VM holds the source's state as of sn-1, and must not be reported as sn-2's.
+    const vms = new Map<string, VmInfo>();
+    const counts = { forks: 0, execs: [] as string[] };
+    const { agent } = agentWith(hookedDriver(vms, counts), obtained);
+    expect((await agent.runStep(hookedWake('op-d', 'sn-1'))).error).toBeUndefined();
+    expect(vms.get('sb-1')?.baseSnapshotId).toBe('sn-1');
+    const again = create(HostWorkSchema, { opId: 'op-d', stepId: 'wake/h1/1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-2', vms: [{ sandboxId: 'sb-1', afterResume: [{ argv: ['/bin/refresh'] }] }] } } });
+    const r = await agent.runStep(again);
+    expect(r.vms.map((v) => [v.sandboxId, v.state])).toEqual([['sb-1', PbVmState.RUNNING]]);
+    expect([counts.forks, vms.get('sb-1')?.baseSnapshotId]).toEqual([2, 'sn-2']);
+  });
+
   it('start_redeliveredAfterAnAgentRestart_reportsTheVmItFinds_onlyIfItRunsAndIsItsOwn_orWithNoOwnerKnownWasMadeFromItsSnapshot', async () => {
     const vms = new Map<string, VmInfo>();
     const counts = { forks: 0, execs: [] as string[] };
@@ -658,7 +674,7 @@ describe('Agent steps', () => {
     const { agent } = agentWith(
       { ...mapDriver(vms), onEvent: () => () => undefined },
       // The first restore's fetch waits, holding the only slot; the others' are at once.
-      { obtain: () => (obtains++ === 0 ? new Promise((r) => (fetched = () => r({ local: { dir: '/x', manifest: {} } as never, bytesFetched: 0 }))) : obtained.obtain()) },
+      { obtain: (snapshotId: string) => (obtains++ === 0 ? new Promise((r) => (fetched = () => r({ local: { dir: '/x', manifest: { snapshotId } } as never, bytesFetched: 0 }))) : obtained.obtain(snapshotId)) },
       { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async () => undefined },
       undefined,
       undefined,

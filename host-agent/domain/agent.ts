@@ -989,17 +989,19 @@ export class Agent {
    * Whether a VM a create or restore of op `opId` finds for its sandbox is the one it makes,
    * made by an earlier run of this op (the agent died before its result, and adopted the VM
    * after its restart; a re-send), which is reported rather than made again: only a running
-   * one that this op made or took (claim), or, with no owner known (its claim not journalled
-   * before the agent died), a running one made from `base` (the step's snapshot; null: a
-   * create's image). Any other is stale and is not this op's to report: a hibernated
-   * sandbox's VM, paused, whose stop failed; a drain's source left behind; the VM of a start
-   * the scheduler gave up on, another op's. Reported, the sandbox would be recorded running
-   * from it, with none of the step's snapshot and none of its after_resume hooks run.
+   * one made from `base` (the step's snapshot; null: a create's image) that this op made or
+   * took (claim), or whose owner is not known (its claim not journalled before the agent
+   * died). Any other is stale and is not this op's to report: a hibernated sandbox's VM,
+   * paused, whose stop failed; a drain's source left behind; the VM of a start the scheduler
+   * gave up on, another op's; this op's own from an earlier step of another snapshot (a
+   * drain's migration tried again from a newer snapshot of the source, the first attempt's VM
+   * not stopped yet). Reported, the sandbox would be recorded running from it, with none of
+   * the step's snapshot and none of its after_resume hooks run.
    */
   private async ownVm(vm: VmInfo, sandboxId: string, opId: string, base: string | null): Promise<boolean> {
-    if (vm.state !== 'running') return false;
+    if (vm.state !== 'running' || vm.baseSnapshotId !== base) return false;
     const owner = await this.ownerOf(sandboxId);
-    return owner === undefined ? vm.baseSnapshotId === base : owner === opId;
+    return owner === undefined || owner === opId;
   }
 
   /** Ends a VM a start found for its sandbox that is not its own (ownVm): the start makes the sandbox's VM anew. */
