@@ -361,6 +361,13 @@ export function retryAfterOf(e: unknown): number {
  * reached the scheduler. Worth another attempt when it carries an idempotency key (the
  * scheduler does the work once), never otherwise.
  */
+/**
+ * A stream the scheduler reset (RST_STREAM ENHANCE_YOUR_CALM, which grpc-js reports as
+ * RESOURCE_EXHAUSTED with none of our metadata): one whose client took none of its messages
+ * for a minute (rpc.ts STREAM_STALL_MS; a process paused, or its event loop blocked). A watch
+ * resumes from its own revision, as after the in-band RESOURCE_EXHAUSTED it could not read.
+ */
+const streamReset = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'resource_exhausted';
 const unansweredDeadline = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'deadline_exceeded';
 
 /**
@@ -1084,7 +1091,7 @@ export class Forkfleet {
         }
         return;
       } catch (e) {
-        if (!(e instanceof ForkfleetError && e.retryable) || filter.signal?.aborted) throw e;
+        if (!(e instanceof ForkfleetError && (e.retryable || streamReset(e))) || filter.signal?.aborted) throw e;
         // A stream that stayed up a while counts as working, events or not: only breaks in a
         // row use up the attempts (and the allowances: a restarting scheduler, the credential's
         // watches at their cap).

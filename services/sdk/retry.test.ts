@@ -216,6 +216,30 @@ describe('SDK retry allowances', () => {
     expect(r.value?.revision).toBe(7);
   });
 
+  it('watch_whoseStreamTheSchedulerResetForAClientThatStoppedReading_resumes_thenYields', async () => {
+    // RST_STREAM ENHANCE_YOUR_CALM: grpc-js reports RESOURCE_EXHAUSTED, with none of our metadata.
+    const asked: bigint[] = [];
+    const ff = client({
+      watchEvents: (req: { afterRevision: bigint }) =>
+        (async function* () {
+          asked.push(req.afterRevision);
+          if (asked.length === 1) {
+            yield { revision: 5n, type: 1, sandboxId: SB, operationId: '', at: undefined, detail: {} };
+            throw new RpcError(Status.RESOURCE_EXHAUSTED, 'resource_exhausted', 'Bandwidth exhausted or memory limit exceeded', false, undefined, undefined, false);
+          }
+          yield { revision: 7n, type: 1, sandboxId: SB, operationId: '', at: undefined, detail: {} };
+        })(),
+    });
+    const got: number[] = [];
+    for await (const ev of ff.watch()) {
+      got.push(ev.revision);
+      if (got.length === 2) break;
+    }
+    expect(got).toEqual([5, 7]);
+    // Resumed after the last event it had read.
+    expect(asked).toEqual([0n, 4n]);
+  });
+
   it('watch_whileTheSchedulerRestartsForTenSeconds_isAskedAgain_thenYields', async () => {
     const r = await watchFailingTenSeconds(unreachable);
     expect(r.error).toBeUndefined();

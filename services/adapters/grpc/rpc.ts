@@ -321,20 +321,20 @@ class ClientProgress {
 
   /** A message was handed to grpc-js. */
   written(): void {
-    if (this.waiting++ === 0) this.since = Date.now();
+    if (this.waiting++ === 0) this.since = performance.now();
     if (!this.timer) this.arm();
   }
 
   /** The client took a message (its write is done). */
   taken(): void {
     this.waiting = Math.max(0, this.waiting - 1);
-    this.since = Date.now();
+    this.since = performance.now();
   }
 
   /** From now on the client must take a message within STALLED_STATUS_MS. */
   hasten(): void {
     this.bound = STALLED_STATUS_MS;
-    this.since = Date.now();
+    this.since = performance.now();
     this.arm();
   }
 
@@ -347,14 +347,14 @@ class ClientProgress {
     this.stop();
     // grpc-js sets `cancelled` (and emits 'cancelled') once the status went out, or the call is gone.
     if (this.waiting === 0 || this.call.cancelled) return;
-    this.timer = setTimeout(() => this.check(), Math.max(0, this.since + this.bound - Date.now()));
+    this.timer = setTimeout(() => this.check(), Math.max(0, this.since + this.bound - performance.now()));
     this.timer.unref();
   }
 
   private check(): void {
     this.timer = undefined;
     if (this.waiting === 0 || this.call.cancelled) return;
-    if (Date.now() - this.since < this.bound) this.arm();
+    if (performance.now() - this.since < this.bound) this.arm();
     else this.stalled();
   }
 }
