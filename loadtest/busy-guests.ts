@@ -124,10 +124,11 @@ const tidy = (): Promise<void> =>
     const gone = new Set<string>();
     const failed = new Map<string, string>();
     for (let round = 0; round < 3; round++) {
+      const lookup = `(list by label ${LABEL.loadtest})`;
       const made = await ff.list({ labels: LABEL }).then(
-        (list) => list.map((s) => s.id),
+        (list) => (failed.delete(lookup), list.map((s) => s.id)),
         (e: unknown) => {
-          failed.set(`(list by label ${LABEL.loadtest})`, e instanceof Error ? e.message : String(e));
+          failed.set(lookup, e instanceof Error ? e.message : String(e));
           return [];
         },
       );

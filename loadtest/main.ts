@@ -81,9 +81,9 @@ export interface LoadtestConfig {
   only: ReadonlySet<string> | undefined;
 }
 
-/** Every scenario, in the order of the JSON and the report. */
 /** The quiet CPU each scenario waits for (loadtest/quiet.ts). */
 const QUIET = { busyBelow: 0.5, windowMs: 500, maxMs: 8000 } as const;
+/** Every scenario, in the order of the JSON and the report. */
 const SCENARIOS = ['fork_same_host_1', 'fork_same_host_4', 'fork_same_host_8', 'fork_cross_host_1', 'fork_cross_host_4', 'fork_fanout', 'resume_paused', 'resume_hibernated_warm', 'resume_hibernated_cold', 'restore_concurrent', 'cold_boot', 'classic_restore', 'naive_full_copy'] as const;
 
 function parseOnly(v: string | undefined): ReadonlySet<string> | undefined {
@@ -295,6 +295,8 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
 
     /** Per scenario: how long it waited for a quiet CPU before its first sample. */
     const settled: string[] = [];
+    /** Why the CPU could not be read (no /proc/stat): no scenario waited. */
+    let quietUnreadable: string | undefined;
     /**
      * Runs a scenario's samples. Stops at once (throwing RunStopped, so the run unwinds) when the
      * run is stopping: checked before the scenario, before each sample, and after a failed one.
@@ -308,9 +310,12 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       const undestroyedBefore = new Set(ledger.undestroyed.keys());
       // Every scenario, fleet or baseline, starts on a CPU that the previous one's background
       // work (standby launches, RAM pool refills) has left (loadtest/quiet.ts).
-      const settle = await waitForQuietCpu(QUIET);
-      settled.push(`${name} ${settle.waitedMs} ms${settle.quiet ? '' : ` (gave up, ${Math.round(settle.busy * 100)}% busy)`}`);
-      run.check(name);
+      if (samples > 0) {
+        const settle = await waitForQuietCpu({ ...QUIET, signal: run.signal });
+        run.check(name);
+        if (settle.unreadable) quietUnreadable = settle.unreadable;
+        else settled.push(`${name} ${settle.waitedMs} ms${settle.quiet ? '' : ` (gave up, ${Math.round(settle.busy * 100)}% busy)`}`);
+      }
       const t0 = Date.now();
       const kinds = timedKind(name);
       d.phaseSink = (kind, p) => {
@@ -497,6 +502,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
       const p = summarisePhases(rec.phases.get(n) ?? []);
       if (p) phases[n] = p;
     }
+    if (quietUnreadable) notes.push(`no scenario waited for a quiet CPU: ${quietUnreadable}`);
     if (settled.length) notes.push(`before its first sample each scenario waited for a quiet CPU (a ${QUIET.windowMs} ms window under ${QUIET.busyBelow * 100}% busy, at most ${QUIET.maxMs / 1000} s): ${settled.join(', ')}.`);
     notes.push(`fork_fanout: ${cfg.fanout} children, placement.spread SPREAD; restore_concurrent: ${cfg.concurrency} CreateSandbox(snapshot_id) at once; run took ${Math.round((Date.now() - started) / 1000)} s.`);
     // A fleet started here has --link on its links; a given one (--api) has what its hosts report.

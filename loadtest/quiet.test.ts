@@ -41,6 +41,22 @@ describe('waitForQuietCpu', () => {
     expect(await waitForQuietCpu({ busyBelow: 0.5, windowMs: 500, maxMs: 10_000, ...m })).toEqual({ quiet: true, waitedMs: 1500, busy: 0.2 });
   });
 
+  it('does not wait where the CPU times cannot be read (no /proc/stat), and says why', async () => {
+    const out = await waitForQuietCpu({ busyBelow: 0.5, windowMs: 500, maxMs: 8000, read: () => parseCpuTimes('') });
+    expect(out).toMatchObject({ quiet: false, waitedMs: 0 });
+    expect(out.unreadable).toMatch(/\/proc\/stat/);
+  });
+
+  it('ends at once when the run is stopping', async () => {
+    const ac = new AbortController();
+    const m = machine([0.9]);
+    const waiting = waitForQuietCpu({ busyBelow: 0.5, windowMs: 500, maxMs: 60_000, signal: ac.signal, read: m.read });
+    ac.abort();
+    const t0 = performance.now();
+    expect((await waiting).quiet).toBe(false);
+    expect(performance.now() - t0).toBeLessThan(400);
+  });
+
   it('gives up after maxMs on a machine that stays busy, and says it was not quiet', async () => {
     const m = machine([0.9]);
     const out = await waitForQuietCpu({ busyBelow: 0.5, windowMs: 500, maxMs: 2000, ...m });

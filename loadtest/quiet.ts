@@ -37,27 +37,51 @@ export interface QuietOptions {
   windowMs: number;
   /** Gives up after this long. */
   maxMs: number;
+  /** Ends the wait at once (the run is stopping). */
+  signal?: AbortSignal;
   read?: () => CpuTimes;
   sleep?: (ms: number) => Promise<void>;
   now?: () => number;
 }
 
-/** How a wait ended: quiet or not, after how long, and the last window's busy fraction. */
+/**
+ * How a wait ended: quiet or not, after how long, and the last window's busy fraction;
+ * `unreadable`: the CPU times could not be read (no /proc/stat: not Linux), so it did not wait.
+ */
 export interface QuietOutcome {
   quiet: boolean;
   waitedMs: number;
   busy: number;
+  unreadable?: string;
 }
 
-/** Waits until one window's busy fraction is under `busyBelow`, or `maxMs` have passed. */
+/** Waits until one window's busy fraction is under `busyBelow`, `maxMs` have passed, or `signal` is aborted. */
 export async function waitForQuietCpu(o: QuietOptions): Promise<QuietOutcome> {
   const read = o.read ?? (() => parseCpuTimes(readFileSync('/proc/stat', 'utf8')));
-  const sleep = o.sleep ?? ((ms: number) => new Promise<void>((r) => setTimeout(r, ms)));
+  const sleep =
+    o.sleep ??
+    ((ms: number) =>
+      new Promise<void>((r) => {
+        const t = setTimeout(done, ms);
+        function done(): void {
+          clearTimeout(t);
+          o.signal?.removeEventListener('abort', done);
+          r();
+        }
+        o.signal?.addEventListener('abort', done);
+      }));
   const now = o.now ?? (() => performance.now());
   const t0 = now();
-  let prev = read();
+  let prev: CpuTimes;
+  try {
+    prev = read();
+  } catch (e) {
+    return { quiet: false, waitedMs: 0, busy: 0, unreadable: e instanceof Error ? e.message : String(e) };
+  }
   for (;;) {
+    if (o.signal?.aborted) return { quiet: false, waitedMs: Math.round(now() - t0), busy: 0 };
     await sleep(o.windowMs);
+    if (o.signal?.aborted) return { quiet: false, waitedMs: Math.round(now() - t0), busy: 0 };
     const cur = read();
     const busy = busyFraction(prev, cur);
     const waitedMs = Math.round(now() - t0);
