@@ -233,6 +233,11 @@ describe('up over a fleet recorded in its directory', () => {
     const done = { ...state, complete: true };
     expect(foundFleet(done, state.options)).toBe('up');
     expect(foundFleet(done, { ...state.options, hosts: 2 })).toBe('other-options');
+    // Memory given by neither up, worked out from a machine whose memory changed in between (a
+    // balloon): the same command, run again, finds the fleet up. Given, it must match.
+    const fromRam = { ...done, options: { ...done.options, hostMemoryMib: 4000, hostMemoryFromRam: true as const } };
+    expect(foundFleet(fromRam, { ...fromRam.options, hostMemoryMib: 4321 })).toBe('up');
+    expect(foundFleet(fromRam, { ...state.options, hostMemoryMib: 4321 })).toBe('other-options');
     // One process killed (the README's kill -9 of an agent): the fleet and its sandboxes are
     // there; up used to take it all down and start a new one without a word.
     process.kill(t.pid, 'SIGKILL');

@@ -68,6 +68,12 @@ export interface FleetOptions {
   basePort: number;
   /** Per-agent memory capacity the scheduler may book, MiB. */
   hostMemoryMib: number;
+  /**
+   * hostMemoryMib was not given: 70% of the machine's memory over the hosts, worked out at each
+   * up. Memory a balloon or hotplug changes in between then does not make the same command, run
+   * again, find "a fleet with other options" (foundFleet).
+   */
+  hostMemoryFromRam?: true;
   /** Mutual TLS between the agents (peer transfers and migration streams; default on). */
   peerTls: boolean;
   /** Extra FF_* environment for the schedulers and the agents (tests tune timings with it). */
@@ -167,6 +173,7 @@ export function defaultOptions(over: Partial<FleetOptions> = {}): FleetOptions {
     prefix: over.prefix ?? 'ffl',
     basePort: over.basePort ?? 17700,
     hostMemoryMib: over.hostMemoryMib ?? Math.floor((totalmem() / 1048576) * 0.7 / hosts),
+    ...(over.hostMemoryMib === undefined ? { hostMemoryFromRam: true as const } : {}),
     peerTls: over.peerTls ?? true,
     ...(over.schedulerEnv ? { schedulerEnv: over.schedulerEnv } : {}),
     ...(over.agentEnv ? { agentEnv: over.agentEnv } : {}),
@@ -940,7 +947,9 @@ export function foundFleet(existing: FleetState, opts: FleetOptions): 'up' | 'ot
   const alive = existing.procs.filter(procAlive).length;
   if (alive === 0) return 'restart';
   if (alive < existing.procs.length) return 'partly-down';
-  return JSON.stringify(existing.options) === JSON.stringify(opts) ? 'up' : 'other-options';
+  // Memory worked out from the machine's on both ups is the same choice, whatever it came to.
+  const asked = existing.options.hostMemoryFromRam && opts.hostMemoryFromRam ? { ...opts, hostMemoryMib: existing.options.hostMemoryMib } : opts;
+  return JSON.stringify(existing.options) === JSON.stringify(asked) ? 'up' : 'other-options';
 }
 
 /** What a fleet directory's lock file holds: its holder, as procAlive identifies a process. */
