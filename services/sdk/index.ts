@@ -357,17 +357,17 @@ export function retryAfterOf(e: unknown): number {
 }
 
 /**
- * This client's own deadline ran out before any answer: the request may or may not have
- * reached the scheduler. Worth another attempt when it carries an idempotency key (the
- * scheduler does the work once), never otherwise.
- */
-/**
  * A stream the scheduler reset (RST_STREAM ENHANCE_YOUR_CALM, which grpc-js reports as
  * RESOURCE_EXHAUSTED with none of our metadata): one whose client took none of its messages
  * for a minute (rpc.ts STREAM_STALL_MS; a process paused, or its event loop blocked). A watch
  * resumes from its own revision, as after the in-band RESOURCE_EXHAUSTED it could not read.
  */
 const streamReset = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'resource_exhausted';
+/**
+ * This client's own deadline ran out before any answer: the request may or may not have
+ * reached the scheduler. Worth another attempt when it carries an idempotency key (the
+ * scheduler does the work once), never otherwise.
+ */
 const unansweredDeadline = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'deadline_exceeded';
 
 /**
