@@ -9,6 +9,9 @@ import { defineConfig } from 'vitest/config';
 // side by side, and on a machine with more cores the int tests' guests and the e2e fleet
 // would share it.
 const exclude = ['node_modules/**', '**/.cache/**'];
+// The int and e2e tiers start real processes and namespaces: a test process that ends without
+// undoing them (Ctrl-C, kill, crash, hook timeout) has them undone by its reaper.
+const REAPER = './services/testkit/reaper-setup.ts';
 export default defineConfig({
   test: {
     projects: [
@@ -28,6 +31,7 @@ export default defineConfig({
           include: ['**/*.e2e.test.ts'],
           exclude,
           fileParallelism: false,
+          setupFiles: [REAPER],
           sequence: { groupOrder: 2 },
           testTimeout: 300_000,
           hookTimeout: 300_000,
@@ -39,6 +43,7 @@ export default defineConfig({
           include: ['**/*.int.test.ts'],
           exclude,
           fileParallelism: false,
+          setupFiles: [REAPER],
           sequence: { groupOrder: 1 },
           testTimeout: 120_000,
           hookTimeout: 180_000,

@@ -2,13 +2,13 @@
 // two scheduler replicas as separate processes and fake host agents (the real Agent over
 // the real NATS protocol, with simulated VMs: loadtest/fake-agent/).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { startEtcd } from './testkit/etcd.ts';
 import type { EtcdCluster } from './testkit/etcd.ts';
 import { startNats } from './testkit/nats.ts';
 import type { NatsServer } from './testkit/nats.ts';
-import { sleep, waitFor } from './testkit/proc.ts';
+import { sleep, waitFor, tempDir } from './testkit/proc.ts';
 import { startFakeAgents, startSchedulerProcess } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.ts';
 import { loadSigningKey } from './scheduler.ts';
@@ -123,7 +123,7 @@ describe('scheduler replicas + fake host agents (real etcd, NATS)', () => {
   }
 
   beforeAll(async () => {
-    dir = mkdtempSync('/tmp/ff-failover-');
+    dir = tempDir('ff-failover-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
     store = EtcdFleetStore.connect(etcd.endpoints);
     const signingKeyPath = join(dir, 'signing.pem');

@@ -2,13 +2,13 @@
 // a scheduler process and fake host agents: expired records go, live ones stay, a new
 // leader expires what the old one finished, and etcd's history is compacted.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { startEtcd } from './testkit/etcd.ts';
 import type { EtcdCluster } from './testkit/etcd.ts';
 import { startNats } from './testkit/nats.ts';
 import type { NatsServer } from './testkit/nats.ts';
-import { waitFor } from './testkit/proc.ts';
+import { waitFor, tempDir } from './testkit/proc.ts';
 import { startFakeAgents, startSchedulerProcess } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess, SchedulerProcess } from './testkit/fleet-procs.ts';
 import { loadSigningKey } from './scheduler.ts';
@@ -70,7 +70,7 @@ describe('history retention and etcd compaction (real etcd, NATS, fake agents)',
     }, 20_000, 250);
 
   beforeAll(async () => {
-    dir = mkdtempSync('/tmp/ff-history-');
+    dir = tempDir('ff-history-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
     store = EtcdFleetStore.connect(etcd.endpoints);
     signingKeyPath = join(dir, 'signing.pem');

@@ -2,7 +2,7 @@
 // while etcd or NATS is out of reach. Real etcd (frozen with SIGSTOP: it neither answers nor
 // closes its connections, as over a partition) and a real nats-server (stopped for a while).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { makeGenericClientConstructor } from '@grpc/grpc-js';
@@ -13,7 +13,7 @@ import { startEtcd } from './testkit/etcd.ts';
 import type { EtcdCluster } from './testkit/etcd.ts';
 import { startNats } from './testkit/nats.ts';
 import type { NatsServer } from './testkit/nats.ts';
-import { waitFor } from './testkit/proc.ts';
+import { waitFor, tempDir } from './testkit/proc.ts';
 import { testCredentials } from './testkit/credentials.ts';
 import { compileSchedulerConfig } from './config.ts';
 import { startScheduler } from './scheduler.ts';
@@ -40,7 +40,7 @@ describe('scheduler health and leader-only metrics (real etcd, NATS)', () => {
   };
 
   beforeAll(async () => {
-    dir = mkdtempSync('/tmp/ff-health-');
+    dir = tempDir('ff-health-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
     const creds = testCredentials(dir);
     sched = await startScheduler(

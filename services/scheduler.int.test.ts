@@ -1,7 +1,7 @@
 // End to end through the public API on one machine: real etcd, real nats-server, a
 // scheduler replica, and two real host agents running QEMU (TCG here).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { readFileSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
@@ -17,7 +17,7 @@ import { startNats } from './testkit/nats.ts';
 import type { NatsServer } from './testkit/nats.ts';
 import { startAgent } from './testkit/agent.ts';
 import type { AgentProcess } from './testkit/agent.ts';
-import { pidAlive, waitFor } from './testkit/proc.ts';
+import { pidAlive, waitFor, tempDir } from './testkit/proc.ts';
 import { qemuPidsByVm } from '../deploy/fleet/fleet.ts';
 import { compileSchedulerConfig } from './config.ts';
 import { startScheduler } from './scheduler.ts';
@@ -59,7 +59,7 @@ describe('scheduler + host agents (real etcd, NATS, QEMU)', () => {
   let dir: string;
 
   beforeAll(async () => {
-    dir = mkdtempSync('/tmp/ff-sched-');
+    dir = tempDir('ff-sched-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
     const keyPath = join(dir, 'signing.pem');
     const creds = testCredentials(dir);

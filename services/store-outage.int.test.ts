@@ -3,14 +3,14 @@
 // through a fault-injecting wrapper of the real store (the only fake here: it implements our
 // own FleetStore port), and fake host agents as a process (loadtest/fake-agent/).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { startEtcd } from './testkit/etcd.ts';
 import type { EtcdCluster } from './testkit/etcd.ts';
 import { startNats } from './testkit/nats.ts';
 import type { NatsServer } from './testkit/nats.ts';
-import { sleep, waitFor } from './testkit/proc.ts';
+import { sleep, waitFor, tempDir } from './testkit/proc.ts';
 import { startFakeAgents } from './testkit/fleet-procs.ts';
 import type { FakeAgentsProcess } from './testkit/fleet-procs.ts';
 import { testCredentials } from './testkit/credentials.ts';
@@ -111,7 +111,7 @@ describe('a placement commit whose answer is lost (real etcd, NATS, fake agents)
   }
 
   beforeAll(async () => {
-    dir = mkdtempSync('/tmp/ff-outage-');
+    dir = tempDir('ff-outage-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
     store = EtcdFleetStore.connect(etcd.endpoints);
     creds = testCredentials(dir);

@@ -52,6 +52,7 @@ import { InvalidArgumentError } from '../../proto/errors.ts';
 import { allSteps, guardedStart, throwIfStopped } from './bringup.ts';
 import type { SignalSource, StartEnd } from './bringup.ts';
 import { enterUserCwd } from '../user-cwd.ts';
+import { noteForReaper } from '../../host-agent/adapters/tied.ts';
 import { FleetInterruptedError, FleetPartlyDownError, NoFleetError } from './errors.ts';
 
 const ROOT = resolve(import.meta.dirname, '..', '..');
@@ -501,6 +502,7 @@ function spawnDetached(log: string, command: string, args: string[], env: Record
   child.on('error', () => undefined);
   child.unref();
   if (child.pid === undefined) throw new Error(`could not start ${command} (not installed? run deploy/setup.sh)`);
+  noteForReaper({ pid: child.pid });
   return { pid: child.pid, ...identityOf(child.pid) };
 }
 
@@ -574,6 +576,7 @@ function addNamespace(state: FleetState, name: string): void {
   saveState(state);
   try {
     sh('ip', ['netns', 'add', name]);
+    noteForReaper({ netns: name });
   } catch (e) {
     state.namespaces = state.namespaces.filter((n) => n !== name);
     saveState(state);

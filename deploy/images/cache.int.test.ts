@@ -3,14 +3,14 @@
 // process share one build; and builds are reproducible, so two hosts' builds of one recipe
 // hash have the same base disk (a snapshot's disk layer overlays the restoring host's own).
 // The tiny image builds in a few seconds, so these build it for real.
-import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { mkdirSync, readdirSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { cachedImages, ensureImage } from './build.ts';
 import { checkImageDir, fileSha256 } from './meta.ts';
+import { tempDir } from '../../services/testkit/proc.ts';
 
-const dir = mkdtempSync(join(tmpdir(), 'ff-image-cache-'));
+const dir = tempDir('ff-image-cache-');
 afterAll(() => rmSync(dir, { recursive: true, force: true }));
 
 const BUILD_MS = 120_000;

@@ -6,9 +6,10 @@
 // kernel kill the helper when the agent's thread that spawned it dies (PR_SET_PDEATHSIG).
 // Node spawns from the main thread, whose death is the process's.
 import { execFile } from 'node:child_process';
-import { existsSync } from 'node:fs';
+import { appendFileSync, existsSync } from 'node:fs';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
+import { identityOf } from '../../deploy/fleet/proc-identity.ts';
 
 /** `name`'s path on PATH, or undefined. */
 export function onPath(name: string): string | undefined {
@@ -34,4 +35,32 @@ const execFileAsync = promisify(execFile);
 export function runTied(cmd: string, args: readonly string[]): Promise<{ stdout: string; stderr: string }> {
   const [c, a] = tiedToUs(cmd, args);
   return execFileAsync(c, a, { encoding: 'utf8' });
+}
+
+/**
+ * Test runs only. A test process that sets FF_REAP_FILE (services/testkit/reaper.ts) has a
+ * watcher undo, once that process is gone, what it made and did not undo itself: a Ctrl-C, a
+ * crash or a timeout skips every afterAll. What is meant to outlive the process that made it
+ * notes itself here: QEMUs (spawned detached, so a restarted agent can adopt them), a fleet's
+ * daemons and namespaces. One line per thing, appended (a write under PIPE_BUF is atomic, so
+ * agents and fleets of one test can share the file). FF_REAP_FILE unset (a real deployment):
+ * nothing is written. Never throws: a note that cannot be written costs only the cleanup.
+ */
+export function noteForReaper(what: { pid: number } | { netns: string } | { dir: string }): void {
+  const file = process.env.FF_REAP_FILE;
+  if (!file) return;
+  let line: string;
+  if ('pid' in what) {
+    // The start time makes the watcher's kill safe: a PID reused by then names another process.
+    const { startTime } = identityOf(what.pid);
+    if (startTime < 0) return; // exited already
+    line = `pid ${what.pid} ${startTime}`;
+  } else if ('netns' in what) line = `netns ${what.netns}`;
+  else line = `dir ${what.dir}`;
+  if (line.includes('\n')) return;
+  try {
+    appendFileSync(file, `${line}\n`);
+  } catch {
+    /* the watcher's list is gone: nothing to note into */
+  }
 }

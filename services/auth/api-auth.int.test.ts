@@ -3,7 +3,7 @@
 // fake host agents (the real Agent over real NATS, simulated VMs: loadtest/fake-agent/),
 // which is the cheapest way to a running sandbox and a snapshot that exec and fork work on.
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { rmSync } from 'node:fs';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { execFile } from 'node:child_process';
@@ -13,7 +13,7 @@ import { startEtcd } from '../testkit/etcd.ts';
 import type { EtcdCluster } from '../testkit/etcd.ts';
 import { startNats } from '../testkit/nats.ts';
 import type { NatsServer } from '../testkit/nats.ts';
-import { waitFor } from '../testkit/proc.ts';
+import { waitFor, tempDir } from '../testkit/proc.ts';
 import { startFakeAgents } from '../testkit/fleet-procs.ts';
 import type { FakeAgentsProcess } from '../testkit/fleet-procs.ts';
 import { testCredentials } from '../testkit/credentials.ts';
@@ -88,7 +88,7 @@ describe('Fleet API authentication, tenancy and limits (real scheduler, etcd, NA
   }
 
   beforeAll(async () => {
-    dir = mkdtempSync('/tmp/ff-auth-');
+    dir = tempDir('ff-auth-');
     [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
     store = EtcdFleetStore.connect(etcd.endpoints);
     creds = testCredentials(dir);

@@ -4,7 +4,7 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { execFileSync, spawnSync } from 'node:child_process';
 import { createServer } from 'node:http';
 import type { Server } from 'node:http';
-import { mkdtempSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { connect } from 'node:net';
 import { chromium } from 'playwright-core';
@@ -16,6 +16,7 @@ import type { Sandbox } from '../sdk/index.ts';
 import { dashboardHandler, metricsFromUrls } from './handler.ts';
 import { resolveClientCredentials } from '../auth/client-credentials.ts';
 import type { DashboardHandler } from './handler.ts';
+import { tempDir } from '../testkit/proc.ts';
 
 const DIR = '/var/lib/ffleet-ui';
 // prom-client's default metrics name three gauges *_total; promtool's linter flags them.
@@ -33,7 +34,7 @@ describe('dashboard and metrics against a local fleet', () => {
   let tmp: string;
 
   beforeAll(async () => {
-    tmp = mkdtempSync('/tmp/ff-dash-');
+    tmp = tempDir('ff-dash-');
     // A fleet a killed earlier run left up (its processes are detached) is taken down first.
     if (readState(DIR)) await down(DIR);
     fleet = await up(defaultOptions({ hosts: 2, dir: DIR, prefix: 'ffui', basePort: 20700 }));

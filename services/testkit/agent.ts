@@ -4,6 +4,7 @@ import { execFileSync } from 'node:child_process';
 import { join, resolve } from 'node:path';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { spawnManaged, waitFor } from './proc.ts';
+import { noteForReaper } from '../../host-agent/adapters/tied.ts';
 import { qemuPids, standbyPids } from '../../deploy/fleet/fleet.ts';
 import type { ManagedProcess } from './proc.ts';
 
@@ -41,6 +42,7 @@ export interface StartAgentOptions {
 
 export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
   const dataDir = o.dataDir ?? mkdtempSync(`/tmp/ffa-${o.hostId}-`);
+  noteForReaper({ dir: dataDir });
   // The agent's RAM tmpfs (ADR 0016) is its own, inside its data directory: teardown unmounts it.
   const ramMount = join(dataDir, 'ram');
   const logPath = join(o.logDir ?? dataDir, `agent-${o.hostId}.log`);

@@ -7,6 +7,7 @@ import { createServer } from 'node:net';
 import { mkdtempSync, rmSync, openSync, closeSync, readFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { noteForReaper } from '../../host-agent/adapters/tied.ts';
 
 /** The kernel's ephemeral port range (net.ipv4.ip_local_port_range). */
 function ephemeralRange(): [number, number] {
@@ -51,8 +52,11 @@ export async function freePort(host = '127.0.0.1'): Promise<number> {
   return got;
 }
 
+/** A new directory under the system's temporary directory, removed by the reaper (reaper.ts) if the test process dies first. */
 export function tempDir(prefix: string): string {
-  return mkdtempSync(join(tmpdir(), prefix));
+  const dir = mkdtempSync(join(tmpdir(), prefix));
+  noteForReaper({ dir });
+  return dir;
 }
 
 export function sleep(ms: number): Promise<void> {

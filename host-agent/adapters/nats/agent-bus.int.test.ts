@@ -21,8 +21,9 @@ import type { HostResultMsg, HeartbeatMsg, HostWorkMsg } from '../../../services
 import { startAgent, type AgentProcess } from '../../../services/testkit/agent.ts';
 import { spawn } from 'node:child_process';
 import { generateKeyPairSync } from 'node:crypto';
-import { mkdirSync, mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, rmSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { tempDir } from '../../../services/testkit/proc.ts';
 
 const log = pino({ level: 'silent' });
 
@@ -573,7 +574,7 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
   });
 
   it('agentProcess_withFF_NATS_NKEY_FILE_heartbeatsAsItselfAndAnotherHostsKeyCannotStartIt', async () => {
-    const dir = mkdtempSync('/tmp/ffnk-');
+    const dir = tempDir('ffnk-');
     const keyPath = join(dir, 'trusted.pem');
     const { publicKey } = generateKeyPairSync('ed25519');
     writeFileSync(keyPath, publicKey.export({ type: 'spki', format: 'pem' }));

@@ -9,14 +9,15 @@
 //       port) with a listener, and 203.0.113.10 ("the internet", beyond the router) with one;
 //   OTH the other network: 10.77.0.2 with a listener, default via 10.77.0.1.
 import { execFile, spawn } from 'node:child_process';
-import { mkdtempSync, readdirSync, rmdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { readdirSync, rmdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { promisify } from 'node:util';
 import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { isAlive, killHard } from '../qemu/process.ts';
 import { EgressManager, FORWARD_GUARD_COMMENT, forwardMarkerOf } from './egress.ts';
+import { tempDir } from '../../../services/testkit/proc.ts';
+import { noteForReaper } from '../tied.ts';
 
 const run = promisify(execFile);
 const tag = Math.random().toString(36).slice(2, 7);
@@ -78,6 +79,7 @@ beforeAll(async () => {
   for (const ns of [AG, LAN, OTH]) {
     await ip('netns', 'add', ns);
     made.push(ns);
+    noteForReaper({ netns: ns });
     await ip('-n', ns, 'link', 'set', 'lo', 'up');
   }
   await ip('-n', AG, 'link', 'add', 'up0', 'type', 'veth', 'peer', 'name', 'lan0', 'netns', LAN);
@@ -150,7 +152,7 @@ describe('egress (EgressManager, real namespaces)', () => {
   });
 
   it('attach_sandboxAsksTheHostsResolverOnItsDeniedLanOnPort53Only_unlessItsAllowListLeavesTheResolverOut', async () => {
-    const dir = mkdtempSync(join(tmpdir(), 'ffeg-'));
+    const dir = tempDir('ffeg-');
     made.push(`dir:${dir}`);
     const resolvConf = join(dir, 'resolv.conf');
     writeFileSync(resolvConf, '# written by the test\nnameserver 198.51.100.53\nnameserver 127.0.0.53\nsearch example.internal\n');

@@ -3,9 +3,9 @@
 // a scheduler stand-in, a peer port stand-in and another sandbox are all unreachable from it.
 // One template is booted (256 MiB, the tiny image) and the sandboxes are forked from its snapshot.
 import { execFile, spawn } from 'node:child_process';
-import { mkdtemp, rm } from 'node:fs/promises';
+import { rm } from 'node:fs/promises';
 import { connect, createServer, type Server } from 'node:net';
-import { networkInterfaces, tmpdir } from 'node:os';
+import { networkInterfaces } from 'node:os';
 import { join } from 'node:path';
 import { promisify } from 'node:util';
 import { pino } from 'pino';
@@ -13,7 +13,8 @@ import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { startEtcd, type EtcdCluster } from '../../../services/testkit/etcd.ts';
 import { startNats, type NatsServer } from '../../../services/testkit/nats.ts';
-import { waitFor } from '../../../services/testkit/proc.ts';
+import { waitFor, tempDir } from '../../../services/testkit/proc.ts';
+import { noteForReaper } from '../tied.ts';
 import type { LocalSnapshot } from '../../domain/vmm.ts';
 import { QemuVmmDriver } from '../qemu/driver.ts';
 import { isAlive, killHard } from '../qemu/process.ts';
@@ -79,6 +80,7 @@ async function makeEgressFixture(): Promise<void> {
   for (const ns of [AG, UP]) {
     await ip('netns', 'add', ns);
     namespacesMade.push(ns);
+    noteForReaper({ netns: ns });
     await ip('-n', ns, 'link', 'set', 'lo', 'up');
   }
   await ip('-n', AG, 'link', 'add', 'up0', 'type', 'veth', 'peer', 'name', 'up1', 'netns', UP);
@@ -165,7 +167,7 @@ beforeAll(async () => {
   peerPort = (await listener('peer', '0.0.0.0')).port;
   await makeEgressFixture();
   const image = await ensureImage('tiny');
-  root = await mkdtemp(join(tmpdir(), 'ffn-'));
+  root = tempDir('ffn-');
   driver = new QemuVmmDriver({ root, accel: 'tcg', logger, egress: { agentNetns: `/run/netns/${AG}`, denyCidrs: ['198.18.0.3/32'], forwardMarker: forwardMarker() } });
   // The template may have egress (allow 198.18.0.0/24): its snapshot replaces its QEMU process,
   // so the replacement must get a namespace and link of its own. Its clones get their own policy.
@@ -372,7 +374,7 @@ describe('sandbox egress by policy (veth + NAT into a namespace this test made)'
 describe('agent restart', () => {
   it('recover_whenAgentRestarts_adoptedSandboxKeepsItsNamespaceAndReapedOnesLeaveNothing', async () => {
     // A previous agent (own root) left an egress sandbox behind; the next one reaps it.
-    const other = await mkdtemp(join(tmpdir(), 'ffn-r-'));
+    const other = tempDir('ffn-r-');
     try {
       const egress = { agentNetns: `/run/netns/${AG}`, forwardMarker: forwardMarker() };
       const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger, egress });

@@ -9,6 +9,7 @@ import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { spawnManaged, type ManagedProcess } from '../../../services/testkit/proc.ts';
 import { ensurePeerCert } from '../../../deploy/pki/pki.ts';
+import { noteForReaper } from '../tied.ts';
 
 /** Agents run with a larger libuv pool: chunk fsyncs then overlap (ext4 commits them together). */
 const agentEnv: NodeJS.ProcessEnv = { ...process.env, UV_THREADPOOL_SIZE: process.env.UV_THREADPOOL_SIZE ?? '16' };
@@ -70,12 +71,14 @@ export function createFabric(n: number, prefix = 'ff-t'): Fabric {
   try {
     ip(['netns', 'add', sw]);
     created.push(sw);
+    noteForReaper({ netns: sw });
     ip(['-n', sw, 'link', 'add', 'br0', 'type', 'bridge']);
     ip(['-n', sw, 'link', 'set', 'br0', 'up']);
     for (let i = 0; i < n; i++) {
       const ns = `${prefix}-${tag}-h${i}`;
       ip(['netns', 'add', ns]);
       created.push(ns);
+      noteForReaper({ netns: ns });
       const ifname = 'eth0';
       ip(['-n', ns, 'link', 'add', ifname, 'type', 'veth', 'peer', 'name', `p${i}`, 'netns', sw]);
       ip(['-n', sw, 'link', 'set', `p${i}`, 'master', 'br0']);

@@ -2,7 +2,7 @@
 // the group is made with its weight, processes join it, and every QEMU a driver starts is in
 // it from its first moments (ADR 0018). The groups are removed afterwards.
 import { spawn } from 'node:child_process';
-import { mkdtemp, readFile, rm, rmdir } from 'node:fs/promises';
+import { readFile, rm, rmdir } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
@@ -12,6 +12,7 @@ import { ensureImage } from '../../../deploy/images/build.ts';
 import { HostSetupError } from '../../errors.ts';
 import { GuestCgroup, sharesForWeight } from './cgroup.ts';
 import { QemuVmmDriver } from './driver.ts';
+import { tempDir } from '../../../services/testkit/proc.ts';
 
 const made: GuestCgroup[] = [];
 const name = (): string => `ff-test-${randomBytes(4).toString('hex')}`;
@@ -87,7 +88,7 @@ describe('GuestCgroup (real cgroup hierarchy)', () => {
 
   it('driver_withGuestCgroup_everyQemuItStartsIsInTheGroup', async () => {
     const g = await open(100);
-    root = await mkdtemp(join(tmpdir(), 'ffcg-'));
+    root = tempDir('ffcg-');
     driver = new QemuVmmDriver({ root, accel: 'tcg', logger: pino({ level: 'warn' }), standby: { max: 0 }, guestCgroup: g });
     const vm = await driver.create({ vmId: 'cg', image: await ensureImage('tiny'), memoryMib: 128, vcpus: 1, hostname: 'cg' });
     expect(vm.pid).toBeGreaterThan(0);

@@ -3,13 +3,13 @@
 // sources) plus booting it under TCG takes well over a minute on this machine (ADR 0009), too
 // long for the default int suite (3 min 46 s measured, most of it mmdebstrap). Once the image
 // is cached, the file runs in ~8 s (boot, python3 and git, snapshot + fork).
-import { mkdtemp, readdir, rm } from 'node:fs/promises';
-import { tmpdir } from 'node:os';
+import { readdir, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { QemuVmmDriver } from './driver.ts';
+import { tempDir } from '../../../services/testkit/proc.ts';
 
 const enabled = process.env.FF_TEST_DEBIAN === '1';
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
@@ -25,7 +25,7 @@ async function run(vmId: string, path: string, args: string[]): Promise<string> 
 describe.skipIf(!enabled)('debian image (FF_TEST_DEBIAN=1)', () => {
   beforeAll(async () => {
     const image = await ensureImage('debian');
-    root = await mkdtemp(join(tmpdir(), 'ffd-'));
+    root = tempDir('ffd-');
     driver = new QemuVmmDriver({ root, accel: 'tcg', logger });
     await driver.create({ vmId: 'deb', image, memoryMib: 256, vcpus: 1, hostname: 'deb' });
   }, 600_000);

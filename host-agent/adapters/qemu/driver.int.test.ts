@@ -3,16 +3,15 @@
 import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import { createReadStream, readFileSync } from 'node:fs';
-import { copyFile, mkdir, mkdtemp, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
+import { copyFile, mkdir, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import net from 'node:net';
-import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
 import type { GuestImage, LocalSnapshot, RecoveryReport, VmEvent } from '../../domain/vmm.ts';
-import { waitFor } from '../../../services/testkit/proc.ts';
+import { waitFor, tempDir } from '../../../services/testkit/proc.ts';
 import { QmpClient } from '../qmp/client.ts';
 import { QemuVmmDriver } from './driver.ts';
 import { ramDirFor, tmpfsOptions } from './ram-pool.ts';
@@ -137,7 +136,7 @@ async function childrenSee(cases: ReadonlyArray<{ of: LocalSnapshot; id: string;
 
 beforeAll(async () => {
   image = await ensureImage('tiny');
-  root = await mkdtemp(join(tmpdir(), 'ffv-'));
+  root = tempDir('ffv-');
   driver = newDriver();
   await driver.create({ vmId: 'tpl', image, memoryMib: MEM, vcpus: 1, hostname: 'tpl' });
   await sh('tpl', COUNTER);
@@ -870,7 +869,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
 
   it('recover_whenReapingVmLeftByPreviousDriver_killsQemuAndRemovesSocketsAndFiles', async () => {
     // Its own root, so the reaping driver sees only the leftover (the snapshot stays in `root`).
-    const other = await mkdtemp(join(tmpdir(), 'ffr-'));
+    const other = tempDir('ffr-');
     try {
       const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger, standby: NO_REFILL });
       const [vm] = await previous.fork(snap, [{ vmId: 'orphan' }]);
@@ -896,7 +895,7 @@ describe('QemuVmmDriver (real QEMU)', () => {
   });
 
   it('recover_whenAgentDiedWithIncomingQemusWaitingForTheirStreams_claimedStandbysOrStartedAtPrepare_reapsEveryQemuAndFile', async () => {
-    const other = await mkdtemp(join(tmpdir(), 'ffr-'));
+    const other = tempDir('ffr-');
     try {
       const previous = new QemuVmmDriver({ root: other, accel: 'tcg', logger, standby: NO_REFILL });
       const src = { manifest: snap.manifest, image, diskLayerBacking: '/elsewhere/disk.qcow2', writeDiskLayer: (p: string) => copyFile(join(snap.dir, snap.manifest.files.disk), p) };

@@ -1,8 +1,7 @@
 // The base disk's digest end to end, against real QEMU: the reproducible tiny image boots and
 // mounts its data disk, a snapshot records the digest of the base disk its layer overlays,
 // and a restore on the host that built that disk passes the check.
-import { mkdtemp, readFile, rm } from 'node:fs/promises';
-import { tmpdir } from 'node:os';
+import { readFile, rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -10,6 +9,7 @@ import { ensureImage } from '../../../deploy/images/build.ts';
 import { fileSha256 } from '../../../deploy/images/meta.ts';
 import type { GuestImage } from '../../domain/vmm.ts';
 import { QemuVmmDriver } from './driver.ts';
+import { tempDir } from '../../../services/testkit/proc.ts';
 
 let root: string;
 let image: GuestImage;
@@ -23,7 +23,7 @@ async function sh(vmId: string, script: string): Promise<string> {
 
 beforeAll(async () => {
   image = await ensureImage('tiny');
-  root = await mkdtemp(join(tmpdir(), 'ffd-'));
+  root = tempDir('ffd-');
   driver = new QemuVmmDriver({ root, accel: 'tcg', logger: pino({ level: 'warn' }), standby: { perSnapshot: 0 } });
 });
 

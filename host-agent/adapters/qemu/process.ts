@@ -5,6 +5,7 @@ import { openSync, closeSync, readFileSync } from 'node:fs';
 import { readFile, writeFile } from 'node:fs/promises';
 import { promisify } from 'node:util';
 import { ForkfleetError } from '../../../proto/errors.ts';
+import { noteForReaper } from '../tied.ts';
 
 const run = promisify(execFile);
 
@@ -37,6 +38,7 @@ export function spawnQemu(binary: string, args: string[], logPath: string, extra
   child.on('error', () => undefined);
   if (child.pid === undefined) throw new ForkfleetError('unavailable', `could not start ${binary} (out of processes or file descriptors on the host, or the binary is missing)`, { retryable: true });
   child.unref();
+  noteForReaper({ pid: child.pid });
   const p: QemuProcess = { pid: child.pid, child, exited: Promise.resolve(), gone: false };
   p.exited = new Promise<void>((resolve) => {
     const end = (): void => {

@@ -1,12 +1,11 @@
 // The RAM pool against real tmpfs mounts (mounted by the tests under their own temp dir and
 // unmounted at the end): huge pages, filled files, reaping and cleanup.
 import { execFileSync } from 'node:child_process';
-import { mkdir, mkdtemp, readdir, rm, stat, writeFile } from 'node:fs/promises';
-import { tmpdir } from 'node:os';
+import { mkdir, readdir, rm, stat, writeFile } from 'node:fs/promises';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
-import { waitFor } from '../../../services/testkit/proc.ts';
+import { waitFor, tempDir } from '../../../services/testkit/proc.ts';
 import { RamPool, ramDirFor, tmpfsOptions } from './ram-pool.ts';
 
 const logger = pino({ level: process.env.LOG_LEVEL ?? 'warn' });
@@ -14,7 +13,7 @@ let base: string;
 const mounted: string[] = [];
 
 beforeAll(async () => {
-  base = await mkdtemp(join(tmpdir(), 'ffram-'));
+  base = tempDir('ffram-');
 });
 
 afterAll(async () => {

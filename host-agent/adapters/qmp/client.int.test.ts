@@ -1,11 +1,11 @@
 // QmpClient against a real QEMU (no guest: -machine none): event marks stay right after the
 // client has dropped old events from its history.
-import { mkdtemp, rm } from 'node:fs/promises';
-import { tmpdir } from 'node:os';
+import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
 import { afterEach, describe, expect, it } from 'vitest';
 import { killAndWait, spawnQemu, type QemuProcess } from '../qemu/process.ts';
 import { QmpClient } from './client.ts';
+import { tempDir } from '../../../services/testkit/proc.ts';
 
 describe('QmpClient events (real QEMU)', () => {
   let proc: QemuProcess | undefined;
@@ -18,7 +18,7 @@ describe('QmpClient events (real QEMU)', () => {
   });
 
   it('waitEvent_afterMoreEventsThanTheClientKeeps_findsTheEventThatCameAfterTheMark', async () => {
-    dir = await mkdtemp(join(tmpdir(), 'ff-qmp-'));
+    dir = tempDir('ff-qmp-');
     const sock = join(dir, 'qmp.sock');
     proc = spawnQemu('qemu-system-x86_64', ['-machine', 'none', '-nodefaults', '-display', 'none', '-S', '-qmp', `unix:${sock},server=on,wait=off`], join(dir, 'qemu.log'));
     qmp = await QmpClient.connectWithRetry(sock, 10_000, () => true);

@@ -25,14 +25,13 @@ import { testCredentials } from '../../testkit/credentials.ts';
 import type { TestCredentials } from '../../testkit/credentials.ts';
 import { ApiGuard } from '../../auth/guard.ts';
 import { Authenticator } from '../../auth/tokens.ts';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { readFileSync, rmSync } from 'node:fs';
 import type { Client } from './rpc.ts';
 import type { RpcError } from './status.ts';
 import { EventType, FleetService, OperationKind, SandboxState } from '../../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import { Locality } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
 import { sandboxRecord, snapshotRecord } from '../../testkit/records.ts';
+import { tempDir } from '../../testkit/proc.ts';
 
 type Api = Client<(typeof FleetService)['method']>;
 
@@ -70,7 +69,7 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     const fleet = new Fleet({ store, bus, clock: systemClock, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } });
     // The production edge: TLS, the bearer-token guard and its limits, an admin credential
     // (which may name any tenant, so tenant_id fuzzing still reaches validation).
-    dir = mkdtempSync(join(tmpdir(), 'ff-fuzz-'));
+    dir = tempDir('ff-fuzz-');
     creds = testCredentials(dir);
     const guard = new ApiGuard(new Authenticator(creds.tokensFile, { perSecond: 100, burst: 200 }), { maxStreamsPerCredential: 64 });
     server = await startGrpcServer({

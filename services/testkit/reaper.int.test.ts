@@ -1,0 +1,93 @@
+// The reaper (reaper.ts) undoes what a test process left behind once that process is gone:
+// killed (a Ctrl-C skips every afterAll) or ended without undoing it. Real processes, a real
+// network namespace and real directories.
+import { spawn, execFileSync } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import { existsSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { afterEach, describe, expect, it } from 'vitest';
+import { waitFor } from './proc.ts';
+
+const FIXTURE = join(import.meta.dirname, 'reaper-fixture.ts');
+
+interface Made {
+  list: string;
+  watcherPid: number;
+  left: number;
+  reused: number;
+  dir: string;
+}
+
+/** Runs and is not a zombie. */
+function runs(pid: number): boolean {
+  try {
+    return !/\) Z /.test(execFileSync('cat', [`/proc/${pid}/stat`], { stdio: ['ignore', 'pipe', 'ignore'] }).toString());
+  } catch {
+    return false;
+  }
+}
+const namespaces = (): string[] => execFileSync('ip', ['netns', 'list']).toString().split('\n').map((l) => l.split(' ')[0]!);
+
+const cleanup: Array<() => void> = [];
+afterEach(() => {
+  for (const c of cleanup.splice(0)) c();
+});
+
+/** Starts the fixture process; resolves with what it made and the process. */
+async function startFixture(ns: string, how: 'wait' | 'exit'): Promise<{ made: Made; pid: number }> {
+  const child = spawn(process.execPath, ['--import', 'tsx', FIXTURE, ns, how], { stdio: ['ignore', 'pipe', 'pipe'] });
+  let out = '';
+  let err = '';
+  child.stdout.on('data', (d: Buffer) => (out += d.toString()));
+  child.stderr.on('data', (d: Buffer) => (err += d.toString()));
+  await waitFor('the fixture to report', async () => out.includes('\n'), 30_000, 20, () => (child.exitCode !== null && !out.includes('\n') ? new Error(`fixture exited ${child.exitCode}: ${err}`) : undefined));
+  const made = JSON.parse(out.split('\n')[0]!) as Made;
+  cleanup.push(() => {
+    for (const pid of [made.left, made.reused, made.watcherPid, child.pid!]) {
+      try {
+        process.kill(pid, 'SIGKILL');
+      } catch {
+        /* gone */
+      }
+    }
+    try {
+      execFileSync('ip', ['netns', 'del', ns], { stdio: 'ignore' });
+    } catch {
+      /* gone */
+    }
+    execFileSync('rm', ['-rf', made.dir, dirname(made.list)]);
+  });
+  return { made, pid: child.pid! };
+}
+
+describe('test-process reaper', () => {
+  for (const how of ['killed', 'exited'] as const) {
+    it(`testProcess${how === 'killed' ? 'KilledWithSigkill' : 'ExitedWithoutUndoing'}_reaperKillsNotedProcesses_deletesNotedNamespaceAndDirectories_sparesAReusedPid`, async () => {
+      const ns = `ff-reap-${randomBytes(3).toString('hex')}`;
+      const { made, pid } = await startFixture(ns, how === 'killed' ? 'wait' : 'exit');
+      expect(made.watcherPid).toBeGreaterThan(0);
+      if (how === 'killed') {
+        expect(runs(made.left) && namespaces().includes(ns) && existsSync(made.dir)).toBe(true);
+        process.kill(pid, 'SIGKILL');
+      }
+      // The watcher polls once a second, then waits half a second between killing and deleting.
+      await waitFor('the reaper to finish', async () => !runs(made.watcherPid), 15_000, 100);
+      expect(runs(made.left)).toBe(false);
+      expect(namespaces()).not.toContain(ns);
+      expect(existsSync(made.dir)).toBe(false);
+      expect(existsSync(dirname(made.list))).toBe(false);
+      // Its noted start time is not this process's: left alone.
+      expect(runs(made.reused)).toBe(true);
+    });
+  }
+
+  it('testProcessAlive_reaperWaits_andDoesNothing', async () => {
+    const ns = `ff-reap-${randomBytes(3).toString('hex')}`;
+    const { made } = await startFixture(ns, 'wait');
+    await new Promise((r) => setTimeout(r, 2500));
+    expect(runs(made.watcherPid)).toBe(true);
+    expect(runs(made.left)).toBe(true);
+    expect(namespaces()).toContain(ns);
+    expect(existsSync(made.dir)).toBe(true);
+  });
+});

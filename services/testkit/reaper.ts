@@ -1,0 +1,48 @@
+// Undoes what a test process leaves behind when it ends without undoing it itself: a Ctrl-C, a
+// kill, a crash or a hook timeout skips every afterAll, and the detached QEMUs, a fleet's
+// daemons and its network namespaces would live on (namespaces until the next reboot).
+//
+// startReaper() (vitest's setup file for the int and e2e tiers, reaper-setup.ts) makes a list
+// file, names it in FF_REAP_FILE (inherited by the agents and fleets a test starts) and starts
+// a detached watcher: its own session, so a Ctrl-C's SIGINT to the terminal's process group does
+// not reach it. What should outlive the process that made it notes itself in the list
+// (noteForReaper: host-agent/adapters/tied.ts), as do the test kit's temporary directories. Once
+// the test process is gone (its PID gone, a zombie, or another process's: the start time is
+// compared), the watcher kills the noted processes that still are the ones noted (start time
+// again: a reused PID is left alone), then deletes the noted namespaces and directories, and
+// its own list. Something a test already undid is found gone and skipped.
+import { spawn } from 'node:child_process';
+import { existsSync, mkdtempSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+
+/** $1 = the list, $2 = the PID to outlive. `st` prints field 22 of /proc/<pid>/stat (start time), nothing for a zombie or no process. */
+const WATCHER = [
+  'list=$1; owner=$2',
+  'st() { s=$(cat "/proc/$1/stat" 2>/dev/null) || return 0; s=${s##*") "}; set -- $s; [ "$1" = Z ] && return 0; shift 19; echo "$1"; }',
+  's0=$(st "$owner"); [ -n "$s0" ] || s0=gone',
+  'while [ "$(st "$owner")" = "$s0" ]; do sleep 1; done',
+  // Processes first: then nothing of theirs is still writing into the directories.
+  'while read -r kind pid t; do if [ "$kind" = pid ] && [ -n "$t" ] && [ "$(st "$pid")" = "$t" ]; then kill -9 "$pid" 2>/dev/null; fi; done < "$list"',
+  'sleep 0.5',
+  `while read -r kind rest; do case $kind in netns) ip netns del "$rest" 2>/dev/null;; dir) awk -v d="$rest/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done; rm -rf -- "$rest";; esac; done < "$list"`,
+  'rm -rf -- "${list%/*}"',
+].join('\n');
+
+/**
+ * Starts this process's watcher (once per process: a worker that runs several test files keeps
+ * its first) and returns the list file, also set as FF_REAP_FILE. The watcher's PID is returned
+ * too (undefined when an earlier call started it), for tests of the watcher itself.
+ */
+export function startReaper(): { list: string; watcherPid: number | undefined } {
+  const current = process.env.FF_REAP_FILE;
+  if (current && process.env.FF_REAP_OWNER === String(process.pid) && existsSync(current)) return { list: current, watcherPid: undefined };
+  const list = join(mkdtempSync(join(tmpdir(), 'ff-reap-')), 'list');
+  writeFileSync(list, '');
+  const watcher = spawn('sh', ['-c', WATCHER, 'ff-reaper', list, String(process.pid)], { detached: true, stdio: 'ignore' });
+  watcher.on('error', () => undefined);
+  watcher.unref();
+  process.env.FF_REAP_FILE = list;
+  process.env.FF_REAP_OWNER = String(process.pid);
+  return { list, watcherPid: watcher.pid };
+}
