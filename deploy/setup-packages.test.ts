@@ -35,8 +35,10 @@ describe('host prerequisites', () => {
 
 // setup.sh itself, run as a copy in a scratch repository (its own package-lock.json and install
 // stamp, so npm ci never runs) with stubs first on PATH: dpkg-query, id and systemctl answer as
-// each test says, and npm, apt-get and dpkg fail loudly if reached. Nothing on the machine is
-// read or changed but the scratch directory.
+// each test says, and npm, apt-get and dpkg fail loudly if reached (unless a test replaces
+// them). Its lock, pending-services note and policy-rc.d are paths in the scratch directory
+// (FORKFLEET_SETUP_LOCK, FORKFLEET_SETUP_PENDING, FORKFLEET_POLICY_RC_D): nothing on the
+// machine is read or changed but that directory.
 describe('setup.sh', () => {
   let tmp: string;
   beforeEach(() => {
@@ -69,6 +71,8 @@ describe('setup.sh', () => {
   afterEach(() => rmSync(tmp, { recursive: true, force: true }));
 
   const pending = (): string => join(tmp, 'services-to-disable');
+  const policyRc = (): string => join(tmp, 'policy-rc.d');
+  const MARKED = '#!/bin/sh\n# forkfleet setup.sh: removed when it ends\nexit 101\n';
   const systemctlCalls = (): string[] => (existsSync(join(tmp, 'systemctl.log')) ? readFileSync(join(tmp, 'systemctl.log'), 'utf8').split('\n').filter(Boolean) : []);
   function runSetup(env: { STUB_MISSING?: string; STUB_UID?: string; STUB_ENABLED?: string; STUB_ACTIVE?: string; STUB_FAIL?: string }): { status: number | null; stderr: string } {
     const r = spawnSync('bash', [join(tmp, 'repo', 'deploy', 'setup.sh')], {
@@ -78,6 +82,7 @@ describe('setup.sh', () => {
         PATH: `${join(tmp, 'bin')}:${process.env.PATH ?? '/usr/bin:/bin'}`,
         FORKFLEET_SETUP_LOCK: join(tmp, 'setup.lock'),
         FORKFLEET_SETUP_PENDING: pending(),
+        FORKFLEET_POLICY_RC_D: policyRc(),
         STUB_LOG: join(tmp, 'systemctl.log'),
         STUB_MISSING: '',
         STUB_UID: '0',
@@ -122,6 +127,32 @@ describe('setup.sh', () => {
     expect(runSetup({ STUB_ENABLED: 'etcd' }).status).toBe(0);
     expect(existsSync(pending())).toBe(false);
     expect(systemctlCalls().filter((c) => c === 'disable --quiet etcd')).toHaveLength(2);
+  });
+
+  it('setup_findsThePolicyRcDAKilledRunLeft_removesIt_evenWhenNothingIsToInstall', () => {
+    writeFileSync(policyRc(), MARKED, { mode: 0o755 });
+    expect(runSetup({}).status).toBe(0);
+    expect(existsSync(policyRc())).toBe(false);
+  });
+
+  it('setup_leavesAPolicyRcDThatIsNotItsOwn_whetherItInstallsOrNot', () => {
+    const theirs = '#!/bin/sh\nexit 101\n';
+    writeFileSync(policyRc(), theirs, { mode: 0o755 });
+    expect(runSetup({}).status).toBe(0);
+    expect(readFileSync(policyRc(), 'utf8')).toBe(theirs);
+    // An install (apt-get stubbed to fail): theirs is neither replaced nor removed.
+    expect(runSetup({ STUB_MISSING: 'socat' }).status).not.toBe(0);
+    expect(readFileSync(policyRc(), 'utf8')).toBe(theirs);
+  });
+
+  it('setup_install_holdsServicesWhileAptRuns_andRemovesItsPolicyRcDWhenAptFails', () => {
+    // dpkg --configure succeeds; apt-get records whether services were held when it ran, then fails.
+    writeFileSync(join(tmp, 'bin', 'dpkg'), '#!/bin/sh\nexit 0\n', { mode: 0o755 });
+    writeFileSync(join(tmp, 'bin', 'apt-get'), `#!/bin/sh\ngrep -q 'exit 101' "${policyRc()}" && echo "held: $*" >> "${join(tmp, 'apt.log')}"\nexit 97\n`, { mode: 0o755 });
+    const r = runSetup({ STUB_MISSING: 'socat' });
+    expect(r.status).toBe(97);
+    expect(readFileSync(join(tmp, 'apt.log'), 'utf8')).toContain('held: update -qq');
+    expect(existsSync(policyRc())).toBe(false);
   });
 
   it('setup_asNonRootWithServicesNoted_keepsTheNote_andSaysSo', () => {

@@ -86,8 +86,10 @@ disable_noted_services() {
 # killed after its install left (the lock is ours, so no other run is installing now) is
 # removed on every run, not only on one that installs something: left behind, it would keep
 # the machine's later upgrades from restarting services.
+# FORKFLEET_POLICY_RC_D: another path, for setup.sh's own tests only (dpkg reads this one).
 marker='# forkfleet setup.sh: removed when it ends'
-if [[ $(id -u) -eq 0 ]] && grep -qxsF "$marker" /usr/sbin/policy-rc.d; then rm -f /usr/sbin/policy-rc.d; fi
+policy_rc=${FORKFLEET_POLICY_RC_D:-/usr/sbin/policy-rc.d}
+if [[ $(id -u) -eq 0 ]] && grep -qxsF "$marker" "$policy_rc"; then rm -f "$policy_rc"; fi
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -108,9 +110,9 @@ if ((${#missing[@]})); then
   # Installing must not start services (there may be no init system here).
   # Only while installing: left behind, it would keep later upgrades from restarting services.
   # Ours carries the marker line (above); someone else's is left alone.
-  if [[ ! -e /usr/sbin/policy-rc.d ]] || grep -qxF "$marker" /usr/sbin/policy-rc.d; then
-    printf '#!/bin/sh\n%s\nexit 101\n' "$marker" > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d
-    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  if [[ ! -e $policy_rc ]] || grep -qxF "$marker" "$policy_rc"; then
+    printf '#!/bin/sh\n%s\nexit 101\n' "$marker" > "$policy_rc" && chmod +x "$policy_rc"
+    trap 'rm -f "$policy_rc"' EXIT
   fi
   # A run killed while dpkg worked leaves packages unpacked or half-configured, and apt then
   # refuses to install anything until they are configured: finish that first.
@@ -118,7 +120,7 @@ if ((${#missing[@]})); then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # Installed: services may start again (the trap covers a run that fails before this).
-  if grep -qxsF "$marker" /usr/sbin/policy-rc.d; then rm -f /usr/sbin/policy-rc.d; fi
+  if grep -qxsF "$marker" "$policy_rc"; then rm -f "$policy_rc"; fi
   trap - EXIT
 fi
 # Every run: also those a killed or failed run noted.
