@@ -12,6 +12,8 @@ const exclude = ['node_modules/**', '**/.cache/**'];
 // The int and e2e tiers start real processes and namespaces: a test process that ends without
 // undoing them (Ctrl-C, kill, crash, hook timeout) has them undone by its reaper.
 const REAPER = './services/testkit/reaper-setup.ts';
+// ... and one such run at a time on a machine: their fleets use fixed directories and ports.
+const RUN_LOCK = './services/testkit/run-lock-setup.ts';
 export default defineConfig({
   test: {
     projects: [
@@ -32,6 +34,7 @@ export default defineConfig({
           exclude,
           fileParallelism: false,
           setupFiles: [REAPER],
+          globalSetup: [RUN_LOCK],
           sequence: { groupOrder: 2 },
           testTimeout: 300_000,
           hookTimeout: 300_000,
@@ -44,6 +47,7 @@ export default defineConfig({
           exclude,
           fileParallelism: false,
           setupFiles: [REAPER],
+          globalSetup: [RUN_LOCK],
           sequence: { groupOrder: 1 },
           testTimeout: 120_000,
           hookTimeout: 180_000,

@@ -1,0 +1,7 @@
+// vitest globalSetup of the int and e2e tiers (vitest.config.ts): one such run at a time on a
+// machine (run-lock.ts). Runs in vitest's own process, which holds the lock until it exits.
+import { takeTestRunLock } from './run-lock.ts';
+
+export default function setup(): void {
+  takeTestRunLock();
+}
