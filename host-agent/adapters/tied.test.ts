@@ -1,9 +1,11 @@
 import { afterEach, describe, expect, it } from 'vitest';
 import { spawn } from 'node:child_process';
 import { once } from 'node:events';
-import { readFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { isAlive, isGone, killHard } from './qemu/process.ts';
-import { tiedToUs } from './tied.ts';
+import { noteForReaper, tiedToUs } from './tied.ts';
 
 // A stand-in for the agent: a Node process that spawns the given command line, prints the
 // child's PID, and waits to be killed.
@@ -62,5 +64,35 @@ describe('tiedToUs', () => {
     expect(readFileSync(`/proc/${c.pid}/comm`, 'utf8').trim()).toBe('sleep');
     c.kill('SIGKILL');
     await once(c, 'exit');
+  });
+});
+
+describe('noteForReaper', () => {
+  const saved = process.env.FF_REAP_FILE;
+  let dir = '';
+  afterEach(() => {
+    if (saved === undefined) delete process.env.FF_REAP_FILE;
+    else process.env.FF_REAP_FILE = saved;
+    if (dir) rmSync(dir, { recursive: true, force: true });
+  });
+
+  it('notesOnlyAbsoluteNormalDirectoriesAtLeastTwoDeep_andLivePidsWithTheirStartTime_andNothingWhenUnset', async () => {
+    dir = mkdtempSync(join(tmpdir(), 'ff-note-'));
+    const list = join(dir, 'list');
+    writeFileSync(list, '');
+    delete process.env.FF_REAP_FILE;
+    noteForReaper({ dir: '/tmp/unset/x' });
+    process.env.FF_REAP_FILE = list;
+    // Each of these would be "/" or the temporary directory itself to the watcher's rm.
+    for (const d of ['', '/', '/tmp', tmpdir(), 'rel/x', '/tmp/a/../b', '/tmp/a/', '/tmp/a\nb']) noteForReaper({ dir: d });
+    noteForReaper({ dir: '/tmp/ff-x/y' });
+    noteForReaper({ netns: 'ff-t-abc' });
+    const gone = spawn('true', { stdio: 'ignore' });
+    await once(gone, 'exit');
+    await new Promise((r) => setTimeout(r, 50)); // reaped by Node
+    noteForReaper({ pid: gone.pid! });
+    noteForReaper({ pid: process.pid });
+    const start = /\) \S+ (?:\S+ ){18}(\d+)/.exec(readFileSync(`/proc/${process.pid}/stat`, 'utf8'))![1];
+    expect(readFileSync(list, 'utf8')).toBe(`dir /tmp/ff-x/y\nnetns ff-t-abc\npid ${process.pid} ${start}\n`);
   });
 });

@@ -7,7 +7,8 @@
 // Node spawns from the main thread, whose death is the process's.
 import { execFile } from 'node:child_process';
 import { appendFileSync, existsSync } from 'node:fs';
-import { join } from 'node:path';
+import { isAbsolute, join, normalize } from 'node:path';
+import { tmpdir } from 'node:os';
 import { promisify } from 'node:util';
 import { identityOf } from '../../deploy/fleet/proc-identity.ts';
 
@@ -56,7 +57,13 @@ export function noteForReaper(what: { pid: number } | { netns: string } | { dir:
     if (startTime < 0) return; // exited already
     line = `pid ${what.pid} ${startTime}`;
   } else if ('netns' in what) line = `netns ${what.netns}`;
-  else line = `dir ${what.dir}`;
+  else {
+    // A directory the watcher may delete whole: an absolute, normal path at least two deep,
+    // never the temporary directory itself (an empty or relative one would be "/" to it).
+    const d = what.dir;
+    if (!isAbsolute(d) || normalize(d) !== d || d.endsWith('/') || d.split('/').filter(Boolean).length < 2 || d === tmpdir()) return;
+    line = `dir ${d}`;
+  }
   if (line.includes('\n')) return;
   try {
     appendFileSync(file, `${line}\n`);

@@ -42,7 +42,8 @@ export interface StartAgentOptions {
 
 export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
   const dataDir = o.dataDir ?? mkdtempSync(`/tmp/ffa-${o.hostId}-`);
-  noteForReaper({ dir: dataDir });
+  // Only one made here: a caller's data directory is the caller's to keep or remove.
+  if (o.dataDir === undefined) noteForReaper({ dir: dataDir });
   // The agent's RAM tmpfs (ADR 0016) is its own, inside its data directory: teardown unmounts it.
   const ramMount = join(dataDir, 'ram');
   const logPath = join(o.logDir ?? dataDir, `agent-${o.hostId}.log`);

@@ -213,6 +213,9 @@ export function spawnManaged(opts: SpawnManagedOptions): ManagedProcess {
   if (fd !== undefined) closeSync(fd);
   if (child.pid === undefined) throw new Error(`${opts.name}: failed to start ${opts.command}`);
   const pid = child.pid;
+  // Its own watchdog (below) also ends it, but only within a second: the reaper's first pass
+  // ends it before it can start more (an agent's QEMUs).
+  noteForReaper({ pid });
   const exited = new Promise<number | null>((resolve) => {
     if (child.exitCode !== null) resolve(child.exitCode);
     else child.once('exit', (code) => resolve(code));

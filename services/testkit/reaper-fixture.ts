@@ -8,6 +8,8 @@ import { startReaper } from './reaper.ts';
 import { tempDir } from './proc.ts';
 import { noteForReaper } from '../../host-agent/adapters/tied.ts';
 
+const TIED = join(import.meta.dirname, '..', '..', 'host-agent', 'adapters', 'tied.ts');
+
 const [ns, how] = process.argv.slice(2) as [string, 'wait' | 'exit'];
 const { list, watcherPid } = startReaper();
 const sleeper = (): number => {
@@ -24,5 +26,25 @@ execFileSync('ip', ['netns', 'add', ns]);
 noteForReaper({ netns: ns });
 const dir = tempDir('ff-reap-fixture-');
 writeFileSync(join(dir, 'data'), 'x');
-process.stdout.write(`${JSON.stringify({ list, watcherPid, left, reused, dir })}\n`);
+// As an agent the test started, not noted itself: once the watcher's first pass has killed
+// `left` (gone, or a zombie), notes one more process, and writes its PID to `late`.
+const late = join(dir, '..', `${dir.split('/').pop()}.late`);
+const noterCode = `
+import { spawn } from 'node:child_process';
+import { readFileSync, writeFileSync } from 'node:fs';
+import { noteForReaper } from ${JSON.stringify(TIED)};
+const alive = (pid) => { try { return !/\\) Z /.test(readFileSync('/proc/' + pid + '/stat', 'utf8')); } catch { return false; } };
+const t = setInterval(() => {
+  if (alive(${left})) return;
+  clearInterval(t);
+  const c = spawn('sleep', ['300'], { detached: true, stdio: 'ignore' });
+  c.unref();
+  noteForReaper({ pid: c.pid });
+  writeFileSync(${JSON.stringify(late)}, String(c.pid));
+}, 20);
+setTimeout(() => process.exit(1), 60_000).unref();
+`;
+const noter = spawn(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', noterCode], { detached: true, stdio: 'ignore' });
+noter.unref();
+process.stdout.write(`${JSON.stringify({ list, watcherPid, left, reused, dir, late, noter: noter.pid })}\n`);
 if (how === 'wait') setInterval(() => undefined, 60_000);

@@ -3,7 +3,7 @@
 // network namespace and real directories.
 import { spawn, execFileSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { existsSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { afterEach, describe, expect, it } from 'vitest';
 import { waitFor } from './proc.ts';
@@ -16,6 +16,10 @@ interface Made {
   left: number;
   reused: number;
   dir: string;
+  /** Where a process the test process started writes the PID it notes after the test process is gone. */
+  late: string;
+  /** That process. */
+  noter: number;
 }
 
 /** Runs and is not a zombie. */
@@ -43,7 +47,7 @@ async function startFixture(ns: string, how: 'wait' | 'exit'): Promise<{ made: M
   await waitFor('the fixture to report', async () => out.includes('\n'), 30_000, 20, () => (child.exitCode !== null && !out.includes('\n') ? new Error(`fixture exited ${child.exitCode}: ${err}`) : undefined));
   const made = JSON.parse(out.split('\n')[0]!) as Made;
   cleanup.push(() => {
-    for (const pid of [made.left, made.reused, made.watcherPid, child.pid!]) {
+    for (const pid of [made.noter, made.left, made.reused, made.watcherPid, child.pid!]) {
       try {
         process.kill(pid, 'SIGKILL');
       } catch {
@@ -55,7 +59,12 @@ async function startFixture(ns: string, how: 'wait' | 'exit'): Promise<{ made: M
     } catch {
       /* gone */
     }
-    execFileSync('rm', ['-rf', made.dir, dirname(made.list)]);
+    try {
+      process.kill(Number(readFileSync(made.late, 'utf8')), 'SIGKILL');
+    } catch {
+      /* none, or gone */
+    }
+    execFileSync('rm', ['-rf', made.dir, dirname(made.list), made.late]);
   });
   return { made, pid: child.pid! };
 }
@@ -78,6 +87,10 @@ describe('test-process reaper', () => {
       expect(existsSync(dirname(made.list))).toBe(false);
       // Its noted start time is not this process's: left alone.
       expect(runs(made.reused)).toBe(true);
+      // Noted after the watcher's first pass: found on its next look at the list.
+      const late = Number(readFileSync(made.late, 'utf8'));
+      expect(late).toBeGreaterThan(0);
+      expect(runs(late)).toBe(false);
     });
   }
 

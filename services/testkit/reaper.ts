@@ -15,17 +15,27 @@ import { spawn } from 'node:child_process';
 import { existsSync, mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { identityOf } from '../../deploy/fleet/proc-identity.ts';
 
-/** $1 = the list, $2 = the PID to outlive. `st` prints field 22 of /proc/<pid>/stat (start time), nothing for a zombie or no process. */
+/**
+ * $1 = the list, $2 = the PID to outlive, $3 = its start time. `st` prints field 22 of
+ * /proc/<pid>/stat (the start time): nothing when the process is gone or a zombie, `unknown`
+ * when it exists but its stat could not be read (that never counts as gone). `read` is a
+ * builtin: no fork per look.
+ */
 const WATCHER = [
-  'list=$1; owner=$2',
-  'st() { s=$(cat "/proc/$1/stat" 2>/dev/null) || return 0; s=${s##*") "}; set -- $s; [ "$1" = Z ] && return 0; shift 19; echo "$1"; }',
-  's0=$(st "$owner"); [ -n "$s0" ] || s0=gone',
-  'while [ "$(st "$owner")" = "$s0" ]; do sleep 1; done',
-  // Processes first: then nothing of theirs is still writing into the directories.
-  'while read -r kind pid t; do if [ "$kind" = pid ] && [ -n "$t" ] && [ "$(st "$pid")" = "$t" ]; then kill -9 "$pid" 2>/dev/null; fi; done < "$list"',
-  'sleep 0.5',
-  `while read -r kind rest; do case $kind in netns) ip netns del "$rest" 2>/dev/null;; dir) awk -v d="$rest/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done; rm -rf -- "$rest";; esac; done < "$list"`,
+  'list=$1; owner=$2; s0=$3',
+  'st() { [ -e "/proc/$1" ] || return 0; s=; read -r s < "/proc/$1/stat" 2>/dev/null || { echo unknown; return 0; }; s=${s##*") "}; set -- $s; [ "$1" = Z ] && return 0; shift 19; echo "$1"; }',
+  'while :; do t=$(st "$owner"); [ -n "$t" ] || break; [ "$t" = unknown ] || [ "$t" = "$s0" ] || break; sleep 1; done',
+  // Processes first, then nothing of theirs writes into the directories. Again while the list
+  // grows: an agent the test started may note one more QEMU in the moment before it is killed.
+  'n=-1; while :; do m=$(wc -l < "$list"); [ "$m" = "$n" ] && break; n=$m',
+  '  while read -r kind pid t; do if [ "$kind" = pid ] && [ -n "$t" ] && [ "$(st "$pid")" = "$t" ]; then kill -9 "$pid" 2>/dev/null; fi; done < "$list"',
+  '  sleep 2',
+  'done',
+  // Only absolute paths at least two deep (noteForReaper writes no other); mounts inside
+  // detached first, and rm stays on the directory's own file system.
+  `while read -r kind rest; do case $kind in netns) ip netns del "$rest" 2>/dev/null;; dir) case $rest in /?*/?*) ;; *) continue;; esac; awk -v d="$rest/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done; rm -rf --one-file-system -- "$rest";; esac; done < "$list"`,
   'rm -rf -- "${list%/*}"',
 ].join('\n');
 
@@ -39,7 +49,8 @@ export function startReaper(): { list: string; watcherPid: number | undefined } 
   if (current && process.env.FF_REAP_OWNER === String(process.pid) && existsSync(current)) return { list: current, watcherPid: undefined };
   const list = join(mkdtempSync(join(tmpdir(), 'ff-reap-')), 'list');
   writeFileSync(list, '');
-  const watcher = spawn('sh', ['-c', WATCHER, 'ff-reaper', list, String(process.pid)], { detached: true, stdio: 'ignore' });
+  const owner = identityOf(process.pid).startTime;
+  const watcher = spawn('sh', ['-c', WATCHER, 'ff-reaper', list, String(process.pid), String(owner)], { detached: true, stdio: 'ignore' });
   watcher.on('error', () => undefined);
   watcher.unref();
   process.env.FF_REAP_FILE = list;

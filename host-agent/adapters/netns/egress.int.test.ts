@@ -65,6 +65,7 @@ const fromPid = (pid: number): string[] => ['nsenter', `--net=/proc/${pid}/ns/ne
 function sandbox(): number {
   const p = spawn('unshare', ['--net', '--', 'sleep', '600'], { stdio: 'ignore' });
   pids.push(p.pid!);
+  noteForReaper({ pid: p.pid! });
   return p.pid!;
 }
 
