@@ -159,7 +159,7 @@ export function tenantFor(principal: Principal, requested: string, field = 'tena
   throw new PermissionDeniedError(`${field}: this credential acts for tenant ${principal.tenantId} only; omit ${field} or set it to ${principal.tenantId}`, field);
 }
 
-/** Fleet operations (hosts, cordon, drain) need an admin credential. */
-export function requireAdmin(principal: Principal, what: string): void {
-  if (!principal.admin) throw new PermissionDeniedError(`${what} needs an admin credential`);
+/** Fleet operations (hosts, cordon, drain) need an admin credential. `field`: the request field that asks for it, named in the error. */
+export function requireAdmin(principal: Principal, what: string, field?: string): void {
+  if (!principal.admin) throw new PermissionDeniedError(`${what} needs an admin credential`, field);
 }

@@ -585,6 +585,9 @@ export class Fleet {
    */
   setRetention(tenantId: string, id: string, ttlMs: number | null, keepLast: number): Promise<SnapshotRec> {
     return this.updateSnapshot(tenantId, id, (s) => {
+      // Being deleted: a rule would keep nothing (as a pin, refused), and a caller would read its
+      // success as the snapshot kept.
+      if (s.state === 'deleting') throw new WrongStateError('snapshot', id, 'deleting', 'a retention rule cannot keep it any more', 'snapshot_id');
       const same = s.retentionTtlMs === ttlMs && s.keepLast === keepLast;
       s.retentionTtlMs = ttlMs;
       s.keepLast = keepLast;

@@ -194,11 +194,11 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
     return ctx.principal;
   };
   const tenant = (v: string, ctx: CallContext, field = 'tenant_id'): string => tenantFor(principal(ctx), v === '' ? '' : c.tenant(v, field), field);
-  const admin = (ctx: CallContext, what: string): void => requireAdmin(principal(ctx), what);
+  const admin = (ctx: CallContext, what: string, field?: string): void => requireAdmin(principal(ctx), what, field);
   /** A list of every tenant's records: admin only, and with no tenant_id. */
   const allTenants = (req: { tenantId: string; allTenants: boolean }, ctx: CallContext, rpc: string): boolean => {
     if (!req.allTenants) return false;
-    admin(ctx, `${rpc} with all_tenants`);
+    admin(ctx, `${rpc} with all_tenants`, 'all_tenants');
     if (req.tenantId) throw new InvalidArgumentError('tenant_id', 'must be empty with all_tenants');
     return true;
   };
