@@ -246,7 +246,7 @@ export class FsChunkStore implements ChunkStore {
     const final = this.pathOf(chunk.digest);
     const tmp = tmpPathIn(this.tmpDir);
     await writeTemp(tmp, [encodeHeader(chunk), chunk.data], this.fsyncEach);
-    if (await this.place(tmp, final, chunk.digest)) this.made(final);
+    await this.place(tmp, final, chunk.digest);
   }
 
   /**
@@ -255,24 +255,27 @@ export class FsChunkStore implements ChunkStore {
    * chunk whose manifest was stored (durable), and whose sync then failed, removed that
    * chunk (sync removes its batch's files). Only a file there that is not a valid chunk (torn
    * by an OS crash before its sync) is replaced: moved aside and checked again first, as
-   * quarantine does. True when `tmp` went in (a file this process made, which the next sync
-   * fsyncs); false when a valid chunk file was there: kept (durable, or made by this process
-   * and fsynced by the sync that lists it). `tmp` is removed either way.
+   * quarantine does. When `tmp` went in, it is listed for the next sync at once (made), before
+   * the temp name is removed: from the link on, another caller can find the chunk present and
+   * sync() for its manifest, and that sync must fsync it. When a valid chunk file was there,
+   * it is kept (durable, or made by this process and fsynced by the sync that lists it). `tmp`
+   * is removed either way.
    *
    * Cost: link + unlink of the temp name is one syscall more than a rename, and both do the
    * same two directory updates; Node has no renameat2(RENAME_NOREPLACE), and a stat before a
    * rename costs the same syscall and could still replace a file placed in between.
    */
-  private async place(tmp: string, final: string, digest: DigestHex): Promise<boolean> {
+  private async place(tmp: string, final: string, digest: DigestHex): Promise<void> {
     try {
       for (;;) {
         try {
           await link(tmp, final);
-          return true;
+          this.made(final);
+          return;
         } catch (e) {
           if (errnoOf(e) !== 'EEXIST') throw e;
         }
-        if (await this.holdsValid(final, digest)) return false;
+        if (await this.holdsValid(final, digest)) return;
         // Then linked again: a valid copy another caller put there since the check is found so.
         await this.setAside(final, digest);
       }
@@ -343,7 +346,7 @@ export class FsChunkStore implements ChunkStore {
     const final = this.pathOf(digest);
     const settle = async (file: OffloadedFile | undefined): Promise<void> => {
       if (file === 'new' || file === undefined) this.made(final);
-      else if (file === 'exists' && (await this.place(tmp, final, digest))) this.made(final);
+      else if (file === 'exists') await this.place(tmp, final, digest);
     };
     const tracked = start(tmp, final).then(
       async (r) => {
