@@ -66,7 +66,8 @@ export interface GcResult extends SweepStats {
  * the host's delete (ChunkStoreShipper.remove) removes a leased snapshot's manifest as well.
  * What a lease keeps is the snapshot's files, its materialised image and its VMM directory
  * (Materialiser.prune and the shipper's GC skip leased snapshots), which is what its holder
- * reads; an image being built from chunks pins them itself.
+ * reads. An image being built from stored chunks is not kept by anything here: its builder pins
+ * the manifest's chunks around the build (ChunkStoreShipper.obtain), as a fetch does its own.
  */
 export async function collectGarbage(deps: GcDeps): Promise<GcResult> {
   // A manifest stored after the mark below is not in `live`: its chunks stay pinned (their
