@@ -98,7 +98,7 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     return r.header.revision;
   }
 
-  /** Calls once; asserts a clean answer within the deadline and no state change on error. */
+  /** Calls once; asserts a clean answer within the deadline, a field named by an INVALID_ARGUMENT, and no state change on error. */
   async function probe(call: () => Promise<unknown>): Promise<void> {
     cases++;
     const before = await revision();
@@ -108,6 +108,8 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     } catch (e) {
       const err = e as RpcError;
       expect(CLIENT_ERRORS.has(err.code), `unexpected ${Status[err.code]}: ${err.message}`).toBe(true);
+      // A bad field is named (ff-error-field), so a client can point at it.
+      if (err.code === Status.INVALID_ARGUMENT) expect(err.field, `INVALID_ARGUMENT naming no field: ${err.message}`).toMatch(/^[a-z_]/);
       expect(await revision(), `a failed call changed state: ${err.message}`).toBe(before);
     }
     expect(Date.now() - t0).toBeLessThan(5000);
