@@ -86,7 +86,7 @@ disable_noted_services() {
 # killed after its install left (the lock is ours, so no other run is installing now) is
 # removed on every run, not only on one that installs something: left behind, it would keep
 # the machine's later upgrades from restarting services.
-# FORKFLEET_POLICY_RC_D: another path, for setup.sh's own tests only (dpkg reads this one).
+# FORKFLEET_POLICY_RC_D: another path, for setup.sh's own tests only (invoke-rc.d reads only the default).
 marker='# forkfleet setup.sh: removed when it ends'
 policy_rc=${FORKFLEET_POLICY_RC_D:-/usr/sbin/policy-rc.d}
 if [[ $(id -u) -eq 0 ]] && grep -qxsF "$marker" "$policy_rc"; then rm -f "$policy_rc"; fi
