@@ -89,8 +89,8 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     await nats?.stop();
     await etcd?.stop();
     if (dir) rmSync(dir, { recursive: true, force: true });
-    // CI runs at least 5,000 fuzz cases (7 properties x RUNS + the truncated streams).
-    if (RUNS >= 720) expect(cases).toBeGreaterThanOrEqual(5000);
+    // CI runs at least 6,400 fuzz cases (9 properties x RUNS + the truncated streams).
+    if (RUNS >= 720) expect(cases).toBeGreaterThanOrEqual(6400);
   });
 
   async function revision(): Promise<string> {
@@ -130,6 +130,36 @@ describe('Fleet API fuzzing (real gRPC, etcd and NATS)', () => {
     await fc.assert(
       fc.asyncProperty(nasty, nasty, nasty, smallInt, fc.record({ locality: enumInt, spread: enumInt, maxPerHost: smallInt, hostId: nasty }), async (tenantId, key, src, count, placement) => {
         await probe(() => api.forkSandbox({ tenantId, idempotencyKey: key, source: { case: 'snapshotId', value: src }, count, placement }, opts));
+      }),
+      { numRuns: RUNS },
+    );
+  });
+
+  // The nested fields: network policy, placement, lifecycle (idle timeout, hooks), a snapshot
+  // or sandbox source, labels and snapshot retention.
+  const cidr = fc.oneof(nasty, fc.tuple(fc.nat({ max: 300 }), fc.nat({ max: 300 }), fc.nat({ max: 300 }), fc.nat({ max: 300 }), fc.integer({ min: -1, max: 40 })).map(([a, b, c, d, n]) => `${a}.${b}.${c}.${d}/${n}`));
+  const hook = fc.record({ argv: fc.array(nasty, { maxLength: 4 }), timeout: duration });
+  const lifecycle = fc.record({ ttl: duration, idleTimeout: duration, afterResume: fc.array(hook, { maxLength: 10 }) });
+  const placement = fc.record({ locality: enumInt, spread: enumInt, maxPerHost: smallInt, hostId: nasty });
+  // Valid often enough that validation goes on to the nested fields.
+  const goodKey = fc.oneof(fc.uuid(), nasty);
+  /** `arb`, or the field left unset half the time, so that a bad value elsewhere is reached. */
+  const orUnset = <T,>(arb: fc.Arbitrary<T>): fc.Arbitrary<T | undefined> => fc.oneof(fc.constant(undefined), arb);
+  const goodSource = fc.oneof(fc.constantFrom('tiny', 'sn-bbbbbbbbbbbbbbbbbbbb', 'sb-aaaaaaaaaaaaaaaaaaaa'), nasty);
+
+  it('createSandbox_withArbitraryNetworkPlacementLifecycleAndSource_answersCleanlyAndFailsWithoutSideEffects', async () => {
+    await fc.assert(
+      fc.asyncProperty(goodKey, fc.boolean(), goodSource, orUnset(fc.record({ allowEgress: fc.boolean(), allowCidrs: fc.array(cidr, { maxLength: 70 }) })), orUnset(placement), orUnset(lifecycle), async (key, fromSnapshot, src, network, place, life) => {
+        await probe(() => api.createSandbox({ tenantId: 't', idempotencyKey: key, source: fromSnapshot ? { case: 'snapshotId', value: src } : { case: 'image', value: src }, network, placement: place, lifecycle: life }, opts));
+      }),
+      { numRuns: RUNS },
+    );
+  });
+
+  it('forkSandbox_withArbitrarySourceLabelsLifecycleAndRetention_answersCleanlyAndFailsWithoutSideEffects', async () => {
+    await fc.assert(
+      fc.asyncProperty(goodKey, fc.boolean(), goodSource, fc.oneof(fc.constantFrom(1, 2), smallInt), orUnset(fc.dictionary(nasty, nasty, { maxKeys: 5 })), orUnset(lifecycle), orUnset(fc.record({ ttl: duration, keepLast: smallInt })), async (key, fromSandbox, src, count, labels, life, retention) => {
+        await probe(() => api.forkSandbox({ tenantId: 't', idempotencyKey: key, source: fromSandbox ? { case: 'sandboxId', value: src } : { case: 'snapshotId', value: src }, count, labels, lifecycle: life, snapshotRetention: retention }, opts));
       }),
       { numRuns: RUNS },
     );
