@@ -5,7 +5,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterEach, beforeEach, describe, expect, it } from 'vitest';
 import { identityOf } from '../../deploy/fleet/proc-identity.ts';
-import { takeTestRunLock, TestRunLockedError } from './run-lock.ts';
+import { releaseTestRunLock, takeTestRunLock, TestRunLockedError } from './run-lock.ts';
 
 describe('test-run lock', () => {
   let dir: string;
@@ -49,5 +49,17 @@ describe('test-run lock', () => {
       expect(JSON.parse(readFileSync(lock, 'utf8'))).toMatchObject({ pid: process.pid });
     }
     expect(existsSync(`${lock}.stale.${process.pid}`)).toBe(false);
+  });
+
+  it('releaseTestRunLock_removesOnlyThisProcesssLock', () => {
+    const other = spawn('sleep', ['30'], { stdio: 'ignore' });
+    children.push(other);
+    takeTestRunLock(lock);
+    releaseTestRunLock(lock);
+    expect(existsSync(lock)).toBe(false);
+    releaseTestRunLock(lock); // gone already: nothing to do
+    writeFileSync(lock, holder(other.pid!, identityOf(other.pid!).startTime));
+    releaseTestRunLock(lock);
+    expect(JSON.parse(readFileSync(lock, 'utf8'))).toMatchObject({ pid: other.pid });
   });
 });

@@ -5,8 +5,8 @@
 // why. The second run now stops at once, naming the first.
 //
 // The lock is a file naming the vitest process that holds it, with that process's start time;
-// it is held while that process lives (nothing releases it: a run that is killed leaves a file
-// the next run finds stale and takes over).
+// it is held while that process lives. The run removes it at its end (releaseTestRunLock); a
+// run that is killed leaves a file the next run finds stale and takes over.
 import { linkSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { dirname } from 'node:path';
 import { identityOf, isSameProcess, type ProcIdentity } from '../../deploy/fleet/proc-identity.ts';
@@ -76,4 +76,10 @@ export function takeTestRunLock(path = RUN_LOCK): void {
     rmSync(aside, { force: true });
   }
   throw new TestRunLockedError(`could not take ${path}: it keeps changing hands; is another test run starting?`);
+}
+
+/** Removes the lock if it is this process's (a second project's teardown finds it gone). */
+export function releaseTestRunLock(path = RUN_LOCK): void {
+  const held = readHolder(path);
+  if (held && held.pid === process.pid && held.startTime === identityOf(process.pid).startTime) rmSync(path, { force: true });
 }
