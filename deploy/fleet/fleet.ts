@@ -502,8 +502,9 @@ function spawnDetached(log: string, command: string, args: string[], env: Record
   child.on('error', () => undefined);
   child.unref();
   if (child.pid === undefined) throw new Error(`could not start ${command} (not installed? run deploy/setup.sh)`);
-  noteForReaper({ pid: child.pid });
-  return { pid: child.pid, ...identityOf(child.pid) };
+  const id = identityOf(child.pid);
+  noteForReaper({ pid: child.pid, startTime: id.startTime });
+  return { pid: child.pid, ...id };
 }
 
 /**

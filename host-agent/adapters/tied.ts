@@ -47,13 +47,14 @@ export function runTied(cmd: string, args: readonly string[]): Promise<{ stdout:
  * agents and fleets of one test can share the file). FF_REAP_FILE unset (a real deployment):
  * nothing is written. Never throws: a note that cannot be written costs only the cleanup.
  */
-export function noteForReaper(what: { pid: number } | { netns: string } | { dir: string }): void {
+export function noteForReaper(what: { pid: number; startTime?: number } | { netns: string } | { dir: string }): void {
   const file = process.env.FF_REAP_FILE;
   if (!file) return;
   let line: string;
   if ('pid' in what) {
     // The start time makes the watcher's kill safe: a PID reused by then names another process.
-    const { startTime } = identityOf(what.pid);
+    // Given by a caller that has read it already.
+    const startTime = what.startTime ?? identityOf(what.pid).startTime;
     if (startTime < 0) return; // exited already
     line = `pid ${what.pid} ${startTime}`;
   } else if ('netns' in what) line = `netns ${what.netns}`;

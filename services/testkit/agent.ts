@@ -2,9 +2,8 @@
 // tests, optionally inside a network namespace, with its own data directory.
 import { execFileSync } from 'node:child_process';
 import { join, resolve } from 'node:path';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
-import { spawnManaged, waitFor } from './proc.ts';
-import { noteForReaper } from '../../host-agent/adapters/tied.ts';
+import { readFileSync, rmSync } from 'node:fs';
+import { spawnManaged, tempDir, waitFor } from './proc.ts';
 import { qemuPids, standbyPids } from '../../deploy/fleet/fleet.ts';
 import type { ManagedProcess } from './proc.ts';
 
@@ -41,9 +40,8 @@ export interface StartAgentOptions {
 }
 
 export async function startAgent(o: StartAgentOptions): Promise<AgentProcess> {
-  const dataDir = o.dataDir ?? mkdtempSync(`/tmp/ffa-${o.hostId}-`);
-  // Only one made here: a caller's data directory is the caller's to keep or remove.
-  if (o.dataDir === undefined) noteForReaper({ dir: dataDir });
+  // Only one made here is the reaper's: a caller's data directory is the caller's to keep or remove.
+  const dataDir = o.dataDir ?? tempDir(`ffa-${o.hostId}-`);
   // The agent's RAM tmpfs (ADR 0016) is its own, inside its data directory: teardown unmounts it.
   const ramMount = join(dataDir, 'ram');
   const logPath = join(o.logDir ?? dataDir, `agent-${o.hostId}.log`);

@@ -7,6 +7,7 @@ import { existsSync, readFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { afterEach, describe, expect, it } from 'vitest';
 import { waitFor } from './proc.ts';
+import { isGone } from '../../host-agent/adapters/qemu/process.ts';
 
 const FIXTURE = join(import.meta.dirname, 'reaper-fixture.ts');
 
@@ -23,13 +24,7 @@ interface Made {
 }
 
 /** Runs and is not a zombie. */
-function runs(pid: number): boolean {
-  try {
-    return !/\) Z /.test(execFileSync('cat', [`/proc/${pid}/stat`], { stdio: ['ignore', 'pipe', 'ignore'] }).toString());
-  } catch {
-    return false;
-  }
-}
+const runs = (pid: number): boolean => !isGone(pid);
 const namespaces = (): string[] => execFileSync('ip', ['netns', 'list']).toString().split('\n').map((l) => l.split(' ')[0]!);
 
 const cleanup: Array<() => void> = [];

@@ -1,9 +1,9 @@
 // One scheduler replica in the test's own process over a real etcd and nats-server that it
 // starts (stopped by PID in `stop`), with TLS and an admin client: the set-up of the
 // integration tests that drive the Fleet API against fake or real host agents.
-import { mkdtempSync, rmSync } from 'node:fs';
+import { rmSync } from 'node:fs';
+import { tempDir } from './proc.ts';
 import { join } from 'node:path';
-import { noteForReaper } from '../../host-agent/adapters/tied.ts';
 import { pino } from 'pino';
 import { startEtcd } from './etcd.ts';
 import type { EtcdCluster } from './etcd.ts';
@@ -37,8 +37,7 @@ export interface TestScheduler {
 
 /** Starts etcd, NATS and a leading scheduler; `config` overrides compileSchedulerConfig's raw options. */
 export async function startTestScheduler(o: { prefix: string; config?: Partial<Record<keyof SchedulerConfig, string>>; seams?: SchedulerSeams }): Promise<TestScheduler> {
-  const dir = mkdtempSync(`/tmp/${o.prefix}`);
-  noteForReaper({ dir });
+  const dir = tempDir(o.prefix);
   const [etcd, nats] = await Promise.all([startEtcd(), startNats()]);
   const credentials = testCredentials(dir);
   const signingKeyPath = join(dir, 'signing.pem');
