@@ -73,9 +73,11 @@ describe('forkfleet CLI and SDK against a local fleet', () => {
     expect(ex).toMatchObject({ code: 3, stdout: 'out\n', stderr: 'err\n' });
     const exj = await cli(['--json', 'sandbox', 'exec', sb.id, '--', 'sh', '-c', 'sleep 0.3; echo hi; echo state > /tmp/s']);
     expect(exj.code).toBe(0);
-    // durationMs: the command's run time as its host timed it (the sleep at least).
+    // durationMs: the command's run time as its host timed it: about the sleep. The guest sleeps
+    // 0.3 s by its own clock, which a restored TCG guest may run a little fast against the host's
+    // (a CI run measured 298 ms), so the floor leaves it 50 ms.
     expect(JSON.parse(exj.stdout)).toMatchObject({ stdout: 'hi\n', exitCode: 0, durationMs: expect.any(Number) });
-    expect(JSON.parse(exj.stdout).durationMs).toBeGreaterThanOrEqual(300);
+    expect(JSON.parse(exj.stdout).durationMs).toBeGreaterThanOrEqual(250);
 
     // fork 4: progress goes to stderr, the children as JSON to stdout
     const fk = await cli(['--json', 'sandbox', 'fork', sb.id, '4', '--ttl', '2h', '--idle-timeout', '0']);
