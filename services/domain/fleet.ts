@@ -267,9 +267,20 @@ export class Fleet {
     return op;
   }
 
-  /** A placement pinned to a host names one the fleet has (else it would fail only once placed). */
+  /**
+   * A placement pinned to a host names one the fleet has and that takes new sandboxes: not
+   * recorded lost, not cordoned, not draining. Placement would refuse every one of those, but
+   * only after the operation (and a fork's child records) had been written and queued. A host
+   * that merely has not been heard lately is let through: a replica that just started has
+   * heard no host, and the leader decides on liveness when it places.
+   */
   private async knownHost(placement: PlacementPrefs | undefined): Promise<void> {
-    if (placement?.hostId && !(await this.deps.store.getHost(placement.hostId))) throw new InvalidArgumentError('placement.host_id', `no host ${placement.hostId} in this fleet (ListHosts)`);
+    if (!placement?.hostId) return;
+    const h = (await this.deps.store.getHost(placement.hostId))?.value;
+    if (!h) throw new InvalidArgumentError('placement.host_id', `no host ${placement.hostId} in this fleet (ListHosts)`);
+    if (h.state === 'lost') throw new WrongStateError('host', h.id, 'lost', 'pin a host that is up (ListHosts), or leave placement.host_id unset', 'placement.host_id');
+    if (h.draining) throw new WrongStateError('host', h.id, 'draining', 'it takes no new sandboxes; pin another host or leave placement.host_id unset', 'placement.host_id');
+    if (h.cordoned) throw new WrongStateError('host', h.id, 'cordoned', 'it takes no new sandboxes; uncordon it (CordonHost with cordon false) or pin another host', 'placement.host_id');
   }
 
   /**

@@ -84,6 +84,8 @@ export type PlacementPreference = Message<"forkfleet.v1.PlacementPreference"> & 
 
   /**
    * Place only on this host (admin credentials only, else PERMISSION_DENIED; tests, debugging).
+   * A host the fleet lacks is INVALID_ARGUMENT; one recorded lost, cordoned or draining is
+   * FAILED_PRECONDITION, both naming placement.host_id.
    *
    * @generated from field: string host_id = 4;
    */

@@ -1,0 +1,76 @@
+// CreateSandbox and ForkSandbox with placement.host_id: a host that takes no new sandboxes is
+// refused at admission, naming the field, before any record is written. The Fleet over a stub
+// store of our own that holds one host record and records every write.
+import { describe, expect, it } from 'vitest';
+import { Fleet } from './fleet.ts';
+import type { CreateInput, ForkInput } from './fleet.ts';
+import { HeartbeatRegistry } from './fleet-view.ts';
+import type { FleetStore, StoreWrite } from './ports.ts';
+import type { HostRec } from './records.ts';
+
+const HOST: HostRec = {
+  id: 'h1',
+  state: 'ready',
+  cordoned: false,
+  draining: false,
+  capacity: { vcpus: 8, memoryMib: 16_384, diskMib: 100_000 },
+  accel: 'kvm',
+  qemuVersion: '7.2.0',
+  cpuModel: 'host',
+  machine: 'q35',
+  peerAddress: '10.0.0.1:7001',
+  linkBytesPerSecond: 125_000_000,
+  labels: {},
+  registeredAt: 0,
+  lastHeartbeatAt: 0,
+  bootId: 'b1',
+};
+
+/** Past the host check, a fork of a snapshot looks the snapshot up: the stub answers with this. */
+const REACHED_SNAPSHOT = new Error('reached the snapshot lookup');
+
+function fleetWith(host: HostRec | undefined): { fleet: Fleet; writes: StoreWrite[] } {
+  const writes: StoreWrite[] = [];
+  const store = {
+    getIdempotent: async () => undefined,
+    getHost: async (id: string) => (host && id === host.id ? { value: host, modRevision: 3 } : undefined),
+    getSnapshot: async () => {
+      throw REACHED_SNAPSHOT;
+    },
+    commit: async (w: StoreWrite[]) => {
+      writes.push(...w);
+      return true;
+    },
+  } as unknown as FleetStore;
+  return { fleet: new Fleet({ store, bus: {} as never, clock: { now: () => 1_000 }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } }), writes };
+}
+
+const placement = { locality: 'ANY' as const, spread: 'PACK' as const, maxPerHost: 0, hostId: 'h1' };
+const create: CreateInput = { tenantId: 't1', idempotencyKey: 'k1', image: 'tiny', snapshotId: '', resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, labels: {}, ttlMs: null, idleTimeoutMs: null, afterResume: [], allowEgress: false, allowCidrs: [], placement, hostname: '' };
+const fork: ForkInput = { tenantId: 't1', idempotencyKey: 'k2', snapshotId: 'sn-a', sandboxId: '', count: 4, placement, labels: {}, ttlMs: null, idleTimeoutMs: null, afterResume: null };
+
+describe('a pinned host at admission', () => {
+  for (const [what, host, reason] of [
+    ['cordoned', { ...HOST, cordoned: true }, /h1 is cordoned/],
+    ['draining', { ...HOST, cordoned: true, draining: true }, /h1 is draining/],
+    ['recorded lost', { ...HOST, state: 'lost' as const }, /h1 is lost/],
+  ] as const) {
+    it(`createAndFork_pinnedToAHostThatIs${what.replace(/ (.)/, (_, c: string) => c.toUpperCase()).replace(/^./, (c) => c.toUpperCase())}_areFailedPreconditionNamingPlacementHostId_andWriteNothing`, async () => {
+      const { fleet, writes } = fleetWith(host);
+      await expect(fleet.createSandbox(create)).rejects.toMatchObject({ kind: 'failed_precondition', field: 'placement.host_id', message: expect.stringMatching(reason) });
+      await expect(fleet.forkSandbox(fork)).rejects.toMatchObject({ kind: 'failed_precondition', field: 'placement.host_id', message: expect.stringMatching(reason) });
+      expect(writes).toEqual([]);
+    });
+  }
+
+  it('fork_pinnedToAnUnknownHost_isInvalidArgumentNamingPlacementHostId', async () => {
+    const { fleet } = fleetWith(undefined);
+    await expect(fleet.forkSandbox(fork)).rejects.toMatchObject({ kind: 'invalid_argument', field: 'placement.host_id' });
+  });
+
+  it('fork_pinnedToAReadyHost_notHeardByThisReplica_goesOnToTheSnapshot', async () => {
+    // This replica has heard no host (it may have just started): only the record decides.
+    const { fleet } = fleetWith(HOST);
+    await expect(fleet.forkSandbox(fork)).rejects.toBe(REACHED_SNAPSHOT);
+  });
+});
