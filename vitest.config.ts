@@ -1,6 +1,6 @@
 import { defineConfig } from 'vitest/config';
 
-// Two tiers (DESIGN.md "Test tiers"):
+// Three tiers (the team's DESIGN.md, "Test tiers", names the first two):
 //   unit: *.test.ts, pure logic, fast, run in parallel.
 //   int:  *.int.test.ts, real etcd / nats-server / QEMU started by the tests; files run
 //         one at a time because this machine has 2 cores and QEMU runs under TCG.

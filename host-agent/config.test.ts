@@ -25,6 +25,11 @@ describe('compileAgentConfig: guest CPU isolation', () => {
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_GUEST_CPU_WEIGHT: '0' }))).toBe('FF_GUEST_CPU_WEIGHT');
     expect(fieldOf(() => compileAgentConfig({ ...base, FF_GUEST_CPU_WEIGHT: '10001' }))).toBe('FF_GUEST_CPU_WEIGHT');
   });
+
+  it('egressPool_smallerThanA28OrNotACidr_isRefusedNamingFF_EGRESS_POOL', () => {
+    for (const v of ['10.0.0.0/29', '10.0.0.0/30', '10.0.0.0/32', '10.0.0.1', 'nope']) expect(fieldOf(() => compileAgentConfig({ ...base, FF_EGRESS_POOL: v })), v).toBe('FF_EGRESS_POOL');
+    expect(compileAgentConfig({ ...base, FF_EGRESS_POOL: '10.0.0.0/28' }).egress.pool).toBe('10.0.0.0/28');
+  });
 });
 
 describe('compileAgentConfig: NATS TLS', () => {

@@ -225,7 +225,7 @@ export function compileAgentConfig(env: NodeJS.ProcessEnv = process.env): AgentP
   if (cg !== undefined && (!/^[A-Za-z0-9_.@-]+(\/[A-Za-z0-9_.@-]+)*$/.test(cg) || cg.split('/').some((p) => p === '.' || p === '..'))) {
     throw new InvalidArgumentError('FF_GUEST_CGROUP', 'must be a cgroup path below the root such as forkfleet-guests, or empty to turn guest isolation off');
   }
-  parseCidr('FF_EGRESS_POOL', cfg.egress.pool);
+  if (parseCidr('FF_EGRESS_POOL', cfg.egress.pool).len > 28) throw new InvalidArgumentError('FF_EGRESS_POOL', 'must be /28 or larger (one /30 per sandbox allowed egress)');
   for (const c of cfg.egress.denyCidrs) parseCidr('FF_EGRESS_DENY_CIDRS', c);
   if (cfg.ram && !cfg.ram.mount.startsWith('/')) throw new InvalidArgumentError('FF_RAM_MOUNT', 'must be an absolute path, or empty to turn the RAM pool off');
   parseRequired('FF_TRUSTED_KEY', cfg.trustedKeyPath, "must name the scheduler's public key (PEM)");

@@ -290,7 +290,7 @@ export interface SchedulerConfig {
   readonly tlsCertPath: string;
   /** FF_TLS_KEY: PEM private key of FF_TLS_CERT. Required. */
   readonly tlsKeyPath: string;
-  /** FF_TLS_CA: PEM of the CA that signed FF_TLS_CERT; the scheduler's own clients (the dashboard) trust it. Empty: system roots. */
+  /** FF_TLS_CA: PEM of the CA that signed FF_TLS_CERT; the scheduler's own clients (the dashboard) trust it. Empty: what any client trusts (FF_CA, FF_CREDENTIALS, <FF_FLEET_DIR>/credentials.json, else the system roots). */
   readonly tlsCaPath: string;
   /** FF_TOKENS_FILE: per-tenant bearer tokens, hashed (services/auth/tokens.ts). Required. */
   readonly tokensFile: string;

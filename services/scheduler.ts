@@ -182,9 +182,10 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     // operation latencies, so FF_DASHBOARD_METRICS may list every replica's metrics URL.
     const peers = (process.env.FF_DASHBOARD_METRICS ?? '').split(',').filter(Boolean);
     // The dashboard reads through the API with an admin token that exists only in this process,
-    // trusting FF_TLS_CA (without it, the system roots: a dev certificate then fails).
+    // trusting FF_TLS_CA (without it, what any client trusts: FF_CA, FF_CREDENTIALS, the fleet
+    // directory's credentials.json, else the system roots, which a dev certificate then fails).
     const token = auth.addEphemeral('admin', true, `dashboard-${config.id}`);
-    if (!config.tlsCaPath) log.warn('FF_TLS_CA is not set: the dashboard trusts only the system CAs when it calls the API');
+    if (!config.tlsCaPath) log.warn('FF_TLS_CA is not set: the dashboard trusts what any client does (FF_CA, FF_CREDENTIALS, credentials.json, else the system CAs) when it calls the API');
     dashboard = dashboardHandler({
       api: grpc.address,
       metrics: peers.length ? metricsFromUrls(peers) : async () => [await registry.metrics()],

@@ -306,8 +306,9 @@ function installGuide(inv: Inventory, apis: string): string {
   const all = [...new Set([...inv.etcd, ...inv.nats, ...inv.schedulers, ...inv.hosts].map((e) => e.machine))];
   const runs = (list: ReadonlyArray<{ machine: string }>) => (m: string): boolean => list.some((e) => e.machine === m);
   const of = (list: ReadonlyArray<{ machine: string }>): string => all.filter(runs(list)).join(', ');
-  // setup.sh installs every package on every machine (a development superset); Debian enables
-  // their services. Each machine disables the ones it does not run.
+  // setup.sh installs every package on every machine (a development superset) and disables the
+  // services of those it installed; a machine that had one of them before keeps its own
+  // service as it was. Each machine makes sure the ones it does not run are off.
   const unused = all.map((m) => `   - ${m}: \`systemctl disable --now prometheus${runs(inv.etcd)(m) ? '' : ' etcd'}${runs(inv.nats)(m) ? '' : ' nats-server'}\``);
   const lines = [
     `# Installing Forkfleet cluster ${inv.name}`,
@@ -316,7 +317,7 @@ function installGuide(inv: Inventory, apis: string): string {
     '',
     '1. On every machine, as root: Debian 12 with Node.js 20.19+ (or 22.12+) and npm; the repository checked out at',
     `   \`${inv.installDir}\`; then \`bash ${inv.installDir}/deploy/setup.sh\` (Debian packages and npm dependencies).`,
-    '2. Turn off the services a machine does not run (setup.sh installs them all, and Debian enables them):',
+    '2. Make sure the services a machine does not run are off (setup.sh installs them all and disables those it installed; a package that was there before keeps its service as it was):',
     ...unused,
     `3. Copy each machine's files onto it, as root (existing directories keep their owner and mode): \`${COPY_COMMAND}\`.`,
     `4. etcd members (${of(inv.etcd)}): \`systemctl daemon-reload && systemctl enable etcd && systemctl restart etcd\` on all of them within a minute (the first waits for a quorum).`,
