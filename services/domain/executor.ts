@@ -1675,9 +1675,8 @@ export class Executor {
    * to end. Resolves with undefined when it succeeded, else with why not.
    */
   private async submitAndWait(tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>): Promise<string | undefined> {
-    const submit = this.deps.submit;
-    if (!submit) throw new ForkfleetError('internal', `this scheduler cannot submit operations: it needs to for a ${kind} of its own`);
-    const h = await submit(tenantId, key, kind, targetId, input);
+    if (!this.deps.submit) throw new ForkfleetError('internal', `this scheduler cannot submit operations: it needs to for a ${kind} of its own`);
+    const h = await this.submitOwn(tenantId, key, kind, targetId, input);
     for (;;) {
       const cur = (await this.deps.store.getOp(tenantId, h.id))?.value;
       if (!this.active) throw new NotLeaderError();
@@ -1685,6 +1684,20 @@ export class Executor {
       if (isTerminal(cur.state)) return cur.state === 'succeeded' ? undefined : `${cur.error?.message ?? cur.state}`;
       await this.pause(250);
     }
+  }
+
+  /**
+   * Submits an operation of this scheduler's own (a rule's, retention's, a drain's or a
+   * cancel's), as the current leader only. The submit is a write of its own, not through
+   * commit(): without this check a pass or a runner that outlived its term (stopped while it
+   * waited on the store, or a lease that ran out under it) went on submitting what it decided
+   * from its old view, e.g. idle-hibernating a sandbox the new leader had seen become busy.
+   */
+  private submitOwn(tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>): Promise<OperationRec> {
+    const submit = this.deps.submit;
+    if (!submit) return Promise.reject(new ForkfleetError('internal', `this scheduler cannot submit operations: it needs to for a ${kind} of its own`));
+    if (!this.currentRunner() || !this.leading()) return Promise.reject(new NotLeaderError());
+    return submit(tenantId, key, kind, targetId, input);
   }
 
   /**
@@ -4511,8 +4524,8 @@ export class Executor {
    * a period, not one a pass.
    */
   private async submitRule(sb: SandboxRec, key: string, kind: OperationRec['kind'], input: Record<string, unknown>, now: number): Promise<void> {
-    const first = await this.deps.submit!(sb.tenantId, key, kind, sb.id, input);
-    if (first.state === 'failed' || first.state === 'cancelled') await this.deps.submit!(sb.tenantId, `${key}/retry/${Math.floor(now / LIFECYCLE_RETRY_MS)}`, kind, sb.id, input);
+    const first = await this.submitOwn(sb.tenantId, key, kind, sb.id, input);
+    if (first.state === 'failed' || first.state === 'cancelled') await this.submitOwn(sb.tenantId, `${key}/retry/${Math.floor(now / LIFECYCLE_RETRY_MS)}`, kind, sb.id, input);
   }
 
   /**
@@ -4522,8 +4535,7 @@ export class Executor {
    * operation keyed per snapshot (repeating the check never deletes twice).
    */
   async reconcileRetention(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void> {
-    const submit = this.deps.submit;
-    if (!submit) return;
+    if (!this.deps.submit) return;
     const now = this.deps.clock.now();
     // While leading, the snapshots come from the cache a watch keeps (a stale entry only makes
     // its guarded write conflict until the next pass), not from listing every snapshot every 2 s.
@@ -4553,7 +4565,7 @@ export class Executor {
     // Keyed by the record's revision too: passes over the same record never delete twice, and
     // a delete that found the snapshot in use after all (a fork placed meanwhile) puts it back
     // at a new revision, so its next expiry is a new operation, not that failed one again.
-    for (const sn of plan.expire) await submit(sn.tenantId, `__expire/${sn.id}/${rev.get(sn.id) ?? 0}`, 'delete_snapshot', sn.id, { reason: 'expired' });
+    for (const sn of plan.expire) await this.submitOwn(sn.tenantId, `__expire/${sn.id}/${rev.get(sn.id) ?? 0}`, 'delete_snapshot', sn.id, { reason: 'expired' });
     for (const [id, by] of plan.held) this.log.debug({ snapshotId: id, usedBy: by }, 'expired snapshot kept while sandboxes use it');
   }
 

@@ -63,6 +63,15 @@ describe('Lifecycle rules', () => {
     expect(started[2]).toBe(`__ttl/sb-a/retry/${Math.floor(clock.t / LIFECYCLE_RETRY_MS)}`);
   });
 
+  it('aRulePassOfAnExecutorThatStoppedLeading_submitsNothing_andSaysItIsNotTheLeader', async () => {
+    // A pass that outlived its term (stop() while it waited on the store) decided from an old
+    // view: the rule's submit is refused, not made.
+    const { ex, started, clock } = rules(() => 'pending');
+    (ex as unknown as { active: boolean }).active = false;
+    await expect(pass(ex, sandboxRecord({ ttlMs: 5000, runningSince: clock.t - 6000 }))).rejects.toMatchObject({ name: 'NotLeaderError' });
+    expect(started).toEqual([]);
+  });
+
   it('ttlDestroyStillRunningOrSucceeded_startsNoOther', async () => {
     for (const state of ['pending', 'running', 'succeeded'] as const) {
       const { ex, started, clock } = rules(() => state);
