@@ -307,7 +307,7 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
     }
   }, 120_000);
 
-  it('sandboxLostMidHibernate_whoseVmComesBackWithItsHost_isTakenBackInItsVmsState_andWatchedAgain_notLeftToTheFailedOp', async () => {
+  it('sandboxLostMidHibernate_whoseVmComesBackWithItsHost_isTakenBack_resumedAsItWasRunning_andWatchedAgain_notLeftToTheFailedOp', async () => {
     // fake-s takes a minute per snapshot: it dies while the hibernate's snapshot step runs,
     // is lost, and comes back with the VM still there.
     const host = await agents('fake-s', { FF_FAKE_SNAPSHOT_MS: '60000', FF_LOG_LEVEL: 'info' });
@@ -324,10 +324,15 @@ describe('a host lost mid-operation (real etcd, NATS, fake agents)', () => {
       host.proc.kill();
       await waitFor('the sandbox lost with its host', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'lost', LOST_AFTER_MS + 10_000, 200);
       await host.restart();
-      // Paused, as its VM is: a hibernate pauses the guest before its snapshot.
-      await waitFor('the sandbox back, paused as its VM is', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'paused', 20_000, 200);
-      // No op is at work on it: the VM checks and the lifecycle rules see it again.
-      expect((await store.getSandbox(tenantId, sid))?.value.opId).toBe('');
+      // Taken back paused, as its VM is (a hibernate pauses the guest before its snapshot), then
+      // resumed: it was running when the hibernate began, and nobody asked for a pause.
+      await waitFor('the sandbox back and running again', async () => (await store.getSandbox(tenantId, sid))?.value.state === 'running', 30_000, 200);
+      expect(host.vms().get('fake-s')?.find((v) => v.sandboxId === sid)?.state).toBe('running');
+      // No op is at work on it (the VM checks and the lifecycle rules see it again), and the
+      // ended hibernate's snapshot is no longer held in use by it.
+      const back = (await store.getSandbox(tenantId, sid))?.value;
+      expect(back?.opId).toBe('');
+      expect(back?.hibernatingTo).toBeUndefined();
     } finally {
       store.close();
     }

@@ -1022,8 +1022,22 @@ export class Executor {
         await this.sendHostWork(cur.hostId, `over-quota-${cur.id}-${cur.updatedAt}`, cur.tenantId, `stop/${cur.id}`, stopVm(cur.id), 'could not stop a VM that came back over its tenant\'s quota');
         return;
       }
-      const r = await this.vmStateChange(cur, (s) => s.state === 'lost', state, '', 1);
-      if (r === true) return void this.log.warn({ sandboxId: cur.id, hostId: cur.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
+      // Lost in a hibernate: the hibernate ended with the host's loss, and its snapshot is no
+      // longer the sandbox's to keep in use (snapshotsUsedBy), as when a hibernate fails.
+      const r = await this.vmStateChange(cur, (s) => s.state === 'lost', state, '', 1, (s) => {
+        delete s.hibernatingTo;
+        delete s.hibernatingFrom;
+      });
+      if (r === true) {
+        this.log.warn({ sandboxId: cur.id, hostId: cur.hostId }, 'lost sandbox reclaimed: its host reports its VM alive');
+        // A hibernate pauses the VM first: one that was running when its hibernate began comes
+        // back paused, and would stay so (calls refused, never idle-hibernated again) though
+        // nobody asked for a pause. It is resumed, as a failed hibernate resumes it.
+        if (state === 'paused' && cur.hibernatingFrom === 'running') {
+          await this.submitOwn(cur.tenantId, `__resume-back/${cur.id}/${cur.updatedAt}`, 'resume', cur.id, {}).catch((e: unknown) => this.log.warn({ err: e, sandboxId: cur.id }, 'could not resume a sandbox that came back paused from a hibernate its host lost'));
+        }
+        return;
+      }
       if (!(r instanceof NoRoomToReclaimError)) return;
       this.log.warn({ sandboxId: cur.id, hostId: cur.hostId, err: r.message }, 'lost sandbox not reclaimed: its host was booked full meanwhile; stopping its VM');
       // The record is left as it is (lost, with its reason): the same op + step on every pass
@@ -1044,7 +1058,7 @@ export class Executor {
    * releases (-1) on the sandbox's host, in one transaction. False, writing nothing, when the
    * record moved on meanwhile (`still` fails or the host changed).
    */
-  private async vmStateChange(sb: SandboxRec, still: (s: SandboxRec) => boolean, state: SandboxState, reason: string, sign: 1 | -1): Promise<boolean | NoRoomToReclaimError> {
+  private async vmStateChange(sb: SandboxRec, still: (s: SandboxRec) => boolean, state: SandboxState, reason: string, sign: 1 | -1, also?: (s: SandboxRec) => void): Promise<boolean | NoRoomToReclaimError> {
     const now = this.deps.clock.now();
     try {
       await this.updateSandbox(
@@ -1053,6 +1067,7 @@ export class Executor {
         (s) => {
           if (!still(s) || s.hostId !== sb.hostId) throw new ConflictError(`sandbox ${sb.id} changed`);
           this.setState(s, state, now, reason);
+          also?.(s);
         },
         (_next, before) => (sign === 1 ? this.capacityIfRoom(sb.hostId, bookingOf(before)) : this.capacity(sb.hostId, bookingOf(before), sign))(),
       );
@@ -4632,13 +4647,16 @@ export class Executor {
     const now = this.deps.clock.now();
     const lose = (s: SandboxRec): void => {
       if (s.hostId !== hostId || !LOSABLE.has(s.state)) throw new MovedOnError(s.id, s.state, s.hostId);
+      const hibernating = s.state === 'hibernating';
       if (s.state === 'destroying') this.setState(s, 'destroyed', now, `host ${hostId} lost`);
       else this.setState(s, 'lost', now, `host ${hostId} lost`);
       // The op at work on it (a hibernate, a pause) can no longer finish: its later writes
       // check the state. Left set, a VM that comes back with its host would be taken
       // back as running but still look busy, and nothing would watch it again.
       s.opId = '';
-      delete s.hibernatingFrom;
+      // Lost in a hibernate: what it was before stays, so a VM that comes back paused (the
+      // hibernate's pause) from running is resumed (vmBack).
+      if (!hibernating) delete s.hibernatingFrom;
     };
     const todo = (only ?? (await this.deps.store.listSandboxes(undefined)).map((v) => v.value)).filter((sb) => sb.hostId === hostId && LOSABLE.has(sb.state));
     // A batch per transaction (with the host's booking, released once): a host of thousands

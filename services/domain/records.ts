@@ -10,17 +10,19 @@ export interface ResourcesRec {
 
 /**
  * Sandbox lifecycle. Transitions (anything else is a bug and is refused):
- *   pending     -> starting | failed | destroying
+ *   pending     -> starting | failed | destroyed
  *   starting    -> running | failed | destroying
  *   running     -> paused | hibernating | destroying | failed | lost
  *   paused      -> running | hibernating | destroying | lost
- *   hibernating -> hibernated | running | failed | lost
- *   hibernated  -> waking | destroying
+ *   hibernating -> hibernated | running | failed | lost | destroying
+ *   hibernated  -> waking | destroyed
  *   waking      -> running | failed | hibernated | destroying
  *   destroying  -> destroyed | failed
- *   failed      -> destroying | destroyed
- *   lost        -> running | paused (its host came back) | waking | destroying | destroyed
+ *   failed      -> destroyed
+ *   lost        -> running | paused (its host came back) | waking | destroyed
  *   destroyed   -> (terminal)
+ * (SANDBOX_TRANSITIONS below is the table the code checks; a state that holds no VM or
+ * booking is destroyed in one write, never `destroying`.)
  * Invariant: hostId is set in every state that owns a VM (starting, running, paused,
  * hibernating, destroying) and capacity is booked on that host exactly then, and while
  * waking once the wake has been placed. A hibernated sandbox keeps its last hostId as
@@ -87,7 +89,10 @@ export interface SandboxRec {
   /** When the sandbox last entered `running`; null when not running. TTL counts only running time. */
   runningSince: number | null;
   hibernationSnapshotId: string;
-  /** While hibernating: the state it came from, which a failed hibernate returns it to. */
+  /**
+   * While hibernating (or lost in it): the state it came from, which a failed hibernate returns
+   * it to, and a VM that comes back with its host is resumed to (Executor.vmBack).
+   */
   hibernatingFrom?: 'running' | 'paused';
   /**
    * While hibernating (or lost in it): the snapshot it is being hibernated into, in use from
