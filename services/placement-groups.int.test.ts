@@ -169,20 +169,21 @@ describe('placement groups (real etcd, NATS, a fake agent)', () => {
     }
   }, 120_000);
 
-  it('forkDecidedBeforeItsSnapshotWasDeleted_fails_withNoChildOfTheDeletedSnapshot', async () => {
+  it('deleteOfASnapshotWhileAnAcceptedForkOfItWaitsToBePlaced_isRefusedInUse_andTheForkSucceeds', async () => {
     const snapshotId = await snapshotOnA();
-    // The fork is decided (from a ready snapshot); the snapshot is deleted, to the end, before
-    // that decision is committed.
+    // The fork is accepted and about to be placed (no child record names the snapshot yet)
+    // when a delete of the snapshot runs to its end: it finds the fork's operation.
     let deleted: Operation | undefined;
     seen.beforeNextPlacement = async () => {
       deleted = await wait(await api.deleteSnapshot({ tenantId, idempotencyKey: key(), snapshotId }));
     };
     const f = await wait(await api.forkSandbox({ tenantId, idempotencyKey: key(), source: { case: 'snapshotId', value: snapshotId }, count: 2 }));
-    expect(deleted?.state, deleted?.error?.message).toBe(OperationState.SUCCEEDED);
-    expect(f.state).toBe(OperationState.FAILED);
-    expect(f.error?.message).toMatch(/snapshot .* is deleted/);
+    expect(deleted?.state).toBe(OperationState.FAILED);
+    expect(deleted?.error?.message).toMatch(new RegExp(`in use; operations ${f.id} will start sandboxes from it`));
+    expect(f.state, f.error?.message).toBe(OperationState.SUCCEEDED);
+    expect((await api.getSnapshot({ tenantId, snapshotId })).state).toBe(SnapshotState.READY);
     const children = (await api.listSandboxes({ tenantId, pageSize: 1000 })).sandboxes.filter((b) => b.sourceSnapshotId === snapshotId);
-    expect(children).toEqual([]);
+    expect(children).toHaveLength(2);
   }, 120_000);
 
   it('deleteWhileAForkOfTheSnapshotCommits_findsItsChildren_andKeepsTheSnapshotReady', async () => {

@@ -668,6 +668,22 @@ function retired(m: Pick<MigrationRec, 'attempt'>): MigrationRec {
   return { snapshotId: '', wasPaused: false, attempt: (m.attempt ?? 0) + 1 };
 }
 
+/**
+ * Snapshot id -> the unfinished operations that will start sandboxes from it before any
+ * sandbox record names it (a fork between its acceptance and its children's records, a fork of
+ * a live sandbox between its snapshot and its children). A delete's own operation names the
+ * snapshot it deletes: not a user.
+ */
+function snapshotsOfOps(ops: Iterable<OperationRec>): Map<string, string[]> {
+  const users = new Map<string, string[]>();
+  for (const o of ops) {
+    if (isTerminal(o.state) || o.kind === 'delete_snapshot' || o.result?.sandboxIds) continue;
+    const input = o.input as { snapshotId?: unknown; forkSnapshotId?: unknown } | null;
+    for (const id of [input?.snapshotId, input?.forkSnapshotId]) if (typeof id === 'string' && id) users.set(id, [...(users.get(id) ?? []), o.id]);
+  }
+  return users;
+}
+
 export class Executor {
   readonly cache = new FleetCache();
   /** Operations this leader runs, at the revision it last wrote or saw (saves a read per update). */
@@ -3233,8 +3249,12 @@ export class Executor {
     // before any host deletes a byte, so a re-run after that never puts back a snapshot whose
     // bytes may be gone (a create that failed against the mark is a user it would find).
     if (sn.deletingFrom !== undefined) {
-      const users = (await this.deps.store.listSandboxes(op.tenantId)).map((b) => b.value).filter((b) => snapshotsUsedBy(b).includes(sn.id));
-      if (users.length > 0) {
+      // Operations too: a fork of the snapshot accepted before the mark has no child records
+      // yet (its guard on the snapshot's revision refuses one after it, Fleet.stillReady).
+      const [sbs, ops] = await Promise.all([this.deps.store.listSandboxes(op.tenantId), this.deps.store.listOps({ activeOnly: true, tenantId: op.tenantId })]);
+      const users = sbs.map((b) => b.value).filter((b) => snapshotsUsedBy(b).includes(sn.id));
+      const opUsers = snapshotsOfOps(ops.map((o) => o.value)).get(sn.id) ?? [];
+      if (users.length > 0 || opUsers.length > 0) {
         // Back to the state it had: nothing was deleted yet.
         await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
           // Only the mark it looked under: a later delete's mark is that delete's to undo.
@@ -3242,6 +3262,7 @@ export class Executor {
           const { deletingFrom, deletingBy: _by, ...rest } = cur;
           return { ...rest, state: deletingFrom };
         });
+        if (users.length === 0) throw new WrongStateError('snapshot', sn.id, 'in use', `operations ${opUsers.slice(0, 5).join(', ')}${opUsers.length > 5 ? ', ...' : ''} will start sandboxes from it; delete it once they have ended and their sandboxes are destroyed`);
         throw new WrongStateError('snapshot', sn.id, 'in use', `sandboxes ${users.slice(0, 5).map((b) => b.id).join(', ')}${users.length > 5 ? ', ...' : ''} use it; destroy them first`);
       }
       await this.updateSnapshotRec(op.tenantId, op.targetId, (cur) => {
@@ -4556,15 +4577,7 @@ export class Executor {
     // its guarded write conflict until the next pass), not from listing every snapshot every 2 s.
     const [snaps, sbs] = await Promise.all([this.active ? [...this.cache.snapshots.values()] : this.deps.store.listSnapshots(undefined), sandboxes ?? this.deps.store.listSandboxes(undefined)]);
     const rev = new Map(snaps.map((v) => [v.value.id, v.modRevision]));
-    // Snapshots that running operations will place sandboxes from before any record of those
-    // names them (a fork of a live sandbox between its snapshot and its children). A delete's
-    // own operation names the snapshot it deletes: not a user.
-    const opUsers = new Map<string, string[]>();
-    for (const { value: o } of this.ops.values()) {
-      if (isTerminal(o.state) || o.kind === 'delete_snapshot' || o.result?.sandboxIds) continue;
-      const input = o.input as { snapshotId?: unknown; forkSnapshotId?: unknown } | null;
-      for (const id of [input?.snapshotId, input?.forkSnapshotId]) if (typeof id === 'string' && id) opUsers.set(id, [...(opUsers.get(id) ?? []), o.id]);
-    }
+    const opUsers = snapshotsOfOps([...this.ops.values()].map((v) => v.value));
     const plan = planRetention(
       snaps.map((v) => v.value),
       sbs.map((v) => v.value),

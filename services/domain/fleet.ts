@@ -377,20 +377,19 @@ export class Fleet {
     const prior = await this.existingOp(input.tenantId, input.idempotencyKey, { kinds: ['create'], digest });
     if (prior) return prior;
     await this.knownHost(input.placement);
-    const sn = input.snapshotId ? await this.getSnapshot(input.tenantId, input.snapshotId) : undefined;
     // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
-    if (sn && sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be restored', 'snapshot_id');
+    const [sn, snRev] = input.snapshotId ? await this.readySnapshot(input.tenantId, input.snapshotId, 'restored') : [undefined, 0];
     // The disk of the sandbox the snapshot was taken of, as a fork child inherits it (runFork):
     // copied into the snapshot's record, else from that sandbox's record if it is still there.
     const inheritedDiskMib = sn ? (sn.inherits?.resources.diskMib ?? (sn.sourceSandboxId ? (await this.deps.store.getSandbox(input.tenantId, sn.sourceSandboxId))?.value.resources.diskMib : undefined)) : undefined;
     const resources = sn ? restoredResources(sn, input.resources, input.resourcesSet, inheritedDiskMib) : input.resources;
     return this.inAdmissionOrder(input.tenantId, async () => {
       const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['create'], digest }, { sandboxes: 1, memoryMib: resources.memoryMib });
-      return raced ?? this.submitCreate(input, resources, digest);
+      return raced ?? this.whileReady(input.tenantId, input.snapshotId, 'restored', snRev, (guard) => this.submitCreate(input, resources, digest, guard));
     });
   }
 
-  private submitCreate(input: CreateInput, resources: SandboxRec['resources'], digest: string): Promise<OperationRec> {
+  private submitCreate(input: CreateInput, resources: SandboxRec['resources'], digest: string, guard: StoreWrite[]): Promise<OperationRec> {
     const id = newId('sb');
     const now = this.deps.clock.now();
     const sb: SandboxRec = {
@@ -417,7 +416,7 @@ export class Fleet {
       hibernationSnapshotId: '',
       opId: '',
     };
-    return this.submit(input.tenantId, input.idempotencyKey, 'create', id, { placement: input.placement }, [{ kind: 'sandbox', value: sb, expectRevision: 0 }], { checked: true, digest });
+    return this.submit(input.tenantId, input.idempotencyKey, 'create', id, { placement: input.placement }, [{ kind: 'sandbox', value: sb, expectRevision: 0 }, ...guard], { checked: true, digest });
   }
 
   async forkSandbox(input: ForkInput): Promise<OperationRec> {
@@ -429,9 +428,10 @@ export class Fleet {
     await this.knownHost(input.placement);
     let lineageId: string;
     let inheritedHooks: HookRec[] | undefined;
+    let snRev = 0;
     if (input.snapshotId) {
-      const sn = await this.getSnapshot(input.tenantId, input.snapshotId);
-      if (sn.state !== 'ready') throw new WrongStateError('snapshot', sn.id, sn.state, 'only a ready snapshot can be forked', 'snapshot_id');
+      const [sn, rev] = await this.readySnapshot(input.tenantId, input.snapshotId, 'forked');
+      snRev = rev;
       lineageId = sn.lineageId;
       // The children inherit the hooks of the sandbox the snapshot was taken of (runFork):
       // counted here, so a fork too large for one transaction is refused now, not failed
@@ -456,11 +456,40 @@ export class Fleet {
     if (input.count > fit) throw new InvalidArgumentError('count', `at most ${fit} children with these labels and after_resume hooks (~${perChild} bytes in each child's record; a fork writes all its children in one transaction of at most ${PLACEMENT_TXN_MAX_BYTES} bytes)`);
     return this.inAdmissionOrder(input.tenantId, async () => {
       const raced = await this.admitUnlessRepeated(input.tenantId, input.idempotencyKey, { kinds: ['fork'], targetId: input.snapshotId || input.sandboxId, digest }, forkNeed(this.deps.store, input.tenantId, input, input.count));
-      return raced ?? this.submitFork(input, lineageId, digest);
+      return raced ?? this.whileReady(input.tenantId, input.snapshotId, 'forked', snRev, (guard) => this.submitFork(input, lineageId, digest, guard));
     });
   }
 
-  private submitFork(input: ForkInput, lineageId: string, digest: string): Promise<OperationRec> {
+  /** A snapshot (not deleted) and its record's revision; refused unless ready. */
+  private async readySnapshot(tenantId: string, id: string, what: 'forked' | 'restored'): Promise<[SnapshotRec, number]> {
+    const v = await this.deps.store.getSnapshot(tenantId, id);
+    if (!v || v.value.state === 'deleted') throw new NotFoundError('snapshot', id);
+    if (v.value.state !== 'ready') throw new WrongStateError('snapshot', id, v.value.state, `only a ready snapshot can be ${what}`, 'snapshot_id');
+    return [v.value, v.modRevision];
+  }
+
+  /**
+   * A create or fork from a snapshot commits guarded by the snapshot record's revision it read
+   * ready (`rev`): a delete (retention's, or a user's) marks it deleting and then looks for what
+   * uses it, so a request committed before the mark is found (Executor.runDeleteSnapshot) and
+   * one after it fails its guard here instead of being accepted and failing once placed. The
+   * guard also fails on other changes of the record (a copy recorded, an expiry announced):
+   * then the snapshot is read again, and the submit made again under its new revision while it
+   * is ready, or refused saying why it no longer is. No snapshot: submitted unguarded.
+   */
+  private async whileReady(tenantId: string, snapshotId: string, what: 'forked' | 'restored', rev: number, submit: (guard: StoreWrite[]) => Promise<OperationRec>): Promise<OperationRec> {
+    if (!snapshotId) return submit([]);
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await submit([{ kind: 'check-snapshot', tenantId, id: snapshotId, expectRevision: rev }]);
+      } catch (e) {
+        if (!(e instanceof ForkfleetError) || e.kind !== 'aborted' || attempt >= 5) throw e;
+        [, rev] = await this.readySnapshot(tenantId, snapshotId, what);
+      }
+    }
+  }
+
+  private submitFork(input: ForkInput, lineageId: string, digest: string, guard: StoreWrite[]): Promise<OperationRec> {
     const childIds = Array.from({ length: input.count }, () => newId('sb'));
     return this.submit(input.tenantId, input.idempotencyKey, 'fork', input.snapshotId || input.sandboxId, {
       snapshotId: input.snapshotId,
@@ -475,7 +504,7 @@ export class Fleet {
       afterResume: input.afterResume,
       ...(input.hibernatedSandboxId ? { hibernatedSandboxId: input.hibernatedSandboxId } : {}),
       ...(input.sandboxId ? { snapshotRetention: input.snapshotRetention ?? { ttlMs: this.deps.forkSnapshotTtlMs || null, keepLast: 0 } } : {}),
-    }, [], { checked: true, digest });
+    }, guard, { checked: true, digest });
   }
 
   /**
