@@ -1,6 +1,6 @@
 // GuestAgentClient against a fake qemu-ga on a unix socket that misbehaves as a tenant's guest
 // may: the guest is untrusted, the agent's memory is every tenant's.
-import { afterEach, describe, expect, it } from 'vitest';
+import { afterEach, describe, expect, it, vi } from 'vitest';
 import { createServer } from 'node:net';
 import type { Server, Socket } from 'node:net';
 import { spawn, spawnSync } from 'node:child_process';
@@ -288,6 +288,86 @@ describe('GuestAgentClient.hold', () => {
     } finally {
       c.close();
     }
+  });
+
+  /** A guest whose file and exec commands are answered after `delayMs`, each recorded as it arrives. */
+  const fileGuest = async (delayMs: number): Promise<{ g: Awaited<ReturnType<typeof fakeGuest>>; seen: GuestRequest[] }> => {
+    const seen: GuestRequest[] = [];
+    const g = await fakeGuest({
+      answer: (req) => {
+        seen.push(req);
+        if (req.execute === 'guest-file-open') return { delayMs, reply: 7 };
+        if (req.execute === 'guest-file-write') return { delayMs, reply: { count: 1, eof: false } };
+        if (req.execute === 'guest-exec') return { delayMs, reply: { pid: 9 } };
+        if (req.execute === 'guest-exec-status') return { delayMs, reply: { exited: true, exitcode: 0 } };
+        return { delayMs, reply: {} };
+      },
+    });
+    guests.push(g);
+    return { g, seen };
+  };
+  const whole = ['guest-file-open', 'guest-file-write', 'guest-file-close', 'guest-exec', 'guest-exec-status'];
+
+  it('writeFile_duringASnapshotHold_isNeverSplit_aHoldAskedForAfterItsTruncatingOpenWasSent_isGrantedOnlyOnceTheWriteAndItsChmodHaveEnded', async () => {
+    const { g, seen } = await fileGuest(50);
+    const c = await GuestAgentClient.connect(g.path);
+    try {
+      const w = c.writeFile('/etc/app.conf', Buffer.from('new contents'), { mode: 0o600 });
+      await vi.waitFor(() => expect(seen.map((r) => r.execute)).toEqual(['guest-file-open']), { interval: 1 });
+      const release = await c.hold();
+      // What a snapshot taken now would have of the write: all of it (none is no longer possible: the open went first).
+      const atHold = seen.map((r) => r.execute);
+      release();
+      await w;
+      expect(atHold).toEqual(whole);
+      expect(seen[3]?.arguments).toMatchObject({ arg: expect.arrayContaining(['/bin/chmod', '600', '/etc/app.conf']) as unknown });
+    } finally {
+      c.close();
+    }
+  });
+
+  it('writeFile_askedForWhileAHoldIsHeld_sendsNothingUntilItsRelease_isNotSplitByASnapshotAskedForRightThen_andCompletesWithoutTimingOut', async () => {
+    const { g, seen } = await fileGuest(20);
+    const c = await GuestAgentClient.connect(g.path);
+    try {
+      const release = await c.hold();
+      // Its timeout is shorter than the hold: waiting for the release does not count.
+      const w = c.writeFile('/etc/app.conf', Buffer.from('new contents'), {}, 100);
+      await new Promise((r) => setTimeout(r, 300));
+      expect(seen).toEqual([]);
+      // A second snapshot right after the first (a template, then another): it too has none or all of the write.
+      release();
+      const releaseNext = await c.hold();
+      const atNextHold = seen.map((r) => r.execute);
+      releaseNext();
+      expect([[], whole.slice(0, 3)]).toContainEqual(atNextHold);
+      await w;
+      expect(seen.map((r) => r.execute)).toEqual(whole.slice(0, 3));
+      expect(Buffer.from(seen[1]?.arguments?.['buf-b64'] as string, 'base64').toString()).toBe('new contents');
+    } finally {
+      c.close();
+    }
+  });
+
+  it('hold_waitingForAWriteTheGuestLeavesUnanswered_isGrantedOnceItsCallerClosesTheChannel_andTheWriteFails', async () => {
+    // What the driver does past HOLD_WAIT_MS: closes the channel rather than wait on.
+    const seen: string[] = [];
+    const g = await fakeGuest({ answer: (req) => (seen.push(req.execute), req.execute === 'guest-file-open' ? { reply: 7 } : undefined) });
+    guests.push(g);
+    const c = await GuestAgentClient.connect(g.path);
+    const w = c.writeFile('/etc/app.conf', Buffer.from('new contents'), {}, 60_000);
+    const failed = w.then(
+      () => undefined,
+      (e: unknown) => e,
+    );
+    await vi.waitFor(() => expect(seen).toEqual(['guest-file-open', 'guest-file-write']), { interval: 1 });
+    const holding = c.hold();
+    const early = await Promise.race([holding.then(() => 'granted'), new Promise((r) => setTimeout(() => r('waiting'), 200))]);
+    expect(early).toBe('waiting');
+    c.close();
+    const release = await holding;
+    release();
+    expect(await failed).toBeInstanceOf(ChannelClosedError);
   });
 });
 

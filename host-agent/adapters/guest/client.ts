@@ -5,7 +5,7 @@
 import { randomBytes, randomInt } from 'node:crypto';
 import type net from 'node:net';
 import type { Logger } from 'pino';
-import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError, InvalidArgumentError } from '../../errors.ts';
+import { ChannelClosedError, GuestAgentCommandError, GuestAgentTimeoutError, GuestChmodError, InvalidArgumentError } from '../../errors.ts';
 import type { ExecRequest, ExecResult } from '../../domain/vmm.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { connectUnix } from '../unix-connect.ts';
@@ -367,6 +367,29 @@ const SYNC_FLUSH = Buffer.from([0xff]);
  */
 export const MAX_PENDING_REPLY_BYTES = 48 << 20;
 
+/** How many of something are under way, and a wait for there to be none. */
+class Count {
+  private n = 0;
+  private waiting: Array<() => void> = [];
+
+  get any(): boolean {
+    return this.n > 0;
+  }
+
+  up(): void {
+    this.n++;
+  }
+
+  down(): void {
+    if (--this.n === 0) for (const r of this.waiting.splice(0)) r();
+  }
+
+  /** Resolves once there are none (at once if there are none now). */
+  none(): Promise<void> {
+    return this.n === 0 ? Promise.resolve() : new Promise((r) => this.waiting.push(r));
+  }
+}
+
 export class GuestAgentClient {
   private sock!: net.Socket;
   /** Received bytes up to the last line end seen (and what follows it in that piece). */
@@ -380,6 +403,15 @@ export class GuestAgentClient {
   private shut = false;
   private tail: Promise<unknown> = Promise.resolve();
   private synced = false;
+  /**
+   * A file write (writeFile) and a hold exclude each other: a write is several commands, and a
+   * hold granted between them would snapshot the guest with the file half written (the open
+   * truncates it). `writes`: writes begun and not ended; a hold is queued once there are none.
+   * `holds`: holds asked for and not yet released; no write begins while there is one (one
+   * asked for included, so writes coming one after another cannot put a hold off for ever).
+   */
+  private readonly writes = new Count();
+  private readonly holds = new Count();
 
   private constructor(
     private path: string,
@@ -447,30 +479,40 @@ export class GuestAgentClient {
   /**
    * Holds the channel while the guest's QEMU is replaced under it (a template snapshot swaps
    * the process; the guest, its qemu-ga and qemu-ga's table of running execs carry on in the
-   * replacement). Resolves once the commands queued before it are answered; commands queued
-   * from then on (a running exec's status polls, its kill) wait, without their timeouts running,
-   * until the returned function is called. `release(path)` moves the channel to the
-   * replacement's socket: the next command connects there and resyncs. `release()` keeps the
-   * socket it had. Call it exactly once, on every path.
+   * replacement). Resolves once the file writes begun before it have ended (writeFile: each is
+   * one whole, never split by a snapshot) and then the commands queued before it are answered;
+   * commands queued from then on (a running exec's status polls, its kill) wait, without their
+   * timeouts running, until the returned function is called, and no file write begins from the
+   * call of hold() until then. Commands queued while a write ends go before the hold. A write
+   * that takes long keeps the hold waiting as long as a slow command does: the caller's bound
+   * on the wait (closing the channel) ends it, failing the write. `release(path)` moves the
+   * channel to the replacement's socket: the next command connects there and resyncs.
+   * `release()` keeps the socket it had. Call it exactly once, on every path.
    */
   hold(): Promise<(movedTo?: string) => void> {
+    this.holds.up();
     return new Promise((held) => {
-      void this.serial(
-        () =>
-          new Promise<void>((done) => {
-            let released = false;
-            held((movedTo) => {
-              if (released) return;
-              released = true;
-              if (movedTo !== undefined && movedTo !== this.path && !this.shut) {
-                this.path = movedTo;
-                this.synced = false;
-                this.closedError ??= new ChannelClosedError('guest agent (moved to a new QEMU)');
-                this.sock.destroy();
-              }
-              done();
-            });
-          }),
+      // Queued only once no write is under way: queued at once, a write's next command would
+      // wait behind the hold, which would wait for the write.
+      void this.writes.none().then(() =>
+        this.serial(
+          () =>
+            new Promise<void>((done) => {
+              let released = false;
+              held((movedTo) => {
+                if (released) return;
+                released = true;
+                if (movedTo !== undefined && movedTo !== this.path && !this.shut) {
+                  this.path = movedTo;
+                  this.synced = false;
+                  this.closedError ??= new ChannelClosedError('guest agent (moved to a new QEMU)');
+                  this.sock.destroy();
+                }
+                done();
+                this.holds.down();
+              });
+            }),
+        ),
       );
     });
   }
@@ -925,11 +967,30 @@ export class GuestAgentClient {
     }
   }
 
-  /** Writes `data` to the file, replacing it, or after its end with `append`. */
-  async writeFile(path: string, data: Buffer, opts: { append?: boolean } = {}, timeoutMs = 10_000): Promise<void> {
-    return this.writeFileRaw(path, data, opts, timeoutMs).catch((e: unknown) => {
-      throw pathError(path, e);
-    });
+  /**
+   * Writes `data` to the file, replacing it, or after its end with `append`; with a `mode`
+   * (not 0), then sets the file's mode to it (GuestChmodError if the guest's chmod fails). The
+   * whole of it, chmod included, is one with respect to hold(): a snapshot has the file as it
+   * was before or as it is after, never emptied by the open with its new bytes yet to come, nor
+   * new bytes with the old mode. Asked for while a hold is asked for or held, it sends nothing
+   * until the hold is released (its timeouts not running meanwhile).
+   */
+  async writeFile(path: string, data: Buffer, opts: { append?: boolean; mode?: number } = {}, timeoutMs = 10_000): Promise<void> {
+    // Checked again after each wait: another hold may have been asked for before this one went on.
+    while (this.holds.any) await this.holds.none();
+    this.writes.up();
+    try {
+      await this.writeFileRaw(path, data, opts, timeoutMs).catch((e: unknown) => {
+        throw pathError(path, e);
+      });
+      if (!opts.mode) return;
+      // qemu-ga opens files with its own default mode and has no chmod: the guest's chmod sets it.
+      const mode = opts.mode & 0o7777;
+      const r = await this.exec({ path: '/bin/chmod', args: [mode.toString(8), path] });
+      if (r.exitCode !== 0) throw new GuestChmodError(path, mode, r.exitCode, r.stderr.toString('utf8'));
+    } finally {
+      this.writes.down();
+    }
   }
 
   private async writeFileRaw(path: string, data: Buffer, opts: { append?: boolean }, timeoutMs: number): Promise<void> {

@@ -1,7 +1,7 @@
 // Integration tests of the QEMU VmmDriver against real QEMU (TCG on the dev machine).
 // One template VM is booted for the file and everything forks from its snapshot.
 import { execFileSync } from 'node:child_process';
-import { createHash } from 'node:crypto';
+import { createHash, randomBytes } from 'node:crypto';
 import { createReadStream, readFileSync } from 'node:fs';
 import { copyFile, mkdir, readdir, readFile, rm, stat, writeFile } from 'node:fs/promises';
 import net from 'node:net';
@@ -10,7 +10,7 @@ import { pino } from 'pino';
 import { afterAll, beforeAll, describe, expect, it, onTestFinished, vi } from 'vitest';
 import { ensureImage } from '../../../deploy/images/build.ts';
 import { IncompatibleSnapshotError, VmCrashedError } from '../../errors.ts';
-import type { GuestImage, LocalSnapshot, RecoveryReport, VmEvent } from '../../domain/vmm.ts';
+import type { GuestImage, LocalSnapshot, RecoveryReport, VmEvent, VmInfo } from '../../domain/vmm.ts';
 import { waitFor, tempDir } from '../../../services/testkit/proc.ts';
 import { QmpClient } from '../qmp/client.ts';
 import { QemuVmmDriver } from './driver.ts';
@@ -251,6 +251,34 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await expect(driver.deleteSnapshot(s2)).rejects.toThrow(/in use by snapshot snap-g0/);
     await driver.deleteSnapshot(s3);
     await driver.deleteSnapshot(s2);
+  });
+
+  it('snapshot_ofACloneWhileAFileIsWrittenIntoIt_waitsForTheWrite_soItsChildHasTheWholeFileOrNone', async () => {
+    // A clone's snapshot goes through a receiver: the guest stops while its RAM is copied. A
+    // WriteFile is several guest-agent commands (the open truncates, the writes follow); the
+    // snapshot must not stop the guest between them.
+    const [cw] = await driver.fork(snap, [{ vmId: 'cw', hostname: 'cw' }]);
+    expect(cw?.state).toBe('running');
+    const data = randomBytes(6 << 20);
+    let ch: VmInfo | undefined;
+    let s: Awaited<ReturnType<typeof driver.snapshot>> | undefined;
+    try {
+      const t0 = Date.now();
+      const writing = driver.writeFile('cw', '/dev/shm/big', data).then(() => Date.now() - t0);
+      await new Promise((r) => setTimeout(r, 150));
+      s = await driver.snapshot('cw', 'snap-cw');
+      expect(s.manifest.method).toBe('receiver');
+      const writeMs = await writing;
+      [ch] = await driver.fork(s, [{ vmId: 'cw1', hostname: 'cw1' }]);
+      const seen = await sh('cw1', 'if [ -e /dev/shm/big ]; then wc -c < /dev/shm/big; sha256sum < /dev/shm/big | cut -d" " -f1; else echo absent; fi');
+      expect(seen === 'absent' || seen === `${data.length}\n${createHash('sha256').update(data).digest('hex')}`, `the child saw ${JSON.stringify(seen)} (the write took ${writeMs} ms)`).toBe(true);
+      // And the source has it whole.
+      expect(await sh('cw', 'wc -c < /dev/shm/big')).toBe(String(data.length));
+    } finally {
+      if (ch) await driver.destroy('cw1').catch(() => undefined);
+      await driver.destroy('cw').catch(() => undefined);
+      if (s) await driver.deleteSnapshot(s).catch(() => undefined);
+    }
   });
 
   it('snapshot_ofAChildThatKeepsRewritingMemory_orOfAPausedChild_restoresChildrenThatRunClean', async () => {

@@ -18,7 +18,6 @@ import { setTimeout as sleep } from 'node:timers/promises';
 import { basename, dirname, join, resolve as resolvePath } from 'node:path';
 import type { Logger } from 'pino';
 import {
-  GuestChmodError,
   IncompatibleSnapshotError,
   InvalidArgumentError,
   InvalidVmStateError,
@@ -273,7 +272,7 @@ const ADOPT_ATTEMPTS = 3;
 /** VMs recover() adopts or reaps at once. */
 const RECOVER_CONCURRENCY = 4;
 
-/** How long a template snapshot waits for the guest-agent calls queued before it to be answered (GuestAgentClient.hold). */
+/** How long a snapshot waits for the guest-agent calls queued before it (and a file write under way) to be answered (GuestAgentClient.hold). */
 const HOLD_WAIT_MS = 10_000;
 /** How long a guest call (exec, file) waits for a snapshot of its VM to end (running()). */
 const SNAPSHOT_WAIT_MS = 60_000;
@@ -679,13 +678,8 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   async writeFile(vmId: string, path: string, data: Buffer, opts: FileWriteOptions = {}): Promise<void> {
-    const agent = this.agentOf(await this.running(vmId, 'write a file'));
-    await agent.writeFile(path, data, { append: opts.append ?? false });
-    if (!opts.mode) return;
-    // qemu-ga opens files with its own default mode and has no chmod: the guest's chmod sets it.
-    const mode = opts.mode & 0o7777;
-    const r = await agent.exec({ path: '/bin/chmod', args: [mode.toString(8), path] });
-    if (r.exitCode !== 0) throw new GuestChmodError(path, mode, r.exitCode, r.stderr.toString('utf8'));
+    // The chmod is the client's: a template snapshot then has the new bytes with the new mode.
+    await this.agentOf(await this.running(vmId, 'write a file')).writeFile(path, data, { append: opts.append ?? false, mode: opts.mode });
   }
 
   // ---------------------------------------------------------------- pause / resume
@@ -1063,6 +1057,7 @@ export class QemuVmmDriver implements VmmDriver {
     // file when it starts, before the VM stops: writing into new page cache is what made the
     // stopped copy slow (~1 s for 256 MiB here, ~70 ms with the file allocated).
     const live = !keepPaused && rec.info.accel === 'kvm';
+    let release: (() => void) | undefined;
     try {
       if (keepPaused) await activateIfMigratedOut(rec.qmp);
       await this.mergeBackStrayLayer(rec, snapshotId);
@@ -1094,6 +1089,19 @@ export class QemuVmmDriver implements VmmDriver {
         backing: null,
       });
 
+      // Guest-agent calls wait out the copy (a stopped guest answers none, and their timeouts
+      // would run), and a file write begun before it ends first: the guest is never copied
+      // with a file its open emptied and its bytes yet to come (GuestAgentClient.hold). A
+      // guest agent that keeps its calls past HOLD_WAIT_MS does not hold the snapshot up: its
+      // channel is closed (those calls fail) and opened again once the VM runs on.
+      const holding = rec.agent?.hold();
+      release = holding ? await Promise.race([holding, new Promise<undefined>((r) => setTimeout(() => r(undefined), HOLD_WAIT_MS).unref())]) : undefined;
+      if (holding && !release) {
+        rec.log.warn({ snapshotId }, 'the guest agent kept its calls past the snapshot\'s wait: its channel is closed, and opened again afterwards');
+        void holding.then((r) => r());
+        rec.agent?.close();
+        rec.agent = undefined;
+      }
       const src = rec.qmp;
       const mark = src.mark;
       if (!live) {
@@ -1115,6 +1123,9 @@ export class QemuVmmDriver implements VmmDriver {
       await this.opts.snapshotCopied?.({ vmId: rec.info.vmId, snapshotId, qmp: src });
       if (!keepPaused) await contAfterMigration(src);
       // ---- end of pause window
+      release?.();
+      release = undefined;
+      if (!rec.agent && !rec.qmp.closed) rec.agent = await this.openAgent(join(rec.info.workdir, `qga.${rec.gen}.sock`)).catch(() => undefined);
       const stopEv = src.eventsSince(mark).find((e) => e.event === 'STOP');
       const resumeEv = keepPaused ? undefined : await src.waitEvent('RESUME', 5000, () => true, mark);
       const pauseMs = stopEv && resumeEv ? resumeEv.timestampMs - stopEv.timestampMs : 0;
@@ -1132,6 +1143,7 @@ export class QemuVmmDriver implements VmmDriver {
       if (!keepPaused) await rec.agent?.sync(10_000).catch(() => undefined);
       return { pauseMs, parent: rec.dependsOn[0] ?? null };
     } catch (e) {
+      release?.();
       if (recv) {
         await killAndWait(recv.proc);
       }
