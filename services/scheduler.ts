@@ -135,7 +135,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const liveness = { suspectAfterMs: config.suspectAfterMs, lostAfterMs: config.lostAfterMs };
 
   // The API edge: TLS only, every call authenticated (services/auth), rate- and stream-limited.
-  const auth = new Authenticator(config.tokensFile, config.ratePerSecond > 0 ? { perSecond: config.ratePerSecond, burst: config.rateBurst } : undefined);
+  const auth = new Authenticator(config.tokensFile, config.ratePerSecond > 0 ? { perSecond: config.ratePerSecond, burst: config.rateBurst } : undefined, Date.now, (why) =>
+    why === undefined ? log.info({ tokensFile: config.tokensFile }, 'tokens file read again: its tokens are in force') : log.error({ tokensFile: config.tokensFile }, `tokens file not taken: ${why}`),
+  );
   const guard = new ApiGuard(auth, { maxStreamsPerCredential: config.maxStreamsPerCredential, maxWatchesPerCredential: config.maxWatchesPerCredential });
   // Quota admission reads usage from a ledger a watch keeps (started by the first check that has a quota).
   const usage = new QuotaLedger({ store, log: log.child({ component: 'quota-ledger' }) });

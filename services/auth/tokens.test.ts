@@ -1,5 +1,5 @@
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
-import { mkdtempSync, readFileSync, rmSync, statSync, utimesSync, writeFileSync } from 'node:fs';
+import { chmodSync, chownSync, mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, utimesSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { tmpdir } from 'node:os';
 import { Authenticator, bearerOf, credentialIdOf, listTokens, mintToken, parseTokensFile, revokeTokens, sha256 } from './tokens.ts';
@@ -77,15 +77,49 @@ describe('tokens file', () => {
     expect(auth.authenticate(`Bearer ${b}`).tenantId).toBe('beta');
   });
 
-  it('authenticator_withACorruptedFileOnReload_keepsTheTokensItHad', () => {
+  it('authenticator_withACorruptedFileOnReload_keepsTheTokensItHad_andSaysSoOnce_untilTheFileIsGoodAgain', () => {
     const file = join(dir, 'tokens.json');
     const a = mintToken(file, { tenant: 'acme' });
     let now = 0;
-    const auth = new Authenticator(file, undefined, () => now);
+    const said: Array<string | undefined> = [];
+    const auth = new Authenticator(file, undefined, () => now, (why) => said.push(why));
     writeFileSync(file, '{ broken');
     utimesSync(file, new Date(), new Date(Date.now() + 5000));
     now = 2000;
     expect(auth.authenticate(`Bearer ${a}`).tenantId).toBe('acme');
+    now = 4000;
+    auth.authenticate(`Bearer ${a}`);
+    expect(said).toEqual([expect.stringMatching(/^cannot take .*tokens\.json: .*revoked ones included/)]);
+    expect(auth.reloadError).toBe(said[0]);
+    // A directory where the file was (as unreadable as a file of another user): said too.
+    rmSync(file);
+    mkdirSync(file);
+    utimesSync(file, new Date(), new Date(Date.now() + 9000));
+    now = 6000;
+    auth.authenticate(`Bearer ${a}`);
+    expect(said).toHaveLength(2);
+    rmSync(file, { recursive: true });
+    const b = mintToken(file, { tenant: 'beta' });
+    utimesSync(file, new Date(), new Date(Date.now() + 12_000));
+    now = 8000;
+    expect(auth.authenticate(`Bearer ${b}`).tenantId).toBe('beta');
+    expect(said[2]).toBeUndefined();
+    expect(said).toHaveLength(3);
+    expect(auth.reloadError).toBeUndefined();
+  });
+
+  it('revokeAndMint_ofAFileAnotherUserOwnsWithItsOwnMode_keepItsModeOwnerAndGroup_soTheSchedulerStillReadsIt', () => {
+    // The rendered deployment: root-owned tokens.json, 0644, read by the scheduler's DynamicUser.
+    const file = join(dir, 'tokens.json');
+    mintToken(file, { tenant: 'acme', name: 'ci' });
+    mintToken(file, { tenant: 'acme', name: 'laptop' });
+    chmodSync(file, 0o644);
+    chownSync(file, 4321, 8765);
+    revokeTokens(file, 'ci');
+    mintToken(file, { tenant: 'beta' });
+    const st = statSync(file);
+    expect([st.mode & 0o7777, st.uid, st.gid]).toEqual([0o644, 4321, 8765]);
+    expect(listTokens(file).map((t) => t.name)).toEqual(['laptop', '']);
   });
 
   it('revokeTokens_byNameOrId_removesOnlyThose_andTheAuthenticatorRefusesThemAfterItsNextReload', () => {

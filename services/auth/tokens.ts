@@ -10,7 +10,7 @@
 // bits); `mintToken` prints it once and stores only its digest. The file is re-read when it
 // changes, so a minted token works without a restart.
 import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
-import { existsSync, readFileSync, renameSync, statSync, writeFileSync } from 'node:fs';
+import { chownSync, existsSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
 import { parseDuration } from '../config.ts';
 import { UnauthenticatedError } from './errors.ts';
@@ -135,16 +135,33 @@ export class Authenticator {
   private mtimeMs = -1;
   private checkedAt = 0;
 
-  /** `path` '' means no file (only ephemeral tokens). */
+  /** Why the file could not be taken since it last changed (undefined: the tokens in use are the file's). */
+  private failing: string | undefined;
+
+  /**
+   * `path` '' means no file (only ephemeral tokens). `onReloadError`: told once per failure
+   * (a file that changed and cannot be read or parsed, or is gone), and `undefined` once the
+   * file is taken again: the scheduler logs it, since a revocation is then not in force.
+   */
   constructor(
     private readonly path: string,
     private readonly defaultRate: RateSpec | undefined,
     private readonly now: () => number = Date.now,
+    private readonly onReloadError: (why: string | undefined) => void = () => undefined,
   ) {
     this.reload(true);
   }
 
-  /** Re-reads the file when its mtime changed (checked at most once a second). A bad new file keeps the old tokens. */
+  /** Why the tokens file could not be taken since it last changed, or undefined (the tokens in use are the file's). */
+  get reloadError(): string | undefined {
+    return this.failing;
+  }
+
+  /**
+   * Re-reads the file when its mtime changed (checked at most once a second). A bad new file
+   * keeps the old tokens (a typo in a hand edit does not lock every tenant out), and says so
+   * through onReloadError (a token revoked in it stays valid until the file can be read).
+   */
   private reload(force = false): void {
     if (!this.path) return this.index();
     const t = this.now();
@@ -155,16 +172,28 @@ export class Authenticator {
       mtime = statSync(this.path).mtimeMs;
     } catch (e) {
       if (force) throw new InvalidArgumentError('FF_TOKENS_FILE', `cannot read ${this.path}: ${(e as Error).message}`);
-      return;
+      return this.fail(`cannot read ${this.path}: ${(e as Error).message}`);
     }
     if (mtime === this.mtimeMs) return;
     try {
       this.entries = parseTokensFile(readFileSync(this.path, 'utf8'));
       this.mtimeMs = mtime;
       this.index();
+      if (this.failing !== undefined) {
+        this.failing = undefined;
+        this.onReloadError(undefined);
+      }
     } catch (e) {
       if (force) throw e;
+      this.fail(`cannot take ${this.path}: ${(e as Error).message}`);
     }
+  }
+
+  private fail(why: string): void {
+    const said = `${why}; the tokens read before stay in force, revoked ones included, until it can be read`;
+    if (this.failing === said) return;
+    this.failing = said;
+    this.onReloadError(said);
   }
 
   private index(): void {
@@ -272,13 +301,26 @@ export function revokeTokens(path: string, which: string): TokenListing[] {
   return gone.map(listingOf);
 }
 
-/** Writes a tokens file through a temporary file and a rename, after checking the scheduler would take it. */
+/**
+ * Writes a tokens file through a temporary file and a rename, after checking the scheduler
+ * would take it. A file it replaces keeps its mode, owner and group: the scheduler reading it
+ * may run as another user (the rendered unit's DynamicUser reads a 0644 root-owned file), and a
+ * replacement only the CLI's user could read was a revocation the scheduler never took. A new
+ * file is 0600 (it holds digests only, but names every tenant).
+ */
 function writeTokensFile(path: string, doc: { tokens: unknown[] }): void {
   const text = `${JSON.stringify(doc, null, 2)}\n`;
   parseTokensFile(text, path); // never write a file the scheduler would refuse
+  const old = existsSync(path) ? statSync(path) : undefined;
   const tmp = `${path}.${process.pid}.tmp`;
-  writeFileSync(tmp, text, { mode: 0o600 });
-  renameSync(tmp, path);
+  try {
+    writeFileSync(tmp, text, { mode: old ? old.mode & 0o7777 : 0o600 });
+    if (old && (old.uid !== process.getuid?.() || old.gid !== process.getgid?.())) chownSync(tmp, old.uid, old.gid);
+    renameSync(tmp, path);
+  } catch (e) {
+    rmSync(tmp, { force: true });
+    throw e;
+  }
 }
 
 export function mintToken(path: string, o: MintOptions): string {
