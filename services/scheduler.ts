@@ -264,7 +264,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       manifest: (bytes) => ({ signature: sign(null, bytes, signing.privateKey), keyId: signing.keyId }),
     },
     config: { liveness, stepTimeoutMs: config.stepTimeoutMs, stepAttempts: config.stepAttempts, chunkBytes: config.chunkBytes, expiryNoticeMs: config.expiryNoticeMs, migrateMaxChildren: config.migrateMaxChildren, recordRetentionMs: config.recordRetentionMs, heldSnapshotCheckMs: config.heldSnapshotCheckMs, strayVmGraceMs: config.strayVmGraceMs },
-    submit: (tenantId, key, kind, targetId, input) => fleet.submit(tenantId, key, kind, targetId, input),
+    submit: (tenantId, key, kind, targetId, input, fence) => fleet.submit(tenantId, key, kind, targetId, input, [], fence ? { fence } : {}),
     quotas: (tenantId) => auth.quotaOf(tenantId),
     usage,
     onFinished: (kind, state, seconds) => {

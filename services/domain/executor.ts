@@ -120,8 +120,11 @@ export interface ExecutorDeps {
   heard: HeartbeatRegistry;
   signer: Signer;
   config: ExecutorConfig;
-  /** Records a new operation (Fleet.submit): the leader's own reconcilers start work through it. */
-  submit?: (tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>) => Promise<OperationRec>;
+  /**
+   * Records a new operation (Fleet.submit): the leader's own reconcilers start work through it.
+   * `fence`: this replica's leadership (ExecutorDeps.fence), which the write is guarded by.
+   */
+  submit?: (tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>, fence?: LeaderFence) => Promise<OperationRec>;
   /** Observability hook: every finished operation (adapters turn it into metrics). */
   onFinished?: (kind: OperationRec['kind'], state: FinalOperationState, seconds: number) => void;
   /** Observability hook: a fork's children placed again after their host was lost (`placed`), or failed for want of room (`failed`). */
@@ -1728,7 +1731,9 @@ export class Executor {
     const submit = this.deps.submit;
     if (!submit) return Promise.reject(new ForkfleetError('internal', `this scheduler cannot submit operations: it needs to for a ${kind} of its own`));
     if (!this.currentRunner() || !this.leading()) return Promise.reject(new NotLeaderError());
-    return submit(tenantId, key, kind, targetId, input);
+    // Fenced too: the check above is at the call, and the submit reads the key before it
+    // writes (a read that stalls past the lease would otherwise write for a deposed leader).
+    return submit(tenantId, key, kind, targetId, input, this.deps.fence?.());
   }
 
   /**

@@ -2,7 +2,7 @@
 // etcd, mutations are recorded as pending operations (with their idempotency key) that the
 // leader's Executor carries out. Inputs arrive validated (adapters/grpc/convert.ts).
 import { createHash, randomBytes, randomFillSync } from 'node:crypto';
-import type { Clock, FleetStore, StoreWrite, Versioned, WorkBus } from './ports.ts';
+import type { Clock, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
@@ -288,8 +288,10 @@ export class Fleet {
    * in one transaction. A repeat of the key returns the first operation unchanged.
    * `checked`: the caller has just looked the key up (the transaction's guard on the key
    * still catches a repeat that raced it). `digest`: the request's (requestDigest), recorded.
+   * `fence`: the leader's own operations (Executor.submitOwn) are written only while its
+   * leadership holds (else NotLeaderError).
    */
-  async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = [], o: { checked?: boolean; digest?: string } = {}): Promise<OperationRec> {
+  async submit(tenantId: string, key: string, kind: OperationKind, targetId: string, input: Record<string, unknown>, extra: StoreWrite[] = [], o: { checked?: boolean; digest?: string; fence?: LeaderFence } = {}): Promise<OperationRec> {
     const checked = o.checked ?? false;
     const repeat: Repeat = { kinds: [kind], targetId, ...(o.digest !== undefined ? { digest: o.digest } : {}) };
     const prior = checked ? undefined : await this.existingOp(tenantId, key, repeat);
@@ -311,11 +313,8 @@ export class Fleet {
       idempotencyKey: key,
       ...(o.digest !== undefined ? { requestDigest: o.digest } : {}),
     };
-    const ok = await this.deps.store.commit([
-      { kind: 'idem', tenantId, key, opId: op.id, expectRevision: 0 },
-      { kind: 'op', value: op, expectRevision: 0 },
-      ...extra,
-    ]);
+    const writes: StoreWrite[] = [{ kind: 'idem', tenantId, key, opId: op.id, expectRevision: 0 }, { kind: 'op', value: op, expectRevision: 0 }, ...extra];
+    const ok = o.fence ? (await this.deps.store.commitAt(writes, o.fence)) > 0 : await this.deps.store.commit(writes);
     if (ok) return op;
     const raced = await this.existingOp(tenantId, key, repeat);
     if (raced) return raced;

@@ -5,7 +5,9 @@ import { describe, expect, it } from 'vitest';
 import pino from 'pino';
 import { Executor, LIFECYCLE_RETRY_MS } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
+import { Fleet } from './fleet.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
+import type { LeaderFence, StoreWrite } from './ports.ts';
 import type { OperationRec, SandboxRec } from './records.ts';
 import { sandboxRecord, snapshotRecord } from '../testkit/records.ts';
 
@@ -70,6 +72,33 @@ describe('Lifecycle rules', () => {
     (ex as unknown as { active: boolean }).active = false;
     await expect(pass(ex, sandboxRecord({ ttlMs: 5000, runningSince: clock.t - 6000 }))).rejects.toMatchObject({ name: 'NotLeaderError' });
     expect(started).toEqual([]);
+  });
+
+  it('aRulesOperation_isWrittenUnderTheLeadersFence_soALeaseLostWhileItsKeyIsReadWritesNothing', async () => {
+    // Wired as the scheduler wires it: the executor's submit is Fleet.submit. The store applies
+    // the fence (etcd: the election key's create revision must still be this one).
+    const fence: LeaderFence = { key: 'election/leader/1', createRevision: 7 };
+    const written: Array<{ fence: LeaderFence | undefined; kinds: string[] }> = [];
+    const store = stub<ExecutorDeps['store']>({
+      getIdempotent: async () => undefined,
+      commit: async (w: StoreWrite[]) => (written.push({ fence: undefined, kinds: w.map((x) => x.kind) }), true),
+      commitAt: async (w: StoreWrite[], f?: LeaderFence) => (written.push({ fence: f, kinds: w.map((x) => x.kind) }), 9),
+    });
+    const fleet = new Fleet({ store, bus: stub({}), clock: { now: () => 1_000_000 }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 } });
+    const ex = new Executor({
+      store,
+      bus: stub({}),
+      clock: { now: () => 1_000_000 },
+      log: pino({ level: 'silent' }),
+      heard: new HeartbeatRegistry(),
+      signer: stub({}),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
+      fence: () => fence,
+      submit: (tenantId, key, kind, targetId, input, f) => fleet.submit(tenantId, key, kind, targetId, input, [], f ? { fence: f } : {}),
+    });
+    (ex as unknown as { active: boolean }).active = true;
+    await pass(ex, sandboxRecord({ ttlMs: 5000, runningSince: 1_000_000 - 6000 }));
+    expect(written).toEqual([{ fence, kinds: ['idem', 'op'] }]);
   });
 
   it('ttlDestroyStillRunningOrSucceeded_startsNoOther', async () => {
