@@ -794,6 +794,39 @@ describe('Agent steps', () => {
     await second.agent.stop();
   });
 
+  it('work_ofATermQueuedForASlotWhileANewerTermWasTaken_isAckedAndDroppedWhenItsTurnComes_withoutARunOrAResult', async () => {
+    const destroyed: string[] = [];
+    const answered: string[] = [];
+    let release: () => void = () => undefined;
+    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined, get: (id: string) => ({ vmId: id, sandboxId: id, state: 'running' }) as never, destroy: async (id: string) => void destroyed.push(id) },
+      { obtain: () => new Promise((_, reject) => (release = () => reject(new ForkfleetError('not_found', 'gone')))) },
+      { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async (r) => void answered.push(r.stepId) },
+      undefined,
+      new MemoryJournal(),
+      'tcg',
+      { concurrency: 1 },
+    );
+    await agent.start();
+    const acks: string[] = [];
+    const deliver = (step: string, term: bigint, w: Parameters<typeof work>[1]) =>
+      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: 1n }), { ack: () => void acks.push(step), working: () => undefined });
+    // Term 5: a restore holds the only slot, a destroy waits for it.
+    const restoring = deliver('restore', 5n, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } });
+    const queued = deliver('old', 5n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-old' } } });
+    await new Promise((r) => setTimeout(r, 10));
+    // The new leader's first work takes term 6 (it waits for the slot too).
+    const fresh = deliver('new', 6n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-new' } } });
+    release();
+    await Promise.all([restoring, queued, fresh]);
+    // (sb-r: the failed restore's clean-up.)
+    expect(destroyed).toEqual(['sb-r', 'sb-new']);
+    expect(answered).toEqual(['restore', 'new']);
+    expect(acks.sort()).toEqual(['new', 'old', 'restore']);
+    await agent.stop();
+  });
+
   it('step_whoseJournalCannotBeRead_isAnsweredRetryable_andMakesNoVm_evenWhenOnlyTheGaveUpCheckFails', async () => {
     let created = 0;
     const journal = new MemoryJournal();
@@ -842,6 +875,42 @@ describe('Agent steps', () => {
     await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), { ack: () => void (acked = true), working: () => undefined });
     expect(acked).toBe(true);
     expect(sent).toEqual([{ stepId: 'destroy', error: expect.objectContaining({ kind: 'resource_exhausted', retryable: false, message: expect.stringContaining('max_payload of 1048576 bytes') }) }]);
+    await agent.stop();
+  });
+
+  it('stepResult_whosePublishFails_isPublishedAgainAfterABackoff_andTheWorkAckedOnlyThen_thoughASiblingOfItsBatchStillRuns', async () => {
+    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    const tries: string[] = [];
+    let release: () => void = () => undefined;
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined, get: (id: string) => ({ vmId: id, sandboxId: id, state: 'running' }) as never, destroy: async () => undefined },
+      { obtain: () => new Promise((_, reject) => (release = () => reject(new ForkfleetError('not_found', 'gone')))) },
+      {
+        serveExec: () => () => undefined,
+        serveFile: () => () => undefined,
+        consumeWork: async (f) => ((onWork = f as never), async () => undefined),
+        publishHeartbeat: () => undefined,
+        publishResult: async (r) => {
+          tries.push(r.stepId);
+          if (r.stepId === 'destroy' && tries.filter((t) => t === 'destroy').length <= 2) throw new ForkfleetError('deadline_exceeded', 'no PubAck within 5000 ms');
+        },
+      },
+      undefined,
+      new MemoryJournal(),
+      'tcg',
+      { resultRetryMs: 20 },
+    );
+    await agent.start();
+    // One message carrying both (a batch): a slow restore and a destroy.
+    const acks: string[] = [];
+    const ctl = (step: string) => ({ ack: () => void acks.push(step), working: () => undefined });
+    const slow = onWork!(work('restore', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } }), ctl('restore'));
+    await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), ctl('destroy'));
+    // Published on its third try, 20 + 40 ms later, while the restore still runs.
+    expect(tries).toEqual(['destroy', 'destroy', 'destroy']);
+    expect(acks).toEqual(['destroy']);
+    release();
+    await slow;
     await agent.stop();
   });
 

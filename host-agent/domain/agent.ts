@@ -154,6 +154,11 @@ export interface AgentConfig {
    */
   shutdownGraceMs?: number;
   /**
+   * The first wait before a step result whose publish failed is published again (then twice
+   * and four times as long; default 1000 ms). See publishResult.
+   */
+  resultRetryMs?: number;
+  /**
    * The least time a step is given before its deadline answers it (HostWork.deadline, set by
    * the scheduler to when it stops waiting for that send): a host clock behind the
    * scheduler's would otherwise answer every step late before it could run. Default 10 s.
@@ -578,6 +583,12 @@ export class Agent {
    * compared: work of a cluster other than the kept one's is taken, and its term kept (etcd
    * was made anew and counts from 1 again).
    */
+  /** Whether `w` is of an older term of the same cluster than the newest this agent has taken. */
+  private ofAnOlderTerm(w: HostWork): boolean {
+    const kept = this.leaderTerm;
+    return w.leaderTerm !== 0n && kept !== undefined && kept.cluster === w.leaderCluster && w.leaderTerm < kept.term;
+  }
+
   private takesTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n) return true;
@@ -618,6 +629,13 @@ export class Agent {
       };
       const key = `${w.opId}/${w.stepId}`;
       const run = async (): Promise<void> => {
+        // Judged again when it starts: a step that waited for a slot while a newer leader's
+        // work arrived is of a deposed leader's term now, dropped as takesTerm drops it.
+        if (this.ofAnOlderTerm(w)) {
+          this.log.warn({ opId: w.opId, stepId: w.stepId, term: String(w.leaderTerm), newestTerm: String(this.leaderTerm?.term) }, "queued work of a deposed leader's term dropped");
+          ctl.ack();
+          return done();
+        }
         // Another copy of a step that is running (a scheduler's re-send of a slow step, a
         // redelivery after a restart) waits for that run without a slot of its own: copies of
         // a few slow restores would otherwise take every slot and starve unrelated steps.
@@ -625,7 +643,7 @@ export class Agent {
         if (slot) this.inflight++;
         try {
           const result = await this.runStep(w);
-          await this.deps.bus.publishResult(result).catch((e: unknown) => {
+          await this.publishResult(result).catch((e: unknown) => {
             if (!isForkfleetError(e) || e.kind !== 'resource_exhausted') throw e;
             // Larger than the bus carries (a snapshot's manifest of a very large VM): every
             // redelivery would fail alike and the scheduler would wait out every attempt. Its
@@ -648,6 +666,27 @@ export class Agent {
       if (this.inProgress.has(key) || this.inflight < this.deps.config.concurrency) this.begin(run);
       else this.queue.push({ w, run, drop: done });
     });
+  }
+
+  /**
+   * Publishes a step's result, again after 1, 2 and 4 s (resultRetryMs) when the publish fails
+   * (no PubAck in time: a JetStream leader election, a reconnect). Left unacked, the work would
+   * be delivered again only after its ack wait, and a step that shares its message with others
+   * (a batch) only once the slowest of them has ended: its result, journalled and ready, would
+   * reach the scheduler only after its step timeout. A result too large for the bus is not
+   * tried again (resource_exhausted: every try fails alike).
+   */
+  private async publishResult(result: HostResult): Promise<void> {
+    const base = this.deps.config.resultRetryMs ?? 1000;
+    for (let attempt = 1; ; attempt++) {
+      try {
+        return await this.deps.bus.publishResult(result);
+      } catch (e) {
+        if ((isForkfleetError(e) && e.kind === 'resource_exhausted') || attempt >= 4 || this.closed) throw e;
+        this.log.warn({ err: e, opId: result.opId, stepId: result.stepId, attempt }, 'could not publish a step result; trying again');
+        await new Promise((r) => setTimeout(r, base * 2 ** (attempt - 1)));
+      }
+    }
   }
 
   /** Runs a delivered step, kept among the running ones until it settles (stop() waits for them). */
