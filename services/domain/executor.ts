@@ -3739,12 +3739,15 @@ export class Executor {
         this.holderQueue.delete(k);
         let error: unknown;
         try {
-          for (let i = 0; i < 20; i++) {
+          let recorded = false;
+          for (let i = 0; i < 20 && !recorded; i++) {
             const v = await this.deps.store.getSnapshot(tenantId, snapshotId);
             const add = v ? [...q.hosts].filter((h) => !v.value.hostIds.includes(h)) : [];
-            if (!v || add.length === 0) break;
-            if (await this.commit([{ kind: 'snapshot', value: { ...v.value, hostIds: [...v.value.hostIds, ...add] }, expectRevision: v.modRevision }])) break;
+            if (!v || add.length === 0) recorded = true;
+            else recorded = (await this.commit([{ kind: 'snapshot', value: { ...v.value, hostIds: [...v.value.hostIds, ...add] }, expectRevision: v.modRevision }])) > 0;
           }
+          // Every try conflicted: the hosts are not recorded, and their callers are told so.
+          if (!recorded) throw new ConflictError(`snapshot ${snapshotId}'s holders`);
         } catch (e) {
           error = e;
         }
