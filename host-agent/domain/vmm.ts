@@ -175,6 +175,12 @@ export interface SnapshotManifest {
   method: 'shared-file' | 'receiver';
   /** How long the source VM's vCPUs were stopped, from QEMU's STOP to RESUME events. */
   sourcePauseMs: number;
+  /**
+   * Guest-agent execs were running in the source when it was copied: their programs are in
+   * the snapshot, and a VM restored from it ends them before it is handed out (no caller
+   * polls them there, nor enforces their timeouts). Absent: none (or a manifest from before).
+   */
+  guestExecsRunning?: true;
 }
 
 export interface LocalSnapshot {

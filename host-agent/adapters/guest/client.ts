@@ -376,6 +376,10 @@ class Count {
     return this.n > 0;
   }
 
+  get count(): number {
+    return this.n;
+  }
+
   up(): void {
     this.n++;
   }
@@ -412,6 +416,8 @@ export class GuestAgentClient {
    */
   private readonly writes = new Count();
   private readonly holds = new Count();
+  /** Execs begun and not ended (execsRunning). */
+  private readonly execs = new Count();
 
   private constructor(
     private path: string,
@@ -654,7 +660,21 @@ export class GuestAgentClient {
    * GuestAgentTimeoutError that says so, and the program is ended in the background once the
    * guest answers again (endLater), as is what a start answered too late started.
    */
+  /** How many execs of this client are under way: a snapshot taken now has their programs running. */
+  get execsRunning(): number {
+    return this.execs.count;
+  }
+
   async exec(req: ExecRequest): Promise<ExecResult> {
+    this.execs.up();
+    try {
+      return await this.execCounted(req);
+    } finally {
+      this.execs.down();
+    }
+  }
+
+  private async execCounted(req: ExecRequest): Promise<ExecResult> {
     const timeoutMs = req.timeoutMs ?? 30_000;
     const end = Date.now() + timeoutMs;
     const capture = req.captureOutput ?? true;

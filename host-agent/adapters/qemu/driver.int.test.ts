@@ -281,6 +281,31 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
   });
 
+  it('snapshot_ofACloneWhileAnExecRuns_marksIt_andItsChildEndsTheInheritedProgram_whileTheSourcesExecCompletes', async () => {
+    // The exec's caller waits on the source; in a child no one polls its copy, and nothing
+    // would enforce its timeout: the child ends it before it is handed out.
+    expect(snap.manifest.guestExecsRunning).toBeUndefined();
+    const [ce] = await driver.fork(snap, [{ vmId: 'ce', hostname: 'ce' }]);
+    expect(ce?.state).toBe('running');
+    let ch: VmInfo | undefined;
+    let s: Awaited<ReturnType<typeof driver.snapshot>> | undefined;
+    try {
+      const running = driver.exec('ce', { path: '/bin/sh', args: ['-c', 'sleep 3; echo late > /dev/shm/late'], timeoutMs: 60_000 });
+      await new Promise((r) => setTimeout(r, 500));
+      s = await driver.snapshot('ce', 'snap-ce');
+      expect(s.manifest.guestExecsRunning).toBe(true);
+      [ch] = await driver.fork(s, [{ vmId: 'ce1', hostname: 'ce1' }]);
+      expect(await running).toMatchObject({ exitCode: 0 });
+      await new Promise((r) => setTimeout(r, 4000));
+      expect(await sh('ce', 'cat /dev/shm/late')).toBe('late');
+      expect(await sh('ce1', 'cat /dev/shm/late 2>/dev/null || echo absent')).toBe('absent');
+    } finally {
+      if (ch) await driver.destroy('ce1').catch(() => undefined);
+      await driver.destroy('ce').catch(() => undefined);
+      if (s) await driver.deleteSnapshot(s).catch(() => undefined);
+    }
+  });
+
   it('snapshot_ofAChildThatKeepsRewritingMemory_orOfAPausedChild_restoresChildrenThatRunClean', async () => {
     // A receiver snapshot copies a clone's RAM while the clone is stopped (under TCG). The live
     // precopy it replaced lost writes of a guest that kept rewriting pages: this test's images

@@ -297,8 +297,6 @@ export class QemuVmmDriver implements VmmDriver {
   private readonly listeners = new Set<(e: VmEvent) => void>();
   private accelPromise: Promise<Accel> | undefined;
   private readonly overlays = new OverlayFactory();
-  /** Names this driver's exec wrappers in its guests: a later driver (the agent restarted) ends the ones it did not start. */
-  private readonly agentInstance = randomBytes(4).toString('hex');
   private versionPromise: Promise<string> | undefined;
   private ramPoolOpened: Promise<RamPool | undefined> | undefined;
   /** StandbyPolicy.incomingQuietMs. */
@@ -597,9 +595,14 @@ export class QemuVmmDriver implements VmmDriver {
     });
   }
 
-  /** A guest-agent channel whose exec wrappers carry this driver's instance (see GuestAgentClient.reapOrphanExecs). */
+  /**
+   * A guest-agent channel whose exec wrappers carry an instance of its own (see
+   * GuestAgentClient.reapOrphanExecs): a VM restored from a snapshot taken while execs ran
+   * can tell the wrappers it inherited, which carry the source's channel's instance, from its
+   * own, also on the host that ran the source.
+   */
   private openAgent(path: string): Promise<GuestAgentClient> {
-    return GuestAgentClient.connect(path, 5000, this.agentInstance, {}, this.opts.logger);
+    return GuestAgentClient.connect(path, 5000, randomBytes(4).toString('hex'), {}, this.opts.logger);
   }
 
   private async connectAgent(rec: VmRecord, deadlineMs: number, attemptMs = 1000): Promise<GuestAgentClient> {
@@ -780,7 +783,7 @@ export class QemuVmmDriver implements VmmDriver {
         const result = rec.memShared
           ? await this.snapshotSharedFile(rec, dir, draft, before === 'paused' ? 'paused' : 'running')
           : await this.snapshotViaReceiver(rec, dir, snapshotId, before === 'paused');
-        const manifest: SnapshotManifest = { ...draft, parentSnapshotId: result.parent, sourcePauseMs: result.pauseMs };
+        const manifest: SnapshotManifest = { ...draft, parentSnapshotId: result.parent, sourcePauseMs: result.pauseMs, ...(result.execsRunning ? { guestExecsRunning: true as const } : {}) };
         if (!rec.dependsOn.includes(snapshotId)) rec.dependsOn = [snapshotId, ...rec.dependsOn];
         if (draft.method === 'receiver') sealing = manifest;
         const sealStart = performance.now();
@@ -861,7 +864,7 @@ export class QemuVmmDriver implements VmmDriver {
    * A replacement QEMU (share=off clone of the snapshot, -incoming defer) is launched first;
    * the pause is then stop + device state save + kill source + state load + cont.
    */
-  private async snapshotSharedFile(rec: VmRecord, dir: string, draft: SnapshotManifest, resumeTo: 'running' | 'paused'): Promise<{ pauseMs: number; parent: string | null }> {
+  private async snapshotSharedFile(rec: VmRecord, dir: string, draft: SnapshotManifest, resumeTo: 'running' | 'paused'): Promise<{ pauseMs: number; parent: string | null; execsRunning: boolean }> {
     const snapshotId = draft.snapshotId;
     const keepPaused = resumeTo === 'paused';
     const memImg = join(dir, 'mem.img');
@@ -920,6 +923,8 @@ export class QemuVmmDriver implements VmmDriver {
     // (those calls fail, as before there was a hold) and a new one opened on the replacement.
     const holding = rec.agent?.hold();
     const release = holding ? await Promise.race([holding, new Promise<undefined>((r) => setTimeout(() => r(undefined), HOLD_WAIT_MS).unref())]) : undefined;
+    // Execs under way now run on in the snapshot (also those of a channel closed below).
+    const execsRunning = (rec.agent?.execsRunning ?? 0) > 0 || (holding !== undefined && !release);
     if (holding && !release) {
       rec.log.warn({ snapshotId }, 'the guest agent kept its calls past the snapshot\'s wait: its channel is closed, and opened again on the replacement');
       void holding.then((r) => r());
@@ -927,7 +932,7 @@ export class QemuVmmDriver implements VmmDriver {
       rec.agent = undefined;
     }
     try {
-      return await this.switchToReplacement(rec, repl, feedReplacement, { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, parent: draft.parentSnapshotId, undo }, (qga) => release?.(qga));
+      return { ...(await this.switchToReplacement(rec, repl, feedReplacement, { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, parent: draft.parentSnapshotId, undo }, (qga) => release?.(qga))), execsRunning };
     } finally {
       release?.();
     }
@@ -1037,7 +1042,7 @@ export class QemuVmmDriver implements VmmDriver {
    * x-ignore-shared and exits.
    * See docs/adr/0003-snapshot-of-a-clone.md.
    */
-  private async snapshotViaReceiver(rec: VmRecord, dir: string, snapshotId: string, keepPaused: boolean): Promise<{ pauseMs: number; parent: string | null }> {
+  private async snapshotViaReceiver(rec: VmRecord, dir: string, snapshotId: string, keepPaused: boolean): Promise<{ pauseMs: number; parent: string | null; execsRunning: boolean }> {
     const memImg = join(dir, 'mem.img');
     const diskImg = join(dir, 'disk.qcow2');
     const stateBin = join(dir, 'state.bin');
@@ -1096,6 +1101,8 @@ export class QemuVmmDriver implements VmmDriver {
       // channel is closed (those calls fail) and opened again once the VM runs on.
       const holding = rec.agent?.hold();
       release = holding ? await Promise.race([holding, new Promise<undefined>((r) => setTimeout(() => r(undefined), HOLD_WAIT_MS).unref())]) : undefined;
+      // Execs under way now run on in the snapshot (also those of a channel closed below).
+      const execsRunning = (rec.agent?.execsRunning ?? 0) > 0 || (holding !== undefined && !release);
       if (holding && !release) {
         rec.log.warn({ snapshotId }, 'the guest agent kept its calls past the snapshot\'s wait: its channel is closed, and opened again afterwards');
         void holding.then((r) => r());
@@ -1141,7 +1148,7 @@ export class QemuVmmDriver implements VmmDriver {
       // The VM keeps its QEMU; only its disk moved to the new overlay.
       rec.diskPath = newDisk;
       if (!keepPaused) await rec.agent?.sync(10_000).catch(() => undefined);
-      return { pauseMs, parent: rec.dependsOn[0] ?? null };
+      return { pauseMs, parent: rec.dependsOn[0] ?? null, execsRunning };
     } catch (e) {
       release?.();
       if (recv) {
@@ -1613,7 +1620,7 @@ export class QemuVmmDriver implements VmmDriver {
           if (qemuTls) await rec.qmp.execute('migrate-set-parameters', { 'tls-creds': '' });
           mark('load');
           const loadMs = this.opts.clock.now() - t1;
-          await this.startRestored(rec, t0, mark);
+          await this.startRestored(rec, t0, mark, m.guestExecsRunning === true);
           log.info({ readyMs: rec.info.readyMs, prepareMs, loadMs, phases: ph, ramFilled: ram?.filled ?? standby?.ramFilled, standby: standby?.id, pid: rec.proc.pid }, 'vm restored by migration');
           return { ...rec.info };
         } catch (e) {
@@ -1664,7 +1671,7 @@ export class QemuVmmDriver implements VmmDriver {
         const { proc, qmp } = await this.spawnIncoming(snapshot, p, mark);
         rec = this.register(p, proc, qmp, log);
       }
-      await this.startRestored(rec, t0, mark);
+      await this.startRestored(rec, t0, mark, m.guestExecsRunning === true);
       log.debug({ phases: ph, standby: !!standby }, 'restore phases');
       log.info({ readyMs: rec.info.readyMs, pid: rec.proc.pid, standby: standby?.id }, 'vm restored');
       return { ...rec.info };
@@ -1678,15 +1685,23 @@ export class QemuVmmDriver implements VmmDriver {
   /**
    * The end of every restore, same-host or migrated: the loaded VM runs its first guest
    * instruction, its agent is resynced, it gets clone hygiene, and it is recorded as running
-   * with its ready time counted from `t0`.
+   * with its ready time counted from `t0`. `execsRan` (the snapshot's guestExecsRunning): the
+   * guest-agent execs that were running in the source when it was copied are ended first, as
+   * a timeout would end them: their callers wait on the source (or were told it failed, when
+   * it was hibernated), and here no one would poll them or enforce their timeouts.
    */
-  private async startRestored(rec: VmRecord, t0: number, mark: (k: string) => void): Promise<void> {
+  private async startRestored(rec: VmRecord, t0: number, mark: (k: string) => void, execsRan = false): Promise<void> {
     await rec.qmp.execute('cont');
     mark('cont');
     try {
       rec.agent = await this.connectAgent(rec, this.opts.restoreTimeoutMs, 250);
       mark('sync');
       await this.cloneHygiene(rec, mark);
+      // This channel's instance is new (openAgent): every wrapper in the guest is another's.
+      if (execsRan) {
+        await this.reapOrphans(rec, 30_000);
+        mark('reap');
+      }
     } catch (e) {
       // The VM is destroyed next: what the guest was doing is only visible now.
       rec.log.warn({ err: String(e), guest: await this.guestDiagnostics(rec) }, 'restored guest did not answer');
@@ -2160,7 +2175,7 @@ export class QemuVmmDriver implements VmmDriver {
     return agent.reapOrphanExecs(timeoutMs).then(
       (n) => {
         rec.orphanExecsPending = undefined;
-        if (n > 0) rec.log.warn({ execs: n }, 'ended the execs the previous agent left running in the guest');
+        if (n > 0) rec.log.warn({ execs: n }, 'ended the execs an earlier agent or the snapshot\'s source left running in the guest');
       },
       (e: unknown) => rec.log.warn({ err: String(e) }, 'could not end the execs the previous agent left in the guest'),
     );

@@ -2504,7 +2504,9 @@ export const FleetService: GenService<{
    * Runs a command in the guest. Output is streamed; the last message carries the exit. A
    * scheduler holds a bounded amount of output its callers have not read (all calls
    * together): the call whose output passes it gets RESOURCE_EXHAUSTED, and its command is
-   * stopped.
+   * stopped. A snapshot or fork taken while it runs does not end it; the command's copy in a
+   * sandbox restored from that snapshot (a fork child, a woken one) is ended before that
+   * sandbox is ready, as a timeout would end it: no call waits on it there.
    *
    * @generated from rpc forkfleet.v1.FleetService.Exec
    */
@@ -2514,7 +2516,8 @@ export const FleetService: GenService<{
     output: typeof ExecResponseSchema;
   },
   /**
-   * Writes a file in the guest: the first message names it, the rest carry data.
+   * Writes a file in the guest: the first message names it, the rest carry data. A snapshot
+   * taken meanwhile has the file as it was before the write or after it, never in between.
    *
    * @generated from rpc forkfleet.v1.FleetService.WriteFile
    */
