@@ -1417,9 +1417,13 @@ describe('QemuVmmDriver (real QEMU)', () => {
   });
 
   it('recover_afterAgentRestart_adoptsRunningVmAndDestroyLeavesNothing', async () => {
+    // The previous agent died between a clone-overlay warm-up's create and its removal.
+    const warm = join(root, 'vms', 'tpl', 'overlay-warm.snap-x.qcow2');
+    await writeFile(warm, 'left by a killed agent');
     // Simulate an agent crash: forget everything without killing QEMU.
     const report = await restartAgent();
     expect(report.adopted).toEqual(['tpl']);
+    await expect(stat(warm)).rejects.toThrow(/ENOENT/);
     expect(await sh('tpl', 'cat /dev/shm/marker', driver)).toBe('tmpfs-before-snapshot');
     await driver.close();
     await driver.deleteSnapshot(snap);

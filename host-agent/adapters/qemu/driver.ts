@@ -2201,6 +2201,11 @@ export class QemuVmmDriver implements VmmDriver {
     // cancelled, or it would complete and stop the VM adopted here as running. The redelivered
     // step starts its own.
     if (await cancelMigrationOut(qmp)) log.warn('adopted VM was migrating out for the previous agent: migration cancelled');
+    // A clone-overlay warm-up (snapshot(): made, then removed at once) the previous agent died
+    // between: no QEMU opens it, and nothing else would remove it before the VM is destroyed.
+    for (const f of await readdir(p.info.workdir).catch(() => [] as string[])) {
+      if (/^overlay-warm\..+\.qcow2$/.test(f)) await unlink(join(p.info.workdir, f)).catch(() => undefined);
+    }
     let status = await queryStatus(qmp);
     if (p.info.state === 'running' && status !== 'running') {
       // Stopped by an operation the previous agent died in (a snapshot's copy, a pause it had
