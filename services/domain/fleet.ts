@@ -526,8 +526,10 @@ export class Fleet {
     // hosts, and copies count no stored bytes): a tenant at its snapshot_bytes quota may still
     // make them, e.g. before a host is removed.
     if (kind === 'snapshot' || (kind === 'hibernate' && sb.state !== 'hibernated')) await admit(this.deps, input.tenantId, { snapshot: true });
-    if (kind === 'wake') await this.admitWake(input.tenantId, sb);
-    const op = await this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], { checked: true, digest });
+    const submitOp = (): Promise<OperationRec> => this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], { checked: true, digest });
+    // A wake takes memory again: admitted in order with the tenant's other admissions, as a
+    // create is (inAdmissionOrder), or concurrent wakes would all pass on the same usage.
+    const op = kind === 'wake' ? await this.inAdmissionOrder(input.tenantId, async () => (await this.admitWake(input.tenantId, sb), submitOp())) : await submitOp();
     this.readAtSubmit.set(op, sb);
     return op;
   }
@@ -801,8 +803,12 @@ export class Fleet {
     if (sb.state === 'hibernated' || sb.state === 'waking') {
       // While waking, the record names the wake in progress; while hibernated, the key is
       // stable (updatedAt does not change until a wake starts), so racing callers share it.
-      await this.admitWake(tenantId, sb);
-      const opId = sb.state === 'waking' && sb.opId ? sb.opId : (await this.submit(tenantId, `__wake/${sb.id}/${sb.updatedAt}`, 'wake', sb.id, {})).id;
+      const asleep = sb;
+      // Admitted in order with the tenant's other admissions (inAdmissionOrder), as sandboxOp's wake.
+      const opId =
+        asleep.state === 'waking' && asleep.opId
+          ? asleep.opId
+          : (await this.inAdmissionOrder(tenantId, async () => (await this.admitWake(tenantId, asleep), this.submit(tenantId, `__wake/${asleep.id}/${asleep.updatedAt}`, 'wake', asleep.id, {})))).id;
       const done = await this.waitOperation(tenantId, opId, 300_000, signal);
       if (signal?.aborted) throw cancelled();
       if (done.state !== 'succeeded') throw wakeFailure(id, done, field);
