@@ -555,12 +555,15 @@ export function buildProgram(): Command {
     .argument('<argv...>', 'command and arguments (put them after --)')
     .option('--env <key=value>', 'environment variable, added to the guest\'s own environment (repeatable); names starting _ff_ or FFE_ are refused', pairsArg('--env'))
     .option('--cwd <dir>', 'working directory')
-    .option('--exec-timeout <duration>', 'kill the command after this long', '60s')
+    .option('--exec-timeout <duration>', 'kill the command after this long (default: --timeout when given, else 60s)', '60s')
     .option('--stdin', 'send this process\'s stdin to the command', false)
     .action(async (id: string, argv: string[], o: { env?: Record<string, string>; cwd?: string; execTimeout: string; stdin: boolean }, cmd: Command) => {
       const g = globals(cmd);
       const stdin = o.stdin ? readFileSync(0) : undefined;
-      const stream = client(cmd).sandbox(id).exec(argv, { env: o.env ?? {}, ...(o.cwd ? { cwd: o.cwd } : {}), timeout: o.execTimeout, ...(stdin ? { stdin } : {}) });
+      // `--timeout 10m` with no --exec-timeout meant the command's limit too: it used to be
+      // taken and ignored, and the command killed at the default 60 s.
+      const limit = cmd.getOptionValueSource('execTimeout') === 'default' && g.timeout ? g.timeout : o.execTimeout;
+      const stream = client(cmd).sandbox(id).exec(argv, { env: o.env ?? {}, ...(o.cwd ? { cwd: o.cwd } : {}), timeout: limit, ...(stdin ? { stdin } : {}) });
       const res = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0, outputTruncated: false };
       // --json: each stream decoded once, whole (a character split across two chunks stays whole).
       const parts: Record<'stdout' | 'stderr', Uint8Array[]> = { stdout: [], stderr: [] };
@@ -625,7 +628,9 @@ export function buildProgram(): Command {
         const data = await client(cmd).sandbox(rs!.id).readFile(rs!.path, fileCallOpts(cmd));
         if (dst === '-') process.stdout.write(data);
         else {
-          writeFileSync(dst, data);
+          // Created readable by its owner only (a guest's keys and .env files are what people
+          // copy out); a file that exists keeps its mode, as with cp.
+          writeFileSync(dst, data, { mode: 0o600 });
           out(cmd, { sandboxId: rs!.id, path: rs!.path, bytes: data.length, to: dst }, () => `${rs!.id}:${rs!.path} -> ${dst} (${data.length} bytes)\n`);
         }
       }
@@ -814,7 +819,7 @@ export function buildProgram(): Command {
     .argument('<host>')
     .option('--undo', 'uncordon', false)
     .action(async (id: string, o: { undo: boolean }, cmd: Command) => {
-      const h = await client(cmd).hosts.cordon(id, !o.undo);
+      const h = await client(cmd).hosts.cordon(id, !o.undo, { idempotencyKey: keyBase(cmd) });
       out(cmd, h, () => `${h.id}  cordoned=${h.cordoned}\n`);
     });
   hosts

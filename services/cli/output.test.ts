@@ -2,7 +2,7 @@
 // when shown, an exec that breaks off, output held back for a slow reader, Ctrl-C while
 // waiting. The SDK's calls are replaced by spies: no server is involved.
 import { spawn } from 'node:child_process';
-import { writeFileSync } from 'node:fs';
+import { readFileSync, statSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { Writable } from 'node:stream';
 import { status as Status } from '@grpc/grpc-js';
@@ -233,6 +233,38 @@ describe('the idempotency key in errors', () => {
     err.length = 0;
     expect(await main(['--api', API, '--idempotency-key', 'k-1', 'sandbox', 'pause', 'sb-x'])).toBe(69);
     expect(err.join('')).toContain('--idempotency-key k-1');
+  });
+});
+
+describe('exec limits and copied files', () => {
+  it('exec_withTimeoutButNoExecTimeout_limitsTheCommandByIt_andExecTimeoutStillWins', async () => {
+    const limits: Array<string | undefined> = [];
+    vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
+      const sb = new Sandbox(this, id);
+      sb.exec = (_argv, o) => (limits.push(o?.timeout === undefined ? undefined : String(o.timeout)), fakeExec([exitChunk]));
+      return sb;
+    });
+    expect(await main(['--api', API, '--timeout', '10m', 'sandbox', 'exec', 'sb-x', '--', 'train'])).toBe(0);
+    expect(await main(['--api', API, '--timeout', '10m', 'sandbox', 'exec', 'sb-x', '--exec-timeout', '2m', '--', 'train'])).toBe(0);
+    expect(await main(['--api', API, 'sandbox', 'exec', 'sb-x', '--', 'train'])).toBe(0);
+    expect(limits).toEqual(['10m', '2m', '60s']);
+  });
+
+  it('cp_fromASandboxIntoANewFile_makesItReadableByItsOwnerOnly_andAnExistingFileKeepsItsMode', async () => {
+    vi.spyOn(Sandbox.prototype, 'readFile').mockResolvedValue(Buffer.from('-----BEGIN OPENSSH PRIVATE KEY-----\n'));
+    const umask = process.umask(0o022);
+    try {
+      const fresh = join(tempDir(), 'id_ed25519');
+      expect(await main(['--api', API, 'sandbox', 'cp', 'sb-x:/root/.ssh/id_ed25519', fresh])).toBe(0);
+      expect(statSync(fresh).mode & 0o777).toBe(0o600);
+      const kept = join(tempDir(), 'notes');
+      writeFileSync(kept, 'old', { mode: 0o644 });
+      expect(await main(['--api', API, 'sandbox', 'cp', 'sb-x:/root/notes', kept])).toBe(0);
+      expect(statSync(kept).mode & 0o777).toBe(0o644);
+      expect(readFileSync(kept, 'utf8')).toContain('PRIVATE KEY');
+    } finally {
+      process.umask(umask);
+    }
   });
 });
 

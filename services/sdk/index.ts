@@ -840,6 +840,8 @@ export class Forkfleet {
     // unreachable (retryable errors, e.g. while etcd restarts) does not end the wait. Polling
     // goes on until WAIT_OUTAGE_MS of nothing but such errors, then the last one is thrown.
     let failingSince = 0;
+    /** Polls refused or unanswered in a row: the pause before the next grows (with jitter), as retry()'s does. */
+    let failures = 0;
     for (;;) {
       const left = until - Date.now();
       if (left <= 0) throw new ForkfleetError('deadline_exceeded', `operation ${operationId} not done ${opts.deadline && opts.deadline.getTime() === until ? `by ${opts.deadline.toISOString()}` : `after ${opts.timeoutMs ?? 600_000} ms`}; follow it with GetOperation`, { retryable: false });
@@ -857,10 +859,14 @@ export class Forkfleet {
         // Its own deadline with no answer (a scheduler that stalled, or a connection cut off
         // that keepalive has not noticed yet) is an outage too: WaitOperation only reads.
         if (!(retryable(e) || unansweredDeadline(e)) || opts.signal?.aborted || (!limited && Date.now() - failingSince >= WAIT_OUTAGE_MS)) throw e;
-        await sleep(Math.min(Math.max(1000, retryAfterOf(e)), Math.max(0, until - Date.now())), opts.signal);
+        // Full jitter over a growing window: many waits of one client (a fork's 64 children, a
+        // destroy of many) do not poll a recovering scheduler in step, once a second each.
+        const pauseMs = Math.max(250, retryAfterOf(e)) + Math.random() * Math.min(5000, 1000 * 2 ** failures++);
+        await sleep(Math.min(pauseMs, Math.max(0, until - Date.now())), opts.signal);
         continue;
       }
       failingSince = 0;
+      failures = 0;
       const op = toOperation(pb);
       opts.onProgress?.(op);
       if (op.state === 'succeeded') return op;
