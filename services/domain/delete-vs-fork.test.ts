@@ -2,19 +2,13 @@
 // accepted request is never undercut. Fleet (admission) and Executor (the delete's run) over
 // stub stores of our own port.
 import { describe, expect, it } from 'vitest';
-import pino from 'pino';
-import { Executor } from './executor.ts';
 import { Fleet } from './fleet.ts';
 import type { CreateInput, ForkInput } from './fleet.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import type { FleetStore, StoreWrite } from './ports.ts';
 import type { OperationRec, SnapshotRec } from './records.ts';
 import { snapshotRecord } from '../testkit/records.ts';
-
-/** A port stub: the named methods, and for every other one an async function answering []. */
-function stub<T>(methods: Record<string, unknown>): T {
-  return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
-}
+import { leaderExecutor, stubPort } from '../testkit/executor.ts';
 
 const placement = { locality: 'ANY' as const, spread: 'PACK' as const, maxPerHost: 0, hostId: '' };
 const fork: ForkInput = { tenantId: 't1', idempotencyKey: 'k1', snapshotId: 'sn-a', sandboxId: '', count: 2, placement, labels: {}, ttlMs: null, idleTimeoutMs: null, afterResume: [] };
@@ -77,16 +71,7 @@ describe('a snapshot deleted while a fork or restore of it is accepted', () => {
         return sn.modRevision;
       },
     };
-    const ex = new Executor({
-      store: stub(store),
-      bus: stub({ send: async (...a: unknown[]) => void sent.push(a) }),
-      clock: { now: () => 1_000_000 },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
-    });
-    (ex as unknown as { active: boolean }).active = true;
+    const ex = leaderExecutor(store, { bus: stubPort({ send: async (...a: unknown[]) => void sent.push(a) }) });
     const del = { id: 'op-d', tenantId: 't1', kind: 'delete_snapshot', state: 'running', targetId: 'sn-a', input: {} } as unknown as OperationRec;
     const run = (ex as unknown as { runDeleteSnapshot(op: OperationRec): Promise<void> }).runDeleteSnapshot(del);
     await expect(run).rejects.toMatchObject({ kind: 'failed_precondition', message: expect.stringContaining('op-f') });

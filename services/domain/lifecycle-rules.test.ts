@@ -8,6 +8,7 @@ import type { ExecutorDeps } from './executor.ts';
 import { Fleet } from './fleet.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import type { LeaderFence, StoreWrite } from './ports.ts';
+import { leaderExecutor } from '../testkit/executor.ts';
 import type { OperationRec, SandboxRec } from './records.ts';
 import { sandboxRecord, snapshotRecord } from '../testkit/records.ts';
 
@@ -85,18 +86,11 @@ describe('Lifecycle rules', () => {
       commitAt: async (w: StoreWrite[], f?: LeaderFence) => (written.push({ fence: f, kinds: w.map((x) => x.kind) }), 9),
     });
     const fleet = new Fleet({ store, bus: stub({}), clock: { now: () => 1_000_000 }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 } });
-    const ex = new Executor({
+    const ex = leaderExecutor({}, {
       store,
-      bus: stub({}),
-      clock: { now: () => 1_000_000 },
-      log: pino({ level: 'silent' }),
-      heard: new HeartbeatRegistry(),
-      signer: stub({}),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
       fence: () => fence,
       submit: (tenantId, key, kind, targetId, input, f) => fleet.submit(tenantId, key, kind, targetId, input, [], f ? { fence: f } : {}),
     });
-    (ex as unknown as { active: boolean }).active = true;
     await pass(ex, sandboxRecord({ ttlMs: 5000, runningSince: 1_000_000 - 6000 }));
     expect(written).toEqual([{ fence, kinds: ['idem', 'op'] }]);
   });

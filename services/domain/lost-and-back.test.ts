@@ -2,18 +2,11 @@
 // vmBack): the executor over a stub store of our own port that takes every guarded write, and a
 // submit of our own that records what the leader starts.
 import { describe, expect, it } from 'vitest';
-import pino from 'pino';
-import { Executor } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
-import { HeartbeatRegistry } from './fleet-view.ts';
 import type { StoreWrite } from './ports.ts';
 import type { SandboxRec } from './records.ts';
+import { leaderExecutor } from '../testkit/executor.ts';
 import { sandboxRecord } from '../testkit/records.ts';
-
-/** A port stub: the named methods, and for every other one an async function answering []. */
-function stub<T>(methods: Record<string, unknown>): T {
-  return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
-}
 
 interface Internals {
   markHostLost(hostId: string, only?: readonly SandboxRec[]): Promise<void>;
@@ -38,18 +31,7 @@ function leaderOver(sb: SandboxRec): { ex: Internals; record: () => SandboxRec; 
     submitted.push(`${kind} ${targetId} ${key}`);
     return { id: 'op-r', tenantId, kind, state: 'pending' } as never;
   };
-  const ex = new Executor({
-    store: stub(store),
-    bus: stub({}),
-    clock: { now: () => 1_000_000 },
-    log: pino({ level: 'silent' }),
-    heard: new HeartbeatRegistry(),
-    signer: stub({}),
-    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18 },
-    submit,
-  });
-  // As a leader's (start() sets it).
-  (ex as unknown as { active: boolean }).active = true;
+  const ex = leaderExecutor(store, { submit });
   return { ex: ex as unknown as Internals, record: () => cur, submitted };
 }
 

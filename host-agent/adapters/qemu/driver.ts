@@ -921,16 +921,7 @@ export class QemuVmmDriver implements VmmDriver {
     // channel is held once the calls queued on it are answered; a guest agent that keeps them
     // longer than HOLD_WAIT_MS does not hold the snapshot up: the channel is closed instead
     // (those calls fail, as before there was a hold) and a new one opened on the replacement.
-    const holding = rec.agent?.hold();
-    const release = holding ? await Promise.race([holding, new Promise<undefined>((r) => setTimeout(() => r(undefined), HOLD_WAIT_MS).unref())]) : undefined;
-    // Execs under way now run on in the snapshot (also those of a channel closed below).
-    const execsRunning = (rec.agent?.execsRunning ?? 0) > 0 || (holding !== undefined && !release);
-    if (holding && !release) {
-      rec.log.warn({ snapshotId }, 'the guest agent kept its calls past the snapshot\'s wait: its channel is closed, and opened again on the replacement');
-      void holding.then((r) => r());
-      rec.agent?.close();
-      rec.agent = undefined;
-    }
+    const { release, execsRunning } = await this.holdGuestAgent(rec, snapshotId, 'on the replacement');
     try {
       return { ...(await this.switchToReplacement(rec, repl, feedReplacement, { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, parent: draft.parentSnapshotId, undo }, (qga) => release?.(qga))), execsRunning };
     } finally {
@@ -1034,6 +1025,26 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /**
+   * Holds the VM's guest-agent channel for a snapshot's copy (GuestAgentClient.hold), waiting
+   * at most HOLD_WAIT_MS: past it the channel is closed instead (the calls it kept fail) and
+   * rec.agent cleared, to be opened again `reopened` (said in the log). `execsRunning`: execs
+   * were under way as the copy began (also those of a channel closed here), so their programs
+   * are in the snapshot (SnapshotManifest.guestExecsRunning).
+   */
+  private async holdGuestAgent(rec: VmRecord, snapshotId: string, reopened: string): Promise<{ release: ((movedTo?: string) => void) | undefined; execsRunning: boolean }> {
+    const holding = rec.agent?.hold();
+    const release = holding ? await Promise.race([holding, new Promise<undefined>((r) => setTimeout(() => r(undefined), HOLD_WAIT_MS).unref())]) : undefined;
+    const execsRunning = (rec.agent?.execsRunning ?? 0) > 0 || (holding !== undefined && !release);
+    if (holding && !release) {
+      rec.log.warn({ snapshotId }, `the guest agent kept its calls past the snapshot's wait: its channel is closed, and opened again ${reopened}`);
+      void holding.then((r) => r());
+      rec.agent?.close();
+      rec.agent = undefined;
+    }
+    return { release, execsRunning };
+  }
+
+  /**
    * The VM is itself a clone (share=off): its private pages exist only in its process. Migrate
    * its whole RAM into a receiver QEMU whose memory is a new share=on file (the image), the
    * disk layer frozen at the instant the VM stops; the source then continues. Under KVM the
@@ -1099,16 +1110,9 @@ export class QemuVmmDriver implements VmmDriver {
       // with a file its open emptied and its bytes yet to come (GuestAgentClient.hold). A
       // guest agent that keeps its calls past HOLD_WAIT_MS does not hold the snapshot up: its
       // channel is closed (those calls fail) and opened again once the VM runs on.
-      const holding = rec.agent?.hold();
-      release = holding ? await Promise.race([holding, new Promise<undefined>((r) => setTimeout(() => r(undefined), HOLD_WAIT_MS).unref())]) : undefined;
-      // Execs under way now run on in the snapshot (also those of a channel closed below).
-      const execsRunning = (rec.agent?.execsRunning ?? 0) > 0 || (holding !== undefined && !release);
-      if (holding && !release) {
-        rec.log.warn({ snapshotId }, 'the guest agent kept its calls past the snapshot\'s wait: its channel is closed, and opened again afterwards');
-        void holding.then((r) => r());
-        rec.agent?.close();
-        rec.agent = undefined;
-      }
+      const held = await this.holdGuestAgent(rec, snapshotId, 'afterwards');
+      release = held.release;
+      const { execsRunning } = held;
       const src = rec.qmp;
       const mark = src.mark;
       if (!live) {
