@@ -571,6 +571,12 @@ export class Agent {
 
   // ---------------------------------------------------------------- work
 
+  /** Whether `w` is of an older term of the same cluster than the newest this agent has taken. */
+  private ofAnOlderTerm(w: HostWork): boolean {
+    const kept = this.leaderTerm;
+    return w.leaderTerm !== 0n && kept !== undefined && kept.cluster === w.leaderCluster && w.leaderTerm < kept.term;
+  }
+
   /**
    * Whether a delivered step's leader term may act here (HostWork.leader_term). Work of an
    * older term than this agent has taken comes from a deposed leader (publishes its NATS
@@ -583,12 +589,6 @@ export class Agent {
    * compared: work of a cluster other than the kept one's is taken, and its term kept (etcd
    * was made anew and counts from 1 again).
    */
-  /** Whether `w` is of an older term of the same cluster than the newest this agent has taken. */
-  private ofAnOlderTerm(w: HostWork): boolean {
-    const kept = this.leaderTerm;
-    return w.leaderTerm !== 0n && kept !== undefined && kept.cluster === w.leaderCluster && w.leaderTerm < kept.term;
-  }
-
   private takesTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n) return true;

@@ -3255,7 +3255,7 @@ export class Executor {
     // bytes may be gone (a create that failed against the mark is a user it would find).
     if (sn.deletingFrom !== undefined) {
       // Operations too: a fork of the snapshot accepted before the mark has no child records
-      // yet (its guard on the snapshot's revision refuses one after it, Fleet.stillReady).
+      // yet (its guard on the snapshot's revision refuses one after it, Fleet.whileReady).
       const [sbs, ops] = await Promise.all([this.deps.store.listSandboxes(op.tenantId), this.deps.store.listOps({ activeOnly: true, tenantId: op.tenantId })]);
       const users = sbs.map((b) => b.value).filter((b) => snapshotsUsedBy(b).includes(sn.id));
       const opUsers = snapshotsOfOps(ops.map((o) => o.value)).get(sn.id) ?? [];

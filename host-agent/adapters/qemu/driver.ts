@@ -1109,8 +1109,10 @@ export class QemuVmmDriver implements VmmDriver {
       // would run), and a file write begun before it ends first: the guest is never copied
       // with a file its open emptied and its bytes yet to come (GuestAgentClient.hold). A
       // guest agent that keeps its calls past HOLD_WAIT_MS does not hold the snapshot up: its
-      // channel is closed (those calls fail) and opened again once the VM runs on.
-      const held = await this.holdGuestAgent(rec, snapshotId, 'afterwards');
+      // channel is closed (those calls fail) and opened again once the VM runs on. A paused
+      // VM's guest changes nothing during the copy, and calls to it wait for their timeouts
+      // (a hibernate pauses first): not held, the copy does not wait for them.
+      const held = keepPaused ? { release: undefined, execsRunning: (rec.agent?.execsRunning ?? 0) > 0 } : await this.holdGuestAgent(rec, snapshotId, 'afterwards');
       release = held.release;
       const { execsRunning } = held;
       const src = rec.qmp;
