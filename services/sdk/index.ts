@@ -377,6 +377,11 @@ const unansweredDeadline = (e: unknown): boolean => e instanceof RpcError && !e.
  */
 const unreachable = (e: unknown): boolean => e instanceof RpcError && !e.answered && e.kind === 'unavailable' && !/certificate|ssl|tls|altname|handshake/i.test(e.message);
 
+/** `floorMs` plus a random share of a window that doubles with `n` (from `baseMs`, at most `maxMs`): full jitter. */
+function fullJitterMs(floorMs: number, baseMs: number, maxMs: number, n: number): number {
+  return floorMs + Math.random() * Math.min(maxMs, baseMs * 2 ** Math.min(30, n));
+}
+
 /**
  * One call's retries: how long to wait before asking again, or that it is time to give up.
  * Ordinary retryable errors get `attempts`; three kinds of trouble get a time allowance
@@ -410,7 +415,7 @@ class Backoff {
       this.spell = undefined;
       this.failures++;
     }
-    const ms = retryAfterOf(e) + Math.random() * Math.min(o.maxMs, o.baseMs * 2 ** Math.min(30, (this.spell?.n ?? this.failures) - 1));
+    const ms = fullJitterMs(retryAfterOf(e), o.baseMs, o.maxMs, (this.spell?.n ?? this.failures) - 1);
     const sp = this.spell;
     // A refusal counts the wait ahead (the server named it: asking sooner is refused again).
     const spent = !sp ? this.failures >= o.attempts : kind === 'limited' ? now + ms - sp.since > sp.allowanceMs : now - sp.since >= sp.allowanceMs;
@@ -861,7 +866,7 @@ export class Forkfleet {
         if (!(retryable(e) || unansweredDeadline(e)) || opts.signal?.aborted || (!limited && Date.now() - failingSince >= WAIT_OUTAGE_MS)) throw e;
         // Full jitter over a growing window: many waits of one client (a fork's 64 children, a
         // destroy of many) do not poll a recovering scheduler in step, once a second each.
-        const pauseMs = Math.max(250, retryAfterOf(e)) + Math.random() * Math.min(5000, 1000 * 2 ** failures++);
+        const pauseMs = fullJitterMs(Math.max(250, retryAfterOf(e)), 1000, 5000, failures++);
         await sleep(Math.min(pauseMs, Math.max(0, until - Date.now())), opts.signal);
         continue;
       }

@@ -372,10 +372,6 @@ class Count {
   private n = 0;
   private waiting: Array<() => void> = [];
 
-  get any(): boolean {
-    return this.n > 0;
-  }
-
   get count(): number {
     return this.n;
   }
@@ -638,6 +634,11 @@ export class GuestAgentClient {
     await this.command('guest-ping', undefined, timeoutMs);
   }
 
+  /** How many execs of this client are under way: a snapshot taken now has their programs running. */
+  get execsRunning(): number {
+    return this.execs.count;
+  }
+
   /**
    * Run a program; resolves with its exit code (or the signal that ended it), stdout and
    * stderr once it has exited. Past `timeoutMs` the program is killed and the result says
@@ -660,11 +661,6 @@ export class GuestAgentClient {
    * GuestAgentTimeoutError that says so, and the program is ended in the background once the
    * guest answers again (endLater), as is what a start answered too late started.
    */
-  /** How many execs of this client are under way: a snapshot taken now has their programs running. */
-  get execsRunning(): number {
-    return this.execs.count;
-  }
-
   async exec(req: ExecRequest): Promise<ExecResult> {
     this.execs.up();
     try {
@@ -997,7 +993,7 @@ export class GuestAgentClient {
    */
   async writeFile(path: string, data: Buffer, opts: { append?: boolean; mode?: number } = {}, timeoutMs = 10_000): Promise<void> {
     // Checked again after each wait: another hold may have been asked for before this one went on.
-    while (this.holds.any) await this.holds.none();
+    while (this.holds.count > 0) await this.holds.none();
     this.writes.up();
     try {
       await this.writeFileRaw(path, data, opts, timeoutMs).catch((e: unknown) => {
