@@ -19,8 +19,10 @@ function stub<T>(methods: Record<string, unknown>): T {
 }
 
 /** An Executor over stub ports: the methods given, every other one answering nothing. */
-function executorOver(store: Record<string, unknown>, o: { bus?: Record<string, unknown>; heard?: HeartbeatRegistry; now?: () => number; stepAttempts?: number } = {}): Executor {
+function executorOver(store: Record<string, unknown>, o: { bus?: Record<string, unknown>; heard?: HeartbeatRegistry; now?: () => number; stepAttempts?: number; quotas?: ExecutorDeps['quotas']; usage?: ExecutorDeps['usage'] } = {}): Executor {
   return new Executor({
+    ...(o.quotas ? { quotas: o.quotas } : {}),
+    ...(o.usage ? { usage: o.usage } : {}),
     store: stub<ExecutorDeps['store']>(store),
     bus: stub<ExecutorDeps['bus']>(o.bus ?? {}),
     clock: { now: o.now ?? (() => Date.now()) },
@@ -472,7 +474,7 @@ describe('Executor drain, its host lost and back during a migration', () => {
    * at once. What the sandbox record became, the steps sent (and host work), the hosts whose
    * capacity was written, and how migrate() ended.
    */
-  async function migrateWhile(onRestore: (ctx: { setSandbox: (f: (sb: SandboxRec) => SandboxRec) => void; setHost: (id: string, state: string) => void }) => void): Promise<{ sb: SandboxRec; steps: string[]; allocs: string[]; outcome: unknown }> {
+  async function migrateWhile(onRestore: (ctx: { setSandbox: (f: (sb: SandboxRec) => SandboxRec) => void; setHost: (id: string, state: string) => void }) => void, quota?: { sandboxes: number; inUse: number }): Promise<{ sb: SandboxRec; steps: string[]; allocs: string[]; outcome: unknown }> {
     const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: { S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
     let rev = 10;
     let sb: SandboxRec = { ...sandbox('S1', 'F', 'running'), opId: '' };
@@ -490,7 +492,15 @@ describe('Executor drain, its host lost and back during a migration', () => {
       },
     };
     const steps: string[] = [];
-    const ex = executorOver(store, { bus: { sendWork: async (hostId: string, w: { stepId: string }) => void steps.push(`${w.stepId}@${hostId}`) } });
+    const ex = executorOver(store, {
+      bus: { sendWork: async (hostId: string, w: { stepId: string }) => void steps.push(`${w.stepId}@${hostId}`) },
+      ...(quota
+        ? {
+            quotas: () => ({ sandboxes: quota.sandboxes }),
+            usage: { usage: async () => ({ sandboxes: quota.inUse, memoryMib: 0, snapshotBytes: 0, pendingSandboxes: 0, pendingMemoryMib: 0 }) },
+          }
+        : {}),
+    });
     const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; migrate(op: OperationRec, sb: SandboxRec): Promise<void> };
     inner.active = true;
     inner.ops.set(op.id, { value: op, modRevision: rev });
@@ -525,6 +535,24 @@ describe('Executor drain, its host lost and back during a migration', () => {
     expect(r.steps).toContain('migrate/S1/resume-taken-back@F');
     expect(r.steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
     expect(r.sb).toMatchObject({ hostId: 'F', state: 'running', opId: '' });
+  });
+
+  it('theSwitch_ofASandboxLostWhileItsCopyWasRestored_whoseTenantMadeAReplacementUpToItsQuota_removesTheCopy_andKeepsItLost', async () => {
+    // F's VM died while the copy was restored (the sandbox lost, its claim ended); a lost
+    // sandbox does not count against the quota, and its tenant used the room since.
+    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'lost', opId: '' })), { sandboxes: 1, inUse: 1 });
+    expect(String(r.outcome)).toMatch(/quota/);
+    expect(r.sb).toMatchObject({ hostId: 'F', state: 'lost' });
+    expect(r.allocs).toEqual(['T']); // the booking on T released
+    expect(r.steps).toContain('migrate/S1/destroy-dest@T');
+    expect(r.steps.filter((s) => s.includes('destroy-source'))).toEqual([]);
+  });
+
+  it('theSwitch_ofASandboxLostWhileItsCopyWasRestored_withinItsTenantsQuota_makesTheCopyTheSandbox', async () => {
+    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'lost', opId: '' })), { sandboxes: 2, inUse: 1 });
+    expect(r.outcome).toBe('switched');
+    expect(r.sb).toMatchObject({ hostId: 'T', state: 'running' });
+    expect(r.allocs).toEqual([]); // released on F when it was lost; booked on T already
   });
 
   it('theSwitch_ontoADestinationLostAfterItsRestoreAnswered_isUndone_theSourceRunsOnUnclaimed', async () => {

@@ -1012,6 +1012,20 @@ export class Executor {
   }
 
   /**
+   * Why a lost sandbox may not count against its tenant's quota again (it does not while
+   * lost): the quota's refusal, or undefined when it fits. A failed read throws.
+   */
+  private quotaRefusal(sb: SandboxRec): Promise<QuotaExceededError | undefined> {
+    return admit({ store: this.deps.store, quotas: this.deps.quotas, usage: this.deps.usage }, sb.tenantId, { sandboxes: 1, memoryMib: sb.resources.memoryMib }).then(
+      () => undefined,
+      (e: unknown) => {
+        if (e instanceof QuotaExceededError) return e;
+        throw e;
+      },
+    );
+  }
+
+  /**
    * A lost sandbox whose VM its host reports alive again is running (or paused) again, booked
    * again, but only if the host still has room for it: its bookings were released when it was
    * marked lost, and placements may have filled the host since (its record says ready before
@@ -1029,13 +1043,7 @@ export class Executor {
       if (!cur || cur.state !== 'lost' || cur.hostId !== sb.hostId) return;
       // Lost sandboxes do not count against their tenant's quota: replacements may have been
       // created since. One that no longer fits is not taken back (its VM stops, as for no room).
-      const overQuota = await admit({ store: this.deps.store, quotas: this.deps.quotas, usage: this.deps.usage }, cur.tenantId, { sandboxes: 1, memoryMib: cur.resources.memoryMib }).then(
-        () => undefined,
-        (e: unknown) => {
-          if (e instanceof QuotaExceededError) return e;
-          throw e;
-        },
-      );
+      const overQuota = await this.quotaRefusal(cur);
       if (overQuota) {
         this.log.warn({ sandboxId: cur.id, hostId: cur.hostId, tenantId: cur.tenantId, err: overQuota.message }, 'lost sandbox not reclaimed: its tenant is at its quota; stopping its VM');
         await this.sendHostWork(cur.hostId, `over-quota-${cur.id}-${cur.updatedAt}`, cur.tenantId, `stop/${cur.id}`, stopVm(cur.id), 'could not stop a VM that came back over its tenant\'s quota');
@@ -4130,6 +4138,7 @@ export class Executor {
     //    one transaction (a re-run goes by that mark, not by where the sandbox is by then).
     let movedOn: SandboxRec | undefined;
     let destinationLost = false;
+    let overQuota: QuotaExceededError | undefined;
     try {
       await this.updateMigration(
         op,
@@ -4154,6 +4163,11 @@ export class Executor {
             destinationLost = true;
             throw new HostLostError(to, `the copy of sandbox ${sb.id}: the migration is undone`);
           }
+          // Its source VM died meanwhile: a lost sandbox no longer counts against its
+          // tenant's quota, and replacements may have been made since. Switched onto its copy
+          // only within the quota, as a lost sandbox whose VM comes back is taken back (vmBack).
+          overQuota = v.value.state === 'lost' ? await this.quotaRefusal(v.value) : undefined;
+          if (overQuota) throw overQuota;
           const next = structuredClone(v.value);
           next.hostId = to;
           if (next.opId === op.id) next.opId = '';
@@ -4177,6 +4191,13 @@ export class Executor {
         await this.step(op, stepId('destroy-dest'), to, stopVm(sb.id)).catch((err: unknown) => this.log.warn({ err, sandboxId: sb.id, hostId: to }, 'could not stop the copy of a sandbox that moved on during its migration'));
         // Taken back by its returning host paused, as this migration had paused it: running again.
         if (!m.wasPaused) await this.resumeTakenBack(op, movedOn, stepId('resume-taken-back'));
+        throw e;
+      }
+      if (overQuota) {
+        // Stays lost, with its record: its copy on `to` goes, and its booking there.
+        if (!this.active) throw new NotLeaderError();
+        await this.unbookMigration(op, sb, to);
+        await this.step(op, stepId('destroy-dest'), to, stopVm(sb.id)).catch((err: unknown) => this.log.warn({ err, sandboxId: sb.id, hostId: to }, "could not stop the copy of a lost sandbox over its tenant's quota"));
         throw e;
       }
       if (destinationLost) {
