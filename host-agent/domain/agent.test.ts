@@ -3,7 +3,7 @@ import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
 import { Agent, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
-import type { AgentBus, AgentConfig, AgentDeps, SnapshotShipper } from './agent.ts';
+import type { AgentBus, AgentConfig, AgentDeps, SnapshotShipper, WorkControl } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { Accel, VmInfo, VmmDriver } from './vmm.ts';
 import { Accel as ProtoAccel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
@@ -668,7 +668,7 @@ describe('Agent steps', () => {
 
   it('stopSentWithNoWaiter_deliveredWhileAStartOfItsSandboxWaitsForASlot_endsTheVmThatStartMakes', async () => {
     const vms = new Map<string, VmInfo>();
-    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
     let fetched: () => void = () => undefined;
     let obtains = 0;
     const { agent } = agentWith(
@@ -682,7 +682,7 @@ describe('Agent steps', () => {
       { concurrency: 1 },
     );
     await agent.start();
-    const ctl = { ack: () => undefined, working: () => undefined };
+    const ctl = { ack: () => undefined, working: () => undefined, release: () => undefined };
     const busy = onWork!(work('restore/other', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-9' }] } } }), ctl);
     const restore = onWork!(wake('op-f'), ctl);
     const stop = onWork!(create(HostWorkSchema, { opId: 'moved-on-sb-1', stepId: 'stop/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), ctl);
@@ -696,7 +696,7 @@ describe('Agent steps', () => {
   it('work_waitingForAStepSlot_isKeptAliveSoTheBusDoesNotDeliverItAgain', async () => {
     vi.useFakeTimers();
     try {
-      let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+      let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
       const { agent } = agentWith(
         { onEvent: () => () => undefined },
         { obtain: () => new Promise<never>(() => undefined) },
@@ -705,7 +705,7 @@ describe('Agent steps', () => {
       await agent.start();
       // Three restores whose fetch never ends take every slot (concurrency 3); a fourth waits for one.
       const alive = [0, 0, 0, 0];
-      for (let i = 0; i < 4; i++)  void onWork!(work(`restore/${i}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), { ack: () => undefined, working: () => void alive[i]!++ });
+      for (let i = 0; i < 4; i++)  void onWork!(work(`restore/${i}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), { ack: () => undefined, working: () => void alive[i]!++, release: () => undefined });
       await vi.advanceTimersByTimeAsync(11_000);
       expect(alive[3]).toBeGreaterThanOrEqual(2);
       // The restores never end: stop() waits out its grace for them.
@@ -720,7 +720,7 @@ describe('Agent steps', () => {
   it('stop_heartbeatsOnSayingItIsStopping_whileItsStepsFinish_andGoesSilentOnlyOnceTheyHave', async () => {
     vi.useFakeTimers();
     try {
-      let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+      let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
       const beats: boolean[] = [];
       let fetched: () => void = () => undefined;
       const { agent } = agentWith(
@@ -733,7 +733,7 @@ describe('Agent steps', () => {
         { shutdownGraceMs: 20_000 },
       );
       await agent.start();
-      void onWork!(work('restore/1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), { ack: () => undefined, working: () => undefined });
+      void onWork!(work('restore/1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), { ack: () => undefined, working: () => undefined, release: () => undefined });
       await vi.advanceTimersByTimeAsync(10);
       expect(beats.every((b) => b === false)).toBe(true);
       const stopped = agent.stop();
@@ -758,7 +758,7 @@ describe('Agent steps', () => {
     const destroyed: string[] = [];
     const answered: string[] = [];
     const startAgent = async () => {
-      let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+      let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
       const { agent } = agentWith(
         { onEvent: () => () => undefined, get: (id: string) => ({ vmId: id, sandboxId: id }) as never, destroy: async (id: string) => void destroyed.push(id) },
         {},
@@ -770,7 +770,7 @@ describe('Agent steps', () => {
       /** Delivers a destroy of sb-<step> sent in `term` of etcd cluster `cluster`; whether it was acked. */
       const deliver = async (step: string, term: bigint, cluster = 7n): Promise<boolean> => {
         let acked = false;
-        await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), { ack: () => void (acked = true), working: () => undefined });
+        await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), { ack: () => void (acked = true), working: () => undefined, release: () => undefined });
         return acked;
       };
       return { agent, deliver };
@@ -798,7 +798,7 @@ describe('Agent steps', () => {
     const destroyed: string[] = [];
     const answered: string[] = [];
     let release: () => void = () => undefined;
-    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
     const { agent } = agentWith(
       { onEvent: () => () => undefined, get: (id: string) => ({ vmId: id, sandboxId: id, state: 'running' }) as never, destroy: async (id: string) => void destroyed.push(id) },
       { obtain: () => new Promise((_, reject) => (release = () => reject(new ForkfleetError('not_found', 'gone')))) },
@@ -811,7 +811,7 @@ describe('Agent steps', () => {
     await agent.start();
     const acks: string[] = [];
     const deliver = (step: string, term: bigint, w: Parameters<typeof work>[1]) =>
-      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: 1n }), { ack: () => void acks.push(step), working: () => undefined });
+      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: 1n }), { ack: () => void acks.push(step), working: () => undefined, release: () => undefined });
     // Term 5: a restore holds the only slot, a destroy waits for it.
     const restoring = deliver('restore', 5n, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } });
     const queued = deliver('old', 5n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-old' } } });
@@ -854,7 +854,7 @@ describe('Agent steps', () => {
   });
 
   it('stepResult_largerThanTheBusCarries_isReportedAsTheStepsFailureNamingWhy_andTheWorkAcked', async () => {
-    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
     const sent: Array<{ stepId: string; error?: { kind: string; retryable: boolean; message: string } }> = [];
     const { agent } = agentWith(
       { onEvent: () => () => undefined, get: () => ({ vmId: 'sb-1', sandboxId: 'sb-1' }) as never, destroy: async () => undefined },
@@ -872,14 +872,14 @@ describe('Agent steps', () => {
     );
     await agent.start();
     let acked = false;
-    await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), { ack: () => void (acked = true), working: () => undefined });
+    await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), { ack: () => void (acked = true), working: () => undefined, release: () => undefined });
     expect(acked).toBe(true);
     expect(sent).toEqual([{ stepId: 'destroy', error: expect.objectContaining({ kind: 'resource_exhausted', retryable: false, message: expect.stringContaining('max_payload of 1048576 bytes') }) }]);
     await agent.stop();
   });
 
   it('stepResult_whosePublishFails_isPublishedAgainAfterABackoff_andTheWorkAckedOnlyThen_thoughASiblingOfItsBatchStillRuns', async () => {
-    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
     const tries: string[] = [];
     let release: () => void = () => undefined;
     const { agent } = agentWith(
@@ -903,7 +903,7 @@ describe('Agent steps', () => {
     await agent.start();
     // One message carrying both (a batch): a slow restore and a destroy.
     const acks: string[] = [];
-    const ctl = (step: string) => ({ ack: () => void acks.push(step), working: () => undefined });
+    const ctl = (step: string) => ({ ack: () => void acks.push(step), working: () => undefined, release: () => undefined });
     const slow = onWork!(work('restore', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } }), ctl('restore'));
     await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), ctl('destroy'));
     // Published on its third try, 20 + 40 ms later, while the restore still runs.
@@ -915,7 +915,7 @@ describe('Agent steps', () => {
   });
 
   it('copiesOfARunningStep_takeNoStepSlot_soOtherStepsStillRun', async () => {
-    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
     let destroyed = false;
     const { agent } = agentWith(
       { onEvent: () => () => undefined, get: (id: string) => (id === 'sb-9' ? ({ vmId: id, sandboxId: id } as never) : undefined), destroy: async () => void (destroyed = true) },
@@ -923,7 +923,7 @@ describe('Agent steps', () => {
       { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async () => undefined },
     );
     await agent.start();
-    const ctl = { ack: () => undefined, working: () => undefined };
+    const ctl = { ack: () => undefined, working: () => undefined, release: () => undefined };
     // A restore whose fetch does not end, and two more copies of it (re-sends of a slow step), with 3 slots.
     for (let i = 0; i < 3; i++) void onWork!(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), ctl);
     await Promise.race([onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-9' } } }), ctl), new Promise((r) => setTimeout(r, 2000))]);
@@ -932,7 +932,7 @@ describe('Agent steps', () => {
   });
 
   it('stepsThatHang_areAnsweredRetryableAtTheirDeadline_freeingTheirSlots_whileTheirRunGoesOn_andTheNextSendGetsItsResult', async () => {
-    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
     const results: Array<{ stepId: string; attempt: number; kind: string | undefined }> = [];
     let release: (e: Error) => void = () => undefined;
     const hung = new Promise<never>((_, reject) => (release = reject));
@@ -956,7 +956,7 @@ describe('Agent steps', () => {
       { stepDeadlineFloorMs: 10 },
     );
     await agent.start();
-    const ctl = { ack: () => undefined, working: () => undefined };
+    const ctl = { ack: () => undefined, working: () => undefined, release: () => undefined };
     const due = (ms: number) => timestampFromMs(Date.now() + ms);
     // Three restores whose fetch hangs take every slot (concurrency 3).
     const hanging = [0, 1, 2].map((i) => onWork!(work(`restore/${i}`, { deadline: due(100), work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), ctl));
@@ -987,8 +987,9 @@ describe('Agent steps', () => {
     expect(Date.now() - t0).toBeLessThan(2000);
   });
 
-  it('stop_startsNoQueuedStepOnceCalled_heartbeatsOnAsStopping_andResolvesOnlyOnceTheRunningStepsHaveFinished', async () => {
-    let onWork: ((w: ReturnType<typeof work>, ctl: { ack(): void; working(): void }) => Promise<void>) | undefined;
+  it('stop_startsNoQueuedStepOnceCalled_givesItBackOnceDeliveryHasEnded_heartbeatsOnAsStopping_andResolvesOnlyOnceTheRunningStepsHaveFinished', async () => {
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
+    let consumerEnded = false;
     const fetched: Array<() => void> = [];
     const asked: string[] = [];
     const answered: string[] = [];
@@ -1005,7 +1006,7 @@ describe('Agent steps', () => {
         serveExec: () => () => undefined,
         serveFile: () => () => undefined,
         // Ending the bus's consumer takes a while.
-        consumeWork: async (f) => ((onWork = f as never), () => new Promise<void>((r) => setTimeout(r, 20))),
+        consumeWork: async (f) => ((onWork = f as never), () => new Promise<void>((r) => setTimeout(() => r(void (consumerEnded = true)), 20))),
         publishHeartbeat: (hb) => void (beats++, hb.stopping && stoppingBeats++),
         publishResult: async (r) => void answered.push(r.stepId),
       },
@@ -1017,11 +1018,12 @@ describe('Agent steps', () => {
     let beats = 0;
     let stoppingBeats = 0;
     await agent.start();
-    const ctl = { ack: () => undefined, working: () => undefined };
+    const ctl = { ack: () => undefined, working: () => undefined, release: () => undefined };
     // Three restores whose fetches wait fill the three slots; a create waits for one.
     for (let i = 0; i < 3; i++) void onWork!(work(`restore/${i}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), ctl);
     let queuedAcked = false;
-    const queued = onWork!(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-q' } } } }), { ack: () => void (queuedAcked = true), working: () => undefined });
+    let queuedReleased: string | undefined;
+    const queued = onWork!(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-q' } } } }), { ack: () => void (queuedAcked = true), working: () => undefined, release: () => void (queuedReleased = consumerEnded ? 'after the consumer ended' : 'while work could still arrive') });
     await new Promise((r) => setTimeout(r, 10));
     expect(fetched.length).toBe(3);
     let stopped = false;
@@ -1042,8 +1044,10 @@ describe('Agent steps', () => {
     await new Promise((r) => setTimeout(r, 30));
     expect(beats).toBe(beatsAtEnd);
     expect(answered.sort()).toEqual(['restore/0', 'restore/1', 'restore/2']);
-    // The create never ran: dropped unacked (the bus delivers it again, to the next agent).
+    // The create never ran: given back unacked (the bus delivers it again at once, to the
+    // next agent), once this one's delivery had ended (else the bus could deliver it here again).
     expect([created, asked.includes('sb-q'), queuedAcked]).toEqual([0, false, false]);
+    expect(queuedReleased).toBe('after the consumer ended');
     expect(await Promise.race([queued.then(() => 'settled'), new Promise((r) => setTimeout(() => r('pending'), 50))])).toBe('settled');
     // Work delivered while it stops is not taken.
     await onWork!(work('create-2', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-q' } } } }), ctl);

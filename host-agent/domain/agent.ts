@@ -58,6 +58,12 @@ export interface AgentBus {
 
 export interface WorkControl {
   ack(): void;
+  /**
+   * Gives the step back untaken (the agent stops before it could start it): its message is
+   * delivered again at once once every step of it is settled, not after its ack wait, so the
+   * next agent takes it without waiting.
+   */
+  release(): void;
   /** Tells the bus the step is still being worked on (extends the redelivery timer). */
   working(): void;
 }
@@ -285,7 +291,7 @@ export class Agent {
    * queue.
    */
   private readonly restoreSamples: Array<{ ms: number; at: number }> = [];
-  /** Delivered steps waiting for a slot: `run` starts one, `drop` lets it go unacked (stop()); `w`, for noteStop. */
+  /** Delivered steps waiting for a slot: `run` starts one, `drop` gives it back to the bus (stop()); `w`, for noteStop. */
   private readonly queue: Array<{ w: HostWork; run: () => Promise<void>; drop: () => void }> = [];
   private readonly inProgress = new Map<string, Promise<HostResult>>();
   /** Writes of a step's journal entry, one at a time per step (journalInTurn). */
@@ -380,8 +386,8 @@ export class Agent {
   }
 
   /**
-   * Stops taking work at once (steps waiting for a slot are dropped unacked: the bus delivers
-   * them again, to the next agent), ends the delivery of work, waits for the steps still
+   * Stops taking work at once (steps waiting for a slot are given back once delivery has
+   * ended: the bus delivers them again, to the next agent), ends the delivery of work, waits for the steps still
    * running to finish (at most shutdownGraceMs), then undoes the rest of start(): every part,
    * even if one fails to stop. Rejects once all ran if any failed, naming them. VMs are left
    * running (the next agent adopts them).
@@ -398,7 +404,6 @@ export class Agent {
     // heartbeat, a restart came close to the 30 s after which the host and all its sandboxes
     // are lost. The next agent has the whole threshold from the last of these.
     this.beat();
-    for (const q of this.queue.splice(0)) q.drop();
     const failures: unknown[] = [];
     const attempt = async (s: () => void | Promise<void>): Promise<void> => {
       try {
@@ -418,6 +423,9 @@ export class Agent {
     const graceOver = new Promise<boolean>((r) => (timer = setTimeout(() => r(false), graceMs)));
     try {
       if (consuming && !(await Promise.race([attempt(consuming).then(() => true), graceOver]))) this.log.warn({ graceMs }, 'stopping: the work consumer did not stop within the grace');
+      // Steps waiting for a slot (none starts once stopping) are given back, once no more work
+      // is delivered here: given back before, the bus could deliver them to this agent again.
+      for (const q of this.queue.splice(0)) q.drop();
       // The deliveries being handled, and the step runs (inProgress), also those answered at
       // their deadline that run on.
       if (this.running.size > 0 || this.inProgress.size > 0) {
@@ -664,7 +672,15 @@ export class Agent {
         }
       };
       if (this.inProgress.has(key) || this.inflight < this.deps.config.concurrency) this.begin(run);
-      else this.queue.push({ w, run, drop: done });
+      else
+        this.queue.push({
+          w,
+          run,
+          drop: () => {
+            ctl.release();
+            done();
+          },
+        });
     });
   }
 

@@ -10,8 +10,9 @@ import { startNats } from '../../../services/testkit/nats.ts';
 import type { NatsServer } from '../../../services/testkit/nats.ts';
 import { EXEC_UNREAD_MAX_BYTES, NatsWorkBus } from '../../../services/adapters/nats/bus.ts';
 import { agentConnectOptions, hostPermissions, nkeyConnectOptions } from '../../../services/adapters/nats/auth.ts';
-import { STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
+import { STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, WORK_ACK_WAIT_MS, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { NatsAgentBus } from './agent-bus.ts';
+import type { WorkControl } from '../../domain/agent.ts';
 import { BATCH_HEADER } from '../../../services/adapters/nats/batcher.ts';
 import { headers as natsHeaders } from 'nats';
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
@@ -263,6 +264,29 @@ describe('NATS authorization: each host agent may use only its own subjects', ()
       release();
       ackSub.unsubscribe();
       await stop();
+    }
+  });
+
+  it('workGivenBackAfterItsConsumerStopped_isDeliveredToTheNextConsumerAtOnce_notAfterItsAckWait', async () => {
+    // An agent stopping with steps still waiting for a slot gives them back once its delivery
+    // has ended (Agent.stop): the next agent must not wait out the ack wait for them.
+    let held: WorkControl | undefined;
+    const stop = await busA.consumeWork(async (w, ctl) => {
+      if (w.opId !== 'op-given-back') return void ctl.ack();
+      held = ctl;
+    });
+    let stopped = false;
+    try {
+      await bus.sendWork('host-a', create(HostWorkSchema, { opId: 'op-given-back', stepId: 'create', attempt: 1 }));
+      const ctl = await waitUntil('the step delivered', () => held);
+      await stop();
+      stopped = true;
+      ctl.release();
+      // newAgentReceives waits at most 10 s, a third of the ack wait.
+      expect(WORK_ACK_WAIT_MS).toBeGreaterThanOrEqual(30_000);
+      await newAgentReceives('host-a', 'op-given-back');
+    } finally {
+      if (!stopped) await stop();
     }
   });
 

@@ -23,7 +23,7 @@ import {
 import type { Heartbeat, HostEvent, HostExecOutput, HostExecRequest, HostFileRequest, HostFileResponse, HostResult, HostWork } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ensureStreams, ensureWorkConsumer, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from '../../../services/adapters/nats/subjects.ts';
 import { JsPublisher } from '../../../services/adapters/nats/js-publisher.ts';
-import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
+import { isBatch, RESULT_BATCH_HEADER, settleAfter, SubjectBatcher } from '../../../services/adapters/nats/batcher.ts';
 import { consumeDurable } from '../../../services/adapters/nats/durable-consumer.ts';
 import { MAX_TIMER_MS } from '../../../services/config.ts';
 
@@ -130,7 +130,7 @@ export class NatsAgentBus implements AgentBus {
         lastWorking = now;
         m.working();
       };
-      const ctl: WorkControl = { ack: ackAfter(ws.length, () => m.ack()), working };
+      const ctl: WorkControl = { ...settleAfter(ws.length, () => m.ack(), () => m.nak()), working };
       // A scheduler that reads result batches says so on its work (hostwork.proto, "Batches").
       if (m.headers?.get(RESULT_BATCH_HEADER) === '1') for (const w of ws) this.markBatchable(`${w.opId}/${w.stepId}`);
       for (const w of ws) {

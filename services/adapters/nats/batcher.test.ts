@@ -1,7 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { HostResultBatchSchema, HostResultSchema, HostWorkBatchSchema, HostWorkSchema } from '../../domain/messages.ts';
-import { ackAfter, frameBatch, SubjectBatcher } from './batcher.ts';
+import { frameBatch, settleAfter, SubjectBatcher } from './batcher.ts';
 import type { JsPublisher } from './js-publisher.ts';
 
 describe('batches of host work and results', () => {
@@ -16,14 +16,20 @@ describe('batches of host work and results', () => {
     ]);
   });
 
-  it('ackAfter_acksTheMessageOnlyOnceEveryItemIsAcked', () => {
-    let acks = 0;
-    const ack = ackAfter(3, () => acks++);
-    ack();
-    ack();
-    expect(acks).toBe(0);
-    ack();
-    expect(acks).toBe(1);
+  it('settleAfter_acksTheMessageOnlyOnceEveryItemIsAcked_andNaksItInsteadWhenAnItemWasGivenBack', () => {
+    const calls: string[] = [];
+    const all = settleAfter(3, () => calls.push('ack'), () => calls.push('nak'));
+    all.ack();
+    all.ack();
+    expect(calls).toEqual([]);
+    all.ack();
+    expect(calls).toEqual(['ack']);
+    const some = settleAfter(3, () => calls.push('ack'), () => calls.push('nak'));
+    some.ack();
+    some.release();
+    expect(calls).toEqual(['ack']);
+    some.ack();
+    expect(calls).toEqual(['ack', 'nak']);
   });
 
   it('subjectBatcher_whoseFenceRefusesWhileAnItemWaitsForThePubAckAhead_failsThatItem_andNeverPublishesIt', async () => {

@@ -40,18 +40,28 @@ export function isBatch(m: Pick<JsMsg, 'headers'>): boolean {
 }
 
 /**
- * An ack for a message of `n` items: the message is acknowledged when every item's ack has
- * been called (an item that is never acked leaves the message to be redelivered whole; the
- * receivers dedup by op + step).
+ * How a message of `n` items is settled: once every item is, it is acked, or, when an item
+ * was given back untaken (`release`), handed back at once for redelivery (nak) rather than
+ * left to its ack wait. An item that is never settled leaves the message to be redelivered
+ * whole after that wait (the receivers dedup by op + step, and answer a finished one from
+ * their journal).
  */
-export function ackAfter(n: number, ack: () => void): () => void {
+export function settleAfter(n: number, ack: () => void, nak: () => void): { ack: () => void; release: () => void } {
   if (n === 0) {
     ack(); // an empty batch: nothing to wait for (never redelivered)
-    return () => undefined;
+    return { ack: () => undefined, release: () => undefined };
   }
   let left = n;
-  return () => {
-    if (--left === 0) ack();
+  let released = false;
+  const settle = (): void => {
+    if (--left === 0) (released ? nak : ack)();
+  };
+  return {
+    ack: settle,
+    release: () => {
+      released = true;
+      settle();
+    },
   };
 }
 

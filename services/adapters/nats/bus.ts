@@ -37,7 +37,7 @@ import { ForkfleetError } from '../../../proto/errors.ts';
 import { ensureResultsConsumer, ensureStreams, RESULTS_CONSUMER, retryOnConsumerStoreRace, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
 import { JsPublisher } from './js-publisher.ts';
 import { consumeDurable } from './durable-consumer.ts';
-import { ackAfter, isBatch, RESULT_BATCH_HEADER, SubjectBatcher } from './batcher.ts';
+import { isBatch, RESULT_BATCH_HEADER, settleAfter, SubjectBatcher } from './batcher.ts';
 
 /** On every work message: this scheduler reads result batches (hostwork.proto, "Batches"). */
 const WORK_HEADERS = { [RESULT_BATCH_HEADER]: '1' } as const;
@@ -260,7 +260,7 @@ export class NatsWorkBus implements WorkBus {
       }
       // The subject names the host that sent it (its NATS user may publish only there).
       const fromHost = m.subject.startsWith(prefix) ? m.subject.slice(prefix.length) : '';
-      const ack = ackAfter(rs.length, () => m.ack());
+      const { ack } = settleAfter(rs.length, () => m.ack(), () => m.nak(1000));
       try {
         for (const r of rs) await onResult(r, ack, fromHost);
       } catch {
