@@ -698,6 +698,31 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     expect(most).toBe(MAX_POSTS_PER_URL);
   });
 
+  it('oneTenantsBacklogAtAUrl_doesNotHoldBackAnotherTenantsEvent_theFreedSlotsGoToTheTenantsInTurn', async () => {
+    // The operator's hook gets every tenant's events: t1 forks 200 children, then t2 makes one
+    // sandbox. Served in arrival order, t2's event waited for all of t1's.
+    const { store, emit } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    const posts: string[] = [];
+    const poster = {
+      posts,
+      post: async (_url: string, _body: string, headers: Record<string, string>) => {
+        await new Promise((r) => setTimeout(r, 2));
+        posts.push(headers['forkfleet-delivery'] ?? '');
+        return 200;
+      },
+    };
+    await dispatcher(store, log, poster).start();
+    for (let i = 0; i < 200; i++) emit({ kind: 'sandbox', value: sandboxRecord({ id: `sb-${i}`, tenantId: 't1', state: 'starting', updatedAt: 1 }), revision: 101 });
+    emit({ kind: 'sandbox', value: sandboxRecord({ id: 'sb-other', tenantId: 't2', state: 'starting', updatedAt: 1 }), revision: 102 });
+    await until(() => posts.length === 201, 10_000);
+    const at = posts.findIndex((id) => id.includes('-t2-sb-other-'));
+    expect(at).toBeGreaterThanOrEqual(0);
+    // At most every slot's POST in flight, and one more of t1's, before it.
+    expect(at).toBeLessThanOrEqual(MAX_POSTS_PER_URL + 1);
+  });
+
   it('receiverThatHoldsEveryPost_keepsAtMostMaxPendingPerTargetPending_theRestAreRecordedFailedBacklogFullUnsent_andNewOnesArePendingOnceItHasRoom', async () => {
     const { store, emit } = fakeStore({ revision: 100 });
     const log = new MemoryLog();

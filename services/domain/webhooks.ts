@@ -258,6 +258,50 @@ export function withoutWebhookUrl(text: string, url: string): string {
   return out;
 }
 
+/**
+ * The POSTs to one URL: at most MAX_POSTS_PER_URL in flight, the others waiting. A freed slot
+ * goes to the tenants with waiting POSTs in turn (round robin), each tenant's in their order:
+ * one URL can serve many tenants (an operator's hook gets every tenant's events), and one
+ * tenant's backlog (a fork(256) whose receiver is slow) must not hold back another's events.
+ */
+class UrlSlots {
+  private inFlight = 0;
+  /** Waiting POSTs by tenant, each told whether to go; the Map's order is the turn (a tenant just served goes last). */
+  private readonly waiting = new Map<string, Array<(go: boolean) => void>>();
+
+  /** Resolves true when the POST may go (it holds a slot), false when it was turned away. */
+  take(tenantId: string): Promise<boolean> {
+    if (this.inFlight < MAX_POSTS_PER_URL) {
+      this.inFlight++;
+      return Promise.resolve(true);
+    }
+    return new Promise<boolean>((go) => {
+      const q = this.waiting.get(tenantId);
+      if (q) q.push(go);
+      else this.waiting.set(tenantId, [go]);
+    });
+  }
+
+  /** A POST ended: its slot goes, as it is, to the next tenant's first waiting POST, else it is freed. True when nothing is left in flight or waiting. */
+  pass(): boolean {
+    const turn = this.waiting.entries().next();
+    if (turn.done) return --this.inFlight === 0;
+    const [tenantId, q] = turn.value;
+    const go = q.shift()!;
+    this.waiting.delete(tenantId);
+    if (q.length > 0) this.waiting.set(tenantId, q);
+    go(true);
+    return false;
+  }
+
+  /** Turns every waiting POST away (its run ended). */
+  turnAway(): void {
+    const waiting = [...this.waiting.values()].flat();
+    this.waiting.clear();
+    for (const go of waiting) go(false);
+  }
+}
+
 export class WebhookDispatcher {
   private stopWatch: (() => void) | undefined;
   private readonly timers = new Set<NodeJS.Timeout>();
@@ -284,7 +328,7 @@ export class WebhookDispatcher {
    * whether to go. Each waiting one is a pending delivery of the current run (halt() turns the
    * others away): at most MAX_PENDING_PER_TARGET per target of the URL.
    */
-  private readonly posts = new Map<string, { inFlight: number; waiting: Array<(go: boolean) => void> }>();
+  private readonly posts = new Map<string, UrlSlots>();
   /** The current watch (follow); changes of an older one are not recorded. */
   private generation = 0;
   /** The cursor as last written (or read), and when it was written. */
@@ -374,7 +418,7 @@ export class WebhookDispatcher {
     this.cursorLater = undefined;
     // POSTs waiting for a slot are of the run that ended (each would be skipped at its turn):
     // turned away now, so re-elections while a receiver hangs do not stack their backlogs here.
-    for (const slot of this.posts.values()) for (const go of slot.waiting.splice(0)) go(false);
+    for (const slot of this.posts.values()) slot.turnAway();
   }
 
   /**
@@ -652,7 +696,7 @@ export class WebhookDispatcher {
       'forkfleet-signature': signWebhook(target.secret, rec.body, Math.floor(now / 1000)),
     };
     try {
-      const status = await this.posting(rec.url, run, () => this.deps.poster.post(rec.url, rec.body, headers, this.retry.timeoutMs));
+      const status = await this.posting(rec.url, rec.tenantId, run, () => this.deps.poster.post(rec.url, rec.body, headers, this.retry.timeoutMs));
       // Stopped (or stopped and started again) while it waited for a slot: not sent by this run.
       if (status === undefined) return;
       next.lastStatus = status;
@@ -683,25 +727,21 @@ export class WebhookDispatcher {
   }
 
   /**
-   * Runs `post` once fewer than MAX_POSTS_PER_URL POSTs to `url` are in flight, in turn; undefined
-   * (not sent) when run `run` has ended by the time its turn comes: a deposed leader would send
-   * its whole backlog, which the next leader sends too.
+   * Runs `post` (a delivery of `tenantId`'s event) once fewer than MAX_POSTS_PER_URL POSTs to
+   * `url` are in flight, its tenant's waiting POSTs in turn with other tenants' (UrlSlots);
+   * undefined (not sent) when run `run` has ended by the time its turn comes: a deposed leader
+   * would send its whole backlog, which the next leader sends too.
    */
-  private async posting<T>(url: string, run: number, post: () => Promise<T>): Promise<T | undefined> {
+  private async posting<T>(url: string, tenantId: string, run: number, post: () => Promise<T>): Promise<T | undefined> {
     let slot = this.posts.get(url);
-    if (!slot) this.posts.set(url, (slot = { inFlight: 0, waiting: [] }));
-    if (slot.inFlight >= MAX_POSTS_PER_URL) {
-      // Turned away (halt): its run ended, and it holds no slot.
-      if (!(await new Promise<boolean>((r) => slot.waiting.push(r)))) return undefined;
-    } else slot.inFlight++;
+    if (!slot) this.posts.set(url, (slot = new UrlSlots()));
+    // Turned away (halt): its run ended, and it holds no slot.
+    if (!(await slot.take(tenantId))) return undefined;
     try {
       if (!this.active || run !== this.runs) return undefined;
       return await post();
     } finally {
-      // The slot goes to the next waiting POST as it is; with none, it is freed.
-      const next = slot.waiting.shift();
-      if (next) next(true);
-      else if (--slot.inFlight === 0) this.posts.delete(url);
+      if (slot.pass()) this.posts.delete(url);
     }
   }
 
