@@ -118,10 +118,21 @@ export function compareVersions(a: string, b: string): number {
 }
 
 /**
+ * The QEMU release series a snapshot's state is tied to: major.minor (7.2.x restores 7.2.y).
+ * The host agent refuses a restore on any other (host-agent/domain/compat.ts, which uses this
+ * one rule): a microvm machine type is not versioned, so nothing keeps a newer series loading
+ * an older one's device state.
+ */
+export function qemuSeries(version: string): string {
+  const m = /^(\d+)\.(\d+)/.exec(version);
+  return m ? `${m[1]}.${m[2]}` : version;
+}
+
+/**
  * A snapshot restores on a host when: same accel (a KVM snapshot's CPU state does not load
  * under TCG and vice versa), the host supports its machine type and CPU model, and the host's
- * QEMU is the same major version and not older (migration streams load forward within a
- * versioned machine type, not backward). Also its build of the snapshot's image must have the
+ * QEMU is of the snapshot's series (qemuSeries; the agent refuses any other, so a host that
+ * placement chose would fail the restore, every time). Also its build of the snapshot's image must have the
  * base disk the snapshot overlays: sameBaseImage, per host (vmmCheck), not part of the shared
  * profile this judges. A create checks only what it asks for.
  */
@@ -132,8 +143,7 @@ export function vmmCompatible(host: HostVmm, snapshot: SnapshotView | null, req:
       host.accel === vm.accel &&
       host.machines.includes(vm.machine) &&
       host.cpuModels.includes(vm.cpuModel) &&
-      parseVersion(host.qemuVersion)[0] === parseVersion(vm.qemuVersion)[0] &&
-      compareVersions(host.qemuVersion, vm.qemuVersion) >= 0
+      qemuSeries(host.qemuVersion) === qemuSeries(vm.qemuVersion)
     );
   }
   if (req === undefined) return true;

@@ -6,6 +6,8 @@ import { forkRequest, GIB, hostInput, KVM_82, MIB, snapshotInput } from './fixtu
 import { estimateAssignment, place } from './place.ts';
 import { rngForRequest } from './rng.ts';
 import { buildFleetView } from './view.ts';
+import { diffFingerprint } from '../host-agent/domain/compat.ts';
+import type { VmConfigFingerprint } from '../host-agent/domain/vmm.ts';
 import type { CreateRequest, FleetView, HostInput, PlacementRequest, PlacementResult, RestoreRequest, SnapshotInput } from './types.ts';
 
 function fleet(hosts: HostInput[], snapshots: SnapshotInput[] = [snapshotInput()]): FleetView {
@@ -335,6 +337,24 @@ describe('restore and create', () => {
     expect(r.placements).toHaveLength(1);
     expect(r.explanation.filtered).toEqual({ vmm_incompatible: 3 });
     expect(r.explanation.feasible).toBe(2);
+  });
+
+  it('restore_isPlacedOnlyOnHostsOfTheSnapshotsQemuSeries_theRuleTheHostAgentRestoresBy', () => {
+    // Snapshot taken on 8.2.2. An 8.3 host used to pass (same major, not older), and its agent
+    // refused every restore; an older 8.2.x patch release restores it, and used to be filtered.
+    const vmm = (qemuVersion: string): HostInput['vmm'] => ({ qemuVersion, machines: ['pc-q35-8.2'], cpuModels: ['host'], accel: 'kvm' });
+    const snapshotOn = (qemuVersion: string): SnapshotInput => snapshotInput('snap-a', { vmConfig: { ...snapshotInput().vmConfig, qemuVersion } });
+    // It is held (served from) only by a host of another major release.
+    const holder = hostInput('holder', { heldSnapshots: ['snap-a'], vmm: vmm('9.0.0') });
+    const r = ok(decide(fleet([holder, hostInput('newer-minor', { vmm: vmm('8.3.0') }), hostInput('older-patch', { vmm: vmm('8.2.0') })], [snapshotOn('8.2.2')]), restore));
+    expect(r.placements).toEqual([expect.objectContaining({ hostId: 'older-patch' })]);
+    expect(r.explanation.filtered).toEqual({ vmm_incompatible: 2 });
+    // Placed exactly where the agent's own check (diffFingerprint) lets the restore run.
+    const fp: VmConfigFingerprint = { machineType: 'pc-q35-8.2', memoryMib: 256, vcpus: 2, devices: [], qemuVersion: '', accel: 'kvm', cpuModel: 'host' };
+    for (const [host, taken] of [['8.3.0', '8.2.2'], ['8.2.0', '8.2.2'], ['9.0.0', '8.2.2'], ['8.2.9', '8.2.2'], ['8.1.5', '8.2.2'], ['7.2.22', '7.2.1']]) {
+      const agentRestores = diffFingerprint({ ...fp, qemuVersion: taken! }, { ...fp, qemuVersion: host! }).length === 0;
+      expect([host, taken, decide(fleet([holder, hostInput('h', { vmm: vmm(host!) })], [snapshotOn(taken!)]), restore).ok]).toEqual([host, taken, agentRestores]);
+    }
   });
 
   it('restore_ofAGuestAsLargeAsAHostsWholeMemory_fitsThere_asItsCreateDid_whileTwoForkedChildrenNeedTheImageAndTwoPrivateShares', () => {

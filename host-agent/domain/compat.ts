@@ -3,12 +3,10 @@
 // that differs so the refusal can say exactly what to fix.
 import type { CompatDifference } from '../errors.ts';
 import type { VmConfigFingerprint } from './vmm.ts';
+import { qemuSeries } from '../../scheduler/feasibility.ts';
 
-/** QEMU migration streams are compared at major.minor: 7.2.x restores 7.2.y. */
-export function qemuSeries(version: string): string {
-  const m = /^(\d+)\.(\d+)/.exec(version);
-  return m ? `${m[1]}.${m[2]}` : version;
-}
+/** QEMU migration streams are compared at major.minor (7.2.x restores 7.2.y): placement's rule too, so it places no restore here that this refuses. */
+export { qemuSeries };
 
 export function diffFingerprint(snapshot: VmConfigFingerprint, host: VmConfigFingerprint): CompatDifference[] {
   const out: CompatDifference[] = [];
