@@ -284,6 +284,25 @@ export class Fleet {
   }
 
   /**
+   * A pinned host with a locality it can never meet: SAME_HOST on a host that does not hold
+   * what the sandboxes start from, CROSS_HOST on one that does. Placement would refuse every
+   * host, but only after the operation (and its records) had been written, and a live fork had
+   * paused its source to take a snapshot first; and the failure said "no capacity", retryable.
+   * `holders`: the snapshot's recorded holders, or a live source's host (its snapshot is
+   * taken there).
+   */
+  private pinnedLocality(placement: PlacementPrefs | undefined, holders: readonly string[], of: string): void {
+    if (!placement?.hostId || placement.locality === 'ANY') return;
+    const holds = holders.includes(placement.hostId);
+    if (placement.locality === 'SAME_HOST' && !holds) {
+      throw new ForkfleetError('failed_precondition', `locality SAME_HOST with placement.host_id ${placement.hostId}: that host does not hold ${of} (${holders.length > 0 ? `held by ${holders.join(', ')}` : 'no host holds it'}); pin a host that does, or leave locality ANY`, { field: 'placement.locality' });
+    }
+    if (placement.locality === 'CROSS_HOST' && holds) {
+      throw new ForkfleetError('failed_precondition', `locality CROSS_HOST with placement.host_id ${placement.hostId}: that host holds ${of}, and CROSS_HOST places only on hosts that do not; pin another host, or leave locality ANY`, { field: 'placement.locality' });
+    }
+  }
+
+  /**
    * Records a pending operation under its idempotency key, with any records it creates,
    * in one transaction. A repeat of the key returns the first operation unchanged.
    * `checked`: the caller has just looked the key up (the transaction's guard on the key
@@ -378,6 +397,7 @@ export class Fleet {
     await this.knownHost(input.placement);
     // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
     const [sn, snRev] = input.snapshotId ? await this.readySnapshot(input.tenantId, input.snapshotId, 'restored') : [undefined, 0];
+    if (sn) this.pinnedLocality(input.placement, sn.hostIds, `snapshot ${sn.id}`);
     // The disk of the sandbox the snapshot was taken of, as a fork child inherits it (runFork):
     // copied into the snapshot's record, else from that sandbox's record if it is still there.
     const inheritedDiskMib = sn ? (sn.inherits?.resources.diskMib ?? (sn.sourceSandboxId ? (await this.deps.store.getSandbox(input.tenantId, sn.sourceSandboxId))?.value.resources.diskMib : undefined)) : undefined;
@@ -431,6 +451,7 @@ export class Fleet {
     if (input.snapshotId) {
       const [sn, rev] = await this.readySnapshot(input.tenantId, input.snapshotId, 'forked');
       snRev = rev;
+      this.pinnedLocality(input.placement, sn.hostIds, `snapshot ${sn.id}`);
       lineageId = sn.lineageId;
       // The children inherit the hooks of the sandbox the snapshot was taken of (runFork):
       // counted here, so a fork too large for one transaction is refused now, not failed
@@ -445,6 +466,7 @@ export class Fleet {
         return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '', hibernatedSandboxId: sb.id });
       }
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked', 'sandbox_id');
+      this.pinnedLocality(input.placement, [sb.hostId], `sandbox ${sb.id} (its snapshot is taken there)`);
       lineageId = sb.lineageId;
       inheritedHooks = sb.afterResume;
     }

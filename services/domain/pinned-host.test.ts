@@ -3,7 +3,7 @@
 // store of our own that holds one host record and records every write.
 import { describe, expect, it } from 'vitest';
 import { Fleet } from './fleet.ts';
-import type { CreateInput, ForkInput } from './fleet.ts';
+import type { CreateInput, ForkInput, PlacementPrefs } from './fleet.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import type { FleetStore, StoreWrite } from './ports.ts';
 import type { HostRec } from './records.ts';
@@ -29,14 +29,17 @@ const HOST: HostRec = {
 /** Past the host check, a fork of a snapshot looks the snapshot up: the stub answers with this. */
 const REACHED_SNAPSHOT = new Error('reached the snapshot lookup');
 
-function fleetWith(host: HostRec | undefined): { fleet: Fleet; writes: StoreWrite[] } {
+function fleetWith(host: HostRec | undefined, o: { snapshotHeldBy?: string[]; sandboxOn?: string } = {}): { fleet: Fleet; writes: StoreWrite[] } {
   const writes: StoreWrite[] = [];
   const store = {
     getIdempotent: async () => undefined,
     getHost: async (id: string) => (host && id === host.id ? { value: host, modRevision: 3 } : undefined),
-    getSnapshot: async () => {
-      throw REACHED_SNAPSHOT;
+    getSnapshot: async (_t: string, id: string) => {
+      if (!o.snapshotHeldBy) throw REACHED_SNAPSHOT;
+      return { value: { id, tenantId: 't1', state: 'ready', hostIds: o.snapshotHeldBy, lineageId: 'l', sourceSandboxId: '', labels: {} }, modRevision: 4 };
     },
+    getSandbox: async (_t: string, id: string) => (o.sandboxOn ? { value: { id, tenantId: 't1', state: 'running', hostId: o.sandboxOn, lineageId: 'l', afterResume: [], labels: {} }, modRevision: 5 } : undefined),
+
     commit: async (w: StoreWrite[]) => {
       writes.push(...w);
       return true;
@@ -72,5 +75,38 @@ describe('a pinned host at admission', () => {
     // This replica has heard no host (it may have just started): only the record decides.
     const { fleet } = fleetWith(HOST);
     await expect(fleet.forkSandbox(fork)).rejects.toBe(REACHED_SNAPSHOT);
+  });
+});
+
+describe('a pinned host with a locality it can never meet, at admission', () => {
+  const pinned = (locality: 'SAME_HOST' | 'CROSS_HOST'): PlacementPrefs => ({ ...placement, locality });
+  const restore = (locality: 'SAME_HOST' | 'CROSS_HOST'): CreateInput => ({ ...create, snapshotId: 'sn-a', placement: pinned(locality) });
+
+  it('restoreAndFork_sameHostPinnedToAHostThatDoesNotHoldTheSnapshot_areFailedPreconditionNamingPlacementLocality_andWriteNothing', async () => {
+    const { fleet, writes } = fleetWith(HOST, { snapshotHeldBy: ['h2'] });
+    const refusal = { kind: 'failed_precondition', field: 'placement.locality', message: expect.stringMatching(/h1: that host does not hold snapshot sn-a \(held by h2\)/) };
+    await expect(fleet.createSandbox(restore('SAME_HOST'))).rejects.toMatchObject(refusal);
+    await expect(fleet.forkSandbox({ ...fork, placement: pinned('SAME_HOST') })).rejects.toMatchObject(refusal);
+    expect(writes).toEqual([]);
+  });
+
+  it('restoreAndFork_crossHostPinnedToAHolder_areFailedPreconditionNamingPlacementLocality', async () => {
+    const { fleet, writes } = fleetWith(HOST, { snapshotHeldBy: ['h1', 'h2'] });
+    await expect(fleet.createSandbox(restore('CROSS_HOST'))).rejects.toMatchObject({ kind: 'failed_precondition', field: 'placement.locality' });
+    await expect(fleet.forkSandbox({ ...fork, placement: pinned('CROSS_HOST') })).rejects.toMatchObject({ kind: 'failed_precondition', field: 'placement.locality' });
+    expect(writes).toEqual([]);
+  });
+
+  it('liveFork_sameHostPinnedToAnotherHostThanTheSources_isRefusedBeforeItsSourceIsSnapshotted_crossHostPinnedElsewhereGoesOn', async () => {
+    const live: ForkInput = { ...fork, snapshotId: '', sandboxId: 'sb-src', placement: pinned('SAME_HOST') };
+    const { fleet, writes } = fleetWith(HOST, { sandboxOn: 'h2' });
+    await expect(fleet.forkSandbox(live)).rejects.toMatchObject({ kind: 'failed_precondition', field: 'placement.locality', message: expect.stringMatching(/does not hold sandbox sb-src/) });
+    expect(writes).toEqual([]);
+    await expect(fleet.forkSandbox({ ...live, placement: pinned('CROSS_HOST') })).resolves.toMatchObject({ kind: 'fork', state: 'pending' });
+  });
+
+  it('restore_sameHostPinnedToAHolder_isAccepted', async () => {
+    const { fleet } = fleetWith(HOST, { snapshotHeldBy: ['h1'] });
+    await expect(fleet.createSandbox(restore('SAME_HOST'))).resolves.toMatchObject({ kind: 'create', state: 'pending' });
   });
 });

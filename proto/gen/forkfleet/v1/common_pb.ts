@@ -85,7 +85,9 @@ export type PlacementPreference = Message<"forkfleet.v1.PlacementPreference"> & 
   /**
    * Place only on this host (admin credentials only, else PERMISSION_DENIED; tests, debugging).
    * A host the fleet lacks is INVALID_ARGUMENT; one recorded lost, cordoned or draining is
-   * FAILED_PRECONDITION, both naming placement.host_id.
+   * FAILED_PRECONDITION, both naming placement.host_id. With a locality it can never meet
+   * (SAME_HOST and a host that does not hold the snapshot, or is not the live source's;
+   * CROSS_HOST and one that does) it is FAILED_PRECONDITION naming placement.locality.
    *
    * @generated from field: string host_id = 4;
    */
