@@ -900,8 +900,7 @@ export class Fleet {
    * `mode`, 0: the guest's default), which a guest script (PUT_IN_PLACE) then renames over `path`. So a
    * failure part-way (a full guest disk, a lost relay) leaves the old file as it was, and the
    * temporary file is removed (best effort).
-   */
-  /**
+   *
    * `signal`: the call's (cancelled, past its deadline, its credential revoked): a wake it
    * waits for goes on, but nothing is written once it aborts (and a part written is removed).
    */

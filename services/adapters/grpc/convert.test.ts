@@ -221,6 +221,20 @@ describe('fields a record stores', () => {
     expect(() => guestFilePath(`/tmp/${'a'.repeat(233)}`, 'header.path', true)).toThrow(/^header\.path: a file written through the API has a name of at most 232 bytes/);
   });
 
+  it('guestPath_ofPathMaxBytes_isInvalidArgument_andAWrittenPathLeavesRoomForItsStagingName', () => {
+    // Linux's PATH_MAX counts the NUL: 4095 bytes open, 4096 are ENAMETOOLONG in the guest.
+    const pathOf = (bytes: number): string => {
+      let p = '';
+      while (bytes - p.length > 101) p += `/${'a'.repeat(99)}`;
+      return `${p}/${'a'.repeat(bytes - p.length - 1)}`;
+    };
+    expect(pathOf(4096)).toHaveLength(4096);
+    expect(guestFilePath(pathOf(4095))).toHaveLength(4095);
+    expect(() => guestFilePath(pathOf(4096), 'path')).toThrow(/^path: must be at most 4095 bytes/);
+    expect(guestFilePath(pathOf(4072), 'header.path', true)).toHaveLength(4072);
+    expect(() => guestFilePath(pathOf(4073), 'header.path', true)).toThrow(/^header\.path: a file written through the API has a path of at most 4072 bytes/);
+  });
+
   it('labels_withAKeyOutsidePrintableAscii_nameItEscaped_andTheSchedulersOwnKeysOnlyFilter', () => {
     // JSON's own escapes stay (\n), anything else outside printable ASCII becomes \uXXXX.
     expect(() => labels({ 'é\n': 'x' })).toThrow(expect.objectContaining({ field: 'labels["\\u00e9\\n"]' }));

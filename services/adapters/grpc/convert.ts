@@ -47,7 +47,8 @@ export const LIMITS = {
   maxWaitMs: 600_000,
   defaultWaitMs: 60_000,
   maxDurationMs: 10 * 365 * 24 * 3_600_000,
-  maxPathBytes: 4096,
+  /** Linux's PATH_MAX (4096) counts the terminating NUL: a path of 4096 bytes fails in the guest (ENAMETOOLONG). */
+  maxPathBytes: 4095,
   maxFileBytes: 64 << 20,
   maxReplicas: 8,
   maxKeepLast: 10_000,
@@ -365,6 +366,8 @@ export function guestFilePath(v: string, field = 'path', writing = false): strin
   if (v === '/') throw new InvalidArgumentError(field, 'must name a file, not a directory');
   const name = v.slice(v.lastIndexOf('/') + 1);
   if (writing && Buffer.byteLength(name) > NAME_MAX - WRITE_STAGING_NAME_BYTES) throw new InvalidArgumentError(field, `a file written through the API has a name of at most ${NAME_MAX - WRITE_STAGING_NAME_BYTES} bytes (it is staged beside itself under a longer one)`);
+  // The staged file's path is as much longer: refused before the upload, not after it.
+  if (writing && Buffer.byteLength(v) > LIMITS.maxPathBytes - WRITE_STAGING_NAME_BYTES) throw new InvalidArgumentError(field, `a file written through the API has a path of at most ${LIMITS.maxPathBytes - WRITE_STAGING_NAME_BYTES} bytes (it is staged beside itself under a longer one)`);
   return v;
 }
 
