@@ -33,6 +33,11 @@ describe('eventsOf', () => {
     expect(types({ kind: 'op', prev: op('pending'), value: op('running'), revision: 3 })).toEqual([]);
   });
 
+  it('operationDone_ofAForkOfAHibernatedSandbox_namesTheSandboxTheCallerForked_andItsSnapshot', () => {
+    const op = (state: OperationRec['state']) => ({ id: 'op-1', tenantId: 't', kind: 'fork', state, targetId: 'sn-hib', input: { snapshotId: 'sn-hib', hibernatedSandboxId: 'sb-1' }, error: null }) as unknown as OperationRec;
+    expect(eventsOf({ kind: 'op', prev: op('running'), value: op('succeeded'), revision: 1 }, 0)).toEqual([expect.objectContaining({ type: 'operation_done', sandboxId: 'sb-1', snapshotId: 'sn-hib' })]);
+  });
+
   it('snapshotCreated_onceWhenItBecomesReady_notWhenARefusedDeletePutsItBack', () => {
     expect(types({ kind: 'snapshot', prev: snapshotRecord({ state: 'creating' }), value: snapshotRecord({ state: 'ready' }), revision: 1 })).toEqual(['snapshot_created']);
     expect(types({ kind: 'snapshot', prev: snapshotRecord({ state: 'ready' }), value: snapshotRecord({ state: 'deleting', deletingFrom: 'ready' }), revision: 2 })).toEqual([]);

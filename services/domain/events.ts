@@ -3,7 +3,7 @@
 // record). One derivation serves WatchEvents and the webhooks.
 import type { RecordChange } from './ports.ts';
 import type { SandboxState } from './records.ts';
-import { isTerminal } from './records.ts';
+import { isTerminal, sandboxOfOp } from './records.ts';
 
 export const EVENT_TYPES = [
   'sandbox_created',
@@ -69,5 +69,5 @@ export function eventsOf(ch: RecordChange, now: number): FleetEvent[] {
   }
   const o = ch.value;
   if (!isTerminal(o.state) || (ch.prev && isTerminal(ch.prev.state))) return [];
-  return [{ ...base, type: 'operation_done', operationId: o.id, sandboxId: o.targetId.startsWith('sb-') ? o.targetId : '', snapshotId: o.targetId.startsWith('sn-') ? o.targetId : '', message: o.error?.message ?? o.state }];
+  return [{ ...base, type: 'operation_done', operationId: o.id, sandboxId: sandboxOfOp(o), snapshotId: o.targetId.startsWith('sn-') ? o.targetId : '', message: o.error?.message ?? o.state }];
 }

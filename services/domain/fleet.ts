@@ -6,7 +6,7 @@ import type { Clock, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } f
 import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
-import { CANCELLABLE_KINDS, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
+import { CANCELLABLE_KINDS, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxOfOp, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
 import { ConflictError, NotFoundError, RelayedHostError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
@@ -183,7 +183,7 @@ function isRepeatOf(op: OperationRec, r: Repeat): boolean {
   if (!r.kinds.includes(op.kind)) return false;
   if (r.targetId === undefined || op.targetId === r.targetId) return true;
   // A fork of a hibernated sandbox is a fork of its hibernation snapshot (forkSandbox).
-  return op.kind === 'fork' && (op.input as { hibernatedSandboxId?: string }).hibernatedSandboxId === r.targetId;
+  return sandboxOfOp(op) === r.targetId;
 }
 
 /** JSON with every object's keys sorted (and undefined members left out), bigints as strings: equal for equal values. */
@@ -705,11 +705,15 @@ export class Fleet {
     throw new ConflictError(`operation ${id}`);
   }
 
-  /** The tenant's operations (undefined: every tenant's; running, and finished ones until retention deletes them) that match every filter given. */
+  /**
+   * The tenant's operations (undefined: every tenant's; running, and finished ones until
+   * retention deletes them) that match every filter given. A fork of a hibernated sandbox is
+   * on its hibernation snapshot and on the sandbox the caller named (sandboxOfOp).
+   */
   async listOperations(tenantId: string | undefined, filter: { states: OperationState[]; kinds: OperationKind[]; targetId: string }): Promise<OperationRec[]> {
     return (await this.deps.store.listOps({ activeOnly: false, ...(tenantId === undefined ? {} : { tenantId }) }))
       .map((v) => v.value)
-      .filter((o) => (!filter.states.length || filter.states.includes(o.state)) && (!filter.kinds.length || filter.kinds.includes(o.kind)) && (!filter.targetId || o.targetId === filter.targetId));
+      .filter((o) => (!filter.states.length || filter.states.includes(o.state)) && (!filter.kinds.length || filter.kinds.includes(o.kind)) && (!filter.targetId || o.targetId === filter.targetId || sandboxOfOp(o) === filter.targetId));
   }
 
   /** Waiters per `<tenant>/<op id>`: woken by the op watch, with the record, when that op is written terminal. */

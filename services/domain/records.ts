@@ -302,6 +302,17 @@ export interface OperationRec {
 /** Kinds with safe points to stop at (CancelOperation); the others are one host step each. */
 export const CANCELLABLE_KINDS: ReadonlySet<OperationKind> = new Set(['create', 'fork', 'drain']);
 
+/**
+ * The sandbox an operation acts on as its caller named it: its target, but for a fork of a
+ * hibernated sandbox, whose target is that sandbox's hibernation snapshot (the fork starts
+ * from it, Fleet.forkSandbox) and whose input names the sandbox. '' when it acts on none.
+ */
+export function sandboxOfOp(o: Pick<OperationRec, 'kind' | 'targetId' | 'input'>): string {
+  if (o.targetId.startsWith('sb-')) return o.targetId;
+  const hibernated = o.kind === 'fork' ? (o.input as { hibernatedSandboxId?: unknown } | null)?.hibernatedSandboxId : undefined;
+  return typeof hibernated === 'string' ? hibernated : '';
+}
+
 export function isTerminal(s: OperationState): boolean {
   return s === 'succeeded' || s === 'failed' || s === 'cancelled';
 }

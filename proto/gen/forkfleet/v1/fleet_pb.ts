@@ -1531,7 +1531,9 @@ export type Operation = Message<"forkfleet.v1.Operation"> & {
   progress?: OperationProgress | undefined;
 
   /**
-   * The sandbox or snapshot the operation acts on.
+   * The sandbox or snapshot the operation acts on. A fork of a hibernated sandbox starts from
+   * its hibernation snapshot, which is its target; ListOperations by the sandbox's id lists it
+   * too, and its OPERATION_DONE event names the sandbox.
    *
    * @generated from field: string target_id = 8;
    */
