@@ -2013,7 +2013,7 @@ export class Executor {
               // "unknown", and the job failed as a retryable "no capacity".
               viewSnapshots = [...snapshots.filter((x) => x.tenantId !== tenantId || x.id !== id), sv.value];
             }
-            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight, fetchRates: this.fetchRates.current(now), linkLoads: this.linkLoads.current(now) }));
+            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight, fetchRates: this.fetchRates.current(now), linkLoads: this.linkLoads.current(now), pendingDiskMib: this.linkLoads.pendingDiskMib(now) }));
             const req = job.request(view);
             // Seeded by the request's id (each migration of a drain has its own), as the library
             // documents, so the first attempt's decision replays from its explanation.

@@ -162,6 +162,22 @@ export function builtImages(hb: HeartbeatMsg): Readonly<Record<string, string>> 
   return m;
 }
 
+const recipeIndex = new WeakMap<HeartbeatMsg, Readonly<Record<string, string>>>();
+
+/**
+ * The recipe a heartbeat's host builds each image by now, image name -> recipe hash
+ * (HostVmm.recipes); undefined for an agent that says none (one that predates HostImage.current).
+ */
+export function currentRecipes(hb: HeartbeatMsg): Readonly<Record<string, string>> | undefined {
+  let m = recipeIndex.get(hb);
+  if (!m) {
+    const out: Record<string, string> = {};
+    for (const i of hb.images) if (i.current && i.name && i.recipeHash) out[i.name] = i.recipeHash;
+    recipeIndex.set(hb, (m = out));
+  }
+  return Object.keys(m).length > 0 ? m : undefined;
+}
+
 function completeSnapshots(hb: HeartbeatMsg): Set<string> {
   let set = snapshotIndex.get(hb);
   if (!set) snapshotIndex.set(hb, (set = new Set(hb.snapshots.filter((s) => s.complete).map((s) => s.snapshotId))));
@@ -213,7 +229,14 @@ export class FetchRates {
 /** How long a planned copy counts as link load at most (LinkLoads). */
 const LINK_LOAD_MAX_MS = 10 * 60_000;
 
-/** A planned transfer's link use, as LinkLoads keeps it. */
+/**
+ * How long after its planned end a copy's bytes still count on its destination's disk
+ * (LinkLoads.pendingDiskMib): until a heartbeat after the copy ended counts them in the host's
+ * chunk store, a few seconds, longer when the copy ran late.
+ */
+const PENDING_DISK_GRACE_MS = 15_000;
+
+/** A planned transfer's link use and the disk it takes, as LinkLoads keeps it. */
 interface LinkUse {
   readonly src: string;
   readonly dst: string;
@@ -221,13 +244,20 @@ interface LinkUse {
   readonly rate: number;
   /** When it is planned to end (ms, the scheduler's clock). */
   readonly until: number;
+  /** Stored bytes it copies onto the destination's disk. */
+  readonly bytes: number;
+  /** Until when those bytes count on that disk (until + PENDING_DISK_GRACE_MS). */
+  readonly diskUntil: number;
 }
 
 /**
  * The transfers this leader planned and expects still to run: each takes its planned rate of
  * its source's uplink and its destination's downlink until its planned end. Placement sees
  * them as link load (HostLink rx/txLoadBytesPerS): two forks decided a moment apart both saw
- * the one holder's uplink idle, and planned their copies from it at its full rate.
+ * the one holder's uplink idle, and planned their copies from it at its full rate. Their bytes
+ * count on their destinations' disks too (pendingDiskMib) until heartbeats count them: a
+ * booking holds only a sandbox's overlay, so two wakes decided a moment apart each saw the
+ * disk a cold host had before either copy, and both copied there, past its capacity.
  */
 export class LinkLoads {
   private uses: LinkUse[] = [];
@@ -236,10 +266,12 @@ export class LinkLoads {
   add(transfers: ReadonlyArray<{ sourceHostId: string; destinationHostId: string; bytes: number; startMs: number; readyAtMs: number }>, now: number): readonly LinkUse[] {
     const added: LinkUse[] = [];
     for (const t of transfers) {
+      if (!(t.bytes > 0)) continue;
       const ms = t.readyAtMs - t.startMs;
-      if (!(t.bytes > 0) || !(ms > 0) || !Number.isFinite(ms)) continue;
+      const timed = ms > 0 && Number.isFinite(ms);
       // At most LINK_LOAD_MAX_MS: a copy planned over a link priced near nothing would count for days.
-      added.push({ src: t.sourceHostId, dst: t.destinationHostId, rate: (t.bytes * 1000) / ms, until: now + Math.min(t.readyAtMs, LINK_LOAD_MAX_MS) });
+      const until = now + (timed ? Math.min(t.readyAtMs, LINK_LOAD_MAX_MS) : 0);
+      added.push({ src: t.sourceHostId, dst: t.destinationHostId, rate: timed ? (t.bytes * 1000) / ms : 0, until, bytes: t.bytes, diskUntil: until + PENDING_DISK_GRACE_MS });
     }
     this.uses.push(...added);
     return added;
@@ -253,7 +285,7 @@ export class LinkLoads {
 
   /** Per host, the bytes per second its planned transfers take inbound (rx) and outbound (tx) now; ended ones are forgotten. */
   current(now: number): Map<string, { rx: number; tx: number }> {
-    this.uses = this.uses.filter((u) => u.until > now);
+    this.uses = this.uses.filter((u) => u.diskUntil > now);
     const out = new Map<string, { rx: number; tx: number }>();
     const at = (id: string): { rx: number; tx: number } => {
       let l = out.get(id);
@@ -261,10 +293,18 @@ export class LinkLoads {
       return l;
     };
     for (const u of this.uses) {
+      if (u.until <= now || u.rate === 0) continue;
       at(u.src).tx += u.rate;
       at(u.dst).rx += u.rate;
     }
     return out;
+  }
+
+  /** Per destination host, the MiB its planned copies write to its disk that its heartbeats may not count yet. */
+  pendingDiskMib(now: number): Map<string, number> {
+    const bytes = new Map<string, number>();
+    for (const u of this.uses) if (u.diskUntil > now) bytes.set(u.dst, (bytes.get(u.dst) ?? 0) + u.bytes);
+    return new Map([...bytes].map(([h, b]) => [h, Math.ceil(b / (1024 * 1024))]));
   }
 }
 
@@ -295,8 +335,8 @@ function byId(hosts: readonly HostRec[]): readonly HostRec[] {
  * create asking for more than the cache leaves is "no capacity" for now, not larger than any
  * host.
  */
-function withChunkCache(allocated: HostAllocRec['allocated'], chunkStoreBytes: bigint | undefined): HostAllocRec['allocated'] {
-  const cacheMib = Math.ceil(Number(chunkStoreBytes ?? 0n) / (1024 * 1024));
+function withChunkCache(allocated: HostAllocRec['allocated'], chunkStoreBytes: bigint | undefined, pendingMib = 0): HostAllocRec['allocated'] {
+  const cacheMib = Math.ceil(Number(chunkStoreBytes ?? 0n) / (1024 * 1024)) + pendingMib;
   return cacheMib > 0 ? { ...allocated, diskMib: allocated.diskMib + cacheMib } : allocated;
 }
 
@@ -327,6 +367,8 @@ export function fleetViewInput(args: {
   fetchRates?: ReadonlyMap<string, number>;
   /** Link load of the transfers this leader planned that still run (LinkLoads.current). */
   linkLoads?: ReadonlyMap<string, { rx: number; tx: number }>;
+  /** Disk the copies this leader planned take on their destinations, not yet in their heartbeats (LinkLoads.pendingDiskMib). */
+  pendingDiskMib?: ReadonlyMap<string, number>;
 }): FleetViewInput {
   // Which of `snapshots` each host holds, by its record or its last heartbeat: one pass over
   // the snapshots' holders, then an indexed lookup per host and snapshot (not every host
@@ -377,12 +419,12 @@ export function fleetViewInput(args: {
       cordoned: h.cordoned,
       draining: h.draining,
       capacity: h.capacity,
-      allocated: withChunkCache(alloc?.allocated ?? { vcpus: 0, memoryMib: 0, diskMib: 0 }, heard?.hb.chunkStoreBytes),
+      allocated: withChunkCache(alloc?.allocated ?? { vcpus: 0, memoryMib: 0, diskMib: 0 }, heard?.hb.chunkStoreBytes, args.pendingDiskMib?.get(h.id)),
       inflightOps: Math.max(heard?.hb.inflightOps ?? 0, args.ownInflight?.get(h.id) ?? 0),
       // The host's measured restore time and its slots price its queue (scheduler/README.md).
       ...(heard && heard.hb.restoreSlots > 0 && (heard.hb.restoreCostMs > 0 || fleetRestoreMs !== undefined) ? { restoreCostMs: heard.hb.restoreCostMs > 0 ? heard.hb.restoreCostMs : fleetRestoreMs, restoreSlots: heard.hb.restoreSlots } : {}),
       link: { bandwidthBytesPerS: bandwidth, rxLoadBytesPerS: Math.min(load?.rx ?? 0, MAX_LINK_LOAD * bandwidth), txLoadBytesPerS: Math.min(load?.tx ?? 0, MAX_LINK_LOAD * bandwidth) },
-      vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel, ...(heard && builtImages(heard.hb) ? { images: builtImages(heard.hb) } : {}) },
+      vmm: { qemuVersion: h.qemuVersion, machines: [h.machine], cpuModels: [h.cpuModel], accel: h.accel, ...(heard && builtImages(heard.hb) ? { images: builtImages(heard.hb) } : {}), ...(heard && currentRecipes(heard.hb) ? { recipes: currentRecipes(heard.hb) } : {}) },
       heldSnapshots: [...held],
       ...(shares ? { imageShares: shares } : {}),
     };
