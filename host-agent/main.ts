@@ -80,7 +80,7 @@ async function main(): Promise<void> {
   // instead left them to the next start, whose sync returned 0 (the error is reported once).
   const startSync = await chunks.syncAtStart();
   if (startSync.syncFailed || startSync.removed.length > 0) log.error({ syncFailed: startSync.syncFailed, removedChunks: startSync.removed.length }, 'a start-up sync of the chunk store failed: every chunk file was fsynced on its own, and those whose fsync failed were removed (fetched or ingested again)');
-  const manifests = new FsManifestStore(join(cfg.dataDir, 'manifests'));
+  const manifests = new FsManifestStore(join(cfg.dataDir, 'manifests'), { log });
   const materialiser = new Materialiser({ root: join(cfg.dataDir, 'images'), chunks, manifests, trust, roots, log });
   // Flattened disk layers made while ingesting (shipper.portableDisk): removed once ingested,
   // so anything here was left by an agent killed mid-ingest.

@@ -68,7 +68,7 @@ function fakeDriver(opts: { deleting?: () => Promise<void> } = {}): VmmDriver & 
   } as unknown as VmmDriver & { deleted: string[] };
 }
 
-async function host(name: string, opts: { driver?: VmmDriver; chunks?: (c: FsChunkStore) => ChunkStore; manifests?: (m: FsManifestStore) => ManifestStore } = {}) {
+async function host(name: string, opts: { driver?: VmmDriver; chunks?: (c: FsChunkStore) => ChunkStore; manifests?: (m: FsManifestStore) => ManifestStore; gcGraceMs?: number } = {}) {
   const root = join(dir, name);
   const store = new FsChunkStore(root, { offload: false });
   const stored = new FsManifestStore(root);
@@ -79,7 +79,7 @@ async function host(name: string, opts: { driver?: VmmDriver; chunks?: (c: FsChu
   const driverSnapshotsDir = join(root, 'vmm');
   mkdirSync(driverSnapshotsDir, { recursive: true });
   const driver = opts.driver ?? fakeDriver();
-  const shipper = new ChunkStoreShipper({ hostId: 'h1', driver, driverSnapshotsDir, chunks, manifests, materialiser, roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS });
+  const shipper = new ChunkStoreShipper({ hostId: 'h1', driver, driverSnapshotsDir, chunks, manifests, materialiser, roots, trust, scratchDir: join(root, 'scratch'), log, chunkSize: CS, ...(opts.gcGraceMs === undefined ? {} : { gcGraceMs: opts.gcGraceMs }) });
   return { root, store, stored, roots, driverSnapshotsDir, shipper };
 }
 
@@ -110,11 +110,11 @@ function ownSnapshot(driverSnapshotsDir: string, snapshotId: string): string {
 /**
  * A snapshot held elsewhere whose chunks are all stored here already (the manifest bytes too,
  * unsigned, as an ingest stores them): a fetch of it asks no peer for anything. The work
- * carries the scheduler's signature.
+ * carries the scheduler's signature. Its two chunks are filled with `fill` and `fill + 1`.
  */
-async function chunksHere(h: Awaited<ReturnType<typeof host>>, snapshotId: string) {
+async function chunksHere(h: Awaited<ReturnType<typeof host>>, snapshotId: string, fill = 1) {
   const mem = join(h.root, `${snapshotId}.mem`);
-  writeFileSync(mem, Buffer.concat([Buffer.alloc(CS, 1), Buffer.alloc(CS, 2)]));
+  writeFileSync(mem, Buffer.concat([Buffer.alloc(CS, fill), Buffer.alloc(CS, fill + 1)]));
   const r = await ingestSnapshot({ snapshotId, tenantId: 't', sourceSandboxId: 'sb', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }] }, { chunks: h.store, roots: new LiveRoots(), clock: systemClock, chunkSize: CS });
   r.unpin();
   r.manifest.metadata = { 'manifest.json': Buffer.from(JSON.stringify({ snapshotId })), 'image.json': Buffer.from('{}') };
@@ -163,6 +163,66 @@ describe('ChunkStoreShipper.remove against a lease', () => {
     lease.release();
     await removed;
     expect(driver.deleted).toEqual(['sn-b']);
+  });
+});
+
+/** The chunk store with its sweep wrapped: `before` runs ahead of each sweep; `sweeps` counts them (one per GC pass). */
+function countingSweeps(before: (n: number) => Promise<void> = async () => undefined) {
+  const counted = { sweeps: 0 };
+  const wrap = (c: FsChunkStore): ChunkStore =>
+    new Proxy(c, {
+      get: (target, k) => {
+        const v = Reflect.get(target, k) as unknown;
+        if (k === 'sweep') return async (isLive: Parameters<FsChunkStore['sweep']>[0]) => (await before(++counted.sweeps), target.sweep(isLive));
+        return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+      },
+    });
+  return { counted, wrap };
+}
+
+describe('ChunkStoreShipper.remove and the GC after it', () => {
+  it('remove_ofTenSnapshotsAtOnce_sharesGcPasses_atMostTwo_andEachEndsWithTheChunksNothingElseReachesFreed', async () => {
+    let gcCalls = 0;
+    // The first pass sweeps only once all ten deletes asked for theirs: each pass is slow
+    // next to a delete, as on a big store.
+    const { counted, wrap } = countingSweeps(async (n) => {
+      if (n === 1) await vi.waitFor(() => expect(gcCalls).toBe(10));
+    });
+    const h = await host('remove-burst', { chunks: wrap, gcGraceMs: 0 });
+    await chunksHere(h, 'sn-keep', 100);
+    const kept = await h.store.list();
+    const ids = Array.from({ length: 10 }, (_, i) => `sn-burst-${i}`);
+    for (const [i, id] of ids.entries()) await chunksHere(h, id, 2 * i + 10);
+    await h.shipper.load();
+    expect(await h.store.list()).toHaveLength(22);
+    const collect = h.shipper.collectGarbage.bind(h.shipper);
+    vi.spyOn(h.shipper, 'collectGarbage').mockImplementation(() => (gcCalls++, collect()));
+    await Promise.all(ids.map((id) => h.shipper.remove(id)));
+    // One pass ran when the first delete asked; the other nine shared the one after it (ten
+    // passes in turn before).
+    expect(gcCalls).toBe(10);
+    expect(counted.sweeps).toBeLessThanOrEqual(2);
+    expect(await h.store.list()).toEqual(kept);
+    expect(h.shipper.held().map((x) => x.snapshotId)).toEqual(['sn-keep']);
+  });
+
+  it('remove_whenTheGcAfterItFails_isDoneAllTheSame_andTheNextPassFreesItsChunks', async () => {
+    let failing = true;
+    const { counted, wrap } = countingSweeps(async () => {
+      if (failing) throw Object.assign(new Error('EIO: i/o error, scandir'), { code: 'EIO' });
+    });
+    const h = await host('remove-gc-fails', { chunks: wrap, gcGraceMs: 0 });
+    await chunksHere(h, 'sn-gcf');
+    await h.shipper.load();
+    // The manifest is gone: the delete is done, though its pass failed.
+    await h.shipper.remove('sn-gcf');
+    expect(counted.sweeps).toBe(1);
+    expect(await h.stored.get('sn-gcf')).toBeUndefined();
+    expect(h.shipper.held()).toEqual([]);
+    expect(await h.store.list()).toHaveLength(2);
+    failing = false;
+    await h.shipper.collectGarbage();
+    expect(await h.store.list()).toEqual([]);
   });
 });
 

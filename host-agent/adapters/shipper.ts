@@ -116,6 +116,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
   /** Deleted snapshots whose VMM directory a GC kept because a lease held it: a GC follows the last release. */
   private readonly keptForLease = new Set<string>();
   private gcRun: Promise<unknown> = Promise.resolve();
+  /** The GC pass queued behind gcRun and not started yet (collectGarbage's callers share it). */
+  private gcPending: Promise<GcResult> | undefined;
   private lastGc: GcResult | undefined;
   /** Chunk bytes stored since the last GC counted them (ingests' new chunks, fetches' bytes): storedBytes(). */
   private storedSinceGc = 0;
@@ -638,7 +640,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
       if (notDurable !== undefined && !this.notDurable.has(snapshotId)) this.notDurable.set(snapshotId, notDurable);
       throw e;
     }
-    await this.collectGarbage();
+    // Done: the manifest is gone. The pass that follows still ends the step, so that a delete
+    // reported done has freed the snapshot's bytes (the next heartbeat's storedBytes, the
+    // directory of a snapshot nothing uses); a burst of deletes shares one pass (collectGarbage).
+    // Its failure fails no delete: the next pass (periodic, or the next delete's) retries.
+    await this.collectGarbage().catch((e: unknown) => this.deps.log.warn({ snapshotId, err: (e as Error).message }, 'gc after a snapshot delete failed; the delete is done, the next gc frees its chunks'));
   }
 
   /**
@@ -653,9 +659,17 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * One GC pass (one at a time): VMM directories of deleted snapshots that nothing uses
    * any more, materialised images without manifest or lease, then chunks that no
    * manifest, running VM or in-flight transfer reaches (snapshot-store-gc.ts).
+   *
+   * Passes merge: at most one runs and one waits, and every caller until the waiting one
+   * starts shares it. A pass that has not started sees whatever its callers did before they
+   * called (a manifest deleted, a marker written), so sharing it loses nothing; a pass per call
+   * made K deletes at once run K full passes in turn, the k-th delete waiting for k of them.
    */
   collectGarbage(): Promise<GcResult> {
+    if (this.gcPending) return this.gcPending;
     const run = async (): Promise<GcResult> => {
+      // Started: what a caller does from now on may come too late for this pass.
+      this.gcPending = undefined;
       const dirs: string[] = [];
       for (const id of await readdir(this.deps.driverSnapshotsDir).catch(() => [] as string[])) {
         const dir = join(this.deps.driverSnapshotsDir, id);
@@ -706,6 +720,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     };
     const next = this.gcRun.catch(() => undefined).then(run);
     this.gcRun = next;
+    this.gcPending = next;
     return next;
   }
 }

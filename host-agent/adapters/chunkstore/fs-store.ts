@@ -19,6 +19,7 @@ import { basename, dirname, join } from 'node:path';
 import { execFile } from 'node:child_process';
 import { promisify } from 'node:util';
 import { randomBytes } from 'node:crypto';
+import type { Logger } from 'pino';
 import type { SignedManifest } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { ChunkStore, DigestHex, EncodedChunk, ManifestStore, SweepStats } from '../../domain/snapshot-store.ts';
 import { ChunkCorruptError, ChunkLostError, ChunkMissingError, DigestMismatchError } from '../../domain/transfer-errors.ts';
@@ -620,15 +621,28 @@ export class FsChunkStore implements ChunkStore {
 
 const SNAPSHOT_ID = /^[A-Za-z0-9._-]{1,128}$/;
 
+function isSnapshotId(id: string): boolean {
+  return SNAPSHOT_ID.test(id) && !id.startsWith('.');
+}
+
 function checkSnapshotId(id: string): void {
-  if (!SNAPSHOT_ID.test(id) || id.startsWith('.')) throw new InvalidArgumentError('snapshot_id', 'must match [A-Za-z0-9._-]{1,128}');
+  if (!isSnapshotId(id)) throw new InvalidArgumentError('snapshot_id', 'must match [A-Za-z0-9._-]{1,128}');
+}
+
+export interface FsManifestStoreOptions {
+  /** Told, once per name, of a `.manifest` file list() skips because its name is no snapshot id. */
+  readonly log?: Pick<Logger, 'warn'>;
 }
 
 export class FsManifestStore implements ManifestStore {
   private readonly dir: string;
   private readonly tmpDir: string;
+  private readonly log: Pick<Logger, 'warn'> | undefined;
+  /** Names list() skipped and already logged. */
+  private readonly strays = new Set<string>();
 
-  constructor(root: string) {
+  constructor(root: string, opts: FsManifestStoreOptions = {}) {
+    this.log = opts.log;
     this.dir = join(root, 'manifests');
     this.tmpDir = join(root, 'tmp');
     mkdirSync(this.dir, { recursive: true });
@@ -670,8 +684,25 @@ export class FsManifestStore implements ManifestStore {
     await fsyncPath(this.dir);
   }
 
+  /**
+   * Ids of the stored manifests, each one that get() and delete() accept. A `.manifest` file
+   * whose name is no snapshot id (`snap:1.manifest`, `.manifest`: an operator's copy or
+   * restore) is no manifest put() wrote and none get() serves: skipped. Listed, it made get()
+   * and delete() throw InvalidArgumentError; the GC took that for a manifest that does not
+   * decode, its delete threw again, and every GC after failed: nothing freed, ever.
+   */
   async list(): Promise<string[]> {
-    return (await readdir(this.dir)).filter((f) => f.endsWith('.manifest')).map((f) => f.slice(0, -'.manifest'.length)).sort();
+    const ids: string[] = [];
+    for (const f of await readdir(this.dir)) {
+      if (!f.endsWith('.manifest')) continue;
+      const id = f.slice(0, -'.manifest'.length);
+      if (isSnapshotId(id)) ids.push(id);
+      else if (!this.strays.has(f)) {
+        this.strays.add(f);
+        this.log?.warn({ file: join(this.dir, f) }, 'a file in the manifest store whose name is no snapshot id: ignored (not a manifest); remove it');
+      }
+    }
+    return ids.sort();
   }
 }
 
