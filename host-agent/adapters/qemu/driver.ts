@@ -691,10 +691,16 @@ export class QemuVmmDriver implements VmmDriver {
     return this.locked(vmId, async (rec) => {
       if (rec.info.state === 'paused') return;
       this.assertState(rec, 'running', 'pause');
+      // vm.json says paused before QEMU stops, and the VM is paused in memory only once both
+      // are done. Were it written after, a failed write (a full disk) would leave the VM paused
+      // in memory but recorded running: the step's retry finds it paused and skips the pause,
+      // and the next agent's recover() resumes the user's paused sandbox (adoptOn runs a VM
+      // recorded running). Recorded paused while it still runs (a failed stop) is safe:
+      // adoptOn keeps what QEMU says then.
+      await this.persist(rec, 'paused');
       await rec.qmp.execute('stop');
       rec.pausedAt = Date.now();
       this.setState(rec, 'paused');
-      await this.persist(rec);
     });
   }
 
@@ -798,8 +804,10 @@ export class QemuVmmDriver implements VmmDriver {
         if (rec.info.state === 'snapshotting') this.setState(rec, before);
         await this.persist(rec);
         rec.log.info({ snapshotId, method: manifest.method, pauseMs: result.pauseMs, sealMs }, 'snapshot taken');
-        // A snapshot is usually restored or forked soon (a fork, a wake from hibernation).
-        this.standbys.demand({ dir, manifest }, 1);
+        // A snapshot is usually restored or forked soon (a fork, a wake from hibernation). Its
+        // clones get this VM's network policy (a fork's children inherit the source's egress, a
+        // wake restores the sandbox's own): none of a VM with egress could claim a standby.
+        if (canUseStandby(rec.network)) this.standbys.demand({ dir, manifest }, 1);
         // Outside the pause: make the clone-overlay template now, so no fork pays qemu-img.
         await this.overlays
           .create(join(dir, 'disk.qcow2'), join(rec.info.workdir, `overlay-warm.${snapshotId}.qcow2`), rec.image.diskVirtualSize)
@@ -1256,7 +1264,10 @@ export class QemuVmmDriver implements VmmDriver {
       await Promise.all(children.filter((_, i) => results[i]!.status === 'fulfilled').map((c) => this.destroy(c.vmId).catch(() => undefined)));
       throw failed.reason;
     }
-    this.standbys.demand(snapshot, children.length);
+    // Only for the children that could have claimed one: a standby no fork can claim would hold
+    // a slot of the host-wide max, kept from idling out by every fork of the snapshot.
+    const claimants = children.filter((c) => canUseStandby(c.network)).length;
+    if (claimants > 0) this.standbys.demand(snapshot, claimants);
     return results.map((r) => (r as PromiseFulfilledResult<VmInfo>).value);
   }
 
@@ -1667,8 +1678,7 @@ export class QemuVmmDriver implements VmmDriver {
     try {
       const p = await this.clonePersisted(snapshot, c, workdir);
       const { phases: ph, mark } = phaseTimer();
-      // A standby's namespace has no egress link; a clone that may have egress starts its own.
-      const standby = p.network ? undefined : await this.standbys.claim(m.snapshotId);
+      const standby = canUseStandby(p.network) ? await this.standbys.claim(m.snapshotId) : undefined;
       let rec: VmRecord;
       if (standby) {
         rec = await this.adoptStandby(p, standby, log);
@@ -2073,8 +2083,9 @@ export class QemuVmmDriver implements VmmDriver {
    * failure path would (replacement killed, memory file renamed back, new layer removed; the
    * directory, without a manifest, goes with recover()'s sweep). If only the replacement runs
    * and has loaded the device state, it is the VM: the record moves onto it, and the snapshot,
-   * whose files are complete, is sealed. A replacement still waiting for the state is given
-   * the snapshot's state file first. Otherwise (no QEMU, or a state that does not load) there
+   * whose files are complete, is sealed (if that fails, left `switching` for the VM's next
+   * snapshot to seal). A replacement still waiting for the state is given the snapshot's state
+   * file first. Otherwise (no QEMU, or a state that does not load) there
    * is nothing to adopt: undefined, and the workdir is reaped.
    */
   private async settleSwitch(p: VmPersisted): Promise<VmPersisted | undefined> {
@@ -2131,7 +2142,17 @@ export class QemuVmmDriver implements VmmDriver {
       log.error('agent died in a template snapshot whose seal fsync had failed: snapshot left unsealed for good');
       return { ...settled(p), switching: sw };
     }
-    await ensureSealed(dir, p.image, sw.manifest);
+    try {
+      await ensureSealed(dir, p.image, sw.manifest);
+    } catch (e) {
+      // A seal that failed (a full disk, EMFILE) fails the same way when retried seconds later:
+      // retried here until given up on, the VM, which runs from the complete files, would be
+      // killed and its disk removed. Adopted with `switching` left, as the failed snapshot()
+      // leaves it: its next snapshot seals this one first (sealSwitched), and a destroy removes
+      // the directory if it is never sealed.
+      log.error({ err: String(e) }, 'agent died in a template snapshot after the VM switched onto it, and sealing it failed: adopted, the snapshot left to seal at its next snapshot');
+      return { ...settled(p), switching: sw };
+    }
     log.warn('agent died in a template snapshot after the VM switched onto it: snapshot sealed');
     return settled(p);
   }
@@ -2350,9 +2371,10 @@ export class QemuVmmDriver implements VmmDriver {
     return run;
   }
 
-  private async persist(rec: VmRecord): Promise<void> {
+  /** Writes vm.json; `state`: the one to record when it is not the VM's yet (pause). */
+  private async persist(rec: VmRecord, state: VmState = rec.info.state): Promise<void> {
     const p: VmPersisted = {
-      info: rec.info, image: rec.image, kernelArgs: rec.kernelArgs, memPath: rec.memPath, memShared: rec.memShared,
+      info: { ...rec.info, state }, image: rec.image, kernelArgs: rec.kernelArgs, memPath: rec.memPath, memShared: rec.memShared,
       diskPath: rec.diskPath, gen: rec.gen, dependsOn: rec.dependsOn, ...(rec.anonymousRam ? { anonymousRam: true } : {}), ...(rec.ramFile ? { ramFile: rec.ramFile } : {}),
       ...(rec.network ? { network: rec.network } : {}),
       ...(rec.launchDir ? { launchDir: rec.launchDir } : {}),
@@ -2548,6 +2570,15 @@ async function reniceProcess(pid: number, niceness: number): Promise<void> {
 /** Load a migration stream from `file` (see armIncoming). */
 export async function incomingFromFile(qmp: QmpClient, file: string, sockPath: string): Promise<void> {
   await (await armIncoming(qmp, sockPath))(file);
+}
+
+/**
+ * Whether a VM with this network policy may be made from a standby: a standby's namespace has
+ * no egress link, so a VM that may have egress starts a QEMU of its own. The claim (restoreOne)
+ * and the demands that keep standbys (forkNow, snapshot) ask this same question.
+ */
+function canUseStandby(network: NetworkPolicySpec | undefined): boolean {
+  return !network?.allowEgress;
 }
 
 function validateId(field: string, id: string): void {
