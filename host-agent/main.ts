@@ -27,6 +27,7 @@ import { startGrpcServer } from '../services/adapters/grpc/server.ts';
 import { PromAgentMetrics, serveMetrics } from './adapters/metrics.ts';
 import { cachedImages, ensureImage, recipeHash } from '../deploy/images/build.ts';
 import type { ImageName } from '../deploy/images/build.ts';
+import { IMAGE_NAMES } from '../deploy/images/names.ts';
 
 /** Page size of x86-64 Linux, the only platform the agent runs on. */
 const PAGE_BYTES = 4096;
@@ -170,6 +171,7 @@ async function main(): Promise<void> {
     journal: new FsJournal(join(cfg.dataDir, 'journal')),
     images: (name) => ensureImage(name as ImageName),
     imageRecipe: async (name) => (await recipeHash(name as ImageName)).hash,
+    imageNames: IMAGE_NAMES,
     cachedImages: () => cachedImages(),
     clock: { now: () => Date.now() },
     log,

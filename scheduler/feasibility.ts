@@ -69,12 +69,17 @@ export const vmmCheck: Check = (i, ctx) => {
 
 /**
  * Whether the host can restore over the base disk a snapshot's layer overlays: its build of
- * the image has that disk's digest, or it has not built the image (its agent builds it for
- * the restore) or does not say (an agent that predates HostVmm.images).
+ * the image has that disk's digest, or it has not built the image and its agent would build
+ * it for the restore: by the snapshot's recipe (HostVmm.recipes), or the host does not say
+ * (an agent that predates HostVmm.images or .recipes). `base.key` is `<name>-<recipeHash>`.
  */
 export function sameBaseImage(host: HostVmm, base: NonNullable<VmConfig['baseImage']>): boolean {
   const built = host.images?.[base.key];
-  return !built || built === base.diskSha256;
+  if (built) return built === base.diskSha256;
+  if (!host.recipes) return true;
+  const dash = base.key.lastIndexOf('-');
+  const recipe = host.recipes[base.key.slice(0, dash)];
+  return recipe === undefined || recipe === base.key.slice(dash + 1);
 }
 export const transferCheck: Check = (i, ctx) => {
   if (ctx.demand.snapshot === null || ctx.holderSet.has(i)) return null;

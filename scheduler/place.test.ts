@@ -387,6 +387,26 @@ describe('restore and create', () => {
     expect(r.transferPlan?.transfers.every((t) => t.sourceHostId === 'other-build')).toBe(true);
   });
 
+  it('fork_ofASnapshotOverARecipeAHostHasNotBuilt_leavesOutHostsThatBuildTheImageByAnotherRecipe_keepsThoseOfItsRecipe', () => {
+    // Another kernel or package versions there: its agent builds `tiny` by another recipe, and
+    // refuses a restore over this one's disk, every time.
+    const snap = snapshotInput('snap-a', { vmConfig: { ...snapshotInput().vmConfig, baseImage: { key: 'tiny-e250dbfa', diskSha256: 'aaaa' } } });
+    const view = fleet(
+      [
+        hostInput('holder', { heldSnapshots: ['snap-a'], vmm: { ...KVM_82, images: { 'tiny-e250dbfa': 'aaaa' }, recipes: { tiny: 'e250dbfa' } }, capacity: { vcpus: 32, memoryMib: 256, diskMib: 500_000 } }),
+        hostInput('other-recipe', { vmm: { ...KVM_82, recipes: { tiny: '0123abcd' } } }),
+        hostInput('other-recipe-but-built-this-one', { vmm: { ...KVM_82, images: { 'tiny-e250dbfa': 'aaaa' }, recipes: { tiny: '0123abcd' } } }),
+        hostInput('same-recipe', { vmm: { ...KVM_82, recipes: { tiny: 'e250dbfa', debian: '99' } } }),
+        hostInput('recipes-of-other-images-only', { vmm: { ...KVM_82, recipes: { debian: '99' } } }),
+      ],
+      [snap],
+    );
+    const r = ok(decide(view, forkRequest(8)));
+    expect(perHost(r)['other-recipe']).toBeUndefined();
+    expect(r.explanation.filtered).toEqual({ vmm_incompatible: 1 });
+    expect(r.explanation.feasible).toBe(4);
+  });
+
   it('create_bootsOnLeastCostFeasibleHostWithoutTransfer', () => {
     const req: CreateRequest = { kind: 'create', id: 'op-create-1', nowMs: 1, resources: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, vmm: { accel: 'kvm', minQemuVersion: '8.2.0' } };
     const view = fleet([

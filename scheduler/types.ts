@@ -29,6 +29,12 @@ export interface HostVmm {
    * Undefined when the host does not say (nothing is known, nothing is left out).
    */
   readonly images?: Readonly<Record<string, string>>;
+  /**
+   * The recipe hash the host builds each image by now, by image name: a snapshot over another
+   * recipe's build, which the host has not built, cannot restore there (its agent builds only
+   * its own recipe). Undefined when the host does not say.
+   */
+  readonly recipes?: Readonly<Record<string, string>>;
 }
 
 /** Network link of a host. Loads are what is already in flight, outside the plan being made. */

@@ -1307,4 +1307,44 @@ describe('Agent steps', () => {
     expect(asked).toEqual([]);
     expect(recipes).toEqual(['debian']);
   });
+
+  it('heartbeats_listTheRecipeEachImageIsBuiltByHereNow_builtOrNot_besideOlderBuildsInTheCache', async () => {
+    // Placement reads them: a snapshot over another recipe's build, which this agent would
+    // refuse, is not placed here. An image whose recipe cannot be read here is left out.
+    const beats: Heartbeat[] = [];
+    const image = (name: string, recipeHash: string, diskSha256: string) => ({ name, recipeHash, diskSha256, kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' });
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined },
+      {},
+      { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async () => async () => undefined, publishHeartbeat: (hb) => void beats.push(hb), publishResult: async () => undefined },
+      undefined,
+      undefined,
+      undefined,
+      {},
+      {
+        imageNames: ['tiny', 'debian', 'broken'],
+        imageRecipe: async (name) => {
+          if (name === 'broken') throw new Error('missing Debian packages');
+          return name === 'tiny' ? 'tiny-now' : 'debian-now';
+        },
+        cachedImages: async () => [{ name: 'tiny', recipeHash: 'tiny-old', diskSha256: 'sha-old' }],
+        images: async (name) => image(name, 'tiny-now', 'sha-now'),
+      },
+    );
+    await agent.start();
+    try {
+      // The recipes are read and the default image found in the background of start().
+      await vi.waitFor(() => {
+        agent.heartbeat();
+        expect(beats.at(-1)?.images ?? []).toHaveLength(3);
+      });
+      expect(beats.at(-1)!.images.map((i) => [i.name, i.recipeHash, i.diskSha256, i.current]).sort()).toEqual([
+        ['debian', 'debian-now', '', true],
+        ['tiny', 'tiny-now', 'sha-now', true],
+        ['tiny', 'tiny-old', 'sha-old', false],
+      ]);
+    } finally {
+      await agent.stop();
+    }
+  });
 });

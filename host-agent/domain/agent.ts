@@ -192,6 +192,12 @@ export interface AgentDeps {
   images: (name: string) => Promise<GuestImage>;
   /** This host's recipe hash for an image name (cheaper than `images`: nothing built). Absent: not checked. */
   imageRecipe?: (name: string) => Promise<string>;
+  /**
+   * The images whose recipe here (imageRecipe) heartbeats list as current from the start, built
+   * or not (HostImage.current): placement then sends no restore of a snapshot over another
+   * recipe's build, which this agent would refuse, here. Absent: none listed.
+   */
+  imageNames?: readonly string[];
   /** The builds already in this host's image cache, listed in heartbeats from the start. Absent: none known until built. */
   cachedImages?: () => Promise<ReadonlyArray<{ name: string; recipeHash: string; diskSha256: string }>>;
   clock: Clock;
@@ -278,6 +284,8 @@ export class Agent {
    * snapshot whose image is here needs no look at the cache (~100 ms) first (baseImageFor).
    */
   private readonly built = new Map<string, { name: string; recipeHash: string; diskSha256: string }>();
+  /** The recipe hash this host builds each of deps.imageNames by (those whose recipe could be read), from start(). */
+  private readonly recipes = new Map<string, string>();
   /** Per `<name>-<recipeHash>` a snapshot overlays: the look for (or build of) it under way or done (baseImageFor). */
   private readonly baseImages = new Map<string, Promise<void>>();
   /** The heartbeat interval, ended first when stopping (shutdown). */
@@ -358,6 +366,14 @@ export class Agent {
     // The builds in the image cache, then the default image built (or found), in the
     // background: heartbeats list them, and a restore here does not wait for that build.
     void (async () => {
+      const recipe = this.deps.imageRecipe;
+      if (recipe) {
+        for (const name of this.deps.imageNames ?? []) {
+          // One that cannot be read (its packages missing here): not listed, so not judged.
+          const hash = await recipe(name).catch((e: unknown) => void this.log.warn({ err: e, image: name }, "this host's recipe for an image could not be read; heartbeats leave it out"));
+          if (hash) this.recipes.set(name, hash);
+        }
+      }
       for (const i of (await this.deps.cachedImages?.()) ?? []) this.built.set(`${i.name}-${i.recipeHash}`, { ...i });
       await this.image(DEFAULT_IMAGE);
     })().catch((e: unknown) => this.log.warn({ err: e, image: DEFAULT_IMAGE }, 'the default guest image is not ready here; a create or restore builds it'));
@@ -569,7 +585,7 @@ export class Agent {
       inflightOps: this.inflight,
       restoreSlots: cfg.concurrency,
       restoreCostMs: this.restoreCostMs(),
-      images: [...this.built.values()],
+      images: this.imagesHere(),
       stopping: this.closed,
       interval: { nanos: (cfg.heartbeatMs % 1000) * 1e6, seconds: BigInt(Math.floor(cfg.heartbeatMs / 1000)) },
     });
@@ -1294,6 +1310,13 @@ export class Agent {
     } finally {
       (await srcP.catch(() => undefined))?.release();
     }
+  }
+
+  /** The builds here, and the recipe each image is built by here now (current; not built yet: no disk digest), for heartbeats. */
+  private imagesHere(): Array<{ name: string; recipeHash: string; diskSha256: string; current: boolean }> {
+    const out = [...this.built.values()].map((b) => ({ ...b, current: this.recipes.get(b.name) === b.recipeHash }));
+    for (const [name, recipeHash] of this.recipes) if (!this.built.has(`${name}-${recipeHash}`)) out.push({ name, recipeHash, diskSha256: '', current: true });
+    return out;
   }
 
   /** A guest image (deps.images: built first if its cache entry is missing or torn), noted as built here (built). */

@@ -201,6 +201,19 @@ describe('holdings in the view', () => {
     expect(view.snapshots.map((s) => [s.id, s.vmConfig.baseImage])).toEqual([['sn-new', { key: 'tiny-e250dbfa', diskSha256: 'aaaa' }], ['sn-old', undefined]]);
   });
 
+  it('imageRecipes_areTheEntriesAHeartbeatMarksCurrent_builtOrNot_andAHostThatMarksNoneSaysNothing', () => {
+    const heard = new HeartbeatRegistry();
+    const beat = create(HeartbeatSchema, { hostId: 'a', bootId: 'b', images: [{ name: 'tiny', recipeHash: 'old1', diskSha256: 'aaaa' }, { name: 'tiny', recipeHash: 'new2', diskSha256: 'bbbb', current: true }, { name: 'debian', recipeHash: 'd3', current: true }] });
+    heard.record(decodeHeartbeat(toBinary(HeartbeatSchema, beat)), 1_000);
+    heard.record(create(HeartbeatSchema, { hostId: 'b', bootId: 'b', images: [{ name: 'tiny', recipeHash: 'old1', diskSha256: 'aaaa' }] }), 1_000);
+    const view = fleetViewInput({ hosts: [host('a'), host('b')], allocs: new Map(), heard, snapshots: [], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144 });
+    // The current recipe of an image not built yet names no build.
+    expect(view.hosts.map((h) => [h.id, h.vmm.images, h.vmm.recipes])).toEqual([
+      ['a', { 'tiny-old1': 'aaaa', 'tiny-new2': 'bbbb' }, { tiny: 'new2', debian: 'd3' }],
+      ['b', { 'tiny-old1': 'aaaa' }, undefined],
+    ]);
+  });
+
   it('registry_vmAndHolds_lookUpTheLastHeartbeat', () => {
     const heard = new HeartbeatRegistry();
     heard.record(create(HeartbeatSchema, { hostId: 'a', bootId: 'b', vms: [{ sandboxId: 'sb-1', pid: 7 }], snapshots: [{ snapshotId: 'sn-1', complete: true }] }), 1_000);
