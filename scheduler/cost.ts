@@ -88,13 +88,13 @@ export function memoryFor(d: Demand, i: number, c: number): number {
  * whole-guest line never applies, and the image is paid.
  */
 function imageLines(d: Demand, i: number): readonly [number, number] {
-  let n = d.shares.get(i) ?? 0;
-  if (n === Number.POSITIVE_INFINITY) return [Number.POSITIVE_INFINITY, 0];
   // A fork's children share the image only on a host that holds it (the service books them so:
   // one that fetches may restore each by migration, with RAM of its own); elsewhere, and for
-  // any restore, a child is a whole guest's memory (for a lone restore, F(1) is that too).
+  // any restore, a child is a whole guest's memory (for a lone restore, F(1) is that too), also
+  // where the image is resident: the service books such a restore whole.
   if (d.kind === 'fork' && !d.holders.has(i)) return [0, Number.POSITIVE_INFINITY];
-  if (d.kind !== 'fork') n = 0;
+  const n = d.kind === 'fork' ? (d.shares.get(i) ?? 0) : 0;
+  if (n === Number.POSITIVE_INFINITY) return [Number.POSITIVE_INFINITY, 0];
   const fn = n === 0 ? 0 : Math.min(n * d.imageMib, n * d.privateMemoryMib + d.imageMib);
   return [n * d.imageMib - fn, n * d.privateMemoryMib + d.imageMib - fn];
 }

@@ -149,6 +149,15 @@ describe('fork', () => {
     expect(perHost(decide(fleet([host]), forkRequest(10)))).toEqual({ holder: 10 });
   });
 
+  it('restore_whereTheImageIsResident_isChargedAWholeGuest_asTheServiceBooksIt', () => {
+    // A restore shares no image (README "Memory"): 256 MiB, not a private working set of 48.
+    const host = (free: number): ReturnType<typeof hostInput> =>
+      hostInput('holder', { heldSnapshots: ['snap-a'], residentImages: ['snap-a'], allocated: { vcpus: 0, memoryMib: 256, diskMib: 0 }, capacity: { vcpus: 64, memoryMib: 256 + free, diskMib: 500_000 } });
+    const restore: RestoreRequest = { kind: 'restore', id: 'op-wake-r', nowMs: 1, snapshotId: 'snap-a', overlayDiskMib: 0 };
+    expect(decide(fleet([host(255)]), restore).explanation.filtered).toEqual({ insufficient_memory: 1 });
+    expect(perHost(decide(fleet([host(256)]), restore))).toEqual({ holder: 1 });
+  });
+
   it('fork_whenChildrenOfTheImageAreBookedThere_chargesWhatMoreChildrenAddToTheirSharedBooking', () => {
     // Two children booked as shares: 256 + 2 * 48 of memory. Each more one adds 48.
     const booked = memoryForChildren(2);
