@@ -1,6 +1,6 @@
 import { afterEach, describe, expect, it, vi } from 'vitest';
 import { spawn, spawnSync } from 'node:child_process';
-import { mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { create, toBinary } from '@bufbuild/protobuf';
@@ -35,7 +35,7 @@ describe('FsManifestStore', () => {
     }
   });
 
-  it('gc_withFilesInTheManifestStoreWhoseNamesAreNoSnapshotIds_passesEveryTime_sweepsWhatNoManifestReaches_andLogsEachNameOnce', async () => {
+  it('gc_withFilesInTheManifestStoreWhoseNamesAreNoSnapshotIds_orADirectory_passesEveryTime_sweepsWhatNoManifestReaches_andLogsEachNameOnce', async () => {
     // An operator's copy or restore left them: get() and delete() refuse such names, and the
     // GC, which took the refusal for a manifest that does not decode and deleted it, failed
     // then and every time after.
@@ -58,6 +58,7 @@ describe('FsManifestStore', () => {
     await ingest('sn-unreferenced', 2); // its chunk is in no stored manifest
     expect(await chunks.list()).toHaveLength(2);
     for (const name of ['snap:1.manifest', '.manifest', '..manifest']) writeFileSync(join(root, 'manifests', name), 'not a manifest');
+    mkdirSync(join(root, 'manifests', 'sn-dir.manifest')); // a valid id, but no file
     // An hour on: every chunk is past the grace period.
     const gc = () => collectGarbage({ chunks, manifests, roots, clock: { now: () => new Date(Date.now() + 3_600_000) }, graceMs: 60_000 });
     const first = await gc();
@@ -69,7 +70,7 @@ describe('FsManifestStore', () => {
     expect(await chunks.list()).toEqual([...manifestDigests(kept)]);
     expect(await manifests.list()).toEqual(['sn-kept']);
     // Left where they are, for the operator, and named once each.
-    expect(readdirSync(join(root, 'manifests')).sort()).toEqual(['..manifest', '.manifest', 'sn-kept.manifest', 'snap:1.manifest']);
-    expect(warn.mock.calls.map(([o]) => (o as { file: string }).file).sort()).toEqual(['..manifest', '.manifest', 'snap:1.manifest'].map((n) => join(root, 'manifests', n)));
+    expect(readdirSync(join(root, 'manifests')).sort()).toEqual(['..manifest', '.manifest', 'sn-dir.manifest', 'sn-kept.manifest', 'snap:1.manifest']);
+    expect(warn.mock.calls.map(([o]) => (o as { file: string }).file).sort()).toEqual(['..manifest', '.manifest', 'sn-dir.manifest', 'snap:1.manifest'].map((n) => join(root, 'manifests', n)));
   });
 });
