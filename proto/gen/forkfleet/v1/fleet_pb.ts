@@ -780,6 +780,12 @@ export type ForkSandboxRequest = Message<"forkfleet.v1.ForkSandboxRequest"> & {
   labels: { [key: string]: string };
 
   /**
+   * The children's. What it leaves unset comes from the sandbox the snapshot was taken of, not
+   * from the tenant's defaults: idle_timeout unset is that sandbox's (none, if neither the
+   * snapshot nor a sandbox record says), and after_resume empty is its hooks (a fork cannot
+   * clear them; set the hooks the children should run instead). ttl unset is no limit, as for
+   * any sandbox: a TTL is not inherited.
+   *
    * @generated from field: forkfleet.v1.Lifecycle lifecycle = 8;
    */
   lifecycle?: Lifecycle | undefined;
