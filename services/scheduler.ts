@@ -284,6 +284,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     },
   });
 
+  bus.onHostEvent((e) => executor.hostEvent(e));
+
   // Counts terms of leadership here: a start still waiting when its term ended (onLost ran
   // meanwhile) starts nothing more; executor and webhooks end what they began after their stop().
   // The fleet gauges' memo and the compacted revision are of one term.

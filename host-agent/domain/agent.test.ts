@@ -7,7 +7,7 @@ import type { AgentBus, AgentConfig, AgentDeps, SnapshotShipper, WorkControl } f
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { Accel, VmInfo, VmmDriver } from './vmm.ts';
 import { Accel as ProtoAccel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
-import { HostResultSchema, HostWorkSchema, VmState as PbVmState, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { HostEventType, HostResultSchema, HostWorkSchema, VmState as PbVmState, type Heartbeat } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
 /** `config` overrides the test's: 3 step slots, and steps still running after 100 ms do not hold up stop(). */
@@ -191,6 +191,29 @@ describe('Agent steps', () => {
     expect(r.vms.map((v) => v.sandboxId)).toEqual(['sb-r2']);
     expect((await ok).snapshotNotHeld).toBe(false);
     expect(journal.results.has('op-a/r2')).toBe(true);
+  });
+
+  it('restore_ofAFetchedSnapshot_saysItIsStoredOnceItIsDurable_beforeItsVmsAreUp_soAForksNextWaveCanCopyFromHere', async () => {
+    const events: Array<[HostEventType, string, string]> = [];
+    const forks: Array<() => void> = [];
+    const vmsUp = async (): Promise<void> => {
+      await vi.waitFor(() => expect(forks).toHaveLength(1));
+      forks.shift()!();
+    };
+    const { agent } = agentWith(
+      { fork: async (_s, clones) => (await new Promise<void>((r) => forks.push(r)), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) },
+      { obtain: async (snapshotId) => ({ local: { dir: '/x', manifest: {} } as never, bytesFetched: snapshotId === 'sn-here' ? 0 : 10 }), durable: async () => undefined },
+      { publishEvent: (e) => void events.push([e.type, e.snapshotId, e.opId]) },
+    );
+    const restore = agent.runStep(work('r1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }));
+    await vi.waitFor(() => expect(events).toEqual([[HostEventType.SNAPSHOT_STORED, 'sn-x', 'op-a']]));
+    await vmsUp();
+    expect((await restore).error).toBeUndefined();
+    // One this host held already was not fetched: nothing to say.
+    const held = agent.runStep(work('r2', { work: { case: 'restoreVms', value: { snapshotId: 'sn-here', vms: [{ sandboxId: 'sb-2' }] } } }));
+    await vmsUp();
+    expect((await held).error).toBeUndefined();
+    expect(events).toHaveLength(1);
   });
 
   it('restore_thatFetchedTheSnapshot_saysHowLongTheFetchTook_apartFromTheStepsWholeTimeWithItsRestores', async () => {

@@ -1160,7 +1160,16 @@ export class Agent {
               this.deps.bus.publishEvent(this.event(HostEventType.TRANSFER_PROGRESS, { snapshotId, opId: w.opId, bytesDone: BigInt(done), bytesTotal: BigInt(total) })),
             );
             result.bytesFetched = BigInt(bytesFetched);
-            if (bytesFetched > 0) result.fetch = durationFromMs(Math.round(this.deps.clock.now() - f0));
+            if (bytesFetched > 0) {
+              result.fetch = durationFromMs(Math.round(this.deps.clock.now() - f0));
+              // Served onward from the moment it is stored durably (a fork's next wave copies
+              // from here), not only once this step, with its VMs and their hooks, has ended.
+              // Best effort: a failure to store is said below, where the step waits for it.
+              void shipper
+                .durable?.(snapshotId)
+                .then(() => this.deps.bus.publishEvent(this.event(HostEventType.SNAPSHOT_STORED, { snapshotId, opId: w.opId })))
+                .catch(() => undefined);
+            }
             await this.baseImageFor(local.manifest, log);
             if (clones.length) made = await driver.fork(local, clones);
           } finally {

@@ -2,14 +2,14 @@
 // a sandbox off its host (the move is done, whatever the sandbox did since), a snapshot that
 // could not be marked failed (the op must run again, not end). The Executor against stub ports
 // of our own (every store method not named answers at once with nothing).
-import { describe, expect, it } from 'vitest';
+import { describe, expect, it, vi } from 'vitest';
 import pino from 'pino';
 import { Executor } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
-import { HeartbeatSchema, HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { HeartbeatSchema, HostEventSchema, HostEventType, HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
 import { NotLeaderError, OperationCancelledError, StoreFullError, StoreUnavailableError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
@@ -669,6 +669,51 @@ describe('Executor restore round', () => {
     // No host answers here: each step times out once; what matters is one send per host, and an end.
     expect(sends.sort()).toEqual(['restore/X/again-1@X', 'restore/Y/again-1@Y']);
     expect(failed.map((f) => f.hostId).sort()).toEqual(['X', 'Y']);
+  });
+});
+
+describe('Executor restore round of a transfer tree', () => {
+  it('aSecondWaveHost_startsItsCopyOnceItsRelaySaysTheSnapshotIsStored_notOnlyOnceTheRelaysWholeStepHasEnded', async () => {
+    // H holds sn-1; R copies it from H (wave 1) and L from R (wave 2). R's step goes on (its
+    // children restore, their hooks run) long after the snapshot is stored there.
+    const now = Date.now();
+    const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['H'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    const heard = new HeartbeatRegistry();
+    for (const h of ['H', 'R', 'L']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, snapshots: h === 'H' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
+    const ex = new Executor({
+      store: stub<ExecutorDeps['store']>({ getSnapshot: async () => ({ value: snap, modRevision: 3 }) }),
+      bus: stub<ExecutorDeps['bus']>({}),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard,
+      signer: stub({ ticket: () => ({}) }),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 60_000, stepAttempts: 1, chunkBytes: 1 << 18 },
+    });
+    const inner = ex as unknown as { active: boolean; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; restoreRound(...a: unknown[]): Promise<Array<{ hostId: string }>> };
+    inner.active = true;
+    const sends: string[] = [];
+    let endRelayStep!: () => void;
+    const relayStep = new Promise<void>((r) => (endRelayStep = r));
+    inner.step = async (_op, _id, hostId) => {
+      sends.push(hostId);
+      if (hostId === 'R') await relayStep;
+      throw new Error(`no agent on ${hostId} in this test`);
+    };
+    // Three children each: hosts with fewer would restore theirs by migration, outside the tree.
+    const kid = (id: string, hostId: string): { rec: SandboxRec; rev: number } => ({ rec: { id, tenantId: 't', hostId, resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, hostname: id, allowEgress: false, afterResume: [] } as unknown as SandboxRec, rev: 1 });
+    const batch = ['R', 'L'].flatMap((h) => [1, 2, 3].map((i) => kid(`${h.toLowerCase()}${i}`, h)));
+    const op = { id: 'op-f', tenantId: 't', kind: 'fork' } as OperationRec;
+    const round = inner.restoreRound(op, 'sn-1', snap, batch, [{ sourceHostId: 'H', destinationHostId: 'R', wave: 1 }, { sourceHostId: 'R', destinationHostId: 'L', wave: 2 }], '', () => undefined);
+    try {
+      await vi.waitFor(() => expect(sends).toEqual(['R']));
+      await new Promise((r) => setTimeout(r, 30));
+      expect(sends).toEqual(['R']); // L waits for its source
+      ex.hostEvent(create(HostEventSchema, { hostId: 'R', type: HostEventType.SNAPSHOT_STORED, snapshotId: 'sn-1', opId: 'op-f' }));
+      await vi.waitFor(() => expect(sends).toEqual(['R', 'L']));
+    } finally {
+      endRelayStep();
+      await round;
+    }
   });
 });
 

@@ -15,10 +15,10 @@ import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, LeaderFence, LeaderTerm, StoreWrite, Versioned, WorkBus } from './ports.ts';
 import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from './records.ts';
 import { canTransition, HOLDS_CAPACITY, isTerminal, PLACEMENT_TXN_MAX_BYTES, SANDBOX_RECORD_BASE_BYTES, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
-import type { HostResultMsg, HostWorkMsg } from './messages.ts';
+import type { HostEventMsg, HostResultMsg, HostWorkMsg } from './messages.ts';
 import { HostResultSchema, HostWorkSchema, VmSpecSchema } from './messages.ts';
-import { VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
-import { FetchRates, LinkLoads, fleetViewInput, livenessOf } from './fleet-view.ts';
+import { HostEventType as PbHostEventType, VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { FetchRates, LinkLoads, SnapshotStoredSignals, fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig, HeartbeatRegistry } from './fleet-view.ts';
 import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, DEFAULT_PLACEMENT_CONFIG, place, rngForRequest } from '../../scheduler/index.ts';
@@ -769,6 +769,8 @@ export class Executor {
   private readonly fetchRates = new FetchRates();
   /** Transfers of committed placements still running by their plan: link load for the next decisions. */
   private readonly linkLoads = new LinkLoads();
+  /** Hosts' word that a snapshot they fetched is stored there (hostEvent): a fork's next wave copies from a relay from then on. */
+  private readonly stored = new SnapshotStoredSignals();
   /** The term an operation runner was started in (maybeRun): commit() refuses a runner of an earlier term. */
   private readonly runnerTerm = new AsyncLocalStorage<number>();
   /** When this replica became leader (hosts it never heard from are silent since then). */
@@ -790,6 +792,11 @@ export class Executor {
    * holds an earlier term's records. A later term (stop() counts one) no longer matches it.
    */
   private gaugesTerm: number | undefined;
+
+  /** A host's event (the bus's, every replica hears them): what the executor acts on is kept, the rest ignored. */
+  hostEvent(e: HostEventMsg): void {
+    if (e.type === PbHostEventType.SNAPSHOT_STORED && e.snapshotId) this.stored.heard(e.hostId, e.snapshotId, this.deps.clock.now());
+  }
 
   /** The fleet's gauges from this leader's caches (fleet-gauges.ts); undefined while it does not lead or has not loaded them yet in this term. */
   gauges(): FleetGauges | undefined {
@@ -3580,7 +3587,16 @@ export class Executor {
       if (existingRun) return existingRun;
       const p = (async () => {
         const src = sourceOf.get(hostId);
-        if (src && byHost.has(src)) await runHost(src).catch(() => false);
+        if (src && byHost.has(src)) {
+          // The relay serves onward once the snapshot is stored there (its SNAPSHOT_STORED),
+          // or, should that word not come, once its step has ended.
+          const stored = this.stored.when(src, snapshotId);
+          try {
+            await Promise.race([runHost(src).catch(() => false), stored.stored]);
+          } finally {
+            stored.cancel();
+          }
+        }
         const mine = byHost.get(hostId) ?? [];
         const vms = mine.map((c) => this.vmSpec(c.rec));
         const stepId = placedBy ? `restore/${hostId}/${placedBy}` : `restore/${hostId}`;

@@ -308,6 +308,56 @@ export class LinkLoads {
   }
 }
 
+/** How long a host's word that it stored a snapshot is kept for a wait that begins after it came (SnapshotStoredSignals). */
+const STORED_SIGNAL_KEEP_MS = 10 * 60_000;
+
+/**
+ * Hosts' word that a snapshot they fetched for a restore is stored, durably, there
+ * (HOST_EVENT_TYPE_SNAPSHOT_STORED): a relay of a fork's transfer tree can serve onward from
+ * then on. Its next wave waited for the relay's whole restore step before, which also starts
+ * the relay's own children and runs their after_resume hooks: every wave added the relay's
+ * restores and its slowest hook, none of it in the plan. Best effort: a wait also ends with
+ * the relay's step (the caller races them), so a lost event costs only that.
+ */
+export class SnapshotStoredSignals {
+  private readonly waiting = new Map<string, Set<() => void>>();
+  /** When each `<host>/<snapshot>` was last said stored (a wait that begins after the word). */
+  private readonly heardAt = new Map<string, number>();
+
+  heard(hostId: string, snapshotId: string, now: number): void {
+    const key = `${hostId}/${snapshotId}`;
+    this.heardAt.delete(key);
+    this.heardAt.set(key, now);
+    // Oldest first (Map order): forget what no wait can still want.
+    for (const [k, at] of this.heardAt) {
+      if (now - at <= STORED_SIGNAL_KEEP_MS) break;
+      this.heardAt.delete(k);
+    }
+    const ws = this.waiting.get(key);
+    this.waiting.delete(key);
+    for (const w of ws ?? []) w();
+  }
+
+  /** Resolves once `hostId` says it stored `snapshotId` (at once if it said so already); `cancel` drops the wait. */
+  when(hostId: string, snapshotId: string): { stored: Promise<void>; cancel: () => void } {
+    const key = `${hostId}/${snapshotId}`;
+    if (this.heardAt.has(key)) return { stored: Promise.resolve(), cancel: () => undefined };
+    let done!: () => void;
+    const stored = new Promise<void>((r) => (done = r));
+    let ws = this.waiting.get(key);
+    if (!ws) this.waiting.set(key, (ws = new Set()));
+    ws.add(done);
+    return {
+      stored,
+      cancel: () => {
+        const cur = this.waiting.get(key);
+        cur?.delete(done);
+        if (cur?.size === 0) this.waiting.delete(key);
+      },
+    };
+  }
+}
+
 /** The most of a link planned transfers count as taken: a link never looks wholly taken (its transfers may end early). */
 const MAX_LINK_LOAD = 0.9;
 

@@ -1308,6 +1308,9 @@ export enum HostEventType {
   TRANSFER_PROGRESS = 3,
 
   /**
+   * A snapshot fetched here for a restore is stored durably (snapshot_id, op_id): the host
+   * serves it onward from now on, before its restore step (its VMs, their hooks) has ended.
+   *
    * @generated from enum value: HOST_EVENT_TYPE_SNAPSHOT_STORED = 4;
    */
   SNAPSHOT_STORED = 4,
