@@ -706,6 +706,8 @@ describe('Executor restore round of a transfer tree', () => {
     const round = inner.restoreRound(op, 'sn-1', snap, batch, [{ sourceHostId: 'H', destinationHostId: 'R', wave: 1 }, { sourceHostId: 'R', destinationHostId: 'L', wave: 2 }], '', () => undefined);
     try {
       await vi.waitFor(() => expect(sends).toEqual(['R']));
+      // R's word of another op's fetch (since deleted there, perhaps) says nothing of this one's.
+      ex.hostEvent(create(HostEventSchema, { hostId: 'R', type: HostEventType.SNAPSHOT_STORED, snapshotId: 'sn-1', opId: 'op-earlier' }));
       await new Promise((r) => setTimeout(r, 30));
       expect(sends).toEqual(['R']); // L waits for its source
       ex.hostEvent(create(HostEventSchema, { hostId: 'R', type: HostEventType.SNAPSHOT_STORED, snapshotId: 'sn-1', opId: 'op-f' }));

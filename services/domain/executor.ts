@@ -795,7 +795,7 @@ export class Executor {
 
   /** A host's event (the bus's, every replica hears them): what the executor acts on is kept, the rest ignored. */
   hostEvent(e: HostEventMsg): void {
-    if (e.type === PbHostEventType.SNAPSHOT_STORED && e.snapshotId) this.stored.heard(e.hostId, e.snapshotId, this.deps.clock.now());
+    if (e.type === PbHostEventType.SNAPSHOT_STORED && e.snapshotId) this.stored.heard(e.opId, e.hostId, e.snapshotId, this.deps.clock.now());
   }
 
   /** The fleet's gauges from this leader's caches (fleet-gauges.ts); undefined while it does not lead or has not loaded them yet in this term. */
@@ -3590,7 +3590,7 @@ export class Executor {
         if (src && byHost.has(src)) {
           // The relay serves onward once the snapshot is stored there (its SNAPSHOT_STORED),
           // or, should that word not come, once its step has ended.
-          const stored = this.stored.when(src, snapshotId);
+          const stored = this.stored.when(op.id, src, snapshotId);
           try {
             await Promise.race([runHost(src).catch(() => false), stored.stored]);
           } finally {

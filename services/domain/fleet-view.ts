@@ -321,11 +321,12 @@ const STORED_SIGNAL_KEEP_MS = 10 * 60_000;
  */
 export class SnapshotStoredSignals {
   private readonly waiting = new Map<string, Set<() => void>>();
-  /** When each `<host>/<snapshot>` was last said stored (a wait that begins after the word). */
+  /** When each `<op>/<host>/<snapshot>` was said stored (a wait that begins after the word). */
   private readonly heardAt = new Map<string, number>();
 
-  heard(hostId: string, snapshotId: string, now: number): void {
-    const key = `${hostId}/${snapshotId}`;
+  /** `opId`: the operation whose step fetched it (a word of another op's fetch, since deleted there, says nothing of this one's). */
+  heard(opId: string, hostId: string, snapshotId: string, now: number): void {
+    const key = `${opId}/${hostId}/${snapshotId}`;
     this.heardAt.delete(key);
     this.heardAt.set(key, now);
     // Oldest first (Map order): forget what no wait can still want.
@@ -338,9 +339,9 @@ export class SnapshotStoredSignals {
     for (const w of ws ?? []) w();
   }
 
-  /** Resolves once `hostId` says it stored `snapshotId` (at once if it said so already); `cancel` drops the wait. */
-  when(hostId: string, snapshotId: string): { stored: Promise<void>; cancel: () => void } {
-    const key = `${hostId}/${snapshotId}`;
+  /** Resolves once `hostId` says it stored `snapshotId` for `opId` (at once if it said so already); `cancel` drops the wait. */
+  when(opId: string, hostId: string, snapshotId: string): { stored: Promise<void>; cancel: () => void } {
+    const key = `${opId}/${hostId}/${snapshotId}`;
     if (this.heardAt.has(key)) return { stored: Promise.resolve(), cancel: () => undefined };
     let done!: () => void;
     const stored = new Promise<void>((r) => (done = r));
