@@ -10,6 +10,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import pino from 'pino';
 import { QemuVmmDriver } from './driver.ts';
+import { runningVmRecord } from './vm-record.fixture.ts';
 
 const base = mkdtempSync(join(tmpdir(), 'ff-pause-persist-'));
 afterAll(() => rmSync(base, { recursive: true, force: true }));
@@ -28,21 +29,7 @@ describe('pause when vm.json cannot be written', () => {
     const workdir = join(root, 'vms', 'vm1');
     mkdirSync(workdir, { recursive: true });
     const qmp: string[] = [];
-    const rec = {
-      info: { vmId: 'vm1', state: 'running', workdir, accel: 'tcg', memoryMib: 128, vcpus: 1 },
-      image: { name: 'tiny', disk: '/x', recipeHash: '0123456789abcdef', diskVirtualSize: 64 << 20 },
-      kernelArgs: '',
-      memShared: false,
-      memPath: join(workdir, 'mem.1.img'),
-      diskPath: join(workdir, 'disk.1.qcow2'),
-      gen: 1,
-      dependsOn: [],
-      qmp: { closed: false, execute: (cmd: string) => (qmp.push(cmd), Promise.resolve({})) },
-      agent: undefined,
-      expectExit: false,
-      log: pino({ level: 'silent' }),
-      lock: Promise.resolve(),
-    };
+    const rec = runningVmRecord(workdir, { qmp: { closed: false, execute: (cmd: string) => (qmp.push(cmd), Promise.resolve({})) } });
     internals.vms.set('vm1', rec);
     writeFileSync(join(workdir, 'vm.json'), JSON.stringify({ info: rec.info }));
     const persist = internals.persist.bind(driver);

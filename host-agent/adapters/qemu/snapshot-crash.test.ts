@@ -11,15 +11,13 @@ import { join } from 'node:path';
 import pino from 'pino';
 import { VmCrashedError } from '../../errors.ts';
 import { QemuVmmDriver } from './driver.ts';
+import { runningVmRecord } from './vm-record.fixture.ts';
+import type { FakeVmRecord } from './vm-record.fixture.ts';
 
 const base = mkdtempSync(join(tmpdir(), 'ff-snapshot-crash-'));
 afterAll(() => rmSync(base, { recursive: true, force: true }));
 
-interface FakeRec {
-  info: { vmId: string; state: string; workdir: string; accel: string; memoryMib: number; vcpus: number };
-  unsealed?: unknown;
-  [k: string]: unknown;
-}
+type FakeRec = FakeVmRecord & { unsealed?: unknown };
 /** The driver's private parts the tests reach. */
 interface Internals {
   vms: Map<string, unknown>;
@@ -38,21 +36,7 @@ function setup(): { root: string; driver: QemuVmmDriver; internals: Internals; r
   internals.overlays = { create: () => Promise.resolve() }; // no qemu-img
   const workdir = join(root, 'vms', 'vm1');
   mkdirSync(workdir, { recursive: true });
-  const rec: FakeRec = {
-    info: { vmId: 'vm1', state: 'running', workdir, accel: 'tcg', memoryMib: 128, vcpus: 1 },
-    image: { name: 'tiny', disk: '/x', recipeHash: '0123456789abcdef', diskVirtualSize: 64 << 20 },
-    kernelArgs: '',
-    memShared: false,
-    memPath: join(workdir, 'mem.1.img'),
-    diskPath: join(workdir, 'disk.1.qcow2'),
-    gen: 1,
-    dependsOn: [],
-    qmp: { closed: false },
-    agent: undefined,
-    expectExit: false,
-    log: pino({ level: 'silent' }),
-    lock: Promise.resolve(),
-  };
+  const rec: FakeRec = runningVmRecord(workdir);
   internals.vms.set('vm1', rec);
   return { root, driver, internals, rec };
 }

@@ -10,6 +10,7 @@ import { join } from 'node:path';
 import pino from 'pino';
 import type { CloneSpec, LocalSnapshot, NetworkPolicySpec, VmInfo } from '../../domain/vmm.ts';
 import { QemuVmmDriver } from './driver.ts';
+import { runningVmRecord } from './vm-record.fixture.ts';
 
 const base = mkdtempSync(join(tmpdir(), 'ff-standby-demand-'));
 afterAll(() => rmSync(base, { recursive: true, force: true }));
@@ -68,22 +69,7 @@ describe('standby demand', () => {
     };
     const workdir = join(root, 'vms', 'vm1');
     mkdirSync(workdir, { recursive: true });
-    internals.vms.set('vm1', {
-      info: { vmId: 'vm1', state: 'running', workdir, accel: 'tcg', memoryMib: 128, vcpus: 1 },
-      image: { name: 'tiny', disk: '/x', recipeHash: '0123456789abcdef', diskVirtualSize: 64 << 20 },
-      kernelArgs: '',
-      memShared: false,
-      memPath: join(workdir, 'mem.1.img'),
-      diskPath: join(workdir, 'disk.1.qcow2'),
-      gen: 1,
-      dependsOn: [],
-      ...(network ? { network } : {}),
-      qmp: { closed: false },
-      agent: undefined,
-      expectExit: false,
-      log: pino({ level: 'silent' }),
-      lock: Promise.resolve(),
-    });
+    internals.vms.set('vm1', runningVmRecord(workdir, network ? { network } : {}));
     const snap = await driver.snapshot('vm1', 'sn-1');
     expect(snap.manifest.snapshotId).toBe('sn-1');
     internals.vms.delete('vm1'); // no QEMU to stop
