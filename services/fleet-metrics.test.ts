@@ -6,7 +6,7 @@ import { registerFleetGauges } from './fleet-metrics.ts';
 import type { FleetGauges } from './domain/fleet-gauges.ts';
 
 const figures = (): FleetGauges => ({
-  hosts: new Map([['h1', { state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 8, memoryBytes: 1, diskBytes: 1 }, allocated: { vcpus: 1, memoryBytes: 1, diskBytes: 1 }, sandboxes: 1, memoryUsedBytes: undefined, chunkStoreBytes: undefined }]]),
+  hosts: new Map([['h1', { state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 8, memoryBytes: 1, diskBytes: 1 }, allocated: { vcpus: 1, memoryBytes: 1, diskBytes: 1 }, sandboxes: 1, memoryUsedBytes: undefined, chunkStoreBytes: undefined, imageCacheBytes: undefined }]]),
   sandboxes: new Map([['running', 1]]),
   snapshots: new Map(),
   snapshotStoredBytes: 0,

@@ -56,6 +56,7 @@ export function registerFleetGauges(registry: Registry, source: () => FleetGauge
   perHost('forkfleet_host_disk_capacity_bytes', 'Disk a host offers to sandboxes.', (h) => h.capacity.diskBytes);
   perHost('forkfleet_host_disk_allocated_bytes', 'Disk booked on a host by placed sandboxes.', (h) => h.allocated.diskBytes);
   perHost('forkfleet_host_chunk_store_bytes', "Bytes in a host's snapshot chunk store, from its last heartbeat.", (h) => h.chunkStoreBytes);
+  perHost('forkfleet_host_image_cache_bytes', "Bytes the snapshot images materialised on a host take beside its chunks (allocated), from its last heartbeat.", (h) => h.imageCacheBytes);
   perHost('forkfleet_host_sandboxes', 'Sandboxes booked on a host.', (h) => h.sandboxes);
   gauge('forkfleet_sandboxes', 'Sandbox records by state (destroyed and failed ones until FF_RECORD_RETENTION deletes them).', ['state'], (g, s) => {
     for (const [state, n] of s.sandboxes ?? []) g.set({ state }, n);

@@ -121,6 +121,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
   private lastGc: GcResult | undefined;
   /** Chunk bytes stored since the last GC counted them (ingests' new chunks, fetches' bytes): storedBytes(). */
   private storedSinceGc = 0;
+  /** The disk the materialised images took when the last GC counted them (Materialiser.diskBytes): storedBytes(). */
+  private imageBytesAtGc = 0;
 
   constructor(private readonly deps: ShipperDeps) {}
 
@@ -655,6 +657,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
     return (this.lastGc?.keptBytes ?? 0) + this.storedSinceGc;
   }
 
+  /** Bytes the materialised images of held snapshots take (allocated): what the last GC counted, and what was built since. */
+  imageBytes(): number {
+    return this.imageBytesAtGc + this.deps.materialiser.builtBytesSince();
+  }
+
   /**
    * One GC pass (one at a time): VMM directories of deleted snapshots that nothing uses
    * any more, materialised images without manifest or lease, then chunks that no
@@ -705,6 +712,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       // next): asked per image, just before it would go.
       const inUse = await this.deps.driver.snapshotsInUse();
       const images = await this.deps.materialiser.prune((id) => inUse.has(id) || this.durables.has(id) || this.deps.driver.vmsUse?.(id) === true);
+      this.imageBytesAtGc = await this.deps.materialiser.diskBytes();
       const since = this.storedSinceGc;
       const gc = await collectGarbage({ chunks: this.deps.chunks, manifests: this.deps.manifests, roots: this.deps.roots, clock: { now: () => new Date() }, graceMs: this.deps.gcGraceMs ?? 60_000, log: this.deps.log });
       // A manifest that no longer decoded is gone: so is the snapshot, from what this host holds.

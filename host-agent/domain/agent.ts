@@ -114,6 +114,8 @@ export interface SnapshotShipper {
   collectGarbage(): Promise<unknown>;
   /** Bytes the chunk store held after the last GC. */
   storedBytes(): number;
+  /** Bytes the snapshot images materialised here take beside the chunks (heartbeat image_cache_bytes). Absent: not said. */
+  imageBytes?(): number;
   /** Restore by migration (ADR 0015), optional: is the snapshot on this host? */
   holds?(snapshotId: string): Promise<boolean>;
   /**
@@ -575,6 +577,7 @@ export class Agent {
       // What this host's VMs really use (resident memory), beside what is booked.
       memoryUsedBytes: statuses.reduce((a, v) => a + v.rssBytes, 0n),
       chunkStoreBytes: BigInt(this.deps.shipper.storedBytes()),
+      imageCacheBytes: BigInt(this.deps.shipper.imageBytes?.() ?? 0),
       snapshots: this.deps.shipper.held(),
       accel: accel === 'kvm' ? Accel.KVM : Accel.TCG,
       qemuVersion: this.deps.qemuVersion,

@@ -11,7 +11,7 @@ describe('fleetGauges', () => {
   it('hostsBookingAndUse_comeFromRecordsAllocsAndTheLastHeartbeat_stateAsListHostsShowsIt', () => {
     const now = 100_000;
     const heard = new Map([
-      ['a', { heardAt: now - 1_000, hb: { memoryUsedBytes: 300n * BigInt(MIB), chunkStoreBytes: 42n } }],
+      ['a', { heardAt: now - 1_000, hb: { memoryUsedBytes: 300n * BigInt(MIB), chunkStoreBytes: 42n, imageCacheBytes: 7n } }],
       ['b', { heardAt: now - 10_000, hb: { memoryUsedBytes: 0n, chunkStoreBytes: 0n } }],
     ]);
     const g = fleetGauges({
@@ -32,6 +32,7 @@ describe('fleetGauges', () => {
       sandboxes: 3,
       memoryUsedBytes: 300 * MIB,
       chunkStoreBytes: 42,
+      imageCacheBytes: 7,
     });
     // Heard 10 s ago: suspect. Never heard by this replica: its record's state, no measured use.
     expect(g.hosts.get('b')).toMatchObject({ state: 'suspect', cordoned: true, draining: true, sandboxes: 0, allocated: { vcpus: 0, memoryBytes: 0, diskBytes: 0 } });

@@ -21,6 +21,7 @@ export interface HostGauges {
   /** From the host's last heartbeat; undefined when this replica has not heard it. */
   memoryUsedBytes: number | undefined;
   chunkStoreBytes: number | undefined;
+  imageCacheBytes: number | undefined;
 }
 
 /** What one tenant holds now. */
@@ -80,6 +81,7 @@ export function fleetGauges(i: FleetGaugeInput): FleetGauges {
       sandboxes: alloc?.sandboxes ?? 0,
       memoryUsedBytes: heard ? Number(heard.hb.memoryUsedBytes) : undefined,
       chunkStoreBytes: heard ? Number(heard.hb.chunkStoreBytes) : undefined,
+      imageCacheBytes: heard ? Number(heard.hb.imageCacheBytes) : undefined,
     });
   }
   let sandboxes: Map<string, number> | undefined;

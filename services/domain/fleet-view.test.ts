@@ -139,6 +139,14 @@ describe('fleetViewInput', () => {
     }
   });
 
+  it('diskTakenByAHostsMaterialisedImages_countsAsAllocatedBesideItsChunks', () => {
+    const heard = new HeartbeatRegistry();
+    const GIB = 1n << 30n;
+    heard.record(create(HeartbeatSchema, { hostId: 'h', bootId: 'b', chunkStoreBytes: GIB, imageCacheBytes: 2n * GIB }), 1_000);
+    const v = fleetViewInput({ hosts: [host('h')], allocs: new Map(), heard, snapshots: [], revision: 1, now: 1_000, liveness: { suspectAfterMs: 5_000, lostAfterMs: 15_000 }, chunkBytes: 262_144 });
+    expect(v.hosts[0]?.allocated.diskMib).toBe(3 * 1024);
+  });
+
   it('decision_isTheSameWhateverOrderTheCacheListsItsHosts_soReplicasAndAReplayAfterARestartAgree', () => {
     const heard = new HeartbeatRegistry();
     const ids = ['h1', 'h2', 'h3', 'h4', 'h5', 'h6'];

@@ -378,16 +378,17 @@ function byId(hosts: readonly HostRec[]): readonly HostRec[] {
 }
 
 /**
- * A host's booked resources plus the disk its snapshot chunk store takes (its last
- * heartbeat's figure). Bookings hold only the sandboxes' overlays, while placement asks a host
- * that lacks a snapshot for the MiB it must fetch too: the chunks fetched before (wake
- * replicas, fan-out relays, drain copies) were never subtracted, and wake after wake went to a
- * host whose disk they had filled. Added to what is allocated, not taken from the capacity: a
- * create asking for more than the cache leaves is "no capacity" for now, not larger than any
- * host.
+ * A host's booked resources plus the disk its snapshot store takes (its last heartbeat's
+ * chunk_store_bytes and image_cache_bytes: the chunks, and the materialised images of the
+ * snapshots restored there) and `pendingMib`, copies planned there that no heartbeat counts
+ * yet. Bookings hold only the sandboxes' overlays, while placement asks a host that lacks a
+ * snapshot for the MiB it must fetch too: the chunks fetched before (wake replicas, fan-out
+ * relays, drain copies) were never subtracted, and wake after wake went to a host whose disk
+ * they had filled. Added to what is allocated, not taken from the capacity: a create asking for
+ * more than the cache leaves is "no capacity" for now, not larger than any host.
  */
-function withChunkCache(allocated: HostAllocRec['allocated'], chunkStoreBytes: bigint | undefined, pendingMib = 0): HostAllocRec['allocated'] {
-  const cacheMib = Math.ceil(Number(chunkStoreBytes ?? 0n) / (1024 * 1024)) + pendingMib;
+function withChunkCache(allocated: HostAllocRec['allocated'], storeBytes: bigint, pendingMib = 0): HostAllocRec['allocated'] {
+  const cacheMib = Math.ceil(Number(storeBytes) / (1024 * 1024)) + pendingMib;
   return cacheMib > 0 ? { ...allocated, diskMib: allocated.diskMib + cacheMib } : allocated;
 }
 
@@ -470,7 +471,7 @@ export function fleetViewInput(args: {
       cordoned: h.cordoned,
       draining: h.draining,
       capacity: h.capacity,
-      allocated: withChunkCache(alloc?.allocated ?? { vcpus: 0, memoryMib: 0, diskMib: 0 }, heard?.hb.chunkStoreBytes, args.pendingDiskMib?.get(h.id)),
+      allocated: withChunkCache(alloc?.allocated ?? { vcpus: 0, memoryMib: 0, diskMib: 0 }, (heard?.hb.chunkStoreBytes ?? 0n) + (heard?.hb.imageCacheBytes ?? 0n), args.pendingDiskMib?.get(h.id)),
       inflightOps: Math.max(heard?.hb.inflightOps ?? 0, args.ownInflight?.get(h.id) ?? 0),
       // The host's measured restore time and its slots price its queue (scheduler/README.md).
       ...(heard && heard.hb.restoreSlots > 0 && (heard.hb.restoreCostMs > 0 || fleetRestoreMs !== undefined) ? { restoreCostMs: heard.hb.restoreCostMs > 0 ? heard.hb.restoreCostMs : fleetRestoreMs, restoreSlots: heard.hb.restoreSlots } : {}),

@@ -55,4 +55,30 @@ describe('Materialiser', () => {
     expect(readdirSync(join(root, 'images'))).toEqual(['sn-a']);
     expect(readdirSync(join(root, 'images-unsynced'))).toEqual([]);
   });
+
+  it('diskBytes_countsTheBlocksTheCachedImagesTake_sparseHolesNot_andBuildsSinceAreCountedUntilTheNextCount', async () => {
+    const root = join(dir, 'disk-bytes');
+    const chunks = new FsChunkStore(root, { offload: false });
+    const manifests = new FsManifestStore(root);
+    const c = await encodeChunk(textBytes(CS, 5));
+    await chunks.put(c);
+    // 16 chunks of memory, one of them not zero: the image is sparse around it.
+    const manifest = create(SnapshotManifestSchema, {
+      snapshotId: 'sn-b',
+      chunkSize: CS,
+      artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', size: BigInt(16 * CS), chunks: [{ index: 3n, digest: Buffer.from(c.digest, 'hex'), size: CS, storedSize: c.data.length }] }],
+    });
+    const m = new Materialiser({ root, chunks, manifests, trust: new Map(), roots: new LiveRoots() });
+    expect(await m.diskBytes()).toBe(0);
+    await m.materialiseWhile('sn-b', manifest, async () => {});
+    await m.flush();
+    const since = m.builtBytesSince();
+    expect(since).toBeGreaterThanOrEqual(CS);
+    expect(since).toBeLessThan(4 * CS);
+    expect(await m.diskBytes()).toBe(since);
+    expect(m.builtBytesSince()).toBe(0);
+    // Its manifest was never stored: the next prune removes it, and the count with it.
+    expect(await m.prune()).toEqual(['sn-b']);
+    expect(await m.diskBytes()).toBe(0);
+  });
 });
