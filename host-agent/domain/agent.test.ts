@@ -216,6 +216,35 @@ describe('Agent steps', () => {
     expect(events).toHaveLength(1);
   });
 
+  it('pause_ofTheIdleRule_isRefusedWhileACallRunsOrJustRan_andPausesAVmIdleForTheWholeTimeout', async () => {
+    let t = 1_000_000;
+    let releaseCall!: () => void;
+    const paused: string[] = [];
+    const vm = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0 } as VmInfo;
+    const { agent } = agentWith({ get: () => vm, list: () => [vm], pause: async (id) => void paused.push(id) }, {}, {}, { now: () => t });
+    const idlePause = (n: number) => agent.runStep(work(`pause-${n}`, { work: { case: 'pauseVm', value: { sandboxId: 'sb-1', onlyIfIdleMs: 60_000n } } }));
+    const inner = agent as unknown as { inCall<T>(vmId: string, fn: () => Promise<T>): Promise<T> };
+    agent.idleMs(vm); // seen idle from now
+    t += 61_000;
+    // An Exec begins just after the rule judged the sandbox idle.
+    const call = inner.inCall('sb-1', () => new Promise<void>((r) => (releaseCall = r)));
+    expect((await idlePause(1)).error).toMatchObject({ kind: 'failed_precondition', retryable: false, message: expect.stringMatching(/not idle/) });
+    t += 61_000;
+    expect((await idlePause(2)).error?.kind).toBe('failed_precondition'); // still running
+    releaseCall();
+    await call;
+    t += 30_000;
+    expect((await idlePause(3)).error?.kind).toBe('failed_precondition'); // ended 30 s ago
+    expect(paused).toEqual([]);
+    t += 31_000;
+    expect((await idlePause(4)).error).toBeUndefined();
+    // A user's pause (no idle condition) pauses whatever the VM did.
+    expect(paused).toEqual(['sb-1']);
+    inner.inCall('sb-1', () => Promise.resolve());
+    expect((await agent.runStep(work('pause-user', { work: { case: 'pauseVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
+    expect(paused).toEqual(['sb-1', 'sb-1']);
+  });
+
   it('restore_thatFetchedTheSnapshot_saysHowLongTheFetchTook_apartFromTheStepsWholeTimeWithItsRestores', async () => {
     const { agent } = agentWith(
       { fork: async (_s, clones) => (await new Promise((r) => setTimeout(r, 80)), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) },

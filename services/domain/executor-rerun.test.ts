@@ -224,6 +224,35 @@ describe('A hibernate run again', () => {
   });
 });
 
+describe('A hibernate of the idle rule', () => {
+  it('pausesTheVmOnlyIfItIsIdleStill_whileAUsersHibernatePausesItWhatever', async () => {
+    // The rule judged from a heartbeat up to a second old: the host pauses only a VM with no
+    // call or guest CPU within the idle timeout (a call that began since would be cut off).
+    const pauses: bigint[] = [];
+    for (const reason of ['idle', '']) {
+      const op = { id: `op-h-${reason}`, tenantId: 't', kind: 'hibernate', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'sb-1', input: { snapshotId: 'sn-h1', ...(reason ? { reason } : {}) }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+      let sb = { ...sandbox('sb-1', 'h1', 'running'), idleTimeoutMs: 600_000 } as SandboxRec;
+      let rev = 7;
+      const ex = executorOver({
+        getSandbox: async () => ({ value: structuredClone(sb), modRevision: rev }),
+        getSnapshot: async () => undefined,
+        commitAt: async (w: StoreWrite[]) => {
+          for (const x of w) if (x.kind === 'sandbox') sb = x.value;
+          return ++rev;
+        },
+      });
+      const inner = ex as unknown as { active: boolean; step: (op: unknown, id: string, hostId: string, work: { case: string; value: { onlyIfIdleMs?: bigint } }) => Promise<unknown>; runHibernate(op: OperationRec): Promise<void> };
+      inner.active = true;
+      inner.step = async (_op, id, _h, work) => {
+        if (id === 'pause' && work.case === 'pauseVm') pauses.push(work.value.onlyIfIdleMs ?? 0n);
+        throw new Error('the host is not there in this test');
+      };
+      await inner.runHibernate(op).catch(() => undefined);
+    }
+    expect(pauses).toEqual([600_000n, 0n]);
+  });
+});
+
 describe('Executor stopped', () => {
   it('writesNothingOnceStopped_thoughTheElectionKeyStillStands_soARunnerItWokeCannotRecordWhatItNeverSaw', async () => {
     // stop() wakes runners waiting on host steps (as timed out); one that went on to record

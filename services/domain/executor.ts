@@ -323,8 +323,9 @@ function stopVm(sandboxId: string): HostWorkMsg['work'] {
 }
 
 /** The host work that pauses a sandbox's VM (a no-op on a paused one). */
-function pauseVm(sandboxId: string): HostWorkMsg['work'] {
-  return { case: 'pauseVm', value: { sandboxId } as never };
+/** `onlyIfIdleMs`: the idle rule's pause, refused by the host when the VM was busy within that many ms (PauseVmWork). */
+function pauseVm(sandboxId: string, onlyIfIdleMs = 0): HostWorkMsg['work'] {
+  return { case: 'pauseVm', value: { sandboxId, onlyIfIdleMs: BigInt(onlyIfIdleMs) } as never };
 }
 
 /** The host work that resumes a sandbox's VM (a no-op on a running one), then runs `afterResume`. */
@@ -2880,7 +2881,9 @@ export class Executor {
     const paused = sb.hibernatingFrom !== 'paused';
     let sn: SnapshotRec;
     try {
-      if (paused) await this.step(op, 'pause', sb.hostId, pauseVm(sb.id));
+      // The idle rule's hibernate pauses only a VM that is still idle: a call may have begun
+      // since the heartbeat the rule went by.
+      if (paused) await this.step(op, 'pause', sb.hostId, pauseVm(sb.id, op.input.reason === 'idle' ? (sb.idleTimeoutMs ?? 0) : 0));
       // keep_last 1 among this sandbox's hibernation snapshots: an older one is pruned once
       // no live sandbox uses it (the current one is in use while the sandbox lives).
       sn = await this.snapshotOf(op, sb.id, input.snapshotId, { keepLast: 1, labels: { [HIBERNATION_LABEL]: sb.id } });
