@@ -3,7 +3,8 @@
 //   copy-main.ts recv  --connect IP:PORT --out DIR       waits for "go" on stdin, receives, prints JSON
 // With --tls CA,CERT,KEY (each end its host's peer certificate) the stream is mutual TLS, as
 // the fleet's peers speak it, so a TLS fleet is compared with an encrypted copy.
-// Wire format per file: u16 name length, name, u64 size, bytes.
+// Wire format per file: u16 name length, name, u64 size, bytes (copy-frames.ts). The receiver
+// writes the bytes from the received chunks as they are, without copying them.
 import { parseArgs } from 'node:util';
 import { createReadStream, createWriteStream, readFileSync, statSync } from 'node:fs';
 import { basename, join } from 'node:path';
@@ -11,6 +12,7 @@ import { connect, createServer } from 'node:net';
 import type { Socket } from 'node:net';
 import tls from 'node:tls';
 import { once } from 'node:events';
+import { FrameReader, type FileSink } from './copy-frames.ts';
 
 const { positionals, values } = parseArgs({ allowPositionals: true, options: { listen: { type: 'string' }, connect: { type: 'string' }, files: { type: 'string' }, out: { type: 'string' }, tls: { type: 'string' } } });
 
@@ -61,50 +63,27 @@ async function recv(): Promise<void> {
   const t = tlsFiles();
   // The sender's certificate names its address (IP SAN), as between the fleet's agents.
   const sock = t ? tls.connect({ port: Number(port), host, ...t, servername: 'forkfleet-peer', checkServerIdentity: (_n, cert) => tls.checkServerIdentity(host!, cert) }) : connect(Number(port), host);
-  let buf = Buffer.alloc(0);
-  let out: ReturnType<typeof createWriteStream> | undefined;
-  let left = 0n;
-  let bytes = 0;
-  const files: string[] = [];
-  let ended = false;
-  for await (const chunk of sock) {
-    buf = Buffer.concat([buf, chunk as Buffer]);
-    bytes += (chunk as Buffer).length;
-    while (buf.length > 0) {
-      if (!out) {
-        if (buf.length < 2) break;
-        const n = buf.readUInt16BE(0);
-        if (n === 0) {
-          ended = true;
-          buf = buf.subarray(2);
-          continue;
-        }
-        if (buf.length < 2 + n + 8) break;
-        const name = buf.subarray(2, 2 + n).toString();
-        left = buf.readBigUInt64BE(2 + n);
-        buf = buf.subarray(2 + n + 8);
-        files.push(name);
-        out = createWriteStream(join(dir, name));
-        if (left === 0n) {
-          out.end();
-          await once(out, 'finish');
-          out = undefined;
-        }
-        continue;
-      }
-      const take = Number(left < BigInt(buf.length) ? left : BigInt(buf.length));
-      if (!out.write(buf.subarray(0, take))) await once(out, 'drain');
-      buf = buf.subarray(take);
-      left -= BigInt(take);
-      if (left === 0n) {
+  // Each file's bytes are written straight from the received chunks (copy-frames.ts): no copy per chunk.
+  const reader = new FrameReader((name): FileSink => {
+    const out = createWriteStream(join(dir, name));
+    return {
+      write: async (b) => {
+        if (!out.write(b)) await once(out, 'drain');
+      },
+      end: async () => {
         out.end();
         await once(out, 'finish');
-        out = undefined;
-      }
-    }
+      },
+    };
+  });
+  let bytes = 0;
+  for await (const chunk of sock) {
+    bytes += (chunk as Buffer).length;
+    await reader.push(chunk as Buffer);
   }
   // A sender that died mid-stream closes it too: only a complete one is a sample.
-  if (!ended || out !== undefined || left !== 0n || buf.length > 0) throw new Error(`the stream was cut: ${files.length} file(s) begun, ${left} bytes of the last missing, end marker ${ended ? 'seen' : 'not seen'}`);
+  reader.finish();
+  const files = reader.files;
   process.stdout.write(`${JSON.stringify({ done: true, files, bytes, ms: performance.now() - t0 })}\n`);
   process.exit(0);
 }

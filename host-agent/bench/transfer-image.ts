@@ -7,7 +7,7 @@
 // `randomBytes` of random data and `textBytes` of text (workload data: half compresses).
 // A disk layer is built from real binaries under /usr/lib (sparse, 4 KiB aligned).
 // Everything is seeded so a run can be repeated.
-import { closeSync, ftruncateSync, openSync, readdirSync, readFileSync, statSync, writeSync, fsyncSync } from 'node:fs';
+import { closeSync, fstatSync, ftruncateSync, openSync, readdirSync, readFileSync, readSync, statSync, writeSync, fsyncSync } from 'node:fs';
 import { join } from 'node:path';
 import { createHash } from 'node:crypto';
 
@@ -164,35 +164,91 @@ export function writeMemoryImage(path: string, spec: ImageSpec = DEFAULT_IMAGE):
 
 /**
  * A child of `parentPath` that changed `changedBytes`: writes runs of 16..256 pages at random
- * page offsets, half random and half text (the workload's new data). Returns the number of
- * bytes written (== changedBytes).
+ * page offsets, half random and half text (the workload's new data). The runs may overlap (seed
+ * 7 on the 256 MiB image: 16 MiB written, 15.83 MiB of distinct pages), so what the child
+ * changed is measured: returns the bytes of the 4 KiB pages that differ from the parent's.
  */
 export function writeChildImage(parentPath: string, childPath: string, changedBytes: number, seed: number): number {
   const buf = readFileSync(parentPath);
   const r = rng(seed);
   const pages = buf.length / PAGE;
   const data = Buffer.concat([randomBytesSeeded(changedBytes / 2, seed + 7), textBytes(changedBytes / 2, seed + 8)]);
+  /** Pages some run wrote: only these can differ from the parent. */
+  const written = new Uint8Array(Math.ceil(pages));
   let o = 0;
   while (o < data.length) {
     const run = Math.min((16 + Math.floor(r() * 240)) * PAGE, data.length - o);
     const page = Math.floor(r() * (pages - 256));
     data.copy(buf, page * PAGE, o, o + run);
+    written.fill(1, page, page + Math.ceil(run / PAGE));
     o += run;
   }
   const fd = openSync(childPath, 'w');
+  let changed = 0;
+  const parent = openSync(parentPath, 'r');
   try {
     ftruncateSync(fd, buf.length);
     // Keep it sparse: write only non-zero pages.
     const zero = Buffer.alloc(PAGE);
+    const before = Buffer.alloc(PAGE);
     for (let p = 0; p < pages; p++) {
       const page = buf.subarray(p * PAGE, (p + 1) * PAGE);
       if (!page.equals(zero)) writeAt(fd, page, p * PAGE);
+      if (written[p] === 1) {
+        before.fill(0);
+        readFull(parent, before, page.length, p * PAGE);
+        if (!page.equals(before.subarray(0, page.length))) changed += page.length;
+      }
     }
     fsyncSync(fd);
   } finally {
     closeSync(fd);
+    closeSync(parent);
   }
-  return changedBytes;
+  return changed;
+}
+
+/**
+ * Bytes of the 4 KiB pages at which `a` and `b` differ (past the end of the shorter file, a
+ * page counts as changed when the longer one's is not all zeros: a sparse image's end reads
+ * as zeros). For the diff benchmark: what a child snapshot's memory image changed against its
+ * parent's.
+ */
+export function changedPageBytes(a: string, b: string): number {
+  const BLOCK = 256 * PAGE;
+  const fa = openSync(a, 'r');
+  const fb = openSync(b, 'r');
+  try {
+    const size = Math.max(fstatSync(fa).size, fstatSync(fb).size);
+    const ba = Buffer.alloc(BLOCK);
+    const bb = Buffer.alloc(BLOCK);
+    let changed = 0;
+    for (let off = 0; off < size; off += BLOCK) {
+      const len = Math.min(BLOCK, size - off);
+      ba.fill(0);
+      bb.fill(0);
+      readFull(fa, ba, len, off);
+      readFull(fb, bb, len, off);
+      for (let p = 0; p < len; p += PAGE) {
+        const end = Math.min(p + PAGE, len);
+        if (!ba.subarray(p, end).equals(bb.subarray(p, end))) changed += end - p;
+      }
+    }
+    return changed;
+  } finally {
+    closeSync(fa);
+    closeSync(fb);
+  }
+}
+
+/** Reads up to `len` bytes at `pos` (fewer at the end of the file; the rest of `buf` is left as it was). */
+function readFull(fd: number, buf: Buffer, len: number, pos: number): void {
+  let done = 0;
+  while (done < len) {
+    const n = readSync(fd, buf, done, len - done, pos + done);
+    if (n === 0) return;
+    done += n;
+  }
 }
 
 /** A frozen disk layer: real binaries from /usr/lib laid out 4 KiB aligned, sparse to `sizeBytes`. */

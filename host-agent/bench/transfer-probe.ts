@@ -1,7 +1,10 @@
 // Experiment harness for the transfer benchmark (not part of `npm run bench:transfer`): sets
 // up the two namespaces and the source store once, then runs the fetch `--reps` times per
 // configuration, so settings can be compared at the same machine load. Same endpoint,
-// same link shaping and the same wire-byte counting as transfer.ts.
+// same link shaping and the same wire-byte counting as transfer.ts: `wire` is the sender's
+// direction only (what goodput divides), from the root tbf's byte counter on a shaped link
+// (`wire_counter` "tbf", transfer-link.ts) or the veth's on an unshaped one (--rate 0,
+// "veth"); `wire_reverse` is the receiver's direction, `veth_forward` the sender's veth counter.
 //   node --import tsx host-agent/bench/transfer-probe.ts --rate 1 --reps 3 \
 //     --config 'base=' --config 'one=FF_STREAMS=1' [--prof DIR] [--naive] [--content synthetic|guest]
 // A config is NAME=ENV[;ENV...] (environment of the fetch process). --prof writes CPU
@@ -17,6 +20,7 @@ import { encodeSignedTicket, signTicket } from '../domain/tickets.ts';
 import { createFabric, readLog, type NsHost } from '../adapters/peer/netns-testkit.ts';
 import { procCpu, tempDir, waitFor } from '../../services/testkit/proc.ts';
 import { prepareSource, prepareWarmup, startDaemon } from './transfer-source.ts';
+import { parseRates, sampleEgress, setLinkRate, wireBytes, type EgressSample } from './transfer-link.ts';
 import { snapshotBootedGuest } from './transfer-guest.ts';
 import { loadavg } from 'node:os';
 import { execFileSync, spawn } from 'node:child_process';
@@ -37,6 +41,9 @@ async function main(): Promise<void> {
   const { values } = parseArgs({
     options: { rate: { type: 'string', default: '1' }, reps: { type: 'string', default: '3' }, config: { type: 'string', multiple: true }, prof: { type: 'string' }, naive: { type: 'boolean', default: false }, 'server-env': { type: 'string', default: '' }, 'server-endpoint': { type: 'string' }, warm: { type: 'boolean', default: false }, content: { type: 'string', default: 'synthetic' } },
   });
+  const rates = parseRates(values.rate ?? '1');
+  if (rates.length !== 1) throw new Error(`--rate: one link rate, not "${values.rate}"`);
+  const g = rates[0]!;
   const configs = (values.config ?? ['base=']).map((c) => {
     const i = c.indexOf('=');
     const env = Object.fromEntries(c.slice(i + 1).split(';').filter(Boolean).map((kv) => kv.split('=') as [string, string]));
@@ -60,11 +67,7 @@ async function main(): Promise<void> {
     const server = fabric.spawn(h0, 'chunk-server', ['env', ...(values['server-env'] ?? '').split(';').filter(Boolean), process.execPath, ...profArgs('server'), '--import', 'tsx', values['server-endpoint'] ?? ENDPOINT, 'serve', '--root', srcRoot, '--listen', `${h0.address}:${port}`, '--trust', pem], srvLog);
     await waitFor('chunk server', async () => readLog(srvLog).includes('"listening"'), 20_000, 50);
     const naive = values.naive ? fabric.spawn(h0, 'naive', [process.execPath, '--import', 'tsx', ENDPOINT, 'naive-serve', '--listen', `${h0.address}:${port + 1}`, '--files', artifacts.map((a) => a.path).join(',')], join(dir, 'naive.log')) : undefined;
-    const g = Number(values.rate);
-    if (g > 0) {
-      fabric.shape(h0, `${g}gbit`, g >= 10 ? '4mb' : '256kb');
-      fabric.shape(h1, `${g}gbit`, g >= 10 ? '4mb' : '256kb');
-    }
+    setLinkRate(fabric, [h0, h1], g);
     const ticketFor = (snapshotId: string): string => Buffer.from(encodeSignedTicket(signTicket({ snapshotId, destinationHostId: 'h1', expiresAt: new Date(Date.now() + 3_600_000) }, signing))).toString('base64');
     const ticket = ticketFor('s1');
     if (values.warm) {
@@ -77,14 +80,15 @@ async function main(): Promise<void> {
         process.stdout.write(`${JSON.stringify({ config: c.name, warmup: true, seconds: wu.seconds, cpu_ms: wu.cpu_ms, faults: wu.page_faults })}\n`);
       }
     }
-    const wire = (): number => fabric.counters(h0).tx + fabric.counters(h1).tx;
+    /** The egress counters of the sender (h0) and the receiver (h1). */
+    const egress = (): [EgressSample, EgressSample] => [sampleEgress(fabric, h0), sampleEgress(fabric, h1)];
     for (let rep = 0; rep < Number(values.reps); rep++) {
       for (const c of configs) {
         const dst = join(dir, `dst-${c.name}-${rep}`);
         // ENDPOINT=PATH in a config runs the fetch from another tree (A/B against a baseline).
         const { ENDPOINT: endpoint = ENDPOINT, ...env } = c.env;
         const envArgs = Object.entries(env).map(([k, v]) => `${k}=${v}`);
-        const before = wire();
+        const before = egress();
         const ls0 = [linkStats(h0.ns), linkStats(h1.ns)];
         const srvCpu0 = procCpu(server.pid);
         // PROBE_PERF=DIR: record the fetch process (and the server meanwhile) with perf.
@@ -98,7 +102,7 @@ async function main(): Promise<void> {
         const r = dm
           ? { code: 0, stderr: '', stdout: JSON.stringify(await dm.ask({ root: dst, hostId: 'h1', snapshot: 's1', ticket, sources: `${h0.address}:${port}`, materialise: true })) }
           : await fabric.run(h1, [...perfArgs, 'env', ...envArgs, process.execPath, ...profArgs(`fetch-${c.name}`), '--import', 'tsx', endpoint, 'fetch', '--root', dst, '--host-id', 'h1', '--snapshot', 's1', '--ticket', ticket, '--sources', `${h0.address}:${port}`, '--trust', pem, '--materialise'], 300_000);
-        const w = wire() - before;
+        const w = wireBytes(before, egress());
         for (const pp of [dmPerf]) {
           if (!pp) continue;
           pp.kill('SIGINT');
@@ -119,16 +123,17 @@ async function main(): Promise<void> {
         const s = Number(out.seconds);
         const rep2 = out.report as { ms: number };
         process.stdout.write(
-          `${JSON.stringify({ config: c.name, rep, load: +loadavg()[0]!.toFixed(2), seconds: +s.toFixed(3), fetch_ms: rep2.ms, ready: +Number(out.ready_seconds).toFixed(3), durable: +Number(out.durable_seconds).toFixed(3), wire: w, goodput: +((w * 8) / s / 1e9).toFixed(3), cpu_ms: out.cpu_ms, sys_ms: out.cpu_sys_ms, faults: out.page_faults, gc: out.gc, srv_cpu_ms: srvCpu, srv_faults: srvFaults, phases: out.phases, link })}\n`,
+          `${JSON.stringify({ config: c.name, rep, load: +loadavg()[0]!.toFixed(2), seconds: +s.toFixed(3), fetch_ms: rep2.ms, ready: +Number(out.ready_seconds).toFixed(3), durable: +Number(out.durable_seconds).toFixed(3), wire: w.forward, wire_reverse: w.reverse, wire_counter: w.counter, veth_forward: w.vethForward, goodput: +((w.forward * 8) / s / 1e9).toFixed(3), cpu_ms: out.cpu_ms, sys_ms: out.cpu_sys_ms, faults: out.page_faults, gc: out.gc, srv_cpu_ms: srvCpu, srv_faults: srvFaults, phases: out.phases, link })}\n`,
         );
         // Kept until the end: deleting ~600 files slows the next fetch's creates (ADR 0008).
       }
       if (naive) {
-        const nb = wire();
+        const nb = egress();
         const nr = await fabric.run(h1, [process.execPath, '--import', 'tsx', ENDPOINT, 'naive-recv', '--connect', `${h0.address}:${port + 1}`, '--out', join(dir, 'naive.bin')], 300_000);
+        const nw = wireBytes(nb, egress());
         const n = JSON.parse(nr.stdout.trim().split('\n').pop() ?? '{}') as { seconds: number };
         rmSync(join(dir, 'naive.bin'), { force: true });
-        process.stdout.write(`${JSON.stringify({ config: 'naive', rep, load: +loadavg()[0]!.toFixed(2), seconds: +n.seconds.toFixed(3), wire: wire() - nb })}\n`);
+        process.stdout.write(`${JSON.stringify({ config: 'naive', rep, load: +loadavg()[0]!.toFixed(2), seconds: +n.seconds.toFixed(3), wire: nw.forward, wire_reverse: nw.reverse, wire_counter: nw.counter, veth_forward: nw.vethForward })}\n`);
       }
     }
     for (const dm of daemons.values()) await dm.stop();

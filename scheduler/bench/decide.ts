@@ -1,5 +1,8 @@
 // Benchmark: how fast place() decides on simulated fleets of 100, 1000 and 10000 hosts.
-// Prints JSON { decide: { "<hosts>": { per_s, p50_us, p99_us } } } (issue 5: the pure placement).
+// Prints JSON { decide: { "<hosts>": { per_s, p50_us, p99_us, ... } }, decisions_per_size,
+// warmup_decisions, ... } (issue 5: the pure placement). Per fleet size, `warmup_decisions`
+// untimed decisions (min(500, DECISIONS)) run first on the same view, then `decisions_per_size`
+// timed ones.
 //
 // Fleets come from the deterministic generator in fleet.ts (~5% of hosts hold each
 // snapshot). The view is built once per fleet and only place() is timed: the scheduler's
@@ -80,4 +83,4 @@ function measure(view: FleetView): Stats {
 const decide: Record<string, Stats> = {};
 for (const n of SIZES) decide[String(n)] = measure(generateFleet(n));
 const load1 = Number((loadavg()[0] ?? 0).toFixed(2));
-process.stdout.write(`${JSON.stringify({ decide, decisions_per_size: DECISIONS, node: process.version, loadavg_1m: load1 }, null, 2)}\n`);
+process.stdout.write(`${JSON.stringify({ decide, decisions_per_size: DECISIONS, warmup_decisions: WARMUP, node: process.version, loadavg_1m: load1 }, null, 2)}\n`);

@@ -6,7 +6,10 @@
 //
 // Prints (and writes to FILE) { decide, committed_per_s, ... }:
 //   decide           the pure placement bench (scheduler/bench/decide.ts, run as is) on
-//                    100 / 1000 / 10000 simulated hosts: { per_s, p50_us, p99_us, ... }
+//                    100 / 1000 / 10000 simulated hosts: { per_s, p50_us, p99_us, ... }, with
+//                    DECISIONS=2000 unless set; `decisions_per_size` (timed) and
+//                    `warmup_decisions` (untimed, first) are decide.ts's own, per fleet size
+//                    (null with --no-decide)
 //   committed_per_s  child sandbox records committed per second through the real scheduler
 //                    (two replicas as processes: the leader executes, the other serves the
 //                    API) on a real etcd, with fake host agents on real NATS that answer at
@@ -17,6 +20,10 @@
 //                    timed forks mostly land on hosts that already hold it, so the figure is
 //                    placements without transfer plans (the fake agents' "fetch" is instant
 //                    anyway; transfer time is bench:transfer's and the loadtest's).
+//                    `committed.warmup_forks` (x `count` children) says how many, and
+//                    `committed.snapshot_holders_at_start` / `_at_end` how many of the `hosts`
+//                    held the snapshot (its host_ids, read untimed) when the measured part
+//                    began and ended.
 //   cpu_us_per_child CPU (user+sys, /proc ticks) of each process over the same span, per
 //                    committed child: leader, API replica, fake agents, etcd, NATS and this
 //                    bench's own gRPC client. On a machine that every process shares,
@@ -77,9 +84,10 @@ const KEEP_DIR = CPU_PROF || process.argv.includes('--keep-dir');
 const CHURN_S = Number(arg('churn', '0'));
 
 // 1. The pure decision bench, reused as it is (it prints JSON).
-const decide = NO_DECIDE
+const decideOut = NO_DECIDE
   ? undefined
-  : (JSON.parse(execFileSync(process.execPath, ['--import', 'tsx', join(ROOT, 'scheduler', 'bench', 'decide.ts')], { env: { ...process.env, DECISIONS: process.env.DECISIONS ?? '2000' }, encoding: 'utf8', maxBuffer: 16 << 20 })) as { decide: Record<string, unknown> }).decide;
+  : (JSON.parse(execFileSync(process.execPath, ['--import', 'tsx', join(ROOT, 'scheduler', 'bench', 'decide.ts')], { env: { ...process.env, DECISIONS: process.env.DECISIONS ?? '2000' }, encoding: 'utf8', maxBuffer: 16 << 20 })) as { decide: Record<string, unknown>; decisions_per_size: number; warmup_decisions: number });
+const decide = decideOut?.decide;
 
 // 2. Committed placements through the real scheduler.
 const dir = mkdtempSync('/tmp/ff-bench-');
@@ -131,7 +139,10 @@ try {
   const snapshotId = snap.result.case === 'snapshot' ? snap.result.value.id : '';
   const fork = (): Promise<Operation> => api.forkSandbox({ tenantId, idempotencyKey: `f-${k++}`, source: { case: 'snapshotId', value: snapshotId }, count: COUNT, placement: { spread: Spread.SPREAD } });
   // Warm-up: spreads the snapshot over the fleet and warms the JIT.
-  for (let i = 0; i < 4; i++) await ok(await fork());
+  const WARMUP_FORKS = 4;
+  for (let i = 0; i < WARMUP_FORKS; i++) await ok(await fork());
+  /** Hosts that hold the snapshot (all its chunks), as the API reports it; read outside the measured span and its counters. */
+  const holders = async (): Promise<number> => (await api.getSnapshot({ tenantId, snapshotId })).hostIds.length;
 
   /** Forks children and destroys them again for `s` seconds; etcd sampled every 2 s. */
   async function churnFor(s: number): Promise<Record<string, unknown>> {
@@ -162,6 +173,7 @@ try {
 
   let next = 0;
   let children = 0;
+  const holdersAtStart = await holders();
   const loadAtStart = loadavg()[0] ?? 0;
   // CPU of every process during the measured part: where a committed child's cost goes.
   const procs: Record<string, number> = {
@@ -190,13 +202,23 @@ try {
   const cpuPerChild: Record<string, number> = Object.fromEntries(Object.entries(procs).map(([k, pid]) => [k, Math.round(((procCpu(pid).ms - cpu0[k]!) * 1000) / Math.max(1, children))]));
   // The bench's own gRPC client (this process), which decodes every fork's children.
   cpuPerChild.bench_client = Math.round((clientCpu.user + clientCpu.system) / Math.max(1, children));
+  const holdersAtEnd = await holders();
   // After every figure above is taken: the churn's work is not in them.
   const churn = CHURN_S > 0 ? await churnFor(CHURN_S) : undefined;
   api.close();
   const out = {
     decide,
+    // decide.ts's own sample counts, per fleet size (null with --no-decide).
+    decisions_per_size: decideOut?.decisions_per_size ?? null,
+    warmup_decisions: decideOut?.warmup_decisions ?? null,
     committed_per_s: Math.round(children / seconds),
-    committed: { children, forks: FORKS, count: COUNT, inflight: INFLIGHT, hosts: HOSTS, seconds: Number(seconds.toFixed(2)), forks_per_s: Number((FORKS / seconds).toFixed(1)) },
+    committed: {
+      children, forks: FORKS, count: COUNT, inflight: INFLIGHT, hosts: HOSTS, seconds: Number(seconds.toFixed(2)), forks_per_s: Number((FORKS / seconds).toFixed(1)),
+      // Untimed fork(count)s before the measured part; they spread the snapshot, so the timed forks mostly need no transfer plan.
+      warmup_forks: WARMUP_FORKS,
+      snapshot_holders_at_start: holdersAtStart,
+      snapshot_holders_at_end: holdersAtEnd,
+    },
     // CPU microseconds per committed child, by process, over the measured part (10 ms ticks).
     cpu_us_per_child: cpuPerChild,
     // etcd puts, transactions and range reads, and NATS messages in and out, per committed child.

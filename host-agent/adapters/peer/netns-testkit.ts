@@ -29,7 +29,14 @@ export interface Fabric {
   readonly hosts: readonly NsHost[];
   /** Shapes a host's egress with tbf (rate like '1gbit'). */
   shape(host: NsHost, rate: string, burst?: string): void;
-  /** tx+rx byte counters of a host's interface. */
+  /** Removes the root qdisc (the tbf of shape()) from a host's interface: unshaped again. Fails if there is none to remove. */
+  unshape(host: NsHost): void;
+  /**
+   * tx+rx byte counters of a host's interface (the veth's). The veth carries GSO packets of up
+   * to 64 KiB and counts each with one set of headers; on a shaped link the root tbf's own
+   * counter (`tc -s -j qdisc show`, host-agent/bench/transfer-link.ts) counts what the link
+   * carried (every segment's headers), ~4% more for bulk TCP.
+   */
   counters(host: NsHost): { tx: number; rx: number };
   /** A long-running process inside a namespace, tracked by PID (watchdog included). */
   spawn(host: NsHost, name: string, args: readonly string[], logPath: string): ManagedProcess;
@@ -97,6 +104,9 @@ export function createFabric(n: number, prefix = 'ff-t'): Fabric {
     hosts,
     shape(host, rate, burst = '256kb') {
       execFileSync('ip', ['netns', 'exec', host.ns, 'tc', 'qdisc', 'replace', 'dev', host.ifname, 'root', 'tbf', 'rate', rate, 'burst', burst, 'latency', '5ms']);
+    },
+    unshape(host) {
+      execFileSync('ip', ['netns', 'exec', host.ns, 'tc', 'qdisc', 'del', 'dev', host.ifname, 'root'], { stdio: ['ignore', 'ignore', 'pipe'] });
     },
     counters(host) {
       const read = (what: string): number =>
