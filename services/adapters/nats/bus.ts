@@ -366,6 +366,8 @@ export class NatsWorkBus implements WorkBus {
     let waiting = false;
     /** The host sent the exit (or an error): nothing runs there for this call any more. */
     let answered = false;
+    /** The seq the host's next piece must carry: it numbers them 1, 2, ... (core NATS drops what arrives while a connection is down). */
+    let nextSeq = 1n;
     const finish = (): void => {
       clearTimeout(timer);
       sub?.unsubscribe();
@@ -398,6 +400,17 @@ export class NatsWorkBus implements WorkBus {
           cancelOnHost();
           return;
         }
+        // A piece missing: the output has a hole (a reconnect or a slow-consumer cut dropped it
+        // in transit), and an exit after it would report the call whole. Failed, and the
+        // command stopped: the caller cannot know what it missed.
+        if (out.seq !== nextSeq) {
+          finish();
+          release();
+          q.failNow(new ForkfleetError('unavailable', `exec on host ${hostId}: output was lost in transit (piece ${nextSeq} missing, piece ${out.seq} came), so the command was stopped; what it printed is not known whole`, { retryable: false }));
+          if (out.payload.case !== 'exit' && out.payload.case !== 'error') cancelOnHost();
+          return;
+        }
+        nextSeq++;
         const bytes = bytesOf(out);
         held(bytes);
         // Only output counts against the bounds: an exit (no bytes) always gets through.

@@ -108,11 +108,21 @@ export async function ensureWorkConsumer(jsm: JetStreamManager, hostId: string):
   return name;
 }
 
+/**
+ * Creates (or finds) the schedulers' durable results consumer. As for a work consumer
+ * (ensureWorkConsumer): one the server lost the store of is deleted and made again. Left so,
+ * every add answered "no such file or directory" and no result reached any scheduler again:
+ * every step waited out its timeout.
+ */
 export async function ensureResultsConsumer(jsm: JetStreamManager): Promise<void> {
-  await jsm.consumers.add(STREAM_RESULTS, {
-    durable_name: RESULTS_CONSUMER,
-    ack_policy: AckPolicy.Explicit,
-    deliver_policy: DeliverPolicy.All,
-    ack_wait: 30_000 * 1e6,
-  });
+  await retryOnConsumerStoreRace(
+    () =>
+      jsm.consumers.add(STREAM_RESULTS, {
+        durable_name: RESULTS_CONSUMER,
+        ack_policy: AckPolicy.Explicit,
+        deliver_policy: DeliverPolicy.All,
+        ack_wait: 30_000 * 1e6,
+      }),
+    () => jsm.consumers.delete(STREAM_RESULTS, RESULTS_CONSUMER).catch(() => undefined),
+  );
 }
