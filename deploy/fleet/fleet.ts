@@ -43,7 +43,7 @@ import { createPublicKey, generateKeyPairSync, randomBytes } from 'node:crypto';
 import { createNkeyFile, hostPermissions, natsServerAuthConfig } from '../../services/adapters/nats/auth.ts';
 import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
-import { forwardMarkerOf, HOST_LINK_PREFIX } from '../../host-agent/adapters/netns/egress.ts';
+import { forwardMarkerOf, HOST_LINK_PREFIX, linkCursorOf } from '../../host-agent/adapters/netns/egress.ts';
 import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
 import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 import { ensurePeerCert } from '../pki/pki.ts';
@@ -1389,9 +1389,11 @@ async function stopFleet(state: FleetState): Promise<void> {
   }
   for (const ns of [...state.namespaces].reverse()) {
     // What an agent recorded of its namespace under /run (egress.ts: it turned ip_forward on
-    // there), keyed by the namespace's inode: gone with the namespace.
+    // there, the last egress link it handed out), keyed by the namespace's inode: gone with
+    // the namespace.
     try {
-      rmSync(forwardMarkerOf(statSync(`/run/netns/${ns}`).ino), { force: true });
+      const ino = statSync(`/run/netns/${ns}`).ino;
+      for (const f of [forwardMarkerOf(ino), linkCursorOf(ino)]) rmSync(f, { force: true });
     } catch {
       /* no such namespace (any more) */
     }

@@ -114,8 +114,12 @@ export type NetworkPolicy = Message<"forkfleet.v1.NetworkPolicy"> & {
 
   /**
    * CIDRs reachable when egress is allowed; empty means any. Never reachable, whatever this
-   * says: the subnets the sandbox's host is on (but for DNS to its resolvers), the networks the
-   * operator denies (FF_EGRESS_DENY_CIDRS), loopback, link-local and cloud metadata addresses.
+   * says: the subnets the sandbox's host is on, the networks it has a route for (all but its
+   * default route) and its gateways (but for DNS to its resolvers), the networks the operator
+   * denies (FF_EGRESS_DENY_CIDRS), loopback, link-local and cloud metadata and platform
+   * addresses (Azure's 168.63.129.16, but for DNS when it is the host's resolver). A host with a
+   * private address whose network it cannot tell (a cloud's /32) gives no egress until the
+   * operator denies that network: starting a sandbox with egress there fails.
    * IPv4 networks (a.b.c.d/n), each once: one with host bits set (10.1.2.3/8) is
    * INVALID_ARGUMENT naming it and the network meant (10.0.0.0/8).
    *
