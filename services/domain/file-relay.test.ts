@@ -6,12 +6,13 @@ import type { FleetStore, WorkBus } from './ports.ts';
 import { Fleet } from './fleet.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { sandboxRecord } from '../testkit/records.ts';
-import { HeartbeatSchema, HostFileResponseSchema } from './messages.ts';
-import type { HostFileRequestMsg } from './messages.ts';
+import { HeartbeatSchema, HostExecOutputSchema, HostFileResponseSchema } from './messages.ts';
+import type { HostExecRequestMsg, HostFileRequestMsg } from './messages.ts';
 
 /** A Fleet over one running sandbox, sb-a on host h1, whose relayed file requests are kept in `sent`. */
-function fleetOnH1(): { fleet: Fleet; heard: HeartbeatRegistry; sent: HostFileRequestMsg[] } {
+function fleetOnH1(): { fleet: Fleet; heard: HeartbeatRegistry; sent: HostFileRequestMsg[]; execs: string[][] } {
   const sent: HostFileRequestMsg[] = [];
+  const execs: string[][] = [];
   const store = { getSandbox: async () => ({ value: sandboxRecord(), modRevision: 3 }) } as unknown as FleetStore;
   const bus = {
     maxPayload: 1 << 20,
@@ -19,9 +20,14 @@ function fleetOnH1(): { fleet: Fleet; heard: HeartbeatRegistry; sent: HostFileRe
       sent.push(req);
       return create(HostFileResponseSchema, { bytesWritten: BigInt(req.op.case === 'write' ? req.op.value.data.length : 0) });
     },
+    // The guest command that puts a written file in place.
+    exec: async function* (_h: string, req: HostExecRequestMsg) {
+      execs.push(req.argv);
+      yield create(HostExecOutputSchema, { seq: 1n, payload: { case: 'exit', value: { exitCode: 0 } } });
+    },
   } as unknown as WorkBus;
   const heard = new HeartbeatRegistry();
-  return { fleet: new Fleet({ store, bus, clock: { now: () => Date.now() }, heard, liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } }), heard, sent };
+  return { fleet: new Fleet({ store, bus, clock: { now: () => Date.now() }, heard, liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } }), heard, sent, execs };
 }
 
 describe('the file relay a host gets', () => {
@@ -35,14 +41,25 @@ describe('the file relay a host gets', () => {
   });
 
   it('writeFile_toAnAgentWithoutRangedFiles_sendsTheMode_asToACurrentOne', async () => {
-    const { fleet, heard, sent } = fleetOnH1();
+    const { fleet, heard, sent, execs } = fleetOnH1();
     heard.record(create(HeartbeatSchema, { hostId: 'h1', seq: 1n, bootId: 'b' }), Date.now());
     expect(await fleet.writeFile('t1', 'sb-a', '/tmp/f', 0o600, new Uint8Array(10))).toBe(10);
     expect(sent.map((r) => (r.op.case === 'write' ? r.op.value.mode : undefined))).toEqual([0o600]);
-    // Heard again, with ranged files: the same write goes as one piece that replaces the file, mode set.
+    expect(execs).toEqual([]);
+    // Heard again, with ranged files: the same write goes into a temporary file beside the
+    // path (a failed write leaves the old file whole), put in place with the mode in octal.
     sent.length = 0;
     heard.record(create(HeartbeatSchema, { hostId: 'h1', seq: 2n, bootId: 'b', rangedFiles: true }), Date.now());
     expect(await fleet.writeFile('t1', 'sb-a', '/tmp/f', 0o640, new Uint8Array(10))).toBe(10);
-    expect(sent.map((r) => (r.op.case === 'write' ? [r.op.value.mode, r.op.value.append] : undefined))).toEqual([[0o640, false]]);
+    expect(sent.map((r) => (r.op.case === 'write' ? [r.path.replace(/[0-9a-f]{12}$/, 'N'), r.op.value.mode, r.op.value.append] : undefined))).toEqual([['/tmp/.f.ff-write-N', 0, false]]);
+    expect(execs.map((a) => a.slice(4))).toEqual([[sent[0]!.path, '/tmp/f', '640']]);
+  });
+
+  it('writeFile_ofSeveralPieces_keepsTheTemporaryFile0600UntilItIsInPlace_thenSetsTheModeAsked', async () => {
+    const { fleet, heard, sent, execs } = fleetOnH1();
+    heard.record(create(HeartbeatSchema, { hostId: 'h1', seq: 1n, bootId: 'b', rangedFiles: true }), Date.now());
+    expect(await fleet.writeFile('t1', 'sb-a', '/tmp/secret', 0, new Uint8Array(1200 << 10))).toBe(1200 << 10);
+    expect(sent.map((r) => (r.op.case === 'write' ? [r.op.value.mode, r.op.value.append] : undefined))).toEqual([[0o600, false], [0, true], [0, true]]);
+    expect(execs.map((a) => a.at(-1))).toEqual(['0']);
   });
 });

@@ -232,16 +232,19 @@ function throwIfEnded(signal: AbortSignal | undefined, message: string): void {
 }
 
 /**
- * Renames WriteFile's temporary file ($1) over the path ($2) in the guest, as a one-piece write
- * would have written it: a directory at the path is refused (mv would move the file into it),
- * a symbolic link is written through (its target replaced, the link kept), and with mode 0
- * ($3) a file that was there keeps its permission bits.
+ * Renames WriteFile's temporary file ($1) over the path ($2) in the guest: a directory at the
+ * path is refused (mv would move the file into it), a symbolic link is written through (its
+ * target replaced, the link kept), a file that was there keeps its owner and group, and its
+ * permission bits unless the caller set a mode ($3, octal; 0: none set). A new file without a
+ * mode gets the guest's default (0666 less the umask), as a file the guest made would.
  */
 const PUT_IN_PLACE = [
   'p=$2',
   'if [ -d "$p" ]; then rm -f "$1"; echo "$p: is a directory" >&2; exit 1; fi',
   'if [ -L "$p" ]; then p=$(readlink -f "$p") || exit 1; fi',
-  'if [ "$3" = 0 ] && [ -e "$p" ]; then chmod "$(stat -c %a "$p")" "$1" || exit 1; fi',
+  'if [ -e "$p" ]; then chown "$(stat -c %u:%g "$p")" "$1" || exit 1; fi',
+  'if [ "$3" != 0 ]; then m=$3; elif [ -e "$p" ]; then m=$(stat -c %a "$p"); else m=$(printf %o $((0666 & ~0$(umask)))); fi',
+  'chmod "$m" "$1" || exit 1',
   'exec mv -f "$1" "$p"',
 ].join('\n');
 
@@ -899,11 +902,12 @@ export class Fleet {
   }
 
   /**
-   * Writes the file in pieces that fit the relay. One piece replaces the file directly; more
-   * go into a temporary file next to it (the first creates it, the rest append, the last sets
-   * `mode`, 0: the guest's default), which a guest script (PUT_IN_PLACE) then renames over `path`. So a
-   * failure part-way (a full guest disk, a lost relay) leaves the old file as it was, and the
-   * temporary file is removed (best effort).
+   * Writes the file in pieces that fit the relay, into a temporary file next to it (the first
+   * creates it, the rest append), which a guest script (PUT_IN_PLACE) then renames over `path`
+   * with the owner and mode it should have (`mode`, 0: the old file's, or the guest's default).
+   * So a failure part-way (a full guest disk, a lost relay) leaves the old file as it was, and
+   * the temporary file is removed (best effort). An agent without ranged files gets one piece,
+   * written straight to the path.
    *
    * `signal`: the call's (cancelled, past its deadline, its credential revoked): a wake it
    * waits for goes on, but nothing is written once it aborts (and a part written is removed).
@@ -918,21 +922,24 @@ export class Fleet {
       if (data.length > piece) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'data' });
       return Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data, mode } } }))).bytesWritten);
     }
-    const write = async (to: string, part: Uint8Array, append: boolean, last: boolean): Promise<number> =>
-      Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path: to, op: { case: 'write', value: { data: part, mode: last ? mode : 0, append } } }))).bytesWritten);
-    if (data.length <= piece) return write(path, data, false, true);
+    // Every write goes into a temporary file beside the path, renamed over it once whole
+    // (PUT_IN_PLACE, which sets owner and mode): a write straight to the path opened it
+    // truncated first, so one that then failed (a full guest disk, a guest-agent timeout)
+    // left the old contents gone and the new ones partial. A file of several pieces is
+    // written 0600 until it is in place: it may be a secret, uploaded over seconds.
+    const write = async (to: string, part: Uint8Array, append: boolean, pieceMode: number): Promise<number> =>
+      Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path: to, op: { case: 'write', value: { data: part, mode: pieceMode, append } } }))).bytesWritten);
     const slash = path.lastIndexOf('/');
     // WRITE_STAGING_NAME_BYTES (adapters/grpc/convert.ts) longer than the file's own name.
     const tmp = `${path.slice(0, slash + 1)}.${path.slice(slash + 1)}.ff-write-${randomBytes(6).toString('hex')}`;
     let written = 0;
     try {
-      for (let off = 0; off < data.length; off += piece) {
+      for (let off = 0; off === 0 || off < data.length; off += piece) {
         gone();
-        const last = off + piece >= data.length;
-        written += await write(tmp, data.subarray(off, off + piece), off > 0, last);
+        written += await write(tmp, data.subarray(off, off + piece), off > 0, off === 0 && data.length > piece ? 0o600 : 0);
       }
       gone();
-      await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', PUT_IN_PLACE, 'ff-put', tmp, path, String(mode)], 'header.path');
+      await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', PUT_IN_PLACE, 'ff-put', tmp, path, mode.toString(8)], 'header.path');
     } catch (e) {
       await this.guestCommand(sb.hostId, sandboxId, ['/bin/rm', '-f', tmp], 'header.path').catch(() => undefined);
       // A failure in the temporary file is reported against the path the caller named.
