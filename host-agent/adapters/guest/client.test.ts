@@ -556,6 +556,29 @@ describe.each(shells)('GuestAgentClient.exec, the wrapper under %s', (_name, she
     expect(slow.stderr.toString()).toBe('abc');
   });
 
+  it('reapOrphanExecs_endsTheExecsAnotherAgentInstanceLeft_whateverTmpdirTheirCallerGave_andNotItsOwn', async () => {
+    // An exec with TMPDIR keeps its files there: found by its files in /tmp, it ran on,
+    // unsupervised, in every sandbox restored from a snapshot taken while it ran.
+    const g = await shellGuest(shell);
+    cleanups.push(g.close);
+    const dir = mkdtempSync(join(tmpdir(), 'ff-reap-'));
+    cleanups.push(() => rmSync(dir, { recursive: true, force: true }));
+    const late = (n: string): string[] => ['-c', `sleep 2; echo late > ${join(dir, n)}`];
+    const before = await GuestAgentClient.connect(g.path, 5000, 'aaaa');
+    cleanups.push(() => before.close());
+    const now = await GuestAgentClient.connect(g.path, 5000, 'bbbb');
+    cleanups.push(() => now.close());
+    const runs = [
+      before.exec({ path: '/bin/sh', args: late('default-tmp'), timeoutMs: 30_000 }),
+      before.exec({ path: '/bin/sh', args: late('own-tmp'), env: [`TMPDIR=${dir}`], timeoutMs: 30_000 }),
+      now.exec({ path: '/bin/sh', args: late('mine'), timeoutMs: 30_000 }),
+    ].map((p) => p.catch(() => undefined));
+    await vi.waitFor(() => expect(g.started).toHaveLength(3));
+    expect(await now.reapOrphanExecs()).toBe(2);
+    await Promise.all(runs);
+    expect(readdirSync(dir).filter((f) => !f.startsWith('.ff-exec-')).sort()).toEqual(['mine']);
+  });
+
   it('exec_withoutVariablesOrWithNone_runsInTheGuestsEnvironment_andGivenVariablesAreAddedToIt_withoutBreakingTheWrapper', async () => {
     const { c } = await connect();
     const show = ['-c', 'printf "%s|%s|%s" "$HOME" "$FOO" "$PATH"'];

@@ -212,20 +212,39 @@ const AGENT_INSTANCE = randomBytes(4).toString('hex');
 
 /**
  * Run once a restarted agent has adopted a VM ($1 is the new agent's instance): the execs the
- * previous agent ran (wrappers in /tmp whose $0 names another instance) can no longer be
- * answered or timed out by anyone, so their programs are killed as a timeout would have, their
- * wrappers (continued, if stopped) exit, and the output files of wrappers that are gone are
+ * previous agent ran (wrappers whose $0 names another instance) can no longer be answered or
+ * timed out by anyone, so their programs are killed as a timeout would have, their wrappers
+ * (continued, if stopped) exit, and the output files in /tmp of wrappers that are gone are
  * removed (also the ones a wrapper left for a reader that died). Prints how many execs it
- * ended. (A wrapper whose caller gave another TMPDIR is not found.)
+ * ended. The wrappers are found by their command lines, as EXEC_END_NAMED finds one, wherever
+ * their files are: found by their files in /tmp, a wrapper whose caller gave another TMPDIR
+ * ran on, unsupervised, in every sandbox restored from a snapshot taken while it ran. (Its
+ * files in that TMPDIR stay.) `t` is built in two parts so that this script's own command
+ * line does not match it.
  */
 const REAP_ORPHAN_EXECS = [
   KILL_TREE,
   'cmd_of() { tr \'\\000\' \' \' <"/proc/$1/cmdline" 2>/dev/null; }',
   'wrapper() { case "$(cmd_of "$1")" in *" ff-exec-"*) return 0;; esac; return 1; }',
   'pid_of() { w_=${1##*/.ff-exec-}; w_=${w_%.*}; case "$w_" in ""|*[!0-9]*) w_=;; esac; }',
+  `t="${WRAPPER_TAIL} ff-""exec-"`,
+  // Every wrapper of another instance, and the forks of one (a match whose parent matches).
+  'm=" "; e=',
+  'for w in /proc/[0-9]*; do',
+  '  case "$(cmd_of "${w#/proc/}")" in *"$t$1-"*) continue;; *"$t"*) ;; *) continue;; esac',
+  '  p=; while read -r k v; do if [ "$k" = PPid: ]; then p=$v; break; fi; done 2>/dev/null <"$w/status"',
+  '  w=${w#/proc/}; m="$m$w "; e="$e $w:$p"',
+  'done',
   'ended=',
+  'for w in $e; do',
+  '  p=${w#*:}; w=${w%:*}',
+  '  case "$m" in *" $p "*) continue;; esac',
+  '  kill_tree "$w"; kill -CONT "$w" 2>/dev/null; ended="$ended $w"',
+  'done',
+  // And by their files in /tmp, as before: a wrapper of an agent older than WRAPPER_TAIL.
   'for f in /tmp/.ff-exec-*.out; do',
   '  pid_of "$f"; [ -n "$w_" ] && [ -d "/proc/$w_" ] && wrapper "$w_" || continue',
+  '  case "$m" in *" $w_ "*) continue;; esac',
   '  case "$(cmd_of "$w_")" in *" ff-exec-$1-"*) continue;; esac',
   '  kill_tree "$w_"; kill -CONT "$w_" 2>/dev/null; ended="$ended $w_"',
   'done',
