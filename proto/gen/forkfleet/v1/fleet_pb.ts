@@ -2575,6 +2575,11 @@ export const FleetService: GenService<{
     output: typeof OperationSchema;
   },
   /**
+   * Snapshots a running or paused sandbox, which runs on. The first snapshot of a sandbox
+   * created from an image moves its guest into a new QEMU process (ADR 0003): the guest keeps
+   * its memory, processes and files, but TCP connections it had open through its network
+   * (allow_egress) are reset, as a NAT restart would reset them. Later snapshots keep them.
+   *
    * @generated from rpc forkfleet.v1.FleetService.SnapshotSandbox
    */
   snapshotSandbox: {
@@ -2583,7 +2588,8 @@ export const FleetService: GenService<{
     output: typeof OperationSchema;
   },
   /**
-   * One snapshot (or a live sandbox, snapshotted first) becomes N copy-on-write children.
+   * One snapshot (or a live sandbox, snapshotted first: as SnapshotSandbox) becomes N
+   * copy-on-write children.
    *
    * @generated from rpc forkfleet.v1.FleetService.ForkSandbox
    */
