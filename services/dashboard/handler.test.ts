@@ -101,6 +101,15 @@ describe('dashboard state of a large fleet', () => {
     expect(st.transfers[0]).toMatchObject({ kind: 'inflight', snapshotId: 'sn-0', toHostId: 'h-1', fromHostIds: ['h-0'], sandboxId: 'sb-150' });
   });
 
+  it('fleetLists_ofAWakingSandbox_showsTheFetchOfItsHibernationSnapshot_andOfAnUnplacedOneNone', () => {
+    const waking = { id: 'sb-w', state: 'waking', hostId: 'h-1', sourceSnapshotId: '', hibernationSnapshotId: 'sn-h' } as SandboxInfo;
+    // Forked from sn-f, which h-1 does not hold, woken on h-2 which holds its hibernation snapshot: nothing to fetch.
+    const held = { id: 'sb-x', state: 'waking', hostId: 'h-2', sourceSnapshotId: 'sn-f', hibernationSnapshotId: 'sn-h' } as SandboxInfo;
+    const pending = { id: 'sb-p', state: 'pending', hostId: '', sourceSnapshotId: 'sn-f' } as SandboxInfo;
+    const st = fleetLists([waking, held, pending], [{ id: 'sn-h', hostIds: ['h-0', 'h-2'] } as SnapshotInfo, { id: 'sn-f', hostIds: ['h-0'] } as SnapshotInfo]);
+    expect(st.transfers).toEqual([expect.objectContaining({ kind: 'inflight', snapshotId: 'sn-h', toHostId: 'h-1', sandboxId: 'sb-w' })]);
+  });
+
   it('fleetLists_ofAFleetThePageListsWhole_sendsItAll', () => {
     const st = fleetLists([sandbox(0, 'running', 'h-0', '')], [snapshot(0, ['h-0'])]);
     expect([st.sandboxes.length, st.snapshots.length, st.totals]).toEqual([1, 1, { sandboxes: 1, snapshots: 1 }]);

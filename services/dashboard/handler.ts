@@ -116,8 +116,11 @@ export function fleetLists(sandboxes: readonly SandboxInfo[], snapshots: readonl
   const transfers: Transfer[] = [];
   const snaps = new Map(snapshots.map((s) => [s.id, s]));
   for (const s of sandboxes) {
-    if (!TRANSITIONAL.has(s.state) || !s.sourceSnapshotId) continue;
-    const sn = snaps.get(s.sourceSnapshotId);
+    // A wake restores the hibernation snapshot (the executor's choice too), not the one the
+    // sandbox was first made from; a sandbox not placed yet goes to no host.
+    const from = s.state === 'waking' && s.hibernationSnapshotId ? s.hibernationSnapshotId : s.sourceSnapshotId;
+    if (!TRANSITIONAL.has(s.state) || !from || !s.hostId) continue;
+    const sn = snaps.get(from);
     if (sn && !sn.hostIds.includes(s.hostId)) transfers.push({ kind: 'inflight', snapshotId: sn.id, toHostId: s.hostId, fromHostIds: sn.hostIds, sandboxId: s.id, operationId: '', bytes: 0, at: undefined });
   }
   return { sandboxes: sandboxes.slice(0, SHOWN_ROWS), snapshots: snapshots.slice(0, SHOWN_ROWS), byState, totals: { sandboxes: sandboxes.length, snapshots: snapshots.length }, transfers };
