@@ -59,6 +59,23 @@ describe('dashboard event stream', () => {
     expect(stream!.writableLength).toBeLessThan(4 << 20);
   });
 
+  it('watches_runWhileThePageIsLookedAt_andEndOnceNoStreamIsOpenAndNoStateWasAskedForAWhile', async () => {
+    const handler = dashboardHandler({ api: '127.0.0.1:1', tenants: ['t'], intervalMs: 20, watchIdleMs: 100 });
+    cleanups.push(() => handler.close());
+    expect(handler.watching()).toBe(false);
+    await handler.state();
+    expect(handler.watching()).toBe(true);
+    await new Promise((r) => setTimeout(r, 60));
+    await handler.state(); // looked at again: runs on
+    await new Promise((r) => setTimeout(r, 60));
+    expect(handler.watching()).toBe(true);
+    await new Promise((r) => setTimeout(r, 200));
+    expect(handler.watching()).toBe(false);
+    // A new look starts them again.
+    await handler.state();
+    expect(handler.watching()).toBe(true);
+  });
+
   it('state_whileACollectIsStillRunning_sharesIt_insteadOfStartingAnother', async () => {
     // A scheduler slow to answer: the metrics read never ends. Before, every /api/state (and
     // every stream's push) past the cache's 500 ms started one more collect beside it.

@@ -26,6 +26,8 @@ export interface DashboardDeps {
   basePath?: string;
   /** Push interval of the SSE stream. Default 1000 ms. */
   intervalMs?: number;
+  /** How long the event watches run on with no stream open and no state asked for (default 60 s). */
+  watchIdleMs?: number;
   /**
    * Credential and CA for the API (TLS). Default: the SDK's discovery (FF_TOKEN, FF_CA, the
    * credentials file). It needs an admin credential to list hosts and other tenants.
@@ -77,6 +79,8 @@ export type DashboardHandler = ((req: IncomingMessage, res: ServerResponse) => b
   state(): Promise<DashboardState>;
   /** Stops the event watches and the SSE streams. */
   close(): void;
+  /** Whether the tenants' event watches run (they do while the page is looked at). */
+  watching(): boolean;
 };
 
 /** Fetches /metrics from each URL (e.g. the fleet's state.json metricsAddresses) for `metrics`. */
@@ -134,19 +138,34 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   const interval = deps.intervalMs ?? 1000;
   const events: EventInfo[] = [];
   const doneTransfers: Transfer[] = [];
-  const watchers = new AbortController();
   const streams = new Set<ServerResponse>();
-  let watching = false;
+  const watchIdleMs = deps.watchIdleMs ?? 60_000;
+  /** The tenants' event watches while the page is looked at (startWatches); undefined when none run. */
+  let watchers: AbortController | undefined;
+  let lastLook = 0;
+  let idleCheck: ReturnType<typeof setInterval> | undefined;
   let cache: { at: number; p: Promise<DashboardState>; done: boolean } | undefined;
 
+  /**
+   * Watches every tenant's events while the page is looked at: they end once no stream is open
+   * and no state was asked for in watchIdleMs. Run for good after a first look, they decoded
+   * every change in the fleet and asked the API about every finished operation, on the admin
+   * rate budget, with nobody looking.
+   */
   function startWatches(): void {
-    if (watching) return;
-    watching = true;
+    lastLook = Date.now();
+    if (watchers) return;
+    const ac = new AbortController();
+    watchers = ac;
+    idleCheck = setInterval(() => {
+      if (streams.size === 0 && Date.now() - lastLook > watchIdleMs) stopWatches();
+    }, Math.max(10, Math.min(watchIdleMs, 10_000)));
+    idleCheck.unref();
     for (const [tenant, ff] of clients) {
       void (async () => {
-        while (!watchers.signal.aborted) {
+        while (!ac.signal.aborted) {
           try {
-            for await (const ev of ff.watch({ signal: watchers.signal })) {
+            for await (const ev of ff.watch({ signal: ac.signal })) {
               events.unshift(ev);
               events.length = Math.min(events.length, 50);
               if (ev.type === 'operation_done' && ev.operationId) void noteOperation(ff, ev.operationId, tenant);
@@ -160,7 +179,17 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
     }
   }
 
+  function stopWatches(): void {
+    watchers?.abort();
+    watchers = undefined;
+    clearInterval(idleCheck);
+  }
+
+  /** Operation lookups under way (noteOperation): a few at once, the rest skipped (a fleet churning sandboxes finishes hundreds a second). */
+  let noting = 0;
   async function noteOperation(ff: Forkfleet, id: string, _tenant: string): Promise<void> {
+    if (noting >= 4) return;
+    noting++;
     try {
       const op = await ff.operation(id);
       if (op.progress.bytesTransferred <= 0) return;
@@ -169,6 +198,8 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
       doneTransfers.length = Math.min(doneTransfers.length, 20);
     } catch {
       /* gone or unreachable: skip */
+    } finally {
+      noting--;
     }
   }
 
@@ -305,8 +336,9 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
     return true;
   }) as DashboardHandler;
   handler.state = state;
+  handler.watching = () => watchers !== undefined;
   handler.close = () => {
-    watchers.abort();
+    stopWatches();
     for (const s of streams) s.destroy();
     streams.clear();
     for (const ff of clients.values()) ff.close();
