@@ -115,10 +115,14 @@ if ((${#missing[@]})); then
     trap 'rm -f "$policy_rc"' EXIT
   fi
   # A run killed while dpkg worked leaves packages unpacked or half-configured, and apt then
-  # refuses to install anything until they are configured: finish that first.
-  dpkg --configure -a
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # refuses to install anything until they are configured: finish that first (only then: dpkg
+  # does not wait for the package lock).
+  if [[ -n $(dpkg --audit 2>/dev/null) ]]; then dpkg --configure -a; fi
+  # apt-get waits for the package lock (up to 10 min) instead of failing at once: on a machine
+  # just booted, apt's daily timers and unattended-upgrades may hold it.
+  apt_wait=(-o DPkg::Lock::Timeout=600)
+  apt-get "${apt_wait[@]}" update -qq
+  apt-get "${apt_wait[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   # Installed: services may start again (the trap covers a run that fails before this).
   if grep -qxsF "$marker" "$policy_rc"; then rm -f "$policy_rc"; fi
   trap - EXIT

@@ -1117,7 +1117,9 @@ async function upLocked(given: FleetOptions, signals: SignalSource): Promise<Fle
         if (owner === 'ours') await teardown(opts.dir);
         throwIfStopped(abort);
         for (const ns of sh('ip', ['netns', 'list']).split('\n').map((l) => l.split(' ')[0])) {
-          if (ns && ns.startsWith(`${opts.prefix}-`)) throw new Error(`network namespace ${ns} already exists; run fleet:down or delete it`);
+          // Another fleet's, most likely (this directory's own was cleared above): taking it
+          // down, or deleting the namespace, would break that fleet.
+          if (ns && ns.startsWith(`${opts.prefix}-`)) throw new Error(`network namespace ${ns} already exists: another fleet (or one whose directory is gone) uses the prefix ${opts.prefix}; start this one with another --prefix (and --base-port), or take that one down with fleet:down --dir <its directory>`);
         }
         await checkFleetPortsFree(opts);
         throwIfStopped(abort);
