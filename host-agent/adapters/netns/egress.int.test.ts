@@ -234,6 +234,14 @@ describe('egress (EgressManager, real namespaces)', () => {
     expect(c.sandboxAddress).not.toBe(a.sandboxAddress);
   });
 
+  it('attach_whenThePoolIsFull_isResourceExhaustedAndRetryable_sayingSo', async () => {
+    // A /28 holds four links (links of other sandboxes in this namespace take some of them).
+    const m = new EgressManager({ ...opts, pool: '100.97.0.0/28' });
+    let refusal: unknown;
+    for (let i = 0; i < 5 && refusal === undefined; i++) refusal = await m.attach(sandbox(), { allowEgress: true, allowCidrs: [] }).then(() => undefined, (e: unknown) => e);
+    expect(refusal).toMatchObject({ kind: 'resource_exhausted', retryable: true, message: expect.stringMatching(/egress pool 100\.97\.0\.0\/28 of this host is exhausted/) });
+  });
+
   it('attach_theAgentEndOfALinkHasNoIpv6Address', async () => {
     const sb = sandbox();
     const { link } = await new EgressManager(opts).attach(sb, { allowEgress: true, allowCidrs: [] });

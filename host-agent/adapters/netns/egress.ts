@@ -40,7 +40,7 @@ import { mkdir, readFile, stat, writeFile } from 'node:fs/promises';
 import { dirname } from 'node:path';
 import { promisify } from 'node:util';
 import type { Logger } from 'pino';
-import { InvalidArgumentError } from '../../../proto/errors.ts';
+import { ForkfleetError, InvalidArgumentError } from '../../../proto/errors.ts';
 import type { NetworkPolicySpec } from '../../domain/vmm.ts';
 import { EgressRefusedError } from './errors.ts';
 import { ownNetns } from './netns.ts';
@@ -543,7 +543,8 @@ export class EgressManager {
           throw e;
         }
       }
-      throw new Error(`egress pool ${cidrText(this.pool)} exhausted (${max} links)`);
+      // Retryable: a link frees when an egress sandbox here ends (placement may also pick another host).
+      throw new ForkfleetError('resource_exhausted', `egress pool ${cidrText(this.pool)} of this host is exhausted (${max} sandboxes with egress run here; FF_EGRESS_POOL sets its size)`, { retryable: true });
     });
     this.lock = next.catch(() => undefined);
     return next;

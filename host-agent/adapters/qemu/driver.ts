@@ -36,7 +36,7 @@ import {
   QmpCommandError,
 } from '../../errors.ts';
 import { diffFingerprint } from '../../domain/compat.ts';
-import { ForkfleetError } from '../../../proto/errors.ts';
+import { ForkfleetError, isForkfleetError } from '../../../proto/errors.ts';
 import { canTransition } from '../../domain/lifecycle.ts';
 import {
   systemClock,
@@ -555,13 +555,23 @@ export class QemuVmmDriver implements VmmDriver {
     await this.opts.guestCgroup?.add(proc.pid).catch((err: unknown) => this.opts.logger.warn({ err, pid: proc.pid, cgroup: this.opts.guestCgroup?.dir }, 'QEMU could not join the guests cgroup: it runs unisolated'));
     let dead = false;
     void proc.exited.then(() => (dead = true));
-    try {
-      // Egress: link the new namespace out before the guest can run (a boot starts at once, but
-      // its NIC is up only seconds later; a restore runs only after `cont`).
-      if (l.egress && network?.allowEgress && !l.startPaused) {
+    // Egress: link the new namespace out before the guest can run (a boot starts at once, but
+    // its NIC is up only seconds later; a restore runs only after `cont`).
+    if (l.egress && network?.allowEgress && !l.startPaused) {
+      try {
         this.egressManager ??= new EgressManager({ logger: this.opts.logger.child({ component: 'egress' }), ...this.opts.egress });
         await this.egressManager.attach(proc.pid, network);
+      } catch (e) {
+        await killAndWait(proc);
+        // The network's own refusals say what they are (egress refused on this host, the
+        // address pool full); a command of the attach that failed or hung is this host's
+        // trouble, worth another try. Reported as "QEMU did not start" with QEMU's log (empty:
+        // it was just killed), neither said what to fix, and a passing failure was final.
+        if (isForkfleetError(e)) throw e;
+        throw new VmmError(`linking the sandbox's network out failed: ${e instanceof Error ? e.message : String(e)}`, { cause: e, retryable: true });
       }
+    }
+    try {
       // QEMU answers QMP once its RAM is set up: a preallocated file takes ~4 ms per MiB here.
       const qmp = await QmpClient.connectWithRetry(l.qmpSocket, 10_000 + (l.preallocRam ? l.memoryMib * 10 : 0), () => !dead, o);
       return { proc, qmp };
