@@ -93,19 +93,19 @@ export async function retryOnConsumerStoreRace<T>(call: () => Promise<T>, betwee
  */
 export async function ensureWorkConsumer(jsm: JetStreamManager, hostId: string): Promise<string> {
   const name = workConsumer(hostId);
-  await retryOnConsumerStoreRace(
-    () =>
-      jsm.consumers.add(STREAM_WORK, {
-        durable_name: name,
-        ack_policy: AckPolicy.Explicit,
-        deliver_policy: DeliverPolicy.All,
-        filter_subject: subjects.work(hostId),
-        ack_wait: WORK_ACK_WAIT_MS * 1e6,
-        max_deliver: 20,
-      }),
-    () => jsm.consumers.delete(STREAM_WORK, name).catch(() => undefined),
-  );
+  await ensureDurable(jsm, STREAM_WORK, { durable_name: name, filter_subject: subjects.work(hostId), ack_wait: WORK_ACK_WAIT_MS * 1e6, max_deliver: 20 });
   return name;
+}
+
+/**
+ * Adds (or finds) a durable consumer of `stream` with explicit acks that delivers everything
+ * kept; one the server lost the store of is deleted and made again (retryOnConsumerStoreRace).
+ */
+async function ensureDurable(jsm: JetStreamManager, stream: string, config: { durable_name: string; ack_wait: number; filter_subject?: string; max_deliver?: number }): Promise<void> {
+  await retryOnConsumerStoreRace(
+    () => jsm.consumers.add(stream, { ack_policy: AckPolicy.Explicit, deliver_policy: DeliverPolicy.All, ...config }),
+    () => jsm.consumers.delete(stream, config.durable_name).catch(() => undefined),
+  );
 }
 
 /**
@@ -115,14 +115,5 @@ export async function ensureWorkConsumer(jsm: JetStreamManager, hostId: string):
  * every step waited out its timeout.
  */
 export async function ensureResultsConsumer(jsm: JetStreamManager): Promise<void> {
-  await retryOnConsumerStoreRace(
-    () =>
-      jsm.consumers.add(STREAM_RESULTS, {
-        durable_name: RESULTS_CONSUMER,
-        ack_policy: AckPolicy.Explicit,
-        deliver_policy: DeliverPolicy.All,
-        ack_wait: 30_000 * 1e6,
-      }),
-    () => jsm.consumers.delete(STREAM_RESULTS, RESULTS_CONSUMER).catch(() => undefined),
-  );
+  await ensureDurable(jsm, STREAM_RESULTS, { durable_name: RESULTS_CONSUMER, ack_wait: 30_000 * 1e6 });
 }
