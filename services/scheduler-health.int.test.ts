@@ -3,6 +3,8 @@
 // closes its connections, as over a partition) and a real nats-server (stopped for a while).
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { rmSync } from 'node:fs';
+import { connect, createServer } from 'node:net';
+import type { AddressInfo } from 'node:net';
 import { join } from 'node:path';
 import { pino } from 'pino';
 import { makeGenericClientConstructor } from '@grpc/grpc-js';
@@ -74,6 +76,30 @@ describe('scheduler health and leader-only metrics (real etcd, NATS)', () => {
     }
     await waitFor('health SERVING again', async () => (await status()) === 'SERVING', 15_000, 100);
     await waitFor('leading again', async () => sched.isLeader(), 15_000, 50);
+  }, 60_000);
+
+  it('metricsPort_takenAlready_failsStartUpNamingFF_METRICS_ADDR_andAHalfSentRequestThereDoesNotHoldItsClose', async () => {
+    const taken = createServer();
+    await new Promise<void>((r) => taken.listen(0, '127.0.0.1', r));
+    const port = (taken.address() as AddressInfo).port;
+    const creds = testCredentials(join(dir, 'second'));
+    const config = (metricsAddr: string) => compileSchedulerConfig({ id: 'health-2', grpcAddr: '127.0.0.1:0', metricsAddr, etcdEndpoints: etcd.endpoints.join(','), natsUrl: nats.url, signingKeyPath: join(dir, 'signing.pem'), ...creds.config });
+    try {
+      // It used to end the process (an 'error' event nobody listened to), the API already up.
+      await expect(startScheduler(config(`127.0.0.1:${port}`), pino({ level: 'silent' }))).rejects.toThrow(/FF_METRICS_ADDR 127\.0\.0\.1:\d+: cannot listen there: .*EADDRINUSE/);
+    } finally {
+      taken.close();
+    }
+    const second = await startScheduler(config('127.0.0.1:0'), pino({ level: 'silent' }));
+    const [h, p] = second.metricsAddress.split(':');
+    const half = connect(Number(p), h);
+    await new Promise<void>((r) => half.on('connect', () => r()));
+    half.write('GET /metr');
+    const t0 = Date.now();
+    await second.close();
+    // Before, close() waited for that request until Node's header timeout (60 s).
+    expect(Date.now() - t0).toBeLessThan(10_000);
+    half.destroy();
   }, 60_000);
 
   it('natsOutOfReach_healthIsNotServingWhileItIsDown_andServingOnceReconnected', async () => {

@@ -221,7 +221,27 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
         () => res.writeHead(500).end(),
       );
     });
-    await new Promise<void>((resolve) => metricsServer!.listen(p, h, resolve));
+    const server = metricsServer;
+    try {
+      await new Promise<void>((resolve, reject) => {
+        server.once('error', reject);
+        server.listen(p, h, () => {
+          server.off('error', reject);
+          resolve();
+        });
+      });
+    } catch (e) {
+      // A taken port: said naming the setting, with what was opened closed (an 'error' event
+      // nobody listened to ended the process with a raw stack, the API already listening).
+      await grpc.close(0).catch(() => undefined);
+      bus.close();
+      await nc.close().catch(() => undefined);
+      store.close();
+      throw new Error(`FF_METRICS_ADDR ${config.metricsAddr}: cannot listen there: ${(e as Error).message}`, { cause: e });
+    }
+    // Later errors (an accept failing with EMFILE): told, not thrown (an 'error' event nobody
+    // listens to would end the replica, the leader too).
+    server.on('error', (err) => log.warn({ err }, 'metrics server error'));
     const a = metricsServer.address();
     metricsAddress = typeof a === 'object' && a ? `${h}:${a.port}` : config.metricsAddr;
   }
@@ -420,7 +440,13 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       await nc.close().catch(() => undefined);
       store.close();
       dashboard?.close();
-      await new Promise<void>((r) => (metricsServer ? metricsServer.close(() => r()) : r()));
+      await new Promise<void>((r) => {
+        if (!metricsServer) return r();
+        metricsServer.close(() => r());
+        // A half-sent request (a scanner, a cut link) held close() until Node's header timeout,
+        // past a supervisor's stop timeout; the agent's metrics server closes them too.
+        metricsServer.closeAllConnections();
+      });
     },
   };
 }
