@@ -86,13 +86,13 @@ describe('noteForReaper', () => {
     // Each of these would be "/" or the temporary directory itself to the watcher's rm.
     for (const d of ['', '/', '/tmp', tmpdir(), 'rel/x', '/tmp/a/../b', '/tmp/a/', '/tmp/a\nb']) noteForReaper({ dir: d });
     noteForReaper({ dir: '/tmp/ff-x/y' });
-    noteForReaper({ netns: 'ff-t-abc' });
+    noteForReaper({ netns: 'ff-t-abc' }); // no such namespace: nothing noted
     const gone = spawn('true', { stdio: 'ignore' });
     await once(gone, 'exit');
     await new Promise((r) => setTimeout(r, 50)); // reaped by Node
     noteForReaper({ pid: gone.pid! });
     noteForReaper({ pid: process.pid });
     const start = /\) \S+ (?:\S+ ){18}(\d+)/.exec(readFileSync(`/proc/${process.pid}/stat`, 'utf8'))![1];
-    expect(readFileSync(list, 'utf8')).toBe(`dir /tmp/ff-x/y\nnetns ff-t-abc\npid ${process.pid} ${start}\n`);
+    expect(readFileSync(list, 'utf8')).toBe(`dir /tmp/ff-x/y\npid ${process.pid} ${start}\n`);
   });
 });

@@ -6,7 +6,7 @@
 // kernel kill the helper when the agent's thread that spawned it dies (PR_SET_PDEATHSIG).
 // Node spawns from the main thread, whose death is the process's.
 import { execFile } from 'node:child_process';
-import { appendFileSync, existsSync } from 'node:fs';
+import { appendFileSync, existsSync, statSync } from 'node:fs';
 import { isAbsolute, join, normalize } from 'node:path';
 import { tmpdir } from 'node:os';
 import { promisify } from 'node:util';
@@ -57,7 +57,18 @@ export function noteForReaper(what: { pid: number; startTime?: number } | { netn
     const startTime = what.startTime ?? identityOf(what.pid).startTime;
     if (startTime < 0) return; // exited already
     line = `pid ${what.pid} ${startTime}`;
-  } else if ('netns' in what) line = `netns ${what.netns}`;
+  } else if ('netns' in what) {
+    // With its inode: the watcher deletes the namespace only while the name is still that one.
+    // Seconds pass between a test process's end and its watcher's deletes, and the next test
+    // file (vitest does not wait for the last worker) may have made a namespace of that name.
+    let ino: number;
+    try {
+      ino = statSync(`/run/netns/${what.netns}`).ino;
+    } catch {
+      return; // none of that name: nothing to undo
+    }
+    line = `netns ${what.netns} ${ino}`;
+  }
   else {
     // A directory the watcher may delete whole: an absolute, normal path at least two deep,
     // never the temporary directory itself (an empty or relative one would be "/" to it).

@@ -89,6 +89,19 @@ describe('test-process reaper', () => {
     });
   }
 
+  it('aNamespaceMadeAgainUnderTheNotedNameAfterTheTestProcessEnded_isLeftAlone', async () => {
+    // The next test file's fleet (vitest does not wait for the last worker to end) makes its
+    // namespaces while this one's watcher is still at work: same prefix, same names.
+    const ns = `ff-reap-${randomBytes(3).toString('hex')}`;
+    const { made, pid } = await startFixture(ns, 'wait');
+    process.kill(pid, 'SIGKILL');
+    execFileSync('ip', ['netns', 'del', ns]);
+    execFileSync('ip', ['netns', 'add', ns]);
+    await waitFor('the reaper to finish', async () => !runs(made.watcherPid), 15_000, 100);
+    expect(runs(made.left)).toBe(false);
+    expect(namespaces()).toContain(ns);
+  });
+
   it('testProcessAlive_reaperWaits_andDoesNothing', async () => {
     const ns = `ff-reap-${randomBytes(3).toString('hex')}`;
     const { made } = await startFixture(ns, 'wait');
