@@ -46,20 +46,22 @@ describe('the file relay a host gets', () => {
     expect(await fleet.writeFile('t1', 'sb-a', '/tmp/f', 0o600, new Uint8Array(10))).toBe(10);
     expect(sent.map((r) => (r.op.case === 'write' ? r.op.value.mode : undefined))).toEqual([0o600]);
     expect(execs).toEqual([]);
-    // Heard again, with ranged files: the same write goes into a temporary file beside the
-    // path (a failed write leaves the old file whole), put in place with the mode in octal.
+    // Heard again, with ranged files: the same write goes as one piece that replaces the file, mode set.
     sent.length = 0;
     heard.record(create(HeartbeatSchema, { hostId: 'h1', seq: 2n, bootId: 'b', rangedFiles: true }), Date.now());
     expect(await fleet.writeFile('t1', 'sb-a', '/tmp/f', 0o640, new Uint8Array(10))).toBe(10);
-    expect(sent.map((r) => (r.op.case === 'write' ? [r.path.replace(/[0-9a-f]{12}$/, 'N'), r.op.value.mode, r.op.value.append] : undefined))).toEqual([['/tmp/.f.ff-write-N', 0, false]]);
-    expect(execs.map((a) => a.slice(4))).toEqual([[sent[0]!.path, '/tmp/f', '640']]);
+    expect(sent.map((r) => (r.op.case === 'write' ? [r.path, r.op.value.mode, r.op.value.append] : undefined))).toEqual([['/tmp/f', 0o640, false]]);
+    expect(execs).toEqual([]);
   });
 
-  it('writeFile_ofSeveralPieces_keepsTheTemporaryFile0600UntilItIsInPlace_thenSetsTheModeAsked', async () => {
+  it('writeFile_ofSeveralPieces_makesTheTemporaryFile0600BeforeAnyByte_thenPutsItInPlaceWithTheModeAsked', async () => {
+    // The guest agent makes a new file 0666: made first, 0600 and new, by a guest command.
     const { fleet, heard, sent, execs } = fleetOnH1();
     heard.record(create(HeartbeatSchema, { hostId: 'h1', seq: 1n, bootId: 'b', rangedFiles: true }), Date.now());
-    expect(await fleet.writeFile('t1', 'sb-a', '/tmp/secret', 0, new Uint8Array(1200 << 10))).toBe(1200 << 10);
-    expect(sent.map((r) => (r.op.case === 'write' ? [r.op.value.mode, r.op.value.append] : undefined))).toEqual([[0o600, false], [0, true], [0, true]]);
-    expect(execs.map((a) => a.at(-1))).toEqual(['0']);
+    expect(await fleet.writeFile('t1', 'sb-a', '/tmp/secret', 0o640, new Uint8Array(1200 << 10))).toBe(1200 << 10);
+    const tmp = sent[0]!.path;
+    expect(tmp).toMatch(/^\/tmp\/\.secret\.ff-write-[0-9a-f]{12}$/);
+    expect(sent.map((r) => (r.op.case === 'write' ? [r.path, r.op.value.mode, r.op.value.append] : undefined))).toEqual([[tmp, 0, false], [tmp, 0, true], [tmp, 0, true]]);
+    expect(execs.map((a) => [a[2], ...a.slice(4)])).toEqual([['umask 077 && set -C && : > "$1"', tmp], [expect.stringContaining('mv -f'), tmp, '/tmp/secret', '640']]);
   });
 });

@@ -241,7 +241,9 @@ function throwIfEnded(signal: AbortSignal | undefined, message: string): void {
 const PUT_IN_PLACE = [
   'p=$2',
   'if [ -d "$p" ]; then rm -f "$1"; echo "$p: is a directory" >&2; exit 1; fi',
-  'if [ -L "$p" ]; then p=$(readlink -f "$p") || exit 1; fi',
+  // From the link's directory: busybox's readlink -f resolves a dangling relative target
+  // against the current directory.
+  'if [ -L "$p" ]; then cd "${p%/*}/" && p=$(readlink -f "$p") || exit 1; fi',
   'if [ -e "$p" ]; then chown "$(stat -c %u:%g "$p")" "$1" || exit 1; fi',
   'if [ "$3" != 0 ]; then m=$3; elif [ -e "$p" ]; then m=$(stat -c %a "$p"); else m=$(printf %o $((0666 & ~0$(umask)))); fi',
   'chmod "$m" "$1" || exit 1',
@@ -286,16 +288,22 @@ export class Fleet {
     if (h.cordoned) throw new WrongStateError('host', h.id, 'cordoned', 'it takes no new sandboxes; uncordon it (CordonHost with cordon false) or pin another host', 'placement.host_id');
   }
 
+  /** The hosts placement takes for a snapshot's holders: recorded, or saying so in their heartbeats (a fetch just ended). */
+  private holdersOf(sn: SnapshotRec): string[] {
+    return [...new Set([...sn.hostIds, ...this.deps.heard.holders(sn.id)])];
+  }
+
   /**
    * A pinned host with a locality it can never meet: SAME_HOST on a host that does not hold
    * what the sandboxes start from, CROSS_HOST on one that does. Placement would refuse every
    * host, but only after the operation (and its records) had been written, and a live fork had
    * paused its source to take a snapshot first; and the failure said "no capacity", retryable.
-   * `holders`: the snapshot's recorded holders, or a live source's host (its snapshot is
-   * taken there).
+   * `holdersOf`: the snapshot's holders as placement takes them (holdersOf), or a live
+   * source's host (its snapshot is taken there); read only for a pin with a locality.
    */
-  private pinnedLocality(placement: PlacementPrefs | undefined, holders: readonly string[], of: string): void {
+  private pinnedLocality(placement: PlacementPrefs | undefined, holdersOf: () => readonly string[], of: string): void {
     if (!placement?.hostId || placement.locality === 'ANY') return;
+    const holders = holdersOf();
     const holds = holders.includes(placement.hostId);
     if (placement.locality === 'SAME_HOST' && !holds) {
       throw new ForkfleetError('failed_precondition', `locality SAME_HOST with placement.host_id ${placement.hostId}: that host does not hold ${of} (${holders.length > 0 ? `held by ${holders.join(', ')}` : 'no host holds it'}); pin a host that does, or leave locality ANY`, { field: 'placement.locality' });
@@ -400,7 +408,7 @@ export class Fleet {
     await this.knownHost(input.placement);
     // Refused here, as a fork of it is, rather than by a failed operation after the sandbox's records are written.
     const [sn, snRev] = input.snapshotId ? await this.readySnapshot(input.tenantId, input.snapshotId, 'restored') : [undefined, 0];
-    if (sn) this.pinnedLocality(input.placement, sn.hostIds, `snapshot ${sn.id}`);
+    if (sn) this.pinnedLocality(input.placement, () => this.holdersOf(sn), `snapshot ${sn.id}`);
     // The disk of the sandbox the snapshot was taken of, as a fork child inherits it (runFork):
     // copied into the snapshot's record, else from that sandbox's record if it is still there.
     const inheritedDiskMib = sn ? (sn.inherits?.resources.diskMib ?? (sn.sourceSandboxId ? (await this.deps.store.getSandbox(input.tenantId, sn.sourceSandboxId))?.value.resources.diskMib : undefined)) : undefined;
@@ -454,7 +462,7 @@ export class Fleet {
     if (input.snapshotId) {
       const [sn, rev] = await this.readySnapshot(input.tenantId, input.snapshotId, 'forked');
       snRev = rev;
-      this.pinnedLocality(input.placement, sn.hostIds, `snapshot ${sn.id}`);
+      this.pinnedLocality(input.placement, () => this.holdersOf(sn), `snapshot ${sn.id}`);
       lineageId = sn.lineageId;
       // The children inherit the hooks of the sandbox the snapshot was taken of (runFork):
       // counted here, so a fork too large for one transaction is refused now, not failed
@@ -469,7 +477,7 @@ export class Fleet {
         return this.forkSandbox({ ...input, snapshotId: sb.hibernationSnapshotId, sandboxId: '', hibernatedSandboxId: sb.id });
       }
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'only a running or paused sandbox can be forked', 'sandbox_id');
-      this.pinnedLocality(input.placement, [sb.hostId], `sandbox ${sb.id} (its snapshot is taken there)`);
+      this.pinnedLocality(input.placement, () => [sb.hostId], `sandbox ${sb.id} (its snapshot is taken there)`);
       lineageId = sb.lineageId;
       inheritedHooks = sb.afterResume;
     }
@@ -902,12 +910,12 @@ export class Fleet {
   }
 
   /**
-   * Writes the file in pieces that fit the relay, into a temporary file next to it (the first
-   * creates it, the rest append), which a guest script (PUT_IN_PLACE) then renames over `path`
-   * with the owner and mode it should have (`mode`, 0: the old file's, or the guest's default).
-   * So a failure part-way (a full guest disk, a lost relay) leaves the old file as it was, and
-   * the temporary file is removed (best effort). An agent without ranged files gets one piece,
-   * written straight to the path.
+   * Writes the file: one piece that fits the relay straight to the path; more into a temporary
+   * file next to it (made 0600 first, then written piece by piece), which a guest script
+   * (PUT_IN_PLACE) then renames over `path` with the owner and mode it should have (`mode`, 0:
+   * the old file's, or the guest's default). So a failure part-way of a large file (a full
+   * guest disk, a lost relay) leaves the old file as it was, and the temporary file is removed
+   * (best effort). An agent without ranged files gets one piece, written straight to the path.
    *
    * `signal`: the call's (cancelled, past its deadline, its credential revoked): a wake it
    * waits for goes on, but nothing is written once it aborts (and a part written is removed).
@@ -922,21 +930,25 @@ export class Fleet {
       if (data.length > piece) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'data' });
       return Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data, mode } } }))).bytesWritten);
     }
-    // Every write goes into a temporary file beside the path, renamed over it once whole
-    // (PUT_IN_PLACE, which sets owner and mode): a write straight to the path opened it
-    // truncated first, so one that then failed (a full guest disk, a guest-agent timeout)
-    // left the old contents gone and the new ones partial. A file of several pieces is
-    // written 0600 until it is in place: it may be a secret, uploaded over seconds.
     const write = async (to: string, part: Uint8Array, append: boolean, pieceMode: number): Promise<number> =>
       Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path: to, op: { case: 'write', value: { data: part, mode: pieceMode, append } } }))).bytesWritten);
+    // One piece is written in place (the guest agent's open and write; the file keeps its
+    // owner, and its mode unless one is given; a write that fails part-way leaves it partial).
+    // Staged like larger ones, it sat in a temporary file that the guest agent makes 0666 until
+    // renamed over the path, and special files (/proc, /sys, a bind-mounted file) could not be
+    // written at all.
+    if (data.length <= piece) return write(path, data, false, mode);
     const slash = path.lastIndexOf('/');
     // WRITE_STAGING_NAME_BYTES (adapters/grpc/convert.ts) longer than the file's own name.
     const tmp = `${path.slice(0, slash + 1)}.${path.slice(slash + 1)}.ff-write-${randomBytes(6).toString('hex')}`;
     let written = 0;
     try {
-      for (let off = 0; off === 0 || off < data.length; off += piece) {
+      // Made 0600 (and new: set -C) before any byte goes in: it may be a secret, uploaded over
+      // seconds, and the guest agent would make it 0666. PUT_IN_PLACE sets its mode at the end.
+      await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', 'umask 077 && set -C && : > "$1"', 'ff-stage', tmp], 'header.path');
+      for (let off = 0; off < data.length; off += piece) {
         gone();
-        written += await write(tmp, data.subarray(off, off + piece), off > 0, off === 0 && data.length > piece ? 0o600 : 0);
+        written += await write(tmp, data.subarray(off, off + piece), off > 0, 0);
       }
       gone();
       await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', PUT_IN_PLACE, 'ff-put', tmp, path, mode.toString(8)], 'header.path');

@@ -5,6 +5,8 @@ import { describe, expect, it } from 'vitest';
 import { Fleet } from './fleet.ts';
 import type { CreateInput, ForkInput, PlacementPrefs } from './fleet.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
+import { create as createMsg } from '@bufbuild/protobuf';
+import { HeartbeatSchema } from './messages.ts';
 import type { FleetStore, StoreWrite } from './ports.ts';
 import type { HostRec } from './records.ts';
 
@@ -29,7 +31,7 @@ const HOST: HostRec = {
 /** Past the host check, a fork of a snapshot looks the snapshot up: the stub answers with this. */
 const REACHED_SNAPSHOT = new Error('reached the snapshot lookup');
 
-function fleetWith(host: HostRec | undefined, o: { snapshotHeldBy?: string[]; sandboxOn?: string } = {}): { fleet: Fleet; writes: StoreWrite[] } {
+function fleetWith(host: HostRec | undefined, o: { snapshotHeldBy?: string[]; sandboxOn?: string; heard?: HeartbeatRegistry } = {}): { fleet: Fleet; writes: StoreWrite[] } {
   const writes: StoreWrite[] = [];
   const store = {
     getIdempotent: async () => undefined,
@@ -45,7 +47,7 @@ function fleetWith(host: HostRec | undefined, o: { snapshotHeldBy?: string[]; sa
       return true;
     },
   } as unknown as FleetStore;
-  return { fleet: new Fleet({ store, bus: {} as never, clock: { now: () => 1_000 }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } }), writes };
+  return { fleet: new Fleet({ store, bus: {} as never, clock: { now: () => 1_000 }, heard: o.heard ?? new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 } }), writes };
 }
 
 const placement = { locality: 'ANY' as const, spread: 'PACK' as const, maxPerHost: 0, hostId: 'h1' };
@@ -103,6 +105,14 @@ describe('a pinned host with a locality it can never meet, at admission', () => 
     await expect(fleet.forkSandbox(live)).rejects.toMatchObject({ kind: 'failed_precondition', field: 'placement.locality', message: expect.stringMatching(/does not hold sandbox sb-src/) });
     expect(writes).toEqual([]);
     await expect(fleet.forkSandbox({ ...live, placement: pinned('CROSS_HOST') })).resolves.toMatchObject({ kind: 'fork', state: 'pending' });
+  });
+
+  it('restore_sameHostPinnedToAHostWhoseHeartbeatSaysItHoldsTheSnapshot_notRecordedYet_isAccepted', async () => {
+    // Placement counts such a host a holder (a fetch that just ended): so does admission.
+    const heard = new HeartbeatRegistry();
+    heard.record(createMsg(HeartbeatSchema, { hostId: 'h1', bootId: 'b', snapshots: [{ snapshotId: 'sn-a', complete: true }] }), 1_000);
+    const { fleet } = fleetWith(HOST, { snapshotHeldBy: ['h2'], heard });
+    await expect(fleet.createSandbox(restore('SAME_HOST'))).resolves.toMatchObject({ kind: 'create', state: 'pending' });
   });
 
   it('restore_sameHostPinnedToAHolder_isAccepted', async () => {

@@ -2524,12 +2524,14 @@ export const FleetService: GenService<{
     output: typeof ExecResponseSchema;
   },
   /**
-   * Writes a file in the guest: the first message names it, the rest carry data. The new
-   * contents go into a temporary file beside it, renamed over it once whole: a write that fails
-   * leaves the old file as it was, and a reader sees the old file or the new one. A file that was
-   * there keeps its owner and group (and its permission bits when mode is 0); other hard links
-   * to it keep the old contents. A snapshot taken meanwhile has the file as it was before the
-   * write or after it, never in between.
+   * Writes a file in the guest: the first message names it, the rest carry data. A file that was
+   * there keeps its owner and group (and its permission bits when mode is 0). A file larger
+   * than one relay piece (~512 KiB) goes into a temporary file beside it (0600 meanwhile),
+   * renamed over it once whole: a write that fails leaves the old file as it was, a reader sees
+   * the old file or the new one, and other hard links to it keep the old contents. A smaller one
+   * is written in place: a write that fails part-way (a full disk) may leave it partial. A
+   * snapshot taken meanwhile has the file as it was before the write or after it, never in
+   * between.
    *
    * @generated from rpc forkfleet.v1.FleetService.WriteFile
    */
