@@ -58,16 +58,19 @@ export function noteForReaper(what: { pid: number; startTime?: number } | { netn
     if (startTime < 0) return; // exited already
     line = `pid ${what.pid} ${startTime}`;
   } else if ('netns' in what) {
-    // With its inode: the watcher deletes the namespace only while the name is still that one.
-    // Seconds pass between a test process's end and its watcher's deletes, and the next test
-    // file (vitest does not wait for the last worker) may have made a namespace of that name.
-    let ino: number;
+    // With its inode and change time (whole seconds, as stat -c %Z prints it): the watcher
+    // deletes the namespace only while the name is still that one. Seconds pass between a test
+    // process's end and its watcher's deletes, and the next test file (vitest does not wait for
+    // the last worker) may have made a namespace of that name. The kernel hands a freed
+    // namespace's inode number out again at once: the time tells the new one apart.
+    let id: string;
     try {
-      ino = statSync(`/run/netns/${what.netns}`).ino;
+      const st = statSync(`/run/netns/${what.netns}`);
+      id = `${st.ino}:${Math.floor(st.ctimeMs / 1000)}`;
     } catch {
       return; // none of that name: nothing to undo
     }
-    line = `netns ${what.netns} ${ino}`;
+    line = `netns ${what.netns} ${id}`;
   }
   else {
     // A directory the watcher may delete whole: an absolute, normal path at least two deep,

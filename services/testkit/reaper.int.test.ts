@@ -96,6 +96,9 @@ describe('test-process reaper', () => {
     const { made, pid } = await startFixture(ns, 'wait');
     process.kill(pid, 'SIGKILL');
     execFileSync('ip', ['netns', 'del', ns]);
+    // Long enough for the old namespace to be freed (its inode number is then handed out again
+    // at once, to the new one) and to be made in a later second.
+    await new Promise((r) => setTimeout(r, 1200));
     execFileSync('ip', ['netns', 'add', ns]);
     await waitFor('the reaper to finish', async () => !runs(made.watcherPid), 15_000, 100);
     expect(runs(made.left)).toBe(false);

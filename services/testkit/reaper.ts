@@ -10,7 +10,8 @@
 // the test process is gone (its PID gone, a zombie, or another process's: the start time is
 // compared), the watcher kills the noted processes that still are the ones noted (start time
 // again: a reused PID is left alone), then deletes the noted namespaces that still are the ones
-// noted (inode: a name made again since is left alone) and directories, and its own list. Something a test already undid is found gone and skipped.
+// noted (inode and change time: a name made again since is left alone) and directories, and
+// its own list. Something a test already undid is found gone and skipped.
 import { spawn } from 'node:child_process';
 import { existsSync, mkdtempSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -35,9 +36,9 @@ const WATCHER = [
   'done',
   // Only absolute paths at least two deep (noteForReaper writes no other); mounts inside
   // detached first, and rm stays on the directory's own file system.
-  // A namespace only while its name is still the one noted (its inode): the next test file may
-  // have made one of that name since this process ended.
-  `while read -r kind rest; do case $kind in netns) set -- $rest; [ -n "$2" ] && [ "$(stat -Lc %i "/run/netns/$1" 2>/dev/null)" = "$2" ] && ip netns del "$1" 2>/dev/null;; dir) case $rest in /?*/?*) ;; *) continue;; esac; awk -v d="$rest/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done; rm -rf --one-file-system -- "$rest";; esac; done < "$list"`,
+  // A namespace only while its name is still the one noted (inode and change time: inode numbers
+  // are reused at once): the next test file may have made one of that name since.
+  `while read -r kind rest; do case $kind in netns) set -- $rest; [ -n "$2" ] && [ "$(stat -Lc %i:%Z "/run/netns/$1" 2>/dev/null)" = "$2" ] && ip netns del "$1" 2>/dev/null;; dir) case $rest in /?*/?*) ;; *) continue;; esac; awk -v d="$rest/" 'index($2, d) == 1 { print $2 }' /proc/self/mounts | sort -r | while read -r m; do umount -l "$m"; done; rm -rf --one-file-system -- "$rest";; esac; done < "$list"`,
   'rm -rf -- "${list%/*}"',
 ].join('\n');
 
