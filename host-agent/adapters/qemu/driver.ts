@@ -562,7 +562,13 @@ export class QemuVmmDriver implements VmmDriver {
         this.egressManager ??= new EgressManager({ logger: this.opts.logger.child({ component: 'egress' }), ...this.opts.egress });
         await this.egressManager.attach(proc.pid, network);
       } catch (e) {
+        const exited = dead;
         await killAndWait(proc);
+        // QEMU died meanwhile (bad arguments, no memory): its log says why, and a retry fails alike.
+        if (exited) {
+          const log = await readFile(logPath, 'utf8').catch(() => '');
+          throw new VmmError(`QEMU did not start: ${log.trim().split('\n').slice(-3).join(' | ')}`, { cause: e });
+        }
         // The network's own refusals say what they are (egress refused on this host, the
         // address pool full); a command of the attach that failed or hung is this host's
         // trouble, worth another try. Reported as "QEMU did not start" with QEMU's log (empty:
