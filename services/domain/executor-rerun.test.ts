@@ -11,7 +11,7 @@ import { create, toBinary } from '@bufbuild/protobuf';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { HeartbeatSchema, HostEventSchema, HostEventType, HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
-import { NotLeaderError, OperationCancelledError, StoreFullError, StoreUnavailableError } from './errors.ts';
+import { HostStepError, NotLeaderError, OperationCancelledError, StoreFullError, StoreUnavailableError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
 
 function stub<T>(methods: Record<string, unknown>): T {
@@ -250,6 +250,35 @@ describe('A hibernate of the idle rule', () => {
       await inner.runHibernate(op).catch(() => undefined);
     }
     expect(pauses).toEqual([600_000n, 0n]);
+  });
+
+  it('whosePauseTheHostRefusesAsBusy_leavesTheSandboxRunning_sendsNoResume_andRecordsNoFailedHibernate', async () => {
+    // A failed hibernate keeps the rule off the sandbox for IDLE_RETRY_AFTER_FAILURE_MS (10 min):
+    // a sandbox busy again is not one whose hibernation failed.
+    const op = { id: 'op-h-idle', tenantId: 't', kind: 'hibernate', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'sb-1', input: { snapshotId: 'sn-h1', reason: 'idle' }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    let sb = { ...sandbox('sb-1', 'h1', 'running'), idleTimeoutMs: 600_000 } as SandboxRec;
+    let rev = 7;
+    const ex = executorOver({
+      getSandbox: async () => ({ value: structuredClone(sb), modRevision: rev }),
+      getSnapshot: async () => undefined,
+      getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
+      commitAt: async (w: StoreWrite[]) => {
+        for (const x of w) if (x.kind === 'sandbox') sb = x.value;
+        return ++rev;
+      },
+    });
+    const steps: string[] = [];
+    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; step: (op: unknown, id: string) => Promise<unknown>; runHibernate(op: OperationRec): Promise<void> };
+    inner.active = true;
+    inner.ops.set(op.id, { value: op, modRevision: rev });
+    inner.step = async (_op, id) => {
+      steps.push(id);
+      throw new HostStepError('h1', 'pause', 'failed_precondition', 'sandbox sb-1 is not idle: busy (a call or guest CPU) 0 s ago, under its idle timeout of 600 s; not paused for the idle hibernation', false);
+    };
+    await inner.runHibernate(op);
+    expect(steps).toEqual(['pause']);
+    expect(sb.state).toBe('running');
+    expect(sb.stateReason.startsWith('hibernate failed')).toBe(false);
   });
 });
 

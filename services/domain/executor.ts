@@ -322,8 +322,10 @@ function stopVm(sandboxId: string): HostWorkMsg['work'] {
   return { case: 'destroyVm', value: { sandboxId } as never };
 }
 
-/** The host work that pauses a sandbox's VM (a no-op on a paused one). */
-/** `onlyIfIdleMs`: the idle rule's pause, refused by the host when the VM was busy within that many ms (PauseVmWork). */
+/**
+ * The host work that pauses a sandbox's VM (a no-op on a paused one). `onlyIfIdleMs`: the idle
+ * rule's pause, refused by the host when the VM was busy within that many ms (PauseVmWork).
+ */
 function pauseVm(sandboxId: string, onlyIfIdleMs = 0): HostWorkMsg['work'] {
   return { case: 'pauseVm', value: { sandboxId, onlyIfIdleMs: BigInt(onlyIfIdleMs) } as never };
 }
@@ -2501,7 +2503,7 @@ export class Executor {
    * (the next leader re-runs the op instead) and when the store failed (StoreUnavailableError:
    * run() runs the op again).
    */
-  private async failAndSettle(op: OperationRec, e: unknown, from: SandboxState, to: (sb: SandboxRec) => SandboxState, also?: (sb: SandboxRec) => Promise<StoreWrite[]>): Promise<false> {
+  private async failAndSettle(op: OperationRec, e: unknown, from: SandboxState, to: (sb: SandboxRec) => SandboxState, also?: (sb: SandboxRec) => Promise<StoreWrite[]>, reason?: string): Promise<false> {
     // Stepped down, or the store's outcome is unknown: the op runs again (run()), not failed.
     if (!this.active || e instanceof StoreUnavailableError) throw e;
     this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
@@ -2511,7 +2513,7 @@ export class Executor {
       if (!v || v.value.state !== from || (v.value.opId !== '' && v.value.opId !== op.id)) return [];
       const next = structuredClone(v.value);
       const now = this.deps.clock.now();
-      this.setState(next, to(v.value), now, e instanceof OperationCancelledError ? `${op.kind} cancelled` : `${op.kind} failed: ${error.message}`);
+      this.setState(next, to(v.value), now, reason ?? (e instanceof OperationCancelledError ? `${op.kind} cancelled` : `${op.kind} failed: ${error.message}`));
       next.opId = '';
       next.updatedAt = now;
       delete next.hibernatingFrom;
@@ -2892,14 +2894,18 @@ export class Executor {
       // after all is found missing by the VM check, which records it lost), running again if
       // it was paused here. Not when the op runs again (a lost lead, a store outage): its next
       // run goes on from the pause, which its journal answers without pausing again.
-      let resumed = !paused;
-      if (paused && this.active && !(e instanceof StoreUnavailableError) && !(e instanceof NotLeaderError)) {
+      // The idle rule's pause refused (the VM was busy since the rule judged it): nothing was
+      // paused, and nothing failed. Not recorded as a failed hibernate, which would keep the
+      // rule off the sandbox for IDLE_RETRY_AFTER_FAILURE_MS: it hibernates once idle again.
+      const notIdle = e instanceof HostStepError && e.kind === 'failed_precondition' && / is not idle: /.test(e.message);
+      let resumed = !paused || notIdle;
+      if (paused && !notIdle && this.active && !(e instanceof StoreUnavailableError) && !(e instanceof NotLeaderError)) {
         resumed = await this.step(op, 'resume-after-failure', sb.hostId, resumeVm(sb.id)).then(
           () => true,
           (r: unknown) => (this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed; it stays paused'), false),
         );
       }
-      await this.failAndSettle(op, e, 'hibernating', (cur) => (resumed ? (cur.hibernatingFrom ?? 'running') : 'paused'));
+      await this.failAndSettle(op, e, 'hibernating', (cur) => (resumed ? (cur.hibernatingFrom ?? 'running') : 'paused'), undefined, notIdle ? 'not hibernated: busy again when the idle hibernation began' : undefined);
       return;
     }
     try {
