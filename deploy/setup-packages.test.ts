@@ -74,7 +74,7 @@ describe('setup.sh', () => {
   const policyRc = (): string => join(tmp, 'policy-rc.d');
   const MARKED = '#!/bin/sh\n# forkfleet setup.sh: removed when it ends\nexit 101\n';
   const systemctlCalls = (): string[] => (existsSync(join(tmp, 'systemctl.log')) ? readFileSync(join(tmp, 'systemctl.log'), 'utf8').split('\n').filter(Boolean) : []);
-  function runSetup(env: { STUB_MISSING?: string; STUB_UID?: string; STUB_ENABLED?: string; STUB_ACTIVE?: string; STUB_FAIL?: string }): { status: number | null; stderr: string } {
+  function runSetup(env: { STUB_MISSING?: string; STUB_UID?: string; STUB_ENABLED?: string; STUB_ACTIVE?: string; STUB_FAIL?: string; FORKFLEET_SETUP_LOCK_RETRY_S?: string }): { status: number | null; stderr: string } {
     const r = spawnSync('bash', [join(tmp, 'repo', 'deploy', 'setup.sh')], {
       encoding: 'utf8',
       env: {
@@ -146,7 +146,7 @@ describe('setup.sh', () => {
   });
 
   it('setup_install_holdsServicesWhileAptRuns_andRemovesItsPolicyRcDWhenAptFails', () => {
-    // dpkg --configure succeeds; apt-get records whether services were held when it ran, then fails.
+    // dpkg --audit names nothing to finish; apt-get records whether services were held when it ran, then fails.
     writeFileSync(join(tmp, 'bin', 'dpkg'), '#!/bin/sh\nexit 0\n', { mode: 0o755 });
     writeFileSync(join(tmp, 'bin', 'apt-get'), `#!/bin/sh\ngrep -q 'exit 101' "${policyRc()}" && echo "held: $*" >> "${join(tmp, 'apt.log')}"\nexit 97\n`, { mode: 0o755 });
     const r = runSetup({ STUB_MISSING: 'socat' });
@@ -154,6 +154,18 @@ describe('setup.sh', () => {
     // It waits for the package lock (apt's timers may hold it on a machine just booted).
     expect(readFileSync(join(tmp, 'apt.log'), 'utf8')).toContain('held: -o DPkg::Lock::Timeout=600 update -qq');
     expect(existsSync(policyRc())).toBe(false);
+  });
+
+  it('setup_install_whileAnotherAptHoldsThePackageListsLock_waitsForIt_andInstalls', () => {
+    // apt's daily timers on a machine just booted: apt-get update fails on the lists' lock
+    // (DPkg::Lock::Timeout covers dpkg's lock only) until they end.
+    writeFileSync(join(tmp, 'bin', 'dpkg'), '#!/bin/sh\nexit 0\n', { mode: 0o755 });
+    const count = join(tmp, 'apt.count');
+    writeFileSync(join(tmp, 'bin', 'apt-get'), `#!/bin/sh\nn=$(cat "${count}" 2>/dev/null || echo 0); n=$((n+1)); echo $n > "${count}"\nif [ $n -le 2 ]; then echo "E: Could not get lock /var/lib/apt/lists/lock. It is held by process 4242 (apt-get)" >&2; exit 100; fi\necho "ran: $*" >> "${join(tmp, 'apt.log')}"\n`, { mode: 0o755 });
+    const r = runSetup({ STUB_MISSING: 'socat', FORKFLEET_SETUP_LOCK_RETRY_S: '0' });
+    expect(r.status).toBe(0);
+    expect(r.stderr).toContain('holds the package lock; waiting');
+    expect(readFileSync(join(tmp, 'apt.log'), 'utf8').split('\n').filter(Boolean).map((l) => l.replace(/^ran: -o DPkg::Lock::Timeout=600 /, '').split(' ')[0])).toEqual(['update', 'install']);
   });
 
   it('setup_asNonRootWithServicesNoted_keepsTheNote_andSaysSo', () => {

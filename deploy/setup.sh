@@ -43,6 +43,22 @@ APT_PACKAGES=(
 # One line per installed architecture (a multi-arch package has several).
 installed() { dpkg-query -W -f='${db:Status-Status}\n' "$1" 2>/dev/null | grep -qx installed; }
 
+# Runs "$@"; while it fails on a lock another apt or dpkg holds, again every 10 s, for up to
+# 10 min. Its output is shown only when it fails for good; its exit status is the command's.
+retry_locked() {
+  local out rc i
+  for ((i = 1; ; i++)); do
+    out=$("$@" 2>&1) && rc=0 || rc=$?
+    if ((rc == 0)); then return 0; fi
+    if ((i >= 60)) || ! grep -qiE 'could not get lock|locked by another process' <<<"$out"; then
+      printf '%s\n' "$out" >&2
+      return "$rc"
+    fi
+    echo "setup: another apt or dpkg holds the package lock; waiting ($1 ${*:2:3} ...)" >&2
+    sleep "${FORKFLEET_SETUP_LOCK_RETRY_S:-10}"
+  done
+}
+
 # Forkfleet starts its own etcd, NATS and Prometheus; the Debian services these packages enable
 # would start at the next boot (Prometheus listening on every interface). Those this script
 # installs are disabled: noted (unit:package) in a file that outlives the run before installing,
@@ -117,12 +133,14 @@ if ((${#missing[@]})); then
   # A run killed while dpkg worked leaves packages unpacked or half-configured, and apt then
   # refuses to install anything until they are configured: finish that first (only then: dpkg
   # does not wait for the package lock).
-  if [[ -n $(dpkg --audit 2>/dev/null) ]]; then dpkg --configure -a; fi
-  # apt-get waits for the package lock (up to 10 min) instead of failing at once: on a machine
-  # just booted, apt's daily timers and unattended-upgrades may hold it.
+  # Each waits (up to 10 min) for the locks another apt or dpkg holds instead of failing at
+  # once: on a machine just booted, apt's daily timers and unattended-upgrades may hold them.
+  # apt-get waits for dpkg's lock itself (DPkg::Lock::Timeout); not for the package lists'
+  # lock, nor does dpkg: retried while they fail on a lock (retry_locked).
+  if [[ -n $(dpkg --audit 2>/dev/null) ]]; then retry_locked dpkg --configure -a; fi
   apt_wait=(-o DPkg::Lock::Timeout=600)
-  apt-get "${apt_wait[@]}" update -qq
-  apt-get "${apt_wait[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  retry_locked apt-get "${apt_wait[@]}" update -qq
+  retry_locked apt-get "${apt_wait[@]}" install -y -qq --no-install-recommends "${missing[@]}"
   # Installed: services may start again (the trap covers a run that fails before this).
   if grep -qxsF "$marker" "$policy_rc"; then rm -f "$policy_rc"; fi
   trap - EXIT
