@@ -233,6 +233,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     } catch (e) {
       // A taken port: said naming the setting, with what was opened closed (an 'error' event
       // nobody listened to ended the process with a raw stack, the API already listening).
+      readiness.stop();
+      dashboard?.close();
       await grpc.close(0).catch(() => undefined);
       bus.close();
       await nc.close().catch(() => undefined);

@@ -121,7 +121,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
   private lastGc: GcResult | undefined;
   /** Chunk bytes stored since the last GC counted them (ingests' new chunks, fetches' bytes): storedBytes(). */
   private storedSinceGc = 0;
-  /** The disk the materialised images took when the last GC counted them (Materialiser.diskBytes): storedBytes(). */
+  /** The disk the materialised images took when the last GC counted them (Materialiser.diskBytes): imageBytes(). */
   private imageBytesAtGc = 0;
 
   constructor(private readonly deps: ShipperDeps) {}

@@ -1362,6 +1362,9 @@ export class Agent {
       // tried again by the next restore.
       p = (async () => {
         const here = await this.deps.imageRecipe?.(want.name);
+        // Read again now: the recipe changes with the host's packages (an upgrade while the
+        // agent runs), and heartbeats say it to placement.
+        if (here !== undefined && this.recipes.has(want.name)) this.recipes.set(want.name, here);
         if (here !== undefined && here !== want.recipeHash) {
           log.warn({ image: key, recipeHere: here }, "this host's recipe for the image a snapshot was taken from differs: not built (the restore is refused)");
           return;

@@ -71,9 +71,12 @@ describe('dashboard event stream', () => {
     expect(handler.watching()).toBe(true);
     await new Promise((r) => setTimeout(r, 200));
     expect(handler.watching()).toBe(false);
-    // A new look starts them again.
+    // A new look starts them again; none after close() (its clients are closed).
     await handler.state();
     expect(handler.watching()).toBe(true);
+    handler.close();
+    await handler.state().catch(() => undefined);
+    expect(handler.watching()).toBe(false);
   });
 
   it('state_whileACollectIsStillRunning_sharesIt_insteadOfStartingAnother', async () => {

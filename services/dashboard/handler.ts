@@ -145,6 +145,8 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   let lastLook = 0;
   let idleCheck: ReturnType<typeof setInterval> | undefined;
   let cache: { at: number; p: Promise<DashboardState>; done: boolean } | undefined;
+  /** close() was called: no watch starts again (its clients are closed). */
+  let closed = false;
 
   /**
    * Watches every tenant's events while the page is looked at: they end once no stream is open
@@ -154,7 +156,7 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
    */
   function startWatches(): void {
     lastLook = Date.now();
-    if (watchers) return;
+    if (watchers || closed) return;
     const ac = new AbortController();
     watchers = ac;
     idleCheck = setInterval(() => {
@@ -338,6 +340,7 @@ export function dashboardHandler(deps: DashboardDeps): DashboardHandler {
   handler.state = state;
   handler.watching = () => watchers !== undefined;
   handler.close = () => {
+    closed = true;
     stopWatches();
     for (const s of streams) s.destroy();
     streams.clear();

@@ -690,15 +690,15 @@ export class FsManifestStore implements ManifestStore {
    * restore) is no manifest put() wrote and none get() serves: skipped. Listed, it made get()
    * and delete() throw InvalidArgumentError; the GC took that for a manifest that does not
    * decode, its delete threw again, and every GC after failed: nothing freed, ever. So is
-   * anything but a file (a directory named `x.manifest`: its read fails EISDIR, which the GC
-   * takes for an I/O error that may pass, and gives up on every pass).
+   * anything but a file or a link to one (a directory named `x.manifest`: its read fails
+   * EISDIR, which the GC takes for an I/O error that may pass, and gives up on every pass).
    */
   async list(): Promise<string[]> {
     const ids: string[] = [];
     for (const d of await readdir(this.dir, { withFileTypes: true })) {
       const f = d.name;
       if (!f.endsWith('.manifest')) continue;
-      if (!d.isFile()) {
+      if (!d.isFile() && !d.isSymbolicLink()) {
         if (!this.strays.has(f)) {
           this.strays.add(f);
           this.log?.warn({ file: join(this.dir, f) }, 'something in the manifest store that is not a file: ignored (not a manifest); remove it');
