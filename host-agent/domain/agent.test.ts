@@ -29,6 +29,9 @@ function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper>
 
 const work = (stepId: string, w: Parameters<typeof create<typeof HostWorkSchema>>[1]) => create(HostWorkSchema, { opId: 'op-a', stepId, attempt: 1, ...w });
 
+/** A delivery's control as the bus hands it to onWork: `ack` as given, keep-alives and give-backs ignored. */
+const ctlOf = (ack: () => void = () => undefined): WorkControl => ({ ack, working: () => undefined, release: () => undefined });
+
 describe('Agent steps', () => {
   it('step_whenItFails_returnsAnEncodableResultCarryingTheNamedError', async () => {
     const { agent, journal } = agentWith({}, { obtain: () => Promise.reject(new ForkfleetError('not_found', 'snapshot sn-x is not on host h1')) });
@@ -734,7 +737,7 @@ describe('Agent steps', () => {
       { concurrency: 1 },
     );
     await agent.start();
-    const ctl = { ack: () => undefined, working: () => undefined, release: () => undefined };
+    const ctl = ctlOf();
     const busy = onWork!(work('restore/other', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-9' }] } } }), ctl);
     const restore = onWork!(wake('op-f'), ctl);
     const stop = onWork!(create(HostWorkSchema, { opId: 'moved-on-sb-1', stepId: 'stop/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), ctl);
@@ -785,7 +788,7 @@ describe('Agent steps', () => {
         { shutdownGraceMs: 20_000 },
       );
       await agent.start();
-      void onWork!(work('restore/1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), { ack: () => undefined, working: () => undefined, release: () => undefined });
+      void onWork!(work('restore/1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), ctlOf());
       await vi.advanceTimersByTimeAsync(10);
       expect(beats.every((b) => b === false)).toBe(true);
       const stopped = agent.stop();
@@ -822,7 +825,7 @@ describe('Agent steps', () => {
       /** Delivers a destroy of sb-<step> sent in `term` of etcd cluster `cluster`; whether it was acked. */
       const deliver = async (step: string, term: bigint, cluster = 7n): Promise<boolean> => {
         let acked = false;
-        await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), { ack: () => void (acked = true), working: () => undefined, release: () => undefined });
+        await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), ctlOf(() => void (acked = true)));
         return acked;
       };
       return { agent, deliver };
@@ -863,7 +866,7 @@ describe('Agent steps', () => {
     await agent.start();
     const acks: string[] = [];
     const deliver = (step: string, term: bigint, w: Parameters<typeof work>[1]) =>
-      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: 1n }), { ack: () => void acks.push(step), working: () => undefined, release: () => undefined });
+      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: 1n }), ctlOf(() => void acks.push(step)));
     // Term 5: a restore holds the only slot, a destroy waits for it.
     const restoring = deliver('restore', 5n, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } });
     const queued = deliver('old', 5n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-old' } } });
@@ -924,7 +927,7 @@ describe('Agent steps', () => {
     );
     await agent.start();
     let acked = false;
-    await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), { ack: () => void (acked = true), working: () => undefined, release: () => undefined });
+    await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), ctlOf(() => void (acked = true)));
     expect(acked).toBe(true);
     expect(sent).toEqual([{ stepId: 'destroy', error: expect.objectContaining({ kind: 'resource_exhausted', retryable: false, message: expect.stringContaining('max_payload of 1048576 bytes') }) }]);
     await agent.stop();
@@ -955,7 +958,7 @@ describe('Agent steps', () => {
     await agent.start();
     // One message carrying both (a batch): a slow restore and a destroy.
     const acks: string[] = [];
-    const ctl = (step: string) => ({ ack: () => void acks.push(step), working: () => undefined, release: () => undefined });
+    const ctl = (step: string) => (ctlOf(() => void acks.push(step)));
     const slow = onWork!(work('restore', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } }), ctl('restore'));
     await onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }), ctl('destroy'));
     // Published on its third try, 20 + 40 ms later, while the restore still runs.
@@ -975,7 +978,7 @@ describe('Agent steps', () => {
       { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async () => undefined },
     );
     await agent.start();
-    const ctl = { ack: () => undefined, working: () => undefined, release: () => undefined };
+    const ctl = ctlOf();
     // A restore whose fetch does not end, and two more copies of it (re-sends of a slow step), with 3 slots.
     for (let i = 0; i < 3; i++) void onWork!(work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } }), ctl);
     await Promise.race([onWork!(work('destroy', { work: { case: 'destroyVm', value: { sandboxId: 'sb-9' } } }), ctl), new Promise((r) => setTimeout(r, 2000))]);
@@ -1008,7 +1011,7 @@ describe('Agent steps', () => {
       { stepDeadlineFloorMs: 10 },
     );
     await agent.start();
-    const ctl = { ack: () => undefined, working: () => undefined, release: () => undefined };
+    const ctl = ctlOf();
     const due = (ms: number) => timestampFromMs(Date.now() + ms);
     // Three restores whose fetch hangs take every slot (concurrency 3).
     const hanging = [0, 1, 2].map((i) => onWork!(work(`restore/${i}`, { deadline: due(100), work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), ctl));
@@ -1070,7 +1073,7 @@ describe('Agent steps', () => {
     let beats = 0;
     let stoppingBeats = 0;
     await agent.start();
-    const ctl = { ack: () => undefined, working: () => undefined, release: () => undefined };
+    const ctl = ctlOf();
     // Three restores whose fetches wait fill the three slots; a create waits for one.
     for (let i = 0; i < 3; i++) void onWork!(work(`restore/${i}`, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: `sb-${i}` }] } } }), ctl);
     let queuedAcked = false;

@@ -1210,8 +1210,9 @@ export class Agent {
         const vm = this.vmOf(work.value.sandboxId);
         // The idle rule's: only a VM idle still (a call may have begun since it judged).
         const idleFor = Number(work.value.onlyIfIdleMs);
-        if (idleFor > 0 && vm.state === 'running' && this.idleMs(vm) < idleFor) {
-          throw new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: busy (a call or guest CPU) ${Math.round(this.idleMs(vm) / 1000)} s ago, under its idle timeout of ${Math.round(idleFor / 1000)} s; not paused for the idle hibernation`, { retryable: false });
+        const idle = idleFor > 0 && vm.state === 'running' ? this.idleMs(vm) : Number.POSITIVE_INFINITY;
+        if (idle < idleFor) {
+          throw new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: busy (a call or guest CPU) ${Math.round(idle / 1000)} s ago, under its idle timeout of ${Math.round(idleFor / 1000)} s; not paused for the idle hibernation`, { retryable: false });
         }
         if (vm.state !== 'paused') await driver.pause(vm.vmId);
         result.vms = [this.vmStatus(this.vmOf(vm.vmId))];
