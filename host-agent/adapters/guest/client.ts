@@ -231,6 +231,10 @@ const REAP_ORPHAN_EXECS = [
   // Every wrapper of another instance, and the forks of one (a match whose parent matches).
   'm=" "; e=',
   'for w in /proc/[0-9]*; do',
+  // A wrapper is a shell: its name read by a builtin first, so that a command line is read
+  // (a fork of tr) only for shells. Read for every process, the scan took seconds in a
+  // loaded TCG guest, and an inherited program ran on meanwhile.
+  '  c=; read -r c 2>/dev/null <"$w/comm"; case $c in sh|dash|ash|bash|busybox) ;; *) continue;; esac',
   '  case "$(cmd_of "${w#/proc/}")" in *"$t$1-"*) continue;; *"$t"*) ;; *) continue;; esac',
   '  p=; while read -r k v; do if [ "$k" = PPid: ]; then p=$v; break; fi; done 2>/dev/null <"$w/status"',
   '  w=${w#/proc/}; m="$m$w "; e="$e $w:$p"',
