@@ -270,6 +270,12 @@ export interface SchedulerConfig {
   readonly signingKeyPath: string;
   /** FF_METRICS_ADDR: Prometheus /metrics (host:port; port 0 picks a free one); empty disables. */
   readonly metricsAddr: string;
+  /**
+   * FF_METRICS_TOKEN_FILE: a file holding the bearer token /metrics requires; read again when
+   * it changes. Empty: /metrics is open
+   * (services/metrics-access.ts).
+   */
+  readonly metricsTokenFile: string;
   /** FF_LOG_LEVEL: a pino level (LOG_LEVELS). */
   readonly logLevel: string;
   /** FF_CHUNK_BYTES: chunk size of the snapshot store (for transfer estimates), 4096 to MAX_CHUNK_BYTES as the agents'. */
@@ -348,6 +354,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
   const [sg, strayGrace] = get('strayVmGraceMs', 'FF_STRAY_VM_GRACE', '0s');
   const [, keyPath] = get('signingKeyPath', 'FF_SIGNING_KEY', '');
   const [ma, metricsAddr] = get('metricsAddr', 'FF_METRICS_ADDR', '');
+  const [, metricsTokenFile] = get('metricsTokenFile', 'FF_METRICS_TOKEN_FILE', '');
   const [ll, logLevel] = get('logLevel', 'FF_LOG_LEVEL', 'info');
   const [cb, chunk] = get('chunkBytes', 'FF_CHUNK_BYTES', String(256 * 1024));
   const [mm, migrateMax] = get('migrateMaxChildren', 'FF_MIGRATE_MAX_CHILDREN', '2');
@@ -400,6 +407,7 @@ export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig
     strayVmGraceMs: parseDurationIn(sg, strayGrace, { min: 1000, zero: 'derived from the step timeout' }),
     signingKeyPath: keyPath,
     metricsAddr: metricsAddr ? parseHostPort(ma, metricsAddr, true) : '',
+    metricsTokenFile,
     logLevel: parseLogLevel(ll, logLevel),
     chunkBytes: parseInteger(cb, chunk, 4096, MAX_CHUNK_BYTES),
     migrateMaxChildren: parseInteger(mm, migrateMax, 0, 64),

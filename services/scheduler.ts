@@ -36,6 +36,7 @@ import { systemClock } from './domain/ports.ts';
 import { signTicket } from '../host-agent/domain/tickets.ts';
 import { isForkfleetError } from '../proto/errors.ts';
 import { dashboardHandler, metricsFromUrls } from './dashboard/handler.ts';
+import { isLoopbackHost, metricsAccess } from './metrics-access.ts';
 import type { DashboardHandler } from './dashboard/handler.ts';
 import type { SigningKey } from '../host-agent/domain/tickets.ts';
 
@@ -99,6 +100,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   // Read before anything starts: a TLS file that cannot be read fails start-up naming its variable.
   const etcdTls = config.etcdTls ? readTlsClientFiles(config.etcdTls) : undefined;
   const natsTls = config.natsTls ? readTlsClientFiles(config.natsTls) : undefined;
+  // The metrics' series name tenants: with FF_METRICS_TOKEN_FILE, only that token reads them.
+  const access = metricsAccess(config.metricsAddr ? config.metricsTokenFile : '', (why) => log.error({ metricsTokenFile: config.metricsTokenFile }, `metrics token file not taken, the token before stays in force: ${why}`));
   const clock = systemClock;
   const registry = new Registry();
   collectDefaultMetrics({ register: registry });
@@ -183,6 +186,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     // The live dashboard (/dashboard/) is served beside /metrics; only the leader records
     // operation latencies, so FF_DASHBOARD_METRICS may list every replica's metrics URL.
     const peers = (process.env.FF_DASHBOARD_METRICS ?? '').split(',').filter(Boolean);
+    if (!config.metricsTokenFile && !isLoopbackHost(h)) log.warn({ metricsAddr: config.metricsAddr }, 'FF_METRICS_TOKEN_FILE is not set: /metrics, with per-tenant series, is open to whoever reaches FF_METRICS_ADDR');
     // The dashboard reads through the API with an admin token that exists only in this process,
     // trusting FF_TLS_CA (without it, what any client trusts: FF_CA, FF_CREDENTIALS, the fleet
     // directory's credentials.json, else the system roots, which a dev certificate then fails).
@@ -190,7 +194,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     if (!config.tlsCaPath) log.warn('FF_TLS_CA is not set: the dashboard trusts what any client does (FF_CA, FF_CREDENTIALS, credentials.json, else the system CAs) when it calls the API');
     dashboard = dashboardHandler({
       api: grpc.address,
-      metrics: peers.length ? metricsFromUrls(peers) : async () => [await registry.metrics()],
+      metrics: peers.length ? metricsFromUrls(peers, () => access.header()) : async () => [await registry.metrics()],
       token,
       ...(config.tlsCaPath ? { ca: config.tlsCaPath } : {}),
       // The page shows every tenant's sandboxes: only admin tokens may read it.
@@ -214,6 +218,10 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
       }
       if (req.url !== '/metrics') {
         res.writeHead(404).end();
+        return;
+      }
+      if (!access.allowed(req.headers.authorization)) {
+        res.writeHead(401, { 'www-authenticate': 'Bearer realm="forkfleet-metrics"', 'content-type': 'text/plain' }).end('/metrics needs Authorization: Bearer <the FF_METRICS_TOKEN_FILE token>\n');
         return;
       }
       registry.metrics().then(

@@ -26,6 +26,7 @@ const secrets: Secrets = {
   signingPub: 'PUB\n',
   nkeys: new Map(['scheduler', 'host-kvm-01', 'host-kvm-02', 'host-kvm-03'].map((id) => [id, { seed: `SEED-${id}`, pub: `PUB-${id}` }])),
   natsRoutePassword: 'route-secret',
+  metricsToken: 'METRICS-TOKEN',
   tokensJson: '{"tokens":[]}\n',
 };
 
@@ -196,16 +197,16 @@ describe('renderFiles', () => {
     // A host never receives the signing key, another host's NKey or key, the schedulers'
     // secrets, or anything of etcd's (its CA signs only what etcd admits).
     const kvm = files.filter((f) => f.path.startsWith('machines/kvm-02/')).map((f) => f.content).join('');
-    for (const other of ['SIGN', 'SEED-host-kvm-01', 'SEED-scheduler', 'NATS-CLIENT-KEY-host-kvm-01', 'NATS-CLIENT-KEY-scheduler', 'PEER-KEY-kvm-01', 'ETCD']) expect(kvm).not.toContain(other);
+    for (const other of ['SIGN', 'METRICS-TOKEN', 'SEED-host-kvm-01', 'SEED-scheduler', 'NATS-CLIENT-KEY-host-kvm-01', 'NATS-CLIENT-KEY-scheduler', 'PEER-KEY-kvm-01', 'ETCD']) expect(kvm).not.toContain(other);
     expect(kvm).toContain('NATS-CLIENT-KEY-host-kvm-02');
     expect(kvm).toContain('PEER-KEY-kvm-02');
   });
 
   it('renderFiles_secretFilesAreRootOnly', () => {
-    const secret = files.filter((f) => /signing\.pem$|\.nk$|\.key$/.test(f.path));
-    // 2 schedulers x (signing key, NKey, API, etcd and NATS TLS keys) + 3 hosts x (NKey, NATS TLS
-    // key, peer TLS key) + 3 etcd members' keys + 3 NATS servers' keys.
-    expect(secret).toHaveLength(25);
+    const secret = files.filter((f) => /signing\.pem$|\.nk$|\.key$|metrics\.token$/.test(f.path));
+    // 2 schedulers x (signing key, NKey, API, etcd and NATS TLS keys, metrics token) + 3 hosts x
+    // (NKey, NATS TLS key, peer TLS key) + 3 etcd members' keys + 3 NATS servers' keys.
+    expect(secret).toHaveLength(27);
     for (const f of secret) expect([f.path, f.mode]).toEqual([f.path, 0o600]);
   });
 
@@ -223,6 +224,10 @@ describe('renderFiles', () => {
     expect(sched).toMatch(/^FF_ETCD_ENDPOINTS=https:\/\/10\.0\.0\.11:2379,https:\/\/10\.0\.0\.12:2379,https:\/\/10\.0\.0\.13:2379$/m);
     expect(sched).toMatch(/^FF_ETCD_CERT=\/run\/credentials\/forkfleet-scheduler\.service\/etcd\.crt$/m);
     expect(file('machines/cp-1/etc/forkfleet/scheduler/etcd.key')).toBe('ETCD-CLIENT-KEY-sched-1\n');
+    // /metrics names tenants: the scheduler requires the token its unit hands it.
+    expect(sched).toMatch(/^FF_METRICS_TOKEN_FILE=\/run\/credentials\/forkfleet-scheduler\.service\/metrics\.token$/m);
+    expect(file('machines/cp-1/etc/systemd/system/forkfleet-scheduler.service')).toMatch(/^LoadCredential=metrics\.token:\/etc\/forkfleet\/scheduler\/metrics\.token$/m);
+    expect(file('machines/cp-1/etc/forkfleet/scheduler/metrics.token')).toBe('METRICS-TOKEN\n');
   });
 
   it('renderFiles_natsConfig_routesToTheOtherServersOverTlsAndGivesEachHostItsOwnUser', () => {

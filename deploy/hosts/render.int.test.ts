@@ -203,8 +203,11 @@ describe('a rendered deployment', () => {
       }
     }
     // Exactly one replica leads (the rendered etcd cluster holds the election).
-    const leaders = await Promise.all(inv.schedulers.map(async (m) => /^forkfleet_scheduler_is_leader 1$/m.test(await (await fetch(`http://${m.address}:${inv.ports.metrics}/metrics`)).text())));
+    // Their /metrics (per-tenant series) answer only the rendered metrics token.
+    const authorization = `Bearer ${readFileSync(join(out, 'secrets/metrics.token'), 'utf8').trim()}`;
+    const leaders = await Promise.all(inv.schedulers.map(async (m) => /^forkfleet_scheduler_is_leader 1$/m.test(await (await fetch(`http://${m.address}:${inv.ports.metrics}/metrics`, { headers: { authorization } })).text())));
     expect(leaders.filter(Boolean)).toHaveLength(1);
+    for (const m of inv.schedulers) expect((await fetch(`http://${m.address}:${inv.ports.metrics}/metrics`)).status).toBe(401);
     // They reach etcd by IP address over TLS without Node's warning about an IP address as
     // the TLS server name (DEP0123): they send FF_ETCD_SERVER_NAME, which the members' certificates carry.
     for (const m of inv.schedulers) expect(readFileSync(join(dir, `${m.name}.log`), 'utf8')).not.toMatch(/DEP0123|TLS ServerName/);

@@ -75,6 +75,8 @@ export interface Secrets {
   /** NATS user NKeys: "scheduler" and "host-<id>". */
   readonly nkeys: ReadonlyMap<string, { seed: string; pub: string }>;
   readonly natsRoutePassword: string;
+  /** The bearer token the schedulers' /metrics require (FF_METRICS_TOKEN_FILE): for Prometheus. */
+  readonly metricsToken: string;
   /** The tokens file (digests only). */
   readonly tokensJson: string;
 }
@@ -219,6 +221,8 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       FF_SCHEDULER_ID: m.name,
       FF_GRPC_ADDR: hostPort(m.address, p.api),
       FF_METRICS_ADDR: hostPort(m.address, p.metrics),
+      // Its series name tenants: scrapes carry this token (OUT/secrets/metrics.token).
+      FF_METRICS_TOKEN_FILE: `${SCHEDULER_CREDENTIALS}/metrics.token`,
       FF_ETCD_ENDPOINTS: etcdEndpoints,
       FF_ETCD_CA: `${SCHEDULER_CREDENTIALS}/etcd-ca.crt`,
       FF_ETCD_CERT: `${SCHEDULER_CREDENTIALS}/etcd.crt`,
@@ -240,6 +244,7 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
     }, `scheduler replica ${m.name} of Forkfleet cluster ${inv.name}`));
     put(m.machine, 'etc/forkfleet/scheduler/signing.pem', s.signingKey, 0o600);
     put(m.machine, 'etc/forkfleet/scheduler/nats.nk', `${s.nkeys.get('scheduler')!.seed}\n`, 0o600);
+    put(m.machine, 'etc/forkfleet/scheduler/metrics.token', `${s.metricsToken}\n`, 0o600);
     put(m.machine, 'etc/forkfleet/scheduler/tls.crt', tls.cert, 0o600);
     put(m.machine, 'etc/forkfleet/scheduler/tls.key', tls.key, 0o600);
     put(m.machine, 'etc/forkfleet/scheduler/ca.crt', s.caCert, 0o600);
@@ -342,6 +347,10 @@ function installGuide(inv: Inventory, apis: string): string {
     'schedulers when they start. Certificates are valid for 825 days; a render re-issues one in its last 30',
     'days or when its address changed: then copy the files and restart the services whose certificates changed.',
     '',
+    `The schedulers' \`/metrics\` (port ${inv.ports.metrics}) name tenants, so they answer only a scrape that carries the bearer token in`,
+    '`secrets/metrics.token`: in Prometheus, `authorization: { credentials_file: <a copy of that file> }`',
+    'in the job\'s scrape config. The agents\' `/metrics` need none (counts and sizes only).',
+    '',
   ];
   return lines.join('\n');
 }
@@ -396,6 +405,8 @@ export function ensureSecrets(dir: string, inv: Inventory): Secrets {
   }
   const routeFile = join(dir, 'nats-route-password');
   if (!existsSync(routeFile)) writeFileSync(routeFile, randomBytes(24).toString('base64url'), { mode: 0o600 });
+  const metricsTokenFile = join(dir, 'metrics.token');
+  if (!existsSync(metricsTokenFile)) writeFileSync(metricsTokenFile, `${randomBytes(32).toString('base64url')}\n`, { mode: 0o600 });
   const tokens = join(dir, 'tokens.json');
   // The first render mints an admin token. Only its digest is kept, so the token itself goes
   // into DIR/credentials.json at once, before anything else can fail.
@@ -416,6 +427,7 @@ export function ensureSecrets(dir: string, inv: Inventory): Secrets {
     signingPub,
     nkeys,
     natsRoutePassword: read(routeFile).trim(),
+    metricsToken: read(metricsTokenFile).trim(),
     tokensJson: read(tokens),
   };
 }

@@ -4,7 +4,7 @@ import { createServer, type ServerResponse } from 'node:http';
 import { connect, type AddressInfo } from 'node:net';
 import { afterEach, describe, expect, it } from 'vitest';
 import type { SandboxInfo, SnapshotInfo } from '../sdk/index.ts';
-import { dashboardHandler, fleetLists, SHOWN_ROWS } from './handler.ts';
+import { dashboardHandler, fleetLists, metricsFromUrls, SHOWN_ROWS } from './handler.ts';
 
 const cleanups: Array<() => void> = [];
 afterEach(() => {
@@ -133,5 +133,25 @@ describe('dashboard state of a large fleet', () => {
   it('fleetLists_ofAFleetThePageListsWhole_sendsItAll', () => {
     const st = fleetLists([sandbox(0, 'running', 'h-0', '')], [snapshot(0, ['h-0'])]);
     expect([st.sandboxes.length, st.snapshots.length, st.totals]).toEqual([1, 1, { sandboxes: 1, snapshots: 1 }]);
+  });
+});
+
+describe('dashboard metrics collector', () => {
+  it('metricsFromUrls_sendsTheHeadersItIsGiven_andSkipsAPeerThatRefuses', async () => {
+    const seen: Array<string | undefined> = [];
+    const server = createServer((req, res) => {
+      seen.push(req.headers.authorization);
+      if (req.headers.authorization === 'Bearer the-metrics-token-0123') res.writeHead(200).end('forkfleet_up 1\n');
+      else res.writeHead(401).end();
+    });
+    await new Promise<void>((r) => server.listen(0, '127.0.0.1', r));
+    try {
+      const url = `http://127.0.0.1:${(server.address() as AddressInfo).port}/metrics`;
+      expect(await metricsFromUrls([url], () => ({ authorization: 'Bearer the-metrics-token-0123' }))()).toEqual(['forkfleet_up 1\n']);
+      expect(await metricsFromUrls([url])()).toEqual([]);
+      expect(seen).toEqual(['Bearer the-metrics-token-0123', undefined]);
+    } finally {
+      server.close();
+    }
   });
 });

@@ -83,14 +83,15 @@ export type DashboardHandler = ((req: IncomingMessage, res: ServerResponse) => b
   watching(): boolean;
 };
 
-/** Fetches /metrics from each URL (e.g. the fleet's state.json metricsAddresses) for `metrics`. */
-export function metricsFromUrls(urls: string[]): () => Promise<string[]> {
+/** Fetches /metrics from each URL (e.g. the fleet's state.json metricsAddresses) for `metrics`, with `headers()` (the metrics token). */
+export function metricsFromUrls(urls: string[], headers: () => Record<string, string> | undefined = () => undefined): () => Promise<string[]> {
   return async () =>
     (
       await Promise.all(
         urls.map(async (u) => {
           try {
-            const r = await fetch(u.startsWith('http') ? u : `http://${u}/metrics`, { signal: AbortSignal.timeout(2000) });
+            const h = headers();
+            const r = await fetch(u.startsWith('http') ? u : `http://${u}/metrics`, { signal: AbortSignal.timeout(2000), ...(h ? { headers: h } : {}) });
             return r.ok ? await r.text() : '';
           } catch {
             return '';
