@@ -7,6 +7,7 @@
 // campaign keeps its own deadline: the send time of the last answered keepalive plus the TTL
 // (etcd renews from when the request arrives, which is later). A leader steps down when that
 // deadline comes within LEASE_MARGIN_MS, before etcd could let anyone else win.
+import { createHash, randomBytes } from 'node:crypto';
 import type { EventEmitter } from 'node:events';
 import type { Etcd3 } from 'etcd3';
 import type { Campaign } from 'etcd3';
@@ -49,6 +50,38 @@ function leaseDeadline(c: Campaign, ttlMs: number): { until: () => number; known
       lease.off('keepaliveSucceeded', onAnswer);
     },
   };
+}
+
+/**
+ * The incarnation of the fleet's etcd data (keys.incarnation()): a random id the first leader
+ * of a new store writes (only if absent) and every later one reads. etcd's own cluster id is
+ * the same for a cluster rebuilt from the same member list and token (the rendered
+ * deployment's are fixed), whose revisions, and so leader terms, start again at 1; agents
+ * that kept a higher term would drop every step of the new leaders as a deposed leader's.
+ * A store restored from a backup keeps the key and its (older) revisions: delete the key
+ * before the schedulers start, or restore with `etcdutl snapshot restore --bump-revision`
+ * (services/README.md, "Leader terms").
+ */
+export async function incarnation(client: Etcd3): Promise<string> {
+  const key = keys.incarnation();
+  const res = await client
+    .if(key, 'Create', '==', 0)
+    .then(client.put(key).value(randomBytes(16).toString('hex')), client.get(key))
+    .else(client.get(key))
+    .commit();
+  const kv = res.responses[res.succeeded ? 1 : 0]?.response_range?.kvs[0];
+  if (!kv) throw new Error(`${key}: not there after it was written`);
+  return kv.value.toString();
+}
+
+/**
+ * HostWork.leader_cluster's value (decimal): etcd's cluster id and the store's incarnation
+ * folded into 64 bits (never 0, which means "no cluster"). A new incarnation is a new value:
+ * agents take its terms afresh and drop those of the values they left.
+ */
+export function fleetDataId(etcdClusterId: string, incarnationId: string): string {
+  const v = createHash('sha256').update(`${etcdClusterId}/${incarnationId}`).digest().readBigUInt64BE(0);
+  return String(v === 0n ? 1n : v);
 }
 
 export class EtcdLeaderElection implements LeaderElection {
@@ -103,7 +136,7 @@ export class EtcdLeaderElection implements LeaderElection {
             try {
               const res = await this.client.get(key).exec();
               const kv = res.kvs[0];
-              return { key, createRevision: kv ? Number(kv.create_revision) : -1, clusterId: res.header.cluster_id };
+              return { key, createRevision: kv ? Number(kv.create_revision) : -1, clusterId: fleetDataId(res.header.cluster_id, await incarnation(this.client)) };
             } catch (e) {
               if (attempt === 5 || ended) throw e;
               await new Promise((r) => setTimeout(r, 200 * attempt));

@@ -7,6 +7,7 @@
 //   /ff/v1/snapshots/<tenant>/<snapId>    SnapshotRec   (manifest stays on holding hosts)
 //   /ff/v1/ops/<tenant>/<opId>            OperationRec
 //   /ff/v1/idem/<tenant>/<sha256(key)>    opId          idempotency keys
+//   /ff/v1/incarnation                    random id     written once per store; in leader terms (election.ts)
 //   election//ff/v1/election/<lease>       scheduler leader election (etcd3 Election puts its own
 //                                         `election/` first: outside /ff/v1/, see services/README.md)
 //
@@ -31,4 +32,5 @@ export const keys = {
   ops: (tenant?: string) => `${PREFIX}ops/${tenant === undefined ? '' : `${tenant}/`}`,
   idem: (tenant: string, key: string) => `${PREFIX}idem/${tenant}/${createHash('sha256').update(key).digest('hex').slice(0, 32)}`,
   election: () => `${PREFIX}election`,
+  incarnation: () => `${PREFIX}incarnation`,
 };

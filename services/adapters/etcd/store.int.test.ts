@@ -14,6 +14,7 @@ import { EtcdDeliveryLog } from './webhook-log.ts';
 import type { DeliveryRec } from '../../domain/webhooks.ts';
 import { usageOf } from '../../domain/quota.ts';
 import { EtcdLeaderElection } from './election.ts';
+import { keys } from './keys.ts';
 import { NotLeaderError, StoreFullError, StoreUnavailableError } from '../../domain/errors.ts';
 import { StoreDuplicateKeyError, StoreLimitError } from './errors.ts';
 import { sandboxRecord } from '../../testkit/records.ts';
@@ -181,6 +182,28 @@ describe('EtcdFleetStore', () => {
     expect(await store.commitAt([{ kind: 'sandbox', value: { ...rec, state: 'failed' }, expectRevision: v1.modRevision }], b.fence()!)).toBeGreaterThan(0);
     await b.resign();
     await a.resign();
+  });
+
+  it('fence_clusterIdIsKeptByEveryLeaderOfOneStore_andIsNewOnceItsIncarnationKeyIsGone', async () => {
+    // Leader terms are the fence's create revision: a store made anew (a wiped etcd rebuilt
+    // with the same member list and token keeps etcd's cluster id) counts revisions from 1
+    // again, and agents that kept a higher term would drop its every step.
+    const a = new EtcdLeaderElection(store.etcd, 'inc-a', 1);
+    await a.campaign();
+    const first = a.fence()!.clusterId!;
+    await a.resign();
+    const b = new EtcdLeaderElection(store.etcd, 'inc-b', 1);
+    await b.campaign();
+    expect(b.fence()!.clusterId).toBe(first);
+    await b.resign();
+    expect(first).toMatch(/^[1-9]\d{0,19}$/);
+    expect(BigInt(first)).toBeLessThan(2n ** 64n);
+    expect(first).not.toBe((await store.etcd.get('x').exec()).header.cluster_id);
+    await store.etcd.delete().key(keys.incarnation()).exec();
+    const c = new EtcdLeaderElection(store.etcd, 'inc-c', 1);
+    await c.campaign();
+    expect(c.fence()!.clusterId).not.toBe(first);
+    await c.resign();
   });
 
   it('leader_cutOffFromEtcd_stepsDownBeforeAStandbyCanWin', async () => {

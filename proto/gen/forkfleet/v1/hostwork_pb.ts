@@ -69,9 +69,10 @@ export type HostWork = Message<"forkfleet.v1.HostWork"> & {
   leaderTerm: bigint;
 
   /**
-   * The etcd cluster id the term is a revision of: terms of different clusters are not
-   * compared (an etcd cluster made anew starts its revisions again), the newest cluster's
-   * work is taken.
+   * The id of the fleet store the term is a revision of (etcd's cluster id folded with the
+   * store's /ff/v1/incarnation key, services/README.md "Leader terms"): terms of different
+   * stores are not compared (a store made anew starts its revisions again); a new store's
+   * work is taken, and work of a store an agent has left is dropped.
    *
    * @generated from field: uint64 leader_cluster = 7;
    */
