@@ -46,6 +46,29 @@ describe('tokens file', () => {
     expect(kindOf(() => parseTokensFile(JSON.stringify({ tokens: [{ tenant: 'a', token_sha256: h('1'), quotas: { sandboxes: 1 } }, { tenant: 'a', token_sha256: h('2'), quotas: { sandboxes: 2 } }] })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[1]');
   });
 
+  it('parseTokensFile_withAnUnknownOrMistypedKey_failsNamingIt_insteadOfReadingNoLimit', () => {
+    const h = '4'.repeat(64);
+    const entry = (e: object): string => JSON.stringify({ tokens: [{ tenant: 'a', token_sha256: h, ...e }] });
+    // Each of these was read as no quota at all.
+    expect(kindOf(() => parseTokensFile(entry({ quotas: { memory_mb: 1024, sandboxes: 5 } })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].quotas.memory_mb');
+    expect(kindOf(() => parseTokensFile(entry({ quotas: { sandbox: 5 } })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].quotas.sandbox');
+    expect(kindOf(() => parseTokensFile(entry({ quotas: null })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].quotas');
+    expect(kindOf(() => parseTokensFile(entry({ quotas: '5' })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].quotas');
+    expect(kindOf(() => parseTokensFile(entry({ quotas: [5] })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].quotas');
+    expect(kindOf(() => parseTokensFile(entry({ quota: { sandboxes: 5 } })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].quota');
+    expect(kindOf(() => parseTokensFile(entry({ rate: { per_s: 5, bursts: 10 } })))).toBe('invalid_argument:FF_TOKENS_FILE tokens[0].rate.bursts');
+    // Every key the file may hold is taken.
+    const all = { admin: true, name: 'ci', quotas: { sandboxes: 50, memory_mib: 65536, snapshot_bytes: 1 }, rate: { per_s: 50, burst: 100 }, idle_timeout: '10m' };
+    expect(parseTokensFile(JSON.stringify({ tokens: [{ tenant: 'admin', token_sha256: h, ...all }] }))[0]).toMatchObject({ quotas: { sandboxes: 50, memoryMib: 65536, snapshotBytes: 1 }, rate: { perSecond: 50, burst: 100 }, idleTimeoutMs: 600_000 });
+  });
+
+  it('mintToken_withEveryOption_writesAnEntryTheFileTakesAgain', () => {
+    const file = join(dir, 'tokens.json');
+    mintToken(file, { tenant: 'admin', admin: true, name: 'ops', quotas: { sandboxes: 1, memory_mib: 2, snapshot_bytes: 3 }, rate: { per_s: 4, burst: 5 } });
+    mintToken(file, { tenant: 'acme' });
+    expect(listTokens(file).map((t) => t.tenant)).toEqual(['admin', 'acme']);
+  });
+
   it('tenantIdleTimeout_isParsedAsADuration_andABadOneNamesTheField', () => {
     const h = '3'.repeat(64);
     expect(parseTokensFile(JSON.stringify({ tokens: [{ tenant: 'a', token_sha256: h, idle_timeout: '10m' }] }))[0]!.idleTimeoutMs).toBe(600_000);

@@ -6,9 +6,10 @@
 //
 // `admin` tokens may call the fleet operations (ListHosts, CordonHost, DrainHost, RemoveHost) and act for
 // any tenant by naming it in `tenant_id`. Quotas and rate are per tenant: every entry of a
-// tenant that sets them must agree. A token is `ff_` + 43 base64url characters (256 random
-// bits); `mintToken` prints it once and stores only its digest. The file is re-read when it
-// changes, so a minted token works without a restart.
+// tenant that sets them must agree. A key not shown above (a misspelt quota) is refused, naming
+// it. A token is `ff_` + 43 base64url characters (256 random bits); `mintToken` prints it once
+// and stores only its digest. The file is re-read when it changes, so a minted token works
+// without a restart.
 import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
 import { chownSync, existsSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
@@ -66,10 +67,21 @@ function positiveInt(field: string, v: unknown): number | undefined {
   return v;
 }
 
+// The keys of an entry, and of its `quotas` and `rate`: every one mintToken writes, and idle_timeout.
+const ENTRY_KEYS: readonly string[] = ['tenant', 'token_sha256', 'admin', 'name', 'quotas', 'rate', 'idle_timeout'];
+const QUOTA_KEYS: readonly string[] = ['sandboxes', 'memory_mib', 'snapshot_bytes'];
+const RATE_KEYS: readonly string[] = ['per_s', 'burst'];
+
+/** Refuses a key of `o` not in `keys`, naming it: a misspelt limit (`memory_mb`, `quota`) read as none was no limit at all. */
+function knownKeys(where: string, o: Record<string, unknown>, keys: readonly string[]): void {
+  for (const k of Object.keys(o)) if (!keys.includes(k)) throw new InvalidArgumentError(`${where}.${k}`, `unknown key; the keys are ${keys.join(', ')}`);
+}
+
 /** Validates one raw entry; `where` names it in errors (e.g. "FF_TOKENS_FILE tokens[2]"). */
 export function parseEntry(raw: unknown, where: string): TokenEntry {
-  if (typeof raw !== 'object' || raw === null) throw new InvalidArgumentError(where, 'must be an object');
+  if (typeof raw !== 'object' || raw === null || Array.isArray(raw)) throw new InvalidArgumentError(where, 'must be an object');
   const r = raw as Record<string, unknown>;
+  knownKeys(where, r, ENTRY_KEYS);
   if (typeof r.tenant !== 'string' || !TENANT_ID_RE.test(r.tenant)) throw new InvalidArgumentError(`${where}.tenant`, 'must be 1-63 characters of a-z, 0-9 and -');
   if (typeof r.token_sha256 !== 'string' || !/^[0-9a-f]{64}$/.test(r.token_sha256)) throw new InvalidArgumentError(`${where}.token_sha256`, 'must be 64 lowercase hex digits');
   if (r.admin !== undefined && typeof r.admin !== 'boolean') throw new InvalidArgumentError(`${where}.admin`, 'must be true or false');
@@ -77,7 +89,9 @@ export function parseEntry(raw: unknown, where: string): TokenEntry {
   if (r.tenant === 'admin' && r.admin !== true) throw new InvalidArgumentError(`${where}.tenant`, "'admin' is reserved for admin tokens (set \"admin\": true)");
   let quotas: TenantQuota | undefined;
   if (r.quotas !== undefined) {
-    const q = (typeof r.quotas === 'object' && r.quotas !== null ? r.quotas : {}) as Record<string, unknown>;
+    if (typeof r.quotas !== 'object' || r.quotas === null || Array.isArray(r.quotas)) throw new InvalidArgumentError(`${where}.quotas`, `must be an object such as {"sandboxes": 50}, got ${JSON.stringify(r.quotas)}`);
+    const q = r.quotas as Record<string, unknown>;
+    knownKeys(`${where}.quotas`, q, QUOTA_KEYS);
     const sandboxes = positiveInt(`${where}.quotas.sandboxes`, q.sandboxes);
     const memoryMib = positiveInt(`${where}.quotas.memory_mib`, q.memory_mib);
     const snapshotBytes = positiveInt(`${where}.quotas.snapshot_bytes`, q.snapshot_bytes);
@@ -86,6 +100,7 @@ export function parseEntry(raw: unknown, where: string): TokenEntry {
   let rate: RateSpec | undefined;
   if (r.rate !== undefined) {
     const q = (typeof r.rate === 'object' && r.rate !== null ? r.rate : {}) as Record<string, unknown>;
+    knownKeys(`${where}.rate`, q, RATE_KEYS);
     const perSecond = q.per_s;
     if (typeof perSecond !== 'number' || !(perSecond > 0)) throw new InvalidArgumentError(`${where}.rate.per_s`, 'must be a number > 0');
     const burst = positiveInt(`${where}.rate.burst`, q.burst) ?? Math.max(1, Math.ceil(perSecond));

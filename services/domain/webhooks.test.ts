@@ -440,12 +440,12 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     vi.useRealTimers();
   });
 
-  function dispatcher(store: Pick<FleetStore, 'watchRecords' | 'revision'>, log: MemoryLog, poster: WebhookPoster, over: { types?: string[]; onEventsLost?: (n: number) => void; onStartFailed?: () => void; onAttempt?: (result: 'delivered' | 'retry' | 'failed') => void } = {}) {
+  function dispatcher(store: Pick<FleetStore, 'watchRecords' | 'revision'>, log: MemoryLog, poster: WebhookPoster, over: { types?: string[]; onEventsLost?: (n: number) => void; onStartFailed?: () => void; onAttempt?: (result: 'delivered' | 'retry' | 'failed') => void; now?: () => number } = {}) {
     const d = new WebhookDispatcher({
       store,
       deliveries: log,
       poster,
-      clock: { now: () => Date.now() },
+      clock: { now: over.now ?? (() => Date.now()) },
       log: pino({ level: 'silent' }),
       targets: parseWebhookTargets('t', JSON.stringify([{ url: 'http://hook.test/x', secret: SECRET, types: over.types ?? ['sandbox_created'] }])),
       retry: { maxAttempts: 4, baseDelayMs: 20, maxDelayMs: 100, timeoutMs: 2000 },
@@ -764,6 +764,35 @@ describe('WebhookDispatcher, with fakes of its ports', () => {
     await until(() => [...log.recs.values()].some((r) => r.revision === 101 + n && r.state === 'delivered'), 5000);
     expect(byState('delivered')).toHaveLength(MAX_PENDING_PER_TARGET + 1);
   }, 60_000);
+
+  it('deliveryThatWaitsForASlotPastTheFreshnessWindow_isSignedWhenItIsSent_andItsSignatureVerifies', async () => {
+    // A slow receiver holds MAX_POSTS_PER_URL POSTs; the next delivery waits 10 minutes for a
+    // slot. Signed before it waited, its `t` was past verifyWebhookSignature's 300 s when sent:
+    // the receiver answered 401 to it, and to every retry.
+    let now = Date.now();
+    const { store, emit } = fakeStore({ revision: 100 });
+    const log = new MemoryLog();
+    log.cur = 100;
+    const held: Array<(status: number) => void> = [];
+    const verified: boolean[] = [];
+    const poster = {
+      post: (_url: string, body: string, headers: Record<string, string>) => {
+        verified.push(verifyWebhookSignature(SECRET, body, headers['forkfleet-signature'] ?? '', Math.floor(now / 1000)));
+        return new Promise<number>((r) => held.push(r));
+      },
+    };
+    await dispatcher(store, log, poster, { now: () => now }).start();
+    for (let i = 0; i <= MAX_POSTS_PER_URL; i++) emit(sandboxCreated(101, `sb-${i}`));
+    await until(() => held.length === MAX_POSTS_PER_URL && log.recs.size === MAX_POSTS_PER_URL + 1, 5000);
+    // Its attempt has begun and waits for a slot.
+    await new Promise((r) => setTimeout(r, 50));
+    expect(held).toHaveLength(MAX_POSTS_PER_URL);
+    now += 10 * 60_000;
+    held.shift()!(200);
+    await until(() => verified.length === MAX_POSTS_PER_URL + 1, 5000);
+    expect(verified).toEqual(new Array<boolean>(MAX_POSTS_PER_URL + 1).fill(true));
+    for (const r of held.splice(0)) r(200);
+  });
 
   it('postsWaitingForASlotWhenTheLeaderStops_areNotSent_byTheRunThatStopped', async () => {
     // The next leader lists the same pending deliveries and sends them: a deposed leader that

@@ -8,7 +8,8 @@
 // pending. Delivery is therefore at least once: receivers dedupe on `forkfleet-delivery`.
 //
 // Signature (header `forkfleet-signature`): `t=<unix seconds>,v1=<hex HMAC-SHA256(secret,
-// "<t>.<body>")>`. verifyWebhookSignature checks it in constant time, with a freshness window.
+// "<t>.<body>")>`, `t` the time the POST is sent. verifyWebhookSignature checks it in constant
+// time, with a freshness window.
 import { createHash, createHmac, timingSafeEqual } from 'node:crypto';
 import type { Logger } from 'pino';
 import type { Clock, FleetStore } from './ports.ts';
@@ -688,15 +689,18 @@ export class WebhookDispatcher {
       await this.save(next, run);
       return;
     }
-    const headers = {
+    // Signed when its slot comes, not now: behind a backlog at the URL (MAX_POSTS_PER_URL) the
+    // wait can pass the receiver's freshness window (verifyWebhookSignature, 300 s), and a stale
+    // `t` is refused (401) on every attempt, retries included.
+    const headers = (): Record<string, string> => ({
       'content-type': 'application/json',
       'forkfleet-delivery': rec.id,
       'forkfleet-event': rec.eventType,
       'forkfleet-attempt': String(next.attempts),
-      'forkfleet-signature': signWebhook(target.secret, rec.body, Math.floor(now / 1000)),
-    };
+      'forkfleet-signature': signWebhook(target.secret, rec.body, Math.floor(this.deps.clock.now() / 1000)),
+    });
     try {
-      const status = await this.posting(rec.url, rec.tenantId, run, () => this.deps.poster.post(rec.url, rec.body, headers, this.retry.timeoutMs));
+      const status = await this.posting(rec.url, rec.tenantId, run, () => this.deps.poster.post(rec.url, rec.body, headers(), this.retry.timeoutMs));
       // Stopped (or stopped and started again) while it waited for a slot: not sent by this run.
       if (status === undefined) return;
       next.lastStatus = status;
