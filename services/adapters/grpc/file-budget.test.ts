@@ -3,6 +3,7 @@ import { describe, expect, it } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { Metadata } from '@grpc/grpc-js';
 import { FilePieces, fleetService } from './fleet-service.ts';
+import type { FleetServiceDeps } from './fleet-service.ts';
 import type { CallContext } from './rpc.ts';
 import type { Fleet } from '../../domain/fleet.ts';
 import type { FleetStore } from '../../domain/ports.ts';
@@ -19,9 +20,11 @@ type Handlers = {
   readFile: (req: ReadFileRequest, ctx: CallContext) => AsyncIterable<{ data: Uint8Array }>;
 };
 
-function service(fleet: Partial<Fleet>, fileBufferBytes: number): Handlers {
-  return fleetService({ fleet: fleet as Fleet, store: {} as FleetStore, clock: { now: () => Date.now() }, fileBufferBytes }).handlers as unknown as Handlers;
+function service(fleet: Partial<Fleet>, fileBufferBytes: number, more: Partial<FleetServiceDeps> = {}): Handlers {
+  return fleetService({ fleet: fleet as Fleet, store: {} as FleetStore, clock: { now: () => Date.now() }, fileBufferBytes, ...more }).handlers as unknown as Handlers;
 }
+
+const callOf = (tenantId: string): CallContext => ({ ...ctx, principal: { tenantId, admin: false, credentialId: `c-${tenantId}` } }) as CallContext;
 
 const header = (sandboxId = SB): WriteFileRequest => create(WriteFileRequestSchema, { payload: { case: 'header', value: { sandboxId, path: '/tmp/f' } } });
 const data = (n: number): WriteFileRequest => create(WriteFileRequestSchema, { payload: { case: 'data', value: new Uint8Array(n) } });
@@ -156,6 +159,48 @@ describe('file calls within the replica budget', () => {
     await expect(other).resolves.toEqual({ bytesWritten: BigInt(64 * MiB) });
     for (const u of stalled) u.end();
     await Promise.all(calls);
+  });
+
+  it('writeFiles_ofTwoTenantsWhoseUploadsStall_areEndedAfterTheIdlePeriod_writingNothing_andAThirdTenantsUploadThenFits', async () => {
+    const written: string[] = [];
+    // 128 MiB: a tenant may hold 64 MiB, so two tenants hold it all.
+    const h = service({ checkWritable: async () => undefined, writeFile: async (t: string, _s: string, _p: string, _m: number, b: Buffer) => (written.push(t), b.length) }, 128 * MiB, { writeFileIdleMs: 300 });
+    const stalled = ['ta', 'tb'].map((t) => {
+      const u = upload();
+      const call = h.writeFile(u.reqs, callOf(t));
+      const ended = call.then(() => 'written', (e: unknown) => e);
+      u.send(header());
+      u.send(data(64 * MiB));
+      return ended;
+    });
+    await new Promise((r) => setTimeout(r, 10));
+    const attempt = (): Promise<{ bytesWritten: bigint }> => {
+      const u = upload();
+      const call = h.writeFile(u.reqs, callOf('tc'));
+      u.send(header());
+      u.send(data(MiB));
+      u.end();
+      return call;
+    };
+    await expect(attempt()).rejects.toMatchObject({ kind: 'resource_exhausted', message: expect.stringContaining('FF_FILE_BUFFER_MAX') });
+    // Their clients send nothing more (hung, yet connected): ended once the idle period passes.
+    for (const ended of await Promise.all(stalled)) expect(ended).toMatchObject({ kind: 'resource_exhausted', message: expect.stringContaining('sent nothing for 0.3s') });
+    await expect(attempt()).resolves.toEqual({ bytesWritten: BigInt(MiB) });
+    expect(written).toEqual(['tc']);
+  });
+
+  it('writeFile_thatSendsAPieceWithinEachIdlePeriod_isNotEnded_howeverLongItTakes', async () => {
+    const h = service({ checkWritable: async () => undefined, writeFile: async (_t: string, _s: string, _p: string, _m: number, b: Buffer) => b.length }, 64 * MiB, { writeFileIdleMs: 400 });
+    const u = upload();
+    const call = h.writeFile(u.reqs, ctx);
+    u.send(header());
+    // 600 ms in all, a piece every 100 ms.
+    for (let i = 0; i < 6; i++) {
+      await new Promise((r) => setTimeout(r, 100));
+      u.send(data(MiB));
+    }
+    u.end();
+    await expect(call).resolves.toEqual({ bytesWritten: BigInt(6 * MiB) });
   });
 
   it('filePieces_ofManyTinyOrEmptyPieces_holdAFewBlocks_notAnArrayEach_andJoinToTheFile', () => {

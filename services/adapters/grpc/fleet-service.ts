@@ -61,6 +61,15 @@ const WATCH_EVENTS_MAX_QUEUED = 4096;
  */
 export const WATCH_PROGRESS_MS = 30_000;
 
+/**
+ * How long a WriteFile may go without a message from its client before it is ended
+ * (RESOURCE_EXHAUSTED, as a stream whose client stops reading is: STREAM_STALL_MS in rpc.ts),
+ * the file budget it held given back and nothing written. A hung client stays connected
+ * (keepalive pings are answered by its HTTP/2 library, not by it), and rpc.ts watches only
+ * what goes to the client: its upload held its budget for as long as the connection lasted.
+ */
+export const WRITE_FILE_IDLE_MS = 60_000;
+
 /** How long before a WaitOperation call's deadline it answers with the operation as it is. */
 const WAIT_ANSWER_MARGIN_MS = 500;
 
@@ -72,6 +81,8 @@ export interface FleetServiceDeps {
   fileBufferBytes?: number;
   /** WATCH_PROGRESS_MS, for tests. */
   watchProgressMs?: number;
+  /** WRITE_FILE_IDLE_MS, for tests. */
+  writeFileIdleMs?: number;
 }
 
 /** Sandboxes (fork children) the operations of one ListOperations page answer with, at most. */
@@ -82,8 +93,9 @@ const OPS_PAGE_MAX_SANDBOXES = 1024;
  * piece (it goes to the host as one message), a ReadFile until its caller has read it: without
  * a bound, a few hundred callers could make a replica hold their files at once and run it out of
  * memory for every tenant. One tenant holds at most `tenantShare` of it (half, or one largest
- * file if that is more): a tenant whose uploads stall, or whose reader stops reading, cannot
- * keep every other tenant's file calls refused.
+ * file if that is more), so one tenant alone cannot take it all; two can. What bounds how long
+ * they keep it is time: an upload that sends nothing for WRITE_FILE_IDLE_MS, and a reader that
+ * takes nothing for STREAM_STALL_MS (rpc.ts), are ended and give back what they held.
  */
 export class ByteBudget {
   private used = 0;
@@ -292,9 +304,15 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       // nowhere. A refusal ends the call at once, the stream still open.
       let checked: Promise<void> = Promise.resolve();
       const refused = new AbortController();
+      // A client that sends nothing for idleMs is ended as refused (its budget given back once,
+      // below); the timer restarts with each message, and stops once the last one is in.
+      const idleMs = deps.writeFileIdleMs ?? WRITE_FILE_IDLE_MS;
+      const idle = setTimeout(() => refused.abort(new ForkfleetError('resource_exhausted', `WriteFile: the upload sent nothing for ${idleMs / 1000}s: send its pieces as they come, then call again`)), idleMs);
+      idle.unref();
       const it = reqs[Symbol.asyncIterator]();
       try {
         for (let next = await nextUnless(it, refused.signal); !next.done; next = await nextUnless(it, refused.signal)) {
+          idle.refresh();
           const r = next.value;
           if (r.payload.case === 'header') {
             if (header) throw new InvalidArgumentError('header', 'sent twice');
@@ -317,6 +335,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             throw new InvalidArgumentError('payload', 'set header or data');
           }
         }
+        clearTimeout(idle);
         if (!header) throw new InvalidArgumentError('header', 'missing');
         await checked;
         // The pieces go as soon as they are joined: the file is held once, not twice.
@@ -324,6 +343,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
         const written = await fleet.writeFile(header.tenantId, header.sandboxId, header.path, header.mode, whole, ctx.signal);
         return { bytesWritten: BigInt(written) };
       } finally {
+        clearTimeout(idle);
         // As a for-await does: the request stream is let go (a read still pending ends with the call).
         void it.return?.().catch(() => undefined);
         if (header) files.give(header.tenantId, held);
