@@ -2,7 +2,7 @@ import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
-import { Agent, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
+import { Agent, LEFT_CLUSTERS_MAX, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
 import type { AgentBus, AgentConfig, AgentDeps, SnapshotShipper, WorkControl } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { Accel, VmInfo, VmmDriver } from './vmm.ts';
@@ -630,6 +630,36 @@ describe('Agent steps', () => {
     expect(counts).toEqual({ forks: 1, execs: ['sb-1 /bin/refresh'] });
   });
 
+  it('start_killedBeforeItsClaim_afterTheSandboxsEarlierVmWasEnded_isRedeliveredAndTakesTheVmItMade_asOneWithNoOwnerKnown', async () => {
+    // The earlier VM ended by a stop (a hibernate's), or by the start itself as stale (a paused
+    // VM whose stop failed): either way, its owner is no owner of the VM made next.
+    for (const endedBy of ['stop', 'the start'] as const) {
+      const vms = new Map<string, VmInfo>();
+      const counts = { forks: 0, execs: [] as string[] };
+      const journal = new MemoryJournal();
+      let destroys = 0;
+      const driver = hookedDriver(vms, counts);
+      const counted: Partial<VmmDriver> = { ...driver, destroy: (id) => (destroys++, driver.destroy!(id)) };
+      const before = agentWith(counted, obtained, {}, undefined, journal);
+      // op-c made sb-1 here (its owner, journalled); then its VM was ended, or left paused.
+      expect((await before.agent.runStep(hookedWake('op-c', 'sn-0'))).error).toBeUndefined();
+      if (endedBy === 'stop') expect((await before.agent.runStep(create(HostWorkSchema, { opId: 'op-h', stepId: 'stop', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
+      else vms.set('sb-1', { ...vms.get('sb-1')!, state: 'paused' });
+      // Wake op-w1 forks sb-1 here; the agent is killed before its claim is journalled.
+      const put = journal.put.bind(journal);
+      journal.put = (opId, stepId, bytes) => (stepId === 'owner' && Buffer.from(bytes).toString('utf8') === 'op-w1' ? new Promise<never>(() => undefined) : put(opId, stepId, bytes));
+      void before.agent.runStep(hookedWake('op-w1'));
+      await new Promise((r) => setTimeout(r, 10));
+      journal.put = put;
+      expect([counts.forks, destroys, vms.get('sb-1')?.baseSnapshotId]).toEqual([2, 1, 'sn-h']);
+      // The next agent adopts the VM; the wake, redelivered, reports it (its hooks run now), not
+      // ending it as stale and forking again.
+      const after = agentWith(counted, obtained, {}, undefined, journal);
+      expect((await after.agent.runStep(hookedWake('op-w1'))).vms.map((v) => [v.sandboxId, v.state])).toEqual([['sb-1', PbVmState.RUNNING]]);
+      expect([endedBy, counts.forks, destroys]).toEqual([endedBy, 2, 1]);
+    }
+  });
+
   it('startAnsweredFromItsJournal_afterTheSchedulerGaveItsSandboxUpHere_doesNotReportItRunning_alsoAfterAnAgentRestart', async () => {
     const vms = new Map<string, VmInfo>();
     const journal = new MemoryJournal();
@@ -845,11 +875,77 @@ describe('Agent steps', () => {
     expect(await second.deliver('f', 2n, 8n)).toBe(true);
     expect(destroyed).toEqual(['sb-a', 'sb-c', 'sb-e']);
     expect(answered).toEqual(['a', 'c', 'e']);
-    expect(journal.term).toEqual({ term: 3n, cluster: 8n });
+    expect(journal.term).toEqual({ term: 3n, cluster: 8n, leftClusters: [7n] });
     await second.agent.stop();
   });
 
-  it('work_ofATermQueuedForASlotWhileANewerTermWasTaken_isAckedAndDroppedWhenItsTurnComes_withoutARunOrAResult', async () => {
+  /** An agent over `journal` whose work is delivered by `deliver(step, term, cluster)`: a destroy of sb-<step>; whether it was acked. */
+  const termedAgent = async (journal: MemoryJournal, destroyed: string[], answered: string[]) => {
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined, get: (id: string) => ({ vmId: id, sandboxId: id }) as never, destroy: async (id: string) => void destroyed.push(id) },
+      {},
+      { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async (r) => void answered.push(r.stepId) },
+      undefined,
+      journal,
+    );
+    await agent.start();
+    const deliver = async (step: string, term: bigint, cluster: bigint): Promise<boolean> => {
+      let acked = false;
+      await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), ctlOf(() => void (acked = true)));
+      return acked;
+    };
+    return { agent, deliver };
+  };
+
+  it('work_ofAnEtcdClusterThisHostLeftForANewOne_isAckedAndDroppedWithoutAResult_whileTheNewClustersIsTaken_withoutTurningBack', async () => {
+    const journal = new MemoryJournal();
+    const destroyed: string[] = [];
+    const answered: string[] = [];
+    const { agent, deliver } = await termedAgent(journal, destroyed, answered);
+    expect(await deliver('a1', 10n, 7n)).toBe(true);
+    expect(await deliver('b1', 2n, 8n)).toBe(true); // the fleet's etcd made anew: cluster 8 from now on
+    // Cluster 7's leader, deposed, still publishes (held by its NATS client), in a newer term
+    // of its own: dropped, and the agent stays with cluster 8, whose work is taken.
+    expect(await deliver('a2', 11n, 7n)).toBe(true);
+    expect(await deliver('b2', 2n, 8n)).toBe(true);
+    expect(await deliver('a3', 10n, 7n)).toBe(true);
+    expect(await deliver('z', 0n, 7n)).toBe(true); // no term: taken, as ever
+    expect(destroyed).toEqual(['sb-a1', 'sb-b1', 'sb-b2', 'sb-z']);
+    expect(answered).toEqual(['a1', 'b1', 'b2', 'z']);
+    expect(journal.term).toEqual({ term: 2n, cluster: 8n, leftClusters: [7n] });
+    // A third incarnation: both left; at most LEFT_CLUSTERS_MAX of them remembered, the oldest forgotten.
+    expect(await deliver('c1', 1n, 9n)).toBe(true);
+    expect(await deliver('b3', 3n, 8n)).toBe(true);
+    expect(journal.term).toEqual({ term: 1n, cluster: 9n, leftClusters: [7n, 8n] });
+    for (let c = 10n; c < 10n + BigInt(LEFT_CLUSTERS_MAX) - 1n; c++) expect(await deliver(`n${c}`, 1n, c)).toBe(true);
+    expect(journal.term?.leftClusters).toHaveLength(LEFT_CLUSTERS_MAX);
+    expect(journal.term?.leftClusters?.[0]).toBe(8n);
+    expect(destroyed).not.toContain('sb-b3');
+    await agent.stop();
+  });
+
+  it('work_ofAnEtcdClusterThisHostLeft_isDroppedAlsoAfterARestart_theClustersLeftKeptInTheJournal', async () => {
+    const journal = new MemoryJournal();
+    const destroyed: string[] = [];
+    const answered: string[] = [];
+    const first = await termedAgent(journal, destroyed, answered);
+    expect(await first.deliver('a1', 10n, 7n)).toBe(true);
+    expect(await first.deliver('b1', 2n, 8n)).toBe(true);
+    await first.agent.stop();
+    // A redelivery of cluster 7's work to the next agent: dropped; cluster 8's taken.
+    const second = await termedAgent(journal, destroyed, answered);
+    expect(await second.deliver('a2', 10n, 7n)).toBe(true);
+    expect(await second.deliver('b2', 2n, 8n)).toBe(true);
+    expect(destroyed).toEqual(['sb-a1', 'sb-b1', 'sb-b2']);
+    expect(answered).toEqual(['a1', 'b1', 'b2']);
+    await second.agent.stop();
+  });
+
+  it.each([
+    ['term', 6n, 1n],
+    ['etcd cluster', 1n, 2n],
+  ])('work_ofATermQueuedForASlotWhileANewerTermWasTaken_isAckedAndDroppedWhenItsTurnComes_withoutARunOrAResult (a newer %s)', async (_newer, newTerm, newCluster) => {
     const destroyed: string[] = [];
     const answered: string[] = [];
     let release: () => void = () => undefined;
@@ -865,14 +961,14 @@ describe('Agent steps', () => {
     );
     await agent.start();
     const acks: string[] = [];
-    const deliver = (step: string, term: bigint, w: Parameters<typeof work>[1]) =>
-      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: 1n }), ctlOf(() => void acks.push(step)));
+    const deliver = (step: string, term: bigint, w: Parameters<typeof work>[1], cluster = 1n) =>
+      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster }), ctlOf(() => void acks.push(step)));
     // Term 5: a restore holds the only slot, a destroy waits for it.
     const restoring = deliver('restore', 5n, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } });
     const queued = deliver('old', 5n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-old' } } });
     await new Promise((r) => setTimeout(r, 10));
-    // The new leader's first work takes term 6 (it waits for the slot too).
-    const fresh = deliver('new', 6n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-new' } } });
+    // The new leader's first work takes term 6, or its new etcd cluster's term (it waits for the slot too).
+    const fresh = deliver('new', newTerm, { work: { case: 'destroyVm', value: { sandboxId: 'sb-new' } } }, newCluster);
     release();
     await Promise.all([restoring, queued, fresh]);
     // (sb-r: the failed restore's clean-up.)

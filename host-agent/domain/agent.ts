@@ -80,7 +80,7 @@ export interface Journal {
    * both, the agent knows terms only since it started.
    */
   leaderTerm?(): Promise<LeaderTerm | undefined>;
-  /** Keeps `term` across restarts (called only with a newer term than the last). */
+  /** Keeps `term` across restarts, with its leftClusters (called only with a newer term than the last). */
   setLeaderTerm?(term: LeaderTerm): Promise<void>;
 }
 
@@ -88,7 +88,16 @@ export interface Journal {
 export interface LeaderTerm {
   readonly term: bigint;
   readonly cluster: bigint;
+  /**
+   * The etcd clusters this host took work of before and left for another (Agent.takesTerm),
+   * oldest first, at most LEFT_CLUSTERS_MAX; absent when none (as in a record kept by an
+   * agent before this list).
+   */
+  readonly leftClusters?: readonly bigint[];
 }
+
+/** How many etcd clusters left (LeaderTerm.leftClusters) an agent remembers: the fleet's etcd is made anew rarely. */
+export const LEFT_CLUSTERS_MAX = 16;
 
 /** A snapshot held elsewhere, ready for a restore by migration; `release` unpins its fetched disk chunks. */
 export type IncomingSnapshot = IncomingSource & { bytesFetched: number; release(): void };
@@ -598,10 +607,11 @@ export class Agent {
 
   // ---------------------------------------------------------------- work
 
-  /** Whether `w` is of an older term of the same cluster than the newest this agent has taken. */
+  /** Whether `w` is of an older term of the same cluster than the newest this agent has taken, or of a cluster it has left (takesTerm). */
   private ofAnOlderTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
-    return w.leaderTerm !== 0n && kept !== undefined && kept.cluster === w.leaderCluster && w.leaderTerm < kept.term;
+    if (w.leaderTerm === 0n || kept === undefined) return false;
+    return kept.cluster === w.leaderCluster ? w.leaderTerm < kept.term : (kept.leftClusters?.includes(w.leaderCluster) ?? false);
   }
 
   /**
@@ -614,21 +624,32 @@ export class Agent {
    * is left to the stray-VM check (a VM with no record is stopped). Judged in delivery order,
    * so a newer term is taken before any later delivery. Terms of another etcd cluster are not
    * compared: work of a cluster other than the kept one's is taken, and its term kept (etcd
-   * was made anew and counts from 1 again).
+   * was made anew and counts from 1 again). The scheduler's leader_cluster changes whenever the
+   * fleet's etcd data is made anew, never back: the cluster left is dead for good, and its work
+   * still coming (a deposed leader's held publishes, redeliveries) is dropped as an older
+   * term's is, instead of being taken and turning this agent back to that cluster (and then
+   * to the new one again, and so on). The clusters left are kept with the term, the last
+   * LEFT_CLUSTERS_MAX of them. Cluster 0 (a leader that does not know its cluster's id, which
+   * may be either) is never counted as left, nor is one left for it. Term 0 (no term) is taken.
    */
   private takesTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n) return true;
+    let leftClusters = kept?.leftClusters;
     if (kept && kept.cluster === w.leaderCluster) {
       if (w.leaderTerm === kept.term) return true;
       if (w.leaderTerm < kept.term) {
         this.log.warn({ opId: w.opId, stepId: w.stepId, term: String(w.leaderTerm), newestTerm: String(kept.term) }, "work from a deposed leader's term dropped");
         return false;
       }
+    } else if (kept?.leftClusters?.includes(w.leaderCluster)) {
+      this.log.warn({ opId: w.opId, stepId: w.stepId, cluster: String(w.leaderCluster), keptCluster: String(kept.cluster) }, 'work from an etcd cluster this host has left (made anew since) dropped');
+      return false;
     } else if (kept) {
       this.log.warn({ cluster: String(w.leaderCluster), keptCluster: String(kept.cluster) }, 'work from another etcd cluster: its leader terms are taken from now on');
+      if (kept.cluster !== 0n && w.leaderCluster !== 0n) leftClusters = [...(leftClusters ?? []), kept.cluster].slice(-LEFT_CLUSTERS_MAX);
     }
-    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster };
+    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster, ...(leftClusters?.length ? { leftClusters } : {}) };
     this.leaderTerm = term;
     const keep = this.deps.journal.setLeaderTerm;
     if (keep) this.termKept = this.termKept.then(() => keep.call(this.deps.journal, term)).catch((e: unknown) => this.log.error({ err: e, term: String(term.term) }, 'could not keep the newest leader term; a restart forgets it'));
@@ -657,9 +678,10 @@ export class Agent {
       const key = `${w.opId}/${w.stepId}`;
       const run = async (): Promise<void> => {
         // Judged again when it starts: a step that waited for a slot while a newer leader's
-        // work arrived is of a deposed leader's term now, dropped as takesTerm drops it.
+        // work arrived (or a new etcd cluster's) is of a deposed leader's term now, dropped as
+        // takesTerm drops it.
         if (this.ofAnOlderTerm(w)) {
-          this.log.warn({ opId: w.opId, stepId: w.stepId, term: String(w.leaderTerm), newestTerm: String(this.leaderTerm?.term) }, "queued work of a deposed leader's term dropped");
+          this.log.warn({ opId: w.opId, stepId: w.stepId, term: String(w.leaderTerm), newestTerm: String(this.leaderTerm?.term), cluster: String(w.leaderCluster), keptCluster: String(this.leaderTerm?.cluster) }, "queued work of a deposed leader's term dropped");
           ctl.ack();
           return done();
         }
@@ -1030,6 +1052,20 @@ export class Agent {
     await this.deps.journal.put(ownerRecord(sandboxId), 'owner', Buffer.from(opId, 'utf8')).catch((e: unknown) => log.warn({ err: e, sandboxId }, "could not journal the owner of a sandbox's VM"));
   }
 
+  /**
+   * Forgets the owner of the sandbox's VM once that VM is gone (a stop ended it or found none,
+   * a start ended a stale one), in memory and in the journal (an empty record: none known). The
+   * sandbox's next VM here is not that op's: a start that makes it, the agent killed before its
+   * claim, is redelivered to the next agent and takes the VM, which that agent adopted, as its
+   * own (ownVm: no owner known). With the old owner kept, it ended that VM as stale and made
+   * it again. A journal that cannot be written is logged: the old owner then outlives a restart.
+   */
+  private async forgetOwner(sandboxId: string, log: Logger): Promise<void> {
+    if ((await this.ownerOf(sandboxId)) === undefined) return;
+    await this.deps.journal.put(ownerRecord(sandboxId), 'owner', new Uint8Array()).catch((e: unknown) => log.warn({ err: e, sandboxId }, "could not journal that a sandbox's VM has no owner any more"));
+    this.owners.delete(sandboxId);
+  }
+
   private setOwner(sandboxId: string, opId: string): void {
     this.owners.delete(sandboxId);
     this.owners.set(sandboxId, opId);
@@ -1065,12 +1101,13 @@ export class Agent {
    * after its restart; a re-send), which is reported rather than made again: only a running
    * one made from `base` (the step's snapshot; null: a create's image) that this op made or
    * took (claim), or whose owner is not known (its claim not journalled before the agent
-   * died). Any other is stale and is not this op's to report: a hibernated sandbox's VM,
-   * paused, whose stop failed; a drain's source left behind; the VM of a start the scheduler
-   * gave up on, another op's; this op's own from an earlier step of another snapshot (a
-   * drain's migration tried again from a newer snapshot of the source, the first attempt's VM
-   * not stopped yet). Reported, the sandbox would be recorded running from it, with none of
-   * the step's snapshot and none of its after_resume hooks run.
+   * died; the owner of the sandbox's VM before it, ended here, is forgotten: forgetOwner). Any
+   * other is stale and is not this op's to report: a hibernated sandbox's VM, paused, whose
+   * stop failed; a drain's source left behind; the VM of a start the scheduler gave up on,
+   * another op's; this op's own from an earlier step of another snapshot (a drain's migration
+   * tried again from a newer snapshot of the source, the first attempt's VM not stopped yet).
+   * Reported, the sandbox would be recorded running from it, with none of the step's snapshot
+   * and none of its after_resume hooks run.
    */
   private async ownVm(vm: VmInfo, sandboxId: string, opId: string, base: string | null): Promise<boolean> {
     if (vm.state !== 'running' || vm.baseSnapshotId !== base) return false;
@@ -1078,10 +1115,11 @@ export class Agent {
     return owner === undefined || owner === opId;
   }
 
-  /** Ends a VM a start found for its sandbox that is not its own (ownVm): the start makes the sandbox's VM anew. */
+  /** Ends a VM a start found for its sandbox that is not its own (ownVm), and forgets its owner: the start makes the sandbox's VM anew. */
   private async destroyStale(vm: VmInfo, sandboxId: string, log: Logger): Promise<void> {
     if (vm.state !== 'crashed' && vm.state !== 'destroyed') log.warn({ sandboxId, state: vm.state, baseSnapshotId: vm.baseSnapshotId }, "a start found a VM of its sandbox that is not its own: ended, and the VM made anew");
     await this.deps.driver.destroy(sandboxId);
+    await this.forgetOwner(sandboxId, log);
   }
 
   private async act(w: HostWork, result: HostResult, log: Logger): Promise<void> {
@@ -1233,7 +1271,7 @@ export class Agent {
         const noted = this.noteStop(w);
         const then = noted ? await noted : undefined;
         await this.stepsBefore(w);
-        if (!driver.get(sandboxId)) return;
+        if (!driver.get(sandboxId)) return this.forgetOwner(sandboxId, log);
         if (then) {
           // A guarded stop ends the VM it was sent for: its own op's start's, the one there when
           // it came, or the one a start delivered before it made; not one a later op's start
@@ -1245,6 +1283,7 @@ export class Agent {
           }
         }
         await driver.destroy(sandboxId);
+        await this.forgetOwner(sandboxId, log);
         return;
       }
       case 'deleteSnapshot': {

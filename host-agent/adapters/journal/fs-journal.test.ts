@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it, vi } from 'vitest';
-import { mkdirSync, mkdtempSync, readdirSync, rmSync, utimesSync, writeFileSync } from 'node:fs';
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, utimesSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { FsJournal, TEMP_SUFFIX } from './fs-journal.ts';
@@ -177,6 +177,21 @@ describe('journal leader term', () => {
     expect(await j.prune(Date.now() + 60_000)).toBe(1); // every op goes; the term stays
     expect(await new FsJournal(join(dir, 'j')).leaderTerm()).toEqual({ term: 42n, cluster: 14_841_639_068_965_178_418n });
     writeFileSync(join(dir, 'j', 'leader-term'), '42\n');
+    await expect(j.leaderTerm()).rejects.toThrow(/holds no leader term/);
+  });
+
+  it('fsJournal_leaderTerm_keepsTheEtcdClustersLeft_andARecordWithoutThem_asAnAgentBeforeThemWroteIt_loadsWithNone', async () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
+    dirs.push(dir);
+    const j = new FsJournal(dir);
+    writeFileSync(join(dir, 'leader-term'), '7 10\n'); // written by an agent that kept no clusters left
+    expect(await j.leaderTerm()).toEqual({ cluster: 7n, term: 10n });
+    await j.setLeaderTerm({ term: 2n, cluster: 9n, leftClusters: [7n, 18_446_744_073_709_551_615n] });
+    expect(await new FsJournal(dir).leaderTerm()).toEqual({ term: 2n, cluster: 9n, leftClusters: [7n, 18_446_744_073_709_551_615n] });
+    // None left: written as before, so an agent of the version before still reads it.
+    await j.setLeaderTerm({ term: 3n, cluster: 9n, leftClusters: [] });
+    expect(readFileSync(join(dir, 'leader-term'), 'utf8')).toBe('9 3\n');
+    writeFileSync(join(dir, 'leader-term'), '9 3 7,\n');
     await expect(j.leaderTerm()).rejects.toThrow(/holds no leader term/);
   });
 });

@@ -91,7 +91,11 @@ export class FsJournal implements Journal {
     return join(this.dir, 'leader-term');
   }
 
-  /** `<cluster> <term>`, decimal. */
+  /**
+   * `<cluster> <term>`, decimal, then ` <left>,<left>…` when there are clusters left
+   * (LeaderTerm.leftClusters): a record without them, as agents before them wrote, loads with
+   * none, and one with none is written as they wrote it.
+   */
   async leaderTerm(): Promise<LeaderTerm | undefined> {
     let text: string;
     try {
@@ -100,15 +104,17 @@ export class FsJournal implements Journal {
       if ((e as NodeJS.ErrnoException).code === 'ENOENT') return undefined;
       throw e;
     }
-    const m = /^(\d{1,20}) (\d{1,20})$/.exec(text);
+    const m = /^(\d{1,20}) (\d{1,20})(?: (\d{1,20}(?:,\d{1,20})*))?$/.exec(text);
     if (!m) throw new Error(`journal: ${this.termPath} holds no leader term: ${JSON.stringify(text.slice(0, 60))}`);
-    return { cluster: BigInt(m[1]!), term: BigInt(m[2]!) };
+    const left = m[3] ? m[3].split(',').map(BigInt) : [];
+    return { cluster: BigInt(m[1]!), term: BigInt(m[2]!), ...(left.length ? { leftClusters: left } : {}) };
   }
 
   async setLeaderTerm(term: LeaderTerm): Promise<void> {
     await mkdir(this.dir, { recursive: true });
     // Durable: a term forgotten by an OS crash would let a deposed leader's redelivered step act.
-    await writeFileDurable(this.termPath, `${term.cluster} ${term.term}\n`);
+    const left = term.leftClusters?.length ? ` ${term.leftClusters.join(',')}` : '';
+    await writeFileDurable(this.termPath, `${term.cluster} ${term.term}${left}\n`);
   }
 
   /** Removes every temp file in the op directories that this process did not make (TEMP_SUFFIX). */
