@@ -49,6 +49,8 @@ interface Invocation {
    * it run at most once.
    */
   keySent?: string;
+  /** `loadtest`: the words after it, as given (main() keeps them from commander: splitLine). */
+  loadtestArgs?: string[];
 }
 interface Waiting {
   label: string;
@@ -524,6 +526,8 @@ export function buildProgram(): Command {
     .option('--host <id>', 'place on this host')
     .option('--label <key=value>', 'label (repeatable)', labelsArg)
     .action(async (o: { image: string; fromSnapshot?: string; memory?: number; vcpus?: number; ttl?: string; idleTimeout?: string; host?: string; label?: Record<string, string> }, cmd: Command) => {
+      // A restored sandbox runs its snapshot's image: an --image given with it would be dropped unsaid.
+      if (o.fromSnapshot && cmd.getOptionValueSource('image') === 'cli') throw new ForkfleetError('invalid_argument', '--image: give --image or --from-snapshot, not both (a sandbox restored from a snapshot runs the snapshot\'s image)', { field: '--image' });
       const ff = client(cmd);
       const s = await waitingOn(cmd, 'create', undefined, true, (w) => ff.create(
         { ...(o.fromSnapshot ? { snapshotId: o.fromSnapshot } : { image: o.image }), ...(o.memory ? { memoryMib: o.memory } : {}), ...(o.vcpus ? { vcpus: o.vcpus } : {}), ...(o.ttl ? { ttl: o.ttl } : {}), ...(o.idleTimeout !== undefined ? { idleTimeout: o.idleTimeout } : {}), ...(o.host ? { hostId: o.host } : {}), labels: o.label ?? {} },
@@ -562,7 +566,8 @@ export function buildProgram(): Command {
       const stdin = o.stdin ? readFileSync(0) : undefined;
       // `--timeout 10m` with no --exec-timeout meant the command's limit too: it used to be
       // taken and ignored, and the command killed at the default 60 s.
-      const limit = cmd.getOptionValueSource('execTimeout') === 'default' && g.timeout ? g.timeout : o.execTimeout;
+      const byTimeout = cmd.getOptionValueSource('execTimeout') === 'default' && Boolean(g.timeout);
+      const limit = byTimeout ? g.timeout! : o.execTimeout;
       const stream = client(cmd).sandbox(id).exec(argv, { env: o.env ?? {}, ...(o.cwd ? { cwd: o.cwd } : {}), timeout: limit, ...(stdin ? { stdin } : {}) });
       const res = { stdout: '', stderr: '', exitCode: -1, signal: 0, timedOut: false, durationMs: 0, outputTruncated: false };
       // --json: each stream decoded once, whole (a character split across two chunks stays whole).
@@ -600,7 +605,7 @@ export function buildProgram(): Command {
       res.stdout = Buffer.concat(parts.stdout).toString();
       res.stderr = Buffer.concat(parts.stderr).toString();
       if (g.json) process.stdout.write(`${JSON.stringify(res, null, 2)}\n`);
-      else if (res.timedOut) process.stderr.write(`forkfleet: command timed out after ${o.execTimeout} (--exec-timeout)\n`);
+      else if (res.timedOut) process.stderr.write(`forkfleet: command timed out after ${limit} (${byTimeout ? '--timeout' : '--exec-timeout'})\n`);
       if (!g.json && res.outputTruncated) process.stderr.write('forkfleet: output truncated: stdout or stderr had more than an exec returns (64 MiB each); write it to a file in the sandbox and cp it out\n');
       invocation(cmd).exitCode = res.signal ? 128 + res.signal : res.exitCode < 0 ? 1 : res.exitCode;
     });
@@ -845,12 +850,15 @@ export function buildProgram(): Command {
   // ----- loadtest
   program
     .command('loadtest')
-    .description('run the load test (npm run loadtest -- ARGS)')
+    .description('run the load test (npm run loadtest -- ARGS): every word after `loadtest` is its own, passed on as given')
     .argument('[args...]')
     .allowUnknownOption()
     .action(async (args: string[], _o: unknown, cmd: Command) => {
+      // main() gives commander the line up to `loadtest` only (splitLine): the load test's
+      // --api and --json FILE are not the CLI's.
+      const passed = invocation(cmd).loadtestArgs ?? args;
       const code = await new Promise<number>((res) => {
-        const child = spawn('npm', ['run', 'loadtest', '--', ...args], { cwd: ROOT, stdio: 'inherit' });
+        const child = spawn('npm', ['run', 'loadtest', '--', ...passed], { cwd: ROOT, stdio: 'inherit' });
         child.on('exit', (c, sig) => res(sig ? 1 : (c ?? 1)));
         child.on('error', () => res(1));
       });
@@ -994,6 +1002,79 @@ function exitWhenFlushed(code: number): void {
   }
 }
 
+/** A word commander would take for an option (`-` alone is an operand: stdin or stdout). */
+const optionLike = (w: string | undefined): boolean => w !== undefined && w.length > 1 && w.startsWith('-');
+
+/**
+ * The index of the first operand of `argv` from `from` on, as commander reads the line: an
+ * option of a command in `scope` (the program and the commands named so far) is skipped with
+ * its value, wherever it is. -1 at `--`, at the end, or at an option none of them has.
+ */
+function operandAt(argv: string[], from: number, scope: Command[]): number {
+  for (let i = from; i < argv.length; i++) {
+    const w = argv[i]!;
+    if (w === '--') return -1;
+    if (!optionLike(w)) return i;
+    const eq = w.startsWith('--') ? w.indexOf('=') : -1;
+    const flag = eq > 0 ? w.slice(0, eq) : w;
+    const opt = scope.flatMap((c) => c.options).find((o) => o.long === flag || o.short === flag);
+    if (!opt) return -1;
+    if (eq < 0 && (opt.required || (opt.optional && !optionLike(argv[i + 1])))) i++;
+  }
+  return -1;
+}
+const subcommand = (cmd: Command, w: string | undefined): Command | undefined => cmd.commands.find((c) => c.name() === w || c.aliases().includes(w ?? ''));
+
+interface Line {
+  /** What commander parses. */
+  argv: string[];
+  /** `loadtest`'s words (its leading `--`, as `loadtest -- ARGS`, dropped). */
+  loadtestArgs?: string[];
+  /** `sandbox exec`'s command given with option-like words outside `--`: refused (`json`: --json came before the command). */
+  refused?: { cmd: Command; message: string; json: boolean };
+}
+
+/**
+ * What commander cannot be left to read, since it takes the program's options (--api, --json,
+ * --tenant, ...) wherever they are on the line, and a command's own options after its
+ * arguments, so they would be taken from words that are not the CLI's, silently:
+ * - `loadtest ARGS`: the words after `loadtest` are the load test's (its own --api, --json
+ *   FILE), passed on as given; commander gets the line up to `loadtest`.
+ * - `sandbox exec ID CMD ARGS`: a word of the command's that looks like an option (`python
+ *   eval.py --json --cwd /w`, `mytool -h`) would be the CLI's: refused, unless it is after `--`
+ *   (`sandbox exec ID [options] -- CMD ARGS`, where every word is the command's).
+ */
+function splitLine(program: Command, argv: string[]): Line {
+  const scope = [program];
+  let at = operandAt(argv, 0, scope);
+  const top = subcommand(program, argv[at]);
+  if (top?.name() === 'loadtest') {
+    const rest = argv.slice(at + 1);
+    return { argv: argv.slice(0, at + 1), loadtestArgs: rest[0] === '--' ? rest.slice(1) : rest };
+  }
+  if (top?.name() !== 'sandbox') return { argv };
+  scope.push(top);
+  at = operandAt(argv, at + 1, scope);
+  const exec = subcommand(top, argv[at]);
+  if (exec?.name() !== 'exec') return { argv };
+  scope.push(exec);
+  const id = operandAt(argv, at + 1, scope);
+  // The command's first word, when it comes before any `--`.
+  const first = id < 0 ? -1 : operandAt(argv, id + 1, scope);
+  if (first < 0) return { argv };
+  const end = argv.indexOf('--', first);
+  const word = argv.slice(first + 1, end < 0 ? undefined : end).find(optionLike);
+  if (word === undefined) return { argv };
+  return {
+    argv,
+    refused: {
+      cmd: exec,
+      json: argv.slice(0, first).includes('--json'),
+      message: `sandbox exec: ${JSON.stringify(word)} after the command's first word ${JSON.stringify(argv[first])} would be taken as this CLI's option, not the command's; put the command after --: forkfleet sandbox exec ID [options] -- CMD ARGS...`,
+    },
+  };
+}
+
 /**
  * Runs one command line; resolves with its exit code (services/cli/README.md, "Exit codes").
  * `exit`: how an interrupt (SIGINT) while waiting on operations ends the process, after
@@ -1009,8 +1090,15 @@ export async function main(argv: string[], exit: (code: number) => void = exitWh
     exit(EXIT.interrupted);
   };
   inv.onInterrupt = onSigint;
+  const line = splitLine(program, argv);
+  if (line.loadtestArgs) inv.loadtestArgs = line.loadtestArgs;
   try {
-    await program.parseAsync(argv, { from: 'user' });
+    if (line.refused) {
+      // As commander refuses a line (its message, then the command's help on stderr; exit 2).
+      if (line.refused.json) program.setOptionValue('json', true);
+      line.refused.cmd.error(`error: ${line.refused.message}`, { exitCode: EXIT.usage, code: 'forkfleet.execArgv' });
+    }
+    await program.parseAsync(line.argv, { from: 'user' });
     return inv.exitCode ?? EXIT.ok;
   } catch (e) {
     // As parsed: a `--json` after `--` is the guest command's (sandbox exec SB -- tool --json).

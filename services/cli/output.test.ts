@@ -237,17 +237,28 @@ describe('the idempotency key in errors', () => {
 });
 
 describe('exec limits and copied files', () => {
-  it('exec_withTimeoutButNoExecTimeout_limitsTheCommandByIt_andExecTimeoutStillWins', async () => {
+  it('exec_withTimeoutButNoExecTimeout_limitsTheCommandByIt_andExecTimeoutStillWins_andATimeoutNamesTheLimitUsed', async () => {
     const limits: Array<string | undefined> = [];
+    let exit = exitChunk;
     vi.spyOn(Forkfleet.prototype, 'sandbox').mockImplementation(function (this: Forkfleet, id: string) {
       const sb = new Sandbox(this, id);
-      sb.exec = (_argv, o) => (limits.push(o?.timeout === undefined ? undefined : String(o.timeout)), fakeExec([exitChunk]));
+      sb.exec = (_argv, o) => (limits.push(o?.timeout === undefined ? undefined : String(o.timeout)), fakeExec([exit]));
       return sb;
     });
     expect(await main(['--api', API, '--timeout', '10m', 'sandbox', 'exec', 'sb-x', '--', 'train'])).toBe(0);
     expect(await main(['--api', API, '--timeout', '10m', 'sandbox', 'exec', 'sb-x', '--exec-timeout', '2m', '--', 'train'])).toBe(0);
     expect(await main(['--api', API, 'sandbox', 'exec', 'sb-x', '--', 'train'])).toBe(0);
     expect(limits).toEqual(['10m', '2m', '60s']);
+    // Killed at its limit: the message says the limit it had, and the flag that set it.
+    exit = { ...exitChunk, exitCode: -1, signal: 9, timedOut: true };
+    const said = async (args: string[]): Promise<string> => {
+      err.length = 0;
+      expect(await main(['--api', API, ...args])).toBe(137);
+      return err.join('');
+    };
+    expect(await said(['--timeout', '10m', 'sandbox', 'exec', 'sb-x', '--', 'train'])).toContain('timed out after 10m (--timeout)');
+    expect(await said(['--timeout', '10m', 'sandbox', 'exec', 'sb-x', '--exec-timeout', '2m', '--', 'train'])).toContain('timed out after 2m (--exec-timeout)');
+    expect(await said(['sandbox', 'exec', 'sb-x', '--', 'train'])).toContain('timed out after 60s (--exec-timeout)');
   });
 
   it('cp_fromASandboxIntoANewFile_makesItReadableByItsOwnerOnly_andAnExistingFileKeepsItsMode', async () => {
@@ -265,6 +276,23 @@ describe('exec limits and copied files', () => {
     } finally {
       process.umask(umask);
     }
+  });
+});
+
+describe('sandbox create', () => {
+  it('anImageGivenWithFromSnapshot_isRefusedNamingImage_andNothingIsCreated', async () => {
+    const specs: unknown[] = [];
+    vi.spyOn(Forkfleet.prototype, 'create').mockImplementation(async function (this: Forkfleet, spec) {
+      specs.push(spec);
+      return new Sandbox(this, 'sb-new');
+    });
+    expect(await main(['--api', API, '--json', 'sandbox', 'create', '--image', 'debian', '--from-snapshot', 'sn-1'])).toBe(2);
+    expect(specs).toEqual([]);
+    expect(JSON.parse(out.at(-1)!)).toMatchObject({ error: { kind: 'invalid_argument', field: '--image', exitCode: 2 } });
+    // --image's default is no image given: the snapshot alone is restored.
+    expect(await main(['--api', API, 'sandbox', 'create', '--from-snapshot', 'sn-1'])).toBe(0);
+    expect(specs).toEqual([expect.objectContaining({ snapshotId: 'sn-1' })]);
+    expect(specs[0]).not.toHaveProperty('image');
   });
 });
 

@@ -854,7 +854,11 @@ export class Forkfleet {
       let pb: PbOperation;
       try {
         // Retried by this loop (not by retry(), whose outage allowance would outlast `until`).
-        pb = await this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { timeoutMs: w + 10_000, ...(opts.signal ? { signal: opts.signal } : {}) });
+        // The poll's own deadline is 10 s past its window (room for the answer), but never past
+        // `until`: a poll the scheduler took and never answered ends by the wait's deadline, not
+        // 10 s after it (the scheduler answers a margin before the deadline it is given).
+        const pollMs = Math.max(1, Math.min(w + 10_000, until - Date.now()));
+        pb = await this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { timeoutMs: pollMs, ...(opts.signal ? { signal: opts.signal } : {}) });
       } catch (e) {
         // A poll the rate limit (or a bound of the scheduler's: the credential's streams at
         // their cap) refused is no outage (the scheduler answered, and lets it through in
@@ -965,6 +969,8 @@ export class Forkfleet {
   // --- sandboxes
 
   async create(spec: CreateOptions, opts: CallOpts = {}): Promise<Sandbox> {
+    // One source (the request's oneof): both given would send one and drop the other unsaid.
+    if (spec.image && spec.snapshotId) throw new InvalidArgumentError('source', 'set image or snapshot_id, not both');
     if (!spec.image && !spec.snapshotId) spec = { ...spec, image: 'tiny' };
     const source = spec.snapshotId ? { case: 'snapshotId' as const, value: spec.snapshotId } : { case: 'image' as const, value: spec.image! };
     const op = await this.submit(

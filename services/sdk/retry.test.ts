@@ -470,6 +470,32 @@ describe('SDK waits and deadlines', () => {
     expect(r.tookMs).toBeLessThanOrEqual(2_000);
   });
 
+  it('wait_withADeadline_givesEachPollNoLongerThanWhatIsLeftOfIt_soAPollNeverAnsweredEndsByTheDeadline', async () => {
+    vi.useFakeTimers();
+    const deadline = Date.now() + 45_000;
+    const polls: Array<{ at: number; timeoutMs: number }> = [];
+    const ff = client({
+      // A scheduler that takes each poll and never answers: the call ends at its own deadline, unanswered.
+      waitOperation: (_req: unknown, o: { timeoutMs: number }) => {
+        polls.push({ at: Date.now(), timeoutMs: o.timeoutMs });
+        return new Promise((_res, rej) => setTimeout(() => rej(new RpcError(Status.DEADLINE_EXCEEDED, 'deadline_exceeded', 'Deadline exceeded', true, undefined, undefined, false)), o.timeoutMs));
+      },
+    });
+    const r = await settle(ff.wait(OP, { deadline: new Date(deadline) }));
+    expect(r.error).toMatchObject({ kind: 'deadline_exceeded' });
+    expect(polls.length).toBeGreaterThan(1);
+    for (const p of polls) expect(p.at + p.timeoutMs).toBeLessThanOrEqual(deadline);
+    // By the deadline (to settle()'s 10 ms steps), not 10 s past it.
+    expect(r.tookMs).toBeLessThanOrEqual(45_010);
+  });
+
+  it('create_givenBothAnImageAndASnapshot_isRefusedNamingSource_andSendsNothing', async () => {
+    let calls = 0;
+    const ff = client({ createSandbox: async () => (calls++, running(OperationKind.CREATE)), waitOperation: async () => succeeded(OperationKind.CREATE) });
+    await expect(ff.create({ image: 'debian', snapshotId: 'sn-1' })).rejects.toMatchObject({ kind: 'invalid_argument', field: 'source' });
+    expect(calls).toBe(0);
+  });
+
   it('hostsRemove_withADeadline_givesItsCallNoLongerThanWhatIsLeftOfIt', async () => {
     let seen: { timeoutMs?: number } | undefined;
     const ff = client({
