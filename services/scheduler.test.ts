@@ -3,7 +3,7 @@
 import { describe, expect, it } from 'vitest';
 import { Registry } from 'prom-client';
 import { compileSchedulerConfig } from './config.ts';
-import { OPERATION_BUCKETS, schedulerMetrics, STEP_BUCKETS } from './scheduler.ts';
+import { OPERATION_BUCKETS, schedulerMetrics, STEP_BUCKETS, watchProgressFor } from './scheduler.ts';
 
 describe('scheduler metrics', () => {
   it('operationDuration_ofASameHostForkInTensOfMs_landsInABucketOfItsOwn_notWithEverythingUnder50ms', async () => {
@@ -21,5 +21,14 @@ describe('scheduler metrics', () => {
     expect(STEP_BUCKETS).toContain(120);
     for (const b of [STEP_BUCKETS, OPERATION_BUCKETS]) expect([...b].sort((x, y) => x - y)).toEqual(b);
     expect(OPERATION_BUCKETS[0]).toBeLessThanOrEqual(0.005);
+  });
+});
+
+describe('watch progress period', () => {
+  it('watchProgressFor_keepsAQuietStreamsResumePointWithinOneCompactionInterval', () => {
+    // A quiet stream's resume point lags by up to 1.5 periods: within the one interval of history kept.
+    for (const interval of [1000, 2000, 5000, 60_000, 300_000]) expect(1.5 * watchProgressFor(interval)).toBeLessThan(interval);
+    expect(watchProgressFor(300_000)).toBe(30_000);
+    expect(watchProgressFor(0)).toBe(30_000); // never compacted
   });
 });

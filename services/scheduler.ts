@@ -22,7 +22,7 @@ import { fleetServerCredentials } from './adapters/grpc/tls.ts';
 import { Authenticator } from './auth/tokens.ts';
 import { ApiGuard } from './auth/guard.ts';
 import type { RunningGrpcServer } from './adapters/grpc/server.ts';
-import { fleetService } from './adapters/grpc/fleet-service.ts';
+import { fleetService, WATCH_PROGRESS_MS } from './adapters/grpc/fleet-service.ts';
 import { Fleet } from './domain/fleet.ts';
 import { Executor } from './domain/executor.ts';
 import { registerFleetGauges } from './fleet-metrics.ts';
@@ -96,6 +96,12 @@ export interface SchedulerSeams {
   watchProgressMs?: number;
 }
 
+/** WatchEvents' progress period for a compaction interval (0: never compacted): a quarter of it, at most WATCH_PROGRESS_MS, at least 500 ms. */
+export function watchProgressFor(compactIntervalMs: number): number {
+  if (compactIntervalMs <= 0) return WATCH_PROGRESS_MS;
+  return Math.max(500, Math.min(WATCH_PROGRESS_MS, Math.floor(compactIntervalMs / 4)));
+}
+
 export async function startScheduler(config: SchedulerConfig, log: Logger, seams: SchedulerSeams = {}): Promise<SchedulerHandle> {
   // Read before anything starts: a TLS file that cannot be read fails start-up naming its variable.
   const etcdTls = config.etcdTls ? readTlsClientFiles(config.etcdTls) : undefined;
@@ -147,7 +153,11 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   const fleet = new Fleet({ store, bus, clock, heard, liveness, quotas: (tenantId) => auth.quotaOf(tenantId), usage, defaultIdleTimeoutMs: (tenantId) => auth.idleTimeoutOf(tenantId), forkSnapshotTtlMs: config.forkSnapshotTtlMs, rateOf: (tenantId) => auth.rateOf(tenantId) });
   const grpc: RunningGrpcServer = await startGrpcServer({
     address: config.grpcAddr,
-    services: [fleetService({ fleet, store, clock, fileBufferBytes: config.fileBufferBytes, ...(seams.watchProgressMs ? { watchProgressMs: seams.watchProgressMs } : {}) })],
+    // A quiet WatchEvents stream's resume point moves with its progress marks (every 1-1.5 x
+    // the period); compaction keeps only one FF_ETCD_COMPACT_INTERVAL of history, so with a
+    // short interval (ADR 0017's 2-5 s) a 30 s period left nearly every quiet stream that broke
+    // unable to resume (FAILED_PRECONDITION on after_revision).
+    services: [fleetService({ fleet, store, clock, fileBufferBytes: config.fileBufferBytes, watchProgressMs: seams.watchProgressMs ?? watchProgressFor(config.etcdCompactIntervalMs) })],
     credentials: fleetServerCredentials({ certPem: readFileSync(config.tlsCertPath), keyPem: readFileSync(config.tlsKeyPath) }),
     guard,
     channelOptions: {
