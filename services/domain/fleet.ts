@@ -618,6 +618,35 @@ export class Fleet {
       .sort((a, b) => a.createdAt - b.createdAt || a.id.localeCompare(b.id));
   }
 
+  /**
+   * One page of listSandboxes for one tenant, in id order: up to `size` matching sandboxes with
+   * ids after `afterId`, and whether more match. Read from the store a batch at a time from
+   * `afterId` on (listSandboxesAfter), so a client paging through N sandboxes makes the store
+   * read each about once: every page used to read the tenant's whole prefix (N^2 / size reads).
+   */
+  async listSandboxPage(tenantId: string, states: SandboxState[], labels: Record<string, string>, hostId: string, afterId: string, size: number): Promise<{ items: SandboxRec[]; more: boolean }> {
+    const after = this.deps.store.listSandboxesAfter?.bind(this.deps.store);
+    const keep = (s: SandboxRec): boolean => (states.length ? states.includes(s.state) : s.state !== 'destroyed') && (!hostId || s.hostId === hostId) && Object.entries(labels).every(([k, v]) => s.labels[k] === v);
+    if (!after) {
+      const all = (await this.listSandboxes(tenantId, states, labels, hostId)).sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0)).filter((s) => s.id > afterId);
+      return { items: all.slice(0, size), more: all.length > size };
+    }
+    const items: SandboxRec[] = [];
+    // One more than the page, to know whether another follows; batches no smaller than 256 keys.
+    const batch = Math.max(256, size + 1);
+    for (let from = afterId; ; ) {
+      const { records, more } = await after(tenantId, from, batch);
+      for (const r of records) {
+        if (!keep(r.value)) continue;
+        if (items.length === size) return { items, more: true };
+        items.push(r.value);
+      }
+      const last = records[records.length - 1];
+      if (!more || !last) return { items, more: false };
+      from = last.value.id;
+    }
+  }
+
   async getSnapshot(tenantId: string, id: string): Promise<SnapshotRec> {
     const v = await this.deps.store.getSnapshot(tenantId, id);
     if (!v || v.value.state === 'deleted') throw new NotFoundError('snapshot', id);

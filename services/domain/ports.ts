@@ -67,6 +67,12 @@ export interface LeaderTerm {
 export interface FleetStore {
   getSandbox(tenantId: string, id: string): Promise<Versioned<SandboxRec> | undefined>;
   listSandboxes(tenantId: string | undefined): Promise<Versioned<SandboxRec>[]>;
+  /**
+   * Up to `limit` of the tenant's sandboxes whose ids come after `afterId` ('' from the first),
+   * in id order, and whether more follow: one page of a list read in pages (ListSandboxes), so
+   * paging through N sandboxes reads each once, not N x pages. Absent in fakes: listSandboxes.
+   */
+  listSandboxesAfter?(tenantId: string, afterId: string, limit: number): Promise<{ records: Versioned<SandboxRec>[]; more: boolean }>;
   getSnapshot(tenantId: string, id: string): Promise<Versioned<SnapshotRec> | undefined>;
   listSnapshots(tenantId: string | undefined): Promise<Versioned<SnapshotRec>[]>;
   getOp(tenantId: string, id: string): Promise<Versioned<OperationRec> | undefined>;

@@ -80,6 +80,21 @@ describe('EtcdFleetStore', () => {
     expect((await store.listSandboxes(undefined)).length).toBe(ids.length + 1);
   }, 60_000);
 
+  it('listSandboxesAfter_readsOneTenantsSandboxesAfterAnIdInIdOrder_upToItsLimit_sayingWhetherMoreFollow', async () => {
+    const ids = Array.from({ length: 7 }, (_, i) => `sb-after-${i}`);
+    await store.commit([...ids.map((id): StoreWrite => ({ kind: 'sandbox', value: sandbox('after', id) })), { kind: 'sandbox', value: sandbox('after2', 'sb-after-9') }, { kind: 'sandbox', value: sandbox('afte', 'sb-after-8') }]);
+    const read = async (after: string, limit: number): Promise<[string[], boolean]> => {
+      const r = await store.listSandboxesAfter('after', after, limit);
+      return [r.records.map((v) => v.value.id), r.more];
+    };
+    expect(await read('', 3)).toEqual([ids.slice(0, 3), true]);
+    expect(await read(ids[2]!, 3)).toEqual([ids.slice(3, 6), true]);
+    expect(await read(ids[5]!, 3)).toEqual([ids.slice(6), false]);
+    expect(await read(ids[6]!, 3)).toEqual([[], false]);
+    // An id between two: the next one on.
+    expect(await read('sb-after-2x', 10)).toEqual([ids.slice(3), false]);
+  });
+
   it('getSandbox_whenManyReadInOneTick_returnsEachRecordOrUndefined', async () => {
     // 250 reads in one tick: three read-only transactions (100 each), missing keys included.
     const ids = Array.from({ length: 200 }, (_, i) => `sb-get-${i}`);

@@ -443,6 +443,16 @@ export class EtcdFleetStore implements FleetStore {
   listSandboxes(tenantId: string | undefined): Promise<Versioned<SandboxRec>[]> {
     return this.getPrefix(keys.sandboxes(tenantId));
   }
+  async listSandboxesAfter(tenantId: string, afterId: string, limit: number): Promise<{ records: Versioned<SandboxRec>[]; more: boolean }> {
+    const prefix = keys.sandboxes(tenantId);
+    const start = afterId ? Buffer.concat([Buffer.from(prefix + afterId), Buffer.from([0])]) : Buffer.from(prefix);
+    try {
+      const res = await this.client.getAll().inRange(new Range(start, Range.prefix(prefix).end)).limit(limit).exec();
+      return { records: res.kvs.map((kv) => decode<SandboxRec>(kv)), more: res.more };
+    } catch (e) {
+      throw storeError('list', e);
+    }
+  }
   getSnapshot(tenantId: string, id: string): Promise<Versioned<SnapshotRec> | undefined> {
     return this.getOne(keys.snapshot(tenantId, id));
   }

@@ -215,7 +215,7 @@ export function page<T extends { id: string }>(
   // page may cost: a page ends before the item that would pass it (it holds one item at least).
   budget?: { weight: (x: NoInfer<T>) => number; max: number },
 ): { items: T[]; nextPageToken: string } {
-  let size = pageSize === 0 ? order.max : Math.min(pageSize, order.max);
+  let size = pageSizeOf(pageSize, order);
   const sorted = all.map((x) => ({ x, k: order.key(x) })).sort((a, b) => (a.k < b.k ? -1 : a.k > b.k ? 1 : 0));
   const from = after ? sorted.findIndex((e) => e.k > after) : 0;
   if (budget && from >= 0) {
@@ -231,6 +231,16 @@ export function page<T extends { id: string }>(
   const items = from < 0 ? [] : sorted.slice(from, from + size);
   const more = from >= 0 && from + size < sorted.length;
   return { items: items.map((e) => e.x), nextPageToken: more ? Buffer.from(items[items.length - 1]!.k).toString('base64url') : '' };
+}
+
+/** How many items a page of `order` holds for a request's page_size (0: the order's max). */
+export function pageSizeOf(pageSize: number, order: Pick<PageOrder<never>, 'max'>): number {
+  return pageSize === 0 ? order.max : Math.min(pageSize, order.max);
+}
+
+/** The page token that resumes after `item` (page). */
+export function tokenOf<T>(item: T, order: Pick<PageOrder<T>, 'key'>): string {
+  return Buffer.from(order.key(item)).toString('base64url');
 }
 
 /** Label keys the scheduler sets itself (a hibernation snapshot's sandbox, a migration's snapshot) and acts on. */
