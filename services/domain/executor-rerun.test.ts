@@ -37,8 +37,13 @@ const res = { vcpus: 2, memoryMib: 512, diskMib: 1024 };
 const sandbox = (id: string, hostId: string, state: SandboxRec['state']): SandboxRec =>
   ({ id, tenantId: 't', state, stateReason: '', hostId, resources: res, image: 'tiny', sourceSnapshotId: '', lineageId: 'l', hostname: id, labels: {}, ttlMs: null, idleTimeoutMs: null, allowEgress: false, createdAt: 1, updatedAt: 1, runningMsBefore: 0, runningSince: 1, hibernationSnapshotId: '', opId: '' }) as unknown as SandboxRec;
 
-/** Runs drain op-d1 of host F again, its record saying `migrations`, with the sandboxes `listed`; returns every write committed. */
-async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[], sent: string[] = []): Promise<StoreWrite[]> {
+/**
+ * Runs drain op-d1 of host F again, its record saying `migrations`, with the sandboxes `listed`;
+ * returns every write committed. With `o.answered`, hosts answer those steps (at once, done), no
+ * other, and the sandboxes' and snapshots' records can be read;
+ * `o.quota`: the tenant's sandbox quota and how many it uses.
+ */
+async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[], sent: string[] = [], o: { answered?: string[]; quota?: { sandboxes: number; inUse: number } } = {}): Promise<StoreWrite[]> {
   const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
   let rev = 10;
   const writes: StoreWrite[] = [];
@@ -47,15 +52,29 @@ async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRe
     listSandboxes: async () => listed.map((value) => ({ value, modRevision: 20 })),
     getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
     getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 8, memoryMib: 4096, diskMib: 8192 }, sandboxes: 4 }, modRevision: 30 }),
+    // With hosts that answer: the sandboxes listed, and each migration's snapshot, ready on F and T.
+    ...(o.answered
+      ? {
+          getSandbox: async (_t: string, id: string) => {
+            const value = listed.find((sb) => sb.id === id);
+            return value && { value: structuredClone(value), modRevision: 20 };
+          },
+          getSnapshot: async (tenantId: string, id: string) => ({ value: { id, tenantId, state: 'ready', hostIds: ['F', 'T'], labels: {}, manifestSignature: '', manifestKeyId: '' }, modRevision: 3 }),
+        }
+      : {}),
     commitAt: async (w: StoreWrite[]) => {
       writes.push(...w);
       return ++rev;
     },
   };
-  const sendWork = async (hostId: string, w: { stepId: string }): Promise<void> => {
+  const ref: { ex?: Executor } = {};
+  const sendWork = async (hostId: string, w: { opId: string; stepId: string; attempt: number }): Promise<void> => {
     sent.push(`${w.stepId}@${hostId}`);
+    if (o.answered?.includes(w.stepId)) setTimeout(() => ref.ex!.onResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId, attempt: w.attempt }), hostId), 1);
   };
-  const ex = executorOver(store, { bus: { sendWork } });
+  const quota = o.quota;
+  const ex = executorOver(store, { bus: { sendWork }, ...(quota ? { quotas: () => ({ sandboxes: quota.sandboxes }), usage: { usage: async () => ({ sandboxes: quota.inUse, memoryMib: 0, snapshotBytes: 0, pendingSandboxes: 0, pendingMemoryMib: 0 }) } } : {}) });
+  ref.ex = ex;
   const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
   inner.active = true;
   inner.ops.set(op.id, { value: op, modRevision: rev });
@@ -437,6 +456,43 @@ describe('Executor drain, snapshots only drained hosts hold', () => {
     expect(await inner.copySnapshotsOff(op, 'G', [sn])).toEqual([]);
     expect(steps).toEqual(['replicate/sn-user/R', 'replicate/sn-user/R']);
   });
+
+  /** copySnapshotsOff of drained host F, holding `ids` alone, to ready hosts BAD and GOOD; `fails` says which copies fail. The steps sent and what it returned. */
+  async function copyOff(ids: string[], fails: (snapshotId: string, hostId: string) => boolean): Promise<{ steps: string[]; uncopied: string[] }> {
+    const now = Date.now();
+    const heard = new HeartbeatRegistry();
+    for (const h of ['F', 'BAD', 'GOOD']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b' }), now);
+    const sns = ids.map((id) => ({ id, tenantId: 't', state: 'ready', hostIds: ['F'], manifestSignature: '', manifestKeyId: '' }) as unknown as SnapshotRec);
+    let rev = 1;
+    const ex = executorOver({ getSnapshot: async (_t: string, id: string) => ({ value: structuredClone(sns.find((s) => s.id === id)), modRevision: rev }), commitAt: async () => ++rev }, { heard, now: () => now });
+    const host = (id: string, drained: boolean): HostRec => ({ id, state: 'ready', cordoned: drained, draining: drained, capacity: res, peerAddress: `${id}:1` }) as unknown as HostRec;
+    const inner = ex as unknown as { active: boolean; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; copySnapshotsOff(op: OperationRec, hostId: string, s: SnapshotRec[]): Promise<string[]> };
+    for (const [id, d] of [['F', true], ['BAD', false], ['GOOD', false]] as const) inner.cache.hosts.set(id, { value: host(id, d), modRevision: 1 });
+    const steps: string[] = [];
+    inner.active = true;
+    inner.step = async (_op, id, hostId) => {
+      steps.push(id);
+      if (fails(id.split('/')[1]!, hostId)) throw new HostStepError(hostId, id, 'resource_exhausted', 'no space left on device', false);
+      return {};
+    };
+    const uncopied = await inner.copySnapshotsOff({ id: 'op-d', tenantId: 'admin' } as unknown as OperationRec, 'F', sns);
+    return { steps, uncopied };
+  }
+
+  it('aHostWhoseCopiesFail_isLeftForTheNextHost_forThatSnapshotAndTheRestOfTheDrain', async () => {
+    // BAD's disk is full. Each snapshot went to BAD by the round robin, a failed one was never
+    // tried elsewhere, and GOOD was never asked: the drain could not copy them off, run again.
+    const r = await copyOff(['sn-1', 'sn-2', 'sn-3'], (_sn, h) => h === 'BAD');
+    expect(r.uncopied).toEqual([]);
+    expect(r.steps).toEqual(['replicate/sn-1/BAD', 'replicate/sn-1/GOOD', 'replicate/sn-2/GOOD', 'replicate/sn-3/GOOD']);
+  });
+
+  it('aSnapshotNoHostCouldCopy_isNamed_andSkipsNoHost_forTheSnapshotsAfterIt', async () => {
+    // sn-1 fails everywhere (its own fault, or its source's): the hosts are still asked for sn-2.
+    const r = await copyOff(['sn-1', 'sn-2'], (sn) => sn === 'sn-1');
+    expect(r.uncopied).toEqual([expect.stringMatching(/^copying snapshot sn-1 off F failed to BAD: .*, to GOOD: /)]);
+    expect(r.steps).toEqual(['replicate/sn-1/BAD', 'replicate/sn-1/GOOD', 'replicate/sn-2/BAD']);
+  });
 });
 
 describe('Executor host pass', () => {
@@ -504,6 +560,44 @@ describe('Executor drain without migrate', () => {
     const { final, submitted } = await hibernatingDrain({ cordoned: false, draining: false }, () => [sandbox('S1', 'F', 'running')]);
     expect(submitted).toEqual([]);
     expect(final?.error?.message).toContain('S1: not hibernated: F was uncordoned during the drain');
+  });
+});
+
+describe('Executor drain, run again after the sandbox it was moving was lost', () => {
+  // An earlier run booked T for S1 and restored its copy there; then F's VM of S1 was lost (the
+  // claim ended) and the leader failed over. The re-run took "lost" as moved on and removed the
+  // only live copy, where the first run would have switched to it.
+  it('aCopyWhoseRestoreHadSucceeded_becomesTheSandbox_notRemoved', async () => {
+    const sent: string[] = [];
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [sandbox('S1', 'F', 'lost')], sent, { answered: ['migrate/S1/restore'] });
+    expect(sent).toContain('migrate/S1/restore@T');
+    expect(sent.filter((st) => st.includes('undo-dest') || st.includes('destroy-dest'))).toEqual([]);
+    const sbs = writes.filter((w): w is Extract<StoreWrite, { kind: 'sandbox' }> => w.kind === 'sandbox');
+    expect(sbs.map((w) => [w.value.id, w.value.hostId, w.value.state])).toEqual([['S1', 'T', 'running']]);
+    // Its capacity on F went when it was lost; T's booking is its own now.
+    expect(writes.filter((w) => w.kind === 'alloc')).toEqual([]);
+    // Marked switched (in the switch's transaction): a run again only stops the source VM.
+    const marks = writes.flatMap((w) => (w.kind === 'op' ? [(w.value.input as { migrations: Record<string, { switched?: boolean }> }).migrations['S1']?.switched] : []));
+    expect(marks).toContain(true);
+  });
+
+  it('aCopyWhoseRestoreHadSucceeded_overItsTenantsQuotaNow_isRemoved_andTheSandboxStaysLost', async () => {
+    const sent: string[] = [];
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [sandbox('S1', 'F', 'lost')], sent, { answered: ['migrate/S1/restore'], quota: { sandboxes: 1, inUse: 1 } });
+    expect(sent).toContain('migrate/S1/destroy-dest@T');
+    expect(writes.filter((w) => w.kind === 'sandbox')).toEqual([]);
+    const allocs = writes.filter((w): w is Extract<StoreWrite, { kind: 'alloc' }> => w.kind === 'alloc');
+    expect(allocs.map((w) => [w.value.hostId, w.value.allocated.vcpus])).toEqual([['T', 6]]);
+  });
+
+  it('aCopyWhoseRestoreFails_isUndone', async () => {
+    const sent: string[] = [];
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [sandbox('S1', 'F', 'lost')], sent, { answered: [] });
+    expect(sent).toContain('migrate/S1/restore@T');
+    expect(sent).toContain('migrate/S1/undo-dest@T');
+    expect(writes.filter((w) => w.kind === 'sandbox')).toEqual([]);
+    const allocs = writes.filter((w): w is Extract<StoreWrite, { kind: 'alloc' }> => w.kind === 'alloc');
+    expect(allocs.map((w) => [w.value.hostId, w.value.allocated.vcpus])).toEqual([['T', 6]]);
   });
 });
 

@@ -8,7 +8,7 @@
 // (the agent answers a repeat from its journal), and nothing is lost or duplicated.
 import { AsyncLocalStorage } from 'node:async_hooks';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
-import { admit, QuotaExceededError } from './quota.ts';
+import { admit, MIGRATION_SNAPSHOT_TTL_MS, QuotaExceededError } from './quota.ts';
 import type { QuotaOf, UsageSource } from './quota.ts';
 import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
@@ -153,13 +153,6 @@ export interface ExecutorDeps {
   quotas?: QuotaOf;
   usage?: UsageSource;
 }
-
-/**
- * Retention TTL of the snapshot a drain takes to move a sandbox (migrate): it is needed
- * only while the drain runs (the moved VM maps its image on the new host, which that host
- * keeps while the VM runs). Without one it was kept forever, one per sandbox moved.
- */
-const MIGRATION_SNAPSHOT_TTL_MS = 24 * 3_600_000;
 
 /** What a step's waiter is woken with when its host is marked lost (reconcileHosts). */
 const HOST_LOST = Symbol('host lost');
@@ -3858,9 +3851,9 @@ export class Executor {
       }
     }
     // A migration an earlier run booked a host for, whose sandbox has since left this host
-    // other than by the drain's switch (destroyed by its user, lost with this host): its
-    // booking on the destination is released and the copy its restore may make there is
-    // stopped. Skipped, both stayed for good (nothing else releases a migration's booking).
+    // other than by the drain's switch (destroyed by its user, say): its booking on the
+    // destination is released and the copy its restore may make there is stopped. Skipped,
+    // both stayed for good (nothing else releases a migration's booking).
     // Not one that switched: a sandbox moved off by this drain may since have hibernated (its
     // booking on the destination released) and woken elsewhere; releasing "the migration's
     // booking" then would release capacity a second time.
@@ -3882,6 +3875,30 @@ export class Executor {
       }
       if (!cur) {
         this.log.warn({ opId: op.id, sandboxId: id, hostId: m.toHostId }, 'a migrated sandbox\'s record is gone: its booking on the destination cannot be priced and stays');
+        continue;
+      }
+      // Lost here (its VM died, or this host was lost, which ends the claim) while the copy was
+      // made: the copy is the sandbox now, as migrate() switches to it when its source is lost
+      // during the restore (within its tenant's quota), not removed. The restore is sent again
+      // under its step id (the agent answers from its journal, or runs it if it never got it);
+      // the migration is undone only if that fails or the switch is refused.
+      if (cur.state === 'lost' && cur.hostId === hostId) {
+        earlier++;
+        try {
+          const sn = (await this.readSnapshot(cur.tenantId, m.snapshotId))?.value;
+          if (sn?.state !== 'ready') {
+            await this.undoMigrationCopy(op, cur, m.toHostId, migrationStep(id, m, 'undo-dest'), 'could not stop the copy of a migration whose snapshot is gone');
+            failures.push(`${id}: lost on ${hostId} during its migration, and its snapshot ${m.snapshotId} is ${sn?.state ?? 'gone'}: the copy was removed`);
+            continue;
+          }
+          // Lost: no source VM to run again, no claim to end.
+          await this.restoreAndSwitch(op, cur, m, sn, { resumeSource: async () => undefined, unclaim: async () => undefined });
+          moved.push(id);
+        } catch (e) {
+          if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+          this.log.warn({ err: e, opId: op.id, sandboxId: id }, 'could not switch a sandbox lost during its migration to its copy');
+          failures.push(`${id}: ${e instanceof Error ? e.message : String(e)}`);
+        }
         continue;
       }
       await this.undoMigrationCopy(op, cur, m.toHostId, migrationStep(id, m, 'undo-dest'), 'could not stop the copy of a migration whose sandbox moved on');
@@ -3999,7 +4016,11 @@ export class Executor {
   /**
    * The end of every drain: each ready snapshot that no other live host holds (a hibernated
    * sandbox's, a fork's source, a user's) gets a copy on another ready host, round robin,
-   * so removing the drained host loses no snapshot. Returns what could not be copied.
+   * so removing the drained host loses no snapshot. A copy that fails is tried on the next
+   * host, until one makes it or every one has failed it (as replicate() does); a host that
+   * failed a copy another host then made (a full disk, say: the fault is the host's, not the
+   * snapshot's) is skipped for the rest of the drain, so the snapshots after it do not each
+   * wait out its failure. Returns what could not be copied.
    * `snapshots`: every snapshot record, when the caller has just listed them.
    */
   private async copySnapshotsOff(op: OperationRec, hostId: string, snapshots?: readonly SnapshotRec[]): Promise<string[]> {
@@ -4012,22 +4033,37 @@ export class Executor {
     // removing both lost it).
     const keeps = (h: string): boolean => live(h) && !this.cache.hosts.get(h)?.value.cordoned && !this.cache.hosts.get(h)?.value.draining;
     const only = (snapshots ?? (await this.deps.store.listSnapshots(undefined)).map((v) => v.value)).filter((sn) => sn.state === 'ready' && sn.hostIds.includes(hostId) && !sn.hostIds.some((h) => h !== hostId && keeps(h)));
-    let copied = 0;
+    // The next host in the rotation, and the hosts skipped for the rest of the drain.
+    let cursor = 0;
+    const skipped = new Set<string>();
     for (const sn of only) {
-      const to = targets[copied % Math.max(1, targets.length)];
-      if (!to) {
+      if (targets.length === 0) {
         failures.push(`snapshot ${sn.id} is only on ${hostId} and no other host is ready to take a copy`);
         continue;
       }
-      try {
-        const fetch = this.fetchPlan(sn, to.id, hostId, false);
-        if (fetch) await this.step(op, `replicate/${sn.id}/${to.id}`, to.id, { case: 'fetchSnapshot', value: fetch as never });
-        await this.addHolder(sn.tenantId, sn.id, to.id);
-        copied++;
-      } catch (e) {
-        if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
-        failures.push(`copying snapshot ${sn.id} to ${to.id} failed: ${e instanceof Error ? e.message : String(e)}`);
+      const failed: string[] = [];
+      const errors: string[] = [];
+      for (let i = 0; i < targets.length; i++) {
+        const at = (cursor + i) % targets.length;
+        const to = targets[at]!;
+        if (skipped.has(to.id)) continue;
+        try {
+          const fetch = this.fetchPlan(sn, to.id, hostId, false);
+          if (fetch) await this.step(op, `replicate/${sn.id}/${to.id}`, to.id, { case: 'fetchSnapshot', value: fetch as never });
+          await this.addHolder(sn.tenantId, sn.id, to.id);
+          cursor = at + 1;
+          for (const h of failed) skipped.add(h);
+          errors.length = 0;
+          break;
+        } catch (e) {
+          if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+          failed.push(to.id);
+          errors.push(`to ${to.id}: ${e instanceof Error ? e.message : String(e)}`);
+        }
       }
+      // Every host failed it: the snapshot's own fault (or its source's) as much as theirs, so
+      // none is skipped for the next one.
+      if (errors.length) failures.push(`copying snapshot ${sn.id} off ${hostId} failed ${errors.join(', ')}`);
     }
     return failures;
   }
@@ -4136,6 +4172,19 @@ export class Executor {
       }
       throw e;
     }
+    await this.restoreAndSwitch(op, sb, m, sn, { resumeSource, unclaim });
+  }
+
+  /**
+   * A migration's steps once its sandbox is snapshotted (`sn`) and a host booked for it
+   * (`m.toHostId`): restore the copy there, switch the record to it, destroy the source VM.
+   * `sb` is the sandbox as it was on the drained host. `undo`: what a failed restore or a lost
+   * destination also undoes besides the copy (the paused source run again, the claim ended).
+   */
+  private async restoreAndSwitch(op: OperationRec, sb: SandboxRec, m: MigrationRec, sn: SnapshotRec, undo: { resumeSource: () => Promise<void>; unclaim: () => Promise<unknown> }): Promise<void> {
+    const from = sb.hostId;
+    const stepId = (step: string): string => migrationStep(sb.id, m, step);
+    const { resumeSource, unclaim } = undo;
     const to = m.toHostId!;
     // 3. Restore under the same sandbox id on the new host (fetching the snapshot there).
     try {

@@ -1,7 +1,8 @@
 import { describe, expect, it } from 'vitest';
-import { admit, checkQuota, usageOf } from './quota.ts';
+import { admit, checkQuota, MIGRATION_SNAPSHOT_TTL_MS, usageOf } from './quota.ts';
+import { QuotaLedger } from './quota-ledger.ts';
 import type { OperationRec, SandboxRec, SnapshotRec } from './records.ts';
-import type { FleetStore } from './ports.ts';
+import type { FleetStore, FollowedRecord } from './ports.ts';
 import { Fleet } from './fleet.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 
@@ -87,6 +88,52 @@ describe('quotas', () => {
       [sn('ready', 1000), sn('creating', 10), sn('deleted', 5000), sn('failed', 7)],
     );
     expect(u).toEqual({ sandboxes: 4, memoryMib: 484, snapshotBytes: 1010 });
+  });
+
+  // A drain with migrate snapshots each sandbox it moves under the sandbox's tenant, kept a
+  // day: counted, it filled the tenant's snapshot_bytes, and SnapshotSandbox and
+  // HibernateSandbox were refused for an operator's action the tenant never asked for.
+  const migration = (over: Partial<SnapshotRec> = {}): SnapshotRec =>
+    ({ id: 'sn-m', tenantId: 't', state: 'ready', lineageId: 'ln', storedBytes: 1000, labels: { 'forkfleet.io/purpose': 'migration' }, pinned: false, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS, keepLast: 0, vmConfig: { memoryMib: 128 }, ...over }) as unknown as SnapshotRec;
+
+  it('usageOf_leavesOutTheSnapshotsADrainTookToMoveSandboxes_untilTheTenantKeepsOneAsItsOwn', () => {
+    expect(usageOf([], [migration(), sn('ready', 10)]).snapshotBytes).toBe(10);
+    // Pinned, or given a longer TTL, by its tenant: the tenant's snapshot now.
+    expect(usageOf([], [migration({ pinned: true })]).snapshotBytes).toBe(1000);
+    expect(usageOf([], [migration({ retentionTtlMs: null })]).snapshotBytes).toBe(1000);
+    expect(usageOf([], [migration({ retentionTtlMs: 30 * 24 * 3_600_000 })]).snapshotBytes).toBe(1000);
+    // Another purpose (a fork's snapshot of a live sandbox, which its tenant asked for) counts.
+    expect(usageOf([], [migration({ labels: { 'forkfleet.io/purpose': 'fork' } })]).snapshotBytes).toBe(1000);
+  });
+
+  it('snapshotSandbox_ofATenantWhoseOnlyStoredBytesAreADrainsMigrationSnapshot_isAdmitted', async () => {
+    const live = { id: 'sb-live', tenantId: 't', state: 'running', lineageId: 'ln', resources: { vcpus: 1, memoryMib: 128, diskMib: 0 }, opId: '' } as unknown as SandboxRec;
+    const input = { tenantId: 't', idempotencyKey: 'k', sandboxId: 'sb-live', pin: false, keepLast: 0, retentionTtlMs: null, labels: {} };
+    const drained = fleetOverOne(() => live, migration());
+    await expect(drained.fleet.snapshotSandbox(input)).resolves.toMatchObject({ kind: 'snapshot' });
+    const kept = fleetOverOne(() => live, migration({ pinned: true }));
+    await expect(kept.fleet.snapshotSandbox(input)).rejects.toMatchObject({ kind: 'resource_exhausted', field: 'quotas.snapshot_bytes' });
+  });
+
+  it('theLedger_countsADrainsMigrationSnapshotOnlyOnceItsTenantPinsIt_andNoLongerOnceDeleted', async () => {
+    let onChange: ((c: FollowedRecord) => void) | undefined;
+    let rev = 10;
+    const store = {
+      followRecords: async (change: (c: FollowedRecord) => void, onRevision: (r: number) => void) => {
+        onChange = (c) => (change(c), onRevision(++rev));
+        change({ kind: 'snapshot', key: 't/sn-m', value: migration() });
+        onRevision(rev);
+        return () => undefined;
+      },
+      revision: async () => rev,
+    };
+    const ledger = new QuotaLedger({ store });
+    const bytes = async (): Promise<number | undefined> => (await ledger.usage('t'))?.snapshotBytes;
+    expect(await bytes()).toBe(0);
+    onChange!({ kind: 'snapshot', key: 't/sn-m', value: migration({ pinned: true }) });
+    expect(await bytes()).toBe(1000);
+    onChange!({ kind: 'snapshot', key: 't/sn-m', value: migration({ state: 'deleted' }) });
+    expect(await bytes()).toBe(0);
   });
 
   it('checkQuota_overSandboxCount_isResourceExhaustedNamingQuotaAndNumbers', () => {

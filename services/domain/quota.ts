@@ -11,6 +11,7 @@
 import type { FleetStore } from './ports.ts';
 import type { OperationRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { HOLDS_CAPACITY } from './records.ts';
+import { PURPOSE_LABEL } from './retention.ts';
 import { ForkfleetError } from '../../proto/errors.ts';
 
 export interface TenantQuota {
@@ -18,7 +19,7 @@ export interface TenantQuota {
   readonly sandboxes?: number;
   /** MiB of the tenant's sandboxes that hold capacity or are about to (pending, waking). */
   readonly memoryMib?: number;
-  /** Stored bytes of the tenant's snapshots that are not deleted or failed. */
+  /** Stored bytes of the tenant's snapshots that are not deleted or failed (nor a drain's, takenByADrain). */
   readonly snapshotBytes?: number;
 }
 
@@ -52,9 +53,27 @@ export function sandboxUsage(s: SandboxRec): { counted: boolean; memoryMib: numb
   return { counted: !NOT_COUNTED.has(s.state), memoryMib: MEMORY_STATES.has(s.state) ? s.resources.memoryMib : 0 };
 }
 
-/** The stored bytes one snapshot adds to its tenant's usage. */
+/**
+ * Retention TTL of the snapshot a drain takes to move a sandbox (migrate): it is needed
+ * only while the drain runs (the moved VM maps its image on the new host, which that host
+ * keeps while the VM runs). Without one it was kept forever, one per sandbox moved.
+ */
+export const MIGRATION_SNAPSHOT_TTL_MS = 24 * 3_600_000;
+
+/**
+ * A snapshot a drain took to move a sandbox, as the drain left it: an operator's doing, not
+ * its tenant's, so it does not count against the tenant's snapshot_bytes (a tenant near its
+ * quota was refused snapshots and hibernations for a day after a drain). Known by its label,
+ * which only the scheduler sets (the API refuses keys starting forkfleet.io/). Once its tenant
+ * keeps it (pins it, or gives it a longer TTL) it is the tenant's snapshot and counts.
+ */
+function takenByADrain(s: SnapshotRec): boolean {
+  return s.labels?.[PURPOSE_LABEL] === 'migration' && !s.pinned && s.retentionTtlMs !== null && s.retentionTtlMs <= MIGRATION_SNAPSHOT_TTL_MS;
+}
+
+/** The stored bytes one snapshot adds to its tenant's usage (the ledger's and a listing's alike). */
 export function snapshotUsageBytes(s: SnapshotRec): number {
-  return s.state !== 'deleted' && s.state !== 'failed' ? s.storedBytes : 0;
+  return s.state !== 'deleted' && s.state !== 'failed' && !takenByADrain(s) ? s.storedBytes : 0;
 }
 
 export function usageOf(sandboxes: readonly SandboxRec[], snapshots: readonly SnapshotRec[]): TenantUsage {
