@@ -54,7 +54,7 @@ export type StoreWrite =
 export interface LeaderFence {
   readonly key: string;
   readonly createRevision: number;
-  /** The id of the etcd cluster the revision is of (decimal), where known. */
+  /** The id of the fleet store the revision is of (decimal), where known: etcd's cluster id folded with the store's incarnation (election.ts fleetDataId). */
   readonly clusterId?: string;
 }
 
