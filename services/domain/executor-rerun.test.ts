@@ -3,6 +3,7 @@
 // could not be marked failed (the op must run again, not end). The Executor against stub ports
 // of our own (every store method not named answers at once with nothing).
 import { describe, expect, it, vi } from 'vitest';
+import type { Mock } from 'vitest';
 import pino from 'pino';
 import { Executor } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
@@ -13,6 +14,7 @@ import { HeartbeatSchema, HostEventSchema, HostEventType, HostResultSchema } fro
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
 import { HostStepError, NotLeaderError, OperationCancelledError, StoreFullError, StoreUnavailableError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
+import { leaderExecutor } from '../testkit/executor.ts';
 
 function stub<T>(methods: Record<string, unknown>): T {
   return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
@@ -560,6 +562,80 @@ describe('Executor drain without migrate', () => {
     const { final, submitted } = await hibernatingDrain({ cordoned: false, draining: false }, () => [sandbox('S1', 'F', 'running')]);
     expect(submitted).toEqual([]);
     expect(final?.error?.message).toContain('S1: not hibernated: F was uncordoned during the drain');
+  });
+});
+
+describe('Executor drain without migrate, run again after its hibernate expired', () => {
+  // The first run hibernated sb-1 (key __drain/op-d/sb-1); copying the host's snapshots off
+  // took over FF_RECORD_RETENTION, history expiry deleted that hibernate with its key, and the
+  // leader failed over. The re-run submitted the key again, which made a new hibernate.
+  /** Re-runs drain op-d of host F with sb-1 `now` (undefined: its record is gone); the submits and the op's last write. */
+  async function drainAgainAfterExpiry(now: SandboxRec | undefined): Promise<{ submit: Mock<NonNullable<ExecutorDeps['submit']>>; final: OperationRec | undefined }> {
+    const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: false, hibernations: { 'sb-1': ['t', '__drain/op-d/sb-1'] } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    const writes: StoreWrite[] = [];
+    let rev = 10;
+    const submit = vi.fn<NonNullable<ExecutorDeps['submit']>>(async (_t, key) => ({ id: `op-${key}`, state: 'pending' }) as unknown as OperationRec);
+    const ex = leaderExecutor(
+      {
+        getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 }),
+        listSandboxes: async () => (now ? [{ value: now, modRevision: 20 }] : []),
+        getSandbox: async () => now && { value: structuredClone(now), modRevision: 20 },
+        getIdempotent: async () => undefined,
+        getOp: async (_t: string, id: string) => (id === op.id ? { value: structuredClone(op), modRevision: rev } : { value: { id, state: 'succeeded' }, modRevision: 1 }),
+        commitAt: async (w: StoreWrite[]) => (writes.push(...w), ++rev),
+      },
+      { submit },
+    );
+    const inner = ex as unknown as { ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
+    inner.ops.set(op.id, { value: op, modRevision: rev });
+    await inner.runDrain(op);
+    return { submit, final: writes.flatMap((w) => (w.kind === 'op' ? [w.value] : [])).at(-1) };
+  }
+
+  it('aSandboxWokenOnAnotherHostSince_isNotHibernatedAgain_andCountsAsGoneFromTheHost', async () => {
+    const { submit, final } = await drainAgainAfterExpiry(sandbox('sb-1', 'G', 'running'));
+    expect(submit).not.toHaveBeenCalled();
+    expect(final?.state).toBe('succeeded');
+  });
+
+  it('aSandboxDestroyedSinceWhoseRecordExpired_isNotSubmitted_andDoesNotFailTheDrain', async () => {
+    const { submit, final } = await drainAgainAfterExpiry(undefined);
+    expect(submit).not.toHaveBeenCalled();
+    expect(final?.state).toBe('succeeded');
+  });
+
+  it('aSandboxStillRunningOnTheDrainedHost_isHibernated', async () => {
+    const { submit, final } = await drainAgainAfterExpiry(sandbox('sb-1', 'F', 'running'));
+    expect(submit.mock.calls.map((c) => [c[1], c[2], c[3]])).toEqual([['__drain/op-d/sb-1', 'hibernate', 'sb-1']]);
+    expect(final?.state).toBe('succeeded');
+  });
+});
+
+describe('Executor cancelled fork, run again after its destroys expired', () => {
+  it('destroysOnlyTheChildrenNotDestroyedYet_andNamesNoneAsFailed', async () => {
+    // Its destroys (keys __cancel/op-f/<child>) ended over FF_RECORD_RETENTION ago and expired
+    // with their keys: c1's record has expired too, c2 is destroyed, c3 was never destroyed.
+    const op = { id: 'op-f', tenantId: 't', kind: 'fork', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'src', input: {}, cancelRequested: true, progress: { done: 0, total: 3, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    const sbs: Record<string, SandboxRec> = { c2: sandbox('c2', '', 'destroyed'), c3: sandbox('c3', 'h1', 'running') };
+    const writes: StoreWrite[] = [];
+    let rev = 10;
+    const submit = vi.fn<NonNullable<ExecutorDeps['submit']>>(async (_t, key) => ({ id: `op-${key}`, state: 'pending' }) as unknown as OperationRec);
+    const ex = leaderExecutor(
+      {
+        getSandbox: async (_t: string, id: string) => sbs[id] && { value: structuredClone(sbs[id]), modRevision: 20 },
+        getIdempotent: async () => undefined,
+        getOp: async (_t: string, id: string) => (id === op.id ? { value: structuredClone(op), modRevision: rev } : { value: { id, state: 'succeeded' }, modRevision: 1 }),
+        commitAt: async (w: StoreWrite[]) => (writes.push(...w), ++rev),
+      },
+      { submit },
+    );
+    const inner = ex as unknown as { ops: Map<string, unknown>; destroyForCancel(op: OperationRec, result: OperationRec['result'], ids: readonly string[]): Promise<void> };
+    inner.ops.set(op.id, { value: op, modRevision: rev });
+    await inner.destroyForCancel(op, { sandboxIds: ['c1', 'c2', 'c3'] }, ['c1', 'c2', 'c3']);
+    expect(submit.mock.calls.map((c) => [c[1], c[2], c[3]])).toEqual([['__cancel/op-f/c3', 'destroy', 'c3']]);
+    const final = writes.flatMap((w) => (w.kind === 'op' ? [w.value] : [])).at(-1);
+    expect(final?.state).toBe('cancelled');
+    expect(final?.error?.message).toContain('destroyed 3 of the 3 sandboxes');
   });
 });
 

@@ -1718,9 +1718,15 @@ export class Executor {
   /**
    * Submits (idempotently, by `key`) an operation of this scheduler's own and waits for it
    * to end. Resolves with undefined when it succeeded, else with why not.
+   * `needed`, for a key an earlier run may have submitted: history expiry deletes a finished
+   * operation with its key FF_RECORD_RETENTION after it ended, and the submit would then start
+   * a new one against a target that moved on since (a sandbox woken on another host, or
+   * destroyed and its record expired). With no operation under the key, it is submitted only
+   * if `needed()` says the work is still to do; otherwise it resolves with undefined (done).
    */
-  private async submitAndWait(tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>): Promise<string | undefined> {
+  private async submitAndWait(tenantId: string, key: string, kind: OperationRec['kind'], targetId: string, input: Record<string, unknown>, needed?: () => Promise<boolean>): Promise<string | undefined> {
     if (!this.deps.submit) throw new ForkfleetError('internal', `this scheduler cannot submit operations: it needs to for a ${kind} of its own`);
+    if (needed && (await this.deps.store.getIdempotent(tenantId, key)) === undefined && !(await needed())) return undefined;
     const h = await this.submitOwn(tenantId, key, kind, targetId, input);
     for (;;) {
       const cur = (await this.deps.store.getOp(tenantId, h.id))?.value;
@@ -1750,10 +1756,16 @@ export class Executor {
   /**
    * The end of a cancelled create or fork whose sandboxes started: each is destroyed by a
    * destroy operation of its own, keyed by this op and the sandbox (a re-run after a
-   * failover waits for the same ones), then the op ends `cancelled` saying so.
+   * failover waits for the same ones), then the op ends `cancelled` saying so. A key whose
+   * destroy expired with it (a re-run over FF_RECORD_RETENTION later) is submitted again only
+   * for a sandbox not destroyed: one whose record is gone too would fail "not found".
    */
   private async destroyForCancel(op: OperationRec, result: OperationRec['result'], sandboxIds: readonly string[], progressDone?: number): Promise<void> {
-    const ends = await Promise.all(sandboxIds.map(async (id) => ({ id, error: await this.submitAndWait(op.tenantId, `__cancel/${op.id}/${id}`, 'destroy', id, { reason: `${op.kind} ${op.id} cancelled` }) })));
+    const alive = async (id: string): Promise<boolean> => {
+      const sb = (await this.deps.store.getSandbox(op.tenantId, id))?.value;
+      return sb !== undefined && sb.state !== 'destroyed';
+    };
+    const ends = await Promise.all(sandboxIds.map(async (id) => ({ id, error: await this.submitAndWait(op.tenantId, `__cancel/${op.id}/${id}`, 'destroy', id, { reason: `${op.kind} ${op.id} cancelled` }, () => alive(id)) })));
     const failed = ends.filter((e) => e.error !== undefined).map((e) => `${e.id}: destroy failed: ${e.error}`);
     const what = sandboxIds.length === 0 ? undefined : `cancelled by a CancelOperation call; destroyed ${sandboxIds.length - failed.length} of the ${sandboxIds.length} sandboxes it had started${failed.length ? `; ${failed.join('; ')}` : ''}`;
     await this.finish(op, result, errorOf(new OperationCancelledError(what)), progressDone);
@@ -3974,6 +3986,7 @@ export class Executor {
     const host = (await this.deps.store.getHost(hostId))?.value;
     const uncordoned = !host?.cordoned;
     const fresh = this.cancelRequested(op.id) || uncordoned ? [] : onHost.filter((sb) => !recorded[sb.id]);
+    const earlier = new Set(Object.keys(recorded));
     if (uncordoned) for (const sb of onHost) if (!recorded[sb.id]) failures.push(`${sb.id}: not hibernated: ${hostId} was uncordoned during the drain`);
     if (fresh.length > 0) {
       // Recorded before submitting: a re-run (failover) waits for these, not new ones.
@@ -3984,11 +3997,19 @@ export class Executor {
       });
       Object.assign(recorded, keyed);
     }
-    // Submit (idempotent by key), then wait for each to end.
+    // Submit (idempotent by key), then wait for each to end. An earlier run's key whose
+    // hibernate ended over FF_RECORD_RETENTION ago expired with it: submitted again, it would
+    // hibernate the sandbox wherever it runs now (woken on another host since) or fail for one
+    // destroyed since. So it is submitted again only for a sandbox still running or paused on
+    // this host; any other left the host, which is what the drain is for.
+    const stillHere = async (tenantId: string, sandboxId: string): Promise<boolean> => {
+      const sb = (await this.deps.store.getSandbox(tenantId, sandboxId))?.value;
+      return sb?.hostId === hostId && (sb.state === 'running' || sb.state === 'paused');
+    };
     const ends = await Promise.all(
       Object.entries(recorded).map(async ([sandboxId, [tenantId, key]]) => ({
         sandboxId,
-        error: await this.submitAndWait(tenantId, key, 'hibernate', sandboxId, { snapshotId: newId('sn'), replicas: 0, reason: 'drain' }),
+        error: await this.submitAndWait(tenantId, key, 'hibernate', sandboxId, { snapshotId: newId('sn'), replicas: 0, reason: 'drain' }, earlier.has(sandboxId) ? () => stillHere(tenantId, sandboxId) : undefined),
       })),
     );
     for (const e of ends) if (e.error !== undefined) failures.push(`${e.sandboxId}: hibernate failed: ${e.error}`);

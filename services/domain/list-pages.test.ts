@@ -50,7 +50,7 @@ describe('ListSandboxes pages', () => {
   };
 
   it('listSandboxPage_pagingThroughATenant_readsEachRecordAboutOnce_andPagesAsOneSortedFilteredList', async () => {
-    for (const labels of [{}, { team: 'b' }]) {
+    for (const labels of [{}, { team: 'b' }] as Array<Record<string, string>>) {
       const paged = fleetOver(records, true);
       const whole = fleetOver(records, false);
       const got = await pages(paged.fleet, labels, 100);
