@@ -4,8 +4,10 @@
 // { credentials_file: ... }`); anything else gets 401. Not an API token: the listener is plain
 // HTTP, and API tokens cross only TLS (ADR 0012); this one opens nothing but /metrics. Unset, /metrics is
 // open (a local fleet on loopback); the rendered deployment sets it (deploy/hosts/render.ts).
-// The file is read again when it changes (mtime or size), so a token is rotated without a
-// restart; a file that cannot be read then keeps the token in force and is reported once.
+// The file is read again when it changes (mtime, size or inode), so a token is rotated without
+// a restart where the scheduler reads the file itself (the rendered deployment hands it a copy
+// at start: rotating there takes a restart); a file that cannot be read then keeps the token
+// in force and is reported once.
 import { createHash, timingSafeEqual } from 'node:crypto';
 import { readFileSync, statSync } from 'node:fs';
 import { InvalidArgumentError } from '../proto/errors.ts';

@@ -349,7 +349,9 @@ function installGuide(inv: Inventory, apis: string): string {
     '',
     `The schedulers' \`/metrics\` (port ${inv.ports.metrics}) name tenants, so they answer only a scrape that carries the bearer token in`,
     '`secrets/metrics.token`: in Prometheus, `authorization: { credentials_file: <a copy of that file> }`',
-    'in the job\'s scrape config. The agents\' `/metrics` need none (counts and sizes only).',
+    'in the job\'s scrape config; to rotate it, write the new token into that file and each scheduler machine\'s',
+    '`/etc/forkfleet/scheduler/metrics.token` and restart the schedulers (systemd hands them a copy at start).',
+    'The agents\' `/metrics` need none (counts and sizes only).',
     '',
   ];
   return lines.join('\n');

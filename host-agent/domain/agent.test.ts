@@ -2,7 +2,7 @@ import { describe, expect, it, vi } from 'vitest';
 import { create, toBinary, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
-import { Agent, LEFT_CLUSTERS_MAX, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
+import { Agent, LEFT_STORES_MAX, RESTORE_SAMPLE_MAX_AGE_MS } from './agent.ts';
 import type { AgentBus, AgentConfig, AgentDeps, SnapshotShipper, WorkControl } from './agent.ts';
 import { MemoryJournal } from '../adapters/journal/memory-journal.ts';
 import type { Accel, VmInfo, VmmDriver } from './vmm.ts';
@@ -875,11 +875,11 @@ describe('Agent steps', () => {
     expect(await second.deliver('f', 2n, 8n)).toBe(true);
     expect(destroyed).toEqual(['sb-a', 'sb-c', 'sb-e']);
     expect(answered).toEqual(['a', 'c', 'e']);
-    expect(journal.term).toEqual({ term: 3n, cluster: 8n, leftClusters: [7n] });
+    expect(journal.term).toEqual({ term: 3n, cluster: 8n });
     await second.agent.stop();
   });
 
-  /** An agent over `journal` whose work is delivered by `deliver(step, term, cluster)`: a destroy of sb-<step>; whether it was acked. */
+  /** An agent over `journal` whose work is delivered by `deliver(step, term, cluster, store)`: a destroy of sb-<step>; whether it was acked. */
   const termedAgent = async (journal: MemoryJournal, destroyed: string[], answered: string[]) => {
     let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
     const { agent } = agentWith(
@@ -890,62 +890,81 @@ describe('Agent steps', () => {
       journal,
     );
     await agent.start();
-    const deliver = async (step: string, term: bigint, cluster: bigint): Promise<boolean> => {
+    const deliver = async (step: string, term: bigint, cluster: bigint, store = 0n): Promise<boolean> => {
       let acked = false;
-      await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), ctlOf(() => void (acked = true)));
+      await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, leaderStore: store, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), ctlOf(() => void (acked = true)));
       return acked;
     };
     return { agent, deliver };
   };
 
-  it('work_ofAnEtcdClusterThisHostLeftForANewOne_isAckedAndDroppedWithoutAResult_whileTheNewClustersIsTaken_withoutTurningBack', async () => {
+  it('work_ofAFleetStoreThisHostLeftForANewOne_isAckedAndDroppedWithoutAResult_whileTheNewStoresIsTaken_withoutTurningBack', async () => {
     const journal = new MemoryJournal();
     const destroyed: string[] = [];
     const answered: string[] = [];
     const { agent, deliver } = await termedAgent(journal, destroyed, answered);
-    expect(await deliver('a1', 10n, 7n)).toBe(true);
-    expect(await deliver('b1', 2n, 8n)).toBe(true); // the fleet's etcd made anew: cluster 8 from now on
-    // Cluster 7's leader, deposed, still publishes (held by its NATS client), in a newer term
-    // of its own: dropped, and the agent stays with cluster 8, whose work is taken.
-    expect(await deliver('a2', 11n, 7n)).toBe(true);
-    expect(await deliver('b2', 2n, 8n)).toBe(true);
-    expect(await deliver('a3', 10n, 7n)).toBe(true);
-    expect(await deliver('z', 0n, 7n)).toBe(true); // no term: taken, as ever
+    // etcd cluster 7 throughout (rebuilt from the same members and token): stores 70, then 80.
+    expect(await deliver('a1', 10n, 7n, 70n)).toBe(true);
+    expect(await deliver('b1', 2n, 7n, 80n)).toBe(true); // the store made anew: its revisions count from 1 again
+    // Store 70's leader, deposed, still publishes (held by its NATS client), in a newer term
+    // of its own: dropped, and the agent stays with store 80, whose work is taken.
+    expect(await deliver('a2', 11n, 7n, 70n)).toBe(true);
+    expect(await deliver('b2', 2n, 7n, 80n)).toBe(true);
+    expect(await deliver('a3', 10n, 7n, 70n)).toBe(true);
+    expect(await deliver('z', 0n, 7n, 70n)).toBe(true); // no term: taken, as ever
     expect(destroyed).toEqual(['sb-a1', 'sb-b1', 'sb-b2', 'sb-z']);
     expect(answered).toEqual(['a1', 'b1', 'b2', 'z']);
-    expect(journal.term).toEqual({ term: 2n, cluster: 8n, leftClusters: [7n] });
-    // A third incarnation: both left; at most LEFT_CLUSTERS_MAX of them remembered, the oldest forgotten.
-    expect(await deliver('c1', 1n, 9n)).toBe(true);
-    expect(await deliver('b3', 3n, 8n)).toBe(true);
-    expect(journal.term).toEqual({ term: 1n, cluster: 9n, leftClusters: [7n, 8n] });
-    for (let c = 10n; c < 10n + BigInt(LEFT_CLUSTERS_MAX) - 1n; c++) expect(await deliver(`n${c}`, 1n, c)).toBe(true);
-    expect(journal.term?.leftClusters).toHaveLength(LEFT_CLUSTERS_MAX);
-    expect(journal.term?.leftClusters?.[0]).toBe(8n);
+    expect(journal.term).toEqual({ term: 2n, cluster: 7n, store: 80n, leftStores: [70n] });
+    // A third store: both left; at most LEFT_STORES_MAX of them remembered, the oldest forgotten.
+    expect(await deliver('c1', 1n, 7n, 90n)).toBe(true);
+    expect(await deliver('b3', 3n, 7n, 80n)).toBe(true);
+    expect(journal.term).toEqual({ term: 1n, cluster: 7n, store: 90n, leftStores: [70n, 80n] });
+    for (let c = 100n; c < 100n + BigInt(LEFT_STORES_MAX) - 1n; c++) expect(await deliver(`n${c}`, 1n, 7n, c)).toBe(true);
+    expect(journal.term?.leftStores).toHaveLength(LEFT_STORES_MAX);
+    expect(journal.term?.leftStores?.[0]).toBe(80n);
     expect(destroyed).not.toContain('sb-b3');
     await agent.stop();
   });
 
-  it('work_ofAnEtcdClusterThisHostLeft_isDroppedAlsoAfterARestart_theClustersLeftKeptInTheJournal', async () => {
+  it('work_ofAFleetStoreThisHostLeft_isDroppedAlsoAfterARestart_theStoresLeftKeptInTheJournal', async () => {
     const journal = new MemoryJournal();
     const destroyed: string[] = [];
     const answered: string[] = [];
     const first = await termedAgent(journal, destroyed, answered);
-    expect(await first.deliver('a1', 10n, 7n)).toBe(true);
-    expect(await first.deliver('b1', 2n, 8n)).toBe(true);
+    expect(await first.deliver('a1', 10n, 7n, 70n)).toBe(true);
+    expect(await first.deliver('b1', 2n, 7n, 80n)).toBe(true);
     await first.agent.stop();
-    // A redelivery of cluster 7's work to the next agent: dropped; cluster 8's taken.
+    // A redelivery of store 70's work to the next agent: dropped; store 80's taken.
     const second = await termedAgent(journal, destroyed, answered);
-    expect(await second.deliver('a2', 10n, 7n)).toBe(true);
-    expect(await second.deliver('b2', 2n, 8n)).toBe(true);
+    expect(await second.deliver('a2', 10n, 7n, 70n)).toBe(true);
+    expect(await second.deliver('b2', 2n, 7n, 80n)).toBe(true);
     expect(destroyed).toEqual(['sb-a1', 'sb-b1', 'sb-b2']);
     expect(answered).toEqual(['a1', 'b1', 'b2']);
     await second.agent.stop();
   });
 
+  it('work_ofSchedulersOfTheVersionBeforeAndAfterTheStore_onOneStore_isJudgedByTermAlone_throughAnUpgradeAndARollback', async () => {
+    const journal = new MemoryJournal();
+    const destroyed: string[] = [];
+    const answered: string[] = [];
+    const { agent, deliver } = await termedAgent(journal, destroyed, answered);
+    // Cluster 7, store 70: the version before sends no store (0); both count the same revisions.
+    expect(await deliver('a', 10n, 7n)).toBe(true);
+    expect(await deliver('b', 11n, 7n, 70n)).toBe(true); // upgraded leader
+    expect(await deliver('c', 12n, 7n)).toBe(true); // an old replica leads again (rollback)
+    expect(await deliver('d', 13n, 7n, 70n)).toBe(true); // forward again
+    expect(await deliver('e', 12n, 7n)).toBe(true); // the deposed old one's held publish: dropped
+    expect(await deliver('f', 12n, 7n, 70n)).toBe(true); // and the deposed new one's: dropped
+    expect(destroyed).toEqual(['sb-a', 'sb-b', 'sb-c', 'sb-d']);
+    expect(answered).toEqual(['a', 'b', 'c', 'd']);
+    expect(journal.term).toEqual({ term: 13n, cluster: 7n, store: 70n });
+    await agent.stop();
+  });
+
   it.each([
-    ['term', 6n, 1n],
-    ['etcd cluster', 1n, 2n],
-  ])('work_ofATermQueuedForASlotWhileANewerTermWasTaken_isAckedAndDroppedWhenItsTurnComes_withoutARunOrAResult (a newer %s)', async (_newer, newTerm, newCluster) => {
+    ['term', 6n, 10n],
+    ['fleet store', 1n, 20n],
+  ])('work_ofATermQueuedForASlotWhileANewerTermWasTaken_isAckedAndDroppedWhenItsTurnComes_withoutARunOrAResult (a newer %s)', async (_newer, newTerm, newStore) => {
     const destroyed: string[] = [];
     const answered: string[] = [];
     let release: () => void = () => undefined;
@@ -961,14 +980,14 @@ describe('Agent steps', () => {
     );
     await agent.start();
     const acks: string[] = [];
-    const deliver = (step: string, term: bigint, w: Parameters<typeof work>[1], cluster = 1n) =>
-      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster }), ctlOf(() => void acks.push(step)));
+    const deliver = (step: string, term: bigint, w: Parameters<typeof work>[1], store = 10n) =>
+      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: 1n, leaderStore: store }), ctlOf(() => void acks.push(step)));
     // Term 5: a restore holds the only slot, a destroy waits for it.
     const restoring = deliver('restore', 5n, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } });
     const queued = deliver('old', 5n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-old' } } });
     await new Promise((r) => setTimeout(r, 10));
-    // The new leader's first work takes term 6, or its new etcd cluster's term (it waits for the slot too).
-    const fresh = deliver('new', newTerm, { work: { case: 'destroyVm', value: { sandboxId: 'sb-new' } } }, newCluster);
+    // The new leader's first work takes term 6, or its new fleet store's term (it waits for the slot too).
+    const fresh = deliver('new', newTerm, { work: { case: 'destroyVm', value: { sandboxId: 'sb-new' } } }, newStore);
     release();
     await Promise.all([restoring, queued, fresh]);
     // (sb-r: the failed restore's clean-up.)

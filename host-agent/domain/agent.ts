@@ -80,24 +80,25 @@ export interface Journal {
    * both, the agent knows terms only since it started.
    */
   leaderTerm?(): Promise<LeaderTerm | undefined>;
-  /** Keeps `term` across restarts, with its leftClusters (called only with a newer term than the last). */
+  /** Keeps `term` across restarts, with its store and leftStores (called only when the term, or its store, changed). */
   setLeaderTerm?(term: LeaderTerm): Promise<void>;
 }
 
-/** A scheduler leader's term: the revision of its election in the etcd cluster `cluster`. */
+/** A scheduler leader's term: the revision of its election in the etcd cluster `cluster`, of the fleet store `store`. */
 export interface LeaderTerm {
   readonly term: bigint;
   readonly cluster: bigint;
+  /** HostWork.leader_store of the work the term came with; absent or 0: not known (a scheduler before it). */
+  readonly store?: bigint;
   /**
-   * The etcd clusters this host took work of before and left for another (Agent.takesTerm),
-   * oldest first, at most LEFT_CLUSTERS_MAX; absent when none (as in a record kept by an
-   * agent before this list).
+   * The fleet stores this host took work of before and left for a new one (Agent.takesTerm),
+   * oldest first, at most LEFT_STORES_MAX; absent when none.
    */
-  readonly leftClusters?: readonly bigint[];
+  readonly leftStores?: readonly bigint[];
 }
 
-/** How many etcd clusters left (LeaderTerm.leftClusters) an agent remembers: the fleet's etcd is made anew rarely. */
-export const LEFT_CLUSTERS_MAX = 16;
+/** How many fleet stores left (LeaderTerm.leftStores) an agent remembers: the fleet's etcd is made anew rarely. */
+export const LEFT_STORES_MAX = 16;
 
 /** A snapshot held elsewhere, ready for a restore by migration; `release` unpins its fetched disk chunks. */
 export type IncomingSnapshot = IncomingSource & { bytesFetched: number; release(): void };
@@ -607,11 +608,13 @@ export class Agent {
 
   // ---------------------------------------------------------------- work
 
-  /** Whether `w` is of an older term of the same cluster than the newest this agent has taken, or of a cluster it has left (takesTerm). */
+  /** Whether `w` is of an older term of the same store than the newest this agent has taken, or of a store it has left (takesTerm). */
   private ofAnOlderTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n || kept === undefined) return false;
-    return kept.cluster === w.leaderCluster ? w.leaderTerm < kept.term : (kept.leftClusters?.includes(w.leaderCluster) ?? false);
+    if (w.leaderStore && kept.leftStores?.includes(w.leaderStore)) return true;
+    if (w.leaderStore && kept.store && w.leaderStore !== kept.store) return false;
+    return kept.cluster === w.leaderCluster && w.leaderTerm < kept.term;
   }
 
   /**
@@ -622,34 +625,41 @@ export class Agent {
    * new leader may have acted on this host since. The new leader sends again the steps of the
    * operations it runs on; a dropped clean-up of the old term (a stop sent without waiting)
    * is left to the stray-VM check (a VM with no record is stopped). Judged in delivery order,
-   * so a newer term is taken before any later delivery. Terms of another etcd cluster are not
-   * compared: work of a cluster other than the kept one's is taken, and its term kept (etcd
-   * was made anew and counts from 1 again). The scheduler's leader_cluster changes whenever the
-   * fleet's etcd data is made anew, never back: the cluster left is dead for good, and its work
-   * still coming (a deposed leader's held publishes, redeliveries) is dropped as an older
-   * term's is, instead of being taken and turning this agent back to that cluster (and then
-   * to the new one again, and so on). The clusters left are kept with the term, the last
-   * LEFT_CLUSTERS_MAX of them. Cluster 0 (a leader that does not know its cluster's id, which
-   * may be either) is never counted as left, nor is one left for it. Term 0 (no term) is taken.
+   * so a newer term is taken before any later delivery. Term 0 (no term) is taken.
+   * Terms are revisions of one fleet store (HostWork.leader_store: its incarnation), which a
+   * store made anew counts from 1 again:
+   * - a store other than the kept one (both known) is new: its work is taken whatever its
+   *   term, and the kept store is left for good (the last LEFT_STORES_MAX kept): work still
+   *   coming from a store left (a deposed leader's held publishes, redeliveries) is dropped as
+   *   an older term's is, instead of turning this agent back to it;
+   * - work that does not say its store (a scheduler of the version before it, during a rolling
+   *   upgrade or after a rollback) is judged by etcd's cluster id as before: the same cluster's
+   *   terms compared (its leaders and the new version's count the same revisions), another
+   *   cluster's taken. The store kept stays known.
    */
   private takesTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n) return true;
-    let leftClusters = kept?.leftClusters;
-    if (kept && kept.cluster === w.leaderCluster) {
-      if (w.leaderTerm === kept.term) return true;
+    let leftStores = kept?.leftStores;
+    let store = w.leaderStore || undefined;
+    if (w.leaderStore && kept?.leftStores?.includes(w.leaderStore)) {
+      this.log.warn({ opId: w.opId, stepId: w.stepId, store: String(w.leaderStore), keptStore: String(kept.store ?? 0n) }, 'work from a fleet store this host has left (etcd made anew since) dropped');
+      return false;
+    } else if (kept?.store && w.leaderStore && w.leaderStore !== kept.store) {
+      this.log.warn({ store: String(w.leaderStore), keptStore: String(kept.store) }, 'work from a new fleet store (etcd made anew): its leader terms are taken from now on');
+      leftStores = [...(leftStores ?? []), kept.store].slice(-LEFT_STORES_MAX);
+    } else if (kept && kept.cluster === w.leaderCluster) {
       if (w.leaderTerm < kept.term) {
         this.log.warn({ opId: w.opId, stepId: w.stepId, term: String(w.leaderTerm), newestTerm: String(kept.term) }, "work from a deposed leader's term dropped");
         return false;
       }
-    } else if (kept?.leftClusters?.includes(w.leaderCluster)) {
-      this.log.warn({ opId: w.opId, stepId: w.stepId, cluster: String(w.leaderCluster), keptCluster: String(kept.cluster) }, 'work from an etcd cluster this host has left (made anew since) dropped');
-      return false;
+      // A scheduler that does not say its store, on the store kept: still that store.
+      store ??= kept.store;
+      if (w.leaderTerm === kept.term && store === kept.store) return true;
     } else if (kept) {
       this.log.warn({ cluster: String(w.leaderCluster), keptCluster: String(kept.cluster) }, 'work from another etcd cluster: its leader terms are taken from now on');
-      if (kept.cluster !== 0n && w.leaderCluster !== 0n) leftClusters = [...(leftClusters ?? []), kept.cluster].slice(-LEFT_CLUSTERS_MAX);
     }
-    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster, ...(leftClusters?.length ? { leftClusters } : {}) };
+    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster, ...(store ? { store } : {}), ...(leftStores?.length ? { leftStores } : {}) };
     this.leaderTerm = term;
     const keep = this.deps.journal.setLeaderTerm;
     if (keep) this.termKept = this.termKept.then(() => keep.call(this.deps.journal, term)).catch((e: unknown) => this.log.error({ err: e, term: String(term.term) }, 'could not keep the newest leader term; a restart forgets it'));

@@ -135,12 +135,12 @@ describe('Executor terms', () => {
     expect(held.early.has('op-0/s')).toBe(false);
   });
 
-  it('leaderTerm_ofHostWork_isTheFencesCreateRevisionAndEtcdCluster_noneWithoutAFence_andOlderThanAnyForAFenceWhoseKeyWasGone', () => {
-    expect(leaderTerm({ key: 'k', createRevision: 4711, clusterId: '14841639068965178418' })).toEqual({ term: 4711n, cluster: 14841639068965178418n });
-    expect(leaderTerm(undefined)).toEqual({ term: 0n, cluster: 0n });
-    expect(leaderTerm({ key: 'k', createRevision: -1, clusterId: '7' })).toEqual({ term: 1n, cluster: 7n });
-    // A cluster id that is not a uint64 is none (the proto field could not carry it).
-    expect(leaderTerm({ key: 'k', createRevision: 9, clusterId: '99999999999999999999' })).toEqual({ term: 9n, cluster: 0n });
+  it('leaderTerm_ofHostWork_isTheFencesCreateRevisionEtcdClusterAndStore_noneWithoutAFence_andOlderThanAnyForAFenceWhoseKeyWasGone', () => {
+    expect(leaderTerm({ key: 'k', createRevision: 4711, clusterId: '14841639068965178418', storeId: '18446744073709551615' })).toEqual({ term: 4711n, cluster: 14841639068965178418n, store: 18446744073709551615n });
+    expect(leaderTerm(undefined)).toEqual({ term: 0n, cluster: 0n, store: 0n });
+    expect(leaderTerm({ key: 'k', createRevision: -1, clusterId: '7' })).toEqual({ term: 1n, cluster: 7n, store: 0n });
+    // An id that is not a uint64 is none (the proto field could not carry it).
+    expect(leaderTerm({ key: 'k', createRevision: 9, clusterId: '99999999999999999999', storeId: '18446744073709551616' })).toEqual({ term: 9n, cluster: 0n, store: 0n });
   });
 
   it('opWhoseRunnerCrashed_evenItsFailureUnrecordable_runsAgainLaterInTheSameTerm_andEnds', async () => {

@@ -185,14 +185,19 @@ function forkBookings(res: Extract<PlacementResult, { ok: true }>, snapshotId: s
 
 /**
  * The term host work carries (HostWork.leader_term): the fence's create revision, which grows
- * with every leader of one etcd cluster, and that cluster's id. None (0) without a fence; 1,
+ * with every leader of one etcd cluster, that cluster's id and the fleet store's (leader_store,
+ * 0 where not known). None (0) without a fence; 1,
  * older than any real term, for a fence whose key was already gone (no write passes it either).
  */
 export function leaderTerm(fence: LeaderFence | undefined): LeaderTerm {
-  const id = fence?.clusterId && /^\d{1,20}$/.test(fence.clusterId) ? BigInt(fence.clusterId) : 0n;
-  const cluster = id <= 0xffff_ffff_ffff_ffffn ? id : 0n;
-  if (!fence) return { term: 0n, cluster };
-  return { term: fence.createRevision > 0 ? BigInt(fence.createRevision) : 1n, cluster };
+  const u64 = (v: string | undefined): bigint => {
+    const id = v && /^\d{1,20}$/.test(v) ? BigInt(v) : 0n;
+    return id <= 0xffff_ffff_ffff_ffffn ? id : 0n;
+  };
+  const cluster = u64(fence?.clusterId);
+  const store = u64(fence?.storeId);
+  if (!fence) return { term: 0n, cluster, store };
+  return { term: fence.createRevision > 0 ? BigInt(fence.createRevision) : 1n, cluster, store };
 }
 
 /**

@@ -54,14 +54,18 @@ export type StoreWrite =
 export interface LeaderFence {
   readonly key: string;
   readonly createRevision: number;
-  /** The id of the fleet store the revision is of (decimal), where known: etcd's cluster id folded with the store's incarnation (election.ts fleetDataId). */
+  /** The id of the etcd cluster the revision is of (decimal), where known. */
   readonly clusterId?: string;
+  /** The id of the fleet store the revision is of (decimal), where known: etcd's cluster id folded with the store's incarnation (election.ts fleetStoreId). */
+  readonly storeId?: string;
 }
 
 /** What orders leaders for host agents (HostWork.leader_term / leader_cluster). */
 export interface LeaderTerm {
   readonly term: bigint;
   readonly cluster: bigint;
+  /** HostWork.leader_store (0: not known). */
+  readonly store?: bigint;
 }
 
 export interface FleetStore {

@@ -60,7 +60,8 @@ function leaseDeadline(c: Campaign, ttlMs: number): { until: () => number; known
  * that kept a higher term would drop every step of the new leaders as a deposed leader's.
  * A store restored from a backup keeps the key and its (older) revisions: delete the key
  * before the schedulers start, or restore with `etcdutl snapshot restore --bump-revision`
- * (services/README.md, "Leader terms").
+ * (services/README.md, "Leader terms"). HostWork.leader_store carries it (fleetStoreId);
+ * leader_cluster stays etcd's cluster id, which schedulers of the version before send too.
  */
 export async function incarnation(client: Etcd3): Promise<string> {
   const key = keys.incarnation();
@@ -75,11 +76,11 @@ export async function incarnation(client: Etcd3): Promise<string> {
 }
 
 /**
- * HostWork.leader_cluster's value (decimal): etcd's cluster id and the store's incarnation
- * folded into 64 bits (never 0, which means "no cluster"). A new incarnation is a new value:
- * agents take its terms afresh and drop those of the values they left.
+ * HostWork.leader_store's value (decimal): etcd's cluster id and the store's incarnation
+ * folded into 64 bits (never 0, which means "not known"). A new incarnation is a new value:
+ * agents take its terms afresh and drop those of the stores they left.
  */
-export function fleetDataId(etcdClusterId: string, incarnationId: string): string {
+export function fleetStoreId(etcdClusterId: string, incarnationId: string): string {
   const v = createHash('sha256').update(`${etcdClusterId}/${incarnationId}`).digest().readBigUInt64BE(0);
   return String(v === 0n ? 1n : v);
 }
@@ -136,7 +137,7 @@ export class EtcdLeaderElection implements LeaderElection {
             try {
               const res = await this.client.get(key).exec();
               const kv = res.kvs[0];
-              return { key, createRevision: kv ? Number(kv.create_revision) : -1, clusterId: fleetDataId(res.header.cluster_id, await incarnation(this.client)) };
+              return { key, createRevision: kv ? Number(kv.create_revision) : -1, clusterId: res.header.cluster_id, storeId: fleetStoreId(res.header.cluster_id, await incarnation(this.client)) };
             } catch (e) {
               if (attempt === 5 || ended) throw e;
               await new Promise((r) => setTimeout(r, 200 * attempt));

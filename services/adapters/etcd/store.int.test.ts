@@ -199,25 +199,27 @@ describe('EtcdFleetStore', () => {
     await a.resign();
   });
 
-  it('fence_clusterIdIsKeptByEveryLeaderOfOneStore_andIsNewOnceItsIncarnationKeyIsGone', async () => {
+  it('fence_storeIdIsKeptByEveryLeaderOfOneStore_andIsNewOnceItsIncarnationKeyIsGone_theClusterIdEtcds', async () => {
     // Leader terms are the fence's create revision: a store made anew (a wiped etcd rebuilt
     // with the same member list and token keeps etcd's cluster id) counts revisions from 1
     // again, and agents that kept a higher term would drop its every step.
+    const clusterId = (await store.etcd.get('x').exec()).header.cluster_id;
     const a = new EtcdLeaderElection(store.etcd, 'inc-a', 1);
     await a.campaign();
-    const first = a.fence()!.clusterId!;
+    const first = a.fence()!.storeId!;
+    expect(a.fence()!.clusterId).toBe(clusterId);
     await a.resign();
     const b = new EtcdLeaderElection(store.etcd, 'inc-b', 1);
     await b.campaign();
-    expect(b.fence()!.clusterId).toBe(first);
+    expect(b.fence()!.storeId).toBe(first);
     await b.resign();
     expect(first).toMatch(/^[1-9]\d{0,19}$/);
     expect(BigInt(first)).toBeLessThan(2n ** 64n);
-    expect(first).not.toBe((await store.etcd.get('x').exec()).header.cluster_id);
     await store.etcd.delete().key(keys.incarnation()).exec();
     const c = new EtcdLeaderElection(store.etcd, 'inc-c', 1);
     await c.campaign();
-    expect(c.fence()!.clusterId).not.toBe(first);
+    expect(c.fence()!.storeId).not.toBe(first);
+    expect(c.fence()!.clusterId).toBe(clusterId);
     await c.resign();
   });
 

@@ -203,8 +203,8 @@ export class NatsWorkBus implements WorkBus {
     // The host is part of the id: JetStream dedups per stream, and FF_WORK takes every host's
     // subject (the same op and step can go to two hosts, e.g. a stale-snapshot delete).
     const msgId = `${hostId}/${work.opId}/${work.stepId}/${work.attempt}/${this.nonce}`;
-    const { term, cluster } = this.term;
-    const bytes = toBinary(HostWorkSchema, term > 0n ? { ...work, leaderTerm: term, leaderCluster: cluster } : work);
+    const { term, cluster, store = 0n } = this.term;
+    const bytes = toBinary(HostWorkSchema, term > 0n ? { ...work, leaderTerm: term, leaderCluster: cluster, leaderStore: store } : work);
     // Steps for the same host in the same turn go out as one message (batcher.ts), to hosts
     // that said in their heartbeats that they read batches.
     try {
