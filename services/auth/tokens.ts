@@ -88,7 +88,8 @@ export function parseEntry(raw: unknown, where: string): TokenEntry {
   // Fleet operations (drain) are recorded under tenant 'admin': only admin tokens may act as it.
   if (r.tenant === 'admin' && r.admin !== true) throw new InvalidArgumentError(`${where}.tenant`, "'admin' is reserved for admin tokens (set \"admin\": true)");
   let quotas: TenantQuota | undefined;
-  if (r.quotas !== undefined) {
+  // null (a generator's "none", jq or Terraform output) is unset, as before such keys were checked.
+  if (r.quotas !== undefined && r.quotas !== null) {
     if (typeof r.quotas !== 'object' || r.quotas === null || Array.isArray(r.quotas)) throw new InvalidArgumentError(`${where}.quotas`, `must be an object such as {"sandboxes": 50}, got ${JSON.stringify(r.quotas)}`);
     const q = r.quotas as Record<string, unknown>;
     knownKeys(`${where}.quotas`, q, QUOTA_KEYS);

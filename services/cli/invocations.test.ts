@@ -88,6 +88,16 @@ describe('words that are not the CLI\'s', () => {
     expect(out.join('')).toBe('');
   });
 
+  it('loadtest_withHelpAlone_printsItsHelp_andRunsNothing', async () => {
+    npmRuns.length = 0;
+    for (const h of ['--help', '-h']) {
+      out.length = 0;
+      expect(await main(['loadtest', h])).toBe(0);
+      expect(out.join('')).toContain('Usage: forkfleet loadtest');
+    }
+    expect(npmRuns).toEqual([]);
+  });
+
   it.each([
     [['sandbox', 'exec', 'sb-1', 'python', 'eval.py', '--json', '--tenant', 'team-b', '--cwd', '/work'], '--json'],
     [['sandbox', 'exec', 'sb-x', 'mytool', '-h'], '-h'],

@@ -1050,6 +1050,8 @@ function splitLine(program: Command, argv: string[]): Line {
   const top = subcommand(program, argv[at]);
   if (top?.name() === 'loadtest') {
     const rest = argv.slice(at + 1);
+    // `loadtest --help` alone: the CLI's help for it (the load test's own parser has no --help).
+    if (rest.length === 1 && (rest[0] === '-h' || rest[0] === '--help')) return { argv };
     return { argv: argv.slice(0, at + 1), loadtestArgs: rest[0] === '--' ? rest.slice(1) : rest };
   }
   if (top?.name() !== 'sandbox') return { argv };

@@ -495,6 +495,15 @@ describe('Executor drain, snapshots only drained hosts hold', () => {
     expect(r.uncopied).toEqual([expect.stringMatching(/^copying snapshot sn-1 off F failed to BAD: .*, to GOOD: /)]);
     expect(r.steps).toEqual(['replicate/sn-1/BAD', 'replicate/sn-1/GOOD', 'replicate/sn-2/BAD']);
   });
+
+  it('snapshotsAfterTwoInARowThatNoHostCouldCopy_areNotTried_butNamed', async () => {
+    // The drained host's own fault (its disk, its peer server): each of the rest would wait out
+    // every host's step timeout in turn.
+    const r = await copyOff(['sn-1', 'sn-2', 'sn-3', 'sn-4'], () => true);
+    expect(r.steps).toEqual(['replicate/sn-1/BAD', 'replicate/sn-1/GOOD', 'replicate/sn-2/BAD', 'replicate/sn-2/GOOD']);
+    expect(r.uncopied).toHaveLength(4);
+    expect(r.uncopied.slice(2)).toEqual(['snapshot sn-3 was not copied off F: the two before it could not be copied to any host', 'snapshot sn-4 was not copied off F: the two before it could not be copied to any host']);
+  });
 });
 
 describe('Executor host pass', () => {

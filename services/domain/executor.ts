@@ -4062,7 +4062,15 @@ export class Executor {
     // The next host in the rotation, and the hosts skipped for the rest of the drain.
     let cursor = 0;
     const skipped = new Set<string>();
+    // Snapshots in a row that no host could copy: the fault is likely the drained host's (its
+    // disk or peer server), and trying each of the rest on every host could take hours
+    // (each try up to FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS). After two, the rest are not tried.
+    let failedEverywhere = 0;
     for (const sn of only) {
+      if (failedEverywhere >= 2) {
+        failures.push(`snapshot ${sn.id} was not copied off ${hostId}: the two before it could not be copied to any host`);
+        continue;
+      }
       if (targets.length === 0) {
         failures.push(`snapshot ${sn.id} is only on ${hostId} and no other host is ready to take a copy`);
         continue;
@@ -4090,6 +4098,7 @@ export class Executor {
       // Every host failed it: the snapshot's own fault (or its source's) as much as theirs, so
       // none is skipped for the next one.
       if (errors.length) failures.push(`copying snapshot ${sn.id} off ${hostId} failed ${errors.join(', ')}`);
+      failedEverywhere = errors.length ? failedEverywhere + 1 : 0;
     }
     return failures;
   }

@@ -847,8 +847,16 @@ export class Forkfleet {
     let failingSince = 0;
     /** Polls refused or unanswered in a row: the pause before the next grows (with jitter), as retry()'s does. */
     let failures = 0;
+    let polled = false;
     for (;;) {
       const left = until - Date.now();
+      // The scheduler answers a poll a margin (500 ms) before its deadline: with less than a
+      // second left a poll would come back at once, and the next at once again, flooding the
+      // scheduler (and the tenant's rate budget) until the deadline. One poll was made: wait it out.
+      if (polled && left > 0 && left < 1000) {
+        await sleep(left, opts.signal);
+        continue;
+      }
       if (left <= 0) throw new ForkfleetError('deadline_exceeded', `operation ${operationId} not done ${opts.deadline && opts.deadline.getTime() === until ? `by ${opts.deadline.toISOString()}` : `after ${opts.timeoutMs ?? 600_000} ms`}; follow it with GetOperation`, { retryable: false });
       const w = Math.max(1, Math.min(windowMs, left));
       let pb: PbOperation;
@@ -858,6 +866,7 @@ export class Forkfleet {
         // `until`: a poll the scheduler took and never answered ends by the wait's deadline, not
         // 10 s after it (the scheduler answers a margin before the deadline it is given).
         const pollMs = Math.max(1, Math.min(w + 10_000, until - Date.now()));
+        polled = true;
         pb = await this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { timeoutMs: pollMs, ...(opts.signal ? { signal: opts.signal } : {}) });
       } catch (e) {
         // A poll the rate limit (or a bound of the scheduler's: the credential's streams at

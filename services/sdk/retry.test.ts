@@ -489,6 +489,25 @@ describe('SDK waits and deadlines', () => {
     expect(r.tookMs).toBeLessThanOrEqual(45_010);
   });
 
+  it('wait_nearItsDeadline_doesNotPollAgainAndAgain_whenTheSchedulerAnswersAMarginBeforeEachPollsDeadline', async () => {
+    vi.useFakeTimers();
+    let polls = 0;
+    const ff = client({
+      // As the scheduler answers (fleet-service.ts): with the op as it is, at the window asked
+      // for or 500 ms before the poll's own deadline, whichever is first.
+      waitOperation: (req: { timeout?: { seconds: bigint; nanos: number } }, o: { timeoutMs: number }) => {
+        polls++;
+        const asked = Number(req.timeout?.seconds ?? 0n) * 1000 + (req.timeout?.nanos ?? 0) / 1e6;
+        return new Promise((res) => setTimeout(() => res(running(OperationKind.CREATE)), Math.max(0, Math.min(asked, o.timeoutMs - 500))));
+      },
+    });
+    const r = await settle(ff.wait(OP, { timeoutMs: 3000 }));
+    expect(r.error).toMatchObject({ kind: 'deadline_exceeded' });
+    // One held poll, perhaps a second: not one every tick of the last half second.
+    expect(polls).toBeLessThanOrEqual(3);
+    expect(r.tookMs).toBeLessThanOrEqual(3010);
+  });
+
   it('create_givenBothAnImageAndASnapshot_isRefusedNamingSource_andSendsNothing', async () => {
     let calls = 0;
     const ff = client({ createSandbox: async () => (calls++, running(OperationKind.CREATE)), waitOperation: async () => succeeded(OperationKind.CREATE) });
