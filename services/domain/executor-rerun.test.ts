@@ -654,7 +654,7 @@ describe('Executor drain, run again after the sandbox it was moving was lost', (
   // only live copy, where the first run would have switched to it.
   it('aCopyWhoseRestoreHadSucceeded_becomesTheSandbox_notRemoved', async () => {
     const sent: string[] = [];
-    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [sandbox('S1', 'F', 'lost')], sent, { answered: ['migrate/S1/restore'] });
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [{ ...sandbox('S1', 'F', 'lost'), lostFromOp: 'op-d1' }], sent, { answered: ['migrate/S1/restore'] });
     expect(sent).toContain('migrate/S1/restore@T');
     expect(sent.filter((st) => st.includes('undo-dest') || st.includes('destroy-dest'))).toEqual([]);
     const sbs = writes.filter((w): w is Extract<StoreWrite, { kind: 'sandbox' }> => w.kind === 'sandbox');
@@ -668,7 +668,7 @@ describe('Executor drain, run again after the sandbox it was moving was lost', (
 
   it('aCopyWhoseRestoreHadSucceeded_overItsTenantsQuotaNow_isRemoved_andTheSandboxStaysLost', async () => {
     const sent: string[] = [];
-    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [sandbox('S1', 'F', 'lost')], sent, { answered: ['migrate/S1/restore'], quota: { sandboxes: 1, inUse: 1 } });
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [{ ...sandbox('S1', 'F', 'lost'), lostFromOp: 'op-d1' }], sent, { answered: ['migrate/S1/restore'], quota: { sandboxes: 1, inUse: 1 } });
     expect(sent).toContain('migrate/S1/destroy-dest@T');
     expect(writes.filter((w) => w.kind === 'sandbox')).toEqual([]);
     const allocs = writes.filter((w): w is Extract<StoreWrite, { kind: 'alloc' }> => w.kind === 'alloc');
@@ -677,7 +677,7 @@ describe('Executor drain, run again after the sandbox it was moving was lost', (
 
   it('aCopyWhoseRestoreFails_isUndone', async () => {
     const sent: string[] = [];
-    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [sandbox('S1', 'F', 'lost')], sent, { answered: [] });
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [{ ...sandbox('S1', 'F', 'lost'), lostFromOp: 'op-d1' }], sent, { answered: [] });
     expect(sent).toContain('migrate/S1/restore@T');
     expect(sent).toContain('migrate/S1/undo-dest@T');
     expect(writes.filter((w) => w.kind === 'sandbox')).toEqual([]);
@@ -777,7 +777,7 @@ describe('Executor drain, its host lost and back during a migration', () => {
   it('theSwitch_ofASandboxLostWhileItsCopyWasRestored_whoseTenantMadeAReplacementUpToItsQuota_removesTheCopy_andKeepsItLost', async () => {
     // F's VM died while the copy was restored (the sandbox lost, its claim ended); a lost
     // sandbox does not count against the quota, and its tenant used the room since.
-    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'lost', opId: '' })), { sandboxes: 1, inUse: 1 });
+    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'lost', opId: '', lostFromOp: 'op-d1' })), { sandboxes: 1, inUse: 1 });
     expect(String(r.outcome)).toMatch(/quota/);
     expect(r.sb).toMatchObject({ hostId: 'F', state: 'lost' });
     expect(r.allocs).toEqual(['T']); // the booking on T released
@@ -786,10 +786,19 @@ describe('Executor drain, its host lost and back during a migration', () => {
   });
 
   it('theSwitch_ofASandboxLostWhileItsCopyWasRestored_withinItsTenantsQuota_makesTheCopyTheSandbox', async () => {
-    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'lost', opId: '' })), { sandboxes: 2, inUse: 1 });
+    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'lost', opId: '', lostFromOp: 'op-d1' })), { sandboxes: 2, inUse: 1 });
     expect(r.outcome).toBe('switched');
     expect(r.sb).toMatchObject({ hostId: 'T', state: 'running' });
     expect(r.allocs).toEqual([]); // released on F when it was lost; booked on T already
+  });
+
+  it('theSwitch_ofASandboxLostOtherThanFromUnderThisMigration_removesTheCopy_andKeepsItLost', async () => {
+    // F lost (ending the claim), back: the sandbox taken back, run on, then lost again,
+    // unclaimed. The copy is of before it ran on: not the sandbox.
+    const r = await migrateWhile(({ setSandbox }) => setSandbox((sb) => ({ ...sb, state: 'lost', opId: '' })), { sandboxes: 2, inUse: 1 });
+    expect(String(r.outcome)).toMatch(/moved on during its migration/);
+    expect(r.sb).toMatchObject({ hostId: 'F', state: 'lost' });
+    expect(r.steps).toContain('migrate/S1/destroy-dest@T');
   });
 
   it('theSwitch_ontoADestinationLostAfterItsRestoreAnswered_isUndone_theSourceRunsOnUnclaimed', async () => {

@@ -1665,6 +1665,7 @@ export class Executor {
 
   /** Moves a sandbox to `state`, keeping the running-time clock and the host's booked capacity right. */
   private setState(sb: SandboxRec, state: SandboxState, now: number, reason = ''): void {
+    delete sb.lostFromOp;
     if (sb.state === 'running' && state !== 'running' && sb.runningSince !== null) {
       sb.runningMsBefore += Math.max(0, now - sb.runningSince);
       sb.runningSince = null;
@@ -4260,8 +4261,9 @@ export class Executor {
           if (v.value.hostId === to) return [];
           // Running or paused here but no longer claimed: this host was lost (ending the claim)
           // and came back with the VM, which was taken back and may have run on since the
-          // snapshot the copy was restored from. The copy is not the sandbox.
-          if (v.value.hostId !== from || !['running', 'paused', 'lost'].includes(v.value.state) || (v.value.state !== 'lost' && v.value.opId !== op.id)) {
+          // snapshot the copy was restored from. The copy is not the sandbox. Nor is it of one
+          // lost other than from under this migration (taken back so, then lost again).
+          if (v.value.hostId !== from || !['running', 'paused', 'lost'].includes(v.value.state) || (v.value.state === 'lost' ? v.value.lostFromOp !== op.id : v.value.opId !== op.id)) {
             movedOn = v.value;
             throw new WrongStateError('sandbox', sb.id, `${v.value.state} on ${v.value.hostId || 'no host'}`, 'it moved on during its migration; the copy was removed');
           }
@@ -4800,7 +4802,10 @@ export class Executor {
       if (s.hostId !== hostId || !LOSABLE.has(s.state)) throw new MovedOnError(s.id, s.state, s.hostId);
       const hibernating = s.state === 'hibernating';
       if (s.state === 'destroying') this.setState(s, 'destroyed', now, `host ${hostId} lost`);
-      else this.setState(s, 'lost', now, `host ${hostId} lost`);
+      else {
+        this.setState(s, 'lost', now, `host ${hostId} lost`);
+        if (s.opId) s.lostFromOp = s.opId;
+      }
       // The op at work on it (a hibernate, a pause) can no longer finish: its later writes
       // check the state. Left set, a VM that comes back with its host would be taken
       // back as running but still look busy, and nothing would watch it again.

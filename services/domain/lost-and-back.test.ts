@@ -40,10 +40,12 @@ describe('a sandbox lost in a hibernate, its host back', () => {
     const sb = sandboxRecord({ state: 'hibernating', hostId: 'h1', opId: 'op-h', hibernatingFrom: 'running', hibernatingTo: 'sn-h' });
     const { ex, record, submitted } = leaderOver(sb);
     await ex.markHostLost('h1', [sb]);
-    expect(record()).toMatchObject({ state: 'lost', opId: '', hibernatingFrom: 'running', hibernatingTo: 'sn-h' });
+    // The op it was lost from under is kept (a drain's migration switches only such a one), until its state changes.
+    expect(record()).toMatchObject({ state: 'lost', opId: '', lostFromOp: 'op-h', hibernatingFrom: 'running', hibernatingTo: 'sn-h' });
     // The hibernate had paused the VM: the host reports it paused.
     await ex.vmBack(record(), 'paused');
     expect(record().state).toBe('paused');
+    expect(record().lostFromOp).toBeUndefined();
     expect(record().hibernatingTo).toBeUndefined();
     expect(record().hibernatingFrom).toBeUndefined();
     expect(submitted).toEqual([expect.stringMatching(/^resume sb-a __resume-back\/sb-a\//)]);

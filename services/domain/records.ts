@@ -95,6 +95,13 @@ export interface SandboxRec {
    */
   hibernatingFrom?: 'running' | 'paused';
   /**
+   * Lost with its host while an operation held it (opId): that operation, which the loss ended.
+   * A drain's migration switches a lost sandbox to its copy only if it was lost from under that
+   * migration; one taken back since and lost again may have run on past the copy's snapshot.
+   * Cleared by any change of state.
+   */
+  lostFromOp?: string;
+  /**
    * While hibernating (or lost in it): the snapshot it is being hibernated into, in use from
    * before it exists until hibernationSnapshotId names it (snapshotsUsedBy).
    */
