@@ -12,7 +12,7 @@ import { create, toBinary } from '@bufbuild/protobuf';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { HeartbeatSchema, HostEventSchema, HostEventType, HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
-import { HostStepError, NotLeaderError, OperationCancelledError, StoreFullError, StoreUnavailableError } from './errors.ts';
+import { ConflictError, HostStepError, NotLeaderError, OperationCancelledError, StoreFullError, StoreUnavailableError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
 import { leaderExecutor } from '../testkit/executor.ts';
 
@@ -915,6 +915,43 @@ describe('Executor restore round', () => {
     // No host answers here: each step times out once; what matters is one send per host, and an end.
     expect(sends.sort()).toEqual(['restore/X/again-1@X', 'restore/Y/again-1@Y']);
     expect(failed.map((f) => f.hostId).sort()).toEqual(['X', 'Y']);
+  });
+});
+
+describe('Executor restore round, its children running', () => {
+  it('whoseHostCannotBeRecordedAsAHolderOfTheSnapshot_failsNoChild_theRecordBeingBookkeeping', async () => {
+    const now = Date.now();
+    const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['H'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+    const heard = new HeartbeatRegistry();
+    for (const h of ['H', 'X']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, snapshots: h === 'H' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
+    const ex = new Executor({
+      store: stub<ExecutorDeps['store']>({ getSnapshot: async () => ({ value: snap, modRevision: 3 }) }),
+      bus: stub<ExecutorDeps['bus']>({}),
+      clock: { now: () => Date.now() },
+      log: pino({ level: 'silent' }),
+      heard,
+      signer: stub({ ticket: () => ({}) }),
+      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 60_000, stepAttempts: 1, chunkBytes: 1 << 18 },
+    });
+    const inner = ex as unknown as {
+      active: boolean;
+      step: (op: unknown, id: string, hostId: string) => Promise<unknown>;
+      markRunning: (sbs: ReadonlyArray<{ rec: SandboxRec }>) => Promise<string[]>;
+      addHolder: (tenantId: string, snapshotId: string, hostId: string) => Promise<void>;
+      restoreRound(...a: unknown[]): Promise<Array<{ hostId: string }>>;
+    };
+    inner.active = true;
+    const kids = [1, 2, 3].map((i) => ({ rec: { id: `x${i}`, tenantId: 't', hostId: 'X', resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, hostname: `x${i}`, allowEgress: false, afterResume: [] } as unknown as SandboxRec, rev: 1 }));
+    inner.step = async () => create(HostResultSchema, { vms: kids.map((k) => ({ sandboxId: k.rec.id })) });
+    inner.markRunning = async (sbs) => sbs.map((s) => s.rec.id);
+    // The snapshot record changed under every try (20 conflicts): X is not recorded as a holder.
+    inner.addHolder = async () => {
+      throw new ConflictError("snapshot sn-1's holders");
+    };
+    const running: string[] = [];
+    const failed = await inner.restoreRound({ id: 'op-f', tenantId: 't', kind: 'fork' } as OperationRec, 'sn-1', snap, kids, [{ sourceHostId: 'H', destinationHostId: 'X', wave: 1 }], '', (ids: string[]) => void running.push(...ids));
+    expect(failed).toEqual([]);
+    expect(running).toEqual(['x1', 'x2', 'x3']);
   });
 });
 

@@ -3644,7 +3644,15 @@ export class Executor {
         if (skipped.length > 0) notStarted.push({ hostId, children: skipped, error: new HostStepError(hostId, stepId, 'failed_precondition', `host ${hostId} did not start ${skipped.map((c) => c.rec.id).join(', ')} (it had been told to give ${skipped.length === 1 ? 'it' : 'them'} up)`, false), stepFailed: true });
         // Counted as started only if recorded running (not a child destroyed while it restored).
         onRunning(started.length > 0 ? await this.markRunning(started.map((c) => ({ ...c, rec: { ...c.rec, stateReason: this.hookReport(restored, c.rec.id) } }))) : []);
-        if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld) await this.addHolder(op.tenantId, snapshotId, hostId);
+        // Bookkeeping, whatever it meets (the snapshot's record changing under every try, a
+        // full store): the children run, and the host's heartbeats say it holds the snapshot.
+        // It failed the fork (not retryable, every child running) before. A store out or a lost
+        // lead still ends the round, as every write of it does.
+        if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld)
+          await this.addHolder(op.tenantId, snapshotId, hostId).catch((e: unknown) => {
+            if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+            this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, 'could not record a host as a holder of the snapshot it fetched for a fork: its heartbeats will say so');
+          });
         return true;
       })();
       done.set(hostId, p);
