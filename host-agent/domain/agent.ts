@@ -80,7 +80,7 @@ export interface Journal {
    * both, the agent knows terms only since it started.
    */
   leaderTerm?(): Promise<LeaderTerm | undefined>;
-  /** Keeps `term` across restarts, with its store and leftStores (called only when the term, or its store, changed). */
+  /** Keeps `term` across restarts, with its store (called only when the term, or its store, changed). */
   setLeaderTerm?(term: LeaderTerm): Promise<void>;
 }
 
@@ -88,17 +88,9 @@ export interface Journal {
 export interface LeaderTerm {
   readonly term: bigint;
   readonly cluster: bigint;
-  /** HostWork.leader_store of the work the term came with; absent or 0: not known (a scheduler before it). */
+  /** HostWork.leader_store of the work the term came with (ordered: a store made later is larger); absent or 0: not known (a scheduler before it). */
   readonly store?: bigint;
-  /**
-   * The fleet stores this host took work of before and left for a new one (Agent.takesTerm),
-   * oldest first, at most LEFT_STORES_MAX; absent when none.
-   */
-  readonly leftStores?: readonly bigint[];
 }
-
-/** How many fleet stores left (LeaderTerm.leftStores) an agent remembers: the fleet's etcd is made anew rarely. */
-export const LEFT_STORES_MAX = 16;
 
 /** A snapshot held elsewhere, ready for a restore by migration; `release` unpins its fetched disk chunks. */
 export type IncomingSnapshot = IncomingSource & { bytesFetched: number; release(): void };
@@ -608,12 +600,11 @@ export class Agent {
 
   // ---------------------------------------------------------------- work
 
-  /** Whether `w` is of an older term of the same store than the newest this agent has taken, or of a store it has left (takesTerm). */
+  /** Whether `w` is of an older term, or an older store, than the newest this agent has taken (takesTerm). */
   private ofAnOlderTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n || kept === undefined) return false;
-    if (w.leaderStore && kept.leftStores?.includes(w.leaderStore)) return true;
-    if (w.leaderStore && kept.store && w.leaderStore !== kept.store) return false;
+    if (w.leaderStore && kept.store && w.leaderStore !== kept.store) return w.leaderStore < kept.store;
     return kept.cluster === w.leaderCluster && w.leaderTerm < kept.term;
   }
 
@@ -626,12 +617,11 @@ export class Agent {
    * operations it runs on; a dropped clean-up of the old term (a stop sent without waiting)
    * is left to the stray-VM check (a VM with no record is stopped). Judged in delivery order,
    * so a newer term is taken before any later delivery. Term 0 (no term) is taken.
-   * Terms are revisions of one fleet store (HostWork.leader_store: its incarnation), which a
-   * store made anew counts from 1 again:
-   * - a store other than the kept one (both known) is new: its work is taken whatever its
-   *   term, and the kept store is left for good (the last LEFT_STORES_MAX kept): work still
-   *   coming from a store left (a deposed leader's held publishes, redeliveries) is dropped as
-   *   an older term's is, instead of turning this agent back to it;
+   * Terms are revisions of one fleet store (HostWork.leader_store), which a store made anew
+   * counts from 1 again; store ids grow with the time the store was made:
+   * - work of a newer store than the kept one (both known) is taken whatever its term; work of
+   *   an older one (a deposed leader's held publishes, redeliveries, from before etcd was made
+   *   anew) is dropped as an older term's is, in whatever order the two come;
    * - work that does not say its store (a scheduler of the version before it, during a rolling
    *   upgrade or after a rollback) is judged by etcd's cluster id as before: the same cluster's
    *   terms compared (its leaders and the new version's count the same revisions), another
@@ -640,14 +630,13 @@ export class Agent {
   private takesTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n) return true;
-    let leftStores = kept?.leftStores;
     let store = w.leaderStore || undefined;
-    if (w.leaderStore && kept?.leftStores?.includes(w.leaderStore)) {
-      this.log.warn({ opId: w.opId, stepId: w.stepId, store: String(w.leaderStore), keptStore: String(kept.store ?? 0n) }, 'work from a fleet store this host has left (etcd made anew since) dropped');
-      return false;
-    } else if (kept?.store && w.leaderStore && w.leaderStore !== kept.store) {
-      this.log.warn({ store: String(w.leaderStore), keptStore: String(kept.store) }, 'work from a new fleet store (etcd made anew): its leader terms are taken from now on');
-      leftStores = [...(leftStores ?? []), kept.store].slice(-LEFT_STORES_MAX);
+    if (kept?.store && w.leaderStore && w.leaderStore !== kept.store) {
+      if (w.leaderStore < kept.store) {
+        this.log.warn({ opId: w.opId, stepId: w.stepId, store: String(w.leaderStore), keptStore: String(kept.store) }, 'work from an older fleet store (etcd made anew since) dropped');
+        return false;
+      }
+      this.log.warn({ store: String(w.leaderStore), keptStore: String(kept.store) }, 'work from a newer fleet store (etcd made anew): its leader terms are taken from now on');
     } else if (kept && kept.cluster === w.leaderCluster) {
       if (w.leaderTerm < kept.term) {
         this.log.warn({ opId: w.opId, stepId: w.stepId, term: String(w.leaderTerm), newestTerm: String(kept.term) }, "work from a deposed leader's term dropped");
@@ -659,7 +648,7 @@ export class Agent {
     } else if (kept) {
       this.log.warn({ cluster: String(w.leaderCluster), keptCluster: String(kept.cluster) }, 'work from another etcd cluster: its leader terms are taken from now on');
     }
-    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster, ...(store ? { store } : {}), ...(leftStores?.length ? { leftStores } : {}) };
+    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster, ...(store ? { store } : {}) };
     this.leaderTerm = term;
     const keep = this.deps.journal.setLeaderTerm;
     if (keep) this.termKept = this.termKept.then(() => keep.call(this.deps.journal, term)).catch((e: unknown) => this.log.error({ err: e, term: String(term.term) }, 'could not keep the newest leader term; a restart forgets it'));

@@ -496,13 +496,13 @@ describe('Executor drain, snapshots only drained hosts hold', () => {
     expect(r.steps).toEqual(['replicate/sn-1/BAD', 'replicate/sn-1/GOOD', 'replicate/sn-2/BAD']);
   });
 
-  it('snapshotsAfterTwoInARowThatNoHostCouldCopy_areNotTried_butNamed', async () => {
+  it('snapshotsAfterTwoInARowThatNoHostCouldCopy_areTriedOnOneHostEach_untilOneIsCopied', async () => {
     // The drained host's own fault (its disk, its peer server): each of the rest would wait out
-    // every host's step timeout in turn.
-    const r = await copyOff(['sn-1', 'sn-2', 'sn-3', 'sn-4'], () => true);
-    expect(r.steps).toEqual(['replicate/sn-1/BAD', 'replicate/sn-1/GOOD', 'replicate/sn-2/BAD', 'replicate/sn-2/GOOD']);
+    // every host's step timeout in turn. But a snapshot that can be copied is still copied.
+    const r = await copyOff(['sn-1', 'sn-2', 'sn-3', 'sn-4', 'sn-5'], (sn, to) => sn !== 'sn-4' || to !== 'GOOD');
+    expect(r.steps).toEqual(['replicate/sn-1/BAD', 'replicate/sn-1/GOOD', 'replicate/sn-2/BAD', 'replicate/sn-2/GOOD', 'replicate/sn-3/BAD', 'replicate/sn-4/GOOD', 'replicate/sn-5/BAD', 'replicate/sn-5/GOOD']);
     expect(r.uncopied).toHaveLength(4);
-    expect(r.uncopied.slice(2)).toEqual(['snapshot sn-3 was not copied off F: the two before it could not be copied to any host', 'snapshot sn-4 was not copied off F: the two before it could not be copied to any host']);
+    expect(r.uncopied.join('\n')).not.toMatch(/sn-4/);
   });
 });
 

@@ -4073,23 +4073,23 @@ export class Executor {
     const skipped = new Set<string>();
     // Snapshots in a row that no host could copy: the fault is likely the drained host's (its
     // disk or peer server), and trying each of the rest on every host could take hours
-    // (each try up to FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS). After two, the rest are not tried.
+    // (each try up to FF_STEP_TIMEOUT x FF_STEP_ATTEMPTS). After two, each is tried on one
+    // host only, until one copy succeeds (a re-run meets the same order: no snapshot is left
+    // untried for good behind two that cannot be copied).
     let failedEverywhere = 0;
     for (const sn of only) {
-      if (failedEverywhere >= 2) {
-        failures.push(`snapshot ${sn.id} was not copied off ${hostId}: the two before it could not be copied to any host`);
-        continue;
-      }
       if (targets.length === 0) {
         failures.push(`snapshot ${sn.id} is only on ${hostId} and no other host is ready to take a copy`);
         continue;
       }
       const failed: string[] = [];
       const errors: string[] = [];
-      for (let i = 0; i < targets.length; i++) {
+      const tries = failedEverywhere >= 2 ? 1 : targets.length;
+      for (let i = 0, tried = 0; i < targets.length && tried < tries; i++) {
         const at = (cursor + i) % targets.length;
         const to = targets[at]!;
         if (skipped.has(to.id)) continue;
+        tried++;
         try {
           const fetch = this.fetchPlan(sn, to.id, hostId, false);
           if (fetch) await this.step(op, `replicate/${sn.id}/${to.id}`, to.id, { case: 'fetchSnapshot', value: fetch as never });
@@ -4102,10 +4102,12 @@ export class Executor {
           if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
           failed.push(to.id);
           errors.push(`to ${to.id}: ${e instanceof Error ? e.message : String(e)}`);
+          // One try each: the next snapshot goes to the next host.
+          if (tries === 1) cursor = at + 1;
         }
       }
-      // Every host failed it: the snapshot's own fault (or its source's) as much as theirs, so
-      // none is skipped for the next one.
+      // Every host tried failed it: the snapshot's own fault (or its source's) as much as
+      // theirs, so none is skipped for the next one.
       if (errors.length) failures.push(`copying snapshot ${sn.id} off ${hostId} failed ${errors.join(', ')}`);
       failedEverywhere = errors.length ? failedEverywhere + 1 : 0;
     }

@@ -850,10 +850,11 @@ export class Forkfleet {
     let polled = false;
     for (;;) {
       const left = until - Date.now();
-      // The scheduler answers a poll a margin (500 ms) before its deadline: with less than a
-      // second left a poll would come back at once, and the next at once again, flooding the
-      // scheduler (and the tenant's rate budget) until the deadline. One poll was made: wait it out.
-      if (polled && left > 0 && left < 1000) {
+      // The scheduler answers a poll a margin (500 ms) before its deadline: with no more than
+      // that left a poll would come back at once, and the next at once again, flooding the
+      // scheduler (and the tenant's rate budget) until the deadline. One poll was answered:
+      // wait it out.
+      if (polled && left > 0 && left <= 600) {
         await sleep(left, opts.signal);
         continue;
       }
@@ -866,8 +867,8 @@ export class Forkfleet {
         // `until`: a poll the scheduler took and never answered ends by the wait's deadline, not
         // 10 s after it (the scheduler answers a margin before the deadline it is given).
         const pollMs = Math.max(1, Math.min(w + 10_000, until - Date.now()));
-        polled = true;
         pb = await this.rpc.waitOperation({ tenantId: tenant, operationId, timeout: durationOf(w) }, { timeoutMs: pollMs, ...(opts.signal ? { signal: opts.signal } : {}) });
+        polled = true;
       } catch (e) {
         // A poll the rate limit (or a bound of the scheduler's: the credential's streams at
         // their cap) refused is no outage (the scheduler answered, and lets it through in

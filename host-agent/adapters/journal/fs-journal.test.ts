@@ -180,19 +180,19 @@ describe('journal leader term', () => {
     await expect(j.leaderTerm()).rejects.toThrow(/holds no leader term/);
   });
 
-  it('fsJournal_leaderTerm_keepsTheStoreAndTheStoresLeftBesideTheTerm_whichStaysAsAnAgentBeforeThemReadsIt', async () => {
+  it('fsJournal_leaderTerm_keepsTheStoreWithTheTerm_andARecordWithoutOne_asAnAgentBeforeStoresWroteIt_loadsWithNone', async () => {
     const dir = mkdtempSync(join(tmpdir(), 'ff-journal-'));
     dirs.push(dir);
     const j = new FsJournal(dir);
     writeFileSync(join(dir, 'leader-term'), '7 10\n'); // kept by an agent before stores
     expect(await j.leaderTerm()).toEqual({ cluster: 7n, term: 10n });
-    await j.setLeaderTerm({ term: 2n, cluster: 9n, store: 5n, leftStores: [7n, 18_446_744_073_709_551_615n] });
-    expect(await new FsJournal(dir).leaderTerm()).toEqual({ term: 2n, cluster: 9n, store: 5n, leftStores: [7n, 18_446_744_073_709_551_615n] });
-    // The term file as the version before wrote and reads it.
-    expect(readFileSync(join(dir, 'leader-term'), 'utf8')).toBe('9 2\n');
+    await j.setLeaderTerm({ term: 2n, cluster: 9n, store: 18_446_744_073_709_551_615n });
+    expect(await new FsJournal(dir).leaderTerm()).toEqual({ term: 2n, cluster: 9n, store: 18_446_744_073_709_551_615n });
+    expect(readFileSync(join(dir, 'leader-term'), 'utf8')).toBe('9 2 18446744073709551615\n');
+    // No store known: written as the version before wrote it.
     await j.setLeaderTerm({ term: 3n, cluster: 9n });
-    expect(await j.leaderTerm()).toEqual({ term: 3n, cluster: 9n });
-    writeFileSync(join(dir, 'leader-store'), '9 3,\n');
-    await expect(j.leaderTerm()).rejects.toThrow(/holds no fleet store/);
+    expect(readFileSync(join(dir, 'leader-term'), 'utf8')).toBe('9 3\n');
+    writeFileSync(join(dir, 'leader-term'), '9 3 7,\n');
+    await expect(j.leaderTerm()).rejects.toThrow(/holds no leader term/);
   });
 });

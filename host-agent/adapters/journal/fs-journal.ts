@@ -28,16 +28,6 @@ function opDir(opId: string): string {
   return opId.length <= MAX_NAME ? opId : `~${createHash('sha256').update(opId).digest('hex').slice(0, 40)}`;
 }
 
-/** A file's trimmed text, or undefined when there is none. */
-async function readIfThere(path: string): Promise<string | undefined> {
-  try {
-    return (await readFile(path, 'utf8')).trim();
-  } catch (e) {
-    if ((e as NodeJS.ErrnoException).code === 'ENOENT') return undefined;
-    throw e;
-  }
-}
-
 export class FsJournal implements Journal {
   /** Op directories this process made (only prune removes them), so a put skips the mkdir. */
   private readonly made = new Set<string>();
@@ -101,39 +91,30 @@ export class FsJournal implements Journal {
     return join(this.dir, 'leader-term');
   }
 
-  /** Its fleet store and the stores left (LeaderTerm.store, leftStores): a file of its own, so `leader-term` stays as agents before them read it. */
-  private get storePath(): string {
-    return join(this.dir, 'leader-store');
-  }
-
   /**
-   * `leader-term`: `<cluster> <term>`, decimal. `leader-store`: `<store>` (0: not known), then
-   * ` <left>,<left>…` when stores were left; absent (as agents before it kept none): no store
-   * known, none left.
+   * `<cluster> <term>`, decimal, then ` <store>` when the store is known (LeaderTerm.store):
+   * one file, replaced whole, so a crash keeps one record or the other. An agent of the version
+   * before reads only the first form: rolled back, it cannot read a record with a store, and
+   * takes work of any term until a leader sends some (it logs so).
    */
   async leaderTerm(): Promise<LeaderTerm | undefined> {
-    const text = await readIfThere(this.termPath);
-    if (text === undefined) return undefined;
-    const m = /^(\d{1,20}) (\d{1,20})$/.exec(text);
+    let text: string;
+    try {
+      text = (await readFile(this.termPath, 'utf8')).trim();
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code === 'ENOENT') return undefined;
+      throw e;
+    }
+    const m = /^(\d{1,20}) (\d{1,20})(?: (\d{1,20}))?$/.exec(text);
     if (!m) throw new Error(`journal: ${this.termPath} holds no leader term: ${JSON.stringify(text.slice(0, 60))}`);
-    const term: LeaderTerm = { cluster: BigInt(m[1]!), term: BigInt(m[2]!) };
-    const stores = await readIfThere(this.storePath);
-    if (stores === undefined) return term;
-    const n = /^(\d{1,20})(?: (\d{1,20}(?:,\d{1,20})*))?$/.exec(stores);
-    if (!n) throw new Error(`journal: ${this.storePath} holds no fleet store: ${JSON.stringify(stores.slice(0, 60))}`);
-    const store = BigInt(n[1]!);
-    const left = n[2] ? n[2].split(',').map(BigInt) : [];
-    return { ...term, ...(store ? { store } : {}), ...(left.length ? { leftStores: left } : {}) };
+    const store = m[3] ? BigInt(m[3]) : 0n;
+    return { cluster: BigInt(m[1]!), term: BigInt(m[2]!), ...(store ? { store } : {}) };
   }
 
   async setLeaderTerm(term: LeaderTerm): Promise<void> {
     await mkdir(this.dir, { recursive: true });
     // Durable: a term forgotten by an OS crash would let a deposed leader's redelivered step act.
-    // The store first: a crash between the two leaves a newer store beside an older term, whose
-    // store's work is then dropped as left (never the other way round).
-    const left = term.leftStores?.length ? ` ${term.leftStores.join(',')}` : '';
-    await writeFileDurable(this.storePath, `${term.store ?? 0n}${left}\n`);
-    await writeFileDurable(this.termPath, `${term.cluster} ${term.term}\n`);
+    await writeFileDurable(this.termPath, `${term.cluster} ${term.term}${term.store ? ` ${term.store}` : ''}\n`);
   }
 
   /** Removes every temp file in the op directories that this process did not make (TEMP_SUFFIX). */

@@ -53,21 +53,21 @@ function leaseDeadline(c: Campaign, ttlMs: number): { until: () => number; known
 }
 
 /**
- * The incarnation of the fleet's etcd data (keys.incarnation()): a random id the first leader
- * of a new store writes (only if absent) and every later one reads. etcd's own cluster id is
- * the same for a cluster rebuilt from the same member list and token (the rendered
- * deployment's are fixed), whose revisions, and so leader terms, start again at 1; agents
- * that kept a higher term would drop every step of the new leaders as a deposed leader's.
- * A store restored from a backup keeps the key and its (older) revisions: delete the key
- * before the schedulers start, or restore with `etcdutl snapshot restore --bump-revision`
- * (services/README.md, "Leader terms"). HostWork.leader_store carries it (fleetStoreId);
- * leader_cluster stays etcd's cluster id, which schedulers of the version before send too.
+ * The incarnation of the fleet's etcd data (keys.incarnation()): `<epoch ms>.<random hex>`,
+ * which the first leader of a new store writes (only if absent) and every later one reads.
+ * etcd's own cluster id is the same for a cluster rebuilt from the same member list and token
+ * (the rendered deployment's are fixed), whose revisions, and so leader terms, start again at
+ * 1; agents that kept a higher term would drop every step of the new leaders as a deposed
+ * leader's. HostWork.leader_store carries it (fleetStoreId); leader_cluster stays etcd's
+ * cluster id, which schedulers of the version before send too. A store restored from a backup
+ * keeps the key (and so looks older than one made since): delete the key before the schedulers
+ * start (services/README.md, "Leader terms").
  */
-export async function incarnation(client: Etcd3): Promise<string> {
+export async function incarnation(client: Etcd3, now = Date.now): Promise<string> {
   const key = keys.incarnation();
   const res = await client
     .if(key, 'Create', '==', 0)
-    .then(client.put(key).value(randomBytes(16).toString('hex')), client.get(key))
+    .then(client.put(key).value(`${now()}.${randomBytes(16).toString('hex')}`), client.get(key))
     .else(client.get(key))
     .commit();
   const kv = res.responses[res.succeeded ? 1 : 0]?.response_range?.kvs[0];
@@ -76,13 +76,17 @@ export async function incarnation(client: Etcd3): Promise<string> {
 }
 
 /**
- * HostWork.leader_store's value (decimal): etcd's cluster id and the store's incarnation
- * folded into 64 bits (never 0, which means "not known"). A new incarnation is a new value:
- * agents take its terms afresh and drop those of the stores they left.
+ * HostWork.leader_store's value (decimal) for an incarnation: the second it was made in the
+ * high 34 bits and 30 bits of its digest below, so a store made later has the larger id
+ * (agents take the newest store's work and drop an older one's, whatever the order it comes
+ * in). Never 0 ("not known").
  */
-export function fleetStoreId(etcdClusterId: string, incarnationId: string): string {
-  const v = createHash('sha256').update(`${etcdClusterId}/${incarnationId}`).digest().readBigUInt64BE(0);
-  return String(v === 0n ? 1n : v);
+export function fleetStoreId(incarnationId: string): string {
+  const ms = Number(/^(\d{1,15})\./.exec(incarnationId)?.[1] ?? 0);
+  const seconds = BigInt(Math.floor(ms / 1000)) & ((1n << 34n) - 1n);
+  const low = BigInt(createHash('sha256').update(incarnationId).digest().readUInt32BE(0) & 0x3fff_ffff);
+  const id = (seconds << 30n) | low;
+  return String(id === 0n ? 1n : id);
 }
 
 export class EtcdLeaderElection implements LeaderElection {
@@ -137,7 +141,7 @@ export class EtcdLeaderElection implements LeaderElection {
             try {
               const res = await this.client.get(key).exec();
               const kv = res.kvs[0];
-              return { key, createRevision: kv ? Number(kv.create_revision) : -1, clusterId: res.header.cluster_id, storeId: fleetStoreId(res.header.cluster_id, await incarnation(this.client)) };
+              return { key, createRevision: kv ? Number(kv.create_revision) : -1, clusterId: res.header.cluster_id, storeId: fleetStoreId(await incarnation(this.client)) };
             } catch (e) {
               if (attempt === 5 || ended) throw e;
               await new Promise((r) => setTimeout(r, 200 * attempt));

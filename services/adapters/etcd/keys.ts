@@ -7,7 +7,7 @@
 //   /ff/v1/snapshots/<tenant>/<snapId>    SnapshotRec   (manifest stays on holding hosts)
 //   /ff/v1/ops/<tenant>/<opId>            OperationRec
 //   /ff/v1/idem/<tenant>/<sha256(key)>    opId          idempotency keys
-//   /ff/v1/incarnation                    random id     written once per store; in leader terms (election.ts)
+//   /ff/v1/incarnation                    <ms>.<hex>    written once per store; in leader terms (election.ts)
 //   election//ff/v1/election/<lease>       scheduler leader election (etcd3 Election puts its own
 //                                         `election/` first: outside /ff/v1/, see services/README.md)
 //

@@ -78,12 +78,12 @@ export type HostWork = Message<"forkfleet.v1.HostWork"> & {
   leaderCluster: bigint;
 
   /**
-   * The fleet store the term is a revision of: etcd's cluster id folded with the store's
-   * /ff/v1/incarnation key, a random id its first leader writes (services/README.md "Leader
-   * terms"). etcd rebuilt from the same members and token keeps its cluster id and counts
-   * revisions from 1 again; its store is new. An agent takes a new store's work whatever its
-   * term and drops work of a store it has left. 0: not known (a scheduler before this field):
-   * judged by leader_cluster alone.
+   * The fleet store the term is a revision of, from its /ff/v1/incarnation key (written by its
+   * first leader): the second the store was made in the high 34 bits, so a store made later
+   * has the larger id (services/README.md "Leader terms"). etcd rebuilt from the same members
+   * and token keeps its cluster id and counts revisions from 1 again; its store is newer. An
+   * agent takes a newer store's work whatever its term and drops an older store's. 0: not
+   * known (a scheduler before this field): judged by leader_cluster alone.
    *
    * @generated from field: uint64 leader_store = 8;
    */
