@@ -866,7 +866,7 @@ describe('Agent steps', () => {
     expect(await first.deliver('c', 0n)).toBe(true); // no term: a scheduler that predates them
     expect(destroyed).toEqual(['sb-a', 'sb-c']);
     expect(answered).toEqual(['a', 'c']);
-    expect(journal.term).toEqual({ term: 10n, cluster: 7n });
+    expect(journal.term).toEqual({ term: 10n, cluster: 7n, at: expect.any(Number) });
     await first.agent.stop();
 
     const second = await startAgent();
@@ -875,7 +875,7 @@ describe('Agent steps', () => {
     expect(await second.deliver('f', 2n, 8n)).toBe(true);
     expect(destroyed).toEqual(['sb-a', 'sb-c', 'sb-e']);
     expect(answered).toEqual(['a', 'c', 'e']);
-    expect(journal.term).toEqual({ term: 3n, cluster: 8n });
+    expect(journal.term).toEqual({ term: 3n, cluster: 8n, at: expect.any(Number) });
     await second.agent.stop();
   });
 
@@ -928,6 +928,56 @@ describe('Agent steps', () => {
     expect(await deliver('b2', 2n, 7n, 80n)).toBe(true);
     expect(destroyed).toEqual(['sb-b1', 'sb-b2']);
     expect(journal.term).toEqual({ term: 2n, cluster: 7n, store: 80n });
+    await agent.stop();
+  });
+
+  it('work_ofAStoreMadeAfterATermKeptWithNoStore_isTakenWhateverItsTerm_andOfOneMadeBefore_isJudgedByTerm', async () => {
+    // An agent upgraded from before stores kept `7 10` (no store) at T; etcd then made anew.
+    const T = 1_700_000_000_000;
+    const madeAt = (ms: number, low = 5n): bigint => (BigInt(ms / 1000) << 30n) | low;
+    for (const [store, taken] of [
+      [madeAt(T + 60_000), true], // made after the term was kept: newer, its term 2 taken
+      [madeAt(T - 60_000), false], // made before: may be the kept term's own store, term 2 < 10
+    ] as const) {
+      const journal = new MemoryJournal();
+      journal.term = { term: 10n, cluster: 7n, at: T };
+      const destroyed: string[] = [];
+      const { agent, deliver } = await termedAgent(journal, destroyed, []);
+      expect(await deliver('b1', 2n, 7n, store)).toBe(true);
+      expect(destroyed).toEqual(taken ? ['sb-b1'] : []);
+      await agent.stop();
+    }
+  });
+
+  it('work_thatSaysNoStore_queuedForASlot_isJudgedAtItsTurnByTheStoreItWasTakenUnder', async () => {
+    // Taken under store 70 (a scheduler of the version before, term 11); while it waits for a
+    // slot, store 80's first work is taken (etcd made anew, term 2): at its turn it is of the older store.
+    const destroyed: string[] = [];
+    const answered: string[] = [];
+    let release: () => void = () => undefined;
+    let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
+    const journal = new MemoryJournal();
+    journal.term = { term: 10n, cluster: 7n, store: (1_700_000_000n << 30n) | 70n };
+    const { agent } = agentWith(
+      { onEvent: () => () => undefined, get: (id: string) => ({ vmId: id, sandboxId: id, state: 'running' }) as never, destroy: async (id: string) => void destroyed.push(id) },
+      { obtain: () => new Promise((_, reject) => (release = () => reject(new ForkfleetError('not_found', 'gone')))) },
+      { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async (r) => void answered.push(r.stepId) },
+      undefined,
+      journal,
+      'tcg',
+      { concurrency: 1 },
+    );
+    await agent.start();
+    const deliver = (step: string, term: bigint, w: Parameters<typeof work>[1], store: bigint) =>
+      onWork!(create(HostWorkSchema, { ...w, opId: `op-${step}`, stepId: step, attempt: 1, leaderTerm: term, leaderCluster: 7n, leaderStore: store }), ctlOf(() => undefined));
+    const restoring = deliver('restore', 10n, { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-r' }] } } }, journal.term.store!);
+    const queued = deliver('old', 11n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-old' } } }, 0n);
+    await new Promise((r) => setTimeout(r, 10));
+    const fresh = deliver('new', 2n, { work: { case: 'destroyVm', value: { sandboxId: 'sb-new' } } }, (1_800_000_000n << 30n) | 80n);
+    release();
+    await Promise.all([restoring, queued, fresh]);
+    expect(destroyed).toEqual(['sb-r', 'sb-new']);
+    expect(answered).toEqual(['restore', 'new']);
     await agent.stop();
   });
 

@@ -90,6 +90,17 @@ export interface LeaderTerm {
   readonly cluster: bigint;
   /** HostWork.leader_store of the work the term came with (ordered: a store made later is larger); absent or 0: not known (a scheduler before it). */
   readonly store?: bigint;
+  /**
+   * With no store known: when the term was taken (epoch ms; for a record kept by an agent
+   * before stores, when it was written). The term's store existed then, so work of a store
+   * made later (storeMadeAtMs) is of a newer store.
+   */
+  readonly at?: number;
+}
+
+/** When a fleet store was made (epoch ms, to the second): the high 34 bits of its id (election.ts fleetStoreId). */
+export function storeMadeAtMs(store: bigint): number {
+  return Number(store >> 30n) * 1000;
 }
 
 /** A snapshot held elsewhere, ready for a restore by migration; `release` unpins its fetched disk chunks. */
@@ -600,12 +611,21 @@ export class Agent {
 
   // ---------------------------------------------------------------- work
 
+  /** The store each taken step was credited to when it was taken (its own, or the kept one for work that says none): judged by it at its turn. */
+  private readonly creditedStore = new WeakMap<HostWork, bigint>();
+
   /** Whether `w` is of an older term, or an older store, than the newest this agent has taken (takesTerm). */
   private ofAnOlderTerm(w: HostWork): boolean {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n || kept === undefined) return false;
-    if (w.leaderStore && kept.store && w.leaderStore !== kept.store) return w.leaderStore < kept.store;
+    const ws = w.leaderStore || this.creditedStore.get(w) || 0n;
+    if (ws && kept.store && ws !== kept.store) return ws < kept.store;
     return kept.cluster === w.leaderCluster && w.leaderTerm < kept.term;
+  }
+
+  /** Whether store `ws` (known) is newer than the kept term's: a larger id, or, with no store kept, made after the term was taken. */
+  private newerStore(ws: bigint, kept: LeaderTerm): boolean {
+    return kept.store ? ws > kept.store : kept.at !== undefined && storeMadeAtMs(ws) > kept.at;
   }
 
   /**
@@ -631,12 +651,12 @@ export class Agent {
     const kept = this.leaderTerm;
     if (w.leaderTerm === 0n) return true;
     let store = w.leaderStore || undefined;
-    if (kept?.store && w.leaderStore && w.leaderStore !== kept.store) {
-      if (w.leaderStore < kept.store) {
-        this.log.warn({ opId: w.opId, stepId: w.stepId, store: String(w.leaderStore), keptStore: String(kept.store) }, 'work from an older fleet store (etcd made anew since) dropped');
-        return false;
-      }
-      this.log.warn({ store: String(w.leaderStore), keptStore: String(kept.store) }, 'work from a newer fleet store (etcd made anew): its leader terms are taken from now on');
+    if (kept?.store && w.leaderStore && w.leaderStore < kept.store) {
+      this.log.warn({ opId: w.opId, stepId: w.stepId, store: String(w.leaderStore), keptStore: String(kept.store) }, 'work from an older fleet store (etcd made anew since) dropped');
+      return false;
+    }
+    if (kept && w.leaderStore && w.leaderStore !== kept.store && this.newerStore(w.leaderStore, kept)) {
+      this.log.warn({ store: String(w.leaderStore), keptStore: String(kept.store ?? 0n) }, 'work from a newer fleet store (etcd made anew): its leader terms are taken from now on');
     } else if (kept && kept.cluster === w.leaderCluster) {
       if (w.leaderTerm < kept.term) {
         this.log.warn({ opId: w.opId, stepId: w.stepId, term: String(w.leaderTerm), newestTerm: String(kept.term) }, "work from a deposed leader's term dropped");
@@ -644,11 +664,15 @@ export class Agent {
       }
       // A scheduler that does not say its store, on the store kept: still that store.
       store ??= kept.store;
-      if (w.leaderTerm === kept.term && store === kept.store) return true;
+      if (w.leaderTerm === kept.term && store === kept.store) {
+        if (store) this.creditedStore.set(w, store);
+        return true;
+      }
     } else if (kept) {
       this.log.warn({ cluster: String(w.leaderCluster), keptCluster: String(kept.cluster) }, 'work from another etcd cluster: its leader terms are taken from now on');
     }
-    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster, ...(store ? { store } : {}) };
+    if (store) this.creditedStore.set(w, store);
+    const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster, ...(store ? { store } : { at: this.deps.clock.now() }) };
     this.leaderTerm = term;
     const keep = this.deps.journal.setLeaderTerm;
     if (keep) this.termKept = this.termKept.then(() => keep.call(this.deps.journal, term)).catch((e: unknown) => this.log.error({ err: e, term: String(term.term) }, 'could not keep the newest leader term; a restart forgets it'));

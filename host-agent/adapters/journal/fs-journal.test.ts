@@ -95,7 +95,7 @@ describe('journal prune', () => {
     await j.swept;
     expect(readdirSync(join(dir, 'op-a'))).toEqual(['x.bin']);
     expect(readdirSync(join(dir, 'op-b'))).toEqual([`w.bin${TEMP_SUFFIX}`]);
-    expect(await j.leaderTerm()).toEqual({ cluster: 1n, term: 2n });
+    expect(await j.leaderTerm()).toEqual({ cluster: 1n, term: 2n, at: expect.any(Number) });
     // Its own temp files are named so that the next process removes them.
     expect(TEMP_SUFFIX).toMatch(new RegExp(`^\\.tmp-${process.pid}\\.[0-9a-f]{12}$`));
   });
@@ -175,7 +175,7 @@ describe('journal leader term', () => {
     await j.setLeaderTerm({ term: 42n, cluster: 14_841_639_068_965_178_418n });
     await j.put('op-old', 'create', new Uint8Array([1]));
     expect(await j.prune(Date.now() + 60_000)).toBe(1); // every op goes; the term stays
-    expect(await new FsJournal(join(dir, 'j')).leaderTerm()).toEqual({ term: 42n, cluster: 14_841_639_068_965_178_418n });
+    expect(await new FsJournal(join(dir, 'j')).leaderTerm()).toEqual({ term: 42n, cluster: 14_841_639_068_965_178_418n, at: expect.any(Number) });
     writeFileSync(join(dir, 'j', 'leader-term'), '42\n');
     await expect(j.leaderTerm()).rejects.toThrow(/holds no leader term/);
   });
@@ -185,13 +185,16 @@ describe('journal leader term', () => {
     dirs.push(dir);
     const j = new FsJournal(dir);
     writeFileSync(join(dir, 'leader-term'), '7 10\n'); // kept by an agent before stores
-    expect(await j.leaderTerm()).toEqual({ cluster: 7n, term: 10n });
+    utimesSync(join(dir, 'leader-term'), 1_700_000_000, 1_700_000_000);
+    // When it was written: its store existed by then (a store made later is newer).
+    expect(await j.leaderTerm()).toEqual({ cluster: 7n, term: 10n, at: 1_700_000_000_000 });
     await j.setLeaderTerm({ term: 2n, cluster: 9n, store: 18_446_744_073_709_551_615n });
     expect(await new FsJournal(dir).leaderTerm()).toEqual({ term: 2n, cluster: 9n, store: 18_446_744_073_709_551_615n });
     expect(readFileSync(join(dir, 'leader-term'), 'utf8')).toBe('9 2 18446744073709551615\n');
     // No store known: written as the version before wrote it.
-    await j.setLeaderTerm({ term: 3n, cluster: 9n });
+    await j.setLeaderTerm({ term: 3n, cluster: 9n, at: 5 });
     expect(readFileSync(join(dir, 'leader-term'), 'utf8')).toBe('9 3\n');
+    expect((await j.leaderTerm())?.at).toBeGreaterThan(Date.now() - 60_000);
     writeFileSync(join(dir, 'leader-term'), '9 3 7,\n');
     await expect(j.leaderTerm()).rejects.toThrow(/holds no leader term/);
   });

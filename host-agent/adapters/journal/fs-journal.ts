@@ -108,7 +108,8 @@ export class FsJournal implements Journal {
     const m = /^(\d{1,20}) (\d{1,20})(?: (\d{1,20}))?$/.exec(text);
     if (!m) throw new Error(`journal: ${this.termPath} holds no leader term: ${JSON.stringify(text.slice(0, 60))}`);
     const store = m[3] ? BigInt(m[3]) : 0n;
-    return { cluster: BigInt(m[1]!), term: BigInt(m[2]!), ...(store ? { store } : {}) };
+    // No store: when it was written (LeaderTerm.at), which its store existed by.
+    return { cluster: BigInt(m[1]!), term: BigInt(m[2]!), ...(store ? { store } : { at: (await stat(this.termPath)).mtimeMs }) };
   }
 
   async setLeaderTerm(term: LeaderTerm): Promise<void> {
