@@ -838,47 +838,6 @@ describe('Agent steps', () => {
     }
   });
 
-  it('work_ofAnOlderLeaderTermThanOneTaken_isAckedAndDroppedWithoutAResult_alsoAfterARestart_whileAnotherEtcdClustersTermIsTaken', async () => {
-    const journal = new MemoryJournal();
-    const destroyed: string[] = [];
-    const answered: string[] = [];
-    const startAgent = async () => {
-      let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
-      const { agent } = agentWith(
-        { onEvent: () => () => undefined, get: (id: string) => ({ vmId: id, sandboxId: id }) as never, destroy: async (id: string) => void destroyed.push(id) },
-        {},
-        { serveExec: () => () => undefined, serveFile: () => () => undefined, consumeWork: async (f) => ((onWork = f as never), async () => undefined), publishHeartbeat: () => undefined, publishResult: async (r) => void answered.push(r.stepId) },
-        undefined,
-        journal,
-      );
-      await agent.start();
-      /** Delivers a destroy of sb-<step> sent in `term` of etcd cluster `cluster`; whether it was acked. */
-      const deliver = async (step: string, term: bigint, cluster = 7n): Promise<boolean> => {
-        let acked = false;
-        await onWork!(create(HostWorkSchema, { opId: 'op-t', stepId: step, attempt: 1, leaderTerm: term, leaderCluster: cluster, work: { case: 'destroyVm', value: { sandboxId: `sb-${step}` } } }), ctlOf(() => void (acked = true)));
-        return acked;
-      };
-      return { agent, deliver };
-    };
-    const first = await startAgent();
-    expect(await first.deliver('a', 10n)).toBe(true);
-    expect(await first.deliver('b', 9n)).toBe(true); // acked, so JetStream does not deliver it again
-    expect(await first.deliver('c', 0n)).toBe(true); // no term: a scheduler that predates them
-    expect(destroyed).toEqual(['sb-a', 'sb-c']);
-    expect(answered).toEqual(['a', 'c']);
-    expect(journal.term).toEqual({ term: 10n, cluster: 7n, at: expect.any(Number) });
-    await first.agent.stop();
-
-    const second = await startAgent();
-    expect(await second.deliver('d', 9n)).toBe(true);
-    expect(await second.deliver('e', 3n, 8n)).toBe(true); // etcd made anew: its revisions count from 1 again
-    expect(await second.deliver('f', 2n, 8n)).toBe(true);
-    expect(destroyed).toEqual(['sb-a', 'sb-c', 'sb-e']);
-    expect(answered).toEqual(['a', 'c', 'e']);
-    expect(journal.term).toEqual({ term: 3n, cluster: 8n, at: expect.any(Number) });
-    await second.agent.stop();
-  });
-
   /** An agent over `journal` whose work is delivered by `deliver(step, term, cluster, store)`: a destroy of sb-<step>; whether it was acked. */
   const termedAgent = async (journal: MemoryJournal, destroyed: string[], answered: string[]) => {
     let onWork: ((w: ReturnType<typeof work>, ctl: WorkControl) => Promise<void>) | undefined;
@@ -897,6 +856,30 @@ describe('Agent steps', () => {
     };
     return { agent, deliver };
   };
+
+  it('work_ofAnOlderLeaderTermThanOneTaken_isAckedAndDroppedWithoutAResult_alsoAfterARestart_whileAnotherEtcdClustersTermIsTaken', async () => {
+    const journal = new MemoryJournal();
+    const destroyed: string[] = [];
+    const answered: string[] = [];
+    const startAgent = () => termedAgent(journal, destroyed, answered);
+    const first = await startAgent();
+    expect(await first.deliver('a', 10n, 7n)).toBe(true);
+    expect(await first.deliver('b', 9n, 7n)).toBe(true); // acked, so JetStream does not deliver it again
+    expect(await first.deliver('c', 0n, 7n)).toBe(true); // no term: a scheduler that predates them
+    expect(destroyed).toEqual(['sb-a', 'sb-c']);
+    expect(answered).toEqual(['a', 'c']);
+    expect(journal.term).toEqual({ term: 10n, cluster: 7n, at: expect.any(Number) });
+    await first.agent.stop();
+
+    const second = await startAgent();
+    expect(await second.deliver('d', 9n, 7n)).toBe(true);
+    expect(await second.deliver('e', 3n, 8n)).toBe(true); // etcd made anew: its revisions count from 1 again
+    expect(await second.deliver('f', 2n, 8n)).toBe(true);
+    expect(destroyed).toEqual(['sb-a', 'sb-c', 'sb-e']);
+    expect(answered).toEqual(['a', 'c', 'e']);
+    expect(journal.term).toEqual({ term: 3n, cluster: 8n, at: expect.any(Number) });
+    await second.agent.stop();
+  });
 
   it('work_ofAnOlderFleetStoreThanTheNewestTaken_isAckedAndDroppedWithoutAResult_inWhateverOrderTheyCome', async () => {
     const journal = new MemoryJournal();

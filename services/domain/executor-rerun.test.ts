@@ -918,21 +918,26 @@ describe('Executor restore round', () => {
   });
 });
 
+/** An executor for restore rounds of snapshot sn-1, which host H holds, with `hosts` heard from (no store, no bus: tests stub its steps). */
+function roundExecutor(hosts: string[]): { snap: SnapshotRec; ex: Executor } {
+  const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['H'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
+  const heard = new HeartbeatRegistry();
+  for (const h of hosts) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, snapshots: h === 'H' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), Date.now());
+  const ex = new Executor({
+    store: stub<ExecutorDeps['store']>({ getSnapshot: async () => ({ value: snap, modRevision: 3 }) }),
+    bus: stub<ExecutorDeps['bus']>({}),
+    clock: { now: () => Date.now() },
+    log: pino({ level: 'silent' }),
+    heard,
+    signer: stub({ ticket: () => ({}) }),
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 60_000, stepAttempts: 1, chunkBytes: 1 << 18 },
+  });
+  return { snap, ex };
+}
+
 describe('Executor restore round, its children running', () => {
   it('whoseHostCannotBeRecordedAsAHolderOfTheSnapshot_failsNoChild_theRecordBeingBookkeeping', async () => {
-    const now = Date.now();
-    const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['H'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
-    const heard = new HeartbeatRegistry();
-    for (const h of ['H', 'X']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, snapshots: h === 'H' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
-    const ex = new Executor({
-      store: stub<ExecutorDeps['store']>({ getSnapshot: async () => ({ value: snap, modRevision: 3 }) }),
-      bus: stub<ExecutorDeps['bus']>({}),
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard,
-      signer: stub({ ticket: () => ({}) }),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 60_000, stepAttempts: 1, chunkBytes: 1 << 18 },
-    });
+    const { snap, ex } = roundExecutor(['H', 'X']);
     const inner = ex as unknown as {
       active: boolean;
       step: (op: unknown, id: string, hostId: string) => Promise<unknown>;
@@ -959,19 +964,7 @@ describe('Executor restore round of a transfer tree', () => {
   it('aSecondWaveHost_startsItsCopyOnceItsRelaySaysTheSnapshotIsStored_notOnlyOnceTheRelaysWholeStepHasEnded', async () => {
     // H holds sn-1; R copies it from H (wave 1) and L from R (wave 2). R's step goes on (its
     // children restore, their hooks run) long after the snapshot is stored there.
-    const now = Date.now();
-    const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: ['H'], manifestSignature: '', manifestKeyId: '' } as unknown as SnapshotRec;
-    const heard = new HeartbeatRegistry();
-    for (const h of ['H', 'R', 'L']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, snapshots: h === 'H' ? [{ snapshotId: 'sn-1', complete: true }] : [] }), now);
-    const ex = new Executor({
-      store: stub<ExecutorDeps['store']>({ getSnapshot: async () => ({ value: snap, modRevision: 3 }) }),
-      bus: stub<ExecutorDeps['bus']>({}),
-      clock: { now: () => Date.now() },
-      log: pino({ level: 'silent' }),
-      heard,
-      signer: stub({ ticket: () => ({}) }),
-      config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 60_000, stepAttempts: 1, chunkBytes: 1 << 18 },
-    });
+    const { snap, ex } = roundExecutor(['H', 'R', 'L']);
     const inner = ex as unknown as { active: boolean; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; restoreRound(...a: unknown[]): Promise<Array<{ hostId: string }>> };
     inner.active = true;
     const sends: string[] = [];
