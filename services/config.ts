@@ -272,8 +272,7 @@ export interface SchedulerConfig {
   readonly metricsAddr: string;
   /**
    * FF_METRICS_TOKEN_FILE: a file holding the bearer token /metrics requires; read again when
-   * it changes. Empty: /metrics is open
-   * (services/metrics-access.ts).
+   * it changes. Empty: /metrics is open (services/metrics-access.ts).
    */
   readonly metricsTokenFile: string;
   /** FF_LOG_LEVEL: a pino level (LOG_LEVELS). */

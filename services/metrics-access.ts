@@ -2,8 +2,9 @@
 // tenant's sandboxes, bookings and stored bytes), so with FF_METRICS_TOKEN_FILE set a scrape
 // must carry `Authorization: Bearer <that file's token>` (Prometheus: `authorization:
 // { credentials_file: ... }`); anything else gets 401. Not an API token: the listener is plain
-// HTTP, and API tokens cross only TLS (ADR 0012); this one opens nothing but /metrics. Unset, /metrics is
-// open (a local fleet on loopback); the rendered deployment sets it (deploy/hosts/render.ts).
+// HTTP, and API tokens cross only TLS (ADR 0012); this one opens nothing but /metrics. Unset,
+// /metrics is open (a local fleet on loopback); the rendered deployment sets it
+// (deploy/hosts/render.ts).
 // The file is read again when it changes (mtime, size or inode), so a token is rotated without
 // a restart where the scheduler reads the file itself (the rendered deployment hands it a copy
 // at start: rotating there takes a restart); a file that cannot be read then keeps the token
@@ -30,7 +31,11 @@ export function isLoopbackHost(host: string): boolean {
 
 const digest = (s: string): Buffer => createHash('sha256').update(s).digest();
 
-/** The bearer credential of an Authorization header (scheme case-insensitive), or undefined. */
+/**
+ * The bearer credential of an HTTP Authorization header, or undefined. Not auth/tokens.ts's
+ * bearerOf, which takes the API's gRPC metadata as the SDK writes it: HTTP scrapers may write
+ * the scheme in any case and pad it (RFC 7235), and are taken so.
+ */
 export function bearerOf(authorization: string | undefined): string | undefined {
   const m = /^bearer\s+(\S+)\s*$/i.exec(authorization ?? '');
   return m?.[1];

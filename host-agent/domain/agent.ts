@@ -664,14 +664,12 @@ export class Agent {
       }
       // A scheduler that does not say its store, on the store kept: still that store.
       store ??= kept.store;
-      if (w.leaderTerm === kept.term && store === kept.store) {
-        if (store) this.creditedStore.set(w, store);
-        return true;
-      }
     } else if (kept) {
       this.log.warn({ cluster: String(w.leaderCluster), keptCluster: String(kept.cluster) }, 'work from another etcd cluster: its leader terms are taken from now on');
     }
     if (store) this.creditedStore.set(w, store);
+    // The term kept already: nothing new to keep.
+    if (kept && w.leaderTerm === kept.term && w.leaderCluster === kept.cluster && store === kept.store) return true;
     const term: LeaderTerm = { term: w.leaderTerm, cluster: w.leaderCluster, ...(store ? { store } : { at: this.deps.clock.now() }) };
     this.leaderTerm = term;
     const keep = this.deps.journal.setLeaderTerm;

@@ -90,7 +90,7 @@ export function parseEntry(raw: unknown, where: string): TokenEntry {
   let quotas: TenantQuota | undefined;
   // null (a generator's "none", jq or Terraform output) is unset, as before such keys were checked.
   if (r.quotas !== undefined && r.quotas !== null) {
-    if (typeof r.quotas !== 'object' || r.quotas === null || Array.isArray(r.quotas)) throw new InvalidArgumentError(`${where}.quotas`, `must be an object such as {"sandboxes": 50}, got ${JSON.stringify(r.quotas)}`);
+    if (typeof r.quotas !== 'object' || Array.isArray(r.quotas)) throw new InvalidArgumentError(`${where}.quotas`, `must be an object such as {"sandboxes": 50}, got ${JSON.stringify(r.quotas)}`);
     const q = r.quotas as Record<string, unknown>;
     knownKeys(`${where}.quotas`, q, QUOTA_KEYS);
     const sandboxes = positiveInt(`${where}.quotas.sandboxes`, q.sandboxes);

@@ -1663,6 +1663,15 @@ export class Executor {
     };
   }
 
+  /**
+   * Whether an error ends this run of an operation rather than a part of it: the lead lost (this
+   * replica stepped down, or its fence failed) or the store's outcome unknown. The operation
+   * runs again (run(), or the next leader), so nothing is undone or recorded as failed for it.
+   */
+  private endsTheRun(e: unknown): boolean {
+    return !this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError;
+  }
+
   /** Moves a sandbox to `state`, keeping the running-time clock and the host's booked capacity right. */
   private setState(sb: SandboxRec, state: SandboxState, now: number, reason = ''): void {
     delete sb.lostFromOp;
@@ -3650,7 +3659,7 @@ export class Executor {
         // lead still ends the round, as every write of it does.
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld)
           await this.addHolder(op.tenantId, snapshotId, hostId).catch((e: unknown) => {
-            if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+            if (this.endsTheRun(e)) throw e;
             this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, 'could not record a host as a holder of the snapshot it fetched for a fork: its heartbeats will say so');
           });
         return true;
@@ -3921,7 +3930,7 @@ export class Executor {
           await this.restoreAndSwitch(op, cur, m, sn, { resumeSource: async () => undefined, unclaim: async () => undefined });
           moved.push(id);
         } catch (e) {
-          if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+          if (this.endsTheRun(e)) throw e;
           this.log.warn({ err: e, opId: op.id, sandboxId: id }, 'could not switch a sandbox lost during its migration to its copy');
           failures.push(`${id}: ${e instanceof Error ? e.message : String(e)}`);
         }
@@ -3950,7 +3959,7 @@ export class Executor {
         moved.push(sb.id);
       } catch (e) {
         // Not a failed migration: the drain runs again, with the choices it recorded.
-        if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+        if (this.endsTheRun(e)) throw e;
         this.log.warn({ err: e, opId: op.id, sandboxId: sb.id }, 'migration failed; the sandbox stays on the draining host');
         failures.push(`${sb.id}: ${e instanceof Error ? e.message : String(e)}`);
       }
@@ -4099,7 +4108,7 @@ export class Executor {
           errors.length = 0;
           break;
         } catch (e) {
-          if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+          if (this.endsTheRun(e)) throw e;
           failed.push(to.id);
           errors.push(`to ${to.id}: ${e instanceof Error ? e.message : String(e)}`);
           // One try each: the next snapshot goes to the next host.
@@ -4205,7 +4214,7 @@ export class Executor {
     } catch (e) {
       // Nothing is booked and no copy made: the source runs again (it stayed paused, with its
       // record saying running). Not after a lost lead or a failed store: the op runs again.
-      if (!this.active || e instanceof StoreUnavailableError || e instanceof NotLeaderError) throw e;
+      if (this.endsTheRun(e)) throw e;
       // Retired first: should the drain run again (a failover, a store outage later in it),
       // this sandbox is snapshotted anew, not restored from what it was before it ran again.
       // The claim ends whatever else fails here: a claim left behind would keep every later

@@ -238,6 +238,11 @@ function throwIfEnded(signal: AbortSignal | undefined, message: string): void {
  * permission bits unless the caller set a mode ($3, octal; 0: none set). A new file without a
  * mode gets the guest's default (0666 less the umask), as a file the guest made would.
  */
+/** Whether listSandboxes lists `s` for these filters: no state filter means all but destroyed. */
+function listed(s: SandboxRec, states: readonly SandboxState[], labels: Record<string, string>, hostId: string): boolean {
+  return (states.length ? states.includes(s.state) : s.state !== 'destroyed') && (!hostId || s.hostId === hostId) && Object.entries(labels).every(([k, v]) => s.labels[k] === v);
+}
+
 const PUT_IN_PLACE = [
   'p=$2',
   'if [ -d "$p" ]; then rm -f "$1"; echo "$p: is a directory" >&2; exit 1; fi',
@@ -612,9 +617,7 @@ export class Fleet {
   async listSandboxes(tenantId: string | undefined, states: SandboxState[], labels: Record<string, string>, hostId = ''): Promise<SandboxRec[]> {
     const all = (await this.deps.store.listSandboxes(tenantId)).map((v) => v.value);
     return all
-      .filter((s) => (states.length ? states.includes(s.state) : s.state !== 'destroyed'))
-      .filter((s) => !hostId || s.hostId === hostId)
-      .filter((s) => Object.entries(labels).every(([k, v]) => s.labels[k] === v))
+      .filter((s) => listed(s, states, labels, hostId))
       .sort((a, b) => a.createdAt - b.createdAt || a.id.localeCompare(b.id));
   }
 
@@ -626,7 +629,6 @@ export class Fleet {
    */
   async listSandboxPage(tenantId: string, states: SandboxState[], labels: Record<string, string>, hostId: string, afterId: string, size: number): Promise<{ items: SandboxRec[]; more: boolean }> {
     const after = this.deps.store.listSandboxesAfter?.bind(this.deps.store);
-    const keep = (s: SandboxRec): boolean => (states.length ? states.includes(s.state) : s.state !== 'destroyed') && (!hostId || s.hostId === hostId) && Object.entries(labels).every(([k, v]) => s.labels[k] === v);
     if (!after) {
       const all = (await this.listSandboxes(tenantId, states, labels, hostId)).sort((a, b) => (a.id < b.id ? -1 : a.id > b.id ? 1 : 0)).filter((s) => s.id > afterId);
       return { items: all.slice(0, size), more: all.length > size };
@@ -637,7 +639,7 @@ export class Fleet {
     for (let from = afterId; ; ) {
       const { records, more } = await after(tenantId, from, batch);
       for (const r of records) {
-        if (!keep(r.value)) continue;
+        if (!listed(r.value, states, labels, hostId)) continue;
         if (items.length === size) return { items, more: true };
         items.push(r.value);
       }

@@ -56,7 +56,7 @@ export interface LeaderFence {
   readonly createRevision: number;
   /** The id of the etcd cluster the revision is of (decimal), where known. */
   readonly clusterId?: string;
-  /** The id of the fleet store the revision is of (decimal), where known: etcd's cluster id folded with the store's incarnation (election.ts fleetStoreId). */
+  /** The id of the fleet store the revision is of (decimal), where known: from the store's incarnation, ordered by when it was made (election.ts fleetStoreId). */
   readonly storeId?: string;
 }
 
