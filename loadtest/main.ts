@@ -1,4 +1,6 @@
 // Load test: same-host against cross-host fork and resume latency through the public API.
+// Every option: USAGE below (npm run loadtest -- --help). A command line it cannot parse ends
+// with one line naming the option, exit 2, before anything starts.
 //   npm run loadtest -- [--quick] [--json FILE] [--report DIR] [--api HOST:PORT]
 //        [--hosts 3] [--link 10gbit] [--guest-mib 256] [--dirty-mib 64] [--samples 5]
 //        [--concurrency 4] [--fanout N] [--duration 60s] [--metrics-port 19790] [--keep-logs]
@@ -526,17 +528,47 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
   }
 }
 
+const USAGE = `usage: npm run loadtest -- [--quick] [--json FILE] [--report DIR] [--api HOST:PORT]
+         [--hosts 3] [--link 10gbit] [--guest-mib 256] [--dirty-mib 64] [--samples 5]
+         [--concurrency 4] [--fanout N] [--duration 60s] [--budget 200s] [--op-timeout D]
+         [--metrics-port 19790] [--keep-logs] [--peer-tls on|off]
+         [--fleet-dir DIR] [--prefix P] [--base-port N]
+         [--only fork_cross_host_4,resume_paused,...]   (the others are reported as skipped)
+       npm run loadtest -- --plan --forks-per-s X --p95-ms Y --from FILE
+         [--fork-n N] [--host-slots N] [--seconds N]   (capacity planning from a run's JSON)
+Without --api it starts its own fleet and always brings it down. Method: docs/adr/0010-loadtest-method.md.
+`;
+
+/** A command line the load test cannot parse: reported in one line with the usage hint, exit 2, nothing started. */
+class UsageError extends Error {}
+
+/** The options main() takes (USAGE). */
+function parseArgsOrUsage(args: string[]) {
+  try {
+    return parseArgs({
+      args,
+      options: {
+        quick: { type: 'boolean' }, plan: { type: 'boolean' }, json: { type: 'string' }, report: { type: 'string' }, api: { type: 'string' },
+        hosts: { type: 'string' }, link: { type: 'string' }, 'guest-mib': { type: 'string' }, 'dirty-mib': { type: 'string' }, samples: { type: 'string' },
+        concurrency: { type: 'string' }, fanout: { type: 'string' }, duration: { type: 'string' }, budget: { type: 'string' }, 'op-timeout': { type: 'string' },
+        'metrics-port': { type: 'string' }, 'keep-logs': { type: 'boolean' }, only: { type: 'string' }, 'fleet-dir': { type: 'string' }, prefix: { type: 'string' }, 'base-port': { type: 'string' },
+        'forks-per-s': { type: 'string' }, 'p95-ms': { type: 'string' }, from: { type: 'string' }, 'fork-n': { type: 'string' }, 'host-slots': { type: 'string' }, seconds: { type: 'string' }, 'peer-tls': { type: 'string' },
+      },
+    }).values;
+  } catch (e) {
+    // parseArgs' own errors (an unknown option, a missing value, a stray word): one line, not a stack.
+    if (e instanceof TypeError && 'code' in e && String(e.code).startsWith('ERR_PARSE_ARGS')) throw new UsageError(`${e.message} (npm run loadtest -- --help)`);
+    throw e;
+  }
+}
+
 /** Resolves with the exit status: 1 when a scenario failed (its figures are partial; the reports say which). */
-async function main(): Promise<number> {
-  const { values } = parseArgs({
-    options: {
-      quick: { type: 'boolean' }, plan: { type: 'boolean' }, json: { type: 'string' }, report: { type: 'string' }, api: { type: 'string' },
-      hosts: { type: 'string' }, link: { type: 'string' }, 'guest-mib': { type: 'string' }, 'dirty-mib': { type: 'string' }, samples: { type: 'string' },
-      concurrency: { type: 'string' }, fanout: { type: 'string' }, duration: { type: 'string' }, budget: { type: 'string' }, 'op-timeout': { type: 'string' },
-      'metrics-port': { type: 'string' }, 'keep-logs': { type: 'boolean' }, only: { type: 'string' }, 'fleet-dir': { type: 'string' }, prefix: { type: 'string' }, 'base-port': { type: 'string' },
-      'forks-per-s': { type: 'string' }, 'p95-ms': { type: 'string' }, from: { type: 'string' }, 'fork-n': { type: 'string' }, 'host-slots': { type: 'string' }, seconds: { type: 'string' }, 'peer-tls': { type: 'string' },
-    },
-  });
+async function main(argv = process.argv.slice(2)): Promise<number> {
+  if (argv.includes('-h') || argv.includes('--help')) {
+    process.stdout.write(USAGE);
+    return 0;
+  }
+  const values = parseArgsOrUsage(argv);
   if (values.plan) {
     if (!values.from || !values['forks-per-s'] || !values['p95-ms']) throw new Error('--plan needs --forks-per-s X --p95-ms Y --from FILE');
     const run = JSON.parse(readFileSync(values.from, 'utf8')) as RunResult;
@@ -550,7 +582,13 @@ async function main(): Promise<number> {
     if (values.json) writeFileSync(values.json, `${JSON.stringify(plan, null, 2)}\n`);
     return 0;
   }
-  const cfg = compileConfig(values);
+  let cfg: Readonly<LoadtestConfig>;
+  try {
+    cfg = compileConfig(values);
+  } catch (e) {
+    // A bad value (`--hosts 0`, `--link 10gb`): compileConfig only reads the options.
+    throw new UsageError(`${e instanceof Error ? e.message : String(e)} (npm run loadtest -- --help)`);
+  }
   const result = await runLoad(cfg);
   mkdirSync(cfg.report, { recursive: true });
   const { markdown, files } = renderReport(result);
@@ -572,7 +610,7 @@ async function main(): Promise<number> {
 main().then(
   (code) => process.exit(code),
   (e: unknown) => {
-    process.stderr.write(`loadtest: ${e instanceof Error ? (e.stack ?? e.message) : String(e)}\n`);
-    process.exit(1);
+    process.stderr.write(`loadtest: ${e instanceof UsageError ? e.message : e instanceof Error ? (e.stack ?? e.message) : String(e)}\n`);
+    process.exit(e instanceof UsageError ? 2 : 1);
   },
 );

@@ -850,7 +850,7 @@ export function buildProgram(): Command {
   // ----- loadtest
   program
     .command('loadtest')
-    .description('run the load test (npm run loadtest -- ARGS): every word after `loadtest` is its own, passed on as given')
+    .description('run the load test (npm run loadtest -- ARGS): every word after `loadtest` is its own, passed on as given (its options: forkfleet loadtest -- --help)')
     .argument('[args...]')
     .allowUnknownOption()
     .action(async (args: string[], _o: unknown, cmd: Command) => {
@@ -1050,7 +1050,7 @@ function splitLine(program: Command, argv: string[]): Line {
   const top = subcommand(program, argv[at]);
   if (top?.name() === 'loadtest') {
     const rest = argv.slice(at + 1);
-    // `loadtest --help` alone: the CLI's help for it (the load test's own parser has no --help).
+    // `loadtest --help` alone: the CLI's help for it; `loadtest -- --help` reaches the load test's own usage.
     if (rest.length === 1 && (rest[0] === '-h' || rest[0] === '--help')) return { argv };
     return { argv: argv.slice(0, at + 1), loadtestArgs: rest[0] === '--' ? rest.slice(1) : rest };
   }
