@@ -566,9 +566,13 @@ export class Fleet {
     if (kind === 'snapshot' || (kind === 'hibernate' && sb.state !== 'hibernated')) await admit(this.deps, input.tenantId, { snapshot: true });
     const submitOp = (): Promise<OperationRec> => this.submit(input.tenantId, input.idempotencyKey, kind, sb.id, extra, [], { checked: true, digest });
     // A wake takes memory again: admitted in order with the tenant's other admissions, as a
-    // create is (inAdmissionOrder), or concurrent wakes would all pass on the same usage.
-    const op = kind === 'wake' ? await this.inAdmissionOrder(input.tenantId, async () => (await this.admitWake(input.tenantId, sb), submitOp())) : await submitOp();
-    this.readAtSubmit.set(op, sb);
+    // create is (inAdmissionOrder), or concurrent wakes would all pass on the same usage. The
+    // sandbox is read again once this call's turn comes: a wake queued ahead of it may have
+    // started meanwhile (waking or running, its memory counted), and this one then joins it
+    // (runWake) instead of asking for that memory a second time and being refused.
+    let at = sb;
+    const op = kind === 'wake' ? await this.inAdmissionOrder(input.tenantId, async () => (await this.admitWake(input.tenantId, (at = await this.getSandbox(input.tenantId, sb.id))), submitOp())) : await submitOp();
+    this.readAtSubmit.set(op, at);
     return op;
   }
 
@@ -716,9 +720,15 @@ export class Fleet {
     return this.submit(tenantId, key, 'delete_snapshot', id, {});
   }
 
-  /** The tenant's quotas and rate limit, and what counts against the quotas now (quota.ts). */
+  /**
+   * The tenant's quotas and rate limit, and what counts against the quotas now (quota.ts). A
+   * tenant without quotas has its records listed: asking the ledger would start its watch over
+   * the whole fleet (quota-ledger.ts) on a replica that has no quota to check.
+   */
   async tenantUsage(tenantId: string): Promise<{ usage: TenantUsage; quota: TenantQuota; rate: { perSecond: number; burst: number } | undefined }> {
-    return { usage: await tenantUsage(this.deps, tenantId), quota: this.deps.quotas?.(tenantId) ?? {}, rate: this.deps.rateOf?.(tenantId) };
+    const quota = this.deps.quotas?.(tenantId) ?? {};
+    const limited = quota.sandboxes !== undefined || quota.memoryMib !== undefined || quota.snapshotBytes !== undefined;
+    return { usage: await tenantUsage({ store: this.deps.store, usage: limited ? this.deps.usage : undefined }, tenantId), quota, rate: this.deps.rateOf?.(tenantId) };
   }
 
   async getOperation(tenantId: string, id: string): Promise<OperationRec> {
@@ -873,17 +883,35 @@ export class Fleet {
       // stable (updatedAt does not change until a wake starts), so racing callers share it.
       const asleep = sb;
       // Admitted in order with the tenant's other admissions (inAdmissionOrder), as sandboxOp's wake.
-      const opId =
-        asleep.state === 'waking' && asleep.opId
-          ? asleep.opId
-          : (await this.inAdmissionOrder(tenantId, async () => (await this.admitWake(tenantId, asleep), this.submit(tenantId, `__wake/${asleep.id}/${asleep.updatedAt}`, 'wake', asleep.id, {})))).id;
-      const done = await this.waitOperation(tenantId, opId, 300_000, signal);
-      if (signal?.aborted) throw cancelled();
-      if (done.state !== 'succeeded') throw wakeFailure(id, done, field);
+      const opId = asleep.state === 'waking' && asleep.opId ? asleep.opId : await this.inAdmissionOrder(tenantId, () => this.sharedWake(tenantId, asleep));
+      if (opId !== undefined) {
+        const done = await this.waitOperation(tenantId, opId, 300_000, signal);
+        if (signal?.aborted) throw cancelled();
+        if (done.state !== 'succeeded') throw wakeFailure(id, done, field);
+      }
       sb = await this.getSandbox(tenantId, id);
     }
     if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', field);
     return sb;
+  }
+
+  /**
+   * The wake runningSandbox waits for, for a call that read sandbox `asleep` hibernated (run
+   * in its turn among the tenant's admissions). A call queued behind another that woke it
+   * finds that wake, by its key, or the sandbox waking or running by now, its memory counted:
+   * admitted again, it asked for that memory on top and was refused (RESOURCE_EXHAUSTED) for
+   * a wake that takes nothing more. Only a sandbox still hibernated is admitted. Undefined:
+   * no wake to wait for (woken by other means; the caller's state check decides).
+   */
+  private async sharedWake(tenantId: string, asleep: SandboxRec): Promise<string | undefined> {
+    const key = `__wake/${asleep.id}/${asleep.updatedAt}`;
+    const [prior, now] = await Promise.all([this.existingOp(tenantId, key, { kinds: ['wake'], targetId: asleep.id }), this.getSandbox(tenantId, asleep.id)]);
+    if (prior) return prior.id;
+    if (now.state === 'waking' && now.opId) return now.opId;
+    if (now.state !== 'hibernated' && now.state !== 'waking') return undefined;
+    await this.admitWake(tenantId, now);
+    // The key looked up above, unless the sandbox has changed since (woken and hibernated again).
+    return (await this.submit(tenantId, `__wake/${now.id}/${now.updatedAt}`, 'wake', now.id, {}, [], { checked: now.updatedAt === asleep.updatedAt })).id;
   }
 
   async *exec(input: ExecInput, signal?: AbortSignal): AsyncIterable<HostExecOutputMsg> {

@@ -1,6 +1,8 @@
 import { describe, expect, it } from 'vitest';
 import { QuotaLedger } from './quota-ledger.ts';
-import type { FollowedRecord } from './ports.ts';
+import { Fleet } from './fleet.ts';
+import { HeartbeatRegistry } from './fleet-view.ts';
+import type { FleetStore, FollowedRecord } from './ports.ts';
 import type { OperationRec, SandboxRec, SnapshotRec } from './records.ts';
 
 const sb = (id: string, state: SandboxRec['state'], memoryMib = 256, tenantId = 't'): SandboxRec => ({ id, tenantId, state, resources: { vcpus: 1, memoryMib, diskMib: 0 } }) as unknown as SandboxRec;
@@ -61,7 +63,7 @@ describe('QuotaLedger', () => {
       onRevision(store.current);
       throw new Error('watch create failed');
     };
-    const l = new QuotaLedger({ store });
+    const l = new QuotaLedger({ store }, 1000, 0); // started again on the next call
     expect(await l.usage('t')).toBeUndefined(); // the caller lists records itself
     // Sandbox a was destroyed and its record expired before the next start.
     store.followRecords = async (_onChange, onRevision) => {
@@ -151,5 +153,65 @@ describe('QuotaLedger', () => {
     store.onError?.(new Error('watch cancelled: compacted'));
     expect(await l.usage('t')).toMatchObject({ sandboxes: 1 });
     expect(store.follows).toBe(2);
+  });
+
+  it('usage_whileTheStartTakesLongerThanTheBarrier_isUndefinedWithinIt_andTheStartGoesOnForLaterCalls', async () => {
+    // Listing the whole fleet and opening the watch can take seconds (up to etcd's call
+    // deadline when the watch cannot open): an admission does not wait for it.
+    const store = fakeStore([{ kind: 'sandbox', key: 't/a', value: sb('a', 'running', 256) }]);
+    const follow = store.followRecords;
+    let release: () => void = () => undefined;
+    store.followRecords = async (onChange, onRevision, onError) => {
+      await new Promise<void>((r) => (release = r));
+      return follow(onChange, onRevision, onError);
+    };
+    const l = new QuotaLedger({ store }, 50);
+    const stuck = new Promise((r) => setTimeout(() => r('still waiting after 1 s'), 1000));
+    expect(await Promise.race([l.usage('t'), stuck])).toBeUndefined(); // the caller lists records itself
+    expect(await Promise.race([l.usage('t'), stuck])).toBeUndefined();
+    release();
+    await new Promise((r) => setTimeout(r, 10));
+    expect(await l.usage('t')).toMatchObject({ sandboxes: 1, memoryMib: 256 });
+    expect(store.follows).toBe(1);
+  });
+
+  it('usage_afterAFailedStart_doesNotStartAgainUntilTheRestartDelayHasPassed', async () => {
+    // A watch that cannot open while reads work: each start lists every record of the fleet.
+    const store = fakeStore([{ kind: 'sandbox', key: 't/a', value: sb('a', 'running', 256) }]);
+    const follow = store.followRecords;
+    let failing = true;
+    store.followRecords = async (onChange, onRevision, onError) => {
+      if (failing) {
+        store.follows++;
+        throw new Error('watch create: deadline exceeded');
+      }
+      return follow(onChange, onRevision, onError);
+    };
+    const l = new QuotaLedger({ store }, 1000, 200);
+    for (let i = 0; i < 5; i++) expect(await l.usage('t')).toBeUndefined();
+    expect(store.follows).toBe(1);
+    failing = false;
+    await new Promise((r) => setTimeout(r, 250));
+    expect(await l.usage('t')).toMatchObject({ sandboxes: 1 });
+    expect(store.follows).toBe(2);
+  });
+
+  it('getTenantUsage_ofATenantWithoutQuotas_listsItsRecords_withoutStartingTheLedger', async () => {
+    // The ledger watches the whole fleet: a replica with no quotas never starts it.
+    const running = { id: 'a', tenantId: 't', state: 'running', resources: { vcpus: 1, memoryMib: 256, diskMib: 0 } } as unknown as SandboxRec;
+    const store = Object.assign(fakeStore([]), {
+      listSandboxes: async () => [{ value: running, modRevision: 1 }],
+      listSnapshots: async () => [],
+      listOps: async () => [],
+    });
+    const usage = new QuotaLedger({ store });
+    const fleet = (quota: { memoryMib?: number }): Fleet =>
+      new Fleet({ store: store as unknown as FleetStore, bus: {} as never, clock: { now: () => 0 }, heard: new HeartbeatRegistry(), liveness: { suspectAfterMs: 3000, lostAfterMs: 10_000 }, quotas: () => quota, usage });
+    expect((await fleet({}).tenantUsage('t')).usage).toMatchObject({ sandboxes: 1, memoryMib: 256 });
+    expect(store.follows).toBe(0);
+    // With a quota, GetTenantUsage reads what admission reads: the ledger (whose list holds no
+    // record here, so the answer shows where it came from).
+    expect((await fleet({ memoryMib: 1024 }).tenantUsage('t')).usage).toMatchObject({ sandboxes: 0, memoryMib: 0 });
+    expect(store.follows).toBe(1);
   });
 });

@@ -11,7 +11,12 @@
 // counted). When the ledger cannot catch up in time (etcd shared with writers outside the
 // prefix, a broken watch), `usage` answers undefined and admission lists as before.
 //
-// Started on the first admission that has a quota: a replica with no quotas never watches.
+// Started on the first admission that has a quota (or GetTenantUsage of a tenant with one): a
+// replica with no quotas never watches. Starting (the list of every record, then opening the
+// watch) can take seconds, up to etcd's call deadline when the watch cannot open: an answer
+// waits for it no longer than for the barrier (undefined meanwhile, so admission lists) while
+// it goes on in the background, and a start that failed is not tried again for `restartMs`,
+// so a burst of admissions does not list the whole fleet and wait out a deadline once each.
 import type { Logger } from 'pino';
 import type { FleetStore, FollowedRecord } from './ports.ts';
 import type { OperationRec } from './records.ts';
@@ -51,14 +56,18 @@ export class QuotaLedger {
   private revision = 0;
   private waiters: Array<{ revision: number; resolve: () => void }> = [];
   private starting: Promise<void> | undefined;
+  /** After a failed start: no new one before this time (Date.now()). */
+  private restartAt = 0;
   /** Counts follows: callbacks of an earlier one are ignored. */
   private gen = 0;
   private stopFollow: (() => void) | undefined;
 
   constructor(
     private readonly deps: { store: Pick<FleetStore, 'followRecords' | 'revision'>; log?: Logger },
-    /** How long an answer waits for the watch to reach etcd's revision before giving up. */
+    /** How long an answer waits for the watch to start, and then to reach etcd's revision, before giving up. */
     private readonly barrierMs = 1000,
+    /** How long after a failed start the next one waits (answers are undefined meanwhile). */
+    private readonly restartMs = 5000,
   ) {}
 
   /**
@@ -99,12 +108,17 @@ export class QuotaLedger {
     this.reset();
   }
 
-  /** Lists and starts following once; after a broken watch, starts again on the next call. */
+  /**
+   * Lists and starts following once; after a broken watch, starts again on the next call, and
+   * after a failed start, on the first call `restartMs` later. False when not started within
+   * `barrierMs` (the start goes on: a later call finds it done).
+   */
   private async started(): Promise<boolean> {
     if (!this.starting) {
+      if (Date.now() < this.restartAt) return false;
       // A follow started before a stop() is cancelled when it arrives and never feeds this one.
       const gen = ++this.gen;
-      this.starting = this.deps.store
+      const s = this.deps.store
         .followRecords(
           (c) => gen === this.gen && this.apply(c),
           (rev) => gen === this.gen && this.advance(rev),
@@ -118,18 +132,29 @@ export class QuotaLedger {
           if (gen === this.gen) this.stopFollow = stop;
           else stop();
         });
+      this.starting = s;
+      // Handled here, once, not by each caller: they may all have stopped waiting.
+      s.catch((e: unknown) => {
+        if (this.starting !== s) return;
+        this.deps.log?.warn({ err: e }, `the quota ledger could not start; admission lists records, and it starts again in ${this.restartMs} ms`);
+        // The list may have been taken in before the watch failed: the next start lists again,
+        // and a record gone by then must not keep the share this one gave it.
+        this.stop();
+        this.restartAt = Date.now() + this.restartMs;
+      });
     }
     const s = this.starting;
-    try {
-      await s;
-      return this.starting === s;
-    } catch (e) {
-      this.deps.log?.warn({ err: e }, 'the quota ledger could not start; admission lists records');
-      // The list may have been taken in before the watch failed: the next start lists again,
-      // and a record gone by then must not keep the share this one gave it.
-      if (this.starting === s) this.stop();
-      return false;
-    }
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const late = new Promise<boolean>((resolve) => (timer = setTimeout(() => resolve(false), this.barrierMs)));
+    const ok = await Promise.race([
+      s.then(
+        () => this.starting === s,
+        () => false,
+      ),
+      late,
+    ]);
+    clearTimeout(timer);
+    return ok;
   }
 
   private reset(): void {

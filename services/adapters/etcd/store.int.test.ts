@@ -424,7 +424,11 @@ describe('EtcdFleetStore', () => {
       return { sandboxes: u.sandboxes, memoryMib: u.memoryMib, snapshotBytes: u.snapshotBytes };
     };
     const states: SandboxRec['state'][] = ['pending', 'starting', 'running', 'paused', 'hibernated', 'destroyed', 'failed', 'lost'];
-    expect(await ledger.usage(tenant)).toMatchObject(await listed());
+    // Its first answers may be undefined while it starts (it answers no later than its barrier).
+    const first = Date.now();
+    let u0 = await ledger.usage(tenant);
+    while (u0 === undefined && Date.now() - first < 10_000) u0 = await new Promise((r) => setTimeout(r, 50)).then(() => ledger.usage(tenant));
+    expect(u0).toMatchObject(await listed());
     for (let i = 0; i < 40; i++) {
       const id = `sb-l${i % 7}`;
       const w: StoreWrite =
