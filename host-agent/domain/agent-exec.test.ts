@@ -22,7 +22,7 @@ async function agentWith(exec: (req: ExecRequest) => Promise<ExecResult>): Promi
     consumeWork: async () => async () => undefined,
     publishHeartbeat: () => undefined,
   };
-  const driver: Partial<VmmDriver> = { get: (id) => (id === 'sb-1' ? vm : undefined), list: () => [vm], onEvent: () => () => undefined, exec: (_id, req) => exec(req) };
+  const driver: Partial<VmmDriver> = { get: (id) => (id === 'sb-1' ? vm : undefined), list: () => [vm], onEvent: () => () => undefined, exec: (_id, req) => exec(req), resume: async () => undefined };
   const deps: AgentDeps = {
     driver: driver as VmmDriver,
     shipper: { held: () => [], storedBytes: () => 0 } as unknown as SnapshotShipper,

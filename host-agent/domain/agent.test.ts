@@ -13,7 +13,8 @@ import { ForkfleetError } from '../../proto/errors.ts';
 /** `config` overrides the test's: 3 step slots, and steps still running after 100 ms do not hold up stop(). */
 function agentWith(driver: Partial<VmmDriver>, shipper: Partial<SnapshotShipper> = {}, bus: Partial<AgentBus> = {}, clock = { now: () => 1_000 }, journal = new MemoryJournal(), accel: Accel = 'tcg', config: Partial<AgentConfig> = {}, extra: Partial<AgentDeps> = {}): { agent: Agent; journal: MemoryJournal } {
   const agent = new Agent({
-    driver: { get: () => undefined, list: () => [], ...driver } as VmmDriver,
+    // pause and resume: no-ops, as the QEMU driver's are for a VM already in that state.
+    driver: { get: () => undefined, list: () => [], pause: async () => undefined, resume: async () => undefined, ...driver } as VmmDriver,
     shipper: { held: () => [], storedBytes: () => 0, ...shipper } as SnapshotShipper,
     bus: bus as AgentBus,
     journal,
@@ -246,6 +247,35 @@ describe('Agent steps', () => {
     inner.inCall('sb-1', () => Promise.resolve());
     expect((await agent.runStep(work('pause-user', { work: { case: 'pauseVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
     expect(paused).toEqual(['sb-1', 'sb-1']);
+  });
+
+  it('pause_ofTheIdleRule_isRefusedWhileASnapshotOfTheVmRuns_whateverItsIdleTime', async () => {
+    let t = 1_000_000;
+    const paused: string[] = [];
+    const vm = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0 } as VmInfo;
+    const { agent } = agentWith({ get: () => vm, list: () => [vm], pause: async (id) => void paused.push(id) }, {}, {}, { now: () => t });
+    const idlePause = (n: number) => agent.runStep(work(`pause-${n}`, { work: { case: 'pauseVm', value: { sandboxId: 'sb-1', onlyIfIdleMs: 60_000n } } }));
+    agent.idleMs(vm); // seen idle from now
+    t += 61_000;
+    // A fork of the sandbox snapshots it: an Exec made meanwhile waits for the snapshot's end.
+    vm.state = 'snapshotting';
+    expect((await idlePause(1)).error).toMatchObject({ kind: 'failed_precondition', retryable: false, message: expect.stringMatching(/not idle/) });
+    expect(paused).toEqual([]);
+    vm.state = 'running';
+    expect((await idlePause(2)).error).toBeUndefined();
+    expect(paused).toEqual(['sb-1']);
+  });
+
+  it('pauseAndResume_whateverTheVmsRecordSays_areHandedToTheDriver_whichAsksQemu', async () => {
+    // A pause whose `stop` timed out left the VM recorded running while QEMU stopped it; a
+    // resume whose `cont` timed out, the reverse. The step that puts it right is not skipped.
+    const calls: string[] = [];
+    const vm = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0 } as VmInfo;
+    const { agent } = agentWith({ get: () => vm, list: () => [vm], pause: async (id) => void calls.push(`pause ${id}`), resume: async (id) => void calls.push(`resume ${id}`) });
+    expect((await agent.runStep(work('resume', { work: { case: 'resumeVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
+    vm.state = 'paused';
+    expect((await agent.runStep(work('pause', { work: { case: 'pauseVm', value: { sandboxId: 'sb-1' } } }))).error).toBeUndefined();
+    expect(calls).toEqual(['resume sb-1', 'pause sb-1']);
   });
 
   it('restore_thatFetchedTheSnapshot_saysHowLongTheFetchTook_apartFromTheStepsWholeTimeWithItsRestores', async () => {

@@ -1269,17 +1269,26 @@ export class Agent {
         const vm = this.vmOf(work.value.sandboxId);
         // The idle rule's: only a VM idle still (a call may have begun since it judged).
         const idleFor = Number(work.value.onlyIfIdleMs);
+        // Nor one in a snapshot (a fork of it): a call made meanwhile waits for the snapshot to
+        // end and would run then, under the pause queued behind the snapshot.
+        if (idleFor > 0 && vm.state === 'snapshotting') {
+          throw new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: a snapshot of it is under way; not paused for the idle hibernation`, { retryable: false });
+        }
         const idle = idleFor > 0 && vm.state === 'running' ? this.idleMs(vm) : Number.POSITIVE_INFINITY;
         if (idle < idleFor) {
           throw new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: busy (a call or guest CPU) ${Math.round(idle / 1000)} s ago, under its idle timeout of ${Math.round(idleFor / 1000)} s; not paused for the idle hibernation`, { retryable: false });
         }
-        if (vm.state !== 'paused') await driver.pause(vm.vmId);
+        // Also when already paused: the driver asks QEMU then (a `cont` that timed out may
+        // have run the guest all the same).
+        await driver.pause(vm.vmId);
         result.vms = [this.vmStatus(this.vmOf(vm.vmId))];
         return;
       }
       case 'resumeVm': {
         const vm = this.vmOf(work.value.sandboxId);
-        if (vm.state !== 'running') await driver.resume(vm.vmId);
+        // Also when running already: the driver asks QEMU then (a `stop` that timed out, in a
+        // pause that failed, may have stopped the guest all the same).
+        await driver.resume(vm.vmId);
         // Idle time counts from the resume, not from before the pause.
         this.touch(vm.vmId);
         // A redelivery (the agent died after the hooks, before the result) does not run them again.

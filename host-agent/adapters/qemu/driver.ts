@@ -703,10 +703,18 @@ export class QemuVmmDriver implements VmmDriver {
 
   // ---------------------------------------------------------------- pause / resume
 
+  /**
+   * Idempotent, and judged by QEMU when the record may be wrong: a `stop` or `cont` that timed
+   * out is still carried out by QEMU afterwards, so a VM recorded paused is asked whether it
+   * runs (and stopped if so), and a failed `stop` is followed by a query-status that records
+   * what QEMU says. A pause of a running VM whose `stop` succeeds sends nothing else.
+   */
   pause(vmId: string): Promise<void> {
     return this.locked(vmId, async (rec) => {
-      if (rec.info.state === 'paused') return;
-      this.assertState(rec, 'running', 'pause');
+      if (rec.info.state === 'paused') {
+        if ((await queryStatus(rec.qmp)) !== 'running') return;
+        rec.log.warn('the VM ran though it is recorded paused (a resume that timed out?): stopped again');
+      } else this.assertState(rec, 'running', 'pause');
       // vm.json says paused before QEMU stops, and the VM is paused in memory only once both
       // are done. Were it written after, a failed write (a full disk) would leave the VM paused
       // in memory but recorded running: the step's retry finds it paused and skips the pause,
@@ -714,17 +722,39 @@ export class QemuVmmDriver implements VmmDriver {
       // recorded running). Recorded paused while it still runs (a failed stop) is safe:
       // adoptOn keeps what QEMU says then.
       await this.persist(rec, 'paused');
-      await rec.qmp.execute('stop');
-      rec.pausedAt = Date.now();
+      try {
+        await rec.qmp.execute('stop');
+      } catch (e) {
+        // A `stop` that timed out may have been carried out all the same: recorded running
+        // then, the VM would stay frozen, every resume (a hibernate's resume-after-failure)
+        // skipped as a no-op. QEMU is asked; one that does not answer leaves the record as it
+        // is (a later resume asks again).
+        if ((await queryStatus(rec.qmp).catch(() => 'running')) === 'running') throw e;
+        rec.log.warn({ err: String(e) }, 'stop failed, but QEMU stopped the VM all the same: recorded paused');
+      }
+      // Kept if set: a VM recorded paused that ran again (a late `cont`) has its clock behind
+      // since then at least; counting more only refreshes it sooner.
+      rec.pausedAt ??= Date.now();
       this.setState(rec, 'paused');
     });
   }
 
+  /** Idempotent, and judged by QEMU when the record may be wrong, as pause() is. */
   resume(vmId: string): Promise<void> {
     return this.locked(vmId, async (rec) => {
-      if (rec.info.state === 'running') return;
-      this.assertState(rec, 'paused', 'resume');
-      await rec.qmp.execute('cont');
+      if (rec.info.state === 'running') {
+        // A `stop` that timed out (a failed pause) may have stopped the guest after all.
+        if ((await queryStatus(rec.qmp)) === 'running') return;
+        rec.log.warn('the VM is stopped though it is recorded running (a pause that timed out?): continued');
+      } else this.assertState(rec, 'paused', 'resume');
+      try {
+        await rec.qmp.execute('cont');
+      } catch (e) {
+        // A `cont` that timed out may have run the guest all the same: recorded paused, it
+        // would run on while every pause is skipped as a no-op. QEMU is asked.
+        if ((await queryStatus(rec.qmp).catch(() => 'paused')) !== 'running') throw e;
+        rec.log.warn({ err: String(e) }, 'cont failed, but QEMU runs the VM all the same: recorded running');
+      }
       const behind = (rec.clockBehindMs ?? Infinity) + (rec.pausedAt === undefined ? Infinity : Date.now() - rec.pausedAt);
       rec.pausedAt = undefined;
       rec.clockBehindMs = behind;
@@ -856,8 +886,10 @@ export class QemuVmmDriver implements VmmDriver {
         // vm.json was rewritten for a template snapshot: it says what is true now.
         if (draft.method === 'shared-file' || rec.unsealed) await this.persist(rec).catch(() => undefined);
         // The VM may depend on the directory (its memory file, or its disk layer's backing):
-        // then it stays, named in the VM's dependsOn.
-        if (!rec.dependsOn.includes(snapshotId)) await rm(dir, { recursive: true, force: true });
+        // then it stays, named in the VM's dependsOn. So does one sealed though the step failed
+        // (a template snapshot whose replacement failed after its source was killed): complete,
+        // and the only copy of that guest.
+        if (!rec.dependsOn.includes(snapshotId) && !(await isSealed(dir))) await rm(dir, { recursive: true, force: true });
         throw e;
       }
     });
@@ -947,7 +979,7 @@ export class QemuVmmDriver implements VmmDriver {
     // (those calls fail, as before there was a hold) and a new one opened on the replacement.
     const { release, execsRunning } = await this.holdGuestAgent(rec, snapshotId, 'on the replacement');
     try {
-      return { ...(await this.switchToReplacement(rec, repl, feedReplacement, { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, parent: draft.parentSnapshotId, undo }, (qga) => release?.(qga))), execsRunning };
+      return { ...(await this.switchToReplacement(rec, repl, feedReplacement, { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, parent: draft.parentSnapshotId, undo, draft, execsRunning }, (qga) => release?.(qga))), execsRunning };
     } finally {
       release?.();
     }
@@ -958,7 +990,7 @@ export class QemuVmmDriver implements VmmDriver {
     rec: VmRecord,
     repl: { proc: QemuProcess; qmp: QmpClient },
     feedReplacement: (file: string) => Promise<void>,
-    o: { stateBin: string; memImg: string; newDisk: string; newGen: number; snapshotId: string; keepPaused: boolean; parent: string | null; undo: () => Promise<void> },
+    o: { stateBin: string; memImg: string; newDisk: string; newGen: number; snapshotId: string; keepPaused: boolean; parent: string | null; undo: () => Promise<void>; draft: SnapshotManifest; execsRunning: boolean },
     moveAgent: (qgaPath: string) => void,
   ): Promise<{ pauseMs: number; parent: string | null }> {
     const { stateBin, memImg, newDisk, newGen, snapshotId, keepPaused, undo } = o;
@@ -999,6 +1031,15 @@ export class QemuVmmDriver implements VmmDriver {
         await rec.proc.exited;
         if (canTransition(rec.info.state, 'crashed')) this.setState(rec, 'crashed');
         this.emit({ type: 'crashed', vmId: rec.info.vmId, pid: rec.proc.pid, detail: `QEMU pid ${rec.proc.pid} was stopped for template snapshot ${snapshotId}, whose replacement failed: ${String(e)}` });
+        // The snapshot's files are the only copy of the guest left, and they are complete: the
+        // source was killed only once its save completed (what settleSwitch relies on too), and
+        // it is gone. Sealed, as recover() would seal them under a replacement that loaded, so
+        // that a retry of the step gets the snapshot (snapshot()'s sealed fast path: a
+        // hibernate can finish) and snapshot()'s catch keeps it. Owned then as every sealed
+        // snapshot whose step failed: the shipper's GC lists it as held, and the scheduler deletes
+        // it unless it keeps it. Not sealed (its fsync failed), it goes with snapshot()'s catch.
+        const manifest: SnapshotManifest = { ...o.draft, ...(o.execsRunning ? { guestExecsRunning: true as const } : {}) };
+        await sealSnapshot(dirname(memImg), rec.image, manifest).catch((c: unknown) => rec.log.error({ snapshotId, err: String(c) }, 'sealing the template snapshot whose replacement failed failed: it is lost with the VM'));
       }
       throw e;
     }
