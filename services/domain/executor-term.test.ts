@@ -2,6 +2,7 @@
 // the new leader is still starting (its lease lapsed during a long list) must leave no leader
 // work running on the replica. The store and bus are stubs of our own ports: every method
 // not named here answers at once with nothing.
+import type { AsyncLocalStorage } from 'node:async_hooks';
 import { describe, expect, it } from 'vitest';
 import pino from 'pino';
 import { Executor, leaderTerm } from './executor.ts';
@@ -212,6 +213,74 @@ describe('Executor terms', () => {
       await ex.stop();
     }
   }, 20_000);
+
+  describe('a clean-up send (sendHostWork) whose first try failed, retried after stop() and start()', () => {
+    /** An executor whose bus refuses the first sendWork and records every one; `send` is sendHostWork. */
+    const setUp = () => {
+      const sent: string[] = [];
+      const ex = executorOf(stub({ watchFleet: async () => () => undefined, watchOps: async () => () => undefined, followSandboxes: async () => () => undefined }), {
+        bus: stub({
+          consumeResults: async () => async () => undefined,
+          sendWork: async (hostId: string, w: { stepId: string }) => {
+            sent.push(`${hostId}/${w.stepId}`);
+            if (sent.length === 1) throw new Error('NATS is restarting');
+          },
+        }),
+        config: { heldSnapshotCheckMs: 60_000 },
+        extra: NO_SUBMIT,
+      });
+      const inner = ex as unknown as { term: number; runnerTerm: AsyncLocalStorage<number>; sendHostWork: (hostId: string, opId: string, tenantId: string, stepId: string, work: unknown, failed: string) => Promise<void> };
+      const send = (): Promise<void> => inner.sendHostWork('h1', 'op-1', 't1', 'stop/sb-1', { case: 'destroyVm', value: { sandboxId: 'sb-1' } }, 'could not stop');
+      return { ex, inner, sent, send };
+    };
+
+    it('sendHostWork_fromARunnerOfAnEarlierTerm_sendsNothingMoreInTheNewTerm', async () => {
+      const { ex, inner, sent, send } = setUp();
+      try {
+        await ex.start();
+        const earlier = inner.term;
+        const sending = inner.runnerTerm.run(earlier, send);
+        await waitFor('the first send', async () => sent.length === 1, 5000, 5);
+        // The replica loses its lease and wins it back while the retry sleeps (500 ms).
+        await ex.stop();
+        await ex.start();
+        await sending;
+        // And a first send from that runner, in the new term (as its `void this.sendHostWork`s).
+        await inner.runnerTerm.run(earlier, send);
+        // Before, both went out stamped with the new term (the bus stamps at send time).
+        expect(sent).toEqual(['h1/stop/sb-1']);
+      } finally {
+        await ex.stop();
+      }
+    });
+
+    it('sendHostWork_outsideARunner_sendsNothingMoreOnceItsTermHasEnded', async () => {
+      const { ex, sent, send } = setUp();
+      try {
+        await ex.start();
+        const sending = send();
+        await waitFor('the first send', async () => sent.length === 1, 5000, 5);
+        await ex.stop();
+        await ex.start();
+        await sending;
+        expect(sent).toEqual(['h1/stop/sb-1']);
+      } finally {
+        await ex.stop();
+      }
+    });
+
+    it('sendHostWork_inTheCurrentTerm_isRetriedUntilItGoesOut', async () => {
+      const { ex, inner, sent, send } = setUp();
+      try {
+        await ex.start();
+        await inner.runnerTerm.run(inner.term, send);
+        await send(); // and outside a runner (reconcile passes driven by heartbeats)
+        expect(sent).toEqual(['h1/stop/sb-1', 'h1/stop/sb-1', 'h1/stop/sb-1']);
+      } finally {
+        await ex.stop();
+      }
+    });
+  });
 
   it('gauges_reportNothingUntilTheTermHasLoadedTheFleet_neitherZeroHostsOfAFirstTermNorAnEarlierTermsFigures', async () => {
     const host = (id: string): HostRec => ({ id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 8, memoryMib: 4096, diskMib: 10_000 } }) as HostRec;

@@ -1118,8 +1118,13 @@ export class Executor {
    * One host step sent without waiting for its result (clean-ups; the agent dedups by op and
    * step). The send is retried a few times (a NATS restart fails the publishes of a few
    * seconds): such a stop is sent once, and a lost one leaves a VM running with no record.
+   * Only in the term it was decided in: the bus stamps work with the term current when it is
+   * sent (NatsWorkBus.newTerm), so a send from a runner that outlived stop(), or a retry that
+   * slept across a stop() and start(), would carry an earlier term's decision past the agent's
+   * term check (a stop of a VM the new term started there).
    */
   private async sendHostWork(hostId: string, opId: string, tenantId: string, stepId: string, work: HostWorkMsg['work'], failed: string): Promise<void> {
+    const term = this.term;
     // Each call is a new attempt: a pass that sends the same op + step again (a stop of a VM
     // that came back to a full host, until it is gone) gets a final answer from the agent's
     // journal, but a retryable failure the agent journalled answers only the send it failed
@@ -1132,7 +1137,7 @@ export class Executor {
     // Nobody waits for its answer, but the agent frees the step's slot by this deadline should it hang.
     const msg = create(HostWorkSchema, { opId, stepId, attempt, tenantId, work, deadline: timestampFromMs(this.deps.clock.now() + this.deps.config.stepTimeoutMs) });
     for (let i = 0; ; i++) {
-      if (!this.leading()) return void this.log.warn({ hostId, opId, stepId }, `${failed}: no longer leading`);
+      if (!this.leading() || !this.currentRunner() || term !== this.term) return void this.log.warn({ hostId, opId, stepId }, `${failed}: no longer leading (in the term it was decided in)`);
       try {
         return await this.deps.bus.sendWork(hostId, msg);
       } catch (e) {

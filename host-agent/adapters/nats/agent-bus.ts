@@ -208,6 +208,12 @@ export class NatsAgentBus implements AgentBus {
     // from the scheduler (only it may publish there: auth.ts), or when a caller that asked for
     // keepalives (HostExecRequest.keepalive) has not named the exec for EXEC_KEEPALIVE_MISSES intervals.
     const running = new Map<string, { ac: AbortController; heard: number }>();
+    // Execs that sent output (or their exit) while this agent's connection was down, by reply
+    // subject, ended ones too: nats.js drops what is published while disconnected, and a lost
+    // exit leaves the caller waiting out its whole timeout (up to an hour). At the reconnect each
+    // gets an error piece with the next seq (its caller fails the call; a hole before it shows as
+    // a missing seq anyway), and a command still running is killed: nobody reads it any more.
+    const sentWhileDown = new Map<string, { ac: AbortController; nextSeq: bigint; closed: boolean }>();
     // Keepalives cannot be heard while this agent's own connection is down, nor at all when the
     // server refuses their subscription (a NATS config rendered before ff.execalive.<host>
     // existed): no command is killed for their silence then. A reconnect counts as hearing
@@ -229,6 +235,14 @@ export class NatsAgentBus implements AgentBus {
         else if (st.type === 'reconnect') {
           linkDown = false;
           heardAll();
+          for (const [reply, session] of sentWhileDown) {
+            session.closed = true;
+            this.log.warn({ replySubject: reply }, 'exec output sent while the NATS connection was down may have been lost: ending the call, and its command if still running');
+            const lost = toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: session.nextSeq, payload: { case: 'error', value: { kind: 'unavailable', message: 'output this host sent while its NATS connection was down may have been lost, so the command was stopped; what it printed is not known whole' } } }));
+            this.reply(reply, lost, () => lost);
+            session.ac.abort();
+          }
+          sentWhileDown.clear();
           // A refused keepalive subscription is gone for good (nats.js drops it): asked again
           // on each reconnect (a NATS reload with a config rendered since, say).
           if (aliveRefused && served) relisten();
@@ -247,7 +261,7 @@ export class NatsAgentBus implements AgentBus {
           return;
         }
         const ac = new AbortController();
-        const session = { ac, heard: performance.now() };
+        const session = { ac, heard: performance.now(), nextSeq: 1n, closed: false };
         running.set(reply, session);
         const keepaliveMs = execKeepaliveMs(req.keepalive);
         let lease: ReturnType<typeof setTimeout> | undefined;
@@ -263,7 +277,14 @@ export class NatsAgentBus implements AgentBus {
           ac.abort();
         };
         if (keepaliveMs > 0) lease = setTimeout(checkLease, EXEC_KEEPALIVE_MISSES * keepaliveMs);
-        void handler(req, (out) => this.reply(reply, toBinary(HostExecOutputSchema, out), () => toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: out.seq, payload: { case: 'error', value: { kind: 'internal', message: 'an exec output piece did not fit a NATS message' } } }))), ac.signal)
+        const emit = (out: HostExecOutput): void => {
+          // Ended at a reconnect (sentWhileDown): its caller has had its error.
+          if (session.closed) return;
+          session.nextSeq = out.seq + 1n;
+          if (linkDown) sentWhileDown.set(reply, session);
+          this.reply(reply, toBinary(HostExecOutputSchema, out), () => toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: out.seq, payload: { case: 'error', value: { kind: 'internal', message: 'an exec output piece did not fit a NATS message' } } })));
+        };
+        void handler(req, emit, ac.signal)
           .catch((e: unknown) => this.log.warn({ err: e }, 'exec relay failed'))
           .finally(() => {
             clearTimeout(lease);

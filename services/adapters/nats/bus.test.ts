@@ -1,7 +1,13 @@
 import { describe, expect, it } from 'vitest';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
-import { HeartbeatSchema, VmState } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
-import { decodeHeartbeat } from './bus.ts';
+import type { MessageInitShape } from '@bufbuild/protobuf';
+import type { NatsConnection, Status } from 'nats';
+import { HeartbeatSchema, HostExecCancelSchema, HostExecOutputSchema, HostExecRequestSchema, VmState } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import type { HostExecOutput } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { AsyncQueue } from '../grpc/queue.ts';
+import { ForkfleetError } from '../../../proto/errors.ts';
+import { decodeHeartbeat, NatsWorkBus } from './bus.ts';
+import { subjects } from './subjects.ts';
 
 describe('decodeHeartbeat', () => {
   const hb = create(HeartbeatSchema, {
@@ -41,5 +47,115 @@ describe('decodeHeartbeat', () => {
 
   it('decodeHeartbeat_whenMalformed_throws', () => {
     expect(() => decodeHeartbeat(new Uint8Array([0x42, 0xff, 0xff]))).toThrow();
+  });
+});
+
+/**
+ * A NatsConnection of our own making, enough for NatsWorkBus.exec: what is published is
+ * recorded, `deliver` calls the subscription of a subject, `status` pushes a status event.
+ * (These tests are about what the bus does at a reconnect, which a real server cannot be
+ * made to lose messages in on cue; bus.int.test.ts runs the exec relay against one.)
+ */
+function fakeNc() {
+  const subs = new Map<string, (err: Error | null, m: { data: Uint8Array; subject: string }) => void>();
+  const published: Array<{ subject: string; data: Uint8Array; reply?: string }> = [];
+  const statuses = new AsyncQueue<Status>();
+  const nc = {
+    subscribe: (subject: string, opts: { callback: (err: Error | null, m: { data: Uint8Array; subject: string }) => void }) => {
+      subs.set(subject, opts.callback);
+      return { unsubscribe: () => void subs.delete(subject) };
+    },
+    publish: (subject: string, data: Uint8Array, opts?: { reply?: string }) => void published.push({ subject, data, ...(opts?.reply ? { reply: opts.reply } : {}) }),
+    status: () => statuses,
+    jetstream: () => ({}),
+    closed: () => new Promise(() => undefined),
+    isClosed: () => false,
+    options: {},
+  };
+  return {
+    nc: nc as unknown as NatsConnection,
+    published,
+    deliver: (subject: string, out: MessageInitShape<typeof HostExecOutputSchema>) => subs.get(subject)?.(null, { subject, data: toBinary(HostExecOutputSchema, create(HostExecOutputSchema, out)) }),
+    status: (type: 'disconnect' | 'reconnect') => statuses.push({ type, data: '' } as Status),
+  };
+}
+
+/** A bus over `nc` without JetStream set up (create() would ask a server for the streams). */
+function busOver(nc: NatsConnection): NatsWorkBus {
+  return new (NatsWorkBus as unknown as new (nc: NatsConnection, jsm: unknown, streamReplicas: number, log: undefined) => NatsWorkBus)(nc, {}, 1, undefined);
+}
+
+/** The next read of `it`, or 'still waiting' after `ms`. */
+async function nextWithin<T>(it: AsyncIterator<T>, ms: number): Promise<IteratorResult<T> | 'still waiting'> {
+  let t: ReturnType<typeof setTimeout> | undefined;
+  try {
+    return await Promise.race([it.next(), new Promise<'still waiting'>((r) => (t = setTimeout(() => r('still waiting'), ms)))]);
+  } finally {
+    clearTimeout(t);
+  }
+}
+
+describe('NatsWorkBus.exec across a reconnect', () => {
+  const req = create(HostExecRequestSchema, { sandboxId: 'sb-1', argv: ['sleep', '5'] });
+  const cancels = (f: ReturnType<typeof fakeNc>): string[] => f.published.filter((p) => p.subject === subjects.execCancel('h1')).map((p) => fromBinary(HostExecCancelSchema, p.data).replySubject);
+
+  it('exec_whenTheConnectionDropsAndComesBackBeforeTheExit_failsUnavailableAtTheReconnect_andStopsTheCommand', async () => {
+    const f = fakeNc();
+    const bus = busOver(f.nc);
+    try {
+      const it = bus.exec('h1', req, { timeoutMs: 60_000 })[Symbol.asyncIterator]();
+      const inbox = f.published.find((p) => p.subject === subjects.exec('h1'))!.reply!;
+      f.deliver(inbox, { seq: 1n, payload: { case: 'stdout', value: new TextEncoder().encode('hi') } });
+      expect(((await it.next()).value as HostExecOutput).payload.case).toBe('stdout');
+      // The exit, had the host sent it now, would be lost; nothing more ever arrives.
+      f.status('disconnect');
+      f.status('reconnect');
+      // Before, the call waited out its whole timeout (here a minute; up to an hour and 10 s).
+      const r = nextWithin(it, 1000);
+      await expect(r).rejects.toBeInstanceOf(ForkfleetError);
+      await expect(r).rejects.toMatchObject({ kind: 'unavailable', retryable: false, message: expect.stringMatching(/connection dropped/) });
+      expect(cancels(f)).toEqual([inbox]);
+      // And the host is no longer told that anyone waits for it.
+      expect((bus as unknown as { execsWaiting: Map<string, unknown> }).execsWaiting.size).toBe(0);
+    } finally {
+      bus.close();
+    }
+  });
+
+  it('exec_sentWhileTheConnectionIsDown_failsAtTheReconnect_forItsRequestMayBeLost', async () => {
+    const f = fakeNc();
+    const bus = busOver(f.nc);
+    try {
+      f.status('disconnect');
+      await new Promise((r) => setImmediate(r)); // the bus reads its status events
+      const it = bus.exec('h1', req, { timeoutMs: 60_000 })[Symbol.asyncIterator]();
+      f.status('reconnect');
+      await expect(nextWithin(it, 1000)).rejects.toMatchObject({ kind: 'unavailable' });
+    } finally {
+      bus.close();
+    }
+  });
+
+  it('exec_startedAfterAReconnect_orEndedBeforeTheDisconnect_isLeftAlone', async () => {
+    const f = fakeNc();
+    const bus = busOver(f.nc);
+    try {
+      const done = bus.exec('h1', req, { timeoutMs: 60_000 })[Symbol.asyncIterator]();
+      const doneInbox = f.published.find((p) => p.subject === subjects.exec('h1'))!.reply!;
+      f.deliver(doneInbox, { seq: 1n, payload: { case: 'exit', value: { exitCode: 0 } } });
+      f.status('disconnect');
+      f.status('reconnect');
+      await new Promise((r) => setImmediate(r));
+      const later = bus.exec('h1', req, { timeoutMs: 60_000 })[Symbol.asyncIterator]();
+      const laterInbox = f.published.filter((p) => p.subject === subjects.exec('h1'))[1]!.reply!;
+      expect(((await done.next()).value as HostExecOutput).payload.case).toBe('exit');
+      const next = later.next();
+      expect(await Promise.race([next, new Promise((r) => setTimeout(() => r('still waiting'), 200))])).toBe('still waiting');
+      f.deliver(laterInbox, { seq: 1n, payload: { case: 'exit', value: { exitCode: 0 } } });
+      expect(((await next).value as HostExecOutput).payload.case).toBe('exit');
+      expect(cancels(f)).toEqual([]);
+    } finally {
+      bus.close();
+    }
   });
 });
