@@ -899,8 +899,9 @@ describe('QemuVmmDriver (real QEMU)', () => {
     await expect(stat(dir)).rejects.toMatchObject({ code: 'ENOENT' });
   });
 
-  it('snapshot_ofATemplateWhoseReplacementDiesAfterTheSourceStopped_recordsTheVmCrashed_andReportsIt', async () => {
+  it('snapshot_ofATemplateWhoseReplacementDiesAfterTheSourceStopped_recordsTheVmCrashed_reportsIt_andKeepsTheSavedGuestForARetry', async () => {
     await driver.create({ vmId: 'tc1', image, memoryMib: MEM, vcpus: 1, hostname: 'tc1' });
+    await sh('tc1', 'echo saved-before-the-failure > /dev/shm/tc1');
     const events: VmEvent[] = [];
     const off = driver.onEvent((e) => events.push(e));
     // The replacement QEMU quits once armed: the source is stopped and killed, then the state
@@ -916,8 +917,15 @@ describe('QemuVmmDriver (real QEMU)', () => {
     }
     expect(driver.get('tc1')?.state).toBe('crashed');
     expect(events).toContainEqual(expect.objectContaining({ type: 'crashed', vmId: 'tc1' }));
+    // The source was saved whole before it was killed: those files are the guest now. The
+    // step's retry returns them as the snapshot, and a VM restored from it has the guest's RAM.
+    const kept = await driver.snapshot('tc1', 'snap-tc1');
     await driver.destroy('tc1');
     expect(driver.get('tc1')).toBeUndefined();
+    await driver.fork(kept, [{ vmId: 'tc1-back' }]);
+    expect(await sh('tc1-back', 'cat /dev/shm/tc1')).toBe('saved-before-the-failure');
+    await driver.destroy('tc1-back');
+    await driver.deleteSnapshot(kept);
   });
 
   it('recover_whenReapingVmLeftByPreviousDriver_killsQemuAndRemovesSocketsAndFiles', async () => {
