@@ -13,6 +13,8 @@ export class VmCrashedError extends ForkfleetError {
   }
 }
 
+// VmNotFoundError, InvalidVmStateError and VmStillSnapshottingError texts are matched by the
+// scheduler (services/domain/fleet.ts vmNotRunning; services/domain/vm-refusals.test.ts).
 export class VmNotFoundError extends ForkfleetError {
   constructor(vmId: string) {
     super('not_found', `vm ${vmId} not found`);

@@ -1511,6 +1511,7 @@ export class Agent {
    */
   private callVm(sandboxId: string): VmInfo {
     const vm = this.deps.driver.get(sandboxId);
+    // The scheduler matches this text (services/domain/fleet.ts vmNotRunning): a call refused so is sent again once woken.
     if (!vm || vm.state === 'destroyed') throw new ForkfleetError('failed_precondition', `sandbox ${sandboxId} has no VM on host ${this.deps.config.hostId} any more (it is being recorded lost)`, { field: 'sandbox_id' });
     return vm;
   }

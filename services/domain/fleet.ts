@@ -231,6 +231,28 @@ function throwIfEnded(signal: AbortSignal | undefined, message: string): void {
   if (signal?.aborted) throw new ForkfleetError('cancelled', message);
 }
 
+/** What an exec or file call on sandbox `id`, recorded in `state`, is refused with (runningSandbox). */
+function notRunning(id: string, state: SandboxState, field: string): WrongStateError {
+  return new WrongStateError('sandbox', id, state, state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', field);
+}
+
+/**
+ * A host agent's refusals of an exec or file call before any of it ran, because the sandbox's
+ * VM was not running when the call got there (host-agent: Agent.callVm; the driver's running(),
+ * agentOf() and mustGet(): InvalidVmStateError, VmStillSnapshottingError, VmNotFoundError).
+ * Matched by kind and whole text: any other error may come from a call that ran, in part.
+ */
+const VM_NOT_RUNNING: ReadonlyArray<readonly [string, RegExp]> = [
+  ['failed_precondition', /^sandbox \S+ has no VM on host \S+ any more \(it is being recorded lost\)$/],
+  ['failed_precondition', /^vm \S+ is \w+; cannot (exec|read a file|write a file|talk to the guest agent)$/],
+  ['unavailable', /^vm \S+ is still being snapshotted after \d+ ms; cannot (exec|read a file|write a file) yet$/],
+  ['not_found', /^vm \S+ not found$/],
+];
+
+export function vmNotRunning(e: { kind: string; message: string }): boolean {
+  return VM_NOT_RUNNING.some(([kind, text]) => e.kind === kind && text.test(e.message));
+}
+
 /**
  * Renames WriteFile's temporary file ($1) over the path ($2) in the guest: a directory at the
  * path is refused (mv would move the file into it), a symbolic link is written through (its
@@ -859,7 +881,7 @@ export class Fleet {
   async checkWritable(tenantId: string, id: string, field: string): Promise<void> {
     const sb = await this.getSandbox(tenantId, id);
     if (sb.state === 'hibernated') await this.admitWake(tenantId, sb);
-    else if (sb.state !== 'running' && sb.state !== 'waking' && !(sb.state === 'hibernating' && sb.opId)) throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', field);
+    else if (sb.state !== 'running' && sb.state !== 'waking' && !(sb.state === 'hibernating' && sb.opId)) throw notRunning(id, sb.state, field);
   }
 
   /**
@@ -891,8 +913,47 @@ export class Fleet {
       }
       sb = await this.getSandbox(tenantId, id);
     }
-    if (sb.state !== 'running' || !sb.hostId) throw new WrongStateError('sandbox', id, sb.state, sb.state === 'paused' ? 'it must be running (ResumeSandbox resumes it)' : 'it must be running', field);
+    if (sb.state !== 'running' || !sb.hostId) throw notRunning(id, sb.state, field);
     return sb;
+  }
+
+  /**
+   * After sandbox `before`'s host refused a call of it before any of it ran, its VM not running
+   * (vmNotRunning). A hibernate (the idle rule's, a drain's) can take the sandbox between
+   * runningSandbox's read and the call's arrival, its pause reaching the host first (the idle
+   * check cannot count a call not there yet). The same call made a moment later waits for the
+   * hibernate and wakes the sandbox: so does this one, once (`resend`), through runningSandbox,
+   * which returns the sandbox running for the call to be sent again. The sandbox recorded
+   * hibernating, hibernated, waking, or running since (a hibernate that failed, or a wake
+   * elsewhere) is resent; still recorded as it was read, its record has not caught up with its
+   * VM (a pause or loss being recorded): UNAVAILABLE, retryable, nothing of the call having run.
+   * Recorded paused (by its owner, or by a hibernate that could not resume it), or stopped
+   * otherwise, it is runningSandbox's refusal (FAILED_PRECONDITION), not the host's.
+   */
+  private async afterRefusal(tenantId: string, before: SandboxRec, refusal: { message: string }, signal: AbortSignal | undefined, field: string, resend: boolean): Promise<SandboxRec> {
+    const sb = await this.getSandbox(tenantId, before.id);
+    const taken = sb.state === 'hibernating' || sb.state === 'hibernated' || sb.state === 'waking' || (sb.state === 'running' && sb.updatedAt !== before.updatedAt);
+    if (taken && resend) return this.runningSandbox(tenantId, before.id, signal, field);
+    if (taken || sb.state === 'running') throw new ForkfleetError('unavailable', `sandbox ${before.id} was not running when the call reached its host (${refusal.message}); none of it ran: retry`, { retryable: true });
+    throw notRunning(before.id, sb.state, field);
+  }
+
+  /**
+   * `call` on the sandbox running (runningSandbox), made once more on it (afterRefusal) when
+   * its host refused its first host request because the VM was not running: `call` is told
+   * each answer (`answered`), and a refusal after one is not repeated (a part of it ran).
+   */
+  private async onRunning<T>(tenantId: string, id: string, signal: AbortSignal | undefined, field: string, call: (sb: SandboxRec, answered: () => void) => Promise<T>): Promise<T> {
+    let sb = await this.runningSandbox(tenantId, id, signal, field);
+    for (let resend = true; ; resend = false) {
+      let answered = false;
+      try {
+        return await call(sb, () => (answered = true));
+      } catch (e) {
+        if (answered || !(e instanceof ForkfleetError) || !vmNotRunning(e)) throw e;
+        sb = await this.afterRefusal(tenantId, sb, e, signal, field, resend);
+      }
+    }
   }
 
   /**
@@ -936,10 +997,24 @@ export class Fleet {
       const [field] = parts.reduce((a, b) => (b[1] > a[1] ? b : a));
       throw new InvalidArgumentError(field, `the exec request (stdin ${parts[0]![1]}, argv ${parts[1]![1]}, env ${parts[2]![1]} bytes) is ${size} bytes; at most ${max} fit this fleet's relay (NATS max_payload): pass large inputs with WriteFile`);
     }
-    const sb = await this.runningSandbox(input.tenantId, input.sandboxId, signal);
-    // Gone while the sandbox was woken: the command is not sent at all.
-    if (signal?.aborted) throw new ForkfleetError('cancelled', 'exec cancelled before it was sent');
-    yield* this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, owner: input.tenantId, ...(signal ? { signal } : {}) });
+    let sb = await this.runningSandbox(input.tenantId, input.sandboxId, signal);
+    for (let resend = true; ; resend = false) {
+      // Gone while the sandbox was woken: the command is not sent at all.
+      if (signal?.aborted) throw new ForkfleetError('cancelled', 'exec cancelled before it was sent');
+      let first = true;
+      let refused: { message: string } | undefined;
+      for await (const m of this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, owner: input.tenantId, ...(signal ? { signal } : {}) })) {
+        // Refused before the command started, its VM not running (the host's last message): sent again once woken (afterRefusal).
+        if (first && m.payload.case === 'error' && vmNotRunning(m.payload.value)) {
+          refused = m.payload.value;
+          break;
+        }
+        first = false;
+        yield m;
+      }
+      if (!refused) return;
+      sb = await this.afterRefusal(input.tenantId, sb, refused, signal, 'sandbox_id', resend);
+    }
   }
 
   /** Bytes of file data per relayed request or answer: what fits a NATS message (at most 512 KiB). */
@@ -947,13 +1022,14 @@ export class Fleet {
     return Math.max(4096, Math.min(FILE_PIECE_MAX, this.deps.bus.maxPayload - RELAY_HEADROOM));
   }
 
-  /** One relayed file request; the host's error, if any, is thrown. */
-  private async fileCall(hostId: string, req: Parameters<WorkBus['file']>[1]): Promise<Awaited<ReturnType<WorkBus['file']>>> {
+  /** One relayed file request; the host's error, if any, is thrown. `answered`: told of its success (onRunning). */
+  private async fileCall(hostId: string, req: Parameters<WorkBus['file']>[1], answered?: () => void): Promise<Awaited<ReturnType<WorkBus['file']>>> {
     const res = await this.deps.bus.file(hostId, req, { timeoutMs: 30_000 });
     // The guest's refusal of the path (or the mode) names it as the API does: WriteFile's are in its header.
     const field = (res.error?.field === 'path' || res.error?.field === 'mode' || res.error?.field === 'sandbox_id') && req.op.case === 'write' ? `header.${res.error.field}` : res.error?.field;
     // The host's word on whether trying again can help (a full guest disk cannot) is kept.
     if (res.error) throw new RelayedHostError(res.error.kind, res.error.message, { ...(field ? { field } : {}), retryable: res.error.retryable });
+    answered?.();
     return res;
   }
 
@@ -980,17 +1056,22 @@ export class Fleet {
    * waits for goes on, but nothing is written once it aborts (and a part written is removed).
    */
   async writeFile(tenantId: string, sandboxId: string, path: string, mode: number, data: Uint8Array, signal?: AbortSignal): Promise<number> {
-    const sb = await this.runningSandbox(tenantId, sandboxId, signal, 'header.sandbox_id');
+    return this.onRunning(tenantId, sandboxId, signal, 'header.sandbox_id', (sb, answered) => this.writeTo(sb, path, mode, data, answered, signal));
+  }
+
+  /** writeFile's, on sandbox `sb` running; `answered`: told of each host request answered (onRunning). */
+  private async writeTo(sb: SandboxRec, path: string, mode: number, data: Uint8Array, answered: () => void, signal?: AbortSignal): Promise<number> {
+    const sandboxId = sb.id;
     const gone = (): void => throwIfEnded(signal, `the call ended before ${path} was written`);
     gone();
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
       // An older agent truncates on every write and ignores append; `mode` is sent all the same.
       if (data.length > piece) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'data' });
-      return Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data, mode } } }))).bytesWritten);
+      return Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'write', value: { data, mode } } }), answered)).bytesWritten);
     }
     const write = async (to: string, part: Uint8Array, append: boolean, pieceMode: number): Promise<number> =>
-      Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path: to, op: { case: 'write', value: { data: part, mode: pieceMode, append } } }))).bytesWritten);
+      Number((await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path: to, op: { case: 'write', value: { data: part, mode: pieceMode, append } } }), answered)).bytesWritten);
     // One piece is written in place (the guest agent's open and write; the file keeps its
     // owner, and its mode unless one is given; a write that fails part-way leaves it partial).
     // Staged like larger ones, it sat in a temporary file that the guest agent makes 0666 until
@@ -1004,13 +1085,13 @@ export class Fleet {
     try {
       // Made 0600 (and new: set -C) before any byte goes in: it may be a secret, uploaded over
       // seconds, and the guest agent would make it 0666. PUT_IN_PLACE sets its mode at the end.
-      await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', 'umask 077 && set -C && : > "$1"', 'ff-stage', tmp], 'header.path');
+      await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', 'umask 077 && set -C && : > "$1"', 'ff-stage', tmp], 'header.path', answered);
       for (let off = 0; off < data.length; off += piece) {
         gone();
         written += await write(tmp, data.subarray(off, off + piece), off > 0, 0);
       }
       gone();
-      await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', PUT_IN_PLACE, 'ff-put', tmp, path, mode.toString(8)], 'header.path');
+      await this.guestCommand(sb.hostId, sandboxId, ['/bin/sh', '-c', PUT_IN_PLACE, 'ff-put', tmp, path, mode.toString(8)], 'header.path', answered);
     } catch (e) {
       await this.guestCommand(sb.hostId, sandboxId, ['/bin/rm', '-f', tmp], 'header.path').catch(() => undefined);
       // A failure in the temporary file is reported against the path the caller named.
@@ -1020,8 +1101,8 @@ export class Fleet {
     return written;
   }
 
-  /** Runs a short command in the guest through the exec relay; a non-zero exit is a failed_precondition naming `field`. */
-  private async guestCommand(hostId: string, sandboxId: string, argv: string[], field: string): Promise<void> {
+  /** Runs a short command in the guest through the exec relay; a non-zero exit is a failed_precondition naming `field`. `answered`: told of its success (onRunning). */
+  private async guestCommand(hostId: string, sandboxId: string, argv: string[], field: string, answered?: () => void): Promise<void> {
     const req = create(HostExecRequestSchema, { sandboxId, argv, env: {}, cwd: '', stdin: new Uint8Array(), timeout: { seconds: 30n, nanos: 0 } });
     let stderr = '';
     for await (const m of this.deps.bus.exec(hostId, req, { timeoutMs: 40_000 })) {
@@ -1029,6 +1110,7 @@ export class Fleet {
       else if (m.payload.case === 'error') throw new RelayedHostError(m.payload.value.kind, m.payload.value.message, { retryable: m.payload.value.retryable });
       else if (m.payload.case === 'exit') {
         if (m.payload.value.exitCode !== 0 || m.payload.value.timedOut) throw new ForkfleetError('failed_precondition', `${argv[0]} in the guest failed (exit ${m.payload.value.exitCode}${m.payload.value.timedOut ? ', timed out' : ''}): ${stderr.trim()}`, { field });
+        answered?.();
         return;
       }
     }
@@ -1043,13 +1125,18 @@ export class Fleet {
    */
   /** `signal`: the call's; once it aborts no further piece is read. */
   async readFile(tenantId: string, sandboxId: string, path: string, maxBytes: number, whole = false, hold: (bytes: number) => void = () => undefined, signal?: AbortSignal): Promise<Uint8Array> {
-    const sb = await this.runningSandbox(tenantId, sandboxId, signal);
+    return this.onRunning(tenantId, sandboxId, signal, 'sandbox_id', (sb, answered) => this.readFrom(sb, path, maxBytes, whole, hold, answered, signal));
+  }
+
+  /** readFile's, on sandbox `sb` running; `answered`: told of each host request answered (onRunning). */
+  private async readFrom(sb: SandboxRec, path: string, maxBytes: number, whole: boolean, hold: (bytes: number) => void, answered: () => void, signal?: AbortSignal): Promise<Uint8Array> {
+    const sandboxId = sb.id;
     const gone = (): void => throwIfEnded(signal, `the call ended while ${path} was read`);
     const piece = this.filePiece();
     if (!this.ranged(sb.hostId)) {
       // An older agent ignores the offset: one request, capped so that its answer fits.
       const want = Math.min(piece, maxBytes);
-      const data = (await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want) } } }))).data;
+      const data = (await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want) } } }), answered)).data;
       if (data.length === want && want < maxBytes) throw new ForkfleetError('failed_precondition', `host ${sb.hostId} runs an agent without ranged file transfer: files over ${piece} bytes need it upgraded`, { field: 'max_bytes' });
       hold(data.length);
       return data;
@@ -1060,7 +1147,7 @@ export class Fleet {
     while (got < maxBytes) {
       gone();
       const want = Math.min(piece, maxBytes - got);
-      const res = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want), offset: BigInt(got) } } }));
+      const res = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: BigInt(want), offset: BigInt(got) } } }), answered);
       hold(res.data.length);
       parts.push(res.data);
       got += res.data.length;
@@ -1071,7 +1158,7 @@ export class Fleet {
     }
     if (whole && !ended) {
       // The limit reached with no end of file seen: one byte more says whether there is more.
-      const more = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: 1n, offset: BigInt(got) } } }));
+      const more = await this.fileCall(sb.hostId, create(HostFileRequestSchema, { sandboxId, path, op: { case: 'read', value: { maxBytes: 1n, offset: BigInt(got) } } }), answered);
       if (more.data.length > 0) throw new ForkfleetError('failed_precondition', `${path} is larger than the ${maxBytes} bytes a ReadFile returns; read a part of it with max_bytes, or split it in the sandbox first`, { field: 'max_bytes' });
     }
     return parts.length === 1 ? parts[0]! : Buffer.concat(parts);

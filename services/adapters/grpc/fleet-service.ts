@@ -295,7 +295,8 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
           case 'error':
             // The host had the request: the command may have started (a guest channel that
             // broke mid-run), and an Exec is not deduplicated, so a retry could run it twice.
-            // Not retryable whatever the host's error says; the caller decides.
+            // Not retryable whatever the host's error says; the caller decides. (Its refusal
+            // before the command started, the VM not running, does not get here: Fleet.exec.)
             throw new RelayedHostError(out.payload.value.kind, out.payload.value.message, { retryable: false, ...(out.payload.value.field ? { field: out.payload.value.field } : {}) });
         }
       }
