@@ -33,7 +33,7 @@ import { fleetGauges } from './fleet-gauges.ts';
 import type { FleetGauges } from './fleet-gauges.ts';
 import { commitPurge, EXPIRING_SNAPSHOT_STATES, expiredRecords, finishedOpOf } from './history.ts';
 import type { FinishedOp } from './history.ts';
-import { ForkfleetError, InvalidArgumentError, isForkfleetError } from '../../proto/errors.ts';
+import { ForkfleetError, InvalidArgumentError, isErrorKind, isForkfleetError } from '../../proto/errors.ts';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
@@ -2523,12 +2523,14 @@ export class Executor {
    * Fails `op` and, in the same transaction, moves its sandbox from the transitional state
    * `from` the op put it in to `to(record)`, if it is still there and the op's own: a failed
    * create, hibernate or wake never leaves a sandbox that no call can move on (a hibernating
-   * one refuses hibernate, resume and destroy; a pending one counts against quota). Returns
+   * one refuses hibernate, resume and destroy; a pending one counts against quota). `also`
+   * (the record as read, and the one to write, which it may finish) adds writes to the same
+   * transaction. Returns
    * false for the callers' `placed.then(...)`. Rethrows when this replica no longer leads
    * (the next leader re-runs the op instead) and when the store failed (StoreUnavailableError:
    * run() runs the op again).
    */
-  private async failAndSettle(op: OperationRec, e: unknown, from: SandboxState, to: (sb: SandboxRec) => SandboxState, also?: (sb: SandboxRec) => Promise<StoreWrite[]>, reason?: string): Promise<false> {
+  private async failAndSettle(op: OperationRec, e: unknown, from: SandboxState, to: (sb: SandboxRec) => SandboxState, also?: (sb: SandboxRec, next: SandboxRec) => Promise<StoreWrite[]>, reason?: string): Promise<false> {
     // Stepped down, or the store's outcome is unknown: the op runs again (run()), not failed.
     if (!this.active || e instanceof StoreUnavailableError) throw e;
     this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
@@ -2543,7 +2545,8 @@ export class Executor {
       next.updatedAt = now;
       delete next.hibernatingFrom;
       delete next.hibernatingTo;
-      return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(also ? await also(v.value) : [])];
+      const more = also ? await also(v.value, next) : [];
+      return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...more];
     });
     return false;
   }
@@ -2551,12 +2554,16 @@ export class Executor {
   /**
    * A failed wake's settle: back to hibernated, releasing the booking its op recorded, if
    * any (a placement commit that failed with an unknown outcome may have landed; a re-run
-   * finds bookedHost set). Read from the op now, not from the copy the run started with.
+   * finds bookedHost set), and on the host it was placed off (hostBefore): the warm
+   * location of its snapshot, which the host it was placed on may not hold (RemoveHost of
+   * the one that does would otherwise not see it). Read from the op now, not from the copy
+   * the run started with.
    */
   private async settleWake(op: OperationRec, e: unknown): Promise<false> {
     let booked: { hostId: string; sb: SandboxRec } | undefined;
-    const r = await this.failAndSettle(op, e, 'waking', () => 'hibernated', async (sb) => {
-      const hostId = ((await this.deps.store.getOp(op.tenantId, op.id))?.value.input as { bookedHost?: string } | undefined)?.bookedHost;
+    const r = await this.failAndSettle(op, e, 'waking', () => 'hibernated', async (sb, next) => {
+      const { bookedHost: hostId, hostBefore } = ((await this.deps.store.getOp(op.tenantId, op.id))?.value.input ?? {}) as { bookedHost?: string; hostBefore?: string };
+      if (hostBefore !== undefined) next.hostId = hostBefore;
       booked = hostId ? { hostId, sb } : undefined;
       return hostId ? this.capacity(hostId, bookingOf(sb), -1)() : [];
     });
@@ -2849,7 +2856,8 @@ export class Executor {
    * Re-runnable at every point: the snapshot and the VM stop are idempotent steps.
    */
   private async runHibernate(op: OperationRec, tries = 0): Promise<void> {
-    const input = op.input as { snapshotId: string; replicas?: number };
+    /** failedBeforeResume: the failure an earlier run of it recorded before it resumed the VM (below). */
+    const input = op.input as { snapshotId: string; replicas?: number; failedBeforeResume?: OperationError };
     // Likewise a second hibernate of a sandbox another one owns: it then finds it hibernated.
     const after = await this.afterOtherOp(op, 'hibernating');
     let sb = after.v?.value;
@@ -2908,6 +2916,12 @@ export class Executor {
     const paused = sb.hibernatingFrom !== 'paused';
     let sn: SnapshotRec;
     try {
+      // An earlier run failed and began resuming the VM: this one ends as that one would have
+      // (the resume sent again, which the host's journal answers if it was done). Going on from
+      // the pause, which the journal answers without pausing again, would snapshot a guest
+      // that runs, and hibernate it in that snapshot.
+      const f = input.failedBeforeResume;
+      if (f) throw new ForkfleetError(isErrorKind(f.kind) ? f.kind : 'internal', f.message, { retryable: f.retryable });
       // The idle rule's hibernate pauses only a VM that is still idle: a call may have begun
       // since the heartbeat the rule went by.
       if (paused) await this.step(op, 'pause', sb.hostId, pauseVm(sb.id, op.input.reason === 'idle' ? (sb.idleTimeoutMs ?? 0) : 0));
@@ -2918,19 +2932,39 @@ export class Executor {
       // Back to what it was: its VM and booking are still there (a VM the stop step did end
       // after all is found missing by the VM check, which records it lost), running again if
       // it was paused here. Not when the op runs again (a lost lead, a store outage): its next
-      // run goes on from the pause, which its journal answers without pausing again.
+      // run goes on from the pause, which its journal answers without pausing again. Once
+      // the resume may have been sent, the op records so first: a run again then resumes and
+      // settles too (above).
       // The idle rule's pause refused (the VM was busy since the rule judged it): nothing was
       // paused, and nothing failed. Not recorded as a failed hibernate, which would keep the
       // rule off the sandbox for IDLE_RETRY_AFTER_FAILURE_MS: it hibernates once idle again.
       const notIdle = e instanceof HostStepError && e.kind === 'failed_precondition' && / is not idle: /.test(e.message);
       let resumed = !paused || notIdle;
       if (paused && !notIdle && this.active && !(e instanceof StoreUnavailableError) && !(e instanceof NotLeaderError)) {
+        if (!input.failedBeforeResume) await this.updateOp(op.tenantId, op.id, (o) => void ((o.input as typeof input).failedBeforeResume = errorOf(e)));
         resumed = await this.step(op, 'resume-after-failure', sb.hostId, resumeVm(sb.id)).then(
           () => true,
           (r: unknown) => (this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed; it stays paused'), false),
         );
       }
-      await this.failAndSettle(op, e, 'hibernating', (cur) => (resumed ? (cur.hibernatingFrom ?? 'running') : 'paused'), undefined, notIdle ? 'not hibernated: busy again when the idle hibernation began' : undefined);
+      let leftPaused = false;
+      await this.failAndSettle(
+        op,
+        e,
+        'hibernating',
+        (cur) => {
+          leftPaused = !resumed;
+          return resumed ? (cur.hibernatingFrom ?? 'running') : 'paused';
+        },
+        undefined,
+        notIdle ? 'not hibernated: busy again when the idle hibernation began' : undefined,
+      );
+      // Running when its hibernate began, paused now though nobody asked for a pause (calls
+      // refused, its TTL and idle time stopped, its capacity held for good): resumed by an
+      // operation of its own, as vmBack resumes one that came back paused from a hibernate.
+      if (leftPaused) {
+        await this.submitOwn(sb.tenantId, `__resume-after-hibernate/${op.id}`, 'resume', sb.id, {}).catch((r: unknown) => this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed and whose resume failed too; it stays paused'));
+      }
       return;
     }
     try {
@@ -3014,10 +3048,10 @@ export class Executor {
     // Taken over from a wake that ended without settling the sandbox: the host it booked (and
     // its source) become this op's, recorded with the claim, so this wake restores there or
     // releases it; placing again would book a second host and leave the first booked for good.
-    let inherited: { bookedHost?: string; transferSource?: string } = {};
+    let inherited: { bookedHost?: string; transferSource?: string; hostBefore?: string } = {};
     if (sb.state === 'waking' && after.ended !== '') {
-      const ended = (await this.deps.store.getOp(op.tenantId, after.ended))?.value.input as { bookedHost?: string; transferSource?: string } | undefined;
-      if (ended?.bookedHost && !(op.input as { bookedHost?: string }).bookedHost) inherited = { bookedHost: ended.bookedHost, ...(ended.transferSource ? { transferSource: ended.transferSource } : {}) };
+      const ended = (await this.deps.store.getOp(op.tenantId, after.ended))?.value.input as { bookedHost?: string; transferSource?: string; hostBefore?: string } | undefined;
+      if (ended?.bookedHost && !(op.input as { bookedHost?: string }).bookedHost) inherited = { bookedHost: ended.bookedHost, ...(ended.transferSource ? { transferSource: ended.transferSource } : {}), ...(ended.hostBefore !== undefined ? { hostBefore: ended.hostBefore } : {}) };
     }
     // Not a lost one (only a wake left over from before its host was lost finds it so): its
     // hibernation snapshot is older than the VM it ran since, which may come back with its host.
@@ -3076,6 +3110,8 @@ export class Executor {
             writes: [{ kind: 'sandbox', value: next, expectRevision: rev }],
             opUpdate: (o) => {
               (o.input as { bookedHost?: string }).bookedHost = hostId;
+              // Where it hibernated: a failed wake puts it back there (settleWake).
+              (o.input as { hostBefore?: string }).hostBefore = before.hostId;
               if (source) (o.input as { transferSource?: string }).transferSource = source;
               o.progress = { done: 0, total: 1, message: `waking on ${hostId}`, bytesTransferred: 0 };
             },
@@ -3097,7 +3133,14 @@ export class Executor {
       await this.settleWake(op, e);
       return;
     }
-    if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld) await this.addHolder(sb.tenantId, snapshotId, hostId);
+    // Bookkeeping, as for a fork (restoreRound): the VM runs, and the host's heartbeats say it
+    // holds the snapshot. Failing the op here left the sandbox waking with its VM up, which the
+    // lifecycle pass then stopped and hibernated again. A store out or a lost lead still ends the run.
+    if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld)
+      await this.addHolder(sb.tenantId, snapshotId, hostId).catch((e: unknown) => {
+        if (this.endsTheRun(e)) throw e;
+        this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, 'could not record a host as a holder of the snapshot it fetched for a wake: its heartbeats will say so');
+      });
     await this.finishRunning(op, sb, this.hookReport(woke, sb.id), hostId);
   }
 
@@ -3130,12 +3173,13 @@ export class Executor {
   /**
    * A wake that ended without settling its sandbox (failed by an unexpected error) left it
    * `waking` and its chosen host booked: undone as that wake's own failure would have
-   * (settleWake): the booking released and the sandbox hibernated again in one write, and the
-   * host told to stop the VM the restore may have made, and not to start it.
+   * (settleWake): the booking released and the sandbox hibernated again, on the host it was
+   * placed off, in one write, and the host told to stop the VM the restore may have made,
+   * and not to start it.
    */
   private async settleEndedWake(sb: SandboxRec, ended: OperationRec | undefined): Promise<void> {
     const endedId = sb.opId;
-    const bookedHost = (ended?.input as { bookedHost?: string } | undefined)?.bookedHost;
+    const { bookedHost, hostBefore } = (ended?.input ?? {}) as { bookedHost?: string; hostBefore?: string };
     if (!ended) this.log.warn({ sandboxId: sb.id, opId: endedId }, 'the wake that holds this sandbox is gone: a host it may have booked cannot be known, and stays booked');
     try {
       await this.updateSandbox(
@@ -3144,6 +3188,7 @@ export class Executor {
         (s) => {
           if (s.state !== 'waking' || s.opId !== endedId) throw new MovedOnError(s.id, s.state, s.hostId);
           this.setState(s, 'hibernated', this.deps.clock.now(), `its wake ${endedId} ended without settling it`);
+          if (hostBefore !== undefined) s.hostId = hostBefore;
           s.opId = '';
         },
         (_next, before) => (bookedHost ? this.capacity(bookedHost, bookingOf(before), -1)() : []),
@@ -3155,13 +3200,16 @@ export class Executor {
     if (bookedHost) void this.sendHostWork(bookedHost, endedId, sb.tenantId, `stop-unanswered/${sb.id}`, stopVm(sb.id), 'could not stop the VM of a wake that ended unsettled');
   }
 
-  private async runDestroy(op: OperationRec): Promise<void> {
+  /**
+   * `until`: the end of its wait for a hibernate or wake that holds the sandbox (stepsDeadline,
+   * from its first read), kept when one took it between its read and its write (it waits again).
+   */
+  private async runDestroy(op: OperationRec, until = this.stepsDeadline()): Promise<void> {
     // Why, when this scheduler destroys it itself (a cancelled create or fork): kept as the state's reason.
     const reason = typeof op.input.reason === 'string' ? op.input.reason : '';
     let sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     // A hibernate or wake in flight owns the VM: let it finish (it is bounded by its steps'
     // timeouts), then destroy what it left.
-    const until = this.stepsDeadline();
     /** The hibernate that holds it ended without settling it (an error past its steps): destroyed as it is. */
     let endedHibernate = '';
     while (sbv && (sbv.value.state === 'hibernating' || sbv.value.state === 'waking') && this.active && this.deps.clock.now() < until) {
@@ -3186,7 +3234,9 @@ export class Executor {
     }
     if (!sbv) throw new NotFoundError('sandbox', op.targetId);
     const sb = sbv.value;
-    if ((sb.state === 'hibernating' && endedHibernate === '') || sb.state === 'waking') throw new WrongStateError('sandbox', sb.id, sb.state, 'still busy after the step timeout; retry the destroy');
+    // Retryable: the destroy was accepted in this state (Fleet.destroySandbox), and the other
+    // operation ends by its steps' timeouts.
+    if ((sb.state === 'hibernating' && endedHibernate === '') || sb.state === 'waking') throw new ForkfleetError('unavailable', `sandbox ${sb.id} is ${sb.state}: operation ${sb.opId || '(none)'} is still at work on it after the step timeout; retry the destroy`, { retryable: true });
     if (sb.state === 'destroyed') {
       // An earlier run of this op may have written `destroyed` (a failed or lost sandbox) and
       // stopped before it told the host (a store outage, a failover): told now (stopping a
@@ -3211,24 +3261,30 @@ export class Executor {
       // after a failover releases only what is held (a lost sandbox's booking went when it
       // was marked lost, a failed one's when it failed).
       let before: SandboxState = sb.state;
-      cur = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-        before = s.state;
-        // Taken over meanwhile by a hibernate that runs (or a wake): not this destroy's to end now.
-        if ((s.state === 'hibernating' || s.state === 'waking') && !(s.state === 'hibernating' && s.opId === endedHibernate && endedHibernate !== '')) throw new WrongStateError('sandbox', s.id, s.state, 'another operation took it meanwhile; retry the destroy');
-        if (s.state === 'hibernating') {
-          delete s.hibernatingFrom;
-          delete s.hibernatingTo;
+      try {
+        cur = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+          before = s.state;
+          // Taken over meanwhile by a hibernate that runs (or a wake): not this destroy's to end
+          // now. It waits for that one (to the same deadline), as for one it found at work.
+          if ((s.state === 'hibernating' || s.state === 'waking') && !(s.state === 'hibernating' && s.opId === endedHibernate && endedHibernate !== '')) throw new OwnedByOtherOpError(s.opId || 'none');
+          if (s.state === 'hibernating') {
+            delete s.hibernatingFrom;
+            delete s.hibernatingTo;
+            s.opId = '';
+          }
+          if (HOLDS_CAPACITY.has(s.state)) {
+            // Named, so that if this op ends without destroying it the lifecycle pass knows to
+            // start another (reconcileLifecycles).
+            s.opId = op.id;
+            return this.setState(s, 'destroying', this.deps.clock.now());
+          }
+          this.setState(s, 'destroyed', this.deps.clock.now(), reason);
           s.opId = '';
-        }
-        if (HOLDS_CAPACITY.has(s.state)) {
-          // Named, so that if this op ends without destroying it the lifecycle pass knows to
-          // start another (reconcileLifecycles).
-          s.opId = op.id;
-          return this.setState(s, 'destroying', this.deps.clock.now());
-        }
-        this.setState(s, 'destroyed', this.deps.clock.now(), reason);
-        s.opId = '';
-      });
+        });
+      } catch (e) {
+        if (!(e instanceof OwnedByOtherOpError)) throw e;
+        return this.runDestroy(op, until);
+      }
       if (!HOLDS_CAPACITY.has(before)) {
         // A failed start may still have made its VM (a step that timed out here and finished
         // there), and a lost one may be back: its host is told to stop it, without waiting

@@ -1,0 +1,206 @@
+// Hibernate, wake and destroy as they meet failures and each other (Executor.runHibernate,
+// runWake, settleEndedWake, runDestroy): the executor as a leader's over a stub store of our own
+// port that keeps one sandbox and one op, guarded by their revisions, and stub host steps.
+import { describe, expect, it } from 'vitest';
+import { create } from '@bufbuild/protobuf';
+import { HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import type { ExecutorDeps } from './executor.ts';
+import type { StoreWrite, Versioned } from './ports.ts';
+import type { OperationRec, SandboxRec, SnapshotRec } from './records.ts';
+import { ConflictError, HostStepError, StepTimeoutError, StoreUnavailableError } from './errors.ts';
+import { leaderExecutor } from '../testkit/executor.ts';
+import { sandboxRecord, snapshotRecord } from '../testkit/records.ts';
+
+interface Internals {
+  ops: Map<string, Versioned<OperationRec>>;
+  running: Map<string, Promise<void>>;
+  step: (op: OperationRec, stepId: string, hostId: string, work: unknown) => Promise<unknown>;
+  placeAndBook: (op: OperationRec, snapshot: unknown, request: unknown, records: (res: unknown) => { writes: StoreWrite[]; opUpdate?: (o: OperationRec) => void }) => Promise<unknown>;
+  fetchPlan: () => object | undefined;
+  addHolder: (tenantId: string, snapshotId: string, hostId: string) => Promise<void>;
+  markSnapshotFailed: (rec: SnapshotRec) => Promise<void>;
+  runWake(op: OperationRec): Promise<void>;
+  runHibernate(op: OperationRec): Promise<void>;
+  runDestroy(op: OperationRec): Promise<void>;
+  settleEndedWake(sb: SandboxRec, ended: OperationRec | undefined): Promise<void>;
+}
+
+const opRecord = (id: string, kind: OperationRec['kind'], input: Record<string, unknown> = {}): OperationRec => ({ id, tenantId: 't1', kind, state: 'running', createdAt: 0, updatedAt: 0, targetId: 'sb-a', input, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} });
+
+/**
+ * A leader over a store holding `sb` and `op` (each write replaces them; a write guarded by an
+ * older revision is refused) and snapshot `snap`. `o.failCommit` may throw to fail a commit;
+ * `o.getSandbox` replaces the sandbox read; `o.now` the clock.
+ */
+function leaderOver(sb: SandboxRec, op: OperationRec, snap?: SnapshotRec, o: { failCommit?: (w: StoreWrite[]) => void; getSandbox?: (w: World) => Versioned<SandboxRec>; now?: () => number } = {}) {
+  const w: World = { sb: structuredClone(sb), sbRev: 5, op: structuredClone(op), opRev: 5, rev: 5, allocs: [], submitted: [] };
+  const store = {
+    getSandbox: async () => (o.getSandbox ? o.getSandbox(w) : { value: structuredClone(w.sb), modRevision: w.sbRev }),
+    getOp: async () => ({ value: structuredClone(w.op), modRevision: w.opRev }),
+    getSnapshot: async () => snap && { value: snap, modRevision: 3 },
+    getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 4, memoryMib: 1024, diskMib: 4096 }, sandboxes: 2 }, modRevision: 4 }),
+    getIdempotent: async () => undefined,
+    commitAt: async (ws: StoreWrite[]) => {
+      o.failCommit?.(ws);
+      for (const x of ws) {
+        if (x.kind === 'sandbox' && x.expectRevision !== w.sbRev) return 0;
+        if (x.kind === 'op' && x.expectRevision !== w.opRev) return 0;
+      }
+      w.rev++;
+      for (const x of ws) {
+        if (x.kind === 'sandbox') [w.sb, w.sbRev] = [structuredClone(x.value), w.rev];
+        if (x.kind === 'op') [w.op, w.opRev] = [structuredClone(x.value), w.rev];
+        if (x.kind === 'alloc') w.allocs.push(x.value.hostId);
+      }
+      return w.rev;
+    },
+  };
+  const submit: NonNullable<ExecutorDeps['submit']> = async (tenantId, key, kind, targetId) => {
+    w.submitted.push(`${kind} ${targetId} ${key}`);
+    return { id: 'op-r', tenantId, kind, state: 'pending' } as never;
+  };
+  const ex = leaderExecutor(store, { submit, ...(o.now ? { clock: { now: o.now } } : {}) }) as unknown as Internals;
+  ex.ops.set(w.op.id, { value: structuredClone(w.op), modRevision: w.opRev });
+  return { w, ex };
+}
+
+interface World {
+  sb: SandboxRec;
+  sbRev: number;
+  op: OperationRec;
+  opRev: number;
+  rev: number;
+  /** Hosts whose booking a write changed, in order. */
+  allocs: string[];
+  submitted: string[];
+}
+
+describe('a wake placed off the host that holds its hibernation snapshot', () => {
+  /** A wake of sb-a, hibernated on A (the only holder of sn-h), that placement puts on B. */
+  const wakeOntoB = () => {
+    const snap = snapshotRecord({ id: 'sn-h', tenantId: 't1', hostIds: ['A'], takenOn: 'A' });
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'hibernated', hostId: 'A', hibernationSnapshotId: 'sn-h', runningSince: null }), opRecord('op-w', 'wake'), snap);
+    ex.placeAndBook = async (_op, _snapshot, _request, records) => {
+      const r = records({ placements: [{ hostId: 'B' }], transferPlan: { transfers: [{ sourceHostId: 'A', destinationHostId: 'B' }] } });
+      r.opUpdate?.(w.op);
+      w.opRev = ++w.rev;
+      for (const x of r.writes) if (x.kind === 'sandbox') [w.sb, w.sbRev] = [structuredClone(x.value), w.rev];
+      return { result: {}, revision: w.rev };
+    };
+    ex.fetchPlan = () => ({ fetch: 'from A' });
+    return { w, ex };
+  };
+
+  it('thatFails_leavesItHibernatedOnTheHostItWasPlacedOff_notOnOneThatLacksItsSnapshot', async () => {
+    const { w, ex } = wakeOntoB();
+    ex.step = async () => {
+      throw new HostStepError('B', 'wake/B', 'unavailable', 'fetch from A failed', true);
+    };
+    await ex.runWake(w.op);
+    expect(w.op.state).toBe('failed');
+    // Hibernated on A, which RemoveHost(A) sees as holding it; B's booking released.
+    expect(w.sb).toMatchObject({ state: 'hibernated', hostId: 'A', opId: '' });
+    expect(w.allocs).toEqual(['B']);
+  });
+
+  it('thatEndedWithoutSettlingIt_isHibernatedAgainOnTheHostItWasPlacedOff', async () => {
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'waking', hostId: 'B', hibernationSnapshotId: 'sn-h', runningSince: null, opId: 'op-w' }), opRecord('op-x', 'destroy'));
+    const ended = { ...opRecord('op-w', 'wake', { bookedHost: 'B', hostBefore: 'A', transferSource: 'A' }), state: 'failed' } as OperationRec;
+    await ex.settleEndedWake(structuredClone(w.sb), ended);
+    expect(w.sb).toMatchObject({ state: 'hibernated', hostId: 'A', opId: '' });
+    expect(w.allocs).toEqual(['B']);
+  });
+
+  it('whoseHostCannotBeRecordedAsAHolderOfTheSnapshot_runsTheSandbox_theRecordBeingBookkeeping', async () => {
+    const { w, ex } = wakeOntoB();
+    ex.step = async () => create(HostResultSchema, { hostId: 'B', vms: [{ sandboxId: 'sb-a' }] });
+    // The snapshot record changed under every try (20 conflicts): B is not recorded as a holder.
+    ex.addHolder = async () => {
+      throw new ConflictError("snapshot sn-h's holders");
+    };
+    await ex.runWake(w.op);
+    expect(w.op.state).toBe('succeeded');
+    expect(w.sb).toMatchObject({ state: 'running', hostId: 'B', opId: '' });
+  });
+});
+
+describe('a hibernate whose snapshot fails', () => {
+  const idleHibernate = (): OperationRec => opRecord('op-h', 'hibernate', { snapshotId: 'sn-h', reason: 'idle' });
+
+  it('andWhoseResumeFailsToo_leavesItPaused_andSubmitsAResumeOfItsOwn', async () => {
+    const { w, ex } = leaderOver(sandboxRecord({ idleTimeoutMs: 60_000 }), idleHibernate());
+    ex.step = async (_op, id) => {
+      if (id === 'pause') return {};
+      throw new StepTimeoutError('h1', id, 1000);
+    };
+    ex.markSnapshotFailed = async () => undefined;
+    await ex.runHibernate(w.op);
+    expect(w.op.state).toBe('failed');
+    expect(w.sb.state).toBe('paused');
+    expect(w.submitted).toEqual(['resume sb-a __resume-after-hibernate/op-h']);
+  });
+
+  it('runAgainAfterItResumedTheVmButCouldNotRecordItsFailure_sendsNoPauseOrSnapshotAgain_resumesAndSettles', async () => {
+    // The host's journal answers a pause sent again under the same step id without pausing:
+    // the run again snapshotted (and hibernated) a guest that ran.
+    let failOnce = true;
+    const { w, ex } = leaderOver(sandboxRecord({ idleTimeoutMs: 60_000 }), idleHibernate(), undefined, {
+      failCommit: (ws) => {
+        if (failOnce && ws.some((x) => x.kind === 'op' && x.value.state === 'failed')) {
+          failOnce = false;
+          throw new StoreUnavailableError('commit', new Error('etcd blip'));
+        }
+      },
+    });
+    const steps: string[] = [];
+    let snapshots = 0;
+    ex.step = async (_op, id) => {
+      steps.push(id);
+      if (id.startsWith('snapshot/') && snapshots++ === 0) throw new HostStepError('h1', id, 'unavailable', 'transient', true);
+      return {};
+    };
+    ex.markSnapshotFailed = async () => undefined;
+    await expect(ex.runHibernate(w.op)).rejects.toBeInstanceOf(StoreUnavailableError);
+    expect(steps).toEqual(['pause', 'snapshot/sn-h', 'resume-after-failure']);
+    // run() runs it again from its record read afresh.
+    ex.ops.delete(w.op.id);
+    await ex.runHibernate(structuredClone(w.op));
+    expect(steps.slice(3)).toEqual(['resume-after-failure']);
+    expect(w.sb).toMatchObject({ state: 'running', opId: '' });
+    expect(w.sb.stateReason).toMatch(/^hibernate failed: .*transient/);
+    expect(w.op).toMatchObject({ state: 'failed', error: { kind: 'unavailable', retryable: true } });
+  });
+});
+
+describe('a destroy that a hibernate overtakes', () => {
+  it('betweenItsReadAndItsWrite_waitsForThatHibernate_andDestroysWhatItLeft', async () => {
+    let reads = 0;
+    const { w, ex } = leaderOver(sandboxRecord({ hostId: 'A' }), opRecord('op-d', 'destroy'), undefined, {
+      getSandbox: (cur) => {
+        // Its first read finds it running; the idle rule's hibernate takes it before the write
+        // and ends (hibernated) a little later.
+        if (cur.sb.state === 'running' && reads++ === 1) {
+          [cur.sb, cur.sbRev] = [{ ...cur.sb, state: 'hibernating', opId: 'op-h', hibernatingFrom: 'running', runningSince: null }, ++cur.rev];
+          ex.running.set('op-h', new Promise<void>(() => undefined));
+          setTimeout(() => {
+            [cur.sb, cur.sbRev] = [{ ...cur.sb, state: 'hibernated', opId: '', hibernationSnapshotId: 'sn-h' }, ++cur.rev];
+            delete cur.sb.hibernatingFrom;
+            ex.running.delete('op-h');
+          }, 20);
+        }
+        return { value: structuredClone(cur.sb), modRevision: cur.sbRev };
+      },
+    });
+    await ex.runDestroy(w.op);
+    expect(w.sb.state).toBe('destroyed');
+    expect(w.op.state).toBe('succeeded');
+  });
+
+  it('thatStillHoldsItAfterTheStepTimeout_failsTheDestroyAsRetryable', async () => {
+    let now = 1_000_000;
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'hibernating', opId: 'op-h', hibernatingFrom: 'running', runningSince: null }), opRecord('op-d', 'destroy'), undefined, { now: () => (now += 600) });
+    ex.running.set('op-h', new Promise<void>(() => undefined));
+    await expect(ex.runDestroy(w.op)).rejects.toMatchObject({ kind: 'unavailable', retryable: true });
+    expect(w.sb.state).toBe('hibernating');
+  });
+});
