@@ -33,6 +33,17 @@ import { MAX_TIMER_MS } from '../../../services/config.ts';
  * apart), after which the lease waits for the reconnect.
  */
 export const EXEC_KEEPALIVE_MISSES = 4;
+
+/**
+ * The answer to a keepalive that names an exec this host does not run (seq 0: outside the
+ * call's sequence). Its caller still waits, so the exit never reached it: it was published while
+ * either side's NATS connection was down (nats.js and the server drop what is sent meanwhile),
+ * or the request never arrived, or an agent restart forgot the command. Told now, the call ends
+ * UNAVAILABLE instead of waiting out its whole timeout (up to an hour). A caller that has had
+ * the exit no longer names it.
+ */
+const NO_SUCH_EXEC = (hostId: string): Uint8Array =>
+  toBinary(HostExecOutputSchema, create(HostExecOutputSchema, { seq: 0n, payload: { case: 'error', value: { kind: 'unavailable', message: `host ${hostId} runs no exec for this call: it ended and its exit was lost in transit (a NATS reconnect), or its request never arrived` } } }));
 /** How soon a refused keepalive subscription is asked for again. */
 const ALIVE_RETRY_MS = 60_000;
 /** The shortest keepalive interval an agent takes (a shorter one is read as this). */
@@ -330,6 +341,7 @@ export class NatsAgentBus implements AgentBus {
             for (const r of fromBinary(HostExecAliveSchema, m.data).replySubjects) {
               const session = running.get(r);
               if (session) session.heard = now;
+              else this.nc.publish(r, NO_SUCH_EXEC(this.hostId));
             }
           } catch (e) {
             this.log.warn({ err: e }, 'undecodable exec keepalive ignored');

@@ -6,7 +6,7 @@ import pino from 'pino';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import type { NatsConnection, Status } from 'nats';
 import { ErrorInfoSchema } from '../../../proto/gen/forkfleet/v1/common_pb.ts';
-import { HostExecExitSchema, HostExecOutputSchema, HostExecRequestSchema } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { HostExecAliveSchema, HostExecExitSchema, HostExecOutputSchema, HostExecRequestSchema } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostExecOutput, HostExecRequest } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { AsyncQueue } from '../../../services/adapters/grpc/queue.ts';
 import { subjects } from '../../../services/adapters/nats/subjects.ts';
@@ -36,6 +36,7 @@ function agentBus(handler: Handler) {
   return {
     stop,
     request: (reply: string) => subs.get(subjects.exec('h1'))!(null, { subject: subjects.exec('h1'), reply, data: toBinary(HostExecRequestSchema, create(HostExecRequestSchema, { sandboxId: 'sb-1', argv: ['true'] })) }),
+    keepalive: (...replies: string[]) => subs.get(subjects.execAlive('h1'))!(null, { subject: subjects.execAlive('h1'), data: toBinary(HostExecAliveSchema, create(HostExecAliveSchema, { replySubjects: replies })) }),
     status: async (type: 'disconnect' | 'reconnect') => {
       statuses.push({ type, data: '' } as Status);
       await new Promise((r) => setImmediate(r)); // the bus reads it
@@ -116,6 +117,27 @@ describe('NatsAgentBus.serveExec across a reconnect', () => {
       h.emit(exit);
       h.end();
       expect(a.answers('_INBOX.r1')).toEqual(['1:stdout', '2:exit']);
+    } finally {
+      a.stop();
+    }
+  });
+
+  it('keepalive_namingAnExecThisHostDoesNotRun_isAnsweredOnItsReplySubject_withAnErrorOutsideTheSequence', async () => {
+    const h = driven();
+    const a = agentBus(h.handler);
+    try {
+      a.request('_INBOX.r1');
+      h.emit(stdout);
+      // r1 runs; r0 ended here (its exit lost on the way) or never arrived.
+      a.keepalive('_INBOX.r0', '_INBOX.r1');
+      expect(a.answers('_INBOX.r0')).toEqual(['0:error:unavailable']);
+      expect(a.answers('_INBOX.r1')).toEqual(['1:stdout']);
+      h.emit(exit);
+      h.end();
+      await new Promise((r) => setImmediate(r));
+      // Ended here: its caller naming it still is told so.
+      a.keepalive('_INBOX.r1');
+      expect(a.answers('_INBOX.r1')).toEqual(['1:stdout', '2:exit', '0:error:unavailable']);
     } finally {
       a.stop();
     }

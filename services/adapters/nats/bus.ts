@@ -119,10 +119,6 @@ export class NatsWorkBus implements WorkBus {
   private aliveTimer: ReturnType<typeof setInterval> | undefined;
   /** The interval aliveTimer runs at: the shortest keepalive of the execs waiting when it was set. */
   private aliveEveryMs = Number.POSITIVE_INFINITY;
-  /** Execs waiting for output, by reply subject: each one's end should its output be lost to a reconnect. */
-  private readonly execsOpen = new Map<string, () => void>();
-  /** Reply subjects (of execsOpen) of the execs that were waiting while the connection was down: ended at the reconnect. */
-  private readonly execsAcrossDisconnect = new Set<string>();
 
   /** performance.now() of the last (re)connect; undefined while disconnected. */
   private connectedAt: number | undefined = performance.now();
@@ -144,13 +140,8 @@ export class NatsWorkBus implements WorkBus {
     this.batcher = new SubjectBatcher(this.publisher, WORK_HEADERS, () => this.workFence?.());
     void (async () => {
       for await (const st of nc.status()) {
-        if (st.type === 'disconnect') {
-          this.connectedAt = undefined;
-          for (const inbox of this.execsOpen.keys()) this.execsAcrossDisconnect.add(inbox);
-        } else if (st.type === 'reconnect') {
-          this.connectedAt = performance.now();
-          this.endExecsAcrossDisconnect();
-        }
+        if (st.type === 'disconnect') this.connectedAt = undefined;
+        else if (st.type === 'reconnect') this.connectedAt = performance.now();
       }
     })().catch(() => undefined);
   }
@@ -176,19 +167,6 @@ export class NatsWorkBus implements WorkBus {
     this.batcher.failAll(new ForkfleetError('unavailable', 'host work queued in an earlier leader term is not sent', { retryable: true }));
     this.nonce = randomBytes(6).toString('hex');
     this.term = term;
-  }
-
-  /**
-   * Ends the execs that waited for output while the connection was down: nats.js drops what is
-   * published while disconnected, and the server what a host sent this replica meanwhile, so
-   * their request, or their last output and exit, may be lost. A hole in the middle shows as a
-   * missing seq (exec()), a lost tail or request never does: the call would wait out its whole
-   * timeout (up to an hour) for an exit that is not coming.
-   */
-  private endExecsAcrossDisconnect(): void {
-    const lost = [...this.execsAcrossDisconnect];
-    this.execsAcrossDisconnect.clear();
-    for (const inbox of lost) this.execsOpen.get(inbox)?.();
   }
 
   connectedForMs(): number {
@@ -395,8 +373,6 @@ export class NatsWorkBus implements WorkBus {
       sub?.unsubscribe();
       if (waiting) this.stopWaiting(hostId, inbox);
       waiting = false;
-      this.execsOpen.delete(inbox);
-      this.execsAcrossDisconnect.delete(inbox);
     };
     const subscribe = (): Subscription => this.nc.subscribe(inbox, {
       callback: (err, m) => {
@@ -422,6 +398,18 @@ export class NatsWorkBus implements WorkBus {
           finish();
           q.fail(new ForkfleetError('internal', `exec on host ${hostId}: its output did not decode`, { cause: e, retryable: false }));
           cancelOnHost();
+          return;
+        }
+        // Seq 0: the host runs no exec for this call, though this one still waits (its answer to
+        // a keepalive naming it, agent-bus.ts NO_SUCH_EXEC): the exit, or the request, was lost in
+        // transit (NATS drops what is published while either side is disconnected), or an agent
+        // restart forgot the command. A lost tail is never seen by the seq check below: without
+        // this the call waited out its whole timeout (up to an hour) for an exit not coming.
+        if (out.seq === 0n) {
+          finish();
+          release();
+          const why = out.payload.case === 'error' ? out.payload.value.message : `host ${hostId} runs no exec for this call`;
+          q.failNow(new ForkfleetError('unavailable', `exec on host ${hostId}: ${why}; what it printed is not known whole`, { retryable: false }));
           return;
         }
         // A piece missing: the output has a hole (a reconnect or a slow-consumer cut dropped it
@@ -460,16 +448,6 @@ export class NatsWorkBus implements WorkBus {
       this.nc.publish(subjects.exec(hostId), toBinary(HostExecRequestSchema, create(HostExecRequestSchema, { ...req, keepalive: durationFromMs(keepaliveMs) })), { reply: inbox });
       this.startWaiting(hostId, inbox, keepaliveMs);
       waiting = true;
-      // Ended at the next reconnect should this connection drop before the exit came
-      // (endExecsAcrossDisconnect); so is one sent while it is down (its request may be lost).
-      this.execsOpen.set(inbox, () => {
-        if (q.isEnded) return;
-        finish();
-        release();
-        q.failNow(new ForkfleetError('unavailable', `exec on host ${hostId}: this scheduler's NATS connection dropped while the command ran, and its output or exit sent meanwhile may have been lost, so the command was stopped; what it printed is not known whole`, { retryable: false }));
-        cancelOnHost();
-      });
-      if (this.connectedAt === undefined) this.execsAcrossDisconnect.add(inbox);
       timer = setTimeout(() => {
         // After the request went out: the command may have run, so not retryable (Exec is not
         // deduplicated). Only "no responders" above says it never reached the host.
