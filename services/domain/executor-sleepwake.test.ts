@@ -140,6 +140,25 @@ describe('a hibernate whose snapshot fails', () => {
     expect(w.submitted).toEqual(['resume sb-a __resume-after-hibernate/op-h']);
   });
 
+  it('andWhoseResumeFailsToo_butWhichMovedOnOnceSettled_submitsNoResume', async () => {
+    const { w, ex } = leaderOver(sandboxRecord({ idleTimeoutMs: 60_000 }), idleHibernate());
+    ex.step = async (_op, id) => {
+      if (id === 'pause') return {};
+      throw new StepTimeoutError('h1', id, 1000);
+    };
+    ex.markSnapshotFailed = async () => undefined;
+    // Its host is found lost right after the settle wrote it paused.
+    const store = (ex as unknown as { deps: { store: { getSandbox: (t: string, id: string) => Promise<{ value: SandboxRec } | undefined> } } }).deps.store;
+    const read = store.getSandbox.bind(store);
+    store.getSandbox = async (t, id) => {
+      const v = await read(t, id);
+      return v && w.op.state === 'failed' ? { ...v, value: { ...v.value, state: 'lost' } } : v;
+    };
+    await ex.runHibernate(w.op);
+    expect(w.op.state).toBe('failed');
+    expect(w.submitted).toEqual([]);
+  });
+
   it('runAgainAfterItResumedTheVmButCouldNotRecordItsFailure_sendsNoPauseOrSnapshotAgain_resumesAndSettles', async () => {
     // The host's journal answers a pause sent again under the same step id without pausing:
     // the run again snapshotted (and hibernated) a guest that ran.

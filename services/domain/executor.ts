@@ -2962,7 +2962,11 @@ export class Executor {
       // Running when its hibernate began, paused now though nobody asked for a pause (calls
       // refused, its TTL and idle time stopped, its capacity held for good): resumed by an
       // operation of its own, as vmBack resumes one that came back paused from a hibernate.
-      if (leftPaused) {
+      // Best effort: not submitted (a store error, a lost lead), it stays paused until resumed.
+      // Read again first: `to` may have run in an attempt of the settle that did not commit,
+      // and the sandbox moved on meanwhile (lost, destroyed, taken by another op).
+      const now = leftPaused ? (await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => undefined))?.value : undefined;
+      if (now?.state === 'paused' && !now.opId) {
         await this.submitOwn(sb.tenantId, `__resume-after-hibernate/${op.id}`, 'resume', sb.id, {}).catch((r: unknown) => this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed and whose resume failed too; it stays paused'));
       }
       return;

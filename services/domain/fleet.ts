@@ -244,7 +244,9 @@ function notRunning(id: string, state: SandboxState, field: string): WrongStateE
  */
 const VM_NOT_RUNNING: ReadonlyArray<readonly [string, RegExp]> = [
   ['failed_precondition', /^sandbox \S+ has no VM on host \S+ any more \(it is being recorded lost\)$/],
-  ['failed_precondition', /^vm \S+ is \w+; cannot (exec|read a file|write a file|talk to the guest agent)$/],
+  // Not "is running; cannot talk to the guest agent": a running VM whose guest agent is not
+  // connected (a reopen that failed) stays so; resent, or retried by its caller, it fails again.
+  ['failed_precondition', /^vm \S+ is (?!running;)\w+; cannot (exec|read a file|write a file|talk to the guest agent)$/],
   ['unavailable', /^vm \S+ is still being snapshotted after \d+ ms; cannot (exec|read a file|write a file) yet$/],
   ['not_found', /^vm \S+ not found$/],
 ];

@@ -17,8 +17,10 @@ describe('the host refusals that prove a call did not run', () => {
     expect(vmNotRunning(e)).toBe(true);
   });
 
-  it('vmNotRunning_doesNotMatchAGuestFailureOrACrash', () => {
+  it('vmNotRunning_doesNotMatchAGuestFailureACrashOrARunningVmWithoutItsGuestAgent', () => {
     expect(vmNotRunning(new VmCrashedError('sb-1', 'QEMU exited'))).toBe(false);
+    // Running, its guest agent not connected: not a hibernate's doing, and not one that passes.
+    expect(vmNotRunning(new InvalidVmStateError('sb-1', 'running', 'talk to the guest agent'))).toBe(false);
     expect(vmNotRunning({ kind: 'failed_precondition', message: 'vm sb-1 is paused; cannot exec; and then some' })).toBe(false);
     expect(vmNotRunning({ kind: 'internal', message: 'vm sb-1 not found' })).toBe(false);
   });
