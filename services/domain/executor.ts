@@ -328,7 +328,7 @@ function pauseVm(sandboxId: string, onlyIfIdleMs = 0): HostWorkMsg['work'] {
   return { case: 'pauseVm', value: { sandboxId, onlyIfIdleMs: BigInt(onlyIfIdleMs) } as never };
 }
 
-/** The host work that resumes a sandbox's VM (a no-op on a running one), then runs `afterResume`. */
+/** The host work that resumes a sandbox's VM (on a running one, only a check that QEMU runs it: driver.resume), then runs `afterResume`. */
 function resumeVm(sandboxId: string, afterResume: ReturnType<typeof hooksOf> = []): HostWorkMsg['work'] {
   return { case: 'resumeVm', value: { sandboxId, afterResume } as never };
 }
