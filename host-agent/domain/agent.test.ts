@@ -266,6 +266,44 @@ describe('Agent steps', () => {
     expect(paused).toEqual(['sb-1']);
   });
 
+  it('pause_ofTheIdleRule_isJudgedAgainOnceTheDriverHoldsTheVm_andRefusedForACallMadeWhileItWaitedForASnapshot', async () => {
+    let t = 1_000_000;
+    const paused: string[] = [];
+    const vm = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0 } as VmInfo;
+    // A snapshot (a fork's) holds the VM and its state still says running: the driver's pause
+    // waits for it, then asks the pause's condition, as the QEMU driver does under its lock.
+    let snapshotEnds!: () => void;
+    const snapshotting = new Promise<void>((r) => (snapshotEnds = r));
+    const { agent } = agentWith(
+      {
+        get: () => vm,
+        list: () => [vm],
+        pause: async (id, opts) => {
+          await snapshotting;
+          const refused = opts?.refuse?.({ ...vm });
+          if (refused) throw refused;
+          paused.push(id);
+        },
+      },
+      {},
+      {},
+      { now: () => t },
+    );
+    const inner = agent as unknown as { inCall<T>(vmId: string, fn: () => Promise<T>): Promise<T> };
+    agent.idleMs(vm); // seen idle from now
+    t += 61_000;
+    const pause = agent.runStep(work('pause-1', { work: { case: 'pauseVm', value: { sandboxId: 'sb-1', onlyIfIdleMs: 60_000n } } }));
+    await new Promise((r) => setTimeout(r, 10));
+    // An Exec arrives meanwhile: it waits for the snapshot too, and would run under the pause.
+    let releaseCall!: () => void;
+    const call = inner.inCall('sb-1', () => new Promise<void>((r) => (releaseCall = r)));
+    snapshotEnds();
+    expect((await pause).error).toMatchObject({ kind: 'failed_precondition', retryable: false, message: expect.stringMatching(/not idle/) });
+    expect(paused).toEqual([]);
+    releaseCall();
+    await call;
+  });
+
   it('pauseAndResume_whateverTheVmsRecordSays_areHandedToTheDriver_whichAsksQemu', async () => {
     // A pause whose `stop` timed out left the VM recorded running while QEMU stopped it; a
     // resume whose `cont` timed out, the reverse. The step that puts it right is not skipped.

@@ -1269,18 +1269,25 @@ export class Agent {
         const vm = this.vmOf(work.value.sandboxId);
         // The idle rule's: only a VM idle still (a call may have begun since it judged).
         const idleFor = Number(work.value.onlyIfIdleMs);
-        // Nor one in a snapshot (a fork of it): a call made meanwhile waits for the snapshot to
-        // end and would run then, under the pause queued behind the snapshot.
-        if (idleFor > 0 && vm.state === 'snapshotting') {
-          throw new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: a snapshot of it is under way; not paused for the idle hibernation`, { retryable: false });
-        }
-        const idle = idleFor > 0 && vm.state === 'running' ? this.idleMs(vm) : Number.POSITIVE_INFINITY;
-        if (idle < idleFor) {
-          throw new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: busy (a call or guest CPU) ${Math.round(idle / 1000)} s ago, under its idle timeout of ${Math.round(idleFor / 1000)} s; not paused for the idle hibernation`, { retryable: false });
-        }
-        // Also when already paused: the driver asks QEMU then (a `cont` that timed out may
-        // have run the guest all the same).
-        await driver.pause(vm.vmId);
+        const notIdle = (v: VmInfo): ForkfleetError | undefined => {
+          // Nor one in a snapshot (a fork of it): a call made meanwhile waits for the snapshot
+          // to end and would run then, under the pause queued behind the snapshot.
+          if (idleFor > 0 && v.state === 'snapshotting') {
+            return new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: a snapshot of it is under way; not paused for the idle hibernation`, { retryable: false });
+          }
+          const idle = idleFor > 0 && v.state === 'running' ? this.idleMs(v) : Number.POSITIVE_INFINITY;
+          if (idle < idleFor) {
+            return new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: busy (a call or guest CPU) ${Math.round(idle / 1000)} s ago, under its idle timeout of ${Math.round(idleFor / 1000)} s; not paused for the idle hibernation`, { retryable: false });
+          }
+          return undefined;
+        };
+        const refused = notIdle(vm);
+        if (refused) throw refused;
+        // Judged again once the driver holds the VM: a snapshot holds it from before its state
+        // says snapshotting, and a call made while the pause waits for it (busy from its start)
+        // would run once it ends, under the pause. Also when already paused: the driver asks
+        // QEMU then (a `cont` that timed out may have run the guest all the same).
+        await driver.pause(vm.vmId, idleFor > 0 ? { refuse: notIdle } : {});
         result.vms = [this.vmStatus(this.vmOf(vm.vmId))];
         return;
       }

@@ -235,6 +235,15 @@ export type VmEvent =
   | { type: 'state'; vmId: string; from: VmState; to: VmState }
   | { type: 'crashed'; vmId: string; pid: number; detail: string };
 
+export interface PauseOptions {
+  /**
+   * Asked once the driver holds the VM (after a snapshot or other operation on it queued
+   * ahead), with the VM as it is then, before anything is recorded or sent: an error it returns
+   * fails the pause. The idle rule's pause judges idleness here, not before a wait.
+   */
+  refuse?: (vm: VmInfo) => Error | undefined;
+}
+
 export interface RecoveryReport {
   adopted: string[];
   reaped: string[];
@@ -249,7 +258,7 @@ export interface VmmDriver {
   readFile(vmId: string, path: string, range?: FileRange): Promise<Buffer>;
   /** Replaces the file with `data` (or appends it), then sets `mode` when given. */
   writeFile(vmId: string, path: string, data: Buffer, opts?: FileWriteOptions): Promise<void>;
-  pause(vmId: string): Promise<void>;
+  pause(vmId: string, opts?: PauseOptions): Promise<void>;
   resume(vmId: string): Promise<void>;
   /** Immutable snapshot; the source keeps running afterwards. */
   snapshot(vmId: string, snapshotId: string): Promise<LocalSnapshot>;

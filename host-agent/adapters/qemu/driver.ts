@@ -57,6 +57,7 @@ import {
   type MigrationStream,
   type MigrationTarget,
   type NetworkPolicySpec,
+  type PauseOptions,
   type RecoveryReport,
   type SnapshotManifest,
   type VmEvent,
@@ -708,9 +709,14 @@ export class QemuVmmDriver implements VmmDriver {
    * out is still carried out by QEMU afterwards, so a VM recorded paused is asked whether it
    * runs (and stopped if so), and a failed `stop` is followed by a query-status that records
    * what QEMU says. A pause of a running VM whose `stop` succeeds sends nothing else.
+   * `opts.refuse` is asked once the VM's lock is held, so after a snapshot queued ahead (which
+   * holds it from before its state says snapshotting until after its end): an error it returns
+   * fails the pause, with nothing recorded or sent. A QEMU that exited fails it as crashed.
    */
-  pause(vmId: string): Promise<void> {
-    return this.locked(vmId, async (rec) => {
+  pause(vmId: string, opts: PauseOptions = {}): Promise<void> {
+    return this.locked(vmId, (rec) => this.crashedIfGone(rec, async () => {
+      const refused = opts.refuse?.({ ...rec.info });
+      if (refused) throw refused;
       if (rec.info.state === 'paused') {
         if ((await queryStatus(rec.qmp)) !== 'running') return;
         rec.log.warn('the VM ran though it is recorded paused (a resume that timed out?): stopped again');
@@ -736,15 +742,22 @@ export class QemuVmmDriver implements VmmDriver {
       // since then at least; counting more only refreshes it sooner.
       rec.pausedAt ??= Date.now();
       this.setState(rec, 'paused');
-    });
+    }));
   }
 
-  /** Idempotent, and judged by QEMU when the record may be wrong, as pause() is. */
+  /**
+   * Idempotent, and judged by QEMU when the record may be wrong, as pause() is. A VM found
+   * running whose clock is unknown (adopted: the previous agent may have died between a resume's
+   * `cont` and its refresh) gets the refresh a resume after a long pause gets.
+   */
   resume(vmId: string): Promise<void> {
-    return this.locked(vmId, async (rec) => {
+    return this.locked(vmId, (rec) => this.crashedIfGone(rec, async () => {
       if (rec.info.state === 'running') {
         // A `stop` that timed out (a failed pause) may have stopped the guest after all.
-        if ((await queryStatus(rec.qmp)) === 'running') return;
+        if ((await queryStatus(rec.qmp)) === 'running') {
+          if (rec.clockBehindMs === undefined) this.refreshAfterResume(rec);
+          return;
+        }
         rec.log.warn('the VM is stopped though it is recorded running (a pause that timed out?): continued');
       } else this.assertState(rec, 'paused', 'resume');
       try {
@@ -766,10 +779,30 @@ export class QemuVmmDriver implements VmmDriver {
       // RNG and re-asserts the identity (one ff-clone exec, the same as after a restore), in
       // the background so resume stays a single QMP round trip. Shorter pauses leave the clock
       // that little behind and spare the guest an exec that would queue ahead of the caller's.
-      if (behind >= CLOCK_REFRESH_AFTER_MS) {
-        void this.cloneHygiene(rec).catch((e: unknown) => rec.log.warn({ err: String(e) }, 'clock/RNG/identity refresh after resume failed'));
-      }
-    });
+      if (behind >= CLOCK_REFRESH_AFTER_MS) this.refreshAfterResume(rec);
+    }));
+  }
+
+  /** The clock/RNG/identity refresh of a resume, in the background; a failure leaves the clock unknown or behind, as it was. */
+  private refreshAfterResume(rec: VmRecord): void {
+    void this.cloneHygiene(rec).catch((e: unknown) => rec.log.warn({ err: String(e) }, 'clock/RNG/identity refresh after resume failed'));
+  }
+
+  /**
+   * `fn` (a pause or resume) failing as crashed once the VM's QMP closed unasked: QEMU exited,
+   * as the crash watcher records once it sees the process gone (up to CRASH_EXIT_WAIT_MS later).
+   * Its ChannelClosedError (unavailable, retryable) would have the step retried only to fail
+   * then as crashed, which is final.
+   */
+  private async crashedIfGone<T>(rec: VmRecord, fn: () => Promise<T>): Promise<T> {
+    const gone = (): boolean => rec.qmp.closed && !rec.expectExit && this.vms.get(rec.info.vmId) === rec;
+    if (gone()) throw new VmCrashedError(rec.info.vmId, 'QEMU exited (its QMP connection closed)');
+    try {
+      return await fn();
+    } catch (e) {
+      if (gone() && !(e instanceof VmCrashedError)) throw new VmCrashedError(rec.info.vmId, 'QEMU exited (its QMP connection closed)', { cause: e });
+      throw e;
+    }
   }
 
   // ---------------------------------------------------------------- snapshot
