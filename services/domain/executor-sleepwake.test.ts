@@ -22,6 +22,8 @@ interface Internals {
   runWake(op: OperationRec): Promise<void>;
   runHibernate(op: OperationRec): Promise<void>;
   runDestroy(op: OperationRec): Promise<void>;
+  runPauseResume(op: OperationRec): Promise<void>;
+  reconcileLifecycles(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void>;
   settleEndedWake(sb: SandboxRec, ended: OperationRec | undefined): Promise<void>;
 }
 
@@ -30,9 +32,10 @@ const opRecord = (id: string, kind: OperationRec['kind'], input: Record<string, 
 /**
  * A leader over a store holding `sb` and `op` (each write replaces them; a write guarded by an
  * older revision is refused) and snapshot `snap`. `o.failCommit` may throw to fail a commit;
- * `o.getSandbox` replaces the sandbox read; `o.now` the clock.
+ * `o.getSandbox` replaces the sandbox read; `o.now` the clock; the first `o.failSubmits`
+ * submits of the executor's own operations fail as the store's (an etcd blip).
  */
-function leaderOver(sb: SandboxRec, op: OperationRec, snap?: SnapshotRec, o: { failCommit?: (w: StoreWrite[]) => void; getSandbox?: (w: World) => Versioned<SandboxRec>; now?: () => number } = {}) {
+function leaderOver(sb: SandboxRec, op: OperationRec, snap?: SnapshotRec, o: { failCommit?: (w: StoreWrite[]) => void; getSandbox?: (w: World) => Versioned<SandboxRec>; now?: () => number; failSubmits?: number } = {}) {
   const w: World = { sb: structuredClone(sb), sbRev: 5, op: structuredClone(op), opRev: 5, rev: 5, allocs: [], submitted: [] };
   const store = {
     getSandbox: async () => (o.getSandbox ? o.getSandbox(w) : { value: structuredClone(w.sb), modRevision: w.sbRev }),
@@ -55,7 +58,9 @@ function leaderOver(sb: SandboxRec, op: OperationRec, snap?: SnapshotRec, o: { f
       return w.rev;
     },
   };
+  let failSubmits = o.failSubmits ?? 0;
   const submit: NonNullable<ExecutorDeps['submit']> = async (tenantId, key, kind, targetId) => {
+    if (failSubmits-- > 0) throw new StoreUnavailableError('submit', new Error('etcd blip'));
     w.submitted.push(`${kind} ${targetId} ${key}`);
     return { id: 'op-r', tenantId, kind, state: 'pending' } as never;
   };
@@ -72,6 +77,7 @@ interface World {
   rev: number;
   /** Hosts whose booking a write changed, in order. */
   allocs: string[];
+  /** Operations of the executor's own submitted: `<kind> <target> <key>`. */
   submitted: string[];
 }
 
@@ -127,36 +133,78 @@ describe('a wake placed off the host that holds its hibernation snapshot', () =>
 describe('a hibernate whose snapshot fails', () => {
   const idleHibernate = (): OperationRec => opRecord('op-h', 'hibernate', { snapshotId: 'sn-h', reason: 'idle' });
 
-  it('andWhoseResumeFailsToo_leavesItPaused_andSubmitsAResumeOfItsOwn', async () => {
-    const { w, ex } = leaderOver(sandboxRecord({ idleTimeoutMs: 60_000 }), idleHibernate());
+  /** A leader running an idle hibernate of sb-a whose snapshot and resume-after-failure steps time out. */
+  const snapshotAndResumeFail = (o: Parameters<typeof leaderOver>[3] = {}) => {
+    const { w, ex } = leaderOver(sandboxRecord({ idleTimeoutMs: 60_000 }), idleHibernate(), undefined, o);
     ex.step = async (_op, id) => {
       if (id === 'pause') return {};
       throw new StepTimeoutError('h1', id, 1000);
     };
     ex.markSnapshotFailed = async () => undefined;
+    return { w, ex };
+  };
+  const pass = (ex: Internals, sb: SandboxRec): Promise<void> => ex.reconcileLifecycles([{ value: structuredClone(sb), modRevision: 1 }]);
+
+  it('andWhoseResumeFailsToo_leavesItPausedOwedAResume_whichTheLifecyclePassSubmits_evenIfItsFirstSubmitFails', async () => {
+    // The first submit of a resume for it fails (an etcd blip, as a lead lost between the
+    // settle and the submit would): the resume is not lost with it.
+    const { w, ex } = snapshotAndResumeFail({ failSubmits: 1 });
     await ex.runHibernate(w.op);
     expect(w.op.state).toBe('failed');
-    expect(w.sb.state).toBe('paused');
+    expect(w.sb).toMatchObject({ state: 'paused', opId: '', resumeOwed: 'op-h' });
+    await pass(ex, w.sb).catch(() => undefined);
+    await pass(ex, w.sb).catch(() => undefined);
     expect(w.submitted).toEqual(['resume sb-a __resume-after-hibernate/op-h']);
   });
 
-  it('andWhoseResumeFailsToo_butWhichMovedOnOnceSettled_submitsNoResume', async () => {
-    const { w, ex } = leaderOver(sandboxRecord({ idleTimeoutMs: 60_000 }), idleHibernate());
+  it('andWhoseResumeFailsToo_butWhichMovedOnOnceSettled_getsNoResume', async () => {
+    const { w, ex } = snapshotAndResumeFail();
+    await ex.runHibernate(w.op);
+    // Its host is found lost right after the settle wrote it paused: no resume while lost.
+    await pass(ex, { ...w.sb, state: 'lost' });
+    // Taken by another operation (a drain): none while it holds it.
+    await pass(ex, { ...w.sb, opId: 'op-d' });
+    expect(w.submitted).toEqual([]);
+  });
+
+  it('andWhoseResumeFailsToo_thenPausedResumedOrDestroyedByItsOwner_isOwedNoResume', async () => {
+    for (const kind of ['pause', 'resume', 'destroy'] as const) {
+      const { w, ex } = snapshotAndResumeFail();
+      await ex.runHibernate(w.op);
+      expect(w.sb.resumeOwed).toBe('op-h');
+      // Its owner's operation: the host's steps succeed now.
+      w.op = opRecord(`op-${kind}`, kind);
+      ex.ops.set(w.op.id, { value: structuredClone(w.op), modRevision: w.opRev });
+      ex.step = async () => ({ vms: [] });
+      await (kind === 'destroy' ? ex.runDestroy(w.op) : ex.runPauseResume(w.op));
+      expect(w.op.state, kind).toBe('succeeded');
+      expect(w.sb.state, kind).toBe(kind === 'pause' ? 'paused' : kind === 'resume' ? 'running' : 'destroyed');
+      expect(w.sb.resumeOwed, kind).toBeUndefined();
+      await pass(ex, w.sb);
+      expect(w.submitted, kind).toEqual([]);
+    }
+  });
+
+  it('andWhoseResumeFailsToo_whoseOwedResumeRunsAfterItsOwnerPausedIt_leavesItPaused', async () => {
+    // The pass submitted the resume; the owner's pause ran first (one at a time per sandbox).
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'paused', runningSince: null }), opRecord('op-r', 'resume', { resumeOwed: 'op-h' }));
+    const steps: string[] = [];
+    ex.step = async (_op, id) => (steps.push(id), { vms: [] });
+    await ex.runPauseResume(w.op);
+    expect(w.op.state).toBe('succeeded');
+    expect(w.sb.state).toBe('paused');
+    expect(steps).toEqual([]);
+  });
+
+  it('ofOneOwedAResume_thatFailsToo_leavesItPausedStillOwed', async () => {
+    // A drain's hibernate of it (from paused: nothing to pause or resume) fails at its snapshot.
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'paused', runningSince: null, resumeOwed: 'op-h0' }), opRecord('op-h', 'hibernate', { snapshotId: 'sn-h', reason: 'drain' }));
     ex.step = async (_op, id) => {
-      if (id === 'pause') return {};
       throw new StepTimeoutError('h1', id, 1000);
     };
     ex.markSnapshotFailed = async () => undefined;
-    // Its host is found lost right after the settle wrote it paused.
-    const store = (ex as unknown as { deps: { store: { getSandbox: (t: string, id: string) => Promise<{ value: SandboxRec } | undefined> } } }).deps.store;
-    const read = store.getSandbox.bind(store);
-    store.getSandbox = async (t, id) => {
-      const v = await read(t, id);
-      return v && w.op.state === 'failed' ? { ...v, value: { ...v.value, state: 'lost' } } : v;
-    };
     await ex.runHibernate(w.op);
-    expect(w.op.state).toBe('failed');
-    expect(w.submitted).toEqual([]);
+    expect(w.sb).toMatchObject({ state: 'paused', opId: '', resumeOwed: 'op-h0' });
   });
 
   it('runAgainAfterItResumedTheVmButCouldNotRecordItsFailure_sendsNoPauseOrSnapshotAgain_resumesAndSettles', async () => {

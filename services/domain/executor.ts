@@ -1680,6 +1680,10 @@ export class Executor {
   /** Moves a sandbox to `state`, keeping the running-time clock and the host's booked capacity right. */
   private setState(sb: SandboxRec, state: SandboxState, now: number, reason = ''): void {
     delete sb.lostFromOp;
+    // A resume owed stays owed while the sandbox is paused or may come back paused (a hibernate
+    // of it that fails, its host's return): any other state (running, hibernated, destroyed)
+    // settles it. Every change of a sandbox's state comes here.
+    if (state !== 'paused' && state !== 'hibernating' && state !== 'lost') delete sb.resumeOwed;
     if (sb.state === 'running' && state !== 'running' && sb.runningSince !== null) {
       sb.runningMsBefore += Math.max(0, now - sb.runningSince);
       sb.runningSince = null;
@@ -2822,6 +2826,11 @@ export class Executor {
     // A drain moving it holds it (its source VM is paused for the move while the record says
     // running): a resume would run the source on after its snapshot, and the switch would drop that.
     if ((sb.state === 'running' || sb.state === 'paused') && sb.opId !== '' && sb.opId !== op.id) throw new WrongStateError('sandbox', sb.id, sb.state, `operation ${sb.opId} is moving it to another host; ${op.kind} it once that ends`);
+    // The lifecycle pass's resume of one a failed hibernate left paused: only while that resume
+    // is still owed. Its owner's pause or resume that ran before it (pauses and resumes of a
+    // sandbox run one at a time) settled it, and is not undone.
+    const owed = op.kind === 'resume' ? op.input.resumeOwed : undefined;
+    if (owed !== undefined && (sb.state !== 'paused' || sb.resumeOwed !== owed)) return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, undefined, `not resumed: it is ${sb.state}, and no longer owed a resume`);
     if (sb.state !== target) {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
       const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id, hooksOf(sb)));
@@ -2847,7 +2856,10 @@ export class Executor {
     // e.g. the agent could not write the VM's state file): the step puts it right, or is a
     // no-op on the host. A resume the record already shows runs no hooks.
     if (sb.hostId) await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id));
-    await this.finish(op, { sandboxIds: [sb.id] }, null);
+    // Its owner pauses one a failed hibernate left paused: it is paused by their asking now,
+    // and the lifecycle pass no longer resumes it.
+    const settle = sb.resumeOwed !== undefined ? this.sandboxWrite(sb, (s) => void delete s.resumeOwed, sbv) : undefined;
+    await this.finish(op, { sandboxIds: [sb.id] }, null, undefined, settle);
   }
 
   /**
@@ -2947,28 +2959,24 @@ export class Executor {
           (r: unknown) => (this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed; it stays paused'), false),
         );
       }
-      let leftPaused = false;
+      // Running when its hibernate began, paused now though nobody asked for a pause (calls
+      // refused, its TTL and idle time stopped, its capacity held for good): the settling write
+      // records that it is owed a resume (resumeOwed). The lifecycle pass resumes it while it
+      // stays paused and free, again once per LIFECYCLE_RETRY_MS while such a resume fails (its
+      // host's trouble may outlast a step deadline). None is submitted from here as well: one
+      // whose submit failed (a store error, a lead lost after the settle) was lost for good,
+      // this op having ended, and the pass submits it within its 2 s anyway.
       await this.failAndSettle(
         op,
         e,
         'hibernating',
-        (cur) => {
-          leftPaused = !resumed;
-          return resumed ? (cur.hibernatingFrom ?? 'running') : 'paused';
+        (cur) => (resumed ? (cur.hibernatingFrom ?? 'running') : 'paused'),
+        async (_cur, next) => {
+          if (!resumed) next.resumeOwed = op.id;
+          return [];
         },
-        undefined,
         notIdle ? 'not hibernated: busy again when the idle hibernation began' : undefined,
       );
-      // Running when its hibernate began, paused now though nobody asked for a pause (calls
-      // refused, its TTL and idle time stopped, its capacity held for good): resumed by an
-      // operation of its own, as vmBack resumes one that came back paused from a hibernate.
-      // Best effort: not submitted (a store error, a lost lead), it stays paused until resumed.
-      // Read again first: `to` may have run in an attempt of the settle that did not commit,
-      // and the sandbox moved on meanwhile (lost, destroyed, taken by another op).
-      const now = leftPaused ? (await this.deps.store.getSandbox(sb.tenantId, sb.id).catch(() => undefined))?.value : undefined;
-      if (now?.state === 'paused' && !now.opId) {
-        await this.submitOwn(sb.tenantId, `__resume-after-hibernate/${op.id}`, 'resume', sb.id, {}).catch((r: unknown) => this.log.warn({ err: r, sandboxId: sb.id }, 'could not resume a sandbox whose hibernation failed and whose resume failed too; it stays paused'));
-      }
       return;
     }
     try {
@@ -4682,8 +4690,9 @@ export class Executor {
 
   /**
    * Lifecycle rules, on the leader: a sandbox whose running time reached its TTL is
-   * destroyed (paused and hibernated time never counts), and one idle for its
-   * idle_timeout (no calls, guest CPU under the agent's threshold) is hibernated.
+   * destroyed (paused and hibernated time never counts), one idle for its idle_timeout (no
+   * calls, guest CPU under the agent's threshold) is hibernated, and one a failed hibernate
+   * left paused (resumeOwed) is resumed.
    * Each rule submits an operation under a key derived from the sandbox's state, so
    * repeating the check never starts the same work twice (one that failed is started again
    * once per LIFECYCLE_RETRY_MS: submitRule).
@@ -4698,6 +4707,13 @@ export class Executor {
         // again, and it holds its booking and maybe its VM.
         const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
         if (!owner || isTerminal(owner.state)) await this.settleEndedOwner(sb, owner, now).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, opId: sb.opId }, 'could not settle a sandbox its operation left behind'));
+        continue;
+      }
+      // Left paused by a hibernate that failed and could not resume it (resumeOwed), though its
+      // owner never paused it. Keyed by that hibernate: one resume per such pause, and while
+      // they fail (a host still in trouble), one more per LIFECYCLE_RETRY_MS.
+      if (sb.state === 'paused' && sb.resumeOwed && !sb.opId) {
+        await this.submitRule(sb, `__resume-after-hibernate/${sb.resumeOwed}`, 'resume', { resumeOwed: sb.resumeOwed }, now);
         continue;
       }
       if (sb.state !== 'running' || sb.opId) continue;

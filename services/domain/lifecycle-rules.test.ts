@@ -119,6 +119,23 @@ describe('Lifecycle rules', () => {
     expect(started).toHaveLength(3);
   });
 
+  it('sandboxAFailedHibernateLeftPaused_whoseResumesFail_isResumedAgainOncePerRetryPeriod', async () => {
+    // Its host's trouble outlasts a step deadline: every resume sent to it fails.
+    const { ex, started, clock } = rules(() => 'failed');
+    const sb = sandboxRecord({ state: 'paused', runningSince: null, resumeOwed: 'op-h' });
+    await pass(ex, sb);
+    expect(started).toEqual(['__resume-after-hibernate/op-h', `__resume-after-hibernate/op-h/retry/${Math.floor(clock.t / LIFECYCLE_RETRY_MS)}`]);
+    clock.t += 2000;
+    await pass(ex, sb);
+    expect(started).toHaveLength(2);
+    clock.t += LIFECYCLE_RETRY_MS;
+    await pass(ex, sb);
+    expect(started).toHaveLength(3);
+    // One its owner paused is left paused.
+    await pass(ex, sandboxRecord({ state: 'paused', runningSince: null }));
+    expect(started).toHaveLength(3);
+  });
+
   it('redestroyOfASandboxLeftDestroying_thatFailedBeforeTakingIt_isStartedAgainNextPeriod', async () => {
     // The destroy that left it destroying has ended; each destroy started for it fails at once.
     const ended = { value: { state: 'failed', input: { reason: 'ttl' } }, modRevision: 1 };

@@ -106,6 +106,15 @@ export interface SandboxRec {
    * before it exists until hibernationSnapshotId names it (snapshotsUsedBy).
    */
   hibernatingTo?: string;
+  /**
+   * Paused by a hibernate (this id) that failed and could not resume the VM, though its owner
+   * never paused it: the lifecycle pass resumes it while it is paused and no operation holds
+   * it, again once per LIFECYCLE_RETRY_MS until a resume succeeds (Executor.reconcileLifecycles).
+   * Kept through hibernating (a hibernate of it that fails returns it paused) and lost (its VM
+   * may come back paused); cleared by any other state and by its owner's pause
+   * (Executor.setState, runPauseResume). Absent on records written before the field: none owed.
+   */
+  resumeOwed?: string;
   /** User steps run in the guest after every resume, wake and restore (before it is reported ready). */
   afterResume?: HookRec[];
   /** Operation that currently owns the sandbox (one at a time); empty when idle. */
