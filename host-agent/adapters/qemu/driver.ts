@@ -79,6 +79,7 @@ import {
   adoptProcess,
   cmdlineOf,
   isAlive,
+  isKilled,
   killAndWait,
   killHard,
   OverlayFactory,
@@ -2161,10 +2162,14 @@ export class QemuVmmDriver implements VmmDriver {
     return report;
   }
 
-  /** The pid of this VM's QEMU of generation `gen` if it runs (0 if not). */
+  /**
+   * The pid of this VM's QEMU of generation `gen` if it runs (0 if not). One killed already
+   * (isKilled: a template snapshot's source, SIGKILLed by an agent that died right after) does
+   * not: it was taken for a source never stopped, and the snapshot undone under a VM dying.
+   */
   private async livePid(workdir: string, gen: number, launchDir?: string): Promise<number> {
     const pid = Number((await readFile(join(workdir, `qemu.${gen}.pid`), 'utf8').catch(() => '')).trim());
-    return pid > 0 && isAlive(pid) && (await this.isOurQemu(pid, workdir, launchDir)) ? pid : 0;
+    return pid > 0 && isAlive(pid) && !isKilled(pid) && (await this.isOurQemu(pid, workdir, launchDir)) ? pid : 0;
   }
 
   /**

@@ -91,6 +91,21 @@ function isZombie(pid: number): boolean {
   }
 }
 
+/**
+ * Killed already: a zombie, or SIGKILL pending (sent, not yet acted on: a process on a busy CPU
+ * runs on for a moment after kill(2) returns). Such a QEMU is as good as gone, not a VM to keep.
+ */
+export function isKilled(pid: number): boolean {
+  if (isZombie(pid)) return true;
+  try {
+    const status = readFileSync(`/proc/${pid}/status`, 'utf8');
+    // SigPnd (this thread's) and ShdPnd (the process's) pending signals, hex; SIGKILL is bit 8.
+    return [...status.matchAll(/^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$/gm)].some((m) => (BigInt(`0x${m[1]}`) & 0x100n) !== 0n);
+  } catch {
+    return true;
+  }
+}
+
 export function killHard(pid: number): void {
   try {
     process.kill(pid, 'SIGKILL');
