@@ -255,6 +255,11 @@ export function vmNotRunning(e: { kind: string; message: string }): boolean {
   return VM_NOT_RUNNING.some(([kind, text]) => e.kind === kind && text.test(e.message));
 }
 
+/** `e`, thrown: for `??` (an answer that is the error itself). */
+function throwIt(e: unknown): never {
+  throw e;
+}
+
 /**
  * Renames WriteFile's temporary file ($1) over the path ($2) in the guest: a directory at the
  * path is refused (mv would move the file into it), a symbolic link is written through (its
@@ -927,16 +932,19 @@ export class Fleet {
    * hibernate and wakes the sandbox: so does this one, once (`resend`), through runningSandbox,
    * which returns the sandbox running for the call to be sent again. The sandbox recorded
    * hibernating, hibernated, waking, or running since (a hibernate that failed, or a wake
-   * elsewhere) is resent; still recorded as it was read, its record has not caught up with its
-   * VM (a pause or loss being recorded): UNAVAILABLE, retryable, nothing of the call having run.
-   * Recorded paused (by its owner, or by a hibernate that could not resume it), or stopped
-   * otherwise, it is runningSandbox's refusal (FAILED_PRECONDITION), not the host's.
+   * elsewhere) is resent; refused again after that: UNAVAILABLE, retryable, nothing of the call
+   * having run. Still recorded as it was read, its record has not caught up with its VM (a
+   * pause, or a VM gone from its host, being recorded): undefined, the host's refusal is the
+   * answer, as before (FAILED_PRECONDITION naming sandbox_id). Recorded paused (by its owner,
+   * or by a hibernate that could not resume it), or stopped otherwise, it is runningSandbox's
+   * refusal (FAILED_PRECONDITION).
    */
-  private async afterRefusal(tenantId: string, before: SandboxRec, refusal: { message: string }, signal: AbortSignal | undefined, field: string, resend: boolean): Promise<SandboxRec> {
+  private async afterRefusal(tenantId: string, before: SandboxRec, refusal: { message: string }, signal: AbortSignal | undefined, field: string, resend: boolean): Promise<SandboxRec | undefined> {
     const sb = await this.getSandbox(tenantId, before.id);
     const taken = sb.state === 'hibernating' || sb.state === 'hibernated' || sb.state === 'waking' || (sb.state === 'running' && sb.updatedAt !== before.updatedAt);
     if (taken && resend) return this.runningSandbox(tenantId, before.id, signal, field);
-    if (taken || sb.state === 'running') throw new ForkfleetError('unavailable', `sandbox ${before.id} was not running when the call reached its host (${refusal.message}); none of it ran: retry`, { retryable: true });
+    if (taken) throw new ForkfleetError('unavailable', `sandbox ${before.id} was not running when the call reached its host (${refusal.message}); none of it ran: retry`, { retryable: true });
+    if (sb.state === 'running') return undefined;
     throw notRunning(before.id, sb.state, field);
   }
 
@@ -953,7 +961,7 @@ export class Fleet {
         return await call(sb, () => (answered = true));
       } catch (e) {
         if (answered || !(e instanceof ForkfleetError) || !vmNotRunning(e)) throw e;
-        sb = await this.afterRefusal(tenantId, sb, e, signal, field, resend);
+        sb = (await this.afterRefusal(tenantId, sb, e, signal, field, resend)) ?? throwIt(e);
       }
     }
   }
@@ -1004,18 +1012,24 @@ export class Fleet {
       // Gone while the sandbox was woken: the command is not sent at all.
       if (signal?.aborted) throw new ForkfleetError('cancelled', 'exec cancelled before it was sent');
       let first = true;
-      let refused: { message: string } | undefined;
+      let refused: { piece: HostExecOutputMsg; message: string } | undefined;
       for await (const m of this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, owner: input.tenantId, ...(signal ? { signal } : {}) })) {
         // Refused before the command started, its VM not running (the host's last message): sent again once woken (afterRefusal).
         if (first && m.payload.case === 'error' && vmNotRunning(m.payload.value)) {
-          refused = m.payload.value;
+          refused = { piece: m, message: m.payload.value.message };
           break;
         }
         first = false;
         yield m;
       }
       if (!refused) return;
-      sb = await this.afterRefusal(input.tenantId, sb, refused, signal, 'sandbox_id', resend);
+      const woken = await this.afterRefusal(input.tenantId, sb, refused, signal, 'sandbox_id', resend);
+      // The record has not moved: the host's refusal is the answer.
+      if (!woken) {
+        yield refused.piece;
+        return;
+      }
+      sb = woken;
     }
   }
 

@@ -154,9 +154,9 @@ describe('a call whose host finds the VM paused or gone by a hibernate that took
     const broke = racingHibernate(undefined, () => [errorOf({ kind: 'failed_precondition', message: 'vm vm-7: guest agent channel closed while running exec', retryable: false, field: '' })]);
     expect(await drain(execOf(broke.fleet))).toEqual(['error']);
     expect(broke.hosts).toEqual(['h1']);
-    // Refused again once woken: a retryable refusal, no third send.
+    // Refused again once woken, the woken record unchanged: the host's refusal, no third send.
     const twice = racingHibernate(undefined, () => [errorOf(PAUSED)]);
-    await expect(drain(execOf(twice.fleet))).rejects.toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/^sandbox sb-a was not running when the call reached its host \(vm vm-7 is paused; cannot exec\); none of it ran: retry$/) });
+    expect(await drain(execOf(twice.fleet))).toEqual(['error']);
     expect(twice.hosts).toEqual(['h1', 'h2']);
     // A read whose first piece was answered: refused at its second, it is not read again (its pieces were held).
     let sb = sandboxRecord({ updatedAt: 1 });
@@ -173,10 +173,11 @@ describe('a call whose host finds the VM paused or gone by a hibernate that took
     expect(part.submitted()).toBe(0);
   });
 
-  it('isUnavailableAndRetryable_whenTheRecordHasNotMovedYet_andFailedPreconditionNamingThePause_whenItsOwnerPausedIt', async () => {
-    // Recorded running as it was read (the record catches up later): not sent again.
+  it('isTheHostsRefusal_whenTheRecordHasNotMovedYet_andFailedPreconditionNamingThePause_whenItsOwnerPausedIt', async () => {
+    // Recorded running as it was read (the record catches up later: a pause, or a VM gone from
+    // its host, being recorded): not sent again; the host's refusal is the answer, as before.
     const unmoved = racingHibernate(sandboxRecord({ updatedAt: 1 }));
-    await expect(drain(execOf(unmoved.fleet))).rejects.toMatchObject({ kind: 'unavailable', retryable: true });
+    expect(await drain(execOf(unmoved.fleet))).toEqual(['error']);
     expect(unmoved.hosts).toEqual(['h1']);
     // Paused by its owner meanwhile: the pause is the answer, as a call made after it gets.
     const paused = racingHibernate(sandboxRecord({ state: 'paused', updatedAt: 2 }));
