@@ -4,8 +4,8 @@ import { createPublicKey } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
-import { connect } from 'nats';
-import { pino } from 'pino';
+import { connect, ErrorCode, NatsError, type ConnectionOptions, type NatsConnection } from 'nats';
+import { pino, type Logger } from 'pino';
 import { compileAgentConfig, sandboxDenyCidrs } from './config.ts';
 import { natsServers, readTlsClientFiles } from '../services/config.ts';
 import { Agent } from './domain/agent.ts';
@@ -19,7 +19,7 @@ import { Materialiser } from './adapters/chunkstore/materialise.ts';
 import { chunkTransferService } from './adapters/peer/server.ts';
 import { certificateHostId, peerServerCredentials, readPeerTls, writeQemuTlsDir } from './adapters/peer/tls.ts';
 import { ChunkStoreShipper } from './adapters/shipper.ts';
-import { ensurePrivateDataDir } from './adapters/data-dir.ts';
+import { ensurePrivateDataDir, lockDataDir } from './adapters/data-dir.ts';
 import { findSocat } from './adapters/peer/tls-relay.ts';
 import { migrateOutThroughRelay } from './adapters/peer/migrate.ts';
 import { LiveRoots } from './domain/snapshot-store.ts';
@@ -32,6 +32,25 @@ import { IMAGE_NAMES } from '../deploy/images/names.ts';
 /** Page size of x86-64 Linux, the only platform the agent runs on. */
 const PAGE_BYTES = 4096;
 
+/** NATS errors that waiting does not mend: a refused key or account, a failed TLS handshake. */
+const NATS_CONFIG_ERRORS: ReadonlySet<string> = new Set([ErrorCode.AuthorizationViolation, ErrorCode.AuthenticationExpired, ErrorCode.AccountExpired, ErrorCode.Tls]);
+
+/**
+ * Connects to NATS, waiting (a warning per attempt, 1 s to 10 s apart) while no server can be
+ * reached. A configuration error (NATS_CONFIG_ERRORS) fails at once.
+ */
+async function connectWaiting(opts: ConnectionOptions, log: Logger): Promise<NatsConnection> {
+  for (let waitMs = 1000; ; waitMs = Math.min(2 * waitMs, 10_000)) {
+    try {
+      return await connect(opts);
+    } catch (err) {
+      if (err instanceof NatsError && NATS_CONFIG_ERRORS.has(err.code)) throw err;
+      log.warn({ err, retryInMs: waitMs }, 'NATS cannot be reached: the agent starts once it can');
+      await new Promise((r) => setTimeout(r, waitMs));
+    }
+  }
+}
+
 async function main(): Promise<void> {
   const cfg = compileAgentConfig();
   const log = pino({ level: cfg.logLevel, base: { component: 'host-agent', hostId: cfg.hostId } });
@@ -41,6 +60,9 @@ async function main(): Promise<void> {
   const peerTls = readPeerTls(cfg.peerTls);
   // Root's alone: it holds every tenant's snapshot chunks (an older agent made it 0755).
   if (await ensurePrivateDataDir(cfg.dataDir)) log.warn({ dataDir: cfg.dataDir }, 'the data directory was readable by other users: made it 0700');
+  // One agent per data directory, taken before anything under it is removed or adopted: a
+  // second agent started beside a running one removed its files in use and killed its VMs.
+  const dataDirLock = await lockDataDir(cfg.dataDir);
   // How migration streams between hosts are encrypted (config.ts peerMigrationTls, ADR 0015).
   const socat = peerTls && (cfg.peerMigrationTls === 'on' || cfg.peerMigrationTls === 'relay') ? findSocat() : undefined;
   if (peerTls && cfg.peerMigrationTls === 'relay' && !socat) throw new Error('FF_PEER_MIGRATION_TLS=relay needs socat (apt-get install socat)');
@@ -57,6 +79,23 @@ async function main(): Promise<void> {
     return undefined;
   }) : undefined;
   if (guestCgroup) log.info({ cgroup: guestCgroup.dir, version: guestCgroup.version, cpuWeight: guestCgroup.cpuWeight }, 'guests run in their own cgroup');
+
+  // NATS before the slow part of the start (the accel probe, the chunk store's sync, adopting
+  // every VM): an agent that exited while NATS was down was restarted every second
+  // (Restart=always) and redid all of it each time; now it waits. The bus takes no work before
+  // agent.start() (consumeWork).
+  // noAsyncTraces: no stack captured per request (each result and event publish is one), as the
+  // scheduler's connection; a timed-out request still fails with a named NatsError.
+  const nc = await connectWaiting({
+    servers: natsServers('FF_NATS_URL', cfg.natsUrl),
+    name: `agent-${cfg.hostId}`,
+    maxReconnectAttempts: -1,
+    reconnectTimeWait: 250,
+    noAsyncTraces: true,
+    ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined),
+    ...natsTlsOptions(natsTlsPem),
+  }, log);
+  const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
 
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
   if (cfg.egress.denyCidrs.length === 0) log.warn('FF_EGRESS_DENY_CIDRS is empty: a sandbox allowed egress is refused the subnets this host is on, but can reach etcd, the schedulers and other hosts\' peer ports on networks further away; set it to their networks');
@@ -128,18 +167,6 @@ async function main(): Promise<void> {
   const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], credentials: peerServerCredentials(peerTls), onError: (err) => log.debug({ err }, 'peer request failed') });
   const peerAddress = cfg.peerAdvertise || peerServer.address;
 
-  // noAsyncTraces: no stack captured per request (each result and event publish is one), as the
-  // scheduler's connection; a timed-out request still fails with a named NatsError.
-  const nc = await connect({
-    servers: natsServers('FF_NATS_URL', cfg.natsUrl),
-    name: `agent-${cfg.hostId}`,
-    maxReconnectAttempts: -1,
-    reconnectTimeWait: 250,
-    noAsyncTraces: true,
-    ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined),
-    ...natsTlsOptions(natsTlsPem),
-  });
-  const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
   // CPU seconds of a process from /proc/<pid>/stat (utime + stime, in clock ticks of 1/100 s).
   const cpu = (pid: number): number | undefined => {
     try {
@@ -205,6 +232,8 @@ async function main(): Promise<void> {
       await close('NATS connection', () => nc.close());
       // A scraper's kept-alive connection would hold close() until it idles out.
       if (metricsServer) await close('metrics server', () => new Promise((r) => (metricsServer.server.close(r), metricsServer.server.closeAllConnections())));
+      // Last: the next agent may take over the data directory once this one has let go of all of it.
+      await close('data directory lock', () => dataDirLock.release());
     })()
       .catch((err: unknown) => {
         clean = false;
