@@ -4,8 +4,8 @@ import { createPublicKey } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
-import { connect, ErrorCode, NatsError, type ConnectionOptions, type NatsConnection } from 'nats';
-import { pino, type Logger } from 'pino';
+import { pino } from 'pino';
+import { connectWaiting } from './adapters/nats/connect.ts';
 import { compileAgentConfig, sandboxDenyCidrs } from './config.ts';
 import { natsServers, readTlsClientFiles } from '../services/config.ts';
 import { Agent } from './domain/agent.ts';
@@ -31,25 +31,6 @@ import { IMAGE_NAMES } from '../deploy/images/names.ts';
 
 /** Page size of x86-64 Linux, the only platform the agent runs on. */
 const PAGE_BYTES = 4096;
-
-/** NATS errors that waiting does not mend: a refused key or account, a failed TLS handshake. */
-const NATS_CONFIG_ERRORS: ReadonlySet<string> = new Set([ErrorCode.AuthorizationViolation, ErrorCode.AuthenticationExpired, ErrorCode.AccountExpired, ErrorCode.Tls]);
-
-/**
- * Connects to NATS, waiting (a warning per attempt, 1 s to 10 s apart) while no server can be
- * reached. A configuration error (NATS_CONFIG_ERRORS) fails at once.
- */
-async function connectWaiting(opts: ConnectionOptions, log: Logger): Promise<NatsConnection> {
-  for (let waitMs = 1000; ; waitMs = Math.min(2 * waitMs, 10_000)) {
-    try {
-      return await connect(opts);
-    } catch (err) {
-      if (err instanceof NatsError && NATS_CONFIG_ERRORS.has(err.code)) throw err;
-      log.warn({ err, retryInMs: waitMs }, 'NATS cannot be reached: the agent starts once it can');
-      await new Promise((r) => setTimeout(r, waitMs));
-    }
-  }
-}
 
 async function main(): Promise<void> {
   const cfg = compileAgentConfig();

@@ -304,6 +304,40 @@ describe('Agent steps', () => {
     await call;
   });
 
+  it('pause_ofTheIdleRule_judgedTwiceMillisecondsApart_isNotRefusedForOneTickOfGuestCpuBetween', async () => {
+    // /proc counts guest CPU in 10 ms ticks: one tick over the few ms between the two
+    // judgements (before the driver's lock and under it) read as 200% busy.
+    let t = 1_000_000;
+    let cpu = 5;
+    const paused: string[] = [];
+    const vm = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0 } as VmInfo;
+    const { agent } = agentWith(
+      {
+        get: () => vm,
+        list: () => [vm],
+        pause: async (id, opts) => {
+          t += 5;
+          cpu += 0.01;
+          const refused = opts?.refuse?.({ ...vm });
+          if (refused) throw refused;
+          paused.push(id);
+        },
+      },
+      {},
+      {},
+      { now: () => t },
+      undefined,
+      undefined,
+      {},
+      { cpu: () => cpu },
+    );
+    agent.idleMs(vm); // seen idle from now
+    t += 61_000;
+    const r = await agent.runStep(work('pause-1', { work: { case: 'pauseVm', value: { sandboxId: 'sb-1', onlyIfIdleMs: 60_000n } } }));
+    expect(r.error).toBeUndefined();
+    expect(paused).toEqual(['sb-1']);
+  });
+
   it('pauseAndResume_whateverTheVmsRecordSays_areHandedToTheDriver_whichAsksQemu', async () => {
     // A pause whose `stop` timed out left the VM recorded running while QEMU stopped it; a
     // resume whose `cont` timed out, the reverse. The step that puts it right is not skipped.

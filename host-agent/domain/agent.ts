@@ -233,6 +233,8 @@ export interface AgentMetrics {
   step(kind: string, errorKind: string | undefined, ms: number): void;
 }
 
+/** The shortest window a guest's CPU use is measured over (idleMs). */
+const CPU_SAMPLE_MIN_MS = 1000;
 /** Local restores the heartbeat's restore_cost_ms is the median of. */
 const RESTORE_SAMPLES = 32;
 /**
@@ -517,13 +519,18 @@ export class Agent {
       this.activity.set(v.vmId, a);
     }
     if (a.calls > 0) a.busyAt = now;
-    const cpu = this.deps.cpu?.(v.pid);
-    if (cpu !== undefined && a.cpu !== undefined && now > a.at) {
-      const fraction = (cpu - a.cpu) / ((now - a.at) / 1000);
-      if (fraction > (this.deps.idleCpuThreshold ?? 0.15)) a.busyAt = now;
+    // Guest CPU over at least CPU_SAMPLE_MIN_MS: /proc counts it in 10 ms ticks, so one tick in
+    // a window of a few ms (the idle pause judged twice, before and under the driver's lock)
+    // read as a busy guest. A shorter window keeps the earlier sample as its baseline.
+    if (a.cpu === undefined || now - a.at >= CPU_SAMPLE_MIN_MS) {
+      const cpu = this.deps.cpu?.(v.pid);
+      if (cpu !== undefined && a.cpu !== undefined && now > a.at) {
+        const fraction = (cpu - a.cpu) / ((now - a.at) / 1000);
+        if (fraction > (this.deps.idleCpuThreshold ?? 0.15)) a.busyAt = now;
+      }
+      a.cpu = cpu;
+      a.at = now;
     }
-    a.cpu = cpu;
-    a.at = now;
     return v.state === 'running' ? now - a.busyAt : 0;
   }
 

@@ -3,11 +3,11 @@
 // isKilled: a process that is killed already (a zombie; SIGKILL pending, which a test cannot
 // hold on cue) is not taken for a live QEMU by recover().
 import { spawn } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
-import { isAlive, isKilled, spawnQemu } from './process.ts';
+import { isAlive, isKilled, sigkillPending, spawnQemu } from './process.ts';
 
 describe('spawnQemu', () => {
   it('aSpawnThatFails_throwsRetryableUnavailable_andLeavesNoUncaughtError', async () => {
@@ -33,7 +33,8 @@ describe('isKilled', () => {
     const parent = spawn('/bin/sh', ['-c', 'true & echo $!; exec sleep 30'], { stdio: ['ignore', 'pipe', 'ignore'] });
     try {
       const zombie = Number((await new Promise<string>((r) => parent.stdout.once('data', (d: Buffer) => r(d.toString())))).trim());
-      await new Promise((r) => setTimeout(r, 200));
+      // Until `true` has ended (a busy machine may take a while to run it).
+      for (let i = 0; i < 100 && !/\) Z /.test(readFileSync(`/proc/${zombie}/stat`, 'utf8')); i++) await new Promise((r) => setTimeout(r, 50));
       expect(isAlive(zombie)).toBe(true);
       expect(isKilled(zombie)).toBe(true);
       expect(isKilled(parent.pid!)).toBe(false);
@@ -41,6 +42,19 @@ describe('isKilled', () => {
       parent.kill('SIGKILL');
     }
     await new Promise((r) => parent.once('exit', r));
+    // Reaped by its parent (this process): /proc has no such process, which counts as killed.
+    expect(isAlive(parent.pid!)).toBe(false);
     expect(isKilled(parent.pid!)).toBe(true);
+  });
+});
+
+describe('sigkillPending', () => {
+  const status = (sig: string, shd: string): string => `Name:\tqemu-system-x86\nState:\tS (sleeping)\nSigQ:\t0/94299\nSigPnd:\t${sig}\nShdPnd:\t${shd}\nSigBlk:\t0000000000000100\n`;
+  it('readsSigkillInTheProcessOrTheThreadMask_andNoOtherSignal', () => {
+    expect(sigkillPending(status('0000000000000000', '0000000000000100'))).toBe(true);
+    expect(sigkillPending(status('0000000000000100', '0000000000000000'))).toBe(true);
+    // SIGTERM (bit 14) pending, SIGKILL only in the blocked mask (which it cannot be): not killed.
+    expect(sigkillPending(status('0000000000004000', '0000000000004000'))).toBe(false);
+    expect(sigkillPending(status('0000000000000000', '0000000000000000'))).toBe(false);
   });
 });

@@ -98,12 +98,15 @@ function isZombie(pid: number): boolean {
 export function isKilled(pid: number): boolean {
   if (isZombie(pid)) return true;
   try {
-    const status = readFileSync(`/proc/${pid}/status`, 'utf8');
-    // SigPnd (this thread's) and ShdPnd (the process's) pending signals, hex; SIGKILL is bit 8.
-    return [...status.matchAll(/^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$/gm)].some((m) => (BigInt(`0x${m[1]}`) & 0x100n) !== 0n);
+    return sigkillPending(readFileSync(`/proc/${pid}/status`, 'utf8'));
   } catch {
     return true;
   }
+}
+
+/** Whether a /proc/<pid>/status text shows SIGKILL pending: SigPnd (the thread's) or ShdPnd (the process's), hex masks; SIGKILL is bit 8. */
+export function sigkillPending(status: string): boolean {
+  return [...status.matchAll(/^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$/gm)].some((m) => (BigInt(`0x${m[1]}`) & 0x100n) !== 0n);
 }
 
 export function killHard(pid: number): void {
