@@ -196,6 +196,25 @@ describe('a hibernate whose snapshot fails', () => {
     expect(steps).toEqual([]);
   });
 
+  it('anOwedResumeThatFindsItHibernatingOrLost_failsForTheRuleToSubmitAnother_insteadOfUsingUpItsKey', async () => {
+    for (const state of ['hibernating', 'lost'] as const) {
+      const { w, ex } = leaderOver(sandboxRecord({ state, runningSince: null, resumeOwed: 'op-h', ...(state === 'hibernating' ? { opId: 'op-d' } : {}) }), opRecord('op-r', 'resume', { resumeOwed: 'op-h' }));
+      ex.step = async () => ({ vms: [] });
+      await ex.runPauseResume(w.op).catch(() => undefined);
+      expect(w.op.state, state).not.toBe('succeeded');
+      expect(w.sb.resumeOwed, state).toBe('op-h');
+    }
+  });
+
+  it('anOwnersPauseOfARunningSandboxStillMarked_clearsTheMark', async () => {
+    // A mark left by a leader that did not clear it (an older version): the owner's pause ends it.
+    const { w, ex } = leaderOver(sandboxRecord({ resumeOwed: 'op-h' }), opRecord('op-p', 'pause', {}));
+    ex.step = async () => ({ vms: [] });
+    await ex.runPauseResume(w.op);
+    expect(w.sb.state).toBe('paused');
+    expect(w.sb.resumeOwed).toBeUndefined();
+  });
+
   it('ofOneOwedAResume_thatFailsToo_leavesItPausedStillOwed', async () => {
     // A drain's hibernate of it (from paused: nothing to pause or resume) fails at its snapshot.
     const { w, ex } = leaderOver(sandboxRecord({ state: 'paused', runningSince: null, resumeOwed: 'op-h0' }), opRecord('op-h', 'hibernate', { snapshotId: 'sn-h', reason: 'drain' }));

@@ -1682,7 +1682,8 @@ export class Executor {
     delete sb.lostFromOp;
     // A resume owed stays owed while the sandbox is paused or may come back paused (a hibernate
     // of it that fails, its host's return): any other state (running, hibernated, destroyed)
-    // settles it. Every change of a sandbox's state comes here.
+    // settles it. The changes that can meet a marked sandbox come here (pending->starting and
+    // hibernated->waking are set directly: neither state carries a mark).
     if (state !== 'paused' && state !== 'hibernating' && state !== 'lost') delete sb.resumeOwed;
     if (sb.state === 'running' && state !== 'running' && sb.runningSince !== null) {
       sb.runningMsBefore += Math.max(0, now - sb.runningSince);
@@ -2829,8 +2830,12 @@ export class Executor {
     // The lifecycle pass's resume of one a failed hibernate left paused: only while that resume
     // is still owed. Its owner's pause or resume that ran before it (pauses and resumes of a
     // sandbox run one at a time) settled it, and is not undone.
+    // Still owed but not paused now (a drain's hibernate holds it, its host was found lost: the
+    // states that keep the mark): failed, not finished, so that the pass submits another once
+    // it is paused again (a finished one would use up the rule's key).
     const owed = op.kind === 'resume' ? op.input.resumeOwed : undefined;
-    if (owed !== undefined && (sb.state !== 'paused' || sb.resumeOwed !== owed)) return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, undefined, `not resumed: it is ${sb.state}, and no longer owed a resume`);
+    if (owed !== undefined && sb.resumeOwed !== owed) return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, undefined, `not resumed: it is ${sb.state}, and no longer owed a resume`);
+    if (owed !== undefined && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'it is owed a resume once it is paused again');
     if (sb.state !== target) {
       if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
       const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id, hooksOf(sb)));
@@ -2847,6 +2852,8 @@ export class Executor {
             // A hibernate that took it meanwhile owns it now (its record is re-read on a conflict).
             if ((s.state !== 'running' && s.state !== 'paused') || (s.opId !== '' && s.opId !== op.id)) throw new WrongStateError('sandbox', s.id, s.state, `${op.kind} lost the race to another operation (${s.opId || 'none'})`);
             this.setState(s, target, now, report);
+            // Paused by its owner's asking: no resume is owed it any more (setState keeps the mark through paused).
+            if (op.kind === 'pause') delete s.resumeOwed;
           },
           sbv,
         ),

@@ -933,17 +933,20 @@ export class Fleet {
    * which returns the sandbox running for the call to be sent again. The sandbox recorded
    * hibernating, hibernated, waking, or running since (a hibernate that failed, or a wake
    * elsewhere) is resent; refused again after that: UNAVAILABLE, retryable, nothing of the call
-   * having run. Still recorded as it was read, its record has not caught up with its VM (a
-   * pause, or a VM gone from its host, being recorded): undefined, the host's refusal is the
-   * answer, as before (FAILED_PRECONDITION naming sandbox_id). Recorded paused (by its owner,
-   * or by a hibernate that could not resume it), or stopped otherwise, it is runningSandbox's
-   * refusal (FAILED_PRECONDITION).
+   * having run. Still recorded as it was read: held by an operation (a drain moving it pauses
+   * its VM for the move while the record says running), or refused for a while only (the host
+   * says `unavailable`: a snapshot under way), UNAVAILABLE, retryable, as it passes; otherwise
+   * its record has not caught up with its VM (a pause, or a VM gone from its host, being
+   * recorded): undefined, the host's refusal is the answer, as before (FAILED_PRECONDITION
+   * naming sandbox_id). Recorded paused (by its owner, or by a hibernate that could not resume
+   * it), or stopped otherwise, it is runningSandbox's refusal (FAILED_PRECONDITION).
    */
-  private async afterRefusal(tenantId: string, before: SandboxRec, refusal: { message: string }, signal: AbortSignal | undefined, field: string, resend: boolean): Promise<SandboxRec | undefined> {
+  private async afterRefusal(tenantId: string, before: SandboxRec, refusal: { kind: string; message: string }, signal: AbortSignal | undefined, field: string, resend: boolean): Promise<SandboxRec | undefined> {
     const sb = await this.getSandbox(tenantId, before.id);
     const taken = sb.state === 'hibernating' || sb.state === 'hibernated' || sb.state === 'waking' || (sb.state === 'running' && sb.updatedAt !== before.updatedAt);
     if (taken && resend) return this.runningSandbox(tenantId, before.id, signal, field);
-    if (taken) throw new ForkfleetError('unavailable', `sandbox ${before.id} was not running when the call reached its host (${refusal.message}); none of it ran: retry`, { retryable: true });
+    const passes = sb.state === 'running' && (sb.opId !== '' || refusal.kind === 'unavailable');
+    if (taken || passes) throw new ForkfleetError('unavailable', `sandbox ${before.id} was not running when the call reached its host (${refusal.message})${sb.opId ? `, held by operation ${sb.opId}` : ''}; none of it ran: retry`, { retryable: true });
     if (sb.state === 'running') return undefined;
     throw notRunning(before.id, sb.state, field);
   }
@@ -1012,11 +1015,11 @@ export class Fleet {
       // Gone while the sandbox was woken: the command is not sent at all.
       if (signal?.aborted) throw new ForkfleetError('cancelled', 'exec cancelled before it was sent');
       let first = true;
-      let refused: { piece: HostExecOutputMsg; message: string } | undefined;
+      let refused: { piece: HostExecOutputMsg; kind: string; message: string } | undefined;
       for await (const m of this.deps.bus.exec(sb.hostId, req, { timeoutMs: input.timeoutMs + 10_000, owner: input.tenantId, ...(signal ? { signal } : {}) })) {
         // Refused before the command started, its VM not running (the host's last message): sent again once woken (afterRefusal).
         if (first && m.payload.case === 'error' && vmNotRunning(m.payload.value)) {
-          refused = { piece: m, message: m.payload.value.message };
+          refused = { piece: m, kind: m.payload.value.kind, message: m.payload.value.message };
           break;
         }
         first = false;

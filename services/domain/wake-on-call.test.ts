@@ -179,6 +179,11 @@ describe('a call whose host finds the VM paused or gone by a hibernate that took
     const unmoved = racingHibernate(sandboxRecord({ updatedAt: 1 }));
     expect(await drain(execOf(unmoved.fleet))).toEqual(['error']);
     expect(unmoved.hosts).toEqual(['h1']);
+    // Held by an operation (a drain moving it pauses its VM while the record says running):
+    // it passes, so the caller is told to retry.
+    const held = racingHibernate(sandboxRecord({ updatedAt: 1, opId: 'op-d' }));
+    await expect(drain(execOf(held.fleet))).rejects.toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/held by operation op-d/) });
+    expect(held.hosts).toEqual(['h1']);
     // Paused by its owner meanwhile: the pause is the answer, as a call made after it gets.
     const paused = racingHibernate(sandboxRecord({ state: 'paused', updatedAt: 2 }));
     await expect(drain(execOf(paused.fleet))).rejects.toMatchObject({ kind: 'failed_precondition', field: 'sandbox_id', message: 'sandbox sb-a is paused; it must be running (ResumeSandbox resumes it)' });
