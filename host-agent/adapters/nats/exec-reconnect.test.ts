@@ -66,14 +66,23 @@ function driven() {
   };
 }
 
+/** `body` with a driven handler served by an agent bus, stopped after it. */
+async function served(body: (h: ReturnType<typeof driven>, a: ReturnType<typeof agentBus>) => Promise<void>): Promise<void> {
+  const h = driven();
+  const a = agentBus(h.handler);
+  try {
+    await body(h, a);
+  } finally {
+    a.stop();
+  }
+}
+
 const stdout: HostExecOutput['payload'] = { case: 'stdout', value: new TextEncoder().encode('hi') };
 const exit: HostExecOutput['payload'] = { case: 'exit', value: create(HostExecExitSchema, { exitCode: 0 }) };
 
 describe('NatsAgentBus.serveExec across a reconnect', () => {
-  it('serveExec_whenTheExitWentOutWhileTheLinkWasDown_sendsAnErrorWithTheNextSeqAtTheReconnect', async () => {
-    const h = driven();
-    const a = agentBus(h.handler);
-    try {
+  it('serveExec_whenTheExitWentOutWhileTheLinkWasDown_sendsAnErrorWithTheNextSeqAtTheReconnect', () =>
+    served(async (h, a) => {
       a.request('_INBOX.r1');
       h.emit(stdout);
       await a.status('disconnect');
@@ -83,15 +92,10 @@ describe('NatsAgentBus.serveExec across a reconnect', () => {
       await a.status('reconnect');
       // Before, the exit (dropped by nats.js) was the last word: the caller waited out its timeout.
       expect(a.answers('_INBOX.r1')).toEqual(['1:stdout', '2:exit', '3:error:unavailable']);
-    } finally {
-      a.stop();
-    }
-  });
+    }));
 
-  it('serveExec_whenOutputWentOutWhileTheLinkWasDown_killsTheCommandAtTheReconnect_andSendsNothingAfterTheError', async () => {
-    const h = driven();
-    const a = agentBus(h.handler);
-    try {
+  it('serveExec_whenOutputWentOutWhileTheLinkWasDown_killsTheCommandAtTheReconnect_andSendsNothingAfterTheError', () =>
+    served(async (h, a) => {
       a.request('_INBOX.r1');
       await a.status('disconnect');
       h.emit(stdout);
@@ -100,15 +104,10 @@ describe('NatsAgentBus.serveExec across a reconnect', () => {
       h.emit({ case: 'error', value: create(ErrorInfoSchema, { kind: 'cancelled', message: 'killed' }) });
       h.end();
       expect(a.answers('_INBOX.r1')).toEqual(['1:stdout', '2:error:unavailable']);
-    } finally {
-      a.stop();
-    }
-  });
+    }));
 
-  it('serveExec_whenNothingWentOutWhileTheLinkWasDown_leavesTheCommandRunning', async () => {
-    const h = driven();
-    const a = agentBus(h.handler);
-    try {
+  it('serveExec_whenNothingWentOutWhileTheLinkWasDown_leavesTheCommandRunning', () =>
+    served(async (h, a) => {
       a.request('_INBOX.r1');
       h.emit(stdout);
       await a.status('disconnect');
@@ -117,15 +116,10 @@ describe('NatsAgentBus.serveExec across a reconnect', () => {
       h.emit(exit);
       h.end();
       expect(a.answers('_INBOX.r1')).toEqual(['1:stdout', '2:exit']);
-    } finally {
-      a.stop();
-    }
-  });
+    }));
 
-  it('keepalive_namingAnExecThisHostDoesNotRun_isAnsweredOnItsReplySubject_withAnErrorOutsideTheSequence', async () => {
-    const h = driven();
-    const a = agentBus(h.handler);
-    try {
+  it('keepalive_namingAnExecThisHostDoesNotRun_isAnsweredOnItsReplySubject_withAnErrorOutsideTheSequence', () =>
+    served(async (h, a) => {
       a.request('_INBOX.r1');
       h.emit(stdout);
       // r1 runs; r0 ended here (its exit lost on the way) or never arrived.
@@ -138,8 +132,5 @@ describe('NatsAgentBus.serveExec across a reconnect', () => {
       // Ended here: its caller naming it still is told so.
       a.keepalive('_INBOX.r1');
       expect(a.answers('_INBOX.r1')).toEqual(['1:stdout', '2:exit', '0:error:unavailable']);
-    } finally {
-      a.stop();
-    }
-  });
+    }));
 });

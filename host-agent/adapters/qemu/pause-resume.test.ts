@@ -10,7 +10,7 @@ import { join } from 'node:path';
 import pino from 'pino';
 import { ChannelClosedError, VmCrashedError } from '../../errors.ts';
 import { QemuVmmDriver } from './driver.ts';
-import { runningVmRecord } from './vm-record.fixture.ts';
+import { runningVmRecord, closeWithoutVm } from './vm-record.fixture.ts';
 import type { FakeVmRecord } from './vm-record.fixture.ts';
 import type { VmInfo } from '../../domain/vmm.ts';
 
@@ -54,10 +54,6 @@ function withVm(over: Record<string, unknown> = {}): { driver: QemuVmmDriver; in
   return { driver, internals, rec, sent, qmp, workdir };
 }
 
-async function teardown(driver: QemuVmmDriver, internals: Internals): Promise<void> {
-  internals.vms.delete('vm1'); // no QEMU to stop
-  await driver.close();
-}
 
 describe('pause with a condition', () => {
   it('pause_queuedBehindASnapshotThatHoldsTheVmWhileItStillSaysRunning_asksItsConditionOnceTheSnapshotEnds_andARefusalSendsNothing', async () => {
@@ -96,31 +92,31 @@ describe('pause with a condition', () => {
     // Not refused: paused.
     await driver.pause('vm1', { refuse: () => undefined });
     expect(driver.get('vm1')?.state).toBe('paused');
-    await teardown(driver, internals);
+    await closeWithoutVm(driver);
   });
 });
 
 describe('pause and resume of a VM whose QEMU exited', () => {
   it('pauseAndResume_whenQmpClosedBeforeTheCrashWatcherRecordedIt_failAsCrashed_notRetryable', async () => {
-    const { driver, internals, sent, qmp } = withVm();
+    const { driver, sent, qmp } = withVm();
     qmp.closed = true; // QEMU exited; the crash watcher waits for its process (CRASH_EXIT_WAIT_MS)
     const paused = driver.pause('vm1');
     await expect(paused).rejects.toBeInstanceOf(VmCrashedError);
     await expect(paused).rejects.toMatchObject({ retryable: false });
     await expect(driver.resume('vm1')).rejects.toBeInstanceOf(VmCrashedError);
     expect(sent).toEqual([]);
-    await teardown(driver, internals);
+    await closeWithoutVm(driver);
   });
 
   it('pause_whenQemuExitsDuringItsStop_failsAsCrashed', async () => {
-    const { driver, internals, qmp } = withVm();
+    const { driver, qmp } = withVm();
     const execute = (qmp as unknown as { execute: (cmd: string) => Promise<unknown> }).execute;
     (qmp as unknown as { execute: (cmd: string) => Promise<unknown> }).execute = (cmd) => {
       if (cmd === 'stop') qmp.closed = true;
       return execute(cmd);
     };
     await expect(driver.pause('vm1')).rejects.toBeInstanceOf(VmCrashedError);
-    await teardown(driver, internals);
+    await closeWithoutVm(driver);
   });
 });
 
@@ -143,6 +139,6 @@ describe('resume of a VM adopted running', () => {
     await driver.resume('vm1');
     expect(refreshes).toBe(1);
     expect(sent).toEqual(['query-status', 'query-status']);
-    await teardown(driver, internals);
+    await closeWithoutVm(driver);
   });
 });

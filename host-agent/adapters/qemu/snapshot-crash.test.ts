@@ -15,7 +15,7 @@ import { join } from 'node:path';
 import pino from 'pino';
 import { VmCrashedError } from '../../errors.ts';
 import { QemuVmmDriver } from './driver.ts';
-import { runningVmRecord } from './vm-record.fixture.ts';
+import { runningVmRecord, closeWithoutVm } from './vm-record.fixture.ts';
 import type { FakeVmRecord } from './vm-record.fixture.ts';
 import type { SnapshotManifest } from '../../domain/vmm.ts';
 
@@ -48,14 +48,10 @@ function setup(): { root: string; driver: QemuVmmDriver; internals: Internals; r
   return { root, driver, internals, rec };
 }
 
-async function teardown(driver: QemuVmmDriver, internals: Internals): Promise<void> {
-  internals.vms.delete('vm1'); // no QEMU to stop
-  await driver.close();
-}
 
 describe('snapshot when the VM crashes', () => {
   it('snapshot_whenTheVmCrashesBeforeItStarts_throwsVmCrashed_andLeavesNoDirectory', async () => {
-    const { root, driver, internals, rec } = setup();
+    const { root, driver, rec } = setup();
     // The crash watcher runs during an await before the snapshot starts.
     driver.qemuVersion = () => {
       rec.info.state = 'crashed';
@@ -64,7 +60,7 @@ describe('snapshot when the VM crashes', () => {
     await expect(driver.snapshot('vm1', 'sn1')).rejects.toBeInstanceOf(VmCrashedError);
     expect(existsSync(join(root, 'snapshots', 'sn1'))).toBe(false);
     expect(rec.info.state).toBe('crashed');
-    await teardown(driver, internals);
+    await closeWithoutVm(driver);
   });
 
   it('snapshot_whenTheVmCrashesOnceItsFilesAreComplete_returnsTheSealedSnapshot_andTheVmStaysCrashed', async () => {
@@ -82,7 +78,7 @@ describe('snapshot when the VM crashes', () => {
     expect(rec.info.state).toBe('crashed');
     // A sealed snapshot is never recorded as unsealed (a destroy would remove its directory).
     expect(rec.unsealed).toBeUndefined();
-    await teardown(driver, internals);
+    await closeWithoutVm(driver);
   });
 
   it('snapshot_whenWhatFollowsItsSealFails_neverRecordsTheSealedSnapshotAsUnsealed', async () => {
@@ -96,7 +92,7 @@ describe('snapshot when the VM crashes', () => {
     await expect(driver.snapshot('vm1', 'sn1')).rejects.toThrow(/ENOSPC/);
     expect(existsSync(join(root, 'snapshots', 'sn1', 'manifest.json'))).toBe(true);
     expect(rec.unsealed).toBeUndefined();
-    await teardown(driver, internals);
+    await closeWithoutVm(driver);
   });
 });
 
@@ -157,6 +153,6 @@ describe('removeGenFiles', () => {
     for (const f of ['qmp.2.sock', 'qga.2.sock', 'mig-in.2.sock', 'qemu.2.pid', 'qemu.2.log', 'mig-in.3.sock']) writeFileSync(join(workdir, f), '');
     await internals.removeGenFiles(workdir, 2);
     expect(readdirSync(workdir)).toEqual(['mig-in.3.sock']);
-    await teardown(driver, internals);
+    await closeWithoutVm(driver);
   });
 });

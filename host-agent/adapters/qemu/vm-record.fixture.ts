@@ -3,6 +3,7 @@
 // and disk there, a QMP that is open and answers nothing. `over` replaces or adds fields.
 import { join } from 'node:path';
 import pino from 'pino';
+import type { QemuVmmDriver } from './driver.ts';
 
 export interface FakeVmRecord {
   info: { vmId: string; state: string; workdir: string; accel: string; memoryMib: number; vcpus: number };
@@ -26,4 +27,10 @@ export function runningVmRecord(workdir: string, over: Record<string, unknown> =
     lock: Promise.resolve(),
     ...over,
   };
+}
+
+/** Closes a driver that holds the fake `vm1` (runningVmRecord): the record goes first, as there is no QEMU to stop. */
+export async function closeWithoutVm(driver: QemuVmmDriver): Promise<void> {
+  (driver as unknown as { vms: Map<string, unknown> }).vms.delete('vm1');
+  await driver.close();
 }
