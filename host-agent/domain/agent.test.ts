@@ -338,6 +338,38 @@ describe('Agent steps', () => {
     expect(paused).toEqual(['sb-1']);
   });
 
+  it('pause_ofTheIdleRule_underASecondAfterTheLastSample_isRefusedForABurstOfGuestCpuSinceIt', async () => {
+    let t = 1_000_000;
+    let cpu = 5;
+    const paused: string[] = [];
+    const vm = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0 } as VmInfo;
+    const { agent } = agentWith({ get: () => vm, list: () => [vm], pause: async (id) => void paused.push(id) }, {}, {}, { now: () => t }, undefined, undefined, {}, { cpu: () => cpu });
+    agent.idleMs(vm); // seen idle from now
+    t += 61_000;
+    agent.idleMs(vm); // a heartbeat's sample: idle
+    // A job starts: 0.4 s of guest CPU in the 600 ms before the pause arrives.
+    t += 600;
+    cpu += 0.4;
+    const r = await agent.runStep(work('pause-1', { work: { case: 'pauseVm', value: { sandboxId: 'sb-1', onlyIfIdleMs: 60_000n } } }));
+    expect(r.error).toMatchObject({ kind: 'failed_precondition', message: expect.stringMatching(/not idle/) });
+    expect(paused).toEqual([]);
+  });
+
+  it('idleMs_afterTheClockSteppedBack_measuresGuestCpuAgain', () => {
+    let t = 1_000_000;
+    let cpu = 5;
+    const vm = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0 } as VmInfo;
+    const { agent } = agentWith({ get: () => vm, list: () => [vm] }, {}, {}, { now: () => t }, undefined, undefined, {}, { cpu: () => cpu });
+    agent.idleMs(vm);
+    t += 120_000;
+    expect(agent.idleMs(vm)).toBe(120_000);
+    t -= 60_000; // an NTP step back
+    agent.idleMs(vm);
+    t += 2_000;
+    cpu += 1.5; // busy since
+    expect(agent.idleMs(vm)).toBe(0);
+  });
+
   it('pauseAndResume_whateverTheVmsRecordSays_areHandedToTheDriver_whichAsksQemu', async () => {
     // A pause whose `stop` timed out left the VM recorded running while QEMU stopped it; a
     // resume whose `cont` timed out, the reverse. The step that puts it right is not skipped.

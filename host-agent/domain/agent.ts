@@ -233,8 +233,10 @@ export interface AgentMetrics {
   step(kind: string, errorKind: string | undefined, ms: number): void;
 }
 
-/** The shortest window a guest's CPU use is measured over (idleMs). */
+/** The shortest window a guest's CPU baseline moves over (idleMs). */
 const CPU_SAMPLE_MIN_MS = 1000;
+/** Guest CPU seconds a shorter window may show without counting as busy: two /proc ticks (one at each end). */
+const CPU_TICKS_ALLOWANCE_S = 0.02;
 /** Local restores the heartbeat's restore_cost_ms is the median of. */
 const RESTORE_SAMPLES = 32;
 /**
@@ -519,15 +521,18 @@ export class Agent {
       this.activity.set(v.vmId, a);
     }
     if (a.calls > 0) a.busyAt = now;
-    // Guest CPU over at least CPU_SAMPLE_MIN_MS: /proc counts it in 10 ms ticks, so one tick in
-    // a window of a few ms (the idle pause judged twice, before and under the driver's lock)
-    // read as a busy guest. A shorter window keeps the earlier sample as its baseline.
-    if (a.cpu === undefined || now - a.at >= CPU_SAMPLE_MIN_MS) {
-      const cpu = this.deps.cpu?.(v.pid);
-      if (cpu !== undefined && a.cpu !== undefined && now > a.at) {
-        const fraction = (cpu - a.cpu) / ((now - a.at) / 1000);
-        if (fraction > (this.deps.idleCpuThreshold ?? 0.15)) a.busyAt = now;
-      }
+    // Guest CPU as a fraction of the window since the last sample. /proc counts it in 10 ms
+    // ticks: one tick in a window of a few ms (the idle pause judged twice, before and under
+    // the driver's lock) read as a busy guest. So the baseline moves only after a window of
+    // CPU_SAMPLE_MIN_MS (or a clock that stepped back); a shorter one is read against it with
+    // two ticks' allowance, so a burst since the last heartbeat still counts.
+    const cpu = this.deps.cpu?.(v.pid);
+    const thresh = this.deps.idleCpuThreshold ?? 0.15;
+    if (cpu !== undefined && a.cpu !== undefined && now > a.at) {
+      const window = (now - a.at) / 1000;
+      if (cpu - a.cpu > thresh * window + (now - a.at < CPU_SAMPLE_MIN_MS ? CPU_TICKS_ALLOWANCE_S : 0)) a.busyAt = now;
+    }
+    if (a.cpu === undefined || now - a.at >= CPU_SAMPLE_MIN_MS || now < a.at) {
       a.cpu = cpu;
       a.at = now;
     }

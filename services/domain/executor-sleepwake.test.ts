@@ -7,7 +7,7 @@ import { HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { ExecutorDeps } from './executor.ts';
 import type { StoreWrite, Versioned } from './ports.ts';
 import type { OperationRec, SandboxRec, SnapshotRec } from './records.ts';
-import { ConflictError, HostStepError, StepTimeoutError, StoreUnavailableError } from './errors.ts';
+import { ConflictError, HostStepError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { leaderExecutor } from '../testkit/executor.ts';
 import { sandboxRecord, snapshotRecord } from '../testkit/records.ts';
 
@@ -200,7 +200,7 @@ describe('a hibernate whose snapshot fails', () => {
     for (const state of ['hibernating', 'lost'] as const) {
       const { w, ex } = leaderOver(sandboxRecord({ state, runningSince: null, resumeOwed: 'op-h', ...(state === 'hibernating' ? { opId: 'op-d' } : {}) }), opRecord('op-r', 'resume', { resumeOwed: 'op-h' }));
       ex.step = async () => ({ vms: [] });
-      await ex.runPauseResume(w.op).catch(() => undefined);
+      await expect(ex.runPauseResume(w.op), state).rejects.toBeInstanceOf(WrongStateError);
       expect(w.op.state, state).not.toBe('succeeded');
       expect(w.sb.resumeOwed, state).toBe('op-h');
     }

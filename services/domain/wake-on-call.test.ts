@@ -184,6 +184,10 @@ describe('a call whose host finds the VM paused or gone by a hibernate that took
     const held = racingHibernate(sandboxRecord({ updatedAt: 1, opId: 'op-d' }));
     await expect(drain(execOf(held.fleet))).rejects.toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/held by operation op-d/) });
     expect(held.hosts).toEqual(['h1']);
+    // Refused for a while only (a snapshot of it under way): retryable, as it passes.
+    const snapshotting = racingHibernate(sandboxRecord({ updatedAt: 1 }), () => [errorOf({ kind: 'unavailable', message: 'vm vm-7 is still being snapshotted after 30000 ms; cannot exec yet', retryable: true, field: '' })]);
+    await expect(drain(execOf(snapshotting.fleet))).rejects.toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/still being snapshotted/) });
+    expect(snapshotting.hosts).toEqual(['h1']);
     // Paused by its owner meanwhile: the pause is the answer, as a call made after it gets.
     const paused = racingHibernate(sandboxRecord({ state: 'paused', updatedAt: 2 }));
     await expect(drain(execOf(paused.fleet))).rejects.toMatchObject({ kind: 'failed_precondition', field: 'sandbox_id', message: 'sandbox sb-a is paused; it must be running (ResumeSandbox resumes it)' });

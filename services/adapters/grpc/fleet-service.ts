@@ -297,7 +297,8 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
             // broke mid-run), and an Exec is not deduplicated, so a retry could run it twice.
             // Not retryable whatever the host's error says; the caller decides. (Its refusal
             // before the command started, the VM not running, gets here only when the sandbox's
-            // record has not moved and nothing holds it: Fleet.exec re-sends or retries the rest.)
+            // record has not moved, nothing holds it and the host did not call it passing
+            // (unavailable): Fleet.exec re-sends the others or answers them retryable.)
             throw new RelayedHostError(out.payload.value.kind, out.payload.value.message, { retryable: false, ...(out.payload.value.field ? { field: out.payload.value.field } : {}) });
         }
       }
