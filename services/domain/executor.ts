@@ -328,6 +328,16 @@ function pauseVm(sandboxId: string, onlyIfIdleMs = 0): HostWorkMsg['work'] {
   return { case: 'pauseVm', value: { sandboxId, onlyIfIdleMs: BigInt(onlyIfIdleMs) } as never };
 }
 
+/**
+ * What a wake op records in its input once placed (runWake): the host it booked, the host it
+ * fetches the snapshot from, and the host the sandbox hibernated on (a failed wake goes back there).
+ */
+interface WakeInput {
+  bookedHost?: string;
+  transferSource?: string;
+  hostBefore?: string;
+}
+
 /** The host work that resumes a sandbox's VM (on a running one, only a check that QEMU runs it: driver.resume), then runs `afterResume`. */
 function resumeVm(sandboxId: string, afterResume: ReturnType<typeof hooksOf> = []): HostWorkMsg['work'] {
   return { case: 'resumeVm', value: { sandboxId, afterResume } as never };
@@ -2567,7 +2577,7 @@ export class Executor {
   private async settleWake(op: OperationRec, e: unknown): Promise<false> {
     let booked: { hostId: string; sb: SandboxRec } | undefined;
     const r = await this.failAndSettle(op, e, 'waking', () => 'hibernated', async (sb, next) => {
-      const { bookedHost: hostId, hostBefore } = ((await this.deps.store.getOp(op.tenantId, op.id))?.value.input ?? {}) as { bookedHost?: string; hostBefore?: string };
+      const { bookedHost: hostId, hostBefore } = ((await this.deps.store.getOp(op.tenantId, op.id))?.value.input ?? {}) as WakeInput;
       if (hostBefore !== undefined) next.hostId = hostBefore;
       booked = hostId ? { hostId, sb } : undefined;
       return hostId ? this.capacity(hostId, bookingOf(sb), -1)() : [];
@@ -3067,10 +3077,10 @@ export class Executor {
     // Taken over from a wake that ended without settling the sandbox: the host it booked (and
     // its source) become this op's, recorded with the claim, so this wake restores there or
     // releases it; placing again would book a second host and leave the first booked for good.
-    let inherited: { bookedHost?: string; transferSource?: string; hostBefore?: string } = {};
+    let inherited: WakeInput = {};
     if (sb.state === 'waking' && after.ended !== '') {
-      const ended = (await this.deps.store.getOp(op.tenantId, after.ended))?.value.input as { bookedHost?: string; transferSource?: string; hostBefore?: string } | undefined;
-      if (ended?.bookedHost && !(op.input as { bookedHost?: string }).bookedHost) inherited = { bookedHost: ended.bookedHost, ...(ended.transferSource ? { transferSource: ended.transferSource } : {}), ...(ended.hostBefore !== undefined ? { hostBefore: ended.hostBefore } : {}) };
+      const ended = (await this.deps.store.getOp(op.tenantId, after.ended))?.value.input as WakeInput | undefined;
+      if (ended?.bookedHost && !(op.input as WakeInput).bookedHost) inherited = { bookedHost: ended.bookedHost, ...(ended.transferSource ? { transferSource: ended.transferSource } : {}), ...(ended.hostBefore !== undefined ? { hostBefore: ended.hostBefore } : {}) };
     }
     // Not a lost one (only a wake left over from before its host was lost finds it so): its
     // hibernation snapshot is older than the VM it ran since, which may come back with its host.
@@ -3101,7 +3111,7 @@ export class Executor {
     }
     if (sb.state !== 'waking' || !v) throw new WrongStateError('sandbox', sb.id, sb.state, 'only a hibernated sandbox can be woken');
     const snapshotId = sb.hibernationSnapshotId || sb.sourceSnapshotId;
-    const input = op.input as { bookedHost?: string; transferSource?: string };
+    const input = op.input as WakeInput;
     const snv = await this.readSnapshot(sb.tenantId, snapshotId);
     let hostId = input.bookedHost ?? '';
     if (!snv || snv.value.state !== 'ready') {
@@ -3128,10 +3138,11 @@ export class Executor {
             perChild: { res: before.resources },
             writes: [{ kind: 'sandbox', value: next, expectRevision: rev }],
             opUpdate: (o) => {
-              (o.input as { bookedHost?: string }).bookedHost = hostId;
+              const recorded = o.input as WakeInput;
+              recorded.bookedHost = hostId;
               // Where it hibernated: a failed wake puts it back there (settleWake).
-              (o.input as { hostBefore?: string }).hostBefore = before.hostId;
-              if (source) (o.input as { transferSource?: string }).transferSource = source;
+              recorded.hostBefore = before.hostId;
+              if (source) recorded.transferSource = source;
               o.progress = { done: 0, total: 1, message: `waking on ${hostId}`, bytesTransferred: 0 };
             },
           };
@@ -3156,10 +3167,7 @@ export class Executor {
     // holds the snapshot. Failing the op here left the sandbox waking with its VM up, which the
     // lifecycle pass then stopped and hibernated again. A store out or a lost lead still ends the run.
     if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld)
-      await this.addHolder(sb.tenantId, snapshotId, hostId).catch((e: unknown) => {
-        if (this.endsTheRun(e)) throw e;
-        this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, 'could not record a host as a holder of the snapshot it fetched for a wake: its heartbeats will say so');
-      });
+      await this.addHolderKeptBy(op, snapshotId, hostId, 'wake');
     await this.finishRunning(op, sb, this.hookReport(woke, sb.id), hostId);
   }
 
@@ -3198,7 +3206,7 @@ export class Executor {
    */
   private async settleEndedWake(sb: SandboxRec, ended: OperationRec | undefined): Promise<void> {
     const endedId = sb.opId;
-    const { bookedHost, hostBefore } = (ended?.input ?? {}) as { bookedHost?: string; hostBefore?: string };
+    const { bookedHost, hostBefore } = (ended?.input ?? {}) as WakeInput;
     if (!ended) this.log.warn({ sandboxId: sb.id, opId: endedId }, 'the wake that holds this sandbox is gone: a host it may have booked cannot be known, and stays booked');
     try {
       await this.updateSandbox(
@@ -3738,10 +3746,7 @@ export class Executor {
         // It failed the fork (not retryable, every child running) before. A store out or a lost
         // lead still ends the round, as every write of it does.
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld)
-          await this.addHolder(op.tenantId, snapshotId, hostId).catch((e: unknown) => {
-            if (this.endsTheRun(e)) throw e;
-            this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, 'could not record a host as a holder of the snapshot it fetched for a fork: its heartbeats will say so');
-          });
+          await this.addHolderKeptBy(op, snapshotId, hostId, 'fork');
         return true;
       })();
       done.set(hostId, p);
@@ -3859,6 +3864,18 @@ export class Executor {
    * snapshot to 64 hosts makes a few guarded writes of the record, not 64 racing ones that
    * conflict with each other.
    */
+  /**
+   * addHolder for a host that fetched the snapshot for `op`'s VMs, which run whatever this
+   * meets: bookkeeping (the host's heartbeats say it holds the snapshot), logged; only what
+   * ends the run (a store out, a lost lead) is thrown.
+   */
+  private addHolderKeptBy(op: OperationRec, snapshotId: string, hostId: string, what: 'fork' | 'wake'): Promise<void> {
+    return this.addHolder(op.tenantId, snapshotId, hostId).catch((e: unknown) => {
+      if (this.endsTheRun(e)) throw e;
+      this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, `could not record a host as a holder of the snapshot it fetched for a ${what}: its heartbeats will say so`);
+    });
+  }
+
   private addHolder(tenantId: string, snapshotId: string, hostId: string): Promise<void> {
     const k = `${tenantId}/${snapshotId}`;
     return new Promise<void>((resolve, reject) => {
