@@ -85,8 +85,9 @@ async function main(): Promise<void> {
     ...(migrationTlsDir ? { migrationTlsDir } : {}),
     // Through relays, a migration source QEMU needs no network: it gets a namespace of its own.
     ...(relay ? { migrationViaUnix: true } : {}),
-    // accel auto proves KVM by booting a guest: the tiny image (built once, cached by recipe hash).
-    ...(cfg.accel === 'auto' ? { probeImage: await ensureImage('tiny') } : {}) });
+    // accel auto proves KVM by booting a guest: the tiny image (built once, cached by recipe
+    // hash), built only if a probe runs (not when an adopted KVM guest proves KVM).
+    ...(cfg.accel === 'auto' ? { probeImage: () => ensureImage('tiny') } : {}) });
   const recovered = await driver.recover('adopt');
   log.info(recovered, 'recovered VMs from a previous run');
   const accel = await driver.resolveAccel();

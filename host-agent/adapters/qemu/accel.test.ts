@@ -25,7 +25,7 @@ afterAll(() => rmSync(base, { recursive: true, force: true }));
 /** The driver's private parts the tests reach. */
 interface Internals {
   vms: Map<string, unknown>;
-  boot(spec: { vmId: string }, accel: string, deadlineMs: number): Promise<unknown>;
+  boot(spec: { vmId: string; image?: unknown }, accel: string, deadlineMs: number): Promise<unknown>;
   destroy(vmId: string): Promise<void>;
 }
 
@@ -36,13 +36,14 @@ let n = 0;
  * An accel=auto driver whose probe boots fail (`fails` of them, then boot; all when Infinity);
  * `probes` lists the VMs booted, `destroyed` those destroyed.
  */
-function autoDriver(fails: number): { driver: QemuVmmDriver; internals: Internals; probes: string[]; destroyed: string[] } {
+function autoDriver(fails: number, image: GuestImage | (() => Promise<GuestImage>) = probeImage): { driver: QemuVmmDriver; internals: Internals; probes: string[]; destroyed: string[] } {
   const root = join(base, `agent-${++n}`);
-  const driver = new QemuVmmDriver({ root, accel: 'auto', probeImage, logger: pino({ level: 'silent' }), standby: { perSnapshot: 0 } });
+  const driver = new QemuVmmDriver({ root, accel: 'auto', probeImage: image, logger: pino({ level: 'silent' }), standby: { perSnapshot: 0 } });
   const internals = driver as unknown as Internals;
   const probes: string[] = [];
   const destroyed: string[] = [];
   internals.boot = (spec, accel) => {
+    if ((spec as { image?: unknown }).image !== probeImage) return Promise.reject(new Error('booted something else than the probe image'));
     probes.push(`${spec.vmId} ${accel}`);
     return probes.length <= fails ? Promise.reject(new Error('did not become ready within 15000 ms')) : Promise.resolve({});
   };
@@ -79,5 +80,22 @@ describe('accel auto', () => {
     internals.vms.set('vm2', { ...rec, info: { ...rec.info, vmId: 'vm2', accel: 'kvm', state: 'crashed' } });
     expect(await driver.resolveAccel()).toBe('tcg');
     expect(probes).toHaveLength(2);
+  });
+
+  it('resolveAccel_buildsTheProbeImageOnlyWhenItProbes', async () => {
+    // An adopted KVM guest proves KVM: the image (a build that may take minutes, before the
+    // agent's first heartbeat) is not asked for.
+    let built = 0;
+    const build = (): Promise<GuestImage> => (built++, Promise.resolve(probeImage));
+    const adopted = autoDriver(Infinity, build);
+    const rec = runningVmRecord(join(base, 'vm1'));
+    adopted.internals.vms.set('vm1', { ...rec, info: { ...rec.info, accel: 'kvm' } });
+    expect(await adopted.driver.resolveAccel()).toBe('kvm');
+    expect(built).toBe(0);
+    // No guest to go by: built once, and the probe boots it.
+    const fresh = autoDriver(0, build);
+    expect(await fresh.driver.resolveAccel()).toBe('kvm');
+    expect(built).toBe(1);
+    expect(fresh.probes).toHaveLength(1);
   });
 });

@@ -103,8 +103,13 @@ export interface QemuDriverOptions {
   restoreTimeoutMs?: number;
   /** accel=auto: how long a KVM guest gets to prove it boots. Default 15 s. */
   autoProbeDeadlineMs?: number;
-  /** accel=auto: the image the probe boots. Required when accel is auto and /dev/kvm exists. */
-  probeImage?: GuestImage;
+  /**
+   * accel=auto: the image the probe boots, or how to get it (built only when a probe runs: an
+   * image build at every start, before the first heartbeat, could take minutes after its recipe
+   * changed while an adopted KVM guest already proves KVM). Required when accel is auto and
+   * /dev/kvm exists.
+   */
+  probeImage?: GuestImage | (() => Promise<GuestImage>);
   /** TCG translation cache per VM, MiB. Default 64. */
   tcgTbMib?: number;
   /**
@@ -405,7 +410,9 @@ export class QemuVmmDriver implements VmmDriver {
       log.info({ accel: 'kvm', vmId: kvmGuest.info.vmId }, 'accel auto: chose kvm (an adopted guest runs under it)');
       return 'kvm';
     }
-    if (!this.opts.probeImage) throw new InvalidArgumentError('probeImage', 'required for accel=auto');
+    const probe = this.opts.probeImage;
+    if (!probe) throw new InvalidArgumentError('probeImage', 'required for accel=auto');
+    const image = typeof probe === 'function' ? await probe() : probe;
     // Prove KVM can run a stock guest: boot one to "agent answers" within the deadline, a second
     // one if the first fails (one missed deadline is not enough to give KVM up until a restart).
     const attempts = 2;
@@ -413,7 +420,7 @@ export class QemuVmmDriver implements VmmDriver {
       const vmId = `${PROBE_VM_PREFIX}${process.pid}-${randomBytes(3).toString('hex')}`;
       const t0 = Date.now();
       try {
-        await this.boot({ vmId, image: this.opts.probeImage, memoryMib: 128, vcpus: 1 }, 'kvm', this.opts.autoProbeDeadlineMs);
+        await this.boot({ vmId, image, memoryMib: 128, vcpus: 1 }, 'kvm', this.opts.autoProbeDeadlineMs);
         log.info({ accel: 'kvm', probeMs: Date.now() - t0, attempt }, 'accel auto: chose kvm (probe guest booted)');
         return 'kvm';
       } catch (e) {
