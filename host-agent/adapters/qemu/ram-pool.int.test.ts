@@ -73,6 +73,26 @@ describe('RamPool (real tmpfs)', () => {
     expect(await readdir(mount)).toEqual([]);
   });
 
+  it('close_whileAFinishedFillIsBeingMadeAFreeFile_leavesNothingBehind', async () => {
+    const { pool, mount } = await openPool('z', 1);
+    // close() in the moment a fill's process has ended and its file is being renamed into a
+    // free one (a take that got its file, then a release and a close, met it now and then).
+    const internals = pool as unknown as { filled: (...a: unknown[]) => Promise<void> };
+    const filled = internals.filled.bind(pool);
+    let closing: Promise<void> | undefined;
+    internals.filled = (...a) => {
+      const settled = filled(...a);
+      closing ??= pool.close();
+      return settled;
+    };
+    // A take with no free file remembers the size (QEMU makes the VM's file); refill fills one.
+    expect(await pool.take('vm', 8)).toEqual({ path: join(pool.dir, 'vm-vm.ram'), filled: false });
+    pool.refill();
+    await waitFor('the fill to end', () => closing !== undefined, 10_000, 1);
+    await closing;
+    expect(await readdir(mount)).toEqual([]);
+  });
+
   it('take_withWaitForFill_whenAVmsFileComesBackWithinTheWait_takesItAndFillsNothing', async () => {
     const { pool, mount } = await openPool('q', 1);
     const old = join(pool.dir, 'vm-old.ram');

@@ -88,6 +88,11 @@ export class RamPool {
   /** Sizes asked for, most recent last: what fills make. */
   private readonly demand: number[] = [];
   private filling: { child: ChildProcess; path: string; mib: number; done: Promise<void> } | undefined;
+  /**
+   * Fills not yet settled: `filling` is cleared as soon as a fill's process ends, while its file
+   * is still being made a free one (filled()); close() waits for these.
+   */
+  private readonly settling = new Set<Promise<void>>();
   /** 'free' (mib): a free file of that size was added (filled or given back). */
   private readonly arrivals = new EventEmitter();
   private closed = false;
@@ -270,11 +275,10 @@ export class RamPool {
   /** Stops a fill, removes the free files and, once no VM file is left, the directory. */
   async close(): Promise<void> {
     this.closed = true;
-    const f = this.filling;
-    if (f) {
-      f.child.kill('SIGKILL');
-      await f.done;
-    }
+    this.filling?.child.kill('SIGKILL');
+    // Also a fill whose process has ended and whose file is being renamed into a free one: a
+    // close() in that moment removed the free files before it landed, and it was left behind.
+    await Promise.all(this.settling);
     for (const l of this.free.values()) for (const p of l.splice(0)) await rm(p, { force: true });
     await rmdir(this.dir).catch(() => undefined);
   }
@@ -316,6 +320,8 @@ export class RamPool {
       child.once('close', end);
     });
     this.filling = { child, path, mib, done };
+    this.settling.add(done);
+    void done.then(() => this.settling.delete(done));
   }
 
   private async filled(path: string, mib: number, n: string, code: number | null, ms: number): Promise<void> {
