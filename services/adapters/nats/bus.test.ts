@@ -1,13 +1,13 @@
 import { describe, expect, it } from 'vitest';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import type { MessageInitShape } from '@bufbuild/protobuf';
-import type { NatsConnection, Status } from 'nats';
+import type { JetStreamManager, NatsConnection, Status } from 'nats';
 import { HeartbeatSchema, HostExecCancelSchema, HostExecOutputSchema, HostExecRequestSchema, VmState } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostExecOutput } from '../../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { AsyncQueue } from '../grpc/queue.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { decodeHeartbeat, NatsWorkBus } from './bus.ts';
-import { subjects } from './subjects.ts';
+import { ensureStreams, STREAM_WORK, subjects } from './subjects.ts';
 
 describe('decodeHeartbeat', () => {
   const hb = create(HeartbeatSchema, {
@@ -161,5 +161,22 @@ describe('NatsWorkBus.exec whose output may be lost in a reconnect', () => {
     } finally {
       bus.close();
     }
+  });
+});
+
+describe('ensureStreams', () => {
+  it('ensureStreams_whenTheStreamsAreMissing_makesTheWorkStreamLast', async () => {
+    // Streams lost under a running fleet and made again: an agent may take a step as soon as
+    // the work stream exists, and its result then needs the results stream.
+    const made: string[] = [];
+    const jsm = {
+      streams: {
+        info: () => Promise.reject(new Error('stream not found')),
+        add: (c: { name: string }) => (made.push(c.name), Promise.resolve({})),
+      },
+    } as unknown as JetStreamManager;
+    await ensureStreams(jsm);
+    expect(made).toHaveLength(3);
+    expect(made.at(-1)).toBe(STREAM_WORK);
   });
 });

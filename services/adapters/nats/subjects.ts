@@ -59,9 +59,12 @@ async function ensureStream(jsm: JetStreamManager, name: string, subjectsList: s
  * stream's replicas to that. Idempotent; every replica and agent may call it.
  */
 export async function ensureStreams(jsm: JetStreamManager, replicas = 1): Promise<void> {
-  await ensureStream(jsm, STREAM_WORK, ['ff.work.*'], RetentionPolicy.Workqueue, replicas);
+  // Work last: once it can be taken, its results and events have somewhere to go. Made the
+  // other way round (streams lost under a running fleet and made again), a step taken in the
+  // moment between got a "no stream" for its result.
   await ensureStream(jsm, STREAM_RESULTS, [subjects.allResults], RetentionPolicy.Workqueue, replicas);
   await ensureStream(jsm, STREAM_EVENTS, [subjects.allEvents], RetentionPolicy.Limits, replicas);
+  await ensureStream(jsm, STREAM_WORK, ['ff.work.*'], RetentionPolicy.Workqueue, replicas);
 }
 
 /**
