@@ -417,14 +417,18 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
         // would hold the lease and run nothing, and no standby would take over: it steps
         // down and stands again, and whoever wins starts afresh.
         log.error({ err }, 'leader could not start; resigning and campaigning again');
-        leaderTerm++; // this term's figures are not reported any more
+        const stepped = ++leaderTerm; // this term's figures are not reported any more
+        // Checked after each wait: a lease lost meanwhile (onLost) stands again by itself, and
+        // a second campaign from here would replace its campaign (or this resign end it).
+        const takenOver = (): boolean => closing || stepped !== leaderTerm;
         metrics.leader.set(0);
         compactor.stop();
         await Promise.all([executor.stop(), webhooks.stop()]).catch(() => undefined);
+        if (takenOver()) return;
         await election.resign();
-        if (closing) return;
+        if (takenOver()) return;
         await new Promise((r) => setTimeout(r, 1000));
-        if (!closing) return campaign();
+        if (!takenOver()) return campaign();
       }
     });
   election.onLost(() => {

@@ -10,13 +10,35 @@
 import { createHash, randomBytes } from 'node:crypto';
 import type { EventEmitter } from 'node:events';
 import type { Etcd3 } from 'etcd3';
-import type { Campaign } from 'etcd3';
+import { Campaign } from 'etcd3';
 import type { LeaderElection, LeaderFence } from '../../domain/ports.ts';
 import { keys } from './keys.ts';
 
 /** How long before the lease's earliest possible expiry a leader steps down. */
 const LEASE_MARGIN_MS = 250;
 const LEASE_CHECK_MS = 50;
+
+/**
+ * etcd3 (1.1.2, the newest) makes a campaign's key with `if Create == 0 then put else get`. When
+ * the key is there already (the client sent the txn again after a first try that landed: a
+ * deadline, an etcd leader change, a reset connection), it takes the key's create revision as
+ * the campaign's, but still waits for every key made before the txn's answer revision to go:
+ * its own key among them, which its lease keeps alive. The campaign never wins, and every other
+ * replica queues behind its key for good. Go's clientv3 waits for the keys made before the key's
+ * create revision; so does this (Campaign.keyRevision: the txn's revision when it put the key,
+ * the key's create revision when it was there; a symbol once resigned).
+ */
+function waitBehindOwnKeyOnly(): void {
+  const proto = Campaign.prototype as unknown as { waitForElected?: (this: { keyRevision?: unknown }, revision: string) => Promise<void>; __ffPatched?: boolean };
+  if (proto.__ffPatched || typeof proto.waitForElected !== 'function') return;
+  const wait = proto.waitForElected;
+  proto.waitForElected = function (revision) {
+    const own = this.keyRevision;
+    return wait.call(this, typeof own === 'string' || typeof own === 'number' ? String(own) : revision);
+  };
+  proto.__ffPatched = true;
+}
+waitBehindOwnKeyOnly();
 
 /**
  * The earliest time etcd may expire a campaign's lease, from the lease's keepalive events.
@@ -94,6 +116,8 @@ export class EtcdLeaderElection implements LeaderElection {
   private leader = false;
   private lastFence: LeaderFence | undefined;
   private readonly lostCbs: Array<() => void> = [];
+  /** Campaigns a later campaign() replaced: their promises never settle (campaign()). */
+  private readonly superseded = new WeakSet<Campaign>();
   /** Stops the current campaign's lease watchdog. */
   private stopWatchdog: (() => void) | undefined;
   /** The current term's lease deadline, where known: isLeader() checks it itself. */
@@ -105,7 +129,21 @@ export class EtcdLeaderElection implements LeaderElection {
     private readonly ttlSeconds = 2,
   ) {}
 
+  /**
+   * Stands for leader; resolves once elected, with the fence read. A campaign still standing from
+   * an earlier call is resigned first, as resign() does (no onLost; its promise never settles):
+   * forgotten while its lease is kept alive, its key would stay ahead of every later one, and no
+   * replica could win.
+   */
   campaign(): Promise<void> {
+    const earlier = this.campaignObj;
+    if (earlier) {
+      this.superseded.add(earlier);
+      this.leader = false;
+      this.campaignObj = undefined;
+      this.stopWatchdog?.();
+      void earlier.resign().catch(() => undefined);
+    }
     return new Promise((resolve, reject) => {
       const election = this.client.election(keys.election(), this.ttlSeconds);
       const c = election.campaign(this.candidateId);
@@ -150,8 +188,13 @@ export class EtcdLeaderElection implements LeaderElection {
         };
         readFence().then(
           (fence) => {
-            // Lost (or resigned) while the fence was read: this campaign is over.
-            if (ended || this.campaignObj !== c) return;
+            // Lost, resigned or superseded while the fence was read: this campaign is over, and
+            // its key, which would hold every other campaign back while its lease lives, goes.
+            if (ended || this.campaignObj !== c) {
+              stopWatchdog();
+              void c.resign().catch(() => undefined);
+              return;
+            }
             this.lastFence = fence;
             this.leader = true;
             this.leaseUntil = deadline.known ? deadline.until : undefined;
@@ -167,7 +210,7 @@ export class EtcdLeaderElection implements LeaderElection {
             ended = true;
             deadline.close();
             void c.resign().catch(() => undefined);
-            reject(err instanceof Error ? err : new Error(String(err)));
+            if (!this.superseded.has(c)) reject(err instanceof Error ? err : new Error(String(err)));
           },
         );
       });
@@ -177,7 +220,7 @@ export class EtcdLeaderElection implements LeaderElection {
         const was = this.leader && this.campaignObj === c;
         if (this.campaignObj === c) this.leader = false;
         if (was) for (const cb of this.lostCbs) cb();
-        else reject(err);
+        else if (!this.superseded.has(c)) reject(err);
       });
     });
   }
