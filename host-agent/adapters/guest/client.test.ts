@@ -17,8 +17,11 @@ import type { ForkfleetError } from '../../../proto/errors.ts';
 interface FakeGuestOptions {
   /** Replaces the answer to guest-ping. */
   onPing?: (sock: Socket) => void;
-  /** Answers to other commands (in order, as qemu-ga answers: after `delayMs`, the ones before it first). */
-  answer?: (req: { execute: string; arguments?: Record<string, unknown> }) => { delayMs?: number; reply?: unknown; error?: string } | undefined;
+  /**
+   * Answers to other commands (in order, as qemu-ga answers: after `delayMs`, the ones before
+   * it first); `raw` is written as it is, in place of the answer.
+   */
+  answer?: (req: { execute: string; arguments?: Record<string, unknown> }) => { delayMs?: number; reply?: unknown; error?: string; raw?: string } | undefined;
   /** Bytes each new connection's parser holds already (half a request a snapshot replayed). */
   seed?: string;
   /**
@@ -55,7 +58,7 @@ async function fakeGuest(o: FakeGuestOptions | ((sock: Socket) => void) = {}): P
       else if (req.execute === 'guest-ping') send(0, '{"return": {}}\n');
       else {
         const a = opts.answer?.(req);
-        if (a) send(a.delayMs ?? 0, `${JSON.stringify(a.error !== undefined ? { error: { class: 'GenericError', desc: a.error } } : { return: a.reply })}\n`);
+        if (a) send(a.delayMs ?? 0, a.raw ?? `${JSON.stringify(a.error !== undefined ? { error: { class: 'GenericError', desc: a.error } } : { return: a.reply })}\n`);
       }
     };
     const held: Array<Parameters<typeof handle>[0]> = [];
@@ -239,6 +242,134 @@ describe('GuestAgentClient with an untrusted guest', () => {
     await c.sync(5000);
     await c.ping(5000);
   }, 60_000);
+
+  it('command_whoseGuestWritesLinesThatAnswerNothing_timesOutOnItsDeadline_notAfterEachLine', async () => {
+    // A line every 30 ms, never the answer: each read waiting afresh, the command never ended.
+    const g = await fakeGuest((sock) => {
+      const every = setInterval(() => void (sock.destroyed || sock.write('{}\n')), 30);
+      sock.on('close', () => clearInterval(every));
+      cleanups.push(() => clearInterval(every));
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    await c.sync(5000);
+    const started = Date.now();
+    const r = await Promise.race([c.ping(300).then(() => 'answered', (e: unknown) => e), new Promise((r) => setTimeout(() => r('still waiting'), 3000))]);
+    expect(r).toBeInstanceOf(GuestAgentTimeoutError);
+    expect(Date.now() - started).toBeLessThan(2000);
+  });
+
+  it('answerLongerThanItsCommandMayHave_closesTheChannelBeforeItIsParsed_andTheNextCallConnectsAgain', async () => {
+    let pings = 0;
+    const g = await fakeGuest((sock) => void sock.write(pings++ === 0 ? `{"return": "${'A'.repeat(1 << 20)}"}\n` : '{"return": {}}\n'));
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    await expect(c.ping(5000)).rejects.toBeInstanceOf(ChannelClosedError);
+    await c.ping(5000);
+    expect(g.sockets).toHaveLength(2);
+  });
+
+  it('answerOfMoreJsonStructureThanQemuGasUnderTheCap_closesTheChannelBeforeItIsParsed_whileHonestAnswersGoThrough', async () => {
+    // Deeply nested arrays (20 M of them blocked the event loop for seconds in JSON.parse), or
+    // a flat array as long, each followed by a well-formed answer.
+    const n = 1 << 20;
+    const shapes = ['['.repeat(n) + ']'.repeat(n), `[${'0,'.repeat(n)}0]`, `{"return": ${'{"a":'.repeat(2000)}1${'}'.repeat(2000)}}`];
+    let asked = 0;
+    const g = await fakeGuest({
+      answer: (req) => {
+        if (req.execute === 'guest-file-open') return { reply: 7 };
+        if (req.execute !== 'guest-exec-status') return undefined;
+        const shape = shapes[asked++];
+        return { raw: `${shape === undefined ? '' : `${shape}\n`}{"return": {"exited": false, "out-data": "${'QUFB'.repeat(1 << 18)}"}}\n` };
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    for (let i = 0; i < shapes.length; i++) {
+      await expect(c.command('guest-exec-status', { pid: 1 }, 10_000)).rejects.toBeInstanceOf(ChannelClosedError);
+      expect(await c.command('guest-file-open', { path: '/x', mode: 'r' }, 5000)).toBe(7);
+    }
+    expect(g.sockets).toHaveLength(1 + shapes.length);
+    // An honest status with 1 MiB of output (a few structures, one long string).
+    expect(await c.command('guest-exec-status', { pid: 1 }, 5000)).toMatchObject({ exited: false });
+  }, 30_000);
+
+  it('readFile_whoseGuestAnswersMoreThanAskedFor_isRefused_whileAnHonestGuestsFileComesInPiecesOfAMiB', async () => {
+    const content = randomBytes((5 << 20) / 2);
+    let pos = 0;
+    let path = '';
+    const counts: number[] = [];
+    const g = await fakeGuest({
+      answer: (req) => {
+        const a = req.arguments ?? {};
+        if (req.execute === 'guest-file-open') {
+          path = String(a.path);
+          pos = 0;
+          return { reply: 1 };
+        }
+        if (req.execute === 'guest-file-close') return { reply: {} };
+        if (req.execute !== 'guest-file-read') return undefined;
+        const count = a.count as number;
+        counts.push(count);
+        // The liar answers 1000 bytes more than asked for (its answer under the read's cap).
+        const piece = path === '/liar' ? randomBytes(count + 1000) : content.subarray(pos, pos + count);
+        pos += piece.length;
+        return { reply: { count: piece.length, 'buf-b64': piece.toString('base64'), eof: pos >= content.length } };
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    expect((await c.readFile('/honest', {}, 10_000)).equals(content)).toBe(true);
+    expect(Math.max(...counts)).toBe(1 << 20);
+    await expect(c.readFile('/liar', { maxBytes: 10 }, 5000)).rejects.toBeInstanceOf(GuestAgentCommandError);
+  }, 30_000);
+
+  it('writeFileWithAMode_andReapOrphanExecs_haveTheGuestHandThemLittleOutput', async () => {
+    const handed: string[] = [];
+    const g = await fakeGuest({
+      answer: (req) => {
+        const a = req.arguments ?? {};
+        if (req.execute === 'guest-file-open') return { reply: 1 };
+        if (req.execute === 'guest-file-write') return { reply: { count: 2, eof: false } };
+        if (req.execute === 'guest-file-close') return { reply: {} };
+        if (req.execute === 'guest-exec') {
+          // The wrapper's $1: the most of each stream it hands qemu-ga (EXEC_WRAPPER).
+          handed.push((a.arg as string[])[3] ?? '');
+          return { reply: { pid: 42 } };
+        }
+        if (req.execute === 'guest-exec-status') return { reply: { exited: true, exitcode: 0, 'out-data': Buffer.from('0\n').toString('base64') } };
+        return undefined;
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    await c.writeFile('/x', Buffer.from('hi'), { mode: 0o755 });
+    expect(await c.reapOrphanExecs()).toBe(0);
+    expect(handed).toHaveLength(2);
+    for (const h of handed) expect(Number(h)).toBeLessThanOrEqual(4096);
+  });
+
+  it('exec_whoseStartIsAnsweredWithoutAPid_rejects_insteadOfAnsweringNotStartedOrPollingNoPid', async () => {
+    const answers: unknown[] = [{}, null, { pid: 'x' }];
+    const statuses: unknown[] = [];
+    const g = await fakeGuest({
+      answer: (req) => {
+        if (req.execute === 'guest-exec') return { reply: answers.shift() };
+        if (req.execute === 'guest-exec-status') statuses.push(req.arguments?.pid);
+        return req.execute === 'guest-exec-status' ? { reply: { exited: true, exitcode: 0 } } : undefined;
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    for (let i = 0; i < 3; i++) await expect(c.exec({ path: '/bin/true', timeoutMs: 5000 })).rejects.toBeInstanceOf(GuestAgentCommandError);
+    expect(statuses).toEqual([]);
+  });
 });
 
 describe('GuestAgentClient.hold', () => {
@@ -741,9 +872,10 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
    * A guest that runs one program, pid 42, until it is killed (ff-kill; never, if `immortal`),
    * and the kills and other execs it was sent. Each kill is a helper with a pid of its own
    * (1000 on), whose record qemu-ga keeps (`records`) until its status is asked for; pids in
-   * `unknown` are refused as qemu-ga refuses a pid it does not know.
+   * `unknown` are refused as qemu-ga refuses a pid it does not know; pids in `slow` run on, and
+   * each status of one is answered after 300 ms.
    */
-  const programGuest = async (o: { silent?: () => boolean; drop?: FakeGuestOptions['drop']; found?: string; unknown?: number[]; immortal?: boolean; timing?: Partial<ExecTimings>; log?: Parameters<typeof GuestAgentClient.connect>[4] } = {}) => {
+  const programGuest = async (o: { silent?: () => boolean; drop?: FakeGuestOptions['drop']; found?: string; unknown?: number[]; slow?: number[]; immortal?: boolean; timing?: Partial<ExecTimings>; log?: Parameters<typeof GuestAgentClient.connect>[4] } = {}) => {
     const kills: string[] = [];
     const execs: string[][] = [];
     const records = new Set<number>();
@@ -770,6 +902,7 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
           const pid = req.arguments?.pid as number;
           statuses.push(pid);
           if (o.unknown?.includes(pid)) return { error: "Invalid parameter 'pid'" };
+          if (o.slow?.includes(pid)) return { delayMs: 300, reply: { exited: false } };
           if (records.delete(pid)) return { reply: { exited: true, exitcode: 0 } };
           if (pid === 60) return { reply: { exited: true, exitcode: 0, 'out-data': Buffer.from(o.found ?? '').toString('base64') } };
           return { reply: pid === 42 && !killed ? { exited: false } : { exited: true, signal: 9 } };
@@ -886,6 +1019,59 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
     await until(() => kills.includes('42'));
     await until(() => statuses.filter((p) => p === 42).length >= 2); // and its end seen
     expect(statuses.filter((p) => p === 77)).toHaveLength(1);
+  });
+
+  it('endLater_givenASearchThatNamesManyWrappers_pollsAndKillsOnlyAFew', async () => {
+    let silent = false;
+    // The search (a guest's to answer) names the wrapper and 100 more.
+    const others = Array.from({ length: 100 }, (_, i) => 5000 + i);
+    const { c, kills, statuses } = await programGuest({ silent: () => silent, found: ['42', ...others].join('\n'), unknown: others });
+    silent = true;
+    await expect(c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 100 })).rejects.toBeInstanceOf(GuestAgentTimeoutError);
+    silent = false;
+    await until(() => kills.includes('42'));
+    await until(() => statuses.filter((p) => p === 42).length >= 2); // a second try: the first is over
+    expect(new Set(statuses.filter((p) => others.includes(p))).size).toBeLessThanOrEqual(3);
+  });
+
+  it('endLater_whoseGuestAnswersEachStatusJustInTime_stopsAtItsBound_withinATry', async () => {
+    const warned: unknown[] = [];
+    const log = { warn: (obj: unknown) => void warned.push(obj) } as unknown as Parameters<typeof GuestAgentClient.connect>[4];
+    let silent = false;
+    const slow = [5000, 5001, 5002, 5003];
+    const { c, statuses } = await programGuest({ silent: () => silent, found: slow.join('\n'), slow, timing: { endLaterGiveUpMs: 200, pollTimeoutMs: 1000 }, log });
+    silent = true;
+    await expect(c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 100 })).rejects.toBeInstanceOf(GuestAgentTimeoutError);
+    silent = false;
+    await until(() => warned.length > 0);
+    // Each status takes 300 ms: past its bound after the first, not after all four.
+    expect(statuses.filter((p) => slow.includes(p)).length).toBeLessThanOrEqual(2);
+  });
+
+  it('exec_cancelledWhoseStartIsAnsweredLateWithoutAPid_answersCancelled_andLeavesNoUnhandledRejection', async () => {
+    // An unhandled rejection ends the agent's process (Node 20), every sandbox's.
+    const unhandled: unknown[] = [];
+    const onUnhandled = (e: unknown): void => void unhandled.push(e);
+    process.on('unhandledRejection', onUnhandled);
+    cleanups.push(() => void process.off('unhandledRejection', onUnhandled));
+    let answered = false;
+    const g = await fakeGuest({
+      answer: (req) => {
+        if (req.execute !== 'guest-exec') return undefined;
+        setTimeout(() => (answered = true), 500);
+        return { delayMs: 400, reply: null };
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path, 5000, undefined, { ...timing, killGraceMs: 100, startMinMs: 2000 });
+    cleanups.push(() => c.close());
+    await c.sync(1000);
+    const ac = new AbortController();
+    setTimeout(() => ac.abort(), 50);
+    expect(await c.exec({ path: '/bin/true', signal: ac.signal, timeoutMs: 1000 })).toMatchObject({ cancelled: true, exitCode: -1 });
+    await until(() => answered);
+    await new Promise((r) => setTimeout(r, 200));
+    expect(unhandled).toEqual([]);
   });
 
   it('endLater_ofAProgramNoKillEnds_stopsTryingAfterItsBound_andLogsIt', async () => {

@@ -20,6 +20,8 @@ import { connectUnix } from '../unix-connect.ts';
 export const EXEC_HANDED_BYTES = 1 << 20;
 /** The most of one stream's output an exec returns; past it the result says outputTruncated. */
 export const EXEC_MAX_OUTPUT_BYTES = 64 << 20;
+/** The most of each stream this client's own execs take (chmod, the reaping of orphans): a line or a number is all they print. */
+const HELPER_OUTPUT_BYTES = 4096;
 
 /**
  * How a caller's variables reach the program. Their values travel only in environments (each
@@ -318,6 +320,13 @@ interface Abandoned {
   helpers?: number[];
 }
 
+/**
+ * The most wrappers endLater takes a search for one (findWrappers) to have found: a nonce is
+ * one call's, so there is one; a guest naming thousands would have each one polled and killed,
+ * on every try.
+ */
+const MAX_WRAPPERS_FOUND = 4;
+
 /** A command not sent because its caller's signal aborted while it waited for the channel. */
 class NotSentError extends Error {}
 
@@ -377,7 +386,8 @@ const sleep = (ms: number, unref = false): Promise<void> =>
 const LIVE_AFTER_MS = 300;
 const LIVE_READ_EVERY_MS = 250;
 
-type Reader = { delimited: boolean; resolve: (line: string) => void; reject: (e: Error) => void };
+/** `maxBytes`: the longest line it takes (replyCap); a longer one closes the channel. */
+type Reader = { delimited: boolean; maxBytes: number; resolve: (line: string) => void; reject: (e: Error) => void };
 
 const SYNC_FLUSH = Buffer.from([0xff]);
 
@@ -386,9 +396,66 @@ const SYNC_FLUSH = Buffer.from([0xff]);
  * is guest-exec-status with 16 MiB of captured stdout *and* 16 MiB of stderr, ~42.7 MiB in
  * base64. The guest is the tenant's: one that writes more than this without a newline (or
  * floods the port) gets its channel closed, not the agent's memory (the next call connects
- * again).
+ * again). Each command's answer has a tighter cap of its own (replyCap).
  */
 export const MAX_PENDING_REPLY_BYTES = 48 << 20;
+
+/** qemu-ga's own cap on each stream a guest-exec-status carries (GUEST_EXEC_MAX_OUTPUT). */
+const QGA_MAX_OUTPUT_BYTES = 16 << 20;
+
+/**
+ * The longest answer to a command that carries no file bytes nor program output (a sync, a
+ * pid, a handle, a clock, a helper's status), or the refusal of any command: qemu-ga's error
+ * names the path, each byte of it not ASCII written as 6 characters (a 4 KiB path: 24 KiB).
+ */
+const SMALL_REPLY_BYTES = 64 << 10;
+
+const base64Length = (bytes: number): number => Math.ceil(bytes / 3) * 4;
+
+/**
+ * The longest answer `execute` may have (`args` its arguments): a file read's base64 of what
+ * it asked for, an exec status both streams at qemu-ga's cap, anything else SMALL_REPLY_BYTES.
+ * A guest answering with more gets its channel closed before the answer is parsed: a line of
+ * tens of MiB costs the agent's event loop, every sandbox's, its parse.
+ */
+function replyCap(execute: string, args: Record<string, unknown> | undefined): number {
+  if (execute === 'guest-file-read') return base64Length(typeof args?.count === 'number' ? args.count : 0) + SMALL_REPLY_BYTES;
+  if (execute === 'guest-exec-status') return 2 * base64Length(QGA_MAX_OUTPUT_BYTES) + SMALL_REPLY_BYTES;
+  return SMALL_REPLY_BYTES;
+}
+
+/**
+ * The most of JSON's structure (`{`, `[`, `,` and `:` outside strings, escaped quotes inside
+ * them) an answer may have: qemu-ga's have a few dozen. What JSON.parse takes long over is
+ * structure, not length: 38 MiB of nested arrays under the cap blocked the event loop 6.5 s (a
+ * flat array as long: 0.5 s and ~150 MB), 40 MiB of base64 in a string ~50 ms.
+ */
+const MAX_REPLY_STRUCTURES = 1024;
+
+/**
+ * Whether `line` has at most MAX_REPLY_STRUCTURES, counted before it is parsed. A string is
+ * skipped to its closing quote by indexOf (one native scan for a long one: base64 output).
+ */
+function plainEnough(line: Buffer): boolean {
+  let n = 0;
+  for (let i = 0; i < line.length; i++) {
+    const c = line[i];
+    if (c === 0x22) {
+      while (true) {
+        const q = line.indexOf(0x22, i + 1);
+        if (q < 0) return true; // a string without its end: JSON.parse refuses it in one pass
+        let backslashes = 0;
+        while (line[q - 1 - backslashes] === 0x5c) backslashes++;
+        i = q;
+        if (backslashes % 2 === 0) break;
+        if (++n > MAX_REPLY_STRUCTURES) return false;
+      }
+    } else if (c === 0x7b || c === 0x5b || c === 0x2c || c === 0x3a) {
+      if (++n > MAX_REPLY_STRUCTURES) return false;
+    }
+  }
+  return true;
+}
 
 /** How many of something are under way, and a wait for there to be none. */
 class Count {
@@ -461,12 +528,7 @@ export class GuestAgentClient {
       if (!r) return;
       // Waiting for a sync's delimiter: everything before it is stale.
       if (r.delimited && !d.includes(0xff)) return void this.dropBuffered();
-      if (this.buf.length + this.partLen + d.length > MAX_PENDING_REPLY_BYTES) {
-        this.closedError = new ChannelClosedError(`guest agent (it sent over ${MAX_PENDING_REPLY_BYTES} bytes without ending a line)`);
-        this.dropBuffered();
-        sock.destroy();
-        return;
-      }
+      if (this.buf.length + this.partLen + d.length > MAX_PENDING_REPLY_BYTES) return void this.refuse(`it sent over ${MAX_PENDING_REPLY_BYTES} bytes without ending a line`);
       // Pieces of a line are joined once its end is here (joining at every piece copies the
       // line again each time: quadratic in a long answer).
       if (d.includes(0x0a) || (r.delimited && d.includes(0xff))) {
@@ -477,6 +539,9 @@ export class GuestAgentClient {
       } else {
         this.parts.push(d);
         this.partLen += d.length;
+        // Past its sync's delimiter, what is held is the start of the answer (pump takes each
+        // whole line at once): refused as soon as it is longer than the answer may be.
+        if (!r.delimited && this.buf.length + this.partLen > r.maxBytes) this.refuse(`an answer over ${r.maxBytes} bytes, more than the command may be answered with`);
       }
     });
     sock.on('error', (e) => {
@@ -600,7 +665,7 @@ export class GuestAgentClient {
       wait = Math.min(2 * wait, Math.max(attemptMs, 2000));
       try {
         while (true) {
-          const line = await this.readLine(true, Math.max(1, attemptEnd - Date.now()));
+          const line = await this.readLine(true, Math.max(1, attemptEnd - Date.now()), SMALL_REPLY_BYTES);
           const msg = tryParse(line);
           if (msg && msg.return === id) {
             this.synced = true;
@@ -615,15 +680,18 @@ export class GuestAgentClient {
   }
 
   /**
-   * One command, answered in order. A timeout leaves the channel unsynced; the next call
+   * One command, answered in order, within `timeoutMs` of its sending however many other
+   * lines the guest writes meanwhile. A timeout leaves the channel unsynced; the next call
    * resyncs. With `unless`, a command whose signal aborted while it waited for the channel is
-   * not sent (NotSentError).
+   * not sent (NotSentError). An answer longer than `maxReplyBytes` (replyCap), or of more
+   * structure than any of qemu-ga's (plainEnough), closes the channel (ChannelClosedError; the
+   * next call connects again).
    */
-  command<T = unknown>(execute: string, args?: Record<string, unknown>, timeoutMs = 10_000, unless?: AbortSignal): Promise<T> {
-    return this.commandRaw<T>(execute, JSON.stringify(args === undefined ? { execute } : { execute, arguments: args }), timeoutMs, unless);
+  command<T = unknown>(execute: string, args?: Record<string, unknown>, timeoutMs = 10_000, unless?: AbortSignal, maxReplyBytes = replyCap(execute, args)): Promise<T> {
+    return this.commandRaw<T>(execute, JSON.stringify(args === undefined ? { execute } : { execute, arguments: args }), timeoutMs, unless, maxReplyBytes);
   }
 
-  private commandRaw<T>(execute: string, json: string, timeoutMs: number, unless?: AbortSignal): Promise<T> {
+  private commandRaw<T>(execute: string, json: string, timeoutMs: number, unless?: AbortSignal, maxReplyBytes = SMALL_REPLY_BYTES): Promise<T> {
     return this.serial(async () => {
       // Checked once this command holds the channel, not when it was queued: a command ahead
       // of it may have timed out meanwhile, and its late answer would be taken for this one's.
@@ -633,9 +701,12 @@ export class GuestAgentClient {
       this.throwIfClosed();
       if (unless?.aborted) throw new NotSentError(execute);
       this.sock.write(json + '\n');
+      // One deadline for the answer: a guest writing a line that answers nothing every so often
+      // (each read waiting afresh) would keep the command, and every one queued behind it, waiting.
+      const end = Date.now() + timeoutMs;
       try {
         while (true) {
-          const msg = tryParse(await this.readLine(false, timeoutMs));
+          const msg = tryParse(await this.readLine(false, Math.max(1, end - Date.now()), maxReplyBytes));
           if (!msg) continue;
           if ('error' in msg) {
             const err = msg.error as { desc?: string; class?: string };
@@ -727,7 +798,8 @@ export class GuestAgentClient {
         // Each poll gets its own timeout: the deadline is the loop's to enforce.
         let st: ExecStatus | undefined;
         try {
-          st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
+          // Without capture there is no output to carry.
+          st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs, undefined, capture ? undefined : SMALL_REPLY_BYTES);
           silentSince = undefined;
         } catch (e) {
           // Unanswered is not an end: the program may still run, and is still timed out and
@@ -758,8 +830,8 @@ export class GuestAgentClient {
               const rest = await this.readLeftOutput(files[stream], from, Math.max(0, max - from), (piece) => (live ? req.onOutput?.(stream, piece) : parts[stream].push(piece)));
               truncated ||= !rest.complete;
             }
-            const rm = await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...told.left.map((x) => files[x])], 'capture-output': false }, t.pollTimeoutMs).catch(() => undefined);
-            if (rm) helpers.push(rm.pid);
+            const rm = await this.startPid({ path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...told.left.map((x) => files[x])], 'capture-output': false }, t.pollTimeoutMs).catch(() => undefined);
+            if (rm !== undefined) helpers.push(rm);
           }
           const stdout = live ? Buffer.alloc(0) : Buffer.concat(parts.stdout);
           const stderr = live ? Buffer.alloc(0) : Buffer.concat(parts.stderr);
@@ -785,8 +857,8 @@ export class GuestAgentClient {
           // before the wrapper started the program found nothing to kill.
           lastKill = now;
           kills++;
-          const k = await this.command<{ pid: number }>('guest-exec', killArgs(pid, capture, files), t.pollTimeoutMs).catch(() => undefined);
-          if (k) helpers.push(k.pid);
+          const k = await this.startPid(killArgs(pid, capture, files), t.pollTimeoutMs).catch(() => undefined);
+          if (k !== undefined) helpers.push(k);
         }
         // An unanswered poll has waited its timeout already.
         if (st) await sleep(delay);
@@ -800,9 +872,20 @@ export class GuestAgentClient {
         // Closed on every way out: qemu-ga keeps an open handle until it is closed.
         await live?.close();
         // Asked once: a helper that has exited (they take milliseconds) is forgotten by qemu-ga.
-        for (const h of helpers) await this.command('guest-exec-status', { pid: h }, t.pollTimeoutMs).catch(() => undefined);
+        for (const h of helpers) await this.command('guest-exec-status', { pid: h }, t.pollTimeoutMs, undefined, SMALL_REPLY_BYTES).catch(() => undefined);
       }
     }
+  }
+
+  /**
+   * Starts a program (guest-exec) and resolves with its pid. An answer without one (a guest
+   * whose qemu-ga was replaced) is refused, GuestAgentCommandError, never taken for a pid.
+   */
+  private async startPid(args: Record<string, unknown>, timeoutMs: number, unless?: AbortSignal): Promise<number> {
+    const r = await this.command<unknown>('guest-exec', args, timeoutMs, unless);
+    const pid = (r as { pid?: unknown } | null)?.pid;
+    if (typeof pid !== 'number' || !Number.isSafeInteger(pid) || pid <= 0) throw new GuestAgentCommandError('guest-exec', `answered without a pid: ${String(JSON.stringify(r)).slice(0, 100)}`);
+    return pid;
   }
 
   /**
@@ -813,7 +896,7 @@ export class GuestAgentClient {
    * again (qemu-ga reads the request then) is ended by endLater too.
    */
   private async startExec(args: Record<string, unknown>, timeoutMs: number, signal: AbortSignal | undefined, abandoned: Abandoned): Promise<number | undefined> {
-    const start = this.command<{ pid: number }>('guest-exec', args, timeoutMs, signal);
+    const start = this.startPid(args, timeoutMs, signal);
     const unanswered = (e: unknown): void => {
       if (e instanceof GuestAgentTimeoutError) this.endLater(abandoned);
     };
@@ -824,9 +907,10 @@ export class GuestAgentClient {
     signal?.addEventListener('abort', onAbort, { once: true });
     try {
       const r = await Promise.race([start, cancelled]);
-      if (r !== undefined) return r.pid;
+      if (r !== undefined) return r;
       // The caller is gone and the guest slow to answer: it is answered now, the start later.
-      start.then(({ pid }) => this.endLater({ ...abandoned, pid }), unanswered);
+      // Caught to the end: a rejection nothing handles ends the agent's process, every sandbox's.
+      void start.then((pid) => this.endLater({ ...abandoned, pid }), unanswered).catch(() => undefined);
       return undefined;
     } catch (e) {
       if (e instanceof NotSentError) return undefined;
@@ -848,7 +932,8 @@ export class GuestAgentClient {
    * up in qemu-ga. A pid qemu-ga does not know (it was restarted, or its record was taken) is
    * dropped. Tries while the channel is open and each failure is a timeout (or a helper's start
    * refused), waiting ever longer between tries (up to endLaterMaxWaitMs), for at most
-   * endLaterGiveUpMs; then it stops and logs what it left.
+   * endLaterGiveUpMs (checked before each command too: a guest answering each just in time
+   * makes a try long); then it stops and logs what it left.
    */
   private endLater(x: Abandoned): void {
     const t = this.timing;
@@ -861,33 +946,35 @@ export class GuestAgentClient {
       if (!(e instanceof GuestAgentCommandError)) throw e;
     };
     const started = Date.now();
+    const late = (): boolean => Date.now() - started >= t.endLaterGiveUpMs;
     const run = async (): Promise<void> => {
       let wait = t.killAgainMs;
       let tries = 0;
       while (!this.shut) {
         tries++;
         try {
-          while (handles.length) {
+          while (handles.length && !late()) {
             await this.command('guest-file-close', { handle: handles[0] }, t.pollTimeoutMs).catch(refused);
             handles.shift();
           }
-          await this.takeStatuses(helpers);
+          await this.takeStatuses(helpers, late);
           pids ??= x.capture ? await this.findWrappers(x.zero, wrapperDir(x.env), helpers) : [];
           for (const pid of [...pids]) {
+            if (late()) break;
             const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs).catch((e: unknown) => void refused(e));
             if (!st || st.exited) pids = pids.filter((p) => p !== pid);
             if (!st) continue;
             if (st.exited) {
               const left = leftStreams(Buffer.from(st['err-data'] ?? '', 'base64'), x.zero).left.map((s) => files(pid)[s]);
-              if (left.length) helpers.push((await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...left], 'capture-output': false }, t.pollTimeoutMs)).pid);
+              if (left.length) helpers.push(await this.startPid({ path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...left], 'capture-output': false }, t.pollTimeoutMs));
             } else {
-              helpers.push((await this.command<{ pid: number }>('guest-exec', killArgs(pid, x.capture, files(pid)), t.pollTimeoutMs)).pid);
+              helpers.push(await this.startPid(killArgs(pid, x.capture, files(pid)), t.pollTimeoutMs));
             }
           }
           if (pids.length === 0) {
             // Asked once more: the helpers just started take milliseconds.
             await sleep(Math.min(100, t.killAgainMs), true);
-            await this.takeStatuses(helpers);
+            await this.takeStatuses(helpers, late);
             if (helpers.length === 0) return;
           }
         } catch (e) {
@@ -910,11 +997,12 @@ export class GuestAgentClient {
   /**
    * Takes the status of each helper of `helpers` and leaves there only those still running
    * (an exited one's record is gone from qemu-ga once asked; one qemu-ga does not know is
-   * dropped). A status left unanswered rejects, with the rest still in `helpers`.
+   * dropped). A status left unanswered rejects, with the rest still in `helpers`; once `stop()`
+   * says so, the rest are left there.
    */
-  private async takeStatuses(helpers: number[]): Promise<void> {
-    for (let i = 0; i < helpers.length; ) {
-      const st = await this.command<ExecStatus>('guest-exec-status', { pid: helpers[i] }, this.timing.pollTimeoutMs).catch((e: unknown) => {
+  private async takeStatuses(helpers: number[], stop: () => boolean): Promise<void> {
+    for (let i = 0; i < helpers.length && !stop(); ) {
+      const st = await this.command<ExecStatus>('guest-exec-status', { pid: helpers[i] }, this.timing.pollTimeoutMs, undefined, SMALL_REPLY_BYTES).catch((e: unknown) => {
         if (e instanceof GuestAgentCommandError) return undefined;
         throw e;
       });
@@ -924,17 +1012,18 @@ export class GuestAgentClient {
   }
 
   /**
-   * The pids of the wrappers whose $0 is `zero` (their programs killed: EXEC_END_NAMED). A
-   * search whose end is not seen in time is added to `helpers`, for its record to be taken.
+   * The pids of the wrappers whose $0 is `zero` (their programs killed: EXEC_END_NAMED), at
+   * most MAX_WRAPPERS_FOUND of them. A search whose end is not seen in time is added to
+   * `helpers`, for its record to be taken.
    */
   private async findWrappers(zero: string, dir: string, helpers: number[]): Promise<number[]> {
     const t = this.timing;
-    const { pid } = await this.command<{ pid: number }>('guest-exec', { path: '/bin/sh', arg: ['-c', EXEC_END_NAMED, 'ff-end', zero, dir], 'capture-output': true }, t.pollTimeoutMs);
+    const pid = await this.startPid({ path: '/bin/sh', arg: ['-c', EXEC_END_NAMED, 'ff-end', zero, dir], 'capture-output': true }, t.pollTimeoutMs);
     const end = Date.now() + t.pollTimeoutMs;
     try {
       while (true) {
-        const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
-        if (st.exited) return (Buffer.from(st['out-data'] ?? '', 'base64').toString('latin1').match(/\d+/g) ?? []).map(Number);
+        const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs, undefined, SMALL_REPLY_BYTES);
+        if (st.exited) return (Buffer.from(st['out-data'] ?? '', 'base64').toString('latin1').match(/\d+/g) ?? []).slice(0, MAX_WRAPPERS_FOUND).map(Number);
         if (Date.now() >= end) throw new GuestAgentTimeoutError(`search for the exec ${zero}`, t.pollTimeoutMs);
         await sleep(20);
       }
@@ -949,7 +1038,7 @@ export class GuestAgentClient {
    * removes the output files nobody will read; resolves with how many execs it ended.
    */
   async reapOrphanExecs(timeoutMs = 30_000): Promise<number> {
-    const r = await this.exec({ path: '/bin/sh', args: ['-c', REAP_ORPHAN_EXECS, 'ff-reap', this.instance], timeoutMs });
+    const r = await this.exec({ path: '/bin/sh', args: ['-c', REAP_ORPHAN_EXECS, 'ff-reap', this.instance], timeoutMs, maxOutputBytes: HELPER_OUTPUT_BYTES });
     if (r.exitCode !== 0) throw new GuestAgentCommandError('reap orphan execs', `exit ${r.exitCode}: ${r.stderr.toString('utf8').trim()}`);
     return Number(r.stdout.toString('utf8').trim()) || 0;
   }
@@ -990,13 +1079,10 @@ export class GuestAgentClient {
       if (offset) await this.command('guest-file-seek', { handle, offset, whence: 'set' }, timeoutMs);
       let left = max;
       while (left > 0) {
-        const r = await this.command<{ count: number; 'buf-b64': string; eof: boolean }>(
-          'guest-file-read',
-          { handle, count: Math.min(1 << 20, left) },
-          timeoutMs,
-        );
-        // What was decoded counts, not what the guest says it sent, and never more than asked for.
-        const got = Buffer.from(r['buf-b64'], 'base64').subarray(0, Math.min(1 << 20, left));
+        const count = Math.min(1 << 20, left);
+        const r = await this.command<{ count: number; 'buf-b64': string; eof: boolean }>('guest-file-read', { handle, count }, timeoutMs);
+        // What was decoded counts, not what the guest says it sent.
+        const got = readAnswer(r, count);
         if (got.length) onPiece(got);
         left -= got.length;
         if (r.eof || got.length === 0) break;
@@ -1025,7 +1111,8 @@ export class GuestAgentClient {
       if (!opts.mode) return;
       // qemu-ga opens files with its own default mode and has no chmod: the guest's chmod sets it.
       const mode = opts.mode & 0o7777;
-      const r = await this.exec({ path: '/bin/chmod', args: [mode.toString(8), path] });
+      // Its output is only quoted in an error: the guest hands no more than that.
+      const r = await this.exec({ path: '/bin/chmod', args: [mode.toString(8), path], maxOutputBytes: HELPER_OUTPUT_BYTES });
       if (r.exitCode !== 0) throw new GuestChmodError(path, mode, r.exitCode, r.stderr.toString('utf8'));
     } finally {
       this.writes.down();
@@ -1069,7 +1156,7 @@ export class GuestAgentClient {
     if (this.closedError) throw this.closedError;
   }
 
-  private readLine(delimited: boolean, timeoutMs: number): Promise<string> {
+  private readLine(delimited: boolean, timeoutMs: number, maxBytes: number): Promise<string> {
     return new Promise((resolve, reject) => {
       if (this.closed) return void reject(this.closedError ?? new ChannelClosedError('guest agent'));
       const t = setTimeout(() => {
@@ -1079,6 +1166,7 @@ export class GuestAgentClient {
       // Ended by a line, the timeout, or the socket's 'close' (which rejects the reader).
       this.reader = {
         delimited,
+        maxBytes,
         resolve: (line) => {
           clearTimeout(t);
           resolve(line);
@@ -1090,6 +1178,20 @@ export class GuestAgentClient {
       };
       this.pump();
     });
+  }
+
+  /**
+   * Closes the channel of a guest that broke the protocol (flooded it, or answered with more
+   * than the command may be answered with): the waiting reader fails at once, and the next
+   * call connects again (reopenIfLost).
+   */
+  private refuse(why: string): void {
+    this.closedError = new ChannelClosedError(`guest agent (${why})`);
+    this.dropBuffered();
+    this.sock.destroy();
+    const r = this.reader;
+    this.reader = undefined;
+    r?.reject(this.closedError);
   }
 
   private dropBuffered(): void {
@@ -1111,8 +1213,12 @@ export class GuestAgentClient {
       r.delimited = false;
     }
     const nl = this.buf.indexOf(0x0a);
+    // Refused before it is parsed (replyCap, plainEnough).
+    if ((nl < 0 ? this.buf.length : nl) > r.maxBytes) return void this.refuse(`an answer over ${r.maxBytes} bytes, more than the command may be answered with`);
     if (nl < 0) return;
-    const line = this.buf.subarray(0, nl).toString('utf8');
+    const bytes = this.buf.subarray(0, nl);
+    if (!plainEnough(bytes)) return void this.refuse(`an answer of more than ${MAX_REPLY_STRUCTURES} JSON structures, more than any of qemu-ga's`);
+    const line = bytes.toString('utf8');
     this.buf = this.buf.subarray(nl + 1);
     this.reader = undefined;
     r.resolve(line);
@@ -1149,6 +1255,19 @@ export function cwdRefusal(stderr: Buffer, zero: string, cwd: string): Forkfleet
   if (why === 'notdir') return at('not_found', 'not a directory');
   if (why === 'denied') return at('failed_precondition', 'the guest refuses to enter it');
   return undefined;
+}
+
+/**
+ * The bytes of a guest-file-read answer that asked for `count`. More than asked for is
+ * refused (GuestAgentCommandError): a piece cut from it would keep the whole decoded answer
+ * in memory for as long as the piece is held (an exec's output gathered piece by piece).
+ */
+function readAnswer(r: { 'buf-b64'?: unknown } | null, count: number): Buffer {
+  const b64 = r?.['buf-b64'];
+  if (typeof b64 !== 'string') throw new GuestAgentCommandError('guest-file-read', 'answered without buf-b64');
+  const got = Buffer.from(b64, 'base64');
+  if (got.length > count) throw new GuestAgentCommandError('guest-file-read', `answered ${got.length} bytes, more than the ${count} asked for`);
+  return got;
 }
 
 function tryParse(line: string): Record<string, unknown> | undefined {
@@ -1237,9 +1356,9 @@ class LiveOutput {
         }
         this.unsure[stream] = true;
         const r = await this.agent.command<{ count: number; 'buf-b64': string }>('guest-file-read', { handle, count: want }, this.timeoutMs);
+        // What was decoded counts.
+        const got = readAnswer(r, want);
         this.unsure[stream] = false;
-        // What was decoded counts, never more than asked for.
-        const got = Buffer.from(r['buf-b64'], 'base64').subarray(0, want);
         if (got.length > 0) {
           this.sent[stream] += got.length;
           this.onOutput(stream, got);
