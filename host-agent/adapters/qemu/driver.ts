@@ -72,7 +72,7 @@ import { RamPool, ramDirFor, ramFileOf } from './ram-pool.ts';
 import { inNewNetns } from '../netns/netns.ts';
 import { FsyncOpenError, fsyncAll, writeFileDurable } from '../durable.ts';
 import { EgressManager, type EgressOptions } from '../netns/egress.ts';
-import { DEFAULT_STANDBY_POLICY, StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
+import { DEFAULT_STANDBY_POLICY, StandbyPool, Urgency, type Standby, type StandbyPolicy } from './standby.ts';
 import { recordedDiskSha256 } from '../../../deploy/images/meta.ts';
 import type { GuestCgroup } from './cgroup.ts';
 import {
@@ -326,12 +326,12 @@ export class QemuVmmDriver implements VmmDriver {
     };
     const policy = { ...DEFAULT_STANDBY_POLICY, ...opts.standby };
     this.incomingQuietMs = policy.incomingQuietMs;
-    this.standbys = new StandbyPool(policy, (s) => this.launchStandby(s), (s) => this.discardStandby(s), this.opts.logger, this.opts.clock);
+    this.standbys = new StandbyPool(policy, (s, urgency) => this.launchStandby(s, { urgency }), (s) => this.discardStandby(s), this.opts.logger, this.opts.clock);
     // One per snapshot that was migrated out before, so the next child that leaves skips the
     // QEMU start; within the same host-wide cap as fork standbys.
     this.sources = new StandbyPool(
       { ...policy, max: Math.min(policy.max, MIGRATION_SOURCES_MAX), perSnapshot: Math.min(policy.perSnapshot, 1) },
-      (s) => this.launchStandby(s, { source: true }),
+      (s, urgency) => this.launchStandby(s, { source: true, urgency }),
       (s) => this.discardStandby(s),
       this.opts.logger,
       this.opts.clock,
@@ -1419,7 +1419,7 @@ export class QemuVmmDriver implements VmmDriver {
    * guest stays paused. The device state goes in as an inherited fd (`migrate-incoming fd:3`):
    * QEMU reads the file itself, with no `exec:` fork and no stream through this event loop (ADR 0009).
    */
-  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void, niceness = 0, o: { source?: boolean } = {}): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
+  private async spawnIncoming(snapshot: LocalSnapshot, p: VmPersisted, mark: (k: string) => void, niceness = 0, o: { source?: boolean; urgency?: Urgency } = {}): Promise<{ proc: QemuProcess; qmp: QmpClient }> {
     const m = snapshot.manifest;
     await this.overlays.create(join(snapshot.dir, m.files.disk), p.diskPath, m.diskVirtualSize);
     mark('overlay');
@@ -1434,6 +1434,8 @@ export class QemuVmmDriver implements VmmDriver {
     } finally {
       await state.close();
     }
+    // A standby a claim waits for (standby.ts) loads at nice 0.
+    o.urgency?.onUrgent(() => void reniceProcess(started.proc.pid, 0));
     mark('launch');
     try {
       // Pipelined: QMP runs them in order, so the capability is set before the load starts.
@@ -1449,15 +1451,16 @@ export class QemuVmmDriver implements VmmDriver {
   }
 
   /** A standby (standby.ts): a clone's QEMU with the snapshot's device state loaded, paused, owned by no VM yet. */
-  private async launchStandby(snapshot: LocalSnapshot, o: { source?: boolean } = {}): Promise<Standby> {
+  private async launchStandby(snapshot: LocalSnapshot, o: { source?: boolean; urgency?: Urgency } = {}): Promise<Standby> {
     const id = `${o.source ? 'source' : 'standby'}-${randomBytes(6).toString('hex')}`;
     const workdir = join(this.standbyDir, id);
     await mkdir(workdir, { recursive: true });
     try {
       const p = await this.clonePersisted(snapshot, { vmId: id }, workdir);
       // Nice 19: starting standbys is background work that must not slow the VMs and forks
-      // running now; the claim renices the process to 0.
-      const { proc, qmp } = await this.spawnIncoming(snapshot, p, () => undefined, 19, o);
+      // running now; the claim renices the process to 0, and so does a claim that waits for it
+      // while it starts (urgency), or it started at 0 when one waited already.
+      const { proc, qmp } = await this.spawnIncoming(snapshot, p, () => undefined, o.urgency?.urgent ? 0 : 19, o);
       return { id, snapshotId: snapshot.manifest.snapshotId, workdir, proc, qmp, readyAt: this.opts.clock.now() };
     } catch (e) {
       await rm(workdir, { recursive: true, force: true });
@@ -1553,6 +1556,8 @@ export class QemuVmmDriver implements VmmDriver {
     }
     // Back to normal priority (it started at nice 19 as background work).
     await reniceProcess(s.proc.pid, 0);
+    // An incoming standby's RAM file is the VM's now (renamed after it), booked by the scheduler.
+    void this.ramPoolOpened?.then((pool) => pool?.adopted(s.id));
     const rec = this.register({ ...p, launchDir: s.workdir }, s.proc, s.qmp, log);
     if (s.qmp.closed) throw new VmCrashedError(p.info.vmId, 'standby QEMU exited before it was claimed');
     return rec;
@@ -1614,8 +1619,14 @@ export class QemuVmmDriver implements VmmDriver {
     signal?.throwIfAborted();
     if ('host' in target && this.opts.migrationViaUnix) throw new VmmError('migration sources have no network here (migrationViaUnix): stream to a unix socket');
     await this.assertCompatible(snapshot);
-    const ready = await this.sources.claim(snapshot.manifest.snapshotId);
-    const s = ready ?? (await this.launchStandby(snapshot, { source: true }));
+    // A source being started is waited for a short while only (CLAIM_WAIT_MS), and not once
+    // the destination gave up.
+    const ready = await this.sources.claim(snapshot.manifest.snapshotId, { signal });
+    if (!ready) signal?.throwIfAborted();
+    // One of its own is on the restore's critical path: not background work (nice 19).
+    const urgent = new Urgency();
+    urgent.urge();
+    const s = ready ?? (await this.launchStandby(snapshot, { source: true, urgency: urgent }));
     try {
       // Started as background work (nice 19); its stream is on a restore's critical path.
       await reniceProcess(s.proc.pid, 0);

@@ -88,7 +88,7 @@ describe('RamPool (real tmpfs)', () => {
     // A take with no free file remembers the size (QEMU makes the VM's file); refill fills one.
     expect(await pool.take('vm', 8)).toEqual({ path: join(pool.dir, 'vm-vm.ram'), filled: false });
     pool.refill();
-    await waitFor('the fill to end', () => closing !== undefined, 10_000, 1);
+    await waitFor('the fill to end', async () => closing !== undefined, 10_000, 1);
     await closing;
     expect(await readdir(mount)).toEqual([]);
   });

@@ -5,7 +5,7 @@
 // Renames are held until every racer has checked for room, as they are when the disk is slow.
 import { afterAll, afterEach, describe, expect, it, vi } from 'vitest';
 import type * as FsPromises from 'node:fs/promises';
-import { mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import pino from 'pino';
@@ -78,5 +78,43 @@ describe('RamPool limits', () => {
     expect(p.size).toBe(1);
     expect(freeFiles(dir)).toHaveLength(1);
     expect(readdirSync(dir).filter((f) => !f.startsWith('free-'))).toEqual([]);
+  });
+
+  it('take_byAnIncomingStandby_countsItsFileInKeepAndMaxMib_untilAVmAdoptsIt', async () => {
+    // Each limit on its own: the other leaves room for two files.
+    for (const limits of [{ keep: 2, maxMib: 1 }, { keep: 1, maxMib: 2 }]) {
+      const { pool: p, dir } = pool(limits);
+      const fill = async (n: string): Promise<void> => {
+        writeFileSync(join(dir, `.fill-1-${n}`), Buffer.alloc(MIB));
+        await (p as unknown as PoolInternals).filled(join(dir, `.fill-1-${n}`), 1, n, 0, 0);
+      };
+      await fill('a1');
+      expect(await p.take('incoming-a', 1, { waitForFill: true })).toEqual({ path: ramFileOf(dir, 'incoming-a'), filled: true });
+      // The standby's file is host memory no VM books: a free one beside it went over the limits.
+      await fill('b2');
+      expect(freeFiles(dir)).toEqual([]);
+      // Once a VM has it, the scheduler books it: the pool has its room again.
+      p.adopted('incoming-a');
+      await fill('c3');
+      expect(freeFiles(dir)).toHaveLength(1);
+      await p.close();
+    }
+  });
+});
+
+describe('RamPool close', () => {
+  it('close_whileARecycledFileIsBeingRenamedIn_leavesNoFileBehind', async () => {
+    const { pool: p, dir } = pool({ keep: 1, maxMib: 1 });
+    writeFileSync(ramFileOf(dir, 'a'), Buffer.alloc(MIB));
+    const release = holdRenames();
+    const recycled = p.recycle('a');
+    await new Promise((r) => setTimeout(r, 50)); // the recycle has found room and is renaming
+    const closed = p.close();
+    await new Promise((r) => setTimeout(r, 50)); // a close() that did not wait has removed the free files by now
+    release();
+    await Promise.all([closed, recycled]);
+    // A free file left after close() pinned tmpfs memory nothing counts or removes.
+    expect(existsSync(dir) ? readdirSync(dir) : []).toEqual([]);
+    expect(p.size).toBe(0);
   });
 });

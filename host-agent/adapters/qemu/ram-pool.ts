@@ -20,7 +20,8 @@
 //   free-<mib>-<n>.ram a file no VM uses: written with zeros, or the RAM of a VM that is gone
 //   .fill-<mib>-<n>    a fill in progress (a crash leaves it; open() removes it)
 // Invariants: a file is free or belongs to exactly one VM, never both (take() renames);
-// free files <= keep and their sizes add up to <= maxMib; at most one fill runs at a time; a file is recycled only once its QEMU is gone.
+// free files plus the filled ones incoming standbys hold <= keep and their sizes add up to
+// <= maxMib; at most one fill runs at a time; a file is recycled only once its QEMU is gone.
 import { EventEmitter } from 'node:events';
 import { execFile, spawn, type ChildProcess } from 'node:child_process';
 import { createHash, randomBytes } from 'node:crypto';
@@ -89,8 +90,9 @@ export class RamPool {
   private readonly demand: number[] = [];
   private filling: { child: ChildProcess; path: string; mib: number; done: Promise<void> } | undefined;
   /**
-   * Fills not yet settled: `filling` is cleared as soon as a fill's process ends, while its file
-   * is still being made a free one (filled()); close() waits for these.
+   * Fills not yet settled (`filling` is cleared as soon as a fill's process ends, while its file
+   * is still being made a free one: filled()) and free files on their way in (addFree); close()
+   * waits for these, or one landing after it had removed the free files was left behind.
    */
   private readonly settling = new Set<Promise<void>>();
   /** 'free' (mib): a free file of that size was added (filled or given back). */
@@ -102,6 +104,13 @@ export class RamPool {
    * VMs destroyed together cannot all find the same room free and keep more than the limits.
    */
   private readonly adding = { files: 0, mib: 0 };
+  /**
+   * Filled files taken by incoming standbys (`take(..., { waitForFill })`), by standby id: MiB.
+   * Counted by roomFor like free ones until the standby's VM adopts the file (adopted()) or it
+   * comes back (recycle, release): a standby belongs to no VM, so no scheduler books its RAM,
+   * and without them refill made free files again in the room they took.
+   */
+  private readonly held = new Map<string, number>();
 
   private constructor(
     readonly dir: string,
@@ -157,11 +166,12 @@ export class RamPool {
     }
   }
 
-  /** Whether one more free file of `mib` stays within `keep` and `maxMib` (counting those being added). */
+  /** Whether one more free file of `mib` stays within `keep` and `maxMib` (counting those being added and those standbys hold). */
   private roomFor(mib: number): boolean {
     let total = this.adding.mib;
     for (const [m, l] of this.free) total += m * l.length;
-    return this.size + this.adding.files < this.o.keep && total + mib <= this.o.maxMib;
+    for (const m of this.held.values()) total += m;
+    return this.size + this.adding.files + this.held.size < this.o.keep && total + mib <= this.o.maxMib;
   }
 
   /**
@@ -169,17 +179,27 @@ export class RamPool {
    * failed. The caller has checked roomFor in the same synchronous step: the room is held from
    * there until the file is in `free` (or the rename failed).
    */
-  private async addFree(from: string, to: string, mib: number): Promise<boolean> {
+  private addFree(from: string, to: string, mib: number): Promise<boolean> {
     this.adding.files++;
     this.adding.mib += mib;
-    const ok = await rename(from, to).then(() => true, () => false);
-    this.adding.files--;
-    this.adding.mib -= mib;
-    if (ok) {
-      this.freeOf(mib).push(to);
-      this.arrivals.emit('free', mib);
-    }
-    return ok;
+    const added = rename(from, to).then(() => true, () => false).then((ok) => {
+      this.adding.files--;
+      this.adding.mib -= mib;
+      if (ok) {
+        this.freeOf(mib).push(to);
+        this.arrivals.emit('free', mib);
+      }
+      return ok;
+    });
+    this.settle(added);
+    return added;
+  }
+
+  /** Has close() wait for `p` (which never rejects). */
+  private settle(p: Promise<unknown>): void {
+    const settled = p.then(() => undefined);
+    this.settling.add(settled);
+    void settled.then(() => this.settling.delete(settled));
   }
 
   /** Filled files ready now, all sizes. */
@@ -192,7 +212,8 @@ export class RamPool {
   /**
    * The RAM file for `vmId` (size `mib`): a free one when there is one of that size, else a path
    * QEMU creates. The size is remembered for `refill()`, which the caller makes once the VM is
-   * loaded, so a fill never competes with the load.
+   * loaded, so a fill never competes with the load. `waitForFill`: the taker is an incoming
+   * standby (see `held`).
    */
   async take(vmId: string, mib: number, o: { waitForFill?: boolean } = {}): Promise<{ path: string; filled: boolean }> {
     const path = ramFileOf(this.dir, vmId);
@@ -212,9 +233,18 @@ export class RamPool {
     let filled = false;
     while (list.length > 0 && !filled) {
       const f = list.shift()!;
+      // Only an incoming standby waits for a fill: its file stays counted (see `held`), from
+      // the moment it leaves `free`.
+      if (o.waitForFill) this.held.set(vmId, mib);
       filled = await rename(f, path).then(() => true, () => false);
     }
+    if (!filled) this.held.delete(vmId);
     return { path, filled };
+  }
+
+  /** The incoming standby `id` became a VM (its file renamed after it): the scheduler books that RAM now. */
+  adopted(id: string): void {
+    this.held.delete(id);
   }
 
   /**
@@ -240,6 +270,7 @@ export class RamPool {
 
   /** Removes the RAM file of `vmId` (its VM is gone); nothing if there is none. */
   async release(vmId: string): Promise<void> {
+    this.held.delete(vmId);
     await rm(ramFileOf(this.dir, vmId), { force: true });
   }
 
@@ -248,6 +279,8 @@ export class RamPool {
    * within `keep` files and `maxMib`; otherwise it is removed. Nothing if there is none.
    */
   async recycle(vmId: string): Promise<void> {
+    // A standby's file stops being held even when it is gone already (claimed and renamed).
+    this.held.delete(vmId);
     const path = ramFileOf(this.dir, vmId);
     const st = await stat(path).catch(() => undefined);
     if (!st) return;
@@ -276,8 +309,9 @@ export class RamPool {
   async close(): Promise<void> {
     this.closed = true;
     this.filling?.child.kill('SIGKILL');
-    // Also a fill whose process has ended and whose file is being renamed into a free one: a
-    // close() in that moment removed the free files before it landed, and it was left behind.
+    // Also a fill whose process has ended, and a fill's or a recycled file's rename into a free
+    // one: a close() in that moment removed the free files before it landed, and it was left
+    // behind. Each started before `closed` was set (both check it in the same synchronous step).
     await Promise.all(this.settling);
     for (const l of this.free.values()) for (const p of l.splice(0)) await rm(p, { force: true });
     await rmdir(this.dir).catch(() => undefined);
@@ -320,8 +354,7 @@ export class RamPool {
       child.once('close', end);
     });
     this.filling = { child, path, mib, done };
-    this.settling.add(done);
-    void done.then(() => this.settling.delete(done));
+    this.settle(done);
   }
 
   private async filled(path: string, mib: number, n: string, code: number | null, ms: number): Promise<void> {

@@ -3,12 +3,15 @@ import { afterEach, describe, expect, it, vi } from 'vitest';
 import type { LocalSnapshot } from '../../domain/vmm.ts';
 import type { QmpClient } from '../qmp/client.ts';
 import type { QemuProcess } from './process.ts';
-import { StandbyPool, type Standby, type StandbyPolicy } from './standby.ts';
+import { CLAIM_WAIT_MS, StandbyPool, type Standby, type StandbyPolicy, type Urgency } from './standby.ts';
 
 const log = pino({ level: 'silent' });
 const snap = (id: string): LocalSnapshot => ({ dir: `/s/${id}`, manifest: { snapshotId: id } as LocalSnapshot['manifest'] });
 
-/** A pool over fake launches (our own port): each launch waits for `release()` unless `instant`. */
+/**
+ * A pool over fake launches (our own port): each launch waits for `release()` unless `instant`;
+ * `urged` lists the snapshots of launches a claim made urgent.
+ */
 function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fail?: boolean; failFrom?: number; discardFails?: boolean } = {}) {
   let n = 0;
   let now = 0;
@@ -16,7 +19,9 @@ function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fa
   const discarded: string[] = [];
   const pending: Array<() => void> = [];
   const closers = new Map<string, () => void>();
-  const launch = async (s: LocalSnapshot): Promise<Standby> => {
+  const urged: string[] = [];
+  const launch = async (s: LocalSnapshot, urgency: Urgency): Promise<Standby> => {
+    urgency.onUrgent(() => urged.push(s.manifest.snapshotId));
     if (!o.instant) await new Promise<void>((r) => pending.push(r));
     if (o.fail || (o.failFrom !== undefined && n + 1 >= o.failFrom)) throw new Error('qemu did not start');
     const id = `standby-${++n}`;
@@ -37,7 +42,7 @@ function harness(policy: Partial<StandbyPolicy> = {}, o: { instant?: boolean; fa
     pending.shift()?.();
     await new Promise((r) => setImmediate(r));
   };
-  return { pool, launched, discarded, release, closers, advance: (ms: number) => (now += ms) };
+  return { pool, launched, discarded, release, closers, urged, advance: (ms: number) => (now += ms) };
 }
 
 describe('StandbyPool', () => {
@@ -90,6 +95,39 @@ describe('StandbyPool', () => {
     await h.release();
     expect(await warming).toBe(1);
     expect((await h.pool.claim('a', { waitForLaunching: false }))?.id).toBe('standby-1');
+    await h.pool.close();
+  });
+
+  it('claim_whenTheStandbyStartingIsLate_raisesItsPriority_givesUpAfterTheLimit_andItGoesToReady', async () => {
+    // At nice 19 behind busy guests a standby took ~2 min to start where a spawn takes ~0.5 s.
+    vi.useFakeTimers({ toFake: ['setTimeout', 'clearTimeout'] });
+    const h = harness();
+    const warming = h.pool.warm(snap('a'), 1);
+    await new Promise((r) => setImmediate(r));
+    let claimed: Standby | undefined | 'waiting' = 'waiting';
+    void h.pool.claim('a').then((s) => (claimed = s));
+    expect(h.urged).toEqual(['a']);
+    await vi.advanceTimersByTimeAsync(CLAIM_WAIT_MS - 1);
+    expect(claimed).toBe('waiting');
+    await vi.advanceTimersByTimeAsync(1);
+    expect(claimed).toBeUndefined(); // the caller spawns
+    await h.release();
+    expect(await warming).toBe(1);
+    expect((await h.pool.claim('a'))?.id).toBe('standby-1');
+    await h.pool.close();
+  });
+
+  it('claim_whenItsSignalAbortsWhileTheStandbyStarts_returnsNothingAtOnce_andItGoesToReady', async () => {
+    const h = harness();
+    const warming = h.pool.warm(snap('a'), 1);
+    await new Promise((r) => setImmediate(r));
+    const ac = new AbortController();
+    const claimed = h.pool.claim('a', { signal: ac.signal });
+    ac.abort();
+    expect(await claimed).toBeUndefined();
+    await h.release();
+    expect(await warming).toBe(1);
+    expect((await h.pool.claim('a'))?.id).toBe('standby-1');
     await h.pool.close();
   });
 

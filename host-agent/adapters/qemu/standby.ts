@@ -44,6 +44,39 @@ export interface StandbyPolicy {
 
 export const DEFAULT_STANDBY_POLICY: Readonly<StandbyPolicy> = Object.freeze({ max: 8, perSnapshot: 2, idleMs: 10 * 60_000, incomingQuietMs: 3000 });
 
+/**
+ * How long a claim waits for the standby being started before it gives up (its caller then
+ * spawns a QEMU of its own): about one spawn and load of a child here (~0.5 s on a busy host,
+ * ADR 0014). At nice 19 behind busy guests a standby was seen to take ~2 min to start; the
+ * claim raises it to nice 0, and one still later goes to `ready` for the next claim.
+ */
+export const CLAIM_WAIT_MS = 500;
+
+/**
+ * A launch's priority: background work (nice 19) until a claim waits for it, then urgent. The
+ * launch starts its process at nice 0 when it is urgent already, and has `onUrgent` renice the
+ * process it started.
+ */
+export class Urgency {
+  private hooks: Array<() => void> | undefined = [];
+
+  get urgent(): boolean {
+    return this.hooks === undefined;
+  }
+
+  /** Runs `f` once the launch is urgent: at once if it is already. */
+  onUrgent(f: () => void): void {
+    if (this.hooks) this.hooks.push(f);
+    else f();
+  }
+
+  urge(): void {
+    const hooks = this.hooks ?? [];
+    this.hooks = undefined;
+    for (const f of hooks) f();
+  }
+}
+
 /** What a pool makes standbys of: a snapshot, or anything keyed like one (`manifest.snapshotId`). */
 export interface StandbyTemplate {
   manifest: { snapshotId: string };
@@ -58,8 +91,8 @@ interface Want<T> {
 export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
   private readonly ready = new Map<string, Standby[]>();
   private readonly wants = new Map<string, Want<T>>();
-  /** The launch in progress (one at a time), its snapshot, and whether a claim already waits for it. */
-  private launching: { snapshotId: string; done: Promise<unknown>; awaited: boolean } | undefined;
+  /** The launch in progress (one at a time), its snapshot, whether a claim already waited for it, and its priority. */
+  private launching: { snapshotId: string; done: Promise<unknown>; awaited: boolean; urgency: Urgency } | undefined;
   private loop: Promise<void> | undefined;
   private closed = false;
   private readonly timer: NodeJS.Timeout;
@@ -68,7 +101,7 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
 
   constructor(
     private readonly policy: StandbyPolicy,
-    private readonly launch: (snapshot: T) => Promise<Standby>,
+    private readonly launch: (snapshot: T, urgency: Urgency) => Promise<Standby>,
     private readonly discard: (s: Standby) => Promise<void>,
     private readonly log: Logger,
     private readonly clock: Clock,
@@ -87,15 +120,28 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
   /**
    * A standby of the snapshot for a fork (the caller owns it from now on): a ready one, else
    * the one being started for it, which is further along than a new spawn (only one claim
-   * waits for it; the other children of a fork spawn at once); undefined if neither.
+   * waits for it; the other children of a fork spawn at once); undefined if neither. The wait
+   * raises the launch to nice 0 and lasts at most CLAIM_WAIT_MS, or until `signal` aborts:
+   * then undefined, and the standby goes to `ready` when it is.
    */
-  async claim(snapshotId: string, o: { waitForLaunching?: boolean } = {}): Promise<Standby | undefined> {
+  async claim(snapshotId: string, o: { waitForLaunching?: boolean; signal?: AbortSignal } = {}): Promise<Standby | undefined> {
     const s = this.take(snapshotId);
     const l = this.launching;
-    if (s || l?.snapshotId !== snapshotId || l.awaited || o.waitForLaunching === false) return s;
+    if (s || l?.snapshotId !== snapshotId || l.awaited || o.waitForLaunching === false || o.signal?.aborted) return s;
     l.awaited = true;
-    await l.done.catch(() => undefined);
-    return this.take(snapshotId);
+    l.urgency.urge();
+    const ended = await new Promise<'launched' | 'late' | 'aborted'>((resolve) => {
+      const end = (why: 'launched' | 'late' | 'aborted'): void => {
+        clearTimeout(timer);
+        o.signal?.removeEventListener('abort', abort);
+        resolve(why);
+      };
+      const abort = (): void => end('aborted');
+      const timer = setTimeout(() => end('late'), CLAIM_WAIT_MS);
+      o.signal?.addEventListener('abort', abort, { once: true });
+      void l.done.then(() => end('launched'), () => end('launched'));
+    });
+    return ended === 'launched' ? this.take(snapshotId) : undefined;
   }
 
   /** Takes a ready standby of the snapshot, or undefined. */
@@ -166,8 +212,9 @@ export class StandbyPool<T extends StandbyTemplate = LocalSnapshot> {
       if (!next || this.size >= this.policy.max) return;
       const id = next.snapshot.manifest.snapshotId;
       try {
-        const launched = this.launch(next.snapshot);
-        this.launching = { snapshotId: id, done: launched, awaited: false };
+        const urgency = new Urgency();
+        const launched = this.launch(next.snapshot, urgency);
+        this.launching = { snapshotId: id, done: launched, awaited: false, urgency };
         const s = await launched;
         if (this.closed || this.wants.get(id) !== next) {
           await this.discard(s);
