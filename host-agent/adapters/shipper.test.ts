@@ -1,12 +1,15 @@
 // ChunkStoreShipper's delete against what still uses the snapshot: a restore's lease, and a
 // fetch whose manifest write obtain() left to the background. Real chunk, manifest and image
 // stores in a temp directory; the VMM driver is a fake of our own port. No peer is asked for
-// anything: every chunk a fetch needs is already stored here.
+// anything unless a test starts one: every chunk a fetch needs is already stored here.
+// `qemu-img info` (an ingest asks it for the disk layer's backing) answers "no backing": the
+// layer is ingested as it is, and no QEMU program runs.
+import type * as ChildProcess from 'node:child_process';
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { rm } from 'node:fs/promises';
 import { join } from 'node:path';
-import { create } from '@bufbuild/protobuf';
+import { create, fromBinary } from '@bufbuild/protobuf';
 import { pino } from 'pino';
 import { ChunkStoreShipper } from './shipper.ts';
 import { FsChunkStore, FsManifestStore } from './chunkstore/fs-store.ts';
@@ -15,11 +18,22 @@ import { Materialiser } from './chunkstore/materialise.ts';
 import { LiveRoots, systemClock, type ChunkStore, type ManifestStore } from '../domain/snapshot-store.ts';
 import { generateSigningKey, signManifest, signTicket, type SigningKey, type TrustedKeys } from '../domain/tickets.ts';
 import type { LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
-import { ArtifactKind, SignedManifestSchema, type SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema, type SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { FetchSnapshotWorkSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { tempDir } from '../../services/testkit/proc.ts';
 import { startGrpcServer, type RunningGrpcServer } from '../../services/adapters/grpc/server.ts';
 import { chunkTransferService } from './peer/server.ts';
+import { sha256Hex } from './chunkstore/codec.ts';
+
+vi.mock('node:child_process', async (importOriginal) => {
+  const actual = await importOriginal<typeof ChildProcess>();
+  const { promisify } = await import('node:util');
+  const real = promisify(actual.execFile) as (...a: unknown[]) => Promise<unknown>;
+  const execFile = Object.assign((...a: unknown[]) => (actual.execFile as (...a: unknown[]) => unknown)(...a), {
+    [promisify.custom]: async (cmd: string, args: readonly string[], ...rest: unknown[]) => (cmd === 'qemu-img' && args[0] === 'info' ? { stdout: '{}', stderr: '' } : real(cmd, args, ...rest)),
+  });
+  return { ...actual, execFile };
+});
 
 const CS = 64 * 1024;
 const log = pino({ level: 'silent' });
@@ -372,5 +386,132 @@ describe('ChunkStoreShipper: the manifest bytes from the sources', () => {
       await liar.close(100);
       await honest.close(100);
     }
+  });
+});
+
+/**
+ * A snapshot the VMM took here that an ingest can cut: its sealed directory with the VMM's
+ * manifest, `memory` (two chunks filled with `fill` and `fill + 1`), `state` and `disk`.
+ */
+function takenHere(driverSnapshotsDir: string, snapshotId: string, fill: number): LocalSnapshot {
+  const own = ownSnapshot(driverSnapshotsDir, snapshotId);
+  writeFileSync(join(own, 'memory'), Buffer.concat([Buffer.alloc(CS, fill), Buffer.alloc(CS, fill + 1)]));
+  writeFileSync(join(own, 'state'), Buffer.alloc(1000, fill + 2));
+  writeFileSync(join(own, 'disk'), Buffer.alloc(CS, fill + 3));
+  writeFileSync(join(own, 'image.json'), JSON.stringify({ disk: '/images/base.qcow2' }));
+  const manifest: VmmSnapshotManifest = {
+    schema: 1,
+    snapshotId,
+    parentSnapshotId: null,
+    sourceVmId: 'vm-1',
+    createdAt: new Date().toISOString(),
+    config: { machineType: 'microvm', memoryMib: 256, vcpus: 1, devices: [], qemuVersion: '8', accel: 'tcg', cpuModel: 'max' },
+    image: { name: 'tiny', recipeHash: 'h', kernelArgs: '' },
+    files: { memory: 'memory', deviceState: 'state', disk: 'disk' },
+    diskVirtualSize: CS,
+    method: 'shared-file',
+    sourcePauseMs: 0,
+  };
+  writeFileSync(join(own, 'manifest.json'), JSON.stringify(manifest));
+  return { dir: own, manifest };
+}
+
+describe('ChunkStoreShipper: a snapshot taken here that lost a chunk', () => {
+  /**
+   * A snapshot taken and ingested here whose second memory chunk was lost (removed because
+   * its fsync failed at start-up), and the agent restarted: held, not complete.
+   */
+  async function lostAChunk(name: string) {
+    const first = await host(name);
+    const local = takenHere(first.driverSnapshotsDir, 'sn-own', 7);
+    const ingested = await first.shipper.ingest(local);
+    const lost = sha256Hex(Buffer.alloc(CS, 8));
+    rmSync(first.store.pathOf(lost));
+    const h = await host(name);
+    await h.shipper.load();
+    expect(h.shipper.held().map((x) => [x.snapshotId, x.complete])).toEqual([['sn-own', false]]);
+    // The scheduler signed the manifest the snapshot step returned.
+    const signed = signManifest(fromBinary(SnapshotManifestSchema, ingested.manifest), key);
+    const ticket = signTicket({ snapshotId: 'sn-own', destinationHostId: 'h1', expiresAt: new Date(Date.now() + 60_000) }, key);
+    const work = (address = '127.0.0.1:9') => create(FetchSnapshotWorkSchema, { snapshotId: 'sn-own', sources: [{ hostId: 'hA', address }], ticket, manifest: signed });
+    return { h, local, ingested, lost, work };
+  }
+
+  it('ingest_runAgainForIt_storesTheChunkAgainFromItsOwnFiles_keepsTheStoredManifest_andHoldsItComplete', async () => {
+    // It returned the stored manifest: incomplete for good, the host no holder of the snapshot.
+    const { h, local, ingested, lost } = await lostAChunk('own-lost-ingest');
+    const again = await h.shipper.ingest(local);
+    expect(Buffer.from(again.manifest)).toEqual(Buffer.from(ingested.manifest));
+    expect(await h.store.has(lost)).toBe(true);
+    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
+  });
+
+  it('replicate_ofIt_storesTheChunkAgainFromItsOwnFiles_andHoldsItComplete', async () => {
+    // It returned at once (its VMM directory is here) and durable() resolved: reported done,
+    // the host still not a holder.
+    const { h, lost, work } = await lostAChunk('own-lost-replicate');
+    expect(await h.shipper.replicate('sn-own', work())).toEqual({ bytesFetched: 0 });
+    await h.shipper.durable('sn-own');
+    expect(await h.store.has(lost)).toBe(true);
+    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
+  });
+
+  it('obtain_ofIt_givesItsOwnDirectory_storesTheChunkAgainFromItsOwnFiles_andHoldsItComplete', async () => {
+    const { h, local, lost } = await lostAChunk('own-lost-obtain');
+    const got = await h.shipper.obtain('sn-own', undefined, () => undefined);
+    expect(got.local.dir).toBe(local.dir);
+    expect(await h.store.has(lost)).toBe(true);
+    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
+  });
+
+  it('replicate_ofIt_whenItsOwnFilesNoLongerHoldTheChunk_fetchesItFromTheSources_andHoldsItComplete', async () => {
+    const { h, local, ingested, lost, work } = await lostAChunk('own-lost-fetched');
+    writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
+    // A peer holding the snapshot's chunks.
+    const peerRoot = join(dir, 'own-lost-peer');
+    const peerChunks = new FsChunkStore(peerRoot, { offload: false });
+    const mem = join(peerRoot, 'memory');
+    writeFileSync(mem, Buffer.concat([Buffer.alloc(CS, 7), Buffer.alloc(CS, 8)]));
+    (await ingestSnapshot({ snapshotId: 'sn-own', tenantId: '', sourceSandboxId: 'vm-1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }] }, { chunks: peerChunks, roots: new LiveRoots(), clock: systemClock, chunkSize: CS })).unpin();
+    const peerManifests: ManifestStore = { get: async () => ingested, put: async () => undefined, delete: async () => undefined, list: async () => [] };
+    const peer = await startGrpcServer({ address: '127.0.0.1:0', services: [chunkTransferService({ chunks: peerChunks, manifests: peerManifests, trust, clock: systemClock }).registration] });
+    try {
+      const { bytesFetched } = await h.shipper.replicate('sn-own', work(peer.address));
+      await h.shipper.durable('sn-own');
+      expect(bytesFetched).toBeGreaterThan(0);
+      expect(await h.store.has(lost)).toBe(true);
+      expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
+    } finally {
+      await peer.close(100);
+    }
+  });
+});
+
+describe('ChunkStoreShipper.remove against an ingest', () => {
+  it('remove_whileAnIngestStoresItsManifest_waitsForTheWriteAndDeletesIt_andTheIngestFails', async () => {
+    // The delete was reported done, then the ingest stored its manifest and held the deleted
+    // snapshot complete.
+    const putting = gate();
+    const h = await host('ingest-during-remove', {
+      manifests: (m) => ({
+        get: (id) => m.get(id),
+        list: () => m.list(),
+        delete: (id) => m.delete(id),
+        put: async (id: string, s: SignedManifest) => {
+          await putting.wait();
+          await m.put(id, s);
+        },
+      }),
+    });
+    const local = takenHere(h.driverSnapshotsDir, 'sn-i', 20);
+    const ingesting = h.shipper.ingest(local);
+    ingesting.catch(() => undefined);
+    await putting.entered;
+    const removed = h.shipper.remove('sn-i');
+    putting.open();
+    await removed;
+    await expect(ingesting).rejects.toThrow(/deleted on host h1 while it was being ingested/);
+    expect(await h.stored.get('sn-i')).toBeUndefined();
+    expect(h.shipper.held()).toEqual([]);
   });
 });

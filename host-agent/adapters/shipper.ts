@@ -19,6 +19,7 @@ import { ChunkCorruptError, ChunkMissingError, ManifestInvalidError, ManifestNot
 import { collectGarbage } from '../domain/snapshot-store-gc.ts';
 import type { GcResult } from '../domain/snapshot-store-gc.ts';
 import { ingestSnapshot } from './chunkstore/ingest.ts';
+import { encodeChunk, sha256Hex } from './chunkstore/codec.ts';
 import type { MaterialisedSnapshot, Materialiser } from './chunkstore/materialise.ts';
 import { PeerChunkSource } from './peer/client.ts';
 import { migrateFrom, type MigrationRelaySettings } from './peer/migrate.ts';
@@ -66,17 +67,22 @@ export interface ShipperDeps {
 /** Marks a VMM snapshot directory whose snapshot was deleted while something still used it. */
 const DELETED_MARKER = '.deleted';
 
-/** One fetch of a snapshot (obtain), as remove() sees it. */
+/**
+ * One fetch of a snapshot (obtain, replicate), ingest of one, or repair of one taken here
+ * (restoreOwnChunks), as remove() sees it.
+ */
 interface FetchAttempt {
-  /** Set by remove(): the fetch must not store the manifest (or, stored already, it is deleted). */
+  /** What it does to the snapshot, for the error that says a delete won. */
+  doing: 'fetched' | 'ingested' | 'repaired';
+  /** Set by remove(): the attempt must not store the manifest (or, stored already, it is deleted), nor hold the snapshot. */
   removed: boolean;
   /** The manifest put, once begun (settles, never rejects): remove() waits for it before it deletes. */
   storing?: Promise<void>;
 }
 
-/** The fetch's manifest was not stored: the snapshot was deleted on this host while it was fetched. */
-function removedWhileFetched(snapshotId: string, hostId: string): ForkfleetError {
-  return new ForkfleetError('failed_precondition', `snapshot ${snapshotId} was deleted on host ${hostId} while it was being fetched: not kept`, { retryable: false });
+/** The attempt's manifest was not stored (or not kept): the snapshot was deleted on this host meanwhile. */
+function removedWhile(snapshotId: string, hostId: string, doing: FetchAttempt['doing']): ForkfleetError {
+  return new ForkfleetError('failed_precondition', `snapshot ${snapshotId} was deleted on host ${hostId} while it was being ${doing}: not kept`, { retryable: false });
 }
 
 async function exists(p: string): Promise<boolean> {
@@ -109,10 +115,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
   private readonly notDurable = new Map<string, unknown>();
   /**
    * Fetches of a snapshot from before fetchSnapshot began until their manifest is stored or
-   * they failed, by snapshot. remove() marks them: a fetch removed meanwhile stores no
-   * manifest (it would bring the snapshot back after a delete that was reported done).
+   * they failed, ingests from their start until they return, and repairs of a snapshot taken
+   * here, by snapshot. remove() marks them: one removed meanwhile stores no manifest and holds
+   * nothing (it would bring the snapshot back after a delete that was reported done).
    */
-  private readonly fetching = new Map<string, Set<FetchAttempt>>();
+  private readonly attempts = new Map<string, Set<FetchAttempt>>();
   /** Deleted snapshots whose VMM directory a GC kept because a lease held it: a GC follows the last release. */
   private readonly keptForLease = new Set<string>();
   private gcRun: Promise<unknown> = Promise.resolve();
@@ -214,10 +221,33 @@ export class ChunkStoreShipper implements SnapshotShipper {
     return flat;
   }
 
+  /**
+   * Cuts a snapshot taken here into the chunk store and stores its (unsigned) manifest. Run
+   * again (the snapshot step redelivered), it returns the stored manifest, first storing
+   * again from the snapshot's files any chunk it lacks (restoreOwnChunks). A delete of the
+   * snapshot meanwhile (its step timed out, its op failed) wins: no manifest is kept and the
+   * ingest fails, rather than the host holding a deleted snapshot complete.
+   */
   async ingest(local: LocalSnapshot): Promise<SignedManifest> {
     const m = local.manifest;
+    const { attempt, forget } = this.track(m.snapshotId, 'ingested');
+    try {
+      return await this.ingestTracked(local, attempt);
+    } finally {
+      forget();
+    }
+  }
+
+  private async ingestTracked(local: LocalSnapshot, attempt: FetchAttempt): Promise<SignedManifest> {
+    const m = local.manifest;
     const existing = await this.deps.manifests.get(m.snapshotId);
-    if (existing) return existing;
+    if (attempt.removed) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
+    if (existing) {
+      // Kept as stored: the scheduler signed these bytes. A chunk lost since (removed by a
+      // failed start-up fsync, quarantined) is stored again from the snapshot's own files.
+      if (!this.complete.has(m.snapshotId)) await this.restoreOwnChunks(local);
+      return existing;
+    }
     this.sealedOnly.add(m.snapshotId);
     const image = JSON.parse(await readFile(join(local.dir, 'image.json'), 'utf8')) as { disk: string };
     const metadata: Record<string, Uint8Array> = {};
@@ -259,10 +289,12 @@ export class ChunkStoreShipper implements SnapshotShipper {
     manifest.metadata = metadata;
     const signed = create(SignedManifestSchema, { manifest: toBinary(SnapshotManifestSchema, manifest) });
     try {
-      await this.deps.manifests.put(m.snapshotId, signed);
+      // Refused once remove() marked the ingest; a put under way, remove() waits for and undoes.
+      await this.manifestsFor(attempt).put(m.snapshotId, signed);
     } finally {
       unpin(); // the manifest keeps the chunks from here (or nothing does: a failed put)
     }
+    if (attempt.removed) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
     this.markComplete(m.snapshotId);
     this.sealedOnly.delete(m.snapshotId);
     this.deps.log.info({ snapshotId: m.snapshotId, ...stats }, 'snapshot ingested');
@@ -294,7 +326,15 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
     // Not one deleted here (marked, kept only while something uses it): a GC may be removing
     // it now. The caller's lease, taken before this check, keeps one marked after it.
-    if (await this.ownSealed(own)) return { local: await this.deps.driver.openSnapshot(own), bytesFetched: 0 };
+    if (await this.ownSealed(own)) {
+      const local = await this.deps.driver.openSnapshot(own);
+      // Its directory is whole, but held complete only with every chunk here (peers are sent
+      // here for them): one lost since is stored again from its files. Fails no restore.
+      if (!this.complete.has(snapshotId)) {
+        await this.restoreOwnChunks(local).catch((e: unknown) => this.deps.log.warn({ snapshotId, err: (e as Error).message }, 'could not store again the chunks a snapshot taken here lacks'));
+      }
+      return { local, bytesFetched: 0 };
+    }
 
     let bytesFetched = 0;
     let mat: MaterialisedSnapshot | undefined;
@@ -382,9 +422,19 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * stored), its disk uncounted. A restore here builds it then (obtain). Run again, it finds
    * what is stored and fetches only what is missing. The manifest is stored in the
    * background, as for obtain: `durable()` waits for it.
+   *
+   * A snapshot taken here needs nothing fetched while it is complete, or while its ingest has
+   * not stored its manifest. Incomplete (a chunk lost since), what it lacks is stored again
+   * from its own files (restoreOwnChunks) and what those do not give back is fetched: it
+   * used to return at once, reported done while the host went on holding it incomplete.
    */
   async replicate(snapshotId: string, fetch: FetchSnapshotWork): Promise<{ bytesFetched: number }> {
-    if (await this.ownSealed(join(this.deps.driverSnapshotsDir, snapshotId))) return { bytesFetched: 0 };
+    const own = join(this.deps.driverSnapshotsDir, snapshotId);
+    if (await this.ownSealed(own)) {
+      if (this.complete.has(snapshotId)) return { bytesFetched: 0 };
+      const lacking = await this.restoreOwnChunks(await this.deps.driver.openSnapshot(own));
+      if (!lacking?.length) return { bytesFetched: 0 };
+    }
     const { bytesFetched } = await this.fetchFrom(snapshotId, fetch, await this.deps.manifests.get(snapshotId), false);
     return { bytesFetched };
   }
@@ -400,14 +450,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const sources = this.sourcesOf(fetch);
     // Known to remove() from here: a delete of the snapshot meanwhile (before obtain returns,
     // or before the deferred manifest write below) wins, and the fetch stores no manifest.
-    const attempt: FetchAttempt = { removed };
-    let attempts = this.fetching.get(snapshotId);
-    if (!attempts) this.fetching.set(snapshotId, (attempts = new Set()));
-    attempts.add(attempt);
-    const forget = (): void => {
-      attempts.delete(attempt);
-      if (attempts.size === 0 && this.fetching.get(snapshotId) === attempts) this.fetching.delete(snapshotId);
-    };
+    const { attempt, forget } = this.track(snapshotId, 'fetched', removed);
     let durableSet = false;
     try {
       // The manifest bytes come from a peer; the signature comes from the scheduler. It is
@@ -435,7 +478,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
           () => {
             // Removed while its manifest was being stored: remove() deletes it (it waited
             // for the put), so the snapshot is not held.
-            if (attempt.removed) this.notDurable.set(snapshotId, removedWhileFetched(snapshotId, this.deps.hostId));
+            if (attempt.removed) this.notDurable.set(snapshotId, removedWhile(snapshotId, this.deps.hostId, attempt.doing));
             else this.markComplete(snapshotId);
           },
           (e: unknown) => {
@@ -463,6 +506,86 @@ export class ChunkStoreShipper implements SnapshotShipper {
     return (await exists(join(dir, 'manifest.json'))) && !(await exists(join(dir, DELETED_MARKER)));
   }
 
+  /** Registers an attempt on the snapshot for remove() to mark; `forget` once it is over. */
+  private track(snapshotId: string, doing: FetchAttempt['doing'], removed = false): { attempt: FetchAttempt; forget: () => void } {
+    const attempt: FetchAttempt = { doing, removed };
+    let attempts = this.attempts.get(snapshotId);
+    if (!attempts) this.attempts.set(snapshotId, (attempts = new Set()));
+    const mine = attempts;
+    mine.add(attempt);
+    const forget = (): void => {
+      mine.delete(attempt);
+      if (mine.size === 0 && this.attempts.get(snapshotId) === mine) this.attempts.delete(snapshotId);
+    };
+    return { attempt, forget };
+  }
+
+  /**
+   * A snapshot taken here whose manifest is stored but some chunk is not (removed because its
+   * fsync failed at start-up, quarantined as corrupt, or shared with one found so:
+   * incompleteWith): every chunk it lacks is read again from the snapshot's own files and
+   * stored if its bytes hash to the digest the manifest names, and once none is missing the
+   * snapshot is held complete again. The manifest stays as stored: its bytes are the ones the
+   * scheduler signed. Unrepaired, it stayed incomplete for good (an ingest run again, a
+   * restore or a replica here each took the VMM directory for the whole snapshot), and the
+   * scheduler, no longer counting this host as a holder, perhaps had none left.
+   * The disk layer is read from the directory's own file: a layer ingest flattened
+   * (portableDisk) has other bytes, and its chunks are left for a fetch (replicate).
+   * Returns the digests still missing ([]: held complete now), undefined when no manifest is
+   * stored (its ingest stores one). A delete meanwhile wins (removedWhile).
+   */
+  private async restoreOwnChunks(local: LocalSnapshot): Promise<string[] | undefined> {
+    const snapshotId = local.manifest.snapshotId;
+    const { attempt, forget } = this.track(snapshotId, 'repaired');
+    try {
+      // Read once known to remove(): a delete done before this finds no manifest.
+      const stored = await this.deps.manifests.get(snapshotId);
+      if (!stored) return undefined;
+      const manifest = fromBinary(SnapshotManifestSchema, stored.manifest);
+      const digests = manifestDigests(manifest);
+      const lacking = new Set(await this.deps.chunks.missing(digests));
+      let restored = 0;
+      for (const a of manifest.artifacts) {
+        const refs = a.chunks.filter((c) => lacking.has(Buffer.from(c.digest).toString('hex')));
+        if (refs.length === 0) continue;
+        // The file ingest cut, by the name it gave the artifact (only bytes that hash to a
+        // digest the manifest names are stored, whatever the file holds).
+        const fh = await open(join(local.dir, a.name), 'r').catch(() => undefined);
+        if (!fh) continue; // gone: its chunks stay missing
+        try {
+          for (const c of refs) {
+            const digest = Buffer.from(c.digest).toString('hex');
+            if (!lacking.has(digest)) continue; // stored already, from another offset
+            const buf = Buffer.alloc(c.size);
+            const { bytesRead } = await fh.read(buf, 0, c.size, Number(c.index) * manifest.chunkSize);
+            if (bytesRead !== c.size || sha256Hex(buf) !== digest) continue;
+            const enc = await encodeChunk(buf, digest);
+            await this.deps.chunks.put(enc, { trusted: true });
+            this.storedSinceGc += enc.data.length;
+            lacking.delete(digest);
+            restored++;
+          }
+        } finally {
+          await fh.close();
+        }
+      }
+      const still = lacking.size === 0 ? [] : await this.deps.chunks.missing(digests);
+      if (still.length > 0) {
+        this.deps.log.warn({ snapshotId, restored, missing: still.length }, 'a snapshot taken here lacks chunks its own files do not give back: held incomplete until they are fetched');
+        return still;
+      }
+      // Durable before the snapshot is reported complete, as any stored manifest's chunks are.
+      await this.deps.chunks.sync(digests);
+      if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
+      this.markComplete(snapshotId);
+      this.sealedOnly.delete(snapshotId);
+      if (restored > 0) this.deps.log.info({ snapshotId, chunks: restored }, 'chunks a snapshot taken here lacked were stored again from its own files: held complete');
+      return [];
+    } finally {
+      forget();
+    }
+  }
+
   /**
    * The manifest store as one fetch writes to it: once remove() marked the fetch, its put is
    * refused; a put that began before is remembered, for remove() to wait for and undo.
@@ -474,7 +597,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       list: () => store.list(),
       delete: (id) => store.delete(id),
       put: (id, signed) => {
-        if (attempt.removed) return Promise.reject(removedWhileFetched(id, this.deps.hostId));
+        if (attempt.removed) return Promise.reject(removedWhile(id, this.deps.hostId, attempt.doing));
         const p = store.put(id, signed);
         attempt.storing = p.then(
           () => undefined,
@@ -614,14 +737,15 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * remove it once free (also after an agent restart). The delete is done all the same: the
    * snapshot is no longer held here, and a restore no longer takes it up.
    *
-   * A fetch of the snapshot under way stores no manifest after this, also one whose
-   * manifest write obtain() left to the background: the delete wins.
+   * A fetch or an ingest of the snapshot under way stores no manifest after this (one
+   * storing it now is waited for and its manifest deleted), also a fetch whose manifest
+   * write obtain() left to the background: the delete wins.
    */
   async remove(snapshotId: string): Promise<void> {
     // Cleared before the fetches are marked: what a marked fetch reports (durable()) is set after.
     const notDurable = this.notDurable.get(snapshotId);
     this.notDurable.delete(snapshotId);
-    const fetches = [...(this.fetching.get(snapshotId) ?? [])];
+    const fetches = [...(this.attempts.get(snapshotId) ?? [])];
     for (const f of fetches) f.removed = true;
     // A manifest put that began before the mark: finished first, then deleted below.
     await Promise.all(fetches.map((f) => f.storing));
@@ -685,7 +809,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
           // synced, say): never ingested, so nothing listed it. Listed now, as load() lists
           // such a directory after a restart: the scheduler has a snapshot it does not keep
           // deleted here, rather than its memory image staying until the agent restarts.
-          if (!this.complete.has(id) && !this.storedIncomplete.has(id) && !this.sealedOnly.has(id) && (await exists(join(dir, 'manifest.json')))) {
+          // The marker checked again last: a remove() that wrote it meanwhile has already
+          // unlisted the snapshot, and listing it now would report a deleted snapshot held.
+          if (!this.complete.has(id) && !this.storedIncomplete.has(id) && !this.sealedOnly.has(id) && (await exists(join(dir, 'manifest.json'))) && !(await exists(join(dir, DELETED_MARKER)))) {
             this.sealedOnly.add(id);
             this.deps.log.info({ snapshotId: id }, 'a sealed snapshot no step reported is listed as held (incomplete)');
           }
