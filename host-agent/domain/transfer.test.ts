@@ -56,6 +56,12 @@ function memorySource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>):
   };
 }
 
+/** `first`'s session on the first open, then `then`'s (a peer that misbehaved once, and answers after a reconnect). */
+function firstSessionThen(first: ChunkSource, then: ChunkSource): ChunkSource {
+  let opened = 0;
+  return { ...then, open: (signal) => (opened++ === 0 ? first.open(signal) : then.open(signal)) };
+}
+
 /** Three 64 KiB chunks of different content, by digest. */
 async function threeChunks(): Promise<Map<DigestHex, EncodedChunk>> {
   const chunks = new Map<DigestHex, EncodedChunk>();
@@ -157,7 +163,7 @@ describe('fetchChunks', () => {
     expect(await inner.missing(chunks.keys())).toEqual([]);
   });
 
-  it('sourceThatGoesSilentWithChunksAsked_isGivenUpOnAfterTheIdleTime_andAnotherSourceSuppliesThem', async () => {
+  it('sourceThatGoesSilentWithChunksAsked_isGivenUpOnAfterTheIdleTime_andAskedAgain', async () => {
     const chunks = await threeChunks();
     // Takes every want and never answers: a peer cut off with the stream still open.
     const silent: ChunkSource = {
@@ -176,16 +182,18 @@ describe('fetchChunks', () => {
         };
       },
     };
+    // Alone (another source would hedge its digests before the idle time): its reconnect answers.
     const store = new FsChunkStore(join(tmp, 'store-silent'));
-    const report = await fetchChunks(chunks.keys(), [silent, memorySource('honest', chunks)], store, { idleMs: 200, backoffMs: 1, streamsPerSource: 1 });
+    const report = await fetchChunks(chunks.keys(), [firstSessionThen(silent, memorySource('silent', chunks))], store, { idleMs: 200, backoffMs: 1, streamsPerSource: 1 });
     expect(report.fetched).toBe(3);
+    expect(report.sources.find((s) => s.id === 'silent')?.failures).toBe(1);
     expect(report.sources.find((s) => s.id === 'silent')?.lastError).toMatch(/sent nothing for 200 ms/);
     expect(await store.missing(chunks.keys())).toEqual([]);
   }, 10_000);
 });
 
 describe('fetchChunks: a source that answers what it was not asked', () => {
-  it('sourceThatKeepsAnsweringDigestsNobodyAsked_isGivenUp_andAnotherSourceSuppliesWhatItWasAsked', async () => {
+  it('sourceThatKeepsAnsweringDigestsNobodyAsked_isGivenUp_andAskedAgain', async () => {
     const chunks = await threeChunks();
     // Never answers a want; says "missing" for a digest nobody asked every 10 ms (within the
     // idle time, so the silence timer alone never fires).
@@ -215,9 +223,11 @@ describe('fetchChunks: a source that answers what it was not asked', () => {
         };
       },
     };
+    // Alone (another source would hedge its digests first): its reconnect answers.
     const store = new FsChunkStore(join(tmp, 'store-babbler'));
-    const report = await fetchChunks(chunks.keys(), [babbler, memorySource('honest', chunks)], store, { idleMs: 200, backoffMs: 1, streamsPerSource: 1, window: 8 });
+    const report = await fetchChunks(chunks.keys(), [firstSessionThen(babbler, memorySource('babbler', chunks))], store, { idleMs: 200, backoffMs: 1, streamsPerSource: 1, window: 8 });
     expect(report.fetched).toBe(3);
+    expect(report.sources.find((s) => s.id === 'babbler')?.failures).toBe(1);
     expect(report.sources.find((s) => s.id === 'babbler')?.lastError).toMatch(/not asked for/);
     expect(await store.missing(chunks.keys())).toEqual([]);
   }, 10_000);
@@ -455,4 +465,148 @@ describe('fetchChunks: a fetch of many chunks', () => {
     expect(report.fetched).toBe(n);
     expect(performance.now() - t0).toBeLessThan(15_000);
   }, 60_000);
+});
+
+describe('fetchChunks: a slow source among faster ones (tail hedging)', () => {
+  /** `n` chunks by digest (fakes: the in-memory store below does not decode them). */
+  function fakeChunks(n: number): Map<DigestHex, EncodedChunk> {
+    return new Map(Array.from({ length: n }, (_, i) => i.toString(16).padStart(64, '0')).map((d) => [d, { digest: d, codec: Codec.NONE, size: 1, data: new Uint8Array(1) }] as const));
+  }
+
+  /** A source that answers its wants in order, one every `delayMs` (a slow or far peer); "missing" for what it lacks. Records what it sent. */
+  function delayedSource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>, delayMs: number, sent: DigestHex[] = []): ChunkSource {
+    return {
+      id,
+      getManifest: () => Promise.reject(new Error('not used')),
+      open() {
+        const asked: DigestHex[] = [];
+        let wake: (() => void) | undefined;
+        let closed = false;
+        return {
+          want(digests) {
+            asked.push(...digests);
+            wake?.();
+          },
+          events: {
+            async *[Symbol.asyncIterator]() {
+              while (!closed) {
+                const d = asked.shift();
+                if (d === undefined) {
+                  await new Promise<void>((r) => (wake = r));
+                  continue;
+                }
+                await new Promise((r) => setTimeout(r, delayMs));
+                if (closed) return;
+                sent.push(d);
+                const c = chunks.get(d);
+                yield c ? { kind: 'chunk', chunk: { ...c, data: Uint8Array.from(c.data) } } : { kind: 'missing', digest: d };
+              }
+            },
+          },
+          close() {
+            closed = true;
+            wake?.();
+          },
+        };
+      },
+    };
+  }
+
+  /** Our ChunkStore port in memory, counting each digest's stores; each takes `acceptMs`. */
+  function countingStore(acceptMs = 0): { store: ChunkStore; accepted: Map<DigestHex, number> } {
+    const accepted = new Map<DigestHex, number>();
+    const store = {
+      missing: async (ds: Iterable<DigestHex>) => [...new Set(ds)].filter((d) => !accepted.has(d)),
+      accept: async (c: EncodedChunk) => {
+        accepted.set(c.digest, (accepted.get(c.digest) ?? 0) + 1);
+        if (acceptMs > 0) await new Promise((r) => setTimeout(r, acceptMs));
+        return Buffer.alloc(0);
+      },
+    } as unknown as ChunkStore;
+    return { store, accepted };
+  }
+
+  it('fetchChunks_fromAFastSourceAndOneThatTrickles_endsNearTheFastOnesTime_storingEachChunkOnce', async () => {
+    const n = 200;
+    const slowMs = 50;
+    const chunks = fakeChunks(n);
+    const { store, accepted } = countingStore();
+    const t0 = performance.now();
+    // The slow one first: it takes the first 2 streams x 64 digests.
+    const report = await fetchChunks(chunks.keys(), [delayedSource('slow', chunks, slowMs), delayedSource('fast', chunks, 1)], store, { window: 64, streamsPerSource: 2 });
+    const ms = performance.now() - t0;
+    // The slow source alone: n chunks, one per 50 ms on each of its 2 streams (5 s). Held to
+    // the end by it, its 128 took 3.2 s; the fast one alone takes about 0.2 s.
+    expect(ms).toBeLessThan(((n * slowMs) / 2) * 0.25);
+    expect(report.requested).toBe(n);
+    expect(report.fetched).toBe(n);
+    expect(accepted.size).toBe(n);
+    expect([...accepted.values()].every((c) => c === 1)).toBe(true);
+    expect(report.sources.reduce((a, s) => a + s.chunks, 0)).toBe(n);
+    expect(report.sources.reduce((a, s) => a + s.bytes, 0)).toBe(report.bytes);
+    expect(report.sources.every((s) => s.failures === 0)).toBe(true);
+  }, 20_000);
+
+  it('copiesOfHedgedChunksArrivingLateFromTheSlowSource_areNotStoredAgain_andDoNotFailItsSessionAsStrays', async () => {
+    const chunks = fakeChunks(5);
+    const [a1, a2, a3, a4, only] = [...chunks.keys()] as [DigestHex, DigestHex, DigestHex, DigestHex, DigestHex];
+    // The slow source takes a1..a4 first; the fast one lacks `only` and asks for a1..a4 too.
+    // The slow one alone has `only`, so the fetch still runs when its copies of a1..a4 arrive
+    // (a1 while the fast copy is being stored, the others after).
+    const sent: DigestHex[] = [];
+    const { store, accepted } = countingStore(150);
+    const report = await fetchChunks(
+      chunks.keys(),
+      [delayedSource('slow', chunks, 100, sent), delayedSource('fast', new Map([...chunks].filter(([d]) => d !== only)), 1)],
+      store,
+      { window: 4, streamsPerSource: 1 },
+    );
+    expect(sent).toEqual([a1, a2, a3, a4, only]);
+    expect(report.fetched).toBe(5);
+    expect([...accepted.values()]).toEqual([1, 1, 1, 1, 1]);
+    const slow = report.sources.find((s) => s.id === 'slow');
+    expect(slow).toMatchObject({ chunks: 1, failures: 0 });
+    expect(slow?.lastError).toBeUndefined();
+    expect(report.sources.find((s) => s.id === 'fast')).toMatchObject({ chunks: 4, missing: 1, failures: 0 });
+  }, 10_000);
+
+  it('aHedgedDigestTheHedgingSourceLacks_isNotAskedAgainOfTheSourceThatOwesIt', async () => {
+    const chunks = fakeChunks(3);
+    const [x, y, z] = [...chunks.keys()] as [DigestHex, DigestHex, DigestHex];
+    // The slow source takes x and y; the fast one takes z, then hedges x and y: it lacks x
+    // ("missing" puts x back in the queue) and sends y. When the slow source's x arrives (its
+    // store takes a while), x must not be asked of it a second time.
+    const sent: DigestHex[] = [];
+    const { store, accepted } = countingStore(400);
+    const report = await fetchChunks(chunks.keys(), [delayedSource('slow', chunks, 100, sent), delayedSource('fast', new Map([...chunks].filter(([d]) => d !== x)), 1)], store, { window: 2, streamsPerSource: 1 });
+    expect(report.fetched).toBe(3);
+    expect(sent.filter((d) => d === x)).toEqual([x]);
+    expect(accepted.get(x)).toBe(1);
+    expect(accepted.get(y)).toBe(1);
+    expect(accepted.get(z)).toBe(1);
+  }, 10_000);
+
+  it('fetchChunks_withASourceGoneSilentHoldingChunks_endsOnceAnotherSourceSuppliedThem_withoutWaitingTheIdleTime', async () => {
+    const chunks = fakeChunks(3);
+    // Takes every want and never answers (a peer cut off with the stream still open).
+    const silent: ChunkSource = {
+      id: 'silent',
+      getManifest: () => Promise.reject(new Error('not used')),
+      open() {
+        let stop: (() => void) | undefined;
+        return {
+          want() {},
+          events: { [Symbol.asyncIterator]: () => ({ next: () => new Promise<IteratorResult<ChunkEvent>>((r) => (stop = () => r({ value: undefined, done: true }))) }) },
+          close: () => stop?.(),
+        };
+      },
+    };
+    const { store, accepted } = countingStore();
+    const t0 = performance.now();
+    const report = await fetchChunks(chunks.keys(), [silent, delayedSource('honest', chunks, 1)], store, { idleMs: 5_000, streamsPerSource: 1 });
+    expect(performance.now() - t0).toBeLessThan(2_000);
+    expect(report.fetched).toBe(3);
+    expect([...accepted.values()]).toEqual([1, 1, 1]);
+    expect(report.sources.find((s) => s.id === 'silent')).toMatchObject({ chunks: 0, failures: 0 });
+  }, 10_000);
 });

@@ -271,19 +271,19 @@ export async function verifiedManifestFrom(
 
 /**
  * `it.next()`, or `silent()` thrown when it has not settled within `ms`, or what `stop`
- * rejects with first (the next is left to settle, its outcome ignored).
+ * rejects with first (the next is left to settle, its outcome ignored), or what `done`
+ * resolves with first (then too).
  */
-async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Error, stop: Promise<never>): Promise<IteratorResult<T>> {
+async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Error, stop: Promise<never>, done?: Promise<IteratorReturnResult<undefined>>): Promise<IteratorResult<T>> {
   const next = it.next();
+  // Left unsettled when `done` wins: a failure it has later is nobody's news.
+  if (done) next.catch(() => undefined);
   let timer: NodeJS.Timeout | undefined;
+  const silence = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(silent()), ms);
+  });
   try {
-    return await Promise.race([
-      next,
-      new Promise<never>((_, reject) => {
-        timer = setTimeout(() => reject(silent()), ms);
-      }),
-      stop,
-    ]);
+    return await Promise.race(done ? [next, silence, stop, done] : [next, silence, stop]);
   } catch (e) {
     next.catch(() => undefined);
     throw e;
@@ -298,6 +298,11 @@ async function nextWithin<T>(it: AsyncIterator<T>, ms: number, silent: () => Err
  * are stored; throws ChunksUnavailableError (retryable) when no live source can supply the rest
  * (the chunks that did arrive stay stored), also when storing them here kept failing (a full
  * disk: its `cause` is then the ChunkNotStoredError, naming the write's error).
+ *
+ * Tail hedging (more than one source): a session with nothing left to take and nothing asked
+ * asks its source again for digests other sources were asked for and have not answered (see
+ * `hedge`). The first copy to arrive is stored; a later one is dropped, and is no stray for
+ * the session that asked for it. With one source nothing changes.
  */
 export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonly ChunkSource[], store: ChunkStore, opts: FetchOptions = {}): Promise<FetchReport> {
   const t0 = performance.now();
@@ -316,6 +321,17 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   let idle = 0;
   /** The last chunk a session could not store here (named in the error when the fetch fails). */
   let localFailure: ChunkNotStoredError | undefined;
+  /** Received and being stored, by any session: a copy of one that arrives meanwhile is not stored again. */
+  const storing = new Set<DigestHex>();
+  /** Each live session: its source, and the digests it asked for and has had no answer to. */
+  const sessions = new Set<{ readonly source: string; readonly requested: ReadonlySet<DigestHex> }>();
+  /** A session asked for a digest another source was asked for too: from then on a copy may arrive twice. */
+  let hedged = false;
+  // Resolves once every chunk is stored: a session waiting on its peer for copies that arrived
+  // from another source (hedged) stops waiting then. Only a hedge leaves a session so.
+  let allStored: () => void = () => undefined;
+  const finished = new Promise<IteratorReturnResult<undefined>>((r) => (allStored = () => r({ done: true, value: undefined })));
+  const done = sources.length > 1 ? finished : undefined;
 
   const exclude = (d: DigestHex, id: string): void => {
     let s = excluded.get(d);
@@ -323,7 +339,16 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
     s.add(id);
   };
 
-  const wanted = (d: DigestHex): boolean => pending.has(d);
+  // Once hedged, a digest another session still has asked is not taken again (a "missing" or a
+  // bad copy from the hedging source, or its session's failure, puts it back in the queue while
+  // the first source still owes it): asked twice of one source, its second copy was a stray.
+  // Every way a request ends without the chunk stored puts its digest back.
+  const askedElsewhere = (d: DigestHex): boolean => {
+    for (const s of sessions) if (s.requested.has(d)) return true;
+    return false;
+  };
+  // Nor one being stored (a copy arrived): its store's failure puts it back.
+  const wanted = (d: DigestHex): boolean => pending.has(d) && !storing.has(d) && !(hedged && askedElsewhere(d));
   const take = (id: string, max: number): DigestHex[] => queue.take(id, max, wanted, (d) => excluded.get(d)?.has(id) === true);
 
   const runSource = async (src: ChunkSource): Promise<void> => {
@@ -332,9 +357,10 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
     let attempt = 0;
     try {
       while (pending.size > 0 && !opts.signal?.aborted) {
-        // Asked of the peer, no event yet / received and being stored.
+        // Asked of the peer, no event yet.
         const requested = new Set<DigestHex>();
-        const storing = new Set<DigestHex>();
+        const asking = { source: src.id, requested };
+        sessions.add(asking);
         const session = src.open(opts.signal);
         const puts = new Set<Promise<void>>();
         let strays = 0;
@@ -344,16 +370,49 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
           for (const d of more) requested.add(d);
           session.want(more);
         };
+        /**
+         * Tail hedging: asks this source for up to `window` digests that other sources' sessions
+         * asked for and have not answered, oldest first (each such session's in turn), still
+         * missing, not being stored, not excluded for this source nor asked of it already.
+         * Without it, a slow peer (one that trickles restarts the silence timer with each
+         * chunk) held up to `window` digests per stream, and the end of the fetch, while the
+         * other sources sat idle: 300 chunks from a 1 ms source and a 200 ms one took 12.8 s,
+         * the 1 ms one alone 0.3 s. Called only when this session has nothing asked.
+         */
+        const hedge = (): void => {
+          const mine = [...sessions].filter((s) => s.source === src.id);
+          let turn: Array<Iterator<DigestHex>> = [...sessions].filter((s) => s.source !== src.id).map((s) => s.requested.values());
+          const more: DigestHex[] = [];
+          while (turn.length > 0 && more.length < window) {
+            const still: Array<Iterator<DigestHex>> = [];
+            for (const asked of turn) {
+              if (more.length >= window) break;
+              const r = asked.next();
+              if (r.done) continue;
+              still.push(asked);
+              const d = r.value;
+              if (pending.has(d) && !storing.has(d) && excluded.get(d)?.has(src.id) !== true && !mine.some((s) => s.requested.has(d))) {
+                requested.add(d);
+                more.push(d);
+              }
+            }
+            turn = still;
+          }
+          if (more.length === 0) return;
+          hedged = true;
+          opts.log?.debug({ source: src.id, chunks: more.length }, 'hedging: asking for chunks other sources have not sent yet');
+          session.want(more);
+        };
         // A chunk received on this session that could not be stored here fails the session
         // (as a source failure does: an attempt, then backoff), whatever the loop awaits then.
         let notStored: ChunkNotStoredError | undefined;
         let failNotStored: (e: ChunkNotStoredError) => void = () => undefined;
         const stop = new Promise<never>((_, reject) => (failNotStored = reject));
         stop.catch(() => undefined);
+        // (The session's puts have settled by then: a chunk whose store failed was requeued.)
         const giveBack = (): void => {
-          for (const d of [...requested, ...storing]) if (pending.has(d)) queue.push(d);
+          for (const d of requested) if (pending.has(d)) queue.push(d);
           requested.clear();
-          storing.clear();
           changed.notify();
         };
         try {
@@ -363,6 +422,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
             if (notStored) throw notStored;
             if (requested.size === 0) {
               refill();
+              if (requested.size === 0 && sources.length > 1) hedge();
               if (requested.size === 0) {
                 if (puts.size > 0) {
                   await Promise.race([changed.wait(), stop, ...puts]);
@@ -380,8 +440,11 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
                 continue;
               }
             }
-            const r = await nextWithin(it, idleMs, () => new SourceSilentError(src.id, idleMs, requested.size), stop);
-            if (r.done) throw new Error('peer ended the stream early');
+            const r = await nextWithin(it, idleMs, () => new SourceSilentError(src.id, idleMs, requested.size), stop, done);
+            if (r.done) {
+              if (pending.size === 0) break; // `done`: all stored (what this peer still owes came from others)
+              throw new Error('peer ended the stream early');
+            }
             const ev = r.value;
             const d = ev.kind === 'missing' ? ev.digest : ev.chunk.digest;
             if (!requested.delete(d)) {
@@ -404,6 +467,12 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
                 changed.notify();
                 continue;
               }
+              // A copy of a hedged digest that another session received first (stored, or being
+              // stored): dropped. This session asked for it, so it is no stray.
+              if (hedged && (storing.has(d) || !pending.has(d))) {
+                refill();
+                continue;
+              }
               storing.add(d);
               const chunk = ev.chunk;
               // The store may take `chunk.data` (hand it to a worker, detaching it).
@@ -423,6 +492,7 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
                     report.bytes += bytes;
                     rep.chunks++;
                     rep.bytes += bytes;
+                    if (pending.size === 0) allStored();
                   }
                   attempt = 0;
                   changed.notify();
@@ -471,6 +541,8 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
           opts.log?.warn({ source: src.id, err: rep.lastError, attempt }, 'chunk source failed');
           if (!retryable || ++attempt >= maxAttempts) return;
           await sleep(backoffMs * attempt, opts.signal);
+        } finally {
+          sessions.delete(asking);
         }
       }
     } finally {
