@@ -4,6 +4,8 @@ import { mkdtempSync, readFileSync, rmSync, utimesSync, writeFileSync } from 'no
 import { randomBytes } from 'node:crypto';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
+import { setFlagsFromString } from 'node:v8';
+import { runInNewContext } from 'node:vm';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { ArtifactKind, Codec, SnapshotManifestSchema, type SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
@@ -609,4 +611,77 @@ describe('fetchChunks: a slow source among faster ones (tail hedging)', () => {
     expect([...accepted.values()]).toEqual([1, 1, 1]);
     expect(report.sources.find((s) => s.id === 'silent')).toMatchObject({ chunks: 0, failures: 0 });
   }, 10_000);
+});
+
+describe('fetchChunks: memory', () => {
+  it('chunksASessionStored_areNotKeptInMemory_whileItsSessionGoesOn', async () => {
+    // Each read of a session used to race the session's failure promise, which settles only
+    // if it fails: every race's result (the chunk) stayed referenced until the session ended.
+    setFlagsFromString('--expose-gc');
+    const gc = runInNewContext('gc') as () => void;
+    const n = 20;
+    const refs: Array<WeakRef<Uint8Array>> = [];
+    const digests = Array.from({ length: n }, (_, i) => i.toString(16).padStart(64, '0'));
+    let release: () => void = () => undefined;
+    const last = new Promise<void>((r) => (release = r));
+    let reachedLast: () => void = () => undefined;
+    const atLast = new Promise<void>((r) => (reachedLast = r));
+    const stored = new Set<DigestHex>();
+    // Our ChunkStore port: keeps nothing of what it is given; the last chunk's store waits.
+    const store = {
+      missing: async (ds: Iterable<DigestHex>) => [...ds].filter((d) => !stored.has(d)),
+      accept: async (c: EncodedChunk) => {
+        if (c.digest === digests[n - 1]) {
+          reachedLast();
+          await last;
+        }
+        stored.add(c.digest);
+        return Buffer.alloc(0);
+      },
+    } as unknown as ChunkStore;
+    const source: ChunkSource = {
+      id: 'one',
+      getManifest: () => Promise.reject(new Error('not used')),
+      open() {
+        const asked: DigestHex[] = [];
+        let wake: (() => void) | undefined;
+        let closed = false;
+        return {
+          want(ds) {
+            asked.push(...ds);
+            wake?.();
+          },
+          events: {
+            async *[Symbol.asyncIterator]() {
+              while (!closed) {
+                const d = asked.shift();
+                if (d === undefined) {
+                  await new Promise<void>((r) => (wake = r));
+                  continue;
+                }
+                const data = new Uint8Array(1 << 20);
+                refs.push(new WeakRef(data));
+                yield { kind: 'chunk', chunk: { digest: d, codec: Codec.NONE, size: data.length, data } };
+              }
+            },
+          },
+          close() {
+            closed = true;
+            wake?.();
+          },
+        };
+      },
+    };
+    const fetching = fetchChunks(digests, [source], store, { window: 4, putConcurrency: 1 });
+    await atLast;
+    await new Promise((r) => setTimeout(r, 20));
+    gc();
+    await new Promise((r) => setTimeout(r, 20));
+    gc();
+    // All but the last few (the one being stored, and what the peer sent ahead of it) are gone.
+    const kept = refs.slice(0, n - 5).filter((r) => r.deref() !== undefined).length;
+    release();
+    await fetching;
+    expect(kept).toBe(0);
+  });
 });
