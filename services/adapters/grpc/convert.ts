@@ -571,6 +571,9 @@ export function operationKind(k: PbOpKind, field: string): OperationRec['kind'] 
   return found[0];
 }
 
+/** Operations whose answer shows their snapshot (Operation.result.snapshot); the others show their sandboxes. */
+export const SNAPSHOT_RESULT_KINDS: ReadonlySet<OperationRec['kind']> = new Set(['snapshot', 'delete_snapshot', 'hibernate']);
+
 /** What an operation acts on: a sandbox or snapshot id, or a host id (a drain). */
 export function operationTarget(v: string, field: string): string {
   // A host id may look like anything of [a-z0-9-], but not like a malformed sandbox or snapshot id.
@@ -612,7 +615,7 @@ export function toOperation(op: OperationRec, objs: OpResultObjects, now: number
           : {}),
       },
     };
-  } else if (objs.snapshot && (op.kind === 'snapshot' || op.kind === 'delete_snapshot' || op.kind === 'hibernate')) {
+  } else if (objs.snapshot && SNAPSHOT_RESULT_KINDS.has(op.kind)) {
     result = { case: 'snapshot', value: toSnapshot(objs.snapshot) };
   } else if (objs.sandboxes[0]) {
     result = { case: 'sandbox', value: toSandbox(objs.sandboxes[0], now) };

@@ -180,7 +180,9 @@ function nextUnless<T>(it: AsyncIterator<T>, stop: AbortSignal): Promise<Iterato
 async function opResponse(deps: FleetServiceDeps, op: OperationRec): ReturnType<typeof c.toOperation> extends infer T ? Promise<T> : never {
   const ids = op.result?.sandboxIds ?? (op.kind !== 'fork' && op.targetId.startsWith('sb-') ? [op.targetId] : []);
   const known = deps.fleet.sandboxAtSubmit(op);
-  const snapId = op.result?.snapshotId ?? (op.targetId.startsWith('sn-') ? op.targetId : undefined);
+  // Only a kind whose answer shows it: a fork's (its source, or the snapshot it took) was read
+  // for every ForkSandbox, GetOperation and WaitOperation answer and not used.
+  const snapId = c.SNAPSHOT_RESULT_KINDS.has(op.kind) ? (op.result?.snapshotId ?? (op.targetId.startsWith('sn-') ? op.targetId : undefined)) : undefined;
   // Issued in the same tick, so the store sends them to etcd as one batched read.
   const [sbs, snap] = await Promise.all([
     Promise.all(ids.map((id) => (known?.id === id ? { value: known } : deps.store.getSandbox(op.tenantId, id)))),
