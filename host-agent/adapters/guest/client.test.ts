@@ -297,6 +297,19 @@ describe('GuestAgentClient with an untrusted guest', () => {
     expect(await c.command('guest-exec-status', { pid: 1 }, 5000)).toMatchObject({ exited: false });
   }, 30_000);
 
+  it('anHonestErrorRepeatingAPathOfManyQuotes_isTheCallersError_notAClosedChannel', async () => {
+    // qemu-ga's refusal names the path, each quote in it escaped: no JSON structure.
+    const g = await fakeGuest({ answer: (req) => (req.execute === 'guest-file-open' ? { error: `failed to open file '${String(req.arguments?.path)}' (mode: 'r'): No such file or directory` } : undefined) });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    const path = '/tmp/' + Array.from({ length: 5 }, () => '"'.repeat(220)).join('/');
+    const e = await c.readFile(path).then(() => undefined, (x: unknown) => x);
+    expect(e).not.toBeInstanceOf(ChannelClosedError);
+    expect(e).toMatchObject({ kind: 'not_found' });
+    expect(g.sockets).toHaveLength(1);
+  });
+
   it('readFile_whoseGuestAnswersMoreThanAskedFor_isRefused_whileAnHonestGuestsFileComesInPiecesOfAMiB', async () => {
     const content = randomBytes((5 << 20) / 2);
     let pos = 0;
@@ -875,7 +888,7 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
    * `unknown` are refused as qemu-ga refuses a pid it does not know; pids in `slow` run on, and
    * each status of one is answered after 300 ms.
    */
-  const programGuest = async (o: { silent?: () => boolean; drop?: FakeGuestOptions['drop']; found?: string; unknown?: number[]; slow?: number[]; immortal?: boolean; timing?: Partial<ExecTimings>; log?: Parameters<typeof GuestAgentClient.connect>[4] } = {}) => {
+  const programGuest = async (o: { silent?: () => boolean; drop?: FakeGuestOptions['drop']; found?: string; foundStderr?: string; unknown?: number[]; slow?: number[]; immortal?: boolean; timing?: Partial<ExecTimings>; log?: Parameters<typeof GuestAgentClient.connect>[4] } = {}) => {
     const kills: string[] = [];
     const execs: string[][] = [];
     const records = new Set<number>();
@@ -904,7 +917,7 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
           if (o.unknown?.includes(pid)) return { error: "Invalid parameter 'pid'" };
           if (o.slow?.includes(pid)) return { delayMs: 300, reply: { exited: false } };
           if (records.delete(pid)) return { reply: { exited: true, exitcode: 0 } };
-          if (pid === 60) return { reply: { exited: true, exitcode: 0, 'out-data': Buffer.from(o.found ?? '').toString('base64') } };
+          if (pid === 60) return { reply: { exited: true, exitcode: 0, 'out-data': Buffer.from(o.found ?? '').toString('base64'), ...(o.foundStderr ? { 'err-data': Buffer.from(o.foundStderr).toString('base64') } : {}) } };
           return { reply: pid === 42 && !killed ? { exited: false } : { exited: true, signal: 9 } };
         }
         return undefined;
@@ -1032,6 +1045,17 @@ describe('GuestAgentClient.exec when the guest does not answer, or the caller ca
     await until(() => kills.includes('42'));
     await until(() => statuses.filter((p) => p === 42).length >= 2); // a second try: the first is over
     expect(new Set(statuses.filter((p) => others.includes(p))).size).toBeLessThanOrEqual(3);
+  });
+
+  it('endLater_whoseWrapperSearchPrintsMuchStderr_stillKillsTheWrapper', async () => {
+    let silent = false;
+    // Processes gone mid-scan (a busy guest) each add a line of stderr to the search's status.
+    const stderr = 'ff-end: cannot open /proc/12345/cmdline: No such file\n'.repeat(1500);
+    const { c, kills } = await programGuest({ silent: () => silent, found: '42\n', foundStderr: stderr });
+    silent = true;
+    await expect(c.exec({ path: '/bin/sleep', args: ['600'], timeoutMs: 100 })).rejects.toBeInstanceOf(GuestAgentTimeoutError);
+    silent = false;
+    await until(() => kills.includes('42'));
   });
 
   it('endLater_whoseGuestAnswersEachStatusJustInTime_stopsAtItsBound_withinATry', async () => {

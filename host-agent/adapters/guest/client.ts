@@ -192,7 +192,7 @@ const EXEC_END_NAMED = [
   KILL_TREE,
   'm=" "; e=',
   'for w in /proc/[0-9]*; do',
-  `  case "$(tr '\\000' ' ' <"$w/cmdline" 2>/dev/null)" in *"${WRAPPER_TAIL} $1 "*) ;; *) continue;; esac`,
+  `  case "$(tr '\\000' ' ' 2>/dev/null <"$w/cmdline")" in *"${WRAPPER_TAIL} $1 "*) ;; *) continue;; esac`,
   '  p=; while read -r k v; do if [ "$k" = PPid: ]; then p=$v; break; fi; done 2>/dev/null <"$w/status"',
   '  w=${w#/proc/}; m="$m$w "; e="$e $w:$p"',
   'done',
@@ -425,8 +425,7 @@ function replyCap(execute: string, args: Record<string, unknown> | undefined): n
 }
 
 /**
- * The most of JSON's structure (`{`, `[`, `,` and `:` outside strings, escaped quotes inside
- * them) an answer may have: qemu-ga's have a few dozen. What JSON.parse takes long over is
+ * The most of JSON's structure (`{`, `[`, `,` and `:` outside strings) an answer may have: qemu-ga's have a few dozen. What JSON.parse takes long over is
  * structure, not length: 38 MiB of nested arrays under the cap blocked the event loop 6.5 s (a
  * flat array as long: 0.5 s and ~150 MB), 40 MiB of base64 in a string ~50 ms.
  */
@@ -447,8 +446,8 @@ function plainEnough(line: Buffer): boolean {
         let backslashes = 0;
         while (line[q - 1 - backslashes] === 0x5c) backslashes++;
         i = q;
+        // An escaped quote makes no structure (qemu-ga's error repeats a path of quotes so).
         if (backslashes % 2 === 0) break;
-        if (++n > MAX_REPLY_STRUCTURES) return false;
       }
     } else if (c === 0x7b || c === 0x5b || c === 0x2c || c === 0x3a) {
       if (++n > MAX_REPLY_STRUCTURES) return false;
@@ -1002,7 +1001,8 @@ export class GuestAgentClient {
    */
   private async takeStatuses(helpers: number[], stop: () => boolean): Promise<void> {
     for (let i = 0; i < helpers.length && !stop(); ) {
-      const st = await this.command<ExecStatus>('guest-exec-status', { pid: helpers[i] }, this.timing.pollTimeoutMs, undefined, SMALL_REPLY_BYTES).catch((e: unknown) => {
+      // A wrapper search among them captures its output: the exec status's own cap.
+      const st = await this.command<ExecStatus>('guest-exec-status', { pid: helpers[i] }, this.timing.pollTimeoutMs).catch((e: unknown) => {
         if (e instanceof GuestAgentCommandError) return undefined;
         throw e;
       });
@@ -1022,7 +1022,8 @@ export class GuestAgentClient {
     const end = Date.now() + t.pollTimeoutMs;
     try {
       while (true) {
-        const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs, undefined, SMALL_REPLY_BYTES);
+        // Its output is captured (pids; a process gone mid-scan may add a line of stderr).
+        const st = await this.command<ExecStatus>('guest-exec-status', { pid }, t.pollTimeoutMs);
         if (st.exited) return (Buffer.from(st['out-data'] ?? '', 'base64').toString('latin1').match(/\d+/g) ?? []).slice(0, MAX_WRAPPERS_FOUND).map(Number);
         if (Date.now() >= end) throw new GuestAgentTimeoutError(`search for the exec ${zero}`, t.pollTimeoutMs);
         await sleep(20);
