@@ -416,26 +416,52 @@ function takenHere(driverSnapshotsDir: string, snapshotId: string, fill: number)
   return { dir: own, manifest };
 }
 
+/** The chunk store with the methods `over` gives in place of its own (the others bound to it). */
+function chunksWith(over: (c: FsChunkStore) => Partial<ChunkStore>): (c: FsChunkStore) => ChunkStore {
+  return (c) => {
+    const o = over(c);
+    return new Proxy(c, {
+      get: (target, k) => {
+        if (Object.hasOwn(o, k)) return Reflect.get(o, k) as unknown;
+        const v = Reflect.get(target, k) as unknown;
+        return typeof v === 'function' ? (v as (...a: unknown[]) => unknown).bind(target) : v;
+      },
+    });
+  };
+}
+
+/** A peer whose ChunkTransferService holds the chunks of `sn-own` (as takenHere cuts it with fill 7) and answers `ingested` as its manifest. */
+async function peerHoldingOwn(name: string, ingested: SignedManifest): Promise<RunningGrpcServer> {
+  const peerRoot = join(dir, name);
+  const peerChunks = new FsChunkStore(peerRoot, { offload: false });
+  const mem = join(peerRoot, 'memory');
+  writeFileSync(mem, Buffer.concat([Buffer.alloc(CS, 7), Buffer.alloc(CS, 8)]));
+  (await ingestSnapshot({ snapshotId: 'sn-own', tenantId: '', sourceSandboxId: 'vm-1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }] }, { chunks: peerChunks, roots: new LiveRoots(), clock: systemClock, chunkSize: CS })).unpin();
+  const peerManifests: ManifestStore = { get: async () => ingested, put: async () => undefined, delete: async () => undefined, list: async () => [] };
+  return startGrpcServer({ address: '127.0.0.1:0', services: [chunkTransferService({ chunks: peerChunks, manifests: peerManifests, trust, clock: systemClock }).registration] });
+}
+
+/**
+ * A snapshot taken and ingested here whose second memory chunk was lost (removed because
+ * its fsync failed at start-up), and the agent restarted (with `opts`): held, not complete.
+ */
+async function lostAChunk(name: string, opts: Parameters<typeof host>[1] = {}) {
+  const first = await host(name);
+  const local = takenHere(first.driverSnapshotsDir, 'sn-own', 7);
+  const ingested = await first.shipper.ingest(local);
+  const lost = sha256Hex(Buffer.alloc(CS, 8));
+  rmSync(first.store.pathOf(lost));
+  const h = await host(name, opts);
+  await h.shipper.load();
+  expect(h.shipper.held().map((x) => [x.snapshotId, x.complete])).toEqual([['sn-own', false]]);
+  // The scheduler signed the manifest the snapshot step returned.
+  const signed = signManifest(fromBinary(SnapshotManifestSchema, ingested.manifest), key);
+  const ticket = signTicket({ snapshotId: 'sn-own', destinationHostId: 'h1', expiresAt: new Date(Date.now() + 60_000) }, key);
+  const work = (address = '127.0.0.1:9') => create(FetchSnapshotWorkSchema, { snapshotId: 'sn-own', sources: [{ hostId: 'hA', address }], ticket, manifest: signed });
+  return { h, local, ingested, lost, work };
+}
+
 describe('ChunkStoreShipper: a snapshot taken here that lost a chunk', () => {
-  /**
-   * A snapshot taken and ingested here whose second memory chunk was lost (removed because
-   * its fsync failed at start-up), and the agent restarted: held, not complete.
-   */
-  async function lostAChunk(name: string) {
-    const first = await host(name);
-    const local = takenHere(first.driverSnapshotsDir, 'sn-own', 7);
-    const ingested = await first.shipper.ingest(local);
-    const lost = sha256Hex(Buffer.alloc(CS, 8));
-    rmSync(first.store.pathOf(lost));
-    const h = await host(name);
-    await h.shipper.load();
-    expect(h.shipper.held().map((x) => [x.snapshotId, x.complete])).toEqual([['sn-own', false]]);
-    // The scheduler signed the manifest the snapshot step returned.
-    const signed = signManifest(fromBinary(SnapshotManifestSchema, ingested.manifest), key);
-    const ticket = signTicket({ snapshotId: 'sn-own', destinationHostId: 'h1', expiresAt: new Date(Date.now() + 60_000) }, key);
-    const work = (address = '127.0.0.1:9') => create(FetchSnapshotWorkSchema, { snapshotId: 'sn-own', sources: [{ hostId: 'hA', address }], ticket, manifest: signed });
-    return { h, local, ingested, lost, work };
-  }
 
   it('ingest_runAgainForIt_storesTheChunkAgainFromItsOwnFiles_keepsTheStoredManifest_andHoldsItComplete', async () => {
     // It returned the stored manifest: incomplete for good, the host no holder of the snapshot.
@@ -460,21 +486,15 @@ describe('ChunkStoreShipper: a snapshot taken here that lost a chunk', () => {
     const { h, local, lost } = await lostAChunk('own-lost-obtain');
     const got = await h.shipper.obtain('sn-own', undefined, () => undefined);
     expect(got.local.dir).toBe(local.dir);
+    // In the background: the restore does not wait for it.
+    await vi.waitFor(() => expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]));
     expect(await h.store.has(lost)).toBe(true);
-    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
   });
 
   it('replicate_ofIt_whenItsOwnFilesNoLongerHoldTheChunk_fetchesItFromTheSources_andHoldsItComplete', async () => {
     const { h, local, ingested, lost, work } = await lostAChunk('own-lost-fetched');
     writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
-    // A peer holding the snapshot's chunks.
-    const peerRoot = join(dir, 'own-lost-peer');
-    const peerChunks = new FsChunkStore(peerRoot, { offload: false });
-    const mem = join(peerRoot, 'memory');
-    writeFileSync(mem, Buffer.concat([Buffer.alloc(CS, 7), Buffer.alloc(CS, 8)]));
-    (await ingestSnapshot({ snapshotId: 'sn-own', tenantId: '', sourceSandboxId: 'vm-1', artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', path: mem }] }, { chunks: peerChunks, roots: new LiveRoots(), clock: systemClock, chunkSize: CS })).unpin();
-    const peerManifests: ManifestStore = { get: async () => ingested, put: async () => undefined, delete: async () => undefined, list: async () => [] };
-    const peer = await startGrpcServer({ address: '127.0.0.1:0', services: [chunkTransferService({ chunks: peerChunks, manifests: peerManifests, trust, clock: systemClock }).registration] });
+    const peer = await peerHoldingOwn('own-lost-peer', ingested);
     try {
       const { bytesFetched } = await h.shipper.replicate('sn-own', work(peer.address));
       await h.shipper.durable('sn-own');
@@ -513,5 +533,197 @@ describe('ChunkStoreShipper.remove against an ingest', () => {
     await expect(ingesting).rejects.toThrow(/deleted on host h1 while it was being ingested/);
     expect(await h.stored.get('sn-i')).toBeUndefined();
     expect(h.shipper.held()).toEqual([]);
+  });
+});
+
+describe('ChunkStoreShipper: a delete during the repair of a snapshot taken here', () => {
+  /** The chunk store whose `missing` waits for `g` at its `n`-th call once `on.gated` is set (restoreOwnChunks calls it twice: what it lacks, what it still lacks). */
+  function missingWaitsAt(n: number, g: ReturnType<typeof gate>, on: { gated: boolean }) {
+    let calls = 0;
+    return chunksWith((c) => ({
+      missing: async (ds: Iterable<string>) => {
+        const out = await c.missing(ds);
+        if (on.gated && ++calls === n) await g.wait();
+        return out;
+      },
+    }));
+  }
+
+  it('replicate_ofIt_whenItIsRemovedDuringTheRepair_andItsOwnFilesDoNotGiveTheChunkBack_failsAndFetchesNothing', async () => {
+    // The repair returned the chunk still lacking, unmarked; the fetch after it took it from
+    // the peer and stored the manifest: the deleted snapshot held complete.
+    const g = gate();
+    const on = { gated: false };
+    const { h, local, ingested, lost, work } = await lostAChunk('own-removed-repairing', { chunks: missingWaitsAt(2, g, on) });
+    writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
+    const peer = await peerHoldingOwn('own-removed-repairing-peer', ingested);
+    try {
+      on.gated = true;
+      const replicating = h.shipper.replicate('sn-own', work(peer.address));
+      replicating.catch(() => undefined);
+      await g.entered;
+      await h.shipper.remove('sn-own');
+      g.open();
+      await expect(replicating).rejects.toThrow(/deleted on host h1 while it was being repaired/);
+      await h.shipper.durable('sn-own').catch(() => undefined);
+      expect(await h.stored.get('sn-own')).toBeUndefined();
+      expect(await h.store.has(lost)).toBe(false);
+      expect(h.shipper.held()).toEqual([]);
+    } finally {
+      await peer.close(100);
+    }
+  });
+
+  it('replicate_ofIt_whenItIsRemovedBetweenTheRepairAndTheFetch_failsAndFetchesNothing', async () => {
+    // Nothing tracked the snapshot between the repair's end and the fetch's start.
+    const g = gate();
+    let gated = false;
+    let gets = 0;
+    const { h, local, ingested, lost, work } = await lostAChunk('own-removed-before-fetch', {
+      // The repair reads the manifest first; replicate reads it again for the fetch.
+      manifests: (m) => ({
+        get: async (id) => {
+          const got = await m.get(id);
+          if (gated && ++gets === 2) await g.wait();
+          return got;
+        },
+        list: () => m.list(),
+        delete: (id) => m.delete(id),
+        put: (id, s) => m.put(id, s),
+      }),
+    });
+    writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
+    const peer = await peerHoldingOwn('own-removed-before-fetch-peer', ingested);
+    try {
+      gated = true;
+      const replicating = h.shipper.replicate('sn-own', work(peer.address));
+      replicating.catch(() => undefined);
+      await g.entered;
+      await h.shipper.remove('sn-own');
+      g.open();
+      await expect(replicating).rejects.toThrow(/deleted on host h1/);
+      await h.shipper.durable('sn-own').catch(() => undefined);
+      expect(await h.stored.get('sn-own')).toBeUndefined();
+      expect(await h.store.has(lost)).toBe(false);
+      expect(h.shipper.held()).toEqual([]);
+    } finally {
+      await peer.close(100);
+    }
+  });
+
+  it('ingest_runAgainForIt_whenItIsRemovedDuringTheRepair_andItsOwnFilesDoNotGiveTheChunkBack_fails', async () => {
+    // It returned the stored manifest: the snapshot step reported done for a deleted snapshot.
+    const g = gate();
+    const on = { gated: false };
+    const { h, local } = await lostAChunk('own-removed-ingesting', { chunks: missingWaitsAt(2, g, on) });
+    writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
+    on.gated = true;
+    const ingesting = h.shipper.ingest(local);
+    ingesting.catch(() => undefined);
+    await g.entered;
+    await h.shipper.remove('sn-own');
+    g.open();
+    await expect(ingesting).rejects.toThrow(/deleted on host h1 while it was being ingested/);
+    expect(await h.stored.get('sn-own')).toBeUndefined();
+    expect(h.shipper.held()).toEqual([]);
+  });
+});
+
+describe('ChunkStoreShipper: a repair of a snapshot taken here that fails', () => {
+  const enospc = () => Object.assign(new Error('ENOSPC: no space left on device, write'), { code: 'ENOSPC' });
+
+  it('ingest_runAgainForIt_whenStoringTheChunkAgainFails_resolvesWithTheStoredManifest_andHoldsItIncomplete', async () => {
+    // The snapshot step failed (ENOSPC), and its op with it: a snapshot that restores from its
+    // directory could be deleted for it.
+    const { h, local, ingested } = await lostAChunk('own-repair-put-fails', { chunks: chunksWith(() => ({ put: async () => Promise.reject(enospc()) })) });
+    const again = await h.shipper.ingest(local);
+    expect(Buffer.from(again.manifest)).toEqual(Buffer.from(ingested.manifest));
+    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: false })]);
+  });
+
+  it('replicate_ofIt_whenStoringTheChunkAgainFails_fetchesItFromTheSources_andHoldsItComplete', async () => {
+    // The replica step failed on the repair's error, though a source held every chunk.
+    const { h, ingested, lost, work } = await lostAChunk('own-repair-put-fails-replicate', { chunks: chunksWith(() => ({ put: async () => Promise.reject(enospc()) })) });
+    const peer = await peerHoldingOwn('own-repair-put-fails-peer', ingested);
+    try {
+      const { bytesFetched } = await h.shipper.replicate('sn-own', work(peer.address));
+      await h.shipper.durable('sn-own');
+      expect(bytesFetched).toBeGreaterThan(0);
+      expect(await h.store.has(lost)).toBe(true);
+      expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
+    } finally {
+      await peer.close(100);
+    }
+  });
+});
+
+describe('ChunkStoreShipper: the repair of a snapshot taken here, for a restore', () => {
+  /** The chunk store whose `put` waits for `g`, counting its calls. */
+  function putWaits(g: ReturnType<typeof gate>) {
+    const counted = { puts: 0 };
+    const wrap = chunksWith((c) => ({
+      put: async (...a: Parameters<ChunkStore['put']>) => {
+        counted.puts++;
+        await g.wait();
+        return c.put(...a);
+      },
+    }));
+    return { counted, wrap };
+  }
+
+  it('obtain_ofIt_resolvesWithoutWaitingForTheRepair', async () => {
+    // The restore waited for the repair to read, hash, store and sync every chunk it lacked.
+    const g = gate();
+    const { wrap } = putWaits(g);
+    const { h, local, lost } = await lostAChunk('own-repair-background', { chunks: wrap });
+    let returned = false;
+    const got = h.shipper.obtain('sn-own', undefined, () => undefined).then((r) => ((returned = true), r));
+    await vi.waitFor(() => expect(returned).toBe(true));
+    expect((await got).local.dir).toBe(local.dir);
+    await g.entered;
+    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: false })]);
+    g.open();
+    await vi.waitFor(() => expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]));
+    expect(await h.store.has(lost)).toBe(true);
+  });
+
+  it('obtain_ofItTwiceAtOnce_runsOneRepair', async () => {
+    // Each restore ran its own, reading and storing the same chunks.
+    const g = gate();
+    const { counted, wrap } = putWaits(g);
+    const { h, lost } = await lostAChunk('own-repair-single-flight', { chunks: wrap });
+    let returned = 0;
+    const both = Promise.all([0, 1].map(() => h.shipper.obtain('sn-own', undefined, () => undefined).then(() => returned++)));
+    // Both restores returned (one repair, in the background), or both repairs got to the put.
+    await vi.waitFor(() => expect(returned === 2 || counted.puts === 2).toBe(true));
+    g.open();
+    await both;
+    await vi.waitFor(() => expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]));
+    expect(counted.puts).toBe(1);
+    expect(await h.store.has(lost)).toBe(true);
+  });
+
+  it('ingest_runAgainAfterItsOwnFilesDidNotGiveAChunkBack_readsThemForItNoMore_andReplicateFetchesIt', async () => {
+    // Every restore read and hashed again chunks those files can never give back (a flattened
+    // disk layer's).
+    const { h, local, ingested, lost, work } = await lostAChunk('own-repair-remembers');
+    const memory = readFileSync(join(local.dir, 'memory'));
+    writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
+    await h.shipper.ingest(local);
+    expect(await h.store.has(lost)).toBe(false);
+    // A sealed snapshot's files do not change: put back only to see whether they are read again.
+    writeFileSync(join(local.dir, 'memory'), memory);
+    await h.shipper.ingest(local);
+    expect(await h.store.has(lost)).toBe(false);
+    expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: false })]);
+    const peer = await peerHoldingOwn('own-repair-remembers-peer', ingested);
+    try {
+      const { bytesFetched } = await h.shipper.replicate('sn-own', work(peer.address));
+      await h.shipper.durable('sn-own');
+      expect(bytesFetched).toBeGreaterThan(0);
+      expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
+    } finally {
+      await peer.close(100);
+    }
   });
 });

@@ -120,6 +120,18 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * nothing (it would bring the snapshot back after a delete that was reported done).
    */
   private readonly attempts = new Map<string, Set<FetchAttempt>>();
+  /**
+   * Repairs of a snapshot taken here (restoreOwnChunks) that a restore started, by snapshot:
+   * one at a time, in the background. A restore needs only the directory; it used to wait for
+   * the repair, and concurrent restores each ran one.
+   */
+  private readonly repairing = new Map<string, Promise<void>>();
+  /**
+   * Per snapshot taken here, the chunks a repair found its own files do not give back (a
+   * flattened disk layer's never match): later repairs do not read and hash them again (every
+   * restore did). A fetch brings them (replicate). Forgotten when the snapshot is removed.
+   */
+  private readonly notInOwnFiles = new Map<string, Set<string>>();
   /** Deleted snapshots whose VMM directory a GC kept because a lease held it: a GC follows the last release. */
   private readonly keptForLease = new Set<string>();
   private gcRun: Promise<unknown> = Promise.resolve();
@@ -224,9 +236,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
   /**
    * Cuts a snapshot taken here into the chunk store and stores its (unsigned) manifest. Run
    * again (the snapshot step redelivered), it returns the stored manifest, first storing
-   * again from the snapshot's files any chunk it lacks (restoreOwnChunks). A delete of the
-   * snapshot meanwhile (its step timed out, its op failed) wins: no manifest is kept and the
-   * ingest fails, rather than the host holding a deleted snapshot complete.
+   * again from the snapshot's files any chunk it lacks (restoreOwnChunks); that repair
+   * failing (a full disk, EIO) fails no ingest: the stored manifest is returned all the same,
+   * the snapshot held incomplete. A delete of the snapshot meanwhile (its step timed out, its
+   * op failed) wins: no manifest is kept and the ingest fails, rather than the host holding a
+   * deleted snapshot complete.
    */
   async ingest(local: LocalSnapshot): Promise<SignedManifest> {
     const m = local.manifest;
@@ -245,7 +259,15 @@ export class ChunkStoreShipper implements SnapshotShipper {
     if (existing) {
       // Kept as stored: the scheduler signed these bytes. A chunk lost since (removed by a
       // failed start-up fsync, quarantined) is stored again from the snapshot's own files.
-      if (!this.complete.has(m.snapshotId)) await this.restoreOwnChunks(local);
+      // Its failure is logged, not thrown: a failed snapshot step could have the scheduler
+      // delete a snapshot that restores (from its directory) all the same.
+      if (!this.complete.has(m.snapshotId)) {
+        await this.restoreOwnChunks(local).catch((e: unknown) => {
+          if (!attempt.removed) this.deps.log.warn({ snapshotId: m.snapshotId, err: (e as Error).message }, 'could not store again the chunks a snapshot taken here lacks');
+        });
+      }
+      // Also when the repair left chunks missing (it returns, rather than fails, then).
+      if (attempt.removed) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
       return existing;
     }
     this.sealedOnly.add(m.snapshotId);
@@ -329,10 +351,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
     if (await this.ownSealed(own)) {
       const local = await this.deps.driver.openSnapshot(own);
       // Its directory is whole, but held complete only with every chunk here (peers are sent
-      // here for them): one lost since is stored again from its files. Fails no restore.
-      if (!this.complete.has(snapshotId)) {
-        await this.restoreOwnChunks(local).catch((e: unknown) => this.deps.log.warn({ snapshotId, err: (e as Error).message }, 'could not store again the chunks a snapshot taken here lacks'));
-      }
+      // here for them): one lost since is stored again from its files, in the background (the
+      // restore needs only the directory). Fails no restore.
+      if (!this.complete.has(snapshotId)) this.repairInBackground(local);
       return { local, bytesFetched: 0 };
     }
 
@@ -426,17 +447,37 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * A snapshot taken here needs nothing fetched while it is complete, or while its ingest has
    * not stored its manifest. Incomplete (a chunk lost since), what it lacks is stored again
    * from its own files (restoreOwnChunks) and what those do not give back is fetched: it
-   * used to return at once, reported done while the host went on holding it incomplete.
+   * used to return at once, reported done while the host went on holding it incomplete. A
+   * repair that fails (a full disk, EIO) leaves it all to the fetch. A delete during the
+   * repair, or between it and the fetch, wins: nothing is fetched, the step fails (a fetch
+   * begun after the repair used to store the deleted snapshot's manifest again).
    */
   async replicate(snapshotId: string, fetch: FetchSnapshotWork): Promise<{ bytesFetched: number }> {
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
-    if (await this.ownSealed(own)) {
-      if (this.complete.has(snapshotId)) return { bytesFetched: 0 };
-      const lacking = await this.restoreOwnChunks(await this.deps.driver.openSnapshot(own));
-      if (!lacking?.length) return { bytesFetched: 0 };
+    // Known to remove() from the start to the end, fetchFrom's own attempt included: no gap
+    // between the repair and the fetch where a delete goes unseen.
+    const { attempt, forget } = this.track(snapshotId, 'fetched');
+    try {
+      if (await this.ownSealed(own)) {
+        if (this.complete.has(snapshotId)) return { bytesFetched: 0 };
+        const lacking = await this.deps.driver
+          .openSnapshot(own)
+          .then((local) => this.restoreOwnChunks(local))
+          .catch((e: unknown) => {
+            if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, 'repaired');
+            this.deps.log.warn({ snapshotId, err: (e as Error).message }, 'could not store again from its own files the chunks a snapshot taken here lacks: fetching them');
+            return null; // all left to the fetch
+          });
+        // undefined: no manifest stored yet (its ingest stores one); []: held complete now.
+        if (lacking !== null && !lacking?.length) return { bytesFetched: 0 };
+      }
+      const stored = await this.deps.manifests.get(snapshotId);
+      if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
+      const { bytesFetched } = await this.fetchFrom(snapshotId, fetch, stored, false);
+      return { bytesFetched };
+    } finally {
+      forget();
     }
-    const { bytesFetched } = await this.fetchFrom(snapshotId, fetch, await this.deps.manifests.get(snapshotId), false);
-    return { bytesFetched };
   }
 
   /**
@@ -532,7 +573,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * The disk layer is read from the directory's own file: a layer ingest flattened
    * (portableDisk) has other bytes, and its chunks are left for a fetch (replicate).
    * Returns the digests still missing ([]: held complete now), undefined when no manifest is
-   * stored (its ingest stores one). A delete meanwhile wins (removedWhile).
+   * stored (its ingest stores one). A chunk these files did not give back is not read for
+   * again (notInOwnFiles). A delete meanwhile wins (removedWhile), whatever it returns.
    */
   private async restoreOwnChunks(local: LocalSnapshot): Promise<string[] | undefined> {
     const snapshotId = local.manifest.snapshotId;
@@ -540,22 +582,34 @@ export class ChunkStoreShipper implements SnapshotShipper {
     try {
       // Read once known to remove(): a delete done before this finds no manifest.
       const stored = await this.deps.manifests.get(snapshotId);
+      if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
       if (!stored) return undefined;
       const manifest = fromBinary(SnapshotManifestSchema, stored.manifest);
       const digests = manifestDigests(manifest);
       const lacking = new Set(await this.deps.chunks.missing(digests));
+      const notInFiles = this.notInOwnFiles.get(snapshotId);
+      /** Digests looked for in the files (the ones still lacking after are remembered). */
+      const sought = new Set<string>();
       let restored = 0;
       for (const a of manifest.artifacts) {
-        const refs = a.chunks.filter((c) => lacking.has(Buffer.from(c.digest).toString('hex')));
+        const refs = a.chunks.filter((c) => {
+          const digest = Buffer.from(c.digest).toString('hex');
+          return lacking.has(digest) && !notInFiles?.has(digest);
+        });
         if (refs.length === 0) continue;
         // The file ingest cut, by the name it gave the artifact (only bytes that hash to a
         // digest the manifest names are stored, whatever the file holds).
-        const fh = await open(join(local.dir, a.name), 'r').catch(() => undefined);
-        if (!fh) continue; // gone: its chunks stay missing
+        const fh = await open(join(local.dir, a.name), 'r').catch((e: unknown) => {
+          // Gone: its chunks stay missing, for good (another error may pass: asked again).
+          if ((e as NodeJS.ErrnoException).code === 'ENOENT') for (const c of refs) sought.add(Buffer.from(c.digest).toString('hex'));
+          return undefined;
+        });
+        if (!fh) continue;
         try {
           for (const c of refs) {
             const digest = Buffer.from(c.digest).toString('hex');
             if (!lacking.has(digest)) continue; // stored already, from another offset
+            sought.add(digest);
             const buf = Buffer.alloc(c.size);
             const { bytesRead } = await fh.read(buf, 0, c.size, Number(c.index) * manifest.chunkSize);
             if (bytesRead !== c.size || sha256Hex(buf) !== digest) continue;
@@ -570,6 +624,13 @@ export class ChunkStoreShipper implements SnapshotShipper {
         }
       }
       const still = lacking.size === 0 ? [] : await this.deps.chunks.missing(digests);
+      if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
+      const notGiven = [...sought].filter((d) => lacking.has(d));
+      if (notGiven.length > 0) {
+        const known = notInFiles ?? new Set<string>();
+        for (const d of notGiven) known.add(d);
+        this.notInOwnFiles.set(snapshotId, known);
+      }
       if (still.length > 0) {
         this.deps.log.warn({ snapshotId, restored, missing: still.length }, 'a snapshot taken here lacks chunks its own files do not give back: held incomplete until they are fetched');
         return still;
@@ -584,6 +645,24 @@ export class ChunkStoreShipper implements SnapshotShipper {
     } finally {
       forget();
     }
+  }
+
+  /**
+   * restoreOwnChunks for a restore here, not awaited by it, and one at a time per snapshot: a
+   * restore that finds one running leaves the snapshot to it. Its failure fails nothing.
+   */
+  private repairInBackground(local: LocalSnapshot): void {
+    const snapshotId = local.manifest.snapshotId;
+    if (this.repairing.has(snapshotId)) return;
+    const repair: Promise<void> = this.restoreOwnChunks(local)
+      .then(
+        () => undefined,
+        (e: unknown) => this.deps.log.warn({ snapshotId, err: (e as Error).message }, 'could not store again the chunks a snapshot taken here lacks'),
+      )
+      .finally(() => {
+        if (this.repairing.get(snapshotId) === repair) this.repairing.delete(snapshotId);
+      });
+    this.repairing.set(snapshotId, repair);
   }
 
   /**
@@ -753,6 +832,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     // manifest's delete fails (a full disk, EIO): the host's heartbeats go on listing it, so
     // the scheduler asks again, rather than its files staying unlisted until a restart.
     const had = [this.complete, this.storedIncomplete, this.sealedOnly].filter((set) => set.delete(snapshotId));
+    this.notInOwnFiles.delete(snapshotId);
     const own = join(this.deps.driverSnapshotsDir, snapshotId);
     try {
       // Durable before the manifest goes: a directory with neither marker nor manifest after a
