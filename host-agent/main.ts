@@ -11,8 +11,9 @@ import { natsServers, readTlsClientFiles } from '../services/config.ts';
 import { Agent } from './domain/agent.ts';
 import { QemuVmmDriver } from './adapters/qemu/driver.ts';
 import { GuestCgroup } from './adapters/qemu/cgroup.ts';
-import { NatsAgentBus } from './adapters/nats/agent-bus.ts';
+import { followLink, NatsAgentBus } from './adapters/nats/agent-bus.ts';
 import { agentConnectOptions, natsTlsOptions } from '../services/adapters/nats/auth.ts';
+import { exitWhenClosedForGood } from '../services/adapters/nats/closed.ts';
 import { FsJournal } from './adapters/journal/fs-journal.ts';
 import { FsChunkStore, FsManifestStore } from './adapters/chunkstore/fs-store.ts';
 import { Materialiser } from './adapters/chunkstore/materialise.ts';
@@ -61,6 +62,12 @@ async function main(): Promise<void> {
   }) : undefined;
   if (guestCgroup) log.info({ cgroup: guestCgroup.dir, version: guestCgroup.version, cpuWeight: guestCgroup.cpuWeight }, 'guests run in their own cgroup');
 
+  // Prometheus /metrics of this agent (FF_METRICS_ADDR), served from before its first heartbeat;
+  // made before the connection, whose link it follows.
+  const metrics = cfg.metricsAddr ? new PromAgentMetrics() : undefined;
+  /** A stop (SIGTERM, SIGINT) is under way. */
+  let stopping = false;
+
   // NATS before the slow part of the start (the accel probe, the chunk store's sync, adopting
   // every VM): an agent that exited while NATS was down was restarted every second
   // (Restart=always) and redid all of it each time; now it waits. The bus takes no work before
@@ -76,6 +83,11 @@ async function main(): Promise<void> {
     ...agentConnectOptions(cfg.hostId, cfg.natsNkeyFile || undefined),
     ...natsTlsOptions(natsTlsPem),
   }, log);
+  void followLink(nc.status(), log, (up) => metrics?.natsConnected(up));
+  // A connection nats.js gave up on (the server refused our credentials twice) left the agent
+  // running unheard, its host declared lost, and systemd never restarted it: it exits instead
+  // (its VMs run on for the next agent to adopt, as at a stop).
+  void exitWhenClosedForGood(nc, { log, isStopping: () => stopping });
   const bus = await NatsAgentBus.create(nc, cfg.hostId, log);
 
   // Every VM runs in a network namespace of its own; egress only by policy (adapters/netns).
@@ -167,8 +179,6 @@ async function main(): Promise<void> {
       return undefined;
     }
   };
-  // Prometheus /metrics of this agent (FF_METRICS_ADDR), served from before its first heartbeat.
-  const metrics = cfg.metricsAddr ? new PromAgentMetrics() : undefined;
   const metricsServer = metrics ? await serveMetrics(metrics.registry, cfg.metricsAddr, (err) => log.warn({ err }, 'agent metrics server error')) : undefined;
   if (metricsServer) log.info({ address: metricsServer.address }, 'agent metrics at /metrics');
   const agent = new Agent({
@@ -191,7 +201,6 @@ async function main(): Promise<void> {
   await agent.start();
   process.stdout.write(`${JSON.stringify({ ready: true, hostId: cfg.hostId, peer: peerAddress, accel, ...(metricsServer ? { metrics: metricsServer.address } : {}) })}\n`);
 
-  let stopping = false;
   const stop = (sig: string): void => {
     if (stopping) return;
     stopping = true;

@@ -37,4 +37,18 @@ describe('registerFleetGauges', () => {
     expect(sample(text, 'forkfleet_hosts{state="ready"}')).toBeUndefined();
     expect(sample(text, 'forkfleet_sandboxes{state="running"}')).toBeUndefined();
   });
+
+  it('gaugesWithoutLabels_onAReplicaThatDoesNotLead_haveNoSample_notA0', async () => {
+    const registry = new Registry();
+    let leading = false;
+    registerFleetGauges(registry, () => (leading ? { ...figures(), snapshotStoredBytes: 7 } : undefined), () => leading);
+    const standby = await registry.metrics();
+    for (const name of ['forkfleet_hosts_cordoned', 'forkfleet_hosts_draining', 'forkfleet_snapshot_stored_bytes']) {
+      expect(standby).toContain(`# TYPE ${name} gauge`);
+      expect(sample(standby, name)).toBeUndefined();
+    }
+    leading = true;
+    const leader = await registry.metrics();
+    expect([sample(leader, 'forkfleet_hosts_cordoned'), sample(leader, 'forkfleet_hosts_draining'), sample(leader, 'forkfleet_snapshot_stored_bytes')]).toEqual([0, 0, 7]);
+  });
 });

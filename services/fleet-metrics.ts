@@ -32,6 +32,8 @@ export function registerFleetGauges(registry: Registry, source: () => FleetGauge
         this.reset();
         const s = current();
         if (s) fill(this, s);
+        // reset() leaves a gauge without labels at 0: a standby's 0 would read as the fleet's figure.
+        else if (labelNames.length === 0) this.remove();
       },
     });
   };

@@ -67,7 +67,7 @@ const fakes = vi.hoisted(() => {
   return { state, FakeElection, FakeExecutor, idle };
 });
 
-vi.mock('nats', async (orig) => ({ ...(await orig<object>()), connect: async () => ({ close: async () => undefined }) }));
+vi.mock('nats', async (orig) => ({ ...(await orig<object>()), connect: async () => ({ close: async () => undefined, closed: () => new Promise(() => undefined) }) }));
 vi.mock('./adapters/etcd/store.ts', async (orig) => ({
   ...(await orig<object>()),
   EtcdFleetStore: { connect: () => ({ etcd: {}, checkTxnOps: async () => 1024, revision: async () => 1, close: () => undefined }) },

@@ -15,6 +15,7 @@ import { EtcdFleetStore } from './adapters/etcd/store.ts';
 import { StoreLimitError } from './adapters/etcd/errors.ts';
 import { EtcdLeaderElection } from './adapters/etcd/election.ts';
 import { NatsWorkBus } from './adapters/nats/bus.ts';
+import { exitWhenClosedForGood } from './adapters/nats/closed.ts';
 import { NotLeaderError } from './domain/errors.ts';
 import { LINK_CHECK, natsTlsOptions, nkeyConnectOptions } from './adapters/nats/auth.ts';
 import { followReadiness, MAX_CONCURRENT_STREAMS, startGrpcServer } from './adapters/grpc/server.ts';
@@ -94,6 +95,8 @@ export interface SchedulerSeams {
   executorStore?: (store: FleetStore) => FleetStore;
   /** WatchEvents' progress marker interval (fleet-service.ts WATCH_PROGRESS_MS), shorter in tests. */
   watchProgressMs?: number;
+  /** Ends the process when its NATS connection closed for good (adapters/nats/closed.ts): process.exit by default. */
+  exit?: (code: number) => void;
 }
 
 /** WatchEvents' progress period for a compaction interval (0: never compacted): a quarter of it, at most WATCH_PROGRESS_MS, at least 500 ms. */
@@ -191,6 +194,8 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   let metricsServer: HttpServer | undefined;
   let dashboard: DashboardHandler | undefined;
   let metricsAddress = '';
+  /** The last /metrics collection error told (undefined: the last collection worked). */
+  let metricsFailure: string | undefined;
   if (config.metricsAddr) {
     const [h, p] = [config.metricsAddr.slice(0, config.metricsAddr.lastIndexOf(':')), Number(config.metricsAddr.slice(config.metricsAddr.lastIndexOf(':') + 1))];
     // The live dashboard (/dashboard/) is served beside /metrics; only the leader records
@@ -235,8 +240,17 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
         return;
       }
       registry.metrics().then(
-        (body) => res.writeHead(200, { 'content-type': registry.contentType }).end(body),
-        () => res.writeHead(500).end(),
+        (body) => {
+          metricsFailure = undefined;
+          res.writeHead(200, { 'content-type': registry.contentType }).end(body);
+        },
+        (err: unknown) => {
+          // Told once per distinct error: a collect that fails does so at every scrape.
+          const why = err instanceof Error ? err.message : String(err);
+          if (why !== metricsFailure) log.error({ err }, '/metrics could not be collected: answering 500');
+          metricsFailure = why;
+          res.writeHead(500).end();
+        },
       );
     });
     const server = metricsServer;
@@ -276,7 +290,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   });
   const stepHostSeconds = new Histogram({
     name: 'forkfleet_host_step_host_seconds',
-    help: 'Host steps as their host measured them (its start to its answer), by action; forkfleet_host_step_duration_seconds minus this is the time in NATS and in the leader.',
+    help: 'Host steps as their host measured them (its start to its answer, of the send it answered), by action; forkfleet_host_step_duration_seconds runs from the first send, so beyond this it holds the time in NATS and in the leader and any earlier sends that went unanswered or failed.',
     labelNames: ['action'],
     buckets: STEP_BUCKETS,
     registers: [registry],
@@ -442,6 +456,20 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
   });
   const leader = campaign();
   leader.catch((err: unknown) => log.error({ err }, 'leader campaign failed'));
+  // A connection nats.js gave up on (closed.ts) left a leader holding the lease that could send
+  // no host work nor consume results: the fleet stalled until a restart. It exits instead,
+  // resigning first so that a standby takes over at once, not after the lease's TTL.
+  void exitWhenClosedForGood(nc, {
+    log,
+    isStopping: () => closing,
+    beforeExit: async () => {
+      closing = true;
+      metrics.leader.set(0);
+      compactor.stop();
+      await election.resign();
+    },
+    ...(seams.exit ? { exit: seams.exit } : {}),
+  });
 
   return {
     address: grpc.address,
@@ -452,6 +480,9 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     leader,
     async close() {
       closing = true;
+      // Not leading from here on (resign() does not call onLost): a replica stopping in a
+      // rolling restart reported 1 beside the one that took over.
+      metrics.leader.set(0);
       // Probes and load balancers hear it first, while the leader's work winds down.
       readiness.stop();
       grpc.setServing('NOT_SERVING');

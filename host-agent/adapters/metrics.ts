@@ -1,8 +1,8 @@
 // The host agent's Prometheus metrics (FF_METRICS_ADDR): what it did (steps, heartbeats that
-// failed) and the host's state as its last heartbeat reported it to the schedulers. The
-// schedulers export the fleet's view (services/fleet-metrics.ts) from the leader's caches;
-// these come from the host itself, so they go on while no scheduler leads, and say what a
-// host's agent sees when it and the leader disagree.
+// failed), whether its NATS link is up, and the host's state as its last heartbeat reported it
+// to the schedulers. The schedulers export the fleet's view (services/fleet-metrics.ts) from the
+// leader's caches; these come from the host itself, so they go on while no scheduler leads, and
+// say what a host's agent sees when it and the leader disagree.
 import { createServer, type Server } from 'node:http';
 import { Counter, Gauge, Histogram, Registry, collectDefaultMetrics } from 'prom-client';
 import { VmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
@@ -26,6 +26,7 @@ export class PromAgentMetrics implements AgentMetrics {
   private readonly steps: Counter<'kind' | 'result'>;
   private readonly stepSeconds: Histogram<'kind'>;
   private readonly heartbeatFailures: Counter;
+  private readonly natsLink: Gauge;
   private last: Heartbeat | undefined;
 
   constructor() {
@@ -34,6 +35,8 @@ export class PromAgentMetrics implements AgentMetrics {
     this.steps = new Counter({ name: 'forkfleet_agent_steps_total', help: 'Host steps this agent ran, by work kind and result (ok, or the error kind).', labelNames: ['kind', 'result'], registers });
     this.stepSeconds = new Histogram({ name: 'forkfleet_agent_step_duration_seconds', help: 'How long host steps took on this agent, by work kind.', labelNames: ['kind'], buckets: AGENT_STEP_BUCKETS, registers });
     this.heartbeatFailures = new Counter({ name: 'forkfleet_agent_heartbeat_failures_total', help: 'Heartbeats this agent could not build or send.', registers });
+    // Heartbeats published while the link is down are buffered by nats.js, not failed: this says so.
+    this.natsLink = new Gauge({ name: 'forkfleet_agent_nats_connected', help: '1 while this agent is connected to NATS (0 while it reconnects, and before its first connection).', registers });
     // The host's state, from the heartbeat built last (none before the first: no samples).
     const last = (): Heartbeat | undefined => this.last;
     const fromLast = (name: string, help: string, value: (hb: Heartbeat) => number | bigint): void => {
@@ -80,6 +83,11 @@ export class PromAgentMetrics implements AgentMetrics {
 
   heartbeatFailed(): void {
     this.heartbeatFailures.inc();
+  }
+
+  /** Whether the agent's NATS link is up (agent-bus.ts followLink). */
+  natsConnected(up: boolean): void {
+    this.natsLink.set(up ? 1 : 0);
   }
 
   step(kind: string, errorKind: string | undefined, ms: number): void {

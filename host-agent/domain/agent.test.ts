@@ -67,6 +67,26 @@ describe('Agent steps', () => {
     expect(beats[0]).toBe(sent[0]);
   });
 
+  it('metrics_hearStepsRefusedForAnUnreadableJournal_beforeTheyRanOrWhenTheirJournalledAnswerCannotBeChecked', async () => {
+    const steps: Array<[string, string | undefined, number]> = [];
+    let t = 1_000;
+    const journal = new MemoryJournal();
+    const restore = work('restore/h1', { work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
+    // Answered before: delivered again, its give-up records are read before it is answered.
+    await journal.put('op-a', 'restore/h1', toBinary(HostResultSchema, create(HostResultSchema, { opId: 'op-a', stepId: 'restore/h1', hostId: 'h1', attempt: 1 })));
+    let unreadable = (_stepId: string): boolean => true;
+    const get = journal.get.bind(journal);
+    journal.get = (opId, stepId) => ((t += 5), unreadable(stepId) ? Promise.reject(Object.assign(new Error('EIO: read'), { code: 'EIO' })) : get(opId, stepId));
+    const { agent } = agentWith({}, {}, {}, { now: () => t }, journal, 'tcg', {}, {
+      metrics: { step: (kind, err, ms) => void steps.push([kind, err, ms]), heartbeat: () => undefined, heartbeatFailed: () => undefined },
+    });
+    expect((await agent.runStep(restore)).error?.kind).toBe('unavailable');
+    unreadable = (stepId) => stepId !== 'restore/h1';
+    expect((await agent.runStep(restore)).error?.kind).toBe('unavailable');
+    // Timed as steps that ran: each journal read here takes 5 ms.
+    expect(steps).toEqual([['restoreVms', 'unavailable', 5], ['restoreVms', 'unavailable', expect.any(Number)]]);
+  });
+
   it('step_thatMeetsAFullDiskOrAnIoError_isAnsweredRetryable_andTheSchedulersRetryRunsIt_whileAnUnknownErrorIsFinal', async () => {
     const sys = (code: string) => Object.assign(new Error(`${code}: write /var/lib/forkfleet/chunks/ab/x.tmp`), { code });
     let fail: Error = sys('ENOSPC');

@@ -924,6 +924,8 @@ export class Agent {
         // answered final here would never run).
         log.error({ err: e }, 'step journal unreadable; step not run');
         result.error = create(ErrorInfoSchema, errorInfo(journalUnreadable(e)));
+        // Counted as steps that ran: a host refusing every step shows in its step metrics.
+        this.deps.metrics?.step(w.work.case ?? 'none', result.error.kind, clock.now() - started);
         return result;
       }
     }
@@ -937,6 +939,7 @@ export class Agent {
         } catch (e) {
           log.error({ err: e }, 'step journal unreadable; journalled result not answered');
           result.error = create(ErrorInfoSchema, errorInfo(e));
+          this.deps.metrics?.step(w.work.case ?? 'none', result.error.kind, clock.now() - started);
           return result;
         }
       }

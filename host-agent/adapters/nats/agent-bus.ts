@@ -1,7 +1,7 @@
 // AgentBus over NATS: a durable JetStream consumer of this host's work subject, results
 // and events published to JetStream, heartbeats on core NATS, exec and file request/reply.
 import { ErrorCode } from 'nats';
-import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection, NatsError, Subscription } from 'nats';
+import type { JetStreamClient, JetStreamManager, JsMsg, NatsConnection, NatsError, Status, Subscription } from 'nats';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { durationMs } from '@bufbuild/protobuf/wkt';
 import type { Duration } from '@bufbuild/protobuf/wkt';
@@ -75,6 +75,32 @@ async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise
     if (ok) return;
     if (Date.now() + delay > until) throw new Error(`JetStream streams ${STREAM_WORK}, ${STREAM_RESULTS}, ${STREAM_EVENTS} do not exist after ${timeoutMs} ms`);
     await new Promise((r) => setTimeout(r, delay));
+  }
+}
+
+/**
+ * Tells of the agent's NATS link, which nothing else did: nats.js buffers what is published while
+ * the link is down (heartbeats do not fail), and a server's error (a permissions violation) was
+ * seen by no one. Each disconnect and server error is logged at warn (a refusal naming what was
+ * refused), each reconnect at info; `onLink` hears whether the link is up: up from the start
+ * (`status` is of a connection just made), down for good once the connection has closed.
+ */
+export async function followLink(status: AsyncIterable<Status>, log: Logger, onLink: (up: boolean) => void = () => undefined): Promise<void> {
+  onLink(true);
+  try {
+    for await (const st of status) {
+      if (st.type === 'disconnect') {
+        onLink(false);
+        log.warn({ server: st.data }, 'NATS connection lost: reconnecting (heartbeats and results are held back until then)');
+      } else if (st.type === 'reconnect') {
+        onLink(true);
+        log.info({ server: st.data }, 'NATS connection back');
+      } else if (st.type === 'error') {
+        log.warn({ code: st.data, ...(st.permissionContext ? { operation: st.permissionContext.operation, subject: st.permissionContext.subject } : {}) }, 'the NATS server reported an error');
+      }
+    }
+  } finally {
+    onLink(false);
   }
 }
 

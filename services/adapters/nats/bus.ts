@@ -285,14 +285,22 @@ export class NatsWorkBus implements WorkBus {
   }
 
   onHeartbeat(cb: (hb: HeartbeatMsg) => void): () => void {
+    /** When an undecodable heartbeat was last told of, by subject (its host's). */
+    const undecodable = new Map<string, number>();
     const sub = this.nc.subscribe(subjects.allHeartbeats, {
       callback: (err, m) => {
         if (err) return;
         let hb: HeartbeatMsg;
         try {
           hb = decodeHeartbeat(m.data);
-        } catch {
-          return; // malformed heartbeat: ignored
+        } catch (e) {
+          // Ignored, and told at most once a minute per host (an agent that sends one sends them all alike).
+          const now = performance.now();
+          if (now - (undecodable.get(m.subject) ?? Number.NEGATIVE_INFINITY) >= 60_000) {
+            undecodable.set(m.subject, now);
+            this.log?.warn({ err: e, subject: m.subject }, 'dropped a heartbeat that does not decode: its host is not heard');
+          }
+          return;
         }
         // The subject names the host that sent it (an agent may publish only on its own):
         // a heartbeat for another host would let one host mark another's VMs gone.
