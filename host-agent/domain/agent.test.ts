@@ -600,7 +600,7 @@ describe('Agent steps', () => {
     expect([...vms.keys()]).toEqual([]);
   });
 
-  it('stopOfAStartGivenUp_endsTheVmThatStartMade_andALaterOpsRestoreOfTheSandboxMakesItsOwnAfterIt', async () => {
+  it('stopOfAStartGivenUp_whileItFetches_leavesItUnmade_andALaterOpsRestoreOfTheSandboxMakesItsOwnAfterIt', async () => {
     const vms = new Map<string, VmInfo>();
     let forks = 0;
     let destroys = 0;
@@ -624,8 +624,8 @@ describe('Agent steps', () => {
     const second = await w2;
     expect(second.error).toBeUndefined();
     expect(second.vms.map((v) => v.sandboxId)).toEqual(['sb-1']);
-    // Wake 1's VM made and stopped, wake 2's made after it and running.
-    expect([forks, destroys, [...vms.keys()]]).toEqual([2, 1, ['sb-1']]);
+    // Wake 1's VM not made (given up on while it fetched), wake 2's made after it and running.
+    expect([forks, destroys, [...vms.keys()]]).toEqual([1, 0, ['sb-1']]);
   });
 
   it('restoreOrCreate_ofAStartTheSchedulerGaveUpOnHere_doesNotMakeThatVm', async () => {
@@ -661,6 +661,43 @@ describe('Agent steps', () => {
   /** Wake `opId`'s restore of sb-1, and wake op-w1's stop given up on it (the scheduler's settleWake). */
   const wake = (opId: string) => create(HostWorkSchema, { opId, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: [{ sandboxId: 'sb-1' }] } } });
   const stopW1 = create(HostWorkSchema, { opId: 'op-w1', stepId: 'stop-unanswered/sb-1', attempt: 1, work: { case: 'destroyVm', value: { sandboxId: 'sb-1' } } });
+
+  it('restore_whoseStartIsGivenUpOnWhileItFetches_makesNoVm_andFailsGivenUp', async () => {
+    const vms = new Map<string, VmInfo>();
+    let release: () => void = () => undefined;
+    const fetched = new Promise<void>((r) => (release = r));
+    let forks = 0;
+    const driver = mapDriver(vms);
+    const counted = { ...driver, fork: (sn: never, clones: never) => (forks++, driver.fork!(sn, clones)) } as Partial<VmmDriver>;
+    const { agent } = agentWith(counted, { obtain: async (snapshotId: string) => (await fetched, { local: { dir: '/x', manifest: { snapshotId } } as never, bytesFetched: 0 }) });
+    const restoring = agent.runStep(wake('op-w1'));
+    await new Promise((r) => setTimeout(r, 5));
+    // The scheduler gives up on it (its step timed out) while the snapshot is still coming.
+    const stopping = agent.runStep(stopW1);
+    await new Promise((r) => setTimeout(r, 5));
+    release();
+    expect((await restoring).error?.message).toMatch(/gave up on starting sb-1/);
+    expect((await stopping).error).toBeUndefined();
+    // Not made at all (it used to be made, then ended by the stop that waited for it).
+    expect([forks, vms.size]).toEqual([0, 0]);
+  });
+
+  it('create_whoseStartIsGivenUpOnWhileItsImageBuilds_bootsNoVm', async () => {
+    const vms = new Map<string, VmInfo>();
+    let created = 0;
+    let release: () => void = () => undefined;
+    const built = new Promise<void>((r) => (release = r));
+    const driver = mapDriver(vms);
+    const { agent } = agentWith({ ...driver, create: (spec: never) => (created++, driver.create!(spec)) } as Partial<VmmDriver>, {}, {}, undefined, undefined, 'tcg', {}, { images: async () => (await built, { name: 'tiny' } as never) });
+    const creating = agent.runStep(work('create', { work: { case: 'createVm', value: { vm: { sandboxId: 'sb-6' } } } }));
+    await new Promise((r) => setTimeout(r, 5));
+    const stopping = agent.runStep(work('stop-unanswered/sb-6', { work: { case: 'destroyVm', value: { sandboxId: 'sb-6' } } }));
+    await new Promise((r) => setTimeout(r, 5));
+    release();
+    expect((await creating).error?.message).toMatch(/gave up on starting sb-6/);
+    expect((await stopping).error).toBeUndefined();
+    expect(created).toBe(0);
+  });
 
   it('stopOfAStartGivenUp_redeliveredAfterAnAgentRestart_leavesRunningTheVmALaterOpsStartMadeMeanwhile', async () => {
     const vms = new Map<string, VmInfo>();

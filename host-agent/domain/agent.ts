@@ -1175,6 +1175,9 @@ export class Agent {
         }
         if (existing) await this.destroyStale(existing, s.sandboxId, log);
         const image = await this.image(work.value.image || DEFAULT_IMAGE);
+        // Again after the image, whose build may take minutes: a start given up on meanwhile
+        // (its stop noted on delivery) would boot a VM nobody books, until that stop ends it.
+        if (this.gaveUp.has(`${w.opId}/${s.sandboxId}`)) throw gaveUpError(w.opId, [s.sandboxId]);
         const vm = await driver.create({ vmId: s.sandboxId, image, memoryMib: s.memoryMib, vcpus: s.vcpus, hostname: s.hostname, sandboxId: s.sandboxId, ...(s.network ? { network: s.network } : {}) });
         await this.claim(s.sandboxId, w.opId, log);
         this.touch(vm.vmId);
@@ -1248,7 +1251,11 @@ export class Agent {
                 .catch(() => undefined);
             }
             await this.baseImageFor(local.manifest, log);
-            if (clones.length) made = await driver.fork(local, clones);
+            // Again after the fetch and the image (minutes, maybe): starts given up on meanwhile
+            // are not made (they would run unbooked until their stops end them).
+            const still = clones.filter((c) => !this.gaveUp.has(`${w.opId}/${c.vmId}`));
+            if (still.length === 0 && have.length === 0) throw gaveUpError(w.opId, clones.map((c) => c.vmId));
+            if (still.length) made = await driver.fork(local, still);
           } finally {
             lease?.release();
           }
