@@ -197,6 +197,58 @@ describe('A snapshot step', () => {
   });
 });
 
+describe('A snapshot, and the host it is taken on', () => {
+  /**
+   * snapshotOf of sn-1 for sb-1, which is on h2 now, over a snapshot record `snap` (undefined:
+   * none yet); the hosts in the leader's cache are `hosts`. The steps sent, the snapshot records
+   * written, and what it ended with.
+   */
+  const snapshotAgain = async (snap: Partial<SnapshotRec> | undefined, hosts: string[]) => {
+    let rec: SnapshotRec | undefined = snap && ({ id: 'sn-1', tenantId: 't', state: 'creating', hostIds: [], labels: {}, manifestSignature: '', manifestKeyId: '', ...snap } as SnapshotRec);
+    let rev = 10;
+    const written: SnapshotRec[] = [];
+    const ex = executorOver({
+      getSandbox: async () => ({ value: sandbox('sb-1', 'h2', 'running'), modRevision: 5 }),
+      getSnapshot: async () => rec && { value: rec, modRevision: rev },
+      commitAt: async (w: StoreWrite[]) => {
+        for (const x of w) if (x.kind === 'snapshot') written.push((rec = x.value));
+        return ++rev;
+      },
+    });
+    for (const id of hosts) ex.cache.hosts.set(id, { value: { id, state: 'ready' } as HostRec, modRevision: 1 });
+    const inner = ex as unknown as { active: boolean; step: (op: OperationRec, stepId: string, hostId: string) => Promise<unknown>; snapshotOf(op: OperationRec, sandboxId: string, snapshotId: string, opts: object): Promise<SnapshotRec> };
+    inner.active = true;
+    const sent: string[] = [];
+    inner.step = async (_op, stepId, hostId) => (sent.push(`${stepId}@${hostId}`), { vms: [] });
+    const op = { id: 'op-s', tenantId: 't', kind: 'snapshot', state: 'running', targetId: 'sb-1', input: { snapshotId: 'sn-1' } } as unknown as OperationRec;
+    const out = await inner.snapshotOf(op, 'sb-1', 'sn-1', {}).catch((e: unknown) => e);
+    return { sent, rec, written, out };
+  };
+
+  it('runAgainAfterItsSandboxMoved_sendsItsStepToTheHostItsFirstRunBeganItOn_andRecordsItThere_notASecondSnapshotWhereTheSandboxIsNow', async () => {
+    // The first run's step was done on h1 and its ready write lost; a drain moved sb-1 to h2 since.
+    const { sent, rec } = await snapshotAgain({ takenOn: 'h1' }, ['h1', 'h2']);
+    expect(sent).toEqual(['snapshot/sn-1@h1']);
+    expect(rec).toMatchObject({ state: 'ready', hostIds: ['h1'], takenOn: 'h1' });
+  });
+
+  it('runAgainAfterTheHostItsFirstRunBeganItOnWasRemoved_failsTheSnapshot_andSendsNoStep', async () => {
+    const { sent, rec, out } = await snapshotAgain({ takenOn: 'h1' }, ['h2']);
+    expect(out).toMatchObject({ kind: 'failed_precondition', message: expect.stringContaining('begun on host h1, which is gone') });
+    expect(sent).toEqual([]);
+    expect(rec?.state).toBe('failed');
+  });
+
+  it('isRecordedInItsFirstWrite_beforeItsStep', async () => {
+    const { sent, written } = await snapshotAgain(undefined, ['h2']);
+    expect(sent).toEqual(['snapshot/sn-1@h2']);
+    expect(written.map((r) => [r.state, r.takenOn])).toEqual([
+      ['creating', 'h2'],
+      ['ready', 'h2'],
+    ]);
+  });
+});
+
 describe('A fetch plan', () => {
   it('letsAMigrationComeOnlyFromTheHostThatTookTheSnapshot_notFromAHostThatCopiedItNorOneThatOnlySaysItHoldsIt', () => {
     // A host's heartbeat claim, or a copy it fetched (a relay, a drain's copy, a wake

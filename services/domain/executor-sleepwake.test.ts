@@ -1,6 +1,7 @@
 // Hibernate, wake and destroy as they meet failures and each other (Executor.runHibernate,
-// runWake, settleEndedWake, runDestroy): the executor as a leader's over a stub store of our own
-// port that keeps one sandbox and one op, guarded by their revisions, and stub host steps.
+// runWake, settleEndedWake, runDestroy), and a create from a snapshot, whose restore is a
+// wake's (runCreate): the executor as a leader's over a stub store of our own port that keeps
+// one sandbox and one op, guarded by their revisions, and stub host steps.
 import { describe, expect, it } from 'vitest';
 import { create } from '@bufbuild/protobuf';
 import { HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
@@ -20,6 +21,7 @@ interface Internals {
   addHolder: (tenantId: string, snapshotId: string, hostId: string) => Promise<void>;
   markSnapshotFailed: (rec: SnapshotRec) => Promise<void>;
   runWake(op: OperationRec): Promise<void>;
+  runCreate(op: OperationRec): Promise<void>;
   runHibernate(op: OperationRec): Promise<void>;
   runDestroy(op: OperationRec): Promise<void>;
   runPauseResume(op: OperationRec): Promise<void>;
@@ -127,6 +129,46 @@ describe('a wake placed off the host that holds its hibernation snapshot', () =>
     await ex.runWake(w.op);
     expect(w.op.state).toBe('succeeded');
     expect(w.sb).toMatchObject({ state: 'running', hostId: 'B', opId: '' });
+  });
+});
+
+describe('a create from a snapshot, placed on a host that fetches it', () => {
+  /** The create of sb-a from sn-a (held by A only), placed on B: its record starting there. */
+  const restoreOnB = (snap = snapshotRecord({ hostIds: ['A'], takenOn: 'A' })) => {
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'starting', hostId: 'B', sourceSnapshotId: 'sn-a', runningSince: null, opId: 'op-c' }), opRecord('op-c', 'create'), snap);
+    ex.fetchPlan = () => ({ fetch: 'from A' });
+    const steps: string[] = [];
+    ex.step = async (_op, id, hostId) => (steps.push(`${id}@${hostId}`), create(HostResultSchema, { hostId, vms: [{ sandboxId: 'sb-a' }] }));
+    return { w, ex, steps };
+  };
+
+  it('whoseHostCannotBeRecordedAsAHolderOfTheSnapshot_runsTheSandbox_theRecordBeingBookkeeping', async () => {
+    const { w, ex } = restoreOnB();
+    // The snapshot record changed under every try (20 conflicts): B is not recorded as a holder.
+    ex.addHolder = async () => {
+      throw new ConflictError("snapshot sn-a's holders");
+    };
+    await ex.runCreate(w.op);
+    expect(w.op.state).toBe('succeeded');
+    expect(w.sb).toMatchObject({ state: 'running', hostId: 'B', opId: '' });
+  });
+
+  it('whoseSnapshotADeleteHasMarkedDeletingMeanwhile_startsTheSandbox_whichThatDeleteFindsUsingIt', async () => {
+    const { w, ex, steps } = restoreOnB(snapshotRecord({ hostIds: ['A'], takenOn: 'A', state: 'deleting', deletingFrom: 'ready', deletingBy: 'op-del' }));
+    ex.addHolder = async () => undefined;
+    await ex.runCreate(w.op);
+    expect(steps).toEqual(['create@B']);
+    expect(w.op.state).toBe('succeeded');
+    expect(w.sb).toMatchObject({ state: 'running', hostId: 'B', opId: '' });
+  });
+
+  it('whoseSnapshotIsDeletedOrFailed_failsTheSandbox_asNotFound', async () => {
+    for (const state of ['deleted', 'failed'] as const) {
+      const { w, ex, steps } = restoreOnB(snapshotRecord({ hostIds: [], state }));
+      await expect(ex.runCreate(w.op), state).rejects.toMatchObject({ kind: 'not_found' });
+      expect(steps, state).toEqual([]);
+      expect(w.sb.state, state).toBe('failed');
+    }
   });
 });
 

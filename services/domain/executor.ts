@@ -1450,7 +1450,7 @@ export class Executor {
           // would undo that one (pauses and resumes of a sandbox run in the order they came).
           if ((op.kind === 'pause' || op.kind === 'resume') && (this.vmStateLatest.get(`${op.tenantId}/${op.targetId}`)?.createdAt ?? 0) > op.createdAt) {
             dropped();
-            void this.finish(op, null, { kind: 'aborted', message: `a later pause or resume of ${op.targetId} ran while this one was waiting to run again after its runner crashed; call it again if it is still wanted`, retryable: false }).catch((e: unknown) => {
+            void this.finish(op, null, { kind: 'aborted', message: `a later pause or resume of ${op.targetId} ran while this one was waiting to run again after its runner crashed; call it again if it is still wanted`, retryable: false }, undefined, this.vmStateHoldEnded(op)).catch((e: unknown) => {
               this.log.warn({ err: e, opId }, 'could not end a superseded operation; trying later');
               this.rerunLater(tenantId, opId);
             });
@@ -2405,7 +2405,9 @@ export class Executor {
       this.log.warn({ err: e, opId: op.id, kind: op.kind }, 'operation failed');
       // A fork that placed its children keeps listing them (each in the state it ended in).
       const placed = op.kind === 'fork' ? this.ops.get(op.id)?.value.result?.sandboxIds : undefined;
-      await this.finish(op, placed ? { sandboxIds: placed } : null, errorOf(e), undefined, op.kind === 'drain' ? this.drainEnded(op) : undefined);
+      // A pause or resume lets go of its sandbox in the same write (vmStateHoldEnded).
+      const ended = op.kind === 'drain' ? this.drainEnded(op) : op.kind === 'pause' || op.kind === 'resume' ? this.vmStateHoldEnded(op) : undefined;
+      await this.finish(op, placed ? { sandboxIds: placed } : null, errorOf(e), undefined, ended);
     }
   }
 
@@ -2503,8 +2505,11 @@ export class Executor {
       if (sb.sourceSnapshotId) {
         // A restore on a host that lacks the snapshot needs sources, a ticket and the
         // manifest signature, exactly like a fork's cold hosts.
+        // Placed (its placement was guarded by the snapshot's record), it goes on while the
+        // record is there in any state but deleted or failed, as a fork's placed children do: a
+        // delete that marked it `deleting` meanwhile finds this sandbox using it and keeps it.
         const snv = await this.readSnapshot(sb.tenantId, sb.sourceSnapshotId);
-        if (!snv || snv.value.state !== 'ready') throw new NotFoundError('snapshot', sb.sourceSnapshotId);
+        if (!snv || snv.value.state === 'deleted' || snv.value.state === 'failed') throw new NotFoundError('snapshot', sb.sourceSnapshotId);
         const fetch = this.fetchPlan(snv.value, sb.hostId, (op.input as { transferSource?: string }).transferSource);
         fetched = fetch !== undefined;
         work = { case: 'restoreVms', value: { snapshotId: sb.sourceSnapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never };
@@ -2520,7 +2525,8 @@ export class Executor {
       if (this.active && !(e instanceof StoreUnavailableError)) await this.failSandbox(sb, e, e instanceof OperationCancelledError);
       throw e;
     }
-    if (fetched && !notHeld) await this.addHolder(sb.tenantId, sb.sourceSnapshotId, sb.hostId);
+    // Bookkeeping, as for a fork or a wake: the VM runs whatever this meets.
+    if (fetched && !notHeld) await this.addHolderKeptBy(op, sb.sourceSnapshotId, sb.hostId, 'create');
     if (this.cancelRequested(op.id)) {
       // Cancelled while it started: it runs (recorded so, with no op on it), then is destroyed.
       const now = this.deps.clock.now();
@@ -2735,6 +2741,8 @@ export class Executor {
       labels: opts.labels ?? {},
       manifestSignature: '',
       manifestKeyId: '',
+      // The host it is taken on, from its first write: a re-run goes there (below).
+      takenOn: sb.hostId,
       inherits: { resources: sb.resources, image: sb.image, idleTimeoutMs: sb.idleTimeoutMs, afterResume: sb.afterResume ?? [], allowEgress: sb.allowEgress, allowCidrs: sb.allowCidrs ?? [] },
     };
     let recRev = existing ? (existing.value.state === 'creating' ? existing.modRevision : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: existing.modRevision }])) : await this.commit([{ kind: 'snapshot', value: rec, expectRevision: 0 }]);
@@ -2746,14 +2754,21 @@ export class Executor {
       if (there?.value.state !== 'creating' || JSON.stringify(there.value) !== JSON.stringify(rec)) throw new ConflictError(`snapshot ${snapshotId}`);
       recRev = there.modRevision;
     }
+    // Where its first run began it (a record from before `takenOn`: where the sandbox is). A
+    // re-run after the sandbox moved (a drain) goes there too: its journal answers a step it
+    // did, and one it did not fails (the VM is gone from it). Sent where the sandbox is now, a
+    // second snapshot was taken under the same id, the first host keeping the first one.
+    const on = rec.takenOn ?? sb.hostId;
     try {
-      const r = await this.step(op, `snapshot/${snapshotId}`, sb.hostId, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
-      const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [sb.hostId], takenOn: sb.hostId };
+      // Begun on a host since removed: it cannot be finished. (A lost one fails the step.)
+      if (on !== sb.hostId && !this.cache.hosts.has(on)) throw new WrongStateError('snapshot', snapshotId, 'creating', `it was begun on host ${on}, which is gone (the sandbox is on ${sb.hostId || 'no host'} now); take another`);
+      const r = await this.step(op, `snapshot/${snapshotId}`, on, { case: 'snapshotVm', value: { sandboxId: sb.id, snapshotId, parentSnapshotId: sb.sourceSnapshotId } as never });
+      const ready: SnapshotRec = { ...rec, state: 'ready', hostIds: [on], takenOn: on };
       if (r.manifest && r.manifest.manifest.length > 0) {
         // Signed only as this snapshot's manifest: the key signs tickets too, and bytes a host
         // chose (a ticket for another tenant's snapshot, say) must not come back signed.
         const m = fromBinary(SnapshotManifestSchema, r.manifest.manifest);
-        if (m.snapshotId !== snapshotId || (m.tenantId !== '' && m.tenantId !== tenantId)) throw new ForkfleetError('internal', `host ${sb.hostId} answered the snapshot step of ${snapshotId} with the manifest of another snapshot (${JSON.stringify(m.snapshotId)})`, { retryable: false });
+        if (m.snapshotId !== snapshotId || (m.tenantId !== '' && m.tenantId !== tenantId)) throw new ForkfleetError('internal', `host ${on} answered the snapshot step of ${snapshotId} with the manifest of another snapshot (${JSON.stringify(m.snapshotId)})`, { retryable: false });
         const sig = this.deps.signer.manifest(r.manifest.manifest);
         ready.manifestSignature = Buffer.from(sig.signature).toString('base64');
         ready.manifestKeyId = sig.keyId;
@@ -2787,9 +2802,9 @@ export class Executor {
       const done = await this.updateSnapshotRec(rec.tenantId, rec.id, (cur) => {
         // Ready by this very write, whose answer was lost: etcd3 sent it again, and the retry
         // failed its guard (the record moved on, to what it wrote). Done, not "changed".
-        if (cur.state === 'ready' && cur.manifestSignature === ready.manifestSignature && cur.hostIds.includes(sb.hostId)) return undefined;
+        if (cur.state === 'ready' && cur.manifestSignature === ready.manifestSignature && cur.hostIds.includes(on)) return undefined;
         if (cur.state !== 'creating') throw changed(cur.state);
-        return { ...cur, state: 'ready', hostIds: [sb.hostId], takenOn: sb.hostId, manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
+        return { ...cur, state: 'ready', hostIds: [on], takenOn: on, manifestSignature: ready.manifestSignature, manifestKeyId: ready.manifestKeyId, vmConfig: ready.vmConfig, logicalBytes: ready.logicalBytes, storedBytes: ready.storedBytes };
       });
       if (!done) throw changed('gone');
       return done;
@@ -2829,14 +2844,18 @@ export class Executor {
     if (last instanceof ConflictError) throw new StoreUnavailableError(`marking snapshot ${rec.id} failed`, last);
   }
 
+  /**
+   * Pause or resume. The op holds its sandbox (opId) from before its step to its final write,
+   * as a drain's migration and a hibernate do: a drain and a hibernate refuse one it holds, the
+   * TTL and idle rules and the VM check leave it alone, and its step never goes to a VM another
+   * operation holds (a resume would run a guest that a drain or a hibernate paused for its
+   * snapshot on past that snapshot; a drain's switch then drops what it did).
+   */
   private async runPauseResume(op: OperationRec): Promise<void> {
     const sbv = await this.deps.store.getSandbox(op.tenantId, op.targetId);
     if (!sbv) throw new NotFoundError('sandbox', op.targetId);
     const sb = sbv.value;
     const target: SandboxState = op.kind === 'pause' ? 'paused' : 'running';
-    // A drain moving it holds it (its source VM is paused for the move while the record says
-    // running): a resume would run the source on after its snapshot, and the switch would drop that.
-    if ((sb.state === 'running' || sb.state === 'paused') && sb.opId !== '' && sb.opId !== op.id) throw new WrongStateError('sandbox', sb.id, sb.state, `operation ${sb.opId} is moving it to another host; ${op.kind} it once that ends`);
     // The lifecycle pass's resume of one a failed hibernate left paused: only while that resume
     // is still owed. Its owner's pause or resume that ran before it (pauses and resumes of a
     // sandbox run one at a time) settled it, and is not undone.
@@ -2844,39 +2863,102 @@ export class Executor {
     // states that keep the mark): failed, not finished, so that the pass submits another once
     // it is paused again (a finished one would use up the rule's key).
     const owed = op.kind === 'resume' ? op.input.resumeOwed : undefined;
-    if (owed !== undefined && sb.resumeOwed !== owed) return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, undefined, `not resumed: it is ${sb.state}, and no longer owed a resume`);
+    if (owed !== undefined && sb.resumeOwed !== owed) return this.finish(op, { sandboxIds: [sb.id] }, null, undefined, this.vmStateHoldEnded(op, sbv), `not resumed: it is ${sb.state}, and no longer owed a resume`);
     if (owed !== undefined && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, 'it is owed a resume once it is paused again');
-    if (sb.state !== target) {
-      if (sb.state !== 'running' && sb.state !== 'paused') throw new WrongStateError('sandbox', sb.id, sb.state, `cannot ${op.kind}`);
-      const r = await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id, hooksOf(sb)));
+    // Held from here on (a re-run finds it held already): its state as the hold's write found it.
+    const held = await this.holdForVmState(op, sbv);
+    const cur = held.value;
+    if (cur.state !== target) {
+      const r = await this.step(op, op.kind, cur.hostId, op.kind === 'pause' ? pauseVm(cur.id) : resumeVm(cur.id, hooksOf(cur)));
       const now = this.deps.clock.now();
-      const report = op.kind === 'resume' ? this.hookReport(r, sb.id) : '';
+      const report = op.kind === 'resume' ? this.hookReport(r, cur.id) : '';
       return this.finish(
         op,
-        { sandboxIds: [sb.id] },
+        { sandboxIds: [cur.id] },
         null,
         undefined,
         this.sandboxWrite(
-          sb,
+          cur,
           (s) => {
-            // A hibernate that took it meanwhile owns it now (its record is re-read on a conflict).
-            if ((s.state !== 'running' && s.state !== 'paused') || (s.opId !== '' && s.opId !== op.id)) throw new WrongStateError('sandbox', s.id, s.state, `${op.kind} lost the race to another operation (${s.opId || 'none'})`);
+            // Taken from it meanwhile (a destroy; its host lost, which ends every hold): that one's now.
+            if ((s.state !== 'running' && s.state !== 'paused') || s.opId !== op.id) throw new WrongStateError('sandbox', s.id, s.state, `${op.kind} lost the race to another operation (${s.opId || 'none'})`);
             this.setState(s, target, now, report);
+            s.opId = '';
             // Paused by its owner's asking: no resume is owed it any more (setState keeps the mark through paused).
             if (op.kind === 'pause') delete s.resumeOwed;
           },
-          sbv,
+          held,
         ),
       );
     }
     // The record says so already; the VM may not (a step that failed after its VM changed,
     // e.g. the agent could not write the VM's state file): the step puts it right, or is a
     // no-op on the host. A resume the record already shows runs no hooks.
-    if (sb.hostId) await this.step(op, op.kind, sb.hostId, op.kind === 'pause' ? pauseVm(sb.id) : resumeVm(sb.id));
+    if (cur.hostId) await this.step(op, op.kind, cur.hostId, op.kind === 'pause' ? pauseVm(cur.id) : resumeVm(cur.id));
     // Its owner pauses one a failed hibernate left paused: it is paused by their asking now,
     // and the lifecycle pass no longer resumes it.
-    const settle = sb.resumeOwed !== undefined ? this.sandboxWrite(sb, (s) => void delete s.resumeOwed, sbv) : undefined;
-    await this.finish(op, { sandboxIds: [sb.id] }, null, undefined, settle);
+    await this.finish(op, { sandboxIds: [cur.id] }, null, undefined, this.vmStateHoldEnded(op, held, (s) => void delete s.resumeOwed));
+  }
+
+  /**
+   * A pause's or resume's hold on its sandbox (opId), taken in a guarded write before its
+   * step: the record as written. Only a running or paused sandbox that no other operation is
+   * at work on: one that a drain holds (its VM paused for the move while the record says
+   * running) is refused, UNAVAILABLE and retryable, as it passes. Taken over from a pause or
+   * resume that holds it but is not at work on it (its runner crashed: pauses and resumes of
+   * a sandbox run one at a time, so one holding it is not running).
+   */
+  private async holdForVmState(op: OperationRec, known: Versioned<SandboxRec>): Promise<Versioned<SandboxRec>> {
+    let v: Versioned<SandboxRec> | undefined = known;
+    for (let i = 0; i < 20; i++) {
+      if (i > 0) v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
+      if (!v) throw new NotFoundError('sandbox', op.targetId);
+      const s = v.value;
+      if (s.state !== 'running' && s.state !== 'paused') throw new WrongStateError('sandbox', s.id, s.state, `cannot ${op.kind}`);
+      if (s.opId === op.id) return v;
+      if (s.opId !== '' && !(await this.heldByStoppedVmStateOp(s))) {
+        throw new ForkfleetError('unavailable', `sandbox ${s.id} is ${s.state} but operation ${s.opId} is at work on it (a drain moving it to another host pauses its VM for the move); ${op.kind} it once that ends: retry`, { retryable: true });
+      }
+      const next = structuredClone(s);
+      next.opId = op.id;
+      next.updatedAt = this.deps.clock.now();
+      const rev = await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }]);
+      if (rev) return { value: next, modRevision: rev };
+    }
+    throw new ConflictError(`sandbox ${op.targetId}`);
+  }
+
+  /**
+   * Whether the operation holding a running or paused sandbox is a pause or resume that no
+   * runner of this leader runs (ended, or crashed and waiting to run again). A drain's record
+   * is under the admin tenant, not the sandbox's: not found here.
+   */
+  private async heldByStoppedVmStateOp(s: SandboxRec): Promise<boolean> {
+    if (this.running.has(s.opId)) return false;
+    const holder = (await this.deps.store.getOp(s.tenantId, s.opId))?.value;
+    return holder !== undefined && (holder.kind === 'pause' || holder.kind === 'resume');
+  }
+
+  /**
+   * The write that ends a pause's or resume's hold on its sandbox, as an `updateOp` extra (with
+   * `settle` applied to the record): none when it does not hold it (never took it, or it was
+   * taken from it: a destroy, its host lost). The first attempt builds on `known` when given.
+   */
+  private vmStateHoldEnded(op: OperationRec, known?: Versioned<SandboxRec>, settle?: (s: SandboxRec) => void): (attempt: number) => Promise<StoreWrite[]> {
+    const write = this.sandboxWrite(
+      { tenantId: op.tenantId, id: op.targetId },
+      (s) => {
+        if (s.opId !== op.id) throw new MovedOnError(s.id, s.state, s.hostId);
+        settle?.(s);
+        s.opId = '';
+      },
+      known,
+    );
+    return (attempt) =>
+      write(attempt).catch((e: unknown) => {
+        if (e instanceof MovedOnError || e instanceof NotFoundError) return [];
+        throw e;
+      });
   }
 
   /**
@@ -3869,7 +3951,7 @@ export class Executor {
    * meets: bookkeeping (the host's heartbeats say it holds the snapshot), logged; only what
    * ends the run (a store out, a lost lead) is thrown.
    */
-  private addHolderKeptBy(op: OperationRec, snapshotId: string, hostId: string, what: 'fork' | 'wake'): Promise<void> {
+  private addHolderKeptBy(op: OperationRec, snapshotId: string, hostId: string, what: 'fork' | 'wake' | 'create'): Promise<void> {
     return this.addHolder(op.tenantId, snapshotId, hostId).catch((e: unknown) => {
       if (this.endsTheRun(e)) throw e;
       this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, `could not record a host as a holder of the snapshot it fetched for a ${what}: its heartbeats will say so`);
@@ -4731,6 +4813,21 @@ export class Executor {
         // again, and it holds its booking and maybe its VM.
         const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
         if (!owner || isTerminal(owner.state)) await this.settleEndedOwner(sb, owner, now).catch((e: unknown) => this.log.warn({ err: e, sandboxId: sb.id, opId: sb.opId }, 'could not settle a sandbox its operation left behind'));
+        continue;
+      }
+      // A pause or resume holds it for its step only, and lets go in the write that ends it: one
+      // that ended holding it all the same (run to its end by a scheduler from before these
+      // holds, whose last write keeps them) is let go of here, or the VM check and these rules
+      // would leave the sandbox alone for good. One that runs, or another operation (a drain,
+      // whose record is not under the sandbox's tenant), keeps it.
+      if ((sb.state === 'running' || sb.state === 'paused') && sb.opId && !this.running.has(sb.opId)) {
+        const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
+        if (owner && (owner.kind === 'pause' || owner.kind === 'resume') && isTerminal(owner.state)) {
+          await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+            if (s.opId !== owner.id || (s.state !== 'running' && s.state !== 'paused')) throw new MovedOnError(s.id, s.state, s.hostId);
+            s.opId = '';
+          }).catch((e: unknown) => void (e instanceof MovedOnError || this.log.warn({ err: e, sandboxId: sb.id, opId: owner.id }, 'could not let go of a sandbox an ended pause or resume held')));
+        }
         continue;
       }
       // Left paused by a hibernate that failed and could not resume it (resumeOwed), though its

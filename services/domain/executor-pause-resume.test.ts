@@ -1,0 +1,181 @@
+// Pause and resume as they meet other operations (Executor.runPauseResume and its hold on the
+// sandbox): the executor as a leader's over a stub store of our own port that keeps one sandbox
+// and the operation records, each guarded by its revision, and stub host steps.
+import { describe, expect, it } from 'vitest';
+import type { ExecutorDeps } from './executor.ts';
+import type { StoreWrite, Versioned } from './ports.ts';
+import type { OperationRec, SandboxRec } from './records.ts';
+import { HostStepError, WrongStateError } from './errors.ts';
+import { leaderExecutor } from '../testkit/executor.ts';
+import { sandboxRecord } from '../testkit/records.ts';
+
+interface Internals {
+  running: Map<string, Promise<void>>;
+  step: (op: OperationRec, stepId: string, hostId: string, work: { case: string }) => Promise<unknown>;
+  runOnce(tenantId: string, opId: string): Promise<void>;
+  runPauseResume(op: OperationRec): Promise<void>;
+  runDestroy(op: OperationRec): Promise<void>;
+  reconcileLifecycles(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void>;
+}
+
+const opRecord = (id: string, kind: OperationRec['kind'], over: Partial<OperationRec> = {}): OperationRec => ({ id, tenantId: 't1', kind, state: 'running', createdAt: 0, updatedAt: 0, targetId: 'sb-a', input: {}, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, ...over });
+
+interface World {
+  sb: SandboxRec;
+  sbRev: number;
+  /** Operation records by `<tenant>/<id>` (a drain's is under `admin`). */
+  ops: Map<string, { value: OperationRec; rev: number }>;
+  rev: number;
+  /** Host steps sent: `<step>:<work> (held by <opId>)`, the sandbox's holder when it went out. */
+  steps: string[];
+  /** Operations of the executor's own submitted: `<kind> <key>`. */
+  submitted: string[];
+}
+
+/**
+ * A leader over a store holding `sb` and `ops`, whose writes are guarded by revision.
+ * `o.afterFirstRead` changes the world right after the first read of the sandbox (another
+ * operation that takes it between a pause's or resume's read and its write).
+ */
+function leaderOver(sb: SandboxRec, ops: OperationRec[], o: { afterFirstRead?: (w: World) => void } = {}) {
+  const w: World = { sb: structuredClone(sb), sbRev: 5, ops: new Map(ops.map((op) => [`${op.tenantId}/${op.id}`, { value: structuredClone(op), rev: 5 }])), rev: 5, steps: [], submitted: [] };
+  let reads = 0;
+  const store = {
+    getSandbox: async () => {
+      const v = { value: structuredClone(w.sb), modRevision: w.sbRev };
+      if (reads++ === 0) o.afterFirstRead?.(w);
+      return v;
+    },
+    getOp: async (tenantId: string, id: string) => {
+      const x = w.ops.get(`${tenantId}/${id}`);
+      return x && { value: structuredClone(x.value), modRevision: x.rev };
+    },
+    getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 4, memoryMib: 1024, diskMib: 4096 }, sandboxes: 2 }, modRevision: 4 }),
+    getIdempotent: async () => undefined,
+    commitAt: async (ws: StoreWrite[]) => {
+      for (const x of ws) {
+        if (x.kind === 'sandbox' && x.expectRevision !== w.sbRev) return 0;
+        if (x.kind === 'op' && x.expectRevision !== (w.ops.get(`${x.value.tenantId}/${x.value.id}`)?.rev ?? 0)) return 0;
+      }
+      w.rev++;
+      for (const x of ws) {
+        if (x.kind === 'sandbox') [w.sb, w.sbRev] = [structuredClone(x.value), w.rev];
+        if (x.kind === 'op') w.ops.set(`${x.value.tenantId}/${x.value.id}`, { value: structuredClone(x.value), rev: w.rev });
+      }
+      return w.rev;
+    },
+  };
+  const submit: NonNullable<ExecutorDeps['submit']> = async (tenantId, key, kind) => {
+    w.submitted.push(`${kind} ${key}`);
+    return { id: 'op-new', tenantId, kind, state: 'pending' } as never;
+  };
+  const ex = leaderExecutor(store, { submit }) as unknown as Internals;
+  ex.step = async (_op, stepId, _hostId, work) => (w.steps.push(`${stepId}:${work.case} (held by ${w.sb.opId || 'none'})`), { vms: [] });
+  const op = (id: string): OperationRec => w.ops.get(`t1/${id}`)!.value;
+  return { w, ex, op };
+}
+
+/** Another operation takes sb-a: a hibernate (it pauses the VM for its snapshot) or a drain's migration (likewise, its record saying running). */
+const hibernateTakes = (w: World): void => void ([w.sb, w.sbRev] = [{ ...w.sb, state: 'hibernating', opId: 'op-h', hibernatingFrom: 'running', runningSince: null }, ++w.rev]);
+const drainClaims = (w: World): void => void ([w.sb, w.sbRev] = [{ ...w.sb, opId: 'op-d' }, ++w.rev]);
+
+describe('a pause or resume', () => {
+  it('holdsItsSandboxWhileItsStepRuns_andLetsGoInItsFinalWrite', async () => {
+    for (const [kind, state] of [['pause', 'running'], ['resume', 'paused'], ['resume', 'running']] as const) {
+      const { w, ex, op } = leaderOver(sandboxRecord({ state }), [opRecord('op-1', kind)]);
+      await ex.runPauseResume(op('op-1'));
+      expect(w.steps, `${kind} of ${state}`).toEqual([`${kind}:${kind}Vm (held by op-1)`]);
+      expect(op('op-1').state, `${kind} of ${state}`).toBe('succeeded');
+      expect(w.sb, `${kind} of ${state}`).toMatchObject({ state: kind === 'pause' ? 'paused' : 'running', opId: '' });
+    }
+  });
+
+  it('whoseStepFails_letsGoOfItsSandboxInTheWriteThatFailsIt', async () => {
+    const { w, ex, op } = leaderOver(sandboxRecord(), [opRecord('op-p', 'pause')]);
+    let heldBy = '';
+    ex.step = async (_op, stepId) => {
+      heldBy = w.sb.opId;
+      throw new HostStepError('h1', stepId, 'internal', 'qmp went away', false);
+    };
+    await ex.runOnce('t1', 'op-p');
+    expect(heldBy).toBe('op-p');
+    expect(op('op-p').state).toBe('failed');
+    expect(w.sb).toMatchObject({ state: 'running', opId: '' });
+  });
+
+  it('ofASandboxAHibernateTookAfterItsRead_sendsNoStep_soTheGuestDoesNotRunOnPastTheSnapshot', async () => {
+    // The resume read it running (a no-op but for its step, which resumes the VM); the idle
+    // rule's hibernate took it and paused the VM before the resume's step went out.
+    const { w, ex, op } = leaderOver(sandboxRecord(), [opRecord('op-r', 'resume')], { afterFirstRead: hibernateTakes });
+    await expect(ex.runPauseResume(op('op-r'))).rejects.toBeInstanceOf(WrongStateError);
+    expect(w.steps).toEqual([]);
+    expect(w.sb).toMatchObject({ state: 'hibernating', opId: 'op-h' });
+  });
+
+  it('ofASandboxADrainsMigrationClaimedAfterItsRead_sendsNoStep_andIsRefusedAsRetryable', async () => {
+    // The migration paused the source VM for its snapshot: a resume sent now would let the
+    // guest do work that the switch to the copy then throws away.
+    for (const kind of ['resume', 'pause'] as const) {
+      const { w, ex, op } = leaderOver(sandboxRecord(), [opRecord('op-1', kind)], { afterFirstRead: drainClaims });
+      await expect(ex.runPauseResume(op('op-1')), kind).rejects.toMatchObject({ kind: 'unavailable', retryable: true });
+      expect(w.steps, kind).toEqual([]);
+      expect(w.sb.opId, kind).toBe('op-d');
+    }
+  });
+
+  it('ofASandboxADrainHolds_isRefusedAsUnavailableAndRetryable_notAsAFailedPrecondition', async () => {
+    for (const kind of ['resume', 'pause'] as const) {
+      const { w, ex, op } = leaderOver(sandboxRecord({ opId: 'op-d' }), [opRecord('op-1', kind)]);
+      await ex.runOnce('t1', 'op-1');
+      expect(op('op-1'), kind).toMatchObject({ state: 'failed', error: { kind: 'unavailable', retryable: true } });
+      expect(op('op-1').error?.message, kind).toMatch(/operation op-d is at work on it.*retry$/);
+      expect(w.sb.opId, kind).toBe('op-d');
+    }
+  });
+
+  it('takesItsSandboxOverFromAnEarlierPauseOrResumeThatHoldsItButNoLongerRuns', async () => {
+    // op-p's runner crashed after its hold (it runs again later, or is superseded by this one).
+    const { w, ex, op } = leaderOver(sandboxRecord({ opId: 'op-p' }), [opRecord('op-p', 'pause'), opRecord('op-r', 'resume', { createdAt: 1 })]);
+    await ex.runPauseResume(op('op-r'));
+    expect(w.steps).toEqual(['resume:resumeVm (held by op-r)']);
+    expect(w.sb).toMatchObject({ state: 'running', opId: '' });
+  });
+
+  it('thatADestroyOvertakesDuringItsStep_failsWithoutUndoingTheDestroy', async () => {
+    // A destroy goes on over a pause's hold, as over a drain's: the pause's write finds it taken.
+    const { w, ex, op } = leaderOver(sandboxRecord(), [opRecord('op-p', 'pause'), opRecord('op-x', 'destroy', { createdAt: 1 })]);
+    const step = ex.step;
+    ex.step = async (o, stepId, hostId, work) => {
+      if (o.id === 'op-p') await ex.runDestroy(op('op-x'));
+      return step(o, stepId, hostId, work);
+    };
+    await ex.runOnce('t1', 'op-p');
+    expect(op('op-x').state).toBe('succeeded');
+    expect(op('op-p').state).toBe('failed');
+    expect(w.sb).toMatchObject({ state: 'destroyed', opId: '' });
+  });
+});
+
+describe('the lifecycle pass, over a sandbox a pause or resume holds', () => {
+  const pass = (ex: Internals, sb: SandboxRec): Promise<void> => ex.reconcileLifecycles([{ value: structuredClone(sb), modRevision: 5 }]);
+
+  it('thatEndedHoldingIt_letsGoOfIt', async () => {
+    // A pause run to its end by a scheduler from before the holds: its last write kept it.
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'paused', runningSince: null, opId: 'op-p' }), [opRecord('op-p', 'pause', { state: 'succeeded' })]);
+    await pass(ex, w.sb);
+    expect(w.sb).toMatchObject({ state: 'paused', opId: '' });
+  });
+
+  it('thatStillRuns_orADrainHolds_leavesItHeld_andStartsNoRuleOnIt', async () => {
+    // Its TTL is up: the destroy waits for the next pass after the hold ends.
+    const ttlUp = { ttlMs: 1, runningSince: 0 };
+    const { w, ex } = leaderOver(sandboxRecord({ ...ttlUp, opId: 'op-r' }), [opRecord('op-r', 'resume')]);
+    ex.running.set('op-r', new Promise<void>(() => undefined));
+    await pass(ex, w.sb);
+    expect(w.sb.opId).toBe('op-r');
+    const drained = leaderOver(sandboxRecord({ ...ttlUp, opId: 'op-d' }), [opRecord('op-d', 'drain', { tenantId: 'admin', state: 'failed' })]);
+    await pass(drained.ex, drained.w.sb);
+    expect(drained.w.sb.opId).toBe('op-d');
+    expect([...w.submitted, ...drained.w.submitted]).toEqual([]);
+  });
+});
