@@ -84,7 +84,7 @@ async function main(): Promise<void> {
     ...natsTlsOptions(natsTlsPem),
   }, log);
   void followLink(nc.status(), log, (up) => metrics?.natsConnected(up));
-  // A connection nats.js gave up on (the server refused our credentials twice) left the agent
+  // A connection nats.js gave up on (a second auth refusal of the same kind) left the agent
   // running unheard, its host declared lost, and systemd never restarted it: it exits instead
   // (its VMs run on for the next agent to adopt, as at a stop).
   void exitWhenClosedForGood(nc, { log, isStopping: () => stopping });

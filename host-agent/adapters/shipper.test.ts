@@ -629,6 +629,34 @@ describe('ChunkStoreShipper: a delete during the repair of a snapshot taken here
   });
 });
 
+describe('ChunkStoreShipper: an attempt begun while a delete runs', () => {
+  it('ingest_runAgainWhileARemoveWaitsForTheManifestsDelete_failsAndHoldsNothing', async () => {
+    // Begun after remove() had marked the attempts it found, it found the manifest still
+    // readable, repaired the snapshot and held it complete again after the delete was done.
+    const deleting = gate();
+    const { h, local } = await lostAChunk('own-ingest-during-remove', {
+      manifests: (m) => ({
+        get: (id) => m.get(id),
+        list: () => m.list(),
+        put: (id: string, sm: SignedManifest) => m.put(id, sm),
+        delete: async (id: string) => {
+          await deleting.wait();
+          return m.delete(id);
+        },
+      }),
+    });
+    const removing = h.shipper.remove('sn-own');
+    await deleting.entered;
+    const ingesting = h.shipper.ingest(local);
+    ingesting.catch(() => undefined);
+    await new Promise((r) => setTimeout(r, 20));
+    deleting.open();
+    await removing;
+    await expect(ingesting).rejects.toThrow(/deleted on host h1 while it was being ingested/);
+    expect(h.shipper.held()).toEqual([]);
+  });
+});
+
 describe('ChunkStoreShipper: a repair of a snapshot taken here that fails', () => {
   const enospc = () => Object.assign(new Error('ENOSPC: no space left on device, write'), { code: 'ENOSPC' });
 

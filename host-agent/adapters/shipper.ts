@@ -120,6 +120,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * nothing (it would bring the snapshot back after a delete that was reported done).
    */
   private readonly attempts = new Map<string, Set<FetchAttempt>>();
+  /** Snapshots a remove() is at work on (how many at once): an attempt begun meanwhile is marked removed. */
+  private readonly removing = new Map<string, number>();
   /**
    * Repairs of a snapshot taken here (restoreOwnChunks) that a restore started, by snapshot:
    * one at a time, in the background. A restore needs only the directory; it used to wait for
@@ -549,7 +551,8 @@ export class ChunkStoreShipper implements SnapshotShipper {
 
   /** Registers an attempt on the snapshot for remove() to mark; `forget` once it is over. */
   private track(snapshotId: string, doing: FetchAttempt['doing'], removed = false): { attempt: FetchAttempt; forget: () => void } {
-    const attempt: FetchAttempt = { doing, removed };
+    // Begun while a remove() of it runs: marked at once (remove() marks only those it found).
+    const attempt: FetchAttempt = { doing, removed: removed || this.removing.has(snapshotId) };
     let attempts = this.attempts.get(snapshotId);
     if (!attempts) this.attempts.set(snapshotId, (attempts = new Set()));
     const mine = attempts;
@@ -821,6 +824,20 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * write obtain() left to the background: the delete wins.
    */
   async remove(snapshotId: string): Promise<void> {
+    // Attempts begun from here to the end (a snapshot step redelivered, a restore's repair) are
+    // marked as they begin: one begun after the mark below and before the manifest was gone
+    // found it readable, repaired the snapshot and held it complete again.
+    this.removing.set(snapshotId, (this.removing.get(snapshotId) ?? 0) + 1);
+    try {
+      await this.removeMarked(snapshotId);
+    } finally {
+      const n = (this.removing.get(snapshotId) ?? 1) - 1;
+      if (n > 0) this.removing.set(snapshotId, n);
+      else this.removing.delete(snapshotId);
+    }
+  }
+
+  private async removeMarked(snapshotId: string): Promise<void> {
     // Cleared before the fetches are marked: what a marked fetch reports (durable()) is set after.
     const notDurable = this.notDurable.get(snapshotId);
     this.notDurable.delete(snapshotId);

@@ -1,5 +1,6 @@
-// A NATS connection that closed for good ends the process. nats.js stops reconnecting after the
-// server refused the same credentials twice in a row (protocol.js handleAuthError, an
+// A NATS connection that closed for good ends the process. nats.js stops reconnecting once the
+// server refused it a second time with the same auth error since it connected, however far
+// apart and with reconnects between (protocol.js handleAuthError keeps the last one; an
 // Authorization Violation: a key rotated on the server first, say), maxReconnectAttempts -1 or
 // not, and closes the connection. Nothing reads it again: a scheduler kept its etcd lease and
 // led while it could send no host work nor hear a result, and an agent ran on unheard (its host
@@ -28,7 +29,7 @@ export interface ClosedForGoodOptions {
 export async function exitWhenClosedForGood(nc: Pick<NatsConnection, 'closed'>, o: ClosedForGoodOptions): Promise<void> {
   const err = await nc.closed().catch((e: unknown) => e);
   if (o.isStopping()) return;
-  o.log.fatal({ err }, 'the NATS connection closed for good (nats.js gave up reconnecting, e.g. after the server refused our credentials twice): exiting for the supervisor to start this process again');
+  o.log.fatal({ err }, 'the NATS connection closed for good (nats.js gave up reconnecting, e.g. after a second auth refusal of the same kind): exiting for the supervisor to start this process again');
   if (o.beforeExit) {
     let timer: ReturnType<typeof setTimeout> | undefined;
     await Promise.race([
