@@ -95,9 +95,19 @@ ird=$work/initramfs
 mkdir -p "$ird"/{bin,sbin,proc,sys,dev,newroot,lib/modules}
 cp /bin/busybox "$ird/bin/busybox"
 for a in sh mount umount insmod sleep switch_root cat echo mkdir; do ln -s busybox "$ird/bin/$a"; done
+# Modules in dependency order, each one a module or built in (as build-tiny.sh: a modprobe
+# that fails or answers neither stops the build).
 mods=()
 for m in virtio_mmio virtio_console virtio_blk virtio-rng ext4; do
-  while read -r _ path _; do mods+=("$path"); done < <(modprobe -S "$kver" --show-depends "$m" | grep '^insmod')
+  deps=$(modprobe -S "$kver" --show-depends "$m")
+  found=0
+  while read -r kind path _; do
+    case $kind in
+      insmod) mods+=("$path"); found=1 ;;
+      builtin) found=1 ;;
+    esac
+  done <<<"$deps"
+  [ "$found" = 1 ] || { echo "module $m: neither a module nor built in for kernel $kver (modprobe --show-depends)" >&2; exit 1; }
 done
 : > "$ird/lib/modules/load-order"
 declare -A seen=()

@@ -5,7 +5,7 @@ import { once } from 'node:events';
 import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { afterAll, afterEach, describe, expect, it } from 'vitest';
+import { afterAll, afterEach, describe, expect, it, vi } from 'vitest';
 import { buildCommand, removeAbandonedBuilds } from './build.ts';
 import { isAlive, isGone, killHard } from '../../host-agent/adapters/qemu/process.ts';
 
@@ -61,5 +61,26 @@ describe('image builds', () => {
     expect(existsSync(join(root, names.abandoned))).toBe(false);
     expect(existsSync(join(root, names.running))).toBe(true);
     expect(existsSync(join(root, names.image))).toBe(true);
+  });
+
+  it('removeAbandonedBuilds_whenTheBuildersPidIsAProcessItMayNotSignal_leavesItsDir', async () => {
+    // Root's build seen by an agent that is not root: kill(pid, 0) fails with EPERM, the PID is in use.
+    const root = join(dir, 'images-eperm');
+    const gone = spawn('true');
+    await once(gone, 'exit');
+    const pid = gone.pid as number;
+    const name = `.tiny-0123456789abcdef.build-${pid}-AbC123`;
+    mkdirSync(join(root, name, 'sub'), { recursive: true });
+    const realKill = process.kill.bind(process);
+    const kill = vi.spyOn(process, 'kill').mockImplementation((p, sig) => {
+      if (p === pid) throw Object.assign(new Error('kill EPERM'), { code: 'EPERM' });
+      return realKill(p, sig);
+    });
+    try {
+      expect(await removeAbandonedBuilds(root)).toEqual([]);
+    } finally {
+      kill.mockRestore();
+    }
+    expect(existsSync(join(root, name))).toBe(true);
   });
 });

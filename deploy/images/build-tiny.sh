@@ -39,12 +39,22 @@ for applet in $(/bin/busybox --list-full); do
   [ -e "$root/$applet" ] || ln -s /bin/busybox "$root/$applet"
 done
 
-# Modules in dependency order (modprobe --show-depends), de-duplicated.
+# Modules in dependency order (modprobe --show-depends), de-duplicated. Each one asked for
+# must be a module (insmod lines) or built into the kernel (`builtin`, modules.builtin): a
+# modprobe that fails, or answers neither (this kernel's depmod not run yet: an upgrade under
+# way), stops the build instead of caching an image whose guest cannot find its disk. Its
+# output is taken by an assignment, which set -e checks (a `< <(...)` is not checked).
 mods=()
 for m in virtio_mmio virtio_console virtio_blk virtio-rng virtio_net ext4; do
-  while read -r _ path _; do
-    mods+=("$path")
-  done < <(modprobe -S "$kver" --show-depends "$m" | grep '^insmod')
+  deps=$(modprobe -S "$kver" --show-depends "$m")
+  found=0
+  while read -r kind path _; do
+    case $kind in
+      insmod) mods+=("$path"); found=1 ;;
+      builtin) found=1 ;;
+    esac
+  done <<<"$deps"
+  [ "$found" = 1 ] || { echo "module $m: neither a module nor built in for kernel $kver (modprobe --show-depends)" >&2; exit 1; }
 done
 : > "$root/lib/modules/load-order"
 declare -A seen=()

@@ -6,7 +6,8 @@
 // never sees a half-built image and concurrent builders do not clash; its files and the dir
 // are fsynced before the rename (and the cache root after it), so a power loss leaves the
 // whole entry or none. A cache hit is checked cheaply (meta.ts checkImageDir: image.json
-// parses, its files exist with the sizes it records); an entry that fails it is built again.
+// parses, its files exist with the sizes it records); an entry that fails it is built again
+// (one that cannot be read now, EIO say, is an error: not removed, as VMs may run over it).
 // Callers in one process asking for the same entry share one build. The build's processes
 // die with the process that started it (a PID namespace of their own, tied to it), and the
 // temp dir of a builder that was killed is removed by the next build.
@@ -21,7 +22,6 @@ import { fileURLToPath } from 'node:url';
 import { promisify } from 'node:util';
 import { ImageBuildError } from '../../host-agent/errors.ts';
 import { fsyncAll, fsyncPath } from '../../host-agent/adapters/durable.ts';
-import { isAlive } from '../../host-agent/adapters/qemu/process.ts';
 import { onPath, tiedToUs } from '../../host-agent/adapters/tied.ts';
 import type { GuestImage } from '../../host-agent/domain/vmm.ts';
 
@@ -64,8 +64,10 @@ const RECIPES: Record<ImageName, Recipe> = {
   tiny: {
     script: 'build-tiny.sh',
     inputs: ['mkext4.sh', 'ff-clone.b64', 'ff-reseed.b64'],
-    // cpio writes the initramfs: its version is part of the image's bytes.
-    packages: ['linux-image-amd64', 'busybox-static', 'qemu-guest-agent', 'e2fsprogs', 'qemu-utils', 'cpio'],
+    // cpio writes the initramfs: its version is part of the image's bytes. xz unpacks the
+    // kernel (without it the build could say only that the extraction failed), zstd the
+    // modules of a kernel that ships them compressed so.
+    packages: ['linux-image-amd64', 'busybox-static', 'qemu-guest-agent', 'e2fsprogs', 'qemu-utils', 'cpio', 'xz-utils', 'zstd'],
     closureOf: ['/usr/sbin/qemu-ga'],
     defaultDiskMib: 64,
     kernelArgs: MICROVM_ARGS,
@@ -73,7 +75,7 @@ const RECIPES: Record<ImageName, Recipe> = {
   debian: {
     script: 'build-debian.sh',
     inputs: ['mkext4.sh', 'ff-clone.b64', 'ff-reseed.b64'],
-    packages: ['linux-image-amd64', 'busybox-static', 'mmdebstrap', 'e2fsprogs', 'qemu-utils', 'cpio'],
+    packages: ['linux-image-amd64', 'busybox-static', 'mmdebstrap', 'e2fsprogs', 'qemu-utils', 'cpio', 'xz-utils', 'zstd'],
     defaultDiskMib: 1024,
     kernelArgs: MICROVM_ARGS,
   },
@@ -107,12 +109,16 @@ async function guestKernel(): Promise<string> {
   return v;
 }
 
-async function packageVersions(pkgs: string[]): Promise<string> {
+/** `package=version` of each of the image's packages, one a line; a failure names those dpkg does not know. */
+export async function packageVersions(name: string, pkgs: readonly string[]): Promise<string> {
   try {
     const { stdout } = await run('dpkg-query', ['-W', '-f', '${Package}=${Version}\\n', ...pkgs]);
     return stdout;
   } catch (e) {
-    throw new ImageBuildError(pkgs.join(','), `missing Debian packages (apt-get install ${pkgs.join(' ')})`, { cause: e });
+    const stderr = (e as { stderr?: string }).stderr ?? '';
+    const named = [...stderr.matchAll(/no packages found matching (\S+)/g)].map((m) => m[1]!);
+    const missing = named.length > 0 ? named : pkgs;
+    throw new ImageBuildError(name, `missing Debian packages ${missing.join(', ')} (apt-get install ${missing.join(' ')})`, { cause: e });
   }
 }
 
@@ -123,7 +129,7 @@ export async function recipeHash(name: ImageName, opts: ImageOptions = {}): Prom
   const h = createHash('sha256');
   h.update(await readFile(join(here, r.script)));
   for (const f of r.inputs) h.update(await readFile(join(here, f)));
-  h.update(await packageVersions(r.packages));
+  h.update(await packageVersions(name, r.packages));
   for (const bin of r.closureOf ?? []) h.update(await closureDigest(bin));
   if (name === 'debian') h.update(await readFile(await aptSourcesFile()));
   h.update(JSON.stringify({ name, kernelVersion, diskMib, kernelArgs: r.kernelArgs }));
@@ -165,17 +171,35 @@ async function exists(p: string): Promise<boolean> {
 const BUILD_DIR = /^\.[a-z0-9]+-[0-9a-f]+\.build-(\d+)-/;
 
 /**
+ * Whether a builder's PID is in use: a process we may not signal (EPERM: another user's, root's
+ * build seen by a non-root agent) is alive too, not gone.
+ */
+function builderAlive(pid: number): boolean {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'EPERM';
+  }
+}
+
+/**
  * Removes the temp dirs of builds whose builder is gone (killed mid-build: its processes died
  * with it, see buildCommand). A dir whose builder's PID is alive, even reused by another
- * process, is left alone.
+ * process, is left alone. Housekeeping: a dir that cannot be removed is warned about and left
+ * (the next build tries again), not an error of the image asked for.
  */
 export async function removeAbandonedBuilds(root: string): Promise<string[]> {
   const removed: string[] = [];
   for (const name of await readdir(root).catch(() => [] as string[])) {
     const pid = Number(BUILD_DIR.exec(name)?.[1] ?? NaN);
-    if (!Number.isInteger(pid) || pid <= 1 || pid === process.pid || isAlive(pid)) continue;
-    await rm(join(root, name), { recursive: true, force: true });
-    removed.push(name);
+    if (!Number.isInteger(pid) || pid <= 1 || pid === process.pid || builderAlive(pid)) continue;
+    try {
+      await rm(join(root, name), { recursive: true, force: true });
+      removed.push(name);
+    } catch (e) {
+      process.emitWarning(`the abandoned image build ${join(root, name)} could not be removed: ${(e as Error).message ?? String(e)}`);
+    }
   }
   return removed;
 }
@@ -204,7 +228,8 @@ export async function cachedImages(opts: Pick<ImageOptions, 'cacheDir'> = {}): P
   for (const entry of await readdir(root).catch(() => [] as string[])) {
     const m = /^([a-z]+)-([0-9a-f]+)$/.exec(entry);
     if (!m || !(IMAGE_NAMES as readonly string[]).includes(m[1]!)) continue;
-    const checked = await checkImageDir(join(root, entry));
+    // One that cannot be read now is left out, as one that is not whole.
+    const checked = await checkImageDir(join(root, entry)).catch((e: unknown) => ({ invalid: String(e) }));
     if ('meta' in checked) out.push({ name: m[1]!, recipeHash: m[2]!, diskSha256: checked.meta.diskSha256 });
   }
   return out;
@@ -242,20 +267,26 @@ async function loadOrBuild(name: ImageName, hash: string, kernelVersion: string,
   // otherwise stay for good once its image was found cached (another builder won) or is never
   // asked for again.
   await removeAbandonedBuilds(root);
-  let checked = await checkImageDir(dir);
+  // A read error other than a missing file (EIO, EMFILE) fails this call and leaves the entry:
+  // it may be whole, and running VMs overlay its disk.
+  const check = () =>
+    checkImageDir(dir).catch((e: unknown) => {
+      throw new ImageBuildError(name, `the cache entry ${dir} cannot be read (left as it is)`, { cause: e });
+    });
+  let checked = await check();
   // An entry there now but not whole when checked may be another process's build that was
   // renamed into place in between: checked again before it is moved aside, and after (a whole
   // one goes back), so that no caller rebuilds, or hides for a moment, an image just published.
   if ('invalid' in checked && (await exists(dir))) {
-    checked = await checkImageDir(dir);
+    checked = await check();
     if ('invalid' in checked) {
       await discardEntry(root, dir, name, hash);
-      checked = await checkImageDir(dir);
+      checked = await check();
     }
   }
   if ('invalid' in checked) {
     await build(name, hash, kernelVersion, diskMib, root, dir);
-    checked = await checkImageDir(dir);
+    checked = await check();
     if ('invalid' in checked) throw new ImageBuildError(name, `${dir} after the build: ${checked.invalid}`);
   }
   const meta = checked.meta;
@@ -275,7 +306,7 @@ async function loadOrBuild(name: ImageName, hash: string, kernelVersion: string,
 /**
  * Moves a cache entry that is not whole out of the way (under a temp dir's name, so a kill
  * midway leaves it to removeAbandonedBuilds) and removes it. One that is whole by then
- * (another process built it meanwhile) goes back.
+ * (another process built it meanwhile), or cannot be read to tell, goes back.
  */
 async function discardEntry(root: string, dir: string, name: string, hash: string): Promise<void> {
   const aside = join(root, `.${name}-${hash}.build-${process.pid}-broken-${randomBytes(4).toString('hex')}`);
@@ -285,7 +316,8 @@ async function discardEntry(root: string, dir: string, name: string, hash: strin
     if ((e as NodeJS.ErrnoException).code === 'ENOENT') return; // gone already
     throw new ImageBuildError(name, `cannot move the broken cache entry ${dir} aside`, { cause: e });
   }
-  if (!('invalid' in (await checkImageDir(aside))) && (await rename(aside, dir).then(() => true, () => false))) return;
+  const broken = await checkImageDir(aside).then((c) => 'invalid' in c, () => false);
+  if (!broken && (await rename(aside, dir).then(() => true, () => false))) return;
   await rm(aside, { recursive: true, force: true });
 }
 

@@ -40,17 +40,27 @@ function isPlainName(v: unknown): v is string {
   return typeof v === 'string' && v !== '' && v !== '.' && v !== '..' && !v.includes('/');
 }
 
+/** A file (or a directory on its path) that is not there, as opposed to one that cannot be read now. */
+function isMissing(e: unknown): boolean {
+  const code = (e as NodeJS.ErrnoException | undefined)?.code;
+  return code === 'ENOENT' || code === 'ENOTDIR';
+}
+
 /**
  * The entry in `dir`, if it is whole as far as a cheap look tells: image.json parses, has
  * every field, and names files that exist with the sizes it records. Else why not (the
  * caller builds it again). Contents are not hashed: that is the build's work, once.
+ * A file that cannot be read for another reason than its absence (EIO, EMFILE, EACCES) is
+ * thrown, not `invalid`: the entry may be whole, and its caller must not remove a base disk
+ * running VMs and snapshots use for what may be a passing fault.
  */
 export async function checkImageDir(dir: string): Promise<{ meta: ImageMeta } | { invalid: string }> {
   let raw: string;
   try {
     raw = await readFile(join(dir, IMAGE_META_FILE), 'utf8');
   } catch (e) {
-    return { invalid: `${IMAGE_META_FILE}: ${(e as NodeJS.ErrnoException).code ?? String(e)}` };
+    if (!isMissing(e)) throw e;
+    return { invalid: `${IMAGE_META_FILE}: ${(e as NodeJS.ErrnoException).code}` };
   }
   let m: Partial<ImageMeta>;
   try {
@@ -68,7 +78,10 @@ export async function checkImageDir(dir: string): Promise<{ meta: ImageMeta } | 
   for (const f of [m.kernel, m.initrd, m.disk] as string[]) {
     const want = (m.sizes as Record<string, unknown>)[f];
     if (typeof want !== 'number') return { invalid: `${IMAGE_META_FILE}: no size for ${f}` };
-    const st = await stat(join(dir, f)).catch(() => undefined);
+    const st = await stat(join(dir, f)).catch((e: unknown) => {
+      if (isMissing(e)) return undefined;
+      throw e;
+    });
     if (!st?.isFile()) return { invalid: `${f} missing` };
     if (st.size !== want) return { invalid: `${f} has ${st.size} bytes, ${IMAGE_META_FILE} says ${want}` };
   }

@@ -3,7 +3,7 @@
 import { readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
-import { closureDigest, recipeInputs } from './build.ts';
+import { closureDigest, packageVersions, recipeInputs } from './build.ts';
 import { IMAGE_NAMES } from './names.ts';
 
 describe('image recipe inputs', () => {
@@ -19,9 +19,16 @@ describe('image recipe inputs', () => {
     const { script, packages } = recipeInputs(name);
     const text = readFileSync(join(import.meta.dirname, script), 'utf8');
     // A new version of one of these can change the image, so its version is in the recipe hash.
-    const tools: Array<[RegExp, string]> = [[/\bcpio --null -o\b/, 'cpio'], [/\bmkext4\.sh\b/, 'e2fsprogs'], [/\bqemu-img convert\b/, 'qemu-utils'], [/\/bin\/busybox\b/, 'busybox-static']];
+    // xz unpacks the kernel: missing, the build would say only that the extraction failed.
+    const tools: Array<[RegExp, string]> = [[/\bcpio --null -o\b/, 'cpio'], [/\bmkext4\.sh\b/, 'e2fsprogs'], [/\bqemu-img convert\b/, 'qemu-utils'], [/\/bin\/busybox\b/, 'busybox-static'], [/\bxz -dc\b/, 'xz-utils'], [/\bzstd -qdc\b/, 'zstd']];
     for (const [call, pkg] of tools) if (call.test(text)) expect([name, pkg, packages.includes(pkg)]).toEqual([name, pkg, true]);
     expect(text).toMatch(/\bcpio --null -o\b/);
+  });
+
+  it('packageVersions_withAPackageMissing_failsNamingTheImageAndOnlyTheMissingPackages', async () => {
+    const err = await packageVersions('tiny', ['cpio', 'forkfleet-no-such-package']).catch((e: unknown) => e as Error);
+    expect(err).toBeInstanceOf(Error);
+    expect((err as Error).message).toBe('image tiny build failed: missing Debian packages forkfleet-no-such-package (apt-get install forkfleet-no-such-package)');
   });
 
   it('closureDigest_ofAMissingBinary_failsNamingIt', async () => {

@@ -1686,6 +1686,47 @@ describe('Agent steps', () => {
     expect(asked).toEqual(['debian']);
   });
 
+  it('restore_ofASnapshotWhoseImageWasRemovedFromTheCacheSinceItWasBuilt_buildsItAgain_andHeartbeatsStopListingItIfThatFails', async () => {
+    const order: string[] = [];
+    const beats: Heartbeat[] = [];
+    // The image cache as cachedImages lists it: what images() built, less what an operator removed.
+    let cache: Array<{ name: string; recipeHash: string; diskSha256: string }> = [];
+    let buildFails = false;
+    const agent = new Agent({
+      driver: { get: () => undefined, list: () => [], fork: async (_s: unknown, clones: Array<{ vmId: string }>) => (order.push('fork'), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) } as unknown as VmmDriver,
+      shipper: { held: () => [], storedBytes: () => 0, obtain: async () => ({ local: { dir: '/x', manifest: { image: { name: 'debian', recipeHash: 'r1', kernelArgs: '' } } } as never, bytesFetched: 0 }) } as unknown as SnapshotShipper,
+      bus: { publishHeartbeat: (hb: Heartbeat) => void beats.push(hb) } as unknown as AgentBus,
+      journal: new MemoryJournal(),
+      images: async (name: string) => {
+        order.push(`image ${name}`);
+        if (buildFails) throw new Error('mmdebstrap failed');
+        cache = [{ name, recipeHash: 'r1', diskSha256: 'sha-1' }];
+        return { name, recipeHash: 'r1', diskSha256: 'sha-1', kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' };
+      },
+      cachedImages: async () => cache,
+      clock: { now: () => 1_000 },
+      log: pino({ level: 'silent' }),
+      config: { hostId: 'h1', bootId: 'b', accel: 'tcg', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
+      qemuVersion: '7.2.0',
+    });
+    const restore = (n: number) => agent.runStep(create(HostWorkSchema, { opId: `op-${n}`, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-d', vms: [{ sandboxId: `sb-${n}` }] } } }));
+    const listed = (): string[] => (agent.heartbeat(), beats.at(-1)!.images.map((i) => `${i.name}-${i.recipeHash}`));
+    expect((await restore(1)).error).toBeUndefined();
+    expect((await restore(2)).error).toBeUndefined();
+    expect(order).toEqual(['image debian', 'fork', 'fork']);
+    // Removed by an operator: the next restore builds it again before restoring over it.
+    cache = [];
+    expect((await restore(3)).error).toBeUndefined();
+    expect(order).toEqual(['image debian', 'fork', 'fork', 'image debian', 'fork']);
+    expect(listed()).toEqual(['debian-r1']);
+    // Removed again, and this time the build fails: no longer listed as built here.
+    cache = [];
+    buildFails = true;
+    await restore(4);
+    expect(order.slice(5)).toEqual(['image debian', 'fork']);
+    expect(listed()).toEqual([]);
+  });
+
   it('restore_ofASnapshotWhoseImageRecipeThisHostDoesNotHave_buildsNothing_andLooksOnlyOnce', async () => {
     const asked: string[] = [];
     const recipes: string[] = [];

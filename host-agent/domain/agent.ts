@@ -300,7 +300,8 @@ export class Agent {
   /**
    * The guest images this agent has built or found in its cache (image()), by
    * `<name>-<recipeHash>`: the heartbeat lists them (Heartbeat.images), and a restore of a
-   * snapshot whose image is here needs no look at the cache (~100 ms) first (baseImageFor).
+   * snapshot whose image is here needs no recipe hash (~100 ms) first, only a listing of the
+   * cache (baseImageFor).
    */
   private readonly built = new Map<string, { name: string; recipeHash: string; diskSha256: string }>();
   /** The recipe hash this host builds each of deps.imageNames by (those whose recipe could be read), from start(). */
@@ -1448,12 +1449,23 @@ export class Agent {
    * which a host that never created a sandbox of that image has not built. A failure is only
    * logged: the driver then refuses the restore naming what is missing, as it refuses a build
    * whose base disk differs from the snapshot's (another recipe here, say).
+   * One noted as built is looked for again in the cache listing (deps.cachedImages: image.json
+   * and file sizes, nothing hashed): an entry an operator removed since (or that was torn) is
+   * no longer listed in heartbeats, and is built again as one never built here.
    */
-  private baseImageFor(m: { image?: { name: string; recipeHash: string } }, log: Logger): Promise<void> {
+  private async baseImageFor(m: { image?: { name: string; recipeHash: string } }, log: Logger): Promise<void> {
     const want = m.image;
-    if (!want?.name) return Promise.resolve();
+    if (!want?.name) return;
     const key = `${want.name}-${want.recipeHash}`;
-    if (this.built.has(key)) return Promise.resolve();
+    if (this.built.has(key)) {
+      const listed = await this.deps.cachedImages?.().catch((e: unknown) => void log.warn({ err: e, image: key }, 'the image cache could not be listed; the image noted as built is taken as there'));
+      if (!listed || listed.some((i) => `${i.name}-${i.recipeHash}` === key)) return;
+      // Only the first to find it gone forgets the look done before, not a build started since.
+      if (this.built.delete(key)) {
+        this.baseImages.delete(key);
+        log.warn({ image: key }, 'the image noted as built here is no longer in the cache: built again');
+      }
+    }
     let p = this.baseImages.get(key);
     if (!p) {
       // One look per image at a time, and once per agent for an image this host cannot build
