@@ -410,7 +410,7 @@ class NoRoomToReclaimError extends Error {
   }
 }
 
-/** A wake or hibernate found its sandbox taken by another operation of the same kind in its guarded write. */
+/** A wake, a hibernate or a drain's migration found its sandbox taken by another operation in its guarded write: it looks again (waits for that one, or is refused). */
 class OwnedByOtherOpError extends Error {
   constructor(opId: string) {
     super(`operation ${opId} took the sandbox first`);
@@ -419,6 +419,9 @@ class OwnedByOtherOpError extends Error {
 
 /** States a drain waits out before it lists what to move: booked on the host and on their way. */
 const DRAIN_WAITS_FOR: ReadonlySet<SandboxState> = new Set(['starting', 'waking', 'hibernating']);
+
+/** The tenant a drain's operation is recorded under (Fleet.drainHost), not its sandboxes'. */
+const DRAIN_TENANT = 'admin';
 
 /** A record a reconciler listed changed before its guarded write: that write is skipped. */
 class MovedOnError extends Error {
@@ -1623,13 +1626,14 @@ export class Executor {
    * `also`'s writes, e.g. the capacity it releases): the first attempt builds on `known` when
    * given (read before the host step: no read on the way to the answer), a retry after a
    * conflict reads the record again. The sandbox write comes first. updateSandbox commits it
-   * on its own.
+   * on its own. `touch` false leaves updatedAt as it was (a write that changes no state).
    */
   private sandboxWrite(
     ref: { tenantId: string; id: string },
     mutate: (sb: SandboxRec) => void,
     known?: Versioned<SandboxRec>,
     also?: (sb: SandboxRec, before: SandboxRec) => StoreWrite[] | Promise<StoreWrite[]>,
+    touch = true,
   ): (attempt: number) => Promise<StoreWrite[]> {
     const { tenantId, id } = ref;
     return async (attempt) => {
@@ -1638,7 +1642,7 @@ export class Executor {
       const next = structuredClone(v.value);
       mutate(next);
       if (!canTransition(v.value.state, next.state)) throw new WrongStateError('sandbox', id, v.value.state, `cannot become ${next.state}`);
-      next.updatedAt = this.deps.clock.now();
+      if (touch) next.updatedAt = this.deps.clock.now();
       return [{ kind: 'sandbox', value: next, expectRevision: v.modRevision }, ...(also ? await also(next, v.value) : [])];
     };
   }
@@ -2906,7 +2910,9 @@ export class Executor {
    * at work on: one that a drain holds (its VM paused for the move while the record says
    * running) is refused, UNAVAILABLE and retryable, as it passes. Taken over from a pause or
    * resume that holds it but is not at work on it (its runner crashed: pauses and resumes of
-   * a sandbox run one at a time, so one holding it is not running).
+   * a sandbox run one at a time, so one holding it is not running). The write changes no
+   * state: updatedAt stays (the VM check goes by it, and the idle rule's back-off after a failed
+   * hibernate: a resume asked every few seconds of a dead VM would keep it from being found).
    */
   private async holdForVmState(op: OperationRec, known: Versioned<SandboxRec>): Promise<Versioned<SandboxRec>> {
     let v: Versioned<SandboxRec> | undefined = known;
@@ -2921,7 +2927,6 @@ export class Executor {
       }
       const next = structuredClone(s);
       next.opId = op.id;
-      next.updatedAt = this.deps.clock.now();
       const rev = await this.commit([{ kind: 'sandbox', value: next, expectRevision: v.modRevision }]);
       if (rev) return { value: next, modRevision: rev };
     }
@@ -2930,19 +2935,51 @@ export class Executor {
 
   /**
    * Whether the operation holding a running or paused sandbox is a pause or resume that no
-   * runner of this leader runs (ended, or crashed and waiting to run again). A drain's record
-   * is under the admin tenant, not the sandbox's: not found here.
+   * runner of this leader runs (ended, or crashed and waiting to run again), or one whose record
+   * is gone (expired while a scheduler from before these holds, whose last write keeps them,
+   * still led): the only other holder of such a sandbox is a drain, whose record is found.
    */
   private async heldByStoppedVmStateOp(s: SandboxRec): Promise<boolean> {
     if (this.running.has(s.opId)) return false;
-    const holder = (await this.deps.store.getOp(s.tenantId, s.opId))?.value;
-    return holder !== undefined && (holder.kind === 'pause' || holder.kind === 'resume');
+    const holder = await this.holderOf(s);
+    return holder === undefined || holder.kind === 'pause' || holder.kind === 'resume';
+  }
+
+  /**
+   * The record of the operation holding sandbox `s` (opId): under the sandbox's tenant, or a
+   * drain's under DRAIN_TENANT. Undefined when there is none (expired by retention).
+   */
+  private async holderOf(s: SandboxRec): Promise<OperationRec | undefined> {
+    return (await this.deps.store.getOp(s.tenantId, s.opId))?.value ?? (await this.deps.store.getOp(DRAIN_TENANT, s.opId))?.value;
+  }
+
+  /**
+   * For a hibernate or a drain's migration about to take a running or paused sandbox (`known`
+   * as last read, or read here): the pause or resume holding it that it may take it over from
+   * ('' for none), one that no longer runs (heldByStoppedVmStateOp). One that runs holds it for
+   * its step only, and is waited for (polled, for at most what that step may take); still
+   * holding it then, UNAVAILABLE, retryable. Held by another operation (a drain moving it):
+   * refused (WrongStateError, `then` saying what to do), as before these holds.
+   */
+  private async afterVmStateHold(op: OperationRec, ref: { tenantId: string; id: string }, known: SandboxRec | undefined, then: string): Promise<string> {
+    let s = known ?? (await this.deps.store.getSandbox(ref.tenantId, ref.id))?.value;
+    const until = this.stepsDeadline();
+    for (;;) {
+      if (!s || (s.state !== 'running' && s.state !== 'paused') || s.opId === '' || s.opId === op.id) return '';
+      const holder = await this.holderOf(s);
+      if (holder && holder.kind !== 'pause' && holder.kind !== 'resume') throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; ${then}`);
+      if (!this.running.has(s.opId)) return s.opId;
+      if (!this.active || this.deps.clock.now() >= until) throw new ForkfleetError('unavailable', `sandbox ${s.id} is ${s.state} but its ${holder?.kind ?? 'operation'} ${s.opId} is still at work on it; retry`, { retryable: true });
+      await new Promise((r) => setTimeout(r, 250));
+      s = (await this.deps.store.getSandbox(ref.tenantId, ref.id))?.value;
+    }
   }
 
   /**
    * The write that ends a pause's or resume's hold on its sandbox, as an `updateOp` extra (with
    * `settle` applied to the record): none when it does not hold it (never took it, or it was
    * taken from it: a destroy, its host lost). The first attempt builds on `known` when given.
+   * Like the hold, it leaves updatedAt as it was.
    */
   private vmStateHoldEnded(op: OperationRec, known?: Versioned<SandboxRec>, settle?: (s: SandboxRec) => void): (attempt: number) => Promise<StoreWrite[]> {
     const write = this.sandboxWrite(
@@ -2953,6 +2990,8 @@ export class Executor {
         s.opId = '';
       },
       known,
+      undefined,
+      false,
     );
     return (attempt) =>
       write(attempt).catch((e: unknown) => {
@@ -2990,6 +3029,9 @@ export class Executor {
       return this.finish(op, { sandboxIds: [sb.id], snapshotId: sb.hibernationSnapshotId }, null, undefined, undefined, short);
     }
     if (sb.state === 'running' || sb.state === 'paused' || (sb.state === 'hibernating' && after.ended !== '')) {
+      // A pause or resume holding it (for its step only) is waited for, or taken over from
+      // once it no longer runs; a drain moving it refuses this.
+      const takeOver = sb.state === 'running' || sb.state === 'paused' ? await this.afterVmStateHold(op, sb, sb, 'hibernate it once that ends') : '';
       try {
         sb = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
           if (s.state === 'hibernating' && s.opId !== '' && s.opId !== op.id && s.opId !== after.ended) throw new OwnedByOtherOpError(s.opId);
@@ -2999,8 +3041,8 @@ export class Executor {
             s.hibernatingTo = input.snapshotId;
             return;
           }
-          // Running or paused but held by another operation (a drain moving it): refused.
-          if (s.opId !== '' && s.opId !== op.id) throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; hibernate it once that ends`);
+          // Running or paused, taken by another operation since the look above: looked at again.
+          if (s.opId !== '' && s.opId !== op.id && s.opId !== takeOver) throw new OwnedByOtherOpError(s.opId);
           s.hibernatingFrom = s.state === 'paused' ? 'paused' : 'running';
           // In use from now on: a delete of the snapshot, once it exists, is refused.
           s.hibernatingTo = input.snapshotId;
@@ -3008,7 +3050,8 @@ export class Executor {
           s.opId = op.id;
         });
       } catch (e) {
-        // Another hibernate took it between the read and the write: this one waits for it.
+        // Another operation took it between the read and the write: this one waits for it
+        // (another hibernate, a pause or resume), or is refused (a drain).
         if (!(e instanceof OwnedByOtherOpError) || tries >= 3) throw e;
         return this.runHibernate(op, tries + 1);
       }
@@ -4334,12 +4377,22 @@ export class Executor {
     //    the TTL and idle rules and the VM check leave a sandbox another op is at work on
     //    alone, so nothing runs the paused source on after its snapshot, work the switch
     //    would then throw away. The switch, or an undo, ends the claim.
-    const claimed = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-      if (s.opId === op.id) return;
-      if (s.hostId !== from || (s.state !== 'running' && s.state !== 'paused')) throw new WrongStateError('sandbox', s.id, `${s.state} on ${s.hostId || 'no host'}`, 'it moved on before its migration began');
-      if (s.opId !== '') throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; the drain moves it when run again`);
-      s.opId = op.id;
-    });
+    //    A pause or resume holding it (for its step only) is waited for, or taken over from
+    //    once it no longer runs (afterVmStateHold); another drain's claim refuses this one.
+    let claimed: SandboxRec | undefined;
+    for (let i = 0; !claimed; i++) {
+      const takeOver = await this.afterVmStateHold(op, sb, i === 0 ? sb : undefined, 'the drain moves it when run again');
+      claimed = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
+        if (s.opId === op.id) return;
+        if (s.hostId !== from || (s.state !== 'running' && s.state !== 'paused')) throw new WrongStateError('sandbox', s.id, `${s.state} on ${s.hostId || 'no host'}`, 'it moved on before its migration began');
+        // Taken since the look above: looked at again.
+        if (s.opId !== '' && s.opId !== takeOver) throw new OwnedByOtherOpError(s.opId);
+        s.opId = op.id;
+      }).catch((e: unknown) => {
+        if (!(e instanceof OwnedByOtherOpError) || i >= 2) throw e;
+        return undefined;
+      });
+    }
     // Paused or running as the claimed record has it, not as the drain's list had it (its user
     // may have resumed or paused it since, while the drain moved others): nothing changes it
     // while it is claimed, and the move keeps it so (a record that says paused but a VM that
@@ -4818,15 +4871,17 @@ export class Executor {
       // A pause or resume holds it for its step only, and lets go in the write that ends it: one
       // that ended holding it all the same (run to its end by a scheduler from before these
       // holds, whose last write keeps them) is let go of here, or the VM check and these rules
-      // would leave the sandbox alone for good. One that runs, or another operation (a drain,
-      // whose record is not under the sandbox's tenant), keeps it.
+      // would leave the sandbox alone for good; so is one whose record is gone (expired during a
+      // long stay on such a scheduler). One that runs, or another operation (a drain, whose
+      // record is under DRAIN_TENANT: holderOf), keeps it.
       if ((sb.state === 'running' || sb.state === 'paused') && sb.opId && !this.running.has(sb.opId)) {
-        const owner = (await this.deps.store.getOp(sb.tenantId, sb.opId))?.value;
-        if (owner && (owner.kind === 'pause' || owner.kind === 'resume') && isTerminal(owner.state)) {
+        const ownerId = sb.opId;
+        const owner = await this.holderOf(sb);
+        if (!owner || ((owner.kind === 'pause' || owner.kind === 'resume') && isTerminal(owner.state))) {
           await this.updateSandbox(sb.tenantId, sb.id, (s) => {
-            if (s.opId !== owner.id || (s.state !== 'running' && s.state !== 'paused')) throw new MovedOnError(s.id, s.state, s.hostId);
+            if (s.opId !== ownerId || (s.state !== 'running' && s.state !== 'paused')) throw new MovedOnError(s.id, s.state, s.hostId);
             s.opId = '';
-          }).catch((e: unknown) => void (e instanceof MovedOnError || this.log.warn({ err: e, sandboxId: sb.id, opId: owner.id }, 'could not let go of a sandbox an ended pause or resume held')));
+          }).catch((e: unknown) => void (e instanceof MovedOnError || this.log.warn({ err: e, sandboxId: sb.id, opId: ownerId }, 'could not let go of a sandbox an ended pause or resume held')));
         }
         continue;
       }

@@ -933,10 +933,11 @@ export class Fleet {
    * which returns the sandbox running for the call to be sent again. The sandbox recorded
    * hibernating, hibernated, waking, or running since (a hibernate that failed, or a wake
    * elsewhere) is resent; refused again after that: UNAVAILABLE, retryable, nothing of the call
-   * having run. Still recorded as it was read: held by an operation (a drain moving it pauses
-   * its VM for the move while the record says running), or refused for a while only (the host
-   * says `unavailable`: a snapshot under way), UNAVAILABLE, retryable, as it passes; otherwise
-   * its record has not caught up with its VM (a pause, or a VM gone from its host, being
+   * having run. Still recorded as it was read: held by an operation other than a pause (a
+   * drain moving it pauses its VM for the move while the record says running; a resume's step
+   * runs it again), or refused for a while only (the host says `unavailable`: a snapshot under
+   * way), UNAVAILABLE, retryable, as it passes; otherwise its record has not caught up with its
+   * VM (a pause holding it, whose step paused the VM, or a VM gone from its host, being
    * recorded): undefined, the host's refusal is the answer, as before (FAILED_PRECONDITION
    * naming sandbox_id). Recorded paused (by its owner, or by a hibernate that could not resume
    * it), or stopped otherwise, it is runningSandbox's refusal (FAILED_PRECONDITION).
@@ -945,7 +946,10 @@ export class Fleet {
     const sb = await this.getSandbox(tenantId, before.id);
     const taken = sb.state === 'hibernating' || sb.state === 'hibernated' || sb.state === 'waking' || (sb.state === 'running' && sb.updatedAt !== before.updatedAt);
     if (taken && resend) return this.runningSandbox(tenantId, before.id, signal, field);
-    const passes = sb.state === 'running' && (sb.opId !== '' || refusal.kind === 'unavailable');
+    // Held by its owner's pause (its record is under the sandbox's tenant; a drain's is not):
+    // it does not pass, it ends paused. Read only on this rare path.
+    const pausing = sb.state === 'running' && sb.opId !== '' && refusal.kind !== 'unavailable' && (await this.deps.store.getOp(tenantId, sb.opId))?.value.kind === 'pause';
+    const passes = sb.state === 'running' && ((sb.opId !== '' && !pausing) || refusal.kind === 'unavailable');
     if (taken || passes) throw new ForkfleetError('unavailable', `sandbox ${before.id} was not running when the call reached its host (${refusal.message})${sb.opId ? `, held by operation ${sb.opId}` : ''}; none of it ran: retry`, { retryable: true });
     if (sb.state === 'running') return undefined;
     throw notRunning(before.id, sb.state, field);

@@ -194,4 +194,18 @@ describe('a call whose host finds the VM paused or gone by a hibernate that took
     expect(paused.hosts).toEqual(['h1']);
     expect(paused.submitted()).toBe(0);
   });
+
+  it('isTheHostsRefusal_notARetry_whenItsOwnersPauseHoldsTheSandbox', async () => {
+    // The pause's step paused the VM, its final write (paused) to come: the hold does not pass
+    // as a drain's does; a retry would fail on "paused". A call made a moment later gets that.
+    const hosts: string[] = [];
+    const exec = async function* (hostId: string): AsyncIterable<HostExecOutputMsg> {
+      hosts.push(hostId);
+      yield errorOf(PAUSED);
+    };
+    const pausing = fleetOver(() => sandboxRecord({ updatedAt: 1, opId: 'op-p' }), (id) => ({ kind: id === 'op-p' ? 'pause' : 'wake', state: 'running' }), () => Date.now(), { bus: { exec } });
+    expect(await drain(execOf(pausing.fleet))).toEqual(['error']);
+    expect(hosts).toEqual(['h1']);
+    expect(pausing.submitted()).toBe(0);
+  });
 });
