@@ -26,7 +26,7 @@ import { migrateOutThroughRelay } from './adapters/peer/migrate.ts';
 import { LiveRoots } from './domain/snapshot-store.ts';
 import { startGrpcServer } from '../services/adapters/grpc/server.ts';
 import { PromAgentMetrics, serveMetrics } from './adapters/metrics.ts';
-import { cachedImages, ensureImage, recipeHash } from '../deploy/images/build.ts';
+import { cachedImage, cachedImages, ensureImage, recipeHash } from '../deploy/images/build.ts';
 import type { ImageName } from '../deploy/images/build.ts';
 import { IMAGE_NAMES } from '../deploy/images/names.ts';
 
@@ -192,6 +192,7 @@ async function main(): Promise<void> {
     imageRecipe: async (name) => (await recipeHash(name as ImageName)).hash,
     imageNames: IMAGE_NAMES,
     cachedImages: () => cachedImages(),
+    cachedImage: (name, hash) => cachedImage(name as ImageName, hash),
     clock: { now: () => Date.now() },
     log,
     config: { hostId: cfg.hostId, bootId: cfg.bootId, accel, capacity: cfg.capacity, peerAddress, linkBytesPerSecond: cfg.linkBytesPerSecond, heartbeatMs: cfg.heartbeatMs, concurrency: cfg.concurrency, gcIntervalMs: cfg.gcIntervalMs, journalRetentionMs: cfg.journalRetentionMs, migrateMaxChildren: cfg.migrateMaxChildren, shutdownGraceMs: cfg.shutdownGraceMs },

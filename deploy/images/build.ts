@@ -235,6 +235,21 @@ export async function cachedImages(opts: Pick<ImageOptions, 'cacheDir'> = {}): P
   return out;
 }
 
+/**
+ * Whether one cache entry is there whole ('whole': its image.json parses and its files have
+ * the sizes it records), gone or torn ('missing'), or cannot be told now ('unknown': a read
+ * failed for another reason than a missing file, EIO or EMFILE say). One entry, not a listing:
+ * an agent asks it on each restore of an image it noted as built.
+ */
+export async function cachedImage(name: ImageName, recipeHash: string, opts: Pick<ImageOptions, 'cacheDir'> = {}): Promise<'whole' | 'missing' | 'unknown'> {
+  const dir = join(opts.cacheDir ?? defaultCacheDir(), 'images', `${name}-${recipeHash}`);
+  try {
+    return 'meta' in (await checkImageDir(dir)) ? 'whole' : 'missing';
+  } catch {
+    return 'unknown';
+  }
+}
+
 /** Longest an image build may take (a Debian image from a slow mirror takes minutes). */
 const BUILD_TIMEOUT_MS = 30 * 60_000;
 

@@ -8,7 +8,7 @@ import { existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, writeFileSync 
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterAll, afterEach, describe, expect, it, vi } from 'vitest';
-import { cachedImages, ensureImage, recipeHash, removeAbandonedBuilds } from './build.ts';
+import { cachedImage, cachedImages, ensureImage, recipeHash, removeAbandonedBuilds } from './build.ts';
 import { checkImageDir } from './meta.ts';
 
 /** Per operation, the paths that fail and the errno code they fail with. */
@@ -45,6 +45,16 @@ function entry(d: string): string {
 }
 
 describe('image cache entries that cannot be read', () => {
+  it('cachedImage_tellsAWholeEntry_aMissingOne_andOneThatCannotBeReadNow_apart', async () => {
+    const cacheDir = join(dir, 'one');
+    const d = entry(join(cacheDir, 'images', 'tiny-0123456789abcdef'));
+    expect(await cachedImage('tiny', '0123456789abcdef', { cacheDir })).toBe('whole');
+    faults.readFile.set(join(d, 'image.json'), 'EIO');
+    expect(await cachedImage('tiny', '0123456789abcdef', { cacheDir })).toBe('unknown');
+    faults.readFile.clear();
+    expect(await cachedImage('tiny', 'fedcba9876543210', { cacheDir })).toBe('missing');
+  });
+
   it('checkImageDir_whenAFileCannotBeReadForAnotherReasonThanItsAbsence_throws_andAMissingOneIsInvalid', async () => {
     const d = entry(join(dir, 'eio'));
     expect('meta' in (await checkImageDir(d))).toBe(true);

@@ -657,6 +657,32 @@ describe('ChunkStoreShipper: an attempt begun while a delete runs', () => {
   });
 });
 
+describe('ChunkStoreShipper: after a delete', () => {
+  it('replicate_askedWhileTheDeletesGcPassRuns_isNoAttemptOnTheDeletedSnapshot_andGoesOn', async () => {
+    // remove() counted as removing through its GC pass, after the manifest was gone: a replica
+    // asked again then failed as deleted while being fetched.
+    const sweeping = gate();
+    let gated = false;
+    const { h, work } = await lostAChunk('own-replicate-after-remove', {
+      chunks: chunksWith((c) => ({
+        sweep: async (keep: Parameters<FsChunkStore['sweep']>[0]) => {
+          if (gated) await sweeping.wait();
+          return c.sweep(keep);
+        },
+      })),
+    });
+    gated = true;
+    const removing = h.shipper.remove('sn-own');
+    await sweeping.entered;
+    expect(await h.stored.get('sn-own')).toBeUndefined();
+    // Its own directory is marked deleted: a replica now fetches from the sources (none here).
+    const e = await h.shipper.replicate('sn-own', work()).then(() => undefined, (x: unknown) => x as Error);
+    sweeping.open();
+    await removing;
+    expect(e?.message ?? '').not.toMatch(/deleted on host h1 while/);
+  });
+});
+
 describe('ChunkStoreShipper: a repair of a snapshot taken here that fails', () => {
   const enospc = () => Object.assign(new Error('ENOSPC: no space left on device, write'), { code: 'ENOSPC' });
 

@@ -827,17 +827,25 @@ export class ChunkStoreShipper implements SnapshotShipper {
     // Attempts begun from here to the end (a snapshot step redelivered, a restore's repair) are
     // marked as they begin: one begun after the mark below and before the manifest was gone
     // found it readable, repaired the snapshot and held it complete again.
+    // Until the manifest is gone, not through the GC pass after it (a fetch of the snapshot
+    // begun then, a replica asked again, is no attempt on what was deleted).
     this.removing.set(snapshotId, (this.removing.get(snapshotId) ?? 0) + 1);
-    try {
-      await this.removeMarked(snapshotId);
-    } finally {
+    let marking = true;
+    const unmark = (): void => {
+      if (!marking) return;
+      marking = false;
       const n = (this.removing.get(snapshotId) ?? 1) - 1;
       if (n > 0) this.removing.set(snapshotId, n);
       else this.removing.delete(snapshotId);
+    };
+    try {
+      await this.removeMarked(snapshotId, unmark);
+    } finally {
+      unmark();
     }
   }
 
-  private async removeMarked(snapshotId: string): Promise<void> {
+  private async removeMarked(snapshotId: string, manifestGone: () => void): Promise<void> {
     // Cleared before the fetches are marked: what a marked fetch reports (durable()) is set after.
     const notDurable = this.notDurable.get(snapshotId);
     this.notDurable.delete(snapshotId);
@@ -858,6 +866,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       // A GC meanwhile found the sealed directory before its marker, and listed it again.
       this.sealedOnly.delete(snapshotId);
       await this.deps.manifests.delete(snapshotId);
+      manifestGone();
     } catch (e) {
       for (const set of had) set.add(snapshotId);
       if (notDurable !== undefined && !this.notDurable.has(snapshotId)) this.notDurable.set(snapshotId, notDurable);

@@ -1692,6 +1692,7 @@ describe('Agent steps', () => {
     // The image cache as cachedImages lists it: what images() built, less what an operator removed.
     let cache: Array<{ name: string; recipeHash: string; diskSha256: string }> = [];
     let buildFails = false;
+    let unreadable = false;
     const agent = new Agent({
       driver: { get: () => undefined, list: () => [], fork: async (_s: unknown, clones: Array<{ vmId: string }>) => (order.push('fork'), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) } as unknown as VmmDriver,
       shipper: { held: () => [], storedBytes: () => 0, obtain: async () => ({ local: { dir: '/x', manifest: { image: { name: 'debian', recipeHash: 'r1', kernelArgs: '' } } } as never, bytesFetched: 0 }) } as unknown as SnapshotShipper,
@@ -1703,7 +1704,9 @@ describe('Agent steps', () => {
         cache = [{ name, recipeHash: 'r1', diskSha256: 'sha-1' }];
         return { name, recipeHash: 'r1', diskSha256: 'sha-1', kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' };
       },
-      cachedImages: async () => cache,
+      // The listing leaves out an entry it cannot read (build.ts cachedImages).
+      cachedImages: async () => (unreadable ? [] : cache),
+      cachedImage: async (name: string, hash: string) => (unreadable ? 'unknown' : cache.some((i) => i.name === name && i.recipeHash === hash) ? 'whole' : 'missing'),
       clock: { now: () => 1_000 },
       log: pino({ level: 'silent' }),
       config: { hostId: 'h1', bootId: 'b', accel: 'tcg', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
@@ -1719,11 +1722,17 @@ describe('Agent steps', () => {
     expect((await restore(3)).error).toBeUndefined();
     expect(order).toEqual(['image debian', 'fork', 'fork', 'image debian', 'fork']);
     expect(listed()).toEqual(['debian-r1']);
+    // An entry that cannot be read now (EIO) is taken as there: not built again, still listed.
+    unreadable = true;
+    expect((await restore(5)).error).toBeUndefined();
+    expect(order).toEqual(['image debian', 'fork', 'fork', 'image debian', 'fork', 'fork']);
+    expect(listed()).toEqual(['debian-r1']);
+    unreadable = false;
     // Removed again, and this time the build fails: no longer listed as built here.
     cache = [];
     buildFails = true;
     await restore(4);
-    expect(order.slice(5)).toEqual(['image debian', 'fork']);
+    expect(order.slice(6)).toEqual(['image debian', 'fork']);
     expect(listed()).toEqual([]);
   });
 

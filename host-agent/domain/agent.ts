@@ -215,6 +215,8 @@ export interface AgentDeps {
   imageNames?: readonly string[];
   /** The builds already in this host's image cache, listed in heartbeats from the start. Absent: none known until built. */
   cachedImages?: () => Promise<ReadonlyArray<{ name: string; recipeHash: string; diskSha256: string }>>;
+  /** One cache entry: whole, gone (or torn), or not to be told now (a read error). */
+  cachedImage?: (name: string, recipeHash: string) => Promise<'whole' | 'missing' | 'unknown'>;
   clock: Clock;
   log: Logger;
   config: AgentConfig;
@@ -1449,17 +1451,18 @@ export class Agent {
    * which a host that never created a sandbox of that image has not built. A failure is only
    * logged: the driver then refuses the restore naming what is missing, as it refuses a build
    * whose base disk differs from the snapshot's (another recipe here, say).
-   * One noted as built is looked for again in the cache listing (deps.cachedImages: image.json
-   * and file sizes, nothing hashed): an entry an operator removed since (or that was torn) is
-   * no longer listed in heartbeats, and is built again as one never built here.
+   * One noted as built is looked for again in the cache (deps.cachedImage, that entry only:
+   * image.json and file sizes, nothing hashed): one an operator removed since (or that was
+   * torn) is no longer listed in heartbeats, and is built again as one never built here. One
+   * that cannot be read now (EIO, EMFILE) is taken as there: VMs may run over it.
    */
   private async baseImageFor(m: { image?: { name: string; recipeHash: string } }, log: Logger): Promise<void> {
     const want = m.image;
     if (!want?.name) return;
     const key = `${want.name}-${want.recipeHash}`;
     if (this.built.has(key)) {
-      const listed = await this.deps.cachedImages?.().catch((e: unknown) => void log.warn({ err: e, image: key }, 'the image cache could not be listed; the image noted as built is taken as there'));
-      if (!listed || listed.some((i) => `${i.name}-${i.recipeHash}` === key)) return;
+      const here = (await this.deps.cachedImage?.(want.name, want.recipeHash).catch(() => 'unknown' as const)) ?? 'unknown';
+      if (here !== 'missing') return;
       // Only the first to find it gone forgets the look done before, not a build started since.
       if (this.built.delete(key)) {
         this.baseImages.delete(key);

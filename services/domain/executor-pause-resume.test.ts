@@ -42,17 +42,19 @@ interface World {
  * `o.afterFirstRead` changes the world right after the first read of the sandbox (another
  * operation that takes it between a pause's or resume's read and its write).
  */
-function leaderOver(sb: SandboxRec, ops: OperationRec[], o: { afterFirstRead?: (w: World) => void; deps?: Partial<ExecutorDeps> } = {}) {
+function leaderOver(sb: SandboxRec, ops: OperationRec[], o: { afterFirstRead?: (w: World) => void; afterGetOp?: (id: string) => void; afterRead?: (n: number) => void; deps?: Partial<ExecutorDeps> } = {}) {
   const w: World = { sb: structuredClone(sb), sbRev: 5, ops: new Map(ops.map((op) => [`${op.tenantId}/${op.id}`, { value: structuredClone(op), rev: 5 }])), rev: 5, snaps: new Map(), steps: [], submitted: [] };
   let reads = 0;
   const store = {
     getSandbox: async () => {
       const v = { value: structuredClone(w.sb), modRevision: w.sbRev };
+      o.afterRead?.(reads);
       if (reads++ === 0) o.afterFirstRead?.(w);
       return v;
     },
     getOp: async (tenantId: string, id: string) => {
       const x = w.ops.get(`${tenantId}/${id}`);
+      o.afterGetOp?.(id);
       return x && { value: structuredClone(x.value), modRevision: x.rev };
     },
     getAlloc: async (hostId: string) => ({ value: { hostId, allocated: { vcpus: 4, memoryMib: 1024, diskMib: 4096 }, sandboxes: 2 }, modRevision: 4 }),
@@ -299,6 +301,24 @@ describe('a hibernate or a drain\'s migration, over a sandbox a pause or resume 
     d.ex.step = async (o, stepId) => (d.w.steps.push(`${stepId} (held by ${d.w.sb.opId})`), Promise.reject(new HostStepError('h1', stepId, 'internal', 'qmp went away', false)));
     await expect(d.ex.migrate(d.w.ops.get('admin/op-d')!.value, d.w.sb)).rejects.toBeInstanceOf(HostStepError);
     expect(d.w.steps[0]).toBe('migrate/sb-a/pause (held by op-d)');
+  });
+
+  it('doesNotTakeItOver_fromAStoppedPauseOrResumeThatRunsAgainBeforeItsWrite', async () => {
+    // op-p's runner had crashed; it runs again (rerunLater) between the hibernate's look and
+    // its write. Taken over then, its resume step could run a guest paused for the snapshot.
+    let t = 0;
+    const box: { ex?: Internals } = {};
+    let looked = false;
+    const l = leaderOver(sandboxRecord({ opId: 'op-p' }), [opRecord('op-p', 'resume'), opRecord('op-h', 'hibernate', { input: { snapshotId: 'sn-h' } })], {
+      // The hibernate looked at the holder (not running): the read its write builds on comes next.
+      afterGetOp: (id) => void (id === 'op-p' && (looked = true)),
+      afterRead: () => void (looked && box.ex?.running.set('op-p', new Promise<void>(() => undefined))),
+      deps: { clock: { now: () => (t += 10_000) } },
+    });
+    box.ex = l.ex;
+    await expect(l.ex.runHibernate(l.op('op-h'))).rejects.toMatchObject({ kind: 'unavailable', retryable: true });
+    expect(l.w.steps).toEqual([]);
+    expect(l.w.sb).toMatchObject({ state: 'running', opId: 'op-p' });
   });
 
   it('isRefusedAsUnavailableAndRetryable_whenThePauseOrResumeStillHoldsItAfterItsStepsTime', async () => {

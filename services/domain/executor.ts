@@ -3041,8 +3041,9 @@ export class Executor {
             s.hibernatingTo = input.snapshotId;
             return;
           }
-          // Running or paused, taken by another operation since the look above: looked at again.
-          if (s.opId !== '' && s.opId !== op.id && s.opId !== takeOver) throw new OwnedByOtherOpError(s.opId);
+          // Running or paused, taken by another operation since the look above, or the stopped
+          // pause/resume taken over from run again meanwhile (rerunLater): looked at again.
+          if (s.opId !== '' && s.opId !== op.id && (s.opId !== takeOver || this.running.has(takeOver))) throw new OwnedByOtherOpError(s.opId);
           s.hibernatingFrom = s.state === 'paused' ? 'paused' : 'running';
           // In use from now on: a delete of the snapshot, once it exists, is refused.
           s.hibernatingTo = input.snapshotId;
@@ -3051,8 +3052,10 @@ export class Executor {
         });
       } catch (e) {
         // Another operation took it between the read and the write: this one waits for it
-        // (another hibernate, a pause or resume), or is refused (a drain).
-        if (!(e instanceof OwnedByOtherOpError) || tries >= 3) throw e;
+        // (another hibernate, a pause or resume), or is refused (a drain). Taken each time
+        // (pauses and resumes asked in a loop): UNAVAILABLE, retryable, not an internal error.
+        if (!(e instanceof OwnedByOtherOpError)) throw e;
+        if (tries >= 3) throw new ForkfleetError('unavailable', `sandbox ${sb.id} was taken by another operation each time this hibernate looked (${e.message}); retry`, { retryable: true });
         return this.runHibernate(op, tries + 1);
       }
     }
@@ -4385,8 +4388,9 @@ export class Executor {
       claimed = await this.updateSandbox(sb.tenantId, sb.id, (s) => {
         if (s.opId === op.id) return;
         if (s.hostId !== from || (s.state !== 'running' && s.state !== 'paused')) throw new WrongStateError('sandbox', s.id, `${s.state} on ${s.hostId || 'no host'}`, 'it moved on before its migration began');
-        // Taken since the look above: looked at again.
-        if (s.opId !== '' && s.opId !== takeOver) throw new OwnedByOtherOpError(s.opId);
+        // Taken since the look above, or the stopped pause/resume taken over from run again
+        // meanwhile: looked at again.
+        if (s.opId !== '' && (s.opId !== takeOver || this.running.has(takeOver))) throw new OwnedByOtherOpError(s.opId);
         s.opId = op.id;
       }).catch((e: unknown) => {
         if (!(e instanceof OwnedByOtherOpError) || i >= 2) throw e;
