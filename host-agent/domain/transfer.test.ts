@@ -23,29 +23,46 @@ beforeAll(() => {
 });
 afterAll(() => rmSync(tmp, { recursive: true, force: true }));
 
-/** A source that answers every want at once from `chunks` (a fresh copy each time: a store may detach the bytes it is given). */
-function memorySource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>): ChunkSource {
+/** Answers from `chunks`: a fresh copy of the chunk (a store may detach the bytes it is given), else "missing". */
+function answerFrom(chunks: ReadonlyMap<DigestHex, EncodedChunk>): (digest: DigestHex) => ChunkEvent {
+  return (d) => {
+    const c = chunks.get(d);
+    return c ? { kind: 'chunk', chunk: { ...c, data: Uint8Array.from(c.data) } } : { kind: 'missing', digest: d };
+  };
+}
+
+/**
+ * A source that answers its wants in order, one at a time, each with `answer(digest)` called as it
+ * is sent (so a test can make each chunk then, and see what becomes of it); after `delayMs` each
+ * when given (a slow or far peer). Records what it sent in `sent`.
+ */
+function scriptedSource(id: string, answer: (digest: DigestHex) => ChunkEvent, o: { delayMs?: number; sent?: DigestHex[] } = {}): ChunkSource {
   return {
     id,
     getManifest: () => Promise.reject(new Error('not used')),
     open() {
-      const queue: ChunkEvent[] = [];
+      const asked: DigestHex[] = [];
       let wake: (() => void) | undefined;
       let closed = false;
       return {
         want(digests) {
-          for (const d of digests) {
-            const c = chunks.get(d);
-            queue.push(c ? { kind: 'chunk', chunk: { ...c, data: Uint8Array.from(c.data) } } : { kind: 'missing', digest: d });
-          }
+          asked.push(...digests);
           wake?.();
         },
         events: {
           async *[Symbol.asyncIterator]() {
             while (!closed) {
-              const ev = queue.shift();
-              if (ev) yield ev;
-              else await new Promise<void>((r) => (wake = r));
+              const d = asked.shift();
+              if (d === undefined) {
+                await new Promise<void>((r) => (wake = r));
+                continue;
+              }
+              if (o.delayMs !== undefined) {
+                await new Promise((r) => setTimeout(r, o.delayMs));
+                if (closed) return;
+              }
+              o.sent?.push(d);
+              yield answer(d);
             }
           },
         },
@@ -56,6 +73,11 @@ function memorySource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>):
       };
     },
   };
+}
+
+/** A source that answers every want at once from `chunks` (answerFrom). */
+function memorySource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>): ChunkSource {
+  return scriptedSource(id, answerFrom(chunks));
 }
 
 /** `first`'s session on the first open, then `then`'s (a peer that misbehaved once, and answers after a reconnect). */
@@ -477,41 +499,7 @@ describe('fetchChunks: a slow source among faster ones (tail hedging)', () => {
 
   /** A source that answers its wants in order, one every `delayMs` (a slow or far peer); "missing" for what it lacks. Records what it sent. */
   function delayedSource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>, delayMs: number, sent: DigestHex[] = []): ChunkSource {
-    return {
-      id,
-      getManifest: () => Promise.reject(new Error('not used')),
-      open() {
-        const asked: DigestHex[] = [];
-        let wake: (() => void) | undefined;
-        let closed = false;
-        return {
-          want(digests) {
-            asked.push(...digests);
-            wake?.();
-          },
-          events: {
-            async *[Symbol.asyncIterator]() {
-              while (!closed) {
-                const d = asked.shift();
-                if (d === undefined) {
-                  await new Promise<void>((r) => (wake = r));
-                  continue;
-                }
-                await new Promise((r) => setTimeout(r, delayMs));
-                if (closed) return;
-                sent.push(d);
-                const c = chunks.get(d);
-                yield c ? { kind: 'chunk', chunk: { ...c, data: Uint8Array.from(c.data) } } : { kind: 'missing', digest: d };
-              }
-            },
-          },
-          close() {
-            closed = true;
-            wake?.();
-          },
-        };
-      },
-    };
+    return scriptedSource(id, answerFrom(chunks), { delayMs, sent });
   }
 
   /** Our ChunkStore port in memory, counting each digest's stores; each takes `acceptMs`. */
@@ -639,39 +627,12 @@ describe('fetchChunks: memory', () => {
         return Buffer.alloc(0);
       },
     } as unknown as ChunkStore;
-    const source: ChunkSource = {
-      id: 'one',
-      getManifest: () => Promise.reject(new Error('not used')),
-      open() {
-        const asked: DigestHex[] = [];
-        let wake: (() => void) | undefined;
-        let closed = false;
-        return {
-          want(ds) {
-            asked.push(...ds);
-            wake?.();
-          },
-          events: {
-            async *[Symbol.asyncIterator]() {
-              while (!closed) {
-                const d = asked.shift();
-                if (d === undefined) {
-                  await new Promise<void>((r) => (wake = r));
-                  continue;
-                }
-                const data = new Uint8Array(1 << 20);
-                refs.push(new WeakRef(data));
-                yield { kind: 'chunk', chunk: { digest: d, codec: Codec.NONE, size: data.length, data } };
-              }
-            },
-          },
-          close() {
-            closed = true;
-            wake?.();
-          },
-        };
-      },
-    };
+    // Makes each 1 MiB chunk as it sends it, and keeps only a weak reference to it.
+    const source = scriptedSource('one', (d) => {
+      const data = new Uint8Array(1 << 20);
+      refs.push(new WeakRef(data));
+      return { kind: 'chunk', chunk: { digest: d, codec: Codec.NONE, size: data.length, data } };
+    });
     const fetching = fetchChunks(digests, [source], store, { window: 4, putConcurrency: 1 });
     await atLast;
     await new Promise((r) => setTimeout(r, 20));
