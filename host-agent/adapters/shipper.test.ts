@@ -683,6 +683,39 @@ describe('ChunkStoreShipper: after a delete', () => {
   });
 });
 
+describe('ChunkStoreShipper: a snapshot step run again after its delete', () => {
+  it('ingest_whileTheDeleteWaitsForAGcPass_isRefused_andNothingIsHeld', async () => {
+    // The manifest gone, the directory not yet (the GC pass removes it): the step redelivered
+    // cut the directory anew and held the deleted snapshot complete.
+    const sweeping = gate();
+    let gated = false;
+    const { h, local } = await lostAChunk('ingest-after-manifest-gone', {
+      chunks: chunksWith((c) => ({
+        sweep: async (keep: Parameters<FsChunkStore['sweep']>[0]) => {
+          if (gated) {
+            gated = false;
+            await sweeping.wait();
+          }
+          return c.sweep(keep);
+        },
+      })),
+    });
+    gated = true;
+    const gc = h.shipper.collectGarbage(); // a periodic pass already running
+    await sweeping.entered;
+    const removing = h.shipper.remove('sn-own');
+    await vi.waitFor(async () => expect(await h.stored.get('sn-own')).toBeUndefined());
+    const ingested = h.shipper.ingest(local);
+    ingested.catch(() => undefined);
+    await expect(ingested).rejects.toThrow(/deleted on host h1 while it was being ingested/);
+    sweeping.open();
+    await gc;
+    await removing;
+    expect(h.shipper.held()).toEqual([]);
+    expect(await h.stored.get('sn-own')).toBeUndefined();
+  });
+});
+
 describe('ChunkStoreShipper: a repair of a snapshot taken here that fails', () => {
   const enospc = () => Object.assign(new Error('ENOSPC: no space left on device, write'), { code: 'ENOSPC' });
 

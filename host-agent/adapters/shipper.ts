@@ -258,6 +258,9 @@ export class ChunkStoreShipper implements SnapshotShipper {
     const m = local.manifest;
     const existing = await this.deps.manifests.get(m.snapshotId);
     if (attempt.removed) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
+    // Deleted here already (its marker is written before the manifest goes, and stays until a
+    // GC removes the directory): a snapshot step run again then would cut it anew and hold it.
+    if (!existing && (await exists(join(local.dir, DELETED_MARKER)))) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
     if (existing) {
       // Kept as stored: the scheduler signed these bytes. A chunk lost since (removed by a
       // failed start-up fsync, quarantined) is stored again from the snapshot's own files.
@@ -824,11 +827,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * write obtain() left to the background: the delete wins.
    */
   async remove(snapshotId: string): Promise<void> {
-    // Attempts begun from here to the end (a snapshot step redelivered, a restore's repair) are
-    // marked as they begin: one begun after the mark below and before the manifest was gone
-    // found it readable, repaired the snapshot and held it complete again.
-    // Until the manifest is gone, not through the GC pass after it (a fetch of the snapshot
-    // begun then, a replica asked again, is no attempt on what was deleted).
+    // Attempts begun from here until the manifest is gone (a snapshot step redelivered, a
+    // restore's repair) are marked as they begin: one begun after the mark below found the
+    // manifest readable, repaired the snapshot and held it complete again. Not through the GC
+    // pass after it (a fetch begun then, a replica asked again, is no attempt on what was
+    // deleted); an ingest begun then finds the directory's delete marker (ingestTracked).
     this.removing.set(snapshotId, (this.removing.get(snapshotId) ?? 0) + 1);
     let marking = true;
     const unmark = (): void => {

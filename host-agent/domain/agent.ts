@@ -1462,6 +1462,8 @@ export class Agent {
     const key = `${want.name}-${want.recipeHash}`;
     if (this.built.has(key)) {
       const here = (await this.deps.cachedImage?.(want.name, want.recipeHash).catch(() => 'unknown' as const)) ?? 'unknown';
+      // Said, not acted on: a cache disk that fails reads is the operator's to see.
+      if (here === 'unknown' && this.deps.cachedImage) log.warn({ image: key }, 'the image cache entry noted as built here cannot be read now; taken as there');
       if (here !== 'missing') return;
       // Only the first to find it gone forgets the look done before, not a build started since.
       if (this.built.delete(key)) {

@@ -321,6 +321,21 @@ describe('a hibernate or a drain\'s migration, over a sandbox a pause or resume 
     expect(l.w.sb).toMatchObject({ state: 'running', opId: 'op-p' });
   });
 
+  it('hibernate_whoseSandboxIsTakenEachTimeItLooks_isRefusedUnavailableAndRetryable_notAnInternalError', async () => {
+    // Pauses and resumes asked in a loop: between each look and its write another one takes it.
+    const box: { w?: World } = {};
+    const l = leaderOver(sandboxRecord(), [opRecord('op-h', 'hibernate', { input: { snapshotId: 'sn-h' } })], {
+      afterRead: (n) => {
+        const w = box.w;
+        if (!w || n % 2 !== 0) return;
+        [w.sb, w.sbRev] = [{ ...w.sb, opId: `op-x${n / 2 + 1}` }, ++w.rev];
+      },
+    });
+    box.w = l.w;
+    await expect(l.ex.runHibernate(l.op('op-h'))).rejects.toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringMatching(/each time this hibernate looked/) });
+    expect(l.w.steps).toEqual([]);
+  });
+
   it('isRefusedAsUnavailableAndRetryable_whenThePauseOrResumeStillHoldsItAfterItsStepsTime', async () => {
     // A clock that moves 10 s a reading: the wait (one step of 1 s here) gives up at once.
     let t = 0;
