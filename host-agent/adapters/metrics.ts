@@ -36,7 +36,7 @@ export class PromAgentMetrics implements AgentMetrics {
     this.stepSeconds = new Histogram({ name: 'forkfleet_agent_step_duration_seconds', help: 'How long host steps took on this agent, by work kind.', labelNames: ['kind'], buckets: AGENT_STEP_BUCKETS, registers });
     this.heartbeatFailures = new Counter({ name: 'forkfleet_agent_heartbeat_failures_total', help: 'Heartbeats this agent could not build or send.', registers });
     // Heartbeats published while the link is down are buffered by nats.js, not failed: this says so.
-    this.natsLink = new Gauge({ name: 'forkfleet_agent_nats_connected', help: '1 while this agent is connected to NATS (0 while it reconnects, and before its first connection).', registers });
+    this.natsLink = new Gauge({ name: 'forkfleet_agent_nats_connected', help: '1 while this agent is connected to NATS (0 while it reconnects, and once its connection has closed).', registers });
     // The host's state, from the heartbeat built last (none before the first: no samples).
     const last = (): Heartbeat | undefined => this.last;
     const fromLast = (name: string, help: string, value: (hb: Heartbeat) => number | bigint): void => {

@@ -127,7 +127,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
    * one at a time, in the background. A restore needs only the directory; it used to wait for
    * the repair, and concurrent restores each ran one.
    */
-  private readonly repairing = new Map<string, Promise<void>>();
+  private readonly repairing = new Set<string>();
   /**
    * Per snapshot taken here, the chunks a repair found its own files do not give back (a
    * flattened disk layer's never match): later repairs do not read and hash them again (every
@@ -257,7 +257,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
   private async ingestTracked(local: LocalSnapshot, attempt: FetchAttempt): Promise<SignedManifest> {
     const m = local.manifest;
     const existing = await this.deps.manifests.get(m.snapshotId);
-    if (attempt.removed) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
+    this.throwIfRemoved(m.snapshotId, attempt);
     // Deleted here already (its marker is written before the manifest goes, and stays until a
     // GC removes the directory): a snapshot step run again then would cut it anew and hold it.
     if (!existing && (await exists(join(local.dir, DELETED_MARKER)))) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
@@ -272,7 +272,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
         });
       }
       // Also when the repair left chunks missing (it returns, rather than fails, then).
-      if (attempt.removed) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
+      this.throwIfRemoved(m.snapshotId, attempt);
       return existing;
     }
     this.sealedOnly.add(m.snapshotId);
@@ -321,7 +321,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     } finally {
       unpin(); // the manifest keeps the chunks from here (or nothing does: a failed put)
     }
-    if (attempt.removed) throw removedWhile(m.snapshotId, this.deps.hostId, attempt.doing);
+    this.throwIfRemoved(m.snapshotId, attempt);
     this.markComplete(m.snapshotId);
     this.sealedOnly.delete(m.snapshotId);
     this.deps.log.info({ snapshotId: m.snapshotId, ...stats }, 'snapshot ingested');
@@ -477,7 +477,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
         if (lacking !== null && !lacking?.length) return { bytesFetched: 0 };
       }
       const stored = await this.deps.manifests.get(snapshotId);
-      if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
+      this.throwIfRemoved(snapshotId, attempt);
       const { bytesFetched } = await this.fetchFrom(snapshotId, fetch, stored, false);
       return { bytesFetched };
     } finally {
@@ -552,6 +552,11 @@ export class ChunkStoreShipper implements SnapshotShipper {
     return (await exists(join(dir, 'manifest.json'))) && !(await exists(join(dir, DELETED_MARKER)));
   }
 
+  /** An attempt remove() marked fails (removedWhile): the delete wins. */
+  private throwIfRemoved(snapshotId: string, attempt: FetchAttempt): void {
+    if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
+  }
+
   /** Registers an attempt on the snapshot for remove() to mark; `forget` once it is over. */
   private track(snapshotId: string, doing: FetchAttempt['doing'], removed = false): { attempt: FetchAttempt; forget: () => void } {
     // Begun while a remove() of it runs: marked at once (remove() marks only those it found).
@@ -588,7 +593,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
     try {
       // Read once known to remove(): a delete done before this finds no manifest.
       const stored = await this.deps.manifests.get(snapshotId);
-      if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
+      this.throwIfRemoved(snapshotId, attempt);
       if (!stored) return undefined;
       const manifest = fromBinary(SnapshotManifestSchema, stored.manifest);
       const digests = manifestDigests(manifest);
@@ -629,8 +634,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
           await fh.close();
         }
       }
-      const still = lacking.size === 0 ? [] : await this.deps.chunks.missing(digests);
-      if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
+      // Only those it lacked: the rest were there at the look above (a quarantine since marks
+      // the snapshot incomplete itself, incompleteWith).
+      const still = lacking.size === 0 ? [] : await this.deps.chunks.missing([...lacking]);
+      this.throwIfRemoved(snapshotId, attempt);
       const notGiven = [...sought].filter((d) => lacking.has(d));
       if (notGiven.length > 0) {
         const known = notInFiles ?? new Set<string>();
@@ -643,7 +650,7 @@ export class ChunkStoreShipper implements SnapshotShipper {
       }
       // Durable before the snapshot is reported complete, as any stored manifest's chunks are.
       await this.deps.chunks.sync(digests);
-      if (attempt.removed) throw removedWhile(snapshotId, this.deps.hostId, attempt.doing);
+      this.throwIfRemoved(snapshotId, attempt);
       this.markComplete(snapshotId);
       this.sealedOnly.delete(snapshotId);
       if (restored > 0) this.deps.log.info({ snapshotId, chunks: restored }, 'chunks a snapshot taken here lacked were stored again from its own files: held complete');
@@ -660,15 +667,10 @@ export class ChunkStoreShipper implements SnapshotShipper {
   private repairInBackground(local: LocalSnapshot): void {
     const snapshotId = local.manifest.snapshotId;
     if (this.repairing.has(snapshotId)) return;
-    const repair: Promise<void> = this.restoreOwnChunks(local)
-      .then(
-        () => undefined,
-        (e: unknown) => this.deps.log.warn({ snapshotId, err: (e as Error).message }, 'could not store again the chunks a snapshot taken here lacks'),
-      )
-      .finally(() => {
-        if (this.repairing.get(snapshotId) === repair) this.repairing.delete(snapshotId);
-      });
-    this.repairing.set(snapshotId, repair);
+    this.repairing.add(snapshotId);
+    void this.restoreOwnChunks(local)
+      .catch((e: unknown) => this.deps.log.warn({ snapshotId, err: (e as Error).message }, 'could not store again the chunks a snapshot taken here lacks'))
+      .finally(() => this.repairing.delete(snapshotId));
   }
 
   /**

@@ -302,8 +302,8 @@ export class Agent {
   /**
    * The guest images this agent has built or found in its cache (image()), by
    * `<name>-<recipeHash>`: the heartbeat lists them (Heartbeat.images), and a restore of a
-   * snapshot whose image is here needs no recipe hash (~100 ms) first, only a listing of the
-   * cache (baseImageFor).
+   * snapshot whose image is here needs no recipe hash (~100 ms) first, only a look at its cache
+   * entry (baseImageFor).
    */
   private readonly built = new Map<string, { name: string; recipeHash: string; diskSha256: string }>();
   /** The recipe hash this host builds each of deps.imageNames by (those whose recipe could be read), from start(). */
@@ -912,6 +912,8 @@ export class Agent {
     const { journal, clock } = this.deps;
     const log = this.log.child({ opId: w.opId, stepId: w.stepId });
     const started = clock.now();
+    /** Into the step metrics (also a step refused before it ran: a host refusing every step shows there). */
+    const counted = (): void => this.deps.metrics?.step(w.work.case ?? 'none', result.error?.kind, clock.now() - started);
     const result = create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId: this.deps.config.hostId, attempt: w.attempt });
     let read: Uint8Array | undefined;
     try {
@@ -927,8 +929,7 @@ export class Agent {
         // answered final here would never run).
         log.error({ err: e }, 'step journal unreadable; step not run');
         result.error = create(ErrorInfoSchema, errorInfo(journalUnreadable(e)));
-        // Counted as steps that ran: a host refusing every step shows in its step metrics.
-        this.deps.metrics?.step(w.work.case ?? 'none', result.error.kind, clock.now() - started);
+        counted();
         return result;
       }
     }
@@ -942,7 +943,7 @@ export class Agent {
         } catch (e) {
           log.error({ err: e }, 'step journal unreadable; journalled result not answered');
           result.error = create(ErrorInfoSchema, errorInfo(e));
-          this.deps.metrics?.step(w.work.case ?? 'none', result.error.kind, clock.now() - started);
+          counted();
           return result;
         }
       }
@@ -956,7 +957,7 @@ export class Agent {
       result.error = create(ErrorInfoSchema, errorInfo(e));
     }
     result.duration = durationFromMs(Math.round(clock.now() - started));
-    this.deps.metrics?.step(w.work.case ?? 'none', result.error?.kind, clock.now() - started);
+    counted();
     // A failure that may succeed on a retry is journalled for this send only (its attempt and
     // leader term): the scheduler's retry is a new send and runs the step again, while the
     // same message delivered again (a batch acked only once all its steps were, an ack that
@@ -1461,9 +1462,10 @@ export class Agent {
     if (!want?.name) return;
     const key = `${want.name}-${want.recipeHash}`;
     if (this.built.has(key)) {
-      const here = (await this.deps.cachedImage?.(want.name, want.recipeHash).catch(() => 'unknown' as const)) ?? 'unknown';
+      // No way to look (a port not given): taken as there, as before that look existed.
+      const here = this.deps.cachedImage ? await this.deps.cachedImage(want.name, want.recipeHash).catch(() => 'unknown' as const) : 'whole';
       // Said, not acted on: a cache disk that fails reads is the operator's to see.
-      if (here === 'unknown' && this.deps.cachedImage) log.warn({ image: key }, 'the image cache entry noted as built here cannot be read now; taken as there');
+      if (here === 'unknown') log.warn({ image: key }, 'the image cache entry noted as built here cannot be read now; taken as there');
       if (here !== 'missing') return;
       // Only the first to find it gone forgets the look done before, not a build started since.
       if (this.built.delete(key)) {

@@ -13,6 +13,7 @@ import type { QuotaOf, UsageSource } from './quota.ts';
 import { durationMs, timestampFromMs } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { Clock, FleetChange, FleetStore, LeaderFence, LeaderTerm, StoreWrite, Versioned, WorkBus } from './ports.ts';
+import { DRAIN_TENANT } from './records.ts';
 import type { FinalOperationState, HookRec, HostAllocRec, HostRec, OperationError, OperationRec, ResourcesRec, SandboxRec, SandboxState, SnapshotRec, StepRec } from './records.ts';
 import { canTransition, HOLDS_CAPACITY, isTerminal, PLACEMENT_TXN_MAX_BYTES, SANDBOX_RECORD_BASE_BYTES, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
 import type { HostEventMsg, HostResultMsg, HostWorkMsg } from './messages.ts';
@@ -420,8 +421,16 @@ class OwnedByOtherOpError extends Error {
 /** States a drain waits out before it lists what to move: booked on the host and on their way. */
 const DRAIN_WAITS_FOR: ReadonlySet<SandboxState> = new Set(['starting', 'waking', 'hibernating']);
 
-/** The tenant a drain's operation is recorded under (Fleet.drainHost), not its sandboxes'. */
-const DRAIN_TENANT = 'admin';
+
+/**
+ * Whether `holder` (Executor.holderOf) of a running or paused sandbox holds it as a pause or a
+ * resume does, for its step only: one of those, or one whose record is gone (expired while a
+ * scheduler from before these holds, whose last write keeps them, still led). The only other
+ * holder of such a sandbox is a drain, whose record is found.
+ */
+function isVmStateHold(holder: OperationRec | undefined): boolean {
+  return holder === undefined || holder.kind === 'pause' || holder.kind === 'resume';
+}
 
 /** A record a reconciler listed changed before its guarded write: that write is skipped. */
 class MovedOnError extends Error {
@@ -2530,7 +2539,7 @@ export class Executor {
       throw e;
     }
     // Bookkeeping, as for a fork or a wake: the VM runs whatever this meets.
-    if (fetched && !notHeld) await this.addHolderKeptBy(op, sb.sourceSnapshotId, sb.hostId, 'create');
+    if (fetched && !notHeld) await this.addHolderKeptBy(op, sb.sourceSnapshotId, sb.hostId);
     if (this.cancelRequested(op.id)) {
       // Cancelled while it started: it runs (recorded so, with no op on it), then is destroyed.
       const now = this.deps.clock.now();
@@ -2922,7 +2931,9 @@ export class Executor {
       const s = v.value;
       if (s.state !== 'running' && s.state !== 'paused') throw new WrongStateError('sandbox', s.id, s.state, `cannot ${op.kind}`);
       if (s.opId === op.id) return v;
-      if (s.opId !== '' && !(await this.heldByStoppedVmStateOp(s))) {
+      // Taken over from a pause or resume that no runner here runs (ended, or crashed and
+      // waiting to run again); one that runs, or a drain, keeps it.
+      if (s.opId !== '' && (this.running.has(s.opId) || !isVmStateHold(await this.holderOf(s)))) {
         throw new ForkfleetError('unavailable', `sandbox ${s.id} is ${s.state} but operation ${s.opId} is at work on it (a drain moving it to another host pauses its VM for the move); ${op.kind} it once that ends: retry`, { retryable: true });
       }
       const next = structuredClone(s);
@@ -2931,18 +2942,6 @@ export class Executor {
       if (rev) return { value: next, modRevision: rev };
     }
     throw new ConflictError(`sandbox ${op.targetId}`);
-  }
-
-  /**
-   * Whether the operation holding a running or paused sandbox is a pause or resume that no
-   * runner of this leader runs (ended, or crashed and waiting to run again), or one whose record
-   * is gone (expired while a scheduler from before these holds, whose last write keeps them,
-   * still led): the only other holder of such a sandbox is a drain, whose record is found.
-   */
-  private async heldByStoppedVmStateOp(s: SandboxRec): Promise<boolean> {
-    if (this.running.has(s.opId)) return false;
-    const holder = await this.holderOf(s);
-    return holder === undefined || holder.kind === 'pause' || holder.kind === 'resume';
   }
 
   /**
@@ -2956,7 +2955,7 @@ export class Executor {
   /**
    * For a hibernate or a drain's migration about to take a running or paused sandbox (`known`
    * as last read, or read here): the pause or resume holding it that it may take it over from
-   * ('' for none), one that no longer runs (heldByStoppedVmStateOp). One that runs holds it for
+   * ('' for none), one that no longer runs (not in `running`). One that runs holds it for
    * its step only, and is waited for (polled, for at most what that step may take); still
    * holding it then, UNAVAILABLE, retryable. Held by another operation (a drain moving it):
    * refused (WrongStateError, `then` saying what to do), as before these holds.
@@ -2967,7 +2966,7 @@ export class Executor {
     for (;;) {
       if (!s || (s.state !== 'running' && s.state !== 'paused') || s.opId === '' || s.opId === op.id) return '';
       const holder = await this.holderOf(s);
-      if (holder && holder.kind !== 'pause' && holder.kind !== 'resume') throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; ${then}`);
+      if (!isVmStateHold(holder)) throw new WrongStateError('sandbox', s.id, s.state, `operation ${s.opId} is at work on it; ${then}`);
       if (!this.running.has(s.opId)) return s.opId;
       if (!this.active || this.deps.clock.now() >= until) throw new ForkfleetError('unavailable', `sandbox ${s.id} is ${s.state} but its ${holder?.kind ?? 'operation'} ${s.opId} is still at work on it; retry`, { retryable: true });
       await new Promise((r) => setTimeout(r, 250));
@@ -3295,7 +3294,7 @@ export class Executor {
     // holds the snapshot. Failing the op here left the sandbox waking with its VM up, which the
     // lifecycle pass then stopped and hibernated again. A store out or a lost lead still ends the run.
     if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld)
-      await this.addHolderKeptBy(op, snapshotId, hostId, 'wake');
+      await this.addHolderKeptBy(op, snapshotId, hostId);
     await this.finishRunning(op, sb, this.hookReport(woke, sb.id), hostId);
   }
 
@@ -3874,7 +3873,7 @@ export class Executor {
         // It failed the fork (not retryable, every child running) before. A store out or a lost
         // lead still ends the round, as every write of it does.
         if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld)
-          await this.addHolderKeptBy(op, snapshotId, hostId, 'fork');
+          await this.addHolderKeptBy(op, snapshotId, hostId);
         return true;
       })();
       done.set(hostId, p);
@@ -3987,23 +3986,23 @@ export class Executor {
   }
 
   /**
+   * addHolder for a host that fetched the snapshot for `op`'s VMs (a create, a fork, a wake),
+   * which run whatever this meets: bookkeeping (the host's heartbeats say it holds the
+   * snapshot), logged; only what ends the run (a store out, a lost lead) is thrown.
+   */
+  private addHolderKeptBy(op: OperationRec, snapshotId: string, hostId: string): Promise<void> {
+    return this.addHolder(op.tenantId, snapshotId, hostId).catch((e: unknown) => {
+      if (this.endsTheRun(e)) throw e;
+      this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, `could not record a host as a holder of the snapshot it fetched for a ${op.kind}: its heartbeats will say so`);
+    });
+  }
+
+  /**
    * Records that a host now holds a snapshot. Hosts added while an update of the same
    * snapshot record is in flight go into the next one together: a fork that spreads a
    * snapshot to 64 hosts makes a few guarded writes of the record, not 64 racing ones that
    * conflict with each other.
    */
-  /**
-   * addHolder for a host that fetched the snapshot for `op`'s VMs, which run whatever this
-   * meets: bookkeeping (the host's heartbeats say it holds the snapshot), logged; only what
-   * ends the run (a store out, a lost lead) is thrown.
-   */
-  private addHolderKeptBy(op: OperationRec, snapshotId: string, hostId: string, what: 'fork' | 'wake' | 'create'): Promise<void> {
-    return this.addHolder(op.tenantId, snapshotId, hostId).catch((e: unknown) => {
-      if (this.endsTheRun(e)) throw e;
-      this.log.warn({ err: e, opId: op.id, snapshotId, hostId }, `could not record a host as a holder of the snapshot it fetched for a ${what}: its heartbeats will say so`);
-    });
-  }
-
   private addHolder(tenantId: string, snapshotId: string, hostId: string): Promise<void> {
     const k = `${tenantId}/${snapshotId}`;
     return new Promise<void>((resolve, reject) => {
@@ -4881,7 +4880,7 @@ export class Executor {
       if ((sb.state === 'running' || sb.state === 'paused') && sb.opId && !this.running.has(sb.opId)) {
         const ownerId = sb.opId;
         const owner = await this.holderOf(sb);
-        if (!owner || ((owner.kind === 'pause' || owner.kind === 'resume') && isTerminal(owner.state))) {
+        if (isVmStateHold(owner) && (!owner || isTerminal(owner.state))) {
           await this.updateSandbox(sb.tenantId, sb.id, (s) => {
             if (s.opId !== ownerId || (s.state !== 'running' && s.state !== 'paused')) throw new MovedOnError(s.id, s.state, s.hostId);
             s.opId = '';

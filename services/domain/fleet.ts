@@ -6,7 +6,7 @@ import type { Clock, FleetStore, LeaderFence, StoreWrite, Versioned, WorkBus } f
 import type { HookRec, HostAllocRec, HostRec, OperationKind, OperationRec, OperationState, ResourcesRec, SandboxRec, SandboxState, SnapshotRec } from './records.ts';
 import { livenessOf } from './fleet-view.ts';
 import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
-import { CANCELLABLE_KINDS, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxOfOp, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
+import { CANCELLABLE_KINDS, DRAIN_TENANT, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxOfOp, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
 import { ConflictError, NotFoundError, RelayedHostError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
 import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
@@ -1270,7 +1270,7 @@ export class Fleet {
 
   async drainHost(key: string, hostId: string, migrate: boolean): Promise<OperationRec> {
     const digest = requestDigest({ migrate });
-    const prior = await this.existingOp('admin', key, { kinds: ['drain'], targetId: hostId, digest });
+    const prior = await this.existingOp(DRAIN_TENANT, key, { kinds: ['drain'], targetId: hostId, digest });
     if (prior) return prior;
     // The cordon and the drain op commit together: a crash between them cannot leave a host
     // cordoned with nothing draining it. A conflict (the host record changed) re-reads.
@@ -1279,7 +1279,7 @@ export class Fleet {
       if (!v) throw new NotFoundError('host', hostId);
       const cordon: StoreWrite = { kind: 'host', value: { ...v.value, cordoned: true }, expectRevision: v.modRevision };
       try {
-        return await this.submit('admin', key, 'drain', hostId, { migrate }, [cordon], { checked: true, digest });
+        return await this.submit(DRAIN_TENANT, key, 'drain', hostId, { migrate }, [cordon], { checked: true, digest });
       } catch (e) {
         if (!(e instanceof ForkfleetError && e.kind === 'aborted')) throw e;
       }

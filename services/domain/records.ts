@@ -315,6 +315,9 @@ export interface OperationRec {
   cancelRequested?: boolean;
 }
 
+/** The tenant a drain's operation is recorded under (Fleet.drainHost), not its sandboxes'. */
+export const DRAIN_TENANT = 'admin';
+
 /** Kinds with safe points to stop at (CancelOperation); the others are one host step each. */
 export const CANCELLABLE_KINDS: ReadonlySet<OperationKind> = new Set(['create', 'fork', 'drain']);
 

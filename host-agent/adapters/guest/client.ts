@@ -540,7 +540,7 @@ export class GuestAgentClient {
         this.partLen += d.length;
         // Past its sync's delimiter, what is held is the start of the answer (pump takes each
         // whole line at once): refused as soon as it is longer than the answer may be.
-        if (!r.delimited && this.buf.length + this.partLen > r.maxBytes) this.refuse(`an answer over ${r.maxBytes} bytes, more than the command may be answered with`);
+        if (this.buf.length + this.partLen > r.maxBytes) this.refuse(overCap(r.maxBytes));
       }
     });
     sock.on('error', (e) => {
@@ -829,7 +829,7 @@ export class GuestAgentClient {
               const rest = await this.readLeftOutput(files[stream], from, Math.max(0, max - from), (piece) => (live ? req.onOutput?.(stream, piece) : parts[stream].push(piece)));
               truncated ||= !rest.complete;
             }
-            const rm = await this.startPid({ path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...told.left.map((x) => files[x])], 'capture-output': false }, t.pollTimeoutMs).catch(() => undefined);
+            const rm = await this.startPid(rmArgs(told.left.map((x) => files[x])), t.pollTimeoutMs).catch(() => undefined);
             if (rm !== undefined) helpers.push(rm);
           }
           const stdout = live ? Buffer.alloc(0) : Buffer.concat(parts.stdout);
@@ -931,8 +931,9 @@ export class GuestAgentClient {
    * up in qemu-ga. A pid qemu-ga does not know (it was restarted, or its record was taken) is
    * dropped. Tries while the channel is open and each failure is a timeout (or a helper's start
    * refused), waiting ever longer between tries (up to endLaterMaxWaitMs), for at most
-   * endLaterGiveUpMs (checked before each command too: a guest answering each just in time
-   * makes a try long); then it stops and logs what it left.
+   * endLaterGiveUpMs (checked before each close, status and kill too, the wrapper search
+   * running once: a guest answering each just in time makes a try long); then it stops and
+   * logs what it left.
    */
   private endLater(x: Abandoned): void {
     const t = this.timing;
@@ -965,7 +966,7 @@ export class GuestAgentClient {
             if (!st) continue;
             if (st.exited) {
               const left = leftStreams(Buffer.from(st['err-data'] ?? '', 'base64'), x.zero).left.map((s) => files(pid)[s]);
-              if (left.length) helpers.push(await this.startPid({ path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...left], 'capture-output': false }, t.pollTimeoutMs));
+              if (left.length) helpers.push(await this.startPid(rmArgs(left), t.pollTimeoutMs));
             } else {
               helpers.push(await this.startPid(killArgs(pid, x.capture, files(pid)), t.pollTimeoutMs));
             }
@@ -981,7 +982,7 @@ export class GuestAgentClient {
           // again. Anything else is a channel closed for good (the VM is gone): nothing left to end.
           if (!(e instanceof GuestAgentTimeoutError || e instanceof GuestAgentCommandError)) return;
         }
-        if (Date.now() - started >= t.endLaterGiveUpMs) {
+        if (late()) {
           const left = { exec: x.zero, pids: pids ?? 'not found yet', helpers, handles, tries };
           this.log?.warn(left, `guest exec: stopped trying to end an exec its caller left, after ${Date.now() - started} ms (the guest did not answer, or its program did not exit)`);
           return;
@@ -1215,7 +1216,7 @@ export class GuestAgentClient {
     }
     const nl = this.buf.indexOf(0x0a);
     // Refused before it is parsed (replyCap, plainEnough).
-    if ((nl < 0 ? this.buf.length : nl) > r.maxBytes) return void this.refuse(`an answer over ${r.maxBytes} bytes, more than the command may be answered with`);
+    if ((nl < 0 ? this.buf.length : nl) > r.maxBytes) return void this.refuse(overCap(r.maxBytes));
     if (nl < 0) return;
     const bytes = this.buf.subarray(0, nl);
     if (!plainEnough(bytes)) return void this.refuse(`an answer of more than ${MAX_REPLY_STRUCTURES} JSON structures, more than any of qemu-ga's`);
@@ -1295,6 +1296,16 @@ function wrapperFiles(pid: number, env: readonly string[] | undefined): { stdout
 }
 
 /** The guest-exec that kills the program of the exec with this pid (EXEC_KILL), or, run without the wrapper, the process itself. */
+/** A helper (guest-exec) that removes `files`, its output not captured. */
+function rmArgs(files: readonly string[]): Record<string, unknown> {
+  return { path: '/bin/sh', arg: ['-c', 'rm -f "$@"', 'ff-rm', ...files], 'capture-output': false };
+}
+
+/** Why a reader's answer is refused for its length (replyCap). */
+function overCap(maxBytes: number): string {
+  return `an answer over ${maxBytes} bytes, more than the command may be answered with`;
+}
+
 function killArgs(pid: number, capture: boolean, files: { stdout: string }): Record<string, unknown> {
   return capture
     ? { path: '/bin/sh', arg: ['-c', EXEC_KILL, 'ff-kill', String(pid), files.stdout], 'capture-output': false }

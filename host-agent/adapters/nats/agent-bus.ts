@@ -85,7 +85,7 @@ async function waitForStreams(jsm: JetStreamManager, timeoutMs: number): Promise
  * refused), each reconnect at info; `onLink` hears whether the link is up: up from the start
  * (`status` is of a connection just made), down for good once the connection has closed.
  */
-export async function followLink(status: AsyncIterable<Status>, log: Logger, onLink: (up: boolean) => void = () => undefined): Promise<void> {
+export async function followLink(status: AsyncIterable<Status>, log: Logger, onLink: (up: boolean) => void): Promise<void> {
   onLink(true);
   try {
     for await (const st of status) {

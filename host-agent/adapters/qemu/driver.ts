@@ -37,7 +37,7 @@ import {
 } from '../../errors.ts';
 import { diffFingerprint } from '../../domain/compat.ts';
 import { ForkfleetError, isForkfleetError } from '../../../proto/errors.ts';
-import { canTransition } from '../../domain/lifecycle.ts';
+import { canTransition, LIVE_VM_STATES } from '../../domain/lifecycle.ts';
 import {
   systemClock,
   type Accel,
@@ -405,7 +405,7 @@ export class QemuVmmDriver implements VmmDriver {
     // kept until the agent restarts, and a probe that failed once (its deadline missed on a
     // host busy adopting, a full disk) made this host TCG: in heartbeats, for restores of KVM
     // snapshots and for new sandboxes, while its KVM guests ran on.
-    const kvmGuest = [...this.vms.values()].find((r) => r.info.accel === 'kvm' && !['crashed', 'destroying', 'destroyed'].includes(r.info.state));
+    const kvmGuest = [...this.vms.values()].find((r) => r.info.accel === 'kvm' && LIVE_VM_STATES.has(r.info.state));
     if (kvmGuest) {
       log.info({ accel: 'kvm', vmId: kvmGuest.info.vmId }, 'accel auto: chose kvm (an adopted guest runs under it)');
       return 'kvm';
@@ -1434,8 +1434,8 @@ export class QemuVmmDriver implements VmmDriver {
     } finally {
       await state.close();
     }
-    // A standby a claim waits for (standby.ts) loads at nice 0.
-    o.urgency?.onUrgent(() => void reniceProcess(started.proc.pid, 0));
+    // A standby started in the background that a claim then waits for (standby.ts) loads at nice 0.
+    if (niceness > 0) o.urgency?.onUrgent(() => void reniceProcess(started.proc.pid, 0));
     mark('launch');
     try {
       // Pipelined: QMP runs them in order, so the capability is set before the load starts.
@@ -1628,8 +1628,8 @@ export class QemuVmmDriver implements VmmDriver {
     urgent.urge();
     const s = ready ?? (await this.launchStandby(snapshot, { source: true, urgency: urgent }));
     try {
-      // Started as background work (nice 19); its stream is on a restore's critical path.
-      await reniceProcess(s.proc.pid, 0);
+      // A pooled one started as background work (nice 19); its stream is on a restore's critical path.
+      if (ready) await reniceProcess(s.proc.pid, 0);
       await setCaps(s.qmp, { events: true, 'x-ignore-shared': false });
       // QEMU's default cap is 32 MiB/s; the link and the destination set the pace.
       await s.qmp.execute('migrate-set-parameters', { 'max-bandwidth': 64 * 1024 ** 3 });

@@ -136,13 +136,10 @@ export class EtcdLeaderElection implements LeaderElection {
    * replica could win.
    */
   campaign(): Promise<void> {
-    const earlier = this.campaignObj;
-    if (earlier) {
-      this.superseded.add(earlier);
-      this.leader = false;
-      this.campaignObj = undefined;
-      this.stopWatchdog?.();
-      void earlier.resign().catch(() => undefined);
+    if (this.campaignObj) {
+      this.superseded.add(this.campaignObj);
+      // Its part before the key's delete is synchronous: forgotten, and not leader, at once.
+      void this.resign();
     }
     return new Promise((resolve, reject) => {
       const election = this.client.election(keys.election(), this.ttlSeconds);
