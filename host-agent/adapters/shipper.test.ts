@@ -19,7 +19,7 @@ import { LiveRoots, systemClock, type ChunkStore, type ManifestStore } from '../
 import { generateSigningKey, signManifest, signTicket, type SigningKey, type TrustedKeys } from '../domain/tickets.ts';
 import type { LocalSnapshot, SnapshotManifest as VmmSnapshotManifest, VmmDriver } from '../domain/vmm.ts';
 import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema, type SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
-import { FetchSnapshotWorkSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
+import { FetchSnapshotWorkSchema, type FetchSnapshotWork } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { tempDir } from '../../services/testkit/proc.ts';
 import { startGrpcServer, type RunningGrpcServer } from '../../services/adapters/grpc/server.ts';
 import { chunkTransferService } from './peer/server.ts';
@@ -110,6 +110,19 @@ function removedOnFirstRead(m: FsManifestStore): ManifestStore {
     delete: (id) => m.delete(id),
     put: (id, s) => m.put(id, s),
   };
+}
+
+/** A manifest store whose writes wait for `g` before they store. */
+function putsWaitFor(g: ReturnType<typeof gate>): (m: FsManifestStore) => ManifestStore {
+  return (m) => ({
+    get: (id) => m.get(id),
+    list: () => m.list(),
+    delete: (id) => m.delete(id),
+    put: async (id, s) => {
+      await g.wait();
+      await m.put(id, s);
+    },
+  });
 }
 
 /** A snapshot the VMM took here: its sealed directory. */
@@ -273,17 +286,7 @@ describe('ChunkStoreShipper.remove against a fetch whose manifest write is defer
 
   it('remove_whileTheFetchsManifestIsBeingWritten_waitsForTheWriteAndDeletesIt', async () => {
     const putting = gate();
-    const h = await host('deferred-during-put', {
-      manifests: (m) => ({
-        get: (id) => m.get(id),
-        list: () => m.list(),
-        delete: (id) => m.delete(id),
-        put: async (id: string, s: SignedManifest) => {
-          await putting.wait();
-          await m.put(id, s);
-        },
-      }),
-    });
+    const h = await host('deferred-during-put', { manifests: putsWaitFor(putting) });
     // Stored unsigned through the real store (the wrapper's put is the fetch's).
     const work = await chunksHere(h, 'sn-d');
     await h.shipper.load();
@@ -441,6 +444,25 @@ async function peerHoldingOwn(name: string, ingested: SignedManifest): Promise<R
   return startGrpcServer({ address: '127.0.0.1:0', services: [chunkTransferService({ chunks: peerChunks, manifests: peerManifests, trust, clock: systemClock }).registration] });
 }
 
+/** Runs `body` with a peerHoldingOwn(`name`, `ingested`) at the address it is given; the peer is closed after, whatever `body` did. */
+async function withPeerHoldingOwn<T>(name: string, ingested: SignedManifest, body: (address: string) => Promise<T>): Promise<T> {
+  const peer = await peerHoldingOwn(name, ingested);
+  try {
+    return await body(peer.address);
+  } finally {
+    await peer.close(100);
+  }
+}
+
+/** Replicates `sn-own` with `work` and expects it fetched (some bytes from the sources), `lost` stored again if named, and the snapshot durable and held complete. */
+async function expectReplicaFetchedAndHeldComplete(h: Awaited<ReturnType<typeof host>>, work: FetchSnapshotWork, lost?: string): Promise<void> {
+  const { bytesFetched } = await h.shipper.replicate('sn-own', work);
+  await h.shipper.durable('sn-own');
+  expect(bytesFetched).toBeGreaterThan(0);
+  if (lost !== undefined) expect(await h.store.has(lost)).toBe(true);
+  expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
+}
+
 /**
  * A snapshot taken and ingested here whose second memory chunk was lost (removed because
  * its fsync failed at start-up), and the agent restarted (with `opts`): held, not complete.
@@ -494,16 +516,7 @@ describe('ChunkStoreShipper: a snapshot taken here that lost a chunk', () => {
   it('replicate_ofIt_whenItsOwnFilesNoLongerHoldTheChunk_fetchesItFromTheSources_andHoldsItComplete', async () => {
     const { h, local, ingested, lost, work } = await lostAChunk('own-lost-fetched');
     writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
-    const peer = await peerHoldingOwn('own-lost-peer', ingested);
-    try {
-      const { bytesFetched } = await h.shipper.replicate('sn-own', work(peer.address));
-      await h.shipper.durable('sn-own');
-      expect(bytesFetched).toBeGreaterThan(0);
-      expect(await h.store.has(lost)).toBe(true);
-      expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
-    } finally {
-      await peer.close(100);
-    }
+    await withPeerHoldingOwn('own-lost-peer', ingested, (address) => expectReplicaFetchedAndHeldComplete(h, work(address), lost));
   });
 });
 
@@ -512,17 +525,7 @@ describe('ChunkStoreShipper.remove against an ingest', () => {
     // The delete was reported done, then the ingest stored its manifest and held the deleted
     // snapshot complete.
     const putting = gate();
-    const h = await host('ingest-during-remove', {
-      manifests: (m) => ({
-        get: (id) => m.get(id),
-        list: () => m.list(),
-        delete: (id) => m.delete(id),
-        put: async (id: string, s: SignedManifest) => {
-          await putting.wait();
-          await m.put(id, s);
-        },
-      }),
-    });
+    const h = await host('ingest-during-remove', { manifests: putsWaitFor(putting) });
     const local = takenHere(h.driverSnapshotsDir, 'sn-i', 20);
     const ingesting = h.shipper.ingest(local);
     ingesting.catch(() => undefined);
@@ -556,10 +559,9 @@ describe('ChunkStoreShipper: a delete during the repair of a snapshot taken here
     const on = { gated: false };
     const { h, local, ingested, lost, work } = await lostAChunk('own-removed-repairing', { chunks: missingWaitsAt(2, g, on) });
     writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
-    const peer = await peerHoldingOwn('own-removed-repairing-peer', ingested);
-    try {
+    await withPeerHoldingOwn('own-removed-repairing-peer', ingested, async (address) => {
       on.gated = true;
-      const replicating = h.shipper.replicate('sn-own', work(peer.address));
+      const replicating = h.shipper.replicate('sn-own', work(address));
       replicating.catch(() => undefined);
       await g.entered;
       await h.shipper.remove('sn-own');
@@ -569,9 +571,7 @@ describe('ChunkStoreShipper: a delete during the repair of a snapshot taken here
       expect(await h.stored.get('sn-own')).toBeUndefined();
       expect(await h.store.has(lost)).toBe(false);
       expect(h.shipper.held()).toEqual([]);
-    } finally {
-      await peer.close(100);
-    }
+    });
   });
 
   it('replicate_ofIt_whenItIsRemovedBetweenTheRepairAndTheFetch_failsAndFetchesNothing', async () => {
@@ -593,10 +593,9 @@ describe('ChunkStoreShipper: a delete during the repair of a snapshot taken here
       }),
     });
     writeFileSync(join(local.dir, 'memory'), Buffer.alloc(2 * CS, 0x5a));
-    const peer = await peerHoldingOwn('own-removed-before-fetch-peer', ingested);
-    try {
+    await withPeerHoldingOwn('own-removed-before-fetch-peer', ingested, async (address) => {
       gated = true;
-      const replicating = h.shipper.replicate('sn-own', work(peer.address));
+      const replicating = h.shipper.replicate('sn-own', work(address));
       replicating.catch(() => undefined);
       await g.entered;
       await h.shipper.remove('sn-own');
@@ -606,9 +605,7 @@ describe('ChunkStoreShipper: a delete during the repair of a snapshot taken here
       expect(await h.stored.get('sn-own')).toBeUndefined();
       expect(await h.store.has(lost)).toBe(false);
       expect(h.shipper.held()).toEqual([]);
-    } finally {
-      await peer.close(100);
-    }
+    });
   });
 
   it('ingest_runAgainForIt_whenItIsRemovedDuringTheRepair_andItsOwnFilesDoNotGiveTheChunkBack_fails', async () => {
@@ -731,16 +728,7 @@ describe('ChunkStoreShipper: a repair of a snapshot taken here that fails', () =
   it('replicate_ofIt_whenStoringTheChunkAgainFails_fetchesItFromTheSources_andHoldsItComplete', async () => {
     // The replica step failed on the repair's error, though a source held every chunk.
     const { h, ingested, lost, work } = await lostAChunk('own-repair-put-fails-replicate', { chunks: chunksWith(() => ({ put: async () => Promise.reject(enospc()) })) });
-    const peer = await peerHoldingOwn('own-repair-put-fails-peer', ingested);
-    try {
-      const { bytesFetched } = await h.shipper.replicate('sn-own', work(peer.address));
-      await h.shipper.durable('sn-own');
-      expect(bytesFetched).toBeGreaterThan(0);
-      expect(await h.store.has(lost)).toBe(true);
-      expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
-    } finally {
-      await peer.close(100);
-    }
+    await withPeerHoldingOwn('own-repair-put-fails-peer', ingested, (address) => expectReplicaFetchedAndHeldComplete(h, work(address), lost));
   });
 });
 
@@ -803,14 +791,6 @@ describe('ChunkStoreShipper: the repair of a snapshot taken here, for a restore'
     await h.shipper.ingest(local);
     expect(await h.store.has(lost)).toBe(false);
     expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: false })]);
-    const peer = await peerHoldingOwn('own-repair-remembers-peer', ingested);
-    try {
-      const { bytesFetched } = await h.shipper.replicate('sn-own', work(peer.address));
-      await h.shipper.durable('sn-own');
-      expect(bytesFetched).toBeGreaterThan(0);
-      expect(h.shipper.held()).toEqual([expect.objectContaining({ snapshotId: 'sn-own', complete: true })]);
-    } finally {
-      await peer.close(100);
-    }
+    await withPeerHoldingOwn('own-repair-remembers-peer', ingested, (address) => expectReplicaFetchedAndHeldComplete(h, work(address)));
   });
 });

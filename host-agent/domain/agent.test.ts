@@ -1657,26 +1657,42 @@ describe('Agent steps', () => {
     expect(beats.at(-1)!.restoreCostMs).toBe(100);
   });
 
+  /**
+   * An agent whose restores obtain a snapshot over the image `debian` built by `recipeHash` and
+   * fork it (each fork noted in `o.order`), its heartbeats to `o.beats`; `extra` gives its
+   * images. `restore(n)` runs op-n's restore of sb-n from sn-d.
+   */
+  function restoringOverDebian(recipeHash: string, extra: Partial<AgentDeps>, o: { order?: string[]; beats?: Heartbeat[] } = {}) {
+    const { order, beats } = o;
+    const { agent } = agentWith(
+      { fork: async (_s, clones) => (order?.push('fork'), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) },
+      { obtain: async () => ({ local: { dir: '/x', manifest: { image: { name: 'debian', recipeHash, kernelArgs: '' } } } as never, bytesFetched: 0 }) },
+      beats ? { publishHeartbeat: (hb) => void beats.push(hb) } : {},
+      undefined,
+      undefined,
+      undefined,
+      {},
+      extra,
+    );
+    const restore = (n: number) => agent.runStep(create(HostWorkSchema, { opId: `op-${n}`, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-d', vms: [{ sandboxId: `sb-${n}` }] } } }));
+    return { agent, restore };
+  }
+
   it('restore_ofASnapshotWhoseImageThisHostHasNotBuilt_buildsItFirst_onceOnly_andHeartbeatsListTheBuilds', async () => {
     const asked: string[] = [];
     const order: string[] = [];
     const beats: Heartbeat[] = [];
-    const agent = new Agent({
-      driver: { get: () => undefined, list: () => [], fork: async (_s: unknown, clones: Array<{ vmId: string }>) => (order.push('fork'), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) } as unknown as VmmDriver,
-      shipper: { held: () => [], storedBytes: () => 0, obtain: async () => ({ local: { dir: '/x', manifest: { image: { name: 'debian', recipeHash: 'r1', kernelArgs: '' } } } as never, bytesFetched: 0 }) } as unknown as SnapshotShipper,
-      bus: { publishHeartbeat: (hb: Heartbeat) => void beats.push(hb) } as unknown as AgentBus,
-      journal: new MemoryJournal(),
-      images: async (name: string) => {
-        asked.push(name);
-        order.push(`image ${name}`);
-        return { name, recipeHash: 'r1', diskSha256: `sha-of-${name}`, kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' };
+    const { agent, restore } = restoringOverDebian(
+      'r1',
+      {
+        images: async (name) => {
+          asked.push(name);
+          order.push(`image ${name}`);
+          return { name, recipeHash: 'r1', diskSha256: `sha-of-${name}`, kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' };
+        },
       },
-      clock: { now: () => 1_000 },
-      log: pino({ level: 'silent' }),
-      config: { hostId: 'h1', bootId: 'b', accel: 'tcg', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
-      qemuVersion: '7.2.0',
-    });
-    const restore = (n: number) => agent.runStep(create(HostWorkSchema, { opId: `op-${n}`, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-d', vms: [{ sandboxId: `sb-${n}` }] } } }));
+      { order, beats },
+    );
     expect((await restore(1)).error).toBeUndefined();
     expect((await restore(2)).error).toBeUndefined();
     // Built before the first restore, and not looked for again.
@@ -1693,26 +1709,21 @@ describe('Agent steps', () => {
     let cache: Array<{ name: string; recipeHash: string; diskSha256: string }> = [];
     let buildFails = false;
     let unreadable = false;
-    const agent = new Agent({
-      driver: { get: () => undefined, list: () => [], fork: async (_s: unknown, clones: Array<{ vmId: string }>) => (order.push('fork'), clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo)) } as unknown as VmmDriver,
-      shipper: { held: () => [], storedBytes: () => 0, obtain: async () => ({ local: { dir: '/x', manifest: { image: { name: 'debian', recipeHash: 'r1', kernelArgs: '' } } } as never, bytesFetched: 0 }) } as unknown as SnapshotShipper,
-      bus: { publishHeartbeat: (hb: Heartbeat) => void beats.push(hb) } as unknown as AgentBus,
-      journal: new MemoryJournal(),
-      images: async (name: string) => {
-        order.push(`image ${name}`);
-        if (buildFails) throw new Error('mmdebstrap failed');
-        cache = [{ name, recipeHash: 'r1', diskSha256: 'sha-1' }];
-        return { name, recipeHash: 'r1', diskSha256: 'sha-1', kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' };
+    const { agent, restore } = restoringOverDebian(
+      'r1',
+      {
+        images: async (name) => {
+          order.push(`image ${name}`);
+          if (buildFails) throw new Error('mmdebstrap failed');
+          cache = [{ name, recipeHash: 'r1', diskSha256: 'sha-1' }];
+          return { name, recipeHash: 'r1', diskSha256: 'sha-1', kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' };
+        },
+        // The listing leaves out an entry it cannot read (build.ts cachedImages).
+        cachedImages: async () => (unreadable ? [] : cache),
+        cachedImage: async (name, hash) => (unreadable ? 'unknown' : cache.some((i) => i.name === name && i.recipeHash === hash) ? 'whole' : 'missing'),
       },
-      // The listing leaves out an entry it cannot read (build.ts cachedImages).
-      cachedImages: async () => (unreadable ? [] : cache),
-      cachedImage: async (name: string, hash: string) => (unreadable ? 'unknown' : cache.some((i) => i.name === name && i.recipeHash === hash) ? 'whole' : 'missing'),
-      clock: { now: () => 1_000 },
-      log: pino({ level: 'silent' }),
-      config: { hostId: 'h1', bootId: 'b', accel: 'tcg', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
-      qemuVersion: '7.2.0',
-    });
-    const restore = (n: number) => agent.runStep(create(HostWorkSchema, { opId: `op-${n}`, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-d', vms: [{ sandboxId: `sb-${n}` }] } } }));
+      { order, beats },
+    );
     const listed = (): string[] => (agent.heartbeat(), beats.at(-1)!.images.map((i) => `${i.name}-${i.recipeHash}`));
     expect((await restore(1)).error).toBeUndefined();
     expect((await restore(2)).error).toBeUndefined();
@@ -1739,19 +1750,11 @@ describe('Agent steps', () => {
   it('restore_ofASnapshotWhoseImageRecipeThisHostDoesNotHave_buildsNothing_andLooksOnlyOnce', async () => {
     const asked: string[] = [];
     const recipes: string[] = [];
-    const agent = new Agent({
-      driver: { get: () => undefined, list: () => [], fork: async (_s: unknown, clones: Array<{ vmId: string }>) => clones.map((c) => ({ vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1 }) as VmInfo) } as unknown as VmmDriver,
-      shipper: { held: () => [], storedBytes: () => 0, obtain: async () => ({ local: { dir: '/x', manifest: { image: { name: 'debian', recipeHash: 'theirs', kernelArgs: '' } } } as never, bytesFetched: 0 }) } as unknown as SnapshotShipper,
-      bus: {} as AgentBus,
-      journal: new MemoryJournal(),
-      images: async (name: string) => (asked.push(name), { name, recipeHash: 'ours', diskSha256: 'x', kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' }),
-      imageRecipe: async (name: string) => (recipes.push(name), 'ours'),
-      clock: { now: () => 1_000 },
-      log: pino({ level: 'silent' }),
-      config: { hostId: 'h1', bootId: 'b', accel: 'tcg', capacity: { vcpus: 4, memoryMib: 4096, diskMib: 10_000 }, peerAddress: '', linkBytesPerSecond: 1, heartbeatMs: 1000, concurrency: 3 },
-      qemuVersion: '7.2.0',
+    const { restore } = restoringOverDebian('theirs', {
+      images: async (name) => (asked.push(name), { name, recipeHash: 'ours', diskSha256: 'x', kernel: '', initrd: '', disk: '', diskVirtualSize: 1, kernelArgs: '', readyMarker: '' }),
+      imageRecipe: async (name) => (recipes.push(name), 'ours'),
     });
-    for (const n of [1, 2, 3]) await agent.runStep(create(HostWorkSchema, { opId: `op-${n}`, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-d', vms: [{ sandboxId: `sb-${n}` }] } } }));
+    for (const n of [1, 2, 3]) await restore(n);
     // Another recipe here (another kernel, other packages): a build would not be the snapshot's image.
     expect(asked).toEqual([]);
     expect(recipes).toEqual(['debian']);

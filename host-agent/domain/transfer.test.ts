@@ -75,6 +75,22 @@ function scriptedSource(id: string, answer: (digest: DigestHex) => ChunkEvent, o
   };
 }
 
+/** A source that takes every want and never answers: a peer cut off with the stream still open. Its events end when the session is closed. */
+function silentSource(id = 'silent'): ChunkSource {
+  return {
+    id,
+    getManifest: () => Promise.reject(new Error('not used')),
+    open() {
+      let stop: (() => void) | undefined;
+      return {
+        want() {},
+        events: { [Symbol.asyncIterator]: () => ({ next: () => new Promise<IteratorResult<ChunkEvent>>((r) => (stop = () => r({ value: undefined, done: true }))) }) },
+        close: () => stop?.(),
+      };
+    },
+  };
+}
+
 /** A source that answers every want at once from `chunks` (answerFrom). */
 function memorySource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>): ChunkSource {
   return scriptedSource(id, answerFrom(chunks));
@@ -189,26 +205,9 @@ describe('fetchChunks', () => {
 
   it('sourceThatGoesSilentWithChunksAsked_isGivenUpOnAfterTheIdleTime_andAskedAgain', async () => {
     const chunks = await threeChunks();
-    // Takes every want and never answers: a peer cut off with the stream still open.
-    const silent: ChunkSource = {
-      id: 'silent',
-      getManifest: () => Promise.reject(new Error('not used')),
-      open() {
-        let stop: (() => void) | undefined;
-        return {
-          want() {},
-          events: {
-            [Symbol.asyncIterator]: () => ({ next: () => new Promise<IteratorResult<ChunkEvent>>((r) => (stop = () => r({ value: undefined, done: true }))) }),
-          },
-          close() {
-            stop?.();
-          },
-        };
-      },
-    };
     // Alone (another source would hedge its digests before the idle time): its reconnect answers.
     const store = new FsChunkStore(join(tmp, 'store-silent'));
-    const report = await fetchChunks(chunks.keys(), [firstSessionThen(silent, memorySource('silent', chunks))], store, { idleMs: 200, backoffMs: 1, streamsPerSource: 1 });
+    const report = await fetchChunks(chunks.keys(), [firstSessionThen(silentSource(), memorySource('silent', chunks))], store, { idleMs: 200, backoffMs: 1, streamsPerSource: 1 });
     expect(report.fetched).toBe(3);
     expect(report.sources.find((s) => s.id === 'silent')?.failures).toBe(1);
     expect(report.sources.find((s) => s.id === 'silent')?.lastError).toMatch(/sent nothing for 200 ms/);
@@ -578,22 +577,9 @@ describe('fetchChunks: a slow source among faster ones (tail hedging)', () => {
 
   it('fetchChunks_withASourceGoneSilentHoldingChunks_endsOnceAnotherSourceSuppliedThem_withoutWaitingTheIdleTime', async () => {
     const chunks = fakeChunks(3);
-    // Takes every want and never answers (a peer cut off with the stream still open).
-    const silent: ChunkSource = {
-      id: 'silent',
-      getManifest: () => Promise.reject(new Error('not used')),
-      open() {
-        let stop: (() => void) | undefined;
-        return {
-          want() {},
-          events: { [Symbol.asyncIterator]: () => ({ next: () => new Promise<IteratorResult<ChunkEvent>>((r) => (stop = () => r({ value: undefined, done: true }))) }) },
-          close: () => stop?.(),
-        };
-      },
-    };
     const { store, accepted } = countingStore();
     const t0 = performance.now();
-    const report = await fetchChunks(chunks.keys(), [silent, delayedSource('honest', chunks, 1)], store, { idleMs: 5_000, streamsPerSource: 1 });
+    const report = await fetchChunks(chunks.keys(), [silentSource(), delayedSource('honest', chunks, 1)], store, { idleMs: 5_000, streamsPerSource: 1 });
     expect(performance.now() - t0).toBeLessThan(2_000);
     expect(report.fetched).toBe(3);
     expect([...accepted.values()]).toEqual([1, 1, 1]);
