@@ -181,7 +181,11 @@ describe('peer transfer between network namespaces', () => {
       for (let i = 16; i < raw.length; i += 97) raw[i] = (raw[i] ?? 0) ^ 0xff;
       await overwriteChunkFile(storeB, d, raw);
     }
-    const out = await fetch(join(dir, 'R3'), 's1', ticket('s1', 'hostR'), [B, A]);
+    // A slower than B: B's copies arrive (and are verified, and rejected) first. With A as fast,
+    // A could take every chunk B was asked for (tail hedging) before B's copies came, which
+    // are then dropped unverified as late copies, and nothing was rejected.
+    fabric.shape(A, '200mbit', '64kb');
+    const out = await fetch(join(dir, 'R3'), 's1', ticket('s1', 'hostR'), [B, A]).finally(() => fabric.shape(A, '10gbit', '4mb'));
     expect(out.error).toBeUndefined();
     expect(out.report!.rejected).toBeGreaterThan(0);
     const fromA = out.report!.sources.filter((s) => s.id.includes(A.address)).reduce((n, s) => n + s.chunks, 0);
