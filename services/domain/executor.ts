@@ -4651,7 +4651,8 @@ export class Executor {
    * Tells hosts to delete snapshots they still hold whose record is deleted, failed or gone
    * (expired, ADR 0017): a host that was away or failed its step when the snapshot was
    * deleted would keep the chunks forever (a failed snapshot's, once it failed
-   * HELD_GC_RETRY_MS ago: a re-run of its op may take it up again). Only ready hosts are asked, each (host, snapshot)
+   * HELD_GC_RETRY_MS ago and no unfinished op takes it: a re-run of its op may take it up
+   * again). Only ready hosts are asked, each (host, snapshot)
    * at most once per HELD_GC_RETRY_MS and at most HELD_GC_MAX per pass; the agent's delete is
    * idempotent. Ready, creating and deleting snapshots are never touched: their records are
    * in the leader's cache from before any host holds them (a snapshot's record is written
@@ -4664,14 +4665,18 @@ export class Executor {
     for (const v of this.cache.snapshots.values()) byId.set(v.value.id, v.value);
     for (const [k, at] of this.heldGcAt) if (at <= now - HELD_GC_RETRY_MS) this.heldGcAt.delete(k);
     let sent = 0;
+    /** Snapshots the live ops take (made once, on the first failed record met). */
+    let taking: Set<string> | undefined;
     for (const heard of this.deps.heard.all()) {
       const hostId = heard.hb.hostId;
       if (this.cache.hosts.get(hostId)?.value.state !== 'ready' || livenessOf(heard.heardAt, now, this.deps.config.liveness) !== 'ready') continue;
       for (const held of heard.hb.snapshots) {
         const rec = byId.get(held.snapshotId);
         if ((rec && !EXPIRING_SNAPSHOT_STATES.has(rec.state)) || sent >= HELD_GC_MAX) continue;
-        // A failed snapshot may yet be taken up again by a re-run of its op: only old ones.
-        if (rec?.state === 'failed' && (rec.endedAt ?? 0) > now - HELD_GC_RETRY_MS) continue;
+        // A failed snapshot may yet be taken up again by a re-run of its op: only old ones, and
+        // none whose op still runs (one run again after a long store outage): its step, answered
+        // from the host's journal, would find the files gone.
+        if (rec?.state === 'failed' && ((rec.endedAt ?? 0) > now - HELD_GC_RETRY_MS || (taking ??= this.snapshotsOfLiveOps()).has(rec.id))) continue;
         const k = `${hostId}/${held.snapshotId}`;
         if (this.heldGcAt.has(k)) continue;
         this.heldGcAt.set(k, now);
@@ -4686,6 +4691,22 @@ export class Executor {
       }
     }
     return sent;
+  }
+
+  /**
+   * The snapshots this leader's unfinished ops take or took (snapshotOf's callers: a snapshot
+   * or hibernate op's, a fork's of a sandbox, a drain's migrations'): a re-run of one takes a
+   * failed record up again.
+   */
+  private snapshotsOfLiveOps(): Set<string> {
+    const ids = new Set<string>();
+    for (const { value: op } of this.ops.values()) {
+      const input = op.input as { snapshotId?: unknown; forkSnapshotId?: unknown; migrations?: Record<string, { snapshotId?: unknown }> };
+      if ((op.kind === 'snapshot' || op.kind === 'hibernate') && typeof input.snapshotId === 'string') ids.add(input.snapshotId);
+      if (op.kind === 'fork' && typeof input.forkSnapshotId === 'string') ids.add(input.forkSnapshotId);
+      if (op.kind === 'drain') for (const m of Object.values(input.migrations ?? {})) if (typeof m.snapshotId === 'string') ids.add(m.snapshotId);
+    }
+    return ids;
   }
 
   /**
