@@ -132,6 +132,18 @@ describe('a wake placed off the host that holds its hibernation snapshot', () =>
   });
 });
 
+describe('a wake that finds its sandbox taken by another wake', () => {
+  it('eachTimeItLooks_failsRetryableUnavailable_notAnInternalError', async () => {
+    let reads = 0;
+    // Hibernated at each look, and taken by another wake at each claim's write.
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'hibernated', hibernationSnapshotId: 'sn-h', runningSince: null }), opRecord('op-w', 'wake'), undefined, {
+      getSandbox: (x) => ({ value: reads++ % 2 === 0 ? structuredClone(x.sb) : { ...structuredClone(x.sb), state: 'waking', opId: 'op-other' }, modRevision: x.sbRev }),
+    });
+    await expect(ex.runWake(w.op)).rejects.toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringContaining('operation op-other took the sandbox first') });
+    expect(reads).toBe(8);
+  });
+});
+
 describe('a create from a snapshot, placed on a host that fetches it', () => {
   /** The create of sb-a from sn-a (held by A only), placed on B: its record starting there. */
   const restoreOnB = (snap = snapshotRecord({ hostIds: ['A'], takenOn: 'A' })) => {

@@ -418,6 +418,14 @@ class OwnedByOtherOpError extends Error {
   }
 }
 
+/**
+ * What an op that found its sandbox taken by another one each time it looked ends with
+ * (pauses and resumes asked in a loop, say): UNAVAILABLE, retryable, not an internal error.
+ */
+function takenEachTime(kind: string, sandboxId: string, e: OwnedByOtherOpError): ForkfleetError {
+  return new ForkfleetError('unavailable', `sandbox ${sandboxId} was taken by another operation each time this ${kind} looked (${e.message}); retry`, { retryable: true });
+}
+
 /** States a drain waits out before it lists what to move: booked on the host and on their way. */
 const DRAIN_WAITS_FOR: ReadonlySet<SandboxState> = new Set(['starting', 'waking', 'hibernating']);
 
@@ -3051,10 +3059,9 @@ export class Executor {
         });
       } catch (e) {
         // Another operation took it between the read and the write: this one waits for it
-        // (another hibernate, a pause or resume), or is refused (a drain). Taken each time
-        // (pauses and resumes asked in a loop): UNAVAILABLE, retryable, not an internal error.
+        // (another hibernate, a pause or resume), or is refused (a drain).
         if (!(e instanceof OwnedByOtherOpError)) throw e;
-        if (tries >= 3) throw new ForkfleetError('unavailable', `sandbox ${sb.id} was taken by another operation each time this hibernate looked (${e.message}); retry`, { retryable: true });
+        if (tries >= 3) throw takenEachTime('hibernate', sb.id, e);
         return this.runHibernate(op, tries + 1);
       }
     }
@@ -3231,7 +3238,8 @@ export class Executor {
         }
       } catch (e) {
         // Another wake took it between the read and the write: this one waits for it.
-        if (!(e instanceof OwnedByOtherOpError) || tries >= 3) throw e;
+        if (!(e instanceof OwnedByOtherOpError)) throw e;
+        if (tries >= 3) throw takenEachTime('wake', sb.id, e);
         return this.runWake(op, tries + 1);
       }
       v = await this.deps.store.getSandbox(op.tenantId, op.targetId);
