@@ -8,7 +8,7 @@ import { HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { ExecutorDeps } from './executor.ts';
 import type { StoreWrite, Versioned } from './ports.ts';
 import type { OperationRec, SandboxRec, SnapshotRec } from './records.ts';
-import { ConflictError, HostStepError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
+import { ConflictError, HostLostError, HostStepError, NoCapacityError, StepTimeoutError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { leaderExecutor } from '../testkit/executor.ts';
 import { sandboxRecord, snapshotRecord } from '../testkit/records.ts';
 
@@ -27,6 +27,7 @@ interface Internals {
   runPauseResume(op: OperationRec): Promise<void>;
   reconcileLifecycles(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void>;
   settleEndedWake(sb: SandboxRec, ended: OperationRec | undefined): Promise<void>;
+  sendHostWork: (hostId: string, opId: string, tenantId: string, stepId: string) => Promise<void>;
 }
 
 const opRecord = (id: string, kind: OperationRec['kind'], input: Record<string, unknown> = {}): OperationRec => ({ id, tenantId: 't1', kind, state: 'running', createdAt: 0, updatedAt: 0, targetId: 'sb-a', input, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} });
@@ -181,6 +182,97 @@ describe('a create from a snapshot, placed on a host that fetches it', () => {
       expect(steps, state).toEqual([]);
       expect(w.sb.state, state).toBe('failed');
     }
+  });
+});
+
+describe('a create whose start fails on its host', () => {
+  /** The create of sb-a from the tiny image, placed on A; placement puts it on each of `hosts` in turn; `fails(host)` answers that host's step. */
+  const createOnA = (fails: (hostId: string) => Error | undefined, o: { hosts?: string[]; input?: Record<string, unknown>; sb?: Partial<SandboxRec> } = {}) => {
+    const { w, ex } = leaderOver(sandboxRecord({ state: 'starting', hostId: 'A', runningSince: null, opId: 'op-c', ...o.sb }), opRecord('op-c', 'create', o.input));
+    const steps: string[] = [];
+    const avoided: unknown[] = [];
+    const released: string[] = [];
+    const stops: string[] = [];
+    const hosts = [...(o.hosts ?? ['B', 'C'])];
+    ex.placeAndBook = async (_op, _snapshot, request, records) => {
+      avoided.push((request as () => { preferences: { avoidHostIds?: string[] } })().preferences.avoidHostIds);
+      const hostId = hosts.shift();
+      if (!hostId) throw new NoCapacityError('no host has room');
+      const r = records({ placements: [{ hostId }] });
+      r.opUpdate?.(w.op);
+      w.opRev = ++w.rev;
+      for (const x of r.writes) {
+        if (x.kind === 'sandbox') [w.sb, w.sbRev] = [structuredClone(x.value), w.rev];
+        if (x.kind === 'alloc') released.push(x.value.hostId);
+      }
+      return { result: {}, revision: w.rev };
+    };
+    ex.step = async (_op, id, hostId) => {
+      steps.push(`${id}@${hostId}`);
+      const e = fails(hostId);
+      if (e) throw e;
+      return create(HostResultSchema, { hostId, vms: [{ sandboxId: 'sb-a' }] });
+    };
+    ex.sendHostWork = async (hostId, _opId, _tenantId, stepId) => void stops.push(`${stepId}@${hostId}`);
+    return { w, ex, steps, avoided, released, stops };
+  };
+  const hostFailure = (hostId: string): HostStepError => new HostStepError(hostId, 'create', 'internal', `image build failed on ${hostId}`, false);
+
+  it('forTheHostsReasons_isPlacedOnAnotherHost_offTheFailedOne_whichIsReleasedAndToldToStopIt', async () => {
+    const { w, ex, steps, avoided, released, stops } = createOnA((h) => (h === 'A' ? hostFailure(h) : undefined));
+    await ex.runCreate(w.op);
+    expect(steps).toEqual(['create@A', 'create/B@B']);
+    expect(avoided).toEqual([['A']]);
+    expect(released).toEqual(['A']);
+    expect(stops).toEqual(['stop-replaced/sb-a@A']);
+    expect(w.op.state).toBe('succeeded');
+    expect(w.op.input).toMatchObject({ startFailedOn: ['A'] });
+    expect(w.sb).toMatchObject({ state: 'running', hostId: 'B', opId: '' });
+  });
+
+  it('thatTimesOutOrWhoseHostIsLost_isPlacedOnAnotherHostToo', async () => {
+    for (const e of [new StepTimeoutError('A', 'create', 1000), new HostLostError('A', 'create')]) {
+      const { w, ex, steps } = createOnA((h) => (h === 'A' ? e : undefined));
+      await ex.runCreate(w.op);
+      expect(steps, e.name).toEqual(['create@A', 'create/B@B']);
+      expect(w.sb, e.name).toMatchObject({ state: 'running', hostId: 'B' });
+    }
+  });
+
+  it('forTheRequestsReasons_failsTheSandbox_withoutTryingAnotherHost', async () => {
+    const { w, ex, steps, avoided } = createOnA(() => new HostStepError('A', 'create', 'invalid_argument', 'no such image', false));
+    await expect(ex.runCreate(w.op)).rejects.toMatchObject({ kind: 'invalid_argument' });
+    expect(steps).toEqual(['create@A']);
+    expect(avoided).toEqual([]);
+    expect(w.sb).toMatchObject({ state: 'failed', hostId: 'A' });
+  });
+
+  it('onEveryHostItTries_failsAfterThree_withTheLastHostsError', async () => {
+    const { w, ex, steps, avoided } = createOnA((h) => hostFailure(h), { hosts: ['B', 'C', 'D'] });
+    await expect(ex.runCreate(w.op)).rejects.toMatchObject({ detail: 'host C: create: image build failed on C' });
+    expect(steps).toEqual(['create@A', 'create/B@B', 'create/C@C']);
+    expect(avoided).toEqual([['A'], ['A', 'B']]);
+    expect(w.sb).toMatchObject({ state: 'failed', hostId: 'C' });
+  });
+
+  it('thatNoOtherHostCanTake_failsWithItsHostsError_notNoCapacity', async () => {
+    const { w, ex } = createOnA((h) => hostFailure(h), { hosts: [] });
+    await expect(ex.runCreate(w.op)).rejects.toMatchObject({ detail: 'host A: create: image build failed on A' });
+    expect(w.sb).toMatchObject({ state: 'failed', hostId: 'A' });
+  });
+
+  it('pinnedToItsHost_failsThere_withoutTryingAnother', async () => {
+    const { w, ex, steps, avoided } = createOnA((h) => hostFailure(h), { input: { placement: { hostId: 'A' } } });
+    await expect(ex.runCreate(w.op)).rejects.toMatchObject({ detail: 'host A: create: image build failed on A' });
+    expect(steps).toEqual(['create@A']);
+    expect(avoided).toEqual([]);
+  });
+
+  it('runAgainAfterAFailoverOnceMoved_sendsTheNewHostsOwnStep_andAvoidsEveryHostItFailedOn', async () => {
+    const { w, ex, steps, avoided } = createOnA((h) => hostFailure(h), { input: { startFailedOn: ['A'] }, sb: { hostId: 'B' }, hosts: ['C'] });
+    await expect(ex.runCreate(w.op)).rejects.toMatchObject({ detail: 'host C: create: image build failed on C' });
+    expect(steps).toEqual(['create/B@B', 'create/C@C']);
+    expect(avoided).toEqual([['A', 'B']]);
   });
 });
 

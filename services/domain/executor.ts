@@ -43,6 +43,8 @@ import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
 const MIGRATE_MAX_HOSTS = 4;
 /** How many times a fork's child is placed again after the host starting it was lost. */
 const FORK_REPLACEMENTS = 2;
+/** How many hosts a create tries before it fails: one whose start failed there for the host's reasons is placed on another (createHostsTried). */
+const CREATE_HOSTS = 3;
 
 /** A fork's children placed again (op input `replaced`): how often, by which placement (its name), and the hosts they were taken off (never placed back there). */
 type Replacements = Record<string, { times: number; by: string; from?: string[] }>;
@@ -402,6 +404,23 @@ function largerThanAnyHost(view: FleetView, req: PlacementRequest): LargerThanAn
  */
 function givenUpMayStillStart(e: unknown): boolean {
   return e instanceof StepTimeoutError || e instanceof HostLostError || e instanceof HostStepError;
+}
+
+/**
+ * A start that failed for its host's reasons, which another host may not share: no answer in
+ * time, the host lost, or the host's own failure (an image it could not build, QEMU that would
+ * not start, its disk full). Not one the request itself caused (invalid_argument, not_found,
+ * failed_precondition): every host would refuse it the same.
+ */
+function startFailedOnHost(e: unknown): boolean {
+  if (e instanceof StepTimeoutError || e instanceof HostLostError) return true;
+  return e instanceof HostStepError && ['internal', 'unavailable', 'resource_exhausted', 'deadline_exceeded'].includes(e.kind);
+}
+
+/** The hosts a create's start failed on so far, as its op records them (placeCreateAgain). */
+function createHostsTried(op: OperationRec): string[] {
+  const hosts = (op.input as { startFailedOn?: unknown }).startFailedOn;
+  return Array.isArray(hosts) ? hosts.filter((h): h is string => typeof h === 'string') : [];
 }
 
 /** A lost sandbox's VM came back on a host that has since been booked full: it is not taken back (capacityIfRoom). */
@@ -2460,16 +2479,21 @@ export class Executor {
     let sb = v.value;
     // Cancelled before it was placed: nothing was booked; the sandbox fails.
     if (sb.state === 'pending' && this.cancelRequested(op.id)) return void (await this.failAndSettle(op, new OperationCancelledError(), 'pending', () => 'failed'));
+    const prefs = (op.input as { placement?: PlacementPrefs }).placement;
+    /** Placement's request for this sandbox, kept off `avoid` (hosts its start failed on). */
+    const request = (avoid: readonly string[]) => (): PlacementRequest => {
+      const preferences = { ...this.prefs(prefs), ...(avoid.length > 0 ? { avoidHostIds: avoid } : {}) };
+      return sb.sourceSnapshotId
+        ? { kind: 'restore', id: op.id, nowMs: this.deps.clock.now(), snapshotId: sb.sourceSnapshotId, overlayDiskMib: sb.resources.diskMib, preferences }
+        : { kind: 'create', id: op.id, nowMs: this.deps.clock.now(), resources: sb.resources, preferences };
+    };
+    const snapshotRef = sb.sourceSnapshotId ? { tenantId: sb.tenantId, id: sb.sourceSnapshotId } : undefined;
     if (sb.state === 'pending') {
-      const prefs = (op.input as { placement?: PlacementPrefs }).placement;
       const sandboxRev = v.modRevision;
       const placed = this.placeAndBook(
         op,
-        sb.sourceSnapshotId ? { tenantId: sb.tenantId, id: sb.sourceSnapshotId } : undefined,
-        () =>
-          sb.sourceSnapshotId
-            ? { kind: 'restore', id: op.id, nowMs: this.deps.clock.now(), snapshotId: sb.sourceSnapshotId, overlayDiskMib: sb.resources.diskMib, preferences: this.prefs(prefs) }
-            : { kind: 'create', id: op.id, nowMs: this.deps.clock.now(), resources: sb.resources, preferences: this.prefs(prefs) },
+        snapshotRef,
+        request([]),
         (res) => {
           const next = structuredClone(sb);
           next.state = 'starting';
@@ -2519,32 +2543,55 @@ export class Executor {
     let fetched = false;
     /** The host does not hold the snapshot after the step (its VM came by migration, or the fetch could not be made durable). */
     let notHeld = false;
-    try {
-      // Cancelled after it was placed, before its step: the sandbox fails and its booking goes (below).
-      this.stopIfCancelled(op);
-      let work: HostWorkMsg['work'];
-      if (sb.sourceSnapshotId) {
-        // A restore on a host that lacks the snapshot needs sources, a ticket and the
-        // manifest signature, exactly like a fork's cold hosts.
-        // Placed (its placement was guarded by the snapshot's record), it goes on while the
-        // record is there in any state but deleted or failed, as a fork's placed children do: a
-        // delete that marked it `deleting` meanwhile finds this sandbox using it and keeps it.
-        const snv = await this.readSnapshot(sb.tenantId, sb.sourceSnapshotId);
-        if (!snv || snv.value.state === 'deleted' || snv.value.state === 'failed') throw new NotFoundError('snapshot', sb.sourceSnapshotId);
-        const fetch = this.fetchPlan(snv.value, sb.hostId, (op.input as { transferSource?: string }).transferSource);
-        fetched = fetch !== undefined;
-        work = { case: 'restoreVms', value: { snapshotId: sb.sourceSnapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never };
-      } else {
-        work = { case: 'createVm', value: { vm: this.vmSpec(sb), image: sb.image } as never };
+    /** Hosts this op's start failed on before (recorded with each move off one: a re-run knows them). */
+    let tried = createHostsTried(op);
+    for (;;) {
+      try {
+        // Cancelled after it was placed, before its step: the sandbox fails and its booking goes (below).
+        this.stopIfCancelled(op);
+        let work: HostWorkMsg['work'];
+        if (sb.sourceSnapshotId) {
+          // A restore on a host that lacks the snapshot needs sources, a ticket and the
+          // manifest signature, exactly like a fork's cold hosts.
+          // Placed (its placement was guarded by the snapshot's record), it goes on while the
+          // record is there in any state but deleted or failed, as a fork's placed children do: a
+          // delete that marked it `deleting` meanwhile finds this sandbox using it and keeps it.
+          const snv = await this.readSnapshot(sb.tenantId, sb.sourceSnapshotId);
+          if (!snv || snv.value.state === 'deleted' || snv.value.state === 'failed') throw new NotFoundError('snapshot', sb.sourceSnapshotId);
+          const fetch = this.fetchPlan(snv.value, sb.hostId, (op.input as { transferSource?: string }).transferSource);
+          fetched = fetch !== undefined;
+          work = { case: 'restoreVms', value: { snapshotId: sb.sourceSnapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never };
+        } else {
+          work = { case: 'createVm', value: { vm: this.vmSpec(sb), image: sb.image } as never };
+        }
+        // A step of its own per host (the first one's is 'create'): each host's journal answers its own.
+        const r = await this.step(op, tried.length === 0 ? 'create' : `create/${sb.hostId}`, sb.hostId, work);
+        notHeld = r.restoredByMigration || r.snapshotNotHeld;
+        break;
+      } catch (e) {
+        // A store that failed under the step's preparation fails nothing: the op runs again. A
+        // cancel before the step may follow a step an earlier run sent (a failover, or a store
+        // outage after it): its VM is stopped (a stop of a VM never made does nothing).
+        if (!this.active || e instanceof StoreUnavailableError) throw e;
+        let end = e;
+        if (startFailedOnHost(e) && tried.length + 1 < CREATE_HOSTS && !prefs?.hostId && !this.cancelRequested(op.id)) {
+          const moved = await this.placeCreateAgain(op, sb, e, [...tried, sb.hostId], request).catch((again: unknown) => {
+            // Cancelled meanwhile: it ends so. No other host could take it: it ends on its host's failure.
+            if (!this.active || again instanceof StoreUnavailableError) throw again;
+            if (again instanceof OperationCancelledError) end = again;
+            else this.log.warn({ err: again, opId: op.id, sandboxId: sb.id, hostId: sb.hostId }, 'a start failed on its host, and the sandbox could not be placed on another');
+            return undefined;
+          });
+          if (moved) {
+            tried = [...tried, sb.hostId];
+            sb = moved;
+            fetched = false;
+            continue;
+          }
+        }
+        await this.failSandbox(sb, end, end instanceof OperationCancelledError);
+        throw end;
       }
-      const r = await this.step(op, 'create', sb.hostId, work);
-      notHeld = r.restoredByMigration || r.snapshotNotHeld;
-    } catch (e) {
-      // A store that failed under the step's preparation fails nothing: the op runs again. A
-      // cancel before the step may follow a step an earlier run sent (a failover, or a store
-      // outage after it): its VM is stopped (a stop of a VM never made does nothing).
-      if (this.active && !(e instanceof StoreUnavailableError)) await this.failSandbox(sb, e, e instanceof OperationCancelledError);
-      throw e;
     }
     // Bookkeeping, as for a fork or a wake: the VM runs whatever this meets.
     if (fetched && !notHeld) await this.addHolderKeptBy(op, sb.sourceSnapshotId, sb.hostId);
@@ -2559,6 +2606,61 @@ export class Executor {
       return this.destroyForCancel(op, { sandboxIds: [sb.id] }, [sb.id]);
     }
     await this.finishRunning(op, sb);
+  }
+
+  /**
+   * A create whose start failed on its host for the host's reasons (startFailedOnHost) is
+   * placed on another, off every host it failed on (`avoid`), in one transaction: the sandbox
+   * record moves there (starting, this op's), the failed host's booking goes, and the op's
+   * input records the hosts (createHostsTried), so that a re-run after a failover avoids them
+   * too. The failed host is then told to stop the VM, as a lost fork child's is (a start given
+   * up on may yet run there). Undefined when the sandbox moved on meanwhile (a destroy): the
+   * caller fails it as before. Rejects when no other host can take it.
+   */
+  private async placeCreateAgain(op: OperationRec, sb: SandboxRec, e: unknown, avoid: readonly string[], request: (avoid: readonly string[]) => PlaceJob['request']): Promise<SandboxRec | undefined> {
+    const from = sb.hostId;
+    const still = async (): Promise<Versioned<SandboxRec> | undefined> => {
+      const v = await this.deps.store.getSandbox(op.tenantId, sb.id);
+      return v && v.value.state === 'starting' && v.value.hostId === from && v.value.opId === op.id ? v : undefined;
+    };
+    let cur = await still();
+    if (!cur) return undefined;
+    const message = errorOf(e).message;
+    this.log.warn({ opId: op.id, sandboxId: sb.id, hostId: from, err: e }, 'a start failed on its host: placing the sandbox on another');
+    let next: SandboxRec | undefined;
+    await this.placeAndBook(
+      op,
+      sb.sourceSnapshotId ? { tenantId: sb.tenantId, id: sb.sourceSnapshotId } : undefined,
+      request(avoid),
+      (res) => {
+        const now = this.deps.clock.now();
+        next = { ...cur!.value, hostId: res.placements[0]!.hostId, stateReason: `its start on host ${from} failed (${message}): placed on another`, updatedAt: now };
+        const placedOn = next.hostId;
+        const source = res.transferPlan?.transfers.find((t) => t.destinationHostId === placedOn)?.sourceHostId;
+        // The failed host's booking, taken off as the cache has it (a stale revision conflicts
+        // and the group is planned again on a reloaded cache).
+        const a = this.cache.allocs.get(from);
+        const release: StoreWrite = { kind: 'alloc', value: applyBooking(a?.value ?? { hostId: from, allocated: ZERO, sandboxes: 0 }, bookingOf(cur!.value), -1, this.privateMemoryFraction), expectRevision: a?.modRevision ?? 0 };
+        return {
+          perChild: { res: next.resources },
+          writes: [{ kind: 'sandbox', value: next, expectRevision: cur!.modRevision }, release],
+          opUpdate: (o) => {
+            const input = o.input as { transferSource?: string; startFailedOn?: string[] };
+            input.startFailedOn = [...avoid];
+            if (source) input.transferSource = source;
+            else delete input.transferSource;
+            o.progress = { done: 0, total: 1, message: `booting on ${placedOn} (its start on ${from} failed)`, bytesTransferred: 0 };
+          },
+        };
+      },
+      // The sandbox changed meanwhile (destroyed by its user, say): nothing is left to place.
+      async () => {
+        cur = await still();
+        if (!cur) throw new WrongStateError('sandbox', sb.id, 'moved on', 'its start failed, and it changed since');
+      },
+    );
+    void this.sendHostWork(from, op.id, op.tenantId, `stop-replaced/${sb.id}`, stopVm(sb.id), 'could not tell a host to stop a sandbox whose start failed there, placed on another');
+    return next;
   }
 
   /**
