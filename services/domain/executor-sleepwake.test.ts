@@ -228,6 +228,9 @@ describe('a create whose start fails on its host', () => {
     expect(w.op.state).toBe('succeeded');
     expect(w.op.input).toMatchObject({ startFailedOn: ['A'] });
     expect(w.sb).toMatchObject({ state: 'running', hostId: 'B', opId: '' });
+    // A counts as failing for placement (executor-failed-starts.test.ts); B, which started it, does not.
+    const failed = (ex as unknown as { failedStarts: Map<string, { count: number }> }).failedStarts;
+    expect([...failed.keys()]).toEqual(['A']);
   });
 
   it('thatTimesOutOrWhoseHostIsLost_isPlacedOnAnotherHostToo', async () => {

@@ -45,6 +45,17 @@ const MIGRATE_MAX_HOSTS = 4;
 const FORK_REPLACEMENTS = 2;
 /** How many hosts a create tries before it fails: one whose start failed there for the host's reasons is placed on another (createHostsTried). */
 const CREATE_HOSTS = 3;
+/**
+ * A host whose creates failed lately for its own reasons (startFailedOnHost) is placed on as if
+ * this many steps were queued there per failure (up to FAILED_STARTS_COUNTED of them), for
+ * FAILED_STARTS_MS after the last one or until a start there succeeds: placement prefers other
+ * hosts while they have room, and uses it when none has. Without it a host that failed every
+ * start (an image it cannot build) looked the emptiest, its bookings released, and took most
+ * new creates.
+ */
+const FAILED_START_QUEUE = 4;
+const FAILED_STARTS_COUNTED = 3;
+const FAILED_STARTS_MS = 5 * 60_000;
 
 /** A fork's children placed again (op input `replaced`): how often, by which placement (its name), and the hosts they were taken off (never placed back there). */
 type Replacements = Record<string, { times: number; by: string; from?: string[] }>;
@@ -781,6 +792,8 @@ export class Executor {
   private readonly hostWorkSends = new Map<string, number>();
   /** Host steps sent and not yet finished, per host: placement counts them at once (fleetViewInput's ownInflight). */
   private readonly stepsInFlight = new Map<string, number>();
+  /** Creates that failed lately on each host for its own reasons, and when the last did (FAILED_START_QUEUE). */
+  private readonly failedStarts = new Map<string, { count: number; at: number }>();
   private stops: Array<() => void | Promise<void>> = [];
   /** Runners waiting out a backoff (pause()): woken when this replica stops leading. */
   private readonly sleepers = new Set<() => void>();
@@ -2077,6 +2090,10 @@ export class Executor {
         // Steps in flight per host, plus one per host for each job this group places there
         // (its step is sent after the commit): later jobs of the group see that queue too.
         const inflight = new Map(this.stepsInFlight);
+        for (const [hostId, f] of this.failedStarts) {
+          if (f.at > now - FAILED_STARTS_MS) inflight.set(hostId, (inflight.get(hostId) ?? 0) + FAILED_START_QUEUE * Math.min(f.count, FAILED_STARTS_COUNTED));
+          else this.failedStarts.delete(hostId);
+        }
         const touched = new Set<string>();
         const planned: Array<{ job: PlaceJob; result: Extract<PlacementResult, { ok: true }>; writes: StoreWrite[] }> = [];
         let writeCount = 0;
@@ -2567,6 +2584,7 @@ export class Executor {
         // A step of its own per host (the first one's is 'create'): each host's journal answers its own.
         const r = await this.step(op, tried.length === 0 ? 'create' : `create/${sb.hostId}`, sb.hostId, work);
         notHeld = r.restoredByMigration || r.snapshotNotHeld;
+        this.failedStarts.delete(sb.hostId);
         break;
       } catch (e) {
         // A store that failed under the step's preparation fails nothing: the op runs again. A
@@ -2574,6 +2592,7 @@ export class Executor {
         // outage after it): its VM is stopped (a stop of a VM never made does nothing).
         if (!this.active || e instanceof StoreUnavailableError) throw e;
         let end = e;
+        if (startFailedOnHost(e)) this.failedStarts.set(sb.hostId, { count: (this.failedStarts.get(sb.hostId)?.count ?? 0) + 1, at: this.deps.clock.now() });
         if (startFailedOnHost(e) && tried.length + 1 < CREATE_HOSTS && !prefs?.hostId && !this.cancelRequested(op.id)) {
           const moved = await this.placeCreateAgain(op, sb, e, [...tried, sb.hostId], request).catch((again: unknown) => {
             // Cancelled meanwhile: it ends so. No other host could take it: it ends on its host's failure.
