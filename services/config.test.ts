@@ -1,6 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import { compileSchedulerConfig, MAX_TIMER_MS, parseBytes, parseDuration, readTlsClientFiles } from './config.ts';
 import { fieldOf } from './testkit/fields.ts';
+import { defaultApi } from './cli/hints.ts';
 
 const tls = { FF_TLS_CERT: '/c.crt', FF_TLS_KEY: '/c.key', FF_TOKENS_FILE: '/t.json' };
 
@@ -116,9 +117,13 @@ describe('compileSchedulerConfig: value rules', () => {
 
   it('defaults_areUnchanged', () => {
     expect(compileSchedulerConfig({}, tls)).toMatchObject({
-      grpcAddr: '127.0.0.1:7700', metricsAddr: '', logLevel: 'info', natsStreamReplicas: 1, suspectAfterMs: 5000, lostAfterMs: 30_000, stepTimeoutMs: 180_000, stepAttempts: 3, strayVmGraceMs: 0,
+      grpcAddr: '127.0.0.1:17700', metricsAddr: '', logLevel: 'info', natsStreamReplicas: 1, suspectAfterMs: 5000, lostAfterMs: 30_000, stepTimeoutMs: 180_000, stepAttempts: 3, strayVmGraceMs: 0,
       chunkBytes: 256 * 1024, migrateMaxChildren: 2, electionTtlSeconds: 2, ratePerSecond: 200, rateBurst: 600, expiryNoticeMs: 600_000, webhookRetryBaseMs: 1000, heldSnapshotCheckMs: 30_000,
     });
+  });
+
+  it('grpcAddr_default_isWhereTheCliLooksWithoutApiOrFleet', () => {
+    expect(compileSchedulerConfig({}, tls).grpcAddr).toBe(defaultApi({ FF_FLEET_DIR: '/nonexistent/ffleet' }));
   });
 
   it('rateAndMigrateMax_emptyOrWhitespace_areRefusedNamingTheVariable_notTurnedOff', () => {

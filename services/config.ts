@@ -339,7 +339,8 @@ export interface SchedulerConfig {
 export function compileSchedulerConfig(raw: Partial<Record<keyof SchedulerConfig, string>> = {}, env: NodeJS.ProcessEnv = process.env): SchedulerConfig {
   const get = (key: keyof SchedulerConfig, envName: string, dflt: string): [string, string] => [envName, raw[key] ?? env[envName] ?? dflt];
   const [sid, id] = get('id', 'FF_SCHEDULER_ID', `${hostname()}-${process.pid}`);
-  const [ga, grpcAddr] = get('grpcAddr', 'FF_GRPC_ADDR', '127.0.0.1:7700');
+  // The CLI's and the README's default API address (services/cli/hints.ts defaultApi): a scheduler started without FF_GRPC_ADDR is reached by a CLI given no --api.
+  const [ga, grpcAddr] = get('grpcAddr', 'FF_GRPC_ADDR', '127.0.0.1:17700');
   const [, etcd] = get('etcdEndpoints', 'FF_ETCD_ENDPOINTS', 'http://127.0.0.1:2379');
   const [nu, natsUrl] = get('natsUrl', 'FF_NATS_URL', 'nats://127.0.0.1:4222');
   const [, natsNkeyFile] = get('natsNkeyFile', 'FF_NATS_NKEY_FILE', '');

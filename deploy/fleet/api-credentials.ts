@@ -15,6 +15,20 @@ import type { FleetService } from '../../proto/gen/forkfleet/v1/fleet_pb.ts';
 import type { Client } from '../../services/adapters/grpc/rpc.ts';
 
 export const DEV_TENANT = 'dev';
+/**
+ * The tenant of credentials.json's admin token. A request that names no tenant acts as its
+ * credential's (services/auth/guard.ts), so what the Quick Start's CLI and SDK create is this tenant's.
+ */
+export const ADMIN_TENANT = 'admin';
+
+/**
+ * FF_DASHBOARD_TENANTS of the fleet's schedulers: `env`'s when set, else the tenants of the
+ * fleet's credential files (admin, dev) and of the examples (default, demo). The dashboard
+ * lists only these, so without the admin tenant it left out every sandbox the CLI made.
+ */
+export function fleetDashboardTenants(env: NodeJS.ProcessEnv = process.env): string {
+  return env.FF_DASHBOARD_TENANTS ?? [ADMIN_TENANT, 'default', 'demo', DEV_TENANT].join(',');
+}
 
 export function apiCredentialPaths(dir: string): { pki: string; caCert: string; serverCert: string; serverKey: string; tokensFile: string; credentials: string; devCredentials: string } {
   const pki = join(dir, 'pki');
@@ -35,7 +49,7 @@ export function makeApiCredentials(dir: string): void {
   mkdirSync(join(dir, 'keys'), { recursive: true, mode: 0o700 });
   rmSync(p.tokensFile, { force: true });
   // The admin's rate is high so load tests are not throttled; the dev tenant gets the default rate.
-  const admin = mintToken(p.tokensFile, { tenant: 'admin', admin: true, name: 'fleet-admin', rate: { per_s: 10_000, burst: 20_000 } });
+  const admin = mintToken(p.tokensFile, { tenant: ADMIN_TENANT, admin: true, name: 'fleet-admin', rate: { per_s: 10_000, burst: 20_000 } });
   const dev = mintToken(p.tokensFile, { tenant: DEV_TENANT, name: 'fleet-dev', quotas: { sandboxes: 200, memory_mib: 262_144, snapshot_bytes: 200 * 2 ** 30 } });
   writeFileSync(p.credentials, `${JSON.stringify({ token: admin, ca: 'pki/ca.crt' }, null, 2)}\n`, { mode: 0o600 });
   writeFileSync(p.devCredentials, `${JSON.stringify({ token: dev, ca: 'pki/ca.crt', tenant: DEV_TENANT }, null, 2)}\n`, { mode: 0o600 });

@@ -45,7 +45,7 @@ import type { NatsUser } from '../../services/adapters/nats/auth.ts';
 import { DEFAULT_RAM_MOUNT, ramDirFor } from '../../host-agent/adapters/qemu/ram-pool.ts';
 import { forwardMarkerOf, HOST_LINK_PREFIX, linkCursorOf } from '../../host-agent/adapters/netns/egress.ts';
 import { cpuHierarchy, GuestCgroup } from '../../host-agent/adapters/qemu/cgroup.ts';
-import { apiCredentialPaths, fleetApiClient, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
+import { apiCredentialPaths, fleetApiClient, fleetDashboardTenants, makeApiCredentials, schedulerApiEnv } from './api-credentials.ts';
 import { ensurePeerCert } from '../pki/pki.ts';
 import { bootId, cmdlineOf, identityOf, isQemuIn, isSameProcess, runsLaunchedCommand } from './proc-identity.ts';
 import { InvalidArgumentError } from '../../proto/errors.ts';
@@ -696,7 +696,7 @@ async function startSchedulers(state: FleetState, abort: AbortSignal): Promise<v
       FF_NATS_NKEY_FILE: join(natsKeysDir(state), 'scheduler.nk'),
       FF_SIGNING_KEY: state.signingKey,
       FF_DASHBOARD_METRICS: [0, 1].map((j) => `http://127.0.0.1:${state.options.basePort + 10 + j}/metrics`).join(','),
-      FF_DASHBOARD_TENANTS: process.env.FF_DASHBOARD_TENANTS ?? 'default,demo,dev',
+      FF_DASHBOARD_TENANTS: fleetDashboardTenants(),
       ...schedulerApiEnv(state.options.dir),
       ...state.options.schedulerEnv,
     });

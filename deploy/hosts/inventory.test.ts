@@ -311,4 +311,14 @@ describe('renderFiles', () => {
     const elsewhere = renderFiles(parseInventory({ ...example(), node: '/usr/local/bin/node' }), secrets);
     expect(elsewhere.find((f) => f.path === 'machines/kvm-01/etc/systemd/system/forkfleet-agent.service')?.content).toContain('ExecStart=/usr/local/bin/node --import tsx /opt/forkfleet/host-agent/main.ts');
   });
+
+  it('renderFiles_dashboardTenants_areEveryTenantTheTokensFileHasATokenFor', () => {
+    const entry = (tenant: string, digit: string, admin = false): object => ({ tenant, token_sha256: digit.repeat(64), admin, name: `${tenant}-${digit}` });
+    // The first render's admin token (credentials.json): what the CLI creates is tenant admin's.
+    const tokensJson = JSON.stringify({ tokens: [entry('admin', 'a', true), entry('acme', 'b'), entry('acme', 'c')] });
+    const minted = renderFiles(parseInventory(example()), { ...secrets, tokensJson });
+    for (const m of ['cp-1', 'cp-2']) expect(minted.find((f) => f.path === `machines/${m}/etc/forkfleet/scheduler.env`)?.content).toMatch(/^FF_DASHBOARD_TENANTS=admin,acme$/m);
+    // No token yet: the scheduler's own default.
+    expect(file('machines/cp-1/etc/forkfleet/scheduler.env')).not.toMatch(/FF_DASHBOARD_TENANTS/);
+  });
 });

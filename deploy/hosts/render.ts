@@ -36,7 +36,7 @@ import { createPublicKey, generateKeyPairSync, randomBytes } from 'node:crypto';
 import { parseArgs } from 'node:util';
 import { nkeys as natsNkeys } from 'nats';
 import { createNkeyFile, hostPermissions, natsAuthorization, type NatsUser } from '../../services/adapters/nats/auth.ts';
-import { mintToken } from '../../services/auth/tokens.ts';
+import { mintToken, parseTokensFile } from '../../services/auth/tokens.ts';
 import { ensureCa, ensureCert, ensureServerCert, type CertUse } from '../pki/pki.ts';
 import { peerCertificateCn } from '../../host-agent/adapters/peer/peer-identity.ts';
 import { hostPort, parseInventory, type Inventory } from './inventory.ts';
@@ -212,7 +212,10 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
     put(m.machine, 'etc/systemd/system/nats-server.service.d/forkfleet.conf', unit('nats-server.forkfleet.conf', inv));
   }
 
-  // Schedulers.
+  // Schedulers. The dashboard lists the sandboxes of FF_DASHBOARD_TENANTS only: every tenant
+  // the tokens file has a token for, the first admin's (what credentials.json's CLI creates)
+  // among them. A tenant minted later shows once rendered again (scheduler.env changes).
+  const tenants = [...new Set(parseTokensFile(s.tokensJson, 'secrets/tokens.json').map((e) => e.tenant))];
   for (const m of inv.schedulers) {
     const tls = s.schedulerTls.get(m.name)!;
     const etcdTls = s.etcdClientTls.get(m.name)!;
@@ -240,6 +243,7 @@ export function renderFiles(inv: Inventory, s: Secrets): RenderedFile[] {
       FF_TLS_CA: `${SCHEDULER_CREDENTIALS}/ca.crt`,
       FF_TOKENS_FILE: '/etc/forkfleet/tokens.json',
       FF_DASHBOARD_METRICS: inv.schedulers.map((o) => `http://${hostPort(o.address, p.metrics)}/metrics`).join(','),
+      ...(tenants.length > 0 ? { FF_DASHBOARD_TENANTS: tenants.join(',') } : {}),
       FF_LOG_LEVEL: 'info',
     }, `scheduler replica ${m.name} of Forkfleet cluster ${inv.name}`));
     put(m.machine, 'etc/forkfleet/scheduler/signing.pem', s.signingKey, 0o600);
@@ -334,8 +338,9 @@ function installGuide(inv: Inventory, apis: string): string {
     `8. From your workstation, in this directory: \`FF_CREDENTIALS=$PWD/credentials.json FF_API=${apis} npm --prefix ${REPO} run forkfleet -- hosts ls\``,
     `   (\`--prefix\`: the repository you rendered from; npm runs scripts there).`,
     '',
-    'Render again after adding hosts or schedulers: the secrets are kept, so only the new machines\' files',
-    'and the NATS configs (one user per host) change; copy those as in step 3, then on the NATS servers',
+    'Render again after adding hosts or schedulers: the secrets are kept, so only the new machines\' files,',
+    'the NATS configs (one user per host) and, with a new scheduler, every scheduler\'s `scheduler.env` (its',
+    'dashboard reads every scheduler\'s metrics: copy it and restart the schedulers one at a time) change; copy those as in step 3, then on the NATS servers',
     '`systemctl daemon-reload && systemctl reload nats-server` (the reload gives the copied config, which the copy',
     'leaves root:root, back to the group nats first: see its drop-in). The etcd',
     'membership is fixed by the first start (`ETCD_INITIAL_CLUSTER_STATE=new`): change it on a member with',

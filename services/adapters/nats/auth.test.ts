@@ -1,6 +1,10 @@
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { describe, expect, it } from 'vitest';
 import type { PeerCertificate } from 'node:tls';
-import { agentConnectOptions, hostGroupPermissions, hostPermissions, natsServerAuthConfig, natsTlsOptions } from './auth.ts';
+import { agentConnectOptions, createNkeyFile, hostGroupPermissions, hostPermissions, natsServerAuthConfig, natsTlsOptions, nkeyConnectOptions } from './auth.ts';
+import { fieldOf } from '../../testkit/fields.ts';
 
 describe('NATS permissions', () => {
   it('hostPermissions_namesOnlyItsOwnSubjectsAndConsumer', () => {
@@ -43,5 +47,28 @@ describe('An agent connection', () => {
     expect(o).toMatchObject({ pingInterval: 5_000, maxPingOut: 2, inboxPrefix: expect.stringContaining('host-a') });
     // Within the default FF_HOST_LOST_AFTER (30 s): (maxPingOut + 1) pings.
     expect(o.pingInterval! * (o.maxPingOut! + 1)).toBeLessThan(30_000);
+  });
+});
+
+describe('The NKey seed file', () => {
+  it('nkeyConnectOptions_whenFileUnreadable_failsNamingFF_NATS_NKEY_FILEAndThePath', () => {
+    const missing = join(tmpdir(), `ff-no-such-${process.pid}.nk`);
+    expect(fieldOf(() => nkeyConnectOptions(missing))).toBe('FF_NATS_NKEY_FILE');
+    expect(() => nkeyConnectOptions(missing)).toThrow(new RegExp(`^FF_NATS_NKEY_FILE: cannot read ${missing}: ENOENT`));
+    // The agent's path is the same variable.
+    expect(fieldOf(() => agentConnectOptions('host-a', missing))).toBe('FF_NATS_NKEY_FILE');
+  });
+
+  it('nkeyConnectOptions_whenNoUserSeed_failsNamingTheVariable_andASeedWorks', () => {
+    const dir = mkdtempSync(join(tmpdir(), 'ff-nkey-'));
+    try {
+      const bad = join(dir, 'bad.nk');
+      writeFileSync(bad, 'not a seed\n');
+      expect(fieldOf(() => nkeyConnectOptions(bad))).toBe('FF_NATS_NKEY_FILE');
+      const good = createNkeyFile(join(dir, 'good.nk')).seedFile;
+      expect(nkeyConnectOptions(good).authenticator).toBeTypeOf('function');
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 });

@@ -27,6 +27,7 @@ import { nkeyAuthenticator, nkeys } from 'nats';
 import type { ConnectionOptions, TlsOptions } from 'nats';
 import { agentInboxPrefix, STREAM_EVENTS, STREAM_RESULTS, STREAM_WORK, subjects, workConsumer } from './subjects.ts';
 import type { TlsClientPem } from '../../config.ts';
+import { InvalidArgumentError } from '../../../proto/errors.ts';
 
 export interface NatsPermissions {
   publish: { allow: string[] };
@@ -109,10 +110,19 @@ export function createNkeyFile(seedFile: string): NatsCredential {
   return { publicKey: kp.getPublicKey(), seedFile };
 }
 
-/** Connection options that authenticate with the NKey seed in `seedFile` (read once). */
-export function nkeyConnectOptions(seedFile: string): Pick<ConnectionOptions, 'authenticator'> {
-  const seed = readFileSync(seedFile, 'utf8').trim();
-  if (!/^SU[A-Z2-7]{56}$/.test(seed)) throw new Error(`${seedFile}: not a NATS user NKey seed`);
+/**
+ * Connection options that authenticate with the NKey seed in `seedFile` (read once). A file
+ * that cannot be read, or holds no user seed, fails naming `variable` (where the path came
+ * from), as the other FF_NATS_* files do (readTlsClientFiles): a bare ENOENT named none.
+ */
+export function nkeyConnectOptions(seedFile: string, variable = 'FF_NATS_NKEY_FILE'): Pick<ConnectionOptions, 'authenticator'> {
+  let seed: string;
+  try {
+    seed = readFileSync(seedFile, 'utf8').trim();
+  } catch (e) {
+    throw new InvalidArgumentError(variable, `cannot read ${seedFile}: ${(e as Error).message}`, { cause: e });
+  }
+  if (!/^SU[A-Z2-7]{56}$/.test(seed)) throw new InvalidArgumentError(variable, `${seedFile}: not a NATS user NKey seed`);
   return { authenticator: nkeyAuthenticator(new TextEncoder().encode(seed)) };
 }
 
