@@ -280,7 +280,7 @@ export async function startScheduler(config: SchedulerConfig, log: Logger, seams
     metricsAddress = typeof a === 'object' && a ? `${h}:${a.port}` : config.metricsAddr;
   }
 
-  const replaced = new Counter({ name: 'forkfleet_fork_children_replaced_total', help: "A fork's children whose host was lost while it started them: placed again on a live host (result=placed) or failed for want of room (result=failed).", labelNames: ['result'], registers: [registry] });
+  const replaced = new Counter({ name: 'forkfleet_fork_children_replaced_total', help: "A fork's children whose host was lost while it started them, or failed their restore for its own reasons: placed again on another host (result=placed) or failed for want of room (result=failed).", labelNames: ['result'], registers: [registry] });
   const stepSeconds = new Histogram({
     name: 'forkfleet_host_step_duration_seconds',
     help: "Host steps, from the leader's first send to the answer reaching it (or the step failing), by action (the HostWork kind, e.g. restore_vms) and result (succeeded, failed).",

@@ -5,14 +5,14 @@
 import { describe, expect, it, vi } from 'vitest';
 import type { Mock } from 'vitest';
 import pino from 'pino';
-import { Executor } from './executor.ts';
+import { Executor, sortFailedRestores } from './executor.ts';
 import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { HeartbeatSchema, HostEventSchema, HostEventType, HostResultSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
-import { ConflictError, HostStepError, NotLeaderError, OperationCancelledError, StoreFullError, StoreUnavailableError } from './errors.ts';
+import { ConflictError, HostLostError, HostStepError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
 import { leaderExecutor } from '../testkit/executor.ts';
 
@@ -396,7 +396,7 @@ describe('Executor fork children placed again', () => {
    * `hosts` (ready) where `holders` hold the snapshot; `changeFirst`'s record changes right after
    * it is first read. Returns where they went, what was committed and how often the cache reloaded.
    */
-  async function placeAgain(o: { ids: string[]; hosts: string[]; holders: string[]; replaced?: Record<string, unknown>; changeFirst?: string }): Promise<{ again: string[] | undefined; placed: string[]; loads: number }> {
+  async function placeAgain(o: { ids: string[]; hosts: string[]; holders: string[]; replaced?: Record<string, unknown>; changeFirst?: string; why?: ReadonlyMap<string, string> }): Promise<{ again: string[] | undefined; placed: string[]; loads: number; reasons: string[] }> {
     const child = (id: string): SandboxRec => ({ ...sandbox(id, 'gone', 'starting'), opId: 'op-fork' });
     const records = new Map<string, { value: SandboxRec; modRevision: number }>(o.ids.map((id) => [id, { value: child(id), modRevision: 7 }]));
     const snap = { id: 'sn-1', tenantId: 't', state: 'ready', hostIds: o.holders, storedBytes: 1 << 30, logicalBytes: 1 << 30, labels: {}, vmConfig: { machine: 'microvm', memoryMib: 512, vcpus: 2, devices: [], qemuVersion: '7.2.0', accel: 'tcg', cpuModel: 'max', image: 'tiny' } } as unknown as SnapshotRec;
@@ -425,7 +425,7 @@ describe('Executor fork children placed again', () => {
     const inner = ex as unknown as {
       active: boolean;
       cache: { apply(c: unknown): void; load(): Promise<void> };
-      replaceChildren(op: OperationRec, snapshotId: string, resources: SandboxRec['resources'], prefs: undefined, stranded: Array<{ rec: SandboxRec; rev: number }>, siblings: ReadonlyMap<string, number>, replaced: Record<string, unknown>): Promise<{ children: Array<{ rec: SandboxRec }> } | undefined>;
+      replaceChildren(op: OperationRec, snapshotId: string, resources: SandboxRec['resources'], prefs: undefined, stranded: Array<{ rec: SandboxRec; rev: number }>, siblings: ReadonlyMap<string, number>, replaced: Record<string, unknown>, why?: ReadonlyMap<string, string>): Promise<{ children: Array<{ rec: SandboxRec }> } | undefined>;
     };
     inner.active = true;
     for (const h of o.hosts) inner.cache.apply({ kind: 'host', value: { value: host(h, 'ready'), modRevision: 1 } });
@@ -436,8 +436,8 @@ describe('Executor fork children placed again', () => {
     inner.cache.load = async () => {
       loads++;
     };
-    const again = await inner.replaceChildren(op, 'sn-1', res, undefined, [...records.values()].map((r) => ({ rec: r.value, rev: r.modRevision })), new Map(), { ...(o.replaced ?? {}) });
-    return { again: again?.children.map((c) => `${c.rec.id}@${c.rec.hostId}`).sort(), placed: placed.sort(), loads };
+    const again = await inner.replaceChildren(op, 'sn-1', res, undefined, [...records.values()].map((r) => ({ rec: r.value, rev: r.modRevision })), new Map(), { ...(o.replaced ?? {}) }, o.why);
+    return { again: again?.children.map((c) => `${c.rec.id}@${c.rec.hostId}`).sort(), placed: placed.sort(), loads, reasons: again?.children.map((c) => c.rec.stateReason) ?? [] };
   }
 
   it('oneOfThemChangedMeanwhile_theOthersArePlacedAgainWithoutIt_afterOneConflict_notFailedAfterTenReloads', async () => {
@@ -449,12 +449,49 @@ describe('Executor fork children placed again', () => {
     expect(r.loads).toBeLessThanOrEqual(2);
   });
 
+  it('takenOffAHostThatFailedTheirRestore_sayWhyInTheirRecords', async () => {
+    const r = await placeAgain({ ids: ['X'], hosts: ['live'], holders: ['live'], why: new Map([['gone', 'failed their restore']]) });
+    expect(r.again).toEqual(['X@live']);
+    expect(r.reasons).toEqual(['placed again: host gone failed their restore']);
+  });
+
   it('aChildPlacedAgainBefore_isNeverPlacedBackOnTheHostItWasFirstTakenOff_thoughThatHostHoldsTheSnapshot', async () => {
     // X was taken off `old` once (told there to give it up), then `gone` was lost too.
     const r = await placeAgain({ ids: ['X'], hosts: ['old', 'other'], holders: ['old'], replaced: { X: { times: 1, by: 'again-1', from: ['old'] } } });
     expect(r.again).toEqual(['X@other']);
     // Without that record, `old` (which holds the snapshot) is where it goes.
     expect((await placeAgain({ ids: ['X'], hosts: ['old', 'other'], holders: ['old'] })).again).toEqual(['X@old']);
+  });
+});
+
+describe('A fork restore round that failed on some hosts', () => {
+  const round = (hostId: string, error: unknown, stepFailed = true, ids = [`${hostId}-1`]) => ({ hostId, children: ids.map((id) => ({ rec: { id } })), error, stepFailed });
+
+  it('placesAgainTheChildrenOfLostHostsAndOfHostsThatFailedTheirRestoreForTheirOwnReasons_failsTheOthers', () => {
+    const r = sortFailedRestores(
+      [
+        round('lost', new HostLostError('lost', 'restore/lost')),
+        round('broken', new HostStepError('broken', 'restore/broken', 'internal', 'qemu died', false)),
+        round('slow', new StepTimeoutError('slow', 'restore/slow', 1000)),
+        round('refused', new HostStepError('refused', 'restore/refused', 'failed_precondition', 'told to give it up', false)),
+        // Its step answered (its VMs run): only marking them running failed.
+        round('answered', new HostStepError('answered', 'restore/answered', 'internal', 'x', false), false),
+        // Failed before its step went out (no holder left to fetch from).
+        round('unsent', new WrongStateError('snapshot', 'sn-1', 'held by no host', 'cannot fetch it'), false),
+      ],
+      {},
+    );
+    expect(r.stranded.map((f) => f.hostId)).toEqual(['lost', 'broken', 'slow']);
+    expect(Object.fromEntries(r.why)).toEqual({ lost: 'was lost', broken: 'failed their restore', slow: 'failed their restore' });
+    expect(r.failing.map((f) => f.hostId)).toEqual(['refused', 'answered', 'unsent']);
+    expect(r.hostFaults).toEqual(['lost', 'broken', 'slow']);
+  });
+
+  it('failsTheChildrenOfAHostOnceAnyOfThemWasPlacedAgainTwice', () => {
+    const r = sortFailedRestores([round('broken', new HostStepError('broken', 'restore/broken', 'unavailable', 'disk full', true), true, ['A', 'B'])], { B: { times: 2, by: 'again-2', from: ['x', 'y'] } });
+    expect(r.stranded).toEqual([]);
+    expect(r.failing.map((f) => f.hostId)).toEqual(['broken']);
+    expect(r.hostFaults).toEqual(['broken']);
   });
 });
 

@@ -58,7 +58,7 @@ const FAILED_STARTS_COUNTED = 3;
 const FAILED_STARTS_MS = 5 * 60_000;
 
 /** A fork's children placed again (op input `replaced`): how often, by which placement (its name), and the hosts they were taken off (never placed back there). */
-type Replacements = Record<string, { times: number; by: string; from?: string[] }>;
+export type Replacements = Record<string, { times: number; by: string; from?: string[] }>;
 function replacedAgain(before: Replacements[string] | undefined, by: string, from: string): Replacements[string] {
   return { times: (before?.times ?? 0) + 1, by, from: [...new Set([...(before?.from ?? []), from])] };
 }
@@ -426,6 +426,27 @@ function givenUpMayStillStart(e: unknown): boolean {
 function startFailedOnHost(e: unknown): boolean {
   if (e instanceof StepTimeoutError || e instanceof HostLostError) return true;
   return e instanceof HostStepError && ['internal', 'unavailable', 'resource_exhausted', 'deadline_exceeded'].includes(e.kind);
+}
+
+/**
+ * A fork's restore round's failed hosts: whose children are placed again (`stranded`, with `why`
+ * each host failed them) and whose fail (`failing`). Placed again, up to FORK_REPLACEMENTS
+ * times each: children of a host that was lost, or whose restore step failed for the host's own
+ * reasons (startFailedOnHost; not a step that answered, whose VMs run, nor one that never went
+ * out). `hostFaults`: the hosts that failed so (placement prefers others for a while).
+ */
+export function sortFailedRestores<F extends { hostId: string; children: ReadonlyArray<{ rec: { id: string } }>; error: unknown; stepFailed: boolean }>(failed: readonly F[], replaced: Replacements): { stranded: F[]; why: Map<string, string>; failing: F[]; hostFaults: string[] } {
+  const out = { stranded: [] as F[], why: new Map<string, string>(), failing: [] as F[], hostFaults: [] as string[] };
+  for (const f of failed) {
+    const lost = f.error instanceof HostLostError;
+    const hostFault = lost || (f.stepFailed && startFailedOnHost(f.error));
+    if (hostFault) out.hostFaults.push(f.hostId);
+    if (hostFault && f.children.every((c) => (replaced[c.rec.id]?.times ?? 0) < FORK_REPLACEMENTS)) {
+      out.stranded.push(f);
+      out.why.set(f.hostId, lost ? 'was lost' : 'failed their restore');
+    } else out.failing.push(f);
+  }
+  return out;
 }
 
 /** The hosts a create's start failed on so far, as its op records them (placeCreateAgain). */
@@ -2592,7 +2613,7 @@ export class Executor {
         // outage after it): its VM is stopped (a stop of a VM never made does nothing).
         if (!this.active || e instanceof StoreUnavailableError) throw e;
         let end = e;
-        if (startFailedOnHost(e)) this.failedStarts.set(sb.hostId, { count: (this.failedStarts.get(sb.hostId)?.count ?? 0) + 1, at: this.deps.clock.now() });
+        if (startFailedOnHost(e)) this.noteFailedStart(sb.hostId);
         if (startFailedOnHost(e) && tried.length + 1 < CREATE_HOSTS && !prefs?.hostId && !this.cancelRequested(op.id)) {
           const moved = await this.placeCreateAgain(op, sb, e, [...tried, sb.hostId], request).catch((again: unknown) => {
             // Cancelled meanwhile: it ends so. No other host could take it: it ends on its host's failure.
@@ -2625,6 +2646,11 @@ export class Executor {
       return this.destroyForCancel(op, { sandboxIds: [sb.id] }, [sb.id]);
     }
     await this.finishRunning(op, sb);
+  }
+
+  /** A start (a create's, a fork's restore) failed on `hostId` for the host's own reasons: placement prefers other hosts for a while (FAILED_START_QUEUE). */
+  private noteFailedStart(hostId: string): void {
+    this.failedStarts.set(hostId, { count: (this.failedStarts.get(hostId)?.count ?? 0) + 1, at: this.deps.clock.now() });
   }
 
   /**
@@ -3803,9 +3829,10 @@ export class Executor {
     } else ({ children, transfers } = await this.childrenOf(op, opNow));
 
     // 3. One restore step per host, in transfer waves (restoreRound). Children a host that
-    //    was lost meanwhile was starting are placed again on live hosts (replaceChildren), up
-    //    to FORK_REPLACEMENTS times each: a fork of 64 whose host dies mid-way still ends
-    //    with 64 children when the fleet has room for them.
+    //    was lost meanwhile was starting, or whose restore failed there for the host's own
+    //    reasons (sortFailedRestores), are placed again on other hosts (replaceChildren), up
+    //    to FORK_REPLACEMENTS times each: a fork of 64 whose host dies mid-way, or cannot
+    //    restore (a full disk), still ends with 64 children when the fleet has room for them.
     const replaced: Replacements = { ...((this.ops.get(op.id)?.value ?? opNow).input as { replaced?: Replacements }).replaced };
     // A run again (a failover, a store failure) after children were placed again: the hosts they
     // were taken off are told to give them up once more. The first run sent that after its
@@ -3814,7 +3841,7 @@ export class Executor {
     for (const c of children) {
       if (c.rec.state !== 'starting') continue;
       for (const from of replaced[c.rec.id]?.from ?? []) {
-        if (from !== c.rec.hostId) void this.sendHostWork(from, op.id, op.tenantId, `stop-replaced/${c.rec.id}`, stopVm(c.rec.id), 'could not tell a lost host to stop a child placed again elsewhere');
+        if (from !== c.rec.hostId) void this.sendHostWork(from, op.id, op.tenantId, `stop-replaced/${c.rec.id}`, stopVm(c.rec.id), 'could not tell a host to stop a child placed again elsewhere');
       }
     }
     /**
@@ -3860,26 +3887,20 @@ export class Executor {
       for (const c of batch) byPlacement.set(replaced[c.rec.id]?.by ?? '', [...(byPlacement.get(replaced[c.rec.id]?.by ?? '') ?? []), c]);
       const failed = (await Promise.all([...byPlacement].map(([by, b]) => this.restoreRound(op, snapshotId, sn, b, plan, by, onRunning)))).flat();
       if (!this.active) return;
-      // A host that failed: its children fail, unless the host was lost and they can be placed
-      // again. A host whose children could not be marked running (the store failed) is left
+      // A host that failed: its children fail, unless the host was lost or failed their restore
+      // for its own reasons, and they can be placed again. A host whose children could not be marked running (the store failed) is left
       // as it is: the fork runs again (run()), finding the others running and that host's
       // restore answered already.
-      const stranded: typeof failed = [];
-      for (const f of failed) {
-        if (f.error instanceof StoreUnavailableError) continue;
-        if (f.error instanceof HostLostError && f.children.every((c) => (replaced[c.rec.id]?.times ?? 0) < FORK_REPLACEMENTS)) {
-          stranded.push(f);
-          continue;
-        }
-        await fail(f);
-      }
+      const { stranded, why, failing, hostFaults } = sortFailedRestores(failed.filter((f) => !(f.error instanceof StoreUnavailableError)), replaced);
+      for (const h of hostFaults) this.noteFailedStart(h);
+      for (const f of failing) await fail(f);
       const unknown = failed.find((f) => f.error instanceof StoreUnavailableError);
       if (unknown) throw unknown.error;
       const moving = stranded.flatMap((f) => f.children);
       const movingIds = new Set(moving.map((c) => c.rec.id));
       const siblings = new Map<string, number>();
       for (const [id, h] of hostOf) if (!movingIds.has(id)) siblings.set(h, (siblings.get(h) ?? 0) + 1);
-      const again = moving.length > 0 ? await this.replaceChildren(op, snapshotId, resources, input.placement, moving, siblings, replaced) : undefined;
+      const again = moving.length > 0 ? await this.replaceChildren(op, snapshotId, resources, input.placement, moving, siblings, replaced, why) : undefined;
       if (moving.length > 0) this.deps.onChildrenReplaced?.(again ? 'placed' : 'failed', again ? again.children.length : moving.length);
       // No live host had room for them (or they moved on): they fail as their host did.
       if (!again) {
@@ -4028,8 +4049,10 @@ export class Executor {
     stranded: Array<{ rec: SandboxRec; rev: number }>,
     siblingsPerHost: ReadonlyMap<string, number>,
     replaced: Replacements,
+    /** Why each host the children are taken off could not start them ('was lost', 'failed their restore'). */
+    why: ReadonlyMap<string, string> = new Map(),
   ): Promise<{ children: Array<{ rec: SandboxRec; rev: number }>; transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }> } | undefined> {
-    // Only records still as the restore left them: starting, on the lost host, for this op.
+    // Only records still as the restore left them: starting, on the host that failed them, for this op.
     const stillStranded = async (of: readonly SandboxRec[]): Promise<Array<Versioned<SandboxRec>>> =>
       (await Promise.all(of.map((c) => this.deps.store.getSandbox(op.tenantId, c.id)))).filter(
         (v, i): v is Versioned<SandboxRec> => v !== undefined && v.value.state === 'starting' && v.value.hostId === of[i]!.hostId && v.value.opId === op.id,
@@ -4037,7 +4060,8 @@ export class Executor {
     let fresh = await stillStranded(stranded.map((c) => c.rec));
     if (fresh.length === 0) return undefined;
     const lostHosts = [...new Set(fresh.map((v) => v.value.hostId))];
-    this.log.warn({ opId: op.id, lostHosts, children: fresh.length }, 'placing children again: the host starting them was lost');
+    const whyOf = (h: string): string => `host ${h} ${why.get(h) ?? 'was lost'}`;
+    this.log.warn({ opId: op.id, hosts: lostHosts.map(whyOf), children: fresh.length }, 'placing children again: the host starting them was lost or failed their restore');
     const now = this.deps.clock.now();
     // Names this placement in the op record and in the step ids of its restores.
     const by = `again-${newId('op').slice(3, 11)}`;
@@ -4056,7 +4080,7 @@ export class Executor {
           const shares = forkBookings(res, snapshotId, resources);
           made = res.placements.map((p) => {
             const v = fresh[p.childIndex]!;
-            const rec: SandboxRec = { ...v.value, hostId: p.hostId, stateReason: `placed again: host ${v.value.hostId} was lost`, updatedAt: now };
+            const rec: SandboxRec = { ...v.value, hostId: p.hostId, stateReason: `placed again: ${whyOf(v.value.hostId)}`, updatedAt: now };
             const imageShare = shares.imageShare(p.hostId);
             if (imageShare) rec.imageShare = imageShare;
             else delete rec.imageShare;
@@ -4081,7 +4105,7 @@ export class Executor {
               // migration, holding nothing to serve) or out of a lost host, are dropped.
               inp.transfers = [...(inp.transfers ?? []).filter((t) => !dests.has(t.destinationHostId) && !dests.has(t.sourceHostId) && !lostHosts.includes(t.sourceHostId)), ...plan];
               inp.replaced = { ...inp.replaced, ...Object.fromEntries(made.map((m) => [m.rec.id, replacedAgain(inp.replaced?.[m.rec.id], by, m.from)])) };
-              o.progress.message = `placing ${made.length} children again: host ${lostHosts.join(', ')} was lost`;
+              o.progress.message = `placing ${made.length} children again: ${lostHosts.map(whyOf).join('; ')}`;
             },
           };
         },
@@ -4096,7 +4120,7 @@ export class Executor {
       // The lost host may only be away: back, its agent would run the restore still queued for
       // it and start a second VM of each child. A stop of this op, queued behind that restore,
       // ends any it made, and one that arrives first makes the agent skip them (agent.ts).
-      for (const v of fresh) void this.sendHostWork(v.value.hostId, op.id, op.tenantId, `stop-replaced/${v.value.id}`, stopVm(v.value.id), 'could not tell a lost host to stop a child placed again elsewhere');
+      for (const v of fresh) void this.sendHostWork(v.value.hostId, op.id, op.tenantId, `stop-replaced/${v.value.id}`, stopVm(v.value.id), 'could not tell a host to stop a child placed again elsewhere');
       return { children: made.map((m) => ({ rec: m.rec, rev: placed.revision })), transfers: plan };
     } catch (e) {
       if (e instanceof StoreUnavailableError) throw e;
