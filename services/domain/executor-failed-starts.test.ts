@@ -2,15 +2,12 @@
 // Executor against stub ports of our own, placing through its real placement group and the
 // placement library.
 import { describe, expect, it } from 'vitest';
-import pino from 'pino';
 import { create } from '@bufbuild/protobuf';
-import { Executor } from './executor.ts';
-import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { HostRec, OperationRec } from './records.ts';
 import type { PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
-import { stubPort } from '../testkit/executor.ts';
+import { leaderExecutor } from '../testkit/executor.ts';
 
 const host = (id: string, vcpus: number, now: number): HostRec => ({ id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus, memoryMib: 16_384, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0', cpuModel: 'max', machine: 'microvm', peerAddress: '10.0.0.1:7000', linkBytesPerSecond: 1.25e8, labels: {}, registeredAt: 0, lastHeartbeatAt: now, bootId: 'b' });
 
@@ -22,22 +19,12 @@ function executor(vcpus: { a: number; b: number }, clock: { now: number }) {
   };
   const heard = new HeartbeatRegistry();
   for (const h of ['a', 'b']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, restoreCostMs: 300 }), clock.now);
-  const ex = new Executor({
-    store: stubPort<ExecutorDeps['store']>(store),
-    bus: stubPort<ExecutorDeps['bus']>({}),
-    clock: { now: () => clock.now },
-    log: pino({ level: 'silent' }),
-    heard,
-    signer: stubPort({}),
-    config: { liveness: { suspectAfterMs: 3_600_000, lostAfterMs: 7_200_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 },
-  });
+  const ex = leaderExecutor(store, { heard, clock: { now: () => clock.now }, config: { liveness: { suspectAfterMs: 3_600_000, lostAfterMs: 7_200_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 } });
   const inner = ex as unknown as {
-    active: boolean;
     failedStarts: Map<string, { count: number; at: number }>;
     cache: { apply(c: unknown): void; load(): Promise<void> };
     placeAndBook(op: OperationRec, snapshot: undefined, request: () => PlacementRequest, records: () => { perChild: { res: { vcpus: number; memoryMib: number; diskMib: number } }; writes: [] }): Promise<{ result: Extract<PlacementResult, { ok: true }> }>;
   };
-  inner.active = true;
   inner.cache.apply({ kind: 'host', value: { value: host('a', vcpus.a, clock.now), modRevision: 1 } });
   inner.cache.apply({ kind: 'host', value: { value: host('b', vcpus.b, clock.now), modRevision: 1 } });
   inner.cache.load = async () => undefined;
