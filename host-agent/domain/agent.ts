@@ -7,6 +7,7 @@
 // anything is done, so a retry neither duplicates nor loses a VM.
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
 import { durationFromMs, timestampMs } from '@bufbuild/protobuf/wkt';
+import type { Duration } from '@bufbuild/protobuf/wkt';
 import type { Logger } from 'pino';
 import type { VmmDriver, VmInfo, LocalSnapshot, GuestImage, Clock, NetworkPolicySpec, IncomingSource, CloneSpec, MigrationStream } from './vmm.ts';
 import {
@@ -486,9 +487,13 @@ export class Agent {
     return create(HostEventSchema, { hostId: this.deps.config.hostId, type, time: { seconds: BigInt(Math.floor(this.deps.clock.now() / 1000)) }, ...fields });
   }
 
-  vmStatus(v: VmInfo): VmStatus {
+  /**
+   * `more`: fields set in the same create. Not spread onto a message afterwards: a copy of a
+   * message object costs more than making it (a heartbeat makes one per VM of the host).
+   */
+  vmStatus(v: VmInfo, more: { idle?: Duration; reason?: string } = {}): VmStatus {
     const rss = v.pid && this.deps.rss ? (this.deps.rss(v.pid) ?? 0) : 0;
-    return create(VmStatusSchema, { sandboxId: v.sandboxId || v.vmId, state: VM_STATE[v.state], pid: v.pid, rssBytes: BigInt(rss) });
+    return create(VmStatusSchema, { sandboxId: v.sandboxId || v.vmId, state: VM_STATE[v.state], pid: v.pid, rssBytes: BigInt(rss), ...more });
   }
 
   private touch(vmId: string): void {
@@ -588,7 +593,7 @@ export class Agent {
     // The host's, not its first VM's: an empty KVM host reported TCG, and no KVM snapshot was
     // placed on it.
     const accel = cfg.accel;
-    const statuses = vms.map((v) => ({ ...this.vmStatus(v), idle: durationFromMs(Math.round(this.idleMs(v))) }));
+    const statuses = vms.map((v) => this.vmStatus(v, { idle: durationFromMs(Math.round(this.idleMs(v))) }));
     // Activity of VMs that are gone: forgotten, so the map stays as large as the host's VMs.
     if (this.activity.size > vms.length) {
       const live = new Set(vms.map((v) => v.vmId));
@@ -1287,7 +1292,7 @@ export class Agent {
         // A VM made now (a fork's child, a woken sandbox) has been idle for no time at all,
         // whatever an earlier VM of the same sandbox on this host last did.
         for (const v of made) this.touch(v.vmId);
-        result.vms = [...have, ...made].map((v) => ({ ...this.vmStatus(v), reason: reports.get(v.vmId) ?? '' }));
+        result.vms = [...have, ...made].map((v) => this.vmStatus(v, { reason: reports.get(v.vmId) ?? '' }));
         log.info({ children: made.length, reused: have.length, bytesFetched: Number(result.bytesFetched), migrated: !!migrated }, 'restored');
         return;
       }
@@ -1326,7 +1331,7 @@ export class Agent {
         this.touch(vm.vmId);
         // A redelivery (the agent died after the hooks, before the result) does not run them again.
         const reason = await this.hooksOnce(w, vm.vmId, work.value.afterResume, log, false);
-        result.vms = [{ ...this.vmStatus(this.vmOf(vm.vmId)), reason }];
+        result.vms = [this.vmStatus(this.vmOf(vm.vmId), { reason })];
         return;
       }
       case 'destroyVm': {
