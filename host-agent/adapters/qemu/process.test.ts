@@ -29,12 +29,14 @@ describe('spawnQemu', () => {
 
 describe('isKilled', () => {
   it('ofAZombie_isTrue_ofARunningProcess_false_andOfOneGone_true', async () => {
-    // `true` ends at once; its parent (now `sleep`, by exec) never waits for it: a zombie.
-    const parent = spawn('/bin/sh', ['-c', 'true & echo $!; exec sleep 30'], { stdio: ['ignore', 'pipe', 'ignore'] });
+    // The child ends a second later; its parent (by then `sleep 30`, by exec) never waits for
+    // it: a zombie. (A child that ended at once was at times reaped by the shell before its
+    // exec, and its /proc entry was gone.)
+    const parent = spawn('/bin/sh', ['-c', 'sleep 1 & echo $!; exec sleep 30'], { stdio: ['ignore', 'pipe', 'ignore'] });
     try {
       const zombie = Number((await new Promise<string>((r) => parent.stdout.once('data', (d: Buffer) => r(d.toString())))).trim());
-      // Until `true` has ended (a busy machine may take a while to run it).
-      for (let i = 0; i < 100 && !/\) Z /.test(readFileSync(`/proc/${zombie}/stat`, 'utf8')); i++) await new Promise((r) => setTimeout(r, 50));
+      // Until the child has ended (a busy machine may take a while to run it).
+      for (let i = 0; i < 200 && !/\) Z /.test(readFileSync(`/proc/${zombie}/stat`, 'utf8')); i++) await new Promise((r) => setTimeout(r, 50));
       expect(isAlive(zombie)).toBe(true);
       expect(isKilled(zombie)).toBe(true);
       expect(isKilled(parent.pid!)).toBe(false);
