@@ -175,6 +175,8 @@ describe('fetchChunks', () => {
     const outcome = await Promise.race([fetching.then(() => 'resolved', (e: unknown) => e), new Promise((r) => setTimeout(() => r('still running'), 5_000))]);
     expect(outcome).toBeInstanceOf(ChunksUnavailableError);
     expect(String(outcome)).toMatch(/EIO/);
+    // This host's own failure: not put on the sources (the scheduler may place the sandboxes elsewhere).
+    expect((outcome as ChunksUnavailableError).field).toBeUndefined();
     expect(asked).toBeGreaterThanOrEqual(1);
     expect(asked).toBeLessThanOrEqual(3);
   }, 10_000);
@@ -304,7 +306,10 @@ describe('fetchSnapshot', () => {
         };
       },
     };
-    await expect(fetchSnapshot('sn-1', [failing], { chunks: store, manifests, roots, trust: trusted }, { signed: signManifest(manifest, signing), maxAttempts: 1, streamsPerSource: 1 })).rejects.toBeInstanceOf(ChunksUnavailableError);
+    const fetching = fetchSnapshot('sn-1', [failing], { chunks: store, manifests, roots, trust: trusted }, { signed: signManifest(manifest, signing), maxAttempts: 1, streamsPerSource: 1 });
+    await expect(fetching).rejects.toBeInstanceOf(ChunksUnavailableError);
+    // The source failed it, not this host: the error says so (the scheduler does not move the sandboxes for it).
+    await expect(fetching).rejects.toMatchObject({ field: 'fetch.sources' });
     // A GC right after the failure (grace 60 s) leaves what the fetch received; a retry asks only for the rest.
     await collectGarbage({ chunks: store, manifests, roots, clock: systemClock, graceMs: 60_000 });
     expect(await store.missing(chunks.keys())).toEqual([third]);

@@ -604,7 +604,8 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   report.ms = Math.round(performance.now() - t0);
   if (pending.size > 0) {
     const why = report.sources.map((s) => `${s.id}: ${s.lastError ?? `${s.missing} missing, ${s.rejected} rejected`}`).join('; ');
-    throw new ChunksUnavailableError([...pending], why || 'no sources', localFailure ? { cause: localFailure } : {});
+    // The sources' failure, unless this host's own write failed (a disk error here).
+    throw new ChunksUnavailableError([...pending], why || 'no sources', localFailure ? { cause: localFailure } : { field: 'fetch.sources' });
   }
   return report;
 }

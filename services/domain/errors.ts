@@ -75,7 +75,13 @@ export class HostStepError extends ForkfleetError {
    * tenants read. Undefined for named errors, whose message says it all.
    */
   readonly detail: string | undefined;
-  constructor(hostId: string, step: string, kind: string, message: string, retryable: boolean) {
+  /**
+   * The part of the step's work the host says was at fault (its error's `field`: the fetch
+   * plan's sources when no source could deliver the snapshot, say): not the host's own failure.
+   * Kept off the error's `field`, which names a field of the tenant's request.
+   */
+  readonly workField: string;
+  constructor(hostId: string, step: string, kind: string, message: string, retryable: boolean, workField = '') {
     // The kinds a host's failure keeps; others (a ticket the peer refused, permission_denied,
     // say) are the host's problem, not the caller's request: internal, their text kept.
     const kept = ['invalid_argument', 'not_found', 'failed_precondition', 'resource_exhausted', 'unavailable', 'deadline_exceeded'].includes(kind);
@@ -88,6 +94,7 @@ export class HostStepError extends ForkfleetError {
       { retryable },
     );
     this.detail = named ? undefined : `host ${hostId}: ${step}: ${message}`;
+    this.workField = workField;
   }
 }
 
@@ -116,8 +123,11 @@ export class HostLostError extends ForkfleetError {
 }
 
 export class StepTimeoutError extends ForkfleetError {
-  constructor(hostId: string, step: string, ms: number) {
-    super('deadline_exceeded', `host ${hostId} did not finish ${step} within ${ms} ms`, { retryable: true });
+  /** No send of the step reached the bus (NATS down or unreachable from this replica): the host never had it. */
+  readonly neverSent: boolean;
+  constructor(hostId: string, step: string, ms: number, neverSent = false) {
+    super('deadline_exceeded', neverSent ? `no send of ${step} to host ${hostId} reached the work bus within ${ms} ms` : `host ${hostId} did not finish ${step} within ${ms} ms`, { retryable: true });
+    this.neverSent = neverSent;
   }
 }
 

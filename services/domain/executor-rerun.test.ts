@@ -476,14 +476,19 @@ describe('A fork restore round that failed on some hosts', () => {
         round('refused', new HostStepError('refused', 'restore/refused', 'failed_precondition', 'told to give it up', false)),
         // Its step answered (its VMs run): only marking them running failed.
         round('answered', new HostStepError('answered', 'restore/answered', 'internal', 'x', false), false),
-        // Failed before its step went out (no holder left to fetch from).
-        round('unsent', new WrongStateError('snapshot', 'sn-1', 'held by no host', 'cannot fetch it'), false),
+        // Failed before its step went out (no holder left to fetch from): restoreRound marks it
+        // stepFailed too, but the error is no host's.
+        round('unsent', new WrongStateError('snapshot', 'sn-1', 'held by no host', 'cannot fetch it')),
+        // No source could deliver the snapshot (the host names the fetch plan's sources).
+        round('sourceless', new HostStepError('sourceless', 'restore/sourceless', 'unavailable', '3 chunk(s) unavailable from every source: ...', true, 'fetch.sources')),
+        // NATS was down: no send reached the host.
+        round('unsendable', new StepTimeoutError('unsendable', 'restore/unsendable', 1000, true)),
       ],
       {},
     );
     expect(r.stranded.map((f) => f.hostId)).toEqual(['lost', 'broken', 'slow']);
     expect(Object.fromEntries(r.why)).toEqual({ lost: 'was lost', broken: 'failed their restore', slow: 'failed their restore' });
-    expect(r.failing.map((f) => f.hostId)).toEqual(['refused', 'answered', 'unsent']);
+    expect(r.failing.map((f) => f.hostId)).toEqual(['refused', 'answered', 'unsent', 'sourceless', 'unsendable']);
     expect(r.hostFaults).toEqual(['lost', 'broken', 'slow']);
   });
 

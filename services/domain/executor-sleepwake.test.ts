@@ -198,7 +198,7 @@ describe('a create whose start fails on its host', () => {
       avoided.push((request as () => { preferences: { avoidHostIds?: string[] } })().preferences.avoidHostIds);
       const hostId = hosts.shift();
       if (!hostId) throw new NoCapacityError('no host has room');
-      const r = records({ placements: [{ hostId }] });
+      const r = records({ placements: [{ hostId }], explanation: { summary: `placed on ${hostId}` } });
       r.opUpdate?.(w.op);
       w.opRev = ++w.rev;
       for (const x of r.writes) {
@@ -276,6 +276,31 @@ describe('a create whose start fails on its host', () => {
     await expect(ex.runCreate(w.op)).rejects.toMatchObject({ detail: 'host C: create: image build failed on C' });
     expect(steps).toEqual(['create/B@B', 'create/C@C']);
     expect(avoided).toEqual([['A', 'B']]);
+  });
+
+  it('runAgainAfterAFailoverOnceMoved_tellsTheHostItWasMovedOffToGiveItUpAgain', async () => {
+    // The first run may have died between its move's commit and its stop to A.
+    const { w, ex, steps, stops } = createOnA(() => undefined, { input: { startFailedOn: ['A'] }, sb: { hostId: 'B' } });
+    await ex.runCreate(w.op);
+    expect(steps).toEqual(['create/B@B']);
+    expect(stops).toEqual(['stop-replaced/sb-a@A']);
+    expect(w.sb).toMatchObject({ state: 'running', hostId: 'B' });
+  });
+
+  it('whoseSourcesCouldNotDeliverItsSnapshot_orWhoseStepNeverReachedTheBus_failsThere_withoutTryingAnotherHost', async () => {
+    for (const e of [new HostStepError('A', 'create', 'unavailable', '3 chunk(s) unavailable from every source: x', true, 'fetch.sources'), new StepTimeoutError('A', 'create', 1000, true)]) {
+      const { w, ex, steps, avoided } = createOnA(() => e);
+      await expect(ex.runCreate(w.op), e.message).rejects.toBe(e);
+      expect(steps, e.message).toEqual(['create@A']);
+      expect(avoided, e.message).toEqual([]);
+      expect(w.sb.state, e.message).toBe('failed');
+    }
+  });
+
+  it('movedToAnotherHost_recordsTheNewPlacementsExplanation', async () => {
+    const { w, ex } = createOnA((h) => (h === 'A' ? hostFailure(h) : undefined));
+    await ex.runCreate(w.op);
+    expect(w.op.result).toMatchObject({ explanation: { summary: 'placed on B' } });
   });
 });
 

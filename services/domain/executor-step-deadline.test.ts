@@ -11,16 +11,18 @@ import type { ExecutorDeps } from './executor.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
 import { HostResultSchema, type HostWork } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import type { OperationRec } from './records.ts';
+import { ForkfleetError } from '../../proto/errors.ts';
 
 function stub<T>(methods: Record<string, unknown>): T {
   return new Proxy(methods, { get: (target, key) => (key in target ? target[key as string] : key === 'then' ? undefined : async () => []) }) as T;
 }
 
 /** Runs one pause step on host h1 whose sends the host answers with `answer(send)`; returns the step's outcome and the sends. */
-async function stepAnswered(answer: (w: HostWork) => { kind?: string; attempt?: number; extra?: object } | undefined, attempts = 3): Promise<{ outcome: unknown; sends: HostWork[]; ex: Executor }> {
+async function stepAnswered(answer: (w: HostWork) => { kind?: string; attempt?: number; extra?: object } | undefined, attempts = 3, o: { stepTimeoutMs?: number; publishFails?: () => Error } = {}): Promise<{ outcome: unknown; sends: HostWork[]; ex: Executor }> {
   const sends: HostWork[] = [];
   const ref: { ex?: Executor } = {};
   const sendWork = async (_hostId: string, w: HostWork): Promise<void> => {
+    if (o.publishFails) throw o.publishFails();
     sends.push(w);
     const a = answer(w);
     if (!a) return;
@@ -34,7 +36,7 @@ async function stepAnswered(answer: (w: HostWork) => { kind?: string; attempt?: 
     log: pino({ level: 'silent' }),
     heard: new HeartbeatRegistry(),
     signer: stub({}),
-    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 2000, stepAttempts: attempts, chunkBytes: 1 << 18 },
+    config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: o.stepTimeoutMs ?? 2000, stepAttempts: attempts, chunkBytes: 1 << 18 },
   });
   ref.ex = ex;
   const inner = ex as unknown as { active: boolean; step(op: OperationRec, stepId: string, hostId: string, work: HostWork['work']): Promise<unknown> };
@@ -70,6 +72,20 @@ describe('Executor host step answered at its deadline', () => {
     expect(outcome).toMatchObject({ kind: 'deadline_exceeded' });
     expect((outcome as Error).message).toMatch(/did not finish/);
     expect(sends).toHaveLength(3);
+  });
+});
+
+describe('A host step that cannot be sent', () => {
+  it('becauseNoPublishReachesTheBus_failsAsATimeoutThatSaysItNeverLeft_notTheHostsFault', async () => {
+    const { outcome, sends } = await stepAnswered(() => ({}), 1, { stepTimeoutMs: 300, publishFails: () => new Error('NATS connection closed') });
+    expect(sends).toHaveLength(0);
+    expect(outcome).toMatchObject({ kind: 'deadline_exceeded', neverSent: true });
+    expect((outcome as Error).message).toMatch(/reached the work bus/);
+  });
+
+  it('becauseItIsLargerThanTheBusCarries_failsAtOnce_namingTheWorkAtFault', async () => {
+    const { outcome } = await stepAnswered(() => ({}), 3, { publishFails: () => new ForkfleetError('resource_exhausted', 'message of 9 MiB over max_payload') });
+    expect(outcome).toMatchObject({ kind: 'resource_exhausted', workField: 'work' });
   });
 });
 

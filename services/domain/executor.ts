@@ -46,9 +46,10 @@ const FORK_REPLACEMENTS = 2;
 /** How many hosts a create tries before it fails: one whose start failed there for the host's reasons is placed on another (createHostsTried). */
 const CREATE_HOSTS = 3;
 /**
- * A host whose creates failed lately for its own reasons (startFailedOnHost) is placed on as if
- * this many steps were queued there per failure (up to FAILED_STARTS_COUNTED of them), for
- * FAILED_STARTS_MS after the last one or until a start there succeeds: placement prefers other
+ * A host whose creates or fork restores failed lately for its own reasons (startFailedOnHost)
+ * is placed on as if this many steps were queued there per failure (up to FAILED_STARTS_COUNTED
+ * of them), for FAILED_STARTS_MS after the last one or until a start there (a create, a fork's
+ * restore, a wake) succeeds: placement prefers other
  * hosts while they have room, and uses it when none has. Without it a host that failed every
  * start (an image it cannot build) looked the emptiest, its bookings released, and took most
  * new creates.
@@ -421,11 +422,14 @@ function givenUpMayStillStart(e: unknown): boolean {
  * A start that failed for its host's reasons, which another host may not share: no answer in
  * time, the host lost, or the host's own failure (an image it could not build, QEMU that would
  * not start, its disk full). Not one the request itself caused (invalid_argument, not_found,
- * failed_precondition): every host would refuse it the same.
+ * failed_precondition): every host would refuse it the same; nor one whose host names a part of
+ * the work at fault (workField: the fetch plan's sources, a step too large for the bus), nor a
+ * step no send of which reached the bus (NATS down: no other host would get it either).
  */
 function startFailedOnHost(e: unknown): boolean {
-  if (e instanceof StepTimeoutError || e instanceof HostLostError) return true;
-  return e instanceof HostStepError && ['internal', 'unavailable', 'resource_exhausted', 'deadline_exceeded'].includes(e.kind);
+  if (e instanceof StepTimeoutError) return !e.neverSent;
+  if (e instanceof HostLostError) return true;
+  return e instanceof HostStepError && e.workField === '' && ['internal', 'unavailable', 'resource_exhausted', 'deadline_exceeded'].includes(e.kind);
 }
 
 /**
@@ -1910,6 +1914,8 @@ export class Executor {
     const log = this.stepLog.get(op.id) ?? {};
     this.stepLog.set(op.id, log);
     let sends = log[stepId]?.attempt ?? 0;
+    /** Whether a send of this run reached the bus (a step none of whose sends did never left this replica). */
+    let delivered = false;
     const action = actionName(work.case);
     /** Records the step's end; `attempt` there counts its sends. */
     const ended = (r: HostResultMsg | undefined, attempt = sends): void => {
@@ -1975,12 +1981,14 @@ export class Executor {
       for (let i = 0, delay = 250; !settled && this.leading() && this.currentRunner(); i++, delay = Math.min(delay * 2, 2000)) {
         try {
           await this.deps.bus.sendWork(hostId, msg);
+          delivered = true;
           break;
         } catch (e) {
           if (e instanceof ForkfleetError && e.kind === 'resource_exhausted') {
             // Larger than the bus carries (a very large snapshot's manifest): no send will get
             // through, so the step fails now, saying why, instead of after every attempt.
-            this.waiters.get(key)?.resolve(create(HostResultSchema, { opId: op.id, stepId, hostId, attempt: sends, error: { kind: 'resource_exhausted', message: `the step cannot be sent to host ${hostId}: ${e.message}`, retryable: false } }));
+            // (`work`: the step's own size failed it, not the host.)
+            this.waiters.get(key)?.resolve(create(HostResultSchema, { opId: op.id, stepId, hostId, attempt: sends, error: { kind: 'resource_exhausted', message: `the step cannot be sent to host ${hostId}: ${e.message}`, retryable: false, field: 'work' } }));
             break;
           }
           this.log.warn({ err: e, opId: op.id, stepId, hostId, try: i + 1 }, 'sending work failed; retrying');
@@ -2025,7 +2033,7 @@ export class Executor {
       this.log.warn({ opId: op.id, stepId, hostId, attempt }, 'host step timed out; re-sending');
     }
     ended(undefined);
-    throw new StepTimeoutError(hostId, stepId, timeoutMs * this.deps.config.stepAttempts);
+    throw new StepTimeoutError(hostId, stepId, timeoutMs * this.deps.config.stepAttempts, !delivered);
   }
 
   /**
@@ -2038,7 +2046,7 @@ export class Executor {
   }
 
   private checkResult(r: HostResultMsg, hostId: string, stepId: string): HostResultMsg {
-    if (r.error) throw new HostStepError(hostId, stepId, r.error.kind, r.error.message, r.error.retryable);
+    if (r.error) throw new HostStepError(hostId, stepId, r.error.kind, r.error.message, r.error.retryable, r.error.field);
     return r;
   }
 
@@ -2583,6 +2591,11 @@ export class Executor {
     let notHeld = false;
     /** Hosts this op's start failed on before (recorded with each move off one: a re-run knows them). */
     let tried = createHostsTried(op);
+    // A run again after a move (a failover, or a store outage under its commit): the hosts it
+    // was moved off are told to give it up once more. The first run told them after its
+    // commit, and may have died (or lost the commit's answer) before it did: a host that timed
+    // out would otherwise run its queued start and make a second, unbooked VM.
+    for (const h of tried) if (h !== sb.hostId) this.giveUpOn(h, op, sb.id);
     for (;;) {
       try {
         // Cancelled after it was placed, before its step: the sandbox fails and its booking goes (below).
@@ -2654,6 +2667,15 @@ export class Executor {
   }
 
   /**
+   * Tells `hostId`, which a sandbox of `op` was taken off (placed on another host after that
+   * host was lost or failed its start), to give it up: a start of it still queued or running
+   * there makes no VM, or stops the one it made (a give-up stop, agent.ts). Not waited for.
+   */
+  private giveUpOn(hostId: string, op: OperationRec, sandboxId: string): void {
+    void this.sendHostWork(hostId, op.id, op.tenantId, `stop-replaced/${sandboxId}`, stopVm(sandboxId), 'could not tell a host to give up a sandbox placed on another');
+  }
+
+  /**
    * A create whose start failed on its host for the host's reasons (startFailedOnHost) is
    * placed on another, off every host it failed on (`avoid`), in one transaction: the sandbox
    * record moves there (starting, this op's), the failed host's booking goes, and the op's
@@ -2690,6 +2712,8 @@ export class Executor {
           perChild: { res: next.resources },
           writes: [{ kind: 'sandbox', value: next, expectRevision: cur!.modRevision }, release],
           opUpdate: (o) => {
+            // The decision the sandbox runs by now.
+            o.result = { ...o.result, explanation: compactExplanation(res.explanation) };
             const input = o.input as { transferSource?: string; startFailedOn?: string[] };
             input.startFailedOn = [...avoid];
             if (source) input.transferSource = source;
@@ -2704,7 +2728,7 @@ export class Executor {
         if (!cur) throw new WrongStateError('sandbox', sb.id, 'moved on', 'its start failed, and it changed since');
       },
     );
-    void this.sendHostWork(from, op.id, op.tenantId, `stop-replaced/${sb.id}`, stopVm(sb.id), 'could not tell a host to stop a sandbox whose start failed there, placed on another');
+    this.giveUpOn(from, op, sb.id);
     return next;
   }
 
@@ -3438,6 +3462,7 @@ export class Executor {
     try {
       fetch = this.fetchPlan(snv.value, hostId, input.transferSource);
       woke = await this.step(op, `wake/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
+      this.failedStarts.delete(hostId);
     } catch (e) {
       // Back to hibernated with its booking released, in the transaction that fails the op:
       // a re-run after a failover finds the op finished, not a booking to release again.
@@ -3841,7 +3866,7 @@ export class Executor {
     for (const c of children) {
       if (c.rec.state !== 'starting') continue;
       for (const from of replaced[c.rec.id]?.from ?? []) {
-        if (from !== c.rec.hostId) void this.sendHostWork(from, op.id, op.tenantId, `stop-replaced/${c.rec.id}`, stopVm(c.rec.id), 'could not tell a host to stop a child placed again elsewhere');
+        if (from !== c.rec.hostId) this.giveUpOn(from, op, c.rec.id);
       }
     }
     /**
@@ -4005,6 +4030,8 @@ export class Executor {
           // Cancelled: a step not sent yet (a later wave's) is not sent; its children fail.
           this.stopIfCancelled(op);
           restored = await this.step(op, stepId, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
+          // A start that worked there: no longer counted as failing (noteFailedStart).
+          this.failedStarts.delete(hostId);
         } catch (e) {
           stepFailed.add(hostId);
           throw e;
@@ -4120,7 +4147,7 @@ export class Executor {
       // The lost host may only be away: back, its agent would run the restore still queued for
       // it and start a second VM of each child. A stop of this op, queued behind that restore,
       // ends any it made, and one that arrives first makes the agent skip them (agent.ts).
-      for (const v of fresh) void this.sendHostWork(v.value.hostId, op.id, op.tenantId, `stop-replaced/${v.value.id}`, stopVm(v.value.id), 'could not tell a host to stop a child placed again elsewhere');
+      for (const v of fresh) this.giveUpOn(v.value.hostId, op, v.value.id);
       return { children: made.map((m) => ({ rec: m.rec, rev: placed.revision })), transfers: plan };
     } catch (e) {
       if (e instanceof StoreUnavailableError) throw e;
