@@ -49,10 +49,9 @@ const CREATE_HOSTS = 3;
  * A host whose creates or fork restores failed lately for its own reasons (startFailedOnHost)
  * is placed on as if this many steps were queued there per failure (up to FAILED_STARTS_COUNTED
  * of them), for FAILED_STARTS_MS after the last one or until a start there (a create, a fork's
- * restore, a wake) succeeds: placement prefers other
- * hosts while they have room, and uses it when none has. Without it a host that failed every
- * start (an image it cannot build) looked the emptiest, its bookings released, and took most
- * new creates.
+ * restore, a wake) succeeds: placement prefers other hosts while they have room, and uses it
+ * when none has. Without it a host that failed every start (an image it cannot build) looked
+ * the emptiest, its bookings released, and took most new creates.
  */
 const FAILED_START_QUEUE = 4;
 const FAILED_STARTS_COUNTED = 3;
@@ -817,7 +816,7 @@ export class Executor {
   private readonly hostWorkSends = new Map<string, number>();
   /** Host steps sent and not yet finished, per host: placement counts them at once (fleetViewInput's ownInflight). */
   private readonly stepsInFlight = new Map<string, number>();
-  /** Creates that failed lately on each host for its own reasons, and when the last did (FAILED_START_QUEUE). */
+  /** Starts (creates, fork restores) that failed lately on each host for its own reasons, and when the last did (FAILED_START_QUEUE). */
   private readonly failedStarts = new Map<string, { count: number; at: number }>();
   private stops: Array<() => void | Promise<void>> = [];
   /** Runners waiting out a backoff (pause()): woken when this replica stops leading. */
@@ -2626,9 +2625,10 @@ export class Executor {
         // outage after it): its VM is stopped (a stop of a VM never made does nothing).
         if (!this.active || e instanceof StoreUnavailableError) throw e;
         let end = e;
-        if (startFailedOnHost(e)) this.noteFailedStart(sb.hostId);
-        if (startFailedOnHost(e) && tried.length + 1 < CREATE_HOSTS && !prefs?.hostId && !this.cancelRequested(op.id)) {
-          const moved = await this.placeCreateAgain(op, sb, e, [...tried, sb.hostId], request).catch((again: unknown) => {
+        const hostsFault = startFailedOnHost(e);
+        if (hostsFault) this.noteFailedStart(sb.hostId);
+        if (hostsFault && tried.length + 1 < CREATE_HOSTS && !prefs?.hostId && !this.cancelRequested(op.id)) {
+          const moved = await this.placeCreateAgain(op, sb, e, snapshotRef, request([...tried, sb.hostId])).catch((again: unknown) => {
             // Cancelled meanwhile: it ends so. No other host could take it: it ends on its host's failure.
             if (!this.active || again instanceof StoreUnavailableError) throw again;
             if (again instanceof OperationCancelledError) end = again;
@@ -2677,14 +2677,14 @@ export class Executor {
 
   /**
    * A create whose start failed on its host for the host's reasons (startFailedOnHost) is
-   * placed on another, off every host it failed on (`avoid`), in one transaction: the sandbox
+   * placed on another, off every host it failed on (`request` avoids them), in one transaction: the sandbox
    * record moves there (starting, this op's), the failed host's booking goes, and the op's
    * input records the hosts (createHostsTried), so that a re-run after a failover avoids them
    * too. The failed host is then told to stop the VM, as a lost fork child's is (a start given
    * up on may yet run there). Undefined when the sandbox moved on meanwhile (a destroy): the
    * caller fails it as before. Rejects when no other host can take it.
    */
-  private async placeCreateAgain(op: OperationRec, sb: SandboxRec, e: unknown, avoid: readonly string[], request: (avoid: readonly string[]) => PlaceJob['request']): Promise<SandboxRec | undefined> {
+  private async placeCreateAgain(op: OperationRec, sb: SandboxRec, e: unknown, snapshot: PlaceJob['snapshot'], request: PlaceJob['request']): Promise<SandboxRec | undefined> {
     const from = sb.hostId;
     const still = async (): Promise<Versioned<SandboxRec> | undefined> => {
       const v = await this.deps.store.getSandbox(op.tenantId, sb.id);
@@ -2697,8 +2697,8 @@ export class Executor {
     let next: SandboxRec | undefined;
     await this.placeAndBook(
       op,
-      sb.sourceSnapshotId ? { tenantId: sb.tenantId, id: sb.sourceSnapshotId } : undefined,
-      request(avoid),
+      snapshot,
+      request,
       (res) => {
         const now = this.deps.clock.now();
         next = { ...cur!.value, hostId: res.placements[0]!.hostId, stateReason: `its start on host ${from} failed (${message}): placed on another`, updatedAt: now };
@@ -2715,7 +2715,7 @@ export class Executor {
             // The decision the sandbox runs by now.
             o.result = { ...o.result, explanation: compactExplanation(res.explanation) };
             const input = o.input as { transferSource?: string; startFailedOn?: string[] };
-            input.startFailedOn = [...avoid];
+            input.startFailedOn = [...createHostsTried(o), from];
             if (source) input.transferSource = source;
             else delete input.transferSource;
             o.progress = { done: 0, total: 1, message: `booting on ${placedOn} (its start on ${from} failed)`, bytesTransferred: 0 };
