@@ -11,6 +11,7 @@ import { Agent } from '../../host-agent/domain/agent.ts';
 import { NatsAgentBus } from '../../host-agent/adapters/nats/agent-bus.ts';
 import { FsJournal } from '../../host-agent/adapters/journal/fs-journal.ts';
 import { MemoryJournal } from '../../host-agent/adapters/journal/memory-journal.ts';
+import { ImageBuildError } from '../../host-agent/errors.ts';
 import { FakeVmmDriver, FAKE_QEMU_VERSION } from './driver.ts';
 import type { FakeLatencies } from './driver.ts';
 import { FakeShipper } from './shipper.ts';
@@ -26,6 +27,8 @@ export interface FakeAgentOptions {
   linkBytesPerSecond?: number;
   /** 'memory': VMs and the step journal in memory only (an agent that is never restarted); default 'files'. */
   state?: 'files' | 'memory';
+  /** Every guest image fails to build here, after `latency.createMs` (a fault for tests: a host that fails every create from an image). */
+  failImages?: boolean;
 }
 
 export interface FakeAgent {
@@ -44,7 +47,12 @@ export async function startFakeAgent(nc: NatsConnection, o: FakeAgentOptions, lo
     shipper: new FakeShipper(driver, o.hostId, o.latency),
     bus,
     journal: memory ? new MemoryJournal() : new FsJournal(join(o.dataDir, 'journal')),
-    images: (name) => Promise.resolve({ name, recipeHash: 'fake', kernel: '', initrd: '', disk: '', diskVirtualSize: 0, kernelArgs: '', readyMarker: '' }),
+    // A failing build fails after the create latency (a build takes a while).
+    images: async (name) => {
+      if (!o.failImages) return { name, recipeHash: 'fake', kernel: '', initrd: '', disk: '', diskVirtualSize: 0, kernelArgs: '', readyMarker: '' };
+      await new Promise((r) => setTimeout(r, o.latency.createMs));
+      throw new ImageBuildError(name, `fake host ${o.hostId} fails every image build (FF_FAKE_FAIL_IMAGES)`);
+    },
     clock: { now: () => Date.now() },
     log,
     config: {

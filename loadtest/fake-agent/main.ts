@@ -8,7 +8,8 @@
 // FF_FAKE_VCPUS (64), FF_FAKE_MEMORY_MIB (262144), FF_FAKE_CREATE_MS, FF_FAKE_RESTORE_MS_PER_VM,
 // FF_FAKE_SNAPSHOT_MS, FF_FAKE_FETCH_MS, FF_FAKE_DESTROY_MS, FF_FAKE_PAUSE_MS (all 0), FF_STEP_CONCURRENCY (16),
 // FF_FAKE_STATE (files, the default: VMs and the step journal survive a restart; memory: they
-// do not, and a fake host does no file I/O),
+// do not, and a fake host does no file I/O), FF_FAKE_FAIL_IMAGES=1 (every image build fails,
+// after FF_FAKE_CREATE_MS: every create from an image fails there),
 // FF_NATS_NKEY_FILE + FF_NATS_INBOX_PREFIX (NATS authorization; see hostGroupPermissions).
 // Prints {"ready":true,...} on stdout once every agent consumes work; SIGTERM stops them.
 import { join } from 'node:path';
@@ -63,6 +64,7 @@ async function main(): Promise<void> {
           heartbeatMs: num('FF_HEARTBEAT_INTERVAL_MS', 500),
           concurrency: num('FF_STEP_CONCURRENCY', 16),
           state: env.FF_FAKE_STATE === 'memory' ? 'memory' : 'files',
+          failImages: env.FF_FAKE_FAIL_IMAGES === '1',
         },
         log.child({ hostId }),
       ),
