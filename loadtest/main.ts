@@ -5,7 +5,8 @@
 //        [--hosts 3] [--link 10gbit] [--guest-mib 256] [--dirty-mib 64] [--samples 5]
 //        [--concurrency 4] [--fanout N] [--duration 60s] [--metrics-port 19790] [--keep-logs]
 //        [--only fork_cross_host_4,resume_paused,...] (the others are reported as skipped)
-//   npm run loadtest -- --plan --forks-per-s X --p95-ms Y --from FILE   (capacity planning)
+//   npm run loadtest -- --plan --forks-per-s X --p95-ms Y --from FILE   (capacity planning;
+//        p95 per child; --host-slots defaults to the agents' FF_STEP_CONCURRENCY, 4)
 // Without --api it starts its own fleet (deploy/fleet/fleet.ts) in --fleet-dir with prefix
 // fflt and base port 19700, and always brings it down.
 import { parseArgs } from 'node:util';
@@ -27,7 +28,8 @@ import { classicRestoreOnce, closeLocalBaseline, prepareLocalBaseline, startNaiv
 import type { LocalBaseline } from './baselines.ts';
 import { SCHEMA_VERSION, checks, failedNames, renderReport } from './report.ts';
 import type { Leftovers, RunResult, ScenarioResult } from './report.ts';
-import { formatPlan, planCapacity } from './plan.ts';
+import { PlanInputError, formatPlan, planCapacity } from './plan.ts';
+import type { Plan, PlanOptions } from './plan.ts';
 import { linkGbpsOf, migrationStreamsEncrypted } from './run-env.ts';
 import { findSocat } from '../host-agent/adapters/peer/tls-relay.ts';
 import type { Snapshot } from '../proto/gen/forkfleet/v1/fleet_pb.ts';
@@ -535,7 +537,9 @@ const USAGE = `usage: npm run loadtest -- [--quick] [--json FILE] [--report DIR]
          [--fleet-dir DIR] [--prefix P] [--base-port N]
          [--only fork_cross_host_4,resume_paused,...]   (the others are reported as skipped)
        npm run loadtest -- --plan --forks-per-s X --p95-ms Y --from FILE
-         [--fork-n N] [--host-slots N] [--seconds N]   (capacity planning from a run's JSON)
+         [--fork-n 1] [--host-slots 4] [--seconds 20]   (capacity planning from a run's JSON:
+         the fewest hosts per link rate for a p95 per child; --host-slots assumes the agents'
+         FF_STEP_CONCURRENCY; --seconds are measured after a warm-up of 40 s)
 Without --api it starts its own fleet and always brings it down. Method: docs/adr/0010-loadtest-method.md.
 `;
 
@@ -570,14 +574,45 @@ async function main(argv = process.argv.slice(2)): Promise<number> {
   }
   const values = parseArgsOrUsage(argv);
   if (values.plan) {
-    if (!values.from || !values['forks-per-s'] || !values['p95-ms']) throw new Error('--plan needs --forks-per-s X --p95-ms Y --from FILE');
-    const run = JSON.parse(readFileSync(values.from, 'utf8')) as RunResult;
-    const plan = planCapacity(run, {
-      forksPerSecond: Number(values['forks-per-s']), p95TargetMs: Number(values['p95-ms']),
-      ...(values['fork-n'] ? { childrenPerFork: Number(values['fork-n']) } : {}),
-      ...(values['host-slots'] ? { slotsPerHost: Number(values['host-slots']) } : {}),
-      ...(values.seconds ? { simulatedSeconds: Number(values.seconds) } : {}),
-    });
+    // Like the fleet's options: a missing or bad flag, an unreadable --from, a run the planner
+    // cannot use or a target no fleet meets ends in one line naming the flag, exit 2.
+    const usage = (e: unknown): UsageError => new UsageError(`${e instanceof Error ? e.message : String(e)} (npm run loadtest -- --help)`);
+    if (!values.from || !values['forks-per-s'] || !values['p95-ms']) throw usage('--plan needs --forks-per-s X --p95-ms Y --from FILE');
+    const posNumber = (field: 'forks-per-s' | 'p95-ms'): number => {
+      const v = values[field]!;
+      const n = Number(v);
+      if (!(Number.isFinite(n) && n > 0)) throw usage(`--${field}: want a number > 0, got ${JSON.stringify(v)}`);
+      return n;
+    };
+    let options: PlanOptions;
+    let run: RunResult;
+    try {
+      options = {
+        forksPerSecond: posNumber('forks-per-s'), p95TargetMs: posNumber('p95-ms'),
+        ...(values['fork-n'] !== undefined ? { childrenPerFork: posInt(values['fork-n'], 'fork-n', 1) } : {}),
+        ...(values['host-slots'] !== undefined ? { slotsPerHost: posInt(values['host-slots'], 'host-slots', 4) } : {}),
+        ...(values.seconds !== undefined ? { simulatedSeconds: posInt(values.seconds, 'seconds', 20) } : {}),
+      };
+      let text: string;
+      try {
+        text = readFileSync(values.from, 'utf8');
+      } catch (e) {
+        throw new Error(`--from: cannot read ${values.from}: ${e instanceof Error ? e.message : String(e)}`);
+      }
+      try {
+        run = JSON.parse(text) as RunResult;
+      } catch (e) {
+        throw new Error(`--from: ${values.from} is not JSON: ${e instanceof Error ? e.message : String(e)}`);
+      }
+    } catch (e) {
+      throw e instanceof UsageError ? e : usage(e);
+    }
+    let plan: Plan;
+    try {
+      plan = planCapacity(run, options);
+    } catch (e) {
+      throw e instanceof PlanInputError ? usage(e) : e;
+    }
     process.stdout.write(formatPlan(plan));
     if (values.json) writeFileSync(values.json, `${JSON.stringify(plan, null, 2)}\n`);
     return 0;

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { bookChild, crossHostExtraMs, fewestHosts, modelFrom, pickTemplate, planCapacity, simulate } from './plan.ts';
-import type { LatencyModel, SimHost, SimOutcome } from './plan.ts';
+import { bookChild, crossHostExtraMs, fetchExtraMs, fewestHosts, formatPlan, modelFrom, pickTemplate, planCapacity, simulate } from './plan.ts';
+import type { LatencyModel, PlanOptions, SimHost, SimOutcome } from './plan.ts';
 import type { RunResult } from './report.ts';
 
 const run: RunResult = {
@@ -84,7 +84,8 @@ describe('capacity planner', () => {
   it('simulate_childrenOnAHostStillFetching_waitForTheFetch', () => {
     // Two templates, each on one host at first, 16 children a fork, 100 ms restores, 2 s copies.
     const model: LatencyModel = { sameHostMs: [100], transferMsAtRun: 2000, wireMsAtRun: 2000, runLinkGbps: 10, guestMib: 256, source: 'test' };
-    const s = simulate(model, 16, 10, { forksPerSecond: 5, childrenPerFork: 16, templates: 2, simulatedSeconds: 20, p95TargetMs: 1e9 });
+    // Measured from the start (later on every host holds both), with the 8 slots it was written for.
+    const s = simulate(model, 16, 10, { forksPerSecond: 5, childrenPerFork: 16, slotsPerHost: 8, templates: 2, simulatedSeconds: 20, warmUpSeconds: 0, p95TargetMs: 1e9 });
     // When place() sends a copy to a host it puts several of the fork's children there, and each
     // waits for the whole copy plus its restore: here more than 5% of children (9%) do. Before,
     // only the first waited, the rest took a restore, and the host was a holder from the next
@@ -141,6 +142,94 @@ describe('capacity planner', () => {
     expect(fewestHosts((h) => (h >= 11 ? out(h) : null), 64)?.hosts).toBe(11);
     expect(fewestHosts(() => null, 64)).toBeNull();
     expect(fewestHosts((h) => (h === 64 ? out(h) : null), 64)?.hosts).toBe(64);
+  });
+
+  it('simulate_aHostLackingTheSnapshotWithFewChildren_migratesThem_andDoesNotBecomeAHolder', () => {
+    // One template, single-child forks: each host it lands on lacking the snapshot migrates
+    // the child (executor's migrates(): at most 2 children, at most 4 such hosts) and still
+    // lacks it after (ADR 0015 item 5). Before, the first such child made the host a holder,
+    // so copies spread until nearly every child was same-host (cross-host fraction 0.02).
+    const model: LatencyModel = { sameHostMs: [100], transferMsAtRun: 500, wireMsAtRun: 500, runLinkGbps: 10, guestMib: 256, source: 'test' };
+    const s = simulate(model, 16, 10, { forksPerSecond: 30, slotsPerHost: 1, templates: 1, simulatedSeconds: 20, p95TargetMs: 1e9 });
+    expect(s.crossHostFraction).toBeGreaterThan(0.5);
+    const host: SimHost = { slotFree: [0, 0], copyAt: new Map() };
+    expect(bookChild(host, 'tpl-0', 0, 100, 500, true)).toEqual({ readyAtMs: 600, onTransfer: true, migrated: true });
+    expect(host.copyAt.has('tpl-0')).toBe(false);
+    // Where the host does hold a complete copy, a child restores from it.
+    host.copyAt.set('tpl-0', 0);
+    expect(bookChild(host, 'tpl-0', 10, 100, 500, true)).toEqual({ readyAtMs: 110, onTransfer: false });
+  });
+
+  it('modelFrom_pricesAFetchFromTheFourChildScenarios_andSaysWhatItUsed', () => {
+    const four: RunResult = {
+      ...run,
+      scenarios: { ...run.scenarios, fork_same_host_4: { n: 4, p50_ms: 500, p95_ms: 600, p99_ms: 600, max_ms: 600 }, fork_cross_host_4: { n: 4, p50_ms: 1500, p95_ms: 1600, p99_ms: 1600, max_ms: 1600 } },
+      phases: { fork_cross_host_4: { n: 1, op_ms: 0, to_first_step_ms: 0, host_step_ms: 0, step_overhead_ms: 0, exec_after_op_ms: 0, bytes_moved: 125e6, migrated_samples: 0 } },
+    };
+    const m = modelFrom(four);
+    expect([m.fetchMsAtRun, m.fetchWireMsAtRun]).toEqual([1000, 100]);
+    expect(fetchExtraMs(m, 1)).toBe(900 + 1000);
+    expect(m.source).toMatch(/fetch extra \(fork_cross_host_4 - fork_same_host_4\) p50/);
+    // Without them (or where that scenario migrated) a fetch costs what fork_cross_host_1 did, and the source says so.
+    expect(fetchExtraMs(modelFrom(run), 10)).toBe(100);
+    expect(modelFrom(run).source).toMatch(/fetch extra as the migration one/);
+    const migrated4 = { ...four, phases: { fork_cross_host_4: { ...four.phases!.fork_cross_host_4!, migrated_samples: 1 } } };
+    expect(modelFrom(migrated4).fetchMsAtRun).toBeUndefined();
+  });
+
+  it('planCapacity_anOverloadedFleet_isNoAnswer_evenWhereAShortRunMeetsTheTarget', () => {
+    // 1 host, 1 slot, 100 ms restores: 10 children/s at most. 11 forks/s queue without end;
+    // over 20 s from an empty fleet p95 stayed under 2 s, and 1 host was the answer.
+    const fast: RunResult = { ...run, scenarios: { fork_same_host_1: { n: 3, p50_ms: 100, p95_ms: 100, p99_ms: 100, max_ms: 100 }, fork_cross_host_1: { n: 3, p50_ms: 100, p95_ms: 100, p99_ms: 100, max_ms: 100 } }, samples: { fork_same_host_1: [100, 100, 100] } };
+    const plan = planCapacity(fast, { forksPerSecond: 11, p95TargetMs: 2000, slotsPerHost: 1, templates: 1, linkRatesGbps: [10], maxHosts: 16 });
+    expect(plan.answers[0]?.hosts).toBe(2);
+  });
+
+  it('planCapacity_aFleetWhoseMemoryFillsAfterTheFirstSeconds_isNoAnswer', () => {
+    // Children live 30 s: a run of 20 s from an empty fleet never saw memory full (4 hosts
+    // answered; over 60 s they left 206 children unplaced). Measured after the warm-up, the
+    // answer places every child over 60 s too.
+    const o = { forksPerSecond: 10, p95TargetMs: 1000, hostMemoryMib: 4096, templates: 5, linkRatesGbps: [10], maxHosts: 64 };
+    const plan = planCapacity(run, o);
+    const hosts = plan.answers[0]!.hosts!;
+    expect(simulate(plan.model, hosts, 10, { ...o, simulatedSeconds: 60 }).unplaced).toBe(0);
+  });
+
+  it('simulate_defaultsToTheAgentsStepConcurrency_andThePlanSaysItIsAssumed', () => {
+    const o = { forksPerSecond: 40, p95TargetMs: 1000, simulatedSeconds: 2, warmUpSeconds: 0, templates: 5 };
+    expect(simulate(modelFrom(run), 4, 10, o)).toEqual(simulate(modelFrom(run), 4, 10, { ...o, slotsPerHost: 4 }));
+    const text = formatPlan(planCapacity(run, { ...o, linkRatesGbps: [10], maxHosts: 16 }));
+    expect(text).toMatch(/slots\/host 4,/);
+    expect(text).toMatch(/FF_STEP_CONCURRENCY/);
+    expect(text).toMatch(/p95 per child/);
+  });
+
+  it('planCapacity_aTargetBelowTheRunsSameHostP95_failsNamingTheFlag', () => {
+    // Before: every link rate answered "> 8192", which reads as "buy more hosts".
+    expect(() => planCapacity(run, { forksPerSecond: 5, p95TargetMs: 250, maxHosts: 4 })).toThrow(/^--p95-ms: 250 ms is below the run's same-host p95 \(260 ms/);
+  });
+
+  it('planCapacity_aBadOption_failsNamingItsFlag', () => {
+    const o = { forksPerSecond: 5, p95TargetMs: 1000, maxHosts: 2, linkRatesGbps: [10] };
+    const cases: Array<[Partial<PlanOptions>, RegExp]> = [
+      [{ simulatedSeconds: 0 }, /^--seconds: want a number > 0, got 0/],
+      [{ simulatedSeconds: Number.NaN }, /^--seconds:/],
+      [{ simulatedSeconds: -5 }, /^--seconds:/],
+      [{ childrenPerFork: 0 }, /^--fork-n: want an integer >= 1, got 0/],
+      [{ childrenPerFork: 2.5 }, /^--fork-n:/],
+      [{ slotsPerHost: 0 }, /^--host-slots: want an integer >= 1/],
+      [{ forksPerSecond: 0 }, /^--forks-per-s: want a number > 0, got 0/],
+      [{ forksPerSecond: Number.POSITIVE_INFINITY }, /^--forks-per-s: want a number > 0, got Infinity/],
+      [{ p95TargetMs: Number.NaN }, /^--p95-ms:/],
+      [{ linkRatesGbps: [] }, /^linkRatesGbps:/],
+    ];
+    for (const [bad, msg] of cases) expect(() => planCapacity(run, { ...o, ...bad }), JSON.stringify(bad)).toThrow(msg);
+  });
+
+  it('modelFrom_aStoppedOrMissingSameHostScenario_saysWhy_andMissingSamplesAreNamedInTheSource', () => {
+    expect(() => modelFrom({ ...run, scenarios: { ...run.scenarios, fork_same_host_1: { ...(run.scenarios.fork_same_host_1 as object), truncated: '1 of 5 samples' } as never } })).toThrow(/no complete fork_same_host_1 \(stopped early: 1 of 5/);
+    expect(modelFrom({ ...run, samples: {} }).source).toMatch(/fork_same_host_1 p50 as every restore \(the run has no samples\)/);
+    expect(() => modelFrom({} as RunResult)).toThrow(/^--from: not a load-test run/);
   });
 
   it('pickTemplate_reachesEveryTemplate_theFirstMostOften', () => {

@@ -3,29 +3,51 @@
 // the real placement library (scheduler/ place()) picks hosts from a fleet view refreshed every
 // `viewRefreshMs` of simulated time, and each child's time to ready is drawn from a measured run:
 //   - on a host holding the snapshot: a fork_same_host_1 sample;
-//   - on a host that lacks it: a fork_same_host_1 sample + the measured cross-host part
-//     (fork_cross_host_1 p50 - fork_same_host_1 p50) for the copy. Later children there wait
-//     for that copy, and the host is reported as holding the snapshot once it is complete.
-//     Of that part only the wire time (the bytes a cross-host fork moved, at the run's link
-//     rate) scales with the simulated link rate; the rest (migration, TLS, CPU) stays as measured;
-//   - plus queueing: a host restores at most `slotsPerHost` children at once.
+//   - on a host that lacks it, as the executor's restoreRound decides (ADR 0015): where a fork
+//     sends to at most 4 hosts lacking the snapshot, a host getting at most
+//     `migrateMaxChildren` (FF_MIGRATE_MAX_CHILDREN, 2) of its children migrates each from a
+//     holder: a sample + the measured migration extra (fork_cross_host_1 p50 - fork_same_host_1
+//     p50) per child, and the host does not become a holder (item 5). Any other host fetches
+//     the snapshot: a sample + the measured fetch extra (fork_cross_host_4 p50 -
+//     fork_same_host_4 p50, or the migration extra when the run lacks those); later children
+//     there wait for that copy, and the host is reported as holding the snapshot once it is
+//     complete. Of either extra only the wire time (the bytes the scenario moved, at the run's
+//     link rate) scales with the simulated link rate; the rest (TLS, QEMU, CPU) stays as
+//     measured. Link loads are not modelled: every copy gets the full link rate, however
+//     many its source sends at once (optimistic for a popular template with few holders);
+//   - plus queueing: a host restores at most `slotsPerHost` children at once (the agents'
+//     FF_STEP_CONCURRENCY, 4), each as fast as one alone: restores are not slowed by the others.
 // Hosts report what agents report: their restore time (the model's same-host median) and
 // their slots, which price a host's queue in place(); and the placements made since the last
 // refresh count in the queue at once, as the leader counts the steps it has sent.
+// The fleet starts empty: forks of the first `warmUpSeconds` (the children's lifetime + 10 s,
+// so that memory is as full as it gets) load it but are not measured.
 // Answers "how many hosts at what link rate for X forks/s at p95 <= Y ms". Pure, seeded.
-import { buildFleetView, place, xoshiro128ss } from '../scheduler/index.ts';
+import { MAX_FORK_COUNT, buildFleetView, place, xoshiro128ss } from '../scheduler/index.ts';
 import type { HostInput, SnapshotInput } from '../scheduler/index.ts';
-import type { RunResult } from './report.ts';
+import type { RunResult, ScenarioResult } from './report.ts';
 import { SCHEMA_VERSION, isComplete } from './report.ts';
+
+/** Input the planner cannot use (a bad option, a run without the data it needs, a target no fleet meets): the message names the flag. */
+export class PlanInputError extends Error {
+  override readonly name = 'PlanInputError';
+}
+
+/** At most this many hosts lacking the snapshot in one fork for its hosts to migrate (services/domain/executor.ts MIGRATE_MAX_HOSTS). */
+const MIGRATE_MAX_HOSTS = 4;
 
 export interface PlanOptions {
   forksPerSecond: number;
+  /** Per child: a fork's children each count. */
   p95TargetMs: number;
   /** Children per fork request. */
   childrenPerFork?: number;
-  /** Concurrent restores a host runs; more wait in its queue. */
+  /** Concurrent restores a host runs; more wait in its queue. The agents' FF_STEP_CONCURRENCY (default 4). */
   slotsPerHost?: number;
+  /** Seconds of arrivals measured, after the warm-up. */
   simulatedSeconds?: number;
+  /** Seconds of arrivals before the measured ones, from an empty fleet; default childLifetimeS + 10. */
+  warmUpSeconds?: number;
   /** Distinct templates (snapshots) forks are drawn from, Zipf-ish popularity. */
   templates?: number;
   /** How long a child lives (holds memory) before it is destroyed. */
@@ -34,23 +56,35 @@ export interface PlanOptions {
   linkRatesGbps?: readonly number[];
   maxHosts?: number;
   viewRefreshMs?: number;
+  /** FF_MIGRATE_MAX_CHILDREN (default 2): a host lacking the snapshot with at most this many of a fork's children migrates them. */
+  migrateMaxChildren?: number;
   seed?: number;
 }
 
 export interface LatencyModel {
   sameHostMs: readonly number[];
-  /** What a cross-host fork took beyond a same-host one (p50s), at the run's link rate, ms. */
+  /**
+   * What a fork_cross_host_1 child took beyond a same-host one (p50s), at the run's link rate,
+   * ms: what a migrated child pays (that scenario migrates; ADR 0015).
+   */
   transferMsAtRun: number;
   /** The part of transferMsAtRun that is wire time (bytes moved / run link rate): it scales with the link. */
   wireMsAtRun: number;
+  /** What a fetch of the snapshot adds (fork_cross_host_4 - fork_same_host_4 p50s); absent: transferMsAtRun. */
+  fetchMsAtRun?: number;
+  /** The part of fetchMsAtRun that is wire time; absent: wireMsAtRun. */
+  fetchWireMsAtRun?: number;
   runLinkGbps: number;
   guestMib: number;
   source: string;
+  /** p50 of fork_same_host_N children over fork_same_host_1's, for the N the run has: not applied (restores are not slowed by concurrency). */
+  concurrentSlowdown?: ReadonlyArray<{ children: number; ratio: number }>;
 }
 
 export interface SimOutcome {
   hosts: number;
   linkGbps: number;
+  /** Children of the forks that arrived after the warm-up, and of those, the ones not placed. */
   children: number;
   p50Ms: number;
   p95Ms: number;
@@ -61,30 +95,68 @@ export interface SimOutcome {
 export interface Plan {
   request: Required<Pick<PlanOptions, 'forksPerSecond' | 'p95TargetMs'>> & PlanOptions;
   model: LatencyModel;
-  /** Per link rate: the fewest hosts meeting the target, or null if none up to maxHosts. */
-  answers: Array<{ linkGbps: number; hosts: number | null; outcome: SimOutcome | null }>;
+  /**
+   * Per link rate: the fewest hosts meeting the target, or null if none up to maxHosts.
+   * `noBetterFrom`: where a null answer stopped early, the size whose double did no better.
+   */
+  answers: Array<{ linkGbps: number; hosts: number | null; outcome: SimOutcome | null; noBetterFrom?: { hosts: number; p95Ms: number } }>;
+}
+
+/** Why a scenario cannot be used: failed, stopped early, or absent. */
+function whyNoData(r: ScenarioResult | undefined): string {
+  return r && 'failed' in r ? `it failed: ${r.failed}` : r && 'truncated' in r ? `stopped early: ${r.truncated}` : 'no samples';
+}
+
+/** Wire time of `bytes` at the run's link rate, at most `ms`; all of `ms` without bytes. */
+function wireOf(ms: number, bytes: number | undefined, link: number): number {
+  return bytes !== undefined && bytes > 0 ? Math.min(ms, ((bytes * 8) / (link * 1e9)) * 1000) : ms;
 }
 
 export function modelFrom(run: RunResult): LatencyModel {
+  if (typeof run !== 'object' || run === null || typeof run.scenarios !== 'object' || run.scenarios === null || typeof run.env !== 'object' || run.env === null) throw new PlanInputError('--from: not a load-test run\'s JSON (it has no scenarios or env)');
   // Versions 1 and 2 read alike here (a scenario without samples is no data in both: isComplete needs n > 0).
-  if ((run.schema_version ?? 1) > SCHEMA_VERSION) throw new Error(`--from: the run's schema_version ${run.schema_version} is newer than this planner reads (${SCHEMA_VERSION})`);
+  if ((run.schema_version ?? 1) > SCHEMA_VERSION) throw new PlanInputError(`--from: the run's schema_version ${run.schema_version} is newer than this planner reads (${SCHEMA_VERSION})`);
   const same = run.scenarios.fork_same_host_1;
   const cross = run.scenarios.fork_cross_host_1;
-  if (!isComplete(same)) throw new Error(`--from: the run has no complete fork_same_host_1 (${same && 'failed' in same ? `it failed: ${same.failed}` : 'no samples'})`);
+  if (!isComplete(same)) throw new PlanInputError(`--from: the run has no complete fork_same_host_1 (${whyNoData(same)})`);
   // Without it a cross-host fork has no price: a plan that took it as free would be optimistic.
-  if (!isComplete(cross)) throw new Error(`--from: the run has no complete fork_cross_host_1 (${cross && 'failed' in cross ? `it failed: ${cross.failed}` : cross && 'truncated' in cross ? `stopped early: ${cross.truncated}` : 'no samples'}), so a fork on a host lacking the snapshot cannot be priced`);
-  const samples = run.samples?.fork_same_host_1?.length ? run.samples.fork_same_host_1 : [same.p50_ms];
+  if (!isComplete(cross)) throw new PlanInputError(`--from: the run has no complete fork_cross_host_1 (${whyNoData(cross)}), so a fork on a host lacking the snapshot cannot be priced`);
+  const measured = run.samples?.fork_same_host_1?.length ? run.samples.fork_same_host_1 : undefined;
+  const samples = measured ?? [same.p50_ms];
   const transfer = Math.max(0, cross.p50_ms - same.p50_ms);
   // The wire part is scaled by the run's link rate (its hosts' reported one with --api).
   const link = run.env.link_gbps;
-  if (link === null || !(link > 0)) throw new Error('--from: the run\'s link rate is unknown (its hosts reported none, or differing ones), so its transfer time cannot be scaled to other link rates');
+  if (link === null || !(link > 0)) throw new PlanInputError('--from: the run\'s link rate is unknown (its hosts reported none, or differing ones), so its transfer time cannot be scaled to other link rates');
   const moved = run.phases?.fork_cross_host_1?.bytes_moved;
-  const wire = moved !== undefined && moved > 0 ? Math.min(transfer, ((moved * 8) / (link * 1e9)) * 1000) : transfer;
-  const source =
-    moved !== undefined && moved > 0
-      ? `fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50, of which ${(moved / 1048576).toFixed(1)} MiB moved at the link rate scale with it`
-      : 'fork_same_host_1 samples + (fork_cross_host_1 - fork_same_host_1) p50, all of it scaled with the link rate (the run has no bytes moved)';
-  return { sameHostMs: samples, transferMsAtRun: transfer, wireMsAtRun: wire, runLinkGbps: link, guestMib: run.env.guest_mib, source };
+  const wire = wireOf(transfer, moved, link);
+  // fork_cross_host_1 migrates its one child (ADR 0015); a run whose phases say it did not
+  // (an older run, or FF_MIGRATE_MAX_CHILDREN=0) priced a fetch, used then for both.
+  const crossMigrated = (run.phases?.fork_cross_host_1?.migrated_samples ?? 1) > 0;
+  // A fetch (a host getting more children than migrate): fork_cross_host_4 puts 4 children on
+  // a host lacking the snapshot, fork_same_host_4 the same on a holder; only where it fetched.
+  const same4 = run.scenarios.fork_same_host_4;
+  const cross4 = run.scenarios.fork_cross_host_4;
+  const fetched4 = isComplete(same4) && isComplete(cross4) && (run.phases?.fork_cross_host_4?.migrated_samples ?? 0) === 0;
+  const fetch = fetched4 ? Math.max(0, cross4.p50_ms - same4.p50_ms) : undefined;
+  const fetchWire = fetch !== undefined ? wireOf(fetch, run.phases?.fork_cross_host_4?.bytes_moved, link) : undefined;
+  const scaled = (bytes: number | undefined): string => (bytes !== undefined && bytes > 0 ? `of which ${(bytes / 1048576).toFixed(1)} MiB moved at the link rate scale with it` : 'all of it scaled with the link rate (the run has no bytes moved)');
+  const parts = [
+    measured ? 'fork_same_host_1 samples' : 'fork_same_host_1 p50 as every restore (the run has no samples)',
+    `${crossMigrated ? 'migration' : 'cross-host'} extra (fork_cross_host_1 - fork_same_host_1) p50, ${scaled(moved)}`,
+    fetch !== undefined
+      ? `fetch extra (fork_cross_host_4 - fork_same_host_4) p50, ${scaled(run.phases?.fork_cross_host_4?.bytes_moved)}`
+      : `fetch extra as the ${crossMigrated ? 'migration' : 'cross-host'} one (the run has no complete fork_cross_host_4 and fork_same_host_4 that fetched)`,
+  ];
+  const concurrentSlowdown = ([['fork_same_host_4', 4], ['fork_same_host_8', 8]] as const).flatMap(([name, children]) => {
+    const r = run.scenarios[name];
+    return isComplete(r) && same.p50_ms > 0 ? [{ children, ratio: Math.round((r.p50_ms / same.p50_ms) * 10) / 10 }] : [];
+  });
+  return {
+    sameHostMs: samples, transferMsAtRun: transfer, wireMsAtRun: wire,
+    ...(fetch !== undefined ? { fetchMsAtRun: fetch, fetchWireMsAtRun: fetchWire } : {}),
+    runLinkGbps: link, guestMib: run.env.guest_mib, source: parts.join('; '),
+    ...(concurrentSlowdown.length ? { concurrentSlowdown } : {}),
+  };
 }
 
 function percentile(sorted: readonly number[], p: number): number {
@@ -100,10 +172,39 @@ export function pickTemplate(templates: number, u: number): number {
   return Math.max(0, Math.min(templates - 1, Math.floor((templates + 1) ** u) - 1));
 }
 
-/** What a fork on a host lacking the snapshot takes beyond one on a holder, at `linkGbps`: only the wire time scales. */
+/** What a migrated child takes beyond one on a holder, at `linkGbps`: only the wire time scales. */
 export function crossHostExtraMs(model: LatencyModel, linkGbps: number): number {
   return model.transferMsAtRun - model.wireMsAtRun + model.wireMsAtRun * (model.runLinkGbps / linkGbps);
 }
+
+/** What a fetch of the snapshot takes beyond a restore on a holder, at `linkGbps`: only the wire time scales. */
+export function fetchExtraMs(model: LatencyModel, linkGbps: number): number {
+  const ms = model.fetchMsAtRun ?? model.transferMsAtRun;
+  const wire = model.fetchWireMsAtRun ?? model.wireMsAtRun;
+  return ms - wire + wire * (model.runLinkGbps / linkGbps);
+}
+
+/** The options with their defaults: what simulate() runs and formatPlan() prints. */
+function withDefaults(o: PlanOptions) {
+  const childLifetimeS = o.childLifetimeS ?? 30;
+  return {
+    childrenPerFork: o.childrenPerFork ?? 1,
+    slotsPerHost: o.slotsPerHost ?? 4,
+    simulatedSeconds: o.simulatedSeconds ?? 20,
+    warmUpSeconds: o.warmUpSeconds ?? childLifetimeS + 10,
+    templates: o.templates ?? 50,
+    childLifetimeS,
+    hostMemoryMib: o.hostMemoryMib ?? 65536,
+    linkRatesGbps: o.linkRatesGbps ?? [1, 10, 25, 100],
+    maxHosts: o.maxHosts ?? 8192,
+    viewRefreshMs: o.viewRefreshMs ?? 20,
+    migrateMaxChildren: o.migrateMaxChildren ?? 2,
+    seed: o.seed ?? 7,
+  };
+}
+
+/** A child restored from a local copy holds this share of its guest's memory (the rest is the image's, shared). */
+const SHARED_CHILD_MEMORY = 0.3;
 
 /** One fork request of the load: when it arrives, its template, and each child's same-host restore time. */
 interface ForkArrival {
@@ -120,15 +221,15 @@ interface ForkArrival {
  * position in every fleet (host floor(parentAt[k] * hosts)).
  */
 function drawLoad(model: LatencyModel, o: PlanOptions): { parentAt: number[]; forks: ForkArrival[] } {
-  const rng = xoshiro128ss(o.seed ?? 7, 0x9e3779b9, 0x85ebca6b, 1);
-  const n = o.childrenPerFork ?? 1;
-  const T = (o.simulatedSeconds ?? 20) * 1000;
-  const parentAt = Array.from({ length: o.templates ?? 50 }, () => rng.nextFloat());
+  const d = withDefaults(o);
+  const rng = xoshiro128ss(d.seed, 0x9e3779b9, 0x85ebca6b, 1);
+  const T = (d.warmUpSeconds + d.simulatedSeconds) * 1000;
+  const parentAt = Array.from({ length: d.templates }, () => rng.nextFloat());
   const gap = (): number => -Math.log(1 - rng.nextFloat()) * (1000 / o.forksPerSecond);
   const forks: ForkArrival[] = [];
   for (let t = gap(); t < T; t += gap()) {
     const template = pickTemplate(parentAt.length, rng.nextFloat());
-    const baseMs = Array.from({ length: n }, () => model.sameHostMs[Math.floor(rng.nextFloat() * model.sameHostMs.length)] ?? 0);
+    const baseMs = Array.from({ length: d.childrenPerFork }, () => model.sameHostMs[Math.floor(rng.nextFloat() * model.sameHostMs.length)] ?? 0);
     forks.push({ atMs: t, template, baseMs });
   }
   return { parentAt, forks };
@@ -150,32 +251,39 @@ export interface SimHost {
  * included. The first child on a host without the snapshot fetches it; later children there
  * (of the same fork, or of forks placed before the copy is complete) wait for that copy rather
  * than restore from bytes that have not arrived. Both were placed on a transfer.
+ * With `migrate` (executor's restoreRound: few children on the host) a child on a host that
+ * does not hold a complete copy is migrated from a holder instead: it pays `transferMs` itself,
+ * waits for no copy, and the host still lacks the snapshot (ADR 0015 item 5).
  */
-export function bookChild(host: SimHost, snapshotId: string, t: number, baseMs: number, transferMs: number): { readyAtMs: number; onTransfer: boolean } {
+export function bookChild(host: SimHost, snapshotId: string, t: number, baseMs: number, transferMs: number, migrate = false): { readyAtMs: number; onTransfer: boolean; migrated?: true } {
   const sl = host.slotFree;
   let j = 0;
   for (let q = 1; q < sl.length; q++) if (sl[q]! < sl[j]!) j = q;
   const start = Math.max(t, sl[j]!);
   const copy = host.copyAt.get(snapshotId);
+  const migrated = migrate && !(copy !== undefined && copy <= start);
   let readyAtMs: number;
-  if (copy === undefined) {
+  if (migrated) readyAtMs = start + transferMs + baseMs;
+  else if (copy === undefined) {
     host.copyAt.set(snapshotId, start + transferMs);
     readyAtMs = start + transferMs + baseMs;
   } else readyAtMs = Math.max(start, copy) + baseMs;
   sl[j] = readyAtMs;
-  return { readyAtMs, onTransfer: copy === undefined || copy > t };
+  return { readyAtMs, onTransfer: copy === undefined || copy > t, ...(migrated ? { migrated } : {}) };
 }
 
-/** One simulated run: `hosts` hosts at `linkGbps`. */
+/**
+ * One simulated run: `hosts` hosts at `linkGbps`. p95, p50, the cross-host fraction and the
+ * unplaced children are of the forks that arrived after the warm-up, per child.
+ */
 export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o: PlanOptions): SimOutcome {
-  const seed = o.seed ?? 7;
-  const slots = o.slotsPerHost ?? 8;
-  const templates = o.templates ?? 50;
-  const life = (o.childLifetimeS ?? 30) * 1000;
-  const memCap = o.hostMemoryMib ?? 65536;
-  const refresh = o.viewRefreshMs ?? 20;
+  const d = withDefaults(o);
+  const { seed, slotsPerHost: slots, templates, hostMemoryMib: memCap, viewRefreshMs: refresh } = d;
+  const life = d.childLifetimeS * 1000;
+  const measureFrom = d.warmUpSeconds * 1000;
   const bw = (linkGbps * 1e9) / 8;
-  const transferMs = crossHostExtraMs(model, linkGbps);
+  const migrateMs = crossHostExtraMs(model, linkGbps);
+  const fetchMs = fetchExtraMs(model, linkGbps);
   const ids = Array.from({ length: hosts }, (_, i) => `h${i}`);
   const sim: SimHost[] = ids.map(() => ({ slotFree: Array.from({ length: slots }, () => 0), copyAt: new Map() }));
   const releases: Array<Array<{ at: number; mib: number }>> = ids.map(() => []);
@@ -184,8 +292,10 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
   const finishes: number[][] = ids.map(() => []);
   // Each template starts on one host (where its parent ran). Its size, as place() sees it, is
   // what moves in the time the simulation charges a copy at this link rate, so place() prices
-  // a copy (bytes / link rate) as the simulation charges it.
-  const effectiveBytes = Math.max(1, (transferMs / 1000) * bw);
+  // a copy (bytes / link rate) as the simulation charges it: a migration where every fork's
+  // hosts get few enough children, else a fetch.
+  const copyMs = d.childrenPerFork <= d.migrateMaxChildren ? migrateMs : fetchMs;
+  const effectiveBytes = Math.max(1, (copyMs / 1000) * bw);
   const snaps: SnapshotInput[] = Array.from({ length: templates }, (_, i) => ({
     id: `tpl-${i}`, totalBytes: effectiveBytes, chunkBytes: 4 * 1048576,
     vmConfig: { qemuVersion: '8.2.0', machine: 'microvm', cpuModel: 'host', accel: 'kvm', vcpus: 1, memoryMib: model.guestMib },
@@ -201,6 +311,7 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
   let view = buildFleetView({ revision: 0, observedAtMs: 0, hosts: [], snapshots: snaps });
   for (let req = 0; req < forks.length; req++) {
     const { atMs: t, template, baseMs } = forks[req]!;
+    const measured = t >= measureFrom;
     if (t >= nextView) {
       const hs: HostInput[] = ids.map((id, i) => {
         const rel = releases[i]!;
@@ -210,7 +321,8 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
         // takes a host's holdings from the snapshot's holders (the executor adds a host once the
         // step that fetched it is done) and from the snapshots its heartbeat lists as complete,
         // and sets no partialSnapshots. So to place() a copy under way is neither a holder nor a
-        // transfer source, and a child placed there is priced as a new copy.
+        // transfer source, and a child placed there is priced as a new copy. Link loads are
+        // not modelled (rx/txLoad 0, and every copy gets the full link rate; see formatPlan).
         const held: string[] = [];
         for (const [sid, at] of sim[i]!.copyAt) if (at <= t) held.push(sid);
         return { id, state: 'ready', cordoned: false, draining: false, capacity: { vcpus: 64, memoryMib: memCap, diskMib: 1e7 }, allocated: { vcpus: 0, memoryMib: Math.max(0, allocMib[i]!), diskMib: 0 }, inflightOps: busy, link: { bandwidthBytesPerS: bw, rxLoadBytesPerS: 0, txLoadBytesPerS: 0 }, vmm, heldSnapshots: held, restoreCostMs: sameP50, restoreSlots: slots };
@@ -221,21 +333,33 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
     const snapshotId = `tpl-${template}`;
     const r = place(view, { kind: 'fork', id: `sim-${req}`, nowMs: t, snapshotId, count: baseMs.length, overlayDiskMib: 64 }, xoshiro128ss(seed, req + 1, 1, 2));
     if (!r.ok) {
-      unplaced += baseMs.length;
+      if (measured) unplaced += baseMs.length;
       continue;
     }
+    // The executor's migrates() (services/domain/executor.ts restoreRound): the hosts the
+    // transfer plan sends to lack the snapshot; where there are at most MIGRATE_MAX_HOSTS of
+    // them, one getting at most migrateMaxChildren children migrates them from a holder.
+    const lacking = new Set((r.transferPlan?.transfers ?? []).map((x) => x.destinationHostId));
+    const perHost = new Map<string, number>();
+    for (const p of r.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);
+    const migrates = (h: string): boolean => lacking.size <= MIGRATE_MAX_HOSTS && lacking.has(h) && (perHost.get(h) ?? 0) <= d.migrateMaxChildren;
     for (const [k, p] of r.placements.entries()) {
       const i = view.hostIndexById.get(p.hostId)!;
       const base = baseMs[k] ?? 0;
       // Queued at once in the view (the leader's own steps), not only at the next refresh;
       // the columns are updated in place rather than the view rebuilt per request.
       view.cols.inflightOps[i] = (view.cols.inflightOps[i] as number) + 1;
-      const { readyAtMs: ready, onTransfer } = bookChild(sim[i]!, snapshotId, t, base, transferMs);
-      if (onTransfer) cross++;
+      const migrate = migrates(p.hostId);
+      const { readyAtMs: ready, onTransfer, migrated } = bookChild(sim[i]!, snapshotId, t, base, migrate ? migrateMs : fetchMs, migrate);
       finishes[i]!.push(ready);
-      lat.push(ready - t);
-      allocMib[i] = allocMib[i]! + model.guestMib * 0.3;
-      releases[i]!.push({ at: ready + life, mib: model.guestMib * 0.3 });
+      if (measured) {
+        if (onTransfer) cross++;
+        lat.push(ready - t);
+      }
+      // A migrated child's memory is its own; one restored from the host's copy shares the image's.
+      const mib = migrated ? model.guestMib : model.guestMib * SHARED_CHILD_MEMORY;
+      allocMib[i] = allocMib[i]! + mib;
+      releases[i]!.push({ at: ready + life, mib });
     }
   }
   lat.sort((a, b) => a - b);
@@ -276,38 +400,109 @@ export function fewestHosts(ok: (hosts: number) => SimOutcome | null, maxHosts: 
   return null;
 }
 
-/** Fewest hosts whose simulated p95 meets the target, per link rate (fewestHosts). */
+/** Hosts per template from which a size that misses no better than half of it ends planCapacity's search. */
+const HOSTS_PER_TEMPLATE = 8;
+
+/** At most this many children per simulation: the load is drawn up front. */
+const MAX_SIMULATED_CHILDREN = 1_000_000;
+
+/**
+ * Checks a caller's options (the CLI parses its flags alike): a bad one is a PlanInputError
+ * naming its flag, or its field where there is no flag, not a stack trace from place(), an
+ * answer from a run of no seconds, or an endless loop of arrivals.
+ */
+function checkOptions(o: PlanOptions): void {
+  const want = (ok: boolean, name: string, what: string, v: unknown): void => {
+    if (!ok) throw new PlanInputError(`${name}: want ${what}, got ${String(v)}`);
+  };
+  const num = (v: number | undefined, name: string, min: number, int = false, above = false): void => {
+    if (v !== undefined) want(Number.isFinite(v) && (above ? v > min : v >= min) && (!int || Number.isInteger(v)), name, `${int ? 'an integer' : 'a number'} ${above ? '>' : '>='} ${min}`, v);
+  };
+  num(o.forksPerSecond, '--forks-per-s', 0, false, true);
+  want(o.forksPerSecond !== undefined, '--forks-per-s', 'a number > 0', o.forksPerSecond);
+  num(o.p95TargetMs, '--p95-ms', 0, false, true);
+  want(o.p95TargetMs !== undefined, '--p95-ms', 'a number > 0', o.p95TargetMs);
+  num(o.childrenPerFork, '--fork-n', 1, true);
+  want((o.childrenPerFork ?? 1) <= MAX_FORK_COUNT, '--fork-n', `at most ${MAX_FORK_COUNT} (place()'s largest fork)`, o.childrenPerFork);
+  num(o.slotsPerHost, '--host-slots', 1, true);
+  num(o.simulatedSeconds, '--seconds', 0, false, true);
+  num(o.warmUpSeconds, 'warmUpSeconds', 0);
+  num(o.templates, 'templates', 1, true);
+  num(o.childLifetimeS, 'childLifetimeS', 0);
+  num(o.hostMemoryMib, 'hostMemoryMib', 0, false, true);
+  num(o.maxHosts, 'maxHosts', 1, true);
+  num(o.viewRefreshMs, 'viewRefreshMs', 0);
+  num(o.migrateMaxChildren, 'migrateMaxChildren', 0, true);
+  const links = o.linkRatesGbps;
+  if (links !== undefined) want(links.length > 0 && links.every((g) => Number.isFinite(g) && g > 0), 'linkRatesGbps', 'numbers > 0', `[${links.join(', ')}]`);
+  const d = withDefaults(o);
+  const children = o.forksPerSecond * d.childrenPerFork * (d.warmUpSeconds + d.simulatedSeconds);
+  want(children <= MAX_SIMULATED_CHILDREN, '--forks-per-s', `at most ${MAX_SIMULATED_CHILDREN} children in ${d.warmUpSeconds} s of warm-up + ${d.simulatedSeconds} s (lower --forks-per-s, --fork-n or --seconds)`, `${Math.round(children)} children`);
+}
+
+/**
+ * Fewest hosts whose simulated p95 meets the target, per link rate (fewestHosts). A size fails
+ * without being simulated where the load alone is too much for it: its restores would keep
+ * every slot busy (offered load >= 1: a queue that only grows, which a finite run hides), or
+ * the children alive at once, at their shared memory, would fill it. Past HOSTS_PER_TEMPLATE
+ * hosts a template (its parents on distinct hosts, nearly), a size that misses no better than
+ * half as many hosts did ends the search: what holds p95 up is not the fleet's size (a copy's
+ * price at this link rate, a popular template's few holders), and the sizes above would take
+ * minutes each to simulate.
+ */
 export function planCapacity(run: RunResult, o: PlanOptions): Plan {
-  if (!(o.forksPerSecond > 0)) throw new Error('--forks-per-s: want a number > 0');
-  if (!(o.p95TargetMs > 0)) throw new Error('--p95-ms: want a number > 0');
+  checkOptions(o);
   const model = modelFrom(run);
-  const maxHosts = o.maxHosts ?? 8192;
+  // No fleet is faster than a restore on a holder with nothing queued: say so rather than "> maxHosts".
+  const floor = percentile([...model.sameHostMs].sort((a, b) => a - b), 95);
+  if (o.p95TargetMs < floor) throw new PlanInputError(`--p95-ms: ${o.p95TargetMs} ms is below the run's same-host p95 (${floor} ms, fork_same_host_1), which no fleet size beats`);
+  const d = withDefaults(o);
+  const mean = model.sameHostMs.reduce((a, b) => a + b, 0) / model.sameHostMs.length;
+  const busySlots = (o.forksPerSecond * d.childrenPerFork * mean) / 1000;
+  const aliveMib = o.forksPerSecond * d.childrenPerFork * d.childLifetimeS * model.guestMib * SHARED_CHILD_MEMORY;
   const answers: Plan['answers'] = [];
-  for (const g of o.linkRatesGbps ?? [1, 10, 25, 100]) {
+  for (const g of d.linkRatesGbps) {
     // Simulations are deterministic: each count is simulated once.
     const tried = new Map<number, SimOutcome | null>();
+    const missed = new Map<number, SimOutcome>();
+    let noBetterFrom: { hosts: number; p95Ms: number } | undefined;
     const ok = (h: number): SimOutcome | null => {
       let r = tried.get(h);
       if (r === undefined) {
-        const s = simulate(model, h, g, o);
-        tried.set(h, (r = s.unplaced === 0 && s.p95Ms <= o.p95TargetMs ? s : null));
+        if (busySlots >= h * d.slotsPerHost || aliveMib >= h * d.hostMemoryMib || (noBetterFrom && h > noBetterFrom.hosts)) r = null;
+        else {
+          const s = simulate(model, h, g, o);
+          r = s.unplaced === 0 && s.p95Ms <= o.p95TargetMs ? s : null;
+          const half = missed.get(h / 2);
+          if (!r) missed.set(h, s);
+          if (!r && half && h / 2 >= HOSTS_PER_TEMPLATE * d.templates && s.unplaced === 0 && half.unplaced === 0 && s.p95Ms > 0.99 * half.p95Ms) noBetterFrom = { hosts: h / 2, p95Ms: half.p95Ms };
+        }
+        tried.set(h, r);
       }
       return r;
     };
-    const a = fewestHosts(ok, maxHosts);
-    answers.push({ linkGbps: g, hosts: a?.hosts ?? null, outcome: a?.outcome ?? null });
+    const a = fewestHosts(ok, d.maxHosts);
+    answers.push({ linkGbps: g, hosts: a?.hosts ?? null, outcome: a?.outcome ?? null, ...(!a && noBetterFrom ? { noBetterFrom } : {}) });
   }
   return { request: { ...o }, model, answers };
 }
 
 export function formatPlan(p: Plan): string {
   const r = p.request;
+  const d = withDefaults(r);
+  const m = p.model;
+  const slowdown = m.concurrentSlowdown?.length ? ` (in the run, ${m.concurrentSlowdown.map((x) => `fork_same_host_${x.children} children took ${x.ratio}x`).join(' and ')} a fork_same_host_1 p50)` : '';
   const lines = [
-    `Capacity plan: ${r.forksPerSecond} forks/s x ${r.childrenPerFork ?? 1} children, p95 <= ${r.p95TargetMs} ms (slots/host ${r.slotsPerHost ?? 8}, ${r.templates ?? 50} templates, ${r.simulatedSeconds ?? 20} s simulated)`,
-    `model: ${p.model.source}; same-host median ${percentile([...p.model.sameHostMs].sort((a, b) => a - b), 50)} ms, cross-host extra ${Math.round(p.model.transferMsAtRun)} ms at ${p.model.runLinkGbps} Gbit/s (${Math.round(p.model.wireMsAtRun)} ms of it wire time)`,
+    `Capacity plan: ${r.forksPerSecond} forks/s x ${d.childrenPerFork} children, p95 per child <= ${r.p95TargetMs} ms (slots/host ${d.slotsPerHost}, ${d.templates} templates, ${d.warmUpSeconds} s warm-up + ${d.simulatedSeconds} s measured)`,
+    `model: ${m.source}; same-host median ${percentile([...m.sameHostMs].sort((a, b) => a - b), 50)} ms, migration extra ${Math.round(m.transferMsAtRun)} ms (${Math.round(m.wireMsAtRun)} ms of it wire time), fetch extra ${Math.round(m.fetchMsAtRun ?? m.transferMsAtRun)} ms (${Math.round(m.fetchWireMsAtRun ?? m.wireMsAtRun)} ms wire), at ${m.runLinkGbps} Gbit/s`,
+    `assumed: ${d.slotsPerHost} restores at once per host (${r.slotsPerHost === undefined ? "the agents' FF_STEP_CONCURRENCY default; --host-slots to change" : '--host-slots'}), each as fast as one alone: restore times are not scaled with concurrency${slowdown}`,
+    `assumed: a host lacking the snapshot that gets at most ${d.migrateMaxChildren} of a fork's children (FF_MIGRATE_MAX_CHILDREN), in a fork sending to at most ${MIGRATE_MAX_HOSTS} such hosts, migrates each and does not become a holder; any other fetches it and holds it (ADR 0015)`,
+    `assumed: children live ${d.childLifetimeS} s on hosts of ${d.hostMemoryMib} MiB, holding ${SHARED_CHILD_MEMORY * 100}% of their ${m.guestMib} MiB (migrated: all); sizes whose restores alone keep every slot busy, or whose children fill their memory, fail`,
+    'not modelled: link loads: every copy gets the full link rate, however many its source sends at once (optimistic where many children migrate from a template\'s few holders)',
     '',
     'link Gbit/s   hosts     p50 ms   p95 ms   cross-host fraction',
-    ...p.answers.map((a) => `${String(a.linkGbps).padEnd(12)} ${String(a.hosts ?? `> ${r.maxHosts ?? 8192}`).padEnd(9)} ${String(a.outcome?.p50Ms ?? '-').padEnd(8)} ${String(a.outcome?.p95Ms ?? '-').padEnd(8)} ${a.outcome?.crossHostFraction ?? '-'}`),
+    ...p.answers.map((a) => `${String(a.linkGbps).padEnd(12)} ${String(a.hosts ?? (a.noBetterFrom ? `> ${a.noBetterFrom.hosts * 2}` : `> ${d.maxHosts}`)).padEnd(9)} ${String(a.outcome?.p50Ms ?? '-').padEnd(8)} ${String(a.outcome?.p95Ms ?? '-').padEnd(8)} ${a.outcome?.crossHostFraction ?? '-'}`),
+    ...p.answers.flatMap((a) => (a.noBetterFrom ? [`${a.linkGbps} Gbit/s: ${a.noBetterFrom.hosts * 2} hosts missed no better than ${a.noBetterFrom.hosts} (p95 ${a.noBetterFrom.p95Ms} ms): more hosts do not help here, larger fleets were not simulated`] : [])),
     '',
   ];
   return lines.join('\n');
