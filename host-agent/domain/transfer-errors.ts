@@ -42,9 +42,9 @@ export class ChunkLostError extends ForkfleetError {
 
 /**
  * No source could deliver these chunks (all failed, lacked them or sent corrupt data). With
- * field `fetch.sources` when the sources failed it, not this host (fetchChunks: none when a
- * write here failed): the scheduler does not place the sandboxes on another host for it
- * (executor.ts startFailedOnHost).
+ * field `fetch.sources` when the sources failed it, not this host (fetchChunks: a source
+ * answered and could not deliver, and no write here failed): the scheduler does not place the
+ * sandboxes on another host for it (executor.ts startFailedOnHost).
  */
 export class ChunksUnavailableError extends ForkfleetError {
   readonly digests: readonly string[];

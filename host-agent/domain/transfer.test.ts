@@ -92,6 +92,25 @@ function silentSource(id = 'silent'): ChunkSource {
 }
 
 /** A source that answers every want at once from `chunks` (answerFrom). */
+/** A peer this host cannot reach: every call fails before it answers anything. */
+function unreachable(id: string): ChunkSource {
+  const refused = (): Error => Object.assign(new Error(`connect ECONNREFUSED (${id})`), { code: 'ECONNREFUSED' });
+  return {
+    id,
+    getManifest: () => Promise.reject(refused()),
+    open: () => ({
+      want() {},
+      events: {
+        // eslint-disable-next-line require-yield
+        async *[Symbol.asyncIterator]() {
+          throw refused();
+        },
+      },
+      close() {},
+    }),
+  };
+}
+
 function memorySource(id: string, chunks: ReadonlyMap<DigestHex, EncodedChunk>): ChunkSource {
   return scriptedSource(id, answerFrom(chunks));
 }
@@ -360,7 +379,27 @@ describe('fetchSnapshot: the manifest from the sources', () => {
     const err = await fetchSnapshot('sn-m2', sources, { chunks: store, manifests, roots, trust: trusted }, { streamsPerSource: 1 }).then(() => undefined, (e: unknown) => e);
     expect(err).toBeInstanceOf(ManifestInvalidError);
     expect((err as Error).message).toMatch(/liar-1: .*liar-2: /);
+    // The sources answered and failed it: theirs, not this host's (the scheduler does not move the sandboxes for it).
+    expect(err).toMatchObject({ field: 'fetch.sources' });
     expect(await manifests.get('sn-m2')).toBeUndefined();
+  });
+
+  it('fetchSnapshot_whenNoSourceAnswersAtAll_failsWithoutPuttingItOnTheSources_thisHostMayBeTheOneCutOff', async () => {
+    const { trusted } = generateSigningKey('k1');
+    const { store, manifests, roots } = storesIn('store-manifest-unreachable');
+    const err = await fetchSnapshot('sn-m3', [unreachable('peer-1')], { chunks: store, manifests, roots, trust: trusted }, { streamsPerSource: 1 }).then(() => undefined, (e: unknown) => e);
+    expect(err).toBeInstanceOf(Error);
+    expect((err as { field?: string }).field).toBeUndefined();
+  });
+});
+
+describe('fetchChunks: sources that never answer', () => {
+  it('neverAnswering_failChunksUnavailable_withoutPuttingItOnTheSources_thisHostMayBeTheOneCutOff', async () => {
+    const chunks = await threeChunks();
+    const store = new FsChunkStore(join(tmp, 'store-unreachable'));
+    const err = await fetchChunks(chunks.keys(), [unreachable('peer-1'), unreachable('peer-2')], store, { backoffMs: 1, streamsPerSource: 1, maxAttempts: 2 }).then(() => undefined, (e: unknown) => e);
+    expect(err).toBeInstanceOf(ChunksUnavailableError);
+    expect((err as ChunksUnavailableError).field).toBeUndefined();
   });
 });
 

@@ -266,7 +266,9 @@ export async function verifiedManifestFrom(
     }
   }
   if (unanswered !== undefined) throw unanswered instanceof Error ? unanswered : new Error(String(unanswered));
-  throw new ManifestInvalidError(invalid.length > 0 ? `no source gave a valid manifest of ${snapshotId} (${invalid.join('; ')})` : 'no source returned a manifest');
+  // Every source answered, with bytes that do not verify (or the plan named none): the sources'
+  // fault, not this host's (the scheduler does not move the sandboxes for it).
+  throw new ManifestInvalidError(invalid.length > 0 ? `no source gave a valid manifest of ${snapshotId} (${invalid.join('; ')})` : 'no source returned a manifest', { field: 'fetch.sources' });
 }
 
 /**
@@ -604,8 +606,11 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   report.ms = Math.round(performance.now() - t0);
   if (pending.size > 0) {
     const why = report.sources.map((s) => `${s.id}: ${s.lastError ?? `${s.missing} missing, ${s.rejected} rejected`}`).join('; ');
-    // The sources' failure, unless this host's own write failed (a disk error here).
-    throw new ChunksUnavailableError([...pending], why || 'no sources', localFailure ? { cause: localFailure } : { field: 'fetch.sources' });
+    // The sources' failure when one of them answered and could not deliver (it lacked chunks or
+    // sent bad ones), and this host's own writes did not fail (a disk error here). When none
+    // answered at all, this host may be the one cut off from them: no field.
+    const answered = report.sources.some((s) => s.chunks > 0 || s.missing > 0 || s.rejected > 0);
+    throw new ChunksUnavailableError([...pending], why || 'no sources', localFailure ? { cause: localFailure } : answered || sources.length === 0 ? { field: 'fetch.sources' } : {});
   }
   return report;
 }

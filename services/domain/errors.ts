@@ -123,10 +123,13 @@ export class HostLostError extends ForkfleetError {
 }
 
 export class StepTimeoutError extends ForkfleetError {
-  /** No send of the step reached the bus (NATS down or unreachable from this replica): the host never had it. */
+  /**
+   * No send of the step by this run of it reached the bus (NATS down or unreachable from this
+   * replica): the host had it at most from an earlier run (a leader before a failover).
+   */
   readonly neverSent: boolean;
   constructor(hostId: string, step: string, ms: number, neverSent = false) {
-    super('deadline_exceeded', neverSent ? `no send of ${step} to host ${hostId} reached the work bus within ${ms} ms` : `host ${hostId} did not finish ${step} within ${ms} ms`, { retryable: true });
+    super('deadline_exceeded', neverSent ? `this scheduler could not send ${step} to host ${hostId} over the work bus within ${ms} ms` : `host ${hostId} did not finish ${step} within ${ms} ms`, { retryable: true });
     this.neverSent = neverSent;
   }
 }

@@ -21,7 +21,8 @@ function executor(vcpus: { a: number; b: number }, clock: { now: number }) {
   for (const h of ['a', 'b']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b', restoreSlots: 4, restoreCostMs: 300 }), clock.now);
   const ex = leaderExecutor(store, { heard, clock: { now: () => clock.now }, config: { liveness: { suspectAfterMs: 3_600_000, lostAfterMs: 7_200_000 }, stepTimeoutMs: 100, stepAttempts: 1, chunkBytes: 1 << 18 } });
   const inner = ex as unknown as {
-    failedStarts: Map<string, { count: number; at: number }>;
+    failedStarts: Map<string, { image?: { count: number; at: number }; restore?: { count: number; at: number } }>;
+    startWorked(hostId: string, kind: 'image' | 'restore'): void;
     cache: { apply(c: unknown): void; load(): Promise<void> };
     placeAndBook(op: OperationRec, snapshot: undefined, request: () => PlacementRequest, records: () => { perChild: { res: { vcpus: number; memoryMib: number; diskMib: number } }; writes: [] }): Promise<{ result: Extract<PlacementResult, { ok: true }> }>;
   };
@@ -33,7 +34,7 @@ function executor(vcpus: { a: number; b: number }, clock: { now: number }) {
     const { result } = await inner.placeAndBook({ id: opId, tenantId: 't', kind: 'create' } as OperationRec, undefined, () => ({ kind: 'create', id: opId, nowMs: clock.now, resources: res, preferences: {} }), () => ({ perChild: { res }, writes: [] }));
     return result.placements[0]!.hostId;
   };
-  return { placedOn, failedStarts: inner.failedStarts };
+  return { placedOn, failedStarts: inner.failedStarts, startWorked: (h: string, k: 'image' | 'restore') => inner.startWorked(h, k) };
 }
 
 const opIds = Array.from({ length: 8 }, (_, i) => `op-${i}`);
@@ -44,21 +45,34 @@ describe('placement after creates failed on a host', () => {
     const ex = executor({ a: 16, b: 16 }, clock);
     // Without failures both hosts are picked (spread by seed), so the test can tell.
     expect(new Set(await Promise.all(opIds.map((id) => ex.placedOn(id))))).toEqual(new Set(['a', 'b']));
-    ex.failedStarts.set('a', { count: 2, at: clock.now - 1000 });
+    ex.failedStarts.set('a', { image: { count: 2, at: clock.now - 1000 } });
     expect(new Set(await Promise.all(opIds.map((id) => ex.placedOn(id))))).toEqual(new Set(['b']));
+  });
+
+  it('ofAnotherKind_restoresFailedThere_doNotMoveCreatesFromAnImage_norDoesAWorkingRestoreClearFailedImageBuilds', async () => {
+    const clock = { now: 10_000_000 };
+    const ex = executor({ a: 16, b: 16 }, clock);
+    ex.failedStarts.set('a', { restore: { count: 3, at: clock.now - 1000 } });
+    expect(new Set(await Promise.all(opIds.map((id) => ex.placedOn(id))))).toEqual(new Set(['a', 'b']));
+    // A host that cannot build an image restores well: a wake or fork there leaves its image failures counted.
+    ex.failedStarts.set('a', { image: { count: 2, at: clock.now - 1000 } });
+    ex.startWorked('a', 'restore');
+    expect(new Set(await Promise.all(opIds.map((id) => ex.placedOn(`${id}-x`))))).toEqual(new Set(['b']));
+    ex.startWorked('a', 'image');
+    expect(ex.failedStarts.has('a')).toBe(false);
   });
 
   it('stillGoesThere_whenNoOtherHostHasRoom', async () => {
     const clock = { now: 10_000_000 };
     const ex = executor({ a: 16, b: 1 }, clock);
-    ex.failedStarts.set('a', { count: 3, at: clock.now - 1000 });
+    ex.failedStarts.set('a', { image: { count: 3, at: clock.now - 1000 } });
     expect(await ex.placedOn('op-big', 2)).toBe('a');
   });
 
   it('forgetsThemFiveMinutesAfterTheLast', async () => {
     const clock = { now: 10_000_000 };
     const ex = executor({ a: 16, b: 16 }, clock);
-    ex.failedStarts.set('a', { count: 3, at: clock.now - 5 * 60_000 - 1 });
+    ex.failedStarts.set('a', { image: { count: 3, at: clock.now - 5 * 60_000 - 1 } });
     expect(new Set(await Promise.all(opIds.map((id) => ex.placedOn(id))))).toEqual(new Set(['a', 'b']));
     expect(ex.failedStarts.has('a')).toBe(false);
   });

@@ -80,7 +80,7 @@ describe('A host step that cannot be sent', () => {
     const { outcome, sends } = await stepAnswered(() => ({}), 1, { stepTimeoutMs: 300, publishFails: () => new Error('NATS connection closed') });
     expect(sends).toHaveLength(0);
     expect(outcome).toMatchObject({ kind: 'deadline_exceeded', neverSent: true });
-    expect((outcome as Error).message).toMatch(/reached the work bus/);
+    expect((outcome as Error).message).toMatch(/could not send pause\/sb-1 to host h1 over the work bus/);
   });
 
   it('becauseItIsLargerThanTheBusCarries_failsAtOnce_namingTheWorkAtFault', async () => {

@@ -46,16 +46,20 @@ const FORK_REPLACEMENTS = 2;
 /** How many hosts a create tries before it fails: one whose start failed there for the host's reasons is placed on another (createHostsTried). */
 const CREATE_HOSTS = 3;
 /**
- * A host whose creates or fork restores failed lately for its own reasons (startFailedOnHost)
- * is placed on as if this many steps were queued there per failure (up to FAILED_STARTS_COUNTED
- * of them), for FAILED_STARTS_MS after the last one or until a start there (a create, a fork's
- * restore, a wake) succeeds: placement prefers other hosts while they have room, and uses it
- * when none has. Without it a host that failed every start (an image it cannot build) looked
- * the emptiest, its bookings released, and took most new creates.
+ * A host whose starts of one kind failed lately for its own reasons (startFailedOnHost) is
+ * placed on, for placements of that kind, as if this many steps were queued there per failure
+ * (up to FAILED_STARTS_COUNTED of them), for FAILED_STARTS_MS after the last one or until a
+ * start of that kind succeeds there: placement prefers other hosts while they have room, and
+ * uses it when none has. Without it a host that failed every start (an image it cannot build)
+ * looked the emptiest, its bookings released, and took most new creates. Kinds: `image` (a
+ * create from an image) and `restore` (from a snapshot: a create, a fork, a wake, a drain's
+ * move); a host that cannot build an image restores well, and a wake there says nothing of
+ * its image builds.
  */
 const FAILED_START_QUEUE = 4;
 const FAILED_STARTS_COUNTED = 3;
 const FAILED_STARTS_MS = 5 * 60_000;
+type StartKind = 'image' | 'restore';
 
 /** A fork's children placed again (op input `replaced`): how often, by which placement (its name), and the hosts they were taken off (never placed back there). */
 export type Replacements = Record<string, { times: number; by: string; from?: string[] }>;
@@ -816,8 +820,8 @@ export class Executor {
   private readonly hostWorkSends = new Map<string, number>();
   /** Host steps sent and not yet finished, per host: placement counts them at once (fleetViewInput's ownInflight). */
   private readonly stepsInFlight = new Map<string, number>();
-  /** Starts (creates, fork restores) that failed lately on each host for its own reasons, and when the last did (FAILED_START_QUEUE). */
-  private readonly failedStarts = new Map<string, { count: number; at: number }>();
+  /** Starts that failed lately on each host for its own reasons, by kind, and when the last did (FAILED_START_QUEUE). */
+  private readonly failedStarts = new Map<string, Partial<Record<StartKind, { count: number; at: number }>>>();
   private stops: Array<() => void | Promise<void>> = [];
   /** Runners waiting out a backoff (pause()): woken when this replica stops leading. */
   private readonly sleepers = new Set<() => void>();
@@ -2118,10 +2122,7 @@ export class Executor {
         // Steps in flight per host, plus one per host for each job this group places there
         // (its step is sent after the commit): later jobs of the group see that queue too.
         const inflight = new Map(this.stepsInFlight);
-        for (const [hostId, f] of this.failedStarts) {
-          if (f.at > now - FAILED_STARTS_MS) inflight.set(hostId, (inflight.get(hostId) ?? 0) + FAILED_START_QUEUE * Math.min(f.count, FAILED_STARTS_COUNTED));
-          else this.failedStarts.delete(hostId);
-        }
+        const failing = this.failingHosts(now);
         const touched = new Set<string>();
         const planned: Array<{ job: PlaceJob; result: Extract<PlacementResult, { ok: true }>; writes: StoreWrite[] }> = [];
         let writeCount = 0;
@@ -2148,7 +2149,11 @@ export class Executor {
               // "unknown", and the job failed as a retryable "no capacity".
               viewSnapshots = [...snapshots.filter((x) => x.tenantId !== tenantId || x.id !== id), sv.value];
             }
-            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight: inflight, fetchRates: this.fetchRates.current(now), linkLoads: this.linkLoads.current(now), pendingDiskMib: this.linkLoads.pendingDiskMib(now) }));
+            // Hosts that failed starts of this job's kind lately: as if steps were queued there.
+            const penalties = failing[job.snapshot ? 'restore' : 'image'];
+            const ownInflight = penalties.size === 0 ? inflight : new Map(inflight);
+            for (const [h, n] of penalties) ownInflight.set(h, (ownInflight.get(h) ?? 0) + n);
+            const view = buildFleetView(fleetViewInput({ hosts: hosts.map((h) => h.value), allocs, heard: this.deps.heard, snapshots: viewSnapshots, revision, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes, ownInflight, fetchRates: this.fetchRates.current(now), linkLoads: this.linkLoads.current(now), pendingDiskMib: this.linkLoads.pendingDiskMib(now) }));
             const req = job.request(view);
             // Seeded by the request's id (each migration of a drain has its own), as the library
             // documents, so the first attempt's decision replays from its explanation.
@@ -2590,6 +2595,7 @@ export class Executor {
     let notHeld = false;
     /** Hosts this op's start failed on before (recorded with each move off one: a re-run knows them). */
     let tried = createHostsTried(op);
+    const startKind: StartKind = sb.sourceSnapshotId ? 'restore' : 'image';
     // A run again after a move (a failover, or a store outage under its commit): the hosts it
     // was moved off are told to give it up once more. The first run told them after its
     // commit, and may have died (or lost the commit's answer) before it did: a host that timed
@@ -2617,7 +2623,7 @@ export class Executor {
         // A step of its own per host (the first one's is 'create'): each host's journal answers its own.
         const r = await this.step(op, tried.length === 0 ? 'create' : `create/${sb.hostId}`, sb.hostId, work);
         notHeld = r.restoredByMigration || r.snapshotNotHeld;
-        this.failedStarts.delete(sb.hostId);
+        this.startWorked(sb.hostId, startKind);
         break;
       } catch (e) {
         // A store that failed under the step's preparation fails nothing: the op runs again. A
@@ -2626,7 +2632,7 @@ export class Executor {
         if (!this.active || e instanceof StoreUnavailableError) throw e;
         let end = e;
         const hostsFault = startFailedOnHost(e);
-        if (hostsFault) this.noteFailedStart(sb.hostId);
+        if (hostsFault) this.noteFailedStart(sb.hostId, startKind);
         if (hostsFault && tried.length + 1 < CREATE_HOSTS && !prefs?.hostId && !this.cancelRequested(op.id)) {
           const moved = await this.placeCreateAgain(op, sb, e, snapshotRef, request([...tried, sb.hostId])).catch((again: unknown) => {
             // Cancelled meanwhile: it ends so. No other host could take it: it ends on its host's failure.
@@ -2661,9 +2667,33 @@ export class Executor {
     await this.finishRunning(op, sb);
   }
 
-  /** A start (a create's, a fork's restore) failed on `hostId` for the host's own reasons: placement prefers other hosts for a while (FAILED_START_QUEUE). */
-  private noteFailedStart(hostId: string): void {
-    this.failedStarts.set(hostId, { count: (this.failedStarts.get(hostId)?.count ?? 0) + 1, at: this.deps.clock.now() });
+  /** A start of `kind` failed on `hostId` for the host's own reasons: placement prefers other hosts for such starts for a while (FAILED_START_QUEUE). */
+  private noteFailedStart(hostId: string, kind: StartKind): void {
+    const f = this.failedStarts.get(hostId) ?? {};
+    f[kind] = { count: (f[kind]?.count ?? 0) + 1, at: this.deps.clock.now() };
+    this.failedStarts.set(hostId, f);
+  }
+
+  /** A start of `kind` worked on `hostId`: its earlier failures of that kind no longer count. */
+  private startWorked(hostId: string, kind: StartKind): void {
+    const f = this.failedStarts.get(hostId);
+    if (!f?.[kind]) return;
+    delete f[kind];
+    if (!f.image && !f.restore) this.failedStarts.delete(hostId);
+  }
+
+  /** Per kind of start, the queued steps placement counts on each host that failed such starts lately (FAILED_START_QUEUE); forgets old failures. */
+  private failingHosts(now: number): Record<StartKind, Map<string, number>> {
+    const out: Record<StartKind, Map<string, number>> = { image: new Map(), restore: new Map() };
+    for (const [hostId, f] of this.failedStarts) {
+      for (const kind of ['image', 'restore'] as const) {
+        const k = f[kind];
+        if (k && k.at > now - FAILED_STARTS_MS) out[kind].set(hostId, FAILED_START_QUEUE * Math.min(k.count, FAILED_STARTS_COUNTED));
+        else delete f[kind];
+      }
+      if (!f.image && !f.restore) this.failedStarts.delete(hostId);
+    }
+    return out;
   }
 
   /**
@@ -3462,7 +3492,7 @@ export class Executor {
     try {
       fetch = this.fetchPlan(snv.value, hostId, input.transferSource);
       woke = await this.step(op, `wake/${hostId}`, hostId, { case: 'restoreVms', value: { snapshotId, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
-      this.failedStarts.delete(hostId);
+      this.startWorked(hostId, 'restore');
     } catch (e) {
       // Back to hibernated with its booking released, in the transaction that fails the op:
       // a re-run after a failover finds the op finished, not a booking to release again.
@@ -3917,7 +3947,7 @@ export class Executor {
       // as it is: the fork runs again (run()), finding the others running and that host's
       // restore answered already.
       const { stranded, why, failing, hostFaults } = sortFailedRestores(failed.filter((f) => !(f.error instanceof StoreUnavailableError)), replaced);
-      for (const h of hostFaults) this.noteFailedStart(h);
+      for (const h of hostFaults) this.noteFailedStart(h, 'restore');
       for (const f of failing) await fail(f);
       const unknown = failed.find((f) => f.error instanceof StoreUnavailableError);
       if (unknown) throw unknown.error;
@@ -4030,8 +4060,8 @@ export class Executor {
           // Cancelled: a step not sent yet (a later wave's) is not sent; its children fail.
           this.stopIfCancelled(op);
           restored = await this.step(op, stepId, hostId, { case: 'restoreVms', value: { snapshotId, vms, ...(fetch ? { fetch } : {}) } as never });
-          // A start that worked there: no longer counted as failing (noteFailedStart).
-          this.failedStarts.delete(hostId);
+          // A start that worked there: its failed restores no longer count (noteFailedStart).
+          this.startWorked(hostId, 'restore');
         } catch (e) {
           stepFailed.add(hostId);
           throw e;
