@@ -92,14 +92,22 @@ export interface SimOutcome {
   unplaced: number;
 }
 
+/** Where a search stopped early: `hosts` missed (p95 `p95Ms`), and twice as many (`doubledP95Ms`) too. */
+export interface NoBetterFrom {
+  hosts: number;
+  p95Ms: number;
+  doubledP95Ms: number;
+}
+
 export interface Plan {
   request: Required<Pick<PlanOptions, 'forksPerSecond' | 'p95TargetMs'>> & PlanOptions;
   model: LatencyModel;
   /**
    * Per link rate: the fewest hosts meeting the target, or null if none up to maxHosts.
-   * `noBetterFrom`: where a null answer stopped early, the size whose double did no better.
+   * `noBetterFrom`: where a null answer stopped early (searchHosts), the size whose double did
+   * no better, or too little better to reach the target by maxHosts.
    */
-  answers: Array<{ linkGbps: number; hosts: number | null; outcome: SimOutcome | null; noBetterFrom?: { hosts: number; p95Ms: number } }>;
+  answers: Array<{ linkGbps: number; hosts: number | null; outcome: SimOutcome | null; noBetterFrom?: NoBetterFrom }>;
 }
 
 /** Why a scenario cannot be used: failed, stopped early, or absent. */
@@ -372,15 +380,17 @@ export function simulate(model: LatencyModel, hosts: number, linkGbps: number, o
  * load (drawLoad), so p95 nearly falls as hosts are added; what still differs with the fleet
  * (the hosts place()'s draws land on) can let one count pass by a fluke where the next misses.
  * So an answer must be met by one host more too; a miss there resumes the search above it.
- * Either way the host count below the answer was tried and missed.
+ * Either way the host count below the answer was tried and missed. `stop`, asked before each
+ * doubling, ends the search with null where the sizes above are known not to help; it never
+ * cuts short a bisection or the confirm, so it cannot override a size that passed.
  */
-export function fewestHosts(ok: (hosts: number) => SimOutcome | null, maxHosts: number): { hosts: number; outcome: SimOutcome } | null {
+export function fewestHosts(ok: (hosts: number) => SimOutcome | null, maxHosts: number, stop: () => boolean = () => false): { hosts: number; outcome: SimOutcome } | null {
   // Invariant: every count below lo that was tried missed.
   let lo = 1;
   while (lo <= maxHosts) {
     let hi = lo;
     let best = ok(hi);
-    while (!best && hi < maxHosts) {
+    while (!best && hi < maxHosts && !stop()) {
       lo = hi + 1;
       hi = Math.min(maxHosts, hi * 2);
       best = ok(hi);
@@ -400,7 +410,39 @@ export function fewestHosts(ok: (hosts: number) => SimOutcome | null, maxHosts: 
   return null;
 }
 
-/** Hosts per template from which a size that misses no better than half of it ends planCapacity's search. */
+/**
+ * planCapacity's search at one link rate: fewestHosts over `run(h)`, the outcome of h hosts
+ * (null: h fails unsimulated), each size run once (simulations are deterministic). From
+ * `stopFrom` hosts on, a size that misses where half as many missed ends the doubling if p95
+ * did not fall at all, or fell too little per doubling to reach the target by maxHosts at that
+ * rate (p95 falls ever more slowly as hosts are added, so the rate is a hopeful one): what holds
+ * p95 up then is not the fleet's size, and each larger fleet would take minutes to simulate.
+ * Never where a tried size above the half passed: more hosts did help there.
+ */
+export function searchHosts(run: (hosts: number) => SimOutcome | null, p95TargetMs: number, maxHosts: number, stopFrom: number): Omit<Plan['answers'][number], 'linkGbps'> {
+  const tried = new Map<number, SimOutcome | null>();
+  const missed = new Map<number, SimOutcome>();
+  let noBetterFrom: NoBetterFrom | undefined;
+  const ok = (h: number): SimOutcome | null => {
+    let r = tried.get(h);
+    if (r === undefined) {
+      const s = run(h);
+      r = s && s.unplaced === 0 && s.p95Ms <= p95TargetMs ? s : null;
+      const half = missed.get(h / 2);
+      if (s && !r) missed.set(h, s);
+      if (s && !r && half && h / 2 >= stopFrom && s.unplaced === 0 && half.unplaced === 0 && ![...tried].some(([t, x]) => x && t > h / 2)) {
+        const gain = half.p95Ms - s.p95Ms;
+        if (gain <= 0 || gain * Math.log2(maxHosts / h) < s.p95Ms - p95TargetMs) noBetterFrom = { hosts: h / 2, p95Ms: half.p95Ms, doubledP95Ms: s.p95Ms };
+      }
+      tried.set(h, r);
+    }
+    return r;
+  };
+  const a = fewestHosts(ok, maxHosts, () => noBetterFrom !== undefined);
+  return { hosts: a?.hosts ?? null, outcome: a?.outcome ?? null, ...(!a && noBetterFrom ? { noBetterFrom } : {}) };
+}
+
+/** Hosts per template from which searchHosts may stop early (a template's parents on distinct hosts, nearly). */
 const HOSTS_PER_TEMPLATE = 8;
 
 /** At most this many children per simulation: the load is drawn up front. */
@@ -437,7 +479,9 @@ function checkOptions(o: PlanOptions): void {
   if (links !== undefined) want(links.length > 0 && links.every((g) => Number.isFinite(g) && g > 0), 'linkRatesGbps', 'numbers > 0', `[${links.join(', ')}]`);
   const d = withDefaults(o);
   const children = o.forksPerSecond * d.childrenPerFork * (d.warmUpSeconds + d.simulatedSeconds);
-  want(children <= MAX_SIMULATED_CHILDREN, '--forks-per-s', `at most ${MAX_SIMULATED_CHILDREN} children in ${d.warmUpSeconds} s of warm-up + ${d.simulatedSeconds} s (lower --forks-per-s, --fork-n or --seconds)`, `${Math.round(children)} children`);
+  // The product of several options: name each the caller gave (forks/s always), not one of them.
+  const factors = ['--forks-per-s', ...(o.childrenPerFork !== undefined ? ['--fork-n'] : []), ...(o.simulatedSeconds !== undefined ? ['--seconds'] : []), ...(o.warmUpSeconds !== undefined ? ['warmUpSeconds'] : [])];
+  want(children <= MAX_SIMULATED_CHILDREN, factors.join(', '), `at most ${MAX_SIMULATED_CHILDREN} children (${o.forksPerSecond} forks/s x ${d.childrenPerFork} children x (${d.warmUpSeconds} s of warm-up + ${d.simulatedSeconds} s); lower one)`, `${Math.round(children)} children`);
 }
 
 /**
@@ -445,10 +489,9 @@ function checkOptions(o: PlanOptions): void {
  * without being simulated where the load alone is too much for it: its restores would keep
  * every slot busy (offered load >= 1: a queue that only grows, which a finite run hides), or
  * the children alive at once, at their shared memory, would fill it. Past HOSTS_PER_TEMPLATE
- * hosts a template (its parents on distinct hosts, nearly), a size that misses no better than
- * half as many hosts did ends the search: what holds p95 up is not the fleet's size (a copy's
- * price at this link rate, a popular template's few holders), and the sizes above would take
- * minutes each to simulate.
+ * hosts a template, searchHosts may stop early where doubling the fleet did not help p95, or
+ * too little to reach the target (a copy's price at this link rate, a popular template's few
+ * holders hold it up).
  */
 export function planCapacity(run: RunResult, o: PlanOptions): Plan {
   checkOptions(o);
@@ -462,27 +505,8 @@ export function planCapacity(run: RunResult, o: PlanOptions): Plan {
   const aliveMib = o.forksPerSecond * d.childrenPerFork * d.childLifetimeS * model.guestMib * SHARED_CHILD_MEMORY;
   const answers: Plan['answers'] = [];
   for (const g of d.linkRatesGbps) {
-    // Simulations are deterministic: each count is simulated once.
-    const tried = new Map<number, SimOutcome | null>();
-    const missed = new Map<number, SimOutcome>();
-    let noBetterFrom: { hosts: number; p95Ms: number } | undefined;
-    const ok = (h: number): SimOutcome | null => {
-      let r = tried.get(h);
-      if (r === undefined) {
-        if (busySlots >= h * d.slotsPerHost || aliveMib >= h * d.hostMemoryMib || (noBetterFrom && h > noBetterFrom.hosts)) r = null;
-        else {
-          const s = simulate(model, h, g, o);
-          r = s.unplaced === 0 && s.p95Ms <= o.p95TargetMs ? s : null;
-          const half = missed.get(h / 2);
-          if (!r) missed.set(h, s);
-          if (!r && half && h / 2 >= HOSTS_PER_TEMPLATE * d.templates && s.unplaced === 0 && half.unplaced === 0 && s.p95Ms > 0.99 * half.p95Ms) noBetterFrom = { hosts: h / 2, p95Ms: half.p95Ms };
-        }
-        tried.set(h, r);
-      }
-      return r;
-    };
-    const a = fewestHosts(ok, d.maxHosts);
-    answers.push({ linkGbps: g, hosts: a?.hosts ?? null, outcome: a?.outcome ?? null, ...(!a && noBetterFrom ? { noBetterFrom } : {}) });
+    const sim = (h: number): SimOutcome | null => (busySlots >= h * d.slotsPerHost || aliveMib >= h * d.hostMemoryMib ? null : simulate(model, h, g, o));
+    answers.push({ linkGbps: g, ...searchHosts(sim, o.p95TargetMs, d.maxHosts, HOSTS_PER_TEMPLATE * d.templates) });
   }
   return { request: { ...o }, model, answers };
 }
@@ -502,7 +526,9 @@ export function formatPlan(p: Plan): string {
     '',
     'link Gbit/s   hosts     p50 ms   p95 ms   cross-host fraction',
     ...p.answers.map((a) => `${String(a.linkGbps).padEnd(12)} ${String(a.hosts ?? (a.noBetterFrom ? `> ${a.noBetterFrom.hosts * 2}` : `> ${d.maxHosts}`)).padEnd(9)} ${String(a.outcome?.p50Ms ?? '-').padEnd(8)} ${String(a.outcome?.p95Ms ?? '-').padEnd(8)} ${a.outcome?.crossHostFraction ?? '-'}`),
-    ...p.answers.flatMap((a) => (a.noBetterFrom ? [`${a.linkGbps} Gbit/s: ${a.noBetterFrom.hosts * 2} hosts missed no better than ${a.noBetterFrom.hosts} (p95 ${a.noBetterFrom.p95Ms} ms): more hosts do not help here, larger fleets were not simulated`] : [])),
+    ...p.answers.flatMap(({ linkGbps: g, noBetterFrom: n }) => (!n ? [] : n.doubledP95Ms >= n.p95Ms
+      ? [`${g} Gbit/s: ${n.hosts * 2} hosts missed no better than ${n.hosts} (p95 ${n.doubledP95Ms} ms, ${n.p95Ms} ms at ${n.hosts}): more hosts do not help here, larger fleets were not simulated`]
+      : [`${g} Gbit/s: p95 fell only from ${n.p95Ms} ms at ${n.hosts} hosts to ${n.doubledP95Ms} ms at ${n.hosts * 2}: at that rate a doubling it would still miss ${r.p95TargetMs} ms at ${d.maxHosts} hosts; larger fleets were not simulated`])),
     '',
   ];
   return lines.join('\n');
