@@ -249,6 +249,8 @@ export async function verifiedManifestFrom(
 ): Promise<{ signed: SignedManifest; manifest: SnapshotManifest; source: string }> {
   let unanswered: unknown;
   const invalid: string[] = [];
+  /** Whether a source's manifest failed for a reason other than a key this host does not trust. */
+  let theirs = false;
   for (const s of sources) {
     let signed: SignedManifest;
     try {
@@ -262,13 +264,16 @@ export async function verifiedManifestFrom(
       return { signed, manifest: verifyManifest(signed, trust, snapshotId), source: s.id };
     } catch (e) {
       invalid.push(`${s.id}: ${(e as Error).message}`);
+      theirs ||= trust.has(signed.keyId);
       opts.log?.warn({ source: s.id, snapshotId, err: (e as Error).message }, "a source's manifest does not verify: asking the next source");
     }
   }
   if (unanswered !== undefined) throw unanswered instanceof Error ? unanswered : new Error(String(unanswered));
   // Every source answered, with bytes that do not verify (or the plan named none): the sources'
-  // fault, not this host's (the scheduler does not move the sandboxes for it).
-  throw new ManifestInvalidError(invalid.length > 0 ? `no source gave a valid manifest of ${snapshotId} (${invalid.join('; ')})` : 'no source returned a manifest', { field: 'fetch.sources' });
+  // fault, not this host's (the scheduler does not move the sandboxes for it). Unless every one
+  // was signed by a key this host does not trust (its FF_TRUSTED_KEY behind a key rotation):
+  // then the host is the one at fault, as for its own stored copy.
+  throw new ManifestInvalidError(invalid.length > 0 ? `no source gave a valid manifest of ${snapshotId} (${invalid.join('; ')})` : 'no source returned a manifest', theirs || invalid.length === 0 ? { field: 'fetch.sources' } : {});
 }
 
 /**
@@ -606,10 +611,11 @@ export async function fetchChunks(digests: Iterable<DigestHex>, sources: readonl
   report.ms = Math.round(performance.now() - t0);
   if (pending.size > 0) {
     const why = report.sources.map((s) => `${s.id}: ${s.lastError ?? `${s.missing} missing, ${s.rejected} rejected`}`).join('; ');
-    // The sources' failure when one of them answered and could not deliver (it lacked chunks or
-    // sent bad ones), and this host's own writes did not fail (a disk error here). When none
-    // answered at all, this host may be the one cut off from them: no field.
-    const answered = report.sources.some((s) => s.chunks > 0 || s.missing > 0 || s.rejected > 0);
+    // The sources' failure when a chunk still missing is one a source answered for and could not
+    // deliver (it lacked it, or sent a bad copy), and this host's own writes did not fail (a
+    // disk error here). Otherwise (no source answered for what is missing: their sessions
+    // failed) this host may be the one cut off from them, at any point of the fetch: no field.
+    const answered = [...pending].some((d) => (excluded.get(d)?.size ?? 0) > 0);
     throw new ChunksUnavailableError([...pending], why || 'no sources', localFailure ? { cause: localFailure } : answered || sources.length === 0 ? { field: 'fetch.sources' } : {});
   }
   return report;

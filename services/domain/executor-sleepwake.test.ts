@@ -228,9 +228,18 @@ describe('a create whose start fails on its host', () => {
     expect(w.op.state).toBe('succeeded');
     expect(w.op.input).toMatchObject({ startFailedOn: ['A'] });
     expect(w.sb).toMatchObject({ state: 'running', hostId: 'B', opId: '' });
-    // A counts as failing for placement (executor-failed-starts.test.ts); B, which started it, does not.
-    const failed = (ex as unknown as { failedStarts: Map<string, { count: number }> }).failedStarts;
+    // A counts as failing for placement (executor-failed-starts.test.ts), for creates from an
+    // image only (its failure was the host's image build); B, which started it, does not.
+    const failed = (ex as unknown as { failedStarts: Map<string, object> }).failedStarts;
     expect([...failed.keys()]).toEqual(['A']);
+    expect(Object.keys(failed.get('A')!)).toEqual(['image']);
+  });
+
+  it('thatTimedOut_countsItsHostAsFailingEveryKindOfStart_aTimeoutSaysNothingOfWhatItWas', async () => {
+    const { w, ex } = createOnA((h) => (h === 'A' ? new StepTimeoutError('A', 'create', 1000) : undefined));
+    await ex.runCreate(w.op);
+    const failed = (ex as unknown as { failedStarts: Map<string, object> }).failedStarts;
+    expect(Object.keys(failed.get('A')!).sort()).toEqual(['image', 'restore']);
   });
 
   it('thatTimesOutOrWhoseHostIsLost_isPlacedOnAnotherHostToo', async () => {

@@ -440,14 +440,14 @@ function startFailedOnHost(e: unknown): boolean {
  * each host failed them) and whose fail (`failing`). Placed again, up to FORK_REPLACEMENTS
  * times each: children of a host that was lost, or whose restore step failed for the host's own
  * reasons (startFailedOnHost; not a step that answered, whose VMs run, nor one that never went
- * out). `hostFaults`: the hosts that failed so (placement prefers others for a while).
+ * out). `hostFaults`: the failures that were so (placement prefers other hosts for a while).
  */
-export function sortFailedRestores<F extends { hostId: string; children: ReadonlyArray<{ rec: { id: string } }>; error: unknown; stepFailed: boolean }>(failed: readonly F[], replaced: Replacements): { stranded: F[]; why: Map<string, string>; failing: F[]; hostFaults: string[] } {
-  const out = { stranded: [] as F[], why: new Map<string, string>(), failing: [] as F[], hostFaults: [] as string[] };
+export function sortFailedRestores<F extends { hostId: string; children: ReadonlyArray<{ rec: { id: string } }>; error: unknown; stepFailed: boolean }>(failed: readonly F[], replaced: Replacements): { stranded: F[]; why: Map<string, string>; failing: F[]; hostFaults: F[] } {
+  const out = { stranded: [] as F[], why: new Map<string, string>(), failing: [] as F[], hostFaults: [] as F[] };
   for (const f of failed) {
     const lost = f.error instanceof HostLostError;
     const hostFault = lost || (f.stepFailed && startFailedOnHost(f.error));
-    if (hostFault) out.hostFaults.push(f.hostId);
+    if (hostFault) out.hostFaults.push(f);
     if (hostFault && f.children.every((c) => (replaced[c.rec.id]?.times ?? 0) < FORK_REPLACEMENTS)) {
       out.stranded.push(f);
       out.why.set(f.hostId, lost ? 'was lost' : 'failed their restore');
@@ -2632,7 +2632,7 @@ export class Executor {
         if (!this.active || e instanceof StoreUnavailableError) throw e;
         let end = e;
         const hostsFault = startFailedOnHost(e);
-        if (hostsFault) this.noteFailedStart(sb.hostId, startKind);
+        if (hostsFault) this.noteFailedStart(sb.hostId, startKind, e);
         if (hostsFault && tried.length + 1 < CREATE_HOSTS && !prefs?.hostId && !this.cancelRequested(op.id)) {
           const moved = await this.placeCreateAgain(op, sb, e, snapshotRef, request([...tried, sb.hostId])).catch((again: unknown) => {
             // Cancelled meanwhile: it ends so. No other host could take it: it ends on its host's failure.
@@ -2667,10 +2667,16 @@ export class Executor {
     await this.finishRunning(op, sb);
   }
 
-  /** A start of `kind` failed on `hostId` for the host's own reasons: placement prefers other hosts for such starts for a while (FAILED_START_QUEUE). */
-  private noteFailedStart(hostId: string, kind: StartKind): void {
+  /**
+   * A start of `kind` failed on `hostId` for the host's own reasons (`e`): placement prefers
+   * other hosts for such starts for a while (FAILED_START_QUEUE). A failure of the whole host
+   * (no answer in time, the host lost, a step still running at its deadline) counts for every
+   * kind: it says nothing of what the start was.
+   */
+  private noteFailedStart(hostId: string, kind: StartKind, e: unknown): void {
+    const wholeHost = e instanceof StepTimeoutError || e instanceof HostLostError || (e instanceof HostStepError && e.kind === 'deadline_exceeded');
     const f = this.failedStarts.get(hostId) ?? {};
-    f[kind] = { count: (f[kind]?.count ?? 0) + 1, at: this.deps.clock.now() };
+    for (const k of wholeHost ? (['image', 'restore'] as const) : [kind]) f[k] = { count: (f[k]?.count ?? 0) + 1, at: this.deps.clock.now() };
     this.failedStarts.set(hostId, f);
   }
 
@@ -3947,7 +3953,7 @@ export class Executor {
       // as it is: the fork runs again (run()), finding the others running and that host's
       // restore answered already.
       const { stranded, why, failing, hostFaults } = sortFailedRestores(failed.filter((f) => !(f.error instanceof StoreUnavailableError)), replaced);
-      for (const h of hostFaults) this.noteFailedStart(h, 'restore');
+      for (const f of hostFaults) this.noteFailedStart(f.hostId, 'restore', f.error);
       for (const f of failing) await fail(f);
       const unknown = failed.find((f) => f.error instanceof StoreUnavailableError);
       if (unknown) throw unknown.error;
