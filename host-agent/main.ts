@@ -17,7 +17,7 @@ import { exitWhenClosedForGood } from '../services/adapters/nats/closed.ts';
 import { FsJournal } from './adapters/journal/fs-journal.ts';
 import { FsChunkStore, FsManifestStore } from './adapters/chunkstore/fs-store.ts';
 import { Materialiser } from './adapters/chunkstore/materialise.ts';
-import { chunkTransferService } from './adapters/peer/server.ts';
+import { chunkTransferService, peerServerChannelOptions } from './adapters/peer/server.ts';
 import { certificateHostId, peerServerCredentials, readPeerTls, writeQemuTlsDir } from './adapters/peer/tls.ts';
 import { ChunkStoreShipper } from './adapters/shipper.ts';
 import { ensurePrivateDataDir, lockDataDir } from './adapters/data-dir.ts';
@@ -158,7 +158,9 @@ async function main(): Promise<void> {
   // still closing: 4 per step + 1, at least the server's default 16.
   const maxStreamsPerCaller = Math.max(16, 4 * (cfg.concurrency + 1));
   const peer = chunkTransferService({ chunks, manifests, trust, clock: { now: () => new Date() }, log, migrate, maxStreamsPerCaller, ...(peerTls ? { callerHostId: certificateHostId } : {}) });
-  const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], credentials: peerServerCredentials(peerTls), onError: (err) => log.debug({ err }, 'peer request failed') });
+  // Peer requests are small (a ticket, a want of a window of digests): the server's defaults
+  // (16 MiB requests, 1000 calls per connection) let one unauthenticated connection hold GiBs.
+  const peerServer = await startGrpcServer({ address: cfg.peerAddr, services: [peer.registration], credentials: peerServerCredentials(peerTls), channelOptions: peerServerChannelOptions(maxStreamsPerCaller), onError: (err) => log.debug({ err }, 'peer request failed') });
   const peerAddress = cfg.peerAdvertise || peerServer.address;
 
   // CPU seconds of a process from /proc/<pid>/stat (utime + stime, in clock ticks of 1/100 s).

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 import { create, fromBinary, toBinary } from '@bufbuild/protobuf';
-import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { ArtifactKind, SignedManifestSchema, SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { VmConfigSchema } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { TransferTicketSchema } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
 import { generateSigningKey, signManifest, signTicket, verifyManifest, verifyTicket } from './tickets.ts';
@@ -54,12 +54,27 @@ describe('transfer tickets', () => {
   });
 
   it('verifyManifest_whenTampered_refuses', () => {
-    const m = create(SnapshotManifestSchema, { snapshotId: 's1', chunkSize: 262144 });
+    const m = create(SnapshotManifestSchema, { snapshotId: 's1', chunkSize: 262144, artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', size: 0n }] });
     const signed = signManifest(m, signing);
     expect(verifyManifest(signed, trusted, 's1').snapshotId).toBe('s1');
     const bytes = Uint8Array.from(signed.manifest);
     bytes[bytes.length - 1] = (bytes[bytes.length - 1] ?? 0) ^ 1;
     expect(() => verifyManifest({ ...signed, manifest: bytes }, trusted, 's1')).toThrow(ManifestInvalidError);
     expect(() => verifyManifest(signed, trusted, 's2')).toThrow(ManifestInvalidError);
+  });
+
+  it('verifyManifest_ofASignedTicketWhoseBytesDecodeAsAManifest_refuses', () => {
+    // The same key signs tickets. An expiry whose Timestamp bytes are valid UTF-8 (2029-07-30)
+    // makes a ticket's bytes a manifest for its snapshot (ids in fields 1-4), with no artifacts.
+    const t = signTicket({ snapshotId: 's1', destinationHostId: 'h2', expiresAt: new Date(1880129602_000) }, signing);
+    expect(fromBinary(SnapshotManifestSchema, t.ticket).snapshotId).toBe('s1'); // it does decode
+    const asManifest = create(SignedManifestSchema, { manifest: t.ticket, signature: t.signature, keyId: t.keyId });
+    expect(() => verifyManifest(asManifest, trusted, 's1')).toThrow(ManifestInvalidError);
+    expect(() => verifyManifest(asManifest, trusted)).toThrow(ManifestInvalidError);
+  });
+
+  it('verifyManifest_withoutASnapshotId_refuses_evenWithNoIdExpected', () => {
+    const signed = signManifest(create(SnapshotManifestSchema, { chunkSize: 262144, artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', size: 0n }] }), signing);
+    expect(() => verifyManifest(signed, trusted)).toThrow(ManifestInvalidError);
   });
 });

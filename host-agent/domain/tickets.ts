@@ -119,6 +119,13 @@ export function verifyManifest(signed: SignedManifest | undefined, trust: Truste
   if (expectSnapshotId !== undefined && m.snapshotId !== expectSnapshotId) {
     throw new ManifestInvalidError(`manifest is for ${JSON.stringify(m.snapshotId)}, not ${JSON.stringify(expectSnapshotId)}`);
   }
+  // The same key signs tickets, whose bytes may decode as a manifest: a ticket's fields 1-4 are
+  // a manifest's snapshot, tenant, parent and source ids when its expiry's bytes happen to be
+  // UTF-8 (some expiries from 2029 on). A ticket has no artifacts (field 9), every snapshot
+  // has: one without is no manifest an agent signed. (Unknown fields are kept, unlike in
+  // verifyTicket: a manifest outlives its agent's version, and a newer agent's may carry more.)
+  if (m.snapshotId === '') throw new ManifestInvalidError('no snapshot id');
+  if (m.artifacts.length === 0) throw new ManifestInvalidError('no artifacts');
   return m;
 }
 

@@ -10,7 +10,7 @@ import { Metadata } from '@grpc/grpc-js';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { FetchChunksRequestSchema, type FetchChunksRequest, type SignedTicket } from '../../../proto/gen/forkfleet/v1/transfer_pb.ts';
-import { ArtifactKind } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
+import { ArtifactKind, SnapshotManifestSchema } from '../../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { CallContext } from '../../../services/adapters/grpc/rpc.ts';
 import { startGrpcServer } from '../../../services/adapters/grpc/server.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
@@ -21,7 +21,7 @@ import { TicketInvalidError } from '../../domain/transfer-errors.ts';
 import { ForkfleetError } from '../../../proto/errors.ts';
 import { decodeManifestUnverified, generateSigningKey, signManifest, signTicket } from '../../domain/tickets.ts';
 import { storeHoldingS1 } from './migrate-testkit.ts';
-import { CallerBusyError, chunkTransferService, HOST_ID_METADATA, STREAM_GRACE_MS, type ChunkServerDeps } from './server.ts';
+import { CallerBusyError, chunkTransferService, HOST_ID_METADATA, MAX_PENDING_WANTS, PEER_MAX_REQUEST_BYTES, peerServerChannelOptions, STREAM_GRACE_MS, type ChunkServerDeps } from './server.ts';
 
 let dir: string;
 beforeAll(() => {
@@ -178,6 +178,57 @@ describe('ChunkTransferService.fetchChunks', () => {
       s.close();
     }
   });
+
+  it('fetchChunks_wantsRepeatingADigestStillPending_readAndSendItOnce', async () => {
+    let reads = 0;
+    const s = await openStream(0, {
+      chunks: (real) =>
+        new Proxy(real, {
+          get: (t, k) => {
+            const v = Reflect.get(t, k, t) as unknown;
+            if ((k !== 'getEncodedForSend' && k !== 'getEncoded') || typeof v !== 'function') return v;
+            return (d: string) => {
+              reads++;
+              return (v as (d: string) => unknown).call(t, d);
+            };
+          },
+        }),
+    });
+    try {
+      // One ticket must not buy a read per repeat: 2000 asks of one chunk are one want.
+      for (let i = 0; i < 2000; i++) s.want();
+      await new Promise((r) => setTimeout(r, 20));
+      s.credit(100);
+      expect((await s.out.next()).value?.payload.case).toBe('chunk');
+      const more = await Promise.race([s.next(), new Promise((r) => setTimeout(() => r('nothing'), 100))]);
+      expect(more).toBe('nothing');
+      expect(reads).toBe(1);
+      expect(s.stats.chunksServed).toBe(1);
+    } finally {
+      s.close();
+    }
+  });
+
+  it('fetchChunks_askingForMoreThanMaxPendingWantsNotYetSent_endsItWithInvalidArgument', async () => {
+    // A snapshot of more chunks than the cap (the old cap grew with the manifest: 2 x its chunks).
+    const { signing, trusted, deps } = await s1Fixture();
+    const digests = Array.from({ length: MAX_PENDING_WANTS + 1 }, () => randomBytes(32));
+    const big = signManifest(create(SnapshotManifestSchema, { snapshotId: 's1', chunkSize: 4096, artifacts: [{ kind: ArtifactKind.MEMORY, name: 'memory', size: BigInt(digests.length * 4096), chunks: digests.map((digest, i) => ({ index: BigInt(i), digest, size: 4096, storedSize: 4096 })) }] }), signing);
+    const { registration } = chunkTransferService({ ...deps, manifests: { ...(deps.manifests as ManifestStore), get: () => Promise.resolve(big) }, trust: trusted, clock: systemClock, callerHostId: () => 'hostR' });
+    const fetchChunks = registration.handlers.fetchChunks as unknown as (reqs: AsyncIterable<FetchChunksRequest>, ctx: CallContext) => AsyncIterable<{ payload: { case: string } }>;
+    const stop = new AbortController();
+    const q = requestQueue();
+    q.push({ case: 'open', value: { ticket: signTicket({ snapshotId: 's1', destinationHostId: 'hostR', expiresAt: new Date(Date.now() + 60_000) }, signing), credit: 0 } as never });
+    const out = fetchChunks(q.reqs, callContext(stop.signal))[Symbol.asyncIterator]();
+    try {
+      q.push({ case: 'want', value: { digests: digests.slice(0, MAX_PENDING_WANTS) } as never });
+      q.push({ case: 'want', value: { digests: digests.slice(MAX_PENDING_WANTS) } as never });
+      const end = await out.next().then((r) => r, (e: unknown) => e);
+      expect(end).toMatchObject({ kind: 'invalid_argument', field: 'want.digests' });
+    } finally {
+      stop.abort();
+    }
+  });
 });
 
 /** A service over a store holding s1 (the caller's host id read from its metadata, as by default), and tickets for s1. */
@@ -263,6 +314,56 @@ describe('ChunkTransferService: calls open per caller host', () => {
     expect((await again.out.next()).value?.payload.case).toBe('chunk');
     for (const st of [...open.slice(1), other, again]) await st.close();
   });
+
+  it('getManifest_pastTheCallersCapOfOpenReads_isResourceExhaustedAndRetryable_andAnEndedReadGivesItsPlaceBack', async () => {
+    let reading = 0;
+    let finish: () => void = () => undefined;
+    const finished = new Promise<void>((r) => (finish = r));
+    const s = await serviceOverS1({
+      manifests: (real) => ({
+        ...real,
+        get: async (id) => {
+          reading++;
+          await finished;
+          return real.get(id);
+        },
+      }),
+    });
+    const call = (caller: string) => s.handlers.getManifest({ ticket: s.ticket(caller) }, callContext(new AbortController().signal, caller));
+    const open = Array.from({ length: 4 }, () => call('hostR')); // the default cap
+    while (reading < 4) await new Promise((r) => setTimeout(r, 5));
+    await expect(call('hostR')).rejects.toMatchObject({ kind: 'resource_exhausted', retryable: true, message: expect.stringContaining('hostR') });
+    // Another host's call is served: the cap is per caller.
+    const other = call('hostQ');
+    while (reading < 5) await new Promise((r) => setTimeout(r, 5));
+    expect(s.stats.busy).toBe(1);
+    finish();
+    await Promise.all([...open, other]);
+    await expect(call('hostR')).resolves.toMatchObject({ manifest: expect.anything() });
+  });
+
+  it('fetchChunks_pastTheCapOfStreamsWaitingForTheirOpenMessage_isResourceExhaustedAndRetryable_andOneThatOpenedGivesItsPlaceBack', async () => {
+    const s = await serviceOverS1({ maxOpening: 2 });
+    const stop = new AbortController();
+    // Streams of anyone (no ticket shown yet, so no caller is known): counted together.
+    const waiting = [0, 1].map((i) => {
+      const q = requestQueue();
+      const out = s.handlers.fetchChunks(q.reqs, callContext(stop.signal, `host${i}`))[Symbol.asyncIterator]();
+      return { q, next: out.next().then((r) => r, (e: unknown) => e) };
+    });
+    await new Promise((r) => setTimeout(r, 10));
+    const over = await s.handlers.fetchChunks(requestQueue().reqs, callContext(stop.signal, 'hostX'))[Symbol.asyncIterator]().next().then((r) => r, (e: unknown) => e);
+    expect(over).toBeInstanceOf(ForkfleetError);
+    expect(over).toMatchObject({ kind: 'resource_exhausted', retryable: true });
+    // One sends its open message: a new stream may wait.
+    waiting[0]?.q.push({ case: 'open', value: { ticket: s.ticket('host0'), credit: 8 } as never });
+    await new Promise((r) => setTimeout(r, 20));
+    const q = requestQueue();
+    q.push({ case: 'open', value: { ticket: s.ticket('hostY'), credit: 8 } as never });
+    const next = s.handlers.fetchChunks(q.reqs, callContext(stop.signal, 'hostY'))[Symbol.asyncIterator]().next();
+    await expect(Promise.race([next.then(() => 'ended', () => 'refused'), new Promise((r) => setTimeout(() => r('serving'), 50))])).resolves.toBe('serving');
+    stop.abort();
+  });
 });
 
 describe('ChunkTransferService: a manifest read that fails on the source', () => {
@@ -335,4 +436,36 @@ describe('ChunkTransferService.fetchChunks over gRPC', () => {
       await server.close(100);
     }
   }, 15_000);
+
+  it.each(['GetManifest', 'FetchChunks'])('%s_whoseRequestDeclaresMoreThanThePeerCap_isRefusedResourceExhausted_beforeItIsReceived', async (method) => {
+    // No ticket needed to send bytes: the cap holds before any is checked.
+    const { trusted } = generateSigningKey('k1');
+    const nothing = { get: () => Promise.resolve(undefined), getEncoded: () => Promise.resolve(undefined) } as unknown as ChunkStore & ManifestStore;
+    const { registration } = chunkTransferService({ chunks: nothing, manifests: nothing, trust: trusted, clock: systemClock });
+    const server = await startGrpcServer({ address: '127.0.0.1:0', services: [registration], channelOptions: peerServerChannelOptions(16) });
+    const session = http2.connect(`http://${server.address}`);
+    session.on('error', () => undefined);
+    try {
+      await new Promise((r) => session.once('remoteSettings', r));
+      // A connection opens at most this many calls at once (not the 1000 of the API server).
+      expect(session.remoteSettings.maxConcurrentStreams).toBe(64);
+      const st = session.request({ ':method': 'POST', ':path': `/forkfleet.v1.ChunkTransferService/${method}`, 'content-type': 'application/grpc', te: 'trailers' });
+      st.on('error', () => undefined);
+      st.resume();
+      const status = new Promise<string | undefined>((r) => {
+        st.once('trailers', (t) => r(String(t['grpc-status'])));
+        st.once('response', (h) => h['grpc-status'] !== undefined && r(String(h['grpc-status'])));
+      });
+      // Declares a message of 1 MiB (the API server's cap is 16 MiB) and sends part of it.
+      const head = Buffer.alloc(5);
+      head.writeUInt32BE(1 << 20, 1);
+      st.write(head);
+      st.write(Buffer.alloc(PEER_MAX_REQUEST_BYTES, 1));
+      const got = await Promise.race([status, new Promise<string>((r) => setTimeout(() => r('still waiting for the rest'), 2_000))]);
+      expect(got).toBe('8'); // RESOURCE_EXHAUSTED
+    } finally {
+      session.destroy();
+      await server.close(100);
+    }
+  });
 });

@@ -7,8 +7,12 @@
 // handler is then paused at a `yield`). Its open message must come within openWithinMs (30 s).
 //
 // Each caller host has at most maxMigrationsPerCaller MigrateSnapshot calls (each may start a
-// QEMU here) and maxStreamsPerCaller FetchChunks streams served at once; past that a call
-// fails resource_exhausted (retryable).
+// QEMU here), maxManifestReadsPerCaller GetManifest calls and maxStreamsPerCaller FetchChunks
+// streams served at once; past that a call fails resource_exhausted (retryable). Before any
+// ticket is shown, at most maxOpening FetchChunks streams (of all callers) wait for their open
+// message, and the server takes requests of at most PEER_MAX_REQUEST_BYTES and
+// peerMaxConcurrentStreams calls per connection (peerServerChannelOptions): grpc-js's defaults
+// let one unauthenticated connection hold 1000 calls of up to 16 MiB each.
 //
 // The caller's host id comes from `callerHostId(ctx)`. The default reads the `ff-host-id`
 // metadata; with mutual TLS (FF_PEER_*) the agent takes it from the caller's certificate
@@ -32,6 +36,30 @@ import { serializeResponse, type WireResponse } from './wire.ts';
 import { ConcurrencyLimiter } from '../../../services/auth/limits.ts';
 
 export const HOST_ID_METADATA = 'ff-host-id';
+
+/**
+ * The largest request a peer sends (grpc.max_receive_message_length): a ticket is ~200 bytes,
+ * a want of a receiver's window (64 digests) ~2.3 KiB; 64 KiB takes a want of ~1900. A larger
+ * one is refused resource_exhausted from its length prefix, before it is buffered or decoded.
+ */
+export const PEER_MAX_REQUEST_BYTES = 64 * 1024;
+
+/** Chunks asked for on one stream and not yet sent, at most (a receiver asks for about its window, 64, and as many hedged). */
+export const MAX_PENDING_WANTS = 4096;
+
+/**
+ * Calls open at once on one peer connection (grpc.max_concurrent_streams; a client queues those
+ * past it): a caller's FetchChunks streams, migrations and manifest reads, and a few more
+ * (health checks, streams whose end the server has not seen yet), at least 64.
+ */
+export function peerMaxConcurrentStreams(maxStreamsPerCaller = 16): number {
+  return Math.max(64, maxStreamsPerCaller + 16);
+}
+
+/** The peer server's channel options (startGrpcServer's channelOptions): see PEER_MAX_REQUEST_BYTES and peerMaxConcurrentStreams. */
+export function peerServerChannelOptions(maxStreamsPerCaller?: number): { 'grpc.max_receive_message_length': number; 'grpc.max_concurrent_streams': number } {
+  return { 'grpc.max_receive_message_length': PEER_MAX_REQUEST_BYTES, 'grpc.max_concurrent_streams': peerMaxConcurrentStreams(maxStreamsPerCaller) };
+}
 
 export interface ChunkServerDeps {
   readonly chunks: ChunkStore;
@@ -65,6 +93,19 @@ export interface ChunkServerDeps {
    * retryable): the receiver's other streams go on, and it tries this one again.
    */
   readonly maxStreamsPerCaller?: number;
+  /**
+   * GetManifest calls served at once per caller host (default 4): a receiver reads a
+   * snapshot's manifest once per fetch, from one source. A call over it is refused
+   * (resource_exhausted, retryable).
+   */
+  readonly maxManifestReadsPerCaller?: number;
+  /**
+   * FetchChunks streams of all callers waiting for their open message at once (default 256):
+   * until it comes nobody has shown a ticket (nor is counted in maxStreamsPerCaller), and each
+   * may hold a partial request of up to PEER_MAX_REQUEST_BYTES for openWithinMs. A stream over
+   * it is refused (resource_exhausted, retryable).
+   */
+  readonly maxOpening?: number;
   /** Observes every chunk served (metrics, tests). */
   readonly onServed?: (digest: DigestHex, bytes: number) => void;
   /**
@@ -136,6 +177,9 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
   // Calls of one kind open per caller host (ConcurrencyLimiter: at most `max` each).
   const migrations = { what: 'snapshot migrations', open: new ConcurrencyLimiter(deps.maxMigrationsPerCaller ?? 4) };
   const streams = { what: 'chunk streams', open: new ConcurrencyLimiter(deps.maxStreamsPerCaller ?? 16) };
+  const manifestReads = { what: 'manifest reads', open: new ConcurrencyLimiter(deps.maxManifestReadsPerCaller ?? 4) };
+  const maxOpening = deps.maxOpening ?? 256;
+  let opening = 0;
   /** Counts a call of ctx's caller in `slots` (CallerBusyError when it has its most open); returns its release. */
   const takeSlot = (slots: { what: string; open: ConcurrencyLimiter }, ctx: CallContext): (() => void) => {
     const host = caller(ctx);
@@ -173,8 +217,15 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
 
   const registration = register(ChunkTransferService, {
     async getManifest(req, ctx) {
-      const { signed } = await authorise(req.ticket, ctx);
-      return { manifest: signed };
+      // Counted while its manifest is read (a slow disk, a manifest of many chunks): the
+      // caller's calls otherwise pile up here without bound.
+      const release = takeSlot(manifestReads, ctx);
+      try {
+        const { signed } = await authorise(req.ticket, ctx);
+        return { manifest: signed };
+      } finally {
+        release();
+      }
     },
 
     async migrateSnapshot(req, ctx) {
@@ -208,10 +259,19 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       const it = reqs[Symbol.asyncIterator]();
       const openWithinMs = deps.openWithinMs ?? 30_000;
       let timer: ReturnType<typeof setTimeout> | undefined;
+      if (opening >= maxOpening) {
+        stats.busy++;
+        deps.log?.warn({ peer: ctx.peer, maxOpening }, 'chunk stream refused: too many streams wait for their open message');
+        throw new ForkfleetError('resource_exhausted', `${maxOpening} chunk streams wait for their open message on this host, the most it takes; retry`, { retryable: true });
+      }
+      opening++;
       const first = await Promise.race([
         it.next(),
         new Promise<never>((_, reject) => (timer = setTimeout(() => reject(new InvalidArgumentError('payload', `no open message within ${openWithinMs} ms`)), openWithinMs))),
-      ]).finally(() => clearTimeout(timer));
+      ]).finally(() => {
+        opening--;
+        clearTimeout(timer);
+      });
       if (first.done || first.value.payload.case !== 'open') throw new InvalidArgumentError('payload', 'the first message must be open');
       const open = first.value.payload.value;
       const { claims, signed } = await authorise(open.ticket, ctx);
@@ -228,7 +288,8 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
   async function* serve(it: AsyncIterator<FetchChunksRequest>, claims: ReturnType<typeof verifyTicket>, signed: NonNullable<Awaited<ReturnType<ManifestStore['get']>>>, openCredit: number, ctx: CallContext): AsyncGenerator<Response> {
     const allowed = manifestDigests(decodeManifestUnverified(signed));
     let credit = openCredit;
-    const wants: DigestHex[] = [];
+    // Asked for and not yet sent, each once: a digest asked for again while pending is one want.
+    const wants = new Set<DigestHex>();
     let ended = false;
     let failure: unknown;
     const changed = new Notifier();
@@ -282,20 +343,23 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
           if (p.case === 'credit') credit += p.value;
           else if (p.case === 'want') {
             live();
-            // A receiver asks for each chunk it lacks once (again only after a 'missing');
-            // more than this waiting is not a receiver, and each would cost a read.
-            if (wants.length + p.value.digests.length > Math.max(1024, 2 * allowed.size)) throw new InvalidArgumentError('want.digests', `more than ${Math.max(1024, 2 * allowed.size)} chunks asked for and not yet sent`);
+            // A receiver asks for each chunk it lacks once (again only after a 'missing'), about
+            // its window at a time; more than this waiting is not a receiver, and each would
+            // cost a read.
             p.value.digests.forEach((b, i) => {
               if (b.length !== 32) throw new InvalidArgumentError(`want.digests[${i}]`, `a SHA-256 digest is 32 bytes, got ${b.length}`);
             });
+            const asked = new Set<DigestHex>();
             for (const b of p.value.digests) {
               const d = Buffer.from(b).toString('hex');
               if (!allowed.has(d)) {
                 stats.refused++;
                 throw new TicketInvalidError(`chunk ${d.slice(0, 16)} is not part of snapshot ${claims.snapshotId}`);
               }
-              wants.push(d);
+              if (!wants.has(d)) asked.add(d);
             }
+            if (wants.size + asked.size > MAX_PENDING_WANTS) throw new InvalidArgumentError('want.digests', `more than ${MAX_PENDING_WANTS} chunks asked for and not yet sent`);
+            for (const d of asked) wants.add(d);
           } else if (p.case === 'open') throw new InvalidArgumentError('payload', 'open sent twice');
           changed.notify();
         }
@@ -311,9 +375,10 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       while (true) {
         if (failure !== undefined && !ended) throw failure;
         if (ctx.signal.aborted) return;
-        if (ahead.length > 0 || wants.length > 0) live();
-        while (ahead.length < prefetch && ahead.length < credit && wants.length > 0) {
-          const digest = wants.shift() as DigestHex;
+        if (ahead.length > 0 || wants.size > 0) live();
+        while (ahead.length < prefetch && ahead.length < credit && wants.size > 0) {
+          const digest = wants.values().next().value as DigestHex;
+          wants.delete(digest);
           const read = readForSend(digest);
           // Reads still ahead when the stream ends (an error, the caller gone) are never awaited:
           // one failing then must not be an unhandled rejection, which ends the agent.
@@ -341,7 +406,7 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
           yield { payload: { case: 'chunk', value: { digest: Buffer.from(c.digest, 'hex'), codec: c.codec, size: c.size, data: c.data } } };
           continue;
         }
-        if ((ended || failure !== undefined) && wants.length === 0) {
+        if ((ended || failure !== undefined) && wants.size === 0) {
           if (failure !== undefined) throw failure;
           return;
         }
