@@ -176,11 +176,14 @@ describe('capacity planner', () => {
     expect([slow.a.hosts, slow.a.noBetterFrom?.hosts, slow.sim.includes(64)]).toEqual([null, 16, false]);
     // The plan says which: "no better" only where p95 did not fall.
     const said = (a: ReturnType<typeof searchHosts>): string => formatPlan({ request: { forksPerSecond: 1, p95TargetMs: 1500, maxHosts: 64 }, model: modelFrom(run), answers: [{ linkGbps: 1, ...a }] });
-    expect(said(flat.a)).toMatch(/1 Gbit\/s: 32 hosts missed no better than 16 \(p95 1510 ms, 1510 ms at 16\)/);
+    expect(said(flat.a)).toMatch(/1 Gbit\/s: 32 hosts missed no better than 16 \(p95 1510 ms, 1510 ms at 16\); larger fleets were not simulated/);
     expect(said(slow.a)).toMatch(/1 Gbit\/s: p95 fell only from 1600 ms at 16 hosts to 1580 ms at 32: at that rate a doubling it would still miss 1500 ms at 64 hosts/);
     expect(said(slow.a)).not.toMatch(/no better/);
     // The same with up to 8192 hosts: 8 doublings more could.
     expect(at((h) => (h >= 64 ? 1499 : h >= 32 ? 1580 : h >= 16 ? 1600 : 1700), 8192).a.hosts).toBe(64);
+    // A miss at maxHosts itself leaves nothing unsimulated: no stop, and the plan says nothing of one.
+    const last = at((h) => (h >= 64 ? 1510 : h >= 32 ? 1550 : h >= 16 ? 1700 : 1900));
+    expect([last.a.hosts, last.a.noBetterFrom, last.sim.includes(64)]).toEqual([null, undefined, true]);
   });
 
   it('simulate_aHostLackingTheSnapshotWithFewChildren_migratesThem_andDoesNotBecomeAHolder', () => {

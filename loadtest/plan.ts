@@ -430,7 +430,8 @@ export function searchHosts(run: (hosts: number) => SimOutcome | null, p95Target
       r = s && s.unplaced === 0 && s.p95Ms <= p95TargetMs ? s : null;
       const half = missed.get(h / 2);
       if (s && !r) missed.set(h, s);
-      if (s && !r && half && h / 2 >= stopFrom && s.unplaced === 0 && half.unplaced === 0 && ![...tried].some(([t, x]) => x && t > h / 2)) {
+      // (Only below maxHosts: at it there is nothing larger left to leave unsimulated.)
+      if (s && !r && half && h < maxHosts && h / 2 >= stopFrom && s.unplaced === 0 && half.unplaced === 0 && ![...tried].some(([t, x]) => x && t > h / 2)) {
         const gain = half.p95Ms - s.p95Ms;
         if (gain <= 0 || gain * Math.log2(maxHosts / h) < s.p95Ms - p95TargetMs) noBetterFrom = { hosts: h / 2, p95Ms: half.p95Ms, doubledP95Ms: s.p95Ms };
       }
@@ -527,7 +528,7 @@ export function formatPlan(p: Plan): string {
     'link Gbit/s   hosts     p50 ms   p95 ms   cross-host fraction',
     ...p.answers.map((a) => `${String(a.linkGbps).padEnd(12)} ${String(a.hosts ?? (a.noBetterFrom ? `> ${a.noBetterFrom.hosts * 2}` : `> ${d.maxHosts}`)).padEnd(9)} ${String(a.outcome?.p50Ms ?? '-').padEnd(8)} ${String(a.outcome?.p95Ms ?? '-').padEnd(8)} ${a.outcome?.crossHostFraction ?? '-'}`),
     ...p.answers.flatMap(({ linkGbps: g, noBetterFrom: n }) => (!n ? [] : n.doubledP95Ms >= n.p95Ms
-      ? [`${g} Gbit/s: ${n.hosts * 2} hosts missed no better than ${n.hosts} (p95 ${n.doubledP95Ms} ms, ${n.p95Ms} ms at ${n.hosts}): more hosts do not help here, larger fleets were not simulated`]
+      ? [`${g} Gbit/s: ${n.hosts * 2} hosts missed no better than ${n.hosts} (p95 ${n.doubledP95Ms} ms, ${n.p95Ms} ms at ${n.hosts}); larger fleets were not simulated (p95 may still fall at sizes the doubling skipped)`]
       : [`${g} Gbit/s: p95 fell only from ${n.p95Ms} ms at ${n.hosts} hosts to ${n.doubledP95Ms} ms at ${n.hosts * 2}: at that rate a doubling it would still miss ${r.p95TargetMs} ms at ${d.maxHosts} hosts; larger fleets were not simulated`])),
     '',
   ];
