@@ -2,7 +2,7 @@
 // not know, or a bad value, ends at once with one line naming it (exit 2), not a stack trace.
 // The script is run as `npm run loadtest` runs it; every case ends before any fleet starts.
 import { spawnSync } from 'node:child_process';
-import { mkdtempSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { describe, expect, it } from 'vitest';
@@ -33,31 +33,35 @@ describe('loadtest command line', () => {
     // Before: --seconds 0 answered 1 host at p95 0, --fork-n 2.5 ran as 2, --forks-per-s
     // Infinity never ended, and the rest ended in stack traces (place()'s field, ENOENT).
     const dir = mkdtempSync(join(tmpdir(), 'ff-plan-'));
-    const from = join(dir, 'run.json');
-    writeFileSync(from, JSON.stringify({
-      env: { accel: 'tcg', hosts: 3, link_gbps: 10, guest_mib: 256, dirty_mib: 64, date: '', git_commit: '', api: '', mode: 'quick', notes: [] },
-      scenarios: { fork_same_host_1: { n: 3, p50_ms: 200, p95_ms: 260, p99_ms: 260, max_ms: 260 }, fork_cross_host_1: { n: 3, p50_ms: 300, p95_ms: 380, p99_ms: 380, max_ms: 380 } },
-      samples: { fork_same_host_1: [180, 200, 260] },
-    }));
-    const ok = ['--forks-per-s', '5', '--p95-ms', '1000', '--from', from];
-    const cases: Array<[string[], RegExp]> = [
-      [['--seconds', '0'], /--seconds: want an integer >= 1, got "0"/],
-      [['--seconds', 'abc'], /--seconds: want an integer >= 1, got "abc"/],
-      [['--fork-n', '2.5'], /--fork-n: want an integer >= 1, got "2.5"/],
-      [['--host-slots', '0'], /--host-slots: want an integer >= 1, got "0"/],
-      [['--forks-per-s', '0'], /--forks-per-s: want a number > 0, got "0"/],
-      [['--forks-per-s', 'Infinity'], /--forks-per-s: want a number > 0, got "Infinity"/],
-      [['--p95-ms', '250'], /--p95-ms: 250 ms is below the run's same-host p95 \(260 ms/],
-      [['--from', join(dir, 'none.json')], /--from: cannot read .*none\.json: ENOENT/],
-    ];
-    for (const [bad, msg] of cases) {
-      const args = [...ok];
-      const at = args.indexOf(bad[0]!);
-      if (at >= 0) args.splice(at, 2);
-      const r = run('--plan', ...args, ...bad);
-      expect([r.status, r.stderr.trim().split('\n')], bad.join(' ')).toEqual([2, [expect.stringMatching(new RegExp(`^loadtest: .*${msg.source}.* \\(npm run loadtest -- --help\\)$`))]]);
+    try {
+      const from = join(dir, 'run.json');
+      writeFileSync(from, JSON.stringify({
+        env: { accel: 'tcg', hosts: 3, link_gbps: 10, guest_mib: 256, dirty_mib: 64, date: '', git_commit: '', api: '', mode: 'quick', notes: [] },
+        scenarios: { fork_same_host_1: { n: 3, p50_ms: 200, p95_ms: 260, p99_ms: 260, max_ms: 260 }, fork_cross_host_1: { n: 3, p50_ms: 300, p95_ms: 380, p99_ms: 380, max_ms: 380 } },
+        samples: { fork_same_host_1: [180, 200, 260] },
+      }));
+      const ok = ['--forks-per-s', '5', '--p95-ms', '1000', '--from', from];
+      const cases: Array<[string[], RegExp]> = [
+        [['--seconds', '0'], /--seconds: want an integer >= 1, got "0"/],
+        [['--seconds', 'abc'], /--seconds: want an integer >= 1, got "abc"/],
+        [['--fork-n', '2.5'], /--fork-n: want an integer >= 1, got "2.5"/],
+        [['--host-slots', '0'], /--host-slots: want an integer >= 1, got "0"/],
+        [['--forks-per-s', '0'], /--forks-per-s: want a number > 0, got "0"/],
+        [['--forks-per-s', 'Infinity'], /--forks-per-s: want a number > 0, got "Infinity"/],
+        [['--p95-ms', '250'], /--p95-ms: 250 ms is below the run's same-host p95 \(260 ms/],
+        [['--from', join(dir, 'none.json')], /--from: cannot read .*none\.json: ENOENT/],
+      ];
+      for (const [bad, msg] of cases) {
+        const args = [...ok];
+        const at = args.indexOf(bad[0]!);
+        if (at >= 0) args.splice(at, 2);
+        const r = run('--plan', ...args, ...bad);
+        expect([r.status, r.stderr.trim().split('\n')], bad.join(' ')).toEqual([2, [expect.stringMatching(new RegExp(`^loadtest: .*${msg.source}.* \\(npm run loadtest -- --help\\)$`))]]);
+      }
+      const missing = run('--plan', '--forks-per-s', '5', '--from', from);
+      expect([missing.status, missing.stderr.trim()]).toEqual([2, expect.stringMatching(/^loadtest: --plan needs --forks-per-s X --p95-ms Y --from FILE/)]);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
     }
-    const missing = run('--plan', '--forks-per-s', '5', '--from', from);
-    expect([missing.status, missing.stderr.trim()]).toEqual([2, expect.stringMatching(/^loadtest: --plan needs --forks-per-s X --p95-ms Y --from FILE/)]);
   }, 120_000);
 });
