@@ -27,14 +27,14 @@ import { MAX_FORK_COUNT, buildFleetView, place, xoshiro128ss } from '../schedule
 import type { HostInput, SnapshotInput } from '../scheduler/index.ts';
 import type { RunResult, ScenarioResult } from './report.ts';
 import { SCHEMA_VERSION, isComplete } from './report.ts';
+// The executor's rule for which hosts migrate a fork's children (restoreRound's migrates()).
+import { MIGRATE_MAX_HOSTS } from '../services/domain/executor.ts';
 
 /** Input the planner cannot use (a bad option, a run without the data it needs, a target no fleet meets): the message names the flag. */
 export class PlanInputError extends Error {
   override readonly name = 'PlanInputError';
 }
 
-/** At most this many hosts lacking the snapshot in one fork for its hosts to migrate (services/domain/executor.ts MIGRATE_MAX_HOSTS). */
-const MIGRATE_MAX_HOSTS = 4;
 
 export interface PlanOptions {
   forksPerSecond: number;

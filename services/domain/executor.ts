@@ -40,7 +40,7 @@ import { Accel } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import type { SignedTicket } from '../../proto/gen/forkfleet/v1/transfer_pb.ts';
 
 /** A fork that spreads to more hosts lacking the snapshot than this follows the transfer plan only (no migration). */
-const MIGRATE_MAX_HOSTS = 4;
+export const MIGRATE_MAX_HOSTS = 4;
 /** How many times a fork's child is placed again after the host starting it was lost. */
 const FORK_REPLACEMENTS = 2;
 /** How many hosts a create tries before it fails: one whose start failed there for the host's reasons is placed on another (createHostsTried). */
@@ -486,7 +486,6 @@ function takenEachTime(kind: string, sandboxId: string, e: OwnedByOtherOpError):
 
 /** States a drain waits out before it lists what to move: booked on the host and on their way. */
 const DRAIN_WAITS_FOR: ReadonlySet<SandboxState> = new Set(['starting', 'waking', 'hibernating']);
-
 
 /**
  * Whether `holder` (Executor.holderOf) of a running or paused sandbox holds it as a pause or a
@@ -2713,10 +2712,10 @@ export class Executor {
 
   /**
    * A create whose start failed on its host for the host's reasons (startFailedOnHost) is
-   * placed on another, off every host it failed on (`request` avoids them), in one transaction: the sandbox
-   * record moves there (starting, this op's), the failed host's booking goes, and the op's
-   * input records the hosts (createHostsTried), so that a re-run after a failover avoids them
-   * too. The failed host is then told to stop the VM, as a lost fork child's is (a start given
+   * placed on another, off every host it failed on (`request` avoids them), in one
+   * transaction: the sandbox record moves there (starting, this op's), the failed host's
+   * booking goes, and the op's input records the hosts (createHostsTried), so that a re-run
+   * after a failover avoids them too. The failed host is then told to stop the VM, as a lost fork child's is (a start given
    * up on may yet run there). Undefined when the sandbox moved on meanwhile (a destroy): the
    * caller fails it as before. Rejects when no other host can take it.
    */
@@ -3949,9 +3948,9 @@ export class Executor {
       const failed = (await Promise.all([...byPlacement].map(([by, b]) => this.restoreRound(op, snapshotId, sn, b, plan, by, onRunning)))).flat();
       if (!this.active) return;
       // A host that failed: its children fail, unless the host was lost or failed their restore
-      // for its own reasons, and they can be placed again. A host whose children could not be marked running (the store failed) is left
-      // as it is: the fork runs again (run()), finding the others running and that host's
-      // restore answered already.
+      // for its own reasons, and they can be placed again. A host whose children could not be
+      // marked running (the store failed) is left as it is: the fork runs again (run()),
+      // finding the others running and that host's restore answered already.
       const { stranded, why, failing, hostFaults } = sortFailedRestores(failed.filter((f) => !(f.error instanceof StoreUnavailableError)), replaced);
       for (const f of hostFaults) this.noteFailedStart(f.hostId, 'restore', f.error);
       for (const f of failing) await fail(f);
@@ -4122,9 +4121,9 @@ export class Executor {
       );
     let fresh = await stillStranded(stranded.map((c) => c.rec));
     if (fresh.length === 0) return undefined;
-    const lostHosts = [...new Set(fresh.map((v) => v.value.hostId))];
+    const fromHosts = [...new Set(fresh.map((v) => v.value.hostId))];
     const whyOf = (h: string): string => `host ${h} ${why.get(h) ?? 'was lost'}`;
-    this.log.warn({ opId: op.id, hosts: lostHosts.map(whyOf), children: fresh.length }, 'placing children again: the host starting them was lost or failed their restore');
+    this.log.warn({ opId: op.id, hosts: fromHosts.map(whyOf), children: fresh.length }, 'placing children again: the host starting them was lost or failed their restore');
     const now = this.deps.clock.now();
     // Names this placement in the op record and in the step ids of its restores.
     const by = `again-${newId('op').slice(3, 11)}`;
@@ -4138,7 +4137,7 @@ export class Executor {
         // to give these children up (stop-replaced below) and would skip their restore.
         // Nor onto a host an earlier placement took one of them off: back, it was told then to
         // give that child up too.
-        () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: { ...this.prefs(prefs), avoidHostIds: [...new Set([...lostHosts, ...fresh.flatMap((v) => replaced[v.value.id]?.from ?? [])])] } }),
+        () => ({ kind: 'fork', id: op.id, nowMs: now, snapshotId, count: fresh.length, overlayDiskMib: resources.diskMib, siblingsPerHost, preferences: { ...this.prefs(prefs), avoidHostIds: [...new Set([...fromHosts, ...fresh.flatMap((v) => replaced[v.value.id]?.from ?? [])])] } }),
         (res) => {
           const shares = forkBookings(res, snapshotId, resources);
           made = res.placements.map((p) => {
@@ -4166,9 +4165,9 @@ export class Executor {
               const inp = o.input as { transfers?: typeof plan; replaced?: Replacements };
               // Earlier transfers into a new destination, or out of one (it may have restored by
               // migration, holding nothing to serve) or out of a lost host, are dropped.
-              inp.transfers = [...(inp.transfers ?? []).filter((t) => !dests.has(t.destinationHostId) && !dests.has(t.sourceHostId) && !lostHosts.includes(t.sourceHostId)), ...plan];
+              inp.transfers = [...(inp.transfers ?? []).filter((t) => !dests.has(t.destinationHostId) && !dests.has(t.sourceHostId) && !fromHosts.includes(t.sourceHostId)), ...plan];
               inp.replaced = { ...inp.replaced, ...Object.fromEntries(made.map((m) => [m.rec.id, replacedAgain(inp.replaced?.[m.rec.id], by, m.from)])) };
-              o.progress.message = `placing ${made.length} children again: ${lostHosts.map(whyOf).join('; ')}`;
+              o.progress.message = `placing ${made.length} children again: ${fromHosts.map(whyOf).join('; ')}`;
             },
           };
         },
@@ -4868,8 +4867,8 @@ export class Executor {
    * (expired, ADR 0017): a host that was away or failed its step when the snapshot was
    * deleted would keep the chunks forever (a failed snapshot's, once it failed
    * HELD_GC_RETRY_MS ago and no unfinished op takes it: a re-run of its op may take it up
-   * again). Only ready hosts are asked, each (host, snapshot)
-   * at most once per HELD_GC_RETRY_MS and at most HELD_GC_MAX per pass; the agent's delete is
+   * again). Only ready hosts are asked, each (host, snapshot) at most once per
+   * HELD_GC_RETRY_MS and at most HELD_GC_MAX per pass; the agent's delete is
    * idempotent. Ready, creating and deleting snapshots are never touched: their records are
    * in the leader's cache from before any host holds them (a snapshot's record is written
    * before its step). Returns how many deletes were sent.
