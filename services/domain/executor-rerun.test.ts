@@ -1089,6 +1089,35 @@ describe('Executor restore round of a transfer tree', () => {
   });
 });
 
+describe('Executor restore round: copies from a holder', () => {
+  it('aHostCopyingFromTheHolder_startsAtOnce_notAfterTheHoldersOwnChildrenHaveRestored', async () => {
+    // H holds sn-1 and restores its own children; X copies sn-1 from H (wave 1). H's step
+    // fetches nothing and never says SNAPSHOT_STORED for this op: X waited for H's whole step
+    // (seconds for a fork of 64 that puts 20 children on H), though H could serve at once.
+    const { snap, ex } = roundExecutor(['H', 'X']);
+    const inner = ex as unknown as { active: boolean; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; restoreRound(...a: unknown[]): Promise<Array<{ hostId: string }>> };
+    inner.active = true;
+    const sends: string[] = [];
+    let endHolderStep!: () => void;
+    const holderStep = new Promise<void>((r) => (endHolderStep = r));
+    inner.step = async (_op, _id, hostId) => {
+      sends.push(hostId);
+      if (hostId === 'H') await holderStep;
+      throw new Error(`no agent on ${hostId} in this test`);
+    };
+    // Three children each: a host with fewer would restore its own by migration, outside the plan.
+    const kid = (id: string, hostId: string): { rec: SandboxRec; rev: number } => ({ rec: { id, tenantId: 't', hostId, resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, hostname: id, allowEgress: false, afterResume: [] } as unknown as SandboxRec, rev: 1 });
+    const batch = ['H', 'X'].flatMap((h) => [1, 2, 3].map((i) => kid(`${h.toLowerCase()}${i}`, h)));
+    const round = inner.restoreRound({ id: 'op-f', tenantId: 't', kind: 'fork' } as OperationRec, 'sn-1', snap, batch, [{ sourceHostId: 'H', destinationHostId: 'X', wave: 1 }], '', () => undefined);
+    try {
+      await vi.waitFor(() => expect(new Set(sends)).toEqual(new Set(['H', 'X'])));
+    } finally {
+      endHolderStep();
+      await round;
+    }
+  });
+});
+
 describe('Executor fork run again', () => {
   const now = 1_000_000;
   const host = (id: string, state: HostRec['state']): HostRec => ({ id, state, cordoned: false, draining: false, capacity: { vcpus: 16, memoryMib: 16_384, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0', cpuModel: 'max', machine: 'microvm', peerAddress: '10.0.0.1:7000', linkBytesPerSecond: 1.25e8, labels: {}, registeredAt: 0, lastHeartbeatAt: now, bootId: 'b' });

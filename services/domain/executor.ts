@@ -4041,7 +4041,11 @@ export class Executor {
       if (existingRun) return existingRun;
       const p = (async () => {
         const src = sourceOf.get(hostId);
-        if (src && byHost.has(src)) {
+        // Only a source that copies the snapshot in this round itself (a relay) is waited for.
+        // A holder serves at once, whatever its own children's restore: a fork of 64 that put
+        // 20 children on the holder had the other hosts' copies start only after those 20 had
+        // restored (4.6-9.2 s of each such fork on the local TCG fleet).
+        if (src && byHost.has(src) && lacking.has(src)) {
           // The relay serves onward once the snapshot is stored there (its SNAPSHOT_STORED),
           // or, should that word not come, once its step has ended.
           const stored = this.stored.when(op.id, src, snapshotId);
