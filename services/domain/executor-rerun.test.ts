@@ -1118,6 +1118,47 @@ describe('Executor restore round: copies from a holder', () => {
   });
 });
 
+describe('Executor restore round: the holders it records', () => {
+  const roundOver = (answer: { bytesFetched: bigint; restoredByMigration?: boolean }) => {
+    const { snap, ex } = roundExecutor(['H', 'X']);
+    // X fetched sn-1 in a run of this fork before a failover: its heartbeats say it holds it.
+    (ex as unknown as { deps: { heard: HeartbeatRegistry } }).deps.heard.record(create(HeartbeatSchema, { hostId: 'X', bootId: 'b', restoreSlots: 4, snapshots: [{ snapshotId: 'sn-1', complete: true }] }), Date.now());
+    const inner = ex as unknown as {
+      active: boolean;
+      step: (op: unknown, id: string, hostId: string, work: { value: { fetch?: unknown } }) => Promise<unknown>;
+      markRunning: (sbs: ReadonlyArray<{ rec: SandboxRec }>) => Promise<string[]>;
+      addHolder: (tenantId: string, snapshotId: string, hostId: string) => Promise<void>;
+      restoreRound(...a: unknown[]): Promise<Array<{ hostId: string }>>;
+    };
+    inner.active = true;
+    const kids = [1, 2, 3].map((i) => ({ rec: { id: `x${i}`, tenantId: 't', hostId: 'X', resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, hostname: `x${i}`, allowEgress: false, afterResume: [] } as unknown as SandboxRec, rev: 1 }));
+    const sent: unknown[] = [];
+    // The host answers from its journal: the result of the step it ran for the first run.
+    inner.step = async (_op, _id, _hostId, work) => {
+      sent.push(work.value.fetch);
+      return create(HostResultSchema, { vms: kids.map((k) => ({ sandboxId: k.rec.id })), bytesFetched: answer.bytesFetched, restoredByMigration: answer.restoredByMigration ?? false });
+    };
+    inner.markRunning = async (sbs) => sbs.map((x) => x.rec.id);
+    const holders: string[] = [];
+    inner.addHolder = async (_t, _s, h) => void holders.push(h);
+    const run = () => inner.restoreRound({ id: 'op-f', tenantId: 't', kind: 'fork' } as OperationRec, 'sn-1', snap, kids, [{ sourceHostId: 'H', destinationHostId: 'X', wave: 1 }], '', () => undefined);
+    return { run, sent, holders };
+  };
+
+  it('aRunAgainThatSendsNoFetchPlan_recordsTheHostAsAHolder_whenItsAnswerSaysItFetched', async () => {
+    const { run, sent, holders } = roundOver({ bytesFetched: 70_000_000n });
+    expect(await run()).toEqual([]);
+    expect(sent).toEqual([undefined]);
+    expect(holders).toEqual(['X']);
+  });
+
+  it('recordsNoHolder_whenTheAnswerSaysItsVmsCameByMigration', async () => {
+    const { run, holders } = roundOver({ bytesFetched: 140_000_000n, restoredByMigration: true });
+    expect(await run()).toEqual([]);
+    expect(holders).toEqual([]);
+  });
+});
+
 describe('Executor fork run again', () => {
   const now = 1_000_000;
   const host = (id: string, state: HostRec['state']): HostRec => ({ id, state, cordoned: false, draining: false, capacity: { vcpus: 16, memoryMib: 16_384, diskMib: 100_000 }, accel: 'tcg', qemuVersion: '7.2.0', cpuModel: 'max', machine: 'microvm', peerAddress: '10.0.0.1:7000', linkBytesPerSecond: 1.25e8, labels: {}, registeredAt: 0, lastHeartbeatAt: now, bootId: 'b' });

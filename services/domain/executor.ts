@@ -436,6 +436,18 @@ function startFailedOnHost(e: unknown): boolean {
 }
 
 /**
+ * Whether a restore step left its host holding the snapshot, to be recorded among its holders:
+ * it fetched the snapshot (this run sent a fetch plan, or the host's answer says it fetched: a
+ * run again after a failover sends none to a host whose heartbeats say it holds the snapshot
+ * by then, and the host answers from its journal), and neither migrated its VMs (nothing
+ * stored) nor failed to store the fetch durably. Without the answer's word, a fork that the
+ * leader's death interrupted left its fetching hosts out of the snapshot's record for good.
+ */
+function storedThere(planned: boolean, r: Pick<HostResultMsg, 'bytesFetched' | 'restoredByMigration' | 'snapshotNotHeld'>): boolean {
+  return (planned || r.bytesFetched > 0n) && !r.restoredByMigration && !r.snapshotNotHeld;
+}
+
+/**
  * A fork's restore round's failed hosts: whose children are placed again (`stranded`, with `why`
  * each host failed them) and whose fail (`failing`). Placed again, up to FORK_REPLACEMENTS
  * times each: children of a host that was lost, or whose restore step failed for the host's own
@@ -2589,9 +2601,8 @@ export class Executor {
       // Already past this point (re-run after a failover).
       return this.finish(op, { sandboxIds: [sb.id] }, sb.state === 'running' ? null : { kind: 'failed_precondition', message: `sandbox is ${sb.state}`, retryable: false });
     }
+    /** The host fetched the snapshot for this start and holds it now (storedThere). */
     let fetched = false;
-    /** The host does not hold the snapshot after the step (its VM came by migration, or the fetch could not be made durable). */
-    let notHeld = false;
     /** Hosts this op's start failed on before (recorded with each move off one: a re-run knows them). */
     let tried = createHostsTried(op);
     const startKind: StartKind = sb.sourceSnapshotId ? 'restore' : 'image';
@@ -2621,7 +2632,7 @@ export class Executor {
         }
         // A step of its own per host (the first one's is 'create'): each host's journal answers its own.
         const r = await this.step(op, tried.length === 0 ? 'create' : `create/${sb.hostId}`, sb.hostId, work);
-        notHeld = r.restoredByMigration || r.snapshotNotHeld;
+        fetched = !!sb.sourceSnapshotId && storedThere(fetched, r);
         this.startWorked(sb.hostId, startKind);
         break;
       } catch (e) {
@@ -2652,7 +2663,7 @@ export class Executor {
       }
     }
     // Bookkeeping, as for a fork or a wake: the VM runs whatever this meets.
-    if (fetched && !notHeld) await this.addHolderKeptBy(op, sb.sourceSnapshotId, sb.hostId);
+    if (fetched) await this.addHolderKeptBy(op, sb.sourceSnapshotId, sb.hostId);
     if (this.cancelRequested(op.id)) {
       // Cancelled while it started: it runs (recorded so, with no op on it), then is destroyed.
       const now = this.deps.clock.now();
@@ -3508,8 +3519,7 @@ export class Executor {
     // Bookkeeping, as for a fork (restoreRound): the VM runs, and the host's heartbeats say it
     // holds the snapshot. Failing the op here left the sandbox waking with its VM up, which the
     // lifecycle pass then stopped and hibernated again. A store out or a lost lead still ends the run.
-    if (fetch && !woke.restoredByMigration && !woke.snapshotNotHeld)
-      await this.addHolderKeptBy(op, snapshotId, hostId);
+    if (storedThere(fetch !== undefined, woke)) await this.addHolderKeptBy(op, snapshotId, hostId);
     await this.finishRunning(op, sb, this.hookReport(woke, sb.id), hostId);
   }
 
@@ -4088,8 +4098,7 @@ export class Executor {
         // full store): the children run, and the host's heartbeats say it holds the snapshot.
         // It failed the fork (not retryable, every child running) before. A store out or a lost
         // lead still ends the round, as every write of it does.
-        if (fetch && !restored.restoredByMigration && !restored.snapshotNotHeld)
-          await this.addHolderKeptBy(op, snapshotId, hostId);
+        if (storedThere(fetch !== undefined, restored)) await this.addHolderKeptBy(op, snapshotId, hostId);
         return true;
       })();
       done.set(hostId, p);
