@@ -682,6 +682,107 @@ describe('Agent steps', () => {
     expect([forks, vms.size]).toEqual([0, 0]);
   });
 
+  /**
+   * A restore by migration (ADR 0015) over a map driver: each clone's source connects once
+   * `gate(vmId).connect()` is called (or its wait ends when migrateFrom's signal aborts), its
+   * stream loads once `gate(vmId).load()` is; `prepareFails` clones fail their preparation.
+   * Records loads, aborted preparations, fetches (the fallback) and the signal each clone's
+   * migrateFrom was given.
+   */
+  const migrationHarness = (vms: Map<string, VmInfo>, o: { prepareFails?: string[] } = {}) => {
+    const gates = new Map<string, { connect: () => void; connected: Promise<void>; load: () => void; loaded: Promise<void> }>();
+    const gate = (id: string) => {
+      let g = gates.get(id);
+      if (!g) {
+        let connect!: () => void;
+        let load!: () => void;
+        const connected = new Promise<void>((r) => (connect = r));
+        const loaded = new Promise<void>((r) => (load = r));
+        gates.set(id, (g = { connect, connected, load, loaded }));
+      }
+      return g;
+    };
+    const seen = { loads: [] as string[], aborted: [] as string[], fetches: 0, signals: new Map<string, AbortSignal | undefined>(), execs: [] as string[] };
+    let n = 0;
+    const driver: Partial<VmmDriver> = {
+      ...mapDriver(vms),
+      exec: async (id, req) => (seen.execs.push(`${id} ${req.path}`), { exitCode: 0, signal: null, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0) }),
+      prepareIncoming: async (_src, c) => {
+        if (o.prepareFails?.includes(c.vmId)) throw new ForkfleetError('internal', `QEMU for ${c.vmId} did not start`);
+        return {
+          vmId: c.vmId,
+          load: async () => {
+            seen.loads.push(c.vmId);
+            await gate(c.vmId).loaded;
+            const info = { vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1, baseSnapshotId: 'sn-x' } as VmInfo;
+            vms.set(c.vmId, info);
+            return info;
+          },
+          abort: async () => void seen.aborted.push(c.vmId),
+        };
+      },
+    };
+    const shipper: Partial<SnapshotShipper> = {
+      obtain: async (snapshotId: string) => (seen.fetches++, { local: { dir: '/x', manifest: { snapshotId } } as never, bytesFetched: 0 }),
+      holds: async () => false,
+      incomingSource: async () => ({ manifest: { snapshotId: 'sn-x' } as never, image: {} as never, diskLayerBacking: '', writeDiskLayer: async () => undefined, bytesFetched: 0, release: () => undefined }),
+      // Clones ask in order; the n-th asks for the n-th VM's stream (the order of the step's list).
+      migrateFrom: async <T,>(_f: unknown, _h: string, load: (conn: { unixPath: string }, gone: AbortSignal) => Promise<T>, signal?: AbortSignal) => {
+        const id = `sb-${++n}`;
+        seen.signals.set(id, signal);
+        // The wait for the source's connection ends when the caller gives up (as peer/migrate.ts's).
+        await Promise.race([gate(id).connected, new Promise((_, reject) => signal?.addEventListener('abort', () => reject(signal.reason as Error)))]);
+        return { result: await load({ unixPath: `/nowhere/${id}.sock` }, new AbortController().signal), bytes: 100 };
+      },
+    } as Partial<SnapshotShipper>;
+    // Each VM with the user's after_resume hook /bin/refresh.
+    const migrateWork = (opId: string, ids: string[]) =>
+      create(HostWorkSchema, { opId, stepId: 'restore/h1', attempt: 1, work: { case: 'restoreVms', value: { snapshotId: 'sn-x', vms: ids.map((sandboxId) => ({ sandboxId, afterResume: [{ argv: ['/bin/refresh'] }] })), fetch: { snapshotId: 'sn-x', allowMigration: true, ticket: {}, sources: [{ hostId: 'h2', address: '10.0.0.2:7443', mayMigrate: true }] } } } });
+    const { agent } = agentWith(driver, shipper, {}, undefined, undefined, 'tcg', { peerAddress: '10.0.0.1:7443' });
+    return { agent, gate, seen, migrateWork };
+  };
+
+  it('restoreByMigration_ofAStartGivenUpOnBeforeItsStreamCame_loadsNoVm_fetchesNothing_andFailsGivenUp', async () => {
+    const vms = new Map<string, VmInfo>();
+    const { agent, gate, seen, migrateWork } = migrationHarness(vms);
+    const restoring = agent.runStep(migrateWork('op-w1', ['sb-1']));
+    await new Promise((r) => setTimeout(r, 5));
+    // The scheduler gives up on it (placed again elsewhere) while the source gets its stream ready.
+    const stopping = agent.runStep(stopW1);
+    await new Promise((r) => setTimeout(r, 5));
+    gate('sb-1').connect();
+    expect((await restoring).error?.message).toMatch(/gave up on starting sb-1/);
+    expect((await stopping).error).toBeUndefined();
+    expect([seen.loads, seen.aborted, seen.fetches, vms.size]).toEqual([[], ['sb-1'], 0, 0]);
+  });
+
+  it('restoreByMigration_ofAStartGivenUpOnWhileItsStreamLoads_keepsNoVm_andFailsGivenUp', async () => {
+    const vms = new Map<string, VmInfo>();
+    const { agent, gate, seen, migrateWork } = migrationHarness(vms);
+    gate('sb-1').connect();
+    const restoring = agent.runStep(migrateWork('op-w1', ['sb-1']));
+    await vi.waitFor(() => expect(seen.loads).toEqual(['sb-1']));
+    const stopping = agent.runStep(stopW1);
+    await new Promise((r) => setTimeout(r, 5));
+    gate('sb-1').load();
+    expect((await restoring).error?.message).toMatch(/gave up on starting sb-1/);
+    expect((await stopping).error).toBeUndefined();
+    // Made by its stream, then destroyed rather than run (the user's hook too) beside the
+    // sandbox placed elsewhere until the stop ended it.
+    expect([seen.execs, seen.fetches, vms.size]).toEqual([[], 0, 0]);
+  });
+
+  it('restoreByMigration_whoseOtherClonesPreparationFails_endsThisClonesWaitAtOnce_andFetchesInstead', async () => {
+    const vms = new Map<string, VmInfo>();
+    // sb-1's QEMU does not start; sb-2's source never connects: only an end of its wait ends the step.
+    const { agent, seen, migrateWork } = migrationHarness(vms, { prepareFails: ['sb-1'] });
+    const r = await agent.runStep(migrateWork('op-m', ['sb-1', 'sb-2']));
+    expect(r.error).toBeUndefined();
+    expect(seen.signals.get('sb-2')?.aborted).toBe(true);
+    // All or nothing: both restored from the fetched snapshot instead.
+    expect([seen.loads, seen.fetches, [...vms.keys()].sort()]).toEqual([[], 1, ['sb-1', 'sb-2']]);
+  });
+
   it('create_whoseStartIsGivenUpOnWhileItsImageBuilds_bootsNoVm', async () => {
     const vms = new Map<string, VmInfo>();
     let created = 0;

@@ -1229,9 +1229,16 @@ export class Agent {
         const hooked = clones.filter((c) => (hooks.get(c.vmId)?.length ?? 0) > 0).map((c) => c.vmId);
         if (hooked.length) await this.journalPut(w.opId, making, Buffer.from(JSON.stringify([...new Set([...madeBefore, ...hooked])])));
         let made: VmInfo[] = [];
-        const migrated = clones.length ? await this.restoreByMigration(snapshotId, work.value.fetch, clones, log) : undefined;
+        const givenUpNow = (vmId: string): boolean => this.gaveUp.has(`${w.opId}/${vmId}`);
+        const migrated = clones.length ? await this.restoreByMigration(snapshotId, work.value.fetch, clones, givenUpNow, log) : undefined;
         if (migrated) {
-          made = migrated.vms;
+          // Given up on while it migrated (seconds to minutes: a disk layer, an image, the
+          // stream): not kept, as a fetch makes none given up on meanwhile (below). It would run
+          // unbooked, maybe beside the sandbox placed again elsewhere, until its stop ended it.
+          const dropped = migrated.vms.filter((v) => givenUpNow(v.vmId));
+          await Promise.all(dropped.map((v) => driver.destroy(v.vmId).catch((e: unknown) => log.warn({ err: e, vmId: v.vmId }, 'could not destroy a migrated VM given up on; its stop ends it'))));
+          made = migrated.vms.filter((v) => !givenUpNow(v.vmId));
+          if (made.length === 0 && have.length === 0) throw gaveUpError(w.opId, clones.map((c) => c.vmId));
           result.bytesFetched = BigInt(migrated.bytes);
           result.restoredByMigration = true;
         } else if (clones.length === 0) {
@@ -1242,6 +1249,8 @@ export class Agent {
           const held = shipper.holds ? await shipper.holds(snapshotId) : shipper.held().some((h) => h.snapshotId === snapshotId && h.complete);
           if (!held) result.snapshotNotHeld = true;
         } else {
+          // Every one given up on while a restore by migration was tried: nothing to fetch for.
+          if (have.length === 0 && clones.every((c) => givenUpNow(c.vmId))) throw gaveUpError(w.opId, clones.map((c) => c.vmId));
           const lease = shipper.lease?.(snapshotId, `restore/${w.opId}/${w.stepId}`);
           try {
             const f0 = this.deps.clock.now();
@@ -1262,7 +1271,7 @@ export class Agent {
             await this.baseImageFor(local.manifest, log);
             // Again after the fetch and the image (minutes, maybe): starts given up on meanwhile
             // are not made (they would run unbooked until their stops end them).
-            const still = clones.filter((c) => !this.gaveUp.has(`${w.opId}/${c.vmId}`));
+            const still = clones.filter((c) => !givenUpNow(c.vmId));
             if (still.length === 0 && have.length === 0) throw gaveUpError(w.opId, clones.map((c) => c.vmId));
             if (still.length) made = await driver.fork(local, still);
           } finally {
@@ -1381,9 +1390,11 @@ export class Agent {
    * allows it and the step is small, each VM is migrated from a source's paused clone
    * straight into its QEMU here, instead of fetching the whole snapshot first. All or
    * nothing: on any failure the VMs made so far are destroyed and undefined is returned, so
-   * the step falls back to fetching the snapshot.
+   * the step falls back to fetching the snapshot; the first failure ends the others' waits and
+   * streams at once (a stream may run for minutes). A VM given up on (`givenUp`) by the time
+   * its stream could load is not loaded (its source's stream is dropped) and not returned.
    */
-  private async restoreByMigration(snapshotId: string, fetch: FetchSnapshotWork | undefined, clones: CloneSpec[], log: Logger): Promise<{ vms: VmInfo[]; bytes: number } | undefined> {
+  private async restoreByMigration(snapshotId: string, fetch: FetchSnapshotWork | undefined, clones: CloneSpec[], givenUp: (vmId: string) => boolean, log: Logger): Promise<{ vms: VmInfo[]; bytes: number } | undefined> {
     const { driver, shipper } = this.deps;
     const max = this.deps.config.migrateMaxChildren ?? 2;
     if (!fetch?.allowMigration || !fetch.ticket || clones.length > max || migrationSources(fetch).length === 0) return undefined;
@@ -1396,6 +1407,10 @@ export class Agent {
     // The source is asked at once, while the disk layer is fetched and the VM prepared: its
     // connection waits (unread) until the VM is ready to load it.
     const srcP = shipper.incomingSource(snapshotId, fetch);
+    // Any clone's failure (its preparation, its source, its load) ends every clone's wait for
+    // its source's connection and any stream being loaded: all or nothing, the others' VMs
+    // would be destroyed anyway, after their streams had run to the end.
+    const anyFailed = new AbortController();
     try {
       const results = await Promise.allSettled(
         clones.map(async (c) => {
@@ -1403,30 +1418,39 @@ export class Agent {
             await this.baseImageFor(from.manifest, log);
             return prepare(from, c);
           });
-          // A failed preparation also ends the wait for the source's connection.
-          const gaveUp = new AbortController();
-          incomingP.catch((e: unknown) => gaveUp.abort(e));
+          incomingP.catch((e: unknown) => anyFailed.abort(e));
           try {
             return await migrateFrom(fetch, listenHost, async (conn, sourceGone) => {
-              const incoming = await incomingP.catch((e: unknown) => {
+              const drop = (): void => {
                 if (!('unixPath' in conn)) conn.destroy();
+              };
+              const incoming = await incomingP.catch((e: unknown) => {
+                drop();
                 throw e;
               });
+              // Thrown, not returned: the source's call and a relay end now, not once the
+              // source has found its stream going nowhere.
+              if (givenUp(c.vmId)) {
+                drop();
+                throw new NotLoadedGivenUp(c.vmId);
+              }
               return incoming.load(conn, sourceGone);
-            }, gaveUp.signal);
+            }, anyFailed.signal);
           } catch (e) {
             await incomingP.then((i) => i.abort(), () => undefined);
+            if (e instanceof NotLoadedGivenUp) return undefined;
+            anyFailed.abort(e);
             throw e;
           }
         }),
       );
-      const vms = results.flatMap((r) => (r.status === 'fulfilled' ? [r.value.result] : []));
+      const vms = results.flatMap((r) => (r.status === 'fulfilled' && r.value ? [r.value.result] : []));
       const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
       if (failed) {
         await Promise.all(vms.map((v) => driver.destroy(v.vmId).catch(() => undefined)));
         throw failed.reason;
       }
-      const bytes = (await srcP).bytesFetched + results.reduce((n, r) => n + (r.status === 'fulfilled' ? r.value.bytes : 0), 0);
+      const bytes = (await srcP).bytesFetched + results.reduce((n, r) => n + (r.status === 'fulfilled' ? (r.value?.bytes ?? 0) : 0), 0);
       log.info({ snapshotId, vms: vms.length, bytes, ms: this.deps.clock.now() - t0 }, 'restored by migration');
       return { vms, bytes };
     } catch (e) {
@@ -1683,6 +1707,13 @@ interface StopNote {
 }
 
 /** The failure of a start of sandboxes the scheduler gave up on here (gaveUpOn). */
+/** restoreByMigration: a VM given up on before its stream was loaded (not a failure of the migration). */
+class NotLoadedGivenUp extends Error {
+  constructor(vmId: string) {
+    super(`${vmId} was given up on before its stream was loaded`);
+  }
+}
+
 function gaveUpError(opId: string, sandboxIds: readonly string[]): ForkfleetError {
   return new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${sandboxIds.join(', ')} here (op ${opId}): not started, or stopped`);
 }
