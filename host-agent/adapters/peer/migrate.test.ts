@@ -3,7 +3,7 @@
 // The source's QEMU is replaced by a function that connects and writes (the driver's side
 // is tested against real QEMU in adapters/qemu/driver.int.test.ts).
 import net from 'node:net';
-import { rmSync } from 'node:fs';
+import { mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { FsChunkStore, FsManifestStore } from '../chunkstore/fs-store.ts';
 import { join } from 'node:path';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
@@ -12,9 +12,10 @@ import { ChunkTransferService } from '../../../proto/gen/forkfleet/v1/transfer_p
 import { startGrpcServer, type RunningGrpcServer } from '../../../services/adapters/grpc/server.ts';
 import { createClient } from '../../../services/adapters/grpc/rpc.ts';
 import { tempDir } from '../../../services/testkit/proc.ts';
+import type { CallContext } from '../../../services/adapters/grpc/rpc.ts';
 import { chunkTransferService, HOST_ID_METADATA, peerHost } from './server.ts';
 import { storeHoldingS1 } from './migrate-testkit.ts';
-import { migrateFrom } from './migrate.ts';
+import { MIGRATION_START_MS, migrateFrom, migrateOutThroughRelay } from './migrate.ts';
 import type { MigrationStream } from '../../domain/vmm.ts';
 
 let dir: string;
@@ -194,6 +195,58 @@ describe('MigrateSnapshot', () => {
     } finally {
       client.close();
     }
+  });
+
+  it('migrateFrom_byDefault_givesTheSourcesCallFarMoreThanTwoMinutes_soALargeVmsStreamIsNotCutOff', async () => {
+    // 32 GiB at 2 Gbit/s streams for over two minutes: the source fails a stream that stops
+    // moving, and the call's deadline is only a backstop far beyond that.
+    const reg = chunkTransferService({ chunks: new FsChunkStore(join(dir, 'A')), manifests: new FsManifestStore(join(dir, 'A')), trust, clock: { now: () => new Date() }, migrate: fakeMigrate }).registration;
+    const serve = reg.handlers.migrateSnapshot as unknown as (req: unknown, ctx: CallContext) => Promise<unknown>;
+    const deadlines: Array<Date | undefined> = [];
+    const server = await startGrpcServer({
+      address: '127.0.0.1:0',
+      services: [{ ...reg, handlers: { ...reg.handlers, migrateSnapshot: (req: unknown, ctx: CallContext) => (deadlines.push(ctx.deadline), serve(req, ctx)) } }],
+    });
+    try {
+      const t0 = Date.now();
+      const r = await migrateFrom({ sourceAddress: server.address, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1' }, readAll);
+      expect(r.result).toBe('the-migration-stream');
+      expect(deadlines).toHaveLength(1);
+      expect((deadlines[0]?.getTime() ?? Infinity) - t0).toBeGreaterThan(20 * 60_000);
+    } finally {
+      await server.close(100);
+    }
+  });
+
+  it('migrateOutThroughRelay_theSourcesRelay_waitsIdleForAsLongAsTheDestinationMayTakeToStartReading', async () => {
+    // The destination's relay reads nothing until its QEMU listens (its disk layer, its QEMU
+    // start: up to MIGRATION_START_MS): the source's relay, its buffers full meanwhile, must
+    // not give up sooner (socat -T). A stand-in for socat notes its arguments.
+    const relayDir = join(dir, 'relay-args');
+    mkdirSync(relayDir, { recursive: true });
+    const socat = join(relayDir, 'socat');
+    writeFileSync(socat, `#!/bin/sh\nprintf '%s\\n' "$@" > "$0.args"\necho '2026/01/01 00:00:00 socat[1] N listening on AF=1 "x"' >&2\n`, { mode: 0o755 });
+    const sent = await migrateOutThroughRelay({ socat, tlsDir: relayDir, socketDir: join(relayDir, 'sock') }, { host: '127.0.0.1', port: 4000, hostId: 'hostR' }, async () => 'sent');
+    expect(sent).toBe('sent');
+    const args = readFileSync(`${socat}.args`, 'utf8').split('\n');
+    const idle = Number(args[args.indexOf('-T') + 1]) * 1000;
+    expect(idle).toBeGreaterThanOrEqual(MIGRATION_START_MS);
+  });
+
+  it('migrateFrom_throughARelay_hasItWaitForThisHostsQemuForTheStartWindow_notTheCallsWholeDeadline', async () => {
+    // The stream waits in the destination's relay until this host's QEMU listens: for as long
+    // as the source waits for it to start reading, not for the call's backstop of half an hour.
+    // A stand-in for socat notes its arguments, says it listens, and waits to be stopped.
+    const relayDir = join(dir, 'relay-in');
+    mkdirSync(relayDir, { recursive: true });
+    const socat = join(relayDir, 'socat');
+    writeFileSync(socat, `#!/bin/sh\nprintf '%s\\n' "$@" > "$0.args"\necho '2026/01/01 00:00:00 socat[1] N listening on AF=2 127.0.0.1:1' >&2\nexec sleep 30\n`, { mode: 0o755 });
+    const relay = { socat, tlsDir: relayDir, socketDir: join(relayDir, 'sock'), sourceHostId: 'hostA' };
+    await expect(migrateFrom({ sourceAddress: withMigrate.address, ticket: ticket('hostR'), hostId: 'hostR', listenHost: '127.0.0.1', connectTimeoutMs: 200, relay }, readAll)).rejects.toThrow();
+    const unix = readFileSync(`${socat}.args`, 'utf8').split('\n').find((a) => a.startsWith('UNIX-CONNECT:'));
+    const retries = Number(/retry=(\d+)/.exec(unix ?? '')?.[1]);
+    expect(retries * 10).toBeGreaterThanOrEqual(MIGRATION_START_MS);
+    expect(retries * 10).toBeLessThan(MIGRATION_START_MS + 1000);
   });
 
   it('peerHost_readsTheAddressOfEveryGrpcPeerForm', () => {

@@ -25,7 +25,12 @@ export interface MigrateFromOptions {
   readonly hostId: string;
   /** This host's address on the peer network (where the listener binds). */
   readonly listenHost: string;
-  /** Whole exchange, from the call to the loaded VM (default 120 s). */
+  /**
+   * The MigrateSnapshot call's deadline (default DEFAULT_MIGRATE_CALL_MS): a backstop only. A
+   * stream takes as long as the VM's RAM needs (32 GiB at 2 Gbit/s is over two minutes); the
+   * source fails it when it stops moving (the driver's MIGRATION_STREAM_WAIT), and its failed
+   * answer ends this end's wait too.
+   */
   readonly timeoutMs?: number;
   /**
    * How long the source may take to connect (default DEFAULT_MIGRATE_CONNECT_MS). It only has
@@ -67,6 +72,21 @@ export interface MigrateFromReport<T> {
 export const DEFAULT_MIGRATE_CONNECT_MS = 20_000;
 
 /**
+ * How long a destination may take, from its MigrateSnapshot call, to start reading the stream:
+ * its disk layer fetched and written, its QEMU started. The source's stream waits unread
+ * meanwhile (in socket buffers, or in the relays). The source allows as much before it takes
+ * a stream that moves nothing as stalled (the driver's MIGRATION_STREAM_WAIT.startMs).
+ */
+export const MIGRATION_START_MS = 120_000;
+
+/**
+ * Default deadline of the MigrateSnapshot call: past the source's own cap on a stream
+ * (MIGRATION_STREAM_WAIT.maxMs, 30 min) plus its start, so the source's failure, which says
+ * why, comes first. A stream that stops moving is failed by the source long before.
+ */
+export const DEFAULT_MIGRATE_CALL_MS = 35 * 60_000;
+
+/**
  * Asks the source to migrate the ticket's snapshot to a one-shot listener here and hands the
  * connection, unread, to `load`. Only a connection from the source's address is taken; the
  * listener closes at the first one. With `o.relay` a TLS relay listens instead, and `load`
@@ -77,14 +97,14 @@ export const DEFAULT_MIGRATE_CONNECT_MS = 20_000;
  */
 export async function migrateFrom<T>(o: MigrateFromOptions, load: (conn: MigrationStream, sourceGone: AbortSignal) => Promise<T>): Promise<MigrateFromReport<T>> {
   const connectMs = o.connectTimeoutMs ?? DEFAULT_MIGRATE_CONNECT_MS;
-  const timeoutMs = o.timeoutMs ?? 120_000;
+  const timeoutMs = o.timeoutMs ?? DEFAULT_MIGRATE_CALL_MS;
   if (o.signal?.aborted) throw o.signal.reason instanceof Error ? o.signal.reason : new Error(String(o.signal.reason));
   const peer = peerChannel(o.tls, o.sourceAddress);
   const client = createClient(ChunkTransferService, o.sourceAddress, peer.credentials, peer.options);
   const ac = new AbortController();
   let inbound: Inbound | undefined;
   try {
-    inbound = o.relay ? await relayOnce(o, o.relay, connectMs, timeoutMs) : await listenOnce(o, connectMs);
+    inbound = o.relay ? await relayOnce(o, o.relay, connectMs) : await listenOnce(o, connectMs);
     const call = client.migrateSnapshot({ ticket: o.ticket, port: inbound.port }, { timeoutMs, signal: ac.signal, metadata: { [HOST_ID_METADATA]: o.hostId } });
     // The source failing before it connects, the inbound end giving up, or the caller giving
     // up, ends the wait for its connection; failing after, the load's wait for its stream.
@@ -198,7 +218,7 @@ async function listenOnce(o: MigrateFromOptions, connectMs: number): Promise<Inb
  * A TLS relay (tls-relay.ts) listening for the source; the stream arrives on a new unix socket
  * under `r.socketDir`, which QEMU listens on and the relay connects to.
  */
-async function relayOnce(o: MigrateFromOptions, r: NonNullable<MigrateFromOptions['relay']>, connectMs: number, timeoutMs: number): Promise<Inbound> {
+async function relayOnce(o: MigrateFromOptions, r: NonNullable<MigrateFromOptions['relay']>, connectMs: number): Promise<Inbound> {
   const unixPath = join(r.socketDir, `in-${randomBytes(6).toString('hex')}.sock`);
   await mkdir(r.socketDir, { recursive: true, mode: 0o700 });
   // socat takes IP addresses only: names (FF_PEER_ADVERTISE may be one) are looked up here. Its
@@ -208,8 +228,9 @@ async function relayOnce(o: MigrateFromOptions, r: NonNullable<MigrateFromOption
   if (bindHost === undefined) throw new ForkfleetError('unavailable', `no address to listen on for ${o.listenHost}`, { retryable: true });
   const [fromHost] = await addressesOf(hostOfAddress(o.sourceAddress), 'migration source host', net.isIP(bindHost) === 6 ? 6 : 4);
   if (fromHost === undefined) throw new ForkfleetError('unavailable', `no address for ${o.sourceAddress}`, { retryable: true });
-  // The stream waits in the relay until this host's QEMU listens, for as long as the exchange may take.
-  const relay = await listenRelay({ socat: r.socat, tlsDir: r.tlsDir, unixPath, peerHostId: r.sourceHostId, acceptTimeoutMs: connectMs, unixWaitMs: timeoutMs, bindHost, fromHost });
+  // The stream waits in the relay until this host's QEMU listens, for as long as this host may
+  // take to start reading it.
+  const relay = await listenRelay({ socat: r.socat, tlsDir: r.tlsDir, unixPath, peerHostId: r.sourceHostId, acceptTimeoutMs: connectMs, unixWaitMs: MIGRATION_START_MS, bindHost, fromHost });
   const late = (): Error => new ForkfleetError('deadline_exceeded', `migration source ${o.sourceAddress} did not connect as host ${r.sourceHostId} within ${connectMs} ms`, { retryable: true });
   // socat's accept-timeout starts again after each refused connection, and its TLS handshake
   // has none: the source has connectMs from here to prove who it is, whatever socat does.
@@ -253,7 +274,7 @@ export interface MigrationRelaySettings {
 export async function migrateOutThroughRelay<R>(r: MigrationRelaySettings, target: { host: string; port: number; hostId: string }, send: (to: { unixPath: string }) => Promise<R>, signal?: AbortSignal): Promise<R> {
   await mkdir(r.socketDir, { recursive: true, mode: 0o700 });
   const unixPath = join(r.socketDir, `out-${randomBytes(6).toString('hex')}.sock`);
-  const relay = await connectRelay({ ...r, unixPath, host: target.host, port: target.port, peerHostId: target.hostId, acceptTimeoutMs: 30_000, idleTimeoutMs: RELAY_IDLE_MS });
+  const relay = await connectRelay({ ...r, unixPath, host: target.host, port: target.port, peerHostId: target.hostId, acceptTimeoutMs: 30_000, idleTimeoutMs: SOURCE_RELAY_IDLE_MS });
   const stop = (): void => void relay.stop();
   signal?.addEventListener('abort', stop, { once: true });
   try {
@@ -261,7 +282,7 @@ export async function migrateOutThroughRelay<R>(r: MigrationRelaySettings, targe
     // QEMU's "completed" means it wrote the stream into the unix socket; the relay may still
     // hold the end of it (its buffer, the socket queues) while the destination reads. It
     // exits once the destination has read all and closed: killing it now cut streams short.
-    // It gives up by itself after RELAY_IDLE_MS without progress (-T). How it exits says
+    // It gives up by itself after SOURCE_RELAY_IDLE_MS without progress (-T). How it exits says
     // nothing more: a destination QEMU with its own TLS resets the connection once it has
     // loaded the stream (exit 1, "Connection reset by peer"), and whether a stream loaded is
     // the destination's to tell (QEMU checks it whole).
@@ -274,5 +295,11 @@ export async function migrateOutThroughRelay<R>(r: MigrationRelaySettings, targe
   }
 }
 
-/** A relay whose stream moves nothing for this long gives up (socat -T). */
-const RELAY_IDLE_MS = 60_000;
+/**
+ * The source's relay gives up on a stream that moves nothing for this long (socat -T). Its
+ * stream waits for the destination to start reading, which may take up to MIGRATION_START_MS
+ * after the TLS handshake (the destination's relay reads nothing until its QEMU listens):
+ * 60 s cut such streams. A stall once the stream moves is the source QEMU's wait's to catch
+ * (MIGRATION_STREAM_WAIT), which ends the relay with it.
+ */
+export const SOURCE_RELAY_IDLE_MS = MIGRATION_START_MS + 30_000;

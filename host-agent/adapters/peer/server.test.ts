@@ -291,6 +291,37 @@ describe('ChunkTransferService: calls open per caller host', () => {
     await expect(call('hostR')).resolves.toMatchObject({ millis: 1 });
   });
 
+  it('migrateSnapshot_pastTheCallersCapWhileItsManifestReadsHang_isResourceExhaustedWithoutReadingTheManifest', async () => {
+    // A caller with a ticket cannot pile up manifest reads: its calls are counted before the read.
+    let reading = 0;
+    let finish: () => void = () => undefined;
+    const finished = new Promise<void>((r) => (finish = r));
+    const s = await serviceOverS1({
+      maxMigrationsPerCaller: 2,
+      migrate: async () => ({ bytes: 1, ms: 1 }),
+      manifests: (real) => ({
+        ...real,
+        get: async (id) => {
+          reading++;
+          await finished;
+          return real.get(id);
+        },
+      }),
+    });
+    const call = (caller: string) => s.handlers.migrateSnapshot({ ticket: s.ticket(caller, true), port: 4000 }, callContext(new AbortController().signal, caller));
+    const open = [call('hostR'), call('hostR')];
+    while (reading < 2) await new Promise((r) => setTimeout(r, 5));
+    // Refused at once, not left waiting on a read of its own.
+    const over = await Promise.race([call('hostR').catch((e: unknown) => e), new Promise((r) => setTimeout(() => r('still waiting'), 1000))]);
+    expect(over).toMatchObject({ kind: 'resource_exhausted', retryable: true });
+    expect(reading).toBe(2);
+    expect(s.stats.busy).toBe(1);
+    finish();
+    await Promise.all(open);
+    // Ended calls give their places back.
+    await expect(call('hostR')).resolves.toMatchObject({ millis: 1 });
+  });
+
   it('fetchChunks_pastTheCallersCapOfOpenStreams_isResourceExhaustedAndRetryable_andAStreamThatEndedGivesItsPlaceBack', async () => {
     const s = await serviceOverS1({ maxStreamsPerCaller: 3 });
     const open = [s.stream('hostR'), s.stream('hostR'), s.stream('hostR')];

@@ -229,22 +229,24 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
     },
 
     async migrateSnapshot(req, ctx) {
-      const { claims } = await authorise(req.ticket, ctx);
-      // Only a ticket the scheduler signed for migration starts a QEMU here: a fetch-only one
-      // (a drain's copy or a fan-out relay, which must end up holding the snapshot) is refused.
-      if (!claims.allowMigration) {
-        stats.refused++;
-        deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId }, 'migration refused: the ticket allows fetching only');
-        throw new TicketInvalidError('the ticket allows fetching chunks only, not migration');
-      }
-      const migrate = deps.migrate;
-      if (!migrate) throw new ForkfleetError('failed_precondition', 'this host does not migrate snapshots out; fetch the chunks');
-      if (!Number.isInteger(req.port) || req.port < 1 || req.port > 65535) throw new InvalidArgumentError('port', 'must be 1..65535');
-      // The stream goes only to the address the call came from: a ticket holder cannot aim it elsewhere.
-      const host = peerHost(ctx.peer);
-      if (!host) throw new ForkfleetError('failed_precondition', `cannot tell the caller's address from ${ctx.peer}`);
+      // Counted from before its manifest is read, as getManifest's reads are: the caller's
+      // calls otherwise pile up on a slow manifest read without bound.
       const release = takeSlot(migrations, ctx);
       try {
+        const { claims } = await authorise(req.ticket, ctx);
+        // Only a ticket the scheduler signed for migration starts a QEMU here: a fetch-only one
+        // (a drain's copy or a fan-out relay, which must end up holding the snapshot) is refused.
+        if (!claims.allowMigration) {
+          stats.refused++;
+          deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId }, 'migration refused: the ticket allows fetching only');
+          throw new TicketInvalidError('the ticket allows fetching chunks only, not migration');
+        }
+        const migrate = deps.migrate;
+        if (!migrate) throw new ForkfleetError('failed_precondition', 'this host does not migrate snapshots out; fetch the chunks');
+        if (!Number.isInteger(req.port) || req.port < 1 || req.port > 65535) throw new InvalidArgumentError('port', 'must be 1..65535');
+        // The stream goes only to the address the call came from: a ticket holder cannot aim it elsewhere.
+        const host = peerHost(ctx.peer);
+        if (!host) throw new ForkfleetError('failed_precondition', `cannot tell the caller's address from ${ctx.peer}`);
         // hostId: the caller the ticket was checked against (with peer TLS, its certificate's CN).
         // The caller's cancel (it gave up waiting) stops the stream.
         const r = await migrate(claims.snapshotId, { host, port: req.port, hostId: caller(ctx) }, ctx.signal);

@@ -232,6 +232,7 @@ const VM_ID = /^[A-Za-z0-9][A-Za-z0-9_.-]{0,47}$/;
 const CLOCK_REFRESH_AFTER_MS = 200;
 /** How long a QEMU whose QMP closed unasked may take to be seen exiting before it is recorded crashed anyway (watch). */
 const CRASH_EXIT_WAIT_MS = 2000;
+/** How long a migration on this host (a snapshot's copy, a local restore) may take. Streams between hosts: MIGRATION_STREAM_WAIT. */
 const MIGRATION_TIMEOUT_MS = 120_000;
 /** How long a stopping agent waits for its migrations out to end (closeStandbys). */
 const MIGRATION_CLOSE_WAIT_MS = 10_000;
@@ -1642,7 +1643,8 @@ export class QemuVmmDriver implements VmmDriver {
       const cancel = (): void => void s.qmp.execute('migrate_cancel').catch(() => undefined);
       signal?.addEventListener('abort', cancel, { once: true });
       try {
-        await migrateAndWait(s.qmp, migrationUri(target));
+        // As long as it moves: a fixed deadline cut large VMs' streams (StreamWait).
+        await migrateAndWait(s.qmp, migrationUri(target), MIGRATION_STREAM_WAIT);
       } finally {
         signal?.removeEventListener('abort', cancel);
       }
@@ -1757,7 +1759,9 @@ export class QemuVmmDriver implements VmmDriver {
           const qemuTls = socket ? this.opts.migrationTlsDir : undefined;
           if (qemuTls) await useMigrationTls(rec.qmp, qemuTls, { endpoint: 'server' });
           const uri = conn instanceof net.Socket ? 'fd:migration' : `unix:${conn.unixPath}`;
-          await untilAborted(incomingAndWait(rec.qmp, uri), sourceGone, 'the migration source failed before the stream was loaded');
+          // QEMU tells no progress of an incoming stream: the source fails one that stalls, and
+          // its failed answer (sourceGone) ends this wait; the cap is the backstop.
+          await untilAborted(incomingAndWait(rec.qmp, uri, MIGRATION_STREAM_WAIT.maxMs), sourceGone, 'the migration source failed before the stream was loaded');
           // The VM's own later migrations (its snapshots, to a local file) are plain: a
           // server-side tls-creds left set would make QEMU refuse them.
           if (qemuTls) await rec.qmp.execute('migrate-set-parameters', { 'tls-creds': '' });
@@ -2528,14 +2532,47 @@ async function queryStatus(qmp: QmpClient): Promise<string> {
   return r.status;
 }
 
-/** Wait for a MIGRATION event with `status` (events seen since `sinceMark`, a QmpClient mark, count). */
-async function waitMigration(qmp: QmpClient, status: string, sinceMark: number): Promise<QmpEvent> {
-  const ev = await qmp.waitEvent(
+/**
+ * How a migration stream between hosts (ADR 0015) is waited for: by its progress, not by a
+ * fixed deadline. A stream takes as long as the VM's RAM needs (32 GiB at the 1-2.8 Gbit/s
+ * measured here is 1.5-4.5 minutes), and the 120 s that bounds a migration on this host cut
+ * every such stream, whose restore then fetched the snapshot after all.
+ */
+export interface StreamWait {
+  /**
+   * The source: how long after `migrate` the stream may move nothing because the destination
+   * has not started reading it (its disk layer, its QEMU start; peer/migrate.ts's
+   * MIGRATION_START_MS, counted there from before the call, so it ends first).
+   */
+  readonly startMs: number;
+  /** The source: past `startMs`, the stream fails once it has sent nothing (query-migrate's ram.transferred) for this long. */
+  readonly stallMs: number;
+  /**
+   * Either end: the stream fails after this long whatever it moves. The destination's QEMU
+   * (7.2) tells no progress of an incoming migration (query-migrate: its status only), so the
+   * destination's wait is this cap and the source's answer (a stalled stream fails there).
+   */
+  readonly maxMs: number;
+  /** The source: how often it asks QEMU how far the stream is. */
+  readonly pollMs: number;
+}
+
+/** The streams' limits (StreamWait): 30 min is 45 GB of RAM at 25 MB/s. */
+export const MIGRATION_STREAM_WAIT: StreamWait = { startMs: 120_000, stallMs: 30_000, maxMs: 30 * 60_000, pollMs: 1_000 };
+
+/**
+ * Wait for a MIGRATION event with `status` (events seen since `sinceMark`, a QmpClient mark,
+ * count), for `limit.timeoutMs` (default MIGRATION_TIMEOUT_MS); with `limit.stream`, an
+ * outgoing stream, for as long as it moves (untilStalled), at most `stream.maxMs`.
+ */
+async function waitMigration(qmp: QmpClient, status: string, sinceMark: number, limit: { timeoutMs?: number; stream?: StreamWait } = {}): Promise<QmpEvent> {
+  const ended = qmp.waitEvent(
     'MIGRATION',
-    MIGRATION_TIMEOUT_MS,
+    limit.stream?.maxMs ?? limit.timeoutMs ?? MIGRATION_TIMEOUT_MS,
     (e) => e.data.status === status || e.data.status === 'failed' || e.data.status === 'cancelled',
     sinceMark,
   );
+  const ev = limit.stream ? await untilStalled(qmp, ended, limit.stream) : await ended;
   if (ev.data.status !== status) {
     const info = await qmp.execute<{ 'error-desc'?: string }>('query-migrate').catch(() => ({ 'error-desc': undefined }));
     throw new VmmError(`migration ${String(ev.data.status)}: ${info['error-desc'] ?? 'no detail'}`);
@@ -2567,10 +2604,51 @@ function migrationUri(t: MigrationTarget): string {
   return `tcp:${t.host.includes(':') ? `[${t.host}]` : t.host}:${t.port}`;
 }
 
-export async function migrateAndWait(qmp: QmpClient, uri: string): Promise<void> {
+/**
+ * `ended` (the wait for an outgoing migration's end on `qmp`), or a VmmError once the stream
+ * has sent nothing for `w.stallMs`, and not before `w.startMs` from now: the destination may
+ * take that long to start reading, while the stream waits in buffers.
+ */
+async function untilStalled<T>(qmp: QmpClient, ended: Promise<T>, w: StreamWait): Promise<T> {
+  const t0 = Date.now();
+  let sent = -1;
+  let movedAt = t0;
+  let timer: NodeJS.Timeout | undefined;
+  let over = false;
+  const stalled = new Promise<never>((_, reject) => {
+    const check = async (): Promise<void> => {
+      // A query that fails (QEMU busy, exiting) counts as no progress; the end's own wait sees QEMU go.
+      const q = await qmp.execute<{ ram?: { transferred?: number } }>('query-migrate').catch(() => undefined);
+      if (over) return;
+      const now = Date.now();
+      const n = q?.ram?.transferred;
+      if (n !== undefined && n > sent) {
+        sent = n;
+        movedAt = now;
+      }
+      if (now >= Math.max(t0 + w.startMs, movedAt + w.stallMs)) {
+        reject(new VmmError(`migration stalled: nothing sent for ${now - movedAt} ms (${Math.max(0, sent)} bytes in all)`));
+        return;
+      }
+      timer = setTimeout(() => void check(), w.pollMs);
+    };
+    timer = setTimeout(() => void check(), w.pollMs);
+  });
+  // The loser is settled later (the wait for the event when QEMU goes): not an unhandled rejection.
+  ended.catch(() => undefined);
+  try {
+    return await Promise.race([ended, stalled]);
+  } finally {
+    over = true;
+    clearTimeout(timer);
+  }
+}
+
+/** `migrate` to `uri` and wait for its end: for MIGRATION_TIMEOUT_MS, or with `stream` (a stream to another host) as long as it moves. */
+export async function migrateAndWait(qmp: QmpClient, uri: string, stream?: StreamWait): Promise<void> {
   const mark = qmp.mark;
   await qmp.execute('migrate', { uri });
-  await waitMigration(qmp, 'completed', mark);
+  await waitMigration(qmp, 'completed', mark, stream ? { stream } : {});
 }
 
 /**
@@ -2606,10 +2684,11 @@ async function untilAborted<T>(p: Promise<T>, signal: AbortSignal | undefined, w
   }
 }
 
-export async function incomingAndWait(qmp: QmpClient, uri: string): Promise<void> {
+/** `migrate-incoming` from `uri` and wait for the load, at most `timeoutMs` (a stream from another host: MIGRATION_STREAM_WAIT.maxMs). */
+export async function incomingAndWait(qmp: QmpClient, uri: string, timeoutMs = MIGRATION_TIMEOUT_MS): Promise<void> {
   const mark = qmp.mark;
   await qmp.execute('migrate-incoming', { uri });
-  await waitMigration(qmp, 'completed', mark);
+  await waitMigration(qmp, 'completed', mark, { timeoutMs });
 }
 
 /**
