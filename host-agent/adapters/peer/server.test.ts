@@ -346,6 +346,34 @@ describe('ChunkTransferService: calls open per caller host', () => {
     for (const st of [...open.slice(1), other, again]) await st.close();
   });
 
+  it('fetchChunks_pastTheCallersCapWhileItsManifestReadsHang_isResourceExhaustedWithoutReadingTheManifest', async () => {
+    let reading = 0;
+    let finish: () => void = () => undefined;
+    const finished = new Promise<void>((r) => (finish = r));
+    const s = await serviceOverS1({
+      maxStreamsPerCaller: 2,
+      manifests: (real) => ({
+        ...real,
+        get: async (id) => {
+          reading++;
+          await finished;
+          return real.get(id);
+        },
+      }),
+    });
+    const open = [s.stream('hostR'), s.stream('hostR')];
+    const firsts = open.map((st) => st.next());
+    while (reading < 2) await new Promise((r) => setTimeout(r, 5));
+    // Refused at once, not left waiting on a read of its own.
+    const over = await Promise.race([s.stream('hostR').next(), new Promise((r) => setTimeout(() => r('still waiting'), 1000))]);
+    expect(over).toMatchObject({ kind: 'resource_exhausted', retryable: true });
+    expect(reading).toBe(2);
+    finish();
+    for (const st of open) st.want();
+    for (const f of firsts) expect(((await f) as IteratorResult<{ payload: { case: string } }>).value?.payload.case).toBe('chunk');
+    for (const st of open) await st.close();
+  });
+
   it('getManifest_pastTheCallersCapOfOpenReads_isResourceExhaustedAndRetryable_andAnEndedReadGivesItsPlaceBack', async () => {
     let reading = 0;
     let finish: () => void = () => undefined;

@@ -276,9 +276,11 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       });
       if (first.done || first.value.payload.case !== 'open') throw new InvalidArgumentError('payload', 'the first message must be open');
       const open = first.value.payload.value;
-      const { claims, signed } = await authorise(open.ticket, ctx);
+      // Counted from before its manifest is read, as the other calls are: a caller's streams
+      // otherwise pile up on a slow manifest read without bound.
       const release = takeSlot(streams, ctx);
       try {
+        const { claims, signed } = await authorise(open.ticket, ctx);
         yield* serve(it, claims, signed, open.credit, ctx);
       } finally {
         release();
