@@ -1,7 +1,7 @@
 import { createServer } from 'node:net';
 import { resolve } from 'node:path';
 import { afterEach, describe, expect, it, vi } from 'vitest';
-import { checkFleetPortsFree, defaultOptions, fleetPorts, parseCli, USAGE, UsageError, validateOptions } from './fleet.ts';
+import { checkFleetPortsFree, defaultOptions, fleetPorts, parseCli, upSummary, USAGE, UsageError, validateOptions } from './fleet.ts';
 
 afterEach(() => vi.unstubAllEnvs());
 
@@ -104,5 +104,21 @@ describe('the fleet\'s ports, checked before up makes anything', () => {
     } finally {
       await new Promise((r) => server.close(r));
     }
+  });
+});
+
+describe("what fleet:up prints", () => {
+  const state = { hosts: [{ id: 'h1', address: '10.0.0.11' }], apiAddresses: ['127.0.0.1:17700'], metricsAddresses: ['127.0.0.1:17710'] } as never;
+
+  it('forAFleetOutsideTheDefaultDirectory_tellsToExportFF_FLEET_DIR_whichTheCliSdkAndFleetCommandsRead', () => {
+    const out = upSummary(state, defaultOptions({ dir: '/tmp/ff-other' }));
+    expect(out).toContain('the CLI and SDK find it with FF_FLEET_DIR=/tmp/ff-other');
+    expect(out).toContain('export FF_FLEET_DIR=/tmp/ff-other');
+  });
+
+  it('forTheDefaultDirectory_namesNoVariable', () => {
+    const out = upSummary(state, defaultOptions({ dir: '/var/lib/ffleet' }));
+    expect(out).toContain('(admin; the CLI and SDK find it)');
+    expect(out).not.toContain('FF_FLEET_DIR');
   });
 });

@@ -1567,33 +1567,37 @@ export function parseCli(argv: string[]): CliCommand {
   return { cmd, opts };
 }
 
+/** What fleet:up prints once the fleet is up: where everything is, and how to use it. */
+export function upSummary(s: Pick<FleetState, 'hosts' | 'apiAddresses' | 'metricsAddresses'>, opts: Pick<FleetOptions, 'dir' | 'link' | 'etcd' | 'peerTls'>): string {
+  const { dir } = opts;
+  const api = s.apiAddresses[0]!;
+  // Clients find the default directory's credentials on their own; another one's with FF_FLEET_DIR.
+  const own = dir !== resolve(DEFAULT_FLEET_DIR);
+  return [
+    `Forkfleet is up: ${s.hosts.length} hosts (${s.hosts.map((h) => `${h.id}=${h.address}`).join(', ')}), links ${opts.link}, etcd x${opts.etcd}, 2 schedulers; between agents ${opts.peerTls ? 'mutual TLS' : 'plain text (--peer-tls off)'}.`,
+    `  API (gRPC over TLS):   ${s.apiAddresses.join(' and ')}   CA ${apiCredentialPaths(dir).caCert}`,
+    `  credentials:           ${apiCredentialPaths(dir).credentials} (admin; the CLI and SDK find it${own ? ` with FF_FLEET_DIR=${dir}` : ''}), ${apiCredentialPaths(dir).devCredentials} (tenant dev: FF_CREDENTIALS=...)`,
+    `  metrics:               ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}`,
+    `  dashboard:             http://${s.metricsAddresses[0]}/dashboard/#token=<the admin token in credentials.json> (admin only)`,
+    `  CLI:                   npm run forkfleet -- sandbox create --image tiny   (see services/cli/README.md)`,
+    `  logs:                  ${join(dir, 'logs')}`,
+    '',
+    'Try it:',
+    `  TOKEN=$(node -p 'require("${apiCredentialPaths(dir).credentials}").token')`,
+    `  npx buf curl --protocol grpc --cacert ${apiCredentialPaths(dir).caCert} -H "authorization: Bearer $TOKEN" https://${api}/forkfleet.v1.FleetService/ListHosts`,
+    `  npx buf curl --protocol grpc --cacert ${apiCredentialPaths(dir).caCert} -H "authorization: Bearer $TOKEN" -d '{"tenantId":"demo","idempotencyKey":"first","image":"tiny"}' https://${api}/forkfleet.v1.FleetService/CreateSandbox`,
+    ...(own ? [`  export FF_FLEET_DIR=${dir}     # for the CLI, the SDK and the fleet commands below`] : []),
+    '  npm run fleet:status      npm run test:e2e      npm run fleet:down',
+    '',
+  ].join('\n');
+}
+
 async function cli(argv: string[]): Promise<void> {
   const c = parseCli(argv);
   if (c.cmd === 'help') {
     process.stdout.write(USAGE);
   } else if (c.cmd === 'up') {
-    const { opts } = c;
-    const { dir } = opts;
-    const s = await up(opts);
-    const api = s.apiAddresses[0]!;
-    process.stdout.write(
-      [
-        `Forkfleet is up: ${s.hosts.length} hosts (${s.hosts.map((h) => `${h.id}=${h.address}`).join(', ')}), links ${opts.link}, etcd x${opts.etcd}, 2 schedulers; between agents ${opts.peerTls ? 'mutual TLS' : 'plain text (--peer-tls off)'}.`,
-        `  API (gRPC over TLS):   ${s.apiAddresses.join(' and ')}   CA ${apiCredentialPaths(dir).caCert}`,
-        `  credentials:           ${apiCredentialPaths(dir).credentials} (admin; the CLI and SDK find it), ${apiCredentialPaths(dir).devCredentials} (tenant dev: FF_CREDENTIALS=...)`,
-        `  metrics:               ${s.metricsAddresses.map((m) => `http://${m}/metrics`).join(' ')}`,
-        `  dashboard:             http://${s.metricsAddresses[0]}/dashboard/#token=<the admin token in credentials.json> (admin only)`,
-        `  CLI:                   npm run forkfleet -- sandbox create --image tiny   (see services/cli/README.md)`,
-        `  logs:                  ${join(dir, 'logs')}`,
-        '',
-        'Try it:',
-        `  TOKEN=$(node -p 'require("${apiCredentialPaths(dir).credentials}").token')`,
-        `  npx buf curl --protocol grpc --cacert ${apiCredentialPaths(dir).caCert} -H "authorization: Bearer $TOKEN" https://${api}/forkfleet.v1.FleetService/ListHosts`,
-        `  npx buf curl --protocol grpc --cacert ${apiCredentialPaths(dir).caCert} -H "authorization: Bearer $TOKEN" -d '{"tenantId":"demo","idempotencyKey":"first","image":"tiny"}' https://${api}/forkfleet.v1.FleetService/CreateSandbox`,
-        '  npm run fleet:status      npm run test:e2e      npm run fleet:down',
-        '',
-      ].join('\n'),
-    );
+    process.stdout.write(upSummary(await up(c.opts), c.opts));
   } else if (c.cmd === 'down') {
     if (await down(c.dir)) process.stdout.write('fleet is down: its processes stopped, namespaces, links and files removed\n');
     else process.stdout.write(`fleet: nothing to stop in ${fleetDir(c.dir)} (no fleet was started there)\n`);
