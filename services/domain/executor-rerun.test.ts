@@ -42,11 +42,13 @@ const sandbox = (id: string, hostId: string, state: SandboxRec['state']): Sandbo
 /**
  * Runs drain op-d1 of host F again, its record saying `migrations`, with the sandboxes `listed`;
  * returns every write committed. With `o.answered`, hosts answer those steps (at once, done), no
- * other, and the sandboxes' and snapshots' records can be read;
- * `o.quota`: the tenant's sandbox quota and how many it uses.
+ * other, and the sandboxes' and snapshots' records can be read (`o.creating`: snapshots whose
+ * record says creating, the others ready); `o.quota`: the tenant's sandbox quota and how many
+ * it uses; `o.cancelled`: the drain was asked to stop (CancelOperation), F known cordoned and
+ * draining (so a migration stops for the cancel, not for a host the leader does not know).
  */
-async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[], sent: string[] = [], o: { answered?: string[]; quota?: { sandboxes: number; inUse: number } } = {}): Promise<StoreWrite[]> {
-  const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[], sent: string[] = [], o: { answered?: string[]; creating?: string[]; quota?: { sandboxes: number; inUse: number }; cancelled?: boolean } = {}): Promise<StoreWrite[]> {
+  const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, ...(o.cancelled ? { cancelRequested: true } : {}) } as unknown as OperationRec;
   let rev = 10;
   const writes: StoreWrite[] = [];
   const store = {
@@ -61,7 +63,7 @@ async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRe
             const value = listed.find((sb) => sb.id === id);
             return value && { value: structuredClone(value), modRevision: 20 };
           },
-          getSnapshot: async (tenantId: string, id: string) => ({ value: { id, tenantId, state: 'ready', hostIds: ['F', 'T'], labels: {}, manifestSignature: '', manifestKeyId: '' }, modRevision: 3 }),
+          getSnapshot: async (tenantId: string, id: string) => ({ value: { id, tenantId, ...(o.creating?.includes(id) ? { state: 'creating', hostIds: [], takenOn: 'F' } : { state: 'ready', hostIds: ['F', 'T'] }), labels: {}, manifestSignature: '', manifestKeyId: '' }, modRevision: 3 }),
         }
       : {}),
     commitAt: async (w: StoreWrite[]) => {
@@ -77,9 +79,10 @@ async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRe
   const quota = o.quota;
   const ex = executorOver(store, { bus: { sendWork }, ...(quota ? { quotas: () => ({ sandboxes: quota.sandboxes }), usage: { usage: async () => ({ sandboxes: quota.inUse, memoryMib: 0, snapshotBytes: 0, pendingSandboxes: 0, pendingMemoryMib: 0 }) } } : {}) });
   ref.ex = ex;
-  const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
+  const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; runDrain(op: OperationRec): Promise<void> };
   inner.active = true;
   inner.ops.set(op.id, { value: op, modRevision: rev });
+  if (o.cancelled) inner.cache.hosts.set('F', { value: { id: 'F', state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 });
   await inner.runDrain(op).catch(() => undefined);
   return writes;
 }
@@ -106,6 +109,21 @@ describe('Executor drain, run again', () => {
     const writes = await drainAgain({ S2: { snapshotId: 'sn-2', toHostId: 'T', wasPaused: false } }, [sandbox('S2', '', 'destroyed')]);
     const allocs = writes.filter((w): w is Extract<StoreWrite, { kind: 'alloc' }> => w.kind === 'alloc');
     expect(allocs.map((w) => [w.value.hostId, w.value.allocated.vcpus])).toEqual([['T', 6]]);
+  });
+
+  it('cancelledWhileAnEarlierRunTookItsMigrationSnapshot_undoesTheMigration_andMarksThatSnapshotFailed_notLeftCreatingForGood', async () => {
+    // The first run claimed and paused S1 and began snapshot sn-m; the leader failed over during
+    // the snapshot step, and the drain was cancelled. The re-run undoes the migration before it
+    // takes the snapshot up: nothing else would ever finish or fail sn-m (creating is neither
+    // expired nor deletable), and its host would keep its files for good.
+    const sent: string[] = [];
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-m', wasPaused: false } }, [{ ...sandbox('S1', 'F', 'running'), opId: 'op-d1' }], sent, { answered: ['migrate/S1/resume'], creating: ['sn-m'], cancelled: true });
+    const snapshots = writes.filter((w): w is Extract<StoreWrite, { kind: 'snapshot' }> => w.kind === 'snapshot');
+    expect(snapshots.map((w) => [w.value.id, w.value.state])).toEqual([['sn-m', 'failed']]);
+    // Undone as before: no snapshot step sent, the source resumed, the drain cancelled.
+    expect(sent).toEqual(['migrate/S1/resume@F']);
+    const final = writes.flatMap((w) => (w.kind === 'op' ? [w.value as OperationRec] : [])).at(-1);
+    expect(final?.state).toBe('cancelled');
   });
 });
 
@@ -542,14 +560,14 @@ describe('Executor drain, snapshots only drained hosts hold', () => {
     let rev = 1;
     const ex = executorOver({ getSnapshot: async () => ({ value: structuredClone(sn), modRevision: rev }), commitAt: async () => ++rev }, { heard, now: () => now });
     const host = (id: string, drained: boolean): HostRec => ({ id, state: 'ready', cordoned: drained, draining: drained, capacity: res, peerAddress: `${id}:1` }) as unknown as HostRec;
-    const inner = ex as unknown as { active: boolean; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string) => Promise<unknown>; copySnapshotsOff(op: OperationRec, hostId: string, s: SnapshotRec[]): Promise<string[]> };
+    const inner = ex as unknown as { active: boolean; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string) => Promise<unknown>; copySnapshotsOff(op: OperationRec, hostId: string, s: SnapshotRec[]): Promise<{ uncopied: string[] }> };
     for (const [id, d] of [['F', true], ['G', true], ['R', false]] as const) inner.cache.hosts.set(id, { value: host(id, d), modRevision: 1 });
     const steps: string[] = [];
     inner.active = true;
     inner.step = async (_op, id) => (steps.push(id), {});
     const op = { id: 'op-d', tenantId: 'admin' } as unknown as OperationRec;
-    expect(await inner.copySnapshotsOff(op, 'F', [sn])).toEqual([]);
-    expect(await inner.copySnapshotsOff(op, 'G', [sn])).toEqual([]);
+    expect((await inner.copySnapshotsOff(op, 'F', [sn])).uncopied).toEqual([]);
+    expect((await inner.copySnapshotsOff(op, 'G', [sn])).uncopied).toEqual([]);
     expect(steps).toEqual(['replicate/sn-user/R', 'replicate/sn-user/R']);
   });
 
@@ -562,7 +580,7 @@ describe('Executor drain, snapshots only drained hosts hold', () => {
     let rev = 1;
     const ex = executorOver({ getSnapshot: async (_t: string, id: string) => ({ value: structuredClone(sns.find((s) => s.id === id)), modRevision: rev }), commitAt: async () => ++rev }, { heard, now: () => now });
     const host = (id: string, drained: boolean): HostRec => ({ id, state: 'ready', cordoned: drained, draining: drained, capacity: res, peerAddress: `${id}:1` }) as unknown as HostRec;
-    const inner = ex as unknown as { active: boolean; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; copySnapshotsOff(op: OperationRec, hostId: string, s: SnapshotRec[]): Promise<string[]> };
+    const inner = ex as unknown as { active: boolean; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; copySnapshotsOff(op: OperationRec, hostId: string, s: SnapshotRec[]): Promise<{ uncopied: string[] }> };
     for (const [id, d] of [['F', true], ['BAD', false], ['GOOD', false]] as const) inner.cache.hosts.set(id, { value: host(id, d), modRevision: 1 });
     const steps: string[] = [];
     inner.active = true;
@@ -571,7 +589,7 @@ describe('Executor drain, snapshots only drained hosts hold', () => {
       if (fails(id.split('/')[1]!, hostId)) throw new HostStepError(hostId, id, 'resource_exhausted', 'no space left on device', false);
       return {};
     };
-    const uncopied = await inner.copySnapshotsOff({ id: 'op-d', tenantId: 'admin' } as unknown as OperationRec, 'F', sns);
+    const { uncopied } = await inner.copySnapshotsOff({ id: 'op-d', tenantId: 'admin' } as unknown as OperationRec, 'F', sns);
     return { steps, uncopied };
   }
 
@@ -597,6 +615,83 @@ describe('Executor drain, snapshots only drained hosts hold', () => {
     expect(r.steps).toEqual(['replicate/sn-1/BAD', 'replicate/sn-1/GOOD', 'replicate/sn-2/BAD', 'replicate/sn-2/GOOD', 'replicate/sn-3/BAD', 'replicate/sn-4/GOOD', 'replicate/sn-5/BAD', 'replicate/sn-5/GOOD']);
     expect(r.uncopied).toHaveLength(4);
     expect(r.uncopied.join('\n')).not.toMatch(/sn-4/);
+  });
+});
+
+describe('Executor drain cancelled while it waits for the sandboxes starting on its host', () => {
+  it('waitsNoLonger_movesNoneOfThem_andEndsCancelled_namingThem', async () => {
+    const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, cancelRequested: true } as unknown as OperationRec;
+    const writes: StoreWrite[] = [];
+    let lists = 0;
+    const ex = executorOver({
+      getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 }),
+      // X stays starting on F (its fork's step runs on) for as long as the drain would wait.
+      listSandboxes: async () => (++lists, [{ value: sandbox('X', 'F', 'starting'), modRevision: 20 }]),
+      getOp: async () => ({ value: structuredClone(op), modRevision: 10 }),
+      commitAt: async (w: StoreWrite[]) => (writes.push(...w), 11),
+    });
+    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
+    inner.active = true;
+    inner.ops.set(op.id, { value: op, modRevision: 10 });
+    await inner.runDrain(op);
+    // Listed once: not listed again while waiting (each wait a second, up to the steps' timeout).
+    expect(lists).toBe(1);
+    const final = writes.flatMap((w) => (w.kind === 'op' ? [w.value as OperationRec] : [])).at(-1);
+    expect(final?.state).toBe('cancelled');
+    expect(final?.error?.message).toContain('X: still starting here');
+  });
+});
+
+describe('Executor drain cancelled while it copies snapshots off', () => {
+  /**
+   * Drain op-d of host F (`migrate` or not), nothing on it to move, three ready snapshots only F
+   * holds and one ready host R to copy them to; a CancelOperation arrives during the first copy.
+   * The copies sent, and the op's and the host's last writes.
+   */
+  async function cancelledDuringCopy(migrate: boolean): Promise<{ steps: string[]; final: OperationRec | undefined; host: HostRec | undefined }> {
+    const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    const now = 1_000_000;
+    const heard = new HeartbeatRegistry();
+    for (const h of ['F', 'R']) heard.record(create(HeartbeatSchema, { hostId: h, bootId: 'b' }), now);
+    const sns = ['sn-1', 'sn-2', 'sn-3'].map((id) => ({ id, tenantId: 't', state: 'ready', hostIds: ['F'], manifestSignature: '', manifestKeyId: '' }) as unknown as SnapshotRec);
+    const host = (id: string, drained: boolean): HostRec => ({ id, state: 'ready', cordoned: drained, draining: drained, capacity: res, peerAddress: `${id}:1` }) as unknown as HostRec;
+    const writes: StoreWrite[] = [];
+    let rev = 10;
+    const ex = leaderExecutor(
+      {
+        getHost: async (id: string) => ({ value: host(id, id === 'F'), modRevision: 5 }),
+        listSnapshots: async () => sns.map((value) => ({ value: structuredClone(value), modRevision: 3 })),
+        getSnapshot: async (_t: string, id: string) => ({ value: structuredClone(sns.find((sn) => sn.id === id)), modRevision: 3 }),
+        getOp: async () => ({ value: structuredClone(op), modRevision: rev }),
+        commitAt: async (w: StoreWrite[]) => (writes.push(...w), ++rev),
+      },
+      { heard, submit: async () => ({ id: 'op-h', state: 'succeeded' }) as unknown as OperationRec },
+    );
+    const inner = ex as unknown as { ops: Map<string, { value: OperationRec; modRevision: number }>; cache: { hosts: Map<string, unknown> }; step: (op: unknown, id: string) => Promise<unknown>; runDrain(op: OperationRec): Promise<void> };
+    for (const id of ['F', 'R']) inner.cache.hosts.set(id, { value: host(id, id === 'F'), modRevision: 5 });
+    inner.ops.set(op.id, { value: op, modRevision: rev });
+    const steps: string[] = [];
+    inner.step = async (_op, id) => {
+      steps.push(id);
+      // Recorded in the op (CancelOperation), which the op watch then shows the leader.
+      op.cancelRequested = true;
+      inner.ops.get(op.id)!.value.cancelRequested = true;
+      return {};
+    };
+    await inner.runDrain(op);
+    return { steps, final: writes.flatMap((w) => (w.kind === 'op' ? [w.value as OperationRec] : [])).at(-1), host: writes.flatMap((w) => (w.kind === 'host' ? [w.value as HostRec] : [])).at(-1) };
+  }
+
+  it.each([
+    ['aMigratingDrain', true],
+    ['aHibernatingDrain', false],
+  ])('%s_cancelledDuringItsFirstCopy_copiesNoFurtherSnapshotOff_andEndsCancelled_sayingHowManyItCopied', async (_name, migrate) => {
+    const { steps, final, host } = await cancelledDuringCopy(migrate);
+    expect(steps).toEqual(['replicate/sn-1/R']);
+    expect(final?.state).toBe('cancelled');
+    expect(final?.error?.message).toContain('copied 1 of 3 snapshots off F');
+    // Ended as a cancelled drain ends: still cordoned, no longer draining.
+    expect([host?.cordoned, host?.draining]).toEqual([true, false]);
   });
 });
 

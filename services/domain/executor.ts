@@ -766,6 +766,19 @@ function migrationStep(sandboxId: string, m: Pick<MigrationRec, 'attempt'>, step
   return `migrate/${sandboxId}${m.attempt ? `/${m.attempt}` : ''}/${step}`;
 }
 
+/** What a drain's copySnapshotsOff did: the copies it could not make, and how many of how many it made before it ended (or was cancelled). */
+interface CopiedOff {
+  uncopied: string[];
+  copied: number;
+  of: number;
+  cancelled: boolean;
+}
+
+/** How far a drain cancelled during its copies got, for its message. */
+function copiedOff(off: Omit<CopiedOff, 'uncopied'>, hostId: string): string {
+  return `copied ${off.copied} of ${off.of} snapshots off ${hostId}`;
+}
+
 /** A failed migration's record once undone: the next attempt starts afresh. */
 function retired(m: Pick<MigrationRec, 'attempt'>): MigrationRec {
   return { snapshotId: '', wasPaused: false, attempt: (m.attempt ?? 0) + 1 };
@@ -4301,11 +4314,12 @@ export class Executor {
     }
     // Sandboxes booked here before the cordon that are still on their way (a fork's children
     // starting, a wake, a hibernate) are waited for, as long as their steps may take: listed
-    // now, they would be skipped, and would then run on the drained host.
+    // now, they would be skipped, and would then run on the drained host. Not once the drain is
+    // cancelled: it then moves or hibernates none of them (named below, as not settled).
     let listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
     const settling = (): SandboxRec[] => listed.filter((sb) => sb.hostId === hostId && DRAIN_WAITS_FOR.has(sb.state));
     const until = this.stepsDeadline();
-    while (settling().length > 0 && this.active && this.deps.clock.now() < until) {
+    while (settling().length > 0 && this.active && this.deps.clock.now() < until && !this.cancelRequested(op.id)) {
       await new Promise((r) => setTimeout(r, 1000));
       listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
     }
@@ -4391,10 +4405,11 @@ export class Executor {
       await this.undoMigrationCopy(op, cur, m.toHostId, migrationStep(id, m, 'undo-dest'), 'could not stop the copy of a migration whose sandbox moved on');
       failures.push(`${id}: ${cur.state} on ${cur.hostId || 'no host'}: it moved on during its migration; the copy was removed`);
     }
-    // Cancelled: the migration under way ends as it ends; no further one, and no snapshot copied off.
-    const cancelled = (): Promise<void> | undefined => {
+    // Cancelled: the migration under way ends as it ends; no further one, and no (further)
+    // snapshot copied off (`copied`: how many copySnapshotsOff made before the cancel).
+    const cancelled = (copied = 'copied no snapshot off'): Promise<void> | undefined => {
       if (!this.cancelRequested(op.id)) return undefined;
-      const what = `cancelled by a CancelOperation call: moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}, copied no snapshot off${failures.length ? `; ${failures.join('; ')}` : ''}`;
+      const what = `cancelled by a CancelOperation call: moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}, ${copied}${failures.length ? `; ${failures.join('; ')}` : ''}`;
       return this.finish(op, { sandboxIds: moved }, errorOf(new OperationCancelledError(what)), moved.length, this.drainEnded(op));
     };
     // A sandbox an earlier run of this drain claimed (a failover mid-migration) goes first and
@@ -4425,7 +4440,11 @@ export class Executor {
     for (const { value: sb } of await this.deps.store.listSandboxes(undefined)) {
       if (sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused') && !seen.has(sb.id)) failures.push(`${sb.id}: came onto ${hostId} during the drain; drain it again`);
     }
-    const uncopied = await this.copySnapshotsOff(op, hostId);
+    const { uncopied, ...off } = await this.copySnapshotsOff(op, hostId);
+    if (off.cancelled) {
+      failures.push(...uncopied);
+      return cancelled(copiedOff(off, hostId));
+    }
     if (failures.length || uncopied.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${[...failures, ...uncopied].join('; ')}`, retryable: true }, undefined, this.drainEnded(op));
     await this.finish(op, { sandboxIds: moved }, null, moved.length, this.drainEnded(op));
   }
@@ -4488,11 +4507,12 @@ export class Executor {
       })),
     );
     for (const e of ends) if (e.error !== undefined) failures.push(`${e.sandboxId}: hibernate failed: ${e.error}`);
-    if (this.cancelRequested(op.id)) {
-      const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
-      const what = `cancelled by a CancelOperation call: hibernated ${done.length} of ${onHost.length} sandboxes on ${hostId}, copied no snapshot off${failures.length ? `; ${failures.join('; ')}` : ''}`;
+    const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
+    const cancelled = (copied = 'copied no snapshot off'): Promise<void> => {
+      const what = `cancelled by a CancelOperation call: hibernated ${done.length} of ${onHost.length} sandboxes on ${hostId}, ${copied}${failures.length ? `; ${failures.join('; ')}` : ''}`;
       return this.finish(op, { sandboxIds: done }, errorOf(new OperationCancelledError(what)), done.length, this.drainEnded(op));
-    }
+    };
+    if (this.cancelRequested(op.id)) return cancelled();
     // Hibernated sandboxes need their snapshots: copied below with every other one only this host holds.
     const snapshots = (await this.deps.store.listSnapshots(undefined)).map((v) => v.value);
     const recordedSnapshots = new Set(snapshots.map((sn) => `${sn.tenantId}/${sn.id}`));
@@ -4503,8 +4523,9 @@ export class Executor {
       // named, so the drain does not report the host drained while it runs there.
       if (sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused') && !recorded[sb.id] && !uncordoned) failures.push(`${sb.id}: came onto ${hostId} during the drain; drain it again`);
     }
-    failures.push(...(await this.copySnapshotsOff(op, hostId, snapshots)));
-    const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
+    const { uncopied, ...off } = await this.copySnapshotsOff(op, hostId, snapshots);
+    failures.push(...uncopied);
+    if (off.cancelled) return cancelled(copiedOff(off, hostId));
     if (failures.length) return this.finish(op, { sandboxIds: done }, { kind: 'unavailable', message: `hibernated ${done.length} of ${ends.length} sandboxes on ${hostId}; ${failures.join('; ')}`, retryable: true }, done.length, this.drainEnded(op));
     await this.finish(op, { sandboxIds: done }, null, done.length, this.drainEnded(op));
   }
@@ -4516,11 +4537,15 @@ export class Executor {
    * host, until one makes it or every one has failed it (as replicate() does); a host that
    * failed a copy another host then made (a full disk, say: the fault is the host's, not the
    * snapshot's) is skipped for the rest of the drain, so the snapshots after it do not each
-   * wait out its failure. Returns what could not be copied.
+   * wait out its failure. Returns what could not be copied, and how many of how many were.
+   * A cancel (CancelOperation) stops it before its next copy (the one under way finishes):
+   * `cancelled`, and the drain ends so, as fleet.proto's CancelOperationRequest says.
    * `snapshots`: every snapshot record, when the caller has just listed them.
    */
-  private async copySnapshotsOff(op: OperationRec, hostId: string, snapshots?: readonly SnapshotRec[]): Promise<string[]> {
+  private async copySnapshotsOff(op: OperationRec, hostId: string, snapshots?: readonly SnapshotRec[]): Promise<CopiedOff> {
     const failures: string[] = [];
+    let copied = 0;
+    let cancelled = false;
     const now = this.deps.clock.now();
     const live = (h: string): boolean => this.cache.hosts.has(h) && this.cache.hosts.get(h)?.value.state !== 'lost' && livenessOf(this.deps.heard.get(h)?.heardAt, now, this.deps.config.liveness) !== 'lost';
     const targets = [...this.cache.hosts.values()].map((h) => h.value).filter((h) => h.id !== hostId && !h.cordoned && !h.draining && h.state === 'ready' && this.takesWork(h.id, now));
@@ -4539,6 +4564,10 @@ export class Executor {
     // untried for good behind two that cannot be copied).
     let failedEverywhere = 0;
     for (const sn of only) {
+      if (this.cancelRequested(op.id)) {
+        cancelled = true;
+        break;
+      }
       if (targets.length === 0) {
         failures.push(`snapshot ${sn.id} is only on ${hostId} and no other host is ready to take a copy`);
         continue;
@@ -4550,11 +4579,17 @@ export class Executor {
         const at = (cursor + i) % targets.length;
         const to = targets[at]!;
         if (skipped.has(to.id)) continue;
+        // Nor is a failed copy tried on another host.
+        if (this.cancelRequested(op.id)) {
+          cancelled = true;
+          break;
+        }
         tried++;
         try {
           const fetch = this.fetchPlan(sn, to.id, hostId, false);
           if (fetch) await this.step(op, `replicate/${sn.id}/${to.id}`, to.id, { case: 'fetchSnapshot', value: fetch as never });
           await this.addHolder(sn.tenantId, sn.id, to.id);
+          copied++;
           cursor = at + 1;
           for (const h of failed) skipped.add(h);
           errors.length = 0;
@@ -4570,9 +4605,10 @@ export class Executor {
       // Every host tried failed it: the snapshot's own fault (or its source's) as much as
       // theirs, so none is skipped for the next one.
       if (errors.length) failures.push(`copying snapshot ${sn.id} off ${hostId} failed ${errors.join(', ')}`);
+      if (cancelled) break;
       failedEverywhere = errors.length ? failedEverywhere + 1 : 0;
     }
-    return failures;
+    return { uncopied: failures, copied, of: only.length, cancelled };
   }
 
   private async migrate(op: OperationRec, sb: SandboxRec): Promise<void> {
@@ -4678,6 +4714,14 @@ export class Executor {
       // Nothing is booked and no copy made: the source runs again (it stayed paused, with its
       // record saying running). Not after a lost lead or a failed store: the op runs again.
       if (this.endsTheRun(e)) throw e;
+      // The snapshot an earlier run began (the leader failed over during its step), undone here
+      // before this run took it up (the drain cancelled, the host uncordoned since): failed, as
+      // runHibernate does, or it would stay creating for good (retired, nothing finishes it; a
+      // creating snapshot neither expires nor can be deleted, and its host keeps its files). The
+      // VM stays on this host. Before the retire: a store failure here leaves the migration
+      // recorded and claimed, and the drain run again undoes it again.
+      const own = m.snapshotId ? await this.deps.store.getSnapshot(sb.tenantId, m.snapshotId) : undefined;
+      if (own?.value.state === 'creating') await this.markSnapshotFailed(own.value);
       // Retired first: should the drain run again (a failover, a store outage later in it),
       // this sandbox is snapshotted anew, not restored from what it was before it ran again.
       // The claim ends whatever else fails here: a claim left behind would keep every later

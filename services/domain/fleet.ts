@@ -778,7 +778,9 @@ export class Fleet {
       const op = v.value;
       if (op.state === 'cancelled' || (op.cancelRequested && !isTerminal(op.state))) return op;
       if (isTerminal(op.state)) throw new ForkfleetError('failed_precondition', `operation ${id} already ${op.state}: there is nothing to cancel`, { field: 'operation_id' });
-      if (!CANCELLABLE_KINDS.has(op.kind)) throw new ForkfleetError('failed_precondition', `a ${op.kind} operation cannot be cancelled: it is one host step, and ends on its own`, { field: 'operation_id' });
+      // Not "one host step": a hibernate pauses, snapshots and stops, and may copy replicas; a
+      // wake, a snapshot delete and a destroy may take several steps too. Each step is bounded.
+      if (!CANCELLABLE_KINDS.has(op.kind)) throw new ForkfleetError('failed_precondition', `a ${op.kind} operation cannot be cancelled (only create, fork and drain can): it ends on its own, each of its host steps bounded by the step timeout and attempts`, { field: 'operation_id' });
       const next: OperationRec = { ...structuredClone(op), cancelRequested: true, updatedAt: this.deps.clock.now() };
       next.progress.message = 'cancelling';
       if (await this.deps.store.commit([{ kind: 'op', value: next, expectRevision: v.modRevision }])) return next;

@@ -318,7 +318,7 @@ export interface OperationRec {
 /** The tenant a drain's operation is recorded under (Fleet.drainHost), not its sandboxes'. */
 export const DRAIN_TENANT = 'admin';
 
-/** Kinds with safe points to stop at (CancelOperation); the others are one host step each. */
+/** Kinds with safe points to stop at (CancelOperation); the others end on their own, each host step bounded. */
 export const CANCELLABLE_KINDS: ReadonlySet<OperationKind> = new Set(['create', 'fork', 'drain']);
 
 /**

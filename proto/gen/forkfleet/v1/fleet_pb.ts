@@ -1704,7 +1704,8 @@ export const OperationStepSchema: GenMessage<OperationStep> = /*@__PURE__*/
  *   with its retention); else host steps not yet sent are not sent (their children fail),
  *   steps under way finish, and every child that started is destroyed.
  * - drain: no further sandbox is moved or hibernated (those under way finish) and no
- *   snapshot is copied off; the host stays cordoned and stops draining.
+ *   further snapshot is copied off (a copy under way finishes); the host stays cordoned and
+ *   stops draining.
  *
  * @generated from message forkfleet.v1.CancelOperationRequest
  */
@@ -2758,8 +2759,9 @@ export const FleetService: GenService<{
   /**
    * Asks a running create, fork or drain to stop; it ends CANCELLED at its next safe point
    * (see CancelOperationRequest) and WaitOperation reports it. Cancelling one that is already
-   * cancelled returns it as it is; one that succeeded or failed, or of another kind (those
-   * are one host step each), is FAILED_PRECONDITION.
+   * cancelled returns it as it is; one that succeeded or failed, or of another kind, is
+   * FAILED_PRECONDITION: only create, fork and drain can be cancelled. The others end on their
+   * own, each of their host steps bounded by the step timeout and attempts.
    *
    * @generated from rpc forkfleet.v1.FleetService.CancelOperation
    */
