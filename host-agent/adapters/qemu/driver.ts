@@ -593,8 +593,7 @@ export class QemuVmmDriver implements VmmDriver {
         await killAndWait(proc);
         // QEMU died meanwhile (bad arguments, no memory): its log says why, and a retry fails alike.
         if (exited) {
-          const log = await readFile(logPath, 'utf8').catch(() => '');
-          throw new VmmError(`QEMU did not start: ${log.trim().split('\n').slice(-3).join(' | ')}`, { cause: e });
+          throw qemuDidNotStart(await readFile(logPath, 'utf8').catch(() => ''), e);
         }
         // The network's own refusals say what they are (egress refused on this host, the
         // address pool full); a command of the attach that failed or hung is this host's
@@ -610,8 +609,7 @@ export class QemuVmmDriver implements VmmDriver {
       return { proc, qmp };
     } catch (e) {
       await killAndWait(proc);
-      const err = await readFile(logPath, 'utf8').catch(() => '');
-      throw new VmmError(`QEMU did not start: ${err.trim().split('\n').slice(-3).join(' | ')}`, { cause: e });
+      throw qemuDidNotStart(await readFile(logPath, 'utf8').catch(() => ''), e);
     }
   }
 
@@ -2517,6 +2515,16 @@ export class QemuVmmDriver implements VmmDriver {
     };
     await writeJsonAtomic(join(rec.info.workdir, 'vm.json'), p);
   }
+}
+
+/**
+ * A QEMU that did not start: the last lines of its log, or, when it wrote none (killed after its
+ * QMP socket stayed silent past the wait, on a host too busy to start it in time), what the
+ * wait met: the error said "QEMU did not start: " and nothing more.
+ */
+export function qemuDidNotStart(log: string, cause: unknown): VmmError {
+  const tail = log.trim().split('\n').slice(-3).join(' | ');
+  return new VmmError(`QEMU did not start: ${tail || `its log is empty; ${cause instanceof Error ? cause.message : String(cause)}`}`, { cause });
 }
 
 // -------------------------------------------------------------------- QMP helpers
