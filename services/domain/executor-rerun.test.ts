@@ -150,9 +150,9 @@ describe('Executor snapshot that will not become ready', () => {
   });
 });
 
-/** Runs drain op `id` of host F (recording no migrations) over stub ports; returns every write committed. */
-async function drainOnce(id: string, host: { cordoned: boolean; draining: boolean }, listSandboxes: () => Promise<Array<{ value: SandboxRec; modRevision: number }>> = async () => []): Promise<StoreWrite[]> {
-  const op = { id, tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+/** Runs drain op `id` of host F (recording no migrations; `cancelRequested`: cancelled already) over stub ports; returns every write committed. */
+async function drainOnce(id: string, host: { cordoned: boolean; draining: boolean }, listSandboxes: () => Promise<Array<{ value: SandboxRec; modRevision: number }>> = async () => [], cancelRequested = false): Promise<StoreWrite[]> {
+  const op = { id, tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, cancelRequested } as unknown as OperationRec;
   const writes: StoreWrite[] = [];
   const ex = executorOver({
     getHost: async (hostId: string) => ({ value: { id: hostId, state: 'ready', ...host, capacity: res }, modRevision: 5 }),
@@ -620,20 +620,9 @@ describe('Executor drain, snapshots only drained hosts hold', () => {
 
 describe('Executor drain cancelled while it waits for the sandboxes starting on its host', () => {
   it('waitsNoLonger_movesNoneOfThem_andEndsCancelled_namingThem', async () => {
-    const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations: {} }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, cancelRequested: true } as unknown as OperationRec;
-    const writes: StoreWrite[] = [];
     let lists = 0;
-    const ex = executorOver({
-      getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 }),
-      // X stays starting on F (its fork's step runs on) for as long as the drain would wait.
-      listSandboxes: async () => (++lists, [{ value: sandbox('X', 'F', 'starting'), modRevision: 20 }]),
-      getOp: async () => ({ value: structuredClone(op), modRevision: 10 }),
-      commitAt: async (w: StoreWrite[]) => (writes.push(...w), 11),
-    });
-    const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; runDrain(op: OperationRec): Promise<void> };
-    inner.active = true;
-    inner.ops.set(op.id, { value: op, modRevision: 10 });
-    await inner.runDrain(op);
+    // X stays starting on F (its fork's step runs on) for as long as the drain would wait.
+    const writes = await drainOnce('op-d', { cordoned: true, draining: true }, async () => (++lists, [{ value: sandbox('X', 'F', 'starting'), modRevision: 20 }]), true);
     // Listed once: not listed again while waiting (each wait a second, up to the steps' timeout).
     expect(lists).toBe(1);
     const final = writes.flatMap((w) => (w.kind === 'op' ? [w.value as OperationRec] : [])).at(-1);
@@ -1150,25 +1139,34 @@ describe('Executor restore round, its children running', () => {
 });
 
 describe('Executor restore round of a transfer tree', () => {
-  it('aSecondWaveHost_startsItsCopyOnceItsRelaySaysTheSnapshotIsStored_notOnlyOnceTheRelaysWholeStepHasEnded', async () => {
-    // H holds sn-1; R copies it from H (wave 1) and L from R (wave 2). R's step goes on (its
-    // children restore, their hooks run) long after the snapshot is stored there.
-    const { snap, ex } = roundExecutor(['H', 'R', 'L']);
+  /**
+   * A restore round over `hosts` (H holds sn-1; roundExecutor) whose step on `gated` lasts until
+   * `release()`, every step failing after: `sends` lists the hosts in the order their steps went.
+   * Three children on each host of `on`: hosts with fewer would restore theirs by migration,
+   * outside the transfer plan.
+   */
+  const gatedRound = (hosts: string[], gated: string, on: string[], transfers: Array<{ sourceHostId: string; destinationHostId: string; wave: number }>) => {
+    const { snap, ex } = roundExecutor(hosts);
     const inner = ex as unknown as { active: boolean; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; restoreRound(...a: unknown[]): Promise<Array<{ hostId: string }>> };
     inner.active = true;
     const sends: string[] = [];
-    let endRelayStep!: () => void;
-    const relayStep = new Promise<void>((r) => (endRelayStep = r));
+    let release!: () => void;
+    const gate = new Promise<void>((r) => (release = r));
     inner.step = async (_op, _id, hostId) => {
       sends.push(hostId);
-      if (hostId === 'R') await relayStep;
+      if (hostId === gated) await gate;
       throw new Error(`no agent on ${hostId} in this test`);
     };
-    // Three children each: hosts with fewer would restore theirs by migration, outside the tree.
     const kid = (id: string, hostId: string): { rec: SandboxRec; rev: number } => ({ rec: { id, tenantId: 't', hostId, resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, hostname: id, allowEgress: false, afterResume: [] } as unknown as SandboxRec, rev: 1 });
-    const batch = ['R', 'L'].flatMap((h) => [1, 2, 3].map((i) => kid(`${h.toLowerCase()}${i}`, h)));
-    const op = { id: 'op-f', tenantId: 't', kind: 'fork' } as OperationRec;
-    const round = inner.restoreRound(op, 'sn-1', snap, batch, [{ sourceHostId: 'H', destinationHostId: 'R', wave: 1 }, { sourceHostId: 'R', destinationHostId: 'L', wave: 2 }], '', () => undefined);
+    const batch = on.flatMap((h) => [1, 2, 3].map((i) => kid(`${h.toLowerCase()}${i}`, h)));
+    const round = inner.restoreRound({ id: 'op-f', tenantId: 't', kind: 'fork' } as OperationRec, 'sn-1', snap, batch, transfers, '', () => undefined);
+    return { ex, sends, release, round };
+  };
+
+  it('aSecondWaveHost_startsItsCopyOnceItsRelaySaysTheSnapshotIsStored_notOnlyOnceTheRelaysWholeStepHasEnded', async () => {
+    // H holds sn-1; R copies it from H (wave 1) and L from R (wave 2). R's step goes on (its
+    // children restore, their hooks run) long after the snapshot is stored there.
+    const { ex, sends, release, round } = gatedRound(['H', 'R', 'L'], 'R', ['R', 'L'], [{ sourceHostId: 'H', destinationHostId: 'R', wave: 1 }, { sourceHostId: 'R', destinationHostId: 'L', wave: 2 }]);
     try {
       await vi.waitFor(() => expect(sends).toEqual(['R']));
       // R's word of another op's fetch (since deleted there, perhaps) says nothing of this one's.
@@ -1178,36 +1176,20 @@ describe('Executor restore round of a transfer tree', () => {
       ex.hostEvent(create(HostEventSchema, { hostId: 'R', type: HostEventType.SNAPSHOT_STORED, snapshotId: 'sn-1', opId: 'op-f' }));
       await vi.waitFor(() => expect(sends).toEqual(['R', 'L']));
     } finally {
-      endRelayStep();
+      release();
       await round;
     }
   });
-});
 
-describe('Executor restore round: copies from a holder', () => {
   it('aHostCopyingFromTheHolder_startsAtOnce_notAfterTheHoldersOwnChildrenHaveRestored', async () => {
     // H holds sn-1 and restores its own children; X copies sn-1 from H (wave 1). H's step
     // fetches nothing and never says SNAPSHOT_STORED for this op: X waited for H's whole step
     // (seconds for a fork of 64 that puts 20 children on H), though H could serve at once.
-    const { snap, ex } = roundExecutor(['H', 'X']);
-    const inner = ex as unknown as { active: boolean; step: (op: unknown, id: string, hostId: string) => Promise<unknown>; restoreRound(...a: unknown[]): Promise<Array<{ hostId: string }>> };
-    inner.active = true;
-    const sends: string[] = [];
-    let endHolderStep!: () => void;
-    const holderStep = new Promise<void>((r) => (endHolderStep = r));
-    inner.step = async (_op, _id, hostId) => {
-      sends.push(hostId);
-      if (hostId === 'H') await holderStep;
-      throw new Error(`no agent on ${hostId} in this test`);
-    };
-    // Three children each: a host with fewer would restore its own by migration, outside the plan.
-    const kid = (id: string, hostId: string): { rec: SandboxRec; rev: number } => ({ rec: { id, tenantId: 't', hostId, resources: { vcpus: 1, memoryMib: 256, diskMib: 1024 }, hostname: id, allowEgress: false, afterResume: [] } as unknown as SandboxRec, rev: 1 });
-    const batch = ['H', 'X'].flatMap((h) => [1, 2, 3].map((i) => kid(`${h.toLowerCase()}${i}`, h)));
-    const round = inner.restoreRound({ id: 'op-f', tenantId: 't', kind: 'fork' } as OperationRec, 'sn-1', snap, batch, [{ sourceHostId: 'H', destinationHostId: 'X', wave: 1 }], '', () => undefined);
+    const { sends, release, round } = gatedRound(['H', 'X'], 'H', ['H', 'X'], [{ sourceHostId: 'H', destinationHostId: 'X', wave: 1 }]);
     try {
       await vi.waitFor(() => expect(new Set(sends)).toEqual(new Set(['H', 'X'])));
     } finally {
-      endHolderStep();
+      release();
       await round;
     }
   });

@@ -262,6 +262,25 @@ async function serviceOverS1(o: Partial<Omit<ChunkServerDeps, 'manifests'>> & { 
   return { stats, handlers, ticket, stream };
 }
 
+/** A manifest store wrapper (serviceOverS1's `manifests`) whose reads wait until `finish()`; `reading()` counts the reads begun. */
+function hangingManifests(): { wrap: (real: ManifestStore) => ManifestStore; reading: () => number; finish: () => void } {
+  let reading = 0;
+  let finish: () => void = () => undefined;
+  const finished = new Promise<void>((r) => (finish = r));
+  return {
+    wrap: (real) => ({
+      ...real,
+      get: async (id) => {
+        reading++;
+        await finished;
+        return real.get(id);
+      },
+    }),
+    reading: () => reading,
+    finish: () => finish(),
+  };
+}
+
 describe('ChunkTransferService: calls open per caller host', () => {
   it('migrateSnapshot_pastTheCallersCapOfOpenMigrations_isResourceExhaustedAndRetryable_whileOtherCallersAreServed', async () => {
     let started = 0;
@@ -293,30 +312,21 @@ describe('ChunkTransferService: calls open per caller host', () => {
 
   it('migrateSnapshot_pastTheCallersCapWhileItsManifestReadsHang_isResourceExhaustedWithoutReadingTheManifest', async () => {
     // A caller with a ticket cannot pile up manifest reads: its calls are counted before the read.
-    let reading = 0;
-    let finish: () => void = () => undefined;
-    const finished = new Promise<void>((r) => (finish = r));
+    const hang = hangingManifests();
     const s = await serviceOverS1({
       maxMigrationsPerCaller: 2,
       migrate: async () => ({ bytes: 1, ms: 1 }),
-      manifests: (real) => ({
-        ...real,
-        get: async (id) => {
-          reading++;
-          await finished;
-          return real.get(id);
-        },
-      }),
+      manifests: hang.wrap,
     });
     const call = (caller: string) => s.handlers.migrateSnapshot({ ticket: s.ticket(caller, true), port: 4000 }, callContext(new AbortController().signal, caller));
     const open = [call('hostR'), call('hostR')];
-    while (reading < 2) await new Promise((r) => setTimeout(r, 5));
+    while (hang.reading() < 2) await new Promise((r) => setTimeout(r, 5));
     // Refused at once, not left waiting on a read of its own.
     const over = await Promise.race([call('hostR').catch((e: unknown) => e), new Promise((r) => setTimeout(() => r('still waiting'), 1000))]);
     expect(over).toMatchObject({ kind: 'resource_exhausted', retryable: true });
-    expect(reading).toBe(2);
+    expect(hang.reading()).toBe(2);
     expect(s.stats.busy).toBe(1);
-    finish();
+    hang.finish();
     await Promise.all(open);
     // Ended calls give their places back.
     await expect(call('hostR')).resolves.toMatchObject({ millis: 1 });
@@ -347,56 +357,38 @@ describe('ChunkTransferService: calls open per caller host', () => {
   });
 
   it('fetchChunks_pastTheCallersCapWhileItsManifestReadsHang_isResourceExhaustedWithoutReadingTheManifest', async () => {
-    let reading = 0;
-    let finish: () => void = () => undefined;
-    const finished = new Promise<void>((r) => (finish = r));
+    const hang = hangingManifests();
     const s = await serviceOverS1({
       maxStreamsPerCaller: 2,
-      manifests: (real) => ({
-        ...real,
-        get: async (id) => {
-          reading++;
-          await finished;
-          return real.get(id);
-        },
-      }),
+      manifests: hang.wrap,
     });
     const open = [s.stream('hostR'), s.stream('hostR')];
     const firsts = open.map((st) => st.next());
-    while (reading < 2) await new Promise((r) => setTimeout(r, 5));
+    while (hang.reading() < 2) await new Promise((r) => setTimeout(r, 5));
     // Refused at once, not left waiting on a read of its own.
     const over = await Promise.race([s.stream('hostR').next(), new Promise((r) => setTimeout(() => r('still waiting'), 1000))]);
     expect(over).toMatchObject({ kind: 'resource_exhausted', retryable: true });
-    expect(reading).toBe(2);
-    finish();
+    expect(hang.reading()).toBe(2);
+    hang.finish();
     for (const st of open) st.want();
     for (const f of firsts) expect(((await f) as IteratorResult<{ payload: { case: string } }>).value?.payload.case).toBe('chunk');
     for (const st of open) await st.close();
   });
 
   it('getManifest_pastTheCallersCapOfOpenReads_isResourceExhaustedAndRetryable_andAnEndedReadGivesItsPlaceBack', async () => {
-    let reading = 0;
-    let finish: () => void = () => undefined;
-    const finished = new Promise<void>((r) => (finish = r));
+    const hang = hangingManifests();
     const s = await serviceOverS1({
-      manifests: (real) => ({
-        ...real,
-        get: async (id) => {
-          reading++;
-          await finished;
-          return real.get(id);
-        },
-      }),
+      manifests: hang.wrap,
     });
     const call = (caller: string) => s.handlers.getManifest({ ticket: s.ticket(caller) }, callContext(new AbortController().signal, caller));
     const open = Array.from({ length: 4 }, () => call('hostR')); // the default cap
-    while (reading < 4) await new Promise((r) => setTimeout(r, 5));
+    while (hang.reading() < 4) await new Promise((r) => setTimeout(r, 5));
     await expect(call('hostR')).rejects.toMatchObject({ kind: 'resource_exhausted', retryable: true, message: expect.stringContaining('hostR') });
     // Another host's call is served: the cap is per caller.
     const other = call('hostQ');
-    while (reading < 5) await new Promise((r) => setTimeout(r, 5));
+    while (hang.reading() < 5) await new Promise((r) => setTimeout(r, 5));
     expect(s.stats.busy).toBe(1);
-    finish();
+    hang.finish();
     await Promise.all([...open, other]);
     await expect(call('hostR')).resolves.toMatchObject({ manifest: expect.anything() });
   });
