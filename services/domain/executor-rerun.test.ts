@@ -757,8 +757,8 @@ describe('Executor drain without migrate, run again after its hibernate expired'
   // took over FF_RECORD_RETENTION, history expiry deleted that hibernate with its key, and the
   // leader failed over. The re-run submitted the key again, which made a new hibernate.
   /** Re-runs drain op-d of host F with sb-1 `now` (undefined: its record is gone); the submits and the op's last write. */
-  async function drainAgainAfterExpiry(now: SandboxRec | undefined): Promise<{ submit: Mock<NonNullable<ExecutorDeps['submit']>>; final: OperationRec | undefined }> {
-    const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: false, hibernations: { 'sb-1': ['t', '__drain/op-d/sb-1'] } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+  async function drainAgainAfterExpiry(now: SandboxRec | undefined, cancelRequested = false): Promise<{ submit: Mock<NonNullable<ExecutorDeps['submit']>>; final: OperationRec | undefined }> {
+    const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: false, hibernations: { 'sb-1': ['t', '__drain/op-d/sb-1'] } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, cancelRequested } as unknown as OperationRec;
     const writes: StoreWrite[] = [];
     let rev = 10;
     const submit = vi.fn<NonNullable<ExecutorDeps['submit']>>(async (_t, key) => ({ id: `op-${key}`, state: 'pending' }) as unknown as OperationRec);
@@ -789,6 +789,14 @@ describe('Executor drain without migrate, run again after its hibernate expired'
     const { submit, final } = await drainAgainAfterExpiry(undefined);
     expect(submit).not.toHaveBeenCalled();
     expect(final?.state).toBe('succeeded');
+  });
+
+  it('cancelled_whileItsOwnHibernateOfASandboxRuns_doesNotNameThatSandboxAsLeftOnItsWay', async () => {
+    // sb-1 is hibernating by this drain's own hibernate (an earlier run's, before a failover):
+    // the cancel ends the wait for sandboxes on their way, but that one the drain waits for itself.
+    const { final } = await drainAgainAfterExpiry(sandbox('sb-1', 'F', 'hibernating'), true);
+    expect(final?.state).toBe('cancelled');
+    expect(final?.error?.message).not.toContain('sb-1: still hibernating');
   });
 
   it('aSandboxStillRunningOnTheDrainedHost_isHibernated', async () => {

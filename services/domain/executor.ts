@@ -779,6 +779,11 @@ function copiedOff(off: Omit<CopiedOff, 'uncopied'>, hostId: string): string {
   return `copied ${off.copied} of ${off.of} snapshots off ${hostId}`;
 }
 
+/** A sandbox a drain did not wait for (cancelled meanwhile, or its steps' time ran out), as the drain names it. */
+function stillOnItsWay(sb: SandboxRec): string {
+  return `${sb.id}: still ${sb.state} here`;
+}
+
 /** A failed migration's record once undone: the next attempt starts afresh. */
 function retired(m: Pick<MigrationRec, 'attempt'>): MigrationRec {
   return { snapshotId: '', wasPaused: false, attempt: (m.attempt ?? 0) + 1 };
@@ -4323,11 +4328,11 @@ export class Executor {
       await new Promise((r) => setTimeout(r, 1000));
       listed = (await this.deps.store.listSandboxes(undefined)).map((v) => v.value);
     }
-    const unsettled = settling().map((sb) => `${sb.id}: still ${sb.state} here`);
+    const unsettled = settling();
     const onHost = listed.filter((sb) => sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused'));
     if (!input.migrate) return this.drainByHibernating(op, hostId, onHost, unsettled);
     const moved: string[] = [];
-    const failures: string[] = [...unsettled];
+    const failures: string[] = unsettled.map(stillOnItsWay);
     // An earlier run of this drain (before a failover or a store outage) that switched a
     // sandbox's record may have stopped before it destroyed the source VM: done now (the
     // agent answers a repeated step from its journal).
@@ -4471,10 +4476,11 @@ export class Executor {
    * next call wakes the sandbox there. The drain fails, naming them, for sandboxes that
    * could not be hibernated or copied; running it again retries those.
    */
-  private async drainByHibernating(op: OperationRec, hostId: string, onHost: SandboxRec[], unsettled: string[] = []): Promise<void> {
+  private async drainByHibernating(op: OperationRec, hostId: string, onHost: SandboxRec[], unsettled: readonly SandboxRec[] = []): Promise<void> {
     if (!this.deps.submit) throw new ForkfleetError('internal', 'this scheduler cannot submit operations: a drain without migrate needs it');
-    const failures: string[] = [...unsettled];
     const recorded = { ...((this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.hibernations ?? {}) };
+    // Not those this drain hibernates itself (an earlier run's, before a failover): waited for below.
+    const failures: string[] = unsettled.filter((sb) => !recorded[sb.id]).map(stillOnItsWay);
     // Cancelled: the hibernations already submitted end as they end; no new ones. Nor on a host
     // the admin uncordoned since (a run again after a failover): its sandboxes stay, named.
     const host = (await this.deps.store.getHost(hostId))?.value;
@@ -4753,7 +4759,7 @@ export class Executor {
       // The snapshot must end up on the new host (the old one is going away): fetch, never migrate.
       const fetch = this.fetchPlan((await this.readSnapshot(sb.tenantId, sn.id))?.value ?? sn, to, from, false);
       const restored = await this.step(op, stepId('restore'), to, { case: 'restoreVms', value: { snapshotId: sn.id, vms: [this.vmSpec(sb)], ...(fetch ? { fetch } : {}) } as never });
-      if (fetch && !restored.snapshotNotHeld) await this.addHolder(sb.tenantId, sn.id, to);
+      if (storedThere(fetch !== undefined, restored)) await this.addHolder(sb.tenantId, sn.id, to);
       if (m.wasPaused) await this.step(op, stepId('pause-dest'), to, pauseVm(sb.id));
     } catch (e) {
       // A leader that stepped down undoes nothing: the next one finds the booking and the
