@@ -341,6 +341,8 @@ export class Agent {
    * journalled results say the same (gaveUpOn).
    */
   private readonly gaveUp = new Set<string>();
+  /** Restores by migration under way, by `<op>/<vm>`: rememberGaveUp ends them (restoreByMigration). */
+  private readonly migratingIn = new Map<string, AbortController>();
   /**
    * Per sandbox: the op whose create or restore made its VM here or last found it running and
    * took it (claim). Also kept in the journal (ownerOf), so that it outlives a restart; in
@@ -1138,6 +1140,8 @@ export class Agent {
   private rememberGaveUp(key: string): void {
     this.gaveUp.add(key);
     if (this.gaveUp.size > GAVE_UP_MAX) this.gaveUp.delete(this.gaveUp.values().next().value as string);
+    // A restore by migration of it under way: its wait and stream end now (minutes, else).
+    this.migratingIn.get(key)?.abort(new Error(`the scheduler gave up on ${key}`));
   }
 
   /**
@@ -1230,7 +1234,7 @@ export class Agent {
         if (hooked.length) await this.journalPut(w.opId, making, Buffer.from(JSON.stringify([...new Set([...madeBefore, ...hooked])])));
         let made: VmInfo[] = [];
         const givenUpNow = (vmId: string): boolean => this.gaveUp.has(`${w.opId}/${vmId}`);
-        const migrated = clones.length ? await this.restoreByMigration(snapshotId, work.value.fetch, clones, givenUpNow, log) : undefined;
+        const migrated = clones.length ? await this.restoreByMigration(w.opId, snapshotId, work.value.fetch, clones, log) : undefined;
         if (migrated) {
           // Given up on while it migrated (seconds to minutes: a disk layer, an image, the
           // stream): not kept, as a fetch makes none given up on meanwhile (below). It would run
@@ -1394,7 +1398,7 @@ export class Agent {
    * streams at once (a stream may run for minutes). A VM given up on (`givenUp`) by the time
    * its stream could load is not loaded (its source's stream is dropped) and not returned.
    */
-  private async restoreByMigration(snapshotId: string, fetch: FetchSnapshotWork | undefined, clones: CloneSpec[], givenUp: (vmId: string) => boolean, log: Logger): Promise<{ vms: VmInfo[]; bytes: number } | undefined> {
+  private async restoreByMigration(opId: string, snapshotId: string, fetch: FetchSnapshotWork | undefined, clones: CloneSpec[], log: Logger): Promise<{ vms: VmInfo[]; bytes: number } | undefined> {
     const { driver, shipper } = this.deps;
     const max = this.deps.config.migrateMaxChildren ?? 2;
     if (!fetch?.allowMigration || !fetch.ticket || clones.length > max || migrationSources(fetch).length === 0) return undefined;
@@ -1414,6 +1418,11 @@ export class Agent {
     try {
       const results = await Promise.allSettled(
         clones.map(async (c) => {
+          const key = `${opId}/${c.vmId}`;
+          // Given up on (rememberGaveUp) from here on: its wait for the source and its load end.
+          const givenUp = new AbortController();
+          if (this.gaveUp.has(key)) givenUp.abort(new Error(`the scheduler gave up on ${key}`));
+          this.migratingIn.set(key, givenUp);
           const incomingP = srcP.then(async (from) => {
             await this.baseImageFor(from.manifest, log);
             return prepare(from, c);
@@ -1430,17 +1439,21 @@ export class Agent {
               });
               // Thrown, not returned: the source's call and a relay end now, not once the
               // source has found its stream going nowhere.
-              if (givenUp(c.vmId)) {
+              if (givenUp.signal.aborted) {
                 drop();
-                throw new NotLoadedGivenUp(c.vmId);
+                throw givenUp.signal.reason;
               }
-              return incoming.load(conn, sourceGone);
-            }, anyFailed.signal);
+              // The load fails (its VM destroyed) as soon as either ends.
+              return incoming.load(conn, AbortSignal.any([sourceGone, givenUp.signal]));
+            }, AbortSignal.any([anyFailed.signal, givenUp.signal]));
           } catch (e) {
             await incomingP.then((i) => i.abort(), () => undefined);
-            if (e instanceof NotLoadedGivenUp) return undefined;
+            // Given up on: not a failure of the migration (its siblings go on).
+            if (givenUp.signal.aborted) return undefined;
             anyFailed.abort(e);
             throw e;
+          } finally {
+            if (this.migratingIn.get(key) === givenUp) this.migratingIn.delete(key);
           }
         }),
       );
@@ -1707,13 +1720,6 @@ interface StopNote {
 }
 
 /** The failure of a start of sandboxes the scheduler gave up on here (gaveUpOn). */
-/** restoreByMigration: a VM given up on before its stream was loaded (not a failure of the migration). */
-class NotLoadedGivenUp extends Error {
-  constructor(vmId: string) {
-    super(`${vmId} was given up on before its stream was loaded`);
-  }
-}
-
 function gaveUpError(opId: string, sandboxIds: readonly string[]): ForkfleetError {
   return new ForkfleetError('failed_precondition', `the scheduler gave up on starting ${sandboxIds.join(', ')} here (op ${opId}): not started, or stopped`);
 }

@@ -72,10 +72,12 @@ export interface MigrateFromReport<T> {
 export const DEFAULT_MIGRATE_CONNECT_MS = 20_000;
 
 /**
- * How long a destination may take, from its MigrateSnapshot call, to start reading the stream:
- * its disk layer fetched and written, its QEMU started. The source's stream waits unread
- * meanwhile (in socket buffers, or in the relays). The source allows as much before it takes
- * a stream that moves nothing as stalled (the driver's MIGRATION_STREAM_WAIT.startMs).
+ * How long a destination may take to start reading the stream: its disk layer fetched and
+ * written, its QEMU started. The source's stream waits unread meanwhile (in socket buffers, or
+ * in the relays). The source allows as much from its `migrate` before it takes a stream that
+ * moves nothing as stalled (the driver's MIGRATION_STREAM_WAIT.startMs); this host's relay
+ * waits as long for its QEMU, from when the source has connected (so the source's window ends
+ * first, and its failed answer ends this host's wait).
  */
 export const MIGRATION_START_MS = 120_000;
 

@@ -1785,6 +1785,8 @@ export class QemuVmmDriver implements VmmDriver {
         used = true;
         await this.destroy(c.vmId).catch(() => undefined);
         await rm(workdir, { recursive: true, force: true });
+        // As after a load: a standby this VM claimed is made again for the next one that arrives.
+        if (!c.network?.allowEgress) this.incoming.demandWhenQuiet(template, 1, this.incomingQuietMs);
       },
     };
   }
@@ -2549,8 +2551,10 @@ async function queryStatus(qmp: QmpClient): Promise<string> {
 export interface StreamWait {
   /**
    * The source: how long after `migrate` the stream may move nothing because the destination
-   * has not started reading it (its disk layer, its QEMU start; peer/migrate.ts's
-   * MIGRATION_START_MS, counted there from before the call, so it ends first).
+   * has not started reading it (its disk layer, its QEMU start: peer/migrate.ts's
+   * MIGRATION_START_MS). The destination's own windows start later (its relay's wait for its
+   * QEMU only once the source has connected), so a destination that never reads is failed
+   * here, and the source's failed answer ends the destination's wait.
    */
   readonly startMs: number;
   /** The source: past `startMs`, the stream fails once it has sent nothing (query-migrate's ram.transferred) for this long. */
