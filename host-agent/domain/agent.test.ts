@@ -689,7 +689,7 @@ describe('Agent steps', () => {
    * Records loads, aborted preparations, fetches (the fallback) and the signal each clone's
    * migrateFrom was given.
    */
-  const migrationHarness = (vms: Map<string, VmInfo>, o: { prepareFails?: string[] } = {}) => {
+  const migrationHarness = (vms: Map<string, VmInfo>, o: { prepareFails?: string[]; prepared?: Promise<void> } = {}) => {
     const gates = new Map<string, { connect: () => void; connected: Promise<void>; load: () => void; loaded: Promise<void> }>();
     const gate = (id: string) => {
       let g = gates.get(id);
@@ -702,12 +702,13 @@ describe('Agent steps', () => {
       }
       return g;
     };
-    const seen = { loads: [] as string[], aborted: [] as string[], fetches: 0, signals: new Map<string, AbortSignal | undefined>(), execs: [] as string[] };
+    const seen = { loads: [] as string[], aborted: [] as string[], fetches: 0, signals: new Map<string, AbortSignal | undefined>(), execs: [] as string[], streamsDropped: [] as string[] };
     let n = 0;
     const driver: Partial<VmmDriver> = {
       ...mapDriver(vms),
       exec: async (id, req) => (seen.execs.push(`${id} ${req.path}`), { exitCode: 0, signal: null, stdout: Buffer.alloc(0), stderr: Buffer.alloc(0) }),
       prepareIncoming: async (_src, c) => {
+        await o.prepared;
         if (o.prepareFails?.includes(c.vmId)) throw new ForkfleetError('internal', `QEMU for ${c.vmId} did not start`);
         return {
           vmId: c.vmId,
@@ -733,7 +734,12 @@ describe('Agent steps', () => {
         seen.signals.set(id, signal);
         // The wait for the source's connection ends when the caller gives up (as peer/migrate.ts's).
         await Promise.race([gate(id).connected, new Promise((_, reject) => signal?.addEventListener('abort', () => reject(signal.reason as Error)))]);
-        return { result: await load({ unixPath: `/nowhere/${id}.sock` }, new AbortController().signal), bytes: 100 };
+        // The agent's callback failing is the stream dropped (the peer module then ends the source's call).
+        const result = await load({ unixPath: `/nowhere/${id}.sock` }, new AbortController().signal).catch((e: unknown) => {
+          seen.streamsDropped.push(id);
+          throw e;
+        });
+        return { result, bytes: 100 };
       },
     } as Partial<SnapshotShipper>;
     // Each VM with the user's after_resume hook /bin/refresh.
@@ -770,6 +776,22 @@ describe('Agent steps', () => {
     expect((await restoring).error?.message).toMatch(/gave up on starting sb-1/);
     expect((await stopping).error).toBeUndefined();
     expect([seen.execs, seen.fetches, vms.size]).toEqual([[], 0, 0]);
+  });
+
+  it('restoreByMigration_ofAStartGivenUpOnWhileItIsStillPrepared_dropsTheSourcesStreamAtOnce_notOncePrepared', async () => {
+    const vms = new Map<string, VmInfo>();
+    let prepare!: () => void;
+    // Its preparation (an image build, a disk layer) takes long; the source has connected.
+    const { agent, gate, seen, migrateWork } = migrationHarness(vms, { prepared: new Promise<void>((r) => (prepare = r)) });
+    gate('sb-1').connect();
+    const restoring = agent.runStep(migrateWork('op-w1', ['sb-1']));
+    await new Promise((r) => setTimeout(r, 5));
+    const stopping = agent.runStep(stopW1);
+    await vi.waitFor(() => expect(seen.streamsDropped).toEqual(['sb-1']));
+    prepare();
+    expect((await restoring).error?.message).toMatch(/gave up on starting sb-1/);
+    expect((await stopping).error).toBeUndefined();
+    expect([seen.loads, seen.aborted, vms.size]).toEqual([[], ['sb-1'], 0]);
   });
 
   it('restoreByMigration_whoseOtherClonesPreparationFails_endsThisClonesWaitAtOnce_andFetchesInstead', async () => {

@@ -1395,8 +1395,9 @@ export class Agent {
    * straight into its QEMU here, instead of fetching the whole snapshot first. All or
    * nothing: on any failure the VMs made so far are destroyed and undefined is returned, so
    * the step falls back to fetching the snapshot; the first failure ends the others' waits and
-   * streams at once (a stream may run for minutes). A VM given up on (`givenUp`) by the time
-   * its stream could load is not loaded (its source's stream is dropped) and not returned.
+   * streams at once (a stream may run for minutes). A VM the scheduler gives up on (op
+   * `opId`; rememberGaveUp) is not loaded, or has its load ended at once, and is not returned;
+   * its siblings go on.
    */
   private async restoreByMigration(opId: string, snapshotId: string, fetch: FetchSnapshotWork | undefined, clones: CloneSpec[], log: Logger): Promise<{ vms: VmInfo[]; bytes: number } | undefined> {
     const { driver, shipper } = this.deps;
@@ -1423,6 +1424,11 @@ export class Agent {
           const givenUp = new AbortController();
           if (this.gaveUp.has(key)) givenUp.abort(new Error(`the scheduler gave up on ${key}`));
           this.migratingIn.set(key, givenUp);
+          const givenUpP = new Promise<never>((_, reject) => {
+            if (givenUp.signal.aborted) reject(givenUp.signal.reason);
+            else givenUp.signal.addEventListener('abort', () => reject(givenUp.signal.reason), { once: true });
+          });
+          givenUpP.catch(() => undefined);
           const incomingP = srcP.then(async (from) => {
             await this.baseImageFor(from.manifest, log);
             return prepare(from, c);
@@ -1433,7 +1439,9 @@ export class Agent {
               const drop = (): void => {
                 if (!('unixPath' in conn)) conn.destroy();
               };
-              const incoming = await incomingP.catch((e: unknown) => {
+              // Not held for a preparation still under way (an image build, a disk layer) once
+              // given up on: the source's stream and relay are let go at once.
+              const incoming = await Promise.race([incomingP, givenUpP]).catch((e: unknown) => {
                 drop();
                 throw e;
               });

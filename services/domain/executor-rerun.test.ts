@@ -757,17 +757,23 @@ describe('Executor drain without migrate, run again after its hibernate expired'
   // took over FF_RECORD_RETENTION, history expiry deleted that hibernate with its key, and the
   // leader failed over. The re-run submitted the key again, which made a new hibernate.
   /** Re-runs drain op-d of host F with sb-1 `now` (undefined: its record is gone); the submits and the op's last write. */
-  async function drainAgainAfterExpiry(now: SandboxRec | undefined, cancelRequested = false): Promise<{ submit: Mock<NonNullable<ExecutorDeps['submit']>>; final: OperationRec | undefined }> {
+  /** `o.cancelRequested`: the drain was cancelled; `o.keyAlive`: its hibernate's key has not expired, and sb-1 is `o.after` once that hibernate ended. */
+  async function drainAgainAfterExpiry(now: SandboxRec | undefined, o: { cancelRequested?: boolean; keyAlive?: boolean; after?: SandboxRec } = {}): Promise<{ submit: Mock<NonNullable<ExecutorDeps['submit']>>; final: OperationRec | undefined }> {
+    const cancelRequested = o.cancelRequested ?? false;
+    let hibernateEnded = false;
     const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: false, hibernations: { 'sb-1': ['t', '__drain/op-d/sb-1'] } }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, cancelRequested } as unknown as OperationRec;
     const writes: StoreWrite[] = [];
     let rev = 10;
-    const submit = vi.fn<NonNullable<ExecutorDeps['submit']>>(async (_t, key) => ({ id: `op-${key}`, state: 'pending' }) as unknown as OperationRec);
+    const submit = vi.fn<NonNullable<ExecutorDeps['submit']>>(async (_t, key) => ((hibernateEnded = true), { id: `op-${key}`, state: 'pending' }) as unknown as OperationRec);
     const ex = leaderExecutor(
       {
         getHost: async (id: string) => ({ value: { id, state: 'ready', cordoned: true, draining: true, capacity: res }, modRevision: 5 }),
         listSandboxes: async () => (now ? [{ value: now, modRevision: 20 }] : []),
-        getSandbox: async () => now && { value: structuredClone(now), modRevision: 20 },
-        getIdempotent: async () => undefined,
+        getSandbox: async () => {
+          const cur = hibernateEnded && o.after ? o.after : now;
+          return cur && { value: structuredClone(cur), modRevision: 20 };
+        },
+        getIdempotent: async (_t: string, key: string) => (o.keyAlive ? ({ opId: `op-${key}` } as never) : undefined),
         getOp: async (_t: string, id: string) => (id === op.id ? { value: structuredClone(op), modRevision: rev } : { value: { id, state: 'succeeded' }, modRevision: 1 }),
         commitAt: async (w: StoreWrite[]) => (writes.push(...w), ++rev),
       },
@@ -791,12 +797,19 @@ describe('Executor drain without migrate, run again after its hibernate expired'
     expect(final?.state).toBe('succeeded');
   });
 
-  it('cancelled_whileItsOwnHibernateOfASandboxRuns_doesNotNameThatSandboxAsLeftOnItsWay', async () => {
+  it('cancelled_whileItsOwnHibernateOfASandboxRuns_waitsForIt_andDoesNotNameThatSandboxAsLeftOnItsWay', async () => {
     // sb-1 is hibernating by this drain's own hibernate (an earlier run's, before a failover):
     // the cancel ends the wait for sandboxes on their way, but that one the drain waits for itself.
-    const { final } = await drainAgainAfterExpiry(sandbox('sb-1', 'F', 'hibernating'), true);
+    const { final } = await drainAgainAfterExpiry(sandbox('sb-1', 'F', 'hibernating'), { cancelRequested: true, keyAlive: true, after: sandbox('sb-1', 'F', 'hibernated') });
     expect(final?.state).toBe('cancelled');
     expect(final?.error?.message).not.toContain('sb-1: still hibernating');
+  });
+
+  it('cancelled_withASandboxItOnceHibernatedNowOnItsWayByAnotherOp_namesIt', async () => {
+    // Its own hibernate's key expired: sb-1 hibernating now is another op's doing, not waited for.
+    const { final } = await drainAgainAfterExpiry(sandbox('sb-1', 'F', 'hibernating'), { cancelRequested: true });
+    expect(final?.state).toBe('cancelled');
+    expect(final?.error?.message).toContain('sb-1: still hibernating here');
   });
 
   it('aSandboxStillRunningOnTheDrainedHost_isHibernated', async () => {

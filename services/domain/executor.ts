@@ -4479,8 +4479,10 @@ export class Executor {
   private async drainByHibernating(op: OperationRec, hostId: string, onHost: SandboxRec[], unsettled: readonly SandboxRec[] = []): Promise<void> {
     if (!this.deps.submit) throw new ForkfleetError('internal', 'this scheduler cannot submit operations: a drain without migrate needs it');
     const recorded = { ...((this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.hibernations ?? {}) };
-    // Not those this drain hibernates itself (an earlier run's, before a failover): waited for below.
+    // Those this drain hibernates itself (an earlier run's, before a failover) are waited for
+    // below, and named only if still on their way after it (a key that expired is not waited for).
     const failures: string[] = unsettled.filter((sb) => !recorded[sb.id]).map(stillOnItsWay);
+    const ownUnsettled = unsettled.filter((sb) => recorded[sb.id]);
     // Cancelled: the hibernations already submitted end as they end; no new ones. Nor on a host
     // the admin uncordoned since (a run again after a failover): its sandboxes stay, named.
     const host = (await this.deps.store.getHost(hostId))?.value;
@@ -4513,6 +4515,10 @@ export class Executor {
       })),
     );
     for (const e of ends) if (e.error !== undefined) failures.push(`${e.sandboxId}: hibernate failed: ${e.error}`);
+    for (const sb of ownUnsettled) {
+      const now = (await this.deps.store.getSandbox(sb.tenantId, sb.id))?.value;
+      if (now?.hostId === hostId && DRAIN_WAITS_FOR.has(now.state)) failures.push(stillOnItsWay(now));
+    }
     const done = ends.filter((e) => e.error === undefined).map((e) => e.sandboxId);
     const cancelled = (copied = 'copied no snapshot off'): Promise<void> => {
       const what = `cancelled by a CancelOperation call: hibernated ${done.length} of ${onHost.length} sandboxes on ${hostId}, ${copied}${failures.length ? `; ${failures.join('; ')}` : ''}`;
