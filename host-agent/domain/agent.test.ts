@@ -715,7 +715,7 @@ describe('Agent steps', () => {
           // As the QEMU driver's: the load fails (its VM destroyed) once `gone` aborts.
           load: async (_conn, gone) => {
             seen.loads.push(c.vmId);
-            await Promise.race([gate(c.vmId).loaded, new Promise((_, reject) => gone?.addEventListener('abort', () => reject(new Error('the load was given up'))))]);
+            await Promise.race([gate(c.vmId).loaded, new Promise((_, reject) => (gone?.aborted ? reject(new Error('the load was given up')) : gone?.addEventListener('abort', () => reject(new Error('the load was given up')))))]);
             const info = { vmId: c.vmId, sandboxId: c.vmId, state: 'running', pid: 0, readyMs: 1, baseSnapshotId: 'sn-x' } as VmInfo;
             vms.set(c.vmId, info);
             return info;
@@ -735,7 +735,11 @@ describe('Agent steps', () => {
         // The wait for the source's connection ends when the caller gives up (as peer/migrate.ts's).
         await Promise.race([gate(id).connected, new Promise((_, reject) => signal?.addEventListener('abort', () => reject(signal.reason as Error)))]);
         // The agent's callback failing is the stream dropped (the peer module then ends the source's call).
-        const result = await load({ unixPath: `/nowhere/${id}.sock` }, new AbortController().signal).catch((e: unknown) => {
+        // As peer/migrate.ts's: the caller giving up cancels the source's call, whose failure ends the load.
+        const gone = new AbortController();
+        if (signal?.aborted) gone.abort(signal.reason);
+        else signal?.addEventListener('abort', () => gone.abort(signal.reason), { once: true });
+        const result = await load({ unixPath: `/nowhere/${id}.sock` }, gone.signal).catch((e: unknown) => {
           seen.streamsDropped.push(id);
           throw e;
         });
@@ -785,13 +789,34 @@ describe('Agent steps', () => {
     const { agent, gate, seen, migrateWork } = migrationHarness(vms, { prepared: new Promise<void>((r) => (prepare = r)) });
     gate('sb-1').connect();
     const restoring = agent.runStep(migrateWork('op-w1', ['sb-1']));
-    await new Promise((r) => setTimeout(r, 5));
+    // Its source asked (the migration under way), not given up on before the step ran.
+    await vi.waitFor(() => expect(seen.signals.has('sb-1')).toBe(true));
     const stopping = agent.runStep(stopW1);
     await vi.waitFor(() => expect(seen.streamsDropped).toEqual(['sb-1']));
     prepare();
     expect((await restoring).error?.message).toMatch(/gave up on starting sb-1/);
     expect((await stopping).error).toBeUndefined();
     expect([seen.loads, seen.aborted, vms.size]).toEqual([[], ['sb-1'], 0]);
+  });
+
+  it('restoreByMigration_ofTwo_oneGivenUpOnWhosePreparationThenFails_keepsTheOther_andFetchesNothing', async () => {
+    const vms = new Map<string, VmInfo>();
+    let prepare!: () => void;
+    const { agent, gate, seen, migrateWork } = migrationHarness(vms, { prepared: new Promise<void>((r) => (prepare = r)), prepareFails: ['sb-1'] });
+    gate('sb-2').connect();
+    const restoring = agent.runStep(migrateWork('op-w1', ['sb-1', 'sb-2']));
+    await vi.waitFor(() => expect(seen.signals.size).toBe(2));
+    const stopping = agent.runStep(stopW1);
+    await new Promise((r) => setTimeout(r, 5));
+    // Both preparations end, sb-1's failing; sb-2's stream is still loading meanwhile.
+    prepare();
+    await vi.waitFor(() => expect(seen.loads).toEqual(['sb-2']));
+    await new Promise((r) => setTimeout(r, 5));
+    gate('sb-2').load();
+    const r = await restoring;
+    expect(r.error).toBeUndefined();
+    expect((await stopping).error).toBeUndefined();
+    expect([r.vms.map((v) => v.sandboxId), seen.fetches, [...vms.keys()]]).toEqual([['sb-2'], 0, ['sb-2']]);
   });
 
   it('restoreByMigration_whoseOtherClonesPreparationFails_endsThisClonesWaitAtOnce_andFetchesInstead', async () => {

@@ -1433,7 +1433,10 @@ export class Agent {
             await this.baseImageFor(from.manifest, log);
             return prepare(from, c);
           });
-          incomingP.catch((e: unknown) => anyFailed.abort(e));
+          // A preparation that fails after the give-up fails nothing but this clone.
+          incomingP.catch((e: unknown) => {
+            if (!givenUp.signal.aborted) anyFailed.abort(e);
+          });
           try {
             return await migrateFrom(fetch, listenHost, async (conn, sourceGone) => {
               const drop = (): void => {
