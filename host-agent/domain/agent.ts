@@ -1141,7 +1141,7 @@ export class Agent {
     this.gaveUp.add(key);
     if (this.gaveUp.size > GAVE_UP_MAX) this.gaveUp.delete(this.gaveUp.values().next().value as string);
     // A restore by migration of it under way: its wait and stream end now (minutes, else).
-    this.migratingIn.get(key)?.abort(new Error(`the scheduler gave up on ${key}`));
+    this.migratingIn.get(key)?.abort(gaveUpReason(key));
   }
 
   /**
@@ -1422,7 +1422,7 @@ export class Agent {
           const key = `${opId}/${c.vmId}`;
           // Given up on (rememberGaveUp) from here on: its wait for the source and its load end.
           const givenUp = new AbortController();
-          if (this.gaveUp.has(key)) givenUp.abort(new Error(`the scheduler gave up on ${key}`));
+          if (this.gaveUp.has(key)) givenUp.abort(gaveUpReason(key));
           this.migratingIn.set(key, givenUp);
           const givenUpP = new Promise<never>((_, reject) => {
             if (givenUp.signal.aborted) reject(givenUp.signal.reason);
@@ -1728,6 +1728,11 @@ const STOP_NOTED = '#given-up';
 interface StopNote {
   owner: string | undefined;
   starts: string[];
+}
+
+/** Why a restore by migration of `<op>/<vm>` was ended: the scheduler gave up on that start (rememberGaveUp). */
+function gaveUpReason(key: string): Error {
+  return new Error(`the scheduler gave up on ${key}`);
 }
 
 /** The failure of a start of sandboxes the scheduler gave up on here (gaveUpOn). */
