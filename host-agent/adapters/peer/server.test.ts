@@ -393,6 +393,34 @@ describe('ChunkTransferService: calls open per caller host', () => {
     await expect(call('hostR')).resolves.toMatchObject({ manifest: expect.anything() });
   });
 
+  it('aCallWithABadTicket_whileItsCallerIsAtItsCap_isRefusedForItsTicket_notAsBusyAndRetryable', async () => {
+    // A busy refusal says "retry": a caller whose ticket can never pass would retry for ever.
+    const hang = hangingManifests();
+    const s = await serviceOverS1({ maxMigrationsPerCaller: 1, maxStreamsPerCaller: 1, migrate: async () => ({ bytes: 1, ms: 1 }), manifests: hang.wrap });
+    const ctx = () => callContext(new AbortController().signal, 'hostR');
+    const open = [
+      ...Array.from({ length: 4 }, () => s.handlers.getManifest({ ticket: s.ticket('hostR') }, ctx())),
+      s.handlers.migrateSnapshot({ ticket: s.ticket('hostR', true), port: 4000 }, ctx()),
+    ];
+    const stream = s.stream('hostR');
+    const first = stream.next();
+    while (hang.reading() < 6) await new Promise((r) => setTimeout(r, 5));
+    // Tickets for another host, and one that allows fetching only, at each cap.
+    await expect(s.handlers.getManifest({ ticket: s.ticket('hostQ') }, ctx())).rejects.toMatchObject({ kind: 'permission_denied' });
+    await expect(s.handlers.migrateSnapshot({ ticket: s.ticket('hostR'), port: 4000 }, ctx())).rejects.toMatchObject({ kind: 'permission_denied', message: expect.stringContaining('fetching chunks only') });
+    const q = requestQueue();
+    q.push({ case: 'open', value: { ticket: s.ticket('hostQ'), credit: 8 } as never });
+    const bad = await s.handlers.fetchChunks(q.reqs, ctx())[Symbol.asyncIterator]().next().then((r) => r, (e: unknown) => e);
+    expect(bad).toBeInstanceOf(TicketInvalidError);
+    expect(s.stats.busy).toBe(0);
+    expect(s.stats.refused).toBe(3);
+    hang.finish();
+    await Promise.all(open);
+    stream.want();
+    expect(((await first) as IteratorResult<{ payload: { case: string } }>).value?.payload.case).toBe('chunk');
+    await stream.close();
+  });
+
   it('fetchChunks_pastTheCapOfStreamsWaitingForTheirOpenMessage_isResourceExhaustedAndRetryable_andOneThatOpenedGivesItsPlaceBack', async () => {
     const s = await serviceOverS1({ maxOpening: 2 });
     const stop = new AbortController();

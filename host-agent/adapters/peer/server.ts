@@ -8,7 +8,8 @@
 //
 // Each caller host has at most maxMigrationsPerCaller MigrateSnapshot calls (each may start a
 // QEMU here), maxManifestReadsPerCaller GetManifest calls and maxStreamsPerCaller FetchChunks
-// streams served at once; past that a call fails resource_exhausted (retryable). Before any
+// streams served at once; past that a call fails resource_exhausted (retryable). Its ticket is
+// checked first: one that can never pass is refused as such, never as busy. Before any
 // ticket is shown, at most maxOpening FetchChunks streams (of all callers) wait for their open
 // message, and the server takes requests of at most PEER_MAX_REQUEST_BYTES and
 // peerMaxConcurrentStreams calls per connection (peerServerChannelOptions): grpc-js's defaults
@@ -197,13 +198,16 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
     throw e;
   };
 
-  const authorise = async (ticket: Parameters<typeof verifyTicket>[0], ctx: CallContext) => {
-    let claims: ReturnType<typeof verifyTicket>;
+  /** The ticket's claims, checked before the caller's slot is taken: a bad ticket is refused as such, never as busy. */
+  const checked = (ticket: Parameters<typeof verifyTicket>[0], ctx: CallContext): ReturnType<typeof verifyTicket> => {
     try {
-      claims = verifyTicket(ticket, deps.trust, { now: deps.clock.now(), destinationHostId: caller(ctx) });
+      return verifyTicket(ticket, deps.trust, { now: deps.clock.now(), destinationHostId: caller(ctx) });
     } catch (e) {
       return refuse(e, ctx);
     }
+  };
+
+  const manifestOf = async (claims: ReturnType<typeof verifyTicket>, ctx: CallContext) => {
     // This host failing to read its own manifest (EIO, EMFILE) refuses nothing: one that may
     // pass is retryable, as a failed chunk read is, so the receiver tries this source again
     // (an internal error makes it give the source up).
@@ -211,36 +215,36 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId, err: (e as Error).message }, 'reading a manifest to serve failed');
       throw passingSystemError(e, `reading the manifest of ${claims.snapshotId}`) ?? e;
     });
-    if (!signed) return refuse(new ManifestNotFoundError(claims.snapshotId), ctx);
-    return { claims, signed };
+    return signed ?? refuse(new ManifestNotFoundError(claims.snapshotId), ctx);
   };
 
   const registration = register(ChunkTransferService, {
     async getManifest(req, ctx) {
       // Counted while its manifest is read (a slow disk, a manifest of many chunks): the
       // caller's calls otherwise pile up here without bound.
+      const claims = checked(req.ticket, ctx);
       const release = takeSlot(manifestReads, ctx);
       try {
-        const { signed } = await authorise(req.ticket, ctx);
-        return { manifest: signed };
+        return { manifest: await manifestOf(claims, ctx) };
       } finally {
         release();
       }
     },
 
     async migrateSnapshot(req, ctx) {
+      const claims = checked(req.ticket, ctx);
+      // Only a ticket the scheduler signed for migration starts a QEMU here: a fetch-only one
+      // (a drain's copy or a fan-out relay, which must end up holding the snapshot) is refused.
+      if (!claims.allowMigration) {
+        stats.refused++;
+        deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId }, 'migration refused: the ticket allows fetching only');
+        throw new TicketInvalidError('the ticket allows fetching chunks only, not migration');
+      }
       // Counted from before its manifest is read, as getManifest's reads are: the caller's
       // calls otherwise pile up on a slow manifest read without bound.
       const release = takeSlot(migrations, ctx);
       try {
-        const { claims } = await authorise(req.ticket, ctx);
-        // Only a ticket the scheduler signed for migration starts a QEMU here: a fetch-only one
-        // (a drain's copy or a fan-out relay, which must end up holding the snapshot) is refused.
-        if (!claims.allowMigration) {
-          stats.refused++;
-          deps.log?.warn({ peer: ctx.peer, snapshotId: claims.snapshotId }, 'migration refused: the ticket allows fetching only');
-          throw new TicketInvalidError('the ticket allows fetching chunks only, not migration');
-        }
+        await manifestOf(claims, ctx);
         const migrate = deps.migrate;
         if (!migrate) throw new ForkfleetError('failed_precondition', 'this host does not migrate snapshots out; fetch the chunks');
         if (!Number.isInteger(req.port) || req.port < 1 || req.port > 65535) throw new InvalidArgumentError('port', 'must be 1..65535');
@@ -278,10 +282,10 @@ export function chunkTransferService(deps: ChunkServerDeps): { registration: Ser
       const open = first.value.payload.value;
       // Counted from before its manifest is read, as the other calls are: a caller's streams
       // otherwise pile up on a slow manifest read without bound.
+      const claims = checked(open.ticket, ctx);
       const release = takeSlot(streams, ctx);
       try {
-        const { claims, signed } = await authorise(open.ticket, ctx);
-        yield* serve(it, claims, signed, open.credit, ctx);
+        yield* serve(it, claims, await manifestOf(claims, ctx), open.credit, ctx);
       } finally {
         release();
       }
