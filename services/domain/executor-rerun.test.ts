@@ -47,7 +47,7 @@ const sandbox = (id: string, hostId: string, state: SandboxRec['state']): Sandbo
  * it uses; `o.cancelled`: the drain was asked to stop (CancelOperation), F known cordoned and
  * draining (so a migration stops for the cancel, not for a host the leader does not know).
  */
-async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[], sent: string[] = [], o: { answered?: string[]; creating?: string[]; quota?: { sandboxes: number; inUse: number }; cancelled?: boolean } = {}): Promise<StoreWrite[]> {
+async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRec[], sent: string[] = [], o: { answered?: string[]; creating?: string[]; quota?: { sandboxes: number; inUse: number }; cancelled?: boolean; holders?: string[]; heard?: HeartbeatRegistry; bytesFetched?: bigint } = {}): Promise<StoreWrite[]> {
   const op = { id: 'op-d1', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate: true, migrations }, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {}, ...(o.cancelled ? { cancelRequested: true } : {}) } as unknown as OperationRec;
   let rev = 10;
   const writes: StoreWrite[] = [];
@@ -63,7 +63,7 @@ async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRe
             const value = listed.find((sb) => sb.id === id);
             return value && { value: structuredClone(value), modRevision: 20 };
           },
-          getSnapshot: async (tenantId: string, id: string) => ({ value: { id, tenantId, ...(o.creating?.includes(id) ? { state: 'creating', hostIds: [], takenOn: 'F' } : { state: 'ready', hostIds: ['F', 'T'] }), labels: {}, manifestSignature: '', manifestKeyId: '' }, modRevision: 3 }),
+          getSnapshot: async (tenantId: string, id: string) => ({ value: { id, tenantId, ...(o.creating?.includes(id) ? { state: 'creating', hostIds: [], takenOn: 'F' } : { state: 'ready', hostIds: o.holders ?? ['F', 'T'] }), labels: {}, manifestSignature: '', manifestKeyId: '' }, modRevision: 3 }),
         }
       : {}),
     commitAt: async (w: StoreWrite[]) => {
@@ -74,10 +74,10 @@ async function drainAgain(migrations: Record<string, unknown>, listed: SandboxRe
   const ref: { ex?: Executor } = {};
   const sendWork = async (hostId: string, w: { opId: string; stepId: string; attempt: number }): Promise<void> => {
     sent.push(`${w.stepId}@${hostId}`);
-    if (o.answered?.includes(w.stepId)) setTimeout(() => ref.ex!.onResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId, attempt: w.attempt }), hostId), 1);
+    if (o.answered?.includes(w.stepId)) setTimeout(() => ref.ex!.onResult(create(HostResultSchema, { opId: w.opId, stepId: w.stepId, hostId, attempt: w.attempt, bytesFetched: o.bytesFetched ?? 0n }), hostId), 1);
   };
   const quota = o.quota;
-  const ex = executorOver(store, { bus: { sendWork }, ...(quota ? { quotas: () => ({ sandboxes: quota.sandboxes }), usage: { usage: async () => ({ sandboxes: quota.inUse, memoryMib: 0, snapshotBytes: 0, pendingSandboxes: 0, pendingMemoryMib: 0 }) } } : {}) });
+  const ex = executorOver(store, { bus: { sendWork }, ...(o.heard ? { heard: o.heard } : {}), ...(quota ? { quotas: () => ({ sandboxes: quota.sandboxes }), usage: { usage: async () => ({ sandboxes: quota.inUse, memoryMib: 0, snapshotBytes: 0, pendingSandboxes: 0, pendingMemoryMib: 0 }) } } : {}) });
   ref.ex = ex;
   const inner = ex as unknown as { active: boolean; ops: Map<string, unknown>; cache: { hosts: Map<string, unknown> }; runDrain(op: OperationRec): Promise<void> };
   inner.active = true;
@@ -124,6 +124,21 @@ describe('Executor drain, run again', () => {
     expect(sent).toEqual(['migrate/S1/resume@F']);
     const final = writes.flatMap((w) => (w.kind === 'op' ? [w.value as OperationRec] : [])).at(-1);
     expect(final?.state).toBe('cancelled');
+  });
+});
+
+describe('Executor drain run again, the move it restores', () => {
+  it('recordsTheNewHostAsAHolder_whenItsAnswerSaysItFetched_thoughThisRunSentItNoFetchPlan', async () => {
+    // The first run's restore on T fetched sn-1 there before the leader failed over: T's
+    // heartbeats list it, so this run sends T no fetch plan, and T answers from its journal.
+    // The record left T out for good (F, the drained host, its only holder), as fork's did.
+    const heard = new HeartbeatRegistry();
+    heard.record(create(HeartbeatSchema, { hostId: 'T', bootId: 'b', restoreSlots: 4, snapshots: [{ snapshotId: 'sn-1', complete: true }] }), Date.now());
+    const sent: string[] = [];
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [{ ...sandbox('S1', 'F', 'running'), opId: 'op-d1' }], sent, { answered: ['migrate/S1/pause', 'migrate/S1/restore', 'migrate/S1/stop-source'], holders: ['F'], heard, bytesFetched: 70_000_000n });
+    expect(sent).toContain('migrate/S1/restore@T');
+    const snapshots = writes.filter((w): w is Extract<StoreWrite, { kind: 'snapshot' }> => w.kind === 'snapshot');
+    expect(snapshots.map((w) => w.value.hostIds)).toContainEqual(expect.arrayContaining(['F', 'T']));
   });
 });
 
