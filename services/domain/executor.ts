@@ -1874,6 +1874,16 @@ export class Executor {
     if (needed && (await this.deps.store.getIdempotent(tenantId, key)) === undefined && !(await needed())) return undefined;
     const h = await this.submitOwn(tenantId, key, kind, targetId, input);
     for (;;) {
+      // Read once this leader no longer runs it (ended, or not yet seen by its watch): a
+      // cancelled fork of 256 children read 256 records from etcd 4 times a second meanwhile.
+      // Or until this replica stops leading (stop() wakes every sleeper): the read below says so.
+      const run = this.running.get(h.id);
+      if (run && this.active) {
+        let wake: () => void = () => undefined;
+        const stopped = new Promise<void>((r) => (wake = r));
+        this.sleepers.add(wake);
+        await Promise.race([run, stopped]).finally(() => this.sleepers.delete(wake));
+      }
       const cur = (await this.deps.store.getOp(tenantId, h.id))?.value;
       if (!this.active) throw new NotLeaderError();
       if (!cur) return `its ${kind} operation ${h.id} is gone`;
