@@ -4,7 +4,7 @@ import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { afterEach, describe, expect, it } from 'vitest';
-import { readCredentialsFile } from './client-credentials.ts';
+import { readCredentialsFile, resolveClientCredentials } from './client-credentials.ts';
 
 const SECRET = 'ff_secret_0123456789abcdef';
 const dirs: string[] = [];
@@ -46,5 +46,20 @@ describe('readCredentialsFile', () => {
     const e = errorFor(`"${SECRET}"`);
     expect(e.message).not.toContain(SECRET);
     expect(e.message).toContain('want a JSON object');
+  });
+});
+
+describe('resolveClientCredentials', () => {
+  it('emptyFfTokenFfCaOrFfCredentials_areUnset_andTheFleetsCredentialsFileIsUsed', () => {
+    // `FF_TOKEN= forkfleet ...` or an env file's `FF_CA=` line: as FF_FLEET_DIR and FF_API, empty is unset.
+    const d = mkdtempSync(join(tmpdir(), 'ff-creds-'));
+    dirs.push(d);
+    writeFileSync(join(d, 'ca.crt'), '-----BEGIN CERTIFICATE-----\nfile\n');
+    writeFileSync(join(d, 'credentials.json'), JSON.stringify({ token: 'ff_file', ca: 'ca.crt', tenant: 'dev' }));
+    for (const env of [{ FF_TOKEN: '' }, { FF_CA: '' }, { FF_CREDENTIALS: '' }, { FF_TOKEN: '', FF_CA: '', FF_CREDENTIALS: '' }]) {
+      const c = resolveClientCredentials({}, { FF_FLEET_DIR: d, ...env });
+      expect(c, JSON.stringify(env)).toMatchObject({ token: 'ff_file', tenant: 'dev', source: join(d, 'credentials.json') });
+      expect(c.caPem?.toString(), JSON.stringify(env)).toContain('file');
+    }
   });
 });

@@ -5,6 +5,7 @@
 //   3. a credentials file: FF_CREDENTIALS, else <FF_FLEET_DIR or /var/lib/ffleet>/credentials.json
 //      when it exists (fleet:up writes one): {"token": "...", "ca": "pki/ca.crt", "tenant": "...", "api": ["host:port"]}
 //      with `ca` relative to the file's directory.
+// An empty variable is unset (FF_TOKEN= in a shell or an env file must not hide the file's token).
 import { existsSync, readFileSync } from 'node:fs';
 import { dirname, isAbsolute, join } from 'node:path';
 import { InvalidArgumentError } from '../../proto/errors.ts';
@@ -44,7 +45,7 @@ export function defaultFleetDir(env: NodeJS.ProcessEnv = process.env): string {
 }
 
 export function defaultCredentialsFile(env: NodeJS.ProcessEnv = process.env): string {
-  return env.FF_CREDENTIALS ?? join(defaultFleetDir(env), 'credentials.json');
+  return env.FF_CREDENTIALS || join(defaultFleetDir(env), 'credentials.json');
 }
 
 interface CredentialsFile {
@@ -110,17 +111,18 @@ export function whereInText(text: string, e: unknown): string {
 
 export function resolveClientCredentials(o: CredentialOptions = {}, env: NodeJS.ProcessEnv = process.env): ClientCredentials {
   // A file named on purpose (--credentials, FF_CREDENTIALS) comes before FF_TOKEN and FF_CA;
-  // the local fleet's default file comes after them.
-  const named = o.credentialsFile ?? env.FF_CREDENTIALS;
+  // the local fleet's default file comes after them. Empty variables are unset, as FF_FLEET_DIR and FF_API are.
+  const [ffCredentials, ffToken, ffCa] = [env.FF_CREDENTIALS || undefined, env.FF_TOKEN || undefined, env.FF_CA || undefined];
+  const named = o.credentialsFile ?? ffCredentials;
   const filePath = named ?? defaultCredentialsFile(env);
-  const file = o.token !== undefined && o.ca !== undefined ? undefined : readCredentialsFile(filePath, o.credentialsFile !== undefined ? 'credentials' : env.FF_CREDENTIALS !== undefined ? 'FF_CREDENTIALS' : undefined);
+  const file = o.token !== undefined && o.ca !== undefined ? undefined : readCredentialsFile(filePath, o.credentialsFile !== undefined ? 'credentials' : ffCredentials !== undefined ? 'FF_CREDENTIALS' : undefined);
   const pick = <T>(option: T | undefined, fromEnv: T | undefined, fromFile: T | undefined): [T | undefined, 'options' | 'env' | 'file' | 'none'] => {
     const order: Array<[T | undefined, 'options' | 'env' | 'file']> = named !== undefined ? [[option, 'options'], [fromFile, 'file'], [fromEnv, 'env']] : [[option, 'options'], [fromEnv, 'env'], [fromFile, 'file']];
     const hit = order.find(([v]) => v !== undefined);
     return hit ?? [undefined, 'none'];
   };
-  const [token, tokenFrom] = pick(o.token, env.FF_TOKEN, file?.token);
-  const [ca, caFrom] = pick<string | Buffer>(o.ca, env.FF_CA, file?.ca);
+  const [token, tokenFrom] = pick(o.token, ffToken, file?.token);
+  const [ca, caFrom] = pick<string | Buffer>(o.ca, ffCa, file?.ca);
   const source = tokenFrom === 'options' ? 'options' : tokenFrom === 'env' ? 'FF_TOKEN' : tokenFrom === 'file' ? filePath : 'none';
   // The file's tenant goes with the file's token: another token (FF_TOKEN) is another tenant's.
   return { token: token || undefined, caPem: ca ? pem(ca, caFrom === 'options' ? 'ca' : caFrom === 'env' ? 'FF_CA' : filePath) : undefined, tenant: tokenFrom === 'file' ? file?.tenant : undefined, api: file?.api, source };

@@ -1,7 +1,8 @@
 import { afterEach, beforeEach, describe, expect, it, vi } from 'vitest';
-import { chmodSync, chownSync, mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, utimesSync, writeFileSync } from 'node:fs';
+import { spawn, spawnSync } from 'node:child_process';
+import { chmodSync, chownSync, existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, statSync, utimesSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { tmpdir } from 'node:os';
+import { hostname, tmpdir } from 'node:os';
 import { Authenticator, bearerOf, credentialIdOf, listTokens, mintToken, parseTokensFile, revokeTokens, sha256 } from './tokens.ts';
 import { ApiGuard, REVOCATION_CHECK_MS, tenantFor, requireAdmin } from './guard.ts';
 import { defaultCredentialsFile, resolveClientCredentials } from './client-credentials.ts';
@@ -68,6 +69,16 @@ describe('tokens file', () => {
     mintToken(file, { tenant: 'admin', admin: true, name: 'ops', quotas: { sandboxes: 1, memory_mib: 2, snapshot_bytes: 3 }, rate: { per_s: 4, burst: 5 } });
     mintToken(file, { tenant: 'acme' });
     expect(listTokens(file).map((t) => t.tenant)).toEqual(['admin', 'acme']);
+  });
+
+  it('parseTokensFile_withTwoEntriesOfATenantWithDifferentIdleTimeouts_failsNamingTheLaterEntry', () => {
+    const doc = (a: string | undefined, b: string | undefined): string => JSON.stringify({ tokens: [{ tenant: 't', token_sha256: '1'.repeat(64), ...(a ? { idle_timeout: a } : {}) }, { tenant: 't', token_sha256: '2'.repeat(64), ...(b ? { idle_timeout: b } : {}) }] });
+    // Read silently, the first won: which timeout the tenant got hung on the file's order.
+    expect(kindOf(() => parseTokensFile(doc('10m', '1m')))).toBe('invalid_argument:FF_TOKENS_FILE tokens[1]');
+    // Set once per tenant, or the same on each, is taken.
+    expect(parseTokensFile(doc('10m', undefined))).toHaveLength(2);
+    expect(parseTokensFile(doc(undefined, '10m'))).toHaveLength(2);
+    expect(parseTokensFile(doc('10m', '600s'))).toHaveLength(2);
   });
 
   it('tenantIdleTimeout_isParsedAsADuration_andABadOneNamesTheField', () => {
@@ -168,6 +179,88 @@ describe('tokens file', () => {
     expect(kindOf(() => auth.authenticate(`Bearer ${c}`))).toBe('unauthenticated');
     expect(auth.authenticate(`Bearer ${b}`).tenantId).toBe('acme');
     expect([auth.has(credentialIdOf(sha256(a))), auth.has(credentialIdOf(sha256(b)))]).toEqual([false, true]);
+  });
+
+  it('authenticator_afterARevokeThatLeavesTheFilesMtimeAsItWas_refusesTheRevokedToken', () => {
+    // A file system with a coarse mtime (or one clock tick) can give the replacement the mtime
+    // of the file it replaced: its size and inode still differ.
+    const file = join(dir, 'tokens.json');
+    const leaked = mintToken(file, { tenant: 'acme', name: 'leaked' });
+    const kept = mintToken(file, { tenant: 'acme', name: 'kept' });
+    const fixed = new Date(1_700_000_000_000);
+    utimesSync(file, fixed, fixed);
+    let now = 0;
+    const auth = new Authenticator(file, undefined, () => now);
+    expect(auth.authenticate(`Bearer ${leaked}`).tenantId).toBe('acme');
+    revokeTokens(file, 'leaked');
+    utimesSync(file, fixed, fixed);
+    now = 2000;
+    expect(kindOf(() => auth.authenticate(`Bearer ${leaked}`))).toBe('unauthenticated');
+    expect(auth.authenticate(`Bearer ${kept}`).tenantId).toBe('acme');
+  });
+
+  it('mintAndRevoke_inConcurrentProcesses_loseNoMintAndResurrectNoRevokedToken', async () => {
+    // Two `token mint` loops and a `token revoke` loop at once, as separate CLI processes.
+    const file = join(dir, 'tokens.json');
+    for (let i = 0; i < 20; i++) mintToken(file, { tenant: 'acme', name: `old-${i}` });
+    const go = join(dir, 'go');
+    const script = join(dir, 'writer.mjs');
+    writeFileSync(
+      script,
+      `const [role, file, go] = process.argv.slice(2);
+const { existsSync } = await import('node:fs');
+const { mintToken, revokeTokens } = await import(${JSON.stringify(new URL('./tokens.ts', import.meta.url).href)});
+const pause = new Int32Array(new SharedArrayBuffer(4));
+console.log('ready');
+while (!existsSync(go)) Atomics.wait(pause, 0, 0, 1);
+if (role === 'revoke') for (let i = 0; i < 20; i++) revokeTokens(file, 'old-' + i);
+else for (let i = 0; i < 25; i++) mintToken(file, { tenant: 'ci', name: role + '-' + i });
+`,
+    );
+    const run = (role: string): { ready: Promise<void>; done: Promise<string> } => {
+      const child = spawn(process.execPath, ['--import', 'tsx', script, role, file, go], { stdio: ['ignore', 'pipe', 'pipe'] });
+      let out = '';
+      let err = '';
+      let ready: () => void = () => undefined;
+      const readyP = new Promise<void>((resolve) => (ready = resolve));
+      child.stdout.on('data', (d: Buffer) => {
+        out += d.toString();
+        if (out.includes('ready')) ready();
+      });
+      child.stderr.on('data', (d: Buffer) => (err += d.toString()));
+      const done = new Promise<string>((resolve) => child.on('exit', (code) => (ready(), resolve(code === 0 ? '' : `${role} exited ${code}: ${err}`))));
+      return { ready: readyP, done };
+    };
+    const writers = ['m1', 'm2', 'revoke'].map(run);
+    await Promise.all(writers.map((w) => w.ready));
+    writeFileSync(go, '');
+    expect((await Promise.all(writers.map((w) => w.done))).filter(Boolean)).toEqual([]);
+    const names = listTokens(file).map((t) => t.name);
+    expect(names.filter((n) => n.startsWith('old-'))).toEqual([]);
+    expect(names.filter((n) => n.startsWith('m1-'))).toHaveLength(25);
+    expect(names.filter((n) => n.startsWith('m2-'))).toHaveLength(25);
+    expect(existsSync(`${file}.lock`)).toBe(false);
+  }, 60_000);
+
+  it('mintAndRevoke_withAStaleLockLeftByADeadOrLongGoneWriter_takeItOver_andRemoveTheirOwn', () => {
+    const file = join(dir, 'tokens.json');
+    const lock = `${file}.lock`;
+    mintToken(file, { tenant: 'acme', name: 'ci' });
+    // A writer that died holding it (kill -9 mid-mint): its pid is no longer alive.
+    const dead = spawnSync(process.execPath, ['-e', '']).pid;
+    writeFileSync(lock, `${dead} ${hostname()}\n`);
+    mintToken(file, { tenant: 'acme', name: 'laptop' });
+    expect(existsSync(lock)).toBe(false);
+    // A lock older than any mint takes, whoever holds it (this very process here).
+    writeFileSync(lock, `${process.pid} ${hostname()}\n`);
+    const old = new Date(Date.now() - 60_000);
+    utimesSync(lock, old, old);
+    expect(revokeTokens(file, 'ci').map((t) => t.name)).toEqual(['ci']);
+    expect(existsSync(lock)).toBe(false);
+    // A revoke that finds nothing writes nothing, and leaves no lock either.
+    expect(kindOf(() => revokeTokens(file, 'ci'))).toBe('not_found');
+    expect(existsSync(lock)).toBe(false);
+    expect(listTokens(file).map((t) => t.name)).toEqual(['laptop']);
   });
 
   it('bearerOf_acceptsOnlyTheBearerScheme', () => {

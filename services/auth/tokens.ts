@@ -5,13 +5,15 @@
 //                   "rate": { "per_s": 50, "burst": 100 }, "idle_timeout": "10m" } ] }
 //
 // `admin` tokens may call the fleet operations (ListHosts, CordonHost, DrainHost, RemoveHost) and act for
-// any tenant by naming it in `tenant_id`. Quotas and rate are per tenant: every entry of a
-// tenant that sets them must agree. A key not shown above (a misspelt quota) is refused, naming
-// it. A token is `ff_` + 43 base64url characters (256 random bits); `mintToken` prints it once
-// and stores only its digest. The file is re-read when it changes, so a minted token works
-// without a restart.
+// any tenant by naming it in `tenant_id`. Quotas, rate and idle_timeout are per tenant: every
+// entry of a tenant that sets them must agree. A key not shown above (a misspelt quota) is
+// refused, naming it. A token is `ff_` + 43 base64url characters (256 random bits);
+// `mintToken` prints it once and stores only its digest. The file is re-read when it changes,
+// so a minted token works without a restart. `mintToken` and `revokeTokens` change it under a
+// lock file (<file>.lock), so two at once (two CLI processes) lose neither's change.
 import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
-import { chownSync, existsSync, readFileSync, renameSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { chownSync, closeSync, existsSync, fstatSync, linkSync, openSync, readFileSync, renameSync, rmSync, statSync, writeFileSync, writeSync } from 'node:fs';
+import { hostname } from 'node:os';
 import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
 import { parseDuration } from '../config.ts';
 import { UnauthenticatedError } from './errors.ts';
@@ -127,12 +129,14 @@ export function parseTokensFile(text: string, where = 'FF_TOKENS_FILE'): TokenEn
   if (!Array.isArray(list)) throw new InvalidArgumentError(where, 'must be {"tokens": [...]}');
   const entries = list.map((e, i) => parseEntry(e, `${where} tokens[${i}]`));
   const byTenant = new Map<string, TokenEntry>();
+  const differs = (a: unknown, b: unknown): boolean => a !== undefined && b !== undefined && JSON.stringify(a) !== JSON.stringify(b);
   for (const [i, e] of entries.entries()) {
     const seen = byTenant.get(e.tenant);
-    if (seen && ((e.quotas && seen.quotas && JSON.stringify(e.quotas) !== JSON.stringify(seen.quotas)) || (e.rate && seen.rate && JSON.stringify(e.rate) !== JSON.stringify(seen.rate)))) {
-      throw new InvalidArgumentError(`${where} tokens[${i}]`, `quotas/rate of tenant ${e.tenant} differ from an earlier entry; set them once per tenant`);
+    // idle_timeout too: read silently, the first entry's won, whatever a later one said.
+    if (seen && (differs(e.quotas, seen.quotas) || differs(e.rate, seen.rate) || differs(e.idleTimeoutMs, seen.idleTimeoutMs))) {
+      throw new InvalidArgumentError(`${where} tokens[${i}]`, `quotas/rate/idle_timeout of tenant ${e.tenant} differ from an earlier entry; set them once per tenant`);
     }
-    byTenant.set(e.tenant, { ...e, quotas: e.quotas ?? seen?.quotas, rate: e.rate ?? seen?.rate });
+    byTenant.set(e.tenant, { ...e, quotas: e.quotas ?? seen?.quotas, rate: e.rate ?? seen?.rate, idleTimeoutMs: e.idleTimeoutMs ?? seen?.idleTimeoutMs });
   }
   return entries;
 }
@@ -148,7 +152,8 @@ export class Authenticator {
   private entries: TokenEntry[] = [];
   private byTenant = new Map<string, { quotas: TenantQuota | undefined; rate: RateSpec | undefined; idleTimeoutMs: number | undefined }>();
   private readonly ephemeral: TokenEntry[] = [];
-  private mtimeMs = -1;
+  /** mtime, size and inode of the file last taken: a replacement may keep the mtime (coarse clocks). */
+  private stamp = '';
   private checkedAt = 0;
 
   /** Why the file could not be taken since it last changed (undefined: the tokens in use are the file's). */
@@ -174,7 +179,8 @@ export class Authenticator {
   }
 
   /**
-   * Re-reads the file when its mtime changed (checked at most once a second). A bad new file
+   * Re-reads the file when its mtime, size or inode changed (checked at most once a second): a
+   * revoke's replacement within one mtime tick still has another inode. A bad new file
    * keeps the old tokens (a typo in a hand edit does not lock every tenant out), and says so
    * through onReloadError (a token revoked in it stays valid until the file can be read).
    */
@@ -183,17 +189,18 @@ export class Authenticator {
     const t = this.now();
     if (!force && t - this.checkedAt < 1000) return;
     this.checkedAt = t;
-    let mtime: number;
+    let stamp: string;
     try {
-      mtime = statSync(this.path).mtimeMs;
+      const st = statSync(this.path);
+      stamp = `${st.mtimeMs}:${st.size}:${st.ino}`;
     } catch (e) {
       if (force) throw new InvalidArgumentError('FF_TOKENS_FILE', `cannot read ${this.path}: ${(e as Error).message}`);
       return this.fail(`cannot read ${this.path}: ${(e as Error).message}`);
     }
-    if (mtime === this.mtimeMs) return;
+    if (stamp === this.stamp) return;
     try {
       this.entries = parseTokensFile(readFileSync(this.path, 'utf8'));
-      this.mtimeMs = mtime;
+      this.stamp = stamp;
       this.index();
       if (this.failing !== undefined) {
         this.failing = undefined;
@@ -280,10 +287,6 @@ export interface MintOptions {
   rate?: { per_s: number; burst?: number };
 }
 
-/**
- * Appends a new token's digest to the tokens file (created mode 0600 when missing; replaced
- * atomically) and returns the token: the only time it exists in clear.
- */
 /** What `forkfleet token ls` shows of a tokens file entry (never the token, which is not stored). */
 export interface TokenListing {
   id: string;
@@ -303,18 +306,143 @@ export function listTokens(path: string): TokenListing[] {
 /**
  * Removes from the tokens file every entry whose credential id (or longer digest prefix, at
  * least 12 hex digits) or name is `which`, and returns them; none is NotFoundError. The file
- * is replaced atomically; each scheduler refuses the removed tokens, and ends their open
- * streaming calls, within about a second.
+ * is replaced atomically, under its lock; each scheduler refuses the removed tokens, and ends
+ * their open streaming calls, within about a second.
  */
 export function revokeTokens(path: string, which: string): TokenListing[] {
-  const text = readFileSync(path, 'utf8');
-  const entries = parseTokensFile(text, path);
-  const doc = JSON.parse(text) as { tokens: unknown[] };
-  const hit = (e: TokenEntry): boolean => (/^[0-9a-f]{12,64}$/.test(which) && e.digest.toString('hex').startsWith(which)) || (e.name !== '' && e.name === which);
-  const gone = entries.filter(hit);
-  if (gone.length === 0) throw new ForkfleetError('not_found', `no token in ${path} has the id or name ${JSON.stringify(which)} (forkfleet token ls lists them)`);
-  writeTokensFile(path, { ...doc, tokens: doc.tokens.filter((_, i) => !hit(entries[i]!)) });
-  return gone.map(listingOf);
+  return updateTokensFile(path, 'fail', (doc, entries) => {
+    const hit = (e: TokenEntry): boolean => (/^[0-9a-f]{12,64}$/.test(which) && e.digest.toString('hex').startsWith(which)) || (e.name !== '' && e.name === which);
+    const gone = entries.filter(hit);
+    if (gone.length === 0) throw new ForkfleetError('not_found', `no token in ${path} has the id or name ${JSON.stringify(which)} (forkfleet token ls lists them)`);
+    doc.tokens = doc.tokens.filter((_, i) => !hit(entries[i]!));
+    return gone.map(listingOf);
+  });
+}
+
+/** How long a mint or revoke waits for another one's lock, and the age at which a lock is taken for abandoned. */
+const LOCK_WAIT_MS = 10_000;
+const LOCK_STALE_MS = 30_000;
+
+function sleepSync(ms: number): void {
+  Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, ms);
+}
+
+/** What the lock file `lock` holds ("<pid> <host>"), or '' (gone, or not yet written). */
+function holderOf(lock: string): string {
+  try {
+    return readFileSync(lock, 'utf8').trim();
+  } catch {
+    return '';
+  }
+}
+
+/**
+ * Whether the lock file `lock` was left by a writer that is gone: its pid (on this host) is no
+ * longer alive, or it is older than LOCK_STALE_MS (no writer holds it more than milliseconds).
+ * A lock just created, before its holder wrote its pid, is not stale until that age.
+ */
+function staleLock(lock: string, st: { mtimeMs: number }): boolean {
+  if (Date.now() - st.mtimeMs > LOCK_STALE_MS) return true;
+  const holder = holderOf(lock).split(' ');
+  const pid = Number(holder[0]);
+  if (!Number.isSafeInteger(pid) || pid <= 0 || holder[1] !== hostname()) return false;
+  try {
+    process.kill(pid, 0);
+    return false;
+  } catch (e) {
+    // EPERM: alive, another user's (a root CLI while this one is not).
+    return (e as NodeJS.ErrnoException).code === 'ESRCH';
+  }
+}
+
+/**
+ * Takes `<path>.lock` (created exclusively, holding "<pid> <host>"), waiting with a short
+ * backoff up to LOCK_WAIT_MS for another writer's, and taking over a stale one; returns the
+ * inode of the lock it holds, for releaseLock.
+ */
+function takeLock(path: string): number {
+  const lock = `${path}.lock`;
+  const deadline = Date.now() + LOCK_WAIT_MS;
+  for (let wait = 2; ; wait = Math.min(wait * 2, 50)) {
+    let fd: number | undefined;
+    try {
+      fd = openSync(lock, 'wx', 0o600);
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code !== 'EEXIST') throw e;
+    }
+    if (fd !== undefined) {
+      try {
+        writeSync(fd, `${process.pid} ${hostname()}\n`);
+        return fstatSync(fd).ino;
+      } catch (e) {
+        rmSync(lock, { force: true });
+        throw e;
+      } finally {
+        closeSync(fd);
+      }
+    }
+    let st: { mtimeMs: number; ino: number } | undefined;
+    try {
+      st = statSync(lock);
+    } catch {
+      continue; // released meanwhile
+    }
+    if (staleLock(lock, st)) {
+      // Moved aside rather than removed: another waiter may have taken it over already, and
+      // its fresh lock (another inode) is put back instead of removed.
+      const aside = `${lock}.${process.pid}.stale`;
+      try {
+        renameSync(lock, aside);
+      } catch {
+        continue;
+      }
+      if (statSync(aside).ino !== st.ino) {
+        try {
+          linkSync(aside, lock);
+        } catch {
+          // Someone took the lock meanwhile; the one moved aside is its holder's still.
+        }
+      }
+      rmSync(aside, { force: true });
+      continue;
+    }
+    if (Date.now() >= deadline) {
+      throw new ForkfleetError('unavailable', `${lock} is held by another forkfleet token mint or revoke (${holderOf(lock) || 'pid not yet written'}); retry, or remove the file if that process is gone`);
+    }
+    sleepSync(wait);
+  }
+}
+
+/** Removes the lock `takeLock` returned `ino` for, unless another writer took it over meanwhile. */
+function releaseLock(path: string, ino: number): void {
+  const lock = `${path}.lock`;
+  try {
+    if (statSync(lock).ino === ino) rmSync(lock);
+  } catch {
+    // Gone already.
+  }
+}
+
+/**
+ * Reads the tokens file under its lock, lets `mutate` change its document (`entries` parsed
+ * from it, index for index), writes it back and returns what `mutate` returned. Read under
+ * the lock: a mint or revoke that read it before another one wrote would write back the old
+ * list, dropping the other's new token or restoring the token it revoked. A missing file is
+ * an empty one (`ifMissing` 'create') or the read's error ('fail'). `mutate` throwing writes
+ * nothing.
+ */
+function updateTokensFile<T>(path: string, ifMissing: 'create' | 'fail', mutate: (doc: { tokens: unknown[] }, entries: TokenEntry[]) => T): T {
+  const ino = takeLock(path);
+  try {
+    const text = ifMissing === 'create' && !existsSync(path) ? '{"tokens": []}' : readFileSync(path, 'utf8');
+    const entries = parseTokensFile(text, path);
+    const doc = JSON.parse(text) as { tokens: unknown[] };
+    const result = mutate(doc, entries);
+    writeTokensFile(path, doc);
+    return result;
+  } finally {
+    releaseLock(path, ino);
+  }
 }
 
 /**
@@ -339,12 +467,16 @@ function writeTokensFile(path: string, doc: { tokens: unknown[] }): void {
   }
 }
 
+/**
+ * Appends a new token's digest to the tokens file (created mode 0600 when missing; replaced
+ * atomically, under its lock) and returns the token: the only time it exists in clear.
+ */
 export function mintToken(path: string, o: MintOptions): string {
   const token = newToken();
   const raw = { tenant: o.tenant, token_sha256: sha256(token).toString('hex'), ...(o.admin ? { admin: true } : {}), ...(o.name ? { name: o.name } : {}), ...(o.quotas ? { quotas: o.quotas } : {}), ...(o.rate ? { rate: o.rate } : {}) };
-  const doc = existsSync(path) ? (JSON.parse(readFileSync(path, 'utf8')) as { tokens: unknown[] }) : { tokens: [] };
-  doc.tokens.push(raw);
-  writeTokensFile(path, doc);
+  updateTokensFile(path, 'create', (doc) => {
+    doc.tokens.push(raw);
+  });
   if (!TOKEN_RE.test(token)) throw new Error('minted a malformed token');
   return token;
 }
