@@ -528,6 +528,13 @@ const HELD_GC_MAX = 200;
  */
 const NOT_HELD_GRACE_MS = 5000;
 
+/**
+ * How long a snapshot must stay `creating` with no unfinished operation taking it before it is
+ * marked failed (failOrphanedSnapshots): longer than a crashed runner waits to run again
+ * (CRASHED_RERUN_MS) and than a store outage's retries between two runs of one operation.
+ */
+const ORPHANED_SNAPSHOT_GRACE_MS = 5 * 60_000;
+
 /** Deletes the leader's cache remembers (FleetCache.gone). */
 const GONE_RECORDS_MAX = 100_000;
 /** Results kept for a step nobody waits for yet (Executor.early): at most this many... */
@@ -873,6 +880,8 @@ export class Executor {
   private readonly heldGcAt = new Map<string, number>();
   /** `${host}/${snapshot}` -> when a live host's heartbeat first lacked a snapshot its record says it holds (pruneHolders). */
   private readonly notHeldSince = new Map<string, number>();
+  /** `<tenant>/<snapshot>` -> when a creating snapshot was first seen that no unfinished op takes (failOrphanedSnapshots). */
+  private readonly orphanedSince = new Map<string, number>();
   /** Sandboxes whose VM their host's heartbeat did not list: `<tenant>/<id>` -> that heartbeat (reconcileVms). */
   private readonly vmMissing = new Map<string, { bootId: string; seq: bigint }>();
   /** What warnOnce has logged, by `<host>/<what>`: one entry per host and kind of odd report. */
@@ -1002,6 +1011,7 @@ export class Executor {
     this.every(this.deps.config.heldSnapshotCheckMs ?? 30_000, 'held snapshot check', async () => {
       this.reconcileHeldSnapshots();
       await this.pruneHolders();
+      await this.failOrphanedSnapshots();
     });
     this.every(VM_CHECK_MS, 'vm reconcile', async () => {
       await this.reconcileVms();
@@ -5001,6 +5011,44 @@ export class Executor {
       if (op.kind === 'drain') for (const m of Object.values(input.migrations ?? {})) if (typeof m.snapshotId === 'string') ids.add(m.snapshotId);
     }
     return ids;
+  }
+
+  /**
+   * Marks failed a snapshot left `creating` that no unfinished operation takes any more, once it
+   * has been so for ORPHANED_SNAPSHOT_GRACE_MS across passes: the op that took it ended without
+   * finishing or failing it (each such path found so far was fixed on its own: a hibernate or a
+   * drain run again after its sandbox moved on, a drain cancelled meanwhile; this catches the
+   * next). Left creating, it could neither expire nor be deleted, and its host kept its files
+   * for good; failed, retention deletes it (reconcileHeldSnapshots) and a re-run of its op, if
+   * one comes after all, takes it up again (snapshotOf). Returns how many it marked.
+   */
+  async failOrphanedSnapshots(): Promise<number> {
+    if (!this.active) return 0;
+    const now = this.deps.clock.now();
+    let taking: Set<string> | undefined;
+    const seen = new Set<string>();
+    const due: SnapshotRec[] = [];
+    for (const v of this.cache.snapshots.values()) {
+      const sn = v.value;
+      if (sn.state !== 'creating' || (taking ??= this.snapshotsOfLiveOps()).has(sn.id)) continue;
+      const k = `${sn.tenantId}/${sn.id}`;
+      seen.add(k);
+      const since = this.orphanedSince.get(k);
+      if (since === undefined) this.orphanedSince.set(k, now);
+      else if (now - since >= ORPHANED_SNAPSHOT_GRACE_MS) due.push(sn);
+    }
+    for (const k of this.orphanedSince.keys()) if (!seen.has(k)) this.orphanedSince.delete(k);
+    let marked = 0;
+    for (const sn of due) {
+      this.log.warn({ snapshotId: sn.id, tenantId: sn.tenantId, takenOn: sn.takenOn }, 'snapshot left creating by an operation that ended: marking it failed');
+      try {
+        await this.markSnapshotFailed(sn);
+        marked++;
+      } catch (e) {
+        this.log.warn({ err: e, snapshotId: sn.id }, 'could not mark a snapshot left creating failed; trying at the next pass');
+      }
+    }
+    return marked;
   }
 
   /**

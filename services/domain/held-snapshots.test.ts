@@ -58,3 +58,62 @@ describe('reconcileHeldSnapshots', () => {
     expect(pass(snapshotRecord({ state: 'deleted' }), [op('snapshot', { snapshotId: 'sn-a' })])).toEqual(['sn-a']);
   });
 });
+
+describe('failOrphanedSnapshots', () => {
+  /** A leader whose cache holds `rec`, with `ops` unfinished; `at` moves its clock; `failed()` the snapshots it wrote failed. */
+  function leader(rec: SnapshotRec, ops: OperationRec[] = []) {
+    let now = NOW;
+    const written: SnapshotRec[] = [];
+    const ex = leaderExecutor(
+      {
+        getSnapshot: async () => ({ value: rec, modRevision: 2 }),
+        commitAt: async (ws: Array<{ kind: string; value: SnapshotRec }>) => {
+          for (const w of ws) if (w.kind === 'snapshot') written.push(w.value);
+          return 9;
+        },
+      },
+      { clock: { now: () => now } },
+    );
+    ex.cache.snapshots.set(`t1/${rec.id}`, { value: rec, modRevision: 2 });
+    const live = (ex as unknown as { ops: Map<string, { value: OperationRec; modRevision: number }> }).ops;
+    for (const o of ops) live.set(o.id, { value: o, modRevision: 3 });
+    return { ex, at: (ms: number) => void (now = NOW + ms), failed: () => written.filter((s) => s.state === 'failed').map((s) => s.id) };
+  }
+  const creating = snapshotRecord({ state: 'creating' });
+
+  it('leftCreatingWithNoOpTakingIt_isMarkedFailed_onlyOnceItHasBeenSoForTheGrace', async () => {
+    // The op that took it ended without finishing or failing it (a path not yet found): left
+    // creating, it could neither expire nor be deleted, and its host kept its files for good.
+    const l = leader(creating);
+    expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+    l.at(4 * 60_000);
+    expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+    l.at(5 * 60_000);
+    expect(await l.ex.failOrphanedSnapshots()).toBe(1);
+    expect(l.failed()).toEqual(['sn-a']);
+  });
+
+  it('creating_whileAnOpThatTakesItIsUnfinished_isLeftAlone_andItsGraceStartsAgainAfter', async () => {
+    const ops = [op('fork', { sandboxId: 'sb-a', forkSnapshotId: 'sn-a' })];
+    const l = leader(creating, ops);
+    await l.ex.failOrphanedSnapshots();
+    l.at(10 * 60_000);
+    expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+    // Its op ended: seen orphaned from now on, not from the first pass.
+    (l.ex as unknown as { ops: Map<string, unknown> }).ops.clear();
+    expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+    l.at(14 * 60_000);
+    expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+    l.at(15 * 60_000);
+    expect(await l.ex.failOrphanedSnapshots()).toBe(1);
+  });
+
+  it('readyOrFailed_isNeverMarked', async () => {
+    for (const state of ['ready', 'failed'] as const) {
+      const l = leader(snapshotRecord({ state }));
+      await l.ex.failOrphanedSnapshots();
+      l.at(60 * 60_000);
+      expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+    }
+  });
+});
