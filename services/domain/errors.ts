@@ -20,6 +20,19 @@ export class NoCapacityError extends ForkfleetError {
 }
 
 /**
+ * No host was eligible at all, for reasons that freed capacity does not change (cordoned or
+ * draining hosts, a locality or pin no host meets, no live host to copy the snapshot from, an
+ * incompatible VMM): answered as "no capacity" with "ask for less", it sent users after the
+ * wrong fix. Unavailable and retryable when hosts that are down would have been eligible (a
+ * suspect host may be heard again), else failed_precondition.
+ */
+export class NoEligibleHostError extends ForkfleetError {
+  constructor(what: string, reasons: string, hostsDown: boolean) {
+    super(hostsDown ? 'unavailable' : 'failed_precondition', `no host is eligible for this ${what} (${reasons})${hostsDown ? '; some are down, retry once they are back' : ''}`, { retryable: hostsDown });
+  }
+}
+
+/**
  * A sandbox larger than any host of the fleet, even empty: no retry can place it (a
  * retryable NoCapacityError would have clients retry forever). `field` is the resource.
  */

@@ -21,12 +21,12 @@ import { HostResultSchema, HostWorkSchema, VmSpecSchema } from './messages.ts';
 import { HostEventType as PbHostEventType, VmState as PbVmState } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { FetchRates, LinkLoads, SnapshotStoredSignals, fleetViewInput, livenessOf } from './fleet-view.ts';
 import type { LivenessConfig, HeartbeatRegistry } from './fleet-view.ts';
-import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
+import { ConflictError, HostLostError, HostStepError, LargerThanAnyHostError, NoCapacityError, NoEligibleHostError, NotFoundError, NotLeaderError, OperationCancelledError, StepTimeoutError, StoreFullError, StoreUnavailableError, WrongStateError } from './errors.ts';
 import { buildFleetView, DEFAULT_PLACEMENT_CONFIG, place, rngForRequest } from '../../scheduler/index.ts';
 import { applyBooking, bookingOf } from './image-shares.ts';
 import { capSteps, STEPS_KEPT } from './step-log.ts';
 import type { Booking } from './image-shares.ts';
-import type { FleetView, PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
+import type { Explanation, FleetView, PlacementConfig, PlacementRequest, PlacementResult } from '../../scheduler/index.ts';
 import type { PlacementPrefs } from './fleet.ts';
 import { newId } from './fleet.ts';
 import { HIBERNATION_LABEL, PURPOSE_LABEL, planRetention } from './retention.ts';
@@ -406,6 +406,29 @@ function largerThanAnyHost(view: FleetView, req: PlacementRequest): LargerThanAn
     if (asked > largest) return new LargerThanAnyHostError(field, asked, largest, unit);
   }
   return undefined;
+}
+
+/** Filter reasons about a host's free room: a placement that met one is short of capacity. */
+const CAPACITY_REASONS: ReadonlySet<string> = new Set(['insufficient_vcpu', 'insufficient_memory', 'insufficient_disk', 'no_inbound_bandwidth']);
+/** What the filter reasons that do not say it themselves mean, for NoEligibleHostError's message. */
+const FILTER_MEANING: Readonly<Record<string, string>> = {
+  no_transfer_source: 'no live host holds the snapshot to copy it from (its holders are lost or were removed)',
+  locality: 'the placement locality (same or cross host) excludes it',
+  not_pinned: 'not the host the request names',
+  vmm_incompatible: "its QEMU, accelerator or CPU model cannot restore the snapshot's",
+};
+
+/**
+ * The error of a failed placement (after largerThanAnyHost): no capacity (retryable) when it
+ * placed some, or some host was short of room or only capped; otherwise no host was eligible
+ * at all (NoEligibleHostError), for reasons no freed capacity changes.
+ */
+export function placementFailure(x: Pick<Explanation, 'kind' | 'placed' | 'feasible' | 'filtered' | 'summary'>): NoCapacityError | NoEligibleHostError {
+  const filtered = Object.entries(x.filtered).filter(([, n]) => (n ?? 0) > 0);
+  if (x.placed > 0 || x.feasible > 0 || filtered.length === 0 || filtered.some(([r]) => CAPACITY_REASONS.has(r))) return new NoCapacityError(x.summary);
+  const sorted = filtered.sort((a, b) => (b[1] ?? 0) - (a[1] ?? 0));
+  const reasons = sorted.map(([r, n]) => `${r}=${n}`).join(', ') + sorted.flatMap(([r]) => (FILTER_MEANING[r] ? [`; ${r}: ${FILTER_MEANING[r]}`] : [])).join('');
+  return new NoEligibleHostError(x.kind, reasons, filtered.some(([r]) => r === 'host_suspect' || r === 'host_lost'));
 }
 
 /**
@@ -2208,7 +2231,7 @@ export class Executor {
             // documents, so the first attempt's decision replays from its explanation.
             const result = place(view, req, rngForRequest(attempt === 0 ? req.id : `${req.id}/${attempt}`), this.deps.config.placement);
             if (!result.ok && result.reason === 'unknown_snapshot') throw new WrongStateError('snapshot', job.snapshot?.id ?? '', 'recorded without a VM configuration', 'it cannot be restored', 'snapshot_id');
-            if (!result.ok) throw largerThanAnyHost(view, req) ?? new NoCapacityError(result.explanation.summary);
+            if (!result.ok) throw largerThanAnyHost(view, req) ?? placementFailure(result.explanation);
             const { perChild, writes, opUpdate } = job.records(result);
             const perHost = new Map<string, number>();
             for (const p of result.placements) perHost.set(p.hostId, (perHost.get(p.hostId) ?? 0) + 1);
@@ -5057,7 +5080,8 @@ export class Executor {
    * corrupt or missing (the agent stops counting itself a holder until it has fetched them
    * again), or the host came back with its disk replaced. While the record still named it,
    * placement preferred that host and sent it no fetch plan, so every restore there failed.
-   * Hosts not heard lately are left to the host reconciler. Returns how many holders it dropped.
+   * Hosts not heard lately are left to the host reconciler; a removed host (its record gone) is
+   * dropped at the first pass. Returns how many holders it dropped.
    */
   async pruneHolders(): Promise<number> {
     if (!this.active) return 0;
@@ -5074,6 +5098,12 @@ export class Executor {
       if (sn.state !== 'ready') continue;
       const hosts = new Set<string>();
       for (const h of sn.hostIds) {
+        // A removed host (RemoveHost deleted its record) holds nothing any more: it was listed
+        // for good, never heard again, and placement counted it as a source.
+        if (!this.cache.hosts.has(h)) {
+          hosts.add(h);
+          continue;
+        }
         if (!lacking(h, sn.id)) continue;
         const k = `${h}/${sn.id}`;
         seen.add(k);

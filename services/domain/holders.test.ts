@@ -16,4 +16,21 @@ describe('snapshot holders', () => {
     await expect(add).rejects.toMatchObject({ kind: 'aborted' });
     expect(tries).toBe(20);
   });
+
+  it('pruneHolders_dropsAHostThatWasRemoved_atOnce_andKeepsTheHostsThatAreThere', async () => {
+    // RemoveHost deletes a lost host's record: never heard again, it stayed a holder for good,
+    // so `snapshot ls` listed it and placement counted it as a transfer source.
+    let rec = snapshotRecord({ id: 'sn-a', tenantId: 't1', hostIds: ['h1', 'gone'] });
+    const ex = leaderExecutor({
+      getSnapshot: async () => ({ value: rec, modRevision: 3 }),
+      commitAt: async (ws: Array<{ kind: string; value: typeof rec }>) => {
+        for (const w of ws) if (w.kind === 'snapshot') rec = w.value;
+        return 4;
+      },
+    });
+    ex.cache.hosts.set('h1', { value: { id: 'h1', state: 'lost' } as never, modRevision: 1 });
+    ex.cache.snapshots.set('t1/sn-a', { value: rec, modRevision: 3 });
+    expect(await ex.pruneHolders()).toBe(1);
+    expect(rec.hostIds).toEqual(['h1']);
+  });
 });
