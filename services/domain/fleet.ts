@@ -9,7 +9,7 @@ import type { HeartbeatRegistry, LivenessConfig } from './fleet-view.ts';
 import { CANCELLABLE_KINDS, DRAIN_TENANT, isTerminal, PLACEMENT_TXN_MAX_BYTES, sandboxOfOp, sandboxRecordBytes, snapshotsUsedBy } from './records.ts';
 import { ConflictError, NotFoundError, RelayedHostError, WrongStateError } from './errors.ts';
 import type { HostExecOutputMsg } from './messages.ts';
-import { HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
+import { HostExecOutputSchema, HostExecRequestSchema, HostFileRequestSchema } from './messages.ts';
 import { create, toBinary } from '@bufbuild/protobuf';
 import { ForkfleetError, InvalidArgumentError } from '../../proto/errors.ts';
 import { admit, forkNeed, tenantUsage } from './quota.ts';
@@ -1029,6 +1029,15 @@ export class Fleet {
           break;
         }
         first = false;
+        // The VM went away under a running command (its guest connection dropped): a drain
+        // moving it, or a hibernate, says so, rather than an error that reads as a lost host.
+        if (m.payload.case === 'error' && m.payload.value.kind === 'unavailable') {
+          const why = await this.whyVmWentAway(input.tenantId, sb).catch(() => undefined);
+          if (why) {
+            yield create(HostExecOutputSchema, { payload: { case: 'error', value: { ...m.payload.value, message: `${why} while the command ran: it may go on there, but its output and exit status are lost (${m.payload.value.message})` } } });
+            continue;
+          }
+        }
         yield m;
       }
       if (!refused) return;
@@ -1040,6 +1049,23 @@ export class Fleet {
       }
       sb = woken;
     }
+  }
+
+  /**
+   * Why sandbox `sb` (as it was when a command was sent to it) no longer has its VM on that
+   * host, when an operation took it: moved to another host, or hibernated, or being so. Else
+   * undefined (its host or guest failed: the host's error says what it saw).
+   */
+  private async whyVmWentAway(tenantId: string, sb: SandboxRec): Promise<string | undefined> {
+    const now = (await this.deps.store.getSandbox(tenantId, sb.id))?.value;
+    if (!now) return undefined;
+    if (now.hostId !== sb.hostId && now.hostId !== '' && (now.state === 'running' || now.state === 'paused')) return `sandbox ${sb.id} was moved from host ${sb.hostId} to ${now.hostId}`;
+    if (now.state === 'hibernating' || now.state === 'hibernated') return `sandbox ${sb.id} was hibernated`;
+    if (now.opId === '') return undefined;
+    const op = (await this.deps.store.getOp(tenantId, now.opId))?.value ?? (await this.deps.store.getOp(DRAIN_TENANT, now.opId))?.value;
+    if (op?.kind === 'drain') return `sandbox ${sb.id} is being moved off host ${sb.hostId} by drain ${op.id}`;
+    if (op?.kind === 'hibernate') return `sandbox ${sb.id} is being hibernated by operation ${op.id}`;
+    return undefined;
   }
 
   /** Bytes of file data per relayed request or answer: what fits a NATS message (at most 512 KiB). */

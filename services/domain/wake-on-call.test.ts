@@ -209,3 +209,37 @@ describe('a call whose host finds the VM paused or gone by a hibernate that took
     expect(pausing.submitted()).toBe(0);
   });
 });
+
+describe('a command whose guest connection drops while it runs', () => {
+  /** Sandbox sb-a running on h1; its exec prints, then the host reports the guest connection closed, after `then` became the record. */
+  function droppedUnder(then: SandboxRec, ops: Record<string, Partial<OperationRec>> = {}) {
+    let sb = sandboxRecord({ hostId: 'h1', updatedAt: 1 });
+    const bus: Partial<WorkBus> = {
+      exec: async function* () {
+        yield create(HostExecOutputSchema, { seq: 1n, payload: { case: 'stdout', value: Buffer.from('start\n') } });
+        sb = then;
+        yield errorOf({ kind: 'unavailable', message: 'guest agent connection closed', retryable: true, field: '' });
+      },
+    };
+    const f = fleetOver(() => sb, (id) => ops[id] ?? {}, () => Date.now(), { bus });
+    return async (): Promise<string> => {
+      let last = '';
+      for await (const m of execOf(f.fleet)) if (m.payload.case === 'error') last = m.payload.value.message;
+      return last;
+    };
+  }
+
+  it('namesTheDrainThatMovedItsSandbox_insteadOfAnErrorThatReadsAsALostHost', async () => {
+    // An SRE's drain --migrate ended a running exec with only "guest agent connection closed".
+    const moving = droppedUnder(sandboxRecord({ hostId: 'h1', opId: 'op-d', updatedAt: 2 }), { 'op-d': { kind: 'drain' } });
+    expect(await moving()).toBe('sandbox sb-a is being moved off host h1 by drain op-d while the command ran: it may go on there, but its output and exit status are lost (guest agent connection closed)');
+    const moved = droppedUnder(sandboxRecord({ hostId: 'h2', updatedAt: 3 }));
+    expect(await moved()).toMatch(/^sandbox sb-a was moved from host h1 to h2 while the command ran/);
+    const hibernatedMeanwhile = droppedUnder(sandboxRecord({ state: 'hibernated', hostId: '', updatedAt: 3 }));
+    expect(await hibernatedMeanwhile()).toMatch(/^sandbox sb-a was hibernated while the command ran/);
+  });
+
+  it('isTheHostsOwnError_whenNoOperationTookTheSandbox', async () => {
+    expect(await droppedUnder(sandboxRecord({ hostId: 'h1', updatedAt: 1 }))()).toBe('guest agent connection closed');
+  });
+});
