@@ -145,3 +145,23 @@ describe('EtcdFleetStore wiring (a bare gRPC server in etcd\'s place)', () => {
     expect(txns()).toBe(4);
   });
 });
+
+describe('etcd3 member failures (ConnectionPool.markFailed, as store.ts patches it)', () => {
+  const member = () => {
+    let resets = 0;
+    return { resource: { resetAllServices: () => void resets++, faultHandling: { execute: async (fn: () => unknown) => fn() } }, resets: () => resets };
+  };
+
+  it('aStreamThisClientCancelledItself_closesNoClientOfTheMember_whileAnUnavailableStreamStillDoes', async () => {
+    // A standby's election watch, cancelled once it won, closed every client to the member: ~10 s
+    // later grpc-js dropped the new leader's watches and its lease keepalive (seen at every failover).
+    const { ConnectionPool } = await import('etcd3/lib/connection-pool.js');
+    const markFailed = (ConnectionPool.prototype as unknown as { markFailed(this: unknown, r: unknown, e: Error): void }).markFailed;
+    const own = member();
+    markFailed.call({}, own.resource, Object.assign(new Error('1 CANCELLED: Cancelled on client'), { code: status.CANCELLED, details: 'Cancelled on client' }));
+    expect(own.resets()).toBe(0);
+    const broken = member();
+    markFailed.call({}, broken.resource, Object.assign(new Error('14 UNAVAILABLE: Connection dropped'), { code: status.UNAVAILABLE, details: 'Connection dropped' }));
+    expect(broken.resets()).toBe(1);
+  });
+});

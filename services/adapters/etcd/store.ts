@@ -10,6 +10,7 @@ import type { CallContext } from 'etcd3';
 import type { IKeyValue, IWatchResponse, Watcher, WatchBuilder } from 'etcd3';
 import { once } from 'node:events';
 import { WatchManager } from 'etcd3/lib/watch.js';
+import { ConnectionPool } from 'etcd3/lib/connection-pool.js';
 import type { FleetChange, FleetStore, FollowedRecord, KnownRecord, LeaderFence, RecordChange, SandboxChange, StoreWrite, Versioned, WatchBroke } from '../../domain/ports.ts';
 import { isCompacted } from '../../domain/ports.ts';
 import type { HostAllocRec, HostRec, OperationRec, SandboxRec, SnapshotRec } from '../../domain/records.ts';
@@ -69,6 +70,35 @@ function dropAnswersForGoneWatchers(): void {
   proto.__ffPatched = true;
 }
 dropAnswersForGoneWatchers();
+
+/**
+ * etcd3 takes a stream's 'error' for a failure of its member (ConnectionPool.markFailed) and,
+ * for a "recoverable" one (CANCELLED among them), closes every gRPC client it has to that
+ * member. Its own cancel of a stream raises CANCELLED "Cancelled on client": the watch stream
+ * it ends when its last watcher goes (a standby's wait for election, once elected), a lease
+ * keepalive it stops. The closed channel's connection stays up for the streams still on it
+ * (the election lease's keepalive, the new leader's watches) until its next keepalive ping,
+ * refused on the closing session, makes grpc-js drop them all ~10 s later: every failover
+ * broke the new leader's watches (it listed everything again) and its lease's keepalive. A
+ * cancel this client made is no failure of the member: ignored here.
+ */
+function ignoreOwnCancels(): void {
+  const proto = ConnectionPool.prototype as unknown as { markFailed: (this: unknown, resource: unknown, error: Error) => void; __ffPatched?: boolean };
+  if (proto.__ffPatched) return;
+  const markFailed = proto.markFailed;
+  proto.markFailed = function (resource, error) {
+    if (ownCancel(error)) return;
+    markFailed.call(this, resource, error);
+  };
+  proto.__ffPatched = true;
+}
+ignoreOwnCancels();
+
+/** A gRPC call this process cancelled itself (grpc-js's status for a local cancel). */
+function ownCancel(error: unknown): boolean {
+  const e = error as { code?: unknown; details?: unknown } | null;
+  return typeof e === 'object' && e !== null && e.code === 1 && e.details === 'Cancelled on client';
+}
 
 /** Watchers etcd has cancelled (their 'error' came). */
 const cancelled = new WeakSet<Watcher>();
