@@ -802,6 +802,8 @@ interface CopiedOff {
   copied: number;
   of: number;
   cancelled: boolean;
+  /** The kind of the uncopied ones' cause: failed_precondition when no host could take a copy at all, unavailable when copies failed. */
+  kind: OperationError['kind'];
 }
 
 /** How far a drain cancelled during its copies got, for its message. */
@@ -812,6 +814,21 @@ function copiedOff(off: Omit<CopiedOff, 'uncopied'>, hostId: string): string {
 /** A sandbox a drain did not wait for (cancelled meanwhile, or its steps' time ran out), as the drain names it. */
 function stillOnItsWay(sb: SandboxRec): string {
   return `${sb.id}: still ${sb.state} here`;
+}
+
+/**
+ * The error a drain that left sandboxes or snapshots behind ends with, its kind from the kinds
+ * of its causes: the one they all share (no host eligible: failed_precondition; none with
+ * room: resource_exhausted), else unavailable. Never internal: what a drain could not move or
+ * copy is the fleet's state, which `message` names cause by cause, not a fault of the
+ * scheduler's (an internal cause, a host's say, counts as unavailable). Retryable unless no
+ * host is eligible: run again, such a drain fails the same way until a host is uncordoned or
+ * added.
+ */
+function drainFailure(message: string, kinds: ReadonlyArray<OperationError['kind']>): OperationError {
+  const causes = new Set(kinds.map((k) => (k === 'internal' ? 'unavailable' : k)));
+  const kind = causes.size === 1 ? [...causes][0]! : 'unavailable';
+  return { kind, message, retryable: kind !== 'failed_precondition' };
 }
 
 /** A failed migration's record once undone: the next attempt starts afresh. */
@@ -4343,7 +4360,10 @@ export class Executor {
    * Without `migrate`, they are hibernated in place and their snapshots copied to another
    * host (drainByHibernating).
    * Progress per sandbox is recorded in the op's input before each step, so a new leader
-   * resumes a half-done migration instead of repeating it.
+   * resumes a half-done migration instead of repeating it. A sandbox no other host could take
+   * now is not paused or snapshotted at all (moveRefusal). The op's progress counts the
+   * sandboxes moved of those to move; a drain that left any (or a snapshot) behind fails with
+   * its causes' kind (drainFailure).
    */
   private async runDrain(op: OperationRec): Promise<void> {
     const hostId = op.targetId;
@@ -4376,6 +4396,9 @@ export class Executor {
     if (!input.migrate) return this.drainByHibernating(op, hostId, onHost, unsettled);
     const moved: string[] = [];
     const failures: string[] = unsettled.map(stillOnItsWay);
+    // The kinds of the failures that are errors caught (a migration's), for the drain's own
+    // (drainFailure); any other failure counts as unavailable.
+    const causes: Array<OperationError['kind']> = [];
     // An earlier run of this drain (before a failover or a store outage) that switched a
     // sandbox's record may have stopped before it destroyed the source VM: done now (the
     // agent answers a repeated step from its journal).
@@ -4447,6 +4470,7 @@ export class Executor {
           if (this.endsTheRun(e)) throw e;
           this.log.warn({ err: e, opId: op.id, sandboxId: id }, 'could not switch a sandbox lost during its migration to its copy');
           failures.push(`${id}: ${e instanceof Error ? e.message : String(e)}`);
+          causes.push(errorOf(e).kind);
         }
         continue;
       }
@@ -4464,12 +4488,30 @@ export class Executor {
     // is seen through even when the drain was cancelled meanwhile: its source VM may be paused
     // and a host booked for it, which only its migration (or that migration's undo) settles.
     onHost.sort((a, b) => Number(b.opId === op.id) - Number(a.opId === op.id));
+    // Progress: how many of the sandboxes to move are moved, of them all (the final write's
+    // done and total too), written as each move ends (one op write next to the several each
+    // migration makes) and before the copies off, so `operation get` follows the drain. Best
+    // effort: the final write says it again.
+    const total = onHost.length + earlier;
+    let notMoved = 0;
+    const progress = (then = ''): void => {
+      const done = moved.length;
+      const message = `moved ${done} of ${total} sandboxes off ${hostId}${notMoved ? ` (${notMoved} could not be)` : ''}${then}`;
+      void this.updateOp(op.tenantId, op.id, (o) => void (o.progress = { ...o.progress, done, total, message })).catch(() => undefined);
+    };
+    progress();
     for (const sb of onHost) {
       if (sb.opId !== op.id) {
         const stop = cancelled();
         if (stop) return stop;
       }
       try {
+        // No move of it under way (not claimed by this drain, no host booked for it): some
+        // other host must be able to take it now, or its migration would pause and snapshot it
+        // only to fail its booking (moveRefusal).
+        const booked = (this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.migrations?.[sb.id]?.toHostId;
+        const refused = sb.opId !== op.id && !booked ? this.moveRefusal(op, sb) : undefined;
+        if (refused) throw refused;
         await this.migrate(op, sb);
         moved.push(sb.id);
       } catch (e) {
@@ -4477,7 +4519,10 @@ export class Executor {
         if (this.endsTheRun(e)) throw e;
         this.log.warn({ err: e, opId: op.id, sandboxId: sb.id }, 'migration failed; the sandbox stays on the draining host');
         failures.push(`${sb.id}: ${e instanceof Error ? e.message : String(e)}`);
+        causes.push(errorOf(e).kind);
+        notMoved++;
       }
+      progress();
     }
     const stop = cancelled();
     if (stop) return stop;
@@ -4488,12 +4533,16 @@ export class Executor {
     for (const { value: sb } of await this.deps.store.listSandboxes(undefined)) {
       if (sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused') && !seen.has(sb.id)) failures.push(`${sb.id}: came onto ${hostId} during the drain; drain it again`);
     }
+    progress('; copying off the snapshots no uncordoned host holds');
     const { uncopied, ...off } = await this.copySnapshotsOff(op, hostId);
     if (off.cancelled) {
       failures.push(...uncopied);
       return cancelled(copiedOff(off, hostId));
     }
-    if (failures.length || uncopied.length) return this.finish(op, { sandboxIds: moved }, { kind: 'internal', message: `moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}; ${[...failures, ...uncopied].join('; ')}`, retryable: true }, undefined, this.drainEnded(op));
+    if (failures.length || uncopied.length) {
+      const kinds = [...causes, ...(failures.length > causes.length ? ['unavailable' as const] : []), ...(uncopied.length ? [off.kind] : [])];
+      return this.finish(op, { sandboxIds: moved }, drainFailure(`moved ${moved.length} of ${total} sandboxes off ${hostId}; ${[...failures, ...uncopied].join('; ')}`, kinds), moved.length, this.drainEnded(op));
+    }
     await this.finish(op, { sandboxIds: moved }, null, moved.length, this.drainEnded(op));
   }
 
@@ -4551,11 +4600,25 @@ export class Executor {
       const sb = (await this.deps.store.getSandbox(tenantId, sandboxId))?.value;
       return sb?.hostId === hostId && (sb.state === 'running' || sb.state === 'paused');
     };
+    // Progress as a migrating drain writes it (runDrain): how many of the sandboxes to hibernate
+    // are hibernated, of them all, written as each hibernate ends and before the copies off.
+    const total = Object.keys(recorded).length;
+    let hibernated = 0;
+    let notHibernated = 0;
+    const progress = (then = ''): void => {
+      const done = hibernated;
+      const message = `hibernated ${done} of ${total} sandboxes on ${hostId}${notHibernated ? ` (${notHibernated} could not be)` : ''}${then}`;
+      void this.updateOp(op.tenantId, op.id, (o) => void (o.progress = { ...o.progress, done, total, message })).catch(() => undefined);
+    };
+    progress();
     const ends = await Promise.all(
-      Object.entries(recorded).map(async ([sandboxId, [tenantId, key]]) => ({
-        sandboxId,
-        error: await this.submitAndWait(tenantId, key, 'hibernate', sandboxId, { snapshotId: newId('sn'), replicas: 0, reason: 'drain' }, earlier.has(sandboxId) ? () => stillHere(tenantId, sandboxId) : undefined),
-      })),
+      Object.entries(recorded).map(async ([sandboxId, [tenantId, key]]) => {
+        const error = await this.submitAndWait(tenantId, key, 'hibernate', sandboxId, { snapshotId: newId('sn'), replicas: 0, reason: 'drain' }, earlier.has(sandboxId) ? () => stillHere(tenantId, sandboxId) : undefined);
+        if (error === undefined) hibernated++;
+        else notHibernated++;
+        progress();
+        return { sandboxId, error };
+      }),
     );
     for (const e of ends) if (e.error !== undefined) failures.push(`${e.sandboxId}: hibernate failed: ${e.error}`);
     for (const sb of ownUnsettled) {
@@ -4578,6 +4641,7 @@ export class Executor {
       // named, so the drain does not report the host drained while it runs there.
       if (sb.hostId === hostId && (sb.state === 'running' || sb.state === 'paused') && !recorded[sb.id] && !uncordoned) failures.push(`${sb.id}: came onto ${hostId} during the drain; drain it again`);
     }
+    progress('; copying off the snapshots no uncordoned host holds');
     const { uncopied, ...off } = await this.copySnapshotsOff(op, hostId, snapshots);
     failures.push(...uncopied);
     if (off.cancelled) return cancelled(copiedOff(off, hostId));
@@ -4586,13 +4650,15 @@ export class Executor {
   }
 
   /**
-   * The end of every drain: each ready snapshot that no other live host holds (a hibernated
-   * sandbox's, a fork's source, a user's) gets a copy on another ready host, round robin,
+   * The end of every drain: each ready snapshot that no other live uncordoned host holds (a
+   * hibernated sandbox's, a fork's source, a user's) gets a copy on another ready host, round robin,
    * so removing the drained host loses no snapshot. A copy that fails is tried on the next
    * host, until one makes it or every one has failed it (as replicate() does); a host that
    * failed a copy another host then made (a full disk, say: the fault is the host's, not the
    * snapshot's) is skipped for the rest of the drain, so the snapshots after it do not each
    * wait out its failure. Returns what could not be copied, and how many of how many were.
+   * With no host to copy to, none is tried: one line names them all, with the cordoned or
+   * draining hosts that also hold them (failed_precondition, not a failed copy).
    * A cancel (CancelOperation) stops it before its next copy (the one under way finishes):
    * `cancelled`, and the drain ends so, as fleet.proto's CancelOperationRequest says.
    * `snapshots`: every snapshot record, when the caller has just listed them.
@@ -4618,14 +4684,21 @@ export class Executor {
     // host only, until one copy succeeds (a re-run meets the same order: no snapshot is left
     // untried for good behind two that cannot be copied).
     let failedEverywhere = 0;
+    // No host to copy to (every other one cordoned, draining, down or gone): one line for them
+    // all, saying truthfully who holds each. One also on a live cordoned or draining host is
+    // held there still, yet not kept (above): that host may be on its way out too.
+    if (targets.length === 0 && only.length > 0) {
+      if (this.cancelRequested(op.id)) return { uncopied: [], copied: 0, of: only.length, cancelled: true, kind: 'failed_precondition' };
+      const alsoOn = (sn: SnapshotRec): string[] => sn.hostIds.filter((h) => h !== hostId && live(h));
+      const named = only.map((sn) => (alsoOn(sn).length > 0 ? `${sn.id} (also on ${alsoOn(sn).join(', ')})` : sn.id));
+      const holders = only.some((sn) => alsoOn(sn).length > 0) ? `${hostId} and cordoned or draining hosts` : hostId;
+      failures.push(`no uncordoned host is ready to take a copy of the ${only.length === 1 ? 'snapshot' : `${only.length} snapshots`} held only by ${holders}: ${named.join(', ')}`);
+      return { uncopied: failures, copied: 0, of: only.length, cancelled: false, kind: 'failed_precondition' };
+    }
     for (const sn of only) {
       if (this.cancelRequested(op.id)) {
         cancelled = true;
         break;
-      }
-      if (targets.length === 0) {
-        failures.push(`snapshot ${sn.id} is only on ${hostId} and no other host is ready to take a copy`);
-        continue;
       }
       const failed: string[] = [];
       const errors: string[] = [];
@@ -4663,7 +4736,35 @@ export class Executor {
       if (cancelled) break;
       failedEverywhere = errors.length ? failedEverywhere + 1 : 0;
     }
-    return { uncopied: failures, copied, of: only.length, cancelled };
+    return { uncopied: failures, copied, of: only.length, cancelled, kind: 'unavailable' };
+  }
+
+  /**
+   * Why no host but `sb`'s own could take it now, or undefined when one could: asked before
+   * its migration pauses and snapshots it, which froze each guest ~1.4 s and kept a migration
+   * snapshot for a day for moves that then failed their booking (no capacity) one after
+   * another. Pure, over the leader's cache: a placement of a create of its resources, its
+   * host avoided. That is looser than the restore placeAndBook decides later (same host
+   * state, cordon and drain checks; no VMM, image or transfer check; the snapshot's vCPUs and
+   * memory are the sandbox's, and a restore's disk is its overlay plus the chunks it lacks),
+   * so it never refuses a move that would have fit; one it lets through may still fail its
+   * booking. The error's kind is placementFailure's; its message, the hosts filtered and why.
+   */
+  private moveRefusal(op: OperationRec, sb: SandboxRec): ForkfleetError | undefined {
+    const now = this.deps.clock.now();
+    const allocs = new Map([...this.cache.allocs].map(([k, v]) => [k, v.value]));
+    const view = buildFleetView(fleetViewInput({ hosts: this.cache.hostsById().map((h) => h.value), allocs, heard: this.deps.heard, snapshots: [], revision: 0, now, liveness: this.deps.config.liveness, chunkBytes: this.deps.config.chunkBytes }));
+    const req: PlacementRequest = { kind: 'create', id: `${op.id}/${sb.id}/precheck`, nowMs: now, resources: sb.resources, preferences: { avoidHostIds: [sb.hostId] } };
+    const result = place(view, req, rngForRequest(req.id), this.deps.config.placement);
+    if (result.ok) return undefined;
+    const why = placementFailure(result.explanation);
+    // Its own host (avoided) is not among the reasons: the others are.
+    const reasons = Object.entries(result.explanation.filtered)
+      .filter(([r, n]) => r !== 'avoided' && (n ?? 0) > 0)
+      .sort((a, b) => (b[1] ?? 0) - (a[1] ?? 0))
+      .map(([r, n]) => `${r}=${n}`)
+      .join(', ');
+    return new ForkfleetError(why.kind, `no other host can take it now (${reasons || 'no other host'}); it was not paused or snapshotted`, { retryable: why.retryable, cause: why });
   }
 
   private async migrate(op: OperationRec, sb: SandboxRec): Promise<void> {
