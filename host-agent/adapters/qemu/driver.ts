@@ -426,10 +426,10 @@ export class QemuVmmDriver implements VmmDriver {
         return 'kvm';
       } catch (e) {
         if (attempt < attempts) {
-          log.warn({ probeMs: Date.now() - t0, attempt, err: String(e) }, 'accel auto: kvm guest did not boot in time; probing again');
+          log.warn({ probeMs: Date.now() - t0, attempt, err: String(e) }, 'accel auto: the kvm probe guest did not boot (err: a crash, or its deadline missed); probing again');
           continue;
         }
-        log.warn({ accel: 'tcg', probeMs: Date.now() - t0, attempt, err: String(e) }, 'accel auto: kvm guest did not boot in time; chose tcg');
+        log.warn({ accel: 'tcg', probeMs: Date.now() - t0, attempt, err: String(e) }, 'accel auto: the kvm probe guest did not boot (err: a crash, or its deadline missed); chose tcg');
         return 'tcg';
       } finally {
         await this.destroy(vmId);
