@@ -1,11 +1,13 @@
 // The load test's command line: --help prints the usage and starts nothing; an option it does
 // not know, or a bad value, ends at once with one line naming it (exit 2), not a stack trace.
 // The script is run as `npm run loadtest` runs it; every case ends before any fleet starts.
+// Then the run's helpers, imported (main.ts runs main() only as a script).
 import { spawnSync } from 'node:child_process';
 import { mkdtempSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { describe, expect, it } from 'vitest';
+import { MODE_DEFAULTS, baselineEnv, baselinePrepared, compileConfig } from './main.ts';
 
 const MAIN = resolve(import.meta.dirname, 'main.ts');
 const run = (...args: string[]) => spawnSync(process.execPath, ['--import', 'tsx', MAIN, ...args], { encoding: 'utf8', timeout: 60_000 });
@@ -16,6 +18,17 @@ describe('loadtest command line', () => {
     expect(r.status).toBe(0);
     expect(r.stdout).toMatch(/^usage: npm run loadtest -- \[--quick\]/);
     expect(r.stdout).toContain('--plan --forks-per-s X --p95-ms Y --from FILE');
+  });
+
+  it('help_printsTheDefaultsTheRunTakes_inBothModes', () => {
+    // Before, it printed --samples 5, --duration 60s and --budget 200s for either mode.
+    const r = run('--help');
+    const full = compileConfig({});
+    const quick = compileConfig({ quick: true });
+    expect([full.samples, full.durationMs, full.budgetMs, quick.samples, quick.durationMs, quick.budgetMs]).toEqual([10, 300_000, 3_600_000, 3, 40_000, 200_000]);
+    expect(MODE_DEFAULTS.full).toMatchObject({ samples: 10, duration: '300s', budget: '3600s' });
+    for (const flag of ['--samples 10]', '--duration 300s]', '--budget 3600s]', '--op-timeout 300s]']) expect(r.stdout).toContain(`[${flag}`);
+    expect(r.stdout).toContain("--quick's defaults: --samples 3 --duration 40s --budget 200s --op-timeout 45s");
   });
 
   it('anUnknownOption_endsWithOneLineNamingIt_exit2', () => {
@@ -64,4 +77,30 @@ describe('loadtest command line', () => {
       rmSync(dir, { recursive: true, force: true });
     }
   }, 120_000);
+});
+
+describe('loadtest run order and env', () => {
+  it('baselinePrepared_waitsForThePreparationToEnd_andAFailedOneIsReportedByItsAwaiterNotHere', async () => {
+    // The timed scenarios begin only after it: the baseline guest's boot, dirtying, snapshot
+    // and save used to run beside fork_same_host_1/4/8 and resume_paused.
+    let finish!: () => void;
+    const prep = new Promise<void>((r) => (finish = r));
+    let ended = false;
+    const waited = baselinePrepared(prep).then(() => (ended = true));
+    await new Promise((r) => setTimeout(r, 20));
+    expect(ended).toBe(false);
+    finish();
+    await waited;
+    expect(ended).toBe(true);
+    // Failed: no throw here; the baselines' own await rethrows it and reports them failed.
+    const failed = Promise.reject(new Error('boot failed'));
+    await expect(baselinePrepared(failed)).resolves.toBeGreaterThanOrEqual(0);
+    await expect(failed).rejects.toThrow('boot failed');
+    await expect(baselinePrepared(undefined)).resolves.toBeGreaterThanOrEqual(0);
+  });
+
+  it('baselineEnv_recordsTheBaselineGuestsBootAsItsOwnEnvField', () => {
+    expect(baselineEnv({ accel: 'tcg', coldBootMs: 8123.456 })).toEqual({ baseline_accel: 'tcg', baseline_cold_boot_ms: 8123.5 });
+    expect(baselineEnv(undefined)).toEqual({});
+  });
 });

@@ -83,7 +83,7 @@ describe('capacity planner', () => {
 
   it('simulate_childrenOnAHostStillFetching_waitForTheFetch', () => {
     // Two templates, each on one host at first, 16 children a fork, 100 ms restores, 2 s copies.
-    const model: LatencyModel = { sameHostMs: [100], transferMsAtRun: 2000, wireMsAtRun: 2000, runLinkGbps: 10, guestMib: 256, source: 'test' };
+    const model: LatencyModel = { sameHostMs: [100], transferMsAtRun: 2000, wireMsAtRun: 2000, runLinkGbps: 10, runAccel: 'tcg', runDate: '', runGitCommit: '', guestMib: 256, source: 'test' };
     // Measured from the start (later on every host holds both), with the 8 slots it was written for.
     const s = simulate(model, 16, 10, { forksPerSecond: 5, childrenPerFork: 16, slotsPerHost: 8, templates: 2, simulatedSeconds: 20, warmUpSeconds: 0, p95TargetMs: 1e9 });
     // When place() sends a copy to a host it puts several of the fork's children there, and each
@@ -191,7 +191,7 @@ describe('capacity planner', () => {
     // the child (executor's migrates(): at most 2 children, at most 4 such hosts) and still
     // lacks it after (ADR 0015 item 5). Before, the first such child made the host a holder,
     // so copies spread until nearly every child was same-host (cross-host fraction 0.02).
-    const model: LatencyModel = { sameHostMs: [100], transferMsAtRun: 500, wireMsAtRun: 500, runLinkGbps: 10, guestMib: 256, source: 'test' };
+    const model: LatencyModel = { sameHostMs: [100], transferMsAtRun: 500, wireMsAtRun: 500, runLinkGbps: 10, runAccel: 'tcg', runDate: '', runGitCommit: '', guestMib: 256, source: 'test' };
     const s = simulate(model, 16, 10, { forksPerSecond: 30, slotsPerHost: 1, templates: 1, simulatedSeconds: 20, p95TargetMs: 1e9 });
     expect(s.crossHostFraction).toBeGreaterThan(0.5);
     const host: SimHost = { slotFree: [0, 0], copyAt: new Map() };
@@ -217,6 +217,40 @@ describe('capacity planner', () => {
     expect(modelFrom(run).source).toMatch(/fetch extra as the migration one/);
     const migrated4 = { ...four, phases: { fork_cross_host_4: { ...four.phases!.fork_cross_host_4!, migrated_samples: 1 } } };
     expect(modelFrom(migrated4).fetchMsAtRun).toBeUndefined();
+  });
+
+  it('modelFrom_fourChildSamplesThatFetchedAPartOfTheSnapshot_priceTheWireTimeOfAllOfIt', () => {
+    // Each fork_cross_host_4 sample forks a fresh snapshot of the same template onto hosts that
+    // hold most of its chunks from the sample before: here the median moved 12.5 MB of the
+    // snapshot's 250 MB. Before, that part's extra (1000 ms, 10 ms of it wire) was the price
+    // of every fetch, a cold one included.
+    const fetched = (bytes: number, env: Partial<RunResult['env']> & { snapshot_stored_bytes?: number } = {}): RunResult => ({
+      ...run,
+      env: { ...run.env, ...env },
+      scenarios: { ...run.scenarios, fork_same_host_4: { n: 4, p50_ms: 500, p95_ms: 600, p99_ms: 600, max_ms: 600 }, fork_cross_host_4: { n: 8, p50_ms: 1500, p95_ms: 1600, p99_ms: 1600, max_ms: 1600 } },
+      phases: { fork_cross_host_4: { n: 2, op_ms: 0, to_first_step_ms: 0, host_step_ms: 0, step_overhead_ms: 0, exec_after_op_ms: 0, bytes_moved: bytes, migrated_samples: 0 } },
+    });
+    const m = modelFrom(fetched(12.5e6, { snapshot_stored_bytes: 250e6 }));
+    // 990 ms as measured, plus 250 MB at the run's 10 Gbit/s (200 ms), which scales.
+    expect(m.fetchMsAtRun).toBeCloseTo(990 + 200, 6);
+    expect(m.fetchWireMsAtRun).toBeCloseTo(200, 6);
+    expect(fetchExtraMs(m, 1)).toBeCloseTo(990 + 2000, 6);
+    expect(m.source).toMatch(/wire part priced at the snapshot's whole 238\.4 MiB \(the run's samples moved a median of 11\.9 MiB/);
+    // Samples that moved (nearly) all of it are taken as measured.
+    expect(modelFrom(fetched(240e6, { snapshot_stored_bytes: 250e6 })).fetchMsAtRun).toBe(1000);
+    // A run that does not record the snapshot's size: as measured, and the source says so.
+    const older = modelFrom(fetched(12.5e6));
+    expect(older.fetchMsAtRun).toBe(1000);
+    expect(older.source).toMatch(/does not record its snapshot's size/);
+  });
+
+  it('formatPlan_namesTheRunTheModelIsFrom_itsAccelDateAndCommit', () => {
+    // Before, neither the plan's JSON nor its text said which run (or accel) priced it.
+    const dated: RunResult = { ...run, env: { ...run.env, accel: 'kvm', date: '2026-12-08T10:00:00.000Z', git_commit: 'abc1234+dirty' } };
+    const model = modelFrom(dated);
+    expect(JSON.parse(JSON.stringify(model))).toMatchObject({ runAccel: 'kvm', runDate: '2026-12-08T10:00:00.000Z', runGitCommit: 'abc1234+dirty' });
+    const text = formatPlan({ request: { forksPerSecond: 1, p95TargetMs: 1000 }, model, answers: [] });
+    expect(text).toMatch(/model from the run of 2026-12-08T10:00:00\.000Z \(git abc1234\+dirty, fleet accel kvm\): fork_same_host_1 samples/);
   });
 
   it('planCapacity_anOverloadedFleet_isNoAnswer_evenWhereAShortRunMeetsTheTarget', () => {

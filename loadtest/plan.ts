@@ -9,7 +9,8 @@
 //     holder: a sample + the measured migration extra (fork_cross_host_1 p50 - fork_same_host_1
 //     p50) per child, and the host does not become a holder (item 5). Any other host fetches
 //     the snapshot: a sample + the measured fetch extra (fork_cross_host_4 p50 -
-//     fork_same_host_4 p50, or the migration extra when the run lacks those); later children
+//     fork_same_host_4 p50, or the migration extra when the run lacks those; its wire time
+//     priced at the whole snapshot where the run's samples fetched a part); later children
 //     there wait for that copy, and the host is reported as holding the snapshot once it is
 //     complete. Of either extra only the wire time (the bytes the scenario moved, at the run's
 //     link rate) scales with the simulated link rate; the rest (TLS, QEMU, CPU) stays as
@@ -70,11 +71,19 @@ export interface LatencyModel {
   transferMsAtRun: number;
   /** The part of transferMsAtRun that is wire time (bytes moved / run link rate): it scales with the link. */
   wireMsAtRun: number;
-  /** What a fetch of the snapshot adds (fork_cross_host_4 - fork_same_host_4 p50s); absent: transferMsAtRun. */
+  /**
+   * What a fetch of the whole snapshot adds (fork_cross_host_4 - fork_same_host_4 p50s; where
+   * those samples moved a part of it, the wire part priced at all of its stored bytes); absent:
+   * transferMsAtRun.
+   */
   fetchMsAtRun?: number;
   /** The part of fetchMsAtRun that is wire time; absent: wireMsAtRun. */
   fetchWireMsAtRun?: number;
   runLinkGbps: number;
+  /** The run the model is from: its fleet's accel (restore times under tcg are emulation's), date and git commit. */
+  runAccel: string;
+  runDate: string;
+  runGitCommit: string;
   guestMib: number;
   source: string;
   /** p50 of fork_same_host_N children over fork_same_host_1's, for the N the run has: not applied (restores are not slowed by concurrency). */
@@ -115,10 +124,22 @@ function whyNoData(r: ScenarioResult | undefined): string {
   return r && 'failed' in r ? `it failed: ${r.failed}` : r && 'truncated' in r ? `stopped early: ${r.truncated}` : 'no samples';
 }
 
+/** Wire time of `bytes` at `link` Gbit/s, ms. */
+function wireMs(bytes: number, link: number): number {
+  return ((bytes * 8) / (link * 1e9)) * 1000;
+}
+
 /** Wire time of `bytes` at the run's link rate, at most `ms`; all of `ms` without bytes. */
 function wireOf(ms: number, bytes: number | undefined, link: number): number {
-  return bytes !== undefined && bytes > 0 ? Math.min(ms, ((bytes * 8) / (link * 1e9)) * 1000) : ms;
+  return bytes !== undefined && bytes > 0 ? Math.min(ms, wireMs(bytes, link)) : ms;
 }
+
+/**
+ * A fork_cross_host_4 sample that moved at least this share of the snapshot's stored bytes
+ * fetched it whole (a host may hold a few of its chunks from elsewhere); one that moved less
+ * fetched a part, the rest it held from an earlier snapshot of the same template.
+ */
+const WHOLE_FETCH_SHARE = 0.9;
 
 export function modelFrom(run: RunResult): LatencyModel {
   if (typeof run !== 'object' || run === null || typeof run.scenarios !== 'object' || run.scenarios === null || typeof run.env !== 'object' || run.env === null) throw new PlanInputError('--from: not a load-test run\'s JSON (it has no scenarios or env)');
@@ -145,14 +166,35 @@ export function modelFrom(run: RunResult): LatencyModel {
   const same4 = run.scenarios.fork_same_host_4;
   const cross4 = run.scenarios.fork_cross_host_4;
   const fetched4 = isComplete(same4) && isComplete(cross4) && (run.phases?.fork_cross_host_4?.migrated_samples ?? 0) === 0;
-  const fetch = fetched4 ? Math.max(0, cross4.p50_ms - same4.p50_ms) : undefined;
-  const fetchWire = fetch !== undefined ? wireOf(fetch, run.phases?.fork_cross_host_4?.bytes_moved, link) : undefined;
-  const scaled = (bytes: number | undefined): string => (bytes !== undefined && bytes > 0 ? `of which ${(bytes / 1048576).toFixed(1)} MiB moved at the link rate scale with it` : 'all of it scaled with the link rate (the run has no bytes moved)');
+  const measuredFetch = fetched4 ? Math.max(0, cross4.p50_ms - same4.p50_ms) : undefined;
+  const moved4 = run.phases?.fork_cross_host_4?.bytes_moved;
+  // Each fork_cross_host_4 sample forks a fresh snapshot of the same template, and a host
+  // fetches only the chunks it lacks: after the first sample its targets hold most of them, so
+  // the median sample moved a part. A host holding none moves all of the snapshot's stored
+  // bytes: the wire part is priced at those (the rest, TLS, QEMU, CPU, is kept as measured,
+  // so a fetch's per-byte CPU is still that of the part).
+  const stored = run.env.snapshot_stored_bytes;
+  const whole = typeof stored === 'number' && stored > 0 ? stored : undefined;
+  const partial = measuredFetch !== undefined && whole !== undefined && moved4 !== undefined && moved4 < WHOLE_FETCH_SHARE * whole;
+  let fetch = measuredFetch;
+  let fetchWire = measuredFetch !== undefined ? wireOf(measuredFetch, moved4, link) : undefined;
+  if (partial) {
+    // (A median of 0 bytes moved: all of the measured extra is other than wire time.)
+    const rest = measuredFetch - (moved4 > 0 ? fetchWire! : 0);
+    fetchWire = wireMs(whole, link);
+    fetch = rest + fetchWire;
+  }
+  const mib = (bytes: number): string => (bytes / 1048576).toFixed(1);
+  const scaled = (bytes: number | undefined): string => (bytes !== undefined && bytes > 0 ? `of which ${mib(bytes)} MiB moved at the link rate scale with it` : 'all of it scaled with the link rate (the run has no bytes moved)');
+  const fetchScaled = (): string => {
+    if (partial) return `its wire part priced at the snapshot's whole ${mib(whole)} MiB (the run's samples moved a median of ${mib(moved4)} MiB: their hosts held chunks of an earlier snapshot), which scales with the link rate`;
+    return `${scaled(moved4)}${whole === undefined ? ' (the run does not record its snapshot\'s size: whether its samples fetched it whole is unknown)' : ''}`;
+  };
   const parts = [
     measured ? 'fork_same_host_1 samples' : 'fork_same_host_1 p50 as every restore (the run has no samples)',
     `${crossMigrated ? 'migration' : 'cross-host'} extra (fork_cross_host_1 - fork_same_host_1) p50, ${scaled(moved)}`,
     fetch !== undefined
-      ? `fetch extra (fork_cross_host_4 - fork_same_host_4) p50, ${scaled(run.phases?.fork_cross_host_4?.bytes_moved)}`
+      ? `fetch extra (fork_cross_host_4 - fork_same_host_4) p50, ${fetchScaled()}`
       : `fetch extra as the ${crossMigrated ? 'migration' : 'cross-host'} one (the run has no complete fork_cross_host_4 and fork_same_host_4 that fetched)`,
   ];
   const concurrentSlowdown = ([['fork_same_host_4', 4], ['fork_same_host_8', 8]] as const).flatMap(([name, children]) => {
@@ -162,7 +204,8 @@ export function modelFrom(run: RunResult): LatencyModel {
   return {
     sameHostMs: samples, transferMsAtRun: transfer, wireMsAtRun: wire,
     ...(fetch !== undefined ? { fetchMsAtRun: fetch, fetchWireMsAtRun: fetchWire } : {}),
-    runLinkGbps: link, guestMib: run.env.guest_mib, source: parts.join('; '),
+    runLinkGbps: link, runAccel: String(run.env.accel ?? 'unknown'), runDate: String(run.env.date ?? ''), runGitCommit: String(run.env.git_commit ?? ''),
+    guestMib: run.env.guest_mib, source: parts.join('; '),
     ...(concurrentSlowdown.length ? { concurrentSlowdown } : {}),
   };
 }
@@ -519,7 +562,7 @@ export function formatPlan(p: Plan): string {
   const slowdown = m.concurrentSlowdown?.length ? ` (in the run, ${m.concurrentSlowdown.map((x) => `fork_same_host_${x.children} children took ${x.ratio}x`).join(' and ')} a fork_same_host_1 p50)` : '';
   const lines = [
     `Capacity plan: ${r.forksPerSecond} forks/s x ${d.childrenPerFork} children, p95 per child <= ${r.p95TargetMs} ms (slots/host ${d.slotsPerHost}, ${d.templates} templates, ${d.warmUpSeconds} s warm-up + ${d.simulatedSeconds} s measured)`,
-    `model: ${m.source}; same-host median ${percentile([...m.sameHostMs].sort((a, b) => a - b), 50)} ms, migration extra ${Math.round(m.transferMsAtRun)} ms (${Math.round(m.wireMsAtRun)} ms of it wire time), fetch extra ${Math.round(m.fetchMsAtRun ?? m.transferMsAtRun)} ms (${Math.round(m.fetchWireMsAtRun ?? m.wireMsAtRun)} ms wire), at ${m.runLinkGbps} Gbit/s`,
+    `model from the run of ${m.runDate || 'an unknown date'} (git ${m.runGitCommit || 'unknown'}, fleet accel ${m.runAccel}): ${m.source}; same-host median ${percentile([...m.sameHostMs].sort((a, b) => a - b), 50)} ms, migration extra ${Math.round(m.transferMsAtRun)} ms (${Math.round(m.wireMsAtRun)} ms of it wire time), fetch extra ${Math.round(m.fetchMsAtRun ?? m.transferMsAtRun)} ms (${Math.round(m.fetchWireMsAtRun ?? m.wireMsAtRun)} ms wire), at ${m.runLinkGbps} Gbit/s`,
     `assumed: ${d.slotsPerHost} restores at once per host (${r.slotsPerHost === undefined ? "the agents' FF_STEP_CONCURRENCY default; --host-slots to change" : '--host-slots'}), each as fast as one alone: restore times are not scaled with concurrency${slowdown}`,
     `assumed: a host lacking the snapshot that gets at most ${d.migrateMaxChildren} of a fork's children (FF_MIGRATE_MAX_CHILDREN), in a fork sending to at most ${MIGRATE_MAX_HOSTS} such hosts, migrates each and does not become a holder; any other fetches it and holds it (ADR 0015)`,
     `assumed: children live ${d.childLifetimeS} s on hosts of ${d.hostMemoryMib} MiB, holding ${SHARED_CHILD_MEMORY * 100}% of their ${m.guestMib} MiB (migrated: all); sizes whose restores alone keep every slot busy, or whose children fill their memory, fail`,

@@ -12,6 +12,10 @@ export interface RunEnv {
   accel: string;
   /** The QEMU-level baselines' accel; absent when they did not start. Ratios to them need it equal to `accel`. */
   baseline_accel?: string;
+  /** The QEMU-level baseline guest's boot and setup (ms, on baseline_accel): below the API, so no cold_boot sample. */
+  baseline_cold_boot_ms?: number;
+  /** Stored bytes of the run's template snapshot: what a fetch onto a host holding none of its chunks moves (the planner reads it). Absent in older runs. */
+  snapshot_stored_bytes?: number;
   hosts: number;
   /** The hosts' link rate; null when unknown (a given fleet's hosts report none, or differing ones). */
   link_gbps: number | null;
