@@ -585,6 +585,16 @@ function addNamespace(state: FleetState, name: string): void {
   }
 }
 
+/**
+ * Makes a host's data directory (if it is not there) owner-only, as its agent wants it: made
+ * with the umask's 0755, every agent's start would make it 0700 itself and log a WARN
+ * ("readable by other users", host-agent's ensurePrivateDataDir). It holds the host's NATS
+ * seed and peer key, and its guests' memory and disks.
+ */
+export function makeHostDataDir(dataDir: string): void {
+  mkdirSync(dataDir, { recursive: true, mode: 0o700 });
+}
+
 function makeNetwork(state: FleetState): void {
   const { prefix, hosts, link } = state.options;
   const net = `${prefix}-net`;
@@ -611,7 +621,7 @@ function makeNetwork(state: FleetState): void {
     sh('tc', ['-n', ns, 'qdisc', 'add', 'dev', ifHost, ...tbfArgs(link)]);
     sh('tc', ['-n', net, 'qdisc', 'add', 'dev', ifBridge, ...tbfArgs(link)]);
     const dataDir = join(state.options.dir, 'hosts', id);
-    mkdirSync(dataDir, { recursive: true });
+    makeHostDataDir(dataDir);
     state.hosts.push({ id, netns: ns, address, dataDir, ifHost, ifBridge });
     saveState(state);
   }
@@ -657,7 +667,7 @@ function makeNatsAuth(state: FleetState): string {
   mkdirSync(dir, { recursive: true, mode: 0o700 });
   const users: NatsUser[] = [{ nkey: createNkeyFile(join(dir, 'scheduler.nk')).publicKey }];
   for (const h of state.hosts) {
-    mkdirSync(h.dataDir, { recursive: true });
+    makeHostDataDir(h.dataDir);
     users.push({ nkey: createNkeyFile(hostNatsSeed(h)).publicKey, permissions: hostPermissions(h.id) });
   }
   const conf = natsServerAuthConfig(users);
@@ -785,7 +795,7 @@ export function peerCertFiles(h: { dataDir: string }): { ca: string; cert: strin
 function makePeerCert(state: FleetState, h: HostRecord): Record<string, string> {
   const ca = apiCredentialPaths(state.options.dir);
   const files = peerCertFiles(h);
-  mkdirSync(h.dataDir, { recursive: true });
+  makeHostDataDir(h.dataDir);
   ensurePeerCert({ caCert: ca.caCert, caKey: join(ca.pki, 'ca.key') }, { cert: files.cert, key: files.key }, h.id, h.address);
   copyFileSync(ca.caCert, files.ca);
   return { FF_PEER_CA: files.ca, FF_PEER_CERT: files.cert, FF_PEER_KEY: files.key };
@@ -868,7 +878,7 @@ async function startAgent(state: FleetState, h: HostRecord, abort: AbortSignal):
   const stash = join(state.options.dir, `.own-${h.id}`);
   mkdirSync(stash, { recursive: true });
   const peerTls = state.options.peerTls === false ? {} : makePeerCert(state, h);
-  mkdirSync(h.dataDir, { recursive: true });
+  makeHostDataDir(h.dataDir);
   copyFileSync(state.trustedKey, agentTrustedKey(h));
   const sock = join(state.options.dir, 'nats.sock');
   const relay = launch(state, abort, { name: `relay-${h.id}`, kind: 'relay', host: h.id, netns: h.netns }, ...inNetns(h.netns, NODE, tsx('deploy/fleet/relay.ts', `tcp:127.0.0.1:4222=unix:${sock}`)));

@@ -76,6 +76,20 @@ describe('CLI hints', () => {
     expect(h).not.toMatch(/no capacity|add hosts/);
     expect(hintFor({ kind: 'resource_exhausted', message: '4096 events wait unread: read faster, or resume with after_revision 9' }, 'a:1')).toContain('--after');
   });
+  it('hintFor_aCreateLargerThanAnyHost_namesTheFlagOfTheResourceItNames_andNoCapacityNamesNone', () => {
+    const larger = (field: string): string => hintFor({ kind: 'resource_exhausted', message: `${field}: 128 vCPUs is more than any host of the fleet has in all (the largest has 8 vCPUs)`, field, retryable: false, operation: true }, 'a:1');
+    expect(larger('resources.vcpus')).toContain('ask for less with --vcpus');
+    expect(larger('resources.memory_mib')).toContain('ask for less with --memory');
+    expect(larger('resources.disk_mib')).toContain("ask for less with the SDK's diskMib");
+    for (const f of ['resources.vcpus', 'resources.disk_mib']) expect(larger(f)).not.toContain('--memory');
+    // No resource named (no host has room now): nothing about asking for less.
+    const full = hintFor({ kind: 'resource_exhausted', message: 'no host can take this: 3 hosts full', retryable: true }, 'a:1');
+    expect(full).toContain('no capacity');
+    expect(full).not.toMatch(/ask for less|--memory|--vcpus/);
+  });
+  it('hintFor_stdinOverTheLimit_fromTheServerOrTheCli_pointsAtSandboxCp', () => {
+    for (const field of ['stdin', '--stdin']) expect(hintFor({ kind: 'invalid_argument', message: 'stdin: at most 1048576 bytes', field }, 'a:1')).toMatch(/^check --stdin \(at most 1 MiB\): .*`forkfleet sandbox cp /);
+  });
   it('hintFor_alreadyExists_offersANewIdempotencyKey_onlyToACommandThatSendsOne', () => {
     expect(hintFor({ kind: 'already_exists', message: 'x', keyed: true }, 'a:1')).toContain('--idempotency-key');
     expect(hintFor({ kind: 'already_exists', message: 'x' }, 'a:1')).not.toContain('--idempotency-key');

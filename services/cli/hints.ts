@@ -2,6 +2,7 @@
 import { existsSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { defaultFleetDir } from '../auth/client-credentials.ts';
+import { LIMITS } from '../adapters/grpc/convert.ts';
 
 export interface ErrorLike {
   kind?: string;
@@ -27,6 +28,9 @@ export interface ErrorLike {
 /** An operation that failed on the fleet for a reason of the fleet's (a host lost, a step timed out). */
 const FLEET_KINDS = new Set(['unavailable', 'deadline_exceeded', 'internal', 'aborted']);
 
+/** What an exec takes on its stdin, and how to give a command more (the server's field and the CLI's flag). */
+const STDIN = `--stdin (at most ${LIMITS.maxStdinBytes >> 20} MiB): copy larger input into the sandbox (\`forkfleet sandbox cp FILE SANDBOX:/tmp/in\`) and have the command read the file`;
+
 /** Proto field path -> the CLI flag or argument that sets it. */
 const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
   tenant_id: '--tenant',
@@ -38,6 +42,7 @@ const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
   argv: 'the command after --',
   'resources.memory_mib': '--memory',
   'resources.vcpus': '--vcpus',
+  'resources.disk_mib': `the SDK's diskMib (the CLI asks for the default, ${LIMITS.defaultDiskMib} MiB)`,
   'lifecycle.ttl': '--ttl',
   'lifecycle.idle_timeout': '--idle-timeout',
   snapshot_retention: '--snapshot-ttl / --snapshot-keep-last (only when forking a live SANDBOX)',
@@ -49,6 +54,8 @@ const FLAG_OF_FIELD: Readonly<Record<string, string>> = {
   'header.path': 'the guest path',
   'header.mode': '--mode',
   cwd: '--cwd',
+  stdin: STDIN,
+  '--stdin': STDIN,
   env: '--env',
   labels: '--label',
   after_revision: '--after',
@@ -114,7 +121,7 @@ export function hintFor(e: ErrorLike, api: string): string {
       if (paused) return `resume it first: \`forkfleet sandbox resume ${paused[1]}\` (a hibernated sandbox wakes by itself; a paused one stays paused until resumed)`;
       return 'the sandbox or snapshot is in the wrong state for this; see its state with `forkfleet sandbox get ID` (or `forkfleet sandbox ls`)';
     }
-    case 'resource_exhausted':
+    case 'resource_exhausted': {
       if (e.field?.startsWith('quotas.')) return "your tenant's quota is used up: destroy sandboxes (`forkfleet sandbox destroy`) or delete snapshots, or ask an admin for a larger quota";
       if (e.field === 'rate') return 'too many requests for your tenant; wait a moment and run the command again';
       if (e.field === 'streams') return 'too many exec/file/watch streams open with this credential; let some finish';
@@ -122,7 +129,12 @@ export function hintFor(e: ErrorLike, api: string): string {
       // output, e.g. a pipe): no capacity is missing.
       if (!e.field && /exec output not read/.test(e.message)) return "the command's output came faster than it was read (whatever reads this command's output was slow), so the fleet stopped the command: write a large output to a file in the sandbox and copy it out with `forkfleet sandbox cp`";
       if (!e.field && /events wait unread/.test(e.message)) return 'events came faster than they were read: read them faster, and follow again with --after the revision the message names';
-      return 'no capacity: free some with `forkfleet sandbox destroy`, ask for less (--memory), or add hosts; see `forkfleet hosts ls`';
+      // A create larger than any host of the fleet, even empty (the field names the resource):
+      // freeing capacity cannot place it, asking for less of that resource can.
+      const resource = e.field?.startsWith('resources.') ? flagOf(e.field) : undefined;
+      if (resource) return `no host of the fleet is that large, even empty: ask for less with ${resource}, or add a larger host; see \`forkfleet hosts ls\``;
+      return 'no capacity: free some with `forkfleet sandbox destroy`, or add hosts; see `forkfleet hosts ls`';
+    }
     case 'already_exists':
       return e.keyed ? 'it exists already; reuse it, or pass a new --idempotency-key' : 'it exists already; reuse it';
     case 'aborted':

@@ -2,7 +2,7 @@
 // Every command takes --json (one JSON document on stdout), --api host:port and --tenant.
 // Talks to the fleet through the SDK (services/sdk); `fleet` commands drive deploy/fleet.
 import { spawn, spawnSync } from 'node:child_process';
-import { readFileSync, writeFileSync } from 'node:fs';
+import { fstatSync, readFileSync, readSync, writeFileSync } from 'node:fs';
 import { resolve } from 'node:path';
 import { Command, CommanderError, Option } from 'commander';
 import { execNeverStarted, Forkfleet, ForkfleetError, newIdempotencyKey, OperationFailedError, operationIdOf, parseDuration, RpcError } from '../sdk/index.ts';
@@ -10,6 +10,7 @@ import type { CallOpts, EventInfo, HostInfo, OperationInfo, OperationKindName, O
 import { OPERATION_KINDS, OPERATION_STATES, SANDBOX_STATES } from '../sdk/index.ts';
 import { defaultApi, EXIT, exitCodeFor, hintFor } from './hints.ts';
 import { EVENT_TYPES } from '../domain/events.ts';
+import { LIMITS } from '../adapters/grpc/convert.ts';
 import { enterUserCwd } from '../../deploy/user-cwd.ts';
 import { defaultFleetDir } from '../auth/client-credentials.ts';
 
@@ -372,15 +373,42 @@ function intArg(name: string, min: number, max: number): (v: string) => number {
   };
 }
 
-/** A repeatable key=value option (`flag` names it in errors). */
-function pairsArg(flag: string): (v: string, prev?: Record<string, string>) => Record<string, string> {
+/**
+ * This process's stdin, for `sandbox exec --stdin`: refused naming --stdin when it is more than
+ * `max` bytes (what an exec takes, LIMITS.maxStdinBytes), before it is all read: a file's size
+ * is known at once, a pipe's once `max` + 1 bytes have come.
+ */
+export function readStdin(max: number, fd = 0): Buffer {
+  const tooMuch = (): ForkfleetError => new ForkfleetError('invalid_argument', `--stdin: more than ${max} bytes; a command's stdin takes at most that`, { field: '--stdin' });
+  const st = fstatSync(fd);
+  if (st.isFile() && st.size > max) throw tooMuch();
+  const chunks: Buffer[] = [];
+  const buf = Buffer.allocUnsafe(64 * 1024);
+  let n = 0;
+  for (let got; (got = readSync(fd, buf, 0, buf.length, null)) > 0; ) {
+    n += got;
+    if (n > max) throw tooMuch();
+    chunks.push(Buffer.from(buf.subarray(0, got)));
+  }
+  return Buffer.concat(chunks, n);
+}
+
+/**
+ * A repeatable key=value option (`flag` names it in errors). `once`: a key given twice is
+ * refused, rather than its last value taken unsaid.
+ */
+function pairsArg(flag: string, once = false): (v: string, prev?: Record<string, string>) => Record<string, string> {
   return (v, prev = {}) => {
     const i = v.indexOf('=');
     if (i <= 0) throw new ForkfleetError('invalid_argument', `${flag}: want key=value, got ${JSON.stringify(v)}`, { field: flag });
-    return { ...prev, [v.slice(0, i)]: v.slice(i + 1) };
+    const key = v.slice(0, i);
+    if (once && Object.hasOwn(prev, key)) throw new ForkfleetError('invalid_argument', `${flag}: key ${JSON.stringify(key)} given twice (${JSON.stringify(`${key}=${prev[key]}`)}, then ${JSON.stringify(v)}); give each key once`, { field: flag });
+    return { ...prev, [key]: v.slice(i + 1) };
   };
 }
-const labelsArg = pairsArg('--label');
+// A label has one value: `--label team=a --label team=b` (a typo, or a selector meant as
+// "either") would be team=b unsaid.
+const labelsArg = pairsArg('--label', true);
 
 export function buildProgram(): Command {
   const program = new Command('forkfleet')
@@ -391,7 +419,8 @@ export function buildProgram(): Command {
     .option('--json', 'print one JSON document on stdout', false)
     .option('--timeout <duration>', 'how long to wait for operations, e.g. 5m; also the deadline of a cp, retries included')
     .option('--idempotency-key <key>', 'reuse a key so that repeating this command does nothing twice')
-    .showHelpAfterError()
+    // A line commander refuses is reported by main(), as the CLI's other errors are (refusal()).
+    .configureOutput({ outputError: () => undefined })
     .exitOverride();
 
   // ----- fleet
@@ -519,7 +548,7 @@ export function buildProgram(): Command {
     .description('boot a sandbox from an image or restore one from a snapshot')
     .option('--image <name>', 'guest image', 'tiny')
     .option('--from-snapshot <id>', 'restore from this snapshot instead of an image')
-    .option('--memory <mib>', 'memory, MiB', intArg('--memory', 16, 1 << 20))
+    .option('--memory <mib>', 'memory, MiB', intArg('--memory', LIMITS.minMemoryMib, LIMITS.maxMemoryMib))
     .option('--vcpus <n>', 'vCPUs', intArg('--vcpus', 1, 64))
     .option('--ttl <duration>', 'destroy after this much running time, e.g. 1h')
     .option('--idle-timeout <duration>', 'hibernate it after this long idle (its CPU and RAM go back; the next call wakes it), e.g. 10m; 0 never (default: the tenant\'s)')
@@ -560,10 +589,10 @@ export function buildProgram(): Command {
     .option('--env <key=value>', 'environment variable, added to the guest\'s own environment (repeatable); names starting _ff_ or FFE_ are refused', pairsArg('--env'))
     .option('--cwd <dir>', 'working directory')
     .option('--exec-timeout <duration>', 'kill the command after this long (default: --timeout when given, else 60s)', '60s')
-    .option('--stdin', 'send this process\'s stdin to the command', false)
+    .option('--stdin', `send this process's stdin to the command (at most ${LIMITS.maxStdinBytes >> 20} MiB; copy more into the sandbox with sandbox cp, and have the command read the file)`, false)
     .action(async (id: string, argv: string[], o: { env?: Record<string, string>; cwd?: string; execTimeout: string; stdin: boolean }, cmd: Command) => {
       const g = globals(cmd);
-      const stdin = o.stdin ? readFileSync(0) : undefined;
+      const stdin = o.stdin ? readStdin(LIMITS.maxStdinBytes) : undefined;
       // `--timeout 10m` with no --exec-timeout meant the command's limit too: it used to be
       // taken and ignored, and the command killed at the default 60 s.
       const byTimeout = cmd.getOptionValueSource('execTimeout') === 'default' && Boolean(g.timeout);
@@ -865,7 +894,36 @@ export function buildProgram(): Command {
       invocation(cmd).exitCode = code;
     });
 
+  // Each command's refusals name it, so that the hint can name its --help.
+  const tag = (c: Command): void => {
+    c.exitOverride((err) => {
+      refusedBy.set(err, c);
+      throw err;
+    });
+    c.commands.forEach(tag);
+  };
+  tag(program);
   return program;
+}
+
+/** The command that refused a line (its exitOverride, set in buildProgram). */
+const refusedBy = new WeakMap<CommanderError, Command>();
+
+/**
+ * A line commander refused (an unknown option or command, a value not among an option's
+ * choices, a missing value or argument), described as the CLI's other errors are: `field` is
+ * the flag its message names (`unknown option '--limit'`, `option '--spread <s>' argument
+ * 'bogus' is invalid`), and the hint names the help of the command that refused it.
+ */
+function refusal(e: CommanderError, cmd: Command | undefined): DescribedError {
+  const message = e.message.replace(/^error: /, '');
+  const option = /^(?:unknown |required )?option '([^']+)'/.exec(message)?.[1];
+  const field = option === undefined ? null : (/--[^\s,=<[]+/.exec(option) ?? /^-[^\s,=<[-]/.exec(option))?.[0] ?? null;
+  const path: string[] = [];
+  for (let c = cmd; c?.parent; c = c.parent) path.unshift(c.name());
+  const help = `\`forkfleet ${[...path, '--help'].join(' ')}\``;
+  const hint = e.code === 'commander.unknownCommand' ? `${help} lists the commands` : field ? `check ${field}: ${help} lists the flags` : `${help} lists the arguments and flags`;
+  return { kind: 'invalid_argument', message, field, retryable: false, hint, exitCode: EXIT.usage };
 }
 
 /**
@@ -1096,7 +1154,7 @@ export async function main(argv: string[], exit: (code: number) => void = exitWh
   if (line.loadtestArgs) inv.loadtestArgs = line.loadtestArgs;
   try {
     if (line.refused) {
-      // As commander refuses a line (its message, then the command's help on stderr; exit 2).
+      // As commander refuses a line (exit 2, reported as refusal() describes it).
       if (line.refused.json) program.setOptionValue('json', true);
       line.refused.cmd.error(`error: ${line.refused.message}`, { exitCode: EXIT.usage, code: 'forkfleet.execArgv' });
     }
@@ -1106,12 +1164,13 @@ export async function main(argv: string[], exit: (code: number) => void = exitWh
     // As parsed: a `--json` after `--` is the guest command's (sandbox exec SB -- tool --json).
     const g = program.opts() as Globals;
     const json = g.json === true;
-    if (e instanceof CommanderError) {
-      // Commander printed its own message on stderr; --json gets the error on stdout too.
-      if (json && e.exitCode !== 0) process.stdout.write(`${JSON.stringify({ error: { kind: 'invalid_argument', message: e.message.replace(/^error: /, ''), field: null, retryable: false, hint: 'forkfleet <command> --help', exitCode: EXIT.usage } })}\n`);
-      return e.exitCode === 0 ? EXIT.ok : EXIT.usage;
+    if (e instanceof CommanderError && e.exitCode === 0) return EXIT.ok; // --help
+    if (e instanceof CommanderError && e.code === 'commander.help') {
+      // A command that needs a subcommand, given none: commander printed its help on stderr.
+      if (json) process.stdout.write(`${JSON.stringify({ error: { kind: 'invalid_argument', message: e.message, field: null, retryable: false, hint: 'forkfleet <command> --help', exitCode: EXIT.usage } })}\n`);
+      return EXIT.usage;
     }
-    const d = describeError(e, g.api, inv.keySent);
+    const d = e instanceof CommanderError ? refusal(e, refusedBy.get(e)) : describeError(e, g.api, inv.keySent);
     // One line: a stream of --json events (forkfleet events) stays one JSON object per line.
     // An exec that broke off: what it printed until then, too.
     if (json) process.stdout.write(`${JSON.stringify({ error: d, ...inv.execOutput })}\n`);

@@ -2,7 +2,7 @@
 // when shown, an exec that breaks off, output held back for a slow reader, Ctrl-C while
 // waiting. The SDK's calls are replaced by spies: no server is involved.
 import { spawn } from 'node:child_process';
-import { readFileSync, statSync, writeFileSync } from 'node:fs';
+import { closeSync, openSync, readFileSync, statSync, writeFileSync } from 'node:fs';
 import { join, resolve } from 'node:path';
 import { Writable } from 'node:stream';
 import { status as Status } from '@grpc/grpc-js';
@@ -10,7 +10,7 @@ import { describe, expect, it, vi } from 'vitest';
 import { RpcError } from '../adapters/grpc/status.ts';
 import { Forkfleet, Sandbox } from '../sdk/index.ts';
 import type { CallOpts, ExecChunk, ExecStream, OperationInfo } from '../sdk/index.ts';
-import { main, writeOut } from './main.ts';
+import { main, readStdin, writeOut } from './main.ts';
 import { isolatedCli } from './test-env.ts';
 
 const API = '127.0.0.1:1';
@@ -54,13 +54,41 @@ describe('--json shapes', () => {
     expect(failed!.error).toHaveProperty('field', null);
   });
 
-  it('sandboxLs_aStateThatDoesNotExist_isRefusedNamingTheFlag_withFieldNullInJson', async () => {
+  it('sandboxLs_aStateThatDoesNotExist_isRefusedNamingTheFlag_asFieldInJson', async () => {
     expect(await main(['--api', API, '--json', 'sandbox', 'ls', '--state', 'runing'])).toBe(2);
     const text = err.join('');
     expect(text).toContain('--state');
     expect(text).not.toContain('states[0]');
-    // A usage error's document has every field the README lists, `field` null when none is named.
+    // A usage error's document has every field the README lists.
+    expect((JSON.parse(out.at(-1)!) as { error: Record<string, unknown> }).error).toEqual(expect.objectContaining({ kind: 'invalid_argument', field: '--state', retryable: false, exitCode: 2 }));
+    // No flag named (a missing argument): `field` null.
+    expect(await main(['--api', API, '--json', 'sandbox', 'get'])).toBe(2);
     expect((JSON.parse(out.at(-1)!) as { error: Record<string, unknown> }).error).toEqual(expect.objectContaining({ kind: 'invalid_argument', field: null, exitCode: 2 }));
+  });
+});
+
+describe('a line commander refuses', () => {
+  it.each([
+    [['sandbox', 'ls', '--limit', '5'], '--limit', 'forkfleet sandbox ls --help'],
+    [['sandbox', 'ls', '--limit=5'], '--limit', 'forkfleet sandbox ls --help'],
+    [['sandbox', 'fork', 'sb-1', '--spread', 'bogus'], '--spread', 'forkfleet sandbox fork --help'],
+    [['events', '--type', 'bogus'], '--type', 'forkfleet events --help'],
+    [['sandbox', 'create', '--memory'], '--memory', 'forkfleet sandbox create --help'],
+  ])('isReportedAsTheClisOtherErrors_prefixedWithAHintLine_andWithJsonTheFlagAsField: %j', async (args, flag, help) => {
+    expect(await main(['--api', API, ...args])).toBe(2);
+    const text = err.join('');
+    expect(text).toMatch(new RegExp(`^forkfleet: invalid_argument: .*'${flag}[ '=]`));
+    expect(text).toMatch(new RegExp(`\n  hint: check ${flag}: \`${help}\` lists the flags\n$`));
+    expect(text).not.toContain('Usage:');
+    err.length = 0;
+    expect(await main(['--api', API, '--json', ...args])).toBe(2);
+    expect(JSON.parse(out.at(-1)!)).toEqual({ error: expect.objectContaining({ kind: 'invalid_argument', field: flag, hint: expect.stringContaining(help), exitCode: 2 }) });
+    expect(err.join('')).toMatch(/^forkfleet: invalid_argument: /);
+  });
+
+  it('anUnknownCommand_hasAHintNamingTheCommandsHelp', async () => {
+    expect(await main(['--api', API, 'sandbox', 'bogus'])).toBe(2);
+    expect(err.join('')).toBe("forkfleet: invalid_argument: unknown command 'bogus'\n  hint: `forkfleet sandbox --help` lists the commands\n");
   });
 });
 
@@ -261,6 +289,44 @@ describe('exec limits and copied files', () => {
     expect(await said(['sandbox', 'exec', 'sb-x', '--', 'train'])).toContain('timed out after 60s (--exec-timeout)');
   });
 
+  it('execStdin_overWhatAnExecTakes_isRefusedNamingStdin_withAHintToCp_beforeAnyCall', async () => {
+    // A pipe of 1 MiB + 1 byte into the CLI: refused once the byte past the limit came (exit 2),
+    // not sent (the API address is a closed port: a call would exit 69).
+    const r = await new Promise<{ code: number | null; stderr: string }>((res, rej) => {
+      const p = spawn(process.execPath, ['--import', 'tsx', 'services/cli/main.ts', '--api', API, 'sandbox', 'exec', 'sb-x', '--stdin', '--', 'cat'], { cwd: ROOT, stdio: ['pipe', 'ignore', 'pipe'], env: { ...process.env, FF_FLEET_DIR: tempDir() } });
+      const parts: Buffer[] = [];
+      p.stderr.on('data', (d: Buffer) => parts.push(d));
+      p.stdin.on('error', () => undefined); // it stops reading once past the limit
+      p.stdin.end(Buffer.alloc((1 << 20) + 1));
+      p.on('error', rej);
+      p.on('close', (code) => res({ code, stderr: Buffer.concat(parts).toString() }));
+    });
+    expect(r.stderr).toContain('forkfleet: invalid_argument: --stdin: more than 1048576 bytes');
+    expect(r.stderr).toMatch(/hint: check --stdin \(at most 1 MiB\): .*forkfleet sandbox cp/);
+    expect(r.code).toBe(2);
+  });
+
+  it('readStdin_takesUpToTheLimit_andRefusesAFileLargerThanIt_namingStdin', () => {
+    const dir = tempDir();
+    const fdOf = (n: number): number => {
+      const f = join(dir, `in-${n}`);
+      writeFileSync(f, Buffer.alloc(n, 7));
+      return openSync(f, 'r');
+    };
+    const fd = fdOf(10);
+    try {
+      expect(readStdin(10, fd)).toEqual(Buffer.alloc(10, 7));
+    } finally {
+      closeSync(fd);
+    }
+    const big = fdOf(11);
+    try {
+      expect(() => readStdin(10, big)).toThrow(expect.objectContaining({ kind: 'invalid_argument', field: '--stdin' }));
+    } finally {
+      closeSync(big);
+    }
+  });
+
   it('cp_fromASandboxIntoANewFile_makesItReadableByItsOwnerOnly_andAnExistingFileKeepsItsMode', async () => {
     vi.spyOn(Sandbox.prototype, 'readFile').mockResolvedValue(Buffer.from('-----BEGIN OPENSSH PRIVATE KEY-----\n'));
     const umask = process.umask(0o022);
@@ -293,6 +359,42 @@ describe('sandbox create', () => {
     expect(await main(['--api', API, 'sandbox', 'create', '--from-snapshot', 'sn-1'])).toBe(0);
     expect(specs).toEqual([expect.objectContaining({ snapshotId: 'sn-1' })]);
     expect(specs[0]).not.toHaveProperty('image');
+  });
+
+  it('memoryOutsideTheApisBounds_isRefusedNamingMemory_andItsBoundsAreTaken', async () => {
+    const specs: unknown[] = [];
+    vi.spyOn(Forkfleet.prototype, 'create').mockImplementation(async function (this: Forkfleet, spec) {
+      specs.push(spec);
+      return new Sandbox(this, 'sb-new');
+    });
+    for (const mib of ['16', '63', '262145', '1048576']) {
+      err.length = 0;
+      expect(await main(['--api', API, '--json', 'sandbox', 'create', '--memory', mib]), mib).toBe(2);
+      expect(JSON.parse(out.at(-1)!)).toMatchObject({ error: { kind: 'invalid_argument', field: '--memory' } });
+      expect(err.join('')).toContain('want a whole number 64..262144');
+    }
+    expect(specs).toEqual([]);
+    expect(await main(['--api', API, 'sandbox', 'create', '--memory', '64'])).toBe(0);
+    expect(await main(['--api', API, 'sandbox', 'create', '--memory', '262144'])).toBe(0);
+    expect(specs).toEqual([expect.objectContaining({ memoryMib: 64 }), expect.objectContaining({ memoryMib: 262144 })]);
+  });
+
+  it('aLabelKeyGivenTwice_isRefusedNamingLabel_andNothingIsCreatedOrListed', async () => {
+    const create = vi.spyOn(Forkfleet.prototype, 'create').mockImplementation(async function (this: Forkfleet) {
+      return new Sandbox(this, 'sb-new');
+    });
+    const list = vi.spyOn(Forkfleet.prototype, 'list').mockResolvedValue([]);
+    for (const cmd of [['sandbox', 'create'], ['sandbox', 'ls']]) {
+      err.length = 0;
+      expect(await main(['--api', API, '--json', ...cmd, '--label', 'team=a', '--label', 'team=b'])).toBe(2);
+      expect(JSON.parse(out.at(-1)!)).toMatchObject({ error: { kind: 'invalid_argument', field: '--label' } });
+      expect(err.join('')).toContain('--label: key "team" given twice ("team=a", then "team=b")');
+    }
+    expect(create).not.toHaveBeenCalled();
+    expect(list).not.toHaveBeenCalled();
+    // Distinct keys: each taken.
+    expect(await main(['--api', API, 'sandbox', 'create', '--label', 'team=a', '--label', 'env=ci'])).toBe(0);
+    expect(create.mock.calls[0]?.[0]).toMatchObject({ labels: { team: 'a', env: 'ci' } });
   });
 });
 

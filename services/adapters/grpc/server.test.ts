@@ -1,13 +1,21 @@
 // The gRPC server's health service (grpc.health.v1) over real gRPC on loopback: what probes
-// and load balancers hear while the replica cannot serve, and at shutdown. The readiness
-// checks are functions of the test (etcd and NATS are checked in scheduler.ts).
+// and load balancers hear while the replica cannot serve, and at shutdown; and what server
+// reflection tells buf curl (the repo's own buf binary). The readiness checks are functions of
+// the test (etcd and NATS are checked in scheduler.ts).
+import { execFile } from 'node:child_process';
+import { resolve } from 'node:path';
+import { promisify } from 'node:util';
 import { afterEach, describe, expect, it } from 'vitest';
+import { create, createFileRegistry, fromBinary } from '@bufbuild/protobuf';
+import { FileDescriptorProtoSchema, FileDescriptorSetSchema } from '@bufbuild/protobuf/wkt';
 import { credentials, makeGenericClientConstructor } from '@grpc/grpc-js';
 import type { Client, ClientReadableStream, ServiceError } from '@grpc/grpc-js';
 import { service as healthService } from 'grpc-health-check';
 import type { ServingStatus } from 'grpc-health-check';
-import { followReadiness, startGrpcServer } from './server.ts';
+import { register } from './rpc.ts';
+import { asProtocWritesIt, followReadiness, startGrpcServer } from './server.ts';
 import type { Readiness, RunningGrpcServer } from './server.ts';
+import { EchoService } from '../../../proto/gen/forkfleet/testing/v1/echo_pb.ts';
 
 type HealthClient = Client & {
   check(req: { service: string }, cb: (err: ServiceError | null, res?: { status: ServingStatus }) => void): void;
@@ -100,5 +108,29 @@ describe('gRPC health', () => {
     server.setServing('SERVING'); // a readiness round finishing meanwhile
     await expect.poll(() => seen, { timeout: 2000, interval: 10 }).toEqual(['SERVING', 'NOT_SERVING']);
     await closing;
+  });
+});
+
+describe('gRPC reflection', () => {
+  it('listsTheHealthServiceWithTheServices_soBufCurlCanCallHealthCheck', async () => {
+    server = await startGrpcServer({
+      address: '127.0.0.1:0',
+      services: [register(EchoService, { async echo() { return {}; }, async *echoServerStream() {}, async echoClientStream() { return {}; }, async *echoBidi() {} })],
+    });
+    const buf = (...args: string[]): Promise<{ stdout: string }> => promisify(execFile)(resolve(import.meta.dirname, '../../../node_modules/.bin/buf'), ['curl', '--protocol', 'grpc', '--http2-prior-knowledge', ...args]);
+    const listed = (await buf('--list-services', `http://${server.address}`)).stdout.split('\n').filter(Boolean);
+    expect(listed).toEqual(expect.arrayContaining(['forkfleet.testing.v1.EchoService', 'grpc.health.v1.Health']));
+    // Found by reflection, as an SRE's `buf curl .../grpc.health.v1.Health/Check` finds it.
+    expect(JSON.parse((await buf(`http://${server.address}/grpc.health.v1.Health/Check`)).stdout)).toEqual({ status: 'SERVING' });
+  });
+});
+
+describe('asProtocWritesIt', () => {
+  it('healthProtoAsProtoLoaderWroteIt_becomesAFileProtobufEsReads_withItsMapFieldAMap', () => {
+    const file = fromBinary(FileDescriptorProtoSchema, Object.values(healthService)[0]!.requestType.fileDescriptorProtos[0]!);
+    const registry = createFileRegistry(create(FileDescriptorSetSchema, { file: [asProtocWritesIt(file)] }));
+    expect(registry.getService('grpc.health.v1.Health')?.methods.map((m) => m.name)).toEqual(['Check', 'Watch', 'List']);
+    expect(registry.getMessage('grpc.health.v1.HealthListResponse')?.field.statuses?.fieldKind).toBe('map');
+    expect(registry.getMessage('grpc.health.v1.HealthCheckResponse')?.field.status?.enum?.typeName).toBe('grpc.health.v1.HealthCheckResponse.ServingStatus');
   });
 });

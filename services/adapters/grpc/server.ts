@@ -2,12 +2,13 @@
 // (grpc.health.v1) and server reflection, so grpcurl / buf curl / grpc_health_probe work.
 import { Server, ServerCredentials } from '@grpc/grpc-js';
 import type { ChannelOptions } from '@grpc/grpc-js';
-import { HealthImplementation } from 'grpc-health-check';
+import { HealthImplementation, service as healthService } from 'grpc-health-check';
 import type { ServingStatus } from 'grpc-health-check';
 import { ReflectionService } from '@grpc/reflection';
-import { toBinary } from '@bufbuild/protobuf';
+import { fromBinary, toBinary } from '@bufbuild/protobuf';
 import type { DescFile } from '@bufbuild/protobuf';
 import { FileDescriptorProtoSchema } from '@bufbuild/protobuf/wkt';
+import type { DescriptorProto, FileDescriptorProto } from '@bufbuild/protobuf/wkt';
 import { grpcHandlers, guardInterceptor, methodPath } from './rpc.ts';
 import type { CallGuard, ErrorHook, ServiceRegistration } from './rpc.ts';
 
@@ -119,13 +120,78 @@ function collectFiles(file: DescFile, into: Map<string, DescFile>): void {
   into.set(file.name, file);
 }
 
-/** A proto-loader-shaped package definition, which is what @grpc/reflection reads. */
+/**
+ * `file`, a descriptor protobufjs wrote (proto-loader's), as protoc would have written it, which
+ * is what reflection clients read: protobufjs names a map field's entry type after the field
+ * (`Statuses`, not `StatusesEntry`), which Go's descriptor checks refuse (buf curl and grpcurl:
+ * "failed to find service named grpc.health.v1.Health in schema"); and it keeps a type name as
+ * the .proto spelled it (`HealthCheckResponse`), which protobuf-es's registries refuse: here it
+ * is qualified (`.grpc.health.v1.HealthCheckResponse`), looked up from the innermost scope
+ * outwards, as protoc does, among the file's own types (health.proto imports none).
+ */
+export function asProtocWritesIt(file: FileDescriptorProto): FileDescriptorProto {
+  const root = file.package ? `.${file.package}` : '';
+  const defined = new Set<string>();
+  const collect = (scope: string, messages: DescriptorProto[], enums: Array<{ name: string }>): void => {
+    for (const e of enums) defined.add(`${scope}.${e.name}`);
+    for (const m of messages) {
+      defined.add(`${scope}.${m.name}`);
+      collect(`${scope}.${m.name}`, m.nestedType, m.enumType);
+    }
+  };
+  collect(root, file.messageType, file.enumType);
+  const qualified = (name: string, scope: string): string => {
+    for (let s = scope; ; s = s.slice(0, s.lastIndexOf('.'))) {
+      if (defined.has(`${s}.${name}`)) return `${s}.${name}`;
+      if (s === '') return name;
+    }
+  };
+  // Assigned only when relative: descriptor.proto is proto2, where assigning '' to a scalar
+  // field's unset type_name would set it.
+  const relative = (name: string): boolean => name !== '' && !name.startsWith('.');
+  const fix = (scope: string, messages: DescriptorProto[]): void => {
+    for (const m of messages) {
+      const name = `${scope}.${m.name}`;
+      for (const f of m.field) {
+        if (relative(f.typeName)) f.typeName = qualified(f.typeName, name);
+        const entry = m.nestedType.find((n) => n.options?.mapEntry && f.typeName === `${name}.${n.name}`);
+        if (entry) {
+          entry.name = `${f.name.replace(/(?:^|_)(.)/g, (_, c: string) => c.toUpperCase())}Entry`;
+          f.typeName = `${name}.${entry.name}`;
+        }
+      }
+      fix(name, m.nestedType);
+    }
+  };
+  fix(root, file.messageType);
+  for (const s of file.service) {
+    for (const m of s.method) {
+      if (relative(m.inputType)) m.inputType = qualified(m.inputType, root);
+      if (relative(m.outputType)) m.outputType = qualified(m.outputType, root);
+    }
+  }
+  return file;
+}
+
+/**
+ * A proto-loader-shaped package definition, which is what @grpc/reflection reads: the files of
+ * `services` and of the health service (grpc.health.v1), so that tools that find a method by
+ * reflection (buf curl, grpcurl) can call Health/Check too.
+ */
 function reflectionPackage(services: readonly ServiceRegistration[]): ConstructorParameters<typeof ReflectionService>[0] {
   const files = new Map<string, DescFile>();
   for (const s of services) collectFiles(s.service.file, files);
   const fileDescriptorProtos = [...files.values()].map((f) => Buffer.from(toBinary(FileDescriptorProtoSchema, f.proto)));
   const pkg: Record<string, { format: string; type: object; fileDescriptorProtos: Buffer[] }> = {};
   for (const s of services) pkg[s.service.typeName] = { format: 'Protocol Buffer 3 DescriptorProto', type: {}, fileDescriptorProtos };
+  // grpc-health-check loads health.proto with proto-loader, not protobuf-es: its message types
+  // carry the file's descriptor (the same one each; reflection keeps one per file name).
+  const health = Object.values(healthService).flatMap((m) => m.requestType.fileDescriptorProtos);
+  pkg['grpc.health.v1.Health'] = {
+    format: 'Protocol Buffer 3 DescriptorProto',
+    type: {},
+    fileDescriptorProtos: health.map((b) => Buffer.from(toBinary(FileDescriptorProtoSchema, asProtocWritesIt(fromBinary(FileDescriptorProtoSchema, b))))),
+  };
   return pkg as unknown as ConstructorParameters<typeof ReflectionService>[0];
 }
 
