@@ -41,6 +41,17 @@ export class VmStillSnapshottingError extends ForkfleetError {
   }
 }
 
+/**
+ * A drain's pause (PauseVmWork.unless_calls) refused while exec or file calls run in the VM:
+ * the drain waits for them to end, for a grace, then pauses it all the same. `field` names the
+ * condition, so the scheduler tells this refusal from any other.
+ */
+export class CallsRunningError extends ForkfleetError {
+  constructor(sandboxId: string, calls: number) {
+    super('failed_precondition', `sandbox ${sandboxId} has ${calls} call(s) running (exec or file); not paused for the move yet`, { retryable: false, field: 'unless_calls' });
+  }
+}
+
 /** QEMU did not start, did not reach its ready marker, or refused a command. */
 export class VmmError extends ForkfleetError {
   constructor(message: string, options: ForkfleetErrorOptions = {}) {

@@ -269,6 +269,25 @@ describe('Agent steps', () => {
     expect(paused).toEqual(['sb-1', 'sb-1']);
   });
 
+  it('pause_ofADrainUnlessCalls_isRefusedWhileACallRuns_namingTheCondition_andPausesOnceItEnded_whateverTheGuestCpu', async () => {
+    // A drain --migrate paused a VM under a running exec: the command went on in the moved VM,
+    // its caller's stream was cut. The drain's pause now waits for calls (for a grace).
+    let releaseCall!: () => void;
+    const paused: string[] = [];
+    const vm = { vmId: 'sb-1', sandboxId: 'sb-1', state: 'running', pid: 0 } as VmInfo;
+    const { agent } = agentWith({ get: () => vm, list: () => [vm], pause: async (id) => void paused.push(id) });
+    const drainPause = (n: number) => agent.runStep(work(`pause-${n}`, { work: { case: 'pauseVm', value: { sandboxId: 'sb-1', unlessCalls: true } } }));
+    const inner = agent as unknown as { inCall<T>(vmId: string, fn: () => Promise<T>): Promise<T> };
+    const call = inner.inCall('sb-1', () => new Promise<void>((r) => (releaseCall = r)));
+    expect((await drainPause(1)).error).toMatchObject({ kind: 'failed_precondition', retryable: false, field: 'unless_calls', message: expect.stringMatching(/1 call\(s\) running/) });
+    expect(paused).toEqual([]);
+    releaseCall();
+    await call;
+    // Just ended: no idle time asked for, only no call running.
+    expect((await drainPause(2)).error).toBeUndefined();
+    expect(paused).toEqual(['sb-1']);
+  });
+
   it('pause_ofTheIdleRule_isRefusedWhileASnapshotOfTheVmRuns_whateverItsIdleTime', async () => {
     let t = 1_000_000;
     const paused: string[] = [];

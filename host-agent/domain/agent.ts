@@ -35,7 +35,7 @@ import { Accel, ErrorInfoSchema } from '../../proto/gen/forkfleet/v1/common_pb.t
 import type { SignedManifest } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import type { GuestHook } from '../../proto/gen/forkfleet/v1/common_pb.ts';
 import { ForkfleetError, isForkfleetError } from '../../proto/errors.ts';
-import { passingSystemError } from '../errors.ts';
+import { CallsRunningError, passingSystemError } from '../errors.ts';
 import { oneAtATime } from './one-at-a-time.ts';
 import { MAX_TIMER_MS } from '../../services/config.ts';
 
@@ -1323,6 +1323,9 @@ export class Agent {
           if (idle < idleFor) {
             return new ForkfleetError('failed_precondition', `sandbox ${work.value.sandboxId} is not idle: busy (a call or guest CPU) ${Math.round(idle / 1000)} s ago, under its idle timeout of ${Math.round(idleFor / 1000)} s; not paused for the idle hibernation`, { retryable: false });
           }
+          // A drain's: not while a call runs in it (the drain waits for its calls, for a grace).
+          const calls = work.value.unlessCalls && v.state === 'running' ? (this.activity.get(v.vmId)?.calls ?? 0) : 0;
+          if (calls > 0) return new CallsRunningError(work.value.sandboxId, calls);
           return undefined;
         };
         const refused = notIdle(vm);
@@ -1331,7 +1334,7 @@ export class Agent {
         // says snapshotting, and a call made while the pause waits for it (busy from its start)
         // would run once it ends, under the pause. Also when already paused: the driver asks
         // QEMU then (a `cont` that timed out may have run the guest all the same).
-        await driver.pause(vm.vmId, idleFor > 0 ? { refuse: notIdle } : {});
+        await driver.pause(vm.vmId, idleFor > 0 || work.value.unlessCalls ? { refuse: notIdle } : {});
         result.vms = [this.vmStatus(this.vmOf(vm.vmId))];
         return;
       }

@@ -7,6 +7,7 @@ import { create, toBinary } from '@bufbuild/protobuf';
 import { HeartbeatSchema } from '../../proto/gen/forkfleet/v1/hostwork_pb.ts';
 import { SnapshotManifestSchema } from '../../proto/gen/forkfleet/v1/snapshot_pb.ts';
 import { HeartbeatRegistry } from './fleet-view.ts';
+import { HostStepError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
 import { leaderExecutor } from '../testkit/executor.ts';
@@ -46,7 +47,7 @@ interface Ran {
  * now), the `sandboxes` and `snapshots` given; every host step answers at once (a snapshot
  * step with a manifest of a 1-vCPU microvm guest).
  */
-async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: SnapshotRec[] = [], migrate = true): Promise<Ran> {
+async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: SnapshotRec[] = [], migrate = true, o: { callsFor?: number; callGraceMs?: number } = {}): Promise<Ran> {
   const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate }, progress: { done: 0, total: 0, message: 'queued', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
   const all = [host('F', { cordoned: true, draining: true }), ...hosts];
   let rev = 10;
@@ -102,12 +103,15 @@ async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: Snaps
   };
   const heard = new HeartbeatRegistry();
   for (const h of all) heard.record(create(HeartbeatSchema, { hostId: h.id, bootId: 'b' }), NOW);
-  const ex = leaderExecutor(store, { heard, signer: { manifest: () => ({ signature: new Uint8Array([1]), keyId: 'k' }), ticket: () => ({}) } as never, submit: async (tenantId, key, kind) => ({ id: `op-${key}`, tenantId, kind, state: 'pending' }) as unknown as OperationRec });
+  // `callsFor`: how many of a drain's pauses unless calls the host refuses (a call runs in the VM).
+  let callsLeft = o.callsFor ?? 0;
+  const t0 = Date.now();
+  const ex = leaderExecutor(store, { ...(o.callGraceMs !== undefined ? { config: { liveness: { suspectAfterMs: 5000, lostAfterMs: 15_000 }, stepTimeoutMs: 1000, stepAttempts: 1, chunkBytes: 1 << 18, drainCallGraceMs: o.callGraceMs }, clock: { now: () => NOW + Date.now() - t0 } } : {}), heard, signer: { manifest: () => ({ signature: new Uint8Array([1]), keyId: 'k' }), ticket: () => ({}) } as never, submit: async (tenantId, key, kind) => ({ id: `op-${key}`, tenantId, kind, state: 'pending' }) as unknown as OperationRec });
   const inner = ex as unknown as {
     ops: Map<string, { value: OperationRec; modRevision: number }>;
     running: Map<string, Promise<void>>;
     cache: { hosts: Map<string, unknown> };
-    step: (op: OperationRec, stepId: string, hostId: string, work: { case: string; value: { snapshotId?: string } }) => Promise<unknown>;
+    step: (op: OperationRec, stepId: string, hostId: string, work: { case: string; value: { snapshotId?: string; unlessCalls?: boolean } }) => Promise<unknown>;
     runDrain(op: OperationRec): Promise<void>;
   };
   for (const h of all) inner.cache.hosts.set(h.id, { value: h, modRevision: 10 });
@@ -117,6 +121,10 @@ async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: Snaps
   const steps: string[] = [];
   inner.step = async (_op, stepId, hostId, work) => {
     steps.push(`${stepId}@${hostId}`);
+    if (work.case === 'pauseVm' && work.value.unlessCalls && callsLeft > 0) {
+      callsLeft--;
+      throw new HostStepError(hostId, stepId, 'failed_precondition', 'sandbox has 1 call(s) running (exec or file); not paused for the move yet', false, 'unless_calls');
+    }
     if (work.case !== 'snapshotVm') return { vms: [] };
     const manifest = create(SnapshotManifestSchema, { snapshotId: work.value.snapshotId!, tenantId: 't1', vmConfig: { machine: 'microvm', memoryMib: 256n, vcpus: 1, qemuVersion: '8.2.2', cpuModel: 'max' }, chunkSize: 1 << 18 });
     return { vms: [], manifest: { manifest: toBinary(SnapshotManifestSchema, manifest) } };
@@ -133,7 +141,7 @@ describe('A migrating drain', () => {
     const small = sandboxRecord({ id: 'SMALL', hostId: 'F' });
     const r = await drain([host('T', { vcpus: 4 })], [big, small]);
     expect(r.steps.filter((s) => s.includes('/BIG/'))).toEqual([]);
-    expect(r.steps.filter((s) => s.includes('/SMALL/'))).toEqual(['migrate/SMALL/pause@F', 'migrate/SMALL/restore@T', 'migrate/SMALL/destroy-source@F']);
+    expect(r.steps.filter((s) => s.includes('/SMALL/'))).toEqual(['migrate/SMALL/pause-unless-calls/0@F', 'migrate/SMALL/restore@T', 'migrate/SMALL/destroy-source@F']);
     // One snapshot taken: SMALL's (BIG's would be a second).
     expect(r.steps.filter((s) => s.startsWith('snapshot/'))).toHaveLength(1);
     expect(r.sandboxes.get('SMALL')).toMatchObject({ hostId: 'T', state: 'running', opId: '' });
@@ -184,5 +192,22 @@ describe('A hibernating drain', () => {
     expect(seen).toContain('0/2');
     expect(seen).toContain('1/2');
     expect(r.final.progress).toMatchObject({ done: 2, total: 2 });
+  });
+});
+
+describe('A migrating drain, a sandbox with calls running', () => {
+  it('waitsForItsCallsToEnd_beforeItPausesIt_askingAgainEachSecond', async () => {
+    // A drain --migrate paused a VM under a running exec: its caller's stream was cut.
+    const r = await drain([host('T')], [sandboxRecord({ id: 'S1', hostId: 'F' })], [], true, { callsFor: 2 });
+    expect(r.steps.filter((s) => s.includes('/S1/'))).toEqual(['migrate/S1/pause-unless-calls/0@F', 'migrate/S1/pause-unless-calls/1@F', 'migrate/S1/pause-unless-calls/2@F', 'migrate/S1/restore@T', 'migrate/S1/destroy-source@F']);
+    expect(r.final.state).toBe('succeeded');
+  });
+
+  it('whoseCallsOutlastTheGrace_isPausedAllTheSame_andMoved', async () => {
+    const r = await drain([host('T')], [sandboxRecord({ id: 'S1', hostId: 'F' })], [], true, { callsFor: 1000, callGraceMs: 1500 });
+    const s1 = r.steps.filter((s) => s.includes('/S1/'));
+    expect(s1.filter((s) => s.includes('pause-unless-calls')).length).toBeGreaterThanOrEqual(2);
+    expect(s1.slice(-3)).toEqual(['migrate/S1/pause@F', 'migrate/S1/restore@T', 'migrate/S1/destroy-source@F']);
+    expect(r.final.state).toBe('succeeded');
   });
 });

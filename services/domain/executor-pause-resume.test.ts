@@ -285,7 +285,7 @@ describe('a hibernate or a drain\'s migration, over a sandbox a pause or resume 
     const { during, error } = await duringAResumeStep(l, () => l.ex.migrate(drain, sandboxRecord()));
     expect(during).toEqual([]);
     expect(l.w.steps[0]).toBe('resume:resumeVm (held by op-r)');
-    expect(l.w.steps[1]).toBe('migrate/sb-a/pause:pauseVm (held by op-d)');
+    expect(l.w.steps[1]).toBe('migrate/sb-a/pause-unless-calls/0:pauseVm (held by op-d)');
     expect(error).toBeInstanceOf(HostStepError);
     expect(l.w.sb.opId).toBe('');
   });
@@ -300,7 +300,7 @@ describe('a hibernate or a drain\'s migration, over a sandbox a pause or resume 
     d.ex.cache.hosts.set('h1', { value: { id: 'h1', cordoned: true, draining: true }, modRevision: 1 });
     d.ex.step = async (o, stepId) => (d.w.steps.push(`${stepId} (held by ${d.w.sb.opId})`), Promise.reject(new HostStepError('h1', stepId, 'internal', 'qmp went away', false)));
     await expect(d.ex.migrate(d.w.ops.get('admin/op-d')!.value, d.w.sb)).rejects.toBeInstanceOf(HostStepError);
-    expect(d.w.steps[0]).toBe('migrate/sb-a/pause (held by op-d)');
+    expect(d.w.steps[0]).toBe('migrate/sb-a/pause-unless-calls/0 (held by op-d)');
   });
 
   it('doesNotTakeItOver_fromAStoppedPauseOrResumeThatRunsAgainBeforeItsWrite', async () => {

@@ -120,6 +120,8 @@ export interface ExecutorConfig {
   strayVmGraceMs?: number;
   /** How long after its runner crashed an op runs again (rerunLater). Absent: CRASHED_RERUN_MS. */
   crashedRerunMs?: number;
+  /** How long a drain waits for the calls running in a sandbox before it pauses it to move it (pauseForMove). Absent: DRAIN_CALL_GRACE_MS; 0: no wait. */
+  drainCallGraceMs?: number;
 }
 
 /** The scheduler's signing key at work (host-agent/domain/tickets.ts). */
@@ -342,8 +344,8 @@ function stopVm(sandboxId: string): HostWorkMsg['work'] {
  * The host work that pauses a sandbox's VM (a no-op on a paused one). `onlyIfIdleMs`: the idle
  * rule's pause, refused by the host when the VM was busy within that many ms (PauseVmWork).
  */
-function pauseVm(sandboxId: string, onlyIfIdleMs = 0): HostWorkMsg['work'] {
-  return { case: 'pauseVm', value: { sandboxId, onlyIfIdleMs: BigInt(onlyIfIdleMs) } as never };
+function pauseVm(sandboxId: string, onlyIfIdleMs = 0, unlessCalls = false): HostWorkMsg['work'] {
+  return { case: 'pauseVm', value: { sandboxId, onlyIfIdleMs: BigInt(onlyIfIdleMs), unlessCalls } as never };
 }
 
 /**
@@ -557,6 +559,13 @@ const NOT_HELD_GRACE_MS = 5000;
  * (CRASHED_RERUN_MS) and than a store outage's retries between two runs of one operation.
  */
 const ORPHANED_SNAPSHOT_GRACE_MS = 5 * 60_000;
+
+/**
+ * How long a drain moving a sandbox waits for the exec and file calls running in it to end
+ * before it pauses the VM all the same (pauseForMove): a command paused under way runs on in
+ * the moved VM, but its caller's stream is cut and its output lost.
+ */
+const DRAIN_CALL_GRACE_MS = 60_000;
 
 /** Deletes the leader's cache remembers (FleetCache.gone). */
 const GONE_RECORDS_MAX = 100_000;
@@ -4767,6 +4776,32 @@ export class Executor {
     return new ForkfleetError(why.kind, `no other host can take it now (${reasons || 'no other host'}); it was not paused or snapshotted`, { retryable: why.retryable, cause: why });
   }
 
+  /**
+   * A drain's pause of sandbox `sb` before its move: first only while no exec or file call
+   * runs in it (PauseVmWork.unless_calls), asked again every second for DRAIN_CALL_GRACE_MS, so
+   * that a command under way ends before the move rather than being cut off from its caller;
+   * then at once, whatever runs (a sandbox that is never without a call would hold the drain
+   * for good). Each ask is a step of its own (the agent journals a refusal under its step id).
+   * A cancel of the drain while it waits undoes the move as one before its booking is.
+   */
+  private async pauseForMove(op: OperationRec, sb: SandboxRec, stepId: (step: string) => string): Promise<void> {
+    const graceMs = this.deps.config.drainCallGraceMs ?? DRAIN_CALL_GRACE_MS;
+    const until = this.deps.clock.now() + graceMs;
+    for (let i = 0; graceMs > 0 && this.deps.clock.now() < until; i++) {
+      try {
+        await this.step(op, stepId(`pause-unless-calls/${i}`), sb.hostId, pauseVm(sb.id, 0, true));
+        return;
+      } catch (e) {
+        if (!(e instanceof HostStepError && e.workField === 'unless_calls')) throw e;
+        if (i === 0) this.log.info({ opId: op.id, sandboxId: sb.id, graceMs }, 'drain waits for the calls running in a sandbox before it moves it');
+        await this.pause(1000);
+        if (!this.active) throw new NotLeaderError();
+        if (this.cancelRequested(op.id)) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'it was waiting for its calls to end before its move: undone');
+      }
+    }
+    await this.step(op, stepId('pause'), sb.hostId, pauseVm(sb.id));
+  }
+
   private async migrate(op: OperationRec, sb: SandboxRec): Promise<void> {
     const from = sb.hostId;
     const record = (m: MigrationRec): Promise<OperationRec> =>
@@ -4839,7 +4874,7 @@ export class Executor {
       if (undrained) throw notDraining();
       if (cancelledUnbooked) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'its migration had no host booked yet: undone');
       // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
-      if (!m.wasPaused) await this.step(op, stepId('pause'), from, pauseVm(sb.id));
+      if (!m.wasPaused) await this.pauseForMove(op, sb, stepId);
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { [PURPOSE_LABEL]: 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
       // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
       if (!m.toHostId) {
