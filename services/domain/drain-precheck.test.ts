@@ -47,7 +47,7 @@ interface Ran {
  * now), the `sandboxes` and `snapshots` given; every host step answers at once (a snapshot
  * step with a manifest of a 1-vCPU microvm guest).
  */
-async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: SnapshotRec[] = [], migrate = true, o: { callsFor?: number; callGraceMs?: number } = {}): Promise<Ran> {
+async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: SnapshotRec[] = [], migrate = true, o: { callsFor?: number; callGraceMs?: number; stopping?: string[]; ops?: OperationRec[] } = {}): Promise<Ran> {
   const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate }, progress: { done: 0, total: 0, message: 'queued', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
   const all = [host('F', { cordoned: true, draining: true }), ...hosts];
   let rev = 10;
@@ -57,6 +57,7 @@ async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: Snaps
   for (const sb of sandboxes) put(`sandbox/${sb.tenantId}/${sb.id}`, sb);
   for (const sn of snapshots) put(`snapshot/${sn.tenantId}/${sn.id}`, sn);
   put(`op/admin/op-d`, op);
+  for (const other of o.ops ?? []) put(`op/${other.tenantId}/${other.id}`, other);
   const get = <T>(k: string): { value: T; modRevision: number } | undefined => {
     const r = recs.get(k);
     return r && { value: structuredClone(r.value) as T, modRevision: r.rev };
@@ -102,7 +103,7 @@ async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: Snaps
     },
   };
   const heard = new HeartbeatRegistry();
-  for (const h of all) heard.record(create(HeartbeatSchema, { hostId: h.id, bootId: 'b' }), NOW);
+  for (const h of all) heard.record(create(HeartbeatSchema, { hostId: h.id, bootId: 'b', stopping: o.stopping?.includes(h.id) ?? false }), NOW);
   // `callsFor`: how many of a drain's pauses unless calls the host refuses (a call runs in the VM).
   let callsLeft = o.callsFor ?? 0;
   const t0 = Date.now();
@@ -209,5 +210,20 @@ describe('A migrating drain, a sandbox with calls running', () => {
     expect(s1.filter((s) => s.includes('pause-unless-calls')).length).toBeGreaterThanOrEqual(2);
     expect(s1.slice(-3)).toEqual(['migrate/S1/pause@F', 'migrate/S1/restore@T', 'migrate/S1/destroy-source@F']);
     expect(r.final.state).toBe('succeeded');
+  });
+});
+
+describe('A migrating drain that could not do it all', () => {
+  it('whoseOnlyUncordonedHostIsRestartingItsAgent_endsUnavailableAndRetryable_notAFailedPrecondition', async () => {
+    // G can take work again in seconds: a drain run again then copies sn-v there.
+    const r = await drain([host('G')], [], [snapshotRecord({ id: 'sn-v', hostIds: ['F'] })], true, { stopping: ['G'] });
+    expect(r.final.error).toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringContaining('sn-v') });
+  });
+
+  it('ofASandboxAnotherOperationHolds_endsRetryable_asItsMessageSaysToRunItAgain', async () => {
+    // A user's snapshot of S1 holds it: the drain moves it when run again.
+    const snap = { id: 'op-s', tenantId: 't1', kind: 'snapshot', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'S1', input: {}, progress: { done: 0, total: 0, message: '', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
+    const r = await drain([host('T')], [sandboxRecord({ id: 'S1', hostId: 'F', opId: 'op-s' })], [], true, { ops: [snap] });
+    expect(r.final.error).toMatchObject({ kind: 'unavailable', retryable: true, message: expect.stringContaining('op-s') });
   });
 });

@@ -840,6 +840,17 @@ function drainFailure(message: string, kinds: ReadonlyArray<OperationError['kind
   return { kind, message, retryable: kind !== 'failed_precondition' };
 }
 
+/**
+ * The kind a sandbox's failed move gives its drain (drainFailure): its placement's (no host
+ * eligible, none with room: as placementFailure or moveRefusal said); anything else
+ * (a WrongStateError of a sandbox another op held or that moved on, a host's failure) is one a
+ * drain run again may get past: unavailable.
+ */
+function drainCause(e: unknown): OperationError['kind'] {
+  const placement = [e, e instanceof Error ? e.cause : undefined].find((x): x is ForkfleetError => x instanceof NoEligibleHostError || x instanceof NoCapacityError);
+  return placement?.kind ?? 'unavailable';
+}
+
 /** A failed migration's record once undone: the next attempt starts afresh. */
 function retired(m: Pick<MigrationRec, 'attempt'>): MigrationRec {
   return { snapshotId: '', wasPaused: false, attempt: (m.attempt ?? 0) + 1 };
@@ -4479,7 +4490,7 @@ export class Executor {
           if (this.endsTheRun(e)) throw e;
           this.log.warn({ err: e, opId: op.id, sandboxId: id }, 'could not switch a sandbox lost during its migration to its copy');
           failures.push(`${id}: ${e instanceof Error ? e.message : String(e)}`);
-          causes.push(errorOf(e).kind);
+          causes.push(drainCause(e));
         }
         continue;
       }
@@ -4528,7 +4539,7 @@ export class Executor {
         if (this.endsTheRun(e)) throw e;
         this.log.warn({ err: e, opId: op.id, sandboxId: sb.id }, 'migration failed; the sandbox stays on the draining host');
         failures.push(`${sb.id}: ${e instanceof Error ? e.message : String(e)}`);
-        causes.push(errorOf(e).kind);
+        causes.push(drainCause(e));
         notMoved++;
       }
       progress();
@@ -4702,7 +4713,10 @@ export class Executor {
       const named = only.map((sn) => (alsoOn(sn).length > 0 ? `${sn.id} (also on ${alsoOn(sn).join(', ')})` : sn.id));
       const holders = only.some((sn) => alsoOn(sn).length > 0) ? `${hostId} and cordoned or draining hosts` : hostId;
       failures.push(`no uncordoned host is ready to take a copy of the ${only.length === 1 ? 'snapshot' : `${only.length} snapshots`} held only by ${holders}: ${named.join(', ')}`);
-      return { uncopied: failures, copied: 0, of: only.length, cancelled: false, kind: 'failed_precondition' };
+      // An uncordoned host that is there but cannot take work just now (suspect, its agent
+      // restarting) may in seconds: a drain run again then copies them (unavailable, retryable).
+      const soon = [...this.cache.hosts.values()].some(({ value: h }) => h.id !== hostId && !h.cordoned && !h.draining && live(h.id));
+      return { uncopied: failures, copied: 0, of: only.length, cancelled: false, kind: soon ? 'unavailable' : 'failed_precondition' };
     }
     for (const sn of only) {
       if (this.cancelRequested(op.id)) {
