@@ -104,3 +104,19 @@ describe('CLI hints', () => {
     expect(defaultApi({ FF_FLEET_DIR: '/nonexistent-ffui' })).toBe('127.0.0.1:17700');
   });
 });
+
+describe('hintFor a placement no host was eligible for', () => {
+  it('saysToUncordonWaitForOrAddAHost_notToFreeCapacityOrCheckTheSandboxsState', () => {
+    // An SRE's same-host fork with its holder cordoned was told "no capacity ... ask for less
+    // (--memory)"; as failed_precondition it was told the sandbox was in the wrong state.
+    for (const e of [
+      { kind: 'failed_precondition', message: 'no host is eligible for this fork (locality=2, cordoned=1)', operation: true, retryable: false },
+      { kind: 'unavailable', message: 'no host is eligible for this create (not_pinned=2, host_suspect=1); some are down, retry once they are back', operation: true, retryable: true },
+      { kind: 'failed_precondition', message: 'moved 0 of 1 sandboxes off h2; S1: no other host can take it now (cordoned=2); it was not paused or snapshotted', operation: true, retryable: false },
+    ]) {
+      const h = hintFor(e, 'a:1');
+      expect(h).toContain('forkfleet hosts cordon HOST --undo');
+      expect(h).not.toMatch(/no capacity|wrong state|--memory/);
+    }
+  });
+});

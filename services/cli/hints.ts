@@ -83,6 +83,11 @@ function flagOf(field: string): string | undefined {
 }
 
 export function hintFor(e: ErrorLike, api: string): string {
+  // A placement no host was eligible for (cordoned, draining or down hosts, a locality or pin
+  // none meets): no freed capacity helps, a host uncordoned, back or added does.
+  if (/no host is eligible for this|no other host can take it now|no uncordoned host is ready/.test(e.message)) {
+    return `no host could take it as the fleet is now (the message says why, host by host): see the hosts with \`forkfleet hosts ls\`; uncordon one (\`forkfleet hosts cordon HOST --undo\`), wait for one that is down, or add one${e.retryable ? '; running the command again may succeed once one is back' : ''}`;
+  }
   if (e.operation && FLEET_KINDS.has(e.kind ?? '')) {
     const again = e.retryable ? 'running the command again may succeed' : 'running it again will likely fail the same way';
     return `the operation ran and failed on the fleet (the API is reachable): see the sandboxes' states with \`forkfleet sandbox ls\` and the hosts' with \`forkfleet hosts ls\`; ${again}`;
