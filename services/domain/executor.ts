@@ -1540,6 +1540,8 @@ export class Executor {
     for (const s of this.stops.splice(0)) await s();
     this.ops.clear();
     this.finishedOps.clear();
+    // Seen orphaned in this term: a later term starts its grace afresh.
+    this.orphanedSince.clear();
     this.term++;
     this.sandboxIndexReady = false;
     this.sandboxIndex.clear();
@@ -5211,8 +5213,14 @@ export class Executor {
       else if (now - since >= ORPHANED_SNAPSHOT_GRACE_MS) due.push(sn);
     }
     for (const k of this.orphanedSince.keys()) if (!seen.has(k)) this.orphanedSince.delete(k);
+    // A runner whose op record this leader does not hold (run() re-reading it through a store
+    // outage) or an op waiting to run again after its runner crashed (its step log kept): what
+    // it takes is unknown, so nothing is marked while there is one.
+    if ([...this.running.keys()].some((id) => !this.ops.has(id)) || [...this.stepLog.keys()].some((id) => !this.running.has(id))) return 0;
     let marked = 0;
     for (const sn of due) {
+      // Asked again before each mark: an op may have taken it up since the pass began.
+      if (this.snapshotsOfLiveOps().has(sn.id)) continue;
       this.log.warn({ snapshotId: sn.id, tenantId: sn.tenantId, takenOn: sn.takenOn }, 'snapshot left creating by an operation that ended: marking it failed');
       try {
         await this.markSnapshotFailed(sn);

@@ -1032,7 +1032,9 @@ export class Fleet {
         // The VM went away under a running command (its guest connection dropped): a drain
         // moving it, or a hibernate, says so, rather than an error that reads as a lost host.
         if (m.payload.case === 'error' && m.payload.value.kind === 'unavailable') {
-          const why = await this.whyVmWentAway(input.tenantId, sb).catch(() => undefined);
+          // At most 3 s of reads (etcd3 retries a store that does not answer for ~40 s): the
+          // host's own error then, unexplained, rather than held back.
+          const why = await Promise.race([this.whyVmWentAway(input.tenantId, sb).catch(() => undefined), new Promise<undefined>((r) => setTimeout(() => r(undefined), 3000).unref())]);
           if (why) {
             yield create(HostExecOutputSchema, { payload: { case: 'error', value: { ...m.payload.value, message: `${why} while the command ran: it may go on there, but its output and exit status are lost (${m.payload.value.message})` } } });
             continue;

@@ -116,4 +116,29 @@ describe('failOrphanedSnapshots', () => {
       expect(await l.ex.failOrphanedSnapshots()).toBe(0);
     }
   });
+
+  it('isNotMarked_whileARunnerWhoseOpRecordTheLeaderDoesNotHoldRuns_orAnOpWaitsToRunAgain', async () => {
+    // run() re-reading its op through a store outage (out of `ops`), or an op whose runner
+    // crashed, waiting to run again (its step log kept): either may take the snapshot.
+    const l = leader(creating);
+    const inner = l.ex as unknown as { running: Map<string, Promise<void>>; stepLog: Map<string, object> };
+    await l.ex.failOrphanedSnapshots();
+    l.at(10 * 60_000);
+    inner.running.set('op-h', new Promise<void>(() => undefined));
+    expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+    inner.running.clear();
+    inner.stepLog.set('op-h', {});
+    expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+    inner.stepLog.clear();
+    expect(await l.ex.failOrphanedSnapshots()).toBe(1);
+  });
+
+  it('startsItsGraceAfresh_inALaterTermOfTheSameReplica', async () => {
+    const l = leader(creating);
+    await l.ex.failOrphanedSnapshots();
+    await l.ex.stop();
+    (l.ex as unknown as { active: boolean }).active = true;
+    l.at(10 * 60_000);
+    expect(await l.ex.failOrphanedSnapshots()).toBe(0);
+  });
 });
