@@ -270,6 +270,13 @@ describe('a hibernate or a drain\'s migration, over a sandbox a pause or resume 
     expect(l.w.sb).toMatchObject({ state: 'hibernated', opId: '' });
   });
 
+  it('hibernateOfTheIdleRule_recordsWhyInTheSandboxsStateReason_asATtlDestroyDoes', async () => {
+    // An eval harness saw `destroyed(ttl)` next to `hibernated()`: no word of its idle timeout.
+    const l = leaderOver(sandboxRecord(), [opRecord('op-h', 'hibernate', { input: { snapshotId: 'sn-h', reason: 'idle' } })]);
+    await l.ex.runHibernate(l.op('op-h'));
+    expect(l.w.sb).toMatchObject({ state: 'hibernated', stateReason: 'idle' });
+  });
+
   it('drainMigration_waitsForTheHoldToEnd_andClaimsTheSandbox', async () => {
     const l = leaderOver(sandboxRecord(), [opRecord('op-r', 'resume'), drainOp()]);
     l.ex.cache.hosts.set('h1', { value: { id: 'h1', cordoned: true, draining: true }, modRevision: 1 });

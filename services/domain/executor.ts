@@ -3468,7 +3468,9 @@ export class Executor {
         s.hibernationSnapshotId = sn.id;
         delete s.hibernatingTo;
         if (s.state === 'lost') return;
-        this.setState(s, 'hibernated', this.deps.clock.now());
+        // Why, as a TTL destroy says 'ttl': the idle rule's, a drain's (a user's: none).
+        const why = (op.input as { reason?: unknown }).reason;
+        this.setState(s, 'hibernated', this.deps.clock.now(), why === 'idle' || why === 'drain' ? why : '');
         s.opId = '';
         delete s.hibernatingFrom;
       },
@@ -5444,6 +5446,14 @@ export class Executor {
       // they fail (a host still in trouble), one more per LIFECYCLE_RETRY_MS.
       if (sb.state === 'paused' && sb.resumeOwed && !sb.opId) {
         await this.submitRule(sb, `__resume-after-hibernate/${sb.resumeOwed}`, 'resume', { resumeOwed: sb.resumeOwed }, now);
+        continue;
+      }
+      // A sandbox with a TTL left paused or hibernated (by its idle timeout, a harness that
+      // crashed) longer than its whole TTL at a stretch: forgotten. Its running time no longer
+      // grows, so the TTL alone never ended it, and it kept its quota slot (and its hibernation
+      // snapshot) for good. updatedAt: when it was paused or hibernated (holds leave it as it was).
+      if ((sb.state === 'paused' || sb.state === 'hibernated') && !sb.opId && sb.ttlMs !== null && now - sb.updatedAt >= sb.ttlMs) {
+        await this.submitRule(sb, `__ttl/${sb.id}`, 'destroy', { reason: 'ttl' }, now);
         continue;
       }
       if (sb.state !== 'running' || sb.opId) continue;

@@ -1036,7 +1036,7 @@ export class Fleet {
           // host's own error then, unexplained, rather than held back.
           const why = await Promise.race([this.whyVmWentAway(input.tenantId, sb).catch(() => undefined), new Promise<undefined>((r) => setTimeout(() => r(undefined), 3000).unref())]);
           if (why) {
-            yield create(HostExecOutputSchema, { payload: { case: 'error', value: { ...m.payload.value, message: `${why} while the command ran: it may go on there, but its output and exit status are lost (${m.payload.value.message})` } } });
+            yield create(HostExecOutputSchema, { payload: { case: 'error', value: { ...m.payload.value, message: `${why} (${m.payload.value.message})` } } });
             continue;
           }
         }
@@ -1055,18 +1055,22 @@ export class Fleet {
 
   /**
    * Why sandbox `sb` (as it was when a command was sent to it) no longer has its VM on that
-   * host, when an operation took it: moved to another host, or hibernated, or being so. Else
-   * undefined (its host or guest failed: the host's error says what it saw).
+   * host, when an operation took it, said for the command's caller: moved to another host or
+   * hibernated, or being so (the command may go on, its output lost), or destroyed (a TTL, a
+   * destroy call: the command ended with it). Else undefined (its host or guest failed: the
+   * host's error says what it saw).
    */
   private async whyVmWentAway(tenantId: string, sb: SandboxRec): Promise<string | undefined> {
     const now = (await this.deps.store.getSandbox(tenantId, sb.id))?.value;
     if (!now) return undefined;
-    if (now.hostId !== sb.hostId && now.hostId !== '' && (now.state === 'running' || now.state === 'paused')) return `sandbox ${sb.id} was moved from host ${sb.hostId} to ${now.hostId}`;
-    if (now.state === 'hibernating' || now.state === 'hibernated') return `sandbox ${sb.id} was hibernated`;
+    const goesOn = (what: string): string => `${what} while the command ran: it may go on in the sandbox, but its output and exit status are lost`;
+    if (now.state === 'destroying' || now.state === 'destroyed') return `sandbox ${sb.id} was destroyed${now.stateReason ? ` (${now.stateReason})` : ''} while the command ran: the command ended with it`;
+    if (now.hostId !== sb.hostId && now.hostId !== '' && (now.state === 'running' || now.state === 'paused')) return goesOn(`sandbox ${sb.id} was moved from host ${sb.hostId} to ${now.hostId}`);
+    if (now.state === 'hibernating' || now.state === 'hibernated') return goesOn(`sandbox ${sb.id} was hibernated`);
     if (now.opId === '') return undefined;
     const op = (await this.deps.store.getOp(tenantId, now.opId))?.value ?? (await this.deps.store.getOp(DRAIN_TENANT, now.opId))?.value;
-    if (op?.kind === 'drain') return `sandbox ${sb.id} is being moved off host ${sb.hostId} by drain ${op.id}`;
-    if (op?.kind === 'hibernate') return `sandbox ${sb.id} is being hibernated by operation ${op.id}`;
+    if (op?.kind === 'drain') return goesOn(`sandbox ${sb.id} is being moved off host ${sb.hostId} by drain ${op.id}`);
+    if (op?.kind === 'hibernate') return goesOn(`sandbox ${sb.id} is being hibernated by operation ${op.id}`);
     return undefined;
   }
 

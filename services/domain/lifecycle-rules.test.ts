@@ -207,3 +207,20 @@ describe('Lifecycle rules', () => {
     expect(writes.find((w) => w.kind === 'alloc')?.value).toMatchObject({ allocated: { vcpus: 0, memoryMib: 0, diskMib: 0 }, sandboxes: 0 });
   });
 });
+
+describe('The TTL rule, for a sandbox that no longer runs', () => {
+  it('destroysOnePausedOrHibernatedLongerThanItsWholeTtl_andLeavesOneThatStoppedLately', async () => {
+    // An eval harness crashed: its children hibernated after their idle timeout and, their
+    // running time no longer growing, kept a quota slot and a snapshot each for good.
+    const { ex, started, clock } = rules(() => 'running');
+    for (const state of ['hibernated', 'paused'] as const) {
+      const since = (ms: number) => sandboxRecord({ id: `sb-${state}-${ms}`, state, ttlMs: 45_000, runningSince: null, runningMsBefore: 30_000, updatedAt: clock.t - ms, hostId: state === 'hibernated' ? '' : 'h1' });
+      await pass(ex, since(44_000));
+      await pass(ex, since(46_000));
+    }
+    expect(started).toEqual(['__ttl/sb-hibernated-46000', '__ttl/sb-paused-46000']);
+    // Without a TTL it stays as long as it likes.
+    await pass(ex, sandboxRecord({ id: 'sb-kept', state: 'hibernated', ttlMs: null, runningSince: null, updatedAt: 0, hostId: '' }));
+    expect(started).toHaveLength(2);
+  });
+});

@@ -229,14 +229,17 @@ describe('a command whose guest connection drops while it runs', () => {
     };
   }
 
-  it('namesTheDrainThatMovedItsSandbox_insteadOfAnErrorThatReadsAsALostHost', async () => {
+  it('namesTheDrainHibernateOrDestroyThatTookItsSandbox_insteadOfAnErrorThatReadsAsALostHost', async () => {
     // An SRE's drain --migrate ended a running exec with only "guest agent connection closed".
     const moving = droppedUnder(sandboxRecord({ hostId: 'h1', opId: 'op-d', updatedAt: 2 }), { 'op-d': { kind: 'drain' } });
-    expect(await moving()).toBe('sandbox sb-a is being moved off host h1 by drain op-d while the command ran: it may go on there, but its output and exit status are lost (guest agent connection closed)');
+    expect(await moving()).toBe('sandbox sb-a is being moved off host h1 by drain op-d while the command ran: it may go on in the sandbox, but its output and exit status are lost (guest agent connection closed)');
     const moved = droppedUnder(sandboxRecord({ hostId: 'h2', updatedAt: 3 }));
     expect(await moved()).toMatch(/^sandbox sb-a was moved from host h1 to h2 while the command ran/);
     const hibernatedMeanwhile = droppedUnder(sandboxRecord({ state: 'hibernated', hostId: '', updatedAt: 3 }));
     expect(await hibernatedMeanwhile()).toMatch(/^sandbox sb-a was hibernated while the command ran/);
+    // An eval harness could not tell its sandbox's TTL from a broken host.
+    const expired = droppedUnder(sandboxRecord({ state: 'destroying', stateReason: 'ttl', hostId: 'h1', updatedAt: 3 }));
+    expect(await expired()).toBe('sandbox sb-a was destroyed (ttl) while the command ran: the command ended with it (guest agent connection closed)');
   });
 
   it('isTheHostsOwnError_whenNoOperationTookTheSandbox', async () => {
