@@ -62,4 +62,17 @@ describe('resolveClientCredentials', () => {
       expect(c.caPem?.toString(), JSON.stringify(env)).toContain('file');
     }
   });
+
+  it('aCredentialsFileWhoseCaIsPemText_trustsThatPem_asFfCaDoes_notTheFilesDirectoryJoinedOntoIt', () => {
+    const d = mkdtempSync(join(tmpdir(), 'ff-creds-'));
+    dirs.push(d);
+    const caPem = '-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n';
+    writeFileSync(join(d, 'credentials.json'), JSON.stringify({ token: 'ff_file', ca: caPem, tenant: 'dev' }));
+    expect(readCredentialsFile(join(d, 'credentials.json'))?.ca).toBe(caPem);
+    for (const env of [{ FF_FLEET_DIR: d }, { FF_CREDENTIALS: join(d, 'credentials.json') }]) {
+      expect(resolveClientCredentials({}, env).caPem?.toString(), JSON.stringify(env)).toBe(caPem);
+    }
+    // The same PEM in FF_CA is taken alike.
+    expect(resolveClientCredentials({}, { FF_FLEET_DIR: join(d, 'none'), FF_TOKEN: 't', FF_CA: caPem }).caPem?.toString()).toBe(caPem);
+  });
 });

@@ -1,10 +1,10 @@
 // Where a client (SDK, CLI, dashboard, tools) finds its credential and the CA that signed the
 // scheduler's certificate, in this order:
 //   1. explicit options (token, ca);
-//   2. FF_TOKEN and FF_CA (a PEM file path);
+//   2. FF_TOKEN and FF_CA (a PEM file path or the PEM text);
 //   3. a credentials file: FF_CREDENTIALS, else <FF_FLEET_DIR or /var/lib/ffleet>/credentials.json
 //      when it exists (fleet:up writes one): {"token": "...", "ca": "pki/ca.crt", "tenant": "...", "api": ["host:port"]}
-//      with `ca` relative to the file's directory.
+//      with `ca`, as FF_CA, a PEM file path (a relative one is from the file's directory) or the PEM text.
 // An empty variable is unset (FF_TOKEN= in a shell or an env file must not hide the file's token).
 import { existsSync, readFileSync } from 'node:fs';
 import { dirname, isAbsolute, join } from 'node:path';
@@ -29,9 +29,14 @@ export interface CredentialOptions {
   credentialsFile?: string;
 }
 
+/** A CA given as its PEM text, not as a file's path (FF_CA, the option, the credentials file's `ca`). */
+function isPemText(v: string): boolean {
+  return v.includes('-----BEGIN');
+}
+
 function pem(v: string | Buffer, field: string): Buffer {
   if (Buffer.isBuffer(v)) return v;
-  if (v.includes('-----BEGIN')) return Buffer.from(v);
+  if (isPemText(v)) return Buffer.from(v);
   try {
     return readFileSync(v);
   } catch (e) {
@@ -81,7 +86,9 @@ export function readCredentialsFile(path: string, named?: string): CredentialsFi
     throw new InvalidArgumentError(named ?? 'FF_CREDENTIALS', `${path}: not valid JSON${whereInText(text, e)}`);
   }
   if (typeof doc !== 'object' || doc === null || Array.isArray(doc)) throw new InvalidArgumentError(named ?? 'FF_CREDENTIALS', `${path}: want a JSON object {"token", "ca", "tenant"}`);
-  return { ...doc, ...(doc.ca ? { ca: isAbsolute(doc.ca) ? doc.ca : join(dirname(path), doc.ca) } : {}) };
+  // PEM text is taken as it is, as FF_CA's: the directory joined onto it made a CA no
+  // certificate verifies against ("unable to verify the first certificate").
+  return { ...doc, ...(doc.ca ? { ca: isAbsolute(doc.ca) || isPemText(doc.ca) ? doc.ca : join(dirname(path), doc.ca) } : {}) };
 }
 
 /**

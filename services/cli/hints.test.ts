@@ -120,3 +120,23 @@ describe('hintFor a placement no host was eligible for', () => {
     }
   });
 });
+
+describe('hintFor a resource_exhausted file call', () => {
+  it('hintFor_aFullGuestFileSystem_saysToFreeSpaceInTheSandboxOrUseALargerDisk_notToAddHosts', () => {
+    // An eval user copying 60 MiB into a 31 MB guest file system was told "no capacity: ... add hosts".
+    for (const field of ['header.path', 'path']) {
+      const h = hintFor({ kind: 'resource_exhausted', message: '/data/big.bin: the guest file system is full (in the guest)', field, retryable: false }, 'a:1');
+      expect(h).toContain("the sandbox's file system is full");
+      expect(h).toContain('diskMib');
+      expect(h).not.toMatch(/no capacity|add hosts|sandbox destroy/);
+    }
+  });
+  it('hintFor_theSchedulersFileBufferFull_saysToLetOtherCopiesEnd_notToAddHostsOrFreeGuestSpace', () => {
+    for (const field of ['data', 'max_bytes']) {
+      const h = hintFor({ kind: 'resource_exhausted', message: "tenant t1's file transfers hold 268435456 of the 268435456 bytes one tenant may hold on this scheduler (half of FF_FILE_BUFFER_MAX); retry once they end", field, retryable: true }, 'a:1');
+      expect(h).toContain('FF_FILE_BUFFER_MAX');
+      expect(h).toContain('sandbox cp');
+      expect(h).not.toMatch(/no capacity|add hosts|file system is full/);
+    }
+  });
+});

@@ -130,6 +130,12 @@ export function hintFor(e: ErrorLike, api: string): string {
       if (e.field?.startsWith('quotas.')) return "your tenant's quota is used up: destroy sandboxes (`forkfleet sandbox destroy`) or delete snapshots, or ask an admin for a larger quota";
       if (e.field === 'rate') return 'too many requests for your tenant; wait a moment and run the command again';
       if (e.field === 'streams') return 'too many exec/file/watch streams open with this credential; let some finish';
+      // The guest refused a file call on the path for want of space (host-agent/adapters/guest
+      // pathError: not retryable): the sandbox's own disk, which no freed fleet capacity helps.
+      if (e.field === 'path' || e.field === 'header.path') return `the sandbox's file system is full: free space in it (\`forkfleet sandbox exec SANDBOX -- df -h\` shows how full it is; \`forkfleet sandbox exec SANDBOX -- rm ...\` frees some), or use a sandbox with a larger disk: ${flagOf('resources.disk_mib')}`;
+      // The scheduler's bound on file bytes it holds at once (ByteBudget, FF_FILE_BUFFER_MAX;
+      // one tenant at most half of it): other transfers hold it, and it passes as they end.
+      if (e.field === 'data' || e.field === 'max_bytes') return 'the scheduler holds as many file bytes for transfers as it may just now (FF_FILE_BUFFER_MAX; one tenant at most half of it): let the file copies under way (`forkfleet sandbox cp`, yours or other tenants) end, then run the command again; an operator can raise FF_FILE_BUFFER_MAX';
       // Output or events that came faster than this client read them (a slow reader of its
       // output, e.g. a pipe): no capacity is missing.
       if (!e.field && /exec output not read/.test(e.message)) return "the command's output came faster than it was read (whatever reads this command's output was slow), so the fleet stopped the command: write a large output to a file in the sandbox and copy it out with `forkfleet sandbox cp`";

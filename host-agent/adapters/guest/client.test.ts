@@ -367,6 +367,23 @@ describe('GuestAgentClient with an untrusted guest', () => {
     for (const h of handed) expect(Number(h)).toBeLessThanOrEqual(4096);
   });
 
+  it('writeFile_intoAFullGuestFileSystem_rejectsResourceExhaustedNamingThePath_notRetryable', async () => {
+    const g = await fakeGuest({
+      answer: (req) => {
+        if (req.execute === 'guest-file-open') return { reply: 1 };
+        // qemu-ga's words for fwrite's ENOSPC (and fclose's: "failed to close handle: ...").
+        if (req.execute === 'guest-file-write') return { error: 'failed to write to file: No space left on device' };
+        if (req.execute === 'guest-file-close') return { reply: {} };
+        return undefined;
+      },
+    });
+    cleanups.push(g.close);
+    const c = await GuestAgentClient.connect(g.path);
+    cleanups.push(() => c.close());
+    const e = (await c.writeFile('/data/big.bin', Buffer.alloc(3 << 20)).catch((x: unknown) => x)) as ForkfleetError;
+    expect([e.kind, e.field, e.retryable, e.message]).toEqual(['resource_exhausted', 'path', false, '/data/big.bin: the guest file system is full (in the guest)']);
+  });
+
   it('exec_whoseStartIsAnsweredWithoutAPid_rejects_insteadOfAnsweringNotStartedOrPollingNoPid', async () => {
     const answers: unknown[] = [{}, null, { pid: 'x' }];
     const statuses: unknown[] = [];
@@ -534,6 +551,19 @@ describe('pathError', () => {
     expect([odd.kind, odd.field, odd.message]).toEqual(['failed_precondition', 'path', '/x/y: the guest refuses to open it: Invalid argument (in the guest)']);
     const other = new GuestAgentCommandError('guest-file-read', 'GenericError: Input/output error');
     expect(pathError('/x/y', other)).toBe(other);
+  });
+
+  it('aFullGuestFileSystem_andEveryOtherRefusalOfThePath_isNotRetryable_onlyAGuestShortOfAResourceForAMomentIs', () => {
+    const refused = (desc: string) => pathError('/x/y', new GuestAgentCommandError('guest-file-write', `GenericError: failed to write to file: ${desc}`)) as ForkfleetError;
+    // resource_exhausted is retryable by default (no capacity now may be capacity later); a full
+    // guest disk stays full until someone frees space in it.
+    const full = refused('No space left on device');
+    expect([full.kind, full.retryable, full.field]).toEqual(['resource_exhausted', false, 'path']);
+    expect(refused('Disk quota exceeded').retryable).toBe(false);
+    for (const desc of ['No such file or directory', 'Not a directory', 'Is a directory', 'Permission denied', 'File name too long', 'Too many levels of symbolic links', 'File too large', 'Text file busy', 'No such device', 'Invalid argument']) {
+      expect([desc, refused(desc).retryable]).toEqual([desc, false]);
+    }
+    expect(refused('Cannot allocate memory').retryable).toBe(true);
   });
 });
 

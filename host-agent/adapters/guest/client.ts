@@ -1410,11 +1410,14 @@ class LiveOutput {
 
 /**
  * The guest's refusal of a file call, when it is about the caller's path (qemu-ga appends the
- * errno's text): an error that names the `path` field, not an internal one.
+ * errno's text): an error that names the `path` field, not an internal one. None of those is
+ * retryable, a full guest file system included (resource_exhausted, retryable by default): the
+ * same call meets the same guest until someone frees space in it, and a retry would send the
+ * whole file again for nothing.
  */
 export function pathError(path: string, e: unknown): unknown {
   if (!(e instanceof GuestAgentCommandError)) return e;
-  const at = (kind: ForkfleetError['kind'], why: string): ForkfleetError => new ForkfleetError(kind, `${path}: ${why} (in the guest)`, { field: 'path', cause: e });
+  const at = (kind: ForkfleetError['kind'], why: string): ForkfleetError => new ForkfleetError(kind, `${path}: ${why} (in the guest)`, { field: 'path', retryable: false, cause: e });
   const m = e.message;
   if (/No such file or directory/i.test(m)) return at('not_found', 'no such file or directory');
   if (/Not a directory/i.test(m)) return at('not_found', 'a part of the path is not a directory');
