@@ -5547,8 +5547,9 @@ export class Executor {
   /**
    * Snapshot retention (services/domain/retention.ts), on the leader: announce expiries
    * (the record's expiryDueAt is the SNAPSHOT_EXPIRING event), withdraw ones no longer
-   * due, and delete due snapshots that no live sandbox uses, through a delete_snapshot
-   * operation keyed per snapshot (repeating the check never deletes twice).
+   * due or now in use (clearing it is the SNAPSHOT_EXPIRY_WITHDRAWN event), and delete due
+   * snapshots that no live sandbox uses, through a delete_snapshot operation keyed per
+   * snapshot (repeating the check never deletes twice).
    */
   async reconcileRetention(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void> {
     if (!this.deps.submit) return;
@@ -5569,7 +5570,10 @@ export class Executor {
       if (await this.commit([{ kind: 'snapshot', value: { ...snapshot, expiryDueAt: dueAt }, expectRevision: rev.get(snapshot.id) ?? 0 }]))
         this.log.info({ snapshotId: snapshot.id, tenantId: snapshot.tenantId, dueAt: new Date(dueAt).toISOString() }, 'snapshot expiry announced');
     }
-    for (const sn of plan.withdraw) await this.commit([{ kind: 'snapshot', value: { ...sn, expiryDueAt: null }, expectRevision: rev.get(sn.id) ?? 0 }]);
+    for (const sn of plan.withdraw) {
+      if (await this.commit([{ kind: 'snapshot', value: { ...sn, expiryDueAt: null }, expectRevision: rev.get(sn.id) ?? 0 }]))
+        this.log.info({ snapshotId: sn.id, tenantId: sn.tenantId, usedBy: plan.held.get(sn.id) }, 'snapshot expiry withdrawn');
+    }
     // Keyed by the record's revision too: passes over the same record never delete twice, and
     // a delete that found the snapshot in use after all (a fork placed meanwhile) puts it back
     // at a new revision, so its next expiry is a new operation, not that failed one again.

@@ -1,6 +1,7 @@
 import { describe, expect, it } from 'vitest';
 import fc from 'fast-check';
 import { HIBERNATION_LABEL, PURPOSE_LABEL, planRetention } from './retention.ts';
+import { eventsOf } from './events.ts';
 import type { SandboxRec, SnapshotRec } from './records.ts';
 import { snapshotRecord } from '../testkit/records.ts';
 
@@ -86,6 +87,27 @@ describe('planRetention', () => {
     const freed = planRetention([{ ...snaps[0]!, expiryDueAt: null }, snaps[1]!], [{ ...child, state: 'destroyed' }], 30 * 24 * 60 * MIN, NOTICE);
     expect(freed.expire).toEqual([]);
     expect(freed.announce.map((a) => [a.snapshot.id, a.dueAt])).toEqual([['s1', 30 * 24 * 60 * MIN + NOTICE]]);
+  });
+
+  it('announcedSnapshot_thatComesIntoUse_tellsTheWithdrawalByAnEvent_andIsAnnouncedAgainOnceFree', () => {
+    // The eval-farm case: a TTL 2 s snapshot, announced; a fork's child restores from it; the
+    // child is destroyed. Each pass's plan applied as the leader applies it (reconcileRetention).
+    const S = 1_000;
+    let sn = snap('s1', 0, { retentionTtlMs: 2 * S });
+    const child = sandbox('sb-child', { sourceSnapshotId: 's1' });
+    const seen: string[] = [];
+    const pass = (sandboxes: SandboxRec[], now: number) => {
+      const p = planRetention([sn], sandboxes, now, NOTICE);
+      const next = p.announce[0] ? { ...sn, expiryDueAt: p.announce[0].dueAt } : p.withdraw[0] ? { ...sn, expiryDueAt: null } : sn;
+      seen.push(...eventsOf({ kind: 'snapshot', prev: sn, value: next, revision: 1 }, now).map((e) => e.type));
+      sn = next;
+    };
+    pass([], 1 * S);
+    pass([child], 4 * S);
+    pass([child], 6 * S);
+    pass([{ ...child, state: 'destroyed' }], 8 * S);
+    expect(seen).toEqual(['snapshot_expiring', 'snapshot_expiry_withdrawn', 'snapshot_expiring']);
+    expect(sn.expiryDueAt).toBe(8 * S + NOTICE);
   });
 
   it('ttlSnapshotFreedAfterItsTtl_getsTheFullNoticeFromWhenItIsFree', () => {

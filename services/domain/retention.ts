@@ -18,7 +18,7 @@
 // a live sandbox still restores from (its source) or hibernates in is never deleted, nor
 // announced: its notice starts when that sandbox is gone. An announced snapshot that is no longer due
 // (pinned meanwhile, retention changed, back inside the window) or that came into use has its
-// announcement withdrawn.
+// announcement withdrawn (expiryDueAt cleared: the SNAPSHOT_EXPIRY_WITHDRAWN event).
 import type { SandboxRec, SnapshotRec } from './records.ts';
 import { snapshotsUsedBy } from './records.ts';
 

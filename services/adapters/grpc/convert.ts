@@ -700,6 +700,7 @@ const EVENT_TYPE: Record<FleetEventType, PbEventType> = {
   snapshot_expiring: PbEventType.SNAPSHOT_EXPIRING,
   snapshot_expired: PbEventType.SNAPSHOT_EXPIRED,
   operation_done: PbEventType.OPERATION_DONE,
+  snapshot_expiry_withdrawn: PbEventType.SNAPSHOT_EXPIRY_WITHDRAWN,
 };
 
 export function toEvent(e: FleetEvent): Event {
