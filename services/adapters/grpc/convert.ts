@@ -495,13 +495,18 @@ const SN_STATE: Record<SnapshotRec['state'], PbSnapshotState> = {
  * (never deleted by retention; an announcement made before the pin stays in the record until
  * the next pass withdraws it).
  */
-function expiresAt(sn: SnapshotRec): { expiresAt?: Timestamp } {
+function expiresAt(sn: SnapshotRec, now: number): { expiresAt?: Timestamp } {
   if (sn.pinned) return {};
   if (sn.expiryDueAt !== undefined && sn.expiryDueAt !== null) return { expiresAt: ts(sn.expiryDueAt) };
-  return sn.retentionTtlMs !== null ? { expiresAt: ts(sn.createdAt + sn.retentionTtlMs) } : {};
+  // A TTL's end already past with no announcement: sandboxes use it (retention deletes none in
+  // use, and withdrew any announcement), or the next pass is about to announce it with its
+  // notice. Either way not then: a time in the past read as a deletion that never came.
+  const end = sn.retentionTtlMs !== null ? sn.createdAt + sn.retentionTtlMs : undefined;
+  return end !== undefined && end > now ? { expiresAt: ts(end) } : {};
 }
 
-export function toSnapshot(sn: SnapshotRec): Snapshot {
+/** `now`: for expires_at (a TTL's end already past is not shown). */
+export function toSnapshot(sn: SnapshotRec, now = Date.now()): Snapshot {
   return create(SnapshotSchema, {
     id: sn.id,
     tenantId: sn.tenantId,
@@ -512,7 +517,7 @@ export function toSnapshot(sn: SnapshotRec): Snapshot {
     createdAt: ts(sn.createdAt),
     pinned: sn.pinned,
     retention: { ...(sn.retentionTtlMs !== null ? { ttl: durationOfMs(sn.retentionTtlMs) } : {}), keepLast: sn.keepLast },
-    ...expiresAt(sn),
+    ...expiresAt(sn, now),
     logicalBytes: BigInt(sn.logicalBytes),
     storedBytes: BigInt(sn.storedBytes),
     hostIds: sn.hostIds,

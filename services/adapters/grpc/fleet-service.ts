@@ -558,7 +558,7 @@ export function fleetService(deps: FleetServiceDeps): ServiceRegistration {
       const lineage = req.lineageId ? c.id('sb', req.lineageId, 'lineage_id') : '';
       const all = await fleet.listSnapshots(tenant(req.tenantId, ctx), lineage);
       const { items, nextPageToken } = c.page(all, req.pageSize, after, c.SNAPSHOTS_BY_ID);
-      return { snapshots: items.map(c.toSnapshot), nextPageToken };
+      return { snapshots: items.map((x) => c.toSnapshot(x)), nextPageToken };
     },
     async pinSnapshot(req: PinSnapshotRequest, ctx: CallContext) {
       c.idemKey(req.idempotencyKey);

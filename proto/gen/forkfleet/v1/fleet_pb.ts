@@ -1023,8 +1023,9 @@ export type Snapshot = Message<"forkfleet.v1.Snapshot"> & {
 
   /**
    * When retention will delete it: the announced time once it is expiring (keep_last or
-   * ttl; a SNAPSHOT_EXPIRING event was sent), else the end of its ttl; unset if neither, and
-   * unset while it is pinned.
+   * ttl; a SNAPSHOT_EXPIRING event was sent), else the end of its ttl while that is ahead;
+   * unset if neither (a ttl's end already past with no announcement: sandboxes use it, and
+   * its deletion waits for them), and unset while it is pinned.
    *
    * @generated from field: google.protobuf.Timestamp expires_at = 10;
    */
