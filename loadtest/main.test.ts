@@ -99,6 +99,17 @@ describe('loadtest run order and env', () => {
     await expect(baselinePrepared(undefined)).resolves.toBeGreaterThanOrEqual(0);
   });
 
+  it('baselinePrepared_endsWhenTheRunIsStopped_withoutWaitingOutThePreparation', async () => {
+    // Ctrl-C during the wait: the run's undo waits for its loop, and the preparation can take minutes.
+    const stop = new AbortController();
+    const waited = baselinePrepared(new Promise<void>(() => undefined), stop.signal);
+    setTimeout(() => stop.abort(), 20);
+    await expect(waited).resolves.toBeGreaterThanOrEqual(0);
+    const stoppedBefore = new AbortController();
+    stoppedBefore.abort();
+    await expect(baselinePrepared(new Promise<void>(() => undefined), stoppedBefore.signal)).resolves.toBeGreaterThanOrEqual(0);
+  });
+
   it('baselineEnv_recordsTheBaselineGuestsBootAsItsOwnEnvField', () => {
     expect(baselineEnv({ accel: 'tcg', coldBootMs: 8123.456 })).toEqual({ baseline_accel: 'tcg', baseline_cold_boot_ms: 8123.5 });
     expect(baselineEnv(undefined)).toEqual({});

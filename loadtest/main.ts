@@ -189,9 +189,18 @@ class Recorder {
  * baselines await it again, which rethrows it, and report themselves failed. Resolves with the
  * ms it waited.
  */
-export async function baselinePrepared(prep: Promise<unknown> | undefined): Promise<number> {
+export async function baselinePrepared(prep: Promise<unknown> | undefined, signal?: AbortSignal): Promise<number> {
   const t0 = Date.now();
-  await prep?.catch(() => undefined);
+  // Or until the run is stopped (Ctrl-C): its undo waits for this loop, and the preparation
+  // may take minutes; the caller's run.check() then ends the run.
+  let onAbort = (): void => undefined;
+  const stopped = new Promise<void>((r) => {
+    onAbort = r;
+    if (signal?.aborted) r();
+    else signal?.addEventListener('abort', onAbort, { once: true });
+  });
+  await Promise.race([prep?.catch(() => undefined), stopped]);
+  signal?.removeEventListener('abort', onAbort);
   return Date.now() - t0;
 }
 
@@ -387,7 +396,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     const s0 = await setup.snapshot(tpl.sb.id);
     log(`template ${tpl.sb.id} on ${tpl.sb.hostId}, snapshot ${s0.id} (${s0.storedBytes} stored bytes of ${s0.logicalBytes})`);
     // Setup ends here: no timed scenario shares the CPUs with the baseline guest's preparation.
-    const waitedMs = await baselinePrepared(localP);
+    const waitedMs = await baselinePrepared(localP, run.signal);
     run.check('QEMU-level baseline preparation');
     if (waitedMs >= 1000) notes.push(`the timed scenarios waited ${Math.round(waitedMs / 1000)} s after the template's snapshot for the QEMU-level baseline guest's preparation (untimed).`);
     const kids = async (r: { children: Array<{ id: string }>; ms: number[] }): Promise<number[]> => {

@@ -319,9 +319,13 @@ export function revokeTokens(path: string, which: string): TokenListing[] {
   });
 }
 
-/** How long a mint or revoke waits for another one's lock, and the age at which a lock is taken for abandoned. */
-const LOCK_WAIT_MS = 10_000;
+/**
+ * How long a mint or revoke waits for another one's lock, and the age at which a lock is taken
+ * for abandoned: the wait outlasts that age, so a lock left by a writer on another host (whose
+ * pid cannot be checked from here) is taken over rather than failing every call until then.
+ */
 const LOCK_STALE_MS = 30_000;
+const LOCK_WAIT_MS = LOCK_STALE_MS + 5_000;
 
 function sleepSync(ms: number): void {
   Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, ms);

@@ -204,11 +204,14 @@ describe('A migrating drain, a sandbox with calls running', () => {
     expect(r.final.state).toBe('succeeded');
   });
 
-  it('whoseCallsOutlastTheGrace_isPausedAllTheSame_andMoved', async () => {
-    const r = await drain([host('T')], [sandboxRecord({ id: 'S1', hostId: 'F' })], [], true, { callsFor: 1000, callGraceMs: 1500 });
+  it('whoseCallsOutlastTheGrace_isPausedAllTheSame_andMoved_theGraceBeingOneForTheWholeDrain', async () => {
+    // Moved one after another: a grace per sandbox would add up to N x 60 s.
+    const r = await drain([host('T')], [sandboxRecord({ id: 'S1', hostId: 'F' }), sandboxRecord({ id: 'S2', hostId: 'F' })], [], true, { callsFor: 1000, callGraceMs: 1500 });
     const s1 = r.steps.filter((s) => s.includes('/S1/'));
     expect(s1.filter((s) => s.includes('pause-unless-calls')).length).toBeGreaterThanOrEqual(2);
     expect(s1.slice(-3)).toEqual(['migrate/S1/pause@F', 'migrate/S1/restore@T', 'migrate/S1/destroy-source@F']);
+    // The grace spent on S1: S2 is paused at once.
+    expect(r.steps.filter((s) => s.includes('/S2/'))).toEqual(['migrate/S2/pause@F', 'migrate/S2/restore@T', 'migrate/S2/destroy-source@F']);
     expect(r.final.state).toBe('succeeded');
   });
 });

@@ -270,6 +270,16 @@ describe('a hibernate or a drain\'s migration, over a sandbox a pause or resume 
     expect(l.w.sb).toMatchObject({ state: 'hibernated', opId: '' });
   });
 
+  it('destroyOfTheTtlRule_recordsWhyFromDestroying_soACommandItCutsOffIsToldWhy', async () => {
+    // The exec's 'connection closed' comes while the VM stops: the record then says destroying.
+    let during = '';
+    const l = leaderOver(sandboxRecord(), [opRecord('op-x', 'destroy', { input: { reason: 'ttl' } })]);
+    const step = l.ex.step;
+    l.ex.step = async (o, stepId, hostId, work) => ((during = `${l.w.sb.state} (${l.w.sb.stateReason})`), step(o, stepId, hostId, work));
+    await l.ex.runDestroy(l.op('op-x'));
+    expect(during).toBe('destroying (ttl)');
+  });
+
   it('hibernateOfTheIdleRule_recordsWhyInTheSandboxsStateReason_asATtlDestroyDoes', async () => {
     // An eval harness saw `destroyed(ttl)` next to `hibernated()`: no word of its idle timeout.
     const l = leaderOver(sandboxRecord(), [opRecord('op-h', 'hibernate', { input: { snapshotId: 'sn-h', reason: 'idle' } })]);

@@ -561,9 +561,9 @@ const NOT_HELD_GRACE_MS = 5000;
 const ORPHANED_SNAPSHOT_GRACE_MS = 5 * 60_000;
 
 /**
- * How long a drain moving a sandbox waits for the exec and file calls running in it to end
- * before it pauses the VM all the same (pauseForMove): a command paused under way runs on in
- * the moved VM, but its caller's stream is cut and its output lost.
+ * How long a drain run waits, in all, for the exec and file calls running in the sandboxes it
+ * moves to end before it pauses their VMs all the same (pauseForMove): a command paused under
+ * way runs on in the moved VM, but its caller's stream is cut and its output lost.
  */
 const DRAIN_CALL_GRACE_MS = 60_000;
 
@@ -849,6 +849,13 @@ function drainFailure(message: string, kinds: ReadonlyArray<OperationError['kind
 function drainCause(e: unknown): OperationError['kind'] {
   const placement = [e, e instanceof Error ? e.cause : undefined].find((x): x is ForkfleetError => x instanceof NoEligibleHostError || x instanceof NoCapacityError);
   return placement?.kind ?? 'unavailable';
+}
+
+/** Per snapshot, when the newest sandbox restored from it was made. */
+function newestChildren(sandboxes: ReadonlyArray<Versioned<SandboxRec>>): Map<string, number> {
+  const newest = new Map<string, number>();
+  for (const { value: c } of sandboxes) if (c.sourceSnapshotId && c.createdAt > (newest.get(c.sourceSnapshotId) ?? 0)) newest.set(c.sourceSnapshotId, c.createdAt);
+  return newest;
 }
 
 /** A failed migration's record once undone: the next attempt starts afresh. */
@@ -3757,7 +3764,9 @@ export class Executor {
             // Named, so that if this op ends without destroying it the lifecycle pass knows to
             // start another (reconcileLifecycles).
             s.opId = op.id;
-            return this.setState(s, 'destroying', this.deps.clock.now());
+            // With its reason from now on (a TTL's, a cancel's): a command the destroy cuts off
+            // is told why while the VM stops (Fleet.whyVmWentAway).
+            return this.setState(s, 'destroying', this.deps.clock.now(), reason);
           }
           this.setState(s, 'destroyed', this.deps.clock.now(), reason);
           s.opId = '';
@@ -4524,6 +4533,8 @@ export class Executor {
       void this.updateOp(op.tenantId, op.id, (o) => void (o.progress = { ...o.progress, done, total, message })).catch(() => undefined);
     };
     progress();
+    // How long the pauses wait for calls running in the sandboxes, for the whole run (pauseForMove).
+    const callsUntil = this.deps.clock.now() + (this.deps.config.drainCallGraceMs ?? DRAIN_CALL_GRACE_MS);
     for (const sb of onHost) {
       if (sb.opId !== op.id) {
         const stop = cancelled();
@@ -4536,7 +4547,7 @@ export class Executor {
         const booked = (this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.migrations?.[sb.id]?.toHostId;
         const refused = sb.opId !== op.id && !booked ? this.moveRefusal(op, sb) : undefined;
         if (refused) throw refused;
-        await this.migrate(op, sb);
+        await this.migrate(op, sb, callsUntil);
         moved.push(sb.id);
       } catch (e) {
         // Not a failed migration: the drain runs again, with the choices it recorded.
@@ -4796,31 +4807,34 @@ export class Executor {
 
   /**
    * A drain's pause of sandbox `sb` before its move: first only while no exec or file call
-   * runs in it (PauseVmWork.unless_calls), asked again every second for DRAIN_CALL_GRACE_MS, so
-   * that a command under way ends before the move rather than being cut off from its caller;
-   * then at once, whatever runs (a sandbox that is never without a call would hold the drain
-   * for good). Each ask is a step of its own (the agent journals a refusal under its step id).
-   * A cancel of the drain while it waits undoes the move as one before its booking is.
+   * runs in it (PauseVmWork.unless_calls), asked again every second until `until`, so that a
+   * command under way ends before the move rather than being cut off from its caller; then at
+   * once, whatever runs (a sandbox that is never without a call would hold the drain for
+   * good). `until` is one time for the whole drain run (DRAIN_CALL_GRACE_MS from its start):
+   * it moves its sandboxes one after another, and a wait per sandbox would add up. Each ask is
+   * a step of its own (the agent journals a refusal under its step id). A cancel of the drain,
+   * or its host uncordoned, while it waits undoes the move as one not yet booked.
    */
-  private async pauseForMove(op: OperationRec, sb: SandboxRec, stepId: (step: string) => string): Promise<void> {
-    const graceMs = this.deps.config.drainCallGraceMs ?? DRAIN_CALL_GRACE_MS;
-    const until = this.deps.clock.now() + graceMs;
-    for (let i = 0; graceMs > 0 && this.deps.clock.now() < until; i++) {
+  private async pauseForMove(op: OperationRec, sb: SandboxRec, stepId: (step: string) => string, until: number): Promise<void> {
+    for (let i = 0; this.deps.clock.now() < until; i++) {
       try {
         await this.step(op, stepId(`pause-unless-calls/${i}`), sb.hostId, pauseVm(sb.id, 0, true));
         return;
       } catch (e) {
         if (!(e instanceof HostStepError && e.workField === 'unless_calls')) throw e;
-        if (i === 0) this.log.info({ opId: op.id, sandboxId: sb.id, graceMs }, 'drain waits for the calls running in a sandbox before it moves it');
+        if (i === 0) this.log.info({ opId: op.id, sandboxId: sb.id, waitMs: until - this.deps.clock.now() }, 'drain waits for the calls running in a sandbox before it moves it');
         await this.pause(1000);
         if (!this.active) throw new NotLeaderError();
         if (this.cancelRequested(op.id)) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'it was waiting for its calls to end before its move: undone');
+        const h = this.cache.hosts.get(sb.hostId)?.value;
+        if (!h?.cordoned || !h.draining) throw new WrongStateError('host', sb.hostId, 'not draining', 'it was uncordoned during its drain: the drain stops');
       }
     }
     await this.step(op, stepId('pause'), sb.hostId, pauseVm(sb.id));
   }
 
-  private async migrate(op: OperationRec, sb: SandboxRec): Promise<void> {
+  /** `callsUntil`: until when its pause waits for calls running in the sandbox (pauseForMove; one time for the whole drain run). */
+  private async migrate(op: OperationRec, sb: SandboxRec, callsUntil = this.deps.clock.now() + (this.deps.config.drainCallGraceMs ?? DRAIN_CALL_GRACE_MS)): Promise<void> {
     const from = sb.hostId;
     const record = (m: MigrationRec): Promise<OperationRec> =>
       this.updateOp(op.tenantId, op.id, (o) => {
@@ -4892,7 +4906,7 @@ export class Executor {
       if (undrained) throw notDraining();
       if (cancelledUnbooked) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'its migration had no host booked yet: undone');
       // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
-      if (!m.wasPaused) await this.pauseForMove(op, sb, stepId);
+      if (!m.wasPaused) await this.pauseForMove(op, sb, stepId, callsUntil);
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { [PURPOSE_LABEL]: 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
       // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
       if (!m.toHostId) {
@@ -5415,7 +5429,10 @@ export class Executor {
   async reconcileLifecycles(sandboxes?: ReadonlyArray<Versioned<SandboxRec>>): Promise<void> {
     if (!this.deps.submit) return;
     const now = this.deps.clock.now();
-    for (const { value: sb } of sandboxes ?? (await this.deps.store.listSandboxes(undefined))) {
+    const all = sandboxes ?? (await this.deps.store.listSandboxes(undefined));
+    /** When each snapshot's newest child was made (the TTL rule's "used"), made at the first sandbox that needs it. */
+    let lastForked: Map<string, number> | undefined;
+    for (const { value: sb } of all) {
       if (LEFT_BY_ENDED_OP.has(sb.state) && sb.opId && !this.running.has(sb.opId)) {
         // Its operation may have ended without moving it on (a host step that failed, a last
         // write that failed while the op's own failure landed): nothing else looks at it
@@ -5448,12 +5465,14 @@ export class Executor {
         await this.submitRule(sb, `__resume-after-hibernate/${sb.resumeOwed}`, 'resume', { resumeOwed: sb.resumeOwed }, now);
         continue;
       }
-      // A sandbox with a TTL left paused or hibernated (by its idle timeout, a harness that
-      // crashed) longer than its whole TTL at a stretch: forgotten. Its running time no longer
-      // grows, so the TTL alone never ended it, and it kept its quota slot (and its hibernation
-      // snapshot) for good. updatedAt: when it was paused or hibernated (holds leave it as it was).
-      if ((sb.state === 'paused' || sb.state === 'hibernated') && !sb.opId && sb.ttlMs !== null && now - sb.updatedAt >= sb.ttlMs) {
-        await this.submitRule(sb, `__ttl/${sb.id}`, 'destroy', { reason: 'ttl' }, now);
+      // A sandbox with a TTL that its idle timeout hibernated and nothing used since, for longer
+      // than its whole TTL: forgotten (a harness that crashed). Its running time no longer
+      // grows, so the TTL alone never ended it, and it kept its quota slot and hibernation
+      // snapshot for good. Used: a fork from it (which takes its hibernation snapshot and never
+      // wakes it) counts as use. A pause or hibernate the user asked for is kept, as before.
+      if (sb.state === 'hibernated' && sb.stateReason === 'idle' && !sb.opId && sb.ttlMs !== null && now - sb.updatedAt >= sb.ttlMs) {
+        lastForked ??= newestChildren(all);
+        if (now - Math.max(sb.updatedAt, lastForked.get(sb.hibernationSnapshotId) ?? 0) >= sb.ttlMs) await this.submitRule(sb, `__ttl/${sb.id}`, 'destroy', { reason: 'ttl' }, now);
         continue;
       }
       if (sb.state !== 'running' || sb.opId) continue;

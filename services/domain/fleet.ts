@@ -1036,7 +1036,9 @@ export class Fleet {
           // host's own error then, unexplained, rather than held back.
           const why = await Promise.race([this.whyVmWentAway(input.tenantId, sb).catch(() => undefined), new Promise<undefined>((r) => setTimeout(() => r(undefined), 3000).unref())]);
           if (why) {
-            yield create(HostExecOutputSchema, { payload: { case: 'error', value: { ...m.payload.value, message: `${why} (${m.payload.value.message})` } } });
+            // A destroyed sandbox's: no retry runs the command again (failed_precondition, final).
+            const gone = /^sandbox \S+ was destroyed/.test(why);
+            yield create(HostExecOutputSchema, { payload: { case: 'error', value: { ...m.payload.value, ...(gone ? { kind: 'failed_precondition', retryable: false } : {}), message: `${why} (${m.payload.value.message})` } } });
             continue;
           }
         }

@@ -209,18 +209,27 @@ describe('Lifecycle rules', () => {
 });
 
 describe('The TTL rule, for a sandbox that no longer runs', () => {
-  it('destroysOnePausedOrHibernatedLongerThanItsWholeTtl_andLeavesOneThatStoppedLately', async () => {
+  const hibernated = (id: string, o: Partial<SandboxRec>) => sandboxRecord({ id, state: 'hibernated', stateReason: 'idle', ttlMs: 45_000, runningSince: null, runningMsBefore: 30_000, hostId: '', hibernationSnapshotId: `sn-${id}`, ...o });
+
+  it('destroysOneItsIdleTimeoutHibernatedLongerThanItsWholeTtlAgo_andLeavesOneHibernatedLately', async () => {
     // An eval harness crashed: its children hibernated after their idle timeout and, their
     // running time no longer growing, kept a quota slot and a snapshot each for good.
     const { ex, started, clock } = rules(() => 'running');
-    for (const state of ['hibernated', 'paused'] as const) {
-      const since = (ms: number) => sandboxRecord({ id: `sb-${state}-${ms}`, state, ttlMs: 45_000, runningSince: null, runningMsBefore: 30_000, updatedAt: clock.t - ms, hostId: state === 'hibernated' ? '' : 'h1' });
-      await pass(ex, since(44_000));
-      await pass(ex, since(46_000));
-    }
-    expect(started).toEqual(['__ttl/sb-hibernated-46000', '__ttl/sb-paused-46000']);
-    // Without a TTL it stays as long as it likes.
-    await pass(ex, sandboxRecord({ id: 'sb-kept', state: 'hibernated', ttlMs: null, runningSince: null, updatedAt: 0, hostId: '' }));
-    expect(started).toHaveLength(2);
+    await pass(ex, hibernated('sb-late', { updatedAt: clock.t - 44_000 }));
+    await pass(ex, hibernated('sb-old', { updatedAt: clock.t - 46_000 }));
+    expect(started).toEqual(['__ttl/sb-old']);
+  });
+
+  it('leavesOneTheUserPausedOrHibernated_oneWithoutATtl_andOneForkedFromSince', async () => {
+    const { ex, started, clock } = rules(() => 'running');
+    const old = clock.t - 3_600_000;
+    await pass(ex, hibernated('sb-user', { stateReason: '', updatedAt: old }));
+    await pass(ex, sandboxRecord({ id: 'sb-paused', state: 'paused', ttlMs: 45_000, runningSince: null, updatedAt: old }));
+    await pass(ex, hibernated('sb-nottl', { ttlMs: null, updatedAt: old }));
+    // A template its idle timeout hibernated, still forked from (a fork never wakes it).
+    const template = hibernated('sb-tpl', { updatedAt: old });
+    const child = sandboxRecord({ id: 'sb-child', sourceSnapshotId: 'sn-sb-tpl', createdAt: clock.t - 10_000 });
+    await ex.reconcileLifecycles([{ value: template, modRevision: 1 }, { value: child, modRevision: 1 }]);
+    expect(started).toEqual([]);
   });
 });

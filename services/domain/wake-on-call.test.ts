@@ -224,8 +224,8 @@ describe('a command whose guest connection drops while it runs', () => {
     const f = fleetOver(() => sb, (id) => ops[id] ?? {}, () => Date.now(), { bus });
     return async (): Promise<string> => {
       let last = '';
-      for await (const m of execOf(f.fleet)) if (m.payload.case === 'error') last = m.payload.value.message;
-      return last;
+      for await (const m of execOf(f.fleet)) if (m.payload.case === 'error') last = `${m.payload.value.kind}: ${m.payload.value.message}`;
+      return last.replace(/^unavailable: /, '');
     };
   }
 
@@ -239,7 +239,7 @@ describe('a command whose guest connection drops while it runs', () => {
     expect(await hibernatedMeanwhile()).toMatch(/^sandbox sb-a was hibernated while the command ran/);
     // An eval harness could not tell its sandbox's TTL from a broken host.
     const expired = droppedUnder(sandboxRecord({ state: 'destroying', stateReason: 'ttl', hostId: 'h1', updatedAt: 3 }));
-    expect(await expired()).toBe('sandbox sb-a was destroyed (ttl) while the command ran: the command ended with it (guest agent connection closed)');
+    expect(await expired()).toBe('failed_precondition: sandbox sb-a was destroyed (ttl) while the command ran: the command ended with it (guest agent connection closed)');
   });
 
   it('isTheHostsOwnError_whenNoOperationTookTheSandbox', async () => {
