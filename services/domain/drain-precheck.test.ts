@@ -11,6 +11,7 @@ import { HostStepError } from './errors.ts';
 import type { StoreWrite } from './ports.ts';
 import type { HostRec, OperationRec, SandboxRec, SnapshotRec } from './records.ts';
 import { leaderExecutor } from '../testkit/executor.ts';
+import { writeKey } from './executor.ts';
 import { sandboxRecord, snapshotRecord } from '../testkit/records.ts';
 
 const NOW = 1_000_000;
@@ -63,24 +64,8 @@ async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: Snaps
     return r && { value: structuredClone(r.value) as T, modRevision: r.rev };
   };
   const list = <T>(prefix: string): Array<{ value: T; modRevision: number }> => [...recs.keys()].filter((k) => k.startsWith(prefix)).map((k) => get<T>(k)!);
-  const keyOf = (w: StoreWrite): string => {
-    switch (w.kind) {
-      case 'sandbox':
-      case 'snapshot':
-      case 'op':
-        return `${w.kind}/${w.value.tenantId}/${w.value.id}`;
-      case 'host':
-        return `host/${w.value.id}`;
-      case 'alloc':
-        return `alloc/${w.value.hostId}`;
-      case 'check-host':
-        return `host/${w.id}`;
-      case 'check-snapshot':
-        return `snapshot/${w.tenantId}/${w.id}`;
-      default:
-        throw new Error(`unexpected write ${w.kind}`);
-    }
-  };
+  // A check's key is the record's it guards.
+  const keyOf = (w: StoreWrite): string => writeKey(w).replace(/^check\//, '');
   const opWrites: OperationRec[] = [];
   const store = {
     getHost: async (id: string) => get(`host/${id}`),

@@ -304,7 +304,7 @@ function allocRecordBytes(a: HostAllocRec | undefined): number {
 }
 
 /** The store key a write touches (its kind and id), to keep one transaction from writing a key twice. */
-function writeKey(w: StoreWrite): string {
+export function writeKey(w: StoreWrite): string {
   switch (w.kind) {
     case 'sandbox':
     case 'snapshot':
