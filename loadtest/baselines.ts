@@ -43,15 +43,22 @@ export interface LocalBaseline {
 }
 
 /** Boots a guest with the template's setup, snapshots it, and saves a clone the classic way. */
-export async function prepareLocalBaseline(o: { root: string; accel: AccelSetting; guestMib: number; dirtyMib: number; logger: Logger }): Promise<LocalBaseline> {
+export async function prepareLocalBaseline(o: { root: string; accel: AccelSetting; guestMib: number; dirtyMib: number; logger: Logger; signal?: AbortSignal }): Promise<LocalBaseline> {
   const image = await ensureImage('tiny');
   // No standbys: none may start (and share the CPUs) while the fleet's scenarios are measured.
   const driver = new QemuVmmDriver({ root: o.root, accel: o.accel, logger: o.logger, probeImage: image, autoProbeDeadlineMs: 10_000, standby: { max: 0, perSnapshot: 0 } });
+  // A stopped run (Ctrl-C) ends the preparation by closing the driver (its VMs stopped): its
+  // teardown waits for this, and the preparation takes minutes under TCG.
+  const onAbort = (): void => void driver.close().catch(() => undefined);
+  o.signal?.addEventListener('abort', onAbort, { once: true });
   try {
+    if (o.signal?.aborted) throw new Error('the run was stopped before the baseline guest was prepared');
     return await prepare(driver, image, o);
   } catch (e) {
     await driver.close().catch(() => undefined);
     throw e;
+  } finally {
+    o.signal?.removeEventListener('abort', onAbort);
   }
 }
 

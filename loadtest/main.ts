@@ -286,7 +286,7 @@ async function runLoad(cfg: Readonly<LoadtestConfig>): Promise<RunResult> {
     // only. The template boots beside it too (cold_boot sample 1 says so); the timed scenarios
     // start only once it is done (baselinePrepared, after the template's snapshot).
     if (selected('classic_restore') || selected('naive_full_copy')) {
-      localP = prepareLocalBaseline({ root: join(work, 'q'), accel: (process.env.FF_ACCEL as 'auto' | 'kvm' | 'tcg' | undefined) ?? 'auto', guestMib: cfg.guestMib, dirtyMib: cfg.dirtyMib, logger });
+      localP = prepareLocalBaseline({ root: join(work, 'q'), accel: (process.env.FF_ACCEL as 'auto' | 'kvm' | 'tcg' | undefined) ?? 'auto', guestMib: cfg.guestMib, dirtyMib: cfg.dirtyMib, logger, signal: run.signal });
       localP.catch(() => undefined);
     }
     if (!apiAddr) {

@@ -334,8 +334,19 @@ function endProgress(cmd: Command): void {
 function sandboxRows(list: SandboxInfo[]): string[][] {
   return [['ID', 'STATE', 'HOST', 'MEMORY', 'SOURCE', 'CREATED'], ...list.map((s) => [s.id, s.state, s.hostId || '-', `${s.resources.memoryMib} MiB`, s.sourceSnapshotId || s.image || '-', s.createdAt ?? '-'])];
 }
+/**
+ * When a snapshot goes, for the EXPIRES column: its expires_at; else never (pinned, or no
+ * retention); else what retention waits for: a TTL already run out while sandboxes use it
+ * (deleted once they are gone), or a keep_last window it is inside still.
+ */
+export function expiresText(s: Pick<SnapshotInfo, 'expiresAt' | 'pinned' | 'retention'>): string {
+  if (s.expiresAt) return s.expiresAt;
+  if (s.pinned) return 'never';
+  if (s.retention.ttlMs !== undefined) return 'when unused';
+  return s.retention.keepLast > 0 ? `keep_last ${s.retention.keepLast}` : 'never';
+}
 function snapshotRows(list: SnapshotInfo[]): string[][] {
-  return [['ID', 'STATE', 'PINNED', 'SOURCE', 'STORED', 'HOSTS', 'EXPIRES'], ...list.map((s) => [s.id, s.state, s.pinned ? 'yes' : 'no', s.sourceSandboxId || '-', fmtBytes(s.storedBytes), s.hostIds.join(',') || '-', s.expiresAt ?? 'never'])];
+  return [['ID', 'STATE', 'PINNED', 'SOURCE', 'STORED', 'HOSTS', 'EXPIRES'], ...list.map((s) => [s.id, s.state, s.pinned ? 'yes' : 'no', s.sourceSandboxId || '-', fmtBytes(s.storedBytes), s.hostIds.join(',') || '-', expiresText(s)])];
 }
 /** `rows` (a header, then one row per item of `list`) with a TENANT column after the id, when asked. */
 function withTenant(rows: string[][], list: ReadonlyArray<{ tenantId: string }>, show: boolean | undefined): string[][] {

@@ -10,7 +10,7 @@ import { describe, expect, it, vi } from 'vitest';
 import { RpcError } from '../adapters/grpc/status.ts';
 import { Forkfleet, Sandbox } from '../sdk/index.ts';
 import type { CallOpts, ExecChunk, ExecStream, OperationInfo } from '../sdk/index.ts';
-import { main, readStdin, writeOut } from './main.ts';
+import { expiresText, main, readStdin, writeOut } from './main.ts';
 import { isolatedCli } from './test-env.ts';
 
 const API = '127.0.0.1:1';
@@ -420,5 +420,18 @@ describe('whole-number flags', () => {
     const list = vi.spyOn(Forkfleet.prototype, 'listOperations').mockResolvedValue([]);
     expect(await main(['--api', API, '--json', 'operation', 'ls', '--limit', '016'])).toBe(0);
     expect(list.mock.calls[0]?.[0]).toMatchObject({ limit: 16 });
+  });
+});
+
+describe('snapshot ls EXPIRES', () => {
+  it('saysWhatRetentionWaitsFor_notNever_forASnapshotThatWillBeDeleted', () => {
+    // A fork's snapshot past its TTL, still used by its children: shown as 'never' (or, before,
+    // a time in the past), though retention deletes it once they are gone.
+    const r = (ttlMs: number | undefined, keepLast = 0) => ({ ttlMs, keepLast });
+    expect(expiresText({ expiresAt: undefined, pinned: false, retention: r(86_400_000) })).toBe('when unused');
+    expect(expiresText({ expiresAt: undefined, pinned: false, retention: r(undefined, 3) })).toBe('keep_last 3');
+    expect(expiresText({ expiresAt: '2026-12-08T00:00:00.000Z', pinned: false, retention: r(86_400_000) })).toBe('2026-12-08T00:00:00.000Z');
+    expect(expiresText({ expiresAt: undefined, pinned: true, retention: r(86_400_000) })).toBe('never');
+    expect(expiresText({ expiresAt: undefined, pinned: false, retention: r(undefined) })).toBe('never');
   });
 });

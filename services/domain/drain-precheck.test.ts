@@ -48,7 +48,7 @@ interface Ran {
  * now), the `sandboxes` and `snapshots` given; every host step answers at once (a snapshot
  * step with a manifest of a 1-vCPU microvm guest).
  */
-async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: SnapshotRec[] = [], migrate = true, o: { callsFor?: number; callGraceMs?: number; stopping?: string[]; ops?: OperationRec[] } = {}): Promise<Ran> {
+async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: SnapshotRec[] = [], migrate = true, o: { callsFor?: number; callGraceMs?: number; stopping?: string[]; ops?: OperationRec[]; snapshotMs?: number } = {}): Promise<Ran> {
   const op = { id: 'op-d', tenantId: 'admin', kind: 'drain', state: 'running', createdAt: 1, updatedAt: 1, targetId: 'F', input: { migrate }, progress: { done: 0, total: 0, message: 'queued', bytesTransferred: 0 }, result: null, error: null, steps: {} } as unknown as OperationRec;
   const all = [host('F', { cordoned: true, draining: true }), ...hosts];
   let rev = 10;
@@ -112,6 +112,7 @@ async function drain(hosts: HostRec[], sandboxes: SandboxRec[], snapshots: Snaps
       throw new HostStepError(hostId, stepId, 'failed_precondition', 'sandbox has 1 call(s) running (exec or file); not paused for the move yet', false, 'unless_calls');
     }
     if (work.case !== 'snapshotVm') return { vms: [] };
+    if (o.snapshotMs) await new Promise((r) => setTimeout(r, o.snapshotMs));
     const manifest = create(SnapshotManifestSchema, { snapshotId: work.value.snapshotId!, tenantId: 't1', vmConfig: { machine: 'microvm', memoryMib: 256n, vcpus: 1, qemuVersion: '8.2.2', cpuModel: 'max' }, chunkSize: 1 << 18 });
     return { vms: [], manifest: { manifest: toBinary(SnapshotManifestSchema, manifest) } };
   };
@@ -198,6 +199,12 @@ describe('A migrating drain, a sandbox with calls running', () => {
     // The grace spent on S1: S2 is paused at once.
     expect(r.steps.filter((s) => s.includes('/S2/'))).toEqual(['migrate/S2/pause@F', 'migrate/S2/restore@T', 'migrate/S2/destroy-source@F']);
     expect(r.final.state).toBe('succeeded');
+  });
+
+  it('spendsItsGraceOnlyOnWaiting_soAMoveThatTookLong_leavesTheNextSandboxItsAsk', async () => {
+    // S1 waits 1 s for a call, then its snapshot takes 1.6 s: longer than the 1.5 s grace.
+    const r = await drain([host('T')], [sandboxRecord({ id: 'S1', hostId: 'F' }), sandboxRecord({ id: 'S2', hostId: 'F' })], [], true, { callsFor: 1, callGraceMs: 1500, snapshotMs: 1600 });
+    expect(r.steps.filter((s) => s.includes('/S2/'))[0]).toBe('migrate/S2/pause-unless-calls/0@F');
   });
 });
 

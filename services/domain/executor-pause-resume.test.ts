@@ -285,6 +285,11 @@ describe('a hibernate or a drain\'s migration, over a sandbox a pause or resume 
     const l = leaderOver(sandboxRecord(), [opRecord('op-h', 'hibernate', { input: { snapshotId: 'sn-h', reason: 'idle' } })]);
     await l.ex.runHibernate(l.op('op-h'));
     expect(l.w.sb).toMatchObject({ state: 'hibernated', stateReason: 'idle' });
+    expect(l.w.sb.hibernatedOnRequest).toBeUndefined();
+    // A user's: marked, for the TTL rule to leave it.
+    const u = leaderOver(sandboxRecord(), [opRecord('op-h', 'hibernate', { input: { snapshotId: 'sn-h' } })]);
+    await u.ex.runHibernate(u.op('op-h'));
+    expect(u.w.sb).toMatchObject({ state: 'hibernated', stateReason: '', hibernatedOnRequest: true });
   });
 
   it('drainMigration_waitsForTheHoldToEnd_andClaimsTheSandbox', async () => {

@@ -135,7 +135,7 @@ describe('Executor drain run again, the move it restores', () => {
     const heard = new HeartbeatRegistry();
     heard.record(create(HeartbeatSchema, { hostId: 'T', bootId: 'b', restoreSlots: 4, snapshots: [{ snapshotId: 'sn-1', complete: true }] }), Date.now());
     const sent: string[] = [];
-    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [{ ...sandbox('S1', 'F', 'running'), opId: 'op-d1' }], sent, { answered: ['migrate/S1/pause-unless-calls/0', 'migrate/S1/restore', 'migrate/S1/stop-source'], holders: ['F'], heard, bytesFetched: 70_000_000n });
+    const writes = await drainAgain({ S1: { snapshotId: 'sn-1', toHostId: 'T', wasPaused: false } }, [{ ...sandbox('S1', 'F', 'running'), opId: 'op-d1' }], sent, { answered: ['migrate/S1/pause', 'migrate/S1/restore', 'migrate/S1/stop-source'], holders: ['F'], heard, bytesFetched: 70_000_000n });
     expect(sent).toContain('migrate/S1/restore@T');
     const snapshots = writes.filter((w): w is Extract<StoreWrite, { kind: 'snapshot' }> => w.kind === 'snapshot');
     expect(snapshots.map((w) => w.value.hostIds)).toContainEqual(expect.arrayContaining(['F', 'T']));

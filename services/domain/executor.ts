@@ -1889,6 +1889,7 @@ export class Executor {
       sb.runningSince = null;
     }
     if (state === 'running' && sb.runningSince === null) sb.runningSince = now;
+    if (state === 'running' || state === 'paused') delete sb.hibernatedOnRequest;
     sb.state = state;
     sb.stateReason = reason;
   }
@@ -3475,9 +3476,12 @@ export class Executor {
         s.hibernationSnapshotId = sn.id;
         delete s.hibernatingTo;
         if (s.state === 'lost') return;
-        // Why, as a TTL destroy says 'ttl': the idle rule's, a drain's (a user's: none).
+        // Why, as a TTL destroy says 'ttl': the idle rule's, a drain's (a user's: none). A
+        // user's is marked for the TTL rule to leave (one settled again keeps its mark).
         const why = (op.input as { reason?: unknown }).reason;
         this.setState(s, 'hibernated', this.deps.clock.now(), why === 'idle' || why === 'drain' ? why : '');
+        if (why === undefined) s.hibernatedOnRequest = true;
+        else if (why === 'idle' || why === 'drain') delete s.hibernatedOnRequest;
         s.opId = '';
         delete s.hibernatingFrom;
       },
@@ -4533,8 +4537,8 @@ export class Executor {
       void this.updateOp(op.tenantId, op.id, (o) => void (o.progress = { ...o.progress, done, total, message })).catch(() => undefined);
     };
     progress();
-    // How long the pauses wait for calls running in the sandboxes, for the whole run (pauseForMove).
-    const callsUntil = this.deps.clock.now() + (this.deps.config.drainCallGraceMs ?? DRAIN_CALL_GRACE_MS);
+    // How long the pauses may wait, in all, for calls running in the sandboxes (pauseForMove).
+    const callWait = { leftMs: this.deps.config.drainCallGraceMs ?? DRAIN_CALL_GRACE_MS };
     for (const sb of onHost) {
       if (sb.opId !== op.id) {
         const stop = cancelled();
@@ -4547,7 +4551,7 @@ export class Executor {
         const booked = (this.ops.get(op.id)?.value.input as unknown as DrainInput | undefined)?.migrations?.[sb.id]?.toHostId;
         const refused = sb.opId !== op.id && !booked ? this.moveRefusal(op, sb) : undefined;
         if (refused) throw refused;
-        await this.migrate(op, sb, callsUntil);
+        await this.migrate(op, sb, callWait);
         moved.push(sb.id);
       } catch (e) {
         // Not a failed migration: the drain runs again, with the choices it recorded.
@@ -4807,23 +4811,26 @@ export class Executor {
 
   /**
    * A drain's pause of sandbox `sb` before its move: first only while no exec or file call
-   * runs in it (PauseVmWork.unless_calls), asked again every second until `until`, so that a
-   * command under way ends before the move rather than being cut off from its caller; then at
-   * once, whatever runs (a sandbox that is never without a call would hold the drain for
-   * good). `until` is one time for the whole drain run (DRAIN_CALL_GRACE_MS from its start):
-   * it moves its sandboxes one after another, and a wait per sandbox would add up. Each ask is
-   * a step of its own (the agent journals a refusal under its step id). A cancel of the drain,
-   * or its host uncordoned, while it waits undoes the move as one not yet booked.
+   * runs in it (PauseVmWork.unless_calls), asked again every second while `callWait` lasts, so
+   * that a command under way ends before the move rather than being cut off from its caller;
+   * then at once, whatever runs (a sandbox that is never without a call would hold the drain for
+   * good). `callWait` is shared by the drain run's moves (DRAIN_CALL_GRACE_MS in all), charged
+   * only with the time spent waiting: it moves its sandboxes one after another, and a wait per
+   * sandbox would add up. Each ask is a step of its own (the agent journals a refusal under its
+   * step id). A cancel of the drain, or its host uncordoned, while it waits undoes the move as
+   * one not yet booked.
    */
-  private async pauseForMove(op: OperationRec, sb: SandboxRec, stepId: (step: string) => string, until: number): Promise<void> {
-    for (let i = 0; this.deps.clock.now() < until; i++) {
+  private async pauseForMove(op: OperationRec, sb: SandboxRec, stepId: (step: string) => string, callWait: { leftMs: number }): Promise<void> {
+    for (let i = 0; callWait.leftMs > 0; i++) {
       try {
         await this.step(op, stepId(`pause-unless-calls/${i}`), sb.hostId, pauseVm(sb.id, 0, true));
         return;
       } catch (e) {
         if (!(e instanceof HostStepError && e.workField === 'unless_calls')) throw e;
-        if (i === 0) this.log.info({ opId: op.id, sandboxId: sb.id, waitMs: until - this.deps.clock.now() }, 'drain waits for the calls running in a sandbox before it moves it');
-        await this.pause(1000);
+        if (i === 0) this.log.info({ opId: op.id, sandboxId: sb.id, waitMs: callWait.leftMs }, 'drain waits for the calls running in a sandbox before it moves it');
+        const t0 = this.deps.clock.now();
+        await this.pause(Math.min(1000, callWait.leftMs));
+        callWait.leftMs -= Math.max(1, this.deps.clock.now() - t0);
         if (!this.active) throw new NotLeaderError();
         if (this.cancelRequested(op.id)) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'it was waiting for its calls to end before its move: undone');
         const h = this.cache.hosts.get(sb.hostId)?.value;
@@ -4833,8 +4840,8 @@ export class Executor {
     await this.step(op, stepId('pause'), sb.hostId, pauseVm(sb.id));
   }
 
-  /** `callsUntil`: until when its pause waits for calls running in the sandbox (pauseForMove; one time for the whole drain run). */
-  private async migrate(op: OperationRec, sb: SandboxRec, callsUntil = this.deps.clock.now() + (this.deps.config.drainCallGraceMs ?? DRAIN_CALL_GRACE_MS)): Promise<void> {
+  /** `callWait`: how long its pause may still wait for calls running in the sandbox (pauseForMove; shared by the drain run's moves). */
+  private async migrate(op: OperationRec, sb: SandboxRec, callWait = { leftMs: this.deps.config.drainCallGraceMs ?? DRAIN_CALL_GRACE_MS }): Promise<void> {
     const from = sb.hostId;
     const record = (m: MigrationRec): Promise<OperationRec> =>
       this.updateOp(op.tenantId, op.id, (o) => {
@@ -4906,7 +4913,8 @@ export class Executor {
       if (undrained) throw notDraining();
       if (cancelledUnbooked) throw new WrongStateError('sandbox', sb.id, 'claimed by a cancelled drain', 'its migration had no host booked yet: undone');
       // 1. Freeze and snapshot the source (a paused VM's memory no longer changes).
-      if (!m.wasPaused) await this.pauseForMove(op, sb, stepId, callsUntil);
+      // A move an earlier run booked a host for had paused the VM then: no wait for calls.
+      if (!m.wasPaused) await this.pauseForMove(op, sb, stepId, m.toHostId ? { leftMs: 0 } : callWait);
       sn = await this.snapshotOf(op, sb.id, m.snapshotId, { labels: { [PURPOSE_LABEL]: 'migration' }, retentionTtlMs: MIGRATION_SNAPSHOT_TTL_MS }, sb.tenantId);
       // 2. Book capacity on another host (this one is cordoned and draining) and record the choice.
       if (!m.toHostId) {
@@ -5465,12 +5473,13 @@ export class Executor {
         await this.submitRule(sb, `__resume-after-hibernate/${sb.resumeOwed}`, 'resume', { resumeOwed: sb.resumeOwed }, now);
         continue;
       }
-      // A sandbox with a TTL that its idle timeout hibernated and nothing used since, for longer
-      // than its whole TTL: forgotten (a harness that crashed). Its running time no longer
+      // A sandbox with a TTL that the system hibernated (its idle timeout, a drain; whatever a
+      // failed wake since wrote as its reason) and nothing used since, for longer than its
+      // whole TTL: forgotten (a harness that crashed). Its running time no longer
       // grows, so the TTL alone never ended it, and it kept its quota slot and hibernation
       // snapshot for good. Used: a fork from it (which takes its hibernation snapshot and never
       // wakes it) counts as use. A pause or hibernate the user asked for is kept, as before.
-      if (sb.state === 'hibernated' && sb.stateReason === 'idle' && !sb.opId && sb.ttlMs !== null && now - sb.updatedAt >= sb.ttlMs) {
+      if (sb.state === 'hibernated' && !sb.hibernatedOnRequest && !sb.opId && sb.ttlMs !== null && now - sb.updatedAt >= sb.ttlMs) {
         lastForked ??= newestChildren(all);
         if (now - Math.max(sb.updatedAt, lastForked.get(sb.hibernationSnapshotId) ?? 0) >= sb.ttlMs) await this.submitRule(sb, `__ttl/${sb.id}`, 'destroy', { reason: 'ttl' }, now);
         continue;

@@ -211,19 +211,21 @@ describe('Lifecycle rules', () => {
 describe('The TTL rule, for a sandbox that no longer runs', () => {
   const hibernated = (id: string, o: Partial<SandboxRec>) => sandboxRecord({ id, state: 'hibernated', stateReason: 'idle', ttlMs: 45_000, runningSince: null, runningMsBefore: 30_000, hostId: '', hibernationSnapshotId: `sn-${id}`, ...o });
 
-  it('destroysOneItsIdleTimeoutHibernatedLongerThanItsWholeTtlAgo_andLeavesOneHibernatedLately', async () => {
+  it('destroysOneTheSystemHibernatedLongerThanItsWholeTtlAgo_whateverItsReasonSays_andLeavesOneHibernatedLately', async () => {
     // An eval harness crashed: its children hibernated after their idle timeout and, their
     // running time no longer growing, kept a quota slot and a snapshot each for good.
     const { ex, started, clock } = rules(() => 'running');
     await pass(ex, hibernated('sb-late', { updatedAt: clock.t - 44_000 }));
     await pass(ex, hibernated('sb-old', { updatedAt: clock.t - 46_000 }));
-    expect(started).toEqual(['__ttl/sb-old']);
+    // Its wake failed since (no capacity) and the harness died: the reason says so now.
+    await pass(ex, hibernated('sb-wake-failed', { stateReason: 'wake failed: no host can take this', updatedAt: clock.t - 46_000 }));
+    expect(started).toEqual(['__ttl/sb-old', '__ttl/sb-wake-failed']);
   });
 
   it('leavesOneTheUserPausedOrHibernated_oneWithoutATtl_andOneForkedFromSince', async () => {
     const { ex, started, clock } = rules(() => 'running');
     const old = clock.t - 3_600_000;
-    await pass(ex, hibernated('sb-user', { stateReason: '', updatedAt: old }));
+    await pass(ex, hibernated('sb-user', { stateReason: '', hibernatedOnRequest: true, updatedAt: old }));
     await pass(ex, sandboxRecord({ id: 'sb-paused', state: 'paused', ttlMs: 45_000, runningSince: null, updatedAt: old }));
     await pass(ex, hibernated('sb-nottl', { ttlMs: null, updatedAt: old }));
     // A template its idle timeout hibernated, still forked from (a fork never wakes it).

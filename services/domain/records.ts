@@ -90,6 +90,12 @@ export interface SandboxRec {
   runningSince: number | null;
   hibernationSnapshotId: string;
   /**
+   * Hibernated because its user asked (HibernateSandbox), not by its idle timeout or a drain:
+   * the TTL rule leaves such a sandbox hibernated however long. Cleared once it runs or is
+   * paused again; absent on records written before the field (taken as not asked for).
+   */
+  hibernatedOnRequest?: true;
+  /**
    * While hibernating (or lost in it): the state it came from, which a failed hibernate returns
    * it to, and a VM that comes back with its host is resumed to (Executor.vmBack).
    */

@@ -87,8 +87,11 @@ export interface SnapshotInfo {
   parentSnapshotId: string;
   lineageId: string;
   createdAt: string | undefined;
+  /** When retention deletes it; unset when it is pinned, has no retention, or is out of its TTL but still in use (deleted, after a notice, once unused). */
   expiresAt: string | undefined;
   pinned: boolean;
+  /** Its retention rule: a TTL (ms) and keep_last (0: none). */
+  retention: { ttlMs: number | undefined; keepLast: number };
   logicalBytes: number;
   storedBytes: number;
   hostIds: string[];
@@ -245,6 +248,7 @@ function toSnapshot(s: PbSnapshot): SnapshotInfo {
     createdAt: ts(s.createdAt),
     expiresAt: ts(s.expiresAt),
     pinned: s.pinned,
+    retention: { ttlMs: s.retention?.ttl ? Number(s.retention.ttl.seconds) * 1000 + Math.floor(s.retention.ttl.nanos / 1e6) : undefined, keepLast: s.retention?.keepLast ?? 0 },
     logicalBytes: num(s.logicalBytes),
     storedBytes: num(s.storedBytes),
     hostIds: [...s.hostIds],

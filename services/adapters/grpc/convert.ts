@@ -491,7 +491,7 @@ const SN_STATE: Record<SnapshotRec['state'], PbSnapshotState> = {
 
 /**
  * When retention will delete the snapshot: the announced time once it is expiring (keep_last
- * or TTL, ADR 0011), else its TTL's end; unset when neither applies, and for a pinned one
+ * or TTL, ADR 0011), else its TTL's end while that is ahead; unset when neither applies, and for a pinned one
  * (never deleted by retention; an announcement made before the pin stays in the record until
  * the next pass withdraws it).
  */
@@ -621,7 +621,7 @@ export function toOperation(op: OperationRec, objs: OpResultObjects, now: number
       },
     };
   } else if (objs.snapshot && SNAPSHOT_RESULT_KINDS.has(op.kind)) {
-    result = { case: 'snapshot', value: toSnapshot(objs.snapshot) };
+    result = { case: 'snapshot', value: toSnapshot(objs.snapshot, now) };
   } else if (objs.sandboxes[0]) {
     result = { case: 'sandbox', value: toSandbox(objs.sandboxes[0], now) };
   }

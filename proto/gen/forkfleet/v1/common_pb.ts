@@ -143,8 +143,9 @@ export const NetworkPolicySchema: GenMessage<NetworkPolicy> = /*@__PURE__*/
 export type Lifecycle = Message<"forkfleet.v1.Lifecycle"> & {
   /**
    * Running time after which the sandbox is destroyed. Paused and hibernated time
-   * never counts, but a sandbox its idle timeout hibernated, and not forked from since, for
-   * longer than its whole ttl is destroyed too (forgotten). Unset means no limit.
+   * never counts, but a sandbox the system hibernated (its idle timeout, a drain; not a
+   * HibernateSandbox call), and not forked from since, for longer than its whole ttl is
+   * destroyed too (forgotten). Unset means no limit.
    *
    * @generated from field: google.protobuf.Duration ttl = 1;
    */
