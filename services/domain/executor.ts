@@ -426,11 +426,22 @@ const FILTER_MEANING: Readonly<Record<string, string>> = {
  * at all (NoEligibleHostError), for reasons no freed capacity changes.
  */
 export function placementFailure(x: Pick<Explanation, 'kind' | 'placed' | 'feasible' | 'filtered' | 'summary'>): NoCapacityError | NoEligibleHostError {
-  const filtered = Object.entries(x.filtered).filter(([, n]) => (n ?? 0) > 0);
+  const filtered = filterReasons(x.filtered);
   if (x.placed > 0 || x.feasible > 0 || filtered.length === 0 || filtered.some(([r]) => CAPACITY_REASONS.has(r))) return new NoCapacityError(x.summary);
-  const sorted = filtered.sort((a, b) => (b[1] ?? 0) - (a[1] ?? 0));
-  const reasons = sorted.map(([r, n]) => `${r}=${n}`).join(', ') + sorted.flatMap(([r]) => (FILTER_MEANING[r] ? [`; ${r}: ${FILTER_MEANING[r]}`] : [])).join('');
+  const reasons = reasonList(filtered) + filtered.flatMap(([r]) => (FILTER_MEANING[r] ? [`; ${r}: ${FILTER_MEANING[r]}`] : [])).join('');
   return new NoEligibleHostError(x.kind, reasons, filtered.some(([r]) => r === 'host_suspect' || r === 'host_lost'));
+}
+
+/** A placement's filter reasons that filtered some host, most hosts first (less `except`). */
+function filterReasons(filtered: Explanation['filtered'], except?: string): Array<[string, number]> {
+  return Object.entries(filtered)
+    .flatMap(([r, n]): Array<[string, number]> => (r !== except && (n ?? 0) > 0 ? [[r, n ?? 0]] : []))
+    .sort((a, b) => b[1] - a[1]);
+}
+
+/** `cordoned=2, locality=1`. */
+function reasonList(reasons: ReadonlyArray<[string, number]>): string {
+  return reasons.map(([r, n]) => `${r}=${n}`).join(', ');
 }
 
 /**
@@ -856,6 +867,11 @@ function newestChildren(sandboxes: ReadonlyArray<Versioned<SandboxRec>>): Map<st
   const newest = new Map<string, number>();
   for (const { value: c } of sandboxes) if (c.sourceSnapshotId && c.createdAt > (newest.get(c.sourceSnapshotId) ?? 0)) newest.set(c.sourceSnapshotId, c.createdAt);
   return newest;
+}
+
+/** A drain's progress as its sandboxes end: `<verb> done of total sandboxes <where>`, and how many could not be, then `then`. */
+function drainProgress(o: OperationRec, verb: 'moved' | 'hibernated', where: string, done: number, total: number, failed: number, then = ''): void {
+  o.progress = { ...o.progress, done, total, message: `${verb} ${done} of ${total} sandboxes ${where}${failed ? ` (${failed} could not be)` : ''}${then}` };
 }
 
 /** A failed migration's record once undone: the next attempt starts afresh. */
@@ -4514,11 +4530,13 @@ export class Executor {
       await this.undoMigrationCopy(op, cur, m.toHostId, migrationStep(id, m, 'undo-dest'), 'could not stop the copy of a migration whose sandbox moved on');
       failures.push(`${id}: ${cur.state} on ${cur.hostId || 'no host'}: it moved on during its migration; the copy was removed`);
     }
+    /** The sandboxes to move: those here now, and those an earlier run moved already. */
+    const total = onHost.length + earlier;
     // Cancelled: the migration under way ends as it ends; no further one, and no (further)
     // snapshot copied off (`copied`: how many copySnapshotsOff made before the cancel).
     const cancelled = (copied = 'copied no snapshot off'): Promise<void> | undefined => {
       if (!this.cancelRequested(op.id)) return undefined;
-      const what = `cancelled by a CancelOperation call: moved ${moved.length} of ${onHost.length + earlier} sandboxes off ${hostId}, ${copied}${failures.length ? `; ${failures.join('; ')}` : ''}`;
+      const what = `cancelled by a CancelOperation call: moved ${moved.length} of ${total} sandboxes off ${hostId}, ${copied}${failures.length ? `; ${failures.join('; ')}` : ''}`;
       return this.finish(op, { sandboxIds: moved }, errorOf(new OperationCancelledError(what)), moved.length, this.drainEnded(op));
     };
     // A sandbox an earlier run of this drain claimed (a failover mid-migration) goes first and
@@ -4529,12 +4547,11 @@ export class Executor {
     // done and total too), written as each move ends (one op write next to the several each
     // migration makes) and before the copies off, so `operation get` follows the drain. Best
     // effort: the final write says it again.
-    const total = onHost.length + earlier;
     let notMoved = 0;
     const progress = (then = ''): void => {
-      const done = moved.length;
-      const message = `moved ${done} of ${total} sandboxes off ${hostId}${notMoved ? ` (${notMoved} could not be)` : ''}${then}`;
-      void this.updateOp(op.tenantId, op.id, (o) => void (o.progress = { ...o.progress, done, total, message })).catch(() => undefined);
+      // As it is now, not when the write (queued behind the op's others) runs.
+      const [done, failed] = [moved.length, notMoved];
+      void this.updateOp(op.tenantId, op.id, (o) => drainProgress(o, 'moved', `off ${hostId}`, done, total, failed, then)).catch(() => undefined);
     };
     progress();
     // How long the pauses may wait, in all, for calls running in the sandboxes (pauseForMove).
@@ -4645,9 +4662,8 @@ export class Executor {
     let hibernated = 0;
     let notHibernated = 0;
     const progress = (then = ''): void => {
-      const done = hibernated;
-      const message = `hibernated ${done} of ${total} sandboxes on ${hostId}${notHibernated ? ` (${notHibernated} could not be)` : ''}${then}`;
-      void this.updateOp(op.tenantId, op.id, (o) => void (o.progress = { ...o.progress, done, total, message })).catch(() => undefined);
+      const [done, failed] = [hibernated, notHibernated];
+      void this.updateOp(op.tenantId, op.id, (o) => drainProgress(o, 'hibernated', `on ${hostId}`, done, total, failed, then)).catch(() => undefined);
     };
     progress();
     const ends = await Promise.all(
@@ -4801,11 +4817,7 @@ export class Executor {
     if (result.ok) return undefined;
     const why = placementFailure(result.explanation);
     // Its own host (avoided) is not among the reasons: the others are.
-    const reasons = Object.entries(result.explanation.filtered)
-      .filter(([r, n]) => r !== 'avoided' && (n ?? 0) > 0)
-      .sort((a, b) => (b[1] ?? 0) - (a[1] ?? 0))
-      .map(([r, n]) => `${r}=${n}`)
-      .join(', ');
+    const reasons = reasonList(filterReasons(result.explanation.filtered, 'avoided'));
     return new ForkfleetError(why.kind, `no other host can take it now (${reasons || 'no other host'}); it was not paused or snapshotted`, { retryable: why.retryable, cause: why });
   }
 

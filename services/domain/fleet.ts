@@ -1037,8 +1037,7 @@ export class Fleet {
           const why = await Promise.race([this.whyVmWentAway(input.tenantId, sb).catch(() => undefined), new Promise<undefined>((r) => setTimeout(() => r(undefined), 3000).unref())]);
           if (why) {
             // A destroyed sandbox's: no retry runs the command again (failed_precondition, final).
-            const gone = /^sandbox \S+ was destroyed/.test(why);
-            yield create(HostExecOutputSchema, { payload: { case: 'error', value: { ...m.payload.value, ...(gone ? { kind: 'failed_precondition', retryable: false } : {}), message: `${why} (${m.payload.value.message})` } } });
+            yield create(HostExecOutputSchema, { payload: { case: 'error', value: { ...m.payload.value, ...(why.destroyed ? { kind: 'failed_precondition', retryable: false } : {}), message: `${why.message} (${m.payload.value.message})` } } });
             continue;
           }
         }
@@ -1059,14 +1058,14 @@ export class Fleet {
    * Why sandbox `sb` (as it was when a command was sent to it) no longer has its VM on that
    * host, when an operation took it, said for the command's caller: moved to another host or
    * hibernated, or being so (the command may go on, its output lost), or destroyed (a TTL, a
-   * destroy call: the command ended with it). Else undefined (its host or guest failed: the
-   * host's error says what it saw).
+   * destroy call: the command ended with it, `destroyed`). Else undefined (its host or guest
+   * failed: the host's error says what it saw).
    */
-  private async whyVmWentAway(tenantId: string, sb: SandboxRec): Promise<string | undefined> {
+  private async whyVmWentAway(tenantId: string, sb: SandboxRec): Promise<{ message: string; destroyed?: true } | undefined> {
     const now = (await this.deps.store.getSandbox(tenantId, sb.id))?.value;
     if (!now) return undefined;
-    const goesOn = (what: string): string => `${what} while the command ran: it may go on in the sandbox, but its output and exit status are lost`;
-    if (now.state === 'destroying' || now.state === 'destroyed') return `sandbox ${sb.id} was destroyed${now.stateReason ? ` (${now.stateReason})` : ''} while the command ran: the command ended with it`;
+    const goesOn = (what: string): { message: string } => ({ message: `${what} while the command ran: it may go on in the sandbox, but its output and exit status are lost` });
+    if (now.state === 'destroying' || now.state === 'destroyed') return { message: `sandbox ${sb.id} was destroyed${now.stateReason ? ` (${now.stateReason})` : ''} while the command ran: the command ended with it`, destroyed: true };
     if (now.hostId !== sb.hostId && now.hostId !== '' && (now.state === 'running' || now.state === 'paused')) return goesOn(`sandbox ${sb.id} was moved from host ${sb.hostId} to ${now.hostId}`);
     if (now.state === 'hibernating' || now.state === 'hibernated') return goesOn(`sandbox ${sb.id} was hibernated`);
     if (now.opId === '') return undefined;
